@@ -1,0 +1,33 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvrouter-installed
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvrouter demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy router/core
+
+bench: $(STAMP)
+	$(BIN)/kvrouter bench hash --tokens 1000000 --block-size 64
+	$(BIN)/kvrouter bench index --replicas 64 --blocks 10000 --shared 2000 --query 2000
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,3 @@
+"""kvrouter: a KV-cache-aware request router for LLM inference fleets."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,16 @@
+"""``kvrouter bench ...``: benchmarks that print one JSON object each (never timed tests)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# Modules under router.bench (or elsewhere) exposing register(subparsers).
+_BENCHES: tuple[str, ...] = ("router.bench.hash_bench", "router.bench.index_bench")
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
+    benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name in _BENCHES:
+        importlib.import_module(name).register(benches)

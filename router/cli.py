@@ -1,0 +1,54 @@
+"""The ``kvrouter`` command. Each subcommand lives in its own module, which exposes
+``register(subparsers)``; heavy imports happen inside the handlers, so ``kvrouter --help``
+stays fast. This is the only place that dispatches into ``sim`` from ``router``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# (module, attribute) pairs that add subcommands; a missing module is skipped so that
+# optional parts can be absent from a slim install.
+_SUBCOMMANDS: tuple[str, ...] = (
+    "router.bench.cli",
+    "sim.cli",
+    "router.demo",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvrouter", description="KV-cache-aware request router for LLM inference fleets"
+    )
+    parser.add_argument("--version", action="version", version="kvrouter 0.1.0")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in _SUBCOMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(handler(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

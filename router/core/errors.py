@@ -1,0 +1,28 @@
+"""The project's exception hierarchy. Edges map these to HTTP statuses and gRPC codes;
+the core only raises them."""
+
+from __future__ import annotations
+
+
+class KVRouterError(Exception):
+    """Base of every error kvrouter raises on purpose."""
+
+
+class BadRequest(KVRouterError):
+    """The caller sent something malformed or out of bounds (HTTP 400, INVALID_ARGUMENT)."""
+
+
+class UnknownModel(KVRouterError):
+    """No replica serves the requested model (HTTP 404, NOT_FOUND)."""
+
+
+class NoReplicaAvailable(KVRouterError):
+    """No replica can take the request now (HTTP 503 with Retry-After, UNAVAILABLE)."""
+
+    def __init__(self, message: str, *, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy
+
+
+class ConfigError(KVRouterError):
+    """Settings are invalid; raised at start-up, never on the request path."""

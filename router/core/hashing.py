@@ -1,0 +1,135 @@
+"""Canonical prefix-block hashing.
+
+``h[i] = xxh3_64(le64(h[i-1]) || le32(tokens of block i), seed)`` with ``h[-1]`` a root
+derived from the model name and the optional cache salt / LoRA name. ``h[i]`` names the
+whole prefix up to and including block i, so two requests share ``h[i]`` exactly when they
+share their first ``(i + 1) * block_size`` tokens (and model, salt, LoRA).
+
+Only full blocks are hashed; the partial tail is reported so callers can count tokens.
+
+Speed: tokens are laid out once with numpy into a buffer where every block is preceded by
+an 8-byte slot for its parent hash; the per-block loop then only writes 8 bytes and hashes a
+memoryview slice, with no per-token Python work (about 4 ms for 1M tokens at B=64).
+"""
+
+from __future__ import annotations
+
+import array
+import struct
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+HASH_SEED = 0x6B76_726F_7574_6572  # "kvrouter"
+_U64 = struct.Struct("<Q")
+_MASK64 = (1 << 64) - 1
+
+TokenIds = Sequence[int] | npt.NDArray[np.integer] | bytes
+
+
+@dataclass(slots=True, frozen=True)
+class HashedPrompt:
+    """Block hashes of a prompt plus how many tokens were left over in the partial tail."""
+
+    hashes: list[int]
+    block_size: int
+    tail_tokens: int
+
+    @property
+    def full_tokens(self) -> int:
+        return len(self.hashes) * self.block_size
+
+
+def root_hash(model: str, cache_salt: str | None = None, lora_name: str | None = None) -> int:
+    """``h[-1]``: separates hash namespaces of models, cache salts and LoRA adapters."""
+    text = f"kvrouter/v1\0{model}\0{cache_salt or ''}\0{lora_name or ''}"
+    return xxhash.xxh3_64_intdigest(text.encode("utf-8"), seed=HASH_SEED)
+
+
+def as_u32_array(tokens: TokenIds) -> npt.NDArray[np.uint32]:
+    """Token ids as a little-endian uint32 array (a view when they already are one).
+
+    Raises ValueError for ids outside [0, 2**32).
+    """
+    if isinstance(tokens, bytes):
+        if len(tokens) % 4:
+            raise ValueError("token bytes must be a multiple of 4 (little-endian uint32)")
+        return np.frombuffer(tokens, dtype="<u4")
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype == np.dtype("<u4"):
+            return tokens.astype("<u4", copy=False)
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFFFFFF):
+            raise ValueError("token ids must be in [0, 2**32)")
+        return tokens.astype("<u4")
+    try:
+        # array('I') converts a list in C about 3x faster than numpy and range-checks each id.
+        packed = array.array("I", tokens)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+    out = np.frombuffer(packed, dtype=np.uint32)
+    return out if sys.byteorder == "little" else out.byteswap().view("<u4")
+
+
+def hash_block_tokens(parent: int, tokens: TokenIds, seed: int = HASH_SEED) -> int:
+    """Hash of one block given its parent's hash (the reference definition)."""
+    body = as_u32_array(tokens).tobytes()
+    return xxhash.xxh3_64_intdigest(_U64.pack(parent & _MASK64) + body, seed=seed)
+
+
+def hash_prompt(
+    tokens: TokenIds,
+    block_size: int,
+    root: int,
+    *,
+    start: int = 0,
+    parent: int | None = None,
+    seed: int = HASH_SEED,
+) -> HashedPrompt:
+    """Chained hashes of every full block of ``tokens``.
+
+    ``start``/``parent`` continue a chain: blocks are hashed from token ``start`` (a multiple of
+    ``block_size``) with ``parent`` as the hash of the block before it; the returned list then
+    holds only the new hashes. This is how incremental tokenization avoids rehashing a prefix.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    if start % block_size:
+        raise ValueError("start must be a multiple of block_size")
+    arr = as_u32_array(tokens)
+    n_blocks = (len(arr) - start) // block_size if len(arr) > start else 0
+    tail = len(arr) - start - n_blocks * block_size if len(arr) > start else 0
+    if n_blocks == 0:
+        return HashedPrompt([], block_size, tail)
+    # Row i = [parent slot (2 x u32)] + block i's tokens; hashing row i hashes le64(parent)||block.
+    rows = np.empty((n_blocks, block_size + 2), dtype="<u4")
+    rows[:, 2:] = arr[start : start + n_blocks * block_size].reshape(n_blocks, block_size)
+    buf = memoryview(rows.reshape(-1).view(np.uint8).data)
+    step = 4 * (block_size + 2)
+    out = [0] * n_blocks
+    h = (root if parent is None else parent) & _MASK64
+    pack_into = _U64.pack_into
+    digest = xxhash.xxh3_64_intdigest
+    for i in range(n_blocks):
+        off = i * step
+        pack_into(buf, off, h)
+        h = digest(buf[off : off + step], seed)
+        out[i] = h
+    return HashedPrompt(out, block_size, tail)
+
+
+def chain_from_block_ids(ids: Sequence[int], root: int, seed: int = HASH_SEED) -> list[int]:
+    """Canonical-looking hash chain for traces that name blocks by id (Mooncake ``hash_ids``).
+
+    Each id already names a whole prefix; chaining it with its parent keeps ids of different
+    traces or models apart. Used by the simulator when it does not synthesise token content.
+    """
+    out: list[int] = []
+    h = root & _MASK64
+    for block_id in ids:
+        h = xxhash.xxh3_64_intdigest(_U64.pack(h) + _U64.pack(block_id & _MASK64), seed=seed)
+        out.append(h)
+    return out

@@ -1,0 +1,204 @@
+"""Per-replica load as one router sees it, and the cost model that turns load into time.
+
+The router counts what it sent (requests, prompt tokens still to prefill, sequences
+decoding) and blends in what engines report (running, waiting, KV usage) with the age of
+that report, because other routers send traffic too. Everything is driven by explicit
+calls with ``now``; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.core.types import ReplicaKey
+
+
+@dataclass(slots=True, frozen=True)
+class CostModel:
+    """Engine timing model used for TTFT prediction (and by the simulator's engine).
+
+    A step of continuous batching takes ``step_overhead_s`` plus
+    ``prefill_s_per_token`` for each new prompt token, plus ``prefill_s_per_token_ctx`` for
+    each (new token, attended context token) pair, plus ``decode_s_per_seq`` for each
+    sequence decoding one token, plus ``decode_s_per_ctx_token`` per context token those
+    sequences attend to. ``chunk_tokens`` is the chunked-prefill token budget per step.
+    """
+
+    step_overhead_s: float = 0.004
+    prefill_s_per_token: float = 2.5e-5
+    prefill_s_per_token_ctx: float = 1.0e-10
+    decode_s_per_seq: float = 1.0e-4
+    decode_s_per_ctx_token: float = 2.0e-9
+    chunk_tokens: int = 8192
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Compute time of prefilling ``new_tokens`` after ``cached_tokens`` of context."""
+        if new_tokens <= 0:
+            return 0.0
+        attended = new_tokens * (cached_tokens + new_tokens / 2)
+        return new_tokens * self.prefill_s_per_token + attended * self.prefill_s_per_token_ctx
+
+    def steps_for(self, prefill_tokens: int) -> int:
+        return max(1, -(-prefill_tokens // self.chunk_tokens))
+
+    def decode_step_s(self, sequences: int, context_tokens: int) -> float:
+        """Time the decode part of one step adds for ``sequences`` decoding sequences."""
+        return sequences * self.decode_s_per_seq + context_tokens * self.decode_s_per_ctx_token
+
+
+@dataclass(slots=True, frozen=True)
+class EngineReport:
+    """Figures an engine publishes about itself (vLLM /metrics or the publisher)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    at: float
+
+
+@dataclass(slots=True, frozen=True)
+class LoadView:
+    """One replica's load at ``now``, as policies see it."""
+
+    in_flight: int = 0
+    prefilling: int = 0
+    queued_prefill_tokens: int = 0
+    decoding: int = 0
+    decode_context_tokens: int = 0
+    in_flight_prompt_tokens: int = 0
+    engine: EngineReport | None = None
+    engine_age_s: float = float("inf")
+    healthy: bool = True
+    draining: bool = False
+
+    @property
+    def kv_usage(self) -> float:
+        return self.engine.kv_usage if self.engine is not None else 0.0
+
+    def waiting(self, max_age_s: float) -> int:
+        """Queue length: the engine's own count when fresh, else requests awaiting first token."""
+        if self.engine is not None and self.engine_age_s <= max_age_s:
+            return max(self.engine.waiting, 0)
+        return self.prefilling
+
+
+@dataclass(slots=True)
+class _Flight:
+    replica: ReplicaKey
+    prompt_tokens: int
+    prefill_tokens: int
+    decoding: bool = False
+
+
+@dataclass(slots=True)
+class _Replica:
+    prefilling: int = 0
+    queued_prefill_tokens: int = 0
+    decoding: int = 0
+    decode_context_tokens: int = 0
+    in_flight_prompt_tokens: int = 0
+    engine: EngineReport | None = None
+    healthy: bool = True
+    draining: bool = False
+
+
+class LoadTracker:
+    """In-flight accounting per replica. Unknown request ids are ignored (idempotent)."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[ReplicaKey, _Replica] = {}
+        self._flights: dict[str, _Flight] = {}
+
+    def _get(self, key: ReplicaKey) -> _Replica:
+        rep = self._replicas.get(key)
+        if rep is None:
+            rep = self._replicas[key] = _Replica()
+        return rep
+
+    def add_replica(self, key: ReplicaKey) -> None:
+        self._get(key)
+
+    def remove_replica(self, key: ReplicaKey) -> None:
+        self._replicas.pop(key, None)
+        for rid in [r for r, f in self._flights.items() if f.replica == key]:
+            del self._flights[rid]
+
+    def dispatch(
+        self, request_id: str, key: ReplicaKey, prompt_tokens: int, cached_tokens: int
+    ) -> None:
+        """A request was sent to ``key``; ``cached_tokens`` of its prompt are predicted hits."""
+        if request_id in self._flights:
+            self.complete(request_id)
+        prefill = max(prompt_tokens - cached_tokens, 1)
+        self._flights[request_id] = _Flight(key, prompt_tokens, prefill)
+        rep = self._get(key)
+        rep.prefilling += 1
+        rep.queued_prefill_tokens += prefill
+        rep.in_flight_prompt_tokens += prompt_tokens
+
+    def first_token(self, request_id: str) -> None:
+        """Prefill done: the request's tokens leave the prefill queue and it starts decoding."""
+        flight = self._flights.get(request_id)
+        if flight is None or flight.decoding:
+            return
+        rep = self._replicas.get(flight.replica)
+        flight.decoding = True
+        if rep is None:
+            return
+        rep.prefilling -= 1
+        rep.queued_prefill_tokens -= flight.prefill_tokens
+        rep.decoding += 1
+        rep.decode_context_tokens += flight.prompt_tokens
+
+    def complete(self, request_id: str) -> None:
+        """The request finished, failed or was cancelled."""
+        flight = self._flights.pop(request_id, None)
+        if flight is None:
+            return
+        rep = self._replicas.get(flight.replica)
+        if rep is None:
+            return
+        rep.in_flight_prompt_tokens -= flight.prompt_tokens
+        if flight.decoding:
+            rep.decoding -= 1
+            rep.decode_context_tokens -= flight.prompt_tokens
+        else:
+            rep.prefilling -= 1
+            rep.queued_prefill_tokens -= flight.prefill_tokens
+
+    def replica_of(self, request_id: str) -> ReplicaKey | None:
+        flight = self._flights.get(request_id)
+        return flight.replica if flight is not None else None
+
+    def engine_report(self, key: ReplicaKey, report: EngineReport) -> None:
+        self._get(key).engine = report
+
+    def set_health(self, key: ReplicaKey, healthy: bool) -> None:
+        self._get(key).healthy = healthy
+
+    def set_draining(self, key: ReplicaKey, draining: bool) -> None:
+        self._get(key).draining = draining
+
+    def view(self, key: ReplicaKey, now: float) -> LoadView:
+        rep = self._replicas.get(key)
+        if rep is None:
+            return LoadView()
+        age = now - rep.engine.at if rep.engine is not None else float("inf")
+        return LoadView(
+            in_flight=rep.prefilling + rep.decoding,
+            prefilling=rep.prefilling,
+            queued_prefill_tokens=rep.queued_prefill_tokens,
+            decoding=rep.decoding,
+            decode_context_tokens=rep.decode_context_tokens,
+            in_flight_prompt_tokens=rep.in_flight_prompt_tokens,
+            engine=rep.engine,
+            engine_age_s=age,
+            healthy=rep.healthy,
+            draining=rep.draining,
+        )
+
+    def replicas(self) -> list[ReplicaKey]:
+        return list(self._replicas)
+
+    def in_flight(self) -> int:
+        return len(self._flights)

@@ -1,0 +1,380 @@
+"""Routing policies: ours and the public baselines, behind one interface.
+
+A policy sees a request and its candidates (each with its prefix match, load and cache size)
+and returns a Decision. Policies hold no I/O; randomness comes in as ``rng`` and state that
+a policy keeps (the round-robin cursor) is its own.
+
+Baselines model what public routers know: KV blocks reported by engine events, without the
+hybrid-state rule. ``ours`` routes on the *usable* prefix. For non-hybrid models the two agree.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
+
+from router.core.load import CostModel, LoadView
+from router.core.types import Decision, PrefixMatch, ReplicaKey, RouteRequest
+
+
+@dataclass(slots=True, frozen=True)
+class Candidate:
+    replica: ReplicaKey
+    match: PrefixMatch
+    load: LoadView
+    cached_blocks: int = 0  # size of the replica's cache in the index (SGLang's "tree size")
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
+    ) -> Decision: ...
+
+
+def _tokens(request: RouteRequest, blocks: int) -> int:
+    return min(blocks * request.block_size, request.prompt_tokens)
+
+
+def _decide(
+    name: str,
+    request: RouteRequest,
+    ranked: Sequence[Candidate],
+    score: float,
+    terms: Mapping[str, float] | None = None,
+) -> Decision:
+    best = ranked[0]
+    return Decision(
+        replica=best.replica,
+        policy=name,
+        usable_tokens=_tokens(request, best.match.usable_blocks),
+        kv_tokens=_tokens(request, best.match.kv_blocks),
+        score=score,
+        terms=dict(terms or {}),
+        ranking=tuple(c.replica for c in ranked[1:]),
+    )
+
+
+def _rank(
+    candidates: Sequence[Candidate], key: Callable[[Candidate], float], rng: random.Random
+) -> list[Candidate]:
+    """Ascending by ``key``; exact ties broken by ``rng`` so no replica is favoured by order."""
+    salted = [(key(c), rng.random(), i) for i, c in enumerate(candidates)]
+    salted.sort()
+    return [candidates[i] for _, _, i in salted]
+
+
+# ---------------------------------------------------------------------------- baselines
+
+
+@dataclass(slots=True)
+class RoundRobin:
+    name: str = "round_robin"
+    cursor: int = 0
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
+    ) -> Decision:
+        ordered = sorted(candidates, key=lambda c: c.replica)
+        start = self.cursor % len(ordered)
+        self.cursor += 1
+        ranked = ordered[start:] + ordered[:start]
+        return _decide(self.name, request, ranked, float(start))
+
+
+@dataclass(slots=True)
+class RandomChoice:
+    name: str = "random"
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
+    ) -> Decision:
+        ranked = list(candidates)
+        rng.shuffle(ranked)
+        return _decide(self.name, request, ranked, 0.0)
+
+
+@dataclass(slots=True)
+class LeastLoaded:
+    name: str = "least_loaded"
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
+    ) -> Decision:
+        ranked = _rank(candidates, lambda c: c.load.in_flight, rng)
+        return _decide(self.name, request, ranked, ranked[0].load.in_flight)
+
+
+@dataclass(slots=True)
+class LongestPrefix:
+    """Pure affinity: the longest KV match wins; ties go to the least loaded."""
+
+    name: str = "longest_prefix"
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
+    ) -> Decision:
+        ranked = _rank(candidates, lambda c: -c.match.kv_blocks * 1e6 + c.load.in_flight, rng)
+        return _decide(self.name, request, ranked, ranked[0].match.kv_blocks)
+
+
+@dataclass(slots=True)
+class Dynamo:
+    """NVIDIA Dynamo KV router cost:
+    ``prefill_load_scale * max(prefill_blocks - overlap, 0) + decode_blocks``, lowest wins;
+    overlap weighs GPU blocks 1.0, host 0.75, disk 0.25; ``decode_blocks`` is the replica's
+    in-flight prompt blocks plus this request's. ``temperature > 0`` samples a softmax over
+    min-max normalised costs instead of taking the minimum."""
+
+    name: str = "dynamo"
+    prefill_load_scale: float = 1.0
+    temperature: float = 0.0
+    gpu_weight: float = 1.0
+    host_weight: float = 0.75
+    disk_weight: float = 0.25
+
+    def cost(self, request: RouteRequest, c: Candidate) -> tuple[float, dict[str, float]]:
+        m = c.match
+        overlap = (
+            self.gpu_weight * m.gpu_blocks
+            + self.host_weight * (m.host_blocks - m.gpu_blocks)
+            + self.disk_weight * (m.kv_blocks - m.host_blocks)
+        )
+        prefill = max(request.prompt_blocks - overlap, 0.0)
+        decode = -(-c.load.in_flight_prompt_tokens // request.block_size) + request.prompt_blocks
+        cost = self.prefill_load_scale * prefill + decode
+        return cost, {"prefill_blocks": prefill, "decode_blocks": float(decode), "overlap": overlap}
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
+    ) -> Decision:
+        costs = {c.replica: self.cost(request, c) for c in candidates}
+        ranked = _rank(candidates, lambda c: costs[c.replica][0], rng)
+        if self.temperature > 0 and len(ranked) > 1:
+            values = [costs[c.replica][0] for c in ranked]
+            lo, hi = values[0], values[-1]
+            span = (hi - lo) or 1.0
+            weights = [math.exp(-((v - lo) / span) / self.temperature) for v in values]
+            pick = rng.choices(range(len(ranked)), weights=weights)[0]
+            ranked.insert(0, ranked.pop(pick))
+        best = costs[ranked[0].replica]
+        return _decide(self.name, request, ranked, best[0], best[1])
+
+
+@dataclass(slots=True)
+class SGLangCacheAware:
+    """SGLang router ``cache_aware``: balance when load is skewed, else follow the cache
+    when the match rate passes a threshold, else the replica with the smallest cache."""
+
+    name: str = "sglang"
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.1
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
+    ) -> Decision:
+        loads = [c.load.in_flight for c in candidates]
+        hi, lo = max(loads), min(loads)
+        imbalanced = hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo
+        if imbalanced:
+            ranked = _rank(candidates, lambda c: c.load.in_flight, rng)
+            return _decide(
+                self.name, request, ranked, float(ranked[0].load.in_flight), {"balanced": 1.0}
+            )
+        best = max(c.match.kv_blocks for c in candidates)
+        rate = _tokens(request, best) / max(request.prompt_tokens, 1)
+        if rate > self.cache_threshold:
+            ranked = _rank(candidates, lambda c: -c.match.kv_blocks * 1e6 + c.load.in_flight, rng)
+        else:
+            ranked = _rank(candidates, lambda c: c.cached_blocks, rng)
+        return _decide(self.name, request, ranked, rate, {"match_rate": rate})
+
+
+@dataclass(slots=True)
+class LlmD:
+    """llm-d scheduler's weighted scorers: prefix = matched / total blocks, queue =
+    (maxQ - q) / (maxQ - minQ), KV = 1 - usage; highest weighted sum wins."""
+
+    name: str = "llmd"
+    prefix_weight: float = 3.0
+    queue_weight: float = 2.0
+    kv_weight: float = 2.0
+    report_max_age_s: float = 1.0
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
+    ) -> Decision:
+        queues = {c.replica: c.load.waiting(self.report_max_age_s) for c in candidates}
+        qmax, qmin = max(queues.values()), min(queues.values())
+        total = max(request.prompt_blocks, 1)
+
+        def terms(c: Candidate) -> dict[str, float]:
+            queue = 1.0 if qmax == qmin else (qmax - queues[c.replica]) / (qmax - qmin)
+            return {
+                "prefix": c.match.kv_blocks / total,
+                "queue": queue,
+                "kv": 1.0 - c.load.kv_usage,
+            }
+
+        scored = {c.replica: terms(c) for c in candidates}
+
+        def total_score(c: Candidate) -> float:
+            t = scored[c.replica]
+            return (
+                self.prefix_weight * t["prefix"]
+                + self.queue_weight * t["queue"]
+                + self.kv_weight * t["kv"]
+            )
+
+        ranked = _rank(candidates, lambda c: -total_score(c), rng)
+        return _decide(
+            self.name, request, ranked, total_score(ranked[0]), scored[ranked[0].replica]
+        )
+
+
+@dataclass(slots=True)
+class PrebleE2:
+    """Preble E2: exploit the longest-prefix replica when its cached tokens exceed the
+    missed tokens, otherwise explore the least loaded one."""
+
+    name: str = "preble"
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
+    ) -> Decision:
+        best = max(c.match.kv_blocks for c in candidates)
+        cached = _tokens(request, best)
+        if cached > request.prompt_tokens - cached:
+            ranked = _rank(candidates, lambda c: -c.match.kv_blocks * 1e6 + c.load.in_flight, rng)
+            mode = 1.0
+        else:
+            ranked = _rank(candidates, lambda c: c.load.in_flight, rng)
+            mode = 0.0
+        return _decide(self.name, request, ranked, float(cached), {"exploit": mode})
+
+
+# ---------------------------------------------------------------------------- ours
+
+
+@dataclass(slots=True)
+class Ours:
+    """Minimise predicted time to first token.
+
+    For each candidate, in seconds (each term is reported in the Decision):
+
+    * ``prefill``: compute time of the uncached part, after the *usable* cached prefix
+      (hybrid-state rule applied); host-tier hits count ``host_hit_value`` of a GPU hit and
+      disk hits ``disk_hit_value``.
+    * ``queue``: time to prefill the tokens already queued on the replica, plus
+      ``foreign_waiting_tokens`` for each request the engine reports waiting beyond what this
+      router sent (other routers' traffic), when that report is fresher than
+      ``report_max_age_s``.
+    * ``decode``: decode work interleaved into the prefill steps of this request and the
+      queue ahead of it (continuous batching shares each step).
+    * ``kv``: ``kv_pressure_s`` scaled by how far KV usage is above
+      ``kv_pressure_threshold`` (eviction and preemption risk), 0 below it.
+
+    Score = ``w_prefill*prefill + w_queue*queue + w_decode*decode + w_kv*kv``; lowest wins.
+    """
+
+    name: str = "ours"
+    cost: CostModel = field(default_factory=CostModel)
+    w_prefill: float = 1.0
+    w_queue: float = 1.0
+    w_decode: float = 1.0
+    w_kv: float = 1.0
+    host_hit_value: float = 0.75
+    disk_hit_value: float = 0.25
+    kv_pressure_threshold: float = 0.9
+    kv_pressure_s: float = 2.0
+    foreign_waiting_tokens: int = 4096
+    report_max_age_s: float = 1.0
+
+    def terms(self, request: RouteRequest, c: Candidate) -> dict[str, float]:
+        m = c.match
+        block = request.block_size
+        usable = min(m.usable_blocks, m.kv_blocks)
+        gpu = min(usable, m.gpu_blocks)
+        host = min(usable, m.host_blocks) - gpu
+        disk = usable - gpu - host
+        cached_blocks = gpu + self.host_hit_value * host + self.disk_hit_value * disk
+        cached = min(int(cached_blocks * block), max(request.prompt_tokens - 1, 0))
+        new = request.prompt_tokens - cached
+        load = c.load
+        queued = load.queued_prefill_tokens
+        if load.engine is not None and load.engine_age_s <= self.report_max_age_s:
+            queued += max(load.engine.waiting - load.prefilling, 0) * self.foreign_waiting_tokens
+        steps = self.cost.steps_for(queued + new)
+        decode = steps * self.cost.decode_step_s(load.decoding, load.decode_context_tokens)
+        excess = load.kv_usage - self.kv_pressure_threshold
+        kv = (
+            self.kv_pressure_s * excess / max(1.0 - self.kv_pressure_threshold, 1e-6)
+            if excess > 0
+            else 0.0
+        )
+        return {
+            "prefill": self.cost.prefill_s(new, cached),
+            "queue": self.cost.prefill_s(queued, 0),
+            "decode": decode,
+            "kv": kv,
+        }
+
+    def score(self, t: Mapping[str, float]) -> float:
+        return (
+            self.w_prefill * t["prefill"]
+            + self.w_queue * t["queue"]
+            + self.w_decode * t["decode"]
+            + self.w_kv * t["kv"]
+        )
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
+    ) -> Decision:
+        scored = {c.replica: self.terms(request, c) for c in candidates}
+        ranked = _rank(candidates, lambda c: self.score(scored[c.replica]), rng)
+        best = scored[ranked[0].replica]
+        return _decide(self.name, request, ranked, self.score(best), best)
+
+
+# ---------------------------------------------------------------------------- registry
+
+POLICIES: dict[str, type[Any]] = {
+    "round_robin": RoundRobin,
+    "random": RandomChoice,
+    "least_loaded": LeastLoaded,
+    "longest_prefix": LongestPrefix,
+    "dynamo": Dynamo,
+    "sglang": SGLangCacheAware,
+    "llmd": LlmD,
+    "preble": PrebleE2,
+    "ours": Ours,
+}
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+
+
+def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
+    """Build a policy by name with optional parameters (unknown names or keys -> ValueError).
+
+    For ``ours``, keys of ``CostModel`` may be given under ``"cost"`` as a nested mapping.
+    """
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    params = dict(params or {})
+    allowed = {f.name for f in fields(cls)} - {"name", "cursor"}
+    unknown = set(params) - allowed
+    if unknown:
+        raise ValueError(f"policy {name!r} has no parameter(s) {', '.join(sorted(unknown))}")
+    if "cost" in params and isinstance(params["cost"], Mapping):
+        cost_fields = {f.name for f in fields(CostModel)}
+        bad = set(params["cost"]) - cost_fields
+        if bad:
+            raise ValueError(f"cost model has no parameter(s) {', '.join(sorted(bad))}")
+        params["cost"] = CostModel(**params["cost"])
+    policy: Policy = cls(**params)
+    return policy

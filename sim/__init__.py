@@ -1,0 +1,1 @@
+"""Discrete-event simulator that replays traces through router.core's policies."""

@@ -1,0 +1,265 @@
+"""Prefix index semantics: exact cases, the hybrid rule, sequencing, speculation, and a
+property test against a naive reference model."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.core.index import PrefixIndex
+from router.core.types import (
+    NO_MATCH,
+    AllCleared,
+    ApplyOutcome,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    Kind,
+    PrefixMatch,
+    ReplicaKey,
+    Tier,
+)
+
+A, B, C = ReplicaKey("a"), ReplicaKey("b"), ReplicaKey("c", 1)
+H = [1000 + i for i in range(20)]
+
+
+def kv(index: PrefixIndex, hashes: list[int], key: ReplicaKey, **kw: object) -> int:
+    return index.match(hashes, **kw).get(key).kv_blocks  # type: ignore[arg-type]
+
+
+def test_match_lengths_per_replica() -> None:
+    idx = PrefixIndex()
+    idx.store(A, H[:10])
+    idx.store(B, H[:3])
+    idx.store(C, H[:20])
+    res = idx.match(H[:15])
+    assert res.get(A) == PrefixMatch(10, 10, 10, 10)
+    assert res.get(B).kv_blocks == 3
+    assert res.get(C).kv_blocks == 15
+    assert res.get(ReplicaKey("zzz")) is NO_MATCH
+    assert len(res) == 3 and res.longest() == 15
+    assert dict(res.items()) == res.as_dict() and set(res.as_dict()) == {A, B, C}
+    # Diverging query: only the shared part counts.
+    assert idx.match(H[:2] + [1, 2, 3]).get(A).kv_blocks == 2
+    assert not idx.match([5, 6, 7])
+
+
+def test_hybrid_usable_needs_state_checkpoint_at_the_boundary() -> None:
+    idx = PrefixIndex()
+    idx.store(A, H[:10])
+    idx.store(A, [H[3], H[7]], kind=Kind.STATE)  # checkpoints after 4 and 8 blocks
+    idx.store(B, H[:10])  # KV only, no state: nothing usable on a hybrid model
+    idx.store(C, H[:5])
+    idx.store(C, [H[9]], kind=Kind.STATE)  # checkpoint beyond its KV: not usable
+    res = idx.match(H[:10], hybrid=True)
+    assert res.get(A) == PrefixMatch(10, 10, 10, 8)
+    assert res.get(B).usable_blocks == 0 and res.get(B).kv_blocks == 10
+    assert res.get(C).usable_blocks == 0
+    # Query shorter than the KV match: the checkpoint must be inside the query.
+    assert idx.match(H[:6], hybrid=True).get(A).usable_blocks == 4
+    # Non-hybrid models ignore state.
+    assert idx.match(H[:10]).get(B).usable_blocks == 10
+
+
+def test_tiers_are_tracked_separately() -> None:
+    idx = PrefixIndex()
+    idx.store(A, H[:4], Tier.GPU)
+    idx.store(A, H[4:8], Tier.CPU)
+    idx.store(A, H[8:10], Tier.DISK)
+    m = idx.match(H[:10]).get(A)
+    assert (m.kv_blocks, m.gpu_blocks, m.host_blocks, m.usable_blocks) == (10, 4, 8, 10)
+    idx.remove(A, H[8:10], Tier.DISK)
+    assert idx.match(H[:10]).get(A).kv_blocks == 8
+    idx.remove(A, H[4:8], Tier.GPU)  # wrong tier: nothing changes
+    assert idx.match(H[:10]).get(A).host_blocks == 8
+
+
+def test_remove_clear_and_replica_removal() -> None:
+    idx = PrefixIndex()
+    idx.store(A, H[:10])
+    idx.store(B, H[:10])
+    idx.remove(A, H[6:10])
+    assert kv(idx, H, A) == 6
+    idx.remove(A, H[6:10])  # idempotent
+    assert idx.replica_size(A) == (6, 0)
+    idx.clear_replica(A)
+    assert idx.match(H).get(A) is NO_MATCH and A in idx
+    assert idx.replica_size(A) == (0, 0)
+    assert kv(idx, H, B) == 20 - 10
+    idx.store(A, H[:2])
+    assert kv(idx, H, A) == 2
+    idx.remove_replica(B)
+    assert B not in idx and idx.match(H).get(B) is NO_MATCH
+    assert idx.stats().garbage_entries == 16
+
+
+def test_compaction_frees_slots_and_keeps_answers() -> None:
+    idx = PrefixIndex()
+    for i in range(5):
+        idx.store(ReplicaKey(f"r{i}"), H[: 4 + i])
+    for i in range(3):
+        idx.clear_replica(ReplicaKey(f"r{i}"))
+    before = idx.match(H).as_dict()
+    assert idx.garbage_ratio() > 0
+    touched = idx.compact()
+    assert touched > 0 and idx.stats().garbage_entries == 0
+    assert idx.match(H).as_dict() == before
+    idx.store(ReplicaKey("new"), H[:3])  # reuses a freed slot without inheriting stale bits
+    assert idx.match(H).get(ReplicaKey("new")).kv_blocks == 3
+    assert idx.stats().unique_kv_blocks == 8
+
+
+def test_event_batches_sequencing() -> None:
+    idx = PrefixIndex()
+    stored = EventBatch(A, (BlocksStored(tuple(H[:5])),), seq=1)
+    assert idx.apply(stored) is ApplyOutcome.APPLIED
+    assert idx.apply(stored) is ApplyOutcome.DUPLICATE
+    removed = EventBatch(A, (BlocksRemoved(tuple(H[3:5])),), seq=2)
+    assert idx.apply(removed) is ApplyOutcome.APPLIED
+    assert kv(idx, H, A) == 3
+    # A redelivered old batch must not resurrect removed blocks.
+    assert idx.apply(stored) is ApplyOutcome.DUPLICATE
+    assert kv(idx, H, A) == 3
+    gap = EventBatch(A, (BlocksStored(tuple(H[3:6])),), seq=5)
+    assert idx.apply(gap) is ApplyOutcome.GAP and idx.last_seq(A) == 5
+    assert kv(idx, H, A) == 6
+    cleared = EventBatch(A, (AllCleared(), BlocksStored((H[0],))), seq=6)
+    idx.apply(cleared)
+    assert kv(idx, H, A) == 1
+    idx.reset_sequence(A)
+    assert idx.apply(EventBatch(A, (BlocksStored(tuple(H[:2])),), seq=0)) is ApplyOutcome.APPLIED
+    # Batches without seq are always applied.
+    assert idx.apply(EventBatch(B, (BlocksStored((H[0],)),))) is ApplyOutcome.APPLIED
+
+
+def test_speculative_entries_expire() -> None:
+    idx = PrefixIndex()
+    idx.speculate(A, H[:6], [H[5]], now=10.0, ttl=2.0)
+    m = idx.match(H, hybrid=True, now=11.0).get(A)
+    assert (m.kv_blocks, m.usable_blocks) == (6, 6)
+    # Refreshing extends the lifetime of the blocks named again.
+    idx.speculate(A, H[:3], [H[2]], now=11.5, ttl=2.0)
+    m = idx.match(H, hybrid=True, now=12.5).get(A)
+    assert (m.kv_blocks, m.usable_blocks) == (3, 3)
+    assert idx.match(H, now=13.6).get(A) is NO_MATCH
+    assert idx.stats().speculative_entries == 0
+    # Real entries are unaffected by speculation expiring.
+    idx.store(A, H[:4])
+    idx.speculate(A, H[:8], [], now=20.0, ttl=1.0)
+    assert idx.match(H, now=20.5).get(A).kv_blocks == 8
+    assert idx.match(H, now=21.0).get(A).kv_blocks == 4
+
+
+def test_hole_in_a_chain_gives_an_upper_bound() -> None:
+    """Documented limit: the bisection assumes prefix-closed caches (engines evict leaves
+    first). A hole in the middle is not detected; the match is an upper bound."""
+    idx = PrefixIndex()
+    idx.store(A, H[:8])
+    idx.remove(A, [H[7]])
+    assert kv(idx, H, A) == 7  # removing the leaf: exact
+    idx.remove(A, [H[2]])
+    assert kv(idx, H[:8], A) >= 2
+
+
+# ---------------------------------------------------------------- reference model
+
+
+@dataclass
+class RefReplica:
+    tiers: dict[Tier, set[int]] = field(default_factory=lambda: {t: set() for t in Tier})
+    state: set[int] = field(default_factory=set)
+
+
+def ref_len(hashes: list[int], present: set[int]) -> int:
+    n = 0
+    for h in hashes:
+        if h not in present:
+            break
+        n += 1
+    return n
+
+
+def ref_match(ref: dict[ReplicaKey, RefReplica], hashes: list[int], hybrid: bool) -> dict:
+    out = {}
+    for key, rep in ref.items():
+        allkv = rep.tiers[Tier.GPU] | rep.tiers[Tier.CPU] | rep.tiers[Tier.DISK]
+        k = ref_len(hashes, allkv)
+        if not k:
+            continue
+        g = ref_len(hashes, rep.tiers[Tier.GPU])
+        h = ref_len(hashes, rep.tiers[Tier.GPU] | rep.tiers[Tier.CPU])
+        u = k
+        if hybrid:
+            u = next((d for d in range(k, 0, -1) if hashes[d - 1] in rep.state), 0)
+        out[key] = PrefixMatch(k, min(g, k), max(min(g, k), min(h, k)), u)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_index_agrees_with_reference_on_prefix_closed_caches(data: st.DataObject) -> None:
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    # A random tree of blocks: node i has a parent < i (or is a root).
+    n_nodes = data.draw(st.integers(5, 60))
+    parent = [-1] + [
+        rng.choice([-1, *range(i)]) if rng.random() < 0.9 else -1 for i in range(1, n_nodes)
+    ]
+    path: list[list[int]] = []
+    for i in range(n_nodes):
+        path.append((path[parent[i]] if parent[i] >= 0 else []) + [i])
+    hashes = [rng.getrandbits(64) for _ in range(n_nodes)]
+    keys = [ReplicaKey(f"r{i}", i % 2) for i in range(data.draw(st.integers(1, 6)))]
+    idx, ref = PrefixIndex(), {}
+    for _ in range(data.draw(st.integers(1, 40))):
+        key = rng.choice(keys)
+        rep = ref.setdefault(key, RefReplica())
+        idx.add_replica(key)
+        op = rng.random()
+        if op < 0.45:  # store a path on one tier (deeper tiers only below a GPU prefix)
+            node = rng.randrange(n_nodes)
+            tier = rng.choice([Tier.GPU, Tier.GPU, Tier.CPU, Tier.DISK])
+            blocks = [hashes[i] for i in path[node]]
+            idx.store(key, blocks, tier)
+            rep.tiers[tier].update(blocks)
+        elif op < 0.75:  # evict leaves (blocks no held child depends on), any tier
+            for _ in range(rng.randint(1, 4)):
+                held = set().union(*rep.tiers.values())
+                leaves = [
+                    i
+                    for i in range(n_nodes)
+                    if hashes[i] in held
+                    and not any(parent[j] == i and hashes[j] in held for j in range(n_nodes))
+                ]
+                if not leaves:
+                    break
+                leaf = hashes[rng.choice(leaves)]
+                for tier in Tier:
+                    if leaf in rep.tiers[tier]:
+                        idx.remove(key, [leaf], tier)
+                        rep.tiers[tier].discard(leaf)
+        elif op < 0.9:  # state checkpoints anywhere, and some removed
+            node = hashes[rng.randrange(n_nodes)]
+            if rng.random() < 0.7:
+                idx.store(key, [node], kind=Kind.STATE)
+                rep.state.add(node)
+            else:
+                idx.remove(key, [node], kind=Kind.STATE)
+                rep.state.discard(node)
+        elif op < 0.95:
+            idx.clear_replica(key)
+            ref[key] = RefReplica()
+        else:
+            idx.remove_replica(key)
+            ref.pop(key)
+        if rng.random() < 0.1:
+            idx.compact()
+    for _ in range(10):
+        node = rng.randrange(n_nodes)
+        query = [hashes[i] for i in path[node]] + [rng.getrandbits(64)] * rng.randint(0, 2)
+        for hybrid in (False, True):
+            got = idx.match(query, hybrid=hybrid).as_dict()
+            assert got == ref_match(ref, query, hybrid)
