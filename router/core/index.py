@@ -466,6 +466,16 @@ class PrefixMatches:
         return PrefixMatch(kv_blocks=kv, gpu_blocks=gpu, host_blocks=host, usable_blocks=usable)
 
     def items(self) -> Iterator[tuple[ReplicaKey, PrefixMatch]]:
+        key_of = self._key_of
+        if self._gpu is None and self._host is None and self._usable is None:
+            # Common case (GPU-only, non-hybrid): one shared value per length group.
+            for length, mask in self._kv:
+                match = PrefixMatch(length, length, length, length)
+                for slot in iter_slots(mask):
+                    key = key_of[slot]
+                    if key is not None:
+                        yield key, match
+            return
         for slot in iter_slots(_union(self._kv)):
             key = self._key_of[slot]
             found = self._at(slot)
