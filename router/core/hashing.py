@@ -133,3 +133,32 @@ def chain_from_block_ids(ids: Sequence[int], root: int, seed: int = HASH_SEED) -
         h = xxhash.xxh3_64_intdigest(_U64.pack(h) + _U64.pack(block_id & _MASK64), seed=seed)
         out.append(h)
     return out
+
+
+def coarsen_chain(
+    hashes: Sequence[int], block_size: int, total_tokens: int, coarse_block: int = 512
+) -> list[int]:
+    """Hashes naming each ``coarse_block``-token prefix block of a prompt, Mooncake style.
+
+    ``hashes`` is the prompt's chain at ``block_size`` (which must divide ``coarse_block``);
+    the hash ending each coarse block already names that whole prefix, so no rehashing is
+    needed. Mooncake traces also give the partial last block an id: it is derived from the
+    last full fine block before the end and the tail length, so it matches between two
+    prompts that agree up to their last full fine block and have the same length.
+    Returns ``ceil(total_tokens / coarse_block)`` ids.
+    """
+    if block_size <= 0 or coarse_block % block_size:
+        raise ValueError("block_size must divide coarse_block")
+    ratio = coarse_block // block_size
+    full = total_tokens // coarse_block
+    if len(hashes) < full * ratio:
+        raise ValueError("hash chain shorter than total_tokens implies")
+    out = [hashes[(k + 1) * ratio - 1] for k in range(full)]
+    tail = total_tokens - full * coarse_block
+    if tail:
+        fine = min(len(hashes), total_tokens // block_size)
+        parent = hashes[fine - 1] if fine else 0
+        out.append(
+            xxhash.xxh3_64_intdigest(_U64.pack(parent) + _U64.pack(tail), seed=~HASH_SEED & _MASK64)
+        )
+    return out
