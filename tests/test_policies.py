@@ -136,8 +136,10 @@ def test_ours_uses_usable_prefix_and_weighs_queue() -> None:
     d = ours.choose(r, [a, b], 0, RNG)
     assert d.replica == B and d.usable_tokens == 48 * 64 and d.kv_tokens == 50 * 64
     assert d.terms["prefill"] == pytest.approx((6400 - 48 * 64) * 1e-4)
-    # A queue on B large enough flips the choice.
-    b_busy = cand(B, kv=50, usable=48, queued_prefill_tokens=20_000, prefilling=3)
+    # A queue on B large enough flips the choice (prefill seconds weigh w_prefill = 12,
+    # queued seconds 1: B's 3,328 uncached tokens cost 4.0 s against A's 7.7 s, so it takes
+    # more than 3.7 s of queue on B).
+    b_busy = cand(B, kv=50, usable=48, queued_prefill_tokens=60_000, prefilling=3)
     assert ours.choose(r, [a, b_busy], 0, RNG).replica == A
     # KV pressure above the threshold is penalised.
     full = LoadView(engine=EngineReport(0, 0, 0.99, 0.0), engine_age_s=0.0)

@@ -280,11 +280,18 @@ class Ours:
       ``kv_pressure_threshold`` (eviction and preemption risk), 0 below it.
 
     Score = ``w_prefill*prefill + w_queue*queue + w_decode*decode + w_kv*kv``; lowest wins.
+
+    ``w_prefill`` defaults well above 1: a cache miss does not only delay this request, its
+    prefill takes replica time from every request queued behind it, so prefill seconds are
+    charged at fleet cost. 12 was tuned with ``kvrouter sim tune`` on the bundled Mooncake
+    trace (8 x dense-70b replicas, arrival speed-ups 1x and 4x; see docs/simulator.md); with
+    ``w_prefill = 1`` the policy is a greedy TTFT minimiser that gives up cache affinity under
+    load and loses throughput.
     """
 
     name: str = "ours"
     cost: CostModel = field(default_factory=CostModel)
-    w_prefill: float = 1.0
+    w_prefill: float = 12.0
     w_queue: float = 1.0
     w_decode: float = 1.0
     w_kv: float = 1.0

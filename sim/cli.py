@@ -1,0 +1,335 @@
+"""``kvrouter sim ...``: replay traces through the policies, tune ``ours``, list profiles.
+
+    kvrouter sim replay TRACE [--policy NAME|all|a,b] [--speedup S] [--json] [--report DIR]
+    kvrouter sim tune TRACE --out tuned.toml
+    kvrouter sim profiles
+
+TRACE is a JSONL path (Mooncake, recorded or Bailian rows), ``mooncake`` (the bundled trace)
+or ``agentic[:key=value,...]`` (the synthetic agentic-session generator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from router.core.errors import KVRouterError
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr, shown only on a terminal and only once the work
+    has taken longer than ``delay_s`` (short runs stay quiet)."""
+
+    def __init__(self, label: str, enabled: bool, delay_s: float = 1.0) -> None:
+        self.label = label
+        self.enabled = enabled and sys.stderr.isatty()
+        self.delay_s = delay_s
+        self.start = time.perf_counter()
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or time.perf_counter() - self.start < self.delay_s:
+            return
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:5.1%} ({done}/{total})")
+        sys.stderr.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _add_fleet_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="JSONL path, 'mooncake' (bundled) or 'agentic[:k=v,...]'")
+    p.add_argument("--format", default="auto", choices=("auto", "mooncake", "recorded", "bailian"))
+    p.add_argument("--trace-block", type=int, help="tokens per trace hash id (512 / 16)")
+    p.add_argument("--limit", type=int, help="use only the first N requests")
+    p.add_argument("--model", default="sim-model", help="model name (hash namespace)")
+    p.add_argument("--profile", default="dense-70b", help="replica profile name or TOML path")
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=64, help="router/engine block size")
+    p.add_argument("--kv-blocks", type=int, help="GPU KV blocks per replica (profile default)")
+    p.add_argument("--cpu-blocks", type=int, help="host-tier blocks per replica")
+    p.add_argument("--routers", type=int, default=1, help="router instances")
+    p.add_argument("--regions", type=int, default=1)
+    p.add_argument("--racks", type=int, default=1, help="racks per region")
+    p.add_argument("--event-lag-ms", type=float, default=0.0, help="index event propagation lag")
+    p.add_argument("--report-interval-ms", type=float, default=100.0, help="engine load reports")
+    p.add_argument("--speculative-ttl-ms", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, help="parallel worker processes (default: up to 4)")
+
+
+def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
+    from sim.cluster import ClusterConfig
+    from sim.profiles import load_profile
+
+    if args.replicas <= 0 or args.block_size <= 0 or args.routers <= 0:
+        raise KVRouterError("--replicas, --block-size and --routers must be positive")
+    if args.kv_blocks is not None and args.kv_blocks <= 0:
+        raise KVRouterError("--kv-blocks must be positive")
+    return ClusterConfig(
+        profile=load_profile(args.profile),
+        replicas=args.replicas,
+        block_size=args.block_size,
+        kv_blocks=args.kv_blocks,
+        cpu_blocks=args.cpu_blocks,
+        routers=args.routers,
+        regions=args.regions,
+        racks=args.racks,
+        event_lag_s=args.event_lag_ms / 1000,
+        report_interval_s=args.report_interval_ms / 1000,
+        speculative_ttl_s=args.speculative_ttl_ms / 1000,
+        seed=args.seed,
+        record_load=record_load,
+    )
+
+
+def _workload(args: argparse.Namespace) -> Any:
+    from sim.runner import build_workload
+
+    return build_workload(
+        args.trace,
+        block_size=args.block_size,
+        fmt=args.format,
+        trace_block=args.trace_block,
+        limit=args.limit,
+        model=args.model,
+    )
+
+
+def _settings(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+    return {
+        "profile": config.profile.name,
+        "replicas": config.replicas,
+        "block_size": config.block_size,
+        "kv_blocks": config.kv_blocks or config.profile.scaled(config.block_size).kv_blocks,
+        "cpu_blocks": config.cpu_blocks,
+        "routers": config.routers,
+        "event_lag_ms": args.event_lag_ms,
+        "report_interval_ms": args.report_interval_ms,
+        "speculative_ttl_ms": args.speculative_ttl_ms,
+        "hybrid": config.profile.hybrid,
+        "seed": config.seed,
+    }
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from sim.runner import RunSpec, default_jobs, parse_policies, run_many, run_one
+    from sim.tuned import load_tuned
+
+    t0 = time.perf_counter()
+    try:
+        names = parse_policies(args.policy)
+    except ValueError as exc:
+        raise KVRouterError(str(exc)) from None
+    params: dict[str, dict[str, Any]] = {}
+    if args.params:
+        if len(names) != 1:
+            raise KVRouterError("--params needs exactly one --policy")
+        try:
+            params[names[0]] = json.loads(args.params)
+        except json.JSONDecodeError as exc:
+            raise KVRouterError(f"--params is not JSON: {exc}") from None
+    if args.config:
+        tuned = load_tuned(args.config, args.tuned_model)
+        params[tuned.policy] = tuned.params
+        if tuned.policy not in names:
+            names.append(tuned.policy)
+    if args.speedup <= 0:
+        raise KVRouterError("--speedup must be positive")
+    config = _config(args, record_load=bool(args.report))
+    workload = _workload(args)
+    if not len(workload):
+        raise KVRouterError("the trace has no requests")
+    load_s = time.perf_counter() - t0
+    specs = [RunSpec(n, params.get(n), args.speedup) for n in names]
+    jobs = args.jobs or default_jobs()
+    bar = ProgressBar("sim", enabled=not args.no_progress)
+    if len(specs) == 1:
+        runs = [run_one(workload, config, specs[0], progress=bar)]
+    else:
+        runs = run_many(workload, config, specs, jobs=jobs, on_done=bar)
+    bar.close()
+    sim_wall = time.perf_counter() - t0
+    from sim.runner import workload_ceilings
+
+    t2 = time.perf_counter()
+    ceil = workload_ceilings(workload, config, runs[0].arrival_ids)
+    ceiling_s = time.perf_counter() - t2
+    ceilings = {"ceiling_infinite": ceil.infinite, "ceiling_global_lru": ceil.global_lru}
+    for run in runs:
+        s = run.summary
+        s.update(ceilings)
+        s["of_lru_ceiling"] = (
+            round(s["token_hit_rate"] / ceil.global_lru, 4) if ceil.global_lru else None
+        )
+    settings = _settings(args, config)
+    common = {
+        "trace": args.trace,
+        "requests": len(workload),
+        "speedup": args.speedup,
+        **ceilings,
+        "load_s": round(load_s, 3),
+        "ceiling_s": round(ceiling_s, 3),
+        "settings": settings,
+    }
+    if len(runs) == 1:
+        document: dict[str, Any] = {
+            **runs[0].summary,
+            **common,
+            "wall_s": round(sim_wall, 3),
+        }
+    else:
+        document = {"runs": [r.summary for r in runs], **common, "wall_s": round(sim_wall, 3)}
+    text = _table_for(runs, ceilings)
+    if args.report:
+        _write_report(args, workload, config, runs, specs, document, text, jobs)
+    if args.json:
+        sys.stdout.write(json.dumps(document) + "\n")
+    else:
+        sys.stdout.write(text + "\n")
+        sys.stdout.write(
+            f"{len(workload)} requests, speed-up {args.speedup}x, wall {sim_wall:.2f} s "
+            f"(trace load + hashing {load_s:.2f} s; ceilings {ceiling_s:.2f} s more)\n"
+        )
+    return 0
+
+
+def _table_for(runs: list[Any], ceilings: dict[str, float]) -> str:
+    from sim.report import table
+
+    return table([r.summary for r in runs], ceilings)
+
+
+def _write_report(
+    args: argparse.Namespace,
+    workload: Any,
+    config: Any,
+    runs: list[Any],
+    specs: list[Any],
+    document: dict[str, Any],
+    text: str,
+    jobs: int,
+) -> None:
+    from sim.report import write_report
+    from sim.runner import RunSpec, run_many
+
+    sweep_specs = []
+    speedups = [float(s) for s in args.sweep.split(",") if s]
+    for spec in specs:
+        for s in speedups:
+            sweep_specs.append(RunSpec(spec.policy, spec.params, s))
+    bar = ProgressBar("sweep", enabled=not args.no_progress)
+    sweep = run_many(workload, config, sweep_specs, jobs=jobs, on_done=bar) if sweep_specs else []
+    bar.close()
+    document = {**document, "sweep": [r.summary for r in sweep]}
+    paths = write_report(Path(args.report), runs, sweep, document, text)
+    sys.stderr.write(f"report: {', '.join(str(p) for p in paths)}\n")
+
+
+def _log(line: str) -> None:
+    sys.stderr.write(line + "\n")
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from sim.runner import default_jobs
+    from sim.tune import tune
+    from sim.tuned import TunedPolicy, dump_tuned
+
+    config = _config(args)
+    workload = _workload(args)
+    speedups = [float(s) for s in args.speedups.split(",") if s]
+    if not speedups or min(speedups) <= 0:
+        raise KVRouterError("--speedups must list positive numbers")
+    t0 = time.perf_counter()
+    best, trials = tune(
+        workload,
+        config,
+        speedups=speedups,
+        budget=args.budget,
+        jobs=args.jobs or default_jobs(),
+        seed=args.seed,
+        log=_log,
+    )
+    header = (
+        f"written by kvrouter sim tune on {args.trace} ({len(workload)} requests), "
+        f"profile {config.profile.name}, {config.replicas} replicas x "
+        f"{config.kv_blocks or config.profile.scaled(config.block_size).kv_blocks} blocks of "
+        f"{config.block_size}\nobjective: geometric mean of p90 TTFT over speed-ups "
+        f"{speedups}: {trials[0].objective:.1f} ms (p90 per speed-up {trials[0].p90_ms})"
+    )
+    text = dump_tuned(
+        {args.model: TunedPolicy(args.model, "ours", best, config.block_size)}, header
+    )
+    Path(args.out).write_text(text)
+    result = {
+        "out": args.out,
+        "best": {k: v for k, v in best.items() if k != "cost"},
+        "objective_ms": round(trials[0].objective, 3),
+        "p90_ms": trials[0].p90_ms,
+        "hit_rate": trials[0].hit_rate,
+        "wall_s": round(time.perf_counter() - t0, 3),
+    }
+    sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+def _profiles(args: argparse.Namespace) -> int:
+    from sim.profiles import load_profile, profile_names
+
+    for name in profile_names():
+        p = load_profile(name)
+        if args.json:
+            sys.stdout.write(json.dumps({**asdict(p)}) + "\n")
+        else:
+            sys.stdout.write(f"{name:12s} {p.description}\n")
+    return 0
+
+
+def _guard(handler: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return int(handler(args))
+        except (KVRouterError, ValueError) as exc:  # bad input: a clear message, no traceback
+            sys.stderr.write(f"kvrouter sim: error: {exc}\n")
+            return 2
+
+    return run
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    sim = sub.add_parser("sim", help="discrete-event simulator: replay traces, tune policies")
+    cmds = sim.add_subparsers(dest="sim_command", metavar="SIMCOMMAND", required=True)
+
+    replay = cmds.add_parser("replay", help="replay a trace through one or more policies")
+    _add_fleet_args(replay)
+    replay.add_argument("--policy", default="ours", help="policy name, 'all', or a,b,c")
+    replay.add_argument("--params", help="JSON parameters for the (single) policy")
+    replay.add_argument("--config", help="tuned-settings TOML (from 'sim tune')")
+    replay.add_argument("--tuned-model", help="model to take from --config")
+    replay.add_argument("--speedup", type=float, default=1.0, help="arrival speed-up")
+    replay.add_argument("--json", action="store_true", help="print one JSON object")
+    replay.add_argument("--report", metavar="DIR", help="write PNG plots + index.html here")
+    replay.add_argument("--sweep", default="0.5,1,2,4", help="speed-ups plotted by --report")
+    replay.add_argument("--no-progress", action="store_true")
+    replay.set_defaults(handler=_guard(_replay))
+
+    tune_p = cmds.add_parser("tune", help="search ours' coefficients; write a tuned TOML")
+    _add_fleet_args(tune_p)
+    tune_p.add_argument("--out", required=True, help="where to write the tuned settings")
+    tune_p.add_argument("--speedups", default="1,4", help="arrival speed-ups to optimise over")
+    tune_p.add_argument("--budget", type=int, help="at most this many grid points")
+    tune_p.set_defaults(handler=_guard(_tune))
+
+    prof = cmds.add_parser("profiles", help="list the bundled replica profiles")
+    prof.add_argument("--json", action="store_true")
+    prof.set_defaults(handler=_guard(_profiles))

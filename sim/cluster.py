@@ -1,0 +1,305 @@
+"""A simulated fleet: N engine models behind one or several routers, driven by the event core.
+
+Each router instance owns a ``RoutingEngine`` from ``router.core`` (the same code the service
+runs) with its own in-flight load view and its own local copy of the prefix index. Engines'
+index events reach every router's index ``event_lag_s`` after they happen (the shared Redis
+index and its propagation lag); engine load reports reach them at most every
+``report_interval_s`` (read lazily when a router routes). Requests are spread over the routers
+round robin, so several routers can pile onto one replica before they see each other's load.
+
+Replicas carry region and rack labels (``reg{g}-rack{k}-r{i}``), spread evenly.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.core.index import PrefixIndex
+from router.core.load import LoadTracker
+from router.core.policies import make_policy
+from router.core.routing import BusyThresholds, RoutingEngine, RoutingSettings
+from router.core.types import EventBatch, ReplicaKey, RouteRequest
+from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, Rejected
+from sim.events import ARRIVAL, DELIVER, ENGINE, EventQueue
+from sim.metrics import RequestRecord, summarize
+from sim.profiles import EngineProfile
+from sim.workload import SimRequest, Workload, scale_arrivals
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(slots=True, frozen=True)
+class ClusterConfig:
+    """Fleet and router settings of a run (profile figures can be overridden here)."""
+
+    profile: EngineProfile
+    replicas: int = 8
+    block_size: int = 64
+    kv_blocks: int | None = None
+    cpu_blocks: int | None = None
+    routers: int = 1
+    regions: int = 1
+    racks: int = 1
+    event_lag_s: float = 0.0
+    report_interval_s: float = 0.1
+    speculative_ttl_s: float = 0.0
+    busy: BusyThresholds = field(default_factory=BusyThresholds)
+    seed: int = 0
+    record_load: bool = False
+
+    def capacity_blocks(self) -> int:
+        """The cluster's total GPU KV capacity, in blocks."""
+        per = self.kv_blocks or self.profile.scaled(self.block_size).kv_blocks
+        return per * self.replicas
+
+    def replica_keys(self) -> list[ReplicaKey]:
+        per_region = max(1, -(-self.replicas // self.regions))
+        per_rack = max(1, -(-per_region // self.racks))
+        keys = []
+        for i in range(self.replicas):
+            g, k = divmod(i, per_region)
+            keys.append(ReplicaKey(f"reg{g}-rack{k // per_rack}-r{i}"))
+        return keys
+
+
+@dataclass(slots=True)
+class RunResult:
+    policy: str
+    summary: dict[str, Any]
+    ttft_s: list[float]
+    arrival_ids: list[str]
+    load_series: list[list[tuple[float, int]]]
+    replica_names: list[str]
+
+
+def policy_params_for(
+    name: str, params: Mapping[str, Any] | None, profile: EngineProfile
+) -> dict[str, Any]:
+    """``ours`` predicts TTFT with the fleet's cost model unless given another one."""
+    out = dict(params or {})
+    if name == "ours" and "cost" not in out:
+        from dataclasses import asdict
+
+        out["cost"] = asdict(profile.cost)
+    return out
+
+
+class _Router:
+    __slots__ = ("engine", "rng")
+
+    def __init__(self, engine: RoutingEngine, rng: random.Random) -> None:
+        self.engine = engine
+        self.rng = rng
+
+
+class Simulation:
+    """One run of one policy over one workload. ``run()`` may be called once."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        config: ClusterConfig,
+        policy: str,
+        policy_params: Mapping[str, Any] | None = None,
+        *,
+        speedup: float = 1.0,
+        progress: Progress | None = None,
+    ) -> None:
+        if workload.block_size != config.block_size:
+            raise ValueError("workload hashed at a different block size than the cluster")
+        self.workload = workload
+        self.config = config
+        self.policy_name = policy
+        self.speedup = speedup
+        self.progress = progress
+        p = config.profile
+        self.keys = config.replica_keys()
+        self.engines = [
+            EngineModel(
+                p,
+                k,
+                config.block_size,
+                kv_blocks=config.kv_blocks,
+                cpu_blocks=config.cpu_blocks,
+                emit_tokens=False,
+            )
+            for k in self.keys
+        ]
+        settings = RoutingSettings(
+            block_size=config.block_size,
+            hybrid=p.hybrid,
+            state_interval_blocks=(
+                max(1, p.checkpoint_interval_tokens // config.block_size) if p.hybrid else 0
+            ),
+            speculative_ttl_s=config.speculative_ttl_s,
+            busy=config.busy,
+        )
+        params = policy_params_for(policy, policy_params, p)
+        self.routers = []
+        for r in range(max(1, config.routers)):
+            index = PrefixIndex()
+            load = LoadTracker()
+            for k in self.keys:
+                index.add_replica(k)
+                load.add_replica(k)
+            engine = RoutingEngine(index, load, make_policy(policy, params), settings)
+            self.routers.append(_Router(engine, random.Random(config.seed * 1000 + r)))
+        self._slot = {k: i for i, k in enumerate(self.keys)}
+        self._queue = EventQueue()
+        self._gen = [0] * len(self.engines)
+        self._wake_at: list[float | None] = [None] * len(self.engines)
+        self._report_at = [float("-inf")] * len(self.engines)
+        self._records: dict[str, RequestRecord] = {}
+        self._router_of: dict[str, _Router] = {}
+        self._children: dict[str, list[SimRequest]] = {}
+        self._order: list[SimRequest] = []
+        self._next_router = 0
+        self._series: list[list[tuple[float, int]]] = [[] for _ in self.engines]
+        self._done = 0
+
+    # ------------------------------------------------------------------ running
+
+    def run(self) -> RunResult:
+        requests = scale_arrivals(self.workload.requests, self.speedup)
+        q = self._queue
+        for r in requests:
+            if r.after is None:
+                q.push(r.arrival_s, ARRIVAL, r)
+            else:
+                self._children.setdefault(r.after, []).append(r)
+        total = len(requests)
+        progress = self.progress
+        pop = q.pop
+        engines = self.engines
+        gen = self._gen
+        while q:
+            t, prio, payload = pop()
+            if prio == ENGINE:
+                i, g = payload
+                if g != gen[i]:
+                    continue
+                self._wake_at[i] = None
+                self._after_engine(i, t, engines[i].advance(t))
+            elif prio == ARRIVAL:
+                self._arrive(payload, t)
+                if progress is not None and not len(self._order) & 127:
+                    progress(len(self._order), total)
+            else:
+                for router in self.routers:
+                    router.engine.index.apply(payload)
+        if progress is not None:
+            progress(total, total)
+        summary = summarize(
+            (self._records[r.request_id] for r in self._order),
+            [e.busy_s for e in engines],
+            [str(k) for k in self.keys],
+        )
+        summary = {"policy": self.policy_name, **summary}
+        ttft = [
+            rec.first - rec.arrival
+            for rec in self._records.values()
+            if not rec.rejected and rec.first == rec.first
+        ]
+        return RunResult(
+            self.policy_name,
+            summary,
+            ttft,
+            [r.request_id for r in self._order],
+            self._series,
+            [str(k) for k in self.keys],
+        )
+
+    # ------------------------------------------------------------------ handlers
+
+    def _arrive(self, req: SimRequest, now: float) -> None:
+        router = self.routers[self._next_router]
+        self._next_router = (self._next_router + 1) % len(self.routers)
+        self._order.append(req)
+        engine = router.engine
+        self._refresh_reports(engine, now)
+        rr = RouteRequest(
+            req.request_id,
+            self.workload.model,
+            req.prompt_tokens,
+            req.block_hashes,
+            self.config.block_size,
+            req.session_id,
+            req.output_tokens,
+        )
+        decision = engine.route(rr, self.keys, now, router.rng)
+        engine.dispatched(rr, decision, now)
+        i = self._slot[decision.replica]
+        self._records[req.request_id] = RequestRecord(req.request_id, now, req.prompt_tokens, i)
+        self._router_of[req.request_id] = router
+        eng = self.engines[i]
+        eng.submit(
+            EngineRequest(
+                req.request_id,
+                req.block_hashes,
+                req.prompt_tokens,
+                req.output_tokens,
+                req.output_block_hashes,
+            ),
+            now,
+        )
+        if self.config.record_load:
+            self._series[i].append((now, eng.pending()))
+        self._after_engine(i, now, eng.advance(now))
+
+    def _refresh_reports(self, engine: RoutingEngine, now: float) -> None:
+        interval = self.config.report_interval_s
+        report_at = self._report_at
+        for i, eng in enumerate(self.engines):
+            if now - report_at[i] >= interval:
+                report_at[i] = now
+                report = eng.report(now)
+                for router in self.routers:
+                    router.engine.load.engine_report(self.keys[i], report)
+
+    def _after_engine(self, i: int, now: float, outputs: list[Any]) -> None:
+        eng = self.engines[i]
+        events = eng.take_index_events()
+        if events:
+            batch = EventBatch(self.keys[i], tuple(events))
+            lag = self.config.event_lag_s
+            if lag > 0:
+                self._queue.push(now + lag, DELIVER, batch)
+            else:
+                for router in self.routers:
+                    router.engine.index.apply(batch)
+        records = self._records
+        for out in outputs:
+            kind = type(out)
+            if kind is FirstToken:
+                rec = records[out.request_id]
+                rec.first = out.time
+                rec.cached = out.cached_tokens
+                rec.kv_hit = out.kv_hit_tokens
+                rec.queued = out.queued_s
+                self._router_of[out.request_id].engine.load.first_token(out.request_id)
+            elif kind is Finished:
+                rec = records[out.request_id]
+                rec.finish = out.time
+                rec.output = out.output_tokens
+                self._router_of.pop(out.request_id).engine.load.complete(out.request_id)
+                self._follow_ups(out.request_id, out.time)
+                if self.config.record_load:
+                    self._series[i].append((out.time, eng.pending()))
+            elif kind is Rejected:
+                rec = records[out.request_id]
+                rec.rejected = True
+                self._router_of.pop(out.request_id).engine.load.complete(out.request_id)
+                self._follow_ups(out.request_id, out.time)
+        nt = eng.next_time()
+        if nt != self._wake_at[i]:
+            self._gen[i] += 1
+            self._wake_at[i] = nt
+            if nt is not None:
+                self._queue.push(nt, ENGINE, (i, self._gen[i]))
+
+    def _follow_ups(self, request_id: str, now: float) -> None:
+        for child in self._children.pop(request_id, ()):
+            self._queue.push(now + child.delay_s, ARRIVAL, child)

@@ -1,0 +1,700 @@
+"""The replica model: one inference engine with continuous batching, chunked prefill, a KV
+block cache with LRU eviction, recurrent-state checkpoints and an optional host tier.
+
+The model is clock-agnostic: it has no event heap and reads no clock. A driver calls
+``submit(req, now)`` / ``cancel(id, now)`` when things happen, asks ``next_time()`` when the
+engine's state next changes, and calls ``advance(now)`` to run every step that finishes by
+``now``. The simulator drives it from its event heap; the mock replica from asyncio with the
+wall clock (it may call ``advance`` at any time: tokens of steps already finished inside a
+fast-forwarded decode run are returned as they complete).
+
+Scheduling (vLLM v1 style, simplified):
+
+* Requests wait FCFS. One is admitted when fewer than ``max_running`` run and its whole
+  footprint fits: blocks for prompt + ``max_output_tokens`` minus the cached prefix, after
+  evicting unreferenced cached blocks. Nothing is preempted later; a request larger than the
+  whole cache is rejected at once.
+* A step has a token budget ``chunk_tokens``: every decoding sequence takes one token, the
+  rest goes to prefilling sequences FCFS (chunked prefill). A sequence emits its first token
+  at the end of the step that completes its prompt, then one token a step.
+* Step time = ``step_overhead_s`` + prefill cost of each chunk (per token, plus per attended
+  context token pair) + ``decode_s_per_seq`` per decoding sequence + ``decode_s_per_ctx_token``
+  per context token they attend, + host-tier reload time of a newly admitted request.
+* While no sequence is prefilling, the batch composition cannot change before the next
+  completion or arrival, so the whole run of decode steps is one *segment* whose duration is
+  an arithmetic series (contexts grow by one token a step); an arrival cuts the segment at
+  the end of the step in progress.
+
+Cache:
+
+* Blocks are named by the canonical chained hashes the router uses (``block_hashes``: the
+  prompt's full blocks; ``output_block_hashes``: full blocks the answer completes, when the
+  driver knows the answer's content). A block is cached once the step computing it ends.
+* Referenced blocks are pinned; unreferenced ones sit in an LRU list. A finishing request
+  releases its blocks tail first, so children are always evicted before their parents.
+* Hybrid models: a recurrent-state checkpoint at block boundary L (keyed by the hash of
+  block L-1) is taken on the profile's grid: ``every_block``, ``step_end`` (the last block
+  boundary a prefill step reaches) or ``every_n`` tokens, plus the prompt end if
+  ``checkpoint_prompt_end``. Each costs ``state_checkpoint_blocks`` of KV memory. A request
+  reuses the largest L <= its KV hit with a checkpoint at L; the rest is recomputed.
+* Host tier (``cpu_blocks`` > 0): KV blocks evicted from GPU move to a host LRU; a later hit
+  there is reloaded (``cpu_load_s_per_token``) into GPU blocks. Checkpoints stay on GPU.
+* Every change is recorded as router index events (BlocksStored / BlocksRemoved with tier
+  and kind), returned in order by ``take_index_events``.
+* ``kv_usage`` in reports counts referenced and allocated blocks, not the reusable cached
+  ones (vLLM's ``gpu_cache_usage`` convention).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.core.load import EngineReport
+from router.core.types import BlocksRemoved, BlocksStored, IndexEvent, Kind, ReplicaKey, Tier
+from sim.profiles import EngineProfile
+
+STATE_TAG = 1 << 64  # cache key of the state checkpoint after block h is ``h | STATE_TAG``
+
+# ---------------------------------------------------------------------------- values
+
+
+@dataclass(slots=True, frozen=True)
+class EngineRequest:
+    """One request as an engine sees it. ``block_hashes`` are the canonical hashes (router
+    block size) of the prompt's full blocks; ``output_block_hashes`` optionally name the full
+    blocks the answer completes (so a follow-up turn can hit them)."""
+
+    request_id: str
+    block_hashes: Sequence[int]
+    prompt_tokens: int
+    max_output_tokens: int
+    output_block_hashes: Sequence[int] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class FirstToken:
+    """Prefill done. ``cached_tokens``: the usable hit the engine got (hybrid rule applied);
+    ``kv_hit_tokens``: the KV-only hit; ``queued_s``: time from submit to admission."""
+
+    request_id: str
+    time: float
+    cached_tokens: int
+    kv_hit_tokens: int = 0
+    queued_s: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class TokensEmitted:
+    """``count`` decode tokens of one request; the first at ``time``, then one every
+    ``interval`` seconds (the mean step time of a fast-forwarded run)."""
+
+    request_id: str
+    time: float
+    count: int
+    interval: float
+
+
+@dataclass(slots=True, frozen=True)
+class Finished:
+    request_id: str
+    time: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class Rejected:
+    """The request can never run here (e.g. larger than the whole KV cache)."""
+
+    request_id: str
+    time: float
+    reason: str
+
+
+EngineOutput = FirstToken | TokensEmitted | Finished | Rejected
+
+
+# ---------------------------------------------------------------------------- internals
+
+
+class _Seq:
+    __slots__ = (
+        "cached",
+        "cancelled",
+        "computed",
+        "hashes",
+        "held",
+        "kv_hit",
+        "load_s",
+        "max_out",
+        "nfull",
+        "out",
+        "out_hashes",
+        "pinned",
+        "prompt",
+        "queued_s",
+        "rid",
+        "submitted",
+        "unnamed",
+        "usable_blocks",
+    )
+
+    def __init__(self, req: EngineRequest, now: float, block_size: int) -> None:
+        self.rid = req.request_id
+        self.prompt = req.prompt_tokens
+        self.nfull = min(len(req.block_hashes), req.prompt_tokens // block_size)
+        self.hashes = req.block_hashes
+        self.out_hashes = req.output_block_hashes
+        self.max_out = max(1, req.max_output_tokens)
+        self.submitted = now
+        self.computed = 0
+        self.cached = 0
+        self.kv_hit = 0
+        self.held = 0  # prompt blocks pinned so far (a prefix of the prompt's full blocks)
+        self.usable_blocks = 0
+        self.out = 0
+        self.pinned: list[int] = []
+        self.unnamed = 0
+        self.load_s = 0.0
+        self.queued_s = 0.0
+        self.cancelled = False
+
+
+class _Segment:
+    """``steps`` steps starting at ``start``. A prefill step has ``chunks`` and steps == 1;
+    a decode run's step i lasts ``base + ctx_cost * (ctx0 + i * nseq)``."""
+
+    __slots__ = ("base", "chunks", "ctx0", "ctx_cost", "decoders", "end", "nseq", "start", "steps")
+
+    def __init__(
+        self,
+        start: float,
+        steps: int,
+        base: float,
+        ctx_cost: float,
+        ctx0: int,
+        decoders: list[_Seq],
+        chunks: list[tuple[_Seq, int]],
+    ) -> None:
+        self.start = start
+        self.steps = steps
+        self.base = base
+        self.ctx_cost = ctx_cost
+        self.ctx0 = ctx0
+        self.nseq = len(decoders)
+        self.decoders = decoders
+        self.chunks = chunks
+        self.end = start + self.elapsed(steps)
+
+    def elapsed(self, j: int) -> float:
+        """Duration of the first ``j`` steps."""
+        return j * self.base + self.ctx_cost * (j * self.ctx0 + self.nseq * j * (j - 1) / 2)
+
+    def steps_done(self, now: float) -> int:
+        """How many whole steps have finished by ``now`` (0..steps)."""
+        e = now - self.start
+        if e <= 0:
+            return 0
+        if self.steps == 1:
+            return 1 if self.end <= now else 0
+        a = self.ctx_cost * self.nseq / 2
+        b = self.base + self.ctx_cost * self.ctx0 - a
+        j = int(e / b) if a <= 0 else int((-b + math.sqrt(b * b + 4 * a * e)) / (2 * a))
+        j = max(0, min(j, self.steps))
+        while j < self.steps and self.start + self.elapsed(j + 1) <= now:
+            j += 1
+        while j > 0 and self.start + self.elapsed(j) > now:
+            j -= 1
+        return j
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+class EngineModel:
+    """One replica. Not thread-safe; times passed in must not decrease."""
+
+    def __init__(
+        self,
+        profile: EngineProfile,
+        replica: ReplicaKey,
+        block_size: int,
+        *,
+        kv_blocks: int | None = None,
+        cpu_blocks: int | None = None,
+        emit_tokens: bool = True,
+    ) -> None:
+        p = profile.scaled(block_size)
+        self.profile = p
+        self.replica = replica
+        self.block_size = block_size
+        self.capacity = kv_blocks if kv_blocks is not None else p.kv_blocks
+        self.cpu_capacity = cpu_blocks if cpu_blocks is not None else p.cpu_blocks
+        self.emit_tokens = emit_tokens
+        self.cost = p.cost
+        self.hybrid = p.hybrid
+        self._state_cost = p.state_checkpoint_blocks if p.hybrid else 0.0
+        self._grid = max(1, p.checkpoint_interval_tokens // block_size)
+        self._waiting: deque[_Seq] = deque()
+        self._prefilling: list[_Seq] = []
+        self._decoding: list[_Seq] = []
+        self._dec_ctx = 0
+        self._by_id: dict[str, _Seq] = {}
+        self._seg: _Segment | None = None
+        self._out: list[EngineOutput] = []
+        self._events: list[IndexEvent] = []
+        # cache: refcount of named GPU blocks; LRU of unreferenced blocks and state checkpoints
+        self._gpu: dict[int, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict()
+        self._free_cost = 0.0
+        self._states = 0
+        self._reserved = 0  # allocated blocks not (yet) named
+        self._cpu: OrderedDict[int, None] = OrderedDict()
+        self.busy_s = 0.0  # time spent in steps, for utilisation
+        self.steps = 0
+
+    # ------------------------------------------------------------------ driver API
+
+    def submit(self, req: EngineRequest, now: float) -> None:
+        """Queue a request at ``now``. Steps finishing by ``now`` are run first (their
+        outputs come back from the next ``advance``). Raises ValueError on a duplicate id or
+        a negative size."""
+        if req.request_id in self._by_id:
+            raise ValueError(f"request {req.request_id!r} is already on {self.replica}")
+        if req.prompt_tokens <= 0 or req.max_output_tokens < 0:
+            raise ValueError("prompt_tokens must be > 0 and max_output_tokens >= 0")
+        self._run_until(now)
+        seq = _Seq(req, now, self.block_size)
+        footprint = -(-(seq.prompt + seq.max_out) // self.block_size)
+        if footprint > self.capacity:
+            self._out.append(
+                Rejected(seq.rid, now, f"needs {footprint} KV blocks, capacity {self.capacity}")
+            )
+            return
+        self._by_id[seq.rid] = seq
+        self._waiting.append(seq)
+        if len(self._waiting) == 1:  # others waiting were blocked: this one cannot jump them
+            self._wake(now)
+
+    def cancel(self, request_id: str, now: float) -> None:
+        """Drop a request (client went away); unknown ids are ignored. Its blocks are
+        released at once; a step already computing its chunk still takes its time."""
+        self._run_until(now)
+        seq = self._by_id.pop(request_id, None)
+        if seq is None:
+            return
+        seq.cancelled = True
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+            return
+        if seq in self._prefilling:
+            self._prefilling.remove(seq)
+        else:
+            self._decoding.remove(seq)
+            self._dec_ctx -= seq.prompt + seq.out
+        self._release(seq, named_output=False)
+        self._wake(now)
+
+    def next_time(self) -> float | None:
+        """When the step (or decode run) in progress ends; None when idle."""
+        return self._seg.end if self._seg is not None else None
+
+    def advance(self, now: float) -> list[EngineOutput]:
+        """Run every step that finishes at or before ``now``; return outputs in time order."""
+        self._run_until(now)
+        seg = self._seg
+        if self.emit_tokens and seg is not None and not seg.chunks and seg.steps > 1:
+            done = seg.steps_done(now)
+            if 0 < done < seg.steps:  # stream the finished part of a decode run
+                self._seg = None
+                head = _Segment(seg.start, done, seg.base, seg.ctx_cost, seg.ctx0, seg.decoders, [])
+                self._finish(head)
+                rest_start = head.end
+                self._seg = _Segment(
+                    rest_start,
+                    seg.steps - done,
+                    seg.base,
+                    seg.ctx_cost,
+                    self._dec_ctx,
+                    seg.decoders,
+                    [],
+                )
+        out, self._out = self._out, []
+        return out
+
+    def take_index_events(self) -> list[IndexEvent]:
+        """Index events since the last call, in the order they happened."""
+        events, self._events = self._events, []
+        return events
+
+    def report(self, now: float) -> EngineReport:
+        """What the engine would publish: running and waiting sequences, KV usage."""
+        return EngineReport(
+            running=len(self._prefilling) + len(self._decoding),
+            waiting=len(self._waiting),
+            kv_usage=self.kv_usage(),
+            at=now,
+        )
+
+    # ------------------------------------------------------------------ introspection
+
+    def kv_usage(self) -> float:
+        """Referenced + allocated blocks over capacity (reusable cached blocks not counted)."""
+        used = len(self._gpu) + self._states * self._state_cost + self._reserved
+        return min(1.0, (used - self._free_cost) / self.capacity)
+
+    def cached_blocks(self) -> int:
+        """Named KV blocks on GPU (referenced or not)."""
+        return len(self._gpu)
+
+    def has_block(self, h: int, tier: Tier = Tier.GPU) -> bool:
+        return h in self._gpu if tier is Tier.GPU else h in self._cpu
+
+    def has_state(self, h: int) -> bool:
+        return (h | STATE_TAG) in self._free
+
+    def pending(self) -> int:
+        """Requests submitted and not finished."""
+        return len(self._by_id)
+
+    # ------------------------------------------------------------------ stepping
+
+    def _run_until(self, now: float) -> None:
+        while self._seg is not None and self._seg.end <= now:
+            seg = self._seg
+            self._seg = None
+            self._finish(seg)
+            self._start(seg.end)
+
+    def _wake(self, now: float) -> None:
+        """Something changed at ``now``: start a step if idle, else cut a decode run short
+        at the end of the step in progress so the next step can include the change."""
+        seg = self._seg
+        if seg is None:
+            self._start(now)
+            return
+        if seg.chunks or seg.steps == 1:
+            return
+        keep = min(seg.steps, seg.steps_done(now) + 1)
+        if keep < seg.steps:
+            seg.steps = keep
+            seg.end = seg.start + seg.elapsed(keep)
+
+    def _start(self, now: float) -> None:
+        self._admit(now)
+        if not self._prefilling and not self._decoding:
+            return
+        cost = self.cost
+        decoders = list(self._decoding)
+        ndec = len(decoders)
+        if self._prefilling:
+            budget = cost.chunk_tokens - ndec
+            chunks: list[tuple[_Seq, int]] = []
+            dur = cost.step_overhead_s + cost.decode_step_s(ndec, self._dec_ctx)
+            for seq in self._prefilling:
+                if budget <= 0:
+                    break
+                n = min(seq.prompt - seq.computed, budget)
+                budget -= n
+                chunks.append((seq, n))
+                dur += cost.prefill_s(n, seq.computed)
+                if seq.load_s:
+                    dur += seq.load_s
+                    seq.load_s = 0.0
+            self._seg = _Segment(now, 1, dur, 0.0, 0, decoders, chunks)
+        else:
+            steps = min(s.max_out - s.out for s in decoders)
+            base = cost.step_overhead_s + cost.decode_s_per_seq * ndec
+            self._seg = _Segment(
+                now, steps, base, cost.decode_s_per_ctx_token, self._dec_ctx, decoders, []
+            )
+
+    def _finish(self, seg: _Segment) -> None:
+        """Apply the effects of a finished segment at its end time."""
+        t = seg.end
+        self.steps += seg.steps
+        self.busy_s += t - seg.start
+        block = self.block_size
+        for seq, n in seg.chunks:
+            if seq.cancelled:
+                continue
+            old = seq.computed
+            seq.computed = old + n
+            self._computed(seq, old // block, min(seq.computed // block, seq.nfull))
+            if seq.computed >= seq.prompt:
+                self._prefilling.remove(seq)
+                seq.out = 1
+                self._out.append(FirstToken(seq.rid, t, seq.cached, seq.kv_hit, seq.queued_s))
+                if seq.out >= seq.max_out:
+                    self._complete(seq, t)
+                else:
+                    self._decoding.append(seq)
+                    self._dec_ctx += seq.prompt + 1
+        steps = seg.steps
+        if not seg.decoders:
+            return
+        first = seg.start + seg.elapsed(1)
+        interval = (t - first) / (steps - 1) if steps > 1 else 0.0
+        done: list[_Seq] = []
+        emit = self.emit_tokens
+        for seq in seg.decoders:
+            if seq.cancelled:
+                continue
+            seq.out += steps
+            if emit:
+                self._out.append(TokensEmitted(seq.rid, first, steps, interval))
+            if seq.out >= seq.max_out:
+                done.append(seq)
+        self._dec_ctx += steps * (seg.nseq - sum(1 for s in seg.decoders if s.cancelled))
+        for seq in done:
+            self._decoding.remove(seq)
+            self._dec_ctx -= seq.prompt + seq.out
+            self._complete(seq, t)
+
+    def _complete(self, seq: _Seq, t: float) -> None:
+        del self._by_id[seq.rid]
+        self._release(seq, named_output=True)
+        self._out.append(Finished(seq.rid, t, seq.prompt, seq.cached, seq.out))
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, now: float) -> None:
+        max_running = self.profile.max_running
+        while self._waiting and len(self._prefilling) + len(self._decoding) < max_running:
+            seq = self._waiting[0]
+            if not self._try_admit(seq, now):
+                return
+            self._waiting.popleft()
+            self._prefilling.append(seq)
+
+    def _try_admit(self, seq: _Seq, now: float) -> bool:
+        hashes = seq.hashes
+        nfull = seq.nfull
+        gpu = self._gpu
+        # The cache is prefix-closed (blocks are named parents first and evicted children
+        # first), so the hit length is found by bisection.
+        if nfull and hashes[nfull - 1] in gpu:
+            kv = nfull
+        elif not nfull or hashes[0] not in gpu:
+            kv = 0
+        else:
+            lo, hi = 1, nfull - 1  # block lo-1 cached, block hi not
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if hashes[mid] in gpu:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            kv = lo
+        in_free = 0
+        for h in hashes[:kv]:
+            if not gpu[h]:
+                in_free += 1
+        reach = kv  # KV hit including host-tier blocks
+        cpu = self._cpu
+        if cpu:
+            while reach < nfull and hashes[reach] in cpu:
+                reach += 1
+        usable = reach
+        free = self._free
+        if self.hybrid:
+            while usable > 0 and (hashes[usable - 1] | STATE_TAG) not in free:
+                usable -= 1
+        loads = max(0, usable - kv)  # host blocks reloaded into GPU
+        total = -(-(seq.prompt + seq.max_out) // self.block_size)
+        need = total - kv
+        used = len(gpu) + self._states * self._state_cost + self._reserved
+        if need > self.capacity - used + self._free_cost - in_free:
+            return False
+        # pin the GPU hit, take the host blocks back, evict for the rest
+        pinned = seq.pinned
+        hit = hashes[:kv]
+        for h in hit:
+            r = gpu[h]
+            if r == 0:
+                del free[h]
+            gpu[h] = r + 1
+        pinned.extend(hit)
+        self._free_cost -= in_free
+        if self.hybrid and usable:
+            free.move_to_end(hashes[usable - 1] | STATE_TAG)
+        deficit = used + need - self.capacity
+        if deficit > 0:
+            self._evict(deficit)
+        if loads:
+            moved = hashes[kv:usable]
+            for h in moved:
+                del cpu[h]
+                gpu[h] = 1
+                pinned.append(h)
+            self._events.append(BlocksRemoved(tuple(moved), Tier.CPU))
+            self._events.append(BlocksStored(tuple(moved), Tier.GPU))
+            seq.load_s = loads * self.block_size * self.profile.cpu_load_s_per_token
+        seq.unnamed = need - loads
+        seq.held = max(kv, usable)
+        self._reserved += seq.unnamed
+        seq.kv_hit = min(reach * self.block_size, seq.prompt)
+        seq.usable_blocks = usable
+        seq.cached = min(usable * self.block_size, seq.prompt - 1)
+        seq.computed = seq.cached
+        seq.queued_s = now - seq.submitted
+        return True
+
+    # ------------------------------------------------------------------ cache bookkeeping
+
+    def _computed(self, seq: _Seq, old_full: int, new_full: int) -> None:
+        """Blocks [old_full, new_full) of ``seq`` were just computed: name and cache them,
+        and take the state checkpoints the grid asks for."""
+        hashes = seq.hashes
+        gpu = self._gpu
+        start = max(old_full, seq.held)
+        if new_full > seq.held:
+            seq.held = new_full
+        stored: list[int] = []
+        if new_full > start:
+            free = self._free
+            get = gpu.get
+            new = hashes[start:new_full]
+            for h in new:
+                r = get(h)
+                if r is None:
+                    gpu[h] = 1
+                    stored.append(h)
+                else:
+                    if r == 0:
+                        del free[h]
+                        self._free_cost -= 1
+                    gpu[h] = r + 1
+            seq.pinned.extend(new)
+            seq.unnamed -= len(new)
+            self._reserved -= len(new)
+        if stored:
+            self._events.append(BlocksStored(tuple(stored)))
+        if self.hybrid and new_full > old_full:
+            self._checkpoints(seq, old_full, new_full)
+
+    def _checkpoints(self, seq: _Seq, old_full: int, new_full: int) -> None:
+        p = self.profile
+        lo = max(old_full, seq.usable_blocks)
+        if p.checkpoint == "every_block":
+            at = list(range(lo + 1, new_full + 1))
+        elif p.checkpoint == "step_end":
+            at = [new_full] if new_full > lo else []
+        else:
+            g = self._grid
+            at = list(range((lo // g + 1) * g, new_full + 1, g))
+        at_prompt_end = new_full == seq.nfull and seq.computed >= seq.prompt
+        if (
+            p.checkpoint_prompt_end
+            and at_prompt_end
+            and new_full > lo
+            and (not at or at[-1] != new_full)
+        ):
+            at.append(new_full)
+        made: list[int] = []
+        for b in at:
+            h = seq.hashes[b - 1]
+            key = h | STATE_TAG
+            if key in self._free:
+                self._free.move_to_end(key)
+                seq.pinned.append(key)
+                continue
+            if not self._make_room(self._state_cost):
+                continue  # no memory for it: the engine skips the snapshot
+            self._free[key] = None
+            self._free_cost += self._state_cost
+            self._states += 1
+            seq.pinned.append(key)
+            made.append(h)
+        if made:
+            self._events.append(BlocksStored(tuple(made), kind=Kind.STATE))
+
+    def _make_room(self, amount: float) -> bool:
+        used = len(self._gpu) + self._states * self._state_cost + self._reserved
+        deficit = used + amount - self.capacity
+        if deficit <= 0:
+            return True
+        if deficit > self._free_cost:
+            return False
+        self._evict(deficit)
+        return True
+
+    def _evict(self, amount: float) -> None:
+        """Drop least recently released unreferenced entries until ``amount`` blocks of
+        memory are free (children go before parents by construction of the LRU order)."""
+        free = self._free
+        gpu = self._gpu
+        kv: list[int] = []
+        states: list[int] = []
+        state_cost = self._state_cost
+        while amount > 0 and free:
+            key, _ = free.popitem(last=False)
+            if key >= STATE_TAG:
+                states.append(key ^ STATE_TAG)
+                self._states -= 1
+                self._free_cost -= state_cost
+                amount -= state_cost
+            else:
+                del gpu[key]
+                kv.append(key)
+                self._free_cost -= 1
+                amount -= 1
+        if states:
+            self._events.append(BlocksRemoved(tuple(states), kind=Kind.STATE))
+        if kv:
+            self._events.append(BlocksRemoved(tuple(kv)))
+            if self.cpu_capacity > 0:
+                self._offload(kv)
+
+    def _offload(self, blocks: list[int]) -> None:
+        cpu = self._cpu
+        stored: list[int] = []
+        dropped: list[int] = []
+        for h in blocks:
+            if h in cpu:
+                cpu.move_to_end(h)
+                continue
+            if len(cpu) >= self.cpu_capacity:
+                dropped.append(cpu.popitem(last=False)[0])
+            cpu[h] = None
+            stored.append(h)
+        if dropped:
+            self._events.append(BlocksRemoved(tuple(dropped), Tier.CPU))
+        if stored:
+            self._events.append(BlocksStored(tuple(stored), Tier.CPU))
+
+    def _release(self, seq: _Seq, *, named_output: bool) -> None:
+        """Unpin ``seq``'s blocks tail first; name the answer's full blocks if known."""
+        gpu = self._gpu
+        free = self._free
+        if named_output and seq.out_hashes and seq.nfull == seq.prompt // self.block_size:
+            total_full = (seq.prompt + seq.out) // self.block_size
+            names = list(seq.out_hashes[: max(0, total_full - seq.nfull)])
+            stored = [h for h in names if h not in gpu]
+            # parents (prompt) are unpinned below; answer blocks are children: evict first
+            for h in reversed(stored):
+                gpu[h] = 0
+                free[h] = None
+                self._free_cost += 1
+            named = len(stored)
+            seq.unnamed -= named
+            self._reserved -= named
+            if stored:
+                self._events.append(BlocksStored(tuple(stored)))
+        self._reserved -= seq.unnamed
+        seq.unnamed = 0
+        for key in reversed(seq.pinned):
+            if key >= STATE_TAG:
+                if key in free:
+                    free.move_to_end(key)
+                continue
+            r = gpu[key] - 1
+            gpu[key] = r
+            if r == 0:
+                free[key] = None
+                self._free_cost += 1
+        seq.pinned = []

@@ -1,0 +1,159 @@
+"""Per-run metrics and the two cache ceilings every report carries.
+
+Definitions (all times from the request's arrival at a router):
+
+* TTFT: first token time - arrival. ITL: (finish - first token) / (output tokens - 1), one
+  value per request with more than one output token. E2E: finish - arrival. Queueing delay:
+  time a request waited in its engine's queue before admission.
+* ``token_hit_rate``: prompt tokens the engines actually reused (the *usable* hit: hybrid
+  rule applied, at most prompt - 1 since the last token is always recomputed) over all prompt
+  tokens of completed requests. ``kv_token_hit_rate``: same with the KV-only hit.
+* Utilisation of a replica: time it spent running steps / the run's makespan. Imbalance:
+  max / mean of the per-replica utilisations (1.0 is perfectly even).
+* ``ceiling_infinite``: hit rate of one cache that never evicts, fed the requests in arrival
+  order. ``ceiling_global_lru``: one LRU cache with the cluster's total KV capacity, fed the
+  same way (blocks touched tail first so children are evicted before parents). Both ignore
+  timing (a block is reusable as soon as its request arrived) and the hybrid-state rule, so
+  they bound what any routing policy can reach on the KV side.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.workload import SimRequest
+
+
+class RequestRecord:
+    """What happened to one request in a run (times in seconds, NaN until known)."""
+
+    __slots__ = (
+        "arrival",
+        "cached",
+        "finish",
+        "first",
+        "kv_hit",
+        "output",
+        "prompt",
+        "queued",
+        "rejected",
+        "replica",
+        "request_id",
+    )
+
+    def __init__(self, request_id: str, arrival: float, prompt: int, replica: int) -> None:
+        self.request_id = request_id
+        self.arrival = arrival
+        self.prompt = prompt
+        self.replica = replica
+        self.first = float("nan")
+        self.finish = float("nan")
+        self.cached = 0
+        self.kv_hit = 0
+        self.queued = 0.0
+        self.output = 0
+        self.rejected = False
+
+
+def _pcts(values: Sequence[float], prefix: str, scale: float = 1000.0) -> dict[str, float]:
+    if not values:
+        return {
+            f"{prefix}_p50": float("nan"),
+            f"{prefix}_p90": float("nan"),
+            f"{prefix}_p99": float("nan"),
+            f"{prefix}_mean": float("nan"),
+        }
+    arr = np.asarray(values, dtype=float) * scale
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {
+        f"{prefix}_p50": round(float(p50), 3),
+        f"{prefix}_p90": round(float(p90), 3),
+        f"{prefix}_p99": round(float(p99), 3),
+        f"{prefix}_mean": round(float(arr.mean()), 3),
+    }
+
+
+def summarize(
+    records: Iterable[RequestRecord], busy_s: Sequence[float], replica_names: Sequence[str]
+) -> dict[str, object]:
+    """The per-run figures (see the module doc), as a JSON-ready dict."""
+    recs = list(records)
+    done = [r for r in recs if not r.rejected and r.finish == r.finish]
+    prompt = sum(r.prompt for r in done)
+    start = min((r.arrival for r in recs), default=0.0)
+    end = max((r.finish for r in done), default=start)
+    makespan = max(end - start, 1e-9)
+    util = [b / makespan for b in busy_s]
+    mean_util = sum(util) / len(util) if util else 0.0
+    per_replica = [0] * len(replica_names)
+    for r in recs:
+        if r.replica >= 0:
+            per_replica[r.replica] += 1
+    out: dict[str, object] = {
+        "requests": len(recs),
+        "completed": len(done),
+        "rejected": sum(1 for r in recs if r.rejected),
+        "token_hit_rate": round(sum(r.cached for r in done) / prompt, 5) if prompt else 0.0,
+        "kv_token_hit_rate": round(sum(r.kv_hit for r in done) / prompt, 5) if prompt else 0.0,
+    }
+    out.update(_pcts([r.first - r.arrival for r in done], "ttft_ms"))
+    out.update(
+        _pcts([(r.finish - r.first) / (r.output - 1) for r in done if r.output > 1], "itl_ms")
+    )
+    out.update(_pcts([r.finish - r.arrival for r in done], "e2e_ms"))
+    out.update(_pcts([r.queued for r in done], "queue_ms"))
+    out.update(
+        {
+            "makespan_s": round(makespan, 3),
+            "throughput_rps": round(len(done) / makespan, 4),
+            "output_tokens_per_s": round(sum(r.output for r in done) / makespan, 2),
+            "prompt_tokens_per_s": round(prompt / makespan, 2),
+            "replica_utilisation": [round(u, 4) for u in util],
+            "utilisation_imbalance": round(max(util) / mean_util, 4) if mean_util > 0 else 1.0,
+            "requests_per_replica": per_replica,
+        }
+    )
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class Ceilings:
+    infinite: float
+    global_lru: float
+    capacity_blocks: int
+
+
+def ceilings(requests: Iterable[SimRequest], capacity_blocks: int, block_size: int) -> Ceilings:
+    """Hit rates of an infinite cache and of one LRU of ``capacity_blocks`` (module doc)."""
+    seen: set[int] = set()
+    lru: OrderedDict[int, None] = OrderedDict()
+    move = lru.move_to_end
+    inf_hit = lru_hit = total = 0
+    for r in requests:
+        hashes = r.block_hashes
+        n = len(hashes)
+        k = 0
+        while k < n and hashes[k] in seen:
+            k += 1
+        inf_hit += min(k * block_size, r.prompt_tokens)
+        k = 0
+        while k < n and hashes[k] in lru:
+            k += 1
+        lru_hit += min(k * block_size, r.prompt_tokens)
+        total += r.prompt_tokens
+        chain = list(hashes) + list(r.output_block_hashes)
+        seen.update(chain)
+        for h in reversed(chain):
+            if h in lru:
+                move(h)
+            else:
+                lru[h] = None
+        while len(lru) > capacity_blocks:
+            lru.popitem(last=False)
+    if not total:
+        return Ceilings(0.0, 0.0, capacity_blocks)
+    return Ceilings(round(inf_hit / total, 5), round(lru_hit / total, 5), capacity_blocks)

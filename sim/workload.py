@@ -1,0 +1,357 @@
+"""Workloads: the requests a simulation replays, and the readers that build them from traces.
+
+A ``Workload`` is a list of ``SimRequest`` values. A request either arrives at a fixed time
+(open loop, ``after is None``) or ``delay_s`` after the request ``after`` finished (closed
+loop: the next turn of a session starts once the previous answer is back). Every request
+carries the canonical block hashes of its prompt at the router block size, computed by
+``router.core.hashing.hash_prompt`` exactly as the live router hashes tokens.
+
+Trace formats (JSON lines; unknown extra fields are ignored):
+
+* Mooncake: ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``;
+  each hash id names a ``trace_block``-token prefix block (512 in Mooncake's releases).
+* Recorded (the router's own format): Mooncake rows plus optional ``session_id``, ``model``
+  and ``delay`` (ms). A row with ``delay`` whose session already had a row is closed-loop:
+  it arrives ``delay`` ms after that previous row's request finished.
+* Alibaba Bailian: ``{"chat_id", "parent_chat_id" (-1 for none), "timestamp" (s),
+  "input_length", "output_length", "type", "turn", "hash_ids"}`` over 16-token blocks;
+  replayed open loop at its timestamps, sessions follow the parent chain.
+
+Hash ids -> tokens. A trace names blocks, not tokens, so token content is synthesised
+deterministically: token ``j`` of the block with id ``k`` is ``(k * trace_block + j) mod 2**32``.
+Distinct ids get distinct content and a shared id gets identical content, so the router's
+chained hashing sees exactly the sharing the trace describes. The partial last block of a
+prompt is the first tokens of its block's content. Hashes of the router blocks that end inside
+a full trace block depend only on its id (an id names the whole prefix), so they are memoised
+per id and a block shared by many requests is hashed once. Ids beyond the prompt (rows whose
+``input_length`` exceeds ``len(hash_ids) * trace_block``) get fresh ids, never shared.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from router.core.errors import ConfigError
+from router.core.hashing import hash_prompt, root_hash
+
+BUNDLED_DIR = Path(__file__).resolve().parent / "traces"
+BUNDLED = {"mooncake": BUNDLED_DIR / "mooncake_synthetic_trace.jsonl"}
+
+
+@dataclass(slots=True, frozen=True)
+class SimRequest:
+    """One request of a workload. ``arrival_s`` is the open-loop arrival time; for a
+    closed-loop turn (``after`` set) it is ignored and the request arrives ``delay_s`` after
+    ``after`` finished. ``output_block_hashes`` name the full blocks the answer completes when
+    the workload knows the answer's content (synthetic sessions), else empty."""
+
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    block_hashes: Sequence[int]
+    session_id: str | None = None
+    after: str | None = None
+    delay_s: float = 0.0
+    output_block_hashes: Sequence[int] = ()
+
+
+@dataclass(slots=True)
+class Workload:
+    """Requests plus where they came from; ``block_size``/``model`` are those of the hashes."""
+
+    name: str
+    requests: list[SimRequest]
+    block_size: int
+    model: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def head(self, n: int) -> Workload:
+        """The first ``n`` requests (closed-loop turns whose parent is cut become open)."""
+        kept = self.requests[:n]
+        ids = {r.request_id for r in kept}
+        fixed = [
+            r
+            if r.after is None or r.after in ids
+            else SimRequest(
+                r.request_id,
+                r.arrival_s,
+                r.prompt_tokens,
+                r.output_tokens,
+                r.block_hashes,
+                r.session_id,
+                None,
+                0.0,
+                r.output_block_hashes,
+            )
+            for r in kept
+        ]
+        return Workload(self.name, fixed, self.block_size, self.model, dict(self.meta))
+
+
+class BlockIdHasher:
+    """Canonical router-block hashes for prompts named by trace block ids (see module doc)."""
+
+    def __init__(self, block_size: int, trace_block: int, model: str) -> None:
+        if block_size <= 0 or trace_block <= 0:
+            raise ConfigError("block sizes must be positive")
+        self.block_size = block_size
+        self.trace_block = trace_block
+        self.root = root_hash(model)
+        self._memo: dict[int, list[int]] = {}
+        self._offsets = np.arange(trace_block, dtype="<u4")
+        self.hashed_tokens = 0
+
+    def _tokens(self, ids: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        tb = self.trace_block
+        if lo % tb == 0 and hi % tb == 0:  # whole trace blocks: one broadcast, uint32 wraps
+            ids32 = ids[lo // tb : hi // tb].astype("<u4")
+            return (ids32[:, None] * np.uint32(tb) + self._offsets).reshape(-1)
+        pos = np.arange(lo, hi, dtype=np.int64)
+        return ((ids[pos // tb] * tb + pos % tb) & 0xFFFFFFFF).astype("<u4")
+
+    def hashes(self, ids: Sequence[int], prompt_tokens: int) -> list[int]:
+        """Hashes of the full router blocks of a prompt of ``prompt_tokens`` tokens.
+
+        Runs of trace blocks not seen before are hashed in one ``hash_prompt`` call, then
+        split per id into the memo."""
+        tb, bs = self.trace_block, self.block_size
+        memo = self._memo
+        out: list[int] = []
+        n = min(len(ids), -(-prompt_tokens // tb))
+        arr: np.ndarray | None = None
+        i = 0
+        while i < n:
+            if (i + 1) * tb <= prompt_tokens:
+                cached = memo.get(ids[i])
+                if cached is not None:
+                    out.extend(cached)
+                    i += 1
+                    continue
+            j = i + 1
+            while j < n and not ((j + 1) * tb <= prompt_tokens and ids[j] in memo):
+                j += 1
+            base = len(out)
+            lo = base * bs
+            hi = (min(j * tb, prompt_tokens) // bs) * bs
+            new: list[int] = []
+            if hi > lo:
+                if arr is None:
+                    arr = np.asarray(ids, dtype=np.int64)
+                parent = out[-1] if out else None
+                new = hash_prompt(self._tokens(arr, lo, hi), bs, self.root, parent=parent).hashes
+                self.hashed_tokens += hi - lo
+            for idx in range(i, j):
+                if (idx + 1) * tb <= prompt_tokens:
+                    memo[ids[idx]] = new[(idx * tb) // bs - base : ((idx + 1) * tb) // bs - base]
+            out.extend(new)
+            i = j
+        return out
+
+
+# ---------------------------------------------------------------------------- readers
+
+
+def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    with path.open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}:{lineno}: expected a JSON object")
+            yield lineno, row
+
+
+def _int(row: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    value = row.get(key, default)
+    if value is None:
+        raise ConfigError(f"{where}: missing {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"{where}: {key!r} must be a non-negative number, got {value!r}")
+    return int(value)
+
+
+def resolve_trace(trace: str) -> Path:
+    """``mooncake`` means the bundled trace; anything else is a path."""
+    path = BUNDLED.get(trace, Path(trace))
+    if not path.is_file():
+        raise ConfigError(f"trace {trace!r} not found (use a path or: {', '.join(BUNDLED)})")
+    return path
+
+
+def sniff_format(path: Path) -> str:
+    """``bailian`` if the first row has ``chat_id``, else ``mooncake`` (covers recorded)."""
+    for _, row in _rows(path):
+        return "bailian" if "chat_id" in row else "mooncake"
+    raise ConfigError(f"{path}: empty trace")
+
+
+def read_mooncake(
+    path: Path,
+    *,
+    block_size: int,
+    trace_block: int = 512,
+    model: str = "sim-model",
+    limit: int | None = None,
+) -> Workload:
+    """Mooncake JSONL, including the router's recorded rows (``session_id``, ``delay``)."""
+    hasher = BlockIdHasher(block_size, trace_block, model)
+    requests: list[SimRequest] = []
+    last_of_session: dict[str, str] = {}
+    next_fresh = 1 << 40  # ids for blocks a row's hash_ids do not cover
+    t0: float | None = None
+    for lineno, row in _rows(path):
+        where = f"{path}:{lineno}"
+        ts = _int(row, "timestamp", where, 0) / 1000.0
+        t0 = ts if t0 is None else t0
+        n_in = _int(row, "input_length", where)
+        n_out = _int(row, "output_length", where, 1)
+        ids = row.get("hash_ids", [])
+        if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
+            raise ConfigError(f"{where}: 'hash_ids' must be a list of integers")
+        if n_in <= 0:
+            raise ConfigError(f"{where}: 'input_length' must be positive")
+        missing = -(-n_in // trace_block) - len(ids)
+        if missing > 0:
+            ids = ids + list(range(next_fresh, next_fresh + missing))
+            next_fresh += missing
+        rid = f"r{len(requests)}"
+        session = row.get("session_id")
+        session = None if session is None else str(session)
+        after = None
+        delay = 0.0
+        if session is not None and "delay" in row and session in last_of_session:
+            after = last_of_session[session]
+            delay = _int(row, "delay", where) / 1000.0
+        if session is not None:
+            last_of_session[session] = rid
+        requests.append(
+            SimRequest(
+                rid,
+                ts - t0,
+                n_in,
+                max(n_out, 1),
+                hasher.hashes(ids, n_in),
+                session,
+                after,
+                delay,
+            )
+        )
+        if limit is not None and len(requests) >= limit:
+            break
+    meta = {"format": "mooncake", "path": str(path), "trace_block": trace_block}
+    meta["hashed_tokens"] = hasher.hashed_tokens
+    return Workload(path.stem, requests, block_size, model, meta)
+
+
+def read_bailian(
+    path: Path,
+    *,
+    block_size: int,
+    trace_block: int = 16,
+    model: str = "sim-model",
+    limit: int | None = None,
+) -> Workload:
+    """Alibaba Bailian JSONL (open loop at its timestamps, sessions via parent_chat_id)."""
+    hasher = BlockIdHasher(block_size, trace_block, model)
+    rows: list[tuple[float, str, dict[str, Any], str]] = []
+    root_of: dict[str, str] = {}
+    for lineno, row in _rows(path):
+        where = f"{path}:{lineno}"
+        if "chat_id" not in row:
+            raise ConfigError(f"{where}: missing 'chat_id'")
+        chat = str(row["chat_id"])
+        parent = row.get("parent_chat_id", -1)
+        parent_s = None if parent in (-1, None, "-1", "") else str(parent)
+        root_of[chat] = root_of.get(parent_s, parent_s) if parent_s is not None else chat
+        ts = float(row.get("timestamp", 0.0))
+        rows.append((ts, chat, row, where))
+        if limit is not None and len(rows) >= limit:
+            break
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0] if rows else 0.0
+    next_fresh = 1 << 40
+    requests: list[SimRequest] = []
+    for ts, chat, row, where in rows:
+        n_in = _int(row, "input_length", where)
+        n_out = _int(row, "output_length", where, 1)
+        if n_in <= 0:
+            raise ConfigError(f"{where}: 'input_length' must be positive")
+        ids = row.get("hash_ids", [])
+        if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
+            raise ConfigError(f"{where}: 'hash_ids' must be a list of integers")
+        missing = -(-n_in // trace_block) - len(ids)
+        if missing > 0:
+            ids = ids + list(range(next_fresh, next_fresh + missing))
+            next_fresh += missing
+        requests.append(
+            SimRequest(
+                f"c{chat}",
+                ts - t0,
+                n_in,
+                max(n_out, 1),
+                hasher.hashes(ids, n_in),
+                root_of.get(chat, chat),
+            )
+        )
+    meta = {"format": "bailian", "path": str(path), "trace_block": trace_block}
+    return Workload(path.stem, requests, block_size, model, meta)
+
+
+def load_trace(
+    trace: str,
+    *,
+    block_size: int,
+    fmt: str = "auto",
+    trace_block: int | None = None,
+    model: str = "sim-model",
+    limit: int | None = None,
+) -> Workload:
+    """Read ``trace`` (a path or ``mooncake``) in format ``auto|mooncake|recorded|bailian``."""
+    path = resolve_trace(trace)
+    kind = sniff_format(path) if fmt == "auto" else fmt
+    if kind in ("mooncake", "recorded"):
+        return read_mooncake(
+            path, block_size=block_size, trace_block=trace_block or 512, model=model, limit=limit
+        )
+    if kind == "bailian":
+        return read_bailian(
+            path, block_size=block_size, trace_block=trace_block or 16, model=model, limit=limit
+        )
+    raise ConfigError(f"unknown trace format {fmt!r} (auto, mooncake, recorded, bailian)")
+
+
+def scale_arrivals(requests: Iterable[SimRequest], speedup: float) -> list[SimRequest]:
+    """Arrival times and closed-loop delays divided by ``speedup``."""
+    if speedup <= 0:
+        raise ConfigError("speedup must be positive")
+    if speedup == 1.0:
+        return list(requests)
+    return [
+        SimRequest(
+            r.request_id,
+            r.arrival_s / speedup,
+            r.prompt_tokens,
+            r.output_tokens,
+            r.block_hashes,
+            r.session_id,
+            r.after,
+            r.delay_s / speedup,
+            r.output_block_hashes,
+        )
+        for r in requests
+    ]

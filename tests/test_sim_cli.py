@@ -1,0 +1,176 @@
+"""The ``kvrouter sim`` command through the real console entry point (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from router.core.policies import POLICY_NAMES, make_policy
+from sim.tuned import load_tuned
+
+CONTRACT_KEYS = {
+    "policy",
+    "requests",
+    "token_hit_rate",
+    "ceiling_global_lru",
+    "ceiling_infinite",
+    "ttft_ms_p50",
+    "ttft_ms_p90",
+    "ttft_ms_p99",
+    "wall_s",
+}
+
+
+def kvrouter(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+FLEET = ["--replicas", "8", "--block-size", "64", "--kv-blocks", "16384"]
+
+
+def test_replay_json_contract_single_policy() -> None:
+    p = kvrouter(
+        "sim",
+        "replay",
+        "mooncake",
+        *FLEET,
+        "--policy",
+        "dynamo",
+        "--speedup",
+        "2",
+        "--limit",
+        "250",
+        "--json",
+    )
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert set(doc) >= CONTRACT_KEYS
+    assert doc["policy"] == "dynamo" and doc["requests"] == 250 and doc["speedup"] == 2.0
+    assert 0 < doc["token_hit_rate"] <= doc["ceiling_infinite"] <= 1
+    assert doc["ceiling_global_lru"] <= doc["ceiling_infinite"]
+    assert doc["ttft_ms_p50"] <= doc["ttft_ms_p90"] <= doc["ttft_ms_p99"]
+
+
+def test_replay_all_policies_side_by_side() -> None:
+    p = kvrouter(
+        "sim",
+        "replay",
+        "mooncake",
+        *FLEET,
+        "--policy",
+        "all",
+        "--limit",
+        "150",
+        "--json",
+        "--jobs",
+        "2",
+    )
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert [r["policy"] for r in doc["runs"]] == list(POLICY_NAMES)
+    assert {"ceiling_global_lru", "ceiling_infinite", "wall_s"} <= set(doc)
+    for run in doc["runs"]:
+        assert CONTRACT_KEYS - {"wall_s"} <= set(run)
+    table = kvrouter(
+        "sim", "replay", "mooncake", *FLEET, "--policy", "ours,round_robin", "--limit", "100"
+    )
+    assert table.returncode == 0, table.stderr
+    assert "TTFT p90" in table.stdout and "round_robin" in table.stdout
+    assert "ceilings: infinite cache" in table.stdout
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    p = kvrouter("sim", "replay", "mooncake", "--policy", "nope", "--json")
+    assert p.returncode == 2 and "unknown policy" in p.stderr and "Traceback" not in p.stderr
+    p = kvrouter("sim", "replay", "/no/such.jsonl", "--json")
+    assert p.returncode == 2 and "not found" in p.stderr
+    p = kvrouter("sim", "replay", "mooncake", "--params", '{"bogus": 1}', "--limit", "5")
+    assert p.returncode == 2 and "bogus" in p.stderr
+
+
+def test_tune_writes_a_loadable_config_and_replay_uses_it(tmp_path: Path) -> None:
+    out = tmp_path / "tuned.toml"
+    p = kvrouter(
+        "sim",
+        "tune",
+        "mooncake",
+        "--replicas",
+        "4",
+        "--kv-blocks",
+        "4096",
+        "--limit",
+        "120",
+        "--budget",
+        "3",
+        "--speedups",
+        "1,4",
+        "--jobs",
+        "2",
+        "--model",
+        "kimi/k3",
+        "--out",
+        str(out),
+    )
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout)
+    tuned = load_tuned(out)
+    assert tuned.model == "kimi/k3" and tuned.policy == "ours" and tuned.block_size == 64
+    assert {k: tuned.params[k] for k in result["best"]} == result["best"]
+    policy = make_policy(tuned.policy, tuned.params)
+    assert policy.name == "ours"
+    p = kvrouter(
+        "sim",
+        "replay",
+        "mooncake",
+        "--replicas",
+        "4",
+        "--kv-blocks",
+        "4096",
+        "--limit",
+        "60",
+        "--config",
+        str(out),
+        "--policy",
+        "round_robin",
+        "--json",
+    )
+    assert p.returncode == 0, p.stderr
+    assert [r["policy"] for r in json.loads(p.stdout)["runs"]] == ["round_robin", "ours"]
+
+
+def test_report_writes_plots_and_html(tmp_path: Path) -> None:
+    p = kvrouter(
+        "sim",
+        "replay",
+        "agentic:sessions=20,mean_turns=3",
+        "--replicas",
+        "4",
+        "--policy",
+        "ours,dynamo",
+        "--sweep",
+        "1,4",
+        "--report",
+        str(tmp_path),
+        "--json",
+    )
+    assert p.returncode == 0, p.stderr
+    names = {f.name for f in tmp_path.iterdir()}
+    assert {
+        "ttft_cdf.png",
+        "speedup_sweep.png",
+        "replica_load.png",
+        "index.html",
+        "summary.json",
+    } <= names
+    assert (tmp_path / "ttft_cdf.png").read_bytes()[:4] == b"\x89PNG"
+    html = (tmp_path / "index.html").read_text()
+    assert "speedup_sweep.png" in html and "dynamo" in html
+    assert len(json.loads((tmp_path / "summary.json").read_text())["sweep"]) == 4

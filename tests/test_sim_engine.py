@@ -1,0 +1,268 @@
+"""The engine model on exact hand-computed cases: batching, chunked prefill, LRU eviction
+children before parents, the hybrid state checkpoint grid, the host tier, streaming."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.core.load import CostModel
+from router.core.types import BlocksRemoved, BlocksStored, Kind, ReplicaKey, Tier
+from sim.engine import (
+    EngineModel,
+    EngineRequest,
+    Finished,
+    FirstToken,
+    Rejected,
+    TokensEmitted,
+)
+from sim.profiles import EngineProfile, load_profile, profile_names
+
+B = 10  # tokens per block in these cases
+COST = CostModel(
+    step_overhead_s=0.01,
+    prefill_s_per_token=1e-4,
+    prefill_s_per_token_ctx=0.0,
+    decode_s_per_seq=0.001,
+    decode_s_per_ctx_token=0.0,
+    chunk_tokens=100,
+)
+
+
+def engine(**kw: object) -> EngineModel:
+    emit = bool(kw.pop("emit_tokens", True))
+    profile = EngineProfile("t", cost=COST, block_size=B, **kw)  # type: ignore[arg-type]
+    return EngineModel(profile, ReplicaKey("r"), B, emit_tokens=emit)
+
+
+def req(rid: str, blocks: list[int], tokens: int | None = None, out: int = 1) -> EngineRequest:
+    return EngineRequest(rid, blocks, tokens if tokens is not None else len(blocks) * B, out)
+
+
+def drain(e: EngineModel) -> list[object]:
+    outs: list[object] = []
+    while (t := e.next_time()) is not None:
+        outs += e.advance(t)
+    return outs
+
+
+def stored(events: list[object], kind: Kind = Kind.KV, tier: Tier = Tier.GPU) -> list[int]:
+    return [
+        h
+        for ev in events
+        if isinstance(ev, BlocksStored) and ev.kind is kind and ev.tier is tier
+        for h in ev.hashes
+    ]
+
+
+def removed(events: list[object], kind: Kind = Kind.KV, tier: Tier = Tier.GPU) -> list[int]:
+    return [
+        h
+        for ev in events
+        if isinstance(ev, BlocksRemoved) and ev.kind is kind and ev.tier is tier
+        for h in ev.hashes
+    ]
+
+
+def test_chunked_prefill_and_decode_times() -> None:
+    e = engine(kv_blocks=100)
+    e.submit(req("a", list(range(1, 26)), 250, out=5), 0.0)
+    outs = drain(e)
+    # 3 prefill steps: 100, 100, 50 tokens -> 0.02 + 0.02 + 0.015; first token at 0.055
+    first = next(o for o in outs if isinstance(o, FirstToken))
+    assert first.time == pytest.approx(0.055) and first.cached_tokens == 0
+    # then 4 decode steps of 0.011 s fast-forwarded as one run
+    toks = [o for o in outs if isinstance(o, TokensEmitted)]
+    assert len(toks) == 1 and toks[0].count == 4
+    assert toks[0].time == pytest.approx(0.066) and toks[0].interval == pytest.approx(0.011)
+    fin = next(o for o in outs if isinstance(o, Finished))
+    assert fin.time == pytest.approx(0.099) and fin.output_tokens == 5
+    assert stored(e.take_index_events()) == list(range(1, 26))
+
+
+def test_continuous_batching_shares_steps_and_cuts_decode_runs() -> None:
+    e = engine(kv_blocks=100)
+    e.submit(req("a", [1, 2], 20, out=100), 0.0)
+    outs = e.advance(0.012)  # prefill step: 0.01 + 20 * 1e-4 = 0.012 -> first token
+    assert [type(o) for o in outs] == [FirstToken]
+    # a decode run of 99 steps is now in progress (0.011 s each)...
+    assert e.next_time() == pytest.approx(0.012 + 99 * 0.011)
+    e.advance(0.012)
+    # ...until b arrives mid-step: the run is cut at the end of the step in progress.
+    e.submit(req("b", [7, 8, 9], 30, out=2), 0.03)
+    assert e.next_time() == pytest.approx(0.012 + 2 * 0.011)
+    outs = e.advance(0.034)
+    assert [type(o) for o in outs] == [TokensEmitted]
+    # next step batches b's 30-token prefill with a's decode: 0.01 + 0.003 + 0.001
+    t = e.next_time()
+    assert t == pytest.approx(0.034 + 0.014)
+    outs = e.advance(t)
+    assert any(isinstance(o, FirstToken) and o.request_id == "b" for o in outs)
+    rep = e.report(t)
+    assert rep.running == 2 and rep.waiting == 0
+
+
+def test_streaming_advance_returns_finished_part_of_a_run() -> None:
+    e = engine(kv_blocks=100)
+    e.submit(req("a", [1], 10, out=11), 0.0)
+    e.advance(0.011)  # prefill 0.01 + 0.001
+    outs = e.advance(0.011 + 3 * 0.011 + 0.001)
+    assert len(outs) == 1 and isinstance(outs[0], TokensEmitted) and outs[0].count == 3
+    outs = drain(e)
+    assert sum(o.count for o in outs if isinstance(o, TokensEmitted)) == 7
+    assert isinstance(outs[-1], Finished) and outs[-1].output_tokens == 11
+
+
+def test_prefix_hit_and_last_token_recomputed() -> None:
+    e = engine(kv_blocks=100)
+    e.submit(req("a", [1, 2, 3, 4], 40), 0.0)
+    drain(e)
+    e.submit(req("b", [1, 2, 3, 4], 40), 1.0)
+    first = next(o for o in drain(e) if isinstance(o, FirstToken))
+    assert first.cached_tokens == 39 and first.kv_hit_tokens == 40
+    e.submit(req("c", [1, 2, 9], 35), 2.0)
+    first = next(o for o in drain(e) if isinstance(o, FirstToken))
+    assert first.cached_tokens == 20
+
+
+def test_lru_evicts_children_before_parents_and_never_pinned() -> None:
+    e = engine(kv_blocks=8)
+    e.submit(req("a", [1, 2, 3]), 0.0)
+    drain(e)
+    e.submit(req("b", [4, 5, 6]), 1.0)
+    drain(e)
+    e.take_index_events()
+    # 6 named blocks cached (the output blocks are unnamed, freed at the end); c needs 4
+    # of 8 -> evict 2, from a (released before b), tail first
+    e.submit(req("c", [7, 8, 9]), 2.0)
+    drain(e)
+    ev = e.take_index_events()
+    assert removed(ev) == [3, 2]
+    assert e.has_block(1) and e.has_block(4) and not e.has_block(2)
+    # a request holding blocks pins them: d (8 blocks with its output) pins all of them,
+    # so e waits until d is done instead of evicting d's blocks
+    e.submit(req("d", [4, 5, 6], out=50), 3.0)
+    e.submit(req("e", [11, 12, 13, 14, 15]), 3.0)
+    e.advance(3.0)
+    assert removed(e.take_index_events()) == [1, 9, 8, 7]
+    assert e.report(3.0).waiting == 1 and e.kv_usage() == 1.0
+    outs = drain(e)
+    order = [o.request_id for o in outs if isinstance(o, Finished)]
+    assert order == ["d", "e"]
+
+
+def test_request_larger_than_cache_is_rejected() -> None:
+    e = engine(kv_blocks=4)
+    e.submit(req("big", list(range(1, 10))), 0.0)
+    outs = e.advance(0.0)
+    assert isinstance(outs[0], Rejected) and "capacity 4" in outs[0].reason
+    assert e.next_time() is None and e.pending() == 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "interval", "expected"),
+    [
+        (
+            "every_block",
+            10,
+            [
+                1,
+                2,
+                3,
+                4,
+                5,
+                6,
+                7,
+                8,
+                9,
+                10,
+                11,
+                12,
+                13,
+                14,
+                15,
+                16,
+                17,
+                18,
+                19,
+                20,
+                21,
+                22,
+                23,
+                24,
+                25,
+            ],
+        ),
+        ("step_end", 10, [10, 20, 25]),
+        ("every_n", 40, [4, 8, 12, 16, 20, 24, 25]),
+    ],
+)
+def test_hybrid_checkpoint_grid(mode: str, interval: int, expected: list[int]) -> None:
+    e = engine(
+        kv_blocks=200,
+        hybrid=True,
+        checkpoint=mode,
+        checkpoint_interval_tokens=interval,
+        state_checkpoint_blocks=1.0,
+    )
+    hashes = list(range(1, 26))
+    e.submit(req("a", hashes, 255), 0.0)  # 25 full blocks + 5 tokens; chunks of 100 tokens
+    drain(e)
+    assert stored(e.take_index_events(), Kind.STATE) == expected
+
+
+def test_hybrid_usable_hit_stops_at_last_checkpoint() -> None:
+    e = engine(
+        kv_blocks=200,
+        hybrid=True,
+        checkpoint="every_n",
+        checkpoint_interval_tokens=50,
+        state_checkpoint_blocks=2.0,
+    )
+    e.submit(req("a", list(range(1, 26)), 255), 0.0)
+    drain(e)
+    # shares 23 blocks: the KV hit is 230 tokens but the last checkpoint inside is at 20 blocks
+    e.submit(req("b", [*range(1, 24), 99, 98], 255), 1.0)
+    first = next(o for o in drain(e) if isinstance(o, FirstToken))
+    assert first.kv_hit_tokens == 230 and first.cached_tokens == 200
+    # checkpoints cost memory: usage counts them while they are in use... and they are evictable
+    assert e.has_state(20) and e.has_state(25)
+
+
+def test_cpu_tier_offloads_evicted_blocks_and_reloads_them() -> None:
+    e = engine(kv_blocks=4, cpu_blocks=10, cpu_load_s_per_token=1e-3)
+    e.submit(req("a", [1, 2, 3]), 0.0)
+    drain(e)
+    e.submit(req("b", [4, 5, 6]), 1.0)
+    drain(e)
+    ev = e.take_index_events()
+    assert removed(ev) == [3, 2, 1] and stored(ev, tier=Tier.CPU) == [3, 2, 1]
+    e.submit(req("c", [1, 2, 3]), 2.0)
+    outs = drain(e)
+    first = next(o for o in outs if isinstance(o, FirstToken))
+    assert first.cached_tokens == 29 and first.kv_hit_tokens == 30
+    # reload of 30 tokens (0.03 s) + step 0.01 + 1 token of prefill
+    assert first.time == pytest.approx(2.0 + 0.03 + 0.01 + 1e-4)
+    ev = e.take_index_events()
+    assert removed(ev, tier=Tier.CPU) == [1, 2, 3] and e.has_block(1)
+
+
+def test_cancel_releases_blocks_and_is_idempotent() -> None:
+    e = engine(kv_blocks=10)
+    e.submit(req("a", [1, 2, 3], out=1000), 0.0)
+    e.advance(0.05)
+    e.cancel("a", 0.05)
+    e.cancel("a", 0.05)
+    e.cancel("nope", 0.05)
+    assert e.pending() == 0 and e.kv_usage() == 0.0
+    assert not any(isinstance(o, Finished) for o in drain(e))
+    with pytest.raises(ValueError):
+        e.submit(req("x", [1], 0), 1.0)
+
+
+def test_bundled_profiles_load() -> None:
+    assert {"dense-70b", "kimi-k3"} <= set(profile_names())
+    kimi = load_profile("kimi-k3")
+    assert kimi.hybrid and kimi.state_checkpoint_blocks > 0 and kimi.cpu_blocks > 0
+    dense = load_profile("dense-70b")
+    assert not dense.hybrid and dense.kv_blocks == 16384
+    assert dense.scaled(128).kv_blocks == 8192

@@ -1,0 +1,102 @@
+"""Event ordering, determinism of whole runs, the ceilings on hand-made traces, and a
+multi-router / lagged-index run through the real routing core."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.cluster import ClusterConfig, Simulation
+from sim.events import ARRIVAL, DELIVER, ENGINE, EventQueue
+from sim.metrics import ceilings
+from sim.profiles import load_profile
+from sim.workload import SimRequest, Workload, load_trace
+
+
+def test_event_queue_orders_by_time_then_priority_then_insertion() -> None:
+    q = EventQueue()
+    q.push(2.0, ARRIVAL, "late")
+    q.push(1.0, ARRIVAL, "a1")
+    q.push(1.0, ENGINE, "e")
+    q.push(1.0, ARRIVAL, "a2")
+    q.push(1.0, DELIVER, "d")
+    assert [q.pop()[2] for _ in range(len(q))] == ["e", "d", "a1", "a2", "late"]
+    assert q.peek_time() is None and not q
+
+
+def req(rid: str, hashes: list[int], arrival: float = 0.0, out: tuple[int, ...] = ()) -> SimRequest:
+    return SimRequest(rid, arrival, len(hashes) * 10, 1, hashes, output_block_hashes=out)
+
+
+def test_ceilings_on_hand_traces() -> None:
+    trace = [req("a", [1, 2, 3]), req("b", [1, 2, 4]), req("c", [5]), req("d", [1, 2, 3])]
+    c = ceilings(trace, capacity_blocks=100, block_size=10)
+    assert c.infinite == pytest.approx((0 + 20 + 0 + 30) / 100)
+    assert c.global_lru == c.infinite  # nothing evicted
+    # capacity 4: after b the LRU holds 1,2,3,4; c evicts the oldest leaf (3, a's tail)...
+    small = ceilings(trace, capacity_blocks=4, block_size=10)
+    assert small.global_lru == pytest.approx((0 + 20 + 0 + 20) / 100)
+    # ...and answers named by output blocks count as cached for the next request
+    turns = [req("a", [1], out=(2,)), req("b", [1, 2, 3])]
+    assert ceilings(turns, 100, 10).infinite == pytest.approx(20 / 40)
+
+
+def small_config(**kw: object) -> ClusterConfig:
+    return ClusterConfig(
+        profile=load_profile("dense-70b"),
+        replicas=4,
+        block_size=64,
+        kv_blocks=4096,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def slice_() -> Workload:
+    return load_trace("mooncake", block_size=64, limit=300)
+
+
+def test_runs_are_deterministic_and_seed_matters_for_random(slice_: Workload) -> None:
+    cfg = small_config()
+    one = Simulation(slice_, cfg, "ours").run().summary
+    two = Simulation(slice_, cfg, "ours").run().summary
+    assert one == two and one["completed"] == 300
+    r1 = Simulation(slice_, cfg, "random").run().summary
+    r2 = Simulation(slice_, small_config(seed=9), "random").run().summary
+    assert r1["requests_per_replica"] != r2["requests_per_replica"]
+
+
+def test_cache_aware_beats_round_robin_and_stays_under_ceiling(slice_: Workload) -> None:
+    cfg = small_config()
+    rr = Simulation(slice_, cfg, "round_robin").run()
+    ours = Simulation(slice_, cfg, "ours").run()
+    ceil = ceilings(slice_.requests, cfg.capacity_blocks(), 64)
+    assert rr.summary["token_hit_rate"] < ours.summary["token_hit_rate"] <= ceil.infinite
+    assert ours.summary["ttft_ms_p50"] < rr.summary["ttft_ms_p50"]
+    assert rr.summary["requests_per_replica"] == [75, 75, 75, 75]
+
+
+def test_several_routers_with_event_lag_pile_on(slice_: Workload) -> None:
+    base = Simulation(slice_, small_config(), "longest_prefix").run().summary
+    lagged = (
+        Simulation(slice_, small_config(routers=4, event_lag_s=5.0), "longest_prefix").run().summary
+    )
+    assert lagged["completed"] == 300
+    # with stale indexes the routers miss prefixes they would otherwise have seen
+    assert lagged["token_hit_rate"] < base["token_hit_rate"]
+    spec = (
+        Simulation(
+            slice_,
+            small_config(routers=4, event_lag_s=5.0, speculative_ttl_s=30.0),
+            "longest_prefix",
+        )
+        .run()
+        .summary
+    )
+    assert spec["token_hit_rate"] > lagged["token_hit_rate"]
+
+
+def test_hybrid_profile_usable_hits_below_kv_hits(slice_: Workload) -> None:
+    kimi = load_profile("kimi-k3").with_overrides(checkpoint_interval_tokens=4096)
+    cfg = ClusterConfig(profile=kimi, replicas=4, block_size=64, kv_blocks=20000, cpu_blocks=0)
+    s = Simulation(slice_, cfg, "ours").run().summary
+    assert 0 < s["token_hit_rate"] < s["kv_token_hit_rate"]

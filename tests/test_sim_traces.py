@@ -1,0 +1,153 @@
+"""Trace readers (Mooncake, recorded, Bailian), the hash-id -> token mapping and the
+synthetic agentic generator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from router.core.errors import ConfigError
+from router.core.hashing import hash_prompt, root_hash
+from sim.agentic import AgenticSpec, generate
+from sim.workload import load_trace
+
+
+def write(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def tokens_of(ids: list[int], n: int, tb: int) -> np.ndarray:
+    return np.concatenate([np.arange(k * tb, k * tb + tb) for k in ids])[:n].astype("<u4")
+
+
+@pytest.mark.parametrize("block_size", [64, 48, 512, 1024])
+def test_mooncake_hashes_equal_hashing_the_synthesised_tokens(block_size: int) -> None:
+    w = load_trace("mooncake", block_size=block_size, limit=40)
+    rows = [json.loads(line) for line in Path(w.meta["path"]).read_text().splitlines()[:40]]
+    root = root_hash("sim-model")
+    for row, r in zip(rows, w.requests, strict=True):
+        toks = tokens_of(row["hash_ids"], row["input_length"], 512)
+        assert list(r.block_hashes) == hash_prompt(toks, block_size, root).hashes
+        assert r.prompt_tokens == row["input_length"] and r.output_tokens == row["output_length"]
+    assert w.requests[2].arrival_s == pytest.approx(0.040)
+
+
+def test_recorded_rows_sessions_delay_and_unknown_fields(tmp_path: Path) -> None:
+    rows = [
+        {
+            "timestamp": 1000,
+            "input_length": 600,
+            "output_length": 5,
+            "hash_ids": [1, 2],
+            "session_id": "s1",
+            "model": "m",
+            "extra": {"x": 1},
+        },
+        {"timestamp": 1500, "input_length": 100, "output_length": 3, "hash_ids": [9]},
+        {
+            "timestamp": 0,
+            "input_length": 1100,
+            "output_length": 5,
+            "hash_ids": [1, 2, 3],
+            "session_id": "s1",
+            "delay": 250,
+        },
+    ]
+    w = load_trace(str(write(tmp_path / "rec.jsonl", rows)), block_size=64)
+    a, b, c = w.requests
+    assert a.after is None and a.arrival_s == 0.0 and b.arrival_s == pytest.approx(0.5)
+    assert c.after == a.request_id and c.delay_s == pytest.approx(0.25)
+    assert list(c.block_hashes[: len(a.block_hashes)]) == list(a.block_hashes)
+    assert len(c.block_hashes) == 1100 // 64
+
+
+def test_rows_without_enough_hash_ids_get_fresh_blocks(tmp_path: Path) -> None:
+    rows = [{"timestamp": 0, "input_length": 1500, "output_length": 1, "hash_ids": [1]}] * 2
+    w = load_trace(str(write(tmp_path / "t.jsonl", rows)), block_size=64)
+    a, b = w.requests
+    assert len(a.block_hashes) == 1500 // 64
+    assert a.block_hashes[:8] == b.block_hashes[:8] and a.block_hashes[8] != b.block_hashes[8]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", "not JSON"),
+        ('{"timestamp": 0, "output_length": 1}', "input_length"),
+        ('{"timestamp": 0, "input_length": 5, "hash_ids": ["a"]}', "hash_ids"),
+        ('{"timestamp": 0, "input_length": -5}', "non-negative"),
+    ],
+)
+def test_bad_rows_are_clear_errors(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=message) as exc:
+        load_trace(str(path), block_size=64, fmt="mooncake")
+    assert "bad.jsonl:1" in str(exc.value)
+    with pytest.raises(ConfigError, match="not found"):
+        load_trace(str(tmp_path / "missing.jsonl"), block_size=64)
+
+
+def test_bailian_rows_sessions_and_16_token_blocks(tmp_path: Path) -> None:
+    rows = [
+        {
+            "chat_id": 7,
+            "parent_chat_id": -1,
+            "timestamp": 10.0,
+            "input_length": 100,
+            "output_length": 20,
+            "type": "text",
+            "turn": 1,
+            "hash_ids": [1, 2, 3, 4, 5, 6, 7],
+        },
+        {
+            "chat_id": 8,
+            "parent_chat_id": 7,
+            "timestamp": 12.5,
+            "input_length": 160,
+            "output_length": 20,
+            "type": "text",
+            "turn": 2,
+            "hash_ids": [1, 2, 3, 4, 5, 6, 10, 11, 12, 13],
+        },
+    ]
+    w = load_trace(str(write(tmp_path / "b.jsonl", rows)), block_size=32)
+    assert w.meta["format"] == "bailian"
+    a, b = w.requests
+    assert b.arrival_s == pytest.approx(2.5) and a.session_id == b.session_id == "7"
+    assert len(a.block_hashes) == 3 and len(b.block_hashes) == 5
+    assert a.block_hashes[:3] == b.block_hashes[:3]  # 6 shared 16-token ids = 3 blocks of 32
+    toks = tokens_of(rows[1]["hash_ids"], 160, 16)  # type: ignore[arg-type]
+    assert list(b.block_hashes) == hash_prompt(toks, 32, root_hash("sim-model")).hashes
+
+
+def test_agentic_sessions_share_prefixes_grow_and_close_the_loop() -> None:
+    spec = AgenticSpec(sessions=30, system_prompts=2, tool_sets=1, mean_turns=4, seed=5)
+    w = generate(spec, block_size=64)
+    again = generate(spec, block_size=64)
+    assert [r.block_hashes for r in w.requests] == [r.block_hashes for r in again.requests]
+    by_id = {r.request_id: r for r in w.requests}
+    follow = [r for r in w.requests if r.after is not None]
+    assert follow and all(r.delay_s > 0 for r in follow)
+    for r in follow:
+        parent = by_id[r.after]  # type: ignore[index]
+        assert r.session_id == parent.session_id and r.prompt_tokens > parent.prompt_tokens
+        # the next prompt extends prompt + answer: its prefix is the parent's blocks
+        # followed by the blocks the parent's answer completed
+        chain = list(parent.block_hashes) + list(parent.output_block_hashes)
+        assert list(r.block_hashes[: len(chain)]) == chain
+    firsts = [r for r in w.requests if r.after is None]
+    shared = {r.block_hashes[0] for r in firsts}
+    assert len(shared) <= 2 < len(firsts)  # everybody starts with one of 2 system prompts
+    heavy = generate(
+        AgenticSpec(sessions=40, mean_turns=30, max_turns=60, tool_tokens=20000, seed=1),
+        block_size=512,
+    )
+    assert max(r.prompt_tokens for r in heavy.requests) > 200_000
+    assert max(r.prompt_tokens for r in heavy.requests) < 1_000_000  # capped context
+    with pytest.raises(ConfigError, match="bad agentic option"):
+        AgenticSpec.parse("agentic:bogus=1")
