@@ -51,12 +51,24 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress, islice, repeat
+from operator import eq
+from typing import Any
 
 from router.core.load import EngineReport
 from router.core.types import BlocksRemoved, BlocksStored, IndexEvent, Kind, ReplicaKey, Tier
 from sim.profiles import EngineProfile
 
 STATE_TAG = 1 << 64  # cache key of the state checkpoint after block h is ``h | STATE_TAG``
+
+# Bulk helpers: the cache bookkeeping runs per block, so the common cases are done with
+# C-level map/compress/update calls instead of Python loops (same results, in the same order).
+_SINK: deque[object] = deque(maxlen=0)
+_consume = _SINK.extend  # exhaust an iterator
+_plus1 = (1).__add__
+_minus1 = (-1).__add__
+_is1 = (1).__eq__
+_negative = (0).__gt__
 
 # ---------------------------------------------------------------------------- values
 
@@ -146,8 +158,19 @@ class _Seq:
     def __init__(self, req: EngineRequest, now: float, block_size: int) -> None:
         self.rid = req.request_id
         self.prompt = req.prompt_tokens
-        self.nfull = min(len(req.block_hashes), req.prompt_tokens // block_size)
-        self.hashes = req.block_hashes
+        hashes = req.block_hashes
+        self.nfull = min(len(hashes), req.prompt_tokens // block_size)
+        self.hashes = hashes
+        if len(set(hashes)) < len(hashes):
+            # Canonical chained hashes never repeat within a prompt. If these do, only the
+            # blocks before the first repeat are named and cached: a repeated name would
+            # break the prefix closure of the cache (and the one-pin-per-block bookkeeping).
+            seen: set[int] = set()
+            for i, h in enumerate(hashes[: self.nfull]):
+                if h in seen:
+                    self.nfull = i
+                    break
+                seen.add(h)
         self.out_hashes = req.output_block_hashes
         self.max_out = max(1, req.max_output_tokens)
         self.submitted = now
@@ -247,10 +270,13 @@ class EngineModel:
         self._seg: _Segment | None = None
         self._out: list[EngineOutput] = []
         self._events: list[IndexEvent] = []
-        # cache: refcount of named GPU blocks; LRU of unreferenced blocks and state checkpoints
+        # cache (see "cache bookkeeping"): named GPU blocks, state checkpoints, their LRU
         self._gpu: dict[int, int] = {}
-        self._free: OrderedDict[int, None] = OrderedDict()
-        self._free_cost = 0.0
+        self._state_at: dict[int, int] = {}
+        self._lru: deque[list[Any]] = deque()
+        self._lru_len = 0  # entries in the LRU's runs, live or stale
+        self._stamp = 0
+        self._free_cost = 0.0  # memory of unreferenced blocks and checkpoints (evictable)
         self._states = 0
         self._reserved = 0  # allocated blocks not (yet) named
         self._cpu: OrderedDict[int, None] = OrderedDict()
@@ -355,7 +381,7 @@ class EngineModel:
         return h in self._gpu if tier is Tier.GPU else h in self._cpu
 
     def has_state(self, h: int) -> bool:
-        return (h | STATE_TAG) in self._free
+        return (h | STATE_TAG) in self._state_at
 
     def pending(self) -> int:
         """Requests submitted and not finished."""
@@ -490,19 +516,18 @@ class EngineModel:
                 else:
                     hi = mid
             kv = lo
-        in_free = 0
-        for h in hashes[:kv]:
-            if not gpu[h]:
-                in_free += 1
+        hit = hashes[:kv]
+        refs = list(map(gpu.__getitem__, hit))
+        in_free = sum(map(_negative, refs))  # unreferenced: in the LRU
         reach = kv  # KV hit including host-tier blocks
         cpu = self._cpu
         if cpu:
             while reach < nfull and hashes[reach] in cpu:
                 reach += 1
         usable = reach
-        free = self._free
+        state_at = self._state_at
         if self.hybrid:
-            while usable > 0 and (hashes[usable - 1] | STATE_TAG) not in free:
+            while usable > 0 and (hashes[usable - 1] | STATE_TAG) not in state_at:
                 usable -= 1
         loads = max(0, usable - kv)  # host blocks reloaded into GPU
         total = -(-(seq.prompt + seq.max_out) // self.block_size)
@@ -512,20 +537,19 @@ class EngineModel:
             return False
         # pin the GPU hit, take the host blocks back, evict for the rest
         pinned = seq.pinned
-        hit = hashes[:kv]
-        for h in hit:
-            r = gpu[h]
-            if r == 0:
-                del free[h]
-            gpu[h] = r + 1
+        if in_free == kv:
+            gpu.update(zip(hit, repeat(1)))
+        else:
+            gpu.update(zip(hit, map(_plus1, map(max, refs, repeat(0))), strict=True))
         pinned.extend(hit)
         self._free_cost -= in_free
         if self.hybrid and usable:
-            free.move_to_end(hashes[usable - 1] | STATE_TAG)
+            key = hashes[usable - 1] | STATE_TAG
+            state_at[key] = self._lru_push([key], True)  # move to the LRU's young end
         deficit = used + need - self.capacity
-        if deficit > 0:
-            self._evict(deficit)
         if loads:
+            # Take the host blocks before evicting: evicted blocks move to the host tier and
+            # could push the very blocks being reloaded out of it.
             moved = hashes[kv:usable]
             for h in moved:
                 del cpu[h]
@@ -534,6 +558,8 @@ class EngineModel:
             self._events.append(BlocksRemoved(tuple(moved), Tier.CPU))
             self._events.append(BlocksStored(tuple(moved), Tier.GPU))
             seq.load_s = loads * self.block_size * self.profile.cpu_load_s_per_token
+        if deficit > 0:
+            self._evict(deficit)
         seq.unnamed = need - loads
         seq.held = max(kv, usable)
         self._reserved += seq.unnamed
@@ -545,6 +571,48 @@ class EngineModel:
         return True
 
     # ------------------------------------------------------------------ cache bookkeeping
+    #
+    # ``_gpu[h]`` is the refcount (> 0) of a named GPU block, or ``~stamp`` (< 0) when it is
+    # unreferenced and sits in the LRU; ``_state_at[key]`` is ``~stamp`` for every state
+    # checkpoint (all of them sit in the LRU). The LRU is a deque of runs
+    # ``[stamp, keys, offset, mixed]``, oldest first: releasing a request appends one run. An
+    # entry is live iff its key still carries its run's stamp; re-pinning or moving a key to
+    # the young end just re-stamps it, leaving a stale entry that eviction skips. This is the
+    # same order as a per-block LRU list, at a per-run rather than per-block Python cost.
+
+    def _lru_push(self, keys: list[int], mixed: bool) -> int:
+        """Append ``keys`` (oldest first) as one run; return the tag the caller must store
+        for each of them (in ``_gpu`` for KV blocks, ``_state_at`` for checkpoints)."""
+        self._stamp += 1
+        self._lru.append([self._stamp, keys, 0, mixed])
+        self._lru_len += len(keys)
+        if self._lru_len > 4 * (len(self._gpu) + len(self._state_at)) + 16384:
+            self._lru_compact()
+        return ~self._stamp
+
+    def _lru_compact(self) -> None:
+        """Drop stale entries (amortised O(1) a push: runs only when most entries are)."""
+        gpu_get = self._gpu.get
+        state_get = self._state_at.get
+        runs: deque[list[Any]] = deque()
+        size = 0
+        for run in self._lru:
+            stamp, keys, off, mixed = run
+            tag = ~stamp
+            if mixed:
+                keep = [
+                    k
+                    for k in islice(keys, off, None)
+                    if (state_get(k) if k >= STATE_TAG else gpu_get(k)) == tag
+                ]
+            else:
+                part = keys[off:]
+                keep = list(compress(part, map(eq, map(gpu_get, part), repeat(tag))))
+            if keep:
+                runs.append([stamp, keep, 0, mixed])
+                size += len(keep)
+        self._lru = runs
+        self._lru_len = size
 
     def _computed(self, seq: _Seq, old_full: int, new_full: int) -> None:
         """Blocks [old_full, new_full) of ``seq`` were just computed: name and cache them,
@@ -556,19 +624,22 @@ class EngineModel:
             seq.held = new_full
         stored: list[int] = []
         if new_full > start:
-            free = self._free
-            get = gpu.get
             new = hashes[start:new_full]
-            for h in new:
-                r = get(h)
-                if r is None:
-                    gpu[h] = 1
-                    stored.append(h)
-                else:
-                    if r == 0:
-                        del free[h]
+            if gpu.keys().isdisjoint(new):  # all new: the common case
+                gpu.update(zip(new, repeat(1)))
+                stored = new if isinstance(new, list) else list(new)
+            else:
+                get = gpu.get
+                for h in new:
+                    r = get(h)
+                    if r is None:
+                        gpu[h] = 1
+                        stored.append(h)
+                    elif r < 0:
+                        gpu[h] = 1
                         self._free_cost -= 1
-                    gpu[h] = r + 1
+                    else:
+                        gpu[h] = r + 1
             seq.pinned.extend(new)
             seq.unnamed -= len(new)
             self._reserved -= len(new)
@@ -596,16 +667,17 @@ class EngineModel:
         ):
             at.append(new_full)
         made: list[int] = []
+        state_at = self._state_at
         for b in at:
             h = seq.hashes[b - 1]
             key = h | STATE_TAG
-            if key in self._free:
-                self._free.move_to_end(key)
+            if key in state_at:
+                state_at[key] = self._lru_push([key], True)
                 seq.pinned.append(key)
                 continue
             if not self._make_room(self._state_cost):
                 continue  # no memory for it: the engine skips the snapshot
-            self._free[key] = None
+            state_at[key] = self._lru_push([key], True)
             self._free_cost += self._state_cost
             self._states += 1
             seq.pinned.append(key)
@@ -626,23 +698,52 @@ class EngineModel:
     def _evict(self, amount: float) -> None:
         """Drop least recently released unreferenced entries until ``amount`` blocks of
         memory are free (children go before parents by construction of the LRU order)."""
-        free = self._free
+        runs = self._lru
         gpu = self._gpu
+        gpu_get = gpu.get
+        state_at = self._state_at
         kv: list[int] = []
         states: list[int] = []
         state_cost = self._state_cost
-        while amount > 0 and free:
-            key, _ = free.popitem(last=False)
-            if key >= STATE_TAG:
-                states.append(key ^ STATE_TAG)
-                self._states -= 1
-                self._free_cost -= state_cost
-                amount -= state_cost
+        scanned = 0
+        while amount > 0 and runs:
+            run = runs[0]
+            stamp, keys, off, mixed = run
+            tag = ~stamp
+            n = len(keys)
+            start = off
+            if mixed:
+                while amount > 0 and off < n:
+                    key = keys[off]
+                    off += 1
+                    if key >= STATE_TAG:
+                        if state_at.get(key) == tag:
+                            del state_at[key]
+                            states.append(key ^ STATE_TAG)
+                            self._states -= 1
+                            self._free_cost -= state_cost
+                            amount -= state_cost
+                    elif gpu_get(key) == tag:
+                        del gpu[key]
+                        kv.append(key)
+                        self._free_cost -= 1
+                        amount -= 1
             else:
-                del gpu[key]
-                kv.append(key)
-                self._free_cost -= 1
-                amount -= 1
+                while amount > 0 and off < n:  # the oldest ceil(amount) live entries
+                    chunk = keys[off : off + math.ceil(amount)]
+                    off += len(chunk)
+                    live = list(compress(chunk, map(eq, map(gpu_get, chunk), repeat(tag))))
+                    if live:
+                        _consume(map(gpu.__delitem__, live))
+                        kv.extend(live)
+                        self._free_cost -= len(live)
+                        amount -= len(live)
+            scanned += off - start
+            if off >= n:
+                runs.popleft()
+            else:
+                run[2] = off
+        self._lru_len -= scanned
         if states:
             self._events.append(BlocksRemoved(tuple(states), kind=Kind.STATE))
         if kv:
@@ -670,31 +771,59 @@ class EngineModel:
     def _release(self, seq: _Seq, *, named_output: bool) -> None:
         """Unpin ``seq``'s blocks tail first; name the answer's full blocks if known."""
         gpu = self._gpu
-        free = self._free
         if named_output and seq.out_hashes and seq.nfull == seq.prompt // self.block_size:
             total_full = (seq.prompt + seq.out) // self.block_size
-            names = list(seq.out_hashes[: max(0, total_full - seq.nfull)])
+            names = dict.fromkeys(seq.out_hashes[: max(0, total_full - seq.nfull)])
             stored = [h for h in names if h not in gpu]
-            # parents (prompt) are unpinned below; answer blocks are children: evict first
-            for h in reversed(stored):
-                gpu[h] = 0
-                free[h] = None
-                self._free_cost += 1
+            if stored:
+                # parents (prompt) are unpinned below; answer blocks are children: evict first
+                answer = stored[::-1]
+                gpu.update(zip(answer, repeat(self._lru_push(answer, False))))
+                self._free_cost += len(stored)
+                self._events.append(BlocksStored(tuple(stored)))
             named = len(stored)
             seq.unnamed -= named
             self._reserved -= named
-            if stored:
-                self._events.append(BlocksStored(tuple(stored)))
         self._reserved -= seq.unnamed
         seq.unnamed = 0
-        for key in reversed(seq.pinned):
+        pinned = seq.pinned
+        seq.pinned = []
+        if not pinned:
+            return
+        if not self.hybrid:  # KV blocks only, each pinned once
+            rev = pinned[::-1]
+            refs = list(map(gpu.__getitem__, rev))
+            ones = refs.count(1)
+            if ones == len(rev):
+                gpu.update(zip(rev, repeat(self._lru_push(rev, False))))
+            else:
+                gpu.update(zip(rev, map(_minus1, refs), strict=True))
+                if ones:
+                    zeros = list(compress(rev, map(_is1, refs)))
+                    gpu.update(zip(zeros, repeat(self._lru_push(zeros, False))))
+            self._free_cost += ones
+            return
+        young: list[int] = []  # entries moving to the LRU's young end, oldest first
+        mixed = False
+        state_at = self._state_at
+        for key in reversed(pinned):
             if key >= STATE_TAG:
-                if key in free:
-                    free.move_to_end(key)
+                if key in state_at:
+                    young.append(key)
+                    mixed = True
                 continue
             r = gpu[key] - 1
             gpu[key] = r
             if r == 0:
-                free[key] = None
+                young.append(key)
                 self._free_cost += 1
-        seq.pinned = []
+        if not young:
+            return
+        if mixed:  # a checkpoint pinned twice moves to its last position only
+            young = list(dict.fromkeys(reversed(young)))[::-1]
+        tag = self._lru_push(young, mixed)
+        for key in young:
+            if key >= STATE_TAG:
+                state_at[key] = tag
+            else:
+                gpu[key] = tag

@@ -32,8 +32,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -112,12 +113,14 @@ class BlockIdHasher:
         self.hashed_tokens = 0
 
     def _tokens(self, ids: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """Tokens ``lo:hi`` of the prompt: the trace blocks covering them, built in one
+        broadcast (uint32 arithmetic wraps, i.e. ``(k * trace_block + j) mod 2**32``), then
+        cut to the range."""
         tb = self.trace_block
-        if lo % tb == 0 and hi % tb == 0:  # whole trace blocks: one broadcast, uint32 wraps
-            ids32 = ids[lo // tb : hi // tb].astype("<u4")
-            return (ids32[:, None] * np.uint32(tb) + self._offsets).reshape(-1)
-        pos = np.arange(lo, hi, dtype=np.int64)
-        return ((ids[pos // tb] * tb + pos % tb) & 0xFFFFFFFF).astype("<u4")
+        first = lo // tb
+        ids32 = ids[first : -(-hi // tb)].astype("<u4")
+        full = (ids32[:, None] * np.uint32(tb) + self._offsets).reshape(-1)
+        return full[lo - first * tb : hi - first * tb]
 
     def hashes(self, ids: Sequence[int], prompt_tokens: int) -> list[int]:
         """Hashes of the full router blocks of a prompt of ``prompt_tokens`` tokens.
@@ -126,10 +129,13 @@ class BlockIdHasher:
         split per id into the memo."""
         tb, bs = self.trace_block, self.block_size
         memo = self._memo
-        out: list[int] = []
         n = min(len(ids), -(-prompt_tokens // tb))
+        # The memoised leading run (most of a prompt in a trace with shared prefixes) in one
+        # C-level pass; the loop below takes over at the first id to hash.
+        known = list(map(memo.get, ids[: min(n, prompt_tokens // tb)]))
+        i = known.index(None) if None in known else len(known)
+        out: list[int] = list(chain.from_iterable(cast(list[list[int]], known[:i])))
         arr: np.ndarray | None = None
-        i = 0
         while i < n:
             if (i + 1) * tb <= prompt_tokens:
                 cached = memo.get(ids[i])

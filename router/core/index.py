@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import compress, filterfalse, repeat
+from operator import eq, ne
 
 from router.core.types import (
     NO_MATCH,
@@ -45,6 +48,8 @@ from router.core.types import (
 )
 
 _TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
+_SINK: deque[object] = deque(maxlen=0)
+_consume = _SINK.extend  # exhaust an iterator (C-level loops for bulk events)
 
 
 def _bits(value: int) -> int:
@@ -232,17 +237,26 @@ class PrefixIndex:
     def _store(self, slot: int, hashes: Iterable[int], tier: Tier, kind: Kind) -> None:
         table = self._state if kind is Kind.STATE else self._kv[tier]
         bit = 1 << slot
+        blocks = hashes if isinstance(hashes, list | tuple) else list(hashes)
+        size = len(table)
         added = 0
-        for block in hashes:
-            value = table.get(block)
-            if value is None:
-                table[block] = ~slot
-                added += 1
-            else:
-                mask = _bits(value)
-                if not mask & bit:
-                    table[block] = mask | bit
+        # Bulk form of "add ``slot`` to each block's holders": blocks nobody holds are
+        # inserted as ``~slot`` in one C-level update (in order, duplicates counted once).
+        if table.keys().isdisjoint(blocks):
+            table.update(zip(blocks, repeat(~slot)))
+        else:
+            held = table.keys() & blocks
+            for block in held:  # _bits inlined: this loop is hot when replicas share blocks
+                value = table[block]
+                if value < 0:
+                    if value != ~slot:
+                        table[block] = (1 << ~value) | bit
+                        added += 1
+                elif not value & bit:
+                    table[block] = value | bit
                     added += 1
+            table.update(zip(filterfalse(held.__contains__, blocks), repeat(~slot)))
+        added += len(table) - size
         if kind is Kind.STATE:
             self._state_count[slot] += added
             if self._state_count[slot]:
@@ -253,7 +267,32 @@ class PrefixIndex:
     def _remove(self, slot: int, hashes: Iterable[int], tier: Tier, kind: Kind) -> None:
         table = self._state if kind is Kind.STATE else self._kv[tier]
         bit = 1 << slot
-        removed = sum(1 for block in hashes if _discard(table, block, bit))
+        blocks = hashes if isinstance(hashes, list | tuple) else list(hashes)
+        size = len(table)
+        # Bulk form of "drop ``slot`` from each block's holders": blocks held by ``slot``
+        # alone (stored as ``~slot``) are popped in one C-level pass, the rest one by one.
+        values = list(map(table.get, blocks))
+        only = ~slot
+        alone = values.count(only)
+        removed = 0
+        shared: Iterable[int] = blocks
+        if alone:
+            if alone == len(blocks):
+                shared = ()
+                _consume(map(table.pop, blocks, repeat(None)))
+            else:
+                shared = compress(blocks, map(ne, values, repeat(only)))
+                _consume(
+                    map(table.pop, compress(blocks, map(eq, values, repeat(only))), repeat(None))
+                )
+            removed = size - len(table)
+        get = table.get
+        for block in shared:  # _discard inlined; these blocks are not ours alone
+            value = get(block)
+            if value is not None and value >= 0 and value & bit:
+                value ^= bit  # at least one other holder is left
+                table[block] = ~(value.bit_length() - 1) if value & (value - 1) == 0 else value
+                removed += 1
         if kind is Kind.STATE:
             self._state_count[slot] -= removed
             if not self._state_count[slot]:
