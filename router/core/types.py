@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class Tier(enum.IntEnum):
@@ -41,9 +42,12 @@ class Kind(enum.IntEnum):
     STATE = 1
 
 
-@dataclass(slots=True, frozen=True, order=True)
-class ReplicaKey:
-    """One schedulable engine: a replica id plus its data-parallel rank."""
+class ReplicaKey(NamedTuple):
+    """One schedulable engine: a replica id plus its data-parallel rank.
+
+    A NamedTuple rather than a frozen dataclass: it is the key of every per-replica dict on
+    the routing hot path, and tuple hashing and equality run in C.
+    """
 
     replica: str
     dp_rank: int = 0
