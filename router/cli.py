@@ -13,6 +13,9 @@ from collections.abc import Sequence
 # optional parts can be absent from a slim install.
 _SUBCOMMANDS: tuple[str, ...] = (
     "router.bench.cli",
+    "router.service.cli",
+    "router.publisher.cli",
+    "router.mock.cli",
     "sim.cli",
     "router.demo",
 )

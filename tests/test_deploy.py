@@ -56,12 +56,22 @@ def test_kustomize_resources_exist() -> None:
 def test_kustomize_build_of_the_region_overlay_validates() -> None:
     out = subprocess.run(
         ["kubectl", "kustomize", str(K8S / "overlays" / "region-example")],
-        capture_output=True, text=True, check=True, timeout=60,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     ).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert {"Deployment", "StatefulSet", "PodDisruptionBudget", "HorizontalPodAutoscaler",
-            "ServiceMonitor", "Service", "ConfigMap"} <= set(kinds)
+    assert {
+        "Deployment",
+        "StatefulSet",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "ServiceMonitor",
+        "Service",
+        "ConfigMap",
+    } <= set(kinds)
     for doc in docs:
         if doc["kind"] not in CRD_KINDS:
             kubernetes_validate.validate(doc, "1.30.0", strict=True)

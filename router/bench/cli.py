@@ -6,7 +6,13 @@ import argparse
 import importlib
 
 # Modules under router.bench (or elsewhere) exposing register(subparsers).
-_BENCHES: tuple[str, ...] = ("router.bench.hash_bench", "router.bench.index_bench")
+_BENCHES: tuple[str, ...] = (
+    "router.bench.hash_bench",
+    "router.bench.index_bench",
+    "router.bench.store_bench",
+    "router.bench.tokenize_bench",
+    "router.bench.proxy_bench",
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

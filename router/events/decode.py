@@ -1,0 +1,171 @@
+"""Total decoder of vLLM/SGLang KV-event payloads: every input yields a ``DecodeResult``;
+nothing raises. Accepts both encodings at both levels (positional arrays with trailing
+defaults omitted, or maps with a ``type`` key), hashes as ints or bytes, and ignores unknown
+extra fields (newer engines append fields)."""
+
+from __future__ import annotations
+
+import array
+from typing import Any
+
+import msgpack
+
+from router.events.model import (
+    BATCH_FIELDS,
+    REMOVED_FIELDS,
+    STORED_FIELDS,
+    DecodeResult,
+    EngineAllCleared,
+    EngineBatch,
+    EngineBlockRemoved,
+    EngineBlockStored,
+    EngineEvent,
+)
+
+MAX_PAYLOAD = 64 * 2**20
+
+
+class _Bad(Exception):
+    pass
+
+
+def _hash(value: Any) -> int:
+    if isinstance(value, bool):
+        raise _Bad("block hash is a bool")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (bytes, bytearray)) and 0 < len(value) <= 64:
+        return int.from_bytes(value, "big")
+    raise _Bad(f"block hash of type {type(value).__name__}")
+
+
+def _hashes(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise _Bad("block_hashes is not a list")
+    return tuple(_hash(v) for v in value)
+
+
+def _opt_int(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise _Bad(f"{name} is not an int")
+
+
+def _opt_str(value: Any, name: str) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            raise _Bad(f"{name} is not UTF-8") from None
+    if isinstance(value, str):
+        return value
+    raise _Bad(f"{name} is not a string")
+
+
+def _fields(raw: Any, names: tuple[str, ...], what: str) -> tuple[str, dict[str, Any]]:
+    """(tag, field map) from either encoding."""
+    if isinstance(raw, (list, tuple)):
+        if not raw:
+            raise _Bad(f"empty {what}")
+        tag = _opt_str(raw[0], "tag") or ""
+        return tag, dict(zip(names, raw[1:], strict=False))
+    if isinstance(raw, dict):
+        fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
+        tag = _opt_str(fields.pop("type", None), "type") or ""
+        return tag, fields
+    raise _Bad(f"{what} is a {type(raw).__name__}")
+
+
+def _event(raw: Any) -> EngineEvent:
+    tag = ""
+    names: tuple[str, ...] = STORED_FIELDS
+    if isinstance(raw, (list, tuple)) and raw:
+        tag = _opt_str(raw[0], "tag") or ""
+    elif isinstance(raw, dict):
+        t = raw.get("type", raw.get(b"type"))
+        tag = _opt_str(t, "type") or ""
+    if tag == "BlockRemoved":
+        names = REMOVED_FIELDS
+    tag, f = _fields(raw, names, "event")
+    if tag == "BlockStored":
+        token_ids = f.get("token_ids")
+        if not isinstance(token_ids, (list, tuple)):
+            raise _Bad("token_ids is not a list")
+        try:  # range- and type-checks every id in C (a msgpack true/false passes as 1/0)
+            array.array("I", token_ids)
+        except (OverflowError, TypeError):
+            raise _Bad("token_ids is not a list of uint32") from None
+        block_size = f.get("block_size")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise _Bad("block_size is not a positive int")
+        parent = f.get("parent_block_hash")
+        return EngineBlockStored(
+            block_hashes=_hashes(f.get("block_hashes")),
+            parent_block_hash=None if parent is None else _hash(parent),
+            token_ids=tuple(token_ids),
+            block_size=block_size,
+            lora_id=_opt_int(f.get("lora_id"), "lora_id"),
+            medium=_opt_str(f.get("medium"), "medium"),
+            lora_name=_opt_str(f.get("lora_name"), "lora_name"),
+            extra_keys=f.get("extra_keys"),
+            group_idx=_opt_int(f.get("group_idx"), "group_idx"),
+            kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
+            kv_cache_spec_sliding_window=_opt_int(
+                f.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window"
+            ),
+        )
+    if tag == "BlockRemoved":
+        return EngineBlockRemoved(
+            block_hashes=_hashes(f.get("block_hashes")),
+            medium=_opt_str(f.get("medium"), "medium"),
+            group_idx=_opt_int(f.get("group_idx"), "group_idx"),
+        )
+    if tag == "AllBlocksCleared":
+        return EngineAllCleared()
+    raise _Bad(f"unknown event type {tag!r:.40}")
+
+
+def decode_payload(payload: bytes) -> DecodeResult:
+    """Decode one ``KVEventBatch`` payload. Never raises."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        return DecodeResult(None, ("payload is not bytes",))
+    if len(payload) > MAX_PAYLOAD:
+        return DecodeResult(None, (f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}",))
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises many types (ExtraData, ValueError, ...)
+        return DecodeResult(None, (f"not msgpack: {type(exc).__name__}",))
+    try:
+        if isinstance(raw, (list, tuple)):
+            f = dict(zip(BATCH_FIELDS, raw, strict=False))
+        elif isinstance(raw, dict):
+            f = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
+        else:
+            raise _Bad(f"batch is a {type(raw).__name__}")
+        ts = f.get("ts", 0.0)
+        if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+            raise _Bad("ts is not a number")
+        events_raw = f.get("events")
+        if not isinstance(events_raw, (list, tuple)):
+            raise _Bad("events is not a list")
+        rank = _opt_int(f.get("data_parallel_rank"), "data_parallel_rank")
+        if rank is not None and not 0 <= rank < 65536:
+            raise _Bad("data_parallel_rank out of range")
+    except _Bad as exc:
+        return DecodeResult(None, (str(exc),))
+    except Exception as exc:  # belt and braces: the decoder is total
+        return DecodeResult(None, (f"bad batch: {type(exc).__name__}",))
+    events: list[EngineEvent] = []
+    errors: list[str] = []
+    for i, ev in enumerate(events_raw):
+        try:
+            events.append(_event(ev))
+        except _Bad as exc:
+            errors.append(f"event {i}: {exc}")
+        except Exception as exc:
+            errors.append(f"event {i}: {type(exc).__name__}")
+    return DecodeResult(EngineBatch(float(ts), tuple(events), rank), tuple(errors))

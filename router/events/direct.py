@@ -1,0 +1,58 @@
+"""Single-router mode without Redis: the router subscribes to its engines' ZMQ endpoints
+itself and applies canonical events straight to its ``PrefixIndex``.
+
+``DirectEvents(index)`` with ``add_replica(...)`` per engine, then ``start()``/``stop()``
+(or ``async with``); the service can run it in ``cleanup_ctx``. It runs in the router's event
+loop, so index mutations never race with lookups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.core.index import PrefixIndex
+from router.core.types import EventBatch, IndexEvent, ReplicaKey
+from router.events.ingest import EndpointSpec, EngineIngest, SubscriberGroup
+
+
+class DirectEvents:
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+        self.ingests: dict[str, EngineIngest] = {}
+        self._groups: list[SubscriberGroup] = []
+        self._started = False
+
+    def _sink(self, key: ReplicaKey, events: list[IndexEvent]) -> None:
+        self.index.apply(EventBatch(key, tuple(events)))
+        if self.index.garbage_ratio() > 1.0:
+            self.index.compact()
+
+    def add_replica(
+        self, replica: str, model: str, block_size: int, endpoints: Sequence[EndpointSpec]
+    ) -> EngineIngest:
+        """Follow ``endpoints`` of ``replica``; call before ``start``."""
+        if self._started:
+            raise RuntimeError("add replicas before start()")
+        ingest = EngineIngest(replica, model, block_size, self._sink)
+        self.ingests[replica] = ingest
+        for spec in endpoints:
+            self.index.add_replica(ReplicaKey(replica, spec.dp_rank))
+        self._groups.append(SubscriberGroup(ingest, endpoints))
+        return ingest
+
+    async def start(self) -> None:
+        for group in self._groups:
+            await group.start()
+        self._started = True
+
+    async def stop(self) -> None:
+        for group in self._groups:
+            await group.stop()
+        self._started = False
+
+    async def __aenter__(self) -> DirectEvents:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

@@ -1,0 +1,141 @@
+"""``EngineIngest``: one engine's event endpoints -> canonical index events per replica key.
+
+payload -> ``decode_payload`` -> per data-parallel rank ``Reblocker`` -> ``sink(key, events)``.
+Lost batches (a gap the replay could not fill) and engine restarts clear that engine's
+state: a ``AllCleared`` goes to the sink for every rank the endpoint served. Malformed
+payloads and events are counted in ``stats`` and skipped; the sink is never called with
+partial garbage, and nothing here raises on input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from router.core.types import AllCleared, IndexEvent, ReplicaKey
+from router.events.decode import decode_payload
+from router.events.reblock import Reblocker
+from router.events.subscriber import ZmqEventSubscriber
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[ReplicaKey, list[IndexEvent]], None]
+
+
+@dataclass(slots=True, frozen=True)
+class EndpointSpec:
+    """One engine event endpoint. ``dp_rank`` is used when payloads carry no rank."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    dp_rank: int = 0
+
+
+@dataclass(slots=True)
+class IngestStats:
+    payloads: int = 0
+    malformed_payloads: int = 0
+    malformed_events: int = 0
+    lost_batches: int = 0
+    restarts: int = 0
+    last_errors: list[str] = field(default_factory=list)
+
+    def note(self, errors: Sequence[str]) -> None:
+        self.last_errors = (self.last_errors + list(errors))[-20:]
+
+
+class EngineIngest:
+    """Turns engine payloads into canonical events for ``replica``'s keys."""
+
+    def __init__(self, replica: str, model: str, block_size: int, sink: Sink) -> None:
+        self.replica = replica
+        self.model = model
+        self.block_size = block_size
+        self.sink = sink
+        self.reblockers: dict[int, Reblocker] = {}
+        self.stats = IngestStats()
+        self._ranks_of: dict[str, set[int]] = {}
+
+    def reblocker(self, rank: int) -> Reblocker:
+        rb = self.reblockers.get(rank)
+        if rb is None:
+            rb = self.reblockers[rank] = Reblocker(self.block_size, self.model)
+        return rb
+
+    def handle_payload(self, payload: bytes, default_rank: int = 0, source: str = "") -> None:
+        """Decode one payload and pass its canonical events on. Never raises on input."""
+        self.stats.payloads += 1
+        result = decode_payload(payload)
+        if result.errors:
+            self.stats.note(result.errors)
+            log.warning("malformed KV events from %s: %s", source or "engine", result.errors[:3])
+        if result.batch is None:
+            self.stats.malformed_payloads += 1
+            return
+        self.stats.malformed_events += len(result.errors)
+        rank = result.batch.data_parallel_rank
+        rank = default_rank if rank is None else rank
+        self._ranks_of.setdefault(source, set()).add(rank)
+        rb = self.reblocker(rank)
+        before = rb.stats.bad_event
+        events = rb.convert(result.batch.events)
+        if rb.stats.bad_event > before:
+            self.stats.malformed_events += rb.stats.bad_event - before
+            self.stats.note(rb.stats.errors[-(rb.stats.bad_event - before) :])
+        if events:
+            self.sink(ReplicaKey(self.replica, rank), events)
+
+    def reset_source(self, source: str, default_rank: int = 0) -> None:
+        """Events from ``source`` were lost or it restarted: clear what it told us."""
+        for rank in self._ranks_of.get(source, {default_rank}):
+            self.reblocker(rank).clear()
+            self.sink(ReplicaKey(self.replica, rank), [AllCleared()])
+
+    def subscriber(self, spec: EndpointSpec) -> ZmqEventSubscriber:
+        def on_payload(seq: int, payload: bytes) -> None:
+            self.handle_payload(payload, spec.dp_rank, spec.endpoint)
+
+        def on_lost(count: int) -> None:
+            self.stats.lost_batches += count
+            log.warning("lost %d KV event batches from %s; clearing it", count, spec.endpoint)
+            self.reset_source(spec.endpoint, spec.dp_rank)
+
+        def on_restart() -> None:
+            self.stats.restarts += 1
+            self.reset_source(spec.endpoint, spec.dp_rank)
+
+        return ZmqEventSubscriber(
+            spec.endpoint,
+            on_payload,
+            replay_endpoint=spec.replay_endpoint,
+            topic=spec.topic,
+            on_lost=on_lost,
+            on_restart=on_restart,
+        )
+
+
+class SubscriberGroup:
+    """Runs the subscribers of several endpoints as tasks (``start``/``stop``)."""
+
+    def __init__(self, ingest: EngineIngest, specs: Sequence[EndpointSpec]) -> None:
+        self.ingest = ingest
+        self.subscribers = [ingest.subscriber(s) for s in specs]
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        for sub in self.subscribers:
+            self._tasks.append(asyncio.create_task(sub.run(), name=f"zmq-sub {sub.endpoint}"))
+        for sub in self.subscribers:
+            await sub.connected.wait()
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

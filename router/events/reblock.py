@@ -1,0 +1,269 @@
+"""Engine events -> canonical index events (re-blocking).
+
+Engines hash blocks their own way and may use another block size than the router. From the
+``token_ids`` in ``BlockStored`` events a ``Reblocker`` recomputes the router's canonical
+chained hashes (``router.core.hashing``), remembering for every engine block:
+
+* where it ends (tokens from the start of the sequence), the canonical hash of the last
+  complete router block at or before that end, and the tokens after it (the *tail*), so a
+  child block can continue the chain without the prefix;
+* which canonical blocks it overlaps (``covers``), so removing it removes exactly those:
+  a canonical block is cached only while every engine block overlapping it is.
+
+Engine blocks smaller than the router's complete a canonical block every few events; larger
+ones complete several at once. ``kv_cache_spec_kind`` chooses the meaning: full-attention
+groups yield KV blocks; ``mamba``-like groups yield recurrent-state checkpoints, named by the
+canonical hash of the prefix they end at (only at router block boundaries); sliding-window
+and unknown groups are ignored. Each group keeps its own map.
+
+Known limit: if an ancestor engine block is evicted and later re-stored while its
+descendants stayed cached, the descendants' canonical blocks are not re-announced (the
+index under-reports until they are stored again), which is the safe direction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from router.core.hashing import hash_prompt, root_hash
+from router.core.types import (
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    IndexEvent,
+    Kind,
+    Tier,
+)
+from router.events.model import (
+    KV_KINDS,
+    STATE_KINDS,
+    EngineAllCleared,
+    EngineBlockRemoved,
+    EngineBlockStored,
+    EngineEvent,
+)
+
+
+@dataclass(slots=True)
+class _Block:
+    parent: int | None
+    end: int  # tokens from the sequence start to this block's end
+    chain: int  # canonical hash of the last complete router block at or before ``end``
+    tail: tuple[int, ...]  # tokens after that router block, < block_size of them
+    covers: list[int]  # canonical hashes this engine block overlaps (complete ones)
+    media: int  # tier bits it is stored in
+    kind: Kind
+
+
+@dataclass(slots=True)
+class ReblockStats:
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    canonical_stored: int = 0
+    canonical_removed: int = 0
+    unknown_parent: int = 0
+    unknown_removed: int = 0
+    bad_event: int = 0
+    ignored_group: int = 0
+    unaligned_state: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def error(self, message: str) -> None:
+        self.bad_event += 1
+        if len(self.errors) < 20:
+            self.errors.append(message)
+
+
+def _group_kind(kind: str | None) -> Kind | None:
+    name = (kind or "").strip().lower()
+    if name in KV_KINDS:
+        return Kind.KV
+    if name in STATE_KINDS:
+        return Kind.STATE
+    return None
+
+
+class Reblocker:
+    """Converts one engine's events (one data-parallel rank) into canonical events."""
+
+    def __init__(
+        self,
+        block_size: int,
+        model: str,
+        root_for: Callable[[str | None], int] | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.block_size = block_size
+        self.root_for = root_for or (lambda lora: root_hash(model, None, lora))
+        self._blocks: dict[tuple[int, int], _Block] = {}
+        self._kv_by_hash: dict[int, _Block] = {}
+        self.stats = ReblockStats()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._kv_by_hash.clear()
+
+    def convert(self, events: tuple[EngineEvent, ...] | list[EngineEvent]) -> list[IndexEvent]:
+        out: list[IndexEvent] = []
+        for ev in events:
+            if isinstance(ev, EngineBlockStored):
+                out.extend(self._stored(ev))
+            elif isinstance(ev, EngineBlockRemoved):
+                out.extend(self._removed(ev))
+            elif isinstance(ev, EngineAllCleared):
+                self.clear()
+                out.append(AllCleared())
+        return _coalesce(out)
+
+    def _stored(self, ev: EngineBlockStored) -> list[IndexEvent]:
+        kind = _group_kind(ev.kv_cache_spec_kind)
+        if kind is None:
+            self.stats.ignored_group += 1
+            return []
+        try:
+            tier = Tier.parse(ev.medium)
+        except ValueError as exc:
+            self.stats.error(str(exc))
+            return []
+        if ev.lora_id is not None and not ev.lora_name:
+            self.stats.error("LoRA block without lora_name: cannot derive its root")
+            return []
+        n, be = len(ev.block_hashes), ev.block_size
+        if n == 0:
+            return []
+        if len(ev.token_ids) != n * be:
+            self.stats.error(f"{len(ev.token_ids)} token_ids for {n} blocks of {be}")
+            return []
+        group = ev.group_idx or 0
+        bit = 1 << tier
+        self.stats.stored_blocks += n
+        # Blocks already known (e.g. the same block now offloaded to CPU): reuse covers.
+        first_new = 0
+        emitted: list[int] = []
+        while first_new < n and (group, ev.block_hashes[first_new]) in self._blocks:
+            known = self._blocks[(group, ev.block_hashes[first_new])]
+            if not known.media & bit:
+                known.media |= bit
+                emitted.extend(known.covers)
+            first_new += 1
+        if first_new == n:
+            return self._emit_stored(emitted, tier, kind)
+        if first_new:
+            parent_hash: int | None = ev.block_hashes[first_new - 1]
+        else:
+            parent_hash = ev.parent_block_hash
+        tail0: tuple[int, ...]
+        if parent_hash is None:
+            end0, chain0, tail0 = 0, self.root_for(ev.lora_name), ()
+        else:
+            parent = self._blocks.get((group, parent_hash))
+            if parent is None and kind is Kind.STATE:
+                # Sparse state groups (vLLM mamba "align" mode) hold no entry for most
+                # blocks; engines use the same block hashes in every group, so the chain
+                # position comes from the full-attention map.
+                parent = self._kv_by_hash.get(parent_hash)
+            if parent is None:
+                self.stats.unknown_parent += n - first_new
+                return self._emit_stored(emitted, tier, kind)
+            end0, chain0, tail0 = parent.end, parent.chain, parent.tail
+        bs = self.block_size
+        tokens = ev.token_ids[first_new * be :]
+        run = tail0 + tokens
+        hashes = hash_prompt(run, bs, 0, parent=chain0).hashes
+        base = end0 - len(tail0)  # absolute position of run[0], a router block boundary
+        if tail0 and hashes and kind is Kind.KV:
+            self._extend_ancestors(group, parent_hash, base, hashes[0])
+        prev_hash = parent_hash
+        for i in range(n - first_new):
+            end = end0 + (i + 1) * be
+            done = (end - base) // bs  # complete router blocks of run up to ``end``
+            start_blk = (end - be - base) // bs
+            chain = hashes[done - 1] if done else chain0
+            tail = run[done * bs : end - base]
+            if kind is Kind.KV:
+                covers = hashes[start_blk:done]
+            elif not tail and done:
+                covers = [chain]
+            else:
+                covers = []
+                self.stats.unaligned_state += 1
+            h = ev.block_hashes[first_new + i]
+            block = self._blocks.get((group, h))
+            if block is None:
+                block = _Block(prev_hash, end, chain, tail, list(covers), bit, kind)
+                self._blocks[(group, h)] = block
+                if kind is Kind.KV:
+                    self._kv_by_hash[h] = block
+                emitted.extend(covers)
+            elif not block.media & bit:
+                block.media |= bit
+                emitted.extend(block.covers)
+            prev_hash = h
+        return self._emit_stored(emitted, tier, kind)
+
+    def _extend_ancestors(self, group: int, parent: int | None, base: int, canonical: int) -> None:
+        """``canonical`` (the router block starting at ``base``) also overlaps the ancestors
+        whose tokens formed the tail: record it in their covers for removals."""
+        while parent is not None:
+            block = self._blocks.get((group, parent))
+            if block is None or block.end <= base:
+                return
+            block.covers.append(canonical)
+            parent = block.parent
+
+    def _emit_stored(self, hashes: list[int], tier: Tier, kind: Kind) -> list[IndexEvent]:
+        if not hashes:
+            return []
+        self.stats.canonical_stored += len(hashes)
+        return [BlocksStored(tuple(dict.fromkeys(hashes)), tier, kind)]
+
+    def _removed(self, ev: EngineBlockRemoved) -> list[IndexEvent]:
+        try:
+            tier = Tier.parse(ev.medium)
+        except ValueError as exc:
+            self.stats.error(str(exc))
+            return []
+        group = ev.group_idx or 0
+        bit = 1 << tier
+        out: dict[Kind, list[int]] = {Kind.KV: [], Kind.STATE: []}
+        for h in ev.block_hashes:
+            block = self._blocks.get((group, h))
+            if block is None or not block.media & bit:
+                self.stats.unknown_removed += 1
+                continue
+            self.stats.removed_blocks += 1
+            block.media &= ~bit
+            out[block.kind].extend(block.covers)
+            if not block.media:
+                del self._blocks[(group, h)]
+                if self._kv_by_hash.get(h) is block:
+                    del self._kv_by_hash[h]
+        events: list[IndexEvent] = []
+        for kind, hashes in out.items():
+            if hashes:
+                self.stats.canonical_removed += len(hashes)
+                events.append(BlocksRemoved(tuple(dict.fromkeys(hashes)), tier, kind))
+        return events
+
+
+def _coalesce(events: list[IndexEvent]) -> list[IndexEvent]:
+    """Merge neighbouring events of the same type, tier and kind (fewer, larger events)."""
+    out: list[IndexEvent] = []
+    for ev in events:
+        prev = out[-1] if out else None
+        if (
+            isinstance(ev, (BlocksStored, BlocksRemoved))
+            and type(prev) is type(ev)
+            and isinstance(prev, (BlocksStored, BlocksRemoved))
+            and prev.tier == ev.tier
+            and prev.kind == ev.kind
+        ):
+            out[-1] = type(ev)(prev.hashes + ev.hashes, ev.tier, ev.kind)
+        else:
+            out.append(ev)
+    return out

@@ -1,0 +1,150 @@
+"""ZMQ subscriber for one engine endpoint, with replay to fill sequence gaps.
+
+Delivers ``(seq, payload)`` in sequence order to ``on_payload``. On a gap it asks the
+engine's replay socket (DEALER -> ROUTER) for the missing batches; what the replay cannot
+supply is reported through ``on_lost`` (the caller then clears that engine's state: stale
+blocks are worse than missing ones). A seq that goes backwards means the engine restarted
+(``on_restart``). On the first message it asks the replay socket for all buffered history.
+Malformed frames are counted and skipped; nothing here raises on input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger(__name__)
+END_SEQ = -1
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    messages: int = 0
+    malformed_frames: int = 0
+    gaps: int = 0
+    replayed: int = 0
+    lost: int = 0
+    restarts: int = 0
+    duplicates: int = 0
+
+
+class ZmqEventSubscriber:
+    def __init__(
+        self,
+        endpoint: str,
+        on_payload: Callable[[int, bytes], None],
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        on_lost: Callable[[int], None] | None = None,
+        on_restart: Callable[[], None] | None = None,
+        replay_timeout_s: float = 1.0,
+        replay_history: bool = True,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self.on_payload = on_payload
+        self.on_lost = on_lost or (lambda n: None)
+        self.on_restart = on_restart or (lambda: None)
+        self.replay_timeout_s = replay_timeout_s
+        self.replay_history = replay_history
+        self.ctx = context or zmq.asyncio.Context.instance()
+        self.last_seq: int | None = None
+        self.stats = SubscriberStats()
+        self.connected = asyncio.Event()
+        self._sub: zmq.asyncio.Socket | None = None
+
+    async def run(self) -> None:
+        """Receive until cancelled."""
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        self._sub = sub
+        self.connected.set()
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                await self._handle(frames)
+        finally:
+            sub.close(0)
+            self._sub = None
+
+    async def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.stats.malformed_frames += 1
+            return
+        seq = int.from_bytes(frames[1], "big")
+        payload = frames[2]
+        self.stats.messages += 1
+        last = self.last_seq
+        if last is None:
+            if seq > 0 and self.replay_history and self.replay_endpoint:
+                await self._replay(0, seq)
+        elif seq <= last:
+            if seq == last or last - seq < 16:
+                self.stats.duplicates += 1
+                return
+            log.warning("engine %s restarted (seq %d after %d)", self.endpoint, seq, last)
+            self.stats.restarts += 1
+            self.last_seq = None
+            self.on_restart()
+        elif seq > last + 1:
+            self.stats.gaps += 1
+            await self._replay(last + 1, seq)
+        self._deliver(seq, payload)
+
+    def _deliver(self, seq: int, payload: bytes) -> None:
+        self.last_seq = seq
+        self.on_payload(seq, payload)
+
+    async def _replay(self, start: int, stop: int) -> None:
+        """Fetch ``[start, stop)`` from the replay socket and deliver it; report what is lost."""
+        got: list[tuple[int, bytes]] = []
+        if self.replay_endpoint:
+            got = await self._fetch(start)
+        expected = start
+        for seq, payload in got:
+            if seq < expected or seq >= stop:
+                continue
+            if seq > expected and start > 0:
+                self.stats.lost += seq - expected
+                self.on_lost(seq - expected)
+            self.stats.replayed += 1
+            self._deliver(seq, payload)
+            expected = seq + 1
+        if expected < stop and start > 0:
+            self.stats.lost += stop - expected
+            self.on_lost(stop - expected)
+
+    async def _fetch(self, start: int) -> list[tuple[int, bytes]]:
+        assert self.replay_endpoint is not None
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_endpoint)
+        out: list[tuple[int, bytes]] = []
+        try:
+            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                if not await sock.poll(int(self.replay_timeout_s * 1000)):
+                    log.warning("replay from %s timed out", self.replay_endpoint)
+                    break
+                frames = await sock.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.stats.malformed_frames += 1
+                    continue
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq == END_SEQ or not frames[2]:
+                    break
+                out.append((seq, frames[2]))
+        finally:
+            sock.close(0)
+        return out

@@ -1,0 +1,107 @@
+"""An engine-side KV-event publisher in vLLM's wire format (used by the mock replica and tests).
+
+PUB socket: multipart ``[topic, seq (8-byte big-endian), payload]``. ROUTER replay socket:
+a request ``[client, b"", start_seq (8 bytes BE)]`` is answered with
+``[client, b"", seq, payload]`` for every buffered batch with ``seq >= start_seq``, then
+``[client, b"", -1 (8 bytes BE, signed), b""]``, as ``vllm.distributed.kv_events`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+
+import zmq
+import zmq.asyncio
+
+from router.events.encode import Encoding, encode_batch
+from router.events.model import EngineBatch, EngineEvent
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class KVEventPublisher:
+    """Publishes batches; ``drop_next`` makes the next N batches skip the PUB socket (they
+    stay in the replay buffer), to exercise subscribers' gap recovery."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        encoding: Encoding = "array",
+        buffer_steps: int = 10_000,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.ctx = context or zmq.asyncio.Context.instance()
+        self.topic = topic.encode()
+        self.encoding: Encoding = encoding
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.replay: zmq.asyncio.Socket | None = None
+        self.replay_endpoint: str | None = None
+        try:
+            self.pub.bind(endpoint)
+            self.endpoint = str(self.pub.getsockopt_string(zmq.LAST_ENDPOINT))
+            if replay_endpoint:
+                self.replay = self.ctx.socket(zmq.ROUTER)
+                self.replay.setsockopt(zmq.LINGER, 0)
+                self.replay.bind(replay_endpoint)
+                self.replay_endpoint = str(self.replay.getsockopt_string(zmq.LAST_ENDPOINT))
+        except zmq.ZMQError:
+            self.pub.close(0)
+            if self.replay is not None:
+                self.replay.close(0)
+            raise
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.seq = -1
+        self.drop_next = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.replay is not None and self._task is None:
+            self._task = asyncio.create_task(self._serve_replay(), name="kv-event-replay")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.pub.close(0)
+        if self.replay is not None:
+            self.replay.close(0)
+
+    async def publish(
+        self, events: list[EngineEvent] | tuple[EngineEvent, ...], dp_rank: int | None = None
+    ) -> int:
+        """Encode and send one batch; returns its seq."""
+        payload = encode_batch(EngineBatch(time.time(), tuple(events), dp_rank), self.encoding)
+        return await self.publish_raw(payload)
+
+    async def publish_raw(self, payload: bytes) -> int:
+        self.seq += 1
+        seq = self.seq
+        self.buffer.append((seq, payload))
+        if self.drop_next > 0:
+            self.drop_next -= 1
+            return seq
+        await self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+        return seq
+
+    async def _serve_replay(self) -> None:
+        assert self.replay is not None
+        while True:
+            frames = await self.replay.recv_multipart()
+            if len(frames) != 3:
+                continue
+            client, _, start_bytes = frames
+            start = int.from_bytes(start_bytes, "big")
+            for seq, payload in list(self.buffer):
+                if seq >= start:
+                    await self.replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            await self.replay.send_multipart((client, b"", END_SEQ, b""))

@@ -1,0 +1,61 @@
+"""``kvrouter mock-replica``: run one mock replica (HTTP + ZMQ KV events)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from router.core.errors import ConfigError
+    from router.mock.server import MockSettings, create_app
+
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    settings = MockSettings(
+        model=args.model,
+        replica=args.replica,
+        profile=args.profile,
+        block_size=args.block_size,
+        engine_block_size=args.engine_block_size,
+        kv_blocks=args.kv_blocks,
+        cpu_blocks=args.cpu_blocks,
+        zmq_endpoint=args.zmq,
+        replay_endpoint=args.replay,
+        encoding=args.encoding,
+        topic=args.topic,
+        tokenizer_dir=args.tokenizer,
+        default_max_tokens=args.default_max_tokens,
+    )
+    try:
+        app = create_app(settings)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"kvrouter mock-replica: {exc}", file=sys.stderr)
+        return 2
+    web.run_app(app, host=args.host, port=args.port, print=None)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("mock-replica", help="run a mock replica (OpenAI API + vLLM KV events)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--model", default="mock-model")
+    p.add_argument("--replica", default="mock-0")
+    p.add_argument("--profile", default="dense-70b", help="sim profile name or TOML path")
+    p.add_argument("--block-size", type=int, default=64, help="router (canonical) block size")
+    p.add_argument("--engine-block-size", type=int, default=16, help="block size in events")
+    p.add_argument("--kv-blocks", type=int, default=None, help="override GPU KV capacity")
+    p.add_argument("--cpu-blocks", type=int, default=None, help="override host-tier capacity")
+    p.add_argument("--zmq", default="", help="bind KV-event PUB here, e.g. tcp://*:5557")
+    p.add_argument("--replay", default="", help="bind the replay ROUTER here, e.g. tcp://*:5558")
+    p.add_argument("--encoding", choices=["array", "map"], default="array")
+    p.add_argument("--topic", default="")
+    p.add_argument("--tokenizer", default=None, help="HF-style tokenizer dir (router's config)")
+    p.add_argument("--default-max-tokens", type=int, default=16)
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(handler=run)

@@ -1,0 +1,81 @@
+"""``EngineDriver``: the simulator's engine model on the asyncio loop clock.
+
+One task owns the model. ``submit`` queues a request and returns a queue of its outputs
+(``FirstToken``, ``TokensEmitted``, ``Finished`` or ``Rejected``); the task sleeps until the
+model's ``next_time()`` or a new submission, calls ``advance(now)``, routes outputs to their
+queues, and hands the index events the model recorded to ``on_index_events`` (the mock turns
+them into vLLM-format KV events). Times are the loop's monotonic clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from router.core.load import EngineReport
+from router.core.types import IndexEvent
+
+
+class EngineDriver:
+    def __init__(
+        self, model: Any, on_index_events: Callable[[list[IndexEvent]], None] | None = None
+    ) -> None:
+        self.model = model
+        self.on_index_events = on_index_events or (lambda events: None)
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.loop = asyncio.get_running_loop()
+
+    def now(self) -> float:
+        return self.loop.time()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="mock-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def submit(self, request: Any) -> asyncio.Queue[Any]:
+        """Queue ``request`` (a ``sim.engine.EngineRequest``) now; raises ValueError as the
+        model does (duplicate id, bad sizes)."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.model.submit(request, self.now())
+        self._queues[request.request_id] = queue
+        self._wake.set()
+        return queue
+
+    def cancel(self, request_id: str) -> None:
+        if self._queues.pop(request_id, None) is not None:
+            self.model.cancel(request_id, self.now())
+            self._wake.set()
+
+    def report(self) -> EngineReport:
+        report: EngineReport = self.model.report(self.now())
+        return report
+
+    def _pump(self) -> None:
+        for out in self.model.advance(self.now()):
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+                if type(out).__name__ in ("Finished", "Rejected"):
+                    self._queues.pop(out.request_id, None)
+        events = self.model.take_index_events()
+        if events:
+            self.on_index_events(events)
+
+    async def _run(self) -> None:
+        while True:
+            self._pump()
+            nxt = self.model.next_time()
+            self._wake.clear()
+            timeout = None if nxt is None else max(0.0, nxt - self.now())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)

@@ -1,0 +1,204 @@
+"""Canonical index events (what the engine model records) -> vLLM-format engine events.
+
+The engine model names blocks by canonical hashes (router block size ``B``). A real engine
+would publish its *own* hashes, block size and ``token_ids``; to exercise the publisher's
+re-blocking the mock does the same: it remembers, for every canonical block of the prompts it
+served, its parent and its tokens, and publishes engine blocks of ``engine_block_size``
+tokens (``B / k`` or ``B * k``) under engine hashes derived from the canonical ones.
+
+* KV blocks go to group 0 (full attention); a ``B * k`` engine block is published once all
+  ``k`` canonical blocks it spans are stored, and removed when any of them is.
+* Recurrent-state checkpoints go to group 1 (``kv_cache_spec_kind="mamba"``) as one engine
+  block ending exactly at the checkpoint (engine hashes are shared between groups, as in vLLM).
+* Tier ``CPU`` becomes ``medium="CPU"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import xxhash
+
+from router.core.types import AllCleared, BlocksRemoved, BlocksStored, IndexEvent, Kind, Tier
+from router.events.model import (
+    EngineAllCleared,
+    EngineBlockRemoved,
+    EngineBlockStored,
+    EngineEvent,
+)
+
+_MASK = 2**64 - 1
+
+
+@dataclass(slots=True)
+class _Known:
+    parent: int | None
+    tokens: tuple[int, ...]
+    depth: int  # index of the block in its chain (0 = first block)
+
+
+class EngineEventEncoder:
+    """Keeps the canonical-block map and turns canonical events into engine events."""
+
+    def __init__(self, block_size: int, engine_block_size: int, salt: int = 0x5EED) -> None:
+        small, large = sorted((block_size, engine_block_size))
+        if large % small:
+            raise ValueError("engine block size must divide or be a multiple of the block size")
+        self.block_size = block_size
+        self.engine_block_size = engine_block_size
+        self.salt = salt
+        self._known: dict[int, _Known] = {}
+        self._media: dict[int, int] = {}  # canonical hash -> tier bits stored (KV)
+        self._ends: dict[int, int] = {}  # B*k engine blocks: canonical -> last canonical of it
+        self.unknown = 0
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    # ------------------------------------------------------------------ learning
+
+    def learn(self, hashes: list[int], tokens: list[int]) -> None:
+        """Remember parent and tokens of every full block of a prompt."""
+        b, be = self.block_size, self.engine_block_size
+        parent: int | None = None
+        for i, h in enumerate(hashes):
+            if h not in self._known:
+                self._known[h] = _Known(parent, tuple(tokens[i * b : (i + 1) * b]), i)
+            parent = h
+        if be > b:
+            k = be // b
+            for i in range(0, len(hashes) - k + 1, k):
+                for h in hashes[i : i + k]:
+                    self._ends[h] = hashes[i + k - 1]
+
+    # ------------------------------------------------------------------ naming
+
+    def _engine_hash(self, canonical: int, part: int) -> int:
+        data = (canonical & _MASK).to_bytes(8, "little") + part.to_bytes(4, "little")
+        return xxhash.xxh3_64_intdigest(data, seed=self.salt)
+
+    def _sub_blocks(self, h: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
+        """(engine hash, engine parent, tokens) of the engine blocks ending inside canonical
+        block ``h`` (``B / k`` engine blocks: k of them; ``B * k``: one, or none)."""
+        known = self._known[h]
+        be, b = self.engine_block_size, self.block_size
+        if be <= b:
+            k = b // be
+            prev = self._last_engine_hash(known.parent)
+            out = []
+            for j in range(k):
+                eh = self._engine_hash(h, j)
+                out.append((eh, prev, known.tokens[j * be : (j + 1) * be]))
+                prev = eh
+            return out
+        k = be // b
+        if (known.depth + 1) % k:
+            return []
+        chain = [h]
+        cur = known
+        for _ in range(k - 1):
+            if cur.parent is None or cur.parent not in self._known:
+                return []
+            chain.append(cur.parent)
+            cur = self._known[cur.parent]
+        chain.reverse()
+        tokens = tuple(t for c in chain for t in self._known[c].tokens)
+        return [(self._engine_hash(h, 0), self._last_engine_hash(cur.parent), tokens)]
+
+    def _last_engine_hash(self, h: int | None) -> int | None:
+        """Engine hash of the engine block ending where canonical block ``h`` ends."""
+        if h is None:
+            return None
+        be, b = self.engine_block_size, self.block_size
+        if be <= b:
+            return self._engine_hash(h, b // be - 1)
+        return self._engine_hash(h, 0)
+
+    # ------------------------------------------------------------------ conversion
+
+    def convert(self, events: list[IndexEvent]) -> list[EngineEvent]:
+        out: list[EngineEvent] = []
+        for ev in events:
+            if isinstance(ev, AllCleared):
+                self._media.clear()
+                out.append(EngineAllCleared())
+            elif isinstance(ev, BlocksStored):
+                out.extend(self._stored(ev))
+            elif isinstance(ev, BlocksRemoved):
+                out.extend(self._removed(ev))
+        return out
+
+    def _medium(self, tier: Tier) -> str:
+        return tier.name
+
+    def _stored(self, ev: BlocksStored) -> list[EngineEvent]:
+        out: list[EngineEvent] = []
+        for h in ev.hashes:
+            if h not in self._known:
+                self.unknown += 1
+                continue
+            if ev.kind is Kind.STATE:
+                state = self._state_block(h)
+                if state is not None:
+                    eh, parent, tokens = state
+                    out.append(
+                        EngineBlockStored(
+                            (eh,),
+                            parent,
+                            tokens,
+                            self.engine_block_size,
+                            medium=self._medium(ev.tier),
+                            group_idx=1,
+                            kv_cache_spec_kind="mamba",
+                        )
+                    )
+                continue
+            self._media[h] = self._media.get(h, 0) | (1 << ev.tier)
+            for eh, parent, tokens in self._sub_blocks(h):
+                out.append(
+                    EngineBlockStored(
+                        (eh,),
+                        parent,
+                        tokens,
+                        self.engine_block_size,
+                        medium=self._medium(ev.tier),
+                        group_idx=0,
+                        kv_cache_spec_kind="full_attention",
+                    )
+                )
+        return out
+
+    def _state_block(self, h: int) -> tuple[int, int | None, tuple[int, ...]] | None:
+        """The engine block ending exactly at the end of canonical block ``h``."""
+        be, b = self.engine_block_size, self.block_size
+        if be <= b:
+            subs = self._sub_blocks(h)
+            return subs[-1] if subs else None
+        subs = self._sub_blocks(h)
+        return subs[0] if subs else None  # only on the engine grid
+
+    def _removed(self, ev: BlocksRemoved) -> list[EngineEvent]:
+        hashes: list[int] = []
+        be, b = self.engine_block_size, self.block_size
+        for h in ev.hashes:
+            known = self._known.get(h)
+            if known is None:
+                continue
+            if ev.kind is Kind.STATE:
+                state = self._state_block(h)
+                if state is not None:
+                    hashes.append(state[0])
+                continue
+            media = self._media.get(h, 0) & ~(1 << ev.tier)
+            if media:
+                self._media[h] = media
+            else:
+                self._media.pop(h, None)
+            if be <= b:
+                hashes.extend(self._engine_hash(h, j) for j in range(b // be - 1, -1, -1))
+            elif h in self._ends:
+                hashes.append(self._engine_hash(self._ends[h], 0))
+        if not hashes:
+            return []
+        group = 1 if ev.kind is Kind.STATE else 0
+        return [EngineBlockRemoved(tuple(dict.fromkeys(hashes)), self._medium(ev.tier), group)]

@@ -1,0 +1,393 @@
+"""The mock replica's HTTP side: an OpenAI-compatible server over the engine model.
+
+``create_app(settings)`` builds the aiohttp application; its ``cleanup_ctx`` starts the
+engine driver and the KV-event publisher (vLLM wire format over ZMQ). Endpoints:
+``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not, ``usage`` with
+``prompt_tokens_details.cached_tokens``, ``stream_options.include_usage``), ``GET /metrics``
+(vLLM gauge names), ``GET /health``, ``GET /v1/models``.
+
+Prompts are tokenized by a ``MockTokenizer`` and hashed exactly as the router hashes them
+(``root_hash(model, cache_salt)``, the router's block size), so hits are real; the answer is
+filler text, one word per token, timed by the engine model (TTFT, inter-token gaps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from router.core.errors import BadRequest
+from router.core.hashing import hash_prompt, root_hash
+from router.core.types import IndexEvent, ReplicaKey
+from router.events.zmq_pub import KVEventPublisher
+from router.mock.driver import EngineDriver
+from router.mock.kv_events import EngineEventEncoder
+from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class MockSettings:
+    """``profile``: a ``sim/profiles`` name or TOML path. ``engine_block_size`` must divide
+    or be a multiple of ``block_size`` (the router's). ``zmq_endpoint`` empty: no events."""
+
+    model: str = "mock-model"
+    replica: str = "mock-0"
+    profile: str = "dense-70b"
+    block_size: int = 64
+    engine_block_size: int = 16
+    kv_blocks: int | None = None
+    cpu_blocks: int | None = None
+    zmq_endpoint: str = ""
+    replay_endpoint: str = ""
+    encoding: str = "array"
+    topic: str = ""
+    tokenizer_dir: str | None = None
+    default_max_tokens: int = 16
+    max_tokens_limit: int = 65536
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class MockCounters:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    rejected: int = 0
+    bad_requests: int = 0
+    kv_event_batches: int = 0
+
+
+@dataclass(slots=True)
+class MockState:
+    settings: MockSettings
+    driver: EngineDriver
+    encoder: EngineEventEncoder
+    tokenizer: MockTokenizer
+    publisher: KVEventPublisher | None
+    counters: MockCounters = field(default_factory=MockCounters)
+    ids: Any = field(default_factory=lambda: itertools.count(1))
+
+
+STATE = web.AppKey("mock_state", MockState)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _max_tokens(body: Mapping[str, Any], settings: MockSettings) -> int:
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    if value is None:
+        return settings.default_max_tokens
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BadRequest("'max_tokens' must be a positive integer")
+    if value > settings.max_tokens_limit:
+        raise BadRequest(f"'max_tokens' must be at most {settings.max_tokens_limit}")
+    return value
+
+
+def _word(i: int) -> str:
+    return f" tok{i % 1000}"
+
+
+class _Collector:
+    def __init__(self, state: MockState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.state
+        report = s.driver.report()
+        labels = ["model_name", "engine"]
+        lv = [s.settings.model, "0"]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch", report.running),
+            ("vllm:num_requests_waiting", "Requests waiting", report.waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full)", report.kv_usage),
+            ("vllm:gpu_cache_usage_perc", "KV-cache usage (older name)", report.kv_usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(lv, float(value))
+            yield g
+        c = s.counters
+        for name, doc, value in (
+            ("vllm:prompt_tokens", "Prompt tokens processed", c.prompt_tokens),
+            ("vllm:generation_tokens", "Tokens generated", c.generation_tokens),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up", c.prompt_tokens),
+            ("vllm:prefix_cache_hits", "Prompt tokens found cached", c.cached_tokens),
+            ("vllm:request_success", "Requests finished", c.requests),
+            ("kvrouter_mock_kv_event_batches", "KV event batches published", c.kv_event_batches),
+        ):
+            m = CounterMetricFamily(name, doc, labels=labels)
+            m.add_metric(lv, float(value))
+            yield m
+
+
+async def _prepare(request: web.Request, chat: bool) -> tuple[MockState, dict[str, Any], Any]:
+    state = request.app[STATE]
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != state.settings.model:
+        raise BadRequest(f"model {model!r} is not served here ({state.settings.model!r} is)")
+    tokens = state.tokenizer.chat(body) if chat else state.tokenizer.completion(body)
+    if not tokens:
+        raise BadRequest("the prompt is empty")
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest("'cache_salt' must be a string")
+    hashes = hash_prompt(tokens, state.settings.block_size, root_hash(state.settings.model, salt))
+    state.encoder.learn(hashes.hashes, tokens)
+    from sim.engine import EngineRequest  # the mock is the simulator's engine on a wall clock
+
+    req = EngineRequest(
+        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:20]}",
+        block_hashes=hashes.hashes,
+        prompt_tokens=len(tokens),
+        max_output_tokens=_max_tokens(body, state.settings),
+    )
+    return state, body, req
+
+
+async def _outputs(state: MockState, req: Any) -> AsyncIterator[Any]:
+    queue = state.driver.submit(req)
+    done = False
+    try:
+        while True:
+            out = await queue.get()
+            yield out
+            if type(out).__name__ in ("Finished", "Rejected"):
+                done = True
+                return
+    finally:
+        if not done:
+            state.driver.cancel(req.request_id)
+
+
+def _usage(prompt: int, cached: int, completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
+    try:
+        state, body, req = await _prepare(request, chat)
+        stream = body.get("stream", False)
+        opts = body.get("stream_options") or {}
+        if not isinstance(stream, bool) or not isinstance(opts, dict):
+            raise BadRequest("'stream' must be a boolean and 'stream_options' an object")
+    except BadRequest as exc:
+        request.app[STATE].counters.bad_requests += 1
+        return _error(400, str(exc))
+    created = int(time.time())
+    model = state.settings.model
+    kind = "chat.completion" if chat else "text_completion"
+    cached = 0
+    produced = 0
+    finish_reason = "length"
+    response: web.StreamResponse | None = None
+
+    def chunk(text: str | None, finish: str | None, first: bool = False) -> bytes:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj = {
+            "id": req.request_id,
+            "object": f"{kind}.chunk" if chat else kind,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+        }
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+    words: list[str] = []
+    async for out in _outputs(state, req):
+        name = type(out).__name__
+        if name == "Rejected":
+            state.counters.rejected += 1
+            return _error(400, f"request cannot be served: {out.reason}")
+        if response is None and stream:
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await response.prepare(request)
+        if name == "FirstToken":  # carries the first output token
+            cached = out.cached_tokens
+            produced = 1
+            if response is not None:
+                await response.write(chunk(_word(0), None, first=True))
+            else:
+                words.append(_word(0))
+        elif name == "TokensEmitted":
+            new = [_word(produced + i) for i in range(out.count)]
+            produced += out.count
+            if response is not None:
+                await response.write(chunk("".join(new), None))
+            else:
+                words.extend(new)
+        elif name == "Finished":
+            cached = out.cached_tokens
+            produced = out.output_tokens
+            finish_reason = "length" if produced >= req.max_output_tokens else "stop"
+    c = state.counters
+    c.requests += 1
+    c.prompt_tokens += req.prompt_tokens
+    c.cached_tokens += cached
+    c.generation_tokens += produced
+    usage = _usage(req.prompt_tokens, cached, produced)
+    if response is not None:
+        await response.write(chunk(None if chat else "", finish_reason))
+        if opts.get("include_usage"):
+            obj = {
+                "id": req.request_id,
+                "object": f"{kind}.chunk" if chat else kind,
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage,
+            }
+            await response.write(f"data: {json.dumps(obj)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    text = "".join(words)
+    if chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish_reason,
+        }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return web.json_response(
+        {
+            "id": req.request_id,
+            "object": kind,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        }
+    )
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, chat=False)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    registry = CollectorRegistry()
+    registry.register(_Collector(request.app[STATE]))
+    return web.Response(body=generate_latest(registry), content_type="text/plain")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def models(request: web.Request) -> web.Response:
+    s = request.app[STATE].settings
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [{"id": s.model, "object": "model", "owned_by": "kvrouter-mock"}],
+        }
+    )
+
+
+def _tokenizer(settings: MockSettings) -> MockTokenizer:
+    if settings.tokenizer_dir:
+        return RouterTokenizer.from_dir(settings.model, settings.block_size, settings.tokenizer_dir)
+    return ByteTokenizer()
+
+
+def create_app(settings: MockSettings) -> web.Application:
+    """The mock replica application (see the module docstring)."""
+    from sim.engine import EngineModel
+    from sim.profiles import load_profile
+
+    profile = load_profile(settings.profile)
+    tokenizer = _tokenizer(settings)
+    encoder = EngineEventEncoder(settings.block_size, settings.engine_block_size)
+    app = web.Application()
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        model = EngineModel(
+            profile,
+            ReplicaKey(settings.replica),
+            settings.block_size,
+            kv_blocks=settings.kv_blocks,
+            cpu_blocks=settings.cpu_blocks,
+        )
+        publisher = None
+        outbox: asyncio.Queue[list[IndexEvent]] = asyncio.Queue()
+        if settings.zmq_endpoint:
+            publisher = KVEventPublisher(
+                settings.zmq_endpoint,
+                settings.replay_endpoint or None,
+                topic=settings.topic,
+                encoding=settings.encoding,  # type: ignore[arg-type]
+            )
+            publisher.start()
+        driver = EngineDriver(model, outbox.put_nowait if publisher else None)
+        state = MockState(settings, driver, encoder, tokenizer, publisher)
+        app[STATE] = state
+
+        async def pump_events() -> None:
+            assert publisher is not None
+            while True:
+                events = await outbox.get()
+                engine_events = encoder.convert(events)
+                if engine_events:
+                    await publisher.publish(engine_events, 0)
+                    state.counters.kv_event_batches += 1
+
+        await driver.start()
+        pump = asyncio.create_task(pump_events()) if publisher else None
+        yield
+        if pump is not None:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+        await driver.stop()
+        if publisher is not None:
+            await publisher.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    return app

@@ -1,0 +1,153 @@
+"""``kvrouter publish``: run the publisher sidecar next to one engine.
+
+Example (vLLM started with ``--kv-events-config '{"enable_kv_cache_events": true,
+"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'``)::
+
+    kvrouter publish --replica rack3-r2 --model kimi-k3 --url http://10.0.3.2:8000 \\
+        --zmq tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558 \\
+        --engine-metrics http://127.0.0.1:8000/metrics --redis redis://:pw@redis:6379/0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+
+def _endpoints(args: argparse.Namespace) -> tuple[object, ...]:
+    from router.events.ingest import EndpointSpec
+
+    zmq = args.zmq or []
+    replay = args.replay or []
+    if len(replay) not in (0, len(zmq)):
+        raise SystemExit("give one --replay per --zmq endpoint, or none")
+    ranks = args.dp_ranks
+    return tuple(
+        EndpointSpec(
+            endpoint=ep,
+            replay_endpoint=replay[i] if replay else None,
+            topic=args.topic,
+            dp_rank=ranks[i] if i < len(ranks) else 0,
+        )
+        for i, ep in enumerate(zmq)
+    )
+
+
+async def _serve_metrics(publisher: object, port: int) -> object:
+    from aiohttp import web
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from router.publisher.publisher import PublisherCollector
+
+    registry = CollectorRegistry()
+    registry.register(PublisherCollector(publisher))  # type: ignore[arg-type]
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    return runner
+
+
+async def _main(args: argparse.Namespace) -> int:
+    from router.publisher.publisher import Publisher, PublisherSettings
+    from router.store.base import ReplicaInfo
+    from router.store.redis_store import RedisStore
+    from router.store.schema import KeySchema
+
+    info = ReplicaInfo(
+        replica=args.replica,
+        url=args.url,
+        model=args.model,
+        rack=args.rack,
+        region=args.region,
+        dp_ranks=tuple(args.dp_ranks),
+        block_size=args.block_size,
+        state_interval_blocks=args.state_interval,
+        engine=args.engine,
+    )
+    settings = PublisherSettings(
+        info=info,
+        endpoints=_endpoints(args),  # type: ignore[arg-type]
+        engine_metrics_url=args.engine_metrics,
+        lease_ttl_s=args.lease_ttl,
+        heartbeat_s=args.heartbeat,
+        flush_interval_s=args.flush_interval,
+    )
+    store = RedisStore.from_url(args.redis, KeySchema(args.key_prefix, args.stream_shards))
+    publisher = Publisher(settings, store)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await publisher.start()
+    runner = await _serve_metrics(publisher, args.metrics_port) if args.metrics_port else None
+    logging.getLogger("kvrouter.publish").info(
+        "publishing %s (%d endpoints) to %s", info.replica, len(settings.endpoints), args.redis
+    )
+    await stop.wait()
+    await publisher.stop()
+    if runner is not None:
+        await runner.cleanup()  # type: ignore[attr-defined]
+    await store.close()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    if not args.zmq:
+        print("kvrouter publish: at least one --zmq endpoint is required", file=sys.stderr)
+        return 2
+    from router.core.errors import ConfigError
+
+    try:
+        return asyncio.run(_main(args))
+    except (ConfigError, ValueError) as exc:
+        print(f"kvrouter publish: {exc}", file=sys.stderr)
+        return 2
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("publish", help="publish one engine's KV events and load to Redis")
+    p.add_argument("--replica", required=True, help="replica id (unique in the fleet)")
+    p.add_argument("--model", required=True, help="served model name (hash namespace)")
+    p.add_argument("--url", default="", help="the engine's OpenAI-compatible base URL")
+    p.add_argument("--rack", default="")
+    p.add_argument("--region", default="")
+    p.add_argument("--engine", default="vllm", help="engine kind, for information")
+    p.add_argument("--zmq", action="append", help="engine KV-event PUB endpoint (repeatable)")
+    p.add_argument("--replay", action="append", help="replay ROUTER endpoint per --zmq")
+    p.add_argument("--topic", default="", help="ZMQ topic (vLLM default: empty)")
+    p.add_argument(
+        "--dp-ranks", type=int, nargs="+", default=[0], help="dp rank of each --zmq endpoint"
+    )
+    p.add_argument("--block-size", type=int, default=64, help="router (canonical) block size")
+    p.add_argument(
+        "--state-interval", type=int, default=0, help="hybrid: state grid in router blocks"
+    )
+    p.add_argument("--engine-metrics", default=None, help="engine /metrics URL to scrape load")
+    p.add_argument(
+        "--redis",
+        default=os.environ.get("KVROUTER_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="redis:// or rediss:// URL (env KVROUTER_REDIS_URL)",
+    )
+    p.add_argument("--key-prefix", default="kvr")
+    p.add_argument("--stream-shards", type=int, default=8)
+    p.add_argument("--lease-ttl", type=float, default=10.0)
+    p.add_argument("--heartbeat", type=float, default=2.0)
+    p.add_argument("--flush-interval", type=float, default=0.02)
+    p.add_argument("--metrics-port", type=int, default=0, help="serve own /metrics here")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(handler=run)

@@ -1,0 +1,236 @@
+"""The publisher sidecar: one engine's KV events and load -> the shared store.
+
+Life cycle (``start``):
+1. resume the stored sequence numbers, register the replica (info + lease), and write an
+   empty full state (the publisher does not know the engine's cache yet; engines cannot dump
+   it) -- the ZMQ replay buffer then refills what the engine still remembers;
+2. follow the engine endpoints (``EngineIngest``: decode, re-block, per-rank state);
+3. flush batched changes every ``flush_interval_s`` or ``max_batch_events`` block events;
+4. heartbeat every ``heartbeat_s``: a missing lease (expired, or Redis lost its data) means
+   register again and republish the full state; a failed write also forces a full republish;
+5. scrape the engine's ``/metrics`` every ``load_interval_s`` and publish load per rank.
+
+Store outages are logged and retried; input problems are counted (``stats``/metrics) and
+skipped. ``stop`` flushes and, by default, deregisters so routers drop the replica at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from router.core.types import IndexEvent, ReplicaKey
+from router.events.ingest import EndpointSpec, EngineIngest, SubscriberGroup
+from router.publisher.scrape import parse_engine_metrics
+from router.store.base import IndexStore, LoadSample, ReplicaInfo
+from router.store.writer import StoreWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class PublisherSettings:
+    info: ReplicaInfo
+    endpoints: tuple[EndpointSpec, ...]
+    engine_metrics_url: str | None = None
+    lease_ttl_s: float = 10.0
+    heartbeat_s: float = 2.0
+    load_interval_s: float = 1.0
+    flush_interval_s: float = 0.02
+    max_batch_events: int = 8192
+    deregister_on_stop: bool = True
+    owner: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+
+@dataclass(slots=True)
+class PublisherStats:
+    resets: int = 0
+    lease_losses: int = 0
+    store_errors: int = 0
+    scrape_errors: int = 0
+    loads_published: int = 0
+
+
+class Publisher:
+    def __init__(self, settings: PublisherSettings, store: IndexStore) -> None:
+        self.settings = settings
+        self.store = store
+        info = settings.info
+        self.writer = StoreWriter(store, info.replica_keys())
+        self.ingest = EngineIngest(info.replica, info.model, info.block_size, self._sink)
+        self.subscribers = SubscriberGroup(self.ingest, settings.endpoints)
+        self.stats = PublisherStats()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._http: aiohttp.ClientSession | None = None
+
+    def _sink(self, key: ReplicaKey, events: list[IndexEvent]) -> None:
+        self.writer.add(key, events)
+        if self.writer.pending_events >= self.settings.max_batch_events:
+            self._wake.set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Register and start following; a store that is down now is retried by the flush
+        loop (the state is republished in full once it answers)."""
+        try:
+            await self._register_and_reset(first=True)
+        except Exception as exc:
+            self.stats.store_errors += 1
+            self.writer.needs_reset = True
+            log.warning("publisher: store unreachable at start (%s); will retry", exc)
+        await self.subscribers.start()
+        self._tasks = [
+            asyncio.create_task(self._flush_loop(), name="publisher-flush"),
+            asyncio.create_task(self._heartbeat_loop(), name="publisher-heartbeat"),
+        ]
+        if self.settings.engine_metrics_url:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+            self._tasks.append(asyncio.create_task(self._load_loop(), name="publisher-load"))
+
+    async def stop(self) -> None:
+        await self.subscribers.stop()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+        try:
+            await self.writer.flush()
+            if self.settings.deregister_on_stop:
+                await self.store.deregister(self.settings.info.replica)
+        except Exception as exc:
+            log.warning("publisher stop: could not flush/deregister: %s", exc)
+
+    async def __aenter__(self) -> Publisher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _register_and_reset(self, first: bool = False) -> None:
+        s = self.settings
+        if first:
+            await self.writer.resume_seq()
+        await self.store.register(s.info, s.owner, s.lease_ttl_s)
+        await self.writer.reset()
+        self.stats.resets += 1
+
+    # ------------------------------------------------------------------ loops
+
+    async def _flush_loop(self) -> None:
+        backoff = 0.05
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.flush_interval_s)
+            self._wake.clear()
+            try:
+                if self.writer.needs_reset:
+                    await self._register_and_reset()
+                else:
+                    await self.writer.flush()
+                backoff = 0.05
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.stats.store_errors += 1
+                log.warning("publisher: store write failed (%s); will republish", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 2.0)
+
+    async def _heartbeat_loop(self) -> None:
+        s = self.settings
+        while True:
+            await asyncio.sleep(s.heartbeat_s)
+            try:
+                if not await self.store.heartbeat(s.info.replica, s.owner, s.lease_ttl_s):
+                    self.stats.lease_losses += 1
+                    log.warning("publisher: lease of %s was gone; republishing", s.info.replica)
+                    self.writer.needs_reset = True
+                    self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.stats.store_errors += 1
+                self.writer.needs_reset = True
+                log.warning("publisher: heartbeat failed: %s", exc)
+
+    async def _load_loop(self) -> None:
+        s = self.settings
+        assert self._http is not None and s.engine_metrics_url
+        while True:
+            try:
+                async with self._http.get(s.engine_metrics_url) as resp:
+                    text = await resp.text()
+                loads = parse_engine_metrics(text)
+                now = time.time()
+                for rank, load in loads.items():
+                    if rank not in s.info.dp_ranks:
+                        continue
+                    sample = LoadSample(load.running, load.waiting, load.kv_usage, now)
+                    await self.store.publish_load(ReplicaKey(s.info.replica, rank), sample)
+                    self.stats.loads_published += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.stats.scrape_errors += 1
+                log.warning("publisher: load scrape/publish failed: %s", exc)
+            await asyncio.sleep(s.load_interval_s)
+
+
+class PublisherCollector:
+    """Prometheus collector over a publisher's counters (read at scrape time)."""
+
+    def __init__(self, publisher: Publisher) -> None:
+        self.p = publisher
+
+    def collect(self) -> Iterable[Metric]:
+        p = self.p
+        ing, st, w = p.ingest.stats, p.stats, p.writer
+        counters = {
+            "kvrouter_publisher_payloads": ("engine event payloads received", ing.payloads),
+            "kvrouter_publisher_malformed_payloads": (
+                "payloads that could not be decoded (skipped)",
+                ing.malformed_payloads,
+            ),
+            "kvrouter_publisher_malformed_events": (
+                "events skipped as malformed",
+                ing.malformed_events,
+            ),
+            "kvrouter_publisher_lost_batches": (
+                "event batches lost beyond replay",
+                ing.lost_batches,
+            ),
+            "kvrouter_publisher_block_events": ("canonical block events written", w.block_events),
+            "kvrouter_publisher_flushes": ("store writes (batches or resets)", w.flushes),
+            "kvrouter_publisher_resets": ("full-state republishes", st.resets),
+            "kvrouter_publisher_store_errors": ("failed store operations", st.store_errors),
+            "kvrouter_publisher_scrape_errors": ("failed engine load scrapes", st.scrape_errors),
+        }
+        for name, (doc, value) in counters.items():
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(value))
+            yield c
+        g = GaugeMetricFamily(
+            "kvrouter_publisher_cached_blocks",
+            "blocks in the replica state",
+            labels=["dp_rank", "kind"],
+        )
+        for key, state in w.states.items():
+            g.add_metric([str(key.dp_rank), "kv"], float(state.kv.count))
+            g.add_metric([str(key.dp_rank), "state"], float(state.state.count))
+        yield g

@@ -1,0 +1,159 @@
+"""``kvrouter serve``: run the router (aiohttp on uvloop).
+
+Configuration: ``--config FILE`` (TOML or YAML) or ``$KVROUTER_CONFIG``, then ``KVROUTER_*``
+environment variables, then these flags. ``--workers N`` starts N processes sharing the port
+with SO_REUSEPORT; each has its own index and load view (see docs/service.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from typing import Any
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    from router.service.config import parse_replica_list
+
+    server: dict[str, Any] = {}
+    for flag, key in (
+        ("host", "host"),
+        ("port", "port"),
+        ("workers", "workers"),
+        ("admin_token", "admin_token"),
+        ("max_body_mb", "max_body_mb"),
+        ("log_level", "log_level"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            server[key] = value
+    if args.debug_header:
+        server["debug_header"] = True
+    out: dict[str, Any] = {"server": server} if server else {}
+    if args.replica:
+        out["replicas"] = parse_replica_list(args.replica)
+    if args.policy:
+        names = {r["model"] for r in out.get("replicas", [])}
+        out["models"] = {name: {"policy": args.policy} for name in names}
+    return out
+
+
+def serve(args: argparse.Namespace) -> int:
+
+    from router.core.errors import ConfigError
+    from router.service.app import create_app
+    from router.service.config import load_settings
+
+    try:
+        settings = load_settings(
+            args.config, overrides=_overrides(args), policy_file=args.policy_file
+        )
+        if args.policy and not args.replica:
+            from dataclasses import replace
+
+            settings = replace(
+                settings,
+                models={
+                    name: replace(settings.model(name), policy=args.policy)
+                    for name in {*settings.models, *(r.model for r in settings.replicas)}
+                },
+            )
+        if args.check:
+            print(
+                f"configuration OK: {len(settings.replicas)} replica(s), "
+                f"{len({r.model for r in settings.replicas})} model(s)"
+            )
+            return 0
+        logging.basicConfig(
+            level=settings.server.log_level.upper(),
+            format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
+        )
+        workers = settings.server.workers
+        if workers > 1:
+            return _serve_workers(settings, workers)
+        app = create_app(settings)
+    except ConfigError as exc:
+        print(f"kvrouter serve: configuration error: {exc}", file=sys.stderr)
+        return 2
+    _run(app, settings.server.host, settings.server.port, reuse_port=False)
+    return 0
+
+
+def _run(app: Any, host: str, port: int, *, reuse_port: bool) -> None:
+    from aiohttp import web
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency; fall back quietly
+        pass
+    import gc
+
+    gc.freeze()  # start-up objects (vocabularies, templates) never need collecting
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        reuse_port=reuse_port,
+        handler_cancellation=True,
+        access_log=None,
+        print=lambda *_: None,
+    )
+
+
+def _serve_workers(settings: Any, workers: int) -> int:
+    """Fork ``workers`` processes that each run the app on the same port (SO_REUSEPORT)."""
+    from router.service.app import create_app
+
+    children = []
+    for _ in range(workers):
+        pid = os.fork()
+        if pid == 0:  # child
+            try:
+                _run(
+                    create_app(settings),
+                    settings.server.host,
+                    settings.server.port,
+                    reuse_port=True,
+                )
+            finally:
+                os._exit(0)
+        children.append(pid)
+    import signal
+
+    def forward(signum: int, _frame: Any) -> None:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    # the parent only supervises: SIGTERM / SIGINT stop every worker, then the parent
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    status = 0
+    for pid in children:
+        _, code = os.waitpid(pid, 0)
+        status = status or (code >> 8)
+    return status
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="run the router in front of model replicas")
+    p.add_argument("--config", help="TOML or YAML settings file (default: $KVROUTER_CONFIG)")
+    p.add_argument("--policy-file", help="simulator-tuned policy TOML merged into [models]")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--workers", type=int, help="processes sharing the port (SO_REUSEPORT)")
+    p.add_argument(
+        "--replica", action="append", metavar="MODEL=URL", help="add a replica (repeatable)"
+    )
+    p.add_argument("--policy", help="policy for every model (overrides the file)")
+    p.add_argument("--admin-token", dest="admin_token")
+    p.add_argument("--max-body-mb", dest="max_body_mb", type=float)
+    p.add_argument("--debug-header", action="store_true", help="add X-KVRouter-Decision")
+    p.add_argument("--log-level", dest="log_level")
+    p.add_argument("--check", action="store_true", help="validate the configuration and exit")
+    p.set_defaults(handler=serve)

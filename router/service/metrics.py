@@ -1,0 +1,207 @@
+"""Prometheus metrics of one router process (prefix ``kvrouter_``, seconds and tokens).
+
+Each app owns a :class:`Metrics` with its own registry, so several apps can live in one
+process (tests). Gauges that mirror state (in-flight per replica, index size, tokenizer mode,
+incremental-cache size) are computed at scrape time by a collector reading the live objects.
+See docs/metrics.md for the list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+_TOKENS = tuple(float(4**i) for i in range(2, 11))  # 16 .. 1M
+_ERROR = tuple(sorted({-(4.0**i) for i in range(2, 11)} | {0.0} | {4.0**i for i in range(2, 11)}))
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaGauge:
+    replica: str
+    model: str
+    in_flight: int
+    queued_prefill_tokens: int
+    healthy: bool
+    draining: bool
+
+
+@dataclass(slots=True, frozen=True)
+class StateSnapshot:
+    """What the scrape-time collector reads (built by the app on each scrape)."""
+
+    replicas: tuple[ReplicaGauge, ...]
+    index_entries: dict[str, int]
+    index_replicas: int
+    tokenizer_modes: dict[str, str]
+    prompt_cache_bytes: dict[str, int]
+    event_lag_s: dict[str, float]
+
+
+class _StateCollector(Collector):
+    def __init__(self, snapshot: Callable[[], StateSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._snapshot()
+        inflight = GaugeMetricFamily(
+            "kvrouter_in_flight_requests",
+            "Requests this router sent to the replica and not finished",
+            labels=["replica", "model"],
+        )
+        queued = GaugeMetricFamily(
+            "kvrouter_queued_prefill_tokens",
+            "Prompt tokens sent to the replica still awaiting their first output token",
+            labels=["replica", "model"],
+        )
+        up = GaugeMetricFamily(
+            "kvrouter_replica_up",
+            "1 if the replica is healthy and not draining",
+            labels=["replica", "model"],
+        )
+        for r in s.replicas:
+            inflight.add_metric([r.replica, r.model], r.in_flight)
+            queued.add_metric([r.replica, r.model], r.queued_prefill_tokens)
+            up.add_metric([r.replica, r.model], float(r.healthy and not r.draining))
+        entries = GaugeMetricFamily(
+            "kvrouter_index_entries",
+            "(block, replica) entries in the prefix index",
+            labels=["kind"],
+        )
+        for kind, n in s.index_entries.items():
+            entries.add_metric([kind], n)
+        replicas = GaugeMetricFamily(
+            "kvrouter_index_replicas", "Replicas known to the prefix index"
+        )
+        replicas.add_metric([], s.index_replicas)
+        mode = GaugeMetricFamily(
+            "kvrouter_tokenizer_mode",
+            "1 for the model's prompt processing mode (exact or approximate)",
+            labels=["model", "mode"],
+        )
+        for model, m in s.tokenizer_modes.items():
+            mode.add_metric([model, m], 1)
+        cache = GaugeMetricFamily(
+            "kvrouter_prompt_cache_bytes",
+            "Bytes held by the incremental tokenization cache",
+            labels=["model"],
+        )
+        for model, n in s.prompt_cache_bytes.items():
+            cache.add_metric([model], n)
+        lag = GaugeMetricFamily(
+            "kvrouter_index_event_lag_seconds",
+            "Age of the newest index event applied for the replica when it was applied",
+            labels=["replica"],
+        )
+        for replica, v in s.event_lag_s.items():
+            lag.add_metric([replica], v)
+        yield from (inflight, queued, up, entries, replicas, mode, cache, lag)
+
+
+class Metrics:
+    """All metric objects of one app."""
+
+    def __init__(self, snapshot: Callable[[], StateSnapshot]) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "kvrouter_requests",
+            "Requests by replica and outcome (ok, upstream_4xx, "
+            "upstream_5xx, connect_error, timeout, cancelled, rejected)",
+            ["model", "replica", "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvrouter_prompt_tokens",
+            "Prompt tokens routed (estimated in approximate mode)",
+            ["model"],
+            registry=r,
+        )
+        self.predicted_hit_tokens = Counter(
+            "kvrouter_predicted_hit_tokens",
+            "Usable cached prefix tokens predicted by the router",
+            ["model"],
+            registry=r,
+        )
+        self.engine_cached_tokens = Counter(
+            "kvrouter_engine_cached_tokens",
+            "Cached prompt tokens reported by replicas (usage.prompt_tokens_details)",
+            ["model"],
+            registry=r,
+        )
+        self.prediction_error = Histogram(
+            "kvrouter_prediction_error_tokens",
+            "Predicted usable hit minus engine-reported cached tokens, per request",
+            ["model"],
+            buckets=_ERROR,
+            registry=r,
+        )
+        self.predicted_hit_ratio = Histogram(
+            "kvrouter_predicted_hit_ratio",
+            "Predicted usable hit / prompt tokens per request",
+            ["model"],
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
+            registry=r,
+        )
+        self.decision = Histogram(
+            "kvrouter_decision_seconds",
+            "Time to decide, by phase (tokenize, hash, lookup, score)",
+            ["phase"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvrouter_ttft_seconds",
+            "Time to first byte of the response body, at the router",
+            ["model"],
+            buckets=_TTFT,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kvrouter_itl_seconds",
+            "Time between streamed chunks, at the router",
+            ["model"],
+            buckets=_ITL,
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvrouter_retries",
+            "Requests re-sent to the next-best replica",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.approximate = Counter(
+            "kvrouter_approximate_requests",
+            "Requests routed in approximate mode (no tokenizer for the model)",
+            ["model"],
+            registry=r,
+        )
+        self.prompt_cache_reused = Counter(
+            "kvrouter_prompt_cache_reused_tokens",
+            "Prompt tokens taken from the incremental tokenization cache",
+            ["model"],
+            registry=r,
+        )
+        self.prompt_tokens_hist = Histogram(
+            "kvrouter_request_prompt_tokens",
+            "Prompt tokens per request",
+            ["model"],
+            buckets=_TOKENS,
+            registry=r,
+        )
+        self.info = Gauge(
+            "kvrouter_build_info",
+            "Constant 1, labelled with the version",
+            ["version"],
+            registry=r,
+        )
+        self.info.labels("0.1.0").set(1)
+        r.register(_StateCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

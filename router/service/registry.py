@@ -1,0 +1,86 @@
+"""Which replicas exist, what they serve and where they listen.
+
+Static for now (from settings); ``upsert``/``remove`` are the seam for a dynamic registry
+(e.g. the Redis registry): a background task may call them at any time on the event loop.
+A replica with ``dp_ranks`` = N yields N schedulable :class:`ReplicaKey` s sharing one URL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from router.core.types import ReplicaKey
+from router.service.config import ReplicaSettings
+
+
+@dataclass(slots=True, frozen=True)
+class Endpoint:
+    """Where to send a request for one schedulable key."""
+
+    key: ReplicaKey
+    base_url: str  # without trailing slash
+    model: str
+    dp_rank: int | None  # set when the replica has several DP ranks
+    rack: str | None = None
+    region: str | None = None
+
+
+class ReplicaRegistry:
+    def __init__(self, replicas: Iterable[ReplicaSettings] = ()) -> None:
+        self._by_name: dict[str, ReplicaSettings] = {}
+        self._endpoints: dict[ReplicaKey, Endpoint] = {}
+        self._by_model: dict[str, list[ReplicaKey]] = {}
+        for r in replicas:
+            self.upsert(r)
+
+    def upsert(self, replica: ReplicaSettings) -> None:
+        """Add or replace a replica (all its DP ranks)."""
+        self.remove(replica.name)
+        self._by_name[replica.name] = replica
+        for rank in range(replica.dp_ranks):
+            key = ReplicaKey(replica.name, rank)
+            self._endpoints[key] = Endpoint(
+                key,
+                replica.url.rstrip("/"),
+                replica.model,
+                rank if replica.dp_ranks > 1 else None,
+                replica.rack,
+                replica.region,
+            )
+            self._by_model.setdefault(replica.model, []).append(key)
+
+    def remove(self, name: str) -> list[ReplicaKey]:
+        """Forget a replica; returns its keys (so the caller can drop index and load state)."""
+        old = self._by_name.pop(name, None)
+        if old is None:
+            return []
+        keys = [k for k in self._endpoints if k.replica == name]
+        for k in keys:
+            del self._endpoints[k]
+        self._by_model[old.model] = [k for k in self._by_model.get(old.model, []) if k not in keys]
+        if not self._by_model[old.model]:
+            del self._by_model[old.model]
+        return keys
+
+    def models(self) -> list[str]:
+        return sorted(self._by_model)
+
+    def keys_for(self, model: str) -> list[ReplicaKey]:
+        return self._by_model.get(model, [])
+
+    def endpoint(self, key: ReplicaKey) -> Endpoint | None:
+        return self._endpoints.get(key)
+
+    def endpoints(self) -> list[Endpoint]:
+        return list(self._endpoints.values())
+
+    def replicas(self) -> list[ReplicaSettings]:
+        return list(self._by_name.values())
+
+    def find(self, name: str) -> list[ReplicaKey]:
+        """Keys of a replica name, or the single key a ``name#dpN`` string names."""
+        if name in self._by_name:
+            return [k for k in self._endpoints if k.replica == name]
+        key = ReplicaKey.parse(name)
+        return [key] if key in self._endpoints else []

@@ -1,0 +1,248 @@
+"""The router's live state, owned by the event loop: one prefix index, one load tracker, a
+``RoutingEngine`` per model (all policy logic is router/core's), prompt processors, the
+replica registry, recent decisions and metrics.
+
+Only the event-loop thread mutates the index, the load tracker and the engines. Prompt
+processing of large bodies runs on worker threads; it touches only the tokenizer caches,
+which lock themselves.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from router.core.errors import BadRequest, ConfigError, UnknownModel
+from router.core.index import PrefixIndex
+from router.core.load import LoadTracker
+from router.core.policies import make_policy
+from router.core.routing import RoutingEngine
+from router.core.types import Decision, ReplicaKey, RouteRequest
+from router.service.config import ModelSettings, Settings
+from router.service.metrics import Metrics, ReplicaGauge, StateSnapshot
+from router.service.registry import ReplicaRegistry
+from router.tokenize.incremental import IncrementalTokenizer
+from router.tokenize.pipeline import ProcessedPrompt, PromptProcessor
+from router.tokenize.template import ChatTemplate
+from router.tokenize.tokenizers import load_tokenizer_dir, read_tokenizer_config
+
+APPROXIMATE_SPECULATIVE_TTL_S = 600.0
+
+
+@dataclass(slots=True, frozen=True)
+class Routed:
+    """A routing decision with the request it was made for."""
+
+    request: RouteRequest
+    decision: Decision
+    prompt: ProcessedPrompt
+    lookup_s: float
+    score_s: float
+
+
+def build_processor(
+    model: ModelSettings, tokenizers: dict[tuple[Any, ...], IncrementalTokenizer]
+) -> PromptProcessor:
+    """The prompt processor of one model; tokenizers with the same files are shared."""
+    block = model.routing.block_size
+    if model.tokenizer is None:
+        template = None
+        if model.chat_template:
+            template = _template_file(model.chat_template)
+        return PromptProcessor(
+            model.name, block, template=template, chars_per_token=model.chars_per_token
+        )
+    spec = (model.tokenizer, model.bpe_file, model.pattern, model.num_reserved)
+    directory = Path(model.tokenizer)
+    files = load_tokenizer_dir(
+        directory, bpe_file=model.bpe_file, pattern=model.pattern, num_reserved=model.num_reserved
+    )
+    inc = tokenizers.get(spec)
+    if inc is None:
+        inc = tokenizers[spec] = IncrementalTokenizer(
+            files.tokenizer, budget_bytes=int(model.cache_mb * 2**20)
+        )
+    if model.chat_template:
+        template = _template_file(model.chat_template, read_tokenizer_config(directory))
+    else:
+        template = ChatTemplate.from_tokenizer_config(files.config, directory)
+    return PromptProcessor(
+        model.name,
+        block,
+        tokenizer=inc,
+        template=template,
+        add_bos_to_completions=model.add_bos_to_completions,
+        chars_per_token=model.chars_per_token,
+    )
+
+
+def _template_file(path: str, config: Mapping[str, Any] | None = None) -> ChatTemplate:
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read chat template {path}: {exc.strerror}") from None
+    found = ChatTemplate.from_tokenizer_config({**(config or {}), "chat_template": source})
+    assert found is not None
+    return found
+
+
+class RouterState:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.index = PrefixIndex()
+        self.load = LoadTracker()
+        self.registry = ReplicaRegistry(settings.replicas)
+        self.rng = random.Random(settings.server.seed)
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=settings.server.decisions_kept)
+        self.unhealthy_until: dict[ReplicaKey, float] = {}
+        self.event_lag_s: dict[str, float] = {}
+        self.engines: dict[str, RoutingEngine] = {}
+        self.processors: dict[str, PromptProcessor] = {}
+        self._tokenizers: dict[tuple[Any, ...], IncrementalTokenizer] = {}
+        for name in {*settings.models, *self.registry.models()}:
+            self._add_model(settings.model(name))
+        for ep in self.registry.endpoints():
+            self.load.add_replica(ep.key)
+            self.index.add_replica(ep.key)
+        self.metrics = Metrics(self.snapshot)
+
+    def _add_model(self, model: ModelSettings) -> None:
+        processor = build_processor(model, self._tokenizers)
+        routing = model.routing
+        if not processor.exact and routing.speculative_ttl_s <= 0:
+            # approximate mode routes on speculative entries only: they must live a while
+            interval = routing.state_interval_blocks or 1
+            routing = replace(
+                routing,
+                speculative_ttl_s=APPROXIMATE_SPECULATIVE_TTL_S,
+                state_interval_blocks=interval,
+            )
+        policy = make_policy(model.policy, model.policy_params)
+        self.engines[model.name] = RoutingEngine(self.index, self.load, policy, routing)
+        self.processors[model.name] = processor
+
+    # ------------------------------------------------------------------ request path
+
+    def processor(self, model: str) -> PromptProcessor:
+        proc = self.processors.get(model)
+        if proc is None or not self.registry.keys_for(model):
+            raise UnknownModel(f"The model '{model}' does not exist")
+        return proc
+
+    def check_context(self, model: str, prompt: ProcessedPrompt) -> None:
+        limit = self.settings.model(model).context_length
+        if limit is not None and prompt.exact and prompt.prompt_tokens > limit:
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {prompt.prompt_tokens} input tokens."
+            )
+
+    def restore_health(self, now: float) -> None:
+        if not self.unhealthy_until:
+            return
+        for key, until in list(self.unhealthy_until.items()):
+            if now >= until:
+                del self.unhealthy_until[key]
+                self.load.set_health(key, True)
+
+    def mark_unhealthy(self, key: ReplicaKey, now: float) -> None:
+        self.unhealthy_until[key] = now + self.settings.server.unhealthy_cooldown_s
+        self.load.set_health(key, False)
+
+    def route(
+        self,
+        model: str,
+        prompt: ProcessedPrompt,
+        request_id: str,
+        now: float,
+        *,
+        session_id: str | None = None,
+        max_output_tokens: int | None = None,
+    ) -> Routed:
+        """Pick a replica with the model's RoutingEngine and record the dispatch."""
+        engine = self.engines[model]
+        self.restore_health(now)
+        request = RouteRequest(
+            request_id=request_id,
+            model=model,
+            prompt_tokens=max(prompt.prompt_tokens, 1),
+            block_hashes=prompt.block_hashes,
+            block_size=prompt.block_size,
+            session_id=session_id,
+            max_output_tokens=max_output_tokens,
+        )
+        t0 = time.perf_counter()
+        candidates = engine.candidates(request, self.registry.keys_for(model), now)
+        t1 = time.perf_counter()
+        decision = engine.policy.choose(request, candidates, now, self.rng)
+        t2 = time.perf_counter()
+        engine.dispatched(request, decision, now)
+        routed = Routed(request, decision, prompt, t1 - t0, t2 - t1)
+        self.decisions.append(
+            {
+                "at": time.time(),
+                "request_id": request_id,
+                "model": model,
+                "replica": str(decision.replica),
+                "policy": decision.policy,
+                "prompt_tokens": request.prompt_tokens,
+                "usable_tokens": decision.usable_tokens,
+                "kv_tokens": decision.kv_tokens,
+                "exact": prompt.exact,
+                "score": decision.score,
+                "terms": dict(decision.terms),
+                "ranking": [str(k) for k in decision.ranking[:8]],
+            }
+        )
+        return routed
+
+    # ------------------------------------------------------------------ introspection
+
+    def snapshot(self) -> StateSnapshot:
+        now = _loop_time()
+        gauges = []
+        for ep in self.registry.endpoints():
+            v = self.load.view(ep.key, now)
+            gauges.append(
+                ReplicaGauge(
+                    str(ep.key),
+                    ep.model,
+                    v.in_flight,
+                    v.queued_prefill_tokens,
+                    v.healthy,
+                    v.draining,
+                )
+            )
+        stats = self.index.stats()
+        return StateSnapshot(
+            replicas=tuple(gauges),
+            index_entries={
+                "kv": stats.kv_entries,
+                "state": stats.state_entries,
+                "speculative": stats.speculative_entries,
+            },
+            index_replicas=stats.replicas,
+            tokenizer_modes={
+                m: ("exact" if p.exact else "approximate") for m, p in self.processors.items()
+            },
+            prompt_cache_bytes={
+                m: p.tokenizer.stats().bytes
+                for m, p in self.processors.items()
+                if p.tokenizer is not None
+            },
+            event_lag_s=dict(self.event_lag_s),
+        )
+
+
+def _loop_time() -> float:
+    import asyncio
+
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()

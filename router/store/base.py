@@ -1,0 +1,268 @@
+"""The store interface shared by the in-memory and the Redis implementations.
+
+Write side (the publisher; exactly one writer per replica, guarded by a lease):
+``register`` -> ``write`` batches (per ``ReplicaKey``, ``seq`` increasing by one) ->
+``heartbeat`` every few seconds -> ``publish_load`` -> ``deregister``. ``reset`` replaces a
+replica's whole stored state (start-up, or after the store lost its data).
+
+Read side (routers, through ``router.store.sync.IndexSync``): ``instance_token`` ->
+``cursor`` -> ``list_replicas`` + ``read_replica`` (bootstrap) -> ``read_changes`` from the
+cursor (follow) -> ``leases`` (expiry check). Because a writer commits a batch's state before
+appending it to the change stream, a snapshot read after taking the cursor contains every
+batch older than the cursor; later batches arrive as changes and are told apart by ``seq``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from router.core.errors import ConfigError
+from router.core.types import (
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    IndexEvent,
+    Kind,
+    ReplicaKey,
+    Tier,
+)
+from router.store.packed import PackedTable, hashes_by_bit
+from router.store.schema import check_replica_name
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaInfo:
+    """What a publisher registers about its replica. ``state_interval_blocks`` is the
+    recurrent-state checkpoint grid in router blocks (0: not a hybrid model)."""
+
+    replica: str
+    url: str = ""
+    model: str = ""
+    rack: str = ""
+    region: str = ""
+    dp_ranks: tuple[int, ...] = (0,)
+    block_size: int = 64
+    state_interval_blocks: int = 0
+    engine: str = "vllm"
+
+    def __post_init__(self) -> None:
+        check_replica_name(self.replica)
+        if not self.dp_ranks or any(r < 0 for r in self.dp_ranks):
+            raise ValueError("dp_ranks must be a non-empty list of non-negative ints")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+
+    @property
+    def hybrid(self) -> bool:
+        return self.state_interval_blocks > 0
+
+    def replica_keys(self) -> list[ReplicaKey]:
+        return [ReplicaKey(self.replica, r) for r in self.dp_ranks]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ReplicaInfo:
+        """Parse a stored info; unknown fields are ignored, bad ones raise ValueError."""
+        try:
+            raw: dict[str, Any] = json.loads(text)
+            known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+            if "dp_ranks" in known:
+                known["dp_ranks"] = tuple(int(r) for r in known["dp_ranks"])
+            return cls(**known)
+        except (TypeError, KeyError, ValueError, ConfigError) as exc:
+            raise ValueError(f"bad replica info: {exc}") from None
+
+
+@dataclass(slots=True, frozen=True)
+class LoadSample:
+    """Engine load as scraped by the publisher; ``wall_ts`` is the publisher's wall clock."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    wall_ts: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> LoadSample:
+        try:
+            raw = json.loads(text)
+            return cls(
+                int(raw["running"]),
+                int(raw["waiting"]),
+                float(raw["kv_usage"]),
+                float(raw["wall_ts"]),
+            )
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ValueError(f"bad load sample: {exc}") from None
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaSnapshot:
+    """The stored cache content of one ``ReplicaKey``; ``seq`` is the last batch it includes."""
+
+    key: ReplicaKey
+    seq: int
+    kv_hashes: npt.NDArray[np.uint64]
+    kv_masks: npt.NDArray[np.uint8]
+    state_hashes: npt.NDArray[np.uint64]
+
+    @property
+    def entries(self) -> int:
+        return len(self.kv_hashes) + len(self.state_hashes)
+
+    def events(self) -> tuple[IndexEvent, ...]:
+        """The snapshot as index events: one BlocksStored per tier, then state checkpoints."""
+        out: list[IndexEvent] = []
+        for tier in Tier:
+            hashes = hashes_by_bit(self.kv_hashes, self.kv_masks, 1 << tier)
+            if hashes:
+                out.append(BlocksStored(tuple(hashes), tier, Kind.KV))
+        if len(self.state_hashes):
+            out.append(BlocksStored(tuple(self.state_hashes.tolist()), Tier.GPU, Kind.STATE))
+        return tuple(out)
+
+
+# ---------------------------------------------------------------------------- changes
+
+
+@dataclass(slots=True, frozen=True)
+class BatchChange:
+    key: ReplicaKey
+    seq: int
+    events: tuple[IndexEvent, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class ResetChange:
+    """The replica's stored state was replaced whole at ``seq``: re-read it."""
+
+    key: ReplicaKey
+    seq: int
+
+
+@dataclass(slots=True, frozen=True)
+class LoadChange:
+    key: ReplicaKey
+    sample: LoadSample
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaUp:
+    info: ReplicaInfo
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaDown:
+    replica: str
+
+
+Change = BatchChange | ResetChange | LoadChange | ReplicaUp | ReplicaDown
+
+
+@dataclass(slots=True)
+class ChangeRead:
+    """One ``read_changes`` result; ``malformed`` counts entries that could not be decoded."""
+
+    changes: list[Change]
+    cursor: object
+    malformed: int = 0
+
+
+# ---------------------------------------------------------------------------- write side
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """The authoritative cache content of one ``ReplicaKey``, held by its only writer."""
+
+    key: ReplicaKey
+    seq: int = 0
+    kv: PackedTable = field(default_factory=PackedTable)
+    state: PackedTable = field(default_factory=PackedTable)
+
+    def apply(self, events: Sequence[IndexEvent]) -> None:
+        """Fold canonical events in; tables remember which buckets changed."""
+        for event in events:
+            if isinstance(event, AllCleared):
+                self.kv.clear()
+                self.state.clear()
+                continue
+            if event.kind is Kind.STATE:
+                table, bit = self.state, 1
+            else:
+                table, bit = self.kv, 1 << event.tier
+            if isinstance(event, BlocksStored):
+                for block in event.hashes:
+                    table.add(block, bit)
+            elif isinstance(event, BlocksRemoved):
+                for block in event.hashes:
+                    table.discard(block, bit)
+        self.kv.maybe_grow()
+        self.state.maybe_grow()
+
+    def snapshot(self) -> ReplicaSnapshot:
+        kv = self.kv.records()
+        st = self.state.records()
+        return ReplicaSnapshot(
+            self.key,
+            self.seq,
+            kv["h"].astype(np.uint64),
+            kv["m"].astype(np.uint8),
+            st["h"].astype(np.uint64),
+        )
+
+
+class IndexStore(Protocol):
+    """Shared index storage (see the module docstring for the protocol)."""
+
+    # write side
+    async def register(self, info: ReplicaInfo, owner: str, lease_ttl_s: float) -> None: ...
+
+    async def heartbeat(self, replica: str, owner: str, lease_ttl_s: float) -> bool:
+        """Renew the lease; False when it was gone (expired, or the store lost its data)."""
+        ...
+
+    async def deregister(self, replica: str) -> None: ...
+
+    async def reap(self, replica: str) -> bool:
+        """Delete a registered replica whose lease is gone; False if it is alive (or absent)."""
+        ...
+
+    async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:
+        """Commit each state's changed buckets and its ``seq`` (already incremented by the
+        caller), then append each batch of events to the change stream."""
+        ...
+
+    async def reset(self, states: Sequence[ReplicaState]) -> None:
+        """Replace the stored content of these replica keys with ``states`` in full."""
+        ...
+
+    async def publish_load(self, key: ReplicaKey, sample: LoadSample) -> None: ...
+
+    async def stored_seq(self, key: ReplicaKey) -> int | None: ...
+
+    # read side
+    async def instance_token(self) -> str: ...
+
+    async def cursor(self) -> object: ...
+
+    async def list_replicas(self) -> list[ReplicaInfo]: ...
+
+    async def read_replicas(self, keys: Sequence[ReplicaKey]) -> list[ReplicaSnapshot | None]: ...
+
+    async def read_changes(self, cursor: object, block_s: float, count: int) -> ChangeRead: ...
+
+    async def leases(self, replicas: Sequence[str]) -> dict[str, bool]: ...
+
+    async def close(self) -> None: ...

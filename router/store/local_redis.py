@@ -1,0 +1,117 @@
+"""A private ``redis-server`` process on a free loopback port, for tests, benches and demos.
+
+Never touches a shared instance: it binds 127.0.0.1 on a port nobody listens on, persists
+nothing (``--save '' --appendonly no``) and keeps its working files in a directory the
+caller owns. ``restart()`` brings it back empty on the same port (a Redis restart as far as
+clients can tell).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ping(port: int, password: str | None) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            if password:
+                sock.sendall(f"AUTH {password}\r\n".encode())
+                sock.recv(64)
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@dataclass(slots=True)
+class LocalRedis:
+    """A redis-server child process. ``url`` carries the password when one is set."""
+
+    workdir: Path
+    port: int = 0
+    password: str | None = None
+    binary: str = "redis-server"
+    extra_args: tuple[str, ...] = ()
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> LocalRedis:
+        """Start the server (on a fresh free port unless one is set) and wait for PONG."""
+        exe = shutil.which(self.binary)
+        if exe is None:
+            raise RuntimeError(f"{self.binary} not found on PATH (apt-get install redis-server)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if not self.port:
+            self.port = free_port()
+        args = [
+            exe,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--logfile",
+            str(self.workdir / "redis.log"),
+            *self.extra_args,
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode() if self.process.stderr else ""
+                raise RuntimeError(f"redis-server exited at start: {err.strip()}")
+            if _ping(self.port, self.password):
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port}")
+
+    def stop(self) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL) and wait for it to exit."""
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+        if proc.stderr is not None:
+            with contextlib.suppress(OSError):
+                proc.stderr.close()
+
+    def restart(self) -> None:
+        """Stop and start again on the same port with an empty dataset."""
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> LocalRedis:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

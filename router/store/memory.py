@@ -1,0 +1,139 @@
+"""``MemoryStore``: the in-process store (single router, simulator, tests).
+
+Same contract as the Redis store, with plain dicts and an in-memory change log. Leases use
+the injected ``clock`` (seconds, monotonic). ``max_log`` bounds the change log the way
+``MAXLEN`` bounds a Redis stream: a follower that falls further behind sees sequence gaps
+and resyncs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from router.core.types import IndexEvent, ReplicaKey
+from router.store.base import (
+    BatchChange,
+    Change,
+    ChangeRead,
+    LoadChange,
+    LoadSample,
+    ReplicaDown,
+    ReplicaInfo,
+    ReplicaSnapshot,
+    ReplicaState,
+    ReplicaUp,
+    ResetChange,
+)
+
+
+class MemoryStore:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_log: int = 100_000) -> None:
+        self._clock = clock
+        self._token = uuid.uuid4().hex
+        self._infos: dict[str, ReplicaInfo] = {}
+        self._leases: dict[str, tuple[str, float]] = {}
+        self._snapshots: dict[ReplicaKey, ReplicaSnapshot] = {}
+        self._loads: dict[ReplicaKey, LoadSample] = {}
+        self._log: deque[Change] = deque(maxlen=max_log)
+        self._appended = 0  # total changes ever appended; log holds the last len(_log)
+        self._wakeup = asyncio.Event()
+
+    def _append(self, change: Change) -> None:
+        self._log.append(change)
+        self._appended += 1
+        self._wakeup.set()
+
+    def flush_all(self) -> None:
+        """Forget everything, as a Redis FLUSHALL would (tests of data loss)."""
+        self._token = uuid.uuid4().hex
+        self._infos.clear()
+        self._leases.clear()
+        self._snapshots.clear()
+        self._loads.clear()
+
+    # ------------------------------------------------------------------ write side
+
+    async def register(self, info: ReplicaInfo, owner: str, lease_ttl_s: float) -> None:
+        self._infos[info.replica] = info
+        self._leases[info.replica] = (owner, self._clock() + lease_ttl_s)
+        self._append(ReplicaUp(info))
+
+    async def heartbeat(self, replica: str, owner: str, lease_ttl_s: float) -> bool:
+        lease = self._leases.get(replica)
+        if lease is None or lease[1] <= self._clock():
+            return False
+        self._leases[replica] = (owner, self._clock() + lease_ttl_s)
+        return True
+
+    async def deregister(self, replica: str) -> None:
+        info = self._infos.pop(replica, None)
+        self._leases.pop(replica, None)
+        for key in info.replica_keys() if info else []:
+            self._snapshots.pop(key, None)
+            self._loads.pop(key, None)
+        self._append(ReplicaDown(replica))
+
+    async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:
+        for state, events in writes:
+            state.kv.take_changes()
+            state.state.take_changes()
+            self._snapshots[state.key] = state.snapshot()
+            self._append(BatchChange(state.key, state.seq, events))
+
+    async def reset(self, states: Sequence[ReplicaState]) -> None:
+        for state in states:
+            state.kv.take_changes()
+            state.state.take_changes()
+            self._snapshots[state.key] = state.snapshot()
+            self._append(ResetChange(state.key, state.seq))
+
+    async def reap(self, replica: str) -> bool:
+        if (await self.leases([replica]))[replica] or replica not in self._infos:
+            return False
+        await self.deregister(replica)
+        return True
+
+    async def publish_load(self, key: ReplicaKey, sample: LoadSample) -> None:
+        self._loads[key] = sample
+        self._append(LoadChange(key, sample))
+
+    async def stored_seq(self, key: ReplicaKey) -> int | None:
+        snap = self._snapshots.get(key)
+        return snap.seq if snap is not None else None
+
+    # ------------------------------------------------------------------ read side
+
+    async def instance_token(self) -> str:
+        return self._token
+
+    async def cursor(self) -> object:
+        return self._appended
+
+    async def list_replicas(self) -> list[ReplicaInfo]:
+        return list(self._infos.values())
+
+    async def read_replicas(self, keys: Sequence[ReplicaKey]) -> list[ReplicaSnapshot | None]:
+        return [self._snapshots.get(k) if k.replica in self._infos else None for k in keys]
+
+    async def read_changes(self, cursor: object, block_s: float, count: int) -> ChangeRead:
+        pos = int(cursor)  # type: ignore[call-overload]
+        if pos >= self._appended and block_s > 0:
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), block_s)
+        first = self._appended - len(self._log)
+        start = max(pos, first)
+        items = [self._log[i - first] for i in range(start, min(self._appended, start + count))]
+        return ChangeRead(items, start + len(items))
+
+    async def leases(self, replicas: Sequence[str]) -> dict[str, bool]:
+        now = self._clock()
+        return {r: r in self._leases and self._leases[r][1] > now for r in replicas}
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,277 @@
+"""``RedisStore``: the shared index in Redis (key schema in ``router.store.schema`` and
+docs/redis.md). Works with ``redis://`` and ``rediss://`` URLs, AUTH (``user:pass@``) and a
+``?db=`` or ``/db`` path. Writes are pipelined: per flush, one MULTI/EXEC per replica (all
+keys share the replica's hash tag) and one pipeline of XADDs.
+
+Reads of the change stream use one XREAD over all shards, which needs a standalone Redis
+(or a cluster proxy); the key layout itself is cluster-ready.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from router.core.types import IndexEvent, ReplicaKey
+from router.store.base import (
+    BatchChange,
+    Change,
+    ChangeRead,
+    LoadChange,
+    LoadSample,
+    ReplicaDown,
+    ReplicaInfo,
+    ReplicaSnapshot,
+    ReplicaState,
+    ReplicaUp,
+    ResetChange,
+)
+from router.store.codec import decode_change, encode_change
+from router.store.packed import PackedTable, parse_records
+from router.store.schema import KeySchema
+
+DEFAULT_STREAM_MAXLEN = 50_000
+_REAP = """
+if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+for i = 2, #KEYS do redis.call('UNLINK', KEYS[i]) end
+return 1
+"""
+
+
+def connect(url: str, **kwargs: Any) -> aioredis.Redis:
+    """A binary-safe client for ``url`` (``redis://[user:pass@]host:port/db`` or ``rediss://``)."""
+    return aioredis.Redis.from_url(url, decode_responses=False, **kwargs)
+
+
+class RedisStore:
+    """See ``router.store.base.IndexStore``. ``stream_maxlen`` trims each stream shard
+    approximately (``XADD MAXLEN ~``)."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        schema: KeySchema | None = None,
+        stream_maxlen: int = DEFAULT_STREAM_MAXLEN,
+    ) -> None:
+        self.redis = client
+        self.schema = schema or KeySchema()
+        self.stream_maxlen = stream_maxlen
+
+    @classmethod
+    def from_url(cls, url: str, schema: KeySchema | None = None, **kwargs: Any) -> RedisStore:
+        return cls(connect(url), schema, **kwargs)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    def _xadd(self, pipe: Any, replica: str, change: Change) -> None:
+        pipe.xadd(
+            self.schema.stream(self.schema.shard_of(replica)),
+            encode_change(change),
+            maxlen=self.stream_maxlen,
+            approximate=True,
+        )
+
+    # ------------------------------------------------------------------ write side
+
+    async def register(self, info: ReplicaInfo, owner: str, lease_ttl_s: float) -> None:
+        s = self.schema
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(s.instance, uuid.uuid4().hex, nx=True)
+            pipe.hset(s.meta(info.replica), "info", info.to_json())
+            pipe.set(s.lease(info.replica), owner, px=max(1, int(lease_ttl_s * 1000)))
+            pipe.sadd(s.registry, info.replica)
+            self._xadd(pipe, info.replica, ReplicaUp(info))
+            await pipe.execute()
+
+    async def heartbeat(self, replica: str, owner: str, lease_ttl_s: float) -> bool:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.schema.lease(replica), owner, px=max(1, int(lease_ttl_s * 1000)), xx=True)
+            pipe.sadd(self.schema.registry, replica)  # heals a registry entry lost to a reaper
+            ok, _ = await pipe.execute()
+        return bool(ok)
+
+    async def deregister(self, replica: str) -> None:
+        s = self.schema
+        raw = await self.redis.hget(s.meta(replica), "info")
+        ranks = ReplicaInfo.from_json(raw).dp_ranks if raw else (0,)
+        keys = [s.meta(replica), s.load(replica), s.lease(replica)]
+        for r in ranks:
+            keys += [s.kv(replica, r), s.state(replica, r)]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.unlink(*keys)
+            pipe.srem(s.registry, replica)
+            self._xadd(pipe, replica, ReplicaDown(replica))
+            await pipe.execute()
+
+    async def reap(self, replica: str) -> bool:
+        """Delete a replica whose lease is gone (a crashed publisher): atomic against the
+        lease coming back (one script over the replica's slot). True when it was deleted."""
+        s = self.schema
+        raw = await self.redis.hget(s.meta(replica), "info")
+        try:
+            ranks = ReplicaInfo.from_json(raw).dp_ranks if raw else (0,)
+        except ValueError:
+            ranks = (0,)
+        keys = [s.lease(replica), s.meta(replica), s.load(replica)]
+        for r in ranks:
+            keys += [s.kv(replica, r), s.state(replica, r)]
+        deleted = await self.redis.eval(_REAP, len(keys), *keys)
+        if not deleted:
+            return False
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.srem(s.registry, replica)
+            self._xadd(pipe, replica, ReplicaDown(replica))
+            await pipe.execute()
+        return True
+
+    def _queue_table(self, pipe: Any, key: str, table: PackedTable, full: bool) -> None:
+        rebuilt, buckets = table.take_changes()
+        if full:
+            rebuilt, buckets = True, table.all_buckets()
+        if rebuilt:
+            pipe.unlink(key)
+        put = {str(b): v for b, v in buckets.items() if v}
+        gone = [str(b) for b, v in buckets.items() if not v]
+        if put:
+            pipe.hset(key, mapping=put)
+        if gone and not rebuilt:
+            pipe.hdel(key, *gone)
+
+    async def _commit(self, states: Sequence[ReplicaState], full: bool) -> None:
+        s = self.schema
+        by_replica: dict[str, list[ReplicaState]] = defaultdict(list)
+        for st in states:
+            by_replica[st.key.replica].append(st)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for replica, group in by_replica.items():
+                pipe.execute_command("MULTI")
+                for st in group:
+                    self._queue_table(pipe, s.kv(replica, st.key.dp_rank), st.kv, full)
+                    self._queue_table(pipe, s.state(replica, st.key.dp_rank), st.state, full)
+                    pipe.hset(s.meta(replica), s.seq_field(st.key.dp_rank), str(st.seq))
+                pipe.execute_command("EXEC")
+            await pipe.execute()
+
+    async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:
+        if not writes:
+            return
+        await self._commit([st for st, _ in writes], full=False)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for st, events in writes:
+                self._xadd(pipe, st.key.replica, BatchChange(st.key, st.seq, events))
+            await pipe.execute()
+
+    async def reset(self, states: Sequence[ReplicaState]) -> None:
+        if not states:
+            return
+        await self._commit(states, full=True)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for st in states:
+                self._xadd(pipe, st.key.replica, ResetChange(st.key, st.seq))
+            await pipe.execute()
+
+    async def publish_load(self, key: ReplicaKey, sample: LoadSample) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self.schema.load(key.replica), str(key.dp_rank), sample.to_json())
+            self._xadd(pipe, key.replica, LoadChange(key, sample))
+            await pipe.execute()
+
+    async def stored_seq(self, key: ReplicaKey) -> int | None:
+        raw = await self.redis.hget(
+            self.schema.meta(key.replica), self.schema.seq_field(key.dp_rank)
+        )
+        return int(raw) if raw is not None else None
+
+    # ------------------------------------------------------------------ read side
+
+    async def instance_token(self) -> str:
+        await self.redis.set(self.schema.instance, uuid.uuid4().hex, nx=True)
+        raw: Any = await self.redis.get(self.schema.instance)
+        return bytes(raw).decode() if raw else ""
+
+    async def cursor(self) -> object:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream in self.schema.streams():
+                pipe.xrevrange(stream, count=1)
+            tails = await pipe.execute()
+        return {
+            stream: (tail[0][0] if tail else b"0-0")
+            for stream, tail in zip(self.schema.streams(), tails, strict=True)
+        }
+
+    async def list_replicas(self) -> list[ReplicaInfo]:
+        members: Any = await self.redis.smembers(self.schema.registry)
+        names = sorted(bytes(n).decode() for n in members)
+        if not names:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hget(self.schema.meta(name), "info")
+            raws = await pipe.execute()
+        out = []
+        for raw in raws:
+            if raw is None:
+                continue
+            try:
+                out.append(ReplicaInfo.from_json(raw))
+            except ValueError:
+                continue
+        return out
+
+    async def read_replicas(self, keys: Sequence[ReplicaKey]) -> list[ReplicaSnapshot | None]:
+        """Snapshots read atomically per key (MULTI/EXEC); None when not registered."""
+        s = self.schema
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.execute_command("MULTI")
+                pipe.hget(s.meta(key.replica), s.seq_field(key.dp_rank))
+                pipe.hvals(s.kv(key.replica, key.dp_rank))
+                pipe.hvals(s.state(key.replica, key.dp_rank))
+                pipe.hexists(s.meta(key.replica), "info")
+                pipe.execute_command("EXEC")
+            replies = await pipe.execute()
+        out: list[ReplicaSnapshot | None] = []
+        for i, key in enumerate(keys):
+            seq_raw, kv_vals, st_vals, registered = replies[i * 6 + 5]
+            if not registered:
+                out.append(None)
+                continue
+            try:
+                kv_h, kv_m = parse_records(kv_vals)
+                st_h, _ = parse_records(st_vals)
+            except ValueError:
+                out.append(None)
+                continue
+            seq = int(seq_raw) if seq_raw is not None else 0
+            out.append(ReplicaSnapshot(key, seq, kv_h, kv_m, st_h))
+        return out
+
+    async def read_changes(self, cursor: object, block_s: float, count: int) -> ChangeRead:
+        ids: dict[str, bytes] = dict(cursor)  # type: ignore[call-overload]
+        block = int(block_s * 1000) if block_s > 0 else None
+        reply: Any = await self.redis.xread(ids, count=count, block=block)  # type: ignore[arg-type]
+        changes: list[Change] = []
+        malformed = 0
+        for stream, entries in reply or []:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            for entry_id, fields in entries:
+                ids[name] = entry_id
+                try:
+                    changes.append(decode_change(fields))
+                except ValueError:
+                    malformed += 1
+        return ChangeRead(changes, ids, malformed)
+
+    async def leases(self, replicas: Sequence[str]) -> dict[str, bool]:
+        if not replicas:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for r in replicas:
+                pipe.exists(self.schema.lease(r))
+            alive = await pipe.execute()
+        return {r: bool(a) for r, a in zip(replicas, alive, strict=True)}

@@ -1,0 +1,88 @@
+"""Redis key schema (documented in docs/redis.md).
+
+Every key of one replica carries the hash tag ``{<replica>}`` so the whole family lives in
+one Redis Cluster slot (multi-key transactions per replica are legal) while different
+replicas spread over the shards::
+
+    <p>:{<r>}:meta        HASH  info (JSON), seq:<dp> (last batch folded into the state keys)
+    <p>:{<r>}:kv:<dp>     HASH  bucket id -> packed 9-byte records (8-byte BE hash, tier mask)
+    <p>:{<r>}:st:<dp>     HASH  bucket id -> packed records of recurrent-state checkpoints
+    <p>:{<r>}:load        HASH  <dp> -> JSON load sample
+    <p>:{<r>}:lease       STRING owner id, PX TTL renewed by the publisher's heartbeat
+    <p>:replicas          SET   registered replica names
+    <p>:stream:{<s>}      STREAM change stream shard s (replicas hash onto shards)
+    <p>:instance          STRING random token; a new one means Redis lost its data
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+
+from router.core.errors import ConfigError
+
+_NAME = re.compile(r"^[A-Za-z0-9._:@/-]{1,200}$")
+
+
+def check_replica_name(name: str) -> str:
+    """Replica names become hash tags: no braces, no ``#`` (ReplicaKey uses ``#dp``)."""
+    if not _NAME.match(name):
+        raise ConfigError(
+            f"invalid replica name {name!r}: use 1-200 of [A-Za-z0-9._:@/-] (no braces or '#')"
+        )
+    return name
+
+
+@dataclass(slots=True, frozen=True)
+class KeySchema:
+    """Names of every key for one deployment (``prefix``) and stream sharding."""
+
+    prefix: str = "kvr"
+    stream_shards: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.prefix or "{" in self.prefix or "}" in self.prefix:
+            raise ConfigError(f"invalid key prefix {self.prefix!r}")
+        if not 1 <= self.stream_shards <= 1024:
+            raise ConfigError("stream_shards must be in [1, 1024]")
+
+    def _r(self, replica: str) -> str:
+        return f"{self.prefix}:{{{replica}}}"
+
+    def meta(self, replica: str) -> str:
+        return f"{self._r(replica)}:meta"
+
+    def kv(self, replica: str, dp_rank: int) -> str:
+        return f"{self._r(replica)}:kv:{dp_rank}"
+
+    def state(self, replica: str, dp_rank: int) -> str:
+        return f"{self._r(replica)}:st:{dp_rank}"
+
+    def load(self, replica: str) -> str:
+        return f"{self._r(replica)}:load"
+
+    def lease(self, replica: str) -> str:
+        return f"{self._r(replica)}:lease"
+
+    @property
+    def registry(self) -> str:
+        return f"{self.prefix}:replicas"
+
+    @property
+    def instance(self) -> str:
+        return f"{self.prefix}:instance"
+
+    def shard_of(self, replica: str) -> int:
+        """Stable shard of a replica: crc32 of its name modulo the shard count."""
+        return zlib.crc32(replica.encode()) % self.stream_shards
+
+    def stream(self, shard: int) -> str:
+        return f"{self.prefix}:stream:{{{shard}}}"
+
+    def streams(self) -> list[str]:
+        return [self.stream(s) for s in range(self.stream_shards)]
+
+    @staticmethod
+    def seq_field(dp_rank: int) -> str:
+        return f"seq:{dp_rank}"

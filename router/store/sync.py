@@ -1,0 +1,316 @@
+"""``IndexSync``: keeps a router's local ``PrefixIndex`` equal to the shared store.
+
+Start: take the change cursor, then read every registered replica's snapshot (so nothing
+committed before the cursor is missed), apply them, and set ``ready``. Then follow the
+change stream from the cursor, in one task that owns all index mutations:
+
+* a batch whose ``seq`` was already applied is skipped; one that skips ahead (a gap: the
+  stream was trimmed past us, or an entry was malformed) resyncs that replica key from its
+  snapshot; a reset entry resyncs it too;
+* every ``audit_interval_s`` the leases are checked: a replica whose lease expired is purged
+  from the index (and the listener told) and, with ``reap_expired``, its keys are deleted
+  from the store (atomically against the lease coming back); a registered replica we do not
+  know is loaded; a new store instance token (Redis lost its data) triggers a full
+  re-bootstrap. Replicas without a live lease are skipped at bootstrap.
+
+Store errors (Redis down, restarting) are logged and retried with backoff; the index keeps
+serving its last known content meanwhile. ``clock`` is the router's monotonic clock, used to
+stamp load samples; nothing here touches the clock otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from router.core.index import PrefixIndex
+from router.core.load import EngineReport, LoadTracker
+from router.core.types import ApplyOutcome, EventBatch, ReplicaKey
+from router.store.base import (
+    BatchChange,
+    Change,
+    IndexStore,
+    LoadChange,
+    LoadSample,
+    ReplicaDown,
+    ReplicaInfo,
+    ReplicaUp,
+    ResetChange,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SyncListener(Protocol):
+    """Told about fleet membership and load as the follower learns them."""
+
+    def replica_up(self, info: ReplicaInfo) -> None: ...
+
+    def replica_down(self, replica: str, keys: Sequence[ReplicaKey]) -> None: ...
+
+    def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None: ...
+
+
+class NullListener:
+    def replica_up(self, info: ReplicaInfo) -> None:
+        return None
+
+    def replica_down(self, replica: str, keys: Sequence[ReplicaKey]) -> None:
+        return None
+
+    def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None:
+        return None
+
+
+class LoadTrackerListener:
+    """Feeds a ``LoadTracker``: replicas appear/disappear, engine reports stamped ``now``."""
+
+    def __init__(self, load: LoadTracker) -> None:
+        self.tracker = load
+
+    def replica_up(self, info: ReplicaInfo) -> None:
+        for key in info.replica_keys():
+            self.tracker.add_replica(key)
+
+    def replica_down(self, replica: str, keys: Sequence[ReplicaKey]) -> None:
+        for key in keys:
+            self.tracker.remove_replica(key)
+
+    def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None:
+        report = EngineReport(sample.running, sample.waiting, sample.kv_usage, now)
+        self.tracker.engine_report(key, report)
+
+
+@dataclass(slots=True)
+class SyncStats:
+    bootstraps: int = 0
+    batches: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    resyncs: int = 0
+    purges: int = 0
+    malformed: int = 0
+    errors: int = 0
+    entries_loaded: int = 0
+
+
+class IndexSync:
+    """Bootstrap-then-follow synchroniser; ``async with IndexSync(...)`` or start()/stop()."""
+
+    def __init__(
+        self,
+        store: IndexStore,
+        index: PrefixIndex,
+        clock: Callable[[], float] = time.monotonic,
+        listener: SyncListener | None = None,
+        *,
+        audit_interval_s: float = 1.0,
+        block_s: float = 0.5,
+        read_count: int = 1000,
+        bootstrap_chunk: int = 16,
+        reap_expired: bool = True,
+    ) -> None:
+        self.store = store
+        self.index = index
+        self.clock = clock
+        self.listener: SyncListener = listener or NullListener()
+        self.audit_interval_s = audit_interval_s
+        self.block_s = block_s
+        self.read_count = read_count
+        self.bootstrap_chunk = bootstrap_chunk
+        self.reap_expired = reap_expired
+        self.infos: dict[str, ReplicaInfo] = {}
+        self.stats = SyncStats()
+        self.ready = asyncio.Event()
+        self._cursor: object = None
+        self._token: str | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._next_audit = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, wait: bool = True) -> None:
+        """Start following; with ``wait``, return once the bootstrap is done (retrying while
+        the store is unreachable). Without it, watch ``ready``."""
+        if self._task is not None:
+            return
+        self._task = asyncio.create_task(self._run(), name="kvrouter-index-sync")
+        if not wait:
+            return
+        waiter = asyncio.ensure_future(self.ready.wait())
+        done, _ = await asyncio.wait({waiter, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        if self._task in done:
+            waiter.cancel()
+            self._task.result()  # re-raise a crash at start-up
+
+    async def stop(self) -> None:
+        """Let the loop finish its current read (at most ``block_s``), then cancel."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self._stopping = True
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.block_s + 2.0)
+        except (TimeoutError, asyncio.CancelledError):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(task, 2.0)
+        finally:
+            self._stopping = False
+
+    async def __aenter__(self) -> IndexSync:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ main loop
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        need_bootstrap = True
+        while not self._stopping:
+            try:
+                if need_bootstrap:
+                    await self.bootstrap()
+                    need_bootstrap = False
+                    self.ready.set()
+                read = await self.store.read_changes(self._cursor, self.block_s, self.read_count)
+                self._cursor = read.cursor
+                self.stats.malformed += read.malformed
+                for change in read.changes:
+                    await self._handle(change)
+                if time.monotonic() >= self._next_audit:
+                    need_bootstrap = await self.audit()
+                backoff = 0.05
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # store unreachable, restarting, ...: retry
+                if self._stopping:
+                    return
+                self.stats.errors += 1
+                log.warning(
+                    "index sync: %s: %s (retrying in %.2fs)", type(exc).__name__, exc, backoff
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    async def bootstrap(self) -> None:
+        """Rebuild the index's view of every stored replica from the store."""
+        self._token = await self.store.instance_token()
+        self._cursor = await self.store.cursor()
+        listed = await self.store.list_replicas()
+        alive = await self.store.leases([i.replica for i in listed])
+        infos = {info.replica: info for info in listed if alive.get(info.replica)}
+        for name in [n for n in self.infos if n not in infos]:
+            self._purge(name)
+        for info in infos.values():
+            self._adopt(info)
+        keys = [k for info in infos.values() for k in info.replica_keys()]
+        for i in range(0, len(keys), self.bootstrap_chunk):
+            await self._resync(keys[i : i + self.bootstrap_chunk])
+            await asyncio.sleep(0)  # let the owner's other tasks run between chunks
+        self.stats.bootstraps += 1
+        self._next_audit = time.monotonic() + self.audit_interval_s
+
+    async def audit(self) -> bool:
+        """Lease and membership check. Returns True when a full re-bootstrap is needed."""
+        self._next_audit = time.monotonic() + self.audit_interval_s
+        if await self.store.instance_token() != self._token:
+            log.warning("index sync: store instance changed (data lost?); re-bootstrapping")
+            return True
+        alive = await self.store.leases(list(self.infos))
+        for name, ok in alive.items():
+            if not ok:
+                log.info("index sync: lease of %s expired; purging it", name)
+                self._purge(name)
+                if self.reap_expired:
+                    await self.store.reap(name)
+        registered = await self.store.list_replicas()
+        fresh = [i for i in registered if i.replica not in self.infos]
+        if fresh:
+            alive = await self.store.leases([i.replica for i in fresh])
+            for info in fresh:
+                if alive.get(info.replica):
+                    self._adopt(info)
+                    await self._resync(info.replica_keys())
+        return False
+
+    # ------------------------------------------------------------------ changes
+
+    async def _handle(self, change: Change) -> None:
+        if isinstance(change, BatchChange):
+            if change.key.replica not in self.infos:
+                await self._learn(change.key.replica)
+                return
+            outcome = self.index.apply(EventBatch(change.key, change.events, change.seq))
+            if outcome is ApplyOutcome.DUPLICATE:
+                self.stats.duplicates += 1
+            elif outcome is ApplyOutcome.GAP:
+                self.stats.gaps += 1
+                await self._resync([change.key])
+            else:
+                self.stats.batches += 1
+        elif isinstance(change, ResetChange):
+            if change.key.replica not in self.infos:
+                await self._learn(change.key.replica)
+            else:
+                await self._resync([change.key])
+        elif isinstance(change, LoadChange):
+            if change.key.replica in self.infos:
+                self.listener.load(change.key, change.sample, self.clock())
+        elif isinstance(change, ReplicaUp):
+            known = self.infos.get(change.info.replica)
+            self._adopt(change.info)
+            if known is None or known.dp_ranks != change.info.dp_ranks:
+                await self._resync(change.info.replica_keys())
+        elif isinstance(change, ReplicaDown):
+            self._purge(change.replica)
+
+    async def _learn(self, replica: str) -> None:
+        """A replica we have not seen registered: load its info and state if it is alive."""
+        infos = {i.replica: i for i in await self.store.list_replicas()}
+        info = infos.get(replica)
+        if info is None or not (await self.store.leases([replica])).get(replica):
+            return
+        self._adopt(info)
+        await self._resync(info.replica_keys())
+
+    def _adopt(self, info: ReplicaInfo) -> None:
+        old = self.infos.get(info.replica)
+        self.infos[info.replica] = info
+        if old is not None:
+            for key in old.replica_keys():
+                if key.dp_rank not in info.dp_ranks:
+                    self.index.remove_replica(key)
+        for key in info.replica_keys():
+            self.index.add_replica(key)
+        self.listener.replica_up(info)
+
+    def _purge(self, replica: str) -> None:
+        info = self.infos.pop(replica, None)
+        keys = info.replica_keys() if info else []
+        for key in keys:
+            self.index.remove_replica(key)
+        self.stats.purges += 1
+        self.listener.replica_down(replica, keys)
+
+    async def _resync(self, keys: Sequence[ReplicaKey]) -> None:
+        snaps = await self.store.read_replicas(keys)
+        for key, snap in zip(keys, snaps, strict=True):
+            self.stats.resyncs += 1
+            self.index.clear_replica(key)
+            self.index.reset_sequence(key)
+            if snap is None:
+                continue
+            self.index.apply(EventBatch(key, snap.events(), snap.seq))
+            self.stats.entries_loaded += snap.entries
+        if self.index.garbage_ratio() > 1.0:
+            self.index.compact()

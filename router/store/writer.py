@@ -1,0 +1,86 @@
+"""``StoreWriter``: the write side a publisher runs for its replica.
+
+Events are folded into the authoritative ``ReplicaState`` per ``ReplicaKey`` as they come
+(``add``) and committed in batches (``flush``): one ``seq`` per key per flush, changed
+buckets only. ``reset`` rewrites every key's full state (start-up, lost lease, Redis data
+loss, failed write). A failed flush leaves the writer needing a reset, so nothing is lost:
+the states already hold every event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from router.core.types import AllCleared, IndexEvent, ReplicaKey
+from router.store.base import IndexStore, ReplicaState
+
+
+class StoreWriter:
+    def __init__(self, store: IndexStore, keys: Iterable[ReplicaKey]) -> None:
+        self.store = store
+        self.states: dict[ReplicaKey, ReplicaState] = {k: ReplicaState(k) for k in keys}
+        self._pending: dict[ReplicaKey, list[IndexEvent]] = {}
+        self.pending_events = 0
+        self.needs_reset = True
+        self.flushes = 0
+        self.block_events = 0
+
+    def state(self, key: ReplicaKey) -> ReplicaState:
+        st = self.states.get(key)
+        if st is None:
+            st = self.states[key] = ReplicaState(key)
+            self.needs_reset = True
+        return st
+
+    def add(self, key: ReplicaKey, events: Iterable[IndexEvent]) -> None:
+        """Fold canonical events of ``key`` in; they are written at the next flush."""
+        evs = list(events)
+        if not evs:
+            return
+        self.state(key).apply(evs)
+        self._pending.setdefault(key, []).extend(evs)
+        n = sum(1 if isinstance(e, AllCleared) else len(e.hashes) for e in evs)
+        self.pending_events += n
+        self.block_events += n
+
+    async def flush(self) -> int:
+        """Commit pending events (or a full reset if one is due); returns keys written.
+
+        On an exception the writer stays consistent and marks itself for reset."""
+        if self.needs_reset:
+            await self.reset()
+            return len(self.states)
+        if not self._pending:
+            return 0
+        writes = []
+        for key, evs in self._pending.items():
+            st = self.states[key]
+            st.seq += 1
+            writes.append((st, tuple(evs)))
+        self._pending = {}
+        self.pending_events = 0
+        try:
+            await self.store.write(writes)
+        except BaseException:
+            self.needs_reset = True
+            raise
+        self.flushes += 1
+        return len(writes)
+
+    async def reset(self) -> None:
+        """Write every key's full state; pending events are included in it."""
+        self.needs_reset = True
+        self._pending = {}
+        self.pending_events = 0
+        for st in self.states.values():
+            st.seq += 1
+        await self.store.reset(list(self.states.values()))
+        self.needs_reset = False
+        self.flushes += 1
+
+    async def resume_seq(self) -> None:
+        """Continue numbering after what the store holds (a restarted publisher)."""
+        for key, st in self.states.items():
+            stored = await self.store.stored_seq(key)
+            if stored is not None and stored >= st.seq:
+                st.seq = stored

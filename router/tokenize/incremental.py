@@ -1,0 +1,238 @@
+"""Incremental tokenization of growing conversations.
+
+An agentic session resends its whole history every turn; tokenizing 1M tokens costs hundreds
+of milliseconds, the new messages a few. The cache keeps, for recent rendered prompts, the
+token ids (and canonical block hashes) of the text up to the *last special token*, keyed by the
+chained hash of the message list that produced them (:func:`message_keys`).
+
+A new request computes the keys of all its message prefixes and probes them longest first.
+An entry is used only if the new rendered text starts with the entry's text followed by the
+same special token (so templates that re-render history differently, e.g. dropping old
+reasoning, fall back safely). Because tokenizers cut text at special tokens before anything
+else (see :mod:`router.tokenize.tokenizers`), ``encode(prefix + suffix) == encode(prefix) ++
+encode(suffix)`` whenever ``suffix`` starts with a special token: the result is exactly the
+cold tokenization (property-tested in tests/test_tokenize_incremental.py). Block hashes
+continue the chain from the last full block of the reused prefix.
+
+Entries are evicted least-recently-used under a byte budget. Thread-safe: the service encodes
+long prompts on worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from router.core.hashing import hash_prompt
+from router.tokenize.tokenizers import SpecialSplitter, TokenArray, Tokenizer, encode
+
+_KEY_SEED = 0x6B76_7469_6E63  # "kvtinc"
+# Prompts shorter than this are tokenized cold: the cache would cost more than it saves.
+MIN_CACHED_CHARS = 16 * 1024
+
+
+def message_keys(
+    messages: Sequence[Mapping[str, Any]], context: Mapping[str, Any] | None = None
+) -> list[int]:
+    """``keys[k]`` locates cache entries for ``messages[:k + 1]`` under ``context`` (tools,
+    template arguments).
+
+    Keys only *locate* candidates: exactness comes from comparing rendered texts, so a key may
+    summarise a long content by its length, head and tail instead of hashing all of it.
+    """
+    h = xxhash.xxh3_64_intdigest(repr(sorted((context or {}).items())).encode(), seed=_KEY_SEED)
+    keys = []
+    digest = xxhash.xxh3_64_intdigest
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            summary: tuple[Any, ...] = (len(content), content[:64], content[-64:])
+        else:
+            summary = (-1, repr(content)[:256])
+        ident = (m.get("role"), m.get("name"), m.get("tool_call_id"), len(m), summary)
+        h = digest(repr(ident).encode("utf-8", "surrogatepass"), seed=h)
+        keys.append(h)
+    return keys
+
+
+@dataclass(slots=True, frozen=True)
+class _Cut:
+    pos: int  # start of a special token in the cached text
+    anchor: str  # that special token
+    idx: int  # its index in the token ids: ids[:idx] are the ids of text[:pos]
+
+
+@dataclass(slots=True)
+class _Entry:
+    text: str  # the whole rendered prompt this entry was made from
+    tokens: TokenArray  # its ids
+    cuts: tuple[_Cut, ...]  # the last few special tokens, latest first
+    hashes: dict[tuple[int, int], list[int]]  # (root, block_size) -> hashes of full blocks
+    nbytes: int
+
+
+# Special tokens near the end of a cached prompt that may serve as cut points: the last one
+# is usually inside the generation prompt, which the next turn may not repeat (e.g. when it
+# appends a user or tool message); earlier ones end the previous message.
+CUTS_KEPT = 6
+
+
+@dataclass(slots=True, frozen=True)
+class Encoded:
+    """Token ids and canonical block hashes of one rendered prompt.
+
+    ``reused_tokens``: ids taken from the cache (0 on a cold encode). ``tokenize_s`` and
+    ``hash_s`` are wall-clock seconds spent tokenizing (including the cache probe) and hashing.
+    """
+
+    tokens: TokenArray
+    hashes: list[int]
+    reused_tokens: int
+    tokenize_s: float
+    hash_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class CacheStats:
+    entries: int
+    bytes: int
+    hits: int
+    misses: int
+    reused_tokens: int
+
+
+class IncrementalTokenizer:
+    """Tokenizer + prefix cache for one vocabulary (shared by every model using it)."""
+
+    def __init__(self, tokenizer: Tokenizer, budget_bytes: int = 256 * 2**20) -> None:
+        self.tokenizer = tokenizer
+        self.splitter = SpecialSplitter.for_tokens(tokenizer.special_tokens)
+        self._special_ids = frozenset(tokenizer.special_tokens.values())
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.reused_tokens = 0
+
+    def encode_text(self, text: str) -> TokenArray:
+        """Cold encode (parallel for long texts), special tokens recognised."""
+        return encode(self.tokenizer, self.splitter, text)
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(
+                len(self._entries), self._bytes, self.hits, self.misses, self.reused_tokens
+            )
+
+    def _probe(self, text: str, keys: Sequence[int]) -> tuple[_Entry, _Cut] | None:
+        with self._lock:
+            for key in reversed(keys):
+                entry = self._entries.get(key)
+                if entry is None:
+                    continue
+                cut = self._usable_cut(text, entry)
+                if cut is not None:
+                    self._entries.move_to_end(key)
+                    return entry, cut
+        return None
+
+    @staticmethod
+    def _usable_cut(text: str, entry: _Entry) -> _Cut | None:
+        """The latest cut where ``text`` agrees with the cached text and has the same special
+        token. Usually the old prompt is a prefix of the new one: one comparison, no copy."""
+        old = entry.text
+        if text.startswith(old):
+            return entry.cuts[0]
+        low = entry.cuts[-1].pos
+        if not text.startswith(old[:low]):
+            return None
+        for cut in entry.cuts:
+            if text.startswith(cut.anchor, cut.pos) and text[low : cut.pos] == old[low : cut.pos]:
+                return cut
+        return None
+
+    def encode(
+        self, text: str, keys: Sequence[int], root: int, block_size: int, *, remember: bool = True
+    ) -> Encoded:
+        """Tokens and block hashes of ``text``, rendered from messages whose prefix keys are
+        ``keys`` (from :func:`message_keys`); remembers the result under ``keys[-1]``."""
+        t0 = time.perf_counter()
+        use_cache = bool(keys) and self.budget_bytes > 0 and len(text) >= MIN_CACHED_CHARS
+        found = self._probe(text, keys) if use_cache else None
+        reused = 0
+        if found is not None:
+            entry, cut = found
+            suffix = self.encode_text(text[cut.pos :])
+            tokens = np.concatenate([entry.tokens[: cut.idx], suffix])
+            reused = cut.idx
+            full = entry.hashes.get((root, block_size))
+            base_hashes = full[: cut.idx // block_size] if full is not None else None
+        else:
+            tokens = self.encode_text(text)
+            base_hashes = None
+        t1 = time.perf_counter()
+        if base_hashes is not None:
+            parent = base_hashes[-1] if base_hashes else None
+            more = hash_prompt(
+                tokens, block_size, root, start=len(base_hashes) * block_size, parent=parent
+            )
+            hashes = base_hashes + more.hashes
+        else:
+            hashes = hash_prompt(tokens, block_size, root).hashes
+        t2 = time.perf_counter()
+        with self._lock:
+            if found is not None:
+                self.hits += 1
+                self.reused_tokens += reused
+            else:
+                self.misses += 1
+        if remember and use_cache:
+            self._remember(keys[-1], text, tokens, hashes, root, block_size)
+        return Encoded(tokens, hashes, reused, t1 - t0, t2 - t1)
+
+    def _remember(
+        self,
+        key: int,
+        text: str,
+        tokens: TokenArray,
+        hashes: list[int],
+        root: int,
+        block_size: int,
+    ) -> None:
+        found = self.splitter.last_n(text, CUTS_KEPT)
+        if not found:
+            return
+        first = found[0].start()
+        tail = self.tokenizer.encode_segment(text[first:])
+        offset = len(tokens) - len(tail)
+        ids = self.tokenizer.special_tokens
+        special_at = [i for i, t in enumerate(tail.tolist()) if t in self._special_ids]
+        if offset < 0 or len(special_at) != len(found):
+            return  # the contract does not hold here; never cache an inexact prefix
+        cuts = []
+        for m, at in zip(found, special_at, strict=True):
+            if ids.get(m.group()) != int(tail[at]):
+                return
+            cuts.append(_Cut(m.start(), m.group(), offset + at))
+        nbytes = len(text) * 2 + tokens.nbytes + 40 * len(hashes) + 512
+        if nbytes > self.budget_bytes:
+            return
+        entry = _Entry(text, tokens, tuple(reversed(cuts)), {(root, block_size): hashes}, nbytes)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            self._entries[key] = entry
+            self._bytes += nbytes
+            while self._bytes > self.budget_bytes and self._entries:
+                _, dropped = self._entries.popitem(last=False)
+                self._bytes -= dropped.nbytes

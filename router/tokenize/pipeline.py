@@ -1,0 +1,228 @@
+"""Request body -> what the routing core needs: prompt token count and canonical block hashes.
+
+One :class:`PromptProcessor` per model. Chat requests are rendered with the model's chat
+template and tokenized incrementally; completion requests with token-id prompts skip
+tokenization. Without a tokenizer the processor runs in *approximate* mode
+(:mod:`router.tokenize.approx`). The request body has been parsed as JSON by the caller; only
+the fields read here are validated, with :class:`BadRequest` saying which one is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from router.core.errors import BadRequest
+from router.core.hashing import as_u32_array, hash_prompt, root_hash
+from router.tokenize.approx import (
+    DEFAULT_CHARS_PER_TOKEN,
+    approx_hashes,
+    approx_root,
+    approx_tokens,
+)
+from router.tokenize.incremental import IncrementalTokenizer, message_keys
+from router.tokenize.template import ChatTemplate, content_text, prepare_messages
+
+
+@dataclass(slots=True, frozen=True)
+class ProcessedPrompt:
+    """The routing view of one request's prompt.
+
+    ``exact``: tokens come from the model's tokenizer (or the request's own token ids);
+    False in approximate mode. ``reused_tokens``: taken from the incremental cache.
+    ``tokenize_s`` covers template rendering and tokenization, ``hash_s`` block hashing.
+    """
+
+    prompt_tokens: int
+    block_hashes: list[int]
+    block_size: int
+    exact: bool
+    reused_tokens: int = 0
+    tokenize_s: float = 0.0
+    hash_s: float = 0.0
+
+
+def _simple_render(messages: Sequence[Mapping[str, Any]], tools: Any) -> str:
+    """Stand-in rendering for approximate mode when no chat template is configured."""
+    parts = [json.dumps(tools, sort_keys=True)] if tools else []
+    for m in messages:
+        parts.append(f"<{m.get('role')}>{content_text(m.get('content')) or ''}")
+        if m.get("tool_calls"):
+            parts.append(json.dumps(m["tool_calls"], sort_keys=True))
+    return "\n".join(parts)
+
+
+def _check_messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise BadRequest(
+            "'messages' is a required property",
+        )
+    if not isinstance(messages, list):
+        raise BadRequest("'messages' must be an array of message objects")
+    if not messages:
+        raise BadRequest("'messages' must contain at least one message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise BadRequest(f"messages[{i}] must be an object")
+        if not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}].role must be a string")
+        c = m.get("content")
+        if c is not None and not isinstance(c, (str, list)):
+            raise BadRequest(f"messages[{i}].content must be a string or an array")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("'tools' must be an array")
+    return messages
+
+
+class PromptProcessor:
+    """Prompt processing for one model (see module docstring)."""
+
+    def __init__(
+        self,
+        model: str,
+        block_size: int,
+        *,
+        tokenizer: IncrementalTokenizer | None = None,
+        template: ChatTemplate | None = None,
+        add_bos_to_completions: bool = False,
+        chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.tokenizer = tokenizer
+        self.template = template
+        self.chars_per_token = chars_per_token
+        self._bos_id: int | None = None
+        if tokenizer is not None and add_bos_to_completions:
+            bos = tokenizer.tokenizer.bos_token
+            self._bos_id = tokenizer.tokenizer.special_tokens.get(bos) if bos else None
+
+    @property
+    def exact(self) -> bool:
+        """True when chat prompts are tokenized exactly (tokenizer and template present)."""
+        return self.tokenizer is not None and self.template is not None
+
+    def root(self, body: Mapping[str, Any]) -> tuple[int, str | None]:
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise BadRequest("'cache_salt' must be a string")
+        return root_hash(self.model, salt), salt
+
+    # ------------------------------------------------------------------ chat
+
+    def render_chat(self, body: Mapping[str, Any]) -> tuple[str, list[int]]:
+        """Rendered prompt text and message-prefix keys of a chat request."""
+        messages = _check_messages(body)
+        tools = body.get("tools")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, Mapping):
+            raise BadRequest("'chat_template_kwargs' must be an object")
+        add_gen = body.get("add_generation_prompt", True)
+        cont = body.get("continue_final_message", False)
+        if not isinstance(add_gen, bool) or not isinstance(cont, bool):
+            raise BadRequest("'add_generation_prompt' and 'continue_final_message' are booleans")
+        if cont:
+            add_gen = False
+        if self.template is None:
+            return _simple_render(messages, tools), []
+        prepared = prepare_messages(messages)
+        text = self.template.render(
+            prepared, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
+        )
+        context = {"tools": tools, "kwargs": kwargs, "gen": add_gen}
+        return text, message_keys(messages, context)
+
+    def chat(self, body: Mapping[str, Any]) -> ProcessedPrompt:
+        t0 = time.perf_counter()
+        text, keys = self.render_chat(body)
+        render_s = time.perf_counter() - t0
+        if self.tokenizer is None or self.template is None:
+            return self._approximate(text, body, render_s)
+        root, _ = self.root(body)
+        enc = self.tokenizer.encode(text, keys, root, self.block_size)
+        return ProcessedPrompt(
+            len(enc.tokens),
+            enc.hashes,
+            self.block_size,
+            True,
+            enc.reused_tokens,
+            render_s + enc.tokenize_s,
+            enc.hash_s,
+        )
+
+    # ------------------------------------------------------------------ completions
+
+    def completion(self, body: Mapping[str, Any]) -> ProcessedPrompt:
+        """Routing view of a completion request; a batch prompt is routed by its first entry."""
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise BadRequest("'prompt' is a required property")
+        if isinstance(prompt, list):
+            if not prompt:
+                raise BadRequest("'prompt' must not be empty")
+            if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+                return self._token_ids(prompt, body)
+            first = prompt[0]
+            if isinstance(first, list):
+                for item in prompt:
+                    if (
+                        not isinstance(item, list)
+                        or not item
+                        or not all(isinstance(p, int) and not isinstance(p, bool) for p in item)
+                    ):
+                        raise BadRequest(
+                            "'prompt' token-id arrays must be non-empty integer arrays"
+                        )
+                return self._token_ids(first, body)
+            if not all(isinstance(p, str) for p in prompt):
+                raise BadRequest("'prompt' must be a string, an array of strings or token ids")
+            prompt = first
+        if not isinstance(prompt, str):
+            raise BadRequest("'prompt' must be a string, an array of strings or token ids")
+        t0 = time.perf_counter()
+        if self.tokenizer is None:
+            return self._approximate(prompt, body, 0.0)
+        tokens = self.tokenizer.encode_text(prompt)
+        if self._bos_id is not None and (not len(tokens) or int(tokens[0]) != self._bos_id):
+            tokens = np.concatenate([np.array([self._bos_id], dtype=np.uint32), tokens])
+        t1 = time.perf_counter()
+        root, _ = self.root(body)
+        hashes = hash_prompt(tokens, self.block_size, root).hashes
+        return ProcessedPrompt(
+            len(tokens), hashes, self.block_size, True, 0, t1 - t0, time.perf_counter() - t1
+        )
+
+    def _token_ids(self, ids: list[int], body: Mapping[str, Any]) -> ProcessedPrompt:
+        t0 = time.perf_counter()
+        try:
+            arr = as_u32_array(ids)
+        except ValueError as exc:
+            raise BadRequest(f"'prompt' {exc}") from None
+        root, _ = self.root(body)
+        hashes = hash_prompt(arr, self.block_size, root).hashes
+        return ProcessedPrompt(
+            len(arr), hashes, self.block_size, True, 0, 0.0, time.perf_counter() - t0
+        )
+
+    def _approximate(self, text: str, body: Mapping[str, Any], render_s: float) -> ProcessedPrompt:
+        t0 = time.perf_counter()
+        _, salt = self.root(body)
+        hashes = approx_hashes(
+            text, self.block_size, approx_root(self.model, salt), self.chars_per_token
+        )
+        return ProcessedPrompt(
+            approx_tokens(text, self.chars_per_token),
+            hashes,
+            self.block_size,
+            False,
+            0,
+            render_s,
+            time.perf_counter() - t0,
+        )

@@ -1,0 +1,244 @@
+"""HF-style chat templates rendered with Jinja2, the way ``transformers`` and vLLM do it.
+
+The template comes from ``tokenizer_config.json`` (``chat_template``: a string, or a list of
+``{"name", "template"}`` of which ``default`` is used, or ``tool_use`` when tools are given),
+or from a separate ``chat_template.jinja`` file. The environment matches transformers':
+sandboxed, ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson``
+filter that keeps non-ASCII text, ``raise_exception`` and ``strftime_now`` globals.
+
+Messages are prepared as vLLM prepares them: text content parts are joined with newlines and
+tool-call arguments given as JSON strings are parsed into objects, so templates that render
+``arguments | tojson`` see what they would see in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.runtime import LoopContext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from router.core.errors import BadRequest, ConfigError
+
+
+class TemplateError(BadRequest):
+    """The template refused the conversation (``raise_exception``) or failed on it."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(f"chat template error: {message}")
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+_SAFE_DICT_ATTRS = frozenset({"get", "items", "keys", "values"})
+_SAFE_LOOP_ATTRS = frozenset(
+    {"first", "last", "index", "index0", "length", "revindex", "revindex0", "previtem", "nextitem"}
+)
+
+
+class _TemplateSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with fast paths for what chat templates do per message
+    (``message.get(...)``, ``loop.first``): those attributes are known safe, so the generic
+    safety checks are skipped for them; everything else goes through the sandbox."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        kind = type(obj)
+        if (kind is dict and attribute in _SAFE_DICT_ATTRS) or (
+            kind is LoopContext and attribute in _SAFE_LOOP_ATTRS
+        ):
+            return getattr(obj, attribute)
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        if type(obj) is dict and type(argument) is str and argument in obj:
+            return obj[argument]
+        return super().getitem(obj, argument)
+
+
+def _environment() -> jinja2.Environment:
+    env = _TemplateSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def content_text(content: Any) -> str | None:
+    """Text of an OpenAI message ``content``: a string, or the text parts of a list joined with
+    newlines (vLLM's "string" content format). None for a missing content."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+        return "\n".join(texts)
+    raise BadRequest("message content must be a string or a list of content parts")
+
+
+_ARGS_CACHE: dict[str, Any] = {}
+_ARGS_CACHE_MAX = 8192
+
+
+def _parse_arguments(text: str) -> Any:
+    """Tool-call arguments as an object (the string itself when it is not JSON). Memoised:
+    every turn of a session resends the same calls; templates cannot mutate the result."""
+    found = _ARGS_CACHE.get(text)
+    if found is not None or text in _ARGS_CACHE:
+        return found
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = text
+    if len(_ARGS_CACHE) >= _ARGS_CACHE_MAX:
+        _ARGS_CACHE.clear()
+    _ARGS_CACHE[text] = value
+    return value
+
+
+def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` ready for a template (see module docstring); messages that need a change
+    are shallow-copied, the others passed as they are."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        content = m.get("content")
+        calls = m.get("tool_calls")
+        if (content is None or isinstance(content, str)) and not calls and type(m) is dict:
+            out.append(m)  # nothing to change; the sandbox keeps templates from mutating it
+            continue
+        msg = dict(m)
+        if "content" in msg and not isinstance(content, str):
+            msg["content"] = content_text(content)
+        if isinstance(calls, list):
+            fixed = []
+            for call in calls:
+                fn = call.get("function") if isinstance(call, Mapping) else None
+                if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+                    call = {
+                        **call,
+                        "function": {**fn, "arguments": _parse_arguments(fn["arguments"])},
+                    }
+                fixed.append(call)
+            msg["tool_calls"] = fixed
+        out.append(msg)
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class ChatTemplate:
+    """A compiled chat template plus the special-token strings it may reference."""
+
+    source: str
+    tool_source: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+    extra: Mapping[str, str] = field(default_factory=dict)
+    _compiled: Any = field(default=None, compare=False, repr=False)
+    _compiled_tools: Any = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        source: str,
+        *,
+        tool_source: str | None = None,
+        bos_token: str = "",
+        eos_token: str = "",
+        extra: Mapping[str, str] | None = None,
+    ) -> ChatTemplate:
+        env = _environment()
+        try:
+            compiled = env.from_string(source)
+            compiled_tools = env.from_string(tool_source) if tool_source else None
+        except jinja2.TemplateSyntaxError as exc:
+            raise ConfigError(f"chat template does not compile: {exc}") from None
+        return cls(
+            source, tool_source, bos_token, eos_token, dict(extra or {}), compiled, compiled_tools
+        )
+
+    @classmethod
+    def from_tokenizer_config(
+        cls, config: Mapping[str, Any], directory: Path | None = None
+    ) -> ChatTemplate | None:
+        """The template of a ``tokenizer_config.json`` (or ``chat_template.jinja`` beside it)."""
+        raw = config.get("chat_template")
+        if raw is None and directory is not None and (directory / "chat_template.jinja").exists():
+            raw = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+        if raw is None:
+            return None
+        tool_source = None
+        if isinstance(raw, list):
+            named = {t.get("name"): t.get("template") for t in raw if isinstance(t, Mapping)}
+            source = named.get("default") or next(iter(named.values()), None)
+            tool_source = named.get("tool_use")
+        else:
+            source = raw
+        if not isinstance(source, str):
+            raise ConfigError("chat_template must be a string or a list of named templates")
+
+        def tok(key: str) -> str:
+            v = config.get(key)
+            if isinstance(v, Mapping):
+                v = v.get("content")
+            return v if isinstance(v, str) else ""
+
+        extra = {k: tok(k) for k in ("unk_token", "pad_token") if tok(k)}
+        return cls.build(
+            source,
+            tool_source=tool_source,
+            bos_token=tok("bos_token"),
+            eos_token=tok("eos_token"),
+            extra=extra,
+        )
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Render ``messages`` (already prepared) to the prompt text the engine will see."""
+        template = self._compiled_tools if tools and self._compiled_tools else self._compiled
+        variables: dict[str, Any] = {
+            **self.extra,
+            **(kwargs or {}),
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+        }
+        if tools:
+            variables["tools"] = tools
+        try:
+            return str(template.render(variables))
+        except TemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, KeyError, AttributeError, ValueError) as exc:
+            raise TemplateError(f"chat template failed on this conversation: {exc}") from None

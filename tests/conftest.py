@@ -1,0 +1,51 @@
+"""Shared fixtures.
+
+``redis_server``: one private redis-server for the whole test session (127.0.0.1, a free
+port, no persistence, started from ``redis-server`` on PATH; never the machine's shared
+instance). Tests sharing it keep to their own key prefix (``key_prefix``); ``redis_url`` is
+its URL. ``private_redis``: a redis-server of one test alone, which it may flush, restart
+or kill.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from router.store.local_redis import LocalRedis
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
+    """A redis-server for the whole session; its ``url`` is ``redis://127.0.0.1:<port>/0``."""
+    server = LocalRedis(tmp_path_factory.mktemp("redis-session"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: LocalRedis) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A key prefix no other test uses, for tests that share ``redis_server``."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[LocalRedis]:
+    """A redis-server of this test alone: flush it, restart it, kill it."""
+    server = LocalRedis(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

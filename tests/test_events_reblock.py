@@ -1,0 +1,129 @@
+"""Re-blocking engine events to canonical hashes, for engine block sizes smaller, equal,
+larger than and not dividing the router's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.core.hashing import hash_prompt, root_hash
+from router.core.index import PrefixIndex
+from router.core.types import (
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    Kind,
+    ReplicaKey,
+    Tier,
+)
+from router.events.model import EngineAllCleared, EngineBlockRemoved, EngineBlockStored
+from router.events.reblock import Reblocker
+
+B = 64
+MODEL = "m"
+ROOT = root_hash(MODEL)
+
+
+def engine_events(tokens: list[int], be: int, parent: int | None, salt: int, per_event: int):
+    """BlockStored events for ``tokens`` in engine blocks of ``be`` (engine hashes are
+    arbitrary ints derived from the position, as an engine's would be)."""
+    n = len(tokens) // be
+    hashes = [hash((salt, i)) & (2**64 - 1) for i in range(n)]
+    events = []
+    for s in range(0, n, per_event):
+        chunk = hashes[s : s + per_event]
+        events.append(
+            EngineBlockStored(
+                block_hashes=tuple(chunk),
+                parent_block_hash=parent if s == 0 else hashes[s - 1],
+                token_ids=tuple(tokens[s * be : (s + len(chunk)) * be]),
+                block_size=be,
+            )
+        )
+    return hashes, events
+
+
+@pytest.mark.parametrize("be", [16, 64, 256, 48, 100])
+@pytest.mark.parametrize("per_event", [1, 3])
+def test_canonical_hashes_match_router_hashing(be: int, per_event: int) -> None:
+    rng = random.Random(be * 10 + per_event)
+    tokens = [rng.randrange(50_000) for _ in range(be * 40)]
+    rb = Reblocker(B, MODEL)
+    _, events = engine_events(tokens, be, None, 1, per_event)
+    out = rb.convert(events)
+    stored = [h for e in out if isinstance(e, BlocksStored) for h in e.hashes]
+    expected = hash_prompt(tokens[: (len(tokens) // be) * be], B, ROOT).hashes
+    assert stored == expected
+    assert rb.stats.bad_event == 0 and rb.stats.unknown_parent == 0
+
+
+@pytest.mark.parametrize("be", [16, 64, 256, 48])
+def test_removal_drops_exactly_the_overlapped_canonical_blocks(be: int) -> None:
+    rng = random.Random(be)
+    tokens = [rng.randrange(50_000) for _ in range(be * 24)]
+    rb = Reblocker(B, MODEL)
+    hashes, events = engine_events(tokens, be, None, 2, 4)
+    index = PrefixIndex()
+    key = ReplicaKey("r")
+    index.apply(EventBatch(key, tuple(rb.convert(events))))
+    canonical = hash_prompt(tokens, B, ROOT).hashes
+    assert index.match(canonical).get(key).kv_blocks == len(canonical)
+    # Evict the tail engine blocks (vLLM evicts leaves first): keep the first k engine blocks.
+    keep = len(hashes) // 2
+    index.apply(
+        EventBatch(key, tuple(rb.convert([EngineBlockRemoved(tuple(hashes[keep:][::-1]))])))
+    )
+    assert index.match(canonical).get(key).kv_blocks == (keep * be) // B
+    # A diverging continuation from the kept prefix re-blocks from the stored tail.
+    more = [rng.randrange(50_000) for _ in range(be * 8)]
+    _, events2 = engine_events(more, be, hashes[keep - 1], 3, 2)
+    index.apply(EventBatch(key, tuple(rb.convert(events2))))
+    full = tokens[: keep * be] + more
+    expect = hash_prompt(full, B, ROOT).hashes
+    assert index.match(expect).get(key).kv_blocks == len(expect)
+
+
+def test_tiers_state_groups_and_clear() -> None:
+    rng = random.Random(5)
+    tokens = [rng.randrange(1000) for _ in range(B * 4)]
+    rb = Reblocker(B, MODEL)
+    canonical = hash_prompt(tokens, B, ROOT).hashes
+    hashes = [11, 12, 13, 14]
+    ev = EngineBlockStored(tuple(hashes), None, tuple(tokens), B, group_idx=0)
+    assert rb.convert([ev]) == [BlocksStored(tuple(canonical))]
+    # Same blocks offloaded to CPU: same canonical hashes, CPU tier, without token work.
+    cpu = EngineBlockStored(tuple(hashes), None, tuple(tokens), B, medium="CPU")
+    assert rb.convert([cpu]) == [BlocksStored(tuple(canonical), Tier.CPU)]
+    # A mamba group storing states at the end of blocks 2 and 4 (separate map per group).
+    st = EngineBlockStored(
+        (21, 22), None, tuple(tokens[: 2 * B]), B, group_idx=1, kv_cache_spec_kind="mamba"
+    )
+    assert rb.convert([st]) == [BlocksStored((canonical[0], canonical[1]), Tier.GPU, Kind.STATE)]
+    assert rb.convert([EngineBlockRemoved((22,), group_idx=1)]) == [
+        BlocksRemoved((canonical[1],), Tier.GPU, Kind.STATE)
+    ]
+    swa = EngineBlockStored((31,), None, tuple(tokens[:B]), B, kv_cache_spec_kind="sliding_window")
+    assert rb.convert([swa]) == [] and rb.stats.ignored_group == 1
+    assert rb.convert([EngineAllCleared()]) == [AllCleared()]
+    assert len(rb) == 0
+
+
+def test_state_checkpoint_off_the_router_grid_is_skipped() -> None:
+    tokens = list(range(96))
+    rb = Reblocker(B, MODEL)
+    ev = EngineBlockStored((1, 2, 3), None, tuple(tokens), 32, kv_cache_spec_kind="mamba")
+    out = rb.convert([ev])
+    assert out == [BlocksStored((hash_prompt(tokens, B, ROOT).hashes[0],), Tier.GPU, Kind.STATE)]
+    assert rb.stats.unaligned_state == 2
+
+
+def test_bad_events_are_counted_and_skipped() -> None:
+    rb = Reblocker(B, MODEL)
+    assert rb.convert([EngineBlockStored((1,), None, (1, 2, 3), B)]) == []
+    assert rb.convert([EngineBlockStored((1,), None, tuple(range(B)), B, medium="TAPE")]) == []
+    assert rb.convert([EngineBlockStored((2,), 999, tuple(range(B)), B)]) == []
+    assert rb.convert([EngineBlockRemoved((12345,))]) == []
+    assert rb.stats.bad_event == 2
+    assert rb.stats.unknown_parent == 1 and rb.stats.unknown_removed == 1

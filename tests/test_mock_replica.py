@@ -1,0 +1,170 @@
+"""The mock replica over real HTTP (the real ``openai`` client) and real ZMQ: answers,
+usage with cached tokens, streaming, metrics, and KV events a router index can follow."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from router.core.hashing import hash_prompt, root_hash
+from router.core.index import PrefixIndex
+from router.core.types import ReplicaKey
+from router.events.direct import DirectEvents
+from router.events.ingest import EndpointSpec
+from router.mock.server import MockSettings, create_app
+from router.store.local_redis import free_port
+
+B = 64
+
+
+async def eventually(pred: Callable[[], bool], timeout: float = 8.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+class Mock:
+    def __init__(self, settings: MockSettings, url: str, runner: web.AppRunner) -> None:
+        self.settings = settings
+        self.url = url
+        self.runner = runner
+        self.client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture
+async def start_mock() -> AsyncIterator[Callable[..., object]]:
+    mocks: list[Mock] = []
+
+    async def start(**overrides: object) -> Mock:
+        settings = MockSettings(
+            model="m",
+            replica="mock-a",
+            block_size=B,
+            engine_block_size=16,
+            zmq_endpoint=f"tcp://127.0.0.1:{free_port()}",
+            replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+        )
+        settings = replace(settings, **overrides)  # type: ignore[arg-type]
+        runner = web.AppRunner(create_app(settings))
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        mock = Mock(settings, f"http://127.0.0.1:{port}", runner)
+        mocks.append(mock)
+        return mock
+
+    yield start
+    for mock in mocks:
+        await mock.client.close()
+        await mock.runner.cleanup()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 50_000) for _ in range(n)]
+
+
+async def test_completion_reports_cached_tokens_on_a_repeat(start_mock: Callable) -> None:
+    mock = await start_mock()
+    prompt = _prompt(1, 10 * B + 5)
+    first = await mock.client.completions.create(model="m", prompt=prompt, max_tokens=4)
+    assert first.usage.prompt_tokens == len(prompt)
+    assert first.usage.completion_tokens == 4
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.choices[0].text.count("tok") == 4
+    second = await mock.client.completions.create(model="m", prompt=prompt, max_tokens=4)
+    assert second.usage.prompt_tokens_details.cached_tokens == 10 * B
+
+
+async def test_streaming_chat_with_usage(start_mock: Callable) -> None:
+    mock = await start_mock()
+    messages = [{"role": "system", "content": "x" * 300}, {"role": "user", "content": "hi"}]
+    await mock.client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+    stream = await mock.client.chat.completions.create(
+        model="m",
+        messages=messages,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage, finish = "", None, None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert text.count("tok") == 6 and finish == "length"
+    assert usage is not None and usage.completion_tokens == 6
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens // B) * B
+
+
+async def test_bad_requests_metrics_and_health(start_mock: Callable) -> None:
+    mock = await start_mock()
+    with pytest.raises(openai.BadRequestError):
+        await mock.client.completions.create(model="m", prompt=[], max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        await mock.client.completions.create(model="other", prompt=[1, 2], max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        await mock.client.chat.completions.create(model="m", messages=[], max_tokens=1)
+    await mock.client.completions.create(model="m", prompt=_prompt(2, 100), max_tokens=1)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{mock.url}/health") as resp:
+            assert resp.status == 200
+        async with http.post(f"{mock.url}/v1/completions", data=b"{nope") as resp:
+            assert resp.status == 400
+            assert "JSON" in (await resp.json())["error"]["message"]
+        async with http.get(f"{mock.url}/metrics") as resp:
+            page = await resp.text()
+    assert 'vllm:num_requests_running{engine="0",model_name="m"} 0.0' in page
+    assert "vllm:kv_cache_usage_perc" in page
+    assert 'vllm:prompt_tokens_total{engine="0",model_name="m"} 100.0' in page
+
+
+@pytest.mark.parametrize(("engine_block", "encoding"), [(16, "array"), (128, "map"), (64, "array")])
+async def test_kv_events_rebuild_the_router_index(
+    start_mock: Callable, engine_block: int, encoding: str
+) -> None:
+    mock = await start_mock(engine_block_size=engine_block, encoding=encoding)
+    index = PrefixIndex()
+    direct = DirectEvents(index)
+    s = mock.settings
+    direct.add_replica(s.replica, s.model, B, [EndpointSpec(s.zmq_endpoint, s.replay_endpoint)])
+    async with direct:
+        await asyncio.sleep(0.2)
+        prompt = _prompt(3, 12 * B + 7)
+        await mock.client.completions.create(model="m", prompt=prompt, max_tokens=2)
+        hashes = hash_prompt(prompt, B, root_hash("m")).hashes
+        key = ReplicaKey(s.replica)
+        await eventually(lambda: index.match(hashes).get(key).kv_blocks == 12)
+        assert direct.ingests[s.replica].stats.malformed_events == 0
+
+
+async def test_hybrid_profile_publishes_state_checkpoints(start_mock: Callable) -> None:
+    mock = await start_mock(profile="kimi-k3", kv_blocks=20_000)
+    index = PrefixIndex()
+    direct = DirectEvents(index)
+    s = mock.settings
+    direct.add_replica(s.replica, s.model, B, [EndpointSpec(s.zmq_endpoint, s.replay_endpoint)])
+    async with direct:
+        await asyncio.sleep(0.2)
+        prompt = _prompt(4, 9 * B + 3)
+        await mock.client.completions.create(model="m", prompt=prompt, max_tokens=1)
+        hashes = hash_prompt(prompt, B, root_hash("m")).hashes
+        key = ReplicaKey(s.replica)
+        await eventually(lambda: index.match(hashes, hybrid=True).get(key).usable_blocks == 9)
+        # A longer prompt sharing the prefix: KV hit 9 blocks, usable only at the checkpoint.
+        longer = prompt[: 9 * B] + _prompt(5, 4 * B)
+        lh = hash_prompt(longer, B, root_hash("m")).hashes
+        m = index.match(lh, hybrid=True).get(key)
+        assert (m.kv_blocks, m.usable_blocks) == (9, 9)
+        assert index.match(lh[:5], hybrid=True).get(key).usable_blocks == 0

@@ -1,0 +1,260 @@
+"""Publisher sidecars + engines (vLLM wire format over real ZMQ) + real Redis + routers
+(``IndexSync``): convergence, restarts, Redis data loss, lease expiry, malformed input."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import pytest
+from aiohttp import web
+
+from router.core.hashing import hash_prompt, root_hash
+from router.core.index import PrefixIndex
+from router.core.load import LoadTracker
+from router.core.types import ReplicaKey
+from router.events.ingest import EndpointSpec
+from router.events.model import EngineBlockRemoved, EngineBlockStored
+from router.events.zmq_pub import KVEventPublisher
+from router.publisher.publisher import Publisher, PublisherSettings
+from router.store.base import ReplicaInfo
+from router.store.local_redis import LocalRedis, free_port
+from router.store.redis_store import RedisStore
+from router.store.schema import KeySchema
+from router.store.sync import IndexSync, LoadTrackerListener
+
+B = 32
+MODEL = "m"
+FAST_SYNC = {"audit_interval_s": 0.1, "block_s": 0.05}
+
+
+async def eventually(pred: Callable[[], bool], timeout: float = 8.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+def canonical(tokens: list[int]) -> list[int]:
+    return hash_prompt(tokens, B, root_hash(MODEL)).hashes
+
+
+@dataclass
+class FakeEngine:
+    """A KV-event source in vLLM's format (engine blocks of ``be`` tokens)."""
+
+    pub: KVEventPublisher
+    be: int
+    rng: random.Random
+
+    def prompt(self, n_blocks: int) -> list[int]:
+        return [self.rng.randrange(30_000) for _ in range(n_blocks * self.be)]
+
+    def _h(self, tokens: list[int], i: int) -> int:
+        return hash(tuple(tokens[: (i + 1) * self.be])) & (2**63 - 1)
+
+    async def store(self, tokens: list[int], rank: int | None = None) -> None:
+        n = len(tokens) // self.be
+        hashes = tuple(self._h(tokens, i) for i in range(n))
+        await self.pub.publish([EngineBlockStored(hashes, None, tuple(tokens), self.be)], rank)
+
+    async def evict(self, tokens: list[int], keep_blocks: int) -> None:
+        n = len(tokens) // self.be
+        gone = tuple(self._h(tokens, i) for i in range(n - 1, keep_blocks - 1, -1))
+        await self.pub.publish([EngineBlockRemoved(gone)])
+
+
+async def _engine(be: int, seed: int, encoding: str = "array") -> FakeEngine:
+    pub = KVEventPublisher(
+        f"tcp://127.0.0.1:{free_port()}",
+        f"tcp://127.0.0.1:{free_port()}",
+        encoding=encoding,  # type: ignore[arg-type]
+    )
+    pub.start()
+    return FakeEngine(pub, be, random.Random(seed))
+
+
+def _publisher(
+    store: RedisStore, name: str, eng: FakeEngine, metrics_url: str | None = None, **kw: object
+) -> Publisher:
+    info = ReplicaInfo(name, url=f"http://{name}", model=MODEL, block_size=B)
+    spec = EndpointSpec(eng.pub.endpoint, eng.pub.replay_endpoint)
+    settings = PublisherSettings(
+        info,
+        (spec,),
+        engine_metrics_url=metrics_url,
+        heartbeat_s=0.1,
+        lease_ttl_s=1.0,
+        load_interval_s=0.1,
+        **kw,  # type: ignore[arg-type]
+    )
+    return Publisher(settings, store)
+
+
+@pytest.fixture
+async def stores(redis_url: str, key_prefix: str) -> AsyncIterator[Callable[[], RedisStore]]:
+    made: list[RedisStore] = []
+
+    def make() -> RedisStore:
+        s = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=4))
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        await s.close()
+
+
+async def test_two_routers_two_publishers_converge_and_restarted_router_recovers(
+    stores: Callable[[], RedisStore],
+) -> None:
+    e1, e2 = await _engine(16, 1, "array"), await _engine(128, 2, "map")
+    p1, p2 = _publisher(stores(), "r1", e1), _publisher(stores(), "r2", e2)
+    a, b = PrefixIndex(), PrefixIndex()
+    try:
+        async with p1, p2, IndexSync(stores(), a, **FAST_SYNC), IndexSync(stores(), b, **FAST_SYNC):
+            await asyncio.sleep(0.3)  # SUB sockets connect
+            x, y = e1.prompt(16), e2.prompt(3)  # 256 tokens on r1, 384 on r2
+            await e1.store(x)
+            await e2.store(y)
+            cx, cy = canonical(x), canonical(y)
+            for idx in (a, b):
+                await eventually(lambda idx=idx: idx.match(cx).get(ReplicaKey("r1")).kv_blocks == 8)
+                await eventually(
+                    lambda idx=idx: idx.match(cy).get(ReplicaKey("r2")).kv_blocks == 12
+                )
+            await e1.evict(x, keep_blocks=6)  # 96 tokens stay: 3 router blocks
+            await eventually(lambda: a.match(cx).get(ReplicaKey("r1")).kv_blocks == 3)
+            await eventually(lambda: b.match(cx).get(ReplicaKey("r1")).kv_blocks == 3)
+            # A router started now (a restarted one) recovers the same index from Redis.
+            c = PrefixIndex()
+            async with IndexSync(stores(), c, **FAST_SYNC):
+                assert c.match(cx).get(ReplicaKey("r1")).kv_blocks == 3
+                assert c.match(cy).get(ReplicaKey("r2")).kv_blocks == 12
+    finally:
+        await e1.pub.close()
+        await e2.pub.close()
+
+
+async def test_dropped_zmq_message_is_replayed_into_redis(stores: Callable[[], RedisStore]) -> None:
+    eng = await _engine(16, 3)
+    pub = _publisher(stores(), "rp", eng)
+    index = PrefixIndex()
+    try:
+        async with pub, IndexSync(stores(), index, **FAST_SYNC):
+            await asyncio.sleep(0.3)
+            x = eng.prompt(8)
+            eng.pub.drop_next = 1
+            await eng.store(x)
+            z = eng.prompt(4)
+            await eng.store(z)  # reveals the gap; the publisher replays x
+            await eventually(lambda: index.match(canonical(x)).get(ReplicaKey("rp")).kv_blocks == 4)
+            assert pub.ingest.stats.lost_batches == 0
+    finally:
+        await eng.pub.close()
+
+
+async def test_malformed_events_are_counted_and_do_no_harm(
+    stores: Callable[[], RedisStore],
+) -> None:
+    eng = await _engine(16, 4)
+    pub = _publisher(stores(), "rm", eng)
+    index = PrefixIndex()
+    try:
+        async with pub, IndexSync(stores(), index, **FAST_SYNC):
+            await asyncio.sleep(0.3)
+            await eng.pub.publish_raw(b"\xc1\xc1")
+            await eng.pub.publish_raw(b"\x92\xcb")
+            await eng.pub.publish(
+                [EngineBlockStored((1,), None, (1, 2), 16), EngineBlockRemoved((5,), "TAPE")]
+            )
+            x = eng.prompt(4)
+            await eng.store(x)
+            await eventually(lambda: index.match(canonical(x)).get(ReplicaKey("rm")).kv_blocks == 2)
+            assert pub.ingest.stats.malformed_payloads == 2
+            assert pub.ingest.stats.malformed_events == 2
+    finally:
+        await eng.pub.close()
+
+
+async def _metrics_server(text: str) -> tuple[web.AppRunner, str]:
+    async def handler(_: web.Request) -> web.Response:
+        return web.Response(text=text)
+
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}/metrics"
+
+
+async def test_crashed_publisher_lease_expires_and_load_is_published(
+    stores: Callable[[], RedisStore],
+) -> None:
+    page = (
+        '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 3\n'
+        '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} 7\n'
+        '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.42\n'
+    )
+    runner, url = await _metrics_server(page)
+    eng = await _engine(16, 5)
+    pub = _publisher(stores(), "rc", eng, metrics_url=url, deregister_on_stop=False)
+    index, tracker = PrefixIndex(), LoadTracker()
+    key = ReplicaKey("rc")
+    try:
+        async with IndexSync(stores(), index, listener=LoadTrackerListener(tracker), **FAST_SYNC):
+            await pub.start()
+            await eventually(lambda: tracker.view(key, 0).engine is not None)
+            report = tracker.view(key, 0).engine
+            assert report is not None and (report.running, report.waiting) == (3, 7)
+            assert report.kv_usage == pytest.approx(0.42)
+            # Crash: tasks stop, nothing deregisters; the 1 s lease runs out.
+            for task in pub._tasks:
+                task.cancel()
+            await pub.subscribers.stop()
+            await eventually(lambda: key not in index, timeout=5)
+            assert key not in tracker.replicas()
+    finally:
+        for task in pub._tasks:
+            task.cancel()
+        await runner.cleanup()
+        await eng.pub.close()
+
+
+async def test_redis_flush_and_restart_publisher_republishes_router_resyncs(
+    private_redis: LocalRedis,
+) -> None:
+    schema = KeySchema("kvr", stream_shards=2)
+    pub_store = RedisStore.from_url(private_redis.url, schema)
+    router_store = RedisStore.from_url(private_redis.url, schema)
+    eng = await _engine(16, 6)
+    pub = _publisher(pub_store, "rf", eng)
+    index = PrefixIndex()
+    key = ReplicaKey("rf")
+    try:
+        async with pub, IndexSync(router_store, index, **FAST_SYNC) as sync:
+            await asyncio.sleep(0.3)
+            x = eng.prompt(8)
+            await eng.store(x)
+            cx = canonical(x)
+            await eventually(lambda: index.match(cx).get(key).kv_blocks == 4)
+            await pub_store.redis.flushall()
+            # Routers drop it, the publisher's heartbeat notices and republishes in full.
+            await eventually(lambda: pub.stats.lease_losses >= 1)
+            await eventually(lambda: index.match(cx).get(key).kv_blocks == 4)
+            private_redis.restart()
+            await eventually(lambda: pub.stats.lease_losses >= 2 or pub.stats.store_errors >= 1)
+            y = eng.prompt(4)
+            await eng.store(y)
+            await eventually(lambda: index.match(canonical(y)).get(key).kv_blocks == 2, 15)
+            await eventually(lambda: index.match(cx).get(key).kv_blocks == 4, 15)
+            assert sync.stats.bootstraps >= 2
+    finally:
+        await eng.pub.close()
+        await pub_store.close()
+        await router_store.close()

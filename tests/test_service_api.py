@@ -1,0 +1,425 @@
+"""The router in front of test backends on loopback, driven by the official openai client and
+raw HTTP: streaming and not, chat and completions, transparency, retries, cancellation,
+errors, admin, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from router.service.config import build_settings
+from tests.backends import Backend, kimi_model_table, start_router
+
+MODEL = "kimi-test"
+APPROX = "approx-model"
+TOKEN = "s3cret"
+
+
+@dataclass
+class Fleet:
+    url: str
+    backends: list[Backend]
+    approx: Backend
+    client: openai.AsyncOpenAI
+    http: aiohttp.ClientSession
+
+    async def post(self, path: str, payload: Any, **kw: Any) -> aiohttp.ClientResponse:
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        return await self.http.post(self.url + path, data=data, **kw)
+
+
+async def make_fleet(server: dict[str, Any] | None = None, **model: Any) -> AsyncIterator[Fleet]:
+    backends = [await Backend(f"b{i}", [MODEL]).start() for i in range(2)]
+    approx = await Backend("a0", [APPROX, "extra-lora"]).start()
+    settings = build_settings(
+        {
+            "server": {
+                "admin_token": TOKEN,
+                "debug_header": True,
+                "max_retries": 2,
+                "unhealthy_cooldown_s": 60.0,
+                **(server or {}),
+            },
+            "replicas": [
+                *({"url": b.url, "model": MODEL, "name": b.name} for b in backends),
+                {"url": approx.url, "model": APPROX, "name": "a0"},
+            ],
+            "models": {MODEL: kimi_model_table(context_length=4096, **model)},
+        }
+    )
+    runner, url = await start_router(settings)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    http = aiohttp.ClientSession()
+    try:
+        yield Fleet(url, backends, approx, client, http)
+    finally:
+        await http.close()
+        await client.close()
+        await runner.cleanup()
+        for b in [*backends, approx]:
+            await b.stop()
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    async for f in make_fleet():
+        yield f
+
+
+def conversation(turns: int) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are terse. " * 40}]
+    for i in range(turns):
+        msgs.append({"role": "user", "content": f"Question {i}: " + "why is the sky blue? " * 30})
+        msgs.append({"role": "assistant", "content": f"Answer {i}: Rayleigh scattering. " * 5})
+    msgs.append({"role": "user", "content": "And at sunset?"})
+    return msgs
+
+
+# ---------------------------------------------------------------------------- openai client
+
+
+async def test_chat_non_streaming_with_openai_client(fleet: Fleet) -> None:
+    resp = await fleet.client.chat.completions.create(
+        model=MODEL,
+        messages=conversation(1),
+        max_tokens=8,
+        extra_body={"vendor_knob": {"a": [1, 2]}},
+    )
+    assert resp.choices[0].message.content.startswith("w0-")
+    assert resp.usage is not None and resp.usage.prompt_tokens > 0
+    got = [r for b in fleet.backends for r in b.received]
+    assert len(got) == 1
+    assert got[0]["body"]["vendor_knob"] == {"a": [1, 2]}  # unknown fields pass through
+    assert got[0]["headers"]["x-request-id"]
+
+
+async def test_chat_streaming_with_openai_client(fleet: Fleet) -> None:
+    stream = await fleet.client.chat.completions.create(
+        model=MODEL,
+        messages=conversation(1),
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, usage = [], None
+    async for chunk in stream:
+        if chunk.choices:
+            texts.append(chunk.choices[0].delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(texts).split() == [f"w{i}-{texts[i][3]}" for i in range(4)]
+    assert usage is not None and usage.prompt_tokens_details is not None
+
+
+async def test_completions_text_and_token_ids(fleet: Fleet) -> None:
+    r1 = await fleet.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)
+    assert r1.choices[0].text.startswith("w0-")
+    r2 = await fleet.client.completions.create(model=MODEL, prompt=list(range(100)), max_tokens=4)
+    assert r2.choices[0].text
+    stream = await fleet.client.completions.create(
+        model=MODEL, prompt="Stream me", max_tokens=4, stream=True
+    )
+    parts = [c.choices[0].text async for c in stream if c.choices]
+    assert len(parts) == 4
+    bodies = [r["body"] for b in fleet.backends for r in b.received]
+    assert {"prompt": list(range(100))}.items() <= next(
+        b for b in bodies if isinstance(b["prompt"], list)
+    ).items()
+
+
+async def test_models_is_union_of_replicas(fleet: Fleet) -> None:
+    page = await fleet.client.models.list()
+    ids = sorted(m.id for m in page.data)
+    assert ids == sorted([MODEL, APPROX, "extra-lora"])
+
+
+# ---------------------------------------------------------------------------- transparency
+
+
+async def test_routed_bodies_equal_direct_bodies_byte_for_byte(fleet: Fleet) -> None:
+    backend = fleet.backends[0]
+    body = {"model": MODEL, "messages": conversation(2), "max_tokens": 3, "x_ext": "keep"}
+    for stream in (False, True):
+        payload = json.dumps({**body, "stream": stream, "stream_options": {"include_usage": True}})
+        backend._seen.clear()  # same cache state for both calls
+        async with fleet.http.post(backend.url + "/v1/chat/completions", data=payload) as r:
+            direct = await r.read()
+        backend._seen.clear()
+        # drain the other backend so the routed request lands on ``backend``
+        await fleet.post(
+            f"/admin/replicas/{fleet.backends[1].name}/drain",
+            b"",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        chunks = []
+        async with fleet.http.post(fleet.url + "/v1/chat/completions", data=payload) as r:
+            assert r.status == 200
+            async for chunk in r.content.iter_any():
+                chunks.append(chunk)
+        routed = b"".join(chunks)
+        # the backend saw the same bytes both times ...
+        assert backend.received[-1]["body"] == backend.received[-2]["body"]
+        # ... and the client got the same bytes both times
+        assert routed == direct
+        assert routed.count(b"data:") == (6 if stream else 0)
+
+
+# ---------------------------------------------------------------------------- routing feedback
+
+
+async def test_session_affinity_and_debug_header(fleet: Fleet) -> None:
+    first = {"model": MODEL, "messages": conversation(2), "max_tokens": 2}
+    r1 = await fleet.post("/v1/chat/completions", first)
+    d1 = r1.headers["X-KVRouter-Decision"]
+    second = {"model": MODEL, "messages": [*conversation(2)[:-1], *conversation(3)[-3:]]}
+    r2 = await fleet.post("/v1/chat/completions", second)
+    d2 = dict(p.split("=") for p in r2.headers["X-KVRouter-Decision"].split("; "))
+    assert d2["replica"] == dict(p.split("=") for p in d1.split("; "))["replica"]
+    assert int(d2["usable_tokens"]) > 0  # speculative entries of the first turn
+    assert d2["exact"] == "true"
+
+
+async def test_metrics_report_prediction_and_engine_cache(fleet: Fleet) -> None:
+    body = {"model": MODEL, "messages": conversation(2)}
+    for _ in range(3):
+        r = await fleet.post("/v1/chat/completions", body)
+        await r.read()
+    text = await (await fleet.http.get(fleet.url + "/metrics")).text()
+    assert 'kvrouter_requests_total{model="kimi-test"' in text
+    assert "kvrouter_engine_cached_tokens_total" in text
+    assert 'kvrouter_decision_seconds_count{phase="tokenize"} 3.0' in text
+    assert 'kvrouter_prediction_error_tokens_count{model="kimi-test"} 3.0' in text
+    assert 'kvrouter_tokenizer_mode{mode="approximate",model="approx-model"} 1.0' in text
+    predicted = _metric(text, 'kvrouter_predicted_hit_tokens_total{model="kimi-test"}')
+    assert predicted > 0
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in metrics")
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+async def test_5xx_before_first_byte_is_retried_on_next_replica(fleet: Fleet) -> None:
+    for b in fleet.backends:
+        b.fail_next = 1  # both fail once: the first pick, then the retry on the other one
+    r = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": conversation(1)})
+    assert r.status == 500  # the last attempt's answer is passed through as it came
+    assert (await r.json())["error"]["message"] == "boom"
+    assert [len(b.received) for b in fleet.backends] == [1, 1]
+    assert r.headers["X-KVRouter-Decision"].endswith("attempt=1")
+    text = await (await fleet.http.get(fleet.url + "/metrics")).text()
+    assert _metric(text, 'kvrouter_retries_total{model="kimi-test",reason="http_500"}') == 1
+    r = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": conversation(1)})
+    assert r.status == 200
+
+
+async def test_single_5xx_is_invisible_to_the_client(fleet: Fleet) -> None:
+    for i in range(6):
+        fleet.backends[0].fail_next = 1
+        fleet.backends[1].fail_next = 0
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}]}
+        r = await fleet.post("/v1/chat/completions", body)
+        assert r.status == 200
+
+
+async def test_connect_error_is_retried_and_replica_marked_down() -> None:
+    async for fleet in make_fleet():
+        dead = fleet.backends[0]
+        await dead.stop()
+        for _ in range(3):
+            r = await fleet.post(
+                "/v1/chat/completions", {"model": MODEL, "messages": conversation(1)}
+            )
+            assert r.status == 200
+        admin = await fleet.http.get(
+            fleet.url + "/admin/replicas", headers={"X-Admin-Token": TOKEN}
+        )
+        reps = {r["name"]: r for r in (await admin.json())["replicas"]}
+        assert len(fleet.backends[1].received) == 3
+        assert reps["b0"]["healthy"] is False or len(dead.received) == 0
+
+
+async def test_client_disconnect_cancels_upstream() -> None:
+    async for fleet in make_fleet():
+        for b in fleet.backends:
+            b.hang = True
+        with pytest.raises(asyncio.TimeoutError):
+            await fleet.post(
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": conversation(1)},
+                timeout=aiohttp.ClientTimeout(total=0.5),
+            )
+        for _ in range(50):
+            if sum(b.cancelled for b in fleet.backends) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert sum(b.cancelled for b in fleet.backends) == 1
+
+
+async def test_stream_cancel_midway_cancels_upstream() -> None:
+    async for fleet in make_fleet():
+        for b in fleet.backends:
+            b.chunk_delay_s = 0.2
+            b.chunks = 50
+        resp = await fleet.post(
+            "/v1/chat/completions", {"model": MODEL, "messages": conversation(1), "stream": True}
+        )
+        await resp.content.readany()
+        resp.close()
+        for _ in range(60):
+            if sum(b.cancelled for b in fleet.backends) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert sum(b.cancelled for b in fleet.backends) == 1
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "needle"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (b"", 400, "empty"),
+        ({"messages": [{"role": "user", "content": "x"}]}, 400, "'model'"),
+        ({"model": 7, "messages": []}, 400, "'model'"),
+        ({"model": MODEL}, 400, "'messages'"),
+        ({"model": MODEL, "messages": []}, 400, "at least one"),
+        ({"model": MODEL, "messages": "hi"}, 400, "array"),
+        ({"model": MODEL, "messages": [{"content": "x"}]}, 400, "role"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "content"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+            400,
+            "stream",
+        ),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "unknown role"),
+        ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "nope"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]},
+            400,
+            "maximum context length",
+        ),
+    ],
+)
+async def test_bad_chat_requests(fleet: Fleet, payload: Any, status: int, needle: str) -> None:
+    r = await fleet.post("/v1/chat/completions", payload)
+    assert r.status == status
+    err = (await r.json())["error"]
+    assert needle in err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert sum(len(b.received) for b in fleet.backends) == 0
+
+
+@pytest.mark.parametrize("prompt", [None, 5, [], [1, "a"], [[1, 2], "x"], [-1, 3], [2**40]])
+async def test_bad_completion_prompts(fleet: Fleet, prompt: Any) -> None:
+    body = {"model": MODEL} if prompt is None else {"model": MODEL, "prompt": prompt}
+    r = await fleet.post("/v1/completions", body)
+    assert r.status == 400, await r.text()
+    assert "prompt" in (await r.json())["error"]["message"]
+
+
+async def test_bad_input_via_openai_client_raises_typed_errors(fleet: Fleet) -> None:
+    with pytest.raises(openai.NotFoundError):
+        await fleet.client.chat.completions.create(
+            model="missing", messages=[{"role": "user", "content": "hi"}]
+        )
+    with pytest.raises(openai.BadRequestError):
+        await fleet.client.chat.completions.create(model=MODEL, messages=[])
+
+
+async def test_oversized_body_gets_413() -> None:
+    async for fleet in make_fleet(server={"max_body_mb": 0.01}):
+        big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 20000}]}
+        r = await fleet.post("/v1/chat/completions", big)
+        assert r.status == 413
+        assert (await r.json())["error"]["code"] == "request_too_large"
+        ok = await fleet.post(
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert ok.status == 200  # the router is still fine
+
+
+def test_default_body_limit_admits_a_million_token_prompt() -> None:
+    settings = build_settings({})
+    # 1M tokens of English is ~4-5 MB of text; JSON escaping may double it
+    assert settings.server.max_body_mb * 2**20 >= 16 * 2**20
+
+
+async def test_no_replica_available_is_503_with_retry_after(fleet: Fleet) -> None:
+    for b in fleet.backends:
+        r = await fleet.post(
+            f"/admin/replicas/{b.name}/drain", b"", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        assert r.status == 200
+    r = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": conversation(0)})
+    assert r.status == 503 and r.headers["Retry-After"] == "1"
+    ready = await fleet.http.get(fleet.url + "/ready")
+    assert ready.status == 503
+    await fleet.post(
+        f"/admin/replicas/{fleet.backends[0].name}/undrain",
+        b"",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    r = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": conversation(0)})
+    assert r.status == 200
+
+
+# ---------------------------------------------------------------------------- ops endpoints
+
+
+async def test_health_ready_and_approximate_mode(fleet: Fleet) -> None:
+    assert (await fleet.http.get(fleet.url + "/health")).status == 200
+    ready = await fleet.http.get(fleet.url + "/ready")
+    body = await ready.json()
+    assert ready.status == 200 and body["ready"] is True
+    assert body["models"][MODEL]["prompt_mode"] == "exact"
+    assert body["models"][APPROX]["prompt_mode"] == "approximate"
+    assert "note" in body["models"][APPROX]
+    r = await fleet.client.chat.completions.create(
+        model=APPROX, messages=[{"role": "user", "content": "hello " * 300}]
+    )
+    assert r.choices[0].message.content
+
+
+async def test_admin_requires_token_and_lists_decisions(fleet: Fleet) -> None:
+    assert (await fleet.http.get(fleet.url + "/admin/replicas")).status == 401
+    bad = await fleet.http.get(fleet.url + "/admin/replicas", headers={"X-Admin-Token": "no"})
+    assert bad.status == 401
+    await fleet.client.chat.completions.create(model=MODEL, messages=conversation(1))
+    hdr = {"Authorization": f"Bearer {TOKEN}"}
+    reps = await (await fleet.http.get(fleet.url + "/admin/replicas", headers=hdr)).json()
+    assert {r["name"] for r in reps["replicas"]} == {"b0", "b1", "a0"}
+    assert all("index_kv_blocks" in r and "in_flight" in r for r in reps["replicas"])
+    dec = (
+        await (await fleet.http.get(fleet.url + "/admin/decisions?limit=5", headers=hdr)).json()
+    )["decisions"]
+    assert len(dec) == 1 and dec[0]["model"] == MODEL and dec[0]["policy"] == "ours"
+    assert (await fleet.post("/admin/replicas/zzz/drain", b"", headers=hdr)).status == 404
+
+
+async def test_admin_disabled_without_token() -> None:
+    async for fleet in make_fleet(server={"admin_token": None}):
+        r = await fleet.http.get(
+            fleet.url + "/admin/replicas", headers={"Authorization": "Bearer x"}
+        )
+        assert r.status == 403
+
+
+async def test_unknown_route_is_openai_style_404(fleet: Fleet) -> None:
+    r = await fleet.http.get(fleet.url + "/v1/nothing")
+    assert r.status == 404
+    assert (await r.json())["error"]["type"] == "not_found_error"

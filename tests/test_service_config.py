@@ -1,0 +1,148 @@
+"""Settings from TOML / YAML, environment and flags; validation messages; tuned-policy files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.core.errors import ConfigError
+from router.service.cli import _overrides
+from router.service.config import load_settings
+from router.service.state import RouterState
+
+TOML = """
+[server]
+port = 9001
+admin_token = "t"
+
+[[replicas]]
+url = "http://10.0.0.1:8000"
+model = "kimi"
+rack = "r1"
+region = "eu"
+dp_ranks = 2
+
+[[replicas]]
+url = "http://10.0.0.2:8000"
+model = "kimi"
+name = "second"
+
+[models.kimi]
+policy = "ours"
+block_size = 64
+hybrid = true
+state_interval_blocks = 8
+speculative_ttl_s = 30.0
+context_length = 1048576
+
+[models.kimi.policy_params]
+w_queue = 2.0
+cost = { prefill_s_per_token = 3e-5 }
+
+[models.kimi.busy]
+max_in_flight = 128
+"""
+
+
+def test_toml_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(TOML)
+    s = load_settings(path, environ={})
+    assert s.server.port == 9001 and s.server.admin_token == "t"
+    assert [r.name for r in s.replicas] == ["10.0.0.1:8000", "second"]
+    assert s.replicas[0].dp_ranks == 2 and s.replicas[0].rack == "r1"
+    m = s.model("kimi")
+    assert m.routing.block_size == 64 and m.routing.hybrid and m.routing.state_interval_blocks == 8
+    assert m.routing.busy.max_in_flight == 128
+    assert m.policy_params["w_queue"] == 2.0
+    state = RouterState(s)
+    assert len(state.registry.keys_for("kimi")) == 3  # two DP ranks + one
+    assert state.engines["kimi"].policy.w_queue == 2.0  # type: ignore[attr-defined]
+    assert not state.processors["kimi"].exact  # no tokenizer configured: approximate
+
+
+def test_yaml_file_env_and_flags_precedence(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "server:\n  port: 9100\n  host: 0.0.0.0\nreplicas:\n  - {url: 'http://h:1', model: m}\n"
+    )
+    env = {
+        "KVROUTER_SERVER__PORT": "9200",
+        "KVROUTER_SERVER__DEBUG_HEADER": "true",
+        "KVROUTER_ADMIN_TOKEN": "123",
+    }
+    s = load_settings(path, environ=env)
+    assert s.server.port == 9200 and s.server.debug_header is True
+    assert s.server.host == "0.0.0.0" and s.server.admin_token == "123"
+
+    class Args:
+        host = None
+        port = 9300
+        workers = None
+        admin_token = None
+        max_body_mb = None
+        log_level = None
+        debug_header = False
+        replica = ["m=http://other:2"]
+        policy = "round_robin"
+
+    s = load_settings(path, environ=env, overrides=_overrides(Args()))  # type: ignore[arg-type]
+    assert s.server.port == 9300
+    assert [r.url for r in s.replicas] == ["http://other:2"]
+    assert s.model("m").policy == "round_robin"
+
+
+def test_env_replicas_and_config_path(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[server]\nport = 8123\n")
+    s = load_settings(
+        environ={"KVROUTER_CONFIG": str(path), "KVROUTER_REPLICAS": "a=http://x:1,b=http://y:2"}
+    )
+    assert s.server.port == 8123
+    assert [(r.model, r.url) for r in s.replicas] == [("a", "http://x:1"), ("b", "http://y:2")]
+
+
+def test_tuned_policy_file_is_merged(tmp_path: Path) -> None:
+    tuned = tmp_path / "tuned.toml"
+    tuned.write_text(
+        '[models.kimi]\npolicy = "dynamo"\nblock_size = 512\n'
+        "[models.kimi.policy_params]\nprefill_load_scale = 2.0\n"
+    )
+    s = load_settings(environ={"KVROUTER_REPLICAS": "kimi=http://x:1"}, policy_file=tuned)
+    assert s.model("kimi").policy == "dynamo" and s.model("kimi").routing.block_size == 512
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[server]\nport = 'x'\n", "server.port"),
+        ("[server]\nprot = 1\n", "unknown key 'prot'"),
+        ("[[replicas]]\nmodel = 'm'\n", "'url' is required"),
+        ("[[replicas]]\nurl = 'ftp://x'\nmodel = 'm'\n", "not an http(s) URL"),
+        ("[models.m]\npolicy = 'best'\n", "unknown policy 'best'"),
+        ("[models.m]\nblock_size = 0\n", "block_size"),
+        ("[models.m.policy_params]\nnope = 1\n", "policy_params"),
+        ("[models.m.busy]\nmax_cats = 1\n", "models.m"),
+        ("[whatever]\n", "unknown top-level"),
+        (
+            "[[replicas]]\nurl='http://a:1'\nmodel='m'\nname='x'\n"
+            "[[replicas]]\nurl='http://b:1'\nmodel='m'\nname='x'\n",
+            "duplicate",
+        ),
+        ("not toml at all [", "cannot parse"),
+    ],
+)
+def test_errors_name_the_problem(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=None) as info:
+        load_settings(path, environ={})
+    assert needle in str(info.value)
+
+
+def test_missing_tokenizer_dir_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(f"[models.m]\ntokenizer = '{tmp_path / 'nope'}'\n")
+    with pytest.raises(ConfigError, match="does not exist"):
+        RouterState(load_settings(path, environ={}))

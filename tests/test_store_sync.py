@@ -1,0 +1,265 @@
+"""Store contract + IndexSync, on the in-memory store and on a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from router.core.index import PrefixIndex
+from router.core.load import LoadTracker
+from router.core.types import AllCleared, BlocksRemoved, BlocksStored, Kind, ReplicaKey, Tier
+from router.store.base import IndexStore, LoadSample, ReplicaInfo
+from router.store.local_redis import LocalRedis
+from router.store.memory import MemoryStore
+from router.store.redis_store import RedisStore
+from router.store.schema import KeySchema
+from router.store.sync import IndexSync, LoadTrackerListener
+from router.store.writer import StoreWriter
+
+FAST = {"audit_interval_s": 0.1, "block_s": 0.05}
+
+
+async def eventually(pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+def chain(rng: random.Random, n: int) -> list[int]:
+    return [rng.getrandbits(64) for _ in range(n)]
+
+
+def content(index: PrefixIndex, chains: dict[str, list[int]]) -> dict[str, Any]:
+    """What the index says about each chain on each replica (comparable across indexes)."""
+    out: dict[str, Any] = {}
+    for name, hashes in chains.items():
+        matches = index.match(hashes)
+        out[name] = sorted((str(k), m) for k, m in matches.items())
+    out["_replicas"] = sorted(str(k) for k in index.replicas())
+    out["_sizes"] = sorted((str(k), index.replica_size(k)) for k in index.replicas())
+    return out
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, key_prefix: str) -> AsyncIterator[IndexStore]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    url = request.getfixturevalue("redis_url")
+    s = RedisStore.from_url(url, KeySchema(key_prefix, stream_shards=4))
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+async def _publish(store: IndexStore, name: str, ranks: tuple[int, ...] = (0,)) -> StoreWriter:
+    info = ReplicaInfo(name, url=f"http://{name}", model="m", dp_ranks=ranks)
+    await store.register(info, owner=f"pub-{name}", lease_ttl_s=30)
+    writer = StoreWriter(store, info.replica_keys())
+    await writer.flush()  # initial reset
+    return writer
+
+
+async def test_two_routers_converge_and_a_restarted_router_recovers(store: IndexStore) -> None:
+    rng = random.Random(1)
+    chains = {f"c{i}": chain(rng, 40) for i in range(6)}
+    w1 = await _publish(store, "r1", ranks=(0, 1))
+    w2 = await _publish(store, "r2")
+    # Content written before any router starts (bootstrap path).
+    w1.add(ReplicaKey("r1"), [BlocksStored(tuple(chains["c0"]))])
+    w2.add(ReplicaKey("r2"), [BlocksStored(tuple(chains["c1"][:20]), Tier.CPU)])
+    await w1.flush()
+    await w2.flush()
+    a, b = PrefixIndex(), PrefixIndex()
+    async with IndexSync(store, a, **FAST), IndexSync(store, b, **FAST):
+        # Content written while they follow (stream path), incl. removals, state, clears.
+        w1.add(ReplicaKey("r1", 1), [BlocksStored(tuple(chains["c2"]))])
+        w1.add(ReplicaKey("r1", 1), [BlocksRemoved(tuple(chains["c2"][30:]))])
+        w2.add(ReplicaKey("r2"), [BlocksStored(tuple(chains["c3"]))])
+        w2.add(
+            ReplicaKey("r2"), [BlocksStored((chains["c3"][9], chains["c3"][39]), kind=Kind.STATE)]
+        )
+        await w1.flush()
+        await w2.flush()
+        w1.add(ReplicaKey("r1"), [AllCleared(), BlocksStored(tuple(chains["c4"][:10]))])
+        await w1.flush()
+        expected = {
+            "c0": [],
+            "c1": [("r2", (20, 0, 20, 20))],
+            "c2": [("r1#dp1", (30, 30, 30, 30))],
+            "c3": [("r2", (40, 40, 40, 40))],
+            "c4": [("r1", (10, 10, 10, 10))],
+        }
+
+        def settled(index: PrefixIndex) -> bool:
+            got = content(index, chains)
+            return all(
+                [
+                    (k, (m.kv_blocks, m.gpu_blocks, m.host_blocks, m.usable_blocks))
+                    for k, m in got[c]
+                ]
+                == v
+                for c, v in expected.items()
+            )
+
+        await eventually(lambda: settled(a) and settled(b))
+        assert content(a, chains) == content(b, chains)
+        assert a.match(chains["c3"], hybrid=True).get(ReplicaKey("r2")).usable_blocks == 40
+        assert a.match(chains["c3"][:25], hybrid=True).get(ReplicaKey("r2")).usable_blocks == 10
+        # c1 was stored on CPU only: kv but no GPU blocks.
+        m = a.match(chains["c1"]).get(ReplicaKey("r2"))
+        assert (m.kv_blocks, m.gpu_blocks) == (20, 0)
+    # A router started later (restarted) recovers the same index from the store.
+    c = PrefixIndex()
+    async with IndexSync(store, c, **FAST):
+        assert content(c, chains) == content(a, chains)
+
+
+async def test_lease_expiry_purges_and_load_reaches_the_tracker(store: IndexStore) -> None:
+    info = ReplicaInfo("short", model="m")
+    await store.register(info, owner="p", lease_ttl_s=0.4)
+    writer = StoreWriter(store, info.replica_keys())
+    writer.add(ReplicaKey("short"), [BlocksStored((1, 2, 3))])
+    await writer.flush()
+    index, tracker = PrefixIndex(), LoadTracker()
+    async with IndexSync(store, index, listener=LoadTrackerListener(tracker), **FAST):
+        assert ReplicaKey("short") in index
+        await store.publish_load(ReplicaKey("short"), LoadSample(3, 4, 0.25, 0.0))
+        await eventually(lambda: tracker.view(ReplicaKey("short"), 0.0).engine is not None)
+        assert tracker.view(ReplicaKey("short"), 0.0).waiting(1e9) == 4
+        assert await store.heartbeat("short", "p", 0.4)
+        await eventually(lambda: ReplicaKey("short") not in index, timeout=3)
+        assert ReplicaKey("short") not in tracker.replicas()
+        assert not await store.heartbeat("short", "p", 0.4)
+        # The expired replica's keys are reaped from the store, not left to leak.
+        for _ in range(100):
+            if not await store.list_replicas():
+                break
+            await asyncio.sleep(0.02)
+        assert await store.list_replicas() == []
+        assert await store.read_replicas([ReplicaKey("short")]) == [None]
+        assert not await store.reap("short")
+
+
+async def test_deregister_removes_replica_everywhere(store: IndexStore) -> None:
+    w = await _publish(store, "gone")
+    w.add(ReplicaKey("gone"), [BlocksStored((10, 11))])
+    await w.flush()
+    index = PrefixIndex()
+    async with IndexSync(store, index, **FAST):
+        assert index.match([10, 11]).get(ReplicaKey("gone")).kv_blocks == 2
+        await store.deregister("gone")
+        await eventually(lambda: ReplicaKey("gone") not in index)
+    assert [i.replica for i in await store.list_replicas()] == []
+
+
+async def test_lost_stream_entry_is_a_gap_and_resyncs(redis_url: str, key_prefix: str) -> None:
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=2))
+    try:
+        w = await _publish(store, "g")
+        index = PrefixIndex()
+        async with IndexSync(store, index, **FAST) as sync:
+            key = ReplicaKey("g")
+            w.add(key, [BlocksStored((1, 2, 3))])
+            # Commit a batch without its stream entry: followers will see seq jump.
+            st = w.states[key]
+            st.seq += 1
+            st.apply([BlocksStored((1, 2, 3, 4))])
+            w._pending.clear()
+            await store._commit([st], full=False)
+            w.add(key, [BlocksStored((5,))])
+            await w.flush()
+            await eventually(lambda: index.match([1, 2, 3, 4, 5]).get(key).kv_blocks == 5)
+            assert sync.stats.gaps >= 1
+    finally:
+        await store.close()
+
+
+async def test_malformed_stream_entries_do_no_harm(redis_url: str, key_prefix: str) -> None:
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
+    try:
+        w = await _publish(store, "m")
+        index = PrefixIndex()
+        async with IndexSync(store, index, **FAST) as sync:
+            stream = store.schema.stream(0)
+            for junk in (
+                {b"x": b"y"},
+                {b"t": b"B", b"r": b"m", b"d": b"0", b"s": b"2", b"e": b"\xff\xfe"},
+                {b"t": b"B", b"r": b"m", b"d": b"0", b"s": b"nope", b"e": b"\x90"},
+            ):
+                await store.redis.xadd(stream, junk)  # type: ignore[arg-type]
+            w.add(ReplicaKey("m"), [BlocksStored((7, 8))])
+            await w.flush()
+            await eventually(lambda: index.match([7, 8]).get(ReplicaKey("m")).kv_blocks == 2)
+            assert sync.stats.malformed == 3
+    finally:
+        await store.close()
+
+
+async def test_redis_flush_and_restart_publishers_republish_routers_resync(
+    private_redis: LocalRedis,
+) -> None:
+    store = RedisStore.from_url(private_redis.url, KeySchema("kvr", stream_shards=2))
+    router_store = RedisStore.from_url(private_redis.url, KeySchema("kvr", stream_shards=2))
+    try:
+        info = ReplicaInfo("f1", model="m")
+        await store.register(info, owner="p", lease_ttl_s=30)
+        w = StoreWriter(store, info.replica_keys())
+        w.add(ReplicaKey("f1"), [BlocksStored((1, 2, 3))])
+        await w.flush()
+        index = PrefixIndex()
+        async with IndexSync(router_store, index, **FAST) as sync:
+            assert index.match([1, 2, 3]).get(ReplicaKey("f1")).kv_blocks == 3
+            await store.redis.flushall()
+            await eventually(lambda: ReplicaKey("f1") not in index)
+            # The publisher notices on its heartbeat and republishes everything.
+            assert not await store.heartbeat("f1", "p", 30)
+            await store.register(info, owner="p", lease_ttl_s=30)
+            await w.reset()
+            await eventually(lambda: index.match([1, 2, 3]).get(ReplicaKey("f1")).kv_blocks == 3)
+            # Restart: the server comes back empty on the same port.
+            private_redis.restart()
+            await eventually(lambda: ReplicaKey("f1") not in index, timeout=10)
+            w.add(ReplicaKey("f1"), [BlocksStored((4,))])
+            with pytest.raises(Exception):  # noqa: B017 - first use of a dead connection
+                await w.flush()
+            assert w.needs_reset
+            for _ in range(50):
+                try:
+                    await store.register(info, owner="p", lease_ttl_s=30)
+                    await w.flush()
+                    break
+                except Exception:
+                    await asyncio.sleep(0.1)
+            await eventually(lambda: index.match([1, 2, 3, 4]).get(ReplicaKey("f1")).kv_blocks == 4)
+            assert sync.stats.bootstraps >= 2
+    finally:
+        await store.close()
+        await router_store.close()
+
+
+async def test_auth_urls(tmp_path: Any) -> None:
+    with LocalRedis(tmp_path / "auth", password="s3cret") as server:
+        ok = RedisStore.from_url(server.url)
+        try:
+            assert await ok.instance_token()
+        finally:
+            await ok.close()
+        bad = RedisStore.from_url(server.url.replace("s3cret", "wrong"))
+        try:
+            with pytest.raises(Exception, match=r"(?i)auth|password"):
+                await bad.instance_token()
+        finally:
+            await bad.close()
+    tls = RedisStore.from_url("rediss://user:pw@example.invalid:6380/2")
+    pool = tls.redis.connection_pool
+    assert pool.connection_class.__name__ == "SSLConnection"
+    assert pool.connection_kwargs["password"] == "pw" and pool.connection_kwargs["db"] == 2
+    await tls.close()
