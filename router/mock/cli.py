@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
         encoding=args.encoding,
         topic=args.topic,
         tokenizer_dir=args.tokenizer,
+        bpe_file=args.bpe_file,
         default_max_tokens=args.default_max_tokens,
     )
     try:
@@ -56,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--encoding", choices=["array", "map"], default="array")
     p.add_argument("--topic", default="")
     p.add_argument("--tokenizer", default=None, help="HF-style tokenizer dir (router's config)")
+    p.add_argument("--bpe-file", default=None, help="tiktoken BPE file for --tokenizer")
     p.add_argument("--default-max-tokens", type=int, default=16)
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(handler=run)

@@ -56,6 +56,7 @@ class MockSettings:
     encoding: str = "array"
     topic: str = ""
     tokenizer_dir: str | None = None
+    bpe_file: str | None = None
     default_max_tokens: int = 16
     max_tokens_limit: int = 65536
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -328,7 +329,9 @@ async def models(request: web.Request) -> web.Response:
 
 def _tokenizer(settings: MockSettings) -> MockTokenizer:
     if settings.tokenizer_dir:
-        return RouterTokenizer.from_dir(settings.model, settings.block_size, settings.tokenizer_dir)
+        return RouterTokenizer.from_dir(
+            settings.model, settings.block_size, settings.tokenizer_dir, settings.bpe_file
+        )
     return ByteTokenizer()
 
 

@@ -110,13 +110,15 @@ class RouterTokenizer:
         return [int(t) for t in self.processor.tokenizer.encode_text(_text_prompt(body))]
 
     @classmethod
-    def from_dir(cls, model: str, block_size: int, directory: str) -> RouterTokenizer:
+    def from_dir(
+        cls, model: str, block_size: int, directory: str, bpe_file: str | None = None
+    ) -> RouterTokenizer:
         from router.tokenize.incremental import IncrementalTokenizer
         from router.tokenize.pipeline import PromptProcessor
         from router.tokenize.template import ChatTemplate
         from router.tokenize.tokenizers import load_tokenizer_dir
 
-        files = load_tokenizer_dir(directory)
+        files = load_tokenizer_dir(directory, bpe_file=bpe_file)
         template = ChatTemplate.from_tokenizer_config(files.config, Path(directory))
         processor = PromptProcessor(
             model, block_size, tokenizer=IncrementalTokenizer(files.tokenizer), template=template

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -163,8 +163,12 @@ class RouterState:
         *,
         session_id: str | None = None,
         max_output_tokens: int | None = None,
+        replicas: Sequence[ReplicaKey] | None = None,
     ) -> Routed:
-        """Pick a replica with the model's RoutingEngine and record the dispatch."""
+        """Pick a replica with the model's RoutingEngine and record the dispatch.
+
+        ``replicas`` restricts the choice to a subset of the model's replicas (gRPC Pick's
+        candidate list); None means all of them."""
         engine = self.engines[model]
         self.restore_health(now)
         request = RouteRequest(
@@ -177,7 +181,8 @@ class RouterState:
             max_output_tokens=max_output_tokens,
         )
         t0 = time.perf_counter()
-        candidates = engine.candidates(request, self.registry.keys_for(model), now)
+        keys = self.registry.keys_for(model) if replicas is None else replicas
+        candidates = engine.candidates(request, keys, now)
         t1 = time.perf_counter()
         decision = engine.policy.choose(request, candidates, now, self.rng)
         t2 = time.perf_counter()

@@ -1,0 +1,177 @@
+"""The gRPC server of the router process: Router, Index and Admin services plus the
+standard health service and reflection, on grpc.aio beside the HTTP server.
+
+Authentication: with ``token`` set, every call must carry ``authorization: Bearer TOKEN``;
+Admin calls need ``admin_token`` (and are refused when none is configured). Tokens are
+compared in constant time. TLS is on when a certificate and key are given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import pathlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from router.rpc.gen import (
+    admin_pb2,
+    admin_pb2_grpc,
+    index_pb2,
+    index_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+from router.rpc.servicers import AdminServicer, DecisionBook, IndexServicer, RouterServicer
+from router.service.state import RouterState
+
+ADMIN_SERVICE = "/kvrouter.v1.Admin/"
+HEALTH_SERVICE = "/grpc.health.v1.Health/"
+REFLECTION_SERVICE = "/grpc.reflection."
+
+
+@dataclass(slots=True, frozen=True)
+class GrpcSettings:
+    """``port`` 0 picks a free port (tests); ``None`` disables gRPC."""
+
+    host: str = "127.0.0.1"
+    port: int | None = None
+    token: str | None = None
+    admin_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_message_mb: float = 16.0
+    decision_ttl_s: float = 3600.0
+    max_pending_decisions: int = 100_000
+
+
+def _bearer(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:
+    for key, value in metadata or ():
+        if key.lower() == "authorization":
+            text = value.decode() if isinstance(value, bytes) else value
+            if text.lower().startswith("bearer "):
+                return text[7:].strip()
+    return ""
+
+
+def _same(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Bearer-token checks before any handler runs. Health and reflection stay open so
+    load balancers and grpcurl can see the server."""
+
+    def __init__(self, token: str | None, admin_token: str | None) -> None:
+        self.token = token
+        self.admin_token = admin_token
+
+    def _denied(self, method: str, given: str) -> str | None:
+        if method.startswith((HEALTH_SERVICE, REFLECTION_SERVICE)):
+            return None
+        if method.startswith(ADMIN_SERVICE):
+            if not self.admin_token:
+                return "admin API disabled: no admin token configured"
+            return None if _same(given, self.admin_token) else "missing or wrong admin token"
+        if self.token and not _same(given, self.token):
+            return "missing or wrong bearer token"
+        return None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        why = self._denied(details.method, _bearer(details.invocation_metadata))
+        if why is None:
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
+        async def deny_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+            yield  # pragma: no cover
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                deny_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            deny,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def build_server(
+    state: RouterState, settings: GrpcSettings, clock: Callable[[], float]
+) -> tuple[grpc.aio.Server, int]:
+    """Create (not start) the server; returns it with the bound port."""
+    limit = int(settings.max_message_mb * 2**20)
+    server = grpc.aio.server(
+        interceptors=[AuthInterceptor(settings.token, settings.admin_token)],
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ],
+    )
+    book = DecisionBook(settings.max_pending_decisions, settings.decision_ttl_s)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(state, clock, book), server)
+    index_pb2_grpc.add_IndexServicer_to_server(IndexServicer(state), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(state, clock, book), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [
+        router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
+        index_pb2.DESCRIPTOR.services_by_name["Index"].full_name,
+        admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+    ]
+    reflection.enable_server_reflection(
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    address = f"{settings.host}:{settings.port or 0}"
+    if settings.tls_cert and settings.tls_key:
+        creds = grpc.ssl_server_credentials(
+            [
+                (
+                    pathlib.Path(settings.tls_key).read_bytes(),
+                    pathlib.Path(settings.tls_cert).read_bytes(),
+                )
+            ]
+        )
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    server.health_servicer = health_servicer  # type: ignore[attr-defined]
+    server.service_names = names  # type: ignore[attr-defined]
+    return server, port
+
+
+async def serve_grpc(
+    state: RouterState, settings: GrpcSettings, clock: Callable[[], float]
+) -> AsyncIterator[tuple[grpc.aio.Server, int]]:
+    """Async generator for aiohttp ``cleanup_ctx``-style lifetimes: start, yield, stop."""
+    server, port = build_server(state, settings, clock)
+    await server.start()
+    for name in ["", *server.service_names]:  # type: ignore[attr-defined]
+        await server.health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)  # type: ignore[attr-defined]
+    try:
+        yield server, port
+    finally:
+        await server.health_servicer.enter_graceful_shutdown()  # type: ignore[attr-defined]
+        await server.stop(grace=5.0)
+
+
+def loop_clock() -> float:
+    return asyncio.get_running_loop().time()

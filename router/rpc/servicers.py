@@ -1,0 +1,356 @@
+"""gRPC servicers over the router's live state: Router (Pick / Report), Index (Publish) and
+Admin. They call the same RouterState, prompt processors and RoutingEngines as the HTTP
+front door; errors of the core map to gRPC status codes here and only here.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+
+from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable, UnknownModel
+from router.core.types import (
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    IndexEvent,
+    Kind,
+    ReplicaKey,
+    Tier,
+)
+from router.rpc.gen import (
+    admin_pb2,
+    admin_pb2_grpc,
+    index_pb2,
+    index_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+from router.service.state import RouterState
+from router.tokenize.pipeline import ProcessedPrompt
+
+Clock = Callable[[], float]
+
+MAX_CANDIDATES = 4096
+MAX_EVENTS_PER_BATCH = 100_000
+
+
+def status_of(exc: KVRouterError) -> grpc.StatusCode:
+    if isinstance(exc, BadRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, UnknownModel):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, NoReplicaAvailable):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoReturn:
+    """End the RPC with the status mapped from ``exc`` (``context.abort`` raises)."""
+    await context.abort(status_of(exc), str(exc))
+    raise AssertionError("context.abort returned")
+
+
+@dataclass(slots=True)
+class _Pending:
+    request_id: str
+    model: str
+    predicted_tokens: int
+    created: float
+
+
+class DecisionBook:
+    """Decisions awaiting Report, bounded in count and age so a gateway that never reports
+    cannot grow it; an evicted decision is completed in the load model (not leaked)."""
+
+    def __init__(self, max_entries: int = 100_000, ttl_s: float = 3600.0) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._items: OrderedDict[str, _Pending] = OrderedDict()
+
+    def add(self, decision_id: str, pending: _Pending) -> list[_Pending]:
+        self._items[decision_id] = pending
+        evicted = []
+        while len(self._items) > self.max_entries:
+            evicted.append(self._items.popitem(last=False)[1])
+        return evicted
+
+    def expire(self, now: float) -> list[_Pending]:
+        out = []
+        while self._items:
+            first = next(iter(self._items.values()))
+            if now - first.created < self.ttl_s:
+                break
+            out.append(self._items.popitem(last=False)[1])
+        return out
+
+    def get(self, decision_id: str) -> _Pending | None:
+        return self._items.get(decision_id)
+
+    def pop(self, decision_id: str) -> _Pending | None:
+        return self._items.pop(decision_id, None)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, state: RouterState, clock: Clock, book: DecisionBook | None = None) -> None:
+        self.state = state
+        self.clock = clock
+        self.book = book if book is not None else DecisionBook()
+
+    def _prompt(self, request: router_pb2.PickRequest) -> ProcessedPrompt:
+        proc = self.state.processor(request.model)
+        which = request.WhichOneof("prompt")
+        if which == "token_ids":
+            if not request.token_ids.ids:
+                raise BadRequest("token_ids must not be empty")
+            return proc.completion({"prompt": list(request.token_ids.ids)})
+        if which == "text":
+            if not request.text:
+                raise BadRequest("text must not be empty")
+            return proc.completion({"prompt": request.text})
+        if which == "messages_json":
+            body: dict[str, Any] = {"messages": _json(request.messages_json, "messages_json")}
+            if request.tools_json:
+                body["tools"] = _json(request.tools_json, "tools_json")
+            return proc.chat(body)
+        raise BadRequest("one of token_ids, text or messages_json is required")
+
+    def _candidates(self, request: router_pb2.PickRequest) -> list[ReplicaKey] | None:
+        if not request.candidates:
+            return None
+        if len(request.candidates) > MAX_CANDIDATES:
+            raise BadRequest(f"at most {MAX_CANDIDATES} candidates")
+        serving = set(self.state.registry.keys_for(request.model))
+        keys: list[ReplicaKey] = []
+        for text in request.candidates:
+            found = [k for k in self.state.registry.find(text) if k in serving]
+            if not found:
+                raise BadRequest(f"candidate {text!r} does not serve model {request.model!r}")
+            keys.extend(found)
+        return list(dict.fromkeys(keys))
+
+    async def Pick(
+        self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.PickResponse:
+        try:
+            if not request.model:
+                raise BadRequest("model is required")
+            prompt = self._prompt(request)
+            self.state.check_context(request.model, prompt)
+            now = self.clock()
+            self._expire(now)
+            decision_id = request.request_id or uuid.uuid4().hex
+            if self.book.get(decision_id) is not None:
+                raise BadRequest(f"request_id {decision_id!r} is already in flight")
+            routed = self.state.route(
+                request.model,
+                prompt,
+                decision_id,
+                now,
+                session_id=request.session_id or None,
+                replicas=self._candidates(request),
+            )
+        except KVRouterError as exc:
+            await _abort(context, exc)
+        decision = routed.decision
+        for old in self.book.add(
+            decision_id,
+            _Pending(decision_id, request.model, decision.usable_tokens, now),
+        ):
+            self.state.load.complete(old.request_id)
+        endpoint = self.state.registry.endpoint(decision.replica)
+        return router_pb2.PickResponse(
+            decision_id=decision_id,
+            replica=decision.replica.replica,
+            dp_rank=decision.replica.dp_rank,
+            endpoint=endpoint.base_url if endpoint is not None else "",
+            prompt_tokens=routed.request.prompt_tokens,
+            usable_hit_tokens=decision.usable_tokens,
+            kv_hit_tokens=decision.kv_tokens,
+            policy=decision.policy,
+            score=decision.score,
+            terms=dict(decision.terms),
+            fallbacks=[str(k) for k in decision.ranking[:8]],
+        )
+
+    def _expire(self, now: float) -> None:
+        for old in self.book.expire(now):
+            self.state.load.complete(old.request_id)
+
+    async def Report(
+        self, request: router_pb2.ReportRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ReportResponse:
+        phase = request.phase
+        if phase == router_pb2.ReportRequest.PHASE_UNSPECIFIED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "phase is required")
+        if not request.decision_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decision_id is required")
+        pending = self.book.get(request.decision_id)
+        if pending is None:
+            return router_pb2.ReportResponse(accepted=False)
+        if phase == router_pb2.ReportRequest.FIRST_TOKEN:
+            self.state.load.first_token(pending.request_id)
+        else:
+            self.book.pop(request.decision_id)
+            self.state.load.complete(pending.request_id)
+        if request.HasField("cached_tokens"):
+            self.state.metrics.engine_cached_tokens.labels(model=pending.model).inc(
+                request.cached_tokens
+            )
+        return router_pb2.ReportResponse(accepted=True)
+
+
+def _json(text: str, field: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise BadRequest(f"{field} is not valid JSON: {exc}") from None
+
+
+_TIERS = {index_pb2.GPU: Tier.GPU, index_pb2.CPU: Tier.CPU, index_pb2.DISK: Tier.DISK}
+_KINDS = {index_pb2.KV: Kind.KV, index_pb2.STATE: Kind.STATE}
+_OUTCOMES = {
+    "applied": index_pb2.PublishAck.APPLIED,
+    "duplicate": index_pb2.PublishAck.DUPLICATE,
+    "gap": index_pb2.PublishAck.GAP,
+}
+
+
+def decode_batch(msg: index_pb2.IndexEventBatch) -> EventBatch:
+    """Protobuf batch -> core EventBatch; BadRequest says what is wrong."""
+    if not msg.replica:
+        raise BadRequest("replica is required")
+    if len(msg.events) > MAX_EVENTS_PER_BATCH:
+        raise BadRequest(f"at most {MAX_EVENTS_PER_BATCH} events per batch")
+    events: list[IndexEvent] = []
+    for i, ev in enumerate(msg.events):
+        tier = _TIERS.get(ev.tier)
+        kind = _KINDS.get(ev.kind)
+        if tier is None or kind is None:
+            raise BadRequest(f"events[{i}]: unknown tier or kind")
+        if ev.type == index_pb2.IndexEvent.STORED:
+            events.append(BlocksStored(tuple(ev.hashes), tier, kind))
+        elif ev.type == index_pb2.IndexEvent.REMOVED:
+            events.append(BlocksRemoved(tuple(ev.hashes), tier, kind))
+        elif ev.type == index_pb2.IndexEvent.ALL_CLEARED:
+            events.append(AllCleared())
+        else:
+            raise BadRequest(f"events[{i}]: unknown event type {ev.type}")
+    return EventBatch(ReplicaKey(msg.replica, msg.dp_rank), tuple(events), msg.seq or None)
+
+
+class IndexServicer(index_pb2_grpc.IndexServicer):
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    async def Publish(
+        self,
+        request_iterator: AsyncIterator[index_pb2.IndexEventBatch],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[index_pb2.PublishAck]:
+        async for msg in request_iterator:
+            try:
+                batch = decode_batch(msg)
+            except BadRequest as exc:
+                await _abort(context, exc)
+                return
+            outcome = self.state.index.apply(batch)
+            yield index_pb2.PublishAck(
+                replica=msg.replica,
+                dp_rank=msg.dp_rank,
+                seq=msg.seq,
+                outcome=_OUTCOMES[outcome.value],
+            )
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, state: RouterState, clock: Clock, book: DecisionBook) -> None:
+        self.state = state
+        self.clock = clock
+        self.book = book
+
+    async def ListReplicas(
+        self, request: admin_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListReplicasResponse:
+        now = self.clock()
+        out = []
+        for ep in self.state.registry.endpoints():
+            if request.model and ep.model != request.model:
+                continue
+            view = self.state.load.view(ep.key, now)
+            kv, st = self.state.index.replica_size(ep.key)
+            info = admin_pb2.ReplicaInfo(
+                replica=ep.key.replica,
+                dp_rank=ep.key.dp_rank,
+                endpoint=ep.base_url,
+                model=ep.model,
+                rack=ep.rack or "",
+                region=ep.region or "",
+                healthy=view.healthy,
+                draining=view.draining,
+                in_flight=view.in_flight,
+                queued_prefill_tokens=view.queued_prefill_tokens,
+                kv_entries=kv,
+                state_entries=st,
+            )
+            if view.engine is not None:
+                info.engine_running = view.engine.running
+                info.engine_waiting = view.engine.waiting
+                info.engine_kv_usage = view.engine.kv_usage
+            out.append(info)
+        return admin_pb2.ListReplicasResponse(replicas=out)
+
+    async def _drain(
+        self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext, on: bool
+    ) -> admin_pb2.DrainResponse:
+        if not request.replica:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "replica is required")
+        keys = self.state.registry.find(request.replica)
+        if not request.all_ranks:
+            keys = [k for k in keys if k.dp_rank == request.dp_rank]
+        if not keys:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no replica {request.replica!r} (rank {request.dp_rank})",
+            )
+        now = self.clock()
+        changed = 0
+        for key in keys:
+            if self.state.load.view(key, now).draining != on:
+                changed += 1
+            self.state.load.set_draining(key, on)
+        return admin_pb2.DrainResponse(changed=changed)
+
+    async def Drain(
+        self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.DrainResponse:
+        return await self._drain(request, context, True)
+
+    async def Undrain(
+        self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.DrainResponse:
+        return await self._drain(request, context, False)
+
+    async def Stats(
+        self, request: admin_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.StatsResponse:
+        s = self.state.index.stats()
+        return admin_pb2.StatsResponse(
+            replicas=len(self.state.registry.endpoints()),
+            kv_entries=s.kv_entries,
+            state_entries=s.state_entries,
+            speculative_entries=s.speculative_entries,
+            unique_kv_blocks=s.unique_kv_blocks,
+            in_flight=self.state.load.in_flight(),
+            decisions=len(self.book),
+        )

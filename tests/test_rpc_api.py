@@ -1,0 +1,299 @@
+"""gRPC API over real channels on loopback: Pick / Report, Index.Publish, Admin, health,
+reflection, auth, deadlines and bad messages."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from router.core.hashing import hash_prompt, root_hash
+from router.rpc.gen import (
+    admin_pb2,
+    admin_pb2_grpc,
+    index_pb2,
+    index_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+from router.rpc.server import GrpcSettings, loop_clock, serve_grpc
+from router.service.config import build_settings
+from router.service.state import RouterState
+from tests.backends import kimi_model_table
+
+MODEL = "kimi"
+TOKEN = "client-secret"
+ADMIN = "admin-secret"
+
+
+def _state() -> RouterState:
+    settings = build_settings(
+        {
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a", "rack": "r1"},
+                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b", "dp_ranks": 2},
+            ],
+            "models": {MODEL: kimi_model_table(block_size=16, speculative_ttl_s=0.0)},
+        }
+    )
+    return RouterState(settings)
+
+
+@pytest.fixture
+async def rpc() -> AsyncIterator[tuple[RouterState, grpc.aio.Channel]]:
+    state = _state()
+    settings = GrpcSettings(port=0, token=TOKEN, admin_token=ADMIN, max_message_mb=4)
+    gen = serve_grpc(state, settings, loop_clock)
+    server, port = await gen.__anext__()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield state, channel
+    finally:
+        await channel.close()
+        await gen.aclose()
+
+
+def auth(token: str = TOKEN) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+async def test_pick_with_token_ids_follows_the_index_and_report_updates_load(rpc: Any) -> None:
+    state, channel = rpc
+    stub = router_pb2_grpc.RouterStub(channel)
+    tokens = list(range(1000, 1000 + 8192))  # 8k-token prompt as ids, block size 16
+    hashes = hash_prompt(tokens, 16, root_hash(MODEL)).hashes
+    publish = index_pb2_grpc.IndexStub(channel)
+
+    async def batches() -> AsyncIterator[index_pb2.IndexEventBatch]:
+        yield index_pb2.IndexEventBatch(
+            replica="b",
+            dp_rank=1,
+            seq=1,
+            events=[index_pb2.IndexEvent(type=index_pb2.IndexEvent.STORED, hashes=hashes[:300])],
+        )
+
+    acks = [a async for a in publish.Publish(batches(), metadata=auth())]
+    assert [a.outcome for a in acks] == [index_pb2.PublishAck.APPLIED]
+
+    resp = await stub.Pick(
+        router_pb2.PickRequest(
+            model=MODEL, token_ids=router_pb2.TokenIds(ids=tokens), session_id="s1"
+        ),
+        metadata=auth(),
+    )
+    assert (resp.replica, resp.dp_rank) == ("b", 1)
+    assert resp.endpoint == "http://127.0.0.1:10"
+    assert resp.prompt_tokens == 8192 and resp.usable_hit_tokens == 300 * 16
+    assert resp.kv_hit_tokens == 300 * 16 and resp.policy == "ours"
+    assert set(resp.terms) == {"prefill", "queue", "decode", "kv"}
+    assert len(resp.fallbacks) == 2 and resp.decision_id
+    key = next(k for k in state.registry.keys_for(MODEL) if str(k) == "b#dp1")
+    assert state.load.view(key, loop_clock()).prefilling == 1
+
+    report = router_pb2.ReportRequest
+    ok = await stub.Report(
+        report(decision_id=resp.decision_id, phase=report.FIRST_TOKEN), metadata=auth()
+    )
+    assert ok.accepted and state.load.view(key, loop_clock()).decoding == 1
+    done = await stub.Report(
+        report(decision_id=resp.decision_id, phase=report.COMPLETED, cached_tokens=4800),
+        metadata=auth(),
+    )
+    assert done.accepted and state.load.view(key, loop_clock()).in_flight == 0
+    again = await stub.Report(
+        report(decision_id=resp.decision_id, phase=report.COMPLETED), metadata=auth()
+    )
+    assert not again.accepted
+
+
+async def test_pick_text_chat_and_candidate_subset(rpc: Any) -> None:
+    _, channel = rpc
+    stub = router_pb2_grpc.RouterStub(channel)
+    msgs = json.dumps([{"role": "user", "content": "hello " * 200}])
+    tools = json.dumps([{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    chat = await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, messages_json=msgs, tools_json=tools, candidates=["a"]),
+        metadata=auth(),
+    )
+    assert chat.replica == "a" and chat.prompt_tokens > 200
+    text = await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, text="some words " * 50, candidates=["b#dp1"]),
+        metadata=auth(),
+    )
+    assert (text.replica, text.dp_rank) == ("b", 1)
+
+
+@pytest.mark.parametrize(
+    "request_kw,code,fragment",
+    [
+        ({"model": MODEL}, grpc.StatusCode.INVALID_ARGUMENT, "token_ids, text or messages_json"),
+        (
+            {"token_ids": router_pb2.TokenIds(ids=[1])},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "model is required",
+        ),
+        ({"model": "nope", "text": "hi"}, grpc.StatusCode.NOT_FOUND, "nope"),
+        (
+            {"model": MODEL, "messages_json": "[{"},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "not valid JSON",
+        ),
+        ({"model": MODEL, "messages_json": "[]"}, grpc.StatusCode.INVALID_ARGUMENT, "messages"),
+        (
+            {"model": MODEL, "token_ids": router_pb2.TokenIds()},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "must not be empty",
+        ),
+        (
+            {"model": MODEL, "text": "x", "candidates": ["zzz"]},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "zzz",
+        ),
+    ],
+)
+async def test_bad_pick_requests_get_clear_statuses(
+    rpc: Any, request_kw: dict[str, Any], code: grpc.StatusCode, fragment: str
+) -> None:
+    _, channel = rpc
+    stub = router_pb2_grpc.RouterStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(router_pb2.PickRequest(**request_kw), metadata=auth())
+    assert exc.value.code() == code
+    assert fragment in (exc.value.details() or "")
+
+
+async def test_no_replica_available_is_unavailable(rpc: Any) -> None:
+    state, channel = rpc
+    for key in state.registry.keys_for(MODEL):
+        state.load.set_draining(key, True)
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await router_pb2_grpc.RouterStub(channel).Pick(
+            router_pb2.PickRequest(model=MODEL, text="hi"), metadata=auth()
+        )
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_oversized_message_is_rejected(rpc: Any) -> None:
+    _, channel = rpc
+    huge = router_pb2.PickRequest(model=MODEL, text="x" * (5 * 2**20))
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await router_pb2_grpc.RouterStub(channel).Pick(huge, metadata=auth())
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_auth_tokens(rpc: Any) -> None:
+    _, channel = rpc
+    stub = router_pb2_grpc.RouterStub(channel)
+    req = router_pb2.PickRequest(model=MODEL, text="hi")
+    for meta in ((), auth("wrong")):
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Pick(req, metadata=meta)
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    admin = admin_pb2_grpc.AdminStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await admin.Stats(admin_pb2.StatsRequest(), metadata=auth())  # client token: not admin
+    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    async def one() -> AsyncIterator[index_pb2.IndexEventBatch]:
+        yield index_pb2.IndexEventBatch(replica="a", seq=1)
+
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        _ = [a async for a in index_pb2_grpc.IndexStub(channel).Publish(one())]
+    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_publish_sequencing_and_bad_batches(rpc: Any) -> None:
+    state, channel = rpc
+    stub = index_pb2_grpc.IndexStub(channel)
+    stored = index_pb2.IndexEvent.STORED
+
+    async def batches() -> AsyncIterator[index_pb2.IndexEventBatch]:
+        for seq in (1, 1, 3):
+            yield index_pb2.IndexEventBatch(
+                replica="a",
+                seq=seq,
+                events=[
+                    index_pb2.IndexEvent(type=stored, hashes=[seq * 10 + 1, seq * 10 + 2]),
+                    index_pb2.IndexEvent(type=stored, hashes=[seq * 10 + 2], kind=index_pb2.STATE),
+                ],
+            )
+
+    acks = [a.outcome async for a in stub.Publish(batches(), metadata=auth())]
+    ack = index_pb2.PublishAck
+    assert acks == [ack.APPLIED, ack.DUPLICATE, ack.GAP]
+    key = state.registry.keys_for(MODEL)[0]
+    assert state.index.replica_size(key) == (4, 2)
+
+    async def bad() -> AsyncIterator[index_pb2.IndexEventBatch]:
+        yield index_pb2.IndexEventBatch(replica="", seq=1)
+
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        _ = [a async for a in stub.Publish(bad(), metadata=auth())]
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "replica is required" in (exc.value.details() or "")
+
+
+async def test_admin_list_drain_stats(rpc: Any) -> None:
+    state, channel = rpc
+    admin = admin_pb2_grpc.AdminStub(channel)
+    listed = await admin.ListReplicas(admin_pb2.ListReplicasRequest(), metadata=auth(ADMIN))
+    assert sorted((r.replica, r.dp_rank) for r in listed.replicas) == [("a", 0), ("b", 0), ("b", 1)]
+    assert next(r for r in listed.replicas if r.replica == "a").rack == "r1"
+    drained = await admin.Drain(
+        admin_pb2.DrainRequest(replica="b", all_ranks=True), metadata=auth(ADMIN)
+    )
+    assert drained.changed == 2
+    again = await admin.Drain(
+        admin_pb2.DrainRequest(replica="b", all_ranks=True), metadata=auth(ADMIN)
+    )
+    assert again.changed == 0
+    pick = await router_pb2_grpc.RouterStub(channel).Pick(
+        router_pb2.PickRequest(model=MODEL, text="hi"), metadata=auth()
+    )
+    assert pick.replica == "a"
+    undrained = await admin.Undrain(
+        admin_pb2.DrainRequest(replica="b", dp_rank=1), metadata=auth(ADMIN)
+    )
+    assert undrained.changed == 1
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await admin.Drain(admin_pb2.DrainRequest(replica="nope"), metadata=auth(ADMIN))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    stats = await admin.Stats(admin_pb2.StatsRequest(), metadata=auth(ADMIN))
+    assert stats.replicas == 3 and stats.decisions == 1 and stats.in_flight == 1
+
+
+async def test_health_reflection_and_deadline(rpc: Any) -> None:
+    _, channel = rpc
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "kvrouter.v1.Router", "kvrouter.v1.Index", "kvrouter.v1.Admin"):
+        resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+    async def ask() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+    names = set()
+    async for r in refl.ServerReflectionInfo(ask()):
+        names |= {s.name for s in r.list_services_response.service}
+    assert {"kvrouter.v1.Router", "kvrouter.v1.Index", "kvrouter.v1.Admin"} <= names
+
+    # A deadline that has already passed is honoured (no hang, DEADLINE_EXCEEDED).
+    async def slow() -> AsyncIterator[index_pb2.IndexEventBatch]:
+        await asyncio.sleep(5)
+        yield index_pb2.IndexEventBatch(replica="a")
+
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        _ = [
+            a
+            async for a in index_pb2_grpc.IndexStub(channel).Publish(
+                slow(), metadata=auth(), timeout=0.2
+            )
+        ]
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
