@@ -50,7 +50,7 @@ async def rpc() -> AsyncIterator[tuple[RouterState, grpc.aio.Channel]]:
     state = _state()
     settings = GrpcSettings(port=0, token=TOKEN, admin_token=ADMIN, max_message_mb=4)
     gen = serve_grpc(state, settings, loop_clock)
-    server, port = await gen.__anext__()
+    _server, port = await gen.__anext__()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield state, channel
@@ -240,7 +240,7 @@ async def test_publish_sequencing_and_bad_batches(rpc: Any) -> None:
 
 
 async def test_admin_list_drain_stats(rpc: Any) -> None:
-    state, channel = rpc
+    _, channel = rpc
     admin = admin_pb2_grpc.AdminStub(channel)
     listed = await admin.ListReplicas(admin_pb2.ListReplicasRequest(), metadata=auth(ADMIN))
     assert sorted((r.replica, r.dp_rank) for r in listed.replicas) == [("a", 0), ("b", 0), ("b", 1)]
