@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,7 +23,8 @@ from router.rpc.gen import (
     router_pb2,
     router_pb2_grpc,
 )
-from router.rpc.server import GrpcSettings, loop_clock, serve_grpc
+from router.rpc.server import loop_clock, serve_grpc
+from router.rpc.settings import GrpcSettings
 from router.service.config import build_settings
 from router.service.state import RouterState
 from tests.backends import kimi_model_table
@@ -297,3 +299,32 @@ async def test_health_reflection_and_deadline(rpc: Any) -> None:
             )
         ]
     assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_router_app_serves_grpc_beside_http() -> None:
+    from router.rpc.server import GRPC_PORT
+    from tests.backends import start_router
+
+    settings = build_settings(
+        {
+            "server": {"grpc_port": 0, "grpc_token": TOKEN, "admin_token": ADMIN},
+            "replicas": [{"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    runner, url = await start_router(settings)
+    try:
+        port = runner.app[GRPC_PORT]
+        async with aiohttp.ClientSession() as http, http.get(url + "/health") as health:
+            assert health.status == 200
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            resp = await router_pb2_grpc.RouterStub(channel).Pick(
+                router_pb2.PickRequest(model=MODEL, text="hello there"), metadata=auth()
+            )
+            assert resp.replica == "a" and resp.endpoint == "http://127.0.0.1:9"
+            stats = await admin_pb2_grpc.AdminStub(channel).Stats(
+                admin_pb2.StatsRequest(), metadata=auth(ADMIN)
+            )
+            assert stats.replicas == 1 and stats.in_flight == 1
+    finally:
+        await runner.cleanup()

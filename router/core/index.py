@@ -69,18 +69,6 @@ def iter_slots(mask: int) -> Iterator[int]:
         mask ^= low
 
 
-def _add(table: dict[int, int], block: int, slot: int, bit: int) -> bool:
-    value = table.get(block)
-    if value is None:
-        table[block] = ~slot
-        return True
-    mask = _bits(value)
-    if mask & bit:
-        return False
-    table[block] = mask | bit
-    return True
-
-
 def _discard(table: dict[int, int], block: int, bit: int) -> bool:
     value = table.get(block)
     if value is None:
@@ -119,7 +107,8 @@ class PrefixIndex:
         self._kv: tuple[dict[int, int], ...] = ({}, {}, {})
         self._state: dict[int, int] = {}
         self._spec: tuple[dict[int, int], dict[int, int]] = ({}, {})
-        self._spec_owner: dict[tuple[int, int, int], int] = {}
+        # (kind, slot) -> {block: id of the speculate() call that last named it}
+        self._spec_owner: dict[tuple[int, int], dict[int, int]] = {}
         self._spec_heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
         self._spec_ids = itertools.count(1)
         self._kv_count: list[int] = []
@@ -319,9 +308,18 @@ class PrefixIndex:
             if not hashes:
                 continue
             table = self._spec[kind]
+            owner = self._spec_owner.setdefault((kind, slot), {})
+            owner.update(dict.fromkeys(hashes, spec_id))
+            single = ~slot
+            get = table.get
             for block in hashes:
-                _add(table, block, slot, bit)
-                self._spec_owner[(kind, slot, block)] = spec_id
+                value = get(block)
+                if value is None:
+                    table[block] = single
+                elif value != single:
+                    mask = _bits(value)
+                    if not mask & bit:
+                        table[block] = mask | bit
             heapq.heappush(self._spec_heap, (now + ttl, spec_id, slot, kind, tuple(hashes)))
 
     def expire(self, now: float) -> int:
@@ -332,12 +330,16 @@ class PrefixIndex:
             _, spec_id, slot, kind, hashes = heapq.heappop(heap)
             table = self._spec[kind]
             bit = 1 << slot
-            owner = self._spec_owner
+            owner = self._spec_owner.get((kind, slot))
+            if owner is None:
+                continue
             for block in hashes:
-                if owner.get((kind, slot, block)) == spec_id:
-                    del owner[(kind, slot, block)]
+                if owner.get(block) == spec_id:
+                    del owner[block]
                     _discard(table, block, bit)
                     dropped += 1
+            if not owner:
+                del self._spec_owner[(kind, slot)]
         return dropped
 
     # ------------------------------------------------------------------ maintenance
@@ -379,7 +381,7 @@ class PrefixIndex:
             replicas=len(self._slot_of),
             kv_entries=sum(self._kv_count),
             state_entries=sum(self._state_count),
-            speculative_entries=len(self._spec_owner),
+            speculative_entries=sum(len(o) for o in self._spec_owner.values()),
             garbage_entries=self._garbage,
             unique_kv_blocks=sum(len(t) for t in self._kv),
         )

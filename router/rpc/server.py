@@ -12,10 +12,10 @@ import asyncio
 import hmac
 import pathlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -28,26 +28,14 @@ from router.rpc.gen import (
     router_pb2_grpc,
 )
 from router.rpc.servicers import AdminServicer, DecisionBook, IndexServicer, RouterServicer
+from router.rpc.settings import GrpcSettings
 from router.service.state import RouterState
 
+GRPC_PORT = web.AppKey("kvrouter_grpc_port", int)
+GRPC_SERVER = web.AppKey("kvrouter_grpc_server", object)
 ADMIN_SERVICE = "/kvrouter.v1.Admin/"
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
 REFLECTION_SERVICE = "/grpc.reflection."
-
-
-@dataclass(slots=True, frozen=True)
-class GrpcSettings:
-    """``port`` 0 picks a free port (tests); ``None`` disables gRPC."""
-
-    host: str = "127.0.0.1"
-    port: int | None = None
-    token: str | None = None
-    admin_token: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    max_message_mb: float = 16.0
-    decision_ttl_s: float = 3600.0
-    max_pending_decisions: int = 100_000
 
 
 def _bearer(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:
@@ -175,3 +163,23 @@ async def serve_grpc(
 
 def loop_clock() -> float:
     return asyncio.get_running_loop().time()
+
+
+async def grpc_cleanup_ctx(app: Any) -> AsyncIterator[None]:
+    """aiohttp ``cleanup_ctx`` entry: serve gRPC beside HTTP for the app's RouterState."""
+    from router.service.app import SETTINGS, STATE
+
+    s = app[SETTINGS].server
+    settings = GrpcSettings(
+        host=s.grpc_host or s.host,
+        port=s.grpc_port,
+        token=s.grpc_token,
+        admin_token=s.admin_token,
+        tls_cert=s.grpc_tls_cert,
+        tls_key=s.grpc_tls_key,
+        max_message_mb=s.grpc_max_message_mb,
+    )
+    async for server, port in serve_grpc(app[STATE], settings, loop_clock):
+        app[GRPC_PORT] = port
+        app[GRPC_SERVER] = server
+        yield

@@ -5,6 +5,7 @@ front door; errors of the core map to gRPC status codes here and only here.
 
 from __future__ import annotations
 
+import array
 import json
 import uuid
 from collections import OrderedDict
@@ -113,7 +114,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if which == "token_ids":
             if not request.token_ids.ids:
                 raise BadRequest("token_ids must not be empty")
-            return proc.completion({"prompt": list(request.token_ids.ids)})
+            # array('I') copies the repeated uint32 field in C; no per-id Python work.
+            return proc.token_array(array.array("I", request.token_ids.ids))
         if which == "text":
             if not request.text:
                 raise BadRequest("text must not be empty")
