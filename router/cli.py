@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+
+from router.core.errors import KVRouterError
 
 # (module, attribute) pairs that add subcommands; a missing module is skipped so that
 # optional parts can be absent from a slim install.
@@ -51,6 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except (KVRouterError, ValueError, OSError) as exc:
+        # Bad settings, arguments or files: one clear line, no traceback (KVROUTER_DEBUG=1
+        # shows it). Anything else is a bug and keeps its traceback.
+        if os.environ.get("KVROUTER_DEBUG"):
+            raise
+        print(f"kvrouter {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from router.core.errors import ConfigError
-from router.core.hashing import hash_prompt, root_hash
+from router.core.hashing import coarsen_chain, hash_prompt, root_hash
 from sim.workload import SimRequest, Workload
 
 VOCAB = 200_000
@@ -145,3 +145,32 @@ def generate(spec: AgenticSpec, *, block_size: int, model: str = "sim-model") ->
     requests.sort(key=lambda r: (r.after is not None, r.arrival_s))
     meta = {"format": "agentic", "spec": {f.name: getattr(spec, f.name) for f in fields(spec)}}
     return Workload("agentic", requests, block_size, model, meta)
+
+
+def to_trace_rows(workload: Workload, trace_block: int = 512) -> list[dict[str, object]]:
+    """The workload as recorded-format rows (Mooncake JSONL plus ``session_id`` / ``delay``):
+    ``hash_ids`` name ``trace_block``-token prefix blocks, dense in order of first appearance,
+    exactly as the router's trace recorder writes them. A follow-up turn carries ``delay``
+    (ms after its previous turn finished), so readers replay sessions closed loop.
+
+    Token *content* is not kept: a reader rebuilds tokens from the ids, which preserves which
+    prompts share which prefixes (the property routing depends on), not the tokens themselves.
+    """
+    dense: dict[int, int] = {}
+    rows: list[dict[str, object]] = []
+    for r in workload.requests:
+        coarse = coarsen_chain(r.block_hashes, workload.block_size, r.prompt_tokens, trace_block)
+        ids = [dense.setdefault(h, len(dense)) for h in coarse]
+        row: dict[str, object] = {
+            "timestamp": round(r.arrival_s * 1000),
+            "input_length": r.prompt_tokens,
+            "output_length": r.output_tokens,
+            "hash_ids": ids,
+        }
+        if r.session_id is not None:
+            row["session_id"] = r.session_id
+        if r.after is not None:
+            row["delay"] = round(r.delay_s * 1000)
+        rows.append(row)
+    rows.sort(key=lambda row: (int(row["timestamp"]), "delay" in row))  # type: ignore[call-overload]
+    return rows

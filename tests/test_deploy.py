@@ -108,3 +108,79 @@ def test_engine_rack_is_an_nvl72_rack_with_a_publisher() -> None:
     assert sidecar["args"][0] == "publish"
     labels = rack["spec"]["template"]["metadata"]["labels"]
     assert {"kvrouter.io/rack", "kvrouter.io/region"} <= set(labels)
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    for key, value in env.items():
+        arg = arg.replace(f"$({key})", value)
+    return arg
+
+
+def test_commands_in_the_manifests_parse_with_the_real_cli() -> None:
+    from router.cli import build_parser
+
+    parser = build_parser()
+    rack = _docs(K8S / "engine" / "engine-rack.yaml")[0]
+    sidecar = rack["spec"]["template"]["spec"]["containers"][1]
+    env = {"POD_NAME": "r0", "POD_IP": "10.0.0.1", "RACK": "a01", "REGION": "us-east",
+           "REDIS_URL": "redis://redis:6379/0"}  # fmt: skip
+    args = parser.parse_args([_expand(a, env) for a in sidecar["args"]])
+    assert args.command == "publish" and args.replica == "r0" and args.rack == "a01"
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    router = docs[("Deployment", "kvrouter")]["spec"]["template"]["spec"]["containers"][0]
+    assert parser.parse_args(router["args"]).command == "serve"
+
+
+def test_router_configmap_loads_with_the_real_settings_loader(tmp_path: pathlib.Path) -> None:
+    from router.service.config import load_settings
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    path = tmp_path / "router.toml"
+    path.write_text(docs[("ConfigMap", "kvrouter-config")]["data"]["router.toml"])
+    settings = load_settings(path, environ={})
+    assert settings.server.grpc_port == 50051 and settings.server.redis_url
+    model = settings.model("kimi-k3")
+    assert model.routing.hybrid and model.routing.state_interval_blocks == 8
+
+
+def test_dashboard_queries_only_metrics_the_router_exports() -> None:
+    import json
+    import re
+
+    from router.service.config import build_settings
+    from router.service.state import RouterState
+
+    dash = json.loads((DEPLOY / "grafana" / "kvrouter-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs.append(dash["templating"]["list"][1]["query"])
+    used = {m for e in exprs for m in re.findall(r"kvrouter_[a-z_]+", e)}
+    assert len(used) >= 10
+    state = RouterState(
+        build_settings({"replicas": [{"url": "http://127.0.0.1:9", "model": "m", "name": "a"}]})
+    )
+    text = state.metrics.render().decode()
+    families = set(re.findall(r"^# TYPE (kvrouter_\w+) \w+$", text, flags=re.M))
+    suffix = re.compile(r"_(bucket|sum|count|total|created)$")
+    missing = {m for m in used if m not in families and suffix.sub("", m) not in families}
+    assert missing == set(), f"dashboard uses metrics the router does not export: {missing}"
+    for panel in dash["panels"]:
+        assert panel["targets"] and panel["title"]
+
+
+def test_compose_commands_and_router_config_are_valid(tmp_path: pathlib.Path) -> None:
+    from router.cli import build_parser
+    from router.service.config import load_settings
+
+    compose = yaml.safe_load((DEPLOY / "docker" / "docker-compose.yaml").read_text())
+    parser = build_parser()
+    services = compose["services"]
+    assert {"redis", "router", "replica-0", "publisher-0"} <= set(services)
+    for name, svc in services.items():
+        if "command" in svc and name != "redis":
+            parser.parse_args(svc["command"])
+    settings = load_settings(DEPLOY / "docker" / "router.toml", environ={})
+    replicas = {r.name for r in settings.replicas}
+    assert replicas == {n for n in services if n.startswith("replica-")}
+    for name in replicas:
+        pub = services[name.replace("replica", "publisher")]["command"]
+        assert pub[pub.index("--replica") + 1] == name

@@ -35,7 +35,18 @@ class Fleet:
         return await self.http.post(self.url + path, data=data, **kw)
 
 
-async def make_fleet(server: dict[str, Any] | None = None, **model: Any) -> AsyncIterator[Fleet]:
+ENGINES = ["aiohttp", "fast"]
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> str:
+    """Every test runs against both HTTP engines (server.http_engine)."""
+    return str(request.param)
+
+
+async def make_fleet(
+    server: dict[str, Any] | None = None, engine: str = "aiohttp", **model: Any
+) -> AsyncIterator[Fleet]:
     backends = [await Backend(f"b{i}", [MODEL]).start() for i in range(2)]
     approx = await Backend("a0", [APPROX, "extra-lora"]).start()
     settings = build_settings(
@@ -54,7 +65,7 @@ async def make_fleet(server: dict[str, Any] | None = None, **model: Any) -> Asyn
             "models": {MODEL: kimi_model_table(context_length=4096, **model)},
         }
     )
-    runner, url = await start_router(settings)
+    runner, url = await start_router(settings, engine)
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     http = aiohttp.ClientSession()
     try:
@@ -68,8 +79,8 @@ async def make_fleet(server: dict[str, Any] | None = None, **model: Any) -> Asyn
 
 
 @pytest.fixture
-async def fleet() -> AsyncIterator[Fleet]:
-    async for f in make_fleet():
+async def fleet(engine: str) -> AsyncIterator[Fleet]:
+    async for f in make_fleet(engine=engine):
         yield f
 
 
@@ -233,8 +244,8 @@ async def test_single_5xx_is_invisible_to_the_client(fleet: Fleet) -> None:
         assert r.status == 200
 
 
-async def test_connect_error_is_retried_and_replica_marked_down() -> None:
-    async for fleet in make_fleet():
+async def test_connect_error_is_retried_and_replica_marked_down(engine: str) -> None:
+    async for fleet in make_fleet(engine=engine):
         dead = fleet.backends[0]
         await dead.stop()
         for _ in range(3):
@@ -250,8 +261,8 @@ async def test_connect_error_is_retried_and_replica_marked_down() -> None:
         assert reps["b0"]["healthy"] is False or len(dead.received) == 0
 
 
-async def test_client_disconnect_cancels_upstream() -> None:
-    async for fleet in make_fleet():
+async def test_client_disconnect_cancels_upstream(engine: str) -> None:
+    async for fleet in make_fleet(engine=engine):
         for b in fleet.backends:
             b.hang = True
         with pytest.raises(asyncio.TimeoutError):
@@ -267,8 +278,8 @@ async def test_client_disconnect_cancels_upstream() -> None:
         assert sum(b.cancelled for b in fleet.backends) == 1
 
 
-async def test_stream_cancel_midway_cancels_upstream() -> None:
-    async for fleet in make_fleet():
+async def test_stream_cancel_midway_cancels_upstream(engine: str) -> None:
+    async for fleet in make_fleet(engine=engine):
         for b in fleet.backends:
             b.chunk_delay_s = 0.2
             b.chunks = 50
@@ -340,8 +351,8 @@ async def test_bad_input_via_openai_client_raises_typed_errors(fleet: Fleet) -> 
         await fleet.client.chat.completions.create(model=MODEL, messages=[])
 
 
-async def test_oversized_body_gets_413() -> None:
-    async for fleet in make_fleet(server={"max_body_mb": 0.01}):
+async def test_oversized_body_gets_413(engine: str) -> None:
+    async for fleet in make_fleet(server={"max_body_mb": 0.01}, engine=engine):
         big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 20000}]}
         r = await fleet.post("/v1/chat/completions", big)
         assert r.status == 413
@@ -411,8 +422,8 @@ async def test_admin_requires_token_and_lists_decisions(fleet: Fleet) -> None:
     assert (await fleet.post("/admin/replicas/zzz/drain", b"", headers=hdr)).status == 404
 
 
-async def test_admin_disabled_without_token() -> None:
-    async for fleet in make_fleet(server={"admin_token": None}):
+async def test_admin_disabled_without_token(engine: str) -> None:
+    async for fleet in make_fleet(server={"admin_token": None}, engine=engine):
         r = await fleet.http.get(
             fleet.url + "/admin/replicas", headers={"Authorization": "Bearer x"}
         )

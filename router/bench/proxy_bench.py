@@ -256,7 +256,9 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _kvrouter_config(path: Path, ports: list[int], port: int, workers: int) -> None:
+def _kvrouter_config(
+    path: Path, ports: list[int], port: int, workers: int, engine: str = "fast"
+) -> None:
     replicas = "".join(
         f'[[replicas]]\nurl = "http://127.0.0.1:{p}"\nmodel = "{MODEL}"\nname = "b{i}"\n\n'
         for i, p in enumerate(ports)
@@ -265,6 +267,7 @@ def _kvrouter_config(path: Path, ports: list[int], port: int, workers: int) -> N
 
     path.write_text(
         f'[server]\nhost = "127.0.0.1"\nport = {port}\nworkers = {workers}\n'
+        f'http_engine = "{engine}"\n'
         f'log_level = "warning"\n\n{replicas}'
         f'[models.{MODEL}]\npolicy = "ours"\nblock_size = 64\nspeculative_ttl_s = 30.0\n'
         f'tokenizer = "{BUNDLED_DIR / "kimi_style"}"\n'
@@ -292,6 +295,32 @@ def _stop(proc: subprocess.Popen[bytes] | None) -> None:
             proc.wait()
 
 
+def _measure_kvrouter(
+    args: argparse.Namespace, ports: list[int], engine: str, direct_url: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """kvrouter with ``http_engine = engine`` in front of the backends: the load figures and
+    the concurrency-1 latencies against direct calls."""
+    kv_port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "kvrouter.toml"
+        _kvrouter_config(cfg, ports, kv_port, args.workers, engine)
+        kv = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)])
+        try:
+            _wait_http(f"http://127.0.0.1:{kv_port}/health")
+            kv_url = f"http://127.0.0.1:{kv_port}/v1/chat/completions"
+            figures = measure(kv_url, args)
+            d1 = wrk(direct_url, chat_body(False), 1, args.seconds, 1)
+            k1 = wrk(kv_url, chat_body(False), 1, args.seconds, 1)
+        finally:
+            _stop(kv)
+    c1 = {
+        "direct_p50_ms": d1["p50_ms"],
+        "kvrouter_p50_ms": k1["p50_ms"],
+        "added_p50_ms": round(k1["p50_ms"] - d1["p50_ms"], 3),
+    }
+    return {"engine": engine, **figures}, c1
+
+
 def run(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is needed as the load generator: apt-get install wrk")
@@ -310,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
         "connections": args.connections,
         "seconds": args.seconds,
         "kvrouter_workers": args.workers,
+        "kvrouter_engine": args.engine,
         "cpus": os.cpu_count(),
     }
     try:
@@ -317,25 +347,11 @@ def run(args: argparse.Namespace) -> int:
         direct_url = f"http://127.0.0.1:{ports[0]}/v1/chat/completions"
         result["direct"] = measure(direct_url, args)
 
-        kv_port = _free_port()
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = Path(tmp) / "kvrouter.toml"
-            _kvrouter_config(cfg, ports, kv_port, args.workers)
-            kv = subprocess.Popen(
-                [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)]
-            )
-            procs.append(kv)
-            _wait_http(f"http://127.0.0.1:{kv_port}/health")
-            kv_url = f"http://127.0.0.1:{kv_port}/v1/chat/completions"
-            result["kvrouter"] = measure(kv_url, args)
-            d1 = wrk(direct_url, chat_body(False), 1, args.seconds, 1)
-            k1 = wrk(kv_url, chat_body(False), 1, args.seconds, 1)
-            result["c1"] = {
-                "direct_p50_ms": d1["p50_ms"],
-                "kvrouter_p50_ms": k1["p50_ms"],
-                "added_p50_ms": round(k1["p50_ms"] - d1["p50_ms"], 3),
-            }
-            _stop(kv)
+        engines = ["fast", "aiohttp"] if args.engine == "both" else [args.engine]
+        for engine in engines:
+            name = "kvrouter" if engine == engines[0] else f"kvrouter_{engine}"
+            result[name], c1 = _measure_kvrouter(args, ports, engine, direct_url)
+            result["c1" if engine == engines[0] else f"c1_{engine}"] = c1
 
         binary = _vllm_router_bin(args.vllm_router)
         if binary is None:
@@ -383,5 +399,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--threads", type=int, default=2, help="wrk threads")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--workers", type=int, default=1, help="kvrouter processes (SO_REUSEPORT)")
+    p.add_argument(
+        "--engine",
+        choices=("fast", "aiohttp", "both"),
+        default="fast",
+        help="kvrouter server.http_engine (both: measure each)",
+    )
     p.add_argument("--vllm-router", help="path of the vllm-router binary")
     p.set_defaults(handler=run)

@@ -110,7 +110,7 @@ class ZmqEventSubscriber:
         """Fetch ``[start, stop)`` from the replay socket and deliver it; report what is lost."""
         got: list[tuple[int, bytes]] = []
         if self.replay_endpoint:
-            got = await self._fetch(start)
+            got = await self._fetch(start, stop)
         expected = start
         for seq, payload in got:
             if seq < expected or seq >= stop:
@@ -125,7 +125,10 @@ class ZmqEventSubscriber:
             self.stats.lost += stop - expected
             self.on_lost(stop - expected)
 
-    async def _fetch(self, start: int) -> list[tuple[int, bytes]]:
+    async def _fetch(self, start: int, stop: int | None = None) -> list[tuple[int, bytes]]:
+        """Replayed ``(seq, payload)`` pairs from ``start``; with ``stop``, return as soon as
+        ``stop - 1`` arrived: the engine sends its whole buffer tail, and a ROUTER socket drops
+        what exceeds its high-water mark (the end marker included) when it is far ahead."""
         assert self.replay_endpoint is not None
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -145,6 +148,8 @@ class ZmqEventSubscriber:
                 if seq == END_SEQ or not frames[2]:
                     break
                 out.append((seq, frames[2]))
+                if stop is not None and seq >= stop - 1:
+                    break
         finally:
             sock.close(0)
         return out

@@ -14,7 +14,7 @@ def run(args: argparse.Namespace) -> int:
     from router.mock.server import MockSettings, create_app
 
     logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     settings = MockSettings(
         model=args.model,

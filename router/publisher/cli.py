@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -93,7 +94,10 @@ async def _main(args: argparse.Namespace) -> int:
     await publisher.start()
     runner = await _serve_metrics(publisher, args.metrics_port) if args.metrics_port else None
     logging.getLogger("kvrouter.publish").info(
-        "publishing %s (%d endpoints) to %s", info.replica, len(settings.endpoints), args.redis
+        "publishing %s (%d endpoints) to %s",
+        info.replica,
+        len(settings.endpoints),
+        re.sub(r"(://[^:/@]*:)[^@/]+@", r"\1***@", args.redis),  # never log the password
     )
     await stop.wait()
     await publisher.stop()
@@ -105,7 +109,7 @@ async def _main(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     if not args.zmq:
         print("kvrouter publish: at least one --zmq endpoint is required", file=sys.stderr)

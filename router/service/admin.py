@@ -88,8 +88,7 @@ def add_routes(app: web.Application, state_key: web.AppKey[Any]) -> None:
             limit = int(request.query.get("limit", "50"))
         except ValueError:
             return error_response(400, "limit must be an integer", param="limit")
-        items = list(state.decisions)[-max(limit, 0) :][::-1] if limit > 0 else []
-        return web.json_response({"decisions": items})
+        return web.json_response({"decisions": state.recent_decisions(limit)})
 
     app.router.add_get("/admin/replicas", guarded(replicas))
     app.router.add_post("/admin/replicas/{name}/drain", guarded(drain_handler(True)))

@@ -5,8 +5,9 @@ routes. Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GE
 ``GET /health``, ``GET /ready``, ``GET /metrics`` and the admin routes of
 :mod:`router.service.admin`.
 
-The router validates only what it needs (model, messages / prompt, stream flag, a few
-types); the body is forwarded untouched. Errors are OpenAI-style JSON (router.service.errors).
+The two hot endpoints are served by :mod:`router.service.handling` (shared with the fast
+server of :mod:`router.service.fast_server`). Errors are OpenAI-style JSON
+(router.service.errors).
 Hooks for parts built elsewhere: ``STATE`` and ``INDEX`` app keys, and
 ``Settings.background`` context factories run under ``cleanup_ctx``.
 """
@@ -14,129 +15,86 @@ Hooks for parts built elsewhere: ``STATE`` and ``INDEX`` app keys, and
 from __future__ import annotations
 
 import asyncio
-import json
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
-from router.core.errors import BadRequest, KVRouterError
 from router.core.index import PrefixIndex
-from router.service import admin
+from router.service import admin, security
 from router.service.config import Settings
-from router.service.errors import error_response, from_exception
+from router.service.errors import error_response
+from router.service.handling import CHAT_PATH, COMPLETIONS_PATH, handle, too_large
 from router.service.proxy import Forwarder
 from router.service.state import RouterState
-from router.tokenize.pipeline import ProcessedPrompt
+from router.service.upstream import Client, Timeouts
 
 STATE = web.AppKey("kvrouter_state", RouterState)
 INDEX = web.AppKey("kvrouter_index", PrefixIndex)
 FORWARDER = web.AppKey("kvrouter_forwarder", Forwarder)
 SETTINGS = web.AppKey("kvrouter_settings", Settings)
+SESSION = web.AppKey("kvrouter_session", aiohttp.ClientSession)
+# the Redis index follower (router.store.sync.IndexSync) when server.redis_url is set
+INDEX_SYNC: web.AppKey[Any] = web.AppKey("kvrouter_index_sync")
 
-# Bodies larger than this are tokenized on a worker thread, off the event loop.
-THREAD_MIN_BODY = 128 * 1024
+
+class AiohttpSink:
+    """:class:`~router.service.proxy.Sink` over an aiohttp request; ``response`` is what the
+    handler returns."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    @staticmethod
+    def _headers(headers: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
+        return CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.response = web.Response(status=status, body=body, headers=self._headers(headers))
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        resp = web.StreamResponse(status=status, headers=self._headers(headers))
+        self.response = resp
+        await resp.prepare(self.request)
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(data)  # ClientConnectionResetError is a ConnectionResetError
+
+    async def end(self) -> None:
+        assert self.response is not None
+        await self.response.write_eof()
 
 
-async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+async def _hot(request: web.Request, path: bytes) -> web.StreamResponse:
+    state = request.app[STATE]
     try:
         raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise _TooLarge(exc.text or "request body too large") from None
-    if not raw:
-        raise BadRequest("request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return raw, body
-
-
-class _TooLarge(Exception):
-    pass
-
-
-def _field_types(body: dict[str, Any]) -> tuple[str, bool]:
-    model = body.get("model")
-    if model is None:
-        raise BadRequest("'model' is a required property")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' must be a non-empty string")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise BadRequest("'stream' must be a boolean")
-    for key in ("max_tokens", "max_completion_tokens"):
-        v = body.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise BadRequest(f"'{key}' must be a non-negative integer")
-    return model, bool(stream)
-
-
-async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
-    state = request.app[STATE]
-    s = state.settings.server
-    loop = asyncio.get_running_loop()
-    model = ""
-    try:
-        raw, body = await _read_json(request)
-        model, _ = _field_types(body)
-        processor = state.processor(model)
-        fn = processor.chat if kind == "chat" else processor.completion
-        if len(raw) >= THREAD_MIN_BODY:
-            prompt: ProcessedPrompt = await loop.run_in_executor(None, fn, body)
-        else:
-            prompt = fn(body)
-        state.check_context(model, prompt)
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        session = body.get("user") if isinstance(body.get("user"), str) else None
-        max_out = body.get("max_completion_tokens") or body.get("max_tokens")
-        routed = state.route(
-            model, prompt, rid, loop.time(), session_id=session, max_output_tokens=max_out
-        )
-    except _TooLarge:
-        return error_response(
-            413,
-            f"request body exceeds the {s.max_body_mb:g} MB limit (server.max_body_mb)",
-            code="request_too_large",
-        )
-    except KVRouterError as exc:
-        state.metrics.requests.labels(model, "", "rejected").inc()
-        return from_exception(exc, s.retry_after_s)
-    m = state.metrics
-    m.decision.labels("tokenize").observe(prompt.tokenize_s)
-    m.decision.labels("hash").observe(prompt.hash_s)
-    m.decision.labels("lookup").observe(routed.lookup_s)
-    m.decision.labels("score").observe(routed.score_s)
-    m.prompt_tokens.labels(model).inc(routed.request.prompt_tokens)
-    m.prompt_tokens_hist.labels(model).observe(routed.request.prompt_tokens)
-    m.predicted_hit_tokens.labels(model).inc(routed.decision.usable_tokens)
-    m.predicted_hit_ratio.labels(model).observe(
-        routed.decision.usable_tokens / routed.request.prompt_tokens
-    )
-    if not prompt.exact:
-        m.approximate.labels(model).inc()
-    if prompt.reused_tokens:
-        m.prompt_cache_reused.labels(model).inc(prompt.reused_tokens)
-    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    return await request.app[FORWARDER].forward(request, path, raw, routed)
+    except web.HTTPRequestEntityTooLarge:
+        return too_large(state).response()
+    sink = AiohttpSink(request)
+    await handle(state, request.app[FORWARDER], sink, path, raw, list(request.raw_headers))
+    assert sink.response is not None
+    return sink.response
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, "chat")
+    return await _hot(request, CHAT_PATH)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, "completion")
+    return await _hot(request, COMPLETIONS_PATH)
 
 
 async def models(request: web.Request) -> web.Response:
     """Union of the replicas' ``/v1/models`` (configured names added if a replica is silent)."""
     state = request.app[STATE]
-    session = request.app[FORWARDER].session
+    session = request.app[SESSION]
     timeout = aiohttp.ClientTimeout(total=2.0)
 
     async def fetch(url: str) -> list[dict[str, Any]]:
@@ -216,13 +174,17 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS].server
-    connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=s.pool_per_replica, keepalive_timeout=60, ttl_dns_cache=300
+    client = Client(
+        Timeouts(s.connect_timeout_s, s.first_byte_timeout_s, s.request_timeout_s),
+        s.pool_per_replica,
     )
+    app[FORWARDER] = Forwarder(app[STATE], client)
+    # side traffic (/v1/models, health probes) keeps aiohttp's client
     session = aiohttp.ClientSession(
-        connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        connector=aiohttp.TCPConnector(limit_per_host=8, keepalive_timeout=60),
+        skip_auto_headers=("User-Agent",),
     )
-    app[FORWARDER] = Forwarder(app[STATE], session)
+    app[SESSION] = session
     tasks = [asyncio.create_task(_housekeeping(app))]
     if s.health_interval_s > 0:
         tasks.append(asyncio.create_task(_probe_health(app, session, s.health_interval_s)))
@@ -231,6 +193,7 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await session.close()
+    client.close()
 
 
 async def _housekeeping(app: web.Application, every: float = 1.0) -> None:
@@ -261,11 +224,79 @@ async def _probe_health(app: web.Application, session: aiohttp.ClientSession, ev
         await asyncio.sleep(every)
 
 
+class _LoadFeed:
+    """IndexSync listener for a statically configured fleet: engine load reports of known
+    replica keys go to the LoadTracker; membership stays with the configured registry."""
+
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    def replica_up(self, info: Any) -> None:
+        return None
+
+    def replica_down(self, replica: str, keys: Any) -> None:
+        return None
+
+    def load(self, key: Any, sample: Any, now: float) -> None:
+        from router.core.load import EngineReport
+
+        if self.state.registry.endpoint(key) is not None:
+            report = EngineReport(sample.running, sample.waiting, sample.kv_usage, now)
+            self.state.load.engine_report(key, report)
+
+
+async def _redis_index(app: web.Application) -> AsyncIterator[None]:
+    """With ``server.redis_url``: bootstrap the local index from Redis and follow it
+    (router.store.sync.IndexSync). Start-up does not wait for Redis; while it is away the
+    router serves from its last known index and load (docs/operations.md)."""
+    from router.store.redis_store import RedisStore
+    from router.store.schema import KeySchema
+    from router.store.sync import IndexSync
+
+    s = app[SETTINGS].server
+    store = RedisStore.from_url(
+        s.redis_url or "", KeySchema(s.redis_key_prefix, s.redis_stream_shards)
+    )
+    sync = IndexSync(
+        store, app[STATE].index, asyncio.get_running_loop().time, listener=_LoadFeed(app[STATE])
+    )
+    app[INDEX_SYNC] = sync
+    import logging
+
+    logging.getLogger("kvrouter.service").info(
+        "shared index: following %s (key prefix %s)", s.redis_url, s.redis_key_prefix
+    )
+    await sync.start(wait=False)
+    yield
+    await sync.stop()
+    await store.close()
+
+
+async def _direct_events(app: web.Application) -> AsyncIterator[None]:
+    """Replicas configured with ``zmq``: subscribe to their KV events and apply them to the
+    local index directly (router.events.direct; single router, no Redis)."""
+    from router.events.direct import DirectEvents
+    from router.events.ingest import EndpointSpec
+
+    settings = app[SETTINGS]
+    direct = DirectEvents(app[STATE].index)
+    for rep in settings.replicas:
+        if rep.zmq:
+            block = settings.model(rep.model).routing.block_size
+            direct.add_replica(rep.name, rep.model, block, [EndpointSpec(rep.zmq, rep.zmq_replay)])
+    async with direct:
+        yield
+
+
 def create_app(settings: Settings, state: RouterState | None = None) -> web.Application:
     """The router app. ``state`` may be passed in (tests, embedding); else built here."""
     state = state or RouterState(settings)
     app = web.Application(
-        client_max_size=int(settings.server.max_body_mb * 2**20), middlewares=[_errors]
+        client_max_size=int(settings.server.max_body_mb * 2**20),
+        middlewares=[
+            _errors,
+            security.security_middleware(security.Limits.from_server(settings.server)),
+        ],
     )
     app[SETTINGS] = settings
     app[STATE] = state
@@ -273,6 +304,14 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
     app.cleanup_ctx.append(_upstream_session)
     for factory in settings.background:
         app.cleanup_ctx.append(factory)
+    if settings.server.redis_url:
+        app.cleanup_ctx.append(_redis_index)
+    if any(rep.zmq for rep in settings.replicas):
+        app.cleanup_ctx.append(_direct_events)
+    if settings.server.grpc_port is not None:
+        from router.rpc.server import grpc_cleanup_ctx
+
+        app.cleanup_ctx.append(grpc_cleanup_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)

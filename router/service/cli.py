@@ -26,12 +26,15 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         ("admin_token", "admin_token"),
         ("max_body_mb", "max_body_mb"),
         ("log_level", "log_level"),
+        ("grpc_port", "grpc_port"),
     ):
-        value = getattr(args, flag)
+        value = getattr(args, flag, None)
         if value is not None:
             server[key] = value
     if args.debug_header:
         server["debug_header"] = True
+    if getattr(args, "http_engine", None):
+        server["http_engine"] = args.http_engine
     out: dict[str, Any] = {"server": server} if server else {}
     if args.replica:
         out["replicas"] = parse_replica_list(args.replica)
@@ -71,6 +74,9 @@ def serve(args: argparse.Namespace) -> int:
             level=settings.server.log_level.upper(),
             format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
         )
+        from router.service.security import install_log_redaction, server_secrets
+
+        install_log_redaction(server_secrets(settings.server))
         workers = settings.server.workers
         if workers > 1:
             return _serve_workers(settings, workers)
@@ -94,6 +100,13 @@ def _run(app: Any, host: str, port: int, *, reuse_port: bool) -> None:
     import gc
 
     gc.freeze()  # start-up objects (vocabularies, templates) never need collecting
+    from router.service.app import SETTINGS
+
+    if app[SETTINGS].server.http_engine == "fast":
+        from router.service.fast_server import run_fast
+
+        run_fast(app, host, port, reuse_port=reuse_port, shutdown_timeout=_shutdown_timeout(app))
+        return
     web.run_app(
         app,
         host=host,
@@ -102,7 +115,15 @@ def _run(app: Any, host: str, port: int, *, reuse_port: bool) -> None:
         handler_cancellation=True,
         access_log=None,
         print=lambda *_: None,
+        # SIGTERM: stop accepting, let in-flight requests finish up to this deadline, exit 0
+        shutdown_timeout=_shutdown_timeout(app),
     )
+
+
+def _shutdown_timeout(app: Any) -> float:
+    from router.service.app import SETTINGS
+
+    return float(app[SETTINGS].server.shutdown_timeout_s)
 
 
 def _serve_workers(settings: Any, workers: int) -> int:
@@ -152,8 +173,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--policy", help="policy for every model (overrides the file)")
     p.add_argument("--admin-token", dest="admin_token")
+    p.add_argument(
+        "--grpc-port", dest="grpc_port", type=int, help="serve the gRPC API on this port too"
+    )
     p.add_argument("--max-body-mb", dest="max_body_mb", type=float)
     p.add_argument("--debug-header", action="store_true", help="add X-KVRouter-Decision")
+    p.add_argument(
+        "--http-engine",
+        dest="http_engine",
+        choices=("aiohttp", "fast"),
+        help="front end for the hot POST endpoints (server.http_engine)",
+    )
     p.add_argument("--log-level", dest="log_level")
     p.add_argument("--check", action="store_true", help="validate the configuration and exit")
     p.set_defaults(handler=serve)

@@ -56,6 +56,26 @@ class ServerSettings:
     decisions_kept: int = 256
     pool_per_replica: int = 256
     log_level: str = "info"
+    # "aiohttp": every endpoint on the aiohttp app; "fast": the two hot POST endpoints on a raw
+    # asyncio/httptools server, the rest relayed to the aiohttp app (router/service/fast_server.py)
+    http_engine: str = "aiohttp"
+    # security and reliability (router/service/security.py, docs/operations.md)
+    api_keys: str | None = None  # comma-separated client keys; None: no key required
+    api_keys_file: str | None = None  # one key per line
+    max_concurrent_per_key: int = 0  # 0: unlimited; per client address without keys
+    max_header_kb: float = 32.0  # total request header block; 0: unlimited
+    max_prompt_tokens: int = 0  # 0: only the models' context_length applies
+    shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight streams get this long to finish
+    redis_url: str | None = None  # shared index: follow the Redis store (docs/redis.md)
+    redis_key_prefix: str = "kvr"
+    redis_stream_shards: int = 8
+    # gRPC beside HTTP (router/rpc, docs/grpc.md); grpc_port None: off, 0: any free port
+    grpc_port: int | None = None
+    grpc_host: str | None = None  # default: the HTTP host
+    grpc_token: str | None = None  # bearer token for Router/Index calls
+    grpc_tls_cert: str | None = None
+    grpc_tls_key: str | None = None
+    grpc_max_message_mb: float = 16.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,6 +89,9 @@ class ReplicaSettings:
     rack: str | None = None
     region: str | None = None
     dp_ranks: int = 1
+    # Single-router mode without Redis: the router follows the engine's ZMQ KV events itself.
+    zmq: str | None = None  # engine KV-event PUB endpoint, e.g. tcp://10.0.0.7:5557
+    zmq_replay: str | None = None  # its replay ROUTER endpoint (fills sequence gaps)
 
 
 @dataclass(slots=True, frozen=True)
@@ -280,6 +303,10 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     server = _typed(ServerSettings, server_tab, "server")
     if not 0 < server.port < 65536:
         raise ConfigError(f"server.port: {server.port} is not a TCP port")
+    if server.http_engine not in ("aiohttp", "fast"):
+        raise ConfigError(
+            f"server.http_engine: {server.http_engine!r} is not one of 'aiohttp', 'fast'"
+        )
     if server.workers < 1 or server.max_retries < 0 or server.max_body_mb <= 0:
         raise ConfigError("server: workers >= 1, max_retries >= 0 and max_body_mb > 0 required")
     raw_replicas = data.get("replicas") or []

@@ -8,6 +8,7 @@ UnknownModel -> 404, body too large -> 413, NoReplicaAvailable -> 503 with ``Ret
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -27,14 +28,10 @@ _TYPES = {
 }
 
 
-def error_response(
-    status: int,
-    message: str,
-    *,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> bytes:
+    """The JSON bytes of an OpenAI-style error."""
     body = {
         "error": {
             "message": message,
@@ -43,26 +40,65 @@ def error_response(
             "code": code,
         }
     }
+    return json.dumps(body).encode()
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
     return web.Response(
         status=status,
-        body=json.dumps(body).encode(),
+        body=error_body(status, message, param=param, code=code),
         content_type="application/json",
         headers=headers,
     )
 
 
-def from_exception(exc: KVRouterError, retry_after_s: int = 1) -> web.Response:
-    """The HTTP answer for a core error raised while handling a request."""
+@dataclass(slots=True, frozen=True)
+class ErrorReply:
+    """An error answer, engine-neutral: status, extra headers, OpenAI-style body."""
+
+    status: int
+    message: str
+    code: str | None = None
+    param: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def response(self) -> web.Response:
+        return error_response(
+            self.status,
+            self.message,
+            param=self.param,
+            code=self.code,
+            headers=dict(self.headers) or None,
+        )
+
+
+def reply_for(exc: KVRouterError, retry_after_s: int = 1) -> ErrorReply:
+    """The answer for a core error raised while handling a request."""
     if isinstance(exc, UnknownModel):
-        return error_response(404, str(exc), param="model", code="model_not_found")
+        return ErrorReply(404, str(exc), "model_not_found", "model")
     if isinstance(exc, NoReplicaAvailable):
         status = 429 if exc.busy else 503
-        return error_response(
+        return ErrorReply(
             status,
             str(exc),
-            code="replicas_busy" if exc.busy else "no_replica_available",
-            headers={"Retry-After": str(retry_after_s)},
+            "replicas_busy" if exc.busy else "no_replica_available",
+            headers=(("Retry-After", str(retry_after_s)),),
         )
     if isinstance(exc, BadRequest):
-        return error_response(400, str(exc), code="invalid_request")
-    return error_response(500, str(exc), code="internal_error")
+        return ErrorReply(400, str(exc), "invalid_request")
+    return ErrorReply(500, str(exc), "internal_error")
+
+
+def from_exception(exc: KVRouterError, retry_after_s: int = 1) -> web.Response:
+    """The HTTP answer for a core error raised while handling a request."""
+    return reply_for(exc, retry_after_s).response()

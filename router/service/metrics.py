@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -202,6 +203,74 @@ class Metrics:
         )
         self.info.labels("0.1.0").set(1)
         r.register(_StateCollector(snapshot))
+        # bound children: no per-request ``labels()`` lookups on the hot path
+        self.phase_tokenize = self.decision.labels("tokenize")
+        self.phase_hash = self.decision.labels("hash")
+        self.phase_lookup = self.decision.labels("lookup")
+        self.phase_score = self.decision.labels("score")
+        self._models: dict[str, ModelMetrics] = {}
+
+    def model(self, name: str) -> ModelMetrics:
+        """The metric children of one model (bound on first use; call it only with the names
+        of configured models, labels are not free)."""
+        found = self._models.get(name)
+        if found is None:
+            found = self._models[name] = ModelMetrics(self, name)
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """Metric children bound to one model, and per (replica, outcome) / reason caches."""
+
+    __slots__ = (
+        "_m",
+        "_outcomes",
+        "_retries",
+        "approximate",
+        "engine_cached_tokens",
+        "itl",
+        "model",
+        "predicted_hit_ratio",
+        "predicted_hit_tokens",
+        "prediction_error",
+        "prompt_cache_reused",
+        "prompt_tokens",
+        "prompt_tokens_hist",
+        "ttft",
+    )
+
+    def __init__(self, m: Metrics, model: str) -> None:
+        self._m = m
+        self.model = model
+        self.prompt_tokens = m.prompt_tokens.labels(model)
+        self.prompt_tokens_hist = m.prompt_tokens_hist.labels(model)
+        self.predicted_hit_tokens = m.predicted_hit_tokens.labels(model)
+        self.predicted_hit_ratio = m.predicted_hit_ratio.labels(model)
+        self.engine_cached_tokens = m.engine_cached_tokens.labels(model)
+        self.prediction_error = m.prediction_error.labels(model)
+        self.approximate = m.approximate.labels(model)
+        self.prompt_cache_reused = m.prompt_cache_reused.labels(model)
+        self.ttft = m.ttft.labels(model)
+        self.itl = m.itl.labels(model)
+        self._outcomes: dict[tuple[object, str], Any] = {}
+        self._retries: dict[str, Any] = {}
+
+    def outcome(self, replica: object, outcome: str) -> Any:
+        """The ``kvrouter_requests`` child of (replica, outcome)."""
+        key = (replica, outcome)
+        child = self._outcomes.get(key)
+        if child is None:
+            replica_label = "" if replica is None else str(replica)
+            child = self._outcomes[key] = self._m.requests.labels(
+                self.model, replica_label, outcome
+            )
+        return child
+
+    def retry(self, reason: str) -> Any:
+        child = self._retries.get(reason)
+        if child is None:
+            child = self._retries[reason] = self._m.retries.labels(self.model, reason)
+        return child

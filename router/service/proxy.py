@@ -1,16 +1,19 @@
 """Forwarding a routed request to its replica and the response back, byte for byte.
 
-* One ``aiohttp.ClientSession`` with keep-alive pools per replica host (``limit_per_host``),
-  ``auto_decompress=False`` so bodies pass through exactly as the replica sent them.
+Engine-neutral: the HTTP front end (the aiohttp app or the fast server) hands over the raw
+body, the client's raw header pairs and a :class:`Sink` that writes the answer to its client.
+
+* Upstream calls use the pooled HTTP/1.1 client of :mod:`router.service.upstream`
+  (keep-alive per replica); bodies pass through exactly as the replica sent them.
 * The request body is forwarded as received (unknown fields and vendor extensions included);
   hop-by-hop headers are dropped, ``X-Request-Id`` is set, and ``X-data-parallel-rank`` when
   the replica has several DP ranks.
 * Connect errors and 5xx answers (both before any body byte reached the client) are retried
   on the next-best replica of the decision's ranking, at most ``max_retries`` times.
-* Streams are relayed chunk by chunk as they arrive. A client that disconnects cancels the
-  handler (``handler_cancellation``) or fails a write; either way the upstream response is
+* Streams (``text/event-stream``) are relayed piece by piece as they arrive. A client that
+  disconnects cancels the handler or fails a write; either way the upstream connection is
   closed, which aborts the request on the replica.
-* Feedback: first body chunk -> ``LoadTracker.first_token``; end -> ``complete``; the
+* Feedback: first body data -> ``LoadTracker.first_token``; end -> ``complete``; the
   replica's ``usage.prompt_tokens_details.cached_tokens`` (non-streaming body, or the usage
   chunk of a stream) is compared with the predicted usable hit.
 """
@@ -20,43 +23,106 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
-
-import aiohttp
-from aiohttp import web
-from multidict import CIMultiDict
+from collections.abc import Iterable
+from typing import Protocol
 
 from router.core.types import ReplicaKey
-from router.service.errors import error_response
+from router.service.errors import error_body
 from router.service.state import Routed, RouterState
+from router.service.upstream import (
+    Client,
+    ConnectFailed,
+    Exchange,
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamTimeout,
+)
+
+Headers = list[tuple[bytes, bytes]]
 
 HOP_BY_HOP = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"expect",
     }
 )
+_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id", b"x-data-parallel-rank"}
+_JSON = [(b"Content-Type", b"application/json")]
 
 
-def forward_headers(request: web.Request, request_id: str, dp_rank: int | None) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict(
-        (k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP
+class Sink(Protocol):
+    """Where the answer to the client goes. ``write`` raises ConnectionResetError when the
+    client has gone away."""
+
+    async def respond(self, status: int, headers: Headers, body: bytes) -> None:
+        """A whole answer (Content-Length framing)."""
+
+    async def start(self, status: int, headers: Headers) -> None:
+        """Begin a streamed answer."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self) -> None: ...
+
+
+async def send_error(
+    sink: Sink,
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    headers: Headers | None = None,
+) -> None:
+    await sink.respond(
+        status, [*_JSON, *(headers or [])], error_body(status, message, param=param, code=code)
     )
-    out["X-Request-Id"] = request_id
+
+
+def request_head(
+    path: bytes,
+    host: bytes,
+    client_headers: Iterable[tuple[bytes, bytes]],
+    rid: bytes,
+    dp_rank: int | None,
+    length: int,
+) -> bytes:
+    """The upstream request head: the client's headers minus hop-by-hop ones, plus
+    ``X-Request-Id``, ``X-data-parallel-rank`` and ``Content-Length``."""
+    parts = [b"POST ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
+    for k, v in client_headers:
+        if k.lower() not in _NOT_FORWARDED:
+            parts += (k, b": ", v, b"\r\n")
+    parts += (b"X-Request-Id: ", rid, b"\r\n")
     if dp_rank is not None:
-        out["X-data-parallel-rank"] = str(dp_rank)
-    return out
+        parts += (b"X-data-parallel-rank: ", str(dp_rank).encode(), b"\r\n")
+    parts += (b"Content-Length: ", str(length).encode(), b"\r\n\r\n")
+    return b"".join(parts)
 
 
-def response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP)
+def response_headers(upstream: Headers) -> tuple[Headers, bool, bool]:
+    """(headers to pass on, is it an SSE stream, has an X-Request-Id)."""
+    out: Headers = []
+    sse = has_rid = False
+    for k, v in upstream:
+        low = k.lower()
+        if low in HOP_BY_HOP:
+            continue
+        if low == b"content-type" and v.startswith(b"text/event-stream"):
+            sse = True
+        elif low == b"x-request-id":
+            has_rid = True
+        out.append((k, v))
+    return out, sse, has_rid
 
 
 def cached_tokens_of(payload: bytes) -> int | None:
@@ -86,19 +152,15 @@ def cached_tokens_of(payload: bytes) -> int | None:
 class Forwarder:
     """Sends routed requests upstream; one per app."""
 
-    def __init__(self, state: RouterState, session: aiohttp.ClientSession) -> None:
+    def __init__(self, state: RouterState, client: Client) -> None:
         self.state = state
-        self.session = session
+        self.client = client
         s = state.settings.server
-        self.timeout = aiohttp.ClientTimeout(
-            total=s.request_timeout_s,
-            sock_connect=s.connect_timeout_s,
-            sock_read=s.first_byte_timeout_s,
-        )
         self.max_retries = s.max_retries
         self.debug_header = s.debug_header
+        self._hosts: dict[str, bytes] = {}
 
-    def _debug(self, routed: Routed, key: ReplicaKey, attempt: int) -> str:
+    def _debug(self, routed: Routed, key: ReplicaKey, attempt: int) -> bytes:
         d = routed.decision
         first = attempt == 0  # retries go to replicas whose hit was not predicted
         return (
@@ -107,19 +169,32 @@ class Forwarder:
             f"kv_tokens={d.kv_tokens if first else 0}; "
             f"prompt_tokens={routed.request.prompt_tokens}; "
             f"exact={str(routed.prompt.exact).lower()}; attempt={attempt}"
-        )
+        ).encode()
+
+    def _host(self, base_url: str) -> bytes:
+        host = self._hosts.get(base_url)
+        if host is None:
+            host = self._hosts[base_url] = base_url.partition("://")[2].split("/")[0].encode()
+        return host
 
     async def forward(
-        self, request: web.Request, path: str, body: bytes, routed: Routed
-    ) -> web.StreamResponse:
+        self,
+        sink: Sink,
+        path: bytes,
+        client_headers: Iterable[tuple[bytes, bytes]],
+        body: bytes,
+        routed: Routed,
+    ) -> None:
         state = self.state
-        metrics = state.metrics
         model = routed.request.model
+        mm = state.metrics.model(model)
         rid = routed.request.request_id
+        rid_b = rid.encode()
         loop = asyncio.get_running_loop()
         keys = [routed.decision.replica, *routed.decision.ranking][: self.max_retries + 1]
         started = loop.time()
         last_error = "no replica answered"
+        client_headers = list(client_headers)
         for attempt, key in enumerate(keys):
             ep = state.registry.endpoint(key)
             if ep is None:
@@ -128,130 +203,124 @@ class Forwarder:
                 state.load.complete(rid)
                 state.load.dispatch(rid, key, routed.request.prompt_tokens, 0)
             final = attempt == len(keys) - 1
+            head = request_head(
+                path, self._host(ep.base_url), client_headers, rid_b, ep.dp_rank, len(body)
+            )
             try:
-                upstream = await self.session.post(
-                    ep.base_url + path,
-                    data=body,
-                    headers=forward_headers(request, rid, ep.dp_rank),
-                    timeout=self.timeout,
-                )
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+                upstream = await self.client.pool(ep.base_url).send(head, body)
+            except ConnectFailed as exc:
                 state.mark_unhealthy(key, loop.time())
-                metrics.requests.labels(model, str(key), "connect_error").inc()
-                last_error = f"replica {key} unreachable: {exc.__class__.__name__}"
+                mm.outcome(key, "connect_error").inc()
+                last_error = f"replica {key} unreachable: {exc}"
                 if not final:
-                    metrics.retries.labels(model, "connect_error").inc()
+                    mm.retry("connect_error").inc()
                 continue
-            except TimeoutError:
+            except UpstreamTimeout:
                 state.load.complete(rid)
-                metrics.requests.labels(model, str(key), "timeout").inc()
-                return error_response(504, f"replica {key} did not answer in time", code="timeout")
-            except aiohttp.ClientError as exc:
-                metrics.requests.labels(model, str(key), "connect_error").inc()
+                mm.outcome(key, "timeout").inc()
+                await send_error(sink, 504, f"replica {key} did not answer in time", code="timeout")
+                return
+            except UpstreamError as exc:
+                mm.outcome(key, "connect_error").inc()
                 last_error = f"replica {key} failed: {exc}"
                 if not final:
-                    metrics.retries.labels(model, "client_error").inc()
+                    mm.retry("client_error").inc()
                 continue
             if upstream.status >= 500 and not final:
-                upstream.release()
-                metrics.requests.labels(model, str(key), "upstream_5xx").inc()
-                metrics.retries.labels(model, f"http_{upstream.status}").inc()
+                upstream.abort()
+                mm.outcome(key, "upstream_5xx").inc()
+                mm.retry(f"http_{upstream.status}").inc()
                 last_error = f"replica {key} answered {upstream.status}"
                 continue
             try:
-                return await self._relay(request, upstream, routed, key, attempt, started)
+                await self._relay(sink, upstream, routed, key, attempt, started)
             finally:
                 upstream.release()
+            return
         state.load.complete(rid)
-        return error_response(
+        await send_error(
+            sink,
             502 if keys else 503,
             f"{last_error}; gave up after {len(keys)} attempt(s)",
             code="upstream_unavailable",
-            headers={"Retry-After": str(state.settings.server.retry_after_s)},
+            headers=[(b"Retry-After", str(state.settings.server.retry_after_s).encode())],
         )
 
     async def _relay(
         self,
-        request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        sink: Sink,
+        upstream: Exchange,
         routed: Routed,
         key: ReplicaKey,
         attempt: int,
         started: float,
-    ) -> web.StreamResponse:
+    ) -> None:
         state = self.state
-        metrics = state.metrics
-        model = routed.request.model
+        mm = state.metrics.model(routed.request.model)
         rid = routed.request.request_id
-        headers = response_headers(upstream)
-        headers.setdefault("X-Request-Id", rid)
+        headers, streaming, has_rid = response_headers(upstream.headers)
+        if not has_rid:
+            headers.append((b"X-Request-Id", rid.encode()))
         if self.debug_header:
-            headers["X-KVRouter-Decision"] = self._debug(routed, key, attempt)
-        outcome = (
-            "ok"
-            if upstream.status < 400
-            else ("upstream_5xx" if upstream.status >= 500 else "upstream_4xx")
-        )
-        streaming = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+            headers.append((b"X-KVRouter-Decision", self._debug(routed, key, attempt)))
+        status = upstream.status
+        outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
         loop = asyncio.get_running_loop()
-        resp: web.StreamResponse | None = None
         try:
             if not streaming:
                 try:
-                    payload = await upstream.read()
-                except (TimeoutError, aiohttp.ClientPayloadError) as exc:
-                    timeout = isinstance(exc, asyncio.TimeoutError)
-                    metrics.requests.labels(
-                        model, str(key), "timeout" if timeout else "upstream_broken"
-                    ).inc()
-                    upstream.close()
-                    return error_response(
+                    payload = await upstream.read_all()
+                except UpstreamError as exc:
+                    timeout = isinstance(exc, UpstreamTimeout)
+                    mm.outcome(key, "timeout" if timeout else "upstream_broken").inc()
+                    upstream.abort()
+                    await send_error(
+                        sink,
                         504 if timeout else 502,
                         f"replica {key} {'timed out' if timeout else 'broke off its answer'}",
                         code="upstream_timeout" if timeout else "upstream_error",
                     )
+                    return
                 state.load.first_token(rid)
                 self._feedback(routed, attempt, payload)
-                metrics.requests.labels(model, str(key), outcome).inc()
-                return web.Response(status=upstream.status, body=payload, headers=headers)
-            resp = web.StreamResponse(status=upstream.status, headers=headers)
-            await resp.prepare(request)
+                mm.outcome(key, outcome).inc()
+                await sink.respond(status, headers, payload)
+                return
+            await sink.start(status, headers)
             tail: deque[bytes] = deque()
             tail_bytes = 0
             last = 0.0
             first = True
-            async for chunk in upstream.content.iter_any():
+            while (chunk := await upstream.read()) is not None:
                 now = loop.time()
                 if first:
                     state.load.first_token(rid)
-                    metrics.ttft.labels(model).observe(now - started)
+                    mm.ttft.observe(now - started)
                     first = False
                 else:
-                    metrics.itl.labels(model).observe(now - last)
+                    mm.itl.observe(now - last)
                 last = now
-                await resp.write(chunk)
+                await sink.write(chunk)
                 tail.append(chunk)
                 tail_bytes += len(chunk)
                 while tail_bytes > 8192 and len(tail) > 1:
                     tail_bytes -= len(tail.popleft())
-            await resp.write_eof()
+            await sink.end()
             self._feedback(routed, attempt, b"".join(tail))
-            metrics.requests.labels(model, str(key), outcome).inc()
-            return resp
+            mm.outcome(key, outcome).inc()
         except asyncio.CancelledError:
-            metrics.requests.labels(model, str(key), "cancelled").inc()
-            upstream.close()  # abort the request on the replica
+            mm.outcome(key, "cancelled").inc()
+            upstream.abort()  # abort the request on the replica
             raise
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        except ConnectionResetError:
             # the client went away mid-stream: abort upstream, nothing left to answer
-            metrics.requests.labels(model, str(key), "cancelled").inc()
-            upstream.close()
-            return resp if resp is not None else web.Response(status=499)
-        except (TimeoutError, aiohttp.ClientPayloadError):
+            mm.outcome(key, "cancelled").inc()
+            upstream.abort()
+        except (UpstreamTimeout, UpstreamBroken):
             # the replica stalled or broke mid-response: abort the client connection too, so a
             # truncated stream is never mistaken for a complete one
-            metrics.requests.labels(model, str(key), "upstream_broken").inc()
-            upstream.close()
+            mm.outcome(key, "upstream_broken").inc()
+            upstream.abort()
             raise
         finally:
             state.load.complete(rid)
@@ -260,8 +329,7 @@ class Forwarder:
         cached = cached_tokens_of(payload)
         if cached is None:
             return
-        model = routed.request.model
-        metrics = self.state.metrics
-        metrics.engine_cached_tokens.labels(model).inc(cached)
+        mm = self.state.metrics.model(routed.request.model)
+        mm.engine_cached_tokens.inc(cached)
         if attempt == 0 and routed.prompt.exact:
-            metrics.prediction_error.labels(model).observe(routed.decision.usable_tokens - cached)
+            mm.prediction_error.observe(routed.decision.usable_tokens - cached)

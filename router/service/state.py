@@ -98,7 +98,9 @@ class RouterState:
         self.load = LoadTracker()
         self.registry = ReplicaRegistry(settings.replicas)
         self.rng = random.Random(settings.server.seed)
-        self.decisions: deque[dict[str, Any]] = deque(maxlen=settings.server.decisions_kept)
+        self.decisions: deque[tuple[float, str, str, int, bool, Decision]] = deque(
+            maxlen=settings.server.decisions_kept
+        )
         self.unhealthy_until: dict[ReplicaKey, float] = {}
         self.event_lag_s: dict[str, float] = {}
         self.engines: dict[str, RoutingEngine] = {}
@@ -188,25 +190,37 @@ class RouterState:
         t2 = time.perf_counter()
         engine.dispatched(request, decision, now)
         routed = Routed(request, decision, prompt, t1 - t0, t2 - t1)
+        # formatted only when asked for (recent_decisions): nothing built per request
         self.decisions.append(
-            {
-                "at": time.time(),
-                "request_id": request_id,
-                "model": model,
-                "replica": str(decision.replica),
-                "policy": decision.policy,
-                "prompt_tokens": request.prompt_tokens,
-                "usable_tokens": decision.usable_tokens,
-                "kv_tokens": decision.kv_tokens,
-                "exact": prompt.exact,
-                "score": decision.score,
-                "terms": dict(decision.terms),
-                "ranking": [str(k) for k in decision.ranking[:8]],
-            }
+            (time.time(), request_id, model, request.prompt_tokens, prompt.exact, decision)
         )
         return routed
 
     # ------------------------------------------------------------------ introspection
+
+    def recent_decisions(self, limit: int) -> list[dict[str, Any]]:
+        """The last ``limit`` decisions, newest first, as JSON-ready dicts."""
+        if limit <= 0:
+            return []
+        out = []
+        for at, rid, model, prompt_tokens, exact, d in list(self.decisions)[-limit:][::-1]:
+            out.append(
+                {
+                    "at": at,
+                    "request_id": rid,
+                    "model": model,
+                    "replica": str(d.replica),
+                    "policy": d.policy,
+                    "prompt_tokens": prompt_tokens,
+                    "usable_tokens": d.usable_tokens,
+                    "kv_tokens": d.kv_tokens,
+                    "exact": exact,
+                    "score": d.score,
+                    "terms": dict(d.terms),
+                    "ranking": [str(k) for k in d.ranking[:8]],
+                }
+            )
+        return out
 
     def snapshot(self) -> StateSnapshot:
         now = _loop_time()

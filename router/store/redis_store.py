@@ -47,6 +47,14 @@ def connect(url: str, **kwargs: Any) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, decode_responses=False, **kwargs)
 
 
+def _replica_of(change: Change) -> str:
+    if isinstance(change, ReplicaUp):
+        return change.info.replica
+    if isinstance(change, ReplicaDown):
+        return change.replica
+    return change.key.replica
+
+
 class RedisStore:
     """See ``router.store.base.IndexStore``. ``stream_maxlen`` trims each stream shard
     approximately (``XADD MAXLEN ~``)."""
@@ -262,9 +270,17 @@ class RedisStore:
             for entry_id, fields in entries:
                 ids[name] = entry_id
                 try:
-                    changes.append(decode_change(fields))
+                    change = decode_change(fields)
                 except ValueError:
                     malformed += 1
+                    continue
+                # an entry naming a replica of another shard was not written by that replica's
+                # publisher (with per-replica ACLs a publisher can append only to its own
+                # replica's shard, docs/redis.md): drop it
+                if self.schema.stream(self.schema.shard_of(_replica_of(change))) != name:
+                    malformed += 1
+                    continue
+                changes.append(change)
         return ChangeRead(changes, ids, malformed)
 
     async def leases(self, replicas: Sequence[str]) -> dict[str, bool]:

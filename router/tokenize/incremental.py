@@ -36,6 +36,11 @@ from router.tokenize.tokenizers import SpecialSplitter, TokenArray, Tokenizer, e
 _KEY_SEED = 0x6B76_7469_6E63  # "kvtinc"
 # Prompts shorter than this are tokenized cold: the cache would cost more than it saves.
 MIN_CACHED_CHARS = 16 * 1024
+# Short prompts instead memoise the token ids of their *pieces* (text cut at special tokens:
+# system prompts, tool definitions and earlier messages repeat across requests). Pieces
+# shorter than PIECE_MIN_CHARS are encoded directly; the memo holds at most PIECE_MEMO_BYTES.
+PIECE_MIN_CHARS = 128
+PIECE_MEMO_BYTES = 32 * 2**20
 
 
 def message_keys(
@@ -122,15 +127,73 @@ class IncrementalTokenizer:
         self.hits = 0
         self.misses = 0
         self.reused_tokens = 0
+        self._pieces: dict[str, TokenArray] = {}
+        self._pieces_bytes = 0
 
     def encode_text(self, text: str) -> TokenArray:
         """Cold encode (parallel for long texts), special tokens recognised."""
         return encode(self.tokenizer, self.splitter, text)
 
+    def encode_short(self, text: str) -> TokenArray:
+        """``encode_text(text)`` for a short text, memoising the ids of its long pieces.
+
+        The text is cut at the start of every special token; by the tokenizer contract (see
+        :mod:`router.tokenize.tokenizers`) the ids of the pieces, concatenated, are the ids of
+        the text, so the result is exactly ``encode_text(text)``. Consecutive short pieces are
+        encoded together in one call; pieces of ``PIECE_MIN_CHARS`` or more are looked up in
+        (and added to) a memo bounded by ``PIECE_MEMO_BYTES`` (oldest entries dropped first).
+        """
+        pattern = self.splitter.pattern
+        if pattern is None or len(text) < PIECE_MIN_CHARS:
+            return self.tokenizer.encode_segment(text)
+        encode_segment = self.tokenizer.encode_segment
+        memo = self._pieces
+        parts: list[TokenArray] = []
+        run = 0  # start of the pending run of short pieces
+        prev = 0  # start of the current piece
+        for m in pattern.finditer(text):
+            start = m.start()
+            if start - prev >= PIECE_MIN_CHARS:
+                if run < prev:
+                    parts.append(encode_segment(text[run:prev]))
+                parts.append(self._piece(text[prev:start], memo))
+                run = start
+            prev = start
+        if len(text) - prev >= PIECE_MIN_CHARS:
+            if run < prev:
+                parts.append(encode_segment(text[run:prev]))
+            parts.append(self._piece(text[prev:], memo))
+        elif run < len(text):
+            parts.append(encode_segment(text[run:]))
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts)
+
+    def _piece(self, piece: str, memo: dict[str, TokenArray]) -> TokenArray:
+        ids = memo.get(piece)
+        if ids is not None:
+            return ids
+        ids = self.tokenizer.encode_segment(piece)
+        ids.flags.writeable = False  # shared by every request that repeats the piece
+        size = 2 * len(piece) + ids.nbytes + 120
+        with self._lock:
+            if piece not in memo:
+                memo[piece] = ids
+                self._pieces_bytes += size
+                while self._pieces_bytes > PIECE_MEMO_BYTES and memo:
+                    old = next(iter(memo))
+                    old_ids = memo.pop(old)
+                    self._pieces_bytes -= 2 * len(old) + old_ids.nbytes + 120
+        return ids
+
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(
-                len(self._entries), self._bytes, self.hits, self.misses, self.reused_tokens
+                len(self._entries),
+                self._bytes + self._pieces_bytes,  # prefix entries + the short-prompt piece memo
+                self.hits,
+                self.misses,
+                self.reused_tokens,
             )
 
     def _probe(self, text: str, keys: Sequence[int]) -> tuple[_Entry, _Cut] | None:
@@ -176,6 +239,9 @@ class IncrementalTokenizer:
             reused = cut.idx
             full = entry.hashes.get((root, block_size))
             base_hashes = full[: cut.idx // block_size] if full is not None else None
+        elif len(text) < MIN_CACHED_CHARS:
+            tokens = self.encode_short(text)
+            base_hashes = None
         else:
             tokens = self.encode_text(text)
             base_hashes = None

@@ -25,7 +25,7 @@ from router.tokenize.approx import (
     approx_root,
     approx_tokens,
 )
-from router.tokenize.incremental import IncrementalTokenizer, message_keys
+from router.tokenize.incremental import MIN_CACHED_CHARS, IncrementalTokenizer, message_keys
 from router.tokenize.template import ChatTemplate, content_text, prepare_messages
 
 
@@ -100,6 +100,7 @@ class PromptProcessor:
         self.template = template
         self.chars_per_token = chars_per_token
         self._bos_id: int | None = None
+        self._root = root_hash(model, None)
         if tokenizer is not None and add_bos_to_completions:
             bos = tokenizer.tokenizer.bos_token
             self._bos_id = tokenizer.tokenizer.special_tokens.get(bos) if bos else None
@@ -111,7 +112,9 @@ class PromptProcessor:
 
     def root(self, body: Mapping[str, Any]) -> tuple[int, str | None]:
         salt = body.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
+        if salt is None:
+            return self._root, None
+        if not isinstance(salt, str):
             raise BadRequest("'cache_salt' must be a string")
         return root_hash(self.model, salt), salt
 
@@ -119,6 +122,13 @@ class PromptProcessor:
 
     def render_chat(self, body: Mapping[str, Any]) -> tuple[str, list[int]]:
         """Rendered prompt text and message-prefix keys of a chat request."""
+        text, messages, context = self._render(body)
+        return text, message_keys(messages, context) if context is not None else []
+
+    def _render(
+        self, body: Mapping[str, Any]
+    ) -> tuple[str, list[Mapping[str, Any]], dict[str, Any] | None]:
+        """Rendered text, the messages and the key context (None without a template)."""
         messages = _check_messages(body)
         tools = body.get("tools")
         kwargs = body.get("chat_template_kwargs") or {}
@@ -131,21 +141,22 @@ class PromptProcessor:
         if cont:
             add_gen = False
         if self.template is None:
-            return _simple_render(messages, tools), []
+            return _simple_render(messages, tools), messages, None
         prepared = prepare_messages(messages)
         text = self.template.render(
             prepared, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
         )
-        context = {"tools": tools, "kwargs": kwargs, "gen": add_gen}
-        return text, message_keys(messages, context)
+        return text, messages, {"tools": tools, "kwargs": kwargs, "gen": add_gen}
 
     def chat(self, body: Mapping[str, Any]) -> ProcessedPrompt:
         t0 = time.perf_counter()
-        text, keys = self.render_chat(body)
+        text, messages, context = self._render(body)
         render_s = time.perf_counter() - t0
         if self.tokenizer is None or self.template is None:
             return self._approximate(text, body, render_s)
         root, _ = self.root(body)
+        # message keys only serve the incremental cache, which short prompts skip
+        keys = message_keys(messages, context) if len(text) >= MIN_CACHED_CHARS else []
         enc = self.tokenizer.encode(text, keys, root, self.block_size)
         return ProcessedPrompt(
             len(enc.tokens),
@@ -189,7 +200,10 @@ class PromptProcessor:
         t0 = time.perf_counter()
         if self.tokenizer is None:
             return self._approximate(prompt, body, 0.0)
-        tokens = self.tokenizer.encode_text(prompt)
+        if len(prompt) < MIN_CACHED_CHARS:
+            tokens = self.tokenizer.encode_short(prompt)
+        else:
+            tokens = self.tokenizer.encode_text(prompt)
         if self._bos_id is not None and (not len(tokens) or int(tokens[0]) != self._bos_id):
             tokens = np.concatenate([np.array([self._bos_id], dtype=np.uint32), tokens])
         t1 = time.perf_counter()
@@ -199,7 +213,16 @@ class PromptProcessor:
             len(tokens), hashes, self.block_size, True, 0, t1 - t0, time.perf_counter() - t1
         )
 
-    def _token_ids(self, ids: list[int], body: Mapping[str, Any]) -> ProcessedPrompt:
+    def token_array(
+        self, tokens: Sequence[int] | np.ndarray, body: Mapping[str, Any] | None = None
+    ) -> ProcessedPrompt:
+        """Routing view of a prompt whose ids are already known to be uint32 (an array, or a
+        protobuf ``repeated uint32``): no per-element type checks."""
+        return self._token_ids(tokens, body or {})
+
+    def _token_ids(
+        self, ids: Sequence[int] | np.ndarray, body: Mapping[str, Any]
+    ) -> ProcessedPrompt:
         t0 = time.perf_counter()
         try:
             arr = as_u32_array(ids)

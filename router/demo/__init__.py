@@ -1,0 +1,207 @@
+"""``kvrouter demo``: the main job on a fresh machine, nothing running beforehand.
+
+For each chosen policy: start N mock replicas (real HTTP and ZMQ on loopback, the
+simulator's engine model on the wall clock), the router with its embedded index fed by the
+replicas' KV events (or Redis + one publisher per replica with ``--redis URL``), replay an
+agentic trace (synthetic sessions sharing system prompts and tool schemas, contexts growing
+turn by turn, closed loop; or ``--trace FILE`` in Mooncake/recorded format) through the
+router over HTTP at a speed-up, then stop everything. Prints hit rate and TTFT per policy
+next to what the simulator predicts for the same trace and cluster, and exits non-zero if
+any request failed.
+
+``--sim-only`` skips the live part (no processes at all).
+
+This is a command-line entry point, so it may use ``sim/`` (for the prediction); the
+serving code never does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from router.bench.measure import percentile
+
+# ~40 agent sessions over ~20 s: shared system prompts and tool schemas, 6 turns on average,
+# contexts growing to ~20-60k tokens; sized so the default demo takes about a minute.
+DEFAULT_AGENTIC = (
+    "agentic:sessions=40,session_rate=2,system_prompts=4,system_tokens=6000,tool_sets=2,"
+    "tool_def_tokens=3000,mean_turns=6,max_turns=12,answer_tokens=100,tool_tokens=1500,"
+    "think_s=0.5,tool_latency_s=0.5,max_context=65536,seed=7"
+)
+
+
+def _summary(outcomes: list[Any]) -> dict[str, float]:
+    ok = [o for o in outcomes if o.ok]
+    prompt = sum(o.prompt_tokens for o in ok)
+    ttft = [o.ttft_s * 1e3 for o in ok]
+    return {
+        "requests": len(outcomes),
+        "failed": len(outcomes) - len(ok),
+        "hit_rate": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
+        "predicted_hit_rate": sum(o.predicted_tokens for o in ok) / prompt if prompt else 0.0,
+        "ttft_ms_p50": percentile(ttft, 50) if ttft else math.nan,
+        "ttft_ms_p90": percentile(ttft, 90) if ttft else math.nan,
+    }
+
+
+def _simulate(args: argparse.Namespace, policy: str, trace: Path) -> dict[str, Any]:
+    from router.demo.fleet import MODEL
+    from sim.cluster import ClusterConfig
+    from sim.profiles import load_profile
+    from sim.runner import RunSpec, run_one
+    from sim.workload import load_trace
+
+    workload = load_trace(str(trace), block_size=args.block_size, limit=args.requests, model=MODEL)
+    workload.requests = [
+        dataclasses.replace(r, output_tokens=max(1, min(r.output_tokens, args.max_output)))
+        for r in workload.requests
+    ]
+    config = ClusterConfig(
+        profile=load_profile(args.profile),
+        replicas=args.replicas,
+        block_size=args.block_size,
+        kv_blocks=args.kv_blocks,
+    )
+    return run_one(workload, config, RunSpec(policy, speedup=args.speedup)).summary
+
+
+async def _live(args: argparse.Namespace, policy: str, requests: list[Any]) -> dict[str, float]:
+    from router.demo.fleet import Fleet, FleetSpec
+    from router.demo.replay import ProgressBar, replay
+
+    spec = FleetSpec(
+        replicas=args.replicas,
+        policy=policy,
+        block_size=args.block_size,
+        kv_blocks=args.kv_blocks,
+        profile=args.profile,
+        redis_url=args.redis,
+        key_prefix=f"kvr-demo-{int(time.time() * 1000)}",
+    )
+    try:
+        async with Fleet(spec) as fleet:
+            outcomes = await replay(
+                fleet.router_url, requests, args.speedup, ProgressBar(len(requests), policy)
+            )
+            fleet.check_alive()
+    finally:
+        if args.redis:
+            await _drop_keys(args.redis, spec.key_prefix)
+    failed = [o.error for o in outcomes if not o.ok]
+    for error in failed[:3]:
+        print(f"  {policy}: request failed: {error}", file=sys.stderr)
+    return _summary(outcomes)
+
+
+async def _drop_keys(url: str, prefix: str) -> None:
+    """Remove this run's keys from a Redis the demo was pointed at."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(url)
+    try:
+        async for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+            await client.delete(key)
+    finally:
+        await client.aclose()
+
+
+def _fmt(value: float, pct: bool = False) -> str:
+    if value != value:
+        return "-"
+    return f"{value * 100:.1f}%" if pct else f"{value:.0f}"
+
+
+def _agentic_trace(spec_text: str, path: Path) -> None:
+    from sim.agentic import AgenticSpec, generate, to_trace_rows
+
+    workload = generate(AgenticSpec.parse(spec_text), block_size=64)
+    with path.open("w") as fh:
+        for row in to_trace_rows(workload):
+            fh.write(json.dumps(row) + "\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="kvrouter-demo-trace-") as tmp:
+        trace = Path(args.trace) if args.trace else Path(tmp) / "agentic.jsonl"
+        if not args.trace:
+            _agentic_trace(args.agentic, trace)
+        return _run(args, trace)
+
+
+def _run(args: argparse.Namespace, trace: Path) -> int:
+    from router.demo.fleet import MODEL
+    from router.demo.replay import load_requests
+    from sim.runner import parse_policies
+
+    policies = parse_policies(args.policies)
+    requests = load_requests(trace, args.requests, MODEL, args.max_output)
+    sessions = len({r.session_id for r in requests})
+    print(
+        f"kvrouter demo: {len(requests)} requests in {sessions} sessions "
+        f"({'trace ' + str(trace) if args.trace else 'synthetic agentic trace'}, "
+        f"{args.speedup:g}x), {args.replicas} mock replicas "
+        f"({args.profile}, {args.kv_blocks} KV blocks of {args.block_size} tokens), "
+        f"index: {'redis ' + args.redis if args.redis else 'embedded (ZMQ events)'}"
+    )
+    rows = []
+    failed = 0
+    for policy in policies:
+        sim = _simulate(args, policy, trace)
+        live = None if args.sim_only else asyncio.run(_live(args, policy, requests))
+        if live:
+            failed += int(live["failed"])
+        rows.append((policy, live, sim))
+    header = (
+        f"{'policy':<14} {'ok':>5} {'hit%':>6} {'pred%':>6} {'TTFT p50':>9} {'TTFT p90':>9}"
+        f" | {'sim hit%':>8} {'sim p50':>8} {'sim p90':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for policy, live, sim in rows:
+        lv = live or {}
+        ok = f"{lv['requests'] - lv['failed']:.0f}" if live else "-"
+        print(
+            f"{policy:<14} {ok:>5} {_fmt(lv.get('hit_rate', math.nan), True):>6} "
+            f"{_fmt(lv.get('predicted_hit_rate', math.nan), True):>6} "
+            f"{_fmt(lv.get('ttft_ms_p50', math.nan)):>9} {_fmt(lv.get('ttft_ms_p90', math.nan)):>9}"
+            f" | {_fmt(sim['token_hit_rate'], True):>8} {_fmt(sim['ttft_ms_p50']):>8}"
+            f" {_fmt(sim['ttft_ms_p90']):>8}"
+        )
+    print(
+        "hit% = engine-reported cached prompt tokens; pred% = the router's predicted usable "
+        "hit; TTFT in ms at the client; sim = the simulator on the same trace and cluster."
+    )
+    if failed:
+        print(f"FAILED: {failed} request(s) did not complete", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("demo", help="live demo: mock replicas + router + trace replay")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--requests", type=int, default=400, help="at most N requests of the trace")
+    p.add_argument("--speedup", type=float, default=2.0, help="arrival speed-up of the trace")
+    p.add_argument(
+        "--agentic",
+        default=DEFAULT_AGENTIC,
+        help="synthetic agentic trace spec (sim.agentic.AgenticSpec fields)",
+    )
+    p.add_argument("--trace", help="replay this Mooncake/recorded JSONL instead")
+    p.add_argument("--policies", default="round_robin,ours", help="comma-separated policies")
+    p.add_argument("--profile", default="dense-70b", help="mock replica / simulator profile")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--kv-blocks", type=int, default=16384, help="GPU KV blocks per replica")
+    p.add_argument("--max-output", type=int, default=64, help="cap on output tokens per request")
+    p.add_argument("--redis", help="use this Redis (publishers + shared index) instead of ZMQ")
+    p.add_argument("--sim-only", action="store_true", help="only the simulator's prediction")
+    p.set_defaults(handler=run)

@@ -1,0 +1,162 @@
+"""Processes of the live demo: mock replicas, optional publishers, the router. Each is a real
+``kvrouter`` subprocess on loopback; ``Fleet`` starts them, waits until they answer and always
+stops every one of them (``async with``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from router.store.local_redis import free_port
+
+MODEL = "demo-model"
+
+
+@dataclass(slots=True, frozen=True)
+class FleetSpec:
+    replicas: int
+    policy: str
+    block_size: int = 64
+    kv_blocks: int = 16384
+    profile: str = "dense-70b"
+    redis_url: str | None = None
+    key_prefix: str = "kvr-demo"
+
+
+@dataclass
+class Fleet:
+    spec: FleetSpec
+    router_url: str = ""
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+    _ports: set[int] = field(default_factory=set)
+
+    def _port(self) -> int:
+        """A free loopback port not handed out before in this fleet (free_port alone can
+        return the same port twice, since each probe socket is closed at once)."""
+        while True:
+            port = free_port()
+            if port not in self._ports:
+                self._ports.add(port)
+                return port
+
+    def _spawn(self, name: str, *args: str) -> None:
+        assert self._tmp is not None
+        log = open(Path(self._tmp.name) / f"{name}.log", "wb")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "router.cli", *args]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.procs.append((name, proc))
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        assert self._tmp is not None
+        path = Path(self._tmp.name) / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    async def __aenter__(self) -> Fleet:
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvrouter-demo-")
+        s = self.spec
+        try:
+            replicas = []
+            for i in range(s.replicas):
+                port, zmq, replay = self._port(), self._port(), self._port()
+                name = f"replica-{i}"
+                self._spawn(
+                    name, "mock-replica", "--port", str(port), "--model", MODEL,
+                    "--replica", name, "--profile", s.profile, "--block-size", str(s.block_size),
+                    "--kv-blocks", str(s.kv_blocks), "--zmq", f"tcp://127.0.0.1:{zmq}",
+                    "--replay", f"tcp://127.0.0.1:{replay}", "--log-level", "warning",
+                )  # fmt: skip
+                rep = {"url": f"http://127.0.0.1:{port}", "model": MODEL, "name": name,
+                       "rack": f"rack-{i // 9}"}  # fmt: skip
+                if s.redis_url:
+                    self._spawn(
+                        f"publisher-{i}", "publish", "--replica", name, "--model", MODEL,
+                        "--url", rep["url"], "--zmq", f"tcp://127.0.0.1:{zmq}",
+                        "--replay", f"tcp://127.0.0.1:{replay}", "--block-size",
+                        str(s.block_size), "--engine-metrics", f"{rep['url']}/metrics",
+                        "--redis", s.redis_url, "--key-prefix", s.key_prefix,
+                        "--log-level", "warning",
+                    )  # fmt: skip
+                else:
+                    rep["zmq"] = f"tcp://127.0.0.1:{zmq}"
+                    rep["zmq_replay"] = f"tcp://127.0.0.1:{replay}"
+                replicas.append(rep)
+            await self._wait_healthy([r["url"] for r in replicas])
+            port = self._port()
+            config = Path(self._tmp.name) / "router.toml"
+            config.write_text(_router_toml(s, port, replicas))
+            self._spawn("router", "serve", "--config", str(config))
+            self.router_url = f"http://127.0.0.1:{port}"
+            await self._wait_healthy([self.router_url], path="/ready")
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def _wait_healthy(self, urls: list[str], path: str = "/health") -> None:
+        deadline = asyncio.get_running_loop().time() + 30
+        async with aiohttp.ClientSession() as session:
+            for url in urls:
+                while True:
+                    self.check_alive()
+                    try:
+                        async with session.get(url + path) as resp:
+                            if resp.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise RuntimeError(f"{url}{path} did not come up within 30 s")
+                    await asyncio.sleep(0.1)
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{name} exited with code {proc.returncode}:\n{self.log_tail(name)}"
+                )
+
+    async def stop(self) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = asyncio.get_running_loop().time() + 10
+        for _, proc in self.procs:
+            while proc.poll() is None and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def _router_toml(s: FleetSpec, port: int, replicas: list[dict[str, str]]) -> str:
+    lines = [
+        "[server]",
+        'host = "127.0.0.1"',
+        f"port = {port}",
+        "debug_header = true",
+        'log_level = "warning"',
+    ]
+    if s.redis_url:
+        lines += [f'redis_url = "{s.redis_url}"', f'redis_key_prefix = "{s.key_prefix}"']
+    lines += ["", f'[models."{MODEL}"]', f'policy = "{s.policy}"', f"block_size = {s.block_size}"]
+    for rep in replicas:
+        lines += ["", "[[replicas]]"] + [f'{k} = "{v}"' for k, v in rep.items()]
+    return "\n".join(lines) + "\n"

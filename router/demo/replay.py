@@ -1,0 +1,187 @@
+"""Replay a Mooncake-format trace (with ``session_id`` / ``delay`` rows: closed loop) through
+the router over real HTTP.
+
+Prompts are rebuilt as token ids with the simulator's rule (token ``j`` of trace block id
+``k`` is ``(k * 512 + j) mod 2**32``), so the router, the mock replicas and the simulator all
+hash exactly the same tokens. A session's first request goes out at its timestamp, each
+follow-up ``delay`` after the previous turn finished (both divided by the speed-up).
+Every request is a streaming ``/v1/completions`` call with
+``stream_options.include_usage``; the client measures TTFT at the first SSE event and reads
+the engine's ``cached_tokens`` from the usage chunk and the router's predicted hit from the
+``X-KVRouter-Decision`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+TRACE_BLOCK = 512
+
+
+@dataclass(slots=True, frozen=True)
+class TraceRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    body: bytes
+    session_id: str | None = None
+    delay_s: float | None = None  # closed loop: after the session's previous request
+
+
+@dataclass(slots=True)
+class Outcome:
+    ok: bool
+    ttft_s: float = float("nan")
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    predicted_tokens: int = 0
+    error: str = ""
+
+
+def load_requests(path: Path, limit: int, model: str, max_output: int) -> list[TraceRequest]:
+    out = []
+    offsets = np.arange(TRACE_BLOCK, dtype="<u4")
+    with path.open() as fh:
+        for line in fh:
+            if len(out) >= limit:
+                break
+            row = json.loads(line)
+            n = int(row["input_length"])
+            ids = np.asarray(row["hash_ids"], dtype="<u4")
+            tokens = (ids[:, None] * np.uint32(TRACE_BLOCK) + offsets).reshape(-1)[:n]
+            output = max(1, min(int(row["output_length"]), max_output))
+            body = {
+                "model": model,
+                "prompt": tokens.tolist(),
+                "max_tokens": output,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            delay = row.get("delay")
+            out.append(
+                TraceRequest(
+                    row["timestamp"] / 1000.0,
+                    n,
+                    output,
+                    json.dumps(body).encode(),
+                    row.get("session_id"),
+                    None if delay is None else delay / 1000.0,
+                )
+            )
+    return out
+
+
+def _predicted(header: str | None) -> int:
+    for part in (header or "").split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == "usable_tokens" and value.isdigit():
+            return int(value)
+    return 0
+
+
+async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> Outcome:
+    t0 = time.perf_counter()
+    try:
+        async with session.post(
+            url, data=req.body, headers={"Content-Type": "application/json"}
+        ) as resp:
+            if resp.status != 200:
+                return Outcome(False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            out = Outcome(
+                True, predicted_tokens=_predicted(resp.headers.get("X-KVRouter-Decision"))
+            )
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if out.ttft_s != out.ttft_s:
+                    out.ttft_s = time.perf_counter() - t0
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return Outcome(False, error=str(chunk["error"])[:200])
+                usage = chunk.get("usage")
+                if usage:
+                    out.prompt_tokens = usage.get("prompt_tokens", 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    out.cached_tokens = details.get("cached_tokens") or 0
+            if out.ttft_s != out.ttft_s:
+                return Outcome(False, error="stream ended without data")
+            return out
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return Outcome(False, error=f"{type(exc).__name__}: {exc}")
+
+
+async def replay(
+    router_url: str,
+    requests: list[TraceRequest],
+    speedup: float,
+    on_done: Callable[[int], None] | None = None,
+) -> list[Outcome]:
+    """Send open-loop requests at their (scaled) arrival times and closed-loop follow-ups
+    ``delay`` after their session's previous request finished; wait for all of them."""
+    url = router_url + "/v1/completions"
+    timeout = aiohttp.ClientTimeout(total=300)
+    outcomes: list[Outcome | None] = [None] * len(requests)
+    done = 0
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.perf_counter()
+
+        async def chain(items: list[tuple[int, TraceRequest]]) -> None:
+            nonlocal done
+            for i, req in items:
+                if req.delay_s is None:
+                    wait = req.arrival_s / speedup - (time.perf_counter() - start)
+                else:
+                    wait = req.delay_s / speedup
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                outcomes[i] = await _one(session, url, req)
+                done += 1
+                if on_done:
+                    on_done(done)
+
+        chains: list[list[tuple[int, TraceRequest]]] = []
+        open_chain: dict[str, list[tuple[int, TraceRequest]]] = {}
+        for i, req in enumerate(requests):
+            if req.delay_s is not None and req.session_id in open_chain:
+                open_chain[req.session_id].append((i, req))
+                continue
+            chains.append([(i, req)])
+            if req.session_id is not None:
+                open_chain[req.session_id] = chains[-1]
+        await asyncio.gather(*(chain(c) for c in chains))
+    return [o if o is not None else Outcome(False, error="not sent") for o in outcomes]
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr (only when stderr is a terminal)."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total = total
+        self.label = label
+        self.enabled = sys.stderr.isatty()
+
+    def __call__(self, done: int) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        filled = int(width * done / max(self.total, 1))
+        sys.stderr.write(
+            f"\r{self.label:<14} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}"
+        )
+        if done >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()

@@ -1,0 +1,161 @@
+"""The two hot endpoints, engine-neutral: body -> checks -> prompt processing -> routing ->
+metrics -> :class:`~router.service.proxy.Forwarder`.
+
+Both HTTP front ends (the aiohttp app and the fast server) call :func:`handle` with the raw
+body, the client's raw header pairs and a :class:`~router.service.proxy.Sink`, so validation,
+error bodies, request ids, routing and proxying are the same code whichever engine runs.
+
+The router validates only what it needs (model, messages / prompt, stream flag, a few
+types); the body is forwarded untouched. Errors are OpenAI-style JSON (router.service.errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from router.core.errors import BadRequest, KVRouterError
+from router.service.errors import ErrorReply, reply_for
+from router.service.proxy import Forwarder, Sink, send_error
+from router.service.security import check_prompt_tokens
+from router.service.state import Routed, RouterState
+from router.tokenize.pipeline import ProcessedPrompt
+
+CHAT_PATH = b"/v1/chat/completions"
+COMPLETIONS_PATH = b"/v1/completions"
+KINDS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completion"}
+
+# Bodies larger than this are tokenized on a worker thread, off the event loop.
+THREAD_MIN_BODY = 128 * 1024
+
+
+def too_large(state: RouterState) -> ErrorReply:
+    return ErrorReply(
+        413,
+        f"request body exceeds the {state.settings.server.max_body_mb:g} MB limit "
+        "(server.max_body_mb)",
+        "request_too_large",
+    )
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def field_types(body: dict[str, Any]) -> tuple[str, bool]:
+    model = body.get("model")
+    if model is None:
+        raise BadRequest("'model' is a required property")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' must be a non-empty string")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise BadRequest("'stream' must be a boolean")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise BadRequest(f"'{key}' must be a non-negative integer")
+    return model, bool(stream)
+
+
+def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The client's ``X-Request-Id``, else a fresh 32-hex-digit id."""
+    for k, v in headers:
+        if len(k) == 12 and k.lower() == b"x-request-id" and v:
+            return v.decode("latin-1")
+    return os.urandom(16).hex()
+
+
+async def admit(
+    state: RouterState, body: dict[str, Any], size: int, kind: str, request_id: str
+) -> Routed:
+    """Check, process the prompt of a parsed body (``size`` bytes raw) and route it; raises
+    KVRouterError for a bad request."""
+    loop = asyncio.get_running_loop()
+    model, _ = field_types(body)
+    processor = state.processor(model)
+    fn = processor.chat if kind == "chat" else processor.completion
+    if size >= THREAD_MIN_BODY:
+        prompt: ProcessedPrompt = await loop.run_in_executor(None, fn, body)
+    else:
+        prompt = fn(body)
+    state.check_context(model, prompt)
+    check_prompt_tokens(state.settings.server, prompt.prompt_tokens)
+    user = body.get("user")
+    session = user if isinstance(user, str) else None
+    max_out = body.get("max_completion_tokens") or body.get("max_tokens")
+    return state.route(
+        model, prompt, request_id, loop.time(), session_id=session, max_output_tokens=max_out
+    )
+
+
+def record(state: RouterState, routed: Routed) -> None:
+    """Per-request metrics of a routed request."""
+    m = state.metrics
+    prompt = routed.prompt
+    m.phase_tokenize.observe(prompt.tokenize_s)
+    m.phase_hash.observe(prompt.hash_s)
+    m.phase_lookup.observe(routed.lookup_s)
+    m.phase_score.observe(routed.score_s)
+    mm = m.model(routed.request.model)
+    tokens = routed.request.prompt_tokens
+    mm.prompt_tokens.inc(tokens)
+    mm.prompt_tokens_hist.observe(tokens)
+    mm.predicted_hit_tokens.inc(routed.decision.usable_tokens)
+    mm.predicted_hit_ratio.observe(routed.decision.usable_tokens / tokens)
+    if not prompt.exact:
+        mm.approximate.inc()
+    if prompt.reused_tokens:
+        mm.prompt_cache_reused.inc(prompt.reused_tokens)
+
+
+def rejected(state: RouterState, raw_model: object) -> None:
+    """Count a rejected request (labelled by model only for configured models: request
+    bodies must not be able to create label values)."""
+    if isinstance(raw_model, str) and raw_model in state.processors:
+        state.metrics.model(raw_model).outcome(None, "rejected").inc()
+    else:
+        state.metrics.requests.labels("", "", "rejected").inc()
+
+
+async def send_reply(sink: Sink, reply: ErrorReply) -> None:
+    await send_error(
+        sink,
+        reply.status,
+        reply.message,
+        code=reply.code,
+        param=reply.param,
+        headers=[(k.encode(), v.encode()) for k, v in reply.headers],
+    )
+
+
+async def handle(
+    state: RouterState,
+    forwarder: Forwarder,
+    sink: Sink,
+    path: bytes,
+    raw: bytes,
+    client_headers: list[tuple[bytes, bytes]],
+) -> None:
+    """Serve one ``POST`` of a hot endpoint (``path`` is a key of :data:`KINDS`)."""
+    body: dict[str, Any] | None = None
+    try:
+        body = parse_body(raw)
+        routed = await admit(state, body, len(raw), KINDS[path], request_id_of(client_headers))
+    except KVRouterError as exc:
+        rejected(state, body.get("model") if body is not None else None)
+        await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s))
+        return
+    record(state, routed)
+    await forwarder.forward(sink, path, client_headers, raw, routed)

@@ -1,0 +1,251 @@
+"""Front-door protections: client API keys, per-key concurrency limits, header-size limit,
+prompt-token limit and log redaction.
+
+All of it is off unless configured (``[server]`` keys, see docs/operations.md):
+
+* ``api_keys`` (comma-separated) and/or ``api_keys_file`` (one key per line, ``#`` comments):
+  every ``/v1/*`` request must carry ``Authorization: Bearer KEY`` (or ``api-key: KEY``).
+  Keys are compared in constant time: the given key is hashed (SHA-256) and compared with
+  ``hmac.compare_digest`` against *every* configured digest, so neither the position of a
+  match nor a common prefix shows in the timing. Missing or wrong key -> 401
+  ``invalid_api_key``.
+* ``max_concurrent_per_key``: requests in flight (streams count until their last byte) per
+  API key, or per client address when no keys are configured; one more -> 429
+  ``too_many_concurrent_requests`` with ``Retry-After``.
+* ``max_header_kb``: total size of the request's header block; larger -> 431.
+  (aiohttp's parser separately refuses a single header line over 8 KiB with a plain 400.)
+* ``max_prompt_tokens``: prompts with more tokens -> 400 ``context_length_exceeded``
+  (checked after tokenization; ``models.NAME.context_length`` is the per-model limit).
+* :class:`RedactingFilter`: log records never show bearer tokens, API keys, admin tokens or
+  passwords in URLs (``redis://user:PASSWORD@...``); installed on the root logger's handlers
+  by ``kvrouter serve``. The router itself never logs prompt text or request bodies.
+
+Health, readiness and metrics stay open (probes and scrapers carry no key); admin endpoints
+keep their own token (router.service.admin).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from router.core.errors import BadRequest, ConfigError
+from router.service.errors import error_response
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+def read_api_keys(inline: str | None, path: str | None) -> tuple[str, ...]:
+    """Keys from the comma-separated ``inline`` string and the file at ``path``."""
+    keys = [k.strip() for k in (inline or "").split(",") if k.strip()]
+    if path:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"server.api_keys_file: cannot read {path}: {exc.strerror}") from None
+        for line in text.splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                keys.append(line)
+    return tuple(dict.fromkeys(keys))
+
+
+class ApiKeys:
+    """A set of client keys checked in constant time. Empty: no key required."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._digests = [_digest(k) for k in keys]
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def check(self, given: str) -> int | None:
+        """The index of the matching key (its identity for limits), None when no key matches.
+        Every configured digest is compared, whatever the outcome."""
+        probe = _digest(given)
+        found = -1
+        for i, d in enumerate(self._digests):
+            if hmac.compare_digest(probe, d):
+                found = i
+        return found if found >= 0 else None
+
+
+def presented_key(request: web.Request) -> str:
+    """The API key a client presented: ``Authorization: Bearer KEY`` or ``api-key: KEY``."""
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return request.headers.get("api-key", "").strip()
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    api_keys: tuple[str, ...] = ()
+    max_concurrent_per_key: int = 0  # 0: unlimited
+    max_header_bytes: int = 0  # 0: unlimited
+    retry_after_s: int = 1
+
+    @classmethod
+    def from_server(cls, server: Any) -> Limits:
+        keys = read_api_keys(
+            getattr(server, "api_keys", None), getattr(server, "api_keys_file", None)
+        )
+        per_key = int(getattr(server, "max_concurrent_per_key", 0) or 0)
+        header_kb = float(getattr(server, "max_header_kb", 0) or 0)
+        if per_key < 0 or header_kb < 0:
+            raise ConfigError("server: max_concurrent_per_key and max_header_kb must be >= 0")
+        return cls(keys, per_key, int(header_kb * 1024), int(server.retry_after_s))
+
+
+def _protected(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def security_middleware(limits: Limits) -> Any:
+    """One aiohttp middleware enforcing header size, API keys and per-key concurrency."""
+    keys = ApiKeys(limits.api_keys)
+    in_flight: dict[object, int] = {}
+    per_key = limits.max_concurrent_per_key
+    max_header = limits.max_header_bytes
+    retry_after = {"Retry-After": str(limits.retry_after_s)}
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if max_header:
+            size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
+            if size > max_header:
+                return error_response(
+                    431,
+                    f"request headers are {size} bytes; the limit is {max_header} "
+                    "(server.max_header_kb)",
+                    code="request_header_fields_too_large",
+                )
+        if not _protected(request.path):
+            return await handler(request)
+        ident: object
+        if keys:
+            found = keys.check(presented_key(request))
+            if found is None:
+                return error_response(
+                    401,
+                    "Incorrect or missing API key. Send 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key",
+                )
+            ident = found
+        else:
+            ident = request.remote or ""
+        if not per_key:
+            return await handler(request)
+        count = in_flight.get(ident, 0)
+        if count >= per_key:
+            return error_response(
+                429,
+                f"too many concurrent requests for this key (limit {per_key}); retry later",
+                code="too_many_concurrent_requests",
+                headers=retry_after,
+            )
+        in_flight[ident] = count + 1
+        try:
+            return await handler(request)
+        finally:
+            left = in_flight[ident] - 1
+            if left:
+                in_flight[ident] = left
+            else:
+                del in_flight[ident]
+
+    return middleware
+
+
+def check_prompt_tokens(server: Any, prompt_tokens: int) -> None:
+    """Raise BadRequest when ``server.max_prompt_tokens`` is set and exceeded."""
+    limit = getattr(server, "max_prompt_tokens", 0)
+    if limit and prompt_tokens > limit:
+        raise BadRequest(
+            f"This router accepts at most {limit} prompt tokens (server.max_prompt_tokens); "
+            f"your request has {prompt_tokens}."
+        )
+
+
+# ---------------------------------------------------------------------------- logging
+
+_PATTERNS = (
+    # scheme://user:password@host -> scheme://user:***@host
+    (re.compile(r"([a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s/]+@", re.I), r"\1***@"),
+    (re.compile(r"(bearer\s+)[^\s,;'\"]+", re.I), r"\1***"),
+    (
+        re.compile(
+            r"((?:api[-_]?key|x-admin-token|admin[-_]token|password|requirepass|token)"
+            r"['\"]?\s*[:=]\s*['\"]?)[^\s,;'\"}]+",
+            re.I,
+        ),
+        r"\1***",
+    ),
+)
+
+
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with credentials masked: URL passwords, bearer tokens, ``key=value`` pairs
+    named like secrets, and any literal in ``secrets``."""
+    for pattern, repl in _PATTERNS:
+        text = pattern.sub(repl, text)
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "***")
+    return text
+
+
+class RedactingFilter(logging.Filter):
+    """Rewrites each record's message with :func:`redact` (after %-formatting)."""
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        super().__init__()
+        self.secrets = tuple(s for s in secrets if s)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a broken format string: leave it to the handler
+            return True
+        clean = redact(message, self.secrets)
+        if record.exc_info and record.exc_text is None and record.exc_info[1] is not None:
+            record.exc_text = redact(
+                logging.Formatter().formatException(record.exc_info), self.secrets
+            )
+        if clean != message or record.args:
+            record.msg, record.args = clean, None
+        return True
+
+
+def install_log_redaction(secrets: Iterable[str] = ()) -> RedactingFilter:
+    """Attach a :class:`RedactingFilter` to every handler of the root logger."""
+    filt = RedactingFilter(secrets)
+    root = logging.getLogger()
+    for handler in root.handlers:
+        handler.addFilter(filt)
+    return filt
+
+
+def server_secrets(server: Any) -> list[str]:
+    """Literal secrets of a server configuration (admin token, API keys, Redis password)."""
+    out = [getattr(server, "admin_token", None) or ""]
+    out += list(
+        read_api_keys(getattr(server, "api_keys", None), getattr(server, "api_keys_file", None))
+    )
+    url = getattr(server, "redis_url", None) or ""
+    m = re.match(r"[a-z]+://[^:/@]*:([^@/]+)@", url)
+    if m:
+        out.append(m.group(1))
+    return [s for s in out if s]

@@ -1,0 +1,411 @@
+"""A small pooled HTTP/1.1 client for the proxy path, over raw asyncio transports.
+
+Why not aiohttp's client: on the router's hot path it cost more CPU per request than routing
+itself. This client does only what the proxy needs:
+
+* keep-alive pools per upstream (TCP ``host:port`` or a unix socket), most recently used
+  connection first, at most ``pool_size`` idle connections kept per upstream;
+* requests are written as given (the caller builds the head; the body is sent as is);
+* responses are parsed with ``httptools`` (llhttp): status, raw header pairs, and the body
+  as the bytes the upstream sent (``Content-Length``, chunked or until close; the chunked
+  framing is removed, the payload bytes are untouched);
+* streaming: :meth:`Exchange.read` returns body data as it arrives; reading from the upstream
+  pauses while more than ``HIGH_WATER`` bytes wait for a slow client;
+* timeouts: connect (new connections only), first byte of the head, each wait for more body
+  (``read_timeout``), and a total deadline; all raise :class:`UpstreamTimeout`;
+* errors: :class:`ConnectFailed` when the upstream could not be reached or closed the
+  connection before any response byte (a request that met a stale pooled connection is
+  re-sent once on a fresh one first), :class:`UpstreamBroken` when the response broke off;
+* :meth:`Exchange.abort` closes the connection at once (the upstream sees the client go
+  away); :meth:`Exchange.release` returns a fully read keep-alive connection to its pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+
+import httptools
+
+HIGH_WATER = 1 << 20  # buffered body bytes above which reading from the upstream pauses
+
+
+class UpstreamError(Exception):
+    """Base of the client's errors."""
+
+
+class ConnectFailed(UpstreamError):
+    """No response byte came back: connection refused, reset or closed before answering."""
+
+
+class UpstreamTimeout(UpstreamError, TimeoutError):
+    """A connect, first-byte, read or total timeout expired."""
+
+
+class UpstreamBroken(UpstreamError):
+    """The response started but broke off (connection lost, malformed HTTP)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Timeouts:
+    connect: float = 3.0
+    read: float = 600.0  # first byte of the head, and each wait for more body
+    total: float = 3600.0
+
+
+@dataclass(slots=True, frozen=True)
+class Target:
+    """Where an upstream listens: ``host:port`` or a unix socket ``path``."""
+
+    host: str = ""
+    port: int = 0
+    path: str | None = None
+
+    @classmethod
+    def from_url(cls, base_url: str) -> Target:
+        """``http://host:port`` (no path, no TLS: replicas sit on the cluster network)."""
+        scheme, _, rest = base_url.partition("://")
+        if scheme != "http":
+            raise ValueError(f"only http:// upstreams are supported, got {base_url!r}")
+        netloc = rest.split("/", 1)[0]
+        if netloc.startswith("["):  # [v6]:port
+            host, _, port = netloc[1:].partition("]")
+            port = port.lstrip(":")
+        else:
+            host, _, port = netloc.rpartition(":") if ":" in netloc else (netloc, "", "")
+        return cls(host, int(port) if port else 80)
+
+
+class _Conn(asyncio.Protocol):
+    """One upstream connection; carries one exchange at a time."""
+
+    __slots__ = (
+        "buffered",
+        "chunks",
+        "closed",
+        "complete",
+        "error",
+        "got_bytes",
+        "head_done",
+        "headers",
+        "keep_alive",
+        "loop",
+        "parser",
+        "paused",
+        "reused",
+        "status",
+        "transport",
+        "waiter",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.reused = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: deque[bytes] = deque()
+        self.buffered = 0
+        self.head_done = False
+        self.complete = False
+        self.error: UpstreamError | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.paused = False
+        self.keep_alive = True
+        self.got_bytes = False
+
+    # ---------------------------------------------------------------- asyncio protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamBroken(f"malformed HTTP response: {exc}"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.complete:
+            return
+        if not self.got_bytes:
+            self._fail(ConnectFailed("connection closed before any response byte"))
+        elif self.head_done and not any(
+            k.lower() in (b"content-length", b"transfer-encoding") for k, _ in self.headers
+        ):
+            self.complete = True  # a body delimited by the end of the connection
+            self.keep_alive = False
+            self._wake()
+        else:
+            self._fail(UpstreamBroken("connection lost in the middle of the response"))
+
+    # ---------------------------------------------------------------- httptools callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.status < 200:  # 1xx: wait for the real answer
+            self.headers = []
+            return
+        self.head_done = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self.status < 200:
+            return
+        self.complete = True
+        self._wake()
+
+    # ---------------------------------------------------------------- helpers
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self.error is None:
+            self.error = error
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    async def wait(self, timeout: float) -> None:
+        """Wait until woken (data, end, error) or ``timeout`` seconds pass."""
+        self.waiter = w = self.loop.create_future()
+        timer = self.loop.call_later(timeout, _expire, w)
+        try:
+            await w
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+
+def _expire(w: asyncio.Future[None]) -> None:
+    if not w.done():
+        w.set_exception(UpstreamTimeout("upstream timed out"))
+
+
+class Exchange:
+    """One request/response on a pooled connection (see the module docstring)."""
+
+    __slots__ = ("_conn", "_deadline", "_done", "_pool", "_read_timeout", "headers", "status")
+
+    def __init__(self, pool: Pool, conn: _Conn, deadline: float, read_timeout: float) -> None:
+        self._pool = pool
+        self._conn = conn
+        self._deadline = deadline
+        self._read_timeout = read_timeout
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self._done = False
+
+    def header(self, name: bytes) -> bytes | None:
+        """First value of header ``name`` (lower-case bytes), if present."""
+        for k, v in self.headers:
+            if k.lower() == name:
+                return v
+        return None
+
+    def _timeout(self) -> float:
+        left = self._deadline - self._conn.loop.time()
+        if left <= 0:
+            raise UpstreamTimeout("upstream exceeded the request timeout")
+        return min(left, self._read_timeout)
+
+    async def _head(self) -> None:
+        c = self._conn
+        while not c.head_done:
+            if c.error is not None:
+                raise c.error
+            await c.wait(self._timeout())
+        self.status = c.status
+        self.headers = c.headers
+
+    async def read(self) -> bytes | None:
+        """The next body data as it arrived (several pieces joined), None at the end."""
+        c = self._conn
+        while True:
+            if c.chunks:
+                if len(c.chunks) == 1:
+                    data = c.chunks.popleft()
+                else:
+                    data = b"".join(c.chunks)
+                    c.chunks.clear()
+                c.buffered = 0
+                if c.paused and c.transport is not None and not c.closed:
+                    c.paused = False
+                    c.transport.resume_reading()
+                return data
+            if c.complete:
+                self._done = True
+                return None
+            if c.error is not None:
+                raise (
+                    c.error if isinstance(c.error, UpstreamBroken) else UpstreamBroken(str(c.error))
+                )
+            await c.wait(self._timeout())
+
+    async def read_all(self) -> bytes:
+        """The whole body."""
+        c = self._conn
+        while not c.complete:
+            if c.error is not None:
+                raise UpstreamBroken(str(c.error))
+            await c.wait(self._timeout())
+        self._done = True
+        data = b"".join(c.chunks)
+        c.chunks.clear()
+        c.buffered = 0
+        return data
+
+    def abort(self) -> None:
+        """Close the connection now (the upstream sees the request cancelled)."""
+        self._done = True
+        self._conn.abort()
+
+    def release(self) -> None:
+        """Hand the connection back: pooled if the response was read whole and keep-alive
+        holds, closed otherwise. Idempotent."""
+        c = self._conn
+        if c.complete and c.keep_alive and not c.closed and c.error is None:
+            self._pool._put(c)
+        elif not c.closed:
+            c.abort()
+
+
+class Pool:
+    """Keep-alive connections to one upstream."""
+
+    def __init__(self, target: Target, timeouts: Timeouts, size: int = 256) -> None:
+        self.target = target
+        self.timeouts = timeouts
+        self.size = size
+        self._idle: list[_Conn] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _put(self, conn: _Conn) -> None:
+        if len(self._idle) >= self.size:
+            conn.abort()
+            return
+        conn._reset()
+        conn.reused = True
+        self._idle.append(conn)
+
+    async def _connect(self) -> _Conn:
+        loop = self._loop or asyncio.get_running_loop()
+        self._loop = loop
+        t = self.target
+        try:
+            if t.path is not None:
+                coro = loop.create_unix_connection(lambda: _Conn(loop), t.path)
+            else:
+                coro = loop.create_connection(lambda: _Conn(loop), t.host, t.port)
+            _, conn = await asyncio.wait_for(coro, self.timeouts.connect)
+        except TimeoutError:
+            raise ConnectFailed(f"connect timed out after {self.timeouts.connect:g}s") from None
+        except OSError as exc:
+            raise ConnectFailed(f"cannot connect: {exc.strerror or exc}") from None
+        return conn
+
+    def _take(self) -> _Conn | None:
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    async def send(self, data: bytes, body: bytes = b"") -> Exchange:
+        """Send one request (``data`` = head, ``body`` appended) and wait for the response
+        head. A stale pooled connection (closed before answering) is retried once on a fresh
+        connection."""
+        loop = self._loop or asyncio.get_running_loop()
+        self._loop = loop
+        deadline = loop.time() + self.timeouts.total
+        for _ in range(3):
+            conn = self._take()
+            fresh = conn is None
+            if conn is None:
+                conn = await self._connect()
+            assert conn.transport is not None
+            if body:
+                if len(body) < 65536:
+                    conn.transport.write(data + body)
+                else:
+                    conn.transport.write(data)
+                    conn.transport.write(body)
+            else:
+                conn.transport.write(data)
+            ex = Exchange(self, conn, deadline, self.timeouts.read)
+            try:
+                await ex._head()
+            except ConnectFailed:
+                conn.abort()
+                if fresh:
+                    raise
+                continue  # stale keep-alive connection: try again
+            except BaseException:
+                conn.abort()
+                raise
+            return ex
+        raise ConnectFailed("connections kept closing before answering")
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.abort()
+        self._idle.clear()
+
+
+class Client:
+    """Pools by base URL (``http://host:port``) or unix socket path."""
+
+    def __init__(self, timeouts: Timeouts, pool_size: int = 256) -> None:
+        self.timeouts = timeouts
+        self.pool_size = pool_size
+        self._pools: dict[str, Pool] = {}
+
+    def pool(self, base_url: str) -> Pool:
+        p = self._pools.get(base_url)
+        if p is None:
+            p = self._pools[base_url] = Pool(
+                Target.from_url(base_url), self.timeouts, self.pool_size
+            )
+        return p
+
+    def unix_pool(self, path: str) -> Pool:
+        key = "unix:" + path
+        p = self._pools.get(key)
+        if p is None:
+            p = self._pools[key] = Pool(Target(path=path), self.timeouts, self.pool_size)
+        return p
+
+    def close(self) -> None:
+        for p in self._pools.values():
+            p.close()
+        self._pools.clear()

@@ -1,0 +1,69 @@
+"""`kvrouter demo` end to end as a real process: mock replicas, router, agentic replay over
+HTTP, simulator prediction; every process it started is gone afterwards."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+SMALL = (
+    "agentic:sessions=6,session_rate=4,system_prompts=2,system_tokens=2000,tool_sets=1,"
+    "tool_def_tokens=1000,mean_turns=3,max_turns=4,answer_tokens=20,tool_tokens=300,"
+    "think_s=0.1,tool_latency_s=0.1,max_context=16384,seed=3"
+)
+
+
+def _demo_processes() -> set[int]:
+    """Live processes started by a demo (their command line names the demo model)."""
+    found = set()
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"router.cli" in cmd and (b"demo-model" in cmd or b"kvrouter-demo-" in cmd):
+            found.add(int(proc.name))
+    return found
+
+
+def test_demo_runs_live_and_simulated_and_cleans_up() -> None:
+    before = _demo_processes()
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "demo", "--replicas", "2", "--agentic", SMALL,
+         "--speedup", "4", "--policies", "round_robin,ours", "--max-output", "8"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith(("round", "ours"))}
+    assert set(rows) == {"round_robin", "ours"}
+    for cols in rows.values():
+        requests = int(cols[1])
+        assert requests > 6  # every turn completed (sessions x turns)
+        hit = float(cols[2].rstrip("%"))
+        sim_hit = float(cols[7].rstrip("%"))
+        assert 0 < hit <= 100 and abs(hit - sim_hit) < 15
+    assert float(rows["ours"][2].rstrip("%")) >= float(rows["round_robin"][2].rstrip("%"))
+    assert _demo_processes() <= before
+
+
+def test_demo_sim_only_needs_no_processes() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "demo", "--sim-only", "--agentic", SMALL],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "ours" in out.stdout and "sim hit%" in out.stdout
+
+
+@pytest.mark.parametrize("bad", [["--policies", "nope"], ["--trace", "/nonexistent.jsonl"]])
+def test_demo_bad_arguments_fail_cleanly(bad: list[str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "demo", "--sim-only", *bad],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr

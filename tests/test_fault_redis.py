@@ -1,0 +1,160 @@
+"""Redis killed under steady load, with real processes: ``kvrouter serve`` (``redis_url``) in
+front of two ``kvrouter mock-replica`` processes whose KV events reach Redis through two
+``kvrouter publish`` sidecars, and a private ``redis-server``.
+
+While Redis is dead (SIGKILL) no client request fails and the router keeps routing on its
+local index and load. Redis comes back empty on the same port; the publishers re-register
+and republish, the router notices the new instance token and re-bootstraps: its index equals
+the publishers' state again within 5 s. Default: a 3 s outage; ``-m soak``: 30 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.store.local_redis import LocalRedis
+from tests.procs import Fleet, http_get, token_prompt
+
+ADMIN = "admin-redis-fault"
+PREFIX = "kvrfault"
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Any:
+    with Fleet(tmp_path) as f:
+        yield f
+
+
+async def _router_blocks(url: str) -> dict[str, int]:
+    code, body = await asyncio.to_thread(
+        http_get, url + "/admin/replicas", 2.0, {"Authorization": f"Bearer {ADMIN}"}
+    )
+    assert code == 200, body
+    return {r["name"]: r["index_kv_blocks"] for r in body["replicas"]}
+
+
+async def _publisher_blocks(url: str) -> int:
+    code, text = await asyncio.to_thread(http_get, url + "/metrics", 2.0)
+    if code != 200:
+        return -1
+    m = re.search(r'kvrouter_publisher_cached_blocks\{dp_rank="0",kind="kv"\} ([0-9.e+]+)', text)
+    return int(float(m.group(1))) if m else -1
+
+
+class Load:
+    """Closed-loop clients sending short completions over a pool of shared prefixes."""
+
+    def __init__(self, url: str, workers: int = 6) -> None:
+        self.url = url
+        self.workers = workers
+        self.ok = 0
+        self.failed: list[str] = []
+        self.running = True
+        self.n = 0
+
+    async def _worker(self, session: aiohttp.ClientSession, w: int) -> None:
+        while self.running:
+            self.n += 1
+            prompt = token_prompt(self.n % 40, 96) + token_prompt(self.n, 32)
+            body = {"model": "m", "prompt": prompt, "max_tokens": 2}
+            try:
+                async with session.post(self.url + "/v1/completions", json=body) as resp:
+                    await resp.read()
+                    if resp.status == 200:
+                        self.ok += 1
+                    else:
+                        self.failed.append(f"{resp.status}")
+            except aiohttp.ClientError as exc:
+                self.failed.append(type(exc).__name__)
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            await asyncio.gather(*(self._worker(session, w) for w in range(self.workers)))
+
+
+async def _outage(fleet: Fleet, tmp_path: Path, outage_s: float) -> dict[str, Any]:
+    redis = LocalRedis(tmp_path / "redis").start()
+    try:
+        mocks = {n: fleet.mock(n, events=True) for n in ("a", "b")}
+        pubs = {
+            n: fleet.publisher(n, m, redis.url, prefix=PREFIX, metrics=True)
+            for n, m in mocks.items()
+        }
+        router = fleet.router(
+            "router",
+            [(n, m.url) for n, m in mocks.items()],
+            server={"admin_token": ADMIN, "redis_url": redis.url, "redis_key_prefix": PREFIX},
+        )
+        load = Load(router.url)
+        runner = asyncio.create_task(load.run())
+        await asyncio.sleep(2.0)
+        before = await _router_blocks(router.url)
+        assert all(v > 0 for v in before.values()), before
+        ok_before = load.ok
+
+        assert redis.process is not None
+        redis.process.kill()  # SIGKILL: no goodbye
+        redis.process.wait()
+        redis.process = None
+        await asyncio.sleep(outage_s)
+        during = await _router_blocks(router.url)
+        ok_during = load.ok - ok_before
+        failed_during = list(load.failed)
+
+        restarted = time.monotonic()
+        await asyncio.to_thread(redis.start)  # same port, empty dataset
+        await asyncio.sleep(1.0)
+        load.running = False
+        await runner
+
+        async def converged() -> bool:
+            rb = await _router_blocks(router.url)
+            for n, p in pubs.items():
+                if rb.get(n) != await _publisher_blocks(p.url) or rb.get(n, 0) <= 0:
+                    return False
+            return True
+
+        while not await converged():
+            assert time.monotonic() - restarted < 15, (
+                await _router_blocks(router.url),
+                {n: await _publisher_blocks(p.url) for n, p in pubs.items()},
+            )
+            await asyncio.sleep(0.05)
+        resync_s = time.monotonic() - restarted
+        return {
+            "outage_s": outage_s,
+            "requests_ok": load.ok,
+            "requests_ok_during_outage": ok_during,
+            "failed": len(load.failed),
+            "failed_during": failed_during,
+            "index_before": before,
+            "index_during": during,
+            "resync_s": round(resync_s, 2),
+        }
+    finally:
+        redis.stop()
+
+
+def _check(result: dict[str, Any]) -> None:
+    print(result)
+    assert result["failed"] == 0, result
+    assert result["requests_ok_during_outage"] > 0
+    # the local index keeps serving while Redis is away
+    assert all(v > 0 for v in result["index_during"].values())
+    assert result["resync_s"] <= 5.0
+
+
+async def test_redis_outage_under_load(fleet: Fleet, tmp_path: Path) -> None:
+    _check(await _outage(fleet, tmp_path, 3.0))
+
+
+@pytest.mark.soak
+async def test_soak_redis_outage_30s(fleet: Fleet, tmp_path: Path) -> None:
+    _check(await _outage(fleet, tmp_path, 30.0))

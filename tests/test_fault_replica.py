@@ -1,0 +1,162 @@
+"""A replica killed mid-stream, with real processes: ``kvrouter serve`` in front of three
+``kvrouter mock-replica`` processes on loopback.
+
+* streams on the killed replica end with a clean error (an SSE ``error`` event or an aborted
+  transfer, never a ``[DONE]``) within 1 s of the kill; streams on other replicas finish;
+* requests sent after the kill all succeed (connect errors are retried on the next replica);
+* the replica is marked unhealthy within 2 s (passive failure + active ``/health`` probes);
+* restarted on the same port, it is readmitted and receives requests again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.procs import Fleet, Proc, http_get, token_prompt
+
+ADMIN = "admin-secret-token"
+
+
+def _decision_replica(resp: aiohttp.ClientResponse) -> str:
+    header = resp.headers.get("X-KVRouter-Decision", "")
+    for part in header.split(";"):
+        k, _, v = part.strip().partition("=")
+        if k == "replica":
+            return v.split("#")[0]
+    return ""
+
+
+async def _stream(
+    session: aiohttp.ClientSession, url: str, seed: int, started: asyncio.Queue[Any]
+) -> dict[str, Any]:
+    """One long stream; reports its replica once the first bytes arrived."""
+    body = {"model": "m", "prompt": token_prompt(seed, 64), "max_tokens": 4000, "stream": True}
+    out: dict[str, Any] = {"replica": "", "done": False, "error_event": False, "aborted": False}
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            out["status"] = resp.status
+            out["replica"] = _decision_replica(resp)
+            first = True
+            async for line in resp.content:
+                if first:
+                    await started.put(out)
+                    first = False
+                if line.startswith(b"data: [DONE]"):
+                    out["done"] = True
+                elif line.startswith(b"data:") and b'"error"' in line[:40]:
+                    out["error_event"] = True
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        out["aborted"] = True
+    out["ended"] = time.monotonic()
+    return out
+
+
+async def _replicas(url: str) -> dict[str, dict[str, Any]]:
+    code, body = await asyncio.to_thread(
+        http_get, url + "/admin/replicas", 2.0, {"Authorization": f"Bearer {ADMIN}"}
+    )
+    assert code == 200, body
+    return {r["name"]: r for r in body["replicas"]}
+
+
+async def _wait(pred: Any, timeout: float, step: float = 0.05) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if await pred():
+            return time.monotonic() - t0
+        await asyncio.sleep(step)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Any:
+    with Fleet(tmp_path) as f:
+        yield f
+
+
+async def test_replica_killed_mid_stream(fleet: Fleet) -> None:
+    mocks: dict[str, Proc] = {n: fleet.mock(n) for n in ("a", "b", "c")}
+    router = fleet.router(
+        "router",
+        [(n, m.url) for n, m in mocks.items()],
+        server={
+            "admin_token": ADMIN,
+            "debug_header": True,
+            "health_interval_s": 0.5,
+            "unhealthy_cooldown_s": 1.0,
+            "max_retries": 2,
+            "connect_timeout_s": 1.0,
+        },
+    )
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        started: asyncio.Queue[Any] = asyncio.Queue()
+        tasks = [asyncio.create_task(_stream(session, router.url, i, started)) for i in range(9)]
+        running = [await asyncio.wait_for(started.get(), 20) for _ in tasks]
+        on = {r["replica"] for r in running}
+        victim = max(("a", "b", "c"), key=lambda n: sum(r["replica"] == n for r in running))
+        assert victim in on, running
+        await asyncio.sleep(0.3)
+        killed_at = time.monotonic()
+        mocks[victim].kill()
+
+        # requests that had not reached it: all succeed elsewhere
+        async def one(i: int) -> tuple[int, str]:
+            body = {"model": "m", "prompt": token_prompt(1000 + i, 48), "max_tokens": 4}
+            async with session.post(router.url + "/v1/completions", json=body) as resp:
+                await resp.read()
+                return resp.status, _decision_replica(resp)
+
+        after = await asyncio.gather(*(one(i) for i in range(30)))
+        assert all(code == 200 for code, _ in after), after
+        assert all(rep != victim for _, rep in after)
+
+        # the victim is out of routing within 2 s
+        async def ejected() -> bool:
+            return not (await _replicas(router.url))[victim]["healthy"]
+
+        assert await _wait(ejected, 2.0) <= 2.0
+
+        # streams: clean end on the victim within 1 s, others unaffected
+        victims = [r for r in running if r["replica"] == victim]
+        deadline = killed_at + 1.0
+        await _wait(lambda: _all_ended(victims), 1.5, 0.01)
+        for r in victims:
+            assert not r["done"], "a broken stream must never look complete"
+            assert r["aborted"] or r["error_event"], r
+            assert r["ended"] <= deadline + 0.05, r["ended"] - killed_at
+        for t in tasks:  # the others keep streaming; stop them
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        others = [r for r in running if r["replica"] != victim]
+        assert all(not r["aborted"] and not r["error_event"] for r in others), others
+
+        # restarted on its port: readmitted and routed to again
+        fleet.mock(victim, port=mocks[victim].port)  # type: ignore[attr-defined]
+
+        async def healthy() -> bool:
+            # unhealthy marks expire when a request is routed (RouterState.restore_health):
+            # keep a trickle of traffic going, as a live fleet has
+            await one(3000)
+            return bool((await _replicas(router.url))[victim]["healthy"])
+
+        await _wait(healthy, 5.0)
+        seen = set()
+        for i in range(60):
+            code, rep = await one(2000 + i)
+            assert code == 200
+            seen.add(rep)
+            if victim in seen:
+                break
+        assert victim in seen, seen
+    assert router.alive()
+
+
+async def _all_ended(items: list[dict[str, Any]]) -> bool:
+    return all("ended" in r for r in items)

@@ -1,0 +1,181 @@
+"""HTTP/1.1 details of the fast front end (``server.http_engine = "fast"``) over raw sockets:
+keep-alive, pipelining, ``Expect: 100-continue``, chunked request bodies, HEAD and other
+paths relayed to the aiohttp app, malformed requests, oversized bodies, and the pooled
+upstream client's reuse of connections. The behaviour shared with the aiohttp engine is
+covered by tests/test_service_api.py, which runs every test against both engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from router.service.config import build_settings
+from tests.backends import Backend, kimi_model_table, start_router
+
+MODEL = "kimi-test"
+
+
+@dataclass
+class Front:
+    host: str
+    port: int
+    backend: Backend
+
+    async def open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(self.host, self.port)
+
+
+@pytest.fixture
+async def front() -> AsyncIterator[Front]:
+    backend = await Backend("b0", [MODEL]).start()
+    settings = build_settings(
+        {
+            "server": {"admin_token": "t", "max_body_mb": 0.05, "http_engine": "fast"},
+            "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    runner, url = await start_router(settings, "fast")
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        yield Front(host, int(port), backend)
+    finally:
+        await runner.cleanup()
+        await backend.stop()
+
+
+async def _header_lines(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        yield line
+
+
+def _post(body: bytes, *, extra: str = "", path: str = "/v1/chat/completions") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
+
+
+def _chat(i: int, **kw: Any) -> bytes:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"hello {i}"}], **kw}
+    return json.dumps(body).encode()
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response (Content-Length or chunked)."""
+    status_line = await reader.readline()
+    status = int(status_line.split()[1])
+    headers: dict[str, str] = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        k, _, v = line.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await reader.readline()).strip(), 16)
+            chunk = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            body += chunk[:-2]
+        return status, headers, body
+    n = int(headers.get("content-length", "0"))
+    return status, headers, await reader.readexactly(n) if n else b""
+
+
+async def test_keep_alive_and_pipelined_requests_answer_in_order(front: Front) -> None:
+    reader, writer = await front.open()
+    writer.write(b"".join(_post(_chat(i)) for i in range(5)))  # pipelined
+    contents = []
+    for _ in range(5):
+        status, _, body = await _response(reader)
+        assert status == 200
+        contents.append(json.loads(body)["id"])
+    assert len(set(contents)) == 5
+    sent = [r["body"]["messages"][0]["content"] for r in front.backend.received]
+    assert sent == [f"hello {i}" for i in range(5)]
+    writer.write(_post(_chat(9, stream=True)))  # same connection, streaming
+    status, headers, body = await _response(reader)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert body.endswith(b"data: [DONE]\n\n")
+    writer.close()
+
+
+async def test_expect_continue_and_chunked_request_body(front: Front) -> None:
+    reader, writer = await front.open()
+    body = _chat(1)
+    writer.write(_post(body, extra="Expect: 100-continue\r\n"))
+    assert (await reader.readline()).startswith(b"HTTP/1.1 100")
+    assert await reader.readline() == b"\r\n"
+    status, _, _ = await _response(reader)
+    assert status == 200
+    half = len(body) // 2
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%b\r\n%x\r\n%b\r\n0\r\n\r\n" % (half, body[:half], len(body) - half, body[half:])
+    )
+    status, _, _ = await _response(reader)
+    assert status == 200
+    assert front.backend.received[-1]["body"] == json.loads(body)  # forwarded as received
+    writer.close()
+
+
+async def test_other_paths_and_methods_are_relayed_to_the_app(front: Front) -> None:
+    reader, writer = await front.open()
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, _, body = await _response(reader)
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    writer.write(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert b" 200 " in await reader.readline()
+    head = [line async for line in _header_lines(reader)]
+    assert any(line.lower().startswith(b"content-length: ") for line in head)  # no body follows
+    writer.write(b"GET /admin/replicas HTTP/1.1\r\nHost: x\r\nX-Admin-Token: t\r\n\r\n")
+    status2, _, body = await _response(reader)
+    assert status2 == 200 and json.loads(body)["replicas"][0]["name"] == "b0"
+    writer.write(b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+    status3, _, body = await _response(reader)
+    assert status3 == 405 and "error" in json.loads(body)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    status4, _, body = await _response(reader)
+    assert status4 == 200 and b"kvrouter_requests_total" in body
+    writer.close()
+
+
+async def test_malformed_request_gets_400_and_close(front: Front) -> None:
+    reader, writer = await front.open()
+    writer.write(b"THIS IS NOT HTTP\r\n\r\n")
+    status, headers, body = await _response(reader)
+    assert status == 400 and headers["connection"] == "close"
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert await reader.read() == b""  # closed
+    writer.close()
+
+
+async def test_oversized_body_is_413_and_connection_stays_usable(front: Front) -> None:
+    reader, writer = await front.open()
+    big = _chat(1, padding="x" * 80_000)
+    writer.write(_post(big))
+    status, _, body = await _response(reader)
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+    writer.write(_post(_chat(2)))
+    status, _, _ = await _response(reader)
+    assert status == 200
+    assert len(front.backend.received) == 1
+    writer.close()
+
+
+async def test_upstream_connections_are_reused(front: Front) -> None:
+    reader, writer = await front.open()
+    for i in range(10):
+        writer.write(_post(_chat(i)))
+        status, _, _ = await _response(reader)
+        assert status == 200
+    assert all(r["headers"].get("x-request-id") for r in front.backend.received)
+    # one keep-alive connection to the backend served all ten (sequential requests)
+    assert front.backend._runner is not None and front.backend._runner.server is not None
+    assert len(front.backend._runner.server.connections) == 1
+    writer.close()
