@@ -10,6 +10,10 @@ dense integers in order of first appearance, as in Mooncake's traces. Never text
 ids: the canonical hashes themselves are not written either (they would let a reader confirm
 a guessed prompt). Rows are in completion order; readers sort by ``timestamp``.
 
+With a session id, a request that arrived after its session's previous request finished also
+gets ``delay`` (ms since that finish), so the simulator replays the session closed loop, as
+agents behave: a slower fleet delays the next turn.
+
 Files rotate at ``max_bytes``: ``trace.jsonl`` is the live file, ``trace.jsonl.1`` the newest
 full one, up to ``backups`` of them. The dense-id map is shared across rotations so ids stay
 consistent; it is bounded (``max_ids``) and, when full, restarts numbering after the largest id
@@ -21,12 +25,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import IO
 
 from router.core.hashing import coarsen_chain
 
 TRACE_BLOCK_TOKENS = 512
+MAX_SESSIONS = 1_000_000  # sessions whose last finish time is kept for ``delay``
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,6 +51,7 @@ class TraceRecorder:
         self.started_at = started_at
         self.rows = 0
         self._ids: dict[int, int] = {}
+        self._last_finish: OrderedDict[str, float] = OrderedDict()
         self._next_id = 0
         settings.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh: IO[str] = open(settings.path, "a", encoding="utf-8")  # noqa: SIM115
@@ -73,6 +80,7 @@ class TraceRecorder:
         block_hashes: list[int],
         block_size: int,
         session_id: str | None = None,
+        finished_at: float | None = None,
     ) -> None:
         """Append one request. ``block_hashes`` is its canonical chain at ``block_size``; when
         that size does not divide 512 the row gets no ``hash_ids`` (lengths only)."""
@@ -89,6 +97,12 @@ class TraceRecorder:
         row["model"] = model
         if session_id:
             row["session_id"] = session_id
+            previous = self._last_finish.pop(session_id, None)
+            if previous is not None and arrived_at >= previous:
+                row["delay"] = round((arrived_at - previous) * 1000)
+            self._last_finish[session_id] = arrived_at if finished_at is None else finished_at
+            if len(self._last_finish) > MAX_SESSIONS:
+                self._last_finish.popitem(last=False)
         line = json.dumps(row, separators=(",", ":")) + "\n"
         if self._size + len(line) > self.settings.max_bytes and self._size > 0:
             self._rotate()

@@ -98,3 +98,18 @@ def test_block_size_not_dividing_512_records_lengths_only(tmp_path: pathlib.Path
     )
     rec.close()
     assert json.loads((tmp_path / "t.jsonl").read_text())["hash_ids"] == []
+
+
+def test_session_follow_ups_get_closed_loop_delays(tmp_path: pathlib.Path) -> None:
+    rec = TraceRecorder(RecordSettings(tmp_path / "t.jsonl"), started_at=0.0)
+    chain = hash_prompt(list(range(600)), 64, ROOT).hashes
+    common = {"model": "m", "input_length": 600, "output_length": 3, "block_hashes": chain,
+              "block_size": 64}  # fmt: skip
+    rec.record(arrived_at=1.0, finished_at=2.5, session_id="s", **common)  # type: ignore[arg-type]
+    rec.record(arrived_at=3.0, finished_at=4.0, session_id="s", **common)  # type: ignore[arg-type]
+    rec.record(arrived_at=3.5, finished_at=5.0, session_id="s", **common)  # type: ignore[arg-type]
+    rec.close()
+    rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert "delay" not in rows[0]
+    assert rows[1]["delay"] == 500
+    assert "delay" not in rows[2]  # arrived before the previous turn finished: open loop

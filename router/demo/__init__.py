@@ -86,6 +86,7 @@ async def _live(args: argparse.Namespace, policy: str, requests: list[Any]) -> d
         profile=args.profile,
         redis_url=args.redis,
         key_prefix=f"kvr-demo-{int(time.time() * 1000)}",
+        record_path=str(Path(f"{args.record}.{policy}.jsonl").resolve()) if args.record else None,
     )
     try:
         async with Fleet(spec) as fleet:
@@ -203,5 +204,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--kv-blocks", type=int, default=16384, help="GPU KV blocks per replica")
     p.add_argument("--max-output", type=int, default=64, help="cap on output tokens per request")
     p.add_argument("--redis", help="use this Redis (publishers + shared index) instead of ZMQ")
+    p.add_argument(
+        "--record",
+        metavar="PREFIX",
+        help="record the router's live traffic to PREFIX.<policy>.jsonl (replay with sim)",
+    )
     p.add_argument("--sim-only", action="store_true", help="only the simulator's prediction")
     p.set_defaults(handler=run)

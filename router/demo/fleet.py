@@ -5,6 +5,7 @@ stops every one of them (``async with``)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ class FleetSpec:
     profile: str = "dense-70b"
     redis_url: str | None = None
     key_prefix: str = "kvr-demo"
+    record_path: str | None = None
 
 
 @dataclass
@@ -156,6 +158,8 @@ def _router_toml(s: FleetSpec, port: int, replicas: list[dict[str, str]]) -> str
     ]
     if s.redis_url:
         lines += [f'redis_url = "{s.redis_url}"', f'redis_key_prefix = "{s.key_prefix}"']
+    if s.record_path:
+        lines += [f"record_path = {json.dumps(s.record_path)}"]
     lines += ["", f'[models."{MODEL}"]', f'policy = "{s.policy}"', f"block_size = {s.block_size}"]
     for rep in replicas:
         lines += ["", "[[replicas]]"] + [f'{k} = "{v}"' for k, v in rep.items()]

@@ -66,6 +66,8 @@ def load_requests(path: Path, limit: int, model: str, max_output: int) -> list[T
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
+            if row.get("session_id") is not None:
+                body["user"] = str(row["session_id"])  # the router's session id
             delay = row.get("delay")
             out.append(
                 TraceRequest(

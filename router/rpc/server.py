@@ -77,7 +77,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ) -> grpc.RpcMethodHandler:
         why = self._denied(details.method, _bearer(details.invocation_metadata))
         if why is None:
-            return await continuation(details)
+            handler = await continuation(details)
+            if details.method.startswith(KVROUTER_SERVICES):
+                return _parse_in_handler(handler)
+            return handler
         handler = await continuation(details)
         if handler is None:
             return None
@@ -100,6 +103,49 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+KVROUTER_SERVICES = "/kvrouter."
+
+
+def _parse_in_handler(handler: Any) -> Any:
+    """Move request parsing into the handler, so a message that is not valid protobuf is
+    answered INVALID_ARGUMENT with the parser's reason (grpc-python's own deserialization
+    failure is an UNKNOWN status and an error-level traceback in the log)."""
+    if handler is None or handler.request_deserializer is None:
+        return handler
+    parse = handler.request_deserializer
+
+    async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return parse(raw)
+        except Exception as exc:  # DecodeError, or anything the parser raises
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {exc}"
+            )
+
+    if not handler.request_streaming and not handler.response_streaming:
+
+        async def unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            return await handler.unary_unary(await parsed(raw, context), context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, response_serializer=handler.response_serializer
+        )
+    if handler.request_streaming and handler.response_streaming:
+
+        async def stream(raw_iter: Any, context: grpc.aio.ServicerContext) -> Any:
+            async def requests() -> Any:
+                async for raw in raw_iter:
+                    yield await parsed(raw, context)
+
+            async for reply in handler.stream_stream(requests(), context):
+                yield reply
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream, response_serializer=handler.response_serializer
+        )
+    return handler
 
 
 def build_server(

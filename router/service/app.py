@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -288,6 +289,34 @@ async def _direct_events(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
+async def _recording(app: web.Application) -> AsyncIterator[None]:
+    """With ``server.record_path``: append every completed request to a rotating trace
+    (router.recorder), flushed every second and on shutdown."""
+    from router.recorder import RecordSettings, TraceRecorder
+
+    s = app[SETTINGS].server
+    assert s.record_path is not None
+    loop = asyncio.get_running_loop()
+    recorder = TraceRecorder(
+        RecordSettings(Path(s.record_path), int(s.record_max_mb * 2**20), max(s.record_backups, 0)),
+        started_at=loop.time(),
+    )
+    state = app[STATE]
+    state.recorder = recorder
+
+    async def flush() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            recorder.flush()
+
+    task = asyncio.create_task(flush())
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    state.recorder = None
+    recorder.close()
+
+
 def create_app(settings: Settings, state: RouterState | None = None) -> web.Application:
     """The router app. ``state`` may be passed in (tests, embedding); else built here."""
     state = state or RouterState(settings)
@@ -306,6 +335,8 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
         app.cleanup_ctx.append(factory)
     if settings.server.redis_url:
         app.cleanup_ctx.append(_redis_index)
+    if settings.server.record_path:
+        app.cleanup_ctx.append(_recording)
     if any(rep.zmq for rep in settings.replicas):
         app.cleanup_ctx.append(_direct_events)
     if settings.server.grpc_port is not None:

@@ -27,6 +27,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         ("max_body_mb", "max_body_mb"),
         ("log_level", "log_level"),
         ("grpc_port", "grpc_port"),
+        ("record", "record_path"),
     ):
         value = getattr(args, flag, None)
         if value is not None:
@@ -173,6 +174,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--policy", help="policy for every model (overrides the file)")
     p.add_argument("--admin-token", dest="admin_token")
+    p.add_argument("--record", help="append every request to this rotating JSONL trace")
     p.add_argument(
         "--grpc-port", dest="grpc_port", type=int, help="serve the gRPC API on this port too"
     )

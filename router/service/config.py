@@ -76,6 +76,10 @@ class ServerSettings:
     grpc_tls_cert: str | None = None
     grpc_tls_key: str | None = None
     grpc_max_message_mb: float = 16.0
+    # Live-traffic recording for offline replay (router/recorder.py, docs/tuning.md)
+    record_path: str | None = None  # rotating Mooncake-compatible JSONL; None: off
+    record_max_mb: float = 256.0
+    record_backups: int = 5
 
 
 @dataclass(slots=True, frozen=True)

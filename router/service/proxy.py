@@ -24,7 +24,7 @@ import asyncio
 import json
 from collections import deque
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from router.core.types import ReplicaKey
 from router.service.errors import error_body
@@ -125,16 +125,16 @@ def response_headers(upstream: Headers) -> tuple[Headers, bool, bool]:
     return out, sse, has_rid
 
 
-def cached_tokens_of(payload: bytes) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` from a JSON body or SSE lines, if any."""
-    if b"cached_tokens" not in payload:
+def usage_of(payload: bytes) -> dict[str, Any] | None:
+    """The last ``usage`` object of a JSON body or of SSE ``data:`` lines, if any."""
+    if b'"usage"' not in payload:
         return None
     candidates = [payload]
     if b"data:" in payload:
         candidates = [
             line[5:].strip()
             for line in payload.splitlines()
-            if line.startswith(b"data:") and b"cached_tokens" in line
+            if line.startswith(b"data:") and b'"usage"' in line
         ]
     for raw in reversed(candidates):
         try:
@@ -142,11 +142,19 @@ def cached_tokens_of(payload: bytes) -> int | None:
         except ValueError:
             continue
         usage = obj.get("usage") if isinstance(obj, dict) else None
-        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-        value = details.get("cached_tokens") if isinstance(details, dict) else None
-        if isinstance(value, int):
-            return value
+        if isinstance(usage, dict):
+            return usage
     return None
+
+
+def cached_tokens_of(payload: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` from a JSON body or SSE lines, if any."""
+    if b"cached_tokens" not in payload:
+        return None
+    usage = usage_of(payload)
+    details = usage.get("prompt_tokens_details") if usage else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) else None
 
 
 class Forwarder:
@@ -283,6 +291,8 @@ class Forwarder:
                     return
                 state.load.first_token(rid)
                 self._feedback(routed, attempt, payload)
+                if state.recorder is not None and status < 400:
+                    self._record(routed, started, payload)
                 mm.outcome(key, outcome).inc()
                 await sink.respond(status, headers, payload)
                 return
@@ -306,7 +316,10 @@ class Forwarder:
                 while tail_bytes > 8192 and len(tail) > 1:
                     tail_bytes -= len(tail.popleft())
             await sink.end()
-            self._feedback(routed, attempt, b"".join(tail))
+            payload = b"".join(tail)
+            self._feedback(routed, attempt, payload)
+            if state.recorder is not None and status < 400:
+                self._record(routed, started, payload)
             mm.outcome(key, outcome).inc()
         except asyncio.CancelledError:
             mm.outcome(key, "cancelled").inc()
@@ -324,6 +337,27 @@ class Forwarder:
             raise
         finally:
             state.load.complete(rid)
+
+    def _record(self, routed: Routed, started: float, payload: bytes) -> None:
+        """Append the request to the live-traffic trace (router.recorder). The output length
+        is the replica's ``usage.completion_tokens``, else the request's max tokens, else 1."""
+        recorder = self.state.recorder
+        assert recorder is not None
+        req = routed.request
+        usage = usage_of(payload)
+        out = usage.get("completion_tokens") if usage else None
+        if not isinstance(out, int):
+            out = req.max_output_tokens or 1
+        recorder.record(
+            arrived_at=started,
+            model=req.model,
+            input_length=req.prompt_tokens,
+            output_length=out,
+            block_hashes=list(req.block_hashes),
+            block_size=req.block_size,
+            session_id=req.session_id,
+            finished_at=asyncio.get_running_loop().time(),
+        )
 
     def _feedback(self, routed: Routed, attempt: int, payload: bytes) -> None:
         cached = cached_tokens_of(payload)

@@ -23,6 +23,7 @@ from router.core.load import LoadTracker
 from router.core.policies import make_policy
 from router.core.routing import RoutingEngine
 from router.core.types import Decision, ReplicaKey, RouteRequest
+from router.recorder import TraceRecorder
 from router.service.config import ModelSettings, Settings
 from router.service.metrics import Metrics, ReplicaGauge, StateSnapshot
 from router.service.registry import ReplicaRegistry
@@ -112,6 +113,8 @@ class RouterState:
             self.load.add_replica(ep.key)
             self.index.add_replica(ep.key)
         self.metrics = Metrics(self.snapshot)
+        # Set while recording live traffic (app cleanup_ctx owns the file).
+        self.recorder: TraceRecorder | None = None
 
     def _add_model(self, model: ModelSettings) -> None:
         processor = build_processor(model, self._tokenizers)
