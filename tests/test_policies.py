@@ -215,3 +215,18 @@ def test_speculative_state_grid() -> None:
     assert speculative_state_hashes(list(range(8)), 4) == [3, 7]
     assert speculative_state_hashes(list(range(3)), 4) == [2]
     assert speculative_state_hashes([], 4) == [] and speculative_state_hashes([1], 0) == []
+
+
+def test_ours_breaks_exact_ties_towards_the_smallest_cache() -> None:
+    r = req(tokens=640)
+    idle = [
+        Candidate(A, PrefixMatch(), LoadView(), cached_blocks=900),
+        Candidate(B, PrefixMatch(), LoadView(), cached_blocks=10),
+        Candidate(C, PrefixMatch(), LoadView(), cached_blocks=500),
+    ]
+    for seed in range(10):
+        d = Ours().choose(r, idle, 0.0, random.Random(seed))
+        assert d.replica == B and d.ranking[-1] == A
+    # Among equally small caches the rng decides, so both get picked.
+    even = [Candidate(A, PrefixMatch(), LoadView()), Candidate(B, PrefixMatch(), LoadView())]
+    assert {Ours().choose(r, even, 0.0, random.Random(s)).replica for s in range(20)} == {A, B}

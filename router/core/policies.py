@@ -302,34 +302,44 @@ class Ours:
     foreign_waiting_tokens: int = 4096
     report_max_age_s: float = 1.0
 
-    def terms(self, request: RouteRequest, c: Candidate) -> dict[str, float]:
+    def term_values(self, request: RouteRequest, c: Candidate) -> tuple[float, float, float, float]:
+        """(prefill, queue, decode, kv) seconds for one candidate; see the class docstring.
+
+        Written out flat (no intermediate objects): it runs once per candidate per request.
+        """
         m = c.match
-        block = request.block_size
-        usable = min(m.usable_blocks, m.kv_blocks)
-        gpu = min(usable, m.gpu_blocks)
-        host = min(usable, m.host_blocks) - gpu
-        disk = usable - gpu - host
-        cached_blocks = gpu + self.host_hit_value * host + self.disk_hit_value * disk
-        cached = min(int(cached_blocks * block), max(request.prompt_tokens - 1, 0))
-        new = request.prompt_tokens - cached
+        usable = m.usable_blocks if m.usable_blocks < m.kv_blocks else m.kv_blocks
+        gpu = usable if usable < m.gpu_blocks else m.gpu_blocks
+        host_end = usable if usable < m.host_blocks else m.host_blocks
+        host = host_end - gpu
+        cached_blocks = gpu + self.host_hit_value * host + self.disk_hit_value * (usable - host_end)
+        prompt = request.prompt_tokens
+        cached = min(int(cached_blocks * request.block_size), max(prompt - 1, 0))
+        new = prompt - cached
         load = c.load
         queued = load.queued_prefill_tokens
-        if load.engine is not None and load.engine_age_s <= self.report_max_age_s:
-            queued += max(load.engine.waiting - load.prefilling, 0) * self.foreign_waiting_tokens
-        steps = self.cost.steps_for(queued + new)
-        decode = steps * self.cost.decode_step_s(load.decoding, load.decode_context_tokens)
-        excess = load.kv_usage - self.kv_pressure_threshold
-        kv = (
-            self.kv_pressure_s * excess / max(1.0 - self.kv_pressure_threshold, 1e-6)
-            if excess > 0
-            else 0.0
+        engine = load.engine
+        if engine is not None and load.engine_age_s <= self.report_max_age_s:
+            extra = engine.waiting - load.prefilling
+            if extra > 0:
+                queued += extra * self.foreign_waiting_tokens
+        cost = self.cost
+        per_token, per_pair = cost.prefill_s_per_token, cost.prefill_s_per_token_ctx
+        prefill = new * per_token + new * (cached + new / 2) * per_pair if new > 0 else 0.0
+        queue = queued * per_token + queued * (queued / 2) * per_pair if queued > 0 else 0.0
+        steps = max(1, -(-(queued + new) // cost.chunk_tokens))
+        decode = steps * (
+            load.decoding * cost.decode_s_per_seq
+            + load.decode_context_tokens * cost.decode_s_per_ctx_token
         )
-        return {
-            "prefill": self.cost.prefill_s(new, cached),
-            "queue": self.cost.prefill_s(queued, 0),
-            "decode": decode,
-            "kv": kv,
-        }
+        kv = 0.0
+        excess = (engine.kv_usage if engine is not None else 0.0) - self.kv_pressure_threshold
+        if excess > 0:
+            kv = self.kv_pressure_s * excess / max(1.0 - self.kv_pressure_threshold, 1e-6)
+        return prefill, queue, decode, kv
+
+    def terms(self, request: RouteRequest, c: Candidate) -> dict[str, float]:
+        return dict(zip(TERM_NAMES, self.term_values(request, c), strict=True))
 
     def score(self, t: Mapping[str, float]) -> float:
         return (
@@ -342,10 +352,28 @@ class Ours:
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
     ) -> Decision:
-        scored = {c.replica: self.terms(request, c) for c in candidates}
-        ranked = _rank(candidates, lambda c: self.score(scored[c.replica]), rng)
-        best = scored[ranked[0].replica]
-        return _decide(self.name, request, ranked, self.score(best), best)
+        wp, wq, wd, wk = self.w_prefill, self.w_queue, self.w_decode, self.w_kv
+        values = [self.term_values(request, c) for c in candidates]
+        scores = [wp * p + wq * q + wd * d + wk * k for p, q, d, k in values]
+        order = sorted(range(len(candidates)), key=scores.__getitem__)
+        best = scores[order[0]]
+        ties = [i for i in order if scores[i] == best]
+        if len(ties) > 1:
+            # Exact ties (typically idle replicas without a match): the one with the smallest
+            # cache takes the new prefix, so it evicts least; the rng breaks remaining ties.
+            fewest = min(candidates[i].cached_blocks for i in ties)
+            ties = [i for i in ties if candidates[i].cached_blocks == fewest]
+            pick = ties[rng.randrange(len(ties))] if len(ties) > 1 else ties[0]
+            order.remove(pick)
+            order.insert(0, pick)
+        ranked = [candidates[i] for i in order]
+        winner = values[order[0]]
+        return _decide(
+            self.name, request, ranked, scores[order[0]], dict(zip(TERM_NAMES, winner, strict=True))
+        )
+
+
+TERM_NAMES = ("prefill", "queue", "decode", "kv")
 
 
 # ---------------------------------------------------------------------------- registry
