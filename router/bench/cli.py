@@ -13,6 +13,7 @@ _BENCHES: tuple[str, ...] = (
     "router.bench.tokenize_bench",
     "router.bench.proxy_bench",
     "router.bench.grpc_bench",
+    "router.bench.reliability_bench",
 )
 
 
