@@ -1,0 +1,280 @@
+"""``kvrouter bench reliability``: many concurrent streams through one router for a while.
+
+Setup (this machine, loopback, real processes): ``--replicas`` ``kvrouter mock-replica``
+processes (the simulator's engine model on the wall clock), one ``kvrouter serve`` in front
+of them (``--policy``, round robin by default), and a closed-loop load generator in this
+process (uvloop + aiohttp): ``--concurrency`` workers, each sending one streaming
+``/v1/completions`` after the other (token-id prompts of ``--prompt-tokens`` tokens over a
+pool of shared prefixes, ``--max-tokens`` output tokens) for ``--duration`` seconds.
+
+Two phases: ``direct`` (workers spread round-robin over the replicas, no router) for
+``--direct-duration`` seconds, then ``router``. Per request: time to the first SSE chunk
+(TTFT) and to the end of the stream. The router's added latency is the difference of the
+two phases' percentiles (same load, same replicas, same round-robin spread; with
+``--policy ours`` the difference also contains the cache hits the router wins). Memory: the
+router's RSS sampled every second; ``rss_first_mb`` / ``rss_last_mb`` are the means of the
+first and last 10 % of the router phase. Errors: any non-200, a stream without ``[DONE]``,
+or a transport error.
+
+Prints one JSON object. On a 2-core machine the load generator, the router and 16 mock
+engines share the CPUs; the figures are therefore an upper bound of the router's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from router.bench.measure import emit, percentile
+
+KVROUTER = str(Path(sys.executable).parent / "kvrouter")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0
+
+
+def _wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not healthy after {timeout}s")
+
+
+class Procs:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _prompt(i: int, tokens: int) -> list[int]:
+    prefix = [(i % 64) * 7919 % 50000 + j for j in range(tokens // 2)]
+    return prefix + [(i * 31 + j) % 50000 for j in range(tokens - len(prefix))]
+
+
+async def _load(
+    urls: list[str], concurrency: int, duration: float, prompt_tokens: int, max_tokens: int
+) -> dict[str, Any]:
+    import aiohttp
+
+    ttft: list[float] = []
+    total: list[float] = []
+    errors: dict[str, int] = {}
+    error_at: list[float] = []
+    started = time.monotonic()
+    stop_at = started + duration
+    counter = 0
+
+    async def worker(w: int, session: aiohttp.ClientSession) -> None:
+        nonlocal counter
+        url = urls[w % len(urls)] + "/v1/completions"
+        while time.monotonic() < stop_at:
+            counter += 1
+            body = {
+                "model": "m",
+                "prompt": _prompt(counter, prompt_tokens),
+                "max_tokens": max_tokens,
+                "stream": True,
+            }
+            t0 = time.monotonic()
+            first = 0.0
+            done = False
+            try:
+                async with session.post(url, json=body) as resp:
+                    if resp.status != 200:
+                        errors[str(resp.status)] = errors.get(str(resp.status), 0) + 1
+                        error_at.append(time.monotonic() - started)
+                        await resp.read()
+                        continue
+                    async for chunk in resp.content.iter_any():
+                        if not first:
+                            first = time.monotonic()
+                        if b"[DONE]" in chunk:
+                            done = True
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                error_at.append(time.monotonic() - started)
+                continue
+            if not done:
+                errors["truncated"] = errors.get("truncated", 0) + 1
+                error_at.append(time.monotonic() - started)
+                continue
+            ttft.append(first - t0)
+            total.append(time.monotonic() - t0)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(worker(w, session) for w in range(concurrency)))
+    return {"ttft": ttft, "total": total, "errors": errors, "error_at": error_at}
+
+
+def _summary(res: dict[str, Any], seconds: float) -> dict[str, Any]:
+    ttft, total = res["ttft"], res["total"]
+    out: dict[str, Any] = {"requests": len(total), "rps": round(len(total) / seconds, 1)}
+    out["errors"] = res["errors"]
+    if res["error_at"]:  # when errors happened, seconds into the phase
+        out["errors_first_s"] = round(min(res["error_at"]), 2)
+        out["errors_last_s"] = round(max(res["error_at"]), 2)
+    if ttft:
+        out["ttft_p50_ms"] = round(percentile(ttft, 50) * 1000, 1)
+        out["ttft_p99_ms"] = round(percentile(ttft, 99) * 1000, 1)
+        out["total_p50_ms"] = round(percentile(total, 50) * 1000, 1)
+        out["total_p99_ms"] = round(percentile(total, 99) * 1000, 1)
+    return out
+
+
+async def _sample_rss(pid: int, every: float, out: list[float], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        out.append(_rss_mb(pid))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    workdir = Path(tempfile.mkdtemp(prefix="kvr-reliability-"))
+    procs = Procs(workdir)
+    try:
+        mocks = []
+        for i in range(args.replicas):
+            port = _free_port()
+            p = procs.spawn(
+                f"mock{i}",
+                [KVROUTER, "mock-replica", "--port", str(port), "--replica", f"r{i}"]
+                + ["--model", "m", "--block-size", "16", "--log-level", "WARNING"],
+            )
+            mocks.append((f"r{i}", f"http://127.0.0.1:{port}", p))
+        for _, url, p in mocks:
+            _wait_health(url, p)
+        rport = _free_port()
+        cfg = workdir / "router.toml"
+        lines = ["[server]", f"port = {rport}", 'log_level = "warning"', "pool_per_replica = 1024"]
+        for name, url, _ in mocks:
+            lines += ["[[replicas]]", f'name = "{name}"', f'url = "{url}"', 'model = "m"']
+        lines += ["[models.m]", "block_size = 16", f'policy = "{args.policy}"']
+        cfg.write_text("\n".join(lines) + "\n")
+        router = procs.spawn("router", [KVROUTER, "serve", "--config", str(cfg)])
+        rurl = f"http://127.0.0.1:{rport}"
+        _wait_health(rurl, router)
+
+        result: dict[str, Any] = {
+            "bench": "reliability",
+            "replicas": args.replicas,
+            "concurrency": args.concurrency,
+            "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "policy": args.policy,
+            "cpus": os.cpu_count(),
+        }
+        if args.direct_duration > 0:
+            direct = asyncio.run(
+                _load(
+                    [u for _, u, _ in mocks],
+                    args.concurrency,
+                    args.direct_duration,
+                    args.prompt_tokens,
+                    args.max_tokens,
+                )
+            )
+            result["direct"] = _summary(direct, args.direct_duration)
+
+        samples: list[float] = []
+
+        async def routed() -> dict[str, Any]:
+            stop = asyncio.Event()
+            sampler = asyncio.create_task(_sample_rss(router.pid, 1.0, samples, stop))
+            res = await _load(
+                [rurl], args.concurrency, args.duration, args.prompt_tokens, args.max_tokens
+            )
+            stop.set()
+            await sampler
+            return res
+
+        res = asyncio.run(routed())
+        result["router"] = _summary(res, args.duration)
+        k = max(1, len(samples) // 10)
+        result["rss_first_mb"] = round(sum(samples[:k]) / k, 1)
+        result["rss_last_mb"] = round(sum(samples[-k:]) / k, 1)
+        result["rss_max_mb"] = round(max(samples), 1)
+        if "direct" in result and "ttft_p50_ms" in result["direct"]:
+            d, r = result["direct"], result["router"]
+            result["added_ttft_p50_ms"] = round(r["ttft_p50_ms"] - d["ttft_p50_ms"], 1)
+            result["added_ttft_p99_ms"] = round(r["ttft_p99_ms"] - d["ttft_p99_ms"], 1)
+            result["added_total_p50_ms"] = round(r["total_p50_ms"] - d["total_p50_ms"], 1)
+            result["added_total_p99_ms"] = round(r["total_p99_ms"] - d["total_p99_ms"], 1)
+        result["router_alive"] = router.poll() is None
+        emit(result)
+        errors = sum(result["router"]["errors"].values())
+        return 0 if errors == 0 and result["router_alive"] else 1
+    finally:
+        procs.stop()
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("reliability", help="many concurrent streams through one router")
+    p.add_argument("--replicas", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=1000)
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--direct-duration", type=float, default=20.0)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument(
+        "--policy",
+        default="round_robin",
+        help="router policy; round_robin (default) makes the router phase comparable with the "
+        "round-robin direct phase, so the difference is the proxy's cost, not routing quality",
+    )
+    p.set_defaults(handler=run)
