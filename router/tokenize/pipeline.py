@@ -68,12 +68,14 @@ def _check_messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     if not messages:
         raise BadRequest("'messages' must contain at least one message")
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
+        # type() checks first: JSON bodies hold plain dicts/strs, and isinstance against the
+        # Mapping ABC costs ~1 us a message on 1M-token agentic sessions.
+        if type(m) is not dict and not isinstance(m, Mapping):
             raise BadRequest(f"messages[{i}] must be an object")
-        if not isinstance(m.get("role"), str):
+        if type(m.get("role")) is not str:
             raise BadRequest(f"messages[{i}].role must be a string")
         c = m.get("content")
-        if c is not None and not isinstance(c, (str, list)):
+        if c is not None and type(c) is not str and not isinstance(c, (str, list)):
             raise BadRequest(f"messages[{i}].content must be a string or an array")
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
