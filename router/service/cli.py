@@ -118,6 +118,9 @@ def _run(app: Any, host: str, port: int, *, reuse_port: bool) -> None:
         print=lambda *_: None,
         # SIGTERM: stop accepting, let in-flight requests finish up to this deadline, exit 0
         shutdown_timeout=_shutdown_timeout(app),
+        # aiohttp's default (128) overflows when ~1,000 clients connect at once: connections
+        # the kernel could not queue hang until TCP gives up (kvrouter bench reliability)
+        backlog=2048,
     )
 
 

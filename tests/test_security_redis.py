@@ -1,0 +1,242 @@
+"""Redis security, against private ``redis-server`` processes: AUTH, TLS (``rediss://``) and
+per-replica ACL users under which a publisher can write only its own replica's keys
+(docs/redis.md, "Access control").
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from router.core.index import PrefixIndex
+from router.core.types import BlocksStored, Kind, ReplicaKey, Tier
+from router.store.base import BatchChange, ReplicaInfo, ReplicaState
+from router.store.codec import encode_change
+from router.store.local_redis import LocalRedis, free_port
+from router.store.redis_store import RedisStore
+from router.store.schema import KeySchema
+from router.store.sync import IndexSync
+
+PREFIX = "kvr"
+SCHEMA = KeySchema(PREFIX, 8)
+
+
+def acl_rules(replica: str, schema: KeySchema = SCHEMA) -> list[str]:
+    """The ``ACL SETUSER`` rules of one publisher (docs/redis.md): its own replica's keys,
+    its own change-stream shard, the registry set and the instance token; data commands
+    only."""
+    p = schema.prefix
+    return [
+        "on",
+        "resetkeys",
+        f"~{p}:{{{replica}}}:*",
+        f"~{schema.stream(schema.shard_of(replica))}",
+        f"~{p}:replicas",
+        f"~{p}:instance",
+        "resetchannels",
+        "-@all",
+        "+@read",
+        "+@write",
+        "+@stream",
+        "+@transaction",
+        "+@connection",
+        "-@dangerous",
+    ]
+
+
+def _state(replica: str, hashes: list[int]) -> tuple[ReplicaState, tuple[BlocksStored, ...]]:
+    st = ReplicaState(ReplicaKey(replica, 0), seq=1)
+    events = (BlocksStored(tuple(hashes), Tier.GPU, Kind.KV),)
+    st.apply(events)
+    return st, events
+
+
+def _names_on_different_shards() -> tuple[str, str]:
+    a = "rack1-r1"
+    for i in range(100):
+        b = f"rack1-r{i + 2}"
+        if SCHEMA.shard_of(b) != SCHEMA.shard_of(a):
+            return a, b
+    raise AssertionError("no two shards")
+
+
+async def test_auth_required_and_wrong_password_is_a_clear_error(tmp_path: Path) -> None:
+    with LocalRedis(tmp_path / "r", password="s3cret-pw") as server:
+        good = RedisStore.from_url(server.url, SCHEMA)
+        assert await good.instance_token()
+        await good.close()
+        for url in (
+            f"redis://127.0.0.1:{server.port}/0",
+            f"redis://:wrong@127.0.0.1:{server.port}/0",
+        ):
+            bad = RedisStore.from_url(url, SCHEMA)
+            with pytest.raises(
+                (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError)
+            ):
+                await bad.instance_token()
+            await bad.close()
+
+
+async def test_acl_publisher_writes_only_its_own_replica(tmp_path: Path) -> None:
+    mine, other = _names_on_different_shards()
+    with LocalRedis(tmp_path / "r", password="admin-pw") as server:
+        admin = aioredis.Redis.from_url(server.url)
+        for name in (mine, other):
+            await admin.execute_command(
+                "ACL", "SETUSER", f"pub-{name}", f">pw-{name}", *acl_rules(name)
+            )
+        url = f"redis://pub-{mine}:pw-{mine}@127.0.0.1:{server.port}/0"
+        pub = RedisStore.from_url(url, SCHEMA)
+        # its own replica: the whole publisher protocol works
+        await pub.register(ReplicaInfo(mine, url="http://x", model="m"), "owner-1", 10.0)
+        state, events = _state(mine, [11, 12, 13])
+        await pub.write([(state, events)])
+        assert await pub.heartbeat(mine, "owner-1", 10.0)
+        # another replica's keys: refused (meta, lease, state buckets)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await pub.register(ReplicaInfo(other, url="http://x", model="m"), "evil", 10.0)
+        forged, forged_events = _state(other, [11, 12, 13])
+        with pytest.raises(redis.exceptions.ResponseError):  # NOPERM inside MULTI: EXECABORT
+            await pub.write([(forged, forged_events)])
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await pub.redis.hset(SCHEMA.kv(other, 0), "0", b"\x00" * 9)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await pub.redis.set(SCHEMA.lease(other), "evil")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await pub.redis.flushall()
+        # the other replica's change-stream shard is closed to it
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await pub.redis.xadd(SCHEMA.stream(SCHEMA.shard_of(other)), {"t": "D", "r": other})
+
+        # a forged entry naming the other replica on its *own* shard is dropped by routers
+        router = RedisStore.from_url(server.url, SCHEMA)
+        cursor = await router.cursor()
+        forged_entry = encode_change(BatchChange(ReplicaKey(other, 0), 2, forged_events))
+        await pub.redis.xadd(SCHEMA.stream(SCHEMA.shard_of(mine)), forged_entry)
+        read = await router.read_changes(cursor, 0.2, 100)
+        assert read.malformed == 1
+        assert all(getattr(c, "key", None) != ReplicaKey(other, 0) for c in read.changes)
+
+        # routers see the honest replica's blocks
+        index = PrefixIndex()
+        async with IndexSync(router, index):
+            assert index.replica_size(ReplicaKey(mine, 0))[0] == 3
+        await router.close()
+        await pub.close()
+        await admin.aclose()
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _tls_files(d: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI)."""
+    d.mkdir(parents=True, exist_ok=True)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        cwd=d,
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        cwd=d,
+    )
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.crt",
+        cwd=d,
+    )
+    return d / "ca.crt", d / "server.crt", d / "server.key"
+
+
+async def test_tls_rediss_url_works_end_to_end(tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not available to make a throwaway CA")
+    ca, cert, key = _tls_files(tmp_path / "tls")
+    tls_port = free_port()
+    server = LocalRedis(
+        tmp_path / "r",
+        password="tls-pw",
+        extra_args=(
+            "--tls-port",
+            str(tls_port),
+            "--tls-cert-file",
+            str(cert),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(ca),
+            "--tls-auth-clients",
+            "no",
+        ),
+    )
+    try:
+        server.start()
+    except RuntimeError as exc:
+        if "tls" in str(exc).lower():
+            pytest.skip(f"this redis-server build lacks TLS: {exc}")
+        raise
+    try:
+        url = f"rediss://:tls-pw@127.0.0.1:{tls_port}/0?ssl_ca_certs={ca}"
+        store = RedisStore.from_url(url, SCHEMA)
+        await store.register(ReplicaInfo("tls-r1", url="http://x", model="m"), "o", 10.0)
+        state, events = _state("tls-r1", [5, 6])
+        await store.write([(state, events)])
+        index = PrefixIndex()
+        async with IndexSync(store, index):
+            assert index.replica_size(ReplicaKey("tls-r1", 0))[0] == 2
+        await store.close()
+        # plain TCP to the TLS port is refused; an unknown CA is refused
+        plain = RedisStore.from_url(f"redis://:tls-pw@127.0.0.1:{tls_port}/0", SCHEMA)
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await plain.instance_token()
+        await plain.close()
+        other_ca, _, _ = _tls_files(tmp_path / "other")
+        wrong = RedisStore.from_url(
+            f"rediss://:tls-pw@127.0.0.1:{tls_port}/0?ssl_ca_certs={other_ca}", SCHEMA
+        )
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await wrong.instance_token()
+        await wrong.close()
+    finally:
+        server.stop()
