@@ -263,3 +263,17 @@ def test_index_agrees_with_reference_on_prefix_closed_caches(data: st.DataObject
         for hybrid in (False, True):
             got = idx.match(query, hybrid=hybrid).as_dict()
             assert got == ref_match(ref, query, hybrid)
+
+
+def test_speculative_entries_are_bounded_oldest_dropped_first() -> None:
+    idx = PrefixIndex(max_speculative_blocks=10)
+    idx.speculate(A, H[:6], [], now=0.0, ttl=100.0)
+    idx.speculate(B, H[:6], [], now=1.0, ttl=100.0)  # 12 > 10: A's entries go early
+    assert idx.match(H, now=2.0).get(A) is NO_MATCH
+    assert idx.match(H, now=2.0).get(B).kv_blocks == 6
+    assert idx.stats().speculative_entries == 6
+    # A block named again by a later call survives the drop of the earlier call.
+    idx.speculate(C, H[:4], [], now=3.0, ttl=100.0)
+    idx.speculate(C, H[:2], [], now=4.0, ttl=100.0)  # drops B's call (12 queued)
+    assert idx.match(H, now=5.0).get(B) is NO_MATCH
+    assert idx.match(H, now=5.0).get(C).kv_blocks == 4

@@ -97,7 +97,11 @@ class IndexStats:
 class PrefixIndex:
     """Prefix-block index over many replicas. Not thread-safe; one owner mutates it."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_speculative_blocks: int = 1_000_000) -> None:
+        """``max_speculative_blocks`` bounds the memory of speculative entries: beyond it the
+        entries closest to expiry are dropped early (oldest first), whatever their TTL."""
+        self.max_speculative_blocks = max_speculative_blocks
+        self._spec_queued = 0
         self._slot_of: dict[ReplicaKey, int] = {}
         self._key_of: list[ReplicaKey | None] = []
         self._free: list[int] = []
@@ -321,25 +325,35 @@ class PrefixIndex:
                     if not mask & bit:
                         table[block] = mask | bit
             heapq.heappush(self._spec_heap, (now + ttl, spec_id, slot, kind, tuple(hashes)))
+            self._spec_queued += len(hashes)
+        while self._spec_queued > self.max_speculative_blocks and self._spec_heap:
+            self._drop_spec(heapq.heappop(self._spec_heap))
 
     def expire(self, now: float) -> int:
         """Drop speculative entries whose TTL ended at or before ``now``. Returns how many."""
         heap = self._spec_heap
         dropped = 0
         while heap and heap[0][0] <= now:
-            _, spec_id, slot, kind, hashes = heapq.heappop(heap)
-            table = self._spec[kind]
-            bit = 1 << slot
-            owner = self._spec_owner.get((kind, slot))
-            if owner is None:
-                continue
-            for block in hashes:
-                if owner.get(block) == spec_id:
-                    del owner[block]
-                    _discard(table, block, bit)
-                    dropped += 1
-            if not owner:
-                del self._spec_owner[(kind, slot)]
+            dropped += self._drop_spec(heapq.heappop(heap))
+        return dropped
+
+    def _drop_spec(self, entry: tuple[float, int, int, int, tuple[int, ...]]) -> int:
+        """Remove the blocks of one speculate() call that no later call has named again."""
+        _, spec_id, slot, kind, hashes = entry
+        self._spec_queued -= len(hashes)
+        owner = self._spec_owner.get((kind, slot))
+        if owner is None:
+            return 0
+        table = self._spec[kind]
+        bit = 1 << slot
+        dropped = 0
+        for block in hashes:
+            if owner.get(block) == spec_id:
+                del owner[block]
+                _discard(table, block, bit)
+                dropped += 1
+        if not owner:
+            del self._spec_owner[(kind, slot)]
         return dropped
 
     # ------------------------------------------------------------------ maintenance
@@ -371,6 +385,7 @@ class PrefixIndex:
         self._spec_owner = {k: v for k, v in self._spec_owner.items() if not (dead >> k[1]) & 1}
         self._spec_heap = [e for e in self._spec_heap if not (dead >> e[2]) & 1]
         heapq.heapify(self._spec_heap)
+        self._spec_queued = sum(len(e[4]) for e in self._spec_heap)
         self._free.extend(iter_slots(dead))
         self._dead = 0
         self._garbage = 0

@@ -198,12 +198,15 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _housekeeping(app: web.Application, every: float = 1.0) -> None:
-    """Expire speculative index entries and compact the index now and then."""
+    """Expire speculative index entries, readmit replicas whose unhealthy cooldown ended
+    (without waiting for traffic; an active probe re-marks them if still down), and compact
+    the index now and then."""
     state = app[STATE]
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(every)
         state.index.expire(loop.time())
+        state.restore_health(loop.time())
         if state.index.garbage_ratio() > 0.5:
             state.index.compact()
 

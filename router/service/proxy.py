@@ -21,6 +21,7 @@ body, the client's raw header pairs and a :class:`Sink` that writes the answer t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import deque
 from collections.abc import Iterable
@@ -329,11 +330,20 @@ class Forwarder:
             # the client went away mid-stream: abort upstream, nothing left to answer
             mm.outcome(key, "cancelled").inc()
             upstream.abort()
-        except (UpstreamTimeout, UpstreamBroken):
-            # the replica stalled or broke mid-response: abort the client connection too, so a
-            # truncated stream is never mistaken for a complete one
+        except (UpstreamTimeout, UpstreamBroken) as exc:
+            # The replica stalled or broke mid-stream: tell the client in an SSE error event,
+            # then abort its connection too, so a truncated stream is never mistaken for a
+            # complete one (no [DONE] follows).
             mm.outcome(key, "upstream_broken").inc()
             upstream.abort()
+            timeout = isinstance(exc, UpstreamTimeout)
+            event = error_body(
+                504 if timeout else 502,
+                f"replica {key} {'timed out' if timeout else 'broke off the stream'}",
+                code="upstream_timeout" if timeout else "upstream_error",
+            )
+            with contextlib.suppress(ConnectionResetError, RuntimeError, OSError):
+                await sink.write(b"data: " + event + b"\n\n")
             raise
         finally:
             state.load.complete(rid)

@@ -95,7 +95,7 @@ def _template_file(path: str, config: Mapping[str, Any] | None = None) -> ChatTe
 class RouterState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(settings.server.max_speculative_blocks)
         self.load = LoadTracker()
         self.registry = ReplicaRegistry(settings.replicas)
         self.rng = random.Random(settings.server.seed)
