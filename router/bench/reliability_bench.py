@@ -202,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
         rport = _free_port()
         cfg = workdir / "router.toml"
         lines = ["[server]", f"port = {rport}", 'log_level = "warning"', "pool_per_replica = 1024"]
+        if args.max_speculative_blocks is not None:
+            lines.append(f"max_speculative_blocks = {args.max_speculative_blocks}")
         for name, url, _ in mocks:
             lines += ["[[replicas]]", f'name = "{name}"', f'url = "{url}"', 'model = "m"']
         lines += ["[models.m]", "block_size = 16", f'policy = "{args.policy}"']
@@ -249,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
         result["rss_first_mb"] = round(sum(samples[:k]) / k, 1)
         result["rss_last_mb"] = round(sum(samples[-k:]) / k, 1)
         result["rss_max_mb"] = round(max(samples), 1)
+        result["rss_every_10s_mb"] = [round(x, 1) for x in samples[::10]]
         if "direct" in result and "ttft_p50_ms" in result["direct"]:
             d, r = result["direct"], result["router"]
             result["added_ttft_p50_ms"] = round(r["ttft_p50_ms"] - d["ttft_p50_ms"], 1)
@@ -271,6 +274,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--direct-duration", type=float, default=20.0)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument(
+        "--max-speculative-blocks",
+        type=int,
+        help="router's cap on speculative index entries (default: the router's own)",
+    )
     p.add_argument(
         "--policy",
         default="round_robin",
