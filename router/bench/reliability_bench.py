@@ -202,8 +202,9 @@ def run(args: argparse.Namespace) -> int:
         rport = _free_port()
         cfg = workdir / "router.toml"
         lines = ["[server]", f"port = {rport}", 'log_level = "warning"', "pool_per_replica = 1024"]
-        if args.max_speculative_blocks is not None:
-            lines.append(f"max_speculative_blocks = {args.max_speculative_blocks}")
+        cap = getattr(args, "max_speculative_blocks", None)
+        if cap is not None:
+            lines.append(f"max_speculative_blocks = {cap}")
         for name, url, _ in mocks:
             lines += ["[[replicas]]", f'name = "{name}"', f'url = "{url}"', 'model = "m"']
         lines += ["[models.m]", "block_size = 16", f'policy = "{args.policy}"']
