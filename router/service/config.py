@@ -58,7 +58,7 @@ class ServerSettings:
     log_level: str = "info"
     # "aiohttp": every endpoint on the aiohttp app; "fast": the two hot POST endpoints on a raw
     # asyncio/httptools server, the rest relayed to the aiohttp app (router/service/fast_server.py)
-    http_engine: str = "aiohttp"
+    http_engine: str = "fast"
     # security and reliability (router/service/security.py, docs/operations.md)
     api_keys: str | None = None  # comma-separated client keys; None: no key required
     api_keys_file: str | None = None  # one key per line
