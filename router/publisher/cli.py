@@ -84,7 +84,12 @@ async def _main(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         flush_interval_s=args.flush_interval,
     )
-    store = RedisStore.from_url(args.redis, KeySchema(args.key_prefix, args.stream_shards))
+    signing_hex = args.signing_key or os.environ.get("KVROUTER_SIGNING_KEY")
+    store = RedisStore.from_url(
+        args.redis,
+        KeySchema(args.key_prefix, args.stream_shards),
+        signing_key=bytes.fromhex(signing_hex) if signing_hex else None,
+    )
     publisher = Publisher(settings, store)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -123,8 +128,29 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _derive(args: argparse.Namespace) -> int:
+    from router.store.codec import replica_signing_key
+
+    master = args.master or os.environ.get("KVROUTER_SIGNING_MASTER")
+    if not master:
+        raise ValueError("give --master HEX or set KVROUTER_SIGNING_MASTER")
+    print(replica_signing_key(bytes.fromhex(master), args.replica).hex())
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    d = sub.add_parser(
+        "signing-key",
+        help="derive a replica's change-signing key from the routers' master secret",
+    )
+    d.add_argument("--replica", required=True)
+    d.add_argument("--master", help="hex master secret (or KVROUTER_SIGNING_MASTER)")
+    d.set_defaults(handler=_derive)
     p = sub.add_parser("publish", help="publish one engine's KV events and load to Redis")
+    p.add_argument(
+        "--signing-key",
+        help="hex key from `kvrouter signing-key` (or KVROUTER_SIGNING_KEY): sign change entries",
+    )
     p.add_argument("--replica", required=True, help="replica id (unique in the fleet)")
     p.add_argument("--model", required=True, help="served model name (hash namespace)")
     p.add_argument("--url", default="", help="the engine's OpenAI-compatible base URL")

@@ -259,7 +259,9 @@ async def _redis_index(app: web.Application) -> AsyncIterator[None]:
 
     s = app[SETTINGS].server
     store = RedisStore.from_url(
-        s.redis_url or "", KeySchema(s.redis_key_prefix, s.redis_stream_shards)
+        s.redis_url or "",
+        KeySchema(s.redis_key_prefix, s.redis_stream_shards),
+        verify_master=bytes.fromhex(s.redis_signing_master) if s.redis_signing_master else None,
     )
     sync = IndexSync(
         store, app[STATE].index, asyncio.get_running_loop().time, listener=_LoadFeed(app[STATE])

@@ -69,6 +69,9 @@ class ServerSettings:
     redis_url: str | None = None  # shared index: follow the Redis store (docs/redis.md)
     redis_key_prefix: str = "kvr"
     redis_stream_shards: int = 8
+    # hex master secret: accept only change entries signed by the replica they name
+    # (docs/redis.md "Signed change entries"); None: no signature checks
+    redis_signing_master: str | None = None
     # gRPC beside HTTP (router/rpc, docs/grpc.md); grpc_port None: off, 0: any free port
     grpc_port: int | None = None
     grpc_host: str | None = None  # default: the HTTP host
@@ -308,6 +311,12 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     if not isinstance(server_tab, Mapping):
         raise ConfigError("server: must be a table")
     server = _typed(ServerSettings, server_tab, "server")
+    if server.redis_signing_master is not None:
+        try:
+            if len(bytes.fromhex(server.redis_signing_master)) < 16:
+                raise ValueError("shorter than 16 bytes")
+        except ValueError as exc:
+            raise ConfigError(f"server.redis_signing_master: not a hex secret ({exc})") from None
     if not 0 < server.port < 65536:
         raise ConfigError(f"server.port: {server.port} is not a TCP port")
     if server.http_engine not in ("aiohttp", "fast"):

@@ -240,7 +240,11 @@ def install_log_redaction(secrets: Iterable[str] = ()) -> RedactingFilter:
 
 def server_secrets(server: Any) -> list[str]:
     """Literal secrets of a server configuration (admin token, API keys, Redis password)."""
-    out = [getattr(server, "admin_token", None) or ""]
+    out = [
+        getattr(server, "admin_token", None) or "",
+        getattr(server, "grpc_token", None) or "",
+        getattr(server, "redis_signing_master", None) or "",
+    ]
     out += list(
         read_api_keys(getattr(server, "api_keys", None), getattr(server, "api_keys_file", None))
     )

@@ -9,6 +9,8 @@ replica info (JSON). Decoding is total: a bad entry raises ``ValueError`` only.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Mapping
 
 import msgpack
@@ -123,3 +125,43 @@ def decode_change(fields: Mapping[bytes, bytes]) -> Change:
     except (KeyError, UnicodeDecodeError, TypeError) as exc:
         raise ValueError(f"bad change entry: {exc!r}") from None
     raise ValueError(f"unknown change type {kind!r}")
+
+
+# ---------------------------------------------------------------------------- signatures
+#
+# The change streams are shared by the replicas of a shard, so Redis ACLs alone cannot stop
+# one publisher appending entries in another replica's name. With signing on, every entry
+# carries ``m`` = HMAC-SHA256 (truncated to 16 bytes) of its other fields under the
+# replica's own key, derived from a master secret only routers hold:
+# ``key(replica) = HMAC-SHA256(master, "kvrouter-replica-key\0" + replica)``. A publisher
+# holds just its derived key, so it can sign only for itself.
+
+SIGNATURE_FIELD = b"m"
+
+
+def replica_signing_key(master: bytes, replica: str) -> bytes:
+    return hmac.new(master, b"kvrouter-replica-key\0" + replica.encode(), hashlib.sha256).digest()
+
+
+def _mac(fields: Mapping[bytes, bytes], key: bytes) -> bytes:
+    body = b"\0".join(k + b"\1" + v for k, v in sorted(fields.items()) if k != SIGNATURE_FIELD)
+    return hmac.new(key, body, hashlib.sha256).digest()[:16]
+
+
+def sign_fields(fields: dict[bytes, bytes], key: bytes) -> dict[bytes, bytes]:
+    """Add the signature field to an encoded change (in place; returned for chaining)."""
+    fields[SIGNATURE_FIELD] = _mac(fields, key)
+    return fields
+
+
+def verify_fields(fields: Mapping[bytes, bytes], master: bytes) -> bool:
+    """True when the entry is signed with the key of the replica it names."""
+    given = fields.get(SIGNATURE_FIELD)
+    replica = fields.get(b"r")
+    if not given or replica is None:
+        return False
+    try:
+        key = replica_signing_key(master, replica.decode())
+    except UnicodeDecodeError:
+        return False
+    return hmac.compare_digest(given, _mac(fields, key))

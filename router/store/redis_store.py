@@ -30,7 +30,13 @@ from router.store.base import (
     ReplicaUp,
     ResetChange,
 )
-from router.store.codec import decode_change, encode_change
+from router.store.codec import (
+    decode_change,
+    encode_change,
+    replica_signing_key,
+    sign_fields,
+    verify_fields,
+)
 from router.store.packed import PackedTable, parse_records
 from router.store.schema import KeySchema
 
@@ -64,10 +70,19 @@ class RedisStore:
         client: aioredis.Redis,
         schema: KeySchema | None = None,
         stream_maxlen: int = DEFAULT_STREAM_MAXLEN,
+        *,
+        signing_key: bytes | None = None,
+        verify_master: bytes | None = None,
     ) -> None:
+        """``signing_key``: a publisher's own derived key; every change entry it writes is
+        signed (codec.sign_fields). ``verify_master``: a router's master secret; change
+        entries not signed with the key of the replica they name are dropped and counted as
+        malformed."""
         self.redis = client
         self.schema = schema or KeySchema()
         self.stream_maxlen = stream_maxlen
+        self.signing_key = signing_key
+        self.verify_master = verify_master
 
     @classmethod
     def from_url(cls, url: str, schema: KeySchema | None = None, **kwargs: Any) -> RedisStore:
@@ -77,9 +92,16 @@ class RedisStore:
         await self.redis.aclose()
 
     def _xadd(self, pipe: Any, replica: str, change: Change) -> None:
+        fields = encode_change(change)
+        key = self.signing_key
+        if key is None and self.verify_master is not None:
+            # a router writing in a replica's name (reaping an expired lease) holds the master
+            key = replica_signing_key(self.verify_master, replica)
+        if key is not None:
+            sign_fields(fields, key)
         pipe.xadd(
             self.schema.stream(self.schema.shard_of(replica)),
-            encode_change(change),
+            fields,
             maxlen=self.stream_maxlen,
             approximate=True,
         )
@@ -269,6 +291,9 @@ class RedisStore:
             name = stream.decode() if isinstance(stream, bytes) else stream
             for entry_id, fields in entries:
                 ids[name] = entry_id
+                if self.verify_master is not None and not verify_fields(fields, self.verify_master):
+                    malformed += 1  # unsigned, or signed by another replica's publisher
+                    continue
                 try:
                     change = decode_change(fields)
                 except ValueError:
