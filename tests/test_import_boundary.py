@@ -81,3 +81,27 @@ def test_importing_core_loads_no_io_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+SERVING = ("core", "service", "store", "events", "publisher", "rpc", "tokenize", "bench")
+
+
+def test_serving_code_never_imports_the_simulator() -> None:
+    """DESIGN.md: only command-line entry points (router/demo, router/mock's engine driver,
+    router/cli) may reach into sim/; the serving path never does."""
+    root = CORE.parent
+    offenders = []
+    for pkg in SERVING:
+        for path in sorted((root / pkg).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else []
+                )
+                if any(n == "sim" or n.startswith("sim.") for n in names):
+                    offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert offenders == []
