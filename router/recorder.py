@@ -26,6 +26,7 @@ import json
 import os
 import pathlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -77,7 +78,7 @@ class TraceRecorder:
         model: str,
         input_length: int,
         output_length: int,
-        block_hashes: list[int],
+        block_hashes: Sequence[int],
         block_size: int,
         session_id: str | None = None,
         finished_at: float | None = None,

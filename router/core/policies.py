@@ -305,7 +305,7 @@ class Ours:
     def term_values(self, request: RouteRequest, c: Candidate) -> tuple[float, float, float, float]:
         """(prefill, queue, decode, kv) seconds for one candidate; see the class docstring.
 
-        Written out flat (no intermediate objects): it runs once per candidate per request.
+        Flat (tuple, no dicts): it runs once per candidate per request.
         """
         m = c.match
         usable = m.usable_blocks if m.usable_blocks < m.kv_blocks else m.kv_blocks
@@ -323,14 +323,11 @@ class Ours:
             extra = engine.waiting - load.prefilling
             if extra > 0:
                 queued += extra * self.foreign_waiting_tokens
-        cost = self.cost
-        per_token, per_pair = cost.prefill_s_per_token, cost.prefill_s_per_token_ctx
-        prefill = new * per_token + new * (cached + new / 2) * per_pair if new > 0 else 0.0
-        queue = queued * per_token + queued * (queued / 2) * per_pair if queued > 0 else 0.0
-        steps = max(1, -(-(queued + new) // cost.chunk_tokens))
-        decode = steps * (
-            load.decoding * cost.decode_s_per_seq
-            + load.decode_context_tokens * cost.decode_s_per_ctx_token
+        cost = self.cost  # the engine model's own formulas, so sim and policy agree
+        prefill = cost.prefill_s(new, cached)
+        queue = cost.prefill_s(queued, 0)
+        decode = cost.steps_for(queued + new) * cost.decode_step_s(
+            load.decoding, load.decode_context_tokens
         )
         kv = 0.0
         excess = (engine.kv_usage if engine is not None else 0.0) - self.kv_pressure_threshold
@@ -340,14 +337,6 @@ class Ours:
 
     def terms(self, request: RouteRequest, c: Candidate) -> dict[str, float]:
         return dict(zip(TERM_NAMES, self.term_values(request, c), strict=True))
-
-    def score(self, t: Mapping[str, float]) -> float:
-        return (
-            self.w_prefill * t["prefill"]
-            + self.w_queue * t["queue"]
-            + self.w_decode * t["decode"]
-            + self.w_kv * t["kv"]
-        )
 
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random

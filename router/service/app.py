@@ -228,25 +228,24 @@ async def _probe_health(app: web.Application, session: aiohttp.ClientSession, ev
         await asyncio.sleep(every)
 
 
-class _LoadFeed:
-    """IndexSync listener for a statically configured fleet: engine load reports of known
-    replica keys go to the LoadTracker; membership stays with the configured registry."""
+def _load_feed(state: RouterState) -> Any:
+    """IndexSync listener for a statically configured fleet: the store's LoadTrackerListener,
+    except that membership stays with the configured registry and reports of unknown replica
+    keys are ignored."""
+    from router.store.sync import LoadTrackerListener
 
-    def __init__(self, state: RouterState) -> None:
-        self.state = state
+    class StaticFleetFeed(LoadTrackerListener):
+        def replica_up(self, info: Any) -> None:
+            return None
 
-    def replica_up(self, info: Any) -> None:
-        return None
+        def replica_down(self, replica: str, keys: Any) -> None:
+            return None
 
-    def replica_down(self, replica: str, keys: Any) -> None:
-        return None
+        def load(self, key: Any, sample: Any, now: float) -> None:
+            if state.registry.endpoint(key) is not None:
+                super().load(key, sample, now)
 
-    def load(self, key: Any, sample: Any, now: float) -> None:
-        from router.core.load import EngineReport
-
-        if self.state.registry.endpoint(key) is not None:
-            report = EngineReport(sample.running, sample.waiting, sample.kv_usage, now)
-            self.state.load.engine_report(key, report)
+    return StaticFleetFeed(state.load)
 
 
 async def _redis_index(app: web.Application) -> AsyncIterator[None]:
@@ -264,7 +263,7 @@ async def _redis_index(app: web.Application) -> AsyncIterator[None]:
         verify_master=bytes.fromhex(s.redis_signing_master) if s.redis_signing_master else None,
     )
     sync = IndexSync(
-        store, app[STATE].index, asyncio.get_running_loop().time, listener=_LoadFeed(app[STATE])
+        store, app[STATE].index, asyncio.get_running_loop().time, listener=_load_feed(app[STATE])
     )
     app[INDEX_SYNC] = sync
     import logging

@@ -363,7 +363,7 @@ class Forwarder:
             model=req.model,
             input_length=req.prompt_tokens,
             output_length=out,
-            block_hashes=list(req.block_hashes),
+            block_hashes=req.block_hashes,
             block_size=req.block_size,
             session_id=req.session_id,
             finished_at=asyncio.get_running_loop().time(),
