@@ -275,6 +275,22 @@ class IncrementalTokenizer:
         else:
             tokens = self.encode_text(text)
             base_hashes = None
+        enc = self._finish(tokens, base_hashes, reused, root, block_size, t0)
+        if remember and use_cache:
+            self._remember(keys[-1], text, tokens, enc.hashes, root, block_size)
+        return enc
+
+    def _finish(
+        self,
+        tokens: TokenArray,
+        base_hashes: list[int] | None,
+        reused: int,
+        root: int,
+        block_size: int,
+        t0: float,
+    ) -> Encoded:
+        """Block hashes of ``tokens`` (continuing ``base_hashes``, the hashes of the reused
+        full blocks, when given), hit/miss counts, timings from ``t0``."""
         t1 = time.perf_counter()
         if base_hashes is not None:
             parent = base_hashes[-1] if base_hashes else None
@@ -286,13 +302,11 @@ class IncrementalTokenizer:
             hashes = hash_prompt(tokens, block_size, root).hashes
         t2 = time.perf_counter()
         with self._lock:
-            if found is not None:
+            if reused:
                 self.hits += 1
                 self.reused_tokens += reused
             else:
                 self.misses += 1
-        if remember and use_cache:
-            self._remember(keys[-1], text, tokens, hashes, root, block_size)
         return Encoded(tokens, hashes, reused, t1 - t0, t2 - t1)
 
     def _remember(
@@ -408,23 +422,7 @@ class IncrementalTokenizer:
                 at = len(tokens) - len(tail_ids)
                 if np.array_equal(tokens[at:], tail_ids):
                     loop_idx = at
-        t1 = time.perf_counter()
-        if base_hashes is not None:
-            parent = base_hashes[-1] if base_hashes else None
-            more = hash_prompt(
-                tokens, block_size, root, start=len(base_hashes) * block_size, parent=parent
-            )
-            hashes = base_hashes + more.hashes
-        else:
-            hashes = hash_prompt(tokens, block_size, root).hashes
-        t2 = time.perf_counter()
-        with self._lock:
-            if prefix is not None:
-                self.hits += 1
-                self.reused_tokens += reused
-            else:
-                self.misses += 1
-        return Encoded(tokens, hashes, reused, t1 - t0, t2 - t1), loop_idx
+        return self._finish(tokens, base_hashes, reused, root, block_size, t0), loop_idx
 
     def remember_local(
         self,
