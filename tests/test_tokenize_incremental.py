@@ -178,3 +178,44 @@ def test_hf_special_tokens_are_recognised(tmp_path: Path) -> None:
     ids = tok.encode_segment("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == tok.special_tokens["<|im_start|>"]
     assert ids[-1] == tok.special_tokens["<|im_end|>"]
+
+
+# ---------------------------------------------------------------------------- short prompts
+
+_SPECIAL_SETS = [
+    # Kimi-style: two first characters, occurrences can never overlap -> per-group patterns
+    ["<|im_end|>", "<|im_user|>", "<|im_middle|>", "[BOS]", "[EOS]"],
+    # overlapping tokens (a suffix of one starts another; one inside another): single pattern
+    ["<a>", "a><b", "<b>", "x<a>y"],
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    which=st.sampled_from([0, 1]),
+    pieces=st.lists(
+        st.sampled_from(["<", "|", "[", "]", "a", "b", ">", "x", "y", "im_end", "BOS"])
+        | st.sampled_from(_SPECIAL_SETS[0] + _SPECIAL_SETS[1]),
+        max_size=40,
+    ),
+)
+def test_special_starts_equal_the_alternation_scan(which: int, pieces: list[str]) -> None:
+    tokens = {t: i for i, t in enumerate(_SPECIAL_SETS[which])}
+    splitter = SpecialSplitter.for_tokens(tokens)
+    assert (splitter.groups is not None) == (which == 0)
+    text = "".join(pieces)
+    assert splitter.pattern is not None
+    assert splitter.starts(text) == [m.start() for m in splitter.pattern.finditer(text)]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(history=st.lists(_message, min_size=1, max_size=8), pad=st.integers(0, 200))
+def test_short_prompts_with_memoised_pieces_equal_cold(
+    history: list[dict[str, Any]], pad: int
+) -> None:
+    tok, template = kimi()
+    inc = IncrementalTokenizer(tok)
+    system = {"role": "system", "content": "x" * pad}
+    for _ in range(2):  # the second round is served from the piece memo
+        text = template.render(prepare_messages([system, *history]))
+        assert np.array_equal(inc.encode_short(text), tok.encode_segment(text))

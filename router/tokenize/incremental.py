@@ -165,36 +165,37 @@ class IncrementalTokenizer:
         return encode(self.tokenizer, self.splitter, text)
 
     def encode_short(self, text: str) -> TokenArray:
-        """``encode_text(text)`` for a short text, memoising the ids of its long pieces.
+        """``encode_text(text)`` for a short text, memoising the ids of its pieces.
 
         The text is cut at the start of every special token; by the tokenizer contract (see
         :mod:`router.tokenize.tokenizers`) the ids of the pieces, concatenated, are the ids of
-        the text, so the result is exactly ``encode_text(text)``. Consecutive short pieces are
-        encoded together in one call; pieces of ``PIECE_MIN_CHARS`` or more are looked up in
-        (and added to) a memo bounded by ``PIECE_MEMO_BYTES`` (oldest entries dropped first).
+        the text, so the result is exactly ``encode_text(text)``. Pieces of
+        ``PIECE_MIN_CHARS`` or more are looked up alone; consecutive shorter ones (template
+        scaffolding such as ``<|im_end|><|im_user|>user<|im_middle|>``) as one run. Both go
+        through a memo bounded by ``PIECE_MEMO_BYTES`` (oldest entries dropped first): system
+        prompts, tool definitions, earlier messages and the template's own text repeat across
+        requests, so most requests tokenize only their new content.
         """
-        pattern = self.splitter.pattern
-        if pattern is None or len(text) < PIECE_MIN_CHARS:
+        if self.splitter.pattern is None or len(text) < PIECE_MIN_CHARS:
             return self.tokenizer.encode_segment(text)
-        encode_segment = self.tokenizer.encode_segment
         memo = self._pieces
+        piece = self._piece
         parts: list[TokenArray] = []
         run = 0  # start of the pending run of short pieces
         prev = 0  # start of the current piece
-        for m in pattern.finditer(text):
-            start = m.start()
+        for start in self.splitter.starts(text):
             if start - prev >= PIECE_MIN_CHARS:
                 if run < prev:
-                    parts.append(encode_segment(text[run:prev]))
-                parts.append(self._piece(text[prev:start], memo))
+                    parts.append(piece(text[run:prev], memo))
+                parts.append(piece(text[prev:start], memo))
                 run = start
             prev = start
         if len(text) - prev >= PIECE_MIN_CHARS:
             if run < prev:
-                parts.append(encode_segment(text[run:prev]))
-            parts.append(self._piece(text[prev:], memo))
+                parts.append(piece(text[run:prev], memo))
+            parts.append(piece(text[prev:], memo))
         elif run < len(text):
-            parts.append(encode_segment(text[run:]))
+            parts.append(piece(text[run:], memo))
         if len(parts) == 1:
             return parts[0]
         return np.concatenate(parts)

@@ -22,7 +22,7 @@ import itertools
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,16 +76,39 @@ class Tokenizer(Protocol):
 
 @dataclass(slots=True, frozen=True)
 class SpecialSplitter:
-    """Finds special-token occurrences in text (longest alternatives first)."""
+    """Finds special-token occurrences in text (longest alternatives first).
+
+    ``groups``: when no two occurrences of special tokens can overlap in any text (no token
+    has, past its first character, a substring that is a prefix of a token, nor contains a
+    token), one pattern per first character, each starting with its group's literal common
+    prefix. Python's ``re`` scans for a literal prefix several times faster than for an
+    alternation (a 2 KB chat prompt: ~2 us against ~11 us), and with occurrences that can not
+    overlap the merged matches of the groups are exactly the matches of ``pattern``.
+    """
 
     pattern: re.Pattern[str] | None
+    groups: tuple[re.Pattern[str], ...] | None = None
 
     @classmethod
     def for_tokens(cls, tokens: Mapping[str, int]) -> SpecialSplitter:
         if not tokens:
             return cls(None)
         alts = sorted(tokens, key=len, reverse=True)
-        return cls(re.compile("|".join(re.escape(t) for t in alts)))
+        pattern = re.compile("|".join(re.escape(t) for t in alts))
+        return cls(pattern, _prefix_groups(alts))
+
+    def starts(self, text: str) -> list[int]:
+        """Start offsets of the special-token occurrences ``pattern.finditer`` finds."""
+        if self.pattern is None:
+            return []
+        groups = self.groups
+        if groups is None:
+            return [m.start() for m in self.pattern.finditer(text)]
+        if len(groups) == 1:
+            return [m.start() for m in groups[0].finditer(text)]
+        found = [m.start() for g in groups for m in g.finditer(text)]
+        found.sort()
+        return found
 
     def cut_points(self, text: str, parts: int) -> list[int]:
         """Up to ``parts - 1`` offsets, each the start of a special token, splitting ``text`` into
@@ -114,6 +137,27 @@ class SpecialSplitter:
             if len(found) >= n or lo == 0:
                 return found[-n:]
             lo = max(0, lo - 8 * window)
+
+
+def _prefix_groups(alts: Sequence[str]) -> tuple[re.Pattern[str], ...] | None:
+    """Per-first-character patterns for :class:`SpecialSplitter`, or None when two special
+    tokens could overlap in some text (then only the single alternation is exact)."""
+    if any(not t for t in alts):
+        return None
+    for t in alts:
+        for u in alts:
+            # u occurs inside t past its first character, or a suffix of t starts u
+            if (u != t and u in t[1:]) or any(u.startswith(t[i:]) for i in range(1, len(t))):
+                return None
+    groups: dict[str, list[str]] = {}
+    for t in alts:  # already longest first
+        groups.setdefault(t[0], []).append(t)
+    out = []
+    for members in groups.values():
+        lcp = os.path.commonprefix(members)
+        rest = "|".join(re.escape(t[len(lcp) :]) for t in members)
+        out.append(re.compile(re.escape(lcp) + "(?:" + rest + ")"))
+    return tuple(out)
 
 
 _POOL: ThreadPoolExecutor | None = None
