@@ -154,7 +154,9 @@ def _prefix_groups(alts: Sequence[str]) -> tuple[re.Pattern[str], ...] | None:
         groups.setdefault(t[0], []).append(t)
     out = []
     for members in groups.values():
-        lcp = os.path.commonprefix(members)
+        lcp = min(members, key=len)
+        while not all(t.startswith(lcp) for t in members):
+            lcp = lcp[:-1]
         rest = "|".join(re.escape(t[len(lcp) :]) for t in members)
         out.append(re.compile(re.escape(lcp) + "(?:" + rest + ")"))
     return tuple(out)
