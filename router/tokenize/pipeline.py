@@ -145,13 +145,23 @@ class PromptProcessor:
     ) -> tuple[str, list[Mapping[str, Any]], dict[str, Any] | None]:
         """Rendered text, the messages and the key context (None without a template)."""
         messages, tools, kwargs, add_gen = self._chat_args(body)
+        text, context = self._render_text(messages, tools, kwargs, add_gen)
+        return text, messages, context
+
+    def _render_text(
+        self,
+        messages: list[Mapping[str, Any]],
+        tools: Any,
+        kwargs: Mapping[str, Any],
+        add_gen: bool,
+    ) -> tuple[str, dict[str, Any] | None]:
         if self.template is None:
-            return _simple_render(messages, tools), messages, None
+            return _simple_render(messages, tools), None
         prepared = prepare_messages(messages)
         text = self.template.render(
             prepared, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
         )
-        return text, messages, {"tools": tools, "kwargs": kwargs, "gen": add_gen}
+        return text, {"tools": tools, "kwargs": kwargs, "gen": add_gen}
 
     @staticmethod
     def _chat_args(
@@ -170,16 +180,16 @@ class PromptProcessor:
         return messages, body.get("tools"), kwargs, add_gen
 
     def chat(self, body: Mapping[str, Any]) -> ProcessedPrompt:
+        t0 = time.perf_counter()
         tokenizer, template = self.tokenizer, self.template
+        messages, tools, kwargs, add_gen = self._chat_args(body)
         if tokenizer is not None and template is not None and tokenizer.budget_bytes > 0:
-            messages, tools, kwargs, add_gen = self._chat_args(body)
             local = template.local_for(tools)
             if local is not None:
                 chars = _content_chars(messages)
                 if chars >= MIN_CACHED_CHARS:
                     return self._chat_local(local, body, messages, tools, kwargs, add_gen, chars)
-        t0 = time.perf_counter()
-        text, messages, context = self._render(body)
+        text, context = self._render_text(messages, tools, kwargs, add_gen)
         render_s = time.perf_counter() - t0
         if tokenizer is None or template is None:
             return self._approximate(text, body, render_s)
