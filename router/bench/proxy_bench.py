@@ -166,6 +166,8 @@ def _wait_http(url: str, timeout: float = 30.0) -> None:
 
 
 def chat_body(stream: bool, size: int = 2048) -> str:
+    """The ~2 KB chat body. Its user text starts with ``UNIQUE `` (``wrk --unique`` swaps in
+    a random marker per request; otherwise every request sends the same body)."""
     words = [
         "the",
         "quick",
@@ -181,7 +183,7 @@ def chat_body(stream: bool, size: int = 2048) -> str:
         "count",
         "tokens",
     ]
-    text = " ".join(words[i % len(words)] for i in range(size // 5))[: size - 200]
+    text = "UNIQUE " + " ".join(words[i % len(words)] for i in range(size // 5))[: size - 207]
     body = {
         "model": MODEL,
         "messages": [
@@ -198,6 +200,15 @@ _LUA = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 wrk.body = [==[%s]==]
+unique = %s
+if unique then
+  math.randomseed(os.time() + math.floor(os.clock() * 1e6))
+  request = function()
+    -- a fresh user text per request: nothing in it was seen before
+    local mark = string.format("req-%%d-%%d ", math.random(1, 1e9), math.random(1, 1e9))
+    return wrk.format(nil, nil, nil, string.gsub(wrk.body, "UNIQUE ", mark, 1))
+  end
+end
 done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
@@ -209,9 +220,13 @@ end
 """
 
 
-def wrk(url: str, body: str, connections: int, seconds: float, threads: int) -> dict[str, Any]:
+def wrk(
+    url: str, body: str, connections: int, seconds: float, threads: int, unique: bool = False
+) -> dict[str, Any]:
+    """Run wrk; ``unique``: replace the marker ``UNIQUE `` of the body (see :func:`chat_body`)
+    with a random one in every request."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as fh:
-        fh.write(_LUA % body)
+        fh.write(_LUA % (body, "true" if unique else "false"))
         script = fh.name
     try:
         out = subprocess.run(
@@ -242,9 +257,10 @@ def wrk(url: str, body: str, connections: int, seconds: float, threads: int) -> 
 
 
 def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    wrk(url, chat_body(False), args.connections, 2, args.threads)  # warm-up
-    ns = wrk(url, chat_body(False), args.connections, args.seconds, args.threads)
-    st = wrk(url, chat_body(True), args.connections, args.seconds, args.threads)
+    u = args.unique
+    wrk(url, chat_body(False), args.connections, 2, args.threads, u)  # warm-up
+    ns = wrk(url, chat_body(False), args.connections, args.seconds, args.threads, u)
+    st = wrk(url, chat_body(True), args.connections, args.seconds, args.threads, u)
     return {
         "rps_nonstream": ns["rps"],
         "rps_stream": st["rps"],
@@ -309,8 +325,8 @@ def _measure_kvrouter(
             _wait_http(f"http://127.0.0.1:{kv_port}/health")
             kv_url = f"http://127.0.0.1:{kv_port}/v1/chat/completions"
             figures = measure(kv_url, args)
-            d1 = wrk(direct_url, chat_body(False), 1, args.seconds, 1)
-            k1 = wrk(kv_url, chat_body(False), 1, args.seconds, 1)
+            d1 = wrk(direct_url, chat_body(False), 1, args.seconds, 1, args.unique)
+            k1 = wrk(kv_url, chat_body(False), 1, args.seconds, 1, args.unique)
         finally:
             _stop(kv)
     c1 = {
@@ -340,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
         "seconds": args.seconds,
         "kvrouter_workers": args.workers,
         "kvrouter_engine": args.engine,
+        "unique_prompts": args.unique,
         "cpus": os.cpu_count(),
     }
     try:
@@ -406,4 +423,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="kvrouter server.http_engine (both: measure each)",
     )
     p.add_argument("--vllm-router", help="path of the vllm-router binary")
+    p.add_argument(
+        "--unique",
+        action="store_true",
+        help="a fresh user text in every request (no prompt memo can help; wrk builds each body)",
+    )
     p.set_defaults(handler=run)

@@ -157,7 +157,9 @@ class IncrementalTokenizer:
         self.hits = 0
         self.misses = 0
         self.reused_tokens = 0
-        self._pieces: dict[str, TokenArray] = {}
+        # FIFO by insertion; an OrderedDict pops its oldest entry in O(1) (a dict would scan
+        # the holes left by earlier pops)
+        self._pieces: OrderedDict[str, TokenArray] = OrderedDict()
         self._pieces_bytes = 0
 
     def encode_text(self, text: str) -> TokenArray:
@@ -200,7 +202,7 @@ class IncrementalTokenizer:
             return parts[0]
         return np.concatenate(parts)
 
-    def _piece(self, piece: str, memo: dict[str, TokenArray]) -> TokenArray:
+    def _piece(self, piece: str, memo: OrderedDict[str, TokenArray]) -> TokenArray:
         ids = memo.get(piece)
         if ids is not None:
             return ids
@@ -212,8 +214,7 @@ class IncrementalTokenizer:
                 memo[piece] = ids
                 self._pieces_bytes += size
                 while self._pieces_bytes > PIECE_MEMO_BYTES and memo:
-                    old = next(iter(memo))
-                    old_ids = memo.pop(old)
+                    old, old_ids = memo.popitem(last=False)
                     self._pieces_bytes -= 2 * len(old) + old_ids.nbytes + 120
         return ids
 
