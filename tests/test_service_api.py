@@ -399,6 +399,8 @@ async def test_health_ready_and_approximate_mode(fleet: Fleet) -> None:
     assert ready.status == 200 and body["ready"] is True
     assert body["models"][MODEL]["prompt_mode"] == "exact"
     assert body["models"][APPROX]["prompt_mode"] == "approximate"
+    assert body["models"][MODEL]["incremental_render"] is True  # the Kimi-style template
+    assert body["models"][APPROX]["incremental_render"] is False  # no template
     assert "note" in body["models"][APPROX]
     r = await fleet.client.chat.completions.create(
         model=APPROX, messages=[{"role": "user", "content": "hello " * 300}]

@@ -140,6 +140,10 @@ async def ready(request: web.Request) -> web.Response:
             "replicas": len(keys),
             "available": len(up),
             "prompt_mode": "exact" if proc.exact else "approximate",
+            # the chat template is message-local: long conversations render and tokenize
+            # only their new messages (router.tokenize.local_template)
+            "incremental_render": proc.template is not None
+            and proc.template.local_for(None) is not None,
         }
         if not proc.exact:
             out[name]["note"] = (

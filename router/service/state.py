@@ -9,6 +9,7 @@ which lock themselves.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import deque
@@ -31,6 +32,8 @@ from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import ProcessedPrompt, PromptProcessor
 from router.tokenize.template import ChatTemplate
 from router.tokenize.tokenizers import load_tokenizer_dir, read_tokenizer_config
+
+_log = logging.getLogger(__name__)
 
 APPROXIMATE_SPECULATIVE_TTL_S = 600.0
 
@@ -72,6 +75,14 @@ def build_processor(
         template = _template_file(model.chat_template, read_tokenizer_config(directory))
     else:
         template = ChatTemplate.from_tokenizer_config(files.config, directory)
+    if template is not None:
+        _log.info(
+            "model %s: chat template is %s",
+            model.name,
+            "message-local: long conversations render only their new messages"
+            if template.local_for(None) is not None
+            else "not message-local: long conversations are rendered whole each turn",
+        )
     return PromptProcessor(
         model.name,
         block,
