@@ -276,3 +276,43 @@ def test_local_entries_respect_the_byte_budget() -> None:
         proc.chat({"model": "m", "messages": [{"role": "user", "content": f"{i} " + "w " * 9000}]})
     stats = proc.tokenizer.stats()
     assert 0 < stats.entries < 6 and stats.bytes <= 300_000
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ({"a": 1, "b": 2}, {"a": True, "b": 2}),  # equal in Python, "1" vs "true" in JSON
+        ({"a": 1, "b": 2}, {"a": 1.0, "b": 2}),  # "1" vs "1.0"
+        ({"a": 1, "b": 2}, {"b": 2, "a": 1}),  # equal dicts, another key order
+    ],
+)
+def test_history_equal_only_to_python_is_not_reused(
+    first: dict[str, Any], second: dict[str, Any]
+) -> None:
+    """Tool-call arguments sent as objects render through ``tojson``: a cached conversation
+    is reused only when the history is the same JSON, not merely ``==``."""
+    proc = _processor()
+
+    def conversation(arguments: dict[str, Any]) -> list[dict[str, Any]]:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return [
+            _SYSTEM,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "done"},
+        ]
+
+    proc.chat({"model": "m", "messages": conversation(first)})
+    body = {"model": "m", "messages": [*conversation(second), {"role": "user", "content": "go"}]}
+    got = proc.chat(body)
+    assert got.reused_tokens == 0
+    assert (got.prompt_tokens, got.block_hashes) == _cold(proc, body)
+
+
+def test_same_json() -> None:
+    from router.tokenize.incremental import same_json
+
+    assert same_json({"a": [1, "x", None, 2.5]}, {"a": [1, "x", None, 2.5]})
+    assert not same_json({"a": 1}, {"a": True})
+    assert not same_json({"a": 1, "b": 2}, {"b": 2, "a": 1})
+    assert not same_json([1], [1, 2])
+    assert same_json(float("nan"), float("nan"))

@@ -99,6 +99,31 @@ class _LocalEntry:
     nbytes: int
 
 
+def same_json(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` (parsed JSON) would render identically: equal *and* of the same types
+    and key order (Python's ``==`` holds for ``1``, ``1.0`` and ``True``, and for dicts in
+    another key order, which ``tojson`` renders differently)."""
+    if a is b:
+        return True
+    kind = type(a)
+    if kind is not type(b):
+        return False
+    if kind is str:
+        return bool(a == b)
+    if kind is dict:
+        if len(a) != len(b):
+            return False
+        for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True):
+            if ka != kb or not (va == vb if type(va) is str is type(vb) else same_json(va, vb)):
+                return False
+        return True
+    if kind is list:
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
+    if kind is float and a != a:
+        return bool(b != b)  # NaN
+    return bool(a == b)
+
+
 @dataclass(slots=True, frozen=True)
 class LocalPrefix:
     """A cached conversation prefix a new request extends (from :meth:`probe_local`)."""
@@ -377,8 +402,10 @@ class IncrementalTokenizer:
                 k = len(entry.messages)
                 if (
                     k <= len(messages)
-                    and entry.context == context
-                    and all(a == b for a, b in zip(entry.messages, messages, strict=False))
+                    and same_json(list(entry.context), list(context))
+                    and all(
+                        same_json(a, b) for a, b in zip(entry.messages, messages[:k], strict=True)
+                    )
                 ):
                     self._entries.move_to_end(key)
                     return LocalPrefix(entry, k)
