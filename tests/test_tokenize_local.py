@@ -78,6 +78,13 @@ NOT_LOCAL = {
         "{%- for message in messages %}{{ message.role }}{%- endfor %}"
         "{%- for message in messages %}{{ message.content }}{%- endfor %}"
     ),
+    "date_per_message": (
+        "{%- for message in messages %}[{{ strftime_now('%H:%M:%S.%f') }}]"
+        "{{ message.content }}{%- endfor %}"
+    ),
+    "random_per_message": (
+        "{%- for message in messages %}{{ ['a', 'b'] | random }}{{ message.content }}{%- endfor %}"
+    ),
     "macro": (
         "{% macro r(m) %}{{ m.content }}{% endmacro %}"
         "{%- for message in messages %}{{ r(message) }}{%- endfor %}"

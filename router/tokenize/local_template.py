@@ -18,8 +18,9 @@ construct it does not understand makes the template non-local, and the caller re
 * the loop body reads only: the message, ``loop.first`` / ``loop.index`` / ``loop.index0``
   (rewritten to count from the first rendered message), names it assigns itself
   unconditionally before reading them, and inputs the template never assigns (``tools``,
-  ``bos_token``, template kwargs, globals); it has no ``break`` of the message loop, no
-  namespace assignment, macro, call block, include, import or block.
+  ``bos_token``, template kwargs, pure globals); it has no ``break`` of the message loop, no
+  namespace assignment, macro, call block, include, import or block, and nothing whose output
+  changes between calls (``strftime_now``, ``lipsum``, the ``random`` filter).
 
 The statements after the loop (usually the generation prompt) are rendered every time with
 the whole conversation, so they may read anything.
@@ -45,6 +46,10 @@ _START = "__kvrouter_start"
 _MARK = "__kvrouter_mark"
 _MARK_END = "__kvrouter_mark_end"
 _LOOP_ATTRS = frozenset({"first", "index", "index0"})
+# Globals and filters whose output is not a function of their arguments: a cached body would
+# keep an old date or draw.
+_IMPURE_NAMES = frozenset({"strftime_now", "lipsum"})
+_IMPURE_FILTERS = frozenset({"random", "shuffle"})
 # Statements that may hide cross-message state or unknown control flow.
 _REJECTED = (
     nodes.Macro,
@@ -148,6 +153,8 @@ class _BodyCheck:
         if isinstance(node, nodes.Name):
             self.name(node, depth)
             return
+        if isinstance(node, nodes.Filter) and node.name in _IMPURE_FILTERS:
+            raise _NotLocal(f"the {node.name} filter")
         for child in node.iter_child_nodes():
             self.node(child, top=False, depth=depth)
 
@@ -159,7 +166,12 @@ class _BodyCheck:
             return
         if name == "loop":
             raise _NotLocal("the message loop's loop object used as a value")
-        if name == "messages" or name in self.outer_assigned or name.startswith("__kvrouter"):
+        if (
+            name == "messages"
+            or name in self.outer_assigned
+            or name in _IMPURE_NAMES
+            or name.startswith("__kvrouter")
+        ):
             raise _NotLocal(f"the body reads {name!r}")
 
 
