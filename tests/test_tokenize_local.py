@@ -22,6 +22,12 @@ KIMI_SOURCE = (BUNDLED_DIR / "kimi_style" / "chat_template.jinja").read_text(enc
 
 LOCAL = {
     "kimi": KIMI_SOURCE,
+    # ``loop`` inside an inner loop's filter / else is the message loop: rewritten too
+    "inner_else_and_filter_use_loop_index": (
+        "{% for m in messages %}{% for x in [] %}{% else %}#{{ loop.index }}{% endfor %}"
+        "{% for x in [1, 2] if loop.first %}{{ x }}{% endfor %}"
+        "<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+    ),
     "chatml": (
         "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
         "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -84,6 +90,31 @@ NOT_LOCAL = {
     ),
     "random_per_message": (
         "{%- for message in messages %}{{ ['a', 'b'] | random }}{{ message.content }}{%- endfor %}"
+    ),
+    # found by review: Jinja resolves ``loop`` in an inner loop's else / filter to the outer loop
+    "inner_else_reads_outer_loop": (
+        "{% for m in messages %}{% for x in [] %}{% else %}{{ loop.last }}{% endfor %}"
+        "{{ m.content }};{% endfor %}"
+    ),
+    "inner_filter_reads_outer_loop": (
+        "{% for m in messages %}{% for x in [1, 2] if loop.length == 1 %}{{ x }}{% endfor %}"
+        "{{ m.content }};{% endfor %}"
+    ),
+    "macro_hidden_in_head_if": (
+        "{% set ns = namespace(n=0) %}{% if true %}{% macro count() %}{% set ns.n = ns.n + 1 %}"
+        "{{ ns.n }}{% endmacro %}{% endif %}"
+        "{% for m in messages %}{{ count() }}:{{ m.content }};{% endfor %}"
+    ),
+    "self_block_in_tail": (
+        "{% for m in messages %}{{ self.b() }}{{ m.content }};{% endfor %}"
+        "{% block b %}[{{ messages|length }}]{% endblock %}"
+    ),
+    "map_random": (
+        "{% for m in messages %}{{ [['a', 'b', 'c']] | map('random') | first }}"
+        "{{ m.content }};{% endfor %}"
+    ),
+    "reserved_name_in_head": (
+        "{{ __kvrouter_start }}{% for m in messages %}{{ m.content }};{% endfor %}"
     ),
     "macro": (
         "{% macro r(m) %}{{ m.content }}{% endmacro %}"
@@ -323,3 +354,4 @@ def test_same_json() -> None:
     assert not same_json({"a": 1, "b": 2}, {"b": 2, "a": 1})
     assert not same_json([1], [1, 2])
     assert same_json(float("nan"), float("nan"))
+    assert not same_json({"x": -0.0}, {"x": 0.0})  # tojson writes -0.0 and 0.0

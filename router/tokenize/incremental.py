@@ -119,8 +119,8 @@ def same_json(a: Any, b: Any) -> bool:
         return True
     if kind is list:
         return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
-    if kind is float and a != a:
-        return bool(b != b)  # NaN
+    if kind is float:
+        return repr(a) == repr(b)  # -0.0 and 0.0 render differently; NaN equals NaN
     return bool(a == b)
 
 

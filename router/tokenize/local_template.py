@@ -50,6 +50,19 @@ _LOOP_ATTRS = frozenset({"first", "index", "index0"})
 # keep an old date or draw.
 _IMPURE_NAMES = frozenset({"strftime_now", "lipsum"})
 _IMPURE_FILTERS = frozenset({"random", "shuffle"})
+# filters that apply another filter or test named by their first argument
+_BY_NAME = frozenset({"map", "select", "reject", "selectattr", "rejectattr"})
+# Anywhere in the template: a macro or block can carry state between messages (through a
+# namespace or ``self``) and is called from the loop body.
+_REJECTED_ANYWHERE = (
+    nodes.Macro,
+    nodes.CallBlock,
+    nodes.Include,
+    nodes.Import,
+    nodes.FromImport,
+    nodes.Extends,
+    nodes.Block,
+)
 # Statements that may hide cross-message state or unknown control flow.
 _REJECTED = (
     nodes.Macro,
@@ -129,11 +142,15 @@ class _BodyCheck:
             self.node(node.iter, top=False, depth=depth)
             inner = _names(node.target)
             saved = set(self.locals)
-            self.locals |= inner | {"loop"}
+            # Jinja resolves ``loop`` in an inner loop's filter and ``else`` block to the
+            # *outer* loop: those are checked (and rewritten) at the outer depth
+            self.locals |= inner
             if node.test is not None:
-                self.node(node.test, top=False, depth=depth + 1)
+                self.node(node.test, top=False, depth=depth)
+            self.locals = saved | inner | {"loop"}
             self.statements(node.body, top=False, depth=depth + 1)
-            self.statements(node.else_, top=False, depth=depth + 1)
+            self.locals = set(saved)
+            self.statements(node.else_, top=False, depth=depth)
             self.locals = saved
             return
         if isinstance(node, nodes.With):
@@ -153,10 +170,19 @@ class _BodyCheck:
         if isinstance(node, nodes.Name):
             self.name(node, depth)
             return
-        if isinstance(node, nodes.Filter) and node.name in _IMPURE_FILTERS:
-            raise _NotLocal(f"the {node.name} filter")
+        if isinstance(node, (nodes.Filter, nodes.Test)):
+            self.filter(node)
         for child in node.iter_child_nodes():
             self.node(child, top=False, depth=depth)
+
+    @staticmethod
+    def filter(node: nodes.Filter | nodes.Test) -> None:
+        if node.name in _IMPURE_FILTERS:
+            raise _NotLocal(f"the {node.name} filter")
+        if node.name in _BY_NAME:  # ``map('random')``: the filter / test is an argument
+            for arg in node.args:
+                if not isinstance(arg, nodes.Const) or arg.value in _IMPURE_FILTERS:
+                    raise _NotLocal(f"{node.name} with a dynamic or impure argument")
 
     def name(self, node: nodes.Name, depth: int) -> None:
         name = node.name
@@ -170,6 +196,7 @@ class _BodyCheck:
             name == "messages"
             or name in self.outer_assigned
             or name in _IMPURE_NAMES
+            or name == "self"
             or name.startswith("__kvrouter")
         ):
             raise _NotLocal(f"the body reads {name!r}")
@@ -209,12 +236,12 @@ class _Rewrite(NodeTransformer):
 
     def visit_For(self, node: nodes.For) -> nodes.Node:
         node.iter = self.visit(node.iter)
+        if node.test is not None:  # sees the outer loop (see _BodyCheck)
+            node.test = self.visit(node.test)
+        node.else_ = [self.visit(n) for n in node.else_]
         self.depth += 1
         try:
-            if node.test is not None:
-                node.test = self.visit(node.test)
             node.body = [self.visit(n) for n in node.body]
-            node.else_ = [self.visit(n) for n in node.else_]
         finally:
             self.depth -= 1
         return node
@@ -265,6 +292,10 @@ def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
             raise _NotLocal("not exactly one top-level loop over messages")
         if "messages" in _assigned_names(ast.body):
             raise _NotLocal("messages is assigned")
+        if any(True for _ in ast.find_all(_REJECTED_ANYWHERE)):
+            raise _NotLocal("macro, block, include or import")
+        if any(n.name.startswith("__kvrouter") for n in ast.find_all(nodes.Name)):
+            raise _NotLocal("uses the instrumentation's reserved names")
         at, loop = loops[0]
         if loop.else_ or loop.test is not None or loop.recursive:
             raise _NotLocal("loop with else, filter or recursion")
