@@ -1,0 +1,313 @@
+"""KV block cache bookkeeping of the replica model (``sim.engine.EngineModel``).
+
+:class:`BlockCache` holds the methods that name, pin, release, evict and offload blocks and
+recurrent-state checkpoints. It is a mixin of ``EngineModel`` rather than a separate object
+because this code runs once per block on the simulator's hot path: the methods read the
+engine's own attributes (declared below, set by ``EngineModel.__init__``) without an extra
+indirection. The cache rules are described in sim/engine.py's module docstring.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from itertools import compress, islice, repeat
+from operator import eq
+from typing import TYPE_CHECKING, Any
+
+from router.core.types import BlocksRemoved, BlocksStored, IndexEvent, Kind, Tier
+
+if TYPE_CHECKING:
+    from sim.engine import _Seq
+    from sim.profiles import EngineProfile
+
+STATE_TAG = 1 << 64  # cache key of the state checkpoint after block h is ``h | STATE_TAG``
+
+# Bulk helpers: the cache bookkeeping runs per block, so the common cases are done with
+# C-level map/compress/update calls instead of Python loops (same results, in the same order).
+_SINK: deque[object] = deque(maxlen=0)
+_consume = _SINK.extend  # exhaust an iterator
+_plus1 = (1).__add__
+_minus1 = (-1).__add__
+_is1 = (1).__eq__
+_negative = (0).__gt__
+
+
+class BlockCache:
+    """Cache bookkeeping (see the module docstring). Attributes, set by the engine:"""
+
+    profile: EngineProfile
+    block_size: int
+    capacity: int
+    cpu_capacity: int
+    hybrid: bool
+    _state_cost: float
+    _grid: int
+    _events: list[IndexEvent]
+    _gpu: dict[int, int]
+    _state_at: dict[int, int]
+    _lru: deque[list[Any]]
+    _lru_len: int
+    _stamp: int
+    _free_cost: float
+    _states: int
+    _reserved: int
+    _cpu: OrderedDict[int, None]
+
+    # ------------------------------------------------------------------ cache bookkeeping
+    #
+    # ``_gpu[h]`` is the refcount (> 0) of a named GPU block, or ``~stamp`` (< 0) when it is
+    # unreferenced and sits in the LRU; ``_state_at[key]`` is ``~stamp`` for every state
+    # checkpoint (all of them sit in the LRU). The LRU is a deque of runs
+    # ``[stamp, keys, offset, mixed]``, oldest first: releasing a request appends one run. An
+    # entry is live iff its key still carries its run's stamp; re-pinning or moving a key to
+    # the young end just re-stamps it, leaving a stale entry that eviction skips. This is the
+    # same order as a per-block LRU list, at a per-run rather than per-block Python cost.
+
+    def _lru_push(self, keys: list[int], mixed: bool) -> int:
+        """Append ``keys`` (oldest first) as one run; return the tag the caller must store
+        for each of them (in ``_gpu`` for KV blocks, ``_state_at`` for checkpoints)."""
+        self._stamp += 1
+        self._lru.append([self._stamp, keys, 0, mixed])
+        self._lru_len += len(keys)
+        if self._lru_len > 4 * (len(self._gpu) + len(self._state_at)) + 16384:
+            self._lru_compact()
+        return ~self._stamp
+
+    def _lru_compact(self) -> None:
+        """Drop stale entries (amortised O(1) a push: runs only when most entries are)."""
+        gpu_get = self._gpu.get
+        state_get = self._state_at.get
+        runs: deque[list[Any]] = deque()
+        size = 0
+        for run in self._lru:
+            stamp, keys, off, mixed = run
+            tag = ~stamp
+            if mixed:
+                keep = [
+                    k
+                    for k in islice(keys, off, None)
+                    if (state_get(k) if k >= STATE_TAG else gpu_get(k)) == tag
+                ]
+            else:
+                part = keys[off:]
+                keep = list(compress(part, map(eq, map(gpu_get, part), repeat(tag))))
+            if keep:
+                runs.append([stamp, keep, 0, mixed])
+                size += len(keep)
+        self._lru = runs
+        self._lru_len = size
+
+    def _computed(self, seq: _Seq, old_full: int, new_full: int) -> None:
+        """Blocks [old_full, new_full) of ``seq`` were just computed: name and cache them,
+        and take the state checkpoints the grid asks for."""
+        hashes = seq.hashes
+        gpu = self._gpu
+        start = max(old_full, seq.held)
+        if new_full > seq.held:
+            seq.held = new_full
+        stored: list[int] = []
+        if new_full > start:
+            new = hashes[start:new_full]
+            if gpu.keys().isdisjoint(new):  # all new: the common case
+                gpu.update(zip(new, repeat(1)))
+                stored = new if isinstance(new, list) else list(new)
+            else:
+                get = gpu.get
+                for h in new:
+                    r = get(h)
+                    if r is None:
+                        gpu[h] = 1
+                        stored.append(h)
+                    elif r < 0:
+                        gpu[h] = 1
+                        self._free_cost -= 1
+                    else:
+                        gpu[h] = r + 1
+            seq.pinned.extend(new)
+            seq.unnamed -= len(new)
+            self._reserved -= len(new)
+        if stored:
+            self._events.append(BlocksStored(tuple(stored)))
+        if self.hybrid and new_full > old_full:
+            self._checkpoints(seq, old_full, new_full)
+
+    def _checkpoints(self, seq: _Seq, old_full: int, new_full: int) -> None:
+        p = self.profile
+        lo = max(old_full, seq.usable_blocks)
+        if p.checkpoint == "every_block":
+            at = list(range(lo + 1, new_full + 1))
+        elif p.checkpoint == "step_end":
+            at = [new_full] if new_full > lo else []
+        else:
+            g = self._grid
+            at = list(range((lo // g + 1) * g, new_full + 1, g))
+        at_prompt_end = new_full == seq.nfull and seq.computed >= seq.prompt
+        if (
+            p.checkpoint_prompt_end
+            and at_prompt_end
+            and new_full > lo
+            and (not at or at[-1] != new_full)
+        ):
+            at.append(new_full)
+        made: list[int] = []
+        state_at = self._state_at
+        for b in at:
+            h = seq.hashes[b - 1]
+            key = h | STATE_TAG
+            if key in state_at:
+                state_at[key] = self._lru_push([key], True)
+                seq.pinned.append(key)
+                continue
+            if not self._make_room(self._state_cost):
+                continue  # no memory for it: the engine skips the snapshot
+            state_at[key] = self._lru_push([key], True)
+            self._free_cost += self._state_cost
+            self._states += 1
+            seq.pinned.append(key)
+            made.append(h)
+        if made:
+            self._events.append(BlocksStored(tuple(made), kind=Kind.STATE))
+
+    def _make_room(self, amount: float) -> bool:
+        used = len(self._gpu) + self._states * self._state_cost + self._reserved
+        deficit = used + amount - self.capacity
+        if deficit <= 0:
+            return True
+        if deficit > self._free_cost:
+            return False
+        self._evict(deficit)
+        return True
+
+    def _evict(self, amount: float) -> None:
+        """Drop least recently released unreferenced entries until ``amount`` blocks of
+        memory are free (children go before parents by construction of the LRU order)."""
+        runs = self._lru
+        gpu = self._gpu
+        gpu_get = gpu.get
+        state_at = self._state_at
+        kv: list[int] = []
+        states: list[int] = []
+        state_cost = self._state_cost
+        scanned = 0
+        while amount > 0 and runs:
+            run = runs[0]
+            stamp, keys, off, mixed = run
+            tag = ~stamp
+            n = len(keys)
+            start = off
+            if mixed:
+                while amount > 0 and off < n:
+                    key = keys[off]
+                    off += 1
+                    if key >= STATE_TAG:
+                        if state_at.get(key) == tag:
+                            del state_at[key]
+                            states.append(key ^ STATE_TAG)
+                            self._states -= 1
+                            self._free_cost -= state_cost
+                            amount -= state_cost
+                    elif gpu_get(key) == tag:
+                        del gpu[key]
+                        kv.append(key)
+                        self._free_cost -= 1
+                        amount -= 1
+            else:
+                while amount > 0 and off < n:  # the oldest ceil(amount) live entries
+                    chunk = keys[off : off + math.ceil(amount)]
+                    off += len(chunk)
+                    live = list(compress(chunk, map(eq, map(gpu_get, chunk), repeat(tag))))
+                    if live:
+                        _consume(map(gpu.__delitem__, live))
+                        kv.extend(live)
+                        self._free_cost -= len(live)
+                        amount -= len(live)
+            scanned += off - start
+            if off >= n:
+                runs.popleft()
+            else:
+                run[2] = off
+        self._lru_len -= scanned
+        if states:
+            self._events.append(BlocksRemoved(tuple(states), kind=Kind.STATE))
+        if kv:
+            self._events.append(BlocksRemoved(tuple(kv)))
+            if self.cpu_capacity > 0:
+                self._offload(kv)
+
+    def _offload(self, blocks: list[int]) -> None:
+        cpu = self._cpu
+        stored: list[int] = []
+        dropped: list[int] = []
+        for h in blocks:
+            if h in cpu:
+                cpu.move_to_end(h)
+                continue
+            if len(cpu) >= self.cpu_capacity:
+                dropped.append(cpu.popitem(last=False)[0])
+            cpu[h] = None
+            stored.append(h)
+        if dropped:
+            self._events.append(BlocksRemoved(tuple(dropped), Tier.CPU))
+        if stored:
+            self._events.append(BlocksStored(tuple(stored), Tier.CPU))
+
+    def _release(self, seq: _Seq, *, named_output: bool) -> None:
+        """Unpin ``seq``'s blocks tail first; name the answer's full blocks if known."""
+        gpu = self._gpu
+        if named_output and seq.out_hashes and seq.nfull == seq.prompt // self.block_size:
+            total_full = (seq.prompt + seq.out) // self.block_size
+            names = dict.fromkeys(seq.out_hashes[: max(0, total_full - seq.nfull)])
+            stored = [h for h in names if h not in gpu]
+            if stored:
+                # parents (prompt) are unpinned below; answer blocks are children: evict first
+                answer = stored[::-1]
+                gpu.update(zip(answer, repeat(self._lru_push(answer, False))))
+                self._free_cost += len(stored)
+                self._events.append(BlocksStored(tuple(stored)))
+            named = len(stored)
+            seq.unnamed -= named
+            self._reserved -= named
+        self._reserved -= seq.unnamed
+        seq.unnamed = 0
+        pinned = seq.pinned
+        seq.pinned = []
+        if not pinned:
+            return
+        if not self.hybrid:  # KV blocks only, each pinned once
+            rev = pinned[::-1]
+            refs = list(map(gpu.__getitem__, rev))
+            ones = refs.count(1)
+            if ones == len(rev):
+                gpu.update(zip(rev, repeat(self._lru_push(rev, False))))
+            else:
+                gpu.update(zip(rev, map(_minus1, refs), strict=True))
+                if ones:
+                    zeros = list(compress(rev, map(_is1, refs)))
+                    gpu.update(zip(zeros, repeat(self._lru_push(zeros, False))))
+            self._free_cost += ones
+            return
+        young: list[int] = []  # entries moving to the LRU's young end, oldest first
+        mixed = False
+        state_at = self._state_at
+        for key in reversed(pinned):
+            if key >= STATE_TAG:
+                if key in state_at:
+                    young.append(key)
+                    mixed = True
+                continue
+            r = gpu[key] - 1
+            gpu[key] = r
+            if r == 0:
+                young.append(key)
+                self._free_cost += 1
+        if not young:
+            return
+        if mixed:  # a checkpoint pinned twice moves to its last position only
+            young = list(dict.fromkeys(reversed(young)))[::-1]
+        tag = self._lru_push(young, mixed)
+        for key in young:
+            if key >= STATE_TAG:
+                state_at[key] = tag
+            else:
+                gpu[key] = tag
