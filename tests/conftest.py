@@ -2,9 +2,10 @@
 
 ``redis_server``: one private redis-server for the whole test session (127.0.0.1, a free
 port, no persistence, started from ``redis-server`` on PATH; never the machine's shared
-instance). Tests sharing it keep to their own key prefix (``key_prefix``); ``redis_url`` is
-its URL. ``private_redis``: a redis-server of one test alone, which it may flush, restart
-or kill.
+instance); ``redis_url`` is its URL. ``redis_cluster``: a private 3-node Redis Cluster for the
+session (formed with ``redis-cli --cluster create``); its ``url`` is a ``redis+cluster://``
+URL. Tests sharing either keep to their own key prefix (``key_prefix``). ``private_redis``: a
+redis-server of one test alone, which it may flush, restart or kill.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from router.store.local_redis import LocalRedis
+from router.store.local_redis import LocalRedis, LocalRedisCluster
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +28,16 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedi
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    cluster = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture

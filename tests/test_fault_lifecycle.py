@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import time
@@ -94,12 +95,22 @@ async def _index_blocks(url: str, name: str) -> int:
     return sum(r["index_kv_blocks"] for r in body["replicas"] if r["name"] == name)
 
 
-async def test_router_restart_recovers_index_from_redis(fleet: Fleet, tmp_path: Path) -> None:
-    with LocalRedis(tmp_path / "redis") as redis:
-        prefix = "kvrlife"
+@pytest.mark.parametrize("server_kind", ["redis", "redis_cluster"])
+async def test_router_restart_recovers_index_from_redis(
+    fleet: Fleet, tmp_path: Path, server_kind: str, request: pytest.FixtureRequest
+) -> None:
+    """Real ``kvrouter serve`` / ``kvrouter publish`` processes on a private redis-server,
+    then on the session's 3-node Redis Cluster (``redis+cluster://``)."""
+    with contextlib.ExitStack() as stack:
+        if server_kind == "redis_cluster":
+            url = request.getfixturevalue("redis_cluster").url
+            prefix = request.getfixturevalue("key_prefix")
+        else:
+            url = stack.enter_context(LocalRedis(tmp_path / "redis")).url
+            prefix = "kvrlife"
         mock = fleet.mock("a", events=True)
-        fleet.publisher("a", mock, redis.url, prefix=prefix)
-        server = {"admin_token": ADMIN, "redis_url": redis.url, "redis_key_prefix": prefix}
+        fleet.publisher("a", mock, url, prefix=prefix)
+        server = {"admin_token": ADMIN, "redis_url": url, "redis_key_prefix": prefix}
         router = fleet.router("router1", [("a", mock.url)], server=server)
         async with aiohttp.ClientSession() as session:
             for i in range(8):  # fill the mock's cache; events flow to Redis, then the router

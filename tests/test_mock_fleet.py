@@ -12,6 +12,7 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import pytest
 from aiohttp import web
 
 from router.core.hashing import hash_prompt, root_hash
@@ -44,9 +45,15 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(1, 50_000) for _ in range(n)]
 
 
+@pytest.mark.parametrize("server", ["redis", "redis_cluster"])
 async def test_two_routers_publishers_and_mock_replicas_converge(
-    redis_url: str, key_prefix: str
+    server: str, request: pytest.FixtureRequest, key_prefix: str
 ) -> None:
+    redis_url = (
+        request.getfixturevalue("redis_cluster").url
+        if server == "redis_cluster"
+        else request.getfixturevalue("redis_url")
+    )
     schema = KeySchema(key_prefix, stream_shards=4)
     runners, publishers, stores, clients = [], [], [], []
     try:

@@ -94,12 +94,19 @@ def _publisher(
     return Publisher(settings, store)
 
 
-@pytest.fixture
-async def stores(redis_url: str, key_prefix: str) -> AsyncIterator[Callable[[], RedisStore]]:
+@pytest.fixture(params=["redis", "redis_cluster"])
+async def stores(
+    request: pytest.FixtureRequest, key_prefix: str
+) -> AsyncIterator[Callable[[], RedisStore]]:
+    """Store factories on the session's redis-server, then on its 3-node cluster."""
+    if request.param == "redis_cluster":
+        url = request.getfixturevalue("redis_cluster").url
+    else:
+        url = request.getfixturevalue("redis_url")
     made: list[RedisStore] = []
 
     def make() -> RedisStore:
-        s = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=4))
+        s = RedisStore.from_url(url, KeySchema(key_prefix, stream_shards=4))
         made.append(s)
         return s
 

@@ -28,9 +28,15 @@ def test_sign_and_verify_fields() -> None:
     assert replica_signing_key(MASTER, "a") != replica_signing_key(MASTER, "b")
 
 
+@pytest.mark.parametrize("server", ["redis", "redis_cluster"])
 async def test_router_drops_entries_not_signed_by_the_named_replica(
-    redis_url: str, key_prefix: str
+    server: str, request: pytest.FixtureRequest, key_prefix: str
 ) -> None:
+    redis_url = (
+        request.getfixturevalue("redis_cluster").url
+        if server == "redis_cluster"
+        else request.getfixturevalue("redis_url")
+    )
     schema = KeySchema(key_prefix, stream_shards=1)  # every replica shares the one shard
     honest = RedisStore.from_url(redis_url, schema, signing_key=replica_signing_key(MASTER, "a"))
     # "b"'s publisher holds only b's key but writes in a's name.

@@ -1,4 +1,5 @@
-"""Store contract + IndexSync, on the in-memory store and on a real redis-server."""
+"""Store contract + IndexSync, on the in-memory store, a real redis-server and a real 3-node
+Redis Cluster."""
 
 from __future__ import annotations
 
@@ -46,13 +47,17 @@ def content(index: PrefixIndex, chains: dict[str, list[int]]) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis_cluster"])
 async def store(request: pytest.FixtureRequest, key_prefix: str) -> AsyncIterator[IndexStore]:
     if request.param == "memory":
         yield MemoryStore()
         return
-    url = request.getfixturevalue("redis_url")
+    if request.param == "redis_cluster":
+        url = request.getfixturevalue("redis_cluster").url
+    else:
+        url = request.getfixturevalue("redis_url")
     s = RedisStore.from_url(url, KeySchema(key_prefix, stream_shards=4))
+    assert s.cluster == (request.param == "redis_cluster")
     try:
         yield s
     finally:

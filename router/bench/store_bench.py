@@ -31,7 +31,7 @@ from router.events.encode import encode_batch
 from router.events.ingest import EngineIngest
 from router.events.model import EngineBatch, EngineBlockRemoved, EngineBlockStored
 from router.store.base import ReplicaInfo, ReplicaState
-from router.store.local_redis import LocalRedis
+from router.store.local_redis import LocalRedis, LocalRedisCluster
 from router.store.packed import PackedTable
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
@@ -46,6 +46,12 @@ def _rand64(seed: int, n: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
 
 
 async def _used_memory(store: RedisStore) -> int:
+    """``used_memory`` of the server, summed over the primaries of a cluster."""
+    if store.cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        per_node: Any = await store.redis.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        return sum(int(info["used_memory"]) for info in per_node.values())
     info = await store.redis.info("memory")
     return int(info["used_memory"])
 
@@ -208,15 +214,22 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    server = None
+    server: LocalRedis | LocalRedisCluster | None = None
     if not args.redis:
-        server = LocalRedis(Path(tempfile.mkdtemp(prefix="kvr-bench-redis-"))).start()
+        work = Path(tempfile.mkdtemp(prefix="kvr-bench-redis-"))
+        if args.cluster:
+            server = LocalRedisCluster(work, nodes=args.cluster).start()
+        else:
+            server = LocalRedis(work).start()
         args.redis_url = server.url
     else:
         args.redis_url = args.redis
     try:
         for result in asyncio.run(_run(args)):
-            emit({"bench": "store", "redis": "private" if server else "given", **result})
+            where = "given" if server is None else "private"
+            if args.cluster and server is not None:
+                where = f"private cluster of {args.cluster}"
+            emit({"bench": "store", "redis": where, **result})
     finally:
         if server is not None:
             server.stop()
@@ -227,6 +240,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("store", help="Redis index: publisher throughput, bootstrap, memory")
     p.add_argument("--what", choices=["publish", "pipeline", "bootstrap", "all"], default="all")
     p.add_argument("--redis", default="", help="Redis URL (default: a private redis-server)")
+    p.add_argument(
+        "--cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="without --redis: a private Redis Cluster of N primaries instead",
+    )
     p.add_argument("--key-prefix", default="kvrbench")
     p.add_argument("--stream-shards", type=int, default=8)
     p.add_argument("--events", type=int, default=2_000_000, help="publish/pipeline: blocks")

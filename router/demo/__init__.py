@@ -105,9 +105,9 @@ async def _live(args: argparse.Namespace, policy: str, requests: list[Any]) -> d
 
 async def _drop_keys(url: str, prefix: str) -> None:
     """Remove this run's keys from a Redis the demo was pointed at."""
-    import redis.asyncio as aioredis
+    from router.store.redis_store import connect
 
-    client = aioredis.from_url(url)
+    client = connect(url)  # redis://, rediss:// or a redis+cluster:// URL
     try:
         async for key in client.scan_iter(match=f"{prefix}:*", count=1000):
             await client.delete(key)

@@ -171,7 +171,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--redis",
         default=os.environ.get("KVROUTER_REDIS_URL", "redis://127.0.0.1:6379/0"),
-        help="redis:// or rediss:// URL (env KVROUTER_REDIS_URL)",
+        help="redis://, rediss:// or redis+cluster:// URL (env KVROUTER_REDIS_URL)",
     )
     p.add_argument("--key-prefix", default="kvr")
     p.add_argument("--stream-shards", type=int, default=8)

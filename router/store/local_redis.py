@@ -115,3 +115,90 @@ class LocalRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+@dataclass(slots=True)
+class LocalRedisCluster:
+    """A Redis Cluster of ``nodes`` primaries (no replicas) as child processes, for tests:
+    each node is a :class:`LocalRedis` with cluster mode on; ``redis-cli --cluster create``
+    assigns the slots. ``url`` is a ``redis+cluster://`` URL of the first node."""
+
+    workdir: Path
+    nodes: int = 3
+    servers: list[LocalRedis] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.servers[0].port}"
+
+    def start(self, timeout_s: float = 20.0) -> LocalRedisCluster:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli not found on PATH (apt-get install redis-tools)")
+        for i in range(self.nodes):
+            node = LocalRedis(
+                self.workdir / f"node{i}",
+                port=_cluster_port(),
+                extra_args=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ),
+            )
+            self.servers.append(node.start())
+        addrs = [f"127.0.0.1:{s.port}" for s in self.servers]
+        try:
+            subprocess.run(
+                [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                check=True,
+                capture_output=True,
+                timeout=timeout_s,
+            )
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                states = [
+                    subprocess.run(
+                        [cli, "-p", str(s.port), "cluster", "info"],
+                        capture_output=True,
+                        text=True,
+                        timeout=5,
+                    ).stdout
+                    for s in self.servers
+                ]
+                if all("cluster_state:ok" in st for st in states):
+                    return self
+                time.sleep(0.1)
+        except (subprocess.SubprocessError, OSError) as exc:
+            self.stop()
+            raise RuntimeError(f"could not form the Redis cluster: {exc}") from None
+        self.stop()
+        raise RuntimeError("the Redis cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+        self.servers.clear()
+
+    def __enter__(self) -> LocalRedisCluster:
+        return self.start() if not self.servers else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

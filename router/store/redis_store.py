@@ -1,20 +1,30 @@
 """``RedisStore``: the shared index in Redis (key schema in ``router.store.schema`` and
 docs/redis.md). Works with ``redis://`` and ``rediss://`` URLs, AUTH (``user:pass@``) and a
-``?db=`` or ``/db`` path. Writes are pipelined: per flush, one MULTI/EXEC per replica (all
-keys share the replica's hash tag) and one pipeline of XADDs.
+``?db=`` or ``/db`` path, and with a Redis Cluster through ``redis+cluster://`` /
+``rediss+cluster://`` (any node's address; the client discovers the rest).
 
-Reads of the change stream use one XREAD over all shards, which needs a standalone Redis
-(or a cluster proxy); the key layout itself is cluster-ready.
+Writes are pipelined: per flush, one MULTI/EXEC per replica (all keys share the replica's
+hash tag, so each transaction is single-slot) and one pipeline of XADDs. A standalone Redis
+gets all of them in one round trip; on a cluster each replica's transaction is its own
+pipeline (run concurrently) and the client routes the XADDs to the shards' nodes.
+
+Reads of the change stream: standalone, one blocking XREAD over all shards. On a cluster the
+shards live in different slots, so each shard is read on its own (concurrently, without
+blocking); when none had anything new the call sleeps ``cluster_poll_s`` (default 50 ms)
+before returning, so an idle router costs the cluster ``shards / cluster_poll_s`` cheap
+XREADs a second and sees events at most that late.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from router.core.types import IndexEvent, ReplicaKey
 from router.store.base import (
@@ -41,6 +51,8 @@ from router.store.packed import PackedTable, parse_records
 from router.store.schema import KeySchema
 
 DEFAULT_STREAM_MAXLEN = 50_000
+DEFAULT_CLUSTER_POLL_S = 0.05
+_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _REAP = """
 if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
 for i = 2, #KEYS do redis.call('UNLINK', KEYS[i]) end
@@ -48,8 +60,14 @@ return 1
 """
 
 
-def connect(url: str, **kwargs: Any) -> aioredis.Redis:
-    """A binary-safe client for ``url`` (``redis://[user:pass@]host:port/db`` or ``rediss://``)."""
+def connect(url: str, **kwargs: Any) -> aioredis.Redis | RedisCluster:
+    """A binary-safe client for ``url``: ``redis://[user:pass@]host:port/db``, ``rediss://``,
+    or ``redis+cluster://[user:pass@]host:port`` / ``rediss+cluster://`` for a Redis Cluster
+    (a cluster has only database 0)."""
+    scheme, sep, rest = url.partition("://")
+    plain = _CLUSTER_SCHEMES.get(scheme.lower())
+    if sep and plain is not None:
+        return RedisCluster.from_url(f"{plain}://{rest}", decode_responses=False, **kwargs)
     return aioredis.Redis.from_url(url, decode_responses=False, **kwargs)
 
 
@@ -67,12 +85,13 @@ class RedisStore:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: aioredis.Redis | RedisCluster,
         schema: KeySchema | None = None,
         stream_maxlen: int = DEFAULT_STREAM_MAXLEN,
         *,
         signing_key: bytes | None = None,
         verify_master: bytes | None = None,
+        cluster_poll_s: float = DEFAULT_CLUSTER_POLL_S,
     ) -> None:
         """``signing_key``: a publisher's own derived key; every change entry it writes is
         signed (codec.sign_fields). ``verify_master``: a router's master secret; change
@@ -83,6 +102,8 @@ class RedisStore:
         self.stream_maxlen = stream_maxlen
         self.signing_key = signing_key
         self.verify_master = verify_master
+        self.cluster = isinstance(client, RedisCluster)
+        self.cluster_poll_s = cluster_poll_s
 
     @classmethod
     def from_url(cls, url: str, schema: KeySchema | None = None, **kwargs: Any) -> RedisStore:
@@ -133,7 +154,7 @@ class RedisStore:
         for r in ranks:
             keys += [s.kv(replica, r), s.state(replica, r)]
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.unlink(*keys)
+            pipe.execute_command("UNLINK", *keys)  # (a cluster pipeline's unlink() is a coroutine)
             pipe.srem(s.registry, replica)
             self._xadd(pipe, replica, ReplicaDown(replica))
             await pipe.execute()
@@ -164,7 +185,7 @@ class RedisStore:
         if full:
             rebuilt, buckets = True, table.all_buckets()
         if rebuilt:
-            pipe.unlink(key)
+            pipe.execute_command("UNLINK", key)  # (a cluster pipeline's unlink() is a coroutine)
         put = {str(b): v for b, v in buckets.items() if v}
         gone = [str(b) for b, v in buckets.items() if not v]
         if put:
@@ -177,13 +198,26 @@ class RedisStore:
         by_replica: dict[str, list[ReplicaState]] = defaultdict(list)
         for st in states:
             by_replica[st.key.replica].append(st)
+
+        def queue(pipe: Any, replica: str, group: list[ReplicaState]) -> None:
+            for st in group:
+                self._queue_table(pipe, s.kv(replica, st.key.dp_rank), st.kv, full)
+                self._queue_table(pipe, s.state(replica, st.key.dp_rank), st.state, full)
+                pipe.hset(s.meta(replica), s.seq_field(st.key.dp_rank), str(st.seq))
+
+        if self.cluster:
+
+            async def one(replica: str, group: list[ReplicaState]) -> None:
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    queue(pipe, replica, group)
+                    await pipe.execute()
+
+            await asyncio.gather(*(one(r, g) for r, g in by_replica.items()))
+            return
         async with self.redis.pipeline(transaction=False) as pipe:
             for replica, group in by_replica.items():
                 pipe.execute_command("MULTI")
-                for st in group:
-                    self._queue_table(pipe, s.kv(replica, st.key.dp_rank), st.kv, full)
-                    self._queue_table(pipe, s.state(replica, st.key.dp_rank), st.state, full)
-                    pipe.hset(s.meta(replica), s.seq_field(st.key.dp_rank), str(st.seq))
+                queue(pipe, replica, group)
                 pipe.execute_command("EXEC")
             await pipe.execute()
 
@@ -256,18 +290,35 @@ class RedisStore:
     async def read_replicas(self, keys: Sequence[ReplicaKey]) -> list[ReplicaSnapshot | None]:
         """Snapshots read atomically per key (MULTI/EXEC); None when not registered."""
         s = self.schema
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.execute_command("MULTI")
-                pipe.hget(s.meta(key.replica), s.seq_field(key.dp_rank))
-                pipe.hvals(s.kv(key.replica, key.dp_rank))
-                pipe.hvals(s.state(key.replica, key.dp_rank))
-                pipe.hexists(s.meta(key.replica), "info")
-                pipe.execute_command("EXEC")
-            replies = await pipe.execute()
+
+        def queue(pipe: Any, key: ReplicaKey) -> None:
+            pipe.hget(s.meta(key.replica), s.seq_field(key.dp_rank))
+            pipe.hvals(s.kv(key.replica, key.dp_rank))
+            pipe.hvals(s.state(key.replica, key.dp_rank))
+            # HSTRLEN, not HEXISTS: redis-py's cluster transactions mis-apply HEXISTS's reply
+            # callback; a registered replica's info is a non-empty JSON string
+            pipe.hstrlen(s.meta(key.replica), "info")
+
+        snapshots: list[Any]
+        if self.cluster:
+
+            async def one(key: ReplicaKey) -> Any:
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    queue(pipe, key)
+                    return await pipe.execute()
+
+            snapshots = list(await asyncio.gather(*(one(k) for k in keys)))
+        else:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.execute_command("MULTI")
+                    queue(pipe, key)
+                    pipe.execute_command("EXEC")
+                replies = await pipe.execute()
+            snapshots = [replies[i * 6 + 5] for i in range(len(keys))]
         out: list[ReplicaSnapshot | None] = []
-        for i, key in enumerate(keys):
-            seq_raw, kv_vals, st_vals, registered = replies[i * 6 + 5]
+        for key, snapshot in zip(keys, snapshots, strict=True):
+            seq_raw, kv_vals, st_vals, registered = snapshot
             if not registered:
                 out.append(None)
                 continue
@@ -283,8 +334,12 @@ class RedisStore:
 
     async def read_changes(self, cursor: object, block_s: float, count: int) -> ChangeRead:
         ids: dict[str, bytes] = dict(cursor)  # type: ignore[call-overload]
-        block = int(block_s * 1000) if block_s > 0 else None
-        reply: Any = await self.redis.xread(ids, count=count, block=block)  # type: ignore[arg-type]
+        reply: Any
+        if self.cluster:
+            reply = await self._read_shards(ids, block_s, count)
+        else:
+            block = int(block_s * 1000) if block_s > 0 else None
+            reply = await self.redis.xread(ids, count=count, block=block)  # type: ignore[arg-type]
         changes: list[Change] = []
         malformed = 0
         for stream, entries in reply or []:
@@ -307,6 +362,20 @@ class RedisStore:
                     continue
                 changes.append(change)
         return ChangeRead(changes, ids, malformed)
+
+    async def _read_shards(self, ids: dict[str, bytes], block_s: float, count: int) -> list[Any]:
+        """Cluster: every shard read on its own (they are in different slots), concurrently;
+        with nothing new, sleep up to ``cluster_poll_s`` (and at most ``block_s``)."""
+
+        async def one(stream: str, last: bytes) -> list[Any]:
+            got: Any = await self.redis.xread({stream: last}, count=count)
+            return list(got or [])
+
+        replies = await asyncio.gather(*(one(st, last) for st, last in ids.items()))
+        reply = [item for part in replies for item in part]
+        if not reply and block_s > 0:
+            await asyncio.sleep(min(block_s, self.cluster_poll_s))
+        return reply
 
     async def leases(self, replicas: Sequence[str]) -> dict[str, bool]:
         if not replicas:
