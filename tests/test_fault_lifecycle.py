@@ -139,3 +139,17 @@ async def test_router_restart_recovers_index_from_redis(
         assert recovered_s < 10
         code, _ = await asyncio.to_thread(http_get, router2.url + "/ready")
         assert code == 200
+        # the publisher's load samples carry the engine's prefix-cache counters to the router
+        deadline = time.monotonic() + 10
+        while True:
+            _, page = await asyncio.to_thread(http_get, router2.url + "/metrics")
+            line = next(
+                (ln for ln in str(page).splitlines()
+                 if ln.startswith("kvrouter_engine_prefix_cache_queries_tokens_total{")
+                 and 'replica="a"' in ln),
+                "",
+            )  # fmt: skip
+            if line and float(line.rsplit(" ", 1)[1]) >= 8 * 160:
+                break
+            assert time.monotonic() < deadline, line or "no engine prefix-cache counters"
+            await asyncio.sleep(0.1)

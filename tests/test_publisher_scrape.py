@@ -44,3 +44,47 @@ def test_sglang() -> None:
 def test_pages_without_load_gauges_are_errors(text: str) -> None:
     with pytest.raises(ValueError):
         parse_engine_metrics(text)
+
+
+VLLM_V1_COUNTERS = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+vllm:num_requests_running{engine="1",model_name="m"} 0.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.1
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.2
+# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 500.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 640.0
+vllm:prefix_cache_hits_total{engine="1",model_name="m"} 0.0
+"""
+
+
+def test_vllm_prefix_cache_counters_per_rank() -> None:
+    assert parse_engine_metrics(VLLM_V1_COUNTERS) == {
+        0: ScrapedLoad(1, 0, 0.1, 1000.0, 640.0),
+        1: ScrapedLoad(0, 0, 0.2, 500.0, 0.0),
+    }
+    older = VLLM_V1_COUNTERS.replace("vllm:prefix_cache_", "vllm:gpu_prefix_cache_")
+    assert parse_engine_metrics(older)[0].prefix_cache_hits == 640.0
+    # engines without the counters: None, not 0 (unknown is not "no hits")
+    assert parse_engine_metrics(VLLM_DP)[0].prefix_cache_queries is None
+
+
+def test_load_samples_with_and_without_counters_round_trip() -> None:
+    from router.store.base import LoadSample
+
+    full = LoadSample(1, 2, 0.5, 3.0, 100.0, 40.0)
+    assert LoadSample.from_json(full.to_json()) == full
+    bare = LoadSample(1, 2, 0.5, 3.0)
+    assert "prefix_cache" not in bare.to_json()  # what older routers expect to read
+    old_publisher = '{"running":1,"waiting":2,"kv_usage":0.5,"wall_ts":3.0}'
+    assert LoadSample.from_json(old_publisher) == bare
+    with pytest.raises(ValueError):
+        LoadSample.from_json('{"running":1,"waiting":2,"kv_usage":0.5,"wall_ts":3,'
+                             '"prefix_cache_hits":"x"}')  # fmt: skip

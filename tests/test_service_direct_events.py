@@ -73,3 +73,93 @@ async def test_router_follows_engine_events_without_redis() -> None:
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+def _sample(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample on a Prometheus page (None when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
+
+
+async def test_router_scrapes_engine_metrics_and_exports_real_and_predicted_hits() -> None:
+    """``metrics_url``: the router reads the replicas' own load and prefix-cache counters (no
+    publisher, no Redis) and exports them beside its per-replica predictions."""
+    import aiohttp
+
+    runners = []
+    try:
+        replicas = []
+        for i in range(2):
+            zmq, replay, port = free_port(), free_port(), free_port()
+            s = MockSettings(
+                model="m", replica=f"r{i}", block_size=B, engine_block_size=16,
+                zmq_endpoint=f"tcp://127.0.0.1:{zmq}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
+            )  # fmt: skip
+            runner = web.AppRunner(create_mock(s))
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+            base = f"http://127.0.0.1:{port}"
+            replicas.append(
+                {"url": base, "model": "m", "name": f"r{i}", "zmq": s.zmq_endpoint,
+                 "zmq_replay": s.replay_endpoint, "metrics_url": f"{base}/metrics"}
+            )  # fmt: skip
+        settings = build_settings(
+            {
+                "server": {"engine_metrics_interval_s": 0.1},
+                "replicas": replicas,
+                "models": {"m": {"block_size": B, "policy": "ours"}},
+            }
+        )
+        router, url = await start_router(settings)
+        runners.append(router)
+        state = router.app[STATE]
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        rng = random.Random(11)
+        prompt = [rng.randrange(1, 50_000) for _ in range(10 * B)]
+        hashes = hash_prompt(prompt, B, root_hash("m")).hashes
+        await client.completions.create(model="m", prompt=prompt, max_tokens=2)
+        await eventually(lambda: state.index.match(hashes).longest() == 10)
+        for _ in range(3):  # the same prefix again: the router predicts, the engine confirms
+            await client.completions.create(model="m", prompt=prompt + [7] * B, max_tokens=2)
+        await client.close()
+        owner = str(state.recent_decisions(1)[0]["replica"])
+        owner_metrics = next(rep["metrics_url"] for rep in replicas if rep["name"] == owner)
+        async with aiohttp.ClientSession() as http:
+
+            async def page(at: str) -> str:
+                async with http.get(at) as resp:
+                    return await resp.text()
+
+            engine = await page(owner_metrics)  # traffic has stopped: the counters are final
+            engine_hits = _sample(engine, "vllm:prefix_cache_hits_total")
+            engine_queries = _sample(engine, "vllm:prefix_cache_queries_total")
+            assert engine_hits is not None and engine_hits >= 3 * 10 * B
+            deadline = asyncio.get_running_loop().time() + 10
+            while True:  # the router's copy catches up within a few scrape rounds
+                mine = await page(f"{url}/metrics")
+                hits = _sample(
+                    mine, "kvrouter_engine_prefix_cache_hits_tokens_total", replica=owner
+                )
+                if hits == engine_hits or asyncio.get_running_loop().time() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+        assert hits == engine_hits
+        queries = _sample(mine, "kvrouter_engine_prefix_cache_queries_tokens_total", replica=owner)
+        assert queries == engine_queries
+        predicted = _sample(mine, "kvrouter_replica_predicted_hit_tokens_total", replica=owner)
+        sent = _sample(mine, "kvrouter_replica_prompt_tokens_total", replica=owner)
+        # the router's prediction matches the engine's count up to the one prompt token an
+        # engine always recomputes per request
+        assert predicted is not None and abs(predicted - engine_hits) <= 3
+        assert sent is not None and sent >= 3 * 11 * B
+        # and the engine's load reports reach the load tracker (used by the ours policy)
+        assert state.load.view(ReplicaKey(owner), 0).engine is not None
+    finally:
+        for runner in runners:
+            await runner.cleanup()

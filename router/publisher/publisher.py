@@ -181,7 +181,14 @@ class Publisher:
                 for rank, load in loads.items():
                     if rank not in s.info.dp_ranks:
                         continue
-                    sample = LoadSample(load.running, load.waiting, load.kv_usage, now)
+                    sample = LoadSample(
+                        load.running,
+                        load.waiting,
+                        load.kv_usage,
+                        now,
+                        load.prefix_cache_queries,
+                        load.prefix_cache_hits,
+                    )
                     await self.store.publish_load(ReplicaKey(s.info.replica, rank), sample)
                     self.stats.loads_published += 1
             except asyncio.CancelledError:

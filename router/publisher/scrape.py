@@ -7,6 +7,10 @@ or ``data_parallel_rank``; rank 0 without one):
 * waiting: ``vllm:num_requests_waiting``, ``sglang:num_queue_reqs``
 * KV usage (0-1): ``vllm:kv_cache_usage_perc``, ``vllm:gpu_cache_usage_perc``,
   ``sglang:token_usage``
+
+and, when the engine has them, its cumulative prefix-cache counters in tokens (vLLM v1:
+``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``, earlier ``vllm:gpu_prefix_cache_*``),
+which the router exports per replica beside its own predicted hits (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 RANK_LABELS = ("engine", "dp_rank", "data_parallel_rank")
 
 
@@ -26,6 +32,8 @@ class ScrapedLoad:
     running: int
     waiting: int
     kv_usage: float
+    prefix_cache_queries: float | None = None  # cumulative prompt tokens looked up
+    prefix_cache_hits: float | None = None  # cumulative prompt tokens found cached
 
 
 def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
@@ -35,7 +43,7 @@ def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in RUNNING + WAITING + USAGE:
+                if sample.name in RUNNING + WAITING + USAGE + QUERIES + HITS:
                     rank = 0
                     for label in RANK_LABELS:
                         if label in sample.labels and sample.labels[label].isdigit():
@@ -53,6 +61,7 @@ def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
         return {}
 
     running, waiting, usage = pick(RUNNING), pick(WAITING), pick(USAGE)
+    queries, hits = pick(QUERIES), pick(HITS)
     ranks = set(running) | set(waiting) | set(usage)
     if not ranks:
         raise ValueError("no engine load gauges (running/waiting/kv usage) on the page")
@@ -61,6 +70,8 @@ def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
             int(running.get(r, 0)),
             int(waiting.get(r, 0)),
             min(max(usage.get(r, 0.0), 0.0), 1.0),
+            queries.get(r),
+            hits.get(r),
         )
         for r in sorted(ranks)
     }

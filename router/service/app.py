@@ -232,24 +232,15 @@ async def _probe_health(app: web.Application, session: aiohttp.ClientSession, ev
         await asyncio.sleep(every)
 
 
-def _load_feed(state: RouterState) -> Any:
-    """IndexSync listener for a statically configured fleet: the store's LoadTrackerListener,
-    except that membership stays with the configured registry and reports of unknown replica
-    keys are ignored."""
-    from router.store.sync import LoadTrackerListener
+async def _engine_metrics(app: web.Application) -> AsyncIterator[None]:
+    """Replicas with ``metrics_url``: the router scrapes their Prometheus pages itself
+    (router.service.engines)."""
+    from router.service.engines import EngineFeed, scraping
 
-    class StaticFleetFeed(LoadTrackerListener):
-        def replica_up(self, info: Any) -> None:
-            return None
-
-        def replica_down(self, replica: str, keys: Any) -> None:
-            return None
-
-        def load(self, key: Any, sample: Any, now: float) -> None:
-            if state.registry.endpoint(key) is not None:
-                super().load(key, sample, now)
-
-    return StaticFleetFeed(state.load)
+    settings = app[SETTINGS]
+    targets = [rep for rep in settings.replicas if rep.metrics_url]
+    async with scraping(targets, EngineFeed(app[STATE]), settings.server.engine_metrics_interval_s):
+        yield
 
 
 async def _redis_index(app: web.Application) -> AsyncIterator[None]:
@@ -266,8 +257,10 @@ async def _redis_index(app: web.Application) -> AsyncIterator[None]:
         KeySchema(s.redis_key_prefix, s.redis_stream_shards),
         verify_master=bytes.fromhex(s.redis_signing_master) if s.redis_signing_master else None,
     )
+    from router.service.engines import EngineFeed
+
     sync = IndexSync(
-        store, app[STATE].index, asyncio.get_running_loop().time, listener=_load_feed(app[STATE])
+        store, app[STATE].index, asyncio.get_running_loop().time, listener=EngineFeed(app[STATE])
     )
     app[INDEX_SYNC] = sync
     import logging
@@ -347,6 +340,8 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
         app.cleanup_ctx.append(_recording)
     if any(rep.zmq for rep in settings.replicas):
         app.cleanup_ctx.append(_direct_events)
+    if any(rep.metrics_url for rep in settings.replicas):
+        app.cleanup_ctx.append(_engine_metrics)
     if settings.server.grpc_port is not None:
         from router.rpc.server import grpc_cleanup_ctx
 

@@ -52,6 +52,7 @@ class ServerSettings:
     retry_after_s: int = 1
     unhealthy_cooldown_s: float = 5.0
     health_interval_s: float = 0.0  # 0: no active probing of replicas' /health
+    engine_metrics_interval_s: float = 1.0  # scrape of replicas with metrics_url
     seed: int = 0
     decisions_kept: int = 256
     pool_per_replica: int = 256
@@ -102,6 +103,9 @@ class ReplicaSettings:
     # Single-router mode without Redis: the router follows the engine's ZMQ KV events itself.
     zmq: str | None = None  # engine KV-event PUB endpoint, e.g. tcp://10.0.0.7:5557
     zmq_replay: str | None = None  # its replay ROUTER endpoint (fills sequence gaps)
+    # The engine's Prometheus page, scraped by the router itself for load and prefix-cache
+    # counters (without Redis there is no publisher to do it), e.g. http://10.0.0.7:8000/metrics
+    metrics_url: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -254,6 +258,10 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
     rep = _typed(ReplicaSettings, {**table, "name": name}, where)
     if rep.dp_ranks < 1:
         raise ConfigError(f"{where}.dp_ranks: must be >= 1")
+    if rep.metrics_url is not None:
+        m = urlsplit(rep.metrics_url)
+        if m.scheme not in ("http", "https") or not m.netloc:
+            raise ConfigError(f"{where}.metrics_url: {rep.metrics_url!r} is not an http(s) URL")
     return rep  # type: ignore[no-any-return]
 
 
@@ -325,6 +333,8 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
         )
     if server.workers < 1 or server.max_retries < 0 or server.max_body_mb <= 0:
         raise ConfigError("server: workers >= 1, max_retries >= 0 and max_body_mb > 0 required")
+    if server.engine_metrics_interval_s <= 0:
+        raise ConfigError("server.engine_metrics_interval_s: must be > 0")
     raw_replicas = data.get("replicas") or []
     if not isinstance(raw_replicas, list):
         raise ConfigError("replicas: must be an array of tables ([[replicas]])")

@@ -113,6 +113,9 @@ def record(state: RouterState, routed: Routed) -> None:
     mm.prompt_tokens.inc(tokens)
     mm.prompt_tokens_hist.observe(tokens)
     mm.predicted_hit_tokens.inc(routed.decision.usable_tokens)
+    sent, predicted = mm.replica(routed.decision.replica)
+    sent.inc(tokens)
+    predicted.inc(routed.decision.usable_tokens)
     mm.predicted_hit_ratio.observe(routed.decision.usable_tokens / tokens)
     if not prompt.exact:
         mm.approximate.inc()

@@ -9,11 +9,11 @@ See docs/metrics.md for the list.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -43,6 +43,8 @@ class StateSnapshot:
     tokenizer_modes: dict[str, str]
     prompt_cache_bytes: dict[str, int]
     event_lag_s: dict[str, float]
+    # replica -> (model, engine's cumulative prefix-cache queries, hits), in prompt tokens
+    engine_prefix_cache: dict[str, tuple[str, float, float]] = field(default_factory=dict)
 
 
 class _StateCollector(Collector):
@@ -102,7 +104,22 @@ class _StateCollector(Collector):
         )
         for replica, v in s.event_lag_s.items():
             lag.add_metric([replica], v)
-        yield from (inflight, queued, up, entries, replicas, mode, cache, lag)
+        queries = CounterMetricFamily(
+            "kvrouter_engine_prefix_cache_queries_tokens",
+            "The replica's own count of prompt tokens looked up in its prefix cache (all "
+            "routers' traffic; vllm:prefix_cache_queries)",
+            labels=["replica", "model"],
+        )
+        hits = CounterMetricFamily(
+            "kvrouter_engine_prefix_cache_hits_tokens",
+            "The replica's own count of prompt tokens found in its prefix cache "
+            "(vllm:prefix_cache_hits)",
+            labels=["replica", "model"],
+        )
+        for replica, (model, q, h) in s.engine_prefix_cache.items():
+            queries.add_metric([replica, model], q)
+            hits.add_metric([replica, model], h)
+        yield from (inflight, queued, up, entries, replicas, mode, cache, lag, queries, hits)
 
 
 class Metrics:
@@ -127,6 +144,18 @@ class Metrics:
             "kvrouter_predicted_hit_tokens",
             "Usable cached prefix tokens predicted by the router",
             ["model"],
+            registry=r,
+        )
+        self.replica_prompt_tokens = Counter(
+            "kvrouter_replica_prompt_tokens",
+            "Prompt tokens this router sent to the replica (first choice of each request)",
+            ["model", "replica"],
+            registry=r,
+        )
+        self.replica_predicted_hit_tokens = Counter(
+            "kvrouter_replica_predicted_hit_tokens",
+            "Usable cached prefix tokens the router predicted on the replica it picked",
+            ["model", "replica"],
             registry=r,
         )
         self.engine_cached_tokens = Counter(
@@ -228,6 +257,7 @@ class ModelMetrics:
     __slots__ = (
         "_m",
         "_outcomes",
+        "_replicas",
         "_retries",
         "approximate",
         "engine_cached_tokens",
@@ -256,6 +286,7 @@ class ModelMetrics:
         self.ttft = m.ttft.labels(model)
         self.itl = m.itl.labels(model)
         self._outcomes: dict[tuple[object, str], Any] = {}
+        self._replicas: dict[object, tuple[Any, Any]] = {}
         self._retries: dict[str, Any] = {}
 
     def outcome(self, replica: object, outcome: str) -> Any:
@@ -268,6 +299,17 @@ class ModelMetrics:
                 self.model, replica_label, outcome
             )
         return child
+
+    def replica(self, replica: object) -> tuple[Any, Any]:
+        """The (prompt tokens, predicted hit tokens) children of a picked replica."""
+        found = self._replicas.get(replica)
+        if found is None:
+            label = str(replica)
+            found = self._replicas[replica] = (
+                self._m.replica_prompt_tokens.labels(self.model, label),
+                self._m.replica_predicted_hit_tokens.labels(self.model, label),
+            )
+        return found
 
     def retry(self, reason: str) -> Any:
         child = self._retries.get(reason)

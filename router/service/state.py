@@ -115,6 +115,9 @@ class RouterState:
         )
         self.unhealthy_until: dict[ReplicaKey, float] = {}
         self.event_lag_s: dict[str, float] = {}
+        # the engines' own cumulative prefix-cache counters (queried, hit prompt tokens) per
+        # replica key, from publishers' load samples or the router's own scrape
+        self.engine_prefix_cache: dict[ReplicaKey, tuple[float, float]] = {}
         self.engines: dict[str, RoutingEngine] = {}
         self.processors: dict[str, PromptProcessor] = {}
         self._tokenizers: dict[tuple[Any, ...], IncrementalTokenizer] = {}
@@ -269,6 +272,11 @@ class RouterState:
                 if p.tokenizer is not None
             },
             event_lag_s=dict(self.event_lag_s),
+            engine_prefix_cache={
+                str(key): (endpoint.model, queries, hits)
+                for key, (queries, hits) in self.engine_prefix_cache.items()
+                if (endpoint := self.registry.endpoint(key)) is not None
+            },
         )
 
 

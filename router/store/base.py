@@ -89,21 +89,32 @@ class LoadSample:
     waiting: int
     kv_usage: float
     wall_ts: float
+    # the engine's cumulative prefix-cache counters in prompt tokens, when it exports them
+    # (absent in samples of older publishers)
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        out = asdict(self)
+        for name in ("prefix_cache_queries", "prefix_cache_hits"):
+            if out[name] is None:
+                del out[name]
+        return json.dumps(out, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> LoadSample:
         try:
             raw = json.loads(text)
+            queries, hits = raw.get("prefix_cache_queries"), raw.get("prefix_cache_hits")
             return cls(
                 int(raw["running"]),
                 int(raw["waiting"]),
                 float(raw["kv_usage"]),
                 float(raw["wall_ts"]),
+                float(queries) if queries is not None else None,
+                float(hits) if hits is not None else None,
             )
-        except (TypeError, KeyError, ValueError) as exc:
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
             raise ValueError(f"bad load sample: {exc}") from None
 
 

@@ -1,0 +1,120 @@
+"""Engine reports reaching the router: publishers' load samples (through the Redis store) and
+the router's own scrape of replicas configured with ``metrics_url``.
+
+Both feed :class:`EngineFeed`: the load tracker gets the engine's running / waiting / KV usage
+(used by policies such as ``ours``), and the router keeps the engine's cumulative prefix-cache
+counters per replica for ``kvrouter_engine_prefix_cache_{queries,hits}_tokens_total`` (the
+replica's real hit rate, beside the router's ``kvrouter_replica_predicted_hit_tokens_total``).
+Reports for replica keys the router does not route to are ignored; membership stays with the
+router's registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import aiohttp
+
+from router.core.types import ReplicaKey
+from router.publisher.scrape import parse_engine_metrics
+from router.service.config import ReplicaSettings
+from router.service.state import RouterState
+from router.store.base import LoadSample, ReplicaInfo
+from router.store.sync import LoadTrackerListener
+
+_log = logging.getLogger(__name__)
+
+
+class EngineFeed(LoadTrackerListener):
+    """IndexSync listener (and the scrape's sink) for the router's registry of replicas."""
+
+    def __init__(self, state: RouterState) -> None:
+        super().__init__(state.load)
+        self.state = state
+
+    def replica_up(self, info: ReplicaInfo) -> None:
+        return None
+
+    def replica_down(self, replica: str, keys: Sequence[ReplicaKey]) -> None:
+        return None
+
+    def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None:
+        if self.state.registry.endpoint(key) is None:
+            return
+        super().load(key, sample, now)
+        queries, hits = sample.prefix_cache_queries, sample.prefix_cache_hits
+        if queries is not None and hits is not None:
+            self.state.engine_prefix_cache[key] = (queries, hits)
+
+
+async def scrape_once(
+    session: aiohttp.ClientSession, rep: ReplicaSettings, feed: EngineFeed, now: float
+) -> int:
+    """Scrape one replica's page into ``feed``; returns the number of ranks reported. Raises
+    ``aiohttp.ClientError`` / ``TimeoutError`` / ``ValueError`` (not a metrics page)."""
+    assert rep.metrics_url
+    async with session.get(rep.metrics_url) as resp:
+        if resp.status != 200:
+            raise ValueError(f"HTTP {resp.status}")
+        text = await resp.text()
+    reported = 0
+    wall = time.time()
+    for rank, load in parse_engine_metrics(text).items():
+        if rank >= rep.dp_ranks:
+            continue
+        sample = LoadSample(
+            load.running,
+            load.waiting,
+            load.kv_usage,
+            wall,
+            load.prefix_cache_queries,
+            load.prefix_cache_hits,
+        )
+        feed.load(ReplicaKey(rep.name, rank), sample, now)
+        reported += 1
+    return reported
+
+
+async def scrape_loop(
+    replicas: Sequence[ReplicaSettings], feed: EngineFeed, every_s: float
+) -> None:
+    """Scrape every replica with ``metrics_url`` each ``every_s`` seconds, concurrently; a
+    failing page is logged once per failure streak and retried next round."""
+    loop = asyncio.get_running_loop()
+    failing: set[str] = set()
+    timeout = aiohttp.ClientTimeout(total=max(0.5, min(every_s, 5.0)))
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while True:
+            now = loop.time()
+            results = await asyncio.gather(
+                *(scrape_once(session, rep, feed, now) for rep in replicas),
+                return_exceptions=True,
+            )
+            for rep, result in zip(replicas, results, strict=True):
+                if isinstance(result, BaseException):
+                    if isinstance(result, asyncio.CancelledError):
+                        raise result
+                    if rep.name not in failing:
+                        failing.add(rep.name)
+                        _log.warning("engine metrics of %s: %s", rep.name, result or repr(result))
+                else:
+                    failing.discard(rep.name)
+            await asyncio.sleep(every_s)
+
+
+@contextlib.asynccontextmanager
+async def scraping(
+    replicas: Sequence[ReplicaSettings], feed: EngineFeed, every_s: float
+) -> AsyncIterator[None]:
+    """Run :func:`scrape_loop` for the duration of the block."""
+    task = asyncio.create_task(scrape_loop(replicas, feed, every_s))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
