@@ -259,8 +259,12 @@ async def _redis_index(app: web.Application) -> AsyncIterator[None]:
     )
     from router.service.engines import EngineFeed
 
+    discover = s.discover_replicas is not False  # None: on with Redis
     sync = IndexSync(
-        store, app[STATE].index, asyncio.get_running_loop().time, listener=EngineFeed(app[STATE])
+        store,
+        app[STATE].index,
+        asyncio.get_running_loop().time,
+        listener=EngineFeed(app[STATE], discover=discover),
     )
     app[INDEX_SYNC] = sync
     import logging

@@ -68,6 +68,9 @@ class ServerSettings:
     max_prompt_tokens: int = 0  # 0: only the models' context_length applies
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight streams get this long to finish
     redis_url: str | None = None  # shared index: follow the Redis store (docs/redis.md)
+    # route to the replicas publishers register in Redis too (None: yes when redis_url is set);
+    # statically configured replicas always stay and win over a registration of the same name
+    discover_replicas: bool | None = None
     redis_key_prefix: str = "kvr"
     redis_stream_shards: int = 8
     # hex master secret: accept only change entries signed by the replica they name

@@ -5,8 +5,9 @@ Both feed :class:`EngineFeed`: the load tracker gets the engine's running / wait
 (used by policies such as ``ours``), and the router keeps the engine's cumulative prefix-cache
 counters per replica for ``kvrouter_engine_prefix_cache_{queries,hits}_tokens_total`` (the
 replica's real hit rate, beside the router's ``kvrouter_replica_predicted_hit_tokens_total``).
-Reports for replica keys the router does not route to are ignored; membership stays with the
-router's registry.
+Reports for replica keys the router does not route to are ignored. Membership: the configured
+replicas, plus (``server.discover_replicas``, on by default with Redis) the replicas publishers
+register in the store.
 """
 
 from __future__ import annotations
@@ -30,17 +31,24 @@ _log = logging.getLogger(__name__)
 
 
 class EngineFeed(LoadTrackerListener):
-    """IndexSync listener (and the scrape's sink) for the router's registry of replicas."""
+    """IndexSync listener (and the scrape's sink) for the router's registry of replicas.
 
-    def __init__(self, state: RouterState) -> None:
+    With ``discover`` the replicas publishers register (and deregister, or whose lease
+    expires) join and leave the registry (``RouterState.add_discovered``); without it
+    membership stays with the configuration."""
+
+    def __init__(self, state: RouterState, *, discover: bool = False) -> None:
         super().__init__(state.load)
         self.state = state
+        self.discover = discover
 
     def replica_up(self, info: ReplicaInfo) -> None:
-        return None
+        if self.discover:
+            self.state.add_discovered(info)
 
     def replica_down(self, replica: str, keys: Sequence[ReplicaKey]) -> None:
-        return None
+        if self.discover:
+            self.state.remove_discovered(replica)
 
     def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None:
         if self.state.registry.endpoint(key) is None:

@@ -1,7 +1,7 @@
 """Which replicas exist, what they serve and where they listen.
 
-Static for now (from settings); ``upsert``/``remove`` are the seam for a dynamic registry
-(e.g. the Redis registry): a background task may call them at any time on the event loop.
+From settings, plus the replicas publishers register in Redis (``RouterState.add_discovered``
+calls ``upsert``/``remove`` on the event loop; docs/redis.md, "Replica discovery").
 A replica with ``dp_ranks`` = N yields N schedulable :class:`ReplicaKey` s sharing one URL.
 """
 

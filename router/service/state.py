@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from router.core.errors import BadRequest, ConfigError, UnknownModel
 from router.core.index import PrefixIndex
@@ -25,9 +26,10 @@ from router.core.policies import make_policy
 from router.core.routing import RoutingEngine
 from router.core.types import Decision, ReplicaKey, RouteRequest
 from router.recorder import TraceRecorder
-from router.service.config import ModelSettings, Settings
+from router.service.config import ModelSettings, ReplicaSettings, Settings
 from router.service.metrics import Metrics, ReplicaGauge, StateSnapshot
 from router.service.registry import ReplicaRegistry
+from router.store.base import ReplicaInfo
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import ProcessedPrompt, PromptProcessor
 from router.tokenize.template import ChatTemplate
@@ -109,6 +111,8 @@ class RouterState:
         self.index = PrefixIndex(settings.server.max_speculative_blocks)
         self.load = LoadTracker()
         self.registry = ReplicaRegistry(settings.replicas)
+        self._static_names = frozenset(r.name for r in settings.replicas)
+        self._static_urls = frozenset(r.url.rstrip("/") for r in settings.replicas)
         self.rng = random.Random(settings.server.seed)
         self.decisions: deque[tuple[float, str, str, int, bool, Decision]] = deque(
             maxlen=settings.server.decisions_kept
@@ -144,6 +148,70 @@ class RouterState:
         policy = make_policy(model.policy, model.policy_params)
         self.engines[model.name] = RoutingEngine(self.index, self.load, policy, routing)
         self.processors[model.name] = processor
+
+    # ------------------------------------------------------------------ discovery
+
+    def add_discovered(self, info: ReplicaInfo) -> bool:
+        """Route to a replica a publisher registered (``server.discover_replicas``); a
+        re-registration updates it. Statically configured names are left alone. Returns
+        whether the replica is now routable."""
+        if info.replica in self._static_names:
+            return False
+        ranks = tuple(info.dp_ranks)
+        parts = urlsplit(info.url)
+        problem = None
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            problem = f"url {info.url!r} is not an http(s) URL"
+        elif not info.model:
+            problem = "no model"
+        elif ranks != tuple(range(len(ranks))):
+            problem = f"dp ranks {ranks} are not 0..N-1"
+        elif info.url.rstrip("/") in self._static_urls:
+            problem = (
+                f"{info.url} is configured under another name; give the static replica the "
+                "publisher's replica name (or set server.discover_replicas = false)"
+            )
+        if problem is not None:
+            _log.warning("not routing to registered replica %s: %s", info.replica, problem)
+            return False
+        model = self.settings.model(info.model)
+        if info.model not in self.engines:
+            self._add_model(model)
+            _log.info(
+                "model %s discovered with replica %s (default settings)", model.name, info.replica
+            )
+        if info.block_size != model.routing.block_size:
+            _log.warning(
+                "replica %s publishes %d-token blocks, the router hashes model %s in %d-token "
+                "blocks: its cache will not match (publisher --block-size)",
+                info.replica,
+                info.block_size,
+                info.model,
+                model.routing.block_size,
+            )
+        self.registry.upsert(
+            ReplicaSettings(
+                url=info.url,
+                model=info.model,
+                name=info.replica,
+                rack=info.rack or None,
+                region=info.region or None,
+                dp_ranks=len(ranks),
+            )
+        )
+        for key in self.registry.find(info.replica):
+            self.load.add_replica(key)
+            self.index.add_replica(key)
+        return True
+
+    def remove_discovered(self, name: str) -> None:
+        """Stop routing to a registered replica (deregistered, or its lease expired)."""
+        if name in self._static_names:
+            return
+        for key in self.registry.remove(name):
+            self.load.remove_replica(key)
+            self.engine_prefix_cache.pop(key, None)
+            self.unhealthy_until.pop(key, None)
 
     # ------------------------------------------------------------------ request path
 

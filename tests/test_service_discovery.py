@@ -1,0 +1,143 @@
+"""Replicas discovered from the Redis registry (``server.discover_replicas``): a router with no
+static replicas routes to what publishers register and stops when they deregister or their
+lease expires; static replicas win over registrations (real Redis, real HTTP, openai client)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import openai
+import pytest
+from aiohttp import web
+
+from router.core.types import ReplicaKey
+from router.mock.server import MockSettings
+from router.mock.server import create_app as create_mock
+from router.service.app import STATE
+from router.service.config import build_settings
+from router.store.base import ReplicaInfo
+from router.store.local_redis import free_port
+from router.store.redis_store import RedisStore
+from router.store.schema import KeySchema
+from tests.backends import start_router
+
+B = 64
+
+
+async def eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.03)
+
+
+async def _mock(name: str) -> tuple[web.AppRunner, str]:
+    s = MockSettings(
+        model="m", replica=name, block_size=B, engine_block_size=16,
+        zmq_endpoint=f"tcp://127.0.0.1:{free_port()}",
+        replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+    )  # fmt: skip
+    runner = web.AppRunner(create_mock(s))
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("server_kind", ["redis", "redis_cluster"])
+async def test_router_routes_to_registered_replicas_and_drops_them(
+    server_kind: str, request: pytest.FixtureRequest, key_prefix: str
+) -> None:
+    url = request.getfixturevalue(
+        "redis_cluster" if server_kind == "redis_cluster" else "redis_server"
+    ).url
+    schema = KeySchema(key_prefix, stream_shards=2)
+    publisher_side = RedisStore.from_url(url, schema)
+    runners: list[web.AppRunner] = []
+    try:
+        (mock_a, url_a), (mock_b, url_b) = await _mock("a"), await _mock("b")
+        runners += [mock_a, mock_b]
+        settings = build_settings(
+            {
+                "server": {"redis_url": url, "redis_key_prefix": key_prefix},
+                "models": {"m": {"block_size": B}},
+            }
+        )
+        router, base = await start_router(settings)
+        runners.append(router)
+        state = router.app[STATE]
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError):  # nothing registered yet
+            await client.completions.create(model="m", prompt=[1, 2, 3], max_tokens=1)
+
+        await publisher_side.register(
+            ReplicaInfo("a", url=url_a, model="m", rack="r1", block_size=B), "pub-a", 30
+        )
+        await publisher_side.register(
+            ReplicaInfo("b", url=url_b, model="m", dp_ranks=(0, 1), block_size=B), "pub-b", 30
+        )
+        await eventually(lambda: len(state.registry.keys_for("m")) == 3)
+        assert state.registry.endpoint(ReplicaKey("a")).rack == "r1"  # type: ignore[union-attr]
+        assert state.registry.endpoint(ReplicaKey("b", 1)).dp_rank == 1  # type: ignore[union-attr]
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["m"]
+        for i in range(6):
+            done = await client.completions.create(model="m", prompt=[i + 1] * 10, max_tokens=1)
+            assert done.choices
+        picked = {d["replica"] for d in state.recent_decisions(6)}
+        assert picked <= {"a", "b", "b#dp1"}
+
+        # deregistration (a publisher's clean stop) removes the replica at once
+        await publisher_side.deregister("b")
+        await eventually(lambda: state.registry.keys_for("m") == [ReplicaKey("a")])
+        for i in range(4):
+            await client.completions.create(model="m", prompt=[i + 50] * 10, max_tokens=1)
+        assert {d["replica"] for d in state.recent_decisions(4)} == {"a"}
+
+        # a registration that cannot be routed to is refused, not half-added
+        await publisher_side.register(ReplicaInfo("c", url="not a url", model="m"), "pub-c", 30)
+        await asyncio.sleep(0.3)
+        assert state.registry.find("c") == []
+        await client.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        await publisher_side.close()
+
+
+async def test_static_replicas_win_over_registrations(
+    redis_server: object, key_prefix: str
+) -> None:
+    url = redis_server.url  # type: ignore[attr-defined]
+    publisher_side = RedisStore.from_url(url, KeySchema(key_prefix, stream_shards=2))
+    runners: list[web.AppRunner] = []
+    try:
+        (mock_a, url_a), (mock_b, url_b) = await _mock("a"), await _mock("b")
+        runners += [mock_a, mock_b]
+        settings = build_settings(
+            {
+                "server": {"redis_url": url, "redis_key_prefix": key_prefix},
+                "replicas": [{"url": url_a, "model": "m", "name": "static-a"}],
+                "models": {"m": {"block_size": B}},
+            }
+        )
+        router, _ = await start_router(settings)
+        runners.append(router)
+        state = router.app[STATE]
+        # same URL under another name: refused (it would split one engine's traffic)
+        await publisher_side.register(ReplicaInfo("a", url=url_a, model="m"), "pub-a", 30)
+        # same name as the static one, other URL: the configuration wins
+        await publisher_side.register(ReplicaInfo("static-a", url=url_b, model="m"), "pub", 30)
+        await publisher_side.register(ReplicaInfo("b", url=url_b, model="m"), "pub-b", 30)
+        await eventually(lambda: len(state.registry.keys_for("m")) == 2)
+        await asyncio.sleep(0.2)
+        endpoints = {str(ep.key): ep.base_url for ep in state.registry.endpoints()}
+        assert endpoints == {"static-a": url_a, "b": url_b}
+        await publisher_side.deregister("static-a")  # never removes a configured replica
+        await asyncio.sleep(0.3)
+        assert state.registry.find("static-a") == [ReplicaKey("static-a")]
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        await publisher_side.close()
