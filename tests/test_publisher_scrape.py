@@ -88,3 +88,49 @@ def test_load_samples_with_and_without_counters_round_trip() -> None:
     with pytest.raises(ValueError):
         LoadSample.from_json('{"running":1,"waiting":2,"kv_usage":0.5,"wall_ts":3,'
                              '"prefix_cache_hits":"x"}')  # fmt: skip
+
+
+def test_counter_values_that_are_not_counts_are_dropped() -> None:
+    page = VLLM_V1_COUNTERS.replace("} 1000.0", "} NaN").replace("} 640.0", "} -1.0")
+    assert parse_engine_metrics(page)[0].prefix_cache_queries is None
+    assert parse_engine_metrics(page)[0].prefix_cache_hits is None
+
+
+@pytest.mark.parametrize("how", ["content_length", "chunked", "gzip_bomb"])
+async def test_oversized_metrics_pages_are_refused_without_reading_them_whole(how: str) -> None:
+    """A replica's page is read at most MAX_PAGE_BYTES (after decompression) and refused."""
+    import gzip
+
+    import aiohttp
+    from aiohttp import web
+
+    from router.publisher.scrape import MAX_PAGE_BYTES, fetch_page
+    from router.store.local_redis import free_port
+
+    big = b"# junk\n" * (MAX_PAGE_BYTES // 7 + 10)
+
+    async def page(request: web.Request) -> web.StreamResponse:
+        if how == "content_length":
+            return web.Response(body=big)
+        if how == "gzip_bomb":  # ignores Accept-Encoding: identity
+            blob = gzip.compress(big * 4)
+            return web.Response(body=blob, headers={"Content-Encoding": "gzip"})
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for i in range(0, len(big), 65536):
+            await resp.write(big[i : i + 65536])
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/metrics", page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(ValueError, match="over"):
+                await fetch_page(session, f"http://127.0.0.1:{port}/metrics")
+    finally:
+        await runner.cleanup()

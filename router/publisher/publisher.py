@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from router.core.types import IndexEvent, ReplicaKey
 from router.events.ingest import EndpointSpec, EngineIngest, SubscriberGroup
-from router.publisher.scrape import parse_engine_metrics
+from router.publisher.scrape import fetch_page, parse_engine_metrics
 from router.store.base import IndexStore, LoadSample, ReplicaInfo
 from router.store.writer import StoreWriter
 
@@ -174,9 +174,10 @@ class Publisher:
         assert self._http is not None and s.engine_metrics_url
         while True:
             try:
-                async with self._http.get(s.engine_metrics_url) as resp:
-                    text = await resp.text()
-                loads = parse_engine_metrics(text)
+                text = await fetch_page(self._http, s.engine_metrics_url)
+                loads = await asyncio.get_running_loop().run_in_executor(
+                    None, parse_engine_metrics, text
+                )
                 now = time.time()
                 for rank, load in loads.items():
                     if rank not in s.info.dp_ranks:

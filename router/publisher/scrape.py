@@ -15,8 +15,10 @@ which the router exports per replica beside its own predicted hits (docs/metrics
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
@@ -25,6 +27,26 @@ USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_
 QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 RANK_LABELS = ("engine", "dp_rank", "data_parallel_rank")
+# An engine's page is tens of KB; anything far larger is refused before it is parsed.
+MAX_PAGE_BYTES = 4 * 2**20
+
+
+async def fetch_page(session: aiohttp.ClientSession, url: str) -> str:
+    """The text of a metrics page, at most ``MAX_PAGE_BYTES`` after decompression (asked
+    for uncompressed); raises ValueError when larger or not HTTP 200."""
+    async with session.get(url, headers={"Accept-Encoding": "identity"}) as resp:
+        if resp.status != 200:
+            raise ValueError(f"HTTP {resp.status}")
+        if (resp.content_length or 0) > MAX_PAGE_BYTES:
+            raise ValueError(f"page of {resp.content_length} bytes is over {MAX_PAGE_BYTES}")
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await resp.content.read(65536):  # b"" at the end of the body
+            size += len(chunk)
+            if size > MAX_PAGE_BYTES:
+                raise ValueError(f"page is over {MAX_PAGE_BYTES} bytes")
+            parts.append(chunk)
+        return b"".join(parts).decode("utf-8", "replace")
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,8 +82,12 @@ def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
                 return values[name]
         return {}
 
+    def counter(names: tuple[str, ...]) -> dict[int, float]:
+        # cumulative counts: a NaN, infinite or negative value is not a count
+        return {r: v for r, v in pick(names).items() if math.isfinite(v) and v >= 0}
+
     running, waiting, usage = pick(RUNNING), pick(WAITING), pick(USAGE)
-    queries, hits = pick(QUERIES), pick(HITS)
+    queries, hits = counter(QUERIES), counter(HITS)
     ranks = set(running) | set(waiting) | set(usage)
     if not ranks:
         raise ValueError("no engine load gauges (running/waiting/kv usage) on the page")

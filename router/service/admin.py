@@ -79,6 +79,10 @@ def add_routes(app: web.Application, state_key: web.AppKey[Any]) -> None:
                 return error_response(404, f"no replica named {name!r}", code="replica_not_found")
             for key in keys:
                 state.load.set_draining(key, draining)
+                if draining:
+                    state.drained.add(key)
+                else:
+                    state.drained.discard(key)
             return web.json_response({"replicas": [str(k) for k in keys], "draining": draining})
 
         return handler

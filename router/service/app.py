@@ -225,6 +225,8 @@ async def _probe_health(app: web.Application, session: aiohttp.ClientSession, ev
                     ok = resp.status == 200
             except (TimeoutError, aiohttp.ClientError):
                 ok = False
+            if state.registry.endpoint(ep.key) is None:
+                continue  # removed while probed (a discovered replica left)
             if ok and ep.key not in state.unhealthy_until:
                 state.load.set_health(ep.key, True)
             elif not ok:

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 import aiohttp
 
 from router.core.types import ReplicaKey
-from router.publisher.scrape import parse_engine_metrics
+from router.publisher.scrape import fetch_page, parse_engine_metrics
 from router.service.config import ReplicaSettings
 from router.service.state import RouterState
 from router.store.base import LoadSample, ReplicaInfo
@@ -57,21 +57,22 @@ class EngineFeed(LoadTrackerListener):
         queries, hits = sample.prefix_cache_queries, sample.prefix_cache_hits
         if queries is not None and hits is not None:
             self.state.engine_prefix_cache[key] = (queries, hits)
+        else:  # the engine stopped exporting them: do not keep exporting a frozen value
+            self.state.engine_prefix_cache.pop(key, None)
 
 
 async def scrape_once(
     session: aiohttp.ClientSession, rep: ReplicaSettings, feed: EngineFeed, now: float
 ) -> int:
     """Scrape one replica's page into ``feed``; returns the number of ranks reported. Raises
-    ``aiohttp.ClientError`` / ``TimeoutError`` / ``ValueError`` (not a metrics page)."""
+    ``aiohttp.ClientError`` / ``TimeoutError`` / ``ValueError`` (refused or not a metrics
+    page). The page is bounded (``MAX_PAGE_BYTES``) and parsed off the event loop."""
     assert rep.metrics_url
-    async with session.get(rep.metrics_url) as resp:
-        if resp.status != 200:
-            raise ValueError(f"HTTP {resp.status}")
-        text = await resp.text()
+    text = await fetch_page(session, rep.metrics_url)
+    loads = await asyncio.get_running_loop().run_in_executor(None, parse_engine_metrics, text)
     reported = 0
     wall = time.time()
-    for rank, load in parse_engine_metrics(text).items():
+    for rank, load in loads.items():
         if rank >= rep.dp_ranks:
             continue
         sample = LoadSample(
@@ -103,9 +104,9 @@ async def scrape_loop(
                 return_exceptions=True,
             )
             for rep, result in zip(replicas, results, strict=True):
+                # (a CancelledError here is one scrape's, not this loop's: this loop's own
+                # cancellation raises out of the gather / sleep)
                 if isinstance(result, BaseException):
-                    if isinstance(result, asyncio.CancelledError):
-                        raise result
                     if rep.name not in failing:
                         failing.add(rep.name)
                         _log.warning("engine metrics of %s: %s", rep.name, result or repr(result))

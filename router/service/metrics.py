@@ -8,6 +8,7 @@ See docs/metrics.md for the list.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -247,6 +248,19 @@ class Metrics:
             found = self._models[name] = ModelMetrics(self, name)
         return found
 
+    def forget_replica(self, model: str, replica: object) -> None:
+        """Drop a removed replica's labelled series (a discovered replica left): they would
+        otherwise be exported, frozen, for ever."""
+        mm = self._models.get(model)
+        outcomes = mm.forget(replica) if mm is not None else []
+        label = str(replica)
+        for counter in (self.replica_prompt_tokens, self.replica_predicted_hit_tokens):
+            with contextlib.suppress(KeyError):
+                counter.remove(model, label)
+        for outcome in outcomes:
+            with contextlib.suppress(KeyError):
+                self.requests.remove(model, label, outcome)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -310,6 +324,14 @@ class ModelMetrics:
                 self._m.replica_predicted_hit_tokens.labels(self.model, label),
             )
         return found
+
+    def forget(self, replica: object) -> list[str]:
+        """Drop the cached children of a removed replica; returns the outcomes it had."""
+        self._replicas.pop(replica, None)
+        gone = [k for k in self._outcomes if k[0] == replica]
+        for key in gone:
+            del self._outcomes[key]
+        return [outcome for _, outcome in gone]
 
     def retry(self, reason: str) -> Any:
         child = self._retries.get(reason)

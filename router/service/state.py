@@ -112,7 +112,9 @@ class RouterState:
         self.load = LoadTracker()
         self.registry = ReplicaRegistry(settings.replicas)
         self._static_names = frozenset(r.name for r in settings.replicas)
-        self._static_urls = frozenset(r.url.rstrip("/") for r in settings.replicas)
+        # admin drains by key, remembered across a discovered replica leaving and coming back
+        # (a publisher restart during a rolling update must not undo a drain)
+        self.drained: set[ReplicaKey] = set()
         self.rng = random.Random(settings.server.seed)
         self.decisions: deque[tuple[float, str, str, int, bool, Decision]] = deque(
             maxlen=settings.server.decisions_kept
@@ -154,32 +156,35 @@ class RouterState:
     def add_discovered(self, info: ReplicaInfo) -> bool:
         """Route to a replica a publisher registered (``server.discover_replicas``); a
         re-registration updates it. Statically configured names are left alone. Returns
-        whether the replica is now routable."""
+        whether the replica is now routable; a registration that is refused also withdraws
+        an earlier one of the same name (its old address must not stay routable)."""
         if info.replica in self._static_names:
             return False
         ranks = tuple(info.dp_ranks)
-        parts = urlsplit(info.url)
+        url = _normal_url(info.url)
+        owner = next((r.name for r in self.registry.replicas() if _normal_url(r.url) == url), None)
         problem = None
-        if parts.scheme not in ("http", "https") or not parts.netloc:
+        if url is None:
             problem = f"url {info.url!r} is not an http(s) URL"
-        elif not info.model:
-            problem = "no model"
+        elif info.model not in self.settings.models and info.model not in self.engines:
+            problem = (
+                f"model {info.model!r} is not configured (add [models.{info.model or 'NAME'}] "
+                "to route to it)"
+            )
         elif ranks != tuple(range(len(ranks))):
             problem = f"dp ranks {ranks} are not 0..N-1"
-        elif info.url.rstrip("/") in self._static_urls:
+        elif owner is not None and owner != info.replica:
             problem = (
-                f"{info.url} is configured under another name; give the static replica the "
-                "publisher's replica name (or set server.discover_replicas = false)"
+                f"{info.url} is already routed to as {owner!r} (give a configured replica "
+                "the publisher's replica name, or set server.discover_replicas = false)"
             )
         if problem is not None:
             _log.warning("not routing to registered replica %s: %s", info.replica, problem)
+            self.remove_discovered(info.replica)
             return False
         model = self.settings.model(info.model)
         if info.model not in self.engines:
             self._add_model(model)
-            _log.info(
-                "model %s discovered with replica %s (default settings)", model.name, info.replica
-            )
         if info.block_size != model.routing.block_size:
             _log.warning(
                 "replica %s publishes %d-token blocks, the router hashes model %s in %d-token "
@@ -189,6 +194,10 @@ class RouterState:
                 info.model,
                 model.routing.block_size,
             )
+        old = self.registry.find(info.replica)
+        old_model = next(
+            (r.model for r in self.registry.replicas() if r.name == info.replica), None
+        )
         self.registry.upsert(
             ReplicaSettings(
                 url=info.url,
@@ -199,19 +208,29 @@ class RouterState:
                 dp_ranks=len(ranks),
             )
         )
-        for key in self.registry.find(info.replica):
+        new = self.registry.find(info.replica)
+        self._forget_keys([k for k in old if k not in new], old_model)
+        for key in new:
             self.load.add_replica(key)
             self.index.add_replica(key)
+            if key in self.drained:
+                self.load.set_draining(key, True)
         return True
 
     def remove_discovered(self, name: str) -> None:
         """Stop routing to a registered replica (deregistered, or its lease expired)."""
         if name in self._static_names:
             return
-        for key in self.registry.remove(name):
+        model = next((r.model for r in self.registry.replicas() if r.name == name), None)
+        self._forget_keys(self.registry.remove(name), model)
+
+    def _forget_keys(self, keys: Sequence[ReplicaKey], model: str | None) -> None:
+        for key in keys:
             self.load.remove_replica(key)
             self.engine_prefix_cache.pop(key, None)
             self.unhealthy_until.pop(key, None)
+            if model is not None:
+                self.metrics.forget_replica(model, key)
 
     # ------------------------------------------------------------------ request path
 
@@ -238,6 +257,8 @@ class RouterState:
                 self.load.set_health(key, True)
 
     def mark_unhealthy(self, key: ReplicaKey, now: float) -> None:
+        if self.registry.endpoint(key) is None:
+            return  # removed meanwhile (a discovered replica left): nothing to mark
         self.unhealthy_until[key] = now + self.settings.server.unhealthy_cooldown_s
         self.load.set_health(key, False)
 
@@ -346,6 +367,21 @@ class RouterState:
                 if (endpoint := self.registry.endpoint(key)) is not None
             },
         )
+
+
+def _normal_url(url: str) -> str | None:
+    """``scheme://host:port`` of an http(s) URL, lower-case with the default port filled in
+    (so ``HTTP://H:80/`` and ``http://h`` compare equal); None if it is not one."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        return None
+    scheme = parts.scheme.lower()
+    port = port or (443 if scheme == "https" else 80)
+    return f"{scheme}://{parts.hostname.lower()}:{port}"
 
 
 def _loop_time() -> float:

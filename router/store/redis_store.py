@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -50,6 +50,7 @@ from router.store.codec import (
 from router.store.packed import PackedTable, parse_records
 from router.store.schema import KeySchema
 
+_T = TypeVar("_T")
 DEFAULT_STREAM_MAXLEN = 50_000
 DEFAULT_CLUSTER_POLL_S = 0.05
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -69,6 +70,16 @@ def connect(url: str, **kwargs: Any) -> aioredis.Redis | RedisCluster:
     if sep and plain is not None:
         return RedisCluster.from_url(f"{plain}://{rest}", decode_responses=False, **kwargs)
     return aioredis.Redis.from_url(url, decode_responses=False, **kwargs)
+
+
+async def _all(coros: Iterable[Coroutine[Any, Any, _T]]) -> list[_T]:
+    """Run ``coros`` concurrently and let every one finish before raising the first error
+    (a failed sibling must not leave the others running on as orphans)."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]
 
 
 def _replica_of(change: Change) -> str:
@@ -212,7 +223,7 @@ class RedisStore:
                     queue(pipe, replica, group)
                     await pipe.execute()
 
-            await asyncio.gather(*(one(r, g) for r, g in by_replica.items()))
+            await _all(one(r, g) for r, g in by_replica.items())
             return
         async with self.redis.pipeline(transaction=False) as pipe:
             for replica, group in by_replica.items():
@@ -307,7 +318,7 @@ class RedisStore:
                     queue(pipe, key)
                     return await pipe.execute()
 
-            snapshots = list(await asyncio.gather(*(one(k) for k in keys)))
+            snapshots = await _all(one(k) for k in keys)
         else:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for key in keys:
@@ -371,7 +382,7 @@ class RedisStore:
             got: Any = await self.redis.xread({stream: last}, count=count)
             return list(got or [])
 
-        replies = await asyncio.gather(*(one(st, last) for st, last in ids.items()))
+        replies = await _all(one(st, last) for st, last in ids.items())
         reply = [item for part in replies for item in part]
         if not reply and block_s > 0:
             await asyncio.sleep(min(block_s, self.cluster_poll_s))
