@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,3 +231,11 @@ def kimi_model_table(**extra: Any) -> dict[str, Any]:
         "speculative_ttl_s": 60.0,
         **extra,
     }
+
+
+async def eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait until ``pred()`` holds (polling every 30 ms); fail after ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.03)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from typing import Any
 
 import openai
 from aiohttp import web
@@ -18,35 +18,39 @@ from router.mock.server import create_app as create_mock
 from router.service.app import STATE
 from router.service.config import build_settings
 from router.store.local_redis import free_port
-from tests.backends import start_router
+from tests.backends import eventually, start_router
 
 B = 64
 
 
-async def eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.03)
+async def _mocks(n: int, runners: list[web.AppRunner]) -> list[dict[str, Any]]:
+    """``n`` mock replicas (real HTTP + ZMQ events) as router ``[[replicas]]`` tables with
+    ``zmq`` and ``metrics_url``; their runners are appended to ``runners``."""
+    replicas = []
+    for i in range(n):
+        zmq, replay, port = free_port(), free_port(), free_port()
+        s = MockSettings(
+            model="m", replica=f"r{i}", block_size=B, engine_block_size=16,
+            zmq_endpoint=f"tcp://127.0.0.1:{zmq}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
+        )  # fmt: skip
+        runner = web.AppRunner(create_mock(s))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        base = f"http://127.0.0.1:{port}"
+        replicas.append(
+            {"url": base, "model": "m", "name": f"r{i}", "zmq": s.zmq_endpoint,
+             "zmq_replay": s.replay_endpoint, "metrics_url": f"{base}/metrics"}
+        )  # fmt: skip
+    return replicas
 
 
 async def test_router_follows_engine_events_without_redis() -> None:
-    runners, replicas = [], []
+    runners: list[web.AppRunner] = []
     try:
-        for i in range(3):
-            zmq, replay, port = free_port(), free_port(), free_port()
-            s = MockSettings(
-                model="m", replica=f"r{i}", block_size=B, engine_block_size=16,
-                zmq_endpoint=f"tcp://127.0.0.1:{zmq}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
-            )  # fmt: skip
-            runner = web.AppRunner(create_mock(s))
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
-            replicas.append(
-                {"url": f"http://127.0.0.1:{port}", "model": "m", "name": f"r{i}",
-                 "zmq": s.zmq_endpoint, "zmq_replay": s.replay_endpoint}
-            )  # fmt: skip
+        replicas = [
+            {k: v for k, v in r.items() if k != "metrics_url"} for r in await _mocks(3, runners)
+        ]
         settings = build_settings(
             {"replicas": replicas, "models": {"m": {"block_size": B, "policy": "ours"}}}
         )
@@ -91,24 +95,9 @@ async def test_router_scrapes_engine_metrics_and_exports_real_and_predicted_hits
     publisher, no Redis) and exports them beside its per-replica predictions."""
     import aiohttp
 
-    runners = []
+    runners: list[web.AppRunner] = []
     try:
-        replicas = []
-        for i in range(2):
-            zmq, replay, port = free_port(), free_port(), free_port()
-            s = MockSettings(
-                model="m", replica=f"r{i}", block_size=B, engine_block_size=16,
-                zmq_endpoint=f"tcp://127.0.0.1:{zmq}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
-            )  # fmt: skip
-            runner = web.AppRunner(create_mock(s))
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
-            base = f"http://127.0.0.1:{port}"
-            replicas.append(
-                {"url": base, "model": "m", "name": f"r{i}", "zmq": s.zmq_endpoint,
-                 "zmq_replay": s.replay_endpoint, "metrics_url": f"{base}/metrics"}
-            )  # fmt: skip
+        replicas = await _mocks(2, runners)
         settings = build_settings(
             {
                 "server": {"engine_metrics_interval_s": 0.1},

@@ -5,7 +5,6 @@ lease expires; static replicas win over registrations (real Redis, real HTTP, op
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -21,16 +20,9 @@ from router.store.base import ReplicaInfo
 from router.store.local_redis import free_port
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
-from tests.backends import start_router
+from tests.backends import eventually, start_router
 
 B = 64
-
-
-async def eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.03)
 
 
 async def _mock(name: str) -> tuple[web.AppRunner, str]:

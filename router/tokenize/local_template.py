@@ -63,15 +63,9 @@ _REJECTED_ANYWHERE = (
     nodes.Extends,
     nodes.Block,
 )
-# Statements that may hide cross-message state or unknown control flow.
+# Statements that may hide cross-message state or unknown control flow (in the loop body).
 _REJECTED = (
-    nodes.Macro,
-    nodes.CallBlock,
-    nodes.Include,
-    nodes.Import,
-    nodes.FromImport,
-    nodes.Extends,
-    nodes.Block,
+    *_REJECTED_ANYWHERE,
     nodes.NSRef,
     nodes.AssignBlock,
     nodes.Scope,
