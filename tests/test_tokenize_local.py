@@ -22,6 +22,17 @@ KIMI_SOURCE = (BUNDLED_DIR / "kimi_style" / "chat_template.jinja").read_text(enc
 
 LOCAL = {
     "kimi": KIMI_SOURCE,
+    # the shape of Moonshot's Kimi-K2 template: the body tests messages[0] on loop.first
+    "kimi_k2_first_message": (
+        "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>"
+        "{%- endif -%}{%- for message in messages -%}"
+        "{%- if loop.first and messages[0]['role'] != 'system' -%}"
+        "<|im_system|>system<|im_middle|>You are Kimi.<|im_end|>{%- endif -%}"
+        "{%- set role_name = message.get('name') or message['role'] -%}"
+        "<|im_user|>{{ role_name }}<|im_middle|>{{ message['content'] }}<|im_end|>"
+        "{%- endfor -%}{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+        "{%- endif -%}"
+    ),
     # ``loop`` inside an inner loop's filter / else is the message loop: rewritten too
     "inner_else_and_filter_use_loop_index": (
         "{% for m in messages %}{% for x in [] %}{% else %}#{{ loop.index }}{% endfor %}"
@@ -73,6 +84,9 @@ NOT_LOCAL = {
     "break": (
         "{%- for message in messages %}{{ message.content }}"
         "{% if message.role == 'tool' %}{% break %}{% endif %}{%- endfor %}"
+    ),
+    "reads_the_last_message": (
+        "{%- for message in messages %}{{ messages[-1].role }}{{ message.content }}{%- endfor %}"
     ),
     "peeks_at_neighbours": (
         "{%- for message in messages %}{{ messages[loop.index0 - 1].role }}{%- endfor %}"

@@ -15,8 +15,9 @@ construct it does not understand makes the template non-local, and the caller re
   ``recursive``), and ``messages`` is never assigned;
 * the statements before the loop read ``messages`` only as ``messages[0]`` (the cached prefix
   always contains it), so ``HEAD`` is the same for every continuation of a conversation;
-* the loop body reads only: the message, ``loop.first`` / ``loop.index`` / ``loop.index0``
-  (rewritten to count from the first rendered message), names it assigns itself
+* the loop body reads only: the message, ``messages[0]`` (Kimi's templates test its role on
+  the first iteration), ``loop.first`` / ``loop.index`` / ``loop.index0`` (rewritten to count
+  from the first rendered message), names it assigns itself
   unconditionally before reading them, and inputs the template never assigns (``tools``,
   ``bos_token``, template kwargs, pure globals); it has no ``break`` of the message loop, no
   namespace assignment, macro, call block, include, import or block, and nothing whose output
@@ -155,6 +156,8 @@ class _BodyCheck:
             self.statements(node.body, top=False, depth=depth)
             self.locals = saved
             return
+        if _is_first_message(node):
+            return  # in every cached prefix (and compared): the same in a full render
         if isinstance(node, nodes.Getattr) and _is_name(node.node, "loop") and depth == 0:
             if "loop" in self.locals:  # shadowed by a user variable called loop: be safe
                 raise _NotLocal("loop shadowed")
@@ -203,6 +206,17 @@ def _names(target: nodes.Node) -> set[str]:
     return {n.name for n in target.find_all(nodes.Name)}
 
 
+def _is_first_message(node: nodes.Node) -> bool:
+    """``messages[0]``: the conversation's first message."""
+    return (
+        isinstance(node, nodes.Getitem)
+        and _is_name(node.node, "messages")
+        and isinstance(node.arg, nodes.Const)
+        and node.arg.value == 0
+        and type(node.arg.value) is int
+    )
+
+
 def _is_name(node: nodes.Node, name: str) -> bool:
     return isinstance(node, nodes.Name) and node.name == name
 
@@ -214,8 +228,7 @@ def _check_head(stmts: Sequence[nodes.Node]) -> None:
         if isinstance(stmt, _REJECTED):
             raise _NotLocal(type(stmt).__name__)
         for item in stmt.find_all(nodes.Getitem):
-            arg = item.arg
-            if _is_name(item.node, "messages") and isinstance(arg, nodes.Const) and arg.value == 0:
+            if _is_first_message(item):
                 allowed.add(id(item.node))
         for name in stmt.find_all(nodes.Name):
             if name.name == "messages" and id(name) not in allowed:
