@@ -84,3 +84,42 @@ def test_approximate_mode_estimates_and_hashes_text() -> None:
     assert len(got.block_hashes) == got.prompt_tokens // 16
     longer = proc.chat({"messages": [*body["messages"], {"role": "user", "content": "more"}]})
     assert longer.block_hashes[: len(got.block_hashes) - 1] == got.block_hashes[:-1]
+
+
+def test_completion_batches_route_by_the_longest_prompt_and_count_all_tokens() -> None:
+    proc, _ = _kimi()
+    assert proc.tokenizer is not None
+    short, long = "hello world", "a much longer prompt " * 20
+    batch = proc.completion({"model": "kimi", "prompt": [short, long, short]})
+    alone = proc.completion({"model": "kimi", "prompt": long})
+    n_short = len(proc.tokenizer.encode_text(short))
+    assert batch.block_hashes == alone.block_hashes  # the longest prompt's blocks
+    assert batch.prompt_tokens == alone.prompt_tokens + 2 * n_short  # all of them prefilled
+    assert batch.context_tokens == alone.prompt_tokens  # what must fit the context
+    ids = proc.completion({"model": "kimi", "prompt": [[1, 2, 3], list(range(1, 40))]})
+    assert (
+        ids.block_hashes
+        == proc.completion({"model": "kimi", "prompt": list(range(1, 40))}).block_hashes
+    )
+    assert (ids.prompt_tokens, ids.context_tokens) == (42, 39)
+    single = proc.completion({"model": "kimi", "prompt": [long]})
+    assert (single.prompt_tokens, single.context_tokens) == (alone.prompt_tokens,) * 2
+
+
+def test_a_batch_is_checked_against_the_context_per_prompt() -> None:
+    from router.core.errors import BadRequest
+    from router.service.config import build_settings
+    from router.service.state import RouterState
+
+    settings = build_settings(
+        {
+            "replicas": [{"url": "http://127.0.0.1:9", "model": "m"}],
+            "models": {"m": {"context_length": 50}},
+        }
+    )
+    state = RouterState(settings)
+    proc = state.processor("m")
+    three = proc.completion({"model": "m", "prompt": [[1] * 40, [2] * 40, [3] * 40]})
+    state.check_context("m", three)  # 120 tokens in all, each prompt fits
+    with pytest.raises(BadRequest):
+        state.check_context("m", proc.completion({"model": "m", "prompt": [[1] * 40, [2] * 60]}))

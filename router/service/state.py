@@ -242,10 +242,10 @@ class RouterState:
 
     def check_context(self, model: str, prompt: ProcessedPrompt) -> None:
         limit = self.settings.model(model).context_length
-        if limit is not None and prompt.exact and prompt.prompt_tokens > limit:
+        if limit is not None and prompt.exact and prompt.context_tokens > limit:
             raise BadRequest(
                 f"This model's maximum context length is {limit} tokens. However, your "
-                f"request has {prompt.prompt_tokens} input tokens."
+                f"request has {prompt.context_tokens} input tokens."
             )
 
     def restore_health(self, now: float) -> None:

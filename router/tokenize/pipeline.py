@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,9 @@ class ProcessedPrompt:
     """The routing view of one request's prompt.
 
     ``exact``: tokens come from the model's tokenizer (or the request's own token ids);
-    False in approximate mode. ``reused_tokens``: taken from the incremental cache.
+    False in approximate mode. ``reused_tokens``: taken from the incremental cache. For a
+    batch of completion prompts (all sent to one replica) ``block_hashes`` are the longest
+    prompt's and ``prompt_tokens`` counts them all.
     ``tokenize_s`` covers template rendering and tokenization, ``hash_s`` block hashing.
     """
 
@@ -46,6 +48,13 @@ class ProcessedPrompt:
     reused_tokens: int = 0
     tokenize_s: float = 0.0
     hash_s: float = 0.0
+    # the longest single prompt (what must fit the model's context); 0: ``prompt_tokens``.
+    # Differs for a batch of completion prompts, whose ``prompt_tokens`` is their sum.
+    longest_tokens: int = 0
+
+    @property
+    def context_tokens(self) -> int:
+        return self.longest_tokens or self.prompt_tokens
 
 
 def _simple_render(messages: Sequence[Mapping[str, Any]], tools: Any) -> str:
@@ -56,6 +65,22 @@ def _simple_render(messages: Sequence[Mapping[str, Any]], tools: Any) -> str:
         if m.get("tool_calls"):
             parts.append(json.dumps(m["tool_calls"], sort_keys=True))
     return "\n".join(parts)
+
+
+def _batch(entries: Sequence[ProcessedPrompt]) -> ProcessedPrompt:
+    """One routing view of several prompts sent together: the longest prompt's hashes (its
+    prefill dominates; the replica that holds it is the best home for the batch), every
+    prompt's tokens counted (the replica prefills them all)."""
+    if len(entries) == 1:
+        return entries[0]
+    longest = max(entries, key=lambda e: e.prompt_tokens)
+    return replace(
+        longest,
+        prompt_tokens=sum(e.prompt_tokens for e in entries),
+        tokenize_s=sum(e.tokenize_s for e in entries),
+        hash_s=sum(e.hash_s for e in entries),
+        longest_tokens=longest.prompt_tokens,
+    )
 
 
 def _content_chars(messages: Sequence[Mapping[str, Any]]) -> int:
@@ -261,32 +286,33 @@ class PromptProcessor:
     # ------------------------------------------------------------------ completions
 
     def completion(self, body: Mapping[str, Any]) -> ProcessedPrompt:
-        """Routing view of a completion request; a batch prompt is routed by its first entry."""
+        """Routing view of a completion request. A batch (several prompts, answered by one
+        replica) is routed by its longest prompt and counted with all its tokens."""
         prompt = body.get("prompt")
         if prompt is None:
             raise BadRequest("'prompt' is a required property")
-        if isinstance(prompt, list):
-            if not prompt:
-                raise BadRequest("'prompt' must not be empty")
-            if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-                return self._token_ids(prompt, body)
-            first = prompt[0]
-            if isinstance(first, list):
-                for item in prompt:
-                    if (
-                        not isinstance(item, list)
-                        or not item
-                        or not all(isinstance(p, int) and not isinstance(p, bool) for p in item)
-                    ):
-                        raise BadRequest(
-                            "'prompt' token-id arrays must be non-empty integer arrays"
-                        )
-                return self._token_ids(first, body)
-            if not all(isinstance(p, str) for p in prompt):
+        if not isinstance(prompt, list):
+            if not isinstance(prompt, str):
                 raise BadRequest("'prompt' must be a string, an array of strings or token ids")
-            prompt = first
-        if not isinstance(prompt, str):
+            return self._text_prompt(prompt, body)
+        if not prompt:
+            raise BadRequest("'prompt' must not be empty")
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return self._token_ids(prompt, body)
+        if isinstance(prompt[0], list):
+            for item in prompt:
+                if (
+                    not isinstance(item, list)
+                    or not item
+                    or not all(isinstance(p, int) and not isinstance(p, bool) for p in item)
+                ):
+                    raise BadRequest("'prompt' token-id arrays must be non-empty integer arrays")
+            return _batch([self._token_ids(item, body) for item in prompt])
+        if not all(isinstance(p, str) for p in prompt):
             raise BadRequest("'prompt' must be a string, an array of strings or token ids")
+        return _batch([self._text_prompt(p, body) for p in prompt])
+
+    def _text_prompt(self, prompt: str, body: Mapping[str, Any]) -> ProcessedPrompt:
         t0 = time.perf_counter()
         if self.tokenizer is None:
             return self._approximate(prompt, body, 0.0)
