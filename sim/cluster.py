@@ -147,6 +147,12 @@ class Simulation:
                 load.add_replica(k)
             engine = RoutingEngine(index, load, make_policy(policy, params), settings)
             self.routers.append(_Router(engine, random.Random(config.seed * 1000 + r)))
+        # Policies that ignore the prefix index (round robin, random, least loaded): the
+        # engines' KV events are not applied to it, as a peer's simulator does not run an
+        # indexer for them either. Nothing the simulation reports reads the index.
+        self._feed_index = any(
+            getattr(r.engine.policy, "uses_prefix_index", True) for r in self.routers
+        )
         self._slot = {k: i for i, k in enumerate(self.keys)}
         self._queue = EventQueue()
         self._gen = [0] * len(self.engines)
@@ -262,7 +268,7 @@ class Simulation:
     def _after_engine(self, i: int, now: float, outputs: list[Any]) -> None:
         eng = self.engines[i]
         events = eng.take_index_events()
-        if events:
+        if events and self._feed_index:
             batch = EventBatch(self.keys[i], tuple(events))
             lag = self.config.event_lag_s
             if lag > 0:

@@ -100,3 +100,21 @@ def test_hybrid_profile_usable_hits_below_kv_hits(slice_: Workload) -> None:
     cfg = ClusterConfig(profile=kimi, replicas=4, block_size=64, kv_blocks=20000, cpu_blocks=0)
     s = Simulation(slice_, cfg, "ours").run().summary
     assert 0 < s["token_hit_rate"] < s["kv_token_hit_rate"]
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "random", "least_loaded"])
+def test_index_free_policies_skip_the_index_with_identical_results(
+    slice_: Workload, policy: str
+) -> None:
+    """Policies that ignore the prefix index do not pay for maintaining it, and nothing the
+    simulation reports changes (the index is forced back on for the comparison)."""
+    cfg = small_config(event_lag_s=0.01)
+    lean = Simulation(slice_, cfg, policy)
+    assert not lean._feed_index
+    fed = Simulation(slice_, cfg, policy)
+    fed._feed_index = True
+    a, b = lean.run(), fed.run()
+    assert a.summary == b.summary
+    assert lean.routers[0].engine.index.stats().kv_entries == 0
+    assert fed.routers[0].engine.index.stats().kv_entries > 0
+    assert Simulation(slice_, cfg, "ours")._feed_index

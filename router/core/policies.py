@@ -14,7 +14,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from router.core.load import CostModel, LoadView
 from router.core.types import Decision, PrefixMatch, ReplicaKey, RouteRequest
@@ -73,6 +73,8 @@ def _rank(
 
 @dataclass(slots=True)
 class RoundRobin:
+    # ignores the prefix index: a simulation may skip maintaining it (sim.cluster)
+    uses_prefix_index: ClassVar[bool] = False
     name: str = "round_robin"
     cursor: int = 0
 
@@ -88,6 +90,8 @@ class RoundRobin:
 
 @dataclass(slots=True)
 class RandomChoice:
+    # ignores the prefix index: a simulation may skip maintaining it (sim.cluster)
+    uses_prefix_index: ClassVar[bool] = False
     name: str = "random"
 
     def choose(
@@ -100,6 +104,8 @@ class RandomChoice:
 
 @dataclass(slots=True)
 class LeastLoaded:
+    # ignores the prefix index: a simulation may skip maintaining it (sim.cluster)
+    uses_prefix_index: ClassVar[bool] = False
     name: str = "least_loaded"
 
     def choose(
