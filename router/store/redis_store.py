@@ -53,6 +53,8 @@ from router.store.schema import KeySchema
 _T = TypeVar("_T")
 DEFAULT_STREAM_MAXLEN = 50_000
 DEFAULT_CLUSTER_POLL_S = 0.05
+DEFAULT_SOCKET_TIMEOUT_S = 10.0
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _REAP = """
 if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
@@ -65,6 +67,11 @@ def connect(url: str, **kwargs: Any) -> aioredis.Redis | RedisCluster:
     """A binary-safe client for ``url``: ``redis://[user:pass@]host:port/db``, ``rediss://``,
     or ``redis+cluster://[user:pass@]host:port`` / ``rediss+cluster://`` for a Redis Cluster
     (a cluster has only database 0)."""
+    # A Redis (or cluster node) that stops answering must fail calls, not hang them: the
+    # router's follower would stop auditing leases, a publisher would stop heartbeating. The
+    # longest legitimate wait is a blocking XREAD of IndexSync.block_s (0.5 s by default).
+    kwargs.setdefault("socket_timeout", DEFAULT_SOCKET_TIMEOUT_S)
+    kwargs.setdefault("socket_connect_timeout", DEFAULT_CONNECT_TIMEOUT_S)
     scheme, sep, rest = url.partition("://")
     plain = _CLUSTER_SCHEMES.get(scheme.lower())
     if sep and plain is not None:
