@@ -166,7 +166,7 @@ class RouterState:
         problem = None
         if url is None:
             problem = f"url {info.url!r} is not an http(s) URL"
-        elif info.model not in self.settings.models and info.model not in self.engines:
+        elif info.model not in self.engines:
             problem = (
                 f"model {info.model!r} is not configured (add [models.{info.model or 'NAME'}] "
                 "to route to it)"
@@ -182,9 +182,7 @@ class RouterState:
             _log.warning("not routing to registered replica %s: %s", info.replica, problem)
             self.remove_discovered(info.replica)
             return False
-        model = self.settings.model(info.model)
-        if info.model not in self.engines:
-            self._add_model(model)
+        model = self.settings.model(info.model)  # configured: its engine exists since start-up
         if info.block_size != model.routing.block_size:
             _log.warning(
                 "replica %s publishes %d-token blocks, the router hashes model %s in %d-token "
