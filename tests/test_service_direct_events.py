@@ -100,7 +100,7 @@ async def test_router_scrapes_engine_metrics_and_exports_real_and_predicted_hits
         replicas = await _mocks(2, runners)
         settings = build_settings(
             {
-                "server": {"engine_metrics_interval_s": 0.1},
+                "server": {"engine_metrics_interval_s": 0.1, "admin_token": "t"},
                 "replicas": replicas,
                 "models": {"m": {"block_size": B, "policy": "ours"}},
             }
@@ -147,6 +147,15 @@ async def test_router_scrapes_engine_metrics_and_exports_real_and_predicted_hits
         # engine always recomputes per request
         assert predicted is not None and abs(predicted - engine_hits) <= 3
         assert sent is not None and sent >= 3 * 11 * B
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{url}/admin/replicas", headers={"Authorization": "Bearer t"}) as resp,
+        ):
+            listed = {r["replica"]: r for r in (await resp.json())["replicas"]}
+        mine = listed[owner]
+        assert mine["source"] == "static"
+        assert mine["engine"] is not None and mine["engine"]["age_s"] >= 0
+        assert mine["engine_prefix_cache_hit_ratio"] == round(engine_hits / engine_queries, 4)
         # and the engine's load reports reach the load tracker (used by the ours policy)
         assert state.load.view(ReplicaKey(owner), 0).engine is not None
     finally:

@@ -71,6 +71,7 @@ async def test_router_routes_to_registered_replicas_and_drops_them(
             ReplicaInfo("b", url=url_b, model="m", dp_ranks=(0, 1), block_size=B), "pub-b", 30
         )
         await eventually(lambda: len(state.registry.keys_for("m")) == 3)
+        assert not state.is_static("a")
         assert state.registry.endpoint(ReplicaKey("a")).rack == "r1"  # type: ignore[union-attr]
         assert state.registry.endpoint(ReplicaKey("b", 1)).dp_rank == 1  # type: ignore[union-attr]
         models = await client.models.list()

@@ -33,6 +33,13 @@ def _authorised(request: web.Request, token: str | None) -> web.Response | None:
     return None
 
 
+def _ratio(counters: tuple[float, float] | None) -> float | None:
+    """hits / queries of the engine's cumulative prefix-cache counters (since it started)."""
+    if counters is None or counters[0] <= 0:
+        return None
+    return round(counters[1] / counters[0], 4)
+
+
 def add_routes(app: web.Application, state_key: web.AppKey[Any]) -> None:
     def guarded(handler: Any) -> Any:
         async def wrapper(request: web.Request) -> web.StreamResponse:
@@ -67,6 +74,17 @@ def add_routes(app: web.Application, state_key: web.AppKey[Any]) -> None:
                     "decoding": v.decoding,
                     "index_kv_blocks": kv,
                     "index_state_blocks": st,
+                    "source": "static" if state.is_static(ep.key.replica) else "discovered",
+                    # the engine's own report (publisher or metrics_url), when there is one
+                    "engine": None
+                    if v.engine is None
+                    else {
+                        "running": v.engine.running,
+                        "waiting": v.engine.waiting,
+                        "kv_usage": v.engine.kv_usage,
+                        "age_s": round(v.engine_age_s, 3),
+                    },
+                    "engine_prefix_cache_hit_ratio": _ratio(state.engine_prefix_cache.get(ep.key)),
                 }
             )
         return web.json_response({"replicas": out})

@@ -215,6 +215,10 @@ class RouterState:
                 self.load.set_draining(key, True)
         return True
 
+    def is_static(self, name: str) -> bool:
+        """Configured in ``[[replicas]]`` (not discovered from the registry)."""
+        return name in self._static_names
+
     def remove_discovered(self, name: str) -> None:
         """Stop routing to a registered replica (deregistered, or its lease expired)."""
         if name in self._static_names:
