@@ -268,3 +268,50 @@ async def test_auth_urls(tmp_path: Any) -> None:
     assert pool.connection_class.__name__ == "SSLConnection"
     assert pool.connection_kwargs["password"] == "pw" and pool.connection_kwargs["db"] == 2
     await tls.close()
+
+
+async def test_a_silent_redis_fails_calls_instead_of_hanging(private_redis: LocalRedis) -> None:
+    """A Redis that stops answering (SIGSTOP: the socket stays open, nothing comes back) must
+    not hang the follower: its reads time out, it keeps retrying, and it catches up when the
+    server answers again. The event loop stays free all along."""
+    import os
+    import signal
+
+    from router.store.redis_store import connect
+
+    schema = KeySchema("silent", stream_shards=2)
+    writer_store = RedisStore(connect(private_redis.url, socket_timeout=1.0), schema)
+    router_store = RedisStore(connect(private_redis.url, socket_timeout=1.0), schema)
+    assert private_redis.process is not None
+    pid = private_redis.process.pid
+    try:
+        w = await _publish(writer_store, "s")
+        key = ReplicaKey("s")
+        index = PrefixIndex()
+        async with IndexSync(router_store, index, **FAST) as sync:
+            w.add(key, [BlocksStored((1, 2))])
+            await w.flush()
+            await eventually(lambda: index.match([1, 2]).get(key).kv_blocks == 2)
+            ticks = 0
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0.05)
+
+            tick_task = asyncio.create_task(ticker())
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(2.5)
+                assert sync.stats.errors >= 1  # reads timed out instead of waiting for ever
+                assert ticks >= 30  # and the loop kept running meanwhile
+            finally:
+                os.kill(pid, signal.SIGCONT)
+                tick_task.cancel()
+            w.add(key, [BlocksStored((1, 2, 3))])
+            await w.flush()
+            await eventually(lambda: index.match([1, 2, 3]).get(key).kv_blocks == 3)
+    finally:
+        await writer_store.close()
+        await router_store.close()
