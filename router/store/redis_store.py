@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import defaultdict
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -217,27 +217,38 @@ class RedisStore:
         for st in states:
             by_replica[st.key.replica].append(st)
 
-        def queue(pipe: Any, replica: str, group: list[ReplicaState]) -> None:
+        def queue(pipe: Any, item: tuple[str, list[ReplicaState]]) -> None:
+            replica, group = item
             for st in group:
                 self._queue_table(pipe, s.kv(replica, st.key.dp_rank), st.kv, full)
                 self._queue_table(pipe, s.state(replica, st.key.dp_rank), st.state, full)
                 pipe.hset(s.meta(replica), s.seq_field(st.key.dp_rank), str(st.seq))
 
+        await self._transactions(list(by_replica.items()), queue)
+
+    async def _transactions(
+        self, items: Sequence[_T], queue: Callable[[Any, _T], None]
+    ) -> list[list[Any]]:
+        """One MULTI/EXEC per item (``queue`` adds its commands, all in one slot: one
+        replica's keys); returns each transaction's replies. A standalone Redis gets them all
+        in one round trip; a cluster one transactional pipeline per item, concurrently."""
         if self.cluster:
 
-            async def one(replica: str, group: list[ReplicaState]) -> None:
+            async def one(item: _T) -> list[Any]:
                 async with self.redis.pipeline(transaction=True) as pipe:
-                    queue(pipe, replica, group)
-                    await pipe.execute()
+                    queue(pipe, item)
+                    return list(await pipe.execute())
 
-            await _all(one(r, g) for r, g in by_replica.items())
-            return
+            return await _all(one(item) for item in items)
+        exec_at: list[int] = []  # index of each EXEC reply
         async with self.redis.pipeline(transaction=False) as pipe:
-            for replica, group in by_replica.items():
+            for item in items:
                 pipe.execute_command("MULTI")
-                queue(pipe, replica, group)
+                queue(pipe, item)
                 pipe.execute_command("EXEC")
-            await pipe.execute()
+                exec_at.append(len(pipe.command_stack) - 1)  # type: ignore[union-attr]  # (standalone)
+            replies = await pipe.execute()
+        return [list(replies[i]) for i in exec_at]
 
     async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:
         if not writes:
@@ -317,23 +328,7 @@ class RedisStore:
             # callback; a registered replica's info is a non-empty JSON string
             pipe.hstrlen(s.meta(key.replica), "info")
 
-        snapshots: list[Any]
-        if self.cluster:
-
-            async def one(key: ReplicaKey) -> Any:
-                async with self.redis.pipeline(transaction=True) as pipe:
-                    queue(pipe, key)
-                    return await pipe.execute()
-
-            snapshots = await _all(one(k) for k in keys)
-        else:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.execute_command("MULTI")
-                    queue(pipe, key)
-                    pipe.execute_command("EXEC")
-                replies = await pipe.execute()
-            snapshots = [replies[i * 6 + 5] for i in range(len(keys))]
+        snapshots = await self._transactions(keys, queue)
         out: list[ReplicaSnapshot | None] = []
         for key, snapshot in zip(keys, snapshots, strict=True):
             seq_raw, kv_vals, st_vals, registered = snapshot
