@@ -202,8 +202,7 @@ def test_drain_survives_the_replica_leaving_and_coming_back() -> None:
     state: Any = _state()
     info = ReplicaInfo("a", url="http://10.0.0.1:8000", model="m")
     state.add_discovered(info)
-    state.load.set_draining(ReplicaKey("a"), True)
-    state.drained.add(ReplicaKey("a"))  # what POST /admin/replicas/a/drain records
+    state.set_draining(ReplicaKey("a"), True)  # what POST /admin/replicas/a/drain calls
     state.remove_discovered("a")  # a publisher restart during a rolling update
     state.add_discovered(info)
     assert state.load.view(ReplicaKey("a"), 0.0).draining

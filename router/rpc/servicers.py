@@ -330,7 +330,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         for key in keys:
             if self.state.load.view(key, now).draining != on:
                 changed += 1
-            self.state.load.set_draining(key, on)
+            self.state.set_draining(key, on)
         return admin_pb2.DrainResponse(changed=changed)
 
     async def Drain(

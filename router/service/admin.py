@@ -96,11 +96,7 @@ def add_routes(app: web.Application, state_key: web.AppKey[Any]) -> None:
             if not keys:
                 return error_response(404, f"no replica named {name!r}", code="replica_not_found")
             for key in keys:
-                state.load.set_draining(key, draining)
-                if draining:
-                    state.drained.add(key)
-                else:
-                    state.drained.discard(key)
+                state.set_draining(key, draining)
             return web.json_response({"replicas": [str(k) for k in keys], "draining": draining})
 
         return handler

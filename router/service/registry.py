@@ -75,6 +75,9 @@ class ReplicaRegistry:
     def endpoints(self) -> list[Endpoint]:
         return list(self._endpoints.values())
 
+    def get(self, name: str) -> ReplicaSettings | None:
+        return self._by_name.get(name)
+
     def replicas(self) -> list[ReplicaSettings]:
         return list(self._by_name.values())
 

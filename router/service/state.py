@@ -112,9 +112,7 @@ class RouterState:
         self.load = LoadTracker()
         self.registry = ReplicaRegistry(settings.replicas)
         self._static_names = frozenset(r.name for r in settings.replicas)
-        # admin drains by key, remembered across a discovered replica leaving and coming back
-        # (a publisher restart during a rolling update must not undo a drain)
-        self.drained: set[ReplicaKey] = set()
+        self.drained: set[ReplicaKey] = set()  # see set_draining
         self.rng = random.Random(settings.server.seed)
         self.decisions: deque[tuple[float, str, str, int, bool, Decision]] = deque(
             maxlen=settings.server.decisions_kept
@@ -193,9 +191,7 @@ class RouterState:
                 model.routing.block_size,
             )
         old = self.registry.find(info.replica)
-        old_model = next(
-            (r.model for r in self.registry.replicas() if r.name == info.replica), None
-        )
+        previous = self.registry.get(info.replica)
         self.registry.upsert(
             ReplicaSettings(
                 url=info.url,
@@ -207,7 +203,7 @@ class RouterState:
             )
         )
         new = self.registry.find(info.replica)
-        self._forget_keys([k for k in old if k not in new], old_model)
+        self._forget_keys([k for k in old if k not in new], previous)
         for key in new:
             self.load.add_replica(key)
             self.index.add_replica(key)
@@ -223,16 +219,25 @@ class RouterState:
         """Stop routing to a registered replica (deregistered, or its lease expired)."""
         if name in self._static_names:
             return
-        model = next((r.model for r in self.registry.replicas() if r.name == name), None)
-        self._forget_keys(self.registry.remove(name), model)
+        previous = self.registry.get(name)
+        self._forget_keys(self.registry.remove(name), previous)
 
-    def _forget_keys(self, keys: Sequence[ReplicaKey], model: str | None) -> None:
+    def _forget_keys(self, keys: Sequence[ReplicaKey], previous: ReplicaSettings | None) -> None:
         for key in keys:
             self.load.remove_replica(key)
             self.engine_prefix_cache.pop(key, None)
             self.unhealthy_until.pop(key, None)
-            if model is not None:
-                self.metrics.forget_replica(model, key)
+            if previous is not None:
+                self.metrics.forget_replica(previous.model, key)
+
+    def set_draining(self, key: ReplicaKey, draining: bool) -> None:
+        """Admin drain / undrain, remembered across a discovered replica leaving and coming
+        back (a publisher restart during a rolling update must not undo a drain)."""
+        self.load.set_draining(key, draining)
+        if draining:
+            self.drained.add(key)
+        else:
+            self.drained.discard(key)
 
     # ------------------------------------------------------------------ request path
 
