@@ -83,6 +83,11 @@ def _batch(entries: Sequence[ProcessedPrompt]) -> ProcessedPrompt:
     )
 
 
+def _key_context(tools: Any, kwargs: Mapping[str, Any], add_gen: bool) -> dict[str, Any]:
+    """What besides the messages selects a cached conversation (part of message keys)."""
+    return {"tools": tools, "kwargs": kwargs, "gen": add_gen}
+
+
 def _content_chars(messages: Sequence[Mapping[str, Any]]) -> int:
     """Characters of the messages' text content (string contents and text parts)."""
     n = 0
@@ -186,7 +191,7 @@ class PromptProcessor:
         text = self.template.render(
             prepared, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
         )
-        return text, {"tools": tools, "kwargs": kwargs, "gen": add_gen}
+        return text, _key_context(tools, kwargs, add_gen)
 
     @staticmethod
     def _chat_args(
@@ -247,7 +252,7 @@ class PromptProcessor:
         tokenizer, template = self.tokenizer, self.template
         assert tokenizer is not None and template is not None
         t0 = time.perf_counter()
-        keys = message_keys(messages, {"tools": tools, "kwargs": kwargs, "gen": add_gen})
+        keys = message_keys(messages, _key_context(tools, kwargs, add_gen))
         context = (tools, kwargs, add_gen)
         root, _ = self.root(body)
         bs = self.block_size
