@@ -60,8 +60,10 @@ _JSON_BODY = json.dumps(
 ).encode()
 
 
-def _sse_body() -> bytes:
-    out = b""
+def _sse_events() -> list[bytes]:
+    """The 8 SSE events of a streamed answer and the ``[DONE]`` event, each as one HTTP chunk;
+    the last item also carries the terminating zero-length chunk."""
+    out: list[bytes] = []
     for i in range(8):
         chunk = {
             "id": "cmpl-bench",
@@ -71,9 +73,9 @@ def _sse_body() -> bytes:
             "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}],
         }
         data = b"data: " + json.dumps(chunk).encode() + b"\n\n"
-        out += f"{len(data):x}\r\n".encode() + data + b"\r\n"
+        out.append(f"{len(data):x}\r\n".encode() + data + b"\r\n")
     done = b"data: [DONE]\n\n"
-    out += f"{len(done):x}\r\n".encode() + done + b"\r\n0\r\n\r\n"
+    out.append(f"{len(done):x}\r\n".encode() + done + b"\r\n0\r\n\r\n")
     return out
 
 
@@ -83,10 +85,12 @@ _RESP_JSON = (
     + b"\r\n\r\n"
     + _JSON_BODY
 )
-_RESP_SSE = (
+_SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-    b"Transfer-Encoding: chunked\r\n\r\n" + _sse_body()
+    b"Transfer-Encoding: chunked\r\n\r\n"
 )
+_SSE_EVENTS = _sse_events()
+_RESP_SSE = _SSE_HEAD + b"".join(_SSE_EVENTS)
 _MODELS = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
 _RESP_GET = (
     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
@@ -97,6 +101,10 @@ _RESP_GET = (
 
 
 class _Backend(asyncio.Protocol):
+    #: ``True``: a stream is written one SSE event per event-loop turn, as an engine emits one
+    #: event per decode step (each event its own write and TCP segment); ``False``: one write.
+    paced = False
+
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         self.buf = b""
@@ -121,13 +129,26 @@ class _Backend(asyncio.Protocol):
             if head.startswith(b"get"):
                 self.transport.write(_RESP_GET)
             elif b'"stream": true' in body or b'"stream":true' in body:
-                self.transport.write(_RESP_SSE)
+                if self.paced:
+                    self.transport.write(_SSE_HEAD)
+                    asyncio.get_running_loop().call_soon(self._next_event, 0)
+                else:
+                    self.transport.write(_RESP_SSE)
             else:
                 self.transport.write(_RESP_JSON)
 
+    def _next_event(self, i: int) -> None:
+        if self.transport.is_closing():
+            return
+        self.transport.write(_SSE_EVENTS[i])
+        if i + 1 < len(_SSE_EVENTS):
+            asyncio.get_running_loop().call_soon(self._next_event, i + 1)
 
-def backend_main(ports: list[int]) -> None:
-    """Serve the canned backend on ``ports`` until killed (runs in its own process)."""
+
+def backend_main(ports: list[int], paced: bool = False) -> None:
+    """Serve the canned backend on ``ports`` until killed (runs in its own process);
+    ``paced``: see :attr:`_Backend.paced`."""
+    _Backend.paced = paced
     try:
         import uvloop
 
@@ -345,7 +366,8 @@ def run(args: argparse.Namespace) -> int:
         [
             sys.executable,
             "-c",
-            f"from router.bench.proxy_bench import backend_main; backend_main({ports!r})",
+            "from router.bench.proxy_bench import backend_main; "
+            f"backend_main({ports!r}, paced={args.paced_stream!r})",
         ]
     )
     procs: list[subprocess.Popen[bytes]] = [backend]
@@ -357,6 +379,7 @@ def run(args: argparse.Namespace) -> int:
         "kvrouter_workers": args.workers,
         "kvrouter_engine": args.engine,
         "unique_prompts": args.unique,
+        "paced_stream": args.paced_stream,
         "cpus": os.cpu_count(),
     }
     try:
@@ -427,5 +450,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--unique",
         action="store_true",
         help="a fresh user text in every request (no prompt memo can help; wrk builds each body)",
+    )
+    p.add_argument(
+        "--paced-stream",
+        action="store_true",
+        help="backends write each SSE event on its own event-loop turn, as an engine emits one "
+        "event per decode step (default: the whole stream in one write)",
     )
     p.set_defaults(handler=run)

@@ -90,6 +90,9 @@ class ServerSettings:
     # Speculative index entries (approximate mode, event lag) are capped at this many block
     # names; beyond it the oldest go first, whatever their TTL (bounds router memory).
     max_speculative_blocks: int = 1_000_000
+    # Byte-identical request bodies (parallel sampling, retries) reuse the first one's prompt
+    # processing (router/service/body_memo.py); 0: off
+    body_memo_mb: float = 16.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -338,6 +341,8 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
         raise ConfigError("server: workers >= 1, max_retries >= 0 and max_body_mb > 0 required")
     if server.engine_metrics_interval_s <= 0:
         raise ConfigError("server.engine_metrics_interval_s: must be > 0")
+    if server.body_memo_mb < 0:
+        raise ConfigError("server.body_memo_mb: must be >= 0 (0 turns the memo off)")
     raw_replicas = data.get("replicas") or []
     if not isinstance(raw_replicas, list):
         raise ConfigError("replicas: must be an array of tables ([[replicas]])")

@@ -18,18 +18,19 @@ from collections.abc import Iterable
 from typing import Any
 
 from router.core.errors import BadRequest, KVRouterError
+from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, reply_for
 from router.service.proxy import Forwarder, Sink, send_error
 from router.service.security import check_prompt_tokens
-from router.service.state import Routed, RouterState
+from router.service.state import BODY_MEMO_MAX_BYTES, Routed, RouterState
 from router.tokenize.pipeline import ProcessedPrompt
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
 KINDS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completion"}
 
-# Bodies larger than this are tokenized on a worker thread, off the event loop.
-THREAD_MIN_BODY = 128 * 1024
+# Bodies this large or larger are tokenized on a worker thread, off the event loop.
+THREAD_MIN_BODY = BODY_MEMO_MAX_BYTES
 
 
 def too_large(state: RouterState) -> ErrorReply:
@@ -151,13 +152,38 @@ async def handle(
     raw: bytes,
     client_headers: list[tuple[bytes, bytes]],
 ) -> None:
-    """Serve one ``POST`` of a hot endpoint (``path`` is a key of :data:`KINDS`)."""
-    body: dict[str, Any] | None = None
+    """Serve one ``POST`` of a hot endpoint (``path`` is a key of :data:`KINDS`).
+
+    A body seen before byte for byte is routed from the memo (router/service/body_memo.py):
+    only routing, which depends on live state, runs again."""
+    kind = KINDS[path]
+    model: object = None
     try:
-        body = parse_body(raw)
-        routed = await admit(state, body, len(raw), KINDS[path], request_id_of(client_headers))
+        request_id = request_id_of(client_headers)
+        memo = state.body_memo.get(kind, raw)
+        if memo is not None:
+            model = memo.model
+            state.processor(memo.model)  # the model may have lost its replicas since: 404
+            routed = state.route(
+                memo.model,
+                memo.prompt,
+                request_id,
+                asyncio.get_running_loop().time(),
+                session_id=memo.session_id,
+                max_output_tokens=memo.max_output_tokens,
+            )
+        else:
+            body = parse_body(raw)
+            model = body.get("model")
+            routed = await admit(state, body, len(raw), kind, request_id)
+            req = routed.request
+            state.body_memo.put(
+                kind,
+                raw,
+                Admitted(req.model, routed.prompt, req.session_id, req.max_output_tokens),
+            )
     except KVRouterError as exc:
-        rejected(state, body.get("model") if body is not None else None)
+        rejected(state, model)
         await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s))
         return
     record(state, routed)

@@ -46,6 +46,8 @@ class StateSnapshot:
     event_lag_s: dict[str, float]
     # replica -> (model, engine's cumulative prefix-cache queries, hits), in prompt tokens
     engine_prefix_cache: dict[str, tuple[str, float, float]] = field(default_factory=dict)
+    # body memo (router/service/body_memo.py): hits, misses, bytes held
+    body_memo: tuple[int, int, int] = (0, 0, 0)
 
 
 class _StateCollector(Collector):
@@ -120,7 +122,21 @@ class _StateCollector(Collector):
         for replica, (model, q, h) in s.engine_prefix_cache.items():
             queries.add_metric([replica, model], q)
             hits.add_metric([replica, model], h)
+        memo_hits, memo_misses, memo_bytes = s.body_memo
+        memo_lookups = CounterMetricFamily(
+            "kvrouter_body_memo_lookups",
+            "Request bodies looked up in the exact-repeat memo, by result (a hit skips prompt "
+            "processing)",
+            labels=["result"],
+        )
+        memo_lookups.add_metric(["hit"], memo_hits)
+        memo_lookups.add_metric(["miss"], memo_misses)
+        memo_size = GaugeMetricFamily(
+            "kvrouter_body_memo_bytes", "Bytes held by the exact-repeat body memo"
+        )
+        memo_size.add_metric([], memo_bytes)
         yield from (inflight, queued, up, entries, replicas, mode, cache, lag, queries, hits)
+        yield from (memo_lookups, memo_size)
 
 
 class Metrics:

@@ -26,6 +26,7 @@ from router.core.policies import make_policy
 from router.core.routing import RoutingEngine
 from router.core.types import Decision, ReplicaKey, RouteRequest
 from router.recorder import TraceRecorder
+from router.service.body_memo import BodyMemo
 from router.service.config import ModelSettings, ReplicaSettings, Settings
 from router.service.metrics import Metrics, ReplicaGauge, StateSnapshot
 from router.service.registry import ReplicaRegistry
@@ -38,6 +39,9 @@ from router.tokenize.tokenizers import load_tokenizer_dir, read_tokenizer_config
 _log = logging.getLogger(__name__)
 
 APPROXIMATE_SPECULATIVE_TTL_S = 600.0
+# Bodies at least this large are not memoised (body_memo.py) and are tokenized on a worker
+# thread, off the event loop (handling.py).
+BODY_MEMO_MAX_BYTES = 128 * 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -130,6 +134,10 @@ class RouterState:
         for ep in self.registry.endpoints():
             self.load.add_replica(ep.key)
             self.index.add_replica(ep.key)
+        # small bodies only: larger ones are tokenized on worker threads (handling.py)
+        self.body_memo = BodyMemo(
+            int(settings.server.body_memo_mb * 2**20), max_body_bytes=BODY_MEMO_MAX_BYTES
+        )
         self.metrics = Metrics(self.snapshot)
         # Set while recording live traffic (app cleanup_ctx owns the file).
         self.recorder: TraceRecorder | None = None
@@ -368,6 +376,7 @@ class RouterState:
                 if p.tokenizer is not None
             },
             event_lag_s=dict(self.event_lag_s),
+            body_memo=(self.body_memo.hits, self.body_memo.misses, self.body_memo.size_bytes),
             engine_prefix_cache={
                 str(key): (endpoint.model, queries, hits)
                 for key, (queries, hits) in self.engine_prefix_cache.items()

@@ -1,0 +1,106 @@
+"""Exact repeats of a request body skip prompt processing.
+
+Parallel sampling sent as separate requests (RL rollouts, best-of-N, evaluation harnesses
+re-running one prompt), client retries and load generators send byte-identical bodies. For
+those, everything the router derives from the body before routing (model, validation, the
+prompt's token count and block hashes, the context check, ``user`` and the output-token
+limit) is a pure function of the bytes and of the settings, which do not change while the
+process runs. :class:`BodyMemo` keeps that result keyed by the body bytes themselves, so a
+hit is exact (no digest that could collide) and only routing, which depends on live state,
+runs again.
+
+Only successes are kept (a bad body is re-checked and answered each time) and only bodies
+smaller than ``max_body_bytes`` (larger ones are long agentic turns, which the incremental
+tokenizer serves and which rarely repeat byte for byte). Entries are evicted least recently
+used first to stay within ``budget_bytes``, counted as the body's length plus the prompt's
+block hashes and a fixed overhead. The memo belongs to the event-loop thread.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+from router.tokenize.pipeline import ProcessedPrompt
+
+# Python object overhead of an entry besides the body bytes and the hashes (tuple, key,
+# ProcessedPrompt, list) and per block hash (an int object and its list slot).
+_ENTRY_OVERHEAD = 400
+_PER_HASH = 40
+
+
+@dataclass(slots=True, frozen=True)
+class Admitted:
+    """What admission derived from a body, ready to be routed again."""
+
+    model: str
+    prompt: ProcessedPrompt
+    session_id: str | None
+    max_output_tokens: int | None
+
+
+class BodyMemo:
+    """Least-recently-used map (endpoint kind, body bytes) -> :class:`Admitted`."""
+
+    __slots__ = ("_budget", "_entries", "_max_body", "hits", "misses", "size_bytes")
+
+    def __init__(self, budget_bytes: int, max_body_bytes: int) -> None:
+        self._budget = budget_bytes
+        self._max_body = max_body_bytes
+        # keyed by kind too: the same bytes mean different prompts on /v1/completions and
+        # /v1/chat/completions
+        self._entries: OrderedDict[tuple[str, bytes], Admitted] = OrderedDict()
+        self.size_bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._budget > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, kind: str, raw: bytes) -> Admitted | None:
+        if len(raw) >= self._max_body or self._budget <= 0:
+            return None
+        key = (kind, raw)
+        found = self._entries.get(key)
+        if found is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return found
+
+    def put(self, kind: str, raw: bytes, admitted: Admitted) -> None:
+        """Remember a body that was admitted. The stored prompt says what a hit costs: no
+        tokenize or hash time, every token reused."""
+        if len(raw) >= self._max_body or self._budget <= 0:
+            return
+        cost = _cost(raw, admitted.prompt)
+        if cost > self._budget:
+            return
+        key = (kind, raw)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.size_bytes -= _cost(raw, old.prompt)
+        prompt = replace(
+            admitted.prompt,
+            tokenize_s=0.0,
+            hash_s=0.0,
+            reused_tokens=admitted.prompt.prompt_tokens,
+        )
+        self._entries[key] = replace(admitted, prompt=prompt)
+        self.size_bytes += cost
+        while self.size_bytes > self._budget:
+            (_, gone_raw), gone = self._entries.popitem(last=False)
+            self.size_bytes -= _cost(gone_raw, gone.prompt)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.size_bytes = 0
+
+
+def _cost(raw: bytes, prompt: ProcessedPrompt) -> int:
+    return len(raw) + _PER_HASH * len(prompt.block_hashes) + _ENTRY_OVERHEAD

@@ -1,0 +1,183 @@
+"""The exact-repeat body memo (router/service/body_memo.py): the memo itself, and the router
+with it on against the router with it off on the same traffic."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+from router.service.body_memo import Admitted, BodyMemo
+from router.service.config import build_settings
+from router.service.handling import handle
+from router.service.proxy import Headers
+from router.service.state import RouterState
+from router.store.base import ReplicaInfo
+from router.tokenize.pipeline import ProcessedPrompt
+from tests.test_service_api import MODEL, TOKEN, Fleet, conversation, make_fleet
+
+
+def _admitted(tokens: int = 100, hashes: int = 3, model: str = "m") -> Admitted:
+    prompt = ProcessedPrompt(
+        prompt_tokens=tokens,
+        block_hashes=list(range(hashes)),
+        block_size=16,
+        exact=True,
+        reused_tokens=5,
+        tokenize_s=0.25,
+        hash_s=0.5,
+    )
+    return Admitted(model, prompt, "sess", 7)
+
+
+# ---------------------------------------------------------------------------- the memo
+
+
+def test_a_hit_returns_the_admission_with_no_processing_cost() -> None:
+    memo = BodyMemo(budget_bytes=1 << 20, max_body_bytes=1 << 16)
+    assert memo.get("chat", b"{}") is None
+    memo.put("chat", b"{}", _admitted())
+    got = memo.get("chat", b"{}")
+    assert got is not None
+    assert (got.model, got.session_id, got.max_output_tokens) == ("m", "sess", 7)
+    assert got.prompt.block_hashes == [0, 1, 2] and got.prompt.prompt_tokens == 100
+    # what a hit cost: nothing tokenized or hashed, every token reused
+    assert (got.prompt.tokenize_s, got.prompt.hash_s, got.prompt.reused_tokens) == (0, 0, 100)
+    assert (memo.hits, memo.misses) == (1, 1)
+    # the same bytes on the other endpoint are another prompt
+    assert memo.get("completion", b"{}") is None
+
+
+def test_large_bodies_and_a_zero_budget_are_not_kept() -> None:
+    memo = BodyMemo(budget_bytes=1 << 20, max_body_bytes=100)
+    memo.put("chat", b"x" * 100, _admitted())
+    memo.put("chat", b"x" * 99, _admitted())
+    assert len(memo) == 1 and memo.get("chat", b"x" * 100) is None
+    off = BodyMemo(budget_bytes=0, max_body_bytes=100)
+    off.put("chat", b"{}", _admitted())
+    assert len(off) == 0 and off.get("chat", b"{}") is None and not off.enabled
+
+
+def test_the_budget_evicts_least_recently_used_first() -> None:
+    one = BodyMemo(budget_bytes=1 << 20, max_body_bytes=1 << 16)
+    one.put("chat", b"a" * 1000, _admitted())
+    per_entry = one.size_bytes
+    memo = BodyMemo(budget_bytes=3 * per_entry, max_body_bytes=1 << 16)
+    bodies = [bytes([c]) * 1000 for c in b"abcd"]
+    for raw in bodies[:3]:
+        memo.put("chat", raw, _admitted())
+    assert memo.get("chat", bodies[0]) is not None  # a is now the most recent
+    memo.put("chat", bodies[3], _admitted())  # evicts b, the least recent
+    assert memo.get("chat", bodies[1]) is None
+    assert all(memo.get("chat", raw) is not None for raw in (bodies[0], bodies[2], bodies[3]))
+    assert len(memo) == 3 and memo.size_bytes == 3 * per_entry
+    # re-putting a body replaces its entry without double counting
+    memo.put("chat", bodies[0], _admitted())
+    assert len(memo) == 3 and memo.size_bytes == 3 * per_entry
+    # an entry larger than the whole budget is not kept (and evicts nothing)
+    memo.put("chat", b"z" * 1000, _admitted(hashes=10_000))
+    assert len(memo) == 3 and memo.get("chat", b"z" * 1000) is None
+
+
+# ---------------------------------------------------------------------------- the router
+
+
+def _metric(page: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{name}{{?{re.escape(labels)}}}? ([0-9.e+]+)$", page, re.M)
+    assert m is not None, f"{name}{labels} not on the page"
+    return float(m.group(1))
+
+
+async def _replay(fleet: Fleet, bodies: list[bytes]) -> list[tuple[str, int, int]]:
+    for raw in bodies:
+        resp = await fleet.post("/v1/chat/completions", raw)
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    hdr = {"Authorization": f"Bearer {TOKEN}"}
+    got = await (
+        await fleet.http.get(fleet.url + f"/admin/decisions?limit={len(bodies)}", headers=hdr)
+    ).json()
+    decisions = got["decisions"] if isinstance(got, dict) else got
+    return [(d["replica"], d["prompt_tokens"], d["usable_tokens"]) for d in decisions][::-1]
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+async def test_memo_on_and_off_route_the_same_traffic_the_same_way(engine: str) -> None:
+    sessions = [conversation(t) for t in (1, 2, 1, 3, 2, 1, 1, 3)]
+    bodies = [
+        json.dumps({"model": MODEL, "messages": m, "max_tokens": 4, "user": f"u{i % 2}"}).encode()
+        for i, m in enumerate(sessions)
+    ]
+    runs: dict[float, tuple[list[tuple[str, int, int]], str]] = {}
+    for memo_mb in (0.0, 16.0):
+        async for fleet in make_fleet({"body_memo_mb": memo_mb}, engine=engine):
+            decisions = await _replay(fleet, bodies)
+            page = await (await fleet.http.get(fleet.url + "/metrics")).text()
+            runs[memo_mb] = (decisions, page)
+    (off, off_page), (on, on_page) = runs[0.0], runs[16.0]
+    assert on == off  # same replicas, prompt tokens and predicted hits
+    repeats = len(bodies) - len(set(bodies))
+    assert repeats == 3
+    assert _metric(on_page, "kvrouter_body_memo_lookups_total", 'result="hit"') == repeats
+    assert _metric(off_page, "kvrouter_body_memo_lookups_total", 'result="hit"') == 0
+    for name in ("kvrouter_prompt_tokens_total", "kvrouter_predicted_hit_tokens_total"):
+        label = f'model="{MODEL}"'
+        assert _metric(on_page, name, label) == _metric(off_page, name, label)
+    assert _metric(on_page, "kvrouter_body_memo_bytes") > 0
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+async def test_bad_bodies_are_checked_every_time(engine: str) -> None:
+    async for fleet in make_fleet(engine=engine):
+        chat = json.dumps({"model": MODEL, "messages": conversation(1)}).encode()
+        for _ in range(2):
+            resp = await fleet.post("/v1/chat/completions", b'{"model": 1}')
+            assert resp.status == 400
+            over = json.dumps({"model": MODEL, "messages": conversation(40)}).encode()
+            resp = await fleet.post("/v1/chat/completions", over)  # over the 4096-token context
+            assert (
+                resp.status == 400 and "context length" in (await resp.json())["error"]["message"]
+            )
+        assert (await fleet.post("/v1/chat/completions", chat)).status == 200
+        # the same bytes on /v1/completions have no prompt: still refused after the chat hit
+        for _ in range(2):
+            resp = await fleet.post("/v1/completions", chat)
+            assert resp.status == 400
+        page = await (await fleet.http.get(fleet.url + "/metrics")).text()
+        assert _metric(page, "kvrouter_body_memo_lookups_total", 'result="hit"') == 0
+
+
+class _Answer:
+    """The client side of :func:`handle`: records the answer."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.body = b""
+
+    async def respond(self, status: int, headers: Headers, body: bytes) -> None:
+        self.status, self.body = status, body
+
+    async def start(self, status: int, headers: Headers) -> None:
+        raise AssertionError("no stream expected")
+
+    async def write(self, data: bytes) -> None:
+        raise AssertionError("no stream expected")
+
+    async def end(self) -> None:
+        raise AssertionError("no stream expected")
+
+
+async def test_a_memo_hit_for_a_model_whose_replicas_left_is_404() -> None:
+    state = RouterState(build_settings({"models": {"m": {"block_size": 16}}}))
+    assert state.add_discovered(ReplicaInfo("a", url="http://127.0.0.1:9", model="m"))
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    memo: Any = state.body_memo
+    memo.put("chat", raw, _admitted(model="m"))
+    state.remove_discovered("a")
+    answer = _Answer()
+    await handle(state, None, answer, b"/v1/chat/completions", raw, [])  # type: ignore[arg-type]
+    assert answer.status == 404, answer.body
+    assert json.loads(answer.body)["error"]["message"] == "The model 'm' does not exist"
+    assert memo.hits == 1
