@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
+import random
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,6 +25,7 @@ from router.service.security import check_prompt_tokens
 from router.service.state import BODY_MEMO_MAX_BYTES, Routed, RouterState
 from router.tokenize.pipeline import ProcessedPrompt
 
+_random_bits = random.getrandbits
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
 KINDS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completion"}
@@ -71,11 +72,16 @@ def field_types(body: dict[str, Any]) -> tuple[str, bool]:
 
 
 def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
-    """The client's ``X-Request-Id``, else a fresh 32-hex-digit id."""
+    """The client's ``X-Request-Id``, else a fresh 32-hex-digit id.
+
+    Fresh ids come from the ``random`` module's generator (a correlation id needs to be
+    unique, not unpredictable): a syscall-free ~0.3 us instead of ``os.urandom``'s ~1.5 us.
+    The module reseeds it from the OS in every forked worker, so workers do not repeat each
+    other's ids."""
     for k, v in headers:
         if len(k) == 12 and k.lower() == b"x-request-id" and v:
             return v.decode("latin-1")
-    return os.urandom(16).hex()
+    return f"{_random_bits(128):032x}"
 
 
 async def admit(

@@ -13,9 +13,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from router.service.loop_metrics import LoopCounter, LoopHistogram
 
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -144,97 +146,97 @@ class Metrics:
 
     def __init__(self, snapshot: Callable[[], StateSnapshot]) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
+        self.requests = LoopCounter(
             "kvrouter_requests",
             "Requests by replica and outcome (ok, upstream_4xx, "
             "upstream_5xx, connect_error, timeout, cancelled, rejected)",
             ["model", "replica", "outcome"],
             registry=r,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = LoopCounter(
             "kvrouter_prompt_tokens",
             "Prompt tokens routed (estimated in approximate mode)",
             ["model"],
             registry=r,
         )
-        self.predicted_hit_tokens = Counter(
+        self.predicted_hit_tokens = LoopCounter(
             "kvrouter_predicted_hit_tokens",
             "Usable cached prefix tokens predicted by the router",
             ["model"],
             registry=r,
         )
-        self.replica_prompt_tokens = Counter(
+        self.replica_prompt_tokens = LoopCounter(
             "kvrouter_replica_prompt_tokens",
             "Prompt tokens this router sent to the replica (first choice of each request)",
             ["model", "replica"],
             registry=r,
         )
-        self.replica_predicted_hit_tokens = Counter(
+        self.replica_predicted_hit_tokens = LoopCounter(
             "kvrouter_replica_predicted_hit_tokens",
             "Usable cached prefix tokens the router predicted on the replica it picked",
             ["model", "replica"],
             registry=r,
         )
-        self.engine_cached_tokens = Counter(
+        self.engine_cached_tokens = LoopCounter(
             "kvrouter_engine_cached_tokens",
             "Cached prompt tokens reported by replicas (usage.prompt_tokens_details)",
             ["model"],
             registry=r,
         )
-        self.prediction_error = Histogram(
+        self.prediction_error = LoopHistogram(
             "kvrouter_prediction_error_tokens",
             "Predicted usable hit minus engine-reported cached tokens, per request",
             ["model"],
             buckets=_ERROR,
             registry=r,
         )
-        self.predicted_hit_ratio = Histogram(
+        self.predicted_hit_ratio = LoopHistogram(
             "kvrouter_predicted_hit_ratio",
             "Predicted usable hit / prompt tokens per request",
             ["model"],
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
             registry=r,
         )
-        self.decision = Histogram(
+        self.decision = LoopHistogram(
             "kvrouter_decision_seconds",
             "Time to decide, by phase (tokenize, hash, lookup, score)",
             ["phase"],
             buckets=_LATENCY,
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = LoopHistogram(
             "kvrouter_ttft_seconds",
             "Time to first byte of the response body, at the router",
             ["model"],
             buckets=_TTFT,
             registry=r,
         )
-        self.itl = Histogram(
+        self.itl = LoopHistogram(
             "kvrouter_itl_seconds",
             "Time between streamed chunks, at the router",
             ["model"],
             buckets=_ITL,
             registry=r,
         )
-        self.retries = Counter(
+        self.retries = LoopCounter(
             "kvrouter_retries",
             "Requests re-sent to the next-best replica",
             ["model", "reason"],
             registry=r,
         )
-        self.approximate = Counter(
+        self.approximate = LoopCounter(
             "kvrouter_approximate_requests",
             "Requests routed in approximate mode (no tokenizer for the model)",
             ["model"],
             registry=r,
         )
-        self.prompt_cache_reused = Counter(
+        self.prompt_cache_reused = LoopCounter(
             "kvrouter_prompt_cache_reused_tokens",
             "Prompt tokens taken from the incremental tokenization cache",
             ["model"],
             registry=r,
         )
-        self.prompt_tokens_hist = Histogram(
+        self.prompt_tokens_hist = LoopHistogram(
             "kvrouter_request_prompt_tokens",
             "Prompt tokens per request",
             ["model"],
