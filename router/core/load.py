@@ -56,6 +56,9 @@ class EngineReport:
     at: float
 
 
+_NEVER = float("inf")
+
+
 @dataclass(slots=True, frozen=True)
 class LoadView:
     """One replica's load at ``now``, as policies see it."""
@@ -183,18 +186,19 @@ class LoadTracker:
         rep = self._replicas.get(key)
         if rep is None:
             return LoadView()
-        age = now - rep.engine.at if rep.engine is not None else float("inf")
+        engine = rep.engine
+        # positional: keyword arguments cost twice as much, and this runs per candidate
         return LoadView(
-            in_flight=rep.prefilling + rep.decoding,
-            prefilling=rep.prefilling,
-            queued_prefill_tokens=rep.queued_prefill_tokens,
-            decoding=rep.decoding,
-            decode_context_tokens=rep.decode_context_tokens,
-            in_flight_prompt_tokens=rep.in_flight_prompt_tokens,
-            engine=rep.engine,
-            engine_age_s=age,
-            healthy=rep.healthy,
-            draining=rep.draining,
+            rep.prefilling + rep.decoding,  # in_flight
+            rep.prefilling,
+            rep.queued_prefill_tokens,
+            rep.decoding,
+            rep.decode_context_tokens,
+            rep.in_flight_prompt_tokens,
+            engine,
+            now - engine.at if engine is not None else _NEVER,  # engine_age_s
+            rep.healthy,
+            rep.draining,
         )
 
     def replicas(self) -> list[ReplicaKey]:

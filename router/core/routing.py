@@ -27,6 +27,15 @@ class BusyThresholds:
     max_kv_usage: float | None = None
     reject_when_all_busy: bool = False
 
+    @property
+    def enabled(self) -> bool:
+        """Whether any threshold is set."""
+        return (
+            self.max_in_flight is not None
+            or self.max_queued_prefill_tokens is not None
+            or self.max_kv_usage is not None
+        )
+
     def busy(self, load: LoadView) -> bool:
         return (
             (self.max_in_flight is not None and load.in_flight >= self.max_in_flight)
@@ -54,10 +63,15 @@ def filter_candidates(
     replicas: Sequence[ReplicaKey], load: LoadTracker, busy: BusyThresholds, now: float
 ) -> list[tuple[ReplicaKey, LoadView]]:
     """Healthy, non-draining replicas, the busy ones dropped while others remain."""
-    views = [(r, load.view(r, now)) for r in replicas]
-    up = [(r, v) for r, v in views if v.healthy and not v.draining]
+    up: list[tuple[ReplicaKey, LoadView]] = []
+    for r in replicas:
+        v = load.view(r, now)
+        if v.healthy and not v.draining:
+            up.append((r, v))
     if not up:
         raise NoReplicaAvailable("no healthy replica is available")
+    if not busy.enabled:
+        return up
     free = [(r, v) for r, v in up if not busy.busy(v)]
     if free:
         return free
