@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,32 @@ def backend_main(ports: list[int], paced: bool = False) -> None:
 # ---------------------------------------------------------------------------- helpers
 
 
+def _on_cpus(cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` pinning the child (and the threads it starts) to ``cpus``."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def _cpu_split(spec: str | None) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+    """(router CPUs, load CPUs) of ``--router-cpus``: the routers under test on the given
+    CPUs, wrk and the backends on all the others."""
+    if not spec:
+        return None, None
+    try:
+        router = frozenset(int(c) for c in spec.split(","))
+    except ValueError:
+        raise SystemExit(f"--router-cpus: {spec!r} is not a comma-separated CPU list") from None
+    available = os.sched_getaffinity(0)
+    load = frozenset(available - router)
+    if not router <= available or not load:
+        raise SystemExit(
+            f"--router-cpus: {sorted(router)} must be a strict subset of the CPUs "
+            f"{sorted(available)}"
+        )
+    return router, load
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -242,10 +269,16 @@ end
 
 
 def wrk(
-    url: str, body: str, connections: int, seconds: float, threads: int, unique: bool = False
+    url: str,
+    body: str,
+    connections: int,
+    seconds: float,
+    threads: int,
+    unique: bool = False,
+    cpus: frozenset[int] | None = None,
 ) -> dict[str, Any]:
-    """Run wrk; ``unique``: replace the marker ``UNIQUE `` of the body (see :func:`chat_body`)
-    with a random one in every request."""
+    """Run wrk (on ``cpus`` if given); ``unique``: replace the marker ``UNIQUE `` of the body
+    (see :func:`chat_body`) with a random one in every request."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as fh:
         fh.write(_LUA % (body, "true" if unique else "false"))
         script = fh.name
@@ -264,6 +297,7 @@ def wrk(
             text=True,
             timeout=seconds + 60,
             check=True,
+            preexec_fn=_on_cpus(cpus),
         ).stdout
     finally:
         os.unlink(script)
@@ -278,10 +312,10 @@ def wrk(
 
 
 def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    u = args.unique
-    wrk(url, chat_body(False), args.connections, 2, args.threads, u)  # warm-up
-    ns = wrk(url, chat_body(False), args.connections, args.seconds, args.threads, u)
-    st = wrk(url, chat_body(True), args.connections, args.seconds, args.threads, u)
+    u, cpus = args.unique, args.load_cpus
+    wrk(url, chat_body(False), args.connections, 2, args.threads, u, cpus)  # warm-up
+    ns = wrk(url, chat_body(False), args.connections, args.seconds, args.threads, u, cpus)
+    st = wrk(url, chat_body(True), args.connections, args.seconds, args.threads, u, cpus)
     return {
         "rps_nonstream": ns["rps"],
         "rps_stream": st["rps"],
@@ -341,13 +375,16 @@ def _measure_kvrouter(
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "kvrouter.toml"
         _kvrouter_config(cfg, ports, kv_port, args.workers, engine)
-        kv = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)])
+        kv = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+            preexec_fn=_on_cpus(args.router_cpus),
+        )
         try:
             _wait_http(f"http://127.0.0.1:{kv_port}/health")
             kv_url = f"http://127.0.0.1:{kv_port}/v1/chat/completions"
             figures = measure(kv_url, args)
-            d1 = wrk(direct_url, chat_body(False), 1, args.seconds, 1, args.unique)
-            k1 = wrk(kv_url, chat_body(False), 1, args.seconds, 1, args.unique)
+            d1 = wrk(direct_url, chat_body(False), 1, args.seconds, 1, args.unique, args.load_cpus)
+            k1 = wrk(kv_url, chat_body(False), 1, args.seconds, 1, args.unique, args.load_cpus)
         finally:
             _stop(kv)
     c1 = {
@@ -361,6 +398,7 @@ def _measure_kvrouter(
 def run(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is needed as the load generator: apt-get install wrk")
+    args.router_cpus, args.load_cpus = _cpu_split(args.router_cpus_spec)
     ports = [_free_port() for _ in range(args.backends)]
     backend = subprocess.Popen(
         [
@@ -368,7 +406,8 @@ def run(args: argparse.Namespace) -> int:
             "-c",
             "from router.bench.proxy_bench import backend_main; "
             f"backend_main({ports!r}, paced={args.paced_stream!r})",
-        ]
+        ],
+        preexec_fn=_on_cpus(args.load_cpus),
     )
     procs: list[subprocess.Popen[bytes]] = [backend]
     result: dict[str, Any] = {
@@ -381,6 +420,7 @@ def run(args: argparse.Namespace) -> int:
         "unique_prompts": args.unique,
         "paced_stream": args.paced_stream,
         "cpus": os.cpu_count(),
+        "router_cpus": sorted(args.router_cpus) if args.router_cpus else None,
     }
     try:
         _wait_http(f"http://127.0.0.1:{ports[0]}/health")
@@ -416,6 +456,7 @@ def run(args: argparse.Namespace) -> int:
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
+                preexec_fn=_on_cpus(args.router_cpus),
             )
             procs.append(vr)
             try:
@@ -456,5 +497,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="backends write each SSE event on its own event-loop turn, as an engine emits one "
         "event per decode step (default: the whole stream in one write)",
+    )
+    p.add_argument(
+        "--router-cpus",
+        dest="router_cpus_spec",
+        metavar="LIST",
+        help="pin the routers under test (kvrouter's workers, vllm-router) to these CPUs, e.g. "
+        "'1', and wrk and the backends to the others: a per-core comparison",
     )
     p.set_defaults(handler=run)
