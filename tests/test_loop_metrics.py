@@ -60,3 +60,11 @@ def test_misuse_is_refused() -> None:
         LoopCounter("t_x", "X", ["a"], registry=reg)
     with pytest.raises(ValueError):
         LoopHistogram("t_h", "H", [], registry=reg, buckets=(1.0, 1.0))
+    with pytest.raises(ValueError):  # prometheus-client refuses unsorted buckets too
+        Histogram("t_u", "U", [], registry=CollectorRegistry(), buckets=(2.0, 1.0))
+
+
+def test_buckets_must_ascend() -> None:
+    reg = CollectorRegistry(auto_describe=True)
+    with pytest.raises(ValueError):
+        LoopHistogram("t_u", "U", [], registry=reg, buckets=(2.0, 1.0))

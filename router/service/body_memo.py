@@ -24,9 +24,9 @@ from dataclasses import dataclass, replace
 from router.tokenize.pipeline import ProcessedPrompt
 
 # Python object overhead of an entry besides the body bytes and the hashes (tuple, key,
-# ProcessedPrompt, list) and per block hash (an int object and its list slot).
+# ProcessedPrompt, list) and per block hash (a 64-bit int object and its list slot).
 _ENTRY_OVERHEAD = 400
-_PER_HASH = 40
+_PER_HASH = 44
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,32 +75,30 @@ class BodyMemo:
 
     def put(self, kind: str, raw: bytes, admitted: Admitted) -> None:
         """Remember a body that was admitted. The stored prompt says what a hit costs: no
-        tokenize or hash time, every token reused."""
+        tokenize or hash time (``reused_tokens`` stays the incremental cache's figure of the
+        first admission; hits are counted by :attr:`hits`)."""
         if len(raw) >= self._max_body or self._budget <= 0:
             return
-        cost = _cost(raw, admitted.prompt)
+        cost = _cost(raw, admitted)
         if cost > self._budget:
             return
         key = (kind, raw)
         old = self._entries.pop(key, None)
         if old is not None:
-            self.size_bytes -= _cost(raw, old.prompt)
-        prompt = replace(
-            admitted.prompt,
-            tokenize_s=0.0,
-            hash_s=0.0,
-            reused_tokens=admitted.prompt.prompt_tokens,
-        )
+            self.size_bytes -= _cost(raw, old)
+        prompt = replace(admitted.prompt, tokenize_s=0.0, hash_s=0.0)
         self._entries[key] = replace(admitted, prompt=prompt)
         self.size_bytes += cost
         while self.size_bytes > self._budget:
             (_, gone_raw), gone = self._entries.popitem(last=False)
-            self.size_bytes -= _cost(gone_raw, gone.prompt)
+            self.size_bytes -= _cost(gone_raw, gone)
 
     def clear(self) -> None:
         self._entries.clear()
         self.size_bytes = 0
 
 
-def _cost(raw: bytes, prompt: ProcessedPrompt) -> int:
-    return len(raw) + _PER_HASH * len(prompt.block_hashes) + _ENTRY_OVERHEAD
+def _cost(raw: bytes, admitted: Admitted) -> int:
+    # the session id is a decoded copy of the body's ``user`` field: as large as it is
+    session = len(admitted.session_id) if admitted.session_id else 0
+    return len(raw) + session + _PER_HASH * len(admitted.prompt.block_hashes) + _ENTRY_OVERHEAD

@@ -22,6 +22,7 @@ Environment: ``KVROUTER_CONFIG`` (file path), ``KVROUTER_<SECTION>__<KEY>`` for 
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -341,8 +342,10 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
         raise ConfigError("server: workers >= 1, max_retries >= 0 and max_body_mb > 0 required")
     if server.engine_metrics_interval_s <= 0:
         raise ConfigError("server.engine_metrics_interval_s: must be > 0")
-    if server.body_memo_mb < 0:
-        raise ConfigError("server.body_memo_mb: must be >= 0 (0 turns the memo off)")
+    if not math.isfinite(server.max_body_mb):
+        raise ConfigError("server.max_body_mb: must be a finite number")
+    if not (math.isfinite(server.body_memo_mb) and server.body_memo_mb >= 0):
+        raise ConfigError("server.body_memo_mb: must be a finite number >= 0 (0: memo off)")
     raw_replicas = data.get("replicas") or []
     if not isinstance(raw_replicas, list):
         raise ConfigError("replicas: must be an array of tables ([[replicas]])")

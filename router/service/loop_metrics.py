@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
+from itertools import pairwise
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -109,9 +110,9 @@ class LoopHistogram(_Family):
         registry: CollectorRegistry,
         buckets: Sequence[float],
     ) -> None:
-        bounds = tuple(sorted(float(b) for b in buckets if b != float("inf")))
-        if len(set(bounds)) != len(bounds):
-            raise ValueError(f"{name}: duplicate bucket bounds")
+        bounds = tuple(float(b) for b in buckets if b != float("inf"))
+        if any(a >= b for a, b in pairwise(bounds)):
+            raise ValueError(f"{name}: bucket bounds must be strictly ascending")
         self.bounds = bounds
         super().__init__(name, documentation, labelnames, registry)
 
