@@ -69,14 +69,21 @@ class BodyMemo:
         if found is None:
             self.misses += 1
             return None
-        self._entries.move_to_end(key)
         self.hits += 1
+        prompt = found.prompt
+        if prompt.tokenize_s or prompt.hash_s:
+            # first hit: from now on the entry says what a hit costs (no tokenize or hash
+            # time); done here rather than in put, so bodies that never repeat (most) do not
+            # pay for it
+            found = replace(found, prompt=replace(prompt, tokenize_s=0.0, hash_s=0.0))
+            self._entries[key] = found
+        self._entries.move_to_end(key)
         return found
 
     def put(self, kind: str, raw: bytes, admitted: Admitted) -> None:
-        """Remember a body that was admitted. The stored prompt says what a hit costs: no
-        tokenize or hash time (``reused_tokens`` stays the incremental cache's figure of the
-        first admission; hits are counted by :attr:`hits`)."""
+        """Remember a body that was admitted. A hit returns it with no tokenize or hash time
+        (``reused_tokens`` stays the incremental cache's figure of the first admission; hits
+        are counted by :attr:`hits`)."""
         if len(raw) >= self._max_body or self._budget <= 0:
             return
         cost = _cost(raw, admitted)
@@ -86,8 +93,7 @@ class BodyMemo:
         old = self._entries.pop(key, None)
         if old is not None:
             self.size_bytes -= _cost(raw, old)
-        prompt = replace(admitted.prompt, tokenize_s=0.0, hash_s=0.0)
-        self._entries[key] = replace(admitted, prompt=prompt)
+        self._entries[key] = admitted
         self.size_bytes += cost
         while self.size_bytes > self._budget:
             (_, gone_raw), gone = self._entries.popitem(last=False)
