@@ -328,3 +328,33 @@ async def test_router_app_serves_grpc_beside_http() -> None:
             assert stats.replicas == 1 and stats.in_flight == 1
     finally:
         await runner.cleanup()
+
+
+async def test_pick_applies_the_http_limits_and_unique_ids(rpc: Any) -> None:
+    from dataclasses import replace
+
+    state, channel = rpc
+    stub = router_pb2_grpc.RouterStub(channel)
+    ids = router_pb2.TokenIds(ids=list(range(200)))
+    # an id in flight through the HTTP endpoints is refused, as one in flight here is
+    key = state.registry.keys_for(MODEL)[0]
+    state.load.dispatch("http-req-1", key, 100, 0)
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(
+            router_pb2.PickRequest(model=MODEL, token_ids=ids, request_id="http-req-1"),
+            metadata=auth(),
+        )
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already in flight" in (exc.value.details() or "")
+    state.load.complete("http-req-1")
+    # server.max_prompt_tokens applies to Pick as it does to /v1/*
+    state.settings = replace(
+        state.settings, server=replace(state.settings.server, max_prompt_tokens=100)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(router_pb2.PickRequest(model=MODEL, token_ids=ids), metadata=auth())
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_prompt_tokens" in (exc.value.details() or "")
+    small = router_pb2.TokenIds(ids=list(range(50)))
+    ok = await stub.Pick(router_pb2.PickRequest(model=MODEL, token_ids=small), metadata=auth())
+    assert ok.prompt_tokens == 50

@@ -34,6 +34,7 @@ from router.rpc.gen import (
     router_pb2,
     router_pb2_grpc,
 )
+from router.service.security import check_prompt_tokens
 from router.service.state import RouterState
 from router.tokenize.pipeline import ProcessedPrompt
 
@@ -149,10 +150,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise BadRequest("model is required")
             prompt = self._prompt(request)
             self.state.check_context(request.model, prompt)
+            # the same limits as the HTTP endpoints (router/service/handling.admit)
+            check_prompt_tokens(self.state.settings.server, prompt.prompt_tokens)
             now = self.clock()
             self._expire(now)
             decision_id = request.request_id or uuid.uuid4().hex
-            if self.book.get(decision_id) is not None:
+            # in flight here or through the HTTP endpoints: the load tracker keys both by id
+            if (
+                self.book.get(decision_id) is not None
+                or self.state.load.replica_of(decision_id) is not None
+            ):
                 raise BadRequest(f"request_id {decision_id!r} is already in flight")
             routed = self.state.route(
                 request.model,
