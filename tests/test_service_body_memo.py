@@ -165,13 +165,15 @@ class _Answer:
     async def respond(self, status: int, headers: Headers, body: bytes) -> None:
         self.status, self.body = status, body
 
-    async def start(self, status: int, headers: Headers) -> None:
+    async def start(
+        self, status: int, headers: Headers, data: bytes = b"", end: bool = False
+    ) -> None:
         raise AssertionError("no stream expected")
 
     async def write(self, data: bytes) -> None:
         raise AssertionError("no stream expected")
 
-    async def end(self) -> None:
+    async def end(self, data: bytes = b"") -> None:
         raise AssertionError("no stream expected")
 
 

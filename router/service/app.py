@@ -58,18 +58,24 @@ class AiohttpSink:
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         self.response = web.Response(status=status, body=body, headers=self._headers(headers))
 
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    async def start(
+        self, status: int, headers: list[tuple[bytes, bytes]], data: bytes = b"", end: bool = False
+    ) -> None:
         resp = web.StreamResponse(status=status, headers=self._headers(headers))
         self.response = resp
         await resp.prepare(self.request)
+        if end:
+            await resp.write_eof(data)
+        elif data:
+            await resp.write(data)
 
     async def write(self, data: bytes) -> None:
         assert self.response is not None
         await self.response.write(data)  # ClientConnectionResetError is a ConnectionResetError
 
-    async def end(self) -> None:
+    async def end(self, data: bytes = b"") -> None:
         assert self.response is not None
-        await self.response.write_eof()
+        await self.response.write_eof(data)
 
 
 async def _hot(request: web.Request, path: bytes) -> web.StreamResponse:

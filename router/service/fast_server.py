@@ -104,12 +104,22 @@ class _Sink:
         if conn.paused:
             await conn.drain()
 
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    async def start(
+        self, status: int, headers: list[tuple[bytes, bytes]], data: bytes = b"", end: bool = False
+    ) -> None:
         conn = self.conn
         if conn.closed:
             raise ConnectionResetError("client went away")
         self.started = True
-        conn.transport.write(self._head(status, headers, b"Transfer-Encoding: chunked\r\n"))
+        out = self._head(status, headers, b"Transfer-Encoding: chunked\r\n")
+        if not self.head_only:
+            if data:
+                out += b"%x\r\n%b\r\n" % (len(data), data)
+            if end:
+                out += b"0\r\n\r\n"
+        conn.transport.write(out)
+        if conn.paused:
+            await conn.drain()
 
     async def write(self, data: bytes) -> None:
         conn = self.conn
@@ -120,12 +130,15 @@ class _Sink:
         if conn.paused:
             await conn.drain()
 
-    async def end(self) -> None:
+    async def end(self, data: bytes = b"") -> None:
         conn = self.conn
         if conn.closed:
             raise ConnectionResetError("client went away")
         if not self.head_only:
-            conn.transport.write(b"0\r\n\r\n")
+            if data:
+                conn.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
+            else:
+                conn.transport.write(b"0\r\n\r\n")
 
 
 class _Connection(asyncio.Protocol):

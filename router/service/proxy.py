@@ -67,12 +67,16 @@ class Sink(Protocol):
     async def respond(self, status: int, headers: Headers, body: bytes) -> None:
         """A whole answer (Content-Length framing)."""
 
-    async def start(self, status: int, headers: Headers) -> None:
-        """Begin a streamed answer."""
+    async def start(
+        self, status: int, headers: Headers, data: bytes = b"", end: bool = False
+    ) -> None:
+        """Begin a streamed answer, with its first ``data`` when that is already at hand (and
+        its end too when ``end``): what is available goes out in one write."""
 
     async def write(self, data: bytes) -> None: ...
 
-    async def end(self) -> None: ...
+    async def end(self, data: bytes = b"") -> None:
+        """End a streamed answer, after a last piece of ``data``."""
 
 
 async def send_error(
@@ -297,7 +301,14 @@ class Forwarder:
                 mm.outcome(key, outcome).inc()
                 await sink.respond(status, headers, payload)
                 return
-            await sink.start(status, headers)
+            # Each piece goes out as soon as it is here, in as few writes as what is at hand
+            # allows: the head alone when the replica sent no data with it yet (the client
+            # learns the status before the first token), else with the first data; the
+            # stream's end with the last data when both arrived together.
+            head_sent = not upstream.data_ready
+            if head_sent:
+                await sink.start(status, headers)
+            ended = False
             tail: deque[bytes] = deque()
             tail_bytes = 0
             last = 0.0
@@ -311,12 +322,22 @@ class Forwarder:
                 else:
                     mm.itl.observe(now - last)
                 last = now
-                await sink.write(chunk)
+                ended = upstream.at_end
+                if not head_sent:
+                    head_sent = True
+                    await sink.start(status, headers, chunk, end=ended)
+                elif ended:
+                    await sink.end(chunk)
+                else:
+                    await sink.write(chunk)
                 tail.append(chunk)
                 tail_bytes += len(chunk)
                 while tail_bytes > 8192 and len(tail) > 1:
                     tail_bytes -= len(tail.popleft())
-            await sink.end()
+            if not head_sent:  # the replica's stream ended without data
+                await sink.start(status, headers, end=True)
+            elif not ended:
+                await sink.end()
             payload = b"".join(tail)
             self._feedback(routed, attempt, payload)
             if state.recorder is not None and status < 400:

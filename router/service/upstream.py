@@ -247,6 +247,17 @@ class Exchange:
         self.status = c.status
         self.headers = c.headers
 
+    @property
+    def data_ready(self) -> bool:
+        """Body data has arrived and not been read yet (:meth:`read` will not wait)."""
+        return bool(self._conn.chunks)
+
+    @property
+    def at_end(self) -> bool:
+        """The whole body has arrived and been read (:meth:`read` returns None, at once)."""
+        c = self._conn
+        return c.complete and not c.chunks
+
     async def read(self) -> bytes | None:
         """The next body data as it arrived (several pieces joined), None at the end."""
         c = self._conn
