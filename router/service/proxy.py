@@ -130,10 +130,58 @@ def response_headers(upstream: Headers) -> tuple[Headers, bool, bool]:
     return out, sse, has_rid
 
 
+_DECODER = json.JSONDecoder()
+_UNKNOWN: Any = object()
+
+
+def _top_level_usage(payload: bytes) -> Any:
+    """The top-level ``usage`` value of a JSON object body, parsed without parsing the rest
+    of the body (long answers make the body large; ``usage`` comes after ``choices``), or
+    ``_UNKNOWN`` when that cannot be shown safely (the caller then parses the whole body).
+
+    The last ``"usage"`` is a real key when its opening quote is not escaped (an unescaped
+    quote cannot sit inside a string) and a colon follows. It is a key of the top-level
+    object exactly when what follows its value closes one object level: either just ``}``,
+    or ``, ...}`` that parses as an object once a ``{`` is put in front (a deeper key would
+    leave closing brackets over, an invalid document)."""
+    at = payload.rfind(b'"usage"')
+    slashes = 0
+    while at - slashes > 0 and payload[at - slashes - 1] == 0x5C:  # backslash
+        slashes += 1
+    if at < 0 or slashes % 2:
+        return _UNKNOWN
+    try:
+        text = payload[at + 7 :].decode()
+    except UnicodeDecodeError:
+        return _UNKNOWN
+    rest = text.lstrip()
+    if not rest.startswith(":"):
+        return _UNKNOWN
+    rest = rest[1:].lstrip()
+    try:
+        value, end = _DECODER.raw_decode(rest)
+    except ValueError:
+        return _UNKNOWN
+    after = rest[end:].strip()
+    if after == "}":
+        return value
+    if after.startswith(","):
+        try:
+            if isinstance(json.loads("{" + after[1:]), dict):
+                return value
+        except ValueError:
+            pass
+    return _UNKNOWN
+
+
 def usage_of(payload: bytes) -> dict[str, Any] | None:
     """The last ``usage`` object of a JSON body or of SSE ``data:`` lines, if any."""
     if b'"usage"' not in payload:
         return None
+    if b"data:" not in payload and (payload[:1] == b"{" or payload.lstrip()[:1] == b"{"):
+        usage = _top_level_usage(payload)
+        if usage is not _UNKNOWN:
+            return usage if isinstance(usage, dict) else None
     candidates = [payload]
     if b"data:" in payload:
         candidates = [
