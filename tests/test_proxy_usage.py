@@ -83,3 +83,38 @@ def test_typical_bodies() -> None:
     assert usage_of(b'  {"usage": {"prompt_tokens": 3}}\n') == {"prompt_tokens": 3}
     assert usage_of(b'{"usage": {"prompt_tokens": 3}') is None  # truncated body
     assert usage_of(b'{"usage": {"prompt_tokens": 3}}, "x": 1}') is None  # not one object
+
+
+# raw JSON text: duplicate keys and escaped spellings, which json.dumps of a dict never makes
+_SPELLINGS = st.sampled_from(['"usage"', '"us\\u0061ge"', '"\\u0075sage"', '"x"', '"choices"'])
+
+
+def _object(members: list[tuple[str, str]]) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in members) + "}"
+
+
+_VALUE_TEXT = st.recursive(
+    _JSON.map(json.dumps),
+    lambda inner: st.lists(st.tuples(_SPELLINGS, inner), max_size=3).map(_object),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(members=st.lists(st.tuples(_SPELLINGS, _VALUE_TEXT), max_size=6))
+def test_duplicate_and_escaped_keys_as_a_full_parse(members: list[tuple[str, str]]) -> None:
+    payload = _object(members).encode()
+    if b'"usage"' not in payload:
+        return  # no literal key at all: None without parsing (servers spell keys plainly)
+    assert usage_of(payload, sse=False) == _reference(payload)
+
+
+def test_json_answers_that_mention_data_or_nest_deeply() -> None:
+    body = {
+        "choices": [{"message": {"content": "![x](data:image/png;base64,AAAA)"}}],
+        "usage": {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 4}},
+    }
+    payload = json.dumps(body).encode()
+    assert cached_tokens_of(payload, sse=False) == 4
+    deep = b'{"usage": {"cached_tokens": 1}, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert usage_of(deep, sse=False) is None  # what json.loads cannot parse: no crash

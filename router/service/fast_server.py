@@ -139,6 +139,8 @@ class _Sink:
                 conn.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
             else:
                 conn.transport.write(b"0\r\n\r\n")
+        if conn.paused:  # the answer is complete only once a slow client has taken it
+            await conn.drain()
 
 
 class _Connection(asyncio.Protocol):

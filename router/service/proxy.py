@@ -132,18 +132,22 @@ def response_headers(upstream: Headers) -> tuple[Headers, bool, bool]:
 
 _DECODER = json.JSONDecoder()
 _UNKNOWN: Any = object()
+_WS = " \t\n\r"  # JSON's whitespace, and nothing else
 
 
 def _top_level_usage(payload: bytes) -> Any:
-    """The top-level ``usage`` value of a JSON object body, parsed without parsing the rest
-    of the body (long answers make the body large; ``usage`` comes after ``choices``), or
+    """The top-level ``usage`` value of a JSON object body, parsed without parsing what comes
+    before it (long answers make the body large; ``usage`` comes after ``choices``), or
     ``_UNKNOWN`` when that cannot be shown safely (the caller then parses the whole body).
 
-    The last ``"usage"`` is a real key when its opening quote is not escaped (an unescaped
-    quote cannot sit inside a string) and a colon follows. It is a key of the top-level
-    object exactly when what follows its value closes one object level: either just ``}``,
-    or ``, ...}`` that parses as an object once a ``{`` is put in front (a deeper key would
-    leave closing brackets over, an invalid document)."""
+    For a valid JSON body the result is what a full parse gives. The last ``"usage"`` is a
+    real key when its opening quote is not escaped (an unescaped quote cannot sit inside a
+    string) and a colon follows. It is a key of the top-level object exactly when what follows
+    its value closes one object level: either just ``}``, or ``, ...}`` that parses as an
+    object once a ``{`` is put in front (a deeper key would leave closing brackets over). A
+    later key spelled with escapes (``"us\\u0061ge"``) is the same key to a full parse, which
+    keeps the last duplicate: that parse of the rest sees it. (For an invalid body the result
+    may be a value where a full parse fails; it only feeds metrics.)"""
     at = payload.rfind(b'"usage"')
     slashes = 0
     while at - slashes > 0 and payload[at - slashes - 1] == 0x5C:  # backslash
@@ -154,36 +158,41 @@ def _top_level_usage(payload: bytes) -> Any:
         text = payload[at + 7 :].decode()
     except UnicodeDecodeError:
         return _UNKNOWN
-    rest = text.lstrip()
+    rest = text.lstrip(_WS)
     if not rest.startswith(":"):
         return _UNKNOWN
-    rest = rest[1:].lstrip()
+    rest = rest[1:].lstrip(_WS)
     try:
         value, end = _DECODER.raw_decode(rest)
-    except ValueError:
+    except (ValueError, RecursionError):
         return _UNKNOWN
-    after = rest[end:].strip()
+    after = rest[end:].strip(_WS)
     if after == "}":
         return value
     if after.startswith(","):
         try:
-            if isinstance(json.loads("{" + after[1:]), dict):
-                return value
-        except ValueError:
-            pass
+            others = json.loads("{" + after[1:])
+        except (ValueError, RecursionError):
+            return _UNKNOWN
+        if isinstance(others, dict):
+            return others.get("usage", value)
     return _UNKNOWN
 
 
-def usage_of(payload: bytes) -> dict[str, Any] | None:
-    """The last ``usage`` object of a JSON body or of SSE ``data:`` lines, if any."""
+def usage_of(payload: bytes, sse: bool | None = None) -> dict[str, Any] | None:
+    """The last ``usage`` object of a JSON body or of SSE ``data:`` lines, if any. ``sse``:
+    whether the payload is an event stream (None: guessed from ``data:`` in it, which a JSON
+    answer may contain too, e.g. a ``data:image/png`` URI)."""
     if b'"usage"' not in payload:
         return None
-    if b"data:" not in payload and (payload[:1] == b"{" or payload.lstrip()[:1] == b"{"):
+    if sse is None:
+        sse = b"data:" in payload
+    if not sse and (payload[:1] == b"{" or payload.lstrip(b" \t\n\r")[:1] == b"{"):
         usage = _top_level_usage(payload)
         if usage is not _UNKNOWN:
             return usage if isinstance(usage, dict) else None
     candidates = [payload]
-    if b"data:" in payload:
+    if sse:
         candidates = [
             line[5:].strip()
             for line in payload.splitlines()
@@ -192,7 +201,7 @@ def usage_of(payload: bytes) -> dict[str, Any] | None:
     for raw in reversed(candidates):
         try:
             obj = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         usage = obj.get("usage") if isinstance(obj, dict) else None
         if isinstance(usage, dict):
@@ -200,11 +209,11 @@ def usage_of(payload: bytes) -> dict[str, Any] | None:
     return None
 
 
-def cached_tokens_of(payload: bytes) -> int | None:
+def cached_tokens_of(payload: bytes, sse: bool | None = None) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` from a JSON body or SSE lines, if any."""
     if b"cached_tokens" not in payload:
         return None
-    usage = usage_of(payload)
+    usage = usage_of(payload, sse)
     details = usage.get("prompt_tokens_details") if usage else None
     value = details.get("cached_tokens") if isinstance(details, dict) else None
     return value if isinstance(value, int) else None
@@ -343,9 +352,9 @@ class Forwarder:
                     )
                     return
                 state.load.first_token(rid)
-                self._feedback(routed, attempt, payload)
+                self._feedback(routed, attempt, payload, sse=False)
                 if state.recorder is not None and status < 400:
-                    self._record(routed, started, payload)
+                    self._record(routed, started, payload, sse=False)
                 mm.outcome(key, outcome).inc()
                 await sink.respond(status, headers, payload)
                 return
@@ -353,10 +362,12 @@ class Forwarder:
             # allows: the head alone when the replica sent no data with it yet (the client
             # learns the status before the first token), else with the first data; the
             # stream's end with the last data when both arrived together.
-            head_sent = not upstream.data_ready
-            if head_sent:
+            ended = head_sent = upstream.at_end  # a stream that ended without data
+            if ended:
+                await sink.start(status, headers, end=True)
+            elif not upstream.data_ready:
+                head_sent = True
                 await sink.start(status, headers)
-            ended = False
             tail: deque[bytes] = deque()
             tail_bytes = 0
             last = 0.0
@@ -382,14 +393,12 @@ class Forwarder:
                 tail_bytes += len(chunk)
                 while tail_bytes > 8192 and len(tail) > 1:
                     tail_bytes -= len(tail.popleft())
-            if not head_sent:  # the replica's stream ended without data
-                await sink.start(status, headers, end=True)
-            elif not ended:
+            if not ended:  # the body ended (the connection closed) after its last data
                 await sink.end()
             payload = b"".join(tail)
-            self._feedback(routed, attempt, payload)
+            self._feedback(routed, attempt, payload, sse=True)
             if state.recorder is not None and status < 400:
-                self._record(routed, started, payload)
+                self._record(routed, started, payload, sse=True)
             mm.outcome(key, outcome).inc()
         except asyncio.CancelledError:
             mm.outcome(key, "cancelled").inc()
@@ -417,13 +426,13 @@ class Forwarder:
         finally:
             state.load.complete(rid)
 
-    def _record(self, routed: Routed, started: float, payload: bytes) -> None:
+    def _record(self, routed: Routed, started: float, payload: bytes, sse: bool) -> None:
         """Append the request to the live-traffic trace (router.recorder). The output length
         is the replica's ``usage.completion_tokens``, else the request's max tokens, else 1."""
         recorder = self.state.recorder
         assert recorder is not None
         req = routed.request
-        usage = usage_of(payload)
+        usage = usage_of(payload, sse)
         out = usage.get("completion_tokens") if usage else None
         if not isinstance(out, int):
             out = req.max_output_tokens or 1
@@ -438,8 +447,8 @@ class Forwarder:
             finished_at=asyncio.get_running_loop().time(),
         )
 
-    def _feedback(self, routed: Routed, attempt: int, payload: bytes) -> None:
-        cached = cached_tokens_of(payload)
+    def _feedback(self, routed: Routed, attempt: int, payload: bytes, sse: bool) -> None:
+        cached = cached_tokens_of(payload, sse)
         if cached is None:
             return
         mm = self.state.metrics.model(routed.request.model)
