@@ -107,12 +107,12 @@ def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
     return _ids.next()
 
 
-def unique_request_id(state: RouterState, headers: Iterable[tuple[bytes, bytes]]) -> str:
-    """:func:`request_id_of`, made unique among this process's requests in flight: the load
-    tracker keys requests by id, so a client re-sending an id that is still in flight (a
-    retry that did not wait, or two clients with the same id) gets ``<id>-<8 hex digits>``
-    instead of taking over the other request's accounting. The replica sees that id too."""
-    request_id = request_id_of(headers)
+def unique_in_flight(state: RouterState, request_id: str) -> str:
+    """``request_id``, made unique among this process's requests in flight: the load tracker
+    keys requests by id, so a client re-sending an id that is still in flight (a retry that
+    did not wait, or two clients with the same id) gets ``<id>-<8 hex digits>`` instead of
+    taking over the other request's accounting. The replica sees that id too. Call it right
+    before routing (no ``await`` in between)."""
     if state.load.replica_of(request_id) is not None:
         request_id = f"{request_id}-{_ids.next()[:8]}"
     return request_id
@@ -137,7 +137,12 @@ async def admit(
     session = user if isinstance(user, str) else None
     max_out = body.get("max_completion_tokens") or body.get("max_tokens")
     return state.route(
-        model, prompt, request_id, loop.time(), session_id=session, max_output_tokens=max_out
+        model,
+        prompt,
+        unique_in_flight(state, request_id),  # after the await: another may have taken it
+        loop.time(),
+        session_id=session,
+        max_output_tokens=max_out,
     )
 
 
@@ -199,7 +204,7 @@ async def handle(
     kind = KINDS[path]
     model: object = None
     try:
-        request_id = unique_request_id(state, client_headers)
+        request_id = request_id_of(client_headers)
         memo = state.body_memo.get(kind, raw)
         if memo is not None:
             model = memo.model
@@ -207,7 +212,7 @@ async def handle(
             routed = state.route(
                 memo.model,
                 memo.prompt,
-                request_id,
+                unique_in_flight(state, request_id),
                 asyncio.get_running_loop().time(),
                 session_id=memo.session_id,
                 max_output_tokens=memo.max_output_tokens,
