@@ -14,14 +14,16 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 from router.core.load import CostModel, LoadView
 from router.core.types import Decision, PrefixMatch, ReplicaKey, RouteRequest
 
 
-@dataclass(slots=True, frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
+    """One replica a policy may pick (a NamedTuple: immutable, and cheap to build per
+    candidate per request)."""
+
     replica: ReplicaKey
     match: PrefixMatch
     load: LoadView
