@@ -109,8 +109,7 @@ class ApplyOutcome(enum.Enum):
 # ---------------------------------------------------------------------------- lookups
 
 
-@dataclass(slots=True, frozen=True)
-class PrefixMatch:
+class PrefixMatch(NamedTuple):
     """Cached prefix of one request on one replica, in blocks of the router's block size.
 
     ``kv_blocks``: every KV block in [0, kv_blocks) is cached in some tier.
@@ -128,9 +127,11 @@ class PrefixMatch:
 NO_MATCH = PrefixMatch()
 
 
-@dataclass(slots=True, frozen=True)
-class RouteRequest:
-    """What the policies know about a request: its size and its canonical block chain."""
+class RouteRequest(NamedTuple):
+    """What the policies know about a request: its size and its canonical block chain.
+
+    (Value objects built per request or per candidate are NamedTuples: immutable like a
+    frozen dataclass, and several times cheaper to build.)"""
 
     request_id: str
     model: str
