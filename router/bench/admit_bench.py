@@ -36,7 +36,7 @@ def _best(rounds: int, n: int, step: Callable[[int], None]) -> float:
 
 
 async def _run(args: argparse.Namespace) -> dict[str, object]:
-    from router.bench.proxy_bench import MODEL, _kvrouter_config, chat_body
+    from router.bench.proxy_bench import MODEL, chat_body, kvrouter_config
     from router.service.body_memo import Admitted
     from router.service.config import load_settings
     from router.service.handling import field_types, parse_body, record
@@ -44,7 +44,7 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "kvrouter.toml"
-        _kvrouter_config(cfg, [9001, 9002, 9003, 9004], 9000, 1)
+        kvrouter_config(cfg, [9001, 9002, 9003, 9004], 9000, 1)
         state = RouterState(load_settings(cfg, environ={}))
     rounds, n = args.rounds, args.requests
     base = chat_body(False).encode()

@@ -327,7 +327,7 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _kvrouter_config(
+def kvrouter_config(
     path: Path,
     ports: list[int],
     port: int,
@@ -394,7 +394,7 @@ def _measure_kvrouter(
     kv_port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "kvrouter.toml"
-        _kvrouter_config(cfg, ports, kv_port, args.workers, engine, args.body_memo_mb)
+        kvrouter_config(cfg, ports, kv_port, args.workers, engine, args.body_memo_mb)
         kv = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
             preexec_fn=_on_cpus(args.router_cpus),

@@ -9,7 +9,8 @@ process runs. :class:`BodyMemo` keeps that result keyed by the body bytes themse
 hit is exact (no digest that could collide) and only routing, which depends on live state,
 runs again.
 
-Only successes are kept (a bad body is re-checked and answered each time) and only bodies
+Only bodies that passed admission are kept (a bad body is re-checked and answered each
+time; routing may still fail for live reasons, as on any hit) and only bodies
 smaller than ``max_body_bytes`` (larger ones are long agentic turns, which the incremental
 tokenizer serves and which rarely repeat byte for byte). Entries are evicted least recently
 used first to stay within ``budget_bytes``, counted as the body's length plus the prompt's
@@ -98,10 +99,6 @@ class BodyMemo:
         while self.size_bytes > self._budget:
             (_, gone_raw), gone = self._entries.popitem(last=False)
             self.size_bytes -= _cost(gone_raw, gone)
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.size_bytes = 0
 
 
 def _cost(raw: bytes, admitted: Admitted) -> int:

@@ -43,6 +43,12 @@ from router.service.upstream import Pool, UpstreamError
 _log = logging.getLogger(__name__)
 _STATUS_LINES: dict[int, bytes] = {}
 _PIPELINE_MAX = 8
+_LAST_CHUNK = b"0\r\n\r\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    """``data`` framed as one HTTP/1.1 chunk."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 def _status_line(status: int) -> bytes:
@@ -114,9 +120,9 @@ class _Sink:
         out = self._head(status, headers, b"Transfer-Encoding: chunked\r\n")
         if not self.head_only:
             if data:
-                out += b"%x\r\n%b\r\n" % (len(data), data)
+                out += _chunk(data)
             if end:
-                out += b"0\r\n\r\n"
+                out += _LAST_CHUNK
         conn.transport.write(out)
         if conn.paused:
             await conn.drain()
@@ -126,7 +132,7 @@ class _Sink:
         if conn.closed:
             raise ConnectionResetError("client went away")
         if data and not self.head_only:
-            conn.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            conn.transport.write(_chunk(data))
         if conn.paused:
             await conn.drain()
 
@@ -135,10 +141,7 @@ class _Sink:
         if conn.closed:
             raise ConnectionResetError("client went away")
         if not self.head_only:
-            if data:
-                conn.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
-            else:
-                conn.transport.write(b"0\r\n\r\n")
+            conn.transport.write(_chunk(data) + _LAST_CHUNK if data else _LAST_CHUNK)
         if conn.paused:  # the answer is complete only once a slow client has taken it
             await conn.drain()
 

@@ -118,32 +118,22 @@ def unique_in_flight(state: RouterState, request_id: str) -> str:
     return request_id
 
 
-async def admit(
-    state: RouterState, body: dict[str, Any], size: int, kind: str, request_id: str
-) -> Routed:
-    """Check, process the prompt of a parsed body (``size`` bytes raw) and route it; raises
+async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) -> Admitted:
+    """Check and process the prompt of a parsed body (``size`` bytes raw): everything before
+    routing, a pure function of the body and the settings (what the body memo keeps); raises
     KVRouterError for a bad request."""
-    loop = asyncio.get_running_loop()
     model, _ = field_types(body)
     processor = state.processor(model)
     fn = processor.chat if kind == "chat" else processor.completion
     if size >= THREAD_MIN_BODY:
-        prompt: ProcessedPrompt = await loop.run_in_executor(None, fn, body)
+        prompt: ProcessedPrompt = await asyncio.get_running_loop().run_in_executor(None, fn, body)
     else:
         prompt = fn(body)
     state.check_context(model, prompt)
     check_prompt_tokens(state.settings.server, prompt.prompt_tokens)
     user = body.get("user")
-    session = user if isinstance(user, str) else None
     max_out = body.get("max_completion_tokens") or body.get("max_tokens")
-    return state.route(
-        model,
-        prompt,
-        unique_in_flight(state, request_id),  # after the await: another may have taken it
-        loop.time(),
-        session_id=session,
-        max_output_tokens=max_out,
-    )
+    return Admitted(model, prompt, user if isinstance(user, str) else None, max_out)
 
 
 def record(state: RouterState, routed: Routed) -> None:
@@ -199,34 +189,29 @@ async def handle(
 ) -> None:
     """Serve one ``POST`` of a hot endpoint (``path`` is a key of :data:`KINDS`).
 
-    A body seen before byte for byte is routed from the memo (router/service/body_memo.py):
-    only routing, which depends on live state, runs again."""
+    A body seen before byte for byte takes its admission from the memo
+    (router/service/body_memo.py): only routing, which depends on live state, runs again."""
     kind = KINDS[path]
     model: object = None
     try:
-        request_id = request_id_of(client_headers)
-        memo = state.body_memo.get(kind, raw)
-        if memo is not None:
-            model = memo.model
-            state.processor(memo.model)  # the model may have lost its replicas since: 404
-            routed = state.route(
-                memo.model,
-                memo.prompt,
-                unique_in_flight(state, request_id),
-                asyncio.get_running_loop().time(),
-                session_id=memo.session_id,
-                max_output_tokens=memo.max_output_tokens,
-            )
-        else:
+        admitted = state.body_memo.get(kind, raw)
+        if admitted is None:
             body = parse_body(raw)
             model = body.get("model")
-            routed = await admit(state, body, len(raw), kind, request_id)
-            req = routed.request
-            state.body_memo.put(
-                kind,
-                raw,
-                Admitted(req.model, routed.prompt, req.session_id, req.max_output_tokens),
-            )
+            admitted = await admit(state, body, len(raw), kind)
+            state.body_memo.put(kind, raw, admitted)
+        else:
+            model = admitted.model
+            state.processor(admitted.model)  # the model may have lost its replicas since: 404
+        routed = state.route(
+            admitted.model,
+            admitted.prompt,
+            # checked here, after any await: another request may have taken the id meanwhile
+            unique_in_flight(state, request_id_of(client_headers)),
+            asyncio.get_running_loop().time(),
+            session_id=admitted.session_id,
+            max_output_tokens=admitted.max_output_tokens,
+        )
     except KVRouterError as exc:
         rejected(state, model)
         await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s))
