@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -92,6 +93,10 @@ class _Replica(asyncio.Protocol):
             w(body + END)
         elif self.mode == "no_data":
             w(HEAD + END)
+        elif self.mode == "late_end":  # every event at once, the end of the body 0.3 s later
+            w(HEAD + body)
+            await asyncio.sleep(0.3)
+            w(END)
         else:  # "piecewise": head, each event, the end, each on its own
             w(HEAD)
             for e in _events(3):
@@ -181,3 +186,32 @@ async def test_raw_framing_of_a_stream_sent_in_one_piece(routed: str) -> None:
             await asyncio.wait_for(reader.read(1), 0.2)
     finally:
         writer.close()
+
+
+async def test_a_client_that_leaves_after_the_last_event_got_the_whole_answer(
+    routed: str,
+) -> None:
+    """An SSE client may close at ``[DONE]``, before the replica's end of the body reaches
+    the router: the request still counts as ``ok`` (not ``cancelled``) and still counts."""
+    _Replica.mode = "late_end"
+    host, port = routed.removeprefix("http://").split(":")
+    payload = json.dumps(BODY).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload)
+    )
+    got = b""
+    while b"data: [DONE]" not in got:
+        more = await asyncio.wait_for(reader.read(65536), 5)
+        assert more, got[-200:]
+        got += more
+    writer.close()  # gone before the end of the body
+    await asyncio.sleep(0.6)
+    async with aiohttp.ClientSession() as http:
+        page = await (await http.get(routed + "/metrics")).text()
+    outcomes = dict(
+        re.findall(r'^kvrouter_requests_total\{[^}]*outcome="(\w+)"[^}]*\} (\S+)$', page, re.M)
+    )
+    assert outcomes.get("ok") == "1.0", outcomes
+    assert "cancelled" not in outcomes, outcomes

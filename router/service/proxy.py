@@ -334,8 +334,9 @@ class Forwarder:
         if self.debug_header:
             headers.append((b"X-KVRouter-Decision", self._debug(routed, key, attempt)))
         status = upstream.status
-        outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
         loop = asyncio.get_running_loop()
+        tail: deque[bytes] = deque()  # the stream's last ~8 KiB (usage, for feedback)
+        done_relayed = False  # the client has the stream's closing ``data: [DONE]`` event
         try:
             if not streaming:
                 try:
@@ -352,11 +353,8 @@ class Forwarder:
                     )
                     return
                 state.load.first_token(rid)
-                self._feedback(routed, attempt, payload, sse=False)
-                if state.recorder is not None and status < 400:
-                    self._record(routed, started, payload, sse=False)
-                mm.outcome(key, outcome).inc()
-                await sink.respond(status, headers, payload)
+                await sink.respond(status, headers, payload)  # the client gone: cancelled
+                self._answered(routed, key, attempt, started, status, payload, sse=False)
                 return
             # Each piece goes out as soon as it is here, in as few writes as what is at hand
             # allows: the head alone when the replica sent no data with it yet (the client
@@ -368,7 +366,6 @@ class Forwarder:
             elif not upstream.data_ready:
                 head_sent = True
                 await sink.start(status, headers)
-            tail: deque[bytes] = deque()
             tail_bytes = 0
             last = 0.0
             first = True
@@ -390,24 +387,25 @@ class Forwarder:
                 else:
                     await sink.write(chunk)
                 tail.append(chunk)
+                done_relayed = chunk[-32:].rstrip().endswith(b"data: [DONE]")
                 tail_bytes += len(chunk)
                 while tail_bytes > 8192 and len(tail) > 1:
                     tail_bytes -= len(tail.popleft())
-            if not ended:  # the body ended (the connection closed) after its last data
+            if not ended:  # the end came on its own, after the last data
                 await sink.end()
-            payload = b"".join(tail)
-            self._feedback(routed, attempt, payload, sse=True)
-            if state.recorder is not None and status < 400:
-                self._record(routed, started, payload, sse=True)
-            mm.outcome(key, outcome).inc()
-        except asyncio.CancelledError:
-            mm.outcome(key, "cancelled").inc()
-            upstream.abort()  # abort the request on the replica
-            raise
-        except ConnectionResetError:
-            # the client went away mid-stream: abort upstream, nothing left to answer
-            mm.outcome(key, "cancelled").inc()
+            self._answered(routed, key, attempt, started, status, b"".join(tail), sse=True)
+        except (asyncio.CancelledError, ConnectionResetError) as exc:
+            # The client went away: abort the request on the replica. A stream whose closing
+            # [DONE] event the client already has is complete for it (SSE clients stop
+            # reading there, often before the replica's end of the body arrives): answered,
+            # not cancelled.
+            if done_relayed:
+                self._answered(routed, key, attempt, started, status, b"".join(tail), sse=True)
+            else:
+                mm.outcome(key, "cancelled").inc()
             upstream.abort()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
         except (UpstreamTimeout, UpstreamBroken) as exc:
             # The replica stalled or broke mid-stream: tell the client in an SSE error event,
             # then abort its connection too, so a truncated stream is never mistaken for a
@@ -425,6 +423,24 @@ class Forwarder:
             raise
         finally:
             state.load.complete(rid)
+
+    def _answered(
+        self,
+        routed: Routed,
+        key: ReplicaKey,
+        attempt: int,
+        started: float,
+        status: int,
+        payload: bytes,
+        sse: bool,
+    ) -> None:
+        """Book an answer the client has whole: engine feedback, the live-traffic trace, the
+        outcome. ``payload``: the body, or a stream's tail."""
+        self._feedback(routed, attempt, payload, sse)
+        if self.state.recorder is not None and status < 400:
+            self._record(routed, started, payload, sse)
+        outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
+        self.state.metrics.model(routed.request.model).outcome(key, outcome).inc()
 
     def _record(self, routed: Routed, started: float, payload: bytes, sse: bool) -> None:
         """Append the request to the live-traffic trace (router.recorder). The output length
