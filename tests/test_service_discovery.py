@@ -176,6 +176,21 @@ def test_unknown_models_and_taken_urls_are_refused() -> None:
     assert sorted(str(k) for k in state.registry.keys_for("m")) == ["a", "static"]
 
 
+def test_registrations_the_proxy_cannot_reach_are_refused() -> None:
+    """The proxy speaks plain http to a replica's root: an https URL or one with a path,
+    query or fragment would fail (or lose its path) on every request."""
+    state: Any = _state()
+    for url in (
+        "https://10.0.0.5:8443",
+        "http://10.0.0.5:8000/prefix",
+        "http://10.0.0.5:8000/?x=1",
+        "http://10.0.0.5:8000#f",
+    ):
+        assert not state.add_discovered(ReplicaInfo("p", url=url, model="m")), url
+    assert state.registry.find("p") == []
+    assert state.add_discovered(ReplicaInfo("p", url="http://10.0.0.5:8000/", model="m"))
+
+
 def test_fewer_dp_ranks_forget_the_old_keys_everywhere() -> None:
     state: Any = _state()
     state.add_discovered(ReplicaInfo("d", url="http://10.0.0.4:8000", model="m", dp_ranks=(0, 1)))

@@ -247,6 +247,18 @@ class Forwarder:
             host = self._hosts[base_url] = base_url.partition("://")[2].split("/")[0].encode()
         return host
 
+    def _final(self, attempt: int, rest: Iterable[ReplicaKey], refused: set[str]) -> bool:
+        """Whether attempt ``attempt`` (from 0) is the last: the retry budget is spent, or no
+        key of ``rest`` can be tried (all gone, or at a URL that refused a connection)."""
+        if attempt >= self.max_retries:
+            return True
+        registry = self.state.registry
+        for k in rest:
+            ep = registry.endpoint(k)
+            if ep is not None and ep.base_url not in refused:
+                return False
+        return True
+
     async def forward(
         self,
         sink: Sink,
@@ -261,60 +273,78 @@ class Forwarder:
         rid = routed.request.request_id
         rid_b = rid.encode()
         loop = asyncio.get_running_loop()
-        keys = [routed.decision.replica, *routed.decision.ranking][: self.max_retries + 1]
+        ranked = [routed.decision.replica, *routed.decision.ranking]
         started = loop.time()
         last_error = "no replica answered"
         client_headers = list(client_headers)
-        for attempt, key in enumerate(keys):
-            ep = state.registry.endpoint(key)
-            if ep is None:
-                continue
-            if attempt > 0:
-                state.load.complete(rid)
-                state.load.dispatch(rid, key, routed.request.prompt_tokens, 0)
-            final = attempt == len(keys) - 1
-            head = request_head(
-                path, self._host(ep.base_url), client_headers, rid_b, ep.dp_rank, len(body)
-            )
-            try:
-                upstream = await self.client.pool(ep.base_url).send(head, body)
-            except ConnectFailed as exc:
-                state.mark_unhealthy(key, loop.time())
-                mm.outcome(key, "connect_error").inc()
-                last_error = f"replica {key} unreachable: {exc}"
-                if not final:
+        refused: set[str] = set()  # base URLs that refused a connection in this request
+        attempt = -1
+        key: ReplicaKey | None = None
+        try:
+            for i, key in enumerate(ranked):
+                ep = state.registry.endpoint(key)
+                if ep is None or ep.base_url in refused:
+                    continue  # gone, or another DP rank of a replica that just refused
+                attempt += 1
+                if attempt > 0:
+                    state.load.complete(rid)
+                    state.load.dispatch(rid, key, routed.request.prompt_tokens, 0)
+                head = request_head(
+                    path, self._host(ep.base_url), client_headers, rid_b, ep.dp_rank, len(body)
+                )
+                try:
+                    upstream = await self.client.pool(ep.base_url).send(head, body)
+                except ConnectFailed as exc:
+                    # every DP rank of a replica listens on its one URL: all are down
+                    refused.add(ep.base_url)
+                    for other in state.registry.keys_of(key.replica):
+                        state.mark_unhealthy(other, loop.time())
+                    mm.outcome(key, "connect_error").inc()
+                    last_error = f"replica {key} unreachable: {exc}"
+                    if self._final(attempt, ranked[i + 1 :], refused):
+                        break
                     mm.retry("connect_error").inc()
-                continue
-            except UpstreamTimeout:
-                state.load.complete(rid)
-                mm.outcome(key, "timeout").inc()
-                await send_error(sink, 504, f"replica {key} did not answer in time", code="timeout")
-                return
-            except UpstreamError as exc:
-                mm.outcome(key, "connect_error").inc()
-                last_error = f"replica {key} failed: {exc}"
-                if not final:
+                    continue
+                except UpstreamTimeout:
+                    mm.outcome(key, "timeout").inc()
+                    await send_error(
+                        sink, 504, f"replica {key} did not answer in time", code="timeout"
+                    )
+                    return
+                except UpstreamError as exc:
+                    mm.outcome(key, "connect_error").inc()
+                    last_error = f"replica {key} failed: {exc}"
+                    if self._final(attempt, ranked[i + 1 :], refused):
+                        break
                     mm.retry("client_error").inc()
-                continue
-            if upstream.status >= 500 and not final:
-                upstream.abort()
-                mm.outcome(key, "upstream_5xx").inc()
-                mm.retry(f"http_{upstream.status}").inc()
-                last_error = f"replica {key} answered {upstream.status}"
-                continue
-            try:
-                await self._relay(sink, upstream, routed, key, attempt, started)
-            finally:
-                upstream.release()
-            return
-        state.load.complete(rid)
-        await send_error(
-            sink,
-            502 if keys else 503,
-            f"{last_error}; gave up after {len(keys)} attempt(s)",
-            code="upstream_unavailable",
-            headers=[(b"Retry-After", str(state.settings.server.retry_after_s).encode())],
-        )
+                    continue
+                if upstream.status >= 500 and not self._final(attempt, ranked[i + 1 :], refused):
+                    upstream.abort()
+                    mm.outcome(key, "upstream_5xx").inc()
+                    mm.retry(f"http_{upstream.status}").inc()
+                    last_error = f"replica {key} answered {upstream.status}"
+                    continue
+                try:
+                    await self._relay(sink, upstream, routed, key, attempt, started)
+                finally:
+                    upstream.release()
+                return
+            await send_error(
+                sink,
+                502 if attempt >= 0 else 503,
+                f"{last_error}; gave up after {attempt + 1} attempt(s)",
+                code="upstream_unavailable",
+                headers=[(b"Retry-After", str(state.settings.server.retry_after_s).encode())],
+            )
+        except asyncio.CancelledError:
+            # the client left before the replica's answer head (during the relay, _relay
+            # books the outcome itself)
+            if key is not None and state.load.replica_of(rid) is not None:
+                mm.outcome(key, "cancelled").inc()
+            raise
+        finally:
+            # whatever happened, the request no longer loads a replica (idempotent)
+            state.load.complete(rid)
 
     async def _relay(
         self,

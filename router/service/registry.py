@@ -69,6 +69,11 @@ class ReplicaRegistry:
     def keys_for(self, model: str) -> list[ReplicaKey]:
         return self._by_model.get(model, [])
 
+    def keys_of(self, name: str) -> list[ReplicaKey]:
+        """The keys (DP ranks) of replica ``name``; empty if it is unknown."""
+        replica = self._by_name.get(name)
+        return [ReplicaKey(name, rank) for rank in range(replica.dp_ranks)] if replica else []
+
     def endpoint(self, key: ReplicaKey) -> Endpoint | None:
         return self._endpoints.get(key)
 

@@ -171,7 +171,10 @@ class RouterState:
         owner = next((r.name for r in self.registry.replicas() if _normal_url(r.url) == url), None)
         problem = None
         if url is None:
-            problem = f"url {info.url!r} is not an http(s) URL"
+            problem = (
+                f"url {info.url!r} is not a plain http://host:port URL (replicas are reached "
+                "over http on the cluster network, without a path)"
+            )
         elif info.model not in self.engines:
             problem = (
                 f"model {info.model!r} is not configured (add [models.{info.model or 'NAME'}] "
@@ -386,18 +389,20 @@ class RouterState:
 
 
 def _normal_url(url: str) -> str | None:
-    """``scheme://host:port`` of an http(s) URL, lower-case with the default port filled in
-    (so ``HTTP://H:80/`` and ``http://h`` compare equal); None if it is not one."""
+    """``http://host:port`` of a replica URL, lower-case with the default port filled in (so
+    ``HTTP://H:80/`` and ``http://h`` compare equal); None if it is not a plain http URL (the
+    proxy's client speaks http only and sends requests to the root: no path, query or
+    fragment)."""
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError:
         return None
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+    if parts.scheme.lower() != "http" or not parts.hostname:
         return None
-    scheme = parts.scheme.lower()
-    port = port or (443 if scheme == "https" else 80)
-    return f"{scheme}://{parts.hostname.lower()}:{port}"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        return None
+    return f"http://{parts.hostname.lower()}:{port or 80}"
 
 
 def _loop_time() -> float:

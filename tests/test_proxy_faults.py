@@ -1,0 +1,130 @@
+"""Proxy faults that must leave the load model straight: a client that leaves before the
+replica's answer head, and a dead replica with several data-parallel ranks (one URL)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.service.config import build_settings
+from tests.backends import Backend, kimi_model_table, start_router
+
+MODEL = "kimi-test"
+TOKEN = "admin-secret"
+
+
+@pytest.fixture(params=["aiohttp", "fast"])
+def engine(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def _router(
+    engine: str, replicas: list[dict[str, Any]], **server: Any
+) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
+    settings = build_settings(
+        {
+            "server": {"admin_token": TOKEN, **server},
+            "replicas": replicas,
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    runner, url = await start_router(settings, engine)
+    session = aiohttp.ClientSession()
+    try:
+        yield url, session
+    finally:
+        await session.close()
+        await runner.cleanup()
+
+
+async def _replicas(url: str, session: aiohttp.ClientSession) -> dict[str, dict[str, Any]]:
+    async with session.get(url + "/admin/replicas", headers={"X-Admin-Token": TOKEN}) as r:
+        return {x["replica"]: x for x in (await r.json())["replicas"]}
+
+
+async def _outcomes(url: str, session: aiohttp.ClientSession) -> dict[str, float]:
+    async with session.get(url + "/metrics") as r:
+        page = await r.text()
+    out: dict[str, float] = {}
+    for line in page.splitlines():
+        if line.startswith("kvrouter_requests_total{"):
+            labels, _, value = line.rpartition(" ")
+            outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = out.get(outcome, 0.0) + float(value)
+    return out
+
+
+def _chat(stream: bool) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "stream": stream,
+        "messages": [{"role": "user", "content": "a question that takes a while"}],
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_client_leaving_before_the_answer_head_completes_the_request(
+    engine: str, stream: bool
+) -> None:
+    backend = await Backend("b0", [MODEL], delay_s=1.0).start()
+    try:
+        async for url, session in _router(
+            engine, [{"url": backend.url, "model": MODEL, "name": "b0"}]
+        ):
+            with pytest.raises(asyncio.TimeoutError):
+                async with session.post(
+                    url + "/v1/chat/completions",
+                    json=_chat(stream),
+                    timeout=aiohttp.ClientTimeout(total=0.3),
+                ) as resp:
+                    await resp.read()
+            # the router must notice at once, not when the replica answers
+            for _ in range(40):
+                reps = await _replicas(url, session)
+                if sum(r["in_flight"] for r in reps.values()) == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert sum(r["in_flight"] for r in reps.values()) == 0, reps
+            outcomes = await _outcomes(url, session)
+            assert outcomes.get("cancelled") == 1.0, outcomes
+            assert "ok" not in outcomes, outcomes
+    finally:
+        await backend.stop()
+
+
+async def test_a_dead_replica_with_several_dp_ranks_is_skipped_whole(engine: str) -> None:
+    """A connection refused at one DP rank's URL is refused at all of them: the retry goes to
+    another replica, and every rank of the dead one is marked unhealthy."""
+    live = await Backend("live", [MODEL]).start()
+    dead = await Backend("dead", [MODEL]).start()
+    dead_url = dead.url
+    await dead.stop()
+    try:
+        async for url, session in _router(
+            engine,
+            [
+                {"url": dead_url, "model": MODEL, "name": "dead", "dp_ranks": 4},
+                {"url": live.url, "model": MODEL, "name": "live"},
+            ],
+            max_retries=1,
+        ):
+            statuses = []
+            for i in range(6):
+                body = _chat(False)
+                body["messages"][0]["content"] += f" {i}"
+                async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                    statuses.append(resp.status)
+                    await resp.read()
+            assert statuses == [200] * 6
+            assert len(live.received) == 6
+            reps = await _replicas(url, session)
+            dead_ranks = [r for name, r in reps.items() if name.startswith("dead")]
+            assert len(dead_ranks) == 4, reps
+            assert all(r["healthy"] is False for r in dead_ranks), dead_ranks
+            assert sum(r["in_flight"] for r in reps.values()) == 0
+    finally:
+        await live.stop()
