@@ -367,3 +367,44 @@ def test_soak_fuzz_http_api_10k(router: Any) -> None:
     print(json.dumps(out))
     assert router.alive() and total >= 10_000
     assert (end - mid) / 1024 < 50
+
+
+# ---------------------------------------------------------------- fixed cases, both engines
+
+
+@pytest.mark.parametrize("engine", ["fast", "aiohttp"])
+async def test_deeply_nested_json_body_is_400(engine: str) -> None:
+    """A body nested deeper than the JSON parser recurses (100,000 arrays, 200 KB) is bad
+    input: 400 with an OpenAI-style body on both engines (``server.http_engine``), not a 500
+    from ``json.loads`` raising RecursionError; the router keeps serving."""
+    import aiohttp
+
+    from router.service.config import build_settings
+    from tests.backends import Backend, kimi_model_table, start_router
+
+    backend = await Backend("b0", ["k"]).start()
+    settings = build_settings(
+        {
+            "replicas": [{"url": backend.url, "model": "k", "name": "b0"}],
+            "models": {"k": kimi_model_table()},
+        }
+    )
+    runner, url = await start_router(settings, engine)
+    try:
+        async with aiohttp.ClientSession() as http:
+            deep = b"[" * 100_000 + b"]" * 100_000
+            body = (
+                b'{"model": "k", "x": '
+                + deep
+                + b', "messages": [{"role": "user", "content": "hi"}]}'
+            )
+            async with http.post(url + "/v1/chat/completions", data=body) as r:
+                status, data = r.status, await r.read()
+            assert backend.received == []
+            ok = {"model": "k", "messages": [{"role": "user", "content": "hi"}]}
+            async with http.post(url + "/v1/chat/completions", json=ok) as r:
+                assert r.status == 200
+            check(status, {}, data, expect=400)
+    finally:
+        await runner.cleanup()
+        await backend.stop()

@@ -15,6 +15,7 @@ Hooks for parts built elsewhere: ``STATE`` and ``INDEX`` app keys, and
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ SETTINGS = web.AppKey("kvrouter_settings", Settings)
 SESSION = web.AppKey("kvrouter_session", aiohttp.ClientSession)
 # the Redis index follower (router.store.sync.IndexSync) when server.redis_url is set
 INDEX_SYNC: web.AppKey[Any] = web.AppKey("kvrouter_index_sync")
+
+_log = logging.getLogger("kvrouter.service")
 
 
 class AiohttpSink:
@@ -171,7 +174,9 @@ async def _not_found(request: web.Request) -> web.Response:
 
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Turn aiohttp's HTTP errors (404, 405, 413 on early reads) into OpenAI-style bodies."""
+    """Turn aiohttp's HTTP errors (404, 405, 413 on early reads) into OpenAI-style bodies,
+    and anything unexpected (a bug) into an OpenAI-style 500, logged with its traceback
+    (aiohttp itself would answer a plain-text 500)."""
     try:
         response: web.StreamResponse = await handler(request)
         return response
@@ -181,6 +186,13 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         if exc.status == 413:
             return error_response(413, "request body too large", code="request_too_large")
         return error_response(exc.status, exc.reason or "error", code=f"http_{exc.status}")
+    except ConnectionResetError:
+        raise  # the client left (aiohttp's ClientConnectionResetError is one): nobody to answer
+    except Exception:
+        if request.writer.output_size > 0:
+            raise  # part of an answer went out already: aiohttp logs it and closes
+        _log.exception("unexpected error on %s %s", request.method, request.path)
+        return error_response(500, "internal error in the router", code="internal_error")
 
 
 async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
@@ -275,11 +287,7 @@ async def _redis_index(app: web.Application) -> AsyncIterator[None]:
         listener=EngineFeed(app[STATE], discover=discover),
     )
     app[INDEX_SYNC] = sync
-    import logging
-
-    logging.getLogger("kvrouter.service").info(
-        "shared index: following %s (key prefix %s)", s.redis_url, s.redis_key_prefix
-    )
+    _log.info("shared index: following %s (key prefix %s)", s.redis_url, s.redis_key_prefix)
     await sync.start(wait=False)
     yield
     await sync.stop()

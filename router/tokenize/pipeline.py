@@ -118,8 +118,22 @@ def _check_messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
         if type(m.get("role")) is not str:
             raise BadRequest(f"messages[{i}].role must be a string")
         c = m.get("content")
-        if c is not None and type(c) is not str and not isinstance(c, (str, list)):
-            raise BadRequest(f"messages[{i}].content must be a string or an array")
+        if c is not None and type(c) is not str and not isinstance(c, str):
+            if not isinstance(c, list):
+                raise BadRequest(f"messages[{i}].content must be a string or an array")
+            for j, part in enumerate(c):
+                # string parts and parts without text are accepted (content_text skips them)
+                if isinstance(part, Mapping):
+                    t = part.get("text")
+                    if t is not None and type(t) is not str:
+                        raise BadRequest(f"'messages[{i}].content[{j}].text' must be a string")
+        # hashed into the incremental cache's message keys and read by templates
+        n = m.get("name")
+        if n is not None and type(n) is not str:
+            raise BadRequest(f"'messages[{i}].name' must be a string")
+        n = m.get("tool_call_id")
+        if n is not None and type(n) is not str:
+            raise BadRequest(f"'messages[{i}].tool_call_id' must be a string")
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise BadRequest("'tools' must be an array")
