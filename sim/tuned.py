@@ -5,6 +5,8 @@ Format (TOML), one table per model::
     [models."sim-model"]
     policy = "ours"
     block_size = 64
+    hybrid = true                 # optional: the model's recurrent-state grid, as simulated
+    state_interval_blocks = 256   # (router.core.routing.RoutingSettings fields)
 
     [models."sim-model".policy_params]
     w_prefill = 12.0
@@ -15,7 +17,11 @@ Format (TOML), one table per model::
 
 ``policy_params`` holds exactly the keyword arguments ``router.core.policies.make_policy``
 accepts for that policy (``cost`` as a nested table), so loading validates them by building
-the policy once; a typo is a ConfigError, not a silently ignored setting.
+the policy once; a typo is a ConfigError, not a silently ignored setting. ``block_size``,
+``hybrid`` and ``state_interval_blocks`` are the routing grid the tuner simulated; the router's
+``load_settings(policy_file=...)`` merges them into ``[models.NAME]`` like the policy, so the
+router hashes and speculates on the grid the parameters were tuned for. Files without them
+(older tuner output) still load; the router then keeps its own values.
 """
 
 from __future__ import annotations
@@ -24,26 +30,77 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.core.errors import ConfigError
 from router.core.policies import make_policy
 
+if TYPE_CHECKING:
+    from sim.cluster import ClusterConfig
+    from sim.profiles import EngineProfile
+
+_KEYS = ("policy", "policy_params", "block_size", "hybrid", "state_interval_blocks")
+
+
+def state_interval_blocks(profile: EngineProfile, block_size: int) -> int:
+    """The recurrent-state checkpoint grid of ``profile`` in ``block_size``-token blocks, as the
+    simulated router assumes it (sim/cluster.py): at least 1 for a hybrid model, 0 otherwise."""
+    if not profile.hybrid:
+        return 0
+    return max(1, profile.checkpoint_interval_tokens // block_size)
+
 
 @dataclass(slots=True, frozen=True)
 class TunedPolicy:
-    """A model's routing policy and its parameters, as the router's config wants them."""
+    """A model's routing policy, its parameters and the routing grid they were tuned on, as
+    the router's config wants them. ``None``: not in the file (the router keeps its value)."""
 
     model: str
     policy: str
     params: dict[str, Any] = field(default_factory=dict)
     block_size: int | None = None
+    hybrid: bool | None = None
+    state_interval_blocks: int | None = None
+
+    @classmethod
+    def for_cluster(
+        cls, model: str, policy: str, params: Mapping[str, Any], config: ClusterConfig
+    ) -> TunedPolicy:
+        """``policy`` with ``params`` tuned on the simulated ``config``: its block size and the
+        profile's hybrid state grid travel with them."""
+        return cls(
+            model,
+            policy,
+            dict(params),
+            config.block_size,
+            config.profile.hybrid,
+            state_interval_blocks(config.profile, config.block_size),
+        )
+
+
+def _parse_grid(table: Mapping[str, Any], where: str) -> tuple[bool | None, int | None]:
+    """``hybrid`` and ``state_interval_blocks`` of a model table (None when absent)."""
+    hybrid = table.get("hybrid")
+    if hybrid is not None and not isinstance(hybrid, bool):
+        raise ConfigError(f"{where} hybrid must be true or false, got {hybrid!r}")
+    interval = table.get("state_interval_blocks")
+    if interval is not None and (
+        not isinstance(interval, int) or isinstance(interval, bool) or interval < 0
+    ):
+        raise ConfigError(
+            f"{where} state_interval_blocks must be a non-negative integer, got {interval!r}"
+        )
+    if hybrid is True and interval == 0:
+        raise ConfigError(f"{where} a hybrid model needs state_interval_blocks >= 1")
+    if hybrid is False and interval:
+        raise ConfigError(f"{where} state_interval_blocks = {interval} is only for hybrid = true")
+    return hybrid, interval
 
 
 def _parse_model(name: str, table: Any, source: str) -> TunedPolicy:
     if not isinstance(table, Mapping):
         raise ConfigError(f"{source}: [models.{name}] must be a table")
-    unknown = set(table) - {"policy", "policy_params", "block_size"}
+    unknown = set(table) - set(_KEYS)
     if unknown:
         raise ConfigError(f"{source}: [models.{name}] unknown key(s) {', '.join(sorted(unknown))}")
     policy = table.get("policy")
@@ -55,11 +112,12 @@ def _parse_model(name: str, table: Any, source: str) -> TunedPolicy:
     block = table.get("block_size")
     if block is not None and (not isinstance(block, int) or block <= 0):
         raise ConfigError(f"{source}: [models.{name}] block_size must be a positive integer")
+    hybrid, interval = _parse_grid(table, f"{source}: [models.{name}]")
     try:
         make_policy(policy, params)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{source}: [models.{name}] {exc}") from None
-    return TunedPolicy(name, policy, dict(params), block)
+    return TunedPolicy(name, policy, dict(params), block, hybrid, interval)
 
 
 def load_all_tuned(path: str | Path) -> dict[str, TunedPolicy]:
@@ -113,6 +171,10 @@ def dump_tuned(tuned: Mapping[str, TunedPolicy], header: str = "") -> str:
         lines += ["", f"[{table}]", f"policy = {_toml_value(t.policy)}"]
         if t.block_size is not None:
             lines.append(f"block_size = {t.block_size}")
+        if t.hybrid is not None:
+            lines.append(f"hybrid = {_toml_value(t.hybrid)}")
+        if t.state_interval_blocks is not None:
+            lines.append(f"state_interval_blocks = {t.state_interval_blocks}")
         flat = {k: v for k, v in t.params.items() if not isinstance(v, Mapping)}
         nested = {k: v for k, v in t.params.items() if isinstance(v, Mapping)}
         lines += ["", f"[{table}.policy_params]"]
