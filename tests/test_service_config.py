@@ -119,7 +119,7 @@ def test_tuned_policy_file_is_merged(tmp_path: Path) -> None:
         ("[server]\nport = 'x'\n", "server.port"),
         ("[server]\nprot = 1\n", "unknown key 'prot'"),
         ("[[replicas]]\nmodel = 'm'\n", "'url' is required"),
-        ("[[replicas]]\nurl = 'ftp://x'\nmodel = 'm'\n", "not an http(s) URL"),
+        ("[[replicas]]\nurl = 'ftp://x'\nmodel = 'm'\n", "not an http URL"),
         ("[models.m]\npolicy = 'best'\n", "unknown policy 'best'"),
         ("[models.m]\nblock_size = 0\n", "block_size"),
         ("[models.m.policy_params]\nnope = 1\n", "policy_params"),

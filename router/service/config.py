@@ -13,11 +13,17 @@ File layout (every section optional; see docs/configuration.md)::
     [models.NAME.busy]            max_in_flight, max_queued_prefill_tokens, max_kv_usage,
                                   reject_when_all_busy
 
-The simulator's tuned-policy file (``[models.NAME] policy / block_size / policy_params``) is
-the same shape, so it can be passed as the config file or merged with ``--policy-file``.
-Environment: ``KVROUTER_CONFIG`` (file path), ``KVROUTER_<SECTION>__<KEY>`` for any scalar
-(e.g. ``KVROUTER_SERVER__PORT=9000``, ``KVROUTER_MODELS__KIMI__POLICY=ours``) and
-``KVROUTER_REPLICAS`` (``model=url,model=url``). Errors raise ConfigError naming the key.
+The simulator's tuned-policy file (``[models.NAME] policy / block_size / hybrid /
+state_interval_blocks / policy_params``, sim/tuned.py) is the same shape, so it can be passed
+as the config file or merged with ``--policy-file``.
+Environment: ``KVROUTER_CONFIG`` (file path), ``KVROUTER_SERVER__<KEY>`` and
+``KVROUTER_MODELS__<NAME>__<KEY>`` for any scalar (e.g. ``KVROUTER_SERVER__PORT=9000``,
+``KVROUTER_MODELS__KIMI__POLICY=ours``), values converted by the setting's declared type,
+``KVROUTER_REPLICAS`` (``model=url,model=url``) and ``KVROUTER_ADMIN_TOKEN``; other
+``KVROUTER_*`` variables belong to other components and are ignored (``env_overrides``).
+Replica URLs are plain ``http://host:port`` (``replica_url_problem``). A model with a
+tokenizer directory and no ``context_length`` takes its ``model_max_length``
+(``tokenizer_max_length``). Errors raise ConfigError naming the key (or variable).
 """
 
 from __future__ import annotations
@@ -171,31 +177,168 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _scalar(text: str) -> Any:
     """An environment value: TOML scalar syntax when it parses (numbers, booleans, quoted
-    strings, arrays), else the raw string."""
+    strings, arrays), else the raw string. Only for settings without a declared type
+    (``policy_params``, whose keys depend on the policy)."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
 
 
+_ENV_PREFIX = "KVROUTER_"
+# The file's top-level tables (Settings.background is built in code, never read).
+_SECTIONS = ("server", "replicas", "models")
+_UNTYPED = "policy_params"  # its values are TOML scalars (see _scalar)
+
+
+def _kind(cls: type, name: str) -> str:
+    """The declared type of field ``name`` of dataclass ``cls``, as text (``"int | None"``)."""
+    hint = next(f.type for f in fields(cls) if f.name == name)
+    return hint if isinstance(hint, str) else getattr(hint, "__name__", str(hint))
+
+
+def _model_key_kinds() -> dict[str, str]:
+    """Scalar keys of a ``[models.NAME]`` table and their declared types."""
+    kinds = {
+        f.name: _kind(ModelSettings, f.name)
+        for f in fields(ModelSettings)
+        if f.name not in ("name", "routing", "policy_params")
+    }
+    kinds.update({k: _kind(RoutingSettings, k) for k in _ROUTING_KEYS})
+    return kinds
+
+
+def _field_kind(kinds: Mapping[str, str], key: str, var: str, where: str) -> str:
+    kind = kinds.get(key)
+    if kind is None:
+        raise ConfigError(
+            f"{var}: {where}: unknown key {key!r} (known: {', '.join(sorted(kinds))})"
+        )
+    return kind
+
+
+def _env_path(var: str) -> list[str] | None:
+    """The settings path ``var`` overrides, or None when it is not a config variable.
+
+    ``KVROUTER_<SECTION>__<KEY>[__<KEY>]`` with SECTION one of the file's top-level tables,
+    plus the alias ``KVROUTER_ADMIN_TOKEN``; other ``KVROUTER_*`` names (``KVROUTER_DEBUG``,
+    ``KVROUTER_REDIS_URL``, ``KVROUTER_SIGNING_KEY``, ...) belong to other components. A name
+    that is a known server key behind a single underscore (``KVROUTER_SERVER_PORT``) is a
+    ConfigError rather than silently ignored."""
+    if not var.startswith(_ENV_PREFIX) or var == "KVROUTER_CONFIG":
+        return None
+    path = var[len(_ENV_PREFIX) :].lower().split("__")
+    if path == ["admin_token"]:
+        return ["server", "admin_token"]
+    if path[0] in _SECTIONS:
+        return path
+    head, _, rest = path[0].partition("_")
+    if head == "server" and len(path) == 1 and rest in {f.name for f in fields(ServerSettings)}:
+        raise ConfigError(f"{var}: not read; did you mean KVROUTER_SERVER__{rest.upper()}?")
+    if head == "models" and rest and len(path) > 1:
+        raise ConfigError(f"{var}: not read; write KVROUTER_MODELS__<NAME>__<KEY>")
+    return None
+
+
+def _env_kind(var: str, path: Sequence[str]) -> str:
+    """The declared type of the setting at ``path`` (``_UNTYPED`` for policy parameters);
+    ConfigError naming ``var`` for a key the section does not have."""
+    section, *keys = path
+    if section == "replicas":
+        raise ConfigError(f"{var}: replicas are set as a whole: KVROUTER_REPLICAS=MODEL=URL,...")
+    if section == "server":
+        if not keys or not keys[0]:
+            raise ConfigError(f"{var}: name a key: KVROUTER_SERVER__<KEY>")
+        kinds = {f.name: _kind(ServerSettings, f.name) for f in fields(ServerSettings)}
+        kind = _field_kind(kinds, keys[0], var, "server")
+        if len(keys) > 1:
+            raise ConfigError(f"{var}: server.{keys[0]} is not a table")
+        return kind
+    if len(keys) < 2 or not all(keys):
+        raise ConfigError(f"{var}: name a model and a key: KVROUTER_MODELS__<NAME>__<KEY>")
+    name, key, *sub = keys
+    where = f"models.{name}"
+    if key == _UNTYPED:
+        if not sub:
+            raise ConfigError(
+                f"{var}: {where}.{key} is a table: "
+                f"KVROUTER_MODELS__{name.upper()}__POLICY_PARAMS__<KEY>"
+            )
+        return _UNTYPED
+    if key == "busy":
+        if len(sub) != 1:
+            raise ConfigError(
+                f"{var}: {where}.busy is a table: KVROUTER_MODELS__{name.upper()}__BUSY__<KEY>"
+            )
+        kinds = {f.name: _kind(BusyThresholds, f.name) for f in fields(BusyThresholds)}
+        return _field_kind(kinds, sub[0], var, f"{where}.busy")
+    kind = _field_kind(_model_key_kinds(), key, var, where)
+    if sub:
+        raise ConfigError(f"{var}: {where}.{key} is not a table")
+    return kind
+
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def _env_value(var: str, where: str, kind: str, text: str) -> Any:
+    """``text`` converted to the setting's declared ``kind``: str settings keep the raw text
+    (``"12345"``, ``"true"`` stay strings); int, float and bool settings must parse as one
+    (bool: true/false, 1/0, yes/no, on/off, any case). ConfigError names ``var``."""
+    if kind == _UNTYPED:
+        return _scalar(text)
+    base = {part.strip() for part in kind.split("|")} - {"None"}
+    try:
+        if base == {"str"}:
+            return text
+        if base == {"int"}:
+            return int(text.strip())
+        if base == {"float"}:
+            return float(text.strip())
+        if base == {"bool"} and text.strip().lower() in _TRUE + _FALSE:
+            return text.strip().lower() in _TRUE
+    except ValueError:
+        pass
+    expected = {"int": "an integer", "float": "a number", "bool": "true or false"}
+    if len(base) == 1 and (wanted := expected.get(next(iter(base)))):
+        raise ConfigError(f"{var}: {where} expects {wanted}, got {text!r}")
+    raise ConfigError(f"{var}: {where} ({kind}) cannot be set from the environment")
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """``KVROUTER_A__B__C=value`` -> ``{"a": {"b": {"c": value}}}`` (keys lower-cased)."""
+    """The config overrides among ``environ``: ``KVROUTER_A__B__C=value`` ->
+    ``{"a": {"b": {"c": value}}}`` (names lower-cased, so model names too).
+
+    Only variables that name a setting are read (see ``_env_path``): ``KVROUTER_SERVER__<KEY>``,
+    ``KVROUTER_MODELS__<NAME>__<KEY>`` (``__BUSY__<KEY>``, ``__POLICY_PARAMS__<KEY>[__<KEY>]``),
+    ``KVROUTER_REPLICAS`` (``model=url,...``) and ``KVROUTER_ADMIN_TOKEN``; any other
+    ``KVROUTER_*`` variable is left to the component that reads it. An unknown key inside one of
+    those sections, or a value that does not parse as its setting's declared type, is a
+    ConfigError naming the variable."""
     out: dict[str, Any] = {}
-    for key, value in environ.items():
-        if not key.startswith("KVROUTER_") or key == "KVROUTER_CONFIG":
+    origin: dict[tuple[str, ...], str] = {}
+    for var, text in sorted(environ.items()):
+        path = _env_path(var)
+        if path is None:
             continue
-        path = [p.lower() for p in key[len("KVROUTER_") :].split("__")]
         if path == ["replicas"]:
-            out["replicas"] = parse_replica_list(value.split(","))
+            out["replicas"] = parse_replica_list(text.split(","))
             continue
-        if path == ["admin_token"]:
-            path = ["server", "admin_token"]
+        where = ".".join(path)
+        value = _env_value(var, where, _env_kind(var, path), text)
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"{key}: conflicts with another KVROUTER_ variable")
-        node[path[-1]] = _scalar(value) if path[-1] != "admin_token" else value
+                raise ConfigError(f"{var}: conflicts with another KVROUTER_ variable")
+        if isinstance(node.get(path[-1]), dict):
+            raise ConfigError(f"{var}: conflicts with another KVROUTER_ variable")
+        if path[-1] in node and node[path[-1]] != value:
+            other = origin[tuple(path)]
+            raise ConfigError(f"{other} and {var} both set {where}, differently; set one")
+        node[path[-1]] = value
+        origin[tuple(path)] = var
     return out
 
 
@@ -251,16 +394,57 @@ def _typed(cls: type, table: Mapping[str, Any], where: str, skip: Sequence[str] 
     return cls(**kwargs)
 
 
+def replica_url_problem(url: str) -> str | None:
+    """Why the proxy could not use ``url`` as a replica's base URL; None when it can.
+
+    The proxy's client (router/service/upstream.py) speaks plain HTTP/1.1 and sends every
+    request to the host's root (``/v1/...``), so a replica URL is ``http://host[:port]`` with
+    at most a trailing ``/``: no TLS, path, query, fragment or credentials. Shared by static
+    replicas and (it should be) registered ones."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"{url!r} has a bad port ({exc})"
+    if parts.scheme == "https":
+        return (
+            f"{url!r}: https is not supported: replicas are reached over plain http on the "
+            "cluster network; terminate TLS in front of the router or use a sidecar"
+        )
+    if parts.scheme != "http" or not parts.netloc:
+        return f"{url!r} is not an http URL (http://host:port)"
+    if not parts.hostname:
+        return f"{url!r} has no host"
+    if port == 0:
+        return f"{url!r}: port 0 is not a port to connect to"
+    if parts.username is not None or parts.password is not None:
+        return f"{url!r} carries credentials, which the router does not send; remove them"
+    if parts.path not in ("", "/"):
+        return (
+            f"{url!r} has a path ({parts.path!r}), which the router would not use: requests "
+            "go to the replica's root (/v1/...); give http://host:port"
+        )
+    if parts.query:
+        return f"{url!r} has a query ({parts.query!r}); give http://host:port"
+    if parts.fragment:
+        return f"{url!r} has a fragment ({parts.fragment!r}); give http://host:port"
+    return None
+
+
 def _replica(i: int, table: Any) -> ReplicaSettings:
+    """One ``[[replicas]]`` table; its url is checked by ``replica_url_problem`` and stored as
+    ``http://host[:port]`` (scheme lower-case, no trailing ``/``): what the proxy expects."""
     where = f"replicas[{i}]"
     if not isinstance(table, Mapping):
         raise ConfigError(f"{where}: must be a table with url and model")
     for key in ("url", "model"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise ConfigError(f"{where}: {key!r} is required (a non-empty string)")
+    problem = replica_url_problem(table["url"])
+    if problem is not None:
+        raise ConfigError(f"{where}.url: {problem}")
     parts = urlsplit(table["url"])
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"{where}.url: {table['url']!r} is not an http(s) URL")
+    table = {**table, "url": f"http://{parts.netloc}"}
     name = table.get("name") or parts.netloc
     rep = _typed(ReplicaSettings, {**table, "name": name}, where)
     if rep.dp_ranks < 1:
@@ -311,10 +495,36 @@ def _model(name: str, table: Any) -> ModelSettings:
         raise ConfigError(f"{where}: a hybrid model needs state_interval_blocks >= 1")
     if model.context_length is not None and model.context_length <= 0:
         raise ConfigError(f"{where}.context_length: must be positive")
+    context_length = model.context_length
+    if context_length is None and model.tokenizer is not None:
+        context_length = tokenizer_max_length(Path(model.tokenizer))
     from dataclasses import replace
 
-    out: ModelSettings = replace(model, routing=routing, policy_params=dict(params))
+    out: ModelSettings = replace(
+        model, routing=routing, policy_params=dict(params), context_length=context_length
+    )
     return out
+
+
+# HF writes a huge sentinel (int(1e30)) for "no known limit"; no real context is above this.
+_MAX_SANE_CONTEXT = 2**31
+
+
+def tokenizer_max_length(directory: Path) -> int | None:
+    """``model_max_length`` of ``directory``'s ``tokenizer_config.json`` when it is a real
+    context length (an integer, or integral float, in 1..2**31); None when the directory,
+    the file or the key is missing or the value is HF's "unknown" sentinel. A file that is
+    not a JSON object is a ConfigError (the tokenizer loader would refuse it too)."""
+    if not directory.is_dir():
+        return None  # reported by the tokenizer loader, with the model's key
+    from router.tokenize.tokenizers import read_tokenizer_config
+
+    value = read_tokenizer_config(directory).get("model_max_length")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not value.is_integer():
+        return None
+    return int(value) if 1 <= value <= _MAX_SANE_CONTEXT else None
 
 
 def build_settings(data: Mapping[str, Any]) -> Settings:
