@@ -4,11 +4,16 @@ itself and applies canonical events straight to its ``PrefixIndex``.
 ``DirectEvents(index)`` with ``add_replica(...)`` per engine, then ``start()``/``stop()``
 (or ``async with``); the service can run it in ``cleanup_ctx``. It runs in the router's event
 loop, so index mutations never race with lookups.
+
+``event_lag`` (the service passes ``RouterState.event_lag_s``, exported as
+``kvrouter_index_event_lag_seconds``): for each replica key, set when a batch is applied to
+``wall_clock()`` minus the engine's batch timestamp (``KVEventBatch.ts``), at least 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, MutableMapping, Sequence
 
 from router.core.index import PrefixIndex
 from router.core.types import EventBatch, IndexEvent, ReplicaKey
@@ -16,8 +21,16 @@ from router.events.ingest import EndpointSpec, EngineIngest, SubscriberGroup
 
 
 class DirectEvents:
-    def __init__(self, index: PrefixIndex) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        *,
+        event_lag: MutableMapping[str, float] | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.index = index
+        self.event_lag = event_lag
+        self.wall_clock = wall_clock
         self.ingests: dict[str, EngineIngest] = {}
         self._groups: list[SubscriberGroup] = []
         self._started = False
@@ -27,13 +40,17 @@ class DirectEvents:
         if self.index.garbage_ratio() > 1.0:
             self.index.compact()
 
+    def _applied(self, key: ReplicaKey, ts: float) -> None:
+        if self.event_lag is not None:
+            self.event_lag[str(key)] = max(0.0, self.wall_clock() - ts)
+
     def add_replica(
         self, replica: str, model: str, block_size: int, endpoints: Sequence[EndpointSpec]
     ) -> EngineIngest:
         """Follow ``endpoints`` of ``replica``; call before ``start``."""
         if self._started:
             raise RuntimeError("add replicas before start()")
-        ingest = EngineIngest(replica, model, block_size, self._sink)
+        ingest = EngineIngest(replica, model, block_size, self._sink, self._applied)
         self.ingests[replica] = ingest
         for spec in endpoints:
             self.index.add_replica(ReplicaKey(replica, spec.dp_rank))

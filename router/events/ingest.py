@@ -51,11 +51,22 @@ class IngestStats:
 class EngineIngest:
     """Turns engine payloads into canonical events for ``replica``'s keys."""
 
-    def __init__(self, replica: str, model: str, block_size: int, sink: Sink) -> None:
+    def __init__(
+        self,
+        replica: str,
+        model: str,
+        block_size: int,
+        sink: Sink,
+        on_batch: Callable[[ReplicaKey, float], None] | None = None,
+    ) -> None:
+        """``on_batch(key, ts)``: called after ``sink`` with the engine's batch timestamp
+        (``KVEventBatch.ts``, the engine's wall clock) when the batch gave canonical events
+        and carries a timestamp."""
         self.replica = replica
         self.model = model
         self.block_size = block_size
         self.sink = sink
+        self.on_batch = on_batch
         self.reblockers: dict[int, Reblocker] = {}
         self.stats = IngestStats()
         self._ranks_of: dict[str, set[int]] = {}
@@ -87,7 +98,10 @@ class EngineIngest:
             self.stats.malformed_events += rb.stats.bad_event - before
             self.stats.note(rb.stats.errors[-(rb.stats.bad_event - before) :])
         if events:
-            self.sink(ReplicaKey(self.replica, rank), events)
+            key = ReplicaKey(self.replica, rank)
+            self.sink(key, events)
+            if self.on_batch is not None and result.batch.ts > 0:
+                self.on_batch(key, result.batch.ts)
 
     def reset_source(self, source: str, default_rank: int = 0) -> None:
         """Events from ``source`` were lost or it restarted: clear what it told us."""

@@ -285,6 +285,7 @@ async def _redis_index(app: web.Application) -> AsyncIterator[None]:
         app[STATE].index,
         asyncio.get_running_loop().time,
         listener=EngineFeed(app[STATE], discover=discover),
+        event_lag=app[STATE].event_lag_s,
     )
     app[INDEX_SYNC] = sync
     _log.info("shared index: following %s (key prefix %s)", s.redis_url, s.redis_key_prefix)
@@ -301,7 +302,7 @@ async def _direct_events(app: web.Application) -> AsyncIterator[None]:
     from router.events.ingest import EndpointSpec
 
     settings = app[SETTINGS]
-    direct = DirectEvents(app[STATE].index)
+    direct = DirectEvents(app[STATE].index, event_lag=app[STATE].event_lag_s)
     for rep in settings.replicas:
         if rep.zmq:
             block = settings.model(rep.model).routing.block_size

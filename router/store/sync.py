@@ -15,7 +15,16 @@ change stream from the cursor, in one task that owns all index mutations:
 
 Store errors (Redis down, restarting) are logged and retried with backoff; the index keeps
 serving its last known content meanwhile. ``clock`` is the router's monotonic clock, used to
-stamp load samples; nothing here touches the clock otherwise.
+stamp load samples.
+
+``event_lag`` (the service passes ``RouterState.event_lag_s``, exported as
+``kvrouter_index_event_lag_seconds``): per replica key, set when a batch or reset entry is
+applied to ``wall_clock()`` minus the entry's time, at least 0; removed when the replica is
+purged. The change entries carry no timestamp of their own, but a Redis stream entry's ID is
+``<ms>-<n>``, the Redis server's wall clock at ``XADD``: the time used is that of the newest
+entry of the replica's stream shard in the same read (so a read that catches up on a backlog
+can under-state the lag by up to the span of that read, at most ``read_count`` entries).
+Stores whose cursor carries no time (the in-memory store) set nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -114,6 +123,8 @@ class IndexSync:
         read_count: int = 1000,
         bootstrap_chunk: int = 16,
         reap_expired: bool = True,
+        event_lag: MutableMapping[str, float] | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.index = index
@@ -124,6 +135,8 @@ class IndexSync:
         self.read_count = read_count
         self.bootstrap_chunk = bootstrap_chunk
         self.reap_expired = reap_expired
+        self.event_lag = event_lag
+        self.wall_clock = wall_clock
         self.infos: dict[str, ReplicaInfo] = {}
         self.stats = SyncStats()
         self.ready = asyncio.Event()
@@ -186,7 +199,7 @@ class IndexSync:
                 self._cursor = read.cursor
                 self.stats.malformed += read.malformed
                 for change in read.changes:
-                    await self._handle(change)
+                    await self._handle(change, read.cursor)
                 if time.monotonic() >= self._next_audit:
                     need_bootstrap = await self.audit()
                 backoff = 0.05
@@ -245,7 +258,7 @@ class IndexSync:
 
     # ------------------------------------------------------------------ changes
 
-    async def _handle(self, change: Change) -> None:
+    async def _handle(self, change: Change, cursor: object = None) -> None:
         if isinstance(change, BatchChange):
             if change.key.replica not in self.infos:
                 await self._learn(change.key.replica)
@@ -253,16 +266,19 @@ class IndexSync:
             outcome = self.index.apply(EventBatch(change.key, change.events, change.seq))
             if outcome is ApplyOutcome.DUPLICATE:
                 self.stats.duplicates += 1
-            elif outcome is ApplyOutcome.GAP:
+                return
+            if outcome is ApplyOutcome.GAP:
                 self.stats.gaps += 1
                 await self._resync([change.key])
             else:
                 self.stats.batches += 1
+            self._note_lag(change.key, cursor)
         elif isinstance(change, ResetChange):
             if change.key.replica not in self.infos:
                 await self._learn(change.key.replica)
             else:
                 await self._resync([change.key])
+                self._note_lag(change.key, cursor)
         elif isinstance(change, LoadChange):
             if change.key.replica in self.infos:
                 self.listener.load(change.key, change.sample, self.clock())
@@ -273,6 +289,31 @@ class IndexSync:
                 await self._resync(change.info.replica_keys())
         elif isinstance(change, ReplicaDown):
             self._purge(change.replica)
+
+    def _note_lag(self, key: ReplicaKey, cursor: object) -> None:
+        if self.event_lag is None:
+            return
+        at = self._entry_time(cursor, key.replica)
+        if at is not None:
+            self.event_lag[str(key)] = max(0.0, self.wall_clock() - at)
+
+    def _entry_time(self, cursor: object, replica: str) -> float | None:
+        """Wall-clock time (s) of the newest entry read from ``replica``'s stream shard, from
+        a Redis cursor (stream -> last entry ID ``<ms>-<n>``); None without one."""
+        schema = getattr(self.store, "schema", None)
+        if not isinstance(cursor, Mapping) or schema is None:
+            return None
+        entry_id = cursor.get(schema.stream(schema.shard_of(replica)))
+        if isinstance(entry_id, bytes):
+            entry_id = entry_id.decode("ascii", "replace")
+        if not isinstance(entry_id, str):
+            return None
+        ms, _, _ = entry_id.partition("-")
+        try:
+            at = int(ms) / 1000.0
+        except ValueError:
+            return None
+        return at if at > 0 else None
 
     async def _learn(self, replica: str) -> None:
         """A replica we have not seen registered: load its info and state if it is alive."""
@@ -290,6 +331,7 @@ class IndexSync:
             for key in old.replica_keys():
                 if key.dp_rank not in info.dp_ranks:
                     self.index.remove_replica(key)
+                    self._forget_lag(key)
         for key in info.replica_keys():
             self.index.add_replica(key)
         self.listener.replica_up(info)
@@ -299,8 +341,13 @@ class IndexSync:
         keys = info.replica_keys() if info else []
         for key in keys:
             self.index.remove_replica(key)
+            self._forget_lag(key)
         self.stats.purges += 1
         self.listener.replica_down(replica, keys)
+
+    def _forget_lag(self, key: ReplicaKey) -> None:
+        if self.event_lag is not None:
+            self.event_lag.pop(str(key), None)
 
     async def _resync(self, keys: Sequence[ReplicaKey]) -> None:
         snaps = await self.store.read_replicas(keys)
