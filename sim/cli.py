@@ -268,7 +268,7 @@ def _tune(args: argparse.Namespace) -> int:
         f"{speedups}: {trials[0].objective:.1f} ms (p90 per speed-up {trials[0].p90_ms})"
     )
     text = dump_tuned(
-        {args.model: TunedPolicy(args.model, "ours", best, config.block_size)}, header
+        {args.model: TunedPolicy.for_cluster(args.model, "ours", best, config)}, header
     )
     Path(args.out).write_text(text)
     result = {

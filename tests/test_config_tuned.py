@@ -98,11 +98,6 @@ def test_bad_grid_values_are_config_errors(tmp_path: Path, extra: str, needle: s
         load_tuned(out)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sim/cli.py _tune builds TunedPolicy(model, 'ours', best, block_size) without the "
-    "grid; it must use TunedPolicy.for_cluster(args.model, 'ours', best, config)",
-)
 def test_sim_tune_command_writes_the_grid(tmp_path: Path) -> None:
     out = tmp_path / "tuned.toml"
     p = subprocess.run(

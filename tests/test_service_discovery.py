@@ -185,6 +185,8 @@ def test_registrations_the_proxy_cannot_reach_are_refused() -> None:
         "http://10.0.0.5:8000/prefix",
         "http://10.0.0.5:8000/?x=1",
         "http://10.0.0.5:8000#f",
+        "http://user:pw@10.0.0.5:8000",
+        "http://10.0.0.5:0",
     ):
         assert not state.add_discovered(ReplicaInfo("p", url=url, model="m")), url
     assert state.registry.find("p") == []

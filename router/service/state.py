@@ -27,7 +27,7 @@ from router.core.routing import RoutingEngine
 from router.core.types import Decision, ReplicaKey, RouteRequest
 from router.recorder import TraceRecorder
 from router.service.body_memo import BodyMemo
-from router.service.config import ModelSettings, ReplicaSettings, Settings
+from router.service.config import ModelSettings, ReplicaSettings, Settings, replica_url_problem
 from router.service.metrics import Metrics, ReplicaGauge, StateSnapshot
 from router.service.registry import ReplicaRegistry
 from router.store.base import ReplicaInfo
@@ -169,12 +169,10 @@ class RouterState:
         ranks = tuple(info.dp_ranks)
         url = _normal_url(info.url)
         owner = next((r.name for r in self.registry.replicas() if _normal_url(r.url) == url), None)
-        problem = None
-        if url is None:
-            problem = (
-                f"url {info.url!r} is not a plain http://host:port URL (replicas are reached "
-                "over http on the cluster network, without a path)"
-            )
+        # the same URL rule as configured replicas (the proxy speaks plain http to the root)
+        problem = replica_url_problem(info.url)
+        if problem is not None or url is None:
+            problem = problem or f"url {info.url!r} is not a plain http://host:port URL"
         elif info.model not in self.engines:
             problem = (
                 f"model {info.model!r} is not configured (add [models.{info.model or 'NAME'}] "
