@@ -144,10 +144,23 @@ async def test_completions_text_and_token_ids(fleet: Fleet) -> None:
     ).items()
 
 
-async def test_models_is_union_of_replicas(fleet: Fleet) -> None:
+async def test_models_lists_what_the_router_routes(fleet: Fleet) -> None:
+    """``/v1/models`` lists the models the router will route: configured (or served by a
+    configured replica) with at least one replica. Replica a0 also reports ``extra-lora`` (a
+    LoRA adapter, say) in its own ``/v1/models``; the router used to list it too, yet it
+    answers 404 for it (no replica is configured for that model), so a client picking a model
+    from the list could pick one that fails. The replicas' own entries are kept for the
+    models listed (their metadata, e.g. ``owned_by``, passes through)."""
     page = await fleet.client.models.list()
     ids = sorted(m.id for m in page.data)
-    assert ids == sorted([MODEL, APPROX, "extra-lora"])
+    assert ids == sorted([MODEL, APPROX])
+    owners = {m.id: m.owned_by for m in page.data}
+    assert owners[APPROX] == "a0" and owners[MODEL] in {"b0", "b1"}
+    for model in ids:  # every listed model is served ...
+        r = await fleet.client.completions.create(model=model, prompt="hi", max_tokens=1)
+        assert r.choices
+    with pytest.raises(openai.NotFoundError):  # ... and the adapter is not, so it is not listed
+        await fleet.client.completions.create(model="extra-lora", prompt="hi", max_tokens=1)
 
 
 # ---------------------------------------------------------------------------- transparency

@@ -102,10 +102,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """Union of the replicas' ``/v1/models`` (configured names added if a replica is silent)."""
+    """The models the router routes: configured (or served by a configured replica) and with
+    at least one replica, i.e. every model a request may name without a 404. Each entry is
+    the first replica's own ``/v1/models`` entry for it (metadata such as ``max_model_len``
+    passes through), or a plain one if no replica reports it. Other ids the replicas report
+    (LoRA adapters, say) are left out: the router answers 404 for them."""
     state = request.app[STATE]
     session = request.app[SESSION]
     timeout = aiohttp.ClientTimeout(total=2.0)
+    routed = sorted(m for m in state.registry.models() if routable(state, m))
 
     async def fetch(url: str) -> list[dict[str, Any]]:
         try:
@@ -118,16 +123,29 @@ async def models(request: web.Request) -> web.Response:
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return []
 
-    urls = sorted({ep.base_url for ep in state.registry.endpoints()})
+    urls = sorted(
+        {
+            ep.base_url
+            for m in routed
+            for key in state.registry.keys_for(m)
+            if (ep := state.registry.endpoint(key)) is not None
+        }
+    )
     found: dict[str, dict[str, Any]] = {}
     for items in await asyncio.gather(*(fetch(u) for u in urls)):
         for item in items:
             found.setdefault(str(item["id"]), item)
-    for name in state.registry.models():
-        found.setdefault(
-            name, {"id": name, "object": "model", "created": 0, "owned_by": "kvrouter"}
-        )
-    return web.json_response({"object": "list", "data": [found[k] for k in sorted(found)]})
+    data = [
+        found.get(name) or {"id": name, "object": "model", "created": 0, "owned_by": "kvrouter"}
+        for name in routed
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+def routable(state: RouterState, model: str) -> bool:
+    """A request naming ``model`` is routed (not answered 404): what ``state.processor``
+    accepts."""
+    return model in state.processors and bool(state.registry.keys_for(model))
 
 
 async def health(request: web.Request) -> web.Response:
