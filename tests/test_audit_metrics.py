@@ -1,0 +1,174 @@
+"""The /metrics page after real traffic through the router (official openai client, both HTTP
+engines): stream timings, index gauges, decision phases, the engine-reported cached tokens of
+a non-streamed body and of a stream's usage chunk (the SSE feedback path), and the
+approximate-mode request counter."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import openai
+import pytest
+
+from router.service.config import build_settings
+from tests.backends import Backend, kimi_model_table, start_router
+
+MODEL = "kimi-test"
+APPROX = "approx-model"
+ENGINES = ["aiohttp", "fast"]
+
+
+@dataclass
+class Fleet:
+    url: str
+    backend: Backend
+    approx: Backend
+    client: openai.AsyncOpenAI
+
+    async def metrics(self) -> str:
+        async with aiohttp.ClientSession() as http, http.get(self.url + "/metrics") as r:
+            assert r.status == 200
+            return await r.text()
+
+
+@pytest.fixture(params=ENGINES)
+async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+    # one replica per model: the second request of a conversation finds the first one's
+    # prompt in the backend's prefix cache, so it reports cached tokens
+    backend = await Backend("b0", [MODEL]).start()
+    backend.chunk_delay_s = 0.01  # stream chunks arrive apart: inter-token gaps to measure
+    approx = await Backend("a0", [APPROX]).start()
+    settings = build_settings(
+        {
+            "replicas": [
+                {"url": backend.url, "model": MODEL, "name": "b0"},
+                {"url": approx.url, "model": APPROX, "name": "a0"},
+            ],
+            "models": {MODEL: kimi_model_table(context_length=100_000)},
+        }
+    )
+    runner, url = await start_router(settings, str(request.param))
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    try:
+        yield Fleet(url, backend, approx, client)
+    finally:
+        await client.close()
+        await runner.cleanup()
+        await backend.stop()
+        await approx.stop()
+
+
+def series(text: str, name: str) -> dict[str, float]:
+    """label block (``{...}`` or ``""``) -> value, for the samples named exactly ``name``."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, brace, labels = head.partition("{")
+        if metric == name:
+            out[brace + labels] = float(value)
+    return out
+
+
+def value(text: str, name: str, labels: str) -> float:
+    got = series(text, name)
+    assert labels in got, (name, labels, got)
+    return got[labels]
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse. " * 40},
+    {"role": "user", "content": "Why is the sky blue? " * 30},
+]
+
+
+async def test_metrics_after_a_streamed_and_a_non_streamed_chat(fleet: Fleet) -> None:
+    labels = f'{{model="{MODEL}"}}'
+    resp = await fleet.client.chat.completions.create(
+        model=MODEL, messages=CONVERSATION, max_tokens=4
+    )
+    assert resp.usage is not None and resp.usage.prompt_tokens_details is not None
+    first_cached = resp.usage.prompt_tokens_details.cached_tokens or 0
+    text = await fleet.metrics()
+    # the non-streamed body's usage is fed back once it went out
+    before = value(text, "kvrouter_engine_cached_tokens_total", labels)
+    assert before == first_cached
+
+    stream = await fleet.client.chat.completions.create(
+        model=MODEL,
+        messages=CONVERSATION,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = None
+    pieces = 0
+    async for chunk in stream:
+        if chunk.choices:
+            pieces += 1
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert pieces == 4
+    assert usage is not None and usage.prompt_tokens_details is not None
+    stream_cached = usage.prompt_tokens_details.cached_tokens
+    assert stream_cached and stream_cached > 0  # the same conversation, seen before
+
+    # the stream's usage chunk (SSE feedback path) is counted, exactly once
+    deadline = asyncio.get_running_loop().time() + 5
+    while True:
+        text = await fleet.metrics()
+        after = value(text, "kvrouter_engine_cached_tokens_total", labels)
+        if after != before or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert after - before == stream_cached, (before, after, stream_cached)
+    assert value(text, "kvrouter_prediction_error_tokens_count", labels) == 2
+
+    # stream timings at the router
+    assert value(text, "kvrouter_ttft_seconds_count", labels) >= 1
+    assert value(text, "kvrouter_ttft_seconds_sum", labels) > 0
+    assert value(text, "kvrouter_itl_seconds_count", labels) >= 1
+    assert value(text, "kvrouter_itl_seconds_sum", labels) > 0
+
+    # index gauges: the dispatches left speculative entries
+    entries = series(text, "kvrouter_index_entries")
+    assert set(entries) == {'{kind="kv"}', '{kind="state"}', '{kind="speculative"}'}, entries
+    assert entries['{kind="speculative"}'] > 0
+    assert value(text, "kvrouter_index_replicas", "") == 2
+
+    # one observation per phase per request; tokenizing and hashing took measurable time
+    for phase in ("tokenize", "hash", "lookup", "score"):
+        assert value(text, "kvrouter_decision_seconds_count", f'{{phase="{phase}"}}') == 2
+        buckets = {
+            k: v
+            for k, v in series(text, "kvrouter_decision_seconds_bucket").items()
+            if f'phase="{phase}"' in k
+        }
+        assert buckets and max(buckets.values()) == 2, (phase, buckets)
+    assert value(text, "kvrouter_decision_seconds_sum", '{phase="tokenize"}') > 0
+    assert value(text, "kvrouter_decision_seconds_sum", '{phase="hash"}') > 0
+
+    ok = value(text, "kvrouter_requests_total", f'{{model="{MODEL}",outcome="ok",replica="b0"}}')
+    assert ok == 2
+
+
+async def test_approximate_requests_are_counted(fleet: Fleet) -> None:
+    """A model without a tokenizer is routed in approximate mode: each request counts in
+    ``kvrouter_approximate_requests_total``; exact-mode requests do not."""
+    name = "kvrouter_approximate_requests_total"
+    before = series(await fleet.metrics(), name).get(f'{{model="{APPROX}"}}', 0.0)
+    await fleet.client.chat.completions.create(
+        model=APPROX, messages=[{"role": "user", "content": "hello " * 300}]
+    )
+    await fleet.client.completions.create(model=APPROX, prompt="once upon a time " * 50)
+    await fleet.client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=1)
+    text = await fleet.metrics()
+    got = series(text, name)
+    assert got[f'{{model="{APPROX}"}}'] - before == 2, got
+    assert got.get(f'{{model="{MODEL}"}}', 0.0) == 0, got
+    assert value(text, "kvrouter_tokenizer_mode", f'{{mode="approximate",model="{APPROX}"}}') == 1
+    assert len(fleet.approx.received) == 2
