@@ -65,7 +65,9 @@ def build_session(
 ) -> tuple[dict[str, Any], dict[str, Any], int]:
     """(previous request, new request, new request's token count) for a session whose new turn
     has about ``tokens`` tokens and whose previous turn covers ``reuse`` of them."""
-    corpus = _corpus(int(tokens * 4.6))
+    # cutting the previous turn to length throws away the rest of its last file: the new
+    # turn needs text beyond the estimate (files are at most 40,000 characters)
+    corpus = _corpus(int(tokens * 4.6) + 80_000)
     tools = [
         {
             "type": "function",
