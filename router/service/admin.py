@@ -6,17 +6,156 @@
 * ``POST /admin/replicas/{name}/drain`` and ``.../undrain``: stop / resume routing new
   requests to a replica (all its DP ranks, or one with ``name#dpN``); in-flight requests finish.
 * ``GET /admin/decisions?limit=N``: the most recent routing decisions, newest first.
+
+Several worker processes (``server.workers = N > 1``, :func:`router.service.cli._serve_workers`)
+each have their own state. ``GET`` answers are the answering worker's (they carry its
+``worker_pid`` and the number of ``workers``); a drain / undrain is applied by the worker that
+received it and then by every other worker, through each worker's control socket
+``<dir>/worker-<pid>.sock`` in the directory the parent created (mode 0700) before forking
+(:class:`Workers`, :func:`join_workers`). The answer says how many workers applied it
+(``workers_applied``); a worker that could not be reached makes it a 502
+(``workers_unreachable``) naming the workers that failed.
+
+The control socket serves only the internal apply endpoints, never the public app, so there
+is no "already forwarded" header a client could forge on the public port. Its trust boundary
+is the file system (only the router's user can enter the directory, the socket is 0600); the
+admin token travels with the forwarded request and is checked again, so a control socket
+reached some other way (a loosened directory mode, root tools) still needs it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+import json
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
+import aiohttp
 from aiohttp import web
 
-from router.service.errors import error_response
+from router.service.errors import error_body, error_response
+
+PIDS_FILE = "workers"  # the parent's list of worker pids, one a line, in the control directory
+_PEER_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Workers:
+    """The worker processes of one ``kvrouter serve``: the control directory and how many."""
+
+    directory: str
+    count: int
+
+    def socket(self, pid: int) -> str:
+        return os.path.join(self.directory, f"worker-{pid}.sock")
+
+    def peers(self) -> tuple[list[int], int]:
+        """(pids of the other workers, how many others are not known by pid). The parent
+        writes the pid list once every worker is forked; before that (or if it could not)
+        the control sockets present name the peers and the rest are unknown."""
+        me = os.getpid()
+        try:
+            with open(os.path.join(self.directory, PIDS_FILE)) as f:
+                pids = [int(line) for line in f if line.strip()]
+        except (OSError, ValueError):
+            pids = []
+        if len(pids) != self.count:
+            pids = []
+            for entry in os.listdir(self.directory):
+                if entry.startswith("worker-") and entry.endswith(".sock"):
+                    try:
+                        pids.append(int(entry[7:-5]))
+                    except ValueError:
+                        continue
+            if me not in pids:
+                pids.append(me)
+        others = sorted(p for p in pids if p != me)
+        return others, max(self.count - 1 - len(others), 0)
+
+
+WORKERS = web.AppKey("kvrouter_workers", Workers)
+
+
+def _worker_info(app: web.Application) -> dict[str, int]:
+    group = app.get(WORKERS)
+    return {"worker_pid": os.getpid(), "workers": group.count if group is not None else 1}
+
+
+def join_workers(app: web.Application, group: Workers, state_key: web.AppKey[Any]) -> None:
+    """Make ``app`` (not started yet) one of ``group``: its drains reach every worker, and
+    while it runs it answers the other workers' forwarded drains on its control socket."""
+    app[WORKERS] = group
+
+    async def control(app: web.Application) -> AsyncIterator[None]:
+        internal = web.Application()
+        token = app[state_key].settings.server.admin_token
+
+        def apply(draining: bool) -> Any:
+            async def handler(request: web.Request) -> web.Response:
+                denied = _authorised(request, token)
+                if denied is not None:
+                    return denied
+                return _apply(app[state_key], request.match_info["name"], draining, app)
+
+            return handler
+
+        internal.router.add_post("/internal/replicas/{name}/drain", apply(True))
+        internal.router.add_post("/internal/replicas/{name}/undrain", apply(False))
+        runner = web.AppRunner(internal, access_log=None)
+        await runner.setup()
+        path = group.socket(os.getpid())
+        await web.UnixSite(runner, path).start()
+        os.chmod(path, 0o600)
+        try:
+            yield
+        finally:
+            await runner.cleanup()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    app.cleanup_ctx.append(control)
+
+
+def _apply(state: Any, name: str, draining: bool, app: web.Application) -> web.Response:
+    """Drain / undrain ``name`` in this worker's state (404 if it knows no such replica)."""
+    keys = state.registry.find(name)
+    if not keys:
+        return error_response(404, f"no replica named {name!r}", code="replica_not_found")
+    for key in keys:
+        state.set_draining(key, draining)
+    return web.json_response(
+        {
+            "replicas": [str(k) for k in keys],
+            "draining": draining,
+            **_worker_info(app),
+            "workers_applied": 1,
+        }
+    )
+
+
+async def _forward(group: Workers, pid: int, name: str, draining: bool, auth: str) -> str | None:
+    """Send the drain / undrain to worker ``pid``; None when it applied it, else why not."""
+    action = "drain" if draining else "undrain"
+    url = f"http://worker/internal/replicas/{quote(name, safe='')}/{action}"
+    try:
+        async with (
+            aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=group.socket(pid)),
+                timeout=aiohttp.ClientTimeout(total=_PEER_TIMEOUT_S),
+            ) as session,
+            session.post(url, headers={"Authorization": auth}) as resp,
+        ):
+            if resp.status == 200:
+                return None
+            text = (await resp.text())[:200]
+            return f"HTTP {resp.status}: {text}"
+    except (OSError, TimeoutError, aiohttp.ClientError) as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _authorised(request: web.Request, token: str | None) -> web.Response | None:
@@ -87,17 +226,47 @@ def add_routes(app: web.Application, state_key: web.AppKey[Any]) -> None:
                     "engine_prefix_cache_hit_ratio": _ratio(state.engine_prefix_cache.get(ep.key)),
                 }
             )
-        return web.json_response({"replicas": out})
+        return web.json_response({"replicas": out, **_worker_info(request.app)})
 
     def drain_handler(draining: bool) -> Any:
         async def handler(request: web.Request, state: Any) -> web.Response:
             name = request.match_info["name"]
-            keys = state.registry.find(name)
-            if not keys:
-                return error_response(404, f"no replica named {name!r}", code="replica_not_found")
-            for key in keys:
-                state.set_draining(key, draining)
-            return web.json_response({"replicas": [str(k) for k in keys], "draining": draining})
+            local = _apply(state, name, draining, request.app)
+            group = request.app.get(WORKERS)
+            if local.status != 200 or group is None or group.count <= 1:
+                return local
+            # every other worker; the admin token goes along (checked again there)
+            auth = f"Bearer {state.settings.server.admin_token}"
+            peers, unknown = group.peers()
+            reasons = await asyncio.gather(
+                *(_forward(group, pid, name, draining, auth) for pid in peers)
+            )
+            failed = [
+                {"pid": pid, "reason": why}
+                for pid, why in zip(peers, reasons, strict=True)
+                if why is not None
+            ]
+            failed += [{"pid": None, "reason": "not started or not known"}] * unknown
+            out: dict[str, Any] = {
+                "replicas": [str(k) for k in state.registry.find(name)],
+                "draining": draining,
+                "workers": group.count,
+                "workers_applied": group.count - len(failed),
+                "worker_pid": os.getpid(),
+            }
+            if not failed:
+                return web.json_response(out)
+            action = "drain" if draining else "undrain"
+            missed = "; ".join(
+                f"worker {f['pid'] if f['pid'] is not None else '?'} ({f['reason']})"
+                for f in failed
+            )
+            message = (
+                f"{action} of {name!r} applied on {out['workers_applied']} of {group.count} "
+                f"workers; not reached: {missed}. Retry it: draining is idempotent"
+            )
+            body = json.loads(error_body(502, message, code="workers_unreachable"))
+            return web.json_response({**body, **out, "workers_failed": failed}, status=502)
 
         return handler
 
@@ -106,7 +275,9 @@ def add_routes(app: web.Application, state_key: web.AppKey[Any]) -> None:
             limit = int(request.query.get("limit", "50"))
         except ValueError:
             return error_response(400, "limit must be an integer", param="limit")
-        return web.json_response({"decisions": state.recent_decisions(limit)})
+        return web.json_response(
+            {"decisions": state.recent_decisions(limit), **_worker_info(request.app)}
+        )
 
     app.router.add_get("/admin/replicas", guarded(replicas))
     app.router.add_post("/admin/replicas/{name}/drain", guarded(drain_handler(True)))

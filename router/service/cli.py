@@ -131,38 +131,59 @@ def _shutdown_timeout(app: Any) -> float:
 
 
 def _serve_workers(settings: Any, workers: int) -> int:
-    """Fork ``workers`` processes that each run the app on the same port (SO_REUSEPORT)."""
-    from router.service.app import create_app
+    """Fork ``workers`` processes that each run the app on the same port (SO_REUSEPORT).
 
-    children = []
-    for _ in range(workers):
-        pid = os.fork()
-        if pid == 0:  # child
-            try:
-                _run(
-                    create_app(settings),
-                    settings.server.host,
-                    settings.server.port,
-                    reuse_port=True,
-                )
-            finally:
-                os._exit(0)
-        children.append(pid)
+    Before forking, the parent creates a private control directory (mode 0700): each worker
+    listens on ``<dir>/worker-<pid>.sock`` for the drains / undrains other workers forward
+    (router.service.admin), and the parent writes the workers' pids to ``<dir>/workers``
+    once all are forked. The parent removes the directory when it exits."""
+    import shutil
     import signal
+    import tempfile
 
-    def forward(signum: int, _frame: Any) -> None:
+    from router.service import admin
+    from router.service.app import STATE, create_app
+
+    control = tempfile.mkdtemp(prefix="kvrouter-workers-")  # mode 0700
+    group = admin.Workers(control, workers)
+    logging.getLogger("kvrouter.service").info(
+        "%d workers on port %d; worker control sockets in %s",
+        workers,
+        settings.server.port,
+        control,
+    )
+    children: list[int] = []
+    try:
+        for _ in range(workers):
+            pid = os.fork()
+            if pid == 0:  # child
+                try:
+                    app = create_app(settings)
+                    admin.join_workers(app, group, STATE)
+                    _run(app, settings.server.host, settings.server.port, reuse_port=True)
+                finally:
+                    os._exit(0)
+            children.append(pid)
+        pids = os.path.join(control, admin.PIDS_FILE)
+        with open(pids + ".tmp", "w") as f:
+            f.write("".join(f"{pid}\n" for pid in children))
+        os.replace(pids + ".tmp", pids)
+
+        def forward(signum: int, _frame: Any) -> None:
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+
+        # the parent only supervises: SIGTERM / SIGINT stop every worker, then the parent
+        signal.signal(signal.SIGTERM, forward)
+        signal.signal(signal.SIGINT, forward)
+        status = 0
         for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-
-    # the parent only supervises: SIGTERM / SIGINT stop every worker, then the parent
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    status = 0
-    for pid in children:
-        _, code = os.waitpid(pid, 0)
-        status = status or (code >> 8)
-    return status
+            _, code = os.waitpid(pid, 0)
+            status = status or (code >> 8)
+        return status
+    finally:
+        shutil.rmtree(control, ignore_errors=True)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

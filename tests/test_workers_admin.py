@@ -1,0 +1,216 @@
+"""Admin drain / undrain with several worker processes (``server.workers = N``, SO_REUSEPORT).
+
+Each worker has its own state; a drain received by one worker must reach every worker, or the
+drained replica keeps getting the other workers' traffic. Real ``kvrouter serve`` processes
+on loopback, in-process test backends that count what they receive, and fresh connections
+for every request so the kernel spreads them over the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import stat
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.store.local_redis import free_port
+from tests.backends import Backend
+from tests.procs import KVROUTER, Fleet, Proc, _toml
+
+TOKEN = "workers-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Any:
+    with Fleet(tmp_path) as f:
+        yield f
+
+
+async def start_router(
+    fleet: Fleet,
+    backends: list[Backend],
+    *,
+    workers: int,
+    engine: str,
+    dp_ranks: dict[str, int] | None = None,
+) -> Proc:
+    """``kvrouter serve`` over ``backends`` (model ``m``, round robin, so each worker spreads
+    its requests over every replica it may route to)."""
+    port = free_port()
+    srv = {
+        "port": port,
+        "workers": workers,
+        "http_engine": engine,
+        "admin_token": TOKEN,
+        "log_level": "info",
+    }
+    lines = ["[server]"] + [f"{k} = {_toml(v)}" for k, v in srv.items()]
+    for b in backends:
+        lines += ["[[replicas]]", f"name = {_toml(b.name)}", f"url = {_toml(b.url)}"]
+        lines += ["model = 'm'", f"dp_ranks = {(dp_ranks or {}).get(b.name, 1)}"]
+    lines += ["[models.m]", "block_size = 16", "policy = 'round_robin'"]
+    cfg = fleet.workdir / "router.toml"
+    cfg.write_text("\n".join(lines) + "\n")
+    proc = fleet.spawn(
+        "router", [KVROUTER, "serve", "--config", str(cfg)], url=f"http://127.0.0.1:{port}"
+    )
+    # the backends run on this event loop: wait without blocking it
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        assert proc.alive(), proc.log()[-3000:]
+        assert asyncio.get_running_loop().time() < deadline, proc.log()[-3000:]
+        try:
+            status, _ = await call(proc, "GET", "/ready")
+            if status == 200:
+                break
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    if workers > 1:
+        await worker_pids(proc, workers)  # every worker listens
+    return proc
+
+
+async def call(proc: Proc, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """One request over a fresh connection (so SO_REUSEPORT picks a worker each time)."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with (
+        aiohttp.ClientSession(connector=connector) as http,
+        http.request(
+            method,
+            proc.url + path,
+            json=body,
+            headers=AUTH,
+            timeout=aiohttp.ClientTimeout(total=10),
+        ) as r,
+    ):
+        try:
+            data = await r.json(content_type=None)
+        except ValueError:
+            data = await r.text()
+        return r.status, data
+
+
+async def worker_pids(proc: Proc, workers: int, path: str = "/admin/replicas") -> dict[int, Any]:
+    """``path``'s answer per worker pid, asked over fresh connections until every worker
+    answered."""
+    seen: dict[int, Any] = {}
+    for _ in range(400):
+        status, data = await call(proc, "GET", path)
+        assert status == 200, data
+        assert data["workers"] == workers, data
+        seen.setdefault(data["worker_pid"], data)
+        if len(seen) == workers:
+            return seen
+    raise AssertionError(f"only workers {sorted(seen)} answered, expected {workers}")
+
+
+async def traffic(proc: Proc, n: int) -> None:
+    for i in range(n):
+        status, data = await call(
+            proc, "POST", "/v1/completions", {"model": "m", "prompt": f"req {i}", "max_tokens": 1}
+        )
+        assert status == 200, data
+
+
+@pytest.mark.parametrize("engine", ["fast", "aiohttp"])
+async def test_drain_and_undrain_reach_every_worker(fleet: Fleet, engine: str) -> None:
+    b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
+    try:
+        proc = await start_router(fleet, [b0, b1], workers=2, engine=engine)
+        status, out = await call(proc, "POST", "/admin/replicas/b1/drain")
+        assert status == 200, out
+        b0.received.clear()
+        b1.received.clear()
+        await traffic(proc, 60)
+        assert len(b1.received) == 0  # no worker routed to the drained replica
+        assert len(b0.received) == 60
+        assert out["replicas"] == ["b1"] and out["draining"] is True
+        assert out["workers"] == 2 and out["workers_applied"] == 2, out
+        # both workers routed some of those requests (else the test proves nothing)
+        decisions = await worker_pids(proc, 2, "/admin/decisions?limit=100")
+        assert all(d["decisions"] for d in decisions.values()), decisions
+        replicas = await worker_pids(proc, 2)
+        for answer in replicas.values():
+            assert {r["name"]: r["draining"] for r in answer["replicas"]} == {
+                "b0": False,
+                "b1": True,
+            }
+        status, out = await call(proc, "POST", "/admin/replicas/b1/undrain")
+        assert status == 200, out
+        assert out["draining"] is False and out["workers_applied"] == 2, out
+        await traffic(proc, 40)
+        assert len(b1.received) >= 10  # round robin on each worker: about half
+        assert proc.pid not in replicas  # the parent only supervises
+    finally:
+        await b0.stop()
+        await b1.stop()
+
+
+@pytest.mark.parametrize(("engine", "workers"), [("fast", 1), ("aiohttp", 1), ("fast", 2)])
+async def test_drain_one_dp_rank_with_percent_encoded_hash(
+    fleet: Fleet, engine: str, workers: int
+) -> None:
+    """``b1#dp1`` is sent as ``b1%23dp1`` (a literal ``#`` would start the URL's fragment):
+    the router decodes it, and with several workers forwards it still encoded."""
+    b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
+    try:
+        proc = await start_router(
+            fleet, [b0, b1], workers=workers, engine=engine, dp_ranks={"b1": 2}
+        )
+        status, out = await call(proc, "POST", "/admin/replicas/b1%23dp1/drain")
+        assert status == 200, out
+        assert out["replicas"] == ["b1#dp1"] and out["workers_applied"] == workers, out
+        await traffic(proc, 45)
+        ranks = [r["headers"].get("x-data-parallel-rank") for r in b1.received]
+        assert ranks and set(ranks) == {"0"}, ranks  # rank 1 drained on every worker
+        assert len(b0.received) > 0
+        if workers == 1:
+            status, data = await call(proc, "GET", "/admin/replicas")
+            assert data["worker_pid"] == proc.pid and data["workers"] == 1
+        status, out = await call(proc, "POST", "/admin/replicas/b1%23dp1/undrain")
+        assert status == 200 and out["replicas"] == ["b1#dp1"], out
+        b1.received.clear()
+        await traffic(proc, 45)
+        assert {r["headers"].get("x-data-parallel-rank") for r in b1.received} == {"0", "1"}
+    finally:
+        await b0.stop()
+        await b1.stop()
+
+
+async def test_drain_that_misses_a_worker_is_an_error_naming_it(fleet: Fleet) -> None:
+    b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
+    try:
+        proc = await start_router(fleet, [b0, b1], workers=2, engine="fast")
+        found = re.search(r"worker control sockets in (\S+)", proc.log())
+        assert found, proc.log()[-2000:]
+        control = Path(found.group(1))
+        assert stat.S_IMODE(control.stat().st_mode) == 0o700
+        pids = sorted(await worker_pids(proc, 2))
+        assert sorted(int(p.stem.split("-")[1]) for p in control.glob("worker-*.sock")) == pids
+        dead, alive = pids
+        os.kill(dead, signal.SIGKILL)  # a worker of the router this test started
+        await asyncio.sleep(0.3)
+        status, out = await call(proc, "POST", "/admin/replicas/b1/drain")
+        assert status == 502, out
+        err = out["error"]
+        assert err["code"] == "workers_unreachable" and err["type"] == "upstream_error"
+        assert str(dead) in err["message"] and "1 of 2" in err["message"], err
+        assert out["workers_applied"] == 1 and out["worker_pid"] == alive
+        assert [w["pid"] for w in out["workers_failed"]] == [dead]
+        # applied where it could be: the surviving worker no longer routes to b1
+        b1.received.clear()
+        await traffic(proc, 10)
+        assert b1.received == []
+        proc.stop()
+        assert not control.exists()  # the parent removed the control directory
+    finally:
+        await b0.stop()
+        await b1.stop()
