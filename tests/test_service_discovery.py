@@ -84,7 +84,7 @@ async def test_router_routes_to_registered_replicas_and_drops_them(
 
         # deregistration (a publisher's clean stop) removes the replica at once
         await publisher_side.deregister("b")
-        await eventually(lambda: state.registry.keys_for("m") == [ReplicaKey("a")])
+        await eventually(lambda: state.registry.keys_for("m") == (ReplicaKey("a"),))
         for i in range(4):
             await client.completions.create(model="m", prompt=[i + 50] * 10, max_tokens=1)
         assert {d["replica"] for d in state.recent_decisions(4)} == {"a"}

@@ -15,6 +15,7 @@ _BENCHES: tuple[str, ...] = (
     "router.bench.grpc_bench",
     "router.bench.reliability_bench",
     "router.bench.admit_bench",
+    "router.bench.route_bench",
 )
 
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from itertools import compress, filterfalse, repeat
 from operator import eq, ne
 
+import numpy as np
+
 from router.core.types import (
     NO_MATCH,
     AllCleared,
@@ -119,6 +121,8 @@ class PrefixIndex:
         self._state_count: list[int] = []
         self._state_slots = 0
         self._last_seq: dict[ReplicaKey, int] = {}
+        self._slot_generation = 0  # bumped whenever a key gets or loses a slot
+        self._slots_cache: tuple[Sequence[ReplicaKey], int, np.ndarray] | None = None
 
     # ------------------------------------------------------------------ replicas
 
@@ -135,6 +139,7 @@ class PrefixIndex:
                 self._state_count.append(0)
             self._slot_of[key] = slot
             self._live |= 1 << slot
+            self._slot_generation += 1
         return slot
 
     def add_replica(self, key: ReplicaKey) -> None:
@@ -145,6 +150,7 @@ class PrefixIndex:
         slot = self._slot_of.pop(key, None)
         if slot is None:
             return
+        self._slot_generation += 1
         bit = 1 << slot
         self._live &= ~bit
         self._dead |= bit
@@ -408,6 +414,18 @@ class PrefixIndex:
             return (0, 0)
         return (self._kv_count[slot], self._state_count[slot])
 
+    def slots(self, keys: Sequence[ReplicaKey]) -> np.ndarray:
+        """The slot of each of ``keys`` (-1 for keys the index does not know), for
+        :meth:`PrefixMatches.columns`. Cached for the last ``keys`` object while no slot
+        changes: callers pass the same (immutable) sequence request after request."""
+        cached = self._slots_cache
+        if cached is not None and cached[0] is keys and cached[1] == self._slot_generation:
+            return cached[2]
+        get = self._slot_of.get
+        slots = np.fromiter((get(k, -1) for k in keys), dtype=np.intp, count=len(keys))
+        self._slots_cache = (keys, self._slot_generation, slots)
+        return slots
+
     # ------------------------------------------------------------------ queries
 
     def _holders(self, tables: list[dict[int, int]]) -> Callable[[int], int]:
@@ -540,6 +558,44 @@ class PrefixMatches:
 
     def as_dict(self) -> dict[ReplicaKey, PrefixMatch]:
         return dict(self.items())
+
+    def columns(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``get`` for many replicas at once, as arrays: (kv, gpu, host, usable) blocks of the
+        replica in each of ``slots`` (PrefixIndex.slots; -1 and unmatched slots give 0s).
+        A few array operations per match-length group, whatever the number of replicas."""
+        kv = _lengths_at(self._kv, slots)
+        gpu = kv if self._gpu is None else np.minimum(_lengths_at(self._gpu, slots), kv)
+        host = (
+            kv
+            if self._host is None
+            else np.maximum(gpu, np.minimum(_lengths_at(self._host, slots), kv))
+        )
+        usable = kv if self._usable is None else _lengths_at(self._usable, slots)
+        return kv, gpu, host, usable
+
+
+def _lengths_at(groups: list[tuple[int, int]], slots: np.ndarray) -> np.ndarray:
+    """Per element of ``slots``: the length of the group whose mask holds that slot, else 0
+    (groups are disjoint: each replica has one match length)."""
+    out = np.zeros(len(slots), dtype=np.int64)
+    if not groups or not len(slots):
+        return out
+    top = int(slots.max())
+    if top < 0:
+        return out
+    nbytes = top // 8 + 1
+    safe = np.maximum(slots, 0)
+    known = slots >= 0
+    for length, mask in groups:
+        if mask & (mask - 1) == 0:  # one replica (a session's own chain): one comparison
+            out[slots == mask.bit_length() - 1] = length
+            continue
+        mask &= (1 << (nbytes * 8)) - 1  # slots above the ones asked for do not matter
+        bits = np.unpackbits(
+            np.frombuffer(mask.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little"
+        )
+        out[bits[safe].astype(bool) & known] = length
+    return out
 
 
 def _length_of(groups: list[tuple[int, int]], bit: int) -> int:

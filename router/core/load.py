@@ -8,10 +8,14 @@ calls with ``now``; nothing here reads a clock.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from router.core.types import ReplicaKey
+from router.core.xp import SCALAR, Ops
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,17 +36,21 @@ class CostModel:
     decode_s_per_ctx_token: float = 2.0e-9
     chunk_tokens: int = 8192
 
-    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        """Compute time of prefilling ``new_tokens`` after ``cached_tokens`` of context."""
-        if new_tokens <= 0:
-            return 0.0
-        attended = new_tokens * (cached_tokens + new_tokens / 2)
-        return new_tokens * self.prefill_s_per_token + attended * self.prefill_s_per_token_ctx
+    # Each formula is written once and evaluated on numbers or on numpy arrays (one value per
+    # replica, for large fleets): ``xp`` supplies the few operations that differ
+    # (router/core/xp.py). Same operations in the same order, so both give the same floats.
 
-    def steps_for(self, prefill_tokens: int) -> int:
-        return max(1, -(-prefill_tokens // self.chunk_tokens))
+    def prefill_s(self, new_tokens: Any, cached_tokens: Any = 0, xp: Ops = SCALAR) -> Any:
+        """Compute time of prefilling ``new_tokens`` after ``cached_tokens`` of context (0 for
+        ``new_tokens <= 0``)."""
+        new = xp.maximum(new_tokens, 0)
+        attended = new * (cached_tokens + new / 2)
+        return new * self.prefill_s_per_token + attended * self.prefill_s_per_token_ctx
 
-    def decode_step_s(self, sequences: int, context_tokens: int) -> float:
+    def steps_for(self, prefill_tokens: Any, xp: Ops = SCALAR) -> Any:
+        return xp.maximum(1, -(-prefill_tokens // self.chunk_tokens))
+
+    def decode_step_s(self, sequences: Any, context_tokens: Any) -> Any:
         """Time the decode part of one step adds for ``sequences`` decoding sequences."""
         return sequences * self.decode_s_per_seq + context_tokens * self.decode_s_per_ctx_token
 
@@ -106,14 +114,54 @@ class _Replica:
     engine: EngineReport | None = None
     healthy: bool = True
     draining: bool = False
+    row: int = -1  # column of the mirror table (LoadColumns), -1: not mirrored
+
+
+# Rows of the mirror table (LoadTracker.columns): one column per mirrored replica.
+QUEUED, PREFILLING, DECODING, CONTEXT, PROMPT, WAITING, KV_USAGE, ENGINE_AT, HEALTHY, DRAINING = (
+    range(10)
+)
+_ROWS = 10
+
+
+class LoadColumns(NamedTuple):
+    """The load of several replicas as arrays (one element per replica, in the order asked
+    for): what ``LoadView`` holds, for scoring a large fleet with array operations.
+
+    ``engine_at`` is ``-inf`` where there is no engine report (then ``waiting`` and
+    ``kv_usage`` are 0); ``healthy`` and ``draining`` are 0/1."""
+
+    queued_prefill_tokens: np.ndarray
+    prefilling: np.ndarray
+    decoding: np.ndarray
+    decode_context_tokens: np.ndarray
+    in_flight_prompt_tokens: np.ndarray
+    waiting: np.ndarray
+    kv_usage: np.ndarray
+    engine_at: np.ndarray
+    healthy: np.ndarray
+    draining: np.ndarray
+
+    @property
+    def in_flight(self) -> np.ndarray:
+        total: np.ndarray = self.prefilling + self.decoding
+        return total
 
 
 class LoadTracker:
-    """In-flight accounting per replica. Unknown request ids are ignored (idempotent)."""
+    """In-flight accounting per replica. Unknown request ids are ignored (idempotent).
+
+    Replicas named by :meth:`columns` are also mirrored into a table of numbers (one column
+    each), kept current on every change, so a large fleet's load can be read as arrays in a
+    few operations instead of one ``view`` per replica."""
 
     def __init__(self) -> None:
         self._replicas: dict[ReplicaKey, _Replica] = {}
         self._flights: dict[str, _Flight] = {}
+        self._table = np.zeros((_ROWS, 0))
+        self._free_rows: list[int] = []
+        self._rows_cache: tuple[Sequence[ReplicaKey], int, np.ndarray] | None = None
+        self._row_generation = 0  # bumped when a mirrored replica leaves (rows are reused)
 
     def _get(self, key: ReplicaKey) -> _Replica:
         rep = self._replicas.get(key)
@@ -125,7 +173,11 @@ class LoadTracker:
         self._get(key)
 
     def remove_replica(self, key: ReplicaKey) -> None:
-        self._replicas.pop(key, None)
+        rep = self._replicas.pop(key, None)
+        if rep is not None and rep.row >= 0:
+            self._table[:, rep.row] = 0.0
+            self._free_rows.append(rep.row)
+            self._row_generation += 1
         for rid in [r for r, f in self._flights.items() if f.replica == key]:
             del self._flights[rid]
 
@@ -141,6 +193,8 @@ class LoadTracker:
         rep.prefilling += 1
         rep.queued_prefill_tokens += prefill
         rep.in_flight_prompt_tokens += prompt_tokens
+        if rep.row >= 0:
+            self._mirror(rep)
 
     def first_token(self, request_id: str) -> None:
         """Prefill done: the request's tokens leave the prefill queue and it starts decoding."""
@@ -155,6 +209,8 @@ class LoadTracker:
         rep.queued_prefill_tokens -= flight.prefill_tokens
         rep.decoding += 1
         rep.decode_context_tokens += flight.prompt_tokens
+        if rep.row >= 0:
+            self._mirror(rep)
 
     def complete(self, request_id: str) -> None:
         """The request finished, failed or was cancelled."""
@@ -171,19 +227,77 @@ class LoadTracker:
         else:
             rep.prefilling -= 1
             rep.queued_prefill_tokens -= flight.prefill_tokens
+        if rep.row >= 0:
+            self._mirror(rep)
 
     def replica_of(self, request_id: str) -> ReplicaKey | None:
         flight = self._flights.get(request_id)
         return flight.replica if flight is not None else None
 
     def engine_report(self, key: ReplicaKey, report: EngineReport) -> None:
-        self._get(key).engine = report
+        rep = self._get(key)
+        rep.engine = report
+        if rep.row >= 0:
+            self._mirror(rep)
 
     def set_health(self, key: ReplicaKey, healthy: bool) -> None:
-        self._get(key).healthy = healthy
+        rep = self._get(key)
+        rep.healthy = healthy
+        if rep.row >= 0:
+            self._mirror(rep)
 
     def set_draining(self, key: ReplicaKey, draining: bool) -> None:
-        self._get(key).draining = draining
+        rep = self._get(key)
+        rep.draining = draining
+        if rep.row >= 0:
+            self._mirror(rep)
+
+    # ------------------------------------------------------------------ columns
+
+    def _mirror(self, rep: _Replica) -> None:
+        engine = rep.engine
+        self._table[:, rep.row] = (
+            rep.queued_prefill_tokens,
+            rep.prefilling,
+            rep.decoding,
+            rep.decode_context_tokens,
+            rep.in_flight_prompt_tokens,
+            engine.waiting if engine is not None else 0,
+            engine.kv_usage if engine is not None else 0.0,
+            engine.at if engine is not None else -_NEVER,
+            rep.healthy,
+            rep.draining,
+        )
+
+    def _rows(self, keys: Sequence[ReplicaKey]) -> np.ndarray:
+        """Mirror-table columns of ``keys`` (mirroring replicas not mirrored yet). Cached for
+        the last ``keys`` object while no mirrored replica left: callers pass the same
+        (immutable) sequence request after request."""
+        cached = self._rows_cache
+        if cached is not None and cached[0] is keys and cached[1] == self._row_generation:
+            return cached[2]
+        rows = np.empty(len(keys), dtype=np.intp)
+        for i, key in enumerate(keys):
+            rep = self._get(key)
+            if rep.row < 0:
+                if not self._free_rows:
+                    used = self._table.shape[1]
+                    grown = np.zeros((_ROWS, max(64, 2 * used)))
+                    grown[:, :used] = self._table
+                    self._table = grown
+                    self._free_rows.extend(range(grown.shape[1] - 1, used - 1, -1))
+                rep.row = self._free_rows.pop()
+                self._mirror(rep)
+            rows[i] = rep.row
+        self._rows_cache = (keys, self._row_generation, rows)
+        return rows
+
+    def columns(self, keys: Sequence[ReplicaKey]) -> LoadColumns:
+        """The load of ``keys`` as arrays, in order (see :class:`LoadColumns`); the same
+        numbers ``view`` gives each of them. Pass the same immutable sequence each time for a
+        cached lookup of where they are mirrored."""
+        rows = self._rows(keys)  # first: it may grow (replace) the table
+        return LoadColumns(*self._table[:, rows])
 
     def view(self, key: ReplicaKey, now: float) -> LoadView:
         rep = self._replicas.get(key)

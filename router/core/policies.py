@@ -16,8 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple, Protocol
 
-from router.core.load import CostModel, LoadView
-from router.core.types import Decision, PrefixMatch, ReplicaKey, RouteRequest
+import numpy as np
+
+from router.core.load import CostModel, LoadColumns, LoadView
+from router.core.types import MAX_RANKING, Decision, PrefixMatch, ReplicaKey, RouteRequest
+from router.core.xp import ARRAY, SCALAR, Ops
 
 
 class Candidate(NamedTuple):
@@ -30,11 +33,37 @@ class Candidate(NamedTuple):
     cached_blocks: int = 0  # size of the replica's cache in the index (SGLang's "tree size")
 
 
+class CandidateColumns(NamedTuple):
+    """Many candidates at once, as arrays (one element per replica of ``keys``, in order): for
+    policies that score a large fleet with array operations (``ColumnarPolicy``) instead of
+    one ``Candidate`` per replica. ``eligible`` marks the ones that may be picked (healthy,
+    not draining, not busy while others are not); the blocks arrays are their
+    ``PrefixMatch`` fields; ``cached_blocks`` gives a replica's cache size (tie-breaks)."""
+
+    keys: Sequence[ReplicaKey]
+    eligible: np.ndarray
+    kv_blocks: np.ndarray
+    gpu_blocks: np.ndarray
+    host_blocks: np.ndarray
+    usable_blocks: np.ndarray
+    load: LoadColumns
+    cached_blocks: Callable[[ReplicaKey], int]
+
+
 class Policy(Protocol):
     name: str
 
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
+    ) -> Decision: ...
+
+
+class ColumnarPolicy(Policy, Protocol):
+    """A policy that can also choose among :class:`CandidateColumns`, with the same result as
+    ``choose`` on the same candidates (ranking cut to ``MAX_RANKING``)."""
+
+    def choose_columns(
+        self, request: RouteRequest, columns: CandidateColumns, now: float, rng: random.Random
     ) -> Decision: ...
 
 
@@ -310,38 +339,64 @@ class Ours:
     foreign_waiting_tokens: int = 4096
     report_max_age_s: float = 1.0
 
-    def term_values(self, request: RouteRequest, c: Candidate) -> tuple[float, float, float, float]:
-        """(prefill, queue, decode, kv) seconds for one candidate; see the class docstring.
-
-        Flat (tuple, no dicts): it runs once per candidate per request.
-        """
-        m = c.match
-        usable = m.usable_blocks if m.usable_blocks < m.kv_blocks else m.kv_blocks
-        gpu = usable if usable < m.gpu_blocks else m.gpu_blocks
-        host_end = usable if usable < m.host_blocks else m.host_blocks
+    def _terms(
+        self,
+        xp: Ops,
+        request: RouteRequest,
+        kv_blocks: Any,
+        gpu_blocks: Any,
+        host_blocks: Any,
+        usable_blocks: Any,
+        queued: Any,
+        prefilling: Any,
+        decoding: Any,
+        decode_context: Any,
+        waiting: Any,
+        fresh: Any,
+        kv_usage: Any,
+    ) -> tuple[Any, Any, Any, Any]:
+        """(prefill, queue, decode, kv) seconds (see the class docstring), for one candidate
+        (numbers, ``xp=SCALAR``) or for many (arrays, ``xp=ARRAY``): one formula for both.
+        ``waiting`` / ``kv_usage`` are the engine's report (0 without one); ``fresh``: it
+        is younger than ``report_max_age_s``."""
+        minimum, maximum = xp.minimum, xp.maximum
+        usable = minimum(usable_blocks, kv_blocks)
+        gpu = minimum(usable, gpu_blocks)
+        host_end = minimum(usable, host_blocks)
         host = host_end - gpu
         cached_blocks = gpu + self.host_hit_value * host + self.disk_hit_value * (usable - host_end)
         prompt = request.prompt_tokens
-        cached = min(int(cached_blocks * request.block_size), max(prompt - 1, 0))
+        cached = minimum(xp.trunc(cached_blocks * request.block_size), max(prompt - 1, 0))
         new = prompt - cached
-        load = c.load
-        queued = load.queued_prefill_tokens
-        engine = load.engine
-        if engine is not None and load.engine_age_s <= self.report_max_age_s:
-            extra = engine.waiting - load.prefilling
-            if extra > 0:
-                queued += extra * self.foreign_waiting_tokens
+        extra = waiting - prefilling  # requests the engine has beyond ours: other routers'
+        queued = queued + maximum(extra, 0) * self.foreign_waiting_tokens * fresh
         cost = self.cost  # the engine model's own formulas, so sim and policy agree
-        prefill = cost.prefill_s(new, cached)
-        queue = cost.prefill_s(queued, 0)
-        decode = cost.steps_for(queued + new) * cost.decode_step_s(
-            load.decoding, load.decode_context_tokens
-        )
-        kv = 0.0
-        excess = (engine.kv_usage if engine is not None else 0.0) - self.kv_pressure_threshold
-        if excess > 0:
-            kv = self.kv_pressure_s * excess / max(1.0 - self.kv_pressure_threshold, 1e-6)
+        prefill = cost.prefill_s(new, cached, xp)
+        queue = cost.prefill_s(queued, 0, xp)
+        decode = cost.steps_for(queued + new, xp) * cost.decode_step_s(decoding, decode_context)
+        excess = maximum(kv_usage - self.kv_pressure_threshold, 0)
+        kv = self.kv_pressure_s * excess / max(1.0 - self.kv_pressure_threshold, 1e-6)
         return prefill, queue, decode, kv
+
+    def term_values(self, request: RouteRequest, c: Candidate) -> tuple[float, float, float, float]:
+        """(prefill, queue, decode, kv) seconds for one candidate; see the class docstring."""
+        _, m, load, _ = c
+        engine = load.engine
+        return self._terms(
+            SCALAR,
+            request,
+            m.kv_blocks,
+            m.gpu_blocks,
+            m.host_blocks,
+            m.usable_blocks,
+            load.queued_prefill_tokens,
+            load.prefilling,
+            load.decoding,
+            load.decode_context_tokens,
+            engine.waiting if engine is not None else 0,
+            engine is not None and load.engine_age_s <= self.report_max_age_s,
+            engine.kv_usage if engine is not None else 0.0,
+        )
 
     def terms(self, request: RouteRequest, c: Candidate) -> dict[str, float]:
         return dict(zip(TERM_NAMES, self.term_values(request, c), strict=True))
@@ -350,23 +405,79 @@ class Ours:
         self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
     ) -> Decision:
         wp, wq, wd, wk = self.w_prefill, self.w_queue, self.w_decode, self.w_kv
-        values = [self.term_values(request, c) for c in candidates]
+        term_values = self.term_values
+        values = [term_values(request, c) for c in candidates]
         scores = [wp * p + wq * q + wd * d + wk * k for p, q, d, k in values]
-        order = sorted(range(len(candidates)), key=scores.__getitem__)
-        best = scores[order[0]]
-        ties = [i for i in order if scores[i] == best]
-        if len(ties) > 1:
-            # Exact ties (typically idle replicas without a match): the one with the smallest
-            # cache takes the new prefix, so it evicts least; the rng breaks remaining ties.
-            fewest = min(candidates[i].cached_blocks for i in ties)
-            ties = [i for i in ties if candidates[i].cached_blocks == fewest]
-            pick = ties[rng.randrange(len(ties))] if len(ties) > 1 else ties[0]
-            order.remove(pick)
-            order.insert(0, pick)
-        ranked = [candidates[i] for i in order]
-        winner = values[order[0]]
-        return _decide(
-            self.name, request, ranked, scores[order[0]], dict(zip(TERM_NAMES, winner, strict=True))
+        if len(scores) == 1:
+            pick, rest = 0, []
+        else:
+            order = sorted(range(len(scores)), key=scores.__getitem__)
+            pick = order[0]
+            best = scores[pick]
+            if scores[order[1]] == best:
+                # Exact ties (typically idle replicas without a match): the one with the
+                # smallest cache takes the new prefix, so it evicts least; the rng breaks
+                # remaining ties.
+                ties = [i for i in order if scores[i] == best]
+                fewest = min(candidates[i].cached_blocks for i in ties)
+                ties = [i for i in ties if candidates[i].cached_blocks == fewest]
+                pick = ties[rng.randrange(len(ties))] if len(ties) > 1 else ties[0]
+            rest = [i for i in order if i != pick]
+        winner = candidates[pick]
+        return Decision(
+            winner.replica,
+            self.name,
+            _tokens(request, winner.match.usable_blocks),
+            _tokens(request, winner.match.kv_blocks),
+            scores[pick],
+            dict(zip(TERM_NAMES, values[pick], strict=True)),
+            tuple([candidates[i].replica for i in rest]),
+        )
+
+    def choose_columns(
+        self, request: RouteRequest, columns: CandidateColumns, now: float, rng: random.Random
+    ) -> Decision:
+        """``choose`` on all eligible candidates of ``columns`` at once (same decision)."""
+        load = columns.load
+        values = self._terms(
+            ARRAY,
+            request,
+            columns.kv_blocks,
+            columns.gpu_blocks,
+            columns.host_blocks,
+            columns.usable_blocks,
+            load.queued_prefill_tokens,
+            load.prefilling,
+            load.decoding,
+            load.decode_context_tokens,
+            load.waiting,
+            now - load.engine_at <= self.report_max_age_s,
+            load.kv_usage,
+        )
+        p, q, d, k = values
+        scores = self.w_prefill * p + self.w_queue * q + self.w_decode * d + self.w_kv * k
+        scores = np.where(columns.eligible, scores, np.inf)
+        best = scores.min()
+        ties = np.flatnonzero(scores == best)
+        pick = int(ties[0])
+        if len(ties) > 1:  # the same tie-break as ``choose``, in the same order
+            keys = columns.keys
+            tied = ties.tolist()
+            sizes = [columns.cached_blocks(keys[i]) for i in tied]
+            fewest = min(sizes)
+            kept = [i for i, size in zip(tied, sizes, strict=True) if size == fewest]
+            pick = kept[rng.randrange(len(kept))] if len(kept) > 1 else kept[0]
+        eligible = int(np.count_nonzero(columns.eligible))
+        head = np.argsort(scores, kind="stable")[: min(eligible, MAX_RANKING + 1)]
+        ranking = tuple(columns.keys[i] for i in head.tolist() if i != pick)[:MAX_RANKING]
+        return Decision(
+            replica=columns.keys[pick],
+            policy=self.name,
+            usable_tokens=_tokens(request, int(columns.usable_blocks[pick])),
+            kv_tokens=_tokens(request, int(columns.kv_blocks[pick])),
+            score=float(scores[pick]),
+            terms={name: float(v[pick]) for name, v in zip(TERM_NAMES, values, strict=True)},
+            ranking=ranking,
         )
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NamedTuple
 
 
@@ -147,14 +148,14 @@ class RouteRequest(NamedTuple):
         return -(-self.prompt_tokens // self.block_size)
 
 
-@dataclass(slots=True, frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """A routing decision with everything needed to explain it.
 
     ``terms`` maps each score component to its value (for ``ours``: seconds of predicted
     TTFT per component); ``score`` is the policy's figure of merit for the winner (its
     direction is the policy's own; only ``ours`` and ``dynamo`` are "lower is better").
-    ``ranking`` lists the other candidates best-first, for retries on the next-best replica.
+    ``ranking`` lists other candidates best-first, for retries on the next-best replica (at
+    most ``MAX_RANKING`` of them for large fleets). A NamedTuple: built once per request.
     """
 
     replica: ReplicaKey
@@ -162,5 +163,8 @@ class Decision:
     usable_tokens: int
     kv_tokens: int
     score: float
-    terms: Mapping[str, float] = field(default_factory=dict)
+    terms: Mapping[str, float] = MappingProxyType({})
     ranking: tuple[ReplicaKey, ...] = ()
+
+
+MAX_RANKING = 32

@@ -30,7 +30,9 @@ class ReplicaRegistry:
     def __init__(self, replicas: Iterable[ReplicaSettings] = ()) -> None:
         self._by_name: dict[str, ReplicaSettings] = {}
         self._endpoints: dict[ReplicaKey, Endpoint] = {}
-        self._by_model: dict[str, list[ReplicaKey]] = {}
+        # per model, a tuple rebuilt on every change: routing caches where each key sits in
+        # the index and load table for as long as it sees the same tuple (RoutingEngine)
+        self._by_model: dict[str, tuple[ReplicaKey, ...]] = {}
         for r in replicas:
             self.upsert(r)
 
@@ -48,7 +50,7 @@ class ReplicaRegistry:
                 replica.rack,
                 replica.region,
             )
-            self._by_model.setdefault(replica.model, []).append(key)
+            self._by_model[replica.model] = (*self._by_model.get(replica.model, ()), key)
 
     def remove(self, name: str) -> list[ReplicaKey]:
         """Forget a replica; returns its keys (so the caller can drop index and load state)."""
@@ -58,7 +60,9 @@ class ReplicaRegistry:
         keys = [k for k in self._endpoints if k.replica == name]
         for k in keys:
             del self._endpoints[k]
-        self._by_model[old.model] = [k for k in self._by_model.get(old.model, []) if k not in keys]
+        self._by_model[old.model] = tuple(
+            k for k in self._by_model.get(old.model, ()) if k not in keys
+        )
         if not self._by_model[old.model]:
             del self._by_model[old.model]
         return keys
@@ -66,8 +70,9 @@ class ReplicaRegistry:
     def models(self) -> list[str]:
         return sorted(self._by_model)
 
-    def keys_for(self, model: str) -> list[ReplicaKey]:
-        return self._by_model.get(model, [])
+    def keys_for(self, model: str) -> tuple[ReplicaKey, ...]:
+        """The model's keys; the same tuple object until the model's replicas change."""
+        return self._by_model.get(model, ())
 
     def keys_of(self, name: str) -> list[ReplicaKey]:
         """The keys (DP ranks) of replica ``name``; empty if it is unknown."""

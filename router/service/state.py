@@ -14,9 +14,9 @@ import random
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from router.core.errors import BadRequest, ConfigError, UnknownModel
@@ -44,9 +44,8 @@ APPROXIMATE_SPECULATIVE_TTL_S = 600.0
 BODY_MEMO_MAX_BYTES = 128 * 1024
 
 
-@dataclass(slots=True, frozen=True)
-class Routed:
-    """A routing decision with the request it was made for."""
+class Routed(NamedTuple):
+    """A routing decision with the request it was made for (a NamedTuple: one per request)."""
 
     request: RouteRequest
     decision: Decision
@@ -308,7 +307,7 @@ class RouterState:
         keys = self.registry.keys_for(model) if replicas is None else replicas
         candidates = engine.candidates(request, keys, now)
         t1 = time.perf_counter()
-        decision = engine.policy.choose(request, candidates, now, self.rng)
+        decision = engine.choose(request, candidates, now, self.rng)
         t2 = time.perf_counter()
         engine.dispatched(request, decision, now)
         routed = Routed(request, decision, prompt, t1 - t0, t2 - t1)

@@ -1,0 +1,133 @@
+"""``kvrouter bench route``: the routing step's cost per request as the fleet grows.
+
+One model served by N replicas (a region of NVL72 racks has ~900), in the pure core:
+every replica holds a shared 16-block system prompt, most also hold a few agent sessions
+(200-2,000-block chains), the load model has requests in flight (some already decoding) and
+a third of the replicas have a fresh engine report. Each measured request is a session
+continuation or a new session; a request is ``candidates`` + ``choose`` + ``dispatched``
+(speculative entries) and its completion, as the service runs it.
+
+Both shapes of the candidates are timed on the same fleet and requests: ``per_candidate_us``
+(one ``Candidate`` per replica) and ``arrays_us`` (``CandidateColumns``, numpy), with the
+one the router picks by default for that size (``COLUMNAR_MIN``), and a check that both
+decided alike on every measured request. Figures: median over ``--rounds`` rounds of
+microseconds per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+from router.bench.measure import emit
+from router.core.index import PrefixIndex
+from router.core.load import EngineReport, LoadTracker
+from router.core.policies import Ours
+from router.core.routing import COLUMNAR_MIN, RoutingEngine, RoutingSettings
+from router.core.types import Decision, ReplicaKey, RouteRequest
+
+BLOCK = 64
+
+
+def _fleet(
+    n: int, seed: int
+) -> tuple[PrefixIndex, LoadTracker, tuple[ReplicaKey, ...], list[list[int]]]:
+    rng = random.Random(seed)
+    index, load = PrefixIndex(), LoadTracker()
+    keys = tuple(ReplicaKey(f"r{i:04d}") for i in range(n))
+    system = [rng.getrandbits(63) for _ in range(16)]
+    sessions: list[list[int]] = []
+    for key in keys:
+        index.add_replica(key)
+        load.add_replica(key)
+        index.store(key, system)
+        for _ in range(rng.randrange(0, 4)):
+            chain = system + [rng.getrandbits(63) for _ in range(rng.randrange(200, 2000))]
+            index.store(key, chain)
+            sessions.append(chain)
+    for i in range(3 * n):
+        key = rng.choice(keys)
+        prompt = rng.randrange(1000, 60000)
+        load.dispatch(f"bg{i}", key, prompt, rng.randrange(0, prompt))
+        if rng.random() < 0.6:
+            load.first_token(f"bg{i}")
+    for key in keys[::3]:
+        load.engine_report(key, EngineReport(rng.randrange(0, 16), rng.randrange(0, 8), 0.5, 0.0))
+    return index, load, keys, sessions
+
+
+def _requests(sessions: list[list[int]], count: int, seed: int) -> list[RouteRequest]:
+    rng = random.Random(seed + 1)
+    out = []
+    for i in range(count):
+        base = rng.choice(sessions) if sessions and rng.random() < 0.7 else sessions[0][:16]
+        chain = base + [rng.getrandbits(63) for _ in range(rng.randrange(1, 50))]
+        out.append(RouteRequest(f"q{i}", "m", len(chain) * BLOCK + 10, chain, BLOCK))
+    return out
+
+
+def _time(
+    engine: RoutingEngine, keys: tuple[ReplicaKey, ...], requests: list[RouteRequest], rounds: int
+) -> tuple[float, list[Decision]]:
+    rng = random.Random(0)
+    samples = []
+    decisions: list[Decision] = []
+    for _ in range(rounds):
+        decisions = []
+        t0 = time.perf_counter()
+        for i, req in enumerate(requests):
+            now = float(i)
+            cands = engine.candidates(req, keys, now)
+            decision = engine.choose(req, cands, now, rng)
+            engine.dispatched(req, decision, now)
+            engine.load.complete(req.request_id)
+            decisions.append(decision)
+        samples.append((time.perf_counter() - t0) / len(requests) * 1e6)
+    return round(statistics.median(samples), 2), decisions
+
+
+def run(args: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]] = []
+    for n in args.replicas:
+        figures: dict[str, Any] = {"replicas": n}
+        outcomes = {}
+        for name, columnar_min in (("per_candidate_us", 10**9), ("arrays_us", 1)):
+            # a fresh fleet for each path: speculative entries of one must not help the other
+            index, load, keys, sessions = _fleet(n, args.seed)
+            requests = _requests(sessions, args.requests, args.seed)
+            engine = RoutingEngine(
+                index, load, Ours(), RoutingSettings(block_size=BLOCK), columnar_min=columnar_min
+            )
+            figures[name], outcomes[name] = _time(engine, keys, requests, args.rounds)
+        figures["default"] = "arrays" if n >= COLUMNAR_MIN else "per_candidate"
+        figures["same_decisions"] = [d.replica for d in outcomes["per_candidate_us"]] == [
+            d.replica for d in outcomes["arrays_us"]
+        ]
+        rows.append(figures)
+    emit(
+        {
+            "bench": "route",
+            "policy": "ours",
+            "columnar_min": COLUMNAR_MIN,
+            "requests": args.requests,
+            "rounds": args.rounds,
+            "fleets": rows,
+        }
+    )
+    return 0
+
+
+def _sizes(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("route", help="routing cost per request vs fleet size (both code paths)")
+    p.add_argument("--replicas", type=_sizes, default=[4, 16, 32, 64, 256, 900])
+    p.add_argument("--requests", type=int, default=300, help="requests per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=run)

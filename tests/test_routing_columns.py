@@ -1,0 +1,178 @@
+"""The array path of the routing step (CandidateColumns, for large fleets) decides exactly
+as the per-candidate path: same replica, score, terms, tokens and ranking, same
+NoReplicaAvailable, same random draws, on random fleets (tiers, hybrid state checkpoints,
+speculative entries, stale and fresh engine reports, unhealthy / draining / busy replicas)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.core.errors import NoReplicaAvailable
+from router.core.index import PrefixIndex
+from router.core.load import EngineReport, LoadTracker
+from router.core.policies import Candidate, CandidateColumns, Ours
+from router.core.routing import BusyThresholds, RoutingEngine, RoutingSettings
+from router.core.types import MAX_RANKING, Kind, ReplicaKey, RouteRequest, Tier
+
+
+def _fleet(rng: random.Random, n: int) -> tuple[PrefixIndex, LoadTracker, tuple[ReplicaKey, ...]]:
+    index = PrefixIndex()
+    load = LoadTracker()
+    keys = tuple(ReplicaKey(f"r{i}", rng.choice([0, 0, 1])) for i in range(n))
+    keys = tuple(dict.fromkeys(keys))  # no duplicate keys
+    for key in keys:
+        index.add_replica(key)
+        load.add_replica(key)
+    return index, load, keys
+
+
+def _populate(
+    rng: random.Random,
+    index: PrefixIndex,
+    load: LoadTracker,
+    keys: tuple[ReplicaKey, ...],
+    chain: list[int],
+    now: float,
+) -> None:
+    for key in keys:
+        r = rng.random()
+        if r < 0.3:
+            continue  # nothing cached
+        depth = rng.randrange(0, len(chain) + 1)
+        if r < 0.6:
+            depth = min(depth, 3)  # a shared system prompt
+        gpu = rng.randrange(0, depth + 1)
+        index.store(key, chain[:gpu], Tier.GPU)
+        if depth > gpu:
+            index.store(key, chain[gpu:depth], rng.choice([Tier.CPU, Tier.DISK]))
+        states = [h for i, h in enumerate(chain[:depth]) if rng.random() < 0.3 or i == depth - 1]
+        if states and rng.random() < 0.7:
+            index.store(key, states, kind=Kind.STATE)
+        if rng.random() < 0.2:
+            index.speculate(key, chain[: rng.randrange(1, len(chain) + 1)], [], now, 5.0)
+    for i in range(rng.randrange(0, 4 * len(keys) + 1)):
+        key = rng.choice(keys)
+        prompt = rng.randrange(1, 9000)
+        load.dispatch(f"f{i}", key, prompt, rng.randrange(0, prompt))
+        if rng.random() < 0.5:
+            load.first_token(f"f{i}")
+        if rng.random() < 0.1:
+            load.complete(f"f{i}")
+    for key in keys:
+        if rng.random() < 0.4:
+            age = rng.choice([0.0, 0.5, 1.0, 3.0])
+            report = EngineReport(
+                rng.randrange(0, 8), rng.randrange(0, 20), rng.random(), now - age
+            )
+            load.engine_report(key, report)
+        if rng.random() < 0.1:
+            load.set_health(key, False)
+        if rng.random() < 0.1:
+            load.set_draining(key, True)
+
+
+def _busy(rng: random.Random) -> BusyThresholds:
+    if rng.random() < 0.5:
+        return BusyThresholds()
+    return BusyThresholds(
+        max_in_flight=rng.choice([None, 2, 4]),
+        max_queued_prefill_tokens=rng.choice([None, 5000, 20000]),
+        max_kv_usage=rng.choice([None, 0.5, 0.9]),
+        reject_when_all_busy=rng.random() < 0.5,
+    )
+
+
+def _decide(
+    engine: RoutingEngine,
+    request: RouteRequest,
+    keys: tuple[ReplicaKey, ...],
+    now: float,
+    seed: int,
+) -> object:
+    rng = random.Random(seed)
+    try:
+        decision = engine.route(request, keys, now, rng)
+    except NoReplicaAvailable as exc:
+        return ("refused", str(exc), exc.busy)
+    return decision, rng.random()  # the same draws were made
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_the_array_path_decides_as_the_per_candidate_path(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randrange(1, MAX_RANKING + 2)
+    index, load, keys = _fleet(rng, n)
+    chain = [rng.getrandbits(63) for _ in range(rng.randrange(1, 12))]
+    now = 100.0
+    _populate(rng, index, load, keys, chain, now)
+    if rng.random() < 0.3:  # another model's replicas share the index (higher slots)
+        for i in range(rng.randrange(1, 70)):
+            index.store(ReplicaKey(f"other{i}"), chain[: rng.randrange(1, len(chain) + 1)])
+    hybrid = rng.random() < 0.5
+    settings = RoutingSettings(block_size=rng.choice([16, 64]), hybrid=hybrid, busy=_busy(rng))
+    policy = Ours(
+        host_hit_value=rng.choice([0.75, 0.5]), kv_pressure_threshold=rng.choice([0.9, 0.5])
+    )
+    per_candidate = RoutingEngine(index, load, policy, settings, columnar_min=10**9)
+    arrays = RoutingEngine(index, load, policy, settings, columnar_min=1)
+    tokens = len(chain) * settings.block_size + rng.randrange(0, settings.block_size)
+    for prompt_tokens in (tokens, 1, rng.randrange(1, tokens + 1)):
+        blocks = min(len(chain), prompt_tokens // settings.block_size)
+        request = RouteRequest("q", "m", prompt_tokens, chain[:blocks], settings.block_size)
+        assert _decide(arrays, request, keys, now, seed) == _decide(
+            per_candidate, request, keys, now, seed
+        )
+
+
+def test_ties_among_idle_replicas_follow_cache_size_then_the_rng() -> None:
+    """900 idle replicas without a match all tie: the smallest cache wins, then the rng."""
+    rng = random.Random(7)
+    index, load, keys = _fleet(rng, 900)
+    for key in keys[:-3]:
+        index.store(key, [rng.getrandbits(63) for _ in range(5)])
+    settings = RoutingSettings(block_size=16)
+    request = RouteRequest("q", "m", 100, [1, 2, 3, 4, 5, 6], 16)
+    per_candidate = RoutingEngine(index, load, Ours(), settings, columnar_min=10**9)
+    arrays = RoutingEngine(index, load, Ours(), settings)  # 900 >= COLUMNAR_MIN
+    assert isinstance(arrays.candidates(request, keys, 0.0), CandidateColumns)
+    assert isinstance(per_candidate.candidates(request, keys, 0.0), list)
+    picks = set()
+    for seed in range(20):
+        a = arrays.route(request, keys, 0.0, random.Random(seed))
+        b = per_candidate.route(request, keys, 0.0, random.Random(seed))
+        assert a.replica == b.replica
+        assert a.ranking == b.ranking[:MAX_RANKING]
+        assert a.replica in keys[-3:]  # the empty caches
+        picks.add(a.replica)
+    assert len(picks) > 1  # the rng spreads the ties
+
+
+def test_columns_follow_replicas_that_leave_and_come_back() -> None:
+    """The cached positions in the index and the load table are dropped when the fleet
+    changes (a cleared replica moves to another index slot; a removed one frees its row)."""
+    rng = random.Random(3)
+    index, load, keys = _fleet(rng, 40)
+    chain = [rng.getrandbits(63) for _ in range(8)]
+    settings = RoutingSettings(block_size=16)
+    engine = RoutingEngine(index, load, Ours(), settings, columnar_min=1)
+    request = RouteRequest("q", "m", 200, chain, 16)
+    index.store(keys[5], chain)
+    assert engine.route(request, keys, 0.0, random.Random(0)).replica == keys[5]
+    index.clear_replica(keys[5])  # new slot
+    index.store(keys[9], chain)
+    assert engine.route(request, keys, 0.0, random.Random(0)).replica == keys[9]
+    load.remove_replica(keys[9])  # its row is freed; the same tuple asks again
+    load.add_replica(keys[9])
+    for i in range(30):
+        load.dispatch(f"x{i}", keys[9], 8000, 0)
+    load.set_draining(keys[9], True)
+    decision = engine.route(request, keys, 0.0, random.Random(0))
+    assert decision.replica != keys[9]
+    assert isinstance(
+        RoutingEngine(index, load, Ours(), settings, columnar_min=10**9).candidates(
+            request, keys, 0.0
+        )[0],
+        Candidate,
+    )
