@@ -193,6 +193,24 @@ def test_registrations_the_proxy_cannot_reach_are_refused() -> None:
     assert state.add_discovered(ReplicaInfo("p", url="http://10.0.0.5:8000/", model="m"))
 
 
+def test_an_identical_reregistration_keeps_the_routing_caches() -> None:
+    """A re-bootstrap re-announces every replica: the model's key tuple (which routing
+    caches index positions by) must stay the same object; a real change replaces it."""
+    state: Any = _state()
+    info = ReplicaInfo("a", url="http://10.0.0.1:8000", model="m", dp_ranks=(0, 1))
+    assert state.add_discovered(info)
+    keys = state.registry.keys_for("m")
+    assert state.add_discovered(
+        ReplicaInfo("a", url="http://10.0.0.1:8000", model="m", dp_ranks=(0, 1))
+    )
+    assert state.registry.keys_for("m") is keys
+    assert state.add_discovered(
+        ReplicaInfo("a", url="http://10.0.0.1:8001", model="m", dp_ranks=(0, 1))
+    )
+    assert state.registry.keys_for("m") is not keys
+    assert state.registry.endpoint(ReplicaKey("a", 1)).base_url == "http://10.0.0.1:8001"
+
+
 def test_fewer_dp_ranks_forget_the_old_keys_everywhere() -> None:
     state: Any = _state()
     state.add_discovered(ReplicaInfo("d", url="http://10.0.0.4:8000", model="m", dp_ranks=(0, 1)))

@@ -200,16 +200,20 @@ class RouterState:
             )
         old = self.registry.find(info.replica)
         previous = self.registry.get(info.replica)
-        self.registry.upsert(
-            ReplicaSettings(
-                url=info.url,
-                model=info.model,
-                name=info.replica,
-                rack=info.rack or None,
-                region=info.region or None,
-                dp_ranks=len(ranks),
-            )
+        settings = ReplicaSettings(
+            url=info.url,
+            model=info.model,
+            name=info.replica,
+            rack=info.rack or None,
+            region=info.region or None,
+            dp_ranks=len(ranks),
         )
+        if settings == previous:
+            # the same registration again (a re-bootstrap after a Redis outage re-announces
+            # the whole fleet): the model's key tuple, and the routing caches keyed by it,
+            # stay as they are
+            return True
+        self.registry.upsert(settings)
         new = self.registry.find(info.replica)
         self._forget_keys([k for k in old if k not in new], previous)
         for key in new:
