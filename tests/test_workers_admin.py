@@ -40,9 +40,10 @@ async def start_router(
     workers: int,
     engine: str,
     dp_ranks: dict[str, int] | None = None,
+    server: dict[str, Any] | None = None,
 ) -> Proc:
     """``kvrouter serve`` over ``backends`` (model ``m``, round robin, so each worker spreads
-    its requests over every replica it may route to)."""
+    its requests over every replica it may route to); ``server``: more ``[server]`` keys."""
     port = free_port()
     srv = {
         "port": port,
@@ -50,6 +51,7 @@ async def start_router(
         "http_engine": engine,
         "admin_token": TOKEN,
         "log_level": "info",
+        **(server or {}),
     }
     lines = ["[server]"] + [f"{k} = {_toml(v)}" for k, v in srv.items()]
     for b in backends:

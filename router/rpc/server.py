@@ -29,6 +29,7 @@ from router.rpc.gen import (
 )
 from router.rpc.servicers import AdminServicer, DecisionBook, IndexServicer, RouterServicer
 from router.rpc.settings import GrpcSettings
+from router.service.admin import WORKERS, Workers
 from router.service.state import RouterState
 
 GRPC_PORT = web.AppKey("kvrouter_grpc_port", int)
@@ -149,9 +150,13 @@ def _parse_in_handler(handler: Any) -> Any:
 
 
 def build_server(
-    state: RouterState, settings: GrpcSettings, clock: Callable[[], float]
+    state: RouterState,
+    settings: GrpcSettings,
+    clock: Callable[[], float],
+    workers: Workers | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """Create (not start) the server; returns it with the bound port."""
+    """Create (not start) the server; returns it with the bound port. ``workers``: the
+    worker processes Admin Drain / Undrain reach (``kvrouter serve --workers N``)."""
     limit = int(settings.max_message_mb * 2**20)
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(settings.token, settings.admin_token)],
@@ -163,7 +168,7 @@ def build_server(
     book = DecisionBook(settings.max_pending_decisions, settings.decision_ttl_s)
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(state, clock, book), server)
     index_pb2_grpc.add_IndexServicer_to_server(IndexServicer(state), server)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(state, clock, book), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(state, clock, book, workers), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [
@@ -193,10 +198,13 @@ def build_server(
 
 
 async def serve_grpc(
-    state: RouterState, settings: GrpcSettings, clock: Callable[[], float]
+    state: RouterState,
+    settings: GrpcSettings,
+    clock: Callable[[], float],
+    workers: Workers | None = None,
 ) -> AsyncIterator[tuple[grpc.aio.Server, int]]:
     """Async generator for aiohttp ``cleanup_ctx``-style lifetimes: start, yield, stop."""
-    server, port = build_server(state, settings, clock)
+    server, port = build_server(state, settings, clock, workers)
     await server.start()
     for name in ["", *server.service_names]:  # type: ignore[attr-defined]
         await server.health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)  # type: ignore[attr-defined]
@@ -225,7 +233,9 @@ async def grpc_cleanup_ctx(app: Any) -> AsyncIterator[None]:
         tls_key=s.grpc_tls_key,
         max_message_mb=s.grpc_max_message_mb,
     )
-    async for server, port in serve_grpc(app[STATE], settings, loop_clock):
+    # with several worker processes (admin.join_workers ran before the app started)
+    workers = app.get(WORKERS)
+    async for server, port in serve_grpc(app[STATE], settings, loop_clock, workers):
         app[GRPC_PORT] = port
         app[GRPC_SERVER] = server
         yield

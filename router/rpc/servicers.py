@@ -34,6 +34,7 @@ from router.rpc.gen import (
     router_pb2,
     router_pb2_grpc,
 )
+from router.service.admin import Workers, forward_to_peers
 from router.service.security import check_prompt_tokens
 from router.service.state import RouterState
 from router.tokenize.pipeline import ProcessedPrompt
@@ -283,10 +284,21 @@ class IndexServicer(index_pb2_grpc.IndexServicer):
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    def __init__(self, state: RouterState, clock: Clock, book: DecisionBook) -> None:
+    """``workers``: the worker processes of a ``kvrouter serve --workers N`` (None for one
+    process); a Drain / Undrain applied here is forwarded to every other worker, as the HTTP
+    admin endpoints do (router/service/admin.py)."""
+
+    def __init__(
+        self,
+        state: RouterState,
+        clock: Clock,
+        book: DecisionBook,
+        workers: Workers | None = None,
+    ) -> None:
         self.state = state
         self.clock = clock
         self.book = book
+        self.workers = workers
 
     async def ListReplicas(
         self, request: admin_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
@@ -338,6 +350,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             if self.state.load.view(key, now).draining != on:
                 changed += 1
             self.state.set_draining(key, on)
+        # every other worker process; ``name#dpN`` names one rank (a bare name is all ranks)
+        name = request.replica if request.all_ranks else f"{request.replica}#dp{request.dp_rank}"
+        fan = await forward_to_peers(self.workers, name, on, self.state.settings.server.admin_token)
+        if fan.failed:
+            # DrainResponse has no field for it: the call fails, naming the workers missed
+            await context.abort(grpc.StatusCode.UNAVAILABLE, fan.message(name, on))
         return admin_pb2.DrainResponse(changed=changed)
 
     async def Drain(

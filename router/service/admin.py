@@ -14,7 +14,9 @@ received it and then by every other worker, through each worker's control socket
 ``<dir>/worker-<pid>.sock`` in the directory the parent created (mode 0700) before forking
 (:class:`Workers`, :func:`join_workers`). The answer says how many workers applied it
 (``workers_applied``); a worker that could not be reached makes it a 502
-(``workers_unreachable``) naming the workers that failed.
+(``workers_unreachable``) naming the workers that failed. The gRPC Admin service's Drain /
+Undrain forward the same way (:func:`forward_to_peers`, router/rpc/servicers.py) and fail
+with UNAVAILABLE when a worker was not reached.
 
 The control socket serves only the internal apply endpoints, never the public app, so there
 is no "already forwarded" header a client could forge on the public port. Its trust boundary
@@ -158,6 +160,52 @@ async def _forward(group: Workers, pid: int, name: str, draining: bool, auth: st
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+@dataclass(frozen=True, slots=True)
+class FanOut:
+    """What forwarding a drain / undrain to the other workers gave: ``workers`` in all
+    (this one included, which applied it before forwarding), ``failed`` the ones that did not
+    apply it (``{"pid", "reason"}``, pid None for a worker not known by pid)."""
+
+    workers: int
+    failed: list[dict[str, Any]]
+
+    @property
+    def applied(self) -> int:
+        return self.workers - len(self.failed)
+
+    def message(self, name: str, draining: bool) -> str:
+        action = "drain" if draining else "undrain"
+        missed = "; ".join(
+            f"worker {f['pid'] if f['pid'] is not None else '?'} ({f['reason']})"
+            for f in self.failed
+        )
+        return (
+            f"{action} of {name!r} applied on {self.applied} of {self.workers} "
+            f"workers; not reached: {missed}. Retry it: draining is idempotent"
+        )
+
+
+async def forward_to_peers(
+    group: Workers | None, name: str, draining: bool, admin_token: str | None
+) -> FanOut:
+    """Send a drain / undrain of ``name`` (a replica name or ``name#dpN``), already applied
+    in this worker, to every other worker of ``group`` through their control sockets; the
+    admin token goes along (checked again there). With no group (one process) there is
+    nothing to forward. Used by the HTTP admin endpoints and the gRPC Admin service."""
+    if group is None or group.count <= 1:
+        return FanOut(1, [])
+    auth = f"Bearer {admin_token or ''}"
+    peers, unknown = group.peers()
+    reasons = await asyncio.gather(*(_forward(group, pid, name, draining, auth) for pid in peers))
+    failed: list[dict[str, Any]] = [
+        {"pid": pid, "reason": why}
+        for pid, why in zip(peers, reasons, strict=True)
+        if why is not None
+    ]
+    failed += [{"pid": None, "reason": "not started or not known"} for _ in range(unknown)]
+    return FanOut(group.count, failed)
+
+
 def _authorised(request: web.Request, token: str | None) -> web.Response | None:
     if not token:
         return error_response(
@@ -235,38 +283,19 @@ def add_routes(app: web.Application, state_key: web.AppKey[Any]) -> None:
             group = request.app.get(WORKERS)
             if local.status != 200 or group is None or group.count <= 1:
                 return local
-            # every other worker; the admin token goes along (checked again there)
-            auth = f"Bearer {state.settings.server.admin_token}"
-            peers, unknown = group.peers()
-            reasons = await asyncio.gather(
-                *(_forward(group, pid, name, draining, auth) for pid in peers)
-            )
-            failed = [
-                {"pid": pid, "reason": why}
-                for pid, why in zip(peers, reasons, strict=True)
-                if why is not None
-            ]
-            failed += [{"pid": None, "reason": "not started or not known"}] * unknown
+            fan = await forward_to_peers(group, name, draining, state.settings.server.admin_token)
             out: dict[str, Any] = {
                 "replicas": [str(k) for k in state.registry.find(name)],
                 "draining": draining,
-                "workers": group.count,
-                "workers_applied": group.count - len(failed),
+                "workers": fan.workers,
+                "workers_applied": fan.applied,
                 "worker_pid": os.getpid(),
             }
-            if not failed:
+            if not fan.failed:
                 return web.json_response(out)
-            action = "drain" if draining else "undrain"
-            missed = "; ".join(
-                f"worker {f['pid'] if f['pid'] is not None else '?'} ({f['reason']})"
-                for f in failed
-            )
-            message = (
-                f"{action} of {name!r} applied on {out['workers_applied']} of {group.count} "
-                f"workers; not reached: {missed}. Retry it: draining is idempotent"
-            )
+            message = fan.message(name, draining)
             body = json.loads(error_body(502, message, code="workers_unreachable"))
-            return web.json_response({**body, **out, "workers_failed": failed}, status=502)
+            return web.json_response({**body, **out, "workers_failed": fan.failed}, status=502)
 
         return handler
 

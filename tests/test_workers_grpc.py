@@ -1,0 +1,135 @@
+"""gRPC Admin Drain / Undrain with several worker processes (``server.workers = N``).
+
+Every worker binds the gRPC port with SO_REUSEPORT, so a call lands on one of them; the drain
+must still reach every worker (through the control sockets the HTTP admin drain uses, see
+tests/test_workers_admin.py), or the drained replica keeps the other workers' traffic. Real
+``kvrouter serve --workers 2`` processes, the generated client stubs over a real channel, and
+HTTP requests over fresh connections to look at each worker's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from router.rpc.gen import admin_pb2, admin_pb2_grpc
+from router.store.local_redis import free_port
+from tests.backends import Backend
+from tests.procs import Fleet, Proc
+from tests.test_workers_admin import TOKEN, call, start_router, traffic, worker_pids
+
+META = (("authorization", f"Bearer {TOKEN}"),)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Any:
+    with Fleet(tmp_path) as f:
+        yield f
+
+
+async def grpc_router(
+    fleet: Fleet, backends: list[Backend], engine: str, dp_ranks: dict[str, int] | None = None
+) -> tuple[Proc, str]:
+    port = free_port()
+    proc = await start_router(
+        fleet, backends, workers=2, engine=engine, dp_ranks=dp_ranks, server={"grpc_port": port}
+    )
+    return proc, f"127.0.0.1:{port}"
+
+
+async def admin_call(target: str, method: str, **fields: Any) -> Any:
+    """One Admin call on a new channel (a new connection: the kernel picks the worker)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        return await getattr(stub, method)(
+            admin_pb2.DrainRequest(**fields), metadata=META, timeout=10
+        )
+
+
+async def draining_per_worker(proc: Proc) -> dict[int, dict[str, bool]]:
+    """{worker pid: {replica: draining}} from every worker's GET /admin/replicas."""
+    answers = await worker_pids(proc, 2)
+    return {
+        pid: {r["replica"]: r["draining"] for r in answer["replicas"]}
+        for pid, answer in answers.items()
+    }
+
+
+@pytest.mark.parametrize("engine", ["fast", "aiohttp"])
+async def test_grpc_drain_and_undrain_reach_every_worker(fleet: Fleet, engine: str) -> None:
+    b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
+    try:
+        proc, target = await grpc_router(fleet, [b0, b1], engine)
+        out = await admin_call(target, "Drain", replica="b1", all_ranks=True)
+        assert out.changed == 1
+        states = await draining_per_worker(proc)
+        assert list(states.values()) == [{"b0": False, "b1": True}] * 2, states
+        b0.received.clear()
+        b1.received.clear()
+        await traffic(proc, 40)
+        assert b1.received == [] and len(b0.received) == 40  # no worker routes to b1
+        again = await admin_call(target, "Drain", replica="b1", all_ranks=True)
+        assert again.changed == 0  # already drained where the call landed
+        out = await admin_call(target, "Undrain", replica="b1", all_ranks=True)
+        assert out.changed == 1
+        states = await draining_per_worker(proc)
+        assert list(states.values()) == [{"b0": False, "b1": False}] * 2, states
+    finally:
+        await b0.stop()
+        await b1.stop()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+async def test_grpc_drain_of_one_rank_reaches_every_worker_and_only_that_rank(
+    fleet: Fleet, rank: int
+) -> None:
+    """``dp_rank`` without ``all_ranks`` is one rank on every worker: rank 0 too (whose key
+    prints as the bare name, which would mean every rank)."""
+    b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
+    try:
+        proc, target = await grpc_router(fleet, [b0, b1], "fast", dp_ranks={"b1": 2})
+        out = await admin_call(target, "Drain", replica="b1", dp_rank=rank)
+        assert out.changed == 1
+        want = {"b0": False, "b1": rank == 0, "b1#dp1": rank == 1}
+        states = await draining_per_worker(proc)
+        assert list(states.values()) == [want] * 2, states
+        b1.received.clear()
+        await traffic(proc, 45)
+        ranks = {r["headers"].get("x-data-parallel-rank") for r in b1.received}
+        assert ranks == {str(1 - rank)}, ranks
+        await admin_call(target, "Undrain", replica="b1", dp_rank=rank)
+        states = await draining_per_worker(proc)
+        assert all(not any(s.values()) for s in states.values()), states
+    finally:
+        await b0.stop()
+        await b1.stop()
+
+
+async def test_grpc_drain_that_misses_a_worker_is_unavailable_naming_it(fleet: Fleet) -> None:
+    b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
+    try:
+        proc, target = await grpc_router(fleet, [b0, b1], "fast")
+        dead, alive = sorted(await worker_pids(proc, 2))
+        os.kill(dead, signal.SIGKILL)  # a worker of the router this test started
+        await asyncio.sleep(0.3)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await admin_call(target, "Drain", replica="b1", all_ranks=True)
+        err = info.value
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert str(dead) in err.details() and "1 of 2" in err.details(), err.details()
+        # applied where it could be: the surviving worker no longer routes to b1
+        b1.received.clear()
+        await traffic(proc, 10)
+        assert b1.received == []
+        status, data = await call(proc, "GET", "/admin/replicas")
+        assert status == 200 and data["worker_pid"] == alive, data
+        assert {r["replica"]: r["draining"] for r in data["replicas"]} == {"b0": False, "b1": True}
+    finally:
+        await b0.stop()
+        await b1.stop()
