@@ -380,23 +380,28 @@ class Ours:
 
     def term_values(self, request: RouteRequest, c: Candidate) -> tuple[float, float, float, float]:
         """(prefill, queue, decode, kv) seconds for one candidate; see the class docstring."""
-        _, m, load, _ = c
-        engine = load.engine
+        _, (kv, gpu, host, usable), load, _ = c
+        _, prefilling, queued, decoding, context, _, engine, engine_age, _, _ = load
+        if engine is None:
+            return self._terms(
+                SCALAR,
+                request,
+                kv,
+                gpu,
+                host,
+                usable,
+                queued,
+                prefilling,
+                decoding,
+                context,
+                0,
+                False,
+                0.0,
+            )
         return self._terms(
-            SCALAR,
-            request,
-            m.kv_blocks,
-            m.gpu_blocks,
-            m.host_blocks,
-            m.usable_blocks,
-            load.queued_prefill_tokens,
-            load.prefilling,
-            load.decoding,
-            load.decode_context_tokens,
-            engine.waiting if engine is not None else 0,
-            engine is not None and load.engine_age_s <= self.report_max_age_s,
-            engine.kv_usage if engine is not None else 0.0,
-        )
+            SCALAR, request, kv, gpu, host, usable, queued, prefilling, decoding, context,
+            engine.waiting, engine_age <= self.report_max_age_s, engine.kv_usage,
+        )  # fmt: skip
 
     def terms(self, request: RouteRequest, c: Candidate) -> dict[str, float]:
         return dict(zip(TERM_NAMES, self.term_values(request, c), strict=True))
@@ -430,7 +435,7 @@ class Ours:
             _tokens(request, winner.match.usable_blocks),
             _tokens(request, winner.match.kv_blocks),
             scores[pick],
-            dict(zip(TERM_NAMES, values[pick], strict=True)),
+            dict(zip(TERM_NAMES, values[pick])),  # (4 and 4: no strict= argument parsing)
             tuple([candidates[i].replica for i in rest]),
         )
 
