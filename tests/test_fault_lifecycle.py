@@ -5,6 +5,8 @@
   ``server.shutdown_timeout_s`` is cut at the deadline and the process still exits 0.
 * Router restart with Redis (``server.redis_url``): a new router process recovers the index
   from Redis (the publisher's snapshot) and serves within seconds.
+* Publisher start: what the engine cached before (its ZMQ replay buffer) is loaded at once,
+  whether the engine is idle then or still publishing.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.store.local_redis import LocalRedis
+from router.core.index import PrefixIndex
+from router.core.types import ReplicaKey
+from router.events.direct import DirectEvents
+from router.events.ingest import EndpointSpec
+from router.events.model import EngineBlockStored
+from router.events.zmq_pub import KVEventPublisher
+from router.store.local_redis import LocalRedis, free_port
 from tests.procs import Fleet, http_get, token_prompt
 
 ADMIN = "admin-lifecycle"
@@ -153,3 +161,78 @@ async def test_router_restart_recovers_index_from_redis(
                 break
             assert time.monotonic() < deadline, line or "no engine prefix-cache counters"
             await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("server_kind", ["redis", "redis_cluster"])
+async def test_publisher_started_after_the_engine_went_idle_loads_its_history(
+    fleet: Fleet, tmp_path: Path, server_kind: str, request: pytest.FixtureRequest
+) -> None:
+    """A publisher (re)started while its engine is idle must still load what the engine
+    cached before: the engine's ZMQ replay buffer holds it, but no new event will come to
+    trigger the fetch. (The router restart test above flaked on a loaded machine for this:
+    its publisher subscribed only after the 8 completions, and the index stayed empty.)"""
+    with contextlib.ExitStack() as stack:
+        if server_kind == "redis_cluster":
+            url = request.getfixturevalue("redis_cluster").url
+            prefix = request.getfixturevalue("key_prefix")
+        else:
+            url = stack.enter_context(LocalRedis(tmp_path / "redis")).url
+            prefix = "kvridle"
+        mock = fleet.mock("a", events=True)
+        async with aiohttp.ClientSession() as session:
+            for i in range(8):  # straight to the engine, before any publisher runs
+                body = {"model": "m", "prompt": token_prompt(i, 160), "max_tokens": 2}
+                async with session.post(mock.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+        fleet.publisher("a", mock, url, prefix=prefix)
+        server = {"admin_token": ADMIN, "redis_url": url, "redis_key_prefix": prefix}
+        router = fleet.router("router", [("a", mock.url)], server=server)
+        deadline = time.monotonic() + 10
+        while (blocks := await _index_blocks(router.url, "a")) < 8 * 10:
+            assert time.monotonic() < deadline, blocks  # 8 prompts x 10 full 16-token blocks
+            await asyncio.sleep(0.1)
+        assert blocks == 80
+
+
+async def test_subscriber_started_while_the_engine_publishes_takes_each_batch_once() -> None:
+    """The start-up history fetch and the live stream overlap: batches published while the
+    replay answer is on its way arrive twice (queued on the SUB socket, and in the history).
+    The live copies are duplicates, not an engine restart (a seq far behind the last one),
+    and the index ends up with every block."""
+    pub = KVEventPublisher(
+        f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", buffer_steps=1000
+    )
+    index = PrefixIndex()
+    direct = DirectEvents(index)
+    ingest = direct.add_replica("eng", "m", 16, [EndpointSpec(pub.endpoint, pub.replay_endpoint)])
+    sub = direct._groups[0].subscribers[0]
+    sub.replay_timeout_s = 10.0  # the replay answer is held back below
+    tokens = token_prompt(7, 16 * 60)
+
+    def stored(i: int) -> EngineBlockStored:  # engine block i of ``tokens``
+        parent = hash(tuple(tokens[: i * 16])) if i else None
+        return EngineBlockStored(
+            (hash(tuple(tokens[: (i + 1) * 16])),), parent, tuple(tokens[i * 16 : (i + 1) * 16]), 16
+        )
+
+    try:
+        for i in range(10):  # before the subscriber: only in the replay buffer
+            await pub.publish([stored(i)])
+        await direct.start()  # subscribes, then asks for the history (not answered yet)
+        await asyncio.sleep(0.5)  # ZMQ slow joiner: the SUB is connected after this
+        for i in range(10, 60):  # live, while the history request waits
+            await pub.publish([stored(i)])
+        await asyncio.sleep(0.3)
+        pub.start()  # now the replay socket answers: seqs 0-59
+        deadline = time.monotonic() + 10
+        while index.replica_size(ReplicaKey("eng"))[0] < 60 or sub.stats.messages < 50:
+            assert time.monotonic() < deadline, (index.replica_size(ReplicaKey("eng")), sub.stats)
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        assert sub.stats.replayed == 60 and sub.stats.duplicates == 50, sub.stats
+        assert sub.stats.restarts == 0 and ingest.stats.restarts == 0, sub.stats
+        assert index.replica_size(ReplicaKey("eng"))[0] == 60
+    finally:
+        await direct.stop()
+        await pub.close()

@@ -4,8 +4,16 @@ Delivers ``(seq, payload)`` in sequence order to ``on_payload``. On a gap it ask
 engine's replay socket (DEALER -> ROUTER) for the missing batches; what the replay cannot
 supply is reported through ``on_lost`` (the caller then clears that engine's state: stale
 blocks are worse than missing ones). A seq that goes backwards means the engine restarted
-(``on_restart``). On the first message it asks the replay socket for all buffered history.
-Malformed frames are counted and skipped; nothing here raises on input.
+(``on_restart``). Malformed frames are counted and skipped; nothing here raises on input.
+
+History (``replay_history``): as soon as it has subscribed, the subscriber asks the replay
+socket for everything the engine still buffers, so what the engine cached before the
+subscriber started is known even if the engine stays idle afterwards (a publisher restarted
+next to an idle engine, or one that started after the engine's last requests, would
+otherwise wait for the next event to learn any of it). Live messages that were queued on the
+SUB socket meanwhile and carry a batch the history already delivered (same seq, same
+payload) are duplicates. When the history fetch got nothing (the engine was not answering
+yet), the first live message asks for the history before it instead.
 """
 
 from __future__ import annotations
@@ -60,6 +68,9 @@ class ZmqEventSubscriber:
         self.stats = SubscriberStats()
         self.connected = asyncio.Event()
         self._sub: zmq.asyncio.Socket | None = None
+        # seq -> hash(payload) of the batches the start-up history fetch delivered, until a
+        # live message goes past them (their live copies may still be queued on the SUB)
+        self._history: dict[int, int] | None = None
 
     async def run(self) -> None:
         """Receive until cancelled."""
@@ -71,6 +82,9 @@ class ZmqEventSubscriber:
         self._sub = sub
         self.connected.set()
         try:
+            if self.replay_history and self.replay_endpoint and self.last_seq is None:
+                # subscribed first, so nothing published from here on is missed
+                await self._load_history()
             while True:
                 frames = await sub.recv_multipart()
                 await self._handle(frames)
@@ -85,6 +99,12 @@ class ZmqEventSubscriber:
         seq = int.from_bytes(frames[1], "big")
         payload = frames[2]
         self.stats.messages += 1
+        if self._history is not None:
+            if seq in self._history and self._history[seq] == hash(payload):
+                self.stats.duplicates += 1  # its copy from the history was delivered
+                return
+            if self.last_seq is None or seq > self.last_seq:
+                self._history = None  # live messages went past the history
         last = self.last_seq
         if last is None:
             if seq > 0 and self.replay_history and self.replay_endpoint:
@@ -96,11 +116,27 @@ class ZmqEventSubscriber:
             log.warning("engine %s restarted (seq %d after %d)", self.endpoint, seq, last)
             self.stats.restarts += 1
             self.last_seq = None
+            self._history = None
             self.on_restart()
         elif seq > last + 1:
             self.stats.gaps += 1
             await self._replay(last + 1, seq)
         self._deliver(seq, payload)
+
+    async def _load_history(self) -> None:
+        """Deliver the engine's whole replay buffer (nothing is lost before it: what the
+        buffer no longer holds was never seen)."""
+        got = await self._fetch(0)
+        history: dict[int, int] = {}
+        for seq, payload in got:
+            if self.last_seq is not None and seq <= self.last_seq:
+                continue
+            history[seq] = hash(payload)
+            self.stats.replayed += 1
+            self._deliver(seq, payload)
+        if history:
+            self._history = history
+            log.info("%s: %d buffered batches loaded from replay", self.endpoint, len(history))
 
     def _deliver(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq
