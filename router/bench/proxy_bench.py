@@ -304,6 +304,7 @@ def wrk(
     line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
     r = json.loads(line[7:])
     return {
+        "requests": r["requests"],
         "rps": round(r["requests"] / (r["duration_us"] / 1e6), 1),
         "p50_ms": round(r["p50_us"] / 1e3, 3),
         "p99_ms": round(r["p99_us"] / 1e3, 3),
@@ -311,12 +312,43 @@ def wrk(
     }
 
 
-def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its children (worker processes; a
+    process's threads are included), from /proc; 0 where /proc is not available."""
+    total = 0.0
+    pids = [pid]
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            pids += [int(p) for p in fh.read().split()]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def measure(url: str, args: argparse.Namespace, pid: int | None = None) -> dict[str, Any]:
+    """Throughput and latency at ``args.connections``; with ``pid`` (the router under test)
+    also its CPU time per request (``cpu_us_per_request``): what a request costs the router
+    whatever share of the cores it managed to get, the steadiest figure on a shared box."""
     u, cpus = args.unique, args.load_cpus
     wrk(url, chat_body(False), args.connections, 2, args.threads, u, cpus)  # warm-up
-    ns = wrk(url, chat_body(False), args.connections, args.seconds, args.threads, u, cpus)
-    st = wrk(url, chat_body(True), args.connections, args.seconds, args.threads, u, cpus)
-    return {
+    out: dict[str, Any] = {}
+    for name, stream in (("ns", False), ("st", True)):
+        before = cpu_seconds(pid) if pid else 0.0
+        out[name] = wrk(
+            url, chat_body(stream), args.connections, args.seconds, args.threads, u, cpus
+        )
+        if pid:
+            used = cpu_seconds(pid) - before
+            out[name]["cpu_us"] = round(used / max(out[name]["requests"], 1) * 1e6, 1)
+    ns, st = out["ns"], out["st"]
+    figures = {
         "rps_nonstream": ns["rps"],
         "rps_stream": st["rps"],
         "p50_ms": ns["p50_ms"],
@@ -325,6 +357,10 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "p99_ms_stream": st["p99_ms"],
         "errors": ns["errors"] + st["errors"],
     }
+    if pid:
+        figures["cpu_us_per_request"] = ns["cpu_us"]
+        figures["cpu_us_per_request_stream"] = st["cpu_us"]
+    return figures
 
 
 def kvrouter_config(
@@ -402,7 +438,7 @@ def _measure_kvrouter(
         try:
             _wait_http(f"http://127.0.0.1:{kv_port}/health")
             kv_url = f"http://127.0.0.1:{kv_port}/v1/chat/completions"
-            figures = measure(kv_url, args)
+            figures = measure(kv_url, args, kv.pid)
             d1 = wrk(direct_url, chat_body(False), 1, args.seconds, 1, args.unique, args.load_cpus)
             k1 = wrk(kv_url, chat_body(False), 1, args.seconds, 1, args.unique, args.load_cpus)
             figures["body_memo_hit_ratio"] = _memo_hit_ratio(kv_port)
@@ -483,7 +519,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 _wait_http(f"http://127.0.0.1:{vr_port}/health", 60)
                 result["vllm_router"] = measure(
-                    f"http://127.0.0.1:{vr_port}/v1/chat/completions", args
+                    f"http://127.0.0.1:{vr_port}/v1/chat/completions", args, vr.pid
                 )
             except SystemExit as exc:
                 result["vllm_router"] = {"error": str(exc)}
