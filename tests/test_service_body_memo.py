@@ -51,6 +51,26 @@ def test_a_hit_returns_the_admission_with_no_processing_cost() -> None:
     assert memo.get("completion", b"{}") is None
 
 
+def test_a_digest_collision_is_a_miss_never_another_bodys_admission(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Entries are found by a 64-bit digest of the body and confirmed by the bytes: two
+    bodies with one digest (forced here) never share an admission, and the budget stays
+    counted right when one replaces the other."""
+    import router.service.body_memo as body_memo
+
+    monkeypatch.setattr(body_memo.xxhash, "xxh3_64_intdigest", lambda raw: 42)
+    memo = BodyMemo(budget_bytes=1 << 20, max_body_bytes=1 << 16)
+    memo.put("chat", b'{"a": 1}', _admitted(tokens=100))
+    assert memo.get("chat", b'{"a": 2}') is None
+    memo.put("chat", b'{"a": 2}', _admitted(tokens=200))
+    got = memo.get("chat", b'{"a": 2}')
+    assert got is not None and got.prompt.prompt_tokens == 200
+    assert memo.get("chat", b'{"a": 1}') is None
+    assert len(memo) == 1
+    assert memo.size_bytes == body_memo._cost(b'{"a": 2}', _admitted(tokens=200))
+
+
 def test_large_bodies_and_a_zero_budget_are_not_kept() -> None:
     memo = BodyMemo(budget_bytes=1 << 20, max_body_bytes=100)
     memo.put("chat", b"x" * 100, _admitted())

@@ -5,9 +5,10 @@ re-running one prompt), client retries and load generators send byte-identical b
 those, everything the router derives from the body before routing (model, validation, the
 prompt's token count and block hashes, the context check, ``user`` and the output-token
 limit) is a pure function of the bytes and of the settings, which do not change while the
-process runs. :class:`BodyMemo` keeps that result keyed by the body bytes themselves, so a
-hit is exact (no digest that could collide) and only routing, which depends on live state,
-runs again.
+process runs. :class:`BodyMemo` keeps that result with the body bytes themselves, found by a
+64-bit xxh3 digest of them (hashing a 2 KB body costs a tenth of Python's own bytes hash) and
+confirmed by comparing the bytes, so a hit is exact (a digest collision is a miss), and only
+routing, which depends on live state, runs again.
 
 Only bodies that passed admission are kept (a bad body is re-checked and answered each
 time; routing may still fail for live reasons, as on any hit) and only bodies
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+
+import xxhash
 
 from router.tokenize.pipeline import ProcessedPrompt
 
@@ -48,9 +51,9 @@ class BodyMemo:
     def __init__(self, budget_bytes: int, max_body_bytes: int) -> None:
         self._budget = budget_bytes
         self._max_body = max_body_bytes
-        # keyed by kind too: the same bytes mean different prompts on /v1/completions and
-        # /v1/chat/completions
-        self._entries: OrderedDict[tuple[str, bytes], Admitted] = OrderedDict()
+        # (kind, digest) -> (body, admission); keyed by kind too: the same bytes mean different
+        # prompts on /v1/completions and /v1/chat/completions
+        self._entries: OrderedDict[tuple[str, int], tuple[bytes, Admitted]] = OrderedDict()
         self.size_bytes = 0
         self.hits = 0
         self.misses = 0
@@ -65,19 +68,20 @@ class BodyMemo:
     def get(self, kind: str, raw: bytes) -> Admitted | None:
         if len(raw) >= self._max_body or self._budget <= 0:
             return None
-        key = (kind, raw)
-        found = self._entries.get(key)
-        if found is None:
+        key = (kind, xxhash.xxh3_64_intdigest(raw))
+        entry = self._entries.get(key)
+        if entry is None or entry[0] != raw:
             self.misses += 1
             return None
         self.hits += 1
+        found = entry[1]
         prompt = found.prompt
         if prompt.tokenize_s or prompt.hash_s:
             # first hit: from now on the entry says what a hit costs (no tokenize or hash
             # time); done here rather than in put, so bodies that never repeat (most) do not
             # pay for it
             found = replace(found, prompt=replace(prompt, tokenize_s=0.0, hash_s=0.0))
-            self._entries[key] = found
+            self._entries[key] = (raw, found)
         self._entries.move_to_end(key)
         return found
 
@@ -90,15 +94,15 @@ class BodyMemo:
         cost = _cost(raw, admitted)
         if cost > self._budget:
             return
-        key = (kind, raw)
+        key = (kind, xxhash.xxh3_64_intdigest(raw))
         old = self._entries.pop(key, None)
-        if old is not None:
-            self.size_bytes -= _cost(raw, old)
-        self._entries[key] = admitted
+        if old is not None:  # the same body again, or (never seen) another with its digest
+            self.size_bytes -= _cost(*old)
+        self._entries[key] = (raw, admitted)
         self.size_bytes += cost
         while self.size_bytes > self._budget:
-            (_, gone_raw), gone = self._entries.popitem(last=False)
-            self.size_bytes -= _cost(gone_raw, gone)
+            _, gone = self._entries.popitem(last=False)
+            self.size_bytes -= _cost(*gone)
 
 
 def _cost(raw: bytes, admitted: Admitted) -> int:

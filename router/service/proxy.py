@@ -370,7 +370,9 @@ class Forwarder:
         try:
             if not streaming:
                 try:
-                    payload = await upstream.read_all()
+                    payload = upstream.body()
+                    if payload is None:
+                        payload = await upstream.read_all()
                 except UpstreamError as exc:
                     timeout = isinstance(exc, UpstreamTimeout)
                     mm.outcome(key, "timeout" if timeout else "upstream_broken").inc()

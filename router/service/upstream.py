@@ -282,6 +282,19 @@ class Exchange:
                 )
             await c.wait(self._timeout())
 
+    def body(self) -> bytes | None:
+        """The whole body if it has all arrived (then as :meth:`read_all`), else None: no
+        coroutine for the common case of a short answer that came in one piece."""
+        c = self._conn
+        if not c.complete:
+            return None
+        self._done = True
+        chunks = c.chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        c.buffered = 0
+        return data
+
     async def read_all(self) -> bytes:
         """The whole body."""
         c = self._conn
@@ -289,10 +302,8 @@ class Exchange:
             if c.error is not None:
                 raise UpstreamBroken(str(c.error))
             await c.wait(self._timeout())
-        self._done = True
-        data = b"".join(c.chunks)
-        c.chunks.clear()
-        c.buffered = 0
+        data = self.body()
+        assert data is not None
         return data
 
     def abort(self) -> None:
