@@ -16,6 +16,7 @@ _BENCHES: tuple[str, ...] = (
     "router.bench.reliability_bench",
     "router.bench.admit_bench",
     "router.bench.route_bench",
+    "router.bench.instructions_bench",
 )
 
 

@@ -1,0 +1,29 @@
+"""``kvrouter bench instructions`` counts a router's instructions per request under valgrind
+(figures are not asserted: performance is measured, not tested)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+def test_bench_instructions_counts_kvrouter() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "bench", "instructions", "--without-peer"]
+        + ["--requests", "40", "--warmup", "10", "--connections", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["bench"] == "instructions"
+    assert result["kvrouter"]["failed_requests"] == 0
+    # a proxied request costs far more than nothing, and far less than a second of CPU
+    assert 10_000 < result["kvrouter"]["instructions_per_request"] < 1_000_000_000
+    assert result["vllm_router"] == {"skipped": "--without-peer"}
