@@ -94,6 +94,20 @@ async def test_sigterm_deadline_cuts_long_streams(fleet: Fleet) -> None:
     assert elapsed < 6.0, elapsed
 
 
+def _redis(
+    server_kind: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    stack: contextlib.ExitStack,
+    prefix: str,
+) -> tuple[str, str]:
+    """(URL, key prefix): the session's 3-node Redis Cluster, or a private redis-server that
+    ``stack`` stops."""
+    if server_kind == "redis_cluster":
+        return request.getfixturevalue("redis_cluster").url, request.getfixturevalue("key_prefix")
+    return stack.enter_context(LocalRedis(tmp_path / "redis")).url, prefix
+
+
 async def _index_blocks(url: str, name: str) -> int:
     code, body = await asyncio.to_thread(
         http_get, url + "/admin/replicas", 2.0, {"Authorization": f"Bearer {ADMIN}"}
@@ -110,12 +124,7 @@ async def test_router_restart_recovers_index_from_redis(
     """Real ``kvrouter serve`` / ``kvrouter publish`` processes on a private redis-server,
     then on the session's 3-node Redis Cluster (``redis+cluster://``)."""
     with contextlib.ExitStack() as stack:
-        if server_kind == "redis_cluster":
-            url = request.getfixturevalue("redis_cluster").url
-            prefix = request.getfixturevalue("key_prefix")
-        else:
-            url = stack.enter_context(LocalRedis(tmp_path / "redis")).url
-            prefix = "kvrlife"
+        url, prefix = _redis(server_kind, tmp_path, request, stack, "kvrlife")
         mock = fleet.mock("a", events=True)
         fleet.publisher("a", mock, url, prefix=prefix)
         server = {"admin_token": ADMIN, "redis_url": url, "redis_key_prefix": prefix}
@@ -172,12 +181,7 @@ async def test_publisher_started_after_the_engine_went_idle_loads_its_history(
     trigger the fetch. (The router restart test above flaked on a loaded machine for this:
     its publisher subscribed only after the 8 completions, and the index stayed empty.)"""
     with contextlib.ExitStack() as stack:
-        if server_kind == "redis_cluster":
-            url = request.getfixturevalue("redis_cluster").url
-            prefix = request.getfixturevalue("key_prefix")
-        else:
-            url = stack.enter_context(LocalRedis(tmp_path / "redis")).url
-            prefix = "kvridle"
+        url, prefix = _redis(server_kind, tmp_path, request, stack, "kvridle")
         mock = fleet.mock("a", events=True)
         async with aiohttp.ClientSession() as session:
             for i in range(8):  # straight to the engine, before any publisher runs
