@@ -116,7 +116,7 @@ class Simulation:
         self.speedup = speedup
         self.progress = progress
         p = config.profile
-        self.keys = config.replica_keys()
+        self.keys = tuple(config.replica_keys())  # one tuple: routing caches where each sits
         self.engines = [
             EngineModel(
                 p,

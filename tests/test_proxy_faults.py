@@ -128,3 +128,41 @@ async def test_a_dead_replica_with_several_dp_ranks_is_skipped_whole(engine: str
             assert sum(r["in_flight"] for r in reps.values()) == 0
     finally:
         await live.stop()
+
+
+async def test_a_replica_that_drops_a_request_loses_that_rank_only(engine: str) -> None:
+    """A replica that accepts the connection and closes it without answering is not "down":
+    only the rank that dropped the request is marked unhealthy (the retry may go to another
+    rank of the same replica), whereas a refused connection takes out every rank."""
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(drop, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    live = await Backend("live", [MODEL]).start()
+    try:
+        async for url, session in _router(
+            engine,
+            [
+                {"url": f"http://127.0.0.1:{port}", "model": MODEL, "name": "drop", "dp_ranks": 4},
+                {"url": live.url, "model": MODEL, "name": "live"},
+            ],
+            max_retries=1,
+        ):
+            async with session.post(
+                url + "/admin/replicas/live/drain", headers={"X-Admin-Token": TOKEN}
+            ) as r:
+                assert r.status == 200
+            async with session.post(url + "/v1/chat/completions", json=_chat(False)) as resp:
+                assert resp.status == 502
+                message = (await resp.json())["error"]["message"]
+            assert "gave up after 2 attempt(s)" in message, message
+            reps = await _replicas(url, session)
+            down = sorted(name for name, r in reps.items() if not r["healthy"])
+            assert len(down) == 2 and all(n.startswith("drop") for n in down), down
+            assert sum(r["in_flight"] for r in reps.values()) == 0
+    finally:
+        server.close()
+        await live.stop()

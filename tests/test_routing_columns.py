@@ -63,9 +63,9 @@ def _populate(
     for key in keys:
         if rng.random() < 0.4:
             age = rng.choice([0.0, 0.5, 1.0, 3.0])
-            report = EngineReport(
-                rng.randrange(0, 8), rng.randrange(0, 20), rng.random(), now - age
-            )
+            # kv usage from another process's gauge: now and then NaN, infinite or out of range
+            usage = rng.choice([rng.random(), rng.random(), float("nan"), float("inf"), -1.0, 1.5])
+            report = EngineReport(rng.randrange(0, 8), rng.randrange(0, 20), usage, now - age)
             load.engine_report(key, report)
         if rng.random() < 0.1:
             load.set_health(key, False)
@@ -176,3 +176,25 @@ def test_columns_follow_replicas_that_leave_and_come_back() -> None:
         )[0],
         Candidate,
     )
+
+
+def test_engine_reports_outside_the_unit_range_are_clamped_for_both_paths() -> None:
+    """A NaN KV usage compares false with everything (no score would ever win: the array
+    path had nothing to pick) and an infinite one tied with the ineligible replicas' +inf."""
+    load = LoadTracker()
+    key = ReplicaKey("r")
+    for usage, taken in ((float("nan"), 0.0), (float("inf"), 1.0), (-0.5, 0.0), (0.4, 0.4)):
+        load.engine_report(key, EngineReport(1, 2, usage, 5.0))
+        assert load.view(key, 5.0).kv_usage == taken
+        assert load.columns((key,)).kv_usage[0] == taken
+    rng = random.Random(1)
+    index, load, keys = _fleet(rng, 20)
+    for k in keys[1:]:
+        load.set_health(k, False)
+    load.engine_report(keys[0], EngineReport(0, 0, float("inf"), 0.0))
+    request = RouteRequest("q", "m", 100, [1, 2], 16)
+    settings = RoutingSettings(block_size=16)
+    for columnar_min in (1, 10**9):
+        engine = RoutingEngine(index, load, Ours(), settings, columnar_min=columnar_min)
+        decision = engine.route(request, keys, 0.0, random.Random(0))
+        assert decision.replica == keys[0] and decision.ranking == ()

@@ -50,6 +50,9 @@ from router.core.types import (
 )
 
 _TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
+# how many replica tuples (one per model) ``PrefixIndex.slots`` and ``LoadTracker.columns``
+# remember where they sit
+CACHED_SEQUENCES = 16
 _SINK: deque[object] = deque(maxlen=0)
 _consume = _SINK.extend  # exhaust an iterator (C-level loops for bulk events)
 
@@ -122,7 +125,9 @@ class PrefixIndex:
         self._state_slots = 0
         self._last_seq: dict[ReplicaKey, int] = {}
         self._slot_generation = 0  # bumped whenever a key gets or loses a slot
-        self._slots_cache: tuple[Sequence[ReplicaKey], int, np.ndarray] | None = None
+        # id(keys) -> (keys, generation, slots), for the few tuples routing passes (one per
+        # model); least recently used first
+        self._slots_cache: dict[int, tuple[Sequence[ReplicaKey], int, np.ndarray]] = {}
 
     # ------------------------------------------------------------------ replicas
 
@@ -416,14 +421,21 @@ class PrefixIndex:
 
     def slots(self, keys: Sequence[ReplicaKey]) -> np.ndarray:
         """The slot of each of ``keys`` (-1 for keys the index does not know), for
-        :meth:`PrefixMatches.columns`. Cached for the last ``keys`` object while no slot
-        changes: callers pass the same (immutable) sequence request after request."""
-        cached = self._slots_cache
-        if cached is not None and cached[0] is keys and cached[1] == self._slot_generation:
-            return cached[2]
+        :meth:`PrefixMatches.columns`. A tuple's answer is cached while no slot changes
+        (routing passes each model's tuple request after request; other sequences, such as
+        a gRPC Pick's candidate list, are looked up each time)."""
+        cache = self._slots_cache
+        if type(keys) is tuple:
+            found = cache.pop(id(keys), None)
+            if found is not None and found[0] is keys and found[1] == self._slot_generation:
+                cache[id(keys)] = found  # most recently used
+                return found[2]
         get = self._slot_of.get
         slots = np.fromiter((get(k, -1) for k in keys), dtype=np.intp, count=len(keys))
-        self._slots_cache = (keys, self._slot_generation, slots)
+        if type(keys) is tuple:
+            if len(cache) >= CACHED_SEQUENCES:
+                del cache[next(iter(cache))]
+            cache[id(keys)] = (keys, self._slot_generation, slots)
         return slots
 
     # ------------------------------------------------------------------ queries

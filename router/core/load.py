@@ -122,6 +122,7 @@ QUEUED, PREFILLING, DECODING, CONTEXT, PROMPT, WAITING, KV_USAGE, ENGINE_AT, HEA
     range(10)
 )
 _ROWS = 10
+_CACHED_SEQUENCES = 16  # replica tuples (one per model) whose rows are remembered
 
 
 class LoadColumns(NamedTuple):
@@ -160,7 +161,8 @@ class LoadTracker:
         self._flights: dict[str, _Flight] = {}
         self._table = np.zeros((_ROWS, 0))
         self._free_rows: list[int] = []
-        self._rows_cache: tuple[Sequence[ReplicaKey], int, np.ndarray] | None = None
+        # id(keys) -> (keys, generation, rows), as PrefixIndex.slots caches slots
+        self._rows_cache: dict[int, tuple[Sequence[ReplicaKey], int, np.ndarray]] = {}
         self._row_generation = 0  # bumped when a mirrored replica leaves (rows are reused)
 
     def _get(self, key: ReplicaKey) -> _Replica:
@@ -235,6 +237,13 @@ class LoadTracker:
         return flight.replica if flight is not None else None
 
     def engine_report(self, key: ReplicaKey, report: EngineReport) -> None:
+        """Take an engine's own figures. A KV usage outside [0, 1] is clamped, and NaN is
+        taken as 0: reports come from other processes, and one bad gauge must not poison
+        every score (NaN compares false with everything: no replica would ever win)."""
+        usage = report.kv_usage
+        if not 0.0 <= usage <= 1.0:
+            usage = 0.0 if usage != usage else min(max(usage, 0.0), 1.0)
+            report = EngineReport(report.running, report.waiting, usage, report.at)
         rep = self._get(key)
         rep.engine = report
         if rep.row >= 0:
@@ -270,12 +279,14 @@ class LoadTracker:
         )
 
     def _rows(self, keys: Sequence[ReplicaKey]) -> np.ndarray:
-        """Mirror-table columns of ``keys`` (mirroring replicas not mirrored yet). Cached for
-        the last ``keys`` object while no mirrored replica left: callers pass the same
-        (immutable) sequence request after request."""
-        cached = self._rows_cache
-        if cached is not None and cached[0] is keys and cached[1] == self._row_generation:
-            return cached[2]
+        """Mirror-table columns of ``keys`` (mirroring replicas not mirrored yet). A tuple's
+        answer is cached while no mirrored replica leaves (see ``PrefixIndex.slots``)."""
+        cache = self._rows_cache
+        if type(keys) is tuple:
+            found = cache.pop(id(keys), None)
+            if found is not None and found[0] is keys and found[1] == self._row_generation:
+                cache[id(keys)] = found  # most recently used
+                return found[2]
         rows = np.empty(len(keys), dtype=np.intp)
         for i, key in enumerate(keys):
             rep = self._get(key)
@@ -289,7 +300,10 @@ class LoadTracker:
                 rep.row = self._free_rows.pop()
                 self._mirror(rep)
             rows[i] = rep.row
-        self._rows_cache = (keys, self._row_generation, rows)
+        if type(keys) is tuple:
+            if len(cache) >= _CACHED_SEQUENCES:
+                del cache[next(iter(cache))]
+            cache[id(keys)] = (keys, self._row_generation, rows)
         return rows
 
     def columns(self, keys: Sequence[ReplicaKey]) -> LoadColumns:

@@ -383,24 +383,13 @@ class Ours:
         _, (kv, gpu, host, usable), load, _ = c
         _, prefilling, queued, decoding, context, _, engine, engine_age, _, _ = load
         if engine is None:
-            return self._terms(
-                SCALAR,
-                request,
-                kv,
-                gpu,
-                host,
-                usable,
-                queued,
-                prefilling,
-                decoding,
-                context,
-                0,
-                False,
-                0.0,
-            )
+            waiting, fresh, usage = 0, False, 0.0
+        else:
+            waiting, fresh = engine.waiting, engine_age <= self.report_max_age_s
+            usage = engine.kv_usage
         return self._terms(
             SCALAR, request, kv, gpu, host, usable, queued, prefilling, decoding, context,
-            engine.waiting, engine_age <= self.report_max_age_s, engine.kv_usage,
+            waiting, fresh, usage,
         )  # fmt: skip
 
     def terms(self, request: RouteRequest, c: Candidate) -> dict[str, float]:
@@ -461,27 +450,31 @@ class Ours:
         )
         p, q, d, k = values
         scores = self.w_prefill * p + self.w_queue * q + self.w_decode * d + self.w_kv * k
-        scores = np.where(columns.eligible, scores, np.inf)
-        best = scores.min()
-        ties = np.flatnonzero(scores == best)
-        pick = int(ties[0])
+        # the eligible candidates only, in order (masking the others with +inf would let a
+        # replica with an infinite score tie with them)
+        idx = np.flatnonzero(columns.eligible)
+        scores = scores[idx]
+        order = np.argsort(scores, kind="stable")
+        first = int(order[0])
+        ties = order[scores[order] == scores[first]].tolist()
+        pick = first
         if len(ties) > 1:  # the same tie-break as ``choose``, in the same order
             keys = columns.keys
-            tied = ties.tolist()
-            sizes = [columns.cached_blocks(keys[i]) for i in tied]
+            ties.sort()
+            sizes = [columns.cached_blocks(keys[idx[i]]) for i in ties]
             fewest = min(sizes)
-            kept = [i for i, size in zip(tied, sizes, strict=True) if size == fewest]
+            kept = [i for i, size in zip(ties, sizes, strict=True) if size == fewest]
             pick = kept[rng.randrange(len(kept))] if len(kept) > 1 else kept[0]
-        eligible = int(np.count_nonzero(columns.eligible))
-        head = np.argsort(scores, kind="stable")[: min(eligible, MAX_RANKING + 1)]
-        ranking = tuple(columns.keys[i] for i in head.tolist() if i != pick)[:MAX_RANKING]
+        head = order[: MAX_RANKING + 1].tolist()
+        ranking = tuple(columns.keys[idx[i]] for i in head if i != pick)[:MAX_RANKING]
+        at = int(idx[pick])
         return Decision(
-            replica=columns.keys[pick],
+            replica=columns.keys[at],
             policy=self.name,
-            usable_tokens=_tokens(request, int(columns.usable_blocks[pick])),
-            kv_tokens=_tokens(request, int(columns.kv_blocks[pick])),
+            usable_tokens=_tokens(request, int(columns.usable_blocks[at])),
+            kv_tokens=_tokens(request, int(columns.kv_blocks[at])),
             score=float(scores[pick]),
-            terms={name: float(v[pick]) for name, v in zip(TERM_NAMES, values, strict=True)},
+            terms={name: float(v[at]) for name, v in zip(TERM_NAMES, values, strict=True)},
             ranking=ranking,
         )
 

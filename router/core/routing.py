@@ -112,9 +112,9 @@ class RoutingEngine:
 
     ``columnar_min``: candidate lists at least this long are handed to the policy as
     :class:`CandidateColumns` when it is a :class:`ColumnarPolicy` (same decision, cost
-    nearly independent of the fleet size). Pass the same immutable ``replicas`` sequence
-    each time (e.g. a tuple kept until the fleet changes): where each replica sits in the
-    index and the load table is then looked up once, not per request."""
+    nearly independent of the fleet size). Pass ``replicas`` as the same tuple each time
+    (kept until the fleet changes): where each replica sits in the index and the load table
+    is then looked up once, not per request (other sequences are looked up each time)."""
 
     def __init__(
         self,

@@ -58,6 +58,11 @@ class ScrapedLoad:
     prefix_cache_hits: float | None = None  # cumulative prompt tokens found cached
 
 
+def unit_fraction(value: float) -> float:
+    """``value`` clamped to [0, 1]; NaN (an engine with nothing to report yet) is 0."""
+    return min(max(value, 0.0), 1.0) if not math.isnan(value) else 0.0
+
+
 def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
     """Load per dp rank; raises ValueError when the page is not Prometheus text or carries
     none of the gauges above."""
@@ -95,7 +100,7 @@ def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
         r: ScrapedLoad(
             int(running.get(r, 0)),
             int(waiting.get(r, 0)),
-            min(max(usage.get(r, 0.0), 0.0), 1.0),
+            unit_fraction(usage.get(r, 0.0)),
             queries.get(r),
             hits.get(r),
         )

@@ -232,7 +232,7 @@ class Forwarder:
 
     def _debug(self, routed: Routed, key: ReplicaKey, attempt: int) -> bytes:
         d = routed.decision
-        first = attempt == 0  # retries go to replicas whose hit was not predicted
+        first = key == d.replica  # other replicas' hits were not predicted
         return (
             f"replica={key}; policy={d.policy}; "
             f"usable_tokens={d.usable_tokens if first else 0}; "
@@ -286,7 +286,7 @@ class Forwarder:
                 if ep is None or ep.base_url in refused:
                     continue  # gone, or another DP rank of a replica that just refused
                 attempt += 1
-                if attempt > 0:
+                if key != routed.decision.replica:  # a retry: the load moves with it
                     state.load.complete(rid)
                     state.load.dispatch(rid, key, routed.request.prompt_tokens, 0)
                 head = request_head(
@@ -295,10 +295,15 @@ class Forwarder:
                 try:
                     upstream = await self.client.pool(ep.base_url).send(head, body)
                 except ConnectFailed as exc:
-                    # every DP rank of a replica listens on its one URL: all are down
-                    refused.add(ep.base_url)
-                    for other in state.registry.keys_of(key.replica):
-                        state.mark_unhealthy(other, loop.time())
+                    if exc.connected:
+                        # it took the connection and dropped the request: this rank only
+                        # (one request must not take a whole replica out of rotation)
+                        state.mark_unhealthy(key, loop.time())
+                    else:
+                        # nothing listens at the URL every DP rank of the replica shares
+                        refused.add(ep.base_url)
+                        for other in state.registry.keys_of(key.replica):
+                            state.mark_unhealthy(other, loop.time())
                     mm.outcome(key, "connect_error").inc()
                     last_error = f"replica {key} unreachable: {exc}"
                     if self._final(attempt, ranked[i + 1 :], refused):
@@ -307,6 +312,7 @@ class Forwarder:
                     continue
                 except UpstreamTimeout:
                     mm.outcome(key, "timeout").inc()
+                    state.load.complete(rid)  # booked: a cancel during the write is not counted
                     await send_error(
                         sink, 504, f"replica {key} did not answer in time", code="timeout"
                     )
@@ -329,6 +335,7 @@ class Forwarder:
                 finally:
                     upstream.release()
                 return
+            state.load.complete(rid)  # booked (see above)
             await send_error(
                 sink,
                 502 if attempt >= 0 else 503,
@@ -386,7 +393,7 @@ class Forwarder:
                     return
                 state.load.first_token(rid)
                 await sink.respond(status, headers, payload)  # the client gone: cancelled
-                self._answered(routed, key, attempt, started, status, payload, sse=False)
+                self._answered(routed, key, started, status, payload, sse=False)
                 return
             # Each piece goes out as soon as it is here, in as few writes as what is at hand
             # allows: the head alone when the replica sent no data with it yet (the client
@@ -425,14 +432,14 @@ class Forwarder:
                     tail_bytes -= len(tail.popleft())
             if not ended:  # the end came on its own, after the last data
                 await sink.end()
-            self._answered(routed, key, attempt, started, status, b"".join(tail), sse=True)
+            self._answered(routed, key, started, status, b"".join(tail), sse=True)
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             # The client went away: abort the request on the replica. A stream whose closing
             # [DONE] event the client already has is complete for it (SSE clients stop
             # reading there, often before the replica's end of the body arrives): answered,
             # not cancelled.
             if done_relayed:
-                self._answered(routed, key, attempt, started, status, b"".join(tail), sse=True)
+                self._answered(routed, key, started, status, b"".join(tail), sse=True)
             else:
                 mm.outcome(key, "cancelled").inc()
             upstream.abort()
@@ -460,7 +467,6 @@ class Forwarder:
         self,
         routed: Routed,
         key: ReplicaKey,
-        attempt: int,
         started: float,
         status: int,
         payload: bytes,
@@ -468,7 +474,7 @@ class Forwarder:
     ) -> None:
         """Book an answer the client has whole: engine feedback, the live-traffic trace, the
         outcome. ``payload``: the body, or a stream's tail."""
-        self._feedback(routed, attempt, payload, sse)
+        self._feedback(routed, key, payload, sse)
         if self.state.recorder is not None and status < 400:
             self._record(routed, started, payload, sse)
         outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
@@ -495,11 +501,11 @@ class Forwarder:
             finished_at=asyncio.get_running_loop().time(),
         )
 
-    def _feedback(self, routed: Routed, attempt: int, payload: bytes, sse: bool) -> None:
+    def _feedback(self, routed: Routed, key: ReplicaKey, payload: bytes, sse: bool) -> None:
         cached = cached_tokens_of(payload, sse)
         if cached is None:
             return
         mm = self.state.metrics.model(routed.request.model)
         mm.engine_cached_tokens.inc(cached)
-        if attempt == 0 and routed.prompt.exact:
+        if key == routed.decision.replica and routed.prompt.exact:  # the predicted replica
             mm.prediction_error.observe(routed.decision.usable_tokens - cached)

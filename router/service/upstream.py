@@ -36,7 +36,13 @@ class UpstreamError(Exception):
 
 
 class ConnectFailed(UpstreamError):
-    """No response byte came back: connection refused, reset or closed before answering."""
+    """No response byte came back: connection refused, reset or closed before answering.
+    ``connected``: a connection was made (the upstream took it, then closed it unanswered),
+    as opposed to the address refusing or not answering the connect at all."""
+
+    def __init__(self, message: str, *, connected: bool = False) -> None:
+        super().__init__(message)
+        self.connected = connected
 
 
 class UpstreamTimeout(UpstreamError, TimeoutError):
@@ -138,7 +144,7 @@ class _Conn(asyncio.Protocol):
         if self.complete:
             return
         if not self.got_bytes:
-            self._fail(ConnectFailed("connection closed before any response byte"))
+            self._fail(ConnectFailed("connection closed before any response byte", connected=True))
         elif self.head_done and not any(
             k.lower() in (b"content-length", b"transfer-encoding") for k, _ in self.headers
         ):
@@ -396,7 +402,7 @@ class Pool:
                 conn.abort()
                 raise
             return ex
-        raise ConnectFailed("connections kept closing before answering")
+        raise ConnectFailed("connections kept closing before answering", connected=True)
 
     def close(self) -> None:
         for conn in self._idle:
