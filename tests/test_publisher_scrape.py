@@ -134,3 +134,15 @@ async def test_oversized_metrics_pages_are_refused_without_reading_them_whole(ho
                 await fetch_page(session, f"http://127.0.0.1:{port}/metrics")
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("value", "taken"), [("NaN", 0.0), ("+Inf", 1.0), ("-0.3", 0.0), ("1.7", 1.0)]
+)
+def test_kv_usage_outside_the_unit_range_is_clamped(value: str, taken: float) -> None:
+    """A gauge an engine has nothing for yet reads NaN: it must not reach the router (NaN
+    compares false with everything, so no score would ever win)."""
+    page = VLLM_DP.replace(
+        'engine="1",model_name="m"} 0.25', f'engine="1",model_name="m"}} {value}'
+    )
+    assert parse_engine_metrics(page)[1] == ScrapedLoad(1, 0, taken)
