@@ -424,7 +424,7 @@ class Ours:
             _tokens(request, winner.match.usable_blocks),
             _tokens(request, winner.match.kv_blocks),
             scores[pick],
-            dict(zip(TERM_NAMES, values[pick])),  # (4 and 4: no strict= argument parsing)
+            dict(zip(TERM_NAMES, values[pick], strict=True)),
             tuple([candidates[i].replica for i in rest]),
         )
 
