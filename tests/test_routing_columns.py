@@ -110,6 +110,8 @@ def test_the_array_path_decides_as_the_per_candidate_path(seed: int) -> None:
     if rng.random() < 0.3:  # another model's replicas share the index (higher slots)
         for i in range(rng.randrange(1, 70)):
             index.store(ReplicaKey(f"other{i}"), chain[: rng.randrange(1, len(chain) + 1)])
+    if rng.random() < 0.3:  # a caller's list may name a replica twice: decided alike
+        keys = keys + keys[: rng.randrange(1, 4)]
     hybrid = rng.random() < 0.5
     settings = RoutingSettings(block_size=rng.choice([16, 64]), hybrid=hybrid, busy=_busy(rng))
     policy = Ours(
@@ -118,12 +120,18 @@ def test_the_array_path_decides_as_the_per_candidate_path(seed: int) -> None:
     per_candidate = RoutingEngine(index, load, policy, settings, columnar_min=10**9)
     arrays = RoutingEngine(index, load, policy, settings, columnar_min=1)
     tokens = len(chain) * settings.block_size + rng.randrange(0, settings.block_size)
-    for prompt_tokens in (tokens, 1, rng.randrange(1, tokens + 1)):
+    for step, prompt_tokens in enumerate((tokens, 1, rng.randrange(1, tokens + 1), tokens)):
         blocks = min(len(chain), prompt_tokens // settings.block_size)
-        request = RouteRequest("q", "m", prompt_tokens, chain[:blocks], settings.block_size)
-        assert _decide(arrays, request, keys, now, seed) == _decide(
-            per_candidate, request, keys, now, seed
-        )
+        request = RouteRequest(f"q{step}", "m", prompt_tokens, chain[:blocks], settings.block_size)
+        decided = _decide(arrays, request, keys, now, seed)
+        assert decided == _decide(per_candidate, request, keys, now, seed)
+        # the shared load moves between requests (what the array path mirrors and caches)
+        if isinstance(decided, tuple) and not isinstance(decided[0], str):
+            per_candidate.dispatched(request, decided[0], now)
+        key = rng.choice(keys)
+        load.dispatch(f"m{step}", key, rng.randrange(1, 5000), 0)
+        if rng.random() < 0.3:
+            load.set_draining(rng.choice(keys), rng.random() < 0.5)
 
 
 def test_ties_among_idle_replicas_follow_cache_size_then_the_rng() -> None:

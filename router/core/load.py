@@ -161,6 +161,7 @@ class LoadTracker:
         self._flights: dict[str, _Flight] = {}
         self._table = np.zeros((_ROWS, 0))
         self._free_rows: list[int] = []
+        self._row_of: dict[ReplicaKey, int] = {}  # the mirrored replicas' rows
         # id(keys) -> (keys, generation, rows), as PrefixIndex.slots caches slots
         self._rows_cache: dict[int, tuple[Sequence[ReplicaKey], int, np.ndarray]] = {}
         self._row_generation = 0  # bumped when a mirrored replica leaves (rows are reused)
@@ -179,6 +180,7 @@ class LoadTracker:
         if rep is not None and rep.row >= 0:
             self._table[:, rep.row] = 0.0
             self._free_rows.append(rep.row)
+            del self._row_of[key]
             self._row_generation += 1
         for rid in [r for r, f in self._flights.items() if f.replica == key]:
             del self._flights[rid]
@@ -287,18 +289,23 @@ class LoadTracker:
             if found is not None and found[0] is keys and found[1] == self._row_generation:
                 cache[id(keys)] = found  # most recently used
                 return found[2]
-        rows = np.empty(len(keys), dtype=np.intp)
-        for i, key in enumerate(keys):
+        row_of = self._row_of
+        rows = np.fromiter((row_of.get(k, -1) for k in keys), dtype=np.intp, count=len(keys))
+        for i in np.flatnonzero(rows < 0).tolist():  # not mirrored yet
+            key = keys[i]
+            row = row_of.get(key)
+            if row is not None:  # the same key earlier in ``keys``
+                rows[i] = row
+                continue
             rep = self._get(key)
-            if rep.row < 0:
-                if not self._free_rows:
-                    used = self._table.shape[1]
-                    grown = np.zeros((_ROWS, max(64, 2 * used)))
-                    grown[:, :used] = self._table
-                    self._table = grown
-                    self._free_rows.extend(range(grown.shape[1] - 1, used - 1, -1))
-                rep.row = self._free_rows.pop()
-                self._mirror(rep)
+            if not self._free_rows:
+                used = self._table.shape[1]
+                grown = np.zeros((_ROWS, max(64, 2 * used)))
+                grown[:, :used] = self._table
+                self._table = grown
+                self._free_rows.extend(range(grown.shape[1] - 1, used - 1, -1))
+            rep.row = row_of[key] = self._free_rows.pop()
+            self._mirror(rep)
             rows[i] = rep.row
         if type(keys) is tuple:
             if len(cache) >= _CACHED_SEQUENCES:
