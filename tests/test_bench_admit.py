@@ -3,31 +3,11 @@ performance is measured, not tested)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from tests.benches import bench_json
 
 
 def test_bench_admit_prints_its_figures() -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "router.cli",
-            "bench",
-            "admit",
-            "--requests",
-            "30",
-            "--rounds",
-            "2",
-            "--unique",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    result = bench_json("admit", "--requests", "30", "--rounds", "2", "--unique")
     assert result["bench"] == "admit" and result["unique_prompts"] is True
     assert result["replicas"] == 4 and result["prompt_tokens"] > 300
     for key in ("parse_us", "prompt_us", "route_us", "metrics_us", "memo_hit_us"):

@@ -3,25 +3,26 @@
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 
 import pytest
+
+from tests.benches import bench_json
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
 def test_bench_instructions_counts_kvrouter() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "bench", "instructions", "--without-peer"]
-        + ["--requests", "40", "--warmup", "10", "--connections", "2"],
-        capture_output=True,
-        text=True,
+    result = bench_json(
+        "instructions",
+        "--without-peer",
+        "--requests",
+        "40",
+        "--warmup",
+        "10",
+        "--connections",
+        "2",
         timeout=600,
-        check=True,
-    ).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    )
     assert result["bench"] == "instructions"
     assert result["kvrouter"]["failed_requests"] == 0
     # a proxied request costs far more than nothing, and far less than a second of CPU

@@ -3,21 +3,11 @@ they decided alike (figures are not asserted: performance is measured, not teste
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from tests.benches import bench_json
 
 
 def test_bench_route_prints_both_paths_and_they_agree() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "bench", "route"]
-        + ["--replicas", "3,40", "--requests", "25", "--rounds", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    result = bench_json("route", "--replicas", "3,40", "--requests", "25", "--rounds", "1")
     assert result["bench"] == "route"
     sizes = [f["replicas"] for f in result["fleets"]]
     assert sizes == [3, 40]

@@ -36,6 +36,7 @@ from operator import eq, ne
 
 import numpy as np
 
+from router.core.keycache import PerTuple
 from router.core.types import (
     NO_MATCH,
     AllCleared,
@@ -50,9 +51,6 @@ from router.core.types import (
 )
 
 _TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
-# how many replica tuples (one per model) ``PrefixIndex.slots`` and ``LoadTracker.columns``
-# remember where they sit
-CACHED_SEQUENCES = 16
 _SINK: deque[object] = deque(maxlen=0)
 _consume = _SINK.extend  # exhaust an iterator (C-level loops for bulk events)
 
@@ -125,9 +123,7 @@ class PrefixIndex:
         self._state_slots = 0
         self._last_seq: dict[ReplicaKey, int] = {}
         self._slot_generation = 0  # bumped whenever a key gets or loses a slot
-        # id(keys) -> (keys, generation, slots), for the few tuples routing passes (one per
-        # model); least recently used first
-        self._slots_cache: dict[int, tuple[Sequence[ReplicaKey], int, np.ndarray]] = {}
+        self._slots_cache: PerTuple[np.ndarray] = PerTuple()
 
     # ------------------------------------------------------------------ replicas
 
@@ -424,18 +420,11 @@ class PrefixIndex:
         :meth:`PrefixMatches.columns`. A tuple's answer is cached while no slot changes
         (routing passes each model's tuple request after request; other sequences, such as
         a gRPC Pick's candidate list, are looked up each time)."""
-        cache = self._slots_cache
-        if type(keys) is tuple:
-            found = cache.pop(id(keys), None)
-            if found is not None and found[0] is keys and found[1] == self._slot_generation:
-                cache[id(keys)] = found  # most recently used
-                return found[2]
-        get = self._slot_of.get
-        slots = np.fromiter((get(k, -1) for k in keys), dtype=np.intp, count=len(keys))
-        if type(keys) is tuple:
-            if len(cache) >= CACHED_SEQUENCES:
-                del cache[next(iter(cache))]
-            cache[id(keys)] = (keys, self._slot_generation, slots)
+        slots = self._slots_cache.get(keys, self._slot_generation)
+        if slots is None:
+            get = self._slot_of.get
+            slots = np.fromiter((get(k, -1) for k in keys), dtype=np.intp, count=len(keys))
+            self._slots_cache.put(keys, self._slot_generation, slots)
         return slots
 
     # ------------------------------------------------------------------ queries

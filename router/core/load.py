@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from router.core.keycache import PerTuple
 from router.core.types import ReplicaKey
 from router.core.xp import SCALAR, Ops
 
@@ -117,14 +118,6 @@ class _Replica:
     row: int = -1  # column of the mirror table (LoadColumns), -1: not mirrored
 
 
-# Rows of the mirror table (LoadTracker.columns): one column per mirrored replica.
-QUEUED, PREFILLING, DECODING, CONTEXT, PROMPT, WAITING, KV_USAGE, ENGINE_AT, HEALTHY, DRAINING = (
-    range(10)
-)
-_ROWS = 10
-_CACHED_SEQUENCES = 16  # replica tuples (one per model) whose rows are remembered
-
-
 class LoadColumns(NamedTuple):
     """The load of several replicas as arrays (one element per replica, in the order asked
     for): what ``LoadView`` holds, for scoring a large fleet with array operations.
@@ -149,6 +142,11 @@ class LoadColumns(NamedTuple):
         return total
 
 
+# the mirror table (LoadTracker.columns) holds one row per LoadColumns field, in that order,
+# and one column per mirrored replica
+_ROWS = len(LoadColumns._fields)
+
+
 class LoadTracker:
     """In-flight accounting per replica. Unknown request ids are ignored (idempotent).
 
@@ -162,8 +160,7 @@ class LoadTracker:
         self._table = np.zeros((_ROWS, 0))
         self._free_rows: list[int] = []
         self._row_of: dict[ReplicaKey, int] = {}  # the mirrored replicas' rows
-        # id(keys) -> (keys, generation, rows), as PrefixIndex.slots caches slots
-        self._rows_cache: dict[int, tuple[Sequence[ReplicaKey], int, np.ndarray]] = {}
+        self._rows_cache: PerTuple[np.ndarray] = PerTuple()
         self._row_generation = 0  # bumped when a mirrored replica leaves (rows are reused)
 
     def _get(self, key: ReplicaKey) -> _Replica:
@@ -282,13 +279,10 @@ class LoadTracker:
 
     def _rows(self, keys: Sequence[ReplicaKey]) -> np.ndarray:
         """Mirror-table columns of ``keys`` (mirroring replicas not mirrored yet). A tuple's
-        answer is cached while no mirrored replica leaves (see ``PrefixIndex.slots``)."""
-        cache = self._rows_cache
-        if type(keys) is tuple:
-            found = cache.pop(id(keys), None)
-            if found is not None and found[0] is keys and found[1] == self._row_generation:
-                cache[id(keys)] = found  # most recently used
-                return found[2]
+        answer is remembered while no mirrored replica leaves (router/core/keycache.py)."""
+        cached = self._rows_cache.get(keys, self._row_generation)
+        if cached is not None:
+            return cached
         row_of = self._row_of
         rows = np.fromiter((row_of.get(k, -1) for k in keys), dtype=np.intp, count=len(keys))
         for i in np.flatnonzero(rows < 0).tolist():  # not mirrored yet
@@ -307,10 +301,7 @@ class LoadTracker:
             rep.row = row_of[key] = self._free_rows.pop()
             self._mirror(rep)
             rows[i] = rep.row
-        if type(keys) is tuple:
-            if len(cache) >= _CACHED_SEQUENCES:
-                del cache[next(iter(cache))]
-            cache[id(keys)] = (keys, self._row_generation, rows)
+        self._rows_cache.put(keys, self._row_generation, rows)
         return rows
 
     def columns(self, keys: Sequence[ReplicaKey]) -> LoadColumns:

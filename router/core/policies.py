@@ -78,15 +78,19 @@ def _decide(
     score: float,
     terms: Mapping[str, float] | None = None,
 ) -> Decision:
+    """The decision for ``ranked[0]``, the others as its ranking. ``terms`` becomes the
+    decision's own (callers pass a dict they built for it). Runs once per request: built
+    positionally, the ranking from a list."""
     best = ranked[0]
+    match = best.match
     return Decision(
-        replica=best.replica,
-        policy=name,
-        usable_tokens=_tokens(request, best.match.usable_blocks),
-        kv_tokens=_tokens(request, best.match.kv_blocks),
-        score=score,
-        terms=dict(terms or {}),
-        ranking=tuple(c.replica for c in ranked[1:]),
+        best.replica,
+        name,
+        _tokens(request, match.usable_blocks),
+        _tokens(request, match.kv_blocks),
+        score,
+        terms if terms is not None else {},
+        tuple([c.replica for c in ranked[1:]]),
     )
 
 
@@ -402,31 +406,21 @@ class Ours:
         term_values = self.term_values
         values = [term_values(request, c) for c in candidates]
         scores = [wp * p + wq * q + wd * d + wk * k for p, q, d, k in values]
-        if len(scores) == 1:
-            pick, rest = 0, []
-        else:
-            order = sorted(range(len(scores)), key=scores.__getitem__)
-            pick = order[0]
-            best = scores[pick]
-            if scores[order[1]] == best:
-                # Exact ties (typically idle replicas without a match): the one with the
-                # smallest cache takes the new prefix, so it evicts least; the rng breaks
-                # remaining ties.
-                ties = [i for i in order if scores[i] == best]
-                fewest = min(candidates[i].cached_blocks for i in ties)
-                ties = [i for i in ties if candidates[i].cached_blocks == fewest]
-                pick = ties[rng.randrange(len(ties))] if len(ties) > 1 else ties[0]
-            rest = [i for i in order if i != pick]
-        winner = candidates[pick]
-        return Decision(
-            winner.replica,
-            self.name,
-            _tokens(request, winner.match.usable_blocks),
-            _tokens(request, winner.match.kv_blocks),
-            scores[pick],
-            dict(zip(TERM_NAMES, values[pick], strict=True)),
-            tuple([candidates[i].replica for i in rest]),
-        )
+        order = sorted(range(len(scores)), key=scores.__getitem__)
+        pick = order[0]
+        best = scores[pick]
+        if len(order) > 1 and scores[order[1]] == best:
+            # Exact ties (typically idle replicas without a match): the one with the smallest
+            # cache takes the new prefix, so it evicts least; the rng breaks remaining ties.
+            ties = [i for i in order if scores[i] == best]
+            fewest = min(candidates[i].cached_blocks for i in ties)
+            ties = [i for i in ties if candidates[i].cached_blocks == fewest]
+            pick = ties[rng.randrange(len(ties))] if len(ties) > 1 else ties[0]
+            order.remove(pick)
+            order.insert(0, pick)
+        ranked = [candidates[i] for i in order]
+        terms = dict(zip(TERM_NAMES, values[pick], strict=True))
+        return _decide(self.name, request, ranked, scores[pick], terms)
 
     def choose_columns(
         self, request: RouteRequest, columns: CandidateColumns, now: float, rng: random.Random

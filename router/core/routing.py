@@ -88,7 +88,7 @@ def filter_candidates(
         raise NoReplicaAvailable("no healthy replica is available")
     if not busy.enabled:
         return up
-    free = [(r, v) for r, v in up if not busy.busy(v)]  # (busy: a bool for one view)
+    free = [(r, v) for r, v in up if not busy.busy(v)]
     if free:
         return free
     if busy.reject_when_all_busy:

@@ -302,7 +302,7 @@ class Forwarder:
                     else:
                         # nothing listens at the URL every DP rank of the replica shares
                         refused.add(ep.base_url)
-                        for other in state.registry.keys_of(key.replica):
+                        for other in state.registry.find(key.replica):
                             state.mark_unhealthy(other, loop.time())
                     mm.outcome(key, "connect_error").inc()
                     last_error = f"replica {key} unreachable: {exc}"

@@ -74,11 +74,6 @@ class ReplicaRegistry:
         """The model's keys; the same tuple object until the model's replicas change."""
         return self._by_model.get(model, ())
 
-    def keys_of(self, name: str) -> list[ReplicaKey]:
-        """The keys (DP ranks) of replica ``name``; empty if it is unknown."""
-        replica = self._by_name.get(name)
-        return [ReplicaKey(name, rank) for rank in range(replica.dp_ranks)] if replica else []
-
     def endpoint(self, key: ReplicaKey) -> Endpoint | None:
         return self._endpoints.get(key)
 
