@@ -1,6 +1,9 @@
-"""Message-local chat templates: the static analysis accepts exactly the templates whose
-prefix text never changes, the instrumented render equals the original, and the processor's
-incremental path (render and tokenize only new messages) equals a cold render + tokenize."""
+"""Incrementally rendered chat templates: the static analysis refuses what the render can
+not observe, the instrumented render equals the original, resuming a render where an earlier
+one said it may equals rendering whole (message-local templates resume after every message;
+templates with namespace state and looks at other messages, such as Kimi-K3's, resume where
+the text stopped depending on the conversation's end), and the processor's incremental path
+(render and tokenize only new messages) equals a cold render + tokenize."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from router.tokenize.template import ChatTemplate, _environment, prepare_message
 from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
 
 KIMI_SOURCE = (BUNDLED_DIR / "kimi_style" / "chat_template.jinja").read_text(encoding="utf-8")
+K3_SOURCE = (BUNDLED_DIR / "kimi_k3_style" / "chat_template.jinja").read_text(encoding="utf-8")
 
 LOCAL = {
     "kimi": KIMI_SOURCE,
@@ -70,29 +74,9 @@ NOT_LOCAL = {
     ),
     "loop_last": "{% for message in messages %}{{ message.content }}{% if loop.last %}!{% endif %}"
     "{% endfor %}",
-    "read_before_set": (
-        "{%- for message in messages %}{{ r }}{%- set r = message.role %}{%- endfor %}"
-    ),
-    "conditional_set": (
-        "{%- for message in messages %}{% if message.role == 'user' %}{% set r = 1 %}{% endif %}"
-        "{{ r }}{%- endfor %}"
-    ),
-    "namespace_in_body": (
-        "{%- set ns = namespace(n=0) %}{%- for message in messages %}"
-        "{% set ns.n = ns.n + 1 %}{{ ns.n }}{%- endfor %}"
-    ),
     "break": (
         "{%- for message in messages %}{{ message.content }}"
         "{% if message.role == 'tool' %}{% break %}{% endif %}{%- endfor %}"
-    ),
-    "reads_the_last_message": (
-        "{%- for message in messages %}{{ messages[-1].role }}{{ message.content }}{%- endfor %}"
-    ),
-    "peeks_at_neighbours": (
-        "{%- for message in messages %}{{ messages[loop.index0 - 1].role }}{%- endfor %}"
-    ),
-    "head_reads_length": (
-        "{{ messages|length }}{%- for message in messages %}{{ message.content }}{%- endfor %}"
     ),
     "two_loops": (
         "{%- for message in messages %}{{ message.role }}{%- endfor %}"
@@ -114,11 +98,6 @@ NOT_LOCAL = {
         "{% for m in messages %}{% for x in [1, 2] if loop.length == 1 %}{{ x }}{% endfor %}"
         "{{ m.content }};{% endfor %}"
     ),
-    "macro_hidden_in_head_if": (
-        "{% set ns = namespace(n=0) %}{% if true %}{% macro count() %}{% set ns.n = ns.n + 1 %}"
-        "{{ ns.n }}{% endmacro %}{% endif %}"
-        "{% for m in messages %}{{ count() }}:{{ m.content }};{% endfor %}"
-    ),
     "self_block_in_tail": (
         "{% for m in messages %}{{ self.b() }}{{ m.content }};{% endfor %}"
         "{% block b %}[{{ messages|length }}]{% endblock %}"
@@ -130,14 +109,70 @@ NOT_LOCAL = {
     "reserved_name_in_head": (
         "{{ __kvrouter_start }}{% for m in messages %}{{ m.content }};{% endfor %}"
     ),
+}
+
+
+# Accepted, with state or reads of other messages that the render observes: resuming must
+# still equal rendering whole.
+STATEFUL = {
+    "kimi_k3_style": K3_SOURCE,
+    "read_before_set": (
+        "{%- for message in messages %}{{ r }}{%- set r = message.role %}{%- endfor %}"
+    ),
+    "conditional_set": (
+        "{%- for message in messages %}{% if message.role == 'user' %}{% set r = 1 %}{% endif %}"
+        "{{ r }}{%- endfor %}"
+    ),
+    "namespace_in_body": (
+        "{%- set ns = namespace(n=0) %}{%- for message in messages %}"
+        "{% set ns.n = ns.n + 1 %}{{ ns.n }}{%- endfor %}"
+    ),
+    "reads_the_last_message": (
+        "{%- for message in messages %}{{ messages[-1].role }}{{ message.content }}{%- endfor %}"
+    ),
+    "peeks_at_neighbours": (
+        "{%- for message in messages %}{{ messages[loop.index0 - 1].role }}{%- endfor %}"
+    ),
+    "head_reads_length": (
+        "{{ messages|length }}{%- for message in messages %}{{ message.content }}{%- endfor %}"
+    ),
+    "macro_hidden_in_head_if": (
+        "{% set ns = namespace(n=0) %}{% if true %}{% macro count() %}{% set ns.n = ns.n + 1 %}"
+        "{{ ns.n }}{% endmacro %}{% endif %}"
+        "{% for m in messages %}{{ count() }}:{{ m.content }};{% endfor %}"
+    ),
     "macro": (
         "{% macro r(m) %}{{ m.content }}{% endmacro %}"
         "{%- for message in messages %}{{ r(message) }}{%- endfor %}"
     ),
+    "tool_run_scan": (
+        "{%- for m in messages %}{%- if m.role == 'tool' %}"
+        "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_system|>run:"
+        "{%- for o in messages[loop.index0:] %}{%- if o.role != 'tool' %}{% break %}{% endif %}"
+        "{{ o.content }};{%- endfor %}{%- endif %}"
+        "{%- else %}<|im_user|>{{ m.content }}{%- endif %}{%- endfor %}"
+    ),
+    "counter_in_macro": (
+        "{%- macro tick(s) %}{%- set s.n = s.n + 1 %}{{ s.n }}{%- endmacro %}"
+        "{%- set st = namespace(n=0, last=none) %}{%- for m in messages %}"
+        "<|im_user|>{{ tick(st) }}:{{ st.last }}:{{ m.content }}{%- set st.last = m.role %}"
+        "{%- endfor %}<|im_assistant|>{{ st.n }}"
+    ),
+    "namespace_nested_in_namespace": (
+        "{%- set outer = namespace(inner=namespace(k=0)) %}{%- for m in messages %}"
+        "{%- set inner = outer.inner %}{%- set inner.k = inner.k + (m.content or '')|length %}"
+        "<|im_user|>{{ inner.k }}{%- endfor %}"
+    ),
 }
 
+# accepted, but its render fails on the tracked ``messages`` (tojson can not serialise it)
+TOJSON_OF_MESSAGES = (
+    "{%- for m in messages %}<|im_user|>{{ m.content }}"
+    "{%- if m.role == 'system' %}{{ messages|tojson|length }}{% endif %}{%- endfor %}"
+)
+
 _text = st.lists(
-    st.sampled_from(list("ab xyz\n\t,.0123") + ["é", "漢字", "🙂", "<|im_end|>", "<|"]),
+    st.sampled_from(list("ab xyz\n\t,.0123") + ["é", "漢字", "🙂", "<|im_end|>", "<|", "<image>"]),
     max_size=30,
 ).map("".join)
 _message = st.one_of(
@@ -159,39 +194,99 @@ _message = st.one_of(
 )
 
 
-@pytest.mark.parametrize("name", sorted(LOCAL))
-def test_local_templates_are_recognised(name: str) -> None:
-    assert analyze(_environment(), LOCAL[name]) is not None
+@pytest.mark.parametrize("name", sorted(LOCAL) + sorted(STATEFUL))
+def test_incremental_templates_are_recognised(name: str) -> None:
+    assert analyze(_environment(), {**LOCAL, **STATEFUL}[name]) is not None
 
 
 @pytest.mark.parametrize("name", sorted(NOT_LOCAL))
-def test_templates_with_cross_message_state_are_rejected(name: str) -> None:
+def test_templates_the_render_can_not_observe_are_rejected(name: str) -> None:
     assert analyze(_environment(), NOT_LOCAL[name]) is None
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(messages=st.lists(_message, min_size=1, max_size=7), gen=st.booleans())
-@pytest.mark.parametrize("name", sorted(LOCAL))
-def test_render_from_any_message_continues_the_prefix_text(
+_tool_run = st.lists(
+    st.builds(
+        lambda t, i: {"role": "tool", "tool_call_id": f"c{i}", "content": t},
+        _text,
+        st.integers(1, 2),
+    ),
+    min_size=1,
+    max_size=3,
+)
+_conversation = st.lists(
+    st.one_of(_message.map(lambda m: [m]), _tool_run), min_size=1, max_size=5
+).map(lambda groups: [m for g in groups for m in g])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages=_conversation, gen=st.booleans())
+@pytest.mark.parametrize("name", sorted(LOCAL) + sorted(STATEFUL))
+def test_resuming_a_render_equals_rendering_whole(
     name: str, messages: list[dict[str, Any]], gen: bool
 ) -> None:
-    template = ChatTemplate.build(LOCAL[name])
+    template = ChatTemplate.build({**LOCAL, **STATEFUL}[name])
     local = template.local_for(None)
     assert local is not None
     prepared = prepare_messages(messages)
-    full = template.render(prepared, add_generation_prompt=gen)
-    whole = template.render_parts(local, prepared, 0, add_generation_prompt=gen)
-    assert whole.head + whole.bodies + whole.tail == full
-    for start in range(1, len(messages) + 1):
-        # the prefix conversation on its own: the original template's text is head + bodies
-        # + its own tail, and head + bodies is what a continuation starts with
-        before = template.render_parts(local, prepared[:start], 0, add_generation_prompt=gen)
+    for n in range(1, len(messages) + 1):
+        # the conversation's first n messages, as an earlier turn: rendered whole, it is the
+        # original template's text and says where a longer conversation may resume
+        before = template.render_parts(local, prepared[:n], 0, add_generation_prompt=gen)
         assert before.head + before.bodies + before.tail == template.render(
-            prepared[:start], add_generation_prompt=gen
+            prepared[:n], add_generation_prompt=gen
         )
-        parts = template.render_parts(local, prepared, start, add_generation_prompt=gen)
-        assert parts.head == whole.head
-        assert before.head + before.bodies + parts.bodies + parts.tail == full
+        resume = before.resume
+        if name in LOCAL:
+            assert resume is not None and resume.start == n  # nothing depends on the end
+        if resume is None:  # the head depended on the conversation's length
+            assert name == "head_reads_length"
+            continue
+        assert 0 <= resume.start <= n
+        for m in range(n, len(messages) + 1):
+            parts = template.render_parts(
+                local, prepared[:m], resume.start, state=resume.state, add_generation_prompt=gen
+            )
+            assert parts.head == before.head
+            text = before.head + before.bodies[: resume.offset] + parts.bodies + parts.tail
+            assert text == template.render(prepared[:m], add_generation_prompt=gen)
+            # and a render that resumed says where the next one may resume
+            again = parts.resume
+            assert again is not None and again.start >= resume.start
+            if m < len(messages):
+                last = template.render_parts(
+                    local, prepared, again.start, state=again.state, add_generation_prompt=gen
+                )
+                head = text[: len(before.head) + resume.offset + again.offset]
+                assert head + last.bodies + last.tail == template.render(
+                    prepared, add_generation_prompt=gen
+                )
+
+
+def test_kimi_k3_style_resumes_at_an_open_tool_run() -> None:
+    """A tool run at the end of the conversation may still grow: the next render starts at
+    the run's first result (rendered in the order of the calls), with the counters kept."""
+    template = ChatTemplate.build(K3_SOURCE)
+    local = template.local_for(None)
+    assert local is not None
+    calls = [
+        {"id": c, "type": "function", "function": {"name": f, "arguments": "{}"}}
+        for c, f in (("a", "f"), ("b", "g"))
+    ]
+    history = prepare_messages(
+        [
+            {"role": "user", "content": "look <image>"},
+            {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "b", "content": "B"},
+        ]
+    )
+    parts = template.render_parts(local, history, 0)
+    assert parts.resume is not None and parts.resume.start == 2
+    more = [*history, *prepare_messages([{"role": "tool", "tool_call_id": "a", "content": "A"}])]
+    cont = template.render_parts(local, more, 2, state=parts.resume.state)
+    assert cont.bodies.index("f#1") < cont.bodies.index("g#2")  # reordered by the calls
+    assert parts.head + parts.bodies[: parts.resume.offset] + cont.bodies + cont.tail == (
+        template.render(more)
+    )
 
 
 # ---------------------------------------------------------------------------- the processor
@@ -232,10 +327,11 @@ _SYSTEM = {"role": "system", "content": "Keep answers short. " * 1000}  # over M
     turns=st.lists(st.lists(_message, min_size=0, max_size=3), min_size=1, max_size=3),
     tools=st.booleans(),
 )
+@pytest.mark.parametrize("source", ["kimi", "kimi_k3_style"])
 def test_incremental_local_path_equals_cold(
-    history: list[dict[str, Any]], turns: list[list[dict[str, Any]]], tools: bool
+    source: str, history: list[dict[str, Any]], turns: list[list[dict[str, Any]]], tools: bool
 ) -> None:
-    proc = _processor()
+    proc = _processor(None if source == "kimi" else K3_SOURCE)
     assert proc.tokenizer is not None
     messages: list[dict[str, Any]] = [_SYSTEM, *history]
     body: dict[str, Any] = {"model": "m"}
@@ -248,9 +344,69 @@ def test_incremental_local_path_equals_cold(
         n, hashes = _cold(proc, body)
         assert got.prompt_tokens == n
         assert got.block_hashes == hashes
-    # every later turn extended the previous one (the Kimi-style template is local, and its
-    # generation prompt and message headers start with special tokens)
+    # every later turn extended the previous one (both templates render incrementally, and
+    # their generation prompts and message headers start with special tokens)
     assert proc.tokenizer.hits == len(turns)
+
+
+def test_kimi_k3_style_agentic_session_reuses_each_turn() -> None:
+    """An agent loop on the Kimi-K3-style template: every turn renders and tokenizes only
+    from the last open tool run on, and stays exact."""
+    proc = _processor(K3_SOURCE)
+    assert proc.tokenizer is not None
+    messages: list[dict[str, Any]] = [_SYSTEM, {"role": "user", "content": "fix the bug <image>"}]
+    previous = messages
+    for turn in range(6):
+        calls = [
+            {"id": f"t{turn}-{j}", "type": "function", "function": {"name": "run", "arguments": {}}}
+            for j in range(2)
+        ]
+        messages = [
+            *messages,
+            {"role": "assistant", "content": f"step {turn}", "tool_calls": calls},
+            *(
+                {"role": "tool", "tool_call_id": c["id"], "content": f"out {turn} " * 200}
+                for c in reversed(calls)
+            ),
+        ]
+        got = proc.chat({"model": "m", "messages": messages})
+        assert (got.prompt_tokens, got.block_hashes) == _cold(
+            proc, {"model": "m", "messages": messages}
+        )
+        if turn:
+            # everything before the previous turn's tool run (which could still have grown,
+            # so it is rendered again) came from the cache
+            before_run = {"model": "m", "messages": previous[:-2], "add_generation_prompt": False}
+            assert got.reused_tokens == _cold(proc, before_run)[0]
+        previous = messages
+    assert proc.tokenizer.hits == 5
+
+
+def test_template_whose_instrumented_render_fails_is_rendered_whole() -> None:
+    proc = _processor(TOJSON_OF_MESSAGES)
+    assert proc.template is not None and proc.template.local_for(None) is not None
+    messages: list[dict[str, Any]] = [_SYSTEM]
+    for i in range(3):
+        messages = [*messages, {"role": "user", "content": f"more {i}"}]
+        got = proc.chat({"model": "m", "messages": messages})
+        assert (got.prompt_tokens, got.block_hashes) == _cold(
+            proc, {"model": "m", "messages": messages}
+        )
+    assert proc.template.local_for(None) is None  # not tried again
+
+
+def test_head_that_reads_the_length_is_exact_without_reuse() -> None:
+    source = STATEFUL["head_reads_length"].replace(
+        "{{ message.content }}", "<|im_user|>{{ message.content }}"
+    )
+    proc = _processor(source)
+    messages: list[dict[str, Any]] = [_SYSTEM]
+    for i in range(3):
+        messages = [*messages, {"role": "user", "content": f"more {i}"}]
+        got = proc.chat({"model": "m", "messages": messages})
+        assert (got.prompt_tokens, got.block_hashes) == _cold(
+            proc, {"model": "m", "messages": messages}
+        )
 
 
 def test_reuse_skips_rendering_the_history() -> None:

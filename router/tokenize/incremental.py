@@ -86,8 +86,10 @@ class _Entry:
 
 @dataclass(slots=True)
 class _LocalEntry:
-    """A conversation rendered with a message-local template (router.tokenize.local_template):
-    ``tokens[:loop_idx]`` are exactly the ids of ``head + bodies`` of ``messages``."""
+    """A conversation rendered with an incrementally renderable template
+    (router.tokenize.local_template): ``tokens[:loop_idx]`` are exactly the ids of ``head`` and
+    the bodies of ``messages[:resume]``; a render of a longer conversation starts at message
+    ``resume`` with the template's namespaces set to ``state``."""
 
     messages: list[Mapping[str, Any]]  # as the client sent them (compared on reuse)
     prepared: list[Mapping[str, Any]]  # as the template saw them (reused)
@@ -97,6 +99,8 @@ class _LocalEntry:
     loop_idx: int
     hashes: dict[tuple[int, int], list[int]]
     nbytes: int
+    resume: int
+    state: tuple[Any, ...]
 
 
 def same_json(a: Any, b: Any) -> bool:
@@ -129,11 +133,17 @@ class LocalPrefix:
     """A cached conversation prefix a new request extends (from :meth:`probe_local`)."""
 
     entry: _LocalEntry
-    start: int  # messages[:start] are the cached ones
+    start: int  # the bodies of messages[:start] are cached; a render starts there
 
     @property
     def prepared(self) -> list[Mapping[str, Any]]:
-        return self.entry.prepared
+        """The cached messages before ``start``, as the template saw them."""
+        return self.entry.prepared[: self.start]
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """The template's namespaces at message ``start``."""
+        return self.entry.state
 
 
 _EMPTY: TokenArray = np.zeros(0, dtype=np.uint32)
@@ -408,7 +418,7 @@ class IncrementalTokenizer:
                     )
                 ):
                     self._entries.move_to_end(key)
-                    return LocalPrefix(entry, k)
+                    return LocalPrefix(entry, entry.resume)
         return None
 
     def encode_local(
@@ -420,37 +430,57 @@ class IncrementalTokenizer:
     ) -> tuple[Encoded, int] | None:
         """Tokens and block hashes of ``head + bodies + tail``, where ``parts`` was rendered
         from message ``prefix.start`` on (0 and ``prefix`` None: the whole conversation).
-        Returns the result and the token index where the tail starts (-1: unknown, the entry
-        cannot be extended), or None when ``prefix`` can not be used exactly (the caller
-        renders whole)."""
+        Returns the result and the token index where the body of ``parts.resume.start``
+        starts (-1: unknown, the entry cannot be extended), or None when ``prefix`` can not
+        be used exactly (the caller renders whole).
+
+        Pieces are tokenized apart only where the second starts with a special token (the
+        tokenizer contract that makes that exact); elsewhere the resume point is dropped."""
         t0 = time.perf_counter()
         special = self.splitter.pattern
-        tail_ids = None
-        if not parts.tail:
-            tail_ids = _EMPTY
-        elif special is not None and special.match(parts.tail):
-            tail_ids = self.tokenizer.encode_segment(parts.tail)
+
+        def separable(text: str) -> bool:
+            return not text or (special is not None and special.match(text) is not None)
+
+        resume = parts.resume
+        offset = len(parts.bodies) if resume is None else resume.offset
+        # what a later render re-renders: the bodies from the resume point, and the tail
+        rest = parts.bodies[offset:] + parts.tail
+        rest_ids = None
+        if not rest:
+            rest_ids = _EMPTY
+        elif separable(rest):
+            rest_ids = self.tokenizer.encode_segment(rest)
         reused = 0
         base_hashes: list[int] | None = None
         if prefix is not None:
             entry = prefix.entry
-            if parts.head != entry.head or tail_ids is None:
+            if parts.head != entry.head or not separable(parts.tail):
                 return None
-            if parts.bodies and (special is None or not special.match(parts.bodies)):
+            if not separable(parts.bodies):
                 return None
-            bodies = self.encode_text(parts.bodies) if parts.bodies else _EMPTY
             reused = entry.loop_idx
-            tokens = np.concatenate([entry.tokens[:reused], bodies, tail_ids])
-            loop_idx = reused + len(bodies)
+            done = parts.bodies[:offset]
+            if rest_ids is not None and separable(parts.bodies[offset:]):
+                done_ids = self.encode_text(done) if done else _EMPTY
+                tokens = np.concatenate([entry.tokens[:reused], done_ids, rest_ids])
+                loop_idx = reused + len(done_ids)
+            else:  # the resume point is not at a special token: one piece, no resume
+                tail_ids = self.tokenizer.encode_segment(parts.tail) if parts.tail else _EMPTY
+                bodies = self.encode_text(parts.bodies) if parts.bodies else _EMPTY
+                tokens = np.concatenate([entry.tokens[:reused], bodies, tail_ids])
+                loop_idx = -1
             full = entry.hashes.get((root, block_size))
             base_hashes = full[: reused // block_size] if full is not None else None
         else:
             tokens = self.encode_text(parts.head + parts.bodies + parts.tail)
             loop_idx = -1
-            if tail_ids is not None and len(tail_ids) <= len(tokens):
-                at = len(tokens) - len(tail_ids)
-                if np.array_equal(tokens[at:], tail_ids):
+            if rest_ids is not None and len(rest_ids) <= len(tokens):
+                at = len(tokens) - len(rest_ids)
+                if np.array_equal(tokens[at:], rest_ids):
                     loop_idx = at
+        if resume is None:
+            loop_idx = -1
         return self._finish(tokens, base_hashes, reused, root, block_size, t0), loop_idx
 
     def remember_local(
@@ -459,7 +489,7 @@ class IncrementalTokenizer:
         messages: Sequence[Mapping[str, Any]],
         prepared: Sequence[Mapping[str, Any]],
         context: tuple[Any, ...],
-        head: str,
+        parts: RenderedParts,
         encoded: Encoded,
         loop_idx: int,
         root: int,
@@ -468,7 +498,8 @@ class IncrementalTokenizer:
     ) -> None:
         """Keep a conversation for :meth:`probe_local` (``chars``: its content length, for
         the byte budget; the message strings are shared with the request, not copied)."""
-        if loop_idx < 0 or self.budget_bytes <= 0:
+        resume = parts.resume
+        if loop_idx < 0 or resume is None or self.budget_bytes <= 0:
             return
         nbytes = 2 * chars + 200 * len(messages) + encoded.tokens.nbytes
         nbytes += 40 * len(encoded.hashes) + 512
@@ -476,10 +507,12 @@ class IncrementalTokenizer:
             list(messages),
             list(prepared),
             context,
-            head,
+            parts.head,
             encoded.tokens,
             loop_idx,
             {(root, block_size): encoded.hashes},
             nbytes,
+            resume.start,
+            resume.state,
         )
         self._store(key, entry)

@@ -1,35 +1,45 @@
-"""Message-local chat templates: render only the messages a conversation added.
+"""Chat templates rendered from the middle of the conversation: only the messages a
+conversation added since a cached render are rendered again.
 
-Most chat templates are one loop over ``messages`` whose body renders a message from that
-message alone (ChatML, Kimi, Llama-style role headers). For such a template the rendered
-prompt is ``HEAD + BODY(m0, 0) + ... + BODY(mn, n) + TAIL`` and the text of a prefix of the
-conversation never changes when messages are appended, so a new turn of a long agentic session
-only needs ``BODY`` of its new messages and ``TAIL``: rendering cost no longer grows with the
-history (554 messages: ~3.5 ms for the whole template, ~0.05 ms for the new turn).
+Most chat templates are one loop over ``messages`` whose body renders one message (ChatML,
+Kimi, Llama-style role headers). The rendered prompt is then ``HEAD + BODY(0) + ... + BODY(n)
++ TAIL``, and the bodies of a prefix of the conversation do not change when messages are
+appended, so a new turn of a long agentic session only needs ``BODY`` of its new messages and
+``TAIL``: rendering cost no longer grows with the history (554 messages: ~3.5 ms for the whole
+template, ~0.05 ms for the new turn).
 
-:func:`analyze` proves that property from the template's Jinja AST, conservatively: any
-construct it does not understand makes the template non-local, and the caller renders it whole
-(always correct, just slower). A template is local when
+Some templates carry state from message to message or look at other messages (Kimi-K3's
+counts images and tool results in a ``namespace``, renders a run of tool results at its first
+message, and looks back at the previous message's role). Those are rendered incrementally too:
+the render records the namespaces at each message's start and notes the first message whose
+text depended on where the conversation ends (router.tokenize.render_state); a later render
+restores the state there and renders from that message on.
+
+:func:`analyze` accepts a template from its Jinja AST, conservatively: any construct it does
+not understand makes it refuse, and the caller renders the template whole (always correct,
+just slower). A template is accepted when
 
 * its top level holds exactly one ``for <name> in messages`` loop (no ``else``, filter or
   ``recursive``), and ``messages`` is never assigned;
-* the statements before the loop read ``messages`` only as ``messages[0]`` (the cached prefix
-  always contains it), so ``HEAD`` is the same for every continuation of a conversation;
-* the loop body reads only: the message, ``messages[0]`` (Kimi's templates test its role on
-  the first iteration), ``loop.first`` / ``loop.index`` / ``loop.index0`` (rewritten to count
-  from the first rendered message), names it assigns itself
-  unconditionally before reading them, and inputs the template never assigns (``tools``,
-  ``bos_token``, template kwargs, pure globals); it has no ``break`` of the message loop, no
-  namespace assignment, macro, call block, include, import or block, and nothing whose output
-  changes between calls (``strftime_now``, ``lipsum``, the ``random`` filter).
+* the loop body uses only ``loop.first`` / ``loop.index`` / ``loop.index0`` of its loop
+  (rewritten to count from the conversation's first message), never the loop object as a
+  value, and has no ``break`` of the message loop;
+* nothing in the loop body or in any macro changes between calls (``strftime_now``,
+  ``lipsum``, the ``random`` filter) or reaches the template object (``self``); there is no
+  include, import, block, call block, namespace-free state such as ``{% set x %}`` blocks in
+  the loop body, or use of the instrumentation's reserved names.
 
-The statements after the loop (usually the generation prompt) are rendered every time with
-the whole conversation, so they may read anything.
+Everything else is observed while rendering: reads of ``messages`` anywhere (a read that
+depends on the conversation's length before the loop makes the render non-reusable) and
+namespace state. The statements after the loop (usually the generation prompt) are rendered
+every time, so they may read anything.
 
-:class:`LocalTemplate` is the instrumented form: the loop iterates ``messages[start:]`` and the
-output carries two per-process random marks around the loop, from which :meth:`render_parts`
-splits ``(head, bodies, tail)``. ``render_parts(..., start=0)`` joined is exactly the original
-template's output (tests/test_tokenize_local.py checks it on every bundled and test template).
+:class:`LocalTemplate` is the instrumented form: the loop iterates ``messages[start:]``, the
+output carries per-process random marks around the loop and at each message, and
+:meth:`~LocalTemplate.render_parts` splits ``(head, bodies, tail)`` and says where a later
+render may resume (:class:`Resume`). ``render_parts(..., start=0)`` joined is exactly the
+original template's output (tests/test_tokenize_local.py checks it on every bundled and test
+template, and that resuming equals rendering whole).
 """
 
 from __future__ import annotations
@@ -43,9 +53,13 @@ import jinja2
 from jinja2 import nodes
 from jinja2.visitor import NodeTransformer
 
+from router.tokenize.render_state import Recorder, TrackedMessages
+
 _START = "__kvrouter_start"
-_MARK = "__kvrouter_mark"
-_MARK_END = "__kvrouter_mark_end"
+_LIST = "__kvrouter_list"  # the plain list the message loop iterates
+_RESUME = "__kvrouter_resume"
+_AT = "__kvrouter_at"
+_END = "__kvrouter_end"
 _LOOP_ATTRS = frozenset({"first", "index", "index0"})
 # Globals and filters whose output is not a function of their arguments: a cached body would
 # keep an old date or draw.
@@ -53,10 +67,9 @@ _IMPURE_NAMES = frozenset({"strftime_now", "lipsum"})
 _IMPURE_FILTERS = frozenset({"random", "shuffle"})
 # filters that apply another filter or test named by their first argument
 _BY_NAME = frozenset({"map", "select", "reject", "selectattr", "rejectattr"})
-# Anywhere in the template: a macro or block can carry state between messages (through a
-# namespace or ``self``) and is called from the loop body.
+# Anywhere in the template: what reaches other templates or the template object, whose
+# effects the render cannot observe.
 _REJECTED_ANYWHERE = (
-    nodes.Macro,
     nodes.CallBlock,
     nodes.Include,
     nodes.Import,
@@ -64,10 +77,10 @@ _REJECTED_ANYWHERE = (
     nodes.Extends,
     nodes.Block,
 )
-# Statements that may hide cross-message state or unknown control flow (in the loop body).
+# Statements the loop body may not hold (unknown control flow or scoping).
 _REJECTED = (
     *_REJECTED_ANYWHERE,
-    nodes.NSRef,
+    nodes.Macro,  # macros are defined at the top level, not per message
     nodes.AssignBlock,
     nodes.Scope,
     nodes.OverlayScope,
@@ -77,13 +90,26 @@ _REJECTED = (
 
 
 @dataclass(slots=True, frozen=True)
+class Resume:
+    """Where a render of a longer conversation may start: at message ``start``, whose body
+    begins ``offset`` characters into this render's ``bodies``, restoring ``state`` (the
+    namespaces at that message's start; empty when the template has none)."""
+
+    start: int
+    offset: int
+    state: tuple[Any, ...]
+
+
+@dataclass(slots=True, frozen=True)
 class RenderedParts:
-    """One render of a local template from message ``start`` on: ``head`` (before the loop),
-    ``bodies`` (messages ``start..``), ``tail`` (after the loop)."""
+    """One render from message ``start`` on: ``head`` (before the loop), ``bodies``
+    (messages ``start..``), ``tail`` (after the loop), and where a later render of a longer
+    conversation may resume (None: nowhere, the head depended on the conversation's end)."""
 
     head: str
     bodies: str
     tail: str
+    resume: Resume | None
 
 
 class _NotLocal(Exception):
@@ -109,9 +135,8 @@ def _assigned_names(stmts: Iterable[nodes.Node]) -> set[str]:
 class _BodyCheck:
     """Walks the message loop's body in document order (see the module docstring)."""
 
-    def __init__(self, var: str, outer_assigned: set[str]) -> None:
+    def __init__(self, var: str) -> None:
         self.var = var
-        self.outer_assigned = outer_assigned
         self.locals: set[str] = set()
 
     def statements(self, stmts: Sequence[nodes.Node], *, top: bool, depth: int) -> None:
@@ -124,12 +149,13 @@ class _BodyCheck:
         if isinstance(node, nodes.Break) and depth == 0:
             raise _NotLocal("break out of the message loop")
         if isinstance(node, nodes.Assign):
+            # Jinja keeps nothing a ``set`` in the loop body assigns from one message to the
+            # next (conditional or not); namespace attributes are recorded as state
             self.node(node.node, top=False, depth=depth)
-            if not isinstance(node.target, nodes.Name):
-                raise _NotLocal("tuple or attribute assignment")
-            if not top and node.target.name not in self.locals:
-                raise _NotLocal(f"conditional assignment of {node.target.name!r}")
-            self.locals.add(node.target.name)
+            if isinstance(node.target, nodes.NSRef):
+                self.name(nodes.Name(node.target.name, "load"), depth)
+            else:
+                self.locals |= _names(node.target)
             return
         if isinstance(node, nodes.For):
             if node.recursive:
@@ -156,8 +182,6 @@ class _BodyCheck:
             self.statements(node.body, top=False, depth=depth)
             self.locals = saved
             return
-        if _is_first_message(node):
-            return  # in every cached prefix (and compared): the same in a full render
         if isinstance(node, nodes.Getattr) and _is_name(node.node, "loop") and depth == 0:
             if "loop" in self.locals:  # shadowed by a user variable called loop: be safe
                 raise _NotLocal("loop shadowed")
@@ -189,14 +213,7 @@ class _BodyCheck:
             return
         if name == "loop":
             raise _NotLocal("the message loop's loop object used as a value")
-        if (
-            name == "messages"
-            or name in self.outer_assigned
-            or name in _IMPURE_NAMES
-            or name == "self"
-            or name.startswith("__kvrouter")
-        ):
-            raise _NotLocal(f"the body reads {name!r}")
+        _check_name(name)
 
 
 def _names(target: nodes.Node) -> set[str]:
@@ -206,33 +223,23 @@ def _names(target: nodes.Node) -> set[str]:
     return {n.name for n in target.find_all(nodes.Name)}
 
 
-def _is_first_message(node: nodes.Node) -> bool:
-    """``messages[0]``: the conversation's first message."""
-    return (
-        isinstance(node, nodes.Getitem)
-        and _is_name(node.node, "messages")
-        and isinstance(node.arg, nodes.Const)
-        and node.arg.value == 0
-        and type(node.arg.value) is int
-    )
-
-
 def _is_name(node: nodes.Node, name: str) -> bool:
     return isinstance(node, nodes.Name) and node.name == name
 
 
-def _check_head(stmts: Sequence[nodes.Node]) -> None:
-    """Statements before the loop may read ``messages`` only as ``messages[0]``."""
-    allowed: set[int] = set()
-    for stmt in stmts:
-        if isinstance(stmt, _REJECTED):
-            raise _NotLocal(type(stmt).__name__)
-        for item in stmt.find_all(nodes.Getitem):
-            if _is_first_message(item):
-                allowed.add(id(item.node))
-        for name in stmt.find_all(nodes.Name):
-            if name.name == "messages" and id(name) not in allowed:
-                raise _NotLocal("the statements before the loop read messages")
+def _check_name(name: str) -> None:
+    if name in _IMPURE_NAMES or name == "self" or name.startswith("__kvrouter"):
+        raise _NotLocal(f"reads {name!r}")
+
+
+def _check_macros(ast: nodes.Template) -> None:
+    """Macros run on behalf of the loop body: nothing in them may change between calls."""
+    for macro in ast.find_all(nodes.Macro):
+        for name in macro.find_all(nodes.Name):
+            if name.ctx == "load":
+                _check_name(name.name)
+        for node in macro.find_all((nodes.Filter, nodes.Test)):
+            _BodyCheck.filter(node)
 
 
 class _Rewrite(NodeTransformer):
@@ -264,30 +271,79 @@ class _Rewrite(NodeTransformer):
 
 
 class LocalTemplate:
-    """The instrumented, incrementally renderable form of a message-local template."""
+    """The instrumented, incrementally renderable form of a template :func:`analyze`
+    accepted."""
 
     def __init__(self, env: jinja2.Environment, ast: nodes.Template) -> None:
-        self._mark = "\x00kvrouter-" + os.urandom(12).hex() + "\x00"
-        self._mark_end = "\x00kvrouter-end-" + os.urandom(12).hex() + "\x00"
+        token = os.urandom(12).hex()
+        self._mark = "\x00kvrouter-" + token + "\x00"
+        self._mark_msg = "\x00kvrouter-msg-" + token + "\x00"
+        self._mark_end = "\x00kvrouter-end-" + token + "\x00"
         self._template = env.template_class.from_code(
             env, env.compile(ast), env.make_globals(None), None
         )
+        self.enabled = True
 
-    def render_parts(self, variables: Mapping[str, Any], start: int) -> RenderedParts:
+    def disable(self) -> None:
+        """Stop using this form (its render failed where the plain template's did not)."""
+        self.enabled = False
+
+    def render_parts(
+        self, variables: Mapping[str, Any], start: int, state: tuple[Any, ...] | None = None
+    ) -> RenderedParts:
         """Render with the message loop starting at ``start`` (the caller's ``variables``
-        hold the whole conversation as ``messages``). Raises what Jinja raises."""
+        hold the whole conversation as ``messages``), restoring ``state`` there: the
+        :class:`Resume` state of a render of a conversation this one extends, whose resume
+        point was ``start`` (None with ``start`` 0). Raises what Jinja raises, and
+        StateMismatch when ``state`` does not fit."""
+        items = variables["messages"]
+        rec = Recorder(start, state)
+        mark, mark_msg, mark_end = self._mark, self._mark_msg, self._mark_end
+
+        def resume() -> str:
+            rec.loop_start()
+            return mark
+
+        def at() -> str:
+            rec.message_start()
+            return mark_msg
+
+        end_state: list[tuple[Any, ...]] = []
+
+        def end() -> str:
+            end_state.append(rec.loop_end())
+            return mark_end
+
         out = self._template.render(
-            {**variables, _START: start, _MARK: self._mark, _MARK_END: self._mark_end}
+            {
+                **variables,
+                "messages": TrackedMessages(items, rec),
+                "namespace": rec.namespace,
+                _LIST: items,
+                _START: start,
+                _RESUME: resume,
+                _AT: at,
+                _END: end,
+            }
         )
-        i = out.find(self._mark)
-        j = out.find(self._mark_end, i + 1)
-        if i < 0 or j < 0:  # an ``{% if %}`` can not skip the marks: they are top level
+        i = out.find(mark)
+        j = out.find(mark_end, i + 1)
+        if i < 0 or j < 0 or not end_state:  # an ``{% if %}`` can not skip the marks
             raise RuntimeError("instrumented template lost its marks")
-        return RenderedParts(out[:i], out[i + len(self._mark) : j], out[j + len(self._mark_end) :])
+        pieces = out[i + len(mark) : j].split(mark_msg)
+        if pieces[0] or len(pieces) != len(items) - start + 1:
+            raise RuntimeError("instrumented template lost its message marks")
+        resume_point = None
+        if not rec.head_open:
+            at_message = len(items) if rec.first_open is None else rec.first_open
+            offset = sum(len(p) for p in pieces[1 : 1 + at_message - start])
+            resume_point = Resume(at_message, offset, end_state[0])
+        return RenderedParts(out[:i], "".join(pieces), out[j + len(mark_end) :], resume_point)
 
 
 def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
-    """The instrumented template if ``source`` is message-local, else None."""
+    """The instrumented template if :func:`analyze` accepts ``source`` (see the module
+    docstring), else None."""
     try:
         ast = env.parse(source)
         loops = [
@@ -300,7 +356,7 @@ def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
         if "messages" in _assigned_names(ast.body):
             raise _NotLocal("messages is assigned")
         if any(True for _ in ast.find_all(_REJECTED_ANYWHERE)):
-            raise _NotLocal("macro, block, include or import")
+            raise _NotLocal("call block, block, include or import")
         if any(n.name.startswith("__kvrouter") for n in ast.find_all(nodes.Name)):
             raise _NotLocal("uses the instrumentation's reserved names")
         at, loop = loops[0]
@@ -308,21 +364,23 @@ def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
             raise _NotLocal("loop with else, filter or recursion")
         if not isinstance(loop.target, nodes.Name):
             raise _NotLocal("loop target is not a name")
-        _check_head(ast.body[:at])
-        outer = _assigned_names(ast.body) - {loop.target.name}
-        _BodyCheck(loop.target.name, outer).statements(loop.body, top=True, depth=0)
+        _check_macros(ast)
+        _BodyCheck(loop.target.name).statements(loop.body, top=True, depth=0)
     except (_NotLocal, jinja2.TemplateSyntaxError):
         return None
-    loop.body = [_Rewrite().visit(n) for n in loop.body]
+    loop.body = [
+        nodes.Output([nodes.Call(nodes.Name(_AT, "load"), [], [], None, None)]),
+        *(_Rewrite().visit(n) for n in loop.body),
+    ]
     loop.iter = nodes.Getitem(
-        nodes.Name("messages", "load"),
+        nodes.Name(_LIST, "load"),
         nodes.Slice(nodes.Name(_START, "load"), None, None),
         "load",
     )
     ast.body[at : at + 1] = [
-        nodes.Output([nodes.Name(_MARK, "load")]),
+        nodes.Output([nodes.Call(nodes.Name(_RESUME, "load"), [], [], None, None)]),
         loop,
-        nodes.Output([nodes.Name(_MARK_END, "load")]),
+        nodes.Output([nodes.Call(nodes.Name(_END, "load"), [], [], None, None)]),
     ]
     ast.set_lineno(1)  # the new nodes need one for the code generator
     ast.set_environment(env)

@@ -27,7 +27,12 @@ from router.tokenize.approx import (
 )
 from router.tokenize.incremental import MIN_CACHED_CHARS, IncrementalTokenizer, message_keys
 from router.tokenize.local_template import LocalTemplate
-from router.tokenize.template import ChatTemplate, content_text, prepare_messages
+from router.tokenize.template import (
+    ChatTemplate,
+    NotIncremental,
+    content_text,
+    prepare_messages,
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -227,13 +232,23 @@ class PromptProcessor:
         t0 = time.perf_counter()
         tokenizer, template = self.tokenizer, self.template
         messages, tools, kwargs, add_gen = self._chat_args(body)
+        failed: LocalTemplate | None = None
         if tokenizer is not None and template is not None and tokenizer.budget_bytes > 0:
             local = template.local_for(tools)
             if local is not None:
                 chars = _content_chars(messages)
                 if chars >= MIN_CACHED_CHARS:
-                    return self._chat_local(local, body, messages, tools, kwargs, add_gen, chars)
+                    try:
+                        return self._chat_local(
+                            local, body, messages, tools, kwargs, add_gen, chars
+                        )
+                    except NotIncremental:
+                        # rendered whole below (and refused there if it must be); when the
+                        # plain render succeeds, the instrumented one is not tried again
+                        failed = local
         text, context = self._render_text(messages, tools, kwargs, add_gen)
+        if failed is not None:
+            failed.disable()
         render_s = time.perf_counter() - t0
         if tokenizer is None or template is None:
             return self._approximate(text, body, render_s)
@@ -276,10 +291,20 @@ class PromptProcessor:
         if prefix is not None:
             start = prefix.start
             prepared = [*prefix.prepared, *prepare_messages(messages[start:])]
-            parts = template.render_parts(
-                local, prepared, start, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
-            )
-            out = tokenizer.encode_local(parts, prefix, root, bs)
+            try:
+                parts = template.render_parts(
+                    local,
+                    prepared,
+                    start,
+                    state=prefix.state,
+                    tools=tools,
+                    add_generation_prompt=add_gen,
+                    kwargs=kwargs,
+                )
+            except NotIncremental:
+                pass  # from the first message below
+            else:
+                out = tokenizer.encode_local(parts, prefix, root, bs)
         if out is None:
             prepared = list(prepare_messages(messages))
             parts = template.render_parts(
@@ -289,7 +314,7 @@ class PromptProcessor:
             assert out is not None  # without a prefix there is nothing to refuse
         enc, loop_idx = out
         tokenizer.remember_local(
-            keys[-1], messages, prepared, context, parts.head, enc, loop_idx, root, bs, chars
+            keys[-1], messages, prepared, context, parts, enc, loop_idx, root, bs, chars
         )
         total_s = time.perf_counter() - t0
         return ProcessedPrompt(

@@ -27,10 +27,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from router.core.errors import BadRequest, ConfigError
 from router.tokenize.local_template import LocalTemplate, RenderedParts, analyze
+from router.tokenize.render_state import StateMismatch
 
 
 class TemplateError(BadRequest):
     """The template refused the conversation (``raise_exception``) or failed on it."""
+
+
+class NotIncremental(Exception):
+    """The instrumented render failed where the plain one may not: render whole instead."""
 
 
 def _raise_exception(message: str) -> None:
@@ -249,7 +254,8 @@ class ChatTemplate:
     def local_for(self, tools: Sequence[Any] | None) -> LocalTemplate | None:
         """The instrumented template that :meth:`render` would use for a request with
         ``tools``, if it is message-local (None: render whole)."""
-        return self._local_tools if tools and self._compiled_tools else self._local
+        local = self._local_tools if tools and self._compiled_tools else self._local
+        return local if local is not None and local.enabled else None
 
     def render_parts(
         self,
@@ -257,20 +263,29 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         start: int,
         *,
+        state: tuple[Any, ...] | None = None,
         tools: Sequence[Any] | None = None,
         add_generation_prompt: bool = True,
         kwargs: Mapping[str, Any] | None = None,
     ) -> RenderedParts:
         """:meth:`render` split into (head, bodies of ``messages[start:]``, tail) with the
         instrumented template ``local`` (from :meth:`local_for`); only the bodies of
-        ``messages[start:]`` are rendered."""
+        ``messages[start:]`` are rendered, from ``state`` (the :class:`Resume` state of a
+        render this conversation extends, whose resume point was ``start``).
+
+        Raises TemplateError where :meth:`render` would (the template refused the
+        conversation), and :class:`NotIncremental` when only the instrumented render failed
+        (it sees ``messages`` through a tracking wrapper, which e.g. ``tojson`` can not
+        serialise): the caller renders whole."""
         variables = self._variables(messages, tools, add_generation_prompt, kwargs)
         try:
-            return local.render_parts(variables, start)
+            return local.render_parts(variables, start, state)
         except TemplateError:
             raise
+        except StateMismatch as exc:
+            raise NotIncremental(str(exc)) from None
         except (jinja2.TemplateError, TypeError, KeyError, AttributeError, ValueError) as exc:
-            raise TemplateError(f"chat template failed on this conversation: {exc}") from None
+            raise NotIncremental(f"instrumented render failed: {exc}") from None
 
     def _variables(
         self,
