@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from router.core.hashing import hash_prompt
-from router.tokenize.local_template import RenderedParts
+from router.tokenize.local_template import RenderedParts, Resume
 from router.tokenize.tokenizers import SpecialSplitter, TokenArray, Tokenizer, encode
 
 # Prompts shorter than this are tokenized cold: the cache would cost more than it saves.
@@ -88,8 +88,8 @@ class _Entry:
 class _LocalEntry:
     """A conversation rendered with an incrementally renderable template
     (router.tokenize.local_template): ``tokens[:loop_idx]`` are exactly the ids of ``head`` and
-    the bodies of ``messages[:resume]``; a render of a longer conversation starts at message
-    ``resume`` with the template's namespaces set to ``state``."""
+    the bodies of ``messages[:resume.start]``; a render of a longer conversation starts at
+    message ``resume.start`` from ``resume``."""
 
     messages: list[Mapping[str, Any]]  # as the client sent them (compared on reuse)
     prepared: list[Mapping[str, Any]]  # as the template saw them (reused)
@@ -99,8 +99,7 @@ class _LocalEntry:
     loop_idx: int
     hashes: dict[tuple[int, int], list[int]]
     nbytes: int
-    resume: int
-    state: tuple[Any, ...]
+    resume: Resume
 
 
 def same_json(a: Any, b: Any) -> bool:
@@ -141,9 +140,9 @@ class LocalPrefix:
         return self.entry.prepared[: self.start]
 
     @property
-    def state(self) -> tuple[Any, ...]:
-        """The template's namespaces at message ``start``."""
-        return self.entry.state
+    def resume(self) -> Resume:
+        """Where and from what state the render of the new request starts."""
+        return self.entry.resume
 
 
 _EMPTY: TokenArray = np.zeros(0, dtype=np.uint32)
@@ -418,7 +417,7 @@ class IncrementalTokenizer:
                     )
                 ):
                     self._entries.move_to_end(key)
-                    return LocalPrefix(entry, entry.resume)
+                    return LocalPrefix(entry, entry.resume.start)
         return None
 
     def encode_local(
@@ -443,7 +442,7 @@ class IncrementalTokenizer:
             return not text or (special is not None and special.match(text) is not None)
 
         resume = parts.resume
-        offset = len(parts.bodies) if resume is None else resume.offset
+        offset = resume.offset
         # what a later render re-renders: the bodies from the resume point, and the tail
         rest = parts.bodies[offset:] + parts.tail
         rest_ids = None
@@ -479,8 +478,6 @@ class IncrementalTokenizer:
                 at = len(tokens) - len(rest_ids)
                 if np.array_equal(tokens[at:], rest_ids):
                     loop_idx = at
-        if resume is None:
-            loop_idx = -1
         return self._finish(tokens, base_hashes, reused, root, block_size, t0), loop_idx
 
     def remember_local(
@@ -499,7 +496,7 @@ class IncrementalTokenizer:
         """Keep a conversation for :meth:`probe_local` (``chars``: its content length, for
         the byte budget; the message strings are shared with the request, not copied)."""
         resume = parts.resume
-        if loop_idx < 0 or resume is None or self.budget_bytes <= 0:
+        if loop_idx < 0 or self.budget_bytes <= 0:
             return
         nbytes = 2 * chars + 200 * len(messages) + encoded.tokens.nbytes
         nbytes += 40 * len(encoded.hashes) + 512
@@ -512,7 +509,6 @@ class IncrementalTokenizer:
             loop_idx,
             {(root, block_size): encoded.hashes},
             nbytes,
-            resume.start,
-            resume.state,
+            resume,
         )
         self._store(key, entry)

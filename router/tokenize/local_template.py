@@ -60,7 +60,8 @@ _LIST = "__kvrouter_list"  # the plain list the message loop iterates
 _RESUME = "__kvrouter_resume"
 _AT = "__kvrouter_at"
 _END = "__kvrouter_end"
-_LOOP_ATTRS = frozenset({"first", "index", "index0"})
+_LOOP_ATTRS = frozenset({"first", "index", "index0", "last"})
+_LAST = "__kvrouter_last"  # reports ``loop.last`` when it is true (it depends on the end)
 # Globals and filters whose output is not a function of their arguments: a cached body would
 # keep an old date or draw.
 _IMPURE_NAMES = frozenset({"strftime_now", "lipsum"})
@@ -93,23 +94,27 @@ _REJECTED = (
 class Resume:
     """Where a render of a longer conversation may start: at message ``start``, whose body
     begins ``offset`` characters into this render's ``bodies``, restoring ``state`` (the
-    namespaces at that message's start; empty when the template has none)."""
+    namespaces at that message's start; empty when the template has none), provided the
+    statements before the loop leave ``head`` again (their variables and namespaces as the
+    loop started: they may have read the whole conversation, e.g. to find the last user
+    message)."""
 
     start: int
     offset: int
     state: tuple[Any, ...]
+    head: Any
 
 
 @dataclass(slots=True, frozen=True)
 class RenderedParts:
     """One render from message ``start`` on: ``head`` (before the loop), ``bodies``
     (messages ``start..``), ``tail`` (after the loop), and where a later render of a longer
-    conversation may resume (None: nowhere, the head depended on the conversation's end)."""
+    conversation may resume."""
 
     head: str
     bodies: str
     tail: str
-    resume: Resume | None
+    resume: Resume
 
 
 class _NotLocal(Exception):
@@ -266,6 +271,8 @@ class _Rewrite(NodeTransformer):
             if node.attr == "first":
                 at_zero = nodes.Compare(start, [nodes.Operand("eq", nodes.Const(0))])
                 return nodes.And(node, at_zero)
+            if node.attr == "last":  # the same value in the sliced loop; true: it may change
+                return nodes.Call(nodes.Name(_LAST, "load"), [node], [], None, None)
             return nodes.Add(node, start)
         return self.generic_visit(node)
 
@@ -289,20 +296,25 @@ class LocalTemplate:
         self.enabled = False
 
     def render_parts(
-        self, variables: Mapping[str, Any], start: int, state: tuple[Any, ...] | None = None
+        self, variables: Mapping[str, Any], start: int, resume: Resume | None = None
     ) -> RenderedParts:
         """Render with the message loop starting at ``start`` (the caller's ``variables``
-        hold the whole conversation as ``messages``), restoring ``state`` there: the
-        :class:`Resume` state of a render of a conversation this one extends, whose resume
-        point was ``start`` (None with ``start`` 0). Raises what Jinja raises, and
-        StateMismatch when ``state`` does not fit."""
+        hold the whole conversation as ``messages``), from ``resume``: the :class:`Resume`
+        of a render of a conversation this one extends, whose ``start`` this is (None with
+        ``start`` 0). Raises what Jinja raises, and StateMismatch when ``resume`` does not
+        fit (the statements before the loop left other values this time)."""
         items = variables["messages"]
-        rec = Recorder(start, state)
+        rec = Recorder(start, resume.state if resume else None, resume.head if resume else None)
         mark, mark_msg, mark_end = self._mark, self._mark_msg, self._mark_end
 
-        def resume() -> str:
-            rec.loop_start()
+        def resume(head: dict[str, Any]) -> str:
+            rec.loop_start(head)
             return mark
+
+        def last(value: Any) -> Any:
+            if value:
+                rec.opened()
+            return value
 
         def at() -> str:
             rec.message_start()
@@ -322,6 +334,7 @@ class LocalTemplate:
                 _LIST: items,
                 _START: start,
                 _RESUME: resume,
+                _LAST: last,
                 _AT: at,
                 _END: end,
             }
@@ -333,11 +346,9 @@ class LocalTemplate:
         pieces = out[i + len(mark) : j].split(mark_msg)
         if pieces[0] or len(pieces) != len(items) - start + 1:
             raise RuntimeError("instrumented template lost its message marks")
-        resume_point = None
-        if not rec.head_open:
-            at_message = len(items) if rec.first_open is None else rec.first_open
-            offset = sum(len(p) for p in pieces[1 : 1 + at_message - start])
-            resume_point = Resume(at_message, offset, end_state[0])
+        at_message = len(items) if rec.first_open is None else rec.first_open
+        offset = sum(len(p) for p in pieces[1 : 1 + at_message - start])
+        resume_point = Resume(at_message, offset, end_state[0], rec.head_state)
         return RenderedParts(out[:i], "".join(pieces), out[j + len(mark_end) :], resume_point)
 
 
@@ -377,8 +388,13 @@ def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
         nodes.Slice(nodes.Name(_START, "load"), None, None),
         "load",
     )
+    # the names the statements before the loop assign, as they are when the loop starts
+    head_names = sorted(_assigned_names(ast.body[:at]))
+    head_values = nodes.Dict(
+        [nodes.Pair(nodes.Const(n), nodes.Name(n, "load")) for n in head_names]
+    )
     ast.body[at : at + 1] = [
-        nodes.Output([nodes.Call(nodes.Name(_RESUME, "load"), [], [], None, None)]),
+        nodes.Output([nodes.Call(nodes.Name(_RESUME, "load"), [head_values], [], None, None)]),
         loop,
         nodes.Output([nodes.Call(nodes.Name(_END, "load"), [], [], None, None)]),
     ]

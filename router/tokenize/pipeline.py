@@ -296,7 +296,7 @@ class PromptProcessor:
                     local,
                     prepared,
                     start,
-                    state=prefix.state,
+                    resume=prefix.resume,
                     tools=tools,
                     add_generation_prompt=add_gen,
                     kwargs=kwargs,

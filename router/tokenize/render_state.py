@@ -99,6 +99,31 @@ def thaw_into(ns: Namespace, frozen: _Frozen) -> None:
     attrs.update((k, thaw(v)) for k, v in frozen.attrs)
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` would render the same: equal and of the same types throughout (``1``,
+    ``1.0`` and ``True`` are equal in Python and render differently)."""
+    if a is b:
+        return True
+    kind = type(a)
+    if kind is not type(b):
+        return False
+    if kind is _Frozen:
+        return same_value(a.attrs, b.attrs)
+    if kind is list or kind is tuple:
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+    if kind is dict:
+        return len(a) == len(b) and all(
+            ka == kb and same_value(va, vb)
+            for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True)
+        )
+    if kind is float:
+        return repr(a) == repr(b)
+    try:
+        return bool(a == b)
+    except Exception:  # an object that can not be compared: not the same
+        return False
+
+
 class StateMismatch(Exception):
     """A render could not restore the state it was given (the template made a different set
     of namespaces before its message loop): the caller renders the conversation whole."""
@@ -109,16 +134,29 @@ class Recorder:
 
     ``index`` is the message being rendered (-1 before the loop, ``None`` after it);
     ``first_open`` the first message whose text depended on where the conversation ends
-    (``None``: none did); ``head_open`` whether the statements before the loop did."""
+    (``None``: none did); ``head_state`` what the statements before the loop left (their
+    variables and namespaces, frozen): a render that resumes must find the same."""
 
-    __slots__ = ("first_open", "head_open", "index", "latest", "namespaces", "resume", "state")
+    __slots__ = (
+        "expect_head",
+        "first_open",
+        "head_state",
+        "index",
+        "latest",
+        "namespaces",
+        "resume",
+        "state",
+    )
 
-    def __init__(self, start: int, state: tuple[_Frozen, ...] | None) -> None:
+    def __init__(
+        self, start: int, state: tuple[_Frozen, ...] | None, expect_head: Any = None
+    ) -> None:
         self.index: int | None = -1
         self.first_open: int | None = None
-        self.head_open = False
         self.namespaces: list[Namespace] = []  # made before the loop, in order
         self.state = state  # to restore at the loop's start (None: render from message 0)
+        self.expect_head = expect_head  # the head state the resumed render had
+        self.head_state: Any = None
         self.resume = start  # where this render's loop starts
         self.latest: tuple[Any, ...] = ()  # the namespaces at the current message's start
 
@@ -132,16 +170,20 @@ class Recorder:
     def opened(self) -> None:
         """The text being rendered depends on where the conversation ends."""
         index = self.index
-        if index is None:
-            return  # after the loop: the tail is rendered every time anyway
-        if index < 0:
-            self.head_open = True
-        elif self.first_open is None:
+        if index is None or index < 0:
+            # the tail is rendered every time anyway; what the head leaves is compared
+            return
+        if self.first_open is None:
             self.first_open = index
 
-    def loop_start(self) -> None:
-        """Before the first message of this render: restore the state it was given."""
+    def loop_start(self, head: dict[str, Any]) -> None:
+        """Before the first message of this render: check that the statements before the
+        loop left what they left in the render being resumed (``head``: their variables),
+        and restore the state this render was given."""
+        self.head_state = (freeze(head), tuple(freeze(ns) for ns in self.namespaces))
         if self.state is not None:
+            if not same_value(self.head_state, self.expect_head):
+                raise StateMismatch("the statements before the loop left other values")
             if len(self.state) != len(self.namespaces):
                 raise StateMismatch("the template made other namespaces before its loop")
             for ns, frozen in zip(self.namespaces, self.state, strict=True):
@@ -184,7 +226,10 @@ class TrackedMessages(Sequence[Any]):
     def __getitem__(self, key: Any) -> Any:
         items = self._items
         if isinstance(key, slice):
-            return _View(self, *_bounds(key, len(items), self._recorder))
+            bounds = _bounds(key, self._recorder)
+            if bounds is None:  # depends on the length: a plain slice
+                return items[key]
+            return _View(self, *bounds)
         if not isinstance(key, int) or key < 0 or key >= len(items):
             self._recorder.opened()  # from the end, or past it: depends on the length
         return items[key]
@@ -202,18 +247,18 @@ class TrackedMessages(Sequence[Any]):
         return value in self._items
 
 
-def _bounds(key: slice, length: int, recorder: Recorder) -> tuple[int, int | None]:
-    """Absolute (start, stop) of a slice with step 1; ``stop`` None: to the end. Anything
-    else (negative bounds, steps) depends on the length."""
+def _bounds(key: slice, recorder: Recorder) -> tuple[int, int | None] | None:
+    """(start, stop) of a slice with step 1 and bounds from the start (``stop`` None: to the
+    end). Anything else (negative bounds, other steps, such as ``messages[::-1]``) depends on
+    the length: reported, and None (the caller slices plainly)."""
     start, stop, step = key.start, key.stop, key.step
     if (
         (step is not None and step != 1)
-        or (start is not None and (not isinstance(start, int) or start < 0))
-        or (stop is not None and (not isinstance(stop, int) or stop < 0))
+        or (start is not None and (type(start) is not int or start < 0))
+        or (stop is not None and (type(stop) is not int or stop < 0))
     ):
         recorder.opened()
-        lo, hi, _ = key.indices(length)
-        return lo, hi
+        return None
     return start or 0, stop
 
 
@@ -248,7 +293,10 @@ class _View(Sequence[Any]):
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, slice):
-            lo, hi = _bounds(key, len(self), self._base._recorder)
+            bounds = _bounds(key, self._base._recorder)
+            if bounds is None:
+                return list(self)[key]
+            lo, hi = bounds
             stop = self._start + hi if hi is not None else self._stop
             if stop is not None and self._stop is not None:
                 stop = min(stop, self._stop)

@@ -26,7 +26,7 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from router.core.errors import BadRequest, ConfigError
-from router.tokenize.local_template import LocalTemplate, RenderedParts, analyze
+from router.tokenize.local_template import LocalTemplate, RenderedParts, Resume, analyze
 from router.tokenize.render_state import StateMismatch
 
 
@@ -263,15 +263,15 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         start: int,
         *,
-        state: tuple[Any, ...] | None = None,
+        resume: Resume | None = None,
         tools: Sequence[Any] | None = None,
         add_generation_prompt: bool = True,
         kwargs: Mapping[str, Any] | None = None,
     ) -> RenderedParts:
         """:meth:`render` split into (head, bodies of ``messages[start:]``, tail) with the
         instrumented template ``local`` (from :meth:`local_for`); only the bodies of
-        ``messages[start:]`` are rendered, from ``state`` (the :class:`Resume` state of a
-        render this conversation extends, whose resume point was ``start``).
+        ``messages[start:]`` are rendered, from ``resume`` (the :class:`Resume` of a render
+        this conversation extends, whose resume point is ``start``).
 
         Raises TemplateError where :meth:`render` would (the template refused the
         conversation), and :class:`NotIncremental` when only the instrumented render failed
@@ -279,7 +279,7 @@ class ChatTemplate:
         serialise): the caller renders whole."""
         variables = self._variables(messages, tools, add_generation_prompt, kwargs)
         try:
-            return local.render_parts(variables, start, state)
+            return local.render_parts(variables, start, resume)
         except TemplateError:
             raise
         except StateMismatch as exc:
