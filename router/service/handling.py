@@ -210,7 +210,7 @@ async def handle(
             admitted.prompt,
             # checked here, after any await: another request may have taken the id meanwhile
             unique_in_flight(state, request_id_of(client_headers)),
-            asyncio.get_running_loop().time(),
+            forwarder.event_loop().time(),
             session_id=admitted.session_id,
             max_output_tokens=admitted.max_output_tokens,
         )

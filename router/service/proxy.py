@@ -229,6 +229,16 @@ class Forwarder:
         self.max_retries = s.max_retries
         self.debug_header = s.debug_header
         self._hosts: dict[str, bytes] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop this forwarder serves on, looked up once: ``asyncio.get_running_loop``
+        makes a ``getpid`` system call each time (CPython checks for a fork), three per
+        request before this."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def _debug(self, routed: Routed, key: ReplicaKey, attempt: int) -> bytes:
         d = routed.decision
@@ -272,7 +282,7 @@ class Forwarder:
         mm = state.metrics.model(model)
         rid = routed.request.request_id
         rid_b = rid.encode()
-        loop = asyncio.get_running_loop()
+        loop = self.event_loop()
         ranked = [routed.decision.replica, *routed.decision.ranking]
         started = loop.time()
         last_error = "no replica answered"
@@ -371,7 +381,7 @@ class Forwarder:
         if self.debug_header:
             headers.append((b"X-KVRouter-Decision", self._debug(routed, key, attempt)))
         status = upstream.status
-        loop = asyncio.get_running_loop()
+        loop = self.event_loop()
         tail: deque[bytes] = deque()  # the stream's last ~8 KiB (usage, for feedback)
         done_relayed = False  # the client has the stream's closing ``data: [DONE]`` event
         try:
@@ -498,7 +508,7 @@ class Forwarder:
             block_hashes=req.block_hashes,
             block_size=req.block_size,
             session_id=req.session_id,
-            finished_at=asyncio.get_running_loop().time(),
+            finished_at=self.event_loop().time(),
         )
 
     def _feedback(self, routed: Routed, key: ReplicaKey, payload: bytes, sse: bool) -> None:
