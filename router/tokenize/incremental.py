@@ -442,7 +442,7 @@ class IncrementalTokenizer:
             return not text or (special is not None and special.match(text) is not None)
 
         resume = parts.resume
-        offset = resume.offset
+        offset = len(parts.bodies) if resume is None else resume.offset
         # what a later render re-renders: the bodies from the resume point, and the tail
         rest = parts.bodies[offset:] + parts.tail
         rest_ids = None
@@ -478,6 +478,8 @@ class IncrementalTokenizer:
                 at = len(tokens) - len(rest_ids)
                 if np.array_equal(tokens[at:], rest_ids):
                     loop_idx = at
+        if resume is None:
+            loop_idx = -1
         return self._finish(tokens, base_hashes, reused, root, block_size, t0), loop_idx
 
     def remember_local(
@@ -496,7 +498,7 @@ class IncrementalTokenizer:
         """Keep a conversation for :meth:`probe_local` (``chars``: its content length, for
         the byte budget; the message strings are shared with the request, not copied)."""
         resume = parts.resume
-        if loop_idx < 0 or self.budget_bytes <= 0:
+        if loop_idx < 0 or resume is None or self.budget_bytes <= 0:
             return
         nbytes = 2 * chars + 200 * len(messages) + encoded.tokens.nbytes
         nbytes += 40 * len(encoded.hashes) + 512

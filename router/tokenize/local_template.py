@@ -53,7 +53,7 @@ import jinja2
 from jinja2 import nodes
 from jinja2.visitor import NodeTransformer
 
-from router.tokenize.render_state import Recorder, TrackedMessages
+from router.tokenize.render_state import Recorder, TrackedMessages, _Uncomparable
 
 _START = "__kvrouter_start"
 _LIST = "__kvrouter_list"  # the plain list the message loop iterates
@@ -109,12 +109,12 @@ class Resume:
 class RenderedParts:
     """One render from message ``start`` on: ``head`` (before the loop), ``bodies``
     (messages ``start..``), ``tail`` (after the loop), and where a later render of a longer
-    conversation may resume."""
+    conversation may resume (None: nowhere; the state could not be captured)."""
 
     head: str
     bodies: str
     tail: str
-    resume: Resume
+    resume: Resume | None
 
 
 class _NotLocal(Exception):
@@ -237,6 +237,16 @@ def _check_name(name: str) -> None:
         raise _NotLocal(f"reads {name!r}")
 
 
+def _check_impure_calls(ast: nodes.Template) -> None:
+    """Functions whose output changes between calls may be called where the text is
+    rendered every time (head, tail: the body and macros refuse them), never passed around:
+    ``{% set now = strftime_now %}`` would carry one into the loop under another name."""
+    called = {id(call.node) for call in ast.find_all(nodes.Call)}
+    for name in ast.find_all(nodes.Name):
+        if name.name in _IMPURE_NAMES and id(name) not in called:
+            raise _NotLocal(f"{name.name} used as a value")
+
+
 def _check_macros(ast: nodes.Template) -> None:
     """Macros run on behalf of the loop body: nothing in them may change between calls."""
     for macro in ast.find_all(nodes.Macro):
@@ -320,10 +330,10 @@ class LocalTemplate:
             rec.message_start()
             return mark_msg
 
-        end_state: list[tuple[Any, ...]] = []
+        ended: list[tuple[int, tuple[Any, ...]] | None] = []
 
         def end() -> str:
-            end_state.append(rec.loop_end())
+            ended.append(rec.loop_end())
             return mark_end
 
         out = self._template.render(
@@ -341,14 +351,17 @@ class LocalTemplate:
         )
         i = out.find(mark)
         j = out.find(mark_end, i + 1)
-        if i < 0 or j < 0 or not end_state:  # an ``{% if %}`` can not skip the marks
+        if i < 0 or j < 0 or not ended:  # an ``{% if %}`` can not skip the marks
             raise RuntimeError("instrumented template lost its marks")
         pieces = out[i + len(mark) : j].split(mark_msg)
         if pieces[0] or len(pieces) != len(items) - start + 1:
             raise RuntimeError("instrumented template lost its message marks")
-        at_message = len(items) if rec.first_open is None else rec.first_open
-        offset = sum(len(p) for p in pieces[1 : 1 + at_message - start])
-        resume_point = Resume(at_message, offset, end_state[0], rec.head_state)
+        resume_point = None
+        good = ended[0]
+        if good is not None and not isinstance(rec.head_state, _Uncomparable):
+            at_message, state = good
+            offset = sum(len(p) for p in pieces[1 : 1 + at_message - start])
+            resume_point = Resume(at_message, offset, state, rec.head_state)
         return RenderedParts(out[:i], "".join(pieces), out[j + len(mark_end) :], resume_point)
 
 
@@ -376,6 +389,7 @@ def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
         if not isinstance(loop.target, nodes.Name):
             raise _NotLocal("loop target is not a name")
         _check_macros(ast)
+        _check_impure_calls(ast)
         _BodyCheck(loop.target.name).statements(loop.body, top=True, depth=0)
     except (_NotLocal, jinja2.TemplateSyntaxError):
         return None

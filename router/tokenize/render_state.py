@@ -22,84 +22,118 @@ loop are per message unless stored in one of those, which :func:`freeze` follows
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from types import BuiltinFunctionType, FunctionType, MethodType, ModuleType
 from typing import Any
 
+from jinja2.runtime import Macro, Undefined
 from jinja2.utils import Namespace
 
 # Namespaces keep their attributes in a name-mangled dict (jinja2.utils.Namespace).
 _ATTRS = "_Namespace__attrs"
+# Values kept by reference in a snapshot: immutable, or (functions, macros) without state.
+_SHARED = (str, int, float, bytes, type(None), Undefined, Macro)
 
 
-def _attrs(ns: Namespace) -> dict[str, Any]:
+def _attrs_of(ns: Namespace) -> dict[str, Any]:
     attrs: dict[str, Any] = object.__getattribute__(ns, _ATTRS)
     return attrs
 
 
-@dataclass(slots=True, frozen=True)
+class Unfreezable(Exception):
+    """State holds an object whose state a snapshot can not capture (a ``cycler``, a loop
+    object, a generator, the tracked ``messages``): resume before it came to be."""
+
+
 class _Frozen:
-    """A namespace's attributes at one moment (nested namespaces frozen too)."""
+    """A namespace's attributes at one moment. Within one snapshot a namespace freezes to
+    one object, so a namespace reachable from two places comes back as one (and cycles
+    terminate)."""
 
-    attrs: tuple[tuple[str, Any], ...]
+    __slots__ = ("attrs",)
 
-
-def _holds_namespace(value: Any) -> bool:
-    kind = type(value)
-    if kind is Namespace:
-        return True
-    if kind is list or kind is tuple:
-        return any(_holds_namespace(v) for v in value)
-    if kind is dict:
-        return any(_holds_namespace(v) for v in value.values())
-    return False
+    def __init__(self) -> None:
+        self.attrs: tuple[tuple[str, Any], ...] = ()
 
 
-def freeze(value: Any) -> Any:
-    """``value`` with every namespace in it replaced by a snapshot of its attributes. Other
-    values are shared: the immutable sandbox lets a template change only namespaces."""
-    kind = type(value)
-    if kind is Namespace:
-        return _Frozen(tuple((k, freeze(v)) for k, v in _attrs(value).items()))
-    if (kind is list or kind is tuple or kind is dict) and _holds_namespace(value):
-        if kind is dict:
-            return {k: freeze(v) for k, v in value.items()}
-        frozen = [freeze(v) for v in value]
-        return frozen if kind is list else tuple(frozen)
-    return value
+class Freezer:
+    """Takes snapshots during one render. Lists, tuples and dicts can not change under the
+    immutable sandbox, so one that holds no namespace is checked once per render, not at
+    every message (state often keeps a list that grows by concatenation)."""
+
+    __slots__ = ("_pure",)
+
+    def __init__(self) -> None:
+        self._pure: dict[int, Any] = {}  # id -> the container (kept alive: ids stay unique)
+
+    def snapshot(self, values: Any) -> Any:
+        """``values`` with every namespace replaced by a :class:`_Frozen`; raises
+        Unfreezable."""
+        return self._value(values, {})
+
+    def _value(self, value: Any, memo: dict[int, _Frozen]) -> Any:
+        kind = type(value)
+        if kind is bool or isinstance(value, _SHARED):
+            return value
+        if kind is FunctionType or kind is BuiltinFunctionType or kind is MethodType:
+            bound = getattr(value, "__self__", None)
+            if bound is None or isinstance(bound, ModuleType):
+                return value  # a function: what it returns is the analysis's concern
+            self._value(bound, memo)  # a method of something a snapshot can hold
+            return value
+        if kind is Namespace:
+            frozen = memo.get(id(value))
+            if frozen is None:
+                frozen = memo[id(value)] = _Frozen()
+                frozen.attrs = tuple((k, self._value(v, memo)) for k, v in _attrs_of(value).items())
+            return frozen
+        if kind is list or kind is tuple or kind is dict:
+            if self._pure.get(id(value)) is value:
+                return value
+            items = value.values() if kind is dict else value
+            before = len(memo)
+            frozen_items = [self._value(v, memo) for v in items]
+            if len(memo) == before and all(
+                f is v for f, v in zip(frozen_items, items, strict=True)
+            ):
+                self._pure[id(value)] = value
+                return value
+            if kind is dict:
+                return dict(zip(value.keys(), frozen_items, strict=True))
+            return frozen_items if kind is list else tuple(frozen_items)
+        raise Unfreezable(type(value).__name__)
 
 
-def thaw(value: Any) -> Any:
-    """A fresh live copy of a frozen value (the snapshot itself is never changed)."""
+def restore(namespaces: Sequence[Namespace], snapshot: Sequence[_Frozen]) -> None:
+    """Make each of ``namespaces`` hold what it held when ``snapshot`` was taken; nested
+    namespaces are fresh objects (the snapshot is never changed), shared where they were
+    shared, and a head namespace nested in another is that namespace itself."""
+    memo: dict[int, Namespace] = {id(f): ns for ns, f in zip(namespaces, snapshot, strict=True)}
+    for ns, frozen in zip(namespaces, snapshot, strict=True):
+        attrs = _attrs_of(ns)
+        attrs.clear()
+        attrs.update((k, _thaw(v, memo)) for k, v in frozen.attrs)
+
+
+def _thaw(value: Any, memo: dict[int, Namespace]) -> Any:
     kind = type(value)
     if kind is _Frozen:
-        return Namespace({k: thaw(v) for k, v in value.attrs})
-    if (kind is list or kind is tuple or kind is dict) and _holds_frozen(value):
+        ns = memo.get(id(value))
+        if ns is None:
+            ns = memo[id(value)] = Namespace()
+            _attrs_of(ns).update((k, _thaw(v, memo)) for k, v in value.attrs)
+        return ns
+    if kind is list or kind is tuple or kind is dict:
+        items = value.values() if kind is dict else value
+        thawed = [_thaw(v, memo) for v in items]
+        if all(t is v for t, v in zip(thawed, items, strict=True)):
+            return value
         if kind is dict:
-            return {k: thaw(v) for k, v in value.items()}
-        thawed = [thaw(v) for v in value]
+            return dict(zip(value.keys(), thawed, strict=True))
         return thawed if kind is list else tuple(thawed)
     return value
 
 
-def _holds_frozen(value: Any) -> bool:
-    kind = type(value)
-    if kind is _Frozen:
-        return True
-    if kind is list or kind is tuple:
-        return any(_holds_frozen(v) for v in value)
-    if kind is dict:
-        return any(_holds_frozen(v) for v in value.values())
-    return False
-
-
-def thaw_into(ns: Namespace, frozen: _Frozen) -> None:
-    """Make ``ns`` hold what it held when ``frozen`` was taken."""
-    attrs = _attrs(ns)
-    attrs.clear()
-    attrs.update((k, thaw(v)) for k, v in frozen.attrs)
-
-
-def same_value(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any, seen: set[tuple[int, int]] | None = None) -> bool:
     """``a`` and ``b`` would render the same: equal and of the same types throughout (``1``,
     ``1.0`` and ``True`` are equal in Python and render differently)."""
     if a is b:
@@ -108,12 +142,16 @@ def same_value(a: Any, b: Any) -> bool:
     if kind is not type(b):
         return False
     if kind is _Frozen:
-        return same_value(a.attrs, b.attrs)
+        seen = set() if seen is None else seen
+        if (id(a), id(b)) in seen:
+            return True  # a cycle, compared on the way in
+        seen.add((id(a), id(b)))
+        return same_value(a.attrs, b.attrs, seen)
     if kind is list or kind is tuple:
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(same_value(x, y, seen) for x, y in zip(a, b, strict=True))
     if kind is dict:
         return len(a) == len(b) and all(
-            ka == kb and same_value(va, vb)
+            ka == kb and same_value(va, vb, seen)
             for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True)
         )
     if kind is float:
@@ -129,36 +167,49 @@ class StateMismatch(Exception):
     of namespaces before its message loop): the caller renders the conversation whole."""
 
 
+class _Uncomparable:
+    """What the head left, when a snapshot can not hold it: equal to nothing, so a render
+    that would resume from it starts from the first message instead."""
+
+    __slots__ = ()
+
+
 class Recorder:
     """One instrumented render's observations (one per render; not shared between threads).
 
-    ``index`` is the message being rendered (-1 before the loop, ``None`` after it);
-    ``first_open`` the first message whose text depended on where the conversation ends
-    (``None``: none did); ``head_state`` what the statements before the loop left (their
-    variables and namespaces, frozen): a render that resumes must find the same."""
+    ``index`` is the message being rendered (-1 before the loop, ``None`` after it). The
+    render's resume point is the latest message at whose start the state was captured, up
+    to the first message whose text depended on where the conversation ends or whose
+    starting state could not be captured (:class:`Unfreezable`). ``head_state`` is what the
+    statements before the loop left (their variables and namespaces, frozen): a render that
+    resumes must find the same."""
 
     __slots__ = (
         "expect_head",
-        "first_open",
+        "freezer",
+        "good",
         "head_state",
         "index",
-        "latest",
         "namespaces",
         "resume",
         "state",
+        "stopped",
     )
 
     def __init__(
         self, start: int, state: tuple[_Frozen, ...] | None, expect_head: Any = None
     ) -> None:
         self.index: int | None = -1
-        self.first_open: int | None = None
         self.namespaces: list[Namespace] = []  # made before the loop, in order
         self.state = state  # to restore at the loop's start (None: render from message 0)
         self.expect_head = expect_head  # the head state the resumed render had
         self.head_state: Any = None
         self.resume = start  # where this render's loop starts
-        self.latest: tuple[Any, ...] = ()  # the namespaces at the current message's start
+        self.freezer = Freezer()
+        # (message, state at its start) of the latest capture; a resumed render starts
+        # from a captured state (None: a render from message 0 has captured nothing yet)
+        self.good: tuple[int, tuple[Any, ...]] | None = (start, state) if state else None
+        self.stopped = False  # the resume point is final
 
     def namespace(self, *args: Any, **kwargs: Any) -> Namespace:
         """The template's ``namespace()``: namespaces made before the loop are recorded."""
@@ -173,37 +224,46 @@ class Recorder:
         if index is None or index < 0:
             # the tail is rendered every time anyway; what the head leaves is compared
             return
-        if self.first_open is None:
-            self.first_open = index
+        self.stopped = True
+
+    def _capture(self, index: int) -> None:
+        if self.stopped:
+            return
+        try:
+            self.good = (index, self.freezer.snapshot(tuple(self.namespaces)))
+        except Unfreezable:
+            self.stopped = True  # resume where the state was still captured
 
     def loop_start(self, head: dict[str, Any]) -> None:
         """Before the first message of this render: check that the statements before the
         loop left what they left in the render being resumed (``head``: their variables),
         and restore the state this render was given."""
-        self.head_state = (freeze(head), tuple(freeze(ns) for ns in self.namespaces))
+        try:
+            self.head_state = self.freezer.snapshot((head, tuple(self.namespaces)))
+        except Unfreezable:
+            self.head_state = _Uncomparable()
         if self.state is not None:
             if not same_value(self.head_state, self.expect_head):
                 raise StateMismatch("the statements before the loop left other values")
             if len(self.state) != len(self.namespaces):
                 raise StateMismatch("the template made other namespaces before its loop")
-            for ns, frozen in zip(self.namespaces, self.state, strict=True):
-                thaw_into(ns, frozen)
+            restore(self.namespaces, self.state)
         self.index = self.resume - 1
 
     def message_start(self) -> None:
         """At the start of each message: note its index and the state it starts from."""
         assert self.index is not None
         self.index += 1
-        if self.first_open is None and self.namespaces:
-            self.latest = tuple(freeze(ns) for ns in self.namespaces)
+        if self.index > self.resume or self.good is None:
+            self._capture(self.index)
 
-    def loop_end(self) -> tuple[Any, ...]:
-        """After the last message: the state a render starting at ``first_open`` (or after
-        the last message, when nothing depended on the end) must restore."""
+    def loop_end(self) -> tuple[int, tuple[Any, ...]] | None:
+        """After the last message: where (and from what state) a render of a longer
+        conversation may start; None: nowhere (nothing could be captured)."""
+        if self.index is not None:
+            self._capture(self.index + 1)
         self.index = None
-        if self.first_open is None and self.namespaces:
-            return tuple(freeze(ns) for ns in self.namespaces)
-        return self.latest if self.namespaces else ()
+        return self.good
 
 
 class TrackedMessages(Sequence[Any]):
@@ -245,6 +305,33 @@ class TrackedMessages(Sequence[Any]):
     def __contains__(self, value: object) -> bool:
         self._recorder.opened()
         return value in self._items
+
+    # printed, compared or concatenated the way the plain list would be (all of it: that
+    # depends on where it ends)
+    __hash__ = None  # type: ignore[assignment]
+
+    def as_list(self) -> list[Any]:
+        self._recorder.opened()
+        return list(self._items)
+
+    def __repr__(self) -> str:
+        return repr(self.as_list())
+
+    def __eq__(self, other: object) -> bool:
+        return self.as_list() == _plain(other)
+
+    def __add__(self, other: Any) -> Any:
+        return self.as_list() + _plain(other)
+
+    def __radd__(self, other: Any) -> Any:
+        return _plain(other) + self.as_list()
+
+
+def _plain(value: Any) -> Any:
+    """A tracked list or view as the plain list it stands for (other values unchanged)."""
+    if isinstance(value, (TrackedMessages, _View)):
+        return value.as_list()
+    return value
 
 
 def _bounds(key: slice, recorder: Recorder) -> tuple[int, int | None] | None:
@@ -325,3 +412,20 @@ class _View(Sequence[Any]):
 
     def __contains__(self, value: object) -> bool:
         return any(v is value or v == value for v in self)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def as_list(self) -> list[Any]:
+        return list(self)
+
+    def __repr__(self) -> str:
+        return repr(self.as_list())
+
+    def __eq__(self, other: object) -> bool:
+        return self.as_list() == _plain(other)
+
+    def __add__(self, other: Any) -> Any:
+        return self.as_list() + _plain(other)
+
+    def __radd__(self, other: Any) -> Any:
+        return _plain(other) + self.as_list()

@@ -27,7 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from router.core.errors import BadRequest, ConfigError
 from router.tokenize.local_template import LocalTemplate, RenderedParts, Resume, analyze
-from router.tokenize.render_state import StateMismatch
+from router.tokenize.render_state import StateMismatch, TrackedMessages, _View
 
 
 class TemplateError(BadRequest):
@@ -50,8 +50,22 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        value,
+        ensure_ascii=ensure_ascii,
+        indent=indent,
+        separators=separators,
+        sort_keys=sort_keys,
+        default=_plain_messages,
     )
+
+
+def _plain_messages(value: Any) -> Any:
+    """``messages`` as an incremental render sees it (router.tokenize.render_state) is
+    serialised as the list it stands for; anything else json can not serialise is an
+    error, as without this hook."""
+    if isinstance(value, (TrackedMessages, _View)):
+        return value.as_list()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def _strftime_now(fmt: str) -> str:
