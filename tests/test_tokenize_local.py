@@ -210,6 +210,9 @@ STATEFUL = {
         "{{ messages[0:1] == [messages[0]] }}{{ (messages + [])|length > 0 }}"
         "{{ messages[0:1]|tojson }}{%- endfor -%}{{ messages|tojson|length }}"
     ),
+    "messages_pretty_printed": (
+        "{%- for m in messages -%}<|im_user|>{{ messages[0:2]|pprint }}{%- endfor -%}"
+    ),
     "counter_in_macro": (
         "{%- macro tick(s) %}{%- set s.n = s.n + 1 %}{{ s.n }}{%- endmacro %}"
         "{%- set st = namespace(n=0, last=none) %}{%- for m in messages %}"

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from pprint import pformat
 from typing import Any
 
 import jinja2
@@ -57,6 +58,12 @@ def _tojson(
         sort_keys=sort_keys,
         default=_plain_messages,
     )
+
+
+def _pprint(value: Any) -> str:
+    """Jinja's ``pprint``, with ``messages`` of an incremental render formatted as the list
+    it stands for (pprint lays out real lists, not look-alikes, over several lines)."""
+    return pformat(value.as_list() if isinstance(value, (TrackedMessages, _View)) else value)
 
 
 def _plain_messages(value: Any) -> Any:
@@ -100,6 +107,7 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
 def _environment() -> jinja2.Environment:
     env = _TemplateSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters["pprint"] = _pprint
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
