@@ -71,19 +71,9 @@ NOT_LOCAL = {
         "{%- if messages[0]['role'] == 'system' %}{%- set messages = messages[1:] %}{%- endif %}"
         "{%- for message in messages %}{{ message.content }}{%- endfor %}"
     ),
-    "namespace_scan": (
-        "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
-        "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
-        "{%- for message in messages %}{%- if loop.index0 > ns.last %}X{%- endif %}"
-        "{{ message.content }}{%- endfor %}"
-    ),
     "break": (
         "{%- for message in messages %}{{ message.content }}"
         "{% if message.role == 'tool' %}{% break %}{% endif %}{%- endfor %}"
-    ),
-    "two_loops": (
-        "{%- for message in messages %}{{ message.role }}{%- endfor %}"
-        "{%- for message in messages %}{{ message.content }}{%- endfor %}"
     ),
     "date_per_message": (
         "{%- for message in messages %}[{{ strftime_now('%H:%M:%S.%f') }}]"
@@ -172,6 +162,24 @@ STATEFUL = {
         "{%- else %}<|im_user|>{{ m.content }}<|im_end|>{%- endif %}{%- endfor %}"
         "{%- if add_generation_prompt %}<|im_assistant|>{%- endif %}"
     ),
+    "namespace_scan": (
+        "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+        "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+        "{%- for message in messages %}{%- if loop.index0 > ns.last %}X{%- endif %}"
+        "{{ message.content }}{%- endfor %}"
+    ),
+    "two_loops": (
+        "{%- for message in messages %}{{ message.role }}{%- endfor %}"
+        "{%- for message in messages %}{{ message.content }}{%- endfor %}"
+    ),
+    # the message loop over a slice of the conversation (Gemma / Mistral style)
+    "loop_over_messages_slice": (
+        "{%- if messages[0].role == 'system' %}{%- set sys = messages[0].content %}"
+        "{%- set loop_messages = messages[1:] %}{%- else %}{%- set sys = '' %}"
+        "{%- set loop_messages = messages %}{%- endif %}<|im_system|>{{ sys }}"
+        "{%- for m in loop_messages %}<|im_user|>{{ loop.index0 }}{{ m.content }}"
+        "{%- if loop.last %}!{%- endif %}{%- endfor %}"
+    ),
     "tool_run_scan": (
         "{%- for m in messages %}{%- if m.role == 'tool' %}"
         "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_system|>run:"
@@ -230,9 +238,9 @@ STATEFUL = {
 NEVER_RESUMED = {"cycler_in_head_variable"}
 
 # the templates whose statements before the loop read the conversation
-HEAD_READS_MESSAGES = {"last_query_split"}
+HEAD_READS_MESSAGES = {"last_query_split", "namespace_scan"}
 # the templates whose head prints something of the whole conversation
-HEAD_TEXT_VARIES = {"head_reads_length", "messages_printed_and_compared"}
+HEAD_TEXT_VARIES = {"head_reads_length", "messages_printed_and_compared", "two_loops"}
 
 # accepted, but its render fails on the tracked ``messages`` (it has no list methods)
 BREAKS_TRACKING = (
@@ -574,7 +582,7 @@ def test_changed_requests_stay_exact(change: str) -> None:
 
 
 def test_non_local_template_uses_the_text_cache_and_stays_exact() -> None:
-    source = NOT_LOCAL["two_loops"].replace(
+    source = NOT_LOCAL["reassigns_messages"].replace(
         "{{ message.content }}", "<|im_user|>{{ message.content }}"
     )
     proc = _processor(source)

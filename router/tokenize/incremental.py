@@ -132,12 +132,13 @@ class LocalPrefix:
     """A cached conversation prefix a new request extends (from :meth:`probe_local`)."""
 
     entry: _LocalEntry
-    start: int  # the bodies of messages[:start] are cached; a render starts there
+    start: int  # the message loop's bodies before its ``start``-th are cached; it starts there
 
     @property
     def prepared(self) -> list[Mapping[str, Any]]:
-        """The cached messages before ``start``, as the template saw them."""
-        return self.entry.prepared[: self.start]
+        """The cached conversation's messages, as the template saw them (the request's
+        first ones are the same)."""
+        return self.entry.prepared
 
     @property
     def resume(self) -> Resume:

@@ -56,7 +56,7 @@ from jinja2.visitor import NodeTransformer
 from router.tokenize.render_state import Recorder, TrackedMessages, _Uncomparable
 
 _START = "__kvrouter_start"
-_LIST = "__kvrouter_list"  # the plain list the message loop iterates
+_ROWS = "__kvrouter_rows"  # the plain list the message loop iterates, from its start
 _RESUME = "__kvrouter_resume"
 _AT = "__kvrouter_at"
 _END = "__kvrouter_end"
@@ -341,7 +341,7 @@ class LocalTemplate:
                 **variables,
                 "messages": TrackedMessages(items, rec),
                 "namespace": rec.namespace,
-                _LIST: items,
+                _ROWS: rec.rows,
                 _START: start,
                 _RESUME: resume,
                 _LAST: last,
@@ -354,7 +354,7 @@ class LocalTemplate:
         if i < 0 or j < 0 or not ended:  # an ``{% if %}`` can not skip the marks
             raise RuntimeError("instrumented template lost its marks")
         pieces = out[i + len(mark) : j].split(mark_msg)
-        if pieces[0] or len(pieces) != len(items) - start + 1:
+        if pieces[0] or len(pieces) != rec.loop_length - start + 1:
             raise RuntimeError("instrumented template lost its message marks")
         resume_point = None
         good = ended[0]
@@ -370,20 +370,27 @@ def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
     docstring), else None."""
     try:
         ast = env.parse(source)
+        # The message loop: the last top-level loop over ``messages`` or over a name the
+        # statements before it assign (``loop_messages = messages[1:]``, checked when
+        # rendering: it must be ``messages`` or a slice of it from a fixed start). Earlier
+        # loops over the conversation are part of the head, later ones of the tail: both
+        # are rendered every time, so the choice never makes a render wrong.
         loops = [
             (i, n)
             for i, n in enumerate(ast.body)
-            if isinstance(n, nodes.For) and _is_name(n.iter, "messages")
+            if isinstance(n, nodes.For)
+            and isinstance(n.iter, nodes.Name)
+            and (n.iter.name == "messages" or n.iter.name in _assigned_names(ast.body[:i]))
         ]
-        if len(loops) != 1:
-            raise _NotLocal("not exactly one top-level loop over messages")
+        if not loops:
+            raise _NotLocal("no top-level loop over messages")
         if "messages" in _assigned_names(ast.body):
             raise _NotLocal("messages is assigned")
         if any(True for _ in ast.find_all(_REJECTED_ANYWHERE)):
             raise _NotLocal("call block, block, include or import")
         if any(n.name.startswith("__kvrouter") for n in ast.find_all(nodes.Name)):
             raise _NotLocal("uses the instrumentation's reserved names")
-        at, loop = loops[0]
+        at, loop = loops[-1]
         if loop.else_ or loop.test is not None or loop.recursive:
             raise _NotLocal("loop with else, filter or recursion")
         if not isinstance(loop.target, nodes.Name):
@@ -397,10 +404,8 @@ def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
         nodes.Output([nodes.Call(nodes.Name(_AT, "load"), [], [], None, None)]),
         *(_Rewrite().visit(n) for n in loop.body),
     ]
-    loop.iter = nodes.Getitem(
-        nodes.Name(_LIST, "load"),
-        nodes.Slice(nodes.Name(_START, "load"), None, None),
-        "load",
+    loop.iter = nodes.Call(
+        nodes.Name(_ROWS, "load"), [loop.iter, nodes.Name(_START, "load")], [], None, None
     )
     # the names the statements before the loop assign, as they are when the loop starts
     head_names = sorted(_assigned_names(ast.body[:at]))

@@ -290,7 +290,8 @@ class PromptProcessor:
         prefix = tokenizer.probe_local(messages, keys, context)
         if prefix is not None:
             start = prefix.start
-            prepared = [*prefix.prepared, *prepare_messages(messages[start:])]
+            cached = prefix.prepared
+            prepared = [*cached, *prepare_messages(messages[len(cached) :])]
             try:
                 parts = template.render_parts(
                     local,

@@ -22,6 +22,7 @@ loop are per message unless stored in one of those, which :func:`freeze` follows
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from types import BuiltinFunctionType, FunctionType, MethodType, ModuleType
 from typing import Any
 
@@ -37,6 +38,20 @@ _SHARED = (str, int, float, bytes, type(None), Undefined, Macro)
 def _attrs_of(ns: Namespace) -> dict[str, Any]:
     attrs: dict[str, Any] = object.__getattribute__(ns, _ATTRS)
     return attrs
+
+
+class NotConversation(TypeError):
+    """The template's message loop does not run over the conversation (router renders the
+    template whole)."""
+
+
+@dataclass(slots=True, frozen=True)
+class _ConversationView:
+    """A head variable that is the conversation or a slice of it from ``start``: equal in
+    every render of a conversation, whatever its length (each render makes its own)."""
+
+    start: int
+    stop: int | None
 
 
 class Unfreezable(Exception):
@@ -72,7 +87,7 @@ class Freezer:
 
     def _value(self, value: Any, memo: dict[int, _Frozen]) -> Any:
         kind = type(value)
-        if kind is bool or isinstance(value, _SHARED):
+        if kind is bool or isinstance(value, _SHARED) or kind is _ConversationView:
             return value
         if kind is FunctionType or kind is BuiltinFunctionType or kind is MethodType:
             bound = getattr(value, "__self__", None)
@@ -190,6 +205,7 @@ class Recorder:
         "good",
         "head_state",
         "index",
+        "loop_length",
         "namespaces",
         "resume",
         "state",
@@ -210,6 +226,20 @@ class Recorder:
         # from a captured state (None: a render from message 0 has captured nothing yet)
         self.good: tuple[int, tuple[Any, ...]] | None = (start, state) if state else None
         self.stopped = False  # the resume point is final
+        self.loop_length = 0  # how many messages the message loop iterates in all
+
+    def rows(self, source: Any, start: int) -> list[Any]:
+        """What the message loop iterates from its ``start``-th item: the loop is over
+        ``messages`` or a slice of it from a fixed start (a plain list: the loop's own
+        iteration to the end depends on nothing). Anything else: :class:`NotConversation`."""
+        if type(source) is TrackedMessages:
+            items, first = source._items, 0
+        elif type(source) is _View and source._stop is None:
+            items, first = source._base._items, source._start
+        else:
+            raise NotConversation(f"the message loop runs over a {type(source).__name__}")
+        self.loop_length = max(len(items) - first, 0)
+        return list(items[first + start :])
 
     def namespace(self, *args: Any, **kwargs: Any) -> Namespace:
         """The template's ``namespace()``: namespaces made before the loop are recorded."""
@@ -239,7 +269,15 @@ class Recorder:
         loop left what they left in the render being resumed (``head``: their variables),
         and restore the state this render was given."""
         try:
-            self.head_state = self.freezer.snapshot((head, tuple(self.namespaces)))
+            variables = {
+                k: _ConversationView(v._start, v._stop)
+                if type(v) is _View
+                else _ConversationView(0, None)
+                if type(v) is TrackedMessages
+                else v
+                for k, v in head.items()
+            }
+            self.head_state = self.freezer.snapshot((variables, tuple(self.namespaces)))
         except Unfreezable:
             self.head_state = _Uncomparable()
         if self.state is not None:
