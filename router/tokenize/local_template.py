@@ -19,8 +19,11 @@ restores the state there and renders from that message on.
 not understand makes it refuse, and the caller renders the template whole (always correct,
 just slower). A template is accepted when
 
-* its top level holds exactly one ``for <name> in messages`` loop (no ``else``, filter or
-  ``recursive``), and ``messages`` is never assigned;
+* its *message loop* is the last top-level ``for`` over ``messages`` or over a name the
+  statements before it assign (``loop_messages = messages[1:]``; when rendering it must be
+  the conversation or a slice of it from a fixed start), with no ``else``, filter or
+  ``recursive``; earlier loops over the conversation are part of the head; ``messages`` is
+  never assigned;
 * the loop body uses only ``loop.first`` / ``loop.index`` / ``loop.index0`` of its loop
   (rewritten to count from the conversation's first message), never the loop object as a
   value, and has no ``break`` of the message loop;
