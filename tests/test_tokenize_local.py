@@ -67,9 +67,9 @@ LOCAL = {
 }
 
 NOT_LOCAL = {
-    "reassigns_messages": (
-        "{%- if messages[0]['role'] == 'system' %}{%- set messages = messages[1:] %}{%- endif %}"
-        "{%- for message in messages %}{{ message.content }}{%- endfor %}"
+    "messages_assigned_in_the_loop": (
+        "{%- for message in messages %}{%- set messages = messages[1:] %}"
+        "{{ messages|length }}{{ message.content }}{%- endfor %}"
     ),
     "break": (
         "{%- for message in messages %}{{ message.content }}"
@@ -179,6 +179,10 @@ STATEFUL = {
         "{%- set loop_messages = messages %}{%- endif %}<|im_system|>{{ sys }}"
         "{%- for m in loop_messages %}<|im_user|>{{ loop.index0 }}{{ m.content }}"
         "{%- if loop.last %}!{%- endif %}{%- endfor %}"
+    ),
+    "reassigns_messages": (
+        "{%- if messages[0]['role'] == 'system' %}{%- set messages = messages[1:] %}{%- endif %}"
+        "{%- for message in messages %}{{ message.content }}{%- endfor %}"
     ),
     "tool_run_scan": (
         "{%- for m in messages %}{%- if m.role == 'tool' %}"
@@ -582,9 +586,7 @@ def test_changed_requests_stay_exact(change: str) -> None:
 
 
 def test_non_local_template_uses_the_text_cache_and_stays_exact() -> None:
-    source = NOT_LOCAL["reassigns_messages"].replace(
-        "{{ message.content }}", "<|im_user|>{{ message.content }}"
-    )
+    source = NOT_LOCAL["break"].replace("{{ message.content }}", "<|im_user|>{{ message.content }}")
     proc = _processor(source)
     assert proc.template is not None and proc.template.local_for(None) is None
     messages = [_SYSTEM]

@@ -23,7 +23,7 @@ just slower). A template is accepted when
   statements before it assign (``loop_messages = messages[1:]``; when rendering it must be
   the conversation or a slice of it from a fixed start), with no ``else``, filter or
   ``recursive``; earlier loops over the conversation are part of the head; ``messages`` is
-  never assigned;
+  assigned only before the loop (narrowed to a slice, say);
 * the loop body uses only ``loop.first`` / ``loop.index`` / ``loop.index0`` of its loop
   (rewritten to count from the conversation's first message), never the loop object as a
   value, and has no ``break`` of the message loop;
@@ -387,13 +387,15 @@ def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
         ]
         if not loops:
             raise _NotLocal("no top-level loop over messages")
-        if "messages" in _assigned_names(ast.body):
-            raise _NotLocal("messages is assigned")
         if any(True for _ in ast.find_all(_REJECTED_ANYWHERE)):
             raise _NotLocal("call block, block, include or import")
         if any(n.name.startswith("__kvrouter") for n in ast.find_all(nodes.Name)):
             raise _NotLocal("uses the instrumentation's reserved names")
         at, loop = loops[-1]
+        # before the loop ``messages`` may be narrowed (``set messages = messages[1:]``: a
+        # tracked slice; the loop checks what it runs over), not in the loop or in macros
+        if "messages" in _assigned_names([*loop.body, *ast.find_all(nodes.Macro)]):
+            raise _NotLocal("messages is assigned in the message loop or a macro")
         if loop.else_ or loop.test is not None or loop.recursive:
             raise _NotLocal("loop with else, filter or recursion")
         if not isinstance(loop.target, nodes.Name):
