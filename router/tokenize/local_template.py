@@ -56,7 +56,7 @@ import jinja2
 from jinja2 import nodes
 from jinja2.visitor import NodeTransformer
 
-from router.tokenize.render_state import Recorder, TrackedMessages, _Uncomparable
+from router.tokenize.render_state import Recorder, TrackedMessages
 
 _START = "__kvrouter_start"
 _ROWS = "__kvrouter_rows"  # the plain list the message loop iterates, from its start
@@ -361,7 +361,7 @@ class LocalTemplate:
             raise RuntimeError("instrumented template lost its message marks")
         resume_point = None
         good = ended[0]
-        if good is not None and not isinstance(rec.head_state, _Uncomparable):
+        if good is not None and rec.resumable:
             at_message, state = good
             offset = sum(len(p) for p in pieces[1 : 1 + at_message - start])
             resume_point = Resume(at_message, offset, state, rec.head_state)

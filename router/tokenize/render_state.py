@@ -241,6 +241,12 @@ class Recorder:
         self.loop_length = max(len(items) - first, 0)
         return list(items[first + start :])
 
+    @property
+    def resumable(self) -> bool:
+        """Whether a later render can ever resume from this one (what the head left could
+        be captured)."""
+        return not isinstance(self.head_state, _Uncomparable)
+
     def namespace(self, *args: Any, **kwargs: Any) -> Namespace:
         """The template's ``namespace()``: namespaces made before the loop are recorded."""
         ns = Namespace(*args, **kwargs)
@@ -304,7 +310,30 @@ class Recorder:
         return self.good
 
 
-class TrackedMessages(Sequence[Any]):
+class ListLike(Sequence[Any]):
+    """Printed, compared and concatenated the way the plain list would be (all of it: that
+    depends on where it ends)."""
+
+    __slots__ = ()
+    __hash__ = None  # type: ignore[assignment]
+
+    def as_list(self) -> list[Any]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return repr(self.as_list())
+
+    def __eq__(self, other: object) -> bool:
+        return self.as_list() == _plain(other)
+
+    def __add__(self, other: Any) -> Any:
+        return self.as_list() + _plain(other)
+
+    def __radd__(self, other: Any) -> Any:
+        return _plain(other) + self.as_list()
+
+
+class TrackedMessages(ListLike):
     """``messages`` as the instrumented template sees it: the same items, and every access
     whose answer depends on where the list ends is reported to the :class:`Recorder`."""
 
@@ -344,32 +373,14 @@ class TrackedMessages(Sequence[Any]):
         self._recorder.opened()
         return value in self._items
 
-    # printed, compared or concatenated the way the plain list would be (all of it: that
-    # depends on where it ends)
-    __hash__ = None  # type: ignore[assignment]
-
     def as_list(self) -> list[Any]:
         self._recorder.opened()
         return list(self._items)
 
-    def __repr__(self) -> str:
-        return repr(self.as_list())
-
-    def __eq__(self, other: object) -> bool:
-        return self.as_list() == _plain(other)
-
-    def __add__(self, other: Any) -> Any:
-        return self.as_list() + _plain(other)
-
-    def __radd__(self, other: Any) -> Any:
-        return _plain(other) + self.as_list()
-
 
 def _plain(value: Any) -> Any:
     """A tracked list or view as the plain list it stands for (other values unchanged)."""
-    if isinstance(value, (TrackedMessages, _View)):
-        return value.as_list()
-    return value
+    return value.as_list() if isinstance(value, ListLike) else value
 
 
 def _bounds(key: slice, recorder: Recorder) -> tuple[int, int | None] | None:
@@ -387,7 +398,7 @@ def _bounds(key: slice, recorder: Recorder) -> tuple[int, int | None] | None:
     return start or 0, stop
 
 
-class _View(Sequence[Any]):
+class _View(ListLike):
     """``messages[start:stop]`` (``stop`` None: to the end), tracked like the whole list."""
 
     __slots__ = ("_base", "_start", "_stop")
@@ -451,19 +462,5 @@ class _View(Sequence[Any]):
     def __contains__(self, value: object) -> bool:
         return any(v is value or v == value for v in self)
 
-    __hash__ = None  # type: ignore[assignment]
-
     def as_list(self) -> list[Any]:
         return list(self)
-
-    def __repr__(self) -> str:
-        return repr(self.as_list())
-
-    def __eq__(self, other: object) -> bool:
-        return self.as_list() == _plain(other)
-
-    def __add__(self, other: Any) -> Any:
-        return self.as_list() + _plain(other)
-
-    def __radd__(self, other: Any) -> Any:
-        return _plain(other) + self.as_list()

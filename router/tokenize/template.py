@@ -28,7 +28,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from router.core.errors import BadRequest, ConfigError
 from router.tokenize.local_template import LocalTemplate, RenderedParts, Resume, analyze
-from router.tokenize.render_state import StateMismatch, TrackedMessages, _View
+from router.tokenize.render_state import ListLike, StateMismatch
 
 
 class TemplateError(BadRequest):
@@ -63,14 +63,14 @@ def _tojson(
 def _pprint(value: Any) -> str:
     """Jinja's ``pprint``, with ``messages`` of an incremental render formatted as the list
     it stands for (pprint lays out real lists, not look-alikes, over several lines)."""
-    return pformat(value.as_list() if isinstance(value, (TrackedMessages, _View)) else value)
+    return pformat(value.as_list() if isinstance(value, ListLike) else value)
 
 
 def _plain_messages(value: Any) -> Any:
     """``messages`` as an incremental render sees it (router.tokenize.render_state) is
     serialised as the list it stands for; anything else json can not serialise is an
     error, as without this hook."""
-    if isinstance(value, (TrackedMessages, _View)):
+    if isinstance(value, ListLike):
         return value.as_list()
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
