@@ -100,6 +100,19 @@ class _LocalEntry:
     hashes: dict[tuple[int, int], list[int]]
     nbytes: int
     resume: Resume
+    # templates whose head reads the whole conversation: the rendered text, and where the
+    # resume point is in it (the next turn's text, when it resumes, is text[:text_at] + ...)
+    text: str | None = None
+    text_at: int = 0
+
+
+_TEXT_KEYS = 0x6B76_7274_7874  # salt: text-cache entries kept beside local entries
+
+
+def text_cache_keys(keys: Sequence[int]) -> list[int]:
+    """The rendered-text cache's keys for a conversation whose local entries use ``keys``
+    (both kinds share one LRU: distinct keys keep them from replacing each other)."""
+    return [k ^ _TEXT_KEYS for k in keys]
 
 
 def same_json(a: Any, b: Any) -> bool:
@@ -427,6 +440,7 @@ class IncrementalTokenizer:
         prefix: LocalPrefix | None,
         root: int,
         block_size: int,
+        text_keys: Sequence[int] | None = None,
     ) -> tuple[Encoded, int] | None:
         """Tokens and block hashes of ``head + bodies + tail``, where ``parts`` was rendered
         from message ``prefix.start`` on (0 and ``prefix`` None: the whole conversation).
@@ -435,7 +449,9 @@ class IncrementalTokenizer:
         be used exactly (the caller renders whole).
 
         Pieces are tokenized apart only where the second starts with a special token (the
-        tokenizer contract that makes that exact); elsewhere the resume point is dropped."""
+        tokenizer contract that makes that exact); elsewhere the resume point is dropped.
+        Without ``prefix``, ``text_keys`` (:func:`text_cache_keys`) let the rendered-text
+        cache supply the ids of a prefix of the text."""
         t0 = time.perf_counter()
         special = self.splitter.pattern
 
@@ -473,7 +489,16 @@ class IncrementalTokenizer:
             full = entry.hashes.get((root, block_size))
             base_hashes = full[: reused // block_size] if full is not None else None
         else:
-            tokens = self.encode_text(parts.head + parts.bodies + parts.tail)
+            text = parts.head + parts.bodies + parts.tail
+            found = self._probe(text, text_keys) if text_keys else None
+            if found is not None:  # the rendered-text cache knows a prefix of this text
+                cached, cut = found
+                reused = cut.idx
+                tokens = np.concatenate([cached.tokens[:reused], self.encode_text(text[cut.pos :])])
+                full = cached.hashes.get((root, block_size))
+                base_hashes = full[: reused // block_size] if full is not None else None
+            else:
+                tokens = self.encode_text(text)
             loop_idx = -1
             if rest_ids is not None and len(rest_ids) <= len(tokens):
                 at = len(tokens) - len(rest_ids)
@@ -495,14 +520,25 @@ class IncrementalTokenizer:
         root: int,
         block_size: int,
         chars: int,
+        text: tuple[str, int, Sequence[int]] | None = None,
     ) -> None:
         """Keep a conversation for :meth:`probe_local` (``chars``: its content length, for
-        the byte budget; the message strings are shared with the request, not copied)."""
+        the byte budget; the message strings are shared with the request, not copied).
+
+        ``text`` (the whole rendered text, where the resume point is in it, and the text
+        cache's keys of the conversation) is given for templates whose head reads the whole
+        conversation: the text is also kept in the rendered-text cache, which serves the
+        turn that can not resume (a new user query moved what the head computed)."""
         resume = parts.resume
         if loop_idx < 0 or resume is None or self.budget_bytes <= 0:
             return
         nbytes = 2 * chars + 200 * len(messages) + encoded.tokens.nbytes
         nbytes += 40 * len(encoded.hashes) + 512
+        full, text_at = None, 0
+        if text is not None:
+            full, text_at, keys = text
+            self._remember(keys[-1], full, encoded.tokens, encoded.hashes, root, block_size)
+            nbytes += len(full)
         entry = _LocalEntry(
             list(messages),
             list(prepared),
@@ -513,5 +549,7 @@ class IncrementalTokenizer:
             {(root, block_size): encoded.hashes},
             nbytes,
             resume,
+            full,
+            text_at,
         )
         self._store(key, entry)

@@ -118,6 +118,9 @@ class RenderedParts:
     bodies: str
     tail: str
     resume: Resume | None
+    # the head read the whole conversation (a new user query, say, can change it): a render
+    # that can not resume then is better served by the rendered-text cache
+    head_reads_end: bool = False
 
 
 class _NotLocal(Exception):
@@ -365,7 +368,9 @@ class LocalTemplate:
             at_message, state = good
             offset = sum(len(p) for p in pieces[1 : 1 + at_message - start])
             resume_point = Resume(at_message, offset, state, rec.head_state)
-        return RenderedParts(out[:i], "".join(pieces), out[j + len(mark_end) :], resume_point)
+        return RenderedParts(
+            out[:i], "".join(pieces), out[j + len(mark_end) :], resume_point, rec.head_reads_end
+        )
 
 
 def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:

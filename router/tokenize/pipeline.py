@@ -25,7 +25,12 @@ from router.tokenize.approx import (
     approx_root,
     approx_tokens,
 )
-from router.tokenize.incremental import MIN_CACHED_CHARS, IncrementalTokenizer, message_keys
+from router.tokenize.incremental import (
+    MIN_CACHED_CHARS,
+    IncrementalTokenizer,
+    message_keys,
+    text_cache_keys,
+)
 from router.tokenize.local_template import LocalTemplate
 from router.tokenize.template import (
     ChatTemplate,
@@ -287,6 +292,7 @@ class PromptProcessor:
         bs = self.block_size
         out = None
         prepared: list[Mapping[str, Any]]
+        text_keys = text_cache_keys(keys)
         prefix = tokenizer.probe_local(messages, keys, context)
         if prefix is not None:
             start = prefix.start
@@ -311,11 +317,27 @@ class PromptProcessor:
             parts = template.render_parts(
                 local, prepared, 0, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
             )
-            out = tokenizer.encode_local(parts, None, root, bs)
+            out = tokenizer.encode_local(parts, None, root, bs, text_keys)
             assert out is not None  # without a prefix there is nothing to refuse
+            resumed_text = None
+        else:
+            assert prefix is not None
+            resumed_text = prefix.entry.text, prefix.entry.text_at
         enc, loop_idx = out
+        text = None
+        if parts.head_reads_end and parts.resume is not None:
+            # kept for the rendered-text cache too (see IncrementalTokenizer.remember_local)
+            if resumed_text is None:
+                before = parts.head
+                full = parts.head + parts.bodies + parts.tail
+            else:
+                old, old_at = resumed_text
+                before = old[:old_at] if old is not None else None
+                full = before + parts.bodies + parts.tail if before is not None else None
+            if before is not None and full is not None:
+                text = (full, len(before) + parts.resume.offset, text_keys)
         tokenizer.remember_local(
-            keys[-1], messages, prepared, context, parts, enc, loop_idx, root, bs, chars
+            keys[-1], messages, prepared, context, parts, enc, loop_idx, root, bs, chars, text
         )
         total_s = time.perf_counter() - t0
         return ProcessedPrompt(

@@ -203,6 +203,7 @@ class Recorder:
         "expect_head",
         "freezer",
         "good",
+        "head_reads_end",
         "head_state",
         "index",
         "loop_length",
@@ -226,6 +227,7 @@ class Recorder:
         # from a captured state (None: a render from message 0 has captured nothing yet)
         self.good: tuple[int, tuple[Any, ...]] | None = (start, state) if state else None
         self.stopped = False  # the resume point is final
+        self.head_reads_end = False  # the statements before the loop read the whole list
         self.loop_length = 0  # how many messages the message loop iterates in all
 
     def rows(self, source: Any, start: int) -> list[Any]:
@@ -257,8 +259,10 @@ class Recorder:
     def opened(self) -> None:
         """The text being rendered depends on where the conversation ends."""
         index = self.index
-        if index is None or index < 0:
-            # the tail is rendered every time anyway; what the head leaves is compared
+        if index is None:
+            return  # the tail is rendered every time anyway
+        if index < 0:
+            self.head_reads_end = True  # what the head leaves is compared on resuming
             return
         self.stopped = True
 
