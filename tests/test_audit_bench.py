@@ -18,9 +18,9 @@ from tests.procs import KVROUTER
 FIGURES = ("incremental_ms", "cold_ms", "tiktoken_ms", "speedup_vs_tiktoken")
 
 
-def bench_tokenize(tokens: int) -> dict[str, object]:
+def bench_tokenize(tokens: int, *extra: str) -> dict[str, object]:
     done = subprocess.run(
-        [KVROUTER, "bench", "tokenize", "--tokens", str(tokens), "--reps", "1"],
+        [KVROUTER, "bench", "tokenize", "--tokens", str(tokens), "--reps", "1", *extra],
         capture_output=True,
         text=True,
         timeout=60,
@@ -44,6 +44,13 @@ def check_figures(out: dict[str, object], tokens: int) -> None:
 
 def test_bench_tokenize_prints_one_json_object() -> None:
     check_figures(bench_tokenize(100_000), 100_000)
+
+
+def test_bench_tokenize_kimi_k3_style_renders_incrementally() -> None:
+    out = bench_tokenize(100_000, "--template", "kimi_k3_style")
+    check_figures(out, 100_000)
+    assert out["template"] == "kimi_k3_style" and out["incremental_render"] is True
+    assert isinstance(out["reused_tokens"], int) and out["reused_tokens"] > 0
 
 
 @pytest.mark.parametrize("tokens", [1_000, 20_000])
