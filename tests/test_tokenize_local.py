@@ -184,6 +184,20 @@ STATEFUL = {
         "{%- if messages[0]['role'] == 'system' %}{%- set messages = messages[1:] %}{%- endif %}"
         "{%- for message in messages %}{{ message.content }}{%- endfor %}"
     ),
+    # the shape of Kimi-K2-Thinking-style templates: history up to the last plain assistant
+    # message loses its reasoning, the turns after it keep theirs (two loops over slices)
+    "history_suffix_split": (
+        "{%- set ns = namespace(split=-1) -%}"
+        "{%- for i in range(messages|length - 1, -1, -1) -%}"
+        "{%- if messages[i].role == 'assistant' and not messages[i].get('tool_calls') -%}"
+        "{%- set ns.split = i -%}{%- break -%}{%- endif -%}{%- endfor -%}"
+        "{%- set hist = messages[:ns.split + 1] -%}{%- set suffix = messages[ns.split + 1:] -%}"
+        "{%- for m in hist -%}<|im_user|>{{ m.role }}:<think></think>{{ m.content }}<|im_end|>"
+        "{%- endfor -%}"
+        "{%- for m in suffix -%}<|im_user|>{{ m.role }}:<think>r{{ loop.index0 }}</think>"
+        "{{ m.content }}<|im_end|>{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_assistant|>{%- endif -%}"
+    ),
     "tool_run_scan": (
         "{%- for m in messages %}{%- if m.role == 'tool' %}"
         "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_system|>run:"
@@ -242,9 +256,14 @@ STATEFUL = {
 NEVER_RESUMED = {"cycler_in_head_variable"}
 
 # the templates whose statements before the loop read the conversation
-HEAD_READS_MESSAGES = {"last_query_split", "namespace_scan"}
+HEAD_READS_MESSAGES = {"last_query_split", "namespace_scan", "history_suffix_split"}
 # the templates whose head prints something of the whole conversation
-HEAD_TEXT_VARIES = {"head_reads_length", "messages_printed_and_compared", "two_loops"}
+HEAD_TEXT_VARIES = {
+    "head_reads_length",
+    "messages_printed_and_compared",
+    "two_loops",
+    "history_suffix_split",
+}
 
 # accepted, but its render fails on the tracked ``messages`` (it has no list methods)
 BREAKS_TRACKING = (
@@ -507,6 +526,35 @@ def test_last_query_split_reuses_tool_turns_and_rerenders_after_a_new_query() ->
     # beside the entries of templates whose head reads the conversation) supplies the ids
     # of the text before the first message whose reasoning was dropped
     assert 0 < reused[3] < reused[2]
+
+
+def test_history_suffix_split_reuses_tool_turns() -> None:
+    """Kimi-K2-Thinking-style: while an agent loops over tool calls the split stays at the
+    last plain assistant message, so each turn resumes inside the current turn's loop."""
+    proc = _processor(STATEFUL["history_suffix_split"])
+    messages: list[dict[str, Any]] = [
+        _SYSTEM,
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "plain answer"},
+        {"role": "user", "content": "task"},
+    ]
+    call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    reused = []
+    for turn in range(4):
+        messages = [
+            *messages,
+            {"role": "assistant", "content": f"calling {turn}", "tool_calls": call},
+            {"role": "tool", "tool_call_id": "c", "content": f"result {turn} " * 300},
+        ]
+        if turn == 3:  # the agent's turn ends: its plain answer moves the split
+            messages.append({"role": "assistant", "content": "done"})
+        got = proc.chat({"model": "m", "messages": messages})
+        assert (got.prompt_tokens, got.block_hashes) == _cold(
+            proc, {"model": "m", "messages": messages}
+        )
+        reused.append(got.reused_tokens)
+    assert reused[1] > 0 and reused[2] > reused[1]  # tool turns: resumed
+    assert reused[3] > 0  # the split moved: the rendered-text cache served the prefix
 
 
 def test_template_whose_instrumented_render_fails_is_rendered_whole() -> None:

@@ -20,6 +20,7 @@ long prompts on worker threads.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import OrderedDict
@@ -106,13 +107,23 @@ class _LocalEntry:
     text_at: int = 0
 
 
-_TEXT_KEYS = 0x6B76_7274_7874  # salt: text-cache entries kept beside local entries
-
-
-def text_cache_keys(keys: Sequence[int]) -> list[int]:
-    """The rendered-text cache's keys for a conversation whose local entries use ``keys``
-    (both kinds share one LRU: distinct keys keep them from replacing each other)."""
-    return [k ^ _TEXT_KEYS for k in keys]
+def common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (64 KiB compared at a time,
+    then a bisection: a few memcmp passes over the text, no per-character loop)."""
+    n = min(len(a), len(b))
+    lo, step = 0, 65536
+    while lo < n and a[lo : lo + step] == b[lo : lo + step]:
+        lo += step
+    if lo >= n:
+        return n
+    base, hi = lo, min(lo + step, n)
+    while lo < hi:  # a[:lo] == b[:lo]; the first difference is before hi
+        mid = (lo + hi + 1) // 2
+        if a[base:mid] == b[base:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def same_json(a: Any, b: Any) -> bool:
@@ -440,7 +451,7 @@ class IncrementalTokenizer:
         prefix: LocalPrefix | None,
         root: int,
         block_size: int,
-        text_keys: Sequence[int] | None = None,
+        fallback: _LocalEntry | None = None,
     ) -> tuple[Encoded, int] | None:
         """Tokens and block hashes of ``head + bodies + tail``, where ``parts`` was rendered
         from message ``prefix.start`` on (0 and ``prefix`` None: the whole conversation).
@@ -450,8 +461,9 @@ class IncrementalTokenizer:
 
         Pieces are tokenized apart only where the second starts with a special token (the
         tokenizer contract that makes that exact); elsewhere the resume point is dropped.
-        Without ``prefix``, ``text_keys`` (:func:`text_cache_keys`) let the rendered-text
-        cache supply the ids of a prefix of the text."""
+        Without ``prefix``, the ids of the text shared with ``fallback`` (a cached
+        conversation that this one extends but could not resume, kept with its text) are
+        taken from it."""
         t0 = time.perf_counter()
         special = self.splitter.pattern
 
@@ -490,12 +502,14 @@ class IncrementalTokenizer:
             base_hashes = full[: reused // block_size] if full is not None else None
         else:
             text = parts.head + parts.bodies + parts.tail
-            found = self._probe(text, text_keys) if text_keys else None
-            if found is not None:  # the rendered-text cache knows a prefix of this text
-                cached, cut = found
-                reused = cut.idx
-                tokens = np.concatenate([cached.tokens[:reused], self.encode_text(text[cut.pos :])])
-                full = cached.hashes.get((root, block_size))
+            shared = None
+            if fallback is not None and fallback.text is not None:
+                shared = self._shared_ids(text, fallback.text, fallback.tokens)
+            if shared is not None:
+                chars, reused = shared
+                tail = self.encode_text(text[chars:])
+                tokens = np.concatenate([fallback.tokens[:reused], tail])
+                full = fallback.hashes.get((root, block_size))
                 base_hashes = full[: reused // block_size] if full is not None else None
             else:
                 tokens = self.encode_text(text)
@@ -507,6 +521,31 @@ class IncrementalTokenizer:
         if resume is None:
             loop_idx = -1
         return self._finish(tokens, base_hashes, reused, root, block_size, t0), loop_idx
+
+    def _shared_ids(self, text: str, old: str, old_ids: TokenArray) -> tuple[int, int] | None:
+        """``(chars, n)``: ``text[:chars] == old[:chars]``, both continue with a special
+        token there, and ``old_ids[:n]`` are the ids of ``old[:chars]`` (the special tokens of
+        ``old`` are found in order in ``old_ids``: checked for all of them); None if there is
+        no such cut."""
+        special = self.splitter.pattern
+        if special is None:
+            return None
+        shared = common_prefix(text, old)
+        starts = self.splitter.starts(old)
+        ids = self.tokenizer.special_tokens
+        at = np.flatnonzero(np.isin(old_ids, np.fromiter(self._special_ids, dtype=old_ids.dtype)))
+        if len(at) != len(starts):
+            return None  # the tokenizer did not keep every special token: no exact cut
+        j = bisect.bisect_right(starts, shared) - 1
+        while j >= 0:
+            pos = starts[j]
+            here = special.match(text, pos)
+            if here is not None and pos + len(here.group()) <= shared:
+                if ids.get(here.group()) != int(old_ids[at[j]]):
+                    return None
+                return pos, int(at[j])
+            j -= 1
+        return None
 
     def remember_local(
         self,
@@ -520,15 +559,15 @@ class IncrementalTokenizer:
         root: int,
         block_size: int,
         chars: int,
-        text: tuple[str, int, Sequence[int]] | None = None,
+        text: tuple[str, int] | None = None,
     ) -> None:
         """Keep a conversation for :meth:`probe_local` (``chars``: its content length, for
         the byte budget; the message strings are shared with the request, not copied).
 
-        ``text`` (the whole rendered text, where the resume point is in it, and the text
-        cache's keys of the conversation) is given for templates whose head reads the whole
-        conversation: the text is also kept in the rendered-text cache, which serves the
-        turn that can not resume (a new user query moved what the head computed)."""
+        ``text`` (the whole rendered text, and where the resume point is in it) is given for
+        templates whose head reads the whole conversation: a turn that can not resume (a
+        new user query moved what the head computed) is rendered whole, and the ids of the
+        text it shares with this one come from here (:meth:`encode_local`)."""
         resume = parts.resume
         if loop_idx < 0 or resume is None or self.budget_bytes <= 0:
             return
@@ -536,8 +575,7 @@ class IncrementalTokenizer:
         nbytes += 40 * len(encoded.hashes) + 512
         full, text_at = None, 0
         if text is not None:
-            full, text_at, keys = text
-            self._remember(keys[-1], full, encoded.tokens, encoded.hashes, root, block_size)
+            full, text_at = text
             nbytes += len(full)
         entry = _LocalEntry(
             list(messages),

@@ -29,7 +29,6 @@ from router.tokenize.incremental import (
     MIN_CACHED_CHARS,
     IncrementalTokenizer,
     message_keys,
-    text_cache_keys,
 )
 from router.tokenize.local_template import LocalTemplate
 from router.tokenize.template import (
@@ -292,7 +291,6 @@ class PromptProcessor:
         bs = self.block_size
         out = None
         prepared: list[Mapping[str, Any]]
-        text_keys = text_cache_keys(keys)
         prefix = tokenizer.probe_local(messages, keys, context)
         if prefix is not None:
             start = prefix.start
@@ -317,7 +315,8 @@ class PromptProcessor:
             parts = template.render_parts(
                 local, prepared, 0, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
             )
-            out = tokenizer.encode_local(parts, None, root, bs, text_keys)
+            fallback = prefix.entry if prefix is not None else None
+            out = tokenizer.encode_local(parts, None, root, bs, fallback)
             assert out is not None  # without a prefix there is nothing to refuse
             resumed_text = None
         else:
@@ -326,7 +325,7 @@ class PromptProcessor:
         enc, loop_idx = out
         text = None
         if parts.head_reads_end and parts.resume is not None:
-            # kept for the rendered-text cache too (see IncrementalTokenizer.remember_local)
+            # kept with the entry (see IncrementalTokenizer.remember_local)
             if resumed_text is None:
                 before = parts.head
                 full = parts.head + parts.bodies + parts.tail
@@ -335,7 +334,7 @@ class PromptProcessor:
                 before = old[:old_at] if old is not None else None
                 full = before + parts.bodies + parts.tail if before is not None else None
             if before is not None and full is not None:
-                text = (full, len(before) + parts.resume.offset, text_keys)
+                text = (full, len(before) + parts.resume.offset)
         tokenizer.remember_local(
             keys[-1], messages, prepared, context, parts, enc, loop_idx, root, bs, chars, text
         )
