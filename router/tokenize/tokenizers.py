@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -169,29 +170,38 @@ def _prefix_groups(alts: Sequence[str]) -> tuple[re.Pattern[str], ...] | None:
 
 _POOL: ThreadPoolExecutor | None = None
 _CPUS = os.cpu_count() or 1
+# The encoding pool's size: each of its threads may hold its own copy of a tiktoken vocabulary
+# (~21 MB for cl100k, built on its first long text), so it is bounded.
+POOL_THREADS = min(max(2, _CPUS), 8)
+_POOL_PREFIX = "kvrouter-tok"
 
 
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(
-            max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="kvrouter-tok"
-        )
+        _POOL = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix=_POOL_PREFIX)
     return _POOL
 
 
 def encode(tok: Tokenizer, splitter: SpecialSplitter, text: str, *, threads: int = 0) -> TokenArray:
     """Token ids of ``text`` (special tokens recognised, no BOS).
 
-    Long texts are cut at special tokens into ``threads`` pieces (default: the CPU count)
-    encoded in parallel; by the contract above the result equals a single-threaded encode.
-    """
-    n = threads or _CPUS
+    Long texts are cut at special tokens into ``threads`` pieces (default: the CPU count, at
+    most the pool's size) encoded in parallel; by the contract above the result equals a
+    single-threaded encode. The calling thread encodes the first piece itself only where the
+    tokenizer runs at full speed on it (:meth:`TiktokenTokenizer.fast_here`); otherwise every
+    piece goes to the pool."""
+    n = threads or min(_CPUS, POOL_THREADS)
     cuts = splitter.cut_points(text, n) if len(text) >= PARALLEL_MIN_CHARS and n > 1 else []
     if not cuts:
         return tok.encode_segment(text)
     bounds = [0, *cuts, len(text)]
     pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    here = getattr(tok, "fast_here", None)
+    if here is not None and not here():
+        return np.concatenate(
+            [f.result() for f in [_pool().submit(tok.encode_segment, p) for p in pieces]]
+        )
     futures = [_pool().submit(tok.encode_segment, p) for p in pieces[1:]]
     first = tok.encode_segment(pieces[0])
     return np.concatenate([first, *(f.result() for f in futures)])
@@ -224,6 +234,40 @@ class TiktokenTokenizer:
         )
         self._allowed = frozenset(self.special_tokens)
         self.vocab_size = self._enc.n_vocab
+        # tiktoken's regex caches run fast only for the first thread that searches with them
+        # (other threads take a slower shared path: ~1.4x here). That thread uses
+        # ``self._enc``; threads of the encoding pool build their own copy on first use.
+        self._owner: int | None = None
+        self._own = threading.local()
+        self._build_lock = threading.Lock()
+
+    def fast_here(self) -> bool:
+        """Whether encoding on the calling thread runs at full speed (it owns a copy)."""
+        ident = threading.get_ident()
+        return (
+            self._owner is None
+            or self._owner == ident
+            or threading.current_thread().name.startswith(_POOL_PREFIX)
+        )
+
+    def _core(self) -> Any:
+        core = getattr(self._own, "core", None)
+        if core is not None:
+            return core
+        with self._build_lock:
+            if self._owner is None:
+                self._owner = threading.get_ident()
+        if self._owner == threading.get_ident():
+            core = self._enc._core_bpe
+        elif threading.current_thread().name.startswith(_POOL_PREFIX):
+            from tiktoken import _tiktoken
+
+            enc = self._enc
+            core = _tiktoken.CoreBPE(enc._mergeable_ranks, enc._special_tokens, enc._pat_str)
+        else:
+            return self._enc._core_bpe  # shared, slower: bounded threads hold copies
+        self._own.core = core
+        return core
 
     @classmethod
     def from_file(
@@ -255,11 +299,12 @@ class TiktokenTokenizer:
         return cls(Path(path).name, ranks, PATTERNS.get(pattern, pattern), specials, bos_token)
 
     def encode_segment(self, text: str) -> TokenArray:
+        core = self._core()
         try:
-            buf = self._enc._core_bpe.encode_to_tiktoken_buffer(text, self._allowed)
+            buf = core.encode_to_tiktoken_buffer(text, self._allowed)
         except UnicodeEncodeError:  # lone surrogates: same fix-up as tiktoken.Encoding.encode
             text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-            buf = self._enc._core_bpe.encode_to_tiktoken_buffer(text, self._allowed)
+            buf = core.encode_to_tiktoken_buffer(text, self._allowed)
         return np.frombuffer(buf, dtype=np.uint32)
 
     def decode(self, ids: list[int]) -> str:
