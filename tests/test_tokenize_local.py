@@ -438,6 +438,17 @@ def _cold(proc: PromptProcessor, body: dict[str, Any]) -> tuple[int, list[int]]:
 _SYSTEM = {"role": "system", "content": "Keep answers short. " * 1000}  # over MIN_CACHED_CHARS
 
 
+def _three_turns_stay_exact(proc: PromptProcessor) -> None:
+    """Three turns of a growing conversation, each equal to a cold render + tokenize."""
+    messages: list[dict[str, Any]] = [_SYSTEM]
+    for i in range(3):
+        messages = [*messages, {"role": "user", "content": f"more {i}"}]
+        got = proc.chat({"model": "m", "messages": messages})
+        assert (got.prompt_tokens, got.block_hashes) == _cold(
+            proc, {"model": "m", "messages": messages}
+        )
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     history=st.lists(_message, min_size=0, max_size=5),
@@ -560,13 +571,7 @@ def test_history_suffix_split_reuses_tool_turns() -> None:
 def test_template_whose_instrumented_render_fails_is_rendered_whole() -> None:
     proc = _processor(BREAKS_TRACKING)
     assert proc.template is not None and proc.template.local_for(None) is not None
-    messages: list[dict[str, Any]] = [_SYSTEM]
-    for i in range(3):
-        messages = [*messages, {"role": "user", "content": f"more {i}"}]
-        got = proc.chat({"model": "m", "messages": messages})
-        assert (got.prompt_tokens, got.block_hashes) == _cold(
-            proc, {"model": "m", "messages": messages}
-        )
+    _three_turns_stay_exact(proc)
     assert proc.template.local_for(None) is None  # not tried again
 
 
@@ -575,13 +580,7 @@ def test_head_that_reads_the_length_is_exact_without_reuse() -> None:
         "{{ message.content }}", "<|im_user|>{{ message.content }}"
     )
     proc = _processor(source)
-    messages: list[dict[str, Any]] = [_SYSTEM]
-    for i in range(3):
-        messages = [*messages, {"role": "user", "content": f"more {i}"}]
-        got = proc.chat({"model": "m", "messages": messages})
-        assert (got.prompt_tokens, got.block_hashes) == _cold(
-            proc, {"model": "m", "messages": messages}
-        )
+    _three_turns_stay_exact(proc)
 
 
 def test_reuse_skips_rendering_the_history() -> None:
@@ -641,13 +640,7 @@ def test_non_local_template_uses_the_text_cache_and_stays_exact() -> None:
     source = NOT_LOCAL["break"].replace("{{ message.content }}", "<|im_user|>{{ message.content }}")
     proc = _processor(source)
     assert proc.template is not None and proc.template.local_for(None) is None
-    messages = [_SYSTEM]
-    for i in range(3):
-        messages = [*messages, {"role": "user", "content": f"more {i}"}]
-        got = proc.chat({"model": "m", "messages": messages})
-        assert (got.prompt_tokens, got.block_hashes) == _cold(
-            proc, {"model": "m", "messages": messages}
-        )
+    _three_turns_stay_exact(proc)
 
 
 def test_local_entries_respect_the_byte_budget() -> None:

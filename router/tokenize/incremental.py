@@ -32,6 +32,7 @@ import numpy as np
 
 from router.core.hashing import hash_prompt
 from router.tokenize.local_template import RenderedParts, Resume
+from router.tokenize.render_state import same_value as same_json
 from router.tokenize.tokenizers import SpecialSplitter, TokenArray, Tokenizer, encode
 
 # Prompts shorter than this are tokenized cold: the cache would cost more than it saves.
@@ -124,31 +125,6 @@ def common_prefix(a: str, b: str) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def same_json(a: Any, b: Any) -> bool:
-    """``a`` and ``b`` (parsed JSON) would render identically: equal *and* of the same types
-    and key order (Python's ``==`` holds for ``1``, ``1.0`` and ``True``, and for dicts in
-    another key order, which ``tojson`` renders differently)."""
-    if a is b:
-        return True
-    kind = type(a)
-    if kind is not type(b):
-        return False
-    if kind is str:
-        return bool(a == b)
-    if kind is dict:
-        if len(a) != len(b):
-            return False
-        for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True):
-            if ka != kb or not (va == vb if type(va) is str is type(vb) else same_json(va, vb)):
-                return False
-        return True
-    if kind is list:
-        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
-    if kind is float:
-        return repr(a) == repr(b)  # -0.0 and 0.0 render differently; NaN equals NaN
-    return bool(a == b)
 
 
 @dataclass(slots=True, frozen=True)

@@ -150,11 +150,11 @@ class _BodyCheck:
         self.var = var
         self.locals: set[str] = set()
 
-    def statements(self, stmts: Sequence[nodes.Node], *, top: bool, depth: int) -> None:
+    def statements(self, stmts: Sequence[nodes.Node], *, depth: int) -> None:
         for stmt in stmts:
-            self.node(stmt, top=top, depth=depth)
+            self.node(stmt, depth=depth)
 
-    def node(self, node: nodes.Node, *, top: bool, depth: int) -> None:
+    def node(self, node: nodes.Node, *, depth: int) -> None:
         if isinstance(node, _REJECTED):
             raise _NotLocal(type(node).__name__)
         if isinstance(node, nodes.Break) and depth == 0:
@@ -162,7 +162,7 @@ class _BodyCheck:
         if isinstance(node, nodes.Assign):
             # Jinja keeps nothing a ``set`` in the loop body assigns from one message to the
             # next (conditional or not); namespace attributes are recorded as state
-            self.node(node.node, top=False, depth=depth)
+            self.node(node.node, depth=depth)
             if isinstance(node.target, nodes.NSRef):
                 self.name(nodes.Name(node.target.name, "load"), depth)
             else:
@@ -171,26 +171,26 @@ class _BodyCheck:
         if isinstance(node, nodes.For):
             if node.recursive:
                 raise _NotLocal("recursive loop")
-            self.node(node.iter, top=False, depth=depth)
+            self.node(node.iter, depth=depth)
             inner = _names(node.target)
             saved = set(self.locals)
             # Jinja resolves ``loop`` in an inner loop's filter and ``else`` block to the
             # *outer* loop: those are checked (and rewritten) at the outer depth
             self.locals |= inner
             if node.test is not None:
-                self.node(node.test, top=False, depth=depth)
+                self.node(node.test, depth=depth)
             self.locals = saved | inner | {"loop"}
-            self.statements(node.body, top=False, depth=depth + 1)
+            self.statements(node.body, depth=depth + 1)
             self.locals = set(saved)
-            self.statements(node.else_, top=False, depth=depth)
+            self.statements(node.else_, depth=depth)
             self.locals = saved
             return
         if isinstance(node, nodes.With):
             for value in node.values:
-                self.node(value, top=False, depth=depth)
+                self.node(value, depth=depth)
             saved = set(self.locals)
             self.locals |= {n for t in node.targets for n in _names(t)}
-            self.statements(node.body, top=False, depth=depth)
+            self.statements(node.body, depth=depth)
             self.locals = saved
             return
         if isinstance(node, nodes.Getattr) and _is_name(node.node, "loop") and depth == 0:
@@ -205,7 +205,7 @@ class _BodyCheck:
         if isinstance(node, (nodes.Filter, nodes.Test)):
             self.filter(node)
         for child in node.iter_child_nodes():
-            self.node(child, top=False, depth=depth)
+            self.node(child, depth=depth)
 
     @staticmethod
     def filter(node: nodes.Filter | nodes.Test) -> None:
@@ -407,7 +407,7 @@ def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
             raise _NotLocal("loop target is not a name")
         _check_macros(ast)
         _check_impure_calls(ast)
-        _BodyCheck(loop.target.name).statements(loop.body, top=True, depth=0)
+        _BodyCheck(loop.target.name).statements(loop.body, depth=0)
     except (_NotLocal, jinja2.TemplateSyntaxError):
         return None
     loop.body = [

@@ -318,23 +318,16 @@ class PromptProcessor:
             fallback = prefix.entry if prefix is not None else None
             out = tokenizer.encode_local(parts, None, root, bs, fallback)
             assert out is not None  # without a prefix there is nothing to refuse
-            resumed_text = None
+            before: str | None = parts.head  # the text before this render's bodies
         else:
             assert prefix is not None
-            resumed_text = prefix.entry.text, prefix.entry.text_at
+            old = prefix.entry.text
+            before = old[: prefix.entry.text_at] if old is not None else None
         enc, loop_idx = out
         text = None
-        if parts.head_reads_end and parts.resume is not None:
+        if parts.head_reads_end and parts.resume is not None and before is not None:
             # kept with the entry (see IncrementalTokenizer.remember_local)
-            if resumed_text is None:
-                before = parts.head
-                full = parts.head + parts.bodies + parts.tail
-            else:
-                old, old_at = resumed_text
-                before = old[:old_at] if old is not None else None
-                full = before + parts.bodies + parts.tail if before is not None else None
-            if before is not None and full is not None:
-                text = (full, len(before) + parts.resume.offset)
+            text = (before + parts.bodies + parts.tail, len(before) + parts.resume.offset)
         tokenizer.remember_local(
             keys[-1], messages, prepared, context, parts, enc, loop_idx, root, bs, chars, text
         )

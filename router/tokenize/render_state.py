@@ -149,28 +149,36 @@ def _thaw(value: Any, memo: dict[int, Namespace]) -> Any:
 
 
 def same_value(a: Any, b: Any, seen: set[tuple[int, int]] | None = None) -> bool:
-    """``a`` and ``b`` would render the same: equal and of the same types throughout (``1``,
-    ``1.0`` and ``True`` are equal in Python and render differently)."""
+    """``a`` and ``b`` would render identically: equal *and* of the same types and key order
+    throughout (Python's ``==`` holds for ``1``, ``1.0`` and ``True``, and for dicts in
+    another key order, which ``tojson`` renders differently). Parsed JSON (cached messages)
+    and snapshots (namespaces, cycles included) alike."""
     if a is b:
         return True
     kind = type(a)
     if kind is not type(b):
         return False
+    if kind is str:
+        return bool(a == b)
+    if kind is dict:
+        if len(a) != len(b):
+            return False
+        for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True):
+            if ka != kb or not (
+                va == vb if type(va) is str is type(vb) else same_value(va, vb, seen)
+            ):
+                return False
+        return True
+    if kind is list or kind is tuple:
+        return len(a) == len(b) and all(same_value(x, y, seen) for x, y in zip(a, b, strict=True))
     if kind is _Frozen:
         seen = set() if seen is None else seen
         if (id(a), id(b)) in seen:
             return True  # a cycle, compared on the way in
         seen.add((id(a), id(b)))
         return same_value(a.attrs, b.attrs, seen)
-    if kind is list or kind is tuple:
-        return len(a) == len(b) and all(same_value(x, y, seen) for x, y in zip(a, b, strict=True))
-    if kind is dict:
-        return len(a) == len(b) and all(
-            ka == kb and same_value(va, vb, seen)
-            for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True)
-        )
     if kind is float:
-        return repr(a) == repr(b)
+        return repr(a) == repr(b)  # -0.0 and 0.0 render differently; NaN equals NaN
     try:
         return bool(a == b)
     except Exception:  # an object that can not be compared: not the same
@@ -230,7 +238,7 @@ class Recorder:
         self.head_reads_end = False  # the statements before the loop read the whole list
         self.loop_length = 0  # how many messages the message loop iterates in all
 
-    def rows(self, source: Any, start: int) -> list[Any]:
+    def rows(self, source: Any, start: int) -> Sequence[Any]:
         """What the message loop iterates from its ``start``-th item: the loop is over
         ``messages`` or a slice of it from a fixed start (a plain list: the loop's own
         iteration to the end depends on nothing). Anything else: :class:`NotConversation`."""
@@ -241,7 +249,7 @@ class Recorder:
         else:
             raise NotConversation(f"the message loop runs over a {type(source).__name__}")
         self.loop_length = max(len(items) - first, 0)
-        return list(items[first + start :])
+        return items[first + start :]  # a new list: the slice
 
     @property
     def resumable(self) -> bool:
@@ -328,13 +336,13 @@ class ListLike(Sequence[Any]):
         return repr(self.as_list())
 
     def __eq__(self, other: object) -> bool:
-        return self.as_list() == _plain(other)
+        return self.as_list() == plain(other)
 
     def __add__(self, other: Any) -> Any:
-        return self.as_list() + _plain(other)
+        return self.as_list() + plain(other)
 
     def __radd__(self, other: Any) -> Any:
-        return _plain(other) + self.as_list()
+        return plain(other) + self.as_list()
 
 
 class TrackedMessages(ListLike):
@@ -382,7 +390,7 @@ class TrackedMessages(ListLike):
         return list(self._items)
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """A tracked list or view as the plain list it stands for (other values unchanged)."""
     return value.as_list() if isinstance(value, ListLike) else value
 

@@ -28,7 +28,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from router.core.errors import BadRequest, ConfigError
 from router.tokenize.local_template import LocalTemplate, RenderedParts, Resume, analyze
-from router.tokenize.render_state import ListLike, StateMismatch
+from router.tokenize.render_state import ListLike, StateMismatch, plain
 
 
 class TemplateError(BadRequest):
@@ -63,7 +63,7 @@ def _tojson(
 def _pprint(value: Any) -> str:
     """Jinja's ``pprint``, with ``messages`` of an incremental render formatted as the list
     it stands for (pprint lays out real lists, not look-alikes, over several lines)."""
-    return pformat(value.as_list() if isinstance(value, ListLike) else value)
+    return pformat(plain(value))
 
 
 def _plain_messages(value: Any) -> Any:
