@@ -331,7 +331,10 @@ class PrefixIndex:
                     mask = _bits(value)
                     if not mask & bit:
                         table[block] = mask | bit
-            heapq.heappush(self._spec_heap, (now + ttl, spec_id, slot, kind, tuple(hashes)))
+            # int(kind), not the enum member: a tuple of plain numbers leaves the garbage
+            # collector's lists at its first collection (one entry a request, ~10^5 alive)
+            entry = (now + ttl, spec_id, slot, int(kind), tuple(hashes))
+            heapq.heappush(self._spec_heap, entry)
             self._spec_queued += len(hashes)
         while self._spec_queued > self.max_speculative_blocks and self._spec_heap:
             self._drop_spec(heapq.heappop(self._spec_heap))
