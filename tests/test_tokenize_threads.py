@@ -49,3 +49,51 @@ def test_every_thread_gets_the_same_ids() -> None:
     core, fast = _pool().submit(lambda: (tok._core(), tok.fast_here())).result()
     assert fast is True
     assert core is not mine
+
+
+def test_pool_size_is_each_workers_share_of_the_cpus() -> None:
+    from router.tokenize.tokenizers import pool_threads_for, usable_cpus
+
+    assert pool_threads_for(1, cpus=64) == 8  # bounded: every thread may hold a copy
+    assert pool_threads_for(8, cpus=64) == 8
+    assert pool_threads_for(16, cpus=64) == 4
+    assert pool_threads_for(4, cpus=2) == 2  # never fewer than 2
+    assert pool_threads_for(1, cpus=3) == 3
+    assert 1 <= usable_cpus() <= (__import__("os").cpu_count() or 1)
+
+
+def test_the_pool_is_sized_before_its_first_use() -> None:
+    import pytest
+
+    from router.tokenize import tokenizers
+
+    _pool()  # running (the tests above used it)
+    with pytest.raises(RuntimeError, match="already running"):
+        tokenizers.set_pool_threads(3)
+
+
+def test_a_forked_child_gets_a_pool_of_its_own() -> None:
+    """``kvrouter serve --workers N`` forks: the parent's pool threads do not exist in the
+    child, which must size and start its own (an inherited pool would hang its submits)."""
+    import os
+
+    tok = _tokenizer()
+    splitter = SpecialSplitter.for_tokens(tok.special_tokens)
+    reference = encode(tok, splitter, TEXT, threads=2)  # the parent's pool is running
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        code = 1
+        try:
+            from router.tokenize import tokenizers
+
+            tokenizers.set_pool_threads(2)
+            same = np.array_equal(encode(tok, splitter, TEXT, threads=2), reference)
+            os.write(w, b"ok" if same else b"different")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(r, 16) == b"ok" and os.waitstatus_to_exitcode(status) == 0
+    os.close(r)

@@ -143,6 +143,7 @@ def _serve_workers(settings: Any, workers: int) -> int:
 
     from router.service import admin
     from router.service.app import STATE, create_app
+    from router.tokenize.tokenizers import pool_threads_for, set_pool_threads
 
     control = tempfile.mkdtemp(prefix="kvrouter-workers-")  # mode 0700
     group = admin.Workers(control, workers)
@@ -158,6 +159,9 @@ def _serve_workers(settings: Any, workers: int) -> int:
             pid = os.fork()
             if pid == 0:  # child
                 try:
+                    # each worker's share of the CPUs: encoding threads beyond it would only
+                    # hold more tiktoken copies (~21-26 MB each) for cores others use
+                    set_pool_threads(pool_threads_for(workers))
                     app = create_app(settings)
                     admin.join_workers(app, group, STATE)
                     _run(app, settings.server.host, settings.server.port, reuse_port=True)

@@ -168,12 +168,48 @@ def _prefix_groups(alts: Sequence[str]) -> tuple[re.Pattern[str], ...] | None:
     return tuple(out)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: a container's cpuset, ``taskset``),
+    not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 _POOL: ThreadPoolExecutor | None = None
-_CPUS = os.cpu_count() or 1
+_CPUS = usable_cpus()
 # The encoding pool's size: each of its threads may hold its own copy of a tiktoken vocabulary
-# (~21 MB for cl100k, built on its first long text), so it is bounded.
+# (~21-26 MB for cl100k, built on its first long text), so it is bounded.
 POOL_THREADS = min(max(2, _CPUS), 8)
 _POOL_PREFIX = "kvrouter-tok"
+
+
+def pool_threads_for(workers: int, cpus: int | None = None) -> int:
+    """The encoding pool's size for one of ``workers`` processes sharing ``cpus`` (default:
+    :func:`usable_cpus`): its share of the CPUs, at least 2 and at most 8. More threads than
+    its share would only add vocabulary copies (memory) for cores other workers use."""
+    cpus = usable_cpus() if cpus is None else cpus
+    return min(max(2, cpus // max(workers, 1)), 8)
+
+
+def set_pool_threads(threads: int) -> None:
+    """Size the encoding pool (before its first use: ``kvrouter serve`` calls it once per
+    worker process). Raises RuntimeError once the pool exists."""
+    global POOL_THREADS
+    if _POOL is not None:
+        raise RuntimeError("the encoding pool is already running")
+    POOL_THREADS = max(1, threads)
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads do not exist here; start afresh."""
+    global _POOL
+    _POOL = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _pool() -> ThreadPoolExecutor:
