@@ -35,6 +35,7 @@ from router.rpc.gen import (
     router_pb2_grpc,
 )
 from router.service.admin import Workers, forward_to_peers
+from router.service.registry import Endpoint
 from router.service.security import check_prompt_tokens
 from router.service.state import RouterState
 from router.tokenize.pipeline import ProcessedPrompt
@@ -59,6 +60,10 @@ async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoRet
     """End the RPC with the status mapped from ``exc`` (``context.abort`` raises)."""
     await context.abort(status_of(exc), str(exc))
     raise AssertionError("context.abort returned")
+
+
+def _serves(endpoint: Endpoint | None, model: str) -> bool:
+    return endpoint is not None and endpoint.model == model
 
 
 @dataclass(slots=True)
@@ -134,10 +139,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return None
         if len(request.candidates) > MAX_CANDIDATES:
             raise BadRequest(f"at most {MAX_CANDIDATES} candidates")
-        serving = set(self.state.registry.keys_for(request.model))
+        registry, model = self.state.registry, request.model
         keys: list[ReplicaKey] = []
-        for text in request.candidates:
-            found = [k for k in self.state.registry.find(text) if k in serving]
+        for text in request.candidates:  # O(candidates): nothing scans the fleet per call
+            found = [k for k in registry.find(text) if _serves(registry.endpoint(k), model)]
             if not found:
                 raise BadRequest(f"candidate {text!r} does not serve model {request.model!r}")
             keys.extend(found)

@@ -40,32 +40,37 @@ class ReplicaRegistry:
         """Add or replace a replica (all its DP ranks)."""
         self.remove(replica.name)
         self._by_name[replica.name] = replica
-        for rank in range(replica.dp_ranks):
-            key = ReplicaKey(replica.name, rank)
+        keys = self._keys_of(replica)
+        for key in keys:
             self._endpoints[key] = Endpoint(
                 key,
                 replica.url.rstrip("/"),
                 replica.model,
-                rank if replica.dp_ranks > 1 else None,
+                key.dp_rank if replica.dp_ranks > 1 else None,
                 replica.rack,
                 replica.region,
             )
-            self._by_model[replica.model] = (*self._by_model.get(replica.model, ()), key)
+        self._by_model[replica.model] = (*self._by_model.get(replica.model, ()), *keys)
+
+    @staticmethod
+    def _keys_of(replica: ReplicaSettings) -> tuple[ReplicaKey, ...]:
+        return tuple(ReplicaKey(replica.name, rank) for rank in range(replica.dp_ranks))
 
     def remove(self, name: str) -> list[ReplicaKey]:
         """Forget a replica; returns its keys (so the caller can drop index and load state)."""
         old = self._by_name.pop(name, None)
         if old is None:
             return []
-        keys = [k for k in self._endpoints if k.replica == name]
+        keys = self._keys_of(old)
         for k in keys:
             del self._endpoints[k]
-        self._by_model[old.model] = tuple(
-            k for k in self._by_model.get(old.model, ()) if k not in keys
-        )
-        if not self._by_model[old.model]:
-            del self._by_model[old.model]
-        return keys
+        gone = set(keys)
+        left = tuple(k for k in self._by_model.get(old.model, ()) if k not in gone)
+        if left:
+            self._by_model[old.model] = left
+        else:
+            self._by_model.pop(old.model, None)
+        return list(keys)
 
     def models(self) -> list[str]:
         return sorted(self._by_model)
@@ -88,7 +93,8 @@ class ReplicaRegistry:
 
     def find(self, name: str) -> list[ReplicaKey]:
         """Keys of a replica name, or the single key a ``name#dpN`` string names."""
-        if name in self._by_name:
-            return [k for k in self._endpoints if k.replica == name]
+        replica = self._by_name.get(name)
+        if replica is not None:
+            return list(self._keys_of(replica))
         key = ReplicaKey.parse(name)
         return [key] if key in self._endpoints else []
