@@ -41,6 +41,7 @@ import aiohttp
 from aiohttp import web
 
 from router.service.errors import error_body, error_response
+from router.service.worker_metrics import INDEX_HEADER
 
 PIDS_FILE = "workers"  # the parent's list of worker pids, one a line, in the control directory
 _PEER_TIMEOUT_S = 5.0
@@ -81,6 +82,7 @@ class Workers:
 
 
 WORKERS = web.AppKey("kvrouter_workers", Workers)
+WORKER_INDEX = web.AppKey("kvrouter_worker_index", int)  # 0 .. count-1, in fork order
 
 
 def _worker_info(app: web.Application) -> dict[str, int]:
@@ -88,10 +90,15 @@ def _worker_info(app: web.Application) -> dict[str, int]:
     return {"worker_pid": os.getpid(), "workers": group.count if group is not None else 1}
 
 
-def join_workers(app: web.Application, group: Workers, state_key: web.AppKey[Any]) -> None:
-    """Make ``app`` (not started yet) one of ``group``: its drains reach every worker, and
-    while it runs it answers the other workers' forwarded drains on its control socket."""
+def join_workers(
+    app: web.Application, group: Workers, state_key: web.AppKey[Any], index: int = 0
+) -> None:
+    """Make ``app`` (not started yet) worker ``index`` of ``group``: its drains reach every
+    worker, and while it runs it answers the other workers' forwarded drains, and their
+    requests for its own metrics page (router/service/worker_metrics.py), on its control
+    socket."""
     app[WORKERS] = group
+    app[WORKER_INDEX] = index
 
     async def control(app: web.Application) -> AsyncIterator[None]:
         internal = web.Application()
@@ -106,6 +113,14 @@ def join_workers(app: web.Application, group: Workers, state_key: web.AppKey[Any
 
             return handler
 
+        async def own_metrics(request: web.Request) -> web.Response:
+            # the control socket's file permissions are the boundary, as for /metrics
+            return web.Response(
+                body=app[state_key].metrics.render(),
+                headers={"Content-Type": "text/plain; version=0.0.4", INDEX_HEADER: str(index)},
+            )
+
+        internal.router.add_get("/internal/metrics", own_metrics)
         internal.router.add_post("/internal/replicas/{name}/drain", apply(True))
         internal.router.add_post("/internal/replicas/{name}/undrain", apply(False))
         runner = web.AppRunner(internal, access_log=None)

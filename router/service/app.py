@@ -33,6 +33,7 @@ from router.service.handling import CHAT_PATH, COMPLETIONS_PATH, handle, too_lar
 from router.service.proxy import Forwarder
 from router.service.state import RouterState
 from router.service.upstream import Client, Timeouts
+from router.service.worker_metrics import all_workers_page
 
 STATE = web.AppKey("kvrouter_state", RouterState)
 INDEX = web.AppKey("kvrouter_index", PrefixIndex)
@@ -183,7 +184,15 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """This process's metrics; with several workers, every worker's, labelled ``worker``
+    (router/service/worker_metrics.py)."""
     body = request.app[STATE].metrics.render()
+    group = request.app.get(admin.WORKERS)
+    if group is not None and group.count > 1:
+        peers, _ = group.peers()
+        body = await all_workers_page(
+            request.app[admin.WORKER_INDEX], body, [group.socket(p) for p in peers], group.count
+        )
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 

@@ -155,7 +155,7 @@ def _serve_workers(settings: Any, workers: int) -> int:
     )
     children: list[int] = []
     try:
-        for _ in range(workers):
+        for index in range(workers):
             pid = os.fork()
             if pid == 0:  # child
                 try:
@@ -163,7 +163,7 @@ def _serve_workers(settings: Any, workers: int) -> int:
                     # hold more tiktoken copies (~21-26 MB each) for cores others use
                     set_pool_threads(pool_threads_for(workers))
                     app = create_app(settings)
-                    admin.join_workers(app, group, STATE)
+                    admin.join_workers(app, group, STATE, index)
                     _run(app, settings.server.host, settings.server.port, reuse_port=True)
                 finally:
                     os._exit(0)

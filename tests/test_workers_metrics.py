@@ -1,0 +1,109 @@
+"""``/metrics`` with several worker processes: one page with every worker's samples.
+
+A scrape lands on whichever worker the kernel picks; each worker counts only its own
+requests. The page must hold all workers (labelled ``worker``), so the sum over workers is
+the same whichever worker answered. Real ``kvrouter serve`` processes on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.service.worker_metrics import families, labelled, merge
+from tests.backends import Backend
+from tests.procs import Fleet, Proc
+from tests.test_workers_admin import start_router, traffic, worker_pids
+
+
+def test_labelled_puts_the_worker_first() -> None:
+    assert labelled('a_total{model="m"} 3.0', "1") == 'a_total{worker="1",model="m"} 3.0'
+    assert labelled("a_total 3.0", "0") == 'a_total{worker="0"} 3.0'
+    assert labelled("a{} 1", "2") == 'a{worker="2"} 1'
+    # label values may hold braces and spaces: only the name part is looked at
+    assert labelled('a{m="x {y} z"} 1', "0") == 'a{worker="0",m="x {y} z"} 1'
+
+
+def test_merge_keeps_each_family_together() -> None:
+    page0 = (
+        "# HELP a_total A.\n# TYPE a_total counter\na_total{m=\"x\"} 1.0\n"
+        "# HELP g G.\n# TYPE g gauge\ng 5.0\n"
+    )
+    page1 = "# HELP g G.\n# TYPE g gauge\ng 7.0\n# HELP b B.\n# TYPE b gauge\nb 1.0\n"
+    out = merge([("0", page0), ("1", page1)])
+    assert [name for name, _, _ in families(out)] == ["a_total", "g", "b"]
+    assert out.count("# TYPE g gauge") == 1
+    assert 'g{worker="0"} 5.0\ng{worker="1"} 7.0' in out
+    parsed = {f.name: f for f in text_string_to_metric_families(out)}
+    assert [s.labels for s in parsed["g"].samples] == [{"worker": "0"}, {"worker": "1"}]
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Any:
+    with Fleet(tmp_path) as f:
+        yield f
+
+
+async def scrape(proc: Proc) -> dict[str, Any]:
+    """``/metrics`` over a fresh connection (SO_REUSEPORT picks the worker), parsed."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with (
+        aiohttp.ClientSession(connector=connector) as http,
+        http.get(proc.url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r,
+    ):
+        assert r.status == 200
+        text = await r.text()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def ok_requests(page: dict[str, Any]) -> dict[str, float]:
+    """Requests answered ok, per worker label."""
+    out: dict[str, float] = {}
+    for s in page["kvrouter_requests"].samples:
+        if s.name == "kvrouter_requests_total" and s.labels["outcome"] == "ok":
+            out[s.labels["worker"]] = out.get(s.labels["worker"], 0.0) + s.value
+    return out
+
+
+@pytest.mark.parametrize("engine", ["fast", "aiohttp"])
+async def test_every_scrape_holds_every_worker(fleet: Fleet, engine: str) -> None:
+    b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
+    try:
+        proc = await start_router(fleet, [b0, b1], workers=2, engine=engine)
+        await traffic(proc, 60)
+        for _ in range(8):  # fresh connections: both workers answer some of these
+            page = await scrape(proc)
+            assert page["kvrouter_workers"].samples[0].value == 2
+            assert page["kvrouter_workers_scraped"].samples[0].value == 2
+            per_worker = ok_requests(page)
+            assert sorted(per_worker) == ["0", "1"]
+            assert sum(per_worker.values()) == 60  # whichever worker answered
+            assert all(v > 0 for v in per_worker.values()), per_worker
+    finally:
+        await b0.stop()
+        await b1.stop()
+
+
+async def test_a_worker_that_is_gone_is_left_out(fleet: Fleet) -> None:
+    b0 = await Backend("b0", ["m"]).start()
+    try:
+        proc = await start_router(fleet, [b0], workers=2, engine="fast")
+        await traffic(proc, 20)
+        dead, _alive = sorted(await worker_pids(proc, 2))
+        os.kill(dead, signal.SIGKILL)  # a worker of the router this test started
+        await asyncio.sleep(0.3)
+        t0 = asyncio.get_running_loop().time()
+        page = await scrape(proc)
+        assert asyncio.get_running_loop().time() - t0 < 5
+        assert page["kvrouter_workers"].samples[0].value == 2
+        assert page["kvrouter_workers_scraped"].samples[0].value == 1
+        assert len(ok_requests(page)) == 1  # the survivor's own samples
+    finally:
+        await b0.stop()
