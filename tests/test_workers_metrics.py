@@ -33,7 +33,7 @@ def test_labelled_puts_the_worker_first() -> None:
 
 def test_merge_keeps_each_family_together() -> None:
     page0 = (
-        "# HELP a_total A.\n# TYPE a_total counter\na_total{m=\"x\"} 1.0\n"
+        '# HELP a_total A.\n# TYPE a_total counter\na_total{m="x"} 1.0\n'
         "# HELP g G.\n# TYPE g gauge\ng 5.0\n"
     )
     page1 = "# HELP g G.\n# TYPE g gauge\ng 7.0\n# HELP b B.\n# TYPE b gauge\nb 1.0\n"
