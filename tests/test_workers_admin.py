@@ -216,3 +216,42 @@ async def test_drain_that_misses_a_worker_is_an_error_naming_it(fleet: Fleet) ->
     finally:
         await b0.stop()
         await b1.stop()
+
+
+async def test_replicas_of_all_workers_in_one_answer(fleet: Fleet) -> None:
+    """``GET /admin/replicas?workers=all``: every worker's view in one row a replica, the
+    load each worker sent summed (here: requests held open at the replica)."""
+    slow = await Backend("b0", ["m"], delay_s=3.0).start()
+    try:
+        proc = await start_router(fleet, [slow], workers=2, engine="fast")
+        status, out = await call(proc, "POST", "/admin/replicas/b0/drain")
+        assert status == 200 and out["workers_applied"] == 2, out
+        status, out = await call(proc, "GET", "/admin/replicas?workers=all")
+        assert out["replicas"][0]["draining"] and out["replicas"][0]["draining_workers"] == 2
+        status, out = await call(proc, "POST", "/admin/replicas/b0/undrain")
+        assert status == 200, out
+        held = [
+            asyncio.create_task(
+                call(proc, "POST", "/v1/completions", {"model": "m", "prompt": f"p{i}"})
+            )
+            for i in range(16)
+        ]
+        deadline = asyncio.get_running_loop().time() + 2.5
+        while True:  # until the replica holds all 16 (both workers sent some)
+            status, out = await call(proc, "GET", "/admin/replicas?workers=all")
+            assert status == 200, out
+            row = out["replicas"][0]
+            if row["in_flight"] == 16 or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert out["workers"] == 2 and out["workers_answered"] == 2 and out["workers_failed"] == []
+        assert row["replica"] == "b0" and row["in_flight"] == 16, row
+        assert row["workers_known"] == 2 and row["healthy"] and not row["draining"]
+        per_worker = await worker_pids(proc, 2)  # each worker's own share
+        shares = [a["replicas"][0]["in_flight"] for a in per_worker.values()]
+        assert sum(shares) <= 16 and all(s > 0 for s in shares), shares
+        assert [s for s, _ in await asyncio.gather(*held)] == [200] * 16
+        status, out = await call(proc, "GET", "/admin/replicas?workers=some")
+        assert status == 400 and out["error"]["param"] == "workers"
+    finally:
+        await slow.stop()

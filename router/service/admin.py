@@ -2,14 +2,16 @@
 ``X-Admin-Token``). Without a configured token they answer 403.
 
 * ``GET /admin/replicas``: every replica key with URL, model, rack, region, health,
-  draining flag, load (in flight, queued prefill tokens, decoding) and index size.
+  draining flag, load (in flight, queued prefill tokens, decoding) and index size;
+  ``?workers=all`` combines every worker's view (:func:`combine_rows`).
 * ``POST /admin/replicas/{name}/drain`` and ``.../undrain``: stop / resume routing new
   requests to a replica (all its DP ranks, or one with ``name#dpN``); in-flight requests finish.
 * ``GET /admin/decisions?limit=N``: the most recent routing decisions, newest first.
 
 Several worker processes (``server.workers = N > 1``, :func:`router.service.cli._serve_workers`)
 each have their own state. ``GET`` answers are the answering worker's (they carry its
-``worker_pid`` and the number of ``workers``); a drain / undrain is applied by the worker that
+``worker_pid`` and the number of ``workers``) unless ``?workers=all`` asks every worker
+through its control socket; a drain / undrain is applied by the worker that
 received it and then by every other worker, through each worker's control socket
 ``<dir>/worker-<pid>.sock`` in the directory the parent created (mode 0700) before forking
 (:class:`Workers`, :func:`join_workers`). The answer says how many workers applied it
@@ -120,7 +122,14 @@ def join_workers(
                 headers={"Content-Type": "text/plain; version=0.0.4", INDEX_HEADER: str(index)},
             )
 
+        async def own_replicas(request: web.Request) -> web.Response:
+            denied = _authorised(request, token)
+            if denied is not None:
+                return denied
+            return web.json_response({"replicas": replica_rows(app[state_key])})
+
         internal.router.add_get("/internal/metrics", own_metrics)
+        internal.router.add_get("/internal/replicas", own_replicas)
         internal.router.add_post("/internal/replicas/{name}/drain", apply(True))
         internal.router.add_post("/internal/replicas/{name}/undrain", apply(False))
         runner = web.AppRunner(internal, access_log=None)
@@ -242,6 +251,104 @@ def _ratio(counters: tuple[float, float] | None) -> float | None:
     return round(counters[1] / counters[0], 4)
 
 
+def replica_rows(state: Any) -> list[dict[str, Any]]:
+    """``GET /admin/replicas``'s rows: every replica key as this worker sees it."""
+    now = asyncio.get_running_loop().time()
+    out = []
+    for ep in state.registry.endpoints():
+        v = state.load.view(ep.key, now)
+        kv, st = state.index.replica_size(ep.key)
+        out.append(
+            {
+                "replica": str(ep.key),
+                "name": ep.key.replica,
+                "dp_rank": ep.key.dp_rank,
+                "url": ep.base_url,
+                "model": ep.model,
+                "rack": ep.rack,
+                "region": ep.region,
+                "healthy": v.healthy,
+                "draining": v.draining,
+                "in_flight": v.in_flight,
+                "prefilling": v.prefilling,
+                "queued_prefill_tokens": v.queued_prefill_tokens,
+                "decoding": v.decoding,
+                "index_kv_blocks": kv,
+                "index_state_blocks": st,
+                "source": "static" if state.is_static(ep.key.replica) else "discovered",
+                # the engine's own report (publisher or metrics_url), when there is one
+                "engine": None
+                if v.engine is None
+                else {
+                    "running": v.engine.running,
+                    "waiting": v.engine.waiting,
+                    "kv_usage": v.engine.kv_usage,
+                    "age_s": round(v.engine_age_s, 3),
+                },
+                "engine_prefix_cache_hit_ratio": _ratio(state.engine_prefix_cache.get(ep.key)),
+            }
+        )
+    return out
+
+
+_SUMMED = ("in_flight", "prefilling", "queued_prefill_tokens", "decoding")
+
+
+def combine_rows(views: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every worker's rows (``views``, one list a worker) as one row a replica key: the
+    load each worker sent summed; ``healthy`` / ``draining`` true only where every worker
+    that knows the key says so, with ``healthy_workers`` / ``draining_workers`` /
+    ``workers_known`` counting them; index sizes the largest view; the freshest engine
+    report. Keys in the order workers first list them."""
+    merged: dict[str, dict[str, Any]] = {}
+    for rows in views:
+        for row in rows:
+            m = merged.get(row["replica"])
+            if m is None:
+                m = merged[row["replica"]] = {
+                    **row,
+                    "healthy_workers": 0,
+                    "draining_workers": 0,
+                    "workers_known": 0,
+                    **{k: 0 for k in _SUMMED},
+                }
+            m["workers_known"] += 1
+            m["healthy_workers"] += bool(row["healthy"])
+            m["draining_workers"] += bool(row["draining"])
+            for k in _SUMMED:
+                m[k] += row[k]
+            for k in ("index_kv_blocks", "index_state_blocks"):
+                m[k] = max(m[k], row[k])
+            engine = row["engine"]
+            if engine is not None and (
+                m["engine"] is None or engine["age_s"] < m["engine"]["age_s"]
+            ):
+                m["engine"] = engine
+                m["engine_prefix_cache_hit_ratio"] = row["engine_prefix_cache_hit_ratio"]
+    for m in merged.values():
+        m["healthy"] = m["healthy_workers"] == m["workers_known"]
+        m["draining"] = m["draining_workers"] == m["workers_known"]
+    return list(merged.values())
+
+
+async def _peer_rows(group: Workers, pid: int, auth: str) -> list[dict[str, Any]] | str:
+    """Worker ``pid``'s replica rows, or why it did not answer."""
+    try:
+        async with (
+            aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=group.socket(pid)),
+                timeout=aiohttp.ClientTimeout(total=_PEER_TIMEOUT_S),
+            ) as session,
+            session.get("http://worker/internal/replicas", headers={"Authorization": auth}) as resp,
+        ):
+            if resp.status != 200:
+                return f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            rows: list[dict[str, Any]] = (await resp.json())["replicas"]
+            return rows
+    except (OSError, TimeoutError, aiohttp.ClientError, ValueError, KeyError) as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 def add_routes(app: web.Application, state_key: web.AppKey[Any]) -> None:
     def guarded(handler: Any) -> Any:
         async def wrapper(request: web.Request) -> web.StreamResponse:
@@ -254,42 +361,32 @@ def add_routes(app: web.Application, state_key: web.AppKey[Any]) -> None:
         return wrapper
 
     async def replicas(request: web.Request, state: Any) -> web.Response:
-        now = asyncio.get_running_loop().time()
-        out = []
-        for ep in state.registry.endpoints():
-            v = state.load.view(ep.key, now)
-            kv, st = state.index.replica_size(ep.key)
-            out.append(
-                {
-                    "replica": str(ep.key),
-                    "name": ep.key.replica,
-                    "dp_rank": ep.key.dp_rank,
-                    "url": ep.base_url,
-                    "model": ep.model,
-                    "rack": ep.rack,
-                    "region": ep.region,
-                    "healthy": v.healthy,
-                    "draining": v.draining,
-                    "in_flight": v.in_flight,
-                    "prefilling": v.prefilling,
-                    "queued_prefill_tokens": v.queued_prefill_tokens,
-                    "decoding": v.decoding,
-                    "index_kv_blocks": kv,
-                    "index_state_blocks": st,
-                    "source": "static" if state.is_static(ep.key.replica) else "discovered",
-                    # the engine's own report (publisher or metrics_url), when there is one
-                    "engine": None
-                    if v.engine is None
-                    else {
-                        "running": v.engine.running,
-                        "waiting": v.engine.waiting,
-                        "kv_usage": v.engine.kv_usage,
-                        "age_s": round(v.engine_age_s, 3),
-                    },
-                    "engine_prefix_cache_hit_ratio": _ratio(state.engine_prefix_cache.get(ep.key)),
-                }
-            )
-        return web.json_response({"replicas": out, **_worker_info(request.app)})
+        scope = request.query.get("workers", "this")
+        if scope not in ("this", "all"):
+            return error_response(400, "workers must be 'this' or 'all'", param="workers")
+        rows = replica_rows(state)
+        group = request.app.get(WORKERS)
+        if scope == "this" or group is None or group.count <= 1:
+            return web.json_response({"replicas": rows, **_worker_info(request.app)})
+        auth = f"Bearer {state.settings.server.admin_token or ''}"
+        peers, unknown = group.peers()
+        got = await asyncio.gather(*(_peer_rows(group, pid, auth) for pid in peers))
+        views = [rows] + [g for g in got if not isinstance(g, str)]
+        failed: list[dict[str, Any]] = [
+            {"pid": pid, "reason": g}
+            for pid, g in zip(peers, got, strict=True)
+            if isinstance(g, str)
+        ]
+        failed += [{"pid": None, "reason": "not started or not known"} for _ in range(unknown)]
+        return web.json_response(
+            {
+                "replicas": combine_rows(views),
+                "workers": group.count,
+                "workers_answered": len(views),
+                "workers_failed": failed,
+                "worker_pid": os.getpid(),
+            }
+        )
 
     def drain_handler(draining: bool) -> Any:
         async def handler(request: web.Request, state: Any) -> web.Response:
