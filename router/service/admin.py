@@ -39,14 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-import aiohttp
 from aiohttp import web
 
 from router.service.errors import error_body, error_response
+from router.service.peers import peer_call
 from router.service.worker_metrics import INDEX_HEADER
 
 PIDS_FILE = "workers"  # the parent's list of worker pids, one a line, in the control directory
-_PEER_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,21 +166,13 @@ def _apply(state: Any, name: str, draining: bool, app: web.Application) -> web.R
 async def _forward(group: Workers, pid: int, name: str, draining: bool, auth: str) -> str | None:
     """Send the drain / undrain to worker ``pid``; None when it applied it, else why not."""
     action = "drain" if draining else "undrain"
-    url = f"http://worker/internal/replicas/{quote(name, safe='')}/{action}"
-    try:
-        async with (
-            aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=group.socket(pid)),
-                timeout=aiohttp.ClientTimeout(total=_PEER_TIMEOUT_S),
-            ) as session,
-            session.post(url, headers={"Authorization": auth}) as resp,
-        ):
-            if resp.status == 200:
-                return None
-            text = (await resp.text())[:200]
-            return f"HTTP {resp.status}: {text}"
-    except (OSError, TimeoutError, aiohttp.ClientError) as exc:
-        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    path = f"/internal/replicas/{quote(name, safe='')}/{action}"
+    got = await peer_call(group.socket(pid), "POST", path, auth=auth)
+    if isinstance(got, str):
+        return got
+    if got.status == 200:
+        return None
+    return f"HTTP {got.status}: {got.body[:200].decode(errors='replace')}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,20 +324,16 @@ def combine_rows(views: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 async def _peer_rows(group: Workers, pid: int, auth: str) -> list[dict[str, Any]] | str:
     """Worker ``pid``'s replica rows, or why it did not answer."""
+    got = await peer_call(group.socket(pid), "GET", "/internal/replicas", auth=auth)
+    if isinstance(got, str):
+        return got
+    if got.status != 200:
+        return f"HTTP {got.status}: {got.body[:200].decode(errors='replace')}"
     try:
-        async with (
-            aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=group.socket(pid)),
-                timeout=aiohttp.ClientTimeout(total=_PEER_TIMEOUT_S),
-            ) as session,
-            session.get("http://worker/internal/replicas", headers={"Authorization": auth}) as resp,
-        ):
-            if resp.status != 200:
-                return f"HTTP {resp.status}: {(await resp.text())[:200]}"
-            rows: list[dict[str, Any]] = (await resp.json())["replicas"]
-            return rows
-    except (OSError, TimeoutError, aiohttp.ClientError, ValueError, KeyError) as exc:
-        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        rows: list[dict[str, Any]] = json.loads(got.body)["replicas"]
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"broken answer: {type(exc).__name__}"
+    return rows
 
 
 def add_routes(app: web.Application, state_key: web.AppKey[Any]) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Sequence
 
-import aiohttp
+from router.service.peers import peer_call
 
 INDEX_HEADER = "X-KVRouter-Worker-Index"
 _TIMEOUT_S = 2.0
@@ -90,20 +90,13 @@ def _completeness(configured: int, scraped: int) -> str:
 async def _peer_page(socket_path: str) -> tuple[str, str] | None:
     """(worker index, page) of the worker listening on ``socket_path``; None if it did not
     answer in time or answered otherwise."""
-    try:
-        async with (
-            aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=socket_path),
-                timeout=aiohttp.ClientTimeout(total=_TIMEOUT_S),
-            ) as session,
-            session.get("http://worker/internal/metrics") as resp,
-        ):
-            index = resp.headers.get(INDEX_HEADER)
-            if resp.status != 200 or index is None or not index.isdigit():
-                return None
-            return index, await resp.text()
-    except (OSError, TimeoutError, aiohttp.ClientError):
+    got = await peer_call(socket_path, "GET", "/internal/metrics", timeout_s=_TIMEOUT_S)
+    if isinstance(got, str) or got.status != 200:
         return None
+    index = got.headers.get(INDEX_HEADER)
+    if index is None or not index.isdigit():
+        return None
+    return index, got.body.decode()
 
 
 async def all_workers_page(
