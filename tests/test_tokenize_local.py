@@ -108,6 +108,20 @@ NOT_LOCAL = {
 # still equal rendering whole.
 STATEFUL = {
     "kimi_k3_style": K3_SOURCE,
+    # Nemotron-Nano-v2 style: a final assistant message is a prefill, taken out of the loop
+    # with an end-relative slice (``messages[:-1]``)
+    "prefill_drops_last": (
+        "{%- set ns = namespace(prefill='') %}"
+        "{%- if messages[0].role == 'system' %}<|im_system|>{{ messages[0].content }}<|im_end|>"
+        "{%- endif %}"
+        "{%- set messages = messages[1:] if messages[0].role == 'system' else messages %}"
+        "{%- if messages and messages[-1].role == 'assistant' %}"
+        "{%- set ns.prefill = messages[-1].content %}"
+        "{%- set messages = messages[:-1] %}{%- endif %}"
+        "{%- for m in messages %}<|im_user|>{{ m.role }}: {{ m.content }}<|im_end|>"
+        "{%- if not loop.last %}{{ messages[loop.index0 + 1].role }}{% endif %}{%- endfor %}"
+        "<|im_assistant|>{{ ns.prefill }}"
+    ),
     "read_before_set": (
         "{%- for message in messages %}{{ r }}{%- set r = message.role %}{%- endfor %}"
     ),
@@ -256,7 +270,12 @@ STATEFUL = {
 NEVER_RESUMED = {"cycler_in_head_variable"}
 
 # the templates whose statements before the loop read the conversation
-HEAD_READS_MESSAGES = {"last_query_split", "namespace_scan", "history_suffix_split"}
+HEAD_READS_MESSAGES = {
+    "last_query_split",
+    "namespace_scan",
+    "history_suffix_split",
+    "prefill_drops_last",
+}
 # the templates whose head prints something of the whole conversation
 HEAD_TEXT_VARIES = {
     "head_reads_length",
@@ -571,8 +590,30 @@ def test_history_suffix_split_reuses_tool_turns() -> None:
 def test_template_whose_instrumented_render_fails_is_rendered_whole() -> None:
     proc = _processor(BREAKS_TRACKING)
     assert proc.template is not None and proc.template.local_for(None) is not None
-    _three_turns_stay_exact(proc)
-    assert proc.template.local_for(None) is None  # not tried again
+    _three_turns_stay_exact(proc)  # each failed where the plain render did not
+    assert proc.template.local_for(None) is None  # three in a row: not tried again
+
+
+# the instrumented render fails only when the first message says "twice" (the loop then runs
+# over a list the template built, which the render can not observe)
+SOMETIMES_BREAKS = (
+    "{%- if messages[0].content == 'twice' %}{% set messages = messages + messages %}"
+    "{% endif %}{%- for m in messages %}<|im_user|>{{ m.content }}<|im_end|>{%- endfor %}"
+)
+
+
+def test_a_template_that_fails_on_some_conversations_keeps_serving_the_others() -> None:
+    proc = _processor(SOMETIMES_BREAKS)
+    assert proc.template is not None
+    odd = {"model": "m", "messages": [{"role": "user", "content": "twice"}, _SYSTEM]}
+    for _ in range(5):  # failures with successes between them: still used
+        got = proc.chat(odd)
+        assert (got.prompt_tokens, got.block_hashes) == _cold(proc, odd)
+        _three_turns_stay_exact(proc)
+        assert proc.template.local_for(None) is not None
+    for _ in range(3):
+        proc.chat(odd)
+    assert proc.template.local_for(None) is None  # three failures in a row
 
 
 def test_head_that_reads_the_length_is_exact_without_reuse() -> None:
@@ -691,3 +732,27 @@ def test_same_json() -> None:
     assert not same_json([1], [1, 2])
     assert same_json(float("nan"), float("nan"))
     assert not same_json({"x": -0.0}, {"x": 0.0})  # tojson writes -0.0 and 0.0
+
+
+def test_prefill_taken_out_of_the_loop_keeps_resuming() -> None:
+    """Nemotron-Nano-v2 style: ``set messages = messages[:-1]`` when the last message is an
+    assistant prefill. The loop runs over an end-relative slice: still incremental, exact,
+    and requests that end with a prefill do not stop the others from reusing."""
+    proc = _processor(STATEFUL["prefill_drops_last"])
+    assert proc.template is not None
+    messages: list[dict[str, Any]] = [_SYSTEM, {"role": "user", "content": "task"}]
+    reused = []
+    for i in range(4):
+        turn = [*messages, {"role": "assistant", "content": f"answer {i}"}]
+        for body in (
+            {"model": "m", "messages": turn, "add_generation_prompt": False},  # a prefill
+            {"model": "m", "messages": [*turn, {"role": "user", "content": f"more {i}"}]},
+        ):
+            got = proc.chat(body)
+            assert (got.prompt_tokens, got.block_hashes) == _cold(proc, body)
+            reused.append(got.reused_tokens)
+        messages = [*turn, {"role": "user", "content": f"more {i}"}]
+    assert proc.template.local_for(None) is not None  # never failed
+    # from the third request on (the first two open one cache context each: the prefills
+    # are rendered without a generation prompt), every turn reuses the history
+    assert all(r > 4000 for r in reused[2:]), reused

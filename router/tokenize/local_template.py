@@ -306,10 +306,19 @@ class LocalTemplate:
             env, env.compile(ast), env.make_globals(None), None
         )
         self.enabled = True
+        self._failures = 0  # in a row
 
-    def disable(self) -> None:
-        """Stop using this form (its render failed where the plain template's did not)."""
-        self.enabled = False
+    # After this many instrumented renders in a row that failed where the plain template
+    # rendered, this form is not used again: a template that fails on every conversation
+    # (it serialises ``messages``, say) costs a few wasted renders, not one per request,
+    # while one that fails only on some conversations keeps serving the others.
+    FAILURES_TO_DISABLE = 3
+
+    def failed(self) -> None:
+        """Its render failed where the plain template's did not (the caller rendered whole)."""
+        self._failures += 1
+        if self._failures >= self.FAILURES_TO_DISABLE:
+            self.enabled = False
 
     def render_parts(
         self, variables: Mapping[str, Any], start: int, resume: Resume | None = None
@@ -368,6 +377,7 @@ class LocalTemplate:
             at_message, state = good
             offset = sum(len(p) for p in pieces[1 : 1 + at_message - start])
             resume_point = Resume(at_message, offset, state, rec.head_state)
+        self._failures = 0
         return RenderedParts(
             out[:i], "".join(pieces), out[j + len(mark_end) :], resume_point, rec.head_reads_end
         )

@@ -236,7 +236,7 @@ class PromptProcessor:
         t0 = time.perf_counter()
         tokenizer, template = self.tokenizer, self.template
         messages, tools, kwargs, add_gen = self._chat_args(body)
-        failed: LocalTemplate | None = None
+        broken: LocalTemplate | None = None
         if tokenizer is not None and template is not None and tokenizer.budget_bytes > 0:
             local = template.local_for(tools)
             if local is not None:
@@ -248,11 +248,12 @@ class PromptProcessor:
                         )
                     except NotIncremental:
                         # rendered whole below (and refused there if it must be); when the
-                        # plain render succeeds, the instrumented one is not tried again
-                        failed = local
+                        # plain render succeeds this counts against the instrumented form
+                        # (LocalTemplate.failed: not tried again after a few in a row)
+                        broken = local
         text, context = self._render_text(messages, tools, kwargs, add_gen)
-        if failed is not None:
-            failed.disable()
+        if broken is not None:
+            broken.failed()
         render_s = time.perf_counter() - t0
         if tokenizer is None or template is None:
             return self._approximate(text, body, render_s)

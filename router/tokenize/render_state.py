@@ -242,14 +242,17 @@ class Recorder:
         """What the message loop iterates from its ``start``-th item: the loop is over
         ``messages`` or a slice of it from a fixed start (a plain list: the loop's own
         iteration to the end depends on nothing). Anything else: :class:`NotConversation`."""
+        drop = 0  # messages at the end the loop leaves out (``messages[:-1]``)
         if type(source) is TrackedMessages:
             items, first = source._items, 0
-        elif type(source) is _View and source._stop is None:
+        elif type(source) is _View and (source._stop is None or source._stop < 0):
             items, first = source._base._items, source._start
+            drop = -source._stop if source._stop is not None else 0
         else:
             raise NotConversation(f"the message loop runs over a {type(source).__name__}")
-        self.loop_length = max(len(items) - first, 0)
-        return items[first + start :]  # a new list: the slice
+        end = max(len(items) - drop, first)
+        self.loop_length = end - first
+        return items[first + start : end]  # a new list: the slice
 
     @property
     def resumable(self) -> bool:
@@ -396,22 +399,26 @@ def plain(value: Any) -> Any:
 
 
 def _bounds(key: slice, recorder: Recorder) -> tuple[int, int | None] | None:
-    """(start, stop) of a slice with step 1 and bounds from the start (``stop`` None: to the
-    end). Anything else (negative bounds, other steps, such as ``messages[::-1]``) depends on
-    the length: reported, and None (the caller slices plainly)."""
+    """(start, stop) of a slice with step 1 and a start from the start (``stop`` None: to
+    the end; negative: that many before the end, as ``messages[:-1]``, which depends on
+    the length and is reported). Anything else (a negative start, other steps, such as
+    ``messages[::-1]``) is reported and gives None (the caller slices plainly)."""
     start, stop, step = key.start, key.stop, key.step
     if (
         (step is not None and step != 1)
         or (start is not None and (type(start) is not int or start < 0))
-        or (stop is not None and (type(stop) is not int or stop < 0))
+        or (stop is not None and type(stop) is not int)
     ):
         recorder.opened()
         return None
+    if stop is not None and stop < 0:
+        recorder.opened()  # which messages it holds depends on where the list ends
     return start or 0, stop
 
 
 class _View(ListLike):
-    """``messages[start:stop]`` (``stop`` None: to the end), tracked like the whole list."""
+    """``messages[start:stop]``, tracked like the whole list. ``stop`` None: to the end;
+    negative: that many messages before the end (``messages[:-1]``)."""
 
     __slots__ = ("_base", "_start", "_stop")
 
@@ -423,28 +430,46 @@ class _View(ListLike):
     def _end(self) -> int:
         """The view's end; reports when it is the list's end rather than ``stop``."""
         length = len(self._base._items)
-        if self._stop is None or self._stop > length:
+        stop = self._stop
+        if stop is None or stop > length:
             self._base._recorder.opened()
             return length
-        return self._stop
+        if stop < 0:
+            self._base._recorder.opened()  # relative to the end
+            return max(length + stop, 0)
+        return stop
+
+    def _stop_now(self) -> int:
+        """Where the view ends in this render (nothing reported)."""
+        length = len(self._base._items)
+        stop = self._stop
+        if stop is None:
+            return length
+        return max(length + stop, 0) if stop < 0 else min(stop, length)
 
     def __len__(self) -> int:
         return max(self._end() - self._start, 0)
 
     def __bool__(self) -> bool:
-        length = len(self._base._items)
-        stop = length if self._stop is None else min(self._stop, length)
-        if stop <= self._start:
+        if self._stop_now() <= self._start:
             self._base._recorder.opened()  # empty now, perhaps not when the list grows
             return False
-        return True
+        return True  # a longer list keeps it non-empty (an end-relative stop grows too)
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, slice):
             bounds = _bounds(key, self._base._recorder)
-            if bounds is None:
+            if bounds is None or (
+                self._stop is not None and self._stop < 0 and bounds[1] is not None
+            ):
+                self._base._recorder.opened()
                 return list(self)[key]
             lo, hi = bounds
+            if hi is not None and hi < 0:  # end-relative stop of an end-bounded view
+                if self._stop is not None:
+                    self._base._recorder.opened()
+                    return list(self)[key]
+                return _View(self._base, self._start + lo, hi)
             stop = self._start + hi if hi is not None else self._stop
             if stop is not None and self._stop is not None:
                 stop = min(stop, self._stop)
@@ -453,14 +478,24 @@ class _View(ListLike):
             self._base._recorder.opened()
             return list(self)[key]
         at = self._start + key
-        if self._stop is not None and at >= self._stop:
+        stop = self._stop
+        if stop is not None and stop < 0 and at >= len(self._base._items) + stop:
+            self._base._recorder.opened()  # in range once the list is longer
             raise IndexError(key)
-        return self._base[at]
+        if stop is not None and stop >= 0 and at >= stop:
+            raise IndexError(key)
+        return self._base[at]  # past the list's end: reported there
 
     def __iter__(self) -> Iterator[Any]:
         items = self._base._items
         stop = self._stop
         i = self._start
+        if stop is not None and stop < 0:
+            while i < len(items) + stop:
+                yield items[i]
+                i += 1
+            self._base._recorder.opened()  # ended where the conversation ends, less -stop
+            return
         while stop is None or i < stop:
             if i >= len(items):
                 self._base._recorder.opened()  # ran off the end of the conversation
