@@ -123,3 +123,25 @@ def test_a_batch_is_checked_against_the_context_per_prompt() -> None:
     state.check_context("m", three)  # 120 tokens in all, each prompt fits
     with pytest.raises(BadRequest):
         state.check_context("m", proc.completion({"model": "m", "prompt": [[1] * 40, [2] * 60]}))
+
+
+def test_generation_tag_renders_its_body() -> None:
+    """transformers' ``{% generation %}`` tag (training masks; LFM2.5 uses it) renders its
+    body unchanged, and the template stays incrementally renderable."""
+    from router.tokenize.template import ChatTemplate, prepare_messages
+
+    source = (
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{%- if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{%- else %}{{ m.content }}{% endif %}<|im_end|>\n{%- endfor %}"
+    )
+    tagged = ChatTemplate.build(source)
+    plain = ChatTemplate.build(
+        source.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    )
+    messages = prepare_messages(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    )
+    assert tagged.render(messages) == plain.render(messages)
+    assert "hello<|im_end|>" in tagged.render(messages)
+    assert tagged.local_for(None) is not None

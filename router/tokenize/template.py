@@ -3,8 +3,9 @@
 The template comes from ``tokenizer_config.json`` (``chat_template``: a string, or a list of
 ``{"name", "template"}`` of which ``default`` is used, or ``tool_use`` when tools are given),
 or from a separate ``chat_template.jinja`` file. The environment matches transformers':
-sandboxed, ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson``
-filter that keeps non-ASCII text, ``raise_exception`` and ``strftime_now`` globals.
+sandboxed, ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension and the
+``{% generation %}`` tag, a ``tojson`` filter that keeps non-ASCII text, ``raise_exception``
+and ``strftime_now`` globals.
 
 Messages are prepared as vLLM prepares them: text content parts are joined with newlines and
 tool-call arguments given as JSON strings are parsed into objects, so templates that render
@@ -22,7 +23,9 @@ from pprint import pformat
 from typing import Any
 
 import jinja2
-from jinja2.ext import loopcontrols
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -104,8 +107,23 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
         return super().getitem(obj, argument)
 
 
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers' AssistantTracker tag, which
+    marks assistant text for training masks and renders its body unchanged (LFM2.5's
+    template uses it). Here it is just its body, so the template compiles as in the engine
+    and the message loop stays plain to the incremental renderer."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> list[nodes.Node]:
+        next(parser.stream)  # the tag's name
+        return list(parser.parse_statements(("name:endgeneration",), drop_needle=True))
+
+
 def _environment() -> jinja2.Environment:
-    env = _TemplateSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _TemplateSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag]
+    )
     env.filters["tojson"] = _tojson
     env.filters["pprint"] = _pprint
     env.globals["raise_exception"] = _raise_exception
