@@ -756,3 +756,44 @@ def test_prefill_taken_out_of_the_loop_keeps_resuming() -> None:
     # from the third request on (the first two open one cache context each: the prefills
     # are rendered without a generation prompt), every turn reuses the history
     assert all(r > 4000 for r in reused[2:]), reused
+
+
+# Incremental in form, but no use: each message starts with its role name, not a special
+# token (GigaChat style), so no cut between messages is exact ...
+ROLE_NAME_FIRST = (
+    "{%- for m in messages %}{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>{%- endfor %}"
+    "{%- if add_generation_prompt %}assistant<|im_middle|>{% endif %}"
+)
+# ... or the loop taken for the message loop is a scan, and the conversation is rendered by
+# a loop over an expression after it, i.e. in the tail (DeepSeek-V3.2 style)
+SCAN_THEN_SLICE_LOOP = (
+    "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages[0:] %}<|im_user|>{{ m.role }}: {{ m.content }}<|im_end|>{%- endfor %}"
+)
+
+
+@pytest.mark.parametrize("source", [ROLE_NAME_FIRST, SCAN_THEN_SLICE_LOOP])
+def test_a_local_form_that_leaves_nothing_to_resume_goes_to_the_text_cache(source: str) -> None:
+    proc = _processor(source)
+    assert proc.template is not None and proc.template.local_for(None) is not None
+    reused = []
+    for s in range(5):  # sessions
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": f"session {s}. " + _SYSTEM["content"]},
+            {"role": "user", "content": "task"},
+        ]
+        row = []
+        for i in range(3):
+            messages = [
+                *messages,
+                {"role": "assistant", "content": f"answer {i}"},
+                {"role": "user", "content": f"more {i} " * 20},
+            ]
+            body = {"model": "m", "messages": messages}
+            got = proc.chat(body)
+            assert (got.prompt_tokens, got.block_hashes) == _cold(proc, body)
+            row.append(got.reused_tokens)
+        reused.append(row)
+    assert proc.template.local_for(None) is None, reused  # handed to the text cache
+    assert all(r > 4000 for r in reused[-1][1:]), reused  # which reuses the history

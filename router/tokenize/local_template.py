@@ -307,6 +307,7 @@ class LocalTemplate:
         )
         self.enabled = True
         self._failures = 0  # in a row
+        self._poor = 0  # whole renders in a row that left nothing to resume from
 
     # After this many instrumented renders in a row that failed where the plain template
     # rendered, this form is not used again: a template that fails on every conversation
@@ -318,6 +319,18 @@ class LocalTemplate:
         """Its render failed where the plain template's did not (the caller rendered whole)."""
         self._failures += 1
         if self._failures >= self.FAILURES_TO_DISABLE:
+            self.enabled = False
+
+    def observe(self, reusable: bool) -> None:
+        """Whether a whole render gave a later turn something to resume from. A template
+        whose renders do not, several times in a row, is handed to the rendered-text cache
+        (``enabled`` False), which reuses more for it: its messages do not start with a
+        special token (a role name first, GigaChat), so no cut between them is exact; or its
+        message loop is not the one that renders the conversation (DeepSeek-V3.2 loops over
+        ``messages[start_idx:]``, an expression, after a scan over ``messages``), so the
+        conversation lands in the tail."""
+        self._poor = 0 if reusable else self._poor + 1
+        if self._poor >= self.FAILURES_TO_DISABLE:
             self.enabled = False
 
     def render_parts(

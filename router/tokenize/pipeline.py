@@ -320,6 +320,9 @@ class PromptProcessor:
             out = tokenizer.encode_local(parts, None, root, bs, fallback)
             assert out is not None  # without a prefix there is nothing to refuse
             before: str | None = parts.head  # the text before this render's bodies
+            # a cut a later turn can use, with the conversation ahead of it (not in the tail)
+            size = len(parts.head) + len(parts.bodies) + len(parts.tail)
+            local.observe(out[1] >= 0 and 2 * len(parts.tail) <= size)
         else:
             assert prefix is not None
             old = prefix.entry.text
