@@ -220,6 +220,8 @@ class IncrementalTokenizer:
         parts: list[TokenArray] = []
         run = 0  # start of the pending run of short pieces
         prev = 0  # start of the current piece
+        # (the starts of a scan of the whole text: no special token straddles them, even
+        # where tokens can overlap, so these cuts need no ``clean_cut`` check)
         for start in self.splitter.starts(text):
             if start - prev >= PIECE_MIN_CHARS:
                 if run < prev:
@@ -369,7 +371,10 @@ class IncrementalTokenizer:
         for m, at in zip(found, special_at, strict=True):
             if ids.get(m.group()) != int(tail[at]):
                 return
-            cuts.append(_Cut(m.start(), m.group(), offset + at))
+            if self.splitter.clean_cut(text, m.start()):
+                cuts.append(_Cut(m.start(), m.group(), offset + at))
+        if not cuts:
+            return
         nbytes = len(text) * 2 + tokens.nbytes + 40 * len(hashes) + 512
         self._store(
             key, _Entry(text, tokens, tuple(reversed(cuts)), {(root, block_size): hashes}, nbytes)
@@ -446,6 +451,9 @@ class IncrementalTokenizer:
         def separable(text: str) -> bool:
             return not text or (special is not None and special.match(text) is not None)
 
+        def clean(before: str) -> bool:  # a cut after ``before`` is exact (see SpecialSplitter)
+            return self.splitter.clean_cut(before, len(before))
+
         resume = parts.resume
         offset = len(parts.bodies) if resume is None else resume.offset
         # what a later render re-renders: the bodies from the resume point, and the tail
@@ -453,7 +461,14 @@ class IncrementalTokenizer:
         rest_ids = None
         if not rest:
             rest_ids = _EMPTY
-        elif separable(rest):
+        elif (
+            separable(rest)
+            and (
+                prefix is not None
+                or not self.splitter.unsafe_before  # (no copy of the text for the usual tokens)
+                or clean(parts.head + parts.bodies[:offset])
+            )
+        ):
             rest_ids = self.tokenizer.encode_segment(rest)
         reused = 0
         base_hashes: list[int] | None = None
@@ -461,11 +476,11 @@ class IncrementalTokenizer:
             entry = prefix.entry
             if parts.head != entry.head or not separable(parts.tail):
                 return None
-            if not separable(parts.bodies):
-                return None
+            if not separable(parts.bodies) or (parts.bodies and not clean(parts.bodies)):
+                return None  # (the cut before the bodies was checked when it was cached)
             reused = entry.loop_idx
             done = parts.bodies[:offset]
-            if rest_ids is not None and separable(parts.bodies[offset:]):
+            if rest_ids is not None and separable(parts.bodies[offset:]) and clean(done):
                 done_ids = self.encode_text(done) if done else _EMPTY
                 tokens = np.concatenate([entry.tokens[:reused], done_ids, rest_ids])
                 loop_idx = reused + len(done_ids)
@@ -516,7 +531,11 @@ class IncrementalTokenizer:
         while j >= 0:
             pos = starts[j]
             here = special.match(text, pos)
-            if here is not None and pos + len(here.group()) <= shared:
+            if (
+                here is not None
+                and pos + len(here.group()) <= shared
+                and self.splitter.clean_cut(text, pos)
+            ):
                 if ids.get(here.group()) != int(old_ids[at[j]]):
                     return None
                 return pos, int(at[j])

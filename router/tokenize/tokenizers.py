@@ -89,6 +89,11 @@ class SpecialSplitter:
 
     pattern: re.Pattern[str] | None
     groups: tuple[re.Pattern[str], ...] | None = None
+    # Texts after which a cut before a special token is not exact: a proper prefix of a
+    # token whose rest can begin a token. ``"…]~b" + "]~b]…"`` holds ``]~b]`` across the
+    # cut (MiniMax's ``]~b]`` and ``]~!b[``), so ``encode(a + b) != encode(a) ++ encode(b)``
+    # there. Empty for ``<|…|>``-style tokens, whose rest never starts with ``<``.
+    unsafe_before: tuple[str, ...] = ()
 
     @classmethod
     def for_tokens(cls, tokens: Mapping[str, int]) -> SpecialSplitter:
@@ -96,7 +101,14 @@ class SpecialSplitter:
             return cls(None)
         alts = sorted(tokens, key=len, reverse=True)
         pattern = re.compile("|".join(re.escape(t) for t in alts))
-        return cls(pattern, _prefix_groups(alts))
+        groups = _prefix_groups(alts)
+        unsafe = () if groups is not None else _unsafe_before(alts)
+        return cls(pattern, groups, unsafe)
+
+    def clean_cut(self, text: str, pos: int) -> bool:
+        """Whether cutting ``text`` at ``pos`` (where a special token starts) is exact: no
+        special token can start before ``pos`` and end after it."""
+        return not self.unsafe_before or not text.endswith(self.unsafe_before, 0, pos)
 
     def starts(self, text: str) -> list[int]:
         """Start offsets of the special-token occurrences ``pattern.finditer`` finds."""
@@ -121,6 +133,8 @@ class SpecialSplitter:
         for i in range(1, parts):
             target = i * step
             m = self.pattern.search(text, target)
+            while m is not None and not self.clean_cut(text, m.start()):
+                m = self.pattern.search(text, m.start() + 1)
             if m is None:
                 break
             if (not cuts or m.start() > cuts[-1]) and 0 < m.start() < len(text):
@@ -138,6 +152,18 @@ class SpecialSplitter:
             if len(found) >= n or lo == 0:
                 return found[-n:]
             lo = max(0, lo - 8 * window)
+
+
+def _unsafe_before(alts: Sequence[str]) -> tuple[str, ...]:
+    """Proper prefixes ``t[:i]`` of special tokens whose rest ``t[i:]`` starts a token or
+    is started by one (see ``SpecialSplitter.unsafe_before``)."""
+    out = {
+        t[:i]
+        for t in alts
+        for i in range(1, len(t))
+        if any(u.startswith(t[i:]) or t[i:].startswith(u) for u in alts)
+    }
+    return tuple(sorted(out, key=len, reverse=True))
 
 
 def _prefix_groups(alts: Sequence[str]) -> tuple[re.Pattern[str], ...] | None:
