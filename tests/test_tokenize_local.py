@@ -108,6 +108,17 @@ NOT_LOCAL = {
 # still equal rendering whole.
 STATEFUL = {
     "kimi_k3_style": K3_SOURCE,
+    # DeepSeek-V3.2 style: a scan over messages, then the message loop over a slice
+    # expression whose start the head computed
+    "slice_expression_loop": (
+        "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+        "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+        "{%- set start_idx = 1 if messages[0].role == 'system' else 0 %}"
+        "{%- if start_idx %}<|im_system|>{{ messages[0].content }}<|im_end|>{% endif %}"
+        "{%- for m in messages[start_idx:] %}<|im_user|>{{ m.role }}: {{ m.content }}"
+        "{%- if loop.index0 + start_idx == ns.last %} (last query){% endif %}<|im_end|>"
+        "{%- endfor %}"
+    ),
     # Nemotron-Nano-v2 style: a final assistant message is a prefill, taken out of the loop
     # with an end-relative slice (``messages[:-1]``)
     "prefill_drops_last": (
@@ -271,6 +282,7 @@ NEVER_RESUMED = {"cycler_in_head_variable"}
 
 # the templates whose statements before the loop read the conversation
 HEAD_READS_MESSAGES = {
+    "slice_expression_loop",
     "last_query_split",
     "namespace_scan",
     "history_suffix_split",
@@ -773,7 +785,7 @@ SCAN_THEN_SLICE_LOOP = (
 )
 
 
-@pytest.mark.parametrize("source", [ROLE_NAME_FIRST, SCAN_THEN_SLICE_LOOP])
+@pytest.mark.parametrize("source", [ROLE_NAME_FIRST])
 def test_a_local_form_that_leaves_nothing_to_resume_goes_to_the_text_cache(source: str) -> None:
     proc = _processor(source)
     assert proc.template is not None and proc.template.local_for(None) is not None
@@ -797,3 +809,21 @@ def test_a_local_form_that_leaves_nothing_to_resume_goes_to_the_text_cache(sourc
         reused.append(row)
     assert proc.template.local_for(None) is None, reused  # handed to the text cache
     assert all(r > 4000 for r in reused[-1][1:]), reused  # which reuses the history
+
+
+def test_a_loop_over_a_slice_expression_is_the_message_loop() -> None:
+    """DeepSeek-V3.2's ``for message in messages[start_idx:]`` after a scan over
+    ``messages``: the slice loop renders the conversation and is the one resumed."""
+    proc = _processor(STATEFUL["slice_expression_loop"])
+    assert proc.template is not None and proc.template.local_for(None) is not None
+    messages: list[dict[str, Any]] = [_SYSTEM, {"role": "user", "content": "task"}]
+    reused = []
+    for i in range(4):
+        messages = [*messages, {"role": "assistant", "content": f"answer {i}"}]
+        messages = [*messages, {"role": "tool" if i % 2 else "user", "content": f"more {i}"}]
+        body = {"model": "m", "messages": messages}
+        got = proc.chat(body)
+        assert (got.prompt_tokens, got.block_hashes) == _cold(proc, body)
+        reused.append(got.reused_tokens)
+    assert proc.template.local_for(None) is not None, reused  # resumed, not handed over
+    assert all(r > 4000 for r in reused[1:]), reused

@@ -396,11 +396,36 @@ class LocalTemplate:
         )
 
 
+def _name_sliced_loops(ast: nodes.Template) -> None:
+    """``{% for m in messages[start:] %}`` at the top level (DeepSeek-V3.2, with
+    ``start_idx`` set before it) becomes ``{% set __kvrouter_rowsN = messages[start:] %}``
+    and a loop over that name: the form :func:`analyze` takes for a message loop, where the
+    slice is checked when rendering and compared as a head variable when resuming."""
+    body = []
+    for i, n in enumerate(ast.body):
+        it = n.iter if isinstance(n, nodes.For) else None
+        if (
+            isinstance(it, nodes.Getitem)
+            and _is_name(it.node, "messages")
+            and isinstance(it.arg, nodes.Slice)
+            and it.arg.stop is None
+            and it.arg.step is None
+        ):
+            name = f"__kvrouter_rows{i}"
+            body.append(nodes.Assign(nodes.Name(name, "store"), it, lineno=n.lineno))
+            n.iter = nodes.Name(name, "load", lineno=n.lineno)
+        body.append(n)
+    ast.body = body
+
+
 def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
     """The instrumented template if :func:`analyze` accepts ``source`` (see the module
     docstring), else None."""
     try:
         ast = env.parse(source)
+        if any(n.name.startswith("__kvrouter") for n in ast.find_all(nodes.Name)):
+            raise _NotLocal("uses the instrumentation's reserved names")
+        _name_sliced_loops(ast)
         # The message loop: the last top-level loop over ``messages`` or over a name the
         # statements before it assign (``loop_messages = messages[1:]``, checked when
         # rendering: it must be ``messages`` or a slice of it from a fixed start). Earlier
@@ -417,8 +442,6 @@ def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
             raise _NotLocal("no top-level loop over messages")
         if any(True for _ in ast.find_all(_REJECTED_ANYWHERE)):
             raise _NotLocal("call block, block, include or import")
-        if any(n.name.startswith("__kvrouter") for n in ast.find_all(nodes.Name)):
-            raise _NotLocal("uses the instrumentation's reserved names")
         at, loop = loops[-1]
         # before the loop ``messages`` may be narrowed (``set messages = messages[1:]``: a
         # tracked slice; the loop checks what it runs over), not in the loop or in macros
