@@ -19,7 +19,7 @@ from typing import Any
 
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
-from router.core.policies import make_policy
+from router.core.policies import make_policy, uses_prefix_index
 from router.core.routing import BusyThresholds, RoutingEngine, RoutingSettings
 from router.core.types import EventBatch, ReplicaKey, RouteRequest
 from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, Rejected
@@ -150,9 +150,7 @@ class Simulation:
         # Policies that ignore the prefix index (round robin, random, least loaded): the
         # engines' KV events are not applied to it, as a peer's simulator does not run an
         # indexer for them either. Nothing the simulation reports reads the index.
-        self._feed_index = any(
-            getattr(r.engine.policy, "uses_prefix_index", True) for r in self.routers
-        )
+        self._feed_index = any(uses_prefix_index(r.engine.policy) for r in self.routers)
         self._slot = {k: i for i, k in enumerate(self.keys)}
         self._queue = EventQueue()
         self._gen = [0] * len(self.engines)

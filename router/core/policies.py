@@ -14,7 +14,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -108,8 +108,6 @@ def _rank(
 
 @dataclass(slots=True)
 class RoundRobin:
-    # ignores the prefix index: a simulation may skip maintaining it (sim.cluster)
-    uses_prefix_index: ClassVar[bool] = False
     name: str = "round_robin"
     cursor: int = 0
 
@@ -125,8 +123,6 @@ class RoundRobin:
 
 @dataclass(slots=True)
 class RandomChoice:
-    # ignores the prefix index: a simulation may skip maintaining it (sim.cluster)
-    uses_prefix_index: ClassVar[bool] = False
     name: str = "random"
 
     def choose(
@@ -139,8 +135,6 @@ class RandomChoice:
 
 @dataclass(slots=True)
 class LeastLoaded:
-    # ignores the prefix index: a simulation may skip maintaining it (sim.cluster)
-    uses_prefix_index: ClassVar[bool] = False
     name: str = "least_loaded"
 
     def choose(
@@ -297,6 +291,15 @@ class PrebleE2:
             ranked = _rank(candidates, lambda c: c.load.in_flight, rng)
             mode = 0.0
         return _decide(self.name, request, ranked, float(cached), {"exploit": mode})
+
+
+def uses_prefix_index(policy: Policy) -> bool:
+    """Whether ``policy`` reads the prefix index: round robin, random and least loaded do
+    not, so a simulation may skip maintaining it (sim.cluster). Other policies may say so
+    with a ``uses_prefix_index`` attribute."""
+    if isinstance(policy, (RoundRobin, RandomChoice, LeastLoaded)):
+        return False
+    return bool(getattr(policy, "uses_prefix_index", True))
 
 
 # ---------------------------------------------------------------------------- ours

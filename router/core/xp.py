@@ -10,37 +10,40 @@ arithmetic instead, e.g. ``maximum(x, 0) * flag``, exact on both.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 
-def _minimum(a: Any, b: Any) -> Any:
-    return a if a <= b else b
-
-
-def _maximum(a: Any, b: Any) -> Any:
-    return a if a >= b else b
-
-
 class Ops:
-    """Operations on numbers (``SCALAR``); :data:`ARRAY` has the numpy ones. (Plain Python
-    functions: a call costs about half of builtin ``min`` / ``max``, which parse ``key=``.)"""
+    """Operations on numbers (``SCALAR``); :data:`ARRAY` has the numpy ones. (Methods, not
+    builtin ``min`` / ``max``, which parse ``key=``: a call costs about half. Methods rather
+    than functions stored on the class, so that compiled builds (mypyc) dispatch the
+    override too.)"""
 
     __slots__ = ()
-    minimum: Callable[[Any, Any], Any] = staticmethod(_minimum)
-    maximum: Callable[[Any, Any], Any] = staticmethod(_maximum)
-    trunc: Callable[[Any], Any] = int  # toward zero, as an integer
+
+    def minimum(self, a: Any, b: Any) -> Any:
+        return a if a <= b else b
+
+    def maximum(self, a: Any, b: Any) -> Any:
+        return a if a >= b else b
+
+    def trunc(self, a: Any) -> Any:
+        """Toward zero, as an integer."""
+        return int(a)
 
 
 class _ArrayOps(Ops):
     __slots__ = ()
-    minimum = staticmethod(np.minimum)
-    maximum = staticmethod(np.maximum)
 
-    @staticmethod
-    def trunc(a: Any) -> Any:
+    def minimum(self, a: Any, b: Any) -> Any:
+        return np.minimum(a, b)
+
+    def maximum(self, a: Any, b: Any) -> Any:
+        return np.maximum(a, b)
+
+    def trunc(self, a: Any) -> Any:
         return np.trunc(a).astype(np.int64)
 
 
