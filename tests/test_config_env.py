@@ -147,3 +147,28 @@ def test_admin_token_spellings_must_agree() -> None:
     assert load_settings(environ=same).server.admin_token == "t"
     with pytest.raises(ConfigError, match="KVROUTER_ADMIN_TOKEN"):
         load_settings(environ={**same, "KVROUTER_SERVER__ADMIN_TOKEN": "u"})
+
+
+def test_field_types_a_compiled_core_loses_match_the_source() -> None:
+    """``LOST_WHEN_COMPILED`` repeats annotations of router/core dataclasses (a compiled
+    build reports them as ``type``): they must say what the source says."""
+    import ast
+    import inspect
+
+    import pytest
+
+    from router.core import routing
+    from router.service.config import LOST_WHEN_COMPILED
+
+    if not str(routing.__file__).endswith(".py"):
+        pytest.skip("router/core is compiled: checked by the pure-Python run")
+    tree = ast.parse(inspect.getsource(routing))
+    declared = {
+        (cls.name, stmt.target.id): ast.unparse(stmt.annotation)
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef)
+        for stmt in cls.body
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+    }
+    for key, kind in LOST_WHEN_COMPILED.items():
+        assert declared[key] == kind, key

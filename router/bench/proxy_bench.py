@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.measure import emit
+from router.compile import compiled
 
 MODEL = "bench-model"
 
@@ -478,6 +479,7 @@ def run(args: argparse.Namespace) -> int:
         "paced_stream": args.paced_stream,
         "cpus": os.cpu_count(),
         "router_cpus": sorted(args.router_cpus) if args.router_cpus else None,
+        "core_compiled": compiled(),  # make compile
     }
     try:
         _wait_http(f"http://127.0.0.1:{ports[0]}/health")

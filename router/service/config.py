@@ -191,9 +191,21 @@ _SECTIONS = ("server", "replicas", "models")
 _UNTYPED = "policy_params"  # its values are TOML scalars (see _scalar)
 
 
+# Field types that a compiled router/core (``make compile``, mypyc) reports as ``type``: its
+# classes keep only the annotations they can check. tests/test_config_env.py checks these
+# against the source's annotations.
+LOST_WHEN_COMPILED = {
+    ("BusyThresholds", "max_in_flight"): "int | None",
+    ("BusyThresholds", "max_queued_prefill_tokens"): "int | None",
+    ("BusyThresholds", "max_kv_usage"): "float | None",
+}
+
+
 def _kind(cls: type, name: str) -> str:
     """The declared type of field ``name`` of dataclass ``cls``, as text (``"int | None"``)."""
     hint = next(f.type for f in fields(cls) if f.name == name)
+    if hint is type:
+        return LOST_WHEN_COMPILED[(cls.__name__, name)]
     return hint if isinstance(hint, str) else getattr(hint, "__name__", str(hint))
 
 
