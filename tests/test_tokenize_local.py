@@ -777,15 +777,18 @@ ROLE_NAME_FIRST = (
     "{%- if add_generation_prompt %}assistant<|im_middle|>{% endif %}"
 )
 # ... or the loop taken for the message loop is a scan, and the conversation is rendered by
-# a loop over an expression after it, i.e. in the tail (DeepSeek-V3.2 style)
+# a loop over a filtered list after it, i.e. in the tail. (Over a plain slice expression,
+# DeepSeek-V3.2 style, ``messages[0:]`` here, that loop is the message loop itself: it
+# resumes, see test_a_loop_over_a_slice_expression_is_the_message_loop.)
 SCAN_THEN_SLICE_LOOP = (
     "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
     "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
     "{%- for m in messages[0:] %}<|im_user|>{{ m.role }}: {{ m.content }}<|im_end|>{%- endfor %}"
 )
+SCAN_THEN_FILTERED_LOOP = SCAN_THEN_SLICE_LOOP.replace("messages[0:]", "messages|list")
 
 
-@pytest.mark.parametrize("source", [ROLE_NAME_FIRST])
+@pytest.mark.parametrize("source", [ROLE_NAME_FIRST, SCAN_THEN_FILTERED_LOOP])
 def test_a_local_form_that_leaves_nothing_to_resume_goes_to_the_text_cache(source: str) -> None:
     proc = _processor(source)
     assert proc.template is not None and proc.template.local_for(None) is not None

@@ -34,9 +34,9 @@ import contextlib
 import hmac
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 from aiohttp import web
@@ -45,6 +45,7 @@ from router.service.errors import error_body, error_response
 from router.service.peers import peer_call
 from router.service.worker_metrics import INDEX_HEADER
 
+T = TypeVar("T")
 PIDS_FILE = "workers"  # the parent's list of worker pids, one a line, in the control directory
 
 
@@ -163,16 +164,30 @@ def _apply(state: Any, name: str, draining: bool, app: web.Application) -> web.R
     )
 
 
-async def _forward(group: Workers, pid: int, name: str, draining: bool, auth: str) -> str | None:
-    """Send the drain / undrain to worker ``pid``; None when it applied it, else why not."""
+async def _forward(group: Workers, pid: int, name: str, draining: bool, auth: str) -> bool | str:
+    """Send the drain / undrain to worker ``pid``; True when it applied it, else why not."""
     action = "drain" if draining else "undrain"
     path = f"/internal/replicas/{quote(name, safe='')}/{action}"
     got = await peer_call(group.socket(pid), "POST", path, auth=auth)
     if isinstance(got, str):
         return got
-    if got.status == 200:
-        return None
-    return f"HTTP {got.status}: {got.body[:200].decode(errors='replace')}"
+    return True if got.status == 200 else got.why_not()
+
+
+async def ask_peers(
+    group: Workers, ask: Callable[[int], Awaitable[T | str]]
+) -> tuple[list[T], list[dict[str, Any]]]:
+    """``ask(pid)`` of every other worker of ``group`` at once: the answers, and the workers
+    that gave none as ``{"pid", "reason"}`` (an answer that is a string is the reason; pid
+    None for a worker not known by pid)."""
+    peers, unknown = group.peers()
+    got = await asyncio.gather(*(ask(pid) for pid in peers))
+    answers = [g for g in got if not isinstance(g, str)]
+    failed: list[dict[str, Any]] = [
+        {"pid": pid, "reason": g} for pid, g in zip(peers, got, strict=True) if isinstance(g, str)
+    ]
+    failed += [{"pid": None, "reason": "not started or not known"} for _ in range(unknown)]
+    return answers, failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,14 +225,7 @@ async def forward_to_peers(
     if group is None or group.count <= 1:
         return FanOut(1, [])
     auth = f"Bearer {admin_token or ''}"
-    peers, unknown = group.peers()
-    reasons = await asyncio.gather(*(_forward(group, pid, name, draining, auth) for pid in peers))
-    failed: list[dict[str, Any]] = [
-        {"pid": pid, "reason": why}
-        for pid, why in zip(peers, reasons, strict=True)
-        if why is not None
-    ]
-    failed += [{"pid": None, "reason": "not started or not known"} for _ in range(unknown)]
+    _, failed = await ask_peers(group, lambda pid: _forward(group, pid, name, draining, auth))
     return FanOut(group.count, failed)
 
 
@@ -328,7 +336,7 @@ async def _peer_rows(group: Workers, pid: int, auth: str) -> list[dict[str, Any]
     if isinstance(got, str):
         return got
     if got.status != 200:
-        return f"HTTP {got.status}: {got.body[:200].decode(errors='replace')}"
+        return got.why_not()
     try:
         rows: list[dict[str, Any]] = json.loads(got.body)["replicas"]
     except (ValueError, KeyError, TypeError) as exc:
@@ -356,15 +364,8 @@ def add_routes(app: web.Application, state_key: web.AppKey[Any]) -> None:
         if scope == "this" or group is None or group.count <= 1:
             return web.json_response({"replicas": rows, **_worker_info(request.app)})
         auth = f"Bearer {state.settings.server.admin_token or ''}"
-        peers, unknown = group.peers()
-        got = await asyncio.gather(*(_peer_rows(group, pid, auth) for pid in peers))
-        views = [rows] + [g for g in got if not isinstance(g, str)]
-        failed: list[dict[str, Any]] = [
-            {"pid": pid, "reason": g}
-            for pid, g in zip(peers, got, strict=True)
-            if isinstance(g, str)
-        ]
-        failed += [{"pid": None, "reason": "not started or not known"} for _ in range(unknown)]
+        others, failed = await ask_peers(group, lambda pid: _peer_rows(group, pid, auth))
+        views = [rows, *others]
         return web.json_response(
             {
                 "replicas": combine_rows(views),

@@ -22,6 +22,10 @@ class PeerAnswer:
     headers: CIMultiDictProxy[str]
     body: bytes
 
+    def why_not(self) -> str:
+        """The answer as the reason a call failed (status and the start of the body)."""
+        return f"HTTP {self.status}: {self.body[:200].decode(errors='replace')}"
+
 
 async def peer_call(
     socket_path: str,

@@ -18,6 +18,7 @@ family must stay together, so the pages are merged family by family, headers onc
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterable, Sequence
 
 from router.service.peers import peer_call
@@ -26,15 +27,14 @@ INDEX_HEADER = "X-KVRouter-Worker-Index"
 _TIMEOUT_S = 2.0
 
 
+_NAME = re.compile(r"[^{ ]*")  # a sample line's metric name: up to its labels or value
+
+
 def labelled(sample: str, worker: str) -> str:
     """``sample`` (one exposition line) with ``worker="<worker>"`` as its first label."""
-    cut = len(sample)
-    for i, ch in enumerate(sample):
-        if ch == "{" or ch == " ":
-            cut = i
-            break
+    cut = _NAME.match(sample).end()  # type: ignore[union-attr]  # (matches any string)
     label = f'worker="{worker}"'
-    if cut < len(sample) and sample[cut] == "{":
+    if sample[cut : cut + 1] == "{":
         sep = "" if sample[cut + 1 : cut + 2] == "}" else ","
         return f"{sample[: cut + 1]}{label}{sep}{sample[cut + 1 :]}"
     return f"{sample[:cut]}{{{label}}}{sample[cut:]}"

@@ -476,7 +476,7 @@ class IncrementalTokenizer:
             entry = prefix.entry
             if parts.head != entry.head or not separable(parts.tail):
                 return None
-            if not separable(parts.bodies) or (parts.bodies and not clean(parts.bodies)):
+            if not separable(parts.bodies):
                 return None  # (the cut before the bodies was checked when it was cached)
             reused = entry.loop_idx
             done = parts.bodies[:offset]
@@ -485,6 +485,8 @@ class IncrementalTokenizer:
                 tokens = np.concatenate([entry.tokens[:reused], done_ids, rest_ids])
                 loop_idx = reused + len(done_ids)
             else:  # the resume point is not at a special token: one piece, no resume
+                if parts.bodies and not clean(parts.bodies):
+                    return None  # nor is the cut between the bodies and the tail exact
                 tail_ids = self.tokenizer.encode_segment(parts.tail) if parts.tail else _EMPTY
                 bodies = self.encode_text(parts.bodies) if parts.bodies else _EMPTY
                 tokens = np.concatenate([entry.tokens[:reused], bodies, tail_ids])

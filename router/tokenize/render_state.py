@@ -450,6 +450,19 @@ class _View(ListLike):
     def __len__(self) -> int:
         return max(self._end() - self._start, 0)
 
+    def _sliced(self, lo: int, hi: int | None) -> _View | None:
+        """``self[lo:hi]`` as a view of the conversation (``hi`` as :func:`_bounds` gives
+        it); None when that would need two kinds of stop at once (one from the start, one
+        from the end)."""
+        start, stop = self._start + lo, self._stop
+        if hi is None:
+            return _View(self._base, start, stop)
+        if stop is None:  # open-ended: the slice's stop, from the start or the end
+            return _View(self._base, start, self._start + hi if hi >= 0 else hi)
+        if hi >= 0 and stop >= 0:
+            return _View(self._base, start, min(self._start + hi, stop))
+        return None
+
     def __bool__(self) -> bool:
         if self._stop_now() <= self._start:
             self._base._recorder.opened()  # empty now, perhaps not when the list grows
@@ -459,21 +472,11 @@ class _View(ListLike):
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, slice):
             bounds = _bounds(key, self._base._recorder)
-            if bounds is None or (
-                self._stop is not None and self._stop < 0 and bounds[1] is not None
-            ):
+            view = None if bounds is None else self._sliced(*bounds)
+            if view is None:  # a slice a view can not express: plain, and end-dependent
                 self._base._recorder.opened()
                 return list(self)[key]
-            lo, hi = bounds
-            if hi is not None and hi < 0:  # end-relative stop of an end-bounded view
-                if self._stop is not None:
-                    self._base._recorder.opened()
-                    return list(self)[key]
-                return _View(self._base, self._start + lo, hi)
-            stop = self._start + hi if hi is not None else self._stop
-            if stop is not None and self._stop is not None:
-                stop = min(stop, self._stop)
-            return _View(self._base, self._start + lo, stop)
+            return view
         if not isinstance(key, int) or key < 0:
             self._base._recorder.opened()
             return list(self)[key]
