@@ -13,8 +13,9 @@ import pytest
 from router.service.body_memo import Admitted, BodyMemo
 from router.service.config import build_settings
 from router.service.handling import handle
-from router.service.proxy import Headers
+from router.service.proxy import Forwarder, Headers
 from router.service.state import RouterState
+from router.service.upstream import Client, Timeouts
 from router.store.base import ReplicaInfo
 from router.tokenize.pipeline import ProcessedPrompt
 from tests.test_service_api import MODEL, TOKEN, Fleet, conversation, make_fleet
@@ -205,7 +206,8 @@ async def test_a_memo_hit_for_a_model_whose_replicas_left_is_404() -> None:
     memo.put("chat", raw, _admitted(model="m"))
     state.remove_discovered("a")
     answer = _Answer()
-    await handle(state, None, answer, b"/v1/chat/completions", raw, [])  # type: ignore[arg-type]
+    unused = Forwarder(state, Client(Timeouts()))  # the request never reaches it
+    await handle(state, unused, answer, b"/v1/chat/completions", raw, [])
     assert answer.status == 404, answer.body
     assert json.loads(answer.body)["error"]["message"] == "The model 'm' does not exist"
     assert memo.hits == 1

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from router.bench.measure import emit
-from router.compile import compiled
+from router.compile import compiled, service_compiled
 
 
 def _best(rounds: int, n: int, step: Callable[[int], None]) -> float:
@@ -97,6 +97,7 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
     return {
         "bench": "admit",
         "core_compiled": compiled(),  # make compile
+        "service_compiled": service_compiled(),
         "unique_prompts": args.unique,
         "replicas": len(state.registry.keys_for(MODEL)),
         "prompt_tokens": prompts[0].prompt_tokens,

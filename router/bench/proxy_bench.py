@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.measure import emit
-from router.compile import compiled
+from router.compile import compiled, service_compiled
 
 MODEL = "bench-model"
 
@@ -480,6 +480,7 @@ def run(args: argparse.Namespace) -> int:
         "cpus": os.cpu_count(),
         "router_cpus": sorted(args.router_cpus) if args.router_cpus else None,
         "core_compiled": compiled(),  # make compile
+        "service_compiled": service_compiled(),
     }
     try:
         _wait_http(f"http://127.0.0.1:{ports[0]}/health")

@@ -29,6 +29,7 @@ import logging
 import socket
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import httptools
 from aiohttp import web
@@ -38,7 +39,8 @@ from router.service.handling import KINDS, handle, too_large
 from router.service.proxy import HOP_BY_HOP, Forwarder, response_headers
 from router.service.security import Limits
 from router.service.state import RouterState
-from router.service.upstream import Pool, UpstreamError
+from router.service.upstream import Pool
+from router.service.upstream_errors import UpstreamError
 
 _log = logging.getLogger(__name__)
 _STATUS_LINES: dict[int, bytes] = {}
@@ -338,7 +340,10 @@ class FastServer:
         self._server = await self.loop.create_server(
             lambda: _Connection(self), host, port, reuse_port=reuse_port or None, backlog=2048
         )
-        return int(self._server.sockets[0].getsockname()[1])
+        # read untyped: uvloop's is a list where typeshed says tuple, which compiled code
+        # (make compile) would check
+        sockets: Any = getattr(self._server, "sockets")  # noqa: B009
+        return int(sockets[0].getsockname()[1])
 
     async def close(self, timeout: float = 0.0) -> None:
         """Stop accepting; wait up to ``timeout`` s for requests in flight; close the rest."""

@@ -133,7 +133,7 @@ class LoopHistogram(_Family):
         # would leave out _count too
         family = self._metric()
         with_sum = not self.bounds or self.bounds[0] >= 0
-        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
         for key, child in list(self._children.items()):
             h: HistogramChild = child  # type: ignore[assignment]
             labels = dict(zip(self.labelnames, key, strict=True))

@@ -30,10 +30,9 @@ from typing import Any, Protocol
 from router.core.types import ReplicaKey
 from router.service.errors import error_body
 from router.service.state import Routed, RouterState
-from router.service.upstream import (
-    Client,
+from router.service.upstream import Client, Exchange
+from router.service.upstream_errors import (
     ConnectFailed,
-    Exchange,
     UpstreamBroken,
     UpstreamError,
     UpstreamTimeout,

@@ -28,29 +28,14 @@ from dataclasses import dataclass
 
 import httptools
 
+from router.service.upstream_errors import (
+    ConnectFailed,
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamTimeout,
+)
+
 HIGH_WATER = 1 << 20  # buffered body bytes above which reading from the upstream pauses
-
-
-class UpstreamError(Exception):
-    """Base of the client's errors."""
-
-
-class ConnectFailed(UpstreamError):
-    """No response byte came back: connection refused, reset or closed before answering.
-    ``connected``: a connection was made (the upstream took it, then closed it unanswered),
-    as opposed to the address refusing or not answering the connect at all."""
-
-    def __init__(self, message: str, *, connected: bool = False) -> None:
-        super().__init__(message)
-        self.connected = connected
-
-
-class UpstreamTimeout(UpstreamError, TimeoutError):
-    """A connect, first-byte, read or total timeout expired."""
-
-
-class UpstreamBroken(UpstreamError):
-    """The response started but broke off (connection lost, malformed HTTP)."""
 
 
 @dataclass(slots=True, frozen=True)
