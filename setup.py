@@ -1,0 +1,30 @@
+"""Build hook: ``KVROUTER_COMPILE=1`` builds the hot path compiled with mypyc into the wheel.
+
+Everything else about the package is in pyproject.toml. Without the variable the wheel is
+pure Python, as always. With it (a C compiler, the Python headers, and mypy + setuptools in
+the build environment, hence ``--no-build-isolation``)::
+
+    pip install mypy setuptools wheel
+    KVROUTER_COMPILE=1 pip wheel --no-build-isolation --no-deps -w dist .
+
+the wheel carries the extensions ``make compile`` builds in place (the same module list,
+router/compile.py), so an image or a host gets the compiled router from ``pip install``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from setuptools import setup
+
+ext_modules = []
+if os.environ.get("KVROUTER_COMPILE") == "1":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from mypyc.build import mypycify
+
+    from router.compile import sources
+
+    ext_modules = mypycify(sources(), group_name="router.hot", opt_level="3")
+
+setup(ext_modules=ext_modules)
