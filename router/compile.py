@@ -59,8 +59,27 @@ def service_compiled() -> bool:
 
 def sources() -> list[str]:
     """The modules ``make compile`` compiles, as paths relative to the repository root."""
-    core = sorted(str(p.relative_to(ROOT)) for p in CORE.glob("*.py") if p.name != "__init__.py")
+    core_dir = ROOT / "router" / "core"
+    core = sorted(
+        str(p.relative_to(ROOT)) for p in core_dir.glob("*.py") if p.name != "__init__.py"
+    )
     return core + [f"router/service/{name}.py" for name in SERVICE_MODULES]
+
+
+def stale() -> list[str]:
+    """Compiled modules older than their source: Python imports the extension, so an edit
+    of such a ``.py`` after ``make compile`` would silently not run. Empty when nothing is
+    compiled or every extension is newer than its source."""
+    out = []
+    for source in sources():
+        py = ROOT / source
+        for ext in py.parent.glob(py.stem + ".*.so"):
+            if py.exists() and ext.stat().st_mtime < py.stat().st_mtime:
+                out.append(source)
+    return out
+
+
+STALE_HINT = "run `make compile` again, or `make uncompile` to run the sources"
 
 
 def built() -> list[Path]:

@@ -16,7 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from router.compile import STALE_HINT, stale
 from router.store.local_redis import LocalRedis, LocalRedisCluster
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuse to test compiled modules older than their sources (see router.compile.stale):
+    the tests would pass or fail on code that is no longer in the tree."""
+    if outdated := stale():
+        raise pytest.UsageError(
+            f"compiled modules older than their sources: {', '.join(outdated)}; {STALE_HINT}"
+        )
 
 
 @pytest.fixture(scope="session")

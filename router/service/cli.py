@@ -78,6 +78,14 @@ def serve(args: argparse.Namespace) -> int:
         from router.service.security import install_log_redaction, server_secrets
 
         install_log_redaction(server_secrets(settings.server))
+        from router.compile import STALE_HINT, stale
+
+        if outdated := stale():
+            logging.getLogger("kvrouter.service").warning(
+                "compiled modules older than their sources (the edits do not run): %s; %s",
+                ", ".join(outdated),
+                STALE_HINT,
+            )
         workers = settings.server.workers
         if workers > 1:
             return _serve_workers(settings, workers)
