@@ -57,6 +57,13 @@ def service_compiled() -> bool:
     return _imports_compiled("router.service.proxy")
 
 
+def compiled_parts() -> str:
+    """What runs compiled, for ``kvrouter_build_info``: ``none``, ``core`` or ``core,service``
+    (``service`` alone if only those extensions are present)."""
+    parts = [name for name, on in (("core", compiled()), ("service", service_compiled())) if on]
+    return ",".join(parts) or "none"
+
+
 def sources() -> list[str]:
     """The modules ``make compile`` compiles, as paths relative to the repository root."""
     core_dir = ROOT / "router" / "core"

@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router import __version__
+from router.compile import compiled_parts
 from router.service.loop_metrics import LoopCounter, LoopHistogram
 
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -245,11 +247,11 @@ class Metrics:
         )
         self.info = Gauge(
             "kvrouter_build_info",
-            "Constant 1, labelled with the version",
-            ["version"],
+            "Constant 1, labelled with the version and what of it runs compiled (make compile)",
+            ["version", "compiled"],
             registry=r,
         )
-        self.info.labels("0.1.0").set(1)
+        self.info.labels(__version__, compiled_parts()).set(1)
         r.register(_StateCollector(snapshot))
         # bound children: no per-request ``labels()`` lookups on the hot path
         self.phase_tokenize = self.decision.labels("tokenize")
