@@ -64,6 +64,11 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--event-lag-ms", type=float, default=0.0, help="index event propagation lag")
     p.add_argument("--report-interval-ms", type=float, default=100.0, help="engine load reports")
     p.add_argument("--speculative-ttl-ms", type=float, default=0.0)
+    p.add_argument(
+        "--share-load-ms",
+        type=float,
+        help="routers exchange their in-flight load this often (default: they do not)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, help="parallel worker processes (default: up to 4)")
 
@@ -76,6 +81,9 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         raise KVRouterError("--replicas, --block-size and --routers must be positive")
     if args.kv_blocks is not None and args.kv_blocks <= 0:
         raise KVRouterError("--kv-blocks must be positive")
+    share = getattr(args, "share_load_ms", None)
+    if share is not None and share < 0:
+        raise KVRouterError("--share-load-ms must not be negative")
     return ClusterConfig(
         profile=load_profile(args.profile),
         replicas=args.replicas,
@@ -88,6 +96,7 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         event_lag_s=args.event_lag_ms / 1000,
         report_interval_s=args.report_interval_ms / 1000,
         speculative_ttl_s=args.speculative_ttl_ms / 1000,
+        share_load_s=share / 1000 if share is not None else None,
         seed=args.seed,
         record_load=record_load,
     )
@@ -117,6 +126,7 @@ def _settings(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         "event_lag_ms": args.event_lag_ms,
         "report_interval_ms": args.report_interval_ms,
         "speculative_ttl_ms": args.speculative_ttl_ms,
+        "share_load_ms": getattr(args, "share_load_ms", None),
         "hybrid": config.profile.hybrid,
         "seed": config.seed,
     }

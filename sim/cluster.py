@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.core.index import PrefixIndex
-from router.core.load import LoadTracker
+from router.core.load import LoadTracker, PeerLoad
 from router.core.policies import make_policy, uses_prefix_index
 from router.core.routing import BusyThresholds, RoutingEngine, RoutingSettings
 from router.core.types import EventBatch, ReplicaKey, RouteRequest
@@ -46,6 +46,10 @@ class ClusterConfig:
     event_lag_s: float = 0.0
     report_interval_s: float = 0.1
     speculative_ttl_s: float = 0.0
+    # None: each router knows only the requests it sent; a number: every that many seconds
+    # each router takes the others' own in-flight load (LoadTracker.set_peer_load), as the
+    # service's worker processes exchange it (server.load_share_interval_s)
+    share_load_s: float | None = None
     busy: BusyThresholds = field(default_factory=BusyThresholds)
     seed: int = 0
     record_load: bool = False
@@ -156,6 +160,7 @@ class Simulation:
         self._gen = [0] * len(self.engines)
         self._wake_at: list[float | None] = [None] * len(self.engines)
         self._report_at = [float("-inf")] * len(self.engines)
+        self._shared_at = float("-inf")
         self._records: dict[str, RequestRecord] = {}
         self._router_of: dict[str, _Router] = {}
         self._children: dict[str, list[SimRequest]] = {}
@@ -224,6 +229,7 @@ class Simulation:
         self._order.append(req)
         engine = router.engine
         self._refresh_reports(engine, now)
+        self._share_load(now)
         rr = RouteRequest(
             req.request_id,
             self.workload.model,
@@ -262,6 +268,19 @@ class Simulation:
                 report = eng.report(now)
                 for router in self.routers:
                     router.engine.load.engine_report(self.keys[i], report)
+
+    def _share_load(self, now: float) -> None:
+        """Every ``share_load_s``: each router takes the sum of the others' own load."""
+        interval = self.config.share_load_s
+        if interval is None or len(self.routers) < 2 or now - self._shared_at < interval:
+            return
+        self._shared_at = now
+        trackers = [r.engine.load for r in self.routers]
+        for key in self.keys:
+            own = [t.own(key) for t in trackers]
+            total = [sum(col) for col in zip(*own, strict=True)]
+            for t, mine in zip(trackers, own, strict=True):
+                t.set_peer_load(key, PeerLoad(*(a - b for a, b in zip(total, mine, strict=True))))
 
     def _after_engine(self, i: int, now: float, outputs: list[Any]) -> None:
         eng = self.engines[i]

@@ -97,6 +97,20 @@ class LoadView(NamedTuple):
         return self.prefilling
 
 
+class PeerLoad(NamedTuple):
+    """Requests other routers (the service's other worker processes) have in flight on one
+    replica: what they report of their own accounting (:meth:`LoadTracker.own`)."""
+
+    prefilling: int = 0
+    queued_prefill_tokens: int = 0
+    decoding: int = 0
+    decode_context_tokens: int = 0
+    in_flight_prompt_tokens: int = 0
+
+
+NO_PEER_LOAD = PeerLoad()
+
+
 @dataclass(slots=True)
 class _Flight:
     replica: ReplicaKey
@@ -116,6 +130,7 @@ class _Replica:
     healthy: bool = True
     draining: bool = False
     row: int = -1  # column of the mirror table (LoadColumns), -1: not mirrored
+    peer: PeerLoad = NO_PEER_LOAD  # included in the counts above (set_peer_load)
 
 
 class LoadColumns(NamedTuple):
@@ -152,7 +167,10 @@ class LoadTracker:
 
     Replicas named by :meth:`columns` are also mirrored into a table of numbers (one column
     each), kept current on every change, so a large fleet's load can be read as arrays in a
-    few operations instead of one ``view`` per replica."""
+    few operations instead of one ``view`` per replica.
+
+    Several routers in front of one fleet (the service's worker processes) each see only the
+    requests they sent; :meth:`set_peer_load` adds what the others report (:meth:`own`)."""
 
     def __init__(self) -> None:
         self._replicas: dict[ReplicaKey, _Replica] = {}
@@ -228,6 +246,42 @@ class LoadTracker:
         else:
             rep.prefilling -= 1
             rep.queued_prefill_tokens -= flight.prefill_tokens
+        if rep.row >= 0:
+            self._mirror(rep)
+
+    def own(self, key: ReplicaKey) -> PeerLoad:
+        """This tracker's own requests on ``key`` (its counts without the peer load): what
+        it reports to its peers."""
+        rep = self._replicas.get(key)
+        if rep is None:
+            return NO_PEER_LOAD
+        p = rep.peer
+        return PeerLoad(
+            rep.prefilling - p.prefilling,
+            rep.queued_prefill_tokens - p.queued_prefill_tokens,
+            rep.decoding - p.decoding,
+            rep.decode_context_tokens - p.decode_context_tokens,
+            rep.in_flight_prompt_tokens - p.in_flight_prompt_tokens,
+        )
+
+    def set_peer_load(self, key: ReplicaKey, load: PeerLoad) -> None:
+        """Replace what other routers have in flight on ``key`` (their latest report,
+        summed). It is added into the counts ``view`` and ``columns`` give, so a policy
+        weighs the whole fleet's requests, not only its own, at no cost per request; the
+        engine-report formula (``waiting`` beyond ``prefilling``) then counts only requests
+        no peer reported either."""
+        if min(load) < 0:  # reports come from other processes: never let one go negative
+            load = PeerLoad(*(max(v, 0) for v in load))
+        rep = self._get(key)
+        old = rep.peer
+        if load == old:
+            return
+        rep.prefilling += load.prefilling - old.prefilling
+        rep.queued_prefill_tokens += load.queued_prefill_tokens - old.queued_prefill_tokens
+        rep.decoding += load.decoding - old.decoding
+        rep.decode_context_tokens += load.decode_context_tokens - old.decode_context_tokens
+        rep.in_flight_prompt_tokens += load.in_flight_prompt_tokens - old.in_flight_prompt_tokens
+        rep.peer = load
         if rep.row >= 0:
             self._mirror(rep)
 
