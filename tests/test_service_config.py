@@ -135,6 +135,8 @@ def test_tuned_policy_file_is_merged(tmp_path: Path) -> None:
         ("[server]\nbody_memo_mb = inf\n", "server.body_memo_mb"),
         ("[server]\nbody_memo_mb = nan\n", "server.body_memo_mb"),
         ("[server]\nmax_body_mb = inf\n", "server.max_body_mb"),
+        ("[server]\nload_share_interval_s = -0.1\n", "server.load_share_interval_s"),
+        ("[server]\nload_share_interval_s = nan\n", "server.load_share_interval_s"),
     ],
 )
 def test_errors_name_the_problem(tmp_path: Path, text: str, needle: str) -> None:

@@ -255,3 +255,39 @@ async def test_replicas_of_all_workers_in_one_answer(fleet: Fleet) -> None:
         assert status == 400 and out["error"]["param"] == "workers"
     finally:
         await slow.stop()
+
+
+@pytest.mark.parametrize("share", [0.02, 0])
+async def test_workers_count_each_others_requests_in_flight(fleet: Fleet, share: float) -> None:
+    """With ``load_share_interval_s`` each worker routes on the others' requests too: its
+    ``peers_in_flight`` is what the others hold at the replica (load_share.py); with 0, none."""
+    slow = await Backend("b0", ["m"], delay_s=4.0).start()
+    try:
+        proc = await start_router(
+            fleet, [slow], workers=2, engine="fast", server={"load_share_interval_s": share}
+        )
+        held = [
+            asyncio.create_task(
+                call(proc, "POST", "/v1/completions", {"model": "m", "prompt": f"p{i}"})
+            )
+            for i in range(16)
+        ]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 3.0
+        while True:  # every request at the replica, then a few exchange rounds
+            status, out = await call(proc, "GET", "/admin/replicas?workers=all")
+            assert status == 200, out
+            if out["replicas"][0]["in_flight"] == 16 or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert out["replicas"][0]["in_flight"] == 16, out
+        await asyncio.sleep(0.3)
+        per_worker = await worker_pids(proc, 2)
+        rows = [a["replicas"][0] for a in per_worker.values()]
+        own = [r["in_flight"] for r in rows]
+        assert sum(own) == 16 and all(n > 0 for n in own), own  # both workers sent some
+        peers = [r["peers_in_flight"] for r in rows]
+        assert peers == ([own[1], own[0]] if share else [0, 0]), (own, peers)
+        assert [s for s, _ in await asyncio.gather(*held)] == [200] * 16
+    finally:
+        await slow.stop()

@@ -42,6 +42,7 @@ from urllib.parse import quote
 from aiohttp import web
 
 from router.service.errors import error_body, error_response
+from router.service.load_share import load_sharing_ctx, own_load
 from router.service.peers import peer_call
 from router.service.worker_metrics import INDEX_HEADER
 
@@ -97,8 +98,9 @@ def join_workers(
 ) -> None:
     """Make ``app`` (not started yet) worker ``index`` of ``group``: its drains reach every
     worker, and while it runs it answers the other workers' forwarded drains, and their
-    requests for its own metrics page (router/service/worker_metrics.py), on its control
-    socket."""
+    requests for its own metrics page (router/service/worker_metrics.py) and its own load
+    (router/service/load_share.py), on its control socket; it takes theirs every
+    ``server.load_share_interval_s``."""
     app[WORKERS] = group
     app[WORKER_INDEX] = index
 
@@ -128,8 +130,13 @@ def join_workers(
                 return denied
             return web.json_response({"replicas": replica_rows(app[state_key])})
 
+        async def own_load_of_worker(request: web.Request) -> web.Response:
+            # what this worker has in flight, for the others' load sharing (load_share.py)
+            return web.json_response(own_load(app[state_key].load))
+
         internal.router.add_get("/internal/metrics", own_metrics)
         internal.router.add_get("/internal/replicas", own_replicas)
+        internal.router.add_get("/internal/load", own_load_of_worker)
         internal.router.add_post("/internal/replicas/{name}/drain", apply(True))
         internal.router.add_post("/internal/replicas/{name}/undrain", apply(False))
         runner = web.AppRunner(internal, access_log=None)
@@ -145,6 +152,13 @@ def join_workers(
                 os.unlink(path)
 
     app.cleanup_ctx.append(control)
+    interval = app[state_key].settings.server.load_share_interval_s
+    if group.count > 1 and interval > 0:
+
+        def sockets() -> list[str]:
+            return [group.socket(pid) for pid in group.peers()[0]]
+
+        app.cleanup_ctx.append(load_sharing_ctx(state_key, sockets, interval))
 
 
 def _apply(state: Any, name: str, draining: bool, app: web.Application) -> web.Response:
@@ -251,11 +265,15 @@ def _ratio(counters: tuple[float, float] | None) -> float | None:
 
 
 def replica_rows(state: Any) -> list[dict[str, Any]]:
-    """``GET /admin/replicas``'s rows: every replica key as this worker sees it."""
+    """``GET /admin/replicas``'s rows: every replica key as this worker sees it. The load
+    fields are the requests this worker sent (so ``combine_rows`` can sum them);
+    ``peers_in_flight`` is what the other workers last reported (load_share.py), which this
+    worker's routing counts too."""
     now = asyncio.get_running_loop().time()
     out = []
     for ep in state.registry.endpoints():
         v = state.load.view(ep.key, now)
+        own = state.load.own(ep.key)
         kv, st = state.index.replica_size(ep.key)
         out.append(
             {
@@ -268,10 +286,11 @@ def replica_rows(state: Any) -> list[dict[str, Any]]:
                 "region": ep.region,
                 "healthy": v.healthy,
                 "draining": v.draining,
-                "in_flight": v.in_flight,
-                "prefilling": v.prefilling,
-                "queued_prefill_tokens": v.queued_prefill_tokens,
-                "decoding": v.decoding,
+                "in_flight": own.prefilling + own.decoding,
+                "prefilling": own.prefilling,
+                "queued_prefill_tokens": own.queued_prefill_tokens,
+                "decoding": own.decoding,
+                "peers_in_flight": v.in_flight - own.prefilling - own.decoding,
                 "index_kv_blocks": kv,
                 "index_state_blocks": st,
                 "source": "static" if state.is_static(ep.key.replica) else "discovered",
@@ -325,6 +344,7 @@ def combine_rows(views: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 m["engine"] = engine
                 m["engine_prefix_cache_hit_ratio"] = row["engine_prefix_cache_hit_ratio"]
     for m in merged.values():
+        m.pop("peers_in_flight", None)  # one worker's view of the others: the sum says it all
         m["healthy"] = m["healthy_workers"] == m["workers_known"]
         m["draining"] = m["draining_workers"] == m["workers_known"]
     return list(merged.values())

@@ -49,6 +49,8 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     workers: int = 1
+    # workers > 1: how often each takes the others' in-flight load (load_share.py); 0: never
+    load_share_interval_s: float = 0.025
     max_body_mb: float = 64.0  # a 1M-token prompt is 4-8 MB of JSON
     admin_token: str | None = None
     debug_header: bool = False
@@ -562,6 +564,8 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
         )
     if server.workers < 1 or server.max_retries < 0 or server.max_body_mb <= 0:
         raise ConfigError("server: workers >= 1, max_retries >= 0 and max_body_mb > 0 required")
+    if not (math.isfinite(server.load_share_interval_s) and server.load_share_interval_s >= 0):
+        raise ConfigError("server.load_share_interval_s: must be a finite number >= 0 (0: off)")
     if server.engine_metrics_interval_s <= 0:
         raise ConfigError("server.engine_metrics_interval_s: must be > 0")
     if not math.isfinite(server.max_body_mb):

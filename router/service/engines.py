@@ -24,6 +24,7 @@ from router.core.types import ReplicaKey
 from router.publisher.scrape import fetch_page, parse_engine_metrics
 from router.service.config import ReplicaSettings
 from router.service.state import RouterState
+from router.service.tasks import running
 from router.store.base import LoadSample, ReplicaInfo
 from router.store.sync import LoadTrackerListener
 
@@ -120,10 +121,5 @@ async def scraping(
     replicas: Sequence[ReplicaSettings], feed: EngineFeed, every_s: float
 ) -> AsyncIterator[None]:
     """Run :func:`scrape_loop` for the duration of the block."""
-    task = asyncio.create_task(scrape_loop(replicas, feed, every_s))
-    try:
+    async with running(scrape_loop(replicas, feed, every_s)):
         yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
