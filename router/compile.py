@@ -76,13 +76,19 @@ def sources() -> list[str]:
 def stale() -> list[str]:
     """Compiled modules older than their source: Python imports the extension, so an edit
     of such a ``.py`` after ``make compile`` would silently not run. Empty when nothing is
-    compiled or every extension is newer than its source."""
+    compiled or every compiled source is older than the build.
+
+    The build's time is its shared library's (``router/*__mypyc*.so``, which holds the code
+    of every module and is rebuilt by each compile): a module's own extension is a small
+    shim that setuptools may copy unchanged, with an older time, from an earlier build."""
+    libs = list((ROOT / "router").glob("*__mypyc*.so"))
+    built_at = max((lib.stat().st_mtime for lib in libs), default=float("-inf"))
     out = []
     for source in sources():
         py = ROOT / source
-        for ext in py.parent.glob(py.stem + ".*.so"):
-            if py.exists() and ext.stat().st_mtime < py.stat().st_mtime:
-                out.append(source)
+        compiled_here = py.exists() and any(py.parent.glob(py.stem + ".*.so"))
+        if compiled_here and py.stat().st_mtime > built_at:
+            out.append(source)
     return out
 
 
