@@ -43,6 +43,7 @@ def test_peer_load_is_added_to_views_and_own_leaves_it_out() -> None:
 
 def test_a_new_report_replaces_the_last_and_bad_figures_are_clamped() -> None:
     t = LoadTracker()
+    t.add_replica(A)
     t.set_peer_load(A, PeerLoad(prefilling=5, queued_prefill_tokens=500))
     t.set_peer_load(A, PeerLoad(prefilling=1, queued_prefill_tokens=100))
     assert t.view(A, 0.0).prefilling == 1  # replaced, not accumulated
@@ -50,12 +51,17 @@ def test_a_new_report_replaces_the_last_and_bad_figures_are_clamped() -> None:
     v = t.view(A, 0.0)
     assert (v.prefilling, v.queued_prefill_tokens) == (0, 0)
     assert t.own(B) == NO_PEER_LOAD  # unknown replica
+    t.set_peer_load(B, PeerLoad(prefilling=3))  # a replica this tracker does not know...
+    assert B not in t.replicas()  # ...is not brought (back) into it
+    t.remove_replica(A)
+    t.set_peer_load(A, PeerLoad(prefilling=3))  # a peer lagging behind a removal
+    assert A not in t.replicas()
 
 
 def test_the_array_mirror_carries_peer_load_too() -> None:
     t = LoadTracker()
     keys = (A, B)
-    t.columns(keys)  # mirrored from now on
+    t.columns(keys)  # mirrored (and known) from now on
     t.dispatch("r1", B, prompt_tokens=64, cached_tokens=0)
     t.set_peer_load(A, PeerLoad(prefilling=4, queued_prefill_tokens=4000))
     cols = t.columns(keys)

@@ -266,13 +266,17 @@ class LoadTracker:
 
     def set_peer_load(self, key: ReplicaKey, load: PeerLoad) -> None:
         """Replace what other routers have in flight on ``key`` (their latest report,
-        summed). It is added into the counts ``view`` and ``columns`` give, so a policy
+        summed; ignored for a replica this tracker does not know, which a peer may still
+        report for a moment after it left). It is added into the counts ``view`` and
+        ``columns`` give, so a policy
         weighs the whole fleet's requests, not only its own, at no cost per request; the
         engine-report formula (``waiting`` beyond ``prefilling``) then counts only requests
         no peer reported either."""
+        rep = self._replicas.get(key)
+        if rep is None:  # not (or no longer) ours to route to: a peer may lag behind
+            return
         if min(load) < 0:  # reports come from other processes: never let one go negative
             load = PeerLoad(*(max(v, 0) for v in load))
-        rep = self._get(key)
         old = rep.peer
         if load == old:
             return

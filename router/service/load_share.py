@@ -78,8 +78,8 @@ def summed(answers: Iterable[dict[ReplicaKey, PeerLoad]]) -> dict[ReplicaKey, Pe
 
 @dataclass(slots=True)
 class LoadSharing:
-    """The exchange of one worker (see the module docstring). ``peers()`` names the other
-    workers' control sockets; ``load`` is this worker's tracker."""
+    """The exchange of one worker (see the module docstring): ``load`` is this worker's
+    tracker, ``last`` each peer's last answer (by control socket) and when it came."""
 
     load: LoadTracker
     client: Client
