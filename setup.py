@@ -4,7 +4,7 @@ Everything else about the package is in pyproject.toml. Without the variable the
 pure Python, as always. With it (a C compiler, the Python headers, and mypy + setuptools in
 the build environment, hence ``--no-build-isolation``)::
 
-    pip install mypy setuptools wheel
+    pip install mypy setuptools wheel .   # the dependencies too: mypyc type-checks against them
     KVROUTER_COMPILE=1 pip wheel --no-build-isolation --no-deps -w dist .
 
 the wheel carries the extensions ``make compile`` builds in place (the same module list,
@@ -21,10 +21,8 @@ from setuptools import setup
 ext_modules = []
 if os.environ.get("KVROUTER_COMPILE") == "1":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from mypyc.build import mypycify
+    from router.compile import extensions
 
-    from router.compile import sources
-
-    ext_modules = mypycify(sources(), group_name="router.hot", opt_level="3")
+    ext_modules = extensions()
 
 setup(ext_modules=ext_modules)

@@ -23,10 +23,9 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = ROOT / "router" / "core"
-SERVICE = ROOT / "router" / "service"
 # the service modules on a proxied request's path (the fast engine's): server, handling,
 # body memo, routing state, metrics, proxy and upstream client
 SERVICE_MODULES = (
@@ -97,8 +96,10 @@ STALE_HINT = "run `make compile` again, or `make uncompile` to run the sources"
 
 def built() -> list[Path]:
     """The extension files a compile left in the tree (this build's and older ones')."""
+    router = ROOT / "router"
     return sorted(
-        [*CORE.glob("*.so"), *SERVICE.glob("*.so"), *(ROOT / "router").glob("*__mypyc*.so")]
+        [*(router / "core").glob("*.so"), *(router / "service").glob("*.so")]
+        + list(router.glob("*__mypyc*.so"))
     )
 
 
@@ -108,15 +109,22 @@ def clean() -> int:
     return 0
 
 
-def compile_hot() -> int:
+def extensions() -> list[Any]:
+    """The build's extension modules (``make compile`` and the wheel of setup.py): run from
+    the repository root."""
     from mypyc.build import mypycify
+
+    return list(mypycify(sources(), group_name="router.hot", opt_level="3"))
+
+
+def compile_hot() -> int:
     from setuptools import setup
 
     os.chdir(ROOT)
     clean()  # an older build's extensions would shadow modules this one leaves out
     setup(
         name="kvrouter-hot",
-        ext_modules=mypycify(sources(), group_name="router.hot", opt_level="3"),
+        ext_modules=extensions(),
         script_args=["build_ext", "--inplace", "--build-temp", "build/mypyc"],
     )
     return 0

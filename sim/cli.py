@@ -81,7 +81,7 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         raise KVRouterError("--replicas, --block-size and --routers must be positive")
     if args.kv_blocks is not None and args.kv_blocks <= 0:
         raise KVRouterError("--kv-blocks must be positive")
-    share = getattr(args, "share_load_ms", None)
+    share = args.share_load_ms
     if share is not None and share < 0:
         raise KVRouterError("--share-load-ms must not be negative")
     return ClusterConfig(
@@ -126,7 +126,7 @@ def _settings(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         "event_lag_ms": args.event_lag_ms,
         "report_interval_ms": args.report_interval_ms,
         "speculative_ttl_ms": args.speculative_ttl_ms,
-        "share_load_ms": getattr(args, "share_load_ms", None),
+        "share_load_ms": args.share_load_ms,
         "hybrid": config.profile.hybrid,
         "seed": config.seed,
     }

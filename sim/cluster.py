@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.core.index import PrefixIndex
-from router.core.load import LoadTracker, PeerLoad
+from router.core.load import LoadTracker, summed_load
 from router.core.policies import make_policy, uses_prefix_index
 from router.core.routing import BusyThresholds, RoutingEngine, RoutingSettings
 from router.core.types import EventBatch, ReplicaKey, RouteRequest
@@ -278,9 +278,8 @@ class Simulation:
         trackers = [r.engine.load for r in self.routers]
         for key in self.keys:
             own = [t.own(key) for t in trackers]
-            total = [sum(col) for col in zip(*own, strict=True)]
-            for t, mine in zip(trackers, own, strict=True):
-                t.set_peer_load(key, PeerLoad(*(a - b for a, b in zip(total, mine, strict=True))))
+            for i, t in enumerate(trackers):
+                t.set_peer_load(key, summed_load(o for j, o in enumerate(own) if j != i))
 
     def _after_engine(self, i: int, now: float, outputs: list[Any]) -> None:
         eng = self.engines[i]

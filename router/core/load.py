@@ -8,7 +8,7 @@ calls with ``now``; nothing here reads a clock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -109,6 +109,11 @@ class PeerLoad(NamedTuple):
 
 
 NO_PEER_LOAD = PeerLoad()
+
+
+def summed_load(loads: Iterable[PeerLoad]) -> PeerLoad:
+    """The field-wise sum of ``loads`` (several routers' reports on one replica)."""
+    return PeerLoad(*(sum(column) for column in zip(*loads, strict=True)))
 
 
 @dataclass(slots=True)
@@ -268,10 +273,9 @@ class LoadTracker:
         """Replace what other routers have in flight on ``key`` (their latest report,
         summed; ignored for a replica this tracker does not know, which a peer may still
         report for a moment after it left). It is added into the counts ``view`` and
-        ``columns`` give, so a policy
-        weighs the whole fleet's requests, not only its own, at no cost per request; the
-        engine-report formula (``waiting`` beyond ``prefilling``) then counts only requests
-        no peer reported either."""
+        ``columns`` give, so a policy weighs the whole fleet's requests, not only its own,
+        at no cost per request; the engine-report formula (``waiting`` beyond
+        ``prefilling``) then counts only requests no peer reported either."""
         rep = self._replicas.get(key)
         if rep is None:  # not (or no longer) ours to route to: a peer may lag behind
             return

@@ -154,9 +154,18 @@ def join_workers(
     app.cleanup_ctx.append(control)
     interval = app[state_key].settings.server.load_share_interval_s
     if group.count > 1 and interval > 0:
+        known: list[str] = []
 
         def sockets() -> list[str]:
-            return [group.socket(pid) for pid in group.peers()[0]]
+            # every round asks peers(), a file read, only until every worker is known: the
+            # parent forks its workers once and does not replace them
+            if known:
+                return known
+            pids, unknown = group.peers()
+            current = [group.socket(pid) for pid in pids]
+            if not unknown:
+                known.extend(current)
+            return current
 
         app.cleanup_ctx.append(load_sharing_ctx(state_key, sockets, interval))
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router.core.load import NO_PEER_LOAD, LoadTracker, PeerLoad
+from router.core.load import NO_PEER_LOAD, LoadTracker, PeerLoad, summed_load
 from router.core.types import ReplicaKey
 from router.service.tasks import running
 from router.service.upstream import Client, Timeouts
@@ -35,6 +35,7 @@ from router.service.upstream_errors import UpstreamError
 _log = logging.getLogger(__name__)
 STALE_AFTER_S = 1.0
 _FIELDS = len(PeerLoad._fields)
+_ASK = b"GET /internal/load HTTP/1.1\r\nHost: worker\r\nContent-Length: 0\r\n\r\n"
 
 
 def own_load(load: LoadTracker) -> dict[str, Any]:
@@ -67,13 +68,12 @@ def parse_load(body: bytes) -> dict[ReplicaKey, PeerLoad]:
 
 
 def summed(answers: Iterable[dict[ReplicaKey, PeerLoad]]) -> dict[ReplicaKey, PeerLoad]:
-    total: dict[ReplicaKey, list[int]] = {}
+    """Several peers' answers as one: per replica, the sum of what each reported."""
+    per_key: dict[ReplicaKey, list[PeerLoad]] = {}
     for answer in answers:
         for key, load in answer.items():
-            acc = total.setdefault(key, [0] * _FIELDS)
-            for i, v in enumerate(load):
-                acc[i] += v
-    return {key: PeerLoad(*acc) for key, acc in total.items()}
+            per_key.setdefault(key, []).append(load)
+    return {key: summed_load(loads) for key, loads in per_key.items()}
 
 
 @dataclass(slots=True)
@@ -87,9 +87,8 @@ class LoadSharing:
     applied: set[ReplicaKey] = field(default_factory=set)  # keys with peer load set
 
     async def _ask(self, socket: str) -> dict[ReplicaKey, PeerLoad] | None:
-        head = b"GET /internal/load HTTP/1.1\r\nHost: worker\r\nContent-Length: 0\r\n\r\n"
         try:
-            ex = await self.client.unix_pool(socket).send(head, b"")
+            ex = await self.client.unix_pool(socket).send(_ASK, b"")
             try:
                 body = ex.body()
                 if body is None:
