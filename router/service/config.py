@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 from router.core.errors import ConfigError
 from router.core.policies import POLICY_NAMES, make_policy
 from router.core.routing import BusyThresholds, RoutingSettings
+from router.events.endpoints import engine_endpoints
 
 MiB = 2**20
 
@@ -463,6 +464,15 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
     rep = _typed(ReplicaSettings, {**table, "name": name}, where)
     if rep.dp_ranks < 1:
         raise ConfigError(f"{where}.dp_ranks: must be >= 1")
+    if rep.zmq_replay and not rep.zmq:
+        raise ConfigError(f"{where}.zmq_replay: needs zmq")
+    if rep.zmq:
+        try:  # rank N follows the engine's ports + N: they must exist
+            engine_endpoints(
+                [rep.zmq], [rep.zmq_replay] if rep.zmq_replay else [], range(rep.dp_ranks)
+            )
+        except ValueError as exc:
+            raise ConfigError(f"{where}.zmq: {exc}") from None
     if rep.metrics_url is not None:
         m = urlsplit(rep.metrics_url)
         if m.scheme not in ("http", "https") or not m.netloc:
