@@ -88,6 +88,11 @@ def build_processor(
             if template.local_for(None) is not None
             else "not message-local: long conversations are rendered whole each turn",
         )
+    if model.images is not None and model.images.token not in files.tokenizer.special_tokens:
+        raise ConfigError(
+            f"models.{model.name}.images.token: {model.images.token!r} is not a special token "
+            "of the tokenizer"
+        )
     return PromptProcessor(
         model.name,
         block,
@@ -95,6 +100,7 @@ def build_processor(
         template=template,
         add_bos_to_completions=model.add_bos_to_completions,
         chars_per_token=model.chars_per_token,
+        images=model.images,
     )
 
 
