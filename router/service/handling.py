@@ -234,5 +234,5 @@ async def handle(
     if patch is None:
         await forwarder.forward(sink, path, client_headers, raw, routed)
     else:  # the engine reports usage; the client gets the stream it asked for
-        body = with_patch(raw, patch)
-        await forwarder.forward(sink, path, client_headers, body, routed, strip_usage=True)
+        patched = with_patch(raw, patch)
+        await forwarder.forward(sink, path, client_headers, patched, routed, strip_usage=True)
