@@ -178,6 +178,19 @@ class RoutingEngine:
             return policy.choose_columns(request, candidates, now, rng)
         return self.policy.choose(request, candidates, now, rng)
 
+    @staticmethod
+    def best_usable_tokens(
+        request: RouteRequest, candidates: list[Candidate] | CandidateColumns
+    ) -> int:
+        """The longest usable cached prefix among the eligible candidates, in tokens (what a
+        pure-affinity choice would have reused; compare with the decision's)."""
+        if isinstance(candidates, CandidateColumns):
+            usable = candidates.usable_blocks[candidates.eligible]
+            blocks = int(usable.max()) if usable.size else 0
+        else:
+            blocks = max((c.match.usable_blocks for c in candidates), default=0)
+        return min(blocks * request.block_size, request.prompt_tokens)
+
     def route(
         self,
         request: RouteRequest,

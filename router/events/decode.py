@@ -117,6 +117,7 @@ def _event(raw: Any) -> EngineEvent:
             kv_cache_spec_sliding_window=_opt_int(
                 f.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window"
             ),
+            cache_salt=_opt_str(f.get("cache_salt"), "cache_salt"),
         )
     if tag == "BlockRemoved":
         return EngineBlockRemoved(

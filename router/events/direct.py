@@ -17,7 +17,8 @@ from collections.abc import Callable, MutableMapping, Sequence
 
 from router.core.index import PrefixIndex
 from router.core.types import EventBatch, IndexEvent, ReplicaKey
-from router.events.ingest import EndpointSpec, EngineIngest, SubscriberGroup
+from router.events.endpoints import EndpointSpec
+from router.events.ingest import EngineIngest, SubscriberGroup
 
 
 class DirectEvents:

@@ -53,6 +53,8 @@ def _event(ev: EngineEvent, encoding: Encoding) -> Any:
     out.update(
         (n, v) for n, v in zip(names, vals, strict=True) if not (n in _DEFAULTS and v is None)
     )
+    if isinstance(ev, EngineBlockStored) and ev.cache_salt is not None:
+        out["cache_salt"] = ev.cache_salt  # SGLang's field (maps only)
     return out
 
 

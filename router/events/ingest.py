@@ -17,22 +17,13 @@ from dataclasses import dataclass, field
 
 from router.core.types import AllCleared, IndexEvent, ReplicaKey
 from router.events.decode import decode_payload
+from router.events.endpoints import EndpointSpec
 from router.events.reblock import Reblocker
 from router.events.subscriber import ZmqEventSubscriber
 
 log = logging.getLogger(__name__)
 
 Sink = Callable[[ReplicaKey, list[IndexEvent]], None]
-
-
-@dataclass(slots=True, frozen=True)
-class EndpointSpec:
-    """One engine event endpoint. ``dp_rank`` is used when payloads carry no rank."""
-
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = ""
-    dp_rank: int = 0
 
 
 @dataclass(slots=True)

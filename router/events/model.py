@@ -4,8 +4,17 @@ Field names and order follow vLLM's ``vllm.distributed.kv_events``: ``BlockStore
 block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
 extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window)``,
 ``BlockRemoved(block_hashes, medium, group_idx)``, ``AllBlocksCleared()`` inside
-``KVEventBatch(ts, events, data_parallel_rank)``. Engine block hashes are normalised to
-Python ints (bytes are read big-endian).
+``KVEventBatch(ts, events, data_parallel_rank)``; SGLang's ``cache_salt`` (a map field only,
+SGLang >= 0.5.20) is kept too. Engine block hashes are normalised to Python ints (bytes are
+read big-endian).
+
+``kv_cache_spec_kind`` (vLLM >= 0.22, ``vllm.v1.kv_cache_interface.KVCacheSpecKind``): groups
+whose blocks hold the KV of the whole prefix are KV (``full_attention``, ``mla_attention``,
+``sink_full_attention``: full attention plus a fixed set of sink tokens); ``mamba`` groups hold
+recurrent-state checkpoints. Groups that keep only a recent window or chunk
+(``sliding_window``, ``sliding_window_mla``, ``chunked_local_attention``) or no decoder prefix
+at all (``encoder_only_attention``, ``cross_attention``) are not prefix KV and are ignored, as
+are kinds this list does not know (logged once by the re-blocker).
 """
 
 from __future__ import annotations
@@ -30,8 +39,15 @@ REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 BATCH_FIELDS = ("ts", "events", "data_parallel_rank")
 
 # kv_cache_spec_kind values: full attention (prefix KV), recurrent state, or ignored.
-KV_KINDS = frozenset({"", "full", "full_attention", "attention", "mla", "mla_attention"})
-STATE_KINDS = frozenset({"mamba", "mamba2", "linear_attention", "kda", "gdn", "state"})
+# vLLM's own names, then the short names our mock engine and older tools use.
+KV_KINDS = frozenset(
+    {"", "full_attention", "mla_attention", "sink_full_attention"} | {"full", "attention", "mla"}
+)
+STATE_KINDS = frozenset({"mamba"} | {"mamba2", "linear_attention", "kda", "gdn", "state"})
+IGNORED_KINDS = frozenset(
+    {"sliding_window", "sliding_window_mla", "chunked_local_attention"}
+    | {"encoder_only_attention", "cross_attention", "unknown"}
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,6 +63,7 @@ class EngineBlockStored:
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    cache_salt: str | None = None  # SGLang: the salt of the request that stored them
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,7 +14,16 @@ Engine blocks smaller than the router's complete a canonical block every few eve
 ones complete several at once. ``kv_cache_spec_kind`` chooses the meaning: full-attention
 groups yield KV blocks; ``mamba``-like groups yield recurrent-state checkpoints, named by the
 canonical hash of the prefix they end at (only at router block boundaries); sliding-window
-and unknown groups are ignored. Each group keeps its own map.
+and unknown groups are ignored (``router.events.model``; an unknown kind is logged once).
+Each group keeps its own map.
+
+Hash-changing keys enter the canonical chain as the router derives them from a request
+(``router.core.hashing``): a cache salt (SGLang's ``cache_salt`` field, or vLLM's salt in the
+first block's ``extra_keys``) and the LoRA name select the root; vLLM's multimodal keys
+``(identifier, offset in the engine block)`` become ``MmItem`` s at their absolute start and
+key the canonical block they start in. Prompt-embedding digests (bytes) and shapes this code
+does not know cannot be reproduced from a request: such a block and the ones after it in the
+event are not indexed (``opaque_blocks``).
 
 Known limit: if an ancestor engine block is evicted and later re-stored while its
 descendants stayed cached, the descendants' canonical blocks are not re-announced (the
@@ -23,10 +32,12 @@ index under-reports until they are stored again), which is the safe direction.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from router.core.hashing import hash_prompt, root_hash
+from router.core.hashing import MmItem, hash_prompt, mm_block_extras, root_hash
 from router.core.types import (
     AllCleared,
     BlocksRemoved,
@@ -36,6 +47,7 @@ from router.core.types import (
     Tier,
 )
 from router.events.model import (
+    IGNORED_KINDS,
     KV_KINDS,
     STATE_KINDS,
     EngineAllCleared,
@@ -54,6 +66,7 @@ class _Block:
     covers: list[int]  # canonical hashes this engine block overlaps (complete ones)
     media: int  # tier bits it is stored in
     kind: Kind
+    tail_mm: tuple[MmItem, ...] = ()  # items starting in the tail (absolute starts)
 
 
 @dataclass(slots=True)
@@ -67,6 +80,7 @@ class ReblockStats:
     bad_event: int = 0
     ignored_group: int = 0
     unaligned_state: int = 0
+    opaque_blocks: int = 0
     errors: list[str] = field(default_factory=list)
 
     def error(self, message: str) -> None:
@@ -75,13 +89,62 @@ class ReblockStats:
             self.errors.append(message)
 
 
+log = logging.getLogger(__name__)
+_logged_kinds: set[str] = set()
+
+
 def _group_kind(kind: str | None) -> Kind | None:
     name = (kind or "").strip().lower()
     if name in KV_KINDS:
         return Kind.KV
     if name in STATE_KINDS:
         return Kind.STATE
+    if name not in IGNORED_KINDS and name not in _logged_kinds and len(_logged_kinds) < 64:
+        _logged_kinds.add(name)
+        log.warning("kv_cache_spec_kind %r is not known: its blocks are not indexed", name[:64])
     return None
+
+
+@dataclass(slots=True, frozen=True)
+class BlockKeys:
+    """One engine block's ``extra_keys`` entry, read: multimodal ``(identifier, offset in
+    the block)`` pairs, a cache salt, and whether it holds keys no request can reproduce."""
+
+    mm: tuple[tuple[str, int], ...] = ()
+    salt: str | None = None
+    opaque: bool = False
+
+
+NO_KEYS = BlockKeys()
+
+
+def read_extra_keys(entry: Any, lora_name: str | None) -> BlockKeys:
+    """vLLM publishes each block's keys untagged, in order: the LoRA name (when the event has
+    ``lora_name``), ``(mm_identifier, offset)`` pairs, the cache salt, prompt-embedding
+    digests (bytes) -- ``to_event_extra_keys`` in vLLM 0.33, the same shapes since 0.20."""
+    if entry is None:
+        return NO_KEYS
+    if not isinstance(entry, (list, tuple)):
+        return BlockKeys(opaque=True)
+    items = list(entry)
+    if lora_name is not None and items and items[0] == lora_name:
+        items = items[1:]  # in the root already
+    mm: list[tuple[str, int]] = []
+    salt: str | None = None
+    for item in items:
+        if (
+            isinstance(item, (list, tuple))
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], int)
+            and not isinstance(item[1], bool)
+        ):
+            mm.append((item[0], item[1]))
+        elif isinstance(item, str) and salt is None:
+            salt = item
+        else:
+            return BlockKeys(opaque=True)
+    return BlockKeys(tuple(mm), salt)
 
 
 class Reblocker:
@@ -91,12 +154,12 @@ class Reblocker:
         self,
         block_size: int,
         model: str,
-        root_for: Callable[[str | None], int] | None = None,
+        root_for: Callable[[str | None, str | None], int] | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
-        self.root_for = root_for or (lambda lora: root_hash(model, None, lora))
+        self.root_for = root_for or (lambda lora, salt: root_hash(model, salt, lora))
         self._blocks: dict[tuple[int, int], _Block] = {}
         self._kv_by_hash: dict[int, _Block] = {}
         self.stats = ReblockStats()
@@ -139,6 +202,9 @@ class Reblocker:
         if len(ev.token_ids) != n * be:
             self.stats.error(f"{len(ev.token_ids)} token_ids for {n} blocks of {be}")
             return []
+        keys = self._block_keys(ev, n)
+        if keys is None:
+            return []
         group = ev.group_idx or 0
         bit = 1 << tier
         self.stats.stored_blocks += n
@@ -151,15 +217,21 @@ class Reblocker:
                 known.media |= bit
                 emitted.extend(known.covers)
             first_new += 1
-        if first_new == n:
+        # keys no request reproduces: that block and the ones after it are not indexed
+        usable = next((i for i in range(first_new, n) if keys[i].opaque), n)
+        if usable < n:
+            self.stats.opaque_blocks += n - usable
+        if first_new >= usable:
             return self._emit_stored(emitted, tier, kind)
         if first_new:
             parent_hash: int | None = ev.block_hashes[first_new - 1]
         else:
             parent_hash = ev.parent_block_hash
         tail0: tuple[int, ...]
+        tail_mm0: tuple[MmItem, ...]
         if parent_hash is None:
-            end0, chain0, tail0 = 0, self.root_for(ev.lora_name), ()
+            salt = ev.cache_salt if ev.cache_salt is not None else keys[0].salt
+            end0, chain0, tail0, tail_mm0 = 0, self.root_for(ev.lora_name, salt), (), ()
         else:
             parent = self._blocks.get((group, parent_hash))
             if parent is None and kind is Kind.STATE:
@@ -170,21 +242,32 @@ class Reblocker:
             if parent is None:
                 self.stats.unknown_parent += n - first_new
                 return self._emit_stored(emitted, tier, kind)
-            end0, chain0, tail0 = parent.end, parent.chain, parent.tail
+            end0, chain0, tail0, tail_mm0 = parent.end, parent.chain, parent.tail, parent.tail_mm
         bs = self.block_size
-        tokens = ev.token_ids[first_new * be :]
+        count = usable - first_new
+        tokens = ev.token_ids[first_new * be : usable * be]
         run = tail0 + tokens
-        hashes = hash_prompt(run, bs, 0, parent=chain0).hashes
         base = end0 - len(tail0)  # absolute position of run[0], a router block boundary
+        items = set(tail_mm0)
+        for i in range(count):
+            block_start = end0 + i * be
+            for ident, offset in keys[first_new + i].mm:
+                if block_start + offset >= base:  # earlier starts are in hashed blocks
+                    items.add(MmItem(block_start + offset, ident))
+        extras = None
+        if items:
+            extras = mm_block_extras([MmItem(it.start - base, it.identifier) for it in items], bs)
+        hashes = hash_prompt(run, bs, 0, parent=chain0, extras=extras).hashes
         if tail0 and hashes and kind is Kind.KV:
             self._extend_ancestors(group, parent_hash, base, hashes[0])
         prev_hash = parent_hash
-        for i in range(n - first_new):
+        for i in range(count):
             end = end0 + (i + 1) * be
             done = (end - base) // bs  # complete router blocks of run up to ``end``
             start_blk = (end - be - base) // bs
             chain = hashes[done - 1] if done else chain0
             tail = run[done * bs : end - base]
+            tail_mm = _items_within(items, base + done * bs, end)
             if kind is Kind.KV:
                 covers = hashes[start_blk:done]
             elif not tail and done:
@@ -195,7 +278,7 @@ class Reblocker:
             h = ev.block_hashes[first_new + i]
             block = self._blocks.get((group, h))
             if block is None:
-                block = _Block(prev_hash, end, chain, tail, list(covers), bit, kind)
+                block = _Block(prev_hash, end, chain, tail, list(covers), bit, kind, tail_mm)
                 self._blocks[(group, h)] = block
                 if kind is Kind.KV:
                     self._kv_by_hash[h] = block
@@ -205,6 +288,22 @@ class Reblocker:
                 emitted.extend(block.covers)
             prev_hash = h
         return self._emit_stored(emitted, tier, kind)
+
+    def _block_keys(self, ev: EngineBlockStored, n: int) -> Sequence[BlockKeys] | None:
+        """Each block's extra keys read (None, counted as an error, when malformed)."""
+        raw = ev.extra_keys
+        if raw is None:
+            return [NO_KEYS] * n
+        if not isinstance(raw, (list, tuple)) or len(raw) != n:
+            self.stats.error(f"extra_keys is not one entry per block ({n})")
+            return None
+        keys = [read_extra_keys(entry, ev.lora_name) for entry in raw]
+        for i in range(1, n):
+            if keys[i].salt is not None:  # a salt keys only the sequence's first block
+                keys[i] = BlockKeys(opaque=True)
+        if keys and keys[0].salt is not None and ev.parent_block_hash is not None:
+            keys[0] = BlockKeys(opaque=True)
+        return keys
 
     def _extend_ancestors(self, group: int, parent: int | None, base: int, canonical: int) -> None:
         """``canonical`` (the router block starting at ``base``) also overlaps the ancestors
@@ -249,6 +348,12 @@ class Reblocker:
                 self.stats.canonical_removed += len(hashes)
                 events.append(BlocksRemoved(tuple(dict.fromkeys(hashes)), tier, kind))
         return events
+
+
+def _items_within(items: set[MmItem], start: int, end: int) -> tuple[MmItem, ...]:
+    if not items:
+        return ()
+    return tuple(sorted(it for it in items if start <= it.start < end))
 
 
 def _coalesce(events: list[IndexEvent]) -> list[IndexEvent]:

@@ -1,7 +1,9 @@
 """ZMQ subscriber for one engine endpoint, with replay to fill sequence gaps.
 
 Delivers ``(seq, payload)`` in sequence order to ``on_payload``. On a gap it asks the
-engine's replay socket (DEALER -> ROUTER) for the missing batches; what the replay cannot
+engine's replay socket (DEALER -> ROUTER) for the missing batches (the engine answers a start
+seq with every buffered batch from it, its last ``buffer_steps``, 10,000 by default, then an
+end marker with seq -1; both reply layouts are read, ``parse_replay_reply``); what the replay cannot
 supply is reported through ``on_lost`` (the caller then clears that engine's state: stale
 blocks are worse than missing ones). A seq that goes backwards means the engine restarted
 (``on_restart``). Malformed frames are counted and skipped; nothing here raises on input.
@@ -176,16 +178,34 @@ class ZmqEventSubscriber:
                 if not await sock.poll(int(self.replay_timeout_s * 1000)):
                     log.warning("replay from %s timed out", self.replay_endpoint)
                     break
-                frames = await sock.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
+                reply = parse_replay_reply(await sock.recv_multipart())
+                if reply is None:
                     self.stats.malformed_frames += 1
                     continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
-                if seq == END_SEQ or not frames[2]:
+                seq, payload = reply
+                if seq == END_SEQ or not payload:
                     break
-                out.append((seq, frames[2]))
+                out.append((seq, payload))
                 if stop is not None and seq >= stop - 1:
                     break
         finally:
             sock.close(0)
         return out
+
+
+def parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """``(seq, payload)`` of one replay reply as a DEALER receives it, or None if malformed.
+
+    The engine's ROUTER sends ``[client, b"", seq, payload]`` (vLLM <= 0.25, SGLang <= 0.5.21)
+    or ``[client, b"", topic, seq, payload]`` (vLLM >= 0.26, SGLang >= 0.5.22); the DEALER
+    sees them without the client identity, so 3 or 4 frames starting with the empty
+    delimiter. The end marker is seq -1 with an empty payload (and an empty topic)."""
+    if len(frames) == 4 and not frames[0]:
+        seq_frame, payload = frames[2], frames[3]
+    elif len(frames) == 3 and not frames[0]:
+        seq_frame, payload = frames[1], frames[2]
+    else:
+        return None
+    if len(seq_frame) != 8:
+        return None
+    return int.from_bytes(seq_frame, "big", signed=True), payload

@@ -2,8 +2,10 @@
 
 PUB socket: multipart ``[topic, seq (8-byte big-endian), payload]``. ROUTER replay socket:
 a request ``[client, b"", start_seq (8 bytes BE)]`` is answered with
-``[client, b"", seq, payload]`` for every buffered batch with ``seq >= start_seq``, then
-``[client, b"", -1 (8 bytes BE, signed), b""]``, as ``vllm.distributed.kv_events`` does.
+``[client, b"", topic, seq, payload]`` for every buffered batch with ``seq >= start_seq``, then
+``[client, b"", b"", -1 (8 bytes BE, signed), b""]``, as ``vllm.distributed.kv_events`` does
+since vLLM 0.26 (SGLang 0.5.22). ``replay_topic=False`` answers in the older layout without
+the topic frame (vLLM <= 0.25, SGLang <= 0.5.21).
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ class KVEventPublisher:
         topic: str = "",
         encoding: Encoding = "array",
         buffer_steps: int = 10_000,
+        replay_topic: bool = True,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.ctx = context or zmq.asyncio.Context.instance()
         self.topic = topic.encode()
         self.encoding: Encoding = encoding
+        self.replay_topic = replay_topic
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
@@ -101,7 +105,10 @@ class KVEventPublisher:
                 continue
             client, _, start_bytes = frames
             start = int.from_bytes(start_bytes, "big")
+            topic = (self.topic,) if self.replay_topic else ()
+            head: tuple[bytes, ...] = (client, b"", *topic)
+            end: tuple[bytes, ...] = (client, b"", b"") if self.replay_topic else (client, b"")
             for seq, payload in list(self.buffer):
                 if seq >= start:
-                    await self.replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            await self.replay.send_multipart((client, b"", END_SEQ, b""))
+                    await self.replay.send_multipart((*head, seq.to_bytes(8, "big"), payload))
+            await self.replay.send_multipart((*end, END_SEQ, b""))

@@ -21,22 +21,12 @@ import sys
 
 
 def _endpoints(args: argparse.Namespace) -> tuple[object, ...]:
-    from router.events.ingest import EndpointSpec
+    from router.events.endpoints import engine_endpoints
 
-    zmq = args.zmq or []
-    replay = args.replay or []
-    if len(replay) not in (0, len(zmq)):
-        raise SystemExit("give one --replay per --zmq endpoint, or none")
-    ranks = args.dp_ranks
-    return tuple(
-        EndpointSpec(
-            endpoint=ep,
-            replay_endpoint=replay[i] if replay else None,
-            topic=args.topic,
-            dp_rank=ranks[i] if i < len(ranks) else 0,
-        )
-        for i, ep in enumerate(zmq)
-    )
+    try:
+        return engine_endpoints(args.zmq or [], args.replay or [], args.dp_ranks, args.topic)
+    except ValueError as exc:
+        raise SystemExit(f"kvrouter publish: {exc}") from None
 
 
 async def _serve_metrics(publisher: object, port: int) -> object:
@@ -161,7 +151,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--replay", action="append", help="replay ROUTER endpoint per --zmq")
     p.add_argument("--topic", default="", help="ZMQ topic (vLLM default: empty)")
     p.add_argument(
-        "--dp-ranks", type=int, nargs="+", default=[0], help="dp rank of each --zmq endpoint"
+        "--dp-ranks",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="the engine's dp ranks: with one --zmq, rank N publishes on its port + N (and "
+        "--replay port + N), as vLLM and SGLang assign them; else one --zmq per rank",
     )
     p.add_argument("--block-size", type=int, default=64, help="router (canonical) block size")
     p.add_argument(

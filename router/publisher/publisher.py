@@ -28,7 +28,8 @@ import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from router.core.types import IndexEvent, ReplicaKey
-from router.events.ingest import EndpointSpec, EngineIngest, SubscriberGroup
+from router.events.endpoints import EndpointSpec
+from router.events.ingest import EngineIngest, SubscriberGroup
 from router.publisher.scrape import fetch_page, parse_engine_metrics
 from router.store.base import IndexStore, LoadSample, ReplicaInfo
 from router.store.writer import StoreWriter

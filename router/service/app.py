@@ -345,14 +345,18 @@ async def _direct_events(app: web.Application) -> AsyncIterator[None]:
     """Replicas configured with ``zmq``: subscribe to their KV events and apply them to the
     local index directly (router.events.direct; single router, no Redis)."""
     from router.events.direct import DirectEvents
-    from router.events.ingest import EndpointSpec
+    from router.events.endpoints import engine_endpoints
 
     settings = app[SETTINGS]
     direct = DirectEvents(app[STATE].index, event_lag=app[STATE].event_lag_s)
     for rep in settings.replicas:
         if rep.zmq:
             block = settings.model(rep.model).routing.block_size
-            direct.add_replica(rep.name, rep.model, block, [EndpointSpec(rep.zmq, rep.zmq_replay)])
+            # every dp rank of the engine: rank N publishes on the configured ports + N
+            specs = engine_endpoints(
+                [rep.zmq], [rep.zmq_replay] if rep.zmq_replay else [], range(rep.dp_ranks)
+            )
+            direct.add_replica(rep.name, rep.model, block, specs)
     async with direct:
         yield
 

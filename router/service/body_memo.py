@@ -41,6 +41,8 @@ class Admitted:
     prompt: ProcessedPrompt
     session_id: str | None
     max_output_tokens: int | None
+    # appended to the body so the engine reports usage on a stream (stream_usage.py)
+    usage_patch: bytes | None = None
 
 
 class BodyMemo:

@@ -12,6 +12,8 @@ File layout (every section optional; see docs/configuration.md)::
     [models.NAME.policy_params]   keys of router.core.policies.make_policy (``cost`` nested)
     [models.NAME.busy]            max_in_flight, max_queued_prefill_tokens, max_kv_usage,
                                   reject_when_all_busy
+    [models.NAME.images]          placeholder, token, tokens, min_pixels, max_pixels,
+                                  model_id, hash_algorithm (router/tokenize/multimodal.py)
 
 The simulator's tuned-policy file (``[models.NAME] policy / block_size / hybrid /
 state_interval_blocks / policy_params``, sim/tuned.py) is the same shape, so it can be passed
@@ -32,7 +34,7 @@ import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -40,6 +42,8 @@ from urllib.parse import urlsplit
 from router.core.errors import ConfigError
 from router.core.policies import POLICY_NAMES, make_policy
 from router.core.routing import BusyThresholds, RoutingSettings
+from router.events.endpoints import engine_endpoints
+from router.tokenize.multimodal import ImageSettings
 
 MiB = 2**20
 
@@ -138,6 +142,8 @@ class ModelSettings:
     cache_mb: float = 256.0  # incremental tokenization cache
     chars_per_token: float = 4.0  # approximate mode
     add_bos_to_completions: bool = False
+    # [models.NAME.images]: image placeholders and vLLM's image hash (router/tokenize/multimodal)
+    images: ImageSettings | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -463,6 +469,15 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
     rep = _typed(ReplicaSettings, {**table, "name": name}, where)
     if rep.dp_ranks < 1:
         raise ConfigError(f"{where}.dp_ranks: must be >= 1")
+    if rep.zmq_replay and not rep.zmq:
+        raise ConfigError(f"{where}.zmq_replay: needs zmq")
+    if rep.zmq:
+        try:  # rank N follows the engine's ports + N: they must exist
+            engine_endpoints(
+                [rep.zmq], [rep.zmq_replay] if rep.zmq_replay else [], range(rep.dp_ranks)
+            )
+        except ValueError as exc:
+            raise ConfigError(f"{where}.zmq: {exc}") from None
     if rep.metrics_url is not None:
         m = urlsplit(rep.metrics_url)
         if m.scheme not in ("http", "https") or not m.netloc:
@@ -494,8 +509,18 @@ def _model(name: str, table: Any) -> ModelSettings:
     params = table.get("policy_params") or {}
     if not isinstance(params, Mapping):
         raise ConfigError(f"{where}.policy_params: must be a table")
-    rest = {k: v for k, v in table.items() if k not in (*_ROUTING_KEYS, "busy", "policy_params")}
+    skip = (*_ROUTING_KEYS, "busy", "policy_params", "images")
+    rest = {k: v for k, v in table.items() if k not in skip}
     model = _typed(ModelSettings, {**rest, "name": name}, where)
+    images_tab = table.get("images")
+    if images_tab is not None:
+        if not isinstance(images_tab, Mapping):
+            raise ConfigError(f"{where}.images: must be a table")
+        try:
+            images = _typed(ImageSettings, images_tab, f"{where}.images")
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}.images: {exc}") from None
+        model = replace(model, images=images)
     if model.policy not in POLICY_NAMES:
         raise ConfigError(
             f"{where}.policy: unknown policy {model.policy!r}; choose one of "
@@ -512,8 +537,6 @@ def _model(name: str, table: Any) -> ModelSettings:
     context_length = model.context_length
     if context_length is None and model.tokenizer is not None:
         context_length = tokenizer_max_length(Path(model.tokenizer))
-    from dataclasses import replace
-
     out: ModelSettings = replace(
         model, routing=routing, policy_params=dict(params), context_length=context_length
     )

@@ -20,9 +20,11 @@ from typing import Any
 from router.core.errors import BadRequest, KVRouterError
 from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, reply_for
+from router.service.metrics import prompt_tier
 from router.service.proxy import Forwarder, Sink, send_error
 from router.service.security import check_prompt_tokens
 from router.service.state import BODY_MEMO_MAX_BYTES, Routed, RouterState
+from router.service.stream_usage import usage_patch, with_patch
 from router.tokenize.pipeline import ProcessedPrompt
 
 CHAT_PATH = b"/v1/chat/completions"
@@ -135,7 +137,9 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     check_prompt_tokens(state.settings.server, prompt.prompt_tokens)
     user = body.get("user")
     max_out = body.get("max_completion_tokens") or body.get("max_tokens")
-    return Admitted(model, prompt, user if isinstance(user, str) else None, max_out)
+    return Admitted(
+        model, prompt, user if isinstance(user, str) else None, max_out, usage_patch(body)
+    )
 
 
 def record(state: RouterState, routed: Routed) -> None:
@@ -155,6 +159,13 @@ def record(state: RouterState, routed: Routed) -> None:
     sent.inc(tokens)
     predicted.inc(routed.decision.usable_tokens)
     mm.predicted_hit_ratio.observe(routed.decision.usable_tokens / tokens)
+    d = routed.decision
+    t_prompt, t_usable, t_kv, t_loss, t_best = mm.tiers[prompt_tier(tokens)]
+    t_prompt.inc(tokens)
+    t_usable.inc(d.usable_tokens)
+    t_kv.inc(d.kv_tokens)
+    t_loss.inc(max(0, d.kv_tokens - d.usable_tokens))
+    t_best.inc(max(routed.best_usable_tokens, d.usable_tokens))
     if not prompt.exact:
         mm.approximate.inc()
     if prompt.reused_tokens:
@@ -219,4 +230,9 @@ async def handle(
         await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s))
         return
     record(state, routed)
-    await forwarder.forward(sink, path, client_headers, raw, routed)
+    patch = admitted.usage_patch
+    if patch is None:
+        await forwarder.forward(sink, path, client_headers, raw, routed)
+    else:  # the engine reports usage; the client gets the stream it asked for
+        patched = with_patch(raw, patch)
+        await forwarder.forward(sink, path, client_headers, patched, routed, strip_usage=True)

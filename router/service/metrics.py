@@ -36,6 +36,24 @@ class ReplicaGauge:
     queued_prefill_tokens: int
     healthy: bool
     draining: bool
+    rack: str = ""
+    region: str = ""
+
+
+# Prompt-length tiers (label ``tier``): few values, so per-tier series stay cheap.
+TIERS = ((4096, "lt4k"), (32768, "4k_32k"), (131072, "32k_128k"))
+TIER_LAST = "ge128k"
+
+
+def prompt_tier(tokens: int) -> str:
+    for bound, name in TIERS:
+        if tokens < bound:
+            return name
+    return TIER_LAST
+
+
+# engine usage.prompt_tokens - router prompt_tokens
+_DRIFT = (-1024.0, -64.0, -16.0, -4.0, -1.0, 0.0, 1.0, 4.0, 16.0, 64.0, 1024.0)
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,7 +93,13 @@ class _StateCollector(Collector):
             "1 if the replica is healthy and not draining",
             labels=["replica", "model"],
         )
+        info = GaugeMetricFamily(
+            "kvrouter_replica_info",
+            "1 per replica key, with its rack and region (join on replica for per-rack sums)",
+            labels=["replica", "model", "rack", "region"],
+        )
         for r in s.replicas:
+            info.add_metric([r.replica, r.model, r.rack, r.region], 1.0)
             inflight.add_metric([r.replica, r.model], r.in_flight)
             queued.add_metric([r.replica, r.model], r.queued_prefill_tokens)
             up.add_metric([r.replica, r.model], float(r.healthy and not r.draining))
@@ -140,6 +164,7 @@ class _StateCollector(Collector):
         )
         memo_size.add_metric([], memo_bytes)
         yield from (inflight, queued, up, entries, replicas, mode, cache, lag, queries, hits)
+        yield info
         yield from (memo_lookups, memo_size)
 
 
@@ -190,6 +215,50 @@ class Metrics:
             "Predicted usable hit minus engine-reported cached tokens, per request",
             ["model"],
             buckets=_ERROR,
+            registry=r,
+        )
+        self.tier_prompt_tokens = LoopCounter(
+            "kvrouter_tier_prompt_tokens",
+            "Prompt tokens routed, by prompt-length tier",
+            ["model", "tier"],
+            registry=r,
+        )
+        self.selected_usable_tokens = LoopCounter(
+            "kvrouter_selected_usable_tokens",
+            "Usable cached prefix tokens predicted on the replica picked, by prompt tier",
+            ["model", "tier"],
+            registry=r,
+        )
+        self.selected_kv_hit_tokens = LoopCounter(
+            "kvrouter_selected_kv_hit_tokens",
+            "KV-cached prefix tokens predicted on the replica picked (usable or not), by tier",
+            ["model", "tier"],
+            registry=r,
+        )
+        self.hybrid_loss_tokens = LoopCounter(
+            "kvrouter_hybrid_loss_tokens",
+            "KV hit minus usable hit on the replica picked: cached KV no recurrent-state "
+            "checkpoint makes reusable, by tier",
+            ["model", "tier"],
+            registry=r,
+        )
+        self.fleet_best_usable_tokens = LoopCounter(
+            "kvrouter_fleet_best_usable_tokens",
+            "The longest usable hit any eligible replica offered, by tier",
+            ["model", "tier"],
+            registry=r,
+        )
+        self.engine_prompt_tokens_drift = LoopHistogram(
+            "kvrouter_engine_prompt_tokens_drift",
+            "Engine usage.prompt_tokens minus the router's prompt tokens (exact prompts)",
+            ["model"],
+            buckets=_DRIFT,
+            registry=r,
+        )
+        self.engine_prompt_tokens_mismatch = LoopCounter(
+            "kvrouter_engine_prompt_tokens_mismatch",
+            "Requests whose engine usage.prompt_tokens differs from the router's count",
+            ["model"],
             registry=r,
         )
         self.predicted_hit_ratio = LoopHistogram(
@@ -294,8 +363,10 @@ class ModelMetrics:
         "_replicas",
         "_retries",
         "approximate",
+        "drift",
         "engine_cached_tokens",
         "itl",
+        "mismatch",
         "model",
         "predicted_hit_ratio",
         "predicted_hit_tokens",
@@ -303,6 +374,7 @@ class ModelMetrics:
         "prompt_cache_reused",
         "prompt_tokens",
         "prompt_tokens_hist",
+        "tiers",
         "ttft",
     )
 
@@ -314,6 +386,19 @@ class ModelMetrics:
         self.predicted_hit_tokens = m.predicted_hit_tokens.labels(model)
         self.predicted_hit_ratio = m.predicted_hit_ratio.labels(model)
         self.engine_cached_tokens = m.engine_cached_tokens.labels(model)
+        self.drift = m.engine_prompt_tokens_drift.labels(model)
+        self.mismatch = m.engine_prompt_tokens_mismatch.labels(model)
+        # tier -> (prompt, selected usable, selected kv, hybrid loss, fleet best) children
+        self.tiers = {
+            tier: (
+                m.tier_prompt_tokens.labels(model, tier),
+                m.selected_usable_tokens.labels(model, tier),
+                m.selected_kv_hit_tokens.labels(model, tier),
+                m.hybrid_loss_tokens.labels(model, tier),
+                m.fleet_best_usable_tokens.labels(model, tier),
+            )
+            for tier in [t for _, t in TIERS] + [TIER_LAST]
+        }
         self.prediction_error = m.prediction_error.labels(model)
         self.approximate = m.approximate.labels(model)
         self.prompt_cache_reused = m.prompt_cache_reused.labels(model)

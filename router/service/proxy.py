@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from router.core.types import ReplicaKey
 from router.service.errors import error_body
 from router.service.state import Routed, RouterState
+from router.service.stream_usage import UsageFilter
 from router.service.upstream import Client, Exchange
 from router.service.upstream_errors import (
     ConnectFailed,
@@ -275,7 +276,11 @@ class Forwarder:
         client_headers: Iterable[tuple[bytes, bytes]],
         body: bytes,
         routed: Routed,
+        *,
+        strip_usage: bool = False,
     ) -> None:
+        """``strip_usage``: the router added ``include_usage`` to this stream; the usage
+        chunk is read for feedback and not relayed (router.service.stream_usage)."""
         state = self.state
         model = routed.request.model
         mm = state.metrics.model(model)
@@ -340,7 +345,7 @@ class Forwarder:
                     last_error = f"replica {key} answered {upstream.status}"
                     continue
                 try:
-                    await self._relay(sink, upstream, routed, key, attempt, started)
+                    await self._relay(sink, upstream, routed, key, attempt, started, strip_usage)
                 finally:
                     upstream.release()
                 return
@@ -370,9 +375,11 @@ class Forwarder:
         key: ReplicaKey,
         attempt: int,
         started: float,
+        strip_usage: bool = False,
     ) -> None:
         state = self.state
         mm = state.metrics.model(routed.request.model)
+        strip = UsageFilter() if strip_usage else None
         rid = routed.request.request_id
         headers, streaming, has_rid = response_headers(upstream.headers)
         if not has_rid:
@@ -427,20 +434,25 @@ class Forwarder:
                     mm.itl.observe(now - last)
                 last = now
                 ended = upstream.at_end
+                out = chunk
+                if strip is not None:
+                    out = strip.feed(chunk)
+                    if ended:
+                        out += strip.flush()
                 if not head_sent:
                     head_sent = True
-                    await sink.start(status, headers, chunk, end=ended)
+                    await sink.start(status, headers, out, end=ended)
                 elif ended:
-                    await sink.end(chunk)
-                else:
-                    await sink.write(chunk)
+                    await sink.end(out)
+                elif out:
+                    await sink.write(out)
                 tail.append(chunk)
                 done_relayed = chunk[-32:].rstrip().endswith(b"data: [DONE]")
                 tail_bytes += len(chunk)
                 while tail_bytes > 8192 and len(tail) > 1:
                     tail_bytes -= len(tail.popleft())
             if not ended:  # the end came on its own, after the last data
-                await sink.end()
+                await sink.end(strip.flush() if strip is not None else b"")
             self._answered(routed, key, started, status, b"".join(tail), sse=True)
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             # The client went away: abort the request on the replica. A stream whose closing
@@ -511,10 +523,22 @@ class Forwarder:
         )
 
     def _feedback(self, routed: Routed, key: ReplicaKey, payload: bytes, sse: bool) -> None:
-        cached = cached_tokens_of(payload, sse)
-        if cached is None:
+        if b'"usage"' not in payload:
+            return
+        usage = usage_of(payload, sse)
+        if not usage:
             return
         mm = self.state.metrics.model(routed.request.model)
+        prompt_tokens = usage.get("prompt_tokens")
+        if routed.prompt.exact and type(prompt_tokens) is int:
+            drift = prompt_tokens - routed.prompt.prompt_tokens
+            mm.drift.observe(drift)
+            if drift:
+                mm.mismatch.inc()
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if type(cached) is not int:
+            return
         mm.engine_cached_tokens.inc(cached)
         if key == routed.decision.replica and routed.prompt.exact:  # the predicted replica
             mm.prediction_error.observe(routed.decision.usable_tokens - cached)

