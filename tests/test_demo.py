@@ -3,9 +3,11 @@ HTTP, simulator prediction; every process it started is gone afterwards."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -16,25 +18,29 @@ SMALL = (
 )
 
 
-def _demo_processes() -> set[int]:
-    """Live processes started by a demo (their command line names the demo model)."""
+def _demo_processes(tag: str) -> set[int]:
+    """Live processes started by the demo run tagged ``tag`` (children inherit the tag in
+    their environment; other demos running on the machine carry another or none)."""
+    marker = f"KVROUTER_TEST_TAG={tag}".encode()
     found = set()
     for proc in pathlib.Path("/proc").iterdir():
         try:
             cmd = (proc / "cmdline").read_bytes()
+            env = (proc / "environ").read_bytes() if b"router.cli" in cmd else b""
         except OSError:
             continue
-        if b"router.cli" in cmd and (b"demo-model" in cmd or b"kvrouter-demo-" in cmd):
+        if marker in env.split(b"\0"):
             found.add(int(proc.name))
     return found
 
 
 def test_demo_runs_live_and_simulated_and_cleans_up() -> None:
-    before = _demo_processes()
+    tag = uuid.uuid4().hex
     out = subprocess.run(
         [sys.executable, "-m", "router.cli", "demo", "--replicas", "2", "--agentic", SMALL,
          "--speedup", "4", "--policies", "round_robin,ours", "--max-output", "8"],
         capture_output=True, text=True, timeout=240,
+        env={**os.environ, "KVROUTER_TEST_TAG": tag},
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
@@ -47,7 +53,7 @@ def test_demo_runs_live_and_simulated_and_cleans_up() -> None:
         sim_hit = float(cols[7].rstrip("%"))
         assert 0 < hit <= 100 and abs(hit - sim_hit) < 15
     assert float(rows["ours"][2].rstrip("%")) >= float(rows["round_robin"][2].rstrip("%"))
-    assert _demo_processes() <= before
+    assert _demo_processes(tag) == set()
 
 
 def test_demo_sim_only_needs_no_processes() -> None:
