@@ -47,8 +47,15 @@ class ProgressBar:
             sys.stderr.flush()
 
 
-def _add_fleet_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="JSONL path, 'mooncake' (bundled) or 'agentic[:k=v,...]'")
+def _add_fleet_args(p: argparse.ArgumentParser, traces: bool = False) -> None:
+    if traces:
+        p.add_argument(
+            "trace",
+            nargs="+",
+            help="one or more traces: JSONL paths, 'mooncake' (bundled), 'agentic[:k=v,...]'",
+        )
+    else:
+        p.add_argument("trace", help="JSONL path, 'mooncake' (bundled) or 'agentic[:k=v,...]'")
     p.add_argument("--format", default="auto", choices=("auto", "mooncake", "recorded", "bailian"))
     p.add_argument("--trace-block", type=int, help="tokens per trace hash id (512 / 16)")
     p.add_argument("--limit", type=int, help="use only the first N requests")
@@ -69,6 +76,13 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
         type=float,
         help="routers exchange their in-flight load this often (default: they do not)",
     )
+    p.add_argument(
+        "--slo-tiers",
+        help="TTFT targets by prompt length, e.g. '8192:2,32768:5,131072:15,*:60' "
+        "(prompt tokens : seconds; the default)",
+    )
+    p.add_argument("--slo-ttft-ms", type=float, help="one TTFT target for every prompt")
+    p.add_argument("--slo-tpot-ms", type=float, help="the TPOT target (default 100 ms)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, help="parallel worker processes (default: up to 4)")
 
@@ -86,6 +100,7 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         raise KVRouterError("--share-load-ms must not be negative")
     return ClusterConfig(
         profile=load_profile(args.profile),
+        slo=_slo(args),
         replicas=args.replicas,
         block_size=args.block_size,
         kv_blocks=args.kv_blocks,
@@ -102,11 +117,27 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
     )
 
 
-def _workload(args: argparse.Namespace) -> Any:
+def _slo(args: argparse.Namespace) -> Any:
+    """The run's SLO: the default tiers, or ``--slo-tiers``, a flat ``--slo-ttft-ms`` over
+    either, and ``--slo-tpot-ms``."""
+    from router.core.slo import DEFAULT_TPOT_S, SloTargets, SloTier, parse_tiers
+
+    for flag in ("slo_ttft_ms", "slo_tpot_ms"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise KVRouterError(f"--{flag.replace('_', '-')} must be positive")
+    tiers = parse_tiers(args.slo_tiers) if args.slo_tiers else SloTargets().tiers
+    if args.slo_ttft_ms is not None:
+        tiers = (SloTier(None, args.slo_ttft_ms / 1000),)
+    tpot = args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else DEFAULT_TPOT_S
+    return SloTargets(tiers, tpot)
+
+
+def _workload(args: argparse.Namespace, trace: str | None = None) -> Any:
     from sim.runner import build_workload
 
     return build_workload(
-        args.trace,
+        trace or args.trace,
         block_size=args.block_size,
         fmt=args.format,
         trace_block=args.trace_block,
@@ -128,6 +159,10 @@ def _settings(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         "speculative_ttl_ms": args.speculative_ttl_ms,
         "share_load_ms": args.share_load_ms,
         "hybrid": config.profile.hybrid,
+        "slo": {
+            "ttft_s": {t.label: t.ttft_s for t in config.slo.tiers},
+            "tpot_s": config.slo.tpot_s,
+        },
         "seed": config.seed,
     }
 
@@ -256,26 +291,35 @@ def _tune(args: argparse.Namespace) -> int:
     from sim.tuned import TunedPolicy, dump_tuned
 
     config = _config(args)
-    workload = _workload(args)
+    workloads = [(t, _workload(args, t)) for t in args.trace]
     speedups = [float(s) for s in args.speedups.split(",") if s]
     if not speedups or min(speedups) <= 0:
         raise KVRouterError("--speedups must list positive numbers")
     t0 = time.perf_counter()
     best, trials = tune(
-        workload,
+        workloads,
         config,
         speedups=speedups,
         budget=args.budget,
         jobs=args.jobs or default_jobs(),
         seed=args.seed,
+        objective=args.objective,
         log=_log,
     )
+    top = trials[0]
+    if args.objective == "goodput":
+        goal = f"mean goodput over traces x speed-ups {speedups}: {top.goodput:.4f}"
+    else:
+        goal = (
+            f"geometric mean of p90 TTFT over traces x speed-ups {speedups}: "
+            f"{top.objective:.1f} ms (p90 per speed-up {top.p90_ms})"
+        )
+    requests = sum(len(w) for _, w in workloads)
     header = (
-        f"written by kvrouter sim tune on {args.trace} ({len(workload)} requests), "
+        f"written by kvrouter sim tune on {', '.join(args.trace)} ({requests} requests), "
         f"profile {config.profile.name}, {config.replicas} replicas x "
         f"{config.kv_blocks or config.profile.scaled(config.block_size).kv_blocks} blocks of "
-        f"{config.block_size}\nobjective: geometric mean of p90 TTFT over speed-ups "
-        f"{speedups}: {trials[0].objective:.1f} ms (p90 per speed-up {trials[0].p90_ms})"
+        f"{config.block_size}\nobjective: {goal}"
     )
     text = dump_tuned(
         {args.model: TunedPolicy.for_cluster(args.model, "ours", best, config)}, header
@@ -283,12 +327,26 @@ def _tune(args: argparse.Namespace) -> int:
     Path(args.out).write_text(text)
     result = {
         "out": args.out,
+        "objective": args.objective,
         "best": {k: v for k, v in best.items() if k != "cost"},
-        "objective_ms": round(trials[0].objective, 3),
-        "p90_ms": trials[0].p90_ms,
-        "hit_rate": trials[0].hit_rate,
+        "goodput": round(top.goodput, 5),
+        "p90_ms": top.p90_ms,
+        "hit_rate": top.hit_rate,
+        "cases": [
+            {
+                "trace": c.trace,
+                "speedup": c.speedup,
+                "goodput": c.goodput,
+                "ttft_ms_p90": c.ttft_p90_ms,
+                "tpot_ms_p90": c.tpot_p90_ms,
+                "e2e_ms_p90": c.e2e_p90_ms,
+            }
+            for c in top.cases
+        ],
         "wall_s": round(time.perf_counter() - t0, 3),
     }
+    if args.objective == "ttft":
+        result["objective_ms"] = round(top.objective, 3)
     sys.stdout.write(json.dumps(result) + "\n")
     return 0
 
@@ -334,7 +392,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     replay.set_defaults(handler=_guard(_replay))
 
     tune_p = cmds.add_parser("tune", help="search ours' coefficients; write a tuned TOML")
-    _add_fleet_args(tune_p)
+    _add_fleet_args(tune_p, traces=True)
+    tune_p.add_argument(
+        "--objective",
+        choices=("goodput", "ttft"),
+        default="goodput",
+        help="maximise goodput under the SLO (default) or minimise p90 TTFT",
+    )
     tune_p.add_argument("--out", required=True, help="where to write the tuned settings")
     tune_p.add_argument("--speedups", default="1,4", help="arrival speed-ups to optimise over")
     tune_p.add_argument("--budget", type=int, help="at most this many grid points")

@@ -21,6 +21,7 @@ from router.core.index import PrefixIndex
 from router.core.load import LoadTracker, summed_load
 from router.core.policies import make_policy, uses_prefix_index
 from router.core.routing import BusyThresholds, RoutingEngine, RoutingSettings
+from router.core.slo import SloTargets
 from router.core.types import EventBatch, ReplicaKey, RouteRequest
 from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, Rejected
 from sim.events import ARRIVAL, DELIVER, ENGINE, EventQueue
@@ -51,6 +52,7 @@ class ClusterConfig:
     # service's worker processes exchange it (server.load_share_interval_s)
     share_load_s: float | None = None
     busy: BusyThresholds = field(default_factory=BusyThresholds)
+    slo: SloTargets = field(default_factory=SloTargets)
     seed: int = 0
     record_load: bool = False
 
@@ -80,14 +82,21 @@ class RunResult:
 
 
 def policy_params_for(
-    name: str, params: Mapping[str, Any] | None, profile: EngineProfile
+    name: str,
+    params: Mapping[str, Any] | None,
+    profile: EngineProfile,
+    slo: SloTargets | None = None,
 ) -> dict[str, Any]:
-    """``ours`` predicts TTFT with the fleet's cost model unless given another one."""
+    """``ours`` predicts TTFT with the fleet's cost model and prices decode stalls against the
+    run's TPOT target, unless given others."""
     out = dict(params or {})
-    if name == "ours" and "cost" not in out:
-        from dataclasses import asdict
+    if name == "ours":
+        if "cost" not in out:
+            from dataclasses import asdict
 
-        out["cost"] = asdict(profile.cost)
+            out["cost"] = asdict(profile.cost)
+        if slo is not None:
+            out.setdefault("tpot_target_s", slo.tpot_s)
     return out
 
 
@@ -141,7 +150,7 @@ class Simulation:
             speculative_ttl_s=config.speculative_ttl_s,
             busy=config.busy,
         )
-        params = policy_params_for(policy, policy_params, p)
+        params = policy_params_for(policy, policy_params, p, config.slo)
         self.routers = []
         for r in range(max(1, config.routers)):
             index = PrefixIndex()
@@ -205,6 +214,7 @@ class Simulation:
             (self._records[r.request_id] for r in self._order),
             [e.busy_s for e in engines],
             [str(k) for k in self.keys],
+            self.config.slo,
         )
         summary = {"policy": self.policy_name, **summary}
         ttft = [

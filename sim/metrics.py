@@ -3,8 +3,13 @@
 Definitions (all times from the request's arrival at a router):
 
 * TTFT: first token time - arrival. ITL: (finish - first token) / (output tokens - 1), one
-  value per request with more than one output token. E2E: finish - arrival. Queueing delay:
-  time a request waited in its engine's queue before admission.
+  value per request with more than one output token; ``tpot_ms_*`` are the same figures under
+  the name the SLO uses (TPOT). E2E: finish - arrival. Queueing delay: time a request waited
+  in its engine's queue before admission.
+* ``goodput``: share of all requests that met their SLO (``router.core.slo``: TTFT within
+  the target of their prompt's tier, TPOT within the TPOT target); rejected requests did not.
+  ``slo_ttft_met`` / ``slo_tpot_met``: the share meeting each half; ``goodput_by_tier``: the
+  goodput of each prompt tier's requests.
 * ``token_hit_rate``: prompt tokens the engines actually reused (the *usable* hit: hybrid
   rule applied, at most prompt - 1 since the last token is always recomputed) over all prompt
   tokens of completed requests. ``kv_token_hit_rate``: same with the KV-only hit.
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from router.core.slo import SloTargets, tpot_s
 from sim.workload import SimRequest
 
 
@@ -77,8 +83,39 @@ def _pcts(values: Sequence[float], prefix: str, scale: float = 1000.0) -> dict[s
     }
 
 
+def slo_figures(records: Sequence[RequestRecord], slo: SloTargets) -> dict[str, object]:
+    """Goodput and the share meeting each half of the SLO, over all ``records``."""
+    n = len(records)
+    ttft_ok = tpot_ok = both = 0
+    tiers: dict[str, list[int]] = {t.label: [0, 0] for t in slo.tiers}
+    for r in records:
+        tier = slo.tier(r.prompt)
+        counts = tiers[tier.label]
+        counts[1] += 1
+        if r.rejected or r.finish != r.finish:
+            continue
+        ttft = r.first - r.arrival
+        tpot = tpot_s(r.finish - r.arrival, ttft, r.output)
+        a = ttft <= tier.ttft_s
+        b = tpot is None or tpot <= slo.tpot_s
+        ttft_ok += a
+        tpot_ok += b
+        if a and b:
+            both += 1
+            counts[0] += 1
+    return {
+        "goodput": round(both / n, 5) if n else 0.0,
+        "slo_ttft_met": round(ttft_ok / n, 5) if n else 0.0,
+        "slo_tpot_met": round(tpot_ok / n, 5) if n else 0.0,
+        "goodput_by_tier": {k: round(m / c, 5) for k, (m, c) in tiers.items() if c},
+    }
+
+
 def summarize(
-    records: Iterable[RequestRecord], busy_s: Sequence[float], replica_names: Sequence[str]
+    records: Iterable[RequestRecord],
+    busy_s: Sequence[float],
+    replica_names: Sequence[str],
+    slo: SloTargets | None = None,
 ) -> dict[str, object]:
     """The per-run figures (see the module doc), as a JSON-ready dict."""
     recs = list(records)
@@ -101,11 +138,12 @@ def summarize(
         "kv_token_hit_rate": round(sum(r.kv_hit for r in done) / prompt, 5) if prompt else 0.0,
     }
     out.update(_pcts([r.first - r.arrival for r in done], "ttft_ms"))
-    out.update(
-        _pcts([(r.finish - r.first) / (r.output - 1) for r in done if r.output > 1], "itl_ms")
-    )
+    itl = _pcts([(r.finish - r.first) / (r.output - 1) for r in done if r.output > 1], "itl_ms")
+    out.update(itl)
+    out.update({"tpot" + k[3:]: v for k, v in itl.items()})
     out.update(_pcts([r.finish - r.arrival for r in done], "e2e_ms"))
     out.update(_pcts([r.queued for r in done], "queue_ms"))
+    out.update(slo_figures(recs, slo or SloTargets()))
     out.update(
         {
             "makespan_s": round(makespan, 3),

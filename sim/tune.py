@@ -1,12 +1,19 @@
-"""``kvrouter sim tune``: search ``ours``' coefficients on a trace.
+"""``kvrouter sim tune``: search ``ours``' coefficients on one or more traces.
 
 Search: a grid over the coefficients that matter most, then successive halving. Rung 0 runs
-every grid point on the first quarter of the trace at every requested speed-up; the best
-third goes on to half the trace, the best third of those to the whole trace. Runs execute
-in parallel worker processes. The objective is the geometric mean over speed-ups of p90 TTFT
-(lower is better; ties broken by the higher token hit rate), so a setting must be good both
-lightly and heavily loaded. The default settings are always in the grid, so the winner is
-never worse than them on the objective as measured on the full trace.
+every grid point on the first quarter of every trace at every requested speed-up; the best
+third goes on to half the traces, the best third of those to the whole traces. Runs execute
+in parallel worker processes. The defaults are always in the grid and always reach the full
+traces, so the winner is never worse than them on the objective as measured there.
+
+Objectives (``objective``), over every (trace, speed-up) case:
+
+* ``goodput`` (the default): the mean goodput (share of requests meeting their TTFT and TPOT
+  targets, ``router.core.slo``; higher is better), ties broken by the geometric mean of E2E
+  p90. A setting must serve every trace and load level well, not one.
+* ``ttft``: the geometric mean of p90 TTFT (lower is better), ties broken by the higher token
+  hit rate: what TTFT alone would choose (kept for comparison; it buys TTFT with decode
+  speed under load).
 """
 
 from __future__ import annotations
@@ -24,18 +31,34 @@ from sim.runner import RunSpec, run_many
 from sim.workload import Workload
 
 GRID: dict[str, tuple[float, ...]] = {
-    "w_prefill": (1.0, 4.0, 8.0, 12.0, 16.0, 24.0),
+    "w_prefill": (4.0, 8.0, 12.0, 16.0, 24.0),
     "w_queue": (0.5, 1.0, 1.5),
-    "w_decode": (0.0, 1.0),
+    "w_interference": (0.0, 1.0, 2.0, 4.0, 8.0),
 }
+OBJECTIVES = ("goodput", "ttft")
+
+
+@dataclass(slots=True, frozen=True)
+class Case:
+    """One trace's figures for a setting at one speed-up."""
+
+    trace: str
+    speedup: float
+    goodput: float
+    hit_rate: float
+    ttft_p90_ms: float
+    tpot_p90_ms: float
+    e2e_p90_ms: float
 
 
 @dataclass(slots=True, frozen=True)
 class Trial:
     params: dict[str, float]
-    objective: float
+    objective: float  # lower is better (goodput is negated)
+    goodput: float
     hit_rate: float
-    p90_ms: dict[float, float]
+    p90_ms: dict[float, float]  # TTFT p90 per speed-up (mean over traces)
+    cases: tuple[Case, ...]
     requests: int
 
 
@@ -55,32 +78,74 @@ def grid_points(
     return [default, *points]
 
 
-def _objective(p90s: Sequence[float]) -> float:
-    return math.exp(sum(math.log(max(p, 1e-3)) for p in p90s) / len(p90s))
+def _geomean(values: Sequence[float]) -> float:
+    return math.exp(sum(math.log(max(v, 1e-3)) for v in values) / len(values))
+
+
+def _score(cases: Sequence[Case], objective: str) -> tuple[float, float]:
+    """(objective, tie-break), both lower-is-better."""
+    if objective == "goodput":
+        mean = sum(c.goodput for c in cases) / len(cases)
+        return -mean, _geomean([c.e2e_p90_ms for c in cases])
+    return _geomean([c.ttft_p90_ms for c in cases]), -sum(c.hit_rate for c in cases) / len(cases)
 
 
 def evaluate(
-    workload: Workload,
+    workloads: Sequence[tuple[str, Workload]],
     config: ClusterConfig,
     points: Sequence[dict[str, float]],
     speedups: Sequence[float],
     jobs: int,
     base: Mapping[str, Any],
+    objective: str = "goodput",
 ) -> list[Trial]:
-    specs = [RunSpec("ours", {**base, **p}, s) for p in points for s in speedups]
-    results = run_many(workload, config, specs, jobs=jobs)
+    """Every point on every (trace, speed-up), best first."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
+    per_point: list[list[Case]] = [[] for _ in points]
+    for name, workload in workloads:
+        specs = [RunSpec("ours", {**base, **p}, s) for p in points for s in speedups]
+        results = run_many(workload, config, specs, jobs=jobs)
+        n = len(speedups)
+        for i in range(len(points)):
+            for s, r in zip(speedups, results[i * n : (i + 1) * n], strict=True):
+                x = r.summary
+                per_point[i].append(
+                    Case(
+                        name,
+                        s,
+                        float(x["goodput"]),
+                        float(x["token_hit_rate"]),
+                        float(x["ttft_ms_p90"]),
+                        float(x["tpot_ms_p90"]),
+                        float(x["e2e_ms_p90"]),
+                    )
+                )
     trials = []
-    for i, p in enumerate(points):
-        chunk = results[i * len(speedups) : (i + 1) * len(speedups)]
-        p90 = {s: float(r.summary["ttft_ms_p90"]) for s, r in zip(speedups, chunk, strict=False)}
-        hit = sum(float(r.summary["token_hit_rate"]) for r in chunk) / len(chunk)
-        trials.append(Trial(p, _objective(list(p90.values())), hit, p90, len(workload)))
-    trials.sort(key=lambda t: (t.objective, -t.hit_rate))
-    return trials
+    requests = sum(len(w) for _, w in workloads)
+    for p, cases in zip(points, per_point, strict=True):
+        p90 = {
+            s: sum(c.ttft_p90_ms for c in cases if c.speedup == s) / len(workloads)
+            for s in speedups
+        }
+        score, _ = _score(cases, objective)
+        trials.append(
+            Trial(
+                p,
+                score,
+                sum(c.goodput for c in cases) / len(cases),
+                sum(c.hit_rate for c in cases) / len(cases),
+                p90,
+                tuple(cases),
+                requests,
+            )
+        )
+    order = sorted(range(len(trials)), key=lambda i: _score(per_point[i], objective))
+    return [trials[i] for i in order]
 
 
 def tune(
-    workload: Workload,
+    workload: Workload | Sequence[tuple[str, Workload]],
     config: ClusterConfig,
     *,
     speedups: Sequence[float] = (1.0, 4.0),
@@ -88,28 +153,34 @@ def tune(
     budget: int | None = None,
     jobs: int = 2,
     seed: int = 0,
+    objective: str = "goodput",
     log: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, Any], list[Trial]]:
-    """Return the best ``ours`` parameters (cost model included) and the final rung."""
-    base: dict[str, Any] = {"cost": asdict(config.profile.cost)}
+    """Return the best ``ours`` parameters (cost model and TPOT target included) and the
+    final rung. ``workload``: one workload, or ``(name, workload)`` pairs."""
+    workloads = [("trace", workload)] if isinstance(workload, Workload) else list(workload)
+    base: dict[str, Any] = {"cost": asdict(config.profile.cost), "tpot_target_s": config.slo.tpot_s}
     points = grid_points(grid, budget, seed)
-    n = len(workload)
     fractions = (0.25, 0.5, 1.0)
     trials: list[Trial] = []
     default = points[0]
     for rung, frac in enumerate(fractions):
-        part = workload if frac >= 1.0 else workload.head(max(1, int(n * frac)))
-        trials = evaluate(part, config, points, speedups, jobs, base)
+        parts = [
+            (name, w if frac >= 1.0 else w.head(max(1, int(len(w) * frac))))
+            for name, w in workloads
+        ]
+        trials = evaluate(parts, config, points, speedups, jobs, base, objective)
         if log:
             best = trials[0]
             log(
-                f"rung {rung}: {len(points)} settings on {len(part)} requests; best "
-                f"{best.params} p90 {best.p90_ms} ms, hit {best.hit_rate:.1%}"
+                f"rung {rung}: {len(points)} settings on {sum(len(w) for _, w in parts)} "
+                f"requests; best {best.params} goodput {best.goodput:.4f}, "
+                f"TTFT p90 {best.p90_ms} ms, hit {best.hit_rate:.1%}"
             )
         if rung < len(fractions) - 1:
             keep = max(1, math.ceil(len(points) / 3))
             points = [t.params for t in trials[:keep]]
-            if default not in points:  # the defaults always reach the full trace
+            if default not in points:  # the defaults always reach the full traces
                 points.append(default)
     best = trials[0]
     return {**best.params, **base}, trials

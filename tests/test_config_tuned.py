@@ -15,7 +15,7 @@ from router.service.config import ModelSettings, load_settings
 from sim.cluster import ClusterConfig
 from sim.profiles import load_profile
 from sim.runner import build_workload
-from sim.tune import tune
+from sim.tune import GRID, tune
 from sim.tuned import TunedPolicy, dump_tuned, load_tuned
 
 MODEL = "kimi/k3"
@@ -53,9 +53,8 @@ def test_tuned_hybrid_grid_and_params_reach_the_router(tmp_path: Path) -> None:
     assert routing.block_size == BLOCK and routing.hybrid is True
     assert routing.state_interval_blocks == expected_interval
     params = model.policy_params
-    assert {k: params[k] for k in ("w_prefill", "w_queue", "w_decode")} == {
-        k: best[k] for k in ("w_prefill", "w_queue", "w_decode")
-    }
+    tuned_keys = (*GRID, "tpot_target_s")
+    assert {k: params[k] for k in tuned_keys} == {k: best[k] for k in tuned_keys}
     assert params["cost"] == best["cost"]
 
 

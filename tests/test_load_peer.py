@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.core.load import NO_PEER_LOAD, LoadTracker, PeerLoad
+from router.core.load import NO_PEER_LOAD, LoadTracker, PeerLoad, decode_weight
 from router.core.types import ReplicaKey
 from sim.cluster import ClusterConfig, Simulation
 from sim.profiles import load_profile
@@ -31,10 +31,11 @@ def test_peer_load_is_added_to_views_and_own_leaves_it_out() -> None:
     v = t.view(A, 0.0)
     assert (v.prefilling, v.queued_prefill_tokens, v.decoding, v.in_flight) == (3, 5800, 3, 6)
     assert v.decode_context_tokens == 9000 and v.in_flight_prompt_tokens == 15000
-    assert t.own(A) == PeerLoad(1, 800, 0, 0, 1000)
+    weight = decode_weight(None)
+    assert t.own(A) == PeerLoad(1, 800, 0, 0, 1000, weight)
     # the own requests move on; the peers' part stays as reported
     t.first_token("r1")
-    assert t.own(A) == PeerLoad(0, 0, 1, 1000, 1000)
+    assert t.own(A) == PeerLoad(0, 0, 1, 1000, 1000, weight)
     assert t.view(A, 0.0).decoding == 4
     t.complete("r1")
     assert t.own(A) == NO_PEER_LOAD

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from router.core.load import NO_PEER_LOAD, LoadTracker, PeerLoad
+from router.core.load import NO_PEER_LOAD, LoadTracker, PeerLoad, decode_weight
 from router.core.types import ReplicaKey
 from router.service.load_share import (
     STALE_AFTER_S,
@@ -31,7 +31,7 @@ def test_own_load_round_trips_and_leaves_out_idle_replicas() -> None:
     t.dispatch("r1", A1, prompt_tokens=100, cached_tokens=40)
     t.set_peer_load(A1, PeerLoad(prefilling=9))  # not ours: not reported
     body = json.dumps(own_load(t)).encode()
-    assert parse_load(body) == {A1: PeerLoad(1, 60, 0, 0, 100)}
+    assert parse_load(body) == {A1: PeerLoad(1, 60, 0, 0, 100, decode_weight(None))}
 
 
 @pytest.mark.parametrize(
@@ -39,10 +39,13 @@ def test_own_load_round_trips_and_leaves_out_idle_replicas() -> None:
     [
         b"[]",
         b'{"load": {}}',
-        b'{"load": [["a", 0, 1, 2, 3, 4]]}',  # a field short
-        b'{"load": [["a", 0, 1, 2, 3, 4, "5"]]}',
-        b'{"load": [["a", 0, 1, 2, 3, 4, true]]}',
-        b'{"load": [[7, 0, 1, 2, 3, 4, 5]]}',
+        b'{"load": [["a", 0, 1, 2, 3, 4, 5]]}',  # a field short
+        b'{"load": [["a", 0, 1, 2, 3, 4, "5", 0.1]]}',
+        b'{"load": [["a", 0, 1, 2, 3, 4, true, 0.1]]}',
+        b'{"load": [["a", 0, 1, 2, 3, 4, 5, 0.1, 9]]}',  # a field too many
+        b'{"load": [["a", 0, 1, 2, 3, 4, 5, -0.5]]}',  # a negative weight
+        b'{"load": [["a", 0, 1, 2, 3, 4, 5, NaN]]}',
+        b'{"load": [[7, 0, 1, 2, 3, 4, 5, 0.1]]}',
         b"not json",
     ],
 )
@@ -86,7 +89,7 @@ async def test_exchange_with_a_peer_that_then_goes_away(tmp_path: Path) -> None:
         assert mine.view(A, 0.0).prefilling == 2  # its last answer still counts...
         await sharing.exchange([sock], now=10.2 + STALE_AFTER_S)
         assert mine.view(A, 0.0).prefilling == 1  # ...then it counts as idle
-        assert mine.own(A) == PeerLoad(1, 64, 0, 0, 64)
+        assert mine.own(A) == PeerLoad(1, 64, 0, 0, 64, decode_weight(None))
         assert sharing.applied == set() and mine.own(A) != NO_PEER_LOAD
     finally:
         client.close()

@@ -51,6 +51,7 @@ def test_policy_names_are_the_documented_ones() -> None:
         "sglang",
         "llmd",
         "preble",
+        "vllm_kv_aware",
         "ours",
     }
     for name in POLICY_NAMES:

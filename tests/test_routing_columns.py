@@ -55,7 +55,8 @@ def _populate(
     for i in range(rng.randrange(0, 4 * len(keys) + 1)):
         key = rng.choice(keys)
         prompt = rng.randrange(1, 9000)
-        load.dispatch(f"f{i}", key, prompt, rng.randrange(0, prompt))
+        out = rng.choice([None, 1, 2, 5, 64, 600])
+        load.dispatch(f"f{i}", key, prompt, rng.randrange(0, prompt), out)
         if rng.random() < 0.5:
             load.first_token(f"f{i}")
         if rng.random() < 0.1:
@@ -115,19 +116,38 @@ def test_the_array_path_decides_as_the_per_candidate_path(seed: int) -> None:
     hybrid = rng.random() < 0.5
     settings = RoutingSettings(block_size=rng.choice([16, 64]), hybrid=hybrid, busy=_busy(rng))
     policy = Ours(
-        host_hit_value=rng.choice([0.75, 0.5]), kv_pressure_threshold=rng.choice([0.9, 0.5])
+        host_hit_value=rng.choice([0.75, 0.5]),
+        kv_pressure_threshold=rng.choice([0.9, 0.5]),
+        w_interference=rng.choice([0.0, 4.0]),
     )
     per_candidate = RoutingEngine(index, load, policy, settings, columnar_min=10**9)
     arrays = RoutingEngine(index, load, policy, settings, columnar_min=1)
     tokens = len(chain) * settings.block_size + rng.randrange(0, settings.block_size)
+    if rng.random() < 0.5:  # a session seen before, on some replica, with some prefix
+        hinted = chain[: rng.randrange(0, len(chain) + 1)]
+        bound, at = rng.choice(keys), now - rng.choice([1, 900])
+        for engine in (per_candidate, arrays):
+            assert engine.sessions is not None
+            engine.sessions.record("s", bound, hinted, at)
     for step, prompt_tokens in enumerate((tokens, 1, rng.randrange(1, tokens + 1), tokens)):
         blocks = min(len(chain), prompt_tokens // settings.block_size)
-        request = RouteRequest(f"q{step}", "m", prompt_tokens, chain[:blocks], settings.block_size)
+        request = RouteRequest(
+            f"q{step}",
+            "m",
+            prompt_tokens,
+            chain[:blocks],
+            settings.block_size,
+            rng.choice([None, "s"]),
+            rng.choice([None, 3, 300]),
+        )
         decided = _decide(arrays, request, keys, now, seed)
         assert decided == _decide(per_candidate, request, keys, now, seed)
         # the shared load moves between requests (what the array path mirrors and caches)
         if isinstance(decided, tuple) and not isinstance(decided[0], str):
             per_candidate.dispatched(request, decided[0], now)
+            assert arrays.sessions is not None and per_candidate.sessions is not None
+            if request.session_id:  # what dispatched() records for the session, in both
+                arrays.sessions.record("s", decided[0].replica, request.block_hashes, now)
         key = rng.choice(keys)
         load.dispatch(f"m{step}", key, rng.randrange(1, 5000), 0)
         if rng.random() < 0.3:

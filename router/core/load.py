@@ -85,6 +85,7 @@ class LoadView(NamedTuple):
     engine_age_s: float = float("inf")
     healthy: bool = True
     draining: bool = False
+    decode_weight: float = 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -106,6 +107,7 @@ class PeerLoad(NamedTuple):
     decoding: int = 0
     decode_context_tokens: int = 0
     in_flight_prompt_tokens: int = 0
+    decode_weight: float = 0.0
 
 
 NO_PEER_LOAD = PeerLoad()
@@ -116,11 +118,23 @@ def summed_load(loads: Iterable[PeerLoad]) -> PeerLoad:
     return PeerLoad(*(sum(column) for column in zip(*loads, strict=True)))
 
 
+EXPECTED_OUTPUT_TOKENS = 256
+"""Output length assumed for a request that does not say how long its answer may be."""
+
+
+def decode_weight(max_output_tokens: int | None) -> float:
+    """How much one sequence's TPOT grows per second of stall while it decodes:
+    ``1 / (output tokens - 1)`` (its TPOT is spread over that many intervals)."""
+    out = EXPECTED_OUTPUT_TOKENS if max_output_tokens is None else max_output_tokens
+    return 1.0 / max(out - 1, 1)
+
+
 @dataclass(slots=True)
 class _Flight:
     replica: ReplicaKey
     prompt_tokens: int
     prefill_tokens: int
+    weight: float
     decoding: bool = False
 
 
@@ -131,6 +145,7 @@ class _Replica:
     decoding: int = 0
     decode_context_tokens: int = 0
     in_flight_prompt_tokens: int = 0
+    decode_weight: float = 0.0
     engine: EngineReport | None = None
     healthy: bool = True
     draining: bool = False
@@ -155,6 +170,7 @@ class LoadColumns(NamedTuple):
     engine_at: np.ndarray
     healthy: np.ndarray
     draining: np.ndarray
+    decode_weight: np.ndarray
 
     @property
     def in_flight(self) -> np.ndarray:
@@ -206,17 +222,25 @@ class LoadTracker:
             del self._flights[rid]
 
     def dispatch(
-        self, request_id: str, key: ReplicaKey, prompt_tokens: int, cached_tokens: int
+        self,
+        request_id: str,
+        key: ReplicaKey,
+        prompt_tokens: int,
+        cached_tokens: int,
+        max_output_tokens: int | None = None,
     ) -> None:
-        """A request was sent to ``key``; ``cached_tokens`` of its prompt are predicted hits."""
+        """A request was sent to ``key``; ``cached_tokens`` of its prompt are predicted hits;
+        ``max_output_tokens`` (None: unknown) weighs it while it decodes (:func:`decode_weight`)."""
         if request_id in self._flights:
             self.complete(request_id)
         prefill = max(prompt_tokens - cached_tokens, 1)
-        self._flights[request_id] = _Flight(key, prompt_tokens, prefill)
+        weight = decode_weight(max_output_tokens)
+        self._flights[request_id] = _Flight(key, prompt_tokens, prefill, weight)
         rep = self._get(key)
         rep.prefilling += 1
         rep.queued_prefill_tokens += prefill
         rep.in_flight_prompt_tokens += prompt_tokens
+        rep.decode_weight += weight
         if rep.row >= 0:
             self._mirror(rep)
 
@@ -245,6 +269,9 @@ class LoadTracker:
         if rep is None:
             return
         rep.in_flight_prompt_tokens -= flight.prompt_tokens
+        # a float sum: removing what was added may leave a rounding residue
+        busy = rep.prefilling + rep.decoding > 1
+        rep.decode_weight = max(rep.decode_weight - flight.weight, 0.0) if busy else 0.0
         if flight.decoding:
             rep.decoding -= 1
             rep.decode_context_tokens -= flight.prompt_tokens
@@ -267,6 +294,7 @@ class LoadTracker:
             rep.decoding - p.decoding,
             rep.decode_context_tokens - p.decode_context_tokens,
             rep.in_flight_prompt_tokens - p.in_flight_prompt_tokens,
+            max(rep.decode_weight - p.decode_weight, 0.0),
         )
 
     def set_peer_load(self, key: ReplicaKey, load: PeerLoad) -> None:
@@ -280,7 +308,14 @@ class LoadTracker:
         if rep is None:  # not (or no longer) ours to route to: a peer may lag behind
             return
         if min(load) < 0:  # reports come from other processes: never let one go negative
-            load = PeerLoad(*(max(v, 0) for v in load))
+            load = PeerLoad(
+                max(load.prefilling, 0),
+                max(load.queued_prefill_tokens, 0),
+                max(load.decoding, 0),
+                max(load.decode_context_tokens, 0),
+                max(load.in_flight_prompt_tokens, 0),
+                max(load.decode_weight, 0.0),
+            )
         old = rep.peer
         if load == old:
             return
@@ -289,6 +324,7 @@ class LoadTracker:
         rep.decoding += load.decoding - old.decoding
         rep.decode_context_tokens += load.decode_context_tokens - old.decode_context_tokens
         rep.in_flight_prompt_tokens += load.in_flight_prompt_tokens - old.in_flight_prompt_tokens
+        rep.decode_weight = max(rep.decode_weight + load.decode_weight - old.decode_weight, 0.0)
         rep.peer = load
         if rep.row >= 0:
             self._mirror(rep)
@@ -337,6 +373,7 @@ class LoadTracker:
             engine.at if engine is not None else -_NEVER,
             rep.healthy,
             rep.draining,
+            rep.decode_weight,
         )
 
     def _rows(self, keys: Sequence[ReplicaKey]) -> np.ndarray:
@@ -390,6 +427,7 @@ class LoadTracker:
             now - engine.at if engine is not None else _NEVER,  # engine_age_s
             rep.healthy,
             rep.draining,
+            rep.decode_weight,
         )
 
     def replicas(self) -> list[ReplicaKey]:

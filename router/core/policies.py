@@ -293,6 +293,87 @@ class PrebleE2:
         return _decide(self.name, request, ranked, float(cached), {"exploit": mode})
 
 
+@dataclass(slots=True)
+class VllmKvAware:
+    """vllm-router 0.1.17 ``kv_aware`` (src/policies/kv_aware.rs): lowest
+    ``(new_prefill_tokens + active_prefill_tokens) * (active_requests + 1)`` wins.
+
+    ``new_prefill_tokens`` is the prompt minus its credited prefix: the GPU prefix (at most
+    ``(prompt - 1) // block_size`` blocks), plus the continuation held on host at
+    ``host_credit`` or on disk / external storage at ``disk_credit``, rounded up;
+    ``active_prefill_tokens`` is the new-prefill work this router sent that has not reached
+    its first token, ``active_requests`` its requests in flight. Equal costs go to the first
+    candidate in order, except zero-cost ones, which go to the least loaded.
+    ``temperature > 0`` samples ``exp(-(cost - min) / temperature)`` instead. With
+    ``session_ttl_s > 0``, a request with a session id goes to the replica its session was
+    bound to while that binding is fresh (a hard pin, as vllm-router's
+    ``kv_aware_session_affinity_ttl_secs``); the binding lasts ``session_ttl_s`` after the
+    session's last routed request (vllm-router counts from its last *completed* one).
+
+    Differences that remain: vllm-router re-hashes the prompt in its own 16-token blocks; here
+    the match is in the router's blocks (``block_size`` of the request)."""
+
+    name: str = "vllm_kv_aware"
+    temperature: float = 0.0
+    host_credit: float = 0.8
+    disk_credit: float = 0.3
+    session_ttl_s: float = 0.0
+    max_sessions: int = 65536
+    _sessions: dict[str, tuple[ReplicaKey, float]] = field(default_factory=dict, repr=False)
+
+    def new_prefill_tokens(self, request: RouteRequest, c: Candidate) -> int:
+        m = c.match
+        prompt = request.prompt_tokens
+        device = min(m.gpu_blocks, max(prompt - 1, 0) // request.block_size)
+        # one continuation where the device prefix ends: the host segment if there is one,
+        # else the disk one (none when the device prefix was cut at the last prompt token)
+        cont = 0.0
+        if device == m.gpu_blocks:
+            if m.host_blocks > device:
+                cont = (m.host_blocks - device) * self.host_credit
+            else:
+                cont = (m.kv_blocks - device) * self.disk_credit
+        credited = min((device + cont) * request.block_size, max(prompt - 1, 0))
+        return max(math.ceil(prompt - credited), 0)
+
+    def cost(self, request: RouteRequest, c: Candidate) -> tuple[float, int]:
+        new = self.new_prefill_tokens(request, c)
+        ptoken = new + c.load.queued_prefill_tokens
+        return float(ptoken * (c.load.in_flight + 1)), ptoken
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
+    ) -> Decision:
+        costs = [self.cost(request, c) for c in candidates]
+        order = sorted(range(len(candidates)), key=lambda i: costs[i][0])  # stable: first wins
+        pick = order[0]
+        session = request.session_id if self.session_ttl_s > 0 else None
+        bound = self._sessions.get(session) if session is not None else None
+        sticky = False
+        if bound is not None and bound[1] > now:
+            at = [i for i, c in enumerate(candidates) if c.replica == bound[0]]
+            if at:
+                pick, sticky = at[0], True
+        if not sticky:
+            if self.temperature > 0 and len(order) > 1 and costs[pick][0] > 0:
+                lo = costs[pick][0]
+                weights = [math.exp(-(costs[i][0] - lo) / self.temperature) for i in order]
+                pick = order[rng.choices(range(len(order)), weights=weights)[0]]
+            elif costs[pick][0] == 0:  # zero work: the least prefill, then the least loaded
+                zero = [i for i in order if costs[i][0] == 0]
+                pick = min(zero, key=lambda i: (costs[i][1], candidates[i].load.in_flight))
+        if session is not None:
+            self._sessions.pop(session, None)
+            self._sessions[session] = (candidates[pick].replica, now + self.session_ttl_s)
+            if len(self._sessions) > self.max_sessions:  # oldest binding first
+                del self._sessions[next(iter(self._sessions))]
+        order.remove(pick)
+        ranked = [candidates[pick]] + [candidates[i] for i in order]
+        terms = {"new_prefill_tokens": float(self.new_prefill_tokens(request, candidates[pick]))}
+        terms["sticky"] = float(sticky)
+        return _decide(self.name, request, ranked, costs[pick][0], terms)
+
+
 def uses_prefix_index(policy: Policy) -> bool:
     """Whether ``policy`` reads the prefix index: round robin, random and least loaded do
     not, so a simulation may skip maintaining it (sim.cluster). Other policies may say so
@@ -307,9 +388,10 @@ def uses_prefix_index(policy: Policy) -> bool:
 
 @dataclass(slots=True)
 class Ours:
-    """Minimise predicted time to first token.
+    """Maximise goodput: predicted time to first token, and what the placement does to the
+    decode speed of the requests on the replica.
 
-    For each candidate, in seconds (each term is reported in the Decision):
+    For each candidate (each term is reported in the Decision):
 
     * ``prefill``: compute time of the uncached part, after the *usable* cached prefix
       (hybrid-state rule applied); host-tier hits count ``host_hit_value`` of a GPU hit and
@@ -322,15 +404,22 @@ class Ours:
       queue ahead of it (continuous batching shares each step).
     * ``kv``: ``kv_pressure_s`` scaled by how far KV usage is above
       ``kv_pressure_threshold`` (eviction and preemption risk), 0 below it.
+    * ``interference``: the decode stall this request's prefill imposes on the requests in
+      flight on the replica, in TPOT targets: every step that carries a prefill chunk stalls
+      every decoding sequence, so ``prefill`` seconds add ``prefill / (n - 1)`` to the TPOT
+      of a sequence with ``n`` output tokens. Summed over the replica's requests (their
+      ``decode_weight``, ``1 / (n - 1)`` each, counted from dispatch: a request queued ahead
+      decodes while this one prefills) and divided by ``tpot_target_s``. Short answers are
+      the fragile ones, so a long uncached prefill goes where few of them run.
 
-    Score = ``w_prefill*prefill + w_queue*queue + w_decode*decode + w_kv*kv``; lowest wins.
+    Score = ``w_prefill*prefill + w_queue*queue + w_decode*decode + w_kv*kv +
+    w_interference*interference``; lowest wins.
 
     ``w_prefill`` defaults well above 1: a cache miss does not only delay this request, its
     prefill takes replica time from every request queued behind it, so prefill seconds are
-    charged at fleet cost. 12 was tuned with ``kvrouter sim tune`` on the bundled Mooncake
-    trace (8 x dense-70b replicas, arrival speed-ups 1x and 4x; see docs/simulator.md); with
-    ``w_prefill = 1`` the policy is a greedy TTFT minimiser that gives up cache affinity under
-    load and loses throughput.
+    charged at fleet cost. The weights were tuned for goodput with ``kvrouter sim tune``
+    (docs/tuning.md); with ``w_prefill = 1`` and no interference term the policy is a greedy
+    TTFT minimiser that gives up cache affinity under load and slows decoding.
     """
 
     name: str = "ours"
@@ -345,6 +434,9 @@ class Ours:
     kv_pressure_s: float = 2.0
     foreign_waiting_tokens: int = 4096
     report_max_age_s: float = 1.0
+    w_interference: float = 4.0
+    tpot_target_s: float = 0.1
+    uses_session_hints: bool = True
 
     def _terms(
         self,
@@ -361,7 +453,8 @@ class Ours:
         waiting: Any,
         fresh: Any,
         kv_usage: Any,
-    ) -> tuple[Any, Any, Any, Any]:
+        decode_weight: Any,
+    ) -> tuple[Any, Any, Any, Any, Any]:
         """(prefill, queue, decode, kv) seconds (see the class docstring), for one candidate
         (numbers, ``xp=SCALAR``) or for many (arrays, ``xp=ARRAY``): one formula for both.
         ``waiting`` / ``kv_usage`` are the engine's report (0 without one); ``fresh``: it
@@ -383,12 +476,16 @@ class Ours:
         decode = cost.steps_for(queued + new, xp) * cost.decode_step_s(decoding, decode_context)
         excess = maximum(kv_usage - self.kv_pressure_threshold, 0)
         kv = self.kv_pressure_s * excess / max(1.0 - self.kv_pressure_threshold, 1e-6)
-        return prefill, queue, decode, kv
+        interference = prefill * decode_weight / self.tpot_target_s
+        return prefill, queue, decode, kv, interference
 
-    def term_values(self, request: RouteRequest, c: Candidate) -> tuple[float, float, float, float]:
-        """(prefill, queue, decode, kv) seconds for one candidate; see the class docstring."""
+    def term_values(
+        self, request: RouteRequest, c: Candidate
+    ) -> tuple[float, float, float, float, float]:
+        """(prefill, queue, decode, kv, interference) for one candidate; see the class
+        docstring."""
         _, (kv, gpu, host, usable), load, _ = c
-        _, prefilling, queued, decoding, context, _, engine, engine_age, _, _ = load
+        _, prefilling, queued, decoding, context, _, engine, engine_age, _, _, weight = load
         if engine is None:
             waiting, fresh, usage = 0, False, 0.0
         else:
@@ -396,7 +493,7 @@ class Ours:
             usage = engine.kv_usage
         return self._terms(
             SCALAR, request, kv, gpu, host, usable, queued, prefilling, decoding, context,
-            waiting, fresh, usage,
+            waiting, fresh, usage, weight,
         )  # fmt: skip
 
     def terms(self, request: RouteRequest, c: Candidate) -> dict[str, float]:
@@ -406,9 +503,10 @@ class Ours:
         self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
     ) -> Decision:
         wp, wq, wd, wk = self.w_prefill, self.w_queue, self.w_decode, self.w_kv
+        wi = self.w_interference
         term_values = self.term_values
         values = [term_values(request, c) for c in candidates]
-        scores = [wp * p + wq * q + wd * d + wk * k for p, q, d, k in values]
+        scores = [wp * p + wq * q + wd * d + wk * k + wi * i for p, q, d, k, i in values]
         order = sorted(range(len(scores)), key=scores.__getitem__)
         pick = order[0]
         best = scores[pick]
@@ -444,9 +542,11 @@ class Ours:
             load.waiting,
             now - load.engine_at <= self.report_max_age_s,
             load.kv_usage,
+            load.decode_weight,
         )
-        p, q, d, k = values
+        p, q, d, k, i = values
         scores = self.w_prefill * p + self.w_queue * q + self.w_decode * d + self.w_kv * k
+        scores = scores + self.w_interference * i
         # the eligible candidates only, in order (masking the others with +inf would let a
         # replica with an infinite score tie with them)
         idx = np.flatnonzero(columns.eligible)
@@ -476,7 +576,7 @@ class Ours:
         )
 
 
-TERM_NAMES = ("prefill", "queue", "decode", "kv")
+TERM_NAMES = ("prefill", "queue", "decode", "kv", "interference")
 
 
 # ---------------------------------------------------------------------------- registry
@@ -490,6 +590,7 @@ POLICIES: dict[str, type[Any]] = {
     "sglang": SGLangCacheAware,
     "llmd": LlmD,
     "preble": PrebleE2,
+    "vllm_kv_aware": VllmKvAware,
     "ours": Ours,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
@@ -504,7 +605,7 @@ def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     params = dict(params or {})
-    allowed = {f.name for f in fields(cls)} - {"name", "cursor"}
+    allowed = {f.name for f in fields(cls) if not f.name.startswith("_")} - {"name", "cursor"}
     unknown = set(params) - allowed
     if unknown:
         raise ValueError(f"policy {name!r} has no parameter(s) {', '.join(sorted(unknown))}")

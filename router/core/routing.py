@@ -16,11 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker, LoadView
 from router.core.policies import Candidate, CandidateColumns, ColumnarPolicy, Policy
-from router.core.types import NO_MATCH, Decision, ReplicaKey, RouteRequest
+from router.core.session import SessionHint, SessionTable
+from router.core.types import NO_MATCH, Decision, PrefixMatch, ReplicaKey, RouteRequest
 
 # Candidate lists at least this long are scored as arrays (policies that can): below it,
 # per-replica Python is cheaper than the fixed cost of ~80 array operations (measured
@@ -66,13 +69,17 @@ class BusyThresholds:
 @dataclass(slots=True, frozen=True)
 class RoutingSettings:
     """Per-model routing settings. ``state_interval_blocks`` is the recurrent-state grid the
-    router assumes when it speculates (0: the model is not hybrid)."""
+    router assumes when it speculates (0: the model is not hybrid). ``session_ttl_s``: how
+    long a session's last replica is remembered as a hint (router/core/session.py; 0: off);
+    only policies with ``uses_session_hints`` read it."""
 
     block_size: int = 64
     hybrid: bool = False
     state_interval_blocks: int = 0
     speculative_ttl_s: float = 0.0
     busy: BusyThresholds = BusyThresholds()
+    session_ttl_s: float = 600.0
+    max_sessions: int = 100_000
 
 
 def filter_candidates(
@@ -131,6 +138,18 @@ class RoutingEngine:
         self.settings = settings
         self.columnar_min = columnar_min
         self._columnar = callable(getattr(policy, "choose_columns", None))
+        self.sessions: SessionTable | None = None
+        if settings.session_ttl_s > 0 and getattr(policy, "uses_session_hints", False):
+            self.sessions = SessionTable(settings.session_ttl_s, settings.max_sessions)
+
+    def _hint(self, request: RouteRequest, now: float) -> tuple[SessionHint | None, int]:
+        """The request's session hint and how many of its blocks it covers (0: none)."""
+        if self.sessions is None or not request.session_id:
+            return None, 0
+        hint = self.sessions.get(request.session_id, now)
+        if hint is None:
+            return None, 0
+        return hint, hint.covers(request.block_hashes)
 
     def candidates(
         self, request: RouteRequest, replicas: Sequence[ReplicaKey], now: float
@@ -141,7 +160,21 @@ class RoutingEngine:
         matches = self.index.match(request.block_hashes, hybrid=self.settings.hybrid, now=now)
         get = matches.get
         size = self.index.replica_size
-        return [Candidate(r, get(r, NO_MATCH), view, size(r)[0]) for r, view in eligible]
+        out = [Candidate(r, get(r, NO_MATCH), view, size(r)[0]) for r, view in eligible]
+        hint, covered = self._hint(request, now)
+        if covered:
+            for i, c in enumerate(out):
+                if c.replica == hint.replica and c.match.usable_blocks < covered:  # type: ignore[union-attr]
+                    m = c.match
+                    out[i] = c._replace(
+                        match=PrefixMatch(
+                            max(m.kv_blocks, covered),
+                            max(m.gpu_blocks, covered),
+                            max(m.host_blocks, covered),
+                            covered,
+                        )
+                    )
+        return out
 
     def _columns(
         self, request: RouteRequest, replicas: Sequence[ReplicaKey], now: float
@@ -159,7 +192,17 @@ class RoutingEngine:
             elif busy.reject_when_all_busy:
                 raise NoReplicaAvailable("every replica is over its busy threshold", busy=True)
         matches = self.index.match(request.block_hashes, hybrid=self.settings.hybrid, now=now)
-        kv, gpu, host, usable = matches.columns(self.index.slots(replicas))
+        slots = self.index.slots(replicas)
+        kv, gpu, host, usable = matches.columns(slots)
+        hint, covered = self._hint(request, now)
+        if covered:
+            slot = int(self.index.slots([hint.replica])[0])  # type: ignore[union-attr]
+            at = np.flatnonzero(slots == slot) if slot >= 0 else np.empty(0, np.intp)
+            if len(at) and usable[at[0]] < covered:
+                kv, gpu, host, usable = (np.array(a) for a in (kv, gpu, host, usable))
+                for arr in (kv, gpu, host):
+                    arr[at] = np.maximum(arr[at], covered)
+                usable[at] = covered
         index = self.index
         return CandidateColumns(
             replicas, up, kv, gpu, host, usable, load, lambda k: index.replica_size(k)[0]
@@ -204,7 +247,11 @@ class RoutingEngine:
     def dispatched(self, request: RouteRequest, decision: Decision, now: float) -> None:
         """Record that ``request`` was sent per ``decision`` (load, speculative entries)."""
         self.load.dispatch(
-            request.request_id, decision.replica, request.prompt_tokens, decision.usable_tokens
+            request.request_id,
+            decision.replica,
+            request.prompt_tokens,
+            decision.usable_tokens,
+            request.max_output_tokens,
         )
         ttl = self.settings.speculative_ttl_s
         if ttl > 0 and request.block_hashes:
@@ -214,3 +261,5 @@ class RoutingEngine:
                 else []
             )
             self.index.speculate(decision.replica, request.block_hashes, states, now, ttl)
+        if self.sessions is not None and request.session_id:
+            self.sessions.record(request.session_id, decision.replica, request.block_hashes, now)

@@ -11,7 +11,8 @@ the counts the policy reads: nothing is added per request.
 A peer that does not answer keeps its last answer for ``STALE_AFTER_S``, then counts as
 idle (a worker that died has no requests in flight). The answer lists only replicas with
 requests in flight: ``{"load": [[replica, dp_rank, prefilling, queued_prefill_tokens,
-decoding, decode_context_tokens, in_flight_prompt_tokens], ...]}``.
+decoding, decode_context_tokens, in_flight_prompt_tokens, decode_weight], ...]}`` (the
+:class:`~router.core.load.PeerLoad` fields in order; all integers but ``decode_weight``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -60,11 +62,16 @@ def parse_load(body: bytes) -> dict[ReplicaKey, PeerLoad]:
             not isinstance(row, list)
             or len(row) != 2 + _FIELDS
             or not isinstance(row[0], str)
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in row[1:])
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in row[1:-1])
+            or not _weight(row[-1])
         ):
             raise ValueError(f"bad load row {row!r}")
         out[ReplicaKey(row[0], row[1])] = PeerLoad(*row[2:])
     return out
+
+
+def _weight(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
 def summed(answers: Iterable[dict[ReplicaKey, PeerLoad]]) -> dict[ReplicaKey, PeerLoad]:

@@ -1,0 +1,137 @@
+"""Service-level objectives: a TTFT target by prompt-length tier and a TPOT target.
+
+A request *meets its SLO* when its time to first token is within the target of its prompt's
+tier and its time per output token, ``(E2E - TTFT) / (output tokens - 1)``, is within the
+TPOT target (a request with at most one output token has no TPOT and meets that half).
+*Goodput* is the share of requests that meet their SLO; a request that failed or was
+rejected does not.
+
+Tiers are ordered by ``max_prompt_tokens``; a prompt belongs to the first tier whose bound
+it does not exceed, the last tier (bound ``None``) takes the rest. The defaults follow public
+serving benchmarks for large models (MLPerf Inference's server scenarios: TTFT 2 s and TPOT
+200 ms for Llama-2-70B, TTFT 6 s and TPOT 175 ms for Llama-3.1-405B; the interactive
+scenario 450 ms / 40 ms) and grow the TTFT target with the prompt, since prefill time does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class SloTier:
+    """Prompts of at most ``max_prompt_tokens`` (``None``: any length) must see their first
+    token within ``ttft_s``."""
+
+    max_prompt_tokens: int | None
+    ttft_s: float
+
+    @property
+    def label(self) -> str:
+        """A short name for metrics: ``le8k``, ``le128k``, ``gt128k`` ..."""
+        if self.max_prompt_tokens is None:
+            return "any"
+        return f"le{_short(self.max_prompt_tokens)}"
+
+
+def _short(tokens: int) -> str:
+    if tokens % 1024 == 0:
+        return f"{tokens // 1024}k"
+    return str(tokens)
+
+
+DEFAULT_TIERS: tuple[SloTier, ...] = (
+    SloTier(8192, 2.0),
+    SloTier(32768, 5.0),
+    SloTier(131072, 15.0),
+    SloTier(None, 60.0),
+)
+DEFAULT_TPOT_S = 0.1
+
+
+@dataclass(slots=True, frozen=True)
+class SloTargets:
+    """TTFT targets by prompt tier and one TPOT target, in seconds."""
+
+    tiers: tuple[SloTier, ...] = DEFAULT_TIERS
+    tpot_s: float = DEFAULT_TPOT_S
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ValueError("an SLO needs at least one TTFT tier")
+        bounds = [t.max_prompt_tokens for t in self.tiers]
+        if any(b is None for b in bounds[:-1]):
+            raise ValueError("only the last TTFT tier may be unbounded")
+        finite = [b for b in bounds if b is not None]
+        if finite != sorted(set(finite)) or any(b <= 0 for b in finite):
+            raise ValueError("TTFT tier bounds must be positive and increasing")
+        if any(not (t.ttft_s > 0 and math.isfinite(t.ttft_s)) for t in self.tiers):
+            raise ValueError("TTFT targets must be positive seconds")
+        if not (self.tpot_s > 0 and math.isfinite(self.tpot_s)):
+            raise ValueError("the TPOT target must be positive seconds")
+        if bounds[-1] is not None:  # a prompt longer than every bound keeps the last target
+            last = self.tiers[-1]
+            object.__setattr__(self, "tiers", (*self.tiers, SloTier(None, last.ttft_s)))
+
+    @classmethod
+    def flat(cls, ttft_s: float | None = None, tpot_s: float | None = None) -> SloTargets:
+        """The defaults with one TTFT target for every prompt (``ttft_s``) and/or another
+        TPOT target; ``None`` keeps the default of that half."""
+        tiers = DEFAULT_TIERS if ttft_s is None else (SloTier(None, ttft_s),)
+        return cls(tiers, DEFAULT_TPOT_S if tpot_s is None else tpot_s)
+
+    def tier(self, prompt_tokens: int) -> SloTier:
+        for t in self.tiers:
+            if t.max_prompt_tokens is None or prompt_tokens <= t.max_prompt_tokens:
+                return t
+        return self.tiers[-1]  # unreachable: the last tier is unbounded
+
+    def ttft_target_s(self, prompt_tokens: int) -> float:
+        return self.tier(prompt_tokens).ttft_s
+
+    def met(self, prompt_tokens: int, ttft_s: float, tpot_s: float | None) -> bool:
+        """Whether a finished request met both targets (``tpot_s`` None: one output token)."""
+        if not ttft_s <= self.ttft_target_s(prompt_tokens):  # NaN (never answered) fails
+            return False
+        return tpot_s is None or tpot_s <= self.tpot_s
+
+    def labels(self) -> Sequence[str]:
+        return [t.label for t in self.tiers]
+
+
+def tpot_s(e2e_s: float, ttft_s: float, output_tokens: int) -> float | None:
+    """Time per output token after the first; None for answers of at most one token."""
+    if output_tokens <= 1:
+        return None
+    return (e2e_s - ttft_s) / (output_tokens - 1)
+
+
+def parse_tiers(text: str) -> tuple[SloTier, ...]:
+    """``"8192:2,32768:5,131072:15,*:60"`` (prompt-token bound : TTFT seconds; ``*`` for the
+    unbounded last tier) -> tiers. Raises ValueError with the offending item."""
+    tiers: list[SloTier] = []
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        bound, sep, target = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            limit = None if bound.strip() in ("*", "") else int(bound)
+            tiers.append(SloTier(limit, float(target)))
+        except ValueError:
+            raise ValueError(
+                f"bad SLO tier {item!r}: expected PROMPT_TOKENS:TTFT_SECONDS or *:TTFT_SECONDS"
+            ) from None
+    return tuple(tiers)
+
+
+def goodput(flags: Iterable[bool]) -> float:
+    """Share of true values (0.0 for none)."""
+    n = met = 0
+    for f in flags:
+        n += 1
+        met += bool(f)
+    return met / n if n else 0.0

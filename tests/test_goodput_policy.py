@@ -1,0 +1,217 @@
+"""Goodput routing in the core: the decode weight the load tracker keeps, ``ours``'
+interference term, session hints, and the ``vllm_kv_aware`` baseline."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from router.core.index import PrefixIndex
+from router.core.load import EXPECTED_OUTPUT_TOKENS, LoadTracker, LoadView, decode_weight
+from router.core.policies import Candidate, Ours, VllmKvAware
+from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.session import SessionTable
+from router.core.types import PrefixMatch, ReplicaKey, RouteRequest, Tier
+
+A, B, C = ReplicaKey("a"), ReplicaKey("b"), ReplicaKey("c")
+
+
+def rng() -> random.Random:
+    return random.Random(0)
+
+
+# ---------------------------------------------------------------------------- decode weight
+
+
+def test_decode_weight_is_one_over_the_intervals_of_the_answer() -> None:
+    assert decode_weight(2) == 1.0
+    assert decode_weight(11) == pytest.approx(0.1)
+    assert decode_weight(1) == 1.0  # no interval: the weight of the most fragile
+    assert decode_weight(None) == pytest.approx(1 / (EXPECTED_OUTPUT_TOKENS - 1))
+
+
+def test_the_tracker_counts_a_requests_weight_from_dispatch_to_completion() -> None:
+    t = LoadTracker()
+    t.dispatch("short", A, 1000, 0, max_output_tokens=3)
+    t.dispatch("long", A, 1000, 0, max_output_tokens=101)
+    assert t.view(A, 0.0).decode_weight == pytest.approx(0.5 + 0.01)
+    t.first_token("short")  # still in flight: its decode is what a prefill would stall
+    assert t.view(A, 0.0).decode_weight == pytest.approx(0.51)
+    t.complete("short")
+    assert t.view(A, 0.0).decode_weight == pytest.approx(0.01)
+    t.complete("long")
+    assert t.view(A, 0.0).decode_weight == 0.0  # no rounding residue once idle
+    t.dispatch("again", A, 10, 0, max_output_tokens=5)
+    (weight,) = t.columns((A,)).decode_weight
+    assert weight == t.view(A, 0.0).decode_weight == 0.25
+
+
+# ---------------------------------------------------------------------------- ours
+
+
+def _cand(key: ReplicaKey, kv: int = 0, weight: float = 0.0, **load: int) -> Candidate:
+    return Candidate(key, PrefixMatch(kv, kv, kv, kv), LoadView(**load, decode_weight=weight))
+
+
+def test_a_long_uncached_prefill_goes_where_it_stalls_fewest_short_answers() -> None:
+    request = RouteRequest("x", "m", 32_000, [], 64, None, 500)
+    # the same load on both, but A runs answers of 2-3 tokens and B answers of 1,000
+    a = _cand(A, weight=2.0, decoding=4, decode_context_tokens=8000)
+    b = _cand(B, weight=0.004, decoding=4, decode_context_tokens=8000)
+    chosen = Ours().choose(request, [a, b], 0.0, rng())
+    assert chosen.replica == B
+    blind = Ours(w_interference=0.0)
+    assert (
+        blind.choose(request, [a, b], 0.0, rng()).score
+        == blind.choose(request, [b, a], 0.0, rng()).score
+    )  # without the term A and B tie
+    ours = Ours()
+    stall = ours.term_values(request, a)[0] * 2.0 / ours.tpot_target_s
+    assert ours.terms(request, a)["interference"] == pytest.approx(stall)
+
+
+def test_a_cache_hit_still_goes_to_its_cache_next_to_short_answers() -> None:
+    request = RouteRequest("x", "m", 32_000, [], 64, None, 500)
+    a = _cand(A, kv=490, weight=2.0, decoding=4)  # holds 31,360 of the 32,000 tokens
+    b = _cand(B, weight=0.0, decoding=4)
+    assert Ours().choose(request, [a, b], 0.0, rng()).replica == A
+
+
+# ---------------------------------------------------------------------------- session hints
+
+
+def _engine(policy: object, ttl: float = 600.0) -> RoutingEngine:
+    index, load = PrefixIndex(), LoadTracker()
+    for key in (A, B, C):
+        index.add_replica(key)
+        load.add_replica(key)
+    return RoutingEngine(index, load, policy, RoutingSettings(block_size=4, session_ttl_s=ttl))  # type: ignore[arg-type]
+
+
+def _turn(rid: str, chain: list[int], session: str | None = "s") -> RouteRequest:
+    return RouteRequest(rid, "m", 4 * len(chain) + 2, chain, 4, session, 64)
+
+
+def test_a_sessions_next_turn_is_credited_to_its_last_replica_before_events_arrive() -> None:
+    engine = _engine(Ours())
+    first = _turn("t1", list(range(1, 201)))
+    decision = engine.route(first, (A, B, C), 0.0, rng())
+    engine.dispatched(first, decision, 0.0)
+    engine.load.complete("t1")  # answered; the engine's KV events have not come yet
+    second = _turn("t2", list(range(1, 251)))
+    again = engine.route(second, (A, B, C), 5.0, rng())
+    assert again.replica == decision.replica
+    assert again.usable_tokens == 200 * 4  # the previous prompt, as if indexed
+    # without the session id: nothing is known
+    cold = engine.route(_turn("t3", list(range(1, 251)), session=None), (A, B, C), 5.0, rng())
+    assert cold.usable_tokens == 0
+
+
+def test_an_edited_conversation_or_an_old_session_gets_no_credit() -> None:
+    engine = _engine(Ours(), ttl=60.0)
+    first = _turn("t1", list(range(1, 201)))
+    engine.dispatched(first, engine.route(first, (A, B, C), 0.0, rng()), 0.0)
+    edited = _turn("t2", [*range(1, 150), *range(1000, 1100)])
+    assert engine.route(edited, (A, B, C), 1.0, rng()).usable_tokens == 0
+    extended = _turn("t3", list(range(1, 251)))
+    assert engine.route(extended, (A, B, C), 61.0, rng()).usable_tokens == 0  # expired
+
+
+def test_a_hint_is_not_a_pin_a_busy_replica_loses_the_session() -> None:
+    engine = _engine(Ours())
+    first = _turn("t1", list(range(1, 21)))
+    decision = engine.route(first, (A, B, C), 0.0, rng())
+    engine.dispatched(first, decision, 0.0)
+    engine.load.complete("t1")
+    for i in range(40):  # the session's replica fills with long prefills
+        engine.load.dispatch(f"bg{i}", decision.replica, 50_000, 0)
+    second = _turn("t2", list(range(1, 26)))
+    assert engine.route(second, (A, B, C), 1.0, rng()).replica != decision.replica
+
+
+def test_baselines_do_not_read_hints_and_the_table_is_bounded() -> None:
+    assert _engine(VllmKvAware()).sessions is None
+    assert _engine(Ours(uses_session_hints=False)).sessions is None
+    assert _engine(Ours(), ttl=0.0).sessions is None
+    table = SessionTable(ttl_s=10.0, max_sessions=2)
+    for i, key in enumerate((A, B, C)):
+        table.record(f"s{i}", key, [i + 1], float(i))
+    assert len(table) == 2 and table.get("s0", 2.0) is None  # least recently used dropped
+    table.forget(C)
+    assert table.get("s2", 2.0) is None and table.get("s1", 2.0) is not None
+
+
+# ---------------------------------------------------------------------------- vllm_kv_aware
+
+
+def _vcand(key: ReplicaKey, gpu: int = 0, host: int = 0, kv: int = 0, **load: int) -> Candidate:
+    kv = max(kv, host, gpu)
+    return Candidate(key, PrefixMatch(kv, gpu, max(host, gpu), kv), LoadView(**load))
+
+
+def test_vllm_kv_aware_cost_is_new_plus_active_prefill_times_batch() -> None:
+    policy = VllmKvAware()
+    request = RouteRequest("x", "m", 1000, [], 16)
+    # 40 GPU blocks = 640 tokens credited: 360 new; 500 prefilling there; 3 in flight
+    a = _vcand(A, gpu=40, queued_prefill_tokens=500, prefilling=1, decoding=2, in_flight=3)
+    assert policy.new_prefill_tokens(request, a) == 360
+    assert policy.cost(request, a) == ((360 + 500) * 4, 860)
+    # a host continuation is credited at 0.8, a disk one at 0.3 (rounded up)
+    b = _vcand(B, gpu=10, host=30)
+    assert policy.new_prefill_tokens(request, b) == math.ceil(1000 - (10 + 20 * 0.8) * 16)
+    c = _vcand(C, gpu=10, kv=30)
+    assert policy.new_prefill_tokens(request, c) == math.ceil(1000 - (10 + 20 * 0.3) * 16)
+    # the last prompt token is never credited: a full GPU match still leaves one token
+    full = _vcand(A, gpu=63)
+    assert policy.new_prefill_tokens(RouteRequest("x", "m", 1008, [], 16), full) == 16
+    chosen = policy.choose(request, [a, b, c], 0.0, rng())
+    assert chosen.replica == B  # 584 new tokens on an idle replica
+    assert chosen.terms["new_prefill_tokens"] == 584.0
+
+
+def test_vllm_kv_aware_breaks_ties_by_order_and_zero_cost_by_load() -> None:
+    policy = VllmKvAware()
+    request = RouteRequest("x", "m", 1000, [], 16)
+    tied = [_vcand(B, gpu=5, in_flight=1), _vcand(A, gpu=5, in_flight=1)]
+    assert policy.choose(request, tied, 0.0, rng()).replica == B
+    assert policy.choose(request, list(reversed(tied)), 0.0, rng()).replica == A
+
+
+def test_vllm_kv_aware_session_affinity_pins_while_fresh() -> None:
+    policy = VllmKvAware(session_ttl_s=30.0)
+    request = RouteRequest("x", "m", 1000, [], 16, "s")
+    idle = [_vcand(A), _vcand(B)]
+    assert policy.choose(request, idle, 0.0, rng()).replica == A
+    busy_a = [_vcand(A, queued_prefill_tokens=10_000, in_flight=9), _vcand(B)]
+    pinned = policy.choose(request, busy_a, 10.0, rng())
+    assert pinned.replica == A and pinned.terms["sticky"] == 1.0  # a hard pin
+    assert policy.choose(request, busy_a, 45.0, rng()).replica == B  # expired: rebound
+    gone = policy.choose(request, [_vcand(A), _vcand(C)], 50.0, rng())  # B left: rebound
+    assert gone.replica == A and gone.terms["sticky"] == 0.0
+    assert policy.choose(request, [_vcand(C), _vcand(A)], 51.0, rng()).replica == A
+
+
+def test_vllm_kv_aware_with_temperature_samples_among_candidates() -> None:
+    policy = VllmKvAware(temperature=1e9)  # nearly uniform
+    request = RouteRequest("x", "m", 1000, [], 16)
+    cands = [_vcand(A, gpu=60), _vcand(B), _vcand(C)]
+    r = random.Random(3)
+    seen = {policy.choose(request, cands, 0.0, r).replica for _ in range(60)}
+    assert seen == {A, B, C}
+    assert VllmKvAware().choose(request, cands, 0.0, r).replica == A
+
+
+def test_index_tiers_feed_the_vllm_kv_aware_credit() -> None:
+    index = PrefixIndex()
+    index.add_replica(A)
+    chain = list(range(1, 41))
+    index.store(A, chain[:10], Tier.GPU)
+    index.store(A, chain[10:], Tier.CPU)
+    match = index.match(chain).get(A)
+    assert match is not None
+    cand = Candidate(A, match, LoadView())
+    request = RouteRequest("x", "m", 40 * 16 + 8, chain, 16)
+    expected = math.ceil(request.prompt_tokens - (10 + 30 * 0.8) * 16)
+    assert VllmKvAware().new_prefill_tokens(request, cand) == expected

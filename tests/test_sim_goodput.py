@@ -1,0 +1,73 @@
+"""Goodput in the simulator's command line: SLO flags, the figures ``sim replay --json``
+adds, and ``sim tune`` over several traces with the goodput objective."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from sim.tuned import load_tuned
+
+FLEET = ["--replicas", "4", "--block-size", "64", "--kv-blocks", "4096"]
+
+
+def kvrouter(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def _replay(*extra: str) -> dict[str, object]:
+    p = kvrouter("sim", "replay", "mooncake", *FLEET, "--limit", "300", "--json", *extra)
+    assert p.returncode == 0, p.stderr
+    doc: dict[str, object] = json.loads(p.stdout)
+    return doc
+
+
+def test_replay_reports_goodput_and_tpot_beside_the_old_fields() -> None:
+    doc = _replay("--policy", "ours", "--speedup", "4")
+    for key in ("goodput", "tpot_ms_p50", "tpot_ms_p90", "slo_ttft_met", "slo_tpot_met"):
+        assert key in doc, key
+    for key in ("token_hit_rate", "ttft_ms_p90", "itl_ms_p50", "e2e_ms_p90"):
+        assert key in doc, key  # nothing that was there went away
+    assert doc["tpot_ms_p50"] == doc["itl_ms_p50"]
+    assert 0.0 <= float(doc["goodput"]) <= min(float(doc["slo_ttft_met"]), 1.0)  # type: ignore[arg-type]
+    assert doc["settings"]["slo"]["tpot_s"] == 0.1  # type: ignore[index]
+
+
+def test_flat_slo_flags_override_the_tiers() -> None:
+    lax = _replay("--policy", "round_robin", "--speedup", "4", "--slo-ttft-ms", "600000")
+    strict = _replay(
+        "--policy", "round_robin", "--speedup", "4", "--slo-ttft-ms", "50", "--slo-tpot-ms", "5"
+    )
+    assert lax["slo_ttft_met"] == 1.0
+    assert float(strict["goodput"]) < float(lax["goodput"])  # type: ignore[arg-type]
+    assert strict["settings"]["slo"] == {"ttft_s": {"any": 0.05}, "tpot_s": 0.005}  # type: ignore[index]
+    tiers = _replay("--policy", "round_robin", "--slo-tiers", "1000:0.5,*:9")
+    assert tiers["settings"]["slo"]["ttft_s"] == {"le1000": 0.5, "any": 9.0}  # type: ignore[index]
+
+
+def test_bad_slo_flags_are_clear_errors() -> None:
+    for flags in (["--slo-tiers", "8192:fast"], ["--slo-tpot-ms", "0"], ["--slo-ttft-ms", "-1"]):
+        p = kvrouter("sim", "replay", "mooncake", "--limit", "10", *flags)
+        assert p.returncode == 2 and "error" in p.stderr and "Traceback" not in p.stderr, flags
+
+
+def test_tune_for_goodput_over_two_traces(tmp_path: Path) -> None:
+    out = tmp_path / "tuned.toml"
+    agentic = "agentic:sessions=6,mean_turns=3,max_turns=4,system_tokens=2000,seed=1"
+    p = kvrouter(
+        "sim", "tune", "mooncake", agentic, *FLEET, "--limit", "60", "--speedups", "2",
+        "--budget", "3", "--jobs", "1", "--out", str(out),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["objective"] == "goodput"
+    assert {c["trace"] for c in doc["cases"]} == {"mooncake", agentic}
+    assert abs(doc["goodput"] - sum(c["goodput"] for c in doc["cases"]) / 2) < 1e-4
+    tuned = load_tuned(out)
+    assert tuned.policy == "ours" and "w_interference" in tuned.params
+    assert tuned.params["tpot_target_s"] == 0.1
+    assert "mean goodput" in out.read_text()

@@ -1,0 +1,123 @@
+"""SLO targets (router/core/slo.py) and the goodput figures the simulator reports."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from router.core.slo import (
+    DEFAULT_TIERS,
+    DEFAULT_TPOT_S,
+    SloTargets,
+    SloTier,
+    goodput,
+    parse_tiers,
+    tpot_s,
+)
+from sim.metrics import RequestRecord, slo_figures
+
+
+def test_a_prompt_takes_the_target_of_the_first_tier_it_fits() -> None:
+    slo = SloTargets()
+    assert slo.ttft_target_s(1) == 2.0
+    assert slo.ttft_target_s(8192) == 2.0
+    assert slo.ttft_target_s(8193) == 5.0
+    assert slo.ttft_target_s(131072) == 15.0
+    assert slo.ttft_target_s(1_000_000) == 60.0
+    assert slo.tpot_s == DEFAULT_TPOT_S
+    assert [t.label for t in slo.tiers] == ["le8k", "le32k", "le128k", "any"]
+
+
+def test_a_bounded_last_tier_keeps_its_target_for_longer_prompts() -> None:
+    slo = SloTargets((SloTier(1000, 1.0), SloTier(4000, 3.0)), 0.05)
+    assert slo.ttft_target_s(10**6) == 3.0
+    assert slo.tiers[-1] == SloTier(None, 3.0)
+
+
+def test_flat_targets_override_the_tiers() -> None:
+    flat = SloTargets.flat(ttft_s=0.5, tpot_s=0.02)
+    assert flat.ttft_target_s(1) == flat.ttft_target_s(10**6) == 0.5
+    assert flat.tpot_s == 0.02
+    assert SloTargets.flat(tpot_s=0.2).tiers == DEFAULT_TIERS
+
+
+def test_met_needs_both_halves() -> None:
+    slo = SloTargets.flat(ttft_s=1.0, tpot_s=0.1)
+    assert slo.met(100, 0.9, 0.09)
+    assert not slo.met(100, 1.1, 0.09)
+    assert not slo.met(100, 0.9, 0.11)
+    assert slo.met(100, 0.9, None)  # one output token: no TPOT to miss
+    assert not slo.met(100, math.nan, None)  # never answered
+
+
+def test_tpot_is_time_after_the_first_token_per_further_token() -> None:
+    assert tpot_s(2.0, 1.0, 11) == pytest.approx(0.1)
+    assert tpot_s(2.0, 1.0, 1) is None
+    assert tpot_s(2.0, 1.0, 0) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "tiers"),
+    [
+        ("8192:2,*:60", (SloTier(8192, 2.0), SloTier(None, 60.0))),
+        (" 1000 : 0.5 , 2000:1 ", (SloTier(1000, 0.5), SloTier(2000, 1.0))),
+    ],
+)
+def test_tier_tables_parse(text: str, tiers: tuple[SloTier, ...]) -> None:
+    assert parse_tiers(text) == tiers
+
+
+@pytest.mark.parametrize("text", ["8192", "x:1", "8192:fast", "8192:2:3"])
+def test_a_bad_tier_table_names_the_bad_item(text: str) -> None:
+    with pytest.raises(ValueError, match="bad SLO tier"):
+        parse_tiers(text)
+
+
+@pytest.mark.parametrize(
+    "tiers",
+    [
+        (),
+        (SloTier(None, 1.0), SloTier(100, 2.0)),  # unbounded before the last
+        (SloTier(200, 1.0), SloTier(100, 2.0)),  # not increasing
+        (SloTier(100, 0.0),),
+        (SloTier(100, math.inf),),
+        (SloTier(0, 1.0),),
+    ],
+)
+def test_inconsistent_targets_are_refused(tiers: tuple[SloTier, ...]) -> None:
+    with pytest.raises(ValueError):
+        SloTargets(tiers)
+
+
+def test_a_non_positive_tpot_target_is_refused() -> None:
+    with pytest.raises(ValueError):
+        SloTargets(tpot_s=0.0)
+
+
+def test_goodput_is_the_share_of_true_flags() -> None:
+    assert goodput([True, False, True, True]) == 0.75
+    assert goodput([]) == 0.0
+
+
+def _record(prompt: int, ttft: float, e2e: float, output: int, rejected: bool = False) -> Any:
+    r = RequestRecord("r", 0.0, prompt, 0)
+    r.first, r.finish, r.output, r.rejected = ttft, e2e, output, rejected
+    return r
+
+
+def test_simulated_goodput_counts_every_request_and_each_half() -> None:
+    slo = SloTargets((SloTier(1000, 1.0), SloTier(None, 5.0)), 0.1)
+    records = [
+        _record(500, 0.5, 1.4, 10),  # meets both (TPOT 0.1)
+        _record(500, 1.5, 2.0, 10),  # TTFT missed
+        _record(5000, 4.0, 8.0, 11),  # TPOT 0.4 missed
+        _record(5000, 4.0, 4.0, 1),  # one token: meets
+        _record(500, math.nan, math.nan, 0, rejected=True),
+    ]
+    got = slo_figures(records, slo)
+    assert got["goodput"] == 0.4
+    assert got["slo_ttft_met"] == 0.6
+    assert got["slo_tpot_met"] == 0.6
+    assert got["goodput_by_tier"] == {"le1000": pytest.approx(1 / 3, abs=1e-5), "any": 0.5}
