@@ -5,11 +5,13 @@ simulator's engine model on the wall clock), the router with its embedded index 
 replicas' KV events (or Redis + one publisher per replica with ``--redis URL``), replay an
 agentic trace (synthetic sessions sharing system prompts and tool schemas, contexts growing
 turn by turn, closed loop; or ``--trace FILE`` in Mooncake/recorded format) through the
-router over HTTP at a speed-up, then stop everything. Prints hit rate and TTFT per policy
-next to what the simulator predicts for the same trace and cluster, and exits non-zero if
-any request failed.
+router over HTTP at a speed-up, then stop everything. Prints hit rate, goodput (the default
+SLO, router.core.slo), TTFT and TPOT per policy next to what the simulator predicts for the
+same trace and cluster, and exits non-zero if any request failed.
 
-``--sim-only`` skips the live part (no processes at all).
+``--sim-only`` skips the live part (no processes at all). ``--router-url URL`` replays the
+workload through a router that is already running (any OpenAI-compatible one, in front of
+its own replicas) instead of starting a fleet: one row, ``external``.
 
 This is a command-line entry point, so it may use ``sim/`` (for the prediction); the
 serving code never does.
@@ -28,8 +30,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from router.bench.measure import percentile
-
 # ~40 agent sessions over ~20 s: shared system prompts and tool schemas, 6 turns on average,
 # contexts growing to ~20-60k tokens; sized so the default demo takes about a minute.
 DEFAULT_AGENTIC = (
@@ -39,18 +39,10 @@ DEFAULT_AGENTIC = (
 )
 
 
-def _summary(outcomes: list[Any]) -> dict[str, float]:
-    ok = [o for o in outcomes if o.ok]
-    prompt = sum(o.prompt_tokens for o in ok)
-    ttft = [o.ttft_s * 1e3 for o in ok]
-    return {
-        "requests": len(outcomes),
-        "failed": len(outcomes) - len(ok),
-        "hit_rate": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
-        "predicted_hit_rate": sum(o.predicted_tokens for o in ok) / prompt if prompt else 0.0,
-        "ttft_ms_p50": percentile(ttft, 50) if ttft else math.nan,
-        "ttft_ms_p90": percentile(ttft, 90) if ttft else math.nan,
-    }
+def _summary(outcomes: list[Any]) -> dict[str, Any]:
+    from router.demo.figures import summarize
+
+    return summarize(outcomes)
 
 
 def _simulate(args: argparse.Namespace, policy: str, trace: Path) -> dict[str, Any]:
@@ -74,7 +66,18 @@ def _simulate(args: argparse.Namespace, policy: str, trace: Path) -> dict[str, A
     return run_one(workload, config, RunSpec(policy, speedup=args.speedup)).summary
 
 
-async def _live(args: argparse.Namespace, policy: str, requests: list[Any]) -> dict[str, float]:
+async def _external(args: argparse.Namespace, requests: list[Any]) -> dict[str, Any]:
+    from router.demo.replay import ProgressBar, replay
+
+    outcomes = await replay(
+        args.router_url.rstrip("/"), requests, args.speedup, ProgressBar(len(requests), "external")
+    )
+    for error in [o.error for o in outcomes if not o.ok][:3]:
+        print(f"  external: request failed: {error}", file=sys.stderr)
+    return _summary(outcomes)
+
+
+async def _live(args: argparse.Namespace, policy: str, requests: list[Any]) -> dict[str, Any]:
     from router.demo.fleet import Fleet, FleetSpec
     from router.demo.replay import ProgressBar, replay
 
@@ -115,10 +118,10 @@ async def _drop_keys(url: str, prefix: str) -> None:
         await client.aclose()
 
 
-def _fmt(value: float, pct: bool = False) -> str:
+def _fmt(value: float, pct: bool = False, digits: int = 0) -> str:
     if value != value:
         return "-"
-    return f"{value * 100:.1f}%" if pct else f"{value:.0f}"
+    return f"{value * 100:.1f}%" if pct else f"{value:.{digits}f}"
 
 
 def _agentic_trace(spec_text: str, path: Path) -> None:
@@ -153,33 +156,43 @@ def _run(args: argparse.Namespace, trace: Path) -> int:
         f"({args.profile}, {args.kv_blocks} KV blocks of {args.block_size} tokens), "
         f"index: {'redis ' + args.redis if args.redis else 'embedded (ZMQ events)'}"
     )
-    rows = []
+    rows: list[tuple[str, dict[str, Any] | None, dict[str, Any]]] = []
     failed = 0
-    for policy in policies:
+    if args.router_url:
+        external = asyncio.run(_external(args, requests))
+        failed += int(external["failed"])
+        rows.append(("external", external, _simulate(args, "ours", trace)))
+    for policy in [] if args.router_url else policies:
         sim = _simulate(args, policy, trace)
         live = None if args.sim_only else asyncio.run(_live(args, policy, requests))
         if live:
             failed += int(live["failed"])
         rows.append((policy, live, sim))
     header = (
-        f"{'policy':<14} {'ok':>5} {'hit%':>6} {'pred%':>6} {'TTFT p50':>9} {'TTFT p90':>9}"
-        f" | {'sim hit%':>8} {'sim p50':>8} {'sim p90':>8}"
+        f"{'policy':<14} {'ok':>5} {'hit%':>6} {'pred%':>6} {'good%':>6} {'TTFT p50':>9}"
+        f" {'TTFT p90':>9} {'TPOT p90':>9} | {'sim hit%':>8} {'sim good%':>9} {'sim p50':>8}"
+        f" {'sim p90':>8}"
     )
     print(header)
     print("-" * len(header))
     for policy, live, sim in rows:
         lv = live or {}
-        ok = f"{lv['requests'] - lv['failed']:.0f}" if live else "-"
+        nan = math.nan
+        ok = f"{lv['ok']:.0f}" if live else "-"
         print(
-            f"{policy:<14} {ok:>5} {_fmt(lv.get('hit_rate', math.nan), True):>6} "
-            f"{_fmt(lv.get('predicted_hit_rate', math.nan), True):>6} "
-            f"{_fmt(lv.get('ttft_ms_p50', math.nan)):>9} {_fmt(lv.get('ttft_ms_p90', math.nan)):>9}"
-            f" | {_fmt(sim['token_hit_rate'], True):>8} {_fmt(sim['ttft_ms_p50']):>8}"
-            f" {_fmt(sim['ttft_ms_p90']):>8}"
+            f"{policy:<14} {ok:>5} {_fmt(lv.get('hit', nan), True):>6} "
+            f"{_fmt(lv.get('predicted_hit', nan), True):>6} "
+            f"{_fmt(lv.get('goodput', nan), True):>6} "
+            f"{_fmt(lv.get('ttft_p50_ms', nan)):>9} {_fmt(lv.get('ttft_p90_ms', nan)):>9} "
+            f"{_fmt(lv.get('tpot_p90_ms', nan), digits=1):>9}"
+            f" | {_fmt(sim['token_hit_rate'], True):>8} {_fmt(sim['goodput'], True):>9}"
+            f" {_fmt(sim['ttft_ms_p50']):>8} {_fmt(sim['ttft_ms_p90']):>8}"
         )
     print(
         "hit% = engine-reported cached prompt tokens; pred% = the router's predicted usable "
-        "hit; TTFT in ms at the client; sim = the simulator on the same trace and cluster."
+        "hit; good% = requests meeting their TTFT and TPOT targets; TTFT / TPOT in ms at the "
+        "client; sim = the simulator on the same trace and cluster (ours, for an external "
+        "router)."
     )
     if failed:
         print(f"FAILED: {failed} request(s) did not complete", file=sys.stderr)
@@ -210,4 +223,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="record the router's live traffic to PREFIX.<policy>.jsonl (replay with sim)",
     )
     p.add_argument("--sim-only", action="store_true", help="only the simulator's prediction")
+    p.add_argument(
+        "--router-url",
+        help="replay through this running router (e.g. http://host:8000) instead of a fleet",
+    )
     p.set_defaults(handler=run)

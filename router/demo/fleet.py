@@ -1,6 +1,8 @@
 """Processes of the live demo: mock replicas, optional publishers, the router. Each is a real
-``kvrouter`` subprocess on loopback; ``Fleet`` starts them, waits until they answer and always
-stops every one of them (``async with``)."""
+subprocess on loopback; ``Fleet`` starts them, waits until they answer and always stops every
+one of them (``async with``). With ``policy=None`` no kvrouter is started: the caller puts
+another router in front of the mocks with :meth:`Fleet.start_router` (``kvrouter bench live``
+does, for vllm-router); ``replicas`` lists what each mock serves on."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ MODEL = "demo-model"
 @dataclass(slots=True, frozen=True)
 class FleetSpec:
     replicas: int
-    policy: str
+    policy: str | None
     block_size: int = 64
     kv_blocks: int = 16384
     profile: str = "dense-70b"
@@ -38,6 +40,7 @@ class Fleet:
     spec: FleetSpec
     router_url: str = ""
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    replicas: list[dict[str, str]] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
     _ports: set[int] = field(default_factory=set)
 
@@ -51,12 +54,27 @@ class Fleet:
                 return port
 
     def _spawn(self, name: str, *args: str) -> None:
+        self._spawn_cmd(name, [sys.executable, "-m", "router.cli", *args])
+
+    def _spawn_cmd(self, name: str, cmd: list[str]) -> None:
         assert self._tmp is not None
         log = open(Path(self._tmp.name) / f"{name}.log", "wb")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "router.cli", *args]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self.procs.append((name, proc))
+
+    def port(self) -> int:
+        """A free loopback port for a process the caller adds to the fleet."""
+        return self._port()
+
+    async def start_router(
+        self, name: str, cmd: list[str], url: str, ready: str = "/health"
+    ) -> None:
+        """Start ``cmd`` (a router listening on ``url``) as part of the fleet; wait until
+        ``ready`` answers 200. It is stopped with the rest."""
+        self._spawn_cmd(name, cmd)
+        await self._wait_healthy([url], path=ready, timeout_s=60)
+        self.router_url = url
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         assert self._tmp is not None
@@ -93,7 +111,16 @@ class Fleet:
                     rep["zmq"] = f"tcp://127.0.0.1:{zmq}"
                     rep["zmq_replay"] = f"tcp://127.0.0.1:{replay}"
                 replicas.append(rep)
+                self.replicas.append(
+                    {
+                        **rep,
+                        "zmq": f"tcp://127.0.0.1:{zmq}",
+                        "zmq_replay": f"tcp://127.0.0.1:{replay}",
+                    }
+                )
             await self._wait_healthy([r["url"] for r in replicas])
+            if s.policy is None:
+                return self
             port = self._port()
             config = Path(self._tmp.name) / "router.toml"
             config.write_text(_router_toml(s, port, replicas))
@@ -105,8 +132,10 @@ class Fleet:
             raise
         return self
 
-    async def _wait_healthy(self, urls: list[str], path: str = "/health") -> None:
-        deadline = asyncio.get_running_loop().time() + 30
+    async def _wait_healthy(
+        self, urls: list[str], path: str = "/health", timeout_s: float = 30.0
+    ) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
         async with aiohttp.ClientSession() as session:
             for url in urls:
                 while True:
@@ -118,7 +147,7 @@ class Fleet:
                     except aiohttp.ClientError:
                         pass
                     if asyncio.get_running_loop().time() > deadline:
-                        raise RuntimeError(f"{url}{path} did not come up within 30 s")
+                        raise RuntimeError(f"{url}{path} did not come up within {timeout_s:g} s")
                     await asyncio.sleep(0.1)
 
     def check_alive(self) -> None:

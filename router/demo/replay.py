@@ -6,9 +6,10 @@ Prompts are rebuilt as token ids with the simulator's rule (token ``j`` of trace
 hash exactly the same tokens. A session's first request goes out at its timestamp, each
 follow-up ``delay`` after the previous turn finished (both divided by the speed-up).
 Every request is a streaming ``/v1/completions`` call with
-``stream_options.include_usage``; the client measures TTFT at the first SSE event and reads
-the engine's ``cached_tokens`` from the usage chunk and the router's predicted hit from the
-``X-KVRouter-Decision`` header.
+``stream_options.include_usage``, carrying its session in ``X-Session-Id`` (and ``user``); the
+client measures TTFT at the first SSE event and E2E at the stream's end, and reads the
+engine's ``cached_tokens`` and ``completion_tokens`` from the usage chunk and the router's
+predicted hit from the ``X-KVRouter-Decision`` header (kvrouter only).
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ class Outcome:
     cached_tokens: int = 0
     predicted_tokens: int = 0
     error: str = ""
+    e2e_s: float = float("nan")
+    output_tokens: int = 0
 
 
 def load_requests(path: Path, limit: int, model: str, max_output: int) -> list[TraceRequest]:
-    out = []
+    out: list[TraceRequest] = []
     offsets = np.arange(TRACE_BLOCK, dtype="<u4")
     with path.open() as fh:
         for line in fh:
@@ -92,10 +95,11 @@ def _predicted(header: str | None) -> int:
 
 async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> Outcome:
     t0 = time.perf_counter()
+    headers = {"Content-Type": "application/json"}
+    if req.session_id is not None:
+        headers["X-Session-Id"] = str(req.session_id)
     try:
-        async with session.post(
-            url, data=req.body, headers={"Content-Type": "application/json"}
-        ) as resp:
+        async with session.post(url, data=req.body, headers=headers) as resp:
             if resp.status != 200:
                 return Outcome(False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
             out = Outcome(
@@ -109,6 +113,7 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                 if out.ttft_s != out.ttft_s:
                     out.ttft_s = time.perf_counter() - t0
                 if data == b"[DONE]":
+                    out.e2e_s = time.perf_counter() - t0
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -116,10 +121,13 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                 usage = chunk.get("usage")
                 if usage:
                     out.prompt_tokens = usage.get("prompt_tokens", 0)
+                    out.output_tokens = usage.get("completion_tokens", 0)
                     details = usage.get("prompt_tokens_details") or {}
                     out.cached_tokens = details.get("cached_tokens") or 0
             if out.ttft_s != out.ttft_s:
                 return Outcome(False, error="stream ended without data")
+            if out.e2e_s != out.e2e_s:
+                out.e2e_s = time.perf_counter() - t0
             return out
     except (aiohttp.ClientError, TimeoutError) as exc:
         return Outcome(False, error=f"{type(exc).__name__}: {exc}")

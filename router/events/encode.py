@@ -1,7 +1,16 @@
-"""Encode KV events the way vLLM does (for the mock replica and tests): msgpack, either as
-positional arrays with the tag first (``"array"``: byte-identical to vLLM's msgspec
-``array_like=True`` structs, every field present) or as maps with a ``type`` key and
-default-valued fields left out (``"map"``, like msgspec's ``omit_defaults``)."""
+"""Encode KV events the way the engines do (for the mock replica and tests), msgpack in one
+of three layouts:
+
+* ``"vllm"`` (the default): current vLLM (0.24 on), the msgpack values its msgspec structs
+  write (msgspec may use wider map headers; the values are the same): the
+  batch a positional array (``[ts, events, rank]``, the rank nil when unset), each event a map
+  led by its ``type`` tag, the fields without defaults (``lora_id``, ``medium``,
+  ``lora_name``, ...) always present, defaulted ones left out while at their default
+  (``omit_defaults``). What vllm-router's ``kv_aware`` and current vLLM tools decode.
+* ``"array"``: vLLM before 0.24: events as positional arrays with the tag first, every field
+  present.
+* ``"map"``: batch and events as maps, default-valued fields left out (SGLang's maps).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +29,8 @@ from router.events.model import (
     EngineEvent,
 )
 
-Encoding = Literal["array", "map"]
+Encoding = Literal["vllm", "array", "map"]
+ENCODINGS: tuple[Encoding, ...] = ("vllm", "array", "map")
 _DEFAULTS: dict[str, Any] = {
     "lora_id": None,
     "medium": None,
@@ -31,6 +41,9 @@ _DEFAULTS: dict[str, Any] = {
     "kv_cache_spec_sliding_window": None,
     "data_parallel_rank": None,
 }
+
+
+_VLLM_DEFAULTS = frozenset(_DEFAULTS) - {"lora_id", "medium", "lora_name"}
 
 
 def _values(obj: Any, names: tuple[str, ...]) -> list[Any]:
@@ -49,19 +62,23 @@ def _event(ev: EngineEvent, encoding: Encoding) -> Any:
     vals = _values(ev, names)
     if encoding == "array":
         return [tag, *vals]
+    # vLLM's structs give only these fields defaults; SGLang's maps default the rest too
+    defaults = _VLLM_DEFAULTS if encoding == "vllm" else _DEFAULTS
     out: dict[str, Any] = {"type": tag}
     out.update(
-        (n, v) for n, v in zip(names, vals, strict=True) if not (n in _DEFAULTS and v is None)
+        (n, v) for n, v in zip(names, vals, strict=True) if not (n in defaults and v is None)
     )
     if isinstance(ev, EngineBlockStored) and ev.cache_salt is not None:
         out["cache_salt"] = ev.cache_salt  # SGLang's field (maps only)
     return out
 
 
-def encode_batch(batch: EngineBatch, encoding: Encoding = "array") -> bytes:
+def encode_batch(batch: EngineBatch, encoding: Encoding = "vllm") -> bytes:
     events = [_event(e, encoding) for e in batch.events]
-    if encoding == "array":
-        body: Any = [batch.ts, events]
+    if encoding == "vllm":  # msgspec writes the rank's slot even when it is None
+        body: Any = [batch.ts, events, batch.data_parallel_rank]
+    elif encoding == "array":
+        body = [batch.ts, events]
         if batch.data_parallel_rank is not None:
             body.append(batch.data_parallel_rank)
     else:
@@ -71,4 +88,4 @@ def encode_batch(batch: EngineBatch, encoding: Encoding = "array") -> bytes:
     return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
 
 
-__all__ = ["Encoding", "EngineAllCleared", "encode_batch"]
+__all__ = ["ENCODINGS", "Encoding", "EngineAllCleared", "encode_batch"]

@@ -34,7 +34,7 @@ class KVEventPublisher:
         replay_endpoint: str | None = None,
         *,
         topic: str = "",
-        encoding: Encoding = "array",
+        encoding: Encoding = "vllm",
         buffer_steps: int = 10_000,
         replay_topic: bool = True,
         context: zmq.asyncio.Context | None = None,

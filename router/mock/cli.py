@@ -54,7 +54,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--cpu-blocks", type=int, default=None, help="override host-tier capacity")
     p.add_argument("--zmq", default="", help="bind KV-event PUB here, e.g. tcp://*:5557")
     p.add_argument("--replay", default="", help="bind the replay ROUTER here, e.g. tcp://*:5558")
-    p.add_argument("--encoding", choices=["array", "map"], default="array")
+    p.add_argument(
+        "--encoding",
+        choices=("vllm", "array", "map"),
+        default="vllm",
+        help="KV event layout: current vLLM (default), vLLM < 0.24 (array) or maps",
+    )
     p.add_argument("--topic", default="")
     p.add_argument("--tokenizer", default=None, help="HF-style tokenizer dir (router's config)")
     p.add_argument("--bpe-file", default=None, help="tiktoken BPE file for --tokenizer")

@@ -4,7 +4,9 @@
 engine driver and the KV-event publisher (vLLM wire format over ZMQ). Endpoints:
 ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not, ``usage`` with
 ``prompt_tokens_details.cached_tokens``, ``stream_options.include_usage``), ``GET /metrics``
-(vLLM gauge names), ``GET /health``, ``GET /v1/models``.
+(vLLM gauge names), ``GET /health``, ``GET /v1/models``, and vLLM's prompt preparation:
+``POST /tokenize``, ``/detokenize``, ``/v1/chat/completions/render``, ``/v1/completions/render``
+(router/mock/preprocess.py). Bodies up to ``max_body_mb`` (vLLM itself has no cap).
 
 Prompts are tokenized by a ``MockTokenizer`` and hashed exactly as the router hashes them
 (``root_hash(model, cache_salt)``, the router's block size), so hits are real; the answer is
@@ -34,6 +36,7 @@ from router.core.types import IndexEvent, ReplicaKey
 from router.events.zmq_pub import KVEventPublisher
 from router.mock.driver import EngineDriver
 from router.mock.kv_events import EngineEventEncoder
+from router.mock.preprocess import handlers
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
 
 log = logging.getLogger(__name__)
@@ -53,12 +56,14 @@ class MockSettings:
     cpu_blocks: int | None = None
     zmq_endpoint: str = ""
     replay_endpoint: str = ""
-    encoding: str = "array"
+    encoding: str = "vllm"
     topic: str = ""
     tokenizer_dir: str | None = None
     bpe_file: str | None = None
     default_max_tokens: int = 16
     max_tokens_limit: int = 65536
+    max_model_len: int = 1_048_576  # /tokenize's max_model_len; longer prompts are refused
+    max_body_mb: float = 1024.0  # vLLM has no body cap; aiohttp's default is 1 MiB
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -343,7 +348,7 @@ def create_app(settings: MockSettings) -> web.Application:
     profile = load_profile(settings.profile)
     tokenizer = _tokenizer(settings)
     encoder = EngineEventEncoder(settings.block_size, settings.engine_block_size)
-    app = web.Application()
+    app = web.Application(client_max_size=int(settings.max_body_mb * 2**20))
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         model = EngineModel(
@@ -393,4 +398,7 @@ def create_app(settings: MockSettings) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    prep = handlers(lambda request: request.app[STATE].tokenizer, settings.max_model_len)
+    for path, handler in prep.items():
+        app.router.add_post(path, handler)
     return app

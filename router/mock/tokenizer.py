@@ -73,6 +73,11 @@ class MockTokenizer(Protocol):
 
     def completion(self, body: Mapping[str, Any]) -> list[int]: ...
 
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+_ROLE_NAMES = {v: k for k, v in ROLE_IDS.items()}
+
 
 class ByteTokenizer:
     def chat(self, body: Mapping[str, Any]) -> list[int]:
@@ -89,6 +94,20 @@ class ByteTokenizer:
         if ids is not None:
             return ids
         return list(_text_prompt(body).encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Bytes back to text; role ids as ``<|role|>`` (other ids above 255: ``<|id|>``)."""
+        out: list[str] = []
+        run = bytearray()
+        for t in ids:
+            if t < 256:
+                run.append(t)
+                continue
+            out.append(run.decode("utf-8", "replace"))
+            run.clear()
+            out.append(f"<|{_ROLE_NAMES.get(t, t)}|>")
+        out.append(run.decode("utf-8", "replace"))
+        return "".join(out)
 
 
 class RouterTokenizer:
@@ -108,6 +127,10 @@ class RouterTokenizer:
         if ids is not None:
             return ids
         return [int(t) for t in self.processor.tokenizer.encode_text(_text_prompt(body))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text: str = self.processor.tokenizer.tokenizer.decode(list(ids))
+        return text
 
     @classmethod
     def from_dir(

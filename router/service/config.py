@@ -14,6 +14,8 @@ File layout (every section optional; see docs/configuration.md)::
                                   reject_when_all_busy
     [models.NAME.images]          placeholder, token, tokens, min_pixels, max_pixels,
                                   model_id, hash_algorithm (router/tokenize/multimodal.py)
+    [models.NAME.slo]             ttft_tiers ("8192:2,32768:5,*:60"), ttft_s (one target for
+                                  every prompt), tpot_s (router/core/slo.py)
 
 The simulator's tuned-policy file (``[models.NAME] policy / block_size / hybrid /
 state_interval_blocks / policy_params``, sim/tuned.py) is the same shape, so it can be passed
@@ -42,6 +44,7 @@ from urllib.parse import urlsplit
 from router.core.errors import ConfigError
 from router.core.policies import POLICY_NAMES, make_policy
 from router.core.routing import BusyThresholds, RoutingSettings
+from router.core.slo import DEFAULT_TIERS, DEFAULT_TPOT_S, SloTargets, SloTier, parse_tiers
 from router.events.endpoints import engine_endpoints
 from router.tokenize.multimodal import ImageSettings
 
@@ -144,6 +147,24 @@ class ModelSettings:
     add_bos_to_completions: bool = False
     # [models.NAME.images]: image placeholders and vLLM's image hash (router/tokenize/multimodal)
     images: ImageSettings | None = None
+    # [models.NAME.slo]: the TTFT / TPOT targets ``ours`` routes for and the SLO metrics count
+    slo: SloTargets = field(default_factory=SloTargets)
+
+
+@dataclass(slots=True, frozen=True)
+class SloSettings:
+    """``[models.NAME.slo]`` as written: a TTFT tier table, or one TTFT target for every
+    prompt, and the TPOT target (seconds); unset halves keep router.core.slo's defaults."""
+
+    ttft_tiers: str | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def targets(self) -> SloTargets:
+        tiers = parse_tiers(self.ttft_tiers) if self.ttft_tiers else DEFAULT_TIERS
+        if self.ttft_s is not None:
+            tiers = (SloTier(None, self.ttft_s),)
+        return SloTargets(tiers, DEFAULT_TPOT_S if self.tpot_s is None else self.tpot_s)
 
 
 @dataclass(slots=True, frozen=True)
@@ -222,7 +243,7 @@ def _model_key_kinds() -> dict[str, str]:
     kinds = {
         f.name: _kind(ModelSettings, f.name)
         for f in fields(ModelSettings)
-        if f.name not in ("name", "routing", "policy_params")
+        if f.name not in ("name", "routing", "policy_params", "images", "slo")
     }
     kinds.update({k: _kind(RoutingSettings, k) for k in _ROUTING_KEYS})
     return kinds
@@ -285,13 +306,16 @@ def _env_kind(var: str, path: Sequence[str]) -> str:
                 f"KVROUTER_MODELS__{name.upper()}__POLICY_PARAMS__<KEY>"
             )
         return _UNTYPED
-    if key == "busy":
+    tables: dict[str, type] = {"busy": BusyThresholds, "slo": SloSettings}
+    if key in tables:
         if len(sub) != 1:
             raise ConfigError(
-                f"{var}: {where}.busy is a table: KVROUTER_MODELS__{name.upper()}__BUSY__<KEY>"
+                f"{var}: {where}.{key} is a table: "
+                f"KVROUTER_MODELS__{name.upper()}__{key.upper()}__<KEY>"
             )
-        kinds = {f.name: _kind(BusyThresholds, f.name) for f in fields(BusyThresholds)}
-        return _field_kind(kinds, sub[0], var, f"{where}.busy")
+        cls = tables[key]
+        kinds = {f.name: _kind(cls, f.name) for f in fields(cls)}
+        return _field_kind(kinds, sub[0], var, f"{where}.{key}")
     kind = _field_kind(_model_key_kinds(), key, var, where)
     if sub:
         raise ConfigError(f"{var}: {where}.{key} is not a table")
@@ -485,7 +509,13 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
     return rep  # type: ignore[no-any-return]
 
 
-_ROUTING_KEYS = ("block_size", "hybrid", "state_interval_blocks", "speculative_ttl_s")
+_ROUTING_KEYS = (
+    "block_size",
+    "hybrid",
+    "state_interval_blocks",
+    "speculative_ttl_s",
+    "session_ttl_s",
+)
 
 
 def _model(name: str, table: Any) -> ModelSettings:
@@ -509,7 +539,7 @@ def _model(name: str, table: Any) -> ModelSettings:
     params = table.get("policy_params") or {}
     if not isinstance(params, Mapping):
         raise ConfigError(f"{where}.policy_params: must be a table")
-    skip = (*_ROUTING_KEYS, "busy", "policy_params", "images")
+    skip = (*_ROUTING_KEYS, "busy", "policy_params", "images", "slo")
     rest = {k: v for k, v in table.items() if k not in skip}
     model = _typed(ModelSettings, {**rest, "name": name}, where)
     images_tab = table.get("images")
@@ -521,6 +551,13 @@ def _model(name: str, table: Any) -> ModelSettings:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{where}.images: {exc}") from None
         model = replace(model, images=images)
+    slo_tab = table.get("slo") or {}
+    if not isinstance(slo_tab, Mapping):
+        raise ConfigError(f"{where}.slo: must be a table")
+    try:
+        model = replace(model, slo=_typed(SloSettings, slo_tab, f"{where}.slo").targets())
+    except ValueError as exc:
+        raise ConfigError(f"{where}.slo: {exc}") from None
     if model.policy not in POLICY_NAMES:
         raise ConfigError(
             f"{where}.policy: unknown policy {model.policy!r}; choose one of "

@@ -17,6 +17,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+import xxhash
+
 from router.core.errors import BadRequest, KVRouterError
 from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, reply_for
@@ -111,6 +113,39 @@ def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
     return _ids.next()
 
 
+_MAX_SESSION_ID = 128
+
+
+def session_key(value: object) -> str | None:
+    """A session id as the router keeps it: a non-empty string, at most 128 characters
+    (longer ones are replaced by their 64-bit digest, so a client cannot grow the session
+    table's memory with its ids); None for anything else."""
+    if not isinstance(value, str) or not value:
+        return None
+    if len(value) > _MAX_SESSION_ID:
+        return "xxh3:" + xxhash.xxh3_64_hexdigest(value.encode("utf-8", "surrogatepass"))
+    return value
+
+
+def session_of(headers: Iterable[tuple[bytes, bytes]], body_session: str | None) -> str | None:
+    """The request's session: the ``X-Session-Id`` header (vllm-router's), else what the body
+    named (``metadata.session_id``, else ``user``; see :func:`admit`)."""
+    for k, v in headers:
+        if len(k) == 12 and k.lower() == b"x-session-id" and v:
+            return session_key(v.decode("latin-1"))
+    return body_session
+
+
+def body_session(body: dict[str, Any]) -> str | None:
+    """``metadata.session_id`` (OpenAI's free-form request metadata), else ``user``."""
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict):
+        found = session_key(metadata.get("session_id"))
+        if found is not None:
+            return found
+    return session_key(body.get("user"))
+
+
 def unique_in_flight(state: RouterState, request_id: str) -> str:
     """``request_id``, made unique among this process's requests in flight: the load tracker
     keys requests by id, so a client re-sending an id that is still in flight (a retry that
@@ -135,11 +170,8 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
         prompt = fn(body)
     state.check_context(model, prompt)
     check_prompt_tokens(state.settings.server, prompt.prompt_tokens)
-    user = body.get("user")
     max_out = body.get("max_completion_tokens") or body.get("max_tokens")
-    return Admitted(
-        model, prompt, user if isinstance(user, str) else None, max_out, usage_patch(body)
-    )
+    return Admitted(model, prompt, body_session(body), max_out, usage_patch(body))
 
 
 def record(state: RouterState, routed: Routed) -> None:
@@ -222,7 +254,7 @@ async def handle(
             # checked here, after any await: another request may have taken the id meanwhile
             unique_in_flight(state, request_id_of(client_headers)),
             forwarder.event_loop().time(),
-            session_id=admitted.session_id,
+            session_id=session_of(client_headers, admitted.session_id),
             max_output_tokens=admitted.max_output_tokens,
         )
     except KVRouterError as exc:

@@ -289,6 +289,13 @@ class Metrics:
             buckets=_ITL,
             registry=r,
         )
+        self.slo_requests = LoopCounter(
+            "kvrouter_slo_requests",
+            "Streamed answers by SLO tier of their prompt and result: met, ttft_missed, "
+            "tpot_missed, both_missed (router.core.slo; TTFT and TPOT as the router saw them)",
+            ["model", "tier", "result"],
+            registry=r,
+        )
         self.retries = LoopCounter(
             "kvrouter_retries",
             "Requests re-sent to the next-best replica",
@@ -362,6 +369,7 @@ class ModelMetrics:
         "_outcomes",
         "_replicas",
         "_retries",
+        "_slo",
         "approximate",
         "drift",
         "engine_cached_tokens",
@@ -407,6 +415,14 @@ class ModelMetrics:
         self._outcomes: dict[tuple[object, str], Any] = {}
         self._replicas: dict[object, tuple[Any, Any]] = {}
         self._retries: dict[str, Any] = {}
+        self._slo: dict[tuple[str, str], Any] = {}
+
+    def slo(self, tier: str, result: str) -> Any:
+        """The ``kvrouter_slo_requests`` child of (SLO tier label, result)."""
+        child = self._slo.get((tier, result))
+        if child is None:
+            child = self._slo[tier, result] = self._m.slo_requests.labels(self.model, tier, result)
+        return child
 
     def outcome(self, replica: object, outcome: str) -> Any:
         """The ``kvrouter_requests`` child of (replica, outcome)."""

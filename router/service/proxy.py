@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from router.core.slo import tpot_s
 from router.core.types import ReplicaKey
 from router.service.errors import error_body
 from router.service.state import Routed, RouterState
@@ -56,6 +57,12 @@ HOP_BY_HOP = frozenset(
         b"expect",
     }
 )
+_SLO_RESULTS = {
+    (True, True): "met",
+    (False, True): "ttft_missed",
+    (True, False): "tpot_missed",
+    (False, False): "both_missed",
+}
 _NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id", b"x-data-parallel-rank"}
 _JSON = [(b"Content-Type", b"application/json")]
 
@@ -422,13 +429,14 @@ class Forwarder:
                 head_sent = True
                 await sink.start(status, headers)
             tail_bytes = 0
-            last = 0.0
+            last = first_at = 0.0
             first = True
             while (chunk := await upstream.read()) is not None:
                 now = loop.time()
                 if first:
                     state.load.first_token(rid)
                     mm.ttft.observe(now - started)
+                    first_at = now
                     first = False
                 else:
                     mm.itl.observe(now - last)
@@ -453,14 +461,14 @@ class Forwarder:
                     tail_bytes -= len(tail.popleft())
             if not ended:  # the end came on its own, after the last data
                 await sink.end(strip.flush() if strip is not None else b"")
-            self._answered(routed, key, started, status, b"".join(tail), sse=True)
+            self._answered(routed, key, started, status, b"".join(tail), True, first_at)
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             # The client went away: abort the request on the replica. A stream whose closing
             # [DONE] event the client already has is complete for it (SSE clients stop
             # reading there, often before the replica's end of the body arrives): answered,
             # not cancelled.
             if done_relayed:
-                self._answered(routed, key, started, status, b"".join(tail), sse=True)
+                self._answered(routed, key, started, status, b"".join(tail), True, first_at)
             else:
                 mm.outcome(key, "cancelled").inc()
             upstream.abort()
@@ -492,14 +500,37 @@ class Forwarder:
         status: int,
         payload: bytes,
         sse: bool,
+        first_at: float = 0.0,
     ) -> None:
         """Book an answer the client has whole: engine feedback, the live-traffic trace, the
-        outcome. ``payload``: the body, or a stream's tail."""
+        outcome, and for a stream (``first_at``: when its first data came) whether it met its
+        SLO. ``payload``: the body, or a stream's tail."""
         self._feedback(routed, key, payload, sse)
+        if sse and first_at and status < 400:
+            self._slo(routed, started, first_at, payload)
         if self.state.recorder is not None and status < 400:
             self._record(routed, started, payload, sse)
         outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
         self.state.metrics.model(routed.request.model).outcome(key, outcome).inc()
+
+    def _slo(self, routed: Routed, started: float, first_at: float, payload: bytes) -> None:
+        """Count a streamed answer by its prompt's SLO tier and which targets it met. The
+        output length is the usage the replica reported (the router asks for it on every
+        stream); without one the TPOT half is not judged."""
+        req = routed.request
+        slo = self.state.slos[req.model]
+        tier = slo.tier(req.prompt_tokens)
+        ttft_ok = first_at - started <= tier.ttft_s
+        usage = usage_of(payload, True) if b'"usage"' in payload else None
+        out = usage.get("completion_tokens") if usage else None
+        tpot = (
+            tpot_s(self.event_loop().time() - started, first_at - started, out)
+            if type(out) is int
+            else None
+        )
+        tpot_ok = tpot is None or tpot <= slo.tpot_s
+        result = _SLO_RESULTS[ttft_ok, tpot_ok]
+        self.state.metrics.model(req.model).slo(tier.label, result).inc()
 
     def _record(self, routed: Routed, started: float, payload: bytes, sse: bool) -> None:
         """Append the request to the live-traffic trace (router.recorder). The output length

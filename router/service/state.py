@@ -24,6 +24,7 @@ from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import make_policy
 from router.core.routing import RoutingEngine
+from router.core.slo import SloTargets
 from router.core.types import Decision, ReplicaKey, RouteRequest
 from router.recorder import TraceRecorder
 from router.service.body_memo import BodyMemo
@@ -135,6 +136,7 @@ class RouterState:
         self.engine_prefix_cache: dict[ReplicaKey, tuple[float, float]] = {}
         self.engines: dict[str, RoutingEngine] = {}
         self.processors: dict[str, PromptProcessor] = {}
+        self.slos: dict[str, SloTargets] = {}
         self._tokenizers: dict[tuple[Any, ...], IncrementalTokenizer] = {}
         for name in {*settings.models, *self.registry.models()}:
             self._add_model(settings.model(name))
@@ -160,9 +162,13 @@ class RouterState:
                 speculative_ttl_s=APPROXIMATE_SPECULATIVE_TTL_S,
                 state_interval_blocks=interval,
             )
-        policy = make_policy(model.policy, model.policy_params)
+        params = dict(model.policy_params)
+        if model.policy == "ours":  # priced against the model's TPOT target unless told
+            params.setdefault("tpot_target_s", model.slo.tpot_s)
+        policy = make_policy(model.policy, params)
         self.engines[model.name] = RoutingEngine(self.index, self.load, policy, routing)
         self.processors[model.name] = processor
+        self.slos[model.name] = model.slo
 
     # ------------------------------------------------------------------ discovery
 

@@ -1,0 +1,228 @@
+"""``kvrouter bench live``: kvrouter against vllm-router, end to end, on the same mock fleet.
+
+For each router under test a fresh fleet of ``kvrouter mock-replica`` processes (the
+simulator's engine model on the wall clock, real HTTP, vLLM-format KV events over ZMQ with a
+replay socket) is started, the router is put in front of it, and the same trace is replayed
+through it over HTTP (router/demo/replay.py: streaming ``/v1/completions`` with token-id
+prompts, sessions in ``X-Session-Id``, closed-loop follow-ups). Rows:
+
+* ``kvrouter_ours``: ``kvrouter serve``, policy ``ours``, following the mocks' events directly;
+* ``vllm_router_kv_aware``: vllm-router (the binary given by ``--vllm-router``) with
+  ``--policy kv_aware`` fed by the same events and replay sockets, 16-token blocks (the
+  mocks publish engine blocks of 16);
+* ``vllm_router_kv_aware_affinity``: the same with ``--kv-aware-session-affinity-ttl-secs``;
+* ``vllm_router_cache_aware``: vllm-router's approximate prefix tree.
+
+Each row: ``ok``, ``failed``, ``hit`` (engine-reported cached prompt tokens), ``goodput``
+(router.core.slo, the default SLO unless flags say otherwise), TTFT / E2E p50, p90, p99 and
+TPOT p50, p90 in ms (router/demo/figures.py). ``sim`` is the simulator's prediction for
+``ours`` on the same trace and fleet. Workloads:
+
+* ``agentic``: synthetic agent sessions (shared system prompts and tool schemas, contexts
+  growing turn by turn, closed loop), 4 replicas;
+* ``mooncake``: the bundled Mooncake trace's first requests, open loop, 8 replicas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from router.core.slo import SloTargets, SloTier
+
+AGENTIC = (
+    "agentic:sessions=60,session_rate=3,system_prompts=4,system_tokens=6000,tool_sets=2,"
+    "tool_def_tokens=3000,mean_turns=6,max_turns=12,answer_tokens=100,tool_tokens=1500,"
+    "think_s=0.5,tool_latency_s=0.5,max_context=65536,seed=7"
+)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class Workload:
+    trace: str  # a trace spec build_workload understands, or a JSONL path
+    replicas: int
+    speedup: float
+    requests: int
+    max_output: int
+    kv_blocks: int = 16384
+
+
+WORKLOADS = {
+    "agentic": Workload(AGENTIC, replicas=4, speedup=2.0, requests=600, max_output=64),
+    "mooncake": Workload("mooncake", replicas=8, speedup=4.0, requests=500, max_output=64),
+}
+ROWS = (
+    "kvrouter_ours",
+    "vllm_router_kv_aware",
+    "vllm_router_kv_aware_affinity",
+    "vllm_router_cache_aware",
+)
+MODEL = "demo-model"
+
+
+def _vllm_router_cmd(
+    binary: str, row: str, port: int, replicas: list[dict[str, str]], affinity_ttl_s: int
+) -> list[str]:
+    policy = "cache_aware" if row == "vllm_router_cache_aware" else "kv_aware"
+    cmd = [
+        binary, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+        "--log-level", "warning", "--worker-urls", *[r["url"] for r in replicas],
+    ]  # fmt: skip
+    if policy == "kv_aware":
+        for r in replicas:
+            cmd += ["--kv-event-source", f"{r['url']}={r['zmq']}"]
+            cmd += ["--kv-event-replay-source", f"{r['url']}={r['zmq_replay']}"]
+        cmd += ["--kv-event-block-size", "16", "--kv-event-model", MODEL]
+    if row == "vllm_router_kv_aware_affinity":
+        cmd += ["--kv-aware-session-affinity-ttl-secs", str(affinity_ttl_s)]
+    return cmd
+
+
+def _trace_file(workload: Workload, directory: Path) -> Path:
+    """The workload as Mooncake rows (session / delay rows for agentic), for the replay."""
+    if not workload.trace.startswith("agentic"):
+        from sim.workload import BUNDLED
+
+        return BUNDLED.get(workload.trace, Path(workload.trace))
+    from sim.agentic import AgenticSpec, generate, to_trace_rows
+
+    path = directory / "agentic.jsonl"
+    generated = generate(AgenticSpec.parse(workload.trace), block_size=64)
+    with path.open("w") as fh:
+        for row in to_trace_rows(generated):
+            fh.write(json.dumps(row) + "\n")
+    return path
+
+
+def _simulate(workload: Workload, trace: Path, slo: SloTargets) -> dict[str, Any]:
+    from sim.cluster import ClusterConfig
+    from sim.profiles import load_profile
+    from sim.runner import RunSpec, run_one
+    from sim.workload import load_trace
+
+    loaded = load_trace(str(trace), block_size=64, limit=workload.requests, model=MODEL)
+    loaded.requests = [
+        dataclasses.replace(r, output_tokens=max(1, min(r.output_tokens, workload.max_output)))
+        for r in loaded.requests
+    ]
+    config = ClusterConfig(
+        profile=load_profile("dense-70b"),
+        replicas=workload.replicas,
+        block_size=64,
+        kv_blocks=workload.kv_blocks,
+        slo=slo,
+    )
+    s = run_one(loaded, config, RunSpec("ours", speedup=workload.speedup)).summary
+    return {
+        "hit": s["token_hit_rate"],
+        "goodput": s["goodput"],
+        "ttft_p50_ms": s["ttft_ms_p50"],
+        "ttft_p90_ms": s["ttft_ms_p90"],
+        "e2e_p50_ms": s["e2e_ms_p50"],
+        "e2e_p90_ms": s["e2e_ms_p90"],
+        "tpot_p50_ms": s["tpot_ms_p50"],
+        "tpot_p90_ms": s["tpot_ms_p90"],
+    }
+
+
+async def _row(
+    row: str, workload: Workload, requests: list[Any], binary: str | None, slo: SloTargets
+) -> dict[str, Any]:
+    from router.demo.figures import summarize
+    from router.demo.fleet import Fleet, FleetSpec
+    from router.demo.replay import replay
+
+    ours = row == "kvrouter_ours"
+    if not ours and binary is None:
+        return {"error": "no vllm-router binary: pass --vllm-router PATH (pip install vllm-router)"}
+    spec = FleetSpec(
+        replicas=workload.replicas,
+        policy="ours" if ours else None,
+        kv_blocks=workload.kv_blocks,
+        key_prefix=f"kvr-live-{int(time.time() * 1000)}",
+    )
+    started = time.perf_counter()
+    async with Fleet(spec) as fleet:
+        if not ours:
+            assert binary is not None
+            port = fleet.port()
+            cmd = _vllm_router_cmd(binary, row, port, fleet.replicas, 600)
+            await fleet.start_router("vllm-router", cmd, f"http://127.0.0.1:{port}")
+        outcomes = await replay(fleet.router_url, requests, workload.speedup)
+        fleet.check_alive()
+    figures = summarize(outcomes, slo)
+    errors = sorted({o.error for o in outcomes if not o.ok})[:3]
+    if errors:
+        figures["errors"] = errors
+    figures["wall_s"] = round(time.perf_counter() - started, 1)
+    return figures
+
+
+def _slo(args: argparse.Namespace) -> SloTargets:
+    base = SloTargets()
+    tiers = base.tiers if args.slo_ttft_ms is None else (SloTier(None, args.slo_ttft_ms / 1e3),)
+    tpot = base.tpot_s if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3
+    return SloTargets(tiers, tpot)
+
+
+def run(args: argparse.Namespace) -> int:
+    from router.demo.replay import load_requests
+
+    workload = WORKLOADS[args.workload]
+    if args.requests:
+        workload = dataclasses.replace(workload, requests=args.requests)
+    if args.speedup:
+        workload = dataclasses.replace(workload, speedup=args.speedup)
+    if args.replicas:
+        workload = dataclasses.replace(workload, replicas=args.replicas)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise SystemExit(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(ROWS)}")
+    slo = _slo(args)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvrouter-live-") as tmp:
+        trace = _trace_file(workload, Path(tmp))
+        requests = load_requests(trace, workload.requests, MODEL, workload.max_output)
+        result: dict[str, Any] = {
+            "bench": "live",
+            "workload": args.workload,
+            "trace": workload.trace,
+            "requests": len(requests),
+            "replicas": workload.replicas,
+            "speedup": workload.speedup,
+            "max_output": workload.max_output,
+            "slo": {"ttft_s": {t.label: t.ttft_s for t in slo.tiers}, "tpot_s": slo.tpot_s},
+            "rows": {},
+        }
+        for row in rows:
+            print(f"bench live: {row} ...", file=sys.stderr)
+            result["rows"][row] = asyncio.run(_row(row, workload, requests, args.vllm_router, slo))
+        result["sim"] = {"kvrouter_ours": _simulate(workload, trace, slo)}
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    text = json.dumps(result, indent=None if args.json else 2)
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "live", help="kvrouter vs vllm-router end to end on mock fleets (goodput, TTFT, TPOT)"
+    )
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="agentic")
+    p.add_argument("--vllm-router", help="the vllm-router binary (pip install vllm-router)")
+    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
+    p.add_argument("--requests", type=int, help="replay at most N requests of the workload")
+    p.add_argument("--speedup", type=float, help="arrival speed-up (workload default)")
+    p.add_argument("--replicas", type=int, help="mock replicas (workload default)")
+    p.add_argument("--slo-ttft-ms", type=float, help="one TTFT target (default: the tiers)")
+    p.add_argument("--slo-tpot-ms", type=float, help="the TPOT target (default 100 ms)")
+    p.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
+    p.set_defaults(handler=run)

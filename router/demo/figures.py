@@ -1,0 +1,53 @@
+"""The figures of one live replay, as the demo and ``kvrouter bench live`` report them.
+
+From the client's side of each request (router/demo/replay.py ``Outcome``): the share of
+prompt tokens the engines reported cached (``hit``), the router's predicted usable hit where
+it told (kvrouter's decision header), TTFT and E2E percentiles, per-request TPOT
+(``(E2E - TTFT) / (output tokens - 1)``) and goodput: the share of *all* requests, failed
+ones included, that met their SLO (router.core.slo). Times in milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from router.bench.measure import percentile
+from router.core.slo import SloTargets, tpot_s
+from router.demo.replay import Outcome
+
+
+def _pcts(values: Sequence[float], name: str, which: Sequence[int]) -> dict[str, float]:
+    return {
+        f"{name}_p{p}_ms": round(percentile(values, p), 1) if values else math.nan for p in which
+    }
+
+
+def summarize(outcomes: Sequence[Outcome], slo: SloTargets | None = None) -> dict[str, Any]:
+    """``requests``, ``ok``, ``failed``, ``hit``, ``predicted_hit``, ``goodput``,
+    ``ttft_p50/p90/p99_ms``, ``e2e_p50/p90/p99_ms``, ``tpot_p50/p90_ms``."""
+    slo = slo or SloTargets()
+    ok = [o for o in outcomes if o.ok]
+    prompt = sum(o.prompt_tokens for o in ok)
+    tpots: list[float] = []
+    met = 0
+    for o in ok:
+        tpot = tpot_s(o.e2e_s, o.ttft_s, o.output_tokens)
+        if tpot is not None:
+            tpots.append(tpot * 1e3)
+        met += slo.met(o.prompt_tokens, o.ttft_s, tpot)
+    out: dict[str, Any] = {
+        "requests": len(outcomes),
+        "ok": len(ok),
+        "failed": len(outcomes) - len(ok),
+        "hit": round(sum(o.cached_tokens for o in ok) / prompt, 4) if prompt else 0.0,
+        "predicted_hit": (
+            round(sum(o.predicted_tokens for o in ok) / prompt, 4) if prompt else 0.0
+        ),
+        "goodput": round(met / len(outcomes), 4) if outcomes else 0.0,
+    }
+    out.update(_pcts([o.ttft_s * 1e3 for o in ok], "ttft", (50, 90, 99)))
+    out.update(_pcts([o.e2e_s * 1e3 for o in ok], "e2e", (50, 90, 99)))
+    out.update(_pcts(tpots, "tpot", (50, 90)))
+    return out

@@ -1,0 +1,102 @@
+"""vLLM's prompt-preparation endpoints on the mock replica, so peers use it as they use vLLM.
+
+vllm-router (and other routers that hash token ids themselves) ask the engine how it will
+tokenize a request before choosing a replica: ``POST /v1/chat/completions/render`` and
+``/v1/completions/render`` (the token ids of the request as the engine renders them:
+``{"token_ids": [...]}``, a list of those for completions), falling back to ``POST /tokenize``
+(``{"count", "max_model_len", "tokens"}``), and ``POST /detokenize`` turns ids back into
+text. Every answer comes from the mock's own tokenizer, the one its completions use, so the
+ids a peer hashes are the ids the mock caches under. Errors are OpenAI-style bodies, as on
+the completion endpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from aiohttp import web
+
+from router.core.errors import BadRequest
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _bad(message: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error", "code": 400}},
+        status=400,
+    )
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _prompts(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """One completion body per prompt of a (possibly batched) ``prompt``."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return [{**body, "prompt": p} for p in prompt]
+    return [body]
+
+
+def handlers(tokenizer_of: Callable[[web.Request], Any], max_model_len: int) -> dict[str, Handler]:
+    """Path -> handler; ``tokenizer_of(request)`` gives the mock's ``MockTokenizer``."""
+
+    def guarded(fn: Callable[[web.Request], Awaitable[Any]]) -> Handler:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            try:
+                return web.json_response(await fn(request))
+            except BadRequest as exc:
+                return _bad(str(exc))
+
+        return handle
+
+    def check(ids: list[int]) -> list[int]:
+        if len(ids) > max_model_len:
+            raise BadRequest(
+                f"the prompt has {len(ids)} tokens, more than max_model_len {max_model_len}"
+            )
+        return ids
+
+    async def render_chat(request: web.Request) -> Any:
+        ids = check(tokenizer_of(request).chat(await _body(request)))
+        return {"token_ids": ids, "features": None}
+
+    async def render_completions(request: web.Request) -> Any:
+        tokenizer = tokenizer_of(request)
+        body = await _body(request)
+        return [
+            {"token_ids": check(tokenizer.completion(one)), "features": None}
+            for one in _prompts(body)
+        ]
+
+    async def tokenize(request: web.Request) -> Any:
+        tokenizer = tokenizer_of(request)
+        body = await _body(request)
+        ids = tokenizer.chat(body) if "messages" in body else tokenizer.completion(body)
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+
+    async def detokenize(request: web.Request) -> Any:
+        body = await _body(request)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in ids
+        ):
+            raise BadRequest("'tokens' must be an array of token ids")
+        return {"prompt": tokenizer_of(request).decode(ids)}
+
+    return {
+        "/v1/chat/completions/render": guarded(render_chat),
+        "/v1/completions/render": guarded(render_completions),
+        "/tokenize": guarded(tokenize),
+        "/detokenize": guarded(detokenize),
+    }

@@ -1,0 +1,69 @@
+"""``kvrouter bench live`` and ``kvrouter demo --router-url`` as real processes: the JSON
+contract of the bench (a tiny run, kvrouter's row only; a vllm-router row without a binary
+says so instead of failing), and the demo replaying through a router it did not start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from router.demo.fleet import MODEL
+from router.mock.server import MockSettings, create_app
+from router.store.local_redis import free_port
+from tests.test_demo import SMALL
+
+ROW_KEYS = {
+    "ok", "failed", "hit", "goodput", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
+    "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "tpot_p50_ms", "tpot_p90_ms",
+}  # fmt: skip
+
+
+def test_bench_live_prints_rows_and_the_simulators_prediction() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "bench", "live", "--workload", "agentic",
+         "--rows", "kvrouter_ours,vllm_router_kv_aware", "--requests", "12", "--replicas", "2",
+         "--speedup", "4", "--json"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["bench"] == "live" and doc["requests"] == 12 and doc["replicas"] == 2
+    ours = doc["rows"]["kvrouter_ours"]
+    assert set(ours) >= ROW_KEYS, set(ROW_KEYS) - set(ours)
+    assert ours["ok"] == 12 and ours["failed"] == 0 and 0 < ours["hit"] <= 1
+    assert 0 <= ours["goodput"] <= 1 and ours["ttft_p50_ms"] <= ours["ttft_p90_ms"]
+    assert "vllm-router" in doc["rows"]["vllm_router_kv_aware"]["error"]
+    assert {"hit", "goodput", "ttft_p50_ms", "tpot_p90_ms"} <= set(doc["sim"]["kvrouter_ours"])
+
+
+@pytest.fixture
+async def external() -> AsyncIterator[str]:
+    """A mock replica serving the demo's model: any OpenAI-compatible endpoint will do."""
+    runner = web.AppRunner(create_app(MockSettings(model=MODEL)))
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_demo_replays_through_a_running_router(external: str) -> None:
+    import asyncio
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.cli", "demo", "--router-url", external, "--agentic",
+        SMALL, "--speedup", "4", "--max-output", "8",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, stdout.decode() + stderr.decode()
+    row = next(line.split() for line in stdout.decode().splitlines() if line.startswith("ext"))
+    assert row[0] == "external" and int(row[1]) > 6
+    assert float(row[2].rstrip("%")) > 0  # the mock's own cache answered the follow-ups

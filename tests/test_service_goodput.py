@@ -1,0 +1,162 @@
+"""Goodput in the service: the model's SLO from the config, SLO attainment of streamed
+answers on /metrics, the session id read from ``X-Session-Id`` / ``metadata`` / ``user``,
+and the TPOT target handed to ``ours``. Real HTTP on loopback, both HTTP engines, the
+official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from router.core.errors import ConfigError
+from router.core.policies import Ours
+from router.core.slo import SloTargets, SloTier
+from router.service.app import STATE
+from router.service.config import build_settings, load_settings
+from router.service.handling import body_session, session_key, session_of
+from router.service.state import RouterState
+from tests.backends import Backend, eventually, kimi_model_table, start_router
+from tests.test_audit_metrics import series
+
+MODEL = "kimi-test"
+ENGINES = ["aiohttp", "fast"]
+CHAT = [{"role": "user", "content": "Why is the sky blue? " * 30}]
+
+
+@dataclass
+class Fleet:
+    url: str
+    state: RouterState
+    client: openai.AsyncOpenAI
+
+    async def slo_counts(self) -> dict[str, float]:
+        async with aiohttp.ClientSession() as http, http.get(self.url + "/metrics") as r:
+            return series(await r.text(), "kvrouter_slo_requests_total")
+
+
+async def _fleet(engine: str, slo: dict[str, Any]) -> AsyncIterator[Fleet]:
+    backend = await Backend("b0", [MODEL]).start()
+    backend.chunk_delay_s = 0.02  # 4 chunks ~20 ms apart
+    settings = build_settings(
+        {
+            "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
+            "models": {MODEL: kimi_model_table(context_length=100_000, slo=slo)},
+        }
+    )
+    runner, url = await start_router(settings, engine)
+    app = runner.app if engine == "aiohttp" else runner.runner.app
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    try:
+        yield Fleet(url, app[STATE], client)
+    finally:
+        await client.close()
+        await runner.cleanup()
+        await backend.stop()
+
+
+@pytest.fixture(params=ENGINES)
+async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+    async for f in _fleet(str(request.param), {}):
+        yield f
+
+
+@pytest.fixture(params=ENGINES)
+async def strict_fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+    """TTFT target 10 s, TPOT target 1 ms: the backend's ~20 ms chunks miss it."""
+    async for f in _fleet(str(request.param), {"ttft_s": 10.0, "tpot_s": 0.001}):
+        yield f
+
+
+async def _stream(client: openai.AsyncOpenAI, **extra: Any) -> None:
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, stream=True, **extra
+    )
+    async for _ in stream:
+        pass
+
+
+async def test_streamed_answers_count_by_slo_tier_and_result(fleet: Fleet) -> None:
+    await _stream(fleet.client)
+    await _stream(fleet.client)
+    await fleet.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
+    key = f'{{model="{MODEL}",result="met",tier="le8k"}}'
+    await eventually_counts(fleet, key, 2.0)  # the non-streamed answer is not judged
+    assert fleet.state.slos[MODEL] == SloTargets()
+
+
+async def test_a_missed_tpot_target_is_counted_as_such(strict_fleet: Fleet) -> None:
+    await _stream(strict_fleet.client)
+    await eventually_counts(
+        strict_fleet, f'{{model="{MODEL}",result="tpot_missed",tier="any"}}', 1.0
+    )
+    engine = strict_fleet.state.engines[MODEL]
+    assert isinstance(engine.policy, Ours) and engine.policy.tpot_target_s == 0.001
+
+
+async def eventually_counts(fleet: Fleet, key: str, expected: float) -> None:
+    """The stream's books close right after its last byte went out: poll the page until
+    they do (at most 5 s)."""
+    got: dict[str, float] = {}
+    deadline = asyncio.get_running_loop().time() + 5.0
+    while got.get(key) != expected:
+        assert asyncio.get_running_loop().time() < deadline, (key, got)
+        await asyncio.sleep(0.03)
+        got = await fleet.slo_counts()
+
+
+async def test_the_session_id_reaches_the_routing_engine(fleet: Fleet) -> None:
+    sessions = fleet.state.engines[MODEL].sessions
+    assert sessions is not None
+    await _stream(fleet.client, extra_headers={"X-Session-Id": "conv-7"}, user="someone")
+    await fleet.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, metadata={"session_id": "conv-8"}
+    )
+    await fleet.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, user="user-9"
+    )
+    await eventually(lambda: len(sessions) == 3)
+    for sid in ("conv-7", "conv-8", "user-9"):
+        assert sessions.get(sid, asyncio.get_running_loop().time()) is not None, sid
+
+
+def test_session_ids_come_from_the_header_then_metadata_then_user() -> None:
+    body = {"metadata": {"session_id": "m"}, "user": "u"}
+    assert body_session(body) == "m"
+    assert body_session({"user": "u"}) == "u"
+    assert body_session({"metadata": {"session_id": 7}, "user": "u"}) == "u"
+    assert body_session({"metadata": "odd"}) is None
+    assert session_of([(b"X-Session-Id", b"h")], "m") == "h"
+    assert session_of([(b"x-session-id", b"")], "m") == "m"
+    assert session_of([], None) is None
+    long = "x" * 500
+    key = session_key(long)
+    assert key is not None and key.startswith("xxh3:") and len(key) < 40
+    assert session_key(long) == key and session_key(long + "y") != key
+
+
+def test_slo_settings_from_the_file_and_the_environment(tmp_path: Any) -> None:
+    table = {"replicas": [{"url": "http://h:1", "model": "m"}]}
+    tiers = build_settings(
+        {**table, "models": {"m": {"slo": {"ttft_tiers": "1000:0.5,*:4", "tpot_s": 0.05}}}}
+    )
+    assert tiers.model("m").slo == SloTargets((SloTier(1000, 0.5), SloTier(None, 4.0)), 0.05)
+    env = load_settings(
+        environ={
+            "KVROUTER_REPLICAS": "m=http://h:1",
+            "KVROUTER_MODELS__M__SLO__TTFT_S": "3",
+            "KVROUTER_MODELS__M__SESSION_TTL_S": "30",
+        }
+    )
+    assert env.model("m").slo == SloTargets((SloTier(None, 3.0),))
+    assert env.model("m").routing.session_ttl_s == 30.0
+    for bad in ({"ttft_tiers": "fast"}, {"tpot_s": 0}, {"tpot": 1}, "x"):
+        with pytest.raises(ConfigError, match=r"models\.m\.slo"):
+            build_settings({**table, "models": {"m": {"slo": bad}}})
+    with pytest.raises(ConfigError, match="SLO__"):
+        load_settings(environ={"KVROUTER_MODELS__M__SLO": "1"})
