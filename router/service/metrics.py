@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from router import __version__
 from router.compile import compiled_parts
+from router.service.layout import MISMATCH_FIELDS, LayoutReport
 from router.service.loop_metrics import LoopCounter, LoopHistogram
 
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -52,6 +53,8 @@ class StateSnapshot:
     engine_prefix_cache: dict[str, tuple[str, float, float]] = field(default_factory=dict)
     # body memo (router/service/body_memo.py): hits, misses, bytes held
     body_memo: tuple[int, int, int] = (0, 0, 0)
+    # each model's recurrent-state layout and config/engine mismatches (router.service.layout)
+    layouts: tuple[LayoutReport, ...] = ()
 
 
 class _StateCollector(Collector):
@@ -141,6 +144,34 @@ class _StateCollector(Collector):
         memo_size.add_metric([], memo_bytes)
         yield from (inflight, queued, up, entries, replicas, mode, cache, lag, queries, hits)
         yield from (memo_lookups, memo_size)
+        yield from _layout_metrics(s.layouts)
+
+
+def _layout_metrics(layouts: Iterable[LayoutReport]) -> Iterable[Metric]:
+    hybrid = GaugeMetricFamily(
+        "kvrouter_model_hybrid",
+        "1 if the router applies the hybrid-state rule to the model; source: config, engine "
+        "(its events), registry (publishers), model_config (config.json) or none",
+        labels=["model", "source"],
+    )
+    interval = GaugeMetricFamily(
+        "kvrouter_model_state_interval_blocks",
+        "The engines' recurrent-state checkpoint grid the router assumes, in router blocks "
+        "(0: none known, only prompt ends are speculated)",
+        labels=["model", "source"],
+    )
+    mismatch = GaugeMetricFamily(
+        "kvrouter_model_layout_mismatch",
+        "1 while the model's configuration contradicts what its engines publish (field: "
+        "hybrid, state_interval_blocks, block_size); the router logs each one",
+        labels=["model", "field"],
+    )
+    for r in layouts:
+        hybrid.add_metric([r.model, r.hybrid_source], float(r.hybrid))
+        interval.add_metric([r.model, r.interval_source], float(r.interval_blocks))
+        for name in MISMATCH_FIELDS:
+            mismatch.add_metric([r.model, name], float(name in r.mismatches))
+    yield from (hybrid, interval, mismatch)
 
 
 class Metrics:
