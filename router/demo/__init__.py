@@ -5,9 +5,10 @@ simulator's engine model on the wall clock), the router with its embedded index 
 replicas' KV events (or Redis + one publisher per replica with ``--redis URL``), replay an
 agentic trace (synthetic sessions sharing system prompts and tool schemas, contexts growing
 turn by turn, closed loop; or ``--trace FILE`` in Mooncake/recorded format) through the
-router over HTTP at a speed-up, then stop everything. Prints hit rate and TTFT per policy
-next to what the simulator predicts for the same trace and cluster, and exits non-zero if
-any request failed.
+router over HTTP at a speed-up, then stop everything. Prints per policy the engines' usable
+and KV-only hit, the router's predicted hit and its per-request error, and TTFT, next to what
+the simulator predicts for the same trace and cluster, and exits non-zero if any request
+failed. The default profile is the hybrid ``kimi-k3`` (the mission's model).
 
 ``--sim-only`` skips the live part (no processes at all).
 
@@ -43,11 +44,20 @@ def _summary(outcomes: list[Any]) -> dict[str, float]:
     ok = [o for o in outcomes if o.ok]
     prompt = sum(o.prompt_tokens for o in ok)
     ttft = [o.ttft_s * 1e3 for o in ok]
+    # per request: |predicted - engine-reported| / prompt (the engine always computes the
+    # prompt's last token, so a prediction of the whole prompt counts as prompt - 1)
+    errors = [
+        abs(min(o.predicted_tokens, o.prompt_tokens - 1) - o.cached_tokens) / o.prompt_tokens
+        for o in ok
+        if o.prompt_tokens
+    ]
     return {
         "requests": len(outcomes),
         "failed": len(outcomes) - len(ok),
         "hit_rate": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
+        "kv_hit_rate": sum(o.kv_hit_tokens for o in ok) / prompt if prompt else 0.0,
         "predicted_hit_rate": sum(o.predicted_tokens for o in ok) / prompt if prompt else 0.0,
+        "error_p99": percentile(errors, 99) if errors else math.nan,
         "ttft_ms_p50": percentile(ttft, 50) if ttft else math.nan,
         "ttft_ms_p90": percentile(ttft, 90) if ttft else math.nan,
     }
@@ -162,24 +172,31 @@ def _run(args: argparse.Namespace, trace: Path) -> int:
             failed += int(live["failed"])
         rows.append((policy, live, sim))
     header = (
-        f"{'policy':<14} {'ok':>5} {'hit%':>6} {'pred%':>6} {'TTFT p50':>9} {'TTFT p90':>9}"
-        f" | {'sim hit%':>8} {'sim p50':>8} {'sim p90':>8}"
+        f"{'policy':<14} {'ok':>5} {'hit%':>6} {'kv%':>6} {'pred%':>6} {'err p99':>7}"
+        f" {'TTFT p50':>9} {'TTFT p90':>9} | {'sim hit%':>8} {'sim kv%':>7} {'sim p50':>8}"
+        f" {'sim p90':>8}"
     )
     print(header)
     print("-" * len(header))
     for policy, live, sim in rows:
         lv = live or {}
         ok = f"{lv['requests'] - lv['failed']:.0f}" if live else "-"
+
+        def cell(key: str, pct: bool = False, lv: dict[str, float] = lv) -> str:
+            return _fmt(lv.get(key, math.nan), pct)
+
         print(
-            f"{policy:<14} {ok:>5} {_fmt(lv.get('hit_rate', math.nan), True):>6} "
-            f"{_fmt(lv.get('predicted_hit_rate', math.nan), True):>6} "
-            f"{_fmt(lv.get('ttft_ms_p50', math.nan)):>9} {_fmt(lv.get('ttft_ms_p90', math.nan)):>9}"
-            f" | {_fmt(sim['token_hit_rate'], True):>8} {_fmt(sim['ttft_ms_p50']):>8}"
-            f" {_fmt(sim['ttft_ms_p90']):>8}"
+            f"{policy:<14} {ok:>5} {cell('hit_rate', True):>6} {cell('kv_hit_rate', True):>6} "
+            f"{cell('predicted_hit_rate', True):>6} {cell('error_p99', True):>7} "
+            f"{cell('ttft_ms_p50'):>9} {cell('ttft_ms_p90'):>9}"
+            f" | {_fmt(sim['token_hit_rate'], True):>8} {_fmt(sim['kv_token_hit_rate'], True):>7}"
+            f" {_fmt(sim['ttft_ms_p50']):>8} {_fmt(sim['ttft_ms_p90']):>8}"
         )
     print(
-        "hit% = engine-reported cached prompt tokens; pred% = the router's predicted usable "
-        "hit; TTFT in ms at the client; sim = the simulator on the same trace and cluster."
+        "hit% = prompt tokens the engines reused (usable hit: cached KV up to a recurrent-state"
+        " checkpoint); kv% = their KV-only hit;\npred% = the router's predicted usable hit; "
+        "err p99 = 99th percentile over requests of |predicted - reused| / prompt;\n"
+        "TTFT in ms at the client; sim = the simulator on the same trace and cluster."
     )
     if failed:
         print(f"FAILED: {failed} request(s) did not complete", file=sys.stderr)
@@ -199,7 +216,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--trace", help="replay this Mooncake/recorded JSONL instead")
     p.add_argument("--policies", default="round_robin,ours", help="comma-separated policies")
-    p.add_argument("--profile", default="dense-70b", help="mock replica / simulator profile")
+    p.add_argument(
+        "--profile",
+        default="kimi-k3",
+        help="mock replica / simulator profile (kimi-k3: the hybrid KDA model; dense-70b)",
+    )
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--kv-blocks", type=int, default=16384, help="GPU KV blocks per replica")
     p.add_argument("--max-output", type=int, default=64, help="cap on output tokens per request")

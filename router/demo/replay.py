@@ -7,8 +7,8 @@ hash exactly the same tokens. A session's first request goes out at its timestam
 follow-up ``delay`` after the previous turn finished (both divided by the speed-up).
 Every request is a streaming ``/v1/completions`` call with
 ``stream_options.include_usage``; the client measures TTFT at the first SSE event and reads
-the engine's ``cached_tokens`` from the usage chunk and the router's predicted hit from the
-``X-KVRouter-Decision`` header.
+the engine's ``cached_tokens`` (and the mock's KV-only ``kv_hit_tokens``) from the usage
+chunk and the router's predicted hit from the ``X-KVRouter-Decision`` header.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class Outcome:
     ttft_s: float = float("nan")
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    kv_hit_tokens: int = 0  # the mock's KV-only hit (before the hybrid-state rule)
     predicted_tokens: int = 0
     error: str = ""
 
@@ -118,6 +119,7 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                     out.prompt_tokens = usage.get("prompt_tokens", 0)
                     details = usage.get("prompt_tokens_details") or {}
                     out.cached_tokens = details.get("cached_tokens") or 0
+                    out.kv_hit_tokens = details.get("kv_hit_tokens", out.cached_tokens) or 0
             if out.ttft_s != out.ttft_s:
                 return Outcome(False, error="stream ended without data")
             return out

@@ -27,6 +27,8 @@ _TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TOKENS = tuple(float(4**i) for i in range(2, 11))  # 16 .. 1M
 _ERROR = tuple(sorted({-(4.0**i) for i in range(2, 11)} | {0.0} | {4.0**i for i in range(2, 11)}))
+_SHARE = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+_ERROR_RATIO = tuple(sorted({-x for x in _SHARE} | {0.0} | set(_SHARE)))
 
 
 @dataclass(slots=True, frozen=True)
@@ -223,6 +225,14 @@ class Metrics:
             buckets=_ERROR,
             registry=r,
         )
+        self.prediction_error_ratio = LoopHistogram(
+            "kvrouter_prediction_error_ratio",
+            "Predicted usable hit minus engine-reported cached tokens, over the prompt's "
+            "tokens, per request",
+            ["model"],
+            buckets=_ERROR_RATIO,
+            registry=r,
+        )
         self.predicted_hit_ratio = LoopHistogram(
             "kvrouter_predicted_hit_ratio",
             "Predicted usable hit / prompt tokens per request",
@@ -331,6 +341,7 @@ class ModelMetrics:
         "predicted_hit_ratio",
         "predicted_hit_tokens",
         "prediction_error",
+        "prediction_error_ratio",
         "prompt_cache_reused",
         "prompt_tokens",
         "prompt_tokens_hist",
@@ -346,6 +357,7 @@ class ModelMetrics:
         self.predicted_hit_ratio = m.predicted_hit_ratio.labels(model)
         self.engine_cached_tokens = m.engine_cached_tokens.labels(model)
         self.prediction_error = m.prediction_error.labels(model)
+        self.prediction_error_ratio = m.prediction_error_ratio.labels(model)
         self.approximate = m.approximate.labels(model)
         self.prompt_cache_reused = m.prompt_cache_reused.labels(model)
         self.ttft = m.ttft.labels(model)
