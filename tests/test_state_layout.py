@@ -209,3 +209,27 @@ def test_exact_prompts_speculate_long_only_without_events(tmp_path: Path) -> Non
     assert state.index.stats().speculative_entries == 0
     state.route("m", ProcessedPrompt(200, [4, 5, 6], 64, exact=False), "q2", 0.0)
     assert state.index.stats().speculative_entries == 3
+
+
+def test_checkpoints_off_the_router_blocks_are_reported(tmp_path: Path) -> None:
+    """A state group whose checkpoints do not end on the router's block boundaries (engine
+    blocks of 48 tokens, router blocks of 64): the re-blocker reports every checkpoint's end,
+    the model is hybrid all the same, and the block size is flagged."""
+    from router.events.model import EngineBlockStored
+    from router.events.reblock import Reblocker
+
+    state = _state(tmp_path, {"block_size": 64}, zmq=True)
+    observe = state.layouts.observer("m", 64)
+    rb = Reblocker(64, "m", on_checkpoint=observe)
+    tokens = tuple(range(1, 193))  # 4 engine blocks of 48 = 3 router blocks
+    kv = EngineBlockStored((11, 12, 13, 14), None, tokens, 48, kv_cache_spec_kind="full_attention")
+    first = EngineBlockStored((12,), 11, tokens[48:96], 48, group_idx=1, kv_cache_spec_kind="mamba")
+    last = EngineBlockStored((14,), 13, tokens[144:], 48, group_idx=1, kv_cache_spec_kind="mamba")
+    events = rb.convert([kv, first, last])
+    assert [e.kind for e in events] == [Kind.KV, Kind.STATE]  # only the one at token 192
+    grid = state.layouts.grids["m"]
+    assert (grid.checkpoints, grid.unaligned) == (2, 1)
+    assert state.engines["m"].layout.hybrid
+    [report] = state.layouts.check()
+    assert set(report.mismatches) == {"block_size"}
+    assert "1 of 2 state checkpoints" in report.mismatches["block_size"]
