@@ -10,14 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.core.hashing import hash_prompt, root_hash
 from router.core.types import ReplicaKey
 from router.events.ingest import EndpointSpec
 from router.mock.server import MockSettings
-from router.mock.server import create_app as create_mock
 from router.publisher.publisher import Publisher, PublisherSettings
 from router.service.app import STATE
 from router.service.config import build_settings
@@ -26,7 +23,8 @@ from router.store.base import ReplicaInfo
 from router.store.local_redis import free_port
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
-from tests.backends import eventually, start_router
+from tests.backends import eventually, start_mock, start_router
+from tests.backends import metric_sample as _sample
 
 B = 64
 MODEL = "m"
@@ -57,20 +55,9 @@ async def _mock(tmp_path: Path, i: int, runners: list[Any]) -> tuple[MockSetting
         zmq_endpoint=f"tcp://127.0.0.1:{free_port()}",
         replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
     )  # fmt: skip
-    runner = web.AppRunner(create_mock(s))
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, url = await start_mock(s)
     runners.append(runner)
-    return s, f"http://127.0.0.1:{port}"
-
-
-def _sample(text: str, name: str, **labels: str) -> float | None:
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return None
+    return s, url
 
 
 async def _sessions(url: str, state: RouterState, keys: list[ReplicaKey]) -> list[tuple[int, int]]:

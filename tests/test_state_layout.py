@@ -132,6 +132,17 @@ def test_a_model_is_hybrid_once_one_of_its_replicas_stores_a_checkpoint() -> Non
     assert not index.publishes_state(B)
 
 
+def test_the_periodic_check_sees_what_a_subset_lookup_missed() -> None:
+    """A lookup over a subset of the replicas (a gRPC Pick's candidates) consumes the index's
+    generation; the service's once-a-second ``detect`` over all of them still learns."""
+    index = PrefixIndex()
+    auto = _engine(index, RoutingSettings())
+    index.store(B, [3], kind=Kind.STATE)
+    assert not auto.hybrid_for((A,))
+    assert not auto.hybrid_for((A, B))  # no new state publisher since: not looked at again
+    assert auto.detect((A, B)) and auto.hybrid_for((A, B))
+
+
 def test_hybrid_markers_of_model_configs(tmp_path: Path) -> None:
     kimi_linear = {"model_type": "kimi_linear", "linear_attn_config": {"kda_layers": [1, 2]}}
     qwen_next = {"layer_types": ["linear_attention", "linear_attention", "full_attention"]}

@@ -190,9 +190,16 @@ class RoutingEngine:
         """Whether to apply the hybrid-state rule (see the class docstring)."""
         if self._learned_hybrid is None and self._state_generation != self.index.state_generation:
             self._state_generation = self.index.state_generation
-            if any(map(self.index.publishes_state, replicas)):
-                self.learn(hybrid=SOURCE_ENGINE)
+            self.detect(replicas)
         return self.layout.hybrid
+
+    def detect(self, replicas: Sequence[ReplicaKey]) -> bool:
+        """Learn that the model is hybrid if one of ``replicas`` stored a state checkpoint
+        (whatever the index's generation: for a periodic check over all the model's
+        replicas). Returns whether the model is known to be hybrid."""
+        if self._learned_hybrid is None and any(map(self.index.publishes_state, replicas)):
+            self.learn(hybrid=SOURCE_ENGINE)
+        return self._learned_hybrid is not None
 
     def candidates(
         self, request: RouteRequest, replicas: Sequence[ReplicaKey], now: float

@@ -189,7 +189,7 @@ class ModelLayouts:
         out = []
         for model, engine in self.engines.items():
             keys = self.keys_for(model)
-            engine.hybrid_for(keys)
+            engine.detect(keys)
             report = self._report(model, engine, keys)
             self._announce(self._reported.get(model), report)
             self._reported[model] = report

@@ -327,7 +327,8 @@ class RouterState:
         t1 = time.perf_counter()
         decision = engine.choose(request, candidates, now, self.rng)
         t2 = time.perf_counter()
-        engine.dispatched(request, decision, now, self.speculative_ttl[model][prompt.exact])
+        approximate_ttl, exact_ttl = self.speculative_ttl[model]
+        engine.dispatched(request, decision, now, exact_ttl if prompt.exact else approximate_ttl)
         routed = Routed(request, decision, prompt, t1 - t0, t2 - t1)
         # formatted only when asked for (recent_decisions): nothing built per request
         self.decisions.append(
