@@ -96,8 +96,6 @@ class LayoutReport:
     hybrid_source: str
     interval_blocks: int
     interval_source: str
-    checkpoints_seen: int = 0
-    unaligned_checkpoints: int = 0
     mismatches: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -117,7 +115,8 @@ class ModelLayouts:
         self.index = index
         self.keys_for = keys_for
         self.grids: dict[str, CheckpointGrid] = {}
-        self._registered: dict[str, ReplicaInfo] = {}
+        self._registered: dict[str, dict[str, ReplicaInfo]] = {}  # model -> replica -> info
+        self._model_of: dict[str, str] = {}  # replica -> model
         self._reported: dict[str, LayoutReport] = {}
 
     # ------------------------------------------------------------------ evidence
@@ -151,19 +150,24 @@ class ModelLayouts:
 
     def registered(self, info: ReplicaInfo) -> None:
         """A publisher (re-)registered its replica (Redis mode)."""
-        self._registered[info.replica] = info
+        old = self._model_of.get(info.replica)
+        if old is not None and old != info.model:
+            self.unregistered(info.replica)
+        self._model_of[info.replica] = info.model
+        self._registered.setdefault(info.model, {})[info.replica] = info
         self._from_registry(info.model)
 
     def unregistered(self, replica: str) -> None:
-        info = self._registered.pop(replica, None)
-        if info is not None:
-            self._from_registry(info.model)
+        model = self._model_of.pop(replica, None)
+        if model is not None:
+            self._registered[model].pop(replica, None)
+            self._from_registry(model)
 
     def _from_registry(self, model: str) -> None:
         engine = self.engines.get(model)
         if engine is None:
             return
-        infos = [i for i in self._registered.values() if i.model == model]
+        infos = self._registered.get(model, {}).values()
         grids = Counter(i.state_interval_blocks for i in infos if i.state_interval_blocks > 0)
         interval = (grids.most_common(1)[0][0], SOURCE_REGISTRY) if grids else None
         hybrid = SOURCE_REGISTRY if any(i.hybrid for i in infos) else None
@@ -227,8 +231,6 @@ class ModelLayouts:
             layout.hybrid_source,
             layout.interval_blocks,
             layout.interval_source,
-            grid.checkpoints if grid is not None else 0,
-            grid.unaligned if grid is not None else 0,
             mismatches,
         )
 
