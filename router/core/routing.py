@@ -145,20 +145,11 @@ class RoutingEngine:
         self._learned_hybrid: str | None = None  # the source that showed it is hybrid
         self._learned_interval: tuple[int, str] | None = None
         self._state_generation = -1
-        self._settings = settings
-        self.layout = self._effective()
-
-    @property
-    def settings(self) -> RoutingSettings:
-        return self._settings
-
-    @settings.setter
-    def settings(self, settings: RoutingSettings) -> None:
-        self._settings = settings
+        self.settings = settings  # fixed for the engine's life (``layout`` derives from it)
         self.layout = self._effective()
 
     def _effective(self) -> StateLayout:
-        s = self._settings
+        s = self.settings
         return effective_layout(
             s.hybrid, s.state_interval_blocks, self._learned_hybrid, self._learned_interval
         )
