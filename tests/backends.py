@@ -239,3 +239,28 @@ async def eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
     while not pred():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.03)
+
+
+def metric_sample(page: str, name: str, **labels: str) -> float | None:
+    """The value of one sample on a Prometheus text page whose labels include ``labels``
+    (None when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
+
+
+async def start_mock(settings: Any) -> tuple[web.AppRunner, str]:
+    """A mock replica (router.mock.server, ``MockSettings``) on a free loopback port:
+    (its runner, base URL)."""
+    from router.mock.server import create_app as create_mock
+    from router.store.local_redis import free_port
+
+    runner = web.AppRunner(create_mock(settings))
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"

@@ -140,7 +140,8 @@ def test_router_configmap_loads_with_the_real_settings_loader(tmp_path: pathlib.
     settings = load_settings(path, environ={})
     assert settings.server.grpc_port == 50051 and settings.server.redis_url
     model = settings.model("kimi-k3")
-    assert model.routing.hybrid and model.routing.state_interval_blocks == 8
+    # learned from the engines, not configured
+    assert model.routing.hybrid is None and model.routing.state_interval_blocks == 0
 
 
 def test_dashboard_queries_only_metrics_the_router_exports() -> None:

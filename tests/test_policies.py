@@ -215,7 +215,9 @@ def test_speculative_state_grid() -> None:
     assert speculative_state_hashes(list(range(10)), 4) == [3, 7, 9]
     assert speculative_state_hashes(list(range(8)), 4) == [3, 7]
     assert speculative_state_hashes(list(range(3)), 4) == [2]
-    assert speculative_state_hashes([], 4) == [] and speculative_state_hashes([1], 0) == []
+    assert speculative_state_hashes([], 4) == [] and speculative_state_hashes([], 0) == []
+    # no grid known (0): the prompt end only
+    assert speculative_state_hashes(list(range(5)), 0) == [4]
 
 
 def test_ours_breaks_exact_ties_towards_the_smallest_cache() -> None:

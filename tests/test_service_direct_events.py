@@ -19,6 +19,7 @@ from router.service.app import STATE
 from router.service.config import build_settings
 from router.store.local_redis import free_port
 from tests.backends import eventually, start_router
+from tests.backends import metric_sample as _sample
 
 B = 64
 
@@ -77,17 +78,6 @@ async def test_router_follows_engine_events_without_redis() -> None:
     finally:
         for runner in runners:
             await runner.cleanup()
-
-
-def _sample(text: str, name: str, **labels: str) -> float | None:
-    """The value of one sample on a Prometheus page (None when absent)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return None
 
 
 async def test_router_scrapes_engine_metrics_and_exports_real_and_predicted_hits() -> None:

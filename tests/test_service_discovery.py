@@ -13,14 +13,13 @@ from aiohttp import web
 
 from router.core.types import ReplicaKey
 from router.mock.server import MockSettings
-from router.mock.server import create_app as create_mock
 from router.service.app import STATE
 from router.service.config import build_settings
 from router.store.base import ReplicaInfo
 from router.store.local_redis import free_port
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
-from tests.backends import eventually, start_router
+from tests.backends import eventually, start_mock, start_router
 
 B = 64
 
@@ -31,11 +30,7 @@ async def _mock(name: str) -> tuple[web.AppRunner, str]:
         zmq_endpoint=f"tcp://127.0.0.1:{free_port()}",
         replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
     )  # fmt: skip
-    runner = web.AppRunner(create_mock(s))
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return await start_mock(s)
 
 
 @pytest.mark.parametrize("server_kind", ["redis", "redis_cluster"])

@@ -121,6 +121,10 @@ class PrefixIndex:
         self._kv_count: list[int] = []
         self._state_count: list[int] = []
         self._state_slots = 0
+        # replica keys that ever published a recurrent-state checkpoint (the model is
+        # hybrid), and a counter bumped when one is added (RoutingEngine's cache key)
+        self._state_keys: set[ReplicaKey] = set()
+        self.state_generation = 0
         self._last_seq: dict[ReplicaKey, int] = {}
         self._slot_generation = 0  # bumped whenever a key gets or loses a slot
         self._slots_cache: PerTuple[np.ndarray] = PerTuple()
@@ -171,6 +175,12 @@ class PrefixIndex:
         """Forget the replica and its cache (it left the fleet or its lease expired)."""
         self._kill(key)
         self._last_seq.pop(key, None)
+        self._state_keys.discard(key)
+
+    def publishes_state(self, key: ReplicaKey) -> bool:
+        """Whether ``key`` ever stored a recurrent-state checkpoint (it serves a hybrid
+        model); kept across ``clear_replica``, dropped by ``remove_replica``."""
+        return key in self._state_keys
 
     def replicas(self) -> list[ReplicaKey]:
         return list(self._slot_of)
@@ -261,6 +271,10 @@ class PrefixIndex:
             self._state_count[slot] += added
             if self._state_count[slot]:
                 self._state_slots |= bit
+                key = self._key_of[slot]
+                if key is not None and key not in self._state_keys:
+                    self._state_keys.add(key)
+                    self.state_generation += 1
         else:
             self._kv_count[slot] += added
 

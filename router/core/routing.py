@@ -23,6 +23,7 @@ from router.core.index import PrefixIndex
 from router.core.load import LoadTracker, LoadView
 from router.core.policies import Candidate, CandidateColumns, ColumnarPolicy, Policy
 from router.core.session import SessionHint, SessionTable
+from router.core.state_layout import SOURCE_ENGINE, StateLayout, effective_layout
 from router.core.types import NO_MATCH, Decision, PrefixMatch, ReplicaKey, RouteRequest
 
 # Candidate lists at least this long are scored as arrays (policies that can): below it,
@@ -68,13 +69,16 @@ class BusyThresholds:
 
 @dataclass(slots=True, frozen=True)
 class RoutingSettings:
-    """Per-model routing settings. ``state_interval_blocks`` is the recurrent-state grid the
-    router assumes when it speculates (0: the model is not hybrid). ``session_ttl_s``: how
-    long a session's last replica is remembered as a hint (router/core/session.py; 0: off);
-    only policies with ``uses_session_hints`` read it."""
+    """Per-model routing settings. ``hybrid``: whether the model keeps recurrent state, so a
+    prefix is usable only up to a state checkpoint (None: learned from the engines, see
+    router.core.state_layout; a bool overrides). ``state_interval_blocks``: the engines'
+    checkpoint grid in router blocks, for the checkpoints the router speculates (0: learned;
+    until it is known only the prompt end is speculated). ``session_ttl_s``: how long a
+    session's last replica is remembered as a hint (router/core/session.py; 0: off); only
+    policies with ``uses_session_hints`` read it."""
 
     block_size: int = 64
-    hybrid: bool = False
+    hybrid: bool | None = None
     state_interval_blocks: int = 0
     speculative_ttl_s: float = 0.0
     busy: BusyThresholds = BusyThresholds()
@@ -105,10 +109,11 @@ def filter_candidates(
 
 def speculative_state_hashes(hashes: Sequence[int], interval_blocks: int) -> list[int]:
     """State checkpoints a hybrid engine will hold after serving this prompt: every
-    ``interval_blocks`` blocks plus the last full block (engines snapshot at prefill end)."""
-    if not hashes or interval_blocks <= 0:
+    ``interval_blocks`` blocks (none when 0: no grid known) plus the last full block (engines
+    snapshot at prefill end)."""
+    if not hashes:
         return []
-    picked = list(hashes[interval_blocks - 1 :: interval_blocks])
+    picked = list(hashes[interval_blocks - 1 :: interval_blocks]) if interval_blocks > 0 else []
     if not picked or picked[-1] != hashes[-1]:
         picked.append(hashes[-1])
     return picked
@@ -121,7 +126,14 @@ class RoutingEngine:
     :class:`CandidateColumns` when it is a :class:`ColumnarPolicy` (same decision, cost
     nearly independent of the fleet size). Pass ``replicas`` as the same tuple each time
     (kept until the fleet changes): where each replica sits in the index and the load table
-    is then looked up once, not per request (other sequences are looked up each time)."""
+    is then looked up once, not per request (other sequences are looked up each time).
+
+    The state layout (``layout``): the settings' ``hybrid`` / ``state_interval_blocks`` when
+    set, else what was learned: the model is hybrid once one of the replicas it routes to has
+    stored a state checkpoint in the index (checked when the index's ``state_generation``
+    moves, so not per request), or once the edge says so (``learn``: publishers' registrations,
+    the model's config); the grid comes from the edge (``learn``, fed by
+    ``state_layout.CheckpointGrid``)."""
 
     def __init__(
         self,
@@ -135,12 +147,60 @@ class RoutingEngine:
         self.index = index
         self.load = load
         self.policy = policy
-        self.settings = settings
         self.columnar_min = columnar_min
         self._columnar = callable(getattr(policy, "choose_columns", None))
+        self._learned_hybrid: str | None = None  # the source that showed it is hybrid
+        self._learned_interval: tuple[int, str] | None = None
+        self._state_generation = -1
+        self.settings = settings  # fixed for the engine's life (``layout`` derives from it)
+        self.layout = self._effective()
         self.sessions: SessionTable | None = None
         if settings.session_ttl_s > 0 and getattr(policy, "uses_session_hints", False):
             self.sessions = SessionTable(settings.session_ttl_s, settings.max_sessions)
+
+    def _effective(self) -> StateLayout:
+        s = self.settings
+        return effective_layout(
+            s.hybrid, s.state_interval_blocks, self._learned_hybrid, self._learned_interval
+        )
+
+    @property
+    def learned_hybrid(self) -> str | None:
+        """The source that showed the model is hybrid (None: none did)."""
+        return self._learned_hybrid
+
+    @property
+    def learned_interval(self) -> tuple[int, str] | None:
+        """The engines' checkpoint grid and its source, when learned."""
+        return self._learned_interval
+
+    def learn(self, *, hybrid: str | None = None, interval: tuple[int, str] | None = None) -> bool:
+        """Facts about the model's state layout learned outside the index: ``hybrid`` names
+        the source that showed the model is hybrid (learning it is final); ``interval`` is
+        the engines' grid with its source (0: they have none). Returns whether the layout
+        changed."""
+        if hybrid is not None and self._learned_hybrid is None:
+            self._learned_hybrid = hybrid
+        if interval is not None:
+            self._learned_interval = interval
+        old = self.layout
+        self.layout = self._effective()
+        return self.layout != old
+
+    def hybrid_for(self, replicas: Sequence[ReplicaKey]) -> bool:
+        """Whether to apply the hybrid-state rule (see the class docstring)."""
+        if self._learned_hybrid is None and self._state_generation != self.index.state_generation:
+            self._state_generation = self.index.state_generation
+            self.detect(replicas)
+        return self.layout.hybrid
+
+    def detect(self, replicas: Sequence[ReplicaKey]) -> bool:
+        """Learn that the model is hybrid if one of ``replicas`` stored a state checkpoint
+        (whatever the index's generation: for a periodic check over all the model's
+        replicas). Returns whether the model is known to be hybrid."""
+        if self._learned_hybrid is None and any(map(self.index.publishes_state, replicas)):
+            self.learn(hybrid=SOURCE_ENGINE)
+        return self._learned_hybrid is not None
 
     def _hint(self, request: RouteRequest, now: float) -> tuple[SessionHint | None, int]:
         """The request's session hint and how many of its blocks it covers (0: none)."""
@@ -157,7 +217,8 @@ class RoutingEngine:
         if self._columnar and len(replicas) >= self.columnar_min:
             return self._columns(request, replicas, now)
         eligible = filter_candidates(replicas, self.load, self.settings.busy, now)
-        matches = self.index.match(request.block_hashes, hybrid=self.settings.hybrid, now=now)
+        hybrid = self.hybrid_for(replicas)
+        matches = self.index.match(request.block_hashes, hybrid=hybrid, now=now)
         get = matches.get
         size = self.index.replica_size
         out = [Candidate(r, get(r, NO_MATCH), view, size(r)[0]) for r, view in eligible]
@@ -191,7 +252,8 @@ class RoutingEngine:
                 up = free
             elif busy.reject_when_all_busy:
                 raise NoReplicaAvailable("every replica is over its busy threshold", busy=True)
-        matches = self.index.match(request.block_hashes, hybrid=self.settings.hybrid, now=now)
+        hybrid = self.hybrid_for(replicas)
+        matches = self.index.match(request.block_hashes, hybrid=hybrid, now=now)
         slots = self.index.slots(replicas)
         kv, gpu, host, usable = matches.columns(slots)
         hint, covered = self._hint(request, now)
@@ -244,8 +306,15 @@ class RoutingEngine:
         """Pick a replica; raises NoReplicaAvailable when none can take the request."""
         return self.choose(request, self.candidates(request, replicas, now), now, rng)
 
-    def dispatched(self, request: RouteRequest, decision: Decision, now: float) -> None:
-        """Record that ``request`` was sent per ``decision`` (load, speculative entries)."""
+    def dispatched(
+        self,
+        request: RouteRequest,
+        decision: Decision,
+        now: float,
+        speculative_ttl_s: float | None = None,
+    ) -> None:
+        """Record that ``request`` was sent per ``decision`` (load, speculative entries for
+        ``speculative_ttl_s``, by default the settings' ``speculative_ttl_s``)."""
         self.load.dispatch(
             request.request_id,
             decision.replica,
@@ -253,11 +322,12 @@ class RoutingEngine:
             decision.usable_tokens,
             request.max_output_tokens,
         )
-        ttl = self.settings.speculative_ttl_s
+        ttl = self.settings.speculative_ttl_s if speculative_ttl_s is None else speculative_ttl_s
         if ttl > 0 and request.block_hashes:
+            layout = self.layout
             states = (
-                speculative_state_hashes(request.block_hashes, self.settings.state_interval_blocks)
-                if self.settings.hybrid
+                speculative_state_hashes(request.block_hashes, layout.interval_blocks)
+                if layout.hybrid
                 else []
             )
             self.index.speculate(decision.replica, request.block_hashes, states, now, ttl)

@@ -5,9 +5,11 @@ simulator's engine model on the wall clock), the router with its embedded index 
 replicas' KV events (or Redis + one publisher per replica with ``--redis URL``), replay an
 agentic trace (synthetic sessions sharing system prompts and tool schemas, contexts growing
 turn by turn, closed loop; or ``--trace FILE`` in Mooncake/recorded format) through the
-router over HTTP at a speed-up, then stop everything. Prints hit rate, goodput (the default
-SLO, router.core.slo), TTFT and TPOT per policy next to what the simulator predicts for the
-same trace and cluster, and exits non-zero if any request failed.
+router over HTTP at a speed-up, then stop everything. Prints per policy the engines' usable
+and KV-only hit, the router's predicted hit and its per-request error, goodput (the default
+SLO, router.core.slo), TTFT and TPOT, next to what the simulator predicts for the same trace
+and cluster, and exits non-zero if any request failed. The default profile is the hybrid
+``kimi-k3`` (the mission's model).
 
 ``--sim-only`` skips the live part (no processes at all). ``--router-url URL`` replays the
 workload through a router that is already running (any OpenAI-compatible one, in front of
@@ -169,30 +171,35 @@ def _run(args: argparse.Namespace, trace: Path) -> int:
             failed += int(live["failed"])
         rows.append((policy, live, sim))
     header = (
-        f"{'policy':<14} {'ok':>5} {'hit%':>6} {'pred%':>6} {'good%':>6} {'TTFT p50':>9}"
-        f" {'TTFT p90':>9} {'TPOT p90':>9} | {'sim hit%':>8} {'sim good%':>9} {'sim p50':>8}"
+        f"{'policy':<14} {'ok':>5} {'hit%':>6} {'kv%':>6} {'pred%':>6} {'err p99':>7}"
+        f" {'good%':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'TPOT p90':>9} | {'sim hit%':>8}"
+        f" {'sim kv%':>7} {'sim good%':>9} {'sim p50':>8}"
         f" {'sim p90':>8}"
     )
     print(header)
     print("-" * len(header))
     for policy, live, sim in rows:
         lv = live or {}
-        nan = math.nan
         ok = f"{lv['ok']:.0f}" if live else "-"
+
+        def cell(key: str, pct: bool = False, digits: int = 0, lv: dict[str, Any] = lv) -> str:
+            return _fmt(lv.get(key, math.nan), pct, digits)
+
         print(
-            f"{policy:<14} {ok:>5} {_fmt(lv.get('hit', nan), True):>6} "
-            f"{_fmt(lv.get('predicted_hit', nan), True):>6} "
-            f"{_fmt(lv.get('goodput', nan), True):>6} "
-            f"{_fmt(lv.get('ttft_p50_ms', nan)):>9} {_fmt(lv.get('ttft_p90_ms', nan)):>9} "
-            f"{_fmt(lv.get('tpot_p90_ms', nan), digits=1):>9}"
-            f" | {_fmt(sim['token_hit_rate'], True):>8} {_fmt(sim['goodput'], True):>9}"
-            f" {_fmt(sim['ttft_ms_p50']):>8} {_fmt(sim['ttft_ms_p90']):>8}"
+            f"{policy:<14} {ok:>5} {cell('hit', True):>6} {cell('kv_hit', True):>6} "
+            f"{cell('predicted_hit', True):>6} {cell('error_p99', True):>7} "
+            f"{cell('goodput', True):>6} {cell('ttft_p50_ms'):>9} {cell('ttft_p90_ms'):>9} "
+            f"{cell('tpot_p90_ms', digits=1):>9}"
+            f" | {_fmt(sim['token_hit_rate'], True):>8} {_fmt(sim['kv_token_hit_rate'], True):>7}"
+            f" {_fmt(sim['goodput'], True):>9} {_fmt(sim['ttft_ms_p50']):>8}"
+            f" {_fmt(sim['ttft_ms_p90']):>8}"
         )
     print(
-        "hit% = engine-reported cached prompt tokens; pred% = the router's predicted usable "
-        "hit; good% = requests meeting their TTFT and TPOT targets; TTFT / TPOT in ms at the "
-        "client; sim = the simulator on the same trace and cluster (ours, for an external "
-        "router)."
+        "hit% = prompt tokens the engines reused (usable hit: cached KV up to a recurrent-state"
+        " checkpoint); kv% = their KV-only hit;\npred% = the router's predicted usable hit; "
+        "err p99 = 99th percentile over requests of |predicted - reused| / prompt;\n"
+        "good% = requests meeting their TTFT and TPOT targets; TTFT / TPOT in ms at the client;"
+        "\nsim = the simulator on the same trace and cluster (ours, for an external router)."
     )
     if failed:
         print(f"FAILED: {failed} request(s) did not complete", file=sys.stderr)
@@ -212,7 +219,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--trace", help="replay this Mooncake/recorded JSONL instead")
     p.add_argument("--policies", default="round_robin,ours", help="comma-separated policies")
-    p.add_argument("--profile", default="dense-70b", help="mock replica / simulator profile")
+    p.add_argument(
+        "--profile",
+        default="kimi-k3",
+        help="mock replica / simulator profile (kimi-k3: the hybrid KDA model; dense-70b)",
+    )
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--kv-blocks", type=int, default=16384, help="GPU KV blocks per replica")
     p.add_argument("--max-output", type=int, default=64, help="cap on output tokens per request")

@@ -1,8 +1,11 @@
 """The figures of one live replay, as the demo and ``kvrouter bench live`` report them.
 
 From the client's side of each request (router/demo/replay.py ``Outcome``): the share of
-prompt tokens the engines reported cached (``hit``), the router's predicted usable hit where
-it told (kvrouter's decision header), TTFT and E2E percentiles, per-request TPOT
+prompt tokens the engines reported cached (``hit``; ``kv_hit``: the mock's KV-only hit, before
+the hybrid-state rule), the router's predicted usable hit where it told (kvrouter's decision
+header) and ``error_p99``, the 99th percentile over requests of ``|predicted - reused| /
+prompt`` (a prediction of the whole prompt counts as prompt - 1: engines always compute the
+last token), TTFT and E2E percentiles, per-request TPOT
 (``(E2E - TTFT) / (output tokens - 1)``) and goodput: the share of *all* requests, failed
 ones included, that met their SLO (router.core.slo). Times in milliseconds.
 """
@@ -25,8 +28,9 @@ def _pcts(values: Sequence[float], name: str, which: Sequence[int]) -> dict[str,
 
 
 def summarize(outcomes: Sequence[Outcome], slo: SloTargets | None = None) -> dict[str, Any]:
-    """``requests``, ``ok``, ``failed``, ``hit``, ``predicted_hit``, ``goodput``,
-    ``ttft_p50/p90/p99_ms``, ``e2e_p50/p90/p99_ms``, ``tpot_p50/p90_ms``."""
+    """``requests``, ``ok``, ``failed``, ``hit``, ``kv_hit``, ``predicted_hit``,
+    ``error_p99``, ``goodput``, ``ttft_p50/p90/p99_ms``, ``e2e_p50/p90/p99_ms``,
+    ``tpot_p50/p90_ms``."""
     slo = slo or SloTargets()
     ok = [o for o in outcomes if o.ok]
     prompt = sum(o.prompt_tokens for o in ok)
@@ -37,14 +41,23 @@ def summarize(outcomes: Sequence[Outcome], slo: SloTargets | None = None) -> dic
         if tpot is not None:
             tpots.append(tpot * 1e3)
         met += slo.met(o.prompt_tokens, o.ttft_s, tpot)
+    errors = [
+        abs(min(o.predicted_tokens, o.prompt_tokens - 1) - o.cached_tokens) / o.prompt_tokens
+        for o in ok
+        if o.prompt_tokens
+    ]
+
+    def share(tokens: int) -> float:
+        return round(tokens / prompt, 4) if prompt else 0.0
+
     out: dict[str, Any] = {
         "requests": len(outcomes),
         "ok": len(ok),
         "failed": len(outcomes) - len(ok),
-        "hit": round(sum(o.cached_tokens for o in ok) / prompt, 4) if prompt else 0.0,
-        "predicted_hit": (
-            round(sum(o.predicted_tokens for o in ok) / prompt, 4) if prompt else 0.0
-        ),
+        "hit": share(sum(o.cached_tokens for o in ok)),
+        "kv_hit": share(sum(o.kv_hit_tokens for o in ok)),
+        "predicted_hit": share(sum(o.predicted_tokens for o in ok)),
+        "error_p99": round(percentile(errors, 99), 4) if errors else math.nan,
         "goodput": round(met / len(outcomes), 4) if outcomes else 0.0,
     }
     out.update(_pcts([o.ttft_s * 1e3 for o in ok], "ttft", (50, 90, 99)))

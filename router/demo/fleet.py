@@ -29,7 +29,7 @@ class FleetSpec:
     policy: str | None
     block_size: int = 64
     kv_blocks: int = 16384
-    profile: str = "dense-70b"
+    profile: str = "kimi-k3"
     redis_url: str | None = None
     key_prefix: str = "kvr-demo"
     record_path: str | None = None

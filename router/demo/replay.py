@@ -8,8 +8,9 @@ follow-up ``delay`` after the previous turn finished (both divided by the speed-
 Every request is a streaming ``/v1/completions`` call with
 ``stream_options.include_usage``, carrying its session in ``X-Session-Id`` (and ``user``); the
 client measures TTFT at the first SSE event and E2E at the stream's end, and reads the
-engine's ``cached_tokens`` and ``completion_tokens`` from the usage chunk and the router's
-predicted hit from the ``X-KVRouter-Decision`` header (kvrouter only).
+engine's ``cached_tokens`` and ``completion_tokens`` (and the mock's KV-only
+``kv_hit_tokens``) from the usage chunk and the router's predicted hit from the
+``X-KVRouter-Decision`` header (kvrouter only).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Outcome:
     ttft_s: float = float("nan")
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    kv_hit_tokens: int = 0  # the mock's KV-only hit (before the hybrid-state rule)
     predicted_tokens: int = 0
     error: str = ""
     e2e_s: float = float("nan")
@@ -124,6 +126,7 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                     out.output_tokens = usage.get("completion_tokens", 0)
                     details = usage.get("prompt_tokens_details") or {}
                     out.cached_tokens = details.get("cached_tokens") or 0
+                    out.kv_hit_tokens = details.get("kv_hit_tokens", out.cached_tokens) or 0
             if out.ttft_s != out.ttft_s:
                 return Outcome(False, error="stream ended without data")
             if out.e2e_s != out.e2e_s:

@@ -46,12 +46,20 @@ class DirectEvents:
             self.event_lag[str(key)] = max(0.0, self.wall_clock() - ts)
 
     def add_replica(
-        self, replica: str, model: str, block_size: int, endpoints: Sequence[EndpointSpec]
+        self,
+        replica: str,
+        model: str,
+        block_size: int,
+        endpoints: Sequence[EndpointSpec],
+        on_checkpoint: Callable[[int], None] | None = None,
     ) -> EngineIngest:
-        """Follow ``endpoints`` of ``replica``; call before ``start``."""
+        """Follow ``endpoints`` of ``replica``; call before ``start``. ``on_checkpoint``:
+        see ``EngineIngest``."""
         if self._started:
             raise RuntimeError("add replicas before start()")
-        ingest = EngineIngest(replica, model, block_size, self._sink, self._applied)
+        ingest = EngineIngest(
+            replica, model, block_size, self._sink, self._applied, on_checkpoint=on_checkpoint
+        )
         self.ingests[replica] = ingest
         for spec in endpoints:
             self.index.add_replica(ReplicaKey(replica, spec.dp_rank))

@@ -49,15 +49,18 @@ class EngineIngest:
         block_size: int,
         sink: Sink,
         on_batch: Callable[[ReplicaKey, float], None] | None = None,
+        on_checkpoint: Callable[[int], None] | None = None,
     ) -> None:
         """``on_batch(key, ts)``: called after ``sink`` with the engine's batch timestamp
         (``KVEventBatch.ts``, the engine's wall clock) when the batch gave canonical events
-        and carries a timestamp."""
+        and carries a timestamp. ``on_checkpoint(end)``: the token position of every new
+        recurrent-state checkpoint (``Reblocker``), for layout learning."""
         self.replica = replica
         self.model = model
         self.block_size = block_size
         self.sink = sink
         self.on_batch = on_batch
+        self.on_checkpoint = on_checkpoint
         self.reblockers: dict[int, Reblocker] = {}
         self.stats = IngestStats()
         self._ranks_of: dict[str, set[int]] = {}
@@ -65,7 +68,9 @@ class EngineIngest:
     def reblocker(self, rank: int) -> Reblocker:
         rb = self.reblockers.get(rank)
         if rb is None:
-            rb = self.reblockers[rank] = Reblocker(self.block_size, self.model)
+            rb = self.reblockers[rank] = Reblocker(
+                self.block_size, self.model, on_checkpoint=self.on_checkpoint
+            )
         return rb
 
     def handle_payload(self, payload: bytes, default_rank: int = 0, source: str = "") -> None:

@@ -155,11 +155,15 @@ class Reblocker:
         block_size: int,
         model: str,
         root_for: Callable[[str | None, str | None], int] | None = None,
+        on_checkpoint: Callable[[int], None] | None = None,
     ) -> None:
+        """``on_checkpoint(end)``: called for every new recurrent-state checkpoint with the
+        token position it ends at (a router block boundary or not), for layout learning."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
         self.root_for = root_for or (lambda lora, salt: root_hash(model, salt, lora))
+        self.on_checkpoint = on_checkpoint
         self._blocks: dict[tuple[int, int], _Block] = {}
         self._kv_by_hash: dict[int, _Block] = {}
         self.stats = ReblockStats()
@@ -282,6 +286,8 @@ class Reblocker:
                 self._blocks[(group, h)] = block
                 if kind is Kind.KV:
                     self._kv_by_hash[h] = block
+                elif self.on_checkpoint is not None:
+                    self.on_checkpoint(end)
                 emitted.extend(covers)
             elif not block.media & bit:
                 block.media |= bit

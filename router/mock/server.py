@@ -3,10 +3,12 @@
 ``create_app(settings)`` builds the aiohttp application; its ``cleanup_ctx`` starts the
 engine driver and the KV-event publisher (vLLM wire format over ZMQ). Endpoints:
 ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not, ``usage`` with
-``prompt_tokens_details.cached_tokens``, ``stream_options.include_usage``), ``GET /metrics``
-(vLLM gauge names), ``GET /health``, ``GET /v1/models``, and vLLM's prompt preparation:
-``POST /tokenize``, ``/detokenize``, ``/v1/chat/completions/render``, ``/v1/completions/render``
-(router/mock/preprocess.py). Bodies up to ``max_body_mb`` (vLLM itself has no cap).
+``prompt_tokens_details.cached_tokens``, ``stream_options.include_usage``; for a hybrid
+profile ``prompt_tokens_details.kv_hit_tokens`` too, a mock-only field: the KV-only hit
+before the hybrid-state rule), ``GET /metrics`` (vLLM gauge names), ``GET /health``,
+``GET /v1/models``, and vLLM's prompt preparation: ``POST /tokenize``, ``/detokenize``,
+``/v1/chat/completions/render``, ``/v1/completions/render`` (router/mock/preprocess.py).
+Bodies up to ``max_body_mb`` (vLLM itself has no cap).
 
 Prompts are tokenized by a ``MockTokenizer`` and hashed exactly as the router hashes them
 (``root_hash(model, cache_salt)``, the router's block size), so hits are real; the answer is
@@ -189,12 +191,15 @@ async def _outputs(state: MockState, req: Any) -> AsyncIterator[Any]:
             state.driver.cancel(req.request_id)
 
 
-def _usage(prompt: int, cached: int, completion: int) -> dict[str, Any]:
+def _usage(prompt: int, cached: int, completion: int, kv_hit: int | None) -> dict[str, Any]:
+    details: dict[str, int] = {"cached_tokens": cached}
+    if kv_hit is not None:
+        details["kv_hit_tokens"] = kv_hit
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details,
     }
 
 
@@ -212,6 +217,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
     model = state.settings.model
     kind = "chat.completion" if chat else "text_completion"
     cached = 0
+    kv_hit = 0
     produced = 0
     finish_reason = "length"
     response: web.StreamResponse | None = None
@@ -246,6 +252,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
             await response.prepare(request)
         if name == "FirstToken":  # carries the first output token
             cached = out.cached_tokens
+            kv_hit = out.kv_hit_tokens
             produced = 1
             if response is not None:
                 await response.write(chunk(_word(0), None, first=True))
@@ -267,7 +274,8 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
     c.prompt_tokens += req.prompt_tokens
     c.cached_tokens += cached
     c.generation_tokens += produced
-    usage = _usage(req.prompt_tokens, cached, produced)
+    hybrid = state.driver.model.hybrid
+    usage = _usage(req.prompt_tokens, cached, produced, kv_hit if hybrid else None)
     if response is not None:
         await response.write(chunk(None if chat else "", finish_reason))
         if opts.get("include_usage"):

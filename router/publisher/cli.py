@@ -160,7 +160,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--block-size", type=int, default=64, help="router (canonical) block size")
     p.add_argument(
-        "--state-interval", type=int, default=0, help="hybrid: state grid in router blocks"
+        "--state-interval",
+        type=int,
+        default=0,
+        help="hybrid: the engine's state checkpoint grid in router blocks (0: learned)",
     )
     p.add_argument("--engine-metrics", default=None, help="engine /metrics URL to scrape load")
     p.add_argument(

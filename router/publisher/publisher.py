@@ -22,11 +22,12 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from router.core.state_layout import CheckpointGrid
 from router.core.types import IndexEvent, ReplicaKey
 from router.events.endpoints import EndpointSpec
 from router.events.ingest import EngineIngest, SubscriberGroup
@@ -66,12 +67,54 @@ class Publisher:
         self.store = store
         info = settings.info
         self.writer = StoreWriter(store, info.replica_keys())
-        self.ingest = EngineIngest(info.replica, info.model, info.block_size, self._sink)
+        # the engine's recurrent-state layout, learned from its checkpoints and registered
+        # with the replica (routers read it from the registry: router.service.layout)
+        self.grid = CheckpointGrid(info.block_size)
+        self.info = info  # as last registered
+        self.ingest = EngineIngest(
+            info.replica, info.model, info.block_size, self._sink, on_checkpoint=self._checkpoint
+        )
         self.subscribers = SubscriberGroup(self.ingest, settings.endpoints)
         self.stats = PublisherStats()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._http: aiohttp.ClientSession | None = None
+
+    def _checkpoint(self, end: int) -> None:
+        grid = self.grid
+        grid.observe_end(end)
+        if grid.unaligned == 1:
+            log.warning(
+                "publisher: the engine's state checkpoint at token %d is not on a %d-token "
+                "block boundary: such prefixes are never usable in the index (choose a "
+                "--block-size dividing the engine's checkpoint positions)",
+                end,
+                grid.block_size,
+            )
+
+    def learned_info(self) -> ReplicaInfo:
+        """The registration with what was learned about the engine's state layout (the
+        configured ``state_interval_blocks`` wins over the learned grid)."""
+        configured = self.settings.info
+        return replace(
+            configured,
+            publishes_state=configured.publishes_state or self.grid.checkpoints > 0,
+            state_interval_blocks=configured.state_interval_blocks or (self.grid.interval() or 0),
+        )
+
+    async def _register_learned(self) -> None:
+        """Register again when the learned layout changed (routers see a ReplicaUp)."""
+        info = self.learned_info()
+        if info == self.info:
+            return
+        await self.store.register(info, self.settings.owner, self.settings.lease_ttl_s)
+        log.info(
+            "publisher: %s publishes recurrent state: %s, checkpoint grid %d blocks",
+            info.replica,
+            info.publishes_state,
+            info.state_interval_blocks,
+        )
+        self.info = info
 
     def _sink(self, key: ReplicaKey, events: list[IndexEvent]) -> None:
         self.writer.add(key, events)
@@ -127,7 +170,8 @@ class Publisher:
         s = self.settings
         if first:
             await self.writer.resume_seq()
-        await self.store.register(s.info, s.owner, s.lease_ttl_s)
+        self.info = self.learned_info()
+        await self.store.register(self.info, s.owner, s.lease_ttl_s)
         await self.writer.reset()
         self.stats.resets += 1
 
@@ -144,6 +188,7 @@ class Publisher:
                     await self._register_and_reset()
                 else:
                     await self.writer.flush()
+                    await self._register_learned()
                 backoff = 0.05
             except asyncio.CancelledError:
                 raise

@@ -249,7 +249,8 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
 
 async def _housekeeping(app: web.Application, every: float = 1.0) -> None:
     """Expire speculative index entries, readmit replicas whose unhealthy cooldown ended
-    (without waiting for traffic; an active probe re-marks them if still down), and compact
+    (without waiting for traffic; an active probe re-marks them if still down), check the
+    models' state layouts against their configuration (router.service.layout), and compact
     the index now and then."""
     state = app[STATE]
     loop = asyncio.get_running_loop()
@@ -257,6 +258,7 @@ async def _housekeeping(app: web.Application, every: float = 1.0) -> None:
         await asyncio.sleep(every)
         state.index.expire(loop.time())
         state.restore_health(loop.time())
+        state.layouts.check()
         if state.index.garbage_ratio() > 0.5:
             state.index.compact()
 
@@ -356,7 +358,13 @@ async def _direct_events(app: web.Application) -> AsyncIterator[None]:
             specs = engine_endpoints(
                 [rep.zmq], [rep.zmq_replay] if rep.zmq_replay else [], range(rep.dp_ranks)
             )
-            direct.add_replica(rep.name, rep.model, block, specs)
+            direct.add_replica(
+                rep.name,
+                rep.model,
+                block,
+                specs,
+                on_checkpoint=app[STATE].layouts.observer(rep.model, block),
+            )
     async with direct:
         yield
 

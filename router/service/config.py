@@ -227,6 +227,7 @@ LOST_WHEN_COMPILED = {
     ("BusyThresholds", "max_in_flight"): "int | None",
     ("BusyThresholds", "max_queued_prefill_tokens"): "int | None",
     ("BusyThresholds", "max_kv_usage"): "float | None",
+    ("RoutingSettings", "hybrid"): "bool | None",
 }
 
 
@@ -536,6 +537,8 @@ def _model(name: str, table: Any) -> ModelSettings:
             raise ConfigError(f"{where}.{key}: expected a non-negative integer")
     if routing.block_size <= 0:
         raise ConfigError(f"{where}.block_size: must be positive")
+    if routing.hybrid is not None and not isinstance(routing.hybrid, bool):
+        raise ConfigError(f"{where}.hybrid: expected true or false (omit it: learned)")
     params = table.get("policy_params") or {}
     if not isinstance(params, Mapping):
         raise ConfigError(f"{where}.policy_params: must be a table")
@@ -567,8 +570,6 @@ def _model(name: str, table: Any) -> ModelSettings:
         make_policy(model.policy, params)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}.policy_params: {exc}") from None
-    if routing.hybrid and routing.state_interval_blocks <= 0 and routing.speculative_ttl_s > 0:
-        raise ConfigError(f"{where}: a hybrid model needs state_interval_blocks >= 1")
     if model.context_length is not None and model.context_length <= 0:
         raise ConfigError(f"{where}.context_length: must be positive")
     context_length = model.context_length

@@ -46,10 +46,12 @@ class EngineFeed(LoadTrackerListener):
     def replica_up(self, info: ReplicaInfo) -> None:
         if self.discover:
             self.state.add_discovered(info)
+        self.state.layouts.registered(info)  # what its publisher learned of the state layout
 
     def replica_down(self, replica: str, keys: Sequence[ReplicaKey]) -> None:
         if self.discover:
             self.state.remove_discovered(replica)
+        self.state.layouts.unregistered(replica)
 
     def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None:
         if self.state.registry.endpoint(key) is None:

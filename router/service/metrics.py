@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from router import __version__
 from router.compile import compiled_parts
+from router.service.layout import MISMATCH_FIELDS, LayoutReport
 from router.service.loop_metrics import LoopCounter, LoopHistogram
 
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -26,6 +27,8 @@ _TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TOKENS = tuple(float(4**i) for i in range(2, 11))  # 16 .. 1M
 _ERROR = tuple(sorted({-(4.0**i) for i in range(2, 11)} | {0.0} | {4.0**i for i in range(2, 11)}))
+_SHARE = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+_ERROR_RATIO = tuple(sorted({-x for x in _SHARE} | {0.0} | set(_SHARE)))
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,6 +73,8 @@ class StateSnapshot:
     engine_prefix_cache: dict[str, tuple[str, float, float]] = field(default_factory=dict)
     # body memo (router/service/body_memo.py): hits, misses, bytes held
     body_memo: tuple[int, int, int] = (0, 0, 0)
+    # each model's recurrent-state layout and config/engine mismatches (router.service.layout)
+    layouts: tuple[LayoutReport, ...] = ()
 
 
 class _StateCollector(Collector):
@@ -166,6 +171,34 @@ class _StateCollector(Collector):
         yield from (inflight, queued, up, entries, replicas, mode, cache, lag, queries, hits)
         yield info
         yield from (memo_lookups, memo_size)
+        yield from _layout_metrics(s.layouts)
+
+
+def _layout_metrics(layouts: Iterable[LayoutReport]) -> Iterable[Metric]:
+    hybrid = GaugeMetricFamily(
+        "kvrouter_model_hybrid",
+        "1 if the router applies the hybrid-state rule to the model; source: config, engine "
+        "(its events), registry (publishers), model_config (config.json) or none",
+        labels=["model", "source"],
+    )
+    interval = GaugeMetricFamily(
+        "kvrouter_model_state_interval_blocks",
+        "The engines' recurrent-state checkpoint grid the router assumes, in router blocks "
+        "(0: none known, only prompt ends are speculated)",
+        labels=["model", "source"],
+    )
+    mismatch = GaugeMetricFamily(
+        "kvrouter_model_layout_mismatch",
+        "1 while the model's configuration contradicts what its engines publish (field: "
+        "hybrid, state_interval_blocks, block_size); the router logs each one",
+        labels=["model", "field"],
+    )
+    for r in layouts:
+        hybrid.add_metric([r.model, r.hybrid_source], float(r.hybrid))
+        interval.add_metric([r.model, r.interval_source], float(r.interval_blocks))
+        for name in MISMATCH_FIELDS:
+            mismatch.add_metric([r.model, name], float(name in r.mismatches))
+    yield from (hybrid, interval, mismatch)
 
 
 class Metrics:
@@ -259,6 +292,14 @@ class Metrics:
             "kvrouter_engine_prompt_tokens_mismatch",
             "Requests whose engine usage.prompt_tokens differs from the router's count",
             ["model"],
+            registry=r,
+        )
+        self.prediction_error_ratio = LoopHistogram(
+            "kvrouter_prediction_error_ratio",
+            "Predicted usable hit minus engine-reported cached tokens, over the prompt's "
+            "tokens, per request",
+            ["model"],
+            buckets=_ERROR_RATIO,
             registry=r,
         )
         self.predicted_hit_ratio = LoopHistogram(
@@ -379,6 +420,7 @@ class ModelMetrics:
         "predicted_hit_ratio",
         "predicted_hit_tokens",
         "prediction_error",
+        "prediction_error_ratio",
         "prompt_cache_reused",
         "prompt_tokens",
         "prompt_tokens_hist",
@@ -408,6 +450,7 @@ class ModelMetrics:
             for tier in [t for _, t in TIERS] + [TIER_LAST]
         }
         self.prediction_error = m.prediction_error.labels(model)
+        self.prediction_error_ratio = m.prediction_error_ratio.labels(model)
         self.approximate = m.approximate.labels(model)
         self.prompt_cache_reused = m.prompt_cache_reused.labels(model)
         self.ttft = m.ttft.labels(model)

@@ -14,7 +14,6 @@ import random
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
@@ -29,6 +28,7 @@ from router.core.types import Decision, ReplicaKey, RouteRequest
 from router.recorder import TraceRecorder
 from router.service.body_memo import BodyMemo
 from router.service.config import ModelSettings, ReplicaSettings, Settings, replica_url_problem
+from router.service.layout import ModelLayouts
 from router.service.metrics import Metrics, ReplicaGauge, StateSnapshot
 from router.service.registry import ReplicaRegistry
 from router.store.base import ReplicaInfo
@@ -137,6 +137,9 @@ class RouterState:
         self.engines: dict[str, RoutingEngine] = {}
         self.processors: dict[str, PromptProcessor] = {}
         self.slos: dict[str, SloTargets] = {}
+        # per model: speculative TTL of (approximate, exact) prompts (see _add_model)
+        self.speculative_ttl: dict[str, tuple[float, float]] = {}
+        self.layouts = ModelLayouts(self.engines, self.index, self.registry.keys_for)
         self._tokenizers: dict[tuple[Any, ...], IncrementalTokenizer] = {}
         for name in {*settings.models, *self.registry.models()}:
             self._add_model(settings.model(name))
@@ -154,14 +157,6 @@ class RouterState:
     def _add_model(self, model: ModelSettings) -> None:
         processor = build_processor(model, self._tokenizers)
         routing = model.routing
-        if not processor.exact and routing.speculative_ttl_s <= 0:
-            # approximate mode routes on speculative entries only: they must live a while
-            interval = routing.state_interval_blocks or 1
-            routing = replace(
-                routing,
-                speculative_ttl_s=APPROXIMATE_SPECULATIVE_TTL_S,
-                state_interval_blocks=interval,
-            )
         params = dict(model.policy_params)
         if model.policy == "ours":  # priced against the model's TPOT target unless told
             params.setdefault("tpot_target_s", model.slo.tpot_s)
@@ -169,6 +164,25 @@ class RouterState:
         self.engines[model.name] = RoutingEngine(self.index, self.load, policy, routing)
         self.processors[model.name] = processor
         self.slos[model.name] = model.slo
+        # Approximate prompts (text hashed in character chunks) never match an engine's
+        # events: the router's own speculative entries are all their index, so they must
+        # live a while. Exact prompts (tokenized, or token ids) get the configured TTL (event
+        # lag cover); with no event source at all for the model, the long one too. Giving
+        # exact prompts the long TTL while events flow would keep entries the engines have
+        # evicted, or never made, for minutes (over-predicted hits).
+        ttl = routing.speculative_ttl_s
+        approximate = max(ttl, APPROXIMATE_SPECULATIVE_TTL_S)
+        exact = ttl if ttl > 0 or processor.exact or self._has_events(model.name) else approximate
+        self.speculative_ttl[model.name] = (approximate, exact)
+        if model.tokenizer is not None:
+            self.layouts.model_config(model.name, Path(model.tokenizer))
+
+    def _has_events(self, model: str) -> bool:
+        """Whether engines' events can reach the index for ``model`` (Redis, or a replica
+        of it configured with a ZMQ endpoint)."""
+        return self.settings.server.redis_url is not None or any(
+            r.zmq for r in self.settings.replicas if r.model == model
+        )
 
     # ------------------------------------------------------------------ discovery
 
@@ -327,7 +341,8 @@ class RouterState:
         t1 = time.perf_counter()
         decision = engine.choose(request, candidates, now, self.rng)
         t2 = time.perf_counter()
-        engine.dispatched(request, decision, now)
+        approximate_ttl, exact_ttl = self.speculative_ttl[model]
+        engine.dispatched(request, decision, now, exact_ttl if prompt.exact else approximate_ttl)
         best = engine.best_usable_tokens(request, candidates)
         routed = Routed(request, decision, prompt, t1 - t0, t2 - t1, best)
         # formatted only when asked for (recent_decisions): nothing built per request
@@ -398,6 +413,7 @@ class RouterState:
             },
             event_lag_s=dict(self.event_lag_s),
             body_memo=(self.body_memo.hits, self.body_memo.misses, self.body_memo.size_bytes),
+            layouts=tuple(self.layouts.reports()),
             engine_prefix_cache={
                 str(key): (endpoint.model, queries, hits)
                 for key, (queries, hits) in self.engine_prefix_cache.items()

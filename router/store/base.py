@@ -39,7 +39,10 @@ from router.store.schema import check_replica_name
 @dataclass(slots=True, frozen=True)
 class ReplicaInfo:
     """What a publisher registers about its replica. ``state_interval_blocks`` is the
-    recurrent-state checkpoint grid in router blocks (0: not a hybrid model)."""
+    recurrent-state checkpoint grid in router blocks (configured at the publisher, else
+    learned from the engine's checkpoints; 0: none known); ``publishes_state``: the engine
+    published recurrent-state checkpoints (a hybrid model). The publisher registers again
+    when what it learned changes (router.core.state_layout)."""
 
     replica: str
     url: str = ""
@@ -50,6 +53,7 @@ class ReplicaInfo:
     block_size: int = 64
     state_interval_blocks: int = 0
     engine: str = "vllm"
+    publishes_state: bool = False
 
     def __post_init__(self) -> None:
         check_replica_name(self.replica)
@@ -57,10 +61,14 @@ class ReplicaInfo:
             raise ValueError("dp_ranks must be a non-empty list of non-negative ints")
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
+        if not isinstance(self.state_interval_blocks, int) or self.state_interval_blocks < 0:
+            raise ValueError("state_interval_blocks must be a non-negative integer")
+        if not isinstance(self.publishes_state, bool):
+            raise ValueError("publishes_state must be true or false")
 
     @property
     def hybrid(self) -> bool:
-        return self.state_interval_blocks > 0
+        return self.publishes_state or self.state_interval_blocks > 0
 
     def replica_keys(self) -> list[ReplicaKey]:
         return [ReplicaKey(self.replica, r) for r in self.dp_ranks]

@@ -1,0 +1,211 @@
+"""Where a hybrid model's engines keep recurrent-state checkpoints, learned from what they
+publish rather than configured.
+
+A hybrid engine (KDA / mamba layers) can reuse a cached prefix only up to a block boundary
+where it holds a state snapshot (DESIGN.md, "What counts as a hit"). Engines take snapshots
+on a grid (every N tokens: SGLang ``--mamba-track-interval``, vLLM ``mamba_cache_mode``) and
+at the end of a prompt. The router needs two facts about a model:
+
+* whether it is hybrid at all: yes as soon as one of its engines publishes a recurrent-state
+  group (``kv_cache_spec_kind`` ``mamba``, ...), which the index records
+  (``PrefixIndex.publishes_state``);
+* the grid, for the checkpoints it *speculates* a replica will hold after serving a request
+  (event-lag cover, approximate mode): :class:`CheckpointGrid` estimates it from the positions
+  of published checkpoints.
+
+Configured values (``[models.NAME] hybrid`` / ``state_interval_blocks``) override what is
+learned; :func:`layout_mismatches` says where the two disagree (the service logs and exports
+it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Sources of a layout fact, as exported (``kvrouter_model_hybrid{source=...}``).
+SOURCE_CONFIG = "config"
+SOURCE_ENGINE = "engine"  # the engines' events (state groups, checkpoint positions)
+SOURCE_REGISTRY = "registry"  # what publishers registered (Redis mode)
+SOURCE_MODEL_CONFIG = "model_config"  # the model's config.json (hybrid layer types)
+SOURCE_NONE = "none"
+
+# A model whose replicas hold this many KV blocks and never published a state checkpoint is
+# taken to be not hybrid (a hybrid engine publishes a checkpoint with its first prompt).
+KV_ONLY_EVIDENCE_BLOCKS = 256
+
+
+@dataclass(slots=True, frozen=True)
+class StateLayout:
+    """The checkpoint layout the router routes on. ``interval_blocks``: the grid in router
+    blocks; 0 when no regular grid is known (only the prompt end is speculated)."""
+
+    hybrid: bool
+    interval_blocks: int
+    hybrid_source: str = SOURCE_NONE
+    interval_source: str = SOURCE_NONE
+
+
+class CheckpointGrid:
+    """Estimates an engine's checkpoint grid from the positions (in router blocks, >= 1) of
+    the checkpoints it publishes.
+
+    Grid checkpoints sit at multiples of the interval N; prompt-end checkpoints anywhere. For
+    each candidate d the estimator counts positions that are multiples of d and subtracts the
+    count chance alone gives (n / d): the excess is about G (1 - 1/d) for every divisor d of N
+    (G = grid checkpoints seen), about G / k for d = k N, and noise elsewhere. The grid is the
+    largest d whose excess is within ``SLACK`` of the best one, if that excess is significant;
+    without one (prompt ends only, or a snapshot at every block) the interval is 0.
+
+    Each observation costs O(sqrt(position)) (its divisors); counts are halved every
+    ``window`` observations so an engine that changes its grid is followed. Known limit:
+    prompt lengths that are themselves aligned (every prompt a multiple of 8 blocks) look like
+    a grid; configure ``state_interval_blocks`` to override.
+    """
+
+    SLACK = 0.8
+    MIN_EXCESS = 8.0
+    REESTIMATE = 64
+
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        min_observations: int = 32,
+        window: int = 4096,
+        max_interval: int = 1 << 20,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.block_size = block_size
+        self.checkpoints = 0  # every checkpoint seen, on the router's block grid or not
+        self.unaligned = 0  # those ending off a router block boundary (never usable)
+        self.min_observations = min_observations
+        self.window = window
+        self.max_interval = max_interval
+        self._counts: dict[int, float] = {}
+        self._n = 0.0
+        self.observed = 0  # total observations (not decayed)
+        self._cached: int | None = None
+        self._dirty = False
+        self._estimated_at = 0
+
+    def observe_end(self, end: int) -> None:
+        """One published checkpoint ending ``end`` tokens into its sequence."""
+        self.checkpoints += 1
+        if end % self.block_size:
+            self.unaligned += 1
+        else:
+            self.observe(end // self.block_size)
+
+    def observe(self, position: int) -> None:
+        """One published checkpoint at ``position`` router blocks (ignored if < 1)."""
+        if position < 1:
+            return
+        counts = self._counts
+        limit = self.max_interval
+        root = math.isqrt(position)
+        for d in range(1, root + 1):
+            if position % d == 0:
+                if d <= limit:
+                    counts[d] = counts.get(d, 0.0) + 1.0
+                e = position // d
+                if e != d and e <= limit:
+                    counts[e] = counts.get(e, 0.0) + 1.0
+        self._n += 1.0
+        self.observed += 1
+        self._dirty = True
+        if self._n >= 2 * self.window:
+            self._n /= 2
+            self._counts = {d: c / 2 for d, c in counts.items() if c >= 1.0}
+
+    def interval(self) -> int | None:
+        """The grid in router blocks; 0 when there is none; None until enough checkpoints
+        were seen to tell. Re-estimated at most every ``REESTIMATE`` observations once
+        ``2 * min_observations`` were seen (an estimate walks every divisor counted)."""
+        seen = self.observed
+        if seen < self.min_observations:
+            return None
+        if self._dirty and (
+            seen < 2 * self.min_observations or seen - self._estimated_at >= self.REESTIMATE
+        ):
+            self._cached = self._estimate()
+            self._estimated_at = seen
+            self._dirty = False
+        return self._cached
+
+    def _estimate(self) -> int:
+        n = self._n
+        excess = {d: c - n / d for d, c in self._counts.items() if d > 1}
+        if not excess:
+            return 0
+        best = max(excess.values())
+        # significant: several grid checkpoints beyond chance, and more than chance's spread
+        if best < self.MIN_EXCESS or best < 0.05 * n:
+            return 0
+        floor = self.SLACK * best
+        return max(d for d, e in excess.items() if e >= floor)
+
+
+def effective_layout(
+    configured_hybrid: bool | None,
+    configured_interval: int,
+    learned_hybrid: str | None,
+    learned_interval: tuple[int, str] | None,
+) -> StateLayout:
+    """The layout to route on: configuration first, then what was learned.
+
+    ``learned_hybrid``: the source that showed the model is hybrid (None: nothing did);
+    ``learned_interval``: (grid, source) when one is known."""
+    if configured_hybrid is not None:
+        hybrid, hybrid_source = configured_hybrid, SOURCE_CONFIG
+    elif learned_hybrid is not None:
+        hybrid, hybrid_source = True, learned_hybrid
+    else:
+        hybrid, hybrid_source = False, SOURCE_NONE
+    if configured_interval > 0:
+        interval, interval_source = configured_interval, SOURCE_CONFIG
+    elif learned_interval is not None:
+        interval, interval_source = learned_interval
+    else:
+        interval, interval_source = 0, SOURCE_NONE
+    if not hybrid:
+        interval, interval_source = 0, SOURCE_NONE
+    return StateLayout(hybrid, interval, hybrid_source, interval_source)
+
+
+def layout_mismatches(
+    configured_hybrid: bool | None,
+    configured_interval: int,
+    publishes_state: bool,
+    kv_only_blocks: int,
+    learned_interval: int | None,
+) -> dict[str, str]:
+    """Where the configuration contradicts what the engines publish: field -> explanation.
+
+    ``publishes_state``: some engine of the model published a state checkpoint;
+    ``kv_only_blocks``: KV blocks its replicas hold while none ever did (evidence that it is
+    not hybrid once it reaches ``KV_ONLY_EVIDENCE_BLOCKS``); ``learned_interval``: the grid
+    estimated from the engines' checkpoints (None or 0: none known)."""
+    out: dict[str, str] = {}
+    if configured_hybrid is False and publishes_state:
+        out["hybrid"] = (
+            "configured hybrid = false, but the engines publish recurrent-state checkpoints: "
+            "the router predicts KV hits the engines cannot reuse"
+        )
+    elif (
+        configured_hybrid is True
+        and not publishes_state
+        and kv_only_blocks >= KV_ONLY_EVIDENCE_BLOCKS
+    ):
+        out["hybrid"] = (
+            f"configured hybrid = true, but the engines published {kv_only_blocks} KV blocks "
+            "and no recurrent-state checkpoint: the router predicts no usable hit"
+        )
+    if configured_interval > 0 and learned_interval and learned_interval != configured_interval:
+        out["state_interval_blocks"] = (
+            f"configured state_interval_blocks = {configured_interval}, but the engines "
+            f"checkpoint every {learned_interval} blocks: speculative checkpoints land where "
+            "the engines have none"
+        )
+    return out

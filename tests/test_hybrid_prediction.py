@@ -1,0 +1,209 @@
+"""The router's usable-hit prediction against a hybrid engine, request by request.
+
+The simulator's engine model (KV LRU, recurrent-state checkpoints on a grid plus the prompt
+end, each costing KV memory, evictions of both) serves multi-turn sessions one request at a
+time. Its index events go the way a live engine's do: the mock's vLLM-format encoder
+(engine blocks of 16 tokens, checkpoints as group 1 ``kv_cache_spec_kind="mamba"``), msgpack
+on the wire, ``EngineIngest`` (decode + re-block) into the router's ``PrefixIndex``. The
+router is told nothing about the model: hybrid-ness and the grid are learned from the events.
+With one request at a time the index is exact when a request is routed, so the predicted
+usable hit must equal the engine's reported hit for every request.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from router.core.hashing import hash_prompt, root_hash
+from router.core.index import PrefixIndex
+from router.core.load import LoadTracker
+from router.core.policies import make_policy
+from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.state_layout import SOURCE_ENGINE, CheckpointGrid
+from router.core.types import (
+    BlocksRemoved,
+    EventBatch,
+    IndexEvent,
+    Kind,
+    ReplicaKey,
+    RouteRequest,
+)
+from router.events.encode import encode_batch
+from router.events.ingest import EngineIngest
+from router.events.model import EngineBatch
+from router.mock.kv_events import EngineEventEncoder
+from sim.engine import EngineModel, EngineRequest, Finished, FirstToken
+from sim.profiles import load_profile
+
+B = 64
+MODEL = "hybrid-model"
+GRID_TOKENS = 1024  # the engine checkpoints every 16 router blocks (and at prompt ends)
+KEYS = (ReplicaKey("r0"), ReplicaKey("r1"))
+
+
+@dataclass
+class Replica:
+    """One engine model with the event path of a live replica behind it."""
+
+    key: ReplicaKey
+    engine: EngineModel
+    encoder: EngineEventEncoder
+    ingest: EngineIngest
+    state_removals: int = 0
+
+
+@dataclass
+class Fleet:
+    index: PrefixIndex
+    router: RoutingEngine
+    grid: CheckpointGrid
+    replicas: dict[ReplicaKey, Replica] = field(default_factory=dict)
+    now: float = 0.0
+
+    def publish(self, rep: Replica) -> None:
+        events = rep.engine.take_index_events()
+        rep.state_removals += sum(
+            len(e.hashes) for e in events if isinstance(e, BlocksRemoved) and e.kind is Kind.STATE
+        )
+        engine_events = rep.encoder.convert(events)
+        if engine_events:
+            payload = encode_batch(EngineBatch(self.now, tuple(engine_events), None))
+            rep.ingest.handle_payload(payload)
+
+    def serve(self, tokens: list[int], output: int, rng: random.Random) -> tuple[int, int, int]:
+        """Route and serve one request to completion; (predicted usable, engine cached,
+        engine KV-only hit) in tokens."""
+        hashes = hash_prompt(tokens, B, root_hash(MODEL)).hashes
+        request = RouteRequest(f"q{self.now:.0f}", MODEL, len(tokens), hashes, B)
+        decision = self.router.route(request, KEYS, self.now, rng)
+        self.router.dispatched(request, decision, self.now)
+        rep = self.replicas[decision.replica]
+        rep.encoder.learn(list(hashes), tokens)
+        rep.engine.submit(EngineRequest(request.request_id, hashes, len(tokens), output), self.now)
+        cached = kv_hit = -1
+        while True:
+            when = rep.engine.next_time()
+            assert when is not None, "the engine stopped before finishing the request"
+            self.now = max(self.now, when)
+            outputs = rep.engine.advance(self.now)
+            self.publish(rep)
+            for out in outputs:
+                if isinstance(out, FirstToken):
+                    cached, kv_hit = out.cached_tokens, out.kv_hit_tokens
+            if any(isinstance(out, Finished) for out in outputs):
+                break
+        self.router.load.complete(request.request_id)
+        self.now += 1.0
+        return decision.usable_tokens, cached, kv_hit
+
+
+def _fleet(settings: RoutingSettings, kv_blocks: int, engine_block: int) -> Fleet:
+    profile = load_profile("kimi-k3").with_overrides(
+        checkpoint_interval_tokens=GRID_TOKENS, cpu_blocks=0
+    )
+    index, load = PrefixIndex(), LoadTracker()
+    grid = CheckpointGrid(B)
+    router = RoutingEngine(index, load, make_policy("longest_prefix"), settings)
+    fleet = Fleet(index, router, grid)
+    for key in KEYS:
+        load.add_replica(key)
+        index.add_replica(key)
+
+        def sink(k: ReplicaKey, events: list[IndexEvent], index: PrefixIndex = index) -> None:
+            index.apply(EventBatch(k, tuple(events)))
+
+        fleet.replicas[key] = Replica(
+            key,
+            EngineModel(profile, key, B, kv_blocks=kv_blocks),
+            EngineEventEncoder(B, engine_block),
+            EngineIngest(key.replica, MODEL, B, sink, on_checkpoint=grid.observe_end),
+        )
+    return fleet
+
+
+def _sessions(rng: random.Random, n: int) -> list[list[list[int]]]:
+    """``n`` sessions of growing prompts: a shared system prompt (one of two, shorter than
+    the grid), then turns that append an answer and a tool output of random lengths (partial
+    last blocks); now and then a turn branches off an earlier point of the context (an agent
+    retrying a step), so hits end between checkpoints."""
+
+    def fresh(count: int) -> list[int]:
+        return [rng.randrange(1, 90_000) for _ in range(count)]
+
+    systems = [fresh(rng.randrange(560, 1000)) for _ in "ab"]
+    out = []
+    for _ in range(n):
+        context = list(rng.choice(systems)) + fresh(200)
+        turns = []
+        for _ in range(rng.randrange(2, 7)):
+            turns.append(list(context))
+            if rng.random() < 0.3:
+                turns.append(context[: rng.randrange(len(context) // 2, len(context))] + fresh(300))
+            context += fresh(rng.randrange(100, 1800))
+        out.append(turns)
+    return out
+
+
+def _interleaved(sessions: list[list[list[int]]], rng: random.Random) -> list[list[int]]:
+    """Turns of all sessions in a random interleaving (each session's in order)."""
+    cursors = [0] * len(sessions)
+    order = []
+    while any(c < len(s) for c, s in zip(cursors, sessions, strict=True)):
+        i = rng.choice([i for i, s in enumerate(sessions) if cursors[i] < len(s)])
+        order.append(sessions[i][cursors[i]])
+        cursors[i] += 1
+    return order
+
+
+@pytest.mark.parametrize("engine_block", [16, 64])
+def test_predicted_usable_hit_equals_the_engines_hit_for_every_request(engine_block: int) -> None:
+    rng = random.Random(24)
+    # no hybrid flag, no grid: learned from the events; memory tight enough that KV blocks
+    # and checkpoints (40 blocks of memory each) are evicted along the way
+    fleet = _fleet(RoutingSettings(block_size=B), kv_blocks=900, engine_block=engine_block)
+    assert not fleet.router.layout.hybrid
+    rows = []
+    for tokens in _interleaved(_sessions(rng, 14), rng):
+        predicted, cached, kv_hit = fleet.serve(tokens, rng.randrange(1, 40), rng)
+        rows.append((len(tokens), predicted, cached, kv_hit))
+    # engines always compute the prompt's last token: a whole cached prompt reports n - 1
+    wrong = [r for r in rows if min(r[1], r[0] - 1) != r[2]]
+    assert not wrong, f"{len(wrong)} of {len(rows)} requests mispredicted: {wrong[:5]}"
+    assert fleet.router.layout.hybrid and fleet.router.layout.hybrid_source == SOURCE_ENGINE
+    # the run exercised what the hybrid rule is about: KV beyond the last checkpoint (usable
+    # < KV hit), hits at grid checkpoints and at prompt ends, evicted checkpoints
+    assert sum(r[3] - r[2] for r in rows) > 0
+    usable_at = {r[2] // B for r in rows if r[2] > 0}
+    assert any(b % (GRID_TOKENS // B) == 0 for b in usable_at)
+    assert any(b % (GRID_TOKENS // B) for b in usable_at)
+    assert sum(rep.state_removals for rep in fleet.replicas.values()) > 0
+    # the grid, from the checkpoints' positions alone
+    assert fleet.grid.interval() == GRID_TOKENS // B
+    assert fleet.grid.unaligned == 0
+
+
+def test_speculating_on_a_wrong_grid_over_predicts_and_the_learned_one_does_not() -> None:
+    """The failure the live demo showed: speculative checkpoints on a hand-configured grid
+    (8 blocks) that is not the engine's (16) stay for the speculative TTL and make the router
+    promise hits at depths where the engine has no checkpoint. Ample memory here, so only the
+    grid differs between the two runs."""
+
+    def run(settings: RoutingSettings) -> tuple[int, int]:
+        rng = random.Random(5)
+        fleet = _fleet(settings, kv_blocks=200_000, engine_block=16)
+        predicted = engine = 0
+        for tokens in _interleaved(_sessions(rng, 10), rng):
+            p, cached, _ = fleet.serve(tokens, 8, rng)
+            predicted += min(p, len(tokens) - 1)
+            engine += cached
+        return predicted, engine
+
+    wrong_predicted, wrong_engine = run(
+        RoutingSettings(block_size=B, hybrid=True, state_interval_blocks=8, speculative_ttl_s=600)
+    )
+    assert wrong_predicted > wrong_engine * 1.05
+    learned_predicted, learned_engine = run(RoutingSettings(block_size=B, speculative_ttl_s=600))
+    assert learned_predicted == learned_engine
