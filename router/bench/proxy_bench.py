@@ -12,7 +12,8 @@ a ~2 KB chat body, ``wrk`` as the load generator (64 connections, 2 threads). Ta
 
 Prints one JSON object with ``direct``, ``kvrouter``, ``vllm_router`` (each ``rps_nonstream``,
 ``rps_stream``, ``p50_ms``, ``p99_ms`` of the non-streaming run, ``p50_ms_stream``,
-``p99_ms_stream``) and ``c1`` (p50 at concurrency 1, direct vs kvrouter, and the difference).
+``p99_ms_stream``) and ``c1`` (p50 at concurrency 1, direct vs kvrouter, and the difference);
+with ``--limits`` also ``kvrouter_limits`` (API keys, a per-key limit and the header limit on).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from router.bench.measure import emit
 from router.compile import compiled, service_compiled
 
 MODEL = "bench-model"
+# every request carries it; kvrouter requires it only with ``--limits``
+API_KEY = "bench-key"
 
 # ---------------------------------------------------------------------------- fast backend
 
@@ -248,6 +251,7 @@ def chat_body(stream: bool, size: int = 2048) -> str:
 _LUA = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer %s"
 wrk.body = [==[%s]==]
 unique = %s
 if unique then
@@ -281,7 +285,7 @@ def wrk(
     """Run wrk (on ``cpus`` if given); ``unique``: replace the marker ``UNIQUE `` of the body
     (see :func:`chat_body`) with a random one in every request."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as fh:
-        fh.write(_LUA % (body, "true" if unique else "false"))
+        fh.write(_LUA % (API_KEY, body, "true" if unique else "false"))
         script = fh.name
     try:
         out = subprocess.run(
@@ -371,7 +375,9 @@ def kvrouter_config(
     workers: int,
     engine: str = "fast",
     body_memo_mb: float | None = None,
+    limits: bool = False,
 ) -> None:
+    """``limits``: client API keys, a per-key concurrency limit and the header limit on."""
     replicas = "".join(
         f'[[replicas]]\nurl = "http://127.0.0.1:{p}"\nmodel = "{MODEL}"\nname = "b{i}"\n\n'
         for i, p in enumerate(ports)
@@ -382,6 +388,12 @@ def kvrouter_config(
         f'[server]\nhost = "127.0.0.1"\nport = {port}\nworkers = {workers}\n'
         f'http_engine = "{engine}"\n'
         + (f"body_memo_mb = {body_memo_mb}\n" if body_memo_mb is not None else "")
+        + (
+            f'api_keys = "other-key,{API_KEY}"\nmax_concurrent_per_key = 100000\n'
+            "max_header_kb = 32\n"
+            if limits
+            else ""
+        )
         + f'log_level = "warning"\n\n{replicas}'
         f'[models.{MODEL}]\npolicy = "ours"\nblock_size = 64\nspeculative_ttl_s = 30.0\n'
         f'tokenizer = "{BUNDLED_DIR / "kimi_style"}"\n'
@@ -424,14 +436,15 @@ def _stop(proc: subprocess.Popen[bytes] | None) -> None:
 
 
 def _measure_kvrouter(
-    args: argparse.Namespace, ports: list[int], engine: str, direct_url: str
+    args: argparse.Namespace, ports: list[int], engine: str, direct_url: str, limits: bool
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """kvrouter with ``http_engine = engine`` in front of the backends: the load figures and
-    the concurrency-1 latencies against direct calls."""
+    """kvrouter with ``http_engine = engine`` in front of the backends (``limits``: see
+    :func:`kvrouter_config`): the load figures and the concurrency-1 latencies against
+    direct calls."""
     kv_port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "kvrouter.toml"
-        kvrouter_config(cfg, ports, kv_port, args.workers, engine, args.body_memo_mb)
+        kvrouter_config(cfg, ports, kv_port, args.workers, engine, args.body_memo_mb, limits)
         kv = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
             preexec_fn=_on_cpus(args.router_cpus),
@@ -450,7 +463,7 @@ def _measure_kvrouter(
         "kvrouter_p50_ms": k1["p50_ms"],
         "added_p50_ms": round(k1["p50_ms"] - d1["p50_ms"], 3),
     }
-    return {"engine": engine, **figures}, c1
+    return {"engine": engine, "limits": limits, **figures}, c1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -489,9 +502,13 @@ def run(args: argparse.Namespace) -> int:
 
         engines = ["fast", "aiohttp"] if args.engine == "both" else [args.engine]
         for engine in engines:
-            name = "kvrouter" if engine == engines[0] else f"kvrouter_{engine}"
-            result[name], c1 = _measure_kvrouter(args, ports, engine, direct_url)
-            result["c1" if engine == engines[0] else f"c1_{engine}"] = c1
+            suffix = "" if engine == engines[0] else f"_{engine}"
+            for limits in (False, True) if args.limits else (False,):
+                name = suffix + ("_limits" if limits else "")
+                result[f"kvrouter{name}"], c1 = _measure_kvrouter(
+                    args, ports, engine, direct_url, limits
+                )
+                result[f"c1{name}"] = c1
 
         binary = _vllm_router_bin(args.vllm_router)
         if binary is None:
@@ -557,6 +574,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="backends write each SSE event on its own event-loop turn, as an engine emits one "
         "event per decode step (default: the whole stream in one write)",
+    )
+    p.add_argument(
+        "--limits",
+        action="store_true",
+        help="measure kvrouter again with client API keys, a per-key concurrency limit and the "
+        "header limit configured (kvrouter_limits: the cost of the front door's checks)",
     )
     p.add_argument(
         "--body-memo-mb",
