@@ -27,11 +27,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # the service modules on a proxied request's path (the fast engine's): server, handling,
-# body memo, routing state, metrics, proxy and upstream client
+# request values, body memo, routing state, metrics, proxy and upstream client
 SERVICE_MODULES = (
     "body_memo",
     "fast_server",
     "handling",
+    "http_types",
     "loop_metrics",
     "proxy",
     "state",

@@ -182,42 +182,15 @@ class Backend:
             self._runner = None
 
 
-class _FastRunner:
-    """The fast engine's pieces, with the ``cleanup()`` of an AppRunner."""
+async def start_router(settings: Any, engine: str = "fast") -> tuple[Any, str]:
+    """Run the kvrouter app on a free loopback port, as ``kvrouter serve`` does (its one HTTP
+    server). Returns (the running router: ``.app``, ``cleanup()``, base URL); ``engine`` is
+    the obsolete ``server.http_engine`` and must be "fast"."""
+    from router.service.app import create_app, start
 
-    def __init__(self, runner: web.AppRunner, fast: Any, tmp: str) -> None:
-        self.runner, self.fast, self.tmp = runner, fast, tmp
-
-    async def cleanup(self) -> None:
-        import shutil
-
-        await self.fast.close()
-        await self.runner.cleanup()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-async def start_router(settings: Any, engine: str = "aiohttp") -> tuple[Any, str]:
-    """Run the kvrouter app on a free loopback port (handler cancellation on, as in serve).
-
-    ``engine``: "aiohttp" (the app serves everything) or "fast" (the fast server in front,
-    the app behind it on a unix socket, as ``kvrouter serve`` runs ``http_engine = "fast"``).
-    Returns (something with ``cleanup()``, base URL)."""
-    from router.service.app import create_app
-
-    app = create_app(settings)
-    if engine == "fast":
-        import tempfile
-
-        from router.service.fast_server import start_fast
-
-        tmp = tempfile.mkdtemp(prefix="kvr-test-")
-        runner, fast, port = await start_fast(app, "127.0.0.1", 0, socket_dir=tmp)
-        return _FastRunner(runner, fast, tmp), f"http://127.0.0.1:{port}"
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    assert engine == "fast", engine
+    running = await start(create_app(settings), "127.0.0.1", 0)
+    return running, f"http://127.0.0.1:{running.port}"
 
 
 def kimi_model_table(**extra: Any) -> dict[str, Any]:

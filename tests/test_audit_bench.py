@@ -60,7 +60,7 @@ def test_bench_tokenize_small_size(tokens: int) -> None:
     check_figures(bench_tokenize(tokens), tokens)
 
 
-@pytest.mark.parametrize("engine", ["fast", "aiohttp"])
+@pytest.mark.parametrize("engine", ["fast"])
 async def test_million_token_id_prompt_with_default_settings(engine: str) -> None:
     backend = await Backend("b0", ["m"]).start()
     backend.chunks = 1

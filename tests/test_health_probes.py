@@ -49,7 +49,7 @@ async def test_a_dead_replica_is_seen_within_a_sweep_while_others_hang() -> None
             "models": {MODEL: kimi_model_table()},
         }
     )
-    runner, _ = await start_router(settings, "aiohttp")
+    runner, _ = await start_router(settings)
     try:
         state = runner.app[STATE]
         keys = [ReplicaKey("dying", r) for r in range(4)]

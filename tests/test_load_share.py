@@ -19,7 +19,7 @@ from router.service.load_share import (
     parse_load,
     summed,
 )
-from router.service.upstream import Client, Timeouts
+from router.service.peers import PeerClient
 
 A = ReplicaKey("a")
 A1 = ReplicaKey("a", 1)
@@ -75,7 +75,7 @@ async def test_exchange_with_a_peer_that_then_goes_away(tmp_path: Path) -> None:
     await web.UnixSite(runner, sock).start()
     mine = LoadTracker()
     mine.dispatch("m1", A, prompt_tokens=64, cached_tokens=0)
-    client = Client(Timeouts(connect=1.0, read=1.0, total=1.0))
+    client = PeerClient(1.0)
     sharing = LoadSharing(mine, client)
     try:
         await sharing.exchange([sock], now=10.0)

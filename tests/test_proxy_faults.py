@@ -17,7 +17,7 @@ MODEL = "kimi-test"
 TOKEN = "admin-secret"
 
 
-@pytest.fixture(params=["aiohttp", "fast"])
+@pytest.fixture(params=["fast"])
 def engine(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 

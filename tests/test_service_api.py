@@ -35,7 +35,7 @@ class Fleet:
         return await self.http.post(self.url + path, data=data, **kw)
 
 
-ENGINES = ["aiohttp", "fast"]
+ENGINES = ["fast"]
 
 
 @pytest.fixture(params=ENGINES)
@@ -45,7 +45,7 @@ def engine(request: pytest.FixtureRequest) -> str:
 
 
 async def make_fleet(
-    server: dict[str, Any] | None = None, engine: str = "aiohttp", **model: Any
+    server: dict[str, Any] | None = None, engine: str = "fast", **model: Any
 ) -> AsyncIterator[Fleet]:
     backends = [await Backend(f"b{i}", [MODEL]).start() for i in range(2)]
     approx = await Backend("a0", [APPROX, "extra-lora"]).start()

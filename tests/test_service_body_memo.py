@@ -12,7 +12,7 @@ import pytest
 
 from router.service.body_memo import Admitted, BodyMemo
 from router.service.config import build_settings
-from router.service.handling import handle
+from router.service.handling import serve_completion
 from router.service.proxy import Forwarder, Headers
 from router.service.state import RouterState
 from router.service.upstream import Client, Timeouts
@@ -130,7 +130,7 @@ async def _replay(fleet: Fleet, bodies: list[bytes]) -> list[tuple[str, int, int
     return [(d["replica"], d["prompt_tokens"], d["usable_tokens"]) for d in decisions][::-1]
 
 
-@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+@pytest.mark.parametrize("engine", ["fast"])
 async def test_memo_on_and_off_route_the_same_traffic_the_same_way(engine: str) -> None:
     sessions = [conversation(t) for t in (1, 2, 1, 3, 2, 1, 1, 3)]
     bodies = [
@@ -155,7 +155,7 @@ async def test_memo_on_and_off_route_the_same_traffic_the_same_way(engine: str) 
     assert _metric(on_page, "kvrouter_body_memo_bytes") > 0
 
 
-@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+@pytest.mark.parametrize("engine", ["fast"])
 async def test_bad_bodies_are_checked_every_time(engine: str) -> None:
     async for fleet in make_fleet(engine=engine):
         chat = json.dumps({"model": MODEL, "messages": conversation(1)}).encode()
@@ -177,7 +177,7 @@ async def test_bad_bodies_are_checked_every_time(engine: str) -> None:
 
 
 class _Answer:
-    """The client side of :func:`handle`: records the answer."""
+    """The client side of :func:`serve_completion`: records the answer."""
 
     def __init__(self) -> None:
         self.status = 0
@@ -200,14 +200,14 @@ class _Answer:
 
 async def test_a_memo_hit_for_a_model_whose_replicas_left_is_404() -> None:
     state = RouterState(build_settings({"models": {"m": {"block_size": 16}}}))
-    assert state.add_discovered(ReplicaInfo("a", url="http://127.0.0.1:9", model="m"))
+    assert state.fleet.add_discovered(ReplicaInfo("a", url="http://127.0.0.1:9", model="m"))
     raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
     memo: Any = state.body_memo
     memo.put("chat", raw, _admitted(model="m"))
-    state.remove_discovered("a")
+    state.fleet.remove_discovered("a")
     answer = _Answer()
     unused = Forwarder(state, Client(Timeouts()))  # the request never reaches it
-    await handle(state, unused, answer, b"/v1/chat/completions", raw, [])
+    await serve_completion(state, unused, answer, b"/v1/chat/completions", raw, [])
     assert answer.status == 404, answer.body
     assert json.loads(answer.body)["error"]["message"] == "The model 'm' does not exist"
     assert memo.hits == 1
@@ -238,7 +238,7 @@ def test_fresh_request_ids_are_distinct_in_forked_workers() -> None:
     assert len(child_ids) == 8 and not child_ids & set(after)
 
 
-@pytest.mark.parametrize("engine", ["aiohttp", "fast"])
+@pytest.mark.parametrize("engine", ["fast"])
 async def test_an_id_already_in_flight_is_made_unique(engine: str) -> None:
     async for fleet in make_fleet(engine=engine):
         for b in fleet.backends:

@@ -66,7 +66,7 @@ async def test_router_routes_to_registered_replicas_and_drops_them(
             ReplicaInfo("b", url=url_b, model="m", dp_ranks=(0, 1), block_size=B), "pub-b", 30
         )
         await eventually(lambda: len(state.registry.keys_for("m")) == 3)
-        assert not state.is_static("a")
+        assert not state.fleet.is_static("a")
         assert state.registry.endpoint(ReplicaKey("a")).rack == "r1"  # type: ignore[union-attr]
         assert state.registry.endpoint(ReplicaKey("b", 1)).dp_rank == 1  # type: ignore[union-attr]
         models = await client.models.list()
@@ -152,22 +152,24 @@ def _page(state: object) -> str:
 
 def test_refused_reregistration_withdraws_the_old_address() -> None:
     state: Any = _state()
-    assert state.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))
+    assert state.fleet.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))
     # the same replica now registers something unusable: the old URL must not stay routable
-    assert not state.add_discovered(ReplicaInfo("a", url="ftp://10.0.0.1", model="m"))
+    assert not state.fleet.add_discovered(ReplicaInfo("a", url="ftp://10.0.0.1", model="m"))
     assert state.registry.find("a") == []
     assert ReplicaKey("a") not in state.load.replicas()
 
 
 def test_unknown_models_and_taken_urls_are_refused() -> None:
     state: Any = _state([{"url": "http://10.0.0.9:8000", "model": "m", "name": "static"}])
-    assert not state.add_discovered(ReplicaInfo("x", url="http://10.0.0.2:8000", model="zzz"))
+    assert not state.fleet.add_discovered(ReplicaInfo("x", url="http://10.0.0.2:8000", model="zzz"))
     assert "zzz" not in state.engines  # publishers cannot create models
     # the static replica's URL, spelled differently
-    assert not state.add_discovered(ReplicaInfo("y", url="HTTP://10.0.0.9:8000/", model="m"))
-    assert not state.add_discovered(ReplicaInfo("z", url="http://10.0.0.9:8000/v1", model="m"))
-    assert state.add_discovered(ReplicaInfo("a", url="http://10.0.0.3:80", model="m"))
-    assert not state.add_discovered(ReplicaInfo("b", url="http://10.0.0.3", model="m"))  # :80
+    assert not state.fleet.add_discovered(ReplicaInfo("y", url="HTTP://10.0.0.9:8000/", model="m"))
+    assert not state.fleet.add_discovered(
+        ReplicaInfo("z", url="http://10.0.0.9:8000/v1", model="m")
+    )
+    assert state.fleet.add_discovered(ReplicaInfo("a", url="http://10.0.0.3:80", model="m"))
+    assert not state.fleet.add_discovered(ReplicaInfo("b", url="http://10.0.0.3", model="m"))  # :80
     assert sorted(str(k) for k in state.registry.keys_for("m")) == ["a", "static"]
 
 
@@ -183,9 +185,9 @@ def test_registrations_the_proxy_cannot_reach_are_refused() -> None:
         "http://user:pw@10.0.0.5:8000",
         "http://10.0.0.5:0",
     ):
-        assert not state.add_discovered(ReplicaInfo("p", url=url, model="m")), url
+        assert not state.fleet.add_discovered(ReplicaInfo("p", url=url, model="m")), url
     assert state.registry.find("p") == []
-    assert state.add_discovered(ReplicaInfo("p", url="http://10.0.0.5:8000/", model="m"))
+    assert state.fleet.add_discovered(ReplicaInfo("p", url="http://10.0.0.5:8000/", model="m"))
 
 
 def test_an_identical_reregistration_keeps_the_routing_caches() -> None:
@@ -193,13 +195,13 @@ def test_an_identical_reregistration_keeps_the_routing_caches() -> None:
     caches index positions by) must stay the same object; a real change replaces it."""
     state: Any = _state()
     info = ReplicaInfo("a", url="http://10.0.0.1:8000", model="m", dp_ranks=(0, 1))
-    assert state.add_discovered(info)
+    assert state.fleet.add_discovered(info)
     keys = state.registry.keys_for("m")
-    assert state.add_discovered(
+    assert state.fleet.add_discovered(
         ReplicaInfo("a", url="http://10.0.0.1:8000", model="m", dp_ranks=(0, 1))
     )
     assert state.registry.keys_for("m") is keys
-    assert state.add_discovered(
+    assert state.fleet.add_discovered(
         ReplicaInfo("a", url="http://10.0.0.1:8001", model="m", dp_ranks=(0, 1))
     )
     assert state.registry.keys_for("m") is not keys
@@ -208,49 +210,51 @@ def test_an_identical_reregistration_keeps_the_routing_caches() -> None:
 
 def test_fewer_dp_ranks_forget_the_old_keys_everywhere() -> None:
     state: Any = _state()
-    state.add_discovered(ReplicaInfo("d", url="http://10.0.0.4:8000", model="m", dp_ranks=(0, 1)))
+    state.fleet.add_discovered(
+        ReplicaInfo("d", url="http://10.0.0.4:8000", model="m", dp_ranks=(0, 1))
+    )
     gone = ReplicaKey("d", 1)
-    state.mark_unhealthy(gone, 0.0)
-    state.engine_prefix_cache[gone] = (10.0, 5.0)
-    state.add_discovered(ReplicaInfo("d", url="http://10.0.0.4:8000", model="m"))
+    state.fleet.mark_unhealthy(gone, 0.0)
+    state.fleet.engine_prefix_cache[gone] = (10.0, 5.0)
+    state.fleet.add_discovered(ReplicaInfo("d", url="http://10.0.0.4:8000", model="m"))
     assert state.registry.find("d") == [ReplicaKey("d")]
     assert gone not in state.load.replicas()
-    assert gone not in state.unhealthy_until and gone not in state.engine_prefix_cache
+    assert gone not in state.fleet.unhealthy_until and gone not in state.fleet.engine_prefix_cache
 
 
 def test_a_removed_replica_is_not_brought_back_by_a_late_failure() -> None:
     state: Any = _state()
-    state.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))
-    state.remove_discovered("a")
-    state.mark_unhealthy(ReplicaKey("a"), 0.0)  # e.g. a request that was in flight to it
-    state.restore_health(1e9)
+    state.fleet.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))
+    state.fleet.remove_discovered("a")
+    state.fleet.mark_unhealthy(ReplicaKey("a"), 0.0)  # e.g. a request that was in flight to it
+    state.fleet.restore_health(1e9)
     assert ReplicaKey("a") not in state.load.replicas()
-    assert ReplicaKey("a") not in state.unhealthy_until
+    assert ReplicaKey("a") not in state.fleet.unhealthy_until
 
 
 def test_drain_survives_the_replica_leaving_and_coming_back() -> None:
     state: Any = _state()
     info = ReplicaInfo("a", url="http://10.0.0.1:8000", model="m")
-    state.add_discovered(info)
-    state.set_draining(ReplicaKey("a"), True)  # what POST /admin/replicas/a/drain calls
-    state.remove_discovered("a")  # a publisher restart during a rolling update
-    state.add_discovered(info)
+    state.fleet.add_discovered(info)
+    state.fleet.set_draining(ReplicaKey("a"), True)  # what POST /admin/replicas/a/drain calls
+    state.fleet.remove_discovered("a")  # a publisher restart during a rolling update
+    state.fleet.add_discovered(info)
     assert state.load.view(ReplicaKey("a"), 0.0).draining
 
 
 def test_a_removed_replicas_series_leave_the_metrics_page() -> None:
     state: Any = _state()
-    state.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))
+    state.fleet.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))
     mm = state.metrics.model("m")
     mm.outcome(ReplicaKey("a"), "ok").inc()
     sent, predicted = mm.replica(ReplicaKey("a"))
     sent.inc(100)
     predicted.inc(50)
-    state.engine_prefix_cache[ReplicaKey("a")] = (100.0, 40.0)
+    state.fleet.engine_prefix_cache[ReplicaKey("a")] = (100.0, 40.0)
     assert 'replica="a"' in _page(state)
-    state.remove_discovered("a")
+    state.fleet.remove_discovered("a")
     assert 'replica="a"' not in _page(state)
     # and it can come back with fresh series
-    state.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))
+    state.fleet.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))
     state.metrics.model("m").outcome(ReplicaKey("a"), "ok").inc()
     assert 'kvrouter_requests_total{model="m",outcome="ok",replica="a"} 1.0' in _page(state)

@@ -1,8 +1,7 @@
-"""HTTP/1.1 details of the fast front end (``server.http_engine = "fast"``) over raw sockets:
-keep-alive, pipelining, ``Expect: 100-continue``, chunked request bodies, HEAD and other
-paths relayed to the aiohttp app, malformed requests, oversized bodies, and the pooled
-upstream client's reuse of connections. The behaviour shared with the aiohttp engine is
-covered by tests/test_service_api.py, which runs every test against both engines."""
+"""HTTP/1.1 details of the router's HTTP server (router/service/fast_server.py) over raw
+sockets: keep-alive, pipelining, ``Expect: 100-continue``, chunked request bodies, HEAD and
+the other routes, malformed requests, oversized bodies, and the pooled upstream client's
+reuse of connections. The API itself is covered by tests/test_service_api.py."""
 
 from __future__ import annotations
 

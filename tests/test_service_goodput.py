@@ -25,7 +25,7 @@ from tests.backends import Backend, eventually, kimi_model_table, start_router
 from tests.test_audit_metrics import series
 
 MODEL = "kimi-test"
-ENGINES = ["aiohttp", "fast"]
+ENGINES = ["fast"]
 CHAT = [{"role": "user", "content": "Why is the sky blue? " * 30}]
 
 
@@ -50,7 +50,7 @@ async def _fleet(engine: str, slo: dict[str, Any]) -> AsyncIterator[Fleet]:
         }
     )
     runner, url = await start_router(settings, engine)
-    app = runner.app if engine == "aiohttp" else runner.runner.app
+    app = runner.app
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     try:
         yield Fleet(url, app[STATE], client)

@@ -106,7 +106,7 @@ class _Replica(asyncio.Protocol):
             w(END)
 
 
-@pytest.fixture(params=["aiohttp", "fast"])
+@pytest.fixture(params=["fast"])
 async def routed(request: pytest.FixtureRequest) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(_Replica, "127.0.0.1", 0)

@@ -122,7 +122,7 @@ async def traffic(proc: Proc, n: int) -> None:
         assert status == 200, data
 
 
-@pytest.mark.parametrize("engine", ["fast", "aiohttp"])
+@pytest.mark.parametrize("engine", ["fast"])
 async def test_drain_and_undrain_reach_every_worker(fleet: Fleet, engine: str) -> None:
     b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
     try:
@@ -156,7 +156,7 @@ async def test_drain_and_undrain_reach_every_worker(fleet: Fleet, engine: str) -
         await b1.stop()
 
 
-@pytest.mark.parametrize(("engine", "workers"), [("fast", 1), ("aiohttp", 1), ("fast", 2)])
+@pytest.mark.parametrize(("engine", "workers"), [("fast", 1), ("fast", 2)])
 async def test_drain_one_dp_rank_with_percent_encoded_hash(
     fleet: Fleet, engine: str, workers: int
 ) -> None:

@@ -61,7 +61,7 @@ async def draining_per_worker(proc: Proc) -> dict[int, dict[str, bool]]:
     }
 
 
-@pytest.mark.parametrize("engine", ["fast", "aiohttp"])
+@pytest.mark.parametrize("engine", ["fast"])
 async def test_grpc_drain_and_undrain_reach_every_worker(fleet: Fleet, engine: str) -> None:
     b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
     try:

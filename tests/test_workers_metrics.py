@@ -72,7 +72,7 @@ def ok_requests(page: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-@pytest.mark.parametrize("engine", ["fast", "aiohttp"])
+@pytest.mark.parametrize("engine", ["fast"])
 async def test_every_scrape_holds_every_worker(fleet: Fleet, engine: str) -> None:
     b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
     try:

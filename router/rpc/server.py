@@ -29,11 +29,11 @@ from router.rpc.gen import (
 )
 from router.rpc.servicers import AdminServicer, DecisionBook, IndexServicer, RouterServicer
 from router.rpc.settings import GrpcSettings
-from router.service.admin import WORKERS, Workers
+from router.service.keys import GRPC_PORT, GRPC_SERVER, SETTINGS, STATE, WORKERS
 from router.service.state import RouterState
+from router.service.workers import Workers
 
-GRPC_PORT = web.AppKey("kvrouter_grpc_port", int)
-GRPC_SERVER = web.AppKey("kvrouter_grpc_server", object)
+__all__ = ["GRPC_PORT", "GRPC_SERVER", "build_server", "grpc_cleanup_ctx", "serve_grpc"]
 ADMIN_SERVICE = "/kvrouter.v1.Admin/"
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
 REFLECTION_SERVICE = "/grpc.reflection."
@@ -219,10 +219,8 @@ def loop_clock() -> float:
     return asyncio.get_running_loop().time()
 
 
-async def grpc_cleanup_ctx(app: Any) -> AsyncIterator[None]:
+async def grpc_cleanup_ctx(app: web.Application) -> AsyncIterator[None]:
     """aiohttp ``cleanup_ctx`` entry: serve gRPC beside HTTP for the app's RouterState."""
-    from router.service.app import SETTINGS, STATE
-
     s = app[SETTINGS].server
     settings = GrpcSettings(
         host=s.grpc_host or s.host,
@@ -233,7 +231,7 @@ async def grpc_cleanup_ctx(app: Any) -> AsyncIterator[None]:
         tls_key=s.grpc_tls_key,
         max_message_mb=s.grpc_max_message_mb,
     )
-    # with several worker processes (admin.join_workers ran before the app started)
+    # with several worker processes (control.join_workers ran before the app started)
     workers = app.get(WORKERS)
     async for server, port in serve_grpc(app[STATE], settings, loop_clock, workers):
         app[GRPC_PORT] = port

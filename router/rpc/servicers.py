@@ -34,10 +34,10 @@ from router.rpc.gen import (
     router_pb2,
     router_pb2_grpc,
 )
-from router.service.admin import Workers, forward_to_peers
 from router.service.registry import Endpoint
 from router.service.security import check_prompt_tokens
 from router.service.state import RouterState
+from router.service.workers import Workers, forward_to_peers
 from router.tokenize.pipeline import ProcessedPrompt
 
 Clock = Callable[[], float]
@@ -354,7 +354,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         for key in keys:
             if self.state.load.view(key, now).draining != on:
                 changed += 1
-            self.state.set_draining(key, on)
+            self.state.fleet.set_draining(key, on)
         # every other worker process; ``name#dpN`` names one rank (a bare name is all ranks)
         name = request.replica if request.all_ranks else f"{request.replica}#dp{request.dp_rank}"
         fan = await forward_to_peers(self.workers, name, on, self.state.settings.server.admin_token)

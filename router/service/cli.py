@@ -1,4 +1,4 @@
-"""``kvrouter serve``: run the router (aiohttp on uvloop).
+"""``kvrouter serve``: run the router (its own HTTP server on uvloop, router.service.app).
 
 Configuration: ``--config FILE`` (TOML or YAML) or ``$KVROUTER_CONFIG``, then ``KVROUTER_*``
 environment variables, then these flags. ``--workers N`` starts N processes sharing the port
@@ -98,8 +98,6 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _run(app: Any, host: str, port: int, *, reuse_port: bool) -> None:
-    from aiohttp import web
-
     try:
         import uvloop
 
@@ -109,33 +107,17 @@ def _run(app: Any, host: str, port: int, *, reuse_port: bool) -> None:
     import gc
 
     gc.freeze()  # start-up objects (vocabularies, templates) never need collecting
-    from router.service.app import SETTINGS
+    from router.service.app import run
+    from router.service.keys import SETTINGS
 
-    if app[SETTINGS].server.http_engine == "fast":
-        from router.service.fast_server import run_fast
-
-        run_fast(app, host, port, reuse_port=reuse_port, shutdown_timeout=_shutdown_timeout(app))
-        return
-    web.run_app(
+    # SIGTERM: stop accepting, let in-flight requests finish up to this deadline, exit 0
+    run(
         app,
-        host=host,
-        port=port,
+        host,
+        port,
         reuse_port=reuse_port,
-        handler_cancellation=True,
-        access_log=None,
-        print=lambda *_: None,
-        # SIGTERM: stop accepting, let in-flight requests finish up to this deadline, exit 0
-        shutdown_timeout=_shutdown_timeout(app),
-        # aiohttp's default (128) overflows when ~1,000 clients connect at once: connections
-        # the kernel could not queue hang until TCP gives up (kvrouter bench reliability)
-        backlog=2048,
+        shutdown_timeout=float(app[SETTINGS].server.shutdown_timeout_s),
     )
-
-
-def _shutdown_timeout(app: Any) -> float:
-    from router.service.app import SETTINGS
-
-    return float(app[SETTINGS].server.shutdown_timeout_s)
 
 
 def _serve_workers(settings: Any, workers: int) -> int:
@@ -143,18 +125,19 @@ def _serve_workers(settings: Any, workers: int) -> int:
 
     Before forking, the parent creates a private control directory (mode 0700): each worker
     listens on ``<dir>/worker-<pid>.sock`` for the drains / undrains other workers forward
-    (router.service.admin), and the parent writes the workers' pids to ``<dir>/workers``
+    (router.service.control), and the parent writes the workers' pids to ``<dir>/workers``
     once all are forked. The parent removes the directory when it exits."""
     import shutil
     import signal
     import tempfile
 
-    from router.service import admin
-    from router.service.app import STATE, create_app
+    from router.service.app import create_app
+    from router.service.control import join_workers
+    from router.service.workers import PIDS_FILE, Workers
     from router.tokenize.tokenizers import pool_threads_for, set_pool_threads
 
     control = tempfile.mkdtemp(prefix="kvrouter-workers-")  # mode 0700
-    group = admin.Workers(control, workers)
+    group = Workers(control, workers)
     logging.getLogger("kvrouter.service").info(
         "%d workers on port %d; worker control sockets in %s",
         workers,
@@ -171,12 +154,12 @@ def _serve_workers(settings: Any, workers: int) -> int:
                     # hold more tiktoken copies (~21-26 MB each) for cores others use
                     set_pool_threads(pool_threads_for(workers))
                     app = create_app(settings)
-                    admin.join_workers(app, group, STATE, index)
+                    join_workers(app, group, index)
                     _run(app, settings.server.host, settings.server.port, reuse_port=True)
                 finally:
                     os._exit(0)
             children.append(pid)
-        pids = os.path.join(control, admin.PIDS_FILE)
+        pids = os.path.join(control, PIDS_FILE)
         with open(pids + ".tmp", "w") as f:
             f.write("".join(f"{pid}\n" for pid in children))
         os.replace(pids + ".tmp", pids)
@@ -220,7 +203,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--http-engine",
         dest="http_engine",
         choices=("aiohttp", "fast"),
-        help="front end for the hot POST endpoints (server.http_engine)",
+        help="obsolete (server.http_engine): the router has one HTTP server",
     )
     p.add_argument("--log-level", dest="log_level")
     p.add_argument("--check", action="store_true", help="validate the configuration and exit")

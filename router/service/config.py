@@ -25,13 +25,14 @@ Environment: ``KVROUTER_CONFIG`` (file path), ``KVROUTER_SERVER__<KEY>`` and
 ``KVROUTER_MODELS__KIMI__POLICY=ours``), values converted by the setting's declared type,
 ``KVROUTER_REPLICAS`` (``model=url,model=url``) and ``KVROUTER_ADMIN_TOKEN``; other
 ``KVROUTER_*`` variables belong to other components and are ignored (``env_overrides``).
-Replica URLs are plain ``http://host:port`` (``replica_url_problem``). A model with a
+Replica URLs are plain ``http://host:port`` (router/service/replica_url.py). A model with a
 tokenizer directory and no ``context_length`` takes its ``model_max_length``
 (``tokenizer_max_length``). Errors raise ConfigError naming the key (or variable).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tomllib
@@ -46,6 +47,7 @@ from router.core.policies import POLICY_NAMES, make_policy
 from router.core.routing import BusyThresholds, RoutingSettings
 from router.core.slo import DEFAULT_TIERS, DEFAULT_TPOT_S, SloTargets, SloTier, parse_tiers
 from router.events.endpoints import engine_endpoints
+from router.service.replica_url import ReplicaUrl
 from router.tokenize.multimodal import ImageSettings
 
 MiB = 2**20
@@ -73,8 +75,8 @@ class ServerSettings:
     decisions_kept: int = 256
     pool_per_replica: int = 256
     log_level: str = "info"
-    # "aiohttp": every endpoint on the aiohttp app; "fast": the two hot POST endpoints on a raw
-    # asyncio/httptools server, the rest relayed to the aiohttp app (router/service/fast_server.py)
+    # obsolete: the router serves its port with one HTTP server (router/service/fast_server.py);
+    # "aiohttp", which chose another, is accepted with a warning (docs/configuration.md)
     http_engine: str = "fast"
     # security and reliability (router/service/security.py, docs/operations.md)
     api_keys: str | None = None  # comma-separated client keys; None: no key required
@@ -439,45 +441,8 @@ def _typed(cls: type, table: Mapping[str, Any], where: str, skip: Sequence[str] 
     return cls(**kwargs)
 
 
-def replica_url_problem(url: str) -> str | None:
-    """Why the proxy could not use ``url`` as a replica's base URL; None when it can.
-
-    The proxy's client (router/service/upstream.py) speaks plain HTTP/1.1 and sends every
-    request to the host's root (``/v1/...``), so a replica URL is ``http://host[:port]`` with
-    at most a trailing ``/``: no TLS, path, query, fragment or credentials. Shared by static
-    replicas and (it should be) registered ones."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        return f"{url!r} has a bad port ({exc})"
-    if parts.scheme == "https":
-        return (
-            f"{url!r}: https is not supported: replicas are reached over plain http on the "
-            "cluster network; terminate TLS in front of the router or use a sidecar"
-        )
-    if parts.scheme != "http" or not parts.netloc:
-        return f"{url!r} is not an http URL (http://host:port)"
-    if not parts.hostname:
-        return f"{url!r} has no host"
-    if port == 0:
-        return f"{url!r}: port 0 is not a port to connect to"
-    if parts.username is not None or parts.password is not None:
-        return f"{url!r} carries credentials, which the router does not send; remove them"
-    if parts.path not in ("", "/"):
-        return (
-            f"{url!r} has a path ({parts.path!r}), which the router would not use: requests "
-            "go to the replica's root (/v1/...); give http://host:port"
-        )
-    if parts.query:
-        return f"{url!r} has a query ({parts.query!r}); give http://host:port"
-    if parts.fragment:
-        return f"{url!r} has a fragment ({parts.fragment!r}); give http://host:port"
-    return None
-
-
 def _replica(i: int, table: Any) -> ReplicaSettings:
-    """One ``[[replicas]]`` table; its url is checked by ``replica_url_problem`` and stored as
+    """One ``[[replicas]]`` table; its url is checked by :class:`ReplicaUrl` and stored as
     ``http://host[:port]`` (scheme lower-case, no trailing ``/``): what the proxy expects."""
     where = f"replicas[{i}]"
     if not isinstance(table, Mapping):
@@ -485,12 +450,12 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
     for key in ("url", "model"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise ConfigError(f"{where}: {key!r} is required (a non-empty string)")
-    problem = replica_url_problem(table["url"])
-    if problem is not None:
-        raise ConfigError(f"{where}.url: {problem}")
-    parts = urlsplit(table["url"])
-    table = {**table, "url": f"http://{parts.netloc}"}
-    name = table.get("name") or parts.netloc
+    try:
+        url = ReplicaUrl.parse(table["url"])
+    except ValueError as exc:
+        raise ConfigError(f"{where}.url: {exc}") from None
+    table = {**table, "url": url.base}
+    name = table.get("name") or url.netloc
     rep = _typed(ReplicaSettings, {**table, "name": name}, where)
     if rep.dp_ranks < 1:
         raise ConfigError(f"{where}.dp_ranks: must be >= 1")
@@ -622,6 +587,11 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     if server.http_engine not in ("aiohttp", "fast"):
         raise ConfigError(
             f"server.http_engine: {server.http_engine!r} is not one of 'aiohttp', 'fast'"
+        )
+    if server.http_engine == "aiohttp":
+        logging.getLogger("kvrouter.config").warning(
+            "server.http_engine = 'aiohttp' is obsolete and ignored: the router serves every "
+            "route with its own HTTP server"
         )
     if server.workers < 1 or server.max_retries < 0 or server.max_body_mb <= 0:
         raise ConfigError("server: workers >= 1, max_retries >= 0 and max_body_mb > 0 required")

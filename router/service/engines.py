@@ -35,7 +35,7 @@ class EngineFeed(LoadTrackerListener):
     """IndexSync listener (and the scrape's sink) for the router's registry of replicas.
 
     With ``discover`` the replicas publishers register (and deregister, or whose lease
-    expires) join and leave the registry (``RouterState.add_discovered``); without it
+    expires) join and leave the registry (``Fleet.add_discovered``); without it
     membership stays with the configuration."""
 
     def __init__(self, state: RouterState, *, discover: bool = False) -> None:
@@ -45,12 +45,12 @@ class EngineFeed(LoadTrackerListener):
 
     def replica_up(self, info: ReplicaInfo) -> None:
         if self.discover:
-            self.state.add_discovered(info)
+            self.state.fleet.add_discovered(info)
         self.state.layouts.registered(info)  # what its publisher learned of the state layout
 
     def replica_down(self, replica: str, keys: Sequence[ReplicaKey]) -> None:
         if self.discover:
-            self.state.remove_discovered(replica)
+            self.state.fleet.remove_discovered(replica)
         self.state.layouts.unregistered(replica)
 
     def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None:
@@ -59,9 +59,9 @@ class EngineFeed(LoadTrackerListener):
         super().load(key, sample, now)
         queries, hits = sample.prefix_cache_queries, sample.prefix_cache_hits
         if queries is not None and hits is not None:
-            self.state.engine_prefix_cache[key] = (queries, hits)
+            self.state.fleet.engine_prefix_cache[key] = (queries, hits)
         else:  # the engine stopped exporting them: do not keep exporting a frozen value
-            self.state.engine_prefix_cache.pop(key, None)
+            self.state.fleet.engine_prefix_cache.pop(key, None)
 
 
 async def scrape_once(

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from aiohttp import web
-
 from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable, UnknownModel
 
 _TYPES = {
@@ -43,22 +41,6 @@ def error_body(
     return json.dumps(body).encode()
 
 
-def error_response(
-    status: int,
-    message: str,
-    *,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    return web.Response(
-        status=status,
-        body=error_body(status, message, param=param, code=code),
-        content_type="application/json",
-        headers=headers,
-    )
-
-
 @dataclass(slots=True, frozen=True)
 class ErrorReply:
     """An error answer, engine-neutral: status, extra headers, OpenAI-style body."""
@@ -71,15 +53,6 @@ class ErrorReply:
 
     def body(self) -> bytes:
         return error_body(self.status, self.message, param=self.param, code=self.code)
-
-    def response(self) -> web.Response:
-        return error_response(
-            self.status,
-            self.message,
-            param=self.param,
-            code=self.code,
-            headers=dict(self.headers) or None,
-        )
 
 
 def reply_for(exc: KVRouterError, retry_after_s: int = 1) -> ErrorReply:
@@ -97,8 +70,3 @@ def reply_for(exc: KVRouterError, retry_after_s: int = 1) -> ErrorReply:
     if isinstance(exc, BadRequest):
         return ErrorReply(400, str(exc), "invalid_request")
     return ErrorReply(500, str(exc), "internal_error")
-
-
-def from_exception(exc: KVRouterError, retry_after_s: int = 1) -> web.Response:
-    """The HTTP answer for a core error raised while handling a request."""
-    return reply_for(exc, retry_after_s).response()

@@ -1,23 +1,21 @@
-"""The fast HTTP/1.1 front end (``server.http_engine = "fast"``): a raw asyncio protocol with
-the ``httptools`` (llhttp) parser for the two hot endpoints, everything else relayed to the
-aiohttp app.
+"""The router's HTTP/1.1 server: a raw asyncio protocol with the ``httptools`` (llhttp)
+parser, serving every path of the public port (and, with several workers, each worker's
+control socket) through one ``handler(request, sink)`` coroutine: on the public port
+router.service.handling.handle, the front door.
 
-* ``POST /v1/chat/completions`` and ``POST /v1/completions`` run :func:`handling.handle`
-  here, the same code the aiohttp handlers run (validation, error bodies, request ids, debug
-  header, routing, proxying, retries, metrics), answering through :class:`_Sink`.
-* Every other request (admin, metrics, models, health, ready, unknown paths, other methods)
-  is relayed unchanged to the aiohttp app, which listens on a private unix socket, with the
-  pooled client of :mod:`router.service.upstream`; the answer comes back byte for byte. The
-  hot endpoints take the same detour when the request needs what only the aiohttp app does
-  (client API keys or per-key concurrency limits configured, or a header block over
-  ``max_header_kb``, which the app refuses with 431).
-* Limits: a body over ``max_body_mb`` is answered 413 (the body is discarded as it arrives,
-  never buffered); an unparsable request 400 and the connection is closed.
+* The server parses and frames; it decides nothing about routes or limits but the body
+  size: a body over ``max_body`` is answered 413 by the handler (``HttpRequest.too_large``;
+  the body is discarded as it arrives, never buffered); an unparsable request 400 and the
+  connection is closed. Connection-level limits (timeouts, a connection cap) belong here.
 * Keep-alive and pipelining: requests on one connection are answered in order; reading
-  pauses while more than a few requests wait. ``Expect: 100-continue`` is honoured.
+  pauses while more than a few requests wait. ``Expect: 100-continue`` is honoured. ``HEAD``
+  gets the head of the GET answer.
 * A client that disconnects cancels its request's task, which aborts the upstream request
   (the replica sees the connection close). Writes wait while the client's socket buffer is
   full (backpressure reaches the replica through the upstream client's pause).
+* An exception the handler lets out is logged (with its traceback; a replica that broke off
+  a stream as a warning) and answered 500 when no answer had started, else the connection is
+  aborted, so a client never takes a half answer for a whole one.
 """
 
 from __future__ import annotations
@@ -28,18 +26,14 @@ import http
 import logging
 import socket
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httptools
-from aiohttp import web
 
 from router.service.errors import error_body
-from router.service.handling import KINDS, handle, too_large
-from router.service.proxy import HOP_BY_HOP, Forwarder, response_headers
-from router.service.security import Limits
-from router.service.state import RouterState
-from router.service.upstream import Pool
+from router.service.http_types import HttpRequest
+from router.service.proxy import Sink
 from router.service.upstream_errors import UpstreamError
 
 _log = logging.getLogger(__name__)
@@ -64,15 +58,8 @@ def _status_line(status: int) -> bytes:
     return line
 
 
-@dataclass(slots=True)
-class _Request:
-    method: bytes
-    url: bytes
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-    keep_alive: bool
-    too_large: bool
-    header_bytes: int
+class _Aborted(Exception):
+    """The handler failed after its answer began (logged already): abort the connection."""
 
 
 class _Sink:
@@ -81,6 +68,7 @@ class _Sink:
     __slots__ = ("conn", "head_only", "keep_alive", "started")
 
     def __init__(self, conn: _Connection, keep_alive: bool, head_only: bool = False) -> None:
+        # (the proxy.Sink protocol's methods, over the connection)
         self.conn = conn
         self.keep_alive = keep_alive
         self.head_only = head_only
@@ -159,7 +147,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self._drain: asyncio.Future[None] | None = None
-        self.queue: deque[_Request] = deque()
+        self.queue: deque[HttpRequest] = deque()
+        self.peer = ""
         self.task: asyncio.Task[None] | None = None
         self.reading_paused = False
         self._new_message()
@@ -176,6 +165,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        peer: Any = transport.get_extra_info("peername")
+        if isinstance(peer, tuple):
+            self.peer = str(peer[0])
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
@@ -275,14 +267,15 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         self.queue.append(
-            _Request(
+            HttpRequest(
                 self.parser.get_method(),
                 self.url,
                 self.headers,
                 body,
-                self.parser.should_keep_alive(),
-                self.too_large,
+                self.peer,
                 self.header_bytes,
+                self.too_large,
+                self.parser.should_keep_alive(),
             )
         )
         if len(self.queue) > _PIPELINE_MAX and not self.reading_paused:
@@ -306,7 +299,9 @@ class _Connection(asyncio.Protocol):
                     self.closed = True
         except asyncio.CancelledError:
             pass
-        except Exception:  # a bug or a broken upstream mid-stream: never leave a half answer
+        except Exception as exc:  # never leave a half answer
+            if not isinstance(exc, _Aborted):
+                _log.exception("unexpected error in the HTTP server")
             if not self.closed:
                 self.transport.abort()
                 self.closed = True
@@ -314,23 +309,15 @@ class _Connection(asyncio.Protocol):
             self.task = None
 
 
+Handler = Callable[[HttpRequest, Sink], Awaitable[None]]
+
+
 class FastServer:
-    """The fast front end of one app (see the module docstring). ``delegate`` is the unix
-    socket the aiohttp app listens on."""
+    """One listening socket served by ``handler`` (see the module docstring)."""
 
-    def __init__(self, app: web.Application, delegate: str) -> None:
-        from router.service.app import FORWARDER, STATE
-
-        self.app = app
-        self.state: RouterState = app[STATE]
-        self.forwarder: Forwarder = app[FORWARDER]
-        s = self.state.settings.server
-        self.max_body = int(s.max_body_mb * 2**20)
-        limits = Limits.from_server(s)
-        self.max_header = limits.max_header_bytes
-        # what only the aiohttp app's middleware does: send hot requests there too
-        self.hot_native = not limits.api_keys and not limits.max_concurrent_per_key
-        self.delegate: Pool = self.forwarder.client.unix_pool(delegate)
+    def __init__(self, handler: Handler, max_body: int) -> None:
+        self.handler = handler
+        self.max_body = max_body
         self.connections: set[_Connection] = set()
         self.loop = asyncio.get_running_loop()
         self._server: asyncio.Server | None = None
@@ -344,6 +331,10 @@ class FastServer:
         # (make compile) would check
         sockets: Any = getattr(self._server, "sockets")  # noqa: B009
         return int(sockets[0].getsockname()[1])
+
+    async def start_unix(self, path: str) -> None:
+        """Listen on the unix socket ``path``."""
+        self._server = await self.loop.create_unix_server(lambda: _Connection(self), path)
 
     async def close(self, timeout: float = 0.0) -> None:
         """Stop accepting; wait up to ``timeout`` s for requests in flight; close the rest."""
@@ -359,121 +350,22 @@ class FastServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
 
-    async def serve(self, conn: _Connection, req: _Request) -> None:
-        path = req.url.split(b"?", 1)[0]
+    async def serve(self, conn: _Connection, req: HttpRequest) -> None:
         sink = _Sink(conn, req.keep_alive, head_only=req.method == b"HEAD")
-        if (
-            req.method == b"POST"
-            and path in KINDS
-            and self.hot_native
-            and (not self.max_header or req.header_bytes <= self.max_header)
-        ):
-            if req.too_large:
-                reply = too_large(self.state)
-                await sink.respond(
-                    reply.status, [(b"Content-Type", b"application/json")], reply.body()
-                )
-                return
-            try:
-                await handle(self.state, self.forwarder, sink, path, req.body, req.headers)
-            except (asyncio.CancelledError, ConnectionResetError, UpstreamError):
-                raise
-            except Exception:
-                if sink.started:
-                    raise  # the answer began: abort the connection (see _Connection._run)
-                _log.exception("unexpected error on %s", path.decode("latin-1"))
-                body = error_body(500, "internal error in the router", code="internal_error")
-                await sink.respond(500, [(b"Content-Type", b"application/json")], body)
-            return
-        await self._relay(sink, req)
-
-    async def _relay(self, sink: _Sink, req: _Request) -> None:
-        """Hand the request to the aiohttp app and its answer back."""
-        if req.too_large:
-            reply = too_large(self.state)
-            await sink.respond(reply.status, [(b"Content-Type", b"application/json")], reply.body())
-            return
-        method = b"GET" if req.method == b"HEAD" else req.method
-        parts = [method, b" ", req.url, b" HTTP/1.1\r\nHost: kvrouter\r\n"]
-        for k, v in req.headers:
-            if k.lower() not in HOP_BY_HOP:
-                parts += (k, b": ", v, b"\r\n")
-        parts.append(b"Content-Length: %d\r\n\r\n" % len(req.body))
         try:
-            ex = await self.delegate.send(b"".join(parts), req.body)
-        except UpstreamError as exc:
-            body = error_body(500, f"internal app unavailable: {exc}", code="internal_error")
-            await sink.respond(500, [(b"Content-Type", b"application/json")], body)
-            return
-        try:
-            headers, _, _ = response_headers(ex.headers)
-            chunked = any(k.lower() == b"transfer-encoding" for k, _ in ex.headers)
-            if not chunked:
-                await sink.respond(ex.status, headers, await ex.read_all())
-                return
-            await sink.start(ex.status, headers)
-            while (data := await ex.read()) is not None:
-                await sink.write(data)
-            await sink.end()
-        except BaseException:
-            ex.abort()
+            await self.handler(req, sink)
+        except (asyncio.CancelledError, ConnectionResetError):
             raise
-        finally:
-            ex.release()
+        except UpstreamError as exc:  # (proxy.py answers those it can; this one broke a stream)
+            _log.warning("%s %s: %s; connection aborted", *_what(req), exc)
+            raise _Aborted() from exc
+        except Exception as exc:
+            _log.exception("unexpected error on %s %s", *_what(req))
+            if sink.started:
+                raise _Aborted() from exc
+            body = error_body(500, "internal error in the router", code="internal_error")
+            await sink.respond(500, [(b"Content-Type", b"application/json")], body)
 
 
-async def start_fast(
-    app: web.Application, host: str, port: int, *, reuse_port: bool = False, socket_dir: str
-) -> tuple[web.AppRunner, FastServer, int]:
-    """Set up the aiohttp app on a unix socket in ``socket_dir`` and the fast server on
-    ``host:port`` in front of it; returns (runner, fast server, port)."""
-    import os
-
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    path = os.path.join(socket_dir, f"kvrouter-{os.getpid()}-{id(app):x}.sock")
-    site = web.UnixSite(runner, path)
-    await site.start()
-    fast = FastServer(app, path)
-    bound = await fast.start(host, port, reuse_port=reuse_port)
-    return runner, fast, bound
-
-
-def run_fast(
-    app: web.Application,
-    host: str,
-    port: int,
-    *,
-    reuse_port: bool = False,
-    shutdown_timeout: float = 30.0,
-) -> None:
-    """Serve ``app`` with the fast front end until SIGTERM / SIGINT (``kvrouter serve``).
-
-    Shutdown: stop accepting, let requests in flight finish for up to ``shutdown_timeout``
-    seconds, then run the app's cleanup."""
-    import shutil
-    import signal
-    import tempfile
-
-    async def main() -> None:
-        tmp = tempfile.mkdtemp(prefix="kvrouter-")
-        try:
-            runner, fast, _ = await start_fast(
-                app, host, port, reuse_port=reuse_port, socket_dir=tmp
-            )
-            if not fast.hot_native:
-                _log.warning(
-                    "http_engine=fast: API keys / per-key limits are configured, so the hot "
-                    "endpoints are relayed to the aiohttp app (no speed-up)"
-                )
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-            await stop.wait()
-            await fast.close(shutdown_timeout)
-            await runner.cleanup()
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    asyncio.run(main())
+def _what(req: HttpRequest) -> tuple[str, str]:
+    return req.method.decode("latin-1"), req.path.decode("latin-1")

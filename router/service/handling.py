@@ -1,9 +1,13 @@
-"""The two hot endpoints, engine-neutral: body -> checks -> prompt processing -> routing ->
-metrics -> :class:`~router.service.proxy.Forwarder`.
+"""The front door of the public port, and the two hot endpoints.
 
-Both HTTP front ends (the aiohttp app and the fast server) call :func:`handle` with the raw
-body, the client's raw header pairs and a :class:`~router.service.proxy.Sink`, so validation,
-error bodies, request ids, routing and proxying are the same code whichever engine runs.
+:func:`handle` is where every request of the public port goes, whatever its path, once the
+HTTP server (router.service.fast_server) has parsed it: the :class:`~router.service.
+security.Gate` checks (header size; for ``/v1/`` paths the client's API key and the per-key
+concurrency limit) hold for every route, then ``POST /v1/chat/completions`` and ``POST
+/v1/completions`` are served here (:func:`serve_completion`: body -> checks -> prompt
+processing -> routing -> metrics -> :class:`~router.service.proxy.Forwarder`) and every
+other path by the route table (router.service.routes). A check added to the gate holds for
+every route; the answer goes out through a :class:`~router.service.proxy.Sink`.
 
 The router validates only what it needs (model, messages / prompt, stream flag, a few
 types); the body is forwarded untouched. Errors are OpenAI-style JSON (router.service.errors).
@@ -22,9 +26,11 @@ import xxhash
 from router.core.errors import BadRequest, KVRouterError
 from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, reply_for
+from router.service.http_types import HttpRequest
 from router.service.metrics import prompt_tier
 from router.service.proxy import Forwarder, Sink, send_error
-from router.service.security import check_prompt_tokens
+from router.service.routes import Routes
+from router.service.security import Gate, check_prompt_tokens
 from router.service.state import BODY_MEMO_MAX_BYTES, Routed, RouterState
 from router.service.stream_usage import usage_patch, with_patch
 from router.tokenize.pipeline import ProcessedPrompt
@@ -224,7 +230,44 @@ async def send_reply(sink: Sink, reply: ErrorReply) -> None:
     )
 
 
-async def handle(
+class FrontDoor:
+    """What :func:`handle` answers with: the routing state, the forwarder, the gate and the
+    routes of the other paths."""
+
+    __slots__ = ("forwarder", "gate", "routes", "state")
+
+    def __init__(
+        self, state: RouterState, forwarder: Forwarder, gate: Gate, routes: Routes
+    ) -> None:
+        self.state = state
+        self.forwarder = forwarder
+        self.gate = gate
+        self.routes = routes
+
+
+async def handle(door: FrontDoor, req: HttpRequest, sink: Sink) -> None:
+    """Answer one request of the public port (see the module docstring). An exception that
+    escapes is a bug: the server logs it and answers 500, or aborts the connection when the
+    answer had begun."""
+    path = req.path
+    refused, ident = door.gate.admit(path, req.headers, req.header_bytes, req.peer)
+    if refused is not None:
+        await send_reply(sink, refused)
+        return
+    try:
+        if req.too_large:
+            await send_reply(sink, too_large(door.state))
+        elif req.method == b"POST" and path in KINDS:
+            await serve_completion(door.state, door.forwarder, sink, path, req.body, req.headers)
+        else:
+            reply = await door.routes.answer(req)
+            await sink.respond(reply.status, list(reply.headers), reply.body)
+    finally:
+        if ident is not None:
+            door.gate.release(ident)
+
+
+async def serve_completion(
     state: RouterState,
     forwarder: Forwarder,
     sink: Sink,

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from router.core.slo import tpot_s
 from router.core.types import ReplicaKey
 from router.service.errors import error_body
+from router.service.replica_url import ReplicaUrl
 from router.service.state import Routed, RouterState
 from router.service.stream_usage import UsageFilter
 from router.service.upstream import Client, Exchange
@@ -261,7 +262,7 @@ class Forwarder:
     def _host(self, base_url: str) -> bytes:
         host = self._hosts.get(base_url)
         if host is None:
-            host = self._hosts[base_url] = base_url.partition("://")[2].split("/")[0].encode()
+            host = self._hosts[base_url] = ReplicaUrl.parse(base_url).netloc.encode()
         return host
 
     def _final(self, attempt: int, rest: Iterable[ReplicaKey], refused: set[str]) -> bool:
@@ -319,12 +320,12 @@ class Forwarder:
                     if exc.connected:
                         # it took the connection and dropped the request: this rank only
                         # (one request must not take a whole replica out of rotation)
-                        state.mark_unhealthy(key, loop.time())
+                        state.fleet.mark_unhealthy(key, loop.time())
                     else:
                         # nothing listens at the URL every DP rank of the replica shares
                         refused.add(ep.base_url)
                         for other in state.registry.find(key.replica):
-                            state.mark_unhealthy(other, loop.time())
+                            state.fleet.mark_unhealthy(other, loop.time())
                     mm.outcome(key, "connect_error").inc()
                     last_error = f"replica {key} unreachable: {exc}"
                     if self._final(attempt, ranked[i + 1 :], refused):

@@ -1,6 +1,6 @@
 """Which replicas exist, what they serve and where they listen.
 
-From settings, plus the replicas publishers register in Redis (``RouterState.add_discovered``
+From settings, plus the replicas publishers register in Redis (``Fleet.add_discovered``
 calls ``upsert``/``remove`` on the event loop; docs/redis.md, "Replica discovery").
 A replica with ``dp_ranks`` = N yields N schedulable :class:`ReplicaKey` s sharing one URL.
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from router.core.types import ReplicaKey
 from router.service.config import ReplicaSettings
+from router.service.replica_url import ReplicaUrl
 
 
 @dataclass(slots=True, frozen=True)
@@ -19,7 +20,7 @@ class Endpoint:
     """Where to send a request for one schedulable key."""
 
     key: ReplicaKey
-    base_url: str  # without trailing slash
+    base_url: str  # http://host[:port] (ReplicaUrl.base)
     model: str
     dp_rank: int | None  # set when the replica has several DP ranks
     rack: str | None = None
@@ -44,7 +45,7 @@ class ReplicaRegistry:
         for key in keys:
             self._endpoints[key] = Endpoint(
                 key,
-                replica.url.rstrip("/"),
+                ReplicaUrl.parse(replica.url).base,
                 replica.model,
                 key.dp_rank if replica.dp_ranks > 1 else None,
                 replica.rack,

@@ -1,5 +1,6 @@
-"""Front-door protections: client API keys, per-key concurrency limits, header-size limit,
-prompt-token limit and log redaction.
+"""Front-door protections: client API keys, per-key concurrency limits, header-size limit
+(:class:`Gate`, checked by router.service.handling.handle for every request of the public
+port), prompt-token limit and log redaction.
 
 All of it is off unless configured (``[server]`` keys, see docs/operations.md):
 
@@ -12,8 +13,7 @@ All of it is off unless configured (``[server]`` keys, see docs/operations.md):
 * ``max_concurrent_per_key``: requests in flight (streams count until their last byte) per
   API key, or per client address when no keys are configured; one more -> 429
   ``too_many_concurrent_requests`` with ``Retry-After``.
-* ``max_header_kb``: total size of the request's header block; larger -> 431.
-  (aiohttp's parser separately refuses a single header line over 8 KiB with a plain 400.)
+* ``max_header_kb``: total size of the request's header block, on every path; larger -> 431.
 * ``max_prompt_tokens``: prompts with more tokens -> 400 ``context_length_exceeded``
   (checked after tokenization; ``models.NAME.context_length`` is the per-model limit).
 * :class:`RedactingFilter`: log records never show bearer tokens, API keys, admin tokens or
@@ -30,17 +30,13 @@ import hashlib
 import hmac
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
 from router.core.errors import BadRequest, ConfigError
-from router.service.errors import error_response
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+from router.service.errors import ErrorReply
 
 
 def _digest(key: str) -> bytes:
@@ -82,12 +78,18 @@ class ApiKeys:
         return found if found >= 0 else None
 
 
-def presented_key(request: web.Request) -> str:
+def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> str:
     """The API key a client presented: ``Authorization: Bearer KEY`` or ``api-key: KEY``."""
-    auth = request.headers.get("Authorization", "")
+    auth = api_key = ""
+    for k, v in headers:
+        name = k.lower()
+        if name == b"authorization" and not auth:
+            auth = v.decode("latin-1")
+        elif name == b"api-key" and not api_key:
+            api_key = v.decode("latin-1")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
-    return request.headers.get("api-key", "").strip()
+    return api_key.strip()
 
 
 @dataclass(slots=True, frozen=True)
@@ -109,64 +111,72 @@ class Limits:
         return cls(keys, per_key, int(header_kb * 1024), int(server.retry_after_s))
 
 
-def _protected(path: str) -> bool:
-    return path.startswith("/v1/")
+def protected(path: bytes) -> bool:
+    """Whether a path needs the client's API key (the OpenAI API: ``/v1/...``)."""
+    return path.startswith(b"/v1/")
 
 
-def security_middleware(limits: Limits) -> Any:
-    """One aiohttp middleware enforcing header size, API keys and per-key concurrency."""
-    keys = ApiKeys(limits.api_keys)
-    in_flight: dict[object, int] = {}
-    per_key = limits.max_concurrent_per_key
-    max_header = limits.max_header_bytes
-    retry_after = {"Retry-After": str(limits.retry_after_s)}
+class Gate:
+    """The checks every request of the public port passes before it is answered, whatever
+    the route: the header block's size, then for ``/v1/`` paths the API key and the per-key
+    (per-address without keys) concurrency. :meth:`admit` and :meth:`release` are called by
+    the front door (router.service.handling.handle) around the request's whole answer."""
 
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if max_header:
-            size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
-            if size > max_header:
-                return error_response(
-                    431,
-                    f"request headers are {size} bytes; the limit is {max_header} "
-                    "(server.max_header_kb)",
-                    code="request_header_fields_too_large",
-                )
-        if not _protected(request.path):
-            return await handler(request)
+    __slots__ = ("_in_flight", "_keys", "_max_header", "_per_key", "_retry_after")
+
+    def __init__(self, limits: Limits) -> None:
+        self._keys = ApiKeys(limits.api_keys)
+        self._per_key = limits.max_concurrent_per_key
+        self._max_header = limits.max_header_bytes
+        self._retry_after = (("Retry-After", str(limits.retry_after_s)),)
+        self._in_flight: dict[object, int] = {}
+
+    def admit(
+        self, path: bytes, headers: list[tuple[bytes, bytes]], header_bytes: int, peer: str
+    ) -> tuple[ErrorReply | None, object]:
+        """(the refusal, None to go on; the identity to :meth:`release` after the answer,
+        None when nothing is counted)."""
+        if self._max_header and header_bytes > self._max_header:
+            return ErrorReply(
+                431,
+                f"request headers are {header_bytes} bytes; the limit is {self._max_header} "
+                "(server.max_header_kb)",
+                "request_header_fields_too_large",
+            ), None
+        if not protected(path):
+            return None, None
         ident: object
-        if keys:
-            found = keys.check(presented_key(request))
+        if self._keys:
+            found = self._keys.check(presented_key(headers))
             if found is None:
-                return error_response(
+                return ErrorReply(
                     401,
                     "Incorrect or missing API key. Send 'Authorization: Bearer <key>'.",
-                    code="invalid_api_key",
-                )
+                    "invalid_api_key",
+                ), None
             ident = found
         else:
-            ident = request.remote or ""
+            ident = peer
+        per_key = self._per_key
         if not per_key:
-            return await handler(request)
-        count = in_flight.get(ident, 0)
+            return None, None
+        count = self._in_flight.get(ident, 0)
         if count >= per_key:
-            return error_response(
+            return ErrorReply(
                 429,
                 f"too many concurrent requests for this key (limit {per_key}); retry later",
-                code="too_many_concurrent_requests",
-                headers=retry_after,
-            )
-        in_flight[ident] = count + 1
-        try:
-            return await handler(request)
-        finally:
-            left = in_flight[ident] - 1
-            if left:
-                in_flight[ident] = left
-            else:
-                del in_flight[ident]
+                "too_many_concurrent_requests",
+                headers=self._retry_after,
+            ), None
+        self._in_flight[ident] = count + 1
+        return None, ident
 
-    return middleware
+    def release(self, ident: object) -> None:
+        left = self._in_flight[ident] - 1
+        if left:
+            self._in_flight[ident] = left
+        else:
+            del self._in_flight[ident]
 
 
 def check_prompt_tokens(server: Any, prompt_tokens: int) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import httptools
 
+from router.service.replica_url import ReplicaUrl
 from router.service.upstream_errors import (
     ConnectFailed,
     UpstreamBroken,
@@ -55,17 +56,10 @@ class Target:
 
     @classmethod
     def from_url(cls, base_url: str) -> Target:
-        """``http://host:port`` (no path, no TLS: replicas sit on the cluster network)."""
-        scheme, _, rest = base_url.partition("://")
-        if scheme != "http":
-            raise ValueError(f"only http:// upstreams are supported, got {base_url!r}")
-        netloc = rest.split("/", 1)[0]
-        if netloc.startswith("["):  # [v6]:port
-            host, _, port = netloc[1:].partition("]")
-            port = port.lstrip(":")
-        else:
-            host, _, port = netloc.rpartition(":") if ":" in netloc else (netloc, "", "")
-        return cls(host, int(port) if port else 80)
+        """A replica's ``http://host[:port]`` (router/service/replica_url.py); ValueError
+        for anything else."""
+        url = ReplicaUrl.parse(base_url)
+        return cls(url.host, url.port)
 
 
 class _Conn(asyncio.Protocol):

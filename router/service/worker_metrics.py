@@ -4,7 +4,7 @@ With SO_REUSEPORT a scrape lands on whichever worker the kernel picks, and each 
 counts only its own requests: scraped as is, a counter would jump between the workers'
 values from one scrape to the next and ``rate()`` would be meaningless. So the worker that
 receives ``GET /metrics`` asks every other worker for its own page over its control socket
-(router/service/admin.py) and answers with all of them, each sample labelled with
+(router/service/control.py) and answers with all of them, each sample labelled with
 ``worker="<index>"`` (0 .. N-1, stable across restarts of the router, unlike pids):
 ``sum without (worker) (rate(kvrouter_requests_total[1m]))`` is the router's rate. Two
 gauges say whether the page is complete: ``kvrouter_workers`` (configured) and
@@ -93,7 +93,7 @@ async def _peer_page(socket_path: str) -> tuple[str, str] | None:
     got = await peer_call(socket_path, "GET", "/internal/metrics", timeout_s=_TIMEOUT_S)
     if isinstance(got, str) or got.status != 200:
         return None
-    index = got.headers.get(INDEX_HEADER)
+    index = got.header(INDEX_HEADER)
     if index is None or not index.isdigit():
         return None
     return index, got.body.decode()

@@ -1,0 +1,196 @@
+"""What runs beside the requests while the router runs, each as a ``cleanup_ctx`` of the
+application object (started in order before the port opens, stopped in reverse): the
+upstream client and the forwarder, housekeeping, active health probes, the engines' metrics
+scrape, the Redis index follower, direct ZMQ events and the live-traffic recorder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from router.core.types import ReplicaKey
+from router.service.keys import FORWARDER, INDEX_SYNC, SESSION, SETTINGS, STATE
+from router.service.proxy import Forwarder
+from router.service.upstream import Client, Timeouts
+
+_log = logging.getLogger("kvrouter.service")
+
+
+async def upstream_session(app: web.Application) -> AsyncIterator[None]:
+    s = app[SETTINGS].server
+    client = Client(
+        Timeouts(s.connect_timeout_s, s.first_byte_timeout_s, s.request_timeout_s),
+        s.pool_per_replica,
+    )
+    app[FORWARDER] = Forwarder(app[STATE], client)
+    # side traffic (/v1/models, health probes) keeps aiohttp's client
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit_per_host=8, keepalive_timeout=60),
+        skip_auto_headers=("User-Agent",),
+    )
+    app[SESSION] = session
+    tasks = [asyncio.create_task(_housekeeping(app))]
+    if s.health_interval_s > 0:
+        tasks.append(asyncio.create_task(_probe_health(app, session, s.health_interval_s)))
+    yield
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await session.close()
+    client.close()
+
+
+async def _housekeeping(app: web.Application, every: float = 1.0) -> None:
+    """Expire speculative index entries, readmit replicas whose unhealthy cooldown ended
+    (without waiting for traffic; an active probe re-marks them if still down), check the
+    models' state layouts against their configuration (router.service.layout), and compact
+    the index now and then."""
+    state = app[STATE]
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(every)
+        state.index.expire(loop.time())
+        state.fleet.restore_health(loop.time())
+        state.layouts.check()
+        if state.index.garbage_ratio() > 0.5:
+            state.index.compact()
+
+
+# replicas' /health probed at once: a sweep of a 900-replica fleet takes about one timeout
+# even when some hang, instead of one timeout per hanging replica
+HEALTH_PROBES_AT_ONCE = 64
+
+
+async def _probe_health(app: web.Application, session: aiohttp.ClientSession, every: float) -> None:
+    """Every ``every`` seconds, GET each replica's ``/health`` (once per URL: all DP ranks of
+    a replica share it) and mark its keys healthy or unhealthy."""
+    state = app[STATE]
+    timeout = aiohttp.ClientTimeout(total=max(every, 1.0))
+    limit = asyncio.Semaphore(HEALTH_PROBES_AT_ONCE)
+
+    async def probe(url: str) -> bool:
+        async with limit:
+            try:
+                async with session.get(url + "/health", timeout=timeout) as resp:
+                    return resp.status == 200
+            except (TimeoutError, aiohttp.ClientError):
+                return False
+
+    while True:
+        by_url: dict[str, list[ReplicaKey]] = {}
+        for ep in state.registry.endpoints():
+            by_url.setdefault(ep.base_url, []).append(ep.key)
+        results = await asyncio.gather(*(probe(url) for url in by_url))
+        now = asyncio.get_running_loop().time()
+        for keys, ok in zip(by_url.values(), results, strict=True):
+            for key in keys:
+                if state.registry.endpoint(key) is None:
+                    continue  # removed while probed (a discovered replica left)
+                if ok and key not in state.fleet.unhealthy_until:
+                    state.load.set_health(key, True)
+                elif not ok:
+                    state.fleet.mark_unhealthy(key, now)
+        await asyncio.sleep(every)
+
+
+async def engine_metrics(app: web.Application) -> AsyncIterator[None]:
+    """Replicas with ``metrics_url``: the router scrapes their Prometheus pages itself
+    (router.service.engines)."""
+    from router.service.engines import EngineFeed, scraping
+
+    settings = app[SETTINGS]
+    targets = [rep for rep in settings.replicas if rep.metrics_url]
+    async with scraping(targets, EngineFeed(app[STATE]), settings.server.engine_metrics_interval_s):
+        yield
+
+
+async def redis_index(app: web.Application) -> AsyncIterator[None]:
+    """With ``server.redis_url``: bootstrap the local index from Redis and follow it
+    (router.store.sync.IndexSync). Start-up does not wait for Redis; while it is away the
+    router serves from its last known index and load (docs/operations.md)."""
+    from router.store.redis_store import RedisStore
+    from router.store.schema import KeySchema
+    from router.store.sync import IndexSync
+
+    s = app[SETTINGS].server
+    store = RedisStore.from_url(
+        s.redis_url or "",
+        KeySchema(s.redis_key_prefix, s.redis_stream_shards),
+        verify_master=bytes.fromhex(s.redis_signing_master) if s.redis_signing_master else None,
+    )
+    from router.service.engines import EngineFeed
+
+    discover = s.discover_replicas is not False  # None: on with Redis
+    sync = IndexSync(
+        store,
+        app[STATE].index,
+        asyncio.get_running_loop().time,
+        listener=EngineFeed(app[STATE], discover=discover),
+        event_lag=app[STATE].event_lag_s,
+    )
+    app[INDEX_SYNC] = sync
+    _log.info("shared index: following %s (key prefix %s)", s.redis_url, s.redis_key_prefix)
+    await sync.start(wait=False)
+    yield
+    await sync.stop()
+    await store.close()
+
+
+async def direct_events(app: web.Application) -> AsyncIterator[None]:
+    """Replicas configured with ``zmq``: subscribe to their KV events and apply them to the
+    local index directly (router.events.direct; single router, no Redis)."""
+    from router.events.direct import DirectEvents
+    from router.events.endpoints import engine_endpoints
+
+    settings = app[SETTINGS]
+    direct = DirectEvents(app[STATE].index, event_lag=app[STATE].event_lag_s)
+    for rep in settings.replicas:
+        if rep.zmq:
+            block = settings.model(rep.model).routing.block_size
+            # every dp rank of the engine: rank N publishes on the configured ports + N
+            specs = engine_endpoints(
+                [rep.zmq], [rep.zmq_replay] if rep.zmq_replay else [], range(rep.dp_ranks)
+            )
+            direct.add_replica(
+                rep.name,
+                rep.model,
+                block,
+                specs,
+                on_checkpoint=app[STATE].layouts.observer(rep.model, block),
+            )
+    async with direct:
+        yield
+
+
+async def recording(app: web.Application) -> AsyncIterator[None]:
+    """With ``server.record_path``: append every completed request to a rotating trace
+    (router.recorder), flushed every second and on shutdown."""
+    from router.recorder import RecordSettings, TraceRecorder
+
+    s = app[SETTINGS].server
+    assert s.record_path is not None
+    loop = asyncio.get_running_loop()
+    recorder = TraceRecorder(
+        RecordSettings(Path(s.record_path), int(s.record_max_mb * 2**20), max(s.record_backups, 0)),
+        started_at=loop.time(),
+    )
+    state = app[STATE]
+    state.recorder = recorder
+
+    async def flush() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            recorder.flush()
+
+    task = asyncio.create_task(flush())
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    state.recorder = None
+    recorder.close()

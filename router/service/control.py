@@ -1,0 +1,116 @@
+"""A worker's control socket (``server.workers > 1``): ``<dir>/worker-<pid>.sock``, served by
+the router's HTTP server (router.service.fast_server) with a route table of its own.
+
+It answers the other workers only: their forwarded drains / undrains, and their requests
+for this worker's replica rows, metrics page (router/service/worker_metrics.py) and load
+(router/service/load_share.py). It never serves the public routes, so there is no "already
+forwarded" header a client could forge on the public port. Its trust boundary is the file
+system (only the router's user can enter the directory, the socket is 0600); the admin token
+travels with a forwarded drain and is checked again, so a control socket reached some other
+way (a loosened directory mode, root tools) still needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from functools import partial
+
+from aiohttp import web
+
+from router.service.admin import apply_drain, authorised, replica_rows
+from router.service.fast_server import FastServer
+from router.service.http_types import HttpRequest, Reply
+from router.service.keys import STATE, WORKER_INDEX, WORKERS
+from router.service.load_share import load_sharing_ctx, own_load
+from router.service.proxy import Sink
+from router.service.routes import Handler, Routes
+from router.service.worker_metrics import INDEX_HEADER
+from router.service.workers import Workers
+
+_MAX_BODY = 1 << 16  # control calls carry no body
+
+
+def control_routes(app: web.Application, index: int) -> Routes:
+    routes = Routes()
+    group = app[WORKERS]
+
+    def drain(draining: bool) -> Handler:
+        async def handler(req: HttpRequest, name: str) -> Reply:
+            state = app[STATE]
+            denied = authorised(req, state.settings.server.admin_token)
+            if denied is not None:
+                return denied
+            return apply_drain(state, name, draining, group)
+
+        return handler
+
+    async def own_metrics(req: HttpRequest, _: str) -> Reply:
+        # the control socket's file permissions are the boundary, as for /metrics
+        return Reply.text(
+            app[STATE].metrics.render(),
+            b"text/plain; version=0.0.4",
+            (INDEX_HEADER.encode(), str(index).encode()),
+        )
+
+    async def own_replicas(req: HttpRequest, _: str) -> Reply:
+        state = app[STATE]
+        denied = authorised(req, state.settings.server.admin_token)
+        if denied is not None:
+            return denied
+        return Reply.json({"replicas": replica_rows(state)})
+
+    async def own_load_of_worker(req: HttpRequest, _: str) -> Reply:
+        # what this worker has in flight, for the others' load sharing (load_share.py)
+        return Reply.json(own_load(app[STATE].load))
+
+    routes.get("/internal/metrics", own_metrics)
+    routes.get("/internal/replicas", own_replicas)
+    routes.get("/internal/load", own_load_of_worker)
+    routes.post("/internal/replicas/{name}/drain", drain(True))
+    routes.post("/internal/replicas/{name}/undrain", drain(False))
+    return routes
+
+
+async def _answer(routes: Routes, req: HttpRequest, sink: Sink) -> None:
+    reply = await routes.answer(req)
+    await sink.respond(reply.status, list(reply.headers), reply.body)
+
+
+def join_workers(app: web.Application, group: Workers, index: int = 0) -> None:
+    """Make ``app`` (not started yet) worker ``index`` of ``group``: its drains reach every
+    worker, and while it runs it answers the other workers on its control socket; it takes
+    their load every ``server.load_share_interval_s``."""
+    app[WORKERS] = group
+    app[WORKER_INDEX] = index
+
+    async def control(app: web.Application) -> AsyncIterator[None]:
+        server = FastServer(partial(_answer, control_routes(app, index)), _MAX_BODY)
+        path = group.socket(os.getpid())
+        await server.start_unix(path)
+        os.chmod(path, 0o600)
+        try:
+            yield
+        finally:
+            await server.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    app.cleanup_ctx.append(control)
+    interval = app[STATE].settings.server.load_share_interval_s
+    if group.count > 1 and interval > 0:
+        known: list[str] = []
+
+        def sockets() -> list[str]:
+            # every round asks peers(), a file read, only until every worker is known: the
+            # parent forks its workers once and does not replace them
+            if known:
+                return known
+            pids, unknown = group.peers()
+            current = [group.socket(pid) for pid in pids]
+            if not unknown:
+                known.extend(current)
+            return current
+
+        app.cleanup_ctx.append(load_sharing_ctx(sockets, interval))

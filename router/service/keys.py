@@ -1,0 +1,35 @@
+"""The typed keys of the router's application object (``web.Application``, the container
+of the process's parts and of their start / stop contexts; it serves no HTTP itself).
+
+A module of its own that imports only the types it names, so every part may read the keys
+without importing :mod:`router.service.app` (which imports them all)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.core.index import PrefixIndex
+from router.service.config import Settings
+from router.service.proxy import Forwarder
+from router.service.routes import Routes
+from router.service.state import RouterState
+from router.service.workers import Workers
+
+SETTINGS = web.AppKey("kvrouter_settings", Settings)
+STATE = web.AppKey("kvrouter_state", RouterState)
+INDEX = web.AppKey("kvrouter_index", PrefixIndex)
+FORWARDER = web.AppKey("kvrouter_forwarder", Forwarder)
+# side traffic (/v1/models of the replicas, health probes)
+SESSION = web.AppKey("kvrouter_session", aiohttp.ClientSession)
+# the public port's routes besides the two hot endpoints (router.service.routes)
+ROUTES = web.AppKey("kvrouter_routes", Routes)
+# the Redis index follower (router.store.sync.IndexSync) when server.redis_url is set
+INDEX_SYNC: web.AppKey[Any] = web.AppKey("kvrouter_index_sync")
+# with several worker processes (server.workers > 1): the group and this worker's index
+WORKERS = web.AppKey("kvrouter_workers", Workers)
+WORKER_INDEX = web.AppKey("kvrouter_worker_index", int)  # 0 .. count-1, in fork order
+GRPC_PORT = web.AppKey("kvrouter_grpc_port", int)
+GRPC_SERVER = web.AppKey("kvrouter_grpc_server", object)

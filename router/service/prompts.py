@@ -1,0 +1,78 @@
+"""The prompt processor of each model, built once at start-up from its settings: tokenizer
+files (shared between models naming the same ones), chat template, image token."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from router.core.errors import ConfigError
+from router.service.config import ModelSettings
+from router.tokenize.incremental import IncrementalTokenizer
+from router.tokenize.pipeline import PromptProcessor
+from router.tokenize.template import ChatTemplate
+from router.tokenize.tokenizers import load_tokenizer_dir, read_tokenizer_config
+
+_log = logging.getLogger("router.service.state")
+
+
+def build_processor(
+    model: ModelSettings, tokenizers: dict[tuple[Any, ...], IncrementalTokenizer]
+) -> PromptProcessor:
+    """The prompt processor of one model; tokenizers with the same files are shared."""
+    block = model.routing.block_size
+    if model.tokenizer is None:
+        template = None
+        if model.chat_template:
+            template = _template_file(model.chat_template)
+        return PromptProcessor(
+            model.name, block, template=template, chars_per_token=model.chars_per_token
+        )
+    spec = (model.tokenizer, model.bpe_file, model.pattern, model.num_reserved)
+    directory = Path(model.tokenizer)
+    files = load_tokenizer_dir(
+        directory, bpe_file=model.bpe_file, pattern=model.pattern, num_reserved=model.num_reserved
+    )
+    inc = tokenizers.get(spec)
+    if inc is None:
+        inc = tokenizers[spec] = IncrementalTokenizer(
+            files.tokenizer, budget_bytes=int(model.cache_mb * 2**20)
+        )
+    if model.chat_template:
+        template = _template_file(model.chat_template, read_tokenizer_config(directory))
+    else:
+        template = ChatTemplate.from_tokenizer_config(files.config, directory)
+    if template is not None:
+        _log.info(
+            "model %s: chat template is %s",
+            model.name,
+            "message-local: long conversations render only their new messages"
+            if template.local_for(None) is not None
+            else "not message-local: long conversations are rendered whole each turn",
+        )
+    if model.images is not None and model.images.token not in files.tokenizer.special_tokens:
+        raise ConfigError(
+            f"models.{model.name}.images.token: {model.images.token!r} is not a special token "
+            "of the tokenizer"
+        )
+    return PromptProcessor(
+        model.name,
+        block,
+        tokenizer=inc,
+        template=template,
+        add_bos_to_completions=model.add_bos_to_completions,
+        chars_per_token=model.chars_per_token,
+        images=model.images,
+    )
+
+
+def _template_file(path: str, config: Mapping[str, Any] | None = None) -> ChatTemplate:
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read chat template {path}: {exc.strerror}") from None
+    found = ChatTemplate.from_tokenizer_config({**(config or {}), "chat_template": source})
+    assert found is not None
+    return found

@@ -1,0 +1,120 @@
+"""The public port's routes besides the two hot endpoints: ``GET /v1/models``, ``/health``,
+``/ready`` and ``/metrics`` (the admin routes are router.service.admin's). Each answers a
+whole :class:`~router.service.http_types.Reply`; the front door (router.service.handling)
+has checked the request before."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.service.http_types import HttpRequest, Reply
+from router.service.keys import SESSION, STATE, WORKER_INDEX, WORKERS
+from router.service.routes import Routes
+from router.service.state import RouterState
+from router.service.worker_metrics import all_workers_page
+
+_PROMETHEUS = b"text/plain; version=0.0.4"
+
+
+def add_routes(routes: Routes, app: web.Application) -> None:
+    async def models(req: HttpRequest, _: str) -> Reply:
+        return await models_reply(app[STATE], app[SESSION])
+
+    async def health(req: HttpRequest, _: str) -> Reply:
+        return Reply.json({"status": "ok"})
+
+    async def ready(req: HttpRequest, _: str) -> Reply:
+        return ready_reply(app[STATE])
+
+    async def metrics(req: HttpRequest, _: str) -> Reply:
+        """This process's metrics; with several workers, every worker's, labelled ``worker``
+        (router/service/worker_metrics.py)."""
+        body = app[STATE].metrics.render()
+        group = app.get(WORKERS)
+        if group is not None and group.count > 1:
+            peers, _unknown = group.peers()
+            sockets = [group.socket(p) for p in peers]
+            body = await all_workers_page(app[WORKER_INDEX], body, sockets, group.count)
+        return Reply.text(body, _PROMETHEUS)
+
+    routes.get("/v1/models", models)
+    routes.get("/health", health)
+    routes.get("/ready", ready)
+    routes.get("/metrics", metrics)
+
+
+async def models_reply(state: RouterState, session: aiohttp.ClientSession) -> Reply:
+    """The models the router routes: configured (or served by a configured replica) and with
+    at least one replica, i.e. every model a request may name without a 404. Each entry is
+    the first replica's own ``/v1/models`` entry for it (metadata such as ``max_model_len``
+    passes through), or a plain one if no replica reports it. Other ids the replicas report
+    (LoRA adapters, say) are left out: the router answers 404 for them."""
+    timeout = aiohttp.ClientTimeout(total=2.0)
+    routed = sorted(m for m in state.registry.models() if routable(state, m))
+
+    async def fetch(url: str) -> list[dict[str, Any]]:
+        try:
+            async with session.get(url + "/v1/models", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return []
+                data = await resp.json(content_type=None)
+                items = data.get("data") if isinstance(data, dict) else None
+                return [d for d in items or [] if isinstance(d, dict) and "id" in d]
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return []
+
+    urls = sorted(
+        {
+            ep.base_url
+            for m in routed
+            for key in state.registry.keys_for(m)
+            if (ep := state.registry.endpoint(key)) is not None
+        }
+    )
+    found: dict[str, dict[str, Any]] = {}
+    for items in await asyncio.gather(*(fetch(u) for u in urls)):
+        for item in items:
+            found.setdefault(str(item["id"]), item)
+    data = [
+        found.get(name) or {"id": name, "object": "model", "created": 0, "owned_by": "kvrouter"}
+        for name in routed
+    ]
+    return Reply.json({"object": "list", "data": data})
+
+
+def routable(state: RouterState, model: str) -> bool:
+    """A request naming ``model`` is routed (not answered 404): what ``state.processor``
+    accepts."""
+    return model in state.processors and bool(state.registry.keys_for(model))
+
+
+def ready_reply(state: RouterState) -> Reply:
+    """200 when every model has an available replica; says which models are approximate."""
+    now = asyncio.get_running_loop().time()
+    state.fleet.restore_health(now)
+    out: dict[str, Any] = {}
+    ok = bool(state.registry.models())
+    for name in state.registry.models():
+        keys = state.registry.keys_for(name)
+        up = [k for k in keys if (v := state.load.view(k, now)).healthy and not v.draining]
+        proc = state.processors[name]
+        out[name] = {
+            "replicas": len(keys),
+            "available": len(up),
+            "prompt_mode": "exact" if proc.exact else "approximate",
+            # the chat template is message-local: long conversations render and tokenize
+            # only their new messages (router.tokenize.local_template)
+            "incremental_render": proc.template is not None
+            and proc.template.local_for(None) is not None,
+        }
+        if not proc.exact:
+            out[name]["note"] = (
+                "no tokenizer/chat template configured: prompts are hashed as text chunks and "
+                "routing uses the router's own speculative entries only"
+            )
+        ok = ok and bool(up)
+    return Reply.json({"ready": ok, "models": out}, status=200 if ok else 503)

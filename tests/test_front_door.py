@@ -1,0 +1,215 @@
+"""The front door (router.service.handling.handle) over real HTTP: every limit of the public
+port holds on every route of the router's one HTTP server (the two hot endpoints, streaming
+or not, ``/v1/models``, unknown ``/v1`` paths, probes, metrics and admin), and an unexpected
+error is logged whether or not the answer had begun."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.service.config import build_settings
+from tests.backends import Backend, start_router
+
+MODEL = "m"
+KEY_A = "sk-front-door-a"
+KEY_B = "sk-front-door-b"
+ADMIN = "adm-front-door"
+
+# (method, path, body): every kind of route of the public port
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+HOT = [
+    ("POST", "/v1/chat/completions", CHAT),
+    ("POST", "/v1/chat/completions", {**CHAT, "stream": True}),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 4}),
+]
+PROTECTED = [*HOT, ("GET", "/v1/models", None)]
+OPEN = [("GET", "/health", None), ("GET", "/ready", None), ("GET", "/metrics", None)]
+
+
+async def _router(server: dict[str, Any]) -> AsyncIterator[tuple[str, Backend]]:
+    backend = await Backend("b0", [MODEL], chunk_delay_s=0.02).start()
+    settings = build_settings(
+        {
+            "server": {"admin_token": ADMIN, "retry_after_s": 3, **server},
+            "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
+            "models": {MODEL: {"block_size": 16}},
+        }
+    )
+    running, url = await start_router(settings)
+    try:
+        yield url, backend
+    finally:
+        await running.cleanup()
+        await backend.stop()
+
+
+@pytest.fixture
+async def keyed() -> AsyncIterator[tuple[str, Backend]]:
+    limits = {
+        "api_keys": f"{KEY_A},{KEY_B}",
+        "max_concurrent_per_key": 1,
+        "max_header_kb": 2.0,
+        "max_body_mb": 0.01,
+    }
+    async for pair in _router(limits):
+        yield pair
+
+
+async def _call(
+    s: aiohttp.ClientSession,
+    url: str,
+    method: str,
+    path: str,
+    body: Any,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], Any]:
+    async with s.request(method, url + path, json=body, headers=headers or {}) as r:
+        raw = await r.read()
+        try:
+            data = await r.json(content_type=None)
+        except ValueError:
+            data = raw
+        return r.status, dict(r.headers), data
+
+
+def _code(data: Any) -> str:
+    assert isinstance(data, dict) and "error" in data, data
+    return str(data["error"]["code"])
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_api_keys_hold_on_every_v1_route(keyed: tuple[str, Backend]) -> None:
+    url, _ = keyed
+    async with aiohttp.ClientSession() as s:
+        for method, path, body in PROTECTED:
+            for headers in ({}, bearer("sk-wrong"), {"api-key": "sk-front-door-"}):
+                status, _, data = await _call(s, url, method, path, body, headers)
+                assert (status, _code(data)) == (401, "invalid_api_key"), (path, headers)
+            for headers in (bearer(KEY_A), {"api-key": KEY_B}):
+                status, _, data = await _call(s, url, method, path, body, headers)
+                assert status == 200, (path, data)
+        # an unknown /v1 path needs the key before it is a 404
+        status, _, data = await _call(s, url, "GET", "/v1/nothing", None)
+        assert (status, _code(data)) == (401, "invalid_api_key")
+        status, _, data = await _call(s, url, "GET", "/v1/nothing", None, bearer(KEY_A))
+        assert (status, _code(data)) == (404, "not_found")
+        for method, path, body in OPEN:  # probes and scrapers carry no key
+            status, _, _ = await _call(s, url, method, path, body)
+            assert status == 200, path
+
+
+async def test_header_limit_holds_on_every_route(keyed: tuple[str, Backend]) -> None:
+    url, _ = keyed
+    admin = ("GET", "/admin/replicas", None)
+    big = {**bearer(KEY_A), "X-Admin-Token": ADMIN, "X-Pad": "p" * 2100}
+    async with aiohttp.ClientSession() as s:
+        for method, path, body in [*PROTECTED, *OPEN, admin]:
+            status, _, data = await _call(s, url, method, path, body, big)
+            assert (status, _code(data)) == (431, "request_header_fields_too_large"), path
+        status, _, _ = await _call(s, url, *admin, {"X-Admin-Token": ADMIN})
+        assert status == 200
+
+
+async def test_body_limit_holds_on_both_hot_endpoints(keyed: tuple[str, Backend]) -> None:
+    url, backend = keyed
+    async with aiohttp.ClientSession() as s:
+        for method, path, body in HOT:
+            huge = {**body, "pad": "x" * 20_000}
+            status, _, data = await _call(s, url, method, path, huge, bearer(KEY_A))
+            assert (status, _code(data)) == (413, "request_too_large"), path
+            status, _, data = await _call(s, url, method, path, huge)
+            assert status == 401, path  # the key is checked first
+    assert backend.received == []
+
+
+async def test_per_key_concurrency_holds_on_every_v1_route(keyed: tuple[str, Backend]) -> None:
+    url, backend = keyed
+    backend.chunks = 200  # a stream that lasts while the other requests are made
+    async with aiohttp.ClientSession() as s:
+        hold = await s.post(url + "/v1/chat/completions", json=HOT[1][2], headers=bearer(KEY_A))
+        assert hold.status == 200
+        await hold.content.readline()  # key A's one slot is taken
+        for method, path, body in PROTECTED:
+            status, headers, data = await _call(s, url, method, path, body, bearer(KEY_A))
+            assert (status, _code(data)) == (429, "too_many_concurrent_requests"), path
+            assert headers.get("Retry-After") == "3"
+        backend.chunks = 4
+        status, _, _ = await _call(s, url, *HOT[0], bearer(KEY_B))  # another key's slot
+        assert status == 200
+        await hold.read()  # the stream ends: its slot is free again
+        hold.release()
+        for method, path, body in PROTECTED:
+            status, _, data = await _call(s, url, method, path, body, bearer(KEY_A))
+            assert status == 200, (path, data)
+
+
+async def test_per_address_concurrency_without_keys() -> None:
+    async for url, backend in _router({"max_concurrent_per_key": 1}):
+        backend.chunks = 200
+        async with aiohttp.ClientSession() as s:
+            hold = await s.post(url + "/v1/chat/completions", json=HOT[1][2])
+            await hold.content.readline()
+            status, _, data = await _call(s, url, *HOT[2])
+            assert (status, _code(data)) == (429, "too_many_concurrent_requests")
+            status, _, _ = await _call(s, url, "GET", "/health", None)
+            assert status == 200  # only /v1 paths count
+            hold.close()
+
+
+async def test_an_error_after_the_answer_began_is_logged_and_aborts(
+    keyed: tuple[str, Backend], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stream's head went out, then the router fails (a simulated bug in the usage filter
+    of a stream it asked usage for): the client's connection is aborted, never left with a
+    half answer that looks whole, and the error is logged with its traceback."""
+    from router.service.stream_usage import UsageFilter
+
+    original = UsageFilter.feed
+    calls = 0
+
+    def broken(self: UsageFilter, chunk: bytes) -> bytes:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise RuntimeError("simulated bug mid-stream")
+        return original(self, chunk)
+
+    monkeypatch.setattr(UsageFilter, "feed", broken)
+    url, _ = keyed
+    with caplog.at_level(logging.ERROR):
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(url + "/v1/chat/completions", json=HOT[1][2], headers=bearer(KEY_A))
+            assert resp.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()
+            resp.release()
+    assert any(
+        r.exc_info and "simulated bug mid-stream" in str(r.exc_info[1]) for r in caplog.records
+    ), caplog.text
+    monkeypatch.undo()
+    async with aiohttp.ClientSession() as s:  # the router goes on serving, the key's slot free
+        status, _, _ = await _call(s, url, *HOT[1], bearer(KEY_A))
+        assert status == 200
+
+
+async def test_no_route_and_wrong_method(keyed: tuple[str, Backend]) -> None:
+    url, _ = keyed
+    async with aiohttp.ClientSession() as s:
+        status, _, data = await _call(s, url, "GET", "/nothing", None)
+        assert (status, _code(data)) == (404, "not_found")
+        status, headers, data = await _call(s, url, "GET", "/v1/completions", None, bearer(KEY_A))
+        assert (status, _code(data), headers.get("Allow")) == (405, "http_405", "POST")
+        status, headers, _ = await _call(s, url, "POST", "/health", {})
+        assert (status, headers.get("Allow")) == (405, "GET")
+        async with s.head(url + "/health") as r:
+            assert r.status == 200 and await r.read() == b""
+    await asyncio.sleep(0)
