@@ -6,6 +6,7 @@ error is logged whether or not the answer had begun."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -212,4 +213,24 @@ async def test_no_route_and_wrong_method(keyed: tuple[str, Backend]) -> None:
         assert (status, headers.get("Allow")) == (405, "GET")
         async with s.head(url + "/health") as r:
             assert r.status == 200 and await r.read() == b""
-    await asyncio.sleep(0)
+
+
+async def test_a_head_over_the_servers_cap_closes_the_connection(
+    keyed: tuple[str, Backend],
+) -> None:
+    """Past the parser's cap (router.service.fast_server.MAX_HEAD_BYTES) the server does not
+    keep collecting headers: 431 and the connection closes, before any route or limit runs."""
+    from router.service.fast_server import MAX_HEAD_BYTES
+
+    url, _ = keyed
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    line = b"X-Pad: " + b"p" * 8000 + b"\r\n"
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    for _ in range(MAX_HEAD_BYTES // len(line) + 2):
+        writer.write(line)
+    with contextlib.suppress(ConnectionError):  # it may close while the rest is sent
+        await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 10)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    writer.close()

@@ -3,10 +3,11 @@ parser, serving every path of the public port (and, with several workers, each w
 control socket) through one ``handler(request, sink)`` coroutine: on the public port
 router.service.handling.handle, the front door.
 
-* The server parses and frames; it decides nothing about routes or limits but the body
-  size: a body over ``max_body`` is answered 413 by the handler (``HttpRequest.too_large``;
-  the body is discarded as it arrives, never buffered); an unparsable request 400 and the
-  connection is closed. Connection-level limits (timeouts, a connection cap) belong here.
+* The server parses and frames; it decides nothing about routes or limits but sizes: a
+  body over ``max_body`` is answered 413 by the handler (``HttpRequest.too_large``; the body
+  is discarded as it arrives, never buffered); a request line and headers over
+  :data:`MAX_HEAD_BYTES` 431 and an unparsable request 400, and the connection is closed.
+  Connection-level limits (timeouts, a connection cap) belong here.
 * Keep-alive and pipelining: requests on one connection are answered in order; reading
   pauses while more than a few requests wait. ``Expect: 100-continue`` is honoured. ``HEAD``
   gets the head of the GET answer.
@@ -39,6 +40,9 @@ from router.service.upstream_errors import UpstreamError
 _log = logging.getLogger(__name__)
 _STATUS_LINES: dict[int, bytes] = {}
 _PIPELINE_MAX = 8
+# what the parser keeps of one request's line and headers, whatever server.max_header_kb says
+# (the front door's limit, answered with an OpenAI-style 431): past it the connection closes
+MAX_HEAD_BYTES = 1 << 20
 _LAST_CHUNK = b"0\r\n\r\n"
 
 
@@ -234,10 +238,16 @@ class _Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.url += url
+        if len(self.url) > MAX_HEAD_BYTES:
+            self._fatal(431, f"request head over {MAX_HEAD_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.closed:
+            return
         self.headers.append((name, value))
         self.header_bytes += len(name) + len(value) + 4
+        if self.header_bytes + len(self.url) > MAX_HEAD_BYTES:
+            self._fatal(431, f"request head over {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
         limit = self.server.max_body
@@ -265,6 +275,8 @@ class _Connection(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        if self.closed:
+            return
         body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         self.queue.append(
             HttpRequest(
