@@ -373,7 +373,6 @@ def kvrouter_config(
     ports: list[int],
     port: int,
     workers: int,
-    engine: str = "fast",
     body_memo_mb: float | None = None,
     limits: bool = False,
 ) -> None:
@@ -386,7 +385,6 @@ def kvrouter_config(
 
     path.write_text(
         f'[server]\nhost = "127.0.0.1"\nport = {port}\nworkers = {workers}\n'
-        f'http_engine = "{engine}"\n'
         + (f"body_memo_mb = {body_memo_mb}\n" if body_memo_mb is not None else "")
         + (
             f'api_keys = "other-key,{API_KEY}"\nmax_concurrent_per_key = 100000\n'
@@ -436,15 +434,14 @@ def _stop(proc: subprocess.Popen[bytes] | None) -> None:
 
 
 def _measure_kvrouter(
-    args: argparse.Namespace, ports: list[int], engine: str, direct_url: str, limits: bool
+    args: argparse.Namespace, ports: list[int], direct_url: str, limits: bool
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """kvrouter with ``http_engine = engine`` in front of the backends (``limits``: see
-    :func:`kvrouter_config`): the load figures and the concurrency-1 latencies against
-    direct calls."""
+    """kvrouter in front of the backends (``limits``: see :func:`kvrouter_config`): the load
+    figures and the concurrency-1 latencies against direct calls."""
     kv_port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "kvrouter.toml"
-        kvrouter_config(cfg, ports, kv_port, args.workers, engine, args.body_memo_mb, limits)
+        kvrouter_config(cfg, ports, kv_port, args.workers, args.body_memo_mb, limits)
         kv = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
             preexec_fn=_on_cpus(args.router_cpus),
@@ -463,7 +460,7 @@ def _measure_kvrouter(
         "kvrouter_p50_ms": k1["p50_ms"],
         "added_p50_ms": round(k1["p50_ms"] - d1["p50_ms"], 3),
     }
-    return {"engine": engine, "limits": limits, **figures}, c1
+    return {"limits": limits, **figures}, c1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -487,7 +484,6 @@ def run(args: argparse.Namespace) -> int:
         "connections": args.connections,
         "seconds": args.seconds,
         "kvrouter_workers": args.workers,
-        "kvrouter_engine": args.engine,
         "unique_prompts": args.unique,
         "paced_stream": args.paced_stream,
         "cpus": os.cpu_count(),
@@ -500,15 +496,10 @@ def run(args: argparse.Namespace) -> int:
         direct_url = f"http://127.0.0.1:{ports[0]}/v1/chat/completions"
         result["direct"] = measure(direct_url, args)
 
-        engines = ["fast", "aiohttp"] if args.engine == "both" else [args.engine]
-        for engine in engines:
-            suffix = "" if engine == engines[0] else f"_{engine}"
-            for limits in (False, True) if args.limits else (False,):
-                name = suffix + ("_limits" if limits else "")
-                result[f"kvrouter{name}"], c1 = _measure_kvrouter(
-                    args, ports, engine, direct_url, limits
-                )
-                result[f"c1{name}"] = c1
+        for limits in (False, True) if args.limits else (False,):
+            name = "_limits" if limits else ""
+            result[f"kvrouter{name}"], c1 = _measure_kvrouter(args, ports, direct_url, limits)
+            result[f"c1{name}"] = c1
 
         binary = _vllm_router_bin(args.vllm_router)
         if binary is None:
@@ -557,12 +548,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--threads", type=int, default=2, help="wrk threads")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--workers", type=int, default=1, help="kvrouter processes (SO_REUSEPORT)")
-    p.add_argument(
-        "--engine",
-        choices=("fast", "aiohttp", "both"),
-        default="fast",
-        help="kvrouter server.http_engine (both: measure each)",
-    )
     p.add_argument("--vllm-router", help="path of the vllm-router binary")
     p.add_argument(
         "--unique",
