@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/mypy router/core/__init__.py $$($(BIN)/python -m router.compile --list)
 
 # Optional: the routing core and the service's hot modules compiled with mypyc, in place
-# (router/compile.py; ~+60 % proxy req/s per core; needs a C compiler and the Python
+# (router/compile.py; the gain: docs/benchmarks.md, "Proxy"; needs a C compiler and the Python
 # headers). `make test` then runs against the compiled modules.
 compile: $(STAMP)
 	$(BIN)/python -m router.compile

@@ -12,10 +12,8 @@ libraries must be true at run time too (uvloop's ``Server.sockets`` is a list wh
 says tuple: read untyped), and an exception class with two builtin bases cannot be compiled
 (router/service/upstream_errors.py stays interpreted). CI runs the whole suite both ways.
 
-Measured (docs/bench-service.md, "compiling the service's hot modules too"): proxy requests
-a second per core +55-65 % against pure Python (the core alone: +17-36 %), CPU a request
-122 -> 74-79 us on that machine. Needs a C compiler and the Python headers; mypyc comes with
-mypy (the test extras).
+What it gains: docs/benchmarks.md, "Proxy" (pure and compiled). Needs a C compiler and the
+Python headers; mypyc comes with mypy (the test extras).
 """
 
 from __future__ import annotations

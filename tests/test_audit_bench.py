@@ -1,6 +1,6 @@
 """``kvrouter bench tokenize`` at a small size (its output contract, not its speed), and a real
 1M-token token-id prompt through the router with default settings (the default body limit
-admits it), on both HTTP engines."""
+admits it)."""
 
 from __future__ import annotations
 

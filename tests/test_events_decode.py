@@ -1,6 +1,7 @@
-"""Event decoding against payloads built with msgspec from the structure in DESIGN.md, in
-both encodings (positional arrays with trailing defaults omitted, and maps with a "type"
-key), at both levels; and a totality check over malformed payloads."""
+"""Event decoding against payloads built with msgspec from the engines' event structure
+(docs/publisher.md, "Engine events"), in both encodings (positional arrays with trailing
+defaults omitted, and maps with a "type" key), at both levels; and a totality check over
+malformed payloads."""
 
 from __future__ import annotations
 

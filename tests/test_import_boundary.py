@@ -1,4 +1,4 @@
-"""router/core must stay pure: no I/O libraries, no clock reads (DESIGN.md, Architecture)."""
+"""router/core must stay pure: no I/O libraries, no clock reads (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -87,8 +87,8 @@ SERVING = ("core", "service", "store", "events", "publisher", "rpc", "tokenize",
 
 
 def test_serving_code_never_imports_the_simulator() -> None:
-    """DESIGN.md: only command-line entry points (router/demo, router/mock's engine driver,
-    router/cli) may reach into sim/; the serving path never does."""
+    """Only command-line entry points (router/demo, router/mock's engine driver, router/cli)
+    may reach into sim/; the serving path never does (one engine model, two clocks)."""
     root = CORE.parent
     offenders = []
     for pkg in SERVING:

@@ -4,9 +4,8 @@ prefix index once, ask the policy, record the dispatch (load and speculative ent
 Two shapes of candidates, one decision: a list of :class:`Candidate` (one per replica) for
 small fleets and for every policy, or :class:`CandidateColumns` (arrays, one element per
 replica) for policies that can score a whole fleet in array operations (``ours``) once the
-model has ``columnar_min`` replicas or more. Per-replica Python costs ~8 us a replica (7 ms a
-request at 900 replicas); the arrays cost ~0.2-0.3 ms whether there are 32 replicas or 900
-(``kvrouter bench route``; docs/benchmarks.md).
+model has ``columnar_min`` replicas or more: per-replica Python grows linearly with the
+fleet, the array path's cost hardly does (``kvrouter bench route``; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ from router.core.state_layout import SOURCE_ENGINE, StateLayout, effective_layou
 from router.core.types import NO_MATCH, Decision, PrefixMatch, ReplicaKey, RouteRequest
 
 # Candidate lists at least this long are scored as arrays (policies that can): below it,
-# per-replica Python is cheaper than the fixed cost of ~80 array operations (measured
-# crossover: 16-24 replicas).
+# per-replica Python is cheaper than the array path's fixed cost (the crossover
+# `kvrouter bench route` shows).
 COLUMNAR_MIN = 20
 
 

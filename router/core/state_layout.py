@@ -2,7 +2,7 @@
 publish rather than configured.
 
 A hybrid engine (KDA / mamba layers) can reuse a cached prefix only up to a block boundary
-where it holds a state snapshot (DESIGN.md, "What counts as a hit"). Engines take snapshots
+where it holds a state snapshot (docs/architecture.md, "The hybrid rule"). Engines take snapshots
 on a grid (every N tokens: SGLang ``--mamba-track-interval``, vLLM ``mamba_cache_mode``) and
 at the end of a prompt. The router needs two facts about a model:
 

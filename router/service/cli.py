@@ -151,7 +151,7 @@ def _serve_workers(settings: Any, workers: int) -> int:
             if pid == 0:  # child
                 try:
                     # each worker's share of the CPUs: encoding threads beyond it would only
-                    # hold more tiktoken copies (~21-26 MB each) for cores others use
+                    # hold more tiktoken copies (one vocabulary each) for cores others use
                     set_pool_threads(pool_threads_for(workers))
                     app = create_app(settings)
                     join_workers(app, group, index)

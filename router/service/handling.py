@@ -86,9 +86,8 @@ class _RandomIds:
     """Fresh 32-hex-digit request ids from the OS's random bytes, drawn 4 KiB at a time.
 
     Unpredictable (ids are echoed to clients, and one client must not be able to guess
-    another's) and about as cheap as ``random.getrandbits`` (~0.2 us against ~1.5 us for an
-    ``os.urandom(16)`` call per request). A forked worker starts with a fresh buffer, so
-    workers never repeat each other's ids."""
+    another's), with one ``os.urandom`` system call per 256 ids rather than one per request.
+    A forked worker starts with a fresh buffer, so workers never repeat each other's ids."""
 
     __slots__ = ("_buf", "_pos")
 

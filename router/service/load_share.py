@@ -2,11 +2,11 @@
 
 Each worker routes with its own :class:`~router.core.load.LoadTracker`, which knows only the
 requests that worker sent, so N workers pile onto the replica each of them thinks is idle
-(in the simulator, 4 routers that do not share: TTFT mean +63 %, ITL p99 12 -> 335 ms;
-docs/service.md "Worker processes"). Every ``server.load_share_interval_s`` each worker asks
-the others for their own load (``GET /internal/load`` on their control sockets, with the
-peer client of router/service/peers.py) and hands the sum to its tracker
-(``set_peer_load``), which folds it into the counts the policy reads: nothing is added per request.
+(what that costs in TTFT and ITL: docs/service.md, "Worker processes"). Every
+``server.load_share_interval_s`` each worker asks the others for their own load (``GET
+/internal/load`` on their control sockets, with the peer client of router/service/peers.py)
+and hands the sum to its tracker (``set_peer_load``), which folds it into the counts the
+policy reads: nothing is added per request.
 
 A peer that does not answer keeps its last answer for ``STALE_AFTER_S``, then counts as
 idle (a worker that died has no requests in flight). The answer lists only replicas with

@@ -1,8 +1,8 @@
 """Lock-free labelled counters and histograms for the per-request hot path.
 
 prometheus-client's ``Counter`` and ``Histogram`` take a lock on every ``inc`` / ``observe``
-(they may be shared between threads); a routed request updates about fifteen of them, which
-cost ~15 us per request in the proxy benchmark. The router's request metrics are only
+(they may be shared between threads), and a routed request updates about fifteen of them.
+The router's request metrics are only
 touched by the event-loop thread (HTTP handlers, gRPC servicers and the ``/metrics`` page
 all run on it; worker threads only tokenize), so these families keep plain numbers instead
 and are exported through the registry's collector interface.

@@ -5,8 +5,8 @@ Most chat templates are one loop over ``messages`` whose body renders one messag
 Kimi, Llama-style role headers). The rendered prompt is then ``HEAD + BODY(0) + ... + BODY(n)
 + TAIL``, and the bodies of a prefix of the conversation do not change when messages are
 appended, so a new turn of a long agentic session only needs ``BODY`` of its new messages and
-``TAIL``: rendering cost no longer grows with the history (554 messages: ~3.5 ms for the whole
-template, ~0.05 ms for the new turn).
+``TAIL``: rendering cost grows with the new messages, not with the history
+(``kvrouter bench tokenize``, docs/benchmarks.md).
 
 Some templates carry state from message to message or look at other messages (Kimi-K3's
 counts images and tool results in a ``namespace``, renders a run of tool results at its first
