@@ -1,6 +1,10 @@
-"""The router service: an aiohttp app in front of model replicas (``kvrouter serve``).
+"""The router service (``kvrouter serve``): one HTTP server in front of model replicas.
 
-``create_app(settings)`` in :mod:`router.service.app` builds it; configuration lives in
-:mod:`router.service.config`, proxying in :mod:`router.service.proxy`, metrics in
-:mod:`router.service.metrics`, admin endpoints in :mod:`router.service.admin`.
+:mod:`router.service.app` wires the process (``create_app``, ``start``, ``run``; the process
+diagram is in docs/architecture.md): the HTTP server (:mod:`~router.service.fast_server`),
+the front door (:mod:`~router.service.handling`, with the gate of
+:mod:`~router.service.security`), the routing state (:mod:`~router.service.state`) over the
+fleet (:mod:`~router.service.fleet`), the proxy (:mod:`~router.service.proxy`), the route
+table of the other paths (:mod:`~router.service.public`, :mod:`~router.service.admin`) and
+the worker group (:mod:`~router.service.workers`, :mod:`~router.service.control`).
 """
