@@ -6,7 +6,8 @@ warms it up, counts only while ``--requests`` requests go through it (a closed l
 ``--connections`` keep-alive clients, the proxy benchmark's body and backends), and prints
 instructions per request (user space only: the kernel's share of the socket calls is not
 counted, and is about the same for every router). Same run: kvrouter, and vllm-router when it
-is installed (``python3 -m venv /tmp/scratch && /tmp/scratch/bin/pip install vllm-router``).
+is installed (``python3 -m venv /tmp/scratch && /tmp/scratch/bin/pip install vllm-router``); with
+``--limits`` kvrouter a second time with API keys and limits on (``kvrouter_limits``).
 
 Valgrind runs programs ~50x slower; the figures are counts, not times. Needs ``valgrind``
 (Debian: ``apt-get install valgrind``).
@@ -27,6 +28,7 @@ from typing import Any
 
 from router.bench.measure import emit
 from router.bench.proxy_bench import (
+    API_KEY,
     _free_port,
     _stop,
     _vllm_router_bin,
@@ -41,7 +43,7 @@ def _closed_loop(port: int, body: bytes, requests: int, connections: int) -> int
     its answer (Content-Length or chunked); returns how many were not 200."""
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(body)
+        b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n" % (API_KEY.encode(), len(body))
     )
     left = [requests]
     bad = [0]
@@ -147,6 +149,15 @@ def run(args: argparse.Namespace) -> int:
                 args,
                 out_dir,
             )
+            if args.limits:  # the same with API keys and limits on (proxy_bench --limits)
+                kv_port = _free_port()
+                kvrouter_config(cfg, ports, kv_port, 1, limits=True)
+                result["kvrouter_limits"] = _count(
+                    [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+                    kv_port,
+                    args,
+                    out_dir,
+                )
             binary = _vllm_router_bin(args.vllm_router)
             if args.without_peer:
                 result["vllm_router"] = {"skipped": "--without-peer"}
@@ -183,4 +194,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--stream", action="store_true", help="streamed answers (SSE)")
     p.add_argument("--vllm-router", help="path of the vllm-router binary")
     p.add_argument("--without-peer", action="store_true", help="count kvrouter only")
+    p.add_argument(
+        "--limits",
+        action="store_true",
+        help="count kvrouter again with client API keys, a per-key limit and the header limit on",
+    )
     p.set_defaults(handler=run)

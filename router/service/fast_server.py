@@ -282,6 +282,7 @@ class _Connection(asyncio.Protocol):
             HttpRequest(
                 self.parser.get_method(),
                 self.url,
+                self.url.split(b"?", 1)[0],
                 self.headers,
                 body,
                 self.peer,

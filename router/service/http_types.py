@@ -1,5 +1,5 @@
 """What the router's HTTP server hands to the code that answers: one parsed request and
-one answer, as plain values (no HTTP library's types), so every route, the two hot
+one whole answer, as plain values (no HTTP library's types), so every route, the two hot
 endpoints and the admin API alike, is written against the same two classes."""
 
 from __future__ import annotations
@@ -21,16 +21,13 @@ class HttpRequest:
 
     method: bytes
     target: bytes  # path and query, as sent
+    path: bytes  # the target without its query
     headers: Headers
     body: bytes
     peer: str = ""
     header_bytes: int = 0
     too_large: bool = False
     keep_alive: bool = True
-
-    @property
-    def path(self) -> bytes:
-        return self.target.split(b"?", 1)[0]
 
     def header(self, name: str) -> str:
         """The first value of header ``name`` (any case), '' when absent."""

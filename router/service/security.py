@@ -116,13 +116,16 @@ def protected(path: bytes) -> bool:
     return path.startswith(b"/v1/")
 
 
+_PASS: tuple[None, None] = (None, None)
+
+
 class Gate:
     """The checks every request of the public port passes before it is answered, whatever
     the route: the header block's size, then for ``/v1/`` paths the API key and the per-key
     (per-address without keys) concurrency. :meth:`admit` and :meth:`release` are called by
     the front door (router.service.handling.handle) around the request's whole answer."""
 
-    __slots__ = ("_in_flight", "_keys", "_max_header", "_per_key", "_retry_after")
+    __slots__ = ("_counted", "_in_flight", "_keys", "_max_header", "_per_key", "_retry_after")
 
     def __init__(self, limits: Limits) -> None:
         self._keys = ApiKeys(limits.api_keys)
@@ -130,6 +133,7 @@ class Gate:
         self._max_header = limits.max_header_bytes
         self._retry_after = (("Retry-After", str(limits.retry_after_s)),)
         self._in_flight: dict[object, int] = {}
+        self._counted = bool(self._keys) or self._per_key > 0
 
     def admit(
         self, path: bytes, headers: list[tuple[bytes, bytes]], header_bytes: int, peer: str
@@ -143,8 +147,8 @@ class Gate:
                 "(server.max_header_kb)",
                 "request_header_fields_too_large",
             ), None
-        if not protected(path):
-            return None, None
+        if not self._counted or not path.startswith(b"/v1/"):  # (protected(path))
+            return _PASS
         ident: object
         if self._keys:
             found = self._keys.check(presented_key(headers))
@@ -159,7 +163,7 @@ class Gate:
             ident = peer
         per_key = self._per_key
         if not per_key:
-            return None, None
+            return _PASS
         count = self._in_flight.get(ident, 0)
         if count >= per_key:
             return ErrorReply(
