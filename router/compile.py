@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVICE_MODULES = (
     "body_memo",
     "fast_server",
+    "gate",
     "handling",
     "http_types",
     "loop_metrics",

@@ -12,7 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.service.security import ApiKeys, RedactingFilter, redact
+from router.service.gate import ApiKeys
+from router.service.security import RedactingFilter, redact
 from tests.procs import Fleet, token_prompt
 
 KEY_A = "sk-alpha-0123456789abcdef"

@@ -291,7 +291,7 @@ class IndexServicer(index_pb2_grpc.IndexServicer):
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     """``workers``: the worker processes of a ``kvrouter serve --workers N`` (None for one
     process); a Drain / Undrain applied here is forwarded to every other worker, as the HTTP
-    admin endpoints do (router/service/admin.py)."""
+    admin endpoints do (router/service/workers.py)."""
 
     def __init__(
         self,

@@ -25,6 +25,7 @@ from aiohttp import web
 from router.service import admin, background, public
 from router.service.config import Settings
 from router.service.fast_server import FastServer
+from router.service.gate import Gate
 from router.service.handling import CHAT_PATH, COMPLETIONS_PATH, FrontDoor, handle
 from router.service.keys import (
     FORWARDER,
@@ -36,7 +37,7 @@ from router.service.keys import (
     STATE,
 )
 from router.service.routes import Routes
-from router.service.security import Gate, Limits
+from router.service.security import Limits
 from router.service.state import RouterState
 
 __all__ = [

@@ -26,11 +26,12 @@ import xxhash
 from router.core.errors import BadRequest, KVRouterError
 from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, reply_for
+from router.service.gate import Gate
 from router.service.http_types import HttpRequest
 from router.service.metrics import prompt_tier
 from router.service.proxy import Forwarder, Sink, send_error
 from router.service.routes import Routes
-from router.service.security import Gate, check_prompt_tokens
+from router.service.security import check_prompt_tokens
 from router.service.state import BODY_MEMO_MAX_BYTES, Routed, RouterState
 from router.service.stream_usage import usage_patch, with_patch
 from router.tokenize.pipeline import ProcessedPrompt

@@ -1,6 +1,7 @@
 """Front-door protections: client API keys, per-key concurrency limits, header-size limit
-(:class:`Gate`, checked by router.service.handling.handle for every request of the public
-port), prompt-token limit and log redaction.
+(:class:`Limits`, enforced by the gate of router/service/gate.py, which
+router.service.handling.handle runs for every request of the public port), prompt-token
+limit and log redaction.
 
 All of it is off unless configured (``[server]`` keys, see docs/operations.md):
 
@@ -26,8 +27,6 @@ keep their own token (router.service.admin).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import re
 from collections.abc import Iterable
@@ -36,11 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from router.core.errors import BadRequest, ConfigError
-from router.service.errors import ErrorReply
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
 def read_api_keys(inline: str | None, path: str | None) -> tuple[str, ...]:
@@ -56,40 +50,6 @@ def read_api_keys(inline: str | None, path: str | None) -> tuple[str, ...]:
             if line:
                 keys.append(line)
     return tuple(dict.fromkeys(keys))
-
-
-class ApiKeys:
-    """A set of client keys checked in constant time. Empty: no key required."""
-
-    def __init__(self, keys: Iterable[str]) -> None:
-        self._digests = [_digest(k) for k in keys]
-
-    def __bool__(self) -> bool:
-        return bool(self._digests)
-
-    def check(self, given: str) -> int | None:
-        """The index of the matching key (its identity for limits), None when no key matches.
-        Every configured digest is compared, whatever the outcome."""
-        probe = _digest(given)
-        found = -1
-        for i, d in enumerate(self._digests):
-            if hmac.compare_digest(probe, d):
-                found = i
-        return found if found >= 0 else None
-
-
-def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> str:
-    """The API key a client presented: ``Authorization: Bearer KEY`` or ``api-key: KEY``."""
-    auth = api_key = ""
-    for k, v in headers:
-        name = k.lower()
-        if name == b"authorization" and not auth:
-            auth = v.decode("latin-1")
-        elif name == b"api-key" and not api_key:
-            api_key = v.decode("latin-1")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return api_key.strip()
 
 
 @dataclass(slots=True, frozen=True)
@@ -109,78 +69,6 @@ class Limits:
         if per_key < 0 or header_kb < 0:
             raise ConfigError("server: max_concurrent_per_key and max_header_kb must be >= 0")
         return cls(keys, per_key, int(header_kb * 1024), int(server.retry_after_s))
-
-
-def protected(path: bytes) -> bool:
-    """Whether a path needs the client's API key (the OpenAI API: ``/v1/...``)."""
-    return path.startswith(b"/v1/")
-
-
-_PASS: tuple[None, None] = (None, None)
-
-
-class Gate:
-    """The checks every request of the public port passes before it is answered, whatever
-    the route: the header block's size, then for ``/v1/`` paths the API key and the per-key
-    (per-address without keys) concurrency. :meth:`admit` and :meth:`release` are called by
-    the front door (router.service.handling.handle) around the request's whole answer."""
-
-    __slots__ = ("_counted", "_in_flight", "_keys", "_max_header", "_per_key", "_retry_after")
-
-    def __init__(self, limits: Limits) -> None:
-        self._keys = ApiKeys(limits.api_keys)
-        self._per_key = limits.max_concurrent_per_key
-        self._max_header = limits.max_header_bytes
-        self._retry_after = (("Retry-After", str(limits.retry_after_s)),)
-        self._in_flight: dict[object, int] = {}
-        self._counted = bool(self._keys) or self._per_key > 0
-
-    def admit(
-        self, path: bytes, headers: list[tuple[bytes, bytes]], header_bytes: int, peer: str
-    ) -> tuple[ErrorReply | None, object]:
-        """(the refusal, None to go on; the identity to :meth:`release` after the answer,
-        None when nothing is counted)."""
-        if self._max_header and header_bytes > self._max_header:
-            return ErrorReply(
-                431,
-                f"request headers are {header_bytes} bytes; the limit is {self._max_header} "
-                "(server.max_header_kb)",
-                "request_header_fields_too_large",
-            ), None
-        if not self._counted or not path.startswith(b"/v1/"):  # (protected(path))
-            return _PASS
-        ident: object
-        if self._keys:
-            found = self._keys.check(presented_key(headers))
-            if found is None:
-                return ErrorReply(
-                    401,
-                    "Incorrect or missing API key. Send 'Authorization: Bearer <key>'.",
-                    "invalid_api_key",
-                ), None
-            ident = found
-        else:
-            ident = peer
-        per_key = self._per_key
-        if not per_key:
-            return _PASS
-        count = self._in_flight.get(ident, 0)
-        if count >= per_key:
-            return ErrorReply(
-                429,
-                f"too many concurrent requests for this key (limit {per_key}); retry later",
-                "too_many_concurrent_requests",
-                headers=self._retry_after,
-            ), None
-        self._in_flight[ident] = count + 1
-        return None, ident
-
-    def release(self, ident: object) -> None:
-        left = self._in_flight[ident] - 1
-        if left:
-            self._in_flight[ident] = left
-        else:
-            del self._in_flight[ident]
 
 
 def check_prompt_tokens(server: Any, prompt_tokens: int) -> None:
