@@ -6,7 +6,7 @@ without importing :mod:`router.service.app` (which imports them all)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -18,6 +18,9 @@ from router.service.routes import Routes
 from router.service.state import RouterState
 from router.service.workers import Workers
 
+if TYPE_CHECKING:  # (imports redis: only when server.redis_url is set)
+    from router.store.sync import IndexSync
+
 SETTINGS = web.AppKey("kvrouter_settings", Settings)
 STATE = web.AppKey("kvrouter_state", RouterState)
 INDEX = web.AppKey("kvrouter_index", PrefixIndex)
@@ -27,7 +30,7 @@ SESSION = web.AppKey("kvrouter_session", aiohttp.ClientSession)
 # the public port's routes besides the two hot endpoints (router.service.routes)
 ROUTES = web.AppKey("kvrouter_routes", Routes)
 # the Redis index follower (router.store.sync.IndexSync) when server.redis_url is set
-INDEX_SYNC: web.AppKey[Any] = web.AppKey("kvrouter_index_sync")
+INDEX_SYNC: web.AppKey[IndexSync] = web.AppKey("kvrouter_index_sync")
 # with several worker processes (server.workers > 1): the group and this worker's index
 WORKERS = web.AppKey("kvrouter_workers", Workers)
 WORKER_INDEX = web.AppKey("kvrouter_worker_index", int)  # 0 .. count-1, in fork order
