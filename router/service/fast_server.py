@@ -426,16 +426,24 @@ async def start_fast(
     app: web.Application, host: str, port: int, *, reuse_port: bool = False, socket_dir: str
 ) -> tuple[web.AppRunner, FastServer, int]:
     """Set up the aiohttp app on a unix socket in ``socket_dir`` and the fast server on
-    ``host:port`` in front of it; returns (runner, fast server, port)."""
+    ``host:port`` in front of it; returns (runner, fast server, port).
+
+    If either cannot listen (``host:port`` taken, ...), the app is cleaned up before the
+    error propagates, as ``web.run_app`` does: its background tasks (the Redis index sync,
+    ...) stop, so the process exits with the error instead of waiting on them."""
     import os
 
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    path = os.path.join(socket_dir, f"kvrouter-{os.getpid()}-{id(app):x}.sock")
-    site = web.UnixSite(runner, path)
-    await site.start()
-    fast = FastServer(app, path)
-    bound = await fast.start(host, port, reuse_port=reuse_port)
+    try:
+        path = os.path.join(socket_dir, f"kvrouter-{os.getpid()}-{id(app):x}.sock")
+        site = web.UnixSite(runner, path)
+        await site.start()
+        fast = FastServer(app, path)
+        bound = await fast.start(host, port, reuse_port=reuse_port)
+    except BaseException:
+        await runner.cleanup()
+        raise
     return runner, fast, bound
 
 
