@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,14 +232,6 @@ def kimi_model_table(**extra: Any) -> dict[str, Any]:
     }
 
 
-async def eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait until ``pred()`` holds (polling every 30 ms); fail after ``timeout`` seconds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.03)
-
-
 def metric_sample(page: str, name: str, **labels: str) -> float | None:
     """The value of one sample on a Prometheus text page whose labels include ``labels``
     (None when absent)."""
@@ -257,7 +248,7 @@ async def start_mock(settings: Any) -> tuple[web.AppRunner, str]:
     """A mock replica (router.mock.server, ``MockSettings``) on a free loopback port:
     (its runner, base URL)."""
     from router.mock.server import create_app as create_mock
-    from router.store.local_redis import free_port
+    from tests.ports import free_port
 
     runner = web.AppRunner(create_mock(settings))
     await runner.setup()

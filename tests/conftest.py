@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from router.bench.redis_server import LocalRedis, LocalRedisCluster
 from router.compile import STALE_HINT, stale
-from router.store.local_redis import LocalRedis, LocalRedisCluster
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

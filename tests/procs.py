@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from router.store.local_redis import free_port
+from tests.ports import free_port
 
 KVROUTER = str(Path(sys.executable).parent / "kvrouter")
+# a mock replica's --time-scale for tests that do not measure the modelled prefill / decode
+# times: the same schedule, 20 times faster
+FAST = 0.05
 
 
 def http_get(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> Any:
@@ -137,6 +140,10 @@ class Fleet:
         self.stop_all()
 
     def stop_all(self) -> None:
+        """SIGTERM to all (newest first), then wait for each: they shut down side by side."""
+        for p in reversed(self.procs):
+            with contextlib.suppress(Exception):
+                p.signal(signal.SIGTERM)
         for p in reversed(self.procs):
             with contextlib.suppress(Exception):
                 p.stop(timeout=5)
@@ -157,12 +164,15 @@ class Fleet:
         events: bool = False,
         extra: Sequence[str] = (),
         wait: bool = True,
+        time_scale: float = 1.0,
     ) -> Proc:
         """``kvrouter mock-replica``; with ``events`` it publishes KV events on ZMQ
-        (``proc.zmq`` / ``proc.replay`` endpoints)."""
+        (``proc.zmq`` / ``proc.replay`` endpoints). ``time_scale``: wall seconds per
+        modelled second (``FAST``: the engine's timing is not what the test is about)."""
         port = port or free_port()
         args = [KVROUTER, "mock-replica", "--port", str(port), "--replica", name]
         args += ["--model", model, "--block-size", "16", "--engine-block-size", "16"]
+        args += ["--time-scale", str(time_scale)]
         zmq = replay = ""
         if events:
             zmq = f"tcp://127.0.0.1:{free_port()}"

@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 import uuid
+from dataclasses import dataclass
 
 import pytest
 
@@ -34,14 +35,31 @@ def _demo_processes(tag: str) -> set[int]:
     return found
 
 
-def test_demo_runs_live_and_simulated_and_cleans_up() -> None:
+@dataclass(frozen=True)
+class LiveDemo:
+    out: subprocess.CompletedProcess[str]
+    record: pathlib.Path  # the --record prefix
+    tag: str  # KVROUTER_TEST_TAG of its processes
+
+
+@pytest.fixture(scope="module")
+def live_demo(tmp_path_factory: pytest.TempPathFactory) -> LiveDemo:
+    """One live demo (two policies, traffic recorded) for the tests below: it is the slowest
+    thing the suite runs, so it runs once."""
     tag = uuid.uuid4().hex
+    prefix = tmp_path_factory.mktemp("demo") / "live"
     out = subprocess.run(
         [sys.executable, "-m", "router.cli", "demo", "--replicas", "2", "--agentic", SMALL,
-         "--speedup", "4", "--policies", "round_robin,ours", "--max-output", "8"],
+         "--speedup", "4", "--policies", "round_robin,ours", "--max-output", "8",
+         "--record", str(prefix)],
         capture_output=True, text=True, timeout=240,
         env={**os.environ, "KVROUTER_TEST_TAG": tag},
     )  # fmt: skip
+    return LiveDemo(out, prefix, tag)
+
+
+def test_demo_runs_live_and_simulated_and_cleans_up(live_demo: LiveDemo) -> None:
+    out = live_demo.out
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     rows = {line.split()[0]: line.split() for line in lines if line.startswith(("round", "ours"))}
@@ -55,7 +73,7 @@ def test_demo_runs_live_and_simulated_and_cleans_up() -> None:
         assert 0 < hit <= 100 and abs(hit - sim_hit) < 15
         assert 0 <= goodput <= 100 and float(cols[9]) > 0  # goodput and TPOT p90 reported
     assert float(rows["ours"][2].rstrip("%")) >= float(rows["round_robin"][2].rstrip("%"))
-    assert _demo_processes(tag) == set()
+    assert _demo_processes(live_demo.tag) == set()
 
 
 def test_demo_sim_only_needs_no_processes() -> None:
@@ -77,15 +95,10 @@ def test_demo_bad_arguments_fail_cleanly(bad: list[str]) -> None:
     assert "Traceback" not in out.stderr
 
 
-def test_recorded_demo_traffic_replays_in_the_simulator(tmp_path: pathlib.Path) -> None:
+def test_recorded_demo_traffic_replays_in_the_simulator(live_demo: LiveDemo) -> None:
     import json
 
-    prefix = tmp_path / "live"
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "demo", "--replicas", "2", "--agentic", SMALL,
-         "--speedup", "4", "--policies", "ours", "--max-output", "8", "--record", str(prefix)],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    out, prefix = live_demo.out, live_demo.record
     assert out.returncode == 0, out.stdout + out.stderr
     live = next(line.split() for line in out.stdout.splitlines() if line.startswith("ours"))
     trace = pathlib.Path(f"{prefix}.ours.jsonl")

@@ -19,8 +19,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.store.local_redis import free_port
 from tests.backends import Backend
+from tests.ports import free_port
 from tests.procs import KVROUTER, Fleet, Proc, _toml
 
 TOKEN = "workers-admin-token"

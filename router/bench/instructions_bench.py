@@ -6,7 +6,8 @@ warms it up, counts only while ``--requests`` requests go through it (a closed l
 ``--connections`` keep-alive clients, the proxy benchmark's body and backends), and prints
 instructions per request (user space only: the kernel's share of the socket calls is not
 counted, and is about the same for every router). Same run: kvrouter, and vllm-router when it
-is installed (``python3 -m venv /tmp/scratch && /tmp/scratch/bin/pip install vllm-router``).
+is installed (``--vllm-router PATH`` or on PATH; ``pip install vllm-router`` in a venv of its
+own).
 
 Valgrind runs programs ~50x slower; the figures are counts, not times. Needs ``valgrind``
 (Debian: ``apt-get install valgrind``).
@@ -27,6 +28,7 @@ from typing import Any
 
 from router.bench.measure import emit
 from router.bench.proxy_bench import (
+    VLLM_ROUTER_MISSING,
     _free_port,
     _stop,
     _vllm_router_bin,
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             if args.without_peer:
                 result["vllm_router"] = {"skipped": "--without-peer"}
             elif binary is None:
-                result["vllm_router"] = {"error": "vllm-router not found"}
+                result["vllm_router"] = {"error": VLLM_ROUTER_MISSING}
             else:
                 vr_port = _free_port()
                 result["vllm_router"] = _count(
