@@ -5,8 +5,9 @@ the request body (so a direct and a routed call can be compared byte for byte), 
 extension field, echo unknown request fields, and report
 ``usage.prompt_tokens_details.cached_tokens`` from a crude prefix cache (bytes of the longest
 previously seen prefix of the prompt JSON / 4). Knobs: ``fail_next`` (answer 500 that many
-times), ``delay_s`` (before the headers), ``chunk_delay_s`` (between SSE chunks), ``hang``
-(never answer; counts ``cancelled`` when the router gives up on it).
+times), ``delay_s`` (before the headers), ``gate`` (an ``asyncio.Event`` answers wait for:
+requests held in flight until the test sets it), ``chunk_delay_s`` (between SSE chunks),
+``hang`` (never answer; counts ``cancelled`` when the router gives up on it).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Backend:
     fail_next: int = 0
     fail_status: int = 500
     delay_s: float = 0.0
+    gate: asyncio.Event | None = None
     chunk_delay_s: float = 0.0
     hang: bool = False
     chunks: int = 4
@@ -80,6 +82,8 @@ class Backend:
             except asyncio.CancelledError:
                 self.cancelled += 1
                 raise
+        if self.gate is not None:
+            await self.gate.wait()
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.fail_next > 0:

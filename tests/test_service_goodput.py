@@ -21,8 +21,9 @@ from router.service.app import STATE
 from router.service.config import build_settings, load_settings
 from router.service.handling import body_session, session_key, session_of
 from router.service.state import RouterState
-from tests.backends import Backend, eventually, kimi_model_table, start_router
+from tests.backends import Backend, kimi_model_table, start_router
 from tests.test_audit_metrics import series
+from tests.waiting import eventually
 
 MODEL = "kimi-test"
 ENGINES = ["aiohttp", "fast"]
