@@ -20,12 +20,13 @@ demo: $(STAMP)
 	$(BIN)/kvrouter demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The tests of what `make compile` compiles (router/compile.py TESTS): CI runs them against
 # the compiled build after the whole suite ran on the sources.
 test-compiled: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $$($(BIN)/python -m router.compile --tests)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+		$$($(BIN)/python -m router.compile --tests)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 
+# one xdist worker runs this module: its live demo (a module fixture) runs once
+pytestmark = pytest.mark.xdist_group("demo")
+
 SMALL = (
     "agentic:sessions=6,session_rate=4,system_prompts=2,system_tokens=2000,tool_sets=1,"
     "tool_def_tokens=1000,mean_turns=3,max_turns=4,answer_tokens=20,tool_tokens=300,"

@@ -31,6 +31,9 @@ from hypothesis import strategies as st
 from router.tokenize.tokenizers import BUNDLED_DIR
 from tests.procs import FAST, KVROUTER, Fleet, free_port
 
+# one xdist worker runs this module: its fleet (a module fixture) starts once
+pytestmark = pytest.mark.xdist_group("fuzz_http")
+
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = yaml.safe_load((ROOT / "docs" / "openapi.yaml").read_text())
 KEY = "fuzz-key-0123456789"
