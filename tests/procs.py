@@ -3,9 +3,9 @@
 ``Proc`` is one child process (``kvrouter serve``, ``kvrouter mock-replica``,
 ``kvrouter publish`` ...) with its output in a log file, a readiness wait and a stop that
 never leaves it behind (SIGTERM, then SIGKILL). ``Fleet`` owns a set of them and stops them
-all in reverse order; tests use it as a context manager so a failing assertion still cleans
-up. Ports come from ``free_port`` (bind to 0, release): a tiny race with other processes
-is possible, never with a shared service since everything binds 127.0.0.1.
+all at once (SIGTERM to each, newest first, then a wait for each); tests use it as a context
+manager so a failing assertion still cleans up. Ports come from ``tests.ports.free_port``;
+everything binds 127.0.0.1.
 """
 
 from __future__ import annotations
