@@ -3,13 +3,15 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvrouter-installed
+# pytest-xdist workers: most tests wait on processes and sockets, so more workers than cores
+TEST_WORKERS ?= 4
 
-.PHONY: setup demo test lint bench clean compile uncompile
+.PHONY: setup demo test test-compiled lint bench clean compile uncompile
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -18,7 +20,13 @@ demo: $(STAMP)
 	$(BIN)/kvrouter demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
+# The tests of what `make compile` compiles (router/compile.py TESTS): CI runs them against
+# the compiled build after the whole suite ran on the sources.
+test-compiled: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+		$$($(BIN)/python -m router.compile --tests)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -27,7 +35,7 @@ lint: $(STAMP)
 
 # Optional: the routing core and the service's hot modules compiled with mypyc, in place
 # (router/compile.py; the gain: docs/benchmarks.md, "Proxy"; needs a C compiler and the Python
-# headers). `make test` then runs against the compiled modules.
+# headers). `make test` / `make test-compiled` then run against the compiled modules.
 compile: $(STAMP)
 	$(BIN)/python -m router.compile
 

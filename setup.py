@@ -18,8 +18,12 @@ import sys
 
 from setuptools import setup
 
+# Only a build needs the extensions: mypyc type-checks and generates C each time it is asked
+# for them (half a minute), and pip asks for the metadata (egg_info / dist_info) first.
+_METADATA_ONLY = {"egg_info", "dist_info", "sdist", "--name", "--version"}
+
 ext_modules = []
-if os.environ.get("KVROUTER_COMPILE") == "1":
+if os.environ.get("KVROUTER_COMPILE") == "1" and not _METADATA_ONLY & set(sys.argv[1:]):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from router.compile import extensions
 

@@ -10,7 +10,8 @@ the simulator and the service run the same code either way, compiled or not.
 Compiled code checks annotations at run time, so what the hot modules declare about other
 libraries must be true at run time too (uvloop's ``Server.sockets`` is a list where typeshed
 says tuple: read untyped), and an exception class with two builtin bases cannot be compiled
-(router/service/upstream_errors.py stays interpreted). CI runs the whole suite both ways.
+(router/service/upstream_errors.py stays interpreted). CI runs the whole suite on the sources
+and the tests of the compiled modules (:data:`TESTS`) on the compiled build.
 
 What it gains: docs/benchmarks.md, "Proxy" (pure and compiled). Needs a C compiler and the
 Python headers; mypyc comes with mypy (the test extras).
@@ -36,6 +37,41 @@ SERVICE_MODULES = (
     "proxy",
     "state",
     "upstream",
+)
+
+
+# The tests whose subject is what this compiles: CI runs them again against the compiled
+# build (``make test-compiled``) after the whole suite ran on the sources (``make test``).
+# Compiled code differs from the sources only inside the compiled modules (mypyc checks types
+# at run time, fixes attribute sets, ...), so these are the tests that drive those modules:
+# a new test file of a compiled module, or a new compiled module's tests, belongs here.
+TESTS = (
+    # router/core: hashing, the index, load, policies and the routing step
+    "tests/test_hashing.py",
+    "tests/test_index.py",
+    "tests/test_policies.py",
+    "tests/test_routing_columns.py",
+    "tests/test_load_peer.py",
+    "tests/test_gc_retention.py",
+    "tests/test_sim_cache.py",  # the index's bulk event ingestion
+    "tests/test_sim_run.py",  # whole simulated runs through the routing core
+    # the service's hot modules, in process on both HTTP engines
+    "tests/test_service_api.py",
+    "tests/test_service_fast.py",
+    "tests/test_service_body_memo.py",
+    "tests/test_service_stream_writes.py",
+    "tests/test_proxy_usage.py",
+    "tests/test_proxy_faults.py",
+    "tests/test_loop_metrics.py",
+    "tests/test_audit_input.py",
+    "tests/test_audit_metrics.py",
+    "tests/test_health_probes.py",
+    # ... and in a real ``kvrouter serve`` process (the fast server's start and shutdown)
+    "tests/test_fault_lifecycle.py",
+    "tests/test_serve_listen.py",
+    # the build itself
+    "tests/test_build_info.py",
+    "tests/test_compile_stale.py",
 )
 
 
@@ -135,6 +171,9 @@ def main(argv: list[str]) -> int:
         return clean()
     if "--list" in argv:  # what `make lint` type-checks: a module mypyc rejects fails the build
         print(" ".join(sources()))
+        return 0
+    if "--tests" in argv:  # what `make test-compiled` runs
+        print(" ".join(TESTS))
         return 0
     return compile_hot()
 

@@ -191,6 +191,10 @@ def _replay(args: argparse.Namespace) -> int:
             names.append(tuned.policy)
     if args.speedup <= 0:
         raise KVRouterError("--speedup must be positive")
+    if args.report:  # before the runs, not after them
+        from sim.report import require_plotting
+
+        require_plotting()
     config = _config(args, record_load=bool(args.report))
     workload = _workload(args)
     if not len(workload):

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from router.core.errors import KVRouterError
 from sim.cluster import RunResult
 
 _COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -62,7 +63,21 @@ def table(summaries: Sequence[Mapping[str, Any]], ceilings: Mapping[str, float])
     return "\n".join(lines)
 
 
+PLOTTING_MISSING = (
+    "plots need matplotlib, which the router does not install: pip install 'kvrouter[sim]'"
+)
+
+
+def require_plotting() -> None:
+    """Raise a clear ``KVRouterError`` when matplotlib (the ``sim`` extra) is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise KVRouterError(PLOTTING_MISSING)
+
+
 def _plt() -> Any:
+    require_plotting()
     import matplotlib
 
     matplotlib.use("Agg")

@@ -5,8 +5,9 @@ the request body (so a direct and a routed call can be compared byte for byte), 
 extension field, echo unknown request fields, and report
 ``usage.prompt_tokens_details.cached_tokens`` from a crude prefix cache (bytes of the longest
 previously seen prefix of the prompt JSON / 4). Knobs: ``fail_next`` (answer 500 that many
-times), ``delay_s`` (before the headers), ``chunk_delay_s`` (between SSE chunks), ``hang``
-(never answer; counts ``cancelled`` when the router gives up on it).
+times), ``delay_s`` (before the headers), ``gate`` (an ``asyncio.Event`` answers wait for:
+requests held in flight until the test sets it), ``chunk_delay_s`` (between SSE chunks),
+``hang`` (never answer; counts ``cancelled`` when the router gives up on it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,7 @@ class Backend:
     fail_next: int = 0
     fail_status: int = 500
     delay_s: float = 0.0
+    gate: asyncio.Event | None = None
     chunk_delay_s: float = 0.0
     hang: bool = False
     chunks: int = 4
@@ -81,6 +82,8 @@ class Backend:
             except asyncio.CancelledError:
                 self.cancelled += 1
                 raise
+        if self.gate is not None:
+            await self.gate.wait()
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.fail_next > 0:
@@ -206,14 +209,6 @@ def kimi_model_table(**extra: Any) -> dict[str, Any]:
     }
 
 
-async def eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait until ``pred()`` holds (polling every 30 ms); fail after ``timeout`` seconds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.03)
-
-
 def metric_sample(page: str, name: str, **labels: str) -> float | None:
     """The value of one sample on a Prometheus text page whose labels include ``labels``
     (None when absent)."""
@@ -230,7 +225,7 @@ async def start_mock(settings: Any) -> tuple[web.AppRunner, str]:
     """A mock replica (router.mock.server, ``MockSettings``) on a free loopback port:
     (its runner, base URL)."""
     from router.mock.server import create_app as create_mock
-    from router.store.local_redis import free_port
+    from tests.ports import free_port
 
     runner = web.AppRunner(create_mock(settings))
     await runner.setup()

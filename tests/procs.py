@@ -3,9 +3,9 @@
 ``Proc`` is one child process (``kvrouter serve``, ``kvrouter mock-replica``,
 ``kvrouter publish`` ...) with its output in a log file, a readiness wait and a stop that
 never leaves it behind (SIGTERM, then SIGKILL). ``Fleet`` owns a set of them and stops them
-all in reverse order; tests use it as a context manager so a failing assertion still cleans
-up. Ports come from ``free_port`` (bind to 0, release): a tiny race with other processes
-is possible, never with a shared service since everything binds 127.0.0.1.
+all at once (SIGTERM to each, newest first, then a wait for each); tests use it as a context
+manager so a failing assertion still cleans up. Ports come from ``tests.ports.free_port``;
+everything binds 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from router.store.local_redis import free_port
+from tests.ports import free_port
 
 KVROUTER = str(Path(sys.executable).parent / "kvrouter")
+# a mock replica's --time-scale for tests that do not measure the modelled prefill / decode
+# times: the same schedule, 20 times faster
+FAST = 0.05
 
 
 def http_get(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> Any:
@@ -137,6 +140,10 @@ class Fleet:
         self.stop_all()
 
     def stop_all(self) -> None:
+        """SIGTERM to all (newest first), then wait for each: they shut down side by side."""
+        for p in reversed(self.procs):
+            with contextlib.suppress(Exception):
+                p.signal(signal.SIGTERM)
         for p in reversed(self.procs):
             with contextlib.suppress(Exception):
                 p.stop(timeout=5)
@@ -157,12 +164,15 @@ class Fleet:
         events: bool = False,
         extra: Sequence[str] = (),
         wait: bool = True,
+        time_scale: float = 1.0,
     ) -> Proc:
         """``kvrouter mock-replica``; with ``events`` it publishes KV events on ZMQ
-        (``proc.zmq`` / ``proc.replay`` endpoints)."""
+        (``proc.zmq`` / ``proc.replay`` endpoints). ``time_scale``: wall seconds per
+        modelled second (``FAST``: the engine's timing is not what the test is about)."""
         port = port or free_port()
         args = [KVROUTER, "mock-replica", "--port", str(port), "--replica", name]
         args += ["--model", model, "--block-size", "16", "--engine-block-size", "16"]
+        args += ["--time-scale", str(time_scale)]
         zmq = replay = ""
         if events:
             zmq = f"tcp://127.0.0.1:{free_port()}"

@@ -33,12 +33,13 @@ from router.mock.server import create_app as create_mock
 from router.service.app import INDEX_SYNC, STATE
 from router.service.config import build_settings
 from router.store.base import ReplicaInfo
-from router.store.local_redis import free_port
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
 from router.store.sync import IndexSync
 from router.store.writer import StoreWriter
-from tests.backends import eventually, start_router
+from tests.backends import start_router
+from tests.ports import free_port
+from tests.waiting import eventually
 
 LAG = "kvrouter_index_event_lag_seconds"
 

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from router.demo.fleet import MODEL
 from router.mock.server import MockSettings, create_app
-from router.store.local_redis import free_port
+from tests.ports import free_port
 from tests.test_demo import SMALL
 
 ROW_KEYS = {

@@ -44,3 +44,12 @@ def test_nothing_compiled_is_never_stale(tmp_path: Path, monkeypatch: pytest.Mon
     _tree(tmp_path)
     monkeypatch.setattr(build, "ROOT", tmp_path)
     assert build.stale() == []
+
+
+def test_the_compiled_pass_names_test_files_that_exist() -> None:
+    """``make test-compiled`` runs router.compile.TESTS: a renamed or removed file must not
+    silently drop out of CI's run against the compiled build."""
+    root = Path(build.__file__).resolve().parent.parent
+    missing = [t for t in build.TESTS if not (root / t).is_file()]
+    assert not missing, missing
+    assert len(set(build.TESTS)) == len(build.TESTS)

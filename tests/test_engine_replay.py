@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import zmq
 
+from router.bench.redis_server import LocalRedis
 from router.core.hashing import hash_prompt, root_hash
 from router.core.index import PrefixIndex
 from router.core.types import ReplicaKey
@@ -19,13 +20,12 @@ from router.events.endpoints import engine_endpoints, offset_endpoint
 from router.events.subscriber import parse_replay_reply
 from router.publisher.publisher import Publisher, PublisherSettings
 from router.store.base import ReplicaInfo
-from router.store.local_redis import LocalRedis
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
 from router.store.sync import IndexSync
-from tests.backends import eventually
 from tests.engines import ENGINES, TOPIC_IN_REPLAY, load
 from tests.engines.harness import RefEngine, free_port_run
+from tests.waiting import eventually
 
 B = 32  # router block: two 16-token engine blocks
 MODEL = "m"

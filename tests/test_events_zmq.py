@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
 
 import pytest
 import zmq.asyncio
@@ -16,18 +15,11 @@ from router.events.direct import DirectEvents
 from router.events.ingest import EndpointSpec
 from router.events.model import EngineBlockStored
 from router.events.zmq_pub import KVEventPublisher
-from router.store.local_redis import free_port
+from tests.ports import free_port
+from tests.waiting import eventually
 
 B = 32
 KEY = ReplicaKey("eng")
-
-
-async def eventually(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 class Engine:

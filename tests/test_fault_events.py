@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -28,18 +27,11 @@ from router.events.direct import DirectEvents
 from router.events.ingest import EndpointSpec
 from router.events.model import EngineAllCleared, EngineBlockRemoved, EngineBlockStored
 from router.events.zmq_pub import KVEventPublisher
-from router.store.local_redis import free_port
+from tests.ports import free_port
+from tests.waiting import eventually
 
 B = 16  # engine block == router block, so the truth is one engine block per canonical block
 KEY = ReplicaKey("eng")
-
-
-async def eventually(pred: Callable[[], bool], timeout: float = 8.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 @dataclass

@@ -22,14 +22,16 @@ from typing import Any
 import aiohttp
 import pytest
 
+from router.bench.redis_server import LocalRedis
 from router.core.index import PrefixIndex
 from router.core.types import ReplicaKey
 from router.events.direct import DirectEvents
 from router.events.ingest import EndpointSpec
 from router.events.model import EngineBlockStored
 from router.events.zmq_pub import KVEventPublisher
-from router.store.local_redis import LocalRedis, free_port
+from tests.ports import free_port
 from tests.procs import Fleet, http_get, token_prompt
+from tests.waiting import eventually
 
 ADMIN = "admin-lifecycle"
 
@@ -52,6 +54,15 @@ async def _stream(session: aiohttp.ClientSession, url: str, seed: int, tokens: i
         return f"error:{type(exc).__name__}"
 
 
+async def _running(mock_url: str) -> int:
+    """Requests in the mock engine's running batch (its vLLM gauge)."""
+    _, page = await asyncio.to_thread(http_get, mock_url + "/metrics")
+    for line in str(page).splitlines():
+        if line.startswith("vllm:num_requests_running{"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
 def _refused(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -66,11 +77,15 @@ async def test_sigterm_drains_in_flight_streams_and_exits_0(fleet: Fleet) -> Non
     async with aiohttp.ClientSession() as session:
         # ~300 tokens take ~1.5-2 s on the mock's default profile
         tasks = [asyncio.create_task(_stream(session, router.url, i, 300)) for i in range(4)]
-        await asyncio.sleep(0.5)
+
+        async def all_running() -> bool:
+            return await _running(mock.url) == 4
+
+        await eventually(all_running, message="the streams did not all reach the engine")
         t0 = time.monotonic()
         router.signal(signal.SIGTERM)
-        await asyncio.sleep(0.3)
-        assert _refused(router.port), "the listener must close on SIGTERM"  # type: ignore[attr-defined]
+        port: int = router.port  # type: ignore[attr-defined]
+        await eventually(lambda: _refused(port), message="the listener must close on SIGTERM")
         results = await asyncio.gather(*tasks)
     assert results == ["done"] * 4, results
     code = await asyncio.to_thread(router.wait, 15)
@@ -83,7 +98,7 @@ async def test_sigterm_deadline_cuts_long_streams(fleet: Fleet) -> None:
     router = fleet.router("router", [("a", mock.url)], server={"shutdown_timeout_s": 1.0})
     async with aiohttp.ClientSession() as session:
         task = asyncio.create_task(_stream(session, router.url, 1, 20_000))
-        await asyncio.sleep(0.5)
+        await eventually(lambda: _running(mock.url), message="the stream did not reach the engine")
         t0 = time.monotonic()
         router.signal(signal.SIGTERM)
         code = await asyncio.to_thread(router.wait, 15)
@@ -136,29 +151,29 @@ async def test_router_restart_recovers_index_from_redis(
                     assert resp.status == 200
                     await resp.read()
 
-        async def filled() -> int:
-            return await _index_blocks(router.url, "a")
+        async def filled() -> bool:  # 8 prompts x 10 full 16-token blocks
+            return await _index_blocks(router.url, "a") >= 8 * 10
 
-        t0 = time.monotonic()
-        while (blocks := await filled()) < 8 * 10 and time.monotonic() - t0 < 10:
-            await asyncio.sleep(0.1)
-        assert blocks >= 80, blocks  # 8 prompts x 10 full 16-token blocks
+        await eventually(filled)
+        blocks = await _index_blocks(router.url, "a")
         router.kill()  # a crash, not a clean stop
 
         started = time.monotonic()
         router2 = fleet.router("router2", [("a", mock.url)], server=server)
-        while (again := await _index_blocks(router2.url, "a")) < blocks:
-            assert time.monotonic() - started < 10, again
-            await asyncio.sleep(0.05)
+
+        async def recovered() -> bool:
+            return await _index_blocks(router2.url, "a") >= blocks
+
+        await eventually(recovered)
+        again = await _index_blocks(router2.url, "a")
         recovered_s = time.monotonic() - started
         print({"router_restart_recovered_blocks": again, "seconds": round(recovered_s, 2)})
         assert again == blocks
-        assert recovered_s < 10
         code, _ = await asyncio.to_thread(http_get, router2.url + "/ready")
         assert code == 200
+
         # the publisher's load samples carry the engine's prefix-cache counters to the router
-        deadline = time.monotonic() + 10
-        while True:
+        async def engine_counters() -> bool:
             _, page = await asyncio.to_thread(http_get, router2.url + "/metrics")
             line = next(
                 (ln for ln in str(page).splitlines()
@@ -166,10 +181,9 @@ async def test_router_restart_recovers_index_from_redis(
                  and 'replica="a"' in ln),
                 "",
             )  # fmt: skip
-            if line and float(line.rsplit(" ", 1)[1]) >= 8 * 160:
-                break
-            assert time.monotonic() < deadline, line or "no engine prefix-cache counters"
-            await asyncio.sleep(0.1)
+            return bool(line) and float(line.rsplit(" ", 1)[1]) >= 8 * 160
+
+        await eventually(engine_counters, message="no engine prefix-cache counters")
 
 
 @pytest.mark.parametrize("server_kind", ["redis", "redis_cluster"])
@@ -192,11 +206,12 @@ async def test_publisher_started_after_the_engine_went_idle_loads_its_history(
         fleet.publisher("a", mock, url, prefix=prefix)
         server = {"admin_token": ADMIN, "redis_url": url, "redis_key_prefix": prefix}
         router = fleet.router("router", [("a", mock.url)], server=server)
-        deadline = time.monotonic() + 10
-        while (blocks := await _index_blocks(router.url, "a")) < 8 * 10:
-            assert time.monotonic() < deadline, blocks  # 8 prompts x 10 full 16-token blocks
-            await asyncio.sleep(0.1)
-        assert blocks == 80
+
+        async def loaded() -> bool:  # 8 prompts x 10 full 16-token blocks
+            return await _index_blocks(router.url, "a") >= 8 * 10
+
+        await eventually(loaded)
+        assert await _index_blocks(router.url, "a") == 80
 
 
 async def test_subscriber_started_while_the_engine_publishes_takes_each_batch_once() -> None:

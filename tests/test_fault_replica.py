@@ -2,10 +2,13 @@
 ``kvrouter mock-replica`` processes on loopback.
 
 * streams on the killed replica end with a clean error (an SSE ``error`` event, then an aborted
-  transfer, never a ``[DONE]``) within 1 s of the kill; streams on other replicas finish;
+  transfer, never a ``[DONE]``); streams on other replicas finish;
 * requests sent after the kill all succeed (connect errors are retried on the next replica);
-* the replica is marked unhealthy within 2 s (passive failure + active ``/health`` probes);
+* the replica is marked unhealthy (passive failure + active ``/health`` probes);
 * restarted on the same port, it is readmitted and receives requests again.
+
+The default run prints how long the streams took to end and the replica to be ejected; under
+``-m soak`` they must be within 1 s and 2 s of the kill.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import aiohttp
 import pytest
 
 from tests.procs import Fleet, Proc, http_get, token_prompt
+from tests.waiting import eventually
 
 ADMIN = "admin-secret-token"
 
@@ -65,22 +69,15 @@ async def _replicas(url: str) -> dict[str, dict[str, Any]]:
     return {r["name"]: r for r in body["replicas"]}
 
 
-async def _wait(pred: Any, timeout: float, step: float = 0.05) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if await pred():
-            return time.monotonic() - t0
-        await asyncio.sleep(step)
-    raise AssertionError(f"condition not met within {timeout}s")
-
-
 @pytest.fixture
 def fleet(tmp_path: Path) -> Any:
     with Fleet(tmp_path) as f:
         yield f
 
 
-async def test_replica_killed_mid_stream(fleet: Fleet) -> None:
+async def _kill_mid_stream(fleet: Fleet) -> dict[str, float]:
+    """The scenario of the module docstring; returns seconds from the kill to the victim's
+    streams' end and to its ejection."""
     mocks: dict[str, Proc] = {n: fleet.mock(n) for n in ("a", "b", "c")}
     router = fleet.router(
         "router",
@@ -102,7 +99,6 @@ async def test_replica_killed_mid_stream(fleet: Fleet) -> None:
         on = {r["replica"] for r in running}
         victim = max(("a", "b", "c"), key=lambda n: sum(r["replica"] == n for r in running))
         assert victim in on, running
-        await asyncio.sleep(0.3)
         killed_at = time.monotonic()
         mocks[victim].kill()
 
@@ -117,20 +113,19 @@ async def test_replica_killed_mid_stream(fleet: Fleet) -> None:
         assert all(code == 200 for code, _ in after), after
         assert all(rep != victim for _, rep in after)
 
-        # the victim is out of routing within 2 s
+        # the victim is out of routing
         async def ejected() -> bool:
             return not (await _replicas(router.url))[victim]["healthy"]
 
-        assert await _wait(ejected, 2.0) <= 2.0
+        await eventually(ejected)
+        ejected_s = time.monotonic() - killed_at
 
-        # streams: clean end on the victim within 1 s, others unaffected
+        # streams: clean end on the victim, others unaffected
         victims = [r for r in running if r["replica"] == victim]
-        deadline = killed_at + 1.0
-        await _wait(lambda: _all_ended(victims), 1.5, 0.01)
+        await eventually(lambda: _all_ended(victims), interval=0.01)
         for r in victims:
             assert not r["done"], "a broken stream must never look complete"
             assert r["error_event"] and not r["done"], r
-            assert r["ended"] <= deadline + 0.05, r["ended"] - killed_at
         for t in tasks:  # the others keep streaming; stop them
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -146,7 +141,7 @@ async def test_replica_killed_mid_stream(fleet: Fleet) -> None:
             await one(3000)
             return bool((await _replicas(router.url))[victim]["healthy"])
 
-        await _wait(healthy, 5.0)
+        await eventually(healthy)
         seen = set()
         for i in range(60):
             code, rep = await one(2000 + i)
@@ -156,6 +151,23 @@ async def test_replica_killed_mid_stream(fleet: Fleet) -> None:
                 break
         assert victim in seen, seen
     assert router.alive()
+    timings = {
+        "streams_ended_s": max(r["ended"] for r in victims) - killed_at,
+        "ejected_s": ejected_s,
+    }
+    print(timings)
+    return timings
+
+
+async def test_replica_killed_mid_stream(fleet: Fleet) -> None:
+    await _kill_mid_stream(fleet)
+
+
+@pytest.mark.soak
+async def test_soak_replica_killed_mid_stream_timings(fleet: Fleet) -> None:
+    timings = await _kill_mid_stream(fleet)
+    assert timings["streams_ended_s"] <= 1.05, timings
+    assert timings["ejected_s"] <= 2.0, timings
 
 
 async def _all_ended(items: list[dict[str, Any]]) -> bool:

@@ -29,7 +29,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.tokenize.tokenizers import BUNDLED_DIR
-from tests.procs import KVROUTER, Fleet, free_port
+from tests.procs import FAST, KVROUTER, Fleet, free_port
+
+# one xdist worker runs this module: its fleet (a module fixture) starts once
+pytestmark = pytest.mark.xdist_group("fuzz_http")
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = yaml.safe_load((ROOT / "docs" / "openapi.yaml").read_text())
@@ -139,8 +142,8 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("fuzz-http")
     with Fleet(tmp) as fleet:
         extra = ["--default-max-tokens", "2"]
-        mm = fleet.mock("mm", model="m", extra=extra)
-        mk = fleet.mock("mk", model="k", extra=extra)
+        mm = fleet.mock("mm", model="m", extra=extra, time_scale=FAST)
+        mk = fleet.mock("mk", model="k", extra=extra, time_scale=FAST)
         port = free_port()
         cfg = tmp / "router.toml"
         cfg.write_text(

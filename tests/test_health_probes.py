@@ -4,13 +4,13 @@ one that dies (probes run concurrently), and a replica's DP ranks share one prob
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 
 from router.core.types import ReplicaKey
 from router.service.app import STATE
 from router.service.config import build_settings
 from tests.backends import Backend, kimi_model_table, start_router
+from tests.waiting import eventually
 
 MODEL = "kimi-test"
 
@@ -53,13 +53,14 @@ async def test_a_dead_replica_is_seen_within_a_sweep_while_others_hang() -> None
     try:
         state = runner.app[STATE]
         keys = [ReplicaKey("dying", r) for r in range(4)]
-        await asyncio.sleep(1.5)  # a sweep or two with everybody up
+        await eventually(lambda: len(probed) == 10)  # a sweep with everybody up
         assert all(state.load.view(k, 0.0).healthy for k in keys)
         await dying.stop()
-        t0 = time.monotonic()
-        while any(state.load.view(k, 0.0).healthy for k in keys):
-            assert time.monotonic() - t0 < 4.0, "a dead replica must be seen within ~2 sweeps"
-            await asyncio.sleep(0.05)
+        await eventually(
+            lambda: not any(state.load.view(k, 0.0).healthy for k in keys),
+            4.0,
+            message="a dead replica must be seen within ~2 sweeps",
+        )
         # one probe per hanging URL per sweep (not one per key, not serialised)
         assert all(n >= 1 for n in probed.values()) and len(probed) == 10
     finally:

@@ -20,11 +20,12 @@ from router.service.app import STATE
 from router.service.config import build_settings
 from router.service.state import RouterState
 from router.store.base import ReplicaInfo
-from router.store.local_redis import free_port
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
-from tests.backends import eventually, start_mock, start_router
 from tests.backends import metric_sample as _sample
+from tests.backends import start_mock, start_router
+from tests.ports import free_port
+from tests.waiting import eventually
 
 B = 64
 MODEL = "m"

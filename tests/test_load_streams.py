@@ -19,7 +19,7 @@ def _bench(capsys: Any, **kw: Any) -> dict[str, Any]:
     args = argparse.Namespace(
         replicas=4,
         concurrency=100,
-        duration=5.0,
+        duration=2.5,
         direct_duration=0.0,
         prompt_tokens=128,
         max_tokens=8,

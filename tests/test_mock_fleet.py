@@ -7,7 +7,6 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -15,6 +14,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from router.bench.redis_server import LocalRedis
 from router.core.hashing import hash_prompt, root_hash
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
@@ -23,21 +23,14 @@ from router.events.ingest import EndpointSpec
 from router.mock.server import MockSettings, create_app
 from router.publisher.publisher import Publisher, PublisherSettings
 from router.store.base import ReplicaInfo
-from router.store.local_redis import LocalRedis, free_port
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
 from router.store.sync import IndexSync, LoadTrackerListener
+from tests.ports import free_port
+from tests.waiting import eventually
 
 B = 64
 FAST = {"audit_interval_s": 0.1, "block_s": 0.05}
-
-
-async def eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.03)
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from router.mock.server import MockSettings, create_app
-from router.store.local_redis import free_port
+from tests.ports import free_port
 
 CHAT = [
     {"role": "system", "content": "You are terse."},

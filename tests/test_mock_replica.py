@@ -19,17 +19,10 @@ from router.core.types import ReplicaKey
 from router.events.direct import DirectEvents
 from router.events.ingest import EndpointSpec
 from router.mock.server import MockSettings, create_app
-from router.store.local_redis import free_port
+from tests.ports import free_port
+from tests.waiting import eventually
 
 B = 64
-
-
-async def eventually(pred: Callable[[], bool], timeout: float = 8.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 class Mock:

@@ -40,7 +40,7 @@ def _reference(payload: bytes) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     before=st.dictionaries(_KEYS, _JSON, max_size=4),
     usage=st.one_of(st.none(), _USAGE),
@@ -100,7 +100,7 @@ _VALUE_TEXT = st.recursive(
 )
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(members=st.lists(st.tuples(_SPELLINGS, _VALUE_TEXT), max_size=6))
 def test_duplicate_and_escaped_keys_as_a_full_parse(members: list[tuple[str, str]]) -> None:
     payload = _object(members).encode()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pytest
 from aiohttp import web
 
+from router.bench.redis_server import LocalRedis
 from router.core.hashing import hash_prompt, root_hash
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
@@ -20,22 +21,15 @@ from router.events.model import EngineBlockRemoved, EngineBlockStored
 from router.events.zmq_pub import KVEventPublisher
 from router.publisher.publisher import Publisher, PublisherSettings
 from router.store.base import ReplicaInfo
-from router.store.local_redis import LocalRedis, free_port
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
 from router.store.sync import IndexSync, LoadTrackerListener
+from tests.ports import free_port
+from tests.waiting import eventually
 
 B = 32
 MODEL = "m"
 FAST_SYNC = {"audit_interval_s": 0.1, "block_s": 0.05}
-
-
-async def eventually(pred: Callable[[], bool], timeout: float = 8.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 def canonical(tokens: list[int]) -> list[int]:

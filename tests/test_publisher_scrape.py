@@ -105,7 +105,7 @@ async def test_oversized_metrics_pages_are_refused_without_reading_them_whole(ho
     from aiohttp import web
 
     from router.publisher.scrape import MAX_PAGE_BYTES, fetch_page
-    from router.store.local_redis import free_port
+    from tests.ports import free_port
 
     big = b"# junk\n" * (MAX_PAGE_BYTES // 7 + 10)
 

@@ -15,6 +15,7 @@ import pytest
 from router.service.gate import ApiKeys
 from router.service.security import RedactingFilter, redact
 from tests.procs import Fleet, token_prompt
+from tests.waiting import eventually
 
 KEY_A = "sk-alpha-0123456789abcdef"
 KEY_B = "sk-bravo-fedcba9876543210"
@@ -74,14 +75,14 @@ async def test_api_keys_and_per_key_concurrency(fleet: Fleet) -> None:
         async with s.get(url + "/health") as r:  # probes need no key
             assert r.status == 200
 
-        # per-key concurrency: two long streams hold key A's slots
+        # per-key concurrency: two long streams (250 tokens: ~1.5 s) hold key A's slots
         started = asyncio.Event()
         count = 0
 
         async def hold() -> int:
             nonlocal count
             hdr = {"Authorization": f"Bearer {KEY_A}"}
-            async with s.post(url + "/v1/completions", json=_body(7, 600, True), headers=hdr) as r:
+            async with s.post(url + "/v1/completions", json=_body(7, 250, True), headers=hdr) as r:
                 await r.content.readline()
                 count += 1
                 if count == 2:
@@ -134,7 +135,8 @@ async def test_logs_hold_no_secrets_or_prompt_text(fleet: Fleet, tmp_path: Path)
         assert (await _status(s, router.url, bad, body))[0] == 401
         async with s.get(router.url + "/admin/replicas", headers={"X-Admin-Token": ADMIN}) as r:
             assert r.status == 200
-        await asyncio.sleep(1.5)  # let the Redis follower fail and log a few times
+        # let the Redis follower fail and log a few times
+        await eventually(lambda: router.log().count("index sync:") >= 2)
     router.stop()
     log = router.log()
     # the URL is logged (start-up line, follower warnings), with its password masked

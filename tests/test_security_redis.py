@@ -13,14 +13,15 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from router.bench.redis_server import LocalRedis
 from router.core.index import PrefixIndex
 from router.core.types import BlocksStored, Kind, ReplicaKey, Tier
 from router.store.base import BatchChange, ReplicaInfo, ReplicaState
 from router.store.codec import encode_change
-from router.store.local_redis import LocalRedis, free_port
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
 from router.store.sync import IndexSync
+from tests.ports import free_port
 
 PREFIX = "kvr"
 SCHEMA = KeySchema(PREFIX, 8)

@@ -17,9 +17,10 @@ from router.mock.server import MockSettings
 from router.mock.server import create_app as create_mock
 from router.service.app import STATE
 from router.service.config import build_settings
-from router.store.local_redis import free_port
-from tests.backends import eventually, start_router
 from tests.backends import metric_sample as _sample
+from tests.backends import start_router
+from tests.ports import free_port
+from tests.waiting import eventually
 
 B = 64
 

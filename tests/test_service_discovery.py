@@ -16,10 +16,11 @@ from router.mock.server import MockSettings
 from router.service.app import STATE
 from router.service.config import build_settings
 from router.store.base import ReplicaInfo
-from router.store.local_redis import free_port
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
-from tests.backends import eventually, start_mock, start_router
+from tests.backends import start_mock, start_router
+from tests.ports import free_port
+from tests.waiting import eventually
 
 B = 64
 

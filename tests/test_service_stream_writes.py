@@ -18,6 +18,7 @@ import pytest
 
 from router.service.config import build_settings
 from tests.backends import kimi_model_table, start_router
+from tests.waiting import eventually
 
 MODEL = "kimi-test"
 
@@ -207,11 +208,15 @@ async def test_a_client_that_leaves_after_the_last_event_got_the_whole_answer(
         assert more, got[-200:]
         got += more
     writer.close()  # gone before the end of the body
-    await asyncio.sleep(0.6)
-    async with aiohttp.ClientSession() as http:
-        page = await (await http.get(routed + "/metrics")).text()
-    outcomes = dict(
-        re.findall(r'^kvrouter_requests_total\{[^}]*outcome="(\w+)"[^}]*\} (\S+)$', page, re.M)
-    )
+
+    async def outcomes_counted() -> dict[str, str]:
+        async with aiohttp.ClientSession() as http:
+            page = await (await http.get(routed + "/metrics")).text()
+        return dict(
+            re.findall(r'^kvrouter_requests_total\{[^}]*outcome="(\w+)"[^}]*\} (\S+)$', page, re.M)
+        )
+
+    await eventually(outcomes_counted)  # the router has closed the request's books
+    outcomes = await outcomes_counted()
     assert outcomes.get("ok") == "1.0", outcomes
     assert "cancelled" not in outcomes, outcomes

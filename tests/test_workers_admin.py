@@ -19,9 +19,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.store.local_redis import free_port
 from tests.backends import Backend
+from tests.ports import free_port
 from tests.procs import KVROUTER, Fleet, Proc, _toml
+from tests.waiting import eventually
 
 TOKEN = "workers-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -221,7 +222,7 @@ async def test_drain_that_misses_a_worker_is_an_error_naming_it(fleet: Fleet) ->
 async def test_replicas_of_all_workers_in_one_answer(fleet: Fleet) -> None:
     """``GET /admin/replicas?workers=all``: every worker's view in one row a replica, the
     load each worker sent summed (here: requests held open at the replica)."""
-    slow = await Backend("b0", ["m"], delay_s=3.0).start()
+    slow = await Backend("b0", ["m"], gate=asyncio.Event()).start()  # holds until set
     try:
         proc = await start_router(fleet, [slow], workers=2, engine="fast")
         status, out = await call(proc, "POST", "/admin/replicas/b0/drain")
@@ -236,20 +237,22 @@ async def test_replicas_of_all_workers_in_one_answer(fleet: Fleet) -> None:
             )
             for i in range(16)
         ]
-        deadline = asyncio.get_running_loop().time() + 2.5
-        while True:  # until the replica holds all 16 (both workers sent some)
+
+        async def all_held() -> bool:  # the replica holds all 16 (both workers sent some)
             status, out = await call(proc, "GET", "/admin/replicas?workers=all")
             assert status == 200, out
-            row = out["replicas"][0]
-            if row["in_flight"] == 16 or asyncio.get_running_loop().time() > deadline:
-                break
-            await asyncio.sleep(0.05)
+            return bool(out["replicas"][0]["in_flight"] == 16)
+
+        await eventually(all_held)
+        status, out = await call(proc, "GET", "/admin/replicas?workers=all")
+        row = out["replicas"][0]
         assert out["workers"] == 2 and out["workers_answered"] == 2 and out["workers_failed"] == []
         assert row["replica"] == "b0" and row["in_flight"] == 16, row
         assert row["workers_known"] == 2 and row["healthy"] and not row["draining"]
         per_worker = await worker_pids(proc, 2)  # each worker's own share
         shares = [a["replicas"][0]["in_flight"] for a in per_worker.values()]
         assert sum(shares) <= 16 and all(s > 0 for s in shares), shares
+        slow.gate.set()  # type: ignore[union-attr]
         assert [s for s, _ in await asyncio.gather(*held)] == [200] * 16
         status, out = await call(proc, "GET", "/admin/replicas?workers=some")
         assert status == 400 and out["error"]["param"] == "workers"
@@ -261,7 +264,7 @@ async def test_replicas_of_all_workers_in_one_answer(fleet: Fleet) -> None:
 async def test_workers_count_each_others_requests_in_flight(fleet: Fleet, share: float) -> None:
     """With ``load_share_interval_s`` each worker routes on the others' requests too: its
     ``peers_in_flight`` is what the others hold at the replica (load_share.py); with 0, none."""
-    slow = await Backend("b0", ["m"], delay_s=4.0).start()
+    slow = await Backend("b0", ["m"], gate=asyncio.Event()).start()  # holds until set
     try:
         proc = await start_router(
             fleet, [slow], workers=2, engine="fast", server={"load_share_interval_s": share}
@@ -272,22 +275,21 @@ async def test_workers_count_each_others_requests_in_flight(fleet: Fleet, share:
             )
             for i in range(16)
         ]
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 3.0
-        while True:  # every request at the replica, then a few exchange rounds
+
+        async def all_held() -> bool:
             status, out = await call(proc, "GET", "/admin/replicas?workers=all")
             assert status == 200, out
-            if out["replicas"][0]["in_flight"] == 16 or loop.time() > deadline:
-                break
-            await asyncio.sleep(0.05)
-        assert out["replicas"][0]["in_flight"] == 16, out
-        await asyncio.sleep(0.3)
+            return bool(out["replicas"][0]["in_flight"] == 16)
+
+        await eventually(all_held)  # every request at the replica...
+        await asyncio.sleep(0.3)  # ...then a few exchange rounds (or, with 0, none)
         per_worker = await worker_pids(proc, 2)
         rows = [a["replicas"][0] for a in per_worker.values()]
         own = [r["in_flight"] for r in rows]
         assert sum(own) == 16 and all(n > 0 for n in own), own  # both workers sent some
         peers = [r["peers_in_flight"] for r in rows]
         assert peers == ([own[1], own[0]] if share else [0, 0]), (own, peers)
+        slow.gate.set()  # type: ignore[union-attr]
         assert [s for s, _ in await asyncio.gather(*held)] == [200] * 16
     finally:
         await slow.stop()

@@ -19,8 +19,8 @@ import grpc
 import pytest
 
 from router.rpc.gen import admin_pb2, admin_pb2_grpc
-from router.store.local_redis import free_port
 from tests.backends import Backend
+from tests.ports import free_port
 from tests.procs import Fleet, Proc
 from tests.test_workers_admin import TOKEN, call, start_router, traffic, worker_pids
 

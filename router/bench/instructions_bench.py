@@ -6,8 +6,9 @@ warms it up, counts only while ``--requests`` requests go through it (a closed l
 ``--connections`` keep-alive clients, the proxy benchmark's body and backends), and prints
 instructions per request (user space only: the kernel's share of the socket calls is not
 counted, and is about the same for every router). Same run: kvrouter, and vllm-router when it
-is installed (``python3 -m venv /tmp/scratch && /tmp/scratch/bin/pip install vllm-router``); with
-``--limits`` kvrouter a second time with API keys and limits on (``kvrouter_limits``).
+is installed (``--vllm-router PATH`` or on PATH; ``pip install vllm-router`` in a venv of its
+own); with ``--limits`` kvrouter a second time with API keys and limits on
+(``kvrouter_limits``).
 
 Valgrind runs programs ~50x slower; the figures are counts, not times. Needs ``valgrind``
 (Debian: ``apt-get install valgrind``).
@@ -29,6 +30,7 @@ from typing import Any
 from router.bench.measure import emit
 from router.bench.proxy_bench import (
     API_KEY,
+    VLLM_ROUTER_MISSING,
     _free_port,
     _stop,
     _vllm_router_bin,
@@ -162,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             if args.without_peer:
                 result["vllm_router"] = {"skipped": "--without-peer"}
             elif binary is None:
-                result["vllm_router"] = {"error": "vllm-router not found"}
+                result["vllm_router"] = {"error": VLLM_ROUTER_MISSING}
             else:
                 vr_port = _free_port()
                 result["vllm_router"] = _count(

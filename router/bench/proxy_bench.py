@@ -7,8 +7,8 @@ a ~2 KB chat body, ``wrk`` as the load generator (64 connections, 2 threads). Ta
 * ``direct``: wrk against one backend port;
 * ``kvrouter``: ``kvrouter serve`` (policy ``ours``, exact tokenization with the bundled
   Kimi-style tokenizer, speculative entries on) in front of the 4 backends;
-* ``vllm_router``: the Rust ``vllm-router`` from PyPI (round robin), found on PATH or in
-  ``/tmp/scratch/bin`` (install it in a scratch venv, not as a project dependency).
+* ``vllm_router``: the Rust ``vllm-router`` from PyPI (round robin): ``--vllm-router PATH``,
+  else found on PATH (install it in a venv of its own, not as a project dependency).
 
 Prints one JSON object with ``direct``, ``kvrouter``, ``vllm_router`` (each ``rps_nonstream``,
 ``rps_stream``, ``p50_ms``, ``p99_ms`` of the non-streaming run, ``p50_ms_stream``,
@@ -413,14 +413,20 @@ def _memo_hit_ratio(port: int) -> float | None:
     return round(counts["hit"] / total, 4) if total else None
 
 
+VLLM_ROUTER_MISSING = (
+    "vllm-router not found: pass --vllm-router PATH or put it on PATH "
+    "(pip install vllm-router into a venv of its own)"
+)
+
+
 def _vllm_router_bin(explicit: str | None) -> str | None:
+    """``--vllm-router PATH`` (an error if it is not an executable file), else ``vllm-router``
+    on PATH, else None."""
     if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise ValueError(f"--vllm-router {explicit}: not an executable file")
         return explicit
-    found = shutil.which("vllm-router")
-    if found:
-        return found
-    scratch = Path("/tmp/scratch/bin/vllm-router")
-    return str(scratch) if scratch.exists() else None
+    return shutil.which("vllm-router")
 
 
 def _stop(proc: subprocess.Popen[bytes] | None) -> None:
@@ -503,9 +509,7 @@ def run(args: argparse.Namespace) -> int:
 
         binary = _vllm_router_bin(args.vllm_router)
         if binary is None:
-            result["vllm_router"] = {
-                "error": "vllm-router not found (pip install vllm-router into a scratch venv)"
-            }
+            result["vllm_router"] = {"error": VLLM_ROUTER_MISSING}
         else:
             vr_port = _free_port()
             vr = subprocess.Popen(

@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 
 from router.bench.measure import emit, rss_mb
+from router.bench.redis_server import LocalRedis, LocalRedisCluster
 from router.core.index import PrefixIndex
 from router.core.types import BlocksRemoved, BlocksStored, IndexEvent, ReplicaKey
 from router.events.encode import encode_batch
 from router.events.ingest import EngineIngest
 from router.events.model import EngineBatch, EngineBlockRemoved, EngineBlockStored
 from router.store.base import ReplicaInfo, ReplicaState
-from router.store.local_redis import LocalRedis, LocalRedisCluster
 from router.store.packed import PackedTable
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import aiohttp
 
-from router.store.local_redis import free_port
+from router.bench.redis_server import free_port
 
 MODEL = "demo-model"
 

@@ -66,6 +66,7 @@ class MockSettings:
     max_tokens_limit: int = 65536
     max_model_len: int = 1_048_576  # /tokenize's max_model_len; longer prompts are refused
     max_body_mb: float = 1024.0  # vLLM has no body cap; aiohttp's default is 1 MiB
+    time_scale: float = 1.0  # wall seconds per modelled second (router.mock.driver)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -353,6 +354,9 @@ def create_app(settings: MockSettings) -> web.Application:
     from sim.engine import EngineModel
     from sim.profiles import load_profile
 
+    if not settings.time_scale > 0:
+        raise ValueError(f"--time-scale must be > 0, got {settings.time_scale}")
+
     profile = load_profile(settings.profile)
     tokenizer = _tokenizer(settings)
     encoder = EngineEventEncoder(settings.block_size, settings.engine_block_size)
@@ -376,7 +380,9 @@ def create_app(settings: MockSettings) -> web.Application:
                 encoding=settings.encoding,  # type: ignore[arg-type]
             )
             publisher.start()
-        driver = EngineDriver(model, outbox.put_nowait if publisher else None)
+        driver = EngineDriver(
+            model, outbox.put_nowait if publisher else None, time_scale=settings.time_scale
+        )
         state = MockState(settings, driver, encoder, tokenizer, publisher)
         app[STATE] = state
 

@@ -1,4 +1,6 @@
-"""A private ``redis-server`` process on a free loopback port, for tests, benches and demos.
+"""A private ``redis-server`` process on a free loopback port: what ``kvrouter bench store``
+measures against when no ``--redis`` is given (``--cluster N``: a private Redis Cluster), and
+what the test suite starts (tests/conftest.py).
 
 Never touches a shared instance: it binds 127.0.0.1 on a port nobody listens on, persists
 nothing (``--save '' --appendonly no``) and keeps its working files in a directory the
