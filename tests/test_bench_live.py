@@ -67,3 +67,20 @@ async def test_demo_replays_through_a_running_router(external: str) -> None:
     row = next(line.split() for line in stdout.decode().splitlines() if line.startswith("ext"))
     assert row[0] == "external" and int(row[1]) > 6
     assert float(row[2].rstrip("%")) > 0  # the mock's own cache answered the follow-ups
+
+
+def test_fleet_router_is_calibrated_to_the_mocks_engine_profile() -> None:
+    """A router whose timing model is not the engines' misjudges queueing: the demo and bench
+    fleets hand a timing policy the mocks' profile cost; policies without one get none."""
+    import tomllib
+
+    from router.demo.fleet import PROFILE, FleetSpec, _router_toml
+    from sim.profiles import load_profile
+
+    replicas = [{"url": "http://127.0.0.1:1", "model": MODEL, "name": "r0"}]
+    doc = tomllib.loads(_router_toml(FleetSpec(replicas=1, policy="ours"), 1, replicas))
+    cost = doc["models"][MODEL]["policy_params"]["cost"]
+    assert cost["step_overhead_s"] == load_profile(PROFILE).cost.step_overhead_s
+    assert cost["chunk_tokens"] == load_profile(PROFILE).cost.chunk_tokens
+    plain = tomllib.loads(_router_toml(FleetSpec(replicas=1, policy="round_robin"), 1, replicas))
+    assert "policy_params" not in plain["models"][MODEL]

@@ -7,6 +7,7 @@ does, for vllm-router); ``replicas`` lists what each mock serves on."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import aiohttp
 from router.bench.redis_server import free_port
 
 MODEL = "demo-model"
+PROFILE = "kimi-k3"  # the mission's model: hybrid KDA + MLA
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,7 +31,7 @@ class FleetSpec:
     policy: str | None
     block_size: int = 64
     kv_blocks: int = 16384
-    profile: str = "kimi-k3"
+    profile: str = PROFILE
     redis_url: str | None = None
     key_prefix: str = "kvr-demo"
     record_path: str | None = None
@@ -177,6 +179,21 @@ class Fleet:
         await self.stop()
 
 
+def _cost_table(policy: str | None, profile: str) -> list[str]:
+    """The engine profile's timing model as the router's ``policy_params.cost`` for a policy
+    that predicts timing: an operator calibrates the router to its engines; a router that
+    underestimates their step time under-prices queueing."""
+    from router.core.policies import POLICIES
+    from sim.profiles import load_profile
+
+    cls = POLICIES.get(policy or "")
+    if cls is None or "cost" not in {f.name for f in dataclasses.fields(cls)}:
+        return []
+    cost = load_profile(profile).cost
+    values = [f"{f.name} = {getattr(cost, f.name)!r}" for f in dataclasses.fields(cost)]
+    return ["", f'[models."{MODEL}".policy_params.cost]', *values]
+
+
 def _router_toml(s: FleetSpec, port: int, replicas: list[dict[str, str]]) -> str:
     lines = [
         "[server]",
@@ -190,6 +207,7 @@ def _router_toml(s: FleetSpec, port: int, replicas: list[dict[str, str]]) -> str
     if s.record_path:
         lines += [f"record_path = {json.dumps(s.record_path)}"]
     lines += ["", f'[models."{MODEL}"]', f'policy = "{s.policy}"', f"block_size = {s.block_size}"]
+    lines += _cost_table(s.policy, s.profile)
     for rep in replicas:
         lines += ["", "[[replicas]]"] + [f'{k} = "{v}"' for k, v in rep.items()]
     return "\n".join(lines) + "\n"

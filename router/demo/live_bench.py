@@ -102,6 +102,7 @@ def _trace_file(workload: Workload, directory: Path) -> Path:
 
 
 def _simulate(workload: Workload, trace: Path, slo: SloTargets) -> dict[str, Any]:
+    from router.demo.fleet import PROFILE
     from sim.cluster import ClusterConfig
     from sim.profiles import load_profile
     from sim.runner import RunSpec, run_one
@@ -113,7 +114,7 @@ def _simulate(workload: Workload, trace: Path, slo: SloTargets) -> dict[str, Any
         for r in loaded.requests
     ]
     config = ClusterConfig(
-        profile=load_profile("dense-70b"),
+        profile=load_profile(PROFILE),
         replicas=workload.replicas,
         block_size=64,
         kv_blocks=workload.kv_blocks,
