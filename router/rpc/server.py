@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import pathlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -33,7 +34,14 @@ from router.service.keys import GRPC_PORT, GRPC_SERVER, SETTINGS, STATE, WORKERS
 from router.service.state import RouterState
 from router.service.workers import Workers
 
-__all__ = ["GRPC_PORT", "GRPC_SERVER", "build_server", "grpc_cleanup_ctx", "serve_grpc"]
+__all__ = [
+    "GRPC_PORT",
+    "GRPC_SERVER",
+    "BuiltServer",
+    "build_server",
+    "grpc_cleanup_ctx",
+    "serve_grpc",
+]
 ADMIN_SERVICE = "/kvrouter.v1.Admin/"
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
 REFLECTION_SERVICE = "/grpc.reflection."
@@ -149,14 +157,25 @@ def _parse_in_handler(handler: Any) -> Any:
     return handler
 
 
+@dataclass(frozen=True, slots=True)
+class BuiltServer:
+    """A created, not yet started, server: its bound port, its health service and the
+    names of the services it serves (the health service reports each)."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+
+
 def build_server(
     state: RouterState,
     settings: GrpcSettings,
     clock: Callable[[], float],
     workers: Workers | None = None,
-) -> tuple[grpc.aio.Server, int]:
-    """Create (not start) the server; returns it with the bound port. ``workers``: the
-    worker processes Admin Drain / Undrain reach (``kvrouter serve --workers N``)."""
+) -> BuiltServer:
+    """Create (not start) the server. ``workers``: the worker processes Admin Drain /
+    Undrain reach (``kvrouter serve --workers N``)."""
     limit = int(settings.max_message_mb * 2**20)
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(settings.token, settings.admin_token)],
@@ -192,9 +211,7 @@ def build_server(
         port = server.add_secure_port(address, creds)
     else:
         port = server.add_insecure_port(address)
-    server.health_servicer = health_servicer  # type: ignore[attr-defined]
-    server.service_names = names  # type: ignore[attr-defined]
-    return server, port
+    return BuiltServer(server, port, health_servicer, tuple(names))
 
 
 async def serve_grpc(
@@ -202,17 +219,18 @@ async def serve_grpc(
     settings: GrpcSettings,
     clock: Callable[[], float],
     workers: Workers | None = None,
-) -> AsyncIterator[tuple[grpc.aio.Server, int]]:
-    """Async generator for aiohttp ``cleanup_ctx``-style lifetimes: start, yield, stop."""
-    server, port = build_server(state, settings, clock, workers)
-    await server.start()
-    for name in ["", *server.service_names]:  # type: ignore[attr-defined]
-        await server.health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)  # type: ignore[attr-defined]
+) -> AsyncGenerator[tuple[grpc.aio.Server, int], None]:
+    """Async generator for aiohttp ``cleanup_ctx``-style lifetimes: start, yield the server
+    and its port, stop."""
+    built = build_server(state, settings, clock, workers)
+    await built.server.start()
+    for name in ["", *built.service_names]:
+        await built.health.set(name, health_pb2.HealthCheckResponse.SERVING)
     try:
-        yield server, port
+        yield built.server, built.port
     finally:
-        await server.health_servicer.enter_graceful_shutdown()  # type: ignore[attr-defined]
-        await server.stop(grace=5.0)
+        await built.health.enter_graceful_shutdown()
+        await built.server.stop(grace=5.0)
 
 
 def loop_clock() -> float:
