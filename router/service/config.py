@@ -24,7 +24,8 @@ Environment: ``KVROUTER_CONFIG`` (file path), ``KVROUTER_SERVER__<KEY>`` and
 ``KVROUTER_MODELS__<NAME>__<KEY>`` for any scalar (e.g. ``KVROUTER_SERVER__PORT=9000``,
 ``KVROUTER_MODELS__KIMI__POLICY=ours``), values converted by the setting's declared type,
 ``KVROUTER_REPLICAS`` (``model=url,model=url``) and ``KVROUTER_ADMIN_TOKEN``; other
-``KVROUTER_*`` variables belong to other components and are ignored (``env_overrides``).
+``KVROUTER_*`` variables belong to other components and are ignored (``env_overrides``): the
+publisher's ``KVROUTER_PUBLISHER__<FLAG>`` follow the same convention (router/publisher/env.py).
 Replica URLs are plain ``http://host:port`` (router/service/replica_url.py). A model with a
 tokenizer directory and no ``context_length`` takes its ``model_max_length``
 (``tokenizer_max_length``). Errors raise ConfigError naming the key (or variable).
@@ -266,7 +267,7 @@ def _env_path(var: str) -> list[str] | None:
 
     ``KVROUTER_<SECTION>__<KEY>[__<KEY>]`` with SECTION one of the file's top-level tables,
     plus the alias ``KVROUTER_ADMIN_TOKEN``; other ``KVROUTER_*`` names (``KVROUTER_DEBUG``,
-    ``KVROUTER_REDIS_URL``, ``KVROUTER_SIGNING_KEY``, ...) belong to other components. A name
+    ``KVROUTER_PUBLISHER__<FLAG>``, ...) belong to other components. A name
     that is a known server key behind a single underscore (``KVROUTER_SERVER_PORT``) is a
     ConfigError rather than silently ignored."""
     if not var.startswith(_ENV_PREFIX) or var == "KVROUTER_CONFIG":
