@@ -18,13 +18,20 @@ import os
 import re
 import signal
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from router.events.endpoints import EndpointSpec
+    from router.publisher.publisher import Publisher
 
 # the routers' master secret, under the router's name for it (server.redis_signing_master)
 SIGNING_MASTER = "KVROUTER_SERVER__REDIS_SIGNING_MASTER"
 _OLD_SIGNING_MASTER = "KVROUTER_SIGNING_MASTER"  # its name before the convention was unified
 
 
-def _endpoints(args: argparse.Namespace) -> tuple[object, ...]:
+def _endpoints(args: argparse.Namespace) -> tuple[EndpointSpec, ...]:
     from router.events.endpoints import engine_endpoints
 
     try:
@@ -33,14 +40,14 @@ def _endpoints(args: argparse.Namespace) -> tuple[object, ...]:
         raise SystemExit(f"kvrouter publish: {exc}") from None
 
 
-async def _serve_metrics(publisher: object, port: int) -> object:
+async def _serve_metrics(publisher: Publisher, port: int) -> web.AppRunner:
     from aiohttp import web
     from prometheus_client import CollectorRegistry, generate_latest
 
     from router.publisher.publisher import PublisherCollector
 
     registry = CollectorRegistry()
-    registry.register(PublisherCollector(publisher))  # type: ignore[arg-type]
+    registry.register(PublisherCollector(publisher))
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), content_type="text/plain")
@@ -72,7 +79,7 @@ async def _main(args: argparse.Namespace) -> int:
     )
     settings = PublisherSettings(
         info=info,
-        endpoints=_endpoints(args),  # type: ignore[arg-type]
+        endpoints=_endpoints(args),
         engine_metrics_url=args.engine_metrics,
         lease_ttl_s=args.lease_ttl,
         heartbeat_s=args.heartbeat,
@@ -101,7 +108,7 @@ async def _main(args: argparse.Namespace) -> int:
     await stop.wait()
     await publisher.stop()
     if runner is not None:
-        await runner.cleanup()  # type: ignore[attr-defined]
+        await runner.cleanup()
     await store.close()
     return 0
 
@@ -146,7 +153,7 @@ def _derive(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d = sub.add_parser(
         "signing-key",
         help="derive a replica's change-signing key from the routers' master secret",

@@ -40,7 +40,7 @@ import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from router.core.errors import ConfigError
@@ -51,7 +51,11 @@ from router.events.endpoints import engine_endpoints
 from router.service.replica_url import ReplicaUrl
 from router.tokenize.multimodal import ImageSettings
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 MiB = 2**20
+_Table = TypeVar("_Table", bound="DataclassInstance")
 
 
 @dataclass(slots=True, frozen=True)
@@ -415,7 +419,9 @@ def merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _typed(cls: type, table: Mapping[str, Any], where: str, skip: Sequence[str] = ()) -> Any:
+def _typed(
+    cls: type[_Table], table: Mapping[str, Any], where: str, skip: Sequence[str] = ()
+) -> _Table:
     """Build dataclass ``cls`` from ``table`` checking names and scalar types."""
     known = {f.name: f for f in fields(cls)}
     kwargs: dict[str, Any] = {}
@@ -473,7 +479,7 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
         m = urlsplit(rep.metrics_url)
         if m.scheme not in ("http", "https") or not m.netloc:
             raise ConfigError(f"{where}.metrics_url: {rep.metrics_url!r} is not an http(s) URL")
-    return rep  # type: ignore[no-any-return]
+    return rep
 
 
 _ROUTING_KEYS = (

@@ -78,6 +78,10 @@ class Tokenizer(Protocol):
         """Token ids of ``text`` on the calling thread, special tokens recognised, no BOS."""
         ...
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens written out."""
+        ...
+
 
 @dataclass(slots=True, frozen=True)
 class SpecialSplitter:
