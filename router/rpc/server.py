@@ -13,10 +13,11 @@ import hmac
 import pathlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypeAlias
 
 import grpc
 from aiohttp import web
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -60,7 +61,22 @@ def _same(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+# grpc ships no types (grpc.aio.ServicerContext and the rest are Any to mypy); what this module
+# reads of a method handler (grpc.RpcMethodHandler), with the aio server's async behaviours:
+Context: TypeAlias = grpc.aio.ServicerContext
+Requests: TypeAlias = AsyncIterator[Message]
+
+
+class MethodHandler(Protocol):
+    request_streaming: bool
+    response_streaming: bool
+    request_deserializer: Callable[[bytes], Message] | None
+    response_serializer: Callable[[Message], bytes] | None
+    unary_unary: Callable[[Message, Context], Awaitable[Message]] | None
+    stream_stream: Callable[[Requests, Context], AsyncIterator[Message]] | None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc: untyped
     """Bearer-token checks before any handler runs. Health and reflection stay open so
     load balancers and grpcurl can see the server."""
 
@@ -81,9 +97,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[MethodHandler | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> MethodHandler | None:
         why = self._denied(details.method, _bearer(details.invocation_metadata))
         if why is None:
             handler = await continuation(details)
@@ -94,30 +110,35 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return None
 
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def deny(request: Message, context: Context) -> Message:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+            raise AssertionError("context.abort returned")
 
-        async def deny_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def deny_stream(requests: Requests, context: Context) -> AsyncIterator[Message]:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
-            yield  # pragma: no cover
+            raise AssertionError("context.abort returned")
+            yield  # pragma: no cover  (an async generator, as streaming handlers are)
 
+        denied: MethodHandler
         if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
+            denied = grpc.stream_stream_rpc_method_handler(
                 deny_stream,
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
-        return grpc.unary_unary_rpc_method_handler(
-            deny,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        else:
+            denied = grpc.unary_unary_rpc_method_handler(
+                deny,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return denied
 
 
 KVROUTER_SERVICES = "/kvrouter."
 
 
-def _parse_in_handler(handler: Any) -> Any:
+def _parse_in_handler(handler: MethodHandler | None) -> MethodHandler | None:
     """Move request parsing into the handler, so a message that is not valid protobuf is
     answered INVALID_ARGUMENT with the parser's reason (grpc-python's own deserialization
     failure is an UNKNOWN status and an error-level traceback in the log)."""
@@ -125,35 +146,39 @@ def _parse_in_handler(handler: Any) -> Any:
         return handler
     parse = handler.request_deserializer
 
-    async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+    async def parsed(raw: bytes, context: Context) -> Message:
         try:
             return parse(raw)
         except Exception as exc:  # DecodeError, or anything the parser raises
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {exc}"
             )
+            raise AssertionError("context.abort returned") from None
 
-    if not handler.request_streaming and not handler.response_streaming:
+    call, streams = handler.unary_unary, handler.stream_stream
+    if not handler.request_streaming and not handler.response_streaming and call is not None:
 
-        async def unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            return await handler.unary_unary(await parsed(raw, context), context)
+        async def unary(raw: bytes, context: Context) -> Message:
+            return await call(await parsed(raw, context), context)
 
-        return grpc.unary_unary_rpc_method_handler(
+        new: MethodHandler = grpc.unary_unary_rpc_method_handler(
             unary, response_serializer=handler.response_serializer
         )
-    if handler.request_streaming and handler.response_streaming:
+        return new
+    if handler.request_streaming and handler.response_streaming and streams is not None:
 
-        async def stream(raw_iter: Any, context: grpc.aio.ServicerContext) -> Any:
-            async def requests() -> Any:
+        async def stream(raw_iter: AsyncIterator[bytes], context: Context) -> Requests:
+            async def requests() -> Requests:
                 async for raw in raw_iter:
                     yield await parsed(raw, context)
 
-            async for reply in handler.stream_stream(requests(), context):
+            async for reply in streams(requests(), context):
                 yield reply
 
-        return grpc.stream_stream_rpc_method_handler(
+        new = grpc.stream_stream_rpc_method_handler(
             stream, response_serializer=handler.response_serializer
         )
+        return new
     return handler
 
 
