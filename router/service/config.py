@@ -423,17 +423,26 @@ def _typed(
     cls: type[_Table], table: Mapping[str, Any], where: str, skip: Sequence[str] = ()
 ) -> _Table:
     """Build dataclass ``cls`` from ``table`` checking names and scalar types."""
-    known = {f.name: f for f in fields(cls)}
+    return cls(**_checked(cls, table, where, skip))
+
+
+def _checked(
+    cls: type, table: Mapping[str, Any], where: str, skip: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``table`` as keyword arguments of dataclass ``cls``: names known, scalars of their
+    declared types (floats from integers too; None where the type allows it)."""
+    known = {f.name for f in fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in table.items():
         if key in skip:
             continue
-        f = known.get(key)
-        if f is None:
+        if key not in known:
             raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
-        kind = str(f.type)
+        kind = _kind(cls, key)
         ok = True
-        if kind.startswith("int"):
+        if value is None:
+            ok = "None" in kind
+        elif kind.startswith("int"):
             ok = isinstance(value, int) and not isinstance(value, bool)
         elif kind.startswith("float"):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -441,11 +450,11 @@ def _typed(
         elif kind.startswith("bool"):
             ok = isinstance(value, bool)
         elif kind.startswith("str"):
-            ok = isinstance(value, str) or (value is None and "None" in kind)
+            ok = isinstance(value, str)
         if not ok:
             raise ConfigError(f"{where}.{key}: expected {kind}, got {value!r}")
         kwargs[key] = value
-    return cls(**kwargs)
+    return kwargs
 
 
 def _replica(i: int, table: Any) -> ReplicaSettings:
@@ -499,9 +508,11 @@ def _model(name: str, table: Any) -> ModelSettings:
     busy_tab = table.get("busy") or {}
     if not isinstance(busy_tab, Mapping):
         raise ConfigError(f"{where}.busy: must be a table")
+    # router/core's dataclasses, type-checked here as the service's are (a compiled core
+    # would refuse a wrong type with a TypeError, the pure one would carry it to routing)
+    busy = BusyThresholds(**_checked(BusyThresholds, busy_tab, f"{where}.busy"))
     try:
-        busy = BusyThresholds(**busy_tab)
-        routing = RoutingSettings(busy=busy, **routing_kw)
+        routing = RoutingSettings(busy=busy, **_checked(RoutingSettings, routing_kw, where))
     except TypeError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     for key, kind in (("block_size", int), ("state_interval_blocks", int)):
