@@ -378,7 +378,7 @@ def _guard(handler: Any) -> Any:
     return run
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sim = sub.add_parser("sim", help="discrete-event simulator: replay traces, tune policies")
     cmds = sim.add_subparsers(dest="sim_command", metavar="SIMCOMMAND", required=True)
 

@@ -18,6 +18,9 @@ REPLICA = {"KVROUTER_REPLICAS": "m=http://127.0.0.1:9"}
 # Read by other components (router/cli.py, router/publisher/cli.py), not by the settings tree.
 FOREIGN = {
     "KVROUTER_DEBUG": "1",
+    "KVROUTER_PUBLISHER__REDIS": "redis://127.0.0.1:6379/0",
+    "KVROUTER_PUBLISHER__SIGNING_KEY": "00" * 32,
+    # the publisher's names before the convention was unified (still read by it)
     "KVROUTER_REDIS_URL": "redis://127.0.0.1:6379/0",
     "KVROUTER_SIGNING_KEY": "00" * 32,
     "KVROUTER_SIGNING_MASTER": "11" * 32,

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("admit", help="per-request CPU before I/O: parse, prompt, route, metrics")
     p.add_argument("--requests", type=int, default=4000, help="requests per round")
     p.add_argument("--rounds", type=int, default=10)

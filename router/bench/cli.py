@@ -21,7 +21,7 @@ _BENCHES: tuple[str, ...] = (
 )
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
     benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name in _BENCHES:

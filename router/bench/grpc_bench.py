@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if latencies and not errors else 1
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("grpc", help="Router.Pick requests/s and latency over gRPC")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--tokens", type=int, default=8192, help="prompt tokens (as token ids)")

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("hash", help="time chained block hashing of one long prompt")
     p.add_argument("--tokens", type=int, default=1_000_000)
     p.add_argument("--block-size", type=int, default=64)

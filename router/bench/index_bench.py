@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("index", help="prefix index ingest, lookup latency and memory")
     p.add_argument("--replicas", type=int, default=64)
     p.add_argument("--blocks", type=int, default=10_000, help="anchor: blocks per replica")

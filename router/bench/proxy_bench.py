@@ -545,7 +545,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("proxy", help="proxy throughput/latency: direct, kvrouter, vllm-router")
     p.add_argument("--backends", type=int, default=4)
     p.add_argument("--connections", type=int, default=64)

@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         procs.stop()
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("reliability", help="many concurrent streams through one router")
     p.add_argument("--replicas", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=1000)

@@ -124,7 +124,7 @@ def _sizes(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("route", help="routing cost per request vs fleet size (both code paths)")
     p.add_argument("--replicas", type=_sizes, default=[4, 16, 32, 64, 256, 900])
     p.add_argument("--requests", type=int, default=300, help="requests per round")

@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("store", help="Redis index: publisher throughput, bootstrap, memory")
     p.add_argument("--what", choices=["publish", "pipeline", "bootstrap", "all"], default="all")
     p.add_argument("--redis", default="", help="Redis URL (default: a private redis-server)")

@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("tokenize", help="prompt processing of a long agentic turn")
     p.add_argument("--tokens", type=int, default=1_000_000)
     p.add_argument("--reuse", type=float, default=0.99, help="share covered by the last turn")

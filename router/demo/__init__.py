@@ -207,7 +207,7 @@ def _run(args: argparse.Namespace, trace: Path) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="live demo: mock replicas + router + trace replay")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--requests", type=int, default=400, help="at most N requests of the trace")

@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "live", help="kvrouter vs vllm-router end to end on mock fleets (goodput, TTFT, TPOT)"
     )

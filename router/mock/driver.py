@@ -14,16 +14,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from router.core.load import EngineReport
 from router.core.types import IndexEvent
+
+if TYPE_CHECKING:
+    from sim.engine import EngineModel, EngineOutput, EngineRequest
 
 
 class EngineDriver:
     def __init__(
         self,
-        model: Any,
+        model: EngineModel,
         on_index_events: Callable[[list[IndexEvent]], None] | None = None,
         *,
         time_scale: float = 1.0,
@@ -33,7 +36,7 @@ class EngineDriver:
         self.model = model
         self.time_scale = time_scale
         self.on_index_events = on_index_events or (lambda events: None)
-        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.loop = asyncio.get_running_loop()
@@ -53,10 +56,10 @@ class EngineDriver:
                 await self._task
             self._task = None
 
-    def submit(self, request: Any) -> asyncio.Queue[Any]:
+    def submit(self, request: EngineRequest) -> asyncio.Queue[EngineOutput]:
         """Queue ``request`` (a ``sim.engine.EngineRequest``) now; raises ValueError as the
         model does (duplicate id, bad sizes)."""
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self.model.submit(request, self.now())
         self._queues[request.request_id] = queue
         self._wake.set()

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from router.core.errors import BadRequest
+
+if TYPE_CHECKING:
+    from router.tokenize.incremental import IncrementalTokenizer
+    from router.tokenize.pipeline import PromptProcessor
 
 ROLE_IDS = {"system": 256, "user": 257, "assistant": 258, "tool": 259, "developer": 260}
 
@@ -113,24 +117,24 @@ class ByteTokenizer:
 class RouterTokenizer:
     """Adapter over ``router.tokenize.pipeline.PromptProcessor`` (exact mode)."""
 
-    def __init__(self, processor: Any) -> None:
+    def __init__(self, processor: PromptProcessor) -> None:
         if processor.tokenizer is None:
             raise ValueError("RouterTokenizer needs a processor with a tokenizer")
         self.processor = processor
+        self._tokenizer: IncrementalTokenizer = processor.tokenizer
 
     def chat(self, body: Mapping[str, Any]) -> list[int]:
         text, _ = self.processor.render_chat(body)
-        return [int(t) for t in self.processor.tokenizer.encode_text(text)]
+        return [int(t) for t in self._tokenizer.encode_text(text)]
 
     def completion(self, body: Mapping[str, Any]) -> list[int]:
         ids = token_id_prompt(body.get("prompt"))
         if ids is not None:
             return ids
-        return [int(t) for t in self.processor.tokenizer.encode_text(_text_prompt(body))]
+        return [int(t) for t in self._tokenizer.encode_text(_text_prompt(body))]
 
     def decode(self, ids: Sequence[int]) -> str:
-        text: str = self.processor.tokenizer.tokenizer.decode(list(ids))
-        return text
+        return self._tokenizer.tokenizer.decode(list(ids))
 
     @classmethod
     def from_dir(

@@ -18,9 +18,20 @@ import os
 import re
 import signal
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from router.events.endpoints import EndpointSpec
+    from router.publisher.publisher import Publisher
+
+# the routers' master secret, under the router's name for it (server.redis_signing_master)
+SIGNING_MASTER = "KVROUTER_SERVER__REDIS_SIGNING_MASTER"
+_OLD_SIGNING_MASTER = "KVROUTER_SIGNING_MASTER"  # its name before the convention was unified
 
 
-def _endpoints(args: argparse.Namespace) -> tuple[object, ...]:
+def _endpoints(args: argparse.Namespace) -> tuple[EndpointSpec, ...]:
     from router.events.endpoints import engine_endpoints
 
     try:
@@ -29,14 +40,14 @@ def _endpoints(args: argparse.Namespace) -> tuple[object, ...]:
         raise SystemExit(f"kvrouter publish: {exc}") from None
 
 
-async def _serve_metrics(publisher: object, port: int) -> object:
+async def _serve_metrics(publisher: Publisher, port: int) -> web.AppRunner:
     from aiohttp import web
     from prometheus_client import CollectorRegistry, generate_latest
 
     from router.publisher.publisher import PublisherCollector
 
     registry = CollectorRegistry()
-    registry.register(PublisherCollector(publisher))  # type: ignore[arg-type]
+    registry.register(PublisherCollector(publisher))
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), content_type="text/plain")
@@ -68,13 +79,13 @@ async def _main(args: argparse.Namespace) -> int:
     )
     settings = PublisherSettings(
         info=info,
-        endpoints=_endpoints(args),  # type: ignore[arg-type]
+        endpoints=_endpoints(args),
         engine_metrics_url=args.engine_metrics,
         lease_ttl_s=args.lease_ttl,
         heartbeat_s=args.heartbeat,
         flush_interval_s=args.flush_interval,
     )
-    signing_hex = args.signing_key or os.environ.get("KVROUTER_SIGNING_KEY")
+    signing_hex = args.signing_key
     store = RedisStore.from_url(
         args.redis,
         KeySchema(args.key_prefix, args.stream_shards),
@@ -97,7 +108,7 @@ async def _main(args: argparse.Namespace) -> int:
     await stop.wait()
     await publisher.stop()
     if runner is not None:
-        await runner.cleanup()  # type: ignore[attr-defined]
+        await runner.cleanup()
     await store.close()
     return 0
 
@@ -106,10 +117,17 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    from router.core.errors import ConfigError
+    from router.publisher.env import check
+
+    try:
+        check(args, os.environ)
+    except ValueError as exc:
+        print(f"kvrouter publish: {exc}", file=sys.stderr)
+        return 2
     if not args.zmq:
         print("kvrouter publish: at least one --zmq endpoint is required", file=sys.stderr)
         return 2
-    from router.core.errors import ConfigError
 
     try:
         return asyncio.run(_main(args))
@@ -121,25 +139,37 @@ def run(args: argparse.Namespace) -> int:
 def _derive(args: argparse.Namespace) -> int:
     from router.store.codec import replica_signing_key
 
-    master = args.master or os.environ.get("KVROUTER_SIGNING_MASTER")
+    master = args.master or os.environ.get(SIGNING_MASTER)
+    if not master and os.environ.get(_OLD_SIGNING_MASTER):
+        logging.getLogger("kvrouter").warning(
+            "%s is read as %s (the router's own variable); rename it",
+            _OLD_SIGNING_MASTER,
+            SIGNING_MASTER,
+        )
+        master = os.environ[_OLD_SIGNING_MASTER]
     if not master:
-        raise ValueError("give --master HEX or set KVROUTER_SIGNING_MASTER")
+        raise ValueError(f"give --master HEX or set {SIGNING_MASTER}")
     print(replica_signing_key(bytes.fromhex(master), args.replica).hex())
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d = sub.add_parser(
         "signing-key",
         help="derive a replica's change-signing key from the routers' master secret",
     )
     d.add_argument("--replica", required=True)
-    d.add_argument("--master", help="hex master secret (or KVROUTER_SIGNING_MASTER)")
+    d.add_argument("--master", help=f"hex master secret (or {SIGNING_MASTER})")
     d.set_defaults(handler=_derive)
-    p = sub.add_parser("publish", help="publish one engine's KV events and load to Redis")
+    p = sub.add_parser(
+        "publish",
+        help="publish one engine's KV events and load to Redis",
+        epilog="Every flag can also be set as KVROUTER_PUBLISHER__<FLAG> (--engine-metrics: "
+        "KVROUTER_PUBLISHER__ENGINE_METRICS; lists comma-separated); flags win.",
+    )
     p.add_argument(
         "--signing-key",
-        help="hex key from `kvrouter signing-key` (or KVROUTER_SIGNING_KEY): sign change entries",
+        help="hex key from `kvrouter signing-key`: sign change entries",
     )
     p.add_argument("--replica", required=True, help="replica id (unique in the fleet)")
     p.add_argument("--model", required=True, help="served model name (hash namespace)")
@@ -168,8 +198,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--engine-metrics", default=None, help="engine /metrics URL to scrape load")
     p.add_argument(
         "--redis",
-        default=os.environ.get("KVROUTER_REDIS_URL", "redis://127.0.0.1:6379/0"),
-        help="redis://, rediss:// or redis+cluster:// URL (env KVROUTER_REDIS_URL)",
+        default="redis://127.0.0.1:6379/0",
+        help="redis://, rediss:// or redis+cluster:// URL",
     )
     p.add_argument("--key-prefix", default="kvr")
     p.add_argument("--stream-shards", type=int, default=8)
@@ -179,3 +209,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--metrics-port", type=int, default=0, help="serve own /metrics here")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(handler=run)
+    from router.publisher.env import apply
+
+    apply(p, os.environ)  # every flag as KVROUTER_PUBLISHER__<FLAG> (router/publisher/env.py)

@@ -35,9 +35,13 @@ def protos() -> list[pathlib.Path]:
 
 
 def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
-    """Run protoc into ``out_dir`` (flat: one module per .proto plus _grpc and .pyi)."""
+    """Run protoc into ``out_dir`` (flat: one module per .proto plus _grpc, and a .pyi of
+    each: the _grpc stubs come from mypy-protobuf's plugin, beside the interpreter)."""
     from grpc_tools import protoc  # imported here: a dev/test dependency only
 
+    plugin = pathlib.Path(sys.executable).parent / "protoc-gen-mypy_grpc"
+    if not plugin.exists():
+        raise RuntimeError(f"{plugin} is missing: pip install mypy-protobuf (the test extras)")
     with tempfile.TemporaryDirectory() as tmp:
         args = [
             "protoc",
@@ -45,6 +49,8 @@ def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
             f"--python_out={tmp}",
             f"--pyi_out={tmp}",
             f"--grpc_python_out={tmp}",
+            f"--plugin=protoc-gen-mypy_grpc={plugin}",
+            f"--mypy_grpc_out={tmp}",
             *[str(p.relative_to(PROTO_DIR)) for p in protos()],
         ]
         if protoc.main(args) != 0:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import pathlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
 
 import grpc
 from aiohttp import web
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -33,7 +35,14 @@ from router.service.keys import GRPC_PORT, GRPC_SERVER, SETTINGS, STATE, WORKERS
 from router.service.state import RouterState
 from router.service.workers import Workers
 
-__all__ = ["GRPC_PORT", "GRPC_SERVER", "build_server", "grpc_cleanup_ctx", "serve_grpc"]
+__all__ = [
+    "GRPC_PORT",
+    "GRPC_SERVER",
+    "BuiltServer",
+    "build_server",
+    "grpc_cleanup_ctx",
+    "serve_grpc",
+]
 ADMIN_SERVICE = "/kvrouter.v1.Admin/"
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
 REFLECTION_SERVICE = "/grpc.reflection."
@@ -52,7 +61,22 @@ def _same(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+# grpc ships no types (grpc.aio.ServicerContext and the rest are Any to mypy); what this module
+# reads of a method handler (grpc.RpcMethodHandler), with the aio server's async behaviours:
+Context: TypeAlias = grpc.aio.ServicerContext
+Requests: TypeAlias = AsyncIterator[Message]
+
+
+class MethodHandler(Protocol):
+    request_streaming: bool
+    response_streaming: bool
+    request_deserializer: Callable[[bytes], Message] | None
+    response_serializer: Callable[[Message], bytes] | None
+    unary_unary: Callable[[Message, Context], Awaitable[Message]] | None
+    stream_stream: Callable[[Requests, Context], AsyncIterator[Message]] | None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc: untyped
     """Bearer-token checks before any handler runs. Health and reflection stay open so
     load balancers and grpcurl can see the server."""
 
@@ -73,9 +97,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[MethodHandler | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> MethodHandler | None:
         why = self._denied(details.method, _bearer(details.invocation_metadata))
         if why is None:
             handler = await continuation(details)
@@ -86,30 +110,35 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return None
 
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def deny(request: Message, context: Context) -> Message:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+            raise AssertionError("context.abort returned")
 
-        async def deny_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def deny_stream(requests: Requests, context: Context) -> AsyncIterator[Message]:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
-            yield  # pragma: no cover
+            raise AssertionError("context.abort returned")
+            yield  # pragma: no cover  (an async generator, as streaming handlers are)
 
+        denied: MethodHandler
         if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
+            denied = grpc.stream_stream_rpc_method_handler(
                 deny_stream,
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
-        return grpc.unary_unary_rpc_method_handler(
-            deny,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        else:
+            denied = grpc.unary_unary_rpc_method_handler(
+                deny,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return denied
 
 
 KVROUTER_SERVICES = "/kvrouter."
 
 
-def _parse_in_handler(handler: Any) -> Any:
+def _parse_in_handler(handler: MethodHandler | None) -> MethodHandler | None:
     """Move request parsing into the handler, so a message that is not valid protobuf is
     answered INVALID_ARGUMENT with the parser's reason (grpc-python's own deserialization
     failure is an UNKNOWN status and an error-level traceback in the log)."""
@@ -117,36 +146,51 @@ def _parse_in_handler(handler: Any) -> Any:
         return handler
     parse = handler.request_deserializer
 
-    async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+    async def parsed(raw: bytes, context: Context) -> Message:
         try:
             return parse(raw)
         except Exception as exc:  # DecodeError, or anything the parser raises
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {exc}"
             )
+            raise AssertionError("context.abort returned") from None
 
-    if not handler.request_streaming and not handler.response_streaming:
+    call, streams = handler.unary_unary, handler.stream_stream
+    if not handler.request_streaming and not handler.response_streaming and call is not None:
 
-        async def unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            return await handler.unary_unary(await parsed(raw, context), context)
+        async def unary(raw: bytes, context: Context) -> Message:
+            return await call(await parsed(raw, context), context)
 
-        return grpc.unary_unary_rpc_method_handler(
+        new: MethodHandler = grpc.unary_unary_rpc_method_handler(
             unary, response_serializer=handler.response_serializer
         )
-    if handler.request_streaming and handler.response_streaming:
+        return new
+    if handler.request_streaming and handler.response_streaming and streams is not None:
 
-        async def stream(raw_iter: Any, context: grpc.aio.ServicerContext) -> Any:
-            async def requests() -> Any:
+        async def stream(raw_iter: AsyncIterator[bytes], context: Context) -> Requests:
+            async def requests() -> Requests:
                 async for raw in raw_iter:
                     yield await parsed(raw, context)
 
-            async for reply in handler.stream_stream(requests(), context):
+            async for reply in streams(requests(), context):
                 yield reply
 
-        return grpc.stream_stream_rpc_method_handler(
+        new = grpc.stream_stream_rpc_method_handler(
             stream, response_serializer=handler.response_serializer
         )
+        return new
     return handler
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltServer:
+    """A created, not yet started, server: its bound port, its health service and the
+    names of the services it serves (the health service reports each)."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
 
 
 def build_server(
@@ -154,9 +198,9 @@ def build_server(
     settings: GrpcSettings,
     clock: Callable[[], float],
     workers: Workers | None = None,
-) -> tuple[grpc.aio.Server, int]:
-    """Create (not start) the server; returns it with the bound port. ``workers``: the
-    worker processes Admin Drain / Undrain reach (``kvrouter serve --workers N``)."""
+) -> BuiltServer:
+    """Create (not start) the server. ``workers``: the worker processes Admin Drain /
+    Undrain reach (``kvrouter serve --workers N``)."""
     limit = int(settings.max_message_mb * 2**20)
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(settings.token, settings.admin_token)],
@@ -192,9 +236,7 @@ def build_server(
         port = server.add_secure_port(address, creds)
     else:
         port = server.add_insecure_port(address)
-    server.health_servicer = health_servicer  # type: ignore[attr-defined]
-    server.service_names = names  # type: ignore[attr-defined]
-    return server, port
+    return BuiltServer(server, port, health_servicer, tuple(names))
 
 
 async def serve_grpc(
@@ -202,17 +244,18 @@ async def serve_grpc(
     settings: GrpcSettings,
     clock: Callable[[], float],
     workers: Workers | None = None,
-) -> AsyncIterator[tuple[grpc.aio.Server, int]]:
-    """Async generator for aiohttp ``cleanup_ctx``-style lifetimes: start, yield, stop."""
-    server, port = build_server(state, settings, clock, workers)
-    await server.start()
-    for name in ["", *server.service_names]:  # type: ignore[attr-defined]
-        await server.health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)  # type: ignore[attr-defined]
+) -> AsyncGenerator[tuple[grpc.aio.Server, int], None]:
+    """Async generator for aiohttp ``cleanup_ctx``-style lifetimes: start, yield the server
+    and its port, stop."""
+    built = build_server(state, settings, clock, workers)
+    await built.server.start()
+    for name in ["", *built.service_names]:
+        await built.health.set(name, health_pb2.HealthCheckResponse.SERVING)
     try:
-        yield server, port
+        yield built.server, built.port
     finally:
-        await server.health_servicer.enter_graceful_shutdown()  # type: ignore[attr-defined]
-        await server.stop(grace=5.0)
+        await built.health.enter_graceful_shutdown()
+        await built.server.stop(grace=5.0)
 
 
 def loop_clock() -> float:

@@ -12,7 +12,12 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from router.service.config import Settings
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -97,7 +102,7 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(app: Any, host: str, port: int, *, reuse_port: bool) -> None:
+def _run(app: web.Application, host: str, port: int, *, reuse_port: bool) -> None:
     try:
         import uvloop
 
@@ -120,7 +125,7 @@ def _run(app: Any, host: str, port: int, *, reuse_port: bool) -> None:
     )
 
 
-def _serve_workers(settings: Any, workers: int) -> int:
+def _serve_workers(settings: Settings, workers: int) -> int:
     """Fork ``workers`` processes that each run the app on the same port (SO_REUSEPORT).
 
     Before forking, the parent creates a private control directory (mode 0700): each worker
@@ -181,7 +186,7 @@ def _serve_workers(settings: Any, workers: int) -> int:
         shutil.rmtree(control, ignore_errors=True)
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the router in front of model replicas")
     p.add_argument("--config", help="TOML or YAML settings file (default: $KVROUTER_CONFIG)")
     p.add_argument("--policy-file", help="simulator-tuned policy TOML merged into [models]")

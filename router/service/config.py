@@ -24,7 +24,8 @@ Environment: ``KVROUTER_CONFIG`` (file path), ``KVROUTER_SERVER__<KEY>`` and
 ``KVROUTER_MODELS__<NAME>__<KEY>`` for any scalar (e.g. ``KVROUTER_SERVER__PORT=9000``,
 ``KVROUTER_MODELS__KIMI__POLICY=ours``), values converted by the setting's declared type,
 ``KVROUTER_REPLICAS`` (``model=url,model=url``) and ``KVROUTER_ADMIN_TOKEN``; other
-``KVROUTER_*`` variables belong to other components and are ignored (``env_overrides``).
+``KVROUTER_*`` variables belong to other components and are ignored (``env_overrides``): the
+publisher's ``KVROUTER_PUBLISHER__<FLAG>`` follow the same convention (router/publisher/env.py).
 Replica URLs are plain ``http://host:port`` (router/service/replica_url.py). A model with a
 tokenizer directory and no ``context_length`` takes its ``model_max_length``
 (``tokenizer_max_length``). Errors raise ConfigError naming the key (or variable).
@@ -39,7 +40,7 @@ import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from router.core.errors import ConfigError
@@ -50,7 +51,11 @@ from router.events.endpoints import engine_endpoints
 from router.service.replica_url import ReplicaUrl
 from router.tokenize.multimodal import ImageSettings
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 MiB = 2**20
+_Table = TypeVar("_Table", bound="DataclassInstance")
 
 
 @dataclass(slots=True, frozen=True)
@@ -266,7 +271,7 @@ def _env_path(var: str) -> list[str] | None:
 
     ``KVROUTER_<SECTION>__<KEY>[__<KEY>]`` with SECTION one of the file's top-level tables,
     plus the alias ``KVROUTER_ADMIN_TOKEN``; other ``KVROUTER_*`` names (``KVROUTER_DEBUG``,
-    ``KVROUTER_REDIS_URL``, ``KVROUTER_SIGNING_KEY``, ...) belong to other components. A name
+    ``KVROUTER_PUBLISHER__<FLAG>``, ...) belong to other components. A name
     that is a known server key behind a single underscore (``KVROUTER_SERVER_PORT``) is a
     ConfigError rather than silently ignored."""
     if not var.startswith(_ENV_PREFIX) or var == "KVROUTER_CONFIG":
@@ -414,19 +419,30 @@ def merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _typed(cls: type, table: Mapping[str, Any], where: str, skip: Sequence[str] = ()) -> Any:
+def _typed(
+    cls: type[_Table], table: Mapping[str, Any], where: str, skip: Sequence[str] = ()
+) -> _Table:
     """Build dataclass ``cls`` from ``table`` checking names and scalar types."""
-    known = {f.name: f for f in fields(cls)}
+    return cls(**_checked(cls, table, where, skip))
+
+
+def _checked(
+    cls: type, table: Mapping[str, Any], where: str, skip: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``table`` as keyword arguments of dataclass ``cls``: names known, scalars of their
+    declared types (floats from integers too; None where the type allows it)."""
+    known = {f.name for f in fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in table.items():
         if key in skip:
             continue
-        f = known.get(key)
-        if f is None:
+        if key not in known:
             raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
-        kind = str(f.type)
+        kind = _kind(cls, key)
         ok = True
-        if kind.startswith("int"):
+        if value is None:
+            ok = "None" in kind
+        elif kind.startswith("int"):
             ok = isinstance(value, int) and not isinstance(value, bool)
         elif kind.startswith("float"):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -434,11 +450,11 @@ def _typed(cls: type, table: Mapping[str, Any], where: str, skip: Sequence[str] 
         elif kind.startswith("bool"):
             ok = isinstance(value, bool)
         elif kind.startswith("str"):
-            ok = isinstance(value, str) or (value is None and "None" in kind)
+            ok = isinstance(value, str)
         if not ok:
             raise ConfigError(f"{where}.{key}: expected {kind}, got {value!r}")
         kwargs[key] = value
-    return cls(**kwargs)
+    return kwargs
 
 
 def _replica(i: int, table: Any) -> ReplicaSettings:
@@ -472,7 +488,7 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
         m = urlsplit(rep.metrics_url)
         if m.scheme not in ("http", "https") or not m.netloc:
             raise ConfigError(f"{where}.metrics_url: {rep.metrics_url!r} is not an http(s) URL")
-    return rep  # type: ignore[no-any-return]
+    return rep
 
 
 _ROUTING_KEYS = (
@@ -492,9 +508,11 @@ def _model(name: str, table: Any) -> ModelSettings:
     busy_tab = table.get("busy") or {}
     if not isinstance(busy_tab, Mapping):
         raise ConfigError(f"{where}.busy: must be a table")
+    # router/core's dataclasses, type-checked here as the service's are (a compiled core
+    # would refuse a wrong type with a TypeError, the pure one would carry it to routing)
+    busy = BusyThresholds(**_checked(BusyThresholds, busy_tab, f"{where}.busy"))
     try:
-        busy = BusyThresholds(**busy_tab)
-        routing = RoutingSettings(busy=busy, **routing_kw)
+        routing = RoutingSettings(busy=busy, **_checked(RoutingSettings, routing_kw, where))
     except TypeError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     for key, kind in (("block_size", int), ("state_interval_blocks", int)):

@@ -32,9 +32,12 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from router.core.errors import BadRequest, ConfigError
+
+if TYPE_CHECKING:
+    from router.service.config import ServerSettings
 
 
 def read_api_keys(inline: str | None, path: str | None) -> tuple[str, ...]:
@@ -60,20 +63,18 @@ class Limits:
     retry_after_s: int = 1
 
     @classmethod
-    def from_server(cls, server: Any) -> Limits:
-        keys = read_api_keys(
-            getattr(server, "api_keys", None), getattr(server, "api_keys_file", None)
-        )
-        per_key = int(getattr(server, "max_concurrent_per_key", 0) or 0)
-        header_kb = float(getattr(server, "max_header_kb", 0) or 0)
+    def from_server(cls, server: ServerSettings) -> Limits:
+        keys = read_api_keys(server.api_keys, server.api_keys_file)
+        per_key = server.max_concurrent_per_key
+        header_kb = server.max_header_kb
         if per_key < 0 or header_kb < 0:
             raise ConfigError("server: max_concurrent_per_key and max_header_kb must be >= 0")
         return cls(keys, per_key, int(header_kb * 1024), int(server.retry_after_s))
 
 
-def check_prompt_tokens(server: Any, prompt_tokens: int) -> None:
+def check_prompt_tokens(server: ServerSettings, prompt_tokens: int) -> None:
     """Raise BadRequest when ``server.max_prompt_tokens`` is set and exceeded."""
-    limit = getattr(server, "max_prompt_tokens", 0)
+    limit = server.max_prompt_tokens
     if limit and prompt_tokens > limit:
         raise BadRequest(
             f"This router accepts at most {limit} prompt tokens (server.max_prompt_tokens); "
@@ -140,17 +141,11 @@ def install_log_redaction(secrets: Iterable[str] = ()) -> RedactingFilter:
     return filt
 
 
-def server_secrets(server: Any) -> list[str]:
+def server_secrets(server: ServerSettings) -> list[str]:
     """Literal secrets of a server configuration (admin token, API keys, Redis password)."""
-    out = [
-        getattr(server, "admin_token", None) or "",
-        getattr(server, "grpc_token", None) or "",
-        getattr(server, "redis_signing_master", None) or "",
-    ]
-    out += list(
-        read_api_keys(getattr(server, "api_keys", None), getattr(server, "api_keys_file", None))
-    )
-    url = getattr(server, "redis_url", None) or ""
+    out = [server.admin_token or "", server.grpc_token or "", server.redis_signing_master or ""]
+    out += list(read_api_keys(server.api_keys, server.api_keys_file))
+    url = server.redis_url or ""
     m = re.match(r"[a-z]+://[^:/@]*:([^@/]+)@", url)
     if m:
         out.append(m.group(1))

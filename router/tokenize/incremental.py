@@ -498,7 +498,7 @@ class IncrementalTokenizer:
             shared = None
             if fallback is not None and fallback.text is not None:
                 shared = self._shared_ids(text, fallback.text, fallback.tokens)
-            if shared is not None:
+            if fallback is not None and shared is not None:
                 chars, reused = shared
                 tail = self.encode_text(text[chars:])
                 tokens = np.concatenate([fallback.tokens[:reused], tail])

@@ -260,6 +260,7 @@ def _check_macros(ast: nodes.Template) -> None:
             if name.ctx == "load":
                 _check_name(name.name)
         for node in macro.find_all((nodes.Filter, nodes.Test)):
+            assert isinstance(node, nodes.Filter | nodes.Test)  # what find_all was asked for
             _BodyCheck.filter(node)
 
 
@@ -345,7 +346,7 @@ class LocalTemplate:
         rec = Recorder(start, resume.state if resume else None, resume.head if resume else None)
         mark, mark_msg, mark_end = self._mark, self._mark_msg, self._mark_end
 
-        def resume(head: dict[str, Any]) -> str:
+        def loop_start(head: dict[str, Any]) -> str:
             rec.loop_start(head)
             return mark
 
@@ -371,7 +372,7 @@ class LocalTemplate:
                 "namespace": rec.namespace,
                 _ROWS: rec.rows,
                 _START: start,
-                _RESUME: resume,
+                _RESUME: loop_start,
                 _LAST: last,
                 _AT: at,
                 _END: end,
@@ -401,11 +402,12 @@ def _name_sliced_loops(ast: nodes.Template) -> None:
     ``start_idx`` set before it) becomes ``{% set __kvrouter_rowsN = messages[start:] %}``
     and a loop over that name: the form :func:`analyze` takes for a message loop, where the
     slice is checked when rendering and compared as a head variable when resuming."""
-    body = []
+    body: list[nodes.Node] = []
     for i, n in enumerate(ast.body):
         it = n.iter if isinstance(n, nodes.For) else None
         if (
-            isinstance(it, nodes.Getitem)
+            isinstance(n, nodes.For)
+            and isinstance(it, nodes.Getitem)
             and _is_name(it.node, "messages")
             and isinstance(it.arg, nodes.Slice)
             and it.arg.stop is None

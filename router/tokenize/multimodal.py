@@ -36,7 +36,7 @@ import io
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from router.core.errors import BadRequest
 
@@ -249,6 +249,14 @@ def _item(key: str, obj: object) -> Iterator[bytes]:
     yield from _value(obj)
 
 
+class _Hasher(Protocol):
+    """hashlib's and blake3's hashers alike."""
+
+    def update(self, data: bytes, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
 def vllm_image_hash(data: bytes, converted: bool, model_id: str, algorithm: str = "blake3") -> str:
     """vLLM 0.33's multimodal hash of an image loaded from ``data`` (module docstring)."""
     if converted:
@@ -259,7 +267,7 @@ def vllm_image_hash(data: bytes, converted: bool, model_id: str, algorithm: str 
     if algorithm == "blake3":
         from blake3 import blake3
 
-        hasher: Any = blake3()
+        hasher: _Hasher = blake3()
     else:
         hasher = hashlib.new(algorithm)
     # hash_kwargs(model_id=..., image=item): keys sorted; the item (MediaWithBytes) is a

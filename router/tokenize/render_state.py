@@ -339,7 +339,7 @@ class ListLike(Sequence[Any]):
         return repr(self.as_list())
 
     def __eq__(self, other: object) -> bool:
-        return self.as_list() == plain(other)
+        return bool(self.as_list() == plain(other))
 
     def __add__(self, other: Any) -> Any:
         return self.as_list() + plain(other)
@@ -382,7 +382,8 @@ class TrackedMessages(ListLike):
 
     def __reversed__(self) -> Iterator[Any]:
         self._recorder.opened()
-        return reversed(self._items)
+        backwards: Iterator[Any] = reversed(self._items)
+        return backwards
 
     def __contains__(self, value: object) -> bool:
         self._recorder.opened()
@@ -507,7 +508,8 @@ class _View(ListLike):
             i += 1
 
     def __reversed__(self) -> Iterator[Any]:
-        return reversed(list(self))
+        backwards: Iterator[Any] = reversed(list(self))
+        return backwards
 
     def __contains__(self, value: object) -> bool:
         return any(v is value or v == value for v in self)

@@ -204,8 +204,9 @@ class ChatTemplate:
     bos_token: str = ""
     eos_token: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
-    _compiled: Any = field(default=None, compare=False, repr=False)
-    _compiled_tools: Any = field(default=None, compare=False, repr=False)
+    # set by build(), which every ChatTemplate comes from
+    _compiled: jinja2.Template | None = field(default=None, compare=False, repr=False)
+    _compiled_tools: jinja2.Template | None = field(default=None, compare=False, repr=False)
     # instrumented forms when the templates are message-local (router.tokenize.local_template)
     _local: LocalTemplate | None = field(default=None, compare=False, repr=False)
     _local_tools: LocalTemplate | None = field(default=None, compare=False, repr=False)
@@ -283,6 +284,7 @@ class ChatTemplate:
     ) -> str:
         """Render ``messages`` (already prepared) to the prompt text the engine will see."""
         template = self._compiled_tools if tools and self._compiled_tools else self._compiled
+        assert template is not None, "ChatTemplate.build compiles the template"
         variables = self._variables(messages, tools, add_generation_prompt, kwargs)
         try:
             return str(template.render(variables))

@@ -18,6 +18,7 @@ long texts on several threads (both libraries release the GIL).
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import os
@@ -27,12 +28,15 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from router.core.errors import ConfigError
+
+if TYPE_CHECKING:  # imported where used: loading a vocabulary is not every process's work
+    import tokenizers
 
 TokenArray = npt.NDArray[np.uint32]
 
@@ -72,6 +76,10 @@ class Tokenizer(Protocol):
 
     def encode_segment(self, text: str) -> TokenArray:
         """Token ids of ``text`` on the calling thread, special tokens recognised, no BOS."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens written out."""
         ...
 
 
@@ -272,6 +280,12 @@ def encode(tok: Tokenizer, splitter: SpecialSplitter, text: str, *, threads: int
 # ---------------------------------------------------------------------------- tiktoken
 
 
+class _CoreBPE(Protocol):
+    """What the tokenizer calls of tiktoken's native ``CoreBPE`` (no stub ships for it)."""
+
+    def encode_to_tiktoken_buffer(self, text: str, allowed_special: frozenset[str]) -> bytes: ...
+
+
 class TiktokenTokenizer:
     """A tiktoken BPE vocabulary with its pattern and special tokens."""
 
@@ -312,8 +326,8 @@ class TiktokenTokenizer:
             or threading.current_thread().name.startswith(_POOL_PREFIX)
         )
 
-    def _core(self) -> Any:
-        core = getattr(self._own, "core", None)
+    def _core(self) -> _CoreBPE:
+        core: _CoreBPE | None = getattr(self._own, "core", None)
         if core is not None:
             return core
         with self._build_lock:
@@ -322,12 +336,13 @@ class TiktokenTokenizer:
         if self._owner == threading.get_ident():
             core = self._enc._core_bpe
         elif threading.current_thread().name.startswith(_POOL_PREFIX):
-            from tiktoken import _tiktoken
-
+            # the Rust extension: tiktoken ships no stub for it (its type: _CoreBPE)
+            native = importlib.import_module("tiktoken._tiktoken")
             enc = self._enc
-            core = _tiktoken.CoreBPE(enc._mergeable_ranks, enc._special_tokens, enc._pat_str)
+            core = native.CoreBPE(enc._mergeable_ranks, enc._special_tokens, enc._pat_str)
         else:
-            return self._enc._core_bpe  # shared, slower: bounded threads hold copies
+            shared: _CoreBPE = self._enc._core_bpe  # slower: bounded threads hold copies
+            return shared
         self._own.core = core
         return core
 
@@ -379,7 +394,9 @@ class TiktokenTokenizer:
 class HFTokenizer:
     """An HF ``tokenizer.json`` (added tokens are split out before normalisation)."""
 
-    def __init__(self, name: str, backend: Any, bos_token: str | None = None) -> None:
+    def __init__(
+        self, name: str, backend: tokenizers.Tokenizer, bos_token: str | None = None
+    ) -> None:
         self.name = name
         self._tok = backend
         self.bos_token = bos_token
@@ -394,7 +411,7 @@ class HFTokenizer:
         from tokenizers import Tokenizer as Backend
 
         try:
-            backend = Backend.from_file(os.fspath(path))
+            backend: tokenizers.Tokenizer = Backend.from_file(os.fspath(path))
         except Exception as exc:  # the library raises a bare Exception for bad files
             raise ConfigError(f"cannot read tokenizer file {os.fspath(path)!r}: {exc}") from None
         return cls(Path(path).parent.name or Path(path).name, backend, bos_token)

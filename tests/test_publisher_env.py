@@ -1,0 +1,80 @@
+"""``kvrouter publish`` flags from ``KVROUTER_PUBLISHER__<FLAG>`` (router/publisher/env.py),
+the router's environment convention; the signing-key command reads the router's variable."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from router.cli import build_parser, main
+from router.publisher.env import check
+from router.store.codec import replica_signing_key
+
+
+def _parse(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], argv: list[str]
+) -> argparse.Namespace:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["publish", *argv])
+    check(args, env)
+    return args
+
+
+def test_every_flag_from_the_environment_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {
+        "KVROUTER_PUBLISHER__REPLICA": "r0",
+        "KVROUTER_PUBLISHER__MODEL": "m",
+        "KVROUTER_PUBLISHER__ZMQ": "tcp://127.0.0.1:5557, tcp://127.0.0.1:6557",
+        "KVROUTER_PUBLISHER__DP_RANKS": "0,1",
+        "KVROUTER_PUBLISHER__BLOCK_SIZE": "32",
+        "KVROUTER_PUBLISHER__ENGINE_METRICS": "http://127.0.0.1:8000/metrics",
+        "KVROUTER_PUBLISHER__REDIS": "redis://redis:6379/0",
+    }
+    args = _parse(monkeypatch, env, [])
+    assert (args.replica, args.model, args.block_size) == ("r0", "m", 32)
+    assert args.zmq == ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:6557"]
+    assert args.dp_ranks == [0, 1] and args.redis == "redis://redis:6379/0"
+    assert args.engine_metrics == "http://127.0.0.1:8000/metrics"
+    args = _parse(monkeypatch, env, ["--block-size", "16", "--zmq", "tcp://127.0.0.1:7557"])
+    assert args.block_size == 16 and args.zmq == ["tcp://127.0.0.1:7557"]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "needle"),
+    [
+        ("KVROUTER_PUBLISHER__BLOCK_SIZE", "big", "--block-size expects int, got 'big'"),
+        ("KVROUTER_PUBLISHER__DP_RANKS", "0,x", "--dp-ranks expects int"),
+        ("KVROUTER_PUBLISHER__REDIS_URL", "redis://h/0", "not a flag of kvrouter publish"),
+    ],
+)
+def test_bad_variables_stop_the_command_naming_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str, value: str,
+    needle: str,
+) -> None:  # fmt: skip
+    monkeypatch.setenv(name, value)
+    assert main(["publish", "--replica", "r0", "--model", "m", "--zmq", "tcp://h:1"]) == 2
+    err = capsys.readouterr().err
+    assert name in err and needle in err
+
+
+def test_earlier_names_are_read_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = {"KVROUTER_REDIS_URL": "redis://old:6379/0", "KVROUTER_SIGNING_KEY": "ab" * 16}
+    with caplog.at_level(logging.WARNING, logger="kvrouter.publish"):
+        args = _parse(monkeypatch, env, ["--replica", "r0", "--model", "m"])
+    assert args.redis == "redis://old:6379/0" and args.signing_key == "ab" * 16
+    assert "KVROUTER_PUBLISHER__REDIS" in caplog.text
+    assert "KVROUTER_PUBLISHER__SIGNING_KEY" in caplog.text
+
+
+def test_signing_key_reads_the_routers_master_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    master = bytes(range(32))
+    monkeypatch.setenv("KVROUTER_SERVER__REDIS_SIGNING_MASTER", master.hex())
+    assert main(["signing-key", "--replica", "a"]) == 0
+    assert bytes.fromhex(capsys.readouterr().out.strip()) == replica_signing_key(master, "a")
