@@ -360,6 +360,12 @@ def _tune(args: argparse.Namespace) -> int:
         f"{config.kv_blocks or config.profile.scaled(config.block_size).kv_blocks} blocks of "
         f"{config.block_size}\nobjective: {goal}"
     )
+    from sim.tune import split_point
+
+    _, pd_best = split_point({k: v for k, v in best.items() if k.startswith("pd.")})
+    best = {k: v for k, v in best.items() if not k.startswith("pd.")}
+    if pd_best:
+        header += f"\nprefill/decode ({config.pd}): {json.dumps(pd_best)}"
     text = dump_tuned(
         {args.model: TunedPolicy.for_cluster(args.model, "ours", best, config)}, header
     )
@@ -368,6 +374,7 @@ def _tune(args: argparse.Namespace) -> int:
         "out": args.out,
         "objective": args.objective,
         "best": {k: v for k, v in best.items() if k != "cost"},
+        "pd": pd_best,
         "goodput": round(top.goodput, 5),
         "p90_ms": top.p90_ms,
         "hit_rate": top.hit_rate,
