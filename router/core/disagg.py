@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 from router.core.errors import ConfigError, NoReplicaAvailable
@@ -219,8 +219,8 @@ class Disaggregator:
     ) -> None:
         self.knobs = knobs
         self.cost = cost
-        self.roles: dict[ReplicaKey, Role] = dict(roles or {})
-        self.sites: dict[ReplicaKey, Site] = dict(sites or {})
+        self.roles: Mapping[ReplicaKey, Role] = roles if roles is not None else {}
+        self.sites: Mapping[ReplicaKey, Site] = sites if sites is not None else {}
         self.link = link or LinkModel()
         self.sizes = sizes or TransferSizes()
 
@@ -272,8 +272,10 @@ class Disaggregator:
         try:
             prefill = engine.route(self.prefill_request(request), pre, now, rng)
         except NoReplicaAvailable:
+            # no prefill replica can take it: prefilled where it is decoded (a decode-only
+            # replica can prefill too: the fallback vLLM's protocol allows)
             if local is None:
-                raise
+                local = engine.route(request, dec, now, rng)
             return PdPlan(local, None, "no_prefill_replica")
         if mode == "auto" and local is not None:
             if prefill.replica == local.replica:
@@ -392,3 +394,34 @@ class Disaggregator:
             request.prompt_tokens,
             request.max_output_tokens,
         )
+
+
+@dataclass(slots=True, frozen=True)
+class PdSetup:
+    """A model's disaggregation settings as configured (``[models.NAME.pd]``): the decision's
+    knobs, the link model and the transfer sizes, from one flat table."""
+
+    knobs: PdKnobs = PdKnobs()
+    link: LinkModel = LinkModel()
+    sizes: TransferSizes = TransferSizes()
+
+    @classmethod
+    def from_mapping(cls, table: Mapping[str, object], tpot_target_s: float) -> PdSetup:
+        """Keys of PdKnobs (but ``tpot_target_s``: the model's), LinkModel and TransferSizes;
+        unknown keys or bad values raise ConfigError."""
+        parts: dict[type, dict[str, object]] = {PdKnobs: {}, LinkModel: {}, TransferSizes: {}}
+        for key, value in table.items():
+            for kind, into in parts.items():
+                if key in {f.name for f in fields(kind)} and key != "tpot_target_s":
+                    into[key] = value
+                    break
+            else:
+                raise ConfigError(f"unknown pd setting {key!r}")
+        try:
+            return cls(
+                PdKnobs(**parts[PdKnobs], tpot_target_s=tpot_target_s),  # type: ignore[arg-type]
+                LinkModel(**parts[LinkModel]),  # type: ignore[arg-type]
+                TransferSizes(**parts[TransferSizes]),  # type: ignore[arg-type]
+            )
+        except TypeError as exc:
+            raise ConfigError(f"pd settings: {exc}") from None
