@@ -7,7 +7,10 @@ Either role, decided per request by its ``kv_transfer_params`` (as a vLLM engine
   one token) and the answer carries ``kv_transfer_params`` for the decode side:
   ``do_remote_prefill: true``, ``remote_engine_id`` (this replica), ``remote_block_ids``,
   ``remote_host`` / ``remote_port`` (vLLM NIXL's names) plus ``remote_rack`` /
-  ``remote_region`` (mock-only: where the blocks are, so the decode side can time the pull);
+  ``remote_region`` (mock-only: where the blocks are, so the decode side can time the pull)
+  and ``remote_cached_tokens`` / ``remote_kv_hit_tokens`` (mock-only: the prefill's hit, which
+  the decode answer's ``usage`` reports as the request's: the decode side's own cache only
+  decides how much is pulled);
 * ``do_remote_prefill: true`` (a decode leg): the replica "pulls" the prompt's KV it does not
   hold (``kv_bytes_per_token`` of the profile a token) and the recurrent state at the prompt
   end (``state_bytes``, hybrid profiles) over the link between the two sites
@@ -52,7 +55,13 @@ def is_decode_leg(params: Mapping[str, Any] | None) -> bool:
 
 
 def answer_params(
-    replica: str, host: str, port: int, site: Site, block_ids: Sequence[int]
+    replica: str,
+    host: str,
+    port: int,
+    site: Site,
+    block_ids: Sequence[int],
+    cached: int,
+    kv_hit: int,
 ) -> dict[str, Any]:
     """What a prefill leg's answer carries for the decode request."""
     return {
@@ -65,7 +74,15 @@ def answer_params(
         "tp_size": 1,
         "remote_rack": site.rack,
         "remote_region": site.region,
+        "remote_cached_tokens": cached,
+        "remote_kv_hit_tokens": kv_hit,
     }
+
+
+def remote_hit(params: Mapping[str, Any], cached: int, kv_hit: int) -> tuple[int, int]:
+    """(cached, KV-only hit) a decode leg reports: the prefill replica's when it said."""
+    c, k = params.get("remote_cached_tokens"), params.get("remote_kv_hit_tokens")
+    return (c if type(c) is int else cached), (k if type(k) is int else kv_hit)
 
 
 def pull(

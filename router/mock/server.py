@@ -295,6 +295,8 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
             cached = out.cached_tokens
             produced = out.output_tokens
             finish_reason = "length" if produced >= req.max_output_tokens else "stop"
+    if params is not None and pd.is_decode_leg(params):  # the hit was the prefill replica's
+        cached, kv_hit = pd.remote_hit(params, cached, kv_hit)
     c = state.counters
     c.requests += 1
     c.prompt_tokens += req.prompt_tokens
@@ -328,6 +330,8 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
             request.url.port or 0,
             pd.Site(s.region, s.rack),
             range(-(-req.prompt_tokens // s.block_size)),
+            cached,
+            kv_hit,
         )
     if chat:
         choice: dict[str, Any] = {

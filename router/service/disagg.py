@@ -288,7 +288,11 @@ async def serve(
         md.count(md.bytes_by_link, pick.link.value, pick.transfer_bytes)
         member = json.dumps(params, separators=(",", ":")).encode()
         decode_body = with_patch(body, b',"kv_transfer_params":' + member)
-    routed = Routed(request, pick.decision, flow.routed.prompt, 0.0, 0.0, 0)
+    decision = pick.decision
+    if params is not None:  # the request's hit is the prefill replica's (feedback, headers)
+        first = flow.routed.decision
+        decision = decision._replace(usable_tokens=first.usable_tokens, kv_tokens=first.kv_tokens)
+    routed = Routed(request, decision, flow.routed.prompt, 0.0, 0.0, 0)
     await forwarder.forward(sink, path, headers, decode_body, routed, strip_usage=strip_usage)
 
 
