@@ -45,6 +45,7 @@ PD_GRID: dict[str, tuple[float, ...]] = {
     "pd.prefill_share": (0.125, 0.25, 0.5),
     "pd.min_uncached_tokens": (2048.0, 4096.0, 16384.0),
     "pd.max_local_hit": (0.3, 0.5, 0.8),
+    "pd.rack_penalty_s": (0.5, 2.0, 8.0),
 }
 OBJECTIVES = ("goodput", "ttft")
 

@@ -22,9 +22,10 @@ The decision (:meth:`Disaggregator.plan`), per request, under ``mode``:
 
 The prefill replica is the policy's choice among prefill-capable replicas (usable hit, KV and
 state checkpoint, against load); the decode replica (:meth:`Disaggregator.pick_decode`) the
-cheapest decode-capable one by predicted decode step time, pending prefill stalls, transfer
-time over the link from the prefill replica, and the rack / region penalties: a decode
-replica in the prefill replica's NVL72 rack is preferred, another region is a last resort.
+cheapest decode-capable one by the request's predicted decode time there, pending prefill
+stalls, transfer time over the link from the prefill replica, and the rack / region
+penalties: a decode replica in the prefill replica's NVL72 rack is preferred, another region
+is a last resort.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 from router.core.errors import ConfigError, NoReplicaAvailable
-from router.core.load import CostModel, decode_weight
+from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel
 from router.core.routing import RoutingEngine, filter_candidates
 from router.core.types import NO_MATCH, Decision, ReplicaKey, RouteRequest
 
@@ -168,8 +169,8 @@ class PdKnobs:
     w_interference: float = 4.0
     tpot_target_s: float = 0.1
     margin_s: float = 0.0
-    rack_penalty_s: float = 0.05
-    region_penalty_s: float = 1.0
+    rack_penalty_s: float = 2.0
+    region_penalty_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.mode not in PD_MODES:
@@ -336,8 +337,10 @@ class Disaggregator:
         rng: random.Random,
     ) -> DecodePick:
         """The decode replica for ``request`` whose prompt ``prefill_replica`` computed:
-        lowest predicted step time + pending-prefill stall + transfer + rack / region
-        penalty. Ties go to the rng. Raises NoReplicaAvailable when none can decode."""
+        the lowest predicted decode time of the request there (step time x its output
+        tokens, 256 when unknown) + the pending prefills that will stall it + transfer +
+        rack / region penalty, all in seconds. Ties go to the rng. Raises NoReplicaAvailable
+        when none can decode."""
         _, dec, _ = self.pools(replicas)
         if not dec:
             raise NoReplicaAvailable("no replica can decode")
@@ -346,7 +349,7 @@ class Disaggregator:
         matches = engine.index.match(request.block_hashes, hybrid=hybrid, now=now)
         cost, k, sizes, links = self.cost, self.knobs, self.sizes, self.link
         here = self.site(prefill_replica)
-        weight = decode_weight(request.max_output_tokens)
+        out = request.max_output_tokens or EXPECTED_OUTPUT_TOKENS
         prompt = request.prompt_tokens
         best: list[tuple[float, ReplicaKey, Link, float, float, int]] = []
         scored: list[tuple[float, ReplicaKey]] = []
@@ -358,13 +361,13 @@ class Disaggregator:
             step = cost.step_overhead_s + cost.decode_step_s(
                 view.decoding + 1, view.decode_context_tokens + prompt
             )
-            stall = cost.prefill_s(view.queued_prefill_tokens) * weight
+            stall = cost.prefill_s(view.queued_prefill_tokens)
             penalty = 0.0
             if link is Link.NETWORK:
                 penalty = k.rack_penalty_s
             elif link is Link.REGION:
                 penalty = k.region_penalty_s
-            score = step + stall + move_s + penalty
+            score = step * out + stall + move_s + penalty
             scored.append((score, key))
             if not best or score < best[0][0]:
                 best = [(score, key, link, nbytes, move_s, usable)]
