@@ -205,3 +205,20 @@ async def test_auto_keeps_short_prompts_local(mocks: Mocks) -> None:
         assert router.app[STATE].disagg[MODEL].decisions == {"few_uncached": 1}
     finally:
         await router.cleanup()
+
+
+def test_roles_in_config_and_registrations() -> None:
+    from router.core.errors import ConfigError
+    from router.store.base import ReplicaInfo
+
+    info = ReplicaInfo("p0", url="http://a:1", model=MODEL, role="prefill", rack="r0")
+    assert ReplicaInfo.from_json(info.to_json()).role == "prefill"
+    assert ReplicaInfo.from_json('{"replica": "old"}').role == "both"  # older publishers
+    with pytest.raises(ValueError):
+        ReplicaInfo.from_json('{"replica": "x", "role": "router"}')
+    with pytest.raises(ConfigError, match="role"):
+        _settings([{"url": "http://a:1", "model": MODEL, "role": "router"}])
+    with pytest.raises(ConfigError, match="pd"):
+        build_settings({"models": {MODEL: {"pd": {"mode": "auto", "bogus": 1}}}})
+    off = build_settings({"models": {MODEL: {"pd": {"mode": "off"}}}})
+    assert off.models[MODEL].pd is None

@@ -42,7 +42,7 @@ from router.service.registry import ReplicaRegistry
 from router.service.replica_url import ReplicaUrl
 from router.service.state import Routed, RouterState
 from router.service.stream_usage import with_patch
-from router.service.upstream_errors import UpstreamError
+from router.service.upstream_errors import ConnectFailed, UpstreamError, UpstreamTimeout
 
 REMOTE_DECODE = {
     "do_remote_decode": True,
@@ -213,9 +213,13 @@ async def _prefill(
     )
     try:
         upstream = await forwarder.client.pool(ep.base_url).send(head, prefill_body)
-    except UpstreamError:
+    except ConnectFailed:
         state.fleet.mark_unhealthy(key, forwarder.event_loop().time())
         return None, "connect_error"
+    except UpstreamTimeout:
+        return None, "timeout"
+    except UpstreamError:
+        return None, "error"
     try:
         payload = upstream.body()
         if payload is None:
