@@ -387,16 +387,19 @@ class Disaggregator:
         return DecodePick(decision, link, nbytes, move_s)
 
     def dispatched_decode(
-        self, engine: RoutingEngine, request: RouteRequest, pick: DecodePick, now: float
+        self,
+        engine: RoutingEngine,
+        request: RouteRequest,
+        pick: DecodePick,
+        now: float,
+        speculative_ttl_s: float | None = None,
     ) -> None:
-        """Record the decode leg in the load tracker: its whole prompt arrives computed."""
-        engine.load.dispatch(
-            request.request_id,
-            pick.decision.replica,
-            request.prompt_tokens,
-            request.prompt_tokens,
-            request.max_output_tokens,
-        )
+        """Record the decode leg as ``RoutingEngine.dispatched`` records a request: its whole
+        prompt arrives computed (load), the decode replica will hold it (speculative entries
+        when the TTL is > 0) and is the session's replica for its next turn (it also holds
+        the answer)."""
+        whole = pick.decision._replace(usable_tokens=request.prompt_tokens)
+        engine.dispatched(request, whole, now, speculative_ttl_s)
 
 
 @dataclass(slots=True, frozen=True)

@@ -288,7 +288,9 @@ async def serve(
         )
         decode_body = body
     else:
-        md.pd.dispatched_decode(engine, request, pick, now)
+        approximate_ttl, exact_ttl = state.speculative_ttl[model]
+        ttl = exact_ttl if flow.routed.prompt.exact else approximate_ttl
+        md.pd.dispatched_decode(engine, request, pick, now, ttl)
         md.count(md.bytes_by_link, pick.link.value, pick.transfer_bytes)
         member = json.dumps(params, separators=(",", ":")).encode()
         decode_body = with_patch(body, b',"kv_transfer_params":' + member)
