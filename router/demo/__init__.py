@@ -164,6 +164,10 @@ def _run(args: argparse.Namespace, trace: Path) -> int:
     from sim.runner import parse_policies
 
     policies = parse_policies(args.policies)
+    modes: list[str | None] = [m.strip() for m in args.pd.split(",")] if args.pd else [None]
+    if any(m not in ("off", "always", "auto") for m in modes if m is not None):
+        print("kvrouter demo: --pd takes off, always and auto", file=sys.stderr)
+        return 2
     requests = load_requests(trace, args.requests, MODEL, args.max_output)
     sessions = len({r.session_id for r in requests})
     print(
@@ -179,10 +183,6 @@ def _run(args: argparse.Namespace, trace: Path) -> int:
         external = asyncio.run(_external(args, requests))
         failed += int(external["failed"])
         rows.append(("external", external, _simulate(args, "ours", trace)))
-    modes: list[str | None] = [m.strip() for m in args.pd.split(",")] if args.pd else [None]
-    if any(m not in ("off", "always", "auto") for m in modes if m is not None):
-        print("kvrouter demo: --pd takes off, always and auto", file=sys.stderr)
-        return 2
     for policy in [] if args.router_url else policies:
         for mode in modes:
             sim = _simulate(args, policy, trace, mode)
