@@ -207,7 +207,9 @@ async def _prefill(
         path,
         ReplicaUrl.parse(ep.base_url).netloc.encode(),
         client_headers,
-        rid.encode(),
+        # the client's request id on both legs, as vLLM's toy proxy does (older NIXL
+        # connectors pair the legs by it); the load tracker keeps the leg as ``<id>#p``
+        flow.request.request_id.encode(),
         ep.dp_rank,
         len(prefill_body),
     )
