@@ -222,3 +222,54 @@ def test_roles_in_config_and_registrations() -> None:
         build_settings({"models": {MODEL: {"pd": {"mode": "auto", "bogus": 1}}}})
     off = build_settings({"models": {MODEL: {"pd": {"mode": "off"}}}})
     assert off.models[MODEL].pd is None
+
+
+async def test_the_prefill_request_is_vllms(mocks: Mocks) -> None:
+    """What the prefill replica receives, byte for byte the fields vLLM's proxies set, and
+    what the decode replica gets back from its answer."""
+    from aiohttp import web
+
+    seen: list[tuple[dict[str, Any], str]] = []
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "x",
+              "remote_block_ids": [1, 2], "remote_host": "h", "remote_port": 1}  # fmt: skip
+
+    async def prefill(request: web.Request) -> web.Response:
+        seen.append((await request.json(), request.headers.get("X-Request-Id", "")))
+        return web.json_response({"object": "text_completion", "choices": [],
+                                  "kv_transfer_params": params})  # fmt: skip
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", prefill)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    replicas = _replicas(mocks)
+    replicas[0] = {**replicas[0], "url": f"http://127.0.0.1:{port}"}
+    del replicas[0]["zmq"]
+    router, url = await start_router(_settings(replicas))
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 50}],
+                "stream": True, "stream_options": {"include_usage": True},
+                "max_completion_tokens": 7}  # fmt: skip
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "r1"}) as r,
+        ):
+            assert r.status == 200
+            raw = await r.read()
+        assert raw.rstrip().endswith(b"data: [DONE]")
+        ((got, rid),) = seen
+        assert rid == "r1"
+        assert got["stream"] is False and got["stream_options"] is None
+        assert got["max_tokens"] == 1 and got["max_completion_tokens"] == 1
+        assert got["kv_transfer_params"] == {
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None,
+        }  # fmt: skip
+        assert got["messages"] == body["messages"]
+        # the decode replica pulled what the answer named (remote_engine_id "x": no rack)
+        assert mocks.counters("d0").decode_legs + mocks.counters("d1").decode_legs == 1
+    finally:
+        await router.cleanup()
+        await runner.cleanup()
