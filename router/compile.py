@@ -51,6 +51,7 @@ TESTS = (
     "tests/test_index.py",
     "tests/test_policies.py",
     "tests/test_routing_columns.py",
+    "tests/test_pd_core.py",  # prefill/decode disaggregation's decision
     "tests/test_load_peer.py",
     "tests/test_gc_retention.py",
     "tests/test_sim_cache.py",  # the index's bulk event ingestion

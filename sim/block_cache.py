@@ -135,7 +135,9 @@ class BlockCache:
     def _checkpoints(self, seq: _Seq, old_full: int, new_full: int) -> None:
         p = self.profile
         lo = max(old_full, seq.usable_blocks)
-        if p.checkpoint == "every_block":
+        if seq.remote:  # a transfer carries the state at the prompt end only
+            at: list[int] = []
+        elif p.checkpoint == "every_block":
             at = list(range(lo + 1, new_full + 1))
         elif p.checkpoint == "step_end":
             at = [new_full] if new_full > lo else []

@@ -84,6 +84,19 @@ def _add_fleet_args(p: argparse.ArgumentParser, traces: bool = False) -> None:
     p.add_argument("--slo-ttft-ms", type=float, help="one TTFT target for every prompt")
     p.add_argument("--slo-tpot-ms", type=float, help="the TPOT target (default 100 ms)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--pd",
+        choices=("off", "always", "auto"),
+        default="off",
+        help="prefill/decode disaggregation (docs/pd.md)",
+    )
+    p.add_argument(
+        "--prefill-share",
+        type=float,
+        default=0.25,
+        help="share of each rack's replicas with the prefill role (--pd always|auto)",
+    )
+    p.add_argument("--pd-params", help="JSON PdKnobs overrides (router/core/disagg.py)")
     p.add_argument("--jobs", type=int, help="parallel worker processes (default: up to 4)")
 
 
@@ -98,6 +111,22 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
     share = args.share_load_ms
     if share is not None and share < 0:
         raise KVRouterError("--share-load-ms must not be negative")
+    if not 0.0 <= args.prefill_share < 1.0:
+        raise KVRouterError("--prefill-share must be in [0, 1)")
+    pd_params = None
+    if args.pd_params:
+        try:
+            pd_params = json.loads(args.pd_params)
+        except json.JSONDecodeError as exc:
+            raise KVRouterError(f"--pd-params is not JSON: {exc}") from None
+        if not isinstance(pd_params, dict):
+            raise KVRouterError("--pd-params must be a JSON object")
+        from router.core.disagg import PdKnobs
+
+        try:
+            PdKnobs(**pd_params)
+        except TypeError as exc:
+            raise KVRouterError(f"--pd-params: {exc}") from None
     return ClusterConfig(
         profile=load_profile(args.profile),
         slo=_slo(args),
@@ -114,6 +143,9 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         share_load_s=share / 1000 if share is not None else None,
         seed=args.seed,
         record_load=record_load,
+        pd=args.pd,
+        prefill_share=args.prefill_share,
+        pd_params=pd_params,
     )
 
 
@@ -164,6 +196,9 @@ def _settings(args: argparse.Namespace, config: Any) -> dict[str, Any]:
             "tpot_s": config.slo.tpot_s,
         },
         "seed": config.seed,
+        "racks": config.racks,
+        "pd": config.pd,
+        "prefill_share": config.prefill_share,
     }
 
 
@@ -325,6 +360,12 @@ def _tune(args: argparse.Namespace) -> int:
         f"{config.kv_blocks or config.profile.scaled(config.block_size).kv_blocks} blocks of "
         f"{config.block_size}\nobjective: {goal}"
     )
+    from sim.tune import split_point
+
+    _, pd_best = split_point({k: v for k, v in best.items() if k.startswith("pd.")})
+    best = {k: v for k, v in best.items() if not k.startswith("pd.")}
+    if pd_best:
+        header += f"\nprefill/decode ({config.pd}): {json.dumps(pd_best)}"
     text = dump_tuned(
         {args.model: TunedPolicy.for_cluster(args.model, "ours", best, config)}, header
     )
@@ -333,6 +374,7 @@ def _tune(args: argparse.Namespace) -> int:
         "out": args.out,
         "objective": args.objective,
         "best": {k: v for k, v in best.items() if k != "cost"},
+        "pd": pd_best,
         "goodput": round(top.goodput, 5),
         "p90_ms": top.p90_ms,
         "hit_rate": top.hit_rate,

@@ -8,6 +8,14 @@ index and its propagation lag); engine load reports reach them at most every
 round robin, so several routers can pile onto one replica before they see each other's load.
 
 Replicas carry region and rack labels (``reg{g}-rack{k}-r{i}``), spread evenly.
+
+With ``pd`` ``always`` or ``auto`` (sim/pd.py: roles by rack) every arrival goes through
+``router.core.disagg.Disaggregator.plan``: a local request runs as above; a disaggregated one
+runs its prefill leg (``max_output_tokens`` 1) on the prefill replica, then, when that leg
+finishes, the decode replica is picked (``pick_decode``) and the request reaches it after the
+transfer time of its KV and state over the link between the two (``remote_prefilled``: no
+prefill compute there). A prefill leg the engine rejects falls back to a local prefill on the
+decode replica. TTFT is the decode replica's first token.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.core.disagg import Disaggregator, LinkModel, PdKnobs, TransferSizes
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker, summed_load
 from router.core.policies import make_policy, uses_prefix_index
@@ -24,8 +33,9 @@ from router.core.routing import BusyThresholds, RoutingEngine, RoutingSettings
 from router.core.slo import SloTargets
 from router.core.types import EventBatch, ReplicaKey, RouteRequest
 from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, Rejected
-from sim.events import ARRIVAL, DELIVER, ENGINE, EventQueue
+from sim.events import ARRIVAL, DELIVER, ENGINE, TRANSFER, EventQueue
 from sim.metrics import RequestRecord, summarize
+from sim.pd import PdStats, roles_of, sites_of
 from sim.profiles import EngineProfile
 from sim.workload import SimRequest, Workload, scale_arrivals
 
@@ -55,6 +65,12 @@ class ClusterConfig:
     slo: SloTargets = field(default_factory=SloTargets)
     seed: int = 0
     record_load: bool = False
+    # prefill/decode disaggregation (sim/pd.py): off | always | auto, the prefill share of
+    # each rack, PdKnobs overrides, the link model
+    pd: str = "off"
+    prefill_share: float = 0.25
+    pd_params: Mapping[str, Any] | None = None
+    link: LinkModel = field(default_factory=LinkModel)
 
     def capacity_blocks(self) -> int:
         """The cluster's total GPU KV capacity, in blocks."""
@@ -177,6 +193,24 @@ class Simulation:
         self._next_router = 0
         self._series: list[list[tuple[float, int]]] = [[] for _ in self.engines]
         self._done = 0
+        self.pd_stats = PdStats()
+        self.pd: Disaggregator | None = None
+        if config.pd != "off":
+            sites = sites_of(self.keys)
+            knobs = PdKnobs(
+                mode=config.pd, tpot_target_s=config.slo.tpot_s, **dict(config.pd_params or {})
+            )
+            self.pd = Disaggregator(
+                knobs,
+                p.cost,
+                roles=roles_of(self.keys, sites, config.pd, config.prefill_share),
+                sites=sites,
+                link=config.link,
+                sizes=TransferSizes(p.kv_bytes_per_token, p.state_bytes),
+            )
+        # prefill leg id -> (request, its RouteRequest, prefill engine slot)
+        self._legs: dict[str, tuple[SimRequest, RouteRequest, int]] = {}
+        self._from_prefill: set[str] = set()  # requests whose hit their prefill leg reported
 
     # ------------------------------------------------------------------ running
 
@@ -205,6 +239,8 @@ class Simulation:
                 self._arrive(payload, t)
                 if progress is not None and not len(self._order) & 127:
                     progress(len(self._order), total)
+            elif prio == TRANSFER:
+                self._submit(payload[0], payload[1], t)
             else:
                 for router in self.routers:
                     router.engine.index.apply(payload)
@@ -216,7 +252,7 @@ class Simulation:
             [str(k) for k in self.keys],
             self.config.slo,
         )
-        summary = {"policy": self.policy_name, **summary}
+        summary = {"policy": self.policy_name, **summary, **self.pd_stats.summary()}
         ttft = [
             rec.first - rec.arrival
             for rec in self._records.values()
@@ -249,13 +285,32 @@ class Simulation:
             req.session_id,
             req.output_tokens,
         )
-        decision = engine.route(rr, self.keys, now, router.rng)
+        self._router_of[req.request_id] = router
+        if self.pd is not None:
+            plan = self.pd.plan(engine, rr, self.keys, now, router.rng)
+            self.pd_stats.requests += 1
+            if plan.prefill is not None:
+                self.pd_stats.remote += 1
+                leg = self.pd.prefill_request(rr)
+                engine.dispatched(leg, plan.prefill, now)
+                i = self._slot[plan.prefill.replica]
+                self._records[req.request_id] = RequestRecord(
+                    req.request_id, now, req.prompt_tokens, i
+                )
+                self._legs[leg.request_id] = (req, rr, i)
+                self._from_prefill.add(req.request_id)
+                ereq = EngineRequest(leg.request_id, req.block_hashes, req.prompt_tokens, 1)
+                self._submit(i, ereq, now)
+                return
+            assert plan.local is not None
+            decision = plan.local
+        else:
+            decision = engine.route(rr, self.keys, now, router.rng)
         engine.dispatched(rr, decision, now)
         i = self._slot[decision.replica]
         self._records[req.request_id] = RequestRecord(req.request_id, now, req.prompt_tokens, i)
-        self._router_of[req.request_id] = router
-        eng = self.engines[i]
-        eng.submit(
+        self._submit(
+            i,
             EngineRequest(
                 req.request_id,
                 req.block_hashes,
@@ -265,6 +320,10 @@ class Simulation:
             ),
             now,
         )
+
+    def _submit(self, i: int, ereq: EngineRequest, now: float) -> None:
+        eng = self.engines[i]
+        eng.submit(ereq, now)
         if self.config.record_load:
             self._series[i].append((now, eng.pending()))
         self._after_engine(i, now, eng.advance(now))
@@ -303,14 +362,19 @@ class Simulation:
                 for router in self.routers:
                     router.engine.index.apply(batch)
         records = self._records
+        legs = self._legs
         for out in outputs:
             kind = type(out)
+            if legs and out.request_id in legs:
+                self._prefill_leg(out, now)
+                continue
             if kind is FirstToken:
                 rec = records[out.request_id]
                 rec.first = out.time
-                rec.cached = out.cached_tokens
-                rec.kv_hit = out.kv_hit_tokens
-                rec.queued = out.queued_s
+                if out.request_id not in self._from_prefill:
+                    rec.cached = out.cached_tokens
+                    rec.kv_hit = out.kv_hit_tokens
+                    rec.queued = out.queued_s
                 self._router_of[out.request_id].engine.load.first_token(out.request_id)
             elif kind is Finished:
                 rec = records[out.request_id]
@@ -331,6 +395,53 @@ class Simulation:
             self._wake_at[i] = nt
             if nt is not None:
                 self._queue.push(nt, ENGINE, (i, self._gen[i]))
+
+    def _prefill_leg(self, out: Any, now: float) -> None:
+        """An output of a prefill leg: its hit is the request's; when it ends the decode
+        replica is picked and the request moves there (a rejected leg: local prefill)."""
+        leg_id = out.request_id
+        req, rr, i = self._legs[leg_id]
+        engine = self._router_of[req.request_id].engine
+        if type(out) is FirstToken:
+            rec = self._records[req.request_id]
+            rec.cached = out.cached_tokens
+            rec.kv_hit = out.kv_hit_tokens
+            rec.queued = out.queued_s
+            engine.load.first_token(leg_id)
+            return
+        if type(out) not in (Finished, Rejected):
+            return
+        del self._legs[leg_id]
+        engine.load.complete(leg_id)
+        fallback = type(out) is Rejected
+        assert self.pd is not None
+        rng = self._router_of[req.request_id].rng
+        pick = self.pd.pick_decode(engine, rr, self.keys[i], self.keys, now, rng)
+        j = self._slot[pick.decision.replica]
+        self._records[req.request_id].replica = j
+        ereq = EngineRequest(
+            req.request_id,
+            req.block_hashes,
+            req.prompt_tokens,
+            req.output_tokens,
+            req.output_block_hashes,
+            remote_prefilled=not fallback,
+        )
+        if fallback:
+            self.pd_stats.fallbacks += 1
+            self._from_prefill.discard(req.request_id)
+            engine.load.dispatch(
+                rr.request_id,
+                pick.decision.replica,
+                rr.prompt_tokens,
+                pick.decision.usable_tokens,
+                rr.max_output_tokens,
+            )
+            self._queue.push(now, TRANSFER, (j, ereq))
+            return
+        self.pd.dispatched_decode(engine, rr, pick, now)
+        self.pd_stats.moved(pick.link, pick.transfer_bytes, pick.transfer_s)
+        self._queue.push(now + pick.transfer_s, TRANSFER, (j, ereq))
 
     def _follow_ups(self, request_id: str, now: float) -> None:
         for child in self._children.pop(request_id, ()):

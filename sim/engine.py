@@ -66,13 +66,18 @@ from sim.profiles import EngineProfile
 class EngineRequest:
     """One request as an engine sees it. ``block_hashes`` are the canonical hashes (router
     block size) of the prompt's full blocks; ``output_block_hashes`` optionally name the full
-    blocks the answer completes (so a follow-up turn can hit them)."""
+    blocks the answer completes (so a follow-up turn can hit them). ``remote_prefilled``: the
+    decode leg of a disaggregated request: another replica computed the prompt and its KV
+    (and recurrent state at the prompt end) arrive with it, so admission names the prompt's
+    blocks as computed (publishing them) and the request decodes after one step with no
+    prefill compute."""
 
     request_id: str
     block_hashes: Sequence[int]
     prompt_tokens: int
     max_output_tokens: int
     output_block_hashes: Sequence[int] = ()
+    remote_prefilled: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -138,6 +143,7 @@ class _Seq:
         "pinned",
         "prompt",
         "queued_s",
+        "remote",
         "rid",
         "submitted",
         "unnamed",
@@ -174,6 +180,7 @@ class _Seq:
         self.load_s = 0.0
         self.queued_s = 0.0
         self.cancelled = False
+        self.remote = req.remote_prefilled
 
 
 class _Segment:
@@ -557,4 +564,8 @@ class EngineModel(BlockCache):
         seq.cached = min(usable * self.block_size, seq.prompt - 1)
         seq.computed = seq.cached
         seq.queued_s = now - seq.submitted
+        if seq.remote:  # the transferred prompt: named (and published) as computed
+            old = seq.computed
+            seq.computed = seq.prompt
+            self._computed(seq, old // self.block_size, seq.nfull)
         return True

@@ -14,6 +14,7 @@ from typing import Any
 ENGINE = 0  # an engine's step or decode run ends
 DELIVER = 1  # index events / reports reach the routers
 ARRIVAL = 2  # a request reaches a router
+TRANSFER = 3  # a disaggregated request's KV (and state) reached its decode replica
 
 
 class EventQueue:

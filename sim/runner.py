@@ -7,7 +7,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from router.core.policies import POLICY_NAMES
@@ -25,6 +25,7 @@ class RunSpec:
     params: Mapping[str, Any] | None = None
     speedup: float = 1.0
     label: str | None = None
+    cluster: Mapping[str, Any] | None = None  # ClusterConfig fields replaced for this run
 
 
 def build_workload(
@@ -60,6 +61,8 @@ def run_one(
     workload: Workload, config: ClusterConfig, spec: RunSpec, progress: Progress | None = None
 ) -> RunResult:
     started = time.perf_counter()
+    if spec.cluster:
+        config = replace(config, **spec.cluster)
     result = Simulation(
         workload, config, spec.policy, spec.params, speedup=spec.speedup, progress=progress
     ).run()

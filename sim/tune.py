@@ -14,6 +14,11 @@ Objectives (``objective``), over every (trace, speed-up) case:
 * ``ttft``: the geometric mean of p90 TTFT (lower is better), ties broken by the higher token
   hit rate: what TTFT alone would choose (kept for comparison; it buys TTFT with decode
   speed under load).
+
+With prefill/decode disaggregation on (``--pd always|auto``) the grid is ``PD_GRID``
+instead: the prefill share of each rack and the decision's knobs (router/core/disagg.py
+``PdKnobs``), ``ours``' weights at their defaults. Those keys carry a ``pd.`` prefix; they
+go to the simulated cluster, not to the policy.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from router.core.disagg import PdKnobs
 from router.core.policies import Ours
 from sim.cluster import ClusterConfig
 from sim.runner import RunSpec, run_many
@@ -35,7 +41,35 @@ GRID: dict[str, tuple[float, ...]] = {
     "w_queue": (0.5, 1.0, 1.5),
     "w_interference": (0.0, 1.0, 2.0, 4.0, 8.0),
 }
+PD_GRID: dict[str, tuple[float, ...]] = {
+    "pd.prefill_share": (0.125, 0.25, 0.5),
+    "pd.min_uncached_tokens": (2048.0, 4096.0, 16384.0),
+    "pd.max_local_hit": (0.3, 0.5, 0.8),
+    "pd.rack_penalty_s": (0.5, 2.0, 8.0),
+}
 OBJECTIVES = ("goodput", "ttft")
+
+
+def _default(key: str) -> float:
+    if key == "pd.prefill_share":
+        return 0.25
+    if key.startswith("pd."):
+        return float(getattr(PdKnobs(), key[3:]))
+    return float(getattr(Ours(), key))
+
+
+def split_point(point: Mapping[str, float]) -> tuple[dict[str, float], dict[str, Any]]:
+    """(policy parameters, cluster overrides) of a grid point."""
+    policy = {k: v for k, v in point.items() if not k.startswith("pd.")}
+    knobs: dict[str, Any] = {k[3:]: v for k, v in point.items() if k.startswith("pd.")}
+    cluster: dict[str, Any] = {}
+    if "prefill_share" in knobs:
+        cluster["prefill_share"] = knobs.pop("prefill_share")
+    if "min_uncached_tokens" in knobs:
+        knobs["min_uncached_tokens"] = int(knobs["min_uncached_tokens"])
+    if knobs:
+        cluster["pd_params"] = knobs
+    return policy, cluster
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,7 +105,7 @@ def grid_points(
         dict(zip(keys, combo, strict=False))
         for combo in itertools.product(*(grid[k] for k in keys))
     ]
-    default = {k: float(getattr(Ours(), k)) for k in keys}
+    default = {k: _default(k) for k in keys}
     points = [p for p in points if p != default]
     if budget is not None and budget - 1 < len(points):
         points = random.Random(seed).sample(points, max(0, budget - 1))
@@ -104,7 +138,10 @@ def evaluate(
         raise ValueError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
     per_point: list[list[Case]] = [[] for _ in points]
     for name, workload in workloads:
-        specs = [RunSpec("ours", {**base, **p}, s) for p in points for s in speedups]
+        specs = []
+        for p in points:
+            policy, cluster = split_point(p)
+            specs += [RunSpec("ours", {**base, **policy}, s, cluster=cluster) for s in speedups]
         results = run_many(workload, config, specs, jobs=jobs)
         n = len(speedups)
         for i in range(len(points)):
@@ -159,6 +196,8 @@ def tune(
     """Return the best ``ours`` parameters (cost model and TPOT target included) and the
     final rung. ``workload``: one workload, or ``(name, workload)`` pairs."""
     workloads = [("trace", workload)] if isinstance(workload, Workload) else list(workload)
+    if config.pd != "off" and grid is GRID:
+        grid = PD_GRID
     base: dict[str, Any] = {"cost": asdict(config.profile.cost), "tpot_target_s": config.slo.tpot_s}
     points = grid_points(grid, budget, seed)
     fractions = (0.25, 0.5, 1.0)

@@ -11,6 +11,11 @@ SLO, router.core.slo), TTFT and TPOT, next to what the simulator predicts for th
 and cluster, and exits non-zero if any request failed. The default profile is the hybrid
 ``kimi-k3`` (the mission's model).
 
+``--pd off,auto,always`` runs each policy once per prefill/decode disaggregation mode (rows
+``policy/pd=mode``): the replicas spread over ``--racks`` racks, ``--prefill-share`` of each
+rack with the prefill role (the rest decode under ``always``, both under ``auto``), the
+router speaking vLLM's ``kv_transfer_params`` protocol to the mocks (docs/pd.md).
+
 ``--sim-only`` skips the live part (no processes at all). ``--router-url URL`` replays the
 workload through a router that is already running (any OpenAI-compatible one, in front of
 its own replicas) instead of starting a fleet: one row, ``external``.
@@ -47,7 +52,9 @@ def _summary(outcomes: list[Any]) -> dict[str, Any]:
     return summarize(outcomes)
 
 
-def _simulate(args: argparse.Namespace, policy: str, trace: Path) -> dict[str, Any]:
+def _simulate(
+    args: argparse.Namespace, policy: str, trace: Path, pd: str | None = None
+) -> dict[str, Any]:
     from router.demo.fleet import MODEL
     from sim.cluster import ClusterConfig
     from sim.profiles import load_profile
@@ -64,6 +71,9 @@ def _simulate(args: argparse.Namespace, policy: str, trace: Path) -> dict[str, A
         replicas=args.replicas,
         block_size=args.block_size,
         kv_blocks=args.kv_blocks,
+        racks=args.racks if pd else 1,
+        pd=pd or "off",
+        prefill_share=args.prefill_share,
     )
     return run_one(workload, config, RunSpec(policy, speedup=args.speedup)).summary
 
@@ -79,7 +89,9 @@ async def _external(args: argparse.Namespace, requests: list[Any]) -> dict[str, 
     return _summary(outcomes)
 
 
-async def _live(args: argparse.Namespace, policy: str, requests: list[Any]) -> dict[str, Any]:
+async def _live(
+    args: argparse.Namespace, policy: str, requests: list[Any], pd: str | None = None
+) -> dict[str, Any]:
     from router.demo.fleet import Fleet, FleetSpec
     from router.demo.replay import ProgressBar, replay
 
@@ -92,6 +104,9 @@ async def _live(args: argparse.Namespace, policy: str, requests: list[Any]) -> d
         redis_url=args.redis,
         key_prefix=f"kvr-demo-{int(time.time() * 1000)}",
         record_path=str(Path(f"{args.record}.{policy}.jsonl").resolve()) if args.record else None,
+        pd=pd,
+        racks=args.racks,
+        prefill_share=args.prefill_share,
     )
     try:
         async with Fleet(spec) as fleet:
@@ -149,6 +164,10 @@ def _run(args: argparse.Namespace, trace: Path) -> int:
     from sim.runner import parse_policies
 
     policies = parse_policies(args.policies)
+    modes: list[str | None] = [m.strip() for m in args.pd.split(",")] if args.pd else [None]
+    if any(m not in ("off", "always", "auto") for m in modes if m is not None):
+        print("kvrouter demo: --pd takes off, always and auto", file=sys.stderr)
+        return 2
     requests = load_requests(trace, args.requests, MODEL, args.max_output)
     sessions = len({r.session_id for r in requests})
     print(
@@ -165,13 +184,15 @@ def _run(args: argparse.Namespace, trace: Path) -> int:
         failed += int(external["failed"])
         rows.append(("external", external, _simulate(args, "ours", trace)))
     for policy in [] if args.router_url else policies:
-        sim = _simulate(args, policy, trace)
-        live = None if args.sim_only else asyncio.run(_live(args, policy, requests))
-        if live:
-            failed += int(live["failed"])
-        rows.append((policy, live, sim))
+        for mode in modes:
+            sim = _simulate(args, policy, trace, mode)
+            live = None if args.sim_only else asyncio.run(_live(args, policy, requests, mode))
+            if live:
+                failed += int(live["failed"])
+            rows.append((policy if mode is None else f"{policy}/pd={mode}", live, sim))
+    width = max(14, *(len(r[0]) for r in rows)) if rows else 14
     header = (
-        f"{'policy':<14} {'ok':>5} {'hit%':>6} {'kv%':>6} {'pred%':>6} {'err p99':>7}"
+        f"{'policy':<{width}} {'ok':>5} {'hit%':>6} {'kv%':>6} {'pred%':>6} {'err p99':>7}"
         f" {'good%':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'TPOT p90':>9} | {'sim hit%':>8}"
         f" {'sim kv%':>7} {'sim good%':>9} {'sim p50':>8}"
         f" {'sim p90':>8}"
@@ -186,7 +207,7 @@ def _run(args: argparse.Namespace, trace: Path) -> int:
             return _fmt(lv.get(key, math.nan), pct, digits)
 
         print(
-            f"{policy:<14} {ok:>5} {cell('hit', True):>6} {cell('kv_hit', True):>6} "
+            f"{policy:<{width}} {ok:>5} {cell('hit', True):>6} {cell('kv_hit', True):>6} "
             f"{cell('predicted_hit', True):>6} {cell('error_p99', True):>7} "
             f"{cell('goodput', True):>6} {cell('ttft_p50_ms'):>9} {cell('ttft_p90_ms'):>9} "
             f"{cell('tpot_p90_ms', digits=1):>9}"
@@ -234,6 +255,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="record the router's live traffic to PREFIX.<policy>.jsonl (replay with sim)",
     )
     p.add_argument("--sim-only", action="store_true", help="only the simulator's prediction")
+    p.add_argument(
+        "--pd",
+        help="prefill/decode disaggregation modes to run, e.g. off,auto,always (docs/pd.md)",
+    )
+    p.add_argument("--racks", type=int, default=2, help="racks the replicas spread over (--pd)")
+    p.add_argument(
+        "--prefill-share", type=float, default=0.5, help="share of a rack with the prefill role"
+    )
     p.add_argument(
         "--router-url",
         help="replay through this running router (e.g. http://host:8000) instead of a fleet",

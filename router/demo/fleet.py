@@ -35,6 +35,26 @@ class FleetSpec:
     redis_url: str | None = None
     key_prefix: str = "kvr-demo"
     record_path: str | None = None
+    # prefill/decode disaggregation (docs/pd.md): None: off (no roles); else the router's
+    # [models.NAME.pd] mode, the replicas spread over ``racks`` with roles by rack (sim/pd.py)
+    pd: str | None = None
+    racks: int = 2
+    prefill_share: float = 0.5
+
+    def roles(self) -> list[tuple[str, str]]:
+        """(rack, role) of each replica."""
+        if self.pd is None:
+            return [(f"rack-{i // 9}", "both") for i in range(self.replicas)]
+        from router.core.types import ReplicaKey
+        from sim.pd import roles_of, sites_of
+
+        keys = [
+            ReplicaKey(f"reg0-rack{i * self.racks // self.replicas}-r{i}")
+            for i in range(self.replicas)
+        ]
+        sites = sites_of(keys)
+        roles = roles_of(keys, sites, self.pd, self.prefill_share)
+        return [(sites[k].rack, roles[k].value) for k in keys]
 
 
 @dataclass
@@ -89,17 +109,22 @@ class Fleet:
         s = self.spec
         try:
             replicas = []
+            placement = s.roles()
             for i in range(s.replicas):
+                rack, role = placement[i]
+                where = ["--rack", rack, "--region", "reg0"] if s.pd else []
                 port, zmq, replay = self._port(), self._port(), self._port()
                 name = f"replica-{i}"
                 self._spawn(
                     name, "mock-replica", "--port", str(port), "--model", MODEL,
                     "--replica", name, "--profile", s.profile, "--block-size", str(s.block_size),
                     "--kv-blocks", str(s.kv_blocks), "--zmq", f"tcp://127.0.0.1:{zmq}",
-                    "--replay", f"tcp://127.0.0.1:{replay}", "--log-level", "warning",
+                    "--replay", f"tcp://127.0.0.1:{replay}", "--log-level", "warning", *where,
                 )  # fmt: skip
                 rep = {"url": f"http://127.0.0.1:{port}", "model": MODEL, "name": name,
-                       "rack": f"rack-{i // 9}"}  # fmt: skip
+                       "rack": rack}  # fmt: skip
+                if s.pd:
+                    rep.update(region="reg0", role=role)
                 if s.redis_url:
                     self._spawn(
                         f"publisher-{i}", "publish", "--replica", name, "--model", MODEL,
@@ -107,7 +132,7 @@ class Fleet:
                         "--replay", f"tcp://127.0.0.1:{replay}", "--block-size",
                         str(s.block_size), "--engine-metrics", f"{rep['url']}/metrics",
                         "--redis", s.redis_url, "--key-prefix", s.key_prefix,
-                        "--log-level", "warning",
+                        "--log-level", "warning", "--role", role, "--rack", rack,
                     )  # fmt: skip
                 else:
                     rep["zmq"] = f"tcp://127.0.0.1:{zmq}"
@@ -208,6 +233,8 @@ def _router_toml(s: FleetSpec, port: int, replicas: list[dict[str, str]]) -> str
         lines += [f"record_path = {json.dumps(s.record_path)}"]
     lines += ["", f'[models."{MODEL}"]', f'policy = "{s.policy}"', f"block_size = {s.block_size}"]
     lines += _cost_table(s.policy, s.profile)
+    if s.pd:
+        lines += ["", f'[models."{MODEL}".pd]', f'mode = "{s.pd}"']
     for rep in replicas:
         lines += ["", "[[replicas]]"] + [f'{k} = "{v}"' for k, v in rep.items()]
     return "\n".join(lines) + "\n"

@@ -13,6 +13,17 @@ prompts, sessions in ``X-Session-Id``, closed-loop follow-ups). Rows:
 * ``vllm_router_kv_aware_affinity``: the same with ``--kv-aware-session-affinity-ttl-secs``;
 * ``vllm_router_cache_aware``: vllm-router's approximate prefix tree.
 
+Prefill/decode disaggregation rows (not run unless named in ``--rows``; docs/pd.md): the
+mocks spread over 2 racks, half of each rack ``prefill``, the rest ``decode`` (``both`` for
+``auto``), the KV and state pulls timed by link:
+
+* ``kvrouter_pd_always`` / ``kvrouter_pd_auto``: ``kvrouter serve`` with ``[models.NAME.pd]``
+  mode ``always`` / ``auto`` (rack-aware decode pick; ``auto`` prefills locally when that
+  pays);
+* ``vllm_router_pd``: vllm-router ``--vllm-pd-disaggregation`` with the prefill replicas as
+  ``--prefill``, the decode ones as ``--decode``, ``kv_aware`` prefill fed by their events
+  (``--pd-kv-events``) and ``power_of_two`` decode.
+
 Each row: ``ok``, ``failed``, ``hit`` (engine-reported cached prompt tokens), ``goodput``
 (router.core.slo, the default SLO unless flags say otherwise), TTFT / E2E p50, p90, p99 and
 TPOT p50, p90 in ms (router/demo/figures.py). ``sim`` is the simulator's prediction for
@@ -64,7 +75,24 @@ ROWS = (
     "vllm_router_kv_aware_affinity",
     "vllm_router_cache_aware",
 )
+PD_ROWS = ("kvrouter_pd_always", "kvrouter_pd_auto", "vllm_router_pd")
 MODEL = "demo-model"
+
+
+def _vllm_router_pd_cmd(
+    binary: str, port: int, metrics_port: int, replicas: list[dict[str, str]]
+) -> list[str]:
+    cmd = [
+        binary, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-port", str(metrics_port), "--log-level", "warning",
+        "--prefill-policy", "kv_aware", "--decode-policy", "power_of_two",
+    ]  # fmt: skip
+    for r in replicas:
+        if r.get("role") == "prefill":
+            cmd += ["--prefill", r["url"], "--pd-kv-events", f"{r['url']}={r['zmq']}"]
+        else:
+            cmd += ["--decode", r["url"]]
+    return cmd
 
 
 def _vllm_router_cmd(
@@ -140,21 +168,26 @@ async def _row(
     from router.demo.fleet import Fleet, FleetSpec
     from router.demo.replay import replay
 
-    ours = row == "kvrouter_ours"
+    ours = row.startswith("kvrouter_")
     if not ours and binary is None:
         return {"error": "no vllm-router binary: pass --vllm-router PATH (pip install vllm-router)"}
+    pd = {"kvrouter_pd_always": "always", "kvrouter_pd_auto": "auto"}.get(row)
     spec = FleetSpec(
         replicas=workload.replicas,
         policy="ours" if ours else None,
         kv_blocks=workload.kv_blocks,
         key_prefix=f"kvr-live-{int(time.time() * 1000)}",
+        pd="always" if row == "vllm_router_pd" else pd,
     )
     started = time.perf_counter()
     async with Fleet(spec) as fleet:
         if not ours:
             assert binary is not None
             port = fleet.port()
-            cmd = _vllm_router_cmd(binary, row, port, fleet.replicas, 600)
+            if row == "vllm_router_pd":
+                cmd = _vllm_router_pd_cmd(binary, port, fleet.port(), fleet.replicas)
+            else:
+                cmd = _vllm_router_cmd(binary, row, port, fleet.replicas, 600)
             await fleet.start_router("vllm-router", cmd, f"http://127.0.0.1:{port}")
         outcomes = await replay(fleet.router_url, requests, workload.speedup)
         fleet.check_alive()
@@ -184,9 +217,10 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas:
         workload = dataclasses.replace(workload, replicas=args.replicas)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    unknown = [r for r in rows if r not in ROWS]
+    unknown = [r for r in rows if r not in (*ROWS, *PD_ROWS)]
     if unknown:
-        raise SystemExit(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(ROWS)}")
+        known = ", ".join((*ROWS, *PD_ROWS))
+        raise SystemExit(f"unknown row(s) {', '.join(unknown)}; choose from {known}")
     slo = _slo(args)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvrouter-live-") as tmp:

@@ -10,6 +10,10 @@ before the hybrid-state rule), ``GET /metrics`` (vLLM gauge names), ``GET /healt
 ``/v1/chat/completions/render``, ``/v1/completions/render`` (router/mock/preprocess.py).
 Bodies up to ``max_body_mb`` (vLLM itself has no cap).
 
+Prefill/decode disaggregation: vLLM's ``kv_transfer_params`` protocol, either role, with the
+KV and recurrent-state pull timed by the link between the two replicas' sites
+(router/mock/pd.py).
+
 Prompts are tokenized by a ``MockTokenizer`` and hashed exactly as the router hashes them
 (``root_hash(model, cache_salt)``, the router's block size), so hits are real; the answer is
 filler text, one word per token, timed by the engine model (TTFT, inter-token gaps).
@@ -25,7 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -36,6 +40,7 @@ from router.core.errors import BadRequest
 from router.core.hashing import hash_prompt, root_hash
 from router.core.types import IndexEvent, ReplicaKey
 from router.events.zmq_pub import KVEventPublisher
+from router.mock import pd
 from router.mock.driver import EngineDriver
 from router.mock.kv_events import EngineEventEncoder
 from router.mock.preprocess import handlers
@@ -67,6 +72,8 @@ class MockSettings:
     max_model_len: int = 1_048_576  # /tokenize's max_model_len; longer prompts are refused
     max_body_mb: float = 1024.0  # vLLM has no body cap; aiohttp's default is 1 MiB
     time_scale: float = 1.0  # wall seconds per modelled second (router.mock.driver)
+    rack: str = ""  # where it runs: times the KV pulls of disaggregated requests
+    region: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -79,6 +86,9 @@ class MockCounters:
     rejected: int = 0
     bad_requests: int = 0
     kv_event_batches: int = 0
+    prefill_legs: int = 0  # disaggregated requests prefilled here for another replica
+    decode_legs: int = 0  # disaggregated requests decoded here (KV pulled from elsewhere)
+    pulled_bytes: float = 0.0
 
 
 @dataclass(slots=True)
@@ -141,6 +151,17 @@ class _Collector:
             ("vllm:prefix_cache_hits", "Prompt tokens found cached", c.cached_tokens),
             ("vllm:request_success", "Requests finished", c.requests),
             ("kvrouter_mock_kv_event_batches", "KV event batches published", c.kv_event_batches),
+            (
+                "kvrouter_mock_pd_prefill_legs",
+                "Prefill legs served for remote decode",
+                c.prefill_legs,
+            ),
+            ("kvrouter_mock_pd_decode_legs", "Decode legs with remote prefill", c.decode_legs),
+            (
+                "kvrouter_mock_pd_pulled_bytes",
+                "KV and state bytes pulled (modelled)",
+                c.pulled_bytes,
+            ),
         ):
             m = CounterMetricFamily(name, doc, labels=labels)
             m.add_metric(lv, float(value))
@@ -214,6 +235,10 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
     except BadRequest as exc:
         request.app[STATE].counters.bad_requests += 1
         return _error(400, str(exc))
+    params = pd.transfer_params(body)
+    prefill_leg = pd.is_prefill_leg(params)
+    if params is not None and pd.is_decode_leg(params):
+        req = await _pull(state, req, params)
     created = int(time.time())
     model = state.settings.model
     kind = "chat.completion" if chat else "text_completion"
@@ -270,6 +295,8 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
             cached = out.cached_tokens
             produced = out.output_tokens
             finish_reason = "length" if produced >= req.max_output_tokens else "stop"
+    if params is not None and pd.is_decode_leg(params):  # the hit was the prefill replica's
+        cached, kv_hit = pd.remote_hit(params, cached, kv_hit)
     c = state.counters
     c.requests += 1
     c.prompt_tokens += req.prompt_tokens
@@ -293,6 +320,19 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         await response.write_eof()
         return response
     text = "".join(words)
+    extra: dict[str, Any] = {}
+    if prefill_leg:
+        c.prefill_legs += 1
+        s = state.settings
+        extra["kv_transfer_params"] = pd.answer_params(
+            s.replica,
+            request.url.host or "",
+            request.url.port or 0,
+            pd.Site(s.region, s.rack),
+            range(-(-req.prompt_tokens // s.block_size)),
+            cached,
+            kv_hit,
+        )
     if chat:
         choice: dict[str, Any] = {
             "index": 0,
@@ -309,8 +349,30 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
             "model": model,
             "choices": [choice],
             "usage": usage,
+            **extra,
         }
     )
+
+
+async def _pull(state: MockState, req: Any, params: Mapping[str, Any]) -> Any:
+    """A decode leg: wait out the pull of what this replica lacks, then admit the request
+    as remote-prefilled (router/mock/pd.py)."""
+    model = state.driver.model
+    held = 0
+    for h in req.block_hashes:
+        if not model.has_block(h):
+            break
+        held += 1
+    missing = max(req.prompt_tokens - held * state.settings.block_size, 0)
+    profile = model.profile
+    sizes = pd.TransferSizes(profile.kv_bytes_per_token, profile.state_bytes)
+    s = state.settings
+    moved = pd.pull(params, pd.Site(s.region, s.rack), s.replica, missing, sizes, model.hybrid)
+    state.counters.decode_legs += 1
+    state.counters.pulled_bytes += moved.nbytes
+    if moved.seconds > 0:
+        await asyncio.sleep(moved.seconds * state.driver.time_scale)
+    return replace(req, remote_prefilled=True)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

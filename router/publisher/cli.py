@@ -76,6 +76,7 @@ async def _main(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         state_interval_blocks=args.state_interval,
         engine=args.engine,
+        role=args.role,
     )
     settings = PublisherSettings(
         info=info,
@@ -176,6 +177,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--url", default="", help="the engine's OpenAI-compatible base URL")
     p.add_argument("--rack", default="")
     p.add_argument("--region", default="")
+    p.add_argument(
+        "--role",
+        default="both",
+        choices=("prefill", "decode", "both"),
+        help="the replica's role under prefill/decode disaggregation (docs/pd.md)",
+    )
     p.add_argument("--engine", default="vllm", help="engine kind, for information")
     p.add_argument("--zmq", action="append", help="engine KV-event PUB endpoint (repeatable)")
     p.add_argument("--replay", action="append", help="replay ROUTER endpoint per --zmq")

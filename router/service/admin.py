@@ -1,7 +1,9 @@
 """Admin endpoints, behind ``server.admin_token`` (``Authorization: Bearer TOKEN`` or
 ``X-Admin-Token``). Without a configured token they answer 403.
 
-* ``GET /admin/replicas``: every replica key with URL, model, rack, region, health,
+* ``GET /admin/pd``: per model with prefill/decode disaggregation, its settings, pools,
+  decisions by reason, prefill fallbacks and transfer bytes by link (docs/pd.md).
+* ``GET /admin/replicas``: every replica key with URL, model, rack, region, role, health,
   draining flag, load (in flight, queued prefill tokens, decoding) and index size;
   ``?workers=all`` combines every worker's view (:func:`combine_rows`).
 * ``POST /admin/replicas/{name}/drain`` and ``.../undrain``: stop / resume routing new
@@ -95,6 +97,7 @@ def replica_rows(state: RouterState) -> list[dict[str, Any]]:
                 "model": ep.model,
                 "rack": ep.rack,
                 "region": ep.region,
+                "role": ep.role,
                 "healthy": v.healthy,
                 "draining": v.draining,
                 "in_flight": own.prefilling + own.decoding,
@@ -243,3 +246,10 @@ def add_routes(routes: Routes, app: web.Application) -> None:
     routes.post("/admin/replicas/{name}/drain", guarded(drain_handler(True)))
     routes.post("/admin/replicas/{name}/undrain", guarded(drain_handler(False)))
     routes.get("/admin/decisions", guarded(decisions))
+
+    async def pd(req: HttpRequest, _: str) -> Reply:
+        from router.service.disagg import admin_view
+
+        return Reply.json({"models": admin_view(app[STATE]), **worker_info(app.get(WORKERS))})
+
+    routes.get("/admin/pd", guarded(pd))

@@ -5,7 +5,7 @@ File layout (every section optional; see docs/configuration.md)::
 
     [server]       host, port, workers, max_body_mb, admin_token, debug_header, timeouts,
                    max_retries, retry_after_s, seed, decisions_kept, health_interval_s, ...
-    [[replicas]]   url, model, name, rack, region, dp_ranks
+    [[replicas]]   url, model, name, rack, region, role, dp_ranks
     [models.NAME]  policy, block_size, hybrid, state_interval_blocks, speculative_ttl_s,
                    context_length, tokenizer, bpe_file, pattern, chat_template, cache_mb,
                    chars_per_token, add_bos_to_completions
@@ -14,6 +14,8 @@ File layout (every section optional; see docs/configuration.md)::
                                   reject_when_all_busy
     [models.NAME.images]          placeholder, token, tokens, min_pixels, max_pixels,
                                   model_id, hash_algorithm (router/tokenize/multimodal.py)
+    [models.NAME.pd]              mode (off/always/auto) and the other keys of
+                                  router.core.disagg.PdSetup (docs/pd.md)
     [models.NAME.slo]             ttft_tiers ("8192:2,32768:5,*:60"), ttft_s (one target for
                                   every prompt), tpot_s (router/core/slo.py)
 
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
+from router.core.disagg import PdSetup, Role
 from router.core.errors import ConfigError
 from router.core.policies import POLICY_NAMES, make_policy
 from router.core.routing import BusyThresholds, RoutingSettings
@@ -129,6 +132,8 @@ class ReplicaSettings:
     rack: str | None = None
     region: str | None = None
     dp_ranks: int = 1
+    # prefill / decode / both: its part under prefill/decode disaggregation (docs/pd.md)
+    role: str = "both"
     # Single-router mode without Redis: the router follows the engine's ZMQ KV events itself.
     zmq: str | None = None  # engine KV-event PUB endpoint, e.g. tcp://10.0.0.7:5557
     zmq_replay: str | None = None  # its replay ROUTER endpoint (fills sequence gaps)
@@ -156,6 +161,8 @@ class ModelSettings:
     images: ImageSettings | None = None
     # [models.NAME.slo]: the TTFT / TPOT targets ``ours`` routes for and the SLO metrics count
     slo: SloTargets = field(default_factory=SloTargets)
+    # [models.NAME.pd]: prefill/decode disaggregation (None: off)
+    pd: PdSetup | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -475,6 +482,10 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
     rep = _typed(ReplicaSettings, {**table, "name": name}, where)
     if rep.dp_ranks < 1:
         raise ConfigError(f"{where}.dp_ranks: must be >= 1")
+    try:
+        rep = replace(rep, role=Role.parse(rep.role).value)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}.role: {exc}") from None
     if rep.zmq_replay and not rep.zmq:
         raise ConfigError(f"{where}.zmq_replay: needs zmq")
     if rep.zmq:
@@ -525,7 +536,7 @@ def _model(name: str, table: Any) -> ModelSettings:
     params = table.get("policy_params") or {}
     if not isinstance(params, Mapping):
         raise ConfigError(f"{where}.policy_params: must be a table")
-    skip = (*_ROUTING_KEYS, "busy", "policy_params", "images", "slo")
+    skip = (*_ROUTING_KEYS, "busy", "policy_params", "images", "slo", "pd")
     rest = {k: v for k, v in table.items() if k not in skip}
     model = _typed(ModelSettings, {**rest, "name": name}, where)
     images_tab = table.get("images")
@@ -544,6 +555,15 @@ def _model(name: str, table: Any) -> ModelSettings:
         model = replace(model, slo=_typed(SloSettings, slo_tab, f"{where}.slo").targets())
     except ValueError as exc:
         raise ConfigError(f"{where}.slo: {exc}") from None
+    pd_tab = table.get("pd")
+    if pd_tab is not None:
+        if not isinstance(pd_tab, Mapping):
+            raise ConfigError(f"{where}.pd: must be a table")
+        try:
+            setup = PdSetup.from_mapping(pd_tab, model.slo.tpot_s)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.pd: {exc}") from None
+        model = replace(model, pd=setup if setup.knobs.mode != "off" else None)
     if model.policy not in POLICY_NAMES:
         raise ConfigError(
             f"{where}.policy: unknown policy {model.policy!r}; choose one of "

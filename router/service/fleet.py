@@ -109,6 +109,7 @@ class Fleet:
             rack=info.rack or None,
             region=info.region or None,
             dp_ranks=len(ranks),
+            role=info.role,
         )
         if settings == previous:
             # the same registration again (a re-bootstrap after a Redis outage re-announces

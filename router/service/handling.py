@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import xxhash
 
 from router.core.errors import BadRequest, KVRouterError
+from router.service import disagg
 from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, reply_for
 from router.service.gate import Gate
@@ -291,7 +293,11 @@ async def serve_completion(
         else:
             model = admitted.model
             state.processor(admitted.model)  # the model may have lost its replicas since: 404
-        routed = state.route(
+        route: Callable[..., Routed | disagg.PdFlow] = state.route
+        pd = state.disagg.get(admitted.model) if state.disagg else None
+        if pd is not None:  # prefilled on one replica, decoded on another (service/disagg.py)
+            route = partial(disagg.route, state, pd)
+        routed = route(
             admitted.model,
             admitted.prompt,
             # checked here, after any await: another request may have taken the id meanwhile
@@ -303,6 +309,14 @@ async def serve_completion(
     except KVRouterError as exc:
         rejected(state, model)
         await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s))
+        return
+    if isinstance(routed, disagg.PdFlow):
+        record(state, routed.routed)
+        sent = raw if admitted.usage_patch is None else with_patch(raw, admitted.usage_patch)
+        strip = admitted.usage_patch is not None
+        await disagg.serve(
+            state, forwarder, sink, routed, path, client_headers, sent, strip_usage=strip
+        )
         return
     record(state, routed)
     patch = admitted.usage_patch

@@ -25,6 +25,7 @@ class Endpoint:
     dp_rank: int | None  # set when the replica has several DP ranks
     rack: str | None = None
     region: str | None = None
+    role: str = "both"
 
 
 class ReplicaRegistry:
@@ -50,6 +51,7 @@ class ReplicaRegistry:
                 key.dp_rank if replica.dp_ranks > 1 else None,
                 replica.rack,
                 replica.region,
+                replica.role,
             )
         self._by_model[replica.model] = (*self._by_model.get(replica.model, ()), *keys)
 

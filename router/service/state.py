@@ -76,6 +76,8 @@ class RouterState:
         # per model: speculative TTL of (approximate, exact) prompts (see _add_model)
         self.speculative_ttl: dict[str, tuple[float, float]] = {}
         self.layouts = ModelLayouts(self.engines, self.index, self.registry.keys_for)
+        # per model with prefill/decode disaggregation on (router/service/disagg.py)
+        self.disagg: dict[str, Any] = {}
         self._tokenizers: dict[tuple[Any, ...], IncrementalTokenizer] = {}
         for name in {*settings.models, *self.registry.models()}:
             self._add_model(settings.model(name))
@@ -85,6 +87,10 @@ class RouterState:
         )
         # (last: its collector reads the rest of the state when registered)
         self.metrics = Metrics(partial(state_snapshot, self))
+        if self.disagg:
+            from router.service.disagg import PdCollector
+
+            self.metrics.registry.register(PdCollector(self))
         # Set while recording live traffic (app cleanup_ctx owns the file).
         self.recorder: TraceRecorder | None = None
 
@@ -101,6 +107,10 @@ class RouterState:
         self.engines[model.name] = RoutingEngine(self.index, self.load, policy, routing)
         self.processors[model.name] = processor
         self.slos[model.name] = model.slo
+        if model.pd is not None:
+            from router.service.disagg import build
+
+            self.disagg[model.name] = build(model, self.registry)
         # Approximate prompts (text hashed in character chunks) never match an engine's
         # events: the router's own speculative entries are all their index, so they must
         # live a while. Exact prompts (tokenized, or token ids) get the configured TTL (event

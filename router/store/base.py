@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from router.core.disagg import Role
 from router.core.errors import ConfigError
 from router.core.types import (
     AllCleared,
@@ -54,9 +55,11 @@ class ReplicaInfo:
     state_interval_blocks: int = 0
     engine: str = "vllm"
     publishes_state: bool = False
+    role: str = "both"  # prefill / decode / both (router/core/disagg.py)
 
     def __post_init__(self) -> None:
         check_replica_name(self.replica)
+        Role.parse(self.role)  # ConfigError: a ValueError to from_json's callers
         if not self.dp_ranks or any(r < 0 for r in self.dp_ranks):
             raise ValueError("dp_ranks must be a non-empty list of non-negative ints")
         if self.block_size <= 0:

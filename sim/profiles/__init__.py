@@ -14,6 +14,8 @@ A profile is a TOML file (``sim/profiles/<name>.toml``, or any path) with these 
     state_checkpoint_blocks = 64.0 # memory of one state checkpoint, in KV blocks
     cpu_blocks = 0                 # optional host-memory tier (0: none)
     cpu_load_s_per_token = 2e-7    # host -> GPU reload time per cached token
+    kv_bytes_per_token = 327680.0  # KV bytes a token (what a remote prefill moves)
+    state_bytes = 0.0              # recurrent state of one sequence, moved with it
 
     [cost]                         # router.core.load.CostModel fields (seconds)
     step_overhead_s = 0.008
@@ -53,6 +55,8 @@ class EngineProfile:
     state_checkpoint_blocks: float = 0.0
     cpu_blocks: int = 0
     cpu_load_s_per_token: float = 2e-7
+    kv_bytes_per_token: float = 327680.0
+    state_bytes: float = 0.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -64,6 +68,8 @@ class EngineProfile:
             )
         if self.checkpoint_interval_tokens <= 0 or self.cpu_blocks < 0:
             raise ConfigError(f"profile {self.name}: bad checkpoint interval or cpu_blocks")
+        if self.kv_bytes_per_token < 0 or self.state_bytes < 0:
+            raise ConfigError(f"profile {self.name}: kv_bytes_per_token, state_bytes >= 0")
         if self.state_checkpoint_blocks < 0:
             raise ConfigError(f"profile {self.name}: state_checkpoint_blocks must be >= 0")
 

@@ -1,0 +1,102 @@
+"""The mock replica's side of vLLM's disaggregated protocol (docs/pd.md).
+
+Either role, decided per request by its ``kv_transfer_params`` (as a vLLM engine with a
+``kv_both`` connector does):
+
+* ``do_remote_decode: true`` (a prefill leg): the request runs as usual (the proxy asked for
+  one token) and the answer carries ``kv_transfer_params`` for the decode side:
+  ``do_remote_prefill: true``, ``remote_engine_id`` (this replica), ``remote_block_ids``,
+  ``remote_host`` / ``remote_port`` (vLLM NIXL's names) plus ``remote_rack`` /
+  ``remote_region`` (mock-only: where the blocks are, so the decode side can time the pull)
+  and ``remote_cached_tokens`` / ``remote_kv_hit_tokens`` (mock-only: the prefill's hit, which
+  the decode answer's ``usage`` reports as the request's: the decode side's own cache only
+  decides how much is pulled);
+* ``do_remote_prefill: true`` (a decode leg): the replica "pulls" the prompt's KV it does not
+  hold (``kv_bytes_per_token`` of the profile a token) and the recurrent state at the prompt
+  end (``state_bytes``, hybrid profiles) over the link between the two sites
+  (router.core.disagg.LinkModel: NVLink in a rack, network across racks), waits that long on
+  the wall clock (scaled by ``--time-scale``), then the engine model admits the request as
+  ``remote_prefilled``: no prefill compute, the blocks named and published as KV events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from router.core.disagg import LinkModel, Site, TransferSizes
+
+__all__ = ["Site", "TransferSizes", "answer_params", "pull", "transfer_params"]
+
+LINKS = LinkModel()
+
+
+@dataclass(slots=True, frozen=True)
+class Pull:
+    """A decode leg's transfer: bytes moved and modelled seconds."""
+
+    nbytes: float
+    seconds: float
+    link: str
+
+
+def transfer_params(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    params = body.get("kv_transfer_params")
+    return params if isinstance(params, Mapping) else None
+
+
+def is_prefill_leg(params: Mapping[str, Any] | None) -> bool:
+    return bool(params and params.get("do_remote_decode"))
+
+
+def is_decode_leg(params: Mapping[str, Any] | None) -> bool:
+    return bool(params and params.get("do_remote_prefill"))
+
+
+def answer_params(
+    replica: str,
+    host: str,
+    port: int,
+    site: Site,
+    block_ids: Sequence[int],
+    cached: int,
+    kv_hit: int,
+) -> dict[str, Any]:
+    """What a prefill leg's answer carries for the decode request."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": replica,
+        "remote_block_ids": list(block_ids),
+        "remote_host": host,
+        "remote_port": port,
+        "tp_size": 1,
+        "remote_rack": site.rack,
+        "remote_region": site.region,
+        "remote_cached_tokens": cached,
+        "remote_kv_hit_tokens": kv_hit,
+    }
+
+
+def remote_hit(params: Mapping[str, Any], cached: int, kv_hit: int) -> tuple[int, int]:
+    """(cached, KV-only hit) a decode leg reports: the prefill replica's when it said."""
+    c, k = params.get("remote_cached_tokens"), params.get("remote_kv_hit_tokens")
+    return (c if type(c) is int else cached), (k if type(k) is int else kv_hit)
+
+
+def pull(
+    params: Mapping[str, Any],
+    here: Site,
+    replica: str,
+    missing_tokens: int,
+    sizes: TransferSizes,
+    hybrid: bool,
+) -> Pull:
+    """The decode leg's pull of ``missing_tokens`` of KV (and the state) from the site the
+    prefill answer named."""
+    there = Site(str(params.get("remote_region") or ""), str(params.get("remote_rack") or ""))
+    same = params.get("remote_engine_id") == replica
+    link = LINKS.link(there, here, same_replica=same)
+    nbytes = 0.0 if same else sizes.total(missing_tokens, hybrid)
+    return Pull(nbytes, LINKS.seconds(link, nbytes), link.value)

@@ -1,0 +1,370 @@
+"""Prefill/decode disaggregation through the router: vLLM's protocol (docs/pd.md).
+
+For a model with ``[models.NAME.pd]`` (mode ``always`` or ``auto``) the front door asks
+:func:`route` instead of ``RouterState.route``. The decision is router/core/disagg.py's
+(``Disaggregator.plan``): a local request is routed among the replicas that prefill and decode
+(role ``both``) and forwarded as usual; a disaggregated one (:class:`PdFlow`) is served by
+:func:`serve`:
+
+1. the prefill replica gets the client's body with ``stream: false``, ``max_tokens: 1``
+   (``max_completion_tokens: 1`` too when the client used it), no ``stream_options`` and
+   ``kv_transfer_params: {do_remote_decode: true, do_remote_prefill: false, remote_*: null}``
+   (members appended to the JSON object: parsers keep the last of repeated keys);
+2. its answer's ``kv_transfer_params`` go on the client's original body, sent to the decode
+   replica picked then (``Disaggregator.pick_decode``: load, the link from the prefill
+   replica, its rack); the decode replica's answer (streamed if the client asked) is the one
+   OpenAI response the client gets, through the usual ``Forwarder``.
+
+Failures: a prefill that cannot be sent, fails, or answers without ``kv_transfer_params``
+falls back to a local prefill on the decode replica (the original body, nothing added); the
+decode request is retried on the next decode replica while no byte reached the client (the
+Forwarder's retries over the pick's ranking). The request is never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.core.disagg import PREFILL_LEG_OUTPUT, Disaggregator, Link, PdSetup, Role, Site
+from router.core.errors import KVRouterError
+from router.core.load import CostModel
+from router.core.types import ReplicaKey, RouteRequest
+from router.service.config import ModelSettings
+from router.service.errors import reply_for
+from router.service.proxy import Forwarder, Sink, request_head, send_error
+from router.service.registry import ReplicaRegistry
+from router.service.replica_url import ReplicaUrl
+from router.service.state import Routed, RouterState
+from router.service.stream_usage import with_patch
+from router.service.upstream_errors import ConnectFailed, UpstreamError, UpstreamTimeout
+
+REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+_PREFILL_PATCH = (
+    b',"stream":false,"stream_options":null,"max_tokens":1,"kv_transfer_params":'
+    + json.dumps(REMOTE_DECODE, separators=(",", ":")).encode()
+)
+
+
+class _Roles(Mapping[ReplicaKey, Role]):
+    """The registry's replicas' roles, read where they are kept (no copy to go stale)."""
+
+    def __init__(self, registry: ReplicaRegistry) -> None:
+        self._registry = registry
+
+    def __getitem__(self, key: ReplicaKey) -> Role:
+        ep = self._registry.endpoint(key)
+        if ep is None:
+            raise KeyError(key)
+        return Role(ep.role)
+
+    def __iter__(self) -> Iterator[ReplicaKey]:
+        return (ep.key for ep in self._registry.endpoints())
+
+    def __len__(self) -> int:
+        return len(self._registry.endpoints())
+
+
+class _Sites(Mapping[ReplicaKey, Site]):
+    def __init__(self, registry: ReplicaRegistry) -> None:
+        self._registry = registry
+
+    def __getitem__(self, key: ReplicaKey) -> Site:
+        ep = self._registry.endpoint(key)
+        if ep is None:
+            raise KeyError(key)
+        return Site(ep.region or "", ep.rack or "")
+
+    def __iter__(self) -> Iterator[ReplicaKey]:
+        return (ep.key for ep in self._registry.endpoints())
+
+    def __len__(self) -> int:
+        return len(self._registry.endpoints())
+
+
+@dataclass(slots=True)
+class ModelDisagg:
+    """One model's disaggregator and its counters (exported by :class:`PdCollector`)."""
+
+    pd: Disaggregator
+    decisions: dict[str, int] = field(default_factory=dict)  # by the plan's reason
+    fallbacks: dict[str, int] = field(default_factory=dict)  # prefill failures by cause
+    bytes_by_link: dict[str, float] = field(default_factory=dict)
+
+    def count(self, table: dict[str, Any], key: str, n: float = 1) -> None:
+        table[key] = table.get(key, 0) + n
+
+
+def build(model: ModelSettings, registry: ReplicaRegistry) -> ModelDisagg | None:
+    """The model's disaggregator (None when its ``pd`` is off), predicting with the cost
+    model of its ``ours`` parameters (defaults otherwise)."""
+    setup: PdSetup | None = model.pd
+    if setup is None:
+        return None
+    cost_params = model.policy_params.get("cost") or {}
+    cost = CostModel(**cost_params) if isinstance(cost_params, Mapping) else CostModel()
+    pd = Disaggregator(
+        setup.knobs,
+        cost,
+        roles=_Roles(registry),
+        sites=_Sites(registry),
+        link=setup.link,
+        sizes=setup.sizes,
+    )
+    return ModelDisagg(pd)
+
+
+class PdFlow(NamedTuple):
+    """A disaggregated request after planning: ``routed`` is its prefill leg (dispatched on
+    the prefill replica under ``<id>#p``); ``request`` the client's request."""
+
+    routed: Routed
+    request: RouteRequest
+    model: ModelDisagg
+
+
+def route(
+    state: RouterState,
+    md: ModelDisagg,
+    model: str,
+    prompt: Any,
+    request_id: str,
+    now: float,
+    *,
+    session_id: str | None,
+    max_output_tokens: int | None,
+) -> Routed | PdFlow:
+    """Plan the request: a ``Routed`` to forward as usual (local prefill), or a
+    :class:`PdFlow` for :func:`serve`. Raises KVRouterError like ``RouterState.route``."""
+    engine = state.engines[model]
+    state.fleet.restore_health(now)
+    request = RouteRequest(
+        request_id,
+        model,
+        max(prompt.prompt_tokens, 1),
+        prompt.block_hashes,
+        prompt.block_size,
+        session_id,
+        max_output_tokens,
+    )
+    keys = state.registry.keys_for(model)
+    plan = md.pd.plan(engine, request, keys, now, state.rng)
+    md.count(md.decisions, plan.reason)
+    if plan.prefill is None:
+        assert plan.local is not None
+        return state.route(
+            model,
+            prompt,
+            request_id,
+            now,
+            session_id=session_id,
+            max_output_tokens=max_output_tokens,
+            replicas=(plan.local.replica,),
+        )
+    leg = state.route(
+        model,
+        prompt,
+        request_id + "#p",
+        now,
+        session_id=session_id,
+        max_output_tokens=PREFILL_LEG_OUTPUT,
+        replicas=(plan.prefill.replica,),
+    )
+    return PdFlow(leg, request, md)
+
+
+async def _prefill(
+    state: RouterState,
+    forwarder: Forwarder,
+    flow: PdFlow,
+    path: bytes,
+    client_headers: list[tuple[bytes, bytes]],
+    body: bytes,
+) -> tuple[dict[str, Any] | None, str]:
+    """Run the prefill leg: (the answer's ``kv_transfer_params``, '') or (None, cause)."""
+    key = flow.routed.decision.replica
+    ep = state.registry.endpoint(key)
+    rid = flow.routed.request.request_id
+    if ep is None:
+        return None, "gone"
+    patch = _PREFILL_PATCH
+    if b'"max_completion_tokens"' in body:
+        patch += b',"max_completion_tokens":1'
+    prefill_body = with_patch(body, patch)
+    head = request_head(
+        path,
+        ReplicaUrl.parse(ep.base_url).netloc.encode(),
+        client_headers,
+        # the client's request id on both legs, as vLLM's toy proxy does (older NIXL
+        # connectors pair the legs by it); the load tracker keeps the leg as ``<id>#p``
+        flow.request.request_id.encode(),
+        ep.dp_rank,
+        len(prefill_body),
+    )
+    try:
+        upstream = await forwarder.client.pool(ep.base_url).send(head, prefill_body)
+    except ConnectFailed:
+        state.fleet.mark_unhealthy(key, forwarder.event_loop().time())
+        return None, "connect_error"
+    except UpstreamTimeout:
+        return None, "timeout"
+    except UpstreamError:
+        return None, "error"
+    try:
+        payload = upstream.body()
+        if payload is None:
+            payload = await upstream.read_all()
+    except UpstreamError:
+        upstream.abort()
+        return None, "broken"
+    except BaseException:
+        upstream.abort()
+        raise
+    upstream.release()
+    state.load.first_token(rid)
+    if upstream.status >= 400:
+        return None, f"http_{upstream.status // 100}xx"
+    try:
+        answer = json.loads(payload)
+    except (ValueError, RecursionError):
+        return None, "bad_answer"
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    if not isinstance(params, dict):
+        return None, "no_transfer_params"
+    return params, ""
+
+
+async def serve(
+    state: RouterState,
+    forwarder: Forwarder,
+    sink: Sink,
+    flow: PdFlow,
+    path: bytes,
+    client_headers: Iterable[tuple[bytes, bytes]],
+    body: bytes,
+    *,
+    strip_usage: bool = False,
+) -> None:
+    """Serve a disaggregated request (module doc); ``body`` is what the client's request
+    goes upstream as (the router's usage patch included)."""
+    headers = list(client_headers)
+    md = flow.model
+    leg_id = flow.routed.request.request_id
+    try:
+        params, cause = await _prefill(state, forwarder, flow, path, headers, body)
+    finally:
+        state.load.complete(leg_id)
+    request = flow.request
+    model = request.model
+    engine = state.engines[model]
+    now = forwarder.event_loop().time()
+    prefill_key = flow.routed.decision.replica
+    try:
+        pick = md.pd.pick_decode(
+            engine, request, prefill_key, state.registry.keys_for(model), now, state.rng
+        )
+    except KVRouterError as exc:
+        reply = reply_for(exc, state.settings.server.retry_after_s)
+        await send_error(sink, reply.status, reply.message, code=reply.code)
+        return
+    if params is None:
+        md.count(md.fallbacks, cause)
+        state.load.dispatch(
+            request.request_id,
+            pick.decision.replica,
+            request.prompt_tokens,
+            pick.decision.usable_tokens,
+            request.max_output_tokens,
+        )
+        decode_body = body
+    else:
+        approximate_ttl, exact_ttl = state.speculative_ttl[model]
+        ttl = exact_ttl if flow.routed.prompt.exact else approximate_ttl
+        md.pd.dispatched_decode(engine, request, pick, now, ttl)
+        md.count(md.bytes_by_link, pick.link.value, pick.transfer_bytes)
+        member = json.dumps(params, separators=(",", ":")).encode()
+        decode_body = with_patch(body, b',"kv_transfer_params":' + member)
+    decision = pick.decision
+    if params is not None:  # the request's hit is the prefill replica's (feedback, headers)
+        first = flow.routed.decision
+        decision = decision._replace(usable_tokens=first.usable_tokens, kv_tokens=first.kv_tokens)
+    routed = Routed(request, decision, flow.routed.prompt, 0.0, 0.0, 0)
+    await forwarder.forward(sink, path, headers, decode_body, routed, strip_usage=strip_usage)
+
+
+class PdCollector(Collector):
+    """Prometheus view of the roles and the disaggregation counters."""
+
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterable[Any]:
+        role = GaugeMetricFamily(
+            "kvrouter_replica_role",
+            "1 per replica key with its prefill/decode role (prefill, decode, both)",
+            labels=["replica", "model", "role"],
+        )
+        for ep in self.state.registry.endpoints():
+            role.add_metric([str(ep.key), ep.model, ep.role], 1.0)
+        plans = CounterMetricFamily(
+            "kvrouter_pd_decisions",
+            "Disaggregation decisions by reason (remote: always, remote_pays; local: off, "
+            "few_uncached, local_hit, cheaper_local, same_replica, no_prefill_replica)",
+            labels=["model", "reason"],
+        )
+        fallbacks = CounterMetricFamily(
+            "kvrouter_pd_prefill_fallbacks",
+            "Prefill legs that failed, so the decode replica prefilled locally, by cause",
+            labels=["model", "cause"],
+        )
+        moved = CounterMetricFamily(
+            "kvrouter_pd_transfer_bytes",
+            "KV and recurrent-state bytes the router's pairings move, by link "
+            "(nvlink, network, region; predicted from the model's transfer sizes)",
+            labels=["model", "link"],
+        )
+        for name, md in self.state.disagg.items():
+            for reason, n in md.decisions.items():
+                plans.add_metric([name, reason], n)
+            for cause, n in md.fallbacks.items():
+                fallbacks.add_metric([name, cause], n)
+            for link in Link:
+                if link is not Link.SAME:
+                    moved.add_metric([name, link.value], md.bytes_by_link.get(link.value, 0.0))
+        yield from (role, plans, fallbacks, moved)
+
+
+def admin_view(state: RouterState) -> dict[str, Any]:
+    """``GET /admin/pd``: per model the settings, the decisions, fallbacks and bytes."""
+    out: dict[str, Any] = {}
+    for name, md in state.disagg.items():
+        k = md.pd.knobs
+        pools = md.pd.pools(state.registry.keys_for(name))
+        out[name] = {
+            "mode": k.mode,
+            "knobs": {
+                "min_uncached_tokens": k.min_uncached_tokens,
+                "max_local_hit": k.max_local_hit,
+                "w_interference": k.w_interference,
+                "rack_penalty_s": k.rack_penalty_s,
+                "region_penalty_s": k.region_penalty_s,
+            },
+            "prefill": [str(r) for r in pools[0]],
+            "decode": [str(r) for r in pools[1]],
+            "decisions": dict(md.decisions),
+            "fallbacks": dict(md.fallbacks),
+            "transfer_bytes": dict(md.bytes_by_link),
+        }
+    return out

@@ -1,0 +1,275 @@
+"""Prefill/decode disaggregation through the router over real HTTP: vLLM's
+``kv_transfer_params`` protocol between mock replicas playing both roles, one OpenAI answer
+(streamed or not), the rack-aware pairing, decode-side blocks reaching the index through the
+engines' KV events, and the fallbacks (router/service/disagg.py, router/mock/pd.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.core.hashing import hash_prompt, root_hash
+from router.core.types import ReplicaKey
+from router.mock.server import STATE as MOCK
+from router.mock.server import MockSettings
+from router.service.app import STATE
+from router.service.config import build_settings
+from tests.backends import metric_sample, start_mock, start_router
+from tests.ports import free_port
+from tests.waiting import eventually
+
+B = 64
+MODEL = "m"
+TOKEN = "admin-secret"
+PROFILE = """
+name = "pd-small"
+block_size = 64
+kv_blocks = 20000
+hybrid = true
+checkpoint = "every_n"
+checkpoint_interval_tokens = 4096
+state_checkpoint_blocks = 40.0
+kv_bytes_per_token = 9216.0
+state_bytes = 24e6
+
+[cost]
+step_overhead_s = 0.002
+prefill_s_per_token = 1e-6
+decode_s_per_seq = 1e-4
+"""
+# (name, role, rack)
+FLEET = [("p0", "prefill", "rack0"), ("d0", "decode", "rack0"), ("d1", "decode", "rack1")]
+
+
+class Mocks:
+    def __init__(self) -> None:
+        self.runners: list[Any] = []
+        self.urls: dict[str, str] = {}
+        self.zmq: dict[str, str] = {}
+
+    def counters(self, name: str) -> Any:
+        return self.runners[list(self.urls).index(name)].app[MOCK].counters
+
+
+@pytest.fixture
+async def mocks(tmp_path: Path) -> AsyncIterator[Mocks]:
+    profile = tmp_path / "pd-small.toml"
+    profile.write_text(PROFILE)
+    m = Mocks()
+    try:
+        for name, _, rack in FLEET:
+            zmq = f"tcp://127.0.0.1:{free_port()}"
+            s = MockSettings(
+                model=MODEL, replica=name, profile=str(profile), block_size=B,
+                zmq_endpoint=zmq, rack=rack, region="reg0", time_scale=0.05,
+            )  # fmt: skip
+            runner, url = await start_mock(s)
+            m.runners.append(runner)
+            m.urls[name] = url
+            m.zmq[name] = zmq
+        yield m
+    finally:
+        for r in m.runners:
+            await r.cleanup()
+
+
+def _settings(replicas: list[dict[str, Any]], mode: str = "always") -> Any:
+    return build_settings(
+        {
+            "server": {"max_retries": 2, "admin_token": TOKEN},
+            "replicas": replicas,
+            "models": {MODEL: {"block_size": B, "hybrid": True, "pd": {"mode": mode}}},
+        }
+    )
+
+
+def _replicas(m: Mocks) -> list[dict[str, Any]]:
+    return [
+        {"url": m.urls[n], "model": MODEL, "name": n, "role": role, "rack": rack,
+         "region": "reg0", "zmq": m.zmq[n]}
+        for n, role, rack in FLEET
+    ]  # fmt: skip
+
+
+def _prompt(seed: int, n: int = 3000) -> list[int]:
+    return [(seed * 7919 + i * 31) % 50_000 + 1 for i in range(n)]
+
+
+async def _post(url: str, body: dict[str, Any]) -> tuple[int, bytes, str]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url + "/v1/completions", json=body) as r,
+    ):
+        return r.status, await r.read(), r.headers.get("Content-Type", "")
+
+
+async def test_protocol_both_roles_stream_and_rack_pairing(mocks: Mocks) -> None:
+    router, url = await start_router(_settings(_replicas(mocks)))
+    try:
+        prompt = _prompt(1)
+        status, raw, _ = await _post(url, {"model": MODEL, "prompt": prompt, "max_tokens": 5})
+        assert status == 200, raw
+        answer = json.loads(raw)
+        assert answer["object"] == "text_completion" and "kv_transfer_params" not in answer
+        assert answer["usage"]["completion_tokens"] == 5  # the decode replica's whole answer
+        assert mocks.counters("p0").prefill_legs == 1
+        # the decode replica in the prefill replica's rack pulled the KV and the state
+        assert mocks.counters("d0").decode_legs == 1 and mocks.counters("d1").decode_legs == 0
+        assert mocks.counters("d0").pulled_bytes == len(prompt) * 9216.0 + 24e6
+        # streamed: one SSE answer ending in [DONE], with the usage the client asked for
+        body = {"model": MODEL, "prompt": _prompt(2), "max_tokens": 4, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        status, raw, ctype = await _post(url, body)
+        assert status == 200 and ctype.startswith("text/event-stream")
+        events = [ln[6:] for ln in raw.decode().splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        text = "".join(ch["text"] for c in chunks for ch in c["choices"])
+        assert len(text.split()) == 4
+        assert chunks[-1]["usage"]["completion_tokens"] == 4
+        assert mocks.counters("p0").prefill_legs == 2 and mocks.counters("d0").decode_legs == 2
+        # the decode replica's blocks reach the router's index through its KV events
+        state = router.app[STATE]
+        hashes = hash_prompt(prompt, B, root_hash(MODEL)).hashes
+
+        def published() -> bool:
+            match = state.index.match(hashes, hybrid=True).get(ReplicaKey("d0"))
+            return match is not None and match.usable_blocks == len(hashes)
+
+        await eventually(published)
+        async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+            page = await r.text()
+        assert metric_sample(page, "kvrouter_pd_decisions_total", reason="always") == 2
+        assert metric_sample(page, "kvrouter_replica_role", replica="p0", role="prefill") == 1
+        assert (metric_sample(page, "kvrouter_pd_transfer_bytes_total", link="nvlink") or 0) > 0
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(url + "/admin/pd", headers={"X-Admin-Token": TOKEN}) as r,
+        ):
+            view = (await r.json())["models"][MODEL]
+        assert view["mode"] == "always" and view["prefill"] == ["p0"]
+    finally:
+        await router.cleanup()
+
+
+async def test_fallbacks_prefill_down_and_decode_down(mocks: Mocks) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    replicas = _replicas(mocks)
+    # the only prefill replica is down: each request is prefilled on its decode replica
+    replicas[0] = {**replicas[0], "url": dead}
+    del replicas[0]["zmq"]
+    router, url = await start_router(_settings(replicas))
+    try:
+        for seed in (3, 4):
+            status, raw, _ = await _post(
+                url, {"model": MODEL, "prompt": _prompt(seed), "max_tokens": 3}
+            )
+            assert status == 200, raw
+            assert json.loads(raw)["usage"]["completion_tokens"] == 3
+        assert mocks.counters("d0").decode_legs + mocks.counters("d1").decode_legs == 0
+        assert mocks.counters("d0").requests + mocks.counters("d1").requests == 2
+        async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+            page = await r.text()
+        fell = metric_sample(page, "kvrouter_pd_prefill_fallbacks_total", cause="connect_error")
+        assert fell is not None and fell >= 1
+    finally:
+        await router.cleanup()
+    # the decode replica in the prefill replica's rack is down: retried on the other one
+    replicas = _replicas(mocks)
+    replicas[1] = {**replicas[1], "url": dead}
+    del replicas[1]["zmq"]
+    router, url = await start_router(_settings(replicas))
+    try:
+        body = {"model": MODEL, "prompt": _prompt(5), "max_tokens": 3, "stream": True}
+        status, raw, _ = await _post(url, body)
+        assert status == 200 and raw.rstrip().endswith(b"data: [DONE]")
+        assert mocks.counters("d1").decode_legs == 1
+    finally:
+        await router.cleanup()
+
+
+async def test_auto_keeps_short_prompts_local(mocks: Mocks) -> None:
+    replicas = _replicas(mocks)
+    for r in replicas[1:]:
+        r["role"] = "both"
+    router, url = await start_router(_settings(replicas, mode="auto"))
+    try:
+        status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(6, 200)})
+        assert status == 200, raw
+        assert mocks.counters("p0").prefill_legs == 0  # 200 tokens: prefilled where decoded
+        assert router.app[STATE].disagg[MODEL].decisions == {"few_uncached": 1}
+    finally:
+        await router.cleanup()
+
+
+def test_roles_in_config_and_registrations() -> None:
+    from router.core.errors import ConfigError
+    from router.store.base import ReplicaInfo
+
+    info = ReplicaInfo("p0", url="http://a:1", model=MODEL, role="prefill", rack="r0")
+    assert ReplicaInfo.from_json(info.to_json()).role == "prefill"
+    assert ReplicaInfo.from_json('{"replica": "old"}').role == "both"  # older publishers
+    with pytest.raises(ValueError):
+        ReplicaInfo.from_json('{"replica": "x", "role": "router"}')
+    with pytest.raises(ConfigError, match="role"):
+        _settings([{"url": "http://a:1", "model": MODEL, "role": "router"}])
+    with pytest.raises(ConfigError, match="pd"):
+        build_settings({"models": {MODEL: {"pd": {"mode": "auto", "bogus": 1}}}})
+    off = build_settings({"models": {MODEL: {"pd": {"mode": "off"}}}})
+    assert off.models[MODEL].pd is None
+
+
+async def test_the_prefill_request_is_vllms(mocks: Mocks) -> None:
+    """What the prefill replica receives, byte for byte the fields vLLM's proxies set, and
+    what the decode replica gets back from its answer."""
+    from aiohttp import web
+
+    seen: list[tuple[dict[str, Any], str]] = []
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "x",
+              "remote_block_ids": [1, 2], "remote_host": "h", "remote_port": 1}  # fmt: skip
+
+    async def prefill(request: web.Request) -> web.Response:
+        seen.append((await request.json(), request.headers.get("X-Request-Id", "")))
+        return web.json_response({"object": "text_completion", "choices": [],
+                                  "kv_transfer_params": params})  # fmt: skip
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", prefill)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    replicas = _replicas(mocks)
+    replicas[0] = {**replicas[0], "url": f"http://127.0.0.1:{port}"}
+    del replicas[0]["zmq"]
+    router, url = await start_router(_settings(replicas))
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 50}],
+                "stream": True, "stream_options": {"include_usage": True},
+                "max_completion_tokens": 7}  # fmt: skip
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "r1"}) as r,
+        ):
+            assert r.status == 200
+            raw = await r.read()
+        assert raw.rstrip().endswith(b"data: [DONE]")
+        ((got, rid),) = seen
+        assert rid == "r1"
+        assert got["stream"] is False and got["stream_options"] is None
+        assert got["max_tokens"] == 1 and got["max_completion_tokens"] == 1
+        assert got["kv_transfer_params"] == {
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None,
+        }  # fmt: skip
+        assert got["messages"] == body["messages"]
+        # the decode replica pulled what the answer named (remote_engine_id "x": no rack)
+        assert mocks.counters("d0").decode_legs + mocks.counters("d1").decode_legs == 1
+    finally:
+        await router.cleanup()
+        await runner.cleanup()

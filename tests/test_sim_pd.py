@@ -1,0 +1,106 @@
+"""Prefill/decode disaggregation in the simulator: the decode leg of the engine model, roles
+by rack, and whole runs under --pd off / always / auto (sim/pd.py, sim/cluster.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from router.core.disagg import Role
+from router.core.load import CostModel
+from router.core.types import BlocksStored, Kind, ReplicaKey
+from sim.agentic import AgenticSpec, generate
+from sim.cluster import ClusterConfig, Simulation
+from sim.engine import EngineModel, EngineRequest, Finished, FirstToken
+from sim.pd import roles_of, sites_of
+from sim.profiles import EngineProfile, load_profile
+from sim.tuned import load_tuned
+
+B = 10
+
+
+def test_a_remote_prefilled_request_publishes_its_blocks_and_decodes_without_prefill() -> None:
+    cost = CostModel(0.01, 1e-3, 0.0, 0.001, 0.0, 100)
+    profile = EngineProfile(
+        "t", cost=cost, block_size=B, kv_blocks=100, hybrid=True, state_checkpoint_blocks=1.0
+    )
+    e = EngineModel(profile, ReplicaKey("d"), B)
+    e.submit(EngineRequest("r", [1, 2, 3, 4], 45, 3, remote_prefilled=True), 0.0)
+    outs = []
+    while (t := e.next_time()) is not None:
+        outs += e.advance(t)
+    first = next(o for o in outs if isinstance(o, FirstToken))
+    assert first.time < 0.02  # one step of overhead: none of the 45 prompt tokens computed
+    assert any(isinstance(o, Finished) and o.output_tokens == 3 for o in outs)
+    events = e.take_index_events()
+    kv = [
+        h for ev in events if isinstance(ev, BlocksStored) and ev.kind is Kind.KV for h in ev.hashes
+    ]
+    states = [
+        h
+        for ev in events
+        if isinstance(ev, BlocksStored) and ev.kind is Kind.STATE
+        for h in ev.hashes
+    ]
+    assert kv == [1, 2, 3, 4] and states == [4]  # the state at the prompt end came with it
+
+
+def test_roles_by_rack() -> None:
+    keys = [ReplicaKey(f"reg0-rack{i // 4}-r{i}") for i in range(8)]
+    sites = sites_of(keys)
+    assert sites[keys[0]].rack == "reg0-rack0" and sites[keys[7]].rack == "reg0-rack1"
+    roles = roles_of(keys, sites, "always", 0.25)
+    assert [roles[k] for k in keys[:4]] == [Role.PREFILL] + [Role.DECODE] * 3
+    assert roles_of(keys, sites, "auto", 0.5)[keys[5]] is Role.PREFILL
+    assert roles_of(keys, sites, "auto", 0.5)[keys[6]] is Role.BOTH
+    assert set(roles_of(keys, sites, "off", 0.5).values()) == {Role.BOTH}
+
+
+def test_runs_by_mode() -> None:
+    spec = AgenticSpec(sessions=12, session_rate=2.0, system_tokens=20000, tool_tokens=6000)
+    workload = generate(spec, block_size=64)
+    out = {}
+    for mode in ("off", "always", "auto"):
+        config = ClusterConfig(load_profile("kimi-k3"), replicas=8, racks=2, pd=mode)
+        out[mode] = Simulation(workload, config, "ours", speedup=4).run().summary
+    for s in out.values():
+        assert s["completed"] == s["requests"] == len(workload)
+    assert out["off"]["pd_share"] == 0 and out["off"]["transfer_gb"] == 0
+    assert out["always"]["pd_share"] == 1.0 and out["always"]["transfer_gb"] > 0
+    assert out["always"]["cross_rack_transfer_share"] <= 0.1  # pairs stay in their rack
+    assert 0 <= out["auto"]["pd_share"] <= 1
+    print(
+        {m: (s["goodput"], s["pd_share"], s["cross_rack_transfer_share"]) for m, s in out.items()}
+    )
+
+
+def _kvrouter(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+TRACE = "agentic:sessions=6,system_tokens=20000,tool_tokens=6000,max_turns=4"
+FLEET = ["--profile", "kimi-k3", "--replicas", "4", "--racks", "2"]
+
+
+def test_cli_pd_flags_json_and_tune(tmp_path: Path) -> None:
+    p = _kvrouter("sim", "replay", TRACE, *FLEET, "--pd", "always", "--json", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["pd_share"] == 1.0 and doc["settings"]["pd"] == "always"
+    assert {"goodput", "token_hit_rate", "ttft_ms_p90", "cross_rack_transfer_share"} <= set(doc)
+    bad = _kvrouter("sim", "replay", TRACE, *FLEET, "--pd", "auto", "--pd-params", '{"x": 1}')
+    assert bad.returncode == 2 and "x" in bad.stderr
+    out = tmp_path / "tuned.toml"
+    p = _kvrouter(
+        "sim", "tune", TRACE, *FLEET, "--pd", "auto", "--budget", "2", "--speedups", "4",
+        "--jobs", "1", "--out", str(out),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout)
+    assert set(result["pd"]) == {"prefill_share", "pd_params"}
+    assert "prefill/decode (auto)" in out.read_text()
+    assert load_tuned(out).policy == "ours"
