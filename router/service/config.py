@@ -105,6 +105,7 @@ class ServerSettings:
     record_path: str | None = None  # rotating Mooncake-compatible JSONL; None: off
     record_max_mb: float = 256.0
     record_backups: int = 5
+    record_key: str | None = None  # secret for fleet-consistent ids; None: <path>.key
     # Speculative index entries (approximate mode, event lag) are capped at this many block
     # names; beyond it the oldest go first, whatever their TTL (bounds router memory).
     max_speculative_blocks: int = 1_000_000

@@ -146,6 +146,7 @@ def server_secrets(server: Any) -> list[str]:
         getattr(server, "admin_token", None) or "",
         getattr(server, "grpc_token", None) or "",
         getattr(server, "redis_signing_master", None) or "",
+        getattr(server, "record_key", None) or "",
     ]
     out += list(
         read_api_keys(getattr(server, "api_keys", None), getattr(server, "api_keys_file", None))
