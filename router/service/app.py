@@ -70,6 +70,10 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
         app.cleanup_ctx.append(factory)
     if settings.server.redis_url:
         app.cleanup_ctx.append(background.redis_index)
+        if settings.server.pods_exchange != "off":
+            from router.service.pod_exchange import pod_exchange_ctx
+
+            app.cleanup_ctx.append(pod_exchange_ctx(app))
     if settings.server.record_path:
         app.cleanup_ctx.append(background.recording)
     if any(rep.zmq for rep in settings.replicas):
