@@ -158,6 +158,7 @@ class Counters:
     bytes_sent: int = 0
     bytes_received: int = 0
     errors: int = 0
+    failing: bool = False  # the last Redis call failed
 
 
 class PodExchange:
@@ -281,14 +282,14 @@ class PodExchange:
                 await step()
                 if failing:
                     _log.info("pod load exchange: %s works again", what)
-                failing = False
+                failing = self.counters.failing = False
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self.counters.errors += 1
                 if not failing:
                     _log.warning("pod load exchange: %s failed: %s", what, exc)
-                failing = True
+                failing = self.counters.failing = True
                 self.apply(self.clock())
                 await asyncio.sleep(min(self.settings.stale_s / 4, 0.25))
 
@@ -349,7 +350,12 @@ class _ExchangeCollector(Collector):
             "kvrouter_pod_exchange_errors", "Failed Redis calls of the pod load exchange"
         )
         errors.add_metric([], c.errors)
-        yield from (age, views, snaps, nbytes, errors)
+        up = GaugeMetricFamily(
+            "kvrouter_pod_exchange_redis_up",
+            "1 while the pods exchange's Redis calls succeed, 0 while Redis is unreachable",
+        )
+        up.add_metric([], 0.0 if c.failing else 1.0)
+        yield from (age, views, snaps, nbytes, errors, up)
 
 
 def pod_name(configured: str | None, port: int) -> str:
