@@ -30,6 +30,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -213,6 +214,34 @@ async def run_row(
     return figures
 
 
+_KEY = ("hit", "goodput", "ttft_mean_ms", "ttft_p90_ms", "tpot_p90_ms")
+
+
+def _combined(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from its repeats: ok / failed summed, the key figures' medians, each repeat's
+    key figures under ``runs``."""
+    out = dict(runs[0])
+    if len(runs) == 1:
+        return out
+    out["ok"] = sum(r["ok"] for r in runs)
+    out["failed"] = sum(r["failed"] for r in runs)
+    for k in _KEY:
+        out[k] = statistics.median(r[k] for r in runs)
+    out["runs"] = [{k: r[k] for k in _KEY} for r in runs]
+    return out
+
+
+def _ratios(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per key figure, the median over repeats of row / base measured in the same repeat."""
+    out: dict[str, Any] = {}
+    for k in ("ttft_mean_ms", "ttft_p90_ms", "tpot_p90_ms", "hit"):
+        each = [r[k] / b[k] if b[k] else math.nan for r, b in zip(rows, base, strict=True)]
+        out[k] = round(statistics.median(each), 3)
+        if len(each) > 1:
+            out[k + "_each"] = [round(x, 3) for x in each]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from router.demo.live_bench import WORKLOADS, _trace_file
     from router.demo.replay import load_requests
@@ -242,17 +271,18 @@ def run(args: argparse.Namespace) -> int:
             "spec": dataclasses.asdict(spec),
             "requests": len(requests),
         }
+        runs: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
         with LocalRedis(Path(tmp) / "redis") as redis:
-            for row in rows:
-                print(f"bench pods: {row} ...", file=sys.stderr)
-                result[row] = asyncio.run(run_row(row, spec, requests, redis))
-    single = result.get("single")
-    shared = result.get("pods_shared")
-    if single and shared:
-        result["shared_vs_single"] = {
-            k: round(shared[k] / single[k], 3) if single[k] else math.nan
-            for k in ("ttft_mean_ms", "ttft_p90_ms", "tpot_p90_ms", "hit")
-        }
+            for k in range(args.repeat):  # interleaved: the machine's drift hits every row
+                for row in rows:
+                    print(f"bench pods: {row} ({k + 1}/{args.repeat}) ...", file=sys.stderr)
+                    runs[row].append(asyncio.run(run_row(row, spec, requests, redis)))
+        for row in rows:
+            result[row] = _combined(runs[row])
+    if "single" in runs and "pods_shared" in runs:
+        result["shared_vs_single"] = _ratios(runs["pods_shared"], runs["single"])
+    if "single" in runs and "pods_unshared" in runs:
+        result["unshared_vs_single"] = _ratios(runs["pods_unshared"], runs["single"])
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     sys.stdout.write(json.dumps(result, indent=None if args.json else 2) + "\n")
     return 0
@@ -269,6 +299,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--interval-ms", type=float, default=5.0, help="pods_exchange_interval_s")
     p.add_argument("--stale-s", type=float, default=1.0, help="pods_stale_s")
     p.add_argument("--time-scale", type=float, default=1.0, help="the mocks' time scale")
+    p.add_argument("--repeat", type=int, default=1, help="run the rows this many times")
     p.add_argument("--kill-one-at", type=float, help="SIGKILL one pod this many seconds in")
     p.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
     p.set_defaults(handler=run)
