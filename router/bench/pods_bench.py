@@ -226,7 +226,7 @@ def _combined(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["ok"] = sum(r["ok"] for r in runs)
     out["failed"] = sum(r["failed"] for r in runs)
     for k in _KEY:
-        out[k] = statistics.median(r[k] for r in runs)
+        out[k] = round(statistics.median(r[k] for r in runs), 4)
     out["runs"] = [{k: r[k] for k in _KEY} for r in runs]
     return out
 
