@@ -19,6 +19,7 @@ _SUBCOMMANDS: tuple[str, ...] = (
     "router.service.cli",
     "router.publisher.cli",
     "router.mock.cli",
+    "router.trace_merge",
     "sim.cli",
     "router.demo",
 )

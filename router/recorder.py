@@ -2,38 +2,57 @@
 
 One row per completed request, written when it completes:
 
-    {"timestamp": ms since the recording started (arrival time), "input_length": n,
-     "output_length": m, "hash_ids": [...], "model": "...", "session_id": "..."}
+    {"timestamp": arrival, ms since the Unix epoch (wall clock), "input_length": n,
+     "output_length": m, "hash_ids": [...], "model": "...", "session_id": "...",
+     "replica": "name/dp", "pred_hit": t, "cached": t, "ttft_ms": x, "e2e_ms": y}
 
-``hash_ids`` name 512-token prefix blocks (the last one may be partial) and are remapped to
-dense integers in order of first appearance, as in Mooncake's traces. Never text, never token
-ids: the canonical hashes themselves are not written either (they would let a reader confirm
-a guessed prompt). Rows are in completion order; readers sort by ``timestamp``.
+``hash_ids`` name 512-token prefix blocks (the last one may be partial). Each id is a keyed
+hash of the block's canonical hash (the hash of the whole prefix up to it): the same prompt
+gets the same ids in every worker and every pod that records with the same key, different
+prefixes get different ids (53-bit ids: collisions are negligible), and without the key a
+reader cannot confirm a guessed prompt. Never text, never token ids, never canonical hashes.
+The key is ``server.record_key`` (set the same secret on every pod); without one, the workers
+of one pod share a random key created next to the trace (``<path>.key``, mode 0600, created
+once by whichever worker comes first).
 
-With a session id, a request that arrived after its session's previous request finished also
-gets ``delay`` (ms since that finish), so the simulator replays the session closed loop, as
-agents behave: a slower fleet delays the next turn.
+The outcome columns (present when known): ``replica`` the request was sent to, the usable
+prefix the router predicted (``pred_hit``, tokens), what the engine reported cached
+(``cached``, tokens), TTFT and E2E in ms (TTFT only for streams).
 
-Files rotate at ``max_bytes``: ``trace.jsonl`` is the live file, ``trace.jsonl.1`` the newest
-full one, up to ``backups`` of them. The dense-id map is shared across rotations so ids stay
-consistent; it is bounded (``max_ids``) and, when full, restarts numbering after the largest id
-given so far (old prefixes then get new ids: a replay sees them as misses, never as false hits).
+With a session id, a request that arrived after its session's previous request (in this
+worker) finished also gets ``delay`` (ms since that finish), so the simulator replays the
+session closed loop, as agents behave. ``kvrouter trace merge`` recomputes ``delay`` across
+all the files merged (sessions spread over workers and pods).
+
+Several workers may record to one path: rows are buffered and appended with one
+``O_APPEND`` write of whole lines per flush (lines never interleave), and rotation at
+``max_bytes`` happens under an exclusive lock on ``<path>.lock``: whoever finds the live file
+over the limit renames ``trace.jsonl`` -> ``trace.jsonl.1`` -> ... (up to ``backups``), the
+others notice the new file at their next flush and reopen it. A row written to the old file
+during the swap lands in ``trace.jsonl.1``, not lost. Pods write files of their own (one
+path each; a shared network volume's locks are not trusted) and ``kvrouter trace merge``
+combines them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import pathlib
+import secrets
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import IO
 
 from router.core.hashing import coarsen_chain
 
 TRACE_BLOCK_TOKENS = 512
 MAX_SESSIONS = 1_000_000  # sessions whose last finish time is kept for ``delay``
+ID_BITS = 53  # ids stay exact in any JSON reader (IEEE doubles)
+KEY_BYTES = 32
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,34 +60,90 @@ class RecordSettings:
     path: pathlib.Path
     max_bytes: int = 256 * 2**20
     backups: int = 5
-    max_ids: int = 20_000_000
+    max_ids: int = 1_000_000  # memoised block ids (a cache: ids do not depend on it)
+    key: bytes | None = None  # None: the shared ``<path>.key`` file
+
+
+def block_id(canonical: int, key: bytes) -> int:
+    """The recorded id of a block: a keyed BLAKE2b of its canonical hash, ``ID_BITS`` bits."""
+    digest = hashlib.blake2b(
+        (canonical & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little"), key=key, digest_size=8
+    ).digest()
+    return int.from_bytes(digest, "little") >> (64 - ID_BITS)
+
+
+def record_key(text: str) -> bytes:
+    """``server.record_key`` as a BLAKE2b key (any length of secret; hashed down to 32 bytes)."""
+    if not text:
+        raise ValueError("server.record_key is empty")
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=KEY_BYTES).digest()
+
+
+def shared_key(path: pathlib.Path) -> bytes:
+    """The random key of the recording at ``path`` (``<path>.key``), created on first use;
+    every process recording to ``path`` reads the same one."""
+    key_path = path.with_name(path.name + ".key")
+    try:
+        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        tmp_key = secrets.token_bytes(KEY_BYTES)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(tmp_key)
+        return tmp_key
+    for _ in range(1000):  # another worker created it a moment ago: wait for its write
+        data = key_path.read_bytes()
+        if len(data) == KEY_BYTES:
+            return data
+        os.sched_yield()
+    raise ValueError(f"{key_path}: not a {KEY_BYTES}-byte key")
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path) -> Iterator[None]:
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 class TraceRecorder:
-    """Append-only, rotating trace writer. Not thread-safe; the event loop owns it."""
+    """Append-only, rotating trace writer. Not thread-safe; the event loop owns it.
 
-    def __init__(self, settings: RecordSettings, started_at: float) -> None:
+    ``started_at`` is the caller's clock (e.g. the event loop's) at ``wall_at_start`` (Unix
+    seconds); arrival times passed to :meth:`record` are on the caller's clock."""
+
+    def __init__(
+        self, settings: RecordSettings, started_at: float, wall_at_start: float = 0.0
+    ) -> None:
         self.settings = settings
         self.started_at = started_at
+        self.wall_at_start = wall_at_start
         self.rows = 0
+        settings.path.parent.mkdir(parents=True, exist_ok=True)
+        self._key = settings.key if settings.key is not None else shared_key(settings.path)
         self._ids: dict[int, int] = {}
         self._last_finish: OrderedDict[str, float] = OrderedDict()
-        self._next_id = 0
-        settings.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh: IO[str] = open(settings.path, "a", encoding="utf-8")  # noqa: SIM115
-        self._size = self._fh.tell()
+        self._pending: list[str] = []
+        self._fd = self._open()
 
-    def _dense(self, hashes: list[int]) -> list[int]:
-        ids = self._ids
-        if len(ids) + len(hashes) > self.settings.max_ids:
-            ids.clear()
+    def _open(self) -> int:
+        return os.open(self.settings.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def ids(self, hashes: Sequence[int]) -> list[int]:
+        """The recorded ids of canonical (512-token) block hashes (see :func:`block_id`)."""
+        memo = self._ids
+        if len(memo) + len(hashes) > self.settings.max_ids:
+            memo.clear()
         out = []
         for h in hashes:
-            dense = ids.get(h)
-            if dense is None:
-                dense = ids[h] = self._next_id
-                self._next_id += 1
-            out.append(dense)
+            got = memo.get(h)
+            if got is None:
+                got = memo[h] = block_id(h, self._key)
+            out.append(got)
         return out
 
     def record(
@@ -82,17 +157,23 @@ class TraceRecorder:
         block_size: int,
         session_id: str | None = None,
         finished_at: float | None = None,
+        replica: str | None = None,
+        predicted_hit: int | None = None,
+        cached_tokens: int | None = None,
+        first_token_at: float | None = None,
     ) -> None:
         """Append one request. ``block_hashes`` is its canonical chain at ``block_size``; when
-        that size does not divide 512 the row gets no ``hash_ids`` (lengths only)."""
+        that size does not divide 512 the row gets no ``hash_ids`` (lengths only). The row
+        reaches the file at the next :meth:`flush`."""
+        wall_ms = (self.wall_at_start + arrived_at - self.started_at) * 1000
         row: dict[str, object] = {
-            "timestamp": max(0, round((arrived_at - self.started_at) * 1000)),
+            "timestamp": max(0, round(wall_ms)),
             "input_length": input_length,
             "output_length": output_length,
         }
         if TRACE_BLOCK_TOKENS % block_size == 0:
             coarse = coarsen_chain(block_hashes, block_size, input_length, TRACE_BLOCK_TOKENS)
-            row["hash_ids"] = self._dense(coarse)
+            row["hash_ids"] = self.ids(coarse)
         else:
             row["hash_ids"] = []
         row["model"] = model
@@ -104,26 +185,67 @@ class TraceRecorder:
             self._last_finish[session_id] = arrived_at if finished_at is None else finished_at
             if len(self._last_finish) > MAX_SESSIONS:
                 self._last_finish.popitem(last=False)
-        line = json.dumps(row, separators=(",", ":")) + "\n"
-        if self._size + len(line) > self.settings.max_bytes and self._size > 0:
-            self._rotate()
-        self._fh.write(line)
-        self._size += len(line.encode("utf-8"))
+        if replica is not None:
+            row["replica"] = replica
+        if predicted_hit is not None:
+            row["pred_hit"] = predicted_hit
+        if cached_tokens is not None:
+            row["cached"] = cached_tokens
+        if first_token_at is not None:
+            row["ttft_ms"] = round((first_token_at - arrived_at) * 1000, 1)
+        if finished_at is not None:
+            row["e2e_ms"] = round((finished_at - arrived_at) * 1000, 1)
+        self._pending.append(json.dumps(row, separators=(",", ":")) + "\n")
         self.rows += 1
 
     def flush(self) -> None:
-        self._fh.flush()
+        """Append the pending rows (whole lines, one write per file), rotating whenever the
+        live file would pass ``max_bytes``."""
+        if not self._pending:
+            return
+        lines, self._pending = self._pending, []
+        self._follow_rotation()
+        size = os.fstat(self._fd).st_size
+        chunk: list[bytes] = []
+        for text in lines:
+            line = text.encode("utf-8")
+            if size + len(line) > self.settings.max_bytes and size > 0:
+                if chunk:
+                    os.write(self._fd, b"".join(chunk))
+                    chunk = []
+                self._rotate()
+                size = os.fstat(self._fd).st_size
+            chunk.append(line)
+            size += len(line)
+        if chunk:
+            os.write(self._fd, b"".join(chunk))
+
+    def _follow_rotation(self) -> None:
+        """Reopen the live file if another worker rotated it away."""
+        try:
+            same = os.stat(self.settings.path).st_ino == os.fstat(self._fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(self._fd)
+            self._fd = self._open()
 
     def _rotate(self) -> None:
-        self._fh.close()
         path = self.settings.path
-        # trace.jsonl.(k-1) -> trace.jsonl.k, oldest first; the one past `backups` is dropped.
-        for i in range(self.settings.backups, 0, -1):
-            src = path.with_name(f"{path.name}.{i - 1}") if i > 1 else path
-            if src.exists():
-                os.replace(src, path.with_name(f"{path.name}.{i}"))
-        self._fh = open(path, "w", encoding="utf-8")  # noqa: SIM115
-        self._size = 0
+        with _locked(path):
+            self._follow_rotation()  # someone else may have rotated while we waited
+            if os.fstat(self._fd).st_size == 0:
+                return
+            # trace.jsonl.(k-1) -> trace.jsonl.k, oldest first; the one past `backups` goes.
+            for i in range(self.settings.backups, 0, -1):
+                src = path.with_name(f"{path.name}.{i - 1}") if i > 1 else path
+                if src.exists():
+                    os.replace(src, path.with_name(f"{path.name}.{i}"))
+            if self.settings.backups <= 0:
+                path.unlink(missing_ok=True)
+            os.close(self._fd)
+            self._fd = self._open()
 
     def close(self) -> None:
-        self._fh.close()
+        self.flush()
+        os.close(self._fd)

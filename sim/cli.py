@@ -69,7 +69,12 @@ def _add_fleet_args(p: argparse.ArgumentParser, traces: bool = False) -> None:
     p.add_argument("--regions", type=int, default=1)
     p.add_argument("--racks", type=int, default=1, help="racks per region")
     p.add_argument("--event-lag-ms", type=float, default=0.0, help="index event propagation lag")
-    p.add_argument("--report-interval-ms", type=float, default=100.0, help="engine load reports")
+    p.add_argument(
+        "--report-interval-ms",
+        type=float,
+        default=1000.0,
+        help="engine load reports reach the routers this often (production: 1 s)",
+    )
     p.add_argument("--speculative-ttl-ms", type=float, default=0.0)
     p.add_argument(
         "--share-load-ms",

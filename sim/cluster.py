@@ -55,7 +55,9 @@ class ClusterConfig:
     regions: int = 1
     racks: int = 1
     event_lag_s: float = 0.0
-    report_interval_s: float = 0.1
+    # engines' own load reports reach routers this often: 1 s, as in production (the
+    # publisher's load_interval_s, the router's engine_metrics_interval_s)
+    report_interval_s: float = 1.0
     speculative_ttl_s: float = 0.0
     # None: each router knows only the requests it sent; a number: every that many seconds
     # each router takes the others' own in-flight load (LoadTracker.set_peer_load), as the

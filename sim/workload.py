@@ -219,6 +219,9 @@ def read_mooncake(
     requests: list[SimRequest] = []
     last_of_session: dict[str, str] = {}
     next_fresh = 1 << 40  # ids for blocks a row's hash_ids do not cover
+    # Recorded ids are 53-bit keyed hashes (router/recorder.py): renamed densely in order of
+    # first appearance, so block contents (built from ids mod 2**32) stay distinct.
+    dense: dict[int, int] = {}
     t0: float | None = None
     for lineno, row in _rows(path):
         where = f"{path}:{lineno}"
@@ -231,6 +234,7 @@ def read_mooncake(
             raise ConfigError(f"{where}: 'hash_ids' must be a list of integers")
         if n_in <= 0:
             raise ConfigError(f"{where}: 'input_length' must be positive")
+        ids = [dense.setdefault(i, len(dense)) for i in ids]
         missing = -(-n_in // trace_block) - len(ids)
         if missing > 0:
             ids = ids + list(range(next_fresh, next_fresh + missing))

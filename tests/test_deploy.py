@@ -14,7 +14,7 @@ import yaml
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "deploy"
 K8S = DEPLOY / "k8s"
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
 
 def _docs(path: pathlib.Path) -> list[dict]:
@@ -41,7 +41,8 @@ def test_every_yaml_file_parses() -> None:
 def test_manifest_validates_against_kubernetes_schema(path: pathlib.Path, doc: dict) -> None:
     if doc["kind"] in CRD_KINDS:
         assert doc["apiVersion"].startswith("monitoring.coreos.com/")
-        assert doc["spec"]["endpoints"][0]["path"] == "/metrics"
+        if doc["kind"] == "ServiceMonitor":
+            assert doc["spec"]["endpoints"][0]["path"] == "/metrics"
         return
     kubernetes_validate.validate(doc, "1.30.0", strict=True)
 
@@ -137,11 +138,80 @@ def test_router_configmap_loads_with_the_real_settings_loader(tmp_path: pathlib.
     docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
     path = tmp_path / "router.toml"
     path.write_text(docs[("ConfigMap", "kvrouter-config")]["data"]["router.toml"])
-    settings = load_settings(path, environ={})
+    settings = load_settings(path, environ={"KVROUTER_SERVER__POD_NAME": "kvrouter-abc"})
     assert settings.server.grpc_port == 50051 and settings.server.redis_url
+    assert settings.server.pods_exchange == "stream" and settings.server.pod_name == "kvrouter-abc"
     model = settings.model("kimi-k3")
     # learned from the engines, not configured
     assert model.routing.hybrid is None and model.routing.state_interval_blocks == 0
+
+
+def test_routers_run_in_exact_mode_with_the_mounted_tokenizer() -> None:
+    """The shipped example configures the model's tokenizer (exact mode, so the Redis index
+    the publishers feed is used), from a volume the Deployment mounts where the config says."""
+    import tomllib
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    toml = tomllib.loads(docs[("ConfigMap", "kvrouter-config")]["data"]["router.toml"])
+    tokenizer = toml["models"]["kimi-k3"]["tokenizer"]
+    pod = docs[("Deployment", "kvrouter")]["spec"]["template"]["spec"]
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["tokenizer"]["mountPath"] == tokenizer and mounts["tokenizer"]["readOnly"]
+    claim = {v["name"]: v for v in pod["volumes"]}["tokenizer"]["persistentVolumeClaim"]
+    assert ("PersistentVolumeClaim", claim["claimName"]) in docs
+    job = docs[("Job", "kvrouter-tokenizer-fetch")]["spec"]["template"]["spec"]
+    assert job["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim["claimName"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["KVROUTER_SERVER__POD_NAME"]["value"] == "$(POD_NAME)"
+
+
+def _exported_metrics() -> set[str]:
+    """Every metric family a router with the pods exchange exports."""
+    import re
+
+    from router.core.load import LoadTracker
+    from router.service.config import build_settings
+    from router.service.peer_sum import PeerSum
+    from router.service.pod_exchange import ExchangeSettings, PodExchange, _ExchangeCollector
+    from router.service.saturation import LoopLag
+    from router.service.state import RouterState
+
+    state = RouterState(
+        build_settings({"replicas": [{"url": "http://127.0.0.1:9", "model": "m", "name": "a"}]})
+    )
+    load = LoadTracker()
+    ex = PodExchange(ExchangeSettings("stream", "k", "p", 0.005, 1.0), None, load, PeerSum(load),
+                     lambda: 0.0)  # fmt: skip
+    state.metrics.registry.register(_ExchangeCollector(ex))
+    state.metrics.registry.register(LoopLag())
+    text = state.metrics.render().decode()
+    return set(re.findall(r"^# TYPE (kvrouter_\w+) \w+$", text, flags=re.M))
+
+
+def test_alert_rules_cover_the_issues_and_use_exported_metrics() -> None:
+    import re
+
+    rules = _docs(K8S / "base" / "prometheus-rules.yaml")[0]
+    alerts = {r["alert"]: r for g in rules["spec"]["groups"] for r in g["rules"]}
+    assert {"KVRouterHitRateDrift", "KVRouterIndexEventLag", "KVRouterRedisUnreachable",
+            "KVRouterStalePeerView"} <= set(alerts)  # fmt: skip
+    families = _exported_metrics()
+    suffix = re.compile(r"_(bucket|sum|count|total|created)$")
+    for name, rule in alerts.items():
+        used = set(re.findall(r"kvrouter_[a-z_]+", rule["expr"]))
+        assert used, name
+        missing = {m for m in used if m not in families and suffix.sub("", m) not in families}
+        assert missing == set(), f"{name} uses metrics the router does not export: {missing}"
+        assert rule["labels"]["severity"] and rule["annotations"]["summary"] and rule["for"]
+
+
+def test_hpa_scales_on_the_saturation_signal() -> None:
+    hpa = _docs(K8S / "base" / "router-hpa.yaml")[0]
+    pods = [m["pods"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+    assert pods[0]["metric"]["name"] == "kvrouter_event_loop_lag_seconds"
+    assert pods[0]["metric"]["name"] in _exported_metrics()
+    adapter = yaml.safe_load((DEPLOY / "prometheus" / "adapter-rules.yaml").read_text())
+    assert adapter["rules"][0]["name"]["as"] == pods[0]["metric"]["name"]
 
 
 def test_dashboard_queries_only_metrics_the_router_exports() -> None:
@@ -180,6 +250,15 @@ def test_compose_commands_and_router_config_are_valid(tmp_path: pathlib.Path) ->
         if "command" in svc and name != "redis":
             parser.parse_args(svc["command"])
     settings = load_settings(DEPLOY / "docker" / "router.toml", environ={})
+    # exact mode: router pods and replicas tokenize with the same mounted tokenizer files
+    tokenizer = settings.model("demo-model").tokenizer
+    routers = [n for n in services if n.startswith("router")]
+    assert len(routers) >= 2 and settings.server.pods_exchange == "stream"
+    for name in routers + [n for n in services if n.startswith("replica-")]:
+        host, mount = next(v for v in services[name]["volumes"] if "tokenizer" in v).split(":")[:2]
+        assert mount == tokenizer and (DEPLOY / "docker" / host / "tokenizer_config.json").exists()
+        cmd = services[name]["command"]
+        assert name in routers or cmd[cmd.index("--tokenizer") + 1] == tokenizer
     replicas = {r.name for r in settings.replicas}
     assert replicas == {n for n in services if n.startswith("replica-")}
     for name in replicas:

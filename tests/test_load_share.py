@@ -19,6 +19,7 @@ from router.service.load_share import (
     parse_load,
     summed,
 )
+from router.service.peer_sum import PeerSum
 from router.service.peers import PeerClient
 
 A = ReplicaKey("a")
@@ -76,7 +77,7 @@ async def test_exchange_with_a_peer_that_then_goes_away(tmp_path: Path) -> None:
     mine = LoadTracker()
     mine.dispatch("m1", A, prompt_tokens=64, cached_tokens=0)
     client = PeerClient(1.0)
-    sharing = LoadSharing(mine, client)
+    sharing = LoadSharing(PeerSum(mine), client)
     try:
         await sharing.exchange([sock], now=10.0)
         v = mine.view(A, 10.0)
@@ -90,7 +91,7 @@ async def test_exchange_with_a_peer_that_then_goes_away(tmp_path: Path) -> None:
         await sharing.exchange([sock], now=10.2 + STALE_AFTER_S)
         assert mine.view(A, 0.0).prefilling == 1  # ...then it counts as idle
         assert mine.own(A) == PeerLoad(1, 64, 0, 0, 64, decode_weight(None))
-        assert sharing.applied == set() and mine.own(A) != NO_PEER_LOAD
+        assert sharing.peers.applied == set() and mine.own(A) != NO_PEER_LOAD
     finally:
         client.close()
         await runner.cleanup()

@@ -1,17 +1,28 @@
-"""Trace recording: Mooncake-compatible rows, dense ids that preserve prefix sharing,
-rotation, and the coarsening of router hash chains to 512-token blocks."""
+"""Trace recording: Mooncake-compatible rows, fleet-consistent ids that preserve prefix
+sharing (the same in every worker and pod), outcome columns, rotation shared by workers,
+``kvrouter trace merge`` and the simulator's replay of a merged recording, and the coarsening
+of router hash chains to 512-token blocks."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from router.core.hashing import coarsen_chain, hash_prompt, root_hash
-from router.recorder import RecordSettings, TraceRecorder
+from router.recorder import RecordSettings, TraceRecorder, block_id, record_key
+from router.trace_merge import merge, read_rows
 
 ROOT = root_hash("m")
+KEY = record_key("fleet secret")
+
+
+def ids_of(toks: list[int]) -> list[int]:
+    coarse = coarsen_chain(hash_prompt(toks, 64, ROOT).hashes, 64, len(toks))
+    return [block_id(h, KEY) for h in coarse]
 
 
 def test_coarsen_chain_matches_direct_hashing_at_512() -> None:
@@ -33,7 +44,7 @@ def test_coarsen_chain_matches_direct_hashing_at_512() -> None:
 
 
 def test_rows_are_mooncake_compatible(tmp_path: pathlib.Path) -> None:
-    rec = TraceRecorder(RecordSettings(tmp_path / "t.jsonl"), started_at=100.0)
+    rec = TraceRecorder(RecordSettings(tmp_path / "t.jsonl", key=KEY), started_at=100.0)
     a = list(range(2048))
     b = a[:1024] + [7] * 1500
     for at, toks, sid in ((100.5, a, "s1"), (101.0, b, None)):
@@ -52,12 +63,13 @@ def test_rows_are_mooncake_compatible(tmp_path: pathlib.Path) -> None:
         "timestamp": 500,
         "input_length": 2048,
         "output_length": 5,
-        "hash_ids": [0, 1, 2, 3],
+        "hash_ids": ids_of(a),
         "model": "m",
         "session_id": "s1",
     }
     # b shares the first two 512-token blocks with a, then diverges; ceil(2524/512) = 5 ids.
-    assert rows[1]["hash_ids"] == [0, 1, 4, 5, 6] and rows[1]["timestamp"] == 1000
+    assert rows[1]["hash_ids"][:2] == ids_of(a)[:2] and rows[1]["timestamp"] == 1000
+    assert len(set(rows[1]["hash_ids"][2:]) | set(ids_of(a))) == 4 + 3
     assert "session_id" not in rows[1]
     text = (tmp_path / "t.jsonl").read_text()
     assert "7, 7" not in text and str(hash_prompt(a, 64, ROOT).hashes[0]) not in text
@@ -65,7 +77,7 @@ def test_rows_are_mooncake_compatible(tmp_path: pathlib.Path) -> None:
 
 def test_rotation_keeps_backups_and_ids(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "t.jsonl"
-    rec = TraceRecorder(RecordSettings(path, max_bytes=300, backups=2), started_at=0.0)
+    rec = TraceRecorder(RecordSettings(path, max_bytes=300, backups=2, key=KEY), started_at=0.0)
     chain = hash_prompt(list(range(1024)), 64, ROOT).hashes
     for i in range(12):
         rec.record(
@@ -77,11 +89,11 @@ def test_rotation_keeps_backups_and_ids(tmp_path: pathlib.Path) -> None:
             block_size=64,
         )
     rec.close()
-    files = sorted(p.name for p in tmp_path.iterdir())
+    files = sorted(p.name for p in tmp_path.iterdir() if p.suffix not in (".lock", ".key"))
     assert files == ["t.jsonl", "t.jsonl.1", "t.jsonl.2"]
     for name in files:
         for line in (tmp_path / name).read_text().splitlines():
-            assert json.loads(line)["hash_ids"] == [0, 1]
+            assert json.loads(line)["hash_ids"] == ids_of(list(range(1024)))
     assert rec.rows == 12
     assert all((tmp_path / n).stat().st_size <= 300 for n in files)
 
@@ -113,3 +125,119 @@ def test_session_follow_ups_get_closed_loop_delays(tmp_path: pathlib.Path) -> No
     assert "delay" not in rows[0]
     assert rows[1]["delay"] == 500
     assert "delay" not in rows[2]  # arrived before the previous turn finished: open loop
+
+
+def _record(rec: TraceRecorder, toks: list[int], at: float, **kw: object) -> None:
+    rec.record(
+        arrived_at=at,
+        model="m",
+        input_length=len(toks),
+        output_length=4,
+        block_hashes=hash_prompt(toks, 64, ROOT).hashes,
+        block_size=64,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_two_workers_write_the_same_ids_for_the_same_prompts(tmp_path: pathlib.Path) -> None:
+    """The defect this guards against: two recorders on one path numbered prompts each from
+    0, so different prompts shared ids (false prefix hits in a replay). Workers of one pod
+    share the path's key file; pods share ``record_key``."""
+    a, b = list(range(1024)), [5] * 1024
+    path = tmp_path / "t.jsonl"
+    one = TraceRecorder(RecordSettings(path), started_at=0.0)
+    two = TraceRecorder(RecordSettings(path), started_at=0.0)  # another worker, same path
+    _record(one, a, 1.0)
+    _record(two, b, 1.5)  # first prompt of this worker: used to get [0, 1] like `a`
+    _record(two, a, 2.0)
+    for rec in (one, two):
+        rec.close()
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(rows) == 3 and (path.with_name("t.jsonl.key").stat().st_mode & 0o777) == 0o600
+    by_ts = {r["timestamp"]: r["hash_ids"] for r in rows}
+    assert by_ts[1000] == by_ts[2000]  # same prompt, two workers: same ids
+    assert not set(by_ts[1000]) & set(by_ts[1500])  # different prompts: no id in common
+    # two pods (separate files) with the same record_key agree too; another key does not
+    pods = [TraceRecorder(RecordSettings(tmp_path / f"pod{i}.jsonl", key=KEY), 0.0) for i in (0, 1)]
+    other = TraceRecorder(RecordSettings(tmp_path / "x.jsonl", key=record_key("other")), 0.0)
+    for rec in (*pods, other):
+        _record(rec, a, 1.0)
+        rec.close()
+    files = sorted(tmp_path.glob("*.jsonl"))
+    got = [json.loads(p.read_text().splitlines()[0])["hash_ids"] for p in files]
+    assert got[0] == got[1] == ids_of(a) != got[3]  # pod0, pod1, t, x
+    assert all(0 <= i < 2**53 for i in got[0])
+
+
+def test_outcome_columns_and_wall_clock(tmp_path: pathlib.Path) -> None:
+    rec = TraceRecorder(RecordSettings(tmp_path / "t.jsonl", key=KEY), 10.0, wall_at_start=1e9)
+    _record(
+        rec,
+        list(range(600)),
+        11.0,
+        finished_at=11.5,
+        first_token_at=11.2,
+        replica="r1/0",
+        predicted_hit=512,
+        cached_tokens=512,
+    )
+    rec.close()
+    row = json.loads((tmp_path / "t.jsonl").read_text())
+    assert row["timestamp"] == 1_000_000_001_000
+    assert (row["replica"], row["pred_hit"], row["cached"]) == ("r1/0", 512, 512)
+    assert (row["ttft_ms"], row["e2e_ms"]) == (200.0, 500.0)
+
+
+def test_merge_orders_rebases_and_recomputes_delays(tmp_path: pathlib.Path) -> None:
+    """A session whose turns went through two pods: each pod alone sees no previous turn;
+    the merge gives the follow-ups their closed-loop delay, and sim replay reads the result."""
+    files = []
+    for pod, turns in enumerate(((1.0, 3.0), (2.0,))):
+        rec = TraceRecorder(RecordSettings(tmp_path / f"p{pod}.jsonl", key=KEY), 0.0, 100.0)
+        for at in turns:
+            toks = list(range(int(at) * 512))  # each turn extends the previous one
+            _record(rec, toks, at, session_id="s", finished_at=at + 0.5)
+        rec.close()
+        files.append(tmp_path / f"p{pod}.jsonl")
+    rows = merge(read_rows(files))
+    assert [r["timestamp"] for r in rows] == [0, 1000, 2000]
+    assert [r.get("delay") for r in rows] == [None, 500, 500]
+    assert rows[1]["hash_ids"][:1] == rows[0]["hash_ids"]  # the shared prefix survives
+    out = tmp_path / "merged.jsonl"
+    kvrouter = [sys.executable, "-m", "router.cli"]
+    merge_cmd = [*kvrouter, "trace", "merge", *map(str, files), "-o", str(out)]
+    run = subprocess.run(merge_cmd, timeout=60)
+    assert run.returncode == 0
+    assert [json.loads(x) for x in out.read_text().splitlines()] == rows
+    replay = [*kvrouter, "sim", "replay", str(out), "--replicas", "2", "--block-size", "64"]
+    sim = subprocess.run([*replay, "--json"], capture_output=True, text=True, timeout=60)
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)["requests"] == 3
+    from sim.workload import read_mooncake
+
+    work = read_mooncake(out, block_size=64)
+    assert [r.after for r in work.requests] == [None, "r0", "r1"]
+    assert work.requests[1].block_hashes[:8] == work.requests[0].block_hashes
+    assert work.requests[2].block_hashes[:16] == work.requests[1].block_hashes
+
+
+def test_workers_sharing_a_path_rotate_without_losing_rows(tmp_path: pathlib.Path) -> None:
+    """Two workers append to one path and rotate it in turns: every row lands whole in one of
+    the files (none lost while the backups last, none torn or interleaved)."""
+    path = tmp_path / "t.jsonl"
+    settings = RecordSettings(path, max_bytes=2000, backups=50, key=KEY)
+    workers = [TraceRecorder(settings, 0.0), TraceRecorder(settings, 0.0)]
+    toks = list(range(1024))
+    for i in range(60):
+        rec = workers[i % 2]
+        _record(rec, toks, float(i), session_id=f"s{i}")
+        if i % 3 == 0:
+            rec.flush()
+    for rec in workers:
+        rec.close()
+    files = [p for p in tmp_path.iterdir() if p.name.startswith("t.jsonl") and p.suffix not in
+             (".lock", ".key")]  # fmt: skip
+    assert len(files) > 3  # it did rotate, several times
+    rows = [json.loads(line) for p in files for line in p.read_text().splitlines()]
+    assert sorted(r["session_id"] for r in rows) == sorted(f"s{i}" for i in range(60))
+    assert all(p.stat().st_size <= 2000 for p in files)

@@ -201,6 +201,9 @@ class LoadTracker:
         self._row_of: dict[ReplicaKey, int] = {}  # the mirrored replicas' rows
         self._rows_cache: PerTuple[np.ndarray] = PerTuple()
         self._row_generation = 0  # bumped when a mirrored replica leaves (rows are reused)
+        # bumped by every change of this tracker's own requests (dispatch, first token,
+        # completion): lets an exchange tell cheaply whether :meth:`own` may have changed
+        self.own_changes = 0
 
     def _get(self, key: ReplicaKey) -> _Replica:
         rep = self._replicas.get(key)
@@ -213,6 +216,7 @@ class LoadTracker:
 
     def remove_replica(self, key: ReplicaKey) -> None:
         rep = self._replicas.pop(key, None)
+        self.own_changes += 1
         if rep is not None and rep.row >= 0:
             self._table[:, rep.row] = 0.0
             self._free_rows.append(rep.row)
@@ -241,6 +245,7 @@ class LoadTracker:
         rep.queued_prefill_tokens += prefill
         rep.in_flight_prompt_tokens += prompt_tokens
         rep.decode_weight += weight
+        self.own_changes += 1
         if rep.row >= 0:
             self._mirror(rep)
 
@@ -251,6 +256,7 @@ class LoadTracker:
             return
         rep = self._replicas.get(flight.replica)
         flight.decoding = True
+        self.own_changes += 1
         if rep is None:
             return
         rep.prefilling -= 1
@@ -265,6 +271,7 @@ class LoadTracker:
         flight = self._flights.pop(request_id, None)
         if flight is None:
             return
+        self.own_changes += 1
         rep = self._replicas.get(flight.replica)
         if rep is None:
             return

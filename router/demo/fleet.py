@@ -40,6 +40,7 @@ class FleetSpec:
     pd: str | None = None
     racks: int = 2
     prefill_share: float = 0.5
+    time_scale: float = 1.0  # the mocks' --time-scale
 
     def roles(self) -> list[tuple[str, str]]:
         """(rack, role) of each replica."""
@@ -120,6 +121,7 @@ class Fleet:
                     "--replica", name, "--profile", s.profile, "--block-size", str(s.block_size),
                     "--kv-blocks", str(s.kv_blocks), "--zmq", f"tcp://127.0.0.1:{zmq}",
                     "--replay", f"tcp://127.0.0.1:{replay}", "--log-level", "warning", *where,
+                    "--time-scale", str(s.time_scale),
                 )  # fmt: skip
                 rep = {"url": f"http://127.0.0.1:{port}", "model": MODEL, "name": name,
                        "rack": rack}  # fmt: skip

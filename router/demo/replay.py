@@ -19,7 +19,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,7 @@ import aiohttp
 import numpy as np
 
 TRACE_BLOCK = 512
+CONNECT_FAILED = "connect failed: "
 
 
 @dataclass(slots=True, frozen=True)
@@ -132,6 +133,8 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
             if out.e2e_s != out.e2e_s:
                 out.e2e_s = time.perf_counter() - t0
             return out
+    except aiohttp.ClientConnectorError as exc:  # never reached the router: safe to resend
+        return Outcome(False, error=f"{CONNECT_FAILED}{exc}")
     except (aiohttp.ClientError, TimeoutError) as exc:
         return Outcome(False, error=f"{type(exc).__name__}: {exc}")
 
@@ -141,10 +144,19 @@ async def replay(
     requests: list[TraceRequest],
     speedup: float,
     on_done: Callable[[int], None] | None = None,
+    spread: Sequence[str] = (),
+    in_flight: dict[str, int] | None = None,
 ) -> list[Outcome]:
     """Send open-loop requests at their (scaled) arrival times and closed-loop follow-ups
-    ``delay`` after their session's previous request finished; wait for all of them."""
-    url = router_url + "/v1/completions"
+    ``delay`` after their session's previous request finished; wait for all of them.
+
+    ``spread``: several routers (pods) instead of ``router_url``, as a load balancer spreads
+    requests: request ``i`` goes to ``spread[i % n]``; one that refuses the connection is
+    taken out and the request goes to the next (it never reached a router: nothing is
+    resent that a router had seen). ``in_flight`` (if given) counts the requests each URL
+    has outstanding, as they go."""
+    urls = [u + "/v1/completions" for u in spread] or [router_url + "/v1/completions"]
+    down: set[str] = set()
     timeout = aiohttp.ClientTimeout(total=300)
     outcomes: list[Outcome | None] = [None] * len(requests)
     done = 0
@@ -161,7 +173,22 @@ async def replay(
                     wait = req.delay_s / speedup
                 if wait > 0:
                     await asyncio.sleep(wait)
-                outcomes[i] = await _one(session, url, req)
+                outcome = Outcome(False, error="no router left")
+                for k in range(len(urls)):
+                    url = urls[(i + k) % len(urls)]
+                    if url in down and len(down) < len(urls):
+                        continue
+                    if in_flight is not None:
+                        in_flight[url] = in_flight.get(url, 0) + 1
+                    try:
+                        outcome = await _one(session, url, req)
+                    finally:
+                        if in_flight is not None:
+                            in_flight[url] -= 1
+                    if len(urls) == 1 or not outcome.error.startswith(CONNECT_FAILED):
+                        break
+                    down.add(url)
+                outcomes[i] = outcome
                 done += 1
                 if on_done:
                     on_done(done)

@@ -37,6 +37,7 @@ from router.service.keys import (
     STATE,
 )
 from router.service.routes import Routes
+from router.service.saturation import loop_lag
 from router.service.security import Limits
 from router.service.state import RouterState
 
@@ -66,10 +67,15 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
     app[STATE] = state
     app[INDEX] = state.index
     app.cleanup_ctx.append(background.upstream_session)
+    app.cleanup_ctx.append(loop_lag)  # the saturation gauge (router/service/saturation.py)
     for factory in settings.background:
         app.cleanup_ctx.append(factory)
     if settings.server.redis_url:
         app.cleanup_ctx.append(background.redis_index)
+        if settings.server.pods_exchange != "off":
+            from router.service.pod_exchange import pod_exchange_ctx
+
+            app.cleanup_ctx.append(pod_exchange_ctx(app))
     if settings.server.record_path:
         app.cleanup_ctx.append(background.recording)
     if any(rep.zmq for rep in settings.replicas):

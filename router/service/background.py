@@ -171,14 +171,22 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
 async def recording(app: web.Application) -> AsyncIterator[None]:
     """With ``server.record_path``: append every completed request to a rotating trace
     (router.recorder), flushed every second and on shutdown."""
-    from router.recorder import RecordSettings, TraceRecorder
+    import time
+
+    from router.recorder import RecordSettings, TraceRecorder, record_key
 
     s = app[SETTINGS].server
     assert s.record_path is not None
     loop = asyncio.get_running_loop()
     recorder = TraceRecorder(
-        RecordSettings(Path(s.record_path), int(s.record_max_mb * 2**20), max(s.record_backups, 0)),
+        RecordSettings(
+            Path(s.record_path),
+            int(s.record_max_mb * 2**20),
+            max(s.record_backups, 0),
+            key=record_key(s.record_key) if s.record_key is not None else None,
+        ),
         started_at=loop.time(),
+        wall_at_start=time.time(),
     )
     state = app[STATE]
     state.recorder = recorder

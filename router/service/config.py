@@ -68,6 +68,11 @@ class ServerSettings:
     workers: int = 1
     # workers > 1: how often each takes the others' in-flight load (load_share.py); 0: never
     load_share_interval_s: float = 0.025
+    # with redis_url: pods share in-flight load through Redis (pod_exchange.py, docs/pods.md)
+    pods_exchange: str = "stream"  # stream (push on change) | hash (poll) | off
+    pods_exchange_interval_s: float = 0.005  # stream: change check; hash: poll period
+    pods_stale_s: float = 1.0  # a pod silent this long stops counting
+    pod_name: str | None = None  # default <hostname>:<port>
     max_body_mb: float = 64.0  # a 1M-token prompt is 4-8 MB of JSON
     admin_token: str | None = None
     debug_header: bool = False
@@ -113,6 +118,7 @@ class ServerSettings:
     record_path: str | None = None  # rotating Mooncake-compatible JSONL; None: off
     record_max_mb: float = 256.0
     record_backups: int = 5
+    record_key: str | None = None  # secret for fleet-consistent ids; None: <path>.key
     # Speculative index entries (approximate mode, event lag) are capped at this many block
     # names; beyond it the oldest go first, whatever their TTL (bounds router memory).
     max_speculative_blocks: int = 1_000_000
@@ -464,6 +470,15 @@ def _checked(
     return kwargs
 
 
+def _check_pods(server: ServerSettings) -> None:
+    if server.pods_exchange not in ("stream", "hash", "off"):
+        raise ConfigError(f"server.pods_exchange: {server.pods_exchange!r} is not stream/hash/off")
+    for name in ("pods_exchange_interval_s", "pods_stale_s"):
+        v = getattr(server, name)
+        if not (math.isfinite(v) and v > 0):
+            raise ConfigError(f"server.{name}: must be a finite number > 0")
+
+
 def _replica(i: int, table: Any) -> ReplicaSettings:
     """One ``[[replicas]]`` table; its url is checked by :class:`ReplicaUrl` and stored as
     ``http://host[:port]`` (scheme lower-case, no trailing ``/``): what the proxy expects."""
@@ -637,6 +652,7 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
         raise ConfigError("server.load_share_interval_s: must be a finite number >= 0 (0: off)")
     if server.engine_metrics_interval_s <= 0:
         raise ConfigError("server.engine_metrics_interval_s: must be > 0")
+    _check_pods(server)
     if not math.isfinite(server.max_body_mb):
         raise ConfigError("server.max_body_mb: must be a finite number")
     if not (math.isfinite(server.body_memo_mb) and server.body_memo_mb >= 0):

@@ -113,4 +113,4 @@ def join_workers(app: web.Application, group: Workers, index: int = 0) -> None:
                 known.extend(current)
             return current
 
-        app.cleanup_ctx.append(load_sharing_ctx(sockets, interval))
+        app.cleanup_ctx.append(load_sharing_ctx(app, sockets, interval))

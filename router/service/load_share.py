@@ -8,6 +8,9 @@ requests that worker sent, so N workers pile onto the replica each of them think
 and hands the sum to its tracker (``set_peer_load``), which folds it into the counts the
 policy reads: nothing is added per request.
 
+The sum goes to the app's :class:`~router.service.peer_sum.PeerSum` as the ``workers``
+source (other pods' load is another source: router/service/pod_exchange.py).
+
 A peer that does not answer keeps its last answer for ``STALE_AFTER_S``, then counts as
 idle (a worker that died has no requests in flight). The answer lists only replicas with
 requests in flight: ``{"load": [[replica, dp_rank, prefilling, queued_prefill_tokens,
@@ -22,19 +25,20 @@ import json
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from router.core.load import NO_PEER_LOAD, LoadTracker, PeerLoad, summed_load
+from router.core.load import NO_PEER_LOAD, LoadTracker, PeerLoad
 from router.core.types import ReplicaKey
-from router.service.keys import STATE
+from router.service.peer_sum import PEER_SUM, PeerSum, peer_sum, summed
 from router.service.peers import PeerClient
 from router.service.tasks import running
 
 _log = logging.getLogger(__name__)
+SOURCE = "workers"
 STALE_AFTER_S = 1.0
 _FIELDS = len(PeerLoad._fields)
 
@@ -73,24 +77,15 @@ def _weight(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
-def summed(answers: Iterable[dict[ReplicaKey, PeerLoad]]) -> dict[ReplicaKey, PeerLoad]:
-    """Several peers' answers as one: per replica, the sum of what each reported."""
-    per_key: dict[ReplicaKey, list[PeerLoad]] = {}
-    for answer in answers:
-        for key, load in answer.items():
-            per_key.setdefault(key, []).append(load)
-    return {key: summed_load(loads) for key, loads in per_key.items()}
-
-
 @dataclass(slots=True)
 class LoadSharing:
-    """The exchange of one worker (see the module docstring): ``load`` is this worker's
-    tracker, ``last`` each peer's last answer (by control socket) and when it came."""
+    """The exchange of one worker (see the module docstring): ``peers`` sums into this
+    worker's tracker, ``last`` is each peer's last answer (by control socket) and when it
+    came."""
 
-    load: LoadTracker
+    peers: PeerSum
     client: PeerClient
     last: dict[str, tuple[float, dict[ReplicaKey, PeerLoad]]] = field(default_factory=dict)
-    applied: set[ReplicaKey] = field(default_factory=set)  # keys with peer load set
 
     async def _ask(self, socket: str) -> dict[ReplicaKey, PeerLoad] | None:
         got = await self.client.call(socket, "GET", "/internal/load")
@@ -117,24 +112,21 @@ class LoadSharing:
         self.apply(summed(answer for _, answer in self.last.values()))
 
     def apply(self, peers: dict[ReplicaKey, PeerLoad]) -> None:
-        for key in self.applied - peers.keys():
-            self.load.set_peer_load(key, NO_PEER_LOAD)
-        for key, load in peers.items():
-            self.load.set_peer_load(key, load)
-        self.applied = set(peers)
+        self.peers.update(SOURCE, peers)
 
 
 def load_sharing_ctx(
-    sockets: Callable[[], list[str]], interval_s: float
+    app: web.Application, sockets: Callable[[], list[str]], interval_s: float
 ) -> Callable[[web.Application], AsyncIterator[None]]:
-    """A ``cleanup_ctx`` running the exchange every ``interval_s`` while the app runs;
-    ``sockets()`` gives the other workers' control sockets at each round."""
+    """A ``cleanup_ctx`` for ``app`` (not started yet) running the exchange every
+    ``interval_s`` while it runs; ``sockets()`` gives the other workers' control sockets at
+    each round."""
+    peer_sum(app)
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        state = app[STATE]
         timeout = max(interval_s * 20, 0.5)
         client = PeerClient(timeout)
-        sharing = LoadSharing(state.load, client)
+        sharing = LoadSharing(app[PEER_SUM], client)
         loop = asyncio.get_running_loop()
 
         async def run() -> None:

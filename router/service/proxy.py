@@ -510,7 +510,7 @@ class Forwarder:
         if sse and first_at and status < 400:
             self._slo(routed, started, first_at, payload)
         if self.state.recorder is not None and status < 400:
-            self._record(routed, started, payload, sse)
+            self._record(routed, key, started, payload, sse, first_at)
         outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
         self.state.metrics.model(routed.request.model).outcome(key, outcome).inc()
 
@@ -533,7 +533,15 @@ class Forwarder:
         result = _SLO_RESULTS[ttft_ok, tpot_ok]
         self.state.metrics.model(req.model).slo(tier.label, result).inc()
 
-    def _record(self, routed: Routed, started: float, payload: bytes, sse: bool) -> None:
+    def _record(
+        self,
+        routed: Routed,
+        key: ReplicaKey,
+        started: float,
+        payload: bytes,
+        sse: bool,
+        first_at: float,
+    ) -> None:
         """Append the request to the live-traffic trace (router.recorder). The output length
         is the replica's ``usage.completion_tokens``, else the request's max tokens, else 1."""
         recorder = self.state.recorder
@@ -543,6 +551,8 @@ class Forwarder:
         out = usage.get("completion_tokens") if usage else None
         if not isinstance(out, int):
             out = req.max_output_tokens or 1
+        details = usage.get("prompt_tokens_details") if usage else None
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
         recorder.record(
             arrived_at=started,
             model=req.model,
@@ -552,6 +562,10 @@ class Forwarder:
             block_size=req.block_size,
             session_id=req.session_id,
             finished_at=self.event_loop().time(),
+            replica=f"{key.replica}/{key.dp_rank}",
+            predicted_hit=routed.decision.usable_tokens if key == routed.decision.replica else None,
+            cached_tokens=cached if type(cached) is int else None,
+            first_token_at=first_at or None,
         )
 
     def _feedback(self, routed: Routed, key: ReplicaKey, payload: bytes, sse: bool) -> None:

@@ -143,7 +143,12 @@ def install_log_redaction(secrets: Iterable[str] = ()) -> RedactingFilter:
 
 def server_secrets(server: ServerSettings) -> list[str]:
     """Literal secrets of a server configuration (admin token, API keys, Redis password)."""
-    out = [server.admin_token or "", server.grpc_token or "", server.redis_signing_master or ""]
+    out = [
+        server.admin_token or "",
+        server.grpc_token or "",
+        server.redis_signing_master or "",
+        server.record_key or "",
+    ]
     out += list(read_api_keys(server.api_keys, server.api_keys_file))
     url = server.redis_url or ""
     m = re.match(r"[a-z]+://[^:/@]*:([^@/]+)@", url)

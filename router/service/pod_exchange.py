@@ -1,0 +1,406 @@
+"""Router pods share their in-flight load through Redis (``server.pods_exchange``).
+
+Each pod routes with the load it sent itself plus what its other workers report over unix
+sockets (router/service/load_share.py); without this exchange it knows nothing of the
+requests other pods sent to the same replicas until the engines' own reports catch up
+(about once a second), and N pods pile onto the replica each thinks is idle. With it, every
+worker process of every pod (a *member*: ``<pod>/<pid>``) publishes a *snapshot* of its own
+requests in flight per replica (the :class:`~router.core.load.PeerLoad` rows of
+``/internal/load``) and takes the latest snapshot of every member of the *other* pods (its own
+pod's workers come over the sockets, faster). Their sum is the ``pods`` source of the app's
+:class:`~router.service.peer_sum.PeerSum`.
+
+Two mechanisms, one key each, both a single hash slot (``{pods}``) so Redis Cluster serves
+them as well as a standalone Redis (docs/pods.md compares them by measurement):
+
+* ``stream`` (default): a member appends its snapshot to ``<prefix>:{pods}:load`` (XADD,
+  trimmed to about ``STREAM_MAXLEN`` entries) when its own load changed, checked every
+  ``pods_exchange_interval_s``, and at least every ``stale/4`` as a heartbeat; readers block
+  on XREAD and take snapshots as they come (push: staleness is the check interval plus one
+  Redis round trip).
+* ``hash``: every ``pods_exchange_interval_s`` a member writes its snapshot into the hash
+  ``<prefix>:{pods}:loads`` (HSET, field = member) and reads the whole hash (HGETALL), one
+  pipelined round trip (poll: staleness up to two intervals).
+
+Staleness bound: a snapshot carries its member's sequence number; a member whose sequence has
+not moved for ``pods_stale_s`` (by the reader's clock: no clock sync needed) stops counting,
+so a pod that dies, or is cut off, stops weighing on the replicas within that bound. A member
+stopping cleanly publishes an empty snapshot first. While Redis is away every view ages out
+the same way (the pod then routes on its own load and the engines' reports) and the exchange
+resumes by itself when Redis answers again (a restarted, empty Redis included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.core.load import LoadTracker, PeerLoad
+from router.core.types import ReplicaKey
+from router.service.keys import SETTINGS, STATE
+from router.service.load_share import own_load, parse_load
+from router.service.peer_sum import PEER_SUM, PeerSum, peer_sum, summed
+from router.service.tasks import running
+
+_log = logging.getLogger(__name__)
+SOURCE = "pods"
+MODES = ("off", "stream", "hash")
+STREAM_MAXLEN = 2000
+HASH_FORGET_S = 60.0  # a hash field unchanged this long is deleted (its member is gone)
+_BLOCK_MS = 250
+
+
+@dataclass(slots=True, frozen=True)
+class Snapshot:
+    """One member's own load at one moment (``seq`` grows with every snapshot it sends)."""
+
+    member: str
+    pod: str
+    seq: int
+    load: dict[ReplicaKey, PeerLoad]
+
+
+def encode(member: str, pod: str, seq: int, load: LoadTracker) -> bytes:
+    body = own_load(load)
+    body.update(m=member, p=pod, s=seq)
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Snapshot:
+    """A snapshot from Redis; raises ValueError for anything else."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict):
+        raise ValueError("expected an object")
+    member, pod, seq = doc.get("m"), doc.get("p"), doc.get("s")
+    if not isinstance(member, str) or not isinstance(pod, str) or type(seq) is not int:
+        raise ValueError("snapshot without m / p / s")
+    return Snapshot(member, pod, seq, parse_load(data))
+
+
+@dataclass(slots=True)
+class _View:
+    pod: str
+    seq: int
+    moved_at: float  # reader's clock when ``seq`` last changed
+    load: dict[ReplicaKey, PeerLoad]
+
+
+@dataclass(slots=True)
+class PodViews:
+    """The latest snapshot of every member of the other pods, and when each last moved.
+    No I/O, no clock: ``now`` comes in."""
+
+    pod: str
+    stale_s: float
+    views: dict[str, _View] = field(default_factory=dict)
+
+    def take(self, snap: Snapshot, now: float) -> None:
+        if snap.pod == self.pod:
+            return
+        old = self.views.get(snap.member)
+        if old is None or old.seq != snap.seq:
+            self.views[snap.member] = _View(snap.pod, snap.seq, now, snap.load)
+
+    def expire(self, now: float) -> None:
+        for member in [m for m, v in self.views.items() if now - v.moved_at > self.stale_s]:
+            del self.views[member]
+
+    def total(self, now: float) -> dict[ReplicaKey, PeerLoad]:
+        """What the live members have in flight, per replica (stale ones dropped first)."""
+        self.expire(now)
+        return summed(v.load for v in self.views.values())
+
+    def ages(self, now: float) -> dict[str, float]:
+        """Per other pod, the age of its freshest member's view (seconds)."""
+        out: dict[str, float] = {}
+        for v in self.views.values():
+            age = now - v.moved_at
+            out[v.pod] = min(age, out.get(v.pod, age))
+        return out
+
+
+@dataclass(slots=True, frozen=True)
+class ExchangeSettings:
+    mode: str
+    key_prefix: str
+    pod: str
+    interval_s: float
+    stale_s: float
+
+    @property
+    def member(self) -> str:
+        return f"{self.pod}/{os.getpid()}"
+
+    @property
+    def stream_key(self) -> str:
+        return f"{self.key_prefix}:{{pods}}:load"
+
+    @property
+    def hash_key(self) -> str:
+        return f"{self.key_prefix}:{{pods}}:loads"
+
+
+@dataclass(slots=True)
+class Counters:
+    sent: int = 0
+    received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    errors: int = 0
+    failing: bool = False  # the last Redis call failed
+
+
+class PodExchange:
+    """One member's exchange (see the module docstring). ``client``: a redis-py asyncio
+    client (standalone or cluster); ``clock``: the event loop's."""
+
+    def __init__(
+        self,
+        settings: ExchangeSettings,
+        client: Any,
+        load: LoadTracker,
+        peers: PeerSum,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.load = load
+        self.peers = peers
+        self.clock = clock
+        self.member = settings.member
+        self.views = PodViews(settings.pod, settings.stale_s)
+        self.counters = Counters()
+        self._seq = 0
+        self._sent_changes = -1
+        self._sent_at = -float("inf")
+        self._last_id = b"$"
+        self._forgotten_at = 0.0
+
+    # ------------------------------------------------------------------ writing
+
+    def _due(self, now: float) -> bool:
+        return (
+            self.load.own_changes != self._sent_changes
+            or now - self._sent_at >= self.settings.stale_s / 4
+        )
+
+    def _snapshot(self, now: float) -> bytes:
+        self._seq += 1
+        self._sent_changes = self.load.own_changes
+        self._sent_at = now
+        data = encode(self.member, self.settings.pod, self._seq, self.load)
+        self.counters.sent += 1
+        self.counters.bytes_sent += len(data)
+        return data
+
+    async def publish(self, now: float) -> None:
+        """Stream mode: append a snapshot if this member's load changed (or a heartbeat is
+        due)."""
+        if self._due(now):
+            data = self._snapshot(now)
+            await self.client.xadd(
+                self.settings.stream_key, {b"s": data}, maxlen=STREAM_MAXLEN, approximate=True
+            )
+
+    async def read_stream(self) -> None:
+        """Stream mode: wait (up to 250 ms) for the next snapshots and take them."""
+        key = self.settings.stream_key
+        got = await self.client.xread({key: self._last_id}, count=1000, block=_BLOCK_MS)
+        now = self.clock()
+        for _, entries in got or ():
+            for entry_id, fields in entries:
+                self._last_id = entry_id
+                self._take(fields.get(b"s", b""), now)
+        self.apply(now)
+
+    async def poll_hash(self, now: float) -> None:
+        """Hash mode: one round trip writing this member's snapshot and reading all."""
+        key = self.settings.hash_key
+        pipe = self.client.pipeline(transaction=False)
+        if self._due(now):
+            pipe.hset(key, self.member, self._snapshot(now))
+        pipe.hgetall(key)
+        results = await pipe.execute()
+        now = self.clock()
+        for data in results[-1].values():
+            self._take(data, now)
+        self.apply(now)
+        if now - self._forgotten_at > HASH_FORGET_S:
+            self._forgotten_at = now
+            await self._forget_gone(key, results[-1], now)
+
+    async def _forget_gone(self, key: str, fields: dict[bytes, bytes], now: float) -> None:
+        """Delete hash fields of members gone for ``HASH_FORGET_S`` (seen unmoving so long)."""
+        gone = [
+            member
+            for member, v in self.views.views.items()
+            if now - v.moved_at > HASH_FORGET_S and member.encode() in fields
+        ]
+        if gone:
+            await self.client.hdel(key, *gone)
+
+    def _take(self, data: bytes, now: float) -> None:
+        self.counters.received += 1
+        self.counters.bytes_received += len(data)
+        try:
+            self.views.take(decode(data), now)
+        except ValueError as exc:
+            _log.debug("bad load snapshot in Redis: %s", exc)
+
+    def apply(self, now: float) -> None:
+        self.peers.update(SOURCE, self.views.total(now))
+
+    async def leave(self) -> None:
+        """Tell the others this member has nothing in flight any more (clean stop)."""
+        self._seq += 1
+        body = json.dumps({"load": [], "m": self.member, "p": self.settings.pod, "s": self._seq})
+        with contextlib.suppress(Exception):
+            if self.settings.mode == "stream":
+                await self.client.xadd(self.settings.stream_key, {b"s": body.encode()})
+            else:
+                await self.client.hdel(self.settings.hash_key, self.member)
+
+    # ------------------------------------------------------------------ loops
+
+    async def _guarded(self, what: str, step: Callable[[], Any]) -> None:
+        """Run ``step`` forever; a failure (Redis away) is counted, logged once per outage,
+        and retried after a short pause while the views age out on their own."""
+        failing = False
+        while True:
+            try:
+                await step()
+                if failing:
+                    _log.info("pod load exchange: %s works again", what)
+                failing = self.counters.failing = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.counters.errors += 1
+                if not failing:
+                    _log.warning("pod load exchange: %s failed: %s", what, exc)
+                failing = self.counters.failing = True
+                self.apply(self.clock())
+                await asyncio.sleep(min(self.settings.stale_s / 4, 0.25))
+
+    async def run(self) -> None:
+        interval = self.settings.interval_s
+        if self.settings.mode == "stream":
+
+            async def write() -> None:
+                await asyncio.sleep(interval)
+                await self.publish(self.clock())
+
+            await asyncio.gather(
+                self._guarded("publishing", write), self._guarded("reading", self.read_stream)
+            )
+        else:
+
+            async def poll() -> None:
+                await asyncio.sleep(interval)
+                await self.poll_hash(self.clock())
+
+            await self._guarded("polling", poll)
+
+
+class _ExchangeCollector(Collector):
+    def __init__(self, exchange: PodExchange) -> None:
+        self.exchange = exchange
+
+    def collect(self) -> Iterable[Metric]:
+        ex = self.exchange
+        age = GaugeMetricFamily(
+            "kvrouter_peer_view_age_seconds",
+            "Age of the freshest load snapshot of another router pod (pods_exchange); a view "
+            "older than pods_stale_s is dropped",
+            labels=["peer"],
+        )
+        for pod, seconds in sorted(ex.views.ages(ex.clock()).items()):
+            age.add_metric([pod], seconds)
+        views = GaugeMetricFamily(
+            "kvrouter_peer_views", "Members of other router pods whose load this one counts"
+        )
+        views.add_metric([], len(ex.views.views))
+        c = ex.counters
+        snaps = CounterMetricFamily(
+            "kvrouter_pod_exchange_snapshots",
+            "Load snapshots sent to / received from Redis (pods_exchange)",
+            labels=["direction"],
+        )
+        snaps.add_metric(["sent"], c.sent)
+        snaps.add_metric(["received"], c.received)
+        nbytes = CounterMetricFamily(
+            "kvrouter_pod_exchange_bytes",
+            "Bytes of load snapshots sent to / received from Redis",
+            labels=["direction"],
+        )
+        nbytes.add_metric(["sent"], c.bytes_sent)
+        nbytes.add_metric(["received"], c.bytes_received)
+        errors = CounterMetricFamily(
+            "kvrouter_pod_exchange_errors", "Failed Redis calls of the pod load exchange"
+        )
+        errors.add_metric([], c.errors)
+        up = GaugeMetricFamily(
+            "kvrouter_pod_exchange_redis_up",
+            "1 while the pods exchange's Redis calls succeed, 0 while Redis is unreachable",
+        )
+        up.add_metric([], 0.0 if c.failing else 1.0)
+        yield from (age, views, snaps, nbytes, errors, up)
+
+
+def pod_name(configured: str | None, port: int) -> str:
+    """``server.pod_name``, else ``<hostname>:<port>`` (unique per pod, and per router
+    process when several run on one host)."""
+    return configured or f"{socket.gethostname()}:{port}"
+
+
+def pod_exchange_ctx(app: web.Application) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A ``cleanup_ctx`` running this process's exchange while ``app`` (not started yet)
+    runs; with ``server.redis_url`` and ``server.pods_exchange`` other than ``off``."""
+    peer_sum(app)
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        from router.store.redis_store import connect
+
+        s = app[SETTINGS].server
+        state = app[STATE]
+        settings = ExchangeSettings(
+            s.pods_exchange,
+            s.redis_key_prefix,
+            pod_name(s.pod_name, s.port),
+            s.pods_exchange_interval_s,
+            s.pods_stale_s,
+        )
+        client = connect(s.redis_url or "", socket_timeout=max(2.0, 2 * _BLOCK_MS / 1000))
+        loop = asyncio.get_running_loop()
+        exchange = PodExchange(settings, client, state.load, app[PEER_SUM], loop.time)
+        collector = _ExchangeCollector(exchange)
+        state.metrics.registry.register(collector)
+        _log.info(
+            "pod load exchange: %s as %s every %g s (stale after %g s)",
+            settings.mode,
+            exchange.member,
+            settings.interval_s,
+            settings.stale_s,
+        )
+        try:
+            async with running(exchange.run(), name=f"pod-exchange-{os.getpid()}"):
+                yield
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(exchange.leave(), 1.0)
+        finally:
+            state.metrics.registry.unregister(collector)
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    return ctx

@@ -1,0 +1,89 @@
+"""``kvrouter trace merge``: one trace from the recordings of many workers and pods.
+
+Each router pod records its own files (router/recorder.py); the block ids in them are
+fleet-consistent (a keyed hash, same key on every pod), so merging is a sort, not a remap:
+rows from all files ordered by arrival (``timestamp``, wall-clock ms), rebased so the first
+arrives at 0 (``--keep-time``: leave them absolute). A session's requests may have gone
+through several workers or pods, which each saw only their own: ``delay`` is recomputed over
+the merged rows from each row's arrival and its session's previous request's finish
+(``timestamp + e2e_ms``): present when the request arrived after that finish (closed loop),
+absent otherwise. Rows without ``e2e_ms`` (older recordings) keep the ``delay`` they had.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from router.core.errors import ConfigError
+
+
+def read_rows(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:
+    """The rows of recorded traces; raises ConfigError naming file and line for a bad one."""
+    for path in paths:
+        with path.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+                ts = row.get("timestamp") if isinstance(row, dict) else None
+                if not isinstance(ts, int | float) or isinstance(ts, bool):
+                    raise ConfigError(f"{path}:{lineno}: a row needs a numeric 'timestamp'")
+                yield row
+
+
+def merge(rows: Iterable[dict[str, Any]], keep_time: bool = False) -> list[dict[str, Any]]:
+    """Rows in arrival order with ``delay`` recomputed across them (see the module doc)."""
+    out = sorted(rows, key=lambda r: r["timestamp"])
+    t0 = out[0]["timestamp"] if out and not keep_time else 0
+    finish: dict[str, float] = {}
+    for row in out:
+        arrived = row["timestamp"]
+        session = row.get("session_id")
+        e2e = row.get("e2e_ms")
+        if session is not None:
+            session = str(session)
+            previous = finish.get(session)
+            if isinstance(e2e, int | float):
+                row.pop("delay", None)
+                if previous is not None and arrived >= previous:
+                    row["delay"] = round(arrived - previous)
+            done = arrived + e2e if isinstance(e2e, int | float) else arrived
+            finish[session] = max(done, previous if previous is not None else done)
+        row["timestamp"] = arrived - t0
+    return out
+
+
+def _run(args: argparse.Namespace) -> int:
+    paths = [Path(p) for p in args.files]
+    rows = merge(read_rows(paths), keep_time=args.keep_time)
+    if not rows:
+        raise ConfigError("no rows in " + ", ".join(args.files))
+    out = sys.stdout if args.output in (None, "-") else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    try:
+        for row in rows:
+            out.write(json.dumps(row, separators=(",", ":")) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    print(f"merged {len(rows)} rows from {len(paths)} files", file=sys.stderr)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    trace = sub.add_parser("trace", help="recorded traces: merge files from many pods")
+    cmds = trace.add_subparsers(dest="trace_command", metavar="CMD", required=True)
+    m = cmds.add_parser("merge", help="merge recordings (all pods, rotated files) into one")
+    m.add_argument("files", nargs="+", help="recorded JSONL files (trace.jsonl, .1, ...)")
+    m.add_argument("-o", "--output", help="output JSONL path (default: stdout)")
+    m.add_argument(
+        "--keep-time", action="store_true", help="keep wall-clock timestamps (default: from 0)"
+    )
+    m.set_defaults(handler=_run)
