@@ -32,6 +32,9 @@ def run(args: argparse.Namespace) -> int:
         bpe_file=args.bpe_file,
         default_max_tokens=args.default_max_tokens,
         time_scale=args.time_scale,
+        fault=args.fault,
+        fault_rate=args.fault_rate,
+        fault_retry_after_s=args.fault_retry_after,
     )
     try:
         app = create_app(settings)
@@ -74,5 +77,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="wall seconds per modelled second: 1 keeps the profile's timing, 0.05 runs it 20x "
         "faster (tests that do not measure the modelled durations)",
     )
+    p.add_argument(
+        "--fault",
+        default="none",
+        help="how the completion endpoints misbehave (router/mock/faults.py): none, a status "
+        "(429, 500, 503 ...), hang, head-only, short-body or slow:SECONDS; changed at run time "
+        "with POST /admin/fault",
+    )
+    p.add_argument("--fault-rate", type=float, default=1.0, help="share of requests faulted")
+    p.add_argument("--fault-retry-after", type=int, default=1, help="Retry-After of 429 / 503")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(handler=run)
