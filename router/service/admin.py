@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router.service.ejection import ejections_of
 from router.service.errors import ErrorReply, error_body
 from router.service.http_types import HttpRequest, Reply
 from router.service.keys import STATE, WORKERS
@@ -81,10 +82,12 @@ def replica_rows(state: RouterState) -> list[dict[str, Any]]:
     worker's routing counts too."""
     now = asyncio.get_running_loop().time()
     engine_cache = state.fleet.engine_prefix_cache
+    ejections = ejections_of(state)
     out = []
     for ep in state.registry.endpoints():
         v = state.load.view(ep.key, now)
         own = state.load.own(ep.key)
+        phantom = ejections.detector.penalty(ep.key, now) if ejections is not None else 0
         kv, st = state.index.replica_size(ep.key)
         out.append(
             {
@@ -101,7 +104,7 @@ def replica_rows(state: RouterState) -> list[dict[str, Any]]:
                 "prefilling": own.prefilling,
                 "queued_prefill_tokens": own.queued_prefill_tokens,
                 "decoding": own.decoding,
-                "peers_in_flight": v.in_flight - own.prefilling - own.decoding,
+                "peers_in_flight": v.in_flight - own.prefilling - own.decoding - phantom,
                 "index_kv_blocks": kv,
                 "index_state_blocks": st,
                 "source": "static" if state.fleet.is_static(ep.key.replica) else "discovered",
@@ -115,6 +118,8 @@ def replica_rows(state: RouterState) -> list[dict[str, Any]]:
                     "age_s": round(v.engine_age_s, 3),
                 },
                 "engine_prefix_cache_hit_ratio": _ratio(engine_cache.get(ep.key)),
+                # outlier detection: failure run, and why / how long ejected
+                "outlier": ejections.status(ep.key, now) if ejections is not None else None,
             }
         )
     return out

@@ -280,6 +280,18 @@ class Exchange:
         c.buffered = 0
         return data
 
+    async def ready(self, whole: bool) -> None:
+        """Wait, reading nothing, until the first body data has arrived (``whole``: the
+        whole body, or as much as the buffer holds) or the body ended; raises
+        :class:`UpstreamBroken` / :class:`UpstreamTimeout` as :meth:`read` would."""
+        c = self._conn
+        while not (c.complete or c.paused or (c.chunks and not whole)):
+            if c.error is not None:
+                raise (
+                    c.error if isinstance(c.error, UpstreamBroken) else UpstreamBroken(str(c.error))
+                )
+            await c.wait(self._timeout())
+
     async def read_all(self) -> bytes:
         """The whole body."""
         c = self._conn
