@@ -42,6 +42,7 @@ def outlier_settings(s: ServerSettings) -> OutlierSettings:
         max_ejected_share=s.outlier_max_ejected_share,
         latency_factor=s.outlier_latency_factor,
         latency_min_s=s.outlier_latency_min_s,
+        penalty_s=2 * s.outlier_base_ejection_s,
     )
 
 
