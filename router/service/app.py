@@ -24,7 +24,7 @@ from aiohttp import web
 
 from router.service import admin, background, public
 from router.service.config import Settings
-from router.service.fast_server import FastServer
+from router.service.fast_server import ConnLimits, FastServer
 from router.service.gate import Gate
 from router.service.handling import CHAT_PATH, COMPLETIONS_PATH, FrontDoor, handle
 from router.service.keys import (
@@ -114,7 +114,10 @@ async def start(app: web.Application, host: str, port: int, *, reuse_port: bool 
         door = FrontDoor(
             state, app[FORWARDER], Gate(Limits.from_server(state.settings.server)), app[ROUTES]
         )
-        server = FastServer(partial(handle, door), int(state.settings.server.max_body_mb * 2**20))
+        s = state.settings.server
+        server = FastServer(
+            partial(handle, door), int(s.max_body_mb * 2**20), ConnLimits.from_server(s)
+        )
         bound = await server.start(host, port, reuse_port=reuse_port)
     except BaseException:
         await runner.cleanup()
