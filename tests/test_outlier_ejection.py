@@ -106,3 +106,7 @@ async def test_each_fault_is_retried_and_its_replica_ejected(tmp_path: Path) -> 
             assert row["outlier"]["failures_in_a_row"] >= 1, row
             async with s.post(bad + "/admin/fault", json={"mode": "none"}) as r:
                 assert r.status == 200
+        # serve's start-up lines: where it listens, how it routes (no tokenizer here)
+        log = router.log()
+        assert f"listening on http://127.0.0.1:{router.port}" in log, log[-2000:]  # type: ignore[attr-defined]
+        assert "model m: policy ours, 3 configured replica(s), APPROXIMATE" in log

@@ -23,6 +23,7 @@ from functools import partial
 from aiohttp import web
 
 from router.service import admin, background, public
+from router.service.banner import log_startup
 from router.service.config import Settings
 from router.service.fast_server import ConnLimits, FastServer
 from router.service.gate import Gate
@@ -119,6 +120,7 @@ async def start(app: web.Application, host: str, port: int, *, reuse_port: bool 
             partial(handle, door), int(s.max_body_mb * 2**20), ConnLimits.from_server(s)
         )
         bound = await server.start(host, port, reuse_port=reuse_port)
+        log_startup(state, host, bound, server.limits.max_connections)
     except BaseException:
         await runner.cleanup()
         raise
