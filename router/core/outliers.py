@@ -20,10 +20,13 @@ replica's health in the load tracker, a load penalty in the cost).
   that long (at most ``max_retry_after_s``), within the cap.
 * **First-byte latency outliers.** Each attempt is known from :meth:`sent` (with the time the
   router predicted for its first byte) to :meth:`answered`; its *excess* is the time past that
-  prediction. A replica whose recent excess (a moving average of answered attempts, or the
-  age of its oldest attempt still waiting) exceeds both ``latency_min_s`` and
-  ``latency_factor`` times the median of its pool's averages is ejected (:meth:`sweep`), so a
-  replica that hangs is caught in about ``latency_min_s``, not after a first-byte timeout.
+  prediction and its *ratio* the time over the prediction (at least :data:`MIN_EXPECT_S`).
+  A replica is ejected (:meth:`sweep`) when its answered attempts (moving averages) or its
+  oldest attempt still waiting show an excess over ``latency_min_s`` *and* a ratio over
+  ``latency_factor`` times the median of its pool's average ratios: a replica that hangs is
+  caught in about ``latency_min_s``, not after a first-byte timeout, while a prediction that
+  is wrong for every replica alike (a cost model slower or faster than the engines) moves the
+  median with it.
 * **Penalty.** :meth:`penalty` is what the cost should add to a replica that failed recently
   but is not (or can no longer be) ejected: ``penalty_requests_per_failure`` phantom requests
   per failure of its run, so a replica that fails fast never looks idle; it lapses
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from router.core.types import ReplicaKey
 
 FAILURE_KINDS = ("http_5xx", "http_429", "timeout", "broken", "connect")
+MIN_EXPECT_S = 0.05  # predictions below this count as this in ratios
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,7 +81,8 @@ class _Replica:
     ejections: int = 0  # in a row
     good_since: float = 0.0  # readmitted and answering well since
     excess_avg: float | None = None  # moving average of answered attempts' excess (s)
-    pending: dict[object, tuple[float, float]] = field(default_factory=dict)  # token: sent, due
+    ratio_avg: float | None = None  # ... and of their time over the prediction
+    pending: dict[object, tuple[float, float]] = field(default_factory=dict)  # token: sent, expect
 
 
 class OutlierDetector:
@@ -101,7 +106,7 @@ class OutlierDetector:
 
     def sent(self, key: ReplicaKey, pool: str, token: object, now: float, expect_s: float) -> None:
         """An attempt went to ``key``; its first byte is predicted within ``expect_s``."""
-        self._get(key, pool).pending[token] = (now, now + max(expect_s, 0.0))
+        self._get(key, pool).pending[token] = (now, max(expect_s, 0.0))
 
     def answered(self, key: ReplicaKey, token: object, now: float) -> None:
         """The attempt's first byte (or whole answer) came: a latency sample, and a success
@@ -111,11 +116,14 @@ class OutlierDetector:
             return
         got = rep.pending.pop(token, None)
         if got is not None:
-            excess = max(now - got[1], 0.0)
+            took, expect = now - got[0], got[1]
+            excess = max(took - expect, 0.0)
+            ratio = took / max(expect, MIN_EXPECT_S)
             a = self.settings.latency_alpha
             rep.excess_avg = (
                 excess if rep.excess_avg is None else a * excess + (1 - a) * rep.excess_avg
             )
+            rep.ratio_avg = ratio if rep.ratio_avg is None else a * ratio + (1 - a) * rep.ratio_avg
         if rep.run:
             rep.run = 0
             rep.kinds.clear()
@@ -198,30 +206,39 @@ class OutlierDetector:
         s = self.settings
         if not s.enabled:
             return []
-        pools: dict[str, list[tuple[ReplicaKey, _Replica, float]]] = {}
+        pools: dict[str, list[tuple[ReplicaKey, _Replica]]] = {}
         for key, rep in self._replicas.items():
-            waiting = max((now - due for _, due in rep.pending.values()), default=0.0)
-            excess = max(rep.excess_avg or 0.0, waiting)
-            pools.setdefault(rep.pool, []).append((key, rep, excess))
+            pools.setdefault(rep.pool, []).append((key, rep))
         out: list[Ejection] = []
         for pool, members in pools.items():
             if len(members) < 2:
                 continue  # no peers to compare with
-            averages = sorted(rep.excess_avg or 0.0 for _, rep, _ in members)
-            median = averages[len(averages) // 2]
-            bar = max(s.latency_min_s, s.latency_factor * median)
-            for key, rep, excess in members:
-                if excess > bar and now >= rep.ejected_until:
-                    why = (
-                        f"first byte {excess:.2f}s past its prediction "
-                        f"(peers' median {median:.2f}s)"
-                    )
-                    got = self._eject(key, rep, why, now, pool_sizes.get(pool, len(members)))
-                    if got is not None:
-                        # judged again on new answers only: its stalled attempts will time out
-                        rep.pending.clear()
-                        rep.excess_avg = None
-                        out.append(got)
+            ratios = sorted(rep.ratio_avg or 1.0 for _, rep in members)
+            median = ratios[len(ratios) // 2]
+            bar = s.latency_factor * median
+            for key, rep in members:
+                if now < rep.ejected_until:
+                    continue
+                views = [(rep.excess_avg or 0.0, rep.ratio_avg or 0.0)]
+                for sent, expect in rep.pending.values():
+                    age = now - sent
+                    views.append((age - expect, age / max(expect, MIN_EXPECT_S)))
+                worst = max(
+                    (v for v in views if v[0] > s.latency_min_s and v[1] > bar),
+                    default=None,
+                )
+                if worst is None:
+                    continue
+                why = (
+                    f"first byte {worst[0]:.2f}s past its prediction, {worst[1]:.1f}x it "
+                    f"(peers' median {median:.1f}x)"
+                )
+                got = self._eject(key, rep, why, now, pool_sizes.get(pool, len(members)))
+                if got is not None:
+                    # judged again on new answers only: its stalled attempts will time out
+                    rep.pending.clear()
+                    rep.excess_avg = rep.ratio_avg = None
+                    out.append(got)
         return out
 
     # ------------------------------------------------------------------ queries
@@ -255,6 +272,7 @@ class OutlierDetector:
         if rep.ejected_until > now:
             out["ejection_reason"] = rep.reason
             out["ejected_for_s"] = round(rep.ejected_until - now, 3)
-        if rep.excess_avg is not None:
+        if rep.excess_avg is not None and rep.ratio_avg is not None:
             out["first_byte_excess_s"] = round(rep.excess_avg, 4)
+            out["first_byte_ratio"] = round(rep.ratio_avg, 2)
         return out

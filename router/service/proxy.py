@@ -422,14 +422,15 @@ class Forwarder:
         except asyncio.CancelledError:
             # the client left before the replica's answer head (during the relay, _relay
             # books the outcome itself)
-            if key is not None and token is not None:
-                ejections.dropped(key, token)
             if key is not None and state.load.replica_of(rid) is not None:
                 mm.outcome(key, "cancelled").inc()
             raise
         finally:
-            # whatever happened, the request no longer loads a replica (idempotent)
+            # whatever happened, the request no longer loads a replica (idempotent), and an
+            # attempt still open is neither a latency sample nor a failure
             state.load.complete(rid)
+            if key is not None and token is not None:
+                ejections.dropped(key, token)
 
     def _deadline(self, expect_s: float) -> float:
         s = self.state.settings.server
