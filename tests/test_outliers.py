@@ -43,11 +43,15 @@ def test_the_ejected_share_of_a_pool_is_capped_and_the_rest_are_penalised() -> N
 
 
 def test_retry_after_ejects_at_once_for_that_long() -> None:
-    det = OutlierDetector(OutlierSettings(max_retry_after_s=30.0))
+    det = OutlierDetector(OutlierSettings(max_retry_after_s=30.0, base_ejection_s=2.0))
     got = det.failure(A, "m", "http_429", 10.0, retry_after_s=7.0, pool_size=3)
     assert got is not None and got.until == 17.0 and "Retry-After" in got.reason
     capped = det.failure(B, "m", "http_429", 10.0, retry_after_s=999.0, pool_size=4)
     assert capped is not None and capped.until == 40.0
+    # a short Retry-After again and again: the growing interval wins (2 s, 4 s, 6 s)
+    for n, at in ((1, 50.0), (2, 53.0), (3, 58.0)):
+        again = det.failure(C, "m", "http_429", at, retry_after_s=1.0, pool_size=8)
+        assert again is not None and again.until == at + 2.0 * n
 
 
 def test_a_replica_that_stops_answering_is_a_latency_outlier() -> None:

@@ -13,9 +13,10 @@ not, ``--max-tokens`` output tokens, for ``--duration`` seconds). Per scenario i
   retried attempts too) after the first 2 s, over the client requests sent in that time;
   client latency percentiles.
 * ``sigstop``: the replica is SIGSTOPped at ``--stop-at`` s for the rest of the run (then
-  SIGCONT). ``moved_after_s``: from the stop to the last request whose first attempt went
-  to it (those come back with ``attempt=1`` or more in ``X-KVRouter-Decision``, retried
-  after their first-byte deadline); ``stalled``: how many, and their longest latency.
+  SIGCONT). ``stalled``: requests whose first attempt went to it while it was stopped (in
+  flight at the stop, or sent after; they come back with ``attempt=1`` or more in
+  ``X-KVRouter-Decision``, retried after their first-byte deadline) and their longest
+  latency; ``moved_after_s``: from the stop to the last of them sent.
 * ``idle`` (``--idle-sockets N``): N connections to the router that never send a byte,
   opened by helper processes (a process's descriptor limit is the router's too), while the
   client keeps sending. ``normal``: the client's outcomes (200 / 503 / failures);
@@ -80,7 +81,11 @@ print(json.dumps({"opened": len(opened) + len(closed_after), "closed": len(close
 
 
 def _fleet(
-    procs: Procs, workdir: Path, fault: str = "none", server: tuple[str, ...] = ()
+    procs: Procs,
+    workdir: Path,
+    fault: str = "none",
+    server: tuple[str, ...] = (),
+    policy: str | None = None,
 ) -> tuple[list[Any], str, Any]:
     mocks = []
     for i in range(3):
@@ -101,6 +106,8 @@ def _fleet(
     for name, url, _ in mocks:
         lines += ["[[replicas]]", f'name = "{name}"', f'url = "{url}"', 'model = "m"']
     lines += ["[models.m]", "block_size = 16"]
+    if policy:
+        lines.append(f'policy = "{policy}"')
     cfg.write_text("\n".join(lines) + "\n")
     router = procs.spawn("router", [KVROUTER, "serve", "--config", str(cfg)])
     rurl = f"http://127.0.0.1:{rport}"
@@ -182,7 +189,7 @@ def _latency(recs: list[dict[str, Any]]) -> dict[str, float]:
 def _fault(args: argparse.Namespace, mode: str, workdir: Path) -> dict[str, Any]:
     procs = Procs(workdir)
     try:
-        mocks, rurl, router = _fleet(procs, workdir, mode)
+        mocks, rurl, router = _fleet(procs, workdir, mode, policy=args.policy)
         bad = mocks[0][1]
         marks: dict[float, Any] = {2.0: lambda: (_injected(bad), time.monotonic())}
         t0 = time.monotonic()
@@ -192,6 +199,7 @@ def _fault(args: argparse.Namespace, mode: str, workdir: Path) -> dict[str, Any]
         after = [r for r in recs if r["sent"] >= 2.0 - 1e-9]
         out: dict[str, Any] = {
             "scenario": f"fault {mode}",
+            "policy": args.policy or "ours",
             "requests": len(recs),
             "failed": sum(1 for r in recs if not r["ok"]),
             "bad_received_total": total,
@@ -216,7 +224,7 @@ def _fault(args: argparse.Namespace, mode: str, workdir: Path) -> dict[str, Any]
 def _sigstop(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     procs = Procs(workdir)
     try:
-        mocks, rurl, router = _fleet(procs, workdir)
+        mocks, rurl, router = _fleet(procs, workdir, policy=args.policy)
         victim = mocks[0][2]
         stopped: dict[str, float] = {}
 
@@ -230,15 +238,21 @@ def _sigstop(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         recs = asyncio.run(_open_loop(rurl, args.rate, args.duration, args.max_tokens, marks))
         os.kill(victim.pid, signal.SIGCONT)
         stop_s = args.stop_at
-        hit = [r for r in recs if r["sent"] >= stop_s and r.get("attempt", "0") not in ("0", "")]
+        # requests whose first attempt went to the stopped replica: retried (attempt >= 1),
+        # sent while it was stopped or in flight on it when it stopped
+        hit = [
+            r for r in recs if r["sent"] >= stop_s - 2.0 and r.get("attempt", "0") not in ("0", "")
+        ]
+        moved = max((r["sent"] for r in hit), default=stop_s) - stop_s
         before = [r for r in recs if r["sent"] < stop_s and r.get("replica", "").startswith("r0")]
         out: dict[str, Any] = {
             "scenario": "sigstop",
+            "policy": args.policy or "ours",
             "requests": len(recs),
             "failed": sum(1 for r in recs if not r["ok"]),
             "victim_requests_before_stop": len(before),
             "stalled": len(hit),
-            "moved_after_s": round(max((r["sent"] for r in hit), default=stop_s) - stop_s, 2),
+            "moved_after_s": round(max(moved, 0.0), 2),
             "stalled_max_latency_s": round(max((r["latency"] for r in hit), default=0.0), 2),
             "router_alive": router.poll() is None,
             "seconds": round(time.monotonic() - t0, 1),
@@ -337,6 +351,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--rate", type=float, default=20.0, help="client requests a second")
     p.add_argument("--duration", type=float, default=20.0, help="seconds per fault scenario")
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--policy", default=None, help="the model's policy (default: the router's)")
     p.add_argument("--stop-at", type=float, default=3.0, help="sigstop: seconds into the run")
     p.add_argument("--idle-sockets", type=int, default=20000)
     p.add_argument(

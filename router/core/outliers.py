@@ -17,7 +17,8 @@ replica's health in the load tracker, a load penalty in the cost).
   ``max_ejected_share`` of a pool's replicas (at least one) are ejected at once; a replica
   that would exceed the cap stays in rotation, with its penalty.
 * **Retry-After.** A failure that carries the replica's ``Retry-After`` ejects it at once for
-  that long (at most ``max_retry_after_s``), within the cap.
+  that long (at most ``max_retry_after_s``) or for its growing interval if longer, within
+  the cap.
 * **First-byte latency outliers.** Each attempt is known from :meth:`sent` (with the time the
   router predicted for its first byte) to :meth:`answered`; its *excess* is the time past that
   prediction and its *ratio* the time over the prediction (at least :data:`MIN_EXPECT_S`).
@@ -165,7 +166,11 @@ class OutlierDetector:
         if not s.enabled or now < rep.ejected_until:
             return None
         if retry_after_s is not None and retry_after_s > 0:
-            hold = min(retry_after_s, s.max_retry_after_s)
+            # at least what it asked for, and the growing interval of its ejections in a row
+            hold = max(
+                min(retry_after_s, s.max_retry_after_s),
+                min(s.base_ejection_s * (rep.ejections + 1), s.max_ejection_s),
+            )
             return self._eject(
                 key, rep, f"{kind} with Retry-After {retry_after_s:g}s", now, pool_size, hold
             )

@@ -411,7 +411,7 @@ class FastServer:
         self.loop = asyncio.get_running_loop()
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
-        self.refused = 0  # connections answered 503 over the cap, since the last log line
+        self.refused = 0  # the cap's actions since its last log line
         self._logged_at = -1e9
 
     def admit(self, conn: _Connection) -> None:
@@ -425,6 +425,7 @@ class FastServer:
                 oldest.transport.close()
                 oldest.closed = True
                 self.connections.discard(oldest)
+                self._report("closing the longest-idle connection for each new one")
             elif len(self.connections) >= cap + max(cap // 10, 16):
                 # far over: keep the descriptors the process needs (replicas, logs)
                 conn.transport.abort()
@@ -432,23 +433,29 @@ class FastServer:
                 return
             else:
                 conn.over_cap = True
-                self.refused += 1
+                self._report("none idle: answering 503 to new ones")
                 now = self.loop.time()
-                if now - self._logged_at >= 10.0:
-                    _log.warning(
-                        "%d open connections reach server.max_connections (%d): answering "
-                        "503 to new ones (%d since the last report)",
-                        len(self.connections),
-                        cap,
-                        self.refused,
-                    )
-                    self._logged_at = now
-                    self.refused = 0
                 timeout = self.limits.header_timeout_s or 5.0
                 conn.deadline = now + min(timeout, 5.0)
         self.connections.add(conn)
         if not conn.over_cap:
             self.rest(conn)
+
+    def _report(self, what: str) -> None:
+        """Log the cap's action, at most every 10 s, with how often it acted since."""
+        self.refused += 1
+        now = self.loop.time()
+        if now - self._logged_at >= 10.0:
+            _log.warning(
+                "%d open connections reach server.max_connections (%d): %s (%d since the "
+                "last report)",
+                len(self.connections),
+                self.limits.max_connections,
+                what,
+                self.refused,
+            )
+            self._logged_at = now
+            self.refused = 0
 
     def rest(self, conn: _Connection) -> None:
         """``conn`` waits for its next request (idle: keep-alive timeout, evictable)."""
