@@ -30,6 +30,10 @@ def test_consecutive_failures_eject_for_a_growing_interval() -> None:
     again = _fail(det, A, 1, 3.5)
     assert again is not None and again.until == 3.5 + 4.0 and again.count == 2
     assert det.status(A, 4.0)["ejected"] is True
+    # readmitted on probation (the caller sends one attempt at a time) until one succeeds
+    assert not det.on_probation(A, 7.0) and det.on_probation(A, 7.5)
+    det.answered(A, None, 7.6)
+    assert not det.on_probation(A, 7.7)
 
 
 def test_the_ejected_share_of_a_pool_is_capped_and_the_rest_are_penalised() -> None:
@@ -64,6 +68,7 @@ def test_a_replica_that_stops_answering_is_a_latency_outlier() -> None:
     assert det.sweep(5.5, {"m": 3}) == []
     got = det.sweep(6.2, {"m": 3})
     assert [e.key for e in got] == [C] and "first byte" in got[0].reason
+    assert got[0].stalled == ("hung",)  # the caller retries it elsewhere
     assert det.sweep(6.3, {"m": 3}) == []  # judged again on new answers only
 
 

@@ -216,6 +216,10 @@ def _fault(args: argparse.Namespace, mode: str, workdir: Path) -> dict[str, Any]
         if statuses:
             out["failures"] = statuses
         out.update(_latency(recs))
+        slow = sorted(recs, key=lambda r: -r["latency"])[:3]
+        out["slowest"] = [
+            {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()} for r in slow
+        ]
         return out
     finally:
         procs.stop()

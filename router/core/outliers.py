@@ -28,6 +28,8 @@ replica's health in the load tracker, a load penalty in the cost).
   caught in about ``latency_min_s``, not after a first-byte timeout, while a prediction that
   is wrong for every replica alike (a cost model slower or faster than the engines) moves the
   median with it.
+* **Probation.** :meth:`on_probation`: readmitted, and no attempt succeeded since (the
+  caller sends it one attempt at a time).
 * **Penalty.** :meth:`penalty` is what the cost should add to a replica that failed recently
   but is not (or can no longer be) ejected: ``penalty_requests_per_failure`` phantom requests
   per failure of its run, so a replica that fails fast never looks idle; it lapses
@@ -36,7 +38,7 @@ replica's health in the load tracker, a load penalty in the cost).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from router.core.types import ReplicaKey
 
@@ -69,6 +71,7 @@ class Ejection:
     reason: str
     until: float
     count: int  # ejections in a row, this one included
+    stalled: tuple[object, ...] = ()  # a latency ejection: the attempts it gave up waiting on
 
 
 @dataclass(slots=True)
@@ -80,6 +83,7 @@ class _Replica:
     ejected_until: float = 0.0
     reason: str = ""
     ejections: int = 0  # in a row
+    probation: bool = False  # ejected, and no attempt succeeded since
     good_since: float = 0.0  # readmitted and answering well since
     excess_avg: float | None = None  # moving average of answered attempts' excess (s)
     ratio_avg: float | None = None  # ... and of their time over the prediction
@@ -125,6 +129,7 @@ class OutlierDetector:
                 excess if rep.excess_avg is None else a * excess + (1 - a) * rep.excess_avg
             )
             rep.ratio_avg = ratio if rep.ratio_avg is None else a * ratio + (1 - a) * rep.ratio_avg
+        rep.probation = False
         if rep.run:
             rep.run = 0
             rep.kinds.clear()
@@ -201,6 +206,7 @@ class OutlierDetector:
         if hold is None:
             hold = min(s.base_ejection_s * rep.ejections, s.max_ejection_s)
         rep.ejected_until = now + hold
+        rep.probation = True
         rep.reason = reason
         rep.good_since = 0.0
         return Ejection(key, reason, rep.ejected_until, rep.ejections)
@@ -240,10 +246,11 @@ class OutlierDetector:
                 )
                 got = self._eject(key, rep, why, now, pool_sizes.get(pool, len(members)))
                 if got is not None:
-                    # judged again on new answers only: its stalled attempts will time out
+                    # judged again on new answers only; the caller may retry the stalled ones
+                    stalled = tuple(rep.pending)
                     rep.pending.clear()
                     rep.excess_avg = rep.ratio_avg = None
-                    out.append(got)
+                    out.append(replace(got, stalled=stalled))
         return out
 
     # ------------------------------------------------------------------ queries
@@ -253,6 +260,11 @@ class OutlierDetector:
         if rep is None or rep.ejected_until <= now:
             return None
         return Ejection(key, rep.reason, rep.ejected_until, rep.ejections)
+
+    def on_probation(self, key: ReplicaKey, now: float) -> bool:
+        """Readmitted after an ejection, and no attempt succeeded since."""
+        rep = self._replicas.get(key)
+        return rep is not None and rep.probation and now >= rep.ejected_until
 
     def penalty(self, key: ReplicaKey, now: float) -> int:
         """Phantom requests the cost should add to ``key``: 0 when it has not failed since

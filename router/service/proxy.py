@@ -341,19 +341,21 @@ class Forwarder:
                 )
                 usable = routed.decision.usable_tokens if i == 0 else 0
                 expect = expected_first_byte_s(
-                    state.load.view(key, now).queued_prefill_tokens,
+                    state.load.view(key, now).queued_prefill_tokens
+                    - ejections.phantom_tokens(key, now),
                     routed.request.prompt_tokens,
                     usable,
                     stream,
                     routed.request.max_output_tokens,
                 )
-                token = object()
+                # the attempt's deadline is its token: an ejection for latency moves it to now
+                token = deadline = asyncio.timeout(self._deadline(expect))
                 ejections.sent(key, token, now, expect)
                 final = self._final(attempt, ranked[i + 1 :], refused, tried)
                 kind = ""
                 upstream: Exchange | None = None
                 try:
-                    async with asyncio.timeout(self._deadline(expect)):
+                    async with deadline:
                         upstream = await self.client.pool(ep.base_url).send(head, body)
                         if upstream.status < 400:
                             sse = (upstream.header(b"content-type") or b"").startswith(
@@ -430,7 +432,7 @@ class Forwarder:
             # attempt still open is neither a latency sample nor a failure
             state.load.complete(rid)
             if key is not None and token is not None:
-                ejections.dropped(key, token)
+                ejections.dropped(key, token, loop.time())
 
     def _deadline(self, expect_s: float) -> float:
         s = self.state.settings.server
