@@ -349,14 +349,16 @@ class Forwarder:
                     routed.request.max_output_tokens,
                 )
                 # the attempt's deadline is its token: an ejection for latency moves it to now
-                token = deadline = asyncio.timeout(self._deadline(expect))
+                # (the exchange keeps the deadline too: a cancellation can be lost)
+                wait = self._deadline(expect)
+                token = deadline = asyncio.timeout(wait)
                 ejections.sent(key, token, now, expect)
                 final = self._final(attempt, ranked[i + 1 :], refused, tried)
                 kind = ""
                 upstream: Exchange | None = None
                 try:
                     async with deadline:
-                        upstream = await self.client.pool(ep.base_url).send(head, body)
+                        upstream = await self.client.pool(ep.base_url).send(head, body, wait)
                         if upstream.status < 400:
                             sse = (upstream.header(b"content-type") or b"").startswith(
                                 b"text/event-stream"
@@ -394,8 +396,8 @@ class Forwarder:
                 assert upstream is not None
                 if upstream.status == 429 or upstream.status >= 500:
                     kind = "http_429" if upstream.status == 429 else "http_5xx"
-                    wait = retry_after_s(upstream.header(b"retry-after"))
-                    ejections.failed(key, kind, loop.time(), token, wait)
+                    pause = retry_after_s(upstream.header(b"retry-after"))
+                    ejections.failed(key, kind, loop.time(), token, pause)
                     if not final:
                         upstream.abort()
                         mm.outcome(
