@@ -4,9 +4,11 @@ real processes on loopback (the process helpers of router/bench/reliability_benc
 Each scenario starts three ``kvrouter mock-replica`` processes and one ``kvrouter serve``
 with its default reliability settings (only ``debug_header`` and the admin token set), and
 an open-loop client in this process (``--rate`` requests a second, half streaming, half
-not, ``--max-tokens`` output tokens, for ``--duration`` seconds). Per scenario it prints:
+not, ``--max-tokens`` output tokens, for ``--duration`` seconds). It prints one JSON object,
+``{"bench": "faults", "cpus": N, "scenarios": [...]}`` (each scenario's result also goes to
+stderr as it ends). Per scenario:
 
-* ``fault MODE`` (``--faults``, router/mock/faults.py modes): the bad replica has the fault
+* ``fault MODE`` (``--scenarios``, router/mock/faults.py modes): the bad replica has the fault
   from the start. ``failed``: requests the client saw fail (any non-200, a stream without
   ``[DONE]``, a body without ``usage``, a transport error); ``bad_share_after_2s``: the
   completion requests the bad replica received (its ``/admin/fault`` counter, which counts
@@ -338,9 +340,9 @@ def run(args: argparse.Namespace) -> int:
             res = _idle(args, workdir)
         else:
             res = _fault(args, name, workdir)
-        res["cpus"] = os.cpu_count()
-        emit(res)
         results.append(res)
+        print(json.dumps(res), file=sys.stderr, flush=True)  # progress of a long run
+    emit({"bench": "faults", "cpus": os.cpu_count(), "scenarios": results})
     bad = [r for r in results if r.get("failed") or not r.get("router_alive", True)]
     return 1 if bad else 0
 
