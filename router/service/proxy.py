@@ -282,13 +282,20 @@ class Forwarder:
     ) -> bool:
         """Whether attempt ``attempt`` (from 0) is the last: the retries or the retry budget
         are spent, or no key of ``rest`` can be tried (all gone, at a URL that refused a
-        connection, or tried already)."""
+        connection, tried already, or out of rotation since the decision)."""
         if attempt >= self.max_retries or not self.budget.allows(self.event_loop().time()):
             return True
         registry = self.state.registry
+        load = self.state.load
+        now = self.event_loop().time()
         for k in rest:
             ep = registry.endpoint(k)
-            if ep is not None and ep.base_url not in refused and k not in tried:
+            if (
+                ep is not None
+                and ep.base_url not in refused
+                and k not in tried
+                and load.view(k, now).healthy
+            ):
                 return False
         return True
 
@@ -329,6 +336,8 @@ class Forwarder:
                 ep = state.registry.endpoint(key)
                 if ep is None or ep.base_url in refused or key in tried:
                     continue  # gone, a replica tried already, or one that just refused
+                if i and not state.load.view(key, loop.time()).healthy:
+                    continue  # ejected or marked down since the decision
                 attempt += 1
                 tried.add(key)
                 now = loop.time()
