@@ -27,10 +27,10 @@ from typing import Any
 
 from aiohttp import web
 
-from router.service.ejection import ejections_of
+from router.service.ejection import Ejections
 from router.service.errors import ErrorReply, error_body
 from router.service.http_types import HttpRequest, Reply
-from router.service.keys import STATE, WORKERS
+from router.service.keys import FORWARDER, STATE, WORKERS
 from router.service.peers import peer_call
 from router.service.routes import Handler, Routes, error
 from router.service.state import RouterState
@@ -75,14 +75,13 @@ def _ratio(counters: tuple[float, float] | None) -> float | None:
     return round(counters[1] / counters[0], 4)
 
 
-def replica_rows(state: RouterState) -> list[dict[str, Any]]:
+def replica_rows(state: RouterState, ejections: Ejections | None = None) -> list[dict[str, Any]]:
     """``GET /admin/replicas``'s rows: every replica key as this worker sees it. The load
     fields are the requests this worker sent (so ``combine_rows`` can sum them);
     ``peers_in_flight`` is what the other workers last reported (load_share.py), which this
     worker's routing counts too."""
     now = asyncio.get_running_loop().time()
     engine_cache = state.fleet.engine_prefix_cache
-    ejections = ejections_of(state)
     out = []
     for ep in state.registry.endpoints():
         v = state.load.view(ep.key, now)
@@ -195,7 +194,8 @@ def add_routes(routes: Routes, app: web.Application) -> None:
         scope = req.query().get("workers", "this")
         if scope not in ("this", "all"):
             return error(ErrorReply(400, "workers must be 'this' or 'all'", param="workers"))
-        rows = replica_rows(state)
+        forwarder = app.get(FORWARDER)
+        rows = replica_rows(state, forwarder.ejections if forwarder is not None else None)
         group = app.get(WORKERS)
         if scope == "this" or group is None or group.count <= 1:
             return Reply.json({"replicas": rows, **worker_info(group)})

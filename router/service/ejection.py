@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import weakref
 
 from router.core.outliers import Ejection, OutlierDetector, OutlierSettings
 from router.core.types import ReplicaKey
@@ -30,12 +29,6 @@ from router.service.state import RouterState
 _log = logging.getLogger("kvrouter.service")
 PENALTY_TOKENS = 4096  # prompt tokens of one phantom request of a failing replica
 _UNTIL_ANSWERED = float("inf")  # a replica on probation with its one attempt out
-_OF_STATE: weakref.WeakKeyDictionary[RouterState, Ejections] = weakref.WeakKeyDictionary()
-
-
-def ejections_of(state: RouterState) -> Ejections | None:
-    """The ejections of the router that routes over ``state`` (None before it started)."""
-    return _OF_STATE.get(state)
 
 
 def outlier_settings(s: ServerSettings) -> OutlierSettings:
@@ -58,7 +51,6 @@ class Ejections:
     def __init__(self, state: RouterState, settings: OutlierSettings) -> None:
         self.state = state
         self.detector = OutlierDetector(settings)
-        _OF_STATE[state] = self
         self._penalised: set[ReplicaKey] = set()
         self._probing: dict[ReplicaKey, object] = {}  # on probation: its one attempt
         r = state.metrics.registry
