@@ -152,6 +152,10 @@ def combine_rows(views: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 m[k] += row[k]
             for k in ("index_kv_blocks", "index_state_blocks"):
                 m[k] = max(m[k], row[k])
+            if (row.get("outlier") or {}).get("ejected") and not (m.get("outlier") or {}).get(
+                "ejected"
+            ):
+                m["outlier"] = row["outlier"]  # any worker's ejection shows
             engine = row["engine"]
             if engine is not None and (
                 m["engine"] is None or engine["age_s"] < m["engine"]["age_s"]
