@@ -132,7 +132,8 @@ def combine_rows(views: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     load each worker sent summed; ``healthy`` / ``draining`` true only where every worker
     that knows the key says so, with ``healthy_workers`` / ``draining_workers`` /
     ``workers_known`` counting them; index sizes the largest view; the freshest engine
-    report. Keys in the order workers first list them."""
+    report; ``outlier`` of a worker that ejected the replica, if one did (each worker has
+    its own detector). Keys in the order workers first list them."""
     merged: dict[str, dict[str, Any]] = {}
     for rows in views:
         for row in rows:
