@@ -466,10 +466,27 @@ class FastServer:
 
     async def _sweep(self, every: float) -> None:
         """Close the connections past their deadline (timeouts of the module docstring);
-        one whose request is being answered waits for the answer."""
+        one whose request is being answered waits for the answer. Idle connections expire
+        in the order they went idle: every 0.25 s the expired ones are taken from the front
+        of :attr:`idle`; the others are scanned every ``every`` seconds."""
+        tick = min(every, 0.25)
+        scanned = self.loop.time()
         while True:
-            await asyncio.sleep(every)
+            await asyncio.sleep(tick)
             now = self.loop.time()
+            idle = self.idle
+            while idle:
+                oldest = next(iter(idle))
+                if not oldest.deadline or oldest.deadline >= now:
+                    break
+                del idle[oldest]
+                if not oldest.closed:
+                    oldest.transport.close()
+                    oldest.closed = True
+                self.connections.discard(oldest)
+            if now - scanned < every:
+                continue
+            scanned = now
             for conn in [c for c in self.connections if c.deadline and c.deadline < now]:
                 if conn.task is not None or conn.closed:
                     continue
