@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from router.core.outliers import OutlierDetector, OutlierSettings
 from router.core.types import ReplicaKey
-from router.service.retry import RetryBudget, first_byte_deadline, is_stream, retry_after_s
+from router.service.retry import (
+    RetryBudget,
+    expected_first_byte_s,
+    first_byte_deadline,
+    is_stream,
+    retry_after_s,
+)
 
 A, B, C, D = (ReplicaKey(n) for n in "abcd")
 
@@ -94,6 +100,10 @@ def test_first_byte_deadline_retry_after_and_stream_flag() -> None:
     assert first_byte_deadline(0.1, 10.0, 4.0, 600.0) == 10.0
     assert first_byte_deadline(50.0, 10.0, 4.0, 600.0) == 200.0
     assert first_byte_deadline(500.0, 10.0, 4.0, 600.0) == 600.0
+    # a non-stream of unknown length waits the whole first_byte_timeout_s
+    unknown = expected_first_byte_s(0, 100, 0, stream=False, max_output_tokens=None)
+    assert first_byte_deadline(unknown, 10.0, 4.0, 600.0) == 600.0
+    assert expected_first_byte_s(0, 100, 0, stream=True, max_output_tokens=None) < 0.1
     assert retry_after_s(b"3") == 3.0 and retry_after_s(b"Wed, 21 Oct") is None
     assert is_stream(b'{"model": "m", "stream" : true}')
     assert not is_stream(b'{"prompt": "say \\"stream\\": true", "stream": false}')

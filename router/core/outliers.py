@@ -38,6 +38,7 @@ replica's health in the load tracker, a load penalty in the cost).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from router.core.types import ReplicaKey
@@ -120,7 +121,7 @@ class OutlierDetector:
         if rep is None:
             return
         got = rep.pending.pop(token, None)
-        if got is not None:
+        if got is not None and math.isfinite(got[1]):  # (no prediction: not a sample)
             took, expect = now - got[0], got[1]
             excess = max(took - expect, 0.0)
             ratio = took / max(expect, MIN_EXPECT_S)

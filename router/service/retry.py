@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel
+from router.core.load import CostModel
 
 WINDOW_S = 10.0
 _COST = CostModel()
@@ -76,13 +76,15 @@ def expected_first_byte_s(
 ) -> float:
     """The time the router predicts before an answer's first byte: the prefill of what the
     replica has queued (this prompt's uncached part included, as dispatched) and, for an
-    answer that is not a stream, its decode."""
+    answer that is not a stream, its decode (infinite without ``max_tokens``: then the
+    deadline is ``first_byte_timeout_s`` and the attempt's latency is not judged)."""
     queued = max(queued_prefill_tokens, prompt_tokens - usable_tokens)
     steps = int(_COST.steps_for(queued))
     t = float(_COST.prefill_s(queued, usable_tokens)) + steps * _COST.step_overhead_s
     if not stream:
-        out = EXPECTED_OUTPUT_TOKENS if max_output_tokens is None else max_output_tokens
-        t += out * DECODE_S_PER_TOKEN
+        if max_output_tokens is None:
+            return float("inf")  # an answer of unknown length: only the read timeout bounds it
+        t += max_output_tokens * DECODE_S_PER_TOKEN
     return t
 
 
