@@ -150,6 +150,7 @@ async def test_a_replica_that_drops_a_request_loses_that_rank_only(engine: str) 
                 {"url": live.url, "model": MODEL, "name": "live"},
             ],
             max_retries=1,
+            health_interval_s=0,  # probes would find every rank dropping: passive marks only
         ):
             async with session.post(
                 url + "/admin/replicas/live/drain", headers={"X-Admin-Token": TOKEN}

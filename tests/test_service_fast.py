@@ -34,7 +34,12 @@ async def front() -> AsyncIterator[Front]:
     backend = await Backend("b0", [MODEL]).start()
     settings = build_settings(
         {
-            "server": {"admin_token": "t", "max_body_mb": 0.05, "http_engine": "fast"},
+            "server": {
+                "admin_token": "t",
+                "max_body_mb": 0.05,
+                "http_engine": "fast",
+                "health_interval_s": 0,  # the backend's connections are counted
+            },
             "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
             "models": {MODEL: kimi_model_table()},
         }

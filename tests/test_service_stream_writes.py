@@ -114,6 +114,7 @@ async def routed(request: pytest.FixtureRequest) -> AsyncIterator[str]:
     port = server.sockets[0].getsockname()[1]
     settings = build_settings(
         {
+            "server": {"health_interval_s": 0},  # the stub answers completions only
             "replicas": [{"url": f"http://127.0.0.1:{port}", "model": MODEL, "name": "r0"}],
             "models": {MODEL: kimi_model_table()},
         }

@@ -14,6 +14,7 @@ _BENCHES: tuple[str, ...] = (
     "router.bench.proxy_bench",
     "router.bench.grpc_bench",
     "router.bench.reliability_bench",
+    "router.bench.faults_bench",
     "router.bench.admit_bench",
     "router.bench.route_bench",
     "router.bench.instructions_bench",

@@ -151,6 +151,7 @@ class _Replica:
     draining: bool = False
     row: int = -1  # column of the mirror table (LoadColumns), -1: not mirrored
     peer: PeerLoad = NO_PEER_LOAD  # included in the counts above (set_peer_load)
+    penalty: tuple[int, int] = (0, 0)  # phantom requests and their tokens (set_penalty)
 
 
 class LoadColumns(NamedTuple):
@@ -295,9 +296,10 @@ class LoadTracker:
         if rep is None:
             return NO_PEER_LOAD
         p = rep.peer
+        phantom, phantom_tokens = rep.penalty
         return PeerLoad(
-            rep.prefilling - p.prefilling,
-            rep.queued_prefill_tokens - p.queued_prefill_tokens,
+            rep.prefilling - p.prefilling - phantom,
+            rep.queued_prefill_tokens - p.queued_prefill_tokens - phantom_tokens,
             rep.decoding - p.decoding,
             rep.decode_context_tokens - p.decode_context_tokens,
             rep.in_flight_prompt_tokens - p.in_flight_prompt_tokens,
@@ -333,6 +335,24 @@ class LoadTracker:
         rep.in_flight_prompt_tokens += load.in_flight_prompt_tokens - old.in_flight_prompt_tokens
         rep.decode_weight = max(rep.decode_weight + load.decode_weight - old.decode_weight, 0.0)
         rep.peer = load
+        if rep.row >= 0:
+            self._mirror(rep)
+
+    def set_penalty(self, key: ReplicaKey, requests: int, tokens: int) -> None:
+        """Count ``requests`` phantom requests (``tokens`` prompt tokens in all) as
+        prefilling on ``key``, replacing its previous penalty: what a replica that failed
+        recently costs beyond its real load (router/core/outliers.py), so that one failing
+        fast never looks idle. Not part of :meth:`own` (peers are not told)."""
+        rep = self._replicas.get(key)
+        if rep is None:
+            return
+        new = (max(requests, 0), max(tokens, 0))
+        old = rep.penalty
+        if new == old:
+            return
+        rep.prefilling += new[0] - old[0]
+        rep.queued_prefill_tokens += new[1] - old[1]
+        rep.penalty = new
         if rep.row >= 0:
             self._mirror(rep)
 

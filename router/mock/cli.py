@@ -34,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         rack=args.rack,
         region=args.region,
+        fault=args.fault,
+        fault_rate=args.fault_rate,
+        fault_retry_after_s=args.fault_retry_after,
     )
     try:
         app = create_app(settings)
@@ -78,5 +81,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="wall seconds per modelled second: 1 keeps the profile's timing, 0.05 runs it 20x "
         "faster (tests that do not measure the modelled durations)",
     )
+    p.add_argument(
+        "--fault",
+        default="none",
+        help="how the completion endpoints misbehave (router/mock/faults.py): none, a status "
+        "(429, 500, 503 ...), hang, head-only, short-body or slow:SECONDS; changed at run time "
+        "with POST /admin/fault",
+    )
+    p.add_argument("--fault-rate", type=float, default=1.0, help="share of requests faulted")
+    p.add_argument("--fault-retry-after", type=int, default=1, help="Retry-After of 429 / 503")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(handler=run)

@@ -7,7 +7,8 @@ engine driver and the KV-event publisher (vLLM wire format over ZMQ). Endpoints:
 profile ``prompt_tokens_details.kv_hit_tokens`` too, a mock-only field: the KV-only hit
 before the hybrid-state rule), ``GET /metrics`` (vLLM gauge names), ``GET /health``,
 ``GET /v1/models``, and vLLM's prompt preparation: ``POST /tokenize``, ``/detokenize``,
-``/v1/chat/completions/render``, ``/v1/completions/render`` (router/mock/preprocess.py).
+``/v1/chat/completions/render``, ``/v1/completions/render`` (router/mock/preprocess.py),
+and ``GET`` / ``POST /admin/fault``: the fault mode (router/mock/faults.py).
 Bodies up to ``max_body_mb`` (vLLM itself has no cap).
 
 Prefill/decode disaggregation: vLLM's ``kv_transfer_params`` protocol, either role, with the
@@ -42,6 +43,8 @@ from router.core.types import IndexEvent, ReplicaKey
 from router.events.zmq_pub import KVEventPublisher
 from router.mock import pd
 from router.mock.driver import EngineDriver
+from router.mock.faults import FaultMode
+from router.mock.faults import install as install_faults
 from router.mock.kv_events import EngineEventEncoder
 from router.mock.preprocess import handlers
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
@@ -74,6 +77,9 @@ class MockSettings:
     time_scale: float = 1.0  # wall seconds per modelled second (router.mock.driver)
     rack: str = ""  # where it runs: times the KV pulls of disaggregated requests
     region: str = ""
+    fault: str = "none"  # router/mock/faults.py: how the completion endpoints misbehave
+    fault_rate: float = 1.0
+    fault_retry_after_s: int = 1
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -419,6 +425,7 @@ def create_app(settings: MockSettings) -> web.Application:
     if not settings.time_scale > 0:
         raise ValueError(f"--time-scale must be > 0, got {settings.time_scale}")
 
+    fault = FaultMode.parse(settings.fault, settings.fault_rate, settings.fault_retry_after_s)
     profile = load_profile(settings.profile)
     tokenizer = _tokenizer(settings)
     encoder = EngineEventEncoder(settings.block_size, settings.engine_block_size)
@@ -469,6 +476,7 @@ def create_app(settings: MockSettings) -> web.Application:
             await publisher.close()
 
     app.cleanup_ctx.append(lifecycle)
+    install_faults(app, fault)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/metrics", metrics)

@@ -29,9 +29,10 @@ from typing import Any
 
 from aiohttp import web
 
+from router.service.ejection import Ejections
 from router.service.errors import ErrorReply, error_body
 from router.service.http_types import HttpRequest, Reply
-from router.service.keys import STATE, WORKERS
+from router.service.keys import FORWARDER, STATE, WORKERS
 from router.service.peers import peer_call
 from router.service.routes import Handler, Routes, error
 from router.service.state import RouterState
@@ -76,7 +77,7 @@ def _ratio(counters: tuple[float, float] | None) -> float | None:
     return round(counters[1] / counters[0], 4)
 
 
-def replica_rows(state: RouterState) -> list[dict[str, Any]]:
+def replica_rows(state: RouterState, ejections: Ejections | None = None) -> list[dict[str, Any]]:
     """``GET /admin/replicas``'s rows: every replica key as this worker sees it. The load
     fields are the requests this worker sent (so ``combine_rows`` can sum them);
     ``peers_in_flight`` is what the other workers last reported (load_share.py), which this
@@ -87,6 +88,7 @@ def replica_rows(state: RouterState) -> list[dict[str, Any]]:
     for ep in state.registry.endpoints():
         v = state.load.view(ep.key, now)
         own = state.load.own(ep.key)
+        phantom = ejections.detector.penalty(ep.key, now) if ejections is not None else 0
         kv, st = state.index.replica_size(ep.key)
         out.append(
             {
@@ -104,7 +106,7 @@ def replica_rows(state: RouterState) -> list[dict[str, Any]]:
                 "prefilling": own.prefilling,
                 "queued_prefill_tokens": own.queued_prefill_tokens,
                 "decoding": own.decoding,
-                "peers_in_flight": v.in_flight - own.prefilling - own.decoding,
+                "peers_in_flight": v.in_flight - own.prefilling - own.decoding - phantom,
                 "index_kv_blocks": kv,
                 "index_state_blocks": st,
                 "source": "static" if state.fleet.is_static(ep.key.replica) else "discovered",
@@ -118,6 +120,8 @@ def replica_rows(state: RouterState) -> list[dict[str, Any]]:
                     "age_s": round(v.engine_age_s, 3),
                 },
                 "engine_prefix_cache_hit_ratio": _ratio(engine_cache.get(ep.key)),
+                # outlier detection: failure run, and why / how long ejected
+                "outlier": ejections.status(ep.key, now) if ejections is not None else None,
             }
         )
     return out
@@ -131,7 +135,8 @@ def combine_rows(views: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     load each worker sent summed; ``healthy`` / ``draining`` true only where every worker
     that knows the key says so, with ``healthy_workers`` / ``draining_workers`` /
     ``workers_known`` counting them; index sizes the largest view; the freshest engine
-    report. Keys in the order workers first list them."""
+    report; ``outlier`` of a worker that ejected the replica, if one did (each worker has
+    its own detector). Keys in the order workers first list them."""
     merged: dict[str, dict[str, Any]] = {}
     for rows in views:
         for row in rows:
@@ -151,6 +156,10 @@ def combine_rows(views: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 m[k] += row[k]
             for k in ("index_kv_blocks", "index_state_blocks"):
                 m[k] = max(m[k], row[k])
+            if (row.get("outlier") or {}).get("ejected") and not (m.get("outlier") or {}).get(
+                "ejected"
+            ):
+                m["outlier"] = row["outlier"]  # any worker's ejection shows
             engine = row["engine"]
             if engine is not None and (
                 m["engine"] is None or engine["age_s"] < m["engine"]["age_s"]
@@ -193,7 +202,8 @@ def add_routes(routes: Routes, app: web.Application) -> None:
         scope = req.query().get("workers", "this")
         if scope not in ("this", "all"):
             return error(ErrorReply(400, "workers must be 'this' or 'all'", param="workers"))
-        rows = replica_rows(state)
+        forwarder = app.get(FORWARDER)
+        rows = replica_rows(state, forwarder.ejections if forwarder is not None else None)
         group = app.get(WORKERS)
         if scope == "this" or group is None or group.count <= 1:
             return Reply.json({"replicas": rows, **worker_info(group)})

@@ -23,8 +23,9 @@ from functools import partial
 from aiohttp import web
 
 from router.service import admin, background, public
+from router.service.banner import log_startup
 from router.service.config import Settings
-from router.service.fast_server import FastServer
+from router.service.fast_server import ConnLimits, FastServer
 from router.service.gate import Gate
 from router.service.handling import CHAT_PATH, COMPLETIONS_PATH, FrontDoor, handle
 from router.service.keys import (
@@ -120,8 +121,12 @@ async def start(app: web.Application, host: str, port: int, *, reuse_port: bool 
         door = FrontDoor(
             state, app[FORWARDER], Gate(Limits.from_server(state.settings.server)), app[ROUTES]
         )
-        server = FastServer(partial(handle, door), int(state.settings.server.max_body_mb * 2**20))
+        s = state.settings.server
+        server = FastServer(
+            partial(handle, door), int(s.max_body_mb * 2**20), ConnLimits.from_server(s)
+        )
         bound = await server.start(host, port, reuse_port=reuse_port)
+        log_startup(state, host, bound, server.limits.max_connections)
     except BaseException:
         await runner.cleanup()
         raise

@@ -36,8 +36,14 @@ async def upstream_session(app: web.Application) -> AsyncIterator[None]:
     )
     app[SESSION] = session
     tasks = [asyncio.create_task(_housekeeping(app))]
+    if s.outlier_detection:
+        tasks.append(asyncio.create_task(_outlier_sweep(app)))
     if s.health_interval_s > 0:
-        tasks.append(asyncio.create_task(_probe_health(app, session, s.health_interval_s)))
+        tasks.append(
+            asyncio.create_task(
+                _probe_health(app, session, s.health_interval_s, s.health_timeout_s)
+            )
+        )
     yield
     for task in tasks:
         task.cancel()
@@ -62,16 +68,29 @@ async def _housekeeping(app: web.Application, every: float = 1.0) -> None:
             state.index.compact()
 
 
+async def _outlier_sweep(app: web.Application, every: float = 0.25) -> None:
+    """First-byte latency outliers (router/service/ejection.py), four times a second."""
+    ejections = app[FORWARDER].ejections
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(every)
+        ejections.sweep(loop.time())
+
+
 # replicas' /health probed at once: a sweep of a 900-replica fleet takes about one timeout
 # even when some hang, instead of one timeout per hanging replica
 HEALTH_PROBES_AT_ONCE = 64
 
 
-async def _probe_health(app: web.Application, session: aiohttp.ClientSession, every: float) -> None:
-    """Every ``every`` seconds, GET each replica's ``/health`` (once per URL: all DP ranks of
-    a replica share it) and mark its keys healthy or unhealthy."""
+async def _probe_health(
+    app: web.Application, session: aiohttp.ClientSession, every: float, wait: float
+) -> None:
+    """Every ``every`` seconds (a sweep's start to the next one's), GET each replica's
+    ``/health`` (once per URL: all DP ranks of a replica share it) and mark its keys healthy
+    or unhealthy; a probe unanswered after ``wait`` seconds fails."""
     state = app[STATE]
-    timeout = aiohttp.ClientTimeout(total=max(every, 1.0))
+    timeout = aiohttp.ClientTimeout(total=max(min(wait, every * 4), 0.05))
+    loop = asyncio.get_running_loop()
     limit = asyncio.Semaphore(HEALTH_PROBES_AT_ONCE)
 
     async def probe(url: str) -> bool:
@@ -83,6 +102,7 @@ async def _probe_health(app: web.Application, session: aiohttp.ClientSession, ev
                 return False
 
     while True:
+        began = loop.time()
         by_url: dict[str, list[ReplicaKey]] = {}
         for ep in state.registry.endpoints():
             by_url.setdefault(ep.base_url, []).append(ep.key)
@@ -96,7 +116,7 @@ async def _probe_health(app: web.Application, session: aiohttp.ClientSession, ev
                     state.load.set_health(key, True)
                 elif not ok:
                     state.fleet.mark_unhealthy(key, now)
-        await asyncio.sleep(every)
+        await asyncio.sleep(max(every - (loop.time() - began), 0.0))
 
 
 async def engine_metrics(app: web.Application) -> AsyncIterator[None]:

@@ -82,7 +82,25 @@ class ServerSettings:
     max_retries: int = 2
     retry_after_s: int = 1
     unhealthy_cooldown_s: float = 5.0
-    health_interval_s: float = 0.0  # 0: no active probing of replicas' /health
+    health_interval_s: float = 1.0  # active probes of replicas' /health; 0: none
+    health_timeout_s: float = 1.0  # a probe unanswered this long marks the replica down
+    # reliability (router/service/retry.py, router/core/outliers.py, docs/operations.md)
+    first_byte_min_s: float = 10.0  # the first-byte deadline: factor x predicted, >= this
+    first_byte_factor: float = 4.0  # ... and <= first_byte_timeout_s
+    retry_budget_ratio: float = 0.2  # retries add at most this share of the last 10 s' requests
+    retry_budget_min: int = 20  # ... plus this many
+    outlier_detection: bool = True
+    outlier_consecutive_failures: int = 3
+    outlier_base_ejection_s: float = 2.0  # the n-th ejection in a row lasts n x this
+    outlier_max_ejection_s: float = 60.0
+    outlier_max_ejected_share: float = 0.5  # of a model's replicas (at least one)
+    outlier_latency_factor: float = 5.0  # first byte this far past the peers' median ...
+    outlier_latency_min_s: float = 1.0  # ... and past its prediction by this long: ejected
+    # front-end connection limits (router/service/fast_server.py)
+    header_timeout_s: float = 15.0  # a request's line and headers must arrive within this
+    body_timeout_s: float = 60.0  # longest wait between two pieces of a request body
+    keep_alive_timeout_s: float = 30.0  # an idle connection is closed after this
+    max_connections: int = 0  # per process, answered 503 beyond; 0: 80% of the fd limit
     engine_metrics_interval_s: float = 1.0  # scrape of replicas with metrics_url
     seed: int = 0
     decisions_kept: int = 256

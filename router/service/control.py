@@ -22,7 +22,7 @@ from aiohttp import web
 from router.service.admin import apply_drain, authorised, replica_rows
 from router.service.fast_server import FastServer
 from router.service.http_types import HttpRequest, Reply
-from router.service.keys import STATE, WORKER_INDEX, WORKERS
+from router.service.keys import FORWARDER, STATE, WORKER_INDEX, WORKERS
 from router.service.load_share import load_sharing_ctx, own_load
 from router.service.proxy import Sink
 from router.service.routes import Handler, Routes
@@ -59,7 +59,9 @@ def control_routes(app: web.Application, index: int) -> Routes:
         denied = authorised(req, state.settings.server.admin_token)
         if denied is not None:
             return denied
-        return Reply.json({"replicas": replica_rows(state)})
+        forwarder = app.get(FORWARDER)
+        ejections = forwarder.ejections if forwarder is not None else None
+        return Reply.json({"replicas": replica_rows(state, ejections)})
 
     async def own_load_of_worker(req: HttpRequest, _: str) -> Reply:
         # what this worker has in flight, for the others' load sharing (load_share.py)

@@ -7,7 +7,15 @@ router.service.handling.handle, the front door.
   body over ``max_body`` is answered 413 by the handler (``HttpRequest.too_large``; the body
   is discarded as it arrives, never buffered); a request line and headers over
   :data:`MAX_HEAD_BYTES` 431 and an unparsable request 400, and the connection is closed.
-  Connection-level limits (timeouts, a connection cap) belong here.
+* Connection limits (:class:`ConnLimits`, from ``server.*``): a request's line and headers
+  must arrive within ``header_timeout_s`` of its first byte and its body may pause at most
+  ``body_timeout_s`` (else 408 and the connection closes); a connection idle between
+  requests closes after ``keep_alive_timeout_s``. At ``max_connections`` open connections a
+  new one first closes the longest-idle connection; with none idle it is answered 503 (with
+  ``Retry-After``) and closed, logged at most every 10 s: the process keeps file
+  descriptors for its replicas and its logs.
+* HTTP/1.0: a streamed answer goes out unframed and the connection closes at its end (no
+  chunked encoding, which 1.0 does not know).
 * Keep-alive and pipelining: requests on one connection are answered in order; reading
   pauses while more than a few requests wait. ``Expect: 100-continue`` is honoured. ``HEAD``
   gets the head of the GET answer.
@@ -25,9 +33,11 @@ import asyncio
 import contextlib
 import http
 import logging
+import resource
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httptools
@@ -44,6 +54,26 @@ _PIPELINE_MAX = 8
 # (the front door's limit, answered with an OpenAI-style 431): past it the connection closes
 MAX_HEAD_BYTES = 1 << 20
 _LAST_CHUNK = b"0\r\n\r\n"
+
+
+@dataclass(slots=True, frozen=True)
+class ConnLimits:
+    """Connection-level limits (see the module docstring); 0 turns one off."""
+
+    header_timeout_s: float = 0.0
+    body_timeout_s: float = 0.0
+    keep_alive_timeout_s: float = 0.0
+    max_connections: int = 0
+
+    @classmethod
+    def from_server(cls, s: Any) -> ConnLimits:
+        """``server.*`` (router.service.config.ServerSettings); ``max_connections`` 0 there
+        means 80% of the process's file-descriptor limit."""
+        cap = s.max_connections
+        if cap <= 0:
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            cap = max(int(soft * 0.8), 64) if soft != resource.RLIM_INFINITY else 0
+        return cls(s.header_timeout_s, s.body_timeout_s, s.keep_alive_timeout_s, cap)
 
 
 def _chunk(data: bytes) -> bytes:
@@ -69,13 +99,16 @@ class _Aborted(Exception):
 class _Sink:
     """:class:`~router.service.proxy.Sink` writing HTTP/1.1 to the client connection."""
 
-    __slots__ = ("conn", "head_only", "keep_alive", "started")
+    __slots__ = ("conn", "head_only", "http10", "keep_alive", "started")
 
-    def __init__(self, conn: _Connection, keep_alive: bool, head_only: bool = False) -> None:
+    def __init__(
+        self, conn: _Connection, keep_alive: bool, head_only: bool = False, http10: bool = False
+    ) -> None:
         # (the proxy.Sink protocol's methods, over the connection)
         self.conn = conn
         self.keep_alive = keep_alive
         self.head_only = head_only
+        self.http10 = http10  # streams go out unframed, then the connection closes
         self.started = False  # a status line went out
 
     def _head(self, status: int, headers: list[tuple[bytes, bytes]], framing: bytes) -> bytes:
@@ -111,6 +144,15 @@ class _Sink:
         if conn.closed:
             raise ConnectionResetError("client went away")
         self.started = True
+        if self.http10:
+            self.keep_alive = False
+            out = self._head(status, headers, b"")
+            if not self.head_only:
+                out += data
+            conn.transport.write(out)
+            if conn.paused:
+                await conn.drain()
+            return
         out = self._head(status, headers, b"Transfer-Encoding: chunked\r\n")
         if not self.head_only:
             if data:
@@ -126,7 +168,7 @@ class _Sink:
         if conn.closed:
             raise ConnectionResetError("client went away")
         if data and not self.head_only:
-            conn.transport.write(_chunk(data))
+            conn.transport.write(data if self.http10 else _chunk(data))
         if conn.paused:
             await conn.drain()
 
@@ -134,7 +176,10 @@ class _Sink:
         conn = self.conn
         if conn.closed:
             raise ConnectionResetError("client went away")
-        if not self.head_only:
+        if self.http10:
+            if data and not self.head_only:
+                conn.transport.write(data)
+        elif not self.head_only:
             conn.transport.write(_chunk(data) + _LAST_CHUNK if data else _LAST_CHUNK)
         if conn.paused:  # the answer is complete only once a slow client has taken it
             await conn.drain()
@@ -151,10 +196,13 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self._drain: asyncio.Future[None] | None = None
-        self.queue: deque[HttpRequest] = deque()
+        self.queue: deque[tuple[HttpRequest, bool]] = deque()  # (request, HTTP/1.0)
         self.peer = ""
         self.task: asyncio.Task[None] | None = None
         self.reading_paused = False
+        self.deadline = 0.0  # loop time at which the connection is closed; 0: none
+        self.in_message = False  # a request is being received
+        self.over_cap = False  # accepted over max_connections: answered 503
         self._new_message()
 
     def _new_message(self) -> None:
@@ -176,7 +224,7 @@ class _Connection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.server.connections.add(self)
+        self.server.admit(self)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -189,6 +237,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
+        self.server.idle.pop(self, None)
         self.queue.clear()
         if self.task is not None and not self.task.done():
             self.task.cancel()
@@ -218,13 +267,14 @@ class _Connection(asyncio.Protocol):
             else:
                 w.set_exception(exc)
 
-    def _fatal(self, status: int, message: str) -> None:
+    def _fatal(self, status: int, message: str, extra: bytes = b"") -> None:
         if self.closed:
             return
         body = error_body(status, message, code=f"http_{status}")
         self.transport.write(
             _status_line(status)
             + b"Content-Type: application/json\r\nConnection: close\r\n"
+            + extra
             + b"Content-Length: %d\r\n\r\n" % len(body)
             + body
         )
@@ -235,6 +285,11 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._new_message()
+        self.in_message = True
+        self.server.idle.pop(self, None)
+        limits = self.server.limits
+        if limits.header_timeout_s > 0:
+            self.deadline = self.loop.time() + limits.header_timeout_s
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -250,6 +305,8 @@ class _Connection(asyncio.Protocol):
             self._fatal(431, f"request head over {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
+        body_timeout = self.server.limits.body_timeout_s
+        self.deadline = self.loop.time() + body_timeout if body_timeout > 0 else 0.0
         limit = self.server.max_body
         expect = False
         for k, v in self.headers:
@@ -265,6 +322,8 @@ class _Connection(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
+        if self.deadline:
+            self.deadline = self.loop.time() + self.server.limits.body_timeout_s
         if self.too_large:
             return
         self.body_size += len(body)
@@ -275,20 +334,32 @@ class _Connection(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        self.in_message = False
+        self.deadline = 0.0
         if self.closed:
+            return
+        if self.over_cap:
+            self._fatal(
+                503,
+                "the router has too many open connections (server.max_connections); retry",
+                b"Retry-After: 1\r\n",
+            )
             return
         body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         self.queue.append(
-            HttpRequest(
-                self.parser.get_method(),
-                self.url,
-                self.url.split(b"?", 1)[0],
-                self.headers,
-                body,
-                self.peer,
-                self.header_bytes,
-                self.too_large,
-                self.parser.should_keep_alive(),
+            (
+                HttpRequest(
+                    self.parser.get_method(),
+                    self.url,
+                    self.url.split(b"?", 1)[0],
+                    self.headers,
+                    body,
+                    self.peer,
+                    self.header_bytes,
+                    self.too_large,
+                    self.parser.should_keep_alive(),
+                ),
+                self.parser.get_http_version() == "1.0",
             )
         )
         if len(self.queue) > _PIPELINE_MAX and not self.reading_paused:
@@ -302,12 +373,12 @@ class _Connection(asyncio.Protocol):
     async def _run(self) -> None:
         try:
             while self.queue and not self.closed:
-                req = self.queue.popleft()
+                req, http10 = self.queue.popleft()
                 if self.reading_paused and len(self.queue) <= _PIPELINE_MAX // 2:
                     self.reading_paused = False
                     self.transport.resume_reading()
-                await self.server.serve(self, req)
-                if not req.keep_alive and not self.closed:
+                keep_alive = await self.server.serve(self, req, http10)
+                if not keep_alive and not self.closed:
                     self.transport.close()
                     self.closed = True
         except asyncio.CancelledError:
@@ -320,6 +391,8 @@ class _Connection(asyncio.Protocol):
                 self.closed = True
         finally:
             self.task = None
+            if not self.closed and not self.in_message:
+                self.server.rest(self)
 
 
 Handler = Callable[[HttpRequest, Sink], Awaitable[None]]
@@ -328,12 +401,111 @@ Handler = Callable[[HttpRequest, Sink], Awaitable[None]]
 class FastServer:
     """One listening socket served by ``handler`` (see the module docstring)."""
 
-    def __init__(self, handler: Handler, max_body: int) -> None:
+    def __init__(self, handler: Handler, max_body: int, limits: ConnLimits | None = None) -> None:
         self.handler = handler
         self.max_body = max_body
+        self.limits = limits or ConnLimits()
         self.connections: set[_Connection] = set()
+        # connections between requests, longest idle first (dict order)
+        self.idle: dict[_Connection, None] = {}
         self.loop = asyncio.get_running_loop()
         self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self.refused = 0  # the cap's actions since its last log line
+        self._logged_at = -1e9
+
+    def admit(self, conn: _Connection) -> None:
+        """A new connection: under the cap, or over it after closing the longest-idle one,
+        it is served; else it is answered 503 (see the module docstring)."""
+        cap = self.limits.max_connections
+        if cap and len(self.connections) >= cap:
+            if self.idle:
+                oldest = next(iter(self.idle))
+                del self.idle[oldest]
+                oldest.transport.close()
+                oldest.closed = True
+                self.connections.discard(oldest)
+                self._report("closing the longest-idle connection for each new one")
+            elif len(self.connections) >= cap + max(cap // 10, 16):
+                # far over: keep the descriptors the process needs (replicas, logs)
+                conn.transport.abort()
+                conn.closed = True
+                return
+            else:
+                conn.over_cap = True
+                self._report("none idle: answering 503 to new ones")
+                now = self.loop.time()
+                timeout = self.limits.header_timeout_s or 5.0
+                conn.deadline = now + min(timeout, 5.0)
+        self.connections.add(conn)
+        if not conn.over_cap:
+            self.rest(conn)
+
+    def _report(self, what: str) -> None:
+        """Log the cap's action, at most every 10 s, with how often it acted since."""
+        self.refused += 1
+        now = self.loop.time()
+        if now - self._logged_at >= 10.0:
+            _log.warning(
+                "%d open connections reach server.max_connections (%d): %s (%d since the "
+                "last report)",
+                len(self.connections),
+                self.limits.max_connections,
+                what,
+                self.refused,
+            )
+            self._logged_at = now
+            self.refused = 0
+
+    def rest(self, conn: _Connection) -> None:
+        """``conn`` waits for its next request (idle: keep-alive timeout, evictable)."""
+        self.idle.pop(conn, None)
+        self.idle[conn] = None
+        t = self.limits.keep_alive_timeout_s
+        conn.deadline = self.loop.time() + t if t > 0 else 0.0
+
+    async def _sweep(self, every: float) -> None:
+        """Close the connections past their deadline (timeouts of the module docstring);
+        one whose request is being answered waits for the answer. Idle connections expire
+        in the order they went idle: every 0.25 s the expired ones are taken from the front
+        of :attr:`idle`; the others are scanned every ``every`` seconds."""
+        tick = min(every, 0.25)
+        scanned = self.loop.time()
+        while True:
+            await asyncio.sleep(tick)
+            now = self.loop.time()
+            idle = self.idle
+            while idle:
+                oldest = next(iter(idle))
+                if not oldest.deadline or oldest.deadline >= now:
+                    break
+                del idle[oldest]
+                if not oldest.closed:
+                    oldest.transport.close()
+                    oldest.closed = True
+                self.connections.discard(oldest)
+            if now - scanned < every:
+                continue
+            scanned = now
+            for conn in [c for c in self.connections if c.deadline and c.deadline < now]:
+                if conn.task is not None or conn.closed:
+                    continue
+                if conn.in_message:
+                    conn._fatal(408, "the request did not arrive in time")
+                else:
+                    conn.transport.close()
+                    conn.closed = True
+                self.idle.pop(conn, None)
+                self.connections.discard(conn)
+
+    def _start_sweeper(self) -> None:
+        lim = self.limits
+        timeouts = [
+            t for t in (lim.header_timeout_s, lim.body_timeout_s, lim.keep_alive_timeout_s) if t > 0
+        ]
+        if timeouts or lim.max_connections:
+            every = min(max(min(timeouts, default=5.0) / 4, 0.05), 1.0)
+            self._sweeper = self.loop.create_task(self._sweep(every))
 
     async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
         """Listen on ``host:port`` (0: any free port); returns the port."""
@@ -343,16 +515,20 @@ class FastServer:
         # read untyped: uvloop's is a list where typeshed says tuple, which compiled code
         # (make compile) would check
         sockets: Any = getattr(self._server, "sockets")  # noqa: B009
+        self._start_sweeper()
         return int(sockets[0].getsockname()[1])
 
     async def start_unix(self, path: str) -> None:
         """Listen on the unix socket ``path``."""
         self._server = await self.loop.create_unix_server(lambda: _Connection(self), path)
+        self._start_sweeper()
 
     async def close(self, timeout: float = 0.0) -> None:
         """Stop accepting; wait up to ``timeout`` s for requests in flight; close the rest."""
         if self._server is not None:
             self._server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         deadline = self.loop.time() + timeout
         while self.loop.time() < deadline and any(c.task for c in self.connections):
             await asyncio.sleep(0.05)
@@ -363,8 +539,9 @@ class FastServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
 
-    async def serve(self, conn: _Connection, req: HttpRequest) -> None:
-        sink = _Sink(conn, req.keep_alive, head_only=req.method == b"HEAD")
+    async def serve(self, conn: _Connection, req: HttpRequest, http10: bool = False) -> bool:
+        """Answer ``req``; returns whether the connection stays open for another request."""
+        sink = _Sink(conn, req.keep_alive, head_only=req.method == b"HEAD", http10=http10)
         try:
             await self.handler(req, sink)
         except (asyncio.CancelledError, ConnectionResetError):
@@ -378,6 +555,7 @@ class FastServer:
                 raise _Aborted() from exc
             body = error_body(500, "internal error in the router", code="internal_error")
             await sink.respond(500, [(b"Content-Type", b"application/json")], body)
+        return sink.keep_alive
 
 
 def _what(req: HttpRequest) -> tuple[str, str]:

@@ -8,8 +8,10 @@ body, the client's raw header pairs and a :class:`Sink` that writes the answer t
 * The request body is forwarded as received (unknown fields and vendor extensions included);
   hop-by-hop headers are dropped, ``X-Request-Id`` is set, and ``X-data-parallel-rank`` when
   the replica has several DP ranks.
-* Connect errors and 5xx answers (both before any body byte reached the client) are retried
-  on the next-best replica of the decision's ranking, at most ``max_retries`` times.
+* Failed attempts (a connect error, a 429 or 5xx, a broken answer, no first byte in time:
+  all before any byte reached the client) are retried on the next-best replica of the
+  decision's ranking, within bounds (router/service/retry.py), and feed outlier ejection
+  (router/service/ejection.py).
 * Streams (``text/event-stream``) are relayed piece by piece as they arrive. A client that
   disconnects cancels the handler or fails a write; either way the upstream connection is
   closed, which aborts the request on the replica.
@@ -29,8 +31,16 @@ from typing import Any, Protocol
 
 from router.core.slo import tpot_s
 from router.core.types import ReplicaKey
+from router.service.ejection import Ejections, outlier_settings
 from router.service.errors import error_body
 from router.service.replica_url import ReplicaUrl
+from router.service.retry import (
+    RetryBudget,
+    expected_first_byte_s,
+    first_byte_deadline,
+    is_stream,
+    retry_after_s,
+)
 from router.service.state import Routed, RouterState
 from router.service.stream_usage import UsageFilter
 from router.service.upstream import Client, Exchange
@@ -235,6 +245,8 @@ class Forwarder:
         self.client = client
         s = state.settings.server
         self.max_retries = s.max_retries
+        self.budget = RetryBudget(s.retry_budget_ratio, s.retry_budget_min)
+        self.ejections = Ejections(state, outlier_settings(s))
         self.debug_header = s.debug_header
         self._hosts: dict[str, bytes] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -265,15 +277,25 @@ class Forwarder:
             host = self._hosts[base_url] = ReplicaUrl.parse(base_url).netloc.encode()
         return host
 
-    def _final(self, attempt: int, rest: Iterable[ReplicaKey], refused: set[str]) -> bool:
-        """Whether attempt ``attempt`` (from 0) is the last: the retry budget is spent, or no
-        key of ``rest`` can be tried (all gone, or at a URL that refused a connection)."""
-        if attempt >= self.max_retries:
+    def _final(
+        self, attempt: int, rest: Iterable[ReplicaKey], refused: set[str], tried: set[ReplicaKey]
+    ) -> bool:
+        """Whether attempt ``attempt`` (from 0) is the last: the retries or the retry budget
+        are spent, or no key of ``rest`` can be tried (all gone, at a URL that refused a
+        connection, tried already, or out of rotation since the decision)."""
+        if attempt >= self.max_retries or not self.budget.allows(self.event_loop().time()):
             return True
         registry = self.state.registry
+        load = self.state.load
+        now = self.event_loop().time()
         for k in rest:
             ep = registry.endpoint(k)
-            if ep is not None and ep.base_url not in refused:
+            if (
+                ep is not None
+                and ep.base_url not in refused
+                and k not in tried
+                and load.view(k, now).healthy
+            ):
                 return False
         return True
 
@@ -288,7 +310,8 @@ class Forwarder:
         strip_usage: bool = False,
     ) -> None:
         """``strip_usage``: the router added ``include_usage`` to this stream; the usage
-        chunk is read for feedback and not relayed (router.service.stream_usage)."""
+        chunk is read for feedback and not relayed (router.service.stream_usage). Retries:
+        router/service/retry.py; outcomes feed outlier ejection (router/service/ejection.py)."""
         state = self.state
         model = routed.request.model
         mm = state.metrics.model(model)
@@ -297,25 +320,59 @@ class Forwarder:
         loop = self.event_loop()
         ranked = [routed.decision.replica, *routed.decision.ranking]
         started = loop.time()
+        self.budget.request(started)
         last_error = "no replica answered"
         client_headers = list(client_headers)
         refused: set[str] = set()  # base URLs that refused a connection in this request
+        tried: set[ReplicaKey] = set()  # keys tried in this request (never one twice)
+        stream = is_stream(body)
+        ejections = self.ejections
         attempt = -1
         key: ReplicaKey | None = None
+        token: object = None
+        kind = ""
         try:
             for i, key in enumerate(ranked):
                 ep = state.registry.endpoint(key)
-                if ep is None or ep.base_url in refused:
-                    continue  # gone, or another DP rank of a replica that just refused
+                if ep is None or ep.base_url in refused or key in tried:
+                    continue  # gone, a replica tried already, or one that just refused
+                if i and not state.load.view(key, loop.time()).healthy:
+                    continue  # ejected or marked down since the decision
                 attempt += 1
+                tried.add(key)
+                now = loop.time()
                 if key != routed.decision.replica:  # a retry: the load moves with it
+                    self.budget.spend(now)
                     state.load.complete(rid)
                     state.load.dispatch(rid, key, routed.request.prompt_tokens, 0)
                 head = request_head(
                     path, self._host(ep.base_url), client_headers, rid_b, ep.dp_rank, len(body)
                 )
+                usable = routed.decision.usable_tokens if i == 0 else 0
+                expect = expected_first_byte_s(
+                    state.load.view(key, now).queued_prefill_tokens
+                    - ejections.phantom_tokens(key, now),
+                    routed.request.prompt_tokens,
+                    usable,
+                    stream,
+                    routed.request.max_output_tokens,
+                )
+                # the attempt's deadline is its token: an ejection for latency moves it to now
+                # (the exchange keeps the deadline too: a cancellation can be lost)
+                wait = self._deadline(expect)
+                token = deadline = asyncio.timeout(wait)
+                ejections.sent(key, token, now, expect)
+                final = self._final(attempt, ranked[i + 1 :], refused, tried)
+                kind = ""
+                upstream: Exchange | None = None
                 try:
-                    upstream = await self.client.pool(ep.base_url).send(head, body)
+                    async with deadline:
+                        upstream = await self.client.pool(ep.base_url).send(head, body, wait)
+                        if upstream.status < 400:
+                            sse = (upstream.header(b"content-type") or b"").startswith(
+                                b"text/event-stream"
+                            )
+                            await upstream.ready(whole=not sse)
                 except ConnectFailed as exc:
                     if exc.connected:
                         # it took the connection and dropped the request: this rank only
@@ -328,41 +385,51 @@ class Forwarder:
                             state.fleet.mark_unhealthy(other, loop.time())
                     mm.outcome(key, "connect_error").inc()
                     last_error = f"replica {key} unreachable: {exc}"
-                    if self._final(attempt, ranked[i + 1 :], refused):
-                        break
-                    mm.retry("connect_error").inc()
-                    continue
-                except UpstreamTimeout:
+                    kind = "connect"
+                except TimeoutError:  # no first byte by the deadline (ours or the client's)
                     mm.outcome(key, "timeout").inc()
-                    state.load.complete(rid)  # booked: a cancel during the write is not counted
-                    await send_error(
-                        sink, 504, f"replica {key} did not answer in time", code="timeout"
-                    )
-                    return
+                    last_error = f"replica {key} did not answer in time"
+                    kind = "timeout"
                 except UpstreamError as exc:
-                    mm.outcome(key, "connect_error").inc()
+                    mm.outcome(key, "upstream_broken").inc()
                     last_error = f"replica {key} failed: {exc}"
-                    if self._final(attempt, ranked[i + 1 :], refused):
-                        break
-                    mm.retry("client_error").inc()
-                    continue
-                if upstream.status >= 500 and not self._final(attempt, ranked[i + 1 :], refused):
+                    kind = "broken"
+                if upstream is not None and kind:
                     upstream.abort()
-                    mm.outcome(key, "upstream_5xx").inc()
-                    mm.retry(f"http_{upstream.status}").inc()
-                    last_error = f"replica {key} answered {upstream.status}"
+                if kind:
+                    ejections.failed(key, kind, loop.time(), token)
+                    if final:
+                        break
+                    mm.retry(kind).inc()
                     continue
+                assert upstream is not None
+                if upstream.status == 429 or upstream.status >= 500:
+                    kind = "http_429" if upstream.status == 429 else "http_5xx"
+                    pause = retry_after_s(upstream.header(b"retry-after"))
+                    ejections.failed(key, kind, loop.time(), token, pause)
+                    if not final:
+                        upstream.abort()
+                        mm.outcome(
+                            key, "upstream_5xx" if kind == "http_5xx" else "upstream_4xx"
+                        ).inc()
+                        mm.retry(f"http_{upstream.status}").inc()
+                        last_error = f"replica {key} answered {upstream.status}"
+                        continue
+                else:
+                    ejections.answered(key, token, loop.time())
+                token = None
                 try:
                     await self._relay(sink, upstream, routed, key, attempt, started, strip_usage)
                 finally:
                     upstream.release()
                 return
-            state.load.complete(rid)  # booked (see above)
+            state.load.complete(rid)  # booked: a cancel during the write is not counted
+            timed_out = kind == "timeout"
             await send_error(
                 sink,
-                502 if attempt >= 0 else 503,
+                504 if timed_out else (502 if attempt >= 0 else 503),
                 f"{last_error}; gave up after {attempt + 1} attempt(s)",
-                code="upstream_unavailable",
+                code="timeout" if timed_out else "upstream_unavailable",
                 headers=[(b"Retry-After", str(state.settings.server.retry_after_s).encode())],
             )
         except asyncio.CancelledError:
@@ -372,8 +439,17 @@ class Forwarder:
                 mm.outcome(key, "cancelled").inc()
             raise
         finally:
-            # whatever happened, the request no longer loads a replica (idempotent)
+            # whatever happened, the request no longer loads a replica (idempotent), and an
+            # attempt still open is neither a latency sample nor a failure
             state.load.complete(rid)
+            if key is not None and token is not None:
+                ejections.dropped(key, token, loop.time())
+
+    def _deadline(self, expect_s: float) -> float:
+        s = self.state.settings.server
+        return first_byte_deadline(
+            expect_s, s.first_byte_min_s, s.first_byte_factor, s.first_byte_timeout_s
+        )
 
     async def _relay(
         self,
@@ -480,6 +556,7 @@ class Forwarder:
             # then abort its connection too, so a truncated stream is never mistaken for a
             # complete one (no [DONE] follows).
             mm.outcome(key, "upstream_broken").inc()
+            self.ejections.failed(key, "broken", loop.time())
             upstream.abort()
             timeout = isinstance(exc, UpstreamTimeout)
             event = error_body(

@@ -1,4 +1,5 @@
-"""The public port's routes besides the two hot endpoints: ``GET /v1/models``, ``/health``,
+"""The public port's routes besides the two hot endpoints: ``GET /v1/models`` (and
+``/v1/models/{id}``, the id may hold slashes: ``meta-llama/Llama-3.1-8B``), ``/health``,
 ``/ready`` and ``/metrics`` (the admin routes are router.service.admin's). Each answers a
 whole :class:`~router.service.http_types.Reply`; the front door (router.service.handling)
 has checked the request before."""
@@ -6,14 +7,16 @@ has checked the request before."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from router.service.errors import ErrorReply
 from router.service.http_types import HttpRequest, Reply
 from router.service.keys import SESSION, STATE, WORKER_INDEX, WORKERS
-from router.service.routes import Routes
+from router.service.routes import Routes, error
 from router.service.state import RouterState
 from router.service.worker_metrics import all_workers_page
 
@@ -23,6 +26,13 @@ _PROMETHEUS = b"text/plain; version=0.0.4"
 def add_routes(routes: Routes, app: web.Application) -> None:
     async def models(req: HttpRequest, _: str) -> Reply:
         return await models_reply(app[STATE], app[SESSION])
+
+    async def model(req: HttpRequest, name: str) -> Reply:
+        listed = await models_reply(app[STATE], app[SESSION])
+        for item in json.loads(listed.body)["data"]:
+            if item.get("id") == name:
+                return Reply.json(item)
+        return error(ErrorReply(404, f"The model '{name}' does not exist", "model_not_found"))
 
     async def health(req: HttpRequest, _: str) -> Reply:
         return Reply.json({"status": "ok"})
@@ -42,6 +52,7 @@ def add_routes(routes: Routes, app: web.Application) -> None:
         return Reply.text(body, _PROMETHEUS)
 
     routes.get("/v1/models", models)
+    routes.get("/v1/models/{id:path}", model)
     routes.get("/health", health)
     routes.get("/ready", ready)
     routes.get("/metrics", metrics)

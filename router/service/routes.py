@@ -3,8 +3,9 @@ path of the public port but the two hot endpoints (models, health, readiness, me
 admin), and the internal paths of a worker's control socket.
 
 A path is literal, or has one ``{name}`` segment (``/admin/replicas/{name}/drain``), which
-the handler gets percent-decoded. A GET route answers HEAD too. An unknown path is a 404, a
-known path with another method a 405 with ``Allow``; both with OpenAI-style bodies.
+the handler gets percent-decoded; ``{name:path}`` matches slashes too. A GET route answers
+HEAD too. An unknown path is a 404, a known path with another method a 405 with ``Allow``;
+both with OpenAI-style bodies.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ class _Pattern:
     prefix: bytes
     suffix: bytes
     handlers: dict[bytes, Handler]
+    slashes: bool = False
 
     def match(self, path: bytes) -> bytes | None:
         if not (path.startswith(self.prefix) and path.endswith(self.suffix)):
             return None
         middle = path[len(self.prefix) : len(path) - len(self.suffix)]
-        return middle if middle and b"/" not in middle else None
+        return middle if middle and (self.slashes or b"/" not in middle) else None
 
 
 class Routes:
@@ -50,12 +52,12 @@ class Routes:
             self._literal.setdefault(raw, {})[verb] = handler
             return
         prefix, _, rest = raw.partition(b"{")
-        _, _, suffix = rest.partition(b"}")
+        name, _, suffix = rest.partition(b"}")
         for pattern in self._patterns:
             if pattern.prefix == prefix and pattern.suffix == suffix:
                 pattern.handlers[verb] = handler
                 return
-        self._patterns.append(_Pattern(prefix, suffix, {verb: handler}))
+        self._patterns.append(_Pattern(prefix, suffix, {verb: handler}, name.endswith(b":path")))
 
     def get(self, path: str, handler: Handler) -> None:
         self.add("GET", path, handler)

@@ -199,13 +199,30 @@ def _expire(w: asyncio.Future[None]) -> None:
 class Exchange:
     """One request/response on a pooled connection (see the module docstring)."""
 
-    __slots__ = ("_conn", "_deadline", "_done", "_pool", "_read_timeout", "headers", "status")
+    __slots__ = (
+        "_conn",
+        "_deadline",
+        "_done",
+        "_first_by",
+        "_pool",
+        "_read_timeout",
+        "headers",
+        "status",
+    )
 
-    def __init__(self, pool: Pool, conn: _Conn, deadline: float, read_timeout: float) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        conn: _Conn,
+        deadline: float,
+        read_timeout: float,
+        first_by: float = float("inf"),
+    ) -> None:
         self._pool = pool
         self._conn = conn
         self._deadline = deadline
         self._read_timeout = read_timeout
+        self._first_by = first_by  # the head and first data by then (until ``ready``)
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self._done = False
@@ -218,10 +235,14 @@ class Exchange:
         return None
 
     def _timeout(self) -> float:
-        left = self._deadline - self._conn.loop.time()
+        now = self._conn.loop.time()
+        left = self._deadline - now
         if left <= 0:
             raise UpstreamTimeout("upstream exceeded the request timeout")
-        return min(left, self._read_timeout)
+        first = self._first_by - now
+        if first <= 0:
+            raise UpstreamTimeout("upstream sent no first byte in time")
+        return min(left, first, self._read_timeout)
 
     async def _head(self) -> None:
         c = self._conn
@@ -280,6 +301,19 @@ class Exchange:
         c.buffered = 0
         return data
 
+    async def ready(self, whole: bool) -> None:
+        """Wait, reading nothing, until the first body data has arrived (``whole``: the
+        whole body, or as much as the buffer holds) or the body ended; raises
+        :class:`UpstreamBroken` / :class:`UpstreamTimeout` as :meth:`read` would."""
+        c = self._conn
+        while not (c.complete or c.paused or (c.chunks and not whole)):
+            if c.error is not None:
+                raise (
+                    c.error if isinstance(c.error, UpstreamBroken) else UpstreamBroken(str(c.error))
+                )
+            await c.wait(self._timeout())
+        self._first_by = float("inf")  # from here on, each wait has the read timeout
+
     async def read_all(self) -> bytes:
         """The whole body."""
         c = self._conn
@@ -333,7 +367,10 @@ class Pool:
                 coro = loop.create_unix_connection(lambda: _Conn(loop), t.path)
             else:
                 coro = loop.create_connection(lambda: _Conn(loop), t.host, t.port)
-            _, conn = await asyncio.wait_for(coro, self.timeouts.connect)
+            # (asyncio.timeout, not wait_for: Python 3.11's wait_for may swallow a
+            # cancellation that lands as the connection completes)
+            async with asyncio.timeout(self.timeouts.connect):
+                _, conn = await coro
         except TimeoutError:
             raise ConnectFailed(f"connect timed out after {self.timeouts.connect:g}s") from None
         except OSError as exc:
@@ -348,13 +385,18 @@ class Pool:
                 return conn
         return None
 
-    async def send(self, data: bytes, body: bytes = b"") -> Exchange:
+    async def send(
+        self, data: bytes, body: bytes = b"", first_byte_s: float | None = None
+    ) -> Exchange:
         """Send one request (``data`` = head, ``body`` appended) and wait for the response
         head. A stale pooled connection (closed before answering) is retried once on a fresh
-        connection."""
+        connection. ``first_byte_s``: the head (and, through :meth:`Exchange.ready`, the
+        first body data) must come within this many seconds, whatever the read timeout."""
         loop = self._loop or asyncio.get_running_loop()
         self._loop = loop
-        deadline = loop.time() + self.timeouts.total
+        now = loop.time()
+        deadline = now + self.timeouts.total
+        first_by = now + first_byte_s if first_byte_s is not None else float("inf")
         for _ in range(3):
             conn = self._take()
             fresh = conn is None
@@ -369,7 +411,7 @@ class Pool:
                     conn.transport.write(body)
             else:
                 conn.transport.write(data)
-            ex = Exchange(self, conn, deadline, self.timeouts.read)
+            ex = Exchange(self, conn, deadline, self.timeouts.read, first_by)
             try:
                 await ex._head()
             except ConnectFailed:
