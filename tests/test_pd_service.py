@@ -81,7 +81,9 @@ async def mocks(tmp_path: Path) -> AsyncIterator[Mocks]:
 def _settings(replicas: list[dict[str, Any]], mode: str = "always") -> Any:
     return build_settings(
         {
-            "server": {"max_retries": 2, "admin_token": TOKEN},
+            # no active probes: the fallbacks under test must meet dead and stub replicas
+            # that a probe would take out of rotation first
+            "server": {"max_retries": 2, "admin_token": TOKEN, "health_interval_s": 0},
             "replicas": replicas,
             "models": {MODEL: {"block_size": B, "hybrid": True, "pd": {"mode": mode}}},
         }

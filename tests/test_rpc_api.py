@@ -307,7 +307,13 @@ async def test_router_app_serves_grpc_beside_http() -> None:
 
     settings = build_settings(
         {
-            "server": {"grpc_port": 0, "grpc_token": TOKEN, "admin_token": ADMIN},
+            # nothing answers at the replica's URL: no probe may take it out of rotation
+            "server": {
+                "grpc_port": 0,
+                "grpc_token": TOKEN,
+                "admin_token": ADMIN,
+                "health_interval_s": 0,
+            },
             "replicas": [{"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"}],
             "models": {MODEL: kimi_model_table()},
         }

@@ -94,12 +94,19 @@ async def _probe_health(
     limit = asyncio.Semaphore(HEALTH_PROBES_AT_ONCE)
 
     async def probe(url: str) -> bool:
+        """A timeout is retried once: a probe also times out when the router's own event
+        loop was busy past ``wait`` (a megabyte prompt being parsed), and the replica must
+        not pay for that."""
         async with limit:
-            try:
-                async with session.get(url + "/health", timeout=timeout) as resp:
-                    return resp.status == 200
-            except (TimeoutError, aiohttp.ClientError):
-                return False
+            for _ in range(2):
+                try:
+                    async with session.get(url + "/health", timeout=timeout) as resp:
+                        return resp.status == 200
+                except TimeoutError:
+                    continue
+                except aiohttp.ClientError:
+                    return False
+            return False
 
     while True:
         began = loop.time()
