@@ -7,9 +7,10 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from router.core.admission import AdmissionSettings
 from router.core.policies import POLICY_NAMES
 from sim.agentic import AgenticSpec, generate
 from sim.cluster import ClusterConfig, Progress, RunResult, Simulation
@@ -25,6 +26,7 @@ class RunSpec:
     params: Mapping[str, Any] | None = None
     speedup: float = 1.0
     label: str | None = None
+    admission: AdmissionSettings | None = None  # overrides the config's (sim tune)
 
 
 def build_workload(
@@ -60,6 +62,8 @@ def run_one(
     workload: Workload, config: ClusterConfig, spec: RunSpec, progress: Progress | None = None
 ) -> RunResult:
     started = time.perf_counter()
+    if spec.admission is not None:
+        config = replace(config, admission=spec.admission)
     result = Simulation(
         workload, config, spec.policy, spec.params, speedup=spec.speedup, progress=progress
     ).run()

@@ -32,19 +32,21 @@ from router.core.load import LoadTracker
 from router.core.policies import make_policy
 from router.core.routing import RoutingEngine, RoutingSettings
 from router.core.slo import SloTargets
+from router.core.stall import StallLedger
 from router.core.types import BlocksStored, EventBatch, ReplicaKey, RouteRequest
 
 SLO = SloTargets.flat(ttft_s=2.0)
 
 
-def one(ttft: float, prefill: float = 0.1, stall: float = 0.0) -> Assessment:
+def one(ttft: float, prefill: float = 0.1, replica: str = "r0") -> Assessment:
     """One replica predicted to answer in ``ttft`` seconds."""
     return Assessment(
         np.array([ttft]),
         np.array([prefill]),
         np.array([max(ttft - prefill, 0.0)]),
-        np.array([stall]),
+        np.array([0.01]),
         np.array([True]),
+        (ReplicaKey(replica),),
     )
 
 
@@ -183,18 +185,46 @@ def test_cancel_leaves_the_queue() -> None:
     assert q.judge(q.ticket("next", DEFAULT, "t", 10, 0.0), one(0.9), 0.0).action == ADMIT
 
 
-def test_stall_cap_applies_to_busy_replicas_only() -> None:
+def test_stall_headroom_protects_decoding_requests() -> None:
     q = queue()
-    stalling = Assessment(
+    busy, free = ReplicaKey("busy"), ReplicaKey("free")
+    two = Assessment(
         np.array([0.5, 0.5]),
+        np.array([0.4, 0.4]),
         np.array([0.1, 0.1]),
-        np.array([0.4, 0.05]),  # second replica: little queued prefill
-        np.array([10.0, 10.0]),
+        np.array([0.02, 0.02]),
         np.array([True, True]),
+        (busy, free),
     )
-    allowed = q.fits(q.ticket("d", DEFAULT, "t", 10, 0.0), stalling, 0.0)
-    assert allowed.tolist() == [False, True]
-    assert q.fits(q.ticket("p", PRIORITY, "t", 10, 0.0), stalling, 0.0).tolist() == [True, True]
+    # a default request decoding 11 tokens on "busy": it may stand 0.5 x (0.1 - 0.02) x 10
+    # = 0.4 s of prefill while it decodes
+    short = q.ticket("short", DEFAULT, "t", 10, 0.0)
+    q.dispatched(short, two, busy, 10, output_tokens=11)
+    assert q.stall_headroom(two).tolist() == pytest.approx([0.4, float("inf")])
+    q.dispatched(q.ticket("x", DEFAULT, "t", 10, 0.0), two, busy, 10, output_tokens=1)
+    # that used it up: a default prefill of 0.4 s more would overdraw it by 4 TPOT targets
+    # (more than max_stall, 3), priority goes anywhere
+    d = q.ticket("d", DEFAULT, "t", 10, 0.0)
+    assert q.fits(d, two, 0.0).tolist() == [False, True]
+    p = q.ticket("p", PRIORITY, "t", 10, 0.0)
+    assert q.fits(p, two, 0.0).tolist() == [True, True]
+    q.finished("short")  # done decoding: nothing left to protect
+    assert q.fits(d, two, 0.0).tolist() == [True, True]
+
+
+def test_stall_ledger() -> None:
+    ledger = StallLedger()
+    r = ReplicaKey("r")
+    assert ledger.headroom(r) == float("inf")
+    ledger.add("a", r, 1.0, 5.0)  # limit at clock 6
+    ledger.add("b", r, 2.0, 10.0)  # clock 3, limit 13
+    assert ledger.headroom(r) == pytest.approx(3.0)
+    ledger.add("c", r, 4.0, float("inf"))  # clock 7: a is 1 s over, c is not tracked
+    assert ledger.headroom(r) == pytest.approx(-1.0) and len(ledger) == 2
+    ledger.remove("a")
+    assert ledger.headroom(r) == pytest.approx(6.0)
+    ledger.forget(r)
+    assert ledger.headroom(r) == float("inf") and len(ledger) == 0
 
 
 def test_assess_uses_the_policy_prediction_with_the_usable_hit() -> None:

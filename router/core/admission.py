@@ -6,10 +6,18 @@ queue, interleaved decode; see router/core/policies.py ``Ours``) for each eligib
 
 * **admit** at once when some replica *fits* it: predicted TTFT within ``headroom`` of its
   class's TTFT budget (``ttft_factor`` x the SLO target of its prompt's tier), and not past
-  its deadline; and, when that replica has more than ``stall_backlog_s`` of queued prefill,
-  the decode stall its prefill imposes on the replica's requests (``Ours``'s interference
-  term, in TPOT targets, each request weighed by its class's ``decode_weight``) is at most
-  the class's ``max_stall``. The policy then picks among the replicas that fit.
+  its deadline (a replica with at most ``stall_backlog_s`` of queued prefill fits it within
+  the deadline alone: idle capacity is not held back); and its prefill stays within the
+  replica's *decode-stall headroom* for its class. The policy then picks among the
+  replicas that fit.
+
+  The stall headroom keeps the TPOT of the requests decoding on a replica
+  (router/core/stall.py): every step that carries a prefill chunk stalls them, so each
+  request may stand ``stall_share`` (of its class: a smaller share protects it more) x
+  ``(tpot_target - decode step) x (output tokens - 1)`` seconds of prefill while it
+  decodes; a replica's headroom is what its most constrained request has left. A class may
+  admit a prefill that overdraws it by at most ``max_stall`` TPOT targets (priority:
+  without limit). Every dispatched prefill (any class) is counted.
 * **shed** at once (reason ``deadline``) when it cannot meet its budget even if it waits:
   the fleet's best predicted TTFT plus the prefill work held ahead of it (same or better
   class) spread over the eligible replicas exceeds the budget; or (``queue_full``) when the
@@ -42,10 +50,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from router.core.errors import BadRequest
-from router.core.load import CostModel
+from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel
 from router.core.policies import Candidate, CandidateColumns, Ours, Policy
 from router.core.slo import SloTargets
-from router.core.types import RouteRequest
+from router.core.stall import StallLedger
+from router.core.types import ReplicaKey, RouteRequest
 
 PRIORITY = 0
 DEFAULT = 1
@@ -105,18 +114,21 @@ class AdmissionSettings:
     decode_weight: Triple = (100.0, 1.0, 1.0)
     max_stall: Triple = (math.inf, 3.0, 3.0)
     stall_backlog_s: float = 0.1
+    stall_share: Triple = (0.1, 0.5, 0.5)
     urgency_power: float = 1.0
     max_queue: int = 1024
     scan: int = 8  # held requests examined per ``ready`` call, best first
 
     def __post_init__(self) -> None:
-        for name in ("headroom", "ttft_factor", "decode_weight", "max_stall"):
+        for name in ("headroom", "ttft_factor", "decode_weight", "max_stall", "stall_share"):
             value = getattr(self, name)
             if len(value) != 3 or any(not v > 0 for v in value):
                 raise ValueError(f"admission {name} needs 3 positive values (one per class)")
             object.__setattr__(self, name, tuple(float(v) for v in value))
         if any(h > 1 for h in self.headroom):
             raise ValueError("admission headroom is a share of the TTFT budget: at most 1")
+        if any(not 0 < v <= 1 for v in self.stall_share):
+            raise ValueError("admission stall_share values must be in (0, 1]")
         if self.stall_backlog_s < 0 or self.urgency_power < 0:
             raise ValueError("admission stall_backlog_s and urgency_power must be >= 0")
         if self.max_queue < 0 or self.scan < 1:
@@ -125,14 +137,15 @@ class AdmissionSettings:
 
 class Assessment(NamedTuple):
     """Predictions for a request on each candidate position (a list's index, or a column):
-    TTFT if sent now, its own prefill, the replica's queue, and the stall its prefill
-    imposes (TPOT targets, class-weighted); ``eligible`` marks the positions to consider."""
+    TTFT if sent now, its own prefill, the replica's queue and decode step time (seconds);
+    ``eligible`` marks the positions to consider, ``keys`` names their replicas."""
 
     ttft_s: np.ndarray
     prefill_s: np.ndarray
     queue_s: np.ndarray
-    stall: np.ndarray
+    step_s: np.ndarray
     eligible: np.ndarray
+    keys: Sequence[ReplicaKey]
 
 
 def predictor_for(policy: Policy, cost: CostModel | None = None) -> Ours:
@@ -151,18 +164,30 @@ def assess(
 ) -> Assessment:
     """Predictions for ``request`` on ``candidates`` (router.core.routing
     ``RoutingEngine.candidates``)."""
+    cost = predictor.cost
     if isinstance(candidates, CandidateColumns):
-        p, q, d, _, i = predictor.term_columns(request, candidates, now)
+        p, q, d, _, _ = predictor.term_columns(request, candidates, now)
         prefill = np.asarray(p, dtype=float)
         queue = np.asarray(q, dtype=float)
         ttft = prefill + queue + np.asarray(d, dtype=float)
-        stall = np.asarray(i, dtype=float)
-        return Assessment(ttft, prefill, queue, stall, np.asarray(candidates.eligible, bool))
-    rows = [predictor.term_values(request, c) for c in candidates]
-    arr = np.asarray(rows, dtype=float).reshape(len(rows), 5)
-    prefill, queue, decode, stall = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 4]
+        load = candidates.load
+        step = cost.step_overhead_s + np.asarray(
+            cost.decode_step_s(load.decoding, load.decode_context_tokens), dtype=float
+        )
+        eligible = np.asarray(candidates.eligible, bool)
+        return Assessment(ttft, prefill, queue, step, eligible, candidates.keys)
+    rows = []
+    for c in candidates:
+        t = predictor.term_values(request, c)
+        v = c.load
+        rows.append(
+            (*t, cost.step_overhead_s + cost.decode_step_s(v.decoding, v.decode_context_tokens))
+        )
+    arr = np.asarray(rows, dtype=float).reshape(len(rows), 6)
+    prefill, queue, decode, step = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 5]
+    keys = [c.replica for c in candidates]
     return Assessment(
-        prefill + queue + decode, prefill, queue, stall, np.ones(len(rows), dtype=bool)
+        prefill + queue + decode, prefill, queue, step, np.ones(len(rows), dtype=bool), keys
     )
 
 
@@ -222,6 +247,7 @@ class AdmissionQueue:
     _tenant_held: dict[str, int] = field(default_factory=dict)
     _tenant_work: dict[tuple[int, str], float] = field(default_factory=dict)
     _counter: dict[str, float] = field(default_factory=dict)
+    stall: StallLedger = field(default_factory=StallLedger)
     _seq: int = 0
 
     # ------------------------------------------------------------------ figures
@@ -260,11 +286,48 @@ class AdmissionQueue:
         """The positions of ``a`` that can take ``ticket`` now (module docstring)."""
         s = self.settings
         c = ticket.klass
-        limit = min(s.headroom[c] * ticket.budget_s, ticket.deadline - now)
-        ok = a.eligible & (a.ttft_s <= limit)
+        left = ticket.deadline - now
+        limit = min(s.headroom[c] * ticket.budget_s, left)
+        # a replica with (almost) nothing queued is never held back by the headroom: idle
+        # capacity is used, by whatever class, as long as the deadline is met
+        idle = a.queue_s <= s.stall_backlog_s
+        ok = a.eligible & ((a.ttft_s <= limit) | (idle & (a.ttft_s <= left)))
         if math.isfinite(s.max_stall[c]):
-            ok &= (a.stall <= s.max_stall[c]) | (a.queue_s <= s.stall_backlog_s)
+            floor = -s.max_stall[c] * self.slo.tpot_s
+            ok &= self.stall_headroom(a) - a.prefill_s >= floor
         return ok
+
+    def stall_headroom(self, a: Assessment) -> np.ndarray:
+        """Each position's replica's decode-stall headroom, seconds (module docstring)."""
+        headroom = self.stall.headroom
+        return np.array([headroom(k) for k in a.keys], dtype=float)
+
+    def dispatched(
+        self,
+        ticket: Ticket,
+        a: Assessment,
+        replica: ReplicaKey,
+        uncached_tokens: int,
+        output_tokens: int | None = None,
+    ) -> None:
+        """``ticket``'s request, judged with ``a``, was sent to ``replica``: count its
+        prefill against the replica's stall headroom, track its own allowance
+        (``output_tokens``: its answer's length or limit; None: unknown) until
+        :meth:`finished`, and charge its tenant (:meth:`served`)."""
+        self.served(ticket.tenant, uncached_tokens)
+        keys = a.keys
+        at = list(keys).index(replica) if replica in keys else -1
+        if at < 0:
+            return
+        out = EXPECTED_OUTPUT_TOKENS if output_tokens is None else output_tokens
+        spare = max(self.slo.tpot_s - float(a.step_s[at]), 0.0)
+        share = self.settings.stall_share[ticket.klass]
+        allowance = share * spare * (out - 1) if out > 1 else math.inf
+        self.stall.add(ticket.key, replica, float(a.prefill_s[at]), allowance)
+
+    def finished(self, key: Hashable) -> None:
+        """A dispatched request finished, failed or was cancelled."""
+        self.stall.remove(key)
 
     def _ahead_s(self, klass: int, tenant: str) -> float:
         """Held prefill work that goes before a new request: every better class's, and its
