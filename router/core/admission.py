@@ -62,14 +62,15 @@ FLEX = 2
 CLASS_NAMES: tuple[str, str, str] = ("priority", "default", "flex")
 """Service classes, best first; a class is its index here."""
 
-# OpenAI's ``service_tier`` values -> class ("auto" lets the provider choose: default here;
-# "scale" is a reserved-capacity tier: served as priority)
+# OpenAI's ``service_tier`` values -> class ("auto" lets the provider choose: the caller's
+# default here; "scale" (reserved capacity) and "fast" are served as priority)
 _TIERS = {
     "auto": DEFAULT,
     "default": DEFAULT,
     "flex": FLEX,
     "priority": PRIORITY,
     "scale": PRIORITY,
+    "fast": PRIORITY,
 }
 
 ADMIT = "admit"

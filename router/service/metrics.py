@@ -332,9 +332,10 @@ class Metrics:
         )
         self.slo_requests = LoopCounter(
             "kvrouter_slo_requests",
-            "Streamed answers by SLO tier of their prompt and result: met, ttft_missed, "
-            "tpot_missed, both_missed (router.core.slo; TTFT and TPOT as the router saw them)",
-            ["model", "tier", "result"],
+            "Streamed answers by SLO tier of their prompt, service class and result: met, "
+            "ttft_missed, tpot_missed, both_missed (router.core.slo; TTFT and TPOT as the "
+            "router saw them; a class's TTFT target is the tier's times its ttft_factor)",
+            ["model", "tier", "result", "class"],
             registry=r,
         )
         self.retries = LoopCounter(
@@ -458,13 +459,14 @@ class ModelMetrics:
         self._outcomes: dict[tuple[object, str], Any] = {}
         self._replicas: dict[object, tuple[Any, Any]] = {}
         self._retries: dict[str, Any] = {}
-        self._slo: dict[tuple[str, str], Any] = {}
+        self._slo: dict[tuple[str, str, str], Any] = {}
 
-    def slo(self, tier: str, result: str) -> Any:
-        """The ``kvrouter_slo_requests`` child of (SLO tier label, result)."""
-        child = self._slo.get((tier, result))
+    def slo(self, tier: str, result: str, klass: str = "default") -> Any:
+        """The ``kvrouter_slo_requests`` child of (SLO tier label, result, service class)."""
+        key = (tier, result, klass)
+        child = self._slo.get(key)
         if child is None:
-            child = self._slo[tier, result] = self._m.slo_requests.labels(self.model, tier, result)
+            child = self._slo[key] = self._m.slo_requests.labels(self.model, tier, result, klass)
         return child
 
     def outcome(self, replica: object, outcome: str) -> Any:
