@@ -51,6 +51,8 @@ def one(ttft: float, prefill: float = 0.1, replica: str = "r0") -> Assessment:
 
 
 def queue(**kw: object) -> AdmissionQueue:
+    """A queue that may hold requests up to their deadlines (unless ``max_hold_s`` given)."""
+    kw.setdefault("max_hold_s", 60.0)
     return AdmissionQueue(AdmissionSettings(**kw), SLO)  # type: ignore[arg-type]
 
 
@@ -101,6 +103,15 @@ def test_shed_at_once_with_retry_after_when_the_slo_cannot_be_met() -> None:
     assert len(q) == 1
     v = q.judge(q.ticket("h2", DEFAULT, "a", 100, now), one(1.8, prefill=0.5), now)
     assert v.action == SHED and v.reason == DEADLINE
+
+
+def test_nothing_is_held_long() -> None:
+    q = queue(max_hold_s=0.5)
+    # a replica fits a default request at 1 s predicted; 1.7 s: 0.7 s to wait, over 0.5 s
+    v = q.judge(q.ticket("x", DEFAULT, "a", 10, 0.0), one(1.7), 0.0)
+    assert v.action == SHED and v.reason == DEADLINE
+    assert q.judge(q.ticket("y", DEFAULT, "a", 10, 0.0), one(1.3), 0.0).action == HOLD
+    assert q.expire(0.4) == [] and [t.key for t in q.expire(0.6)] == ["y"]
 
 
 def test_queue_bound() -> None:

@@ -83,7 +83,11 @@ async def impossible() -> AsyncIterator[Door]:
 async def protective() -> AsyncIterator[Door]:
     """Priority requests in flight leave no decode-stall headroom to default ones, whose
     TTFT target is long: a default request is held while a priority one runs."""
-    knobs = {"stall_share": [1e-9, 0.5, 0.5], "max_stall": [float("inf"), 1e-9, 1e-9]}
+    knobs = {
+        "stall_share": [1e-9, 0.5, 0.5],
+        "max_stall": [float("inf"), 1e-9, 1e-9],
+        "max_hold_s": 60.0,
+    }
     async for d in _door(knobs, {"ttft_s": 100.0}):
         yield d
 

@@ -20,15 +20,17 @@ queue, interleaved decode; see router/core/policies.py ``Ours``) for each eligib
   without limit). Every dispatched prefill (any class) is counted.
 * **shed** at once (reason ``deadline``) when it cannot meet its budget even if it waits:
   the fleet's best predicted TTFT plus the prefill work held ahead of it (same or better
-  class) spread over the eligible replicas exceeds the budget; or (``queue_full``) when the
-  queue holds ``max_queue`` requests. A shed carries a ``retry_after_s`` hint.
+  class) spread over the eligible replicas exceeds the budget, or it would wait more than
+  ``max_hold_s`` for a replica to fit it; or (``queue_full``) when the queue holds
+  ``max_queue`` requests. A shed carries a ``retry_after_s`` hint.
 * else **hold** it. :meth:`AdmissionQueue.ready` hands back held requests that fit, best
   first: by class (priority, default, flex), then the tenant that has been served the fewest
   uncached prompt tokens (a virtual token counter: a tenant that comes back after idling is
   lifted to the lowest counter among the waiting tenants, so it cannot bank credit), then
   the least urgency ``slack / budget ** urgency_power`` (slack: time left to the deadline
   after the request's own predicted prefill). :meth:`AdmissionQueue.expire` sheds held
-  requests whose slack ran out (never held to miss anyway); :meth:`AdmissionQueue.cancel`
+  requests whose slack ran out or that were held ``max_hold_s`` (never held to miss
+  anyway, nor for long); :meth:`AdmissionQueue.cancel`
   removes one whose client left.
 
 A new request is held, not admitted, while same-or-better-class requests wait, so it
@@ -118,6 +120,7 @@ class AdmissionSettings:
     stall_share: Triple = (0.1, 0.5, 0.5)
     urgency_power: float = 1.0
     max_queue: int = 1024
+    max_hold_s: float = 0.5
     scan: int = 8  # held requests examined per ``ready`` call, best first
 
     def __post_init__(self) -> None:
@@ -130,8 +133,8 @@ class AdmissionSettings:
             raise ValueError("admission headroom is a share of the TTFT budget: at most 1")
         if any(not 0 < v <= 1 for v in self.stall_share):
             raise ValueError("admission stall_share values must be in (0, 1]")
-        if self.stall_backlog_s < 0 or self.urgency_power < 0:
-            raise ValueError("admission stall_backlog_s and urgency_power must be >= 0")
+        if self.stall_backlog_s < 0 or self.urgency_power < 0 or self.max_hold_s < 0:
+            raise ValueError("admission stall_backlog_s, urgency_power, max_hold_s must be >= 0")
         if self.max_queue < 0 or self.scan < 1:
             raise ValueError("admission max_queue must be >= 0 and scan >= 1")
 
@@ -363,8 +366,8 @@ class AdmissionQueue:
             return Verdict(SHED, reason=DEADLINE, retry_after_s=1.0)
         best = float(a.ttft_s[a.eligible].min())
         expected = best + self._ahead_s(c, ticket.tenant) / eligible
-        if expected > ticket.budget_s:
-            wait = expected - s.headroom[c] * ticket.budget_s
+        wait = expected - s.headroom[c] * ticket.budget_s  # until a replica fits it
+        if expected > ticket.budget_s or wait > s.max_hold_s:
             return Verdict(SHED, reason=DEADLINE, retry_after_s=_retry(wait))
         if len(self._held) >= s.max_queue or ticket.key in self._held:
             return Verdict(SHED, reason=QUEUE_FULL, retry_after_s=_retry(expected))
@@ -412,8 +415,14 @@ class AdmissionQueue:
 
     def expire(self, now: float) -> list[Ticket]:
         """Remove and return the held requests that can no longer meet their deadline (now
-        plus their own prefill is past it): shed them, reason ``deadline``."""
-        late = [k for k, h in self._held.items() if now + h.prefill_s > h.ticket.deadline]
+        plus their own prefill is past it) or were held ``max_hold_s``: shed them, reason
+        ``deadline``."""
+        hold = self.settings.max_hold_s
+        late = [
+            k
+            for k, h in self._held.items()
+            if now + h.prefill_s > h.ticket.deadline or now - h.ticket.arrived > hold
+        ]
         out = []
         for k in late:
             t = self._remove(k)

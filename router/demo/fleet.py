@@ -33,6 +33,7 @@ class FleetSpec:
     redis_url: str | None = None
     key_prefix: str = "kvr-demo"
     record_path: str | None = None
+    time_scale: float = 1.0  # the mocks' (kvrouter mock-replica --time-scale)
 
 
 @dataclass
@@ -95,6 +96,7 @@ class Fleet:
                     "--replica", name, "--profile", s.profile, "--block-size", str(s.block_size),
                     "--kv-blocks", str(s.kv_blocks), "--zmq", f"tcp://127.0.0.1:{zmq}",
                     "--replay", f"tcp://127.0.0.1:{replay}", "--log-level", "warning",
+                    "--time-scale", str(s.time_scale),
                 )  # fmt: skip
                 rep = {"url": f"http://127.0.0.1:{port}", "model": MODEL, "name": name,
                        "rack": f"rack-{i // 9}"}  # fmt: skip

@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import xxhash
-from prometheus_client import Gauge
 
 from router.core.admission import (
     ADMIT,
@@ -50,14 +49,11 @@ from router.core.errors import KVRouterError, NoReplicaAvailable, Overloaded
 from router.core.policies import Ours
 from router.service.body_memo import Admitted
 from router.service.gate import presented_key
-from router.service.loop_metrics import LoopCounter, LoopHistogram
 from router.service.state import Pending, Routed, RouterState
 from router.tokenize.pipeline import ProcessedPrompt
 
 TICK_S = 0.01
 """How often held requests are looked at while any is held (also on every completion)."""
-
-_WAIT = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 def _keys(text: str | None) -> frozenset[str]:
@@ -83,33 +79,11 @@ class Admission:
         self._priority_keys = _keys(server.priority_keys)
         self._flex_keys = _keys(server.flex_keys)
         self._models: dict[str, _Model | None] = {}
-        r = state.metrics.registry
-        self.decisions = LoopCounter(
-            "kvrouter_admission_decisions",
-            "Admission decisions by model, class and action (admit, hold, shed)",
-            ["model", "class", "action"],
-            registry=r,
-        )
-        self.shed = LoopCounter(
-            "kvrouter_admission_shed",
-            "Requests refused by SLO-aware admission, by reason (deadline: it could not "
-            "meet its TTFT target; queue_full) and class; answered 429 with Retry-After",
-            ["model", "reason", "class"],
-            registry=r,
-        )
-        self.wait = LoopHistogram(
-            "kvrouter_admission_wait_seconds",
-            "Time a request spent held by admission before it was sent (0: at once)",
-            ["model", "class"],
-            buckets=_WAIT,
-            registry=r,
-        )
-        self.depth = Gauge(
-            "kvrouter_admission_held",
-            "Requests held by admission now (queue depth), by model and class",
-            ["model", "class"],
-            registry=r,
-        )
+        m = state.metrics
+        self.decisions = m.admission_decisions
+        self.shed = m.admission_shed
+        self.wait = m.admission_wait
+        self.depth = m.admission_held
 
     # ------------------------------------------------------------------ per request
 
