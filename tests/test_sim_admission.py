@@ -4,8 +4,6 @@ the figures ``--json`` adds, and ``sim tune --tune admission``."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,24 +15,19 @@ from router.cli import main
 FLEET = ["--replicas", "2", "--block-size", "64", "--kv-blocks", "4096", "--limit", "200"]
 
 
-def kvrouter(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=120
-    )
-
-
-def replay(*extra: str) -> dict[str, Any]:
-    p = kvrouter("sim", "replay", "mooncake", *FLEET, "--json", "--no-progress", *extra)
-    assert p.returncode == 0, p.stderr
-    doc: dict[str, Any] = json.loads(p.stdout)
+def replay(capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, Any]:
+    """``kvrouter sim replay ... --json`` in this process (no interpreter start-up)."""
+    args = ["sim", "replay", "mooncake", *FLEET, "--json", "--no-progress", *extra]
+    assert main(args) == 0, capsys.readouterr().err
+    doc: dict[str, Any] = json.loads(capsys.readouterr().out)
     return doc
 
 
-def test_overload_with_and_without_admission() -> None:
+def test_overload_with_and_without_admission(capsys: pytest.CaptureFixture[str]) -> None:
     # 2 replicas at 2x: the load of 8 replicas at 8x
     flags = ("--speedup", "2", "--priority-share", "0.2", "--flex-share", "0.1")
-    off = replay(*flags, "--tenants", "3")
-    on = replay(*flags, "--tenants", "3", "--admission", "slo")
+    off = replay(capsys, *flags, "--tenants", "3")
+    on = replay(capsys, *flags, "--tenants", "3", "--admission", "slo")
     for doc in (off, on):
         assert set(doc["slo_attainment"]) == {"priority", "default", "flex"}
         assert doc["requests_by_class"]["priority"] > 0 and doc["requests_by_class"]["flex"] > 0
@@ -64,14 +57,17 @@ def test_admission_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None
         main(["sim", "replay", "mooncake", "--admission", "maybe"])
 
 
-def test_tune_admission_writes_a_service_table(tmp_path: Path) -> None:
+def test_tune_admission_writes_a_service_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "admission.toml"
-    p = kvrouter(
+    args = [
         "sim", "tune", "mooncake", *FLEET[:-2], "--limit", "80", "--tune", "admission",
         "--priority-share", "0.3", "--speedups", "2", "--out", str(out), "--budget", "3",
-    )  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    doc = json.loads(p.stdout)
+        "--jobs", "1",
+    ]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    doc = json.loads(capsys.readouterr().out)
     assert doc["tune"] == "admission" and doc["settings_tried"] == 3
     assert 0 <= doc["goodput"] <= 1 and doc["cases"][0]["speedup"] == 2
     table = tomllib.loads(out.read_text())["models"]["sim-model"]["admission"]
