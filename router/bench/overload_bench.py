@@ -161,6 +161,7 @@ def summarize(results: list[Result], slo: SloTargets, prompts: list[int]) -> dic
     refused = [r for r in results if r.status in (429, 503)]
     met = [0, 0, 0]
     total = [0, 0, 0]
+    misses = {name: {"ttft": 0, "tpot": 0} for name in CLASS_NAMES}
     tpots = []
     for r, n in zip(results, prompts, strict=True):
         total[r.klass] += 1
@@ -170,8 +171,12 @@ def summarize(results: list[Result], slo: SloTargets, prompts: list[int]) -> dic
         if tpot is not None:
             tpots.append(tpot)
         ok = r.ttft_s <= slo.ttft_target_s(n) * factor[r.klass]
-        if ok and (tpot is None or tpot <= slo.tpot_s):
+        tpot_ok = tpot is None or tpot <= slo.tpot_s
+        if ok and tpot_ok:
             met[r.klass] += 1
+        missed = misses[CLASS_NAMES[r.klass]]
+        missed["ttft"] += not ok
+        missed["tpot"] += not tpot_ok
     lost = [r for r in results if r not in served and r not in refused]
     return {
         "requests": len(results),
@@ -185,8 +190,11 @@ def summarize(results: list[Result], slo: SloTargets, prompts: list[int]) -> dic
             name: (round(m / t, 4) if t else None)
             for name, m, t in zip(CLASS_NAMES, met, total, strict=True)
         },
+        "served_missed": misses,  # served requests that missed TTFT / TPOT, by class
         "refusal_latency_ms_p50": _pct([r.elapsed_s for r in refused], 50),
+        "refusal_latency_ms_p90": _pct([r.elapsed_s for r in refused], 90),
         "refusal_latency_ms_p99": _pct([r.elapsed_s for r in refused], 99),
+        "refusal_latency_ms_max": _pct([r.elapsed_s for r in refused], 100),
         "ttft_ms_p50": _pct([r.ttft_s for r in served], 50),
         "ttft_ms_p90": _pct([r.ttft_s for r in served], 90),
         "tpot_ms_p90": _pct(tpots, 90),

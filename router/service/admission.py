@@ -52,8 +52,9 @@ from router.service.gate import presented_key
 from router.service.state import Pending, Routed, RouterState
 from router.tokenize.pipeline import ProcessedPrompt
 
-TICK_S = 0.01
-"""How often held requests are looked at while any is held (also on every completion)."""
+TICK_S = 0.05
+"""How often held requests are looked at while any is held, besides on every completion
+(each look re-routes up to ``scan`` of them: not free)."""
 
 
 def _keys(text: str | None) -> frozenset[str]:
