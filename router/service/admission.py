@@ -95,9 +95,11 @@ class Admission:
         if name in self._models:
             return self._models[name]
         settings = self.state.settings.model(name).admission
-        m = None
         engine = self.state.engines.get(name)
-        if settings is not None and engine is not None:
+        if engine is None:  # not routed (yet): decided once it is
+            return None
+        m = None
+        if settings is not None:
             queue = AdmissionQueue(settings, self.state.slos[name])
             cost = getattr(engine.policy, "cost", None)
             m = _Model(name, queue, predictor_for(engine.policy, cost))
