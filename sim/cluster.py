@@ -213,7 +213,9 @@ class Simulation:
             )
             self.routers.append(_Router(engine, random.Random(config.seed * 1000 + r), queue))
         self._predictor = predictor_for(self.routers[0].engine.policy, p.cost)
-        self._weights = (config.admission or AdmissionSettings()).decode_weight
+        # classes weigh decodes differently only under admission (as in the service)
+        adm = config.admission
+        self._weights = adm.decode_weight if adm is not None else (1.0, 1.0, 1.0)
         # Policies that ignore the prefix index (round robin, random, least loaded): the
         # engines' KV events are not applied to it, as a peer's simulator does not run an
         # indexer for them either. Nothing the simulation reports reads the index.

@@ -114,7 +114,7 @@ class AdmissionSettings:
 
     headroom: Triple = (1.0, 0.5, 0.3)
     ttft_factor: Triple = (1.0, 1.0, 4.0)
-    decode_weight: Triple = (100.0, 1.0, 1.0)
+    decode_weight: Triple = (10.0, 1.0, 1.0)
     max_stall: Triple = (math.inf, 3.0, 3.0)
     stall_backlog_s: float = 0.1
     stall_share: Triple = (0.1, 0.5, 0.5)
