@@ -42,7 +42,12 @@ def _hash(value: Any) -> int:
 def _hashes(value: Any) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)):
         raise _Bad("block_hashes is not a list")
+    if set(map(type, value)) <= _INT:  # all plain ints (checked in C): nothing to convert
+        return tuple(value)
     return tuple(_hash(v) for v in value)
+
+
+_INT = frozenset({int})
 
 
 def _opt_int(value: Any, name: str) -> int | None:
@@ -81,16 +86,22 @@ def _fields(raw: Any, names: tuple[str, ...], what: str) -> tuple[str, dict[str,
 
 
 def _event(raw: Any) -> EngineEvent:
-    tag = ""
-    names: tuple[str, ...] = STORED_FIELDS
-    if isinstance(raw, (list, tuple)) and raw:
-        tag = _opt_str(raw[0], "tag") or ""
-    elif isinstance(raw, dict):
-        t = raw.get("type", raw.get(b"type"))
-        tag = _opt_str(t, "type") or ""
-    if tag == "BlockRemoved":
-        names = REMOVED_FIELDS
-    tag, f = _fields(raw, names, "event")
+    f: dict[Any, Any]
+    if isinstance(raw, dict) and bytes not in set(map(type, raw)):
+        # the common map (keys already str): read it in place, its extra "type" key unread
+        tag = _opt_str(raw.get("type"), "type") or ""
+        f = raw
+    else:
+        tag = ""
+        names: tuple[str, ...] = STORED_FIELDS
+        if isinstance(raw, (list, tuple)) and raw:
+            tag = _opt_str(raw[0], "tag") or ""
+        elif isinstance(raw, dict):
+            t = raw.get("type", raw.get(b"type"))
+            tag = _opt_str(t, "type") or ""
+        if tag == "BlockRemoved":
+            names = REMOVED_FIELDS
+        tag, f = _fields(raw, names, "event")
     if tag == "BlockStored":
         token_ids = f.get("token_ids")
         if not isinstance(token_ids, (list, tuple)):
