@@ -105,7 +105,7 @@ _MAP_KEYS = frozenset({"type", *STORED_FIELDS, "cache_salt"})
 
 def _event(raw: Any) -> EngineEvent:
     f: dict[Any, Any]
-    if isinstance(raw, dict) and (raw.keys() <= _MAP_KEYS or bytes not in set(map(type, raw))):
+    if isinstance(raw, dict) and (_MAP_KEYS.issuperset(raw) or bytes not in set(map(type, raw))):
         # the common map (keys already str): read it in place, its extra "type" key unread
         tag = _opt_str(raw.get("type"), "type") or ""
         f = raw

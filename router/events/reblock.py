@@ -126,6 +126,7 @@ class BlockKeys:
 
 
 NO_KEYS = BlockKeys()
+_NO_ITEMS: set[MmItem] = set()  # shared, never added to: events without extra keys
 
 
 def read_extra_keys(entry: Any, lora_name: str | None) -> BlockKeys:
@@ -268,7 +269,7 @@ class Reblocker:
         tokens = ev.token_ids[first_new * be : usable * be]
         run = tail0 + tokens
         base = end0 - len(tail0)  # absolute position of run[0], a router block boundary
-        items = set(tail_mm0)
+        items: set[MmItem] = set(tail_mm0) if tail_mm0 or keys is not None else _NO_ITEMS
         for i, entry in enumerate(keys[first_new:usable] if keys is not None else ()):
             block_start = end0 + i * be
             for ident, offset in entry.mm:
@@ -289,7 +290,7 @@ class Reblocker:
             start_blk = (end - be - base) // bs
             chain = hashes[done - 1] if done else chain0
             tail = run[done * bs : end - base]
-            tail_mm = _items_within(items, base + done * bs, end)
+            tail_mm = _items_within(items, base + done * bs, end) if items else ()
             if kind is Kind.KV:
                 covers = hashes[start_blk:done]
             elif not tail and done:
@@ -298,9 +299,10 @@ class Reblocker:
                 covers = []
                 self.stats.unaligned_state += 1
             h = ev.block_hashes[first_new + i]
-            block = self._blocks.get((group, h))
+            # (the first is not known: the loop over known blocks stopped there)
+            block = self._blocks.get((group, h)) if i else None
             if block is None:
-                block = _Block(prev_hash, end, chain, tail, list(covers), bit, kind, tail_mm)
+                block = _Block(prev_hash, end, chain, tail, covers, bit, kind, tail_mm)
                 self._blocks[(group, h)] = block
                 if kind is Kind.KV:
                     self._kv_by_hash[h] = block
