@@ -265,7 +265,6 @@ class Reblocker:
                 return self._emit_stored(emitted, tier, kind)
             end0, chain0, tail0, tail_mm0 = parent.end, parent.chain, parent.tail, parent.tail_mm
         bs = self.block_size
-        count = usable - first_new
         tokens = ev.token_ids[first_new * be : usable * be]
         run = tail0 + tokens
         base = end0 - len(tail0)  # absolute position of run[0], a router block boundary
@@ -284,28 +283,28 @@ class Reblocker:
         if tail0 and hashes and kind is Kind.KV:
             self._extend_ancestors(group, parent_hash, base, hashes[0])
         prev_hash = parent_hash
-        for i in range(count):
+        blocks, kv_by_hash, is_kv = self._blocks, self._kv_by_hash, kind is Kind.KV
+        for i, h in enumerate(ev.block_hashes[first_new:usable]):
             end = end0 + (i + 1) * be
             done = (end - base) // bs  # complete router blocks of run up to ``end``
             start_blk = (end - be - base) // bs
             chain = hashes[done - 1] if done else chain0
             tail = run[done * bs : end - base]
             tail_mm = _items_within(items, base + done * bs, end) if items else ()
-            if kind is Kind.KV:
+            if is_kv:
                 covers = hashes[start_blk:done]
             elif not tail and done:
                 covers = [chain]
             else:
                 covers = []
                 self.stats.unaligned_state += 1
-            h = ev.block_hashes[first_new + i]
             # (the first is not known: the loop over known blocks stopped there)
-            block = self._blocks.get((group, h)) if i else None
+            block = blocks.get((group, h)) if i else None
             if block is None:
                 block = _Block(prev_hash, end, chain, tail, covers, bit, kind, tail_mm)
-                self._blocks[(group, h)] = block
-                if kind is Kind.KV:
-                    self._kv_by_hash[h] = block
+                blocks[(group, h)] = block
+                if is_kv:
+                    kv_by_hash[h] = block
                 elif self.on_checkpoint is not None:
                     self.on_checkpoint(end)
                 emitted.extend(covers)
