@@ -9,6 +9,7 @@ import importlib
 _BENCHES: tuple[str, ...] = (
     "router.bench.hash_bench",
     "router.bench.index_bench",
+    "router.bench.ingest_bench",
     "router.bench.store_bench",
     "router.bench.tokenize_bench",
     "router.bench.proxy_bench",
