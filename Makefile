@@ -48,6 +48,7 @@ uncompile:
 bench: $(STAMP)
 	$(BIN)/kvrouter bench hash --tokens 1000000 --block-size 64
 	$(BIN)/kvrouter bench index --replicas 64 --blocks 10000 --shared 2000 --query 2000
+	$(BIN)/kvrouter bench ingest
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

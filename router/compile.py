@@ -50,6 +50,7 @@ TESTS = (
     "tests/test_hashing.py",
     "tests/test_index.py",
     "tests/test_policies.py",
+    "tests/test_admission.py",
     "tests/test_routing_columns.py",
     "tests/test_pd_core.py",  # prefill/decode disaggregation's decision
     "tests/test_load_peer.py",

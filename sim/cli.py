@@ -88,6 +88,19 @@ def _add_fleet_args(p: argparse.ArgumentParser, traces: bool = False) -> None:
     )
     p.add_argument("--slo-ttft-ms", type=float, help="one TTFT target for every prompt")
     p.add_argument("--slo-tpot-ms", type=float, help="the TPOT target (default 100 ms)")
+    p.add_argument(
+        "--admission",
+        choices=("off", "slo"),
+        default="off",
+        help="SLO-aware admission at the router (router/core/admission.py)",
+    )
+    p.add_argument(
+        "--admission-params",
+        help="JSON admission knobs, e.g. '{\"headroom\": [1, 0.5, 0.3]}' (implies slo)",
+    )
+    p.add_argument("--priority-share", type=float, default=0.0, help="share of priority traffic")
+    p.add_argument("--flex-share", type=float, default=0.0, help="share of flex traffic")
+    p.add_argument("--tenants", type=int, default=1, help="tenants (API keys) sessions spread over")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--pd",
@@ -151,7 +164,38 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         pd=args.pd,
         prefill_share=args.prefill_share,
         pd_params=pd_params,
+        admission=_admission(args),
+        priority_share=args.priority_share,
+        flex_share=args.flex_share,
+        tenants=args.tenants,
     )
+
+
+def _admission(args: argparse.Namespace) -> Any:
+    """The run's admission settings (None: off); checks the class shares and tenants."""
+    from router.core.admission import AdmissionSettings
+
+    p, f = args.priority_share, args.flex_share
+    if not (0 <= p <= 1 and 0 <= f <= 1 and p + f <= 1):
+        raise KVRouterError("--priority-share and --flex-share must be in [0, 1], sum <= 1")
+    if args.tenants < 1:
+        raise KVRouterError("--tenants must be at least 1")
+    if args.admission_params:
+        try:
+            knobs = json.loads(args.admission_params)
+        except json.JSONDecodeError as exc:
+            raise KVRouterError(f"--admission-params is not JSON: {exc}") from None
+        if not isinstance(knobs, dict):
+            raise KVRouterError("--admission-params must be a JSON object")
+        try:
+            return AdmissionSettings(**{k: _tuple(v) for k, v in knobs.items()})
+        except TypeError as exc:
+            raise KVRouterError(f"--admission-params: {exc}") from None
+    return AdmissionSettings() if args.admission == "slo" else None
+
+
+def _tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _slo(args: argparse.Namespace) -> Any:
@@ -204,6 +248,10 @@ def _settings(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         "racks": config.racks,
         "pd": config.pd,
         "prefill_share": config.prefill_share,
+        "admission": asdict(config.admission) if config.admission is not None else None,
+        "priority_share": config.priority_share,
+        "flex_share": config.flex_share,
+        "tenants": config.tenants,
     }
 
 
@@ -339,6 +387,8 @@ def _tune(args: argparse.Namespace) -> int:
     speedups = [float(s) for s in args.speedups.split(",") if s]
     if not speedups or min(speedups) <= 0:
         raise KVRouterError("--speedups must list positive numbers")
+    if args.tune == "admission":
+        return _tune_admission(args, config, workloads, speedups)
     t0 = time.perf_counter()
     best, trials = tune(
         workloads,
@@ -402,6 +452,45 @@ def _tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune_admission(
+    args: argparse.Namespace, config: Any, workloads: list[Any], speedups: list[float]
+) -> int:
+    from sim.runner import default_jobs
+    from sim.tune_admission import admission_toml, tune_admission
+
+    t0 = time.perf_counter()
+    trials = tune_admission(
+        workloads,
+        config,
+        speedups=speedups,
+        min_priority=args.min_priority,
+        jobs=args.jobs or default_jobs(),
+        budget=args.budget,
+        log=_log,
+    )
+    best = trials[0]
+    header = (
+        f"written by kvrouter sim tune --tune admission on {', '.join(args.trace)}, "
+        f"profile {config.profile.name}, {config.replicas} replicas, speed-ups {speedups}, "
+        f"priority share {config.priority_share}\nobjective: mean goodput {best.goodput} "
+        f"with priority attainment >= {args.min_priority} (worst case {best.priority})"
+    )
+    Path(args.out).write_text(admission_toml(args.model, best.settings, header))
+    result = {
+        "out": args.out,
+        "tune": "admission",
+        "best": asdict(best.settings),
+        "goodput": best.goodput,
+        "priority_attainment_min": best.priority,
+        "meets_min_priority": best.priority >= args.min_priority,
+        "cases": list(best.cases),
+        "settings_tried": len(trials),
+        "wall_s": round(time.perf_counter() - t0, 3),
+    }
+    sys.stdout.write(json.dumps(result, default=str) + "\n")
+    return 0
+
+
 def _profiles(args: argparse.Namespace) -> int:
     from sim.profiles import load_profile, profile_names
 
@@ -449,6 +538,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=("goodput", "ttft"),
         default="goodput",
         help="maximise goodput under the SLO (default) or minimise p90 TTFT",
+    )
+    tune_p.add_argument(
+        "--tune",
+        choices=("policy", "admission"),
+        default="policy",
+        help="what to search: ours' coefficients (default) or the admission knobs",
+    )
+    tune_p.add_argument(
+        "--min-priority",
+        type=float,
+        default=0.99,
+        help="--tune admission: the priority class's SLO attainment to keep in every case",
     )
     tune_p.add_argument("--out", required=True, help="where to write the tuned settings")
     tune_p.add_argument("--speedups", default="1,4", help="arrival speed-ups to optimise over")

@@ -21,17 +21,33 @@ decode replica. TTFT is the decode replica's first token.
 from __future__ import annotations
 
 import random
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.core.admission import (
+    ADMIT,
+    DEFAULT,
+    FLEX,
+    PRIORITY,
+    SHED,
+    AdmissionQueue,
+    AdmissionSettings,
+    Assessment,
+    Ticket,
+    assess,
+    predictor_for,
+    restrict,
+)
 from router.core.disagg import Disaggregator, LinkModel, PdKnobs, TransferSizes
+from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker, summed_load
 from router.core.policies import make_policy, uses_prefix_index
 from router.core.routing import BusyThresholds, RoutingEngine, RoutingSettings
 from router.core.slo import SloTargets
-from router.core.types import EventBatch, ReplicaKey, RouteRequest
+from router.core.types import Decision, EventBatch, ReplicaKey, RouteRequest
 from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, Rejected
 from sim.events import ARRIVAL, DELIVER, ENGINE, TRANSFER, EventQueue
 from sim.metrics import RequestRecord, summarize
@@ -73,6 +89,13 @@ class ClusterConfig:
     prefill_share: float = 0.25
     pd_params: Mapping[str, Any] | None = None
     link: LinkModel = field(default_factory=LinkModel)
+    # SLO-aware admission (router/core/admission.py; None: off), the shares of requests in
+    # the priority and flex classes (the rest: default) and the number of tenants; a
+    # session's requests share a class and a tenant
+    admission: AdmissionSettings | None = None
+    priority_share: float = 0.0
+    flex_share: float = 0.0
+    tenants: int = 1
 
     def capacity_blocks(self) -> int:
         """The cluster's total GPU KV capacity, in blocks."""
@@ -119,11 +142,35 @@ def policy_params_for(
 
 
 class _Router:
-    __slots__ = ("engine", "rng")
+    __slots__ = ("admission", "engine", "rng")
 
-    def __init__(self, engine: RoutingEngine, rng: random.Random) -> None:
+    def __init__(
+        self, engine: RoutingEngine, rng: random.Random, admission: AdmissionQueue | None
+    ) -> None:
         self.engine = engine
         self.rng = rng
+        self.admission = admission
+
+
+def _unit(text: str, salt: int) -> float:
+    """A stable number in [0, 1) for ``text`` (class and tenant draws, reproducible)."""
+    return zlib.crc32(f"{salt}:{text}".encode()) / 2**32
+
+
+def class_and_tenant(req: SimRequest, config: ClusterConfig) -> tuple[int, str]:
+    """A request's service class (by ``priority_share`` / ``flex_share``) and tenant, drawn
+    per session (per request without one) from the run's seed."""
+    who = req.session_id or req.request_id
+    u = _unit(who, config.seed)
+    if u < config.priority_share:
+        klass = PRIORITY
+    elif u < config.priority_share + config.flex_share:
+        klass = FLEX
+    else:
+        klass = DEFAULT
+    tenants = max(1, config.tenants)
+    tenant = f"t{int(_unit(who, config.seed + 7919) * tenants)}" if tenants > 1 else "t0"
+    return klass, tenant
 
 
 class Simulation:
@@ -177,7 +224,16 @@ class Simulation:
                 index.add_replica(k)
                 load.add_replica(k)
             engine = RoutingEngine(index, load, make_policy(policy, params), settings)
-            self.routers.append(_Router(engine, random.Random(config.seed * 1000 + r)))
+            queue = (
+                AdmissionQueue(config.admission, config.slo)
+                if config.admission is not None
+                else None
+            )
+            self.routers.append(_Router(engine, random.Random(config.seed * 1000 + r), queue))
+        self._predictor = predictor_for(self.routers[0].engine.policy, p.cost)
+        # classes weigh decodes differently only under admission (as in the service)
+        adm = config.admission
+        self._weights = adm.decode_weight if adm is not None else (1.0, 1.0, 1.0)
         # Policies that ignore the prefix index (round robin, random, least loaded): the
         # engines' KV events are not applied to it, as a peer's simulator does not run an
         # indexer for them either. Nothing the simulation reports reads the index.
@@ -213,6 +269,8 @@ class Simulation:
         # prefill leg id -> (request, its RouteRequest, prefill engine slot)
         self._legs: dict[str, tuple[SimRequest, RouteRequest, int]] = {}
         self._from_prefill: set[str] = set()  # requests whose hit their prefill leg reported
+        self._shed_count = 0
+        self._pumping = False
 
     # ------------------------------------------------------------------ running
 
@@ -246,6 +304,11 @@ class Simulation:
             else:
                 for router in self.routers:
                     router.engine.index.apply(payload)
+        for router in self.routers:  # nothing held is left unanswered
+            if router.admission is not None:
+                for late in router.admission.expire(float("inf")):
+                    self._records[str(late.key)].rejected = True
+                    self._shed_count += 1
         if progress is not None:
             progress(total, total)
         summary = summarize(
@@ -253,8 +316,11 @@ class Simulation:
             [e.busy_s for e in engines],
             [str(k) for k in self.keys],
             self.config.slo,
+            (self.config.admission or AdmissionSettings()).ttft_factor,
         )
         summary = {"policy": self.policy_name, **summary, **self.pd_stats.summary()}
+        summary["admission"] = "slo" if self.config.admission is not None else "off"
+        summary["shed"] = self._shed_count
         ttft = [
             rec.first - rec.arrival
             for rec in self._records.values()
@@ -287,41 +353,85 @@ class Simulation:
             req.session_id,
             req.output_tokens,
         )
-        self._router_of[req.request_id] = router
-        if self.pd is not None:
+        klass, tenant = class_and_tenant(req, self.config)
+        record = RequestRecord(req.request_id, now, req.prompt_tokens, -1)
+        record.klass = klass
+        self._records[req.request_id] = record
+        if self.pd is not None:  # disaggregated serving decides without admission
+            self._router_of[req.request_id] = router
             plan = self.pd.plan(engine, rr, self.keys, now, router.rng)
             self.pd_stats.requests += 1
-            if plan.prefill is not None:
-                self.pd_stats.remote += 1
-                leg = self.pd.prefill_request(rr)
-                engine.dispatched(leg, plan.prefill, now)
-                i = self._slot[plan.prefill.replica]
-                self._records[req.request_id] = RequestRecord(
-                    req.request_id, now, req.prompt_tokens, i
-                )
-                self._legs[leg.request_id] = (req, rr, i)
-                self._from_prefill.add(req.request_id)
-                ereq = EngineRequest(leg.request_id, req.block_hashes, req.prompt_tokens, 1)
-                self._submit(i, ereq, now)
+            if plan.prefill is None:
+                assert plan.local is not None
+                self._dispatch(router, req, rr, plan.local, now, klass)
                 return
-            assert plan.local is not None
-            decision = plan.local
-        else:
-            decision = engine.route(rr, self.keys, now, router.rng)
-        engine.dispatched(rr, decision, now)
+            self.pd_stats.remote += 1
+            leg = self.pd.prefill_request(rr)
+            engine.dispatched(leg, plan.prefill, now)
+            i = self._slot[plan.prefill.replica]
+            record.replica = i
+            record.sent = now
+            self._legs[leg.request_id] = (req, rr, i)
+            self._from_prefill.add(req.request_id)
+            self._submit(
+                i, EngineRequest(leg.request_id, req.block_hashes, req.prompt_tokens, 1), now
+            )
+            return
+        queue = router.admission
+        if queue is None:
+            self._commit(router, req, rr, engine.candidates(rr, self.keys, now), now, klass)
+            return
+        self._pump(router, now)
+        candidates = engine.candidates(rr, self.keys, now)
+        a = assess(self._predictor, rr, candidates, now)
+        ticket = queue.ticket(req.request_id, klass, tenant, req.prompt_tokens, now, (req, rr))
+        verdict = queue.judge(ticket, a, now)
+        if verdict.action == ADMIT:
+            assert verdict.allowed is not None
+            d = self._commit(router, req, rr, restrict(candidates, verdict.allowed), now, klass)
+            uncached = req.prompt_tokens - d.usable_tokens
+            queue.dispatched(ticket, a, d.replica, uncached, req.output_tokens)
+        elif verdict.action == SHED:
+            self._shed(req.request_id, now)
+
+    def _commit(
+        self,
+        router: _Router,
+        req: SimRequest,
+        rr: RouteRequest,
+        candidates: Any,
+        now: float,
+        klass: int = DEFAULT,
+    ) -> Decision:
+        """Route among ``candidates`` and send the request to the chosen engine."""
+        decision = router.engine.choose(rr, candidates, now, router.rng)
+        return self._dispatch(router, req, rr, decision, now, klass)
+
+    def _dispatch(
+        self,
+        router: _Router,
+        req: SimRequest,
+        rr: RouteRequest,
+        decision: Decision,
+        now: float,
+        klass: int = DEFAULT,
+    ) -> Decision:
+        """Send the request to the engine ``decision`` chose."""
+        router.engine.dispatched(rr, decision, now, class_weight=self._weights[klass])
         i = self._slot[decision.replica]
-        self._records[req.request_id] = RequestRecord(req.request_id, now, req.prompt_tokens, i)
-        self._submit(
-            i,
-            EngineRequest(
-                req.request_id,
-                req.block_hashes,
-                req.prompt_tokens,
-                req.output_tokens,
-                req.output_block_hashes,
-            ),
-            now,
+        rec = self._records[req.request_id]
+        rec.replica = i
+        rec.sent = now
+        self._router_of[req.request_id] = router
+        ereq = EngineRequest(
+            req.request_id,
+            req.block_hashes,
+            req.prompt_tokens,
+            req.output_tokens,
+            req.output_block_hashes,
         )
+        self._submit(i, ereq, now)
+        return decision
 
     def _submit(self, i: int, ereq: EngineRequest, now: float) -> None:
         eng = self.engines[i]
@@ -329,6 +439,47 @@ class Simulation:
         if self.config.record_load:
             self._series[i].append((now, eng.pending()))
         self._after_engine(i, now, eng.advance(now))
+
+    def _shed(self, request_id: str, now: float) -> None:
+        self._records[request_id].rejected = True
+        self._shed_count += 1
+        self._follow_ups(request_id, now)
+
+    def _pump(self, router: _Router, now: float) -> None:
+        """Shed the held requests that can no longer make it; dispatch those that fit."""
+        queue = router.admission
+        if queue is None or not len(queue) or self._pumping:
+            return
+        self._pumping = True  # dispatching advances engines, whose events pump again
+        try:
+            for t in queue.expire(now):
+                self._shed(str(t.key), now)
+            engine = router.engine
+            self._refresh_reports(engine, now)
+            seen: dict[object, tuple[Any, Assessment]] = {}
+
+            def held(t: Ticket) -> Assessment | None:
+                rr = t.payload[1]
+                try:
+                    cands = engine.candidates(rr, self.keys, now)
+                except NoReplicaAvailable:
+                    return None
+                a = assess(self._predictor, rr, cands, now)
+                seen[t.key] = (cands, a)
+                return a
+
+            while len(queue):
+                got = queue.ready(now, held)
+                if got is None:
+                    break
+                t, allowed = got
+                req, rr = t.payload
+                cands, a = seen[t.key]
+                d = self._commit(router, req, rr, restrict(cands, allowed), now, t.klass)
+                uncached = req.prompt_tokens - d.usable_tokens
+                queue.dispatched(t, a, d.replica, uncached, req.output_tokens)
+        finally:
+            self._pumping = False
 
     def _refresh_reports(self, engine: RoutingEngine, now: float) -> None:
         interval = self.config.report_interval_s
@@ -382,15 +533,24 @@ class Simulation:
                 rec = records[out.request_id]
                 rec.finish = out.time
                 rec.output = out.output_tokens
-                self._router_of.pop(out.request_id).engine.load.complete(out.request_id)
+                router = self._router_of.pop(out.request_id)
+                router.engine.load.complete(out.request_id)
+                if router.admission is not None:
+                    router.admission.finished(out.request_id)
                 self._follow_ups(out.request_id, out.time)
                 if self.config.record_load:
                     self._series[i].append((out.time, eng.pending()))
             elif kind is Rejected:
                 rec = records[out.request_id]
                 rec.rejected = True
-                self._router_of.pop(out.request_id).engine.load.complete(out.request_id)
+                router = self._router_of.pop(out.request_id)
+                router.engine.load.complete(out.request_id)
+                if router.admission is not None:
+                    router.admission.finished(out.request_id)
                 self._follow_ups(out.request_id, out.time)
+        if outputs and self.config.admission is not None:
+            for router in self.routers:
+                self._pump(router, now)
         nt = eng.next_time()
         if nt != self._wake_at[i]:
             self._gen[i] += 1

@@ -7,7 +7,10 @@ Definitions (all times from the request's arrival at a router):
   the name the SLO uses (TPOT). E2E: finish - arrival. Queueing delay: time a request waited
   in its engine's queue before admission.
 * ``goodput``: share of all requests that met their SLO (``router.core.slo``: TTFT within
-  the target of their prompt's tier, TPOT within the TPOT target); rejected requests did not.
+  the target of their prompt's tier, times their service class's ``ttft_factor`` under
+  admission, TPOT within the TPOT target); rejected or shed requests did not.
+  ``slo_attainment``: the same per service class (``priority``, ``default``, ``flex``).
+  ``router_wait_ms_*``: time between arrival and dispatch (held by admission).
   ``slo_ttft_met`` / ``slo_tpot_met``: the share meeting each half; ``goodput_by_tier``: the
   goodput of each prompt tier's requests.
 * ``token_hit_rate``: prompt tokens the engines actually reused (the *usable* hit: hybrid
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from router.core.admission import CLASS_NAMES
 from router.core.slo import SloTargets, tpot_s
 from sim.workload import SimRequest
 
@@ -42,6 +46,7 @@ class RequestRecord:
         "cached",
         "finish",
         "first",
+        "klass",
         "kv_hit",
         "output",
         "prompt",
@@ -49,6 +54,7 @@ class RequestRecord:
         "rejected",
         "replica",
         "request_id",
+        "sent",
     )
 
     def __init__(self, request_id: str, arrival: float, prompt: int, replica: int) -> None:
@@ -63,6 +69,8 @@ class RequestRecord:
         self.queued = 0.0
         self.output = 0
         self.rejected = False
+        self.klass = 1  # service class (router/core/admission.py): default
+        self.sent = arrival  # when the router dispatched it (later if admission held it)
 
 
 def _pcts(values: Sequence[float], prefix: str, scale: float = 1000.0) -> dict[str, float]:
@@ -83,31 +91,47 @@ def _pcts(values: Sequence[float], prefix: str, scale: float = 1000.0) -> dict[s
     }
 
 
-def slo_figures(records: Sequence[RequestRecord], slo: SloTargets) -> dict[str, object]:
-    """Goodput and the share meeting each half of the SLO, over all ``records``."""
+def slo_figures(
+    records: Sequence[RequestRecord],
+    slo: SloTargets,
+    ttft_factor: Sequence[float] = (1.0, 1.0, 1.0),
+) -> dict[str, object]:
+    """Goodput and the share meeting each half of the SLO, over all ``records``; a request's
+    TTFT target is its tier's times its class's ``ttft_factor`` (flex traffic is promised
+    a longer one). ``slo_attainment``: goodput per class (None for a class without
+    requests)."""
     n = len(records)
     ttft_ok = tpot_ok = both = 0
     tiers: dict[str, list[int]] = {t.label: [0, 0] for t in slo.tiers}
+    classes = [[0, 0] for _ in CLASS_NAMES]
     for r in records:
         tier = slo.tier(r.prompt)
         counts = tiers[tier.label]
         counts[1] += 1
+        per_class = classes[r.klass]
+        per_class[1] += 1
         if r.rejected or r.finish != r.finish:
             continue
         ttft = r.first - r.arrival
         tpot = tpot_s(r.finish - r.arrival, ttft, r.output)
-        a = ttft <= tier.ttft_s
+        a = ttft <= tier.ttft_s * ttft_factor[r.klass]
         b = tpot is None or tpot <= slo.tpot_s
         ttft_ok += a
         tpot_ok += b
         if a and b:
             both += 1
             counts[0] += 1
+            per_class[0] += 1
     return {
         "goodput": round(both / n, 5) if n else 0.0,
         "slo_ttft_met": round(ttft_ok / n, 5) if n else 0.0,
         "slo_tpot_met": round(tpot_ok / n, 5) if n else 0.0,
         "goodput_by_tier": {k: round(m / c, 5) for k, (m, c) in tiers.items() if c},
+        "slo_attainment": {
+            name: (round(m / c, 5) if c else None)
+            for name, (m, c) in zip(CLASS_NAMES, classes, strict=True)
+        },
+        "requests_by_class": {name: c for name, (_, c) in zip(CLASS_NAMES, classes, strict=True)},
     }
 
 
@@ -116,6 +140,7 @@ def summarize(
     busy_s: Sequence[float],
     replica_names: Sequence[str],
     slo: SloTargets | None = None,
+    ttft_factor: Sequence[float] = (1.0, 1.0, 1.0),
 ) -> dict[str, object]:
     """The per-run figures (see the module doc), as a JSON-ready dict."""
     recs = list(records)
@@ -143,7 +168,8 @@ def summarize(
     out.update({"tpot" + k[3:]: v for k, v in itl.items()})
     out.update(_pcts([r.finish - r.arrival for r in done], "e2e_ms"))
     out.update(_pcts([r.queued for r in done], "queue_ms"))
-    out.update(slo_figures(recs, slo or SloTargets()))
+    out.update(_pcts([r.sent - r.arrival for r in recs if r.replica >= 0], "router_wait_ms"))
+    out.update(slo_figures(recs, slo or SloTargets(), ttft_factor))
     out.update(
         {
             "makespan_s": round(makespan, 3),

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from router.core.admission import AdmissionSettings
 from router.core.policies import POLICY_NAMES
 from sim.agentic import AgenticSpec, generate
 from sim.cluster import ClusterConfig, Progress, RunResult, Simulation
@@ -26,6 +27,7 @@ class RunSpec:
     speedup: float = 1.0
     label: str | None = None
     cluster: Mapping[str, Any] | None = None  # ClusterConfig fields replaced for this run
+    admission: AdmissionSettings | None = None  # overrides the config's (sim tune)
 
 
 def build_workload(
@@ -63,6 +65,8 @@ def run_one(
     started = time.perf_counter()
     if spec.cluster:
         config = replace(config, **spec.cluster)
+    if spec.admission is not None:
+        config = replace(config, admission=spec.admission)
     result = Simulation(
         workload, config, spec.policy, spec.params, speedup=spec.speedup, progress=progress
     ).run()

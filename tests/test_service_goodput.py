@@ -100,7 +100,7 @@ async def test_streamed_answers_count_by_slo_tier_and_result(fleet: Fleet) -> No
 async def test_a_missed_tpot_target_is_counted_as_such(strict_fleet: Fleet) -> None:
     await _stream(strict_fleet.client)
     await eventually_counts(
-        strict_fleet, f'{{model="{MODEL}",result="tpot_missed",tier="any"}}', 1.0
+        strict_fleet, f'{{class="default",model="{MODEL}",result="tpot_missed",tier="any"}}', 1.0
     )
     engine = strict_fleet.state.engines[MODEL]
     assert isinstance(engine.policy, Ours) and engine.policy.tpot_target_s == 0.001

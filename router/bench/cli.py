@@ -9,6 +9,7 @@ import importlib
 _BENCHES: tuple[str, ...] = (
     "router.bench.hash_bench",
     "router.bench.index_bench",
+    "router.bench.ingest_bench",
     "router.bench.store_bench",
     "router.bench.tokenize_bench",
     "router.bench.proxy_bench",
@@ -19,6 +20,7 @@ _BENCHES: tuple[str, ...] = (
     "router.bench.route_bench",
     "router.bench.instructions_bench",
     "router.bench.pods_bench",
+    "router.demo.overload_bench",  # a command-line entry point: it reads a sim profile
     "router.demo.live_bench",  # a command-line entry point: it may run the simulator
 )
 

@@ -24,5 +24,17 @@ class NoReplicaAvailable(KVRouterError):
         self.busy = busy
 
 
+class Overloaded(KVRouterError):
+    """SLO-aware admission refused the request: it cannot meet its SLO now (HTTP 429 with
+    Retry-After and code ``slo_<reason>``, RESOURCE_EXHAUSTED). ``reason``: ``deadline`` or
+    ``queue_full``; ``klass``: its service class's name."""
+
+    def __init__(self, message: str, reason: str, klass: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.klass = klass
+        self.retry_after_s = retry_after_s
+
+
 class ConfigError(KVRouterError):
     """Settings are invalid; raised at start-up, never on the request path."""

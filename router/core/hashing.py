@@ -35,6 +35,8 @@ import xxhash
 HASH_SEED = 0x6B76_726F_7574_6572  # "kvrouter"
 _U64 = struct.Struct("<Q")
 _MASK64 = (1 << 64) - 1
+# up to this many blocks ``hash_prompt`` hashes slices of the tokens' bytes, no row layout
+SMALL_BLOCKS = 8
 
 TokenIds = Sequence[int] | npt.NDArray[np.integer] | bytes
 
@@ -141,17 +143,32 @@ def hash_prompt(
     tail = len(arr) - start - n_blocks * block_size if len(arr) > start else 0
     if n_blocks == 0:
         return HashedPrompt([], block_size, tail)
+    h = (root if parent is None else parent) & _MASK64
+    digest = xxhash.xxh3_64_intdigest
+    first = start // block_size
+    if n_blocks <= SMALL_BLOCKS:
+        # A few blocks (engine events re-blocked one at a time): slicing their bytes costs
+        # less than laying out the rows below; the same bytes are hashed.
+        body = arr[start : start + n_blocks * block_size].tobytes()
+        width = 4 * block_size
+        pack = _U64.pack
+        small = [0] * n_blocks
+        for i in range(n_blocks):
+            h = digest(pack(h) + body[i * width : (i + 1) * width], seed)
+            if extras:
+                extra = extras.get(first + i)
+                if extra is not None:
+                    h = digest(pack(h) + extra, seed)
+            small[i] = h
+        return HashedPrompt(small, block_size, tail)
     # Row i = [parent slot (2 x u32)] + block i's tokens; hashing row i hashes le64(parent)||block.
     rows = np.empty((n_blocks, block_size + 2), dtype="<u4")
     rows[:, 2:] = arr[start : start + n_blocks * block_size].reshape(n_blocks, block_size)
     buf = memoryview(rows.reshape(-1).view(np.uint8).data)
     step = 4 * (block_size + 2)
     out = [0] * n_blocks
-    h = (root if parent is None else parent) & _MASK64
     pack_into = _U64.pack_into
-    digest = xxhash.xxh3_64_intdigest
     if extras:
-        first = start // block_size
         for i in range(n_blocks):
             off = i * step
             pack_into(buf, off, h)

@@ -233,13 +233,15 @@ class LoadTracker:
         prompt_tokens: int,
         cached_tokens: int,
         max_output_tokens: int | None = None,
+        class_weight: float = 1.0,
     ) -> None:
         """A request was sent to ``key``; ``cached_tokens`` of its prompt are predicted hits;
-        ``max_output_tokens`` (None: unknown) weighs it while it decodes (:func:`decode_weight`)."""
+        ``max_output_tokens`` (None: unknown) weighs it while it decodes (:func:`decode_weight`),
+        times ``class_weight`` (its service class's, router/core/admission.py)."""
         if request_id in self._flights:
             self.complete(request_id)
         prefill = max(prompt_tokens - cached_tokens, 1)
-        weight = decode_weight(max_output_tokens)
+        weight = decode_weight(max_output_tokens) * class_weight
         self._flights[request_id] = _Flight(key, prompt_tokens, prefill, weight)
         rep = self._get(key)
         rep.prefilling += 1

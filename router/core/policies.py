@@ -523,12 +523,13 @@ class Ours:
         terms = dict(zip(TERM_NAMES, values[pick], strict=True))
         return _decide(self.name, request, ranked, scores[pick], terms)
 
-    def choose_columns(
-        self, request: RouteRequest, columns: CandidateColumns, now: float, rng: random.Random
-    ) -> Decision:
-        """``choose`` on all eligible candidates of ``columns`` at once (same decision)."""
+    def term_columns(
+        self, request: RouteRequest, columns: CandidateColumns, now: float
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        """(prefill, queue, decode, kv, interference) arrays, one element per replica of
+        ``columns`` (eligible or not); see the class docstring."""
         load = columns.load
-        values = self._terms(
+        return self._terms(
             ARRAY,
             request,
             columns.kv_blocks,
@@ -544,6 +545,12 @@ class Ours:
             load.kv_usage,
             load.decode_weight,
         )
+
+    def choose_columns(
+        self, request: RouteRequest, columns: CandidateColumns, now: float, rng: random.Random
+    ) -> Decision:
+        """``choose`` on all eligible candidates of ``columns`` at once (same decision)."""
+        values = self.term_columns(request, columns, now)
         p, q, d, k, i = values
         scores = self.w_prefill * p + self.w_queue * q + self.w_decode * d + self.w_kv * k
         scores = scores + self.w_interference * i

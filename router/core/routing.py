@@ -311,15 +311,18 @@ class RoutingEngine:
         decision: Decision,
         now: float,
         speculative_ttl_s: float | None = None,
+        class_weight: float = 1.0,
     ) -> None:
         """Record that ``request`` was sent per ``decision`` (load, speculative entries for
-        ``speculative_ttl_s``, by default the settings' ``speculative_ttl_s``)."""
+        ``speculative_ttl_s``, by default the settings' ``speculative_ttl_s``);
+        ``class_weight`` scales its decode weight (LoadTracker.dispatch)."""
         self.load.dispatch(
             request.request_id,
             decision.replica,
             request.prompt_tokens,
             decision.usable_tokens,
             request.max_output_tokens,
+            class_weight,
         )
         ttl = self.settings.speculative_ttl_s if speculative_ttl_s is None else speculative_ttl_s
         if ttl > 0 and request.block_hashes:

@@ -99,6 +99,19 @@ class Fleet:
         await self._wait_healthy([url], path=ready, timeout_s=60)
         self.router_url = url
 
+    def cpu_seconds(self, name: str) -> float | None:
+        """CPU seconds (user + system) process ``name`` has used so far; None when it is not
+        running or the platform has no /proc."""
+        for proc_name, proc in self.procs:
+            if proc_name == name and proc.poll() is None:
+                try:
+                    with open(f"/proc/{proc.pid}/stat") as fh:
+                        fields = fh.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    return None
+                return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return None
+
     def log_tail(self, name: str, lines: int = 20) -> str:
         assert self._tmp is not None
         path = Path(self._tmp.name) / f"{name}.log"

@@ -26,7 +26,8 @@ mocks spread over 2 racks, half of each rack ``prefill``, the rest ``decode`` (`
 
 Each row: ``ok``, ``failed``, ``hit`` (engine-reported cached prompt tokens), ``goodput``
 (router.core.slo, the default SLO unless flags say otherwise), TTFT / E2E p50, p90, p99 and
-TPOT p50, p90 in ms (router/demo/figures.py). ``sim`` is the simulator's prediction for
+TPOT p50, p90 in ms (router/demo/figures.py), and ``router_cpu_s``, the CPU seconds the router
+process used during the replay (/proc). ``sim`` is the simulator's prediction for
 ``ours`` on the same trace and fleet. Workloads:
 
 * ``agentic``: synthetic agent sessions (shared system prompts and tool schemas, contexts
@@ -189,13 +190,18 @@ async def _row(
             else:
                 cmd = _vllm_router_cmd(binary, row, port, fleet.replicas, 600)
             await fleet.start_router("vllm-router", cmd, f"http://127.0.0.1:{port}")
+        name = "router" if ours else "vllm-router"
+        cpu0 = fleet.cpu_seconds(name)
         outcomes = await replay(fleet.router_url, requests, workload.speedup)
         fleet.check_alive()
+        cpu1 = fleet.cpu_seconds(name)
     figures = summarize(outcomes, slo)
     errors = sorted({o.error for o in outcomes if not o.ok})[:3]
     if errors:
         figures["errors"] = errors
     figures["wall_s"] = round(time.perf_counter() - started, 1)
+    if cpu0 is not None and cpu1 is not None:
+        figures["router_cpu_s"] = round(cpu1 - cpu0, 2)  # over the replay, not the start
     return figures
 
 

@@ -42,7 +42,14 @@ def _hash(value: Any) -> int:
 def _hashes(value: Any) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)):
         raise _Bad("block_hashes is not a list")
+    if len(value) == 1 and type(value[0]) is int:
+        return (value[0],)
+    if set(map(type, value)) <= _INT:  # all plain ints (checked in C): nothing to convert
+        return tuple(value)
     return tuple(_hash(v) for v in value)
+
+
+_INT = frozenset({int})
 
 
 def _opt_int(value: Any, name: str) -> int | None:
@@ -80,17 +87,39 @@ def _fields(raw: Any, names: tuple[str, ...], what: str) -> tuple[str, dict[str,
     raise _Bad(f"{what} is a {type(raw).__name__}")
 
 
+# a BlockStored's optional fields but extra_keys, in its field order, with their types
+_OPTIONAL = (
+    "lora_id",
+    "medium",
+    "lora_name",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "cache_salt",
+)
+_OPTIONAL_TYPE = (int, str, str, int, str, int, str)
+_OPTIONAL_CHECK = (_opt_int, _opt_str, _opt_str, _opt_int, _opt_str, _opt_int, _opt_str)
+# the keys of an event map in vLLM's and SGLang's layouts
+_MAP_KEYS = frozenset({"type", *STORED_FIELDS, "cache_salt"})
+
+
 def _event(raw: Any) -> EngineEvent:
-    tag = ""
-    names: tuple[str, ...] = STORED_FIELDS
-    if isinstance(raw, (list, tuple)) and raw:
-        tag = _opt_str(raw[0], "tag") or ""
-    elif isinstance(raw, dict):
-        t = raw.get("type", raw.get(b"type"))
-        tag = _opt_str(t, "type") or ""
-    if tag == "BlockRemoved":
-        names = REMOVED_FIELDS
-    tag, f = _fields(raw, names, "event")
+    f: dict[Any, Any]
+    if isinstance(raw, dict) and (_MAP_KEYS.issuperset(raw) or bytes not in set(map(type, raw))):
+        # the common map (keys already str): read it in place, its extra "type" key unread
+        tag = _opt_str(raw.get("type"), "type") or ""
+        f = raw
+    else:
+        tag = ""
+        names: tuple[str, ...] = STORED_FIELDS
+        if isinstance(raw, (list, tuple)) and raw:
+            tag = _opt_str(raw[0], "tag") or ""
+        elif isinstance(raw, dict):
+            t = raw.get("type", raw.get(b"type"))
+            tag = _opt_str(t, "type") or ""
+        if tag == "BlockRemoved":
+            names = REMOVED_FIELDS
+        tag, f = _fields(raw, names, "event")
     if tag == "BlockStored":
         token_ids = f.get("token_ids")
         if not isinstance(token_ids, (list, tuple)):
@@ -102,23 +131,20 @@ def _event(raw: Any) -> EngineEvent:
         block_size = f.get("block_size")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise _Bad("block_size is not a positive int")
+        hashes = _hashes(f.get("block_hashes"))
         parent = f.get("parent_block_hash")
+        if parent is not None:
+            parent = _hash(parent)
+        # the optional fields, checked in this order (the first problem is the one reported);
+        # a plain str or int, or None, passes as is
+        opt: list[Any] = [f.get(name) for name in _OPTIONAL]
+        for i, value in enumerate(opt):
+            if value is not None and type(value) is not _OPTIONAL_TYPE[i]:
+                opt[i] = _OPTIONAL_CHECK[i](value, _OPTIONAL[i])
         return EngineBlockStored(
-            block_hashes=_hashes(f.get("block_hashes")),
-            parent_block_hash=None if parent is None else _hash(parent),
-            token_ids=tuple(token_ids),
-            block_size=block_size,
-            lora_id=_opt_int(f.get("lora_id"), "lora_id"),
-            medium=_opt_str(f.get("medium"), "medium"),
-            lora_name=_opt_str(f.get("lora_name"), "lora_name"),
-            extra_keys=f.get("extra_keys"),
-            group_idx=_opt_int(f.get("group_idx"), "group_idx"),
-            kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
-            kv_cache_spec_sliding_window=_opt_int(
-                f.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window"
-            ),
-            cache_salt=_opt_str(f.get("cache_salt"), "cache_salt"),
-        )
+            hashes, parent, tuple(token_ids), block_size, opt[0], opt[1], opt[2],
+            f.get("extra_keys"), opt[3], opt[4], opt[5], opt[6],
+        )  # fmt: skip
     if tag == "BlockRemoved":
         return EngineBlockRemoved(
             block_hashes=_hashes(f.get("block_hashes")),

@@ -91,9 +91,19 @@ class ReblockStats:
 
 log = logging.getLogger(__name__)
 _logged_kinds: set[str] = set()
+# the kinds and media engines publish, as they spell them, read once
+_KIND_OF: dict[str | None, Kind | None] = {
+    None: Kind.KV,
+    **{name: Kind.KV for name in KV_KINDS},
+    **{name: Kind.STATE for name in STATE_KINDS},
+    **{name: None for name in IGNORED_KINDS},
+}
+_TIER_OF: dict[str | None, Tier] = {None: Tier.GPU, **{t.name: t for t in Tier}}
 
 
 def _group_kind(kind: str | None) -> Kind | None:
+    if kind in _KIND_OF:
+        return _KIND_OF[kind]
     name = (kind or "").strip().lower()
     if name in KV_KINDS:
         return Kind.KV
@@ -116,6 +126,7 @@ class BlockKeys:
 
 
 NO_KEYS = BlockKeys()
+_NO_ITEMS: set[MmItem] = set()  # shared, never added to: events without extra keys
 
 
 def read_extra_keys(entry: Any, lora_name: str | None) -> BlockKeys:
@@ -192,11 +203,13 @@ class Reblocker:
         if kind is None:
             self.stats.ignored_group += 1
             return []
-        try:
-            tier = Tier.parse(ev.medium)
-        except ValueError as exc:
-            self.stats.error(str(exc))
-            return []
+        tier = _TIER_OF.get(ev.medium)
+        if tier is None:
+            try:
+                tier = Tier.parse(ev.medium)
+            except ValueError as exc:
+                self.stats.error(str(exc))
+                return []
         if ev.lora_id is not None and not ev.lora_name:
             self.stats.error("LoRA block without lora_name: cannot derive its root")
             return []
@@ -206,8 +219,8 @@ class Reblocker:
         if len(ev.token_ids) != n * be:
             self.stats.error(f"{len(ev.token_ids)} token_ids for {n} blocks of {be}")
             return []
-        keys = self._block_keys(ev, n)
-        if keys is None:
+        keys = None if ev.extra_keys is None else self._block_keys(ev, n)
+        if keys is None and ev.extra_keys is not None:
             return []
         group = ev.group_idx or 0
         bit = 1 << tier
@@ -215,14 +228,16 @@ class Reblocker:
         # Blocks already known (e.g. the same block now offloaded to CPU): reuse covers.
         first_new = 0
         emitted: list[int] = []
-        while first_new < n and (group, ev.block_hashes[first_new]) in self._blocks:
-            known = self._blocks[(group, ev.block_hashes[first_new])]
+        while first_new < n:
+            known = self._blocks.get((group, ev.block_hashes[first_new]))
+            if known is None:
+                break
             if not known.media & bit:
                 known.media |= bit
                 emitted.extend(known.covers)
             first_new += 1
         # keys no request reproduces: that block and the ones after it are not indexed
-        usable = next((i for i in range(first_new, n) if keys[i].opaque), n)
+        usable = n if keys is None else next((i for i in range(first_new, n) if keys[i].opaque), n)
         if usable < n:
             self.stats.opaque_blocks += n - usable
         if first_new >= usable:
@@ -234,7 +249,9 @@ class Reblocker:
         tail0: tuple[int, ...]
         tail_mm0: tuple[MmItem, ...]
         if parent_hash is None:
-            salt = ev.cache_salt if ev.cache_salt is not None else keys[0].salt
+            salt = ev.cache_salt
+            if salt is None and keys is not None:
+                salt = keys[0].salt
             end0, chain0, tail0, tail_mm0 = 0, self.root_for(ev.lora_name, salt), (), ()
         else:
             parent = self._blocks.get((group, parent_hash))
@@ -248,44 +265,46 @@ class Reblocker:
                 return self._emit_stored(emitted, tier, kind)
             end0, chain0, tail0, tail_mm0 = parent.end, parent.chain, parent.tail, parent.tail_mm
         bs = self.block_size
-        count = usable - first_new
         tokens = ev.token_ids[first_new * be : usable * be]
         run = tail0 + tokens
         base = end0 - len(tail0)  # absolute position of run[0], a router block boundary
-        items = set(tail_mm0)
-        for i in range(count):
+        items: set[MmItem] = set(tail_mm0) if tail_mm0 or keys is not None else _NO_ITEMS
+        for i, entry in enumerate(keys[first_new:usable] if keys is not None else ()):
             block_start = end0 + i * be
-            for ident, offset in keys[first_new + i].mm:
+            for ident, offset in entry.mm:
                 if block_start + offset >= base:  # earlier starts are in hashed blocks
                     items.add(MmItem(block_start + offset, ident))
         extras = None
         if items:
             extras = mm_block_extras([MmItem(it.start - base, it.identifier) for it in items], bs)
-        hashes = hash_prompt(run, bs, 0, parent=chain0, extras=extras).hashes
+        hashes: list[int] = []
+        if len(run) >= bs:  # else no router block completes: nothing to hash
+            hashes = hash_prompt(run, bs, 0, parent=chain0, extras=extras).hashes
         if tail0 and hashes and kind is Kind.KV:
             self._extend_ancestors(group, parent_hash, base, hashes[0])
         prev_hash = parent_hash
-        for i in range(count):
+        blocks, kv_by_hash, is_kv = self._blocks, self._kv_by_hash, kind is Kind.KV
+        for i, h in enumerate(ev.block_hashes[first_new:usable]):
             end = end0 + (i + 1) * be
             done = (end - base) // bs  # complete router blocks of run up to ``end``
             start_blk = (end - be - base) // bs
             chain = hashes[done - 1] if done else chain0
             tail = run[done * bs : end - base]
-            tail_mm = _items_within(items, base + done * bs, end)
-            if kind is Kind.KV:
+            tail_mm = _items_within(items, base + done * bs, end) if items else ()
+            if is_kv:
                 covers = hashes[start_blk:done]
             elif not tail and done:
                 covers = [chain]
             else:
                 covers = []
                 self.stats.unaligned_state += 1
-            h = ev.block_hashes[first_new + i]
-            block = self._blocks.get((group, h))
+            # (the first is not known: the loop over known blocks stopped there)
+            block = blocks.get((group, h)) if i else None
             if block is None:
-                block = _Block(prev_hash, end, chain, tail, list(covers), bit, kind, tail_mm)
-                self._blocks[(group, h)] = block
-                if kind is Kind.KV:
-                    self._kv_by_hash[h] = block
+                block = _Block(prev_hash, end, chain, tail, covers, bit, kind, tail_mm)
+                blocks[(group, h)] = block
+                if is_kv:
+                    kv_by_hash[h] = block
                 elif self.on_checkpoint is not None:
                     self.on_checkpoint(end)
                 emitted.extend(covers)
@@ -328,11 +347,13 @@ class Reblocker:
         return [BlocksStored(tuple(dict.fromkeys(hashes)), tier, kind)]
 
     def _removed(self, ev: EngineBlockRemoved) -> list[IndexEvent]:
-        try:
-            tier = Tier.parse(ev.medium)
-        except ValueError as exc:
-            self.stats.error(str(exc))
-            return []
+        tier = _TIER_OF.get(ev.medium)
+        if tier is None:
+            try:
+                tier = Tier.parse(ev.medium)
+            except ValueError as exc:
+                self.stats.error(str(exc))
+                return []
         group = ev.group_idx or 0
         bit = 1 << tier
         out: dict[Kind, list[int]] = {Kind.KV: [], Kind.STATE: []}
@@ -365,16 +386,32 @@ def _items_within(items: set[MmItem], start: int, end: int) -> tuple[MmItem, ...
 def _coalesce(events: list[IndexEvent]) -> list[IndexEvent]:
     """Merge neighbouring events of the same type, tier and kind (fewer, larger events)."""
     out: list[IndexEvent] = []
+    run: list[BlocksStored | BlocksRemoved] = []  # neighbours to merge into one
     for ev in events:
-        prev = out[-1] if out else None
+        prev = run[-1] if run else None
         if (
             isinstance(ev, (BlocksStored, BlocksRemoved))
+            and prev is not None
             and type(prev) is type(ev)
-            and isinstance(prev, (BlocksStored, BlocksRemoved))
             and prev.tier == ev.tier
             and prev.kind == ev.kind
         ):
-            out[-1] = type(ev)(prev.hashes + ev.hashes, ev.tier, ev.kind)
+            run.append(ev)
+            continue
+        _merge_into(out, run)
+        if isinstance(ev, (BlocksStored, BlocksRemoved)):
+            run = [ev]
         else:
+            run = []
             out.append(ev)
+    _merge_into(out, run)
     return out
+
+
+def _merge_into(out: list[IndexEvent], run: list[BlocksStored | BlocksRemoved]) -> None:
+    if len(run) == 1:
+        out.append(run[0])
+    elif run:
+        first = run[0]
+        hashes = tuple(h for ev in run for h in ev.hashes)
+        out.append(type(first)(hashes, first.tier, first.kind))

@@ -15,7 +15,14 @@ from typing import Any, NoReturn
 
 import grpc
 
-from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable, UnknownModel
+from router.core.admission import DEFAULT
+from router.core.errors import (
+    BadRequest,
+    KVRouterError,
+    NoReplicaAvailable,
+    Overloaded,
+    UnknownModel,
+)
 from router.core.types import (
     AllCleared,
     BlocksRemoved,
@@ -51,6 +58,8 @@ def status_of(exc: KVRouterError) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, UnknownModel):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, NoReplicaAvailable):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
@@ -167,14 +176,28 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 or self.state.load.replica_of(decision_id) is not None
             ):
                 raise BadRequest(f"request_id {decision_id!r} is already in flight")
-            routed = self.state.route(
-                request.model,
-                prompt,
-                decision_id,
-                now,
-                session_id=request.session_id or None,
-                replicas=self._candidates(request),
-            )
+            slo_gate = self.state.admission
+            if slo_gate is not None and slo_gate.enabled(request.model) and not request.candidates:
+                # SLO-aware admission (default class); a shed is RESOURCE_EXHAUSTED
+                routed = await slo_gate.route(
+                    request.model,
+                    prompt,
+                    decision_id,
+                    now,
+                    klass=DEFAULT,
+                    tenant="",
+                    session_id=request.session_id or None,
+                    max_output_tokens=None,
+                )
+            else:
+                routed = self.state.route(
+                    request.model,
+                    prompt,
+                    decision_id,
+                    now,
+                    session_id=request.session_id or None,
+                    replicas=self._candidates(request),
+                )
         except KVRouterError as exc:
             await _abort(context, exc)
         decision = routed.decision
@@ -218,6 +241,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         else:
             self.book.pop(request.decision_id)
             self.state.load.complete(pending.request_id)
+            if self.state.admission is not None:
+                self.state.admission.finished(pending.model, pending.request_id)
         if request.HasField("cached_tokens"):
             self.state.metrics.engine_cached_tokens.labels(model=pending.model).inc(
                 request.cached_tokens

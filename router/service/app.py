@@ -23,6 +23,7 @@ from functools import partial
 from aiohttp import web
 
 from router.service import admin, background, public
+from router.service.admission import Admission
 from router.service.banner import log_startup
 from router.service.config import Settings
 from router.service.fast_server import ConnLimits, FastServer
@@ -62,6 +63,8 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
     """The router's application object. ``state`` may be passed in (tests, embedding); else
     built here."""
     state = state or RouterState(settings)
+    if state.admission is None:
+        state.admission = Admission(state)
     Limits.from_server(settings.server)  # a bad limit fails here, before anything starts
     app = web.Application()
     app[SETTINGS] = settings

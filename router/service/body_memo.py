@@ -43,6 +43,8 @@ class Admitted:
     max_output_tokens: int | None
     # appended to the body so the engine reports usage on a stream (stream_usage.py)
     usage_patch: bytes | None = None
+    # the body's OpenAI ``service_tier`` (checked), for SLO-aware admission
+    service_tier: str | None = None
 
 
 class BodyMemo:

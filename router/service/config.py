@@ -18,6 +18,7 @@ File layout (every section optional; see docs/configuration.md)::
                                   router.core.disagg.PdSetup (docs/pd.md)
     [models.NAME.slo]             ttft_tiers ("8192:2,32768:5,*:60"), ttft_s (one target for
                                   every prompt), tpot_s (router/core/slo.py)
+    [models.NAME.admission]       enabled, and router/core/admission.py's knobs (file only)
 
 The simulator's tuned-policy file (``[models.NAME] policy / block_size / hybrid /
 state_interval_blocks / policy_params``, sim/tuned.py) is the same shape, so it can be passed
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
+from router.core.admission import AdmissionSettings
 from router.core.disagg import PdSetup, Role
 from router.core.errors import ConfigError
 from router.core.policies import POLICY_NAMES, make_policy
@@ -113,6 +115,10 @@ class ServerSettings:
     api_keys: str | None = None  # comma-separated client keys; None: no key required
     api_keys_file: str | None = None  # one key per line
     max_concurrent_per_key: int = 0  # 0: unlimited; per client address without keys
+    # service classes of API keys (comma-separated) for SLO-aware admission
+    # (router/service/admission.py); other keys are "default"
+    priority_keys: str | None = None
+    flex_keys: str | None = None
     max_header_kb: float = 32.0  # total request header block; 0: unlimited
     max_prompt_tokens: int = 0  # 0: only the models' context_length applies
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight streams get this long to finish
@@ -187,6 +193,8 @@ class ModelSettings:
     slo: SloTargets = field(default_factory=SloTargets)
     # [models.NAME.pd]: prefill/decode disaggregation (None: off)
     pd: PdSetup | None = None
+    # [models.NAME.admission] with enabled = true: SLO-aware admission (None: off)
+    admission: AdmissionSettings | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -282,7 +290,7 @@ def _model_key_kinds() -> dict[str, str]:
     kinds = {
         f.name: _kind(ModelSettings, f.name)
         for f in fields(ModelSettings)
-        if f.name not in ("name", "routing", "policy_params", "images", "slo")
+        if f.name not in ("name", "routing", "policy_params", "images", "slo", "admission")
     }
     kinds.update({k: _kind(RoutingSettings, k) for k in _ROUTING_KEYS})
     return kinds
@@ -497,6 +505,25 @@ def _check_pods(server: ServerSettings) -> None:
             raise ConfigError(f"server.{name}: must be a finite number > 0")
 
 
+def _admission(table: Any, where: str) -> AdmissionSettings | None:
+    """``[models.NAME.admission]``: ``enabled`` (default false) and the knobs of
+    router.core.admission.AdmissionSettings (per-class knobs as 3-element arrays)."""
+    if table is None:
+        return None
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{where}: must be a table")
+    enabled = table.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"{where}.enabled: expected true or false")
+    knobs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
+    knobs.pop("enabled", None)
+    try:
+        settings = AdmissionSettings(**knobs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return settings if enabled else None
+
+
 def _replica(i: int, table: Any) -> ReplicaSettings:
     """One ``[[replicas]]`` table; its url is checked by :class:`ReplicaUrl` and stored as
     ``http://host[:port]`` (scheme lower-case, no trailing ``/``): what the proxy expects."""
@@ -569,7 +596,7 @@ def _model(name: str, table: Any) -> ModelSettings:
     params = table.get("policy_params") or {}
     if not isinstance(params, Mapping):
         raise ConfigError(f"{where}.policy_params: must be a table")
-    skip = (*_ROUTING_KEYS, "busy", "policy_params", "images", "slo", "pd")
+    skip = (*_ROUTING_KEYS, "busy", "policy_params", "images", "slo", "pd", "admission")
     rest = {k: v for k, v in table.items() if k not in skip}
     model = _typed(ModelSettings, {**rest, "name": name}, where)
     images_tab = table.get("images")
@@ -597,6 +624,7 @@ def _model(name: str, table: Any) -> ModelSettings:
         except ConfigError as exc:
             raise ConfigError(f"{where}.pd: {exc}") from None
         model = replace(model, pd=setup if setup.knobs.mode != "off" else None)
+    model = replace(model, admission=_admission(table.get("admission"), f"{where}.admission"))
     if model.policy not in POLICY_NAMES:
         raise ConfigError(
             f"{where}.policy: unknown policy {model.policy!r}; choose one of "

@@ -2,7 +2,8 @@
 
 Body: ``{"error": {"message", "type", "param", "code"}}``. BadRequest -> 400,
 UnknownModel -> 404, body too large -> 413, NoReplicaAvailable -> 503 with ``Retry-After``
-(429 when every replica is over its busy threshold), anything unexpected -> 500.
+(429 when every replica is over its busy threshold), Overloaded (SLO-aware admission) -> 429
+with ``Retry-After`` and code ``slo_<reason>``, anything unexpected -> 500.
 """
 
 from __future__ import annotations
@@ -10,7 +11,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable, UnknownModel
+from router.core.errors import (
+    BadRequest,
+    KVRouterError,
+    NoReplicaAvailable,
+    Overloaded,
+    UnknownModel,
+)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -59,6 +66,13 @@ def reply_for(exc: KVRouterError, retry_after_s: int = 1) -> ErrorReply:
     """The answer for a core error raised while handling a request."""
     if isinstance(exc, UnknownModel):
         return ErrorReply(404, str(exc), "model_not_found", "model")
+    if isinstance(exc, Overloaded):
+        return ErrorReply(
+            429,
+            str(exc),
+            f"slo_{exc.reason}",
+            headers=(("Retry-After", str(max(int(exc.retry_after_s), 1))),),
+        )
     if isinstance(exc, NoReplicaAvailable):
         status = 429 if exc.busy else 503
         return ErrorReply(

@@ -18,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Callable, Iterable
-from functools import partial
+from collections.abc import Iterable
 from typing import Any
 
 import xxhash
 
+from router.core.admission import parse_service_tier
 from router.core.errors import BadRequest, KVRouterError
 from router.service import disagg
 from router.service.body_memo import Admitted
@@ -179,7 +179,9 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     state.check_context(model, prompt)
     check_prompt_tokens(state.settings.server, prompt.prompt_tokens)
     max_out = body.get("max_completion_tokens") or body.get("max_tokens")
-    return Admitted(model, prompt, body_session(body), max_out, usage_patch(body))
+    tier = body.get("service_tier")
+    parse_service_tier(tier)  # a bad value is a 400, admission on or off
+    return Admitted(model, prompt, body_session(body), max_out, usage_patch(body), tier)
 
 
 def record(state: RouterState, routed: Routed) -> None:
@@ -293,19 +295,36 @@ async def serve_completion(
         else:
             model = admitted.model
             state.processor(admitted.model)  # the model may have lost its replicas since: 404
-        route: Callable[..., Routed | disagg.PdFlow] = state.route
+        slo_gate = state.admission
         pd = state.disagg.get(admitted.model) if state.disagg else None
+        routed: Routed | disagg.PdFlow
         if pd is not None:  # prefilled on one replica, decoded on another (service/disagg.py)
-            route = partial(disagg.route, state, pd)
-        routed = route(
-            admitted.model,
-            admitted.prompt,
-            # checked here, after any await: another request may have taken the id meanwhile
-            unique_in_flight(state, request_id_of(client_headers)),
-            forwarder.event_loop().time(),
-            session_id=session_of(client_headers, admitted.session_id),
-            max_output_tokens=admitted.max_output_tokens,
-        )
+            routed = disagg.route(
+                state,
+                pd,
+                admitted.model,
+                admitted.prompt,
+                # checked here, after any await: another request may have taken the id
+                unique_in_flight(state, request_id_of(client_headers)),
+                forwarder.event_loop().time(),
+                session_id=session_of(client_headers, admitted.session_id),
+                max_output_tokens=admitted.max_output_tokens,
+            )
+            slo_gate = None  # disaggregated flows are not admission-controlled (docs/admission.md)
+        elif slo_gate is not None and slo_gate.enabled(admitted.model):  # SLO-aware admission
+            loop = forwarder.event_loop()
+            routed = await slo_gate.route_admitted(admitted, client_headers, loop.time)
+        else:
+            routed = state.route(
+                admitted.model,
+                admitted.prompt,
+                # checked here, after any await: another request may have taken the id
+                unique_in_flight(state, request_id_of(client_headers)),
+                forwarder.event_loop().time(),
+                session_id=session_of(client_headers, admitted.session_id),
+                max_output_tokens=admitted.max_output_tokens,
+            )
+            slo_gate = None
     except KVRouterError as exc:
         rejected(state, model)
         await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s))
@@ -320,8 +339,12 @@ async def serve_completion(
         return
     record(state, routed)
     patch = admitted.usage_patch
-    if patch is None:
-        await forwarder.forward(sink, path, client_headers, raw, routed)
-    else:  # the engine reports usage; the client gets the stream it asked for
-        patched = with_patch(raw, patch)
-        await forwarder.forward(sink, path, client_headers, patched, routed, strip_usage=True)
+    try:
+        if patch is None:
+            await forwarder.forward(sink, path, client_headers, raw, routed)
+        else:  # the engine reports usage; the client gets the stream it asked for
+            patched = with_patch(raw, patch)
+            await forwarder.forward(sink, path, client_headers, patched, routed, strip_usage=True)
+    finally:
+        if slo_gate is not None:
+            slo_gate.finished(admitted.model, routed.request.request_id)

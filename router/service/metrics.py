@@ -27,6 +27,7 @@ _TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TOKENS = tuple(float(4**i) for i in range(2, 11))  # 16 .. 1M
 _ERROR = tuple(sorted({-(4.0**i) for i in range(2, 11)} | {0.0} | {4.0**i for i in range(2, 11)}))
+_WAIT = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _SHARE = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 _ERROR_RATIO = tuple(sorted({-x for x in _SHARE} | {0.0} | set(_SHARE)))
 
@@ -332,9 +333,37 @@ class Metrics:
         )
         self.slo_requests = LoopCounter(
             "kvrouter_slo_requests",
-            "Streamed answers by SLO tier of their prompt and result: met, ttft_missed, "
-            "tpot_missed, both_missed (router.core.slo; TTFT and TPOT as the router saw them)",
-            ["model", "tier", "result"],
+            "Streamed answers by SLO tier of their prompt, service class and result: met, "
+            "ttft_missed, tpot_missed, both_missed (router.core.slo; TTFT and TPOT as the "
+            "router saw them; a class's TTFT target is the tier's times its ttft_factor)",
+            ["model", "tier", "result", "class"],
+            registry=r,
+        )
+        # SLO-aware admission (router/service/admission.py)
+        self.admission_held = Gauge(
+            "kvrouter_admission_held",
+            "Requests held by admission now (queue depth), by model and class",
+            ["model", "class"],
+            registry=r,
+        )
+        self.admission_shed = LoopCounter(
+            "kvrouter_admission_shed",
+            "Requests refused by SLO-aware admission, by reason (deadline: it could not "
+            "meet its TTFT target; queue_full) and class; answered 429 with Retry-After",
+            ["model", "reason", "class"],
+            registry=r,
+        )
+        self.admission_decisions = LoopCounter(
+            "kvrouter_admission_decisions",
+            "Admission's first answer to each request, by class: admit, hold, shed",
+            ["model", "class", "action"],
+            registry=r,
+        )
+        self.admission_wait = LoopHistogram(
+            "kvrouter_admission_wait_seconds",
+            "Time a request spent held by admission before it was sent (0: at once)",
+            ["model", "class"],
+            buckets=_WAIT,
             registry=r,
         )
         self.retries = LoopCounter(
@@ -458,13 +487,14 @@ class ModelMetrics:
         self._outcomes: dict[tuple[object, str], Any] = {}
         self._replicas: dict[object, tuple[Any, Any]] = {}
         self._retries: dict[str, Any] = {}
-        self._slo: dict[tuple[str, str], Any] = {}
+        self._slo: dict[tuple[str, str, str], Any] = {}
 
-    def slo(self, tier: str, result: str) -> Any:
-        """The ``kvrouter_slo_requests`` child of (SLO tier label, result)."""
-        child = self._slo.get((tier, result))
+    def slo(self, tier: str, result: str, klass: str = "default") -> Any:
+        """The ``kvrouter_slo_requests`` child of (SLO tier label, result, service class)."""
+        key = (tier, result, klass)
+        child = self._slo.get(key)
         if child is None:
-            child = self._slo[tier, result] = self._m.slo_requests.labels(self.model, tier, result)
+            child = self._slo[key] = self._m.slo_requests.labels(self.model, tier, result, klass)
         return child
 
     def outcome(self, replica: object, outcome: str) -> Any:

@@ -598,7 +598,7 @@ class Forwarder:
         req = routed.request
         slo = self.state.slos[req.model]
         tier = slo.tier(req.prompt_tokens)
-        ttft_ok = first_at - started <= tier.ttft_s
+        ttft_ok = first_at - started <= tier.ttft_s * routed.ttft_factor
         usage = usage_of(payload, True) if b'"usage"' in payload else None
         out = usage.get("completion_tokens") if usage else None
         tpot = (
@@ -608,7 +608,7 @@ class Forwarder:
         )
         tpot_ok = tpot is None or tpot <= slo.tpot_s
         result = _SLO_RESULTS[ttft_ok, tpot_ok]
-        self.state.metrics.model(req.model).slo(tier.label, result).inc()
+        self.state.metrics.model(req.model).slo(tier.label, result, routed.service_class).inc()
 
     def _record(
         self,

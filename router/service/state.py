@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from router.core.errors import BadRequest, UnknownModel
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
-from router.core.policies import make_policy
+from router.core.policies import Candidate, CandidateColumns, make_policy
 from router.core.routing import RoutingEngine
 from router.core.slo import SloTargets
 from router.core.types import Decision, ReplicaKey, RouteRequest
@@ -56,6 +56,20 @@ class Routed(NamedTuple):
     score_s: float
     # the longest usable hit any eligible replica offered (the decision's may be shorter)
     best_usable_tokens: int = 0
+    # service class (router/core/admission.py) and its TTFT target factor, for the SLO metric
+    service_class: str = "default"
+    ttft_factor: float = 1.0
+
+
+class Pending(NamedTuple):
+    """A request with its candidates, judged but not yet committed (:meth:`RouterState.
+    decide`)."""
+
+    engine: RoutingEngine
+    request: RouteRequest
+    prompt: ProcessedPrompt
+    candidates: list[Candidate] | CandidateColumns
+    lookup_s: float
 
 
 class RouterState:
@@ -73,6 +87,8 @@ class RouterState:
         self.event_lag_s: dict[str, float] = {}
         self.processors: dict[str, PromptProcessor] = {}
         self.slos: dict[str, SloTargets] = {}
+        # SLO-aware admission (router/service/admission.py), set by the app
+        self.admission: Any = None
         # per model: speculative TTL of (approximate, exact) prompts (see _add_model)
         self.speculative_ttl: dict[str, tuple[float, float]] = {}
         self.layouts = ModelLayouts(self.engines, self.index, self.registry.keys_for)
@@ -162,6 +178,30 @@ class RouterState:
 
         ``replicas`` restricts the choice to a subset of the model's replicas (gRPC Pick's
         candidate list); None means all of them."""
+        pending = self.decide(
+            model,
+            prompt,
+            request_id,
+            now,
+            session_id=session_id,
+            max_output_tokens=max_output_tokens,
+            replicas=replicas,
+        )
+        return self.commit(pending, pending.candidates, now)
+
+    def decide(
+        self,
+        model: str,
+        prompt: ProcessedPrompt,
+        request_id: str,
+        now: float,
+        *,
+        session_id: str | None = None,
+        max_output_tokens: int | None = None,
+        replicas: Sequence[ReplicaKey] | None = None,
+    ) -> Pending:
+        """The first half of :meth:`route`: the request and its candidates, nothing
+        recorded (admission judges it before :meth:`commit`)."""
         engine = self.engines[model]
         self.fleet.restore_health(now)
         request = RouteRequest(
@@ -176,16 +216,37 @@ class RouterState:
         t0 = time.perf_counter()
         keys = self.registry.keys_for(model) if replicas is None else replicas
         candidates = engine.candidates(request, keys, now)
+        return Pending(engine, request, prompt, candidates, time.perf_counter() - t0)
+
+    def commit(
+        self,
+        pending: Pending,
+        candidates: list[Candidate] | CandidateColumns,
+        now: float,
+        *,
+        class_weight: float = 1.0,
+    ) -> Routed:
+        """The second half of :meth:`route`: the policy's choice among ``candidates`` (the
+        pending request's, or those admission allowed), recorded as dispatched."""
+        engine, request, prompt = pending.engine, pending.request, pending.prompt
         t1 = time.perf_counter()
         decision = engine.choose(request, candidates, now, self.rng)
         t2 = time.perf_counter()
-        approximate_ttl, exact_ttl = self.speculative_ttl[model]
-        engine.dispatched(request, decision, now, exact_ttl if prompt.exact else approximate_ttl)
+        approximate_ttl, exact_ttl = self.speculative_ttl[request.model]
+        ttl = exact_ttl if prompt.exact else approximate_ttl
+        engine.dispatched(request, decision, now, ttl, class_weight=class_weight)
         best = engine.best_usable_tokens(request, candidates)
-        routed = Routed(request, decision, prompt, t1 - t0, t2 - t1, best)
+        routed = Routed(request, decision, prompt, pending.lookup_s, t2 - t1, best)
         # formatted only when asked for (recent_decisions): nothing built per request
         self.decisions.append(
-            (time.time(), request_id, model, request.prompt_tokens, prompt.exact, decision)
+            (
+                time.time(),
+                request.request_id,
+                request.model,
+                request.prompt_tokens,
+                prompt.exact,
+                decision,
+            )
         )
         return routed
 

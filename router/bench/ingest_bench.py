@@ -1,0 +1,167 @@
+"""``kvrouter bench ingest``: the router's CPU to take in engine KV events.
+
+Builds the payloads an engine publishes for ``--requests`` prompts of ``--tokens`` random
+token ids (engine blocks of ``--engine-block-size``, vLLM's msgpack layout), then feeds them
+through the path ``kvrouter serve`` runs for each payload of its ZMQ subscribers:
+``EngineIngest.handle_payload`` (decode, re-block to ``--block-size``) into a ``PrefixIndex``
+(``DirectEvents``' sink). Two shapes of publication:
+
+* ``mock``: one ``BlockStored`` event per engine block, a batch per prompt, as ``kvrouter
+  mock-replica`` publishes them (router/mock/kv_events.py; what ``kvrouter bench live`` runs);
+* ``step``: one ``BlockStored`` event with all the prompt's blocks, as vLLM publishes the
+  blocks a prefill step completed.
+
+Then the same blocks are removed (one ``BlockRemoved`` batch per prompt, as evictions).
+Figures are process CPU seconds (``time.process_time``), best of ``--reps`` rounds, each
+round on a fresh ingest and index: per engine block and per prompt, stored and removed, and
+the decode's share. ``events_digest`` hashes every canonical event the round produced: equal
+digests mean the same index, whatever the code's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any
+
+import xxhash
+
+from router.bench.measure import emit
+from router.core.hashing import hash_prompt, root_hash
+from router.core.index import PrefixIndex
+from router.core.types import BlocksRemoved, BlocksStored, EventBatch, IndexEvent, ReplicaKey
+from router.events.decode import decode_payload
+from router.events.encode import encode_batch
+from router.events.ingest import EngineIngest
+from router.events.model import EngineBatch, EngineBlockRemoved, EngineBlockStored
+from router.mock.kv_events import EngineEventEncoder
+
+MODEL = "bench-model"
+SHAPES = ("mock", "step")
+
+
+def _prompts(args: argparse.Namespace) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    return [[rng.randrange(200_000) for _ in range(args.tokens)] for _ in range(args.requests)]
+
+
+def _payloads(args: argparse.Namespace, shape: str) -> tuple[list[bytes], list[bytes], int]:
+    """(stored payloads, removed payloads, engine blocks stored) of the prompts."""
+    encoder = EngineEventEncoder(args.block_size, args.engine_block_size)
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    blocks = 0
+    for tokens in _prompts(args):
+        hashes = hash_prompt(tokens, args.block_size, root_hash(MODEL)).hashes
+        encoder.learn(hashes, tokens)
+        events = encoder.convert([BlocksStored(tuple(hashes))])
+        gone = encoder.convert([BlocksRemoved(tuple(reversed(hashes)))])
+        if shape == "step":
+            evs = [e for e in events if isinstance(e, EngineBlockStored)]
+            events = [
+                EngineBlockStored(
+                    tuple(h for e in evs for h in e.block_hashes),
+                    evs[0].parent_block_hash,
+                    tuple(t for e in evs for t in e.token_ids),
+                    args.engine_block_size,
+                    medium=evs[0].medium,
+                    group_idx=0,
+                    kv_cache_spec_kind="full_attention",
+                )
+            ]
+        blocks += sum(len(e.block_hashes) for e in events if isinstance(e, EngineBlockStored))
+        stored.append(encode_batch(EngineBatch(time.time(), tuple(events), None)))
+        removed.append(encode_batch(EngineBatch(time.time(), tuple(gone), None)))
+    assert all(isinstance(e, EngineBlockRemoved) for p in removed for e in decode_events(p))
+    return stored, removed, blocks
+
+
+def decode_events(payload: bytes) -> tuple[Any, ...]:
+    batch = decode_payload(payload).batch
+    return () if batch is None else batch.events
+
+
+class _Round:
+    """One round: a fresh ingest and index; CPU seconds of each phase."""
+
+    def __init__(self, block_size: int) -> None:
+        self.index = PrefixIndex()
+        self.seen: list[list[IndexEvent]] = []
+        self.ingest = EngineIngest("r0", MODEL, block_size, self._sink)
+        self.index.add_replica(ReplicaKey("r0"))
+
+    def _sink(self, key: ReplicaKey, events: list[IndexEvent]) -> None:
+        self.index.apply(EventBatch(key, tuple(events)))
+        self.seen.append(events)
+
+    def digest(self) -> str:
+        return xxhash.xxh3_64_hexdigest(repr(self.seen).encode())
+
+    def feed(self, payloads: list[bytes]) -> float:
+        handle = self.ingest.handle_payload
+        t0 = time.process_time()
+        for payload in payloads:
+            handle(payload)
+        return time.process_time() - t0
+
+
+def _shape(args: argparse.Namespace, shape: str) -> dict[str, Any]:
+    stored, removed, blocks = _payloads(args, shape)
+    best: dict[str, float] = {}
+    digest = ""
+    for _ in range(args.reps):
+        rnd = _Round(args.block_size)
+        t0 = time.process_time()
+        for payload in stored:
+            decode_payload(payload)
+        times = {"decode": time.process_time() - t0}
+        times["stored"] = rnd.feed(stored)
+        kv_blocks = rnd.index.stats().kv_entries
+        times["removed"] = rnd.feed(removed)
+        for name, seconds in times.items():
+            best[name] = min(best.get(name, seconds), seconds)
+        digest = rnd.digest()
+        if rnd.ingest.stats.malformed_events or rnd.index.stats().kv_entries:
+            raise RuntimeError("the bench's events did not round-trip")
+    per_request = blocks / args.requests
+    return {
+        "engine_blocks": blocks,
+        "events_per_request": round(sum(len(decode_events(p)) for p in stored) / args.requests),
+        "canonical_blocks": kv_blocks,
+        "stored_us_per_engine_block": round(best["stored"] / blocks * 1e6, 3),
+        "stored_ms_per_request": round(best["stored"] / args.requests * 1e3, 3),
+        "decode_share": round(best["decode"] / max(best["stored"], 1e-9), 3),
+        "removed_us_per_engine_block": round(best["removed"] / blocks * 1e6, 3),
+        "ms_per_request": round((best["stored"] + best["removed"]) / args.requests * 1e3, 3),
+        "blocks_per_request": round(per_request),
+        "events_digest": digest,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    shapes = SHAPES if args.shape == "both" else (args.shape,)
+    result: dict[str, Any] = {
+        "bench": "ingest",
+        "requests": args.requests,
+        "tokens": args.tokens,
+        "engine_block_size": args.engine_block_size,
+        "block_size": args.block_size,
+        "reps": args.reps,
+    }
+    for shape in shapes:
+        result[shape] = _shape(args, shape)
+    emit(result)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("ingest", help="CPU to decode and re-block engine KV events")
+    p.add_argument("--requests", type=int, default=40, help="prompts published")
+    p.add_argument("--tokens", type=int, default=14_336, help="tokens a prompt")
+    p.add_argument("--engine-block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=64, help="the router's block size")
+    p.add_argument("--shape", choices=(*SHAPES, "both"), default="both")
+    p.add_argument("--reps", type=int, default=5, help="rounds; the best is kept")
+    p.add_argument("--seed", type=int, default=1)
+    p.set_defaults(handler=run)

@@ -1,0 +1,295 @@
+"""``kvrouter bench overload``: the router in front of mock replicas driven past saturation,
+SLO-aware admission off and on (router/service/admission.py), one JSON object.
+
+Each row starts its own fleet (``--replicas`` mock replicas of ``--profile``, real processes,
+KV events over ZMQ) and a router whose cost model is the profile's (``policy_params.cost``:
+without it the router would misjudge TTFT and admit what then misses) and whose SLO is the
+default one; then replays the first ``--requests`` rows of the bundled Mooncake trace open
+loop at ``--speedup`` x their arrival rate, a ``--priority-share`` / ``--flex-share`` of
+them with ``service_tier`` ``priority`` / ``flex``. ``--time-scale`` runs the mocks faster
+(0.05: 20x) with the router's cost model, the SLO and the arrivals scaled to match.
+
+Per row: ``served`` (200 and a complete stream), ``refused`` (429/503), how many of those
+carried ``Retry-After``, ``lost`` (anything else: errors, cut streams; must be 0),
+``goodput`` (share of all requests that met their class's SLO, as the client measured),
+``slo_attainment`` per class, the refusal latency (request sent -> refusal received) and
+the served requests' TTFT / TPOT. Figures of a shared machine: compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from router.core.admission import CLASS_NAMES, AdmissionSettings, class_of
+from router.core.slo import SloTargets, SloTier, tpot_s
+
+TRACE = Path(__file__).resolve().parents[2] / "sim" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+@dataclass(slots=True)
+class Result:
+    klass: int
+    status: int = 0
+    retry_after: bool = False
+    code: str = ""
+    elapsed_s: float = float("nan")
+    ttft_s: float = float("nan")
+    output_tokens: int = 0
+    error: str = ""
+
+
+def scaled_slo(scale: float) -> SloTargets:
+    base = SloTargets()
+    tiers = tuple(SloTier(t.max_prompt_tokens, t.ttft_s * scale) for t in base.tiers)
+    return SloTargets(tiers, base.tpot_s * scale)
+
+
+def router_toml(
+    port: int, model: str, replicas: list[dict[str, str]], profile: str, scale: float, slo: bool
+) -> str:
+    from sim.profiles import load_profile
+
+    cost = asdict(load_profile(profile).cost)
+    for k, v in list(cost.items()):
+        if k != "chunk_tokens":
+            cost[k] = v * scale
+    targets = scaled_slo(scale)
+    tiers = ",".join(
+        f"{'*' if t.max_prompt_tokens is None else t.max_prompt_tokens}:{t.ttft_s:g}"
+        for t in targets.tiers
+    )
+    lines = [
+        "[server]",
+        'host = "127.0.0.1"',
+        f"port = {port}",
+        'log_level = "warning"',
+        "",
+        f'[models."{model}"]',
+        'policy = "ours"',
+        "block_size = 64",
+        f'[models."{model}".slo]',
+        f'ttft_tiers = "{tiers}"',
+        f"tpot_s = {targets.tpot_s!r}",
+        f'[models."{model}".policy_params.cost]',
+        *(f"{k} = {v!r}" for k, v in cost.items()),
+    ]
+    if slo:
+        lines += [f'[models."{model}".admission]', "enabled = true"]
+    for rep in replicas:
+        lines += ["", "[[replicas]]"] + [f'{k} = "{v}"' for k, v in rep.items()]
+    return "\n".join(lines) + "\n"
+
+
+async def _one(session: Any, url: str, body: bytes, klass: int) -> Result:
+    import aiohttp
+
+    r = Result(klass)
+    t0 = time.perf_counter()
+    try:
+        async with session.post(
+            url, data=body, headers={"Content-Type": "application/json"}
+        ) as resp:
+            r.status = resp.status
+            if resp.status != 200:
+                r.elapsed_s = time.perf_counter() - t0
+                r.retry_after = "Retry-After" in resp.headers
+                try:
+                    r.code = str((await resp.json())["error"]["code"])
+                except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
+                    r.code = "unparsed"
+                return r
+            done = False
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if r.ttft_s != r.ttft_s:
+                    r.ttft_s = time.perf_counter() - t0
+                if data == b"[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    r.error = str(chunk["error"])[:200]
+                usage = chunk.get("usage")
+                if usage:
+                    r.output_tokens = int(usage.get("completion_tokens") or 0)
+            r.elapsed_s = time.perf_counter() - t0
+            if not done and not r.error:
+                r.error = "stream ended before [DONE]"
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        r.error = f"{type(exc).__name__}: {exc}"
+    return r
+
+
+async def _replay(url: str, requests: list[tuple[float, bytes, int]]) -> list[Result]:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
+        start = time.perf_counter()
+
+        async def later(at: float, body: bytes, klass: int) -> Result:
+            wait = at - (time.perf_counter() - start)
+            if wait > 0:
+                await asyncio.sleep(wait)
+            return await _one(session, url + "/v1/completions", body, klass)
+
+        return list(await asyncio.gather(*(later(*r) for r in requests)))
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)) * 1000, 1) if values else None
+
+
+def summarize(results: list[Result], slo: SloTargets, prompts: list[int]) -> dict[str, Any]:
+    factor = AdmissionSettings().ttft_factor
+    served = [r for r in results if r.status == 200 and not r.error]
+    refused = [r for r in results if r.status in (429, 503)]
+    met = [0, 0, 0]
+    total = [0, 0, 0]
+    misses = {name: {"ttft": 0, "tpot": 0} for name in CLASS_NAMES}
+    tpots = []
+    for r, n in zip(results, prompts, strict=True):
+        total[r.klass] += 1
+        if r.status != 200 or r.error:
+            continue
+        tpot = tpot_s(r.elapsed_s, r.ttft_s, r.output_tokens)
+        if tpot is not None:
+            tpots.append(tpot)
+        ok = r.ttft_s <= slo.ttft_target_s(n) * factor[r.klass]
+        tpot_ok = tpot is None or tpot <= slo.tpot_s
+        if ok and tpot_ok:
+            met[r.klass] += 1
+        missed = misses[CLASS_NAMES[r.klass]]
+        missed["ttft"] += not ok
+        missed["tpot"] += not tpot_ok
+    lost = [r for r in results if r not in served and r not in refused]
+    return {
+        "requests": len(results),
+        "served": len(served),
+        "refused": len(refused),
+        "refused_with_retry_after": sum(r.retry_after for r in refused),
+        "refusal_codes": sorted({r.code for r in refused}),
+        "lost": len(lost),
+        "goodput": round(sum(met) / len(results), 4) if results else 0.0,
+        "slo_attainment": {
+            name: (round(m / t, 4) if t else None)
+            for name, m, t in zip(CLASS_NAMES, met, total, strict=True)
+        },
+        "served_missed": misses,  # served requests that missed TTFT / TPOT, by class
+        "refusal_latency_ms_p50": _pct([r.elapsed_s for r in refused], 50),
+        "refusal_latency_ms_p90": _pct([r.elapsed_s for r in refused], 90),
+        "refusal_latency_ms_p99": _pct([r.elapsed_s for r in refused], 99),
+        "refusal_latency_ms_max": _pct([r.elapsed_s for r in refused], 100),
+        "ttft_ms_p50": _pct([r.ttft_s for r in served], 50),
+        "ttft_ms_p90": _pct([r.ttft_s for r in served], 90),
+        "tpot_ms_p90": _pct(tpots, 90),
+        "errors": sorted({r.error or f"HTTP {r.status}" for r in lost})[:3],
+    }
+
+
+def workload(
+    n: int, speedup: float, scale: float, priority: float, flex: float, seed: int, model: str
+) -> tuple[list[tuple[float, bytes, int]], list[int]]:
+    """(arrival s, body, class) of the first ``n`` trace rows, and their prompt lengths."""
+    from router.demo.replay import load_requests
+
+    rng = random.Random(seed)
+    out = []
+    prompts = []
+    for req in load_requests(TRACE, n, model, max_output=256):
+        u = rng.random()
+        tier = "priority" if u < priority else "flex" if u < priority + flex else None
+        body = json.loads(req.body)
+        if tier is not None:
+            body["service_tier"] = tier
+        klass = class_of(tier or "default")
+        out.append((req.arrival_s / speedup * scale, json.dumps(body).encode(), klass))
+        prompts.append(req.prompt_tokens)
+    return out, prompts
+
+
+async def _row(args: argparse.Namespace, slo_on: bool, requests: Any, prompts: list[int]) -> Any:
+    from router.demo.fleet import MODEL, Fleet, FleetSpec
+
+    spec = FleetSpec(
+        replicas=args.replicas, policy=None, profile=args.profile, time_scale=args.time_scale
+    )
+    started = time.perf_counter()
+    async with Fleet(spec) as fleet:
+        port = fleet.port()
+        assert fleet._tmp is not None
+        config = Path(fleet._tmp.name) / "router.toml"
+        reps = [
+            {k: v for k, v in r.items() if k in ("url", "model", "name", "zmq", "zmq_replay")}
+            for r in fleet.replicas
+        ]
+        config.write_text(router_toml(port, MODEL, reps, args.profile, args.time_scale, slo_on))
+        cmd = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
+        await fleet.start_router("router", cmd, f"http://127.0.0.1:{port}", ready="/ready")
+        results = await _replay(fleet.router_url, requests)
+        fleet.check_alive()
+    row = summarize(results, scaled_slo(args.time_scale), prompts)
+    row["wall_s"] = round(time.perf_counter() - started, 1)
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    from router.demo.fleet import MODEL
+
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    if not rows or any(r not in ("off", "slo") for r in rows):
+        raise SystemExit("--rows: a comma-separated list of off, slo")
+    requests, prompts = workload(
+        args.requests, args.speedup, args.time_scale, args.priority_share, args.flex_share,
+        args.seed, MODEL,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {
+        "bench": "overload",
+        "replicas": args.replicas,
+        "profile": args.profile,
+        "requests": len(requests),
+        "speedup": args.speedup,
+        "time_scale": args.time_scale,
+        "priority_share": args.priority_share,
+        "flex_share": args.flex_share,
+        "rows": {},
+    }
+    for row in rows:
+        print(f"bench overload: admission {row} ...", file=sys.stderr)
+        result["rows"][row] = asyncio.run(_row(args, row == "slo", requests, prompts))
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    sys.stdout.write(json.dumps(result, indent=None if args.json else 2) + "\n")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "overload", help="mock replicas past saturation, SLO-aware admission off vs on"
+    )
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--requests", type=int, default=200, help="first N rows of the trace")
+    p.add_argument("--speedup", type=float, default=2.0, help="arrival speed-up of the trace")
+    p.add_argument("--priority-share", type=float, default=0.2)
+    p.add_argument("--flex-share", type=float, default=0.0)
+    p.add_argument("--profile", default="dense-70b", help="the mocks' (and router's) profile")
+    p.add_argument("--time-scale", type=float, default=1.0, help="mock time scale (0.05: 20x)")
+    p.add_argument("--rows", default="off,slo", help="admission modes to run: off, slo")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
+    p.set_defaults(handler=run)

@@ -1,0 +1,314 @@
+"""SLO-aware admission at the front door: the core queue (router/core/admission.py) on the
+event loop, per model with ``[models.NAME.admission] enabled = true``.
+
+A request is judged before it is committed to a replica (:meth:`RouterState.decide`, then
+:meth:`RouterState.commit` among the replicas that fit): admitted at once, held, or shed with
+:class:`Overloaded` (HTTP 429 with ``Retry-After``, gRPC RESOURCE_EXHAUSTED). A held request
+waits on a future; one pump task per model runs while anything is held, every
+:data:`TICK_S` and whenever a request finishes: it sheds the held requests that can no
+longer meet their deadline and commits those that fit, best first. A client that goes away
+cancels its handler, which takes its request out of the queue (or, if it was committed at
+that very moment, completes it in the load model): nothing is answered twice or leaked.
+
+Service class: OpenAI's ``service_tier`` in the body (``priority``, ``default``, ``flex``,
+``auto``), capped by the API key's class when ``server.priority_keys`` names any (a key not
+listed there cannot ask for priority); ``server.flex_keys`` makes a key's requests flex by
+default. Tenant (fairness): the API key presented (hashed), one tenant for requests
+without one.
+
+Per process: with ``server.workers`` > 1 each worker judges with its own queue and its own
+view of the load (peer load included); pods do not share queue pressure (docs/service.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import xxhash
+
+from router.core.admission import (
+    ADMIT,
+    CLASS_NAMES,
+    DEFAULT,
+    FLEX,
+    PRIORITY,
+    SHED,
+    SHED_REASONS,
+    AdmissionQueue,
+    Assessment,
+    Ticket,
+    assess,
+    parse_service_tier,
+    predictor_for,
+    restrict,
+)
+from router.core.errors import KVRouterError, NoReplicaAvailable, Overloaded
+from router.core.policies import Ours
+from router.service.body_memo import Admitted
+from router.service.gate import presented_key
+from router.service.state import Pending, Routed, RouterState
+from router.tokenize.pipeline import ProcessedPrompt
+
+TICK_S = 0.05
+"""How often held requests are looked at while any is held, besides on every completion
+(each look re-routes up to ``scan`` of them: not free)."""
+
+
+def _keys(text: str | None) -> frozenset[str]:
+    return frozenset(k.strip() for k in (text or "").split(",") if k.strip())
+
+
+@dataclass(slots=True)
+class _Model:
+    name: str
+    queue: AdmissionQueue
+    predictor: Ours
+    waiters: dict[str, asyncio.Future[Routed]] = field(default_factory=dict)
+    pump: asyncio.Task[None] | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Admission:
+    """The front door's admission for every model of ``state`` (module docstring)."""
+
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+        server = state.settings.server
+        self._priority_keys = _keys(server.priority_keys)
+        self._flex_keys = _keys(server.flex_keys)
+        self._models: dict[str, _Model | None] = {}
+        m = state.metrics
+        self.decisions = m.admission_decisions
+        self.shed = m.admission_shed
+        self.wait = m.admission_wait
+        self.depth = m.admission_held
+
+    # ------------------------------------------------------------------ per request
+
+    def enabled(self, model: str) -> bool:
+        return self._model(model) is not None
+
+    def _model(self, name: str) -> _Model | None:
+        if name in self._models:
+            return self._models[name]
+        settings = self.state.settings.model(name).admission
+        engine = self.state.engines.get(name)
+        if engine is None:  # not routed (yet): decided once it is
+            return None
+        m = None
+        if settings is not None:
+            queue = AdmissionQueue(settings, self.state.slos[name])
+            cost = getattr(engine.policy, "cost", None)
+            m = _Model(name, queue, predictor_for(engine.policy, cost))
+        self._models[name] = m
+        return m
+
+    def service_class(self, body_tier: object, headers: Iterable[tuple[bytes, bytes]]) -> int:
+        """The class a request gets (module docstring); BadRequest for a bad tier."""
+        key = presented_key(headers)
+        own = (
+            PRIORITY if key in self._priority_keys else FLEX if key in self._flex_keys else DEFAULT
+        )
+        asked = parse_service_tier(body_tier, own)
+        if self._priority_keys and asked < own:  # only listed keys may ask for better
+            return own
+        return asked
+
+    @staticmethod
+    def tenant(headers: Iterable[tuple[bytes, bytes]]) -> str:
+        key = presented_key(headers)
+        return xxhash.xxh3_64_hexdigest(key.encode()) if key else ""
+
+    async def route_admitted(
+        self,
+        admitted: Admitted,
+        headers: list[tuple[bytes, bytes]],
+        clock: Callable[[], float],
+    ) -> Routed:
+        """:meth:`route` for a checked body of the front door (router/service/handling.py):
+        class from its ``service_tier`` and the API key, tenant from the key."""
+        from router.service.handling import request_id_of, session_of, unique_in_flight
+
+        state = self.state
+        return await self.route(
+            admitted.model,
+            admitted.prompt,
+            unique_in_flight(state, request_id_of(headers)),
+            clock(),
+            klass=self.service_class(admitted.service_tier, headers),
+            tenant=self.tenant(headers),
+            session_id=session_of(headers, admitted.session_id),
+            max_output_tokens=admitted.max_output_tokens,
+        )
+
+    async def route(
+        self,
+        model: str,
+        prompt: ProcessedPrompt,
+        request_id: str,
+        now: float,
+        *,
+        klass: int,
+        tenant: str,
+        session_id: str | None,
+        max_output_tokens: int | None,
+    ) -> Routed:
+        """Judge and route one request (the model must be enabled); raises Overloaded."""
+        m = self._model(model)
+        assert m is not None
+        state = self.state
+        if request_id in m.waiters:  # a client re-sent the id of a request still held
+            request_id = f"{request_id}-{len(m.waiters)}-{int(now * 1e6) % 1000000}"
+        pending = state.decide(
+            model,
+            prompt,
+            request_id,
+            now,
+            session_id=session_id,
+            max_output_tokens=max_output_tokens,
+        )
+        queue = m.queue
+        a = assess(m.predictor, pending.request, pending.candidates, now)
+        prompt_tokens = pending.request.prompt_tokens
+        ticket = queue.ticket(request_id, klass, tenant, prompt_tokens, now, pending)
+        verdict = queue.judge(ticket, a, now)
+        name = CLASS_NAMES[klass]
+        self.decisions.labels(model, name, verdict.action).inc()
+        if verdict.action == ADMIT:
+            assert verdict.allowed is not None
+            self.wait.labels(model, name).observe(0.0)
+            return self._commit(m, ticket, pending, a, verdict.allowed, now)
+        if verdict.action == SHED:
+            raise self._shed(m, ticket, verdict.reason, verdict.retry_after_s)
+        fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
+        m.waiters[request_id] = fut
+        self._gauge(m)
+        self._start(m)
+        try:
+            return await fut
+        except asyncio.CancelledError:  # the client left
+            m.waiters.pop(request_id, None)
+            committed = fut.done() and not fut.cancelled() and fut.exception() is None
+            if queue.cancel(request_id) is None and committed:  # sent as it left: not sent
+                state.load.complete(request_id)
+                queue.finished(request_id)
+            self._gauge(m)
+            raise
+
+    def finished(self, model: str, request_id: str) -> None:
+        """A routed request is over (answered, failed or cancelled): its allowance is no
+        longer tracked, and held requests may fit now."""
+        m = self._models.get(model)
+        if m is None:
+            return
+        m.queue.finished(request_id)
+        if len(m.queue):
+            m.wake.set()
+
+    # ------------------------------------------------------------------ the queue
+
+    def _commit(
+        self,
+        m: _Model,
+        ticket: Ticket,
+        pending: Pending,
+        a: Assessment,
+        allowed: object,
+        now: float,
+    ) -> Routed:
+        queue = m.queue
+        weight = queue.settings.decode_weight[ticket.klass]
+        routed = self.state.commit(
+            pending,
+            restrict(pending.candidates, allowed),  # type: ignore[arg-type]
+            now,
+            class_weight=weight,
+        )
+        d = routed.decision
+        req = routed.request
+        queue.dispatched(
+            ticket, a, d.replica, req.prompt_tokens - d.usable_tokens, req.max_output_tokens
+        )
+        return routed._replace(
+            service_class=CLASS_NAMES[ticket.klass],
+            ttft_factor=queue.settings.ttft_factor[ticket.klass],
+        )
+
+    def _shed(self, m: _Model, ticket: Ticket, reason: str, retry_after_s: float) -> Overloaded:
+        name = CLASS_NAMES[ticket.klass]
+        self.shed.labels(m.name, reason, name).inc()
+        what = (
+            "cannot meet its time-to-first-token target now"
+            if reason == SHED_REASONS[0]
+            else "the admission queue is full"
+        )
+        return Overloaded(
+            f"the router is overloaded: this {name}-class request {what}; retry later",
+            reason,
+            name,
+            retry_after_s,
+        )
+
+    def _gauge(self, m: _Model) -> None:
+        for k, name in enumerate(CLASS_NAMES):
+            self.depth.labels(m.name, name).set(m.queue.depth(k))
+
+    def _start(self, m: _Model) -> None:
+        if m.pump is None or m.pump.done():
+            m.pump = asyncio.get_running_loop().create_task(self._pump(m))
+
+    async def _pump(self, m: _Model) -> None:
+        loop = asyncio.get_running_loop()
+        queue = m.queue
+        while len(queue):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(m.wake.wait(), TICK_S)
+            m.wake.clear()
+            self._step(m, loop.time())
+            self._gauge(m)
+
+    def _step(self, m: _Model, now: float) -> None:
+        """Shed the late, commit what fits (best first)."""
+        queue = m.queue
+        for t in queue.expire(now):
+            fut = m.waiters.pop(str(t.key), None)
+            if fut is not None and not fut.done():
+                fut.set_exception(self._shed(m, t, SHED_REASONS[0], 1.0))
+        seen: dict[object, tuple[Pending, Assessment]] = {}
+
+        def held(t: Ticket) -> Assessment | None:
+            old: Pending = t.payload
+            try:
+                pending = self.state.decide(
+                    m.name,
+                    old.prompt,
+                    old.request.request_id,
+                    now,
+                    session_id=old.request.session_id,
+                    max_output_tokens=old.request.max_output_tokens,
+                )
+            except KVRouterError:
+                return None
+            a = assess(m.predictor, pending.request, pending.candidates, now)
+            seen[t.key] = (pending, a)
+            return a
+
+        while len(queue):
+            got = queue.ready(now, held)
+            if got is None:
+                break
+            t, allowed = got
+            fut = m.waiters.pop(str(t.key), None)
+            if fut is None or fut.done():  # its client left meanwhile
+                continue
+            pending, a = seen[t.key]
+            try:
+                routed = self._commit(m, t, pending, a, allowed, now)
+            except NoReplicaAvailable as exc:
+                fut.set_exception(exc)
+                continue
+            self.wait.labels(m.name, CLASS_NAMES[t.klass]).observe(now - t.arrived)
+            fut.set_result(routed)

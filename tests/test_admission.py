@@ -1,0 +1,263 @@
+"""router/core/admission.py: judging, ordering by slack, classes, tenant fairness, shedding,
+cancellation; and its predictions on real candidates (the ``ours`` cost model)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from router.core.admission import (
+    ADMIT,
+    DEADLINE,
+    DEFAULT,
+    FLEX,
+    HOLD,
+    PRIORITY,
+    QUEUE_FULL,
+    SHED,
+    AdmissionQueue,
+    AdmissionSettings,
+    Assessment,
+    Ticket,
+    assess,
+    parse_service_tier,
+    predictor_for,
+    restrict,
+)
+from router.core.errors import BadRequest
+from router.core.index import PrefixIndex
+from router.core.load import LoadTracker
+from router.core.policies import make_policy
+from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.slo import SloTargets
+from router.core.stall import StallLedger
+from router.core.types import BlocksStored, EventBatch, ReplicaKey, RouteRequest
+
+SLO = SloTargets.flat(ttft_s=2.0)
+
+
+def one(ttft: float, prefill: float = 0.1, replica: str = "r0") -> Assessment:
+    """One replica predicted to answer in ``ttft`` seconds."""
+    return Assessment(
+        np.array([ttft]),
+        np.array([prefill]),
+        np.array([max(ttft - prefill, 0.0)]),
+        np.array([0.01]),
+        np.array([True]),
+        (ReplicaKey(replica),),
+    )
+
+
+def queue(**kw: object) -> AdmissionQueue:
+    """A queue that may hold requests up to their deadlines (unless ``max_hold_s`` given)."""
+    kw.setdefault("max_hold_s", 60.0)
+    return AdmissionQueue(AdmissionSettings(**kw), SLO)  # type: ignore[arg-type]
+
+
+def test_service_tier_parsing() -> None:
+    assert parse_service_tier(None) == DEFAULT
+    assert parse_service_tier("auto", FLEX) == FLEX  # auto: the key's own class
+    assert parse_service_tier("priority") == PRIORITY
+    assert parse_service_tier("flex") == FLEX
+    for bad in ("gold", 3, ["priority"]):
+        with pytest.raises(BadRequest):
+            parse_service_tier(bad)
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises((ValueError, TypeError)):  # compiled (mypyc): TypeError
+        AdmissionSettings(headroom=(1.0, 0.5))  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        AdmissionSettings(headroom=(1.5, 0.5, 0.3))
+
+
+def test_admit_hold_shed_by_class_headroom() -> None:
+    q = queue()
+    now = 100.0
+    # 1.5 s predicted on a 2 s target: priority (whole budget) goes, default (half) waits
+    p = q.ticket("p", PRIORITY, "a", 100, now)
+    assert q.judge(p, one(1.5), now).action == ADMIT
+    d = q.ticket("d", DEFAULT, "a", 100, now)
+    assert q.judge(d, one(1.5), now).action == HOLD
+    assert len(q) == 1 and q.depth(DEFAULT) == 1
+    # flex waits behind held default work; on its own, with 4x the target (8 s), it is
+    # admitted below 0.3 * 8 = 2.4 s
+    f = q.ticket("f", FLEX, "a", 100, now)
+    assert f.budget_s == 8.0
+    assert q.judge(f, one(2.3), now).action == HOLD
+    q2 = queue()
+    assert q2.judge(q2.ticket("f", FLEX, "a", 100, now), one(2.3), now).action == ADMIT
+
+
+def test_shed_at_once_with_retry_after_when_the_slo_cannot_be_met() -> None:
+    q = queue()
+    now = 0.0
+    v = q.judge(q.ticket("x", DEFAULT, "a", 100, now), one(5.0), now)
+    assert v.action == SHED and v.reason == DEADLINE
+    assert v.retry_after_s >= 1
+    assert len(q) == 0  # never held to miss anyway
+    # work held ahead counts: 1.8 s predicted plus held prefill ahead > 2 s
+    q.judge(q.ticket("h1", DEFAULT, "a", 100, now), one(1.5, prefill=0.5), now)
+    assert len(q) == 1
+    v = q.judge(q.ticket("h2", DEFAULT, "a", 100, now), one(1.8, prefill=0.5), now)
+    assert v.action == SHED and v.reason == DEADLINE
+
+
+def test_nothing_is_held_long() -> None:
+    q = queue(max_hold_s=0.5)
+    # a replica fits a default request at 1 s predicted; 1.7 s: 0.7 s to wait, over 0.5 s
+    v = q.judge(q.ticket("x", DEFAULT, "a", 10, 0.0), one(1.7), 0.0)
+    assert v.action == SHED and v.reason == DEADLINE
+    assert q.judge(q.ticket("y", DEFAULT, "a", 10, 0.0), one(1.3), 0.0).action == HOLD
+    assert q.expire(0.4) == [] and [t.key for t in q.expire(0.6)] == ["y"]
+
+
+def test_queue_bound() -> None:
+    q = queue(max_queue=1)
+    assert q.judge(q.ticket(1, DEFAULT, "a", 10, 0.0), one(1.5), 0.0).action == HOLD
+    v = q.judge(q.ticket(2, DEFAULT, "a", 10, 0.0), one(1.0), 0.0)
+    assert v.action == SHED and v.reason == QUEUE_FULL
+
+
+def test_ready_orders_by_slack_then_expires_the_late() -> None:
+    q = queue()
+    slo = SloTargets.flat(ttft_s=2.0)
+    q = AdmissionQueue(AdmissionSettings(), slo)
+    # b arrived earlier: less slack left, so it goes first although it was held later
+    a = q.ticket("a", DEFAULT, "t", 10, 1.0)
+    b = q.ticket("b", DEFAULT, "t", 10, 0.5)
+    q.judge(a, one(1.2, prefill=0.05), 1.0)
+    q.judge(b, one(1.2, prefill=0.05), 1.0)
+    assert [t.key for t in q.order(1.0)] == ["b", "a"]
+    got = q.ready(1.1, lambda t: one(0.5))
+    assert got is not None and got[0].key == "b" and bool(got[1][0])
+    # nothing fits: nothing handed out, nothing lost
+    assert q.ready(1.1, lambda t: one(1.5)) is None
+    assert len(q) == 1
+    # past its deadline minus its own prefill: shed, never dispatched late
+    assert [t.key for t in q.expire(2.96)] == ["a"]
+    assert len(q) == 0
+
+
+def test_priority_is_served_before_default() -> None:
+    q = queue()
+    for i in range(3):
+        q.judge(q.ticket(f"d{i}", DEFAULT, "t", 10, 0.0), one(1.5), 0.0)
+    # a priority request while defaults wait: no default is ahead of it
+    v = q.judge(q.ticket("p0", PRIORITY, "t", 10, 0.1), one(2.5), 0.1)
+    assert v.action == SHED  # over its whole budget: shed, priority or not
+    q.judge(q.ticket("p1", PRIORITY, "t", 10, 0.1), one(1.9), 0.1)
+    assert q.depth(PRIORITY) == 0  # it fit: admitted at once
+    # held priority work comes out first
+    q2 = queue()
+    q2.judge(q2.ticket("d", DEFAULT, "t", 10, 0.0), one(1.5), 0.0)
+    q2.judge(q2.ticket("p", PRIORITY, "t", 10, 0.1), one(2.1, prefill=0.1), 0.1)
+    assert q2.depth(PRIORITY) == 0  # 2.1 s > 2 s: shed at once
+    held = q2.ticket("p2", PRIORITY, "t", 10, 0.1)
+    # a priority request behind another held priority one is held, then comes first
+    q2._hold(held, 0.1)
+    got = q2.ready(0.2, lambda t: one(0.9))
+    assert got is not None and got[0].key == "p2"
+
+
+def test_a_heavy_tenant_cannot_starve_a_light_one() -> None:
+    q = queue()
+    now = 0.0
+    # the heavy tenant was served 1M uncached tokens; both have requests waiting
+    q.served("heavy", 1_000_000)
+    for i in range(20):
+        q.judge(q.ticket(f"h{i}", DEFAULT, "heavy", 200_000, now), one(1.5), now)
+    for i in range(3):
+        q.judge(q.ticket(f"l{i}", DEFAULT, "light", 1000, now + 0.01), one(1.5), now)
+    # the light tenant was lifted to the lowest waiting counter, not left at 0 (no banked
+    # credit), but it is at most the heavy one's
+    assert q.counter("light") <= q.counter("heavy")
+    served = []
+    for _ in range(6):
+        got = q.ready(now, lambda t: one(0.5))
+        assert got is not None
+        t = got[0]
+        served.append(t.tenant)
+        q.served(t.tenant, t.prompt_tokens)
+    # heavy prefills do not lock the light tenant out: all its requests are among the first
+    assert served.count("light") == 3
+    assert served.index("light") <= 1
+
+
+def test_cancel_leaves_the_queue() -> None:
+    q = queue()
+    q.judge(q.ticket("gone", DEFAULT, "t", 10, 0.0), one(1.5), 0.0)
+    assert isinstance(q.cancel("gone"), Ticket)
+    assert q.cancel("gone") is None
+    assert len(q) == 0 and q.ready(0.1, lambda t: one(0.1)) is None
+    # the work it held is no longer counted ahead of others
+    assert q.judge(q.ticket("next", DEFAULT, "t", 10, 0.0), one(0.9), 0.0).action == ADMIT
+
+
+def test_stall_headroom_protects_decoding_requests() -> None:
+    q = queue()
+    busy, free = ReplicaKey("busy"), ReplicaKey("free")
+    two = Assessment(
+        np.array([0.5, 0.5]),
+        np.array([0.4, 0.4]),
+        np.array([0.1, 0.1]),
+        np.array([0.02, 0.02]),
+        np.array([True, True]),
+        (busy, free),
+    )
+    # a default request decoding 11 tokens on "busy": it may stand 0.5 x (0.1 - 0.02) x 10
+    # = 0.4 s of prefill while it decodes
+    short = q.ticket("short", DEFAULT, "t", 10, 0.0)
+    q.dispatched(short, two, busy, 10, output_tokens=11)
+    assert q.stall_headroom(two).tolist() == pytest.approx([0.4, float("inf")])
+    q.dispatched(q.ticket("x", DEFAULT, "t", 10, 0.0), two, busy, 10, output_tokens=1)
+    # that used it up: a default prefill of 0.4 s more would overdraw it by 4 TPOT targets
+    # (more than max_stall, 3), priority goes anywhere
+    d = q.ticket("d", DEFAULT, "t", 10, 0.0)
+    assert q.fits(d, two, 0.0).tolist() == [False, True]
+    p = q.ticket("p", PRIORITY, "t", 10, 0.0)
+    assert q.fits(p, two, 0.0).tolist() == [True, True]
+    q.finished("short")  # done decoding: nothing left to protect
+    assert q.fits(d, two, 0.0).tolist() == [True, True]
+
+
+def test_stall_ledger() -> None:
+    ledger = StallLedger()
+    r = ReplicaKey("r")
+    assert ledger.headroom(r) == float("inf")
+    ledger.add("a", r, 1.0, 5.0)  # limit at clock 6
+    ledger.add("b", r, 2.0, 10.0)  # clock 3, limit 13
+    assert ledger.headroom(r) == pytest.approx(3.0)
+    ledger.add("c", r, 4.0, float("inf"))  # clock 7: a is 1 s over, c is not tracked
+    assert ledger.headroom(r) == pytest.approx(-1.0) and len(ledger) == 2
+    ledger.remove("a")
+    assert ledger.headroom(r) == pytest.approx(6.0)
+    ledger.forget(r)
+    assert ledger.headroom(r) == float("inf") and len(ledger) == 0
+
+
+def test_assess_uses_the_policy_prediction_with_the_usable_hit() -> None:
+    keys = (ReplicaKey("a"), ReplicaKey("b"))
+    index, load = PrefixIndex(), LoadTracker()
+    for k in keys:
+        index.add_replica(k)
+        load.add_replica(k)
+    policy = make_policy("ours")
+    engine = RoutingEngine(index, load, policy, RoutingSettings(block_size=16))
+    hashes = list(range(1, 65))
+    index.apply(EventBatch(keys[0], (BlocksStored(tuple(hashes[:60])),)))
+    req = RouteRequest("r", "m", 64 * 16, hashes, 16)
+    cands = engine.candidates(req, keys, 0.0)
+    assert isinstance(cands, list)
+    a = assess(predictor_for(policy), req, cands, 0.0)
+    by = {c.replica: i for i, c in enumerate(cands)}
+    assert a.prefill_s[by[keys[0]]] < a.prefill_s[by[keys[1]]]  # the cached one is cheaper
+    only_a = restrict(cands, np.array([c.replica == keys[0] for c in cands]))
+    d = engine.choose(req, only_a, 0.0, random.Random(0))
+    assert d.replica == keys[0]
+    # the columnar path predicts the same
+    cols = RoutingEngine(index, load, policy, RoutingSettings(block_size=16), columnar_min=1)
+    ca = assess(predictor_for(policy), req, cols.candidates(req, keys, 0.0), 0.0)
+    assert sorted(ca.ttft_s.tolist()) == pytest.approx(sorted(a.ttft_s.tolist()))

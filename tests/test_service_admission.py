@@ -1,0 +1,160 @@
+"""SLO-aware admission at the front door (router/service/admission.py): ``service_tier``
+checks, refusal with 429 + Retry-After, a held request released when capacity frees, and a
+held request whose client leaves taken out of the queue. Real HTTP on loopback; a backend
+held on an event stands for a busy replica."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.core.admission import AdmissionSettings
+from router.core.errors import ConfigError
+from router.service.app import STATE
+from router.service.config import build_settings
+from router.service.state import RouterState
+from tests.backends import Backend, kimi_model_table, start_router
+from tests.test_audit_metrics import series
+from tests.waiting import eventually
+
+MODEL = "kimi-test"
+PROMPT = "Why is the sky blue? " * 30
+
+
+@dataclass
+class Door:
+    url: str
+    state: RouterState
+    backend: Backend
+    http: aiohttp.ClientSession
+
+    async def post(self, tier: str | None = None, **extra: Any) -> aiohttp.ClientResponse:
+        body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **extra}
+        if tier is not None:
+            body["service_tier"] = tier
+        return await self.http.post(self.url + "/v1/completions", json=body)
+
+    def held(self) -> int:
+        queue = self.state.admission._models[MODEL].queue
+        return len(queue)
+
+    async def metric(self, name: str) -> dict[str, float]:
+        async with self.http.get(self.url + "/metrics") as r:
+            return series(await r.text(), name)
+
+
+async def _door(admission: dict[str, Any], slo: dict[str, Any]) -> AsyncIterator[Door]:
+    backend = await Backend("b0", [MODEL]).start()
+    settings = build_settings(
+        {
+            "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
+            "models": {
+                MODEL: kimi_model_table(
+                    context_length=100_000, slo=slo, admission={"enabled": True, **admission}
+                )
+            },
+        }
+    )
+    runner, url = await start_router(settings)
+    http = aiohttp.ClientSession()
+    try:
+        yield Door(url, runner.app[STATE], backend, http)
+    finally:
+        if backend.gate is not None:
+            backend.gate.set()
+        await http.close()
+        await runner.cleanup()
+        await backend.stop()
+
+
+@pytest.fixture
+async def impossible() -> AsyncIterator[Door]:
+    """A TTFT target no request can meet."""
+    async for d in _door({}, {"ttft_s": 1e-9}):
+        yield d
+
+
+@pytest.fixture
+async def protective() -> AsyncIterator[Door]:
+    """Priority requests in flight leave no decode-stall headroom to default ones, whose
+    TTFT target is long: a default request is held while a priority one runs."""
+    knobs = {
+        "stall_share": [1e-9, 0.5, 0.5],
+        "max_stall": [float("inf"), 1e-9, 1e-9],
+        "max_hold_s": 60.0,
+    }
+    async for d in _door(knobs, {"ttft_s": 100.0}):
+        yield d
+
+
+def test_config_reads_the_admission_table() -> None:
+    table = kimi_model_table(admission={"enabled": True, "headroom": [1, 0.6, 0.2]})
+    settings = build_settings({"models": {MODEL: table}})
+    assert settings.model(MODEL).admission == AdmissionSettings(headroom=(1, 0.6, 0.2))
+    off = build_settings({"models": {MODEL: kimi_model_table(admission={"headroom": [1, 1, 1]})}})
+    assert off.model(MODEL).admission is None  # enabled defaults to false
+    for bad in ({"enabled": "yes"}, {"enabled": True, "headroom": [2, 1, 1]}, {"nope": 1}):
+        with pytest.raises(ConfigError, match="admission"):
+            build_settings({"models": {MODEL: kimi_model_table(admission=bad)}})
+
+
+async def test_a_bad_service_tier_is_a_400(impossible: Door) -> None:
+    async with await impossible.post("gold") as r:
+        assert r.status == 400
+        error = (await r.json())["error"]
+        assert "service_tier" in error["message"] and error["type"] == "invalid_request_error"
+
+
+async def test_a_request_that_cannot_meet_its_slo_is_refused_at_once(impossible: Door) -> None:
+    for tier in (None, "priority", "flex"):
+        async with await impossible.post(tier) as r:
+            assert r.status == 429, await r.text()
+            assert int(r.headers["Retry-After"]) >= 1
+            error = (await r.json())["error"]
+            assert error["code"] == "slo_deadline" and error["type"] == "rate_limit_error"
+    assert impossible.backend.received == []  # never sent, never held
+    assert impossible.held() == 0
+    shed = await impossible.metric("kvrouter_admission_shed_total")
+    assert shed[f'{{class="priority",model="{MODEL}",reason="deadline"}}'] == 1.0
+    assert sum(shed.values()) == 3.0
+
+
+async def test_a_held_request_goes_when_capacity_frees(protective: Door) -> None:
+    d = protective
+    d.backend.gate = asyncio.Event()
+    first = asyncio.create_task(d.post("priority"))
+    await eventually(lambda: len(d.backend.received) == 1)
+    held = asyncio.create_task(d.post())
+    await eventually(lambda: d.held() == 1)
+    depth = await d.metric("kvrouter_admission_held")
+    assert depth[f'{{class="default",model="{MODEL}"}}'] == 1.0
+    d.backend.gate.set()  # the priority request completes: the held one may go
+    for task in (first, held):
+        async with await task as r:
+            assert r.status == 200, await r.text()
+    assert d.held() == 0 and len(d.backend.received) == 2
+    waits = await d.metric("kvrouter_admission_wait_seconds_count")
+    assert waits[f'{{class="default",model="{MODEL}"}}'] == 1.0
+
+
+async def test_a_client_that_leaves_leaves_the_queue(protective: Door) -> None:
+    d = protective
+    d.backend.gate = asyncio.Event()
+    first = asyncio.create_task(d.post("priority"))
+    await eventually(lambda: len(d.backend.received) == 1)
+    gone = asyncio.create_task(d.post())
+    await eventually(lambda: d.held() == 1)
+    gone.cancel()  # the client closes its connection while held
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    await eventually(lambda: d.held() == 0)
+    d.backend.gate.set()
+    async with await first as r:
+        assert r.status == 200
+    assert len(d.backend.received) == 1  # the one that left was never sent
+    assert d.state.load.in_flight() == 0

@@ -1,0 +1,74 @@
+"""Admission in the simulator: ``sim replay --admission slo`` and its class and tenant flags,
+the figures ``--json`` adds, and ``sim tune --tune admission``."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.cli import main
+
+FLEET = ["--replicas", "2", "--block-size", "64", "--kv-blocks", "4096", "--limit", "200"]
+
+
+def replay(capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, Any]:
+    """``kvrouter sim replay ... --json`` in this process (no interpreter start-up)."""
+    args = ["sim", "replay", "mooncake", *FLEET, "--json", "--no-progress", *extra]
+    assert main(args) == 0, capsys.readouterr().err
+    doc: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return doc
+
+
+def test_overload_with_and_without_admission(capsys: pytest.CaptureFixture[str]) -> None:
+    # 2 replicas at 2x: the load of 8 replicas at 8x
+    flags = ("--speedup", "2", "--priority-share", "0.2", "--flex-share", "0.1")
+    off = replay(capsys, *flags, "--tenants", "3")
+    on = replay(capsys, *flags, "--tenants", "3", "--admission", "slo")
+    for doc in (off, on):
+        assert set(doc["slo_attainment"]) == {"priority", "default", "flex"}
+        assert doc["requests_by_class"]["priority"] > 0 and doc["requests_by_class"]["flex"] > 0
+        for key in ("goodput", "router_wait_ms_p50", "router_wait_ms_p90", "shed"):
+            assert key in doc, key
+        # every request was answered or shed: nothing lost
+        assert doc["completed"] + doc["rejected"] == doc["requests"] == 200
+    assert off["admission"] == "off" and off["shed"] == 0 and off["router_wait_ms_p90"] == 0
+    assert on["admission"] == "slo" and on["shed"] == on["rejected"] > 0
+    assert on["settings"]["admission"]["headroom"] == [1.0, 0.5, 0.3]
+    # overloaded: admission sheds what cannot make it and keeps the priority class's SLO
+    assert on["goodput"] > off["goodput"]
+    assert on["slo_attainment"]["priority"] > off["slo_attainment"]["priority"]
+    assert on["slo_attainment"]["priority"] >= on["slo_attainment"]["default"]
+
+
+def test_admission_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    for flags in (
+        ["--priority-share", "0.8", "--flex-share", "0.5"],
+        ["--tenants", "0"],
+        ["--admission-params", '{"headroom": [2, 1, 1]}'],
+        ["--admission-params", '{"nope": 1}'],
+    ):
+        assert main(["sim", "replay", "mooncake", "--limit", "10", *flags]) == 2, flags
+        assert "error" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sim", "replay", "mooncake", "--admission", "maybe"])
+
+
+def test_tune_admission_writes_a_service_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "admission.toml"
+    args = [
+        "sim", "tune", "mooncake", *FLEET[:-2], "--limit", "80", "--tune", "admission",
+        "--priority-share", "0.3", "--speedups", "2", "--out", str(out), "--budget", "3",
+        "--jobs", "1",
+    ]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["tune"] == "admission" and doc["settings_tried"] == 3
+    assert 0 <= doc["goodput"] <= 1 and doc["cases"][0]["speedup"] == 2
+    table = tomllib.loads(out.read_text())["models"]["sim-model"]["admission"]
+    assert table["enabled"] is True and len(table["stall_share"]) == 3
