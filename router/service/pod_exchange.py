@@ -286,6 +286,11 @@ class PodExchange:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    # a cancellation the Redis client turned into its own error: stopping
+                    # must stop (the loop would otherwise swallow it and never end)
+                    raise asyncio.CancelledError from exc
                 self.counters.errors += 1
                 if not failing:
                     _log.warning("pod load exchange: %s failed: %s", what, exc)
