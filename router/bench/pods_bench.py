@@ -199,10 +199,13 @@ async def run_row(
             'kvrouter_pod_exchange_bytes_total{direction="sent"}',
             'kvrouter_pod_exchange_bytes_total{direction="received"}',
             "kvrouter_pod_exchange_errors_total",
+            "kvrouter_pod_exchange_rejected_total",
+            'kvrouter_pod_exchange_shared_total{kind="speculative"}',
+            'kvrouter_pod_exchange_shared_total{kind="session"}',
         ):
             total = sum(s.get(name, 0.0) for s in live)
             short = name.replace("kvrouter_pod_exchange_", "").replace("_total", "")
-            short = short.replace('{direction="', "_").rstrip('"}')
+            short = short.replace('{direction="', "_").replace('{kind="', "_").rstrip('"}')
             per_pod[short + "_per_s"] = round(total / max(len(live), 1) / wall, 1)
         figures["exchange"] = per_pod
     figures["redis_per_s"] = {
