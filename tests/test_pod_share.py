@@ -19,7 +19,7 @@ from router.core.policies import make_policy
 from router.core.routing import RoutingEngine, RoutingSettings
 from router.core.types import ReplicaKey, RouteRequest
 from router.service.peer_sum import PeerSum
-from router.service.pod_exchange import ExchangeSettings, PodExchange
+from router.service.pod_exchange import ExchangeSettings, PodExchange, encode
 from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare
 from router.store.redis_store import connect
 from tests.waiting import eventually
@@ -171,3 +171,25 @@ async def test_malformed_or_oversized_messages_are_counted_and_ignored(
         await eventually(lambda: two.share.counters.applied_spec == 1)
         assert two.route([*good, 1]) == (replica, len(good) * BLOCK)
         assert not two.task.done() and not one.task.done()
+
+
+def test_a_hash_field_seen_first_is_not_trusted_for_its_rows() -> None:
+    """In hash mode a field may have been written long before it is first read (its member
+    dead): its rows wait for the member's next version."""
+    engine = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), settings(30.0))
+    sender = PodShare({MODEL: engine}, lambda m, k: True)
+    sender.attach()
+    share = PodShare({MODEL: engine}, lambda m, k: True)
+    ex = ExchangeSettings("hash", "kvr", "me", 0.005, 0.5)
+    exchange = PodExchange(ex, None, LoadTracker(), PeerSum(LoadTracker()), lambda: 0.0, share)
+    request = RouteRequest("r", MODEL, BLOCK, [9], BLOCK, "s")
+
+    def message(seq: int) -> bytes:
+        engine.on_dispatch(request, KEYS[0], [], 0.0, 30.0)
+        return encode("old/1", "old", seq, LoadTracker(), sender.outbox.take(0.0))
+
+    exchange._take(message(1), 0.0)
+    exchange._take(message(1), 0.0)  # the same version again
+    assert share.counters.applied_spec == 0
+    exchange._take(message(2), 0.0)
+    assert share.counters.applied_spec == 1

@@ -288,11 +288,19 @@ class PodExchange:
     def _apply_shared(self, share: PodShare, snap: Snapshot, now: float) -> None:
         """Another member's rows, each message's once (a hash re-read shows the same seq
         again; this member's own stream entries come back to it too)."""
-        if snap.member == self.member or self._applied.get(snap.member) == snap.seq:
+        if snap.member == self.member:
+            return
+        seen = self._applied.get(snap.member)
+        if seen == snap.seq:
             return
         if len(self._applied) > 4096:
             self._applied.clear()
         self._applied[snap.member] = snap.seq
+        # a hash field read for the first time may have sat there for long (its member
+        # dead, up to HASH_FORGET_S): its rows' TTLs are no longer what they say; a stream
+        # reader reads only entries appended after it started
+        if seen is None and self.settings.mode == "hash":
+            return
         share.apply(snap.shared, now)
 
     def apply(self, now: float) -> None:
