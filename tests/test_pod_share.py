@@ -131,6 +131,11 @@ def test_shared_entries_lapse_with_the_senders_ttl() -> None:
     assert receiver.sessions.get("s", 101.4) is not None
     assert receiver.index.match(hashes, now=100.6).get(KEYS[1]).kv_blocks == 0
     assert receiver.sessions.get("s", 101.6) is None
+    # rows known to have waited in the stream (age from the entry ids) lose that much
+    late = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
+    PodShare({MODEL: late}, lambda m, k: True).apply(rows, 100.0, age_s=0.4)
+    assert late.index.match(hashes, now=100.05).get(KEYS[1]).kv_blocks == 3
+    assert late.index.match(hashes, now=100.15).get(KEYS[1]).kv_blocks == 0
     # rows for a replica this pod does not serve are skipped, not applied elsewhere
     skip = PodShare({MODEL: receiver}, lambda m, k: False)
     sender.on_dispatch(request, KEYS[2], [], 200.0, 1.0)

@@ -238,9 +238,13 @@ class PodExchange:
         got = await self.client.xread({key: self._last_id}, count=1000, block=_BLOCK_MS)
         now = self.clock()
         for _, entries in got or ():
+            # entry ids start with Redis's clock (ms) at XADD: an entry's age relative to the
+            # batch's newest is a lower bound of its age (a reader catching up after an outage)
+            newest = _id_ms(entries[-1][0]) if entries else 0
             for entry_id, fields in entries:
                 self._last_id = entry_id
-                self._take(fields.get(b"s", b""), now)
+                age_s = max(newest - _id_ms(entry_id), 0) / 1000
+                self._take(fields.get(b"s", b""), now, age_s)
         self.apply(now)
 
     async def poll_hash(self, now: float) -> None:
@@ -269,7 +273,7 @@ class PodExchange:
         if gone:
             await self.client.hdel(key, *gone)
 
-    def _take(self, data: bytes, now: float) -> None:
+    def _take(self, data: bytes, now: float, age_s: float = 0.0) -> None:
         self.counters.received += 1
         self.counters.bytes_received += len(data)
         if len(data) > MAX_MESSAGE_BYTES:
@@ -283,9 +287,9 @@ class PodExchange:
             return
         self.views.take(snap, now)
         if self.share is not None and snap.shared is not None:
-            self._apply_shared(self.share, snap, now)
+            self._apply_shared(self.share, snap, now, age_s)
 
-    def _apply_shared(self, share: PodShare, snap: Snapshot, now: float) -> None:
+    def _apply_shared(self, share: PodShare, snap: Snapshot, now: float, age_s: float) -> None:
         """Another member's rows, each message's once (a hash re-read shows the same seq
         again; this member's own stream entries come back to it too)."""
         if snap.member == self.member:
@@ -301,7 +305,7 @@ class PodExchange:
         # reader reads only entries appended after it started
         if seen is None and self.settings.mode == "hash":
             return
-        share.apply(snap.shared, now)
+        share.apply(snap.shared, now, age_s)
 
     def apply(self, now: float) -> None:
         self.peers.update(SOURCE, self.views.total(now))
@@ -356,6 +360,11 @@ class PodExchange:
                 await self.poll_hash(self.clock())
 
             await self._guarded("polling", poll)
+
+
+def _id_ms(entry_id: bytes) -> int:
+    ms, _, _ = entry_id.partition(b"-")
+    return int(ms) if ms.isdigit() else 0
 
 
 class _ExchangeCollector(Collector):

@@ -192,19 +192,20 @@ class PodShare:
 
         return on_dispatch
 
-    def apply(self, rows: object, now: float) -> None:
-        """Apply another member's rows, read at ``now``; a malformed row is counted and
-        skipped (the others still apply)."""
+    def apply(self, rows: object, now: float, age_s: float = 0.0) -> None:
+        """Apply another member's rows, read at ``now`` and known to be at least ``age_s``
+        old (their TTLs shortened by it); a malformed row is counted and skipped (the
+        others still apply)."""
         if not isinstance(rows, list) or len(rows) > MAX_ROWS:
             self.counters.rejected += 1
             return
         for row in rows:
             try:
-                self._apply_row(row, now)
+                self._apply_row(row, now, age_s)
             except (ValueError, TypeError, OverflowError):
                 self.counters.rejected += 1
 
-    def _apply_row(self, row: object, now: float) -> None:
+    def _apply_row(self, row: object, now: float, age_s: float) -> None:
         if not isinstance(row, list) or len(row) != 10:
             raise ValueError("expected a row of 10 fields")
         model, name, rank, spec_ms, hashes, states, session, blocks, last_hash, session_ms = row
@@ -214,7 +215,7 @@ class PodShare:
         key = ReplicaKey(name, rank)
         if engine is None or not self.known(model, key):
             return
-        spec_s, session_s = _ms(spec_ms) / 1000, _ms(session_ms) / 1000
+        spec_s, session_s = _ms(spec_ms) / 1000 - age_s, _ms(session_ms) / 1000 - age_s
         kv = _unpack(hashes) if hashes else ()
         st = _unpack(states) if states else ()
         if session and (not isinstance(session, str) or type(blocks) is not int or blocks < 0):
