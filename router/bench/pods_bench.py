@@ -57,6 +57,7 @@ class PodsSpec:
     stale_s: float = 1.0
     time_scale: float = 1.0
     kill_one_at_s: float | None = None
+    speculative_ttl_s: float = 0.0  # the model's; > 0: pods share speculative entries
 
 
 def _router_toml(spec: PodsSpec, port: int, replicas: list[dict[str, str]], redis: str, prefix: str,
@@ -77,6 +78,7 @@ def _router_toml(spec: PodsSpec, port: int, replicas: list[dict[str, str]], redi
         f'[models."{MODEL}"]',
         'policy = "ours"',
         "block_size = 64",
+        f"speculative_ttl_s = {spec.speculative_ttl_s}",
     ]
     for rep in replicas:
         lines += ["", "[[replicas]]"]
@@ -199,10 +201,13 @@ async def run_row(
             'kvrouter_pod_exchange_bytes_total{direction="sent"}',
             'kvrouter_pod_exchange_bytes_total{direction="received"}',
             "kvrouter_pod_exchange_errors_total",
+            "kvrouter_pod_exchange_rejected_total",
+            'kvrouter_pod_exchange_shared_total{kind="speculative"}',
+            'kvrouter_pod_exchange_shared_total{kind="session"}',
         ):
             total = sum(s.get(name, 0.0) for s in live)
             short = name.replace("kvrouter_pod_exchange_", "").replace("_total", "")
-            short = short.replace('{direction="', "_").rstrip('"}')
+            short = short.replace('{direction="', "_").replace('{kind="', "_").rstrip('"}')
             per_pod[short + "_per_s"] = round(total / max(len(live), 1) / wall, 1)
         figures["exchange"] = per_pod
     figures["redis_per_s"] = {
@@ -256,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         stale_s=args.stale_s,
         time_scale=args.time_scale,
         kill_one_at_s=args.kill_one_at,
+        speculative_ttl_s=args.speculative_ttl_s,
     )
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in rows if r not in ROWS]
@@ -301,5 +307,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--time-scale", type=float, default=1.0, help="the mocks' time scale")
     p.add_argument("--repeat", type=int, default=1, help="run the rows this many times")
     p.add_argument("--kill-one-at", type=float, help="SIGKILL one pod this many seconds in")
+    p.add_argument(
+        "--speculative-ttl-s",
+        type=float,
+        default=0.0,
+        help="the model's speculative_ttl_s (> 0: the pods also share speculative entries)",
+    )
     p.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
     p.set_defaults(handler=run)

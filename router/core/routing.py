@@ -11,7 +11,7 @@ fleet, the array path's cost hardly does (``kvrouter bench route``; docs/benchma
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +156,10 @@ class RoutingEngine:
         self.sessions: SessionTable | None = None
         if settings.session_ttl_s > 0 and getattr(policy, "uses_session_hints", False):
             self.sessions = SessionTable(settings.session_ttl_s, settings.max_sessions)
+        # called by dispatched() with (request, replica, state hashes, now, speculative TTL):
+        # router pods share what they speculate and bind (router/service/pod_share.py)
+        self.on_dispatch: Callable[[RouteRequest, ReplicaKey, list[int], float, float], None]
+        self.on_dispatch = _ignore
 
     def _effective(self) -> StateLayout:
         s = self.settings
@@ -325,13 +329,18 @@ class RoutingEngine:
             class_weight,
         )
         ttl = self.settings.speculative_ttl_s if speculative_ttl_s is None else speculative_ttl_s
+        states: list[int] = []
         if ttl > 0 and request.block_hashes:
             layout = self.layout
-            states = (
-                speculative_state_hashes(request.block_hashes, layout.interval_blocks)
-                if layout.hybrid
-                else []
-            )
+            if layout.hybrid:
+                states = speculative_state_hashes(request.block_hashes, layout.interval_blocks)
             self.index.speculate(decision.replica, request.block_hashes, states, now, ttl)
         if self.sessions is not None and request.session_id:
             self.sessions.record(request.session_id, decision.replica, request.block_hashes, now)
+        self.on_dispatch(request, decision.replica, states, now, ttl)
+
+
+def _ignore(
+    request: RouteRequest, replica: ReplicaKey, states: list[int], now: float, ttl: float
+) -> None:
+    """The default ``on_dispatch``: nobody listens."""

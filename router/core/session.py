@@ -12,10 +12,16 @@ failed replica loses the session like any other: a hint, never a pin.
 
 Bounded: at most ``max_sessions`` entries (least recently used dropped first), each expiring
 ``ttl_s`` after the session's last request. Pure: the caller passes ``now``.
+
+Bindings made by *other* router pods (router/service/pod_share.py) arrive keyed by
+:func:`session_digest` (session ids never leave the pod) with their sender's expiry; they are
+kept apart (:meth:`SessionTable.learn`, as bounded) and :meth:`SessionTable.get` returns the
+more recent of the session's own and learned binding.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -41,10 +47,16 @@ class SessionHint(NamedTuple):
         return 0
 
 
+def session_digest(session_id: str) -> int:
+    """A session id as pods share it: a 64-bit keyed digest (the id itself is not recoverable)."""
+    digest = hashlib.blake2b(session_id.encode(), digest_size=8, key=b"kvrouter-session")
+    return int.from_bytes(digest.digest(), "little")
+
+
 class SessionTable:
     """Session id -> :class:`SessionHint` of its last request (see the module doc)."""
 
-    __slots__ = ("_entries", "max_sessions", "ttl_s")
+    __slots__ = ("_entries", "_learned", "max_sessions", "ttl_s")
 
     def __init__(self, ttl_s: float, max_sessions: int = 100_000) -> None:
         if ttl_s < 0 or max_sessions < 1:
@@ -52,19 +64,49 @@ class SessionTable:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self._entries: OrderedDict[str, SessionHint] = OrderedDict()
+        # session digest -> (hint learned from another pod, when it expires)
+        self._learned: OrderedDict[int, tuple[SessionHint, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, session_id: str, now: float) -> SessionHint | None:
-        """The session's last request, unless it is older than ``ttl_s``."""
+        """The session's last request, unless it is older than ``ttl_s`` (or, learned
+        from another pod, past its sender's expiry); the more recent of the two."""
         hint = self._entries.get(session_id)
-        if hint is None:
-            return None
-        if now - hint.at > self.ttl_s:
+        if hint is not None and now - hint.at > self.ttl_s:
             del self._entries[session_id]
-            return None
+            hint = None
+        if self._learned:
+            digest = session_digest(session_id)
+            got = self._learned.get(digest)
+            if got is not None:
+                if now >= got[1]:
+                    del self._learned[digest]
+                elif hint is None or got[0].at > hint.at:
+                    return got[0]
         return hint
+
+    def learn(
+        self,
+        digest: int,
+        replica: ReplicaKey,
+        blocks: int,
+        last_hash: int,
+        now: float,
+        expires_at: float,
+    ) -> None:
+        """Another pod sent the session (by :func:`session_digest`) to ``replica`` (its
+        prompt: ``blocks`` full blocks, the last hashed ``last_hash``), seen at ``now``; the
+        binding lapses at ``expires_at`` (never later than ``now + ttl_s``)."""
+        learned = self._learned
+        expires_at = min(expires_at, now + self.ttl_s)
+        if expires_at <= now:
+            return
+        learned[digest] = (SessionHint(replica, blocks, last_hash, now), expires_at)
+        learned.move_to_end(digest)
+        while len(learned) > self.max_sessions:
+            learned.popitem(last=False)
 
     def record(
         self, session_id: str, replica: ReplicaKey, block_hashes: Sequence[int], now: float
@@ -81,3 +123,5 @@ class SessionTable:
         """Drop every session bound to ``replica`` (it left the fleet)."""
         for sid in [s for s, h in self._entries.items() if h.replica == replica]:
             del self._entries[sid]
+        for digest in [d for d, (h, _) in self._learned.items() if h.replica == replica]:
+            del self._learned[digest]

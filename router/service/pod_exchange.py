@@ -28,6 +28,11 @@ so a pod that dies, or is cut off, stops weighing on the replicas within that bo
 stopping cleanly publishes an empty snapshot first. While Redis is away every view ages out
 the same way (the pod then routes on its own load and the engines' reports) and the exchange
 resumes by itself when Redis answers again (a restarted, empty Redis included).
+
+A snapshot also carries the member's speculative index entries and session bindings made
+since its previous one (router/service/pod_share.py: same message, ``x`` rows; a pending
+dispatch makes a message due); a reader drops, and counts, a message over
+``MAX_MESSAGE_BYTES`` or one it cannot parse.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from router.core.types import ReplicaKey
 from router.service.keys import SETTINGS, STATE
 from router.service.load_share import own_load, parse_load
 from router.service.peer_sum import PEER_SUM, PeerSum, peer_sum, summed
+from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare
 from router.service.tasks import running
 
 _log = logging.getLogger(__name__)
@@ -69,11 +75,16 @@ class Snapshot:
     pod: str
     seq: int
     load: dict[ReplicaKey, PeerLoad]
+    shared: object = None  # the ``x`` rows (router/service/pod_share.py), unchecked
 
 
-def encode(member: str, pod: str, seq: int, load: LoadTracker) -> bytes:
-    body = own_load(load)
+def encode(
+    member: str, pod: str, seq: int, load: LoadTracker, shared: list[list[Any]] | None = None
+) -> bytes:
+    body: dict[str, Any] = own_load(load)
     body.update(m=member, p=pod, s=seq)
+    if shared:
+        body["x"] = shared
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -85,7 +96,7 @@ def decode(data: bytes) -> Snapshot:
     member, pod, seq = doc.get("m"), doc.get("p"), doc.get("s")
     if not isinstance(member, str) or not isinstance(pod, str) or type(seq) is not int:
         raise ValueError("snapshot without m / p / s")
-    return Snapshot(member, pod, seq, parse_load(data))
+    return Snapshot(member, pod, seq, parse_load(data), doc.get("x"))
 
 
 @dataclass(slots=True)
@@ -158,6 +169,7 @@ class Counters:
     bytes_sent: int = 0
     bytes_received: int = 0
     errors: int = 0
+    rejected: int = 0  # messages too large or unparsable, ignored
     failing: bool = False  # the last Redis call failed
 
 
@@ -172,8 +184,13 @@ class PodExchange:
         load: LoadTracker,
         peers: PeerSum,
         clock: Callable[[], float],
+        share: PodShare | None = None,
     ) -> None:
+        """``share``: also send this member's speculative entries and session bindings and
+        apply the others' (router/service/pod_share.py); None: load only."""
         self.settings = settings
+        self.share = share
+        self._applied: dict[str, int] = {}  # member -> seq whose shared rows were applied
         self.client = client
         self.load = load
         self.peers = peers
@@ -193,13 +210,15 @@ class PodExchange:
         return (
             self.load.own_changes != self._sent_changes
             or now - self._sent_at >= self.settings.stale_s / 4
+            or (self.share is not None and bool(self.share.outbox))
         )
 
     def _snapshot(self, now: float) -> bytes:
         self._seq += 1
         self._sent_changes = self.load.own_changes
         self._sent_at = now
-        data = encode(self.member, self.settings.pod, self._seq, self.load)
+        shared = self.share.outbox.take(now) if self.share is not None else None
+        data = encode(self.member, self.settings.pod, self._seq, self.load, shared)
         self.counters.sent += 1
         self.counters.bytes_sent += len(data)
         return data
@@ -219,9 +238,13 @@ class PodExchange:
         got = await self.client.xread({key: self._last_id}, count=1000, block=_BLOCK_MS)
         now = self.clock()
         for _, entries in got or ():
+            # entry ids start with Redis's clock (ms) at XADD: an entry's age relative to the
+            # batch's newest is a lower bound of its age (a reader catching up after an outage)
+            newest = _id_ms(entries[-1][0]) if entries else 0
             for entry_id, fields in entries:
                 self._last_id = entry_id
-                self._take(fields.get(b"s", b""), now)
+                age_s = max(newest - _id_ms(entry_id), 0) / 1000
+                self._take(fields.get(b"s", b""), now, age_s)
         self.apply(now)
 
     async def poll_hash(self, now: float) -> None:
@@ -250,13 +273,39 @@ class PodExchange:
         if gone:
             await self.client.hdel(key, *gone)
 
-    def _take(self, data: bytes, now: float) -> None:
+    def _take(self, data: bytes, now: float, age_s: float = 0.0) -> None:
         self.counters.received += 1
         self.counters.bytes_received += len(data)
+        if len(data) > MAX_MESSAGE_BYTES:
+            self.counters.rejected += 1
+            return
         try:
-            self.views.take(decode(data), now)
-        except ValueError as exc:
+            snap = decode(data)
+        except (ValueError, TypeError, RecursionError) as exc:
+            self.counters.rejected += 1
             _log.debug("bad load snapshot in Redis: %s", exc)
+            return
+        self.views.take(snap, now)
+        if self.share is not None and snap.shared is not None:
+            self._apply_shared(self.share, snap, now, age_s)
+
+    def _apply_shared(self, share: PodShare, snap: Snapshot, now: float, age_s: float) -> None:
+        """Another member's rows, each message's once (a hash re-read shows the same seq
+        again; this member's own stream entries come back to it too)."""
+        if snap.member == self.member:
+            return
+        seen = self._applied.get(snap.member)
+        if seen == snap.seq:
+            return
+        if len(self._applied) > 4096:
+            self._applied.clear()
+        self._applied[snap.member] = snap.seq
+        # a hash field read for the first time may have sat there for long (its member
+        # dead, up to HASH_FORGET_S): its rows' TTLs are no longer what they say; a stream
+        # reader reads only entries appended after it started
+        if seen is None and self.settings.mode == "hash":
+            return
+        share.apply(snap.shared, now, age_s)
 
     def apply(self, now: float) -> None:
         self.peers.update(SOURCE, self.views.total(now))
@@ -318,6 +367,11 @@ class PodExchange:
             await self._guarded("polling", poll)
 
 
+def _id_ms(entry_id: bytes) -> int:
+    ms, _, _ = entry_id.partition(b"-")
+    return int(ms) if ms.isdigit() else 0
+
+
 class _ExchangeCollector(Collector):
     def __init__(self, exchange: PodExchange) -> None:
         self.exchange = exchange
@@ -360,7 +414,23 @@ class _ExchangeCollector(Collector):
             "1 while the pods exchange's Redis calls succeed, 0 while Redis is unreachable",
         )
         up.add_metric([], 0.0 if c.failing else 1.0)
-        yield from (age, views, snaps, nbytes, errors, up)
+        rejected = CounterMetricFamily(
+            "kvrouter_pod_exchange_rejected",
+            "Messages (or their shared rows) of other members ignored: too large or malformed",
+        )
+        rejected.add_metric([], c.rejected + (ex.share.counters.rejected if ex.share else 0))
+        yield from (age, views, snaps, nbytes, errors, up, rejected)
+        if ex.share is not None:
+            shared = CounterMetricFamily(
+                "kvrouter_pod_exchange_shared",
+                "Speculative entries / session bindings of other members applied here, and "
+                "own dispatches dropped unsent (outbox full)",
+                labels=["kind"],
+            )
+            shared.add_metric(["speculative"], ex.share.counters.applied_spec)
+            shared.add_metric(["session"], ex.share.counters.applied_sessions)
+            shared.add_metric(["dropped"], ex.share.outbox.dropped)
+            yield shared
 
 
 def pod_name(configured: str | None, port: int) -> str:
@@ -388,7 +458,9 @@ def pod_exchange_ctx(app: web.Application) -> Callable[[web.Application], AsyncI
         )
         client = connect(s.redis_url or "", socket_timeout=max(2.0, 2 * _BLOCK_MS / 1000))
         loop = asyncio.get_running_loop()
-        exchange = PodExchange(settings, client, state.load, app[PEER_SUM], loop.time)
+        share = PodShare(state.engines, lambda model, key: key in state.registry.keys_for(model))
+        share.attach()
+        exchange = PodExchange(settings, client, state.load, app[PEER_SUM], loop.time, share)
         collector = _ExchangeCollector(exchange)
         state.metrics.registry.register(collector)
         _log.info(

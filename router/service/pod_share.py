@@ -1,0 +1,232 @@
+"""Router pods share what they speculate and which sessions they bind (``pods_exchange``).
+
+In-flight load is not all a router knows that another pod lacks. When it sends a request it
+also *speculates*: it puts the prompt's blocks in its prefix index as held by the chosen
+replica (for the model's speculative TTL) before the engine's KV events arrive, and, for the
+policies that use session hints, it *binds* the session to that replica (router/core/session.py).
+In approximate mode (no tokenizer) those entries are the whole index; in exact mode they
+cover the event lag. Without sharing them, pod B routes a session's next turn, or a prompt
+sharing a prefix just sent, without knowing that pod A just sent its previous turn to
+replica X.
+
+So every worker of every pod keeps an :class:`Outbox` of its own recent dispatches (filled by
+:attr:`~router.core.routing.RoutingEngine.on_dispatch`) and its next exchange message
+(router/service/pod_exchange.py: the same stream entry or hash field as its load snapshot)
+carries what is new since the last one, as the ``x`` rows of the snapshot: per dispatch the
+model, the replica, the prompt's block hashes (and hybrid state checkpoints) with their
+remaining speculative TTL, and the session's :func:`~router.core.session.session_digest`
+(never the session id) with its prompt length, last block hash and remaining session TTL.
+Every other member, of this pod or another, applies them (:meth:`PodShare.apply`) to its own
+index (``speculate``) and session table (``learn``) for the remaining TTL counted from when
+the message is read: on the reader's clock, never longer than the sender's own entry (the
+Redis transit, one round trip, aside), so a dead pod's entries lapse by themselves.
+
+Bounded: the outbox keeps at most ``OUTBOX_MAX`` dispatches (older ones dropped, counted),
+a message carries at most ``MAX_ROWS`` of them and at most ``MAX_BLOCKS`` block hashes per
+row (a prefix: a prompt's first blocks are the ones others share); a reader ignores, and
+counts, a message over ``MAX_MESSAGE_BYTES`` and any malformed row. In ``hash`` mode a reader
+that polls less often than a member writes misses the rows of the versions it skipped (the
+load is a snapshot; these are deltas): ``stream`` mode delivers every message.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import struct
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.core.routing import RoutingEngine
+from router.core.session import session_digest
+from router.core.types import ReplicaKey, RouteRequest
+
+OUTBOX_MAX = 2048
+MAX_ROWS = 128
+MAX_BLOCKS = 1024
+MAX_MESSAGE_BYTES = 1 << 20
+_U64 = 1 << 64
+
+
+@dataclass(slots=True, frozen=True)
+class Shared:
+    """One dispatch as other pods learn it. ``spec_until`` / ``session_until``: the sender's
+    expiries on its own clock (converted to remaining TTLs when sent)."""
+
+    model: str
+    replica: ReplicaKey
+    hashes: tuple[int, ...]
+    states: tuple[int, ...]
+    spec_until: float
+    session: int  # session digest; 0: none
+    blocks: int
+    last_hash: int
+    session_until: float
+
+
+def _pack(hashes: tuple[int, ...]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(hashes)}Q", *hashes)).decode()
+
+
+def _unpack(text: object) -> tuple[int, ...]:
+    if not isinstance(text, str):
+        raise ValueError("hashes: expected base64 text")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"hashes: {exc}") from None
+    if len(raw) % 8 or len(raw) > 8 * MAX_BLOCKS:
+        raise ValueError("hashes: not a bounded list of 64-bit values")
+    return struct.unpack(f"<{len(raw) // 8}Q", raw)
+
+
+def _ms(value: object) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"expected a TTL in ms, got {value!r}")
+    return value
+
+
+class Outbox:
+    """This member's dispatches not sent yet (newest last, at most ``OUTBOX_MAX``)."""
+
+    def __init__(self) -> None:
+        self.pending: deque[Shared] = deque(maxlen=OUTBOX_MAX)
+        self.dropped = 0  # dispatches pushed out before they could be sent
+
+    def record(
+        self, model: str, request: RouteRequest, replica: ReplicaKey, states: list[int],
+        now: float, ttl: float, session_ttl: float,
+    ) -> None:  # fmt: skip
+        hashes = tuple(request.block_hashes[:MAX_BLOCKS]) if ttl > 0 else ()
+        session = session_digest(request.session_id) if request.session_id and session_ttl else 0
+        if not hashes and not session:
+            return
+        n = len(request.block_hashes)
+        if len(self.pending) == OUTBOX_MAX:
+            self.dropped += 1
+        self.pending.append(
+            Shared(
+                model,
+                replica,
+                hashes,
+                tuple(states[:MAX_BLOCKS]) if hashes else (),
+                now + ttl,
+                session,
+                n if session else 0,
+                request.block_hashes[n - 1] if session and n else 0,
+                now + session_ttl,
+            )
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.pending)
+
+    def take(self, now: float) -> list[list[Any]]:
+        """Up to ``MAX_ROWS`` pending dispatches, oldest first, as message rows (remaining
+        TTLs in ms; lapsed parts left out)."""
+        rows: list[list[Any]] = []
+        pending = self.pending
+        while pending and len(rows) < MAX_ROWS:
+            s = pending.popleft()
+            spec_ms = int((s.spec_until - now) * 1000)
+            session_ms = int((s.session_until - now) * 1000) if s.session else 0
+            if spec_ms <= 0 and session_ms <= 0:
+                continue
+            keep = spec_ms > 0 and all(0 <= h < _U64 for h in (*s.hashes, *s.states))
+            rows.append(
+                [
+                    s.model,
+                    s.replica.replica,
+                    s.replica.dp_rank,
+                    max(spec_ms, 0) if keep else 0,
+                    _pack(s.hashes) if keep else "",
+                    _pack(s.states) if keep else "",
+                    str(s.session) if session_ms > 0 else "",
+                    s.blocks,
+                    str(s.last_hash),
+                    max(session_ms, 0),
+                ]
+            )
+        return rows
+
+
+@dataclass(slots=True)
+class ShareCounters:
+    applied_spec: int = 0  # speculative rows applied to the index
+    applied_sessions: int = 0  # session bindings learned
+    rejected: int = 0  # malformed / oversized messages or rows, ignored
+
+
+class PodShare:
+    """This member's side of the sharing: its :class:`Outbox` and applying the rows of the
+    other members' messages to ``engines`` (by model name). ``known(model, replica)``:
+    whether the replica serves that model here (rows for others are skipped)."""
+
+    def __init__(
+        self,
+        engines: Mapping[str, RoutingEngine],
+        known: Callable[[str, ReplicaKey], bool],
+    ) -> None:
+        self.engines = engines
+        self.known = known
+        self.outbox = Outbox()
+        self.counters = ShareCounters()
+
+    def attach(self) -> None:
+        """Have every engine report its dispatches to the outbox."""
+        for name, engine in self.engines.items():
+            engine.on_dispatch = self._listener(name, engine)
+
+    def _listener(
+        self, model: str, engine: RoutingEngine
+    ) -> Callable[[RouteRequest, ReplicaKey, list[int], float, float], None]:
+        record = self.outbox.record
+
+        def on_dispatch(
+            request: RouteRequest, replica: ReplicaKey, states: list[int], now: float, ttl: float
+        ) -> None:
+            session_ttl = engine.sessions.ttl_s if engine.sessions is not None else 0.0
+            record(model, request, replica, states, now, ttl, session_ttl)
+
+        return on_dispatch
+
+    def apply(self, rows: object, now: float, age_s: float = 0.0) -> None:
+        """Apply another member's rows, read at ``now`` and known to be at least ``age_s``
+        old (their TTLs shortened by it); a malformed row is counted and skipped (the
+        others still apply)."""
+        if not isinstance(rows, list) or len(rows) > MAX_ROWS:
+            self.counters.rejected += 1
+            return
+        for row in rows:
+            try:
+                self._apply_row(row, now, age_s)
+            except (ValueError, TypeError, OverflowError):
+                self.counters.rejected += 1
+
+    def _apply_row(self, row: object, now: float, age_s: float) -> None:
+        if not isinstance(row, list) or len(row) != 10:
+            raise ValueError("expected a row of 10 fields")
+        model, name, rank, spec_ms, hashes, states, session, blocks, last_hash, session_ms = row
+        if not isinstance(model, str) or not isinstance(name, str) or type(rank) is not int:
+            raise ValueError("bad model / replica")
+        engine = self.engines.get(model)
+        key = ReplicaKey(name, rank)
+        if engine is None or not self.known(model, key):
+            return
+        spec_s, session_s = _ms(spec_ms) / 1000 - age_s, _ms(session_ms) / 1000 - age_s
+        kv = _unpack(hashes) if hashes else ()
+        st = _unpack(states) if states else ()
+        if session and (not isinstance(session, str) or type(blocks) is not int or blocks < 0):
+            raise ValueError("bad session binding")
+        digest = int(session) if session else 0
+        last = int(last_hash) if isinstance(last_hash, str) else -1
+        if not 0 <= digest < _U64 or not 0 <= last < _U64:
+            raise ValueError("bad session digest / last hash")
+        if kv and spec_s > 0:
+            engine.index.speculate(key, kv, st, now, spec_s)
+            self.counters.applied_spec += 1
+        if digest and session_s > 0 and engine.sessions is not None:
+            engine.sessions.learn(digest, key, blocks, last, now, now + session_s)
+            self.counters.applied_sessions += 1

@@ -1,0 +1,200 @@
+"""Router pods sharing speculative entries and session bindings through a real Redis
+(router/service/pod_share.py over router/service/pod_exchange.py): a session bound on one
+pod is honoured by another, a prefix just sent from one pod draws the same-prefix request on
+another to the same replica before any engine event, shared entries lapse with their
+sender's TTL, and malformed or oversized messages are counted and ignored."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import AsyncIterator, Sequence
+
+from router.bench.redis_server import LocalRedis
+from router.core.index import PrefixIndex
+from router.core.load import LoadTracker
+from router.core.policies import make_policy
+from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.types import ReplicaKey, RouteRequest
+from router.service.peer_sum import PeerSum
+from router.service.pod_exchange import ExchangeSettings, PodExchange, encode
+from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare
+from router.store.redis_store import connect
+from tests.waiting import eventually
+
+MODEL = "m"
+KEYS = tuple(ReplicaKey(f"r{i}") for i in range(4))
+BLOCK = 64
+
+
+def settings(spec_ttl: float, session_ttl: float = 600.0) -> RoutingSettings:
+    return RoutingSettings(block_size=BLOCK, speculative_ttl_s=spec_ttl, session_ttl_s=session_ttl)
+
+
+class Pod:
+    """One pod: its own index, load, engine and exchange (a task on the test's loop)."""
+
+    def __init__(self, url: str, prefix: str, name: str, routing: RoutingSettings) -> None:
+        self.index = PrefixIndex()
+        self.load = LoadTracker()
+        for key in KEYS:
+            self.load.add_replica(key)
+        self.engine = RoutingEngine(self.index, self.load, make_policy("ours"), routing)
+        self.share = PodShare({MODEL: self.engine}, lambda model, key: key in KEYS)
+        self.share.attach()
+        self.client = connect(url)
+        loop = asyncio.get_running_loop()
+        ex = ExchangeSettings("stream", prefix, name, 0.005, 0.5)
+        self.exchange = PodExchange(
+            ex, self.client, self.load, PeerSum(self.load), loop.time, self.share
+        )
+        self.task = asyncio.create_task(self.exchange.run())
+        self.rng = random.Random(1)
+        self.n = 0
+
+    def route(self, hashes: Sequence[int], session: str | None = None) -> tuple[ReplicaKey, int]:
+        """Route and finish at once (no load left behind): (replica, usable tokens)."""
+        self.n += 1
+        rid = f"{self.exchange.member}-{self.n}"
+        request = RouteRequest(rid, MODEL, len(hashes) * BLOCK, list(hashes), BLOCK, session)
+        now = asyncio.get_running_loop().time()
+        decision = self.engine.route(request, KEYS, now, self.rng)
+        self.engine.dispatched(request, decision, now)
+        self.load.first_token(rid)
+        self.load.complete(rid)
+        return decision.replica, decision.usable_tokens
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        await self.client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def two_pods(url: str, prefix: str, routing: RoutingSettings) -> AsyncIterator[list[Pod]]:
+    pods = [Pod(url, prefix, name, routing) for name in ("p1", "p2")]
+    try:
+        # both read the stream (each has seen the other's first snapshot) before the test
+        await eventually(lambda: all(p.exchange.views.views for p in pods))
+        yield pods
+    finally:
+        for pod in pods:
+            await pod.stop()
+
+
+async def test_a_session_bound_on_one_pod_is_honoured_by_another(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    # no speculative entries at all: only the session binding can carry the affinity
+    async with two_pods(redis_server.url, key_prefix, settings(0.0)) as (one, two):
+        turn1 = list(range(1, 17))
+        replica, _ = one.route(turn1, session="conversation-1")
+        await eventually(lambda: two.share.counters.applied_sessions == 1)
+        assert two.index.match(turn1).get(replica).kv_blocks == 0  # nothing in its index
+        turn2 = [*turn1, 101, 102, 103, 104]
+        assert two.route(turn2, session="other")[1] == 0  # another session: no credit
+        got, usable = two.route(turn2, session="conversation-1")
+        assert (got, usable) == (replica, len(turn1) * BLOCK)
+
+
+async def test_speculative_entries_draw_the_same_prefix_before_any_event(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    async with two_pods(redis_server.url, key_prefix, settings(30.0, 0.0)) as (one, two):
+        prefix = list(range(1000, 1032))
+        replica, _ = one.route(prefix)
+        await eventually(lambda: two.share.counters.applied_spec == 1)
+        got, usable = two.route([*prefix, 7, 8])
+        assert (got, usable) == (replica, len(prefix) * BLOCK)
+        # and back: pod one learns what pod two just sent (its own entry came first)
+        assert one.share.counters.applied_spec == 0
+        await eventually(lambda: one.share.counters.applied_spec == 1)
+
+
+def test_shared_entries_lapse_with_the_senders_ttl() -> None:
+    routing = settings(1.0, 2.0)
+    sender = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
+    receiver = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
+    out = PodShare({MODEL: sender}, lambda m, k: True)
+    out.attach()
+    into = PodShare({MODEL: receiver}, lambda m, k: True)
+    hashes = [5, 6, 7]
+    request = RouteRequest("r", MODEL, 3 * BLOCK, hashes, BLOCK, "s")
+    sender.on_dispatch(request, KEYS[1], [], 0.0, 1.0)  # as dispatched() at t=0
+    rows = out.outbox.take(0.5)  # sent half a second later: 0.5 s / 1.5 s left
+    into.apply(rows, 100.0)  # read on a clock of its own
+    assert receiver.index.match(hashes, now=100.4).get(KEYS[1]).kv_blocks == 3
+    assert receiver.sessions is not None
+    assert receiver.sessions.get("s", 101.4) is not None
+    assert receiver.index.match(hashes, now=100.6).get(KEYS[1]).kv_blocks == 0
+    assert receiver.sessions.get("s", 101.6) is None
+    # rows known to have waited in the stream (age from the entry ids) lose that much
+    late = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
+    PodShare({MODEL: late}, lambda m, k: True).apply(rows, 100.0, age_s=0.4)
+    assert late.index.match(hashes, now=100.05).get(KEYS[1]).kv_blocks == 3
+    assert late.index.match(hashes, now=100.15).get(KEYS[1]).kv_blocks == 0
+    # rows for a replica this pod does not serve are skipped, not applied elsewhere
+    skip = PodShare({MODEL: receiver}, lambda m, k: False)
+    sender.on_dispatch(request, KEYS[2], [], 200.0, 1.0)
+    skip.apply(out.outbox.take(200.0), 200.0)
+    assert skip.counters.applied_spec == 0 and skip.counters.rejected == 0
+
+
+async def test_malformed_or_oversized_messages_are_counted_and_ignored(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    async with two_pods(redis_server.url, key_prefix, settings(30.0)) as (one, two):
+        good = list(range(50, 60))
+        bad_rows = [
+            ["m"],
+            [MODEL, "r0", 0, -5, "", "", "", 0, "0", 0],
+            [MODEL, "r0", 0, 1000, "not base64!", "", "", 0, "0", 0],
+            [MODEL, "r0", 0, 1000, "", "", "12", "x", "0", 1000],
+            [MODEL, "r0", 0, 1000, "", "", "-1", 3, "0", 1000],
+        ]
+        junk = [
+            b"not json",
+            b"[" * 100_000,
+            b'{"load": [], "m": "x/1", "p": "x", "s": 1, "x": "rows?"}',
+            b'{"load": [], "m": "x/1", "p": "x", "s": 2, "x": '
+            + json.dumps(bad_rows).encode()
+            + b"}",
+            b'{"load": [], "m": "x/1", "p": "x", "s": 3, "x": []' + b" " * MAX_MESSAGE_BYTES + b"}",
+        ]
+        key = two.exchange.settings.stream_key
+        for data in junk:
+            await two.client.xadd(key, {b"s": data})
+        await two.client.xadd(key, {b"other": b"field"})
+        counters = two.share.counters, two.exchange.counters
+        await eventually(lambda: counters[0].rejected + counters[1].rejected >= 10, timeout=5)
+        assert two.share.counters.rejected == 1 + len(bad_rows)
+        assert two.exchange.counters.rejected == 4
+        replica, _ = one.route(good)
+        await eventually(lambda: two.share.counters.applied_spec == 1)
+        assert two.route([*good, 1]) == (replica, len(good) * BLOCK)
+        assert not two.task.done() and not one.task.done()
+
+
+def test_a_hash_field_seen_first_is_not_trusted_for_its_rows() -> None:
+    """In hash mode a field may have been written long before it is first read (its member
+    dead): its rows wait for the member's next version."""
+    engine = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), settings(30.0))
+    sender = PodShare({MODEL: engine}, lambda m, k: True)
+    sender.attach()
+    share = PodShare({MODEL: engine}, lambda m, k: True)
+    ex = ExchangeSettings("hash", "kvr", "me", 0.005, 0.5)
+    exchange = PodExchange(ex, None, LoadTracker(), PeerSum(LoadTracker()), lambda: 0.0, share)
+    request = RouteRequest("r", MODEL, BLOCK, [9], BLOCK, "s")
+
+    def message(seq: int) -> bytes:
+        engine.on_dispatch(request, KEYS[0], [], 0.0, 30.0)
+        return encode("old/1", "old", seq, LoadTracker(), sender.outbox.take(0.0))
+
+    exchange._take(message(1), 0.0)
+    exchange._take(message(1), 0.0)  # the same version again
+    assert share.counters.applied_spec == 0
+    exchange._take(message(2), 0.0)
+    assert share.counters.applied_spec == 1
