@@ -22,6 +22,7 @@ from router.service.pod_exchange import (
     decode,
     encode,
 )
+from router.service.tasks import stop
 from router.store.redis_store import connect
 from tests.waiting import eventually
 
@@ -46,9 +47,7 @@ class Pod:
 
     async def die(self) -> None:
         """Stop without a word to the others (a killed pod)."""
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        await stop(self.task)
         await self.client.aclose()
 
 
