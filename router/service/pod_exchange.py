@@ -355,9 +355,11 @@ class PodExchange:
                 await asyncio.sleep(interval)
                 await self.publish(self.clock())
 
-            await asyncio.gather(
-                self._guarded("publishing", write), self._guarded("reading", self.read_stream)
-            )
+            # a task group, not gather: a loop that ends ends the other, and a cancelled
+            # exchange waits for both (gather would leave one running, orphaned)
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._guarded("publishing", write))
+                group.create_task(self._guarded("reading", self.read_stream))
         else:
 
             async def poll() -> None:
