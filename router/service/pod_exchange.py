@@ -355,11 +355,16 @@ class PodExchange:
                 await asyncio.sleep(interval)
                 await self.publish(self.clock())
 
-            # a task group, not gather: a loop that ends ends the other, and a cancelled
-            # exchange waits for both (gather would leave one running, orphaned)
-            async with asyncio.TaskGroup() as group:
-                group.create_task(self._guarded("publishing", write))
-                group.create_task(self._guarded("reading", self.read_stream))
+            loops = [
+                asyncio.create_task(self._guarded("publishing", write)),
+                asyncio.create_task(self._guarded("reading", self.read_stream)),
+            ]
+            try:
+                await asyncio.gather(*loops)
+            finally:  # however it ends, neither loop outlives the exchange
+                for t in loops:
+                    t.cancel()
+                await asyncio.wait(loops)
         else:
 
             async def poll() -> None:
