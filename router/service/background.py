@@ -108,21 +108,24 @@ async def _probe_health(
                     return False
             return False
 
+    async def judge(url: str, keys: list[ReplicaKey]) -> None:
+        """Probe one URL and apply its result at once (not after the sweep's slowest probe)."""
+        ok = await probe(url)
+        now = loop.time()
+        for key in keys:
+            if state.registry.endpoint(key) is None:
+                continue  # removed while probed (a discovered replica left)
+            if ok and key not in state.fleet.unhealthy_until:
+                state.load.set_health(key, True)
+            elif not ok:
+                state.fleet.mark_unhealthy(key, now)
+
     while True:
         began = loop.time()
         by_url: dict[str, list[ReplicaKey]] = {}
         for ep in state.registry.endpoints():
             by_url.setdefault(ep.base_url, []).append(ep.key)
-        results = await asyncio.gather(*(probe(url) for url in by_url))
-        now = asyncio.get_running_loop().time()
-        for keys, ok in zip(by_url.values(), results, strict=True):
-            for key in keys:
-                if state.registry.endpoint(key) is None:
-                    continue  # removed while probed (a discovered replica left)
-                if ok and key not in state.fleet.unhealthy_until:
-                    state.load.set_health(key, True)
-                elif not ok:
-                    state.fleet.mark_unhealthy(key, now)
+        await asyncio.gather(*(judge(url, keys) for url, keys in by_url.items()))
         await asyncio.sleep(max(every - (loop.time() - began), 0.0))
 
 
