@@ -189,12 +189,17 @@ async def _fuzz(ch: grpc.aio.Channel, n: int, seed: int) -> dict[str, int]:
             for item in items:
                 yield item
 
-        try:
-            async for _ack in publish(gen(), metadata=_md(TOKEN), timeout=10):
-                pass
-            code, details = grpc.StatusCode.OK, ""
-        except grpc.aio.AioRpcError as exc:
-            code, details = exc.code(), exc.details() or ""
+        for _attempt in range(2):
+            try:
+                async for _ack in publish(gen(), metadata=_md(TOKEN), timeout=10):
+                    pass
+                code, details = grpc.StatusCode.OK, ""
+            except grpc.aio.AioRpcError as exc:
+                code, details = exc.code(), exc.details() or ""
+            # the client's own gRPC core failing the stream (seen rarely under a loaded
+            # machine) is not an answer of the server: that stream is sent once more
+            if (code, details) != (grpc.StatusCode.INTERNAL, "Internal error from Core"):
+                break
         assert code in DELIBERATE, (code, details)
         seen[f"publish:{code.name}"] = seen.get(f"publish:{code.name}", 0) + 1
     return seen
