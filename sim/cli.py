@@ -133,12 +133,7 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         raise KVRouterError("--prefill-share must be in [0, 1)")
     pd_params = None
     if args.pd_params:
-        try:
-            pd_params = json.loads(args.pd_params)
-        except json.JSONDecodeError as exc:
-            raise KVRouterError(f"--pd-params is not JSON: {exc}") from None
-        if not isinstance(pd_params, dict):
-            raise KVRouterError("--pd-params must be a JSON object")
+        pd_params = _json_object(args.pd_params, "--pd-params")
         from router.core.disagg import PdKnobs
 
         try:
@@ -171,6 +166,17 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
     )
 
 
+def _json_object(text: str, flag: str) -> dict[str, Any]:
+    """A flag's JSON object, or a clear error naming the flag."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise KVRouterError(f"{flag} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise KVRouterError(f"{flag} must be a JSON object")
+    return value
+
+
 def _admission(args: argparse.Namespace) -> Any:
     """The run's admission settings (None: off); checks the class shares and tenants."""
     from router.core.admission import AdmissionSettings
@@ -181,12 +187,7 @@ def _admission(args: argparse.Namespace) -> Any:
     if args.tenants < 1:
         raise KVRouterError("--tenants must be at least 1")
     if args.admission_params:
-        try:
-            knobs = json.loads(args.admission_params)
-        except json.JSONDecodeError as exc:
-            raise KVRouterError(f"--admission-params is not JSON: {exc}") from None
-        if not isinstance(knobs, dict):
-            raise KVRouterError("--admission-params must be a JSON object")
+        knobs = _json_object(args.admission_params, "--admission-params")
         try:
             return AdmissionSettings(**{k: _tuple(v) for k, v in knobs.items()})
         except TypeError as exc:
@@ -268,10 +269,7 @@ def _replay(args: argparse.Namespace) -> int:
     if args.params:
         if len(names) != 1:
             raise KVRouterError("--params needs exactly one --policy")
-        try:
-            params[names[0]] = json.loads(args.params)
-        except json.JSONDecodeError as exc:
-            raise KVRouterError(f"--params is not JSON: {exc}") from None
+        params[names[0]] = _json_object(args.params, "--params")
     if args.config:
         tuned = load_tuned(args.config, args.tuned_model)
         params[tuned.policy] = tuned.params
