@@ -133,6 +133,9 @@ class EngineEventEncoder:
 
     def _stored(self, ev: BlocksStored) -> list[EngineEvent]:
         out: list[EngineEvent] = []
+        run_parent: int | None = None  # the KV chain being gathered into one event
+        run_hashes: list[int] = []
+        run_tokens: list[int] = []
         for h in ev.hashes:
             if h not in self._known:
                 self.unknown += 1
@@ -155,18 +158,38 @@ class EngineEventEncoder:
                 continue
             self._media[h] = self._media.get(h, 0) | (1 << ev.tier)
             for eh, parent, tokens in self._sub_blocks(h):
-                out.append(
-                    EngineBlockStored(
-                        (eh,),
-                        parent,
-                        tokens,
-                        self.engine_block_size,
-                        medium=self._medium(ev.tier),
-                        group_idx=0,
-                        kv_cache_spec_kind="full_attention",
-                    )
-                )
+                if run_hashes and parent == run_hashes[-1]:
+                    run_hashes.append(eh)
+                    run_tokens.extend(tokens)
+                    continue
+                self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier)
+                run_parent, run_hashes, run_tokens = parent, [eh], list(tokens)
+        self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier)
         return out
+
+    def _flush_run(
+        self,
+        out: list[EngineEvent],
+        parent: int | None,
+        hashes: list[int],
+        tokens: list[int],
+        tier: Tier,
+    ) -> None:
+        """One event per chain of consecutive KV blocks, as vLLM's block pool records one
+        ``BlockStored`` per request and step (``cache_full_blocks``)."""
+        if not hashes:
+            return
+        out.append(
+            EngineBlockStored(
+                tuple(hashes),
+                parent,
+                tuple(tokens),
+                self.engine_block_size,
+                medium=self._medium(tier),
+                group_idx=0,
+                kv_cache_spec_kind="full_attention",
+            )
+        )
 
     def _state_block(self, h: int) -> tuple[int, int | None, tuple[int, ...]] | None:
         """The engine block ending exactly at the end of canonical block ``h``."""
