@@ -22,7 +22,7 @@ def test_bench_ingest_prints_cpu_figures_for_both_shapes() -> None:
     assert len(lines) == 1, done.stdout[-2000:]
     out = json.loads(lines[0])
     assert out["bench"] == "ingest"
-    mock, step = out["mock"], out["step"]
+    mock, step = out["per_block"], out["step"]
     assert mock["engine_blocks"] == step["engine_blocks"] == 3 * (1000 // 64 * 4)
     assert mock["events_per_request"] == 1000 // 64 * 4 and step["events_per_request"] == 1
     assert mock["canonical_blocks"] == 3 * (1000 // 64)

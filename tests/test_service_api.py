@@ -348,12 +348,24 @@ async def test_bad_chat_requests(fleet: Fleet, payload: Any, status: int, needle
     assert sum(len(b.received) for b in fleet.backends) == 0
 
 
-@pytest.mark.parametrize("prompt", [None, 5, [], [1, "a"], [[1, 2], "x"], [-1, 3], [2**40]])
+@pytest.mark.parametrize(
+    "prompt",
+    [None, 5, [], [1, "a"], [[1, 2], "x"], [-1, 3], [2**40], [1, True, 3], [2**70], [1, 2.5]],
+)
 async def test_bad_completion_prompts(fleet: Fleet, prompt: Any) -> None:
     body = {"model": MODEL} if prompt is None else {"model": MODEL, "prompt": prompt}
     r = await fleet.post("/v1/completions", body)
     assert r.status == 400, await r.text()
     assert "prompt" in (await r.json())["error"]["message"]
+
+
+async def test_what_the_standard_json_parser_accepts_is_still_accepted(fleet: Fleet) -> None:
+    """Bodies the fast parser refuses (a lone surrogate escape) are parsed as before."""
+    raw = b'{"model": "%s", "messages": [{"role": "user", "content": "a \\ud800 b"}]}' % (
+        MODEL.encode()
+    )
+    r = await fleet.post("/v1/chat/completions", raw)
+    assert r.status == 200, await r.text()
 
 
 async def test_bad_input_via_openai_client_raises_typed_errors(fleet: Fleet) -> None:

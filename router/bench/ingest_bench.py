@@ -6,10 +6,11 @@ through the path ``kvrouter serve`` runs for each payload of its ZMQ subscribers
 ``EngineIngest.handle_payload`` (decode, re-block to ``--block-size``) into a ``PrefixIndex``
 (``DirectEvents``' sink). Two shapes of publication:
 
-* ``mock``: one ``BlockStored`` event per engine block, a batch per prompt, as ``kvrouter
-  mock-replica`` publishes them (router/mock/kv_events.py; what ``kvrouter bench live`` runs);
+* ``per_block``: one ``BlockStored`` event per engine block, a batch per prompt (an engine
+  that records each block on its own, as SGLang's radix cache does);
 * ``step``: one ``BlockStored`` event with all the prompt's blocks, as vLLM publishes the
-  blocks a prefill step completed.
+  blocks a prefill step completed and ``kvrouter mock-replica`` publishes them
+  (router/mock/kv_events.py; what ``kvrouter bench live`` runs).
 
 Then the same blocks are removed (one ``BlockRemoved`` batch per prompt, as evictions).
 Figures are process CPU seconds (``time.process_time``), best of ``--reps`` rounds, each
@@ -21,6 +22,7 @@ digests mean the same index, whatever the code's speed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
 from typing import Any
@@ -38,7 +40,7 @@ from router.events.model import EngineBatch, EngineBlockRemoved, EngineBlockStor
 from router.mock.kv_events import EngineEventEncoder
 
 MODEL = "bench-model"
-SHAPES = ("mock", "step")
+SHAPES = ("per_block", "step")
 
 
 def _prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -57,24 +59,27 @@ def _payloads(args: argparse.Namespace, shape: str) -> tuple[list[bytes], list[b
         encoder.learn(hashes, tokens)
         events = encoder.convert([BlocksStored(tuple(hashes))])
         gone = encoder.convert([BlocksRemoved(tuple(reversed(hashes)))])
-        if shape == "step":
-            evs = [e for e in events if isinstance(e, EngineBlockStored)]
-            events = [
-                EngineBlockStored(
-                    tuple(h for e in evs for h in e.block_hashes),
-                    evs[0].parent_block_hash,
-                    tuple(t for e in evs for t in e.token_ids),
-                    args.engine_block_size,
-                    medium=evs[0].medium,
-                    group_idx=0,
-                    kv_cache_spec_kind="full_attention",
-                )
-            ]
+        if shape == "per_block":
+            events = [one for e in events for one in _per_block(e)]
         blocks += sum(len(e.block_hashes) for e in events if isinstance(e, EngineBlockStored))
         stored.append(encode_batch(EngineBatch(time.time(), tuple(events), None)))
         removed.append(encode_batch(EngineBatch(time.time(), tuple(gone), None)))
     assert all(isinstance(e, EngineBlockRemoved) for p in removed for e in decode_events(p))
     return stored, removed, blocks
+
+
+def _per_block(event: Any) -> list[Any]:
+    """``event`` as one event per engine block (removals unchanged)."""
+    if not isinstance(event, EngineBlockStored):
+        return [event]
+    out = []
+    parent, size = event.parent_block_hash, event.block_size
+    for i, h in enumerate(event.block_hashes):
+        tokens = event.token_ids[i * size : (i + 1) * size]
+        out.append(dataclasses.replace(event, block_hashes=(h,), parent_block_hash=parent,
+                                       token_ids=tokens))  # fmt: skip
+        parent = h
+    return out
 
 
 def decode_events(payload: bytes) -> tuple[Any, ...]:

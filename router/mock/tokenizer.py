@@ -32,8 +32,8 @@ def token_id_prompt(prompt: Any) -> list[int] | None:
         first = prompt[0]
         if isinstance(first, list):
             prompt = first
-        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not all(0 <= t < 2**32 for t in prompt):
+        if prompt and set(map(type, prompt)) == {int}:  # one C-level pass; bool is no int
+            if min(prompt) < 0 or max(prompt) >= 2**32:
                 raise BadRequest("'prompt' token ids must be in [0, 2**32)")
             return list(prompt)
     return None

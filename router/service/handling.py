@@ -21,6 +21,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+import orjson
 import xxhash
 
 from router.core.admission import parse_service_tier
@@ -56,10 +57,19 @@ def too_large(state: RouterState) -> ErrorReply:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request's JSON object. orjson parses first (token-id prompts are long integer
+    arrays: docs/benchmarks.md, "Request parsing"); what it refuses and the standard library
+    accepts (lone surrogate escapes, integers beyond 64 bits, NaN) goes to ``json``, so the
+    accepted input and the error messages are the standard library's."""
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
     try:
-        body = json.loads(raw)
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = None  # the standard parser decides, with its message (see below)
+    try:
+        if body is None:
+            body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -172,7 +182,7 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     model, _ = field_types(body)
     processor = state.processor(model)
     fn = processor.chat if kind == "chat" else processor.completion
-    if size >= THREAD_MIN_BODY:
+    if size >= THREAD_MIN_BODY and not _token_ids(body):
         prompt: ProcessedPrompt = await asyncio.get_running_loop().run_in_executor(None, fn, body)
     else:
         prompt = fn(body)
@@ -182,6 +192,13 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     tier = body.get("service_tier")
     parse_service_tier(tier)  # a bad value is a 400, admission on or off
     return Admitted(model, prompt, body_session(body), max_out, usage_patch(body), tier)
+
+
+def _token_ids(body: dict[str, Any]) -> bool:
+    """A completion whose prompt is token ids: processing it is a few array operations
+    (no tokenizer that releases the GIL), so a worker thread would only add hand-offs."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and bool(prompt) and type(prompt[0]) is int
 
 
 def record(state: RouterState, routed: Routed) -> None:

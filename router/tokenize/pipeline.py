@@ -88,6 +88,15 @@ def _simple_render(messages: Sequence[Mapping[str, Any]], tools: Any) -> str:
     return "\n".join(parts)
 
 
+def _all_ints(values: list[Any]) -> bool:
+    """Every element a JSON integer (``bool`` is not one). One C-level pass over the types:
+    token-id prompts run to a million elements."""
+    return set(map(type, values)) == _INT_ONLY
+
+
+_INT_ONLY = {int}
+
+
 def _batch(entries: Sequence[ProcessedPrompt]) -> ProcessedPrompt:
     """One routing view of several prompts sent together: the longest prompt's hashes (its
     prefill dominates; the replica that holds it is the best home for the batch), every
@@ -445,15 +454,11 @@ class PromptProcessor:
             return self._text_prompt(prompt, body)
         if not prompt:
             raise BadRequest("'prompt' must not be empty")
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        if _all_ints(prompt):
             return self._token_ids(prompt, body)
         if isinstance(prompt[0], list):
             for item in prompt:
-                if (
-                    not isinstance(item, list)
-                    or not item
-                    or not all(isinstance(p, int) and not isinstance(p, bool) for p in item)
-                ):
+                if not isinstance(item, list) or not item or not _all_ints(item):
                     raise BadRequest("'prompt' token-id arrays must be non-empty integer arrays")
             return _batch([self._token_ids(item, body) for item in prompt])
         if not all(isinstance(p, str) for p in prompt):
