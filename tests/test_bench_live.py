@@ -84,3 +84,15 @@ def test_fleet_router_is_calibrated_to_the_mocks_engine_profile() -> None:
     assert cost["chunk_tokens"] == load_profile(PROFILE).cost.chunk_tokens
     plain = tomllib.loads(_router_toml(FleetSpec(replicas=1, policy="round_robin"), 1, replicas))
     assert "policy_params" not in plain["models"][MODEL]
+
+
+def test_vllm_router_hashes_in_the_block_size_the_mocks_publish() -> None:
+    """kv_aware reads the events' blocks and chunks prompts in the block size it is given:
+    it must be the size the mocks publish."""
+    from router.demo.fleet import FleetSpec
+    from router.demo.live_bench import _vllm_router_cmd
+
+    spec = FleetSpec(replicas=1, policy=None)
+    replica = {"url": "http://r", "zmq": "tcp://z", "zmq_replay": "tcp://y"}
+    cmd = _vllm_router_cmd("vr", "vllm_router_kv_aware", 1, [replica], 600, spec.engine_block_size)
+    assert cmd[cmd.index("--kv-event-block-size") + 1] == str(spec.engine_block_size) == "64"

@@ -41,6 +41,9 @@ class FleetSpec:
     racks: int = 2
     prefill_share: float = 0.5
     time_scale: float = 1.0  # the mocks' --time-scale
+    # tokens per block in the mocks' KV events: kimi-k3's MLA attention runs on 64-token pages
+    # in vLLM (FlashMLA supports only 64; FlashInfer MLA is set to 64: vLLM PRs #13747, #24692)
+    engine_block_size: int = 64
 
     def roles(self) -> list[tuple[str, str]]:
         """(rack, role) of each replica."""
@@ -135,6 +138,7 @@ class Fleet:
                     "--kv-blocks", str(s.kv_blocks), "--zmq", f"tcp://127.0.0.1:{zmq}",
                     "--replay", f"tcp://127.0.0.1:{replay}", "--log-level", "warning", *where,
                     "--time-scale", str(s.time_scale),
+                    "--engine-block-size", str(s.engine_block_size),
                 )  # fmt: skip
                 rep = {"url": f"http://127.0.0.1:{port}", "model": MODEL, "name": name,
                        "rack": rack}  # fmt: skip

@@ -8,8 +8,8 @@ prompts, sessions in ``X-Session-Id``, closed-loop follow-ups). Rows:
 
 * ``kvrouter_ours``: ``kvrouter serve``, policy ``ours``, following the mocks' events directly;
 * ``vllm_router_kv_aware``: vllm-router (the binary given by ``--vllm-router``) with
-  ``--policy kv_aware`` fed by the same events and replay sockets, 16-token blocks (the
-  mocks publish engine blocks of 16);
+  ``--policy kv_aware`` fed by the same events and replay sockets, in the mocks' engine
+  block size (64 tokens: ``FleetSpec.engine_block_size``);
 * ``vllm_router_kv_aware_affinity``: the same with ``--kv-aware-session-affinity-ttl-secs``;
 * ``vllm_router_cache_aware``: vllm-router's approximate prefix tree.
 
@@ -66,9 +66,13 @@ class Workload:
     kv_blocks: int = 16384
 
 
+AGENTIC_HEAVY = AGENTIC.replace("sessions=60,session_rate=3", "sessions=120,session_rate=4")
 WORKLOADS = {
     "agentic": Workload(AGENTIC, replicas=4, speedup=2.0, requests=600, max_output=64),
     "mooncake": Workload("mooncake", replicas=8, speedup=4.0, requests=500, max_output=64),
+    # past the fleet's decode capacity: what routing does to goodput decides (docs/benchmarks.md)
+    "agentic-heavy": Workload(AGENTIC_HEAVY, replicas=4, speedup=2.0, requests=900, max_output=64),
+    "mooncake-heavy": Workload("mooncake", replicas=8, speedup=8.0, requests=1000, max_output=64),
 }
 ROWS = (
     "kvrouter_ours",
@@ -97,7 +101,12 @@ def _vllm_router_pd_cmd(
 
 
 def _vllm_router_cmd(
-    binary: str, row: str, port: int, replicas: list[dict[str, str]], affinity_ttl_s: int
+    binary: str,
+    row: str,
+    port: int,
+    replicas: list[dict[str, str]],
+    affinity_ttl_s: int,
+    block_size: int,
 ) -> list[str]:
     policy = "cache_aware" if row == "vllm_router_cache_aware" else "kv_aware"
     cmd = [
@@ -108,7 +117,7 @@ def _vllm_router_cmd(
         for r in replicas:
             cmd += ["--kv-event-source", f"{r['url']}={r['zmq']}"]
             cmd += ["--kv-event-replay-source", f"{r['url']}={r['zmq_replay']}"]
-        cmd += ["--kv-event-block-size", "16", "--kv-event-model", MODEL]
+        cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", MODEL]
     if row == "vllm_router_kv_aware_affinity":
         cmd += ["--kv-aware-session-affinity-ttl-secs", str(affinity_ttl_s)]
     return cmd
@@ -188,7 +197,9 @@ async def _row(
             if row == "vllm_router_pd":
                 cmd = _vllm_router_pd_cmd(binary, port, fleet.port(), fleet.replicas)
             else:
-                cmd = _vllm_router_cmd(binary, row, port, fleet.replicas, 600)
+                cmd = _vllm_router_cmd(
+                    binary, row, port, fleet.replicas, 600, spec.engine_block_size
+                )
             await fleet.start_router("vllm-router", cmd, f"http://127.0.0.1:{port}")
         name = "router" if ours else "vllm-router"
         cpu0 = fleet.cpu_seconds(name)
