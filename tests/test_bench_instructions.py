@@ -10,6 +10,7 @@ import pytest
 from tests.benches import bench_json
 
 
+@pytest.mark.benchmark  # the router under valgrind: most of a minute (pytest -m benchmark)
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
 def test_bench_instructions_counts_kvrouter() -> None:
     result = bench_json(

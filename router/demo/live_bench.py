@@ -32,7 +32,10 @@ process used during the replay (/proc). ``sim`` is the simulator's prediction fo
 
 * ``agentic``: synthetic agent sessions (shared system prompts and tool schemas, contexts
   growing turn by turn, closed loop), 4 replicas;
-* ``mooncake``: the bundled Mooncake trace's first requests, open loop, 8 replicas.
+* ``mooncake``: the bundled Mooncake trace's first requests, open loop, 8 replicas;
+* ``agentic-heavy`` / ``mooncake-heavy``: the same past the fleet's decode capacity (twice
+  the sessions at a higher rate; the trace at 8x), where the TPOT target is what most
+  requests miss and the placement decides how many do.
 """
 
 from __future__ import annotations
