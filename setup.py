@@ -29,4 +29,5 @@ if os.environ.get("KVROUTER_COMPILE") == "1" and not _METADATA_ONLY & set(sys.ar
 
     ext_modules = extensions()
 
-setup(ext_modules=ext_modules)
+# the extensions build in parallel: each group's shared library is one C file (router/compile.py)
+setup(ext_modules=ext_modules, options={"build_ext": {"parallel": os.cpu_count() or 1}})

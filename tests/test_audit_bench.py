@@ -6,25 +6,19 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 
 import aiohttp
 import pytest
 
 from router.service.config import build_settings
 from tests.backends import Backend, start_router
-from tests.procs import KVROUTER
+from tests.inprocess import kvrouter
 
 FIGURES = ("incremental_ms", "cold_ms", "tiktoken_ms", "speedup_vs_tiktoken")
 
 
 def bench_tokenize(tokens: int, *extra: str) -> dict[str, object]:
-    done = subprocess.run(
-        [KVROUTER, "bench", "tokenize", "--tokens", str(tokens), "--reps", "1", *extra],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = kvrouter("bench", "tokenize", "--tokens", str(tokens), "--reps", "1", *extra)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1, done.stdout[-2000:]  # one JSON object, one line

@@ -25,7 +25,7 @@ def test_a_source_edited_after_the_build_is_stale(
     proxy = _tree(tmp_path)
     shim = proxy.with_name("proxy.cpython-311-x86_64-linux-gnu.so")
     shim.write_bytes(b"ELF")
-    lib = tmp_path / "router" / "hot__mypyc.cpython-311-x86_64-linux-gnu.so"
+    lib = tmp_path / "router" / "hot_core__mypyc.cpython-311-x86_64-linux-gnu.so"
     lib.write_bytes(b"ELF")
     monkeypatch.setattr(build, "ROOT", tmp_path)
     for path in tmp_path.rglob("*.py"):

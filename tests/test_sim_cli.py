@@ -1,14 +1,13 @@
-"""The ``kvrouter sim`` command through the real console entry point (subprocesses)."""
+"""The ``kvrouter sim`` command through the console entry point's ``main`` (tests/inprocess.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from router.core.policies import POLICY_NAMES, make_policy
 from sim.tuned import load_tuned
+from tests.inprocess import kvrouter
 
 CONTRACT_KEYS = {
     "policy",
@@ -21,16 +20,6 @@ CONTRACT_KEYS = {
     "ttft_ms_p99",
     "wall_s",
 }
-
-
-def kvrouter(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "router.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-    )
 
 
 FLEET = ["--replicas", "8", "--block-size", "64", "--kv-blocks", "16384"]

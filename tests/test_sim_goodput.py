@@ -4,19 +4,12 @@ adds, and ``sim tune`` over several traces with the goodput objective."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from sim.tuned import load_tuned
+from tests.inprocess import kvrouter
 
 FLEET = ["--replicas", "4", "--block-size", "64", "--kv-blocks", "4096"]
-
-
-def kvrouter(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=120
-    )
 
 
 def _replay(*extra: str) -> dict[str, object]:

@@ -4,8 +4,6 @@ by rack, and whole runs under --pd off / always / auto (sim/pd.py, sim/cluster.p
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from router.core.disagg import Role
@@ -17,6 +15,7 @@ from sim.engine import EngineModel, EngineRequest, Finished, FirstToken
 from sim.pd import roles_of, sites_of
 from sim.profiles import EngineProfile, load_profile
 from sim.tuned import load_tuned
+from tests.inprocess import kvrouter
 
 B = 10
 
@@ -76,26 +75,20 @@ def test_runs_by_mode() -> None:
     )
 
 
-def _kvrouter(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=120
-    )
-
-
 TRACE = "agentic:sessions=6,system_tokens=20000,tool_tokens=6000,max_turns=4"
 FLEET = ["--profile", "kimi-k3", "--replicas", "4", "--racks", "2"]
 
 
 def test_cli_pd_flags_json_and_tune(tmp_path: Path) -> None:
-    p = _kvrouter("sim", "replay", TRACE, *FLEET, "--pd", "always", "--json", "--no-progress")
+    p = kvrouter("sim", "replay", TRACE, *FLEET, "--pd", "always", "--json", "--no-progress")
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert doc["pd_share"] == 1.0 and doc["settings"]["pd"] == "always"
     assert {"goodput", "token_hit_rate", "ttft_ms_p90", "cross_rack_transfer_share"} <= set(doc)
-    bad = _kvrouter("sim", "replay", TRACE, *FLEET, "--pd", "auto", "--pd-params", '{"x": 1}')
+    bad = kvrouter("sim", "replay", TRACE, *FLEET, "--pd", "auto", "--pd-params", '{"x": 1}')
     assert bad.returncode == 2 and "x" in bad.stderr
     out = tmp_path / "tuned.toml"
-    p = _kvrouter(
+    p = kvrouter(
         "sim", "tune", TRACE, *FLEET, "--pd", "auto", "--budget", "2", "--speedups", "4",
         "--jobs", "1", "--out", str(out),
     )  # fmt: skip
