@@ -12,7 +12,10 @@ from dataclasses import dataclass
 
 import pytest
 
-# one xdist worker runs this module: its live demo (a module fixture) runs once
+from tests.inprocess import kvrouter
+
+# one xdist worker runs this module: its live demo (a session fixture) runs once, even when
+# the worker runs other modules' tests between this module's
 pytestmark = pytest.mark.xdist_group("demo")
 
 SMALL = (
@@ -45,7 +48,7 @@ class LiveDemo:
     tag: str  # KVROUTER_TEST_TAG of its processes
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def live_demo(tmp_path_factory: pytest.TempPathFactory) -> LiveDemo:
     """One live demo (two policies, traffic recorded) for the tests below: it is the slowest
     thing the suite runs, so it runs once."""
@@ -97,20 +100,14 @@ def _rows(out: subprocess.CompletedProcess[str]) -> dict[str, list[str]]:
 
 
 def test_demo_sim_only_needs_no_processes() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "demo", "--sim-only", "--agentic", SMALL],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    out = kvrouter("demo", "--sim-only", "--agentic", SMALL)
     assert out.returncode == 0, out.stderr
     assert "ours" in out.stdout and "sim hit%" in out.stdout
 
 
 @pytest.mark.parametrize("bad", [["--policies", "nope"], ["--trace", "/nonexistent.jsonl"]])
 def test_demo_bad_arguments_fail_cleanly(bad: list[str]) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "demo", "--sim-only", *bad],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    out = kvrouter("demo", "--sim-only", *bad)
     assert out.returncode != 0
     assert "Traceback" not in out.stderr
 
@@ -127,11 +124,8 @@ def test_recorded_demo_traffic_replays_in_the_simulator(live_demo: LiveDemo) -> 
     assert all(r["hash_ids"] and r["model"] == "demo-model" and "session_id" in r for r in rows)
     assert sum("delay" in r for r in rows) >= len(rows) - 6  # follow-up turns: closed loop
     assert not any(key in r for r in rows for key in ("prompt", "tokens", "text"))
-    sim = subprocess.run(
-        [sys.executable, "-m", "router.cli", "sim", "replay", str(trace), "--replicas", "2",
-         "--policy", "ours", "--speedup", "4", "--json", "--no-progress"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    sim = kvrouter("sim", "replay", str(trace), "--replicas", "2", "--policy", "ours",
+                   "--speedup", "4", "--json", "--no-progress")  # fmt: skip
     assert sim.returncode == 0, sim.stderr
     result = json.loads(sim.stdout)
     assert result["requests"] == len(rows)
