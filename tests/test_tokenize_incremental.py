@@ -62,7 +62,7 @@ _message = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     history=st.lists(_message, min_size=1, max_size=6),
     turns=st.lists(st.lists(_message, min_size=1, max_size=3), min_size=1, max_size=3),
@@ -156,7 +156,7 @@ CHATML = (
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(turns=st.lists(st.lists(_text, min_size=1, max_size=3), min_size=1, max_size=3))
 def test_incremental_equals_cold_hf_tokenizer(
     tmp_path_factory: Any, turns: list[list[str]]

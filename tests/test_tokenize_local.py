@@ -350,7 +350,7 @@ _conversation = st.lists(
 ).map(lambda groups: [m for g in groups for m in g])
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(messages=_conversation, gen=st.booleans())
 @pytest.mark.parametrize("name", sorted(LOCAL) + sorted(STATEFUL))
 def test_resuming_a_render_equals_rendering_whole(
@@ -488,7 +488,7 @@ def _three_turns_stay_exact(proc: PromptProcessor) -> None:
         )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     history=st.lists(_message, min_size=0, max_size=5),
     turns=st.lists(st.lists(_message, min_size=0, max_size=3), min_size=1, max_size=3),
