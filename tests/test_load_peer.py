@@ -74,7 +74,7 @@ def test_the_array_mirror_carries_peer_load_too() -> None:
 
 @pytest.fixture(scope="module")
 def trace() -> Workload:
-    return load_trace("mooncake", block_size=64, limit=1200)
+    return load_trace("mooncake", block_size=64, limit=800)
 
 
 def _run(trace: Workload, **kw: object) -> dict[str, float]:
