@@ -25,13 +25,30 @@ _SUBCOMMANDS: tuple[str, ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The command each module adds: a command line naming one imports only its module (the
+# benchmarks' registration alone costs about a second of imports, paid by every `serve`,
+# `mock-replica` and `publish` process otherwise).
+_MODULE_OF: dict[str, str] = {
+    "bench": "router.bench.cli",
+    "serve": "router.service.cli",
+    "publish": "router.publisher.cli",
+    "signing-key": "router.publisher.cli",
+    "mock-replica": "router.mock.cli",
+    "trace": "router.trace_merge",
+    "sim": "sim.cli",
+    "demo": "router.demo",
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or (``command`` one of ``_MODULE_OF``) only that command's."""
     parser = argparse.ArgumentParser(
         prog="kvrouter", description="KV-cache-aware request router for LLM inference fleets"
     )
     parser.add_argument("--version", action="version", version="kvrouter 0.1.0")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in _SUBCOMMANDS:
+    only = _MODULE_OF.get(command or "")
+    for module_name in _SUBCOMMANDS if only is None else (only,):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -43,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(args_in[0] if args_in else None)
+    args = parser.parse_args(args_in)
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()
