@@ -30,6 +30,20 @@ async def stop(task: asyncio.Task[Any]) -> None:
         await task
 
 
+async def stop_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """``stop`` for each of ``tasks``, ending only when all have ended: a cancellation of the
+    caller meanwhile (its own stop, re-cancelling it) does not leave them running."""
+    for task in tasks:
+        task.cancel()
+    while not all(task.done() for task in tasks):
+        # the caller being stopped too: it ends once these have
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait(tasks, timeout=RECANCEL_S)
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+
+
 @contextlib.asynccontextmanager
 async def running(coro: Coroutine[Any, Any, None], name: str | None = None) -> AsyncIterator[None]:
     task = asyncio.create_task(coro, name=name)
