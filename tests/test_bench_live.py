@@ -90,9 +90,12 @@ def test_vllm_router_hashes_in_the_block_size_the_mocks_publish() -> None:
     """kv_aware reads the events' blocks and chunks prompts in the block size it is given:
     it must be the size the mocks publish."""
     from router.demo.fleet import FleetSpec
-    from router.demo.live_bench import _vllm_router_cmd
+    from router.demo.live_bench import _vllm_router_cmd, _vllm_router_pd_cmd
 
     spec = FleetSpec(replicas=1, policy=None)
     replica = {"url": "http://r", "zmq": "tcp://z", "zmq_replay": "tcp://y"}
     cmd = _vllm_router_cmd("vr", "vllm_router_kv_aware", 1, [replica], 600, spec.engine_block_size)
     assert cmd[cmd.index("--kv-event-block-size") + 1] == str(spec.engine_block_size) == "64"
+    replica = {**replica, "role": "prefill"}
+    pd = _vllm_router_pd_cmd("vr", 1, 2, [replica], spec.engine_block_size)
+    assert pd[pd.index("--kv-event-block-size") + 1] == "64" and "--pd-kv-events" in pd

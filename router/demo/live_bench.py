@@ -88,12 +88,13 @@ MODEL = "demo-model"
 
 
 def _vllm_router_pd_cmd(
-    binary: str, port: int, metrics_port: int, replicas: list[dict[str, str]]
+    binary: str, port: int, metrics_port: int, replicas: list[dict[str, str]], block_size: int
 ) -> list[str]:
     cmd = [
         binary, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
         "--prometheus-port", str(metrics_port), "--log-level", "warning",
         "--prefill-policy", "kv_aware", "--decode-policy", "power_of_two",
+        "--kv-event-block-size", str(block_size), "--kv-event-model", MODEL,
     ]  # fmt: skip
     for r in replicas:
         if r.get("role") == "prefill":
@@ -198,7 +199,9 @@ async def _row(
             assert binary is not None
             port = fleet.port()
             if row == "vllm_router_pd":
-                cmd = _vllm_router_pd_cmd(binary, port, fleet.port(), fleet.replicas)
+                cmd = _vllm_router_pd_cmd(
+                    binary, port, fleet.port(), fleet.replicas, spec.engine_block_size
+                )
             else:
                 cmd = _vllm_router_cmd(
                     binary, row, port, fleet.replicas, 600, spec.engine_block_size

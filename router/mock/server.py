@@ -33,11 +33,11 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from router import jsonload
 from router.core.errors import BadRequest
 from router.core.hashing import hash_prompt, root_hash
 from router.core.types import IndexEvent, ReplicaKey
@@ -175,18 +175,10 @@ class _Collector:
             yield m
 
 
-def _loads(text: str) -> Any:
-    """orjson where it can (long token-id prompts), the standard parser where it refuses."""
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return json.loads(text)
-
-
 async def _prepare(request: web.Request, chat: bool) -> tuple[MockState, dict[str, Any], Any]:
     state = request.app[STATE]
     try:
-        body = await request.json(loads=_loads)
+        body = await request.json(loads=jsonload.loads)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadRequest("request body is not valid JSON") from None
     if not isinstance(body, dict):

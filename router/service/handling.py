@@ -16,14 +16,13 @@ types); the body is forwarded untouched. Errors are OpenAI-style JSON (router.se
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import Iterable
 from typing import Any
 
-import orjson
 import xxhash
 
+from router import jsonload
 from router.core.admission import parse_service_tier
 from router.core.errors import BadRequest, KVRouterError
 from router.service import disagg
@@ -57,19 +56,11 @@ def too_large(state: RouterState) -> ErrorReply:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """The request's JSON object. orjson parses first (token-id prompts are long integer
-    arrays: docs/benchmarks.md, "Request parsing"); what it refuses and the standard library
-    accepts (lone surrogate escapes, integers beyond 64 bits, NaN) goes to ``json``, so the
-    accepted input and the error messages are the standard library's."""
+    """The request's JSON object (router/jsonload.py)."""
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        body = None  # the standard parser decides, with its message (see below)
-    try:
-        if body is None:
-            body = json.loads(raw)
+        body = jsonload.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
