@@ -5,6 +5,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvrouter-installed
 # pytest-xdist workers: most tests wait on processes and sockets, so more workers than cores
 TEST_WORKERS ?= 4
+# Every test starts Python processes (routers, replicas, publishers) and each xdist worker
+# imports every test module: with bytecode caching off (some images set this) each of them
+# compiles the sources and re-rewrites the tests' asserts again, a fifth of the suite's CPU.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup demo test test-compiled lint bench clean compile uncompile
 

@@ -29,6 +29,31 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         )
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: object) -> Iterator[None]:
+    """When pytest-timeout fails a hung test by SIGALRM it prints every thread's stack; an
+    async test hangs in an await, which only the event loop's tasks show: print their stacks
+    first (the report's captured stdout), then let pytest-timeout fail the test."""
+    yield
+    import signal
+
+    chained = signal.getsignal(signal.SIGALRM)
+    if not callable(chained):
+        return
+
+    def dump_tasks_then_fail(signum: int, frame: object) -> None:
+        import asyncio
+        import sys
+
+        loop = asyncio._get_running_loop()
+        for task in asyncio.all_tasks(loop) if loop is not None else ():
+            print(f"--- {task!r}", file=sys.stdout)
+            task.print_stack(limit=12, file=sys.stdout)
+        chained(signum, frame)
+
+    signal.signal(signal.SIGALRM, dump_tasks_then_fail)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _bpe_files_parsed_once() -> Iterator[None]:
     """Routers built inside the test process (a few hundred: one or more a test) parse each

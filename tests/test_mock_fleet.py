@@ -66,7 +66,9 @@ async def test_two_routers_publishers_and_mock_replicas_converge(
             await web.TCPSite(runner, "127.0.0.1", port).start()
             runners.append(runner)
             url = f"http://127.0.0.1:{port}"
-            clients.append(openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0))
+            clients.append(
+                openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
+            )
             store = RedisStore.from_url(redis_url, schema)
             stores.append(store)
             pub = Publisher(
