@@ -99,3 +99,22 @@ def test_vllm_router_hashes_in_the_block_size_the_mocks_publish() -> None:
     replica = {**replica, "role": "prefill"}
     pd = _vllm_router_pd_cmd("vr", 1, 2, [replica], spec.engine_block_size)
     assert pd[pd.index("--kv-event-block-size") + 1] == "64" and "--pd-kv-events" in pd
+
+
+def test_repeated_runs_combine_into_medians_totals_and_spread() -> None:
+    from router.demo.figures import combine_runs
+
+    runs = [
+        {"requests": 10, "ok": 10, "failed": 0, "hit": 0.5, "goodput": 0.9, "ttft_p90_ms": 300.0},
+        {"requests": 10, "ok": 9, "failed": 1, "hit": 0.4, "goodput": 0.7, "ttft_p90_ms": 500.0,
+         "errors": ["HTTP 502"]},
+        {"requests": 10, "ok": 10, "failed": 0, "hit": 0.6, "goodput": 0.8, "ttft_p90_ms": 100.0},
+    ]  # fmt: skip
+    row = combine_runs(runs)
+    assert (row["requests"], row["ok"], row["failed"], row["runs"]) == (30, 29, 1, 3)
+    assert (row["hit"], row["goodput"], row["ttft_p90_ms"]) == (0.5, 0.8, 300.0)
+    assert row["spread"]["goodput"] == [0.7, 0.9] and row["spread"]["ttft_p90_ms"] == [100.0, 500.0]
+    assert row["errors"] == ["HTTP 502"]
+    assert combine_runs(runs[:1]) == runs[0]
+    failed = {"error": "no vllm-router binary"}
+    assert combine_runs([failed]) == failed and combine_runs([runs[0], failed]) == failed

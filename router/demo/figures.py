@@ -13,6 +13,7 @@ ones included, that met their SLO (router.core.slo). Times in milliseconds.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,4 +64,34 @@ def summarize(outcomes: Sequence[Outcome], slo: SloTargets | None = None) -> dic
     out.update(_pcts([o.ttft_s * 1e3 for o in ok], "ttft", (50, 90, 99)))
     out.update(_pcts([o.e2e_s * 1e3 for o in ok], "e2e", (50, 90, 99)))
     out.update(_pcts(tpots, "tpot", (50, 90)))
+    return out
+
+
+TOTALS = ("requests", "ok", "failed")
+SPREAD = ("hit", "goodput", "ttft_p50_ms", "ttft_p90_ms", "e2e_p90_ms", "tpot_p90_ms")
+
+
+def combine_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One row from repeated runs of it (``kvrouter bench live --repeat``): ``requests``,
+    ``ok`` and ``failed`` summed, every other figure the median of the runs (a fleet past
+    its capacity swings by several points from run to run, so one run cannot rank two
+    routers), ``runs`` their number and ``spread`` the ``[min, max]`` of the headline
+    figures. A run that failed as a whole (``error``) is the row's answer."""
+    if len(runs) == 1 or any("error" in r for r in runs):
+        return dict(next((r for r in runs if "error" in r), runs[0]))
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for r in runs for k in r):
+        values = [r[key] for r in runs if key in r]
+        if key in TOTALS:
+            out[key] = sum(values)
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = round(statistics.median(values), 4)
+        elif key == "errors":
+            out[key] = sorted({e for v in values for e in v})[:3]
+    out["runs"] = len(runs)
+    out["spread"] = {
+        key: [min(r[key] for r in runs), max(r[key] for r in runs)]
+        for key in SPREAD
+        if all(key in r for r in runs)
+    }
     return out

@@ -27,8 +27,9 @@ mocks spread over 2 racks, half of each rack ``prefill``, the rest ``decode`` (`
 Each row: ``ok``, ``failed``, ``hit`` (engine-reported cached prompt tokens), ``goodput``
 (router.core.slo, the default SLO unless flags say otherwise), TTFT / E2E p50, p90, p99 and
 TPOT p50, p90 in ms (router/demo/figures.py), and ``router_cpu_s``, the CPU seconds the router
-process used during the replay (/proc). ``sim`` is the simulator's prediction for
-``ours`` on the same trace and fleet. Workloads:
+process used during the replay (/proc). With ``--repeat N`` each row runs N times (the rows
+interleaved) and reports the runs' medians, their totals and spread (``combine_runs``).
+``sim`` is the simulator's prediction for ``ours`` on the same trace and fleet. Workloads:
 
 * ``agentic``: synthetic agent sessions (shared system prompts and tool schemas, contexts
   growing turn by turn, closed loop), 4 replicas;
@@ -230,8 +231,11 @@ def _slo(args: argparse.Namespace) -> SloTargets:
 
 
 def run(args: argparse.Namespace) -> int:
+    from router.demo.figures import combine_runs
     from router.demo.replay import load_requests
 
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
     workload = WORKLOADS[args.workload]
     if args.requests:
         workload = dataclasses.replace(workload, requests=args.requests)
@@ -260,9 +264,14 @@ def run(args: argparse.Namespace) -> int:
             "slo": {"ttft_s": {t.label: t.ttft_s for t in slo.tiers}, "tpot_s": slo.tpot_s},
             "rows": {},
         }
-        for row in rows:
-            print(f"bench live: {row} ...", file=sys.stderr)
-            result["rows"][row] = asyncio.run(_row(row, workload, requests, args.vllm_router, slo))
+        runs: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
+        for k in range(args.repeat):  # rows interleaved: a drifting machine hits them all
+            for row in rows:
+                if runs[row] and "error" in runs[row][0]:
+                    continue
+                print(f"bench live: {row} (run {k + 1} of {args.repeat}) ...", file=sys.stderr)
+                runs[row].append(asyncio.run(_row(row, workload, requests, args.vllm_router, slo)))
+        result["rows"] = {row: combine_runs(r) for row, r in runs.items()}
         result["sim"] = {"kvrouter_ours": _simulate(workload, trace, slo)}
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(result, indent=None if args.json else 2)
@@ -282,5 +291,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--replicas", type=int, help="mock replicas (workload default)")
     p.add_argument("--slo-ttft-ms", type=float, help="one TTFT target (default: the tiers)")
     p.add_argument("--slo-tpot-ms", type=float, help="the TPOT target (default 100 ms)")
+    p.add_argument(
+        "--repeat", type=int, default=1, help="runs of each row; figures are their medians"
+    )
     p.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
     p.set_defaults(handler=run)
