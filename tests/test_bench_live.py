@@ -118,3 +118,20 @@ def test_repeated_runs_combine_into_medians_totals_and_spread() -> None:
     assert combine_runs(runs[:1]) == runs[0]
     failed = {"error": "no vllm-router binary"}
     assert combine_runs([failed]) == failed and combine_runs([runs[0], failed]) == failed
+
+
+def test_sim_params_change_only_the_simulators_prediction() -> None:
+    """``--rows ''`` runs nothing live; ``--sim-params`` reaches the simulated ``ours`` and
+    a wrong one is a usage error that names it."""
+    from tests.inprocess import kvrouter
+
+    base = ["bench", "live", "--workload", "agentic", "--rows", "", "--requests", "80",
+            "--replicas", "2", "--speedup", "8", "--json"]  # fmt: skip
+    greedy_params = '{"w_prefill": 1, "w_interference": 0}'  # a TTFT minimiser
+    default, greedy = (kvrouter(*base, *extra) for extra in ([], ["--sim-params", greedy_params]))
+    assert default.returncode == greedy.returncode == 0, default.stderr + greedy.stderr
+    a, b = (json.loads(out.stdout) for out in (default, greedy))
+    assert a["rows"] == b["rows"] == {}
+    assert a["sim"]["kvrouter_ours"] != b["sim"]["kvrouter_ours"]
+    bad = kvrouter(*base, "--sim-params", '{"w_nope": 1}')
+    assert bad.returncode != 0 and "w_nope" in bad.stderr

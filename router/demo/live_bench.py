@@ -144,7 +144,9 @@ def _trace_file(workload: Workload, directory: Path) -> Path:
     return path
 
 
-def _simulate(workload: Workload, trace: Path, slo: SloTargets) -> dict[str, Any]:
+def _simulate(
+    workload: Workload, trace: Path, slo: SloTargets, params: dict[str, Any] | None = None
+) -> dict[str, Any]:
     from router.demo.fleet import PROFILE
     from sim.cluster import ClusterConfig
     from sim.profiles import load_profile
@@ -163,7 +165,7 @@ def _simulate(workload: Workload, trace: Path, slo: SloTargets) -> dict[str, Any
         kv_blocks=workload.kv_blocks,
         slo=slo,
     )
-    s = run_one(loaded, config, RunSpec("ours", speedup=workload.speedup)).summary
+    s = run_one(loaded, config, RunSpec("ours", params=params, speedup=workload.speedup)).summary
     return {
         "hit": s["token_hit_rate"],
         "goodput": s["goodput"],
@@ -223,6 +225,16 @@ async def _row(
     return figures
 
 
+def _params(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def _slo(args: argparse.Namespace) -> SloTargets:
     base = SloTargets()
     tiers = base.tiers if args.slo_ttft_ms is None else (SloTier(None, args.slo_ttft_ms / 1e3),)
@@ -272,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"bench live: {row} (run {k + 1} of {args.repeat}) ...", file=sys.stderr)
                 runs[row].append(asyncio.run(_row(row, workload, requests, args.vllm_router, slo)))
         result["rows"] = {row: combine_runs(r) for row, r in runs.items()}
-        result["sim"] = {"kvrouter_ours": _simulate(workload, trace, slo)}
+        result["sim"] = {"kvrouter_ours": _simulate(workload, trace, slo, args.sim_params)}
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(result, indent=None if args.json else 2)
     sys.stdout.write(text + "\n")
@@ -291,6 +303,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--replicas", type=int, help="mock replicas (workload default)")
     p.add_argument("--slo-ttft-ms", type=float, help="one TTFT target (default: the tiers)")
     p.add_argument("--slo-tpot-ms", type=float, help="the TPOT target (default 100 ms)")
+    p.add_argument(
+        "--sim-params",
+        type=_params,
+        help="JSON object of `ours` parameters for the simulator's prediction only "
+        "(with --rows '' nothing runs live: a quick what-if on the bench's fleet)",
+    )
     p.add_argument(
         "--repeat", type=int, default=1, help="runs of each row; figures are their medians"
     )
