@@ -168,3 +168,48 @@ async def test_engine_restart_clears_state() -> None:
     finally:
         await direct.stop()
         await pub.close()
+
+
+async def test_an_endpoint_it_cannot_subscribe_to_fails_the_start() -> None:
+    """A malformed endpoint is an error at start-up, never a start that waits forever."""
+    direct = DirectEvents(PrefixIndex())
+    direct.add_replica("eng", "m", B, [EndpointSpec("tcp://not-an-address")])
+    with pytest.raises(zmq.ZMQError):
+        await asyncio.wait_for(direct.start(), 10)
+    await direct.stop()
+
+
+async def test_a_failed_subscriber_restarts_and_replays_what_it_missed() -> None:
+    pub = KVEventPublisher(
+        f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", buffer_steps=10_000
+    )
+    pub.start()
+    eng, index = Engine(), PrefixIndex()
+    direct = await _follow(pub, index)
+    try:
+        group = direct._groups[0]
+        group.RESTART_BACKOFF_S = (0.01, 0.05)
+        sub = group.subscribers[0]
+        tokens = eng.prompt(8)
+        await pub.publish([eng.stored(tokens, 0, 4)])
+        await eventually(lambda: index.match(canonical(tokens)).get(KEY).kv_blocks == 2)
+        handle = sub._handle
+
+        async def fail_once(frames: list[bytes]) -> None:
+            sub._handle = handle  # type: ignore[method-assign]
+            raise RuntimeError("injected")
+
+        sub._handle = fail_once  # type: ignore[method-assign]
+        await pub.publish([eng.stored(tokens, 4, 8)])  # taken by the failing subscriber
+        await eventually(lambda: group.restarts == 1)
+
+        async def caught_up() -> bool:
+            await pub.publish([])  # a later batch shows the restarted subscriber the gap
+            return index.match(canonical(tokens)).get(KEY).kv_blocks == 4
+
+        await eventually(caught_up, interval=0.05)
+        assert sub.stats.replayed >= 1 and sub.stats.lost == 0
+        assert direct.ingests["eng"].stats.lost_batches == 0
+    finally:
+        await direct.stop()
+        await pub.close()

@@ -129,23 +129,61 @@ class EngineIngest:
 
 
 class SubscriberGroup:
-    """Runs the subscribers of several endpoints as tasks (``start``/``stop``)."""
+    """Runs the subscribers of several endpoints as supervised tasks (``start``/``stop``).
+
+    ``start`` returns once every subscriber is connected and raises what stopped one that
+    never connected (a malformed endpoint, a terminated ZMQ context): a misconfigured
+    publisher fails at start-up instead of waiting forever. A subscriber that fails after
+    it connected is restarted with backoff (``restarts``, logged); it keeps its last
+    sequence number, so the batches it missed meanwhile come back through the engine's
+    replay socket, or count as lost (and clear that engine) when the replay cannot serve
+    them."""
+
+    RESTART_BACKOFF_S = (0.1, 5.0)
 
     def __init__(self, ingest: EngineIngest, specs: Sequence[EndpointSpec]) -> None:
         self.ingest = ingest
         self.subscribers = [ingest.subscriber(s) for s in specs]
+        self.restarts = 0
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         for sub in self.subscribers:
-            self._tasks.append(asyncio.create_task(sub.run(), name=f"zmq-sub {sub.endpoint}"))
-        for sub in self.subscribers:
-            await sub.connected.wait()
+            self._tasks.append(
+                asyncio.create_task(self._supervise(sub), name=f"zmq-sub {sub.endpoint}")
+            )
+        for sub, task in zip(self.subscribers, self._tasks, strict=True):
+            connected = asyncio.ensure_future(sub.connected.wait())
+            await asyncio.wait({connected, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not connected.done():
+                connected.cancel()
+                await self.stop()
+                task.result()  # what stopped it; a subscriber never ends on its own
+
+    async def _supervise(self, sub: ZmqEventSubscriber) -> None:
+        first, most = self.RESTART_BACKOFF_S
+        backoff = first
+        while True:
+            try:
+                await sub.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not sub.connected.is_set():
+                    raise
+                self.restarts += 1
+                log.error(
+                    "KV event subscriber of %s failed (%s: %s); restarting in %.1f s",
+                    sub.endpoint, type(exc).__name__, exc, backoff,
+                )  # fmt: skip
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, most)
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            # a task that ended with an error ended in ``start``, which raised it
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task

@@ -269,6 +269,10 @@ class PublisherCollector:
                 "event batches lost beyond replay",
                 ing.lost_batches,
             ),
+            "kvrouter_publisher_subscriber_restarts": (
+                "KV event subscribers restarted after failing",
+                p.subscribers.restarts,
+            ),
             "kvrouter_publisher_block_events": ("canonical block events written", w.block_events),
             "kvrouter_publisher_flushes": ("store writes (batches or resets)", w.flushes),
             "kvrouter_publisher_resets": ("full-state republishes", st.resets),
