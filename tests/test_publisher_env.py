@@ -78,3 +78,21 @@ def test_signing_key_reads_the_routers_master_variable(
     monkeypatch.setenv("KVROUTER_SERVER__REDIS_SIGNING_MASTER", master.hex())
     assert main(["signing-key", "--replica", "a"]) == 0
     assert bytes.fromhex(capsys.readouterr().out.strip()) == replica_signing_key(master, "a")
+
+
+def test_an_endpoint_it_cannot_subscribe_to_stops_publish_and_deregisters(
+    redis_url: str, key_prefix: str
+) -> None:
+    import redis
+
+    from tests.inprocess import kvrouter
+
+    out = kvrouter(
+        "publish", "--replica", "r1", "--model", "m", "--zmq", "tcp://not-an-address",
+        "--redis", redis_url, "--key-prefix", key_prefix,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "cannot subscribe to the engine's KV events" in out.stderr
+    assert "not-an-address" in out.stderr
+    client = redis.Redis.from_url(redis_url)
+    assert not [k for k in client.scan_iter(f"{key_prefix}*") if b"r1" in k]  # deregistered

@@ -98,7 +98,17 @@ async def _main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    await publisher.start()
+    import zmq
+
+    try:
+        await publisher.start()
+    except zmq.ZMQError as exc:
+        await publisher.stop()  # deregisters the replica it registered
+        await store.close()
+        print(
+            f"kvrouter publish: cannot subscribe to the engine's KV events: {exc}", file=sys.stderr
+        )
+        return 2
     runner = await _serve_metrics(publisher, args.metrics_port) if args.metrics_port else None
     logging.getLogger("kvrouter.publish").info(
         "publishing %s (%d endpoints) to %s",
