@@ -70,3 +70,21 @@ def test_file_replicas_are_checked_too(tmp_path: Path) -> None:
     path.write_text("[[replicas]]\nurl = 'http://h:1/engine'\nmodel = 'm'\n")
     with pytest.raises(ConfigError, match=r"replicas\[0\]\.url: 'http://h:1/engine'"):
         load_settings(path, environ={})
+
+
+@pytest.mark.parametrize(
+    ("key", "endpoint"), [("zmq", "tcp://*:5557"), ("zmq", "tcp://h"), ("zmq_replay", "h:5558")]
+)
+def test_kv_event_endpoints_a_router_cannot_connect_to_are_refused(
+    tmp_path: Path, key: str, endpoint: str
+) -> None:
+    """vLLM's own ``tcp://*:5557`` binds; a router connects to a host and port."""
+    extra = "" if key == "zmq" else 'zmq = "tcp://h:5557"\n'
+    config = tmp_path / "router.toml"
+    config.write_text(
+        f'[[replicas]]\nurl = "http://h:1"\nmodel = "m"\n{extra}{key} = "{endpoint}"\n'
+    )
+    with pytest.raises(ConfigError) as info:
+        load_settings(config, environ={})
+    message = str(info.value)
+    assert "replicas[0].zmq" in message and endpoint in message, message

@@ -271,3 +271,19 @@ async def test_redis_mode_replays_history_refills_gaps_and_follows_ranks(
         await sync.stop()
         await publisher.stop()
     await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["tcp://10.0.0.1", "tcp://*:5557", "tcp://h:0", "tcp://h:70000", "10.0.0.1:5557", "ipc://"],
+)
+def test_malformed_endpoints_are_refused_naming_them(endpoint: str) -> None:
+    with pytest.raises(ValueError, match="expected tcp://HOST:PORT"):
+        engine_endpoints([endpoint], [], [0])
+    with pytest.raises(ValueError, match="expected tcp://HOST:PORT"):
+        engine_endpoints(["tcp://h:5557"], [endpoint], [0])
+
+
+def test_endpoints_the_engines_use_are_accepted() -> None:
+    for endpoint in ("tcp://10.0.0.1:5557", "tcp://[::1]:5557", "ipc:///tmp/kv", "inproc://kv"):
+        assert engine_endpoints([endpoint], [], [0])[0].endpoint == endpoint

@@ -171,9 +171,10 @@ async def test_engine_restart_clears_state() -> None:
 
 
 async def test_an_endpoint_it_cannot_subscribe_to_fails_the_start() -> None:
-    """A malformed endpoint is an error at start-up, never a start that waits forever."""
+    """An endpoint ZMQ refuses is an error at start-up, never a start that waits forever
+    (a well-formed one: malformed ones are configuration errors, test_engine_replay)."""
     direct = DirectEvents(PrefixIndex())
-    direct.add_replica("eng", "m", B, [EndpointSpec("tcp://not-an-address")])
+    direct.add_replica("eng", "m", B, [EndpointSpec("ipc:///tmp/" + "x" * 300)])
     with pytest.raises(zmq.ZMQError):
         await asyncio.wait_for(direct.start(), 10)
     await direct.stop()

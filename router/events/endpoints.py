@@ -19,6 +19,22 @@ class EndpointSpec:
     dp_rank: int = 0
 
 
+def check_endpoint(endpoint: str) -> str:
+    """``endpoint`` if a subscriber can connect to it: ``tcp://host:port`` (a host, not
+    ``*``, and a port 1-65535), ``ipc://path`` or ``inproc://name``; else ValueError, so a
+    typo is a configuration error instead of a subscriber that cannot start."""
+    scheme, sep, rest = endpoint.partition("://")
+    if sep and scheme in ("ipc", "inproc") and rest:
+        return endpoint
+    if sep and scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if colon and host and host != "*" and port.isdigit() and 0 < int(port) < 65536:
+            return endpoint
+    raise ValueError(
+        f"endpoint {endpoint!r}: expected tcp://HOST:PORT, ipc://PATH or inproc://NAME"
+    )
+
+
 def offset_endpoint(endpoint: str, dp_rank: int) -> str:
     """The endpoint data-parallel rank ``dp_rank`` of an engine publishes on, given the
     configured one, as vLLM's and SGLang's ``ZmqEventPublisher.offset_endpoint_port`` derive
@@ -63,9 +79,12 @@ def engine_endpoints(
     """The endpoints to follow for one engine: one endpoint per rank given explicitly
     (``endpoints[i]`` serves ``dp_ranks[i]``), or one configured endpoint for all ranks, which
     publish on its port + rank (``rank_endpoints``). ``replay_endpoints``: none, or one per
-    endpoint. Raises ValueError when the counts do not fit."""
+    endpoint. Raises ValueError when the counts do not fit or an endpoint is malformed
+    (``check_endpoint``)."""
     if not endpoints:
         raise ValueError("no KV-event endpoint")
+    for endpoint in (*endpoints, *replay_endpoints):
+        check_endpoint(endpoint)
     if replay_endpoints and len(replay_endpoints) != len(endpoints):
         raise ValueError("give one replay endpoint per event endpoint, or none")
     ranks = list(dp_ranks) or [0]
