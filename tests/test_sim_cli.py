@@ -1,8 +1,11 @@
-"""The ``kvrouter sim`` command through the console entry point's ``main`` (tests/inprocess.py)."""
+"""The ``kvrouter sim`` command through the console entry point's ``main`` (tests/inprocess.py),
+and as a process of its own where it forks workers (``--jobs 2``)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from router.core.policies import POLICY_NAMES, make_policy
@@ -23,6 +26,14 @@ CONTRACT_KEYS = {
 
 
 FLEET = ["--replicas", "8", "--block-size", "64", "--kv-blocks", "16384"]
+
+
+def kvrouter_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """``kvrouter ARGS`` in a fresh process: a pool forked inside a test worker copies the
+    worker's threads' locks, and one such fork never exited (a hung run_many)."""
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=110
+    )
 
 
 def test_replay_json_contract_single_policy() -> None:
@@ -49,7 +60,7 @@ def test_replay_json_contract_single_policy() -> None:
 
 
 def test_replay_all_policies_side_by_side() -> None:
-    p = kvrouter(
+    p = kvrouter_process(
         "sim",
         "replay",
         "mooncake",
@@ -87,7 +98,7 @@ def test_bad_input_is_a_clear_error() -> None:
 
 def test_tune_writes_a_loadable_config_and_replay_uses_it(tmp_path: Path) -> None:
     out = tmp_path / "tuned.toml"
-    p = kvrouter(
+    p = kvrouter_process(
         "sim",
         "tune",
         "mooncake",
