@@ -202,3 +202,31 @@ async def test_router_tokenizer_text_prompts_hash_like_the_router(start_mock: Ca
         n = len(expected.block_hashes)
         key = ReplicaKey(s.replica)
         await eventually(lambda: index.match(expected.block_hashes).get(key).kv_blocks == n)
+
+
+async def test_an_engine_model_that_fails_fails_its_requests_instead_of_hanging(
+    start_mock: Callable,
+) -> None:
+    """A defect in the engine model must show as HTTP 500s naming it: the requests in flight
+    when it raised and every later one, none waiting forever."""
+    from router.mock.server import STATE
+
+    mock = await start_mock(time_scale=1.0)
+    driver = mock.runner.app[STATE].driver
+    # a long answer keeps the first request in flight when the model breaks
+    running = asyncio.ensure_future(
+        mock.client.completions.create(model="m", prompt=_prompt(1, 300), max_tokens=4000)
+    )
+    await eventually(lambda: driver.model.pending() == 1)
+
+    def broken(now: float) -> list[object]:
+        raise ZeroDivisionError("injected")
+
+    driver.model.advance = broken  # type: ignore[method-assign]
+    driver._wake.set()
+    with pytest.raises(openai.InternalServerError, match="engine model failed"):
+        await asyncio.wait_for(running, 30)
+    with pytest.raises(openai.InternalServerError, match="ZeroDivisionError: injected"):
+        await asyncio.wait_for(
+            mock.client.completions.create(model="m", prompt=_prompt(2, 100), max_tokens=2), 30
+        )

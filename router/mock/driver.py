@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,13 @@ from router.core.types import IndexEvent
 
 if TYPE_CHECKING:
     from sim.engine import EngineModel, EngineOutput, EngineRequest
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailed(RuntimeError):
+    """The engine model raised: the requests on it and every later one fail with this,
+    instead of waiting for outputs that will never come."""
 
 
 class EngineDriver:
@@ -36,7 +44,8 @@ class EngineDriver:
         self.model = model
         self.time_scale = time_scale
         self.on_index_events = on_index_events or (lambda events: None)
-        self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
+        self._queues: dict[str, asyncio.Queue[EngineOutput | EngineFailed]] = {}
+        self.failure: EngineFailed | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.loop = asyncio.get_running_loop()
@@ -56,10 +65,13 @@ class EngineDriver:
                 await self._task
             self._task = None
 
-    def submit(self, request: EngineRequest) -> asyncio.Queue[EngineOutput]:
+    def submit(self, request: EngineRequest) -> asyncio.Queue[EngineOutput | EngineFailed]:
         """Queue ``request`` (a ``sim.engine.EngineRequest``) now; raises ValueError as the
-        model does (duplicate id, bad sizes)."""
-        queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
+        model does (duplicate id, bad sizes), ``EngineFailed`` once the model has failed. The
+        queue gets the request's outputs, or the ``EngineFailed`` that ends them."""
+        if self.failure is not None:
+            raise self.failure
+        queue: asyncio.Queue[EngineOutput | EngineFailed] = asyncio.Queue()
         self.model.submit(request, self.now())
         self._queues[request.request_id] = queue
         self._wake.set()
@@ -86,6 +98,16 @@ class EngineDriver:
             self.on_index_events(events)
 
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except Exception as exc:
+            log.exception("mock engine model failed; failing its %d requests", len(self._queues))
+            self.failure = EngineFailed(f"engine model failed: {type(exc).__name__}: {exc}")
+            for queue in self._queues.values():
+                queue.put_nowait(self.failure)
+            self._queues.clear()
+
+    async def _loop(self) -> None:
         while True:
             self._pump()
             nxt = self.model.next_time()

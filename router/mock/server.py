@@ -43,7 +43,7 @@ from router.core.hashing import hash_prompt, root_hash
 from router.core.types import IndexEvent, ReplicaKey
 from router.events.zmq_pub import KVEventPublisher
 from router.mock import pd
-from router.mock.driver import EngineDriver
+from router.mock.driver import EngineDriver, EngineFailed
 from router.mock.faults import FaultMode
 from router.mock.faults import install as install_faults
 from router.mock.kv_events import EngineEventEncoder
@@ -211,6 +211,9 @@ async def _outputs(state: MockState, req: Any) -> AsyncIterator[Any]:
     try:
         while True:
             out = await queue.get()
+            if isinstance(out, EngineFailed):
+                done = True
+                raise out
             yield out
             if type(out).__name__ in ("Finished", "Rejected"):
                 done = True
@@ -273,35 +276,40 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         return f"data: {json.dumps(obj)}\n\n".encode()
 
     words: list[str] = []
-    async for out in _outputs(state, req):
-        name = type(out).__name__
-        if name == "Rejected":
-            state.counters.rejected += 1
-            return _error(400, f"request cannot be served: {out.reason}")
-        if response is None and stream:
-            response = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-            )
-            await response.prepare(request)
-        if name == "FirstToken":  # carries the first output token
-            cached = out.cached_tokens
-            kv_hit = out.kv_hit_tokens
-            produced = 1
-            if response is not None:
-                await response.write(chunk(_word(0), None, first=True))
-            else:
-                words.append(_word(0))
-        elif name == "TokensEmitted":
-            new = [_word(produced + i) for i in range(out.count)]
-            produced += out.count
-            if response is not None:
-                await response.write(chunk("".join(new), None))
-            else:
-                words.extend(new)
-        elif name == "Finished":
-            cached = out.cached_tokens
-            produced = out.output_tokens
-            finish_reason = "length" if produced >= req.max_output_tokens else "stop"
+    try:
+        async for out in _outputs(state, req):
+            name = type(out).__name__
+            if name == "Rejected":
+                state.counters.rejected += 1
+                return _error(400, f"request cannot be served: {out.reason}")
+            if response is None and stream:
+                response = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
+                await response.prepare(request)
+            if name == "FirstToken":  # carries the first output token
+                cached = out.cached_tokens
+                kv_hit = out.kv_hit_tokens
+                produced = 1
+                if response is not None:
+                    await response.write(chunk(_word(0), None, first=True))
+                else:
+                    words.append(_word(0))
+            elif name == "TokensEmitted":
+                new = [_word(produced + i) for i in range(out.count)]
+                produced += out.count
+                if response is not None:
+                    await response.write(chunk("".join(new), None))
+                else:
+                    words.extend(new)
+            elif name == "Finished":
+                cached = out.cached_tokens
+                produced = out.output_tokens
+                finish_reason = "length" if produced >= req.max_output_tokens else "stop"
+    except EngineFailed as exc:
+        if response is not None:
+            raise  # the stream breaks off: the client sees an incomplete answer
+        return _error(500, str(exc))
     if params is not None and pd.is_decode_leg(params):  # the hit was the prefill replica's
         cached, kv_hit = pd.remote_hit(params, cached, kv_hit)
     c = state.counters
