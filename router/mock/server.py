@@ -17,7 +17,9 @@ KV and recurrent-state pull timed by the link between the two replicas' sites
 
 Prompts are tokenized by a ``MockTokenizer`` and hashed exactly as the router hashes them
 (``root_hash(model, cache_salt)``, the router's block size), so hits are real; the answer is
-filler text, one word per token, timed by the engine model (TTFT, inter-token gaps).
+filler text, one word per token, timed by the engine model (TTFT, inter-token gaps). Should
+the engine model raise, the requests in flight and every later one get HTTP 500 naming the
+error (``EngineFailed``), never an answer that does not come.
 """
 
 from __future__ import annotations
