@@ -36,8 +36,10 @@ def kvrouter(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
         ):
             try:
                 code = main(list(args))
-            except SystemExit as exc:  # argparse's usage errors
+            except SystemExit as exc:  # argparse's usage errors, SystemExit("message")
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if exc.code is not None and not isinstance(exc.code, int):
+                    print(exc.code, file=err)  # as the interpreter does on the way out
     finally:
         os.chdir(here)
     return subprocess.CompletedProcess(["kvrouter", *args], code, out.getvalue(), err.getvalue())

@@ -135,3 +135,11 @@ def test_sim_params_change_only_the_simulators_prediction() -> None:
     assert a["sim"]["kvrouter_ours"] != b["sim"]["kvrouter_ours"]
     bad = kvrouter(*base, "--sim-params", '{"w_nope": 1}')
     assert bad.returncode != 0 and "w_nope" in bad.stderr
+    both = kvrouter(*base, "--sim-policies", "ours,vllm_kv_aware", "--sim-params", greedy_params)
+    assert both.returncode == 0, both.stderr
+    sim = json.loads(both.stdout)["sim"]
+    assert sim["kvrouter_ours"] == b["sim"]["kvrouter_ours"]  # the params are ours' alone
+    assert set(sim["vllm_kv_aware"]) == set(sim["kvrouter_ours"])
+    assert sim["vllm_kv_aware"] != sim["kvrouter_ours"]
+    unknown = kvrouter(*base, "--sim-policies", "ours,nope")
+    assert unknown.returncode != 0 and "nope" in unknown.stderr

@@ -29,7 +29,8 @@ Each row: ``ok``, ``failed``, ``hit`` (engine-reported cached prompt tokens), ``
 TPOT p50, p90 in ms (router/demo/figures.py), and ``router_cpu_s``, the CPU seconds the router
 process used during the replay (/proc). With ``--repeat N`` each row runs N times (the rows
 interleaved) and reports the runs' medians, their totals and spread (``combine_runs``).
-``sim`` is the simulator's prediction for ``ours`` on the same trace and fleet. Workloads:
+``sim`` is the simulator's prediction for ``ours`` on the same trace and fleet (and for each
+policy ``--sim-policies`` adds, e.g. ``vllm_kv_aware``). Workloads:
 
 * ``agentic``: synthetic agent sessions (shared system prompts and tool schemas, contexts
   growing turn by turn, closed loop), 4 replicas;
@@ -145,7 +146,11 @@ def _trace_file(workload: Workload, directory: Path) -> Path:
 
 
 def _simulate(
-    workload: Workload, trace: Path, slo: SloTargets, params: dict[str, Any] | None = None
+    workload: Workload,
+    trace: Path,
+    slo: SloTargets,
+    params: dict[str, Any] | None = None,
+    policy: str = "ours",
 ) -> dict[str, Any]:
     from router.demo.fleet import PROFILE
     from sim.cluster import ClusterConfig
@@ -165,7 +170,8 @@ def _simulate(
         kv_blocks=workload.kv_blocks,
         slo=slo,
     )
-    s = run_one(loaded, config, RunSpec("ours", params=params, speedup=workload.speedup)).summary
+    spec = RunSpec(policy, params=params if policy == "ours" else None, speedup=workload.speedup)
+    s = run_one(loaded, config, spec).summary
     return {
         "hit": s["token_hit_rate"],
         "goodput": s["goodput"],
@@ -261,6 +267,12 @@ def run(args: argparse.Namespace) -> int:
         known = ", ".join((*ROWS, *PD_ROWS))
         raise SystemExit(f"unknown row(s) {', '.join(unknown)}; choose from {known}")
     slo = _slo(args)
+    sim_policies = [p.strip() for p in args.sim_policies.split(",") if p.strip()]
+    from router.core.policies import POLICY_NAMES
+
+    if unknown := [p for p in sim_policies if p not in POLICY_NAMES]:
+        known = ", ".join(POLICY_NAMES)
+        raise SystemExit(f"unknown --sim-policies {', '.join(unknown)}; choose from {known}")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvrouter-live-") as tmp:
         trace = _trace_file(workload, Path(tmp))
@@ -284,7 +296,12 @@ def run(args: argparse.Namespace) -> int:
                 print(f"bench live: {row} (run {k + 1} of {args.repeat}) ...", file=sys.stderr)
                 runs[row].append(asyncio.run(_row(row, workload, requests, args.vllm_router, slo)))
         result["rows"] = {row: combine_runs(r) for row, r in runs.items()}
-        result["sim"] = {"kvrouter_ours": _simulate(workload, trace, slo, args.sim_params)}
+        result["sim"] = {
+            "kvrouter_ours" if policy == "ours" else policy: _simulate(
+                workload, trace, slo, args.sim_params, policy
+            )
+            for policy in sim_policies
+        }
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(result, indent=None if args.json else 2)
     sys.stdout.write(text + "\n")
@@ -303,6 +320,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--replicas", type=int, help="mock replicas (workload default)")
     p.add_argument("--slo-ttft-ms", type=float, help="one TTFT target (default: the tiers)")
     p.add_argument("--slo-tpot-ms", type=float, help="the TPOT target (default 100 ms)")
+    p.add_argument(
+        "--sim-policies",
+        default="ours",
+        help="policies the simulator predicts on the same fleet (`sim` in the JSON: "
+        "kvrouter_ours, then each other policy by name), e.g. ours,vllm_kv_aware",
+    )
     p.add_argument(
         "--sim-params",
         type=_params,
