@@ -163,7 +163,9 @@ class SubscriberGroup:
     async def _supervise(self, sub: ZmqEventSubscriber) -> None:
         first, most = self.RESTART_BACKOFF_S
         backoff = first
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             try:
                 await sub.run()
             except asyncio.CancelledError:
@@ -172,6 +174,8 @@ class SubscriberGroup:
                 if not sub.connected.is_set():
                     raise
                 self.restarts += 1
+                if loop.time() - started > most:  # it ran well for a while: a fresh fault
+                    backoff = first
                 log.error(
                     "KV event subscriber of %s failed (%s: %s); restarting in %.1f s",
                     sub.endpoint, type(exc).__name__, exc, backoff,
