@@ -141,5 +141,13 @@ def test_sim_params_change_only_the_simulators_prediction() -> None:
     assert sim["kvrouter_ours"] == b["sim"]["kvrouter_ours"]  # the params are ours' alone
     assert set(sim["vllm_kv_aware"]) == set(sim["kvrouter_ours"])
     assert sim["vllm_kv_aware"] != sim["kvrouter_ours"]
+    keyed = (
+        '{"vllm_kv_aware": {"session_ttl_s": 600}, "ours": {"w_prefill": 1, "w_interference": 0}}'
+    )
+    sticky = kvrouter(*base, "--sim-policies", "ours,vllm_kv_aware", "--sim-params", keyed)
+    assert sticky.returncode == 0, sticky.stderr
+    per_policy = json.loads(sticky.stdout)["sim"]
+    assert per_policy["kvrouter_ours"] == sim["kvrouter_ours"]
+    assert per_policy["vllm_kv_aware"] != sim["vllm_kv_aware"]  # its sessions are pinned
     unknown = kvrouter(*base, "--sim-policies", "ours,nope")
     assert unknown.returncode != 0 and "nope" in unknown.stderr

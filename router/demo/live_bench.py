@@ -170,7 +170,7 @@ def _simulate(
         kv_blocks=workload.kv_blocks,
         slo=slo,
     )
-    spec = RunSpec(policy, params=params if policy == "ours" else None, speedup=workload.speedup)
+    spec = RunSpec(policy, params=params or None, speedup=workload.speedup)
     s = run_one(loaded, config, spec).summary
     return {
         "hit": s["token_hit_rate"],
@@ -241,6 +241,19 @@ def _params(text: str) -> dict[str, Any]:
     return value
 
 
+def _params_of(given: dict[str, Any] | None, policy: str) -> dict[str, Any] | None:
+    """``--sim-params`` for ``policy``: an object keyed by policy names gives each its own
+    (``{"vllm_kv_aware": {"session_ttl_s": 600}}``); a flat one is ``ours``'."""
+    from router.core.policies import POLICY_NAMES
+
+    if not given:
+        return None
+    if all(key in POLICY_NAMES for key in given):
+        value = given.get(policy)
+        return dict(value) if isinstance(value, dict) else None
+    return given if policy == "ours" else None
+
+
 def _slo(args: argparse.Namespace) -> SloTargets:
     base = SloTargets()
     tiers = base.tiers if args.slo_ttft_ms is None else (SloTier(None, args.slo_ttft_ms / 1e3),)
@@ -298,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         result["rows"] = {row: combine_runs(r) for row, r in runs.items()}
         result["sim"] = {
             "kvrouter_ours" if policy == "ours" else policy: _simulate(
-                workload, trace, slo, args.sim_params, policy
+                workload, trace, slo, _params_of(args.sim_params, policy), policy
             )
             for policy in sim_policies
         }
@@ -329,8 +342,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--sim-params",
         type=_params,
-        help="JSON object of `ours` parameters for the simulator's prediction only "
-        "(with --rows '' nothing runs live: a quick what-if on the bench's fleet)",
+        help="JSON object of `ours` parameters for the simulator's prediction only, or of "
+        "objects keyed by policy name (with --rows '' nothing runs live: a quick what-if "
+        "on the bench's fleet)",
     )
     p.add_argument(
         "--repeat", type=int, default=1, help="runs of each row; figures are their medians"
