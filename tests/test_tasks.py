@@ -9,26 +9,27 @@ import pytest
 from router.service import tasks
 
 
+async def _stubborn(swallow: int, swallowed: list[int]) -> None:
+    """Sleeps; swallows its first ``swallow`` cancellations (as a client library's own
+    error handling would), noting each cancellation in ``swallowed``."""
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            swallowed.append(1)
+            if len(swallowed) > swallow:
+                raise
+
+
 async def test_stop_cancels_again_a_task_that_swallowed_its_cancellation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    swallowed = 0
-
-    async def stubborn() -> None:
-        nonlocal swallowed
-        while True:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:  # as a client library's own error would be caught
-                swallowed += 1
-                if swallowed > 1:
-                    raise
-
+    swallowed: list[int] = []
     monkeypatch.setattr(tasks, "RECANCEL_S", 0.05)
-    task = asyncio.create_task(stubborn())
+    task = asyncio.create_task(_stubborn(1, swallowed))
     await asyncio.sleep(0)
     await tasks.stop(task)
-    assert task.cancelled() and swallowed == 2
+    assert task.cancelled() and len(swallowed) == 2
 
 
 async def test_running_stops_its_task_on_exit() -> None:
@@ -48,20 +49,9 @@ async def test_stop_all_leaves_nothing_running_when_its_caller_is_cancelled_mean
 ) -> None:
     """The pods exchange's two loops: its own task is stopped (cancelled, then cancelled
     again) while it waits for a loop that swallowed its cancellation."""
-    swallowed = 0
-
-    async def stubborn() -> None:
-        nonlocal swallowed
-        while True:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                swallowed += 1
-                if swallowed > 2:
-                    raise
-
+    swallowed: list[int] = []
     monkeypatch.setattr(tasks, "RECANCEL_S", 0.05)
-    loops = [asyncio.create_task(stubborn()), asyncio.create_task(asyncio.sleep(3600))]
+    loops = [asyncio.create_task(_stubborn(2, swallowed)), asyncio.create_task(asyncio.sleep(3600))]
 
     async def owner() -> None:
         try:
@@ -76,4 +66,4 @@ async def test_stop_all_leaves_nothing_running_when_its_caller_is_cancelled_mean
     task.cancel()  # cancelled again while stop_all waits
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert all(t.done() for t in loops) and swallowed == 3
+    assert all(t.done() for t in loops) and len(swallowed) == 3

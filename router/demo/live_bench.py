@@ -262,6 +262,7 @@ def _slo(args: argparse.Namespace) -> SloTargets:
 
 
 def run(args: argparse.Namespace) -> int:
+    from router.core.policies import POLICY_NAMES
     from router.demo.figures import combine_runs
     from router.demo.replay import load_requests
 
@@ -281,8 +282,6 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown row(s) {', '.join(unknown)}; choose from {known}")
     slo = _slo(args)
     sim_policies = [p.strip() for p in args.sim_policies.split(",") if p.strip()]
-    from router.core.policies import POLICY_NAMES
-
     if unknown := [p for p in sim_policies if p not in POLICY_NAMES]:
         known = ", ".join(POLICY_NAMES)
         raise SystemExit(f"unknown --sim-policies {', '.join(unknown)}; choose from {known}")
