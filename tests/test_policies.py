@@ -52,6 +52,7 @@ def test_policy_names_are_the_documented_ones() -> None:
         "llmd",
         "preble",
         "vllm_kv_aware",
+        "vllm_cache_aware",
         "ours",
     }
     for name in POLICY_NAMES:

@@ -12,95 +12,34 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import numpy as np
 
-from router.core.load import CostModel, LoadColumns, LoadView
-from router.core.types import MAX_RANKING, Decision, PrefixMatch, ReplicaKey, RouteRequest
+from router.core.candidates import Candidate, CandidateColumns, ColumnarPolicy, Policy
+from router.core.candidates import decide as _decide
+from router.core.candidates import rank as _rank
+from router.core.candidates import tokens as _tokens
+from router.core.load import CostModel
+from router.core.types import MAX_RANKING, Decision, RouteRequest
+from router.core.vllm_router import VllmCacheAware, VllmKvAware
 from router.core.xp import ARRAY, SCALAR, Ops
 
-
-class Candidate(NamedTuple):
-    """One replica a policy may pick (a NamedTuple: immutable, and cheap to build per
-    candidate per request)."""
-
-    replica: ReplicaKey
-    match: PrefixMatch
-    load: LoadView
-    cached_blocks: int = 0  # size of the replica's cache in the index (SGLang's "tree size")
-
-
-class CandidateColumns(NamedTuple):
-    """Many candidates at once, as arrays (one element per replica of ``keys``, in order): for
-    policies that score a large fleet with array operations (``ColumnarPolicy``) instead of
-    one ``Candidate`` per replica. ``eligible`` marks the ones that may be picked (healthy,
-    not draining, not busy while others are not); the blocks arrays are their
-    ``PrefixMatch`` fields; ``cached_blocks`` gives a replica's cache size (tie-breaks)."""
-
-    keys: Sequence[ReplicaKey]
-    eligible: np.ndarray
-    kv_blocks: np.ndarray
-    gpu_blocks: np.ndarray
-    host_blocks: np.ndarray
-    usable_blocks: np.ndarray
-    load: LoadColumns
-    cached_blocks: Callable[[ReplicaKey], int]
-
-
-class Policy(Protocol):
-    name: str
-
-    def choose(
-        self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
-    ) -> Decision: ...
-
-
-class ColumnarPolicy(Policy, Protocol):
-    """A policy that can also choose among :class:`CandidateColumns`, with the same result as
-    ``choose`` on the same candidates (ranking cut to ``MAX_RANKING``)."""
-
-    def choose_columns(
-        self, request: RouteRequest, columns: CandidateColumns, now: float, rng: random.Random
-    ) -> Decision: ...
-
-
-def _tokens(request: RouteRequest, blocks: int) -> int:
-    return min(blocks * request.block_size, request.prompt_tokens)
-
-
-def _decide(
-    name: str,
-    request: RouteRequest,
-    ranked: Sequence[Candidate],
-    score: float,
-    terms: Mapping[str, float] | None = None,
-) -> Decision:
-    """The decision for ``ranked[0]``, the others as its ranking. ``terms`` becomes the
-    decision's own (callers pass a dict they built for it). Runs once per request: built
-    positionally, the ranking from a list."""
-    best = ranked[0]
-    match = best.match
-    return Decision(
-        best.replica,
-        name,
-        _tokens(request, match.usable_blocks),
-        _tokens(request, match.kv_blocks),
-        score,
-        terms if terms is not None else {},
-        tuple([c.replica for c in ranked[1:]]),
-    )
-
-
-def _rank(
-    candidates: Sequence[Candidate], key: Callable[[Candidate], float], rng: random.Random
-) -> list[Candidate]:
-    """Ascending by ``key``; exact ties broken by ``rng`` so no replica is favoured by order."""
-    salted = [(key(c), rng.random(), i) for i, c in enumerate(candidates)]
-    salted.sort()
-    return [candidates[i] for _, _, i in salted]
+__all__ = [
+    "POLICIES",
+    "POLICY_NAMES",
+    "Candidate",
+    "CandidateColumns",
+    "ColumnarPolicy",
+    "Ours",
+    "Policy",
+    "VllmCacheAware",
+    "VllmKvAware",
+    "make_policy",
+    "uses_prefix_index",
+]
 
 
 # ---------------------------------------------------------------------------- baselines
@@ -291,87 +230,6 @@ class PrebleE2:
             ranked = _rank(candidates, lambda c: c.load.in_flight, rng)
             mode = 0.0
         return _decide(self.name, request, ranked, float(cached), {"exploit": mode})
-
-
-@dataclass(slots=True)
-class VllmKvAware:
-    """vllm-router 0.1.17 ``kv_aware`` (src/policies/kv_aware.rs): lowest
-    ``(new_prefill_tokens + active_prefill_tokens) * (active_requests + 1)`` wins.
-
-    ``new_prefill_tokens`` is the prompt minus its credited prefix: the GPU prefix (at most
-    ``(prompt - 1) // block_size`` blocks), plus the continuation held on host at
-    ``host_credit`` or on disk / external storage at ``disk_credit``, rounded up;
-    ``active_prefill_tokens`` is the new-prefill work this router sent that has not reached
-    its first token, ``active_requests`` its requests in flight. Equal costs go to the first
-    candidate in order, except zero-cost ones, which go to the least loaded.
-    ``temperature > 0`` samples ``exp(-(cost - min) / temperature)`` instead. With
-    ``session_ttl_s > 0``, a request with a session id goes to the replica its session was
-    bound to while that binding is fresh (a hard pin, as vllm-router's
-    ``kv_aware_session_affinity_ttl_secs``); the binding lasts ``session_ttl_s`` after the
-    session's last routed request (vllm-router counts from its last *completed* one).
-
-    Differences that remain: vllm-router re-hashes the prompt in its own 16-token blocks; here
-    the match is in the router's blocks (``block_size`` of the request)."""
-
-    name: str = "vllm_kv_aware"
-    temperature: float = 0.0
-    host_credit: float = 0.8
-    disk_credit: float = 0.3
-    session_ttl_s: float = 0.0
-    max_sessions: int = 65536
-    _sessions: dict[str, tuple[ReplicaKey, float]] = field(default_factory=dict, repr=False)
-
-    def new_prefill_tokens(self, request: RouteRequest, c: Candidate) -> int:
-        m = c.match
-        prompt = request.prompt_tokens
-        device = min(m.gpu_blocks, max(prompt - 1, 0) // request.block_size)
-        # one continuation where the device prefix ends: the host segment if there is one,
-        # else the disk one (none when the device prefix was cut at the last prompt token)
-        cont = 0.0
-        if device == m.gpu_blocks:
-            if m.host_blocks > device:
-                cont = (m.host_blocks - device) * self.host_credit
-            else:
-                cont = (m.kv_blocks - device) * self.disk_credit
-        credited = min((device + cont) * request.block_size, max(prompt - 1, 0))
-        return max(math.ceil(prompt - credited), 0)
-
-    def cost(self, request: RouteRequest, c: Candidate) -> tuple[float, int]:
-        new = self.new_prefill_tokens(request, c)
-        ptoken = new + c.load.queued_prefill_tokens
-        return float(ptoken * (c.load.in_flight + 1)), ptoken
-
-    def choose(
-        self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
-    ) -> Decision:
-        costs = [self.cost(request, c) for c in candidates]
-        order = sorted(range(len(candidates)), key=lambda i: costs[i][0])  # stable: first wins
-        pick = order[0]
-        session = request.session_id if self.session_ttl_s > 0 else None
-        bound = self._sessions.get(session) if session is not None else None
-        sticky = False
-        if bound is not None and bound[1] > now:
-            at = [i for i, c in enumerate(candidates) if c.replica == bound[0]]
-            if at:
-                pick, sticky = at[0], True
-        if not sticky:
-            if self.temperature > 0 and len(order) > 1 and costs[pick][0] > 0:
-                lo = costs[pick][0]
-                weights = [math.exp(-(costs[i][0] - lo) / self.temperature) for i in order]
-                pick = order[rng.choices(range(len(order)), weights=weights)[0]]
-            elif costs[pick][0] == 0:  # zero work: the least prefill, then the least loaded
-                zero = [i for i in order if costs[i][0] == 0]
-                pick = min(zero, key=lambda i: (costs[i][1], candidates[i].load.in_flight))
-        if session is not None:
-            self._sessions.pop(session, None)
-            self._sessions[session] = (candidates[pick].replica, now + self.session_ttl_s)
-            if len(self._sessions) > self.max_sessions:  # oldest binding first
-                del self._sessions[next(iter(self._sessions))]
-        order.remove(pick)
-        ranked = [candidates[pick]] + [candidates[i] for i in order]
-        terms = {"new_prefill_tokens": float(self.new_prefill_tokens(request, candidates[pick]))}
-        terms["sticky"] = float(sticky)
-        return _decide(self.name, request, ranked, costs[pick][0], terms)
 
 
 def uses_prefix_index(policy: Policy) -> bool:
@@ -598,6 +456,7 @@ POLICIES: dict[str, type[Any]] = {
     "llmd": LlmD,
     "preble": PrebleE2,
     "vllm_kv_aware": VllmKvAware,
+    "vllm_cache_aware": VllmCacheAware,
     "ours": Ours,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
