@@ -84,6 +84,10 @@ def test_fleet_router_is_calibrated_to_the_mocks_engine_profile() -> None:
     assert cost["chunk_tokens"] == load_profile(PROFILE).cost.chunk_tokens
     plain = tomllib.loads(_router_toml(FleetSpec(replicas=1, policy="round_robin"), 1, replicas))
     assert "policy_params" not in plain["models"][MODEL]
+    assert "speculative_ttl_s" not in plain["models"][MODEL]  # the router's default
+    spec = FleetSpec(replicas=1, policy="ours", speculative_ttl_s=30)
+    guessing = tomllib.loads(_router_toml(spec, 1, replicas))
+    assert guessing["models"][MODEL]["speculative_ttl_s"] == 30.0
 
 
 def test_vllm_router_hashes_in_the_block_size_the_mocks_publish() -> None:
@@ -151,3 +155,12 @@ def test_sim_params_change_only_the_simulators_prediction() -> None:
     assert per_policy["vllm_kv_aware"] != sim["vllm_kv_aware"]  # its sessions are pinned
     unknown = kvrouter(*base, "--sim-policies", "ours,nope")
     assert unknown.returncode != 0 and "nope" in unknown.stderr
+    # the router's speculative TTL reaches the simulated router too (open-loop requests
+    # that share prefixes with ones still queued)
+    mooncake = ["bench", "live", "--workload", "mooncake", "--rows", "", "--requests", "100",
+                "--replicas", "2", "--json"]  # fmt: skip
+    events, guessing = (kvrouter(*mooncake, "--speculative-ttl-s", t) for t in ("0", "30"))
+    assert events.returncode == guessing.returncode == 0, events.stderr + guessing.stderr
+    assert json.loads(guessing.stdout)["sim"] != json.loads(events.stdout)["sim"]
+    negative = kvrouter(*base, "--speculative-ttl-s", "-1")
+    assert negative.returncode != 0 and "--speculative-ttl-s" in negative.stderr

@@ -215,3 +215,18 @@ def test_index_tiers_feed_the_vllm_kv_aware_credit() -> None:
     request = RouteRequest("x", "m", 40 * 16 + 8, chain, 16)
     expected = math.ceil(request.prompt_tokens - (10 + 30 * 0.8) * 16)
     assert VllmKvAware().new_prefill_tokens(request, cand) == expected
+
+
+def test_vllm_kv_aware_routes_on_events_alone_without_speculating() -> None:
+    """vllm-router never guesses what a replica will hold: the simulator's model of it must
+    not get kvrouter's speculative entries, while ``ours`` does when they are on."""
+    for policy, expected in ((VllmKvAware(), 0), (Ours(), 50)):
+        index, load = PrefixIndex(), LoadTracker()
+        for key in (A, B):
+            index.add_replica(key)
+            load.add_replica(key)
+        settings = RoutingSettings(block_size=4, speculative_ttl_s=30.0)
+        engine = RoutingEngine(index, load, policy, settings)  # type: ignore[arg-type]
+        request = _turn("t1", list(range(1, 51)), session=None)
+        engine.dispatched(request, engine.route(request, (A, B), 0.0, rng()), 0.0)
+        assert index.stats().speculative_entries == expected

@@ -154,6 +154,32 @@ def test_speculative_entries_expire() -> None:
     assert idx.match(H, now=21.0).get(A).kv_blocks == 4
 
 
+def test_the_engines_events_replace_what_was_speculated() -> None:
+    """A guess lasts until the engine reports the blocks: stored, they are real entries and
+    the guess is gone; removed, they are gone, guess and all. Other replicas' guesses and
+    the guesses of blocks not reported stay until their TTL."""
+    idx = PrefixIndex()
+    idx.speculate(A, H[:6], [H[5]], now=0.0, ttl=30.0)
+    idx.speculate(B, H[:6], [], now=0.0, ttl=30.0)
+    assert idx.stats().speculative_entries == 6 + 1 + 6
+    idx.apply(EventBatch(A, (BlocksStored(tuple(H[:4])),), seq=1))
+    assert idx.stats().speculative_entries == 2 + 1 + 6  # A's first 4 are real now
+    assert idx.match(H, now=1.0).get(A).kv_blocks == 6  # 4 stored + 2 still guessed
+    # the engine evicts a block it never reported storing: the guess must not outlive it
+    idx.apply(EventBatch(A, (BlocksRemoved((H[5],)),), seq=2))
+    assert idx.match(H, now=1.0).get(A).kv_blocks == 5
+    # a recurrent-state checkpoint is settled by state events, not by KV ones
+    m = idx.match(H, hybrid=True, now=1.0).get(A)
+    assert m.usable_blocks == 0  # the guessed checkpoint at H[5] is past the 5 KV blocks
+    idx.apply(EventBatch(A, (BlocksStored((H[5],), kind=Kind.STATE),), seq=3))
+    assert idx.stats().speculative_entries == 1 + 6  # H[4] on A, and B's six
+    assert idx.match(H, now=1.0).get(B).kv_blocks == 6
+    # at the TTL the remaining guesses go; what the engine reported stays
+    assert idx.match(H, now=31.0).get(A).kv_blocks == 4
+    assert idx.match(H, now=31.0).get(B) is NO_MATCH
+    assert idx.stats().speculative_entries == 0
+
+
 def test_hole_in_a_chain_gives_an_upper_bound() -> None:
     """Documented limit: the bisection assumes prefix-closed caches (engines evict leaves
     first). A hole in the middle is not detected; the match is an upper bound."""

@@ -277,6 +277,8 @@ class PrefixIndex:
                     self.state_generation += 1
         else:
             self._kv_count[slot] += added
+        if self._spec_owner:
+            self._settle(slot, blocks, kind)
 
     def _remove(self, slot: int, hashes: Iterable[int], tier: Tier, kind: Kind) -> None:
         table = self._state if kind is Kind.STATE else self._kv[tier]
@@ -313,8 +315,28 @@ class PrefixIndex:
                 self._state_slots &= ~bit
         else:
             self._kv_count[slot] -= removed
+        if self._spec_owner:
+            self._settle(slot, blocks, kind)
 
     # ------------------------------------------------------------------ speculation
+
+    def _settle(self, slot: int, blocks: Sequence[int], kind: Kind) -> None:
+        """The engine reported these blocks stored or removed: its word replaces what was
+        speculated of them on ``slot`` (a stored block is now a real entry; a removed one
+        must not live on as a guess until its TTL)."""
+        owner = self._spec_owner.get((kind, slot))
+        if not owner:
+            return
+        settled = owner.keys() & blocks
+        if not settled:
+            return
+        table = self._spec[kind]
+        bit = 1 << slot
+        for block in settled:
+            del owner[block]
+            _discard(table, block, bit)
+        if not owner:
+            del self._spec_owner[(kind, slot)]
 
     def speculate(
         self,

@@ -72,9 +72,11 @@ class RoutingSettings:
     prefix is usable only up to a state checkpoint (None: learned from the engines, see
     router.core.state_layout; a bool overrides). ``state_interval_blocks``: the engines'
     checkpoint grid in router blocks, for the checkpoints the router speculates (0: learned;
-    until it is known only the prompt end is speculated). ``session_ttl_s``: how long a
-    session's last replica is remembered as a hint (router/core/session.py; 0: off); only
-    policies with ``uses_session_hints`` read it."""
+    until it is known only the prompt end is speculated). ``speculative_ttl_s``: how long
+    a dispatched prompt's blocks count as held by its replica before the engine's events say
+    so (0: not at all; events replace the guess as they arrive: router.core.index).
+    ``session_ttl_s``: how long a session's last replica is remembered as a hint
+    (router/core/session.py; 0: off); only policies with ``uses_session_hints`` read it."""
 
     block_size: int = 64
     hybrid: bool | None = None
@@ -148,6 +150,8 @@ class RoutingEngine:
         self.policy = policy
         self.columnar_min = columnar_min
         self._columnar = callable(getattr(policy, "choose_columns", None))
+        # a policy reproducing a peer that routes on engine events alone says so
+        self._speculates = bool(getattr(policy, "speculates", True))
         self._learned_hybrid: str | None = None  # the source that showed it is hybrid
         self._learned_interval: tuple[int, str] | None = None
         self._state_generation = -1
@@ -329,6 +333,8 @@ class RoutingEngine:
             class_weight,
         )
         ttl = self.settings.speculative_ttl_s if speculative_ttl_s is None else speculative_ttl_s
+        if not self._speculates:
+            ttl = 0.0
         states: list[int] = []
         if ttl > 0 and request.block_hashes:
             layout = self.layout

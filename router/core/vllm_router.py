@@ -39,6 +39,7 @@ class VllmKvAware:
     Differences that remain: vllm-router re-hashes the prompt in its own 16-token blocks; here
     the match is in the router's blocks (``block_size`` of the request)."""
 
+    speculates: ClassVar[bool] = False  # it routes on the engines' events alone
     name: str = "vllm_kv_aware"
     temperature: float = 0.0
     host_credit: float = 0.8
@@ -129,6 +130,7 @@ class VllmCacheAware:
     eviction_interval_s: float = 120.0
     max_tree_tokens: int = 33_554_432 // 4
     uses_prefix_index: ClassVar[bool] = False  # its own tree, not the engines' events
+    speculates: ClassVar[bool] = False
     # replica -> its tree as block hash -> when it was last used (a counter), least
     # recently used first
     _trees: dict[ReplicaKey, OrderedDict[int, int]] = field(default_factory=dict, repr=False)

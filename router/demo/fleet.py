@@ -44,6 +44,7 @@ class FleetSpec:
     # tokens per block in the mocks' KV events: kimi-k3's MLA attention runs on 64-token pages
     # in vLLM (FlashMLA supports only 64; FlashInfer MLA is set to 64: vLLM PRs #13747, #24692)
     engine_block_size: int = 64
+    speculative_ttl_s: float | None = None  # the router model's; None: its default
 
     def roles(self) -> list[tuple[str, str]]:
         """(rack, role) of each replica."""
@@ -251,6 +252,8 @@ def _router_toml(s: FleetSpec, port: int, replicas: list[dict[str, str]]) -> str
     if s.record_path:
         lines += [f"record_path = {json.dumps(s.record_path)}"]
     lines += ["", f'[models."{MODEL}"]', f'policy = "{s.policy}"', f"block_size = {s.block_size}"]
+    if s.speculative_ttl_s is not None:
+        lines += [f"speculative_ttl_s = {float(s.speculative_ttl_s)}"]
     lines += _cost_table(s.policy, s.profile)
     if s.pd:
         lines += ["", f'[models."{MODEL}".pd]', f'mode = "{s.pd}"']

@@ -151,6 +151,7 @@ def _simulate(
     slo: SloTargets,
     params: dict[str, Any] | None = None,
     policy: str = "ours",
+    speculative_ttl_s: float = 0.0,
 ) -> dict[str, Any]:
     from router.demo.fleet import PROFILE
     from sim.cluster import ClusterConfig
@@ -169,6 +170,7 @@ def _simulate(
         block_size=64,
         kv_blocks=workload.kv_blocks,
         slo=slo,
+        speculative_ttl_s=speculative_ttl_s,
     )
     spec = RunSpec(policy, params=params or None, speedup=workload.speedup)
     s = run_one(loaded, config, spec).summary
@@ -185,7 +187,12 @@ def _simulate(
 
 
 async def _row(
-    row: str, workload: Workload, requests: list[Any], binary: str | None, slo: SloTargets
+    row: str,
+    workload: Workload,
+    requests: list[Any],
+    binary: str | None,
+    slo: SloTargets,
+    speculative_ttl_s: float = 0.0,
 ) -> dict[str, Any]:
     from router.demo.figures import summarize
     from router.demo.fleet import Fleet, FleetSpec
@@ -201,6 +208,7 @@ async def _row(
         kv_blocks=workload.kv_blocks,
         key_prefix=f"kvr-live-{int(time.time() * 1000)}",
         pd="always" if row == "vllm_router_pd" else pd,
+        speculative_ttl_s=speculative_ttl_s if ours else None,
     )
     started = time.perf_counter()
     async with Fleet(spec) as fleet:
@@ -268,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
+    if args.speculative_ttl_s < 0:
+        raise SystemExit(f"--speculative-ttl-s must be >= 0, got {args.speculative_ttl_s}")
     workload = WORKLOADS[args.workload]
     if args.requests:
         workload = dataclasses.replace(workload, requests=args.requests)
@@ -306,11 +316,18 @@ def run(args: argparse.Namespace) -> int:
                 if runs[row] and "error" in runs[row][0]:
                     continue
                 print(f"bench live: {row} (run {k + 1} of {args.repeat}) ...", file=sys.stderr)
-                runs[row].append(asyncio.run(_row(row, workload, requests, args.vllm_router, slo)))
+                ttl = args.speculative_ttl_s
+                figures = _row(row, workload, requests, args.vllm_router, slo, ttl)
+                runs[row].append(asyncio.run(figures))
         result["rows"] = {row: combine_runs(r) for row, r in runs.items()}
         result["sim"] = {
             "kvrouter_ours" if policy == "ours" else policy: _simulate(
-                workload, trace, slo, _params_of(args.sim_params, policy), policy
+                workload,
+                trace,
+                slo,
+                _params_of(args.sim_params, policy),
+                policy,
+                args.speculative_ttl_s,
             )
             for policy in sim_policies
         }
@@ -347,6 +364,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--repeat", type=int, default=1, help="runs of each row; figures are their medians"
+    )
+    p.add_argument(
+        "--speculative-ttl-s",
+        type=float,
+        default=0.0,
+        help="kvrouter's speculative_ttl_s for the model, live and in the simulator "
+        "(default 0, the router's default: events only)",
     )
     p.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
     p.set_defaults(handler=run)
