@@ -13,7 +13,6 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from router.core.candidates import Candidate, decide
 from router.core.types import Decision, ReplicaKey, RouteRequest
@@ -39,13 +38,13 @@ class VllmKvAware:
     Differences that remain: vllm-router re-hashes the prompt in its own 16-token blocks; here
     the match is in the router's blocks (``block_size`` of the request)."""
 
-    speculates: ClassVar[bool] = False  # it routes on the engines' events alone
     name: str = "vllm_kv_aware"
     temperature: float = 0.0
     host_credit: float = 0.8
     disk_credit: float = 0.3
     session_ttl_s: float = 0.0
     max_sessions: int = 65536
+    speculates: bool = False  # vllm-router routes on the engines' events alone
     _sessions: dict[str, tuple[ReplicaKey, float]] = field(default_factory=dict, repr=False)
 
     def new_prefill_tokens(self, request: RouteRequest, c: Candidate) -> int:
@@ -129,8 +128,8 @@ class VllmCacheAware:
     balance_rel_threshold: float = 1.5
     eviction_interval_s: float = 120.0
     max_tree_tokens: int = 33_554_432 // 4
-    uses_prefix_index: ClassVar[bool] = False  # its own tree, not the engines' events
-    speculates: ClassVar[bool] = False
+    uses_prefix_index: bool = False  # its own tree, not the engines' events
+    speculates: bool = False
     # replica -> its tree as block hash -> when it was last used (a counter), least
     # recently used first
     _trees: dict[ReplicaKey, OrderedDict[int, int]] = field(default_factory=dict, repr=False)
