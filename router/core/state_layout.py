@@ -54,8 +54,10 @@ class CheckpointGrid:
     each candidate d the estimator counts positions that are multiples of d and subtracts the
     count chance alone gives (n / d): the excess is about G (1 - 1/d) for every divisor d of N
     (G = grid checkpoints seen), about G / k for d = k N, and noise elsewhere. The grid is the
-    largest d whose excess is within ``SLACK`` of the best one, if that excess is significant;
-    without one (prompt ends only, or a snapshot at every block) the interval is 0.
+    d whose excess is the most standard deviations of chance above it (``_estimate``), if that
+    is significant; without one (prompt ends only, or a snapshot at every block) the
+    interval is 0, and the router speculates prompt-end checkpoints only: an unknown grid
+    under-predicts a hybrid hit, a wrong one over-predicts it.
 
     Each observation costs O(sqrt(position)) (its divisors); counts are halved every
     ``window`` observations so an engine that changes its grid is followed. Known limit:
@@ -63,8 +65,8 @@ class CheckpointGrid:
     a grid; configure ``state_interval_blocks`` to override.
     """
 
-    SLACK = 0.8
     MIN_EXCESS = 8.0
+    Z = 4.0
     REESTIMATE = 64
 
     def __init__(
@@ -136,15 +138,29 @@ class CheckpointGrid:
 
     def _estimate(self) -> int:
         n = self._n
-        excess = {d: c - n / d for d, c in self._counts.items() if d > 1}
-        if not excess:
+        # Each candidate d is scored by how far its count of multiples lies above chance,
+        # in standard deviations of that count: z(d) = excess / sqrt(n / d (1 - 1/d)). With G
+        # grid checkpoints at multiples of N, a divisor d of N has excess ~ G (1 - 1/d), so z
+        # grows with d up to N; a multiple k N has excess ~ G / k, so z falls (as 1 / sqrt(k))
+        # beyond it: the grid is where z peaks. (Raw excesses are nearly equal for every
+        # divisor of N, so comparing them lets noise on a small divisor win while few grid
+        # checkpoints have been seen, and such a grid is wrong.) Candidates need half of
+        # ``MIN_EXCESS`` (one stray position is no grid), the winner all of it.
+        best_d, best_z, best_e = 0, 0.0, 0.0
+        floor = self.MIN_EXCESS / 2
+        for d, c in self._counts.items():
+            if d <= 1:
+                continue
+            e = c - n / d
+            if e < floor:
+                continue
+            zd = e / math.sqrt(n / d * (1.0 - 1.0 / d))
+            if zd > best_z or (zd == best_z and d > best_d):
+                best_d, best_z, best_e = d, zd, e
+        # significant: several grid checkpoints beyond chance, far outside its spread
+        if best_d == 0 or best_e < self.MIN_EXCESS or best_e < 0.05 * n or best_z < self.Z:
             return 0
-        best = max(excess.values())
-        # significant: several grid checkpoints beyond chance, and more than chance's spread
-        if best < self.MIN_EXCESS or best < 0.05 * n:
-            return 0
-        floor = self.SLACK * best
-        return max(d for d, e in excess.items() if e >= floor)
+        return best_d
 
 
 def effective_layout(
