@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from router.core.errors import KVRouterError
+from router.core.routing import DEFAULT_SPECULATIVE_TTL_S
 
 
 class ProgressBar:
@@ -75,7 +76,14 @@ def _add_fleet_args(p: argparse.ArgumentParser, traces: bool = False) -> None:
         default=1000.0,
         help="engine load reports reach the routers this often (production: 1 s)",
     )
-    p.add_argument("--speculative-ttl-ms", type=float, default=0.0)
+    p.add_argument(
+        "--speculative-ttl-ms",
+        type=float,
+        default=DEFAULT_SPECULATIVE_TTL_S * 1000,
+        help="a dispatched prompt counts as cached on its replica until the engine's events "
+        "report it, at most this long (0: events only; requests of a session: never, with "
+        "a policy that reads session hints)",
+    )
     p.add_argument(
         "--share-load-ms",
         type=float,

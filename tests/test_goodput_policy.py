@@ -230,3 +230,25 @@ def test_vllm_kv_aware_routes_on_events_alone_without_speculating() -> None:
         request = _turn("t1", list(range(1, 51)), session=None)
         engine.dispatched(request, engine.route(request, (A, B), 0.0, rng()), 0.0)
         assert index.stats().speculative_entries == expected
+
+
+def test_a_sessions_requests_are_not_speculated_the_hint_carries_them() -> None:
+    """By default a request of a session leaves no speculative entry when the policy reads
+    session hints (the hint carries its next turn); one without a session does, and so does
+    an approximate prompt (its index is speculation alone) or ``speculate_sessions``."""
+    for settings, session, exact, expected in (
+        (RoutingSettings(block_size=4), "s", True, 0),
+        (RoutingSettings(block_size=4), None, True, 50),
+        (RoutingSettings(block_size=4), "s", False, 50),
+        (RoutingSettings(block_size=4, speculate_sessions=True), "s", True, 50),
+        (RoutingSettings(block_size=4, speculative_ttl_s=0.0), None, True, 0),
+    ):
+        index, load = PrefixIndex(), LoadTracker()
+        for key in (A, B):
+            index.add_replica(key)
+            load.add_replica(key)
+        engine = RoutingEngine(index, load, Ours(), settings)
+        request = _turn("t1", list(range(1, 51)), session=session)
+        decision = engine.route(request, (A, B), 0.0, rng())
+        engine.dispatched(request, decision, 0.0, exact=exact)
+        assert index.stats().speculative_entries == expected, (settings, session, exact)

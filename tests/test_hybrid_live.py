@@ -170,7 +170,8 @@ async def test_redis_mode_learns_it_through_the_registry(
             {
                 "server": {"redis_url": redis_url, "redis_key_prefix": key_prefix,
                            "redis_stream_shards": 2},
-                "models": {MODEL: {"block_size": B, "policy": "ours", "state_interval_blocks": 3}},
+                "models": {MODEL: {"block_size": B, "policy": "ours", "state_interval_blocks": 3,
+                                   "speculative_ttl_s": 0.0}},
             }
         )  # fmt: skip
         router, url = await start_router(settings)

@@ -13,7 +13,7 @@ import pytest
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import make_policy
-from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.routing import DEFAULT_SPECULATIVE_TTL_S, RoutingEngine, RoutingSettings
 from router.core.state_layout import (
     KV_ONLY_EVIDENCE_BLOCKS,
     SOURCE_CONFIG,
@@ -226,20 +226,26 @@ def test_the_model_config_and_registrations_teach_the_router(tmp_path: Path) -> 
 def test_exact_prompts_speculate_long_only_without_events(tmp_path: Path) -> None:
     """A model without a tokenizer: text prompts are approximate and live on speculative
     entries; token-id prompts are exact, and while engine events reach the index they use
-    the configured TTL (0: none), not the approximate one."""
-    long = APPROXIMATE_SPECULATIVE_TTL_S
-    assert _state(tmp_path, {}, zmq=True).speculative_ttl["m"] == (long, 0.0)
-    assert _state(tmp_path, {}, redis_url="redis://x").speculative_ttl["m"] == (long, 0.0)
+    the configured TTL (by default DEFAULT_SPECULATIVE_TTL_S; 0: none), not the
+    approximate one."""
+    long, default = APPROXIMATE_SPECULATIVE_TTL_S, DEFAULT_SPECULATIVE_TTL_S
+    assert _state(tmp_path, {}, zmq=True).speculative_ttl["m"] == (long, default)
+    assert _state(tmp_path, {}, redis_url="redis://x").speculative_ttl["m"] == (long, default)
     assert _state(tmp_path, {}).speculative_ttl["m"] == (long, long)
     ttl = {"speculative_ttl_s": 2.0}
     assert _state(tmp_path, ttl, zmq=True).speculative_ttl["m"] == (long, 2.0)
+    off = {"speculative_ttl_s": 0.0}
+    assert _state(tmp_path, off, zmq=True).speculative_ttl["m"] == (long, 0.0)
 
     from router.tokenize.pipeline import ProcessedPrompt
 
-    state = _state(tmp_path, {}, zmq=True)
+    state = _state(tmp_path, off, zmq=True)
     state.route("m", ProcessedPrompt(200, [1, 2, 3], 64, exact=True), "q1", 0.0)
     assert state.index.stats().speculative_entries == 0
     state.route("m", ProcessedPrompt(200, [4, 5, 6], 64, exact=False), "q2", 0.0)
+    assert state.index.stats().speculative_entries == 3
+    state = _state(tmp_path, {}, zmq=True)
+    state.route("m", ProcessedPrompt(200, [1, 2, 3], 64, exact=True), "q1", 0.0)
     assert state.index.stats().speculative_entries == 3
 
 

@@ -79,6 +79,8 @@ def _router_toml(spec: PodsSpec, port: int, replicas: list[dict[str, str]], redi
         'policy = "ours"',
         "block_size = 64",
         f"speculative_ttl_s = {spec.speculative_ttl_s}",
+        # the bench's agentic requests all belong to sessions: speculate them too
+        f"speculate_sessions = {'true' if spec.speculative_ttl_s > 0 else 'false'}",
     ]
     for rep in replicas:
         lines += ["", "[[replicas]]"]

@@ -393,13 +393,14 @@ class Disaggregator:
         pick: DecodePick,
         now: float,
         speculative_ttl_s: float | None = None,
+        exact: bool = True,
     ) -> None:
         """Record the decode leg as ``RoutingEngine.dispatched`` records a request: its whole
         prompt arrives computed (load), the decode replica will hold it (speculative entries
         when the TTL is > 0) and is the session's replica for its next turn (it also holds
         the answer)."""
         whole = pick.decision._replace(usable_tokens=request.prompt_tokens)
-        engine.dispatched(request, whole, now, speculative_ttl_s)
+        engine.dispatched(request, whole, now, speculative_ttl_s, exact=exact)
 
 
 @dataclass(slots=True, frozen=True)

@@ -66,6 +66,17 @@ class BusyThresholds:
         return over
 
 
+DEFAULT_SPECULATIVE_TTL_S = 30.0
+"""How long a dispatched prompt's blocks count as held by its replica until the engine's
+events report them (the events end each guess early: router.core.index), so that a request
+sharing a prefix with one still queued or prefilling follows it. Long enough for a prefill
+that waits in a saturated engine's queue; a bound only for prompts no engine stores.
+
+Requests of a session are not speculated by default (``speculate_sessions``) when the policy
+reads session hints: the hint already carries the session's next turn to its replica, and
+guesses of other sessions' shared prefixes crowd decode batches (docs/configuration.md)."""
+
+
 @dataclass(slots=True, frozen=True)
 class RoutingSettings:
     """Per-model routing settings. ``hybrid``: whether the model keeps recurrent state, so a
@@ -74,14 +85,17 @@ class RoutingSettings:
     checkpoint grid in router blocks, for the checkpoints the router speculates (0: learned;
     until it is known only the prompt end is speculated). ``speculative_ttl_s``: how long
     a dispatched prompt's blocks count as held by its replica before the engine's events say
-    so (0: not at all; events replace the guess as they arrive: router.core.index).
-    ``session_ttl_s``: how long a session's last replica is remembered as a hint
-    (router/core/session.py; 0: off); only policies with ``uses_session_hints`` read it."""
+    so (0: not at all; events replace the guess as they arrive: router.core.index); with
+    a policy that reads session hints, a request of a session is speculated only with
+    ``speculate_sessions`` (see ``DEFAULT_SPECULATIVE_TTL_S``). ``session_ttl_s``: how long
+    a session's last replica is remembered as a hint (router/core/session.py; 0: off); only
+    policies with ``uses_session_hints`` read it."""
 
     block_size: int = 64
     hybrid: bool | None = None
     state_interval_blocks: int = 0
-    speculative_ttl_s: float = 0.0
+    speculative_ttl_s: float | None = None  # None: DEFAULT_SPECULATIVE_TTL_S
+    speculate_sessions: bool = False
     busy: BusyThresholds = BusyThresholds()
     session_ttl_s: float = 600.0
     max_sessions: int = 100_000
@@ -320,10 +334,12 @@ class RoutingEngine:
         now: float,
         speculative_ttl_s: float | None = None,
         class_weight: float = 1.0,
+        exact: bool = True,
     ) -> None:
         """Record that ``request`` was sent per ``decision`` (load, speculative entries for
-        ``speculative_ttl_s``, by default the settings' ``speculative_ttl_s``);
-        ``class_weight`` scales its decode weight (LoadTracker.dispatch)."""
+        ``speculative_ttl_s``, by default the settings'); ``class_weight`` scales its decode
+        weight (LoadTracker.dispatch). ``exact``: the prompt was hashed as the engines hash
+        it (approximate prompts live on speculative entries alone, sessions included)."""
         self.load.dispatch(
             request.request_id,
             decision.replica,
@@ -332,9 +348,14 @@ class RoutingEngine:
             request.max_output_tokens,
             class_weight,
         )
-        ttl = self.settings.speculative_ttl_s if speculative_ttl_s is None else speculative_ttl_s
+        if speculative_ttl_s is None:
+            speculative_ttl_s = self.settings.speculative_ttl_s
+        ttl = DEFAULT_SPECULATIVE_TTL_S if speculative_ttl_s is None else speculative_ttl_s
         if not self._speculates:
             ttl = 0.0
+        elif exact and request.session_id and self.sessions is not None:
+            # the session hint carries the next turn; see DEFAULT_SPECULATIVE_TTL_S
+            ttl = ttl if self.settings.speculate_sessions else 0.0
         states: list[int] = []
         if ttl > 0 and request.block_hashes:
             layout = self.layout

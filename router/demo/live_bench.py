@@ -151,8 +151,9 @@ def _simulate(
     slo: SloTargets,
     params: dict[str, Any] | None = None,
     policy: str = "ours",
-    speculative_ttl_s: float = 0.0,
+    speculative_ttl_s: float | None = None,
 ) -> dict[str, Any]:
+    from router.core.routing import DEFAULT_SPECULATIVE_TTL_S
     from router.demo.fleet import PROFILE
     from sim.cluster import ClusterConfig
     from sim.profiles import load_profile
@@ -170,7 +171,9 @@ def _simulate(
         block_size=64,
         kv_blocks=workload.kv_blocks,
         slo=slo,
-        speculative_ttl_s=speculative_ttl_s,
+        speculative_ttl_s=DEFAULT_SPECULATIVE_TTL_S
+        if speculative_ttl_s is None
+        else speculative_ttl_s,
     )
     spec = RunSpec(policy, params=params or None, speedup=workload.speedup)
     s = run_one(loaded, config, spec).summary
@@ -192,7 +195,7 @@ async def _row(
     requests: list[Any],
     binary: str | None,
     slo: SloTargets,
-    speculative_ttl_s: float = 0.0,
+    speculative_ttl_s: float | None = None,
 ) -> dict[str, Any]:
     from router.demo.figures import summarize
     from router.demo.fleet import Fleet, FleetSpec
@@ -276,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
-    if args.speculative_ttl_s < 0:
+    if args.speculative_ttl_s is not None and args.speculative_ttl_s < 0:
         raise SystemExit(f"--speculative-ttl-s must be >= 0, got {args.speculative_ttl_s}")
     workload = WORKLOADS[args.workload]
     if args.requests:
@@ -368,9 +371,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--speculative-ttl-s",
         type=float,
-        default=0.0,
         help="kvrouter's speculative_ttl_s for the model, live and in the simulator "
-        "(default 0, the router's default: events only)",
+        "(default: the router's, 30 s; 0: events only)",
     )
     p.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
     p.set_defaults(handler=run)

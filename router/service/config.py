@@ -7,6 +7,7 @@ File layout (every section optional; see docs/configuration.md)::
                    max_retries, retry_after_s, seed, decisions_kept, health_interval_s, ...
     [[replicas]]   url, model, name, rack, region, role, dp_ranks
     [models.NAME]  policy, block_size, hybrid, state_interval_blocks, speculative_ttl_s,
+                   speculate_sessions,
                    context_length, tokenizer, bpe_file, pattern, chat_template, cache_mb,
                    chars_per_token, add_bos_to_completions
     [models.NAME.policy_params]   keys of router.core.policies.make_policy (``cost`` nested)
@@ -274,6 +275,7 @@ LOST_WHEN_COMPILED = {
     ("BusyThresholds", "max_queued_prefill_tokens"): "int | None",
     ("BusyThresholds", "max_kv_usage"): "float | None",
     ("RoutingSettings", "hybrid"): "bool | None",
+    ("RoutingSettings", "speculative_ttl_s"): "float | None",
 }
 
 
@@ -567,6 +569,7 @@ _ROUTING_KEYS = (
     "hybrid",
     "state_interval_blocks",
     "speculative_ttl_s",
+    "speculate_sessions",
     "session_ttl_s",
 )
 

@@ -292,7 +292,7 @@ async def serve(
     else:
         approximate_ttl, exact_ttl = state.speculative_ttl[model]
         ttl = exact_ttl if flow.routed.prompt.exact else approximate_ttl
-        md.pd.dispatched_decode(engine, request, pick, now, ttl)
+        md.pd.dispatched_decode(engine, request, pick, now, ttl, flow.routed.prompt.exact)
         md.count(md.bytes_by_link, pick.link.value, pick.transfer_bytes)
         member = json.dumps(params, separators=(",", ":")).encode()
         decode_body = with_patch(body, b',"kv_transfer_params":' + member)

@@ -25,7 +25,7 @@ from router.core.errors import BadRequest, UnknownModel
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import Candidate, CandidateColumns, make_policy
-from router.core.routing import RoutingEngine
+from router.core.routing import DEFAULT_SPECULATIVE_TTL_S, RoutingEngine
 from router.core.slo import SloTargets
 from router.core.types import Decision, ReplicaKey, RouteRequest
 from router.recorder import TraceRecorder
@@ -129,13 +129,15 @@ class RouterState:
             self.disagg[model.name] = build(model, self.registry)
         # Approximate prompts (text hashed in character chunks) never match an engine's
         # events: the router's own speculative entries are all their index, so they must
-        # live a while. Exact prompts (tokenized, or token ids) get the configured TTL (event
-        # lag cover); with no event source at all for the model, the long one too. Giving
-        # exact prompts the long TTL while events flow would keep entries the engines have
-        # evicted, or never made, for minutes (over-predicted hits).
-        ttl = routing.speculative_ttl_s
+        # live a while. Exact prompts (tokenized, or token ids) get the configured TTL
+        # (until the engines' events report the blocks); with no event source at all for
+        # the model and no TTL set, the long one too. Giving exact prompts the long TTL
+        # while events flow would keep entries the engines never made for minutes.
+        configured = routing.speculative_ttl_s
+        ttl = DEFAULT_SPECULATIVE_TTL_S if configured is None else configured
         approximate = max(ttl, APPROXIMATE_SPECULATIVE_TTL_S)
-        exact = ttl if ttl > 0 or processor.exact or self._has_events(model.name) else approximate
+        chosen = configured is not None and configured > 0
+        exact = ttl if chosen or processor.exact or self._has_events(model.name) else approximate
         self.speculative_ttl[model.name] = (approximate, exact)
         if model.tokenizer is not None:
             self.layouts.model_config(model.name, Path(model.tokenizer))
@@ -234,7 +236,8 @@ class RouterState:
         t2 = time.perf_counter()
         approximate_ttl, exact_ttl = self.speculative_ttl[request.model]
         ttl = exact_ttl if prompt.exact else approximate_ttl
-        engine.dispatched(request, decision, now, ttl, class_weight=class_weight)
+        exact = prompt.exact
+        engine.dispatched(request, decision, now, ttl, class_weight=class_weight, exact=exact)
         best = engine.best_usable_tokens(request, candidates)
         routed = Routed(request, decision, prompt, pending.lookup_s, t2 - t1, best)
         # formatted only when asked for (recent_decisions): nothing built per request
