@@ -11,6 +11,11 @@ A session is one user's agent loop:
   (closed loop: a slow fleet slows its own offered load, as real agents do);
 * sessions start as a Poisson process at ``session_rate`` per second.
 
+``open_loop=1`` makes it a conversation trace instead, the shape of Mooncake's: each turn
+arrives ``turn_gap_s`` (median) after the previous turn *arrived*, whatever the fleet does, so
+past saturation a turn can arrive while the previous one still waits; ``session_ids=0`` drops
+the session ids (Mooncake's traces carry none), leaving the router the prefixes alone.
+
 Token content is drawn from seeded generators (shared parts from seeds of their own, so every
 session that uses system prompt 3 has the same tokens), hashed with the router's canonical
 ``hash_prompt``. The answer's tokens are known, so each request also carries the hashes of
@@ -52,6 +57,9 @@ class AgenticSpec:
     tool_latency_s: float = 3.0
     max_context: int = 1_000_000
     zipf_s: float = 1.1
+    open_loop: int = 0  # 1: turns arrive turn_gap_s after the previous turn arrived
+    turn_gap_s: float = 30.0
+    session_ids: int = 1  # 0: requests carry no session id
     seed: int = 0
 
     @classmethod
@@ -111,6 +119,8 @@ def generate(spec: AgenticSpec, *, block_size: int, model: str = "sim-model") ->
         hashes = list(base_hashes)
         turns = min(spec.max_turns, 1 + int(rng.geometric(1.0 / max(spec.mean_turns, 1.0))))
         prev: str | None = None
+        arrival = start
+        session = f"s{s}" if spec.session_ids else None
         for t in range(turns):
             prompt = len(tokens)
             answer = int(min(spec.max_answer_tokens, max(1, _lognormal(rng, spec.answer_tokens))))
@@ -125,20 +135,23 @@ def generate(spec: AgenticSpec, *, block_size: int, model: str = "sim-model") ->
                 ).hashes
             )
             rid = f"s{s}t{t}"
+            pause = _lognormal(rng, spec.think_s) + _lognormal(rng, spec.tool_latency_s)
             requests.append(
                 SimRequest(
                     rid,
-                    start,
+                    arrival,
                     prompt,
                     answer,
                     tuple(hashes[: prompt // block_size]),
-                    f"s{s}",
-                    prev,
-                    _lognormal(rng, spec.think_s) + _lognormal(rng, spec.tool_latency_s),
+                    session,
+                    None if spec.open_loop else prev,
+                    pause,
                     tuple(hashes[prompt // block_size : (prompt + answer) // block_size]),
                 )
             )
             prev = rid
+            if spec.open_loop:
+                arrival += _lognormal(rng, spec.turn_gap_s)
             tokens = np.concatenate([tokens, tool_toks])
             if len(tokens) >= spec.max_context:
                 break

@@ -3,6 +3,7 @@ synthetic agentic generator."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from router.core.errors import ConfigError
 from router.core.hashing import hash_prompt, root_hash
 from sim.agentic import AgenticSpec, generate
-from sim.workload import load_trace
+from sim.workload import SimRequest, load_trace
 
 
 def write(path: Path, rows: list[dict[str, object]]) -> Path:
@@ -151,3 +152,33 @@ def test_agentic_sessions_share_prefixes_grow_and_close_the_loop() -> None:
     assert max(r.prompt_tokens for r in heavy.requests) < 1_000_000  # capped context
     with pytest.raises(ConfigError, match="bad agentic option"):
         AgenticSpec.parse("agentic:bogus=1")
+
+
+def test_agentic_open_loop_is_a_conversation_trace_without_sessions() -> None:
+    """``open_loop=1``: every turn has its own arrival time, ``turn_gap_s`` after the previous
+    turn's, and extends it as before; ``session_ids=0``: no session ids. The default spec's
+    requests are untouched by the new knobs."""
+    base = dict(sessions=30, system_prompts=2, tool_sets=1, mean_turns=4, seed=5)
+    closed = generate(AgenticSpec(**base), block_size=64)  # type: ignore[arg-type]
+    spec = AgenticSpec.parse(
+        "agentic:sessions=30,system_prompts=2,tool_sets=1,mean_turns=4,seed=5,"
+        "open_loop=1,turn_gap_s=20,session_ids=0"
+    )
+    assert (spec.open_loop, spec.turn_gap_s, spec.session_ids) == (1, 20.0, 0)
+    w = generate(spec, block_size=64)
+    assert all(r.after is None and r.session_id is None for r in w.requests)
+    turns: dict[str, list[SimRequest]] = {}
+    for r in w.requests:
+        turns.setdefault(r.request_id.split("t")[0], []).append(r)
+    grown = 0
+    for chain in turns.values():
+        chain.sort(key=lambda r: int(r.request_id.split("t")[1]))
+        for prev, nxt in itertools.pairwise(chain):
+            assert nxt.arrival_s > prev.arrival_s
+            head = list(prev.block_hashes) + list(prev.output_block_hashes)
+            assert list(nxt.block_hashes[: len(head)]) == head
+            grown += 1
+    assert grown > 10
+    again = generate(AgenticSpec(**base), block_size=64)  # type: ignore[arg-type]
+    assert [r.block_hashes for r in again.requests] == [r.block_hashes for r in closed.requests]
+    assert [r.delay_s for r in again.requests] == [r.delay_s for r in closed.requests]
