@@ -45,12 +45,7 @@ from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker, summed_load
 from router.core.policies import make_policy, uses_prefix_index
-from router.core.routing import (
-    DEFAULT_SPECULATIVE_TTL_S,
-    BusyThresholds,
-    RoutingEngine,
-    RoutingSettings,
-)
+from router.core.routing import BusyThresholds, RoutingEngine, RoutingSettings
 from router.core.slo import SloTargets
 from router.core.types import Decision, EventBatch, ReplicaKey, RouteRequest
 from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, Rejected
@@ -79,7 +74,7 @@ class ClusterConfig:
     # engines' own load reports reach routers this often: 1 s, as in production (the
     # publisher's load_interval_s, the router's engine_metrics_interval_s)
     report_interval_s: float = 1.0
-    speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S  # the service's default
+    speculative_ttl_s: float | None = None  # None: the service's default (RoutingSettings)
     # None: each router knows only the requests it sent; a number: every that many seconds
     # each router takes the others' own in-flight load (LoadTracker.set_peer_load), as the
     # service's worker processes exchange it (server.load_share_interval_s)

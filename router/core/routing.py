@@ -100,6 +100,11 @@ class RoutingSettings:
     session_ttl_s: float = 600.0
     max_sessions: int = 100_000
 
+    def speculative_ttl(self) -> float:
+        """``speculative_ttl_s``, or ``DEFAULT_SPECULATIVE_TTL_S`` when not set."""
+        ttl = self.speculative_ttl_s
+        return DEFAULT_SPECULATIVE_TTL_S if ttl is None else ttl
+
 
 def filter_candidates(
     replicas: Sequence[ReplicaKey], load: LoadTracker, busy: BusyThresholds, now: float
@@ -348,14 +353,11 @@ class RoutingEngine:
             request.max_output_tokens,
             class_weight,
         )
-        if speculative_ttl_s is None:
-            speculative_ttl_s = self.settings.speculative_ttl_s
-        ttl = DEFAULT_SPECULATIVE_TTL_S if speculative_ttl_s is None else speculative_ttl_s
-        if not self._speculates:
+        ttl = self.settings.speculative_ttl() if speculative_ttl_s is None else speculative_ttl_s
+        # a session's hint carries its next turn (see DEFAULT_SPECULATIVE_TTL_S)
+        hinted = exact and request.session_id and self.sessions is not None
+        if not self._speculates or (hinted and not self.settings.speculate_sessions):
             ttl = 0.0
-        elif exact and request.session_id and self.sessions is not None:
-            # the session hint carries the next turn; see DEFAULT_SPECULATIVE_TTL_S
-            ttl = ttl if self.settings.speculate_sessions else 0.0
         states: list[int] = []
         if ttl > 0 and request.block_hashes:
             layout = self.layout

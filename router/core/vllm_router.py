@@ -115,7 +115,7 @@ class VllmCacheAware:
 
     The chosen replica's tree then learns the whole prompt. Every ``eviction_interval_s``
     each tree is cut, least recently used leaves first, to ``max_tree_tokens``
-    (vllm-router's ``--max-tree-size`` of 32 Mi characters at ``chars_per_token``).
+    (vllm-router's ``--max-tree-size`` of 32 Mi characters, at 4 characters a token).
 
     Differences that remain: vllm-router matches characters of the prompt text, here whole
     blocks of the canonical chain (``block_size`` of the request); its tree is shared by

@@ -153,7 +153,6 @@ def _simulate(
     policy: str = "ours",
     speculative_ttl_s: float | None = None,
 ) -> dict[str, Any]:
-    from router.core.routing import DEFAULT_SPECULATIVE_TTL_S
     from router.demo.fleet import PROFILE
     from sim.cluster import ClusterConfig
     from sim.profiles import load_profile
@@ -171,9 +170,7 @@ def _simulate(
         block_size=64,
         kv_blocks=workload.kv_blocks,
         slo=slo,
-        speculative_ttl_s=DEFAULT_SPECULATIVE_TTL_S
-        if speculative_ttl_s is None
-        else speculative_ttl_s,
+        speculative_ttl_s=speculative_ttl_s,
     )
     spec = RunSpec(policy, params=params or None, speedup=workload.speedup)
     s = run_one(loaded, config, spec).summary

@@ -25,7 +25,7 @@ from router.core.errors import BadRequest, UnknownModel
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import Candidate, CandidateColumns, make_policy
-from router.core.routing import DEFAULT_SPECULATIVE_TTL_S, RoutingEngine
+from router.core.routing import RoutingEngine
 from router.core.slo import SloTargets
 from router.core.types import Decision, ReplicaKey, RouteRequest
 from router.recorder import TraceRecorder
@@ -133,10 +133,9 @@ class RouterState:
         # (until the engines' events report the blocks); with no event source at all for
         # the model and no TTL set, the long one too. Giving exact prompts the long TTL
         # while events flow would keep entries the engines never made for minutes.
-        configured = routing.speculative_ttl_s
-        ttl = DEFAULT_SPECULATIVE_TTL_S if configured is None else configured
+        ttl = routing.speculative_ttl()
         approximate = max(ttl, APPROXIMATE_SPECULATIVE_TTL_S)
-        chosen = configured is not None and configured > 0
+        chosen = (routing.speculative_ttl_s or 0.0) > 0
         exact = ttl if chosen or processor.exact or self._has_events(model.name) else approximate
         self.speculative_ttl[model.name] = (approximate, exact)
         if model.tokenizer is not None:
