@@ -52,6 +52,7 @@ TESTS = (
     "tests/test_index.py",
     "tests/test_policies.py",
     "tests/test_vllm_cache_aware.py",  # vllm-router's cache_aware (router/core/vllm_router.py)
+    "tests/test_turnover.py",  # cache turnover and the eviction term
     "tests/test_admission.py",
     "tests/test_routing_columns.py",
     "tests/test_pd_core.py",  # prefill/decode disaggregation's decision

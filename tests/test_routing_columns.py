@@ -122,6 +122,15 @@ def test_the_array_path_decides_as_the_per_candidate_path(seed: int) -> None:
     )
     per_candidate = RoutingEngine(index, load, policy, settings, columnar_min=10**9)
     arrays = RoutingEngine(index, load, policy, settings, columnar_min=1)
+    # one meter, as one load tracker: only per_candidate's dispatches are recorded below
+    arrays.turnover = per_candidate.turnover
+    if rng.random() < 0.5:  # some caches turning over (eviction risks: the eviction term)
+        per_candidate.turnover.sample(
+            now - 30.0, keys, index.evicted_blocks, lambda k: index.replica_size(k)[0]
+        )
+        for key in keys:
+            if rng.random() < 0.5:
+                index.remove(key, chain[rng.randrange(0, len(chain)) :])
     tokens = len(chain) * settings.block_size + rng.randrange(0, settings.block_size)
     if rng.random() < 0.5:  # a session seen before, on some replica, with some prefix
         hinted = chain[: rng.randrange(0, len(chain) + 1)]

@@ -93,7 +93,7 @@ async def test_pick_with_token_ids_follows_the_index_and_report_updates_load(rpc
     assert resp.endpoint == "http://127.0.0.1:10"
     assert resp.prompt_tokens == 8192 and resp.usable_hit_tokens == 300 * 16
     assert resp.kv_hit_tokens == 300 * 16 and resp.policy == "ours"
-    assert set(resp.terms) == {"prefill", "queue", "decode", "kv", "interference"}
+    assert set(resp.terms) == {"prefill", "queue", "decode", "kv", "interference", "eviction"}
     assert len(resp.fallbacks) == 2 and resp.decision_id
     key = next(k for k in state.registry.keys_for(MODEL) if str(k) == "b#dp1")
     assert state.load.view(key, loop_clock()).prefilling == 1

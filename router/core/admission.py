@@ -170,7 +170,7 @@ def assess(
     ``RoutingEngine.candidates``)."""
     cost = predictor.cost
     if isinstance(candidates, CandidateColumns):
-        p, q, d, _, _ = predictor.term_columns(request, candidates, now)
+        p, q, d = predictor.term_columns(request, candidates, now)[:3]
         prefill = np.asarray(p, dtype=float)
         queue = np.asarray(q, dtype=float)
         ttft = prefill + queue + np.asarray(d, dtype=float)
@@ -182,13 +182,12 @@ def assess(
         return Assessment(ttft, prefill, queue, step, eligible, candidates.keys)
     rows = []
     for c in candidates:
-        t = predictor.term_values(request, c)
+        p, q, d = predictor.term_values(request, c)[:3]
         v = c.load
-        rows.append(
-            (*t, cost.step_overhead_s + cost.decode_step_s(v.decoding, v.decode_context_tokens))
-        )
-    arr = np.asarray(rows, dtype=float).reshape(len(rows), 6)
-    prefill, queue, decode, step = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 5]
+        step = cost.step_overhead_s + cost.decode_step_s(v.decoding, v.decode_context_tokens)
+        rows.append((p, q, d, step))
+    arr = np.asarray(rows, dtype=float).reshape(len(rows), 4)
+    prefill, queue, decode, step = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
     keys = [c.replica for c in candidates]
     return Assessment(
         prefill + queue + decode, prefill, queue, step, np.ones(len(rows), dtype=bool), keys

@@ -21,6 +21,9 @@ class Candidate(NamedTuple):
     match: PrefixMatch
     load: LoadView
     cached_blocks: int = 0  # size of the replica's cache in the index (SGLang's "tree size")
+    # what a new block placed there evicts beyond the fleet's calmest cache, as a chance of
+    # reuse lost (router/core/turnover.py; 0: nothing more)
+    eviction_risk: float = 0.0
 
 
 class CandidateColumns(NamedTuple):
@@ -28,7 +31,8 @@ class CandidateColumns(NamedTuple):
     policies that score a large fleet with array operations (``ColumnarPolicy``) instead of
     one ``Candidate`` per replica. ``eligible`` marks the ones that may be picked (healthy,
     not draining, not busy while others are not); the blocks arrays are their
-    ``PrefixMatch`` fields; ``cached_blocks`` gives a replica's cache size (tie-breaks)."""
+    ``PrefixMatch`` fields; ``cached_blocks`` gives a replica's cache size (tie-breaks);
+    ``eviction_risk`` is each replica's (``Candidate.eviction_risk``; None: all 0)."""
 
     keys: Sequence[ReplicaKey]
     eligible: np.ndarray
@@ -38,6 +42,7 @@ class CandidateColumns(NamedTuple):
     usable_blocks: np.ndarray
     load: LoadColumns
     cached_blocks: Callable[[ReplicaKey], int]
+    eviction_risk: np.ndarray | None = None
 
 
 class Policy(Protocol):

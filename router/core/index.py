@@ -120,6 +120,8 @@ class PrefixIndex:
         self._spec_ids = itertools.count(1)
         self._kv_count: list[int] = []
         self._state_count: list[int] = []
+        # GPU KV blocks each slot's engine reported removed since the slot was assigned
+        self._kv_evicted: list[int] = []
         self._state_slots = 0
         # replica keys that ever published a recurrent-state checkpoint (the model is
         # hybrid), and a counter bumped when one is added (RoutingEngine's cache key)
@@ -137,11 +139,13 @@ class PrefixIndex:
             if self._free:
                 slot = self._free.pop()
                 self._key_of[slot] = key
+                self._kv_evicted[slot] = 0
             else:
                 slot = len(self._key_of)
                 self._key_of.append(key)
                 self._kv_count.append(0)
                 self._state_count.append(0)
+                self._kv_evicted.append(0)
             self._slot_of[key] = slot
             self._live |= 1 << slot
             self._slot_generation += 1
@@ -315,6 +319,8 @@ class PrefixIndex:
                 self._state_slots &= ~bit
         else:
             self._kv_count[slot] -= removed
+            if tier is Tier.GPU:
+                self._kv_evicted[slot] += removed
         if self._spec_owner:
             self._settle(slot, blocks, kind)
 
@@ -453,6 +459,14 @@ class PrefixIndex:
         if slot is None:
             return (0, 0)
         return (self._kv_count[slot], self._state_count[slot])
+
+    def evicted_blocks(self, key: ReplicaKey) -> int:
+        """GPU KV blocks ``key``'s engine reported removed since it got its slot (it was
+        added, or cleared: the count restarts at 0); 0 if unknown. Engines remove a cached
+        block to make room, so its growth over time is the cache's eviction rate
+        (router/core/turnover.py)."""
+        slot = self._slot_of.get(key)
+        return 0 if slot is None else self._kv_evicted[slot]
 
     def slots(self, keys: Sequence[ReplicaKey]) -> np.ndarray:
         """The slot of each of ``keys`` (-1 for keys the index does not know), for

@@ -269,9 +269,18 @@ class Ours:
       ``decode_weight``, ``1 / (n - 1)`` each, counted from dispatch: a request queued ahead
       decodes while this one prefills) and divided by ``tpot_target_s``. Short answers are
       the fragile ones, so a long uncached prefill goes where few of them run.
+    * ``eviction``: what the placement's uncached blocks push out of the replica's cache
+      beyond what they would push out of the fleet's calmest one: ``prefill`` times the
+      candidate's ``eviction_risk`` (router/core/turnover.py: the chance of reuse lost)
+      above ``eviction_risk_floor``. 0 wherever caches turn over alike or nothing is
+      evicted; where a cache turns over far faster than the others (it took more than its
+      share of new prefixes), new prefixes go elsewhere instead of pushing out the
+      conversations that will come back. The floor keeps small differences (noise between
+      caches that all turn over fast) from deciding among otherwise equal replicas, which
+      the cache-size tie-break and the rng spread better.
 
     Score = ``w_prefill*prefill + w_queue*queue + w_decode*decode + w_kv*kv +
-    w_interference*interference``; lowest wins.
+    w_interference*interference + w_eviction*eviction``; lowest wins.
 
     ``w_prefill`` defaults well above 1: a cache miss does not only delay this request, its
     prefill takes replica time from every request queued behind it, so prefill seconds are
@@ -294,6 +303,8 @@ class Ours:
     report_max_age_s: float = 1.0
     w_interference: float = 4.0
     tpot_target_s: float = 0.1
+    w_eviction: float = 24.0
+    eviction_risk_floor: float = 0.15
     uses_session_hints: bool = True
 
     def _terms(
@@ -312,8 +323,9 @@ class Ours:
         fresh: Any,
         kv_usage: Any,
         decode_weight: Any,
-    ) -> tuple[Any, Any, Any, Any, Any]:
-        """(prefill, queue, decode, kv) seconds (see the class docstring), for one candidate
+        eviction_risk: Any,
+    ) -> tuple[Any, Any, Any, Any, Any, Any]:
+        """The terms (``TERM_NAMES``; see the class docstring), for one candidate
         (numbers, ``xp=SCALAR``) or for many (arrays, ``xp=ARRAY``): one formula for both.
         ``waiting`` / ``kv_usage`` are the engine's report (0 without one); ``fresh``: it
         is younger than ``report_max_age_s``."""
@@ -335,14 +347,14 @@ class Ours:
         excess = maximum(kv_usage - self.kv_pressure_threshold, 0)
         kv = self.kv_pressure_s * excess / max(1.0 - self.kv_pressure_threshold, 1e-6)
         interference = prefill * decode_weight / self.tpot_target_s
-        return prefill, queue, decode, kv, interference
+        eviction = prefill * maximum(eviction_risk - self.eviction_risk_floor, 0.0)
+        return prefill, queue, decode, kv, interference, eviction
 
     def term_values(
         self, request: RouteRequest, c: Candidate
-    ) -> tuple[float, float, float, float, float]:
-        """(prefill, queue, decode, kv, interference) for one candidate; see the class
-        docstring."""
-        _, (kv, gpu, host, usable), load, _ = c
+    ) -> tuple[float, float, float, float, float, float]:
+        """The terms (``TERM_NAMES``) for one candidate; see the class docstring."""
+        _, (kv, gpu, host, usable), load, _, risk = c
         _, prefilling, queued, decoding, context, _, engine, engine_age, _, _, weight = load
         if engine is None:
             waiting, fresh, usage = 0, False, 0.0
@@ -351,7 +363,7 @@ class Ours:
             usage = engine.kv_usage
         return self._terms(
             SCALAR, request, kv, gpu, host, usable, queued, prefilling, decoding, context,
-            waiting, fresh, usage, weight,
+            waiting, fresh, usage, weight, risk,
         )  # fmt: skip
 
     def terms(self, request: RouteRequest, c: Candidate) -> dict[str, float]:
@@ -361,10 +373,12 @@ class Ours:
         self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
     ) -> Decision:
         wp, wq, wd, wk = self.w_prefill, self.w_queue, self.w_decode, self.w_kv
-        wi = self.w_interference
+        wi, we = self.w_interference, self.w_eviction
         term_values = self.term_values
         values = [term_values(request, c) for c in candidates]
-        scores = [wp * p + wq * q + wd * d + wk * k + wi * i for p, q, d, k, i in values]
+        scores = [
+            wp * p + wq * q + wd * d + wk * k + wi * i + we * e for p, q, d, k, i, e in values
+        ]
         order = sorted(range(len(scores)), key=scores.__getitem__)
         pick = order[0]
         best = scores[pick]
@@ -383,10 +397,13 @@ class Ours:
 
     def term_columns(
         self, request: RouteRequest, columns: CandidateColumns, now: float
-    ) -> tuple[Any, Any, Any, Any, Any]:
-        """(prefill, queue, decode, kv, interference) arrays, one element per replica of
-        ``columns`` (eligible or not); see the class docstring."""
+    ) -> tuple[Any, Any, Any, Any, Any, Any]:
+        """The terms (``TERM_NAMES``) as arrays, one element per replica of ``columns``
+        (eligible or not); see the class docstring."""
         load = columns.load
+        risk = columns.eviction_risk
+        if risk is None:
+            risk = np.zeros(len(columns.keys))
         return self._terms(
             ARRAY,
             request,
@@ -402,6 +419,7 @@ class Ours:
             now - load.engine_at <= self.report_max_age_s,
             load.kv_usage,
             load.decode_weight,
+            risk,
         )
 
     def choose_columns(
@@ -409,9 +427,9 @@ class Ours:
     ) -> Decision:
         """``choose`` on all eligible candidates of ``columns`` at once (same decision)."""
         values = self.term_columns(request, columns, now)
-        p, q, d, k, i = values
+        p, q, d, k, i, e = values
         scores = self.w_prefill * p + self.w_queue * q + self.w_decode * d + self.w_kv * k
-        scores = scores + self.w_interference * i
+        scores = scores + self.w_interference * i + self.w_eviction * e
         # the eligible candidates only, in order (masking the others with +inf would let a
         # replica with an infinite score tie with them)
         idx = np.flatnonzero(columns.eligible)
@@ -441,7 +459,7 @@ class Ours:
         )
 
 
-TERM_NAMES = ("prefill", "queue", "decode", "kv", "interference")
+TERM_NAMES = ("prefill", "queue", "decode", "kv", "interference", "eviction")
 
 
 # ---------------------------------------------------------------------------- registry

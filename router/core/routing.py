@@ -23,6 +23,7 @@ from router.core.load import LoadTracker, LoadView
 from router.core.policies import Candidate, CandidateColumns, ColumnarPolicy, Policy
 from router.core.session import SessionHint, SessionTable
 from router.core.state_layout import SOURCE_ENGINE, StateLayout, effective_layout
+from router.core.turnover import CacheTurnover
 from router.core.types import NO_MATCH, Decision, PrefixMatch, ReplicaKey, RouteRequest
 
 # Candidate lists at least this long are scored as arrays (policies that can): below it,
@@ -183,6 +184,17 @@ class RoutingEngine:
         # router pods share what they speculate and bind (router/service/pod_share.py)
         self.on_dispatch: Callable[[RouteRequest, ReplicaKey, list[int], float, float], None]
         self.on_dispatch = _ignore
+        self.turnover = CacheTurnover()
+
+    def _turnover(self, replicas: Sequence[ReplicaKey], now: float) -> CacheTurnover:
+        """The cache turnover meter, sampled from the index when due (candidates carry each
+        replica's eviction risk)."""
+        turnover = self.turnover
+        if turnover.due(now):
+            index = self.index
+            held = index.replica_size
+            turnover.sample(now, replicas, index.evicted_blocks, lambda k: held(k)[0])
+        return turnover
 
     def _effective(self) -> StateLayout:
         s = self.settings
@@ -247,7 +259,8 @@ class RoutingEngine:
         matches = self.index.match(request.block_hashes, hybrid=hybrid, now=now)
         get = matches.get
         size = self.index.replica_size
-        out = [Candidate(r, get(r, NO_MATCH), view, size(r)[0]) for r, view in eligible]
+        risk = self._turnover(replicas, now).risk
+        out = [Candidate(r, get(r, NO_MATCH), view, size(r)[0], risk(r)) for r, view in eligible]
         hint, covered = self._hint(request, now)
         if covered:
             for i, c in enumerate(out):
@@ -292,8 +305,9 @@ class RoutingEngine:
                     arr[at] = np.maximum(arr[at], covered)
                 usable[at] = covered
         index = self.index
+        risks = self._turnover(replicas, now).risks(replicas)
         return CandidateColumns(
-            replicas, up, kv, gpu, host, usable, load, lambda k: index.replica_size(k)[0]
+            replicas, up, kv, gpu, host, usable, load, lambda k: index.replica_size(k)[0], risks
         )
 
     def choose(
@@ -353,6 +367,8 @@ class RoutingEngine:
             request.max_output_tokens,
             class_weight,
         )
+        new_tokens = request.prompt_tokens - decision.usable_tokens
+        self.turnover.dispatched(decision.replica, new_tokens / request.block_size)
         ttl = self.settings.speculative_ttl() if speculative_ttl_s is None else speculative_ttl_s
         # a session's hint carries its next turn (see DEFAULT_SPECULATIVE_TTL_S)
         hinted = exact and request.session_id and self.sessions is not None

@@ -112,6 +112,9 @@ class RouterState:
 
     def _forget(self, model: str, key: ReplicaKey) -> None:
         self.metrics.forget_replica(model, key)
+        engine = self.engines.get(model)
+        if engine is not None:
+            engine.turnover.forget(key)
 
     def _add_model(self, model: ModelSettings) -> None:
         processor = build_processor(model, self._tokenizers)
