@@ -124,7 +124,6 @@ class CacheTurnover:
             meter.evicted, meter.at, meter.held = count, now, held(key)
             # below a block a window the replica is not turning its cache over
             meter.full = meter.rate * window >= 1.0
-        self._calm = 0.0
         self._calm = min((self._lost(meters[k]) for k in replicas if k in meters), default=0.0)
         self._columns = ((), np.empty(0), {})
 
