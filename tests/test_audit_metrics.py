@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
+from router.core.types import ReplicaKey
+from router.service.app import STATE
 from router.service.config import build_settings
 from tests.backends import Backend, kimi_model_table, start_router
 
@@ -27,6 +30,7 @@ class Fleet:
     backend: Backend
     approx: Backend
     client: openai.AsyncOpenAI
+    app: Any  # the running router's aiohttp application (its state, for white-box checks)
 
     async def metrics(self) -> str:
         async with aiohttp.ClientSession() as http, http.get(self.url + "/metrics") as r:
@@ -53,7 +57,7 @@ async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
     runner, url = await start_router(settings, str(request.param))
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     try:
-        yield Fleet(url, backend, approx, client)
+        yield Fleet(url, backend, approx, client, runner.app)
     finally:
         await client.close()
         await runner.cleanup()
@@ -172,3 +176,27 @@ async def test_approximate_requests_are_counted(fleet: Fleet) -> None:
     assert got.get(f'{{model="{MODEL}"}}', 0.0) == 0, got
     assert value(text, "kvrouter_tokenizer_mode", f'{{mode="approximate",model="{APPROX}"}}') == 1
     assert len(fleet.approx.received) == 2
+
+
+async def test_cache_turnover_gauges_follow_the_engines_evictions(fleet: Fleet) -> None:
+    page = await fleet.metrics()
+    labels = f'{{model="{MODEL}",replica="b0"}}'
+    assert value(page, "kvrouter_cache_horizon_seconds", labels) == float("inf")
+    assert value(page, "kvrouter_cache_eviction_risk", labels) == 0.0
+    # the replica's engine reports 10 blocks a second removed out of 100 held, then the
+    # router's meter samples it (as routing does every 5 s)
+    state = fleet.app[STATE]
+    key = next(k for k in state.load.replicas() if k.replica == "b0")
+    assert isinstance(key, ReplicaKey)
+    turnover = state.engines[MODEL].turnover
+    held = list(range(1, 101))
+    state.index.store(key, held)
+    keys = (key,)
+    for t in range(0, 600, 5):
+        churn = list(range(10_000 + 50 * t, 10_050 + 50 * t))
+        state.index.store(key, churn)
+        state.index.remove(key, churn)
+        turnover.sample(float(t), keys, state.index.evicted_blocks, lambda k: 100)
+    page = await fleet.metrics()
+    assert value(page, "kvrouter_cache_horizon_seconds", labels) == pytest.approx(10.0, rel=0.02)
+    assert value(page, "kvrouter_cache_eviction_risk", labels) == 0.0  # it is the calmest

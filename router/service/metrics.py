@@ -9,6 +9,7 @@ See docs/metrics.md for the list.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,9 @@ class ReplicaGauge:
     draining: bool
     rack: str = ""
     region: str = ""
+    # the routing engine's cache turnover meter (router/core/turnover.py)
+    cache_horizon_s: float = math.inf
+    eviction_risk: float = 0.0
 
 
 # Prompt-length tiers (label ``tier``): few values, so per-tier series stay cheap.
@@ -104,11 +108,24 @@ class _StateCollector(Collector):
             "1 per replica key, with its rack and region (join on replica for per-rack sums)",
             labels=["replica", "model", "rack", "region"],
         )
+        horizon = GaugeMetricFamily(
+            "kvrouter_cache_horizon_seconds",
+            "How long an unused block lasts in the replica's cache at its current turnover "
+            "(+Inf while it evicts nothing)",
+            labels=["replica", "model"],
+        )
+        risk = GaugeMetricFamily(
+            "kvrouter_cache_eviction_risk",
+            "Chance of reuse a new block placed there evicts beyond the fleet's calmest cache",
+            labels=["replica", "model"],
+        )
         for r in s.replicas:
             info.add_metric([r.replica, r.model, r.rack, r.region], 1.0)
             inflight.add_metric([r.replica, r.model], r.in_flight)
             queued.add_metric([r.replica, r.model], r.queued_prefill_tokens)
             up.add_metric([r.replica, r.model], float(r.healthy and not r.draining))
+            horizon.add_metric([r.replica, r.model], r.cache_horizon_s)
+            risk.add_metric([r.replica, r.model], r.eviction_risk)
         entries = GaugeMetricFamily(
             "kvrouter_index_entries",
             "(block, replica) entries in the prefix index",
@@ -170,7 +187,7 @@ class _StateCollector(Collector):
         )
         memo_size.add_metric([], memo_bytes)
         yield from (inflight, queued, up, entries, replicas, mode, cache, lag, queries, hits)
-        yield info
+        yield from (info, horizon, risk)
         yield from (memo_lookups, memo_size)
         yield from _layout_metrics(s.layouts)
 

@@ -4,6 +4,7 @@ StateSnapshot`), gathered when ``/metrics`` is scraped, never per request."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,8 @@ def state_snapshot(state: RouterState) -> StateSnapshot:
     gauges = []
     for ep in state.registry.endpoints():
         v = state.load.view(ep.key, now)
+        engine = state.engines.get(ep.model)
+        turnover = engine.turnover if engine is not None else None
         gauges.append(
             ReplicaGauge(
                 str(ep.key),
@@ -29,6 +32,8 @@ def state_snapshot(state: RouterState) -> StateSnapshot:
                 v.draining,
                 ep.rack or "",
                 ep.region or "",
+                turnover.horizon_s(ep.key) if turnover is not None else math.inf,
+                turnover.risk(ep.key) if turnover is not None else 0.0,
             )
         )
     stats = state.index.stats()
