@@ -164,3 +164,17 @@ def test_sim_params_change_only_the_simulators_prediction() -> None:
     assert json.loads(guessing.stdout)["sim"] != json.loads(events.stdout)["sim"]
     negative = kvrouter(*base, "--speculative-ttl-s", "-1")
     assert negative.returncode != 0 and "--speculative-ttl-s" in negative.stderr
+
+
+def test_on_the_conversation_workload_the_eviction_term_keeps_more_context() -> None:
+    """The workload whose small caches turn over while conversations come back: the
+    simulated ``ours`` reuses more with its eviction term than without (the term is live:
+    the engines' removed blocks reach the router's turnover meter)."""
+    from tests.inprocess import kvrouter
+
+    base = ["bench", "live", "--workload", "conversation", "--rows", "", "--json"]
+    on, off = kvrouter(*base), kvrouter(*base, "--sim-params", '{"w_eviction": 0}')
+    assert on.returncode == off.returncode == 0, on.stderr + off.stderr
+    a, b = (json.loads(out.stdout)["sim"]["kvrouter_ours"] for out in (on, off))
+    assert a["hit"] > b["hit"] + 0.01, (a, b)
+    assert a["ttft_p90_ms"] < b["ttft_p90_ms"]

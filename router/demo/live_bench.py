@@ -37,7 +37,10 @@ policy ``--sim-policies`` adds, e.g. ``vllm_kv_aware``). Workloads:
 * ``mooncake``: the bundled Mooncake trace's first requests, open loop, 8 replicas;
 * ``agentic-heavy`` / ``mooncake-heavy``: the same past the fleet's decode capacity (twice
   the sessions at a higher rate; the trace at 8x), where the TPOT target is what most
-  requests miss and the placement decides how many do.
+  requests miss and the placement decides how many do;
+* ``conversation``: open-loop conversations sharing 4 system prompts on 8 dense-70b mocks
+  with small caches (1,536 blocks), which turn over while conversations come back: where
+  placing new conversations decides whether the old ones find their context.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from router.core.slo import SloTargets, SloTier
+from router.demo.fleet import PROFILE
 
 AGENTIC = (
     "agentic:sessions=60,session_rate=3,system_prompts=4,system_tokens=6000,tool_sets=2,"
@@ -69,15 +73,34 @@ class Workload:
     requests: int
     max_output: int
     kv_blocks: int = 16384
+    profile: str = PROFILE  # the mocks' engine profile (sim/profiles)
 
 
 AGENTIC_HEAVY = AGENTIC.replace("sessions=60,session_rate=3", "sessions=120,session_rate=4")
+# open-loop conversations (turns arrive whatever the fleet does; no session ids) sharing 4
+# system prompts, on small caches that turn over while conversations come back: the
+# simulator's "second trace family" (docs/benchmarks.md) compressed in time 12x (turns 5 s
+# apart, caches of 1,536 blocks), on dense-70b mocks
+CONVERSATION = (
+    "agentic:sessions=150,session_rate=1,system_prompts=4,system_tokens=2000,tool_sets=1,"
+    "tool_def_tokens=64,user_tokens=4000,mean_turns=4,max_turns=12,answer_tokens=300,"
+    "tool_tokens=1500,open_loop=1,turn_gap_s=5,session_ids=0,max_context=131072,seed=3"
+)
 WORKLOADS = {
     "agentic": Workload(AGENTIC, replicas=4, speedup=2.0, requests=600, max_output=64),
     "mooncake": Workload("mooncake", replicas=8, speedup=4.0, requests=500, max_output=64),
     # past the fleet's decode capacity: what routing does to goodput decides (docs/benchmarks.md)
     "agentic-heavy": Workload(AGENTIC_HEAVY, replicas=4, speedup=2.0, requests=900, max_output=64),
     "mooncake-heavy": Workload("mooncake", replicas=8, speedup=8.0, requests=1000, max_output=64),
+    "conversation": Workload(
+        CONVERSATION,
+        replicas=8,
+        speedup=1.0,
+        requests=700,
+        max_output=64,
+        kv_blocks=1536,
+        profile="dense-70b",
+    ),
 }
 ROWS = (
     "kvrouter_ours",
@@ -153,7 +176,6 @@ def _simulate(
     policy: str = "ours",
     speculative_ttl_s: float | None = None,
 ) -> dict[str, Any]:
-    from router.demo.fleet import PROFILE
     from sim.cluster import ClusterConfig
     from sim.profiles import load_profile
     from sim.runner import RunSpec, run_one
@@ -165,7 +187,7 @@ def _simulate(
         for r in loaded.requests
     ]
     config = ClusterConfig(
-        profile=load_profile(PROFILE),
+        profile=load_profile(workload.profile),
         replicas=workload.replicas,
         block_size=64,
         kv_blocks=workload.kv_blocks,
@@ -206,6 +228,7 @@ async def _row(
         replicas=workload.replicas,
         policy="ours" if ours else None,
         kv_blocks=workload.kv_blocks,
+        profile=workload.profile,
         key_prefix=f"kvr-live-{int(time.time() * 1000)}",
         pd="always" if row == "vllm_router_pd" else pd,
         speculative_ttl_s=speculative_ttl_s if ours else None,
