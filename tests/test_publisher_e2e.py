@@ -261,3 +261,38 @@ async def test_redis_flush_and_restart_publisher_republishes_router_resyncs(
         await eng.pub.close()
         await pub_store.close()
         await router_store.close()
+
+
+async def test_stop_ends_a_heartbeat_whose_cancel_the_client_turned_into_an_error(
+    redis_url: str, key_prefix: str
+) -> None:
+    """redis-py may answer a cancel that lands mid-command with a connection error; the
+    heartbeat loop must still end (it used to log the error and sleep again, and ``stop``
+    waited for it forever)."""
+    import redis.exceptions
+
+    eng = await _engine(16, 5)
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=4))
+    pub = _publisher(store, "rh", eng)
+    calls = 0
+    in_call = asyncio.Event()
+
+    async def heartbeat(*args: object) -> bool:
+        nonlocal calls
+        calls += 1
+        in_call.set()
+        try:
+            await asyncio.Event().wait()  # a command that is still in flight
+        except asyncio.CancelledError:
+            raise redis.exceptions.ConnectionError("Connection closed by server.") from None
+        return True
+
+    store.heartbeat = heartbeat  # type: ignore[method-assign]
+    try:
+        await pub.start()
+        await asyncio.wait_for(in_call.wait(), 5.0)
+        await asyncio.wait_for(pub.stop(), 5.0)
+        assert calls == 1
+    finally:
+        await eng.pub.close()
+        await store.close()

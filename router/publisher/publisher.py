@@ -38,6 +38,15 @@ from router.store.writer import StoreWriter
 log = logging.getLogger(__name__)
 
 
+def _raise_if_cancelled(exc: BaseException) -> None:
+    """Re-raise a cancellation that a client library turned into an error: redis-py can
+    answer a cancel that lands mid-command with a connection error, and a loop that logged
+    it and went on would never end (``stop`` would wait for it forever)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from exc
+
+
 @dataclass(slots=True, frozen=True)
 class PublisherSettings:
     info: ReplicaInfo
@@ -193,6 +202,7 @@ class Publisher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                _raise_if_cancelled(exc)
                 self.stats.store_errors += 1
                 log.warning("publisher: store write failed (%s); will republish", exc)
                 await asyncio.sleep(backoff)
@@ -211,6 +221,7 @@ class Publisher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                _raise_if_cancelled(exc)
                 self.stats.store_errors += 1
                 self.writer.needs_reset = True
                 log.warning("publisher: heartbeat failed: %s", exc)
@@ -241,6 +252,7 @@ class Publisher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                _raise_if_cancelled(exc)
                 self.stats.scrape_errors += 1
                 log.warning("publisher: load scrape/publish failed: %s", exc)
             await asyncio.sleep(s.load_interval_s)
