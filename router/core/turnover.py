@@ -51,11 +51,11 @@ class _Meter:
     rate: float = 0.0  # blocks the engine evicted per second, smoothed
     sent: float = 0.0  # uncached blocks this router sent there, decayed over the window
     held: int = 0  # cached blocks at the last sample
-    full: bool = False  # the engine is evicting (its cache has no room left)
 
     def turnover(self, window_s: float) -> float:
-        """Share of the cache replaced per second (0 while the engine evicts nothing)."""
-        if not self.full:
+        """Share of the cache replaced per second; 0 while the engine evicts nothing (less
+        than a block a window: its cache still has room)."""
+        if self.rate * window_s < 1.0:
             return 0.0
         return max(self.rate, self.sent / window_s) / max(self.held, 1)
 
@@ -122,8 +122,6 @@ class CacheTurnover:
             meter.rate += (1.0 - keep) * ((count - meter.evicted) / dt - meter.rate)
             meter.sent *= keep
             meter.evicted, meter.at, meter.held = count, now, held(key)
-            # below a block a window the replica is not turning its cache over
-            meter.full = meter.rate * window >= 1.0
         self._calm = min((self._lost(meters[k]) for k in replicas if k in meters), default=0.0)
         self._columns = ((), np.empty(0), {})
 

@@ -56,7 +56,6 @@ from pathlib import Path
 from typing import Any
 
 from router.core.slo import SloTargets, SloTier
-from router.demo.fleet import PROFILE
 
 AGENTIC = (
     "agentic:sessions=60,session_rate=3,system_prompts=4,system_tokens=6000,tool_sets=2,"
@@ -73,7 +72,7 @@ class Workload:
     requests: int
     max_output: int
     kv_blocks: int = 16384
-    profile: str = PROFILE  # the mocks' engine profile (sim/profiles)
+    profile: str | None = None  # the mocks' engine profile (None: router.demo.fleet.PROFILE)
 
 
 AGENTIC_HEAVY = AGENTIC.replace("sessions=60,session_rate=3", "sessions=120,session_rate=4")
@@ -176,6 +175,7 @@ def _simulate(
     policy: str = "ours",
     speculative_ttl_s: float | None = None,
 ) -> dict[str, Any]:
+    from router.demo.fleet import PROFILE
     from sim.cluster import ClusterConfig
     from sim.profiles import load_profile
     from sim.runner import RunSpec, run_one
@@ -187,7 +187,7 @@ def _simulate(
         for r in loaded.requests
     ]
     config = ClusterConfig(
-        profile=load_profile(workload.profile),
+        profile=load_profile(workload.profile or PROFILE),
         replicas=workload.replicas,
         block_size=64,
         kv_blocks=workload.kv_blocks,
@@ -217,7 +217,7 @@ async def _row(
     speculative_ttl_s: float | None = None,
 ) -> dict[str, Any]:
     from router.demo.figures import summarize
-    from router.demo.fleet import Fleet, FleetSpec
+    from router.demo.fleet import PROFILE, Fleet, FleetSpec
     from router.demo.replay import replay
 
     ours = row.startswith("kvrouter_")
@@ -228,7 +228,7 @@ async def _row(
         replicas=workload.replicas,
         policy="ours" if ours else None,
         kv_blocks=workload.kv_blocks,
-        profile=workload.profile,
+        profile=workload.profile or PROFILE,
         key_prefix=f"kvr-live-{int(time.time() * 1000)}",
         pd="always" if row == "vllm_router_pd" else pd,
         speculative_ttl_s=speculative_ttl_s if ours else None,
