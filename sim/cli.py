@@ -71,6 +71,13 @@ def _add_fleet_args(p: argparse.ArgumentParser, traces: bool = False) -> None:
     p.add_argument("--racks", type=int, default=1, help="racks per region")
     p.add_argument("--event-lag-ms", type=float, default=0.0, help="index event propagation lag")
     p.add_argument(
+        "--transport-ms",
+        type=float,
+        default=0.0,
+        help="what the HTTP path (client, router, engine and back) adds to each request's "
+        "TTFT and E2E (kvrouter bench live measures it on its fleet)",
+    )
+    p.add_argument(
         "--report-interval-ms",
         type=float,
         default=1000.0,
@@ -137,6 +144,8 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
     share = args.share_load_ms
     if share is not None and share < 0:
         raise KVRouterError("--share-load-ms must not be negative")
+    if args.event_lag_ms < 0 or args.transport_ms < 0:
+        raise KVRouterError("--event-lag-ms and --transport-ms must not be negative")
     if not 0.0 <= args.prefill_share < 1.0:
         raise KVRouterError("--prefill-share must be in [0, 1)")
     pd_params = None
@@ -159,6 +168,7 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         regions=args.regions,
         racks=args.racks,
         event_lag_s=args.event_lag_ms / 1000,
+        transport_s=args.transport_ms / 1000,
         report_interval_s=args.report_interval_ms / 1000,
         speculative_ttl_s=args.speculative_ttl_ms / 1000,
         share_load_s=share / 1000 if share is not None else None,
@@ -245,6 +255,7 @@ def _settings(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         "cpu_blocks": config.cpu_blocks,
         "routers": config.routers,
         "event_lag_ms": args.event_lag_ms,
+        "transport_ms": args.transport_ms,
         "report_interval_ms": args.report_interval_ms,
         "speculative_ttl_ms": args.speculative_ttl_ms,
         "share_load_ms": args.share_load_ms,

@@ -71,6 +71,10 @@ class ClusterConfig:
     regions: int = 1
     racks: int = 1
     event_lag_s: float = 0.0
+    # what the HTTP path (client -> router -> engine and the first byte back) adds to every
+    # request as its client sees it: TTFT and E2E start this much before the engine's
+    # times, and a session's next turn leaves this much after the engine finished
+    transport_s: float = 0.0
     # engines' own load reports reach routers this often: 1 s, as in production (the
     # publisher's load_interval_s, the router's engine_metrics_interval_s)
     report_interval_s: float = 1.0
@@ -516,6 +520,7 @@ class Simulation:
                     router.engine.index.apply(batch)
         records = self._records
         legs = self._legs
+        transport = self.config.transport_s
         for out in outputs:
             kind = type(out)
             if legs and out.request_id in legs:
@@ -523,7 +528,7 @@ class Simulation:
                 continue
             if kind is FirstToken:
                 rec = records[out.request_id]
-                rec.first = out.time
+                rec.first = out.time + transport
                 if out.request_id not in self._from_prefill:
                     rec.cached = out.cached_tokens
                     rec.kv_hit = out.kv_hit_tokens
@@ -531,13 +536,13 @@ class Simulation:
                 self._router_of[out.request_id].engine.load.first_token(out.request_id)
             elif kind is Finished:
                 rec = records[out.request_id]
-                rec.finish = out.time
+                rec.finish = out.time + transport
                 rec.output = out.output_tokens
                 router = self._router_of.pop(out.request_id)
                 router.engine.load.complete(out.request_id)
                 if router.admission is not None:
                     router.admission.finished(out.request_id)
-                self._follow_ups(out.request_id, out.time)
+                self._follow_ups(out.request_id, out.time + transport)
                 if self.config.record_load:
                     self._series[i].append((out.time, eng.pending()))
             elif kind is Rejected:
@@ -547,7 +552,7 @@ class Simulation:
                 router.engine.load.complete(out.request_id)
                 if router.admission is not None:
                     router.admission.finished(out.request_id)
-                self._follow_ups(out.request_id, out.time)
+                self._follow_ups(out.request_id, out.time + transport)
         if outputs and self.config.admission is not None:
             for router in self.routers:
                 self._pump(router, now)

@@ -39,6 +39,9 @@ def test_bench_live_prints_rows_and_the_simulators_prediction() -> None:
     assert 0 <= ours["goodput"] <= 1 and ours["ttft_p50_ms"] <= ours["ttft_p90_ms"]
     assert "vllm-router" in doc["rows"]["vllm_router_kv_aware"]["error"]
     assert {"hit", "goodput", "ttft_p50_ms", "tpot_p90_ms"} <= set(doc["sim"]["kvrouter_ours"])
+    # the HTTP path's share of TTFT, probed on the idle fleet, is what the simulator adds
+    assert 0 < ours["transport_ms"] < ours["ttft_p50_ms"]
+    assert doc["sim"]["kvrouter_ours"]["transport_ms"] == ours["transport_ms"]
 
 
 @pytest.fixture

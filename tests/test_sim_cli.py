@@ -94,6 +94,8 @@ def test_bad_input_is_a_clear_error() -> None:
     assert p.returncode == 2 and "not found" in p.stderr
     p = kvrouter("sim", "replay", "mooncake", "--params", '{"bogus": 1}', "--limit", "5")
     assert p.returncode == 2 and "bogus" in p.stderr
+    p = kvrouter("sim", "replay", "mooncake", "--transport-ms", "-1", "--limit", "5")
+    assert p.returncode == 2 and "--transport-ms must not be negative" in p.stderr
 
 
 def test_tune_writes_a_loadable_config_and_replay_uses_it(tmp_path: Path) -> None:

@@ -118,3 +118,27 @@ def test_index_free_policies_skip_the_index_with_identical_results(
     assert lean.routers[0].engine.index.stats().kv_entries == 0
     assert fed.routers[0].engine.index.stats().kv_entries > 0
     assert Simulation(slice_, cfg, "ours")._feed_index
+
+
+def test_transport_delays_what_the_client_sees_not_the_engine(slice_: Workload) -> None:
+    """``transport_s`` is the HTTP path: every TTFT and E2E grows by it, decode speed does
+    not change, and a session's next turn leaves that much later."""
+    base = Simulation(slice_, small_config(), "ours").run()
+    moved = Simulation(slice_, small_config(transport_s=0.25), "ours").run()
+    assert sorted(moved.ttft_s) == pytest.approx([t + 0.25 for t in sorted(base.ttft_s)])
+    b, m = base.summary, moved.summary
+    assert m["ttft_ms_p50"] == pytest.approx(b["ttft_ms_p50"] + 250, abs=0.01)
+    assert m["e2e_ms_p50"] == pytest.approx(b["e2e_ms_p50"] + 250, abs=0.01)
+    assert m["tpot_ms_p90"] == pytest.approx(b["tpot_ms_p90"])
+    first = SimRequest("a", 0.0, 128, 4, [1, 2], session_id="s")
+    follow = SimRequest("b", 0.0, 192, 4, [1, 2, 3], session_id="s", after="a", delay_s=1.0)
+    gaps = {}
+    for transport in (0.0, 0.25):
+        chain = Workload("chain", [first, follow], 64, "m")
+        sim = Simulation(chain, small_config(transport_s=transport), "ours")
+        sim.run()
+        a, b = sim._records["a"], sim._records["b"]
+        gaps[transport] = (b.arrival - a.finish, a.finish - a.arrival)
+    # the think time runs from when the client saw the answer, 0.25 s after the engine
+    assert gaps[0.0][0] == pytest.approx(1.0) and gaps[0.25][0] == pytest.approx(1.0)
+    assert gaps[0.25][1] == pytest.approx(gaps[0.0][1] + 0.25)

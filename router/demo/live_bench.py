@@ -26,11 +26,14 @@ mocks spread over 2 racks, half of each rack ``prefill``, the rest ``decode`` (`
 
 Each row: ``ok``, ``failed``, ``hit`` (engine-reported cached prompt tokens), ``goodput``
 (router.core.slo, the default SLO unless flags say otherwise), TTFT / E2E p50, p90, p99 and
-TPOT p50, p90 in ms (router/demo/figures.py), and ``router_cpu_s``, the CPU seconds the router
-process used during the replay (/proc). With ``--repeat N`` each row runs N times (the rows
+TPOT p50, p90 in ms (router/demo/figures.py), ``router_cpu_s``, the CPU seconds the router
+process used during the replay (/proc), and ``transport_ms``, what the HTTP path adds to a
+request's TTFT on that fleet (a few one-block probes on the idle fleet before the replay, less
+the engine model's own time for them). With ``--repeat N`` each row runs N times (the rows
 interleaved) and reports the runs' medians, their totals and spread (``combine_runs``).
 ``sim`` is the simulator's prediction for ``ours`` on the same trace and fleet (and for each
-policy ``--sim-policies`` adds, e.g. ``vllm_kv_aware``). Workloads:
+policy ``--sim-policies`` adds, e.g. ``vllm_kv_aware``), with the measured ``transport_ms`` of
+the matching row (``kvrouter_ours``'s for policies without one) as its ``transport_s``. Workloads:
 
 * ``agentic``: synthetic agent sessions (shared system prompts and tool schemas, contexts
   growing turn by turn, closed loop), 4 replicas;
@@ -49,6 +52,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -107,6 +111,12 @@ ROWS = (
     "vllm_router_kv_aware_affinity",
     "vllm_router_cache_aware",
 )
+# the live row whose measured transport the simulator's run of a policy takes
+SIM_ROW = {
+    "ours": "kvrouter_ours",
+    "vllm_kv_aware": "vllm_router_kv_aware",
+    "vllm_cache_aware": "vllm_router_cache_aware",
+}
 PD_ROWS = ("kvrouter_pd_always", "kvrouter_pd_auto", "vllm_router_pd")
 MODEL = "demo-model"
 
@@ -174,6 +184,7 @@ def _simulate(
     params: dict[str, Any] | None = None,
     policy: str = "ours",
     speculative_ttl_s: float | None = None,
+    transport_s: float = 0.0,
 ) -> dict[str, Any]:
     from router.demo.fleet import PROFILE
     from sim.cluster import ClusterConfig
@@ -193,6 +204,7 @@ def _simulate(
         kv_blocks=workload.kv_blocks,
         slo=slo,
         speculative_ttl_s=speculative_ttl_s,
+        transport_s=transport_s,
     )
     spec = RunSpec(policy, params=params or None, speedup=workload.speedup)
     s = run_one(loaded, config, spec).summary
@@ -205,7 +217,24 @@ def _simulate(
         "e2e_p90_ms": s["e2e_ms_p90"],
         "tpot_p50_ms": s["tpot_ms_p50"],
         "tpot_p90_ms": s["tpot_ms_p90"],
+        "transport_ms": round(transport_s * 1000, 2),
     }
+
+
+def _idle_ttft_s(profile: str, prompt_tokens: int) -> float:
+    """The engine model's TTFT for one request of ``prompt_tokens`` on an idle replica: the
+    mocks' own share of a probe's TTFT (``router.demo.replay.probe_ttft``)."""
+    from router.core.types import ReplicaKey
+    from sim.engine import EngineModel, EngineRequest, FirstToken
+    from sim.profiles import load_profile
+
+    model = EngineModel(load_profile(profile), ReplicaKey("probe"), 64, emit_tokens=False)
+    model.submit(EngineRequest("probe", (1,) * (prompt_tokens // 64), prompt_tokens, 1), 0.0)
+    while (at := model.next_time()) is not None:
+        for out in model.advance(at):
+            if isinstance(out, FirstToken):
+                return out.time
+    raise AssertionError("the engine model never produced the probe's first token")
 
 
 async def _row(
@@ -218,7 +247,7 @@ async def _row(
 ) -> dict[str, Any]:
     from router.demo.figures import summarize
     from router.demo.fleet import PROFILE, Fleet, FleetSpec
-    from router.demo.replay import replay
+    from router.demo.replay import PROBE_TOKENS, probe_ttft, replay
 
     ours = row.startswith("kvrouter_")
     if not ours and binary is None:
@@ -247,6 +276,9 @@ async def _row(
                     binary, row, port, fleet.replicas, 600, spec.engine_block_size
                 )
             await fleet.start_router("vllm-router", cmd, f"http://127.0.0.1:{port}")
+        # the HTTP path's share of TTFT on this fleet, for the simulator's prediction
+        probes = await probe_ttft(fleet.router_url, MODEL)
+        idle = _idle_ttft_s(spec.profile, PROBE_TOKENS)
         name = "router" if ours else "vllm-router"
         cpu0 = fleet.cpu_seconds(name)
         outcomes = await replay(fleet.router_url, requests, workload.speedup)
@@ -257,6 +289,9 @@ async def _row(
     if errors:
         figures["errors"] = errors
     figures["wall_s"] = round(time.perf_counter() - started, 1)
+    if probes:
+        transport = max(statistics.median(probes) - idle, 0.0)
+        figures["transport_ms"] = round(transport * 1000, 2)
     if cpu0 is not None and cpu1 is not None:
         figures["router_cpu_s"] = round(cpu1 - cpu0, 2)  # over the replay, not the start
     return figures
@@ -342,7 +377,14 @@ def run(args: argparse.Namespace) -> int:
                 ttl = args.speculative_ttl_s
                 figures = _row(row, workload, requests, args.vllm_router, slo, ttl)
                 runs[row].append(asyncio.run(figures))
-        result["rows"] = {row: combine_runs(r) for row, r in runs.items()}
+        rows_out = {row: combine_runs(r) for row, r in runs.items()}
+        result["rows"] = rows_out
+
+        def transport_s(policy: str) -> float:
+            row = rows_out.get(SIM_ROW.get(policy, ""), {})
+            ms = row.get("transport_ms", rows_out.get("kvrouter_ours", {}).get("transport_ms"))
+            return (ms or 0.0) / 1000
+
         result["sim"] = {
             "kvrouter_ours" if policy == "ours" else policy: _simulate(
                 workload,
@@ -351,6 +393,7 @@ def run(args: argparse.Namespace) -> int:
                 _params_of(args.sim_params, policy),
                 policy,
                 args.speculative_ttl_s,
+                transport_s(policy),
             )
             for policy in sim_policies
         }

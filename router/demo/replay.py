@@ -206,6 +206,33 @@ async def replay(
     return [o if o is not None else Outcome(False, error="not sent") for o in outcomes]
 
 
+PROBE_TOKENS = 64
+
+
+async def probe_ttft(router_url: str, model: str, count: int = 5) -> list[float]:
+    """TTFT of ``count`` one-block, one-token requests sent one after another to an idle
+    fleet: the engine's work for each is one short step, so what is left is the HTTP path's
+    (client, router, engine and back). Prompts are fresh random token ids (never in a trace
+    built by the simulator's rule, so nothing is hit); failures are left out."""
+    rng = np.random.default_rng()
+    timeout = aiohttp.ClientTimeout(total=30)
+    url = router_url + "/v1/completions"
+    out: list[float] = []
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for _ in range(count):
+            body = {
+                "model": model,
+                "prompt": rng.integers(1 << 31, 1 << 32, PROBE_TOKENS).tolist(),
+                "max_tokens": 1,
+                "stream": True,
+            }
+            req = TraceRequest(0.0, PROBE_TOKENS, 1, json.dumps(body).encode())
+            outcome = await _one(session, url, req)
+            if outcome.ok:
+                out.append(outcome.ttft_s)
+    return out
+
+
 class ProgressBar:
     """A one-line progress bar on stderr (only when stderr is a terminal)."""
 
