@@ -79,6 +79,33 @@ def test_a_cache_hit_still_goes_to_its_cache_next_to_short_answers() -> None:
     assert Ours().choose(request, [a, b], 0.0, rng()).replica == A
 
 
+def test_a_new_session_leaves_a_hot_prefix_whose_decode_batch_is_slow() -> None:
+    request = RouteRequest("x", "m", 8_000, [], 64, None, 500)
+    # A holds half the prompt and decodes 120 long conversations; B is nearly idle
+    a = _cand(A, kv=62, decoding=120, decode_context_tokens=120 * 40_000)
+    b = _cand(B, decoding=2, decode_context_tokens=2 * 1_000)
+    assert Ours().choose(request, [a, b], 0.0, rng()).replica == B
+    assert Ours(w_batch=0.0).choose(request, [a, b], 0.0, rng()).replica == A
+    ours = Ours()
+    cost = ours.cost
+    joined = cost.decode_step_s(120, 120 * 40_000) + 120 * cost.decode_step_s(1, 8_000)
+    assert ours.terms(request, a)["batch"] == pytest.approx(500 * joined)
+    idle = _cand(C)
+    assert ours.terms(request, idle)["batch"] == 0.0  # only what differs between replicas
+
+
+def test_the_batch_term_fades_once_every_replica_has_prefill_queued() -> None:
+    """Spreading decode batches gives up cache hits: free while some replica has no prefill
+    queued, paid by every queued request once none has."""
+    request = RouteRequest("x", "m", 8_000, [], 64, None, 500)
+    load = {"decoding": 120, "decode_context_tokens": 120 * 40_000}
+    a = _cand(A, kv=62, queued_prefill_tokens=2_000, **load)
+    b = _cand(B, decoding=2, queued_prefill_tokens=2_000)
+    assert Ours().choose(request, [a, b], 0.0, rng()).replica == A
+    b_idle = _cand(B, decoding=2)
+    assert Ours().choose(request, [a, b_idle], 0.0, rng()).replica == B
+
+
 # ---------------------------------------------------------------------------- session hints
 
 

@@ -119,6 +119,7 @@ def test_the_array_path_decides_as_the_per_candidate_path(seed: int) -> None:
         host_hit_value=rng.choice([0.75, 0.5]),
         kv_pressure_threshold=rng.choice([0.9, 0.5]),
         w_interference=rng.choice([0.0, 4.0]),
+        w_batch=rng.choice([0.0, 1.0, 3.0]),
     )
     per_candidate = RoutingEngine(index, load, policy, settings, columnar_min=10**9)
     arrays = RoutingEngine(index, load, policy, settings, columnar_min=1)

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from router.core.hashing import hash_prompt, root_hash
+from router.core.policies import TERM_NAMES
 from router.rpc.gen import (
     admin_pb2,
     admin_pb2_grpc,
@@ -93,7 +94,7 @@ async def test_pick_with_token_ids_follows_the_index_and_report_updates_load(rpc
     assert resp.endpoint == "http://127.0.0.1:10"
     assert resp.prompt_tokens == 8192 and resp.usable_hit_tokens == 300 * 16
     assert resp.kv_hit_tokens == 300 * 16 and resp.policy == "ours"
-    assert set(resp.terms) == {"prefill", "queue", "decode", "kv", "interference", "eviction"}
+    assert set(resp.terms) == set(TERM_NAMES) and "batch" in TERM_NAMES
     assert len(resp.fallbacks) == 2 and resp.decision_id
     key = next(k for k in state.registry.keys_for(MODEL) if str(k) == "b#dp1")
     assert state.load.view(key, loop_clock()).prefilling == 1

@@ -64,3 +64,23 @@ def test_tune_for_goodput_over_two_traces(tmp_path: Path) -> None:
     assert tuned.policy == "ours" and "w_interference" in tuned.params
     assert tuned.params["tpot_target_s"] == 0.1
     assert "mean goodput" in out.read_text()
+
+
+def test_a_popular_prefix_does_not_pile_every_session_onto_one_replica() -> None:
+    """Agent sessions whose shared prompt one replica caches first: without the batch term
+    ``ours`` sent 47 % of the requests there and its decode ran 4x slower than the rest of
+    the fleet's (TPOT p90 48 ms, vllm_kv_aware 11 ms) at equal goodput."""
+    runs = {}
+    for label, params in (("batch", "{}"), ("blind", '{"w_batch": 0}')):
+        p = kvrouter(
+            "sim", "replay", "agentic:seed=2", "--policy", "ours", "--params", params,
+            "--replicas", "8", "--kv-blocks", "16384", "--json", "--no-progress",
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        runs[label] = json.loads(p.stdout)
+    batch, blind = runs["batch"], runs["blind"]
+    assert max(blind["requests_per_replica"]) > 0.4 * blind["requests"]  # the pile-up
+    assert max(batch["requests_per_replica"]) < 0.3 * batch["requests"]
+    assert batch["tpot_ms_p90"] < 0.5 * blind["tpot_ms_p90"]
+    assert batch["e2e_ms_p90"] < 0.7 * blind["e2e_ms_p90"]
+    assert batch["goodput"] >= blind["goodput"] and batch["token_hit_rate"] >= 0.93

@@ -279,8 +279,21 @@ class Ours:
       caches that all turn over fast) from deciding among otherwise equal replicas, which
       the cache-size tie-break and the rng spread better.
 
+    * ``batch``: what joining the replica's decode batch costs, in seconds of decoding: each
+      of the request's output tokens (``max_output_tokens``, ``default_output_tokens``
+      when unknown) waits for a step that also decodes the sequences already there
+      (``decode_step_s(decoding, decode_context)``), and each of those sequences' steps
+      grows by what the request's own sequence and context add, for as long as both
+      decode. The part every replica charges alike (the request's own sequence) is left
+      out, so an idle replica prices 0. A replica that holds a popular prefix would
+      otherwise take every new session until its decode batch is several times slower
+      than the rest of the fleet's: TTFT bought with everyone's time per output token.
+      ``w_batch`` counts in proportion to the share of candidates with no prefill queued:
+      spreading decode batches gives up cache hits, which is free while replicas have
+      prefill time to spare and costs every queued request once they have none.
+
     Score = ``w_prefill*prefill + w_queue*queue + w_decode*decode + w_kv*kv +
-    w_interference*interference + w_eviction*eviction``; lowest wins.
+    w_interference*interference + w_eviction*eviction + w_batch*batch``; lowest wins.
 
     ``w_prefill`` defaults well above 1: a cache miss does not only delay this request, its
     prefill takes replica time from every request queued behind it, so prefill seconds are
@@ -301,10 +314,12 @@ class Ours:
     kv_pressure_s: float = 2.0
     foreign_waiting_tokens: int = 4096
     report_max_age_s: float = 1.0
-    w_interference: float = 4.0
+    w_interference: float = 7.0
     tpot_target_s: float = 0.1
     w_eviction: float = 24.0
     eviction_risk_floor: float = 0.15
+    w_batch: float = 1.0
+    default_output_tokens: int = 256
     uses_session_hints: bool = True
 
     def _terms(
@@ -324,7 +339,7 @@ class Ours:
         kv_usage: Any,
         decode_weight: Any,
         eviction_risk: Any,
-    ) -> tuple[Any, Any, Any, Any, Any, Any]:
+    ) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
         """The terms (``TERM_NAMES``; see the class docstring), for one candidate
         (numbers, ``xp=SCALAR``) or for many (arrays, ``xp=ARRAY``): one formula for both.
         ``waiting`` / ``kv_usage`` are the engine's report (0 without one); ``fresh``: it
@@ -348,11 +363,16 @@ class Ours:
         kv = self.kv_pressure_s * excess / max(1.0 - self.kv_pressure_threshold, 1e-6)
         interference = prefill * decode_weight / self.tpot_target_s
         eviction = prefill * maximum(eviction_risk - self.eviction_risk_floor, 0.0)
-        return prefill, queue, decode, kv, interference, eviction
+        out = request.max_output_tokens or self.default_output_tokens
+        joined = cost.decode_step_s(decoding, decode_context) + decoding * cost.decode_step_s(
+            1, prompt
+        )
+        batch = out * joined
+        return prefill, queue, decode, kv, interference, eviction, batch
 
     def term_values(
         self, request: RouteRequest, c: Candidate
-    ) -> tuple[float, float, float, float, float, float]:
+    ) -> tuple[float, float, float, float, float, float, float]:
         """The terms (``TERM_NAMES``) for one candidate; see the class docstring."""
         _, (kv, gpu, host, usable), load, _, risk = c
         _, prefilling, queued, decoding, context, _, engine, engine_age, _, _, weight = load
@@ -373,11 +393,14 @@ class Ours:
         self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
     ) -> Decision:
         wp, wq, wd, wk = self.w_prefill, self.w_queue, self.w_decode, self.w_kv
-        wi, we = self.w_interference, self.w_eviction
+        wi, we, wb = self.w_interference, self.w_eviction, self.w_batch
         term_values = self.term_values
         values = [term_values(request, c) for c in candidates]
+        if values:  # the batch term counts as far as replicas have no prefill queued
+            wb = wb * sum(1 for v in values if v[1] == 0) / len(values)
         scores = [
-            wp * p + wq * q + wd * d + wk * k + wi * i + we * e for p, q, d, k, i, e in values
+            wp * p + wq * q + wd * d + wk * k + wi * i + we * e + wb * b
+            for p, q, d, k, i, e, b in values
         ]
         order = sorted(range(len(scores)), key=scores.__getitem__)
         pick = order[0]
@@ -397,7 +420,7 @@ class Ours:
 
     def term_columns(
         self, request: RouteRequest, columns: CandidateColumns, now: float
-    ) -> tuple[Any, Any, Any, Any, Any, Any]:
+    ) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
         """The terms (``TERM_NAMES``) as arrays, one element per replica of ``columns``
         (eligible or not); see the class docstring."""
         load = columns.load
@@ -427,9 +450,12 @@ class Ours:
     ) -> Decision:
         """``choose`` on all eligible candidates of ``columns`` at once (same decision)."""
         values = self.term_columns(request, columns, now)
-        p, q, d, k, i, e = values
+        p, q, d, k, i, e, b = values
+        el = columns.eligible  # the batch term's weight as in ``choose``
+        wb = self.w_batch * float(np.count_nonzero((q == 0) & el))
+        wb = wb / max(int(np.count_nonzero(el)), 1)
         scores = self.w_prefill * p + self.w_queue * q + self.w_decode * d + self.w_kv * k
-        scores = scores + self.w_interference * i + self.w_eviction * e
+        scores = scores + self.w_interference * i + self.w_eviction * e + wb * b
         # the eligible candidates only, in order (masking the others with +inf would let a
         # replica with an infinite score tie with them)
         idx = np.flatnonzero(columns.eligible)
@@ -459,7 +485,7 @@ class Ours:
         )
 
 
-TERM_NAMES = ("prefill", "queue", "decode", "kv", "interference", "eviction")
+TERM_NAMES = ("prefill", "queue", "decode", "kv", "interference", "eviction", "batch")
 
 
 # ---------------------------------------------------------------------------- registry
