@@ -22,7 +22,7 @@ from router.core.candidates import Candidate, CandidateColumns, ColumnarPolicy, 
 from router.core.candidates import decide as _decide
 from router.core.candidates import rank as _rank
 from router.core.candidates import tokens as _tokens
-from router.core.load import CostModel
+from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel
 from router.core.types import MAX_RANKING, Decision, RouteRequest
 from router.core.vllm_router import VllmCacheAware, VllmKvAware
 from router.core.xp import ARRAY, SCALAR, Ops
@@ -280,7 +280,7 @@ class Ours:
       the cache-size tie-break and the rng spread better.
 
     * ``batch``: what joining the replica's decode batch costs, in seconds of decoding: each
-      of the request's output tokens (``max_output_tokens``, ``default_output_tokens``
+      of the request's output tokens (``max_output_tokens``, ``EXPECTED_OUTPUT_TOKENS``
       when unknown) waits for a step that also decodes the sequences already there
       (``decode_step_s(decoding, decode_context)``), and each of those sequences' steps
       grows by what the request's own sequence and context add, for as long as both
@@ -319,7 +319,6 @@ class Ours:
     w_eviction: float = 24.0
     eviction_risk_floor: float = 0.15
     w_batch: float = 1.0
-    default_output_tokens: int = 256
     uses_session_hints: bool = True
 
     def _terms(
@@ -363,12 +362,17 @@ class Ours:
         kv = self.kv_pressure_s * excess / max(1.0 - self.kv_pressure_threshold, 1e-6)
         interference = prefill * decode_weight / self.tpot_target_s
         eviction = prefill * maximum(eviction_risk - self.eviction_risk_floor, 0.0)
-        out = request.max_output_tokens or self.default_output_tokens
+        out = request.max_output_tokens or EXPECTED_OUTPUT_TOKENS
         joined = cost.decode_step_s(decoding, decode_context) + decoding * cost.decode_step_s(
             1, prompt
         )
         batch = out * joined
         return prefill, queue, decode, kv, interference, eviction, batch
+
+    def _batch_weight(self, idle: int, candidates: int) -> float:
+        """``w_batch`` as far as the ``candidates`` have no prefill queued (``idle`` of
+        them): the one rule for ``choose`` and ``choose_columns``."""
+        return self.w_batch * idle / max(candidates, 1)
 
     def term_values(
         self, request: RouteRequest, c: Candidate
@@ -393,11 +397,10 @@ class Ours:
         self, request: RouteRequest, candidates: Sequence[Candidate], now: float, rng: random.Random
     ) -> Decision:
         wp, wq, wd, wk = self.w_prefill, self.w_queue, self.w_decode, self.w_kv
-        wi, we, wb = self.w_interference, self.w_eviction, self.w_batch
+        wi, we = self.w_interference, self.w_eviction
         term_values = self.term_values
         values = [term_values(request, c) for c in candidates]
-        if values:  # the batch term counts as far as replicas have no prefill queued
-            wb = wb * sum(1 for v in values if v[1] == 0) / len(values)
+        wb = self._batch_weight(sum(1 for v in values if v[1] == 0), len(values))
         scores = [
             wp * p + wq * q + wd * d + wk * k + wi * i + we * e + wb * b
             for p, q, d, k, i, e, b in values
@@ -451,9 +454,8 @@ class Ours:
         """``choose`` on all eligible candidates of ``columns`` at once (same decision)."""
         values = self.term_columns(request, columns, now)
         p, q, d, k, i, e, b = values
-        el = columns.eligible  # the batch term's weight as in ``choose``
-        wb = self.w_batch * float(np.count_nonzero((q == 0) & el))
-        wb = wb / max(int(np.count_nonzero(el)), 1)
+        el = columns.eligible
+        wb = self._batch_weight(int(np.count_nonzero((q == 0) & el)), int(np.count_nonzero(el)))
         scores = self.w_prefill * p + self.w_queue * q + self.w_decode * d + self.w_kv * k
         scores = scores + self.w_interference * i + self.w_eviction * e + wb * b
         # the eligible candidates only, in order (masking the others with +inf would let a
