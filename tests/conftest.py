@@ -10,14 +10,19 @@ redis-server of one test alone, which it may flush, restart or kill.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO, Any
 
 import pytest
 
 from router.bench.redis_server import LocalRedis, LocalRedisCluster
 from router.compile import STALE_HINT, stale
+
+_WATCHDOG_FILE = pytest.StashKey[IO[str]]()
+_WATCHDOG_DEADLINE = pytest.StashKey[float]()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -29,12 +34,95 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         )
 
 
+# A test whose cleanup hangs after pytest-timeout failed it (its SIGALRM fires once) would hang
+# the run: past the timeout and this grace, faulthandler writes every thread's stack to a file
+# and ends the process, which pytest-xdist reports as a crashed test and replaces.
+WATCHDOG_GRACE_S = 60
+_WATCHDOG_DIR = "kvrouter-hangs"
+
+
+def _watchdog_dir(config: pytest.Config) -> Path | None:
+    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+    return None if cache is None else cache.mkdir(_WATCHDOG_DIR)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if (folder := _watchdog_dir(config)) is None:
+        return
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker is None:  # the controller (or a run without xdist): start from no dumps
+        for old in folder.glob("*.txt"):
+            old.unlink()
+        worker = "main"
+    config.stash[_WATCHDOG_FILE] = open(folder / f"{worker}.txt", "w")  # noqa: SIM115
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if (dump := config.stash.get(_WATCHDOG_FILE, None)) is not None:
+        dump.close()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    config = terminalreporter.config
+    if (folder := _watchdog_dir(config)) is None or hasattr(config, "workerinput"):
+        return
+    for path in sorted(folder.glob("*.txt")):
+        if text := path.read_text().strip():
+            terminalreporter.write_sep(
+                "=", f"hung past timeout + {WATCHDOG_GRACE_S} s: {path.name}"
+            )
+            terminalreporter.write_line(text)
+
+
+def _arm_watchdog(item: pytest.Item) -> None:
+    import faulthandler
+
+    dump = item.config.stash[_WATCHDOG_FILE]
+    dump.seek(0)
+    dump.truncate()
+    dump.write(f"--- {item.nodeid}\n")
+    dump.flush()
+    remaining = item.config.stash[_WATCHDOG_DEADLINE] - time.monotonic()
+    faulthandler.dump_traceback_later(max(remaining, 1.0), exit=True, file=dump)
+
+
+def _disarm_watchdog(config: pytest.Config) -> None:
+    import faulthandler
+
+    faulthandler.cancel_dump_traceback_later()
+    if _WATCHDOG_DEADLINE in config.stash:
+        del config.stash[_WATCHDOG_DEADLINE]
+    if (dump := config.stash.get(_WATCHDOG_FILE, None)) is not None:
+        dump.seek(0)
+        dump.truncate()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Disarms the watchdog once the test's setup, call and teardown are all done."""
+    yield
+    _disarm_watchdog(item.config)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_exception_interact(node: pytest.Item | pytest.Collector) -> None:
+    """pytest's faulthandler plugin (and pytest-timeout) cancel pending dumps when a test
+    fails, before the teardown that may be the part that hangs: re-arm for what is left."""
+    if isinstance(node, pytest.Item) and _WATCHDOG_DEADLINE in node.config.stash:
+        _arm_watchdog(node)
+
+
 @pytest.hookimpl(hookwrapper=True)
-def pytest_timeout_set_timer(item: pytest.Item, settings: object) -> Iterator[None]:
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> Iterator[None]:
     """When pytest-timeout fails a hung test by SIGALRM it prints every thread's stack; an
     async test hangs in an await, which only the event loop's tasks show: print their stacks
-    first (the report's captured stdout), then let pytest-timeout fail the test."""
+    first (the report's captured stdout), then let pytest-timeout fail the test. Arms the
+    watchdog (WATCHDOG_GRACE_S) too."""
     yield
+    if item.config.stash.get(_WATCHDOG_FILE, None) is not None:
+        deadline = time.monotonic() + float(settings.timeout) + WATCHDOG_GRACE_S
+        item.config.stash[_WATCHDOG_DEADLINE] = deadline
+        _arm_watchdog(item)
     import signal
 
     chained = signal.getsignal(signal.SIGALRM)
