@@ -10,6 +10,7 @@ redis-server of one test alone, which it may flush, restart or kill.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,7 +38,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # A test whose cleanup hangs after pytest-timeout failed it (its SIGALRM fires once) would hang
 # the run: past the timeout and this grace, faulthandler writes every thread's stack to a file
 # and ends the process, which pytest-xdist reports as a crashed test and replaces.
-WATCHDOG_GRACE_S = 60
+WATCHDOG_GRACE_S = float(os.environ.get("KVROUTER_TEST_WATCHDOG_GRACE_S", "60"))
 _WATCHDOG_DIR = "kvrouter-hangs"
 
 
@@ -69,7 +70,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for path in sorted(folder.glob("*.txt")):
         if text := path.read_text().strip():
             terminalreporter.write_sep(
-                "=", f"hung past timeout + {WATCHDOG_GRACE_S} s: {path.name}"
+                "=", f"hung past timeout + {WATCHDOG_GRACE_S:g} s: {path.name}"
             )
             terminalreporter.write_line(text)
 
