@@ -20,6 +20,7 @@ from typing import Any
 
 from router.core.errors import KVRouterError
 from router.core.routing import DEFAULT_SPECULATIVE_TTL_S
+from router.core.turnover import REUSE_WINDOW_S
 
 
 class ProgressBar:
@@ -92,6 +93,13 @@ def _add_fleet_args(p: argparse.ArgumentParser, traces: bool = False) -> None:
         "a policy that reads session hints)",
     )
     p.add_argument(
+        "--reuse-window-s",
+        type=float,
+        default=REUSE_WINDOW_S,
+        help="the time scale of a cached block's next use, by which ours prices eviction "
+        "(the model setting reuse_window_s)",
+    )
+    p.add_argument(
         "--share-load-ms",
         type=float,
         help="routers exchange their in-flight load this often (default: they do not)",
@@ -146,6 +154,8 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         raise KVRouterError("--share-load-ms must not be negative")
     if args.event_lag_ms < 0 or args.transport_ms < 0:
         raise KVRouterError("--event-lag-ms and --transport-ms must not be negative")
+    if not args.reuse_window_s > 0:
+        raise KVRouterError("--reuse-window-s must be positive")
     if not 0.0 <= args.prefill_share < 1.0:
         raise KVRouterError("--prefill-share must be in [0, 1)")
     pd_params = None
@@ -171,6 +181,7 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         transport_s=args.transport_ms / 1000,
         report_interval_s=args.report_interval_ms / 1000,
         speculative_ttl_s=args.speculative_ttl_ms / 1000,
+        reuse_window_s=args.reuse_window_s,
         share_load_s=share / 1000 if share is not None else None,
         seed=args.seed,
         record_load=record_load,

@@ -47,6 +47,7 @@ from router.core.load import LoadTracker, summed_load
 from router.core.policies import make_policy, uses_prefix_index
 from router.core.routing import BusyThresholds, RoutingEngine, RoutingSettings
 from router.core.slo import SloTargets
+from router.core.turnover import REUSE_WINDOW_S
 from router.core.types import Decision, EventBatch, ReplicaKey, RouteRequest
 from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, Rejected
 from sim.events import ARRIVAL, DELIVER, ENGINE, TRANSFER, EventQueue
@@ -79,6 +80,7 @@ class ClusterConfig:
     # publisher's load_interval_s, the router's engine_metrics_interval_s)
     report_interval_s: float = 1.0
     speculative_ttl_s: float | None = None  # None: the service's default (RoutingSettings)
+    reuse_window_s: float = REUSE_WINDOW_S  # RoutingSettings.reuse_window_s
     # None: each router knows only the requests it sent; a number: every that many seconds
     # each router takes the others' own in-flight load (LoadTracker.set_peer_load), as the
     # service's worker processes exchange it (server.load_share_interval_s)
@@ -218,6 +220,7 @@ class Simulation:
             ),
             speculative_ttl_s=config.speculative_ttl_s,
             busy=config.busy,
+            reuse_window_s=config.reuse_window_s,
         )
         params = policy_params_for(policy, policy_params, p, config.slo)
         self.routers = []

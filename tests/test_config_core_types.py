@@ -22,6 +22,9 @@ from router.service.config import build_settings
         ({"speculative_ttl_s": "x"}, "models.m.speculative_ttl_s: expected float"),
         ({"session_ttl_s": True}, "models.m.session_ttl_s: expected float"),
         ({"hybrid": "true"}, "models.m.hybrid"),
+        ({"reuse_window_s": "5m"}, "models.m.reuse_window_s: expected float"),
+        ({"reuse_window_s": 0}, "models.m.reuse_window_s: expected a positive number"),
+        ({"reuse_window_s": float("nan")}, "models.m.reuse_window_s: expected a positive number"),
     ],
 )
 def test_wrong_types_for_core_settings_name_the_key(table: dict[str, Any], needle: str) -> None:
@@ -44,3 +47,17 @@ def test_core_settings_take_their_types_and_yaml_nulls() -> None:
     ).model("m")
     assert m.routing.session_ttl_s == 60.0 and isinstance(m.routing.session_ttl_s, float)
     assert m.routing.hybrid is None and m.routing.busy.max_in_flight == 8
+
+
+def test_reuse_window_reaches_the_routing_engines_turnover_meter() -> None:
+    from router.core.index import PrefixIndex
+    from router.core.load import LoadTracker
+    from router.core.policies import Ours
+    from router.core.routing import RoutingEngine
+    from router.core.turnover import REUSE_WINDOW_S
+
+    default = build_settings({"models": {"m": {}}}).model("m").routing
+    assert default.reuse_window_s == REUSE_WINDOW_S
+    routing = build_settings({"models": {"m": {"reuse_window_s": 60}}}).model("m").routing
+    engine = RoutingEngine(PrefixIndex(), LoadTracker(), Ours(), routing)
+    assert engine.turnover.reuse_window_s == 60.0

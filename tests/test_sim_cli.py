@@ -96,6 +96,21 @@ def test_bad_input_is_a_clear_error() -> None:
     assert p.returncode == 2 and "bogus" in p.stderr
     p = kvrouter("sim", "replay", "mooncake", "--transport-ms", "-1", "--limit", "5")
     assert p.returncode == 2 and "--transport-ms must not be negative" in p.stderr
+    p = kvrouter("sim", "replay", "mooncake", "--reuse-window-s", "0", "--limit", "5")
+    assert p.returncode == 2 and "--reuse-window-s must be positive" in p.stderr
+
+
+def test_reuse_window_reaches_the_simulated_routers() -> None:
+    """Small caches that evict from the start: the eviction term's time scale changes where
+    ``ours`` sends requests."""
+    args = ["sim", "replay", "mooncake", "--policy", "ours", "--replicas", "8"]
+    args += ["--kv-blocks", "2048", "--speedup", "4", "--limit", "800", "--json", "--no-progress"]
+    spread = {}
+    for window in ("10", "300"):
+        p = kvrouter(*args, "--reuse-window-s", window)
+        assert p.returncode == 0, p.stderr
+        spread[window] = json.loads(p.stdout)["requests_per_replica"]
+    assert spread["10"] != spread["300"]
 
 
 def test_tune_writes_a_loadable_config_and_replay_uses_it(tmp_path: Path) -> None:

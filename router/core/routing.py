@@ -23,7 +23,7 @@ from router.core.load import LoadTracker, LoadView
 from router.core.policies import Candidate, CandidateColumns, ColumnarPolicy, Policy
 from router.core.session import SessionHint, SessionTable
 from router.core.state_layout import SOURCE_ENGINE, StateLayout, effective_layout
-from router.core.turnover import CacheTurnover
+from router.core.turnover import REUSE_WINDOW_S, CacheTurnover
 from router.core.types import NO_MATCH, Decision, PrefixMatch, ReplicaKey, RouteRequest
 
 # Candidate lists at least this long are scored as arrays (policies that can): below it,
@@ -90,7 +90,9 @@ class RoutingSettings:
     a policy that reads session hints, a request of a session is speculated only with
     ``speculate_sessions`` (see ``DEFAULT_SPECULATIVE_TTL_S``). ``session_ttl_s``: how long
     a session's last replica is remembered as a hint (router/core/session.py; 0: off); only
-    policies with ``uses_session_hints`` read it."""
+    policies with ``uses_session_hints`` read it. ``reuse_window_s``: the time scale of a
+    cached block's next use, by which the turnover meter prices eviction
+    (router/core/turnover.py)."""
 
     block_size: int = 64
     hybrid: bool | None = None
@@ -100,6 +102,7 @@ class RoutingSettings:
     busy: BusyThresholds = BusyThresholds()
     session_ttl_s: float = 600.0
     max_sessions: int = 100_000
+    reuse_window_s: float = REUSE_WINDOW_S
 
     def speculative_ttl(self) -> float:
         """``speculative_ttl_s``, or ``DEFAULT_SPECULATIVE_TTL_S`` when not set."""
@@ -184,7 +187,7 @@ class RoutingEngine:
         # router pods share what they speculate and bind (router/service/pod_share.py)
         self.on_dispatch: Callable[[RouteRequest, ReplicaKey, list[int], float, float], None]
         self.on_dispatch = _ignore
-        self.turnover = CacheTurnover()
+        self.turnover = CacheTurnover(reuse_window_s=settings.reuse_window_s)
 
     def _turnover(self, replicas: Sequence[ReplicaKey], now: float) -> CacheTurnover:
         """The cache turnover meter, sampled from the index when due (candidates carry each

@@ -40,7 +40,8 @@ from router.core.types import ReplicaKey
 
 INFINITE = math.inf
 # How long after its last use a block is still worth keeping: the time scale of the chance
-# that it is used again (a conversation's next turn, an agent's next step).
+# that it is used again (a conversation's next turn, an agent's next step). The default of
+# RoutingSettings.reuse_window_s (a model setting; `sim replay --reuse-window-s`).
 REUSE_WINDOW_S = 300.0
 
 

@@ -571,6 +571,7 @@ _ROUTING_KEYS = (
     "speculative_ttl_s",
     "speculate_sessions",
     "session_ttl_s",
+    "reuse_window_s",
 )
 
 
@@ -592,6 +593,8 @@ def _model(name: str, table: Any) -> ModelSettings:
     for key, kind in (("block_size", int), ("state_interval_blocks", int)):
         if not isinstance(getattr(routing, key), kind) or getattr(routing, key) < 0:
             raise ConfigError(f"{where}.{key}: expected a non-negative integer")
+    if not routing.reuse_window_s > 0:
+        raise ConfigError(f"{where}.reuse_window_s: expected a positive number of seconds")
     if routing.block_size <= 0:
         raise ConfigError(f"{where}.block_size: must be positive")
     if routing.hybrid is not None and not isinstance(routing.hybrid, bool):
