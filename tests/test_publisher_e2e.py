@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -293,6 +294,41 @@ async def test_stop_ends_a_heartbeat_whose_cancel_the_client_turned_into_an_erro
         await asyncio.wait_for(in_call.wait(), 5.0)
         await asyncio.wait_for(pub.stop(), 5.0)
         assert calls == 1
+    finally:
+        await eng.pub.close()
+        await store.close()
+
+
+async def test_stop_ends_a_heartbeat_whose_cancel_the_client_swallowed(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A cancel that lands mid-command and that the client swallows whole (the command
+    returns as if nothing happened): the loop sleeps again, and ``stop`` must still end it
+    (CI once hung here: the task 'cancelling' in its sleep, ``stop`` awaiting it)."""
+    eng = await _engine(16, 5)
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=4))
+    pub = _publisher(store, "rs", eng)
+    in_call = asyncio.Event()
+
+    async def heartbeat(*args: object) -> bool:
+        if in_call.is_set():
+            return True  # later commands answer at once
+        in_call.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()  # the first is in flight when the cancel lands
+        return True
+
+    store.heartbeat = heartbeat  # type: ignore[method-assign]
+    try:
+        await pub.start()
+        loops = list(pub._tasks)
+        await asyncio.wait_for(in_call.wait(), 5.0)
+        # not wait_for: its own cancel on timeout would end the loop and hide the hang
+        stopping = asyncio.create_task(pub.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=10.0)
+        if not done:
+            stopping.cancel()
+        assert done and all(task.done() for task in loops), loops
     finally:
         await eng.pub.close()
         await store.close()

@@ -32,6 +32,7 @@ from router.core.types import IndexEvent, ReplicaKey
 from router.events.endpoints import EndpointSpec
 from router.events.ingest import EngineIngest, SubscriberGroup
 from router.publisher.scrape import fetch_page, parse_engine_metrics
+from router.service.tasks import stop_all
 from router.store.base import IndexStore, LoadSample, ReplicaInfo
 from router.store.writer import StoreWriter
 
@@ -152,11 +153,9 @@ class Publisher:
 
     async def stop(self) -> None:
         await self.subscribers.stop()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # re-cancelled until they end: a cancel the Redis client swallows whole (the command
+        # returns, the loop sleeps again) would otherwise keep stop waiting forever
+        await stop_all(self._tasks)
         self._tasks = []
         if self._http is not None:
             await self._http.close()
