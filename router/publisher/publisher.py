@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 def _raise_if_cancelled(exc: BaseException) -> None:
     """Re-raise a cancellation that a client library turned into an error: redis-py can
     answer a cancel that lands mid-command with a connection error, and a loop that logged
-    it and went on would never end (``stop`` would wait for it forever)."""
+    it would go on until ``stop`` cancelled it again (``stop_all``); this ends it at once.
+    A cancel swallowed whole (the command returns) only that re-cancel ends."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError from exc
