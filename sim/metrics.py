@@ -12,7 +12,8 @@ Definitions (all times from the request's arrival at a router):
   ``slo_attainment``: the same per service class (``priority``, ``default``, ``flex``).
   ``router_wait_ms_*``: time between arrival and dispatch (held by admission).
   ``slo_ttft_met`` / ``slo_tpot_met``: the share meeting each half; ``goodput_by_tier``: the
-  goodput of each prompt tier's requests.
+  goodput of each prompt tier's requests; ``goodput_by_slo_scale``: goodput with every target
+  scaled by 0.25, 0.5, 1 and 2 (``router.core.slo.SLO_SCALES``; "1" is ``goodput``).
 * ``token_hit_rate``: prompt tokens the engines actually reused (the *usable* hit: hybrid
   rule applied, at most prompt - 1 since the last token is always recomputed) over all prompt
   tokens of completed requests. ``kv_token_hit_rate``: same with the KV-only hit.
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from router.core.admission import CLASS_NAMES
-from router.core.slo import SloTargets, tpot_s
+from router.core.slo import SloTargets, goodput_by_scale, tpot_s
 from sim.workload import SimRequest
 
 
@@ -122,8 +123,23 @@ def slo_figures(
             both += 1
             counts[0] += 1
             per_class[0] += 1
+    # (prompt, TTFT over its class's factor, TPOT) of each answered request, for the scales
+    answered = [
+        (
+            r.prompt,
+            (r.first - r.arrival) / ttft_factor[r.klass],
+            tpot_s(r.finish - r.arrival, r.first - r.arrival, r.output),
+        )
+        for r in records
+        if not r.rejected and r.finish == r.finish
+    ]
+
+    def met(targets: SloTargets) -> int:
+        return sum(targets.met(prompt, ttft, tpot) for prompt, ttft, tpot in answered)
+
     return {
         "goodput": round(both / n, 5) if n else 0.0,
+        "goodput_by_slo_scale": goodput_by_scale(met, n, slo),
         "slo_ttft_met": round(ttft_ok / n, 5) if n else 0.0,
         "slo_tpot_met": round(tpot_ok / n, 5) if n else 0.0,
         "goodput_by_tier": {k: round(m / c, 5) for k, (m, c) in tiers.items() if c},

@@ -20,6 +20,7 @@ from tests.test_demo import SMALL
 ROW_KEYS = {
     "ok", "failed", "hit", "goodput", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
     "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "tpot_p50_ms", "tpot_p90_ms",
+    "goodput_by_slo_scale",
 }  # fmt: skip
 
 
@@ -38,7 +39,12 @@ def test_bench_live_prints_rows_and_the_simulators_prediction() -> None:
     assert ours["ok"] == 12 and ours["failed"] == 0 and 0 < ours["hit"] <= 1
     assert 0 <= ours["goodput"] <= 1 and ours["ttft_p50_ms"] <= ours["ttft_p90_ms"]
     assert "vllm-router" in doc["rows"]["vllm_router_kv_aware"]["error"]
-    assert {"hit", "goodput", "ttft_p50_ms", "tpot_p90_ms"} <= set(doc["sim"]["kvrouter_ours"])
+    scales = ours["goodput_by_slo_scale"]
+    assert list(scales) == ["0.25", "0.5", "1", "2"] and scales["1"] == ours["goodput"]
+    assert scales["0.25"] <= scales["0.5"] <= scales["1"] <= scales["2"]
+    sim = doc["sim"]["kvrouter_ours"]
+    assert {"hit", "goodput", "ttft_p50_ms", "tpot_p90_ms"} <= set(sim)
+    assert sim["goodput_by_slo_scale"]["1"] == sim["goodput"]
     # the HTTP path's share of TTFT, probed on the idle fleet, is what the simulator adds
     assert 0 < ours["transport_ms"] < ours["ttft_p50_ms"]
     assert doc["sim"]["kvrouter_ours"]["transport_ms"] == ours["transport_ms"]
@@ -122,6 +128,10 @@ def test_repeated_runs_combine_into_medians_totals_and_spread() -> None:
     assert (row["hit"], row["goodput"], row["ttft_p90_ms"]) == (0.5, 0.8, 300.0)
     assert row["spread"]["goodput"] == [0.7, 0.9] and row["spread"]["ttft_p90_ms"] == [100.0, 500.0]
     assert row["errors"] == ["HTTP 502"]
+    scaled = [{"0.5": 0.2, "1": 0.9}, {"0.5": 0.6, "1": 0.7}, {"0.5": 0.4, "1": 0.8}]
+    for run, scales in zip(runs, scaled, strict=True):
+        run["goodput_by_slo_scale"] = scales
+    assert combine_runs(runs)["goodput_by_slo_scale"] == {"0.5": 0.4, "1": 0.8}
     assert combine_runs(runs[:1]) == runs[0]
     failed = {"error": "no vllm-router binary"}
     assert combine_runs([failed]) == failed and combine_runs([runs[0], failed]) == failed

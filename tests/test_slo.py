@@ -10,6 +10,7 @@ import pytest
 from router.core.slo import (
     DEFAULT_TIERS,
     DEFAULT_TPOT_S,
+    SLO_SCALES,
     SloTargets,
     SloTier,
     goodput,
@@ -121,3 +122,31 @@ def test_simulated_goodput_counts_every_request_and_each_half() -> None:
     assert got["slo_ttft_met"] == 0.6
     assert got["slo_tpot_met"] == 0.6
     assert got["goodput_by_tier"] == {"le1000": pytest.approx(1 / 3, abs=1e-5), "any": 0.5}
+
+
+def test_a_scaled_slo_scales_every_target_and_rejects_a_bad_factor() -> None:
+    slo = SloTargets((SloTier(1000, 1.0), SloTier(None, 5.0)), 0.1)
+    half = slo.scaled(0.5)
+    assert [(t.max_prompt_tokens, t.ttft_s) for t in half.tiers] == [(1000, 0.5), (None, 2.5)]
+    assert half.tpot_s == 0.05 and slo.scaled(1.0) == slo
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="SLO scale"):
+            slo.scaled(bad)
+
+
+def test_goodput_by_slo_scale_recounts_each_request_under_each_scale() -> None:
+    slo = SloTargets((SloTier(1000, 1.0), SloTier(None, 5.0)), 0.1)
+    records = [
+        _record(500, 0.5, 1.4, 10),  # TTFT 0.5, TPOT 0.1: meets at 1 and 2, not at 0.5
+        _record(500, 1.5, 2.0, 10),  # TTFT 1.5 (target 1): meets at 2 only
+        _record(5000, 4.0, 8.0, 11),  # TPOT 0.4: misses even at 2 (0.2)
+        _record(5000, 4.0, 4.0, 1),  # one token, TTFT 4 of 5: meets at 1 and 2
+        _record(500, math.nan, math.nan, 0, rejected=True),  # never meets
+    ]
+    got = slo_figures(records, slo)["goodput_by_slo_scale"]
+    assert list(got) == [f"{f:g}" for f in SLO_SCALES] == ["0.25", "0.5", "1", "2"]
+    assert got == {"0.25": 0.0, "0.5": 0.0, "1": 0.4, "2": 0.6}
+    assert got["1"] == slo_figures(records, slo)["goodput"]
+    # a class's TTFT factor (admission's, here the default class's) applies at every scale
+    flex = slo_figures(records, slo, ttft_factor=(1.0, 2.0, 1.0))["goodput_by_slo_scale"]
+    assert flex["1"] == 0.6  # the second request's TTFT 1.5 is within 2 x 1 s

@@ -16,7 +16,7 @@ scenario 450 ms / 40 ms) and grow the TTFT target with the prompt, since prefill
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -82,6 +82,15 @@ class SloTargets:
         tiers = DEFAULT_TIERS if ttft_s is None else (SloTier(None, ttft_s),)
         return cls(tiers, DEFAULT_TPOT_S if tpot_s is None else tpot_s)
 
+    def scaled(self, factor: float) -> SloTargets:
+        """Every target (each tier's TTFT and the TPOT) times ``factor``: the same SLO made
+        stricter (< 1) or looser (> 1), as serving papers sweep it (DistServe's "SLO
+        scale"). ValueError for a factor that is not a positive finite number."""
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ValueError(f"an SLO scale must be a positive number, not {factor!r}")
+        tiers = tuple(SloTier(t.max_prompt_tokens, t.ttft_s * factor) for t in self.tiers)
+        return SloTargets(tiers, self.tpot_s * factor)
+
     def tier(self, prompt_tokens: int) -> SloTier:
         for t in self.tiers:
             if t.max_prompt_tokens is None or prompt_tokens <= t.max_prompt_tokens:
@@ -99,6 +108,25 @@ class SloTargets:
 
     def labels(self) -> Sequence[str]:
         return [t.label for t in self.tiers]
+
+
+SLO_SCALES: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)
+"""The scales ``goodput_by_slo_scale`` reports (the simulator's and ``kvrouter bench live``'s
+figures): where a fleet meets its SLO easily, goodput at 1 no longer tells routers apart; at
+a stricter scale it still does, and at a looser one it shows what is lost past saturation."""
+
+
+def scale_label(factor: float) -> str:
+    """``0.25`` -> ``"0.25"``, ``1.0`` -> ``"1"``: the key of a scale in reports."""
+    return f"{factor:g}"
+
+
+def goodput_by_scale(
+    met: Callable[[SloTargets], int], n: int, slo: SloTargets, scales: Sequence[float] = SLO_SCALES
+) -> dict[str, float]:
+    """Goodput under ``slo`` scaled by each of ``scales``: ``met(targets)`` counts the
+    requests (of ``n``, failed ones included) that met ``targets``."""
+    return {scale_label(f): (round(met(slo.scaled(f)) / n, 5) if n else 0.0) for f in scales}
 
 
 def tpot_s(e2e_s: float, ttft_s: float, output_tokens: int) -> float | None:

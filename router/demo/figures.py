@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.bench.measure import percentile
-from router.core.slo import SloTargets, tpot_s
+from router.core.slo import SloTargets, goodput_by_scale, tpot_s
 from router.demo.replay import Outcome
 
 
@@ -30,18 +30,18 @@ def _pcts(values: Sequence[float], name: str, which: Sequence[int]) -> dict[str,
 
 def summarize(outcomes: Sequence[Outcome], slo: SloTargets | None = None) -> dict[str, Any]:
     """``requests``, ``ok``, ``failed``, ``hit``, ``kv_hit``, ``predicted_hit``,
-    ``error_p99``, ``goodput``, ``ttft_p50/p90/p99_ms``, ``e2e_p50/p90/p99_ms``,
+    ``error_p99``, ``goodput``, ``goodput_by_slo_scale`` (``router.core.slo.SLO_SCALES``),
+    ``ttft_p50/p90/p99_ms``, ``e2e_p50/p90/p99_ms``,
     ``tpot_p50/p90_ms``."""
     slo = slo or SloTargets()
     ok = [o for o in outcomes if o.ok]
     prompt = sum(o.prompt_tokens for o in ok)
-    tpots: list[float] = []
-    met = 0
-    for o in ok:
-        tpot = tpot_s(o.e2e_s, o.ttft_s, o.output_tokens)
-        if tpot is not None:
-            tpots.append(tpot * 1e3)
-        met += slo.met(o.prompt_tokens, o.ttft_s, tpot)
+    answered = [(o.prompt_tokens, o.ttft_s, tpot_s(o.e2e_s, o.ttft_s, o.output_tokens)) for o in ok]
+    tpots = [tpot * 1e3 for _, _, tpot in answered if tpot is not None]
+
+    def met(targets: SloTargets) -> int:
+        return sum(targets.met(prompt, ttft, tpot) for prompt, ttft, tpot in answered)
+
     errors = [
         abs(min(o.predicted_tokens, o.prompt_tokens - 1) - o.cached_tokens) / o.prompt_tokens
         for o in ok
@@ -59,7 +59,8 @@ def summarize(outcomes: Sequence[Outcome], slo: SloTargets | None = None) -> dic
         "kv_hit": share(sum(o.kv_hit_tokens for o in ok)),
         "predicted_hit": share(sum(o.predicted_tokens for o in ok)),
         "error_p99": round(percentile(errors, 99), 4) if errors else math.nan,
-        "goodput": round(met / len(outcomes), 4) if outcomes else 0.0,
+        "goodput": round(met(slo) / len(outcomes), 4) if outcomes else 0.0,
+        "goodput_by_slo_scale": goodput_by_scale(met, len(outcomes), slo),
     }
     out.update(_pcts([o.ttft_s * 1e3 for o in ok], "ttft", (50, 90, 99)))
     out.update(_pcts([o.e2e_s * 1e3 for o in ok], "e2e", (50, 90, 99)))
@@ -86,6 +87,12 @@ def combine_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             out[key] = sum(values)
         elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             out[key] = round(statistics.median(values), 4)
+        elif all(isinstance(v, dict) for v in values):  # goodput_by_slo_scale
+            out[key] = {
+                k: round(statistics.median(v[k] for v in values), 4)
+                for k in values[0]
+                if all(k in v for v in values)
+            }
         elif key == "errors":
             out[key] = sorted({e for v in values for e in v})[:3]
     out["runs"] = len(runs)

@@ -25,7 +25,9 @@ mocks spread over 2 racks, half of each rack ``prefill``, the rest ``decode`` (`
   (``--pd-kv-events``) and ``power_of_two`` decode.
 
 Each row: ``ok``, ``failed``, ``hit`` (engine-reported cached prompt tokens), ``goodput``
-(router.core.slo, the default SLO unless flags say otherwise), TTFT / E2E p50, p90, p99 and
+(router.core.slo, the default SLO unless flags say otherwise), ``goodput_by_slo_scale``
+(goodput with every target scaled by 0.25, 0.5, 1, 2: where the fleet meets the SLO easily,
+the stricter scales still tell routers apart), TTFT / E2E p50, p90, p99 and
 TPOT p50, p90 in ms (router/demo/figures.py), ``router_cpu_s``, the CPU seconds the router
 process used during the replay (/proc), and ``transport_ms``, what the HTTP path adds to a
 request's TTFT on that fleet (a few one-block probes on the idle fleet before the replay, less
@@ -211,6 +213,7 @@ def _simulate(
     return {
         "hit": s["token_hit_rate"],
         "goodput": s["goodput"],
+        "goodput_by_slo_scale": s["goodput_by_slo_scale"],
         "ttft_p50_ms": s["ttft_ms_p50"],
         "ttft_p90_ms": s["ttft_ms_p90"],
         "e2e_p50_ms": s["e2e_ms_p50"],
