@@ -33,9 +33,13 @@ process used during the replay (/proc), and ``transport_ms``, what the HTTP path
 request's TTFT on that fleet (a few one-block probes on the idle fleet before the replay, less
 the engine model's own time for them). With ``--repeat N`` each row runs N times (the rows
 interleaved) and reports the runs' medians, their totals and spread (``combine_runs``).
-``sim`` is the simulator's prediction for ``ours`` on the same trace and fleet (and for each
-policy ``--sim-policies`` adds, e.g. ``vllm_kv_aware``), with the measured ``transport_ms`` of
-the matching row (``kvrouter_ours``'s for policies without one) as its ``transport_s``. Workloads:
+``versus`` compares ``kvrouter_ours`` with each other row that ran: ours' goodput, TTFT p50
+and p90, E2E p90 and TPOT p90 over the peer's, with a 95 % interval from a paired bootstrap
+over the requests both replayed (router/demo/compare.py: an interval that holds 1 means the
+runs cannot tell the two apart). ``sim`` is the simulator's prediction for ``ours`` on the
+same trace and fleet (and for each policy ``--sim-policies`` adds, e.g. ``vllm_kv_aware``),
+with the measured ``transport_ms`` of the matching row (``kvrouter_ours``'s for policies
+without one) as its ``transport_s``. Workloads:
 
 * ``agentic``: synthetic agent sessions (shared system prompts and tool schemas, contexts
   growing turn by turn, closed loop), 4 replicas;
@@ -247,14 +251,17 @@ async def _row(
     binary: str | None,
     slo: SloTargets,
     speculative_ttl_s: float | None = None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[Any]]:
+    """The row's figures and its requests' outcomes (none when it could not run)."""
     from router.demo.figures import summarize
     from router.demo.fleet import PROFILE, Fleet, FleetSpec
     from router.demo.replay import PROBE_TOKENS, probe_ttft, replay
 
     ours = row.startswith("kvrouter_")
     if not ours and binary is None:
-        return {"error": "no vllm-router binary: pass --vllm-router PATH (pip install vllm-router)"}
+        return {
+            "error": "no vllm-router binary: pass --vllm-router PATH (pip install vllm-router)"
+        }, []
     pd = {"kvrouter_pd_always": "always", "kvrouter_pd_auto": "auto"}.get(row)
     spec = FleetSpec(
         replicas=workload.replicas,
@@ -297,7 +304,7 @@ async def _row(
         figures["transport_ms"] = round(transport * 1000, 2)
     if cpu0 is not None and cpu1 is not None:
         figures["router_cpu_s"] = round(cpu1 - cpu0, 2)  # over the replay, not the start
-    return figures
+    return figures, outcomes
 
 
 def _params(text: str) -> dict[str, Any]:
@@ -332,6 +339,7 @@ def _slo(args: argparse.Namespace) -> SloTargets:
 
 def run(args: argparse.Namespace) -> int:
     from router.core.policies import POLICY_NAMES
+    from router.demo.compare import paired
     from router.demo.figures import combine_runs
     from router.demo.replay import load_requests
 
@@ -372,16 +380,27 @@ def run(args: argparse.Namespace) -> int:
             "rows": {},
         }
         runs: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
+        outcomes: dict[str, list[list[Any]]] = {row: [] for row in rows}
         for k in range(args.repeat):  # rows interleaved: a drifting machine hits them all
             for row in rows:
                 if runs[row] and "error" in runs[row][0]:
                     continue
                 print(f"bench live: {row} (run {k + 1} of {args.repeat}) ...", file=sys.stderr)
                 ttl = args.speculative_ttl_s
-                figures = _row(row, workload, requests, args.vllm_router, slo, ttl)
-                runs[row].append(asyncio.run(figures))
+                figures, answered = asyncio.run(
+                    _row(row, workload, requests, args.vllm_router, slo, ttl)
+                )
+                runs[row].append(figures)
+                outcomes[row].append(answered)
         rows_out = {row: combine_runs(r) for row, r in runs.items()}
         result["rows"] = rows_out
+        if outcomes.get("kvrouter_ours"):
+            result["versus"] = {
+                row: versus
+                for row, theirs in outcomes.items()
+                if row != "kvrouter_ours"
+                and (versus := paired(outcomes["kvrouter_ours"], theirs, slo))
+            }
 
         def transport_s(policy: str) -> float:
             row = rows_out.get(SIM_ROW.get(policy, ""), {})
