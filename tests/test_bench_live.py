@@ -4,10 +4,12 @@ says so instead of failing), and the demo replaying through a router it did not 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -192,3 +194,46 @@ def test_on_the_conversation_workload_the_eviction_term_keeps_more_context() -> 
     a, b = (json.loads(out.stdout)["sim"]["kvrouter_ours"] for out in (on, off))
     assert a["hit"] > b["hit"] + 0.01, (a, b)
     assert a["ttft_p90_ms"] < b["ttft_p90_ms"]
+
+
+def test_sim_samples_predict_each_policy_on_several_samples_of_the_workload() -> None:
+    """``--sim-samples N``: the agentic workload's next seeds, the Mooncake trace's next
+    windows; each policy's mean, and ours over each other policy on every sample."""
+    from tests.inprocess import kvrouter
+
+    agentic = ["bench", "live", "--workload", "agentic", "--rows", "", "--requests", "60",
+               "--replicas", "2", "--speedup", "8", "--json",
+               "--sim-policies", "ours,vllm_kv_aware"]  # fmt: skip
+    out = kvrouter(*agentic, "--sim-samples", "3")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    drawn = doc["sim_samples"]
+    assert drawn["samples"] == ["seed=7", "seed=8", "seed=9"]
+    assert set(drawn["mean"]) == {"kvrouter_ours", "vllm_kv_aware"}
+    ratio = drawn["ours_over"]["vllm_kv_aware"]["ttft_p90_ms"]
+    assert ratio["min"] <= ratio["mean"] <= ratio["max"]
+    # the first sample is the workload itself: one sample is what `sim` predicts
+    alone = json.loads(kvrouter(*agentic, "--sim-samples", "1").stdout)["sim_samples"]
+    assert alone["mean"]["kvrouter_ours"]["goodput"] == doc["sim"]["kvrouter_ours"]["goodput"]
+    assert alone["mean"]["kvrouter_ours"] != drawn["mean"]["kvrouter_ours"]
+    mooncake = ["bench", "live", "--workload", "mooncake", "--rows", "", "--requests", "100",
+                "--replicas", "2", "--json", "--sim-samples", "2"]  # fmt: skip
+    windows = json.loads(kvrouter(*mooncake).stdout)["sim_samples"]
+    assert windows["samples"] == ["rows 0-99", "rows 100-199"]
+    assert windows["ours_over"] == {}  # ours alone: nothing to compare with
+    assert kvrouter(*mooncake[:-2], "--sim-samples", "-1").returncode != 0
+
+
+def test_trace_windows_start_at_time_zero_and_stop_before_a_partial_window(tmp_path: Path) -> None:
+    from router.demo.live_bench import WORKLOADS, _trace_file
+    from router.demo.sim_samples import samples
+
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 1000 + 10 * i, "input_length": 64, "output_length": 2,
+             "hash_ids": [i]} for i in range(5)]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    workload = dataclasses.replace(WORKLOADS["mooncake"], requests=2)
+    drawn = samples(workload, trace, 9, tmp_path, _trace_file)
+    assert [name for name, _, _ in drawn] == ["rows 0-1", "rows 2-3"]
+    second = [json.loads(line) for line in drawn[1][2].read_text().splitlines()]
+    assert [r["timestamp"] for r in second] == [0, 10] and second[0]["hash_ids"] == [2]

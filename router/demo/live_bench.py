@@ -39,7 +39,9 @@ over the requests both replayed (router/demo/compare.py: an interval that holds 
 runs cannot tell the two apart). ``sim`` is the simulator's prediction for ``ours`` on the
 same trace and fleet (and for each policy ``--sim-policies`` adds, e.g. ``vllm_kv_aware``),
 with the measured ``transport_ms`` of the matching row (``kvrouter_ours``'s for policies
-without one) as its ``transport_s``. Workloads:
+without one) as its ``transport_s``; ``sim_samples`` (``--sim-samples N``) the same
+prediction over N samples of the workload's shape (router/demo/sim_samples.py), since one
+trace of a few hundred requests ranks policies by luck. Workloads:
 
 * ``agentic``: synthetic agent sessions (shared system prompts and tool schemas, contexts
   growing turn by turn, closed loop), 4 replicas;
@@ -345,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
+    if args.sim_samples < 0:
+        raise SystemExit(f"--sim-samples must be >= 0, got {args.sim_samples}")
     if args.speculative_ttl_s is not None and args.speculative_ttl_s < 0:
         raise SystemExit(f"--speculative-ttl-s must be >= 0, got {args.speculative_ttl_s}")
     workload = WORKLOADS[args.workload]
@@ -419,6 +423,28 @@ def run(args: argparse.Namespace) -> int:
             )
             for policy in sim_policies
         }
+        if args.sim_samples:
+            from router.demo import sim_samples
+
+            drawn = sim_samples.samples(workload, trace, args.sim_samples, Path(tmp), _trace_file)
+            result["sim_samples"] = sim_samples.summarize(
+                {
+                    "kvrouter_ours" if policy == "ours" else policy: [
+                        _simulate(
+                            sample,
+                            path,
+                            slo,
+                            _params_of(args.sim_params, policy),
+                            policy,
+                            args.speculative_ttl_s,
+                            transport_s(policy),
+                        )
+                        for _, sample, path in drawn
+                    ]
+                    for policy in sim_policies
+                },
+                [name for name, _, _ in drawn],
+            )
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(result, indent=None if args.json else 2)
     sys.stdout.write(text + "\n")
@@ -449,6 +475,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="JSON object of `ours` parameters for the simulator's prediction only, or of "
         "objects keyed by policy name (with --rows '' nothing runs live: a quick what-if "
         "on the bench's fleet)",
+    )
+    p.add_argument(
+        "--sim-samples",
+        type=int,
+        default=0,
+        help="also predict each --sim-policies policy on N samples of the workload (its next "
+        "seeds or trace windows; `sim_samples` in the JSON: means, ours over each per sample)",
     )
     p.add_argument(
         "--repeat", type=int, default=1, help="runs of each row; figures are their medians"
