@@ -22,8 +22,8 @@ from router.service.pod_exchange import (
     decode,
     encode,
 )
-from router.service.tasks import stop
 from router.store.redis_store import connect
+from router.tasks import stop
 from tests.waiting import eventually
 
 A = ReplicaKey("a", 0)

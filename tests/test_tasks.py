@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.service import tasks
+from router import tasks
 
 
 async def _stubborn(swallow: int, swallowed: list[int]) -> None:

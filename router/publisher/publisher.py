@@ -32,9 +32,9 @@ from router.core.types import IndexEvent, ReplicaKey
 from router.events.endpoints import EndpointSpec
 from router.events.ingest import EngineIngest, SubscriberGroup
 from router.publisher.scrape import fetch_page, parse_engine_metrics
-from router.service.tasks import stop_all
 from router.store.base import IndexStore, LoadSample, ReplicaInfo
 from router.store.writer import StoreWriter
+from router.tasks import stop_all
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from router.core.types import ReplicaKey
 from router.publisher.scrape import fetch_page, parse_engine_metrics
 from router.service.config import ReplicaSettings
 from router.service.state import RouterState
-from router.service.tasks import running
 from router.store.base import LoadSample, ReplicaInfo
 from router.store.sync import LoadTrackerListener
+from router.tasks import running
 
 _log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from router.core.load import NO_PEER_LOAD, LoadTracker, PeerLoad
 from router.core.types import ReplicaKey
 from router.service.peer_sum import PEER_SUM, PeerSum, peer_sum, summed
 from router.service.peers import PeerClient
-from router.service.tasks import running
+from router.tasks import running
 
 _log = logging.getLogger(__name__)
 SOURCE = "workers"

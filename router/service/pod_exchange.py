@@ -57,7 +57,7 @@ from router.service.keys import SETTINGS, STATE
 from router.service.load_share import own_load, parse_load
 from router.service.peer_sum import PEER_SUM, PeerSum, peer_sum, summed
 from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare
-from router.service.tasks import running, stop_all
+from router.tasks import running, stop_all
 
 _log = logging.getLogger(__name__)
 SOURCE = "pods"

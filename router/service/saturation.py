@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.service.keys import STATE
-from router.service.tasks import running
+from router.tasks import running
 
 PROBE_S = 0.05
 WINDOW = 20
