@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from router.core.admission import CLASS_NAMES
-from router.core.slo import SloTargets, goodput_by_scale, tpot_s
+from router.core.slo import Answered, SloTargets, goodput_by_scale, tpot_s
 from sim.workload import SimRequest
 
 
@@ -105,6 +105,8 @@ def slo_figures(
     ttft_ok = tpot_ok = both = 0
     tiers: dict[str, list[int]] = {t.label: [0, 0] for t in slo.tiers}
     classes = [[0, 0] for _ in CLASS_NAMES]
+    # each answered request with its TTFT over its class's factor, for the SLO scales
+    answered: list[Answered] = []
     for r in records:
         tier = slo.tier(r.prompt)
         counts = tiers[tier.label]
@@ -115,6 +117,7 @@ def slo_figures(
             continue
         ttft = r.first - r.arrival
         tpot = tpot_s(r.finish - r.arrival, ttft, r.output)
+        answered.append((r.prompt, ttft / ttft_factor[r.klass], tpot))
         a = ttft <= tier.ttft_s * ttft_factor[r.klass]
         b = tpot is None or tpot <= slo.tpot_s
         ttft_ok += a
@@ -123,23 +126,9 @@ def slo_figures(
             both += 1
             counts[0] += 1
             per_class[0] += 1
-    # (prompt, TTFT over its class's factor, TPOT) of each answered request, for the scales
-    answered = [
-        (
-            r.prompt,
-            (r.first - r.arrival) / ttft_factor[r.klass],
-            tpot_s(r.finish - r.arrival, r.first - r.arrival, r.output),
-        )
-        for r in records
-        if not r.rejected and r.finish == r.finish
-    ]
-
-    def met(targets: SloTargets) -> int:
-        return sum(targets.met(prompt, ttft, tpot) for prompt, ttft, tpot in answered)
-
     return {
         "goodput": round(both / n, 5) if n else 0.0,
-        "goodput_by_slo_scale": goodput_by_scale(met, n, slo),
+        "goodput_by_slo_scale": goodput_by_scale(answered, n, slo),
         "slo_ttft_met": round(ttft_ok / n, 5) if n else 0.0,
         "slo_tpot_met": round(tpot_ok / n, 5) if n else 0.0,
         "goodput_by_tier": {k: round(m / c, 5) for k, (m, c) in tiers.items() if c},

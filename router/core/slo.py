@@ -16,7 +16,7 @@ scenario 450 ms / 40 ms) and grow the TTFT target with the prompt, since prefill
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -121,12 +121,25 @@ def scale_label(factor: float) -> str:
     return f"{factor:g}"
 
 
+Answered = tuple[int, float, float | None]
+"""One answered request as the SLO sees it: prompt tokens, TTFT and TPOT in seconds (TPOT
+None for an answer of at most one token)."""
+
+
+def count_met(answered: Iterable[Answered], targets: SloTargets) -> int:
+    """How many of ``answered`` met ``targets``."""
+    return sum(targets.met(prompt, ttft, tpot) for prompt, ttft, tpot in answered)
+
+
 def goodput_by_scale(
-    met: Callable[[SloTargets], int], n: int, slo: SloTargets, scales: Sequence[float] = SLO_SCALES
+    answered: Sequence[Answered], n: int, slo: SloTargets, scales: Sequence[float] = SLO_SCALES
 ) -> dict[str, float]:
-    """Goodput under ``slo`` scaled by each of ``scales``: ``met(targets)`` counts the
-    requests (of ``n``, failed ones included) that met ``targets``."""
-    return {scale_label(f): (round(met(slo.scaled(f)) / n, 5) if n else 0.0) for f in scales}
+    """Goodput under ``slo`` scaled by each of ``scales``: the share of ``n`` requests (failed
+    ones included, as misses) among which ``answered`` are the answered ones."""
+    return {
+        scale_label(f): (round(count_met(answered, slo.scaled(f)) / n, 5) if n else 0.0)
+        for f in scales
+    }
 
 
 def tpot_s(e2e_s: float, ttft_s: float, output_tokens: int) -> float | None:

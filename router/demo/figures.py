@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.bench.measure import percentile
-from router.core.slo import SloTargets, goodput_by_scale, tpot_s
+from router.core.slo import Answered, SloTargets, count_met, goodput_by_scale, tpot_s
 from router.demo.replay import Outcome
 
 
@@ -36,12 +36,10 @@ def summarize(outcomes: Sequence[Outcome], slo: SloTargets | None = None) -> dic
     slo = slo or SloTargets()
     ok = [o for o in outcomes if o.ok]
     prompt = sum(o.prompt_tokens for o in ok)
-    answered = [(o.prompt_tokens, o.ttft_s, tpot_s(o.e2e_s, o.ttft_s, o.output_tokens)) for o in ok]
+    answered: list[Answered] = [
+        (o.prompt_tokens, o.ttft_s, tpot_s(o.e2e_s, o.ttft_s, o.output_tokens)) for o in ok
+    ]
     tpots = [tpot * 1e3 for _, _, tpot in answered if tpot is not None]
-
-    def met(targets: SloTargets) -> int:
-        return sum(targets.met(prompt, ttft, tpot) for prompt, ttft, tpot in answered)
-
     errors = [
         abs(min(o.predicted_tokens, o.prompt_tokens - 1) - o.cached_tokens) / o.prompt_tokens
         for o in ok
@@ -59,8 +57,8 @@ def summarize(outcomes: Sequence[Outcome], slo: SloTargets | None = None) -> dic
         "kv_hit": share(sum(o.kv_hit_tokens for o in ok)),
         "predicted_hit": share(sum(o.predicted_tokens for o in ok)),
         "error_p99": round(percentile(errors, 99), 4) if errors else math.nan,
-        "goodput": round(met(slo) / len(outcomes), 4) if outcomes else 0.0,
-        "goodput_by_slo_scale": goodput_by_scale(met, len(outcomes), slo),
+        "goodput": round(count_met(answered, slo) / len(outcomes), 4) if outcomes else 0.0,
+        "goodput_by_slo_scale": goodput_by_scale(answered, len(outcomes), slo),
     }
     out.update(_pcts([o.ttft_s * 1e3 for o in ok], "ttft", (50, 90, 99)))
     out.update(_pcts([o.e2e_s * 1e3 for o in ok], "e2e", (50, 90, 99)))

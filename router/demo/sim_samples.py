@@ -16,9 +16,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from router.core.slo import scale_label
+
+if TYPE_CHECKING:
+    from router.demo.live_bench import Workload
 
 FIGURES = (
     "hit",
@@ -32,10 +37,15 @@ FIGURES = (
 
 
 def samples(
-    workload: Any, trace: Path, n: int, directory: Path, write_agentic: Callable[[Any, Path], Path]
-) -> list[tuple[str, Any, Path]]:
+    workload: Workload,
+    trace: Path,
+    n: int,
+    directory: Path,
+    write_agentic: Callable[[Workload, Path], Path],
+) -> list[tuple[str, Workload, Path]]:
     """``n`` samples ``(name, workload, trace file)`` of ``workload`` whose own trace file is
-    ``trace``; ``write_agentic(workload, directory)`` writes an agentic workload's trace."""
+    ``trace``, that one first; ``write_agentic(workload, directory)`` writes an agentic
+    workload's trace."""
     if workload.trace.startswith("agentic"):
         from sim.agentic import AgenticSpec
 
@@ -52,7 +62,7 @@ def samples(
         return out
     rows = trace.read_text().splitlines()
     size = workload.requests
-    out = []
+    windows: list[tuple[str, Workload, Path]] = []
     for k in range(min(n, max(len(rows) // size, 1))):
         window = [json.loads(line) for line in rows[k * size : (k + 1) * size]]
         start = window[0]["timestamp"]
@@ -60,17 +70,19 @@ def samples(
         with path.open("w") as fh:
             for row in window:
                 fh.write(json.dumps({**row, "timestamp": row["timestamp"] - start}) + "\n")
-        out.append((f"rows {k * size}-{k * size + len(window) - 1}", workload, path))
-    return out
+        windows.append((f"rows {k * size}-{k * size + len(window) - 1}", workload, path))
+    return windows
 
 
-def summarize(results: dict[str, Sequence[dict[str, Any]]], names: Sequence[str]) -> dict[str, Any]:
+def summarize(
+    results: Mapping[str, Sequence[dict[str, Any]]], names: Sequence[str]
+) -> dict[str, Any]:
     """``results``: per policy (``kvrouter_ours`` first), its figures on each sample (the
     simulator's prediction rows, with ``goodput_by_slo_scale``)."""
 
     def value(row: dict[str, Any], figure: str) -> float:
         if figure == "goodput_half":
-            return float(row["goodput_by_slo_scale"]["0.5"])
+            return float(row["goodput_by_slo_scale"][scale_label(0.5)])
         return float(row[figure])
 
     out: dict[str, Any] = {"samples": list(names), "mean": {}, "ours_over": {}}
