@@ -79,6 +79,13 @@ def _add_fleet_args(p: argparse.ArgumentParser, traces: bool = False) -> None:
         "TTFT and E2E (kvrouter bench live measures it on its fleet)",
     )
     p.add_argument(
+        "--arrival-jitter-ms",
+        type=float,
+        default=0.0,
+        help="each arrival reaches the router up to this much later, uniformly, drawn from "
+        "--seed: a live client's scheduling noise (a closed loop turns it into another run)",
+    )
+    p.add_argument(
         "--report-interval-ms",
         type=float,
         default=1000.0,
@@ -152,8 +159,9 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
     share = args.share_load_ms
     if share is not None and share < 0:
         raise KVRouterError("--share-load-ms must not be negative")
-    if args.event_lag_ms < 0 or args.transport_ms < 0:
-        raise KVRouterError("--event-lag-ms and --transport-ms must not be negative")
+    for flag in ("event_lag_ms", "transport_ms", "arrival_jitter_ms"):
+        if getattr(args, flag) < 0:
+            raise KVRouterError(f"--{flag.replace('_', '-')} must not be negative")
     if not args.reuse_window_s > 0:
         raise KVRouterError("--reuse-window-s must be positive")
     if not 0.0 <= args.prefill_share < 1.0:
@@ -179,6 +187,7 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         racks=args.racks,
         event_lag_s=args.event_lag_ms / 1000,
         transport_s=args.transport_ms / 1000,
+        arrival_jitter_s=args.arrival_jitter_ms / 1000,
         report_interval_s=args.report_interval_ms / 1000,
         speculative_ttl_s=args.speculative_ttl_ms / 1000,
         reuse_window_s=args.reuse_window_s,
@@ -267,6 +276,7 @@ def _settings(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         "routers": config.routers,
         "event_lag_ms": args.event_lag_ms,
         "transport_ms": args.transport_ms,
+        "arrival_jitter_ms": args.arrival_jitter_ms,
         "report_interval_ms": args.report_interval_ms,
         "speculative_ttl_ms": args.speculative_ttl_ms,
         "share_load_ms": args.share_load_ms,

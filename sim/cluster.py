@@ -76,6 +76,12 @@ class ClusterConfig:
     # request as its client sees it: TTFT and E2E start this much before the engine's
     # times, and a session's next turn leaves this much after the engine finished
     transport_s: float = 0.0
+    # each arrival (a trace's request, a session's next turn) reaches the router up to this
+    # much later than its time, uniformly, drawn from ``seed``: the live client's and the
+    # network's scheduling noise. 0: a workload has one run. A closed loop turns a
+    # millisecond into another schedule, so one run is one sample of what a live run shows
+    # (``kvrouter bench live`` predicts with the median over several seeds)
+    arrival_jitter_s: float = 0.0
     # engines' own load reports reach routers this often: 1 s, as in production (the
     # publisher's load_interval_s, the router's engine_metrics_interval_s)
     report_interval_s: float = 1.0
@@ -278,6 +284,13 @@ class Simulation:
         self._from_prefill: set[str] = set()  # requests whose hit their prefill leg reported
         self._shed_count = 0
         self._pumping = False
+        self._jitter = random.Random(config.seed + 0x5EED) if config.arrival_jitter_s > 0 else None
+
+    def _arrival_time(self, t: float) -> float:
+        """When an arrival due at ``t`` reaches the router (``arrival_jitter_s``)."""
+        if self._jitter is None:
+            return t
+        return t + self._jitter.uniform(0.0, self.config.arrival_jitter_s)
 
     # ------------------------------------------------------------------ running
 
@@ -286,7 +299,7 @@ class Simulation:
         q = self._queue
         for r in requests:
             if r.after is None:
-                q.push(r.arrival_s, ARRIVAL, r)
+                q.push(self._arrival_time(r.arrival_s), ARRIVAL, r)
             else:
                 self._children.setdefault(r.after, []).append(r)
         total = len(requests)
@@ -615,4 +628,4 @@ class Simulation:
 
     def _follow_ups(self, request_id: str, now: float) -> None:
         for child in self._children.pop(request_id, ()):
-            self._queue.push(now + child.delay_s, ARRIVAL, child)
+            self._queue.push(self._arrival_time(now + child.delay_s), ARRIVAL, child)

@@ -30,7 +30,7 @@ def test_bench_live_prints_rows_and_the_simulators_prediction() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "router.cli", "bench", "live", "--workload", "agentic",
          "--rows", "kvrouter_ours,vllm_router_kv_aware", "--requests", "12", "--replicas", "2",
-         "--speedup", "4", "--json"],
+         "--speedup", "4", "--sim-runs", "3", "--json"],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -51,6 +51,20 @@ def test_bench_live_prints_rows_and_the_simulators_prediction() -> None:
     # the HTTP path's share of TTFT, probed on the idle fleet, is what the simulator adds
     assert 0 < ours["transport_ms"] < ours["ttft_p50_ms"]
     assert doc["sim"]["kvrouter_ours"]["transport_ms"] == ours["transport_ms"]
+    # arrivals jittered by that transport: the medians of --sim-runs runs, with their spread
+    assert sim["runs"] == 3 and sim["spread"]["goodput"][0] <= sim["goodput"]
+    assert sim["spread"]["ttft_p50_ms"][0] <= sim["ttft_p50_ms"] <= sim["spread"]["ttft_p50_ms"][1]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--repeat", "0"), ("--sim-runs", "0"), ("--sim-samples", "-1")]
+)
+def test_bench_live_refuses_counts_out_of_range(flag: str, value: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "bench", "live", "--rows", "", flag, value],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode != 0 and flag in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.fixture

@@ -96,6 +96,8 @@ def test_bad_input_is_a_clear_error() -> None:
     assert p.returncode == 2 and "bogus" in p.stderr
     p = kvrouter("sim", "replay", "mooncake", "--transport-ms", "-1", "--limit", "5")
     assert p.returncode == 2 and "--transport-ms must not be negative" in p.stderr
+    p = kvrouter("sim", "replay", "mooncake", "--arrival-jitter-ms", "-1", "--limit", "5")
+    assert p.returncode == 2 and "--arrival-jitter-ms must not be negative" in p.stderr
     p = kvrouter("sim", "replay", "mooncake", "--reuse-window-s", "0", "--limit", "5")
     assert p.returncode == 2 and "--reuse-window-s must be positive" in p.stderr
 

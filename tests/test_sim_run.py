@@ -142,3 +142,20 @@ def test_transport_delays_what_the_client_sees_not_the_engine(slice_: Workload) 
     # the think time runs from when the client saw the answer, 0.25 s after the engine
     assert gaps[0.0][0] == pytest.approx(1.0) and gaps[0.25][0] == pytest.approx(1.0)
     assert gaps[0.25][1] == pytest.approx(gaps[0.0][1] + 0.25)
+
+
+def test_arrival_jitter_delays_each_arrival_by_at_most_its_bound(slice_: Workload) -> None:
+    """``arrival_jitter_s``: every request reaches the router no earlier than its trace time
+    and at most the bound later, the draw follows the seed, and 0 leaves the run as it was."""
+    due = {r.request_id: r.arrival_s for r in slice_.requests}
+    runs = {}
+    for seed in (0, 1):
+        sim = Simulation(slice_, small_config(arrival_jitter_s=0.005, seed=seed), "ours")
+        sim.run()
+        late = [rec.arrival - due[rid] for rid, rec in sim._records.items()]
+        assert len(late) == len(due) and all(0 <= d <= 0.005 for d in late)
+        assert max(late) > 0.004 and min(late) < 0.001  # drawn over the whole bound
+        runs[seed] = late
+    assert runs[0] != runs[1]
+    plain = Simulation(slice_, small_config(), "ours").run().summary
+    assert Simulation(slice_, small_config(arrival_jitter_s=0.0), "ours").run().summary == plain

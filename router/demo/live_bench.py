@@ -39,7 +39,10 @@ over the requests both replayed (router/demo/compare.py: an interval that holds 
 runs cannot tell the two apart). ``sim`` is the simulator's prediction for ``ours`` on the
 same trace and fleet (and for each policy ``--sim-policies`` adds, e.g. ``vllm_kv_aware``),
 with the measured ``transport_ms`` of the matching row (``kvrouter_ours``'s for policies
-without one) as its ``transport_s``; ``sim_samples`` (``--sim-samples N``) the same
+without one) as its ``transport_s``, and every arrival up to that much later: the medians of
+``--sim-runs`` runs, each drawing that jitter from its own seed (a closed loop turns a
+millisecond into another schedule, so one run is one sample of the live run's spread;
+without a live row there is no jitter and one run); ``sim_samples`` (``--sim-samples N``) the same
 prediction over N samples of the workload's shape (router/demo/sim_samples.py), since one
 trace of a few hundred requests ranks policies by luck. Workloads:
 
@@ -193,7 +196,10 @@ def _simulate(
     policy: str = "ours",
     speculative_ttl_s: float | None = None,
     transport_s: float = 0.0,
+    seed: int = 0,
 ) -> dict[str, Any]:
+    """The simulator's figures for ``policy`` on ``trace``; arrivals jitter by up to
+    ``transport_s`` (``ClusterConfig.arrival_jitter_s``), drawn from ``seed``."""
     from router.demo.fleet import PROFILE
     from sim.cluster import ClusterConfig
     from sim.profiles import load_profile
@@ -213,6 +219,8 @@ def _simulate(
         slo=slo,
         speculative_ttl_s=speculative_ttl_s,
         transport_s=transport_s,
+        arrival_jitter_s=transport_s,
+        seed=seed,
     )
     spec = RunSpec(policy, params=params or None, speedup=workload.speedup)
     s = run_one(loaded, config, spec).summary
@@ -347,6 +355,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
+    if args.sim_runs < 1:
+        raise SystemExit(f"--sim-runs must be >= 1, got {args.sim_runs}")
     if args.sim_samples < 0:
         raise SystemExit(f"--sim-samples must be >= 0, got {args.sim_samples}")
     if args.speculative_ttl_s is not None and args.speculative_ttl_s < 0:
@@ -411,15 +421,23 @@ def run(args: argparse.Namespace) -> int:
             ms = row.get("transport_ms", rows_out.get("kvrouter_ours", {}).get("transport_ms"))
             return (ms or 0.0) / 1000
 
-        def predict(policy: str, sample: Workload, path: Path) -> dict[str, Any]:
+        def predict(policy: str, sample: Workload, path: Path, runs: int = 1) -> dict[str, Any]:
             params = _params_of(args.sim_params, policy)
             ttl = args.speculative_ttl_s
-            return _simulate(sample, path, slo, params, policy, ttl, transport_s(policy))
+            transport = transport_s(policy)
+            if transport <= 0:  # no jitter: every seed gives the same run
+                runs = 1
+            return combine_runs(
+                [
+                    _simulate(sample, path, slo, params, policy, ttl, transport, seed)
+                    for seed in range(runs)
+                ]
+            )
 
         def key(policy: str) -> str:
             return "kvrouter_ours" if policy == "ours" else policy
 
-        result["sim"] = {key(p): predict(p, workload, trace) for p in sim_policies}
+        result["sim"] = {key(p): predict(p, workload, trace, args.sim_runs) for p in sim_policies}
         if args.sim_samples:
             from router.demo import sim_samples
 
@@ -460,6 +478,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="JSON object of `ours` parameters for the simulator's prediction only, or of "
         "objects keyed by policy name (with --rows '' nothing runs live: a quick what-if "
         "on the bench's fleet)",
+    )
+    p.add_argument(
+        "--sim-runs",
+        type=int,
+        default=5,
+        help="simulator runs behind `sim`, arrivals jittered by the measured transport, each "
+        "from its own seed; `sim` gives their medians (default 5)",
     )
     p.add_argument(
         "--sim-samples",
