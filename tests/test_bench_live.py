@@ -51,6 +51,9 @@ def test_bench_live_prints_rows_and_the_simulators_prediction() -> None:
     # the HTTP path's share of TTFT, probed on the idle fleet, is what the simulator adds
     assert 0 < ours["transport_ms"] < ours["ttft_p50_ms"]
     assert doc["sim"]["kvrouter_ours"]["transport_ms"] == ours["transport_ms"]
+    # the mocks' own TTFT over the replay (vLLM's histogram): within what the client saw
+    assert 0 < ours["engine_ttft_mean_ms"] <= ours["ttft_mean_ms"]
+    assert sim["ttft_mean_ms"] > sim["transport_ms"]
     # arrivals jittered by that transport: the medians of --sim-runs runs, with their spread
     assert sim["runs"] == 3 and sim["spread"]["goodput"][0] <= sim["goodput"]
     assert sim["spread"]["ttft_p50_ms"][0] <= sim["ttft_p50_ms"] <= sim["spread"]["ttft_p50_ms"][1]

@@ -123,6 +123,52 @@ async def test_bad_requests_metrics_and_health(start_mock: Callable) -> None:
     assert 'vllm:prompt_tokens_total{engine="0",model_name="m"} 100.0' in page
 
 
+async def test_latency_histograms_as_vllm_exports_them(start_mock: Callable) -> None:
+    """vLLM's per-request histograms, timed from arrival on the mock's wall clock: each
+    finished request counted once, TTFT within what the client saw and no shorter than the
+    engine model's prefill, E2E past TTFT, TPOT only for answers of two tokens or more."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.demo.live_bench import _idle_ttft_s
+
+    mock = await start_mock()
+
+    async def histograms() -> dict[tuple[str, str | None], float]:
+        async with aiohttp.ClientSession() as http, http.get(f"{mock.url}/metrics") as resp:
+            page = await resp.text()
+        return {
+            (s.name, s.labels.get("le")): s.value
+            for family in text_string_to_metric_families(page)
+            if family.name.startswith("vllm:") and family.type == "histogram"
+            for s in family.samples
+        }
+
+    loop = asyncio.get_running_loop()
+    sent = loop.time()
+    stream = await mock.client.completions.create(
+        model="m", prompt=_prompt(4, 4096), max_tokens=5, stream=True
+    )
+    seen_first = None
+    async for _ in stream:
+        seen_first = seen_first or loop.time()
+    assert seen_first is not None
+    one = await histograms()
+    ttft = one[("vllm:time_to_first_token_seconds_sum", None)]
+    assert _idle_ttft_s(mock.settings.profile, 4096) <= ttft <= seen_first - sent
+    assert one[("vllm:e2e_request_latency_seconds_sum", None)] > ttft
+    assert one[("vllm:request_time_per_output_token_seconds_count", None)] == 1
+    # buckets are cumulative, on vLLM's bounds
+    assert one[("vllm:time_to_first_token_seconds_bucket", "0.001")] == 0
+    assert one[("vllm:e2e_request_latency_seconds_bucket", "7680.0")] == 1
+
+    await mock.client.completions.create(model="m", prompt=_prompt(5, 64), max_tokens=1)
+    two = await histograms()
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert two[(f"vllm:{name}_seconds_count", None)] == 2, name
+        assert two[(f"vllm:{name}_seconds_bucket", "+Inf")] == 2, name
+    assert two[("vllm:request_time_per_output_token_seconds_count", None)] == 1  # one token
+
+
 @pytest.mark.parametrize(("engine_block", "encoding"), [(16, "array"), (128, "map"), (64, "array")])
 async def test_kv_events_rebuild_the_router_index(
     start_mock: Callable, engine_block: int, encoding: str

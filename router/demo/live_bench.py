@@ -31,8 +31,14 @@ the stricter scales still tell routers apart), TTFT / E2E p50, p90, p99 and
 TPOT p50, p90 in ms (router/demo/figures.py), ``router_cpu_s``, the CPU seconds the router
 process used during the replay (/proc), and ``transport_ms``, what the HTTP path adds to a
 request's TTFT on that fleet (a few one-block probes on the idle fleet before the replay, less
-the engine model's own time for them). With ``--repeat N`` each row runs N times (the rows
-interleaved) and reports the runs' medians, their totals and spread (``combine_runs``).
+the engine model's own time for them), ``ttft_mean_ms`` (what the client saw) beside
+``engine_ttft_mean_ms`` (what the mocks measured themselves over the replay, vLLM's
+``vllm:time_to_first_token_seconds``: the difference is the path's share under load, the
+idle probe's ``transport_ms`` is its floor; the simulator's ``ttft_mean_ms`` less its
+``transport_ms`` is the engine model's, so the gap between the two engine figures is the
+mocks' lag behind their model on a busy machine plus what another placement changed).
+With ``--repeat N`` each row runs N times (the rows interleaved) and reports the runs'
+medians, their totals and spread (``combine_runs``).
 ``versus`` compares ``kvrouter_ours`` with each other row that ran: ours' goodput, TTFT p50
 and p90, E2E p90 and TPOT p90 over the peer's, with a 95 % interval from a paired bootstrap
 over the requests both replayed (router/demo/compare.py: an interval that holds 1 means the
@@ -228,6 +234,7 @@ def _simulate(
         "hit": s["token_hit_rate"],
         "goodput": s["goodput"],
         "goodput_by_slo_scale": s["goodput_by_slo_scale"],
+        "ttft_mean_ms": s["ttft_ms_mean"],
         "ttft_p50_ms": s["ttft_ms_p50"],
         "ttft_p90_ms": s["ttft_ms_p90"],
         "e2e_p50_ms": s["e2e_ms_p50"],
@@ -265,7 +272,7 @@ async def _row(
     """The row's figures and its requests' outcomes (none when it could not run)."""
     from router.demo.figures import summarize
     from router.demo.fleet import PROFILE, Fleet, FleetSpec
-    from router.demo.replay import PROBE_TOKENS, probe_ttft, replay
+    from router.demo.replay import PROBE_TOKENS, engine_ttft_totals, probe_ttft, replay
 
     ours = row.startswith("kvrouter_")
     if not ours and binary is None:
@@ -300,11 +307,20 @@ async def _row(
         probes = await probe_ttft(fleet.router_url, MODEL)
         idle = _idle_ttft_s(spec.profile, PROBE_TOKENS)
         name = "router" if ours else "vllm-router"
+        urls = [r["url"] for r in fleet.replicas]
+        engine0 = await engine_ttft_totals(urls)
         cpu0 = fleet.cpu_seconds(name)
         outcomes = await replay(fleet.router_url, requests, workload.speedup)
         fleet.check_alive()
         cpu1 = fleet.cpu_seconds(name)
+        engine1 = await engine_ttft_totals(urls)
     figures = summarize(outcomes, slo)
+    answered = [o.ttft_s for o in outcomes if o.ok]
+    if answered:
+        figures["ttft_mean_ms"] = round(statistics.fmean(answered) * 1e3, 1)
+    if engine0 is not None and engine1 is not None and engine1[1] > engine0[1]:
+        seconds, count = engine1[0] - engine0[0], engine1[1] - engine0[1]
+        figures["engine_ttft_mean_ms"] = round(seconds / count * 1e3, 1)
     errors = sorted({o.error for o in outcomes if not o.ok})[:3]
     if errors:
         figures["errors"] = errors

@@ -233,6 +233,40 @@ async def probe_ttft(router_url: str, model: str, count: int = 5) -> list[float]
     return out
 
 
+ENGINE_TTFT = "vllm:time_to_first_token_seconds"
+
+
+async def engine_ttft_totals(replica_urls: Sequence[str]) -> tuple[float, int] | None:
+    """The replicas' own TTFT histograms summed: ``(seconds, requests)`` from each one's
+    ``/metrics`` (vLLM's ``vllm:time_to_first_token_seconds``, which the mock keeps too);
+    ``None`` if a replica does not answer or has no such histogram. The difference of two
+    readings is what the engines measured over the requests in between."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total, count = 0.0, 0
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for url in replica_urls:
+            try:
+                async with session.get(url + "/metrics") as resp:
+                    page = await resp.text() if resp.status == 200 else ""
+            except (aiohttp.ClientError, TimeoutError):
+                return None
+            found = False
+            for family in text_string_to_metric_families(page):
+                if family.name != ENGINE_TTFT:
+                    continue
+                for sample in family.samples:
+                    if sample.name == ENGINE_TTFT + "_sum":
+                        total += sample.value
+                        found = True
+                    elif sample.name == ENGINE_TTFT + "_count":
+                        count += int(sample.value)
+            if not found:
+                return None
+    return total, count
+
+
 class ProgressBar:
     """A one-line progress bar on stderr (only when stderr is a terminal)."""
 

@@ -49,6 +49,7 @@ from router.mock.driver import EngineDriver, EngineFailed
 from router.mock.faults import FaultMode
 from router.mock.faults import install as install_faults
 from router.mock.kv_events import EngineEventEncoder
+from router.mock.latency import RequestLatency
 from router.mock.preprocess import handlers
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
 
@@ -108,6 +109,7 @@ class MockState:
     tokenizer: MockTokenizer
     publisher: KVEventPublisher | None
     counters: MockCounters = field(default_factory=MockCounters)
+    latency: RequestLatency = field(default_factory=RequestLatency)
     ids: Any = field(default_factory=lambda: itertools.count(1))
 
 
@@ -175,6 +177,7 @@ class _Collector:
             m = CounterMetricFamily(name, doc, labels=labels)
             m.add_metric(lv, float(value))
             yield m
+        yield from s.latency.families(labels, lv)
 
 
 async def _prepare(request: web.Request, chat: bool) -> tuple[MockState, dict[str, Any], Any]:
@@ -238,6 +241,8 @@ def _usage(prompt: int, cached: int, completion: int, kv_hit: int | None) -> dic
 
 
 async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
+    clock = asyncio.get_running_loop().time
+    arrived = clock()  # vLLM's latency histograms start at the request's arrival
     try:
         state, body, req = await _prepare(request, chat)
         stream = body.get("stream", False)
@@ -278,6 +283,8 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         return f"data: {json.dumps(obj)}\n\n".encode()
 
     words: list[str] = []
+    first_at = finished_at = arrived
+    queued_s = 0.0
     try:
         async for out in _outputs(state, req):
             name = type(out).__name__
@@ -290,6 +297,8 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
                 )
                 await response.prepare(request)
             if name == "FirstToken":  # carries the first output token
+                first_at = clock()
+                queued_s = out.queued_s * state.driver.time_scale
                 cached = out.cached_tokens
                 kv_hit = out.kv_hit_tokens
                 produced = 1
@@ -305,6 +314,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
                 else:
                     words.extend(new)
             elif name == "Finished":
+                finished_at = clock()
                 cached = out.cached_tokens
                 produced = out.output_tokens
                 finish_reason = "length" if produced >= req.max_output_tokens else "stop"
@@ -319,6 +329,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
     c.prompt_tokens += req.prompt_tokens
     c.cached_tokens += cached
     c.generation_tokens += produced
+    state.latency.observe(first_at - arrived, finished_at - arrived, queued_s, produced)
     hybrid = state.driver.model.hybrid
     usage = _usage(req.prompt_tokens, cached, produced, kv_hit if hybrid else None)
     if response is not None:
