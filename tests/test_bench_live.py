@@ -53,6 +53,7 @@ def test_bench_live_prints_rows_and_the_simulators_prediction() -> None:
     assert doc["sim"]["kvrouter_ours"]["transport_ms"] == ours["transport_ms"]
     # the mocks' own TTFT over the replay (vLLM's histogram): within what the client saw
     assert 0 < ours["engine_ttft_mean_ms"] <= ours["ttft_mean_ms"]
+    assert 0 < ours["engine_model_ttft_mean_ms"] <= ours["engine_ttft_mean_ms"]
     assert sim["ttft_mean_ms"] > sim["transport_ms"]
     # arrivals jittered by that transport: the medians of --sim-runs runs, with their spread
     assert sim["runs"] == 3 and sim["spread"]["goodput"][0] <= sim["goodput"]

@@ -139,7 +139,7 @@ async def test_latency_histograms_as_vllm_exports_them(start_mock: Callable) -> 
         return {
             (s.name, s.labels.get("le")): s.value
             for family in text_string_to_metric_families(page)
-            if family.name.startswith("vllm:") and family.type == "histogram"
+            if family.type == "histogram" or family.name == "kvrouter_mock_model_ttft_seconds"
             for s in family.samples
         }
 
@@ -156,6 +156,9 @@ async def test_latency_histograms_as_vllm_exports_them(start_mock: Callable) -> 
     ttft = one[("vllm:time_to_first_token_seconds_sum", None)]
     assert _idle_ttft_s(mock.settings.profile, 4096) <= ttft <= seen_first - sent
     assert one[("vllm:e2e_request_latency_seconds_sum", None)] > ttft
+    model = one[("kvrouter_mock_model_ttft_seconds_total", None)]
+    assert _idle_ttft_s(mock.settings.profile, 4096) == pytest.approx(model, rel=0.05)
+    assert model <= ttft  # the mock's own delays come on top of its model's
     assert one[("vllm:request_time_per_output_token_seconds_count", None)] == 1
     # buckets are cumulative, on vLLM's bounds
     assert one[("vllm:time_to_first_token_seconds_bucket", "0.001")] == 0

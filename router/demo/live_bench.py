@@ -36,7 +36,9 @@ the engine model's own time for them), ``ttft_mean_ms`` (what the client saw) be
 ``vllm:time_to_first_token_seconds``: the difference is the path's share under load, the
 idle probe's ``transport_ms`` is its floor; the simulator's ``ttft_mean_ms`` less its
 ``transport_ms`` is the engine model's, so the gap between the two engine figures is the
-mocks' lag behind their model on a busy machine plus what another placement changed).
+mocks' lag behind their model on a busy machine plus what another placement changed;
+``engine_model_ttft_mean_ms``, the mocks' engine model's own TTFT for the same requests,
+tells the two apart).
 With ``--repeat N`` each row runs N times (the rows interleaved) and reports the runs'
 medians, their totals and spread (``combine_runs``).
 ``versus`` compares ``kvrouter_ours`` with each other row that ran: ours' goodput, TTFT p50
@@ -318,9 +320,13 @@ async def _row(
     answered = [o.ttft_s for o in outcomes if o.ok]
     if answered:
         figures["ttft_mean_ms"] = round(statistics.fmean(answered) * 1e3, 1)
-    if engine0 is not None and engine1 is not None and engine1[1] > engine0[1]:
-        seconds, count = engine1[0] - engine0[0], engine1[1] - engine0[1]
-        figures["engine_ttft_mean_ms"] = round(seconds / count * 1e3, 1)
+    if engine0 is not None and engine1 is not None:
+        engine = engine1.since(engine0)
+        if engine.requests > 0:
+            figures["engine_ttft_mean_ms"] = round(engine.seconds / engine.requests * 1e3, 1)
+            if engine.model_seconds is not None:
+                model_ms = engine.model_seconds / engine.requests * 1e3
+                figures["engine_model_ttft_mean_ms"] = round(model_ms, 1)
     errors = sorted({o.error for o in outcomes if not o.ok})[:3]
     if errors:
         figures["errors"] = errors

@@ -234,16 +234,35 @@ async def probe_ttft(router_url: str, model: str, count: int = 5) -> list[float]
 
 
 ENGINE_TTFT = "vllm:time_to_first_token_seconds"
+MODEL_TTFT = "kvrouter_mock_model_ttft_seconds"
 
 
-async def engine_ttft_totals(replica_urls: Sequence[str]) -> tuple[float, int] | None:
-    """The replicas' own TTFT histograms summed: ``(seconds, requests)`` from each one's
-    ``/metrics`` (vLLM's ``vllm:time_to_first_token_seconds``, which the mock keeps too);
-    ``None`` if a replica does not answer or has no such histogram. The difference of two
-    readings is what the engines measured over the requests in between."""
+@dataclass(slots=True, frozen=True)
+class EngineTtft:
+    """The replicas' TTFT totals at one moment: ``seconds`` over ``requests`` from their own
+    histograms, and ``model_seconds``, the same requests' TTFT in the mock's engine model
+    (``None`` where a replica is not a ``kvrouter mock-replica``). The difference of two
+    readings covers the requests finished in between."""
+
+    seconds: float
+    requests: int
+    model_seconds: float | None
+
+    def since(self, earlier: EngineTtft) -> EngineTtft:
+        model = None
+        if self.model_seconds is not None and earlier.model_seconds is not None:
+            model = self.model_seconds - earlier.model_seconds
+        return EngineTtft(self.seconds - earlier.seconds, self.requests - earlier.requests, model)
+
+
+async def engine_ttft_totals(replica_urls: Sequence[str]) -> EngineTtft | None:
+    """The replicas' own TTFT histograms summed, from each one's ``/metrics`` (vLLM's
+    ``vllm:time_to_first_token_seconds``, which the mock keeps too); ``None`` if a replica
+    does not answer or has no such histogram."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    total, count = 0.0, 0
+    total, count, model = 0.0, 0, 0.0
+    every_model = True
     timeout = aiohttp.ClientTimeout(total=10)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for url in replica_urls:
@@ -252,19 +271,21 @@ async def engine_ttft_totals(replica_urls: Sequence[str]) -> tuple[float, int] |
                     page = await resp.text() if resp.status == 200 else ""
             except (aiohttp.ClientError, TimeoutError):
                 return None
-            found = False
-            for family in text_string_to_metric_families(page):
-                if family.name != ENGINE_TTFT:
-                    continue
-                for sample in family.samples:
-                    if sample.name == ENGINE_TTFT + "_sum":
-                        total += sample.value
-                        found = True
-                    elif sample.name == ENGINE_TTFT + "_count":
-                        count += int(sample.value)
-            if not found:
+            values = {
+                sample.name: sample.value
+                for family in text_string_to_metric_families(page)
+                if family.name in (ENGINE_TTFT, MODEL_TTFT)
+                for sample in family.samples
+            }
+            if ENGINE_TTFT + "_sum" not in values:
                 return None
-    return total, count
+            total += values[ENGINE_TTFT + "_sum"]
+            count += int(values.get(ENGINE_TTFT + "_count", 0))
+            if MODEL_TTFT + "_total" in values:
+                model += values[MODEL_TTFT + "_total"]
+            else:
+                every_model = False
+    return EngineTtft(total, count, model if every_model else None)
 
 
 class ProgressBar:

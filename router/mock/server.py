@@ -99,6 +99,9 @@ class MockCounters:
     prefill_legs: int = 0  # disaggregated requests prefilled here for another replica
     decode_legs: int = 0  # disaggregated requests decoded here (KV pulled from elsewhere)
     pulled_bytes: float = 0.0
+    # the engine model's own TTFT summed over finished requests (model time in wall seconds):
+    # against vllm:time_to_first_token_seconds, the mock's lag behind its model
+    model_ttft_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -168,6 +171,11 @@ class _Collector:
                 c.prefill_legs,
             ),
             ("kvrouter_mock_pd_decode_legs", "Decode legs with remote prefill", c.decode_legs),
+            (
+                "kvrouter_mock_model_ttft_seconds",
+                "The engine model's TTFT summed over finished requests",
+                c.model_ttft_s,
+            ),
             (
                 "kvrouter_mock_pd_pulled_bytes",
                 "KV and state bytes pulled (modelled)",
@@ -284,7 +292,8 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
 
     words: list[str] = []
     first_at = finished_at = arrived
-    queued_s = 0.0
+    queued_s = model_ttft_s = 0.0
+    submitted = state.driver.now()  # model time: the engine gets the request at once
     try:
         async for out in _outputs(state, req):
             name = type(out).__name__
@@ -299,6 +308,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
             if name == "FirstToken":  # carries the first output token
                 first_at = clock()
                 queued_s = out.queued_s * state.driver.time_scale
+                model_ttft_s = (out.time - submitted) * state.driver.time_scale
                 cached = out.cached_tokens
                 kv_hit = out.kv_hit_tokens
                 produced = 1
@@ -330,6 +340,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
     c.cached_tokens += cached
     c.generation_tokens += produced
     state.latency.observe(first_at - arrived, finished_at - arrived, queued_s, produced)
+    c.model_ttft_s += model_ttft_s
     hybrid = state.driver.model.hybrid
     usage = _usage(req.prompt_tokens, cached, produced, kv_hit if hybrid else None)
     if response is not None:
