@@ -29,16 +29,14 @@ Each row: ``ok``, ``failed``, ``hit`` (engine-reported cached prompt tokens), ``
 (goodput with every target scaled by 0.25, 0.5, 1, 2: where the fleet meets the SLO easily,
 the stricter scales still tell routers apart), TTFT / E2E p50, p90, p99 and
 TPOT p50, p90 in ms (router/demo/figures.py), ``router_cpu_s``, the CPU seconds the router
-process used during the replay (/proc), and ``transport_ms``, what the HTTP path adds to a
+process used during the replay (/proc), ``transport_ms``, what the HTTP path adds to a
 request's TTFT on that fleet (a few one-block probes on the idle fleet before the replay, less
-the engine model's own time for them), ``ttft_mean_ms`` (what the client saw) beside
-``engine_ttft_mean_ms`` (what the mocks measured themselves over the replay, vLLM's
-``vllm:time_to_first_token_seconds``: the difference is the path's share under load, the
-idle probe's ``transport_ms`` is its floor; the simulator's ``ttft_mean_ms`` less its
-``transport_ms`` is the engine model's, so the gap between the two engine figures is the
-mocks' lag behind their model on a busy machine plus what another placement changed;
-``engine_model_ttft_mean_ms``, the mocks' engine model's own TTFT for the same requests,
-tells the two apart).
+the engine model's own time for them), and ``ttft_mean_ms`` (the client's) beside
+``engine_ttft_mean_ms`` (the mocks' own, vLLM's ``vllm:time_to_first_token_seconds`` over
+the replay) and ``engine_model_ttft_mean_ms`` (their engine model's for the same requests):
+client less engine is the router's and HTTP's share under load, engine less model the
+mocks' lag behind their model, and the model's against the simulator's ``ttft_mean_ms -
+transport_ms`` what the live schedule did differently from the simulated one.
 With ``--repeat N`` each row runs N times (the rows interleaved) and reports the runs'
 medians, their totals and spread (``combine_runs``).
 ``versus`` compares ``kvrouter_ours`` with each other row that ran: ours' goodput, TTFT p50
