@@ -14,4 +14,6 @@ def test_bench_route_prints_both_paths_and_they_agree() -> None:
     for fleet in result["fleets"]:
         assert fleet["per_candidate_us"] > 0 and fleet["arrays_us"] > 0
         assert fleet["same_decisions"] is True
+        assert fleet["pd_decode_per_candidate_us"] > 0 and fleet["pd_decode_arrays_us"] > 0
+        assert fleet["same_pd_decisions"] is True
     assert [f["default"] for f in result["fleets"]] == ["per_candidate", "arrays"]

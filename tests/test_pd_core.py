@@ -15,7 +15,7 @@ from router.core.disagg import (
     Site,
     TransferSizes,
 )
-from router.core.errors import ConfigError
+from router.core.errors import ConfigError, NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import CostModel, LoadTracker
 from router.core.policies import make_policy
@@ -150,3 +150,61 @@ def test_always_disaggregates_and_prices_only_what_decode_lacks() -> None:
     if pick.decision.replica == other:
         assert pick.link is Link.NETWORK
         assert pick.transfer_bytes == pd.sizes.total(8192 - 64 * BLOCK, hybrid=True)
+
+
+def _pick(
+    pd: Disaggregator,
+    engine: RoutingEngine,
+    request: RouteRequest,
+    prefill: ReplicaKey,
+    keys: tuple[ReplicaKey, ...],
+    seed: int,
+) -> object:
+    rng = random.Random(seed)
+    try:
+        pick = pd.pick_decode(engine, request, prefill, keys, 100.0, rng)
+    except NoReplicaAvailable as exc:
+        return ("refused", str(exc), exc.busy)
+    return pick, rng.random()  # the same draws were made
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_the_array_decode_pick_decides_as_the_per_candidate_one(seed: int) -> None:
+    """Random fleets (roles, regions, racks with and without names, cached tiers and state,
+    load, unhealthy / draining / busy replicas, a replica named twice): the columnar decode
+    pick returns the same replica, score, tokens, transfer, link and ranking, and makes the
+    same random draws, as the per-candidate one."""
+    from tests.test_routing_columns import _busy, _fleet, _populate
+
+    rng = random.Random(seed)
+    index, load, keys = _fleet(rng, rng.randrange(1, 40))
+    chain = [rng.getrandbits(63) for _ in range(rng.randrange(1, 12))]
+    _populate(rng, index, load, keys, chain, 100.0)
+    if rng.random() < 0.3:
+        keys = keys + keys[: rng.randrange(1, 4)]
+    roles = {k: rng.choice([Role.PREFILL, Role.DECODE, Role.BOTH]) for k in keys}
+    sites = {
+        k: Site(rng.choice(["reg0", "reg1"]), rng.choice(["", "rack0", "rack1", "rack2"]))
+        for k in keys
+        if rng.random() < 0.9  # the rest: a site of their own
+    }
+    hybrid = rng.random() < 0.5
+    settings = RoutingSettings(block_size=rng.choice([16, 64]), hybrid=hybrid, busy=_busy(rng))
+    policy = make_policy("ours")
+    per_candidate = RoutingEngine(index, load, policy, settings, columnar_min=10**9)
+    arrays = RoutingEngine(index, load, policy, settings, columnar_min=1)
+    knobs = PdKnobs(rack_penalty_s=rng.choice([0.0, 2.0]), region_penalty_s=rng.choice([0.0, 10.0]))
+    sizes = TransferSizes(state_bytes=rng.choice([0.0, 24e6]))
+    pd = Disaggregator(knobs, CostModel(), roles=roles, sites=sites, sizes=sizes)
+    for step in range(3):
+        tokens = len(chain) * settings.block_size + rng.randrange(0, settings.block_size)
+        prompt = rng.choice([tokens, 1, rng.randrange(1, tokens + 1)])
+        blocks = min(len(chain), prompt // settings.block_size)
+        request = RouteRequest(
+            f"q{step}", "m", prompt, chain[:blocks], settings.block_size, None,
+            rng.choice([None, 3, 300]),
+        )  # fmt: skip
+        prefill = rng.choice(keys)
+        decided = _pick(pd, arrays, request, prefill, keys, seed)
+        assert decided == _pick(pd, per_candidate, request, prefill, keys, seed)
+        load.dispatch(f"m{step}", rng.choice(keys), rng.randrange(1, 5000), 0)

@@ -12,6 +12,10 @@ Both shapes of the candidates are timed on the same fleet and requests: ``per_ca
 one the router picks by default for that size (``COLUMNAR_MIN``), and a check that both
 decided alike on every measured request. Figures: median over ``--rounds`` rounds of
 microseconds per request.
+
+``pd_decode_per_candidate_us`` / ``pd_decode_arrays_us``: the decode pick of a disaggregated
+request (``Disaggregator.pick_decode``) on the same fleet split into prefill and decode
+replicas (every third prefills), 9 replicas a rack, both paths, with the same check.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import time
 from typing import Any
 
 from router.bench.measure import emit
+from router.core.disagg import Disaggregator, PdKnobs, Role, Site
 from router.core.index import PrefixIndex
-from router.core.load import EngineReport, LoadTracker
+from router.core.load import CostModel, EngineReport, LoadTracker
 from router.core.policies import Ours
 from router.core.routing import COLUMNAR_MIN, RoutingEngine, RoutingSettings
 from router.core.types import Decision, ReplicaKey, RouteRequest
@@ -89,6 +94,27 @@ def _time(
     return round(statistics.median(samples), 2), decisions
 
 
+def _time_pd(
+    engine: RoutingEngine, keys: tuple[ReplicaKey, ...], requests: list[RouteRequest], rounds: int
+) -> tuple[float, list[ReplicaKey]]:
+    """The decode pick of each request prefilled on the prefill replicas in turn."""
+    roles = {k: Role.PREFILL if i % 3 == 0 else Role.DECODE for i, k in enumerate(keys)}
+    sites = {k: Site("reg0", f"rack{i // 9}") for i, k in enumerate(keys)}
+    pd = Disaggregator(PdKnobs(mode="always"), CostModel(), roles=roles, sites=sites)
+    prefill = [k for k in keys if roles[k] is Role.PREFILL]
+    rng = random.Random(0)
+    samples = []
+    picked: list[ReplicaKey] = []
+    for _ in range(rounds):
+        picked = []
+        t0 = time.perf_counter()
+        for i, req in enumerate(requests):
+            pick = pd.pick_decode(engine, req, prefill[i % len(prefill)], keys, float(i), rng)
+            picked.append(pick.decision.replica)
+        samples.append((time.perf_counter() - t0) / len(requests) * 1e6)
+    return round(statistics.median(samples), 2), picked
+
+
 def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for n in args.replicas:
@@ -106,6 +132,20 @@ def run(args: argparse.Namespace) -> int:
         figures["same_decisions"] = [d.replica for d in outcomes["per_candidate_us"]] == [
             d.replica for d in outcomes["arrays_us"]
         ]
+        picks = {}
+        for name, columnar_min in (
+            ("pd_decode_per_candidate_us", 10**9),
+            ("pd_decode_arrays_us", 1),
+        ):
+            index, load, keys, sessions = _fleet(n, args.seed)
+            requests = _requests(sessions, args.requests, args.seed)
+            engine = RoutingEngine(
+                index, load, Ours(), RoutingSettings(block_size=BLOCK), columnar_min=columnar_min
+            )
+            figures[name], picks[name] = _time_pd(engine, keys, requests, args.rounds)
+        figures["same_pd_decisions"] = (
+            picks["pd_decode_per_candidate_us"] == picks["pd_decode_arrays_us"]
+        )
         rows.append(figures)
     emit(
         {

@@ -31,15 +31,19 @@ is a last resort.
 from __future__ import annotations
 
 import enum
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from router.core.errors import ConfigError, NoReplicaAvailable
 from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel
-from router.core.routing import RoutingEngine, filter_candidates
+from router.core.routing import RoutingEngine, eligible_columns, filter_candidates
 from router.core.types import NO_MATCH, Decision, ReplicaKey, RouteRequest
+from router.core.xp import ARRAY, SCALAR, Ops
 
 PD_MODES = ("off", "always", "auto")
 
@@ -83,6 +87,10 @@ class Site:
     rack: str = ""
 
 
+NO_SITE = Site()
+"""Where a replica no site is known for runs: a site of its own (no rack)."""
+
+
 class Link(enum.Enum):
     """The path KV takes between two replicas."""
 
@@ -90,6 +98,10 @@ class Link(enum.Enum):
     NVLINK = "nvlink"  # same rack: NVLink switch fabric
     NETWORK = "network"  # same region, another rack: the scale-out network (RDMA)
     REGION = "region"  # another region: the data-centre interconnect
+
+
+LINKS: tuple[Link, ...] = (Link.SAME, Link.NVLINK, Link.NETWORK, Link.REGION)
+"""The links by code (``LinkModel.link_code``; the order of ``Disaggregator._link_tables``)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -118,13 +130,19 @@ class LinkModel:
 
     @staticmethod
     def link(a: Site, b: Site, same_replica: bool = False) -> Link:
+        return LINKS[LinkModel.link_code(a, b, same_replica)]
+
+    @staticmethod
+    def link_code(a: Site, b: Site, same_replica: bool = False) -> int:
+        """The link between ``a`` and ``b`` as its position in ``LINKS`` (a plain int: a
+        large fleet's decode pick codes every candidate)."""
         if same_replica:
-            return Link.SAME
+            return 0
         if a.region != b.region:
-            return Link.REGION
+            return 3
         if a.rack and a.rack == b.rack:
-            return Link.NVLINK
-        return Link.NETWORK
+            return 1
+        return 2
 
     def seconds(self, link: Link, nbytes: float) -> float:
         """Time to move ``nbytes`` over ``link`` (0 for nothing or the same replica)."""
@@ -151,12 +169,13 @@ class TransferSizes:
         if self.kv_bytes_per_token < 0 or self.state_bytes < 0:
             raise ConfigError("transfer sizes must be >= 0")
 
-    def kv_bytes(self, tokens: int) -> float:
-        return max(tokens, 0) * self.kv_bytes_per_token
+    def kv_bytes(self, tokens: Any, xp: Ops = SCALAR) -> Any:
+        return xp.maximum(tokens, 0) * self.kv_bytes_per_token
 
-    def total(self, tokens: int, hybrid: bool) -> float:
-        """Bytes moved for ``tokens`` of KV (and the state, for a hybrid model)."""
-        return self.kv_bytes(tokens) + (self.state_bytes if hybrid else 0.0)
+    def total(self, tokens: Any, hybrid: bool, xp: Ops = SCALAR) -> Any:
+        """Bytes moved for ``tokens`` of KV (and the state, for a hybrid model); ``tokens``
+        a number or an array (``xp``)."""
+        return self.kv_bytes(tokens, xp) + (self.state_bytes if hybrid else 0.0)
 
 
 @dataclass(slots=True, frozen=True)
@@ -229,16 +248,26 @@ class Disaggregator:
         return self.roles.get(key, Role.BOTH)
 
     def site(self, key: ReplicaKey) -> Site:
-        return self.sites.get(key, Site())
+        return self.sites.get(key, NO_SITE)
 
     def pools(
         self, replicas: Sequence[ReplicaKey]
     ) -> tuple[list[ReplicaKey], list[ReplicaKey], list[ReplicaKey]]:
         """(prefill-capable, decode-capable, both) replicas, in ``replicas`` order."""
-        roles = self.roles
-        pre = [r for r in replicas if roles.get(r, Role.BOTH).prefills]
-        dec = [r for r in replicas if roles.get(r, Role.BOTH).decodes]
-        both = [r for r in replicas if roles.get(r, Role.BOTH) is Role.BOTH]
+        get, both_role = self.roles.get, Role.BOTH
+        pre: list[ReplicaKey] = []
+        dec: list[ReplicaKey] = []
+        both: list[ReplicaKey] = []
+        for r in replicas:
+            role = get(r, both_role)
+            if role is both_role:
+                pre.append(r)
+                dec.append(r)
+                both.append(r)
+            elif role is Role.PREFILL:
+                pre.append(r)
+            else:
+                dec.append(r)
         return pre, dec, both
 
     # ------------------------------------------------------------------ the decision
@@ -340,51 +369,106 @@ class Disaggregator:
         the lowest predicted decode time of the request there (step time x its output
         tokens, 256 when unknown) + the pending prefills that will stall it + transfer +
         rack / region penalty, all in seconds. Ties go to the rng. Raises NoReplicaAvailable
-        when none can decode."""
+        when none can decode. From ``engine.columnar_min`` decode-capable replicas on, the
+        scores are arrays (the same formula, :meth:`_decode_scores`, and the same pick)."""
         _, dec, _ = self.pools(replicas)
         if not dec:
             raise NoReplicaAvailable("no replica can decode")
-        eligible = filter_candidates(dec, engine.load, engine.settings.busy, now)
         hybrid = engine.hybrid_for(replicas)
         matches = engine.index.match(request.block_hashes, hybrid=hybrid, now=now)
-        cost, k, sizes, links = self.cost, self.knobs, self.sizes, self.link
         here = self.site(prefill_replica)
-        out = request.max_output_tokens or EXPECTED_OUTPUT_TOKENS
-        prompt = request.prompt_tokens
-        best: list[tuple[float, ReplicaKey, Link, float, float, int]] = []
-        scored: list[tuple[float, ReplicaKey]] = []
-        for key, view in eligible:
-            usable = min(matches.get(key, NO_MATCH).usable_blocks * request.block_size, prompt)
-            link = links.link(here, self.site(key), key == prefill_replica)
-            nbytes = 0.0 if link is Link.SAME else sizes.total(prompt - usable, hybrid)
-            move_s = links.seconds(link, nbytes)
-            step = cost.step_overhead_s + cost.decode_step_s(
-                view.decoding + 1, view.decode_context_tokens + prompt
+        code_of, site = self.link.link_code, self.site
+        if len(dec) >= engine.columnar_min:
+            load = engine.load.columns(dec)
+            at = np.flatnonzero(eligible_columns(load, engine.settings.busy))
+            keys = [dec[i] for i in at]
+            codes = np.fromiter(
+                (code_of(here, site(k), k == prefill_replica) for k in keys),
+                dtype=np.intp,
+                count=len(keys),
             )
-            stall = cost.prefill_s(view.queued_prefill_tokens)
-            penalty = 0.0
-            if link is Link.NETWORK:
-                penalty = k.rack_penalty_s
-            elif link is Link.REGION:
-                penalty = k.region_penalty_s
-            score = step * out + stall + move_s + penalty
-            scored.append((score, key))
-            if not best or score < best[0][0]:
-                best = [(score, key, link, nbytes, move_s, usable)]
-            elif score == best[0][0]:
-                best.append((score, key, link, nbytes, move_s, usable))
-        score, key, link, nbytes, move_s, usable = best[rng.randrange(len(best))]
-        ranking = tuple(r for _, r in sorted(scored, key=lambda t: t[0]) if r != key)
+            latency, bandwidth, penalty = (np.asarray(t)[codes] for t in self._link_tables())
+            usable_blocks = matches.columns(engine.index.slots(dec))[3][at]
+            scores, usable, nbytes, move_s = self._decode_scores(
+                ARRAY, request, hybrid, usable_blocks, load.decoding[at],
+                load.decode_context_tokens[at], load.queued_prefill_tokens[at],
+                (codes == 0).astype(np.int64), latency, bandwidth, penalty,
+            )  # fmt: skip
+            ties = np.flatnonzero(scores == scores.min())
+            j = int(ties[rng.randrange(len(ties))])
+            order = np.argsort(scores, kind="stable")
+            ranking = tuple(keys[i] for i in order.tolist() if keys[i] != keys[j])
+            pick = (float(scores[j]), keys[j], int(usable[j]), float(nbytes[j]), float(move_s[j]))
+        else:
+            tables = self._link_tables()
+            best: list[tuple[float, ReplicaKey, int, float, float]] = []
+            scored: list[tuple[float, ReplicaKey]] = []
+            for key, view in filter_candidates(dec, engine.load, engine.settings.busy, now):
+                code = code_of(here, site(key), key == prefill_replica)
+                score, use, moved, secs = self._decode_scores(
+                    SCALAR, request, hybrid, matches.get(key, NO_MATCH).usable_blocks,
+                    view.decoding, view.decode_context_tokens, view.queued_prefill_tokens,
+                    int(code == 0), tables[0][code], tables[1][code], tables[2][code],
+                )  # fmt: skip
+                scored.append((score, key))
+                if not best or score < best[0][0]:
+                    best = [(score, key, use, moved, secs)]
+                elif score == best[0][0]:
+                    best.append((score, key, use, moved, secs))
+            pick = best[rng.randrange(len(best))]
+            ranking = tuple(r for _, r in sorted(scored, key=lambda t: t[0]) if r != pick[1])
+        score, key, use, moved, secs = pick
         decision = Decision(
             key,
             "pd_decode",
-            usable,
-            usable,
+            use,
+            use,
             score,
-            {"transfer_s": move_s, "transfer_bytes": nbytes},
+            {"transfer_s": secs, "transfer_bytes": moved},
             ranking,
         )
-        return DecodePick(decision, link, nbytes, move_s)
+        link = LINKS[code_of(here, site(key), key == prefill_replica)]
+        return DecodePick(decision, link, moved, secs)
+
+    def _link_tables(
+        self,
+    ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+        """Latency (s), bandwidth (bytes/s) and placement penalty (s) of each link, in
+        ``LINKS`` order (nothing moves to the same replica: no latency, no limit)."""
+        m, k = self.link, self.knobs
+        return (
+            (0.0, m.nvlink_latency_s, m.network_latency_s, m.region_latency_s),
+            (math.inf, m.nvlink_bytes_per_s, m.network_bytes_per_s, m.region_bytes_per_s),
+            (0.0, 0.0, k.rack_penalty_s, k.region_penalty_s),
+        )
+
+    def _decode_scores(
+        self,
+        xp: Ops,
+        request: RouteRequest,
+        hybrid: bool,
+        usable_blocks: Any,
+        decoding: Any,
+        context_tokens: Any,
+        queued_prefill_tokens: Any,
+        same: Any,
+        latency: Any,
+        bandwidth: Any,
+        penalty: Any,
+    ) -> tuple[Any, Any, Any, Any]:
+        """Score, usable tokens, bytes moved and transfer seconds of decoding ``request`` on
+        one candidate (numbers, ``xp=SCALAR``) or on many (arrays, ``xp=ARRAY``): one
+        formula for both. ``same``: 1 where the candidate is the prefill replica itself;
+        ``latency`` / ``bandwidth`` / ``penalty``: its link's (``_link_tables``)."""
+        cost = self.cost
+        prompt = request.prompt_tokens
+        out = request.max_output_tokens or EXPECTED_OUTPUT_TOKENS
+        usable = xp.minimum(usable_blocks * request.block_size, prompt)
+        nbytes = (1 - same) * self.sizes.total(prompt - usable, hybrid, xp)
+        move_s = (nbytes > 0) * (latency + nbytes / bandwidth)
+        step = cost.step_overhead_s + cost.decode_step_s(decoding + 1, context_tokens + prompt)
+        stall = cost.prefill_s(queued_prefill_tokens, 0, xp)
+        return step * out + stall + move_s + penalty, usable, nbytes, move_s
 
     def dispatched_decode(
         self,

@@ -19,7 +19,7 @@ import numpy as np
 
 from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
-from router.core.load import LoadTracker, LoadView
+from router.core.load import LoadColumns, LoadTracker, LoadView
 from router.core.policies import Candidate, CandidateColumns, ColumnarPolicy, Policy
 from router.core.session import SessionHint, SessionTable
 from router.core.state_layout import SOURCE_ENGINE, StateLayout, effective_layout
@@ -128,6 +128,21 @@ def filter_candidates(
         return free
     if busy.reject_when_all_busy:
         raise NoReplicaAvailable("every replica is over its busy threshold", busy=True)
+    return up
+
+
+def eligible_columns(load: LoadColumns, busy: BusyThresholds) -> np.ndarray:
+    """``filter_candidates`` on columns: a bool mask of the healthy, non-draining replicas,
+    the busy ones dropped while others remain (the same errors when none is left)."""
+    up: np.ndarray = (load.healthy > 0) & (load.draining == 0)
+    if not up.any():
+        raise NoReplicaAvailable("no healthy replica is available")
+    if busy.enabled:
+        free = up & ~busy.busy(load)
+        if free.any():
+            return free  # type: ignore[no-any-return]
+        if busy.reject_when_all_busy:
+            raise NoReplicaAvailable("every replica is over its busy threshold", busy=True)
     return up
 
 
@@ -284,16 +299,7 @@ class RoutingEngine:
     ) -> CandidateColumns:
         """``candidates`` as arrays: the same eligibility rules as ``filter_candidates``."""
         load = self.load.columns(replicas)
-        up = (load.healthy > 0) & (load.draining == 0)
-        if not up.any():
-            raise NoReplicaAvailable("no healthy replica is available")
-        busy = self.settings.busy
-        if busy.enabled:
-            free = up & ~busy.busy(load)
-            if free.any():
-                up = free
-            elif busy.reject_when_all_busy:
-                raise NoReplicaAvailable("every replica is over its busy threshold", busy=True)
+        up = eligible_columns(load, self.settings.busy)
         hybrid = self.hybrid_for(replicas)
         matches = self.index.match(request.block_hashes, hybrid=hybrid, now=now)
         slots = self.index.slots(replicas)
