@@ -146,13 +146,23 @@ class LinkModel:
 
     def seconds(self, link: Link, nbytes: float) -> float:
         """Time to move ``nbytes`` over ``link`` (0 for nothing or the same replica)."""
-        if link is Link.SAME or nbytes <= 0:
-            return 0.0
-        if link is Link.NVLINK:
-            return self.nvlink_latency_s + nbytes / self.nvlink_bytes_per_s
-        if link is Link.NETWORK:
-            return self.network_latency_s + nbytes / self.network_bytes_per_s
-        return self.region_latency_s + nbytes / self.region_bytes_per_s
+        latency, bandwidth = self.tables()
+        code = LINKS.index(link)
+        return float(self.transfer_s(latency[code], bandwidth[code], nbytes))
+
+    def tables(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Latency (s) and bandwidth (bytes/s) of each link, in ``LINKS`` order (nothing
+        moves to the same replica: no latency, no limit)."""
+        return (
+            (0.0, self.nvlink_latency_s, self.network_latency_s, self.region_latency_s),
+            (math.inf, self.nvlink_bytes_per_s, self.network_bytes_per_s, self.region_bytes_per_s),
+        )
+
+    @staticmethod
+    def transfer_s(latency: Any, bandwidth: Any, nbytes: Any) -> Any:
+        """Time to move ``nbytes`` over a link of ``latency`` and ``bandwidth`` (0 when
+        nothing moves): on numbers or on arrays alike."""
+        return (nbytes > 0) * (latency + nbytes / bandwidth)
 
 
 @dataclass(slots=True, frozen=True)
@@ -434,13 +444,10 @@ class Disaggregator:
         self,
     ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
         """Latency (s), bandwidth (bytes/s) and placement penalty (s) of each link, in
-        ``LINKS`` order (nothing moves to the same replica: no latency, no limit)."""
-        m, k = self.link, self.knobs
-        return (
-            (0.0, m.nvlink_latency_s, m.network_latency_s, m.region_latency_s),
-            (math.inf, m.nvlink_bytes_per_s, m.network_bytes_per_s, m.region_bytes_per_s),
-            (0.0, 0.0, k.rack_penalty_s, k.region_penalty_s),
-        )
+        ``LINKS`` order (``LinkModel.tables``)."""
+        k = self.knobs
+        latency, bandwidth = self.link.tables()
+        return latency, bandwidth, (0.0, 0.0, k.rack_penalty_s, k.region_penalty_s)
 
     def _decode_scores(
         self,
@@ -465,7 +472,7 @@ class Disaggregator:
         out = request.max_output_tokens or EXPECTED_OUTPUT_TOKENS
         usable = xp.minimum(usable_blocks * request.block_size, prompt)
         nbytes = (1 - same) * self.sizes.total(prompt - usable, hybrid, xp)
-        move_s = (nbytes > 0) * (latency + nbytes / bandwidth)
+        move_s = self.link.transfer_s(latency, bandwidth, nbytes)
         step = cost.step_overhead_s + cost.decode_step_s(decoding + 1, context_tokens + prompt)
         stall = cost.prefill_s(queued_prefill_tokens, 0, xp)
         return step * out + stall + move_s + penalty, usable, nbytes, move_s
