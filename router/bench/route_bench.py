@@ -24,6 +24,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from router.bench.measure import emit
@@ -32,7 +33,7 @@ from router.core.index import PrefixIndex
 from router.core.load import CostModel, EngineReport, LoadTracker
 from router.core.policies import Ours
 from router.core.routing import COLUMNAR_MIN, RoutingEngine, RoutingSettings
-from router.core.types import Decision, ReplicaKey, RouteRequest
+from router.core.types import ReplicaKey, RouteRequest
 
 BLOCK = 64
 
@@ -74,24 +75,36 @@ def _requests(sessions: list[list[int]], count: int, seed: int) -> list[RouteReq
     return out
 
 
-def _time(
-    engine: RoutingEngine, keys: tuple[ReplicaKey, ...], requests: list[RouteRequest], rounds: int
-) -> tuple[float, list[Decision]]:
-    rng = random.Random(0)
+def _per_request_us(
+    requests: list[RouteRequest], rounds: int, step: Callable[[int, RouteRequest], ReplicaKey]
+) -> tuple[float, list[ReplicaKey]]:
+    """Median over ``rounds`` of the microseconds ``step`` takes a request, and the replicas
+    it chose in the last round."""
     samples = []
-    decisions: list[Decision] = []
+    chosen: list[ReplicaKey] = []
     for _ in range(rounds):
-        decisions = []
+        chosen = []
         t0 = time.perf_counter()
         for i, req in enumerate(requests):
-            now = float(i)
-            cands = engine.candidates(req, keys, now)
-            decision = engine.choose(req, cands, now, rng)
-            engine.dispatched(req, decision, now)
-            engine.load.complete(req.request_id)
-            decisions.append(decision)
+            chosen.append(step(i, req))
         samples.append((time.perf_counter() - t0) / len(requests) * 1e6)
-    return round(statistics.median(samples), 2), decisions
+    return round(statistics.median(samples), 2), chosen
+
+
+def _time(
+    engine: RoutingEngine, keys: tuple[ReplicaKey, ...], requests: list[RouteRequest], rounds: int
+) -> tuple[float, list[ReplicaKey]]:
+    """The routing step of each request, as the service runs it."""
+    rng = random.Random(0)
+
+    def step(i: int, req: RouteRequest) -> ReplicaKey:
+        now = float(i)
+        decision = engine.choose(req, engine.candidates(req, keys, now), now, rng)
+        engine.dispatched(req, decision, now)
+        engine.load.complete(req.request_id)
+        return decision.replica
+
+    return _per_request_us(requests, rounds, step)
 
 
 def _time_pd(
@@ -103,16 +116,12 @@ def _time_pd(
     pd = Disaggregator(PdKnobs(mode="always"), CostModel(), roles=roles, sites=sites)
     prefill = [k for k in keys if roles[k] is Role.PREFILL]
     rng = random.Random(0)
-    samples = []
-    picked: list[ReplicaKey] = []
-    for _ in range(rounds):
-        picked = []
-        t0 = time.perf_counter()
-        for i, req in enumerate(requests):
-            pick = pd.pick_decode(engine, req, prefill[i % len(prefill)], keys, float(i), rng)
-            picked.append(pick.decision.replica)
-        samples.append((time.perf_counter() - t0) / len(requests) * 1e6)
-    return round(statistics.median(samples), 2), picked
+
+    def step(i: int, req: RouteRequest) -> ReplicaKey:
+        pick = pd.pick_decode(engine, req, prefill[i % len(prefill)], keys, float(i), rng)
+        return pick.decision.replica
+
+    return _per_request_us(requests, rounds, step)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,9 +138,7 @@ def run(args: argparse.Namespace) -> int:
             )
             figures[name], outcomes[name] = _time(engine, keys, requests, args.rounds)
         figures["default"] = "arrays" if n >= COLUMNAR_MIN else "per_candidate"
-        figures["same_decisions"] = [d.replica for d in outcomes["per_candidate_us"]] == [
-            d.replica for d in outcomes["arrays_us"]
-        ]
+        figures["same_decisions"] = outcomes["per_candidate_us"] == outcomes["arrays_us"]
         picks = {}
         for name, columnar_min in (
             ("pd_decode_per_candidate_us", 10**9),
