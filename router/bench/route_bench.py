@@ -124,35 +124,36 @@ def _time_pd(
     return _per_request_us(requests, rounds, step)
 
 
+Timer = Callable[
+    [RoutingEngine, tuple[ReplicaKey, ...], list[RouteRequest], int], tuple[float, list[ReplicaKey]]
+]
+
+
+def _both_paths(args: argparse.Namespace, n: int, timer: Timer) -> tuple[float, float, bool]:
+    """``timer`` per candidate and on arrays, each on a fresh fleet of ``n`` (speculative
+    entries of one must not help the other): both figures, and whether they chose alike."""
+    timed = []
+    for columnar_min in (10**9, 1):
+        index, load, keys, sessions = _fleet(n, args.seed)
+        requests = _requests(sessions, args.requests, args.seed)
+        settings = RoutingSettings(block_size=BLOCK)
+        engine = RoutingEngine(index, load, Ours(), settings, columnar_min=columnar_min)
+        timed.append(timer(engine, keys, requests, args.rounds))
+    (per_candidate, chosen), (arrays, chosen_too) = timed
+    return per_candidate, arrays, chosen == chosen_too
+
+
 def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for n in args.replicas:
         figures: dict[str, Any] = {"replicas": n}
-        outcomes = {}
-        for name, columnar_min in (("per_candidate_us", 10**9), ("arrays_us", 1)):
-            # a fresh fleet for each path: speculative entries of one must not help the other
-            index, load, keys, sessions = _fleet(n, args.seed)
-            requests = _requests(sessions, args.requests, args.seed)
-            engine = RoutingEngine(
-                index, load, Ours(), RoutingSettings(block_size=BLOCK), columnar_min=columnar_min
-            )
-            figures[name], outcomes[name] = _time(engine, keys, requests, args.rounds)
+        per_candidate, arrays, same = _both_paths(args, n, _time)
+        figures.update(per_candidate_us=per_candidate, arrays_us=arrays)
         figures["default"] = "arrays" if n >= COLUMNAR_MIN else "per_candidate"
-        figures["same_decisions"] = outcomes["per_candidate_us"] == outcomes["arrays_us"]
-        picks = {}
-        for name, columnar_min in (
-            ("pd_decode_per_candidate_us", 10**9),
-            ("pd_decode_arrays_us", 1),
-        ):
-            index, load, keys, sessions = _fleet(n, args.seed)
-            requests = _requests(sessions, args.requests, args.seed)
-            engine = RoutingEngine(
-                index, load, Ours(), RoutingSettings(block_size=BLOCK), columnar_min=columnar_min
-            )
-            figures[name], picks[name] = _time_pd(engine, keys, requests, args.rounds)
-        figures["same_pd_decisions"] = (
-            picks["pd_decode_per_candidate_us"] == picks["pd_decode_arrays_us"]
-        )
+        figures["same_decisions"] = same
+        per_candidate, arrays, same = _both_paths(args, n, _time_pd)
+        figures.update(pd_decode_per_candidate_us=per_candidate, pd_decode_arrays_us=arrays)
+        figures["same_pd_decisions"] = same
         rows.append(figures)
     emit(
         {

@@ -408,10 +408,13 @@ class Disaggregator:
             j = int(ties[rng.randrange(len(ties))])
             order = np.argsort(scores, kind="stable")
             ranking = tuple(keys[i] for i in order.tolist() if keys[i] != keys[j])
-            pick = (float(scores[j]), keys[j], int(usable[j]), float(nbytes[j]), float(move_s[j]))
+            pick = (
+                float(scores[j]), keys[j], int(usable[j]), float(nbytes[j]), float(move_s[j]),
+                int(codes[j]),
+            )  # fmt: skip
         else:
             tables = self._link_tables()
-            best: list[tuple[float, ReplicaKey, int, float, float]] = []
+            best: list[tuple[float, ReplicaKey, int, float, float, int]] = []
             scored: list[tuple[float, ReplicaKey]] = []
             for key, view in filter_candidates(dec, engine.load, engine.settings.busy, now):
                 code = code_of(here, site(key), key == prefill_replica)
@@ -422,12 +425,12 @@ class Disaggregator:
                 )  # fmt: skip
                 scored.append((score, key))
                 if not best or score < best[0][0]:
-                    best = [(score, key, use, moved, secs)]
+                    best = [(score, key, use, moved, secs, code)]
                 elif score == best[0][0]:
-                    best.append((score, key, use, moved, secs))
+                    best.append((score, key, use, moved, secs, code))
             pick = best[rng.randrange(len(best))]
             ranking = tuple(r for _, r in sorted(scored, key=lambda t: t[0]) if r != pick[1])
-        score, key, use, moved, secs = pick
+        score, key, use, moved, secs, code = pick
         decision = Decision(
             key,
             "pd_decode",
@@ -437,8 +440,7 @@ class Disaggregator:
             {"transfer_s": secs, "transfer_bytes": moved},
             ranking,
         )
-        link = LINKS[code_of(here, site(key), key == prefill_replica)]
-        return DecodePick(decision, link, moved, secs)
+        return DecodePick(decision, LINKS[code], moved, secs)
 
     def _link_tables(
         self,

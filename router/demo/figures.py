@@ -31,7 +31,7 @@ def _pcts(values: Sequence[float], name: str, which: Sequence[int]) -> dict[str,
 def summarize(outcomes: Sequence[Outcome], slo: SloTargets | None = None) -> dict[str, Any]:
     """``requests``, ``ok``, ``failed``, ``hit``, ``kv_hit``, ``predicted_hit``,
     ``error_p99``, ``goodput``, ``goodput_by_slo_scale`` (``router.core.slo.SLO_SCALES``),
-    ``ttft_p50/p90/p99_ms``, ``e2e_p50/p90/p99_ms``,
+    ``ttft_mean_ms``, ``ttft_p50/p90/p99_ms``, ``e2e_p50/p90/p99_ms``,
     ``tpot_p50/p90_ms``."""
     slo = slo or SloTargets()
     ok = [o for o in outcomes if o.ok]
@@ -60,6 +60,8 @@ def summarize(outcomes: Sequence[Outcome], slo: SloTargets | None = None) -> dic
         "goodput": round(count_met(answered, slo) / len(outcomes), 4) if outcomes else 0.0,
         "goodput_by_slo_scale": goodput_by_scale(answered, len(outcomes), slo),
     }
+    if ok:
+        out["ttft_mean_ms"] = round(statistics.fmean(o.ttft_s for o in ok) * 1e3, 1)
     out.update(_pcts([o.ttft_s * 1e3 for o in ok], "ttft", (50, 90, 99)))
     out.update(_pcts([o.e2e_s * 1e3 for o in ok], "e2e", (50, 90, 99)))
     out.update(_pcts(tpots, "tpot", (50, 90)))

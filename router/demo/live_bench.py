@@ -315,9 +315,6 @@ async def _row(
         cpu1 = fleet.cpu_seconds(name)
         engine1 = await engine_ttft_totals(urls)
     figures = summarize(outcomes, slo)
-    answered = [o.ttft_s for o in outcomes if o.ok]
-    if answered:
-        figures["ttft_mean_ms"] = round(statistics.fmean(answered) * 1e3, 1)
     if engine0 is not None and engine1 is not None:
         engine = engine1.since(engine0)
         if engine.requests > 0:

@@ -52,10 +52,6 @@ class Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
 
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
     def cumulative(self) -> list[tuple[str, int]]:
         """``(le, count)`` pairs as Prometheus exposes them, ``+Inf`` last."""
         out: list[tuple[str, int]] = []
