@@ -18,9 +18,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from router.bench.measure import median_row
 from router.core.errors import KVRouterError
 from router.core.routing import DEFAULT_SPECULATIVE_TTL_S
 from router.core.turnover import REUSE_WINDOW_S
+
+MAX_RUNS = 100
+# the figures whose [min, max] over --runs a summary gives (``spread``)
+RUN_SPREAD = (
+    "token_hit_rate", "goodput", "ttft_ms_p50", "ttft_ms_p90", "e2e_ms_p90", "tpot_ms_p90",
+)  # fmt: skip
 
 
 class ProgressBar:
@@ -317,6 +324,10 @@ def _replay(args: argparse.Namespace) -> int:
             names.append(tuned.policy)
     if args.speedup <= 0:
         raise KVRouterError("--speedup must be positive")
+    if not 1 <= args.runs <= MAX_RUNS:
+        raise KVRouterError(f"--runs must be in [1, {MAX_RUNS}], got {args.runs}")
+    if args.runs > 1 and args.report:
+        raise KVRouterError("--report plots one run per policy: drop --runs or --report")
     if args.report:  # before the runs, not after them
         from sim.report import require_plotting
 
@@ -326,7 +337,12 @@ def _replay(args: argparse.Namespace) -> int:
     if not len(workload):
         raise KVRouterError("the trace has no requests")
     load_s = time.perf_counter() - t0
-    specs = [RunSpec(n, params.get(n), args.speedup) for n in names]
+    seeds = [config.seed + i for i in range(args.runs)]
+    specs = [
+        RunSpec(n, params.get(n), args.speedup, cluster={"seed": seed} if args.runs > 1 else None)
+        for n in names
+        for seed in seeds
+    ]
     jobs = args.jobs or default_jobs()
     bar = ProgressBar("sim", enabled=not args.no_progress)
     if len(specs) == 1:
@@ -341,13 +357,18 @@ def _replay(args: argparse.Namespace) -> int:
     ceil = workload_ceilings(workload, config, runs[0].arrival_ids)
     ceiling_s = time.perf_counter() - t2
     ceilings = {"ceiling_infinite": ceil.infinite, "ceiling_global_lru": ceil.global_lru}
-    for run in runs:
-        s = run.summary
+    summaries = [  # one run: its own summary, which --report's plots read too
+        median_row([r.summary for r in runs[i : i + args.runs]], spread=RUN_SPREAD)
+        if args.runs > 1
+        else runs[i].summary
+        for i in range(0, len(runs), args.runs)
+    ]
+    for s in summaries:
         s.update(ceilings)
         s["of_lru_ceiling"] = (
             round(s["token_hit_rate"] / ceil.global_lru, 4) if ceil.global_lru else None
         )
-    settings = _settings(args, config)
+    settings = {**_settings(args, config), "runs": args.runs, "seeds": seeds}
     common = {
         "trace": args.trace,
         "requests": len(workload),
@@ -357,15 +378,20 @@ def _replay(args: argparse.Namespace) -> int:
         "ceiling_s": round(ceiling_s, 3),
         "settings": settings,
     }
-    if len(runs) == 1:
-        document: dict[str, Any] = {
-            **runs[0].summary,
-            **common,
-            "wall_s": round(sim_wall, 3),
-        }
+    if len(summaries) == 1:
+        document: dict[str, Any] = {**summaries[0], **common, "wall_s": round(sim_wall, 3)}
     else:
-        document = {"runs": [r.summary for r in runs], **common, "wall_s": round(sim_wall, 3)}
-    text = _table_for(runs, ceilings)
+        document = {"runs": summaries, **common, "wall_s": round(sim_wall, 3)}
+    text = _table_for(summaries, ceilings)
+    if args.runs > 1:
+        ranges = ", ".join(
+            f"{s['policy']} {s['spread']['goodput'][0]:.1%}-{s['spread']['goodput'][1]:.1%}"
+            for s in summaries
+        )
+        text += (
+            f"\nmedians of {args.runs} runs per policy (seeds {seeds[0]}-{seeds[-1]}); "
+            f"goodput range: {ranges}"
+        )
     if args.report:
         _write_report(args, workload, config, runs, specs, document, text, jobs)
     if args.json:
@@ -379,10 +405,10 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table_for(runs: list[Any], ceilings: dict[str, float]) -> str:
+def _table_for(summaries: list[dict[str, Any]], ceilings: dict[str, float]) -> str:
     from sim.report import table
 
-    return table([r.summary for r in runs], ceilings)
+    return table(summaries, ceilings)
 
 
 def _write_report(
@@ -563,6 +589,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     replay.add_argument("--config", help="tuned-settings TOML (from 'sim tune')")
     replay.add_argument("--tuned-model", help="model to take from --config")
     replay.add_argument("--speedup", type=float, default=1.0, help="arrival speed-up")
+    replay.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="runs of each policy, seeds --seed, --seed+1, ...; figures are their medians, "
+        "with 'runs' and 'spread' (give --arrival-jitter-ms so the schedules differ)",
+    )
     replay.add_argument("--json", action="store_true", help="print one JSON object")
     replay.add_argument("--report", metavar="DIR", help="write PNG plots + index.html here")
     replay.add_argument("--sweep", default="0.5,1,2,4", help="speed-ups plotted by --report")

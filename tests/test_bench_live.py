@@ -158,6 +158,22 @@ def test_repeated_runs_combine_into_medians_totals_and_spread() -> None:
     assert combine_runs([failed]) == failed and combine_runs([runs[0], failed]) == failed
 
 
+def test_median_row_keeps_what_the_runs_agree_on() -> None:
+    from router.bench.measure import median_row
+
+    runs = [
+        {"policy": "ours", "trace": "a", "n": 1, "flag": True, "scale": {"1": 0.2, "x": "s"}},
+        {"policy": "ours", "trace": "b", "n": 5, "flag": True, "scale": {"1": 0.6, "x": "s"}},
+        {"policy": "ours", "n": 2, "flag": True, "scale": {"1": 0.4, "x": "s"}},
+    ]
+    row = median_row(runs, spread=("n", "missing"))
+    assert row["policy"] == "ours" and "trace" not in row  # differs, or missing in a run
+    assert row["n"] == 2 and row["flag"] is True and row["scale"] == {"1": 0.4}
+    assert row["runs"] == 3 and row["spread"] == {"n": [1, 5]}
+    assert median_row(runs, totals=("n",))["n"] == 8
+    assert median_row(runs[:1]) == runs[0] and median_row(runs[:1]) is not runs[0]
+
+
 def test_sim_params_change_only_the_simulators_prediction() -> None:
     """``--rows ''`` runs nothing live; ``--sim-params`` reaches the simulated ``ours`` and
     a wrong one is a usage error that names it."""

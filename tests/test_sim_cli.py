@@ -102,6 +102,37 @@ def test_bad_input_is_a_clear_error() -> None:
     assert p.returncode == 2 and "--reuse-window-s must be positive" in p.stderr
 
 
+def test_runs_report_the_median_and_spread_of_seeded_runs() -> None:
+    """``--runs 3 --seed 5``: each figure is the median of the runs with seeds 5, 6 and 7
+    (the same as three single runs), with their range; jittered arrivals make the three
+    schedules differ."""
+    args = ["sim", "replay", "mooncake", *FLEET, "--policy", "ours", "--speedup", "4"]
+    args += ["--limit", "300", "--arrival-jitter-ms", "50", "--jobs", "1", "--json"]
+    p = kvrouter(*args, "--runs", "3", "--seed", "5")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["runs"] == 3 and doc["settings"]["seeds"] == [5, 6, 7]
+    singles = []
+    for seed in ("5", "6", "7"):
+        one = kvrouter(*args, "--seed", seed)
+        assert one.returncode == 0, one.stderr
+        singles.append(json.loads(one.stdout))
+    assert "runs" not in singles[0] and "spread" not in singles[0]
+    for key in ("goodput", "ttft_ms_p90", "e2e_ms_p90", "tpot_ms_p90"):
+        values = sorted(s[key] for s in singles)
+        assert doc[key] == round(values[1], 4)
+        assert doc["spread"][key] == [values[0], values[2]]
+    assert doc["spread"]["ttft_ms_p90"][0] < doc["spread"]["ttft_ms_p90"][1]
+    assert doc["policy"] == "ours" and doc["requests"] == 300
+    table = kvrouter(*args[:-1], "--runs", "2", "--policy", "ours,round_robin")
+    assert table.returncode == 0, table.stderr
+    assert "medians of 2 runs per policy (seeds 0-1); goodput range: ours " in table.stdout
+    bad = kvrouter("sim", "replay", "mooncake", "--runs", "0", "--limit", "5")
+    assert bad.returncode == 2 and "--runs must be in [1, 100]" in bad.stderr
+    bad = kvrouter("sim", "replay", "mooncake", "--runs", "2", "--report", "/tmp/none")
+    assert bad.returncode == 2 and "drop --runs or --report" in bad.stderr
+
+
 def test_reuse_window_reaches_the_simulated_routers() -> None:
     """Small caches that evict from the start: the eviction term's time scale changes where
     ``ours`` sends requests."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,45 @@ def percentile(samples: Sequence[float], q: float) -> float:
     ordered = sorted(samples)
     rank = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[rank]
+
+
+def median_row(
+    runs: Sequence[dict[str, Any]],
+    *,
+    totals: Sequence[str] = (),
+    spread: Sequence[str] = (),
+) -> dict[str, Any]:
+    """One row of figures from several runs of the same thing: the ``totals`` keys summed,
+    every other number the runs' median (a dict of numbers, key by key), any other value
+    kept where all runs agree on it; ``runs`` their number and ``spread`` the ``[min, max]``
+    of the ``spread`` keys. One run is returned as it is. Why medians: a closed loop or a
+    fleet past its capacity turns a millisecond into another schedule, so one run is one
+    sample and cannot rank two configurations."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for r in runs for k in r):
+        values = [r[key] for r in runs if key in r]
+        if key in totals:
+            out[key] = sum(values)
+        elif all(_number(v) for v in values):
+            out[key] = round(statistics.median(values), 4)
+        elif all(isinstance(v, dict) for v in values):
+            inner = [k for k in values[0] if all(k in v and _number(v[k]) for v in values)]
+            out[key] = {k: round(statistics.median(v[k] for v in values), 4) for k in inner}
+        elif len(values) == len(runs) and all(v == values[0] for v in values):
+            out[key] = values[0]
+    out["runs"] = len(runs)
+    out["spread"] = {
+        key: [min(r[key] for r in runs), max(r[key] for r in runs)]
+        for key in spread
+        if all(key in r for r in runs)
+    }
+    return out
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def emit(result: dict[str, Any]) -> None:

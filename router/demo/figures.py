@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from router.bench.measure import percentile
+from router.bench.measure import median_row, percentile
 from router.core.slo import Answered, SloTargets, count_met, goodput_by_scale, tpot_s
 from router.demo.replay import Outcome
 
@@ -74,31 +74,14 @@ SPREAD = ("hit", "goodput", "ttft_p50_ms", "ttft_p90_ms", "e2e_p90_ms", "tpot_p9
 
 def combine_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One row from repeated runs of it (``kvrouter bench live --repeat``): ``requests``,
-    ``ok`` and ``failed`` summed, every other figure the median of the runs (a fleet past
-    its capacity swings by several points from run to run, so one run cannot rank two
-    routers), ``runs`` their number and ``spread`` the ``[min, max]`` of the headline
-    figures. A run that failed as a whole (``error``) is the row's answer."""
-    if len(runs) == 1 or any("error" in r for r in runs):
-        return dict(next((r for r in runs if "error" in r), runs[0]))
-    out: dict[str, Any] = {}
-    for key in dict.fromkeys(k for r in runs for k in r):
-        values = [r[key] for r in runs if key in r]
-        if key in TOTALS:
-            out[key] = sum(values)
-        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            out[key] = round(statistics.median(values), 4)
-        elif all(isinstance(v, dict) for v in values):  # goodput_by_slo_scale
-            out[key] = {
-                k: round(statistics.median(v[k] for v in values), 4)
-                for k in values[0]
-                if all(k in v for v in values)
-            }
-        elif key == "errors":
-            out[key] = sorted({e for v in values for e in v})[:3]
-    out["runs"] = len(runs)
-    out["spread"] = {
-        key: [min(r[key] for r in runs), max(r[key] for r in runs)]
-        for key in SPREAD
-        if all(key in r for r in runs)
-    }
+    ``ok`` and ``failed`` summed, every other figure the median of the runs, ``runs`` their
+    number and ``spread`` the ``[min, max]`` of the headline figures (``median_row``), and
+    the first three distinct ``errors``. A run that failed as a whole (``error``) is the
+    row's answer."""
+    failed = next((r for r in runs if "error" in r), None)
+    if failed is not None:
+        return dict(failed)
+    out = median_row(runs, totals=TOTALS, spread=SPREAD)
+    if len(runs) > 1 and any("errors" in r for r in runs):
+        out["errors"] = sorted({e for r in runs for e in r.get("errors", ())})[:3]
     return out
