@@ -11,7 +11,9 @@ from collections.abc import Callable
 import pytest
 
 from router.core.errors import ConfigError
-from router.service.config import Settings, env_overrides, load_settings
+from router.service.config import load_settings
+from router.service.config_env import env_overrides
+from router.service.settings import Settings
 
 REPLICA = {"KVROUTER_REPLICAS": "m=http://127.0.0.1:9"}
 
@@ -161,7 +163,7 @@ def test_field_types_a_compiled_core_loses_match_the_source() -> None:
     import pytest
 
     from router.core import routing
-    from router.service.config import LOST_WHEN_COMPILED
+    from router.service.settings import LOST_WHEN_COMPILED
 
     if not str(routing.__file__).endswith(".py"):
         pytest.skip("router/core is compiled: checked by the pure-Python run")

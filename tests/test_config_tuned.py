@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from router.core.errors import ConfigError
-from router.service.config import ModelSettings, load_settings
+from router.service.config import load_settings
+from router.service.settings import ModelSettings
 from sim.cluster import ClusterConfig
 from sim.profiles import load_profile
 from sim.runner import build_workload

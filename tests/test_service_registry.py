@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from router.core.types import ReplicaKey
-from router.service.config import ReplicaSettings
 from router.service.registry import ReplicaRegistry
+from router.service.settings import ReplicaSettings
 
 
 def _replica(

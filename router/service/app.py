@@ -25,7 +25,6 @@ from aiohttp import web
 from router.service import admin, background, public
 from router.service.admission import Admission
 from router.service.banner import log_startup
-from router.service.config import Settings
 from router.service.fast_server import ConnLimits, FastServer
 from router.service.gate import Gate
 from router.service.handling import CHAT_PATH, COMPLETIONS_PATH, FrontDoor, handle
@@ -41,6 +40,7 @@ from router.service.keys import (
 from router.service.routes import Routes
 from router.service.saturation import loop_lag
 from router.service.security import Limits
+from router.service.settings import Settings
 from router.service.state import RouterState
 
 __all__ = [

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from router.service.config import Settings
+    from router.service.settings import Settings
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    from router.service.config import parse_replica_list
+    from router.service.config_env import parse_replica_list
 
     server: dict[str, Any] = {}
     for flag, key in (

@@ -35,11 +35,11 @@ from router.core.disagg import PREFILL_LEG_OUTPUT, Disaggregator, Link, PdSetup,
 from router.core.errors import KVRouterError
 from router.core.load import CostModel
 from router.core.types import ReplicaKey, RouteRequest
-from router.service.config import ModelSettings
 from router.service.errors import reply_for
 from router.service.proxy import Forwarder, Sink, request_head, send_error
 from router.service.registry import ReplicaRegistry
 from router.service.replica_url import ReplicaUrl
+from router.service.settings import ModelSettings
 from router.service.state import Routed, RouterState
 from router.service.stream_usage import with_patch
 from router.service.upstream_errors import ConnectFailed, UpstreamError, UpstreamTimeout

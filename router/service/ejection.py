@@ -22,8 +22,8 @@ import logging
 
 from router.core.outliers import Ejection, OutlierDetector, OutlierSettings
 from router.core.types import ReplicaKey
-from router.service.config import ServerSettings
 from router.service.loop_metrics import LoopCounter
+from router.service.settings import ServerSettings
 from router.service.state import RouterState
 
 _log = logging.getLogger("kvrouter.service")

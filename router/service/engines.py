@@ -22,7 +22,7 @@ import aiohttp
 
 from router.core.types import ReplicaKey
 from router.publisher.scrape import fetch_page, parse_engine_metrics
-from router.service.config import ReplicaSettings
+from router.service.settings import ReplicaSettings
 from router.service.state import RouterState
 from router.store.base import LoadSample, ReplicaInfo
 from router.store.sync import LoadTrackerListener

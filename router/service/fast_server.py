@@ -67,7 +67,7 @@ class ConnLimits:
 
     @classmethod
     def from_server(cls, s: Any) -> ConnLimits:
-        """``server.*`` (router.service.config.ServerSettings); ``max_connections`` 0 there
+        """``server.*`` (router.service.settings.ServerSettings); ``max_connections`` 0 there
         means 80% of the process's file-descriptor limit."""
         cap = s.max_connections
         if cap <= 0:

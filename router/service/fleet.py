@@ -14,9 +14,9 @@ from collections.abc import Callable, Collection, Sequence
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.types import ReplicaKey
-from router.service.config import ReplicaSettings, Settings
 from router.service.registry import ReplicaRegistry
 from router.service.replica_url import ReplicaUrl
+from router.service.settings import ReplicaSettings, Settings
 from router.store.base import ReplicaInfo
 
 _log = logging.getLogger("router.service.state")

@@ -12,9 +12,9 @@ import aiohttp
 from aiohttp import web
 
 from router.core.index import PrefixIndex
-from router.service.config import Settings
 from router.service.proxy import Forwarder
 from router.service.routes import Routes
+from router.service.settings import Settings
 from router.service.state import RouterState
 from router.service.workers import Workers
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from router.core.errors import ConfigError
-from router.service.config import ModelSettings
+from router.service.settings import ModelSettings
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
 from router.tokenize.template import ChatTemplate

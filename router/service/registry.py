@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from router.core.types import ReplicaKey
-from router.service.config import ReplicaSettings
 from router.service.replica_url import ReplicaUrl
+from router.service.settings import ReplicaSettings
 
 
 @dataclass(slots=True, frozen=True)

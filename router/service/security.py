@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from router.core.errors import BadRequest, ConfigError
 
 if TYPE_CHECKING:
-    from router.service.config import ServerSettings
+    from router.service.settings import ServerSettings
 
 
 def read_api_keys(inline: str | None, path: str | None) -> tuple[str, ...]:

@@ -30,12 +30,12 @@ from router.core.slo import SloTargets
 from router.core.types import Decision, ReplicaKey, RouteRequest
 from router.recorder import TraceRecorder
 from router.service.body_memo import BodyMemo
-from router.service.config import ModelSettings, Settings
 from router.service.fleet import Fleet
 from router.service.layout import ModelLayouts
 from router.service.metrics import Metrics
 from router.service.prompts import build_processor
 from router.service.registry import ReplicaRegistry
+from router.service.settings import ModelSettings, Settings
 from router.service.snapshot import state_snapshot
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import ProcessedPrompt, PromptProcessor
