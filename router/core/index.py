@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import compress, filterfalse, repeat
 from operator import eq, ne
@@ -37,15 +37,20 @@ from operator import eq, ne
 import numpy as np
 
 from router.core.keycache import PerTuple
+from router.core.prefix_match import (
+    PrefixMatches,
+    bisect_lengths,
+    iter_slots,
+    union_of,
+    usable_lengths,
+)
 from router.core.types import (
-    NO_MATCH,
     AllCleared,
     ApplyOutcome,
     BlocksRemoved,
     BlocksStored,
     EventBatch,
     Kind,
-    PrefixMatch,
     ReplicaKey,
     Tier,
 )
@@ -63,13 +68,6 @@ def _bits(value: int) -> int:
 def _pack(mask: int) -> int:
     """Encode a non-empty holder set, singletons as ``~slot``."""
     return ~(mask.bit_length() - 1) if mask & (mask - 1) == 0 else mask
-
-
-def iter_slots(mask: int) -> Iterator[int]:
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
 
 
 def _discard(table: dict[int, int], block: int, bit: int) -> bool:
@@ -516,218 +514,25 @@ class PrefixIndex:
         kv_tables = [t for t in (*self._kv, spec_kv) if t]
         if not kv_tables:
             return PrefixMatches.empty()
-        kv = _bisect_lengths(hashes, self._holders(kv_tables), self._live)
+        kv = bisect_lengths(hashes, self._holders(kv_tables), self._live)
         if not kv:
             return PrefixMatches.empty()
         gpu: list[tuple[int, int]] | None = None
         host: list[tuple[int, int]] | None = None
         # Tier breakdown only when something lives off-GPU: GPU-only fleets skip it.
         if self._kv[Tier.CPU] or self._kv[Tier.DISK]:
-            within = _union(kv)
+            within = union_of(kv)
             gpu_tables = [t for t in (self._kv[Tier.GPU], spec_kv) if t]
             host_tables = [t for t in (self._kv[Tier.GPU], self._kv[Tier.CPU], spec_kv) if t]
-            gpu = _bisect_lengths(hashes, self._holders(gpu_tables), within) if gpu_tables else []
-            host = _bisect_lengths(hashes, self._holders(host_tables), within)
+            gpu = bisect_lengths(hashes, self._holders(gpu_tables), within) if gpu_tables else []
+            host = bisect_lengths(hashes, self._holders(host_tables), within)
         usable: list[tuple[int, int]] | None = None
         if hybrid:
             state_tables = [t for t in (self._state, spec_state) if t]
             candidates = self._state_slots | (self._live if spec_state else 0)
             usable = (
-                _usable_lengths(hashes, kv, self._holders(state_tables), candidates)
+                usable_lengths(hashes, kv, self._holders(state_tables), candidates)
                 if state_tables
                 else []
             )
         return PrefixMatches(self._slot_of, self._key_of, kv, gpu, host, usable)
-
-
-class PrefixMatches:
-    """Result of ``PrefixIndex.match``: replicas grouped by match length (bitmasks), so a
-    lookup costs the same whether 1 or 1,000 replicas share the prefix. Per-replica values
-    are produced on demand by ``get``."""
-
-    __slots__ = ("_gpu", "_host", "_key_of", "_kv", "_slot_of", "_usable")
-
-    def __init__(
-        self,
-        slot_of: dict[ReplicaKey, int],
-        key_of: list[ReplicaKey | None],
-        kv: list[tuple[int, int]],
-        gpu: list[tuple[int, int]] | None,
-        host: list[tuple[int, int]] | None,
-        usable: list[tuple[int, int]] | None,
-    ) -> None:
-        self._slot_of = slot_of
-        self._key_of = key_of
-        self._kv = kv
-        self._gpu = gpu
-        self._host = host
-        self._usable = usable
-
-    @classmethod
-    def empty(cls) -> PrefixMatches:
-        return cls({}, [], [], None, None, None)
-
-    def __len__(self) -> int:
-        return sum(mask.bit_count() for _, mask in self._kv)
-
-    def __bool__(self) -> bool:
-        return bool(self._kv)
-
-    def longest(self) -> int:
-        """Longest KV match over all replicas, in blocks."""
-        return max((length for length, _ in self._kv), default=0)
-
-    def get(self, key: ReplicaKey, default: PrefixMatch = NO_MATCH) -> PrefixMatch:
-        slot = self._slot_of.get(key)
-        if slot is None:
-            return default
-        return self._at(slot) or default
-
-    def _at(self, slot: int) -> PrefixMatch | None:
-        bit = 1 << slot
-        kv = _length_of(self._kv, bit)
-        if not kv:
-            return None
-        gpu = kv if self._gpu is None else min(_length_of(self._gpu, bit), kv)
-        host = kv if self._host is None else max(gpu, min(_length_of(self._host, bit), kv))
-        usable = kv if self._usable is None else _length_of(self._usable, bit)
-        return PrefixMatch(kv_blocks=kv, gpu_blocks=gpu, host_blocks=host, usable_blocks=usable)
-
-    def items(self) -> Iterator[tuple[ReplicaKey, PrefixMatch]]:
-        key_of = self._key_of
-        if self._gpu is None and self._host is None and self._usable is None:
-            # Common case (GPU-only, non-hybrid): one shared value per length group.
-            for length, mask in self._kv:
-                match = PrefixMatch(length, length, length, length)
-                for slot in iter_slots(mask):
-                    key = key_of[slot]
-                    if key is not None:
-                        yield key, match
-            return
-        for slot in iter_slots(_union(self._kv)):
-            key = self._key_of[slot]
-            found = self._at(slot)
-            if key is not None and found is not None:
-                yield key, found
-
-    def as_dict(self) -> dict[ReplicaKey, PrefixMatch]:
-        return dict(self.items())
-
-    def columns(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``get`` for many replicas at once, as arrays: (kv, gpu, host, usable) blocks of the
-        replica in each of ``slots`` (PrefixIndex.slots; -1 and unmatched slots give 0s).
-        A few array operations per match-length group, whatever the number of replicas."""
-        kv = _lengths_at(self._kv, slots)
-        gpu = kv if self._gpu is None else np.minimum(_lengths_at(self._gpu, slots), kv)
-        host = (
-            kv
-            if self._host is None
-            else np.maximum(gpu, np.minimum(_lengths_at(self._host, slots), kv))
-        )
-        usable = kv if self._usable is None else _lengths_at(self._usable, slots)
-        return kv, gpu, host, usable
-
-
-def _lengths_at(groups: list[tuple[int, int]], slots: np.ndarray) -> np.ndarray:
-    """Per element of ``slots``: the length of the group whose mask holds that slot, else 0
-    (groups are disjoint: each replica has one match length)."""
-    out = np.zeros(len(slots), dtype=np.int64)
-    if not groups or not len(slots):
-        return out
-    top = int(slots.max())
-    if top < 0:
-        return out
-    nbytes = top // 8 + 1
-    safe = np.maximum(slots, 0)
-    known = slots >= 0
-    for length, mask in groups:
-        if mask & (mask - 1) == 0:  # one replica (a session's own chain): one comparison
-            out[slots == mask.bit_length() - 1] = length
-            continue
-        mask &= (1 << (nbytes * 8)) - 1  # slots above the ones asked for do not matter
-        bits = np.unpackbits(
-            np.frombuffer(mask.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little"
-        )
-        out[bits[safe].astype(bool) & known] = length
-    return out
-
-
-def _length_of(groups: list[tuple[int, int]], bit: int) -> int:
-    for length, mask in groups:
-        if mask & bit:
-            return length
-    return 0
-
-
-def _union(groups: list[tuple[int, int]]) -> int:
-    mask = 0
-    for _, group in groups:
-        mask |= group
-    return mask
-
-
-def _bisect_lengths(
-    hashes: Sequence[int], holders: Callable[[int], int], within: int
-) -> list[tuple[int, int]]:
-    """Group replicas (bitmask) by KV match length in blocks; zero-length ones are omitted.
-
-    Invariant of each segment (lo, hi, mlo, mhi): replicas in ``mlo`` hold depth ``lo``,
-    those in ``mhi`` (a subset) hold depth ``hi``; the ones in ``mlo ^ mhi`` stop in (lo, hi].
-    """
-    n = len(hashes)
-    m0 = holders(hashes[0]) & within
-    if not m0:
-        return []
-    out: list[tuple[int, int]] = []
-    mn = holders(hashes[n - 1]) & m0 if n > 1 else m0
-    if mn:
-        out.append((n, mn))
-    if m0 == mn:
-        return out
-    stack = [(0, n - 1, m0, mn)]
-    while stack:
-        lo, hi, mlo, mhi = stack.pop()
-        if hi - lo == 1:
-            out.append((hi, mlo ^ mhi))
-            continue
-        mid = (lo + hi) // 2
-        mmid = (holders(hashes[mid]) & mlo) | mhi
-        if mmid != mlo:
-            stack.append((lo, mid, mlo, mmid))
-        if mmid != mhi:
-            stack.append((mid, hi, mmid, mhi))
-    return out
-
-
-def _usable_lengths(
-    hashes: Sequence[int],
-    kv_groups: list[tuple[int, int]],
-    state_holders: Callable[[int], int],
-    candidates: int,
-) -> list[tuple[int, int]]:
-    """Largest L <= kv length with a state checkpoint at L, grouped like the KV lengths;
-    replicas without one are left out (their usable length is 0).
-
-    Walks depth downward from the longest KV match; each replica stops at its first
-    checkpoint. Replicas with no checkpoints at all are never probed.
-    """
-    groups = sorted(kv_groups, key=lambda g: g[0], reverse=True)
-    found: list[tuple[int, int]] = []
-    active = 0
-    i = 0
-    depth = groups[0][0]
-    while depth > 0:
-        while i < len(groups) and groups[i][0] >= depth:
-            active |= groups[i][1] & candidates
-            i += 1
-        if not active:
-            if i == len(groups):
-                break
-            depth = groups[i][0]
-            continue
-        hit = state_holders(hashes[depth - 1]) & active
-        if hit:
-            found.append((depth, hit))
-            active ^= hit
-        depth -= 1
-    return found
