@@ -70,6 +70,7 @@ TESTS = (
     "tests/test_service_stream_writes.py",
     "tests/test_proxy_usage.py",
     "tests/test_proxy_faults.py",
+    "tests/test_proxy_integrity.py",
     "tests/test_loop_metrics.py",
     "tests/test_audit_input.py",
     "tests/test_audit_metrics.py",

@@ -7,7 +7,8 @@ extension field, echo unknown request fields, and report
 previously seen prefix of the prompt JSON / 4). Knobs: ``fail_next`` (answer 500 that many
 times), ``delay_s`` (before the headers), ``gate`` (an ``asyncio.Event`` answers wait for:
 requests held in flight until the test sets it), ``chunk_delay_s`` (between SSE chunks),
-``hang`` (never answer; counts ``cancelled`` when the router gives up on it).
+``hang`` (never answer; counts ``cancelled`` when the router gives up on it), ``pad_bytes``
+(a non-streamed answer carries that many more bytes, in ``x_pad``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Backend:
     chunk_delay_s: float = 0.0
     hang: bool = False
     chunks: int = 4
+    pad_bytes: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
     url: str = ""
@@ -74,6 +76,7 @@ class Backend:
                 "headers": {k.lower(): v for k, v in request.headers.items()},
                 "body": body,
                 "path": request.path,
+                "path_qs": request.path_qs,
             }
         )
         if self.hang:
@@ -125,7 +128,10 @@ class Backend:
                     "logprobs": None,
                 }
             obj = "chat.completion" if chat else "text_completion"
-            return web.json_response({**base, "object": obj, "choices": [choice], "usage": usage})
+            answer = {**base, "object": obj, "choices": [choice], "usage": usage}
+            if self.pad_bytes:
+                answer["x_pad"] = "x" * self.pad_bytes
+            return web.json_response(answer)
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )

@@ -14,6 +14,7 @@ from router.core.types import ReplicaKey
 from router.events.direct import DirectEvents
 from router.events.ingest import EndpointSpec
 from router.events.model import EngineBlockStored
+from router.events.subscriber import ZmqEventSubscriber
 from router.events.zmq_pub import KVEventPublisher
 from tests.ports import free_port
 from tests.waiting import eventually
@@ -136,7 +137,10 @@ async def test_subscriber_started_late_gets_history_from_replay(pub: KVEventPubl
         await direct.stop()
 
 
-async def test_engine_restart_clears_state() -> None:
+@pytest.mark.parametrize("published_before", [0, 3, 20])
+async def test_engine_restart_clears_state(published_before: int) -> None:
+    """However few batches the old engine published: a restarted one counts from 0 again,
+    and its first batches must not pass for repeats of the old one's."""
     port, rport = free_port(), free_port()
     ctx = zmq.asyncio.Context.instance()
     pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", context=ctx)
@@ -145,7 +149,7 @@ async def test_engine_restart_clears_state() -> None:
     direct = await _follow(pub, index)
     try:
         a = eng.prompt(4)
-        for _ in range(20):
+        for _ in range(published_before):
             await pub.publish([])
         await pub.publish([eng.stored(a, 0, 4)])
         await eventually(lambda: index.match(canonical(a)).get(KEY).kv_blocks == 2)
@@ -214,3 +218,52 @@ async def test_a_failed_subscriber_restarts_and_replays_what_it_missed() -> None
     finally:
         await direct.stop()
         await pub.close()
+
+
+async def test_a_repeated_batch_is_dropped_and_a_new_one_under_an_old_seq_is_a_restart() -> None:
+    ctx = zmq.asyncio.Context.instance()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(endpoint)
+    got: list[tuple[int, bytes]] = []
+    restarts: list[int] = []
+    sub = ZmqEventSubscriber(
+        endpoint,
+        lambda seq, payload: got.append((seq, payload)),
+        on_restart=lambda: restarts.append(len(got)),
+        replay_history=False,
+        context=ctx,
+    )
+    task = asyncio.create_task(sub.run())
+    try:
+        await sub.connected.wait()
+
+        async def send(seq: int, payload: bytes) -> None:
+            await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+        # ZMQ's slow joiner: repeat the first batch until one gets through (the repeats
+        # are duplicates, which is what this test is about anyway)
+        async def first_through() -> bool:
+            await send(0, b"a0")
+            return bool(got)
+
+        await eventually(first_through)
+        await send(1, b"a1")
+        await send(1, b"a1")  # the same batch again: dropped
+        await send(0, b"a0")  # an older one again: dropped
+        await send(2, b"a2")
+        await eventually(lambda: got[-1] == (2, b"a2"))
+        assert got == [(0, b"a0"), (1, b"a1"), (2, b"a2")]
+        assert restarts == []
+        await send(0, b"b0")  # seq 0 with another payload: the engine restarted
+        await send(1, b"b1")
+        await eventually(lambda: got[-1] == (1, b"b1"))
+        assert got[3:] == [(0, b"b0"), (1, b"b1")]
+        assert restarts == [3]
+        assert sub.stats.restarts == 1
+        assert sub.stats.duplicates >= 2
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close(0)

@@ -6,7 +6,11 @@ seq with every buffered batch from it, its last ``buffer_steps``, 10,000 by defa
 end marker with seq -1; both reply layouts are read, ``parse_replay_reply``); what the replay cannot
 supply is reported through ``on_lost`` (the caller then clears that engine's state: stale
 blocks are worse than missing ones). A seq that goes backwards means the engine restarted
-(``on_restart``). Malformed frames are counted and skipped; nothing here raises on input.
+(``on_restart``), unless the batch is the very one delivered under that seq (one of the last
+``RECENT`` batches, the same payload): then it is a duplicate. A restarted engine counts from
+0 again, so its first batches reuse seqs the old engine's had, with other payloads; the
+payload, not the distance back, tells the two apart. Malformed frames are counted and
+skipped; nothing here raises on input.
 
 History (``replay_history``): as soon as it has subscribed, the subscriber asks the replay
 socket for everything the engine still buffers, so what the engine cached before the
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +35,7 @@ import zmq.asyncio
 
 log = logging.getLogger(__name__)
 END_SEQ = -1
+RECENT = 16  # delivered batches kept (references) to recognise a repeated one
 
 
 @dataclass(slots=True)
@@ -73,6 +79,7 @@ class ZmqEventSubscriber:
         # seq -> hash(payload) of the batches the start-up history fetch delivered, until a
         # live message goes past them (their live copies may still be queued on the SUB)
         self._history: dict[int, int] | None = None
+        self._recent: deque[tuple[int, bytes]] = deque(maxlen=RECENT)
 
     async def run(self) -> None:
         """Receive until cancelled."""
@@ -112,13 +119,14 @@ class ZmqEventSubscriber:
             if seq > 0 and self.replay_history and self.replay_endpoint:
                 await self._replay(0, seq)
         elif seq <= last:
-            if seq == last or last - seq < 16:
+            if self._delivered(seq, payload):
                 self.stats.duplicates += 1
                 return
             log.warning("engine %s restarted (seq %d after %d)", self.endpoint, seq, last)
             self.stats.restarts += 1
             self.last_seq = None
             self._history = None
+            self._recent.clear()
             self.on_restart()
         elif seq > last + 1:
             self.stats.gaps += 1
@@ -140,8 +148,13 @@ class ZmqEventSubscriber:
             self._history = history
             log.info("%s: %d buffered batches loaded from replay", self.endpoint, len(history))
 
+    def _delivered(self, seq: int, payload: bytes) -> bool:
+        """``payload`` is what was delivered under ``seq`` (among the last ``RECENT``)."""
+        return any(s == seq and p == payload for s, p in self._recent)
+
     def _deliver(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq
+        self._recent.append((seq, payload))
         self.on_payload(seq, payload)
 
     async def _replay(self, start: int, stop: int) -> None:

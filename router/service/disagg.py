@@ -209,7 +209,7 @@ async def _prefill(
         client_headers,
         # the client's request id on both legs, as vLLM's toy proxy does (older NIXL
         # connectors pair the legs by it); the load tracker keeps the leg as ``<id>#p``
-        flow.request.request_id.encode(),
+        flow.request.request_id.encode("latin-1"),
         ep.dp_rank,
         len(prefill_body),
     )

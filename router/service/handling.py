@@ -115,7 +115,8 @@ os.register_at_fork(after_in_child=_ids.reset)
 
 
 def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
-    """The client's ``X-Request-Id``, else a fresh 32-hex-digit id."""
+    """The client's ``X-Request-Id``, else a fresh 32-hex-digit id. Decoded as latin-1, byte
+    for byte: the replica and the client get the id back as ``.encode("latin-1")``."""
     for k, v in headers:
         if len(k) == 12 and k.lower() == b"x-request-id" and v:
             return v.decode("latin-1")
@@ -270,7 +271,9 @@ async def handle(door: FrontDoor, req: HttpRequest, sink: Sink) -> None:
         if req.too_large:
             await send_reply(sink, too_large(door.state))
         elif req.method == b"POST" and path in KINDS:
-            await serve_completion(door.state, door.forwarder, sink, path, req.body, req.headers)
+            await serve_completion(
+                door.state, door.forwarder, sink, path, req.body, req.headers, req.target
+            )
         else:
             reply = await door.routes.answer(req)
             await sink.respond(reply.status, list(reply.headers), reply.body)
@@ -286,12 +289,16 @@ async def serve_completion(
     path: bytes,
     raw: bytes,
     client_headers: list[tuple[bytes, bytes]],
+    target: bytes | None = None,
 ) -> None:
-    """Serve one ``POST`` of a hot endpoint (``path`` is a key of :data:`KINDS`).
+    """Serve one ``POST`` of a hot endpoint (``path`` is a key of :data:`KINDS`); the
+    replica gets ``target`` (the path with the client's query string, as sent; default
+    ``path``), so a query parameter reaches the engine as it would without the router.
 
     A body seen before byte for byte takes its admission from the memo
     (router/service/body_memo.py): only routing, which depends on live state, runs again."""
     kind = KINDS[path]
+    upstream_path = target or path
     model: object = None
     try:
         admitted = state.body_memo.get(kind, raw)
@@ -342,17 +349,19 @@ async def serve_completion(
         sent = raw if admitted.usage_patch is None else with_patch(raw, admitted.usage_patch)
         strip = admitted.usage_patch is not None
         await disagg.serve(
-            state, forwarder, sink, routed, path, client_headers, sent, strip_usage=strip
+            state, forwarder, sink, routed, upstream_path, client_headers, sent, strip_usage=strip
         )
         return
     record(state, routed)
     patch = admitted.usage_patch
     try:
         if patch is None:
-            await forwarder.forward(sink, path, client_headers, raw, routed)
+            await forwarder.forward(sink, upstream_path, client_headers, raw, routed)
         else:  # the engine reports usage; the client gets the stream it asked for
             patched = with_patch(raw, patch)
-            await forwarder.forward(sink, path, client_headers, patched, routed, strip_usage=True)
+            await forwarder.forward(
+                sink, upstream_path, client_headers, patched, routed, strip_usage=True
+            )
     finally:
         if slo_gate is not None:
             slo_gate.finished(admitted.model, routed.request.request_id)

@@ -316,7 +316,7 @@ class Forwarder:
         model = routed.request.model
         mm = state.metrics.model(model)
         rid = routed.request.request_id
-        rid_b = rid.encode()
+        rid_b = rid.encode("latin-1")
         loop = self.event_loop()
         ranked = [routed.decision.replica, *routed.decision.ranking]
         started = loop.time()
@@ -467,7 +467,7 @@ class Forwarder:
         rid = routed.request.request_id
         headers, streaming, has_rid = response_headers(upstream.headers)
         if not has_rid:
-            headers.append((b"X-Request-Id", rid.encode()))
+            headers.append((b"X-Request-Id", rid.encode("latin-1")))
         if self.debug_header:
             headers.append((b"X-KVRouter-Decision", self._debug(routed, key, attempt)))
         status = upstream.status
@@ -499,7 +499,11 @@ class Forwarder:
             # allows: the head alone when the replica sent no data with it yet (the client
             # learns the status before the first token), else with the first data; the
             # stream's end with the last data when both arrived together.
-            ended = head_sent = upstream.at_end  # a stream that ended without data
+            # A body delimited by the connection's end has no end of its own: only the
+            # stream's closing event tells a finished answer from a replica that died.
+            until_close = upstream.until_close
+            # a stream that ended without data
+            ended = head_sent = upstream.at_end and not until_close
             if ended:
                 await sink.start(status, headers, end=True)
             elif not upstream.data_ready:
@@ -519,6 +523,9 @@ class Forwarder:
                     mm.itl.observe(now - last)
                 last = now
                 ended = upstream.at_end
+                done_seen = chunk[-32:].rstrip().endswith(b"data: [DONE]")
+                cut = ended and until_close and not done_seen
+                ended = ended and not cut
                 out = chunk
                 if strip is not None:
                     out = strip.feed(chunk)
@@ -532,10 +539,14 @@ class Forwarder:
                 elif out:
                     await sink.write(out)
                 tail.append(chunk)
-                done_relayed = chunk[-32:].rstrip().endswith(b"data: [DONE]")
+                done_relayed = done_seen
                 tail_bytes += len(chunk)
                 while tail_bytes > 8192 and len(tail) > 1:
                     tail_bytes -= len(tail.popleft())
+                if cut:
+                    break
+            if until_close and not done_relayed:
+                raise UpstreamBroken("the connection closed before the stream's [DONE]")
             if not ended:  # the end came on its own, after the last data
                 await sink.end(strip.flush() if strip is not None else b"")
             self._answered(routed, key, started, status, b"".join(tail), True, first_at)

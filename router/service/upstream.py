@@ -15,7 +15,8 @@ itself. This client does only what the proxy needs:
   (``read_timeout``), and a total deadline; all raise :class:`UpstreamTimeout`;
 * errors: :class:`ConnectFailed` when the upstream could not be reached or closed the
   connection before any response byte (a request that met a stale pooled connection is
-  re-sent once on a fresh one first), :class:`UpstreamBroken` when the response broke off;
+  re-sent once on a fresh one first), :class:`UpstreamBroken` when the response broke off
+  (a connection reset ends no body, not even one delimited by the connection's end);
 * :meth:`Exchange.abort` closes the connection at once (the upstream sees the client go
   away); :meth:`Exchange.release` returns a fully read keep-alive connection to its pool.
 """
@@ -124,14 +125,19 @@ class _Conn(asyncio.Protocol):
             return
         if not self.got_bytes:
             self._fail(ConnectFailed("connection closed before any response byte", connected=True))
-        elif self.head_done and not any(
-            k.lower() in (b"content-length", b"transfer-encoding") for k, _ in self.headers
-        ):
+        elif exc is None and self.head_done and self.until_close():
             self.complete = True  # a body delimited by the end of the connection
             self.keep_alive = False
             self._wake()
-        else:
+        else:  # a reset ends a close-delimited body too early, not at its end
             self._fail(UpstreamBroken("connection lost in the middle of the response"))
+
+    def until_close(self) -> bool:
+        """The response body is delimited by the end of the connection (neither
+        ``Content-Length`` nor ``Transfer-Encoding``): nothing in it marks its end."""
+        return not any(
+            k.lower() in (b"content-length", b"transfer-encoding") for k, _ in self.headers
+        )
 
     # ---------------------------------------------------------------- httptools callbacks
 
@@ -254,6 +260,13 @@ class Exchange:
         self.headers = c.headers
 
     @property
+    def until_close(self) -> bool:
+        """The body ends only where the connection does (no length, not chunked): a clean
+        close cannot be told from a replica that died mid-answer, so the caller checks the
+        payload's own end (an SSE stream's ``data: [DONE]``)."""
+        return self._conn.until_close()
+
+    @property
     def data_ready(self) -> bool:
         """Body data has arrived and not been read yet (:meth:`read` will not wait)."""
         return bool(self._conn.chunks)
@@ -315,11 +328,15 @@ class Exchange:
         self._first_by = float("inf")  # from here on, each wait has the read timeout
 
     async def read_all(self) -> bytes:
-        """The whole body."""
+        """The whole body, however large: reading resumes when the buffer paused it (the
+        caller asked for every byte, so ``HIGH_WATER`` cannot bound it here)."""
         c = self._conn
         while not c.complete:
             if c.error is not None:
                 raise UpstreamBroken(str(c.error))
+            if c.paused and c.transport is not None and not c.closed:
+                c.paused = False
+                c.transport.resume_reading()
             await c.wait(self._timeout())
         data = self.body()
         assert data is not None

@@ -1,0 +1,234 @@
+"""What the proxy relays is what the replica sent, whole or visibly broken: answers larger
+than the upstream read buffer, bodies delimited by the connection's end (a reset or a stream
+without its ``[DONE]`` is not an answer), the client's query string and request id bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import socket
+import struct
+import termios
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.service.config import build_settings
+from router.service.upstream import HIGH_WATER
+from tests.backends import Backend, kimi_model_table, start_router
+from tests.waiting import eventually
+
+MODEL = "kimi-test"
+TOKEN = "admin-secret"
+
+
+async def _router(replica_url: str) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
+    settings = build_settings(
+        {
+            "server": {"admin_token": TOKEN, "health_interval_s": 0},
+            "replicas": [{"url": replica_url, "model": MODEL, "name": "r0"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    running, url = await start_router(settings)
+    session = aiohttp.ClientSession()
+    try:
+        yield url, session
+    finally:
+        await session.close()
+        await running.cleanup()
+
+
+async def _outcomes(url: str, session: aiohttp.ClientSession) -> dict[str, float]:
+    async with session.get(url + "/metrics") as r:
+        page = await r.text()
+    out: dict[str, float] = {}
+    for line in page.splitlines():
+        if line.startswith("kvrouter_requests_total{"):
+            labels, _, value = line.rpartition(" ")
+            outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = out.get(outcome, 0.0) + float(value)
+    return out
+
+
+def _chat(stream: bool) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "stream": stream,
+        "messages": [{"role": "user", "content": "tell me everything"}],
+    }
+
+
+async def test_an_answer_larger_than_the_read_buffer_arrives_whole() -> None:
+    backend = await Backend("r0", [MODEL], pad_bytes=3 * HIGH_WATER).start()
+    try:
+        async for url, session in _router(backend.url):
+            async with session.post(url + "/v1/chat/completions", json=_chat(False)) as resp:
+                assert resp.status == 200, await resp.text()
+                body = await resp.json()
+            assert len(body["x_pad"]) == 3 * HIGH_WATER
+            assert body["choices"][0]["finish_reason"] == "stop"
+            assert (await _outcomes(url, session)).get("ok") == 1.0
+    finally:
+        await backend.stop()
+
+
+async def test_the_query_string_and_the_request_id_bytes_reach_the_replica() -> None:
+    backend = await Backend("r0", [MODEL]).start()
+    try:
+        async for url, _ in _router(backend.url):
+            host, port = url.removeprefix("http://").split(":")
+            body = json.dumps(_chat(False)).encode()
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                b"POST /v1/chat/completions?api-version=2024-06-01 HTTP/1.1\r\n"
+                + f"Host: {host}\r\nContent-Type: application/json\r\n".encode()
+                + b"X-Request-Id: caf\xe9-1\r\n"  # latin-1 bytes, as HTTP allows
+                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + body
+            )
+            raw = await reader.read()
+            writer.close()
+            head = raw.split(b"\r\n\r\n", 1)[0]
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert b"\r\nX-Request-Id: caf\xe9-1\r\n" in head, head
+            seen = backend.received[-1]
+            assert seen["path_qs"] == "/v1/chat/completions?api-version=2024-06-01"
+            # aiohttp decodes header bytes as UTF-8 with surrogate escapes
+            assert seen["headers"]["x-request-id"] == b"caf\xe9-1".decode(
+                "utf-8", "surrogateescape"
+            )
+    finally:
+        await backend.stop()
+
+
+class UntilClose:
+    """A replica whose answers have no length and no chunking: the body ends where the
+    connection does. It sends the head and ``first`` at once, then what the test releases
+    with ``finish(rest, reset)``: more bytes, then a clean close or a reset (RST)."""
+
+    def __init__(self, content_type: bytes, first: bytes) -> None:
+        self.content_type = content_type
+        self.first = first
+        self.sent_first = asyncio.Event()
+        self._finish: asyncio.Future[tuple[bytes, bool]] | None = None
+        self.url = ""
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> UntilClose:
+        self._finish = asyncio.get_running_loop().create_future()
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def finish(self, rest: bytes, reset: bool) -> None:
+        assert self._finish is not None
+        self._finish.set_result((rest, reset))
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        await reader.readexactly(length)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: " + self.content_type + b"\r\n"
+            b"Connection: close\r\n\r\n" + self.first
+        )
+        await writer.drain()
+        sock: socket.socket = writer.get_extra_info("socket")
+        # every byte is with the router (acknowledged) before anything else happens
+        await eventually(lambda: _unacknowledged(sock) == 0)
+        self.sent_first.set()
+        assert self._finish is not None
+        rest, reset = await self._finish
+        if rest:
+            writer.write(rest)
+            await writer.drain()
+            await eventually(lambda: _unacknowledged(sock) == 0)
+        if reset:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        else:
+            writer.close()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+def _unacknowledged(sock: socket.socket) -> int:
+    got = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, struct.pack("i", 0))
+    return int(struct.unpack("i", got)[0])
+
+
+EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n'
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["clean-close", "reset"])
+async def test_a_stream_delimited_by_the_connection_needs_its_done(reset: bool) -> None:
+    replica = await UntilClose(b"text/event-stream", EVENT).start()
+    try:
+        async for url, session in _router(replica.url):
+            async with session.post(url + "/v1/chat/completions", json=_chat(True)) as resp:
+                assert resp.status == 200
+                first = await resp.content.readuntil(b"\n\n")
+                assert first == EVENT
+                replica.finish(EVENT, reset)  # one more event, then the end: no [DONE]
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await resp.content.read()
+            outcomes = await _outcomes(url, session)
+            assert outcomes.get("upstream_broken") == 1.0, outcomes
+            assert "ok" not in outcomes, outcomes
+    finally:
+        await replica.stop()
+
+
+async def test_a_stream_delimited_by_the_connection_ends_well_with_its_done() -> None:
+    replica = await UntilClose(b"text/event-stream", EVENT).start()
+    try:
+        async for url, session in _router(replica.url):
+            async with session.post(url + "/v1/chat/completions", json=_chat(True)) as resp:
+                assert resp.status == 200
+                await replica.sent_first.wait()
+                replica.finish(b"data: [DONE]\n\n", reset=False)
+                body = await resp.read()
+            assert body.startswith(EVENT) and body.rstrip().endswith(b"data: [DONE]"), body
+            assert (await _outcomes(url, session)).get("ok") == 1.0
+    finally:
+        await replica.stop()
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["clean-close", "reset"])
+async def test_a_json_answer_delimited_by_the_connection(reset: bool) -> None:
+    """A clean close ends such a body (HTTP/1.1's rule; nothing else can tell), a reset
+    breaks it: 502, never the half answer as a 200."""
+    part = b'{"id": "c1", "choices": [{"index": 0, "message": {"content": "part'
+    replica = await UntilClose(b"application/json", part).start()
+    try:
+        async for url, session in _router(replica.url):
+            request = asyncio.ensure_future(
+                session.post(url + "/v1/chat/completions", json=_chat(False))
+            )
+            await replica.sent_first.wait()
+            rest = b'ial"}}]}'
+            replica.finish(b"" if reset else rest, reset)
+            async with await request as resp:
+                body = await resp.read()
+                if reset:
+                    assert resp.status == 502, body
+                    error = json.loads(body)["error"]
+                    assert error["type"] == "upstream_error", error
+                    assert "connection lost" in error["message"], error
+                else:
+                    assert resp.status == 200, body
+                    assert body == part + rest
+    finally:
+        await replica.stop()
