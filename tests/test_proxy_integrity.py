@@ -25,10 +25,12 @@ MODEL = "kimi-test"
 TOKEN = "admin-secret"
 
 
-async def _router(replica_url: str) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
+async def _router(
+    replica_url: str, **server: Any
+) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
     settings = build_settings(
         {
-            "server": {"admin_token": TOKEN, "health_interval_s": 0},
+            "server": {"admin_token": TOKEN, "health_interval_s": 0, **server},
             "replicas": [{"url": replica_url, "model": MODEL, "name": "r0"}],
             "models": {MODEL: kimi_model_table()},
         }
@@ -72,6 +74,25 @@ async def test_an_answer_larger_than_the_read_buffer_arrives_whole() -> None:
             assert len(body["x_pad"]) == 3 * HIGH_WATER
             assert body["choices"][0]["finish_reason"] == "stop"
             assert (await _outcomes(url, session)).get("ok") == 1.0
+    finally:
+        await backend.stop()
+
+
+async def test_a_nested_stream_key_does_not_make_an_answer_a_stream() -> None:
+    """The first-byte deadline of an answer that is not a stream includes its decode; a
+    ``"stream": true`` nested before the top-level ``"stream": false`` must not shorten it
+    to a stream's prefill-only deadline (the answer would be cut off and retried)."""
+    backend = await Backend("r0", [MODEL], delay_s=0.6).start()
+    try:
+        async for url, session in _router(backend.url, first_byte_min_s=0.3, max_retries=0):
+            chat = _chat(False)
+            body = {"metadata": {"stream": True}, **chat, "max_tokens": 100}
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+            # ... while a stream that sends nothing by the same deadline is cut off
+            body = {**chat, "stream": True}
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 504, await resp.text()
     finally:
         await backend.stop()
 

@@ -45,6 +45,8 @@ class Admitted:
     usage_patch: bytes | None = None
     # the body's OpenAI ``service_tier`` (checked), for SLO-aware admission
     service_tier: str | None = None
+    # the body's top-level ``"stream": true``: what the first-byte deadline waits for
+    stream: bool = False
 
 
 class BodyMemo:

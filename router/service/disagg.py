@@ -255,6 +255,7 @@ async def serve(
     client_headers: Iterable[tuple[bytes, bytes]],
     body: bytes,
     *,
+    stream: bool,
     strip_usage: bool = False,
 ) -> None:
     """Serve a disaggregated request (module doc); ``body`` is what the client's request
@@ -301,7 +302,9 @@ async def serve(
         first = flow.routed.decision
         decision = decision._replace(usable_tokens=first.usable_tokens, kv_tokens=first.kv_tokens)
     routed = Routed(request, decision, flow.routed.prompt, 0.0, 0.0, 0)
-    await forwarder.forward(sink, path, headers, decode_body, routed, strip_usage=strip_usage)
+    await forwarder.forward(
+        sink, path, headers, decode_body, routed, stream=stream, strip_usage=strip_usage
+    )
 
 
 class PdCollector(Collector):

@@ -171,7 +171,7 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     """Check and process the prompt of a parsed body (``size`` bytes raw): everything before
     routing, a pure function of the body and the settings (what the body memo keeps); raises
     KVRouterError for a bad request."""
-    model, _ = field_types(body)
+    model, stream = field_types(body)
     processor = state.processor(model)
     fn = processor.chat if kind == "chat" else processor.completion
     if size >= THREAD_MIN_BODY and not _token_ids(body):
@@ -183,7 +183,9 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     max_out = body.get("max_completion_tokens") or body.get("max_tokens")
     tier = body.get("service_tier")
     parse_service_tier(tier)  # a bad value is a 400, admission on or off
-    return Admitted(model, prompt, body_session(body), max_out, usage_patch(body), tier)
+    return Admitted(
+        model, prompt, body_session(body), max_out, usage_patch(body), tier, stream=stream
+    )
 
 
 def _token_ids(body: dict[str, Any]) -> bool:
@@ -349,18 +351,34 @@ async def serve_completion(
         sent = raw if admitted.usage_patch is None else with_patch(raw, admitted.usage_patch)
         strip = admitted.usage_patch is not None
         await disagg.serve(
-            state, forwarder, sink, routed, upstream_path, client_headers, sent, strip_usage=strip
+            state,
+            forwarder,
+            sink,
+            routed,
+            upstream_path,
+            client_headers,
+            sent,
+            stream=admitted.stream,
+            strip_usage=strip,
         )
         return
     record(state, routed)
     patch = admitted.usage_patch
     try:
         if patch is None:
-            await forwarder.forward(sink, upstream_path, client_headers, raw, routed)
+            await forwarder.forward(
+                sink, upstream_path, client_headers, raw, routed, stream=admitted.stream
+            )
         else:  # the engine reports usage; the client gets the stream it asked for
             patched = with_patch(raw, patch)
             await forwarder.forward(
-                sink, upstream_path, client_headers, patched, routed, strip_usage=True
+                sink,
+                upstream_path,
+                client_headers,
+                patched,
+                routed,
+                stream=admitted.stream,
+                strip_usage=True,
             )
     finally:
         if slo_gate is not None:

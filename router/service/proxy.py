@@ -38,7 +38,6 @@ from router.service.retry import (
     RetryBudget,
     expected_first_byte_s,
     first_byte_deadline,
-    is_stream,
     retry_after_s,
 )
 from router.service.state import Routed, RouterState
@@ -307,9 +306,12 @@ class Forwarder:
         body: bytes,
         routed: Routed,
         *,
+        stream: bool,
         strip_usage: bool = False,
     ) -> None:
-        """``strip_usage``: the router added ``include_usage`` to this stream; the usage
+        """``stream``: the client asked for one (the parsed body's top-level ``stream``; an
+        answer that is not a stream has its decode inside the first-byte deadline).
+        ``strip_usage``: the router added ``include_usage`` to this stream; the usage
         chunk is read for feedback and not relayed (router.service.stream_usage). Retries:
         router/service/retry.py; outcomes feed outlier ejection (router/service/ejection.py)."""
         state = self.state
@@ -325,7 +327,6 @@ class Forwarder:
         client_headers = list(client_headers)
         refused: set[str] = set()  # base URLs that refused a connection in this request
         tried: set[ReplicaKey] = set()  # keys tried in this request (never one twice)
-        stream = is_stream(body)
         ejections = self.ejections
         attempt = -1
         key: ReplicaKey | None = None

@@ -106,16 +106,3 @@ def retry_after_s(value: bytes | None) -> float | None:
     except ValueError:
         return None
     return seconds if 0 < seconds < 86400 else None
-
-
-def is_stream(body: bytes) -> bool:
-    """Whether a JSON request body asks for a stream (``"stream": true``), without parsing
-    it: a quote inside a JSON string is escaped, so an unescaped ``"stream"`` followed by a
-    colon is a key."""
-    at = body.find(b'"stream"')
-    while at >= 0:
-        rest = body[at + 8 : at + 40].lstrip()
-        if rest.startswith(b":"):
-            return rest[1:].lstrip().startswith(b"true")
-        at = body.find(b'"stream"', at + 8)
-    return False
