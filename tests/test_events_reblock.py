@@ -85,6 +85,27 @@ def test_removal_drops_exactly_the_overlapped_canonical_blocks(be: int) -> None:
     assert index.match(expect).get(key).kv_blocks == len(expect)
 
 
+@pytest.mark.parametrize("be", [16, 48, 64, 100])
+@pytest.mark.parametrize("per_event", [1, 4])
+def test_removing_any_engine_block_removes_every_canonical_block_it_overlaps(
+    be: int, per_event: int
+) -> None:
+    """Not only the engine block that completes a canonical one: an engine that evicts the
+    first of the four 16-token blocks under a 64-token canonical block no longer has it,
+    whether the four came in one event or in four."""
+    rng = random.Random(be + per_event)
+    tokens = [rng.randrange(50_000) for _ in range(be * 12)]
+    canonical = hash_prompt(tokens, B, ROOT).hashes
+    for j in range(len(tokens) // be):
+        rb = Reblocker(B, MODEL)
+        hashes, events = engine_events(tokens, be, None, 4, per_event)
+        rb.convert(events)
+        out = rb.convert([EngineBlockRemoved((hashes[j],))])
+        removed = {h for e in out if isinstance(e, BlocksRemoved) for h in e.hashes}
+        first, stop = j * be // B, min(-(-(j + 1) * be // B), len(canonical))
+        assert removed == set(canonical[first:stop]), (j, first, stop)
+
+
 def test_tiers_state_groups_and_clear() -> None:
     rng = random.Random(5)
     tokens = [rng.randrange(1000) for _ in range(B * 4)]

@@ -291,8 +291,8 @@ class Reblocker:
             chain = hashes[done - 1] if done else chain0
             tail = run[done * bs : end - base]
             tail_mm = _items_within(items, base + done * bs, end) if items else ()
-            if is_kv:
-                covers = hashes[start_blk:done]
+            if is_kv:  # every canonical block it overlaps that is complete by now
+                covers = hashes[start_blk : min(-(-(end - base) // bs), len(hashes))]
             elif not tail and done:
                 covers = [chain]
             else:
