@@ -97,7 +97,7 @@ async def test_a_nested_stream_key_does_not_make_an_answer_a_stream() -> None:
         await backend.stop()
 
 
-async def test_the_query_string_and_the_request_id_bytes_reach_the_replica() -> None:
+async def test_query_string_request_id_bytes_and_end_to_end_headers_reach_the_replica() -> None:
     backend = await Backend("r0", [MODEL]).start()
     try:
         async for url, _ in _router(backend.url):
@@ -108,7 +108,8 @@ async def test_the_query_string_and_the_request_id_bytes_reach_the_replica() -> 
                 b"POST /v1/chat/completions?api-version=2024-06-01 HTTP/1.1\r\n"
                 + f"Host: {host}\r\nContent-Type: application/json\r\n".encode()
                 + b"X-Request-Id: caf\xe9-1\r\n"  # latin-1 bytes, as HTTP allows
-                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + b"X-Hop: for the router only\r\nX-Kept: for the replica\r\n"
+                + f"Content-Length: {len(body)}\r\nConnection: close, X-Hop\r\n\r\n".encode()
                 + body
             )
             raw = await reader.read()
@@ -119,9 +120,11 @@ async def test_the_query_string_and_the_request_id_bytes_reach_the_replica() -> 
             seen = backend.received[-1]
             assert seen["path_qs"] == "/v1/chat/completions?api-version=2024-06-01"
             # aiohttp decodes header bytes as UTF-8 with surrogate escapes
-            assert seen["headers"]["x-request-id"] == b"caf\xe9-1".decode(
-                "utf-8", "surrogateescape"
-            )
+            sent_id = b"caf\xe9-1".decode("utf-8", "surrogateescape")
+            assert seen["headers"]["x-request-id"] == sent_id
+            # a header the client's Connection header names is for the first hop only
+            assert "x-hop" not in seen["headers"], seen["headers"]
+            assert seen["headers"]["x-kept"] == "for the replica"
     finally:
         await backend.stop()
 

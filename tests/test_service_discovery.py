@@ -252,7 +252,8 @@ def test_a_removed_replicas_series_leave_the_metrics_page() -> None:
     sent.inc(100)
     predicted.inc(50)
     state.fleet.engine_prefix_cache[ReplicaKey("a")] = (100.0, 40.0)
-    assert 'replica="a"' in _page(state)
+    state.event_lag_s["a"] = 0.02  # as the direct event path sets it (router/events/direct.py)
+    assert 'kvrouter_index_event_lag_seconds{replica="a"}' in _page(state)
     state.fleet.remove_discovered("a")
     assert 'replica="a"' not in _page(state)
     # and it can come back with fresh series

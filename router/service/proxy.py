@@ -74,6 +74,22 @@ _SLO_RESULTS = {
     (False, False): "both_missed",
 }
 _NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id", b"x-data-parallel-rank"}
+
+
+def _hop_by_hop(headers: Iterable[tuple[bytes, bytes]], base: frozenset[bytes]) -> frozenset[bytes]:
+    """``base`` and the headers that a ``Connection`` header of ``headers`` names: those are
+    for this hop only too (RFC 9110, 7.6.1), and a proxy does not pass them on."""
+    named: set[bytes] | None = None
+    for k, v in headers:
+        if len(k) == 10 and k.lower() == b"connection":
+            for token in v.split(b","):
+                token = token.strip().lower()
+                if token and token not in base:
+                    named = named or set()
+                    named.add(token)
+    return base if named is None else base | named
+
+
 _JSON = [(b"Content-Type", b"application/json")]
 
 
@@ -118,11 +134,14 @@ def request_head(
     dp_rank: int | None,
     length: int,
 ) -> bytes:
-    """The upstream request head: the client's headers minus hop-by-hop ones, plus
+    """The upstream request head: the client's headers minus hop-by-hop ones (and those its
+    ``Connection`` header names), plus
     ``X-Request-Id``, ``X-data-parallel-rank`` and ``Content-Length``."""
     parts = [b"POST ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
+    client_headers = list(client_headers)
+    dropped = _hop_by_hop(client_headers, _NOT_FORWARDED)
     for k, v in client_headers:
-        if k.lower() not in _NOT_FORWARDED:
+        if k.lower() not in dropped:
             parts += (k, b": ", v, b"\r\n")
     parts += (b"X-Request-Id: ", rid, b"\r\n")
     if dp_rank is not None:
@@ -135,9 +154,10 @@ def response_headers(upstream: Headers) -> tuple[Headers, bool, bool]:
     """(headers to pass on, is it an SSE stream, has an X-Request-Id)."""
     out: Headers = []
     sse = has_rid = False
+    dropped = _hop_by_hop(upstream, HOP_BY_HOP)
     for k, v in upstream:
         low = k.lower()
-        if low in HOP_BY_HOP:
+        if low in dropped:
             continue
         if low == b"content-type" and v.startswith(b"text/event-stream"):
             sse = True

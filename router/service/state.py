@@ -112,6 +112,7 @@ class RouterState:
 
     def _forget(self, model: str, key: ReplicaKey) -> None:
         self.metrics.forget_replica(model, key)
+        self.event_lag_s.pop(str(key), None)
         engine = self.engines.get(model)
         if engine is not None:
             engine.turnover.forget(key)
