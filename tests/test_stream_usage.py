@@ -31,12 +31,14 @@ def test_patch_asks_for_usage_and_keeps_the_clients_options() -> None:
         assert {k: v for k, v in sent.items() if k != "stream_options"} == {
             k: v for k, v in body.items() if k != "stream_options"
         }
-        assert (
-            sent["stream_options"].items()
-            >= {
-                k: v for k, v in (body.get("stream_options") or {}).items() if k != "include_usage"
-            }.items()
-        )
+        kept = {
+            k: v
+            for k, v in (body.get("stream_options") or {}).items()
+            if k not in ("include_usage", "continuous_usage_stats")
+        }
+        assert sent["stream_options"].items() >= kept.items()
+        # usage in every chunk only comes with include_usage: the client asked for none
+        assert not sent["stream_options"].get("continuous_usage_stats")
     assert json.loads(with_patch(b"{}", b',"a":1')) == {"a": 1}
     for body in (
         {"stream": False},

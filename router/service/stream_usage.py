@@ -23,7 +23,9 @@ _MAX_HELD = 1 << 20  # a piece without an event end this long is relayed as it i
 
 
 def usage_patch(body: dict[str, Any]) -> bytes | None:
-    """What to append to the body's JSON object so the engine reports usage on this stream;
+    """What to append to the body's JSON object so the engine reports usage on this stream
+    (its final usage chunk only, which ``UsageFilter`` takes out again; a client's
+    ``continuous_usage_stats`` without ``include_usage`` asked for no usage, and stays so);
     None when it is not a stream, the client asked for usage already, or its
     ``stream_options`` is not an object (left for the engine to refuse)."""
     if body.get("stream") is not True:
@@ -34,6 +36,10 @@ def usage_patch(body: dict[str, Any]) -> bytes | None:
     elif not isinstance(options, dict) or options.get("include_usage") is True:
         return None
     merged = {**options, "include_usage": True}
+    if merged.get("continuous_usage_stats"):
+        # engines count per-chunk usage only with include_usage (vLLM:
+        # ``include_usage and continuous_usage_stats``): the client's stream had none
+        merged["continuous_usage_stats"] = False
     return b',"stream_options":' + json.dumps(merged, separators=(",", ":")).encode()
 
 
