@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from router.core.hashing import hash_prompt, root_hash
 from router.core.index import PrefixIndex
 from router.core.types import (
@@ -14,7 +16,7 @@ from router.core.types import (
     ReplicaKey,
     Tier,
 )
-from router.events.encode import encode_batch
+from router.events.encode import Encoding, encode_batch
 from router.events.ingest import EngineIngest
 from router.events.model import EngineBatch, EngineBlockRemoved, EngineBlockStored
 from router.mock.kv_events import EngineEventEncoder
@@ -85,3 +87,39 @@ def test_the_router_index_from_batched_events_holds_every_block_and_drops_remove
     ingest.handle_payload(encode_batch(EngineBatch(2.0, tuple(removed), None)))
     assert _cached(index, victim) == 4
     assert _cached(index, prompts[0][1]) == 5
+
+
+@pytest.mark.parametrize(
+    ("encoding", "engine_block"), [("vllm", 16), ("vllm", 128), ("array", 16), ("map", 16)]
+)
+def test_a_salted_chain_is_indexed_under_its_salt(encoding: Encoding, engine_block: int) -> None:
+    """The salt reaches the router in the event, as each engine sends it (vLLM: the first
+    block's ``extra_keys``; SGLang: ``cache_salt``), so the index holds the salted blocks:
+    the same prompt unsalted, or under another salt, matches nothing there."""
+    index = PrefixIndex()
+    index.add_replica(KEY)
+
+    def sink(key: ReplicaKey, events: list[IndexEvent]) -> None:
+        index.apply(EventBatch(key, tuple(events)))
+
+    ingest = EngineIngest(KEY.replica, MODEL, B, sink)
+    enc = EngineEventEncoder(
+        B, engine_block, salt_field="cache_salt" if encoding == "map" else "extra_keys"
+    )
+    tokens, plain = _prompt(4, 9)
+    salted = list(hash_prompt(tokens, B, root_hash(MODEL, "tenant-1")).hashes)
+    other = list(hash_prompt(tokens, B, root_hash(MODEL, "tenant-2")).hashes)
+    enc.learn(salted, tokens, "tenant-1")
+    events = enc.convert([BlocksStored(tuple(salted), Tier.GPU, Kind.KV)])
+    ingest.handle_payload(encode_batch(EngineBatch(1.0, tuple(events), None), encoding))
+    assert _cached(index, salted) == 4
+    assert _cached(index, plain) == 0 and _cached(index, other) == 0
+    # the chain's next step has a parent: no salt in it, and it extends the salted chain
+    longer = tokens + _prompt(2, 10)[0]
+    longer_salted = list(hash_prompt(longer, B, root_hash(MODEL, "tenant-1")).hashes)
+    enc.learn(longer_salted, longer, "tenant-1")
+    (step,) = enc.convert([BlocksStored(tuple(longer_salted[4:]), Tier.GPU, Kind.KV)])
+    assert isinstance(step, EngineBlockStored) and step.parent_block_hash is not None
+    assert step.extra_keys is None and step.cache_salt is None
+    ingest.handle_payload(encode_batch(EngineBatch(2.0, (step,), None), encoding))
+    assert _cached(index, longer_salted) == 6

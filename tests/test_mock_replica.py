@@ -109,6 +109,10 @@ async def test_bad_requests_metrics_and_health(start_mock: Callable) -> None:
         await mock.client.completions.create(model="other", prompt=[1, 2], max_tokens=1)
     with pytest.raises(openai.BadRequestError):
         await mock.client.chat.completions.create(model="m", messages=[], max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="non-empty string"):  # as vLLM
+        await mock.client.completions.create(
+            model="m", prompt=[1, 2], max_tokens=1, extra_body={"cache_salt": ""}
+        )
     await mock.client.completions.create(model="m", prompt=_prompt(2, 100), max_tokens=1)
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{mock.url}/health") as resp:

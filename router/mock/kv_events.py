@@ -11,11 +11,15 @@ tokens (``B / k`` or ``B * k``) under engine hashes derived from the canonical o
 * Recurrent-state checkpoints go to group 1 (``kv_cache_spec_kind="mamba"``) as one engine
   block ending exactly at the checkpoint (engine hashes are shared between groups, as in vLLM).
 * Tier ``CPU`` becomes ``medium="CPU"``.
+* A request's cache salt keys the first block of its chain, as the engines publish it:
+  vLLM in that block's ``extra_keys`` (``salt_field="extra_keys"``), SGLang in the event's
+  ``cache_salt`` (``salt_field="cache_salt"``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import xxhash
 
@@ -35,18 +39,26 @@ class _Known:
     parent: int | None
     tokens: tuple[int, ...]
     depth: int  # index of the block in its chain (0 = first block)
+    salt: str | None = None  # the chain's cache salt (it keys the first block)
 
 
 class EngineEventEncoder:
     """Keeps the canonical-block map and turns canonical events into engine events."""
 
-    def __init__(self, block_size: int, engine_block_size: int, salt: int = 0x5EED) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        engine_block_size: int,
+        salt: int = 0x5EED,
+        salt_field: Literal["extra_keys", "cache_salt"] = "extra_keys",
+    ) -> None:
         small, large = sorted((block_size, engine_block_size))
         if large % small:
             raise ValueError("engine block size must divide or be a multiple of the block size")
         self.block_size = block_size
         self.engine_block_size = engine_block_size
         self.salt = salt
+        self.salt_field = salt_field
         self._known: dict[int, _Known] = {}
         self._media: dict[int, int] = {}  # canonical hash -> tier bits stored (KV)
         self._ends: dict[int, int] = {}  # B*k engine blocks: canonical -> last canonical of it
@@ -57,13 +69,14 @@ class EngineEventEncoder:
 
     # ------------------------------------------------------------------ learning
 
-    def learn(self, hashes: list[int], tokens: list[int]) -> None:
-        """Remember parent and tokens of every full block of a prompt."""
+    def learn(self, hashes: list[int], tokens: list[int], cache_salt: str | None = None) -> None:
+        """Remember parent and tokens of every full block of a prompt (``hashes`` computed
+        with ``cache_salt``, which its events carry)."""
         b, be = self.block_size, self.engine_block_size
         parent: int | None = None
         for i, h in enumerate(hashes):
             if h not in self._known:
-                self._known[h] = _Known(parent, tuple(tokens[i * b : (i + 1) * b]), i)
+                self._known[h] = _Known(parent, tuple(tokens[i * b : (i + 1) * b]), i, cache_salt)
             parent = h
         if be > b:
             k = be // b
@@ -136,6 +149,7 @@ class EngineEventEncoder:
         run_parent: int | None = None  # the KV chain being gathered into one event
         run_hashes: list[int] = []
         run_tokens: list[int] = []
+        run_salt: str | None = None
         for h in ev.hashes:
             if h not in self._known:
                 self.unknown += 1
@@ -144,6 +158,7 @@ class EngineEventEncoder:
                 state = self._state_block(h)
                 if state is not None:
                     eh, parent, tokens = state
+                    keys, salt = self._salted(self._known[h].salt if parent is None else None, 1)
                     out.append(
                         EngineBlockStored(
                             (eh,),
@@ -153,6 +168,8 @@ class EngineEventEncoder:
                             medium=self._medium(ev.tier),
                             group_idx=1,
                             kv_cache_spec_kind="mamba",
+                            extra_keys=keys,
+                            cache_salt=salt,
                         )
                     )
                 continue
@@ -162,10 +179,20 @@ class EngineEventEncoder:
                     run_hashes.append(eh)
                     run_tokens.extend(tokens)
                     continue
-                self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier)
+                self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier, run_salt)
                 run_parent, run_hashes, run_tokens = parent, [eh], list(tokens)
-        self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier)
+                run_salt = self._known[h].salt if parent is None else None
+        self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier, run_salt)
         return out
+
+    def _salted(self, salt: str | None, blocks: int) -> tuple[object, str | None]:
+        """``(extra_keys, cache_salt)`` of an event that starts a chain salted with ``salt``
+        (``blocks`` long): the fields that carry the salt, by engine."""
+        if salt is None:
+            return None, None
+        if self.salt_field == "cache_salt":
+            return None, salt
+        return ((salt,), *((None,) * (blocks - 1))), None
 
     def _flush_run(
         self,
@@ -174,11 +201,13 @@ class EngineEventEncoder:
         hashes: list[int],
         tokens: list[int],
         tier: Tier,
+        salt: str | None = None,
     ) -> None:
         """One event per chain of consecutive KV blocks, as vLLM's block pool records one
         ``BlockStored`` per request and step (``cache_full_blocks``)."""
         if not hashes:
             return
+        keys, cache_salt = self._salted(salt, len(hashes))
         out.append(
             EngineBlockStored(
                 tuple(hashes),
@@ -188,6 +217,8 @@ class EngineEventEncoder:
                 medium=self._medium(tier),
                 group_idx=0,
                 kv_cache_spec_kind="full_attention",
+                extra_keys=keys,
+                cache_salt=cache_salt,
             )
         )
 

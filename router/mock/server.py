@@ -203,10 +203,11 @@ async def _prepare(request: web.Request, chat: bool) -> tuple[MockState, dict[st
     if not tokens:
         raise BadRequest("the prompt is empty")
     salt = body.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise BadRequest("'cache_salt' must be a string")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        # vLLM's words (protocol.py, check_cache_salt_support)
+        raise BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
     hashes = hash_prompt(tokens, state.settings.block_size, root_hash(state.settings.model, salt))
-    state.encoder.learn(hashes.hashes, tokens)
+    state.encoder.learn(hashes.hashes, tokens, salt)
     from sim.engine import EngineRequest  # the mock is the simulator's engine on a wall clock
 
     req = EngineRequest(
@@ -461,7 +462,12 @@ def create_app(settings: MockSettings) -> web.Application:
     fault = FaultMode.parse(settings.fault, settings.fault_rate, settings.fault_retry_after_s)
     profile = load_profile(settings.profile)
     tokenizer = _tokenizer(settings)
-    encoder = EngineEventEncoder(settings.block_size, settings.engine_block_size)
+    encoder = EngineEventEncoder(
+        settings.block_size,
+        settings.engine_block_size,
+        # SGLang (the map layout) names the salt in the event, vLLM in the block's keys
+        salt_field="cache_salt" if settings.encoding == "map" else "extra_keys",
+    )
     app = web.Application(client_max_size=int(settings.max_body_mb * 2**20))
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
