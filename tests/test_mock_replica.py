@@ -120,6 +120,10 @@ async def test_bad_requests_metrics_and_health(start_mock: Callable) -> None:
         async with http.post(f"{mock.url}/v1/completions", data=b"{nope") as resp:
             assert resp.status == 400
             assert "JSON" in (await resp.json())["error"]["message"]
+        lone = b'{"model": "m", "prompt": "a \\ud800 b", "max_tokens": 1}'  # valid JSON
+        async with http.post(f"{mock.url}/v1/completions", data=lone) as resp:
+            assert resp.status == 400
+            assert "surrogate" in (await resp.json())["error"]["message"]
         async with http.get(f"{mock.url}/metrics") as resp:
             page = await resp.text()
     assert 'vllm:num_requests_running{engine="0",model_name="m"} 0.0' in page

@@ -199,7 +199,10 @@ async def _prepare(request: web.Request, chat: bool) -> tuple[MockState, dict[st
     model = body.get("model")
     if model is not None and model != state.settings.model:
         raise BadRequest(f"model {model!r} is not served here ({state.settings.model!r} is)")
-    tokens = state.tokenizer.chat(body) if chat else state.tokenizer.completion(body)
+    try:
+        tokens = state.tokenizer.chat(body) if chat else state.tokenizer.completion(body)
+    except UnicodeEncodeError:  # a lone surrogate (``"\ud800"``): no text to tokenize
+        raise BadRequest("the prompt is not valid Unicode text (a lone surrogate)") from None
     if not tokens:
         raise BadRequest("the prompt is empty")
     salt = body.get("cache_salt")
