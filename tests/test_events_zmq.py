@@ -267,3 +267,35 @@ async def test_a_repeated_batch_is_dropped_and_a_new_one_under_an_old_seq_is_a_r
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         pub.close(0)
+
+
+async def test_history_longer_than_the_replay_sockets_queue_arrives_whole() -> None:
+    """The engine's ROUTER drops replies past its high-water mark (1,000), the end marker
+    with them: the subscriber asks again from where a reply stopped, and misses nothing."""
+    ctx = zmq.asyncio.Context.instance()
+    pub = KVEventPublisher(
+        f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", context=ctx
+    )
+    pub.start()
+    got: list[int] = []
+    lost: list[int] = []
+    sub = ZmqEventSubscriber(
+        pub.endpoint,
+        lambda seq, _: got.append(seq),
+        replay_endpoint=pub.replay_endpoint,
+        on_lost=lost.append,
+        context=ctx,
+    )
+    task: asyncio.Task[None] | None = None
+    try:
+        for _ in range(3000):  # nobody listens yet
+            await pub.publish([])
+        task = asyncio.create_task(sub.run())
+        await eventually(lambda: len(got) >= 3000)
+        assert got == list(range(pub.seq - 2999, pub.seq + 1))
+        assert lost == [] and sub.stats.lost == 0
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await pub.close()

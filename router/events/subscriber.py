@@ -36,6 +36,7 @@ import zmq.asyncio
 log = logging.getLogger(__name__)
 END_SEQ = -1
 RECENT = 16  # delivered batches kept (references) to recognise a repeated one
+_MAX_REPLAY_ROUNDS = 1000  # replay requests of one fetch (each brings at least one batch)
 
 
 @dataclass(slots=True)
@@ -177,33 +178,58 @@ class ZmqEventSubscriber:
             self.on_lost(stop - expected)
 
     async def _fetch(self, start: int, stop: int | None = None) -> list[tuple[int, bytes]]:
-        """Replayed ``(seq, payload)`` pairs from ``start``; with ``stop``, return as soon as
-        ``stop - 1`` arrived: the engine sends its whole buffer tail, and a ROUTER socket drops
-        what exceeds its high-water mark (the end marker included) when it is far ahead."""
+        """Replayed ``(seq, payload)`` pairs from ``start`` (with ``stop``: up to
+        ``stop - 1``), in order. The engine answers a start seq with its whole buffer tail and
+        an end marker, through a ROUTER socket that drops what exceeds its high-water mark
+        (1,000 messages by default; the end marker with the rest) when the reader is far
+        behind: a reply that stops short of its end marker is asked again from the seq after
+        the last one it carried, until the end marker, ``stop - 1`` or nothing new comes."""
+        assert self.replay_endpoint is not None
+        out: list[tuple[int, bytes]] = []
+        first = start
+        for _ in range(_MAX_REPLAY_ROUNDS):
+            got, ended = await self._fetch_once(first, stop)
+            got = [(seq, payload) for seq, payload in got if seq >= first]
+            out.extend(got)
+            if ended or not got:
+                break
+            first = got[-1][0] + 1
+            if stop is not None and first >= stop:
+                break
+        return out
+
+    async def _fetch_once(
+        self, start: int, stop: int | None
+    ) -> tuple[list[tuple[int, bytes]], bool]:
+        """One replay request: the pairs it brought, and whether it reached its end (the end
+        marker, or ``stop - 1``). Waits ``replay_timeout_s`` for the first reply, then a
+        fraction of it between replies (the engine sends its buffer in one burst)."""
         assert self.replay_endpoint is not None
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.replay_endpoint)
         out: list[tuple[int, bytes]] = []
+        wait_ms = int(self.replay_timeout_s * 1000)
         try:
             await sock.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
-                if not await sock.poll(int(self.replay_timeout_s * 1000)):
-                    log.warning("replay from %s timed out", self.replay_endpoint)
-                    break
+                if not await sock.poll(wait_ms):
+                    if not out:
+                        log.warning("replay from %s timed out", self.replay_endpoint)
+                    return out, False
                 reply = parse_replay_reply(await sock.recv_multipart())
                 if reply is None:
                     self.stats.malformed_frames += 1
                     continue
                 seq, payload = reply
                 if seq == END_SEQ or not payload:
-                    break
+                    return out, True
                 out.append((seq, payload))
                 if stop is not None and seq >= stop - 1:
-                    break
+                    return out, True
+                wait_ms = max(20, int(self.replay_timeout_s * 200))
         finally:
             sock.close(0)
-        return out
 
 
 def parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
