@@ -180,6 +180,86 @@ async def test_lost_stream_entry_is_a_gap_and_resyncs(redis_url: str, key_prefix
         await store.close()
 
 
+def _commit_without_entry(w: StoreWriter, key: ReplicaKey, events: list[Any]) -> Any:
+    """Commit a batch to the replica's stored state without its stream entry (as if the
+    stream had been trimmed past a router that lagged): routers see no change for it."""
+    st = w.states[key]
+    st.seq += 1
+    st.apply(events)
+    w._pending.clear()
+    return st
+
+
+async def test_a_replicas_last_batch_lost_to_the_stream_is_found_by_the_audit(
+    redis_url: str, key_prefix: str
+) -> None:
+    """No later batch shows the gap (the replica went idle): the audit sees the index behind
+    a store that stood still for an interval, and resyncs that key."""
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=2))
+    try:
+        w = await _publish(store, "idle")
+        key = ReplicaKey("idle")
+        index = PrefixIndex()
+        async with IndexSync(store, index, **FAST) as sync:
+            w.add(key, [BlocksStored((1, 2, 3, 4, 5, 6))])
+            await w.flush()
+            await eventually(lambda: index.match([1, 2, 3, 4, 5, 6]).get(key).kv_blocks == 6)
+            st = _commit_without_entry(w, key, [BlocksRemoved((4, 5, 6))])
+            await store._commit([st], full=False)
+            await eventually(lambda: index.match([1, 2, 3, 4, 5, 6]).get(key).kv_blocks == 3)
+            assert index.last_seq(key) == st.seq and sync.stats.stale >= 1
+            assert sync.stats.gaps == 0
+    finally:
+        await store.close()
+
+
+class _FlakyReads:
+    """A store whose next ``fail`` snapshot reads raise, as a Redis blip would."""
+
+    def __init__(self, inner: RedisStore) -> None:
+        self.inner = inner
+        self.fail = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def read_replicas(self, keys: Any) -> Any:
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("a blip")
+        return await self.inner.read_replicas(keys)
+
+
+async def test_a_resync_that_fails_is_retried_and_the_read_is_not_skipped(
+    redis_url: str, key_prefix: str
+) -> None:
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
+    flaky = _FlakyReads(store)
+    try:
+        w = await _publish(store, "g")
+        other = await _publish(store, "o")
+        key, okey = ReplicaKey("g"), ReplicaKey("o")
+        index = PrefixIndex()
+        async with IndexSync(flaky, index, **FAST) as sync:  # type: ignore[arg-type]
+            w.add(key, [BlocksStored((1, 2, 3))])
+            await w.flush()
+            await eventually(lambda: index.match([1, 2, 3]).get(key).kv_blocks == 3)
+            st = _commit_without_entry(w, key, [BlocksStored((1, 2, 3, 4))])
+            await store._commit([st], full=False)
+            flaky.fail = 1  # the gap's resync fails once
+            w.add(key, [BlocksStored((5,))])
+            await w.flush()  # a gap: seq jumps
+            other.add(okey, [BlocksStored((9, 10))])
+            await other.flush()  # in the same stream, after the gap
+            # (block 4 is asked for itself: a match bisects, a hole before the last block
+            # asked for may not show)
+            await eventually(lambda: index.match([1, 2, 3, 4]).get(key).kv_blocks == 4)
+            await eventually(lambda: index.match([9, 10]).get(okey).kv_blocks == 2)
+            assert sync.stats.gaps >= 1 and sync.stats.errors >= 1
+    finally:
+        await store.close()
+
+
 async def test_malformed_stream_entries_do_no_harm(redis_url: str, key_prefix: str) -> None:
     store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
     try:

@@ -274,6 +274,10 @@ class IndexStore(Protocol):
 
     async def stored_seq(self, key: ReplicaKey) -> int | None: ...
 
+    async def stored_seqs(self, keys: Sequence[ReplicaKey]) -> list[int | None]:
+        """``stored_seq`` of each key, in one round trip where the store allows."""
+        ...
+
     # read side
     async def instance_token(self) -> str: ...
 

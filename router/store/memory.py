@@ -106,6 +106,9 @@ class MemoryStore:
         snap = self._snapshots.get(key)
         return snap.seq if snap is not None else None
 
+    async def stored_seqs(self, keys: Sequence[ReplicaKey]) -> list[int | None]:
+        return [await self.stored_seq(k) for k in keys]
+
     # ------------------------------------------------------------------ read side
 
     async def instance_token(self) -> str:

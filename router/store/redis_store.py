@@ -280,6 +280,19 @@ class RedisStore:
         )
         return int(raw) if raw is not None else None
 
+    async def stored_seqs(self, keys: Sequence[ReplicaKey]) -> list[int | None]:
+        s = self.schema
+        raws: list[Any]
+        if self.cluster:  # the keys live in different slots
+            ints = await _all(self.stored_seq(k) for k in keys)
+            return ints
+        else:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for k in keys:
+                    pipe.hget(s.meta(k.replica), s.seq_field(k.dp_rank))
+                raws = await pipe.execute()
+        return [int(raw) if raw is not None else None for raw in raws]
+
     # ------------------------------------------------------------------ read side
 
     async def instance_token(self) -> str:

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -106,6 +107,7 @@ class SyncStats:
     malformed: int = 0
     errors: int = 0
     entries_loaded: int = 0
+    stale: int = 0  # keys found behind (or ahead of) a store that stood still: resynced
 
 
 class IndexSync:
@@ -141,6 +143,16 @@ class IndexSync:
         self.stats = SyncStats()
         self.ready = asyncio.Event()
         self._cursor: object = None
+        # Changes read and not yet handled, with the cursor of their read: a failure in the
+        # middle of a read (the store unreachable during a resync) leaves the rest here for
+        # the next turn, never skipped.
+        self._backlog: deque[tuple[Change, object]] = deque()
+        # Keys whose state must be read again: added before a resync's read, removed once it
+        # applied; retried each turn until it succeeds (an applied gap batch is a duplicate
+        # when handled again, so only this remembers that its resync is owed).
+        self._owed: set[ReplicaKey] = set()
+        # each key's stored seq at the last audit (see ``_check_seqs``)
+        self._audited_seqs: dict[ReplicaKey, int | None] = {}
         self._token: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -195,11 +207,20 @@ class IndexSync:
                     await self.bootstrap()
                     need_bootstrap = False
                     self.ready.set()
+                if self._owed:
+                    known = sorted(k for k in self._owed if k.replica in self.infos)
+                    self._owed.clear()
+                    if known:
+                        await self._resync(known)
+                backlog = self._backlog
                 read = await self.store.read_changes(self._cursor, self.block_s, self.read_count)
                 self._cursor = read.cursor
                 self.stats.malformed += read.malformed
-                for change in read.changes:
-                    await self._handle(change, read.cursor)
+                backlog.extend((change, read.cursor) for change in read.changes)
+                while backlog:
+                    change, cursor = backlog[0]
+                    await self._handle(change, cursor)
+                    backlog.popleft()
                 if time.monotonic() >= self._next_audit:
                     need_bootstrap = await self.audit()
                 backoff = 0.05
@@ -219,6 +240,8 @@ class IndexSync:
         """Rebuild the index's view of every stored replica from the store."""
         self._token = await self.store.instance_token()
         self._cursor = await self.store.cursor()
+        self._backlog.clear()  # read before the new cursor: the snapshots below hold it
+        self._owed.clear()
         listed = await self.store.list_replicas()
         alive = await self.store.leases([i.replica for i in listed])
         infos = {info.replica: info for info in listed if alive.get(info.replica)}
@@ -254,7 +277,32 @@ class IndexSync:
                 if alive.get(info.replica):
                     self._adopt(info)
                     await self._resync(info.replica_keys())
+        await self._check_seqs()
         return False
+
+    async def _check_seqs(self) -> None:
+        """Resync every key whose seq in the index differs from the store's where the store's
+        has not moved for a whole audit interval: the change stream then has nothing more on
+        the way, so what the index lacks was lost to it (the stream trimmed past this
+        router's cursor while it lagged, its last batches with it; an idle replica sends
+        nothing later that would show the gap), or the store went back (restored from a
+        snapshot): the store is what every other router reads."""
+        keys = [k for info in self.infos.values() for k in info.replica_keys()]
+        stored = await self.store.stored_seqs(keys) if keys else []
+        before, now = self._audited_seqs, dict(zip(keys, stored, strict=True))
+        self._audited_seqs = now
+        behind = [
+            key
+            for key, seq in now.items()
+            if seq is not None
+            and before.get(key) == seq
+            and (last := self.index.last_seq(key)) is not None
+            and last != seq
+        ]
+        if behind:
+            log.warning("index sync: %d replica key(s) behind the store; resyncing", len(behind))
+            self.stats.stale += len(behind)
+            await self._resync(behind)
 
     # ------------------------------------------------------------------ changes
 
@@ -350,8 +398,10 @@ class IndexSync:
             self.event_lag.pop(str(key), None)
 
     async def _resync(self, keys: Sequence[ReplicaKey]) -> None:
+        self._owed.update(keys)
         snaps = await self.store.read_replicas(keys)
         for key, snap in zip(keys, snaps, strict=True):
+            self._owed.discard(key)
             self.stats.resyncs += 1
             self.index.clear_replica(key)
             self.index.reset_sequence(key)
