@@ -299,3 +299,63 @@ async def test_history_longer_than_the_replay_sockets_queue_arrives_whole() -> N
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         await pub.close()
+
+
+@pytest.mark.parametrize(("old_batches", "new_batches"), [(20, 5), (3, 7)])
+async def test_a_restart_while_the_subscriber_was_away_is_found_and_replayed(
+    old_batches: int, new_batches: int
+) -> None:
+    """The engine restarts while the subscriber is not connected and publishes its first
+    batches unseen. Back, the subscriber sees a seq at or below its last (20, 5) or past
+    it (3, 7): either way a restart, and the new engine's batches from 0 are delivered."""
+    port, rport = free_port(), free_port()
+    ctx = zmq.asyncio.Context.instance()
+    endpoint, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"
+    got: list[bytes] = []
+    restarts: list[int] = []
+    sub = ZmqEventSubscriber(
+        endpoint,
+        lambda _, payload: got.append(payload),
+        replay_endpoint=replay,
+        on_restart=lambda: restarts.append(len(got)),
+        context=ctx,
+    )
+    pub = KVEventPublisher(endpoint, replay, context=ctx)
+    pub.start()
+    task = asyncio.create_task(sub.run())
+    try:
+        old = [f"old-{i}".encode() for i in range(old_batches)]
+        for payload in old:  # history or live, every one arrives
+            await pub.publish_raw(payload)
+        await eventually(lambda: got == old)
+        task.cancel()  # the subscriber goes away (a publisher restart, a slow reconnect)
+        await asyncio.gather(task, return_exceptions=True)
+        await pub.close()
+        for _ in range(100):  # the old sockets are closed asynchronously by ZMQ's I/O thread
+            try:
+                pub = KVEventPublisher(endpoint, replay, context=ctx)
+                break
+            except zmq.ZMQError:
+                await asyncio.sleep(0.05)
+        pub.start()
+        new = [f"new-{i}".encode() for i in range(new_batches)]
+        for payload in new:  # nobody listens
+            await pub.publish_raw(payload)
+        task = asyncio.create_task(sub.run())
+        live: list[bytes] = []
+
+        async def caught_up() -> bool:
+            payload = f"live-{len(live)}".encode()  # until one gets past the slow joiner
+            live.append(payload)
+            await pub.publish_raw(payload)
+            return any(p.startswith(b"live-") for p in got)
+
+        await eventually(caught_up)
+        assert len(restarts) == 1 and sub.stats.restarts == 1
+        after = got[restarts[0] :]
+        assert after[:new_batches] == new, after
+        assert all(p.startswith(b"live-") for p in after[new_batches:])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await pub.close()

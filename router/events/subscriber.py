@@ -9,7 +9,10 @@ blocks are worse than missing ones). A seq that goes backwards means the engine 
 (``on_restart``), unless the batch is the very one delivered under that seq (one of the last
 ``RECENT`` batches, the same payload): then it is a duplicate. A restarted engine counts from
 0 again, so its first batches reuse seqs the old engine's had, with other payloads; the
-payload, not the distance back, tells the two apart. Malformed frames are counted and
+payload, not the distance back, tells the two apart. A gap's replay starts one batch early,
+at the last one delivered: when the engine holds another batch under that seq, it restarted
+while nothing reached this subscriber and counted past the old seq. After a restart the new
+engine's batches before the one seen are replayed from 0. Malformed frames are counted and
 skipped; nothing here raises on input.
 
 History (``replay_history``): as soon as it has subscribed, the subscriber asks the replay
@@ -124,15 +127,29 @@ class ZmqEventSubscriber:
                 self.stats.duplicates += 1
                 return
             log.warning("engine %s restarted (seq %d after %d)", self.endpoint, seq, last)
-            self.stats.restarts += 1
-            self.last_seq = None
-            self._history = None
-            self._recent.clear()
-            self.on_restart()
+            await self._restarted(seq)
         elif seq > last + 1:
             self.stats.gaps += 1
-            await self._replay(last + 1, seq)
+            got = await self._fetch(last, seq) if self.replay_endpoint else []
+            if got and got[0][0] == last and not self._delivered(last, got[0][1]):
+                # the engine's batch ``last`` is not the one delivered under it: the engine
+                # restarted while nothing reached this subscriber, and counted past ``last``
+                log.warning("engine %s restarted (seq %d is another batch)", self.endpoint, last)
+                await self._restarted(seq)
+            else:
+                self._deliver_replayed(got, last + 1, seq)
         self._deliver(seq, payload)
+
+    async def _restarted(self, seq: int) -> None:
+        """The engine restarted: forget it (``on_restart``), then deliver what the new engine
+        published before ``seq`` (its batches from 0, which this subscriber never saw)."""
+        self.stats.restarts += 1
+        self.last_seq = None
+        self._history = None
+        self._recent.clear()
+        self.on_restart()
+        if seq > 0 and self.replay_endpoint:
+            await self._replay(0, seq)
 
     async def _load_history(self) -> None:
         """Deliver the engine's whole replay buffer (nothing is lost before it: what the
@@ -163,6 +180,12 @@ class ZmqEventSubscriber:
         got: list[tuple[int, bytes]] = []
         if self.replay_endpoint:
             got = await self._fetch(start, stop)
+        self._deliver_replayed(got, start, stop)
+
+    def _deliver_replayed(self, got: list[tuple[int, bytes]], start: int, stop: int) -> None:
+        """Deliver the replayed batches of ``[start, stop)`` among ``got`` in order; report
+        what is missing from them as lost (from a start past 0: before it nothing was
+        seen, so nothing is lost)."""
         expected = start
         for seq, payload in got:
             if seq < expected or seq >= stop:
