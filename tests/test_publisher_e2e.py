@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -262,6 +262,57 @@ async def test_redis_flush_and_restart_publisher_republishes_router_resyncs(
         await eng.pub.close()
         await pub_store.close()
         await router_store.close()
+
+
+async def test_a_store_rolled_back_under_a_live_lease_is_republished_and_resynced(
+    redis_url: str, key_prefix: str
+) -> None:
+    """Redis restored from an older snapshot (persistence on, a restart within the lease)
+    keeps the lease and loses the later writes: the publisher finds the stored seq behind
+    its own and republishes, and a router that starts afterwards sees the engine's cache."""
+    schema = KeySchema(key_prefix, stream_shards=2)
+    pub_store = RedisStore.from_url(redis_url, schema)
+    eng = await _engine(16, 8)
+    pub = _publisher(pub_store, "rb", eng)
+    key = ReplicaKey("rb")
+    redis = pub_store.redis
+    state_keys = [schema.meta("rb"), schema.kv("rb", 0), schema.state("rb", 0)]
+    try:
+        async with pub:
+            await asyncio.sleep(0.3)
+            x, y = eng.prompt(8), eng.prompt(8)
+            await eng.store(x)
+            await eventually(lambda: _stored_holds(pub_store, key, canonical(x), ()))
+            saved = {k: await redis.dump(k) for k in state_keys}  # the snapshot
+            await eng.evict(x, 0)
+            await eng.store(y)
+            await eventually(lambda: _stored_holds(pub_store, key, canonical(y), canonical(x)))
+            resets = pub.stats.resets
+            for k, blob in saved.items():  # restored: x whole, y absent
+                if blob is not None:
+                    await redis.restore(k, 0, blob, replace=True)
+            await eventually(lambda: pub.stats.seq_mismatches >= 1)
+            await eventually(lambda: pub.stats.resets > resets)
+            router_store = RedisStore.from_url(redis_url, schema)
+            index = PrefixIndex()
+            try:
+                async with IndexSync(router_store, index, **FAST_SYNC):
+                    await eventually(lambda: index.match(canonical(y)).get(key).kv_blocks == 4)
+                    assert index.match(canonical(x)).get(key).kv_blocks == 0
+            finally:
+                await router_store.close()
+    finally:
+        await eng.pub.close()
+        await pub_store.close()
+
+
+async def _stored_holds(
+    store: RedisStore, key: ReplicaKey, held: Sequence[int], gone: Sequence[int]
+) -> bool:
+    """The stored snapshot of ``key`` holds every block of ``held`` and none of ``gone``."""
+    (snap,) = await store.read_replicas([key])
+    stored = set() if snap is None else set(snap.kv_hashes)
+    return stored >= set(held) and not stored & set(gone)
 
 
 async def test_stop_ends_a_heartbeat_whose_cancel_the_client_turned_into_an_error(

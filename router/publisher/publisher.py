@@ -8,6 +8,8 @@ Life cycle (``start``):
 3. flush batched changes every ``flush_interval_s`` or ``max_batch_events`` block events;
 4. heartbeat every ``heartbeat_s``: a missing lease (expired, or Redis lost its data) means
    register again and republish the full state; a failed write also forces a full republish;
+   so does a stored ``seq`` other than the writer's, checked after each heartbeat between two
+   flushes (Redis restored from an older snapshot keeps the lease and loses later writes);
 5. scrape the engine's ``/metrics`` every ``load_interval_s`` and publish load per rank.
 
 Store outages are logged and retried; input problems are counted (``stats``/metrics) and
@@ -70,6 +72,7 @@ class PublisherStats:
     store_errors: int = 0
     scrape_errors: int = 0
     loads_published: int = 0
+    seq_mismatches: int = 0  # stored seq found other than the writer's: republished
 
 
 class Publisher:
@@ -88,6 +91,7 @@ class Publisher:
         self.subscribers = SubscriberGroup(self.ingest, settings.endpoints)
         self.stats = PublisherStats()
         self._wake = asyncio.Event()
+        self._check_seqs = False  # set by a heartbeat; done by the flush loop (no write then)
         self._tasks: list[asyncio.Task[None]] = []
         self._http: aiohttp.ClientSession | None = None
 
@@ -198,6 +202,9 @@ class Publisher:
                 else:
                     await self.writer.flush()
                     await self._register_learned()
+                    if self._check_seqs:
+                        self._check_seqs = False
+                        await self._check_stored_seqs()
                 backoff = 0.05
             except asyncio.CancelledError:
                 raise
@@ -207,6 +214,19 @@ class Publisher:
                 log.warning("publisher: store write failed (%s); will republish", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, 2.0)
+
+    async def _check_stored_seqs(self) -> None:
+        """Republish in full when the store's seq of a key is not the writer's: the store
+        went back (restored from a snapshot taken before later writes) or another writer
+        wrote it. Runs between two flushes, so no write of ours is in flight."""
+        states = self.writer.states
+        keys = list(states)
+        stored = await self.store.stored_seqs(keys)
+        if any(seq != states[k].seq for k, seq in zip(keys, stored, strict=True)):
+            self.stats.seq_mismatches += 1
+            log.warning("publisher: the store's seq differs from ours; republishing")
+            self.writer.needs_reset = True
+            self._wake.set()
 
     async def _heartbeat_loop(self) -> None:
         s = self.settings
@@ -218,6 +238,8 @@ class Publisher:
                     log.warning("publisher: lease of %s was gone; republishing", s.info.replica)
                     self.writer.needs_reset = True
                     self._wake.set()
+                else:
+                    self._check_seqs = True
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
