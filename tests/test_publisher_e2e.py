@@ -306,6 +306,45 @@ async def test_a_store_rolled_back_under_a_live_lease_is_republished_and_resynce
         await pub_store.close()
 
 
+async def test_a_second_publisher_for_a_replica_supersedes_the_first(
+    stores: Callable[[], RedisStore],
+) -> None:
+    """Two sidecars publishing one replica name (a restart that overlapped the old one, or a
+    copy-paste in the deployment): the last to register owns the lease; the first stands
+    down at its next heartbeat, writes nothing more, and its stop leaves the successor's
+    registration and state in place."""
+    old_eng, new_eng = await _engine(16, 11), await _engine(16, 12)
+    old_store, new_store = stores(), stores()
+    old, new = _publisher(old_store, "dup", old_eng), _publisher(new_store, "dup", new_eng)
+    key = ReplicaKey("dup")
+    try:
+        await old.start()
+        try:
+            await asyncio.sleep(0.3)  # SUB sockets connect
+            x = old_eng.prompt(8)
+            await old_eng.store(x)
+            await eventually(lambda: _stored_holds(old_store, key, canonical(x), ()))
+            async with new:
+                await eventually(lambda: old.stats.superseded)
+                assert not new.stats.superseded
+                await asyncio.sleep(0.3)
+                y = new_eng.prompt(8)
+                await new_eng.store(y)
+                await old_eng.store(old_eng.prompt(8))  # the old one no longer writes
+                await eventually(lambda: _stored_holds(new_store, key, canonical(y), canonical(x)))
+                await old.stop()
+                assert [i.replica for i in await new_store.list_replicas()] == ["dup"]
+                assert await _stored_holds(new_store, key, canonical(y), canonical(x))
+                await asyncio.sleep(0.3)  # heartbeats go on: the new one keeps its lease
+                assert not new.stats.superseded and new.stats.lease_losses == 0
+            assert await new_store.list_replicas() == []  # its own stop deregisters
+        finally:
+            await old.stop()
+    finally:
+        await old_eng.pub.close()
+        await new_eng.pub.close()
+
+
 async def _stored_holds(
     store: RedisStore, key: ReplicaKey, held: Sequence[int], gone: Sequence[int]
 ) -> bool:

@@ -47,6 +47,8 @@ def acl_rules(replica: str, schema: KeySchema = SCHEMA) -> list[str]:
         "+@transaction",
         "+@connection",
         "-@dangerous",
+        "+eval",
+        "+evalsha",
     ]
 
 

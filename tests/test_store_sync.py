@@ -14,7 +14,7 @@ from router.bench.redis_server import LocalRedis
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.types import AllCleared, BlocksRemoved, BlocksStored, Kind, ReplicaKey, Tier
-from router.store.base import IndexStore, LoadSample, ReplicaInfo
+from router.store.base import IndexStore, LeaseTaken, LoadSample, ReplicaInfo
 from router.store.memory import MemoryStore
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
@@ -144,6 +144,31 @@ async def test_lease_expiry_purges_and_load_reaches_the_tracker(store: IndexStor
         assert await store.list_replicas() == []
         assert await store.read_replicas([ReplicaKey("short")]) == [None]
         assert not await store.reap("short")
+
+
+async def test_the_last_registration_owns_the_lease(store: IndexStore) -> None:
+    """One writer per replica: a second owner's registration takes the lease; the first
+    owner's heartbeat then raises and its deregister leaves the replica in place."""
+    info = ReplicaInfo("twice", model="m")
+    await store.register(info, owner="first", lease_ttl_s=30)
+    assert await store.heartbeat("twice", "first", 30)
+    await store.register(info, owner="second", lease_ttl_s=30)
+    with pytest.raises(LeaseTaken) as taken:
+        await store.heartbeat("twice", "first", 30)
+    assert taken.value.holder == "second"
+    assert not await store.deregister("twice", owner="first")
+    assert [i.replica for i in await store.list_replicas()] == ["twice"]
+    assert await store.heartbeat("twice", "second", 30)
+    assert await store.deregister("twice", owner="second")
+    assert await store.list_replicas() == []
+    # a lease that is gone may be cleaned up by any owner
+    await store.register(info, owner="second", lease_ttl_s=0.05)
+    await eventually(lambda: _lease_gone(store, "twice"))
+    assert await store.deregister("twice", owner="first")
+
+
+async def _lease_gone(store: IndexStore, replica: str) -> bool:
+    return not (await store.leases([replica]))[replica]
 
 
 async def test_deregister_removes_replica_everywhere(store: IndexStore) -> None:

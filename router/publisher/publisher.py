@@ -14,6 +14,12 @@ Life cycle (``start``):
 
 Store outages are logged and retried; input problems are counted (``stats``/metrics) and
 skipped. ``stop`` flushes and, by default, deregisters so routers drop the replica at once.
+
+One writer per replica: the last publisher to register a replica name owns its lease. A
+publisher whose heartbeat finds the lease held by another owner (``LeaseTaken``) stands
+down: it stops following the engine, writes nothing more and, on stop, neither flushes nor
+deletes its successor's state (``superseded``). Its writes between the takeover and that
+heartbeat are healed by the successor's seq check.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from router.core.types import IndexEvent, ReplicaKey
 from router.events.endpoints import EndpointSpec
 from router.events.ingest import EngineIngest, SubscriberGroup
 from router.publisher.scrape import fetch_page, parse_engine_metrics
-from router.store.base import IndexStore, LoadSample, ReplicaInfo
+from router.store.base import IndexStore, LeaseTaken, LoadSample, ReplicaInfo
 from router.store.writer import StoreWriter
 from router.tasks import stop_all
 
@@ -73,6 +79,7 @@ class PublisherStats:
     scrape_errors: int = 0
     loads_published: int = 0
     seq_mismatches: int = 0  # stored seq found other than the writer's: republished
+    superseded: bool = False  # another publisher took this replica's lease: stood down
 
 
 class Publisher:
@@ -165,10 +172,13 @@ class Publisher:
         if self._http is not None:
             await self._http.close()
             self._http = None
+        if self.stats.superseded:
+            return  # the successor owns the replica's keys now
+        s = self.settings
         try:
             await self.writer.flush()
-            if self.settings.deregister_on_stop:
-                await self.store.deregister(self.settings.info.replica)
+            if s.deregister_on_stop and not await self.store.deregister(s.info.replica, s.owner):
+                log.warning("publisher stop: %s is owned by another publisher", s.info.replica)
         except Exception as exc:
             log.warning("publisher stop: could not flush/deregister: %s", exc)
 
@@ -240,6 +250,10 @@ class Publisher:
                     self._wake.set()
                 else:
                     self._check_seqs = True
+            except LeaseTaken as exc:
+                log.error("publisher: %s; standing down (no more writes)", exc)
+                await self._stand_down()
+                return
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -247,6 +261,13 @@ class Publisher:
                 self.stats.store_errors += 1
                 self.writer.needs_reset = True
                 log.warning("publisher: heartbeat failed: %s", exc)
+
+    async def _stand_down(self) -> None:
+        """Stop every writing task but this one (the heartbeat loop, which returns)."""
+        self.stats.superseded = True
+        await self.subscribers.stop()
+        me = asyncio.current_task()
+        await stop_all([t for t in self._tasks if t is not me])
 
     async def _load_loop(self) -> None:
         s = self.settings
@@ -310,6 +331,10 @@ class PublisherCollector:
             "kvrouter_publisher_block_events": ("canonical block events written", w.block_events),
             "kvrouter_publisher_flushes": ("store writes (batches or resets)", w.flushes),
             "kvrouter_publisher_resets": ("full-state republishes", st.resets),
+            "kvrouter_publisher_seq_mismatches": (
+                "stored seqs found other than the writer's (republished)",
+                st.seq_mismatches,
+            ),
             "kvrouter_publisher_store_errors": ("failed store operations", st.store_errors),
             "kvrouter_publisher_scrape_errors": ("failed engine load scrapes", st.scrape_errors),
         }
@@ -317,6 +342,12 @@ class PublisherCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(value))
             yield c
+        g = GaugeMetricFamily(
+            "kvrouter_publisher_superseded",
+            "1 when another publisher took this replica's lease and this one stood down",
+        )
+        g.add_metric([], 1.0 if st.superseded else 0.0)
+        yield g
         g = GaugeMetricFamily(
             "kvrouter_publisher_cached_blocks",
             "blocks in the replica state",

@@ -37,6 +37,16 @@ from router.store.packed import PackedTable, hashes_by_bit
 from router.store.schema import check_replica_name
 
 
+class LeaseTaken(Exception):
+    """Another writer holds this replica's lease (a second publisher registered the same
+    replica name): the one that gets this stands down and writes nothing more."""
+
+    def __init__(self, replica: str, holder: str) -> None:
+        super().__init__(f"the lease of replica {replica!r} is held by publisher {holder!r}")
+        self.replica = replica
+        self.holder = holder
+
+
 @dataclass(slots=True, frozen=True)
 class ReplicaInfo:
     """What a publisher registers about its replica. ``state_interval_blocks`` is the
@@ -249,13 +259,19 @@ class IndexStore(Protocol):
     """Shared index storage (see the module docstring for the protocol)."""
 
     # write side
-    async def register(self, info: ReplicaInfo, owner: str, lease_ttl_s: float) -> None: ...
-
-    async def heartbeat(self, replica: str, owner: str, lease_ttl_s: float) -> bool:
-        """Renew the lease; False when it was gone (expired, or the store lost its data)."""
+    async def register(self, info: ReplicaInfo, owner: str, lease_ttl_s: float) -> None:
+        """Write the info and take the lease for ``owner`` (the last to register owns it)."""
         ...
 
-    async def deregister(self, replica: str) -> None: ...
+    async def heartbeat(self, replica: str, owner: str, lease_ttl_s: float) -> bool:
+        """Renew ``owner``'s lease; False when it was gone (expired, or the store lost its
+        data); raises ``LeaseTaken`` when another owner holds it."""
+        ...
+
+    async def deregister(self, replica: str, owner: str | None = None) -> bool:
+        """Delete the replica; with ``owner``, only while the lease is that owner's or free
+        (a superseded publisher must not delete its successor's state). True if deleted."""
+        ...
 
     async def reap(self, replica: str) -> bool:
         """Delete a registered replica whose lease is gone; False if it is alive (or absent)."""

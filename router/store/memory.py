@@ -20,6 +20,7 @@ from router.store.base import (
     BatchChange,
     Change,
     ChangeRead,
+    LeaseTaken,
     LoadChange,
     LoadSample,
     ReplicaDown,
@@ -67,16 +68,23 @@ class MemoryStore:
         lease = self._leases.get(replica)
         if lease is None or lease[1] <= self._clock():
             return False
+        if lease[0] != owner:
+            raise LeaseTaken(replica, lease[0])
         self._leases[replica] = (owner, self._clock() + lease_ttl_s)
         return True
 
-    async def deregister(self, replica: str) -> None:
+    async def deregister(self, replica: str, owner: str | None = None) -> bool:
+        lease = self._leases.get(replica)
+        held = lease is not None and lease[1] > self._clock()
+        if owner is not None and held and lease is not None and lease[0] != owner:
+            return False
         info = self._infos.pop(replica, None)
         self._leases.pop(replica, None)
         for key in info.replica_keys() if info else []:
             self._snapshots.pop(key, None)
             self._loads.pop(key, None)
         self._append(ReplicaDown(replica))
+        return True
 
     async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:
         for state, events in writes:

@@ -31,6 +31,7 @@ from router.store.base import (
     BatchChange,
     Change,
     ChangeRead,
+    LeaseTaken,
     LoadChange,
     LoadSample,
     ReplicaDown,
@@ -59,6 +60,21 @@ _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _REAP = """
 if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
 for i = 2, #KEYS do redis.call('UNLINK', KEYS[i]) end
+return 1
+"""
+# KEYS[1] lease; ARGV owner, ttl ms. 1 renewed, 0 gone, else the holder (another owner)
+_HEARTBEAT = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return 0 end
+if cur ~= ARGV[1] then return cur end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+# KEYS[1] lease, KEYS[2..] the replica's keys; ARGV owner. Deletes unless another owns it.
+_OWNED_OR_FREE = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then return 0 end
+for i = 1, #KEYS do redis.call('UNLINK', KEYS[i]) end
 return 1
 """
 
@@ -158,24 +174,37 @@ class RedisStore:
             await pipe.execute()
 
     async def heartbeat(self, replica: str, owner: str, lease_ttl_s: float) -> bool:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.schema.lease(replica), owner, px=max(1, int(lease_ttl_s * 1000)), xx=True)
-            pipe.sadd(self.schema.registry, replica)  # heals a registry entry lost to a reaper
-            ok, _ = await pipe.execute()
-        return bool(ok)
+        s = self.schema
+        got = await self.redis.eval(
+            _HEARTBEAT, 1, s.lease(replica), owner, max(1, int(lease_ttl_s * 1000))
+        )
+        if isinstance(got, bytes):
+            raise LeaseTaken(replica, got.decode(errors="replace"))
+        if got:
+            await self.redis.sadd(s.registry, replica)  # heals a registry entry lost to a reaper
+        return bool(got)
 
-    async def deregister(self, replica: str) -> None:
+    async def deregister(self, replica: str, owner: str | None = None) -> bool:
         s = self.schema
         raw = await self.redis.hget(s.meta(replica), "info")
-        ranks = ReplicaInfo.from_json(raw).dp_ranks if raw else (0,)
-        keys = [s.meta(replica), s.load(replica), s.lease(replica)]
+        try:
+            ranks = ReplicaInfo.from_json(raw).dp_ranks if raw else (0,)
+        except ValueError:
+            ranks = (0,)
+        keys = [s.lease(replica), s.meta(replica), s.load(replica)]
         for r in ranks:
             keys += [s.kv(replica, r), s.state(replica, r)]
+        if owner is not None:
+            if not await self.redis.eval(_OWNED_OR_FREE, len(keys), *keys, owner):
+                return False
+            keys = []
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.execute_command("UNLINK", *keys)  # (a cluster pipeline's unlink() is a coroutine)
+            if keys:  # (a cluster pipeline's unlink() is a coroutine)
+                pipe.execute_command("UNLINK", *keys)
             pipe.srem(s.registry, replica)
             self._xadd(pipe, replica, ReplicaDown(replica))
             await pipe.execute()
+        return True
 
     async def reap(self, replica: str) -> bool:
         """Delete a replica whose lease is gone (a crashed publisher): atomic against the
