@@ -246,8 +246,9 @@ async def test_redis_flush_and_restart_publisher_republishes_router_resyncs(
             cx = canonical(x)
             await eventually(lambda: index.match(cx).get(key).kv_blocks == 4)
             await pub_store.redis.flushall()
-            # Routers drop it, the publisher's heartbeat notices and republishes in full.
+            # Routers keep it, the publisher's heartbeat notices and republishes in full.
             await eventually(lambda: pub.stats.lease_losses >= 1)
+            assert sync.stats.purges == 0
             await eventually(lambda: index.match(cx).get(key).kv_blocks == 4)
             private_redis.restart()
             await eventually(lambda: pub.stats.lease_losses >= 2 or pub.stats.store_errors >= 1)

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from router.core.types import ReplicaKey
 from router.mock.server import MockSettings
-from router.service.app import STATE
+from router.service.app import INDEX_SYNC, STATE
 from router.service.config import build_settings
 from router.store.base import ReplicaInfo
 from router.store.redis_store import RedisStore
@@ -89,6 +89,37 @@ async def test_router_routes_to_registered_replicas_and_drops_them(
         await publisher_side.register(ReplicaInfo("c", url="not a url", model="m"), "pub-c", 30)
         await asyncio.sleep(0.3)
         assert state.registry.find("c") == []
+        await client.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        await publisher_side.close()
+
+
+async def test_discovered_replicas_stay_routable_when_redis_comes_back_empty(
+    private_redis: Any,
+) -> None:
+    """Redis restarted empty: the router keeps routing to the replicas it discovered until
+    their publishers register again, instead of answering 404 for the model meanwhile."""
+    schema = KeySchema("kvr", stream_shards=2)
+    publisher_side = RedisStore.from_url(private_redis.url, schema)
+    runners: list[web.AppRunner] = []
+    try:
+        mock, mock_url = await _mock("a")
+        runners.append(mock)
+        settings = build_settings(
+            {"server": {"redis_url": private_redis.url}, "models": {"m": {"block_size": B}}}
+        )
+        router, base = await start_router(settings)
+        runners.append(router)
+        state, sync = router.app[STATE], router.app[INDEX_SYNC]
+        await publisher_side.register(ReplicaInfo("a", url=mock_url, model="m"), "pub-a", 30)
+        await eventually(lambda: len(state.registry.keys_for("m")) == 1)
+        await publisher_side.redis.flushall()
+        await eventually(lambda: sync.stats.kept_on_data_loss == 1)
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        done = await client.completions.create(model="m", prompt=[7] * 10, max_tokens=1)
+        assert done.choices and state.registry.keys_for("m") == (ReplicaKey("a"),)
         await client.close()
     finally:
         for runner in runners:

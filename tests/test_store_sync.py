@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -18,7 +18,7 @@ from router.store.base import IndexStore, LeaseTaken, LoadSample, ReplicaInfo
 from router.store.memory import MemoryStore
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
-from router.store.sync import IndexSync, LoadTrackerListener
+from router.store.sync import IndexSync, LoadTrackerListener, NullListener
 from router.store.writer import StoreWriter
 from tests.waiting import eventually
 
@@ -321,7 +321,10 @@ async def test_redis_flush_and_restart_publishers_republish_routers_resync(
         async with IndexSync(router_store, index, **FAST) as sync:
             assert index.match([1, 2, 3]).get(ReplicaKey("f1")).kv_blocks == 3
             await store.redis.flushall()
-            await eventually(lambda: ReplicaKey("f1") not in index)
+            # The router re-bootstraps and keeps f1 (the engine's cache did not change) for
+            # its publisher to register again.
+            await eventually(lambda: sync.stats.kept_on_data_loss == 1)
+            assert index.match([1, 2, 3]).get(ReplicaKey("f1")).kv_blocks == 3
             # The publisher notices on its heartbeat and republishes everything.
             assert not await store.heartbeat("f1", "p", 30)
             await store.register(info, owner="p", lease_ttl_s=30)
@@ -329,7 +332,8 @@ async def test_redis_flush_and_restart_publishers_republish_routers_resync(
             await eventually(lambda: index.match([1, 2, 3]).get(ReplicaKey("f1")).kv_blocks == 3)
             # Restart: the server comes back empty on the same port.
             private_redis.restart()
-            await eventually(lambda: ReplicaKey("f1") not in index, timeout=10)
+            await eventually(lambda: sync.stats.kept_on_data_loss == 2, timeout=10)
+            assert ReplicaKey("f1") in index
             w.add(ReplicaKey("f1"), [BlocksStored((4,))])
             try:
                 await w.flush()
@@ -350,6 +354,45 @@ async def test_redis_flush_and_restart_publishers_republish_routers_resync(
                     await asyncio.sleep(0.1)
             await eventually(lambda: index.match([1, 2, 3, 4]).get(ReplicaKey("f1")).kv_blocks == 4)
             assert sync.stats.bootstraps >= 2
+    finally:
+        await store.close()
+        await router_store.close()
+
+
+async def test_a_replica_lost_with_the_store_stays_until_its_grace_ends(
+    private_redis: LocalRedis,
+) -> None:
+    """Redis comes back empty: a replica whose publisher registers again within the grace
+    is never dropped (no request sees it missing); one that does not is purged after it."""
+    schema = KeySchema("kvr", stream_shards=2)
+    store = RedisStore.from_url(private_redis.url, schema)
+    router_store = RedisStore.from_url(private_redis.url, schema)
+    downs: list[str] = []
+
+    class Downs(NullListener):
+        def replica_down(self, replica: str, keys: Sequence[ReplicaKey]) -> None:
+            downs.append(replica)
+
+    try:
+        writers = {}
+        for name in ("back", "dead"):
+            info = ReplicaInfo(name, model="m")
+            await store.register(info, owner="p", lease_ttl_s=30)
+            writers[name] = StoreWriter(store, info.replica_keys())
+            writers[name].add(ReplicaKey(name), [BlocksStored((1, 2))])
+            await writers[name].flush()
+        index = PrefixIndex()
+        sync = IndexSync(router_store, index, listener=Downs(), lost_store_grace_s=1.5, **FAST)
+        async with sync:
+            await store.redis.flushall()
+            await eventually(lambda: sync.stats.kept_on_data_loss == 2)
+            assert not await store.heartbeat("back", "p", 30)
+            await store.register(ReplicaInfo("back", model="m"), owner="p", lease_ttl_s=30)
+            await writers["back"].reset()
+            await eventually(lambda: "dead" in downs, timeout=5)
+            assert downs == ["dead"]
+            assert index.match([1, 2]).get(ReplicaKey("back")).kv_blocks == 2
+            assert ReplicaKey("dead") not in index
     finally:
         await store.close()
         await router_store.close()

@@ -163,6 +163,7 @@ async def redis_index(app: web.Application) -> AsyncIterator[None]:
         asyncio.get_running_loop().time,
         listener=EngineFeed(app[STATE], discover=discover),
         event_lag=app[STATE].event_lag_s,
+        lost_store_grace_s=s.redis_lost_grace_s,
     )
     app[INDEX_SYNC] = sync
     _log.info("shared index: following %s (key prefix %s)", s.redis_url, s.redis_key_prefix)

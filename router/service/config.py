@@ -142,7 +142,7 @@ def _checked(
 def _check_pods(server: ServerSettings) -> None:
     if server.pods_exchange not in ("stream", "hash", "off"):
         raise ConfigError(f"server.pods_exchange: {server.pods_exchange!r} is not stream/hash/off")
-    for name in ("pods_exchange_interval_s", "pods_stale_s"):
+    for name in ("pods_exchange_interval_s", "pods_stale_s", "redis_lost_grace_s"):
         v = getattr(server, name)
         if not (math.isfinite(v) and v > 0):
             raise ConfigError(f"server.{name}: must be a finite number > 0")

@@ -84,6 +84,9 @@ class ServerSettings:
     discover_replicas: bool | None = None
     redis_key_prefix: str = "kvr"
     redis_stream_shards: int = 8
+    # Redis came back empty: how long a known replica stays while its publisher registers
+    # again (the publishers' lease TTL, --lease-ttl)
+    redis_lost_grace_s: float = 10.0
     # hex master secret: accept only change entries signed by the replica they name
     # (docs/redis.md "Signed change entries"); None: no signature checks
     redis_signing_master: str | None = None

@@ -12,6 +12,10 @@ change stream from the cursor, in one task that owns all index mutations:
   from the store (atomically against the lease coming back); a registered replica we do not
   know is loaded; a new store instance token (Redis lost its data) triggers a full
   re-bootstrap. Replicas without a live lease are skipped at bootstrap.
+* a store that lost its data does not end any replica's lease early: a replica known before
+  and missing from the new store stays (index content, listener not told) for up to
+  ``lost_store_grace_s`` (the publishers' default lease TTL) while its publisher notices at
+  its next heartbeat and registers again; purged only if it has not by then.
 
 Store errors (Redis down, restarting) are logged and retried with backoff; the index keeps
 serving its last known content meanwhile. ``clock`` is the router's monotonic clock, used to
@@ -108,6 +112,7 @@ class SyncStats:
     errors: int = 0
     entries_loaded: int = 0
     stale: int = 0  # keys found behind (or ahead of) a store that stood still: resynced
+    kept_on_data_loss: int = 0  # replicas kept through a store's data loss (grace)
 
 
 class IndexSync:
@@ -127,6 +132,7 @@ class IndexSync:
         reap_expired: bool = True,
         event_lag: MutableMapping[str, float] | None = None,
         wall_clock: Callable[[], float] = time.time,
+        lost_store_grace_s: float = 10.0,
     ) -> None:
         self.store = store
         self.index = index
@@ -139,7 +145,10 @@ class IndexSync:
         self.reap_expired = reap_expired
         self.event_lag = event_lag
         self.wall_clock = wall_clock
+        self.lost_store_grace_s = lost_store_grace_s
         self.infos: dict[str, ReplicaInfo] = {}
+        # replicas kept through a store's data loss -> monotonic deadline to re-register by
+        self._grace: dict[str, float] = {}
         self.stats = SyncStats()
         self.ready = asyncio.Event()
         self._cursor: object = None
@@ -238,15 +247,22 @@ class IndexSync:
 
     async def bootstrap(self) -> None:
         """Rebuild the index's view of every stored replica from the store."""
+        before = self._token
         self._token = await self.store.instance_token()
+        lost = before is not None and before != self._token
         self._cursor = await self.store.cursor()
         self._backlog.clear()  # read before the new cursor: the snapshots below hold it
         self._owed.clear()
         listed = await self.store.list_replicas()
         alive = await self.store.leases([i.replica for i in listed])
         infos = {info.replica: info for info in listed if alive.get(info.replica)}
+        deadline = time.monotonic() + self.lost_store_grace_s
         for name in [n for n in self.infos if n not in infos]:
-            self._purge(name)
+            if lost and name not in self._grace:
+                self._grace[name] = deadline
+                self.stats.kept_on_data_loss += 1
+            if name not in self._grace:
+                self._purge(name)
         for info in infos.values():
             self._adopt(info)
         keys = [k for info in infos.values() for k in info.replica_keys()]
@@ -263,12 +279,17 @@ class IndexSync:
             log.warning("index sync: store instance changed (data lost?); re-bootstrapping")
             return True
         alive = await self.store.leases(list(self.infos))
+        now = time.monotonic()
         for name, ok in alive.items():
-            if not ok:
-                log.info("index sync: lease of %s expired; purging it", name)
-                self._purge(name)
-                if self.reap_expired:
-                    await self.store.reap(name)
+            if ok:
+                self._grace.pop(name, None)
+                continue
+            if self._grace.get(name, now) > now:
+                continue  # the store lost it; its publisher has until then to register again
+            log.info("index sync: lease of %s expired; purging it", name)
+            self._purge(name)
+            if self.reap_expired:
+                await self.store.reap(name)
         registered = await self.store.list_replicas()
         fresh = [i for i in registered if i.replica not in self.infos]
         if fresh:
@@ -373,6 +394,7 @@ class IndexSync:
         await self._resync(info.replica_keys())
 
     def _adopt(self, info: ReplicaInfo) -> None:
+        self._grace.pop(info.replica, None)
         old = self.infos.get(info.replica)
         self.infos[info.replica] = info
         if old is not None:
@@ -385,6 +407,7 @@ class IndexSync:
         self.listener.replica_up(info)
 
     def _purge(self, replica: str) -> None:
+        self._grace.pop(replica, None)
         info = self.infos.pop(replica, None)
         keys = info.replica_keys() if info else []
         for key in keys:
