@@ -127,7 +127,11 @@ def test_tiers_state_groups_and_clear() -> None:
     ]
     swa = EngineBlockStored((31,), None, tuple(tokens[:B]), B, kv_cache_spec_kind="sliding_window")
     assert rb.convert([swa]) == [] and rb.stats.ignored_group == 1
-    assert rb.convert([EngineAllCleared()]) == [AllCleared()]
+    # vLLM's reset clears the GPU prefix cache; the offloading connector's CPU copies stay
+    kept = BlocksStored(tuple(canonical), Tier.CPU)
+    assert rb.convert([EngineAllCleared()]) == [AllCleared(), kept]
+    assert len(rb) == 4 and rb.stats.kept_on_clear == 4
+    rb.clear()  # a restart or lost events: nothing is known any more
     assert len(rb) == 0
 
 

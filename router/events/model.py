@@ -38,6 +38,12 @@ STORED_FIELDS = (
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 BATCH_FIELDS = ("ts", "events", "data_parallel_rank")
 
+# The media of vLLM's KV offloading connector (``MEDIUM_CPU`` / ``MEDIUM_STORAGE``): a cache of
+# its own, which ``AllBlocksCleared`` (vLLM: ``BlockPool.reset_prefix_cache``, the GPU prefix
+# cache only) does not clear. SGLang's host tier (``CPU_PINNED``) is a copy held by its radix
+# tree and is cleared with it, as is everything else.
+OFFLOAD_MEDIA = frozenset({"CPU", "STORAGE"})
+
 # kv_cache_spec_kind values: full attention (prefix KV), recurrent state, or ignored.
 # vLLM's own names, then the short names our mock engine and older tools use.
 KV_KINDS = frozenset(

@@ -25,6 +25,10 @@ key the canonical block they start in. Prompt-embedding digests (bytes) and shap
 does not know cannot be reproduced from a request: such a block and the ones after it in the
 event are not indexed (``opaque_blocks``).
 
+Offloaded tiers: ``AllBlocksCleared`` clears what the engine's own cache held and keeps what
+vLLM's offloading connector holds (``router.events.model.OFFLOAD_MEDIA``): the canonical
+events are then ``AllCleared`` followed by those blocks stored again on their tiers.
+
 Known limit: if an ancestor engine block is evicted and later re-stored while its
 descendants stayed cached, the descendants' canonical blocks are not re-announced (the
 index under-reports until they are stored again), which is the safe direction.
@@ -49,6 +53,7 @@ from router.core.types import (
 from router.events.model import (
     IGNORED_KINDS,
     KV_KINDS,
+    OFFLOAD_MEDIA,
     STATE_KINDS,
     EngineAllCleared,
     EngineBlockRemoved,
@@ -81,6 +86,7 @@ class ReblockStats:
     ignored_group: int = 0
     unaligned_state: int = 0
     opaque_blocks: int = 0
+    kept_on_clear: int = 0  # engine blocks kept through AllBlocksCleared (offloaded)
     errors: list[str] = field(default_factory=list)
 
     def error(self, message: str) -> None:
@@ -177,6 +183,8 @@ class Reblocker:
         self.on_checkpoint = on_checkpoint
         self._blocks: dict[tuple[int, int], _Block] = {}
         self._kv_by_hash: dict[int, _Block] = {}
+        # tier bits stored through vLLM's offloading connector: AllBlocksCleared keeps them
+        self._offload_bits = 0
         self.stats = ReblockStats()
 
     def __len__(self) -> int:
@@ -194,9 +202,34 @@ class Reblocker:
             elif isinstance(ev, EngineBlockRemoved):
                 out.extend(self._removed(ev))
             elif isinstance(ev, EngineAllCleared):
-                self.clear()
-                out.append(AllCleared())
+                out.extend(self._all_cleared())
         return _coalesce(out)
+
+    def _all_cleared(self) -> list[IndexEvent]:
+        """The engine reset its prefix cache: drop every block but the offloading
+        connector's (``OFFLOAD_MEDIA``), which are stored again after ``AllCleared``."""
+        keep = self._offload_bits
+        if not keep:
+            self.clear()
+            return [AllCleared()]
+        kept: dict[tuple[Tier, Kind], list[int]] = {}
+        for key, block in list(self._blocks.items()):
+            media = block.media & keep
+            if not media:
+                del self._blocks[key]
+                if self._kv_by_hash.get(key[1]) is block:
+                    del self._kv_by_hash[key[1]]
+                continue
+            block.media = media
+            self.stats.kept_on_clear += 1
+            for tier in Tier:
+                if media >> tier & 1:
+                    kept.setdefault((tier, block.kind), []).extend(block.covers)
+        out: list[IndexEvent] = [AllCleared()]
+        for (tier, kind), hashes in kept.items():
+            if hashes:
+                out.append(BlocksStored(tuple(dict.fromkeys(hashes)), tier, kind))
+        return out
 
     def _stored(self, ev: EngineBlockStored) -> list[IndexEvent]:
         kind = _group_kind(ev.kv_cache_spec_kind)
@@ -216,14 +249,16 @@ class Reblocker:
         n, be = len(ev.block_hashes), ev.block_size
         if n == 0:
             return []
+        group = ev.group_idx or 0
+        bit = 1 << tier
+        if tier is not Tier.GPU and ev.medium in OFFLOAD_MEDIA:
+            self._offload_bits |= bit
         if len(ev.token_ids) != n * be:
             self.stats.error(f"{len(ev.token_ids)} token_ids for {n} blocks of {be}")
             return []
         keys = None if ev.extra_keys is None else self._block_keys(ev, n)
         if keys is None and ev.extra_keys is not None:
             return []
-        group = ev.group_idx or 0
-        bit = 1 << tier
         self.stats.stored_blocks += n
         # Blocks already known (e.g. the same block now offloaded to CPU): reuse covers.
         first_new = 0
@@ -346,6 +381,16 @@ class Reblocker:
         self.stats.canonical_stored += len(hashes)
         return [BlocksStored(tuple(dict.fromkeys(hashes)), tier, kind)]
 
+    def _drop(
+        self, group: int, h: int, block: _Block, bit: int, out: dict[Kind, list[int]]
+    ) -> None:
+        block.media &= ~bit
+        out[block.kind].extend(block.covers)
+        if not block.media:
+            del self._blocks[(group, h)]
+            if self._kv_by_hash.get(h) is block:
+                del self._kv_by_hash[h]
+
     def _removed(self, ev: EngineBlockRemoved) -> list[IndexEvent]:
         tier = _TIER_OF.get(ev.medium)
         if tier is None:
@@ -363,12 +408,7 @@ class Reblocker:
                 self.stats.unknown_removed += 1
                 continue
             self.stats.removed_blocks += 1
-            block.media &= ~bit
-            out[block.kind].extend(block.covers)
-            if not block.media:
-                del self._blocks[(group, h)]
-                if self._kv_by_hash.get(h) is block:
-                    del self._kv_by_hash[h]
+            self._drop(group, h, block, bit, out)
         events: list[IndexEvent] = []
         for kind, hashes in out.items():
             if hashes:

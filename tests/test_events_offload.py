@@ -1,0 +1,109 @@
+"""Offloaded tiers against the engines' own semantics, through the publisher's ingest into a
+real index; the events are encoded by vLLM 0.33.0's own structs (0.34.0's kv_events module is
+byte-identical) and SGLang 0.5.23's.
+
+* vLLM's ``AllBlocksCleared`` comes only from the GPU ``BlockPool.reset_prefix_cache``; the
+  KV offloading connector's CPU / STORAGE cache is another cache that it does not reach
+  (``reset_prefix_cache(reset_connector=False)`` is the default). SGLang's comes from its
+  radix tree's ``reset``, which drops the host (``CPU_PINNED``) copies with the tree.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgspec
+
+from router.core.hashing import hash_prompt, root_hash
+from router.core.index import PrefixIndex
+from router.core.types import EventBatch, IndexEvent, PrefixMatch, ReplicaKey
+from router.events.ingest import EngineIngest
+from tests.engines import load
+
+VLLM = load("vllm-0.33.0")
+SGLANG = load("sglang-0.5.23")
+B = 32  # router block
+BE = 16  # engine block
+MODEL = "m"
+KEY = ReplicaKey("r0")
+
+
+class Pipeline:
+    """One engine's payloads -> ``EngineIngest`` -> a ``PrefixIndex``, as the service does."""
+
+    def __init__(self) -> None:
+        self.index = PrefixIndex()
+        self.ingest = EngineIngest(KEY.replica, MODEL, B, self._sink)
+
+    def _sink(self, key: ReplicaKey, events: list[IndexEvent]) -> None:
+        self.index.apply(EventBatch(key, tuple(events)))
+
+    def vllm(self, *events: Any) -> None:
+        self.ingest.handle_payload(msgspec.msgpack.encode(VLLM.KVEventBatch(1.0, list(events))))
+
+    def sglang(self, *events: Any) -> None:
+        batch = SGLANG.KVEventBatch(ts=1.0, events=list(events))
+        self.ingest.handle_payload(msgspec.msgpack.encode(batch))
+
+    def match(self, canonical: list[int]) -> PrefixMatch:
+        return self.index.match(canonical).get(KEY)
+
+    @property
+    def stats(self) -> Any:
+        return self.ingest.reblockers[0].stats
+
+
+def _prompt(n_engine_blocks: int, seed: int = 1) -> tuple[list[int], list[int], list[int]]:
+    rng = random.Random(seed)
+    tokens = [rng.randrange(50_000) for _ in range(n_engine_blocks * BE)]
+    hashes = [rng.getrandbits(63) for _ in range(n_engine_blocks)]
+    return tokens, hashes, hash_prompt(tokens, B, root_hash(MODEL)).hashes
+
+
+def _gpu_store(tokens: list[int], hashes: list[int]) -> Any:
+    return VLLM.BlockStored(hashes, None, tokens, BE, None, "GPU", None, group_idx=0)
+
+
+# ----------------------------------------------------------------- AllBlocksCleared, tiers
+
+
+def test_vllm_gpu_reset_keeps_what_the_offloading_connector_holds() -> None:
+    tokens, hashes, canonical = _prompt(8)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    # the connector offloads the first 4 engine blocks (self-describing payload: tokens)
+    p.vllm(VLLM.BlockStored(hashes[:4], None, tokens[: 4 * BE], BE, None, "CPU", None, group_idx=0))
+    assert p.match(canonical) == PrefixMatch(4, 4, 4, 4)
+    p.vllm(VLLM.AllBlocksCleared())
+    # GPU prefix cache gone, the CPU copies of blocks 0-1 (canonical) are still loadable
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    # a GPU store after the reset continues the chain from the CPU-held blocks
+    p.vllm(VLLM.BlockStored(hashes[4:6], hashes[3], tokens[4 * BE : 6 * BE], BE, None, "GPU", None))
+    assert p.match(canonical) == PrefixMatch(3, 0, 3, 3)
+    p.vllm(VLLM.BlockRemoved(hashes[4:6], "GPU", group_idx=0))
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    # and the later eviction of an offloaded block from CPU is still understood
+    p.vllm(VLLM.BlockRemoved([hashes[3]], "CPU", group_idx=0))
+    assert p.match(canonical) == PrefixMatch(1, 0, 1, 1)
+    assert p.ingest.stats.malformed_events == 0
+
+
+def test_vllm_gpu_reset_without_offloaded_blocks_clears_the_replica() -> None:
+    tokens, hashes, canonical = _prompt(4)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    p.vllm(VLLM.AllBlocksCleared())
+    assert p.match(canonical) == PrefixMatch()
+    assert len(p.ingest.reblockers[0]) == 0
+
+
+def test_sglang_reset_drops_its_host_tier_with_the_tree() -> None:
+    tokens, hashes, canonical = _prompt(4)
+    p = Pipeline()
+    p.sglang(SGLANG.BlockStored(hashes, None, tokens, BE, None, medium="GPU"))
+    p.sglang(SGLANG.BlockStored(hashes, None, tokens, BE, None, medium="CPU_PINNED"))
+    assert p.match(canonical) == PrefixMatch(2, 2, 2, 2)
+    p.sglang(SGLANG.AllBlocksCleared())
+    assert p.match(canonical) == PrefixMatch()
+    assert len(p.ingest.reblockers[0]) == 0
