@@ -6,6 +6,9 @@ byte-identical) and SGLang 0.5.23's.
   KV offloading connector's CPU / STORAGE cache is another cache that it does not reach
   (``reset_prefix_cache(reset_connector=False)`` is the default). SGLang's comes from its
   radix tree's ``reset``, which drops the host (``CPU_PINNED``) copies with the tree.
+* vLLM's offloading connector publishes, by default, *placeholder* stores: the hash of the
+  last engine block of each offloaded chunk, no parent, no ``token_ids``, and a
+  ``block_size`` of 0 (vLLM 0.25-0.34) or the chunk's token count (vLLM 0.18).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import random
 from typing import Any
 
 import msgspec
+import pytest
 
 from router.core.hashing import hash_prompt, root_hash
 from router.core.index import PrefixIndex
@@ -65,6 +69,12 @@ def _gpu_store(tokens: list[int], hashes: list[int]) -> Any:
     return VLLM.BlockStored(hashes, None, tokens, BE, None, "GPU", None, group_idx=0)
 
 
+def _placeholder(h: int, block_size: int = 0, medium: str = "CPU", **kw: Any) -> Any:
+    """What ``OffloadingEventsTracker._placeholder_stored`` (vLLM 0.25-0.34) publishes for
+    one offloaded chunk; vLLM 0.18 sent the chunk's token count as ``block_size``."""
+    return VLLM.BlockStored([h], None, [], block_size, None, medium, None, group_idx=0, **kw)
+
+
 # ----------------------------------------------------------------- AllBlocksCleared, tiers
 
 
@@ -107,3 +117,66 @@ def test_sglang_reset_drops_its_host_tier_with_the_tree() -> None:
     p.sglang(SGLANG.AllBlocksCleared())
     assert p.match(canonical) == PrefixMatch()
     assert len(p.ingest.reblockers[0]) == 0
+
+
+# ----------------------------------------------------------- placeholder (token-less) stores
+
+
+def test_vllm_034_placeholders_map_to_the_gpu_blocks_router_blocks() -> None:
+    tokens, hashes, canonical = _prompt(8)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    p.vllm(*(_placeholder(h) for h in hashes))  # blocks_per_chunk=1 (the default)
+    assert p.ingest.stats.malformed_events == 0
+    assert p.stats.unmapped_offload == 0
+    p.vllm(VLLM.BlockRemoved(hashes, "GPU", group_idx=0))  # GPU evicts them all
+    assert p.match(canonical) == PrefixMatch(4, 0, 4, 4)
+    p.vllm(VLLM.BlockRemoved([hashes[7]], "CPU", group_idx=0))  # the connector evicts one
+    assert p.match(canonical) == PrefixMatch(3, 0, 3, 3)
+
+
+def test_placeholders_for_blocks_never_seen_with_tokens_are_counted() -> None:
+    p = Pipeline()
+    p.vllm(_placeholder(12345), _placeholder(678, medium="STORAGE"))
+    assert p.ingest.stats.malformed_events == 0
+    assert p.stats.unmapped_offload == 2
+    assert p.index.replica_size(KEY) == (0, 0)
+
+
+@pytest.mark.parametrize("chunk_blocks", [2, 4])
+def test_older_placeholders_cover_their_whole_chunk(chunk_blocks: int) -> None:
+    """vLLM 0.18: one hash per chunk (its last engine block), ``block_size`` = the chunk's
+    tokens (``offloaded_block_size``)."""
+    tokens, hashes, canonical = _prompt(8)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    chunk = chunk_blocks * BE
+    keys = hashes[chunk_blocks - 1 :: chunk_blocks]
+    p.vllm(VLLM.BlockStored(keys, None, [], chunk, None, "CPU", None))
+    assert p.ingest.stats.malformed_events == 0
+    p.vllm(VLLM.BlockRemoved(hashes, "GPU"))
+    assert p.match(canonical) == PrefixMatch(4, 0, 4, 4)
+    # evicting the last chunk from CPU removes every router block it overlaps
+    p.vllm(VLLM.BlockRemoved([keys[-1]], "CPU"))
+    left = len(canonical) - chunk_blocks * BE // B
+    assert p.match(canonical) == PrefixMatch(left, 0, left, left)
+
+
+def test_token_less_state_checkpoint_aligns_with_the_attention_block() -> None:
+    """vLLM 0.34 self-describing payload of an offloaded mamba chunk: its last hash, its
+    parent, no tokens; the consumer aligns it with the attention group's block."""
+    tokens, hashes, canonical = _prompt(4)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    state = VLLM.BlockStored(
+        [hashes[3]], hashes[2], [], BE, None, "CPU", None, group_idx=1, kv_cache_spec_kind="mamba"
+    )
+    p.vllm(state)
+    assert p.ingest.stats.malformed_events == 0
+    assert p.index.match(canonical, hybrid=True).get(KEY).usable_blocks == 2
+    # one off the router's block grid (engine block 2 ends mid router block) is not a checkpoint
+    state = VLLM.BlockStored(
+        [hashes[2]], hashes[1], [], BE, None, "CPU", None, group_idx=1, kv_cache_spec_kind="mamba"
+    )
+    p.vllm(state)
+    assert p.ingest.stats.malformed_events == 0 and p.stats.unaligned_state == 1

@@ -129,7 +129,12 @@ def _event(raw: Any) -> EngineEvent:
         except (OverflowError, TypeError):
             raise _Bad("token_ids is not a list of uint32") from None
         block_size = f.get("block_size")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        # vLLM's offloading connector stores blocks by hash alone: no tokens, block_size 0
+        if (
+            not isinstance(block_size, int)
+            or isinstance(block_size, bool)
+            or block_size < (1 if token_ids else 0)
+        ):
             raise _Bad("block_size is not a positive int")
         hashes = _hashes(f.get("block_hashes"))
         parent = f.get("parent_block_hash")

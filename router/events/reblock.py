@@ -25,9 +25,15 @@ key the canonical block they start in. Prompt-embedding digests (bytes) and shap
 does not know cannot be reproduced from a request: such a block and the ones after it in the
 event are not indexed (``opaque_blocks``).
 
-Offloaded tiers: ``AllBlocksCleared`` clears what the engine's own cache held and keeps what
-vLLM's offloading connector holds (``router.events.model.OFFLOAD_MEDIA``): the canonical
-events are then ``AllCleared`` followed by those blocks stored again on their tiers.
+Offloaded tiers: a store without ``token_ids`` names engine blocks by hash alone (vLLM's KV
+offloading connector by default: the last engine block of each offloaded chunk, with a
+``block_size`` of 0 in vLLM 0.25-0.34, the chunk's tokens in 0.18). Such a block takes the canonical
+blocks it was stored with on GPU, and with a chunk size, those of the chunk's earlier blocks
+too; a recurrent-state checkpoint takes its position from the full-attention block of that
+hash. A hash never seen stored with tokens cannot be placed: counted (``unmapped_offload``).
+``AllBlocksCleared`` clears what the engine's own cache held and keeps what vLLM's
+offloading connector holds (``router.events.model.OFFLOAD_MEDIA``): the canonical events are
+then ``AllCleared`` followed by those blocks stored again on their tiers.
 
 Known limit: if an ancestor engine block is evicted and later re-stored while its
 descendants stayed cached, the descendants' canonical blocks are not re-announced (the
@@ -72,6 +78,8 @@ class _Block:
     media: int  # tier bits it is stored in
     kind: Kind
     tail_mm: tuple[MmItem, ...] = ()  # items starting in the tail (absolute starts)
+    # ancestors offloaded with it in one chunk that a token-less store keyed by its hash
+    chunk: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -86,6 +94,7 @@ class ReblockStats:
     ignored_group: int = 0
     unaligned_state: int = 0
     opaque_blocks: int = 0
+    unmapped_offload: int = 0  # token-less stores of engine blocks never stored with tokens
     kept_on_clear: int = 0  # engine blocks kept through AllBlocksCleared (offloaded)
     errors: list[str] = field(default_factory=list)
 
@@ -185,6 +194,7 @@ class Reblocker:
         self._kv_by_hash: dict[int, _Block] = {}
         # tier bits stored through vLLM's offloading connector: AllBlocksCleared keeps them
         self._offload_bits = 0
+        self._logged_unmapped = False
         self.stats = ReblockStats()
 
     def __len__(self) -> int:
@@ -253,6 +263,8 @@ class Reblocker:
         bit = 1 << tier
         if tier is not Tier.GPU and ev.medium in OFFLOAD_MEDIA:
             self._offload_bits |= bit
+        if not ev.token_ids:
+            return self._stored_by_hash(ev, tier, kind, group, bit)
         if len(ev.token_ids) != n * be:
             self.stats.error(f"{len(ev.token_ids)} token_ids for {n} blocks of {be}")
             return []
@@ -349,6 +361,79 @@ class Reblocker:
             prev_hash = h
         return self._emit_stored(emitted, tier, kind)
 
+    def _stored_by_hash(
+        self, ev: EngineBlockStored, tier: Tier, kind: Kind, group: int, bit: int
+    ) -> list[IndexEvent]:
+        """A store naming engine blocks by hash alone (no ``token_ids``): each takes the
+        canonical blocks of the same engine block stored with tokens; a positive
+        ``block_size`` is the chunk each hash ends (vLLM 0.18's offloaded block), whose
+        earlier engine blocks are stored with it."""
+        emitted: dict[Kind, list[int]] = {Kind.KV: [], Kind.STATE: []}
+        for h in ev.block_hashes:
+            block = self._blocks.get((group, h))
+            if block is None and kind is Kind.STATE:
+                block = self._state_at(group, h, ev.parent_block_hash, bit)
+                if block is not None:
+                    emitted[Kind.STATE].extend(block.covers)
+                    continue
+            if block is None:
+                self.stats.unmapped_offload += 1
+                if not self._logged_unmapped:
+                    self._logged_unmapped = True
+                    log.warning(
+                        "token-less %s store of an engine block never stored with tokens: "
+                        "not indexed (counted in unmapped_offload)", ev.medium,
+                    )  # fmt: skip
+                continue
+            self.stats.stored_blocks += 1
+            if not block.media & bit:
+                block.media |= bit
+                emitted[block.kind].extend(block.covers)
+            if block.kind is Kind.KV and ev.block_size > 0:
+                self._store_chunk(group, block, ev.block_size, bit, emitted[Kind.KV])
+        out: list[IndexEvent] = []
+        for k, hashes in emitted.items():
+            out.extend(self._emit_stored(hashes, tier, k))
+        return out
+
+    def _store_chunk(
+        self, group: int, block: _Block, size: int, bit: int, emitted: list[int]
+    ) -> None:
+        """The engine blocks before ``block`` within the ``size`` tokens ending at it are
+        stored on ``bit``'s tier with it (and removed with it: ``block.chunk``)."""
+        start = block.end - size
+        members = list(block.chunk)
+        parent = block.parent
+        while parent is not None:
+            anc = self._blocks.get((group, parent))
+            if anc is None or anc.end <= start:
+                break
+            if parent not in members:
+                members.append(parent)
+            if not anc.media & bit:
+                anc.media |= bit
+                emitted.extend(anc.covers)
+            parent = anc.parent
+        block.chunk = tuple(members)
+
+    def _state_at(self, group: int, h: int, parent: int | None, bit: int) -> _Block | None:
+        """A token-less recurrent-state checkpoint named ``h``: at the end of the
+        full-attention block of that hash (engines share block hashes across groups)."""
+        kv = self._kv_by_hash.get(h)
+        if kv is None:
+            return None
+        if kv.tail:
+            covers: list[int] = []
+            self.stats.unaligned_state += 1
+        else:
+            covers = [kv.chain]
+        block = _Block(parent, kv.end, kv.chain, kv.tail, covers, bit, Kind.STATE, kv.tail_mm)
+        self._blocks[(group, h)] = block
+        self.stats.stored_blocks += 1
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(kv.end)
+        return block
+
     def _block_keys(self, ev: EngineBlockStored, n: int) -> Sequence[BlockKeys] | None:
         """Each block's extra keys read (None, counted as an error, when malformed)."""
         raw = ev.extra_keys
@@ -409,6 +494,10 @@ class Reblocker:
                 continue
             self.stats.removed_blocks += 1
             self._drop(group, h, block, bit, out)
+            for member in block.chunk:  # the rest of its offloaded chunk
+                mb = self._blocks.get((group, member))
+                if mb is not None and mb.media & bit:
+                    self._drop(group, member, mb, bit, out)
         events: list[IndexEvent] = []
         for kind, hashes in out.items():
             if hashes:
