@@ -61,10 +61,15 @@ def _add_fleet_args(p: argparse.ArgumentParser, traces: bool = False) -> None:
         p.add_argument(
             "trace",
             nargs="+",
-            help="one or more traces: JSONL paths, 'mooncake' (bundled), 'agentic[:k=v,...]'",
+            help="one or more traces: JSONL paths, bundled 'mooncake' or "
+            "'mooncake-conversation', 'agentic[:k=v,...]'",
         )
     else:
-        p.add_argument("trace", help="JSONL path, 'mooncake' (bundled) or 'agentic[:k=v,...]'")
+        p.add_argument(
+            "trace",
+            help="JSONL path, bundled 'mooncake' or 'mooncake-conversation', or "
+            "'agentic[:k=v,...]'",
+        )
     p.add_argument("--format", default="auto", choices=("auto", "mooncake", "recorded", "bailian"))
     p.add_argument("--trace-block", type=int, help="tokens per trace hash id (512 / 16)")
     p.add_argument("--limit", type=int, help="use only the first N requests")

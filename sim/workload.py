@@ -42,7 +42,10 @@ from router.core.errors import ConfigError
 from router.core.hashing import hash_prompt, root_hash
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "traces"
-BUNDLED = {"mooncake": BUNDLED_DIR / "mooncake_synthetic_trace.jsonl"}
+BUNDLED = {
+    "mooncake": BUNDLED_DIR / "mooncake_synthetic_trace.jsonl",
+    "mooncake-conversation": BUNDLED_DIR / "mooncake_conversation_prefix.jsonl",
+}
 
 
 @dataclass(slots=True, frozen=True)

@@ -59,6 +59,20 @@ def test_replay_json_contract_single_policy() -> None:
     assert doc["ttft_ms_p50"] <= doc["ttft_ms_p90"] <= doc["ttft_ms_p99"]
 
 
+def test_the_bundled_conversation_trace_replays_by_name() -> None:
+    """``mooncake-conversation`` (sim/traces/README.md) is found by name and keeps its
+    cross-request prefix reuse."""
+    p = kvrouter("sim", "replay", "mooncake-conversation", *FLEET, "--policy", "ours",
+                 "--limit", "300", "--json")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["requests"] == 300
+    assert 0.05 < doc["token_hit_rate"] <= doc["ceiling_infinite"]
+    path = Path(__file__).resolve().parents[1] / "sim" / "traces"
+    lines = (path / "mooncake_conversation_prefix.jsonl").read_text().splitlines()
+    assert len(lines) == 1480 and all(json.loads(line)["hash_ids"][0] == 0 for line in lines)
+
+
 def test_replay_all_policies_side_by_side() -> None:
     p = kvrouter_process(
         "sim",
