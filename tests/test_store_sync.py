@@ -183,6 +183,71 @@ async def test_deregister_removes_replica_everywhere(store: IndexStore) -> None:
     assert [i.replica for i in await store.list_replicas()] == []
 
 
+async def _leftover_keys(store: RedisStore, replica: str) -> list[str]:
+    """Which of the replica's keys exist (dp ranks 0..7)."""
+    s = store.schema
+    keys = [s.meta(replica), s.lease(replica), s.load(replica)]
+    keys += [k for d in range(8) for k in (s.kv(replica, d), s.state(replica, d))]
+    async with store.redis.pipeline(transaction=False) as pipe:
+        for k in keys:
+            pipe.exists(k)
+        found = await pipe.execute()
+    return [k for k, n in zip(keys, found, strict=True) if n]
+
+
+async def test_dp_ranks_dropped_by_a_registration_leave_nothing_behind(store: IndexStore) -> None:
+    """Re-registered with fewer DP ranks, the others' state goes; what a superseded writer
+    still wrote for a dropped rank goes with the deregistration; registered with the ranks
+    again, no router reads stale state or seqs of them."""
+    name = "shrink"
+    w = await _publish(store, name, ranks=(0, 1, 2, 3))
+    for d in range(4):
+        w.add(ReplicaKey(name, d), [BlocksStored((100 + d, 200 + d))])
+    await w.flush()
+    two = ReplicaInfo(name, url="http://shrink", model="m", dp_ranks=(0, 1))
+    await store.register(two, owner="pub-shrink-2", lease_ttl_s=30)
+    dropped = [ReplicaKey(name, 2), ReplicaKey(name, 3)]
+    assert await store.stored_seqs(dropped) == [None, None]
+    assert [s.entries if s else 0 for s in await store.read_replicas(dropped)] == [0, 0]
+    kept = [ReplicaKey(name, 0), ReplicaKey(name, 1)]
+    assert [s.entries if s else 0 for s in await store.read_replicas(kept)] == [2, 2]
+    if isinstance(store, RedisStore):
+        s = store.schema
+        assert not {s.kv(name, 2), s.kv(name, 3)} & set(await _leftover_keys(store, name))
+        assert sorted(await store.redis.hkeys(s.meta(name))) == [b"info", b"seq:0", b"seq:1"]
+    # the superseded 4-rank writer flushes once more before it notices
+    w.add(ReplicaKey(name, 2), [BlocksStored((7,))])
+    await w.flush()
+    assert await store.deregister(name, owner="pub-shrink-2")
+    if isinstance(store, RedisStore):
+        assert await _leftover_keys(store, name) == []
+    four = ReplicaInfo(name, url="http://shrink", model="m", dp_ranks=(0, 1, 2, 3))
+    await store.register(four, owner="pub-shrink-3", lease_ttl_s=30)
+    keys = four.replica_keys()
+    assert await store.stored_seqs(keys) == [None] * 4
+    assert [s.entries if s else 0 for s in await store.read_replicas(keys)] == [0] * 4
+
+
+@pytest.mark.parametrize("how", ["reap", "deregister"])
+async def test_an_unreadable_registration_leaks_no_dp_rank(store: IndexStore, how: str) -> None:
+    if not isinstance(store, RedisStore):
+        pytest.skip("MemoryStore keeps no JSON")
+    name = "garbled"
+    info = ReplicaInfo(name, model="m", dp_ranks=(0, 1, 2))
+    await store.register(info, owner="p", lease_ttl_s=0.2 if how == "reap" else 30)
+    w = StoreWriter(store, info.replica_keys())
+    for d in range(3):
+        w.add(ReplicaKey(name, d), [BlocksStored((d + 1,))])
+    await w.flush()
+    await store.redis.hset(store.schema.meta(name), "info", "{not json")
+    if how == "reap":
+        await eventually(lambda: _lease_gone(store, name))
+        assert await store.reap(name)
+    else:
+        assert await store.deregister(name, owner="p")
+    assert await _leftover_keys(store, name) == []
+
+
 async def test_lost_stream_entry_is_a_gap_and_resyncs(redis_url: str, key_prefix: str) -> None:
     store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=2))
     try:
