@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -14,7 +14,7 @@ from router.bench.redis_server import LocalRedis
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.types import AllCleared, BlocksRemoved, BlocksStored, Kind, ReplicaKey, Tier
-from router.store.base import IndexStore, LeaseTaken, LoadSample, ReplicaInfo
+from router.store.base import IndexStore, LeaseTaken, LoadSample, ReplicaDown, ReplicaInfo
 from router.store.memory import MemoryStore
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
@@ -181,6 +181,91 @@ async def test_deregister_removes_replica_everywhere(store: IndexStore) -> None:
         await store.deregister("gone")
         await eventually(lambda: ReplicaKey("gone") not in index)
     assert [i.replica for i in await store.list_replicas()] == []
+
+
+def _after_the_delete_script(store: RedisStore, then: Callable[[], Awaitable[None]]) -> Any:
+    """Run ``then`` right after the first script of ``store`` that deleted a replica (returned
+    1): a publisher registering the replica between that script and what follows it."""
+    real = store.redis.eval
+    fired = False
+
+    async def eval_then(*args: Any) -> Any:
+        nonlocal fired
+        got = await real(*args)
+        if got == 1 and not fired:
+            fired = True
+            await then()
+        return got
+
+    store.redis.eval = eval_then  # type: ignore[method-assign]
+    return real
+
+
+@pytest.mark.parametrize("how", ["reap", "deregister"])
+async def test_a_registration_racing_a_reap_or_deregister_stays(
+    store: IndexStore, how: str
+) -> None:
+    """A publisher registers the replica right after the delete script ran: routers keep the
+    new registration (no Down purges it) and the registry still lists it."""
+    if not isinstance(store, RedisStore):
+        pytest.skip("MemoryStore deletes and announces in one step: nothing can come between")
+    name, key = "phoenix", ReplicaKey("phoenix")
+    info = ReplicaInfo(name, url="http://phoenix", model="m")
+    await store.register(info, owner="old", lease_ttl_s=0.3 if how == "reap" else 30)
+    old = StoreWriter(store, info.replica_keys())
+    old.add(key, [BlocksStored((1, 2))])
+    await old.flush()
+    index = PrefixIndex()
+    async with IndexSync(store, index, reap_expired=False, **FAST):
+        assert index.match([1, 2]).get(key).kv_blocks == 2
+        if how == "reap":
+            await eventually(lambda: _lease_gone(store, name))
+
+        async def register_new() -> None:
+            await store.register(info, owner="new", lease_ttl_s=30)
+
+        real = _after_the_delete_script(store, register_new)
+        try:
+            if how == "reap":
+                assert await store.reap(name)
+            else:
+                assert await store.deregister(name, owner="old")
+        finally:
+            store.redis.eval = real  # type: ignore[method-assign]
+        new = StoreWriter(store, info.replica_keys())
+        await new.flush()  # the new publisher's start-up reset
+        new.add(key, [BlocksStored((5, 6, 7))])
+        await new.flush()
+        await eventually(lambda: index.match([5, 6, 7]).get(key).kv_blocks == 3, timeout=5)
+        assert [i.replica for i in await store.list_replicas()] == [name]
+        assert await store.heartbeat(name, "new", 30)
+
+
+async def _append_down(store: IndexStore, replica: str) -> None:
+    if isinstance(store, MemoryStore):
+        store._append(ReplicaDown(replica))
+        return
+    assert isinstance(store, RedisStore)
+    async with store.redis.pipeline(transaction=False) as pipe:
+        store._xadd(pipe, replica, ReplicaDown(replica))
+        await pipe.execute()
+
+
+async def test_a_down_entry_for_a_replica_with_a_live_lease_is_ignored(store: IndexStore) -> None:
+    """A Down that reaches routers after the replica registered again (its deleter and the
+    new registration raced) does not purge it: the lease says it is alive."""
+    w = await _publish(store, "alive")
+    key = ReplicaKey("alive")
+    w.add(key, [BlocksStored((3, 4))])
+    await w.flush()
+    index = PrefixIndex()
+    async with IndexSync(store, index, **FAST) as sync:
+        await _append_down(store, "alive")
+        w.add(key, [BlocksStored((3, 4, 5))])
+        await w.flush()  # after the Down in the same stream shard
+        await eventually(lambda: index.match([3, 4, 5]).get(key).kv_blocks == 3, timeout=5)
+        assert sync.stats.purges == 0  # never dropped, not even for a moment
+        assert sync.stats.downs_ignored == 1
 
 
 async def _leftover_keys(store: RedisStore, replica: str) -> list[str]:

@@ -272,7 +272,8 @@ class IndexStore(Protocol):
     async def deregister(self, replica: str, owner: str | None = None) -> bool:
         """Delete the replica (the state of every DP rank it has stored, not only the
         registered ranks); with ``owner``, only while the lease is that owner's or free (a
-        superseded publisher must not delete its successor's state). True if deleted."""
+        superseded publisher must not delete its successor's state). True if deleted. The
+        ReplicaDown is not announced when the replica registered again meanwhile."""
         ...
 
     async def reap(self, replica: str) -> bool:

@@ -264,10 +264,17 @@ class RedisStore:
         raise RuntimeError(f"replica {replica!r}: DP ranks keep appearing while deleting it")
 
     async def _announce_down(self, replica: str) -> None:
-        """After the keys went: leave the registry and append ReplicaDown."""
+        """After the keys went: leave the registry and append ReplicaDown, unless a publisher
+        registered the replica again meanwhile (its lease is back). A registration's lease
+        precedes its SADD, so when the SREM removed that SADD, the EXISTS after it sees the
+        lease and puts the name back. A registration between the EXISTS and the XADD still
+        puts a Down after its Up: routers ignore a Down while the lease lives (IndexSync)."""
         s = self.schema
+        await self.redis.srem(s.registry, replica)
+        if await self.redis.exists(s.lease(replica)):
+            await self.redis.sadd(s.registry, replica)
+            return
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.srem(s.registry, replica)
             self._xadd(pipe, replica, ReplicaDown(replica))
             await pipe.execute()
 
