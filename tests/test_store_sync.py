@@ -156,6 +156,9 @@ async def test_the_last_registration_owns_the_lease(store: IndexStore) -> None:
     with pytest.raises(LeaseTaken) as taken:
         await store.heartbeat("twice", "first", 30)
     assert taken.value.holder == "second"
+    # registering again without taking over leaves the successor's lease alone
+    with pytest.raises(LeaseTaken):
+        await store.register(info, owner="first", lease_ttl_s=30, take_over=False)
     assert not await store.deregister("twice", owner="first")
     assert [i.replica for i in await store.list_replicas()] == ["twice"]
     assert await store.heartbeat("twice", "second", 30)

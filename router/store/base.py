@@ -259,9 +259,12 @@ class IndexStore(Protocol):
     """Shared index storage (see the module docstring for the protocol)."""
 
     # write side
-    async def register(self, info: ReplicaInfo, owner: str, lease_ttl_s: float) -> None:
+    async def register(
+        self, info: ReplicaInfo, owner: str, lease_ttl_s: float, *, take_over: bool = True
+    ) -> None:
         """Write the info and take the lease for ``owner`` (the last to register owns it);
-        the stored state of DP ranks the info no longer lists is deleted."""
+        the stored state of DP ranks the info no longer lists is deleted. Without
+        ``take_over``, raises ``LeaseTaken`` instead when another owner holds the lease."""
         ...
 
     async def heartbeat(self, replica: str, owner: str, lease_ttl_s: float) -> bool:

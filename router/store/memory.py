@@ -59,7 +59,12 @@ class MemoryStore:
 
     # ------------------------------------------------------------------ write side
 
-    async def register(self, info: ReplicaInfo, owner: str, lease_ttl_s: float) -> None:
+    async def register(
+        self, info: ReplicaInfo, owner: str, lease_ttl_s: float, *, take_over: bool = True
+    ) -> None:
+        lease = self._leases.get(info.replica)
+        if not take_over and lease is not None and lease[1] > self._clock() and lease[0] != owner:
+            raise LeaseTaken(info.replica, lease[0])
         self._drop(info.replica, keep=info.dp_ranks)  # DP ranks it no longer has
         self._infos[info.replica] = info
         self._leases[info.replica] = (owner, self._clock() + lease_ttl_s)

@@ -81,6 +81,21 @@ if #missing > 0 then return missing end
 for i = 1, #KEYS do redis.call('UNLINK', KEYS[i]) end
 return 1
 """
+# Registers. KEYS[1] lease, KEYS[2] meta, KEYS[3] load, KEYS[4..] kv:<dp>, st:<dp> of the DP
+# ranks ARGV[5..] the registration drops; ARGV[1] owner, ARGV[2] ttl ms, ARGV[3] "1" to take
+# the lease from another owner, ARGV[4] info. 1 registered, else the holder (not taken).
+_REGISTER = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] and ARGV[3] ~= '1' then return cur end
+for i = 4, #KEYS do redis.call('UNLINK', KEYS[i]) end
+for i = 5, #ARGV do
+  redis.call('HDEL', KEYS[2], 'seq:' .. ARGV[i])
+  redis.call('HDEL', KEYS[3], ARGV[i])
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('HSET', KEYS[2], 'info', ARGV[4])
+return 1
+"""
 # KEYS[1] lease; ARGV owner, ttl ms. 1 renewed, 0 gone, else the holder (another owner)
 _HEARTBEAT = """
 local cur = redis.call('GET', KEYS[1])
@@ -196,10 +211,12 @@ class RedisStore:
                 ranks.add(int(dp))
         return ranks
 
-    async def register(self, info: ReplicaInfo, owner: str, lease_ttl_s: float) -> None:
-        """Lease and info first, in one transaction that also deletes the state of DP ranks
-        the registration no longer has; then the registry and the ReplicaUp entry. So a
-        reaper or deregistration that finds the lease gone deletes either nothing of this
+    async def register(
+        self, info: ReplicaInfo, owner: str, lease_ttl_s: float, *, take_over: bool = True
+    ) -> None:
+        """Lease and info first, in one script that also deletes the state of DP ranks the
+        registration no longer has; then the registry and the ReplicaUp entry. So a reaper
+        or deregistration that finds the lease gone deletes either nothing of this
         registration or all of the one before it, and a Up entry always follows its lease."""
         s = self.schema
         r = info.replica
@@ -207,16 +224,13 @@ class RedisStore:
             pipe.set(s.instance, uuid.uuid4().hex, nx=True)
             dropped = sorted((await self._stored_ranks(r, pipe)) - set(info.dp_ranks))
 
-        def queue(pipe: Any, _: object) -> None:
-            for d in dropped:  # (a cluster pipeline's unlink() is a coroutine)
-                pipe.execute_command("UNLINK", s.kv(r, d), s.state(r, d))
-            if dropped:
-                pipe.hdel(s.meta(r), *(s.seq_field(d) for d in dropped))
-                pipe.hdel(s.load(r), *(str(d) for d in dropped))
-            pipe.set(s.lease(r), owner, px=max(1, int(lease_ttl_s * 1000)))
-            pipe.hset(s.meta(r), "info", info.to_json())
-
-        await self._transactions([None], queue)
+        keys = [s.lease(r), s.meta(r), s.load(r)]
+        keys += [k for d in dropped for k in (s.kv(r, d), s.state(r, d))]
+        ttl = max(1, int(lease_ttl_s * 1000))
+        args = [owner, ttl, "1" if take_over else "0", info.to_json(), *map(str, dropped)]
+        got = await self.redis.eval(_REGISTER, len(keys), *keys, *args)
+        if isinstance(got, bytes):
+            raise LeaseTaken(r, got.decode(errors="replace"))
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.sadd(s.registry, r)
             self._xadd(pipe, r, ReplicaUp(info))
