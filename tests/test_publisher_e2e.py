@@ -77,14 +77,13 @@ def _publisher(
 ) -> Publisher:
     info = ReplicaInfo(name, url=f"http://{name}", model=MODEL, block_size=B)
     spec = EndpointSpec(eng.pub.endpoint, eng.pub.replay_endpoint)
+    options: dict[str, object] = {"heartbeat_s": 0.1, "lease_ttl_s": 1.0, "load_interval_s": 0.1}
+    options.update(kw)
     settings = PublisherSettings(
         info,
         (spec,),
         engine_metrics_url=metrics_url,
-        heartbeat_s=0.1,
-        lease_ttl_s=1.0,
-        load_interval_s=0.1,
-        **kw,  # type: ignore[arg-type]
+        **options,  # type: ignore[arg-type]
     )
     return Publisher(settings, store)
 
@@ -339,6 +338,35 @@ async def test_a_second_publisher_for_a_replica_supersedes_the_first(
                 await asyncio.sleep(0.3)  # heartbeats go on: the new one keeps its lease
                 assert not new.stats.superseded and new.stats.lease_losses == 0
             assert await new_store.list_replicas() == []  # its own stop deregisters
+        finally:
+            await old.stop()
+    finally:
+        await old_eng.pub.close()
+        await new_eng.pub.close()
+
+
+async def test_a_superseded_publisher_never_takes_the_lease_back(
+    stores: Callable[[], RedisStore],
+) -> None:
+    """The old publisher's heartbeat succeeded just before the new one registered, so the
+    flush loop's seq check runs after the new one's reset and finds the stored seq not its
+    own: the old one must stand down, not register again over its successor (which then
+    stood down itself, and the old one's stop deregistered the replica)."""
+    old_eng, new_eng = await _engine(16, 21), await _engine(16, 22)
+    old_store, new_store = stores(), stores()
+    # heartbeats too rare to notice the takeover: only the seq check can
+    old = _publisher(old_store, "dup2", old_eng, heartbeat_s=60.0)
+    new = _publisher(new_store, "dup2", new_eng)
+    try:
+        await old.start()
+        try:
+            async with new:
+                old._check_seqs = True  # (what its last heartbeat before the takeover set)
+                await eventually(lambda: old.stats.superseded)
+                await asyncio.sleep(0.5)  # new's heartbeats (0.1 s) keep the lease
+                assert not new.stats.superseded and new.stats.lease_losses == 0
+                await old.stop()
+                assert [i.replica for i in await new_store.list_replicas()] == ["dup2"]
         finally:
             await old.stop()
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -14,7 +14,7 @@ from router.bench.redis_server import LocalRedis
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.types import AllCleared, BlocksRemoved, BlocksStored, Kind, ReplicaKey, Tier
-from router.store.base import IndexStore, LeaseTaken, LoadSample, ReplicaInfo
+from router.store.base import IndexStore, LeaseTaken, LoadSample, ReplicaDown, ReplicaInfo
 from router.store.memory import MemoryStore
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
@@ -156,6 +156,9 @@ async def test_the_last_registration_owns_the_lease(store: IndexStore) -> None:
     with pytest.raises(LeaseTaken) as taken:
         await store.heartbeat("twice", "first", 30)
     assert taken.value.holder == "second"
+    # registering again without taking over leaves the successor's lease alone
+    with pytest.raises(LeaseTaken):
+        await store.register(info, owner="first", lease_ttl_s=30, take_over=False)
     assert not await store.deregister("twice", owner="first")
     assert [i.replica for i in await store.list_replicas()] == ["twice"]
     assert await store.heartbeat("twice", "second", 30)
@@ -181,6 +184,156 @@ async def test_deregister_removes_replica_everywhere(store: IndexStore) -> None:
         await store.deregister("gone")
         await eventually(lambda: ReplicaKey("gone") not in index)
     assert [i.replica for i in await store.list_replicas()] == []
+
+
+def _after_the_delete_script(store: RedisStore, then: Callable[[], Awaitable[None]]) -> Any:
+    """Run ``then`` right after the first script of ``store`` that deleted a replica (returned
+    1): a publisher registering the replica between that script and what follows it."""
+    real = store.redis.eval
+    fired = False
+
+    async def eval_then(*args: Any) -> Any:
+        nonlocal fired
+        got = await real(*args)
+        if got == 1 and not fired:
+            fired = True
+            await then()
+        return got
+
+    store.redis.eval = eval_then  # type: ignore[method-assign]
+    return real
+
+
+@pytest.mark.parametrize("how", ["reap", "deregister"])
+async def test_a_registration_racing_a_reap_or_deregister_stays(
+    store: IndexStore, how: str
+) -> None:
+    """A publisher registers the replica right after the delete script ran: routers keep the
+    new registration (no Down purges it) and the registry still lists it."""
+    if not isinstance(store, RedisStore):
+        pytest.skip("MemoryStore deletes and announces in one step: nothing can come between")
+    name, key = "phoenix", ReplicaKey("phoenix")
+    info = ReplicaInfo(name, url="http://phoenix", model="m")
+    await store.register(info, owner="old", lease_ttl_s=0.3 if how == "reap" else 30)
+    old = StoreWriter(store, info.replica_keys())
+    old.add(key, [BlocksStored((1, 2))])
+    await old.flush()
+    index = PrefixIndex()
+    async with IndexSync(store, index, reap_expired=False, **FAST):
+        assert index.match([1, 2]).get(key).kv_blocks == 2
+        if how == "reap":
+            await eventually(lambda: _lease_gone(store, name))
+
+        async def register_new() -> None:
+            await store.register(info, owner="new", lease_ttl_s=30)
+
+        real = _after_the_delete_script(store, register_new)
+        try:
+            if how == "reap":
+                assert await store.reap(name)
+            else:
+                assert await store.deregister(name, owner="old")
+        finally:
+            store.redis.eval = real  # type: ignore[method-assign]
+        new = StoreWriter(store, info.replica_keys())
+        await new.flush()  # the new publisher's start-up reset
+        new.add(key, [BlocksStored((5, 6, 7))])
+        await new.flush()
+        await eventually(lambda: index.match([5, 6, 7]).get(key).kv_blocks == 3, timeout=5)
+        assert [i.replica for i in await store.list_replicas()] == [name]
+        assert await store.heartbeat(name, "new", 30)
+
+
+async def _append_down(store: IndexStore, replica: str) -> None:
+    if isinstance(store, MemoryStore):
+        store._append(ReplicaDown(replica))
+        return
+    assert isinstance(store, RedisStore)
+    async with store.redis.pipeline(transaction=False) as pipe:
+        store._xadd(pipe, replica, ReplicaDown(replica))
+        await pipe.execute()
+
+
+async def test_a_down_entry_for_a_replica_with_a_live_lease_is_ignored(store: IndexStore) -> None:
+    """A Down that reaches routers after the replica registered again (its deleter and the
+    new registration raced) does not purge it: the lease says it is alive."""
+    w = await _publish(store, "alive")
+    key = ReplicaKey("alive")
+    w.add(key, [BlocksStored((3, 4))])
+    await w.flush()
+    index = PrefixIndex()
+    async with IndexSync(store, index, **FAST) as sync:
+        await _append_down(store, "alive")
+        w.add(key, [BlocksStored((3, 4, 5))])
+        await w.flush()  # after the Down in the same stream shard
+        await eventually(lambda: index.match([3, 4, 5]).get(key).kv_blocks == 3, timeout=5)
+        assert sync.stats.purges == 0  # never dropped, not even for a moment
+        assert sync.stats.downs_ignored == 1
+
+
+async def _leftover_keys(store: RedisStore, replica: str) -> list[str]:
+    """Which of the replica's keys exist (dp ranks 0..7)."""
+    s = store.schema
+    keys = [s.meta(replica), s.lease(replica), s.load(replica)]
+    keys += [k for d in range(8) for k in (s.kv(replica, d), s.state(replica, d))]
+    async with store.redis.pipeline(transaction=False) as pipe:
+        for k in keys:
+            pipe.exists(k)
+        found = await pipe.execute()
+    return [k for k, n in zip(keys, found, strict=True) if n]
+
+
+async def test_dp_ranks_dropped_by_a_registration_leave_nothing_behind(store: IndexStore) -> None:
+    """Re-registered with fewer DP ranks, the others' state goes; what a superseded writer
+    still wrote for a dropped rank goes with the deregistration; registered with the ranks
+    again, no router reads stale state or seqs of them."""
+    name = "shrink"
+    w = await _publish(store, name, ranks=(0, 1, 2, 3))
+    for d in range(4):
+        w.add(ReplicaKey(name, d), [BlocksStored((100 + d, 200 + d))])
+    await w.flush()
+    two = ReplicaInfo(name, url="http://shrink", model="m", dp_ranks=(0, 1))
+    await store.register(two, owner="pub-shrink-2", lease_ttl_s=30)
+    dropped = [ReplicaKey(name, 2), ReplicaKey(name, 3)]
+    assert await store.stored_seqs(dropped) == [None, None]
+    assert [s.entries if s else 0 for s in await store.read_replicas(dropped)] == [0, 0]
+    kept = [ReplicaKey(name, 0), ReplicaKey(name, 1)]
+    assert [s.entries if s else 0 for s in await store.read_replicas(kept)] == [2, 2]
+    if isinstance(store, RedisStore):
+        s = store.schema
+        assert not {s.kv(name, 2), s.kv(name, 3)} & set(await _leftover_keys(store, name))
+        assert sorted(await store.redis.hkeys(s.meta(name))) == [b"info", b"seq:0", b"seq:1"]
+    # the superseded 4-rank writer flushes once more before it notices
+    w.add(ReplicaKey(name, 2), [BlocksStored((7,))])
+    await w.flush()
+    assert await store.deregister(name, owner="pub-shrink-2")
+    if isinstance(store, RedisStore):
+        assert await _leftover_keys(store, name) == []
+    four = ReplicaInfo(name, url="http://shrink", model="m", dp_ranks=(0, 1, 2, 3))
+    await store.register(four, owner="pub-shrink-3", lease_ttl_s=30)
+    keys = four.replica_keys()
+    assert await store.stored_seqs(keys) == [None] * 4
+    assert [s.entries if s else 0 for s in await store.read_replicas(keys)] == [0] * 4
+
+
+@pytest.mark.parametrize("how", ["reap", "deregister"])
+async def test_an_unreadable_registration_leaks_no_dp_rank(store: IndexStore, how: str) -> None:
+    if not isinstance(store, RedisStore):
+        pytest.skip("MemoryStore keeps no JSON")
+    name = "garbled"
+    info = ReplicaInfo(name, model="m", dp_ranks=(0, 1, 2))
+    await store.register(info, owner="p", lease_ttl_s=0.2 if how == "reap" else 30)
+    w = StoreWriter(store, info.replica_keys())
+    for d in range(3):
+        w.add(ReplicaKey(name, d), [BlocksStored((d + 1,))])
+    await w.flush()
+    await store.redis.hset(store.schema.meta(name), "info", "{not json")
+    if how == "reap":
+        await eventually(lambda: _lease_gone(store, name))
+        assert await store.reap(name)
+    else:
+        assert await store.deregister(name, owner="p")
+    assert await _leftover_keys(store, name) == []
 
 
 async def test_lost_stream_entry_is_a_gap_and_resyncs(redis_url: str, key_prefix: str) -> None:

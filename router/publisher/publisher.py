@@ -19,7 +19,11 @@ One writer per replica: the last publisher to register a replica name owns its l
 publisher whose heartbeat finds the lease held by another owner (``LeaseTaken``) stands
 down: it stops following the engine, writes nothing more and, on stop, neither flushes nor
 deletes its successor's state (``superseded``). Its writes between the takeover and that
-heartbeat are healed by the successor's seq check.
+heartbeat are healed by the successor's seq check. Only a publisher's first registration
+takes the lease from another owner: registering again (a lost lease, a failed write, a seq
+mismatch, a learned layout) finds a lease held by another owner and stands down the same way,
+so a superseded publisher whose seq check runs before its heartbeat notices never takes the
+replica back from its successor.
 """
 
 from __future__ import annotations
@@ -99,6 +103,9 @@ class Publisher:
         self.stats = PublisherStats()
         self._wake = asyncio.Event()
         self._check_seqs = False  # set by a heartbeat; done by the flush loop (no write then)
+        # registered once: from then on it registers again only while the lease is free or
+        # its own (a takeover by a second publisher is never undone by this one)
+        self._registered = False
         self._tasks: list[asyncio.Task[None]] = []
         self._http: aiohttp.ClientSession | None = None
 
@@ -129,7 +136,8 @@ class Publisher:
         info = self.learned_info()
         if info == self.info:
             return
-        await self.store.register(info, self.settings.owner, self.settings.lease_ttl_s)
+        s = self.settings
+        await self.store.register(info, s.owner, s.lease_ttl_s, take_over=False)
         log.info(
             "publisher: %s publishes recurrent state: %s, checkpoint grid %d blocks",
             info.replica,
@@ -194,7 +202,8 @@ class Publisher:
         if first:
             await self.writer.resume_seq()
         self.info = self.learned_info()
-        await self.store.register(self.info, s.owner, s.lease_ttl_s)
+        await self.store.register(self.info, s.owner, s.lease_ttl_s, take_over=not self._registered)
+        self._registered = True
         await self.writer.reset()
         self.stats.resets += 1
 
@@ -218,6 +227,10 @@ class Publisher:
                 backoff = 0.05
             except asyncio.CancelledError:
                 raise
+            except LeaseTaken as exc:  # found registering again
+                log.error("publisher: %s; standing down (no more writes)", exc)
+                await self._stand_down()
+                return
             except Exception as exc:
                 _raise_if_cancelled(exc)
                 self.stats.store_errors += 1
@@ -263,7 +276,9 @@ class Publisher:
                 log.warning("publisher: heartbeat failed: %s", exc)
 
     async def _stand_down(self) -> None:
-        """Stop every writing task but this one (the heartbeat loop, which returns)."""
+        """Stop every writing task but this one (a loop that returns after this)."""
+        if self.stats.superseded:
+            return  # the other loop found it first and is stopping this one
         self.stats.superseded = True
         await self.subscribers.stop()
         me = asyncio.current_task()

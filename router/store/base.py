@@ -259,8 +259,12 @@ class IndexStore(Protocol):
     """Shared index storage (see the module docstring for the protocol)."""
 
     # write side
-    async def register(self, info: ReplicaInfo, owner: str, lease_ttl_s: float) -> None:
-        """Write the info and take the lease for ``owner`` (the last to register owns it)."""
+    async def register(
+        self, info: ReplicaInfo, owner: str, lease_ttl_s: float, *, take_over: bool = True
+    ) -> None:
+        """Write the info and take the lease for ``owner`` (the last to register owns it);
+        the stored state of DP ranks the info no longer lists is deleted. Without
+        ``take_over``, raises ``LeaseTaken`` instead when another owner holds the lease."""
         ...
 
     async def heartbeat(self, replica: str, owner: str, lease_ttl_s: float) -> bool:
@@ -269,12 +273,15 @@ class IndexStore(Protocol):
         ...
 
     async def deregister(self, replica: str, owner: str | None = None) -> bool:
-        """Delete the replica; with ``owner``, only while the lease is that owner's or free
-        (a superseded publisher must not delete its successor's state). True if deleted."""
+        """Delete the replica (the state of every DP rank it has stored, not only the
+        registered ranks); with ``owner``, only while the lease is that owner's or free (a
+        superseded publisher must not delete its successor's state). True if deleted. The
+        ReplicaDown is not announced when the replica registered again meanwhile."""
         ...
 
     async def reap(self, replica: str) -> bool:
-        """Delete a registered replica whose lease is gone; False if it is alive (or absent)."""
+        """Delete a registered replica whose lease is gone (as ``deregister``); False if it
+        is alive (or absent)."""
         ...
 
     async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:

@@ -59,7 +59,13 @@ class MemoryStore:
 
     # ------------------------------------------------------------------ write side
 
-    async def register(self, info: ReplicaInfo, owner: str, lease_ttl_s: float) -> None:
+    async def register(
+        self, info: ReplicaInfo, owner: str, lease_ttl_s: float, *, take_over: bool = True
+    ) -> None:
+        lease = self._leases.get(info.replica)
+        if not take_over and lease is not None and lease[1] > self._clock() and lease[0] != owner:
+            raise LeaseTaken(info.replica, lease[0])
+        self._drop(info.replica, keep=info.dp_ranks)  # DP ranks it no longer has
         self._infos[info.replica] = info
         self._leases[info.replica] = (owner, self._clock() + lease_ttl_s)
         self._append(ReplicaUp(info))
@@ -78,13 +84,18 @@ class MemoryStore:
         held = lease is not None and lease[1] > self._clock()
         if owner is not None and held and lease is not None and lease[0] != owner:
             return False
-        info = self._infos.pop(replica, None)
+        self._infos.pop(replica, None)
         self._leases.pop(replica, None)
-        for key in info.replica_keys() if info else []:
-            self._snapshots.pop(key, None)
-            self._loads.pop(key, None)
+        self._drop(replica)
         self._append(ReplicaDown(replica))
         return True
+
+    def _drop(self, replica: str, keep: Sequence[int] = ()) -> None:
+        """Forget the state and load of every DP rank of ``replica`` not in ``keep``, not
+        just the registered ones (a superseded writer may have written others)."""
+        for table in (self._snapshots, self._loads):
+            for key in [k for k in table if k.replica == replica and k.dp_rank not in keep]:
+                del table[key]
 
     async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:
         for state, events in writes:

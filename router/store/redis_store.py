@@ -18,6 +18,7 @@ XREADs a second and sees events at most that late.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -57,9 +58,42 @@ DEFAULT_CLUSTER_POLL_S = 0.05
 DEFAULT_SOCKET_TIMEOUT_S = 10.0
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-_REAP = """
-if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
-for i = 2, #KEYS do redis.call('UNLINK', KEYS[i]) end
+# Deletes a replica's keys. KEYS[1] lease, KEYS[2] meta, KEYS[3..] load and kv:<dp>, st:<dp>
+# of the ranks ARGV[3..]; ARGV[1] when: "reap" only while the lease is gone (and meta is
+# there), "own" only while the lease is ARGV[2]'s or free, "any" always. A rank that has a
+# seq:<dp> field in meta (so may have keys) and is not among ARGV[3..] is returned instead
+# (the caller adds its keys and calls again); 1 deleted, 0 not allowed.
+_DELETE = """
+local lease = redis.call('GET', KEYS[1])
+if ARGV[1] == 'reap' then
+  if lease or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+elseif ARGV[1] == 'own' then
+  if lease and lease ~= ARGV[2] then return 0 end
+end
+local covered = {}
+for i = 3, #ARGV do covered[tonumber(ARGV[i])] = true end
+local missing = {}
+for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
+  local dp = string.match(f, '^seq:(%d+)$')
+  if dp and not covered[tonumber(dp)] then missing[#missing + 1] = dp end
+end
+if #missing > 0 then return missing end
+for i = 1, #KEYS do redis.call('UNLINK', KEYS[i]) end
+return 1
+"""
+# Registers. KEYS[1] lease, KEYS[2] meta, KEYS[3] load, KEYS[4..] kv:<dp>, st:<dp> of the DP
+# ranks ARGV[5..] the registration drops; ARGV[1] owner, ARGV[2] ttl ms, ARGV[3] "1" to take
+# the lease from another owner, ARGV[4] info. 1 registered, else the holder (not taken).
+_REGISTER = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] and ARGV[3] ~= '1' then return cur end
+for i = 4, #KEYS do redis.call('UNLINK', KEYS[i]) end
+for i = 5, #ARGV do
+  redis.call('HDEL', KEYS[2], 'seq:' .. ARGV[i])
+  redis.call('HDEL', KEYS[3], ARGV[i])
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('HSET', KEYS[2], 'info', ARGV[4])
 return 1
 """
 # KEYS[1] lease; ARGV owner, ttl ms. 1 renewed, 0 gone, else the holder (another owner)
@@ -68,13 +102,6 @@ local cur = redis.call('GET', KEYS[1])
 if not cur then return 0 end
 if cur ~= ARGV[1] then return cur end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
-# KEYS[1] lease, KEYS[2..] the replica's keys; ARGV owner. Deletes unless another owns it.
-_OWNED_OR_FREE = """
-local cur = redis.call('GET', KEYS[1])
-if cur and cur ~= ARGV[1] then return 0 end
-for i = 1, #KEYS do redis.call('UNLINK', KEYS[i]) end
 return 1
 """
 
@@ -163,14 +190,50 @@ class RedisStore:
 
     # ------------------------------------------------------------------ write side
 
-    async def register(self, info: ReplicaInfo, owner: str, lease_ttl_s: float) -> None:
+    async def _stored_ranks(self, replica: str, pipe: Any = None) -> set[int]:
+        """The DP ranks that may have keys in the store: those of the stored registration (if
+        readable) and every rank with a ``seq:<dp>`` field (written with its kv/st keys).
+        With ``pipe``, its commands are run too (ahead of the two reads)."""
+        meta = self.schema.meta(replica)
+        if pipe is None:
+            async with self.redis.pipeline(transaction=False) as own:
+                return await self._stored_ranks(replica, own)
+        pipe.hget(meta, "info")
+        pipe.hkeys(meta)
+        *_, raw, fields = await pipe.execute()
+        ranks: set[int] = set()
+        if raw:
+            with contextlib.suppress(ValueError):  # unreadable: the seq fields still tell
+                ranks.update(ReplicaInfo.from_json(raw).dp_ranks)
+        for f in fields or []:
+            name, _, dp = bytes(f).decode(errors="replace").partition(":")
+            if name == "seq" and dp.isascii() and dp.isdigit():
+                ranks.add(int(dp))
+        return ranks
+
+    async def register(
+        self, info: ReplicaInfo, owner: str, lease_ttl_s: float, *, take_over: bool = True
+    ) -> None:
+        """Lease and info first, in one script that also deletes the state of DP ranks the
+        registration no longer has; then the registry and the ReplicaUp entry. So a reaper
+        or deregistration that finds the lease gone deletes either nothing of this
+        registration or all of the one before it, and a Up entry always follows its lease."""
         s = self.schema
+        r = info.replica
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(s.instance, uuid.uuid4().hex, nx=True)
-            pipe.hset(s.meta(info.replica), "info", info.to_json())
-            pipe.set(s.lease(info.replica), owner, px=max(1, int(lease_ttl_s * 1000)))
-            pipe.sadd(s.registry, info.replica)
-            self._xadd(pipe, info.replica, ReplicaUp(info))
+            dropped = sorted((await self._stored_ranks(r, pipe)) - set(info.dp_ranks))
+
+        keys = [s.lease(r), s.meta(r), s.load(r)]
+        keys += [k for d in dropped for k in (s.kv(r, d), s.state(r, d))]
+        ttl = max(1, int(lease_ttl_s * 1000))
+        args = [owner, ttl, "1" if take_over else "0", info.to_json(), *map(str, dropped)]
+        got = await self.redis.eval(_REGISTER, len(keys), *keys, *args)
+        if isinstance(got, bytes):
+            raise LeaseTaken(r, got.decode(errors="replace"))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.sadd(s.registry, r)
+            self._xadd(pipe, r, ReplicaUp(info))
             await pipe.execute()
 
     async def heartbeat(self, replica: str, owner: str, lease_ttl_s: float) -> bool:
@@ -185,47 +248,49 @@ class RedisStore:
         return bool(got)
 
     async def deregister(self, replica: str, owner: str | None = None) -> bool:
-        s = self.schema
-        raw = await self.redis.hget(s.meta(replica), "info")
-        try:
-            ranks = ReplicaInfo.from_json(raw).dp_ranks if raw else (0,)
-        except ValueError:
-            ranks = (0,)
-        keys = [s.lease(replica), s.meta(replica), s.load(replica)]
-        for r in ranks:
-            keys += [s.kv(replica, r), s.state(replica, r)]
-        if owner is not None:
-            if not await self.redis.eval(_OWNED_OR_FREE, len(keys), *keys, owner):
-                return False
-            keys = []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            if keys:  # (a cluster pipeline's unlink() is a coroutine)
-                pipe.execute_command("UNLINK", *keys)
-            pipe.srem(s.registry, replica)
-            self._xadd(pipe, replica, ReplicaDown(replica))
-            await pipe.execute()
+        if not await self._delete(replica, "any" if owner is None else "own", owner or ""):
+            return False
+        await self._announce_down(replica)
         return True
 
     async def reap(self, replica: str) -> bool:
         """Delete a replica whose lease is gone (a crashed publisher): atomic against the
         lease coming back (one script over the replica's slot). True when it was deleted."""
-        s = self.schema
-        raw = await self.redis.hget(s.meta(replica), "info")
-        try:
-            ranks = ReplicaInfo.from_json(raw).dp_ranks if raw else (0,)
-        except ValueError:
-            ranks = (0,)
-        keys = [s.lease(replica), s.meta(replica), s.load(replica)]
-        for r in ranks:
-            keys += [s.kv(replica, r), s.state(replica, r)]
-        deleted = await self.redis.eval(_REAP, len(keys), *keys)
-        if not deleted:
+        if not await self._delete(replica, "reap"):
             return False
+        await self._announce_down(replica)
+        return True
+
+    async def _delete(self, replica: str, when: str, owner: str = "") -> bool:
+        """Run ``_DELETE`` over every key of the replica, of every DP rank that has any
+        (``_stored_ranks``, plus what the script finds that a concurrent write added)."""
+        s = self.schema
+        ranks = await self._stored_ranks(replica)
+        for _ in range(16):
+            keys = [s.lease(replica), s.meta(replica), s.load(replica)]
+            for d in sorted(ranks):
+                keys += [s.kv(replica, d), s.state(replica, d)]
+            args = [when, owner, *(str(d) for d in sorted(ranks))]
+            got = await self.redis.eval(_DELETE, len(keys), *keys, *args)
+            if not isinstance(got, list):
+                return bool(got)
+            ranks.update(int(d) for d in got)
+        raise RuntimeError(f"replica {replica!r}: DP ranks keep appearing while deleting it")
+
+    async def _announce_down(self, replica: str) -> None:
+        """After the keys went: leave the registry and append ReplicaDown, unless a publisher
+        registered the replica again meanwhile (its lease is back). A registration's lease
+        precedes its SADD, so when the SREM removed that SADD, the EXISTS after it sees the
+        lease and puts the name back. A registration between the EXISTS and the XADD still
+        puts a Down after its Up: routers ignore a Down while the lease lives (IndexSync)."""
+        s = self.schema
+        await self.redis.srem(s.registry, replica)
+        if await self.redis.exists(s.lease(replica)):
+            await self.redis.sadd(s.registry, replica)
+            return
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.srem(s.registry, replica)
             self._xadd(pipe, replica, ReplicaDown(replica))
             await pipe.execute()
-        return True
 
     def _queue_table(self, pipe: Any, key: str, table: PackedTable, full: bool) -> None:
         rebuilt, buckets = table.take_changes()

@@ -12,6 +12,8 @@ change stream from the cursor, in one task that owns all index mutations:
   from the store (atomically against the lease coming back); a registered replica we do not
   know is loaded; a new store instance token (Redis lost its data) triggers a full
   re-bootstrap. Replicas without a live lease are skipped at bootstrap.
+* a ReplicaDown purges the replica only if its lease is gone: one whose publisher registered
+  it again while it was being deleted (the Down lands after the new Up) stays.
 * a store that lost its data does not end any replica's lease early: a replica known before
   and missing from the new store stays (index content, listener not told) for up to
   ``lost_store_grace_s`` (the publishers' default lease TTL) while its publisher notices at
@@ -113,6 +115,7 @@ class SyncStats:
     entries_loaded: int = 0
     stale: int = 0  # keys found behind (or ahead of) a store that stood still: resynced
     kept_on_data_loss: int = 0  # replicas kept through a store's data loss (grace)
+    downs_ignored: int = 0  # ReplicaDown entries of a replica whose lease lives: ignored
 
 
 class IndexSync:
@@ -357,6 +360,11 @@ class IndexSync:
             if known is None or known.dp_ranks != change.info.dp_ranks:
                 await self._resync(change.info.replica_keys())
         elif isinstance(change, ReplicaDown):
+            if (await self.store.leases([change.replica])).get(change.replica):
+                # registered again after the deletion this announces (a publisher restarted
+                # as the old one's keys went): the newer Up came or is on its way
+                self.stats.downs_ignored += 1
+                return
             self._purge(change.replica)
 
     def _note_lag(self, key: ReplicaKey, cursor: object) -> None:
