@@ -183,3 +183,46 @@ async def test_upstream_connections_are_reused(front: Front) -> None:
     assert front.backend._runner is not None and front.backend._runner.server is not None
     assert len(front.backend._runner.server.connections) == 1
     writer.close()
+
+
+async def test_a_bad_request_after_pipelined_ones_is_answered_after_them(front: Front) -> None:
+    # a protocol error in a later pipelined request must not take the place of the earlier
+    # requests' answers: they are answered in order, then the error, then the close
+    reader, writer = await front.open()
+    writer.write(_post(_chat(1)) + _post(_chat(2)) + b"GARBAGE\r\n\r\n")
+    for _ in range(2):
+        status, _, body = await _response(reader)
+        assert status == 200 and json.loads(body)["choices"]
+    status, headers, body = await _response(reader)
+    assert status == 400 and headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] == "http_400"
+    assert await reader.read() == b""
+    writer.close()
+    # a request after one with "Connection: close" is ignored, not answered 400 first
+    reader, writer = await front.open()
+    writer.write(_post(_chat(3), extra="Connection: close\r\n") + _post(_chat(4)))
+    status, headers, _ = await _response(reader)
+    assert status == 200 and headers["connection"] == "close"
+    assert await reader.read() == b""
+    writer.close()
+    sent = [r["body"]["messages"][0]["content"] for r in front.backend.received]
+    assert sent == ["hello 1", "hello 2", "hello 3"]
+
+
+async def test_expect_continue_waits_for_the_pipelined_answers_before_it(front: Front) -> None:
+    # "100 Continue" belongs to the request it answers: never inside an earlier answer
+    reader, writer = await front.open()
+    body = _chat(2)
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n"
+    ).encode()
+    writer.write(_post(_chat(1, stream=True)) + head)
+    status, _, first = await _response(reader)
+    assert status == 200 and first.endswith(b"data: [DONE]\n\n")
+    assert (await reader.readline()).startswith(b"HTTP/1.1 100")
+    assert await reader.readline() == b"\r\n"
+    writer.write(body)
+    status, _, _ = await _response(reader)
+    assert status == 200
+    writer.close()

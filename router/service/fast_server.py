@@ -17,8 +17,10 @@ router.service.handling.handle, the front door.
 * HTTP/1.0: a streamed answer goes out unframed and the connection closes at its end (no
   chunked encoding, which 1.0 does not know).
 * Keep-alive and pipelining: requests on one connection are answered in order; reading
-  pauses while more than a few requests wait. ``Expect: 100-continue`` is honoured. ``HEAD``
-  gets the head of the GET answer.
+  pauses while more than a few requests wait. A protocol error (400, 431) in a pipelined
+  request is answered after the requests before it, then the connection closes.
+  ``Expect: 100-continue`` is honoured (its ``100`` also waits for the answers before it).
+  ``HEAD`` gets the head of the GET answer.
 * A client that disconnects cancels its request's task, which aborts the upstream request
   (the replica sees the connection close). Writes wait while the client's socket buffer is
   full (backpressure reaches the replica through the upstream client's pause).
@@ -203,6 +205,10 @@ class _Connection(asyncio.Protocol):
         self.deadline = 0.0  # loop time at which the connection is closed; 0: none
         self.in_message = False  # a request is being received
         self.over_cap = False  # accepted over max_connections: answered 503
+        # a protocol error's answer (status, message, code, extra headers) that waits for
+        # the answers of the requests before it; nothing more is read meanwhile
+        self.failed: tuple[int, str, str, bytes] | None = None
+        self.want_continue = False  # "100 Continue" is owed once the answers before it went
         self._new_message()
 
     def _new_message(self) -> None:
@@ -227,6 +233,8 @@ class _Connection(asyncio.Protocol):
         self.server.admit(self)
 
     def data_received(self, data: bytes) -> None:
+        if self.failed is not None:
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -267,10 +275,19 @@ class _Connection(asyncio.Protocol):
             else:
                 w.set_exception(exc)
 
-    def _fatal(self, status: int, message: str, extra: bytes = b"") -> None:
-        if self.closed:
+    def _fatal(self, status: int, message: str, extra: bytes = b"", code: str = "") -> None:
+        """Answer ``status`` and close, once the requests before this one are answered
+        (pipelining: answers go out in order); the parser takes nothing more."""
+        if self.closed or self.failed is not None:
             return
-        body = error_body(status, message, code=f"http_{status}")
+        code = code or f"http_{status}"
+        if self.task is not None or self.queue:
+            self.failed = (status, message, code, extra)
+            if not self.reading_paused:
+                self.reading_paused = True
+                self.transport.pause_reading()
+            return
+        body = error_body(status, message, code=code)
         self.transport.write(
             _status_line(status)
             + b"Content-Type: application/json\r\nConnection: close\r\n"
@@ -297,7 +314,7 @@ class _Connection(asyncio.Protocol):
             self._fatal(431, f"request head over {MAX_HEAD_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.closed:
+        if self.closed or self.failed is not None:
             return
         self.headers.append((name, value))
         self.header_bytes += len(name) + len(value) + 4
@@ -305,6 +322,8 @@ class _Connection(asyncio.Protocol):
             self._fatal(431, f"request head over {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
+        if self.closed or self.failed is not None:
+            return
         body_timeout = self.server.limits.body_timeout_s
         self.deadline = self.loop.time() + body_timeout if body_timeout > 0 else 0.0
         limit = self.server.max_body
@@ -318,7 +337,11 @@ class _Connection(asyncio.Protocol):
                     pass
             elif len(k) == 6 and k.lower() == b"expect" and v.lower() == b"100-continue":
                 expect = True
-        if expect and not self.too_large:
+        if not expect or self.too_large:
+            return
+        if self.task is not None or self.queue:  # after the answers before this request
+            self.want_continue = True
+        else:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -336,7 +359,8 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self.in_message = False
         self.deadline = 0.0
-        if self.closed:
+        self.want_continue = False
+        if self.closed or self.failed is not None:
             return
         if self.over_cap:
             self._fatal(
@@ -374,13 +398,20 @@ class _Connection(asyncio.Protocol):
         try:
             while self.queue and not self.closed:
                 req, http10 = self.queue.popleft()
-                if self.reading_paused and len(self.queue) <= _PIPELINE_MAX // 2:
+                if (
+                    self.reading_paused
+                    and self.failed is None
+                    and len(self.queue) <= _PIPELINE_MAX // 2
+                ):
                     self.reading_paused = False
                     self.transport.resume_reading()
                 keep_alive = await self.server.serve(self, req, http10)
                 if not keep_alive and not self.closed:
                     self.transport.close()
                     self.closed = True
+                elif self.want_continue and not self.queue and not self.closed:
+                    self.want_continue = False
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         except asyncio.CancelledError:
             pass
         except Exception as exc:  # never leave a half answer
@@ -391,7 +422,11 @@ class _Connection(asyncio.Protocol):
                 self.closed = True
         finally:
             self.task = None
-            if not self.closed and not self.in_message:
+            failed, self.failed = self.failed, None
+            if failed is not None:
+                status, message, code, extra = failed
+                self._fatal(status, message, extra, code)
+            elif not self.closed and not self.in_message:
                 self.server.rest(self)
 
 
