@@ -226,3 +226,16 @@ async def test_expect_continue_waits_for_the_pipelined_answers_before_it(front: 
     status, _, _ = await _response(reader)
     assert status == 200
     writer.close()
+
+
+async def test_expect_continue_over_the_body_limit_is_413_without_the_body(front: Front) -> None:
+    # the client waits for "100 Continue" before sending its body: it gets the 413 at once
+    reader, writer = await front.open()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 10000000\r\nExpect: 100-continue\r\n\r\n"
+    )
+    status, headers, body = await asyncio.wait_for(_response(reader), 10)
+    assert status == 413 and headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    writer.close()

@@ -19,8 +19,9 @@ router.service.handling.handle, the front door.
 * Keep-alive and pipelining: requests on one connection are answered in order; reading
   pauses while more than a few requests wait. A protocol error (400, 431) in a pipelined
   request is answered after the requests before it, then the connection closes.
-  ``Expect: 100-continue`` is honoured (its ``100`` also waits for the answers before it).
-  ``HEAD`` gets the head of the GET answer.
+  ``Expect: 100-continue`` is honoured (its ``100`` also waits for the answers before it);
+  with a ``Content-Length`` over ``max_body`` the answer is 413 at once, without the body,
+  and the connection closes. ``HEAD`` gets the head of the GET answer.
 * A client that disconnects cancels its request's task, which aborts the upstream request
   (the replica sees the connection close). Writes wait while the client's socket buffer is
   full (backpressure reaches the replica through the upstream client's pause).
@@ -337,9 +338,15 @@ class _Connection(asyncio.Protocol):
                     pass
             elif len(k) == 6 and k.lower() == b"expect" and v.lower() == b"100-continue":
                 expect = True
-        if not expect or self.too_large:
+        if not expect:
             return
-        if self.task is not None or self.queue:  # after the answers before this request
+        if self.too_large:  # the client waits for "100 Continue": answer without the body
+            self._fatal(
+                413,
+                f"request body exceeds the {limit / 2**20:g} MB limit (server.max_body_mb)",
+                code="request_too_large",
+            )
+        elif self.task is not None or self.queue:  # after the answers before this request
             self.want_continue = True
         else:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
