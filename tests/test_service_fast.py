@@ -239,3 +239,17 @@ async def test_expect_continue_over_the_body_limit_is_413_without_the_body(front
     assert status == 413 and headers["connection"] == "close"
     assert json.loads(body)["error"]["code"] == "request_too_large"
     writer.close()
+
+
+async def test_http_1_0_keep_alive_is_confirmed(front: Front) -> None:
+    # an HTTP/1.0 client keeps the connection only when the answer says so
+    reader, writer = await front.open()
+    for _ in range(2):
+        writer.write(b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+        status, headers, _ = await _response(reader)
+        assert status == 200 and headers["connection"].lower() == "keep-alive"
+    writer.write(b"GET /health HTTP/1.0\r\n\r\n")
+    status, headers, _ = await _response(reader)
+    assert status == 200 and headers["connection"] == "close"
+    assert await reader.read() == b""
+    writer.close()

@@ -15,7 +15,8 @@ router.service.handling.handle, the front door.
   ``Retry-After``) and closed, logged at most every 10 s: the process keeps file
   descriptors for its replicas and its logs.
 * HTTP/1.0: a streamed answer goes out unframed and the connection closes at its end (no
-  chunked encoding, which 1.0 does not know).
+  chunked encoding, which 1.0 does not know); a kept connection is confirmed with
+  ``Connection: keep-alive``.
 * Keep-alive and pipelining: requests on one connection are answered in order; reading
   pauses while more than a few requests wait. A protocol error (400, 431) in a pipelined
   request is answered after the requests before it, then the connection closes.
@@ -121,6 +122,8 @@ class _Sink:
         parts.append(framing)
         if not self.keep_alive:
             parts.append(b"Connection: close\r\n")
+        elif self.http10:  # a 1.0 client keeps the connection only when told
+            parts.append(b"Connection: keep-alive\r\n")
         parts.append(b"\r\n")
         return b"".join(parts)
 
