@@ -253,3 +253,44 @@ async def test_http_1_0_keep_alive_is_confirmed(front: Front) -> None:
     assert status == 200 and headers["connection"] == "close"
     assert await reader.read() == b""
     writer.close()
+
+
+async def test_a_body_of_tiny_chunks_costs_its_size_not_an_object_per_chunk() -> None:
+    # 2-byte chunks used to be kept as one bytes object each (~27x the body in memory: at
+    # server.max_body_mb = 64, GBs per connection); they are gathered as they arrive
+    import tracemalloc
+
+    backend = await Backend("b0", [MODEL]).start()
+    settings = build_settings(
+        {
+            "server": {"health_interval_s": 0},
+            "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    running, url = await start_router(settings)
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    peaks = []
+    tracemalloc.start()
+    try:
+        for chunked in (False, True):  # the same 600 kB body in one piece, then in 2-byte chunks
+            tracemalloc.reset_peak()
+            base, _ = tracemalloc.get_traced_memory()
+            framing = "Transfer-Encoding: chunked" if chunked else "Content-Length: 600000"
+            writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{framing}\r\n\r\n".encode())
+            for _ in range(30):
+                writer.write(b"2\r\nxy\r\n" * 10_000 if chunked else b"xy" * 10_000)
+                await writer.drain()
+            if chunked:
+                writer.write(b"0\r\n\r\n")
+            status, _, body = await _response(reader)
+            assert status == 400 and b"not valid JSON" in body
+            peaks.append(tracemalloc.get_traced_memory()[1] - base)
+    finally:
+        tracemalloc.stop()
+        writer.close()
+        await running.cleanup()
+        await backend.stop()
+    whole, chunks = peaks
+    assert chunks < whole + 2_000_000, f"{chunks / 1e6:.1f} MB vs {whole / 1e6:.1f} MB in one piece"

@@ -58,6 +58,7 @@ _PIPELINE_MAX = 8
 # (the front door's limit, answered with an OpenAI-style 431): past it the connection closes
 MAX_HEAD_BYTES = 1 << 20
 _LAST_CHUNK = b"0\r\n\r\n"
+_PIECE = 4096  # body pieces below this size are gathered (see _Connection.on_body)
 
 
 @dataclass(slots=True, frozen=True)
@@ -219,7 +220,9 @@ class _Connection(asyncio.Protocol):
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.header_bytes = 0
-        self.body: list[bytes] = []
+        # the body's pieces; small ones after the first are gathered in a bytearray (one
+        # object per tiny chunk of a chunked body would cost ~27x the body's size)
+        self.body: list[bytes | bytearray] = []
         self.body_size = 0
         self.too_large = False
 
@@ -364,7 +367,13 @@ class _Connection(asyncio.Protocol):
             self.too_large = True
             self.body = []
             return
-        self.body.append(body)
+        parts = self.body
+        if not parts or len(body) >= _PIECE:
+            parts.append(body)
+        elif type(parts[-1]) is bytearray:
+            parts[-1] += body
+        else:
+            parts.append(bytearray(body))
 
     def on_message_complete(self) -> None:
         self.in_message = False
@@ -379,7 +388,8 @@ class _Connection(asyncio.Protocol):
                 b"Retry-After: 1\r\n",
             )
             return
-        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        parts = self.body
+        body = parts[0] if len(parts) == 1 and type(parts[0]) is bytes else b"".join(parts)
         self.queue.append(
             (
                 HttpRequest(
