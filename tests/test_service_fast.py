@@ -294,3 +294,19 @@ async def test_a_body_of_tiny_chunks_costs_its_size_not_an_object_per_chunk() ->
         await backend.stop()
     whole, chunks = peaks
     assert chunks < whole + 2_000_000, f"{chunks / 1e6:.1f} MB vs {whole / 1e6:.1f} MB in one piece"
+
+
+async def test_a_head_of_many_tiny_headers_is_431(front: Front) -> None:
+    # each header is two bytes objects and a tuple (~20x its wire size): a head of tiny
+    # headers up to the parser's 1 MiB cap held ~20 MB per connection for header_timeout_s
+    reader, writer = await front.open()
+    writer.write(b"GET /health HTTP/1.1\r\n" + b"x-h: v\r\n" * 1001 + b"\r\n")
+    status, headers, body = await _response(reader)
+    assert status == 431 and headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] == "http_431"
+    writer.close()
+    reader, writer = await front.open()
+    writer.write(b"GET /health HTTP/1.1\r\n" + b"x-h: v\r\n" * 1000 + b"\r\n")
+    status, _, _ = await _response(reader)
+    assert status == 200
+    writer.close()

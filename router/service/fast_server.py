@@ -6,7 +6,8 @@ router.service.handling.handle, the front door.
 * The server parses and frames; it decides nothing about routes or limits but sizes: a
   body over ``max_body`` is answered 413 by the handler (``HttpRequest.too_large``; the body
   is discarded as it arrives, never buffered); a request line and headers over
-  :data:`MAX_HEAD_BYTES` 431 and an unparsable request 400, and the connection is closed.
+  :data:`MAX_HEAD_BYTES` (or of more than :data:`MAX_HEADERS` fields) 431 and an unparsable
+  request 400, and the connection is closed.
 * Connection limits (:class:`ConnLimits`, from ``server.*``): a request's line and headers
   must arrive within ``header_timeout_s`` of its first byte and its body may pause at most
   ``body_timeout_s`` (else 408 and the connection closes); a connection idle between
@@ -57,6 +58,9 @@ _PIPELINE_MAX = 8
 # what the parser keeps of one request's line and headers, whatever server.max_header_kb says
 # (the front door's limit, answered with an OpenAI-style 431): past it the connection closes
 MAX_HEAD_BYTES = 1 << 20
+# header fields per request: each costs two bytes objects and a tuple (~20x the wire size of
+# a tiny one), so MAX_HEAD_BYTES of them would hold ~20 MB per connection
+MAX_HEADERS = 1000
 _LAST_CHUNK = b"0\r\n\r\n"
 _PIECE = 4096  # body pieces below this size are gathered (see _Connection.on_body)
 
@@ -323,10 +327,13 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.closed or self.failed is not None:
             return
-        self.headers.append((name, value))
+        headers = self.headers
+        headers.append((name, value))
         self.header_bytes += len(name) + len(value) + 4
         if self.header_bytes + len(self.url) > MAX_HEAD_BYTES:
             self._fatal(431, f"request head over {MAX_HEAD_BYTES} bytes")
+        elif len(headers) > MAX_HEADERS:
+            self._fatal(431, f"request head of more than {MAX_HEADERS} header fields")
 
     def on_headers_complete(self) -> None:
         if self.closed or self.failed is not None:
