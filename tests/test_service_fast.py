@@ -183,3 +183,130 @@ async def test_upstream_connections_are_reused(front: Front) -> None:
     assert front.backend._runner is not None and front.backend._runner.server is not None
     assert len(front.backend._runner.server.connections) == 1
     writer.close()
+
+
+async def test_a_bad_request_after_pipelined_ones_is_answered_after_them(front: Front) -> None:
+    # a protocol error in a later pipelined request must not take the place of the earlier
+    # requests' answers: they are answered in order, then the error, then the close
+    reader, writer = await front.open()
+    writer.write(_post(_chat(1)) + _post(_chat(2)) + b"GARBAGE\r\n\r\n")
+    for _ in range(2):
+        status, _, body = await _response(reader)
+        assert status == 200 and json.loads(body)["choices"]
+    status, headers, body = await _response(reader)
+    assert status == 400 and headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] == "http_400"
+    assert await reader.read() == b""
+    writer.close()
+    # a request after one with "Connection: close" is ignored, not answered 400 first
+    reader, writer = await front.open()
+    writer.write(_post(_chat(3), extra="Connection: close\r\n") + _post(_chat(4)))
+    status, headers, _ = await _response(reader)
+    assert status == 200 and headers["connection"] == "close"
+    assert await reader.read() == b""
+    writer.close()
+    sent = [r["body"]["messages"][0]["content"] for r in front.backend.received]
+    assert sent == ["hello 1", "hello 2", "hello 3"]
+
+
+async def test_expect_continue_waits_for_the_pipelined_answers_before_it(front: Front) -> None:
+    # "100 Continue" belongs to the request it answers: never inside an earlier answer
+    reader, writer = await front.open()
+    body = _chat(2)
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n"
+    ).encode()
+    writer.write(_post(_chat(1, stream=True)) + head)
+    status, _, first = await _response(reader)
+    assert status == 200 and first.endswith(b"data: [DONE]\n\n")
+    assert (await reader.readline()).startswith(b"HTTP/1.1 100")
+    assert await reader.readline() == b"\r\n"
+    writer.write(body)
+    status, _, _ = await _response(reader)
+    assert status == 200
+    writer.close()
+
+
+async def test_expect_continue_over_the_body_limit_is_413_without_the_body(front: Front) -> None:
+    # the client waits for "100 Continue" before sending its body: it gets the 413 at once
+    reader, writer = await front.open()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 10000000\r\nExpect: 100-continue\r\n\r\n"
+    )
+    status, headers, body = await asyncio.wait_for(_response(reader), 10)
+    assert status == 413 and headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    writer.close()
+
+
+async def test_http_1_0_keep_alive_is_confirmed(front: Front) -> None:
+    # an HTTP/1.0 client keeps the connection only when the answer says so
+    reader, writer = await front.open()
+    for _ in range(2):
+        writer.write(b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+        status, headers, _ = await _response(reader)
+        assert status == 200 and headers["connection"].lower() == "keep-alive"
+    writer.write(b"GET /health HTTP/1.0\r\n\r\n")
+    status, headers, _ = await _response(reader)
+    assert status == 200 and headers["connection"] == "close"
+    assert await reader.read() == b""
+    writer.close()
+
+
+async def test_a_body_of_tiny_chunks_costs_its_size_not_an_object_per_chunk() -> None:
+    # 2-byte chunks used to be kept as one bytes object each (~27x the body in memory: at
+    # server.max_body_mb = 64, GBs per connection); they are gathered as they arrive
+    import tracemalloc
+
+    backend = await Backend("b0", [MODEL]).start()
+    settings = build_settings(
+        {
+            "server": {"health_interval_s": 0},
+            "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    running, url = await start_router(settings)
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    peaks = []
+    tracemalloc.start()
+    try:
+        for chunked in (False, True):  # the same 600 kB body in one piece, then in 2-byte chunks
+            tracemalloc.reset_peak()
+            base, _ = tracemalloc.get_traced_memory()
+            framing = "Transfer-Encoding: chunked" if chunked else "Content-Length: 600000"
+            writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{framing}\r\n\r\n".encode())
+            for _ in range(30):
+                writer.write(b"2\r\nxy\r\n" * 10_000 if chunked else b"xy" * 10_000)
+                await writer.drain()
+            if chunked:
+                writer.write(b"0\r\n\r\n")
+            status, _, body = await _response(reader)
+            assert status == 400 and b"not valid JSON" in body
+            peaks.append(tracemalloc.get_traced_memory()[1] - base)
+    finally:
+        tracemalloc.stop()
+        writer.close()
+        await running.cleanup()
+        await backend.stop()
+    whole, chunks = peaks
+    assert chunks < whole + 2_000_000, f"{chunks / 1e6:.1f} MB vs {whole / 1e6:.1f} MB in one piece"
+
+
+async def test_a_head_of_many_tiny_headers_is_431(front: Front) -> None:
+    # each header is two bytes objects and a tuple (~20x its wire size): a head of tiny
+    # headers up to the parser's 1 MiB cap held ~20 MB per connection for header_timeout_s
+    reader, writer = await front.open()
+    writer.write(b"GET /health HTTP/1.1\r\n" + b"x-h: v\r\n" * 1001 + b"\r\n")
+    status, headers, body = await _response(reader)
+    assert status == 431 and headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] == "http_431"
+    writer.close()
+    reader, writer = await front.open()
+    writer.write(b"GET /health HTTP/1.1\r\n" + b"x-h: v\r\n" * 1000 + b"\r\n")
+    status, _, _ = await _response(reader)
+    assert status == 200
+    writer.close()

@@ -6,7 +6,8 @@ router.service.handling.handle, the front door.
 * The server parses and frames; it decides nothing about routes or limits but sizes: a
   body over ``max_body`` is answered 413 by the handler (``HttpRequest.too_large``; the body
   is discarded as it arrives, never buffered); a request line and headers over
-  :data:`MAX_HEAD_BYTES` 431 and an unparsable request 400, and the connection is closed.
+  :data:`MAX_HEAD_BYTES` (or of more than :data:`MAX_HEADERS` fields) 431 and an unparsable
+  request 400, and the connection is closed.
 * Connection limits (:class:`ConnLimits`, from ``server.*``): a request's line and headers
   must arrive within ``header_timeout_s`` of its first byte and its body may pause at most
   ``body_timeout_s`` (else 408 and the connection closes); a connection idle between
@@ -15,10 +16,14 @@ router.service.handling.handle, the front door.
   ``Retry-After``) and closed, logged at most every 10 s: the process keeps file
   descriptors for its replicas and its logs.
 * HTTP/1.0: a streamed answer goes out unframed and the connection closes at its end (no
-  chunked encoding, which 1.0 does not know).
+  chunked encoding, which 1.0 does not know); a kept connection is confirmed with
+  ``Connection: keep-alive``.
 * Keep-alive and pipelining: requests on one connection are answered in order; reading
-  pauses while more than a few requests wait. ``Expect: 100-continue`` is honoured. ``HEAD``
-  gets the head of the GET answer.
+  pauses while more than a few requests wait. A protocol error (400, 431) in a pipelined
+  request is answered after the requests before it, then the connection closes.
+  ``Expect: 100-continue`` is honoured (its ``100`` also waits for the answers before it);
+  with a ``Content-Length`` over ``max_body`` the answer is 413 at once, without the body,
+  and the connection closes. ``HEAD`` gets the head of the GET answer.
 * A client that disconnects cancels its request's task, which aborts the upstream request
   (the replica sees the connection close). Writes wait while the client's socket buffer is
   full (backpressure reaches the replica through the upstream client's pause).
@@ -53,7 +58,11 @@ _PIPELINE_MAX = 8
 # what the parser keeps of one request's line and headers, whatever server.max_header_kb says
 # (the front door's limit, answered with an OpenAI-style 431): past it the connection closes
 MAX_HEAD_BYTES = 1 << 20
+# header fields per request: each costs two bytes objects and a tuple (~20x the wire size of
+# a tiny one), so MAX_HEAD_BYTES of them would hold ~20 MB per connection
+MAX_HEADERS = 1000
 _LAST_CHUNK = b"0\r\n\r\n"
+_PIECE = 4096  # body pieces below this size are gathered (see _Connection.on_body)
 
 
 @dataclass(slots=True, frozen=True)
@@ -118,6 +127,8 @@ class _Sink:
         parts.append(framing)
         if not self.keep_alive:
             parts.append(b"Connection: close\r\n")
+        elif self.http10:  # a 1.0 client keeps the connection only when told
+            parts.append(b"Connection: keep-alive\r\n")
         parts.append(b"\r\n")
         return b"".join(parts)
 
@@ -203,13 +214,19 @@ class _Connection(asyncio.Protocol):
         self.deadline = 0.0  # loop time at which the connection is closed; 0: none
         self.in_message = False  # a request is being received
         self.over_cap = False  # accepted over max_connections: answered 503
+        # a protocol error's answer (status, message, code, extra headers) that waits for
+        # the answers of the requests before it; nothing more is read meanwhile
+        self.failed: tuple[int, str, str, bytes] | None = None
+        self.want_continue = False  # "100 Continue" is owed once the answers before it went
         self._new_message()
 
     def _new_message(self) -> None:
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.header_bytes = 0
-        self.body: list[bytes] = []
+        # the body's pieces; small ones after the first are gathered in a bytearray (one
+        # object per tiny chunk of a chunked body would cost ~27x the body's size)
+        self.body: list[bytes | bytearray] = []
         self.body_size = 0
         self.too_large = False
 
@@ -227,6 +244,8 @@ class _Connection(asyncio.Protocol):
         self.server.admit(self)
 
     def data_received(self, data: bytes) -> None:
+        if self.failed is not None:
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -267,10 +286,19 @@ class _Connection(asyncio.Protocol):
             else:
                 w.set_exception(exc)
 
-    def _fatal(self, status: int, message: str, extra: bytes = b"") -> None:
-        if self.closed:
+    def _fatal(self, status: int, message: str, extra: bytes = b"", code: str = "") -> None:
+        """Answer ``status`` and close, once the requests before this one are answered
+        (pipelining: answers go out in order); the parser takes nothing more."""
+        if self.closed or self.failed is not None:
             return
-        body = error_body(status, message, code=f"http_{status}")
+        code = code or f"http_{status}"
+        if self.task is not None or self.queue:
+            self.failed = (status, message, code, extra)
+            if not self.reading_paused:
+                self.reading_paused = True
+                self.transport.pause_reading()
+            return
+        body = error_body(status, message, code=code)
         self.transport.write(
             _status_line(status)
             + b"Content-Type: application/json\r\nConnection: close\r\n"
@@ -297,14 +325,19 @@ class _Connection(asyncio.Protocol):
             self._fatal(431, f"request head over {MAX_HEAD_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.closed:
+        if self.closed or self.failed is not None:
             return
-        self.headers.append((name, value))
+        headers = self.headers
+        headers.append((name, value))
         self.header_bytes += len(name) + len(value) + 4
         if self.header_bytes + len(self.url) > MAX_HEAD_BYTES:
             self._fatal(431, f"request head over {MAX_HEAD_BYTES} bytes")
+        elif len(headers) > MAX_HEADERS:
+            self._fatal(431, f"request head of more than {MAX_HEADERS} header fields")
 
     def on_headers_complete(self) -> None:
+        if self.closed or self.failed is not None:
+            return
         body_timeout = self.server.limits.body_timeout_s
         self.deadline = self.loop.time() + body_timeout if body_timeout > 0 else 0.0
         limit = self.server.max_body
@@ -318,7 +351,17 @@ class _Connection(asyncio.Protocol):
                     pass
             elif len(k) == 6 and k.lower() == b"expect" and v.lower() == b"100-continue":
                 expect = True
-        if expect and not self.too_large:
+        if not expect:
+            return
+        if self.too_large:  # the client waits for "100 Continue": answer without the body
+            self._fatal(
+                413,
+                f"request body exceeds the {limit / 2**20:g} MB limit (server.max_body_mb)",
+                code="request_too_large",
+            )
+        elif self.task is not None or self.queue:  # after the answers before this request
+            self.want_continue = True
+        else:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -331,12 +374,19 @@ class _Connection(asyncio.Protocol):
             self.too_large = True
             self.body = []
             return
-        self.body.append(body)
+        parts = self.body
+        if not parts or len(body) >= _PIECE:
+            parts.append(body)
+        elif type(parts[-1]) is bytearray:
+            parts[-1] += body
+        else:
+            parts.append(bytearray(body))
 
     def on_message_complete(self) -> None:
         self.in_message = False
         self.deadline = 0.0
-        if self.closed:
+        self.want_continue = False
+        if self.closed or self.failed is not None:
             return
         if self.over_cap:
             self._fatal(
@@ -345,7 +395,8 @@ class _Connection(asyncio.Protocol):
                 b"Retry-After: 1\r\n",
             )
             return
-        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        parts = self.body
+        body = parts[0] if len(parts) == 1 and type(parts[0]) is bytes else b"".join(parts)
         self.queue.append(
             (
                 HttpRequest(
@@ -374,13 +425,20 @@ class _Connection(asyncio.Protocol):
         try:
             while self.queue and not self.closed:
                 req, http10 = self.queue.popleft()
-                if self.reading_paused and len(self.queue) <= _PIPELINE_MAX // 2:
+                if (
+                    self.reading_paused
+                    and self.failed is None
+                    and len(self.queue) <= _PIPELINE_MAX // 2
+                ):
                     self.reading_paused = False
                     self.transport.resume_reading()
                 keep_alive = await self.server.serve(self, req, http10)
                 if not keep_alive and not self.closed:
                     self.transport.close()
                     self.closed = True
+                elif self.want_continue and not self.queue and not self.closed:
+                    self.want_continue = False
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         except asyncio.CancelledError:
             pass
         except Exception as exc:  # never leave a half answer
@@ -391,7 +449,11 @@ class _Connection(asyncio.Protocol):
                 self.closed = True
         finally:
             self.task = None
-            if not self.closed and not self.in_message:
+            failed, self.failed = self.failed, None
+            if failed is not None:
+                status, message, code, extra = failed
+                self._fatal(status, message, extra, code)
+            elif not self.closed and not self.in_message:
                 self.server.rest(self)
 
 
