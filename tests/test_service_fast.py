@@ -142,7 +142,7 @@ async def test_other_paths_and_methods_are_relayed_to_the_app(front: Front) -> N
     assert status2 == 200 and json.loads(body)["replicas"][0]["name"] == "b0"
     writer.write(b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")
     status3, _, body = await _response(reader)
-    assert status3 == 405 and "error" in json.loads(body)
+    assert status3 == 405 and json.loads(body)["error"]["type"] == "invalid_request_error"
     writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
     status4, _, body = await _response(reader)
     assert status4 == 200 and b"kvrouter_requests_total" in body
