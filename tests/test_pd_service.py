@@ -275,3 +275,82 @@ async def test_the_prefill_request_is_vllms(mocks: Mocks) -> None:
     finally:
         await router.cleanup()
         await runner.cleanup()
+
+
+# ---------------------------------------------------------------- review: defects found
+
+
+class _Prefill:
+    """A prefill stub answering vLLM-style ``kv_transfer_params``; records what it got;
+    ``hook`` runs before it answers, ``gate`` holds answers until set."""
+
+    PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "x",
+              "remote_block_ids": [1, 2], "remote_host": "h", "remote_port": 1}  # fmt: skip
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[dict[str, Any], str]] = []
+        self.hook: Any = None
+        self.gate: Any = None
+        self.runner: Any = None
+        self.url = ""
+
+    async def _answer(self, request: Any) -> Any:
+        from aiohttp import web
+
+        self.seen.append((await request.json(), request.headers.get("X-Request-Id", "")))
+        if self.hook is not None:
+            self.hook()
+        if self.gate is not None:
+            await self.gate.wait()
+        return web.json_response(
+            {"object": "text_completion", "choices": [], "kv_transfer_params": self.PARAMS}
+        )
+
+    async def start(self) -> _Prefill:
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._answer)
+        app.router.add_post("/v1/chat/completions", self._answer)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+
+def _stub_settings(prefill: str, decode: list[tuple[str, str]], mode: str = "always") -> Any:
+    reps = [{"url": prefill, "model": MODEL, "name": "p0", "role": "prefill", "rack": "rack0",
+             "region": "reg0"}]  # fmt: skip
+    for i, (u, role) in enumerate(decode):
+        reps.append({"url": u, "model": MODEL, "name": f"d{i}", "role": role, "rack": "rack0",
+                     "region": "reg0"})  # fmt: skip
+    return _settings(reps, mode=mode)
+
+
+async def test_no_decode_replica_after_prefill_answers_with_retry_after() -> None:
+    """The decode pick fails after the prefill leg (every decode replica went out of
+    rotation meanwhile): a 503 like any other, with its Retry-After."""
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    state = router.app[STATE]
+    prefill.hook = lambda: state.fleet.mark_unhealthy(ReplicaKey("d0"), 0.0)
+    state.fleet.restore_health = lambda now: None  # stays out while the request is served
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/completions",
+                      json={"model": MODEL, "prompt": _prompt(11)}) as r,  # fmt: skip
+        ):
+            assert r.status in (429, 503), await r.text()
+            assert r.headers.get("Retry-After"), dict(r.headers)
+        assert len(prefill.seen) == 1 and not decode.received
+        assert state.load.replica_of(prefill.seen[0][1] + "#p") is None
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()

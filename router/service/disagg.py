@@ -278,7 +278,8 @@ async def serve(
         )
     except KVRouterError as exc:
         reply = reply_for(exc, state.settings.server.retry_after_s)
-        await send_error(sink, reply.status, reply.message, code=reply.code)
+        extra = [(k.encode(), v.encode()) for k, v in reply.headers]  # Retry-After
+        await send_error(sink, reply.status, reply.message, code=reply.code, headers=extra)
         return
     if params is None:
         md.count(md.fallbacks, cause)
