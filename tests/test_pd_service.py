@@ -354,3 +354,27 @@ async def test_no_decode_replica_after_prefill_answers_with_retry_after() -> Non
         await router.cleanup()
         await prefill.runner.cleanup()
         await decode.stop()
+
+
+async def test_local_request_is_retried_on_the_next_replica() -> None:
+    """``auto`` keeps a short prompt local: a replica that refuses it is not the end, the
+    next one of the local pool serves it (as without disaggregation)."""
+    import random
+
+    from tests.backends import Backend
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    prefill = await _Prefill().start()
+    live = await Backend("b1", [MODEL]).start()
+    settings = _stub_settings(prefill.url, [(dead, "both"), (live.url, "both")], mode="auto")
+    for seed in range(6):
+        router, url = await start_router(settings)
+        router.app[STATE].rng = random.Random(seed)
+        try:
+            status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(seed, 200)})
+            assert status == 200, (seed, raw)
+        finally:
+            await router.cleanup()
+    assert not prefill.seen
+    await prefill.runner.cleanup()
+    await live.stop()

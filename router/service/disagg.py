@@ -164,7 +164,7 @@ def route(
     md.count(md.decisions, plan.reason)
     if plan.prefill is None:
         assert plan.local is not None
-        return state.route(
+        routed = state.route(
             model,
             prompt,
             request_id,
@@ -173,6 +173,9 @@ def route(
             max_output_tokens=max_output_tokens,
             replicas=(plan.local.replica,),
         )
+        # retries go to the next replicas of the plan's local pool, as without disaggregation
+        decision = routed.decision._replace(ranking=plan.local.ranking)
+        return routed._replace(decision=decision)
     leg = state.route(
         model,
         prompt,
