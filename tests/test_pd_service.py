@@ -343,8 +343,9 @@ async def test_no_decode_replica_after_prefill_answers_with_retry_after() -> Non
     try:
         async with (
             aiohttp.ClientSession() as http,
-            http.post(url + "/v1/completions",
-                      json={"model": MODEL, "prompt": _prompt(11)}) as r,  # fmt: skip
+            http.post(
+                url + "/v1/completions", json={"model": MODEL, "prompt": _prompt(11)}
+            ) as r,  # fmt: skip
         ):
             assert r.status in (429, 503), await r.text()
             assert r.headers.get("Retry-After"), dict(r.headers)
@@ -378,3 +379,32 @@ async def test_local_request_is_retried_on_the_next_replica() -> None:
     assert not prefill.seen
     await prefill.runner.cleanup()
     await live.stop()
+
+
+async def test_client_kv_transfer_params_never_reach_a_replica() -> None:
+    """A client's own ``kv_transfer_params`` (a decode leg pointing at any host and blocks)
+    are not forwarded: not on the prefill fallback, not on a local request."""
+    from tests.backends import Backend
+
+    forged = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
+              "remote_block_ids": [7, 8, 9], "remote_host": "203.0.113.9",
+              "remote_port": 5600}  # fmt: skip
+    prefill = await Backend("p0", [MODEL]).start()  # answers no kv_transfer_params: fallback
+    decode = await Backend("d0", [MODEL]).start()
+    try:
+        for mode, role, n in (("always", "decode", 3000), ("auto", "both", 200)):
+            router, url = await start_router(
+                _stub_settings(prefill.url, [(decode.url, role)], mode=mode)
+            )
+            try:
+                body = {"model": MODEL, "prompt": _prompt(12, n), "kv_transfer_params": forged}
+                status, raw, _ = await _post(url, body)
+                assert status == 200, raw
+            finally:
+                await router.cleanup()
+            got = decode.received[-1]["body"]
+            assert got.get("kv_transfer_params") is None, (mode, got)
+        assert prefill.received[-1]["body"]["kv_transfer_params"]["do_remote_decode"] is True
+    finally:
+        await prefill.stop()
+        await decode.stop()

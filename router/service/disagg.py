@@ -16,9 +16,9 @@ For a model with ``[models.NAME.pd]`` (mode ``always`` or ``auto``) the front do
    OpenAI response the client gets, through the usual ``Forwarder``.
 
 Failures: a prefill that cannot be sent, fails, or answers without ``kv_transfer_params``
-falls back to a local prefill on the decode replica (the original body, nothing added); the
-decode request is retried on the next decode replica while no byte reached the client (the
-Forwarder's retries over the pick's ranking). The request is never dropped.
+falls back to a local prefill on the decode replica (the original body, no transfer
+params); the decode request is retried on the next decode replica while no byte reached the
+client (the Forwarder's retries over the pick's ranking). The request is never dropped.
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ REMOTE_DECODE = {
     "remote_host": None,
     "remote_port": None,
 }
+NO_TRANSFER = b',"kv_transfer_params":null'
+"""Appended to every body of a disaggregated model: the router speaks the protocol, so a
+client's own ``kv_transfer_params`` (a decode leg naming any host and blocks) never reach a
+replica; the legs append theirs after it (the last of repeated keys wins)."""
 _PREFILL_PATCH = (
     b',"stream":false,"stream_options":null,"max_tokens":1,"kv_transfer_params":'
     + json.dumps(REMOTE_DECODE, separators=(",", ":")).encode()

@@ -346,6 +346,8 @@ async def serve_completion(
         rejected(state, model)
         await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s))
         return
+    if pd is not None:
+        raw = with_patch(raw, disagg.NO_TRANSFER)
     if isinstance(routed, disagg.PdFlow):
         record(state, routed.routed)
         sent = raw if admitted.usage_patch is None else with_patch(raw, admitted.usage_patch)
