@@ -408,3 +408,26 @@ async def test_client_kv_transfer_params_never_reach_a_replica() -> None:
     finally:
         await prefill.stop()
         await decode.stop()
+
+
+async def test_min_tokens_stays_off_the_prefill_leg() -> None:
+    """vLLM refuses ``min_tokens`` above ``max_tokens`` (1 on the prefill leg), so the toy
+    proxy leaves it out there; the decode leg keeps the client's."""
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    try:
+        body = {"model": MODEL, "prompt": _prompt(13), "max_tokens": 9, "min_tokens": 5}
+        status, raw, _ = await _post(url, body)
+        assert status == 200, raw
+        ((got, _),) = prefill.seen
+        assert got["max_tokens"] == 1 and got.get("min_tokens", 0) <= 1
+        sent = decode.received[-1]["body"]
+        assert sent["min_tokens"] == 5 and sent["max_tokens"] == 9
+        assert sent["kv_transfer_params"] == _Prefill.PARAMS
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()

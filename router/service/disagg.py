@@ -7,7 +7,8 @@ For a model with ``[models.NAME.pd]`` (mode ``always`` or ``auto``) the front do
 :func:`serve`:
 
 1. the prefill replica gets the client's body with ``stream: false``, ``max_tokens: 1``
-   (``max_completion_tokens: 1`` too when the client used it), no ``stream_options`` and
+   (``max_completion_tokens: 1`` too when the client used it, ``min_tokens: 0`` when it set
+   that: the decode leg keeps the client's), no ``stream_options`` and
    ``kv_transfer_params: {do_remote_decode: true, do_remote_prefill: false, remote_*: null}``
    (members appended to the JSON object: parsers keep the last of repeated keys);
 2. its answer's ``kv_transfer_params`` go on the client's original body, sent to the decode
@@ -209,6 +210,8 @@ async def _prefill(
     patch = _PREFILL_PATCH
     if b'"max_completion_tokens"' in body:
         patch += b',"max_completion_tokens":1'
+    if b'"min_tokens"' in body:  # vLLM refuses min_tokens > max_tokens (the toy proxy drops it)
+        patch += b',"min_tokens":0'
     prefill_body = with_patch(body, patch)
     head = request_head(
         path,
