@@ -431,3 +431,27 @@ async def test_min_tokens_stays_off_the_prefill_leg() -> None:
         await router.cleanup()
         await prefill.runner.cleanup()
         await decode.stop()
+
+
+async def test_parallel_sampling_is_not_disaggregated() -> None:
+    """vLLM's P/D carries one request's blocks: with ``n`` > 1 the prefill replica's other
+    samples hold their KV until a timeout and the decode side has one sample's blocks. Such
+    a request is prefilled where it is decoded."""
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    try:
+        body = {"model": MODEL, "prompt": _prompt(14), "max_tokens": 4, "n": 2}
+        status, raw, _ = await _post(url, body)
+        assert status == 200, raw
+        assert not prefill.seen
+        sent = decode.received[-1]["body"]
+        assert sent["n"] == 2 and sent.get("kv_transfer_params") is None
+        decisions = router.app[STATE].disagg[MODEL].decisions
+        assert decisions == {"parallel_sampling": 1}
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()

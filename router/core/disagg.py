@@ -289,9 +289,13 @@ class Disaggregator:
         replicas: Sequence[ReplicaKey],
         now: float,
         rng: random.Random,
+        *,
+        local_only: bool = False,
     ) -> PdPlan:
         """Local or remote prefill for ``request`` (module doc). Raises NoReplicaAvailable
-        when no replica can serve it either way."""
+        when no replica can serve it either way. ``local_only``: the request cannot be
+        disaggregated (``n`` > 1: vLLM's protocol hands over one sequence's blocks); it is
+        routed as a local one, reason ``parallel_sampling``."""
         mode = self.knobs.mode
         pre, dec, both = self.pools(replicas)
         if not dec:
@@ -305,6 +309,10 @@ class Disaggregator:
                 local = engine.route(request, local_pool, now, rng)
             except NoReplicaAvailable:
                 local = None
+        if local_only:
+            if local is None:
+                local = engine.route(request, dec, now, rng)
+            return PdPlan(local, None, "parallel_sampling")
         if mode == "auto" and local is not None:
             reason = self._keep_local(request, local)
             if reason:

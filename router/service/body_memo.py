@@ -47,6 +47,8 @@ class Admitted:
     service_tier: str | None = None
     # the body's top-level ``"stream": true``: what the first-byte deadline waits for
     stream: bool = False
+    # ``n`` > 1: never disaggregated (router/service/disagg.py)
+    parallel: bool = False
 
 
 class BodyMemo:

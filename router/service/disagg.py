@@ -150,9 +150,11 @@ def route(
     *,
     session_id: str | None,
     max_output_tokens: int | None,
+    local_only: bool = False,
 ) -> Routed | PdFlow:
     """Plan the request: a ``Routed`` to forward as usual (local prefill), or a
-    :class:`PdFlow` for :func:`serve`. Raises KVRouterError like ``RouterState.route``."""
+    :class:`PdFlow` for :func:`serve` (never when ``local_only``: ``n`` > 1). Raises
+    KVRouterError like ``RouterState.route``."""
     engine = state.engines[model]
     state.fleet.restore_health(now)
     request = RouteRequest(
@@ -165,7 +167,7 @@ def route(
         max_output_tokens,
     )
     keys = state.registry.keys_for(model)
-    plan = md.pd.plan(engine, request, keys, now, state.rng)
+    plan = md.pd.plan(engine, request, keys, now, state.rng, local_only=local_only)
     md.count(md.decisions, plan.reason)
     if plan.prefill is None:
         assert plan.local is not None
@@ -335,7 +337,8 @@ class PdCollector(Collector):
         plans = CounterMetricFamily(
             "kvrouter_pd_decisions",
             "Disaggregation decisions by reason (remote: always, remote_pays; local: off, "
-            "few_uncached, local_hit, cheaper_local, same_replica, no_prefill_replica)",
+            "few_uncached, local_hit, cheaper_local, same_replica, no_prefill_replica, "
+            "parallel_sampling)",
             labels=["model", "reason"],
         )
         fallbacks = CounterMetricFamily(
