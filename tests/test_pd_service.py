@@ -455,3 +455,43 @@ async def test_parallel_sampling_is_not_disaggregated() -> None:
         await router.cleanup()
         await prefill.runner.cleanup()
         await decode.stop()
+
+
+async def test_same_request_id_twice_in_flight_gets_two_ids_on_the_legs() -> None:
+    """Two requests with one ``X-Request-Id`` at once: the second's legs carry another id
+    (older NIXL connectors pair the legs by it: one request must not get the other's KV)."""
+    import asyncio
+
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    prefill.gate = asyncio.Event()
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    state = router.app[STATE]
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def one(seed: int) -> int:
+                body = {"model": MODEL, "prompt": _prompt(seed)}
+                async with http.post(
+                    url + "/v1/completions", json=body, headers={"X-Request-Id": "same"}
+                ) as r:
+                    await r.read()
+                    return r.status
+
+            first = asyncio.ensure_future(one(15))
+            await eventually(lambda: len(prefill.seen) == 1)
+            second = asyncio.ensure_future(one(16))
+            await eventually(lambda: len(prefill.seen) == 2)
+            prefill.gate.set()
+            assert await first == 200 and await second == 200
+        ids = [rid for _, rid in prefill.seen]
+        assert ids[0] == "same" and ids[1] != "same"
+        legs = [r["headers"]["x-request-id"] for r in decode.received]
+        assert sorted(legs) == sorted(ids)
+        assert not state.load._flights
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()

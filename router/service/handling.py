@@ -160,9 +160,12 @@ def unique_in_flight(state: RouterState, request_id: str) -> str:
     """``request_id``, made unique among this process's requests in flight: the load tracker
     keys requests by id, so a client re-sending an id that is still in flight (a retry that
     did not wait, or two clients with the same id) gets ``<id>-<8 hex digits>`` instead of
-    taking over the other request's accounting. The replica sees that id too. Call it right
-    before routing (no ``await`` in between)."""
-    if state.load.replica_of(request_id) is not None:
+    taking over the other request's accounting. The replica sees that id too. A disaggregated
+    request's prefill leg is in flight as ``<id>#p`` (router/service/disagg.py) and its
+    replica gets ``<id>``: that counts too. Call it right before routing (no ``await`` in
+    between)."""
+    load = state.load
+    if load.replica_of(request_id) is not None or load.replica_of(request_id + "#p") is not None:
         request_id = f"{request_id}-{_ids.next()[:8]}"
     return request_id
 
