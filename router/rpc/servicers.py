@@ -41,6 +41,7 @@ from router.rpc.gen import (
     router_pb2,
     router_pb2_grpc,
 )
+from router.service.handling import record, rejected
 from router.service.registry import Endpoint
 from router.service.security import check_prompt_tokens
 from router.service.state import RouterState
@@ -199,7 +200,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     replicas=self._candidates(request),
                 )
         except KVRouterError as exc:
+            rejected(self.state, request.model)  # counted as the HTTP endpoints count it
             await _abort(context, exc)
+        record(self.state, routed)  # the per-request metrics of the HTTP endpoints
         decision = routed.decision
         for old in self.book.add(
             decision_id,

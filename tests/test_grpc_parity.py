@@ -1,0 +1,70 @@
+"""gRPC Pick / Report against the HTTP front door's rules (router/service/handling.py):
+the same metrics, session keys, admission bookkeeping and load release. Real grpcio
+channels on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from router.rpc.gen import router_pb2, router_pb2_grpc
+from router.rpc.server import loop_clock, serve_grpc
+from router.rpc.settings import GrpcSettings
+from router.service.config import build_settings
+from router.service.state import RouterState
+from tests.backends import kimi_model_table, metric_sample
+
+MODEL = "kimi"
+TOKEN = "client-secret"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
+
+def _state(**model: Any) -> RouterState:
+    settings = build_settings(
+        {
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
+                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
+            ],
+            "models": {MODEL: kimi_model_table(block_size=16, speculative_ttl_s=0.0, **model)},
+        }
+    )
+    return RouterState(settings)
+
+
+async def _serve(state: RouterState, **kw: Any) -> AsyncIterator[grpc.aio.Channel]:
+    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN, **kw), loop_clock)
+    _server, port = await gen.__anext__()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield channel
+    finally:
+        await channel.close()
+        await gen.aclose()
+
+
+@pytest.fixture
+async def rpc() -> AsyncIterator[tuple[RouterState, router_pb2_grpc.RouterStub]]:
+    state = _state()
+    async for channel in _serve(state):
+        yield state, router_pb2_grpc.RouterStub(channel)
+
+
+def _ids(n: int, start: int = 1000) -> router_pb2.TokenIds:
+    return router_pb2.TokenIds(ids=list(range(start, start + n)))
+
+
+async def test_pick_records_the_routing_metrics_http_records(rpc: Any) -> None:
+    state, stub = rpc
+    await stub.Pick(router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)), metadata=AUTH)
+    page = state.metrics.render().decode()
+    assert metric_sample(page, "kvrouter_prompt_tokens_total", model=MODEL) == 320
+    assert metric_sample(page, "kvrouter_replica_prompt_tokens_total", model=MODEL) == 320
+    bad = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320), candidates=["zzz"])
+    with pytest.raises(grpc.aio.AioRpcError):  # a bad request: rejected
+        await stub.Pick(bad, metadata=AUTH)
+    page = state.metrics.render().decode()
+    assert metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="rejected") == 1
