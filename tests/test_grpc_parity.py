@@ -14,6 +14,7 @@ from router.rpc.gen import router_pb2, router_pb2_grpc
 from router.rpc.server import loop_clock, serve_grpc
 from router.rpc.settings import GrpcSettings
 from router.service.config import build_settings
+from router.service.handling import session_key
 from router.service.state import RouterState
 from tests.backends import kimi_model_table, metric_sample
 
@@ -68,3 +69,15 @@ async def test_pick_records_the_routing_metrics_http_records(rpc: Any) -> None:
         await stub.Pick(bad, metadata=AUTH)
     page = state.metrics.render().decode()
     assert metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="rejected") == 1
+
+
+async def test_a_long_session_id_is_keyed_as_http_keys_it(rpc: Any) -> None:
+    state, stub = rpc
+    sid = "s" * 1000  # HTTP keeps ids over 128 characters by their digest
+    await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, token_ids=_ids(320), session_id=sid), metadata=AUTH
+    )
+    sessions = state.engines[MODEL].sessions
+    assert sessions is not None
+    assert sessions.get(session_key(sid), loop_clock()) is not None
+    assert sessions.get(sid, loop_clock()) is None

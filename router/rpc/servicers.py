@@ -41,7 +41,7 @@ from router.rpc.gen import (
     router_pb2,
     router_pb2_grpc,
 )
-from router.service.handling import record, rejected
+from router.service.handling import record, rejected, session_key
 from router.service.registry import Endpoint
 from router.service.security import check_prompt_tokens
 from router.service.state import RouterState
@@ -177,6 +177,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 or self.state.load.replica_of(decision_id) is not None
             ):
                 raise BadRequest(f"request_id {decision_id!r} is already in flight")
+            # kept as the HTTP endpoints keep it (over 128 characters: its digest), so a
+            # session's turns meet whichever front end they come through
+            session = session_key(request.session_id)
             slo_gate = self.state.admission
             if slo_gate is not None and slo_gate.enabled(request.model) and not request.candidates:
                 # SLO-aware admission (default class); a shed is RESOURCE_EXHAUSTED
@@ -187,7 +190,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     now,
                     klass=DEFAULT,
                     tenant="",
-                    session_id=request.session_id or None,
+                    session_id=session,
                     max_output_tokens=None,
                 )
             else:
@@ -196,7 +199,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     prompt,
                     decision_id,
                     now,
-                    session_id=request.session_id or None,
+                    session_id=session,
                     replicas=self._candidates(request),
                 )
         except KVRouterError as exc:
