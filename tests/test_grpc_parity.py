@@ -4,6 +4,8 @@ channels on loopback."""
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,7 +16,7 @@ from router.rpc.gen import router_pb2, router_pb2_grpc
 from router.rpc.server import loop_clock, serve_grpc
 from router.rpc.settings import GrpcSettings
 from router.service.config import build_settings
-from router.service.handling import session_key
+from router.service.handling import THREAD_MIN_BODY, session_key
 from router.service.state import RouterState
 from tests.backends import kimi_model_table, metric_sample
 
@@ -81,3 +83,29 @@ async def test_a_long_session_id_is_keyed_as_http_keys_it(rpc: Any) -> None:
     assert sessions is not None
     assert sessions.get(session_key(sid), loop_clock()) is not None
     assert sessions.get(sid, loop_clock()) is None
+
+
+@pytest.mark.parametrize("field", ["text", "messages_json"])
+async def test_a_large_prompt_is_processed_off_the_event_loop(
+    rpc: Any, monkeypatch: Any, field: str
+) -> None:
+    """As the HTTP endpoints do for bodies of THREAD_MIN_BODY bytes or more: the loop serves
+    every other request (HTTP ones too) while a large prompt is tokenized."""
+    state, stub = rpc
+    proc = state.processors[MODEL]
+    threads: list[str] = []
+    for name in ("completion", "chat"):
+        real = getattr(proc, name)
+
+        def spy(body: Any, real: Any = real) -> Any:
+            threads.append(threading.current_thread().name)
+            return real(body)
+
+        monkeypatch.setattr(proc, name, spy)
+    words = "many words here " * (THREAD_MIN_BODY // 16 + 1)
+    small = "a few words"
+    for text in (small, words):
+        prompt = text if field == "text" else json.dumps([{"role": "user", "content": text}])
+        await stub.Pick(router_pb2.PickRequest(model=MODEL, **{field: prompt}), metadata=AUTH)
+    main = threading.main_thread().name
+    assert threads[0] == main and threads[1] != main

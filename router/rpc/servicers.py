@@ -41,9 +41,14 @@ from router.rpc.gen import (
     router_pb2,
     router_pb2_grpc,
 )
-from router.service.handling import record, rejected, session_key
+from router.service.handling import (
+    THREAD_MIN_BODY,
+    checked_prompt,
+    record,
+    rejected,
+    session_key,
+)
 from router.service.registry import Endpoint
-from router.service.security import check_prompt_tokens
 from router.service.state import RouterState
 from router.service.workers import Workers, forward_to_peers
 from router.tokenize.pipeline import ProcessedPrompt
@@ -125,23 +130,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.clock = clock
         self.book = book if book is not None else DecisionBook()
 
-    def _prompt(self, request: router_pb2.PickRequest) -> ProcessedPrompt:
+    def _prompt(
+        self, request: router_pb2.PickRequest
+    ) -> tuple[Callable[[Any], ProcessedPrompt], Any, int]:
+        """(the model's prompt processing, its argument, the prompt's size in characters:
+        0 for token ids, which are processed on the loop as the HTTP endpoints do)."""
         proc = self.state.processor(request.model)
         which = request.WhichOneof("prompt")
         if which == "token_ids":
             if not request.token_ids.ids:
                 raise BadRequest("token_ids must not be empty")
             # array('I') copies the repeated uint32 field in C; no per-id Python work.
-            return proc.token_array(array.array("I", request.token_ids.ids))
+            return proc.token_array, array.array("I", request.token_ids.ids), 0
         if which == "text":
             if not request.text:
                 raise BadRequest("text must not be empty")
-            return proc.completion({"prompt": request.text})
+            return proc.completion, {"prompt": request.text}, len(request.text)
         if which == "messages_json":
             body: dict[str, Any] = {"messages": _json(request.messages_json, "messages_json")}
             if request.tools_json:
                 body["tools"] = _json(request.tools_json, "tools_json")
-            return proc.chat(body)
+            return proc.chat, body, len(request.messages_json) + len(request.tools_json)
         raise BadRequest("one of token_ids, text or messages_json is required")
 
     def _candidates(self, request: router_pb2.PickRequest) -> list[ReplicaKey] | None:
@@ -164,10 +173,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             if not request.model:
                 raise BadRequest("model is required")
-            prompt = self._prompt(request)
-            self.state.check_context(request.model, prompt)
-            # the same limits as the HTTP endpoints (router/service/handling.admit)
-            check_prompt_tokens(self.state.settings.server, prompt.prompt_tokens)
+            fn, arg, size = self._prompt(request)
+            # the HTTP endpoints' limits, and a large prompt processed off the event loop
+            prompt = await checked_prompt(
+                self.state, request.model, fn, arg, offload=size >= THREAD_MIN_BODY
+            )
             now = self.clock()
             self._expire(now)
             decision_id = request.request_id or uuid.uuid4().hex
