@@ -4,8 +4,10 @@ channels on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -109,3 +111,24 @@ async def test_a_large_prompt_is_processed_off_the_event_loop(
         await stub.Pick(router_pb2.PickRequest(model=MODEL, **{field: prompt}), metadata=AUTH)
     main = threading.main_thread().name
     assert threads[0] == main and threads[1] != main
+
+
+async def test_a_pick_past_its_deadline_releases_its_load(rpc: Any, monkeypatch: Any) -> None:
+    """A Pick that holds the loop past the caller's deadline (a long tokenization of token
+    ids, a busy process): the caller never learns the decision, so no Report comes; its
+    load must not stay booked (for an hour, until the decision expires)."""
+    state, stub = rpc
+    route = state.route
+
+    def slow(*a: Any, **kw: Any) -> Any:
+        time.sleep(0.5)
+        return route(*a, **kw)
+
+    monkeypatch.setattr(state, "route", slow)
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(
+            router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)), metadata=AUTH, timeout=0.2
+        )
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.sleep(0.3)  # the handler has returned
+    assert state.load.in_flight() == 0

@@ -215,6 +215,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except KVRouterError as exc:
             rejected(self.state, request.model)  # counted as the HTTP endpoints count it
             await _abort(context, exc)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            # the deadline passed while this call held the loop: the answer cannot reach the
+            # caller, so no Report will come; undo the dispatch rather than keep it an hour
+            self._finish(request.model, routed.request.request_id)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         record(self.state, routed)  # the per-request metrics of the HTTP endpoints
         decision = routed.decision
         for old in self.book.add(
@@ -241,6 +247,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         for old in self.book.expire(now):
             self.state.load.complete(old.request_id)
 
+    def _finish(self, model: str, request_id: str) -> None:
+        """A dispatched request is over: out of the load model and of admission's ledger."""
+        self.state.load.complete(request_id)
+        if self.state.admission is not None:
+            self.state.admission.finished(model, request_id)
+
     async def Report(
         self, request: router_pb2.ReportRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ReportResponse:
@@ -256,9 +268,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self.state.load.first_token(pending.request_id)
         else:
             self.book.pop(request.decision_id)
-            self.state.load.complete(pending.request_id)
-            if self.state.admission is not None:
-                self.state.admission.finished(pending.model, pending.request_id)
+            self._finish(pending.model, pending.request_id)
         if request.HasField("cached_tokens"):
             self.state.metrics.engine_cached_tokens.labels(model=pending.model).inc(
                 request.cached_tokens
