@@ -132,3 +132,31 @@ async def test_a_pick_past_its_deadline_releases_its_load(rpc: Any, monkeypatch:
     assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.sleep(0.3)  # the handler has returned
     assert state.load.in_flight() == 0
+
+
+@pytest.fixture
+async def admitted() -> AsyncIterator[tuple[RouterState, router_pb2_grpc.RouterStub]]:
+    """SLO-aware admission on (as the app turns it on), one pending decision at most."""
+    from router.service.admission import Admission
+
+    state = _state(slo={"ttft_s": 100.0}, admission={"enabled": True})
+    state.admission = Admission(state)
+    async for channel in _serve(state, max_pending_decisions=1):
+        yield state, router_pb2_grpc.RouterStub(channel)
+
+
+async def test_a_decision_dropped_unreported_leaves_admission_too(admitted: Any) -> None:
+    """A decision never reported is completed when the book drops it (over its bound, or
+    after its TTL): in the load model and in admission's decode-stall ledger, or the
+    replica's headroom stays taken and admission sheds more and more."""
+    state, stub = admitted
+    for rid in ("first", "second"):
+        await stub.Pick(
+            router_pb2.PickRequest(
+                model=MODEL, token_ids=_ids(320, start=len(rid)), request_id=rid
+            ),
+            metadata=AUTH,
+        )
+    ledger = state.admission._models[MODEL].queue.stall
+    assert state.load.replica_of("first") is None  # dropped from the book (bound 1)
+    assert len(ledger) == 1  # "second"'s allowance only

@@ -227,7 +227,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             decision_id,
             _Pending(decision_id, request.model, decision.usable_tokens, now),
         ):
-            self.state.load.complete(old.request_id)
+            self._finish(old.model, old.request_id)
         endpoint = self.state.registry.endpoint(decision.replica)
         return router_pb2.PickResponse(
             decision_id=decision_id,
@@ -245,7 +245,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _expire(self, now: float) -> None:
         for old in self.book.expire(now):
-            self.state.load.complete(old.request_id)
+            self._finish(old.model, old.request_id)
 
     def _finish(self, model: str, request_id: str) -> None:
         """A dispatched request is over: out of the load model and of admission's ledger."""
