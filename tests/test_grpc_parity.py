@@ -160,3 +160,55 @@ async def test_a_decision_dropped_unreported_leaves_admission_too(admitted: Any)
     ledger = state.admission._models[MODEL].queue.stall
     assert state.load.replica_of("first") is None  # dropped from the book (bound 1)
     assert len(ledger) == 1  # "second"'s allowance only
+
+
+async def test_a_request_id_held_in_admission_is_in_flight(admitted: Any, monkeypatch: Any) -> None:
+    """A Pick held by admission has its id in flight: a second Pick with that id is refused
+    (two decisions under one id would share one book entry and leak the other's load)."""
+    state, stub = admitted
+    gate = state.admission
+    release = asyncio.Event()
+    real = gate.route
+
+    calls: list[str] = []
+
+    async def held(*a: Any, **kw: Any) -> Any:
+        calls.append(a[2])
+        if len(calls) == 1:  # the first is held until released
+            await release.wait()
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(gate, "route", held)
+    pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320), request_id="r")
+    first = asyncio.ensure_future(stub.Pick(pick, metadata=AUTH))
+    await asyncio.sleep(0.2)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Pick(pick, metadata=AUTH, timeout=5)
+    finally:
+        release.set()
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already in flight" in (exc.value.details() or "")
+    decided = await first
+    report = router_pb2.ReportRequest(decision_id=decided.decision_id, phase=3)
+    assert (await stub.Report(report, metadata=AUTH)).accepted
+    assert state.load.in_flight() == 0
+
+
+async def test_report_completes_the_id_admission_routed_under(admitted: Any) -> None:
+    """Admission renames a request whose id is held already (an HTTP request's, say): the
+    decision's Report completes the renamed request, not the held one's id."""
+    state, stub = admitted
+    model = state.admission._model(MODEL)
+    model.waiters["r"] = asyncio.get_running_loop().create_future()  # an HTTP request held
+    try:
+        decided = await stub.Pick(
+            router_pb2.PickRequest(model=MODEL, token_ids=_ids(320), request_id="r"),
+            metadata=AUTH,
+        )
+        assert state.load.in_flight() == 1 and state.load.replica_of("r") is None
+        report = router_pb2.ReportRequest(decision_id=decided.decision_id, phase=2)
+        assert (await stub.Report(report, metadata=AUTH)).accepted
+        assert state.load.in_flight() == 0 and len(model.queue.stall) == 0
+    finally:
+        model.waiters.pop("r").cancel()

@@ -129,6 +129,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.state = state
         self.clock = clock
         self.book = book if book is not None else DecisionBook()
+        # ids of Picks awaiting admission (in flight, though in neither book nor load yet)
+        self._picking: set[str] = set()
 
     def _prompt(
         self, request: router_pb2.PickRequest
@@ -183,7 +185,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             decision_id = request.request_id or uuid.uuid4().hex
             # in flight here or through the HTTP endpoints: the load tracker keys both by id
             if (
-                self.book.get(decision_id) is not None
+                decision_id in self._picking
+                or self.book.get(decision_id) is not None
                 or self.state.load.replica_of(decision_id) is not None
             ):
                 raise BadRequest(f"request_id {decision_id!r} is already in flight")
@@ -193,16 +196,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             slo_gate = self.state.admission
             if slo_gate is not None and slo_gate.enabled(request.model) and not request.candidates:
                 # SLO-aware admission (default class); a shed is RESOURCE_EXHAUSTED
-                routed = await slo_gate.route(
-                    request.model,
-                    prompt,
-                    decision_id,
-                    now,
-                    klass=DEFAULT,
-                    tenant="",
-                    session_id=session,
-                    max_output_tokens=None,
-                )
+                self._picking.add(decision_id)
+                try:
+                    routed = await slo_gate.route(
+                        request.model,
+                        prompt,
+                        decision_id,
+                        now,
+                        klass=DEFAULT,
+                        tenant="",
+                        session_id=session,
+                        max_output_tokens=None,
+                    )
+                finally:
+                    self._picking.discard(decision_id)
             else:
                 routed = self.state.route(
                     request.model,
@@ -225,7 +232,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         decision = routed.decision
         for old in self.book.add(
             decision_id,
-            _Pending(decision_id, request.model, decision.usable_tokens, now),
+            # the id routed under: admission renames one whose id another request holds
+            _Pending(routed.request.request_id, request.model, decision.usable_tokens, now),
         ):
             self._finish(old.model, old.request_id)
         endpoint = self.state.registry.endpoint(decision.replica)
