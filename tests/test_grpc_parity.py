@@ -212,3 +212,39 @@ async def test_report_completes_the_id_admission_routed_under(admitted: Any) -> 
         assert state.load.in_flight() == 0 and len(model.queue.stall) == 0
     finally:
         model.waiters.pop("r").cancel()
+
+
+def _trailer(exc: grpc.aio.AioRpcError, name: str) -> str | None:
+    return next((str(v) for k, v in exc.trailing_metadata() or () if k == name), None)
+
+
+async def test_refusals_carry_retry_info_as_http_does(rpc: Any) -> None:
+    """HTTP answers 503 / 429 with Retry-After; gRPC says when to retry in the trailers."""
+    state, stub = rpc
+    for key in state.registry.keys_for(MODEL):
+        state.load.set_draining(key, True)
+    pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320))
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(pick, metadata=AUTH)
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert _trailer(exc.value, "retry-after") == "1"
+    assert _trailer(exc.value, "grpc-retry-pushback-ms") == "1000"
+    bad = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320), candidates=["zzz"])
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(bad, metadata=AUTH)
+    assert _trailer(exc.value, "retry-after") is None  # a bad request is not retried
+
+
+async def test_an_admission_shed_is_resource_exhausted_with_retry_info() -> None:
+    from router.service.admission import Admission
+
+    state = _state(slo={"ttft_s": 1e-9}, admission={"enabled": True})  # no request meets it
+    state.admission = Admission(state)
+    async for channel in _serve(state):
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await router_pb2_grpc.RouterStub(channel).Pick(
+                router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)), metadata=AUTH
+            )
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert int(_trailer(exc.value, "retry-after") or 0) >= 1
+        assert int(_trailer(exc.value, "grpc-retry-pushback-ms") or 0) >= 1000

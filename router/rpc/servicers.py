@@ -41,6 +41,7 @@ from router.rpc.gen import (
     router_pb2,
     router_pb2_grpc,
 )
+from router.service.errors import reply_for
 from router.service.handling import (
     THREAD_MIN_BODY,
     checked_prompt,
@@ -71,9 +72,18 @@ def status_of(exc: KVRouterError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoReturn:
-    """End the RPC with the status mapped from ``exc`` (``context.abort`` raises)."""
-    await context.abort(status_of(exc), str(exc))
+async def _abort(
+    context: grpc.aio.ServicerContext, exc: KVRouterError, retry_after_s: int = 1
+) -> NoReturn:
+    """End the RPC with the status mapped from ``exc`` (``context.abort`` raises). When the
+    HTTP answer to ``exc`` carries ``Retry-After`` (an overloaded router, no replica free),
+    so do the trailers: ``retry-after`` (seconds) and ``grpc-retry-pushback-ms``, which a
+    client's retry policy honours."""
+    trailers: list[tuple[str, str]] = []
+    for name, value in reply_for(exc, retry_after_s).headers:
+        if name.lower() == "retry-after":
+            trailers += [("retry-after", value), ("grpc-retry-pushback-ms", f"{int(value) * 1000}")]
+    await context.abort(status_of(exc), str(exc), tuple(trailers))
     raise AssertionError("context.abort returned")
 
 
@@ -221,7 +231,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 )
         except KVRouterError as exc:
             rejected(self.state, request.model)  # counted as the HTTP endpoints count it
-            await _abort(context, exc)
+            await _abort(context, exc, self.state.settings.server.retry_after_s)
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             # the deadline passed while this call held the loop: the answer cannot reach the
