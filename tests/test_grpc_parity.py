@@ -248,3 +248,33 @@ async def test_an_admission_shed_is_resource_exhausted_with_retry_info() -> None
         assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert int(_trailer(exc.value, "retry-after") or 0) >= 1
         assert int(_trailer(exc.value, "grpc-retry-pushback-ms") or 0) >= 1000
+
+
+async def test_pick_of_a_disaggregated_model_never_names_a_prefill_only_replica() -> None:
+    """Pick answers one endpoint, so its request is served whole there (HTTP's local flow):
+    a `prefill` replica decodes nothing and must never be named."""
+    settings = build_settings(
+        {
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "p0", "role": "prefill"},
+                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "p1", "role": "prefill"},
+                {"url": "http://127.0.0.1:11", "model": MODEL, "name": "d0", "role": "decode"},
+            ],
+            "models": {MODEL: kimi_model_table(block_size=16, pd={"mode": "auto"})},
+        }
+    )
+    state = RouterState(settings)
+    async for channel in _serve(state):
+        stub = router_pb2_grpc.RouterStub(channel)
+        picked = set()
+        for i in range(12):  # prefill replicas are idle and cheap: the policy likes them
+            pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(5000, start=i * 7000))
+            picked.add((await stub.Pick(pick, metadata=AUTH)).replica)
+        assert picked == {"d0"}
+        only_prefill = router_pb2.PickRequest(
+            model=MODEL, token_ids=_ids(320), candidates=["p0", "p1"]
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Pick(only_prefill, metadata=AUTH)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prefill" in (exc.value.details() or "")

@@ -41,6 +41,7 @@ from router.rpc.gen import (
     router_pb2,
     router_pb2_grpc,
 )
+from router.service.disagg import ModelDisagg
 from router.service.errors import reply_for
 from router.service.handling import (
     THREAD_MIN_BODY,
@@ -179,6 +180,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             keys.extend(found)
         return list(dict.fromkeys(keys))
 
+    def _whole(self, request: router_pb2.PickRequest) -> list[ReplicaKey] | None:
+        """The replicas Pick may name (None: all of the model's). Of a model with
+        prefill/decode disaggregation, only those that serve a request whole, as the HTTP
+        endpoints' local flows (router/core/disagg.py ``plan``): ``both`` replicas, else
+        decode-capable ones; Pick answers one endpoint, and a ``prefill`` one decodes
+        nothing."""
+        keys = self._candidates(request)
+        md: ModelDisagg | None = self.state.disagg.get(request.model) if self.state.disagg else None
+        if md is None:
+            return keys
+        dec: list[ReplicaKey]
+        both: list[ReplicaKey]
+        _pre, dec, both = md.pd.pools(
+            keys if keys is not None else self.state.registry.keys_for(request.model)
+        )
+        if not dec:
+            if keys is not None:
+                raise BadRequest("no candidate can decode (role prefill only)")
+            raise NoReplicaAvailable("no replica can decode")
+        return both or dec
+
     async def Pick(
         self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.PickResponse:
@@ -204,7 +226,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # session's turns meet whichever front end they come through
             session = session_key(request.session_id)
             slo_gate = self.state.admission
-            if slo_gate is not None and slo_gate.enabled(request.model) and not request.candidates:
+            pd = bool(self.state.disagg) and self.state.disagg.get(request.model) is not None
+            # (disaggregated models are not admission-controlled, as on HTTP)
+            if (
+                slo_gate is not None
+                and slo_gate.enabled(request.model)
+                and not request.candidates
+                and not pd
+            ):
                 # SLO-aware admission (default class); a shed is RESOURCE_EXHAUSTED
                 self._picking.add(decision_id)
                 try:
@@ -227,7 +256,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     decision_id,
                     now,
                     session_id=session,
-                    replicas=self._candidates(request),
+                    replicas=self._whole(request),
                 )
         except KVRouterError as exc:
             rejected(self.state, request.model)  # counted as the HTTP endpoints count it
