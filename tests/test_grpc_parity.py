@@ -278,3 +278,27 @@ async def test_pick_of_a_disaggregated_model_never_names_a_prefill_only_replica(
             await stub.Pick(only_prefill, metadata=AUTH)
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "prefill" in (exc.value.details() or "")
+
+
+async def test_reports_feed_the_outcome_ttft_and_slo_metrics(rpc: Any) -> None:
+    """What the HTTP endpoints count when the answer ends: the outcome, the TTFT, and for an
+    answer with a first token whether it met its SLO (TTFT and TPOT from the reports)."""
+    state, stub = rpc
+    report = router_pb2.ReportRequest
+    done = await stub.Pick(router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)), metadata=AUTH)
+    await stub.Report(report(decision_id=done.decision_id, phase=report.FIRST_TOKEN), metadata=AUTH)
+    await stub.Report(
+        report(decision_id=done.decision_id, phase=report.COMPLETED, output_tokens=10),
+        metadata=AUTH,
+    )
+    failed = await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, token_ids=_ids(320, start=9)), metadata=AUTH
+    )
+    await stub.Report(report(decision_id=failed.decision_id, phase=report.FAILED), metadata=AUTH)
+    page = state.metrics.render().decode()
+    ok = metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="ok")
+    bad = metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="failed")
+    assert (ok, bad) == (1, 1)
+    assert metric_sample(page, "kvrouter_ttft_seconds_count", model=MODEL) == 1
+    met = metric_sample(page, "kvrouter_slo_requests_total", model=MODEL, result="met")
+    assert met == 1

@@ -50,6 +50,7 @@ from router.service.handling import (
     rejected,
     session_key,
 )
+from router.service.proxy import count_slo
 from router.service.registry import Endpoint
 from router.service.state import RouterState
 from router.service.workers import Workers, forward_to_peers
@@ -98,6 +99,12 @@ class _Pending:
     model: str
     predicted_tokens: int
     created: float
+    # what the outcome and SLO metrics need when the reports come (the HTTP forwarder's)
+    replica: ReplicaKey | None = None
+    prompt_tokens: int = 0
+    ttft_factor: float = 1.0
+    service_class: str = "default"
+    first_at: float = 0.0  # when FIRST_TOKEN was reported (0: not yet)
 
 
 class DecisionBook:
@@ -271,8 +278,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         decision = routed.decision
         for old in self.book.add(
             decision_id,
-            # the id routed under: admission renames one whose id another request holds
-            _Pending(routed.request.request_id, request.model, decision.usable_tokens, now),
+            _Pending(
+                # the id routed under: admission renames one whose id another request holds
+                routed.request.request_id,
+                request.model,
+                decision.usable_tokens,
+                self.clock(),  # dispatched now (after any wait in admission), as HTTP times it
+                decision.replica,
+                routed.request.prompt_tokens,
+                routed.ttft_factor,
+                routed.service_class,
+            ),
         ):
             self._finish(old.model, old.request_id)
         endpoint = self.state.registry.endpoint(decision.replica)
@@ -311,11 +327,30 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         pending = self.book.get(request.decision_id)
         if pending is None:
             return router_pb2.ReportResponse(accepted=False)
+        now = self.clock()
+        mm = self.state.metrics.model(pending.model)
         if phase == router_pb2.ReportRequest.FIRST_TOKEN:
             self.state.load.first_token(pending.request_id)
+            if not pending.first_at:
+                pending.first_at = now
+                mm.ttft.observe(now - pending.created)
         else:
             self.book.pop(request.decision_id)
             self._finish(pending.model, pending.request_id)
+            # the outcome and SLO metrics of the HTTP endpoints (router/service/proxy.py)
+            ok = phase == router_pb2.ReportRequest.COMPLETED
+            mm.outcome(pending.replica, "ok" if ok else "failed").inc()
+            if ok and pending.first_at:
+                count_slo(
+                    self.state,
+                    pending.model,
+                    pending.prompt_tokens,
+                    pending.ttft_factor,
+                    pending.service_class,
+                    pending.first_at - pending.created,
+                    now - pending.created,
+                    request.output_tokens or None,
+                )
         if request.HasField("cached_tokens"):
             self.state.metrics.engine_cached_tokens.labels(model=pending.model).inc(
                 request.cached_tokens
