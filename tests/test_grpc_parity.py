@@ -302,3 +302,48 @@ async def test_reports_feed_the_outcome_ttft_and_slo_metrics(rpc: Any) -> None:
     assert metric_sample(page, "kvrouter_ttft_seconds_count", model=MODEL) == 1
     met = metric_sample(page, "kvrouter_slo_requests_total", model=MODEL, result="met")
     assert met == 1
+
+
+async def test_reported_failures_eject_a_replica_as_http_failures_do() -> None:
+    """A replica that fails every request (it answers 500 fast, so it looks idle) is ejected
+    after ``outlier_consecutive_failures`` failures in a row on HTTP; the same failures
+    reported over gRPC must eject it too, or Pick keeps sending the gateway there."""
+    from router.rpc.server import GRPC_PORT
+    from router.service.app import STATE
+    from tests.backends import start_router
+
+    settings = build_settings(
+        {
+            "server": {
+                "grpc_port": 0,
+                "grpc_token": TOKEN,
+                "health_interval_s": 0,
+                "outlier_consecutive_failures": 2,
+            },
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
+                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
+            ],
+            "models": {MODEL: kimi_model_table(block_size=16)},
+        }
+    )
+    runner, _url = await start_router(settings)
+    try:
+        state = runner.app[STATE]
+        report = router_pb2.ReportRequest
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{runner.app[GRPC_PORT]}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            for i in range(2):
+                pick = router_pb2.PickRequest(
+                    model=MODEL, token_ids=_ids(320, start=i * 1000), candidates=["a"]
+                )
+                got = await stub.Pick(pick, metadata=AUTH)
+                failed = report(decision_id=got.decision_id, phase=report.FAILED)
+                assert (await stub.Report(failed, metadata=AUTH)).accepted
+            (key,) = state.registry.find("a")
+            assert not state.load.view(key, loop_clock()).healthy
+            for i in range(4):
+                pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320, start=9000 + i))
+                assert (await stub.Pick(pick, metadata=AUTH)).replica == "b"
+    finally:
+        await runner.cleanup()

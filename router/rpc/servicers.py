@@ -42,6 +42,7 @@ from router.rpc.gen import (
     router_pb2_grpc,
 )
 from router.service.disagg import ModelDisagg
+from router.service.ejection import Ejections
 from router.service.errors import reply_for
 from router.service.handling import (
     THREAD_MIN_BODY,
@@ -143,10 +144,20 @@ class DecisionBook:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, state: RouterState, clock: Clock, book: DecisionBook | None = None) -> None:
+    """``ejections``: the HTTP forwarder's outlier ejection (router/service/ejection.py), fed
+    by the reports as the forwarder's own attempts feed it (None: not fed)."""
+
+    def __init__(
+        self,
+        state: RouterState,
+        clock: Clock,
+        book: DecisionBook | None = None,
+        ejections: Ejections | None = None,
+    ) -> None:
         self.state = state
         self.clock = clock
         self.book = book if book is not None else DecisionBook()
+        self.ejections = ejections
         # ids of Picks awaiting admission (in flight, though in neither book nor load yet)
         self._picking: set[str] = set()
 
@@ -329,6 +340,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return router_pb2.ReportResponse(accepted=False)
         now = self.clock()
         mm = self.state.metrics.model(pending.model)
+        if self.ejections is not None and pending.replica is not None:
+            # a failure counts toward ejecting the replica; a first token or an answer ends
+            # its failure run (as the HTTP forwarder's attempts do)
+            if phase == router_pb2.ReportRequest.FAILED:
+                self.ejections.failed(pending.replica, "reported", now)
+            else:
+                self.ejections.answered(pending.replica, request.decision_id, now)
         if phase == router_pb2.ReportRequest.FIRST_TOKEN:
             self.state.load.first_token(pending.request_id)
             if not pending.first_at:
