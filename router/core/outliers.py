@@ -7,9 +7,9 @@ replica's health in the load tracker, a load penalty in the cost).
 
 * **Consecutive failures.** ``failure(key, kind, now)`` with ``kind`` one of
   :data:`FAILURE_KINDS` (a 5xx, a 429, a first-byte timeout, a broken answer, a dropped
-  connection); ``consecutive_failures`` of them in a row, of any kinds, eject the replica.
-  A success resets the run; a replica readmitted after an ejection keeps its run, so one more
-  failure ejects it again.
+  connection, a failure a gateway reported over gRPC); ``consecutive_failures`` of them in a
+  row, of any kinds, eject the replica. A success resets the run; a replica readmitted after
+  an ejection keeps its run, so one more failure ejects it again.
 * **Growing ejection interval.** The n-th ejection in a row lasts ``n x base_ejection_s``,
   at most ``max_ejection_s``; n falls back to 0 once a readmitted replica has answered well
   for ``max_ejection_s``.
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 
 from router.core.types import ReplicaKey
 
-FAILURE_KINDS = ("http_5xx", "http_429", "timeout", "broken", "connect")
+FAILURE_KINDS = ("http_5xx", "http_429", "timeout", "broken", "connect", "reported")
 MIN_EXPECT_S = 0.05  # predictions below this count as this in ratios
 
 

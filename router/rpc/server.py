@@ -31,7 +31,8 @@ from router.rpc.gen import (
 )
 from router.rpc.servicers import AdminServicer, DecisionBook, IndexServicer, RouterServicer
 from router.rpc.settings import GrpcSettings
-from router.service.keys import GRPC_PORT, GRPC_SERVER, SETTINGS, STATE, WORKERS
+from router.service.ejection import Ejections
+from router.service.keys import FORWARDER, GRPC_PORT, GRPC_SERVER, SETTINGS, STATE, WORKERS
 from router.service.state import RouterState
 from router.service.workers import Workers
 
@@ -198,9 +199,11 @@ def build_server(
     settings: GrpcSettings,
     clock: Callable[[], float],
     workers: Workers | None = None,
+    ejections: Ejections | None = None,
 ) -> BuiltServer:
     """Create (not start) the server. ``workers``: the worker processes Admin Drain /
-    Undrain reach (``kvrouter serve --workers N``)."""
+    Undrain reach (``kvrouter serve --workers N``); ``ejections``: the HTTP forwarder's
+    outlier ejection, which Report feeds."""
     limit = int(settings.max_message_mb * 2**20)
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(settings.token, settings.admin_token)],
@@ -210,7 +213,9 @@ def build_server(
         ],
     )
     book = DecisionBook(settings.max_pending_decisions, settings.decision_ttl_s)
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(state, clock, book), server)
+    router_pb2_grpc.add_RouterServicer_to_server(
+        RouterServicer(state, clock, book, ejections), server
+    )
     index_pb2_grpc.add_IndexServicer_to_server(IndexServicer(state), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(state, clock, book, workers), server)
     health_servicer = health.aio.HealthServicer()
@@ -244,10 +249,11 @@ async def serve_grpc(
     settings: GrpcSettings,
     clock: Callable[[], float],
     workers: Workers | None = None,
+    ejections: Ejections | None = None,
 ) -> AsyncGenerator[tuple[grpc.aio.Server, int], None]:
     """Async generator for aiohttp ``cleanup_ctx``-style lifetimes: start, yield the server
     and its port, stop."""
-    built = build_server(state, settings, clock, workers)
+    built = build_server(state, settings, clock, workers, ejections)
     await built.server.start()
     for name in ["", *built.service_names]:
         await built.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -276,7 +282,9 @@ async def grpc_cleanup_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     # with several worker processes (control.join_workers ran before the app started)
     workers = app.get(WORKERS)
-    async for server, port in serve_grpc(app[STATE], settings, loop_clock, workers):
+    forwarder = app.get(FORWARDER)  # (router/service/background.py upstream_session)
+    ejections = forwarder.ejections if forwarder is not None else None
+    async for server, port in serve_grpc(app[STATE], settings, loop_clock, workers, ejections):
         app[GRPC_PORT] = port
         app[GRPC_SERVER] = server
         yield

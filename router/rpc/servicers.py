@@ -41,8 +41,18 @@ from router.rpc.gen import (
     router_pb2,
     router_pb2_grpc,
 )
+from router.service.disagg import ModelDisagg
+from router.service.ejection import Ejections
+from router.service.errors import reply_for
+from router.service.handling import (
+    THREAD_MIN_BODY,
+    checked_prompt,
+    record,
+    rejected,
+    session_key,
+)
+from router.service.proxy import count_slo
 from router.service.registry import Endpoint
-from router.service.security import check_prompt_tokens
 from router.service.state import RouterState
 from router.service.workers import Workers, forward_to_peers
 from router.tokenize.pipeline import ProcessedPrompt
@@ -65,9 +75,18 @@ def status_of(exc: KVRouterError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: KVRouterError) -> NoReturn:
-    """End the RPC with the status mapped from ``exc`` (``context.abort`` raises)."""
-    await context.abort(status_of(exc), str(exc))
+async def _abort(
+    context: grpc.aio.ServicerContext, exc: KVRouterError, retry_after_s: int = 1
+) -> NoReturn:
+    """End the RPC with the status mapped from ``exc`` (``context.abort`` raises). When the
+    HTTP answer to ``exc`` carries ``Retry-After`` (an overloaded router, no replica free),
+    so do the trailers: ``retry-after`` (seconds) and ``grpc-retry-pushback-ms``, which a
+    client's retry policy honours."""
+    trailers: list[tuple[str, str]] = []
+    for name, value in reply_for(exc, retry_after_s).headers:
+        if name.lower() == "retry-after":
+            trailers += [("retry-after", value), ("grpc-retry-pushback-ms", f"{int(value) * 1000}")]
+    await context.abort(status_of(exc), str(exc), tuple(trailers))
     raise AssertionError("context.abort returned")
 
 
@@ -81,6 +100,12 @@ class _Pending:
     model: str
     predicted_tokens: int
     created: float
+    # what the outcome and SLO metrics need when the reports come (the HTTP forwarder's)
+    replica: ReplicaKey | None = None
+    prompt_tokens: int = 0
+    ttft_factor: float = 1.0
+    service_class: str = "default"
+    first_at: float = 0.0  # when FIRST_TOKEN was reported (0: not yet)
 
 
 class DecisionBook:
@@ -119,28 +144,44 @@ class DecisionBook:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, state: RouterState, clock: Clock, book: DecisionBook | None = None) -> None:
+    """``ejections``: the HTTP forwarder's outlier ejection (router/service/ejection.py), fed
+    by the reports as the forwarder's own attempts feed it (None: not fed)."""
+
+    def __init__(
+        self,
+        state: RouterState,
+        clock: Clock,
+        book: DecisionBook | None = None,
+        ejections: Ejections | None = None,
+    ) -> None:
         self.state = state
         self.clock = clock
         self.book = book if book is not None else DecisionBook()
+        self.ejections = ejections
+        # ids of Picks awaiting admission (in flight, though in neither book nor load yet)
+        self._picking: set[str] = set()
 
-    def _prompt(self, request: router_pb2.PickRequest) -> ProcessedPrompt:
+    def _prompt(
+        self, request: router_pb2.PickRequest
+    ) -> tuple[Callable[[Any], ProcessedPrompt], Any, int]:
+        """(the model's prompt processing, its argument, the prompt's size in characters:
+        0 for token ids, which are processed on the loop as the HTTP endpoints do)."""
         proc = self.state.processor(request.model)
         which = request.WhichOneof("prompt")
         if which == "token_ids":
             if not request.token_ids.ids:
                 raise BadRequest("token_ids must not be empty")
             # array('I') copies the repeated uint32 field in C; no per-id Python work.
-            return proc.token_array(array.array("I", request.token_ids.ids))
+            return proc.token_array, array.array("I", request.token_ids.ids), 0
         if which == "text":
             if not request.text:
                 raise BadRequest("text must not be empty")
-            return proc.completion({"prompt": request.text})
+            return proc.completion, {"prompt": request.text}, len(request.text)
         if which == "messages_json":
             body: dict[str, Any] = {"messages": _json(request.messages_json, "messages_json")}
             if request.tools_json:
                 body["tools"] = _json(request.tools_json, "tools_json")
-            return proc.chat(body)
+            return proc.chat, body, len(request.messages_json) + len(request.tools_json)
         raise BadRequest("one of token_ids, text or messages_json is required")
 
     def _candidates(self, request: router_pb2.PickRequest) -> list[ReplicaKey] | None:
@@ -157,55 +198,110 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             keys.extend(found)
         return list(dict.fromkeys(keys))
 
+    def _whole(self, request: router_pb2.PickRequest) -> list[ReplicaKey] | None:
+        """The replicas Pick may name (None: all of the model's). Of a model with
+        prefill/decode disaggregation, only those that serve a request whole, as the HTTP
+        endpoints' local flows (router/core/disagg.py ``plan``): ``both`` replicas, else
+        decode-capable ones; Pick answers one endpoint, and a ``prefill`` one decodes
+        nothing."""
+        keys = self._candidates(request)
+        md: ModelDisagg | None = self.state.disagg.get(request.model) if self.state.disagg else None
+        if md is None:
+            return keys
+        dec: list[ReplicaKey]
+        both: list[ReplicaKey]
+        _pre, dec, both = md.pd.pools(
+            keys if keys is not None else self.state.registry.keys_for(request.model)
+        )
+        if not dec:
+            if keys is not None:
+                raise BadRequest("no candidate can decode (role prefill only)")
+            raise NoReplicaAvailable("no replica can decode")
+        return both or dec
+
     async def Pick(
         self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.PickResponse:
         try:
             if not request.model:
                 raise BadRequest("model is required")
-            prompt = self._prompt(request)
-            self.state.check_context(request.model, prompt)
-            # the same limits as the HTTP endpoints (router/service/handling.admit)
-            check_prompt_tokens(self.state.settings.server, prompt.prompt_tokens)
+            fn, arg, size = self._prompt(request)
+            # the HTTP endpoints' limits, and a large prompt processed off the event loop
+            prompt = await checked_prompt(
+                self.state, request.model, fn, arg, offload=size >= THREAD_MIN_BODY
+            )
             now = self.clock()
             self._expire(now)
             decision_id = request.request_id or uuid.uuid4().hex
             # in flight here or through the HTTP endpoints: the load tracker keys both by id
             if (
-                self.book.get(decision_id) is not None
+                decision_id in self._picking
+                or self.book.get(decision_id) is not None
                 or self.state.load.replica_of(decision_id) is not None
             ):
                 raise BadRequest(f"request_id {decision_id!r} is already in flight")
+            # kept as the HTTP endpoints keep it (over 128 characters: its digest), so a
+            # session's turns meet whichever front end they come through
+            session = session_key(request.session_id)
             slo_gate = self.state.admission
-            if slo_gate is not None and slo_gate.enabled(request.model) and not request.candidates:
+            pd = bool(self.state.disagg) and self.state.disagg.get(request.model) is not None
+            # (disaggregated models are not admission-controlled, as on HTTP)
+            if (
+                slo_gate is not None
+                and slo_gate.enabled(request.model)
+                and not request.candidates
+                and not pd
+            ):
                 # SLO-aware admission (default class); a shed is RESOURCE_EXHAUSTED
-                routed = await slo_gate.route(
-                    request.model,
-                    prompt,
-                    decision_id,
-                    now,
-                    klass=DEFAULT,
-                    tenant="",
-                    session_id=request.session_id or None,
-                    max_output_tokens=None,
-                )
+                self._picking.add(decision_id)
+                try:
+                    routed = await slo_gate.route(
+                        request.model,
+                        prompt,
+                        decision_id,
+                        now,
+                        klass=DEFAULT,
+                        tenant="",
+                        session_id=session,
+                        max_output_tokens=None,
+                    )
+                finally:
+                    self._picking.discard(decision_id)
             else:
                 routed = self.state.route(
                     request.model,
                     prompt,
                     decision_id,
                     now,
-                    session_id=request.session_id or None,
-                    replicas=self._candidates(request),
+                    session_id=session,
+                    replicas=self._whole(request),
                 )
         except KVRouterError as exc:
-            await _abort(context, exc)
+            rejected(self.state, request.model)  # counted as the HTTP endpoints count it
+            await _abort(context, exc, self.state.settings.server.retry_after_s)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            # the deadline passed while this call held the loop: the answer cannot reach the
+            # caller, so no Report will come; undo the dispatch rather than keep it an hour
+            self._finish(request.model, routed.request.request_id)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        record(self.state, routed)  # the per-request metrics of the HTTP endpoints
         decision = routed.decision
         for old in self.book.add(
             decision_id,
-            _Pending(decision_id, request.model, decision.usable_tokens, now),
+            _Pending(
+                # the id routed under: admission renames one whose id another request holds
+                routed.request.request_id,
+                request.model,
+                decision.usable_tokens,
+                self.clock(),  # dispatched now (after any wait in admission), as HTTP times it
+                decision.replica,
+                routed.request.prompt_tokens,
+                routed.ttft_factor,
+                routed.service_class,
+            ),
         ):
-            self.state.load.complete(old.request_id)
+            self._finish(old.model, old.request_id)
         endpoint = self.state.registry.endpoint(decision.replica)
         return router_pb2.PickResponse(
             decision_id=decision_id,
@@ -223,7 +319,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _expire(self, now: float) -> None:
         for old in self.book.expire(now):
-            self.state.load.complete(old.request_id)
+            self._finish(old.model, old.request_id)
+
+    def _finish(self, model: str, request_id: str) -> None:
+        """A dispatched request is over: out of the load model and of admission's ledger."""
+        self.state.load.complete(request_id)
+        if self.state.admission is not None:
+            self.state.admission.finished(model, request_id)
 
     async def Report(
         self, request: router_pb2.ReportRequest, context: grpc.aio.ServicerContext
@@ -236,13 +338,37 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         pending = self.book.get(request.decision_id)
         if pending is None:
             return router_pb2.ReportResponse(accepted=False)
+        now = self.clock()
+        mm = self.state.metrics.model(pending.model)
+        if self.ejections is not None and pending.replica is not None:
+            # a failure counts toward ejecting the replica; a first token or an answer ends
+            # its failure run (as the HTTP forwarder's attempts do)
+            if phase == router_pb2.ReportRequest.FAILED:
+                self.ejections.failed(pending.replica, "reported", now)
+            else:
+                self.ejections.answered(pending.replica, request.decision_id, now)
         if phase == router_pb2.ReportRequest.FIRST_TOKEN:
             self.state.load.first_token(pending.request_id)
+            if not pending.first_at:
+                pending.first_at = now
+                mm.ttft.observe(now - pending.created)
         else:
             self.book.pop(request.decision_id)
-            self.state.load.complete(pending.request_id)
-            if self.state.admission is not None:
-                self.state.admission.finished(pending.model, pending.request_id)
+            self._finish(pending.model, pending.request_id)
+            # the outcome and SLO metrics of the HTTP endpoints (router/service/proxy.py)
+            ok = phase == router_pb2.ReportRequest.COMPLETED
+            mm.outcome(pending.replica, "ok" if ok else "failed").inc()
+            if ok and pending.first_at:
+                count_slo(
+                    self.state,
+                    pending.model,
+                    pending.prompt_tokens,
+                    pending.ttft_factor,
+                    pending.service_class,
+                    pending.first_at - pending.created,
+                    now - pending.created,
+                    request.output_tokens or None,
+                )
         if request.HasField("cached_tokens"):
             self.state.metrics.engine_cached_tokens.labels(model=pending.model).inc(
                 request.cached_tokens

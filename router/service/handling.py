@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -44,6 +44,8 @@ KINDS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completion"}
 
 # Bodies this large or larger are tokenized on a worker thread, off the event loop.
 THREAD_MIN_BODY = BODY_MEMO_MAX_BYTES
+
+_A = TypeVar("_A")
 
 
 def too_large(state: RouterState) -> ErrorReply:
@@ -177,12 +179,8 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     model, stream = field_types(body)
     processor = state.processor(model)
     fn = processor.chat if kind == "chat" else processor.completion
-    if size >= THREAD_MIN_BODY and not _token_ids(body):
-        prompt: ProcessedPrompt = await asyncio.get_running_loop().run_in_executor(None, fn, body)
-    else:
-        prompt = fn(body)
-    state.check_context(model, prompt)
-    check_prompt_tokens(state.settings.server, prompt.prompt_tokens)
+    offload = size >= THREAD_MIN_BODY and not _token_ids(body)
+    prompt = await checked_prompt(state, model, fn, body, offload=offload)
     max_out = body.get("max_completion_tokens") or body.get("max_tokens")
     tier = body.get("service_tier")
     parse_service_tier(tier)  # a bad value is a 400, admission on or off
@@ -197,6 +195,27 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
         stream=stream,
         parallel=type(n) is int and n > 1,
     )
+
+
+async def checked_prompt(
+    state: RouterState,
+    model: str,
+    fn: Callable[[_A], ProcessedPrompt],
+    arg: _A,
+    *,
+    offload: bool,
+) -> ProcessedPrompt:
+    """``fn(arg)``, the processed prompt, within the limits of every front end (the model's
+    context length, ``server.max_prompt_tokens``); ``offload``: processed on a worker
+    thread, off the event loop (large prompts: the loop serves every other request
+    meanwhile). The HTTP endpoints (:func:`admit`) and gRPC Pick both call it."""
+    if offload:
+        prompt = await asyncio.get_running_loop().run_in_executor(None, fn, arg)
+    else:
+        prompt = fn(arg)
+    state.check_context(model, prompt)
+    check_prompt_tokens(state.settings.server, prompt.prompt_tokens)
+    return prompt
 
 
 def _token_ids(body: dict[str, Any]) -> bool:

@@ -227,7 +227,8 @@ class Metrics:
         self.requests = LoopCounter(
             "kvrouter_requests",
             "Requests by replica and outcome (ok, upstream_4xx, "
-            "upstream_5xx, connect_error, timeout, cancelled, rejected)",
+            "upstream_5xx, connect_error, timeout, cancelled, rejected; failed: reported "
+            "FAILED over gRPC)",
             ["model", "replica", "outcome"],
             registry=r,
         )

@@ -73,6 +73,30 @@ _SLO_RESULTS = {
     (True, False): "tpot_missed",
     (False, False): "both_missed",
 }
+
+
+def count_slo(
+    state: RouterState,
+    model: str,
+    prompt_tokens: int,
+    ttft_factor: float,
+    service_class: str,
+    ttft: float,
+    e2e: float,
+    output_tokens: int | None,
+) -> None:
+    """Count an answer with a first token in ``kvrouter_slo_requests``: its prompt's SLO
+    tier and which targets it met (without an output length, TPOT is not judged). The
+    forwarder's streams and gRPC Report (router/rpc/servicers.py) both count here."""
+    slo = state.slos[model]
+    tier = slo.tier(prompt_tokens)
+    ttft_ok = ttft <= tier.ttft_s * ttft_factor
+    tpot = tpot_s(e2e, ttft, output_tokens) if output_tokens is not None else None
+    tpot_ok = tpot is None or tpot <= slo.tpot_s
+    result = _SLO_RESULTS[ttft_ok, tpot_ok]
+    state.metrics.model(model).slo(tier.label, result, service_class).inc()
+
+
 _NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id", b"x-data-parallel-rank"}
 
 
@@ -628,19 +652,18 @@ class Forwarder:
         output length is the usage the replica reported (the router asks for it on every
         stream); without one the TPOT half is not judged."""
         req = routed.request
-        slo = self.state.slos[req.model]
-        tier = slo.tier(req.prompt_tokens)
-        ttft_ok = first_at - started <= tier.ttft_s * routed.ttft_factor
         usage = usage_of(payload, True) if b'"usage"' in payload else None
         out = usage.get("completion_tokens") if usage else None
-        tpot = (
-            tpot_s(self.event_loop().time() - started, first_at - started, out)
-            if type(out) is int
-            else None
+        count_slo(
+            self.state,
+            req.model,
+            req.prompt_tokens,
+            routed.ttft_factor,
+            routed.service_class,
+            first_at - started,
+            self.event_loop().time() - started,
+            out if type(out) is int else None,
         )
-        tpot_ok = tpot is None or tpot <= slo.tpot_s
-        result = _SLO_RESULTS[ttft_ok, tpot_ok]
-        self.state.metrics.model(req.model).slo(tier.label, result, routed.service_class).inc()
 
     def _record(
         self,

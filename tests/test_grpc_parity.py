@@ -1,0 +1,349 @@
+"""gRPC Pick / Report against the HTTP front door's rules (router/service/handling.py):
+the same metrics, session keys, admission bookkeeping and load release. Real grpcio
+channels on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from router.rpc.gen import router_pb2, router_pb2_grpc
+from router.rpc.server import loop_clock, serve_grpc
+from router.rpc.settings import GrpcSettings
+from router.service.config import build_settings
+from router.service.handling import THREAD_MIN_BODY, session_key
+from router.service.state import RouterState
+from tests.backends import kimi_model_table, metric_sample
+
+MODEL = "kimi"
+TOKEN = "client-secret"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
+
+def _state(**model: Any) -> RouterState:
+    settings = build_settings(
+        {
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
+                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
+            ],
+            "models": {MODEL: kimi_model_table(block_size=16, speculative_ttl_s=0.0, **model)},
+        }
+    )
+    return RouterState(settings)
+
+
+async def _serve(state: RouterState, **kw: Any) -> AsyncIterator[grpc.aio.Channel]:
+    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN, **kw), loop_clock)
+    _server, port = await gen.__anext__()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield channel
+    finally:
+        await channel.close()
+        await gen.aclose()
+
+
+@pytest.fixture
+async def rpc() -> AsyncIterator[tuple[RouterState, router_pb2_grpc.RouterStub]]:
+    state = _state()
+    async for channel in _serve(state):
+        yield state, router_pb2_grpc.RouterStub(channel)
+
+
+def _ids(n: int, start: int = 1000) -> router_pb2.TokenIds:
+    return router_pb2.TokenIds(ids=list(range(start, start + n)))
+
+
+async def test_pick_records_the_routing_metrics_http_records(rpc: Any) -> None:
+    state, stub = rpc
+    await stub.Pick(router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)), metadata=AUTH)
+    page = state.metrics.render().decode()
+    assert metric_sample(page, "kvrouter_prompt_tokens_total", model=MODEL) == 320
+    assert metric_sample(page, "kvrouter_replica_prompt_tokens_total", model=MODEL) == 320
+    bad = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320), candidates=["zzz"])
+    with pytest.raises(grpc.aio.AioRpcError):  # a bad request: rejected
+        await stub.Pick(bad, metadata=AUTH)
+    page = state.metrics.render().decode()
+    assert metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="rejected") == 1
+
+
+async def test_a_long_session_id_is_keyed_as_http_keys_it(rpc: Any) -> None:
+    state, stub = rpc
+    sid = "s" * 1000  # HTTP keeps ids over 128 characters by their digest
+    await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, token_ids=_ids(320), session_id=sid), metadata=AUTH
+    )
+    sessions = state.engines[MODEL].sessions
+    assert sessions is not None
+    assert sessions.get(session_key(sid), loop_clock()) is not None
+    assert sessions.get(sid, loop_clock()) is None
+
+
+@pytest.mark.parametrize("field", ["text", "messages_json"])
+async def test_a_large_prompt_is_processed_off_the_event_loop(
+    rpc: Any, monkeypatch: Any, field: str
+) -> None:
+    """As the HTTP endpoints do for bodies of THREAD_MIN_BODY bytes or more: the loop serves
+    every other request (HTTP ones too) while a large prompt is tokenized."""
+    state, stub = rpc
+    proc = state.processors[MODEL]
+    threads: list[str] = []
+    for name in ("completion", "chat"):
+        real = getattr(proc, name)
+
+        def spy(body: Any, real: Any = real) -> Any:
+            threads.append(threading.current_thread().name)
+            return real(body)
+
+        monkeypatch.setattr(proc, name, spy)
+    words = "many words here " * (THREAD_MIN_BODY // 16 + 1)
+    small = "a few words"
+    for text in (small, words):
+        prompt = text if field == "text" else json.dumps([{"role": "user", "content": text}])
+        await stub.Pick(router_pb2.PickRequest(model=MODEL, **{field: prompt}), metadata=AUTH)
+    main = threading.main_thread().name
+    assert threads[0] == main and threads[1] != main
+
+
+async def test_a_pick_past_its_deadline_releases_its_load(rpc: Any, monkeypatch: Any) -> None:
+    """A Pick that holds the loop past the caller's deadline (a long tokenization of token
+    ids, a busy process): the caller never learns the decision, so no Report comes; its
+    load must not stay booked (for an hour, until the decision expires)."""
+    state, stub = rpc
+    route = state.route
+
+    def slow(*a: Any, **kw: Any) -> Any:
+        time.sleep(0.5)
+        return route(*a, **kw)
+
+    monkeypatch.setattr(state, "route", slow)
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(
+            router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)), metadata=AUTH, timeout=0.2
+        )
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.sleep(0.3)  # the handler has returned
+    assert state.load.in_flight() == 0
+
+
+@pytest.fixture
+async def admitted() -> AsyncIterator[tuple[RouterState, router_pb2_grpc.RouterStub]]:
+    """SLO-aware admission on (as the app turns it on), one pending decision at most."""
+    from router.service.admission import Admission
+
+    state = _state(slo={"ttft_s": 100.0}, admission={"enabled": True})
+    state.admission = Admission(state)
+    async for channel in _serve(state, max_pending_decisions=1):
+        yield state, router_pb2_grpc.RouterStub(channel)
+
+
+async def test_a_decision_dropped_unreported_leaves_admission_too(admitted: Any) -> None:
+    """A decision never reported is completed when the book drops it (over its bound, or
+    after its TTL): in the load model and in admission's decode-stall ledger, or the
+    replica's headroom stays taken and admission sheds more and more."""
+    state, stub = admitted
+    for rid in ("first", "second"):
+        await stub.Pick(
+            router_pb2.PickRequest(
+                model=MODEL, token_ids=_ids(320, start=len(rid)), request_id=rid
+            ),
+            metadata=AUTH,
+        )
+    ledger = state.admission._models[MODEL].queue.stall
+    assert state.load.replica_of("first") is None  # dropped from the book (bound 1)
+    assert len(ledger) == 1  # "second"'s allowance only
+
+
+async def test_a_request_id_held_in_admission_is_in_flight(admitted: Any, monkeypatch: Any) -> None:
+    """A Pick held by admission has its id in flight: a second Pick with that id is refused
+    (two decisions under one id would share one book entry and leak the other's load)."""
+    state, stub = admitted
+    gate = state.admission
+    release = asyncio.Event()
+    real = gate.route
+
+    calls: list[str] = []
+
+    async def held(*a: Any, **kw: Any) -> Any:
+        calls.append(a[2])
+        if len(calls) == 1:  # the first is held until released
+            await release.wait()
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(gate, "route", held)
+    pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320), request_id="r")
+    first = asyncio.ensure_future(stub.Pick(pick, metadata=AUTH))
+    await asyncio.sleep(0.2)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Pick(pick, metadata=AUTH, timeout=5)
+    finally:
+        release.set()
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already in flight" in (exc.value.details() or "")
+    decided = await first
+    report = router_pb2.ReportRequest(decision_id=decided.decision_id, phase=3)
+    assert (await stub.Report(report, metadata=AUTH)).accepted
+    assert state.load.in_flight() == 0
+
+
+async def test_report_completes_the_id_admission_routed_under(admitted: Any) -> None:
+    """Admission renames a request whose id is held already (an HTTP request's, say): the
+    decision's Report completes the renamed request, not the held one's id."""
+    state, stub = admitted
+    model = state.admission._model(MODEL)
+    model.waiters["r"] = asyncio.get_running_loop().create_future()  # an HTTP request held
+    try:
+        decided = await stub.Pick(
+            router_pb2.PickRequest(model=MODEL, token_ids=_ids(320), request_id="r"),
+            metadata=AUTH,
+        )
+        assert state.load.in_flight() == 1 and state.load.replica_of("r") is None
+        report = router_pb2.ReportRequest(decision_id=decided.decision_id, phase=2)
+        assert (await stub.Report(report, metadata=AUTH)).accepted
+        assert state.load.in_flight() == 0 and len(model.queue.stall) == 0
+    finally:
+        model.waiters.pop("r").cancel()
+
+
+def _trailer(exc: grpc.aio.AioRpcError, name: str) -> str | None:
+    return next((str(v) for k, v in exc.trailing_metadata() or () if k == name), None)
+
+
+async def test_refusals_carry_retry_info_as_http_does(rpc: Any) -> None:
+    """HTTP answers 503 / 429 with Retry-After; gRPC says when to retry in the trailers."""
+    state, stub = rpc
+    for key in state.registry.keys_for(MODEL):
+        state.load.set_draining(key, True)
+    pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320))
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(pick, metadata=AUTH)
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert _trailer(exc.value, "retry-after") == "1"
+    assert _trailer(exc.value, "grpc-retry-pushback-ms") == "1000"
+    bad = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320), candidates=["zzz"])
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(bad, metadata=AUTH)
+    assert _trailer(exc.value, "retry-after") is None  # a bad request is not retried
+
+
+async def test_an_admission_shed_is_resource_exhausted_with_retry_info() -> None:
+    from router.service.admission import Admission
+
+    state = _state(slo={"ttft_s": 1e-9}, admission={"enabled": True})  # no request meets it
+    state.admission = Admission(state)
+    async for channel in _serve(state):
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await router_pb2_grpc.RouterStub(channel).Pick(
+                router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)), metadata=AUTH
+            )
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert int(_trailer(exc.value, "retry-after") or 0) >= 1
+        assert int(_trailer(exc.value, "grpc-retry-pushback-ms") or 0) >= 1000
+
+
+async def test_pick_of_a_disaggregated_model_never_names_a_prefill_only_replica() -> None:
+    """Pick answers one endpoint, so its request is served whole there (HTTP's local flow):
+    a `prefill` replica decodes nothing and must never be named."""
+    settings = build_settings(
+        {
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "p0", "role": "prefill"},
+                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "p1", "role": "prefill"},
+                {"url": "http://127.0.0.1:11", "model": MODEL, "name": "d0", "role": "decode"},
+            ],
+            "models": {MODEL: kimi_model_table(block_size=16, pd={"mode": "auto"})},
+        }
+    )
+    state = RouterState(settings)
+    async for channel in _serve(state):
+        stub = router_pb2_grpc.RouterStub(channel)
+        picked = set()
+        for i in range(12):  # prefill replicas are idle and cheap: the policy likes them
+            pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(5000, start=i * 7000))
+            picked.add((await stub.Pick(pick, metadata=AUTH)).replica)
+        assert picked == {"d0"}
+        only_prefill = router_pb2.PickRequest(
+            model=MODEL, token_ids=_ids(320), candidates=["p0", "p1"]
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Pick(only_prefill, metadata=AUTH)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prefill" in (exc.value.details() or "")
+
+
+async def test_reports_feed_the_outcome_ttft_and_slo_metrics(rpc: Any) -> None:
+    """What the HTTP endpoints count when the answer ends: the outcome, the TTFT, and for an
+    answer with a first token whether it met its SLO (TTFT and TPOT from the reports)."""
+    state, stub = rpc
+    report = router_pb2.ReportRequest
+    done = await stub.Pick(router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)), metadata=AUTH)
+    await stub.Report(report(decision_id=done.decision_id, phase=report.FIRST_TOKEN), metadata=AUTH)
+    await stub.Report(
+        report(decision_id=done.decision_id, phase=report.COMPLETED, output_tokens=10),
+        metadata=AUTH,
+    )
+    failed = await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, token_ids=_ids(320, start=9)), metadata=AUTH
+    )
+    await stub.Report(report(decision_id=failed.decision_id, phase=report.FAILED), metadata=AUTH)
+    page = state.metrics.render().decode()
+    ok = metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="ok")
+    bad = metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="failed")
+    assert (ok, bad) == (1, 1)
+    assert metric_sample(page, "kvrouter_ttft_seconds_count", model=MODEL) == 1
+    met = metric_sample(page, "kvrouter_slo_requests_total", model=MODEL, result="met")
+    assert met == 1
+
+
+async def test_reported_failures_eject_a_replica_as_http_failures_do() -> None:
+    """A replica that fails every request (it answers 500 fast, so it looks idle) is ejected
+    after ``outlier_consecutive_failures`` failures in a row on HTTP; the same failures
+    reported over gRPC must eject it too, or Pick keeps sending the gateway there."""
+    from router.rpc.server import GRPC_PORT
+    from router.service.app import STATE
+    from tests.backends import start_router
+
+    settings = build_settings(
+        {
+            "server": {
+                "grpc_port": 0,
+                "grpc_token": TOKEN,
+                "health_interval_s": 0,
+                "outlier_consecutive_failures": 2,
+            },
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
+                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
+            ],
+            "models": {MODEL: kimi_model_table(block_size=16)},
+        }
+    )
+    runner, _url = await start_router(settings)
+    try:
+        state = runner.app[STATE]
+        report = router_pb2.ReportRequest
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{runner.app[GRPC_PORT]}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            for i in range(2):
+                pick = router_pb2.PickRequest(
+                    model=MODEL, token_ids=_ids(320, start=i * 1000), candidates=["a"]
+                )
+                got = await stub.Pick(pick, metadata=AUTH)
+                failed = report(decision_id=got.decision_id, phase=report.FAILED)
+                assert (await stub.Report(failed, metadata=AUTH)).accepted
+            (key,) = state.registry.find("a")
+            assert not state.load.view(key, loop_clock()).healthy
+            for i in range(4):
+                pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320, start=9000 + i))
+                assert (await stub.Pick(pick, metadata=AUTH)).replica == "b"
+    finally:
+        await runner.cleanup()
