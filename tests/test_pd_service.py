@@ -433,6 +433,37 @@ async def test_min_tokens_stays_off_the_prefill_leg() -> None:
         await decode.stop()
 
 
+async def test_prefill_caps_follow_the_parsed_body_not_its_spelling() -> None:
+    """A key written with JSON escapes is the same key to the engine: the prefill leg caps
+    ``max_completion_tokens`` and ``min_tokens`` however the client spelled them."""
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    try:
+        body = json.dumps({"model": MODEL, "prompt": _prompt(14), "max_tokens": 9})
+        raw = body[:-1] + ', "max_completion_token\\u0073": 7, "min_token\\u0073": 5}'
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                url + "/v1/completions",
+                data=raw.encode(),
+                headers={"Content-Type": "application/json"},
+            ) as r,
+        ):
+            assert r.status == 200, await r.read()
+        ((got, _),) = prefill.seen
+        assert got["max_tokens"] == 1 and got["max_completion_tokens"] == 1
+        assert got["min_tokens"] == 0
+        sent = decode.received[-1]["body"]
+        assert sent["max_completion_tokens"] == 7 and sent["min_tokens"] == 5
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()
+
+
 async def test_parallel_sampling_is_not_disaggregated() -> None:
     """vLLM's P/D carries one request's blocks: with ``n`` > 1 the prefill replica's other
     samples hold their KV until a timeout and the decode side has one sample's blocks. Such

@@ -49,6 +49,8 @@ class Admitted:
     stream: bool = False
     # ``n`` > 1: never disaggregated (router/service/disagg.py)
     parallel: bool = False
+    # appended to a disaggregated request's prefill leg (disagg.prefill_caps)
+    prefill_caps: bytes = b""
 
 
 class BodyMemo:

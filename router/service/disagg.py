@@ -195,6 +195,19 @@ def route(
     return PdFlow(leg, request, md)
 
 
+def prefill_caps(body: dict[str, Any]) -> bytes:
+    """What the prefill leg appends beyond ``max_tokens: 1``, from the parsed body (a key
+    spelled with JSON escapes is the same key): ``max_completion_tokens: 1`` when the client
+    set it (it wins over ``max_tokens`` in vLLM), ``min_tokens: 0`` when it set that (vLLM
+    refuses ``min_tokens`` above ``max_tokens``; the toy proxy drops it)."""
+    caps = b""
+    if "max_completion_tokens" in body:
+        caps += b',"max_completion_tokens":1'
+    if "min_tokens" in body:
+        caps += b',"min_tokens":0'
+    return caps
+
+
 async def _prefill(
     state: RouterState,
     forwarder: Forwarder,
@@ -202,6 +215,7 @@ async def _prefill(
     path: bytes,
     client_headers: list[tuple[bytes, bytes]],
     body: bytes,
+    caps: bytes,
 ) -> tuple[dict[str, Any] | None, str]:
     """Run the prefill leg: (the answer's ``kv_transfer_params``, '') or (None, cause)."""
     key = flow.routed.decision.replica
@@ -209,12 +223,7 @@ async def _prefill(
     rid = flow.routed.request.request_id
     if ep is None:
         return None, "gone"
-    patch = _PREFILL_PATCH
-    if b'"max_completion_tokens"' in body:
-        patch += b',"max_completion_tokens":1'
-    if b'"min_tokens"' in body:  # vLLM refuses min_tokens > max_tokens (the toy proxy drops it)
-        patch += b',"min_tokens":0'
-    prefill_body = with_patch(body, patch)
+    prefill_body = with_patch(body, _PREFILL_PATCH + caps)
     head = request_head(
         path,
         ReplicaUrl.parse(ep.base_url).netloc.encode(),
@@ -269,14 +278,16 @@ async def serve(
     *,
     stream: bool,
     strip_usage: bool = False,
+    prefill_caps: bytes = b"",
 ) -> None:
     """Serve a disaggregated request (module doc); ``body`` is what the client's request
-    goes upstream as (the router's usage patch included)."""
+    goes upstream as (the router's usage patch included); ``prefill_caps``: see
+    :func:`prefill_caps`."""
     headers = list(client_headers)
     md = flow.model
     leg_id = flow.routed.request.request_id
     try:
-        params, cause = await _prefill(state, forwarder, flow, path, headers, body)
+        params, cause = await _prefill(state, forwarder, flow, path, headers, body, prefill_caps)
     finally:
         state.load.complete(leg_id)
     request = flow.request

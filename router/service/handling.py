@@ -194,6 +194,7 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
         tier,
         stream=stream,
         parallel=type(n) is int and n > 1,
+        prefill_caps=disagg.prefill_caps(body),
     )
 
 
@@ -393,6 +394,7 @@ async def serve_completion(
             sent,
             stream=admitted.stream,
             strip_usage=strip,
+            prefill_caps=admitted.prefill_caps,
         )
         return
     record(state, routed)
