@@ -137,6 +137,8 @@ def test_tuned_policy_file_is_merged(tmp_path: Path) -> None:
         ("[server]\nmax_body_mb = inf\n", "server.max_body_mb"),
         ("[server]\nload_share_interval_s = -0.1\n", "server.load_share_interval_s"),
         ("[server]\nload_share_interval_s = nan\n", "server.load_share_interval_s"),
+        ("[server]\napi_keys = 'k'\ngrpc_port = 0\n", "server.grpc_token: required"),
+        ("[server]\napi_keys = 'k'\nredis_lost_grace_s = 0\n", "server.redis_lost_grace_s"),
     ],
 )
 def test_errors_name_the_problem(tmp_path: Path, text: str, needle: str) -> None:
