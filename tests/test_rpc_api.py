@@ -241,6 +241,18 @@ async def test_publish_sequencing_and_bad_batches(rpc: Any) -> None:
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "replica is required" in (exc.value.details() or "")
 
+    async def unknown() -> AsyncIterator[index_pb2.IndexEventBatch]:
+        yield index_pb2.IndexEventBatch(
+            replica="nobody", seq=1, events=[index_pb2.IndexEvent(type=stored, hashes=[7])]
+        )
+
+    size = len(state.index.replicas())
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        _ = [a async for a in stub.Publish(unknown(), metadata=auth())]
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "nobody" in (exc.value.details() or "")
+    assert len(state.index.replicas()) == size  # nothing added for it
+
 
 async def test_admin_list_drain_stats(rpc: Any) -> None:
     _, channel = rpc

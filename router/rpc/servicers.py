@@ -430,6 +430,14 @@ class IndexServicer(index_pb2_grpc.IndexServicer):
             except BadRequest as exc:
                 await _abort(context, exc)
                 return
+            if self.state.registry.endpoint(batch.replica) is None:
+                # an unknown name would grow the index with entries nothing routes to
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"no replica {msg.replica!r} (rank {msg.dp_rank}): configure it "
+                    "([[replicas]]) or register it before publishing its events",
+                )
+                return
             outcome = self.state.index.apply(batch)
             yield index_pb2.PublishAck(
                 replica=msg.replica,
