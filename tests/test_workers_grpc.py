@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
-from router.rpc.gen import admin_pb2, admin_pb2_grpc
+from router.rpc.gen import admin_pb2, admin_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.backends import Backend
 from tests.ports import free_port
 from tests.procs import Fleet, Proc
@@ -130,6 +130,42 @@ async def test_grpc_drain_that_misses_a_worker_is_unavailable_naming_it(fleet: F
         status, data = await call(proc, "GET", "/admin/replicas")
         assert status == 200 and data["worker_pid"] == alive, data
         assert {r["replica"]: r["draining"] for r in data["replicas"]} == {"b0": False, "b1": True}
+    finally:
+        await b0.stop()
+        await b1.stop()
+
+
+async def test_a_report_reaches_the_worker_that_made_the_decision(fleet: Fleet) -> None:
+    """A gateway that reconnects between Pick and Report may land on another worker: the
+    Report still completes the decision where its load is counted (report_relay.py)."""
+    b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
+    try:
+        proc, target = await grpc_router(fleet, [b0, b1], "fast")
+        ids = []
+        for i in range(8):  # each call on a new connection: the kernel picks the worker
+            async with grpc.aio.insecure_channel(target) as channel:
+                pick = router_pb2.PickRequest(
+                    model="m", token_ids=router_pb2.TokenIds(ids=[i + 1] * 40)
+                )
+                got = await router_pb2_grpc.RouterStub(channel).Pick(pick, timeout=10)
+                ids.append(got.decision_id)
+        accepted = []
+        for decision in ids:
+            async with grpc.aio.insecure_channel(target) as channel:
+                done = router_pb2.ReportRequest(
+                    decision_id=decision, phase=router_pb2.ReportRequest.COMPLETED
+                )
+                got = await router_pb2_grpc.RouterStub(channel).Report(done, timeout=10)
+                accepted.append(got.accepted)
+        assert accepted == [True] * len(ids)
+        rows = await worker_pids(proc, 2)
+        assert [r["in_flight"] for a in rows.values() for r in a["replicas"]] == [0] * 4
+        async with grpc.aio.insecure_channel(target) as channel:
+            unknown = router_pb2.ReportRequest(
+                decision_id="never-picked", phase=router_pb2.ReportRequest.COMPLETED
+            )
+            got = await router_pb2_grpc.RouterStub(channel).Report(unknown, timeout=10)
+            assert not got.accepted
     finally:
         await b0.stop()
         await b1.stop()

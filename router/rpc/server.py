@@ -32,7 +32,16 @@ from router.rpc.gen import (
 from router.rpc.servicers import AdminServicer, DecisionBook, IndexServicer, RouterServicer
 from router.rpc.settings import GrpcSettings
 from router.service.ejection import Ejections
-from router.service.keys import FORWARDER, GRPC_PORT, GRPC_SERVER, SETTINGS, STATE, WORKERS
+from router.service.keys import (
+    FORWARDER,
+    GRPC_PORT,
+    GRPC_SERVER,
+    REPORT_RELAY,
+    SETTINGS,
+    STATE,
+    WORKERS,
+)
+from router.service.report_relay import ReportRelay
 from router.service.state import RouterState
 from router.service.workers import Workers
 
@@ -200,6 +209,7 @@ def build_server(
     clock: Callable[[], float],
     workers: Workers | None = None,
     ejections: Ejections | None = None,
+    relay: ReportRelay | None = None,
 ) -> BuiltServer:
     """Create (not start) the server. ``workers``: the worker processes Admin Drain /
     Undrain reach (``kvrouter serve --workers N``); ``ejections``: the HTTP forwarder's
@@ -213,9 +223,10 @@ def build_server(
         ],
     )
     book = DecisionBook(settings.max_pending_decisions, settings.decision_ttl_s)
-    router_pb2_grpc.add_RouterServicer_to_server(
-        RouterServicer(state, clock, book, ejections), server
-    )
+    router = RouterServicer(state, clock, book, ejections, workers)
+    if relay is not None:  # other workers' control sockets hand it Reports (report_relay.py)
+        relay.apply = router.apply_report
+    router_pb2_grpc.add_RouterServicer_to_server(router, server)
     index_pb2_grpc.add_IndexServicer_to_server(IndexServicer(state), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(state, clock, book, workers), server)
     health_servicer = health.aio.HealthServicer()
@@ -250,10 +261,11 @@ async def serve_grpc(
     clock: Callable[[], float],
     workers: Workers | None = None,
     ejections: Ejections | None = None,
+    relay: ReportRelay | None = None,
 ) -> AsyncGenerator[tuple[grpc.aio.Server, int], None]:
     """Async generator for aiohttp ``cleanup_ctx``-style lifetimes: start, yield the server
     and its port, stop."""
-    built = build_server(state, settings, clock, workers, ejections)
+    built = build_server(state, settings, clock, workers, ejections, relay)
     await built.server.start()
     for name in ["", *built.service_names]:
         await built.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -284,7 +296,10 @@ async def grpc_cleanup_ctx(app: web.Application) -> AsyncIterator[None]:
     workers = app.get(WORKERS)
     forwarder = app.get(FORWARDER)  # (router/service/background.py upstream_session)
     ejections = forwarder.ejections if forwarder is not None else None
-    async for server, port in serve_grpc(app[STATE], settings, loop_clock, workers, ejections):
+    relay = app.get(REPORT_RELAY)
+    async for server, port in serve_grpc(
+        app[STATE], settings, loop_clock, workers, ejections, relay
+    ):
         app[GRPC_PORT] = port
         app[GRPC_SERVER] = server
         yield

@@ -53,6 +53,7 @@ from router.service.handling import (
 )
 from router.service.proxy import count_slo
 from router.service.registry import Endpoint
+from router.service.report_relay import Reported, report_to_peers
 from router.service.state import RouterState
 from router.service.workers import Workers, forward_to_peers
 from router.tokenize.pipeline import ProcessedPrompt
@@ -145,7 +146,9 @@ class DecisionBook:
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """``ejections``: the HTTP forwarder's outlier ejection (router/service/ejection.py), fed
-    by the reports as the forwarder's own attempts feed it (None: not fed)."""
+    by the reports as the forwarder's own attempts feed it (None: not fed). ``workers``: the
+    worker processes of a ``kvrouter serve --workers N``; a Report whose decision another
+    worker made (the gateway's connection landed elsewhere) is handed to them."""
 
     def __init__(
         self,
@@ -153,11 +156,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         clock: Clock,
         book: DecisionBook | None = None,
         ejections: Ejections | None = None,
+        workers: Workers | None = None,
     ) -> None:
         self.state = state
         self.clock = clock
         self.book = book if book is not None else DecisionBook()
         self.ejections = ejections
+        self.workers = workers
         # ids of Picks awaiting admission (in flight, though in neither book nor load yet)
         self._picking: set[str] = set()
 
@@ -335,9 +340,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "phase is required")
         if not request.decision_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decision_id is required")
-        pending = self.book.get(request.decision_id)
+        cached = request.cached_tokens if request.HasField("cached_tokens") else None
+        report = Reported(request.decision_id, phase, request.output_tokens, cached)
+        accepted = self.apply_report(report)
+        if not accepted and self.workers is not None and self.workers.count > 1:
+            accepted = await report_to_peers(self.workers, report)
+        return router_pb2.ReportResponse(accepted=accepted)
+
+    def apply_report(self, report: Reported) -> bool:
+        """Apply ``report`` to a decision of this process; False when it has none by that
+        id (unknown, expired, or another worker's)."""
+        phase = report.phase
+        pending = self.book.get(report.decision_id)
         if pending is None:
-            return router_pb2.ReportResponse(accepted=False)
+            return False
         now = self.clock()
         mm = self.state.metrics.model(pending.model)
         if self.ejections is not None and pending.replica is not None:
@@ -346,14 +362,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if phase == router_pb2.ReportRequest.FAILED:
                 self.ejections.failed(pending.replica, "reported", now)
             else:
-                self.ejections.answered(pending.replica, request.decision_id, now)
+                self.ejections.answered(pending.replica, report.decision_id, now)
         if phase == router_pb2.ReportRequest.FIRST_TOKEN:
             self.state.load.first_token(pending.request_id)
             if not pending.first_at:
                 pending.first_at = now
                 mm.ttft.observe(now - pending.created)
         else:
-            self.book.pop(request.decision_id)
+            self.book.pop(report.decision_id)
             self._finish(pending.model, pending.request_id)
             # the outcome and SLO metrics of the HTTP endpoints (router/service/proxy.py)
             ok = phase == router_pb2.ReportRequest.COMPLETED
@@ -367,13 +383,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     pending.service_class,
                     pending.first_at - pending.created,
                     now - pending.created,
-                    request.output_tokens or None,
+                    report.output_tokens or None,
                 )
-        if request.HasField("cached_tokens"):
+        if report.cached_tokens is not None:
             self.state.metrics.engine_cached_tokens.labels(model=pending.model).inc(
-                request.cached_tokens
+                report.cached_tokens
             )
-        return router_pb2.ReportResponse(accepted=True)
+        return True
 
 
 def _json(text: str, field: str) -> Any:

@@ -19,13 +19,17 @@ from functools import partial
 
 from aiohttp import web
 
+from router.core.errors import BadRequest
 from router.service.admin import apply_drain, authorised, replica_rows
+from router.service.errors import ErrorReply
 from router.service.fast_server import FastServer
 from router.service.http_types import HttpRequest, Reply
-from router.service.keys import FORWARDER, STATE, WORKER_INDEX, WORKERS
+from router.service.keys import FORWARDER, REPORT_RELAY, STATE, WORKER_INDEX, WORKERS
 from router.service.load_share import load_sharing_ctx, own_load
 from router.service.proxy import Sink
-from router.service.routes import Handler, Routes
+from router.service.report_relay import PATH as REPORT_PATH
+from router.service.report_relay import Reported, ReportRelay
+from router.service.routes import Handler, Routes, error
 from router.service.worker_metrics import INDEX_HEADER
 from router.service.workers import Workers
 
@@ -67,11 +71,25 @@ def control_routes(app: web.Application, index: int) -> Routes:
         # what this worker has in flight, for the others' load sharing (load_share.py)
         return Reply.json(own_load(app[STATE].load))
 
+    async def report(req: HttpRequest, decision_id: str) -> Reply:
+        # a gRPC Report another worker received for a decision of this one (report_relay.py)
+        relay = app.get(REPORT_RELAY)
+        if relay is None or relay.apply is None:
+            return error(ErrorReply(404, "no gRPC server in this worker", "not_found"))
+        try:
+            got = Reported.parse(decision_id, req.query())
+        except BadRequest as exc:
+            return error(ErrorReply(400, str(exc)))
+        if not relay.apply(got):
+            return error(ErrorReply(404, f"no decision {decision_id!r} here", "not_found"))
+        return Reply.json({"accepted": True})
+
     routes.get("/internal/metrics", own_metrics)
     routes.get("/internal/replicas", own_replicas)
     routes.get("/internal/load", own_load_of_worker)
     routes.post("/internal/replicas/{name}/drain", drain(True))
     routes.post("/internal/replicas/{name}/undrain", drain(False))
+    routes.post(REPORT_PATH, report)
     return routes
 
 
@@ -86,6 +104,7 @@ def join_workers(app: web.Application, group: Workers, index: int = 0) -> None:
     their load every ``server.load_share_interval_s``."""
     app[WORKERS] = group
     app[WORKER_INDEX] = index
+    app[REPORT_RELAY] = ReportRelay()
 
     async def control(app: web.Application) -> AsyncIterator[None]:
         server = FastServer(partial(_answer, control_routes(app, index)), _MAX_BODY)

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from router.core.index import PrefixIndex
 from router.service.proxy import Forwarder
+from router.service.report_relay import ReportRelay
 from router.service.routes import Routes
 from router.service.settings import Settings
 from router.service.state import RouterState
@@ -36,3 +37,5 @@ WORKERS = web.AppKey("kvrouter_workers", Workers)
 WORKER_INDEX = web.AppKey("kvrouter_worker_index", int)  # 0 .. count-1, in fork order
 GRPC_PORT = web.AppKey("kvrouter_grpc_port", int)
 GRPC_SERVER = web.AppKey("kvrouter_grpc_server", object)
+# with several workers: how the control socket reaches this worker's gRPC Reports
+REPORT_RELAY = web.AppKey("kvrouter_report_relay", ReportRelay)

@@ -1,0 +1,76 @@
+"""gRPC Reports between the worker processes of one ``kvrouter serve --workers N``.
+
+A gateway Picks on one connection and may Report on another (it reconnected), which the
+kernel's SO_REUSEPORT can hand to another worker. That worker has no such decision, so the
+load the deciding worker counts for it would stay until the decision's TTL (an hour by
+default) and skew that worker's routing. The receiving worker therefore hands a Report it
+cannot apply to the other workers over their control sockets (router/service/control.py);
+the one that made the decision applies it. The control socket's file permissions are the
+boundary (only the router's user can reach it), as for the other internal routes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from urllib.parse import quote
+
+from router.core.errors import BadRequest
+from router.service.peers import peer_call
+from router.service.workers import Workers, ask_peers
+
+PATH = "/internal/decisions/{name}/report"
+
+
+@dataclass(slots=True, frozen=True)
+class Reported:
+    """One gRPC Report: ``phase`` is the proto's ``ReportRequest.Phase`` number."""
+
+    decision_id: str
+    phase: int
+    output_tokens: int = 0
+    cached_tokens: int | None = None
+
+    def target(self) -> str:
+        """The control-socket path and query that carry this report."""
+        query = f"phase={self.phase}&out={self.output_tokens}"
+        if self.cached_tokens is not None:
+            query += f"&cached={self.cached_tokens}"
+        return PATH.replace("{name}", quote(self.decision_id, safe="")) + "?" + query
+
+    @classmethod
+    def parse(cls, decision_id: str, query: Mapping[str, str]) -> Reported:
+        """The report :meth:`target` encoded (``decision_id`` already percent-decoded,
+        ``query`` its parameters); BadRequest for a malformed query."""
+        try:
+            phase = int(query["phase"])
+            out = int(query.get("out", "0"))
+            cached = int(query["cached"]) if "cached" in query else None
+        except (KeyError, ValueError):
+            raise BadRequest(f"malformed report query {dict(query)!r}") from None
+        return cls(decision_id, phase, out, cached)
+
+
+class ReportRelay:
+    """Set by the gRPC server of this worker (``apply``: its Router service's
+    ``apply_report``); read by the control socket's report route. ``apply`` is None while
+    this worker serves no gRPC."""
+
+    __slots__ = ("apply",)
+
+    def __init__(self) -> None:
+        self.apply: Callable[[Reported], bool] | None = None
+
+
+async def report_to_peers(group: Workers, report: Reported) -> bool:
+    """Hand ``report`` to every other worker of ``group``; True when one applied it."""
+    target = report.target()
+
+    async def ask(pid: int) -> bool | str:
+        got = await peer_call(group.socket(pid), "POST", target)
+        if isinstance(got, str):
+            return got
+        return got.status == 200
+
+    answers, _ = await ask_peers(group, ask)
+    return any(answers)
