@@ -13,6 +13,7 @@ import pytest
 from router.bench.redis_server import LocalRedis, LocalRedisCluster
 from router.core.load import LoadTracker, PeerLoad
 from router.core.types import ReplicaKey
+from router.service import pod_exchange
 from router.service.peer_sum import PeerSum
 from router.service.pod_exchange import (
     ExchangeSettings,
@@ -128,3 +129,38 @@ async def test_redis_restart_recovers(private_redis: LocalRedis) -> None:
         one.load.dispatch("r2", A, prompt_tokens=100, cached_tokens=0)
         await eventually(lambda: two.prefilling() == 2, timeout=20)
         assert two.exchange.counters.errors > 0  # it did see Redis go away
+
+
+async def test_a_dead_pods_hash_field_stays_uncounted_and_is_deleted(
+    redis_server: LocalRedis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pod_exchange, "HASH_FORGET_S", 1.0)
+    async with pods(redis_server.url, key_prefix, "hash", ("p1", "p2")) as (one, two):
+        one.load.dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
+        await eventually(lambda: two.prefilling() == 1)
+        await one.die()
+        await eventually(lambda: two.prefilling() == 0)
+        # its field, re-read every poll with the same seq, is no sign of life: it must not
+        # count again once dropped, and it is deleted from the hash in the end
+        seen = []
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            seen.append(two.prefilling())
+        assert max(seen) == 0
+        key = two.exchange.settings.hash_key
+        await eventually(lambda: two.exchange.views.gone == {}, timeout=5)
+        assert await two.client.hkeys(key) == [two.exchange.member.encode()]
+
+
+async def test_a_pod_leaving_cleanly_stops_counting_at_once_in_hash_mode(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    async with pods(redis_server.url, key_prefix, "hash", ("p1", "p2")) as (one, two):
+        one.load.dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
+        await eventually(lambda: two.prefilling() == 1)
+        await stop(one.task)
+        await one.exchange.leave()  # deletes its field
+        loop = asyncio.get_running_loop()
+        left = loop.time()
+        await eventually(lambda: two.prefilling() == 0)
+        assert loop.time() - left < STALE_S / 2  # not left to age out

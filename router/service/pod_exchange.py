@@ -64,6 +64,7 @@ SOURCE = "pods"
 MODES = ("off", "stream", "hash")
 STREAM_MAXLEN = 2000
 HASH_FORGET_S = 60.0  # a hash field unchanged this long is deleted (its member is gone)
+GONE_MAX = 4096  # members remembered as gone (PodViews.gone)
 _BLOCK_MS = 250
 
 
@@ -115,17 +116,39 @@ class PodViews:
     pod: str
     stale_s: float
     views: dict[str, _View] = field(default_factory=dict)
+    # members dropped as stale: (seq they stopped at, when it last moved); the same seq
+    # read again (a dead member's hash field, re-read every poll) is no sign of life
+    gone: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def take(self, snap: Snapshot, now: float) -> None:
         if snap.pod == self.pod:
             return
         old = self.views.get(snap.member)
+        if old is None:
+            dead = self.gone.get(snap.member)
+            if dead is not None:
+                if dead[0] == snap.seq:
+                    return
+                del self.gone[snap.member]
         if old is None or old.seq != snap.seq:
             self.views[snap.member] = _View(snap.pod, snap.seq, now, snap.load)
 
-    def expire(self, now: float) -> None:
-        for member in [m for m, v in self.views.items() if now - v.moved_at > self.stale_s]:
-            del self.views[member]
+    def expire(self, now: float) -> bool:
+        """Drop the members silent past ``stale_s``; whether any was dropped."""
+        stale = [m for m, v in self.views.items() if now - v.moved_at > self.stale_s]
+        for member in stale:
+            v = self.views.pop(member)
+            self.gone[member] = (v.seq, v.moved_at)
+        if len(self.gone) > GONE_MAX:  # oldest first (insertion order): bounded memory
+            for member in list(self.gone)[: len(self.gone) - GONE_MAX]:
+                del self.gone[member]
+        return bool(stale)
+
+    def keep_only(self, members: set[str]) -> None:
+        """Forget every member not in ``members`` (hash mode: the fields present)."""
+        for table in (self.views, self.gone):
+            for member in [m for m in table if m not in members]:
+                del table[member]
 
     def total(self, now: float) -> dict[ReplicaKey, PeerLoad]:
         """What the live members have in flight, per replica (stale ones dropped first)."""
@@ -256,20 +279,19 @@ class PodExchange:
         pipe.hgetall(key)
         results = await pipe.execute()
         now = self.clock()
-        for data in results[-1].values():
+        fields: dict[bytes, bytes] = results[-1]
+        for data in fields.values():
             self._take(data, now)
+        # a field deleted (a member that stopped cleanly, or forgotten) stops counting now
+        self.views.keep_only({m.decode(errors="replace") for m in fields})
         self.apply(now)
         if now - self._forgotten_at > HASH_FORGET_S:
             self._forgotten_at = now
-            await self._forget_gone(key, results[-1], now)
+            await self._forget_gone(key, now)
 
-    async def _forget_gone(self, key: str, fields: dict[bytes, bytes], now: float) -> None:
+    async def _forget_gone(self, key: str, now: float) -> None:
         """Delete hash fields of members gone for ``HASH_FORGET_S`` (seen unmoving so long)."""
-        gone = [
-            member
-            for member, v in self.views.views.items()
-            if now - v.moved_at > HASH_FORGET_S and member.encode() in fields
-        ]
+        gone = [m for m, (_, at) in self.views.gone.items() if now - at > HASH_FORGET_S]
         if gone:
             await self.client.hdel(key, *gone)
 
@@ -359,17 +381,17 @@ class PodExchange:
                 asyncio.create_task(self._guarded("publishing", write)),
                 asyncio.create_task(self._guarded("reading", self.read_stream)),
             ]
-            try:
-                await asyncio.gather(*loops)
-            finally:  # however it ends, neither loop outlives the exchange
-                await stop_all(loops)
         else:
 
             async def poll() -> None:
                 await asyncio.sleep(interval)
                 await self.poll_hash(self.clock())
 
-            await self._guarded("polling", poll)
+            loops = [asyncio.create_task(self._guarded("polling", poll))]
+        try:
+            await asyncio.gather(*loops)
+        finally:  # however it ends, no loop outlives the exchange
+            await stop_all(loops)
 
 
 def _id_ms(entry_id: bytes) -> int:
