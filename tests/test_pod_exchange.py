@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from collections.abc import AsyncIterator
 
 import pytest
@@ -164,3 +166,19 @@ async def test_a_pod_leaving_cleanly_stops_counting_at_once_in_hash_mode(
         left = loop.time()
         await eventually(lambda: two.prefilling() == 0)
         assert loop.time() - left < STALE_S / 2  # not left to age out
+
+
+async def test_a_hung_redis_does_not_keep_stale_views(private_redis: LocalRedis) -> None:
+    async with pods(private_redis.url, "kvr", "stream", ("p1", "p2")) as (one, two):
+        one.load.dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
+        await eventually(lambda: two.prefilling() == 1)
+        assert private_redis.process is not None
+        pid = private_redis.process.pid
+        loop = asyncio.get_running_loop()
+        os.kill(pid, signal.SIGSTOP)  # Redis stops answering: calls hang until timeouts
+        try:
+            hung = loop.time()
+            await eventually(lambda: two.prefilling() == 0, timeout=20)
+            assert loop.time() - hung < STALE_S + 0.4
+        finally:
+            os.kill(pid, signal.SIGCONT)

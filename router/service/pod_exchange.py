@@ -369,6 +369,16 @@ class PodExchange:
                 self.apply(self.clock())
                 await asyncio.sleep(min(self.settings.stale_s / 4, 0.25))
 
+    async def age_out(self) -> None:
+        """Drop stale views on time, whatever Redis does: a call that hangs (a Redis that
+        stopped answering, up to the client's timeouts and retries) must not keep them."""
+        pause = min(self.settings.stale_s / 4, 0.25)
+        while True:
+            await asyncio.sleep(pause)
+            now = self.clock()
+            if self.views.expire(now):
+                self.apply(now)
+
     async def run(self) -> None:
         interval = self.settings.interval_s
         if self.settings.mode == "stream":
@@ -388,6 +398,7 @@ class PodExchange:
                 await self.poll_hash(self.clock())
 
             loops = [asyncio.create_task(self._guarded("polling", poll))]
+        loops.append(asyncio.create_task(self.age_out()))
         try:
             await asyncio.gather(*loops)
         finally:  # however it ends, no loop outlives the exchange
