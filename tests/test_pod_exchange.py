@@ -182,3 +182,17 @@ async def test_a_hung_redis_does_not_keep_stale_views(private_redis: LocalRedis)
             assert loop.time() - hung < STALE_S + 0.4
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+async def test_stream_ids_going_backwards_do_not_hide_live_pods(
+    private_redis: LocalRedis,
+) -> None:
+    async with pods(private_redis.url, "kvr", "stream", ("p1", "p2")) as (one, two):
+        await eventually(lambda: bool(two.exchange.views.views))
+        # an entry stamped by a Redis whose clock ran ahead (stepped back since): readers'
+        # last ids are now ahead of whatever the restarted Redis stamps
+        await two.client.xadd(two.exchange.settings.stream_key, {b"s": b"{}"}, id=b"9" * 14)
+        await eventually(lambda: two.exchange._last_id.startswith(b"9" * 14))
+        await asyncio.to_thread(private_redis.restart)
+        one.load.dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
+        await eventually(lambda: two.prefilling() == 1, timeout=20)

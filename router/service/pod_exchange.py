@@ -225,6 +225,7 @@ class PodExchange:
         self._sent_changes = -1
         self._sent_at = -float("inf")
         self._last_id = b"$"
+        self._heard_self_at = clock()  # when an own stream entry was last read back
         self._forgotten_at = 0.0
 
     # ------------------------------------------------------------------ writing
@@ -267,7 +268,14 @@ class PodExchange:
             for entry_id, fields in entries:
                 self._last_id = entry_id
                 age_s = max(newest - _id_ms(entry_id), 0) / 1000
-                self._take(fields.get(b"s", b""), now, age_s)
+                if self._take(fields.get(b"s", b""), now, age_s) == self.member:
+                    self._heard_self_at = now
+        if now - self._heard_self_at > self.settings.stale_s and self._last_id != b"$":
+            # this member's own heartbeats (every stale/4) no longer come back: the stream's
+            # ids went behind the last one read (a Redis restarted with its clock behind the
+            # ids it stamped before): read what comes next, not what comes after that id
+            self._last_id = b"$"
+            self._heard_self_at = now
         self.apply(now)
 
     async def poll_hash(self, now: float) -> None:
@@ -295,21 +303,23 @@ class PodExchange:
         if gone:
             await self.client.hdel(key, *gone)
 
-    def _take(self, data: bytes, now: float, age_s: float = 0.0) -> None:
+    def _take(self, data: bytes, now: float, age_s: float = 0.0) -> str | None:
+        """Take one message; its member (None: rejected)."""
         self.counters.received += 1
         self.counters.bytes_received += len(data)
         if len(data) > MAX_MESSAGE_BYTES:
             self.counters.rejected += 1
-            return
+            return None
         try:
             snap = decode(data)
         except (ValueError, TypeError, RecursionError) as exc:
             self.counters.rejected += 1
             _log.debug("bad load snapshot in Redis: %s", exc)
-            return
+            return None
         self.views.take(snap, now)
         if self.share is not None and snap.shared is not None:
             self._apply_shared(self.share, snap, now, age_s)
+        return snap.member
 
     def _apply_shared(self, share: PodShare, snap: Snapshot, now: float, age_s: float) -> None:
         """Another member's rows, each message's once (a hash re-read shows the same seq
