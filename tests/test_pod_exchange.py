@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -196,3 +197,21 @@ async def test_stream_ids_going_backwards_do_not_hide_live_pods(
         await asyncio.to_thread(private_redis.restart)
         one.load.dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
         await eventually(lambda: two.prefilling() == 1, timeout=20)
+
+
+async def test_negative_or_huge_counts_are_rejected(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    async with pods(redis_server.url, key_prefix, "stream", ("p1", "p2")) as (one, two):
+        two.load.columns((A,))  # mirrored: the table takes floats
+        one.load.dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
+        await eventually(lambda: two.prefilling() == 1)
+        key = two.exchange.settings.stream_key
+        for n, row in enumerate(([-1, -100, 0, 0, -100], [0, 10**400, 0, 0, 0])):
+            body = {"load": [["a", 0, *row, 0.0]], "m": f"x{n}/1", "p": f"x{n}", "s": 1}
+            await two.client.xadd(key, {b"s": json.dumps(body).encode()})
+        await eventually(lambda: two.exchange.counters.rejected == 2)
+        # neither cancels p1's request out nor leaves the mirror table behind the counts
+        assert two.prefilling() == 1
+        assert two.load.columns((A,)).queued_prefill_tokens[0] == 100
+        assert two.exchange.counters.errors == 0

@@ -65,12 +65,22 @@ def parse_load(body: bytes) -> dict[ReplicaKey, PeerLoad]:
             not isinstance(row, list)
             or len(row) != 2 + _FIELDS
             or not isinstance(row[0], str)
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in row[1:-1])
+            or type(row[1]) is not int
+            or not all(_count(v) for v in row[2:-1])
             or not _weight(row[-1])
         ):
             raise ValueError(f"bad load row {row!r}")
         out[ReplicaKey(row[0], row[1])] = PeerLoad(*row[2:])
     return out
+
+
+_MAX_COUNT = 1 << 53  # beyond any real count; exact as a float (the mirror table's type)
+
+
+def _count(v: object) -> bool:
+    """A count of requests or tokens: a negative one would cancel other peers' load out in
+    their sum, a huge one overflow the tracker's float table."""
+    return type(v) is int and 0 <= v < _MAX_COUNT
 
 
 def _weight(v: object) -> bool:
