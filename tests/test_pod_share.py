@@ -20,7 +20,7 @@ from router.core.routing import RoutingEngine, RoutingSettings
 from router.core.types import ReplicaKey, RouteRequest
 from router.service.peer_sum import PeerSum
 from router.service.pod_exchange import ExchangeSettings, PodExchange, encode
-from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare
+from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare, _pack
 from router.store.redis_store import connect
 from tests.waiting import eventually
 
@@ -198,3 +198,19 @@ def test_a_hash_field_seen_first_is_not_trusted_for_its_rows() -> None:
     assert share.counters.applied_spec == 0
     exchange._take(message(2), 0.0)
     assert share.counters.applied_spec == 1
+
+
+def test_a_shared_entry_never_outlives_the_readers_own_ttl() -> None:
+    """A row's TTL (a peer's, or a malformed one) is capped like a session's: never longer
+    than this pod speculates itself."""
+    engine = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), settings(2.0))
+    share = PodShare({MODEL: engine}, lambda m, k: True)
+    huge = 10**15  # ms: some 30,000 years
+    share.apply([[MODEL, "r0", 0, huge, _pack((5, 6)), "", "", 0, "0", 0]], 100.0)
+    assert share.counters.applied_spec == 1
+    assert engine.index.match([5, 6], now=101.9).get(KEYS[0]).kv_blocks == 2
+    assert engine.index.match([5, 6], now=102.1).get(KEYS[0]).kv_blocks == 0
+    longer = PodShare({MODEL: engine}, lambda m, k: True, lambda model: 600.0)
+    longer.apply([[MODEL, "r0", 0, huge, _pack((7,)), "", "", 0, "0", 0]], 100.0)
+    assert engine.index.match([7], now=699.0).get(KEYS[0]).kv_blocks == 1
+    assert engine.index.match([7], now=701.0).get(KEYS[0]).kv_blocks == 0

@@ -506,7 +506,11 @@ def pod_exchange_ctx(app: web.Application) -> Callable[[web.Application], AsyncI
         )
         client = connect(s.redis_url or "", socket_timeout=max(2.0, 2 * _BLOCK_MS / 1000))
         loop = asyncio.get_running_loop()
-        share = PodShare(state.engines, lambda model, key: key in state.registry.keys_for(model))
+        share = PodShare(
+            state.engines,
+            lambda model, key: key in state.registry.keys_for(model),
+            lambda model: max(state.speculative_ttl.get(model, (0.0, 0.0))),
+        )
         share.attach()
         exchange = PodExchange(settings, client, state.load, app[PEER_SUM], loop.time, share)
         collector = _ExchangeCollector(exchange)

@@ -168,9 +168,13 @@ class PodShare:
         self,
         engines: Mapping[str, RoutingEngine],
         known: Callable[[str, ReplicaKey], bool],
+        max_spec_ttl: Callable[[str], float] | None = None,
     ) -> None:
+        """``max_spec_ttl(model)``: the longest speculative TTL this pod gives the model's
+        entries itself, which a row's never exceeds here (None: the engine's settings')."""
         self.engines = engines
         self.known = known
+        self.max_spec_ttl = max_spec_ttl
         self.outbox = Outbox()
         self.counters = ShareCounters()
 
@@ -224,6 +228,10 @@ class PodShare:
         last = int(last_hash) if isinstance(last_hash, str) else -1
         if not 0 <= digest < _U64 or not 0 <= last < _U64:
             raise ValueError("bad session digest / last hash")
+        if self.max_spec_ttl is not None:
+            spec_s = min(spec_s, self.max_spec_ttl(model))
+        else:
+            spec_s = min(spec_s, engine.settings.speculative_ttl())
         if kv and spec_s > 0:
             engine.index.speculate(key, kv, st, now, spec_s)
             self.counters.applied_spec += 1
