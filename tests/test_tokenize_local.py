@@ -24,6 +24,7 @@ from router.tokenize.template import (
     NotIncremental,
     _environment,
     prepare_messages,
+    prepare_tools,
 )
 from router.tokenize.tokenizers import BUNDLED_DIR, TokenizerFiles, load_tokenizer_dir
 
@@ -466,7 +467,7 @@ def _cold(proc: PromptProcessor, body: dict[str, Any]) -> tuple[int, list[int]]:
     assert proc.template is not None and proc.tokenizer is not None
     text = proc.template.render(
         prepare_messages(body["messages"]),
-        tools=body.get("tools"),
+        tools=prepare_tools(body.get("tools")),
         add_generation_prompt=body.get("add_generation_prompt", True),
     )
     ids = proc.tokenizer.tokenizer.encode_segment(text)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.core.errors import BadRequest
+from router.tokenize.template import part_text
 
 MAX_IMAGE_BYTES = 32 * 2**20
 _IMAGE_PART_TYPES = ("image_url", "input_image", "image")
@@ -144,14 +145,15 @@ def with_placeholders(
         images = 0
         for part in content:
             if isinstance(part, str):
-                texts.append(part)
+                if part:
+                    texts.append(part)
             elif isinstance(part, Mapping):
                 url = image_url(part)
                 if url is not None:
                     urls.append(url)
                     images += 1
-                elif isinstance(part.get("text"), str):
-                    texts.append(part["text"])
+                elif text := part_text(part):  # empty parts are left out, as vLLM does
+                    texts.append(text)
         if not images:
             out.append(m)
             continue

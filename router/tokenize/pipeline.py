@@ -44,6 +44,7 @@ from router.tokenize.template import (
     NotIncremental,
     content_text,
     prepare_messages,
+    prepare_tools,
 )
 
 
@@ -113,8 +114,12 @@ def _batch(entries: Sequence[ProcessedPrompt]) -> ProcessedPrompt:
     )
 
 
-def _key_context(tools: Any, kwargs: Mapping[str, Any], add_gen: bool) -> dict[str, Any]:
+def _key_context(
+    tools: Any, kwargs: Mapping[str, Any], add_gen: bool, cont: bool = False
+) -> dict[str, Any]:
     """What besides the messages selects a cached conversation (part of message keys)."""
+    if cont:
+        return {"tools": tools, "kwargs": kwargs, "gen": add_gen, "cont": True}
     return {"tools": tools, "kwargs": kwargs, "gen": add_gen}
 
 
@@ -221,7 +226,8 @@ class PromptProcessor:
     ) -> tuple[str, list[Mapping[str, Any]], dict[str, Any] | None]:
         """Rendered text, the messages and the key context (None without a template)."""
         messages, tools, kwargs, add_gen = self._chat_args(body)
-        text, context = self._render_text(messages, tools, kwargs, add_gen)
+        cont = body.get("continue_final_message") is True
+        text, context = self._render_text(messages, tools, kwargs, add_gen, cont)
         return text, messages, context
 
     def _render_text(
@@ -230,14 +236,19 @@ class PromptProcessor:
         tools: Any,
         kwargs: Mapping[str, Any],
         add_gen: bool,
+        cont: bool = False,
     ) -> tuple[str, dict[str, Any] | None]:
         if self.template is None:
             return _simple_render(messages, tools), None
         prepared = prepare_messages(messages)
         text = self.template.render(
-            prepared, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
+            prepared,
+            tools=tools,
+            add_generation_prompt=add_gen,
+            kwargs=kwargs,
+            continue_final_message=cont,
         )
-        return text, _key_context(tools, kwargs, add_gen)
+        return text, _key_context(tools, kwargs, add_gen, cont)
 
     @staticmethod
     def _chat_args(
@@ -253,7 +264,7 @@ class PromptProcessor:
             raise BadRequest("'add_generation_prompt' and 'continue_final_message' are booleans")
         if cont:
             add_gen = False
-        return messages, body.get("tools"), kwargs, add_gen
+        return messages, prepare_tools(body.get("tools")), kwargs, add_gen
 
     def chat(self, body: Mapping[str, Any]) -> ProcessedPrompt:
         t0 = time.perf_counter()
@@ -262,7 +273,14 @@ class PromptProcessor:
         if has_images(messages):
             return self._chat_images(body, messages, tools, kwargs, add_gen, t0)
         broken: LocalTemplate | None = None
-        if tokenizer is not None and template is not None and tokenizer.budget_bytes > 0:
+        # continuing the final message cuts the render's end: rendered whole
+        cont = body.get("continue_final_message") is True
+        if (
+            tokenizer is not None
+            and template is not None
+            and tokenizer.budget_bytes > 0
+            and not cont
+        ):
             local = template.local_for(tools)
             if local is not None:
                 chars = _content_chars(messages)
@@ -276,7 +294,7 @@ class PromptProcessor:
                         # plain render succeeds this counts against the instrumented form
                         # (LocalTemplate.failed: not tried again after a few in a row)
                         broken = local
-        text, context = self._render_text(messages, tools, kwargs, add_gen)
+        text, context = self._render_text(messages, tools, kwargs, add_gen, cont)
         if broken is not None:
             broken.failed()
         render_s = time.perf_counter() - t0
@@ -312,7 +330,8 @@ class PromptProcessor:
         tokenizer, template, settings = self.tokenizer, self.template, self.images
         marker = settings.placeholder if settings is not None else _IMAGE_MARKER
         with_ph, urls = with_placeholders(messages, marker)
-        text, _ = self._render_text(with_ph, tools, kwargs, add_gen)
+        cont = body.get("continue_final_message") is True
+        text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont)
         if tokenizer is None or template is None:
             return self._approximate(text, body, time.perf_counter() - t0, cut_at=marker)
         root, _ = self.root(body)

@@ -131,19 +131,40 @@ def _environment() -> jinja2.Environment:
     return env
 
 
+# content-part types whose text vLLM reads, and the key it reads it from
+_PART_TEXT_KEYS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+
+
+def part_text(part: Any) -> str | None:
+    """Text of one content part as vLLM reads it (a bare string, or the text of a text-like
+    part; a part without ``type`` is read as text here, which vLLM refuses); None for parts
+    without text (images, ...)."""
+    if isinstance(part, str):
+        return part
+    if isinstance(part, Mapping):
+        kind = part.get("type")
+        key = (
+            "text" if kind is None else _PART_TEXT_KEYS.get(kind) if isinstance(kind, str) else None
+        )
+        value = part.get(key) if key is not None else None
+        return value if isinstance(value, str) else None
+    return None
+
+
 def content_text(content: Any) -> str | None:
-    """Text of an OpenAI message ``content``: a string, or the text parts of a list joined with
-    newlines (vLLM's "string" content format). None for a missing content."""
+    """Text of an OpenAI message ``content``: a string, or the texts of a list's parts joined
+    with newlines, empty ones left out (vLLM's "string" content format). None for a missing
+    content."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if isinstance(part, str):
-                texts.append(part)
-            elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-        return "\n".join(texts)
+        return "\n".join([t for t in map(part_text, content) if t])
     raise BadRequest("message content must be a string or a list of content parts")
 
 
@@ -152,47 +173,123 @@ _ARGS_CACHE_MAX = 8192
 
 
 def _parse_arguments(text: str) -> Any:
-    """Tool-call arguments as an object (the string itself when it is not JSON). Memoised:
-    every turn of a session resends the same calls; templates cannot mutate the result."""
+    """Tool-call arguments as an object; ``{}`` when they are not JSON (empty included), as
+    vLLM makes them. Memoised: every turn of a session resends the same calls; templates
+    cannot mutate the result."""
     found = _ARGS_CACHE.get(text)
-    if found is not None or text in _ARGS_CACHE:
+    if found is not None:
         return found
     try:
         value = json.loads(text)
     except ValueError:
-        value = text
+        value = {}
     if len(_ARGS_CACHE) >= _ARGS_CACHE_MAX:
         _ARGS_CACHE.clear()
-    _ARGS_CACHE[text] = value
+    if value is not None:
+        _ARGS_CACHE[text] = value
     return value
 
 
+def _prepare_call(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping):
+        return call
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        args = _parse_arguments(args)
+    elif not isinstance(args, (dict, list)):
+        args = {}
+    else:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+# keys a message may have and still reach the template as it is
+_PLAIN_KEYS = frozenset({"role", "content", "name"})
+_PLAIN_TOOL_KEYS = frozenset({"role", "content", "name", "tool_call_id"})
+
+
 def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` ready for a template (see module docstring); messages that need a change
-    are shallow-copied, the others passed as they are."""
+    """``messages`` as vLLM hands them to the template (vllm/entrypoints/chat_utils.py): the
+    content a string (text parts joined, see :func:`content_text`; a missing one empty); of
+    the other keys only ``name``, an assistant's ``tool_calls`` (arguments parsed, see
+    :func:`_parse_arguments`; an empty list dropped) and ``reasoning`` (also given as
+    ``reasoning_content``), a tool result's ``tool_call_id``. Plain messages are passed as
+    they are, the others rebuilt."""
     out: list[dict[str, Any]] = []
     for m in messages:
         content = m.get("content")
-        calls = m.get("tool_calls")
-        if (content is None or isinstance(content, str)) and not calls and type(m) is dict:
+        role = m.get("role")
+        if (
+            type(m) is dict
+            and type(content) is str
+            and (m.keys() <= _PLAIN_KEYS or (role == "tool" and m.keys() <= _PLAIN_TOOL_KEYS))
+            and type(m.get("name", "")) is str
+        ):
             out.append(m)  # nothing to change; the sandbox keeps templates from mutating it
             continue
-        msg = dict(m)
-        if "content" in msg and not isinstance(content, str):
-            msg["content"] = content_text(content)
-        if isinstance(calls, list):
-            fixed = []
-            for call in calls:
-                fn = call.get("function") if isinstance(call, Mapping) else None
-                if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
-                    call = {
-                        **call,
-                        "function": {**fn, "arguments": _parse_arguments(fn["arguments"])},
-                    }
-                fixed.append(call)
-            msg["tool_calls"] = fixed
+        msg: dict[str, Any] = {"role": role, "content": content_text(content) or ""}
+        if role == "assistant":
+            calls = m.get("tool_calls")
+            if isinstance(calls, list):
+                if calls:
+                    msg["tool_calls"] = [_prepare_call(c) for c in calls]
+            elif calls is not None:
+                msg["tool_calls"] = calls
+            reasoning = m.get("reasoning")
+            if reasoning is None:  # vLLM before ``reasoning`` read ``reasoning_content``
+                reasoning = m.get("reasoning_content")
+            if reasoning is not None:
+                msg["reasoning"] = reasoning
+                msg["reasoning_content"] = reasoning
+        elif role == "tool" and "tool_call_id" in m:
+            msg["tool_call_id"] = m["tool_call_id"]
+        name = m.get("name")
+        if isinstance(name, str):
+            msg["name"] = name
         out.append(msg)
     return out
+
+
+def prepare_tools(tools: Any) -> Any:
+    """``tools`` as vLLM hands them to the template: each the ``model_dump()`` of its pydantic
+    model, so ``type`` then ``function`` (``name``, ``description``, ``parameters``, absent
+    ones null, then any other keys) then any other keys."""
+    if not isinstance(tools, list):
+        return tools
+    out = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t, Mapping) else None
+        if not isinstance(fn, Mapping):
+            out.append(t)
+            continue
+        f = {
+            "name": fn.get("name"),
+            "description": fn.get("description"),
+            "parameters": fn.get("parameters"),
+        }
+        f.update((k, v) for k, v in fn.items() if k not in f)
+        tool: dict[str, Any] = {"type": t.get("type", "function"), "function": f}
+        tool.update((k, v) for k, v in t.items() if k not in tool)
+        out.append(tool)
+    return out
+
+
+# transformers' marker for continue_final_message: appended to the final message's content,
+# the render is cut where it starts
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _cut_at_continue_tag(text: str) -> str:
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise TemplateError(
+            "continue_final_message is set but the final message does not appear in the chat"
+            " after applying the chat template"
+        )
+    if text.startswith(_CONTINUE_TAG, at):
+        return text[:at]
+    return text[:at].rstrip()  # the template trimmed the message's trailing spacing
 
 
 @dataclass(slots=True, frozen=True)
@@ -281,13 +378,27 @@ class ChatTemplate:
         tools: Sequence[Any] | None = None,
         add_generation_prompt: bool = True,
         kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
-        """Render ``messages`` (already prepared) to the prompt text the engine will see."""
+        """Render ``messages`` (already prepared) to the prompt text the engine will see.
+
+        ``continue_final_message``: the text ends where the final message's content does (no
+        end-of-turn after it), found as transformers finds it: a marker appended to that
+        content, the render cut where the marker starts (and trailing spacing dropped when
+        the template trimmed the content)."""
         template = self._compiled_tools if tools and self._compiled_tools else self._compiled
         assert template is not None, "ChatTemplate.build compiles the template"
+        if continue_final_message:
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise TemplateError(
+                    "continue_final_message is set but there is nothing to continue"
+                )
+            last = {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}
+            messages = [*messages[:-1], last]
         variables = self._variables(messages, tools, add_generation_prompt, kwargs)
         try:
-            return str(template.render(variables))
+            text = str(template.render(variables))
+            return _cut_at_continue_tag(text) if continue_final_message else text
         except TemplateError:
             raise
         except (jinja2.TemplateError, TypeError, KeyError, AttributeError, ValueError) as exc:
@@ -336,14 +447,15 @@ class ChatTemplate:
         add_generation_prompt: bool,
         kwargs: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
-        variables: dict[str, Any] = {
+        # as transformers passes them: tools and documents always (None when absent), the
+        # special tokens, then the request's chat_template_kwargs (which may override them)
+        return {
+            "tools": tools,
+            "documents": None,
             **self.extra,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
             **(kwargs or {}),
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
-            "bos_token": self.bos_token,
-            "eos_token": self.eos_token,
         }
-        if tools:
-            variables["tools"] = tools
-        return variables
