@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from router.core.errors import BadRequest
 from router.core.hashing import hash_prompt, root_hash
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
@@ -82,3 +83,36 @@ def test_router_tokens_equal_the_engines(case: dict[str, Any]) -> None:
     assert got.block_hashes == hash_prompt(ids, 1, root_hash("m")).hashes
     again = proc.chat(body)  # a repeat is served from the caches
     assert again.block_hashes == got.block_hashes
+
+
+def test_truncate_prompt_tokens_hashes_the_last_tokens_vllm_keeps() -> None:
+    """vLLM's ``truncate_prompt_tokens`` k sends the prompt's last k token ids (left
+    truncation); the router hashes those, for token ids, text and chat prompts."""
+    proc = _processor("kimi_style")
+    assert proc.tokenizer is not None
+    root = root_hash("m")
+    ids = list(range(1, 1001))
+    got = proc.completion({"prompt": ids, "truncate_prompt_tokens": 200})
+    assert got.prompt_tokens == 200
+    assert got.block_hashes == hash_prompt(ids[-200:], 1, root).hashes
+    text = "one two three four five six seven " * 100
+    whole = proc.completion({"prompt": text})
+    cut = proc.completion({"prompt": text, "truncate_prompt_tokens": 50})
+    tokens = proc.tokenizer.encode_text(text).tolist()
+    if proc._bos_id is not None:
+        tokens = [proc._bos_id, *tokens]
+    assert whole.prompt_tokens == len(tokens) > 50
+    assert cut.prompt_tokens == 50
+    assert cut.block_hashes == hash_prompt(tokens[-50:], 1, root).hashes
+    chat = {"messages": [{"role": "user", "content": text * 4}]}
+    full, _ = proc.render_chat(chat)
+    chat_ids = proc.tokenizer.encode_text(full)
+    cut_chat = proc.chat({**chat, "truncate_prompt_tokens": 300})
+    assert cut_chat.prompt_tokens == 300
+    assert cut_chat.block_hashes == hash_prompt(chat_ids[-300:], 1, root).hashes
+    for k in (0, -1, 5000):  # no cut: off, the context check, or longer than the prompt
+        same = proc.completion({"prompt": ids, "truncate_prompt_tokens": k})
+        assert same.prompt_tokens == 1000
+    for bad in (-2, 1.5, "10", True):
+        with pytest.raises(BadRequest):
+            proc.completion({"prompt": ids, "truncate_prompt_tokens": bad})

@@ -89,6 +89,19 @@ def _simple_render(messages: Sequence[Mapping[str, Any]], tools: Any) -> str:
     return "\n".join(parts)
 
 
+def kept_tokens(body: Mapping[str, Any]) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: k >= 1 sends only the prompt's last k tokens to the
+    engine (left truncation of the token ids), so those are what the router must hash. None
+    when absent, 0, or -1 (the model's context length: the router's context check stands in
+    for it); BadRequest for anything but an integer >= -1."""
+    k = body.get("truncate_prompt_tokens")
+    if k is None:
+        return None
+    if type(k) is not int or k < -1:
+        raise BadRequest("'truncate_prompt_tokens' must be an integer >= -1")
+    return k if k >= 1 else None
+
+
 def _all_ints(values: list[Any]) -> bool:
     """Every element a JSON integer (``bool`` is not one). One C-level pass over the types:
     token-id prompts run to a million elements."""
@@ -275,11 +288,13 @@ class PromptProcessor:
         broken: LocalTemplate | None = None
         # continuing the final message cuts the render's end: rendered whole
         cont = body.get("continue_final_message") is True
+        keep = kept_tokens(body)  # truncated prompts are rendered whole, then cut
         if (
             tokenizer is not None
             and template is not None
             and tokenizer.budget_bytes > 0
             and not cont
+            and keep is None
         ):
             local = template.local_for(tools)
             if local is not None:
@@ -304,6 +319,12 @@ class PromptProcessor:
         # message keys only serve the incremental cache, which short prompts skip
         keys = message_keys(messages, context) if len(text) >= MIN_CACHED_CHARS else []
         enc = tokenizer.encode(text, keys, root, self.block_size)
+        if keep is not None and keep < len(enc.tokens):
+            t1 = time.perf_counter()
+            hashes = hash_prompt(enc.tokens[-keep:], self.block_size, root).hashes
+            return ProcessedPrompt(
+                keep, hashes, self.block_size, True, 0, t1 - t0, time.perf_counter() - t1
+            )
         return ProcessedPrompt(
             len(enc.tokens),
             enc.hashes,
@@ -494,6 +515,9 @@ class PromptProcessor:
             tokens = self.tokenizer.encode_text(prompt)
         if self._bos_id is not None and (not len(tokens) or int(tokens[0]) != self._bos_id):
             tokens = np.concatenate([np.array([self._bos_id], dtype=np.uint32), tokens])
+        keep = kept_tokens(body)
+        if keep is not None:
+            tokens = tokens[-keep:]
         t1 = time.perf_counter()
         root, _ = self.root(body)
         hashes = hash_prompt(tokens, self.block_size, root).hashes
@@ -516,6 +540,9 @@ class PromptProcessor:
             arr = as_u32_array(ids)
         except ValueError as exc:
             raise BadRequest(f"'prompt' {exc}") from None
+        keep = kept_tokens(body)
+        if keep is not None:
+            arr = arr[-keep:]
         root, _ = self.root(body)
         hashes = hash_prompt(arr, self.block_size, root).hashes
         return ProcessedPrompt(
