@@ -215,3 +215,27 @@ async def test_negative_or_huge_counts_are_rejected(
         assert two.prefilling() == 1
         assert two.load.columns((A,)).queued_prefill_tokens[0] == 100
         assert two.exchange.counters.errors == 0
+
+
+async def test_another_pod_with_this_pods_name_is_reported(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    """Two pods configured with one ``pod_name`` ignore each other's load; the clash is
+    counted (and logged) once the namesake shows it is alive, not for a dead one's leftover."""
+    async with pods(redis_server.url, key_prefix, "stream", ("p1",)) as (one,):
+        key = one.exchange.settings.stream_key
+        await eventually(lambda: one.exchange.counters.received >= 1)  # reading its own
+
+        async def send(member: str, seq: int) -> None:
+            body = {"load": [], "m": member, "p": "p1", "s": seq}
+            await one.client.xadd(key, {b"s": json.dumps(body).encode()})
+
+        await send("p1/888888", 5)  # a leftover: one seq, never moves
+        for seq in (1, 2, 3):
+            await send("p1/999999", seq)
+        await eventually(lambda: one.exchange.counters.name_clashes == 1)
+        await send("p1/888888", 5)
+        await send("p1/999999", 4)
+        seen = one.exchange.counters.received
+        await eventually(lambda: one.exchange.counters.received >= seen + 2)
+        assert one.exchange.counters.name_clashes == 1

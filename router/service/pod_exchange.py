@@ -53,10 +53,11 @@ from prometheus_client.registry import Collector
 
 from router.core.load import LoadTracker, PeerLoad
 from router.core.types import ReplicaKey
-from router.service.keys import SETTINGS, STATE
+from router.service.keys import SETTINGS, STATE, WORKERS
 from router.service.load_share import own_load, parse_load
 from router.service.peer_sum import PEER_SUM, PeerSum, peer_sum, summed
 from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare
+from router.service.workers import Workers
 from router.tasks import running, stop_all
 
 _log = logging.getLogger(__name__)
@@ -194,6 +195,7 @@ class Counters:
     errors: int = 0
     rejected: int = 0  # messages too large or unparsable, ignored
     failing: bool = False  # the last Redis call failed
+    name_clashes: int = 0  # live members of another pod that uses this pod's name
 
 
 class PodExchange:
@@ -208,10 +210,16 @@ class PodExchange:
         peers: PeerSum,
         clock: Callable[[], float],
         share: PodShare | None = None,
+        workers: Workers | None = None,
     ) -> None:
         """``share``: also send this member's speculative entries and session bindings and
-        apply the others' (router/service/pod_share.py); None: load only."""
+        apply the others' (router/service/pod_share.py); None: load only. ``workers``: this
+        pod's worker processes (the other members of its name that are its own)."""
         self.settings = settings
+        self.workers = workers
+        self._siblings = {settings.member}  # members of this pod's name that are this pod
+        self._foreign: dict[str, int] = {}  # other members of this name -> first seq seen
+        self._clashed: set[str] = set()
         self.share = share
         self._applied: dict[str, int] = {}  # member -> seq whose shared rows were applied
         self.client = client
@@ -316,10 +324,39 @@ class PodExchange:
             self.counters.rejected += 1
             _log.debug("bad load snapshot in Redis: %s", exc)
             return None
+        if snap.pod == self.settings.pod and snap.member not in self._siblings:
+            self._same_name(snap)
         self.views.take(snap, now)
         if self.share is not None and snap.shared is not None:
             self._apply_shared(self.share, snap, now, age_s)
         return snap.member
+
+    def _same_name(self, snap: Snapshot) -> None:
+        """A member of this pod's name that is none of this pod's processes is another pod
+        configured with the same ``pod_name``: the two ignore each other's load. Counted and
+        logged once it shows it is alive (its seq moves; a dead namesake's leftover entry
+        does not)."""
+        member = snap.member
+        if member in self._clashed:
+            return
+        if self.workers is not None and member not in self._foreign:
+            pids, _ = self.workers.peers()
+            self._siblings.update(f"{self.settings.pod}/{pid}" for pid in pids)
+            if member in self._siblings:
+                return
+        if len(self._foreign) >= GONE_MAX:
+            self._foreign.clear()
+        first = self._foreign.setdefault(member, snap.seq)
+        if first == snap.seq or len(self._clashed) >= GONE_MAX:
+            return
+        self._clashed.add(member)
+        self.counters.name_clashes += 1
+        _log.error(
+            "pod exchange: %s also calls itself pod %r; the two pods ignore each other's "
+            "load: give each its own server.pod_name",
+            member,
+            self.settings.pod,
+        )
 
     def _apply_shared(self, share: PodShare, snap: Snapshot, now: float, age_s: float) -> None:
         """Another member's rows, each message's once (a hash re-read shows the same seq
@@ -467,7 +504,12 @@ class _ExchangeCollector(Collector):
             "Messages (or their shared rows) of other members ignored: too large or malformed",
         )
         rejected.add_metric([], c.rejected + (ex.share.counters.rejected if ex.share else 0))
-        yield from (age, views, snaps, nbytes, errors, up, rejected)
+        clashes = CounterMetricFamily(
+            "kvrouter_pod_exchange_name_clashes",
+            "Live members of another pod that uses this pod's name (each ignores the other)",
+        )
+        clashes.add_metric([], c.name_clashes)
+        yield from (age, views, snaps, nbytes, errors, up, rejected, clashes)
         if ex.share is not None:
             shared = CounterMetricFamily(
                 "kvrouter_pod_exchange_shared",
@@ -512,7 +554,9 @@ def pod_exchange_ctx(app: web.Application) -> Callable[[web.Application], AsyncI
             lambda model: max(state.speculative_ttl.get(model, (0.0, 0.0))),
         )
         share.attach()
-        exchange = PodExchange(settings, client, state.load, app[PEER_SUM], loop.time, share)
+        exchange = PodExchange(
+            settings, client, state.load, app[PEER_SUM], loop.time, share, app.get(WORKERS)
+        )
         collector = _ExchangeCollector(exchange)
         state.metrics.registry.register(collector)
         _log.info(
