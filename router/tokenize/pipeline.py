@@ -102,6 +102,17 @@ def kept_tokens(body: Mapping[str, Any]) -> int | None:
     return k if k >= 1 else None
 
 
+def adds_special_tokens(body: Mapping[str, Any], chat: bool) -> bool:
+    """vLLM's ``add_special_tokens``: the tokenizer's special tokens (a BOS) added to the
+    prompt; false by default for chat (the template writes them), true for completions."""
+    add = body.get("add_special_tokens")
+    if add is None:
+        return not chat
+    if type(add) is not bool:
+        raise BadRequest("'add_special_tokens' must be a boolean")
+    return add
+
+
 def _all_ints(values: list[Any]) -> bool:
     """Every element a JSON integer (``bool`` is not one). One C-level pass over the types:
     token-id prompts run to a million elements."""
@@ -288,13 +299,14 @@ class PromptProcessor:
         broken: LocalTemplate | None = None
         # continuing the final message cuts the render's end: rendered whole
         cont = body.get("continue_final_message") is True
-        keep = kept_tokens(body)  # truncated prompts are rendered whole, then cut
+        # prompts cut or given a BOS are rendered whole, then adjusted (_engine_tokens)
+        plain = kept_tokens(body) is None and not adds_special_tokens(body, chat=True)
         if (
             tokenizer is not None
             and template is not None
             and tokenizer.budget_bytes > 0
             and not cont
-            and keep is None
+            and plain
         ):
             local = template.local_for(tools)
             if local is not None:
@@ -319,11 +331,12 @@ class PromptProcessor:
         # message keys only serve the incremental cache, which short prompts skip
         keys = message_keys(messages, context) if len(text) >= MIN_CACHED_CHARS else []
         enc = tokenizer.encode(text, keys, root, self.block_size)
-        if keep is not None and keep < len(enc.tokens):
+        tokens = enc.tokens if plain else self._engine_tokens(enc.tokens, body, chat=True)
+        if tokens is not enc.tokens:
             t1 = time.perf_counter()
-            hashes = hash_prompt(enc.tokens[-keep:], self.block_size, root).hashes
+            hashes = hash_prompt(tokens, self.block_size, root).hashes
             return ProcessedPrompt(
-                keep, hashes, self.block_size, True, 0, t1 - t0, time.perf_counter() - t1
+                len(tokens), hashes, self.block_size, True, 0, t1 - t0, time.perf_counter() - t1
             )
         return ProcessedPrompt(
             len(enc.tokens),
@@ -513,17 +526,30 @@ class PromptProcessor:
             tokens = self.tokenizer.encode_short(prompt)
         else:
             tokens = self.tokenizer.encode_text(prompt)
-        if self._bos_id is not None and (not len(tokens) or int(tokens[0]) != self._bos_id):
-            tokens = np.concatenate([np.array([self._bos_id], dtype=np.uint32), tokens])
-        keep = kept_tokens(body)
-        if keep is not None:
-            tokens = tokens[-keep:]
+        tokens = self._engine_tokens(tokens, body, chat=False)
         t1 = time.perf_counter()
         root, _ = self.root(body)
         hashes = hash_prompt(tokens, self.block_size, root).hashes
         return ProcessedPrompt(
             len(tokens), hashes, self.block_size, True, 0, t1 - t0, time.perf_counter() - t1
         )
+
+    def _engine_tokens(self, tokens: Any, body: Mapping[str, Any], *, chat: bool) -> Any:
+        """The ids vLLM hands the engine for a prompt tokenized as ``tokens``: a BOS first
+        when the request adds special tokens (:func:`adds_special_tokens`) and the tokenizer
+        has one (not doubled), then the last ``truncate_prompt_tokens`` of them
+        (:func:`kept_tokens`). ``tokens`` itself when neither changes it."""
+        bos = self._bos_id
+        if (
+            bos is not None
+            and adds_special_tokens(body, chat)
+            and (not len(tokens) or int(tokens[0]) != bos)
+        ):
+            tokens = np.concatenate([np.array([bos], dtype=np.uint32), tokens])
+        keep = kept_tokens(body)
+        if keep is not None and keep < len(tokens):
+            tokens = tokens[-keep:]
+        return tokens
 
     def token_array(
         self, tokens: Sequence[int] | np.ndarray, body: Mapping[str, Any] | None = None
