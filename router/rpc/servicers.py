@@ -210,7 +210,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         decode-capable ones; Pick answers one endpoint, and a ``prefill`` one decodes
         nothing."""
         keys = self._candidates(request)
-        md: ModelDisagg | None = self.state.disagg.get(request.model) if self.state.disagg else None
+        md: ModelDisagg | None = self.state.disagg.get(request.model)
         if md is None:
             return keys
         dec: list[ReplicaKey]
@@ -249,7 +249,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # session's turns meet whichever front end they come through
             session = session_key(request.session_id)
             slo_gate = self.state.admission
-            pd = bool(self.state.disagg) and self.state.disagg.get(request.model) is not None
+            pd = request.model in self.state.disagg
             # (disaggregated models are not admission-controlled, as on HTTP)
             if (
                 slo_gate is not None

@@ -249,8 +249,7 @@ class PromptProcessor:
         self, body: Mapping[str, Any]
     ) -> tuple[str, list[Mapping[str, Any]], dict[str, Any] | None]:
         """Rendered text, the messages and the key context (None without a template)."""
-        messages, tools, kwargs, add_gen = self._chat_args(body)
-        cont = body.get("continue_final_message") is True
+        messages, tools, kwargs, add_gen, cont = self._chat_args(body)
         text, context = self._render_text(messages, tools, kwargs, add_gen, cont)
         return text, messages, context
 
@@ -277,7 +276,9 @@ class PromptProcessor:
     @staticmethod
     def _chat_args(
         body: Mapping[str, Any],
-    ) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool]:
+    ) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool, bool]:
+        """(messages, tools as vLLM dumps them, template kwargs, add_generation_prompt,
+        continue_final_message), checked."""
         messages = _check_messages(body)
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, Mapping):
@@ -288,19 +289,19 @@ class PromptProcessor:
             raise BadRequest("'add_generation_prompt' and 'continue_final_message' are booleans")
         if cont:
             add_gen = False
-        return messages, prepare_tools(body.get("tools")), kwargs, add_gen
+        return messages, prepare_tools(body.get("tools")), kwargs, add_gen, cont
 
     def chat(self, body: Mapping[str, Any]) -> ProcessedPrompt:
         t0 = time.perf_counter()
         tokenizer, template = self.tokenizer, self.template
-        messages, tools, kwargs, add_gen = self._chat_args(body)
+        messages, tools, kwargs, add_gen, cont = self._chat_args(body)
         if has_images(messages):
-            return self._chat_images(body, messages, tools, kwargs, add_gen, t0)
+            return self._chat_images(body, messages, tools, kwargs, add_gen, cont, t0)
         broken: LocalTemplate | None = None
-        # continuing the final message cuts the render's end: rendered whole
-        cont = body.get("continue_final_message") is True
-        # prompts cut or given a BOS are rendered whole, then adjusted (_engine_tokens)
-        plain = kept_tokens(body) is None and not adds_special_tokens(body, chat=True)
+        # prompts cut or given a BOS are rendered whole, then adjusted (_engine_tokens);
+        # so are those continuing the final message (the render's end is cut)
+        bos = adds_special_tokens(body, chat=True) and self._bos_id is not None
+        plain = kept_tokens(body) is None and not bos
         if (
             tokenizer is not None
             and template is not None
@@ -355,6 +356,7 @@ class PromptProcessor:
         tools: Any,
         kwargs: Mapping[str, Any],
         add_gen: bool,
+        cont: bool,
         t0: float,
     ) -> ProcessedPrompt:
         """A chat request with image parts (router.tokenize.multimodal): placeholders as the
@@ -364,7 +366,6 @@ class PromptProcessor:
         tokenizer, template, settings = self.tokenizer, self.template, self.images
         marker = settings.placeholder if settings is not None else _IMAGE_MARKER
         with_ph, urls = with_placeholders(messages, marker)
-        cont = body.get("continue_final_message") is True
         text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont)
         if tokenizer is None or template is None:
             return self._approximate(text, body, time.perf_counter() - t0, cut_at=marker)
