@@ -139,6 +139,62 @@ def processor(tmp_path_factory: pytest.TempPathFactory) -> PromptProcessor:
     )
 
 
+# Qwen2-VL's way with content (the "openai" content format): an image's placeholder where its
+# part is, text parts as they are
+QWEN_VL_SOURCE = """
+{%- for message in messages -%}
+<|im_user|>{{ message['role'] }}<|im_middle|>
+{%- if message['content'] is string -%}{{ message['content'] }}
+{%- else -%}
+{%- for content in message['content'] -%}
+{%- if content['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>
+{%- elif content['type'] == 'text' -%}{{ content['text'] }}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+<|im_end|>
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}
+"""
+
+
+def test_openai_format_template_places_the_image_where_its_part_is(
+    processor: PromptProcessor,
+) -> None:
+    template = ChatTemplate.build(QWEN_VL_SOURCE)
+    assert template.content_format == "openai"
+    vl = PromptProcessor(
+        MODEL, 16, tokenizer=processor.tokenizer, template=template, images=SETTINGS
+    )
+    data = png("RGB", (300, 200), 7)
+    body = chat(data_url(data), salt="t1")
+    system, user = body["messages"]
+    text = (
+        f"<|im_user|>system<|im_middle|>{system['content']}<|im_end|>"
+        f"<|im_user|>user<|im_middle|>{user['content'][0]['text']}"
+        f"<|vision_start|>{PAD}<|vision_end|><|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
+    got = vl.chat(body)
+    want = engine_side(vl, body, data, 16, text)
+    assert got.exact and got.block_hashes == want
+    # the string format's placement (placeholder first, then a newline and the text) is
+    # another prompt: the two part in the user turn
+    forced = ChatTemplate.build(QWEN_VL_SOURCE, content_format="string")
+    as_string = PromptProcessor(
+        MODEL, 16, tokenizer=processor.tokenizer, template=forced, images=SETTINGS
+    ).chat(body)
+    assert as_string.exact and len(as_string.block_hashes) == len(want)
+    first = next(
+        i for i, (a, b) in enumerate(zip(want, as_string.block_hashes, strict=True)) if a != b
+    )
+    assert 0 < first < len(want) // 2
+    # without image settings, the blocks before the image are still known
+    plain = PromptProcessor(MODEL, 16, tokenizer=processor.tokenizer, template=template)
+    cut = plain.chat(body)
+    assert not cut.exact and 0 < len(cut.block_hashes) < len(want)
+    assert cut.block_hashes == want[: len(cut.block_hashes)]
+
+
 def chat(url: str | None, salt: str | None = None) -> dict[str, Any]:
     content: list[dict[str, Any]] = [{"type": "text", "text": "What is in this picture? " * 5}]
     if url is not None:
@@ -156,14 +212,20 @@ def chat(url: str | None, salt: str | None = None) -> dict[str, Any]:
 
 
 def engine_side(
-    processor: PromptProcessor, body: dict[str, Any], data: bytes, block_size: int
+    processor: PromptProcessor,
+    body: dict[str, Any],
+    data: bytes,
+    block_size: int,
+    text: str | None = None,
 ) -> list[int]:
-    """What the publisher indexes when vLLM 0.33 serves ``body``: the prompt with the image
-    token expanded by the processor's count, the item's hash from vLLM's hasher, the event
-    extra keys from vLLM's key derivation, re-blocked."""
+    """What the publisher indexes when vLLM 0.33 serves ``body``, whose prompt renders to
+    ``text`` (default: the string content format's placeholders, rendered): the prompt with
+    the image token expanded by the processor's count, the item's hash from vLLM's hasher,
+    the event extra keys from vLLM's key derivation, re-blocked."""
     assert processor.tokenizer is not None
-    msgs, _ = with_placeholders(body["messages"], SETTINGS.placeholder)
-    text, _ = processor._render_text(msgs, None, {}, True)
+    if text is None:
+        msgs, _ = with_placeholders(body["messages"], SETTINGS.placeholder)
+        text, _ = processor._render_text(msgs, None, {}, True)
     ids = [int(t) for t in processor.tokenizer.encode_text(text)]
     pad = processor.tokenizer.tokenizer.special_tokens[PAD]
     at = ids.index(pad)

@@ -117,7 +117,7 @@ def build_session(
 def run(args: argparse.Namespace) -> int:
     from router.tokenize.incremental import IncrementalTokenizer
     from router.tokenize.pipeline import PromptProcessor
-    from router.tokenize.template import ChatTemplate, prepare_messages
+    from router.tokenize.template import ChatTemplate
     from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
 
     directory = BUNDLED_DIR / args.template
@@ -144,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
     import tiktoken
 
     enc: tiktoken.Encoding = tok._enc  # type: ignore[attr-defined]
-    text = template.render(prepare_messages(current["messages"]), tools=current["tools"])
+    text = template.render(
+        template.prepare(current["messages"], current["tools"]), tools=current["tools"]
+    )
     cold_ms, inc_ms, tik_ms = [], [], []
     reused = prompt_tokens = 0
     for _ in range(args.reps):

@@ -9,8 +9,9 @@ File layout (every section optional; see docs/configuration.md)::
     [[replicas]]   url, model, name, rack, region, role, dp_ranks
     [models.NAME]  policy, block_size, hybrid, state_interval_blocks, speculative_ttl_s,
                    speculate_sessions,
-                   context_length, tokenizer, bpe_file, pattern, chat_template, cache_mb,
-                   chars_per_token, add_bos_to_completions
+                   context_length, tokenizer, bpe_file, pattern, chat_template,
+                   chat_template_content_format, cache_mb, chars_per_token,
+                   add_bos_to_completions
     [models.NAME.policy_params]   keys of router.core.policies.make_policy (``cost`` nested)
     [models.NAME.busy]            max_in_flight, max_queued_prefill_tokens, max_kv_usage,
                                   reject_when_all_busy
@@ -61,6 +62,7 @@ from router.service.settings import (
     SloSettings,
     declared_kind,
 )
+from router.tokenize.content_format import CONTENT_FORMAT_OPTIONS
 from router.tokenize.multimodal import ImageSettings
 
 if TYPE_CHECKING:
@@ -235,6 +237,11 @@ def _model(name: str, table: Any) -> ModelSettings:
     skip = (*ROUTING_KEYS, "busy", "policy_params", "images", "slo", "pd", "admission")
     rest = {k: v for k, v in table.items() if k not in skip}
     model = _typed(ModelSettings, {**rest, "name": name}, where)
+    if model.chat_template_content_format not in CONTENT_FORMAT_OPTIONS:
+        raise ConfigError(
+            f"{where}.chat_template_content_format: {model.chat_template_content_format!r} is "
+            "not one of " + ", ".join(CONTENT_FORMAT_OPTIONS)
+        )
     images_tab = table.get("images")
     if images_tab is not None:
         if not isinstance(images_tab, Mapping):

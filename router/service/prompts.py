@@ -26,7 +26,9 @@ def build_processor(
     if model.tokenizer is None:
         template = None
         if model.chat_template:
-            template = _template_file(model.chat_template)
+            template = _template_file(
+                model.chat_template, content_format=model.chat_template_content_format
+            )
         return PromptProcessor(
             model.name, block, template=template, chars_per_token=model.chars_per_token
         )
@@ -40,17 +42,19 @@ def build_processor(
         inc = tokenizers[spec] = IncrementalTokenizer(
             files.tokenizer, budget_bytes=int(model.cache_mb * 2**20)
         )
+    fmt = model.chat_template_content_format
     if model.chat_template:
-        template = _template_file(model.chat_template, read_tokenizer_config(directory))
+        template = _template_file(model.chat_template, read_tokenizer_config(directory), fmt)
     else:
-        template = ChatTemplate.from_tokenizer_config(files.config, directory)
+        template = ChatTemplate.from_tokenizer_config(files.config, directory, fmt)
     if template is not None:
         _log.info(
-            "model %s: chat template is %s",
+            "model %s: chat template is %s; message content in vLLM's %r format",
             model.name,
             "message-local: long conversations render only their new messages"
             if template.local_for(None) is not None
             else "not message-local: long conversations are rendered whole each turn",
+            template.content_format,
         )
     if model.images is not None and model.images.token not in files.tokenizer.special_tokens:
         raise ConfigError(
@@ -68,11 +72,15 @@ def build_processor(
     )
 
 
-def _template_file(path: str, config: Mapping[str, Any] | None = None) -> ChatTemplate:
+def _template_file(
+    path: str, config: Mapping[str, Any] | None = None, content_format: str = "auto"
+) -> ChatTemplate:
     try:
         source = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read chat template {path}: {exc.strerror}") from None
-    found = ChatTemplate.from_tokenizer_config({**(config or {}), "chat_template": source})
+    found = ChatTemplate.from_tokenizer_config(
+        {**(config or {}), "chat_template": source}, content_format=content_format
+    )
     assert found is not None
     return found

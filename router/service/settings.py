@@ -143,6 +143,8 @@ class ModelSettings:
     pattern: str | None = None
     num_reserved: int | None = None
     chat_template: str | None = None  # file overriding the directory's template
+    # vLLM's --chat-template-content-format: auto (from the template), string or openai
+    chat_template_content_format: str = "auto"
     cache_mb: float = 256.0  # incremental tokenization cache
     chars_per_token: float = 4.0  # approximate mode
     add_bos_to_completions: bool = False

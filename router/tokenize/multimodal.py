@@ -15,12 +15,14 @@ tokens the model's processor expands it to and (3) where they start in the promp
    ``min_pixels``..``max_pixels``, one token per 28x28). Exact for those processors with the
    configured pixel bounds (take them from the model's ``preprocessor_config.json``); other
    processors are not modelled: configure ``fixed:N`` only where it holds.
-3. Placement follows vLLM's "string" content format: a message whose content has image parts
-   becomes ``"\\n".join([placeholder] * images + [text])`` (vLLM's
-   ``get_full_multimodal_text_prompt``, placeholders first), the chat template renders it,
-   and every ``token`` in the result is expanded to the image's count. Templates of the
-   "openai" content format (which place ``{"type": "image"}`` parts themselves) are not
-   modelled.
+3. Placement follows the template's content format (router.tokenize.content_format). In
+   the "string" format a message whose content has image parts becomes
+   ``"\\n".join([placeholder] * images + [text])`` (vLLM's
+   ``get_full_multimodal_text_prompt``, placeholders first) and the chat template renders
+   it; in the "openai" format (Qwen2-VL's own template, say) each image part reaches the
+   template as ``{"type": "image"}`` where it is, and the template writes its placeholder
+   (``placeholder`` is then unused). Every ``token`` in the result is expanded to the
+   image's count.
 
 An image the router cannot hash (an ``http(s)`` URL it does not fetch, undecodable data)
 makes the prompt's blocks from that image on unknown: the request is routed on the blocks
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.core.errors import BadRequest
-from router.tokenize.template import part_text
+from router.tokenize.content_format import part_text
 
 MAX_IMAGE_BYTES = 32 * 2**20
 _IMAGE_PART_TYPES = ("image_url", "input_image", "image")
@@ -127,6 +129,39 @@ def has_images(messages: Sequence[Mapping[str, Any]]) -> bool:
                 if isinstance(part, Mapping) and part.get("type") in _IMAGE_PART_TYPES:
                     return True
     return False
+
+
+def image_urls(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The image URLs of ``messages`` in prompt order (the "openai" content format, where
+    the template places each image where its part is)."""
+    urls: list[str] = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, Mapping) and (url := image_url(part)) is not None:
+                    urls.append(url)
+    return urls
+
+
+def marked_images(messages: Sequence[Mapping[str, Any]], marker: str) -> list[Mapping[str, Any]]:
+    """``messages`` with every image part a text part holding ``marker`` (the "openai"
+    content format, to find where the first image starts when its tokens are not known)."""
+    out: list[Mapping[str, Any]] = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list) and any(
+            isinstance(p, Mapping) and p.get("type") in _IMAGE_PART_TYPES for p in content
+        ):
+            parts = [
+                {"type": "text", "text": marker}
+                if isinstance(p, Mapping) and p.get("type") in _IMAGE_PART_TYPES
+                else p
+                for p in content
+            ]
+            m = {**m, "content": parts}
+        out.append(m)
+    return out
 
 
 def with_placeholders(

@@ -25,6 +25,7 @@ from router.tokenize.approx import (
     approx_root,
     approx_tokens,
 )
+from router.tokenize.content_format import content_text
 from router.tokenize.incremental import (
     MIN_CACHED_CHARS,
     IncrementalTokenizer,
@@ -36,14 +37,14 @@ from router.tokenize.multimodal import (
     data_url_bytes,
     has_images,
     image_facts,
+    image_urls,
+    marked_images,
     vllm_image_hash,
     with_placeholders,
 )
 from router.tokenize.template import (
     ChatTemplate,
     NotIncremental,
-    content_text,
-    prepare_messages,
     prepare_tools,
 )
 
@@ -263,7 +264,7 @@ class PromptProcessor:
     ) -> tuple[str, dict[str, Any] | None]:
         if self.template is None:
             return _simple_render(messages, tools), None
-        prepared = prepare_messages(messages)
+        prepared = self.template.prepare(messages, tools)
         text = self.template.render(
             prepared,
             tools=tools,
@@ -365,7 +366,13 @@ class PromptProcessor:
         image settings for the model, an URL it does not fetch) on are left out."""
         tokenizer, template, settings = self.tokenizer, self.template, self.images
         marker = settings.placeholder if settings is not None else _IMAGE_MARKER
-        with_ph, urls = with_placeholders(messages, marker)
+        if template is not None and template.content_format_for(tools) == "openai":
+            # the template places {"type": "image"} parts itself; without settings a text
+            # marker where the first image is finds the prompt before it
+            urls = image_urls(messages)
+            with_ph = messages if settings is not None else marked_images(messages, marker)
+        else:
+            with_ph, urls = with_placeholders(messages, marker)
         text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont)
         if tokenizer is None or template is None:
             return self._approximate(text, body, time.perf_counter() - t0, cut_at=marker)
@@ -435,7 +442,9 @@ class PromptProcessor:
         assert tokenizer is not None and template is not None
         t0 = time.perf_counter()
         keys = message_keys(messages, _key_context(tools, kwargs, add_gen))
-        context = (tools, kwargs, add_gen)
+        # the instrumented template too: models sharing a tokenizer share its cache, and a
+        # render state is only valid for the template that made it
+        context = (tools, kwargs, add_gen, local)
         root, _ = self.root(body)
         bs = self.block_size
         out = None
@@ -444,7 +453,7 @@ class PromptProcessor:
         if prefix is not None:
             start = prefix.start
             cached = prefix.prepared
-            prepared = [*cached, *prepare_messages(messages[len(cached) :])]
+            prepared = [*cached, *template.prepare(messages[len(cached) :], tools)]
             try:
                 parts = template.render_parts(
                     local,
@@ -460,7 +469,7 @@ class PromptProcessor:
             else:
                 out = tokenizer.encode_local(parts, prefix, root, bs)
         if out is None:
-            prepared = list(prepare_messages(messages))
+            prepared = list(template.prepare(messages, tools))
             parts = template.render_parts(
                 local, prepared, 0, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
             )

@@ -7,9 +7,11 @@ sandboxed, ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension
 ``{% generation %}`` tag, a ``tojson`` filter that keeps non-ASCII text, ``raise_exception``
 and ``strftime_now`` globals.
 
-Messages are prepared as vLLM prepares them: text content parts are joined with newlines and
-tool-call arguments given as JSON strings are parsed into objects, so templates that render
-``arguments | tojson`` see what they would see in the engine.
+Messages are prepared as vLLM prepares them: content in the template's content format
+(router.tokenize.content_format: text parts joined with newlines, or a list of parts for
+templates that loop over it) and tool-call arguments given as JSON strings parsed into
+objects, so templates that render ``arguments | tojson`` see what they would see in the
+engine.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from router.core.errors import BadRequest, ConfigError
+from router.tokenize.content_format import (
+    ContentFormat,
+    content_text,
+    openai_parts,
+    resolve_content_format,
+)
 from router.tokenize.local_template import LocalTemplate, RenderedParts, Resume, analyze
 from router.tokenize.render_state import ListLike, StateMismatch, plain
 
@@ -131,43 +139,6 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-# content-part types whose text vLLM reads, and the key it reads it from
-_PART_TEXT_KEYS = {
-    "text": "text",
-    "input_text": "text",
-    "output_text": "text",
-    "refusal": "refusal",
-    "thinking": "thinking",
-}
-
-
-def part_text(part: Any) -> str | None:
-    """Text of one content part as vLLM reads it (a bare string, or the text of a text-like
-    part; a part without ``type`` is read as text here, which vLLM refuses); None for parts
-    without text (images, ...)."""
-    if isinstance(part, str):
-        return part
-    if isinstance(part, Mapping):
-        kind = part.get("type")
-        key = (
-            "text" if kind is None else _PART_TEXT_KEYS.get(kind) if isinstance(kind, str) else None
-        )
-        value = part.get(key) if key is not None else None
-        return value if isinstance(value, str) else None
-    return None
-
-
-def content_text(content: Any) -> str | None:
-    """Text of an OpenAI message ``content``: a string, or the texts of a list's parts joined
-    with newlines, empty ones left out (vLLM's "string" content format). None for a missing
-    content."""
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join([t for t in map(part_text, content) if t])
-    raise BadRequest("message content must be a string or a list of content parts")
-
-
 _ARGS_CACHE: dict[str, Any] = {}
 _ARGS_CACHE_MAX = 8192
 
@@ -209,26 +180,34 @@ _PLAIN_KEYS = frozenset({"role", "content", "name"})
 _PLAIN_TOOL_KEYS = frozenset({"role", "content", "name", "tool_call_id"})
 
 
-def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def prepare_messages(
+    messages: Sequence[Mapping[str, Any]], content_format: ContentFormat = "string"
+) -> list[dict[str, Any]]:
     """``messages`` as vLLM hands them to the template (vllm/entrypoints/chat_utils.py): the
-    content a string (text parts joined, see :func:`content_text`; a missing one empty); of
-    the other keys only ``name``, an assistant's ``tool_calls`` (arguments parsed, see
-    :func:`_parse_arguments`; an empty list dropped) and ``reasoning`` (also given as
-    ``reasoning_content``), a tool result's ``tool_call_id``. Plain messages are passed as
-    they are, the others rebuilt."""
+    content in ``content_format`` (router.tokenize.content_format: a string of the text
+    parts, a missing one empty; or a list of parts); of the other keys only ``name``, an
+    assistant's ``tool_calls`` (arguments parsed, see :func:`_parse_arguments`; an empty list
+    dropped) and ``reasoning`` (also given as ``reasoning_content``), a tool result's
+    ``tool_call_id``. Plain messages of the string format are passed as they are, the others
+    rebuilt."""
+    openai = content_format == "openai"
     out: list[dict[str, Any]] = []
     for m in messages:
         content = m.get("content")
         role = m.get("role")
         if (
-            type(m) is dict
+            not openai
+            and type(m) is dict
             and type(content) is str
             and (m.keys() <= _PLAIN_KEYS or (role == "tool" and m.keys() <= _PLAIN_TOOL_KEYS))
             and type(m.get("name", "")) is str
         ):
             out.append(m)  # nothing to change; the sandbox keeps templates from mutating it
             continue
-        msg: dict[str, Any] = {"role": role, "content": content_text(content) or ""}
+        msg: dict[str, Any] = {
+            "role": role,
+            "content": openai_parts(content) if openai else content_text(content) or "",
+        }
         if role == "assistant":
             calls = m.get("tool_calls")
             if isinstance(calls, list):
@@ -280,6 +259,21 @@ def prepare_tools(tools: Any) -> Any:
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
+def _tag_final_message(messages: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The final message with transformers' marker after its text: after a string content,
+    or after the text of its last part that has one."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, str):
+        return {**messages[-1], "content": content + _CONTINUE_TAG}
+    if isinstance(content, list):
+        for at in range(len(content) - 1, -1, -1):
+            part = content[at]
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                tagged = {**part, "text": part["text"] + _CONTINUE_TAG}
+                return {**messages[-1], "content": [*content[:at], tagged, *content[at + 1 :]]}
+    raise TemplateError("continue_final_message is set but there is nothing to continue")
+
+
 def _cut_at_continue_tag(text: str) -> str:
     at = text.rfind(_CONTINUE_TAG.strip())
     if at < 0:
@@ -301,6 +295,9 @@ class ChatTemplate:
     bos_token: str = ""
     eos_token: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
+    # how each template wants message content (router.tokenize.content_format)
+    content_format: ContentFormat = "string"
+    tool_content_format: ContentFormat = "string"
     # set by build(), which every ChatTemplate comes from
     _compiled: jinja2.Template | None = field(default=None, compare=False, repr=False)
     _compiled_tools: jinja2.Template | None = field(default=None, compare=False, repr=False)
@@ -317,7 +314,10 @@ class ChatTemplate:
         bos_token: str = "",
         eos_token: str = "",
         extra: Mapping[str, str] | None = None,
+        content_format: str = "auto",
     ) -> ChatTemplate:
+        """``content_format``: vLLM's ``--chat-template-content-format`` ("auto" detects it
+        from each template as vLLM does)."""
         env = _environment()
         try:
             compiled = env.from_string(source)
@@ -330,6 +330,8 @@ class ChatTemplate:
             bos_token,
             eos_token,
             dict(extra or {}),
+            resolve_content_format(content_format, env, source),
+            resolve_content_format(content_format, env, tool_source) if tool_source else "string",
             compiled,
             compiled_tools,
             analyze(env, source),
@@ -338,9 +340,13 @@ class ChatTemplate:
 
     @classmethod
     def from_tokenizer_config(
-        cls, config: Mapping[str, Any], directory: Path | None = None
+        cls,
+        config: Mapping[str, Any],
+        directory: Path | None = None,
+        content_format: str = "auto",
     ) -> ChatTemplate | None:
-        """The template of a ``tokenizer_config.json`` (or ``chat_template.jinja`` beside it)."""
+        """The template of a ``tokenizer_config.json`` (or ``chat_template.jinja`` beside it);
+        ``content_format`` as for :meth:`build`."""
         raw = config.get("chat_template")
         if raw is None and directory is not None and (directory / "chat_template.jinja").exists():
             raw = (directory / "chat_template.jinja").read_text(encoding="utf-8")
@@ -369,7 +375,21 @@ class ChatTemplate:
             bos_token=tok("bos_token"),
             eos_token=tok("eos_token"),
             extra=extra,
+            content_format=content_format,
         )
+
+    def content_format_for(self, tools: Sequence[Any] | None) -> ContentFormat:
+        """The content format of the template :meth:`render` uses for a request with
+        ``tools``."""
+        if tools and self._compiled_tools is not None:
+            return self.tool_content_format
+        return self.content_format
+
+    def prepare(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None
+    ) -> list[dict[str, Any]]:
+        """:func:`prepare_messages` in this template's content format for ``tools``."""
+        return prepare_messages(messages, self.content_format_for(tools))
 
     def render(
         self,
@@ -389,12 +409,7 @@ class ChatTemplate:
         template = self._compiled_tools if tools and self._compiled_tools else self._compiled
         assert template is not None, "ChatTemplate.build compiles the template"
         if continue_final_message:
-            if not messages or not isinstance(messages[-1].get("content"), str):
-                raise TemplateError(
-                    "continue_final_message is set but there is nothing to continue"
-                )
-            last = {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}
-            messages = [*messages[:-1], last]
+            messages = [*messages[:-1], _tag_final_message(messages)]
         variables = self._variables(messages, tools, add_generation_prompt, kwargs)
         try:
             text = str(template.render(variables))

