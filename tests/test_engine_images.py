@@ -23,6 +23,7 @@ from router.core.errors import BadRequest
 from router.core.types import BlocksStored
 from router.events.decode import decode_payload
 from router.events.reblock import Reblocker
+from router.service.render import parse_rendered
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.multimodal import (
     ImageSettings,
@@ -217,6 +218,7 @@ def engine_side(
     data: bytes,
     block_size: int,
     text: str | None = None,
+    render: dict[str, Any] | None = None,
 ) -> list[int]:
     """What the publisher indexes when vLLM 0.33 serves ``body``, whose prompt renders to
     ``text`` (default: the string content format's placeholders, rendered): the prompt with
@@ -232,6 +234,12 @@ def engine_side(
     image = Image.open(io.BytesIO(data))
     count = SETTINGS.count(*image.size)
     ids = ids[:at] + [pad] * count + ids[at + 1 :]
+    if render is not None:  # vLLM's render endpoint's answer for this request
+        render["token_ids"] = ids
+        render["features"] = {
+            "mm_hashes": {"image": [vllm_hash(data)]},
+            "mm_placeholders": {"image": [{"offset": at, "length": count}]},
+        }
     be = 16
     feature = SimpleNamespace(
         identifier=vllm_hash(data), mm_position=SimpleNamespace(offset=at, length=count)
@@ -277,8 +285,12 @@ def test_image_prompt_hashes_match_the_engines_blocks(
     data = png(mode, (300, 200), 7)
     body = chat(data_url(data), salt="t1")
     got = processor.chat(body)
-    want = engine_side(processor, body, data, 16)
+    answer: dict[str, Any] = {}
+    want = engine_side(processor, body, data, 16, render=answer)
     assert got.exact and got.block_hashes == want
+    # a model rendered by the engine (router/service/render.py) hashes its answer the same
+    rendered = processor.engine_rendered(parse_rendered("chat", answer), body, 0.0)
+    assert rendered.block_hashes == want
     assert got.prompt_tokens // 16 == len(want)
     # another image of the same size (same token count): equal up to the image's block
     other = processor.chat(chat(data_url(png(mode, (300, 200), 8)), salt="t1")).block_hashes

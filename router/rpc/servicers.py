@@ -232,8 +232,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise BadRequest("model is required")
             fn, arg, size = self._prompt(request)
             # the HTTP endpoints' limits, and a large prompt processed off the event loop
+            kind = (
+                None
+                if isinstance(arg, array.array)
+                else "chat"
+                if "messages" in arg
+                else "completion"
+            )
             prompt = await checked_prompt(
-                self.state, request.model, fn, arg, offload=size >= THREAD_MIN_BODY
+                self.state, request.model, fn, arg, offload=size >= THREAD_MIN_BODY, kind=kind
             )
             now = self.clock()
             self._expire(now)

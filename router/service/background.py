@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -17,6 +18,7 @@ from aiohttp import web
 from router.core.types import ReplicaKey
 from router.service.keys import FORWARDER, INDEX_SYNC, SESSION, SETTINGS, STATE
 from router.service.proxy import Forwarder
+from router.service.render import EngineRenderer, render_targets
 from router.service.upstream import Client, Timeouts
 
 _log = logging.getLogger("kvrouter.service")
@@ -35,6 +37,19 @@ async def upstream_session(app: web.Application) -> AsyncIterator[None]:
         skip_auto_headers=("User-Agent",),
     )
     app[SESSION] = session
+    state = app[STATE]
+    render_session = None
+    if any(m.render == "engine" for m in app[SETTINGS].models.values()):
+        render_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit_per_host=64, keepalive_timeout=60),
+            skip_auto_headers=("User-Agent",),
+        )
+        state.renderer = EngineRenderer(
+            app[SETTINGS].models,
+            partial(render_targets, state),
+            state.metrics.render_requests,
+            render_session,
+        )
     tasks = [asyncio.create_task(_housekeeping(app))]
     if s.outlier_detection:
         tasks.append(asyncio.create_task(_outlier_sweep(app)))
@@ -49,6 +64,9 @@ async def upstream_session(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await session.close()
+    if render_session is not None:
+        state.renderer = None
+        await render_session.close()
     client.close()
 
 

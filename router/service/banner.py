@@ -24,7 +24,11 @@ def describe(state: RouterState, host: str, port: int, max_connections: int) -> 
     for model in sorted(state.processors):
         reps = [r for r in cfg.replicas if r.model == model]
         processor = state.processors[model]
-        if processor.exact:
+        render = cfg.model(model)
+        if render.render == "engine":
+            where = render.render_url or "the model's replicas"
+            mode = f"exact (rendered by the engine: {where}; the router's own stands in)"
+        elif processor.exact:
             mode = f"exact (tokenizer {cfg.model(model).tokenizer})"
         else:
             mode = (

@@ -11,7 +11,8 @@ File layout (every section optional; see docs/configuration.md)::
                    speculate_sessions,
                    context_length, tokenizer, bpe_file, pattern, chat_template,
                    chat_template_content_format, cache_mb, chars_per_token,
-                   add_bos_to_completions
+                   add_bos_to_completions, render, render_url, render_timeout_s,
+                   render_api_key (router/service/render.py)
     [models.NAME.policy_params]   keys of router.core.policies.make_policy (``cost`` nested)
     [models.NAME.busy]            max_in_flight, max_queued_prefill_tokens, max_kv_usage,
                                   reject_when_all_busy
@@ -242,6 +243,15 @@ def _model(name: str, table: Any) -> ModelSettings:
             f"{where}.chat_template_content_format: {model.chat_template_content_format!r} is "
             "not one of " + ", ".join(CONTENT_FORMAT_OPTIONS)
         )
+    if model.render not in ("local", "engine"):
+        raise ConfigError(f"{where}.render: {model.render!r} is not one of local, engine")
+    if model.render_url is not None:
+        parts = urlsplit(model.render_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"{where}.render_url: {model.render_url!r} is not an http(s) URL")
+        model = replace(model, render_url=model.render_url.rstrip("/"))
+    if not (isinstance(model.render_timeout_s, int | float) and model.render_timeout_s > 0):
+        raise ConfigError(f"{where}.render_timeout_s: expected a positive number of seconds")
     images_tab = table.get("images")
     if images_tab is not None:
         if not isinstance(images_tab, Mapping):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import xxhash
@@ -180,7 +181,7 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     processor = state.processor(model)
     fn = processor.chat if kind == "chat" else processor.completion
     offload = size >= THREAD_MIN_BODY and not _token_ids(body)
-    prompt = await checked_prompt(state, model, fn, body, offload=offload)
+    prompt = await checked_prompt(state, model, fn, body, offload=offload, kind=kind)
     max_out = body.get("max_completion_tokens") or body.get("max_tokens")
     tier = body.get("service_tier")
     parse_service_tier(tier)  # a bad value is a 400, admission on or off
@@ -205,15 +206,30 @@ async def checked_prompt(
     arg: _A,
     *,
     offload: bool,
+    kind: str | None = None,
 ) -> ProcessedPrompt:
     """``fn(arg)``, the processed prompt, within the limits of every front end (the model's
     context length, ``server.max_prompt_tokens``); ``offload``: processed on a worker
     thread, off the event loop (large prompts: the loop serves every other request
-    meanwhile). The HTTP endpoints (:func:`admit`) and gRPC Pick both call it."""
-    if offload:
-        prompt = await asyncio.get_running_loop().run_in_executor(None, fn, arg)
+    meanwhile). The HTTP endpoints (:func:`admit`) and gRPC Pick both call it.
+
+    ``kind`` ("chat" / "completion": ``arg`` is such a request body): for a model rendered
+    by the engine (router/service/render.py) the engine's render comes first; ``fn(arg)``
+    stands in, marked provisional, when no engine answered."""
+    renderer = state.renderer
+    rendered = kind is not None and renderer is not None and renderer.serves(model)
+    from_engine: ProcessedPrompt | None = None
+    if rendered:
+        from_engine = await renderer.prompt(model, kind, arg, state.processor(model))
+    if from_engine is not None:
+        prompt = from_engine
     else:
-        prompt = fn(arg)
+        if offload:
+            prompt = await asyncio.get_running_loop().run_in_executor(None, fn, arg)
+        else:
+            prompt = fn(arg)
+        if rendered:
+            prompt = replace(prompt, provisional=True)
     state.check_context(model, prompt)
     check_prompt_tokens(state.settings.server, prompt.prompt_tokens)
     return prompt
@@ -339,7 +355,8 @@ async def serve_completion(
             body = parse_body(raw)
             model = body.get("model")
             admitted = await admit(state, body, len(raw), kind)
-            state.body_memo.put(kind, raw, admitted)
+            if not admitted.prompt.provisional:
+                state.body_memo.put(kind, raw, admitted)
         else:
             model = admitted.model
             state.processor(admitted.model)  # the model may have lost its replicas since: 404

@@ -390,6 +390,14 @@ class Metrics:
             ["model", "reason"],
             registry=r,
         )
+        self.render_requests = LoopCounter(
+            "kvrouter_render_requests",
+            "Prompts of render = engine models sent to an engine's render endpoint, by "
+            "outcome: ok, refused (the engine refused the request), fallback (no usable "
+            "answer: the router rendered the prompt itself)",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.approximate = LoopCounter(
             "kvrouter_approximate_requests",
             "Requests routed in approximate mode (no tokenizer for the model)",

@@ -145,6 +145,11 @@ class ModelSettings:
     chat_template: str | None = None  # file overriding the directory's template
     # vLLM's --chat-template-content-format: auto (from the template), string or openai
     chat_template_content_format: str = "auto"
+    # "engine": prompts rendered by the engine's render endpoints (router/service/render.py)
+    render: str = "local"
+    render_url: str | None = None  # a renderer's base URL; None: the model's replicas
+    render_timeout_s: float = 5.0
+    render_api_key: str | None = None  # bearer token for the render endpoints
     cache_mb: float = 256.0  # incremental tokenization cache
     chars_per_token: float = 4.0  # approximate mode
     add_bos_to_completions: bool = False

@@ -89,6 +89,9 @@ class RouterState:
         self.slos: dict[str, SloTargets] = {}
         # SLO-aware admission (router/service/admission.py), set by the app
         self.admission: Any = None
+        # engine rendering of the models with render = "engine" (router/service/render.py),
+        # set by the app while its HTTP client session lives
+        self.renderer: Any = None
         # per model: speculative TTL of (approximate, exact) prompts (see _add_model)
         self.speculative_ttl: dict[str, tuple[float, float]] = {}
         self.layouts = ModelLayouts(self.engines, self.index, self.registry.keys_for)

@@ -70,6 +70,9 @@ class ProcessedPrompt:
     # the longest single prompt (what must fit the model's context); 0: ``prompt_tokens``.
     # Differs for a batch of completion prompts, whose ``prompt_tokens`` is their sum.
     longest_tokens: int = 0
+    # a stand-in for what the engine would have rendered (router/service/render.py): not
+    # kept by the body memo
+    provisional: bool = False
 
     @property
     def context_tokens(self) -> int:
@@ -560,6 +563,30 @@ class PromptProcessor:
         if keep is not None and keep < len(tokens):
             tokens = tokens[-keep:]
         return tokens
+
+    def engine_rendered(
+        self,
+        prompts: Sequence[tuple[np.ndarray, Sequence[MmItem]]],
+        body: Mapping[str, Any],
+        render_s: float,
+    ) -> ProcessedPrompt:
+        """Routing view of prompts the engine rendered itself (router/service/render.py):
+        their token ids as the engine will run them (template, truncation and special
+        tokens already applied) and their multimodal items, keyed into the blocks as the
+        engine keys them. Several prompts: a completion batch (:func:`_batch`)."""
+        if not prompts:
+            raise BadRequest("the engine rendered no prompt")
+        root, _ = self.root(body)
+        bs = self.block_size
+        entries = []
+        for ids, items in prompts:
+            t0 = time.perf_counter()
+            extras = mm_block_extras(items, bs) if items else None
+            hashes = hash_prompt(ids, bs, root, extras=extras).hashes
+            entries.append(
+                ProcessedPrompt(len(ids), hashes, bs, True, 0, render_s, time.perf_counter() - t0)
+            )
+        return _batch(entries)
 
     def token_array(
         self, tokens: Sequence[int] | np.ndarray, body: Mapping[str, Any] | None = None

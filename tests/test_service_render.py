@@ -1,0 +1,196 @@
+"""Models rendered by the engine (router/service/render.py): the router hashes the token ids
+the replicas' render endpoints answer, so its predictions match the engine's cache for a
+model whose template it cannot reproduce (here: no tokenizer at all); a refused request
+keeps the engine's message; an unreachable renderer degrades routing, never requests. Real
+mock replicas (render endpoints, ZMQ events), real HTTP, the official openai client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+from aiohttp import web
+
+from router.core.errors import ConfigError
+from router.core.hashing import MmItem, hash_prompt, mm_block_extras, root_hash
+from router.mock.server import MockSettings
+from router.service.app import STATE
+from router.service.config import build_settings
+from router.service.render import RenderFailed, parse_rendered
+from router.tokenize.pipeline import PromptProcessor
+from tests.backends import metric_sample, start_mock, start_router
+from tests.ports import free_port
+from tests.waiting import eventually
+
+B = 16
+
+
+async def _fleet(n: int, runners: list[web.AppRunner], **mock: Any) -> list[dict[str, Any]]:
+    """``n`` mock replicas of model "m" publishing KV events over ZMQ, as router replica
+    tables."""
+    replicas = []
+    for i in range(n):
+        zmq, replay = free_port(), free_port()
+        settings = MockSettings(
+            model="m", replica=f"r{i}", block_size=B, engine_block_size=B,
+            zmq_endpoint=f"tcp://127.0.0.1:{zmq}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
+            **mock,
+        )  # fmt: skip
+        runner, base = await start_mock(settings)
+        runners.append(runner)
+        replicas.append(
+            {"url": base, "model": "m", "name": f"r{i}", "zmq": settings.zmq_endpoint,
+             "zmq_replay": settings.replay_endpoint}
+        )  # fmt: skip
+    return replicas
+
+
+def _chat(turns: int) -> list[Any]:
+    messages = [{"role": "system", "content": "You are terse. " * 40}]
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"question {i}: " + "why? " * 30})
+        messages.append({"role": "assistant", "content": f"answer {i}"})
+    return messages
+
+
+async def test_engine_rendered_prompts_predict_the_engines_cache() -> None:
+    runners: list[web.AppRunner] = []
+    try:
+        replicas = await _fleet(2, runners)
+        # no tokenizer: on its own the router could only approximate this model's prompts
+        model = {"block_size": B, "policy": "ours", "render": "engine"}
+        router, url = await start_router(
+            build_settings({"replicas": replicas, "models": {"m": model}})
+        )
+        runners.append(router)
+        state = router.app[STATE]
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        first = await client.chat.completions.create(model="m", messages=_chat(2), max_tokens=2)
+        decided = state.recent_decisions(1)[0]
+        assert first.usage is not None and first.usage.prompt_tokens == decided["prompt_tokens"]
+        cached = first.usage.prompt_tokens // B
+        await eventually(lambda: state.index.stats().kv_entries >= cached)
+        second = await client.chat.completions.create(model="m", messages=_chat(3), max_tokens=2)
+        assert second.usage is not None and second.usage.prompt_tokens_details is not None
+        engine_hit = second.usage.prompt_tokens_details.cached_tokens
+        last = state.recent_decisions(1)[0]
+        assert engine_hit and engine_hit >= B * (cached - 1)
+        assert last["usable_tokens"] == engine_hit and last["replica"] == decided["replica"]
+        page = state.metrics.render().decode()
+        assert metric_sample(page, "kvrouter_render_requests_total", model="m", outcome="ok") == 2
+        assert not metric_sample(page, "kvrouter_approximate_requests_total", model="m")
+        await client.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def test_a_request_the_engine_refuses_gets_its_message() -> None:
+    runners: list[web.AppRunner] = []
+    try:
+        replicas = await _fleet(1, runners, max_model_len=300)
+        model = {"block_size": B, "render": "engine"}
+        router, url = await start_router(
+            build_settings({"replicas": replicas, "models": {"m": model}})
+        )
+        runners.append(router)
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="more than max_model_len 300"):
+            await client.chat.completions.create(model="m", messages=_chat(4), max_tokens=2)
+        page = router.app[STATE].metrics.render().decode()
+        assert metric_sample(page, "kvrouter_render_requests_total", outcome="refused") == 1
+        await client.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def test_an_unreachable_renderer_falls_back_and_the_request_is_served() -> None:
+    runners: list[web.AppRunner] = []
+    try:
+        replicas = await _fleet(1, runners)
+        model = {
+            "block_size": B,
+            "render": "engine",
+            "render_url": f"http://127.0.0.1:{free_port()}",  # nothing listens there
+            "render_timeout_s": 2.0,
+        }
+        router, url = await start_router(
+            build_settings({"replicas": replicas, "models": {"m": model}})
+        )
+        runners.append(router)
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        for _ in range(2):  # the fallback is not memoised: the same body asks again
+            done = await client.chat.completions.create(model="m", messages=_chat(1), max_tokens=2)
+            assert done.choices[0].finish_reason is not None
+        page = router.app[STATE].metrics.render().decode()
+        assert metric_sample(page, "kvrouter_render_requests_total", outcome="fallback") == 2
+        assert metric_sample(page, "kvrouter_approximate_requests_total", model="m") == 2
+        await client.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def test_render_answers_are_read_as_vllm_writes_them() -> None:
+    chat = {
+        "token_ids": [1, 2, 3],
+        "features": {
+            "mm_hashes": {"image": ["b", "a"], "audio": ["c"]},
+            "mm_placeholders": {
+                "image": [{"offset": 9, "length": 4}, {"offset": 1, "length": 2}],
+                "audio": [{"offset": 5, "length": 1}],
+            },
+            "kwargs_data": None,
+        },
+    }
+    [(ids, items)] = parse_rendered("chat", chat)
+    assert ids.dtype == np.uint32 and ids.tolist() == [1, 2, 3]
+    assert items == [MmItem(1, "a"), MmItem(5, "c"), MmItem(9, "b")]
+    batch = parse_rendered(
+        "completion", [{"token_ids": [4]}, {"token_ids": [5, 6], "features": None}]
+    )
+    assert [i.tolist() for i, _ in batch] == [[4], [5, 6]]
+    for bad in (
+        {"token_ids": "x"},
+        {"token_ids": [-1]},
+        {"token_ids": [1], "features": {"mm_hashes": {"image": ["a"]}, "mm_placeholders": {}}},
+        {
+            "token_ids": [1],
+            "features": {
+                "mm_hashes": {"image": ["a"]},
+                "mm_placeholders": {"image": [{"offset": -2}]},
+            },
+        },
+    ):
+        with pytest.raises(RenderFailed):
+            parse_rendered("chat", bad)
+    with pytest.raises(RenderFailed):
+        parse_rendered("completion", chat)  # a completion answer is a list
+
+
+def test_rendered_prompts_hash_with_the_request_root_and_image_keys() -> None:
+    proc = PromptProcessor("m", B)
+    ids = np.arange(1, 50, dtype=np.uint32)
+    items = [MmItem(20, "img")]
+    got = proc.engine_rendered([(ids, items)], {"cache_salt": "s"}, 0.01)
+    root = root_hash("m", "s")
+    assert got.exact and got.prompt_tokens == 49
+    assert got.block_hashes == hash_prompt(ids, B, root, extras=mm_block_extras(items, B)).hashes
+    assert got.block_hashes[0] == hash_prompt(ids, B, root).hashes[0]  # blocks before the image
+    assert got.block_hashes[1] != hash_prompt(ids, B, root).hashes[1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"render": "remote"}, "render"),
+        ({"render": "engine", "render_url": "ftp://x"}, "render_url"),
+        ({"render": "engine", "render_timeout_s": 0}, "render_timeout_s"),
+    ],
+)
+def test_render_settings_are_checked(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_settings({"models": {"m": extra}})
