@@ -116,6 +116,21 @@ def test_truncate_prompt_tokens_hashes_the_last_tokens_vllm_keeps() -> None:
     for bad in (-2, 1.5, "10", True):
         with pytest.raises(BadRequest):
             proc.completion({"prompt": ids, "truncate_prompt_tokens": bad})
+    # vLLM's truncation_side: "right" keeps the first k ids ("left", the default, the last)
+    right = {"truncate_prompt_tokens": 200, "truncation_side": "right"}
+    assert proc.completion({"prompt": ids, **right}).block_hashes == (
+        hash_prompt(ids[:200], 1, root).hashes
+    )
+    assert proc.completion({"prompt": text, **right}).block_hashes == (
+        hash_prompt(tokens[:200], 1, root).hashes
+    )
+    assert proc.chat({**chat, **right}).block_hashes == hash_prompt(chat_ids[:200], 1, root).hashes
+    left = proc.completion(
+        {"prompt": ids, "truncate_prompt_tokens": 200, "truncation_side": "left"}
+    )
+    assert left.block_hashes == got.block_hashes
+    with pytest.raises(BadRequest, match="truncation_side"):
+        proc.completion({"prompt": ids, "truncate_prompt_tokens": 9, "truncation_side": "up"})
 
 
 def test_add_special_tokens_adds_or_leaves_out_the_bos_as_vllm() -> None:

@@ -106,6 +106,17 @@ def kept_tokens(body: Mapping[str, Any]) -> int | None:
     return k if k >= 1 else None
 
 
+def truncated(tokens: Any, keep: int, body: Mapping[str, Any]) -> Any:
+    """``tokens`` cut to ``keep`` as vLLM cuts them: the last ``keep`` (truncation side
+    "left", the default), or the first with a request's ``"truncation_side": "right"``."""
+    side = body.get("truncation_side")
+    if side is None or side == "left":
+        return tokens[-keep:] if keep < len(tokens) else tokens
+    if side == "right":
+        return tokens[:keep]
+    raise BadRequest("'truncation_side' must be \"left\" or \"right\"")
+
+
 def adds_special_tokens(body: Mapping[str, Any], chat: bool) -> bool:
     """vLLM's ``add_special_tokens``: the tokenizer's special tokens (a BOS) added to the
     prompt; false by default for chat (the template writes them), true for completions."""
@@ -550,8 +561,8 @@ class PromptProcessor:
     def _engine_tokens(self, tokens: Any, body: Mapping[str, Any], *, chat: bool) -> Any:
         """The ids vLLM hands the engine for a prompt tokenized as ``tokens``: a BOS first
         when the request adds special tokens (:func:`adds_special_tokens`) and the tokenizer
-        has one (not doubled), then the last ``truncate_prompt_tokens`` of them
-        (:func:`kept_tokens`). ``tokens`` itself when neither changes it."""
+        has one (not doubled), then ``truncate_prompt_tokens`` of them (:func:`kept_tokens`,
+        :func:`truncated`). ``tokens`` itself when neither changes it."""
         bos = self._bos_id
         if (
             bos is not None
@@ -560,8 +571,8 @@ class PromptProcessor:
         ):
             tokens = np.concatenate([np.array([bos], dtype=np.uint32), tokens])
         keep = kept_tokens(body)
-        if keep is not None and keep < len(tokens):
-            tokens = tokens[-keep:]
+        if keep is not None:
+            tokens = truncated(tokens, keep, body)
         return tokens
 
     def engine_rendered(
@@ -605,7 +616,7 @@ class PromptProcessor:
             raise BadRequest(f"'prompt' {exc}") from None
         keep = kept_tokens(body)
         if keep is not None:
-            arr = arr[-keep:]
+            arr = truncated(arr, keep, body)
         root, _ = self.root(body)
         hashes = hash_prompt(arr, self.block_size, root).hashes
         return ProcessedPrompt(
