@@ -134,6 +134,8 @@ async def test_the_session_id_reaches_the_routing_engine(fleet: Fleet) -> None:
 def test_session_ids_come_from_the_header_then_metadata_then_user() -> None:
     body = {"metadata": {"session_id": "m"}, "user": "u"}
     assert body_session(body) == "m"
+    assert body_session({**body, "session_id": "v"}) == "v"  # vLLM's own field first
+    assert body_session({**body, "session_id": ""}) == "m"
     assert body_session({"user": "u"}) == "u"
     assert body_session({"metadata": {"session_id": 7}, "user": "u"}) == "u"
     assert body_session({"metadata": "odd"}) is None

@@ -150,7 +150,11 @@ def session_of(headers: Iterable[tuple[bytes, bytes]], body_session: str | None)
 
 
 def body_session(body: dict[str, Any]) -> str | None:
-    """``metadata.session_id`` (OpenAI's free-form request metadata), else ``user``."""
+    """``session_id`` (vLLM's request field), else ``metadata.session_id`` (OpenAI's
+    free-form request metadata), else ``user``."""
+    found = session_key(body.get("session_id"))
+    if found is not None:
+        return found
     metadata = body.get("metadata")
     if isinstance(metadata, dict):
         found = session_key(metadata.get("session_id"))

@@ -114,7 +114,7 @@ def truncated(tokens: Any, keep: int, body: Mapping[str, Any]) -> Any:
         return tokens[-keep:] if keep < len(tokens) else tokens
     if side == "right":
         return tokens[:keep]
-    raise BadRequest("'truncation_side' must be \"left\" or \"right\"")
+    raise BadRequest('\'truncation_side\' must be "left" or "right"')
 
 
 def adds_special_tokens(body: Mapping[str, Any], chat: bool) -> bool:
