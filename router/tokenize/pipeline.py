@@ -298,6 +298,21 @@ class PromptProcessor:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, Mapping):
             raise BadRequest("'chat_template_kwargs' must be an object")
+        # what vLLM adds to the template's variables (ChatCompletionRequest.build_chat_params)
+        effort, documents = body.get("reasoning_effort"), body.get("documents")
+        if effort is not None or documents is not None:
+            extra: dict[str, Any] = {}
+            if effort is not None:
+                if not isinstance(effort, str):
+                    raise BadRequest("'reasoning_effort' must be a string")
+                extra["reasoning_effort"] = effort
+                if "enable_thinking" not in kwargs:
+                    extra["enable_thinking"] = effort != "none"
+            if documents is not None:
+                if not isinstance(documents, list):
+                    raise BadRequest("'documents' must be an array of objects")
+                extra["documents"] = documents
+            kwargs = {**kwargs, **extra}
         add_gen = body.get("add_generation_prompt", True)
         cont = body.get("continue_final_message", False)
         if not isinstance(add_gen, bool) or not isinstance(cont, bool):
