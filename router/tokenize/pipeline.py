@@ -338,6 +338,8 @@ class PromptProcessor:
             and tokenizer.budget_bytes > 0
             and not cont
             and plain
+            # developer messages merged into the first system one: no stable history
+            and not template.converts_developer(messages, tools)
         ):
             local = template.local_for(tools)
             if local is not None:
@@ -498,7 +500,7 @@ class PromptProcessor:
             else:
                 out = tokenizer.encode_local(parts, prefix, root, bs)
         if out is None:
-            prepared = list(template.prepare(messages, tools))
+            prepared = template.prepare(messages, tools)
             parts = template.render_parts(
                 local, prepared, 0, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
             )

@@ -230,6 +230,43 @@ def prepare_messages(
     return out
 
 
+def developer_as_system(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """vLLM's treatment of ``developer`` messages for a template that does not name that
+    role (vllm/renderers/hf.py): each becomes a ``system`` message, then, when a system
+    message is not first or there are several, all of them are merged into one first
+    message, their texts (parts' texts joined with newlines) joined with blank lines."""
+    converted = [
+        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
+        if m.get("role") == "developer"
+        else m
+        for m in messages
+    ]
+    texts: list[str] = []
+    rest: list[Mapping[str, Any]] = []
+    merge = False
+    for i, m in enumerate(converted):
+        if m.get("role") != "system":
+            rest.append(m)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                p["text"] if isinstance(p, Mapping) else p
+                for p in content
+                if (isinstance(p, Mapping) and "text" in p) or isinstance(p, str)
+            )
+        if content:
+            texts.append(content)
+    if not merge:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest]
+
+
+def _names_developer(source: str | None) -> bool:
+    return source is not None and ('"developer"' in source or "'developer'" in source)
+
+
 def prepare_tools(tools: Any) -> Any:
     """``tools`` as vLLM hands them to the template: each the ``model_dump()`` of its pydantic
     model, so ``type`` then ``function`` (``name``, ``description``, ``parameters``, absent
@@ -385,11 +422,25 @@ class ChatTemplate:
             return self.tool_content_format
         return self.content_format
 
+    def converts_developer(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None
+    ) -> bool:
+        """Whether :meth:`prepare` turns ``developer`` messages into system ones (the
+        template for ``tools`` does not name that role; :func:`developer_as_system`)."""
+        source = self.tool_source if tools and self._compiled_tools is not None else self.source
+        return not _names_developer(source) and any(
+            m.get("role") == "developer" for m in messages
+        )
+
     def prepare(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None
-    ) -> list[dict[str, Any]]:
-        """:func:`prepare_messages` in this template's content format for ``tools``."""
-        return prepare_messages(messages, self.content_format_for(tools))
+    ) -> list[Mapping[str, Any]]:
+        """:func:`prepare_messages` in this template's content format for ``tools``, with
+        ``developer`` messages as vLLM gives them to a template that does not know them."""
+        prepared = prepare_messages(messages, self.content_format_for(tools))
+        if self.converts_developer(messages, tools):
+            return developer_as_system(prepared)
+        return list(prepared)
 
     def render(
         self,
