@@ -336,6 +336,44 @@ async def test_an_unreadable_registration_leaks_no_dp_rank(store: IndexStore, ho
     assert await _leftover_keys(store, name) == []
 
 
+async def test_state_written_after_a_reap_is_swept(store: IndexStore) -> None:
+    """A publisher stalled past its lease flushes once more after the replica was reaped,
+    then dies: its state has no lease and no registration; the routers' sweep deletes it
+    (and leaves a live replica and one that registers again alone)."""
+    name = "stalled"
+    info = ReplicaInfo(name, model="m", dp_ranks=(0, 1))
+    await store.register(info, owner="p", lease_ttl_s=0.2)
+    w = StoreWriter(store, info.replica_keys())
+    w.add(ReplicaKey(name, 0), [BlocksStored((1, 2))])
+    await w.flush()
+    live = await _publish(store, "live")
+    live.add(ReplicaKey("live"), [BlocksStored((5,))])
+    await live.flush()
+    await eventually(lambda: _lease_gone(store, name))
+    assert await store.reap(name)
+    assert await store.orphans() == []
+    # the stalled writer's last flush and load sample land after the reap
+    w.add(ReplicaKey(name, 1), [BlocksStored((3,))])
+    await w.flush()
+    await store.publish_load(ReplicaKey(name, 1), LoadSample(1, 0, 0.1, 0.0))
+    assert await store.orphans() == [name]
+    index = PrefixIndex()
+    sync = IndexSync(store, index, **FAST)
+    async with sync:
+        await eventually(lambda: sync.stats.orphans_reaped == 1)
+        assert ReplicaKey("live") in index
+    assert await store.orphans() == []
+    assert await store.read_replicas([ReplicaKey(name, 1)]) == [None]
+    if isinstance(store, RedisStore):
+        assert await _leftover_keys(store, name) == []
+        assert await _leftover_keys(store, "live") != []
+    # a replica that registers again in the meantime is not an orphan
+    w.add(ReplicaKey(name, 0), [BlocksStored((4,))])
+    await w.flush()
+    await store.register(info, owner="p2", lease_ttl_s=30)
+    assert await store.orphans() == []
+
+
 async def test_lost_stream_entry_is_a_gap_and_resyncs(redis_url: str, key_prefix: str) -> None:
     store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=2))
     try:

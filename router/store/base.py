@@ -280,8 +280,14 @@ class IndexStore(Protocol):
         ...
 
     async def reap(self, replica: str) -> bool:
-        """Delete a registered replica whose lease is gone (as ``deregister``); False if it
-        is alive (or absent)."""
+        """Delete a replica whose lease is gone (as ``deregister``): a registered one, or
+        an orphan (:meth:`orphans`); False if it is alive (or absent)."""
+        ...
+
+    async def orphans(self) -> list[str]:
+        """Replicas whose state outlived them: written after the replica was reaped or
+        deregistered (the last flush of a publisher that stalled past its lease and then
+        died), with neither a lease nor a registration. :meth:`reap` deletes them."""
         ...
 
     async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:

@@ -112,10 +112,20 @@ class MemoryStore:
             self._append(ResetChange(state.key, state.seq))
 
     async def reap(self, replica: str) -> bool:
-        if (await self.leases([replica]))[replica] or replica not in self._infos:
+        if (await self.leases([replica]))[replica] or not (
+            replica in self._infos or replica in self._stored_names()
+        ):
             return False
         await self.deregister(replica)
         return True
+
+    def _stored_names(self) -> set[str]:
+        return {k.replica for k in (*self._snapshots, *self._loads)}
+
+    async def orphans(self) -> list[str]:
+        names = self._stored_names() - set(self._infos)
+        alive = await self.leases(sorted(names))
+        return [n for n in sorted(names) if not alive[n]]
 
     async def publish_load(self, key: ReplicaKey, sample: LoadSample) -> None:
         self._loads[key] = sample

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -59,14 +60,14 @@ DEFAULT_SOCKET_TIMEOUT_S = 10.0
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 # Deletes a replica's keys. KEYS[1] lease, KEYS[2] meta, KEYS[3..] load and kv:<dp>, st:<dp>
-# of the ranks ARGV[3..]; ARGV[1] when: "reap" only while the lease is gone (and meta is
-# there), "own" only while the lease is ARGV[2]'s or free, "any" always. A rank that has a
+# of the ranks ARGV[3..]; ARGV[1] when: "reap" only while the lease is gone (and meta or
+# load is there), "own" only while the lease is ARGV[2]'s or free, "any" always. A rank that has a
 # seq:<dp> field in meta (so may have keys) and is not among ARGV[3..] is returned instead
 # (the caller adds its keys and calls again); 1 deleted, 0 not allowed.
 _DELETE = """
 local lease = redis.call('GET', KEYS[1])
 if ARGV[1] == 'reap' then
-  if lease or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+  if lease or redis.call('EXISTS', KEYS[2], KEYS[3]) == 0 then return 0 end
 elseif ARGV[1] == 'own' then
   if lease and lease ~= ARGV[2] then return 0 end
 end
@@ -104,6 +105,11 @@ if cur ~= ARGV[1] then return cur end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally by a Redis glob (SCAN MATCH)."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def connect(url: str, **kwargs: Any) -> aioredis.Redis | RedisCluster:
@@ -496,6 +502,26 @@ class RedisStore:
         if not reply and block_s > 0:
             await asyncio.sleep(min(block_s, self.cluster_poll_s))
         return reply
+
+    async def orphans(self) -> list[str]:
+        """SCANs the keyspace for meta and load keys (every primary of a cluster): a
+        sweep's cost, not a request's."""
+        s = self.schema
+        names: set[str] = set()
+        for suffix in ("}:meta", "}:load"):  # a stalled flush writes meta, a load sample load
+            pattern = _glob_escape(s.prefix) + ":{*" + suffix
+            async for raw in self.redis.scan_iter(match=pattern, count=1000):
+                key = bytes(raw).decode(errors="replace")
+                head, tail = len(s.prefix) + 2, len(key) - len(suffix)
+                if key.startswith(s.prefix + ":{") and key.endswith(suffix) and head < tail:
+                    names.add(key[head:tail])
+        if not names:
+            return []
+        members: Any = await self.redis.smembers(s.registry)
+        registered = {bytes(n).decode(errors="replace") for n in members}
+        candidates = sorted(names - registered)
+        alive = await self.leases(candidates)
+        return [n for n in candidates if not alive[n]]
 
     async def leases(self, replicas: Sequence[str]) -> dict[str, bool]:
         if not replicas:

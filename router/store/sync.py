@@ -116,6 +116,7 @@ class SyncStats:
     stale: int = 0  # keys found behind (or ahead of) a store that stood still: resynced
     kept_on_data_loss: int = 0  # replicas kept through a store's data loss (grace)
     downs_ignored: int = 0  # ReplicaDown entries of a replica whose lease lives: ignored
+    orphans_reaped: int = 0  # replicas whose state outlived them, deleted by the sweep
 
 
 class IndexSync:
@@ -136,6 +137,7 @@ class IndexSync:
         event_lag: MutableMapping[str, float] | None = None,
         wall_clock: Callable[[], float] = time.time,
         lost_store_grace_s: float = 10.0,
+        orphan_sweep_s: float = 300.0,
     ) -> None:
         self.store = store
         self.index = index
@@ -149,6 +151,8 @@ class IndexSync:
         self.event_lag = event_lag
         self.wall_clock = wall_clock
         self.lost_store_grace_s = lost_store_grace_s
+        self.orphan_sweep_s = orphan_sweep_s
+        self._next_sweep = 0.0
         self.infos: dict[str, ReplicaInfo] = {}
         # replicas kept through a store's data loss -> monotonic deadline to re-register by
         self._grace: dict[str, float] = {}
@@ -302,7 +306,19 @@ class IndexSync:
                     self._adopt(info)
                     await self._resync(info.replica_keys())
         await self._check_seqs()
+        if self.reap_expired and now >= self._next_sweep:
+            self._next_sweep = now + self.orphan_sweep_s
+            await self._sweep_orphans()
         return False
+
+    async def _sweep_orphans(self) -> None:
+        """Delete the state of replicas that outlived them (``IndexStore.orphans``): a
+        publisher that stalled past its lease can flush once more after the replica was
+        reaped, and if it then dies nothing would ever delete that."""
+        for name in await self.store.orphans():
+            if name not in self.infos and await self.store.reap(name):
+                self.stats.orphans_reaped += 1
+                log.info("index sync: deleted the orphaned state of %s", name)
 
     async def _check_seqs(self) -> None:
         """Resync every key whose seq in the index differs from the store's where the store's
