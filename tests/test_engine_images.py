@@ -311,6 +311,18 @@ def test_unhashable_image_routes_on_the_blocks_before_it(processor: PromptProces
     assert len(text_only) > 0
 
 
+def test_a_request_with_its_own_processor_kwargs_is_not_hashed_past_the_image(
+    processor: PromptProcessor,
+) -> None:
+    """``mm_processor_kwargs`` (e.g. another ``max_pixels``) may change an image's token
+    count: the router keys only the blocks before the image."""
+    data = data_url(png("RGB", (300, 200), 7))
+    known = processor.chat(chat(data)).block_hashes
+    own = processor.chat({**chat(data), "mm_processor_kwargs": {"max_pixels": 3136}})
+    assert not own.exact and 0 < len(own.block_hashes) < len(known)
+    assert own.block_hashes == known[: len(own.block_hashes)]
+
+
 def test_model_without_image_settings_does_not_hash_past_the_image(
     processor: PromptProcessor,
 ) -> None:

@@ -394,8 +394,12 @@ class PromptProcessor:
         """A chat request with image parts (router.tokenize.multimodal): placeholders as the
         engine renders them, each expanded to the image's token count and keyed with its
         hash in the block where it starts. Blocks from an image the router cannot hash (no
-        image settings for the model, an URL it does not fetch) on are left out."""
+        image settings for the model, an URL it does not fetch, a request's own
+        ``mm_processor_kwargs``, which may change the image's token count) on are left
+        out."""
         tokenizer, template, settings = self.tokenizer, self.template, self.images
+        if body.get("mm_processor_kwargs"):
+            settings = None
         marker = settings.placeholder if settings is not None else _IMAGE_MARKER
         if template is not None and template.content_format_for(tools) == "openai":
             # the template places {"type": "image"} parts itself; without settings a text

@@ -428,9 +428,7 @@ class ChatTemplate:
         """Whether :meth:`prepare` turns ``developer`` messages into system ones (the
         template for ``tools`` does not name that role; :func:`developer_as_system`)."""
         source = self.tool_source if tools and self._compiled_tools is not None else self.source
-        return not _names_developer(source) and any(
-            m.get("role") == "developer" for m in messages
-        )
+        return not _names_developer(source) and any(m.get("role") == "developer" for m in messages)
 
     def prepare(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None
