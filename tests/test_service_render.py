@@ -21,6 +21,7 @@ from router.service.config import build_settings
 from router.service.render import RenderFailed, parse_rendered
 from router.tokenize.pipeline import PromptProcessor
 from tests.backends import metric_sample, start_mock, start_router
+from tests.benches import bench_json
 from tests.ports import free_port
 from tests.waiting import eventually
 
@@ -194,3 +195,10 @@ def test_rendered_prompts_hash_with_the_request_root_and_image_keys() -> None:
 def test_render_settings_are_checked(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build_settings({"models": {"m": extra}})
+
+
+def test_the_render_bench_runs_and_the_engine_renders_as_the_router() -> None:
+    # the bench exits with an error when the engine's render and the router's differ
+    out = bench_json("render", "--tokens", "3000", "--reps", "1")
+    assert out["bench"] == "render" and out["prompt_tokens"] >= 3000
+    assert out["engine_ms"] > 0 and out["answer_mb"] > 0

@@ -12,6 +12,7 @@ _BENCHES: tuple[str, ...] = (
     "router.bench.ingest_bench",
     "router.bench.store_bench",
     "router.bench.tokenize_bench",
+    "router.bench.render_bench",
     "router.bench.body_bench",
     "router.bench.proxy_bench",
     "router.bench.grpc_bench",

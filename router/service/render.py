@@ -31,7 +31,9 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import orjson
 
+from router import jsonload
 from router.core.errors import BadRequest
 from router.core.hashing import MmItem, as_u32_array
 from router.service.settings import ModelSettings
@@ -109,6 +111,15 @@ def _mm_items(features: Any) -> list[MmItem]:
     return sorted(items, key=lambda item: item.start)
 
 
+def _dumps(body: Mapping[str, Any]) -> bytes:
+    """``body`` as JSON (orjson; the standard library for what it refuses, such as integers
+    beyond 64 bits, which a parsed body may hold)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body).encode()
+
+
 def _error_message(status: int, raw: bytes) -> str:
     """The message of an engine's error body (OpenAI-style, FastAPI ``detail``, or text)."""
     try:
@@ -164,7 +175,7 @@ class EngineRenderer:
             return None
         start = self._cursor.get(model, 0)
         self._cursor[model] = start + 1
-        payload = json.dumps({**body, "return_mm_kwargs": False}).encode()
+        payload = _dumps({**body, "return_mm_kwargs": False})
         headers = {"Content-Type": "application/json"}
         if settings.render_api_key:
             headers["Authorization"] = f"Bearer {settings.render_api_key}"
@@ -204,7 +215,7 @@ class EngineRenderer:
         if status != 200:
             raise RenderFailed(f"http_{status}: {url}: {_error_message(status, raw)}")
         try:
-            return json.loads(raw)
+            return jsonload.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise RenderFailed(f"malformed: {url}: the answer is not JSON") from None
 
