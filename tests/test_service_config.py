@@ -137,7 +137,6 @@ def test_tuned_policy_file_is_merged(tmp_path: Path) -> None:
         ("[server]\nmax_body_mb = inf\n", "server.max_body_mb"),
         ("[server]\nload_share_interval_s = -0.1\n", "server.load_share_interval_s"),
         ("[server]\nload_share_interval_s = nan\n", "server.load_share_interval_s"),
-        ("[server]\napi_keys = 'k'\ngrpc_port = 0\n", "server.grpc_token: required"),
         ("[server]\napi_keys = 'k'\nredis_lost_grace_s = 0\n", "server.redis_lost_grace_s"),
     ],
 )
@@ -154,3 +153,21 @@ def test_missing_tokenizer_dir_is_a_config_error(tmp_path: Path) -> None:
     path.write_text(f"[models.m]\ntokenizer = '{tmp_path / 'nope'}'\n")
     with pytest.raises(ConfigError, match="does not exist"):
         RouterState(load_settings(path, environ={}))
+
+
+def test_client_keys_with_grpc_need_no_grpc_token(tmp_path: Path) -> None:
+    """The gRPC Router service takes the client keys (tests/test_grpc_auth.py), so api_keys
+    with grpc_port and no grpc_token is a valid configuration (it was refused while the keys
+    guarded HTTP only); a grpc_token equal to a client key is refused when the app is built."""
+    from router.service.app import create_app
+
+    path = tmp_path / "c.toml"
+    path.write_text("[server]\napi_keys = 'k1,k2'\ngrpc_port = 0\n")
+    settings = load_settings(path, environ={})
+    assert settings.server.grpc_token is None and settings.server.api_keys == "k1,k2"
+    create_app(settings)  # builds
+    keys = tmp_path / "keys.txt"
+    keys.write_text("k3  # a client\n")
+    path.write_text(f"[server]\napi_keys_file = '{keys}'\ngrpc_port = 0\ngrpc_token = 'k3'\n")
+    with pytest.raises(ConfigError, match="grpc_token: must differ from every client key"):
+        create_app(load_settings(path, environ={}))

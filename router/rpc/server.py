@@ -1,9 +1,11 @@
 """The gRPC server of the router process: Router, Index and Admin services plus the
 standard health service and reflection, on grpc.aio beside the HTTP server.
 
-Authentication: with ``token`` set, every call must carry ``authorization: Bearer TOKEN``;
-Admin calls need ``admin_token`` (and are refused when none is configured). Tokens are
-compared in constant time. TLS is on when a certificate and key are given.
+Authentication (:class:`AuthInterceptor`): Router calls carry ``authorization: Bearer X``
+where X is ``token`` (``server.grpc_token``) or a client API key, which the HTTP front
+door's gate checks and whose per-key limit a Pick holds as an HTTP request does; Index calls
+need ``token``; Admin calls need ``admin_token`` (and are refused when none is configured).
+Secrets are compared in constant time. TLS is on when a certificate and key are given.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import hmac
 import pathlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from functools import partial
+from typing import Protocol, TypeAlias, cast
+from urllib.parse import unquote
 
 import grpc
 from aiohttp import web
@@ -29,11 +33,21 @@ from router.rpc.gen import (
     router_pb2,
     router_pb2_grpc,
 )
-from router.rpc.servicers import AdminServicer, DecisionBook, IndexServicer, RouterServicer
+from router.rpc.servicers import (
+    CALLER,
+    AdminServicer,
+    DecisionBook,
+    IndexServicer,
+    RouterServicer,
+    abort_reply,
+)
 from router.rpc.settings import GrpcSettings
 from router.service.ejection import Ejections
+from router.service.errors import ErrorReply
+from router.service.gate import Gate, presented_key
 from router.service.keys import (
     FORWARDER,
+    GATE,
     GRPC_PORT,
     GRPC_SERVER,
     REPORT_RELAY,
@@ -54,21 +68,46 @@ __all__ = [
     "serve_grpc",
 ]
 ADMIN_SERVICE = "/kvrouter.v1.Admin/"
-HEALTH_SERVICE = "/grpc.health.v1.Health/"
-REFLECTION_SERVICE = "/grpc.reflection."
+ROUTER_SERVICE = "/kvrouter.v1.Router/"
+KVROUTER_SERVICES = "/kvrouter."  # every other service (health, reflection) is open
 
 
-def _bearer(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:
+Metadata: TypeAlias = tuple[tuple[str, str | bytes], ...] | None
+
+
+def _bearer(metadata: Metadata) -> str:
     for key, value in metadata or ():
         if key.lower() == "authorization":
-            text = value.decode() if isinstance(value, bytes) else value
-            if text.lower().startswith("bearer "):
+            text = value.decode("latin-1") if isinstance(value, bytes) else value
+            if text[:7].lower() == "bearer ":
                 return text[7:].strip()
     return ""
 
 
+def _headers(metadata: Metadata) -> list[tuple[bytes, bytes]]:
+    """Call metadata as the HTTP server's header pairs (for ``presented_key``)."""
+    return [
+        (
+            k.encode("latin-1", "replace"),
+            v if isinstance(v, bytes) else v.encode("latin-1", "replace"),
+        )
+        for k, v in metadata or ()
+    ]
+
+
 def _same(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def client_address(peer: str | None) -> str:
+    """The client's address in a grpc peer string (``ipv4:10.0.0.1:5555``,
+    ``ipv6:%5B::1%5D:5555``), as the HTTP server names a client (the host without the port),
+    so a client without keys is one identity to the gate whichever port it calls."""
+    text = unquote(peer or "")
+    kind, _, rest = text.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0].strip("[]")
+    return text
 
 
 # grpc ships no types (grpc.aio.ServicerContext and the rest are Any to mypy); what this module
@@ -86,77 +125,100 @@ class MethodHandler(Protocol):
     stream_stream: Callable[[Requests, Context], AsyncIterator[Message]] | None
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc: untyped
-    """Bearer-token checks before any handler runs. Health and reflection stay open so
-    load balancers and grpcurl can see the server."""
+def _unauthenticated(why: str) -> ErrorReply:
+    return ErrorReply(401, why)
 
-    def __init__(self, token: str | None, admin_token: str | None) -> None:
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc: untyped
+    """The credentials of each service, checked before a handler runs (and before its
+    request is parsed). Health and reflection stay open so load balancers and grpcurl can see
+    the server. Secrets are compared in constant time (client keys by the gate, as HTTP).
+
+    * Admin: ``admin_token`` only; refused to everyone without one.
+    * Router (Pick, Report): ``token`` (``server.grpc_token``, a trusted gateway's: not held
+      to per-key limits), or a client key, checked by ``gate`` (router/service/gate.py, the
+      object the HTTP front door checks with), whose per-key limit a Pick then holds
+      (router/rpc/servicers.py). With neither token nor client keys configured the service
+      is open, and a caller is its address (the gate's per-address limit, as on HTTP).
+    * Index (Publish) and any other kvrouter service: ``token`` only. Without a token it is
+      open when no client keys are configured, refused when they are: a client key never
+      authorises index writes.
+
+    The caller a Router call was admitted as is :data:`CALLER` while its handler runs.
+    """
+
+    def __init__(
+        self, token: str | None, admin_token: str | None, gate: Gate | None = None
+    ) -> None:
         self.token = token
         self.admin_token = admin_token
+        self.gate = gate
 
-    def _denied(self, method: str, given: str) -> str | None:
-        if method.startswith((HEALTH_SERVICE, REFLECTION_SERVICE)):
-            return None
+    def check(self, method: str, metadata: Metadata, peer: str) -> tuple[ErrorReply | None, object]:
+        """(the refusal, None to go on; the caller for :data:`CALLER`: a client identity of
+        the gate, None for one not held to per-key limits)."""
+        given = _bearer(metadata)
         if method.startswith(ADMIN_SERVICE):
             if not self.admin_token:
-                return "admin API disabled: no admin token configured"
-            return None if _same(given, self.admin_token) else "missing or wrong admin token"
-        if self.token and not _same(given, self.token):
-            return "missing or wrong bearer token"
-        return None
+                return _unauthenticated("admin API disabled: no admin token configured"), None
+            if _same(given, self.admin_token):
+                return None, None
+            return _unauthenticated("missing or wrong admin token"), None
+        if self.token and _same(given, self.token):
+            return None, None  # the gateway's / publisher's token, on Router and Index
+        gate = self.gate
+        keyed = gate is not None and gate.keyed()
+        if method.startswith(ROUTER_SERVICE):
+            if gate is not None and (keyed or not self.token):
+                # the client's key read as HTTP reads it (Authorization: Bearer, or api-key);
+                # 401 when missing or wrong
+                return gate.caller(presented_key(_headers(metadata)), peer)
+            if self.token:
+                return _unauthenticated("missing or wrong bearer token"), None
+            return None, None
+        if self.token:
+            return _unauthenticated("missing or wrong bearer token"), None
+        if keyed:
+            return _unauthenticated(
+                "index publishing disabled: no server.grpc_token configured (client API keys "
+                "do not authorise it)"
+            ), None
+        return None, None
+
+    async def admit(self, method: str, context: Context) -> object:
+        """The caller of this call; ends it (UNAUTHENTICATED) when refused."""
+        refused, caller = self.check(
+            method, context.invocation_metadata(), client_address(context.peer())
+        )
+        if refused is not None:
+            await abort_reply(context, refused)
+        return caller
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[MethodHandler | None]],
         details: grpc.HandlerCallDetails,
     ) -> MethodHandler | None:
-        why = self._denied(details.method, _bearer(details.invocation_metadata))
-        if why is None:
-            handler = await continuation(details)
-            if details.method.startswith(KVROUTER_SERVICES):
-                return _parse_in_handler(handler)
-            return handler
         handler = await continuation(details)
-        if handler is None:
-            return None
-
-        async def deny(request: Message, context: Context) -> Message:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
-            raise AssertionError("context.abort returned")
-
-        async def deny_stream(requests: Requests, context: Context) -> AsyncIterator[Message]:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
-            raise AssertionError("context.abort returned")
-            yield  # pragma: no cover  (an async generator, as streaming handlers are)
-
-        denied: MethodHandler
-        if handler.request_streaming and handler.response_streaming:
-            denied = grpc.stream_stream_rpc_method_handler(
-                deny_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        else:
-            denied = grpc.unary_unary_rpc_method_handler(
-                deny,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return denied
+        method: str = details.method
+        if handler is None or not method.startswith(KVROUTER_SERVICES):
+            return handler  # health, reflection (open), or no such method
+        return _guarded(handler, partial(self.admit, method))
 
 
-KVROUTER_SERVICES = "/kvrouter."
-
-
-def _parse_in_handler(handler: MethodHandler | None) -> MethodHandler | None:
-    """Move request parsing into the handler, so a message that is not valid protobuf is
-    answered INVALID_ARGUMENT with the parser's reason (grpc-python's own deserialization
-    failure is an UNKNOWN status and an error-level traceback in the log)."""
-    if handler is None or handler.request_deserializer is None:
-        return handler
+def _guarded(
+    handler: MethodHandler, admit: Callable[[Context], Awaitable[object]]
+) -> MethodHandler:
+    """``handler`` behind ``admit`` (the credentials; the caller it returns is
+    :data:`CALLER` during the call), with request parsing moved into the handler, so a
+    message that is not valid protobuf is answered INVALID_ARGUMENT with the parser's reason
+    (grpc-python's own deserialization failure is an UNKNOWN status and an error-level
+    traceback in the log), and nothing is parsed for a caller that is refused."""
     parse = handler.request_deserializer
 
     async def parsed(raw: bytes, context: Context) -> Message:
+        if parse is None:
+            return cast(Message, raw)
         try:
             return parse(raw)
         except Exception as exc:  # DecodeError, or anything the parser raises
@@ -169,7 +231,11 @@ def _parse_in_handler(handler: MethodHandler | None) -> MethodHandler | None:
     if not handler.request_streaming and not handler.response_streaming and call is not None:
 
         async def unary(raw: bytes, context: Context) -> Message:
-            return await call(await parsed(raw, context), context)
+            caller = CALLER.set(await admit(context))
+            try:
+                return await call(await parsed(raw, context), context)
+            finally:
+                CALLER.reset(caller)
 
         new: MethodHandler = grpc.unary_unary_rpc_method_handler(
             unary, response_serializer=handler.response_serializer
@@ -178,6 +244,8 @@ def _parse_in_handler(handler: MethodHandler | None) -> MethodHandler | None:
     if handler.request_streaming and handler.response_streaming and streams is not None:
 
         async def stream(raw_iter: AsyncIterator[bytes], context: Context) -> Requests:
+            await admit(context)  # (no streaming method reads CALLER)
+
             async def requests() -> Requests:
                 async for raw in raw_iter:
                     yield await parsed(raw, context)
@@ -189,7 +257,8 @@ def _parse_in_handler(handler: MethodHandler | None) -> MethodHandler | None:
             stream, response_serializer=handler.response_serializer
         )
         return new
-    return handler
+    # no kvrouter method has another shape; one added must be guarded here, not served open
+    raise NotImplementedError("kvrouter gRPC methods are unary or bidirectional streams")
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,20 +279,22 @@ def build_server(
     workers: Workers | None = None,
     ejections: Ejections | None = None,
     relay: ReportRelay | None = None,
+    gate: Gate | None = None,
 ) -> BuiltServer:
     """Create (not start) the server. ``workers``: the worker processes Admin Drain /
     Undrain reach (``kvrouter serve --workers N``); ``ejections``: the HTTP forwarder's
-    outlier ejection, which Report feeds."""
+    outlier ejection, which Report feeds; ``gate``: the HTTP front door's (client keys and
+    per-key limits, which Router calls are held to; None: no client keys, nothing counted)."""
     limit = int(settings.max_message_mb * 2**20)
     server = grpc.aio.server(
-        interceptors=[AuthInterceptor(settings.token, settings.admin_token)],
+        interceptors=[AuthInterceptor(settings.token, settings.admin_token, gate)],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
         ],
     )
     book = DecisionBook(settings.max_pending_decisions, settings.decision_ttl_s)
-    router = RouterServicer(state, clock, book, ejections, workers)
+    router = RouterServicer(state, clock, book, ejections, workers, gate)
     if relay is not None:  # other workers' control sockets hand it Reports (report_relay.py)
         relay.apply = router.apply_report
     router_pb2_grpc.add_RouterServicer_to_server(router, server)
@@ -262,10 +333,11 @@ async def serve_grpc(
     workers: Workers | None = None,
     ejections: Ejections | None = None,
     relay: ReportRelay | None = None,
+    gate: Gate | None = None,
 ) -> AsyncGenerator[tuple[grpc.aio.Server, int], None]:
     """Async generator for aiohttp ``cleanup_ctx``-style lifetimes: start, yield the server
     and its port, stop."""
-    built = build_server(state, settings, clock, workers, ejections, relay)
+    built = build_server(state, settings, clock, workers, ejections, relay, gate)
     await built.server.start()
     for name in ["", *built.service_names]:
         await built.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -297,8 +369,9 @@ async def grpc_cleanup_ctx(app: web.Application) -> AsyncIterator[None]:
     forwarder = app.get(FORWARDER)  # (router/service/background.py upstream_session)
     ejections = forwarder.ejections if forwarder is not None else None
     relay = app.get(REPORT_RELAY)
+    # the public port's gate: one check of client keys and one count per key for both ports
     async for server, port in serve_grpc(
-        app[STATE], settings, loop_clock, workers, ejections, relay
+        app[STATE], settings, loop_clock, workers, ejections, relay, app[GATE]
     ):
         app[GRPC_PORT] = port
         app[GRPC_SERVER] = server

@@ -10,6 +10,7 @@ import json
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -43,7 +44,8 @@ from router.rpc.gen import (
 )
 from router.service.disagg import ModelDisagg
 from router.service.ejection import Ejections
-from router.service.errors import reply_for
+from router.service.errors import ErrorReply, reply_for
+from router.service.gate import Gate
 from router.service.handling import (
     THREAD_MIN_BODY,
     checked_prompt,
@@ -63,6 +65,11 @@ Clock = Callable[[], float]
 MAX_CANDIDATES = 4096
 MAX_EVENTS_PER_BATCH = 100_000
 
+# The client a Router call was admitted as (router/rpc/server.py AuthInterceptor): its
+# identity to the HTTP front door's gate (router/service/gate.py ``Gate.caller``), or None
+# for a caller not held to per-key limits (``server.grpc_token``, or no gate).
+CALLER: ContextVar[object] = ContextVar("kvrouter_grpc_caller", default=None)
+
 
 def status_of(exc: KVRouterError) -> grpc.StatusCode:
     if isinstance(exc, BadRequest):
@@ -76,18 +83,38 @@ def status_of(exc: KVRouterError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def _trailers(reply: ErrorReply) -> tuple[tuple[str, str], ...]:
+    """The HTTP answer's ``Retry-After`` as gRPC trailers: ``retry-after`` (seconds) and
+    ``grpc-retry-pushback-ms``, which a client's retry policy honours."""
+    trailers: list[tuple[str, str]] = []
+    for name, value in reply.headers:
+        if name.lower() == "retry-after":
+            trailers += [("retry-after", value), ("grpc-retry-pushback-ms", f"{int(value) * 1000}")]
+    return tuple(trailers)
+
+
 async def _abort(
     context: grpc.aio.ServicerContext, exc: KVRouterError, retry_after_s: int = 1
 ) -> NoReturn:
     """End the RPC with the status mapped from ``exc`` (``context.abort`` raises). When the
     HTTP answer to ``exc`` carries ``Retry-After`` (an overloaded router, no replica free),
-    so do the trailers: ``retry-after`` (seconds) and ``grpc-retry-pushback-ms``, which a
-    client's retry policy honours."""
-    trailers: list[tuple[str, str]] = []
-    for name, value in reply_for(exc, retry_after_s).headers:
-        if name.lower() == "retry-after":
-            trailers += [("retry-after", value), ("grpc-retry-pushback-ms", f"{int(value) * 1000}")]
-    await context.abort(status_of(exc), str(exc), tuple(trailers))
+    so do the trailers (:func:`_trailers`)."""
+    await context.abort(status_of(exc), str(exc), _trailers(reply_for(exc, retry_after_s)))
+    raise AssertionError("context.abort returned")
+
+
+_GATE_STATUS = {
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+async def abort_reply(context: grpc.aio.ServicerContext, reply: ErrorReply) -> NoReturn:
+    """End the RPC with a refusal of the gate (or of the gRPC credentials): 401 ->
+    UNAUTHENTICATED, 429 (the per-key limit) -> RESOURCE_EXHAUSTED with the retry-after
+    trailers; the reply's message is the details."""
+    code = _GATE_STATUS.get(reply.status, grpc.StatusCode.INTERNAL)
+    await context.abort(code, reply.message, _trailers(reply))
     raise AssertionError("context.abort returned")
 
 
@@ -107,6 +134,7 @@ class _Pending:
     ttft_factor: float = 1.0
     service_class: str = "default"
     first_at: float = 0.0  # when FIRST_TOKEN was reported (0: not yet)
+    held: object = None  # the caller's slot of the gate's per-key limit (None: not counted)
 
 
 class DecisionBook:
@@ -148,7 +176,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     """``ejections``: the HTTP forwarder's outlier ejection (router/service/ejection.py), fed
     by the reports as the forwarder's own attempts feed it (None: not fed). ``workers``: the
     worker processes of a ``kvrouter serve --workers N``; a Report whose decision another
-    worker made (the gateway's connection landed elsewhere) is handed to them."""
+    worker made (the gateway's connection landed elsewhere) is handed to them. ``gate``: the
+    HTTP front door's (router/service/gate.py): a Pick of a client held to per-key limits
+    (:data:`CALLER`) holds one of its slots, as an HTTP request does for its whole answer,
+    from the call until its decision ends: a COMPLETED or FAILED Report, the decision's
+    expiry or eviction from the book, or the Pick failing."""
 
     def __init__(
         self,
@@ -157,12 +189,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         book: DecisionBook | None = None,
         ejections: Ejections | None = None,
         workers: Workers | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.state = state
         self.clock = clock
         self.book = book if book is not None else DecisionBook()
         self.ejections = ejections
         self.workers = workers
+        self.gate = gate
         # ids of Picks awaiting admission (in flight, though in neither book nor load yet)
         self._picking: set[str] = set()
 
@@ -227,6 +261,37 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Pick(
         self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.PickResponse:
+        # decisions past their time end first: their callers' slots are free for this one
+        self._expire(self.clock())
+        held = await self._hold(context)
+        booked = False
+        try:
+            reply = await self._pick(request, context, held)
+            booked = True  # the decision's entry in the book holds the slot now
+            return reply
+        finally:
+            if not booked:  # refused, failed, cancelled or past its deadline
+                self._release(held)
+
+    async def _hold(self, context: grpc.aio.ServicerContext) -> object:
+        """One slot of the caller's per-key limit, taken with the HTTP front door's gate (as
+        an HTTP request takes it); None when the caller is not counted. A caller at its
+        limit gets RESOURCE_EXHAUSTED with the retry-after trailers (HTTP: 429)."""
+        caller = CALLER.get()
+        if self.gate is None or caller is None:
+            return None
+        refused, held = self.gate.hold(caller)
+        if refused is not None:
+            await abort_reply(context, refused)
+        return held
+
+    def _release(self, held: object) -> None:
+        if held is not None and self.gate is not None:
+            self.gate.release(held)
+
+    async def _pick(
+        self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext, held: object
+    ) -> router_pb2.PickResponse:
         try:
             if not request.model:
                 raise BadRequest("model is required")
@@ -243,7 +308,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self.state, request.model, fn, arg, offload=size >= THREAD_MIN_BODY, kind=kind
             )
             now = self.clock()
-            self._expire(now)
             decision_id = request.request_id or uuid.uuid4().hex
             # in flight here or through the HTTP endpoints: the load tracker keys both by id
             if (
@@ -299,23 +363,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         record(self.state, routed)  # the per-request metrics of the HTTP endpoints
         decision = routed.decision
-        for old in self.book.add(
-            decision_id,
-            _Pending(
-                # the id routed under: admission renames one whose id another request holds
-                routed.request.request_id,
-                request.model,
-                decision.usable_tokens,
-                self.clock(),  # dispatched now (after any wait in admission), as HTTP times it
-                decision.replica,
-                routed.request.prompt_tokens,
-                routed.ttft_factor,
-                routed.service_class,
-            ),
-        ):
-            self._finish(old.model, old.request_id)
         endpoint = self.state.registry.endpoint(decision.replica)
-        return router_pb2.PickResponse(
+        reply = router_pb2.PickResponse(
             decision_id=decision_id,
             replica=decision.replica.replica,
             dp_rank=decision.replica.dp_rank,
@@ -328,10 +377,34 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             terms=dict(decision.terms),
             fallbacks=[str(k) for k in decision.ranking[:8]],
         )
+        # last: from here the book holds the caller's slot (``held``) until the decision ends
+        for old in self.book.add(
+            decision_id,
+            _Pending(
+                # the id routed under: admission renames one whose id another request holds
+                routed.request.request_id,
+                request.model,
+                decision.usable_tokens,
+                self.clock(),  # dispatched now (after any wait in admission), as HTTP times it
+                decision.replica,
+                routed.request.prompt_tokens,
+                routed.ttft_factor,
+                routed.service_class,
+                held=held,
+            ),
+        ):
+            self._end(old)
+        return reply
 
     def _expire(self, now: float) -> None:
         for old in self.book.expire(now):
-            self._finish(old.model, old.request_id)
+            self._end(old)
+
+    def _end(self, pending: _Pending) -> None:
+        """A booked decision is over (reported, expired or evicted): :meth:`_finish` it and
+        give its caller's slot back."""
+        self._finish(pending.model, pending.request_id)
+        self._release(pending.held)
 
     def _finish(self, model: str, request_id: str) -> None:
         """A dispatched request is over: out of the load model and of admission's ledger."""
@@ -377,7 +450,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 mm.ttft.observe(now - pending.created)
         else:
             self.book.pop(report.decision_id)
-            self._finish(pending.model, pending.request_id)
+            self._end(pending)
             # the outcome and SLO metrics of the HTTP endpoints (router/service/proxy.py)
             ok = phase == router_pb2.ReportRequest.COMPLETED
             mm.outcome(pending.replica, "ok" if ok else "failed").inc()

@@ -30,6 +30,7 @@ from router.service.gate import Gate
 from router.service.handling import CHAT_PATH, COMPLETIONS_PATH, FrontDoor, handle
 from router.service.keys import (
     FORWARDER,
+    GATE,
     INDEX,
     INDEX_SYNC,
     ROUTES,
@@ -39,7 +40,7 @@ from router.service.keys import (
 )
 from router.service.routes import Routes
 from router.service.saturation import loop_lag
-from router.service.security import Limits
+from router.service.security import Limits, check_grpc_token
 from router.service.settings import Settings
 from router.service.state import RouterState
 
@@ -65,9 +66,12 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
     state = state or RouterState(settings)
     if state.admission is None:
         state.admission = Admission(state)
-    Limits.from_server(settings.server)  # a bad limit fails here, before anything starts
+    # a bad limit fails here, before anything starts
+    limits = Limits.from_server(settings.server)
+    check_grpc_token(settings.server, limits)
     app = web.Application()
     app[SETTINGS] = settings
+    app[GATE] = Gate(limits)  # one per process: HTTP and gRPC hold their callers to it
     app[STATE] = state
     app[INDEX] = state.index
     app.cleanup_ctx.append(background.upstream_session)
@@ -121,9 +125,7 @@ async def start(app: web.Application, host: str, port: int, *, reuse_port: bool 
     await runner.setup()  # the cleanup_ctx entries start (no aiohttp site: no HTTP here)
     try:
         state = app[STATE]
-        door = FrontDoor(
-            state, app[FORWARDER], Gate(Limits.from_server(state.settings.server)), app[ROUTES]
-        )
+        door = FrontDoor(state, app[FORWARDER], app[GATE], app[ROUTES])
         s = state.settings.server
         server = FastServer(
             partial(handle, door), int(s.max_body_mb * 2**20), ConnLimits.from_server(s)

@@ -352,13 +352,6 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     if server.engine_metrics_interval_s <= 0:
         raise ConfigError("server.engine_metrics_interval_s: must be > 0")
     _check_pods(server)
-    keys = server.api_keys or server.api_keys_file
-    if server.grpc_port is not None and keys and not server.grpc_token:
-        raise ConfigError(
-            "server.grpc_token: required with api_keys and grpc_port: the client keys "
-            "guard HTTP only, and without a token the gRPC Router and Index services "
-            "would answer anyone (docs/grpc.md)"
-        )
     if not math.isfinite(server.max_body_mb):
         raise ConfigError("server.max_body_mb: must be a finite number")
     if not (math.isfinite(server.body_memo_mb) and server.body_memo_mb >= 0):

@@ -69,7 +69,12 @@ class Gate:
     """The checks every request of the public port passes before it is answered, whatever
     the route: the header block's size, then for ``/v1/`` paths the API key and the per-key
     (per-address without keys) concurrency. :meth:`admit` and :meth:`release` are called by
-    the front door (router.service.handling.handle) around the request's whole answer."""
+    the front door (router.service.handling.handle) around the request's whole answer.
+
+    The gRPC Router service holds its callers to the same keys and limits with the same
+    object (one per process, ``app[GATE]``): its calls are identified by :meth:`caller` and
+    a Pick holds a slot (:meth:`hold`) until its decision ends (router/rpc/servicers.py),
+    so a key's HTTP requests and gRPC decisions share one limit."""
 
     __slots__ = ("_counted", "_in_flight", "_keys", "_max_header", "_per_key", "_retry_after")
 
@@ -95,18 +100,35 @@ class Gate:
             ), None
         if not self._counted or not path.startswith(b"/v1/"):  # (protected(path))
             return _PASS
-        ident: object
+        refused, ident = self.caller(presented_key(headers), peer)
+        if refused is not None:
+            return refused, None
+        return self.hold(ident)
+
+    def keyed(self) -> bool:
+        """Whether client keys are configured (a caller must present one)."""
+        return bool(self._keys)
+
+    def caller(self, given: str, peer: str) -> tuple[ErrorReply | None, object]:
+        """Who a client is, for its limits, whatever carries its request (:meth:`admit` for
+        the public port, the gRPC Router service for its calls, router/rpc/server.py):
+        (the 401 refusal of a missing or wrong key ``given``, None to go on; the index of the
+        matching key, or the client's address ``peer`` when no keys are configured)."""
         if self._keys:
-            found = self._keys.check(presented_key(headers))
+            found = self._keys.check(given)
             if found is None:
                 return ErrorReply(
                     401,
                     "Incorrect or missing API key. Send 'Authorization: Bearer <key>'.",
                     "invalid_api_key",
                 ), None
-            ident = found
-        else:
-            ident = peer
+            return None, found
+        return None, peer
+
+    def hold(self, ident: object) -> tuple[ErrorReply | None, object]:
+        """One more request in flight for the client ``ident`` (from :meth:`caller`), under
+        the per-key concurrency limit: (the 429 refusal, None to go on; ``ident`` to
+        :meth:`release` when the request is over, None when nothing is counted)."""
         per_key = self._per_key
         if not per_key:
             return _PASS

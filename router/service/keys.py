@@ -12,6 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from router.core.index import PrefixIndex
+from router.service.gate import Gate
 from router.service.proxy import Forwarder
 from router.service.report_relay import ReportRelay
 from router.service.routes import Routes
@@ -26,6 +27,9 @@ SETTINGS = web.AppKey("kvrouter_settings", Settings)
 STATE = web.AppKey("kvrouter_state", RouterState)
 INDEX = web.AppKey("kvrouter_index", PrefixIndex)
 FORWARDER = web.AppKey("kvrouter_forwarder", Forwarder)
+# the client keys and per-key limits of this process: the public port's front door and the
+# gRPC Router service check and count with this one object (router/service/gate.py)
+GATE = web.AppKey("kvrouter_gate", Gate)
 # side traffic (/v1/models of the replicas, health probes)
 SESSION = web.AppKey("kvrouter_session", aiohttp.ClientSession)
 # the public port's routes besides the two hot endpoints (router.service.routes)

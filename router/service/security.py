@@ -22,7 +22,10 @@ All of it is off unless configured (``[server]`` keys, see docs/operations.md):
   by ``kvrouter serve``. The router itself never logs prompt text or request bodies.
 
 Health, readiness and metrics stay open (probes and scrapers carry no key); admin endpoints
-keep their own token (router.service.admin).
+keep their own token (router.service.admin). The gRPC Router service (Pick / Report) takes
+the same client keys and counts a Pick against the same per-key limit until its decision
+ends (router/rpc/server.py, docs/grpc.md); gRPC index publishing and admin calls never
+accept a client key.
 """
 
 from __future__ import annotations
@@ -70,6 +73,19 @@ class Limits:
         if per_key < 0 or header_kb < 0:
             raise ConfigError("server: max_concurrent_per_key and max_header_kb must be >= 0")
         return cls(keys, per_key, int(header_kb * 1024), int(server.retry_after_s))
+
+
+def check_grpc_token(server: ServerSettings, limits: Limits) -> None:
+    """ConfigError when ``server.grpc_token`` is also a client key: the gRPC port takes the
+    token for the trusted gateway's (not counted against per-key limits, and it authorises
+    index publishing), so a client holding that key would get both."""
+    token = server.grpc_token
+    if server.grpc_port is not None and token and token in limits.api_keys:
+        raise ConfigError(
+            "server.grpc_token: must differ from every client key (api_keys / api_keys_file): "
+            "the gRPC token also authorises index publishing and is not held to per-key "
+            "limits (docs/grpc.md)"
+        )
 
 
 def check_prompt_tokens(server: ServerSettings, prompt_tokens: int) -> None:

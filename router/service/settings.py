@@ -93,7 +93,9 @@ class ServerSettings:
     # gRPC beside HTTP (router/rpc, docs/grpc.md); grpc_port None: off, 0: any free port
     grpc_port: int | None = None
     grpc_host: str | None = None  # default: the HTTP host
-    grpc_token: str | None = None  # bearer token for Router/Index calls
+    # bearer token of gateways and publishers: Router and Index calls (Router calls also take
+    # the client keys, held to their per-key limits; a grpc_token call is not limited)
+    grpc_token: str | None = None
     grpc_tls_cert: str | None = None
     grpc_tls_key: str | None = None
     grpc_max_message_mb: float = 16.0
