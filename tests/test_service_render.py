@@ -6,6 +6,7 @@ mock replicas (render endpoints, ZMQ events), real HTTP, the official openai cli
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -202,3 +203,48 @@ def test_the_render_bench_runs_and_the_engine_renders_as_the_router() -> None:
     out = bench_json("render", "--tokens", "3000", "--reps", "1")
     assert out["bench"] == "render" and out["prompt_tokens"] >= 3000
     assert out["engine_ms"] > 0 and out["answer_mb"] > 0
+
+
+async def test_a_target_that_failed_rests_before_it_is_asked_again() -> None:
+    """A hung renderer costs the request that finds it its timeout; later requests skip it
+    (falling back at once, or going to another target) until its cooldown ends."""
+    import aiohttp
+    from prometheus_client import CollectorRegistry
+
+    from router.service.loop_metrics import LoopCounter
+    from router.service.render import COOLDOWN_S, EngineRenderer
+    from router.service.settings import ModelSettings
+
+    calls: list[str] = []
+    release = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.Response:
+        calls.append(request.path)
+        await release.wait()
+        return web.json_response({"token_ids": [1]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions/render", hang)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    now = [100.0]
+    counter = LoopCounter("r", "", ["model", "outcome"], registry=CollectorRegistry())
+    model = ModelSettings(name="m", render="engine", render_url=base, render_timeout_s=0.2)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    proc = PromptProcessor("m", B)
+    try:
+        async with aiohttp.ClientSession() as session:
+            r = EngineRenderer({"m": model}, lambda _: [], counter, session, lambda: now[0])
+            assert await r.prompt("m", "chat", body, proc) is None  # waited its timeout
+            assert await r.prompt("m", "chat", body, proc) is None  # resting: not asked
+            assert len(calls) == 1
+            now[0] += COOLDOWN_S + 0.1
+            release.set()
+            got = await r.prompt("m", "chat", body, proc)
+            assert got is not None and got.prompt_tokens == 1 and len(calls) == 2
+    finally:
+        release.set()
+        await runner.cleanup()
+    assert counter.labels("m", "fallback").value == 2

@@ -15,8 +15,9 @@ Where: ``render_url`` when set (a render-only vLLM, say), else the model's healt
 replicas in turn (every vLLM API server serves the render routes). A request the engine
 refuses (400, 422) is refused with the engine's message: the replica would refuse it too.
 Anything else (no answer within ``render_timeout_s``, a 5xx, a 404 from an engine without
-the routes) is tried once more on another target, then the router's own processing stands
-in (counted in ``kvrouter_render_requests_total{outcome="fallback"}``; the prompt is marked
+the routes) is tried once more on another target, and the target that failed is not asked
+again for ``COOLDOWN_S``; with no target left the router's own processing stands in
+(counted in ``kvrouter_render_requests_total{outcome="fallback"}``; the prompt is marked
 provisional and not memoised), so an outage of the renderers degrades routing, never
 requests.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -45,6 +46,8 @@ PATHS = {"chat": "/v1/chat/completions/render", "completion": "/v1/completions/r
 # the engine judged the request itself: its answer stands
 _REFUSED = frozenset({400, 413, 422})
 _MAX_ATTEMPTS = 2
+# how long a target that failed is not asked (the request that found it failing waited)
+COOLDOWN_S = 5.0
 
 
 def render_targets(state: Any, model: str) -> list[str]:
@@ -151,13 +154,18 @@ class EngineRenderer:
         targets: Any,
         counter: Any,
         session: aiohttp.ClientSession,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._models = {n: m for n, m in models.items() if m.render == "engine"}
         self._targets = targets
         self._counter = counter  # LoopCounter labelled (model, outcome)
         self._session = session
+        self._clock = clock
         self._cursor: dict[str, int] = {}
         self._warned: set[tuple[str, str]] = set()
+        # target -> when it may be asked again: one that failed is skipped for a while, so
+        # a hung renderer costs one request its timeout, not every request
+        self._resting: dict[str, float] = {}
 
     def serves(self, model: str) -> bool:
         return model in self._models
@@ -175,24 +183,31 @@ class EngineRenderer:
             return None
         start = self._cursor.get(model, 0)
         self._cursor[model] = start + 1
+        now = self._clock()
+        order = [targets[(start + i) % len(targets)] for i in range(len(targets))]
+        order = [t for t in order if self._resting.get(t, 0.0) <= now][:_MAX_ATTEMPTS]
+        if not order:
+            self._fallback(model, "resting", "every render target failed within a cooldown")
+            return None
         payload = _dumps({**body, "return_mm_kwargs": False})
         headers = {"Content-Type": "application/json"}
         if settings.render_api_key:
             headers["Authorization"] = f"Bearer {settings.render_api_key}"
         reason = "error"
-        for attempt in range(min(_MAX_ATTEMPTS, len(targets))):
-            base = targets[(start + attempt) % len(targets)]
+        for base in order:
             t0 = time.perf_counter()
             try:
                 answer = await self._post(base + PATHS[kind], payload, headers, settings)
                 prompts = parse_rendered(kind, answer)
             except RenderFailed as exc:
                 reason = str(exc).split(":", 1)[0]
+                self._resting[base] = self._clock() + COOLDOWN_S
                 self._warn(model, base, str(exc))
                 continue
             except BadRequest:
                 self._counter.labels(model, "refused").inc()
                 raise
+            self._resting.pop(base, None)
             self._counter.labels(model, "ok").inc()
             return processor.engine_rendered(prompts, body, time.perf_counter() - t0)
         self._fallback(model, reason, f"no render target answered for {model}")
