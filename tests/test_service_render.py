@@ -7,6 +7,7 @@ mock replicas (render endpoints, ZMQ events), real HTTP, the official openai cli
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import numpy as np
@@ -248,3 +249,37 @@ async def test_a_target_that_failed_rests_before_it_is_asked_again() -> None:
         release.set()
         await runner.cleanup()
     assert counter.labels("m", "fallback").value == 2
+
+
+async def test_a_long_prompts_answer_is_decoded_off_the_loop_and_hashed_alike() -> None:
+    import aiohttp
+    from prometheus_client import CollectorRegistry
+
+    from router.service.loop_metrics import LoopCounter
+    from router.service.render import THREAD_MIN_ANSWER, EngineRenderer
+    from router.service.settings import ModelSettings
+
+    ids = list(range(100_000, 160_000))
+    answer = json.dumps({"token_ids": ids, "features": None}).encode()
+    assert len(answer) >= THREAD_MIN_ANSWER
+
+    async def render(request: web.Request) -> web.Response:
+        return web.Response(body=answer, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions/render", render)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    counter = LoopCounter("r", "", ["model", "outcome"], registry=CollectorRegistry())
+    model = ModelSettings(name="m", render="engine", render_url=base)
+    proc = PromptProcessor("m", B)
+    try:
+        async with aiohttp.ClientSession() as session:
+            r = EngineRenderer({"m": model}, lambda _: [], counter, session)
+            got = await r.prompt("m", "chat", {"messages": []}, proc)
+    finally:
+        await runner.cleanup()
+    assert got is not None and got.prompt_tokens == len(ids)
+    assert got.block_hashes == hash_prompt(np.array(ids, dtype=np.uint32), B, root_hash("m")).hashes

@@ -24,10 +24,12 @@ requests.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -46,6 +48,8 @@ PATHS = {"chat": "/v1/chat/completions/render", "completion": "/v1/completions/r
 # the engine judged the request itself: its answer stands
 _REFUSED = frozenset({400, 413, 422})
 _MAX_ATTEMPTS = 2
+# answers this large (a long prompt's ids) are decoded on a worker thread
+THREAD_MIN_ANSWER = 256 * 1024
 # how long a target that failed is not asked (the request that found it failing waited)
 COOLDOWN_S = 5.0
 
@@ -85,6 +89,21 @@ def parse_rendered(kind: str, payload: Any) -> list[tuple[np.ndarray, list[MmIte
             raise RenderFailed(f"rendered token_ids: {exc}") from None
         out.append((ids, _mm_items(entry.get("features"))))
     return out
+
+
+def decode_answer(kind: str, raw: bytes) -> list[tuple[np.ndarray, list[MmItem]]]:
+    """:func:`parse_rendered` of a render answer's body."""
+    try:
+        payload = jsonload.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise RenderFailed("malformed: the answer is not JSON") from None
+    return parse_rendered(kind, payload)
+
+
+def _routing_view(
+    processor: PromptProcessor, kind: str, raw: bytes, body: Mapping[str, Any], t0: float
+) -> ProcessedPrompt:
+    return processor.engine_rendered(decode_answer(kind, raw), body, time.perf_counter() - t0)
 
 
 def _mm_items(features: Any) -> list[MmItem]:
@@ -197,8 +216,12 @@ class EngineRenderer:
         for base in order:
             t0 = time.perf_counter()
             try:
-                answer = await self._post(base + PATHS[kind], payload, headers, settings)
-                prompts = parse_rendered(kind, answer)
+                raw = await self._post(base + PATHS[kind], payload, headers, settings)
+                finish = partial(_routing_view, processor, kind, raw, body, t0)
+                if len(raw) >= THREAD_MIN_ANSWER:  # a long prompt's ids: off the event loop
+                    prompt = await asyncio.get_running_loop().run_in_executor(None, finish)
+                else:
+                    prompt = finish()
             except RenderFailed as exc:
                 reason = str(exc).split(":", 1)[0]
                 self._resting[base] = self._clock() + COOLDOWN_S
@@ -209,13 +232,15 @@ class EngineRenderer:
                 raise
             self._resting.pop(base, None)
             self._counter.labels(model, "ok").inc()
-            return processor.engine_rendered(prompts, body, time.perf_counter() - t0)
+            return prompt
         self._fallback(model, reason, f"no render target answered for {model}")
         return None
 
     async def _post(
         self, url: str, payload: bytes, headers: Mapping[str, str], settings: ModelSettings
-    ) -> Any:
+    ) -> bytes:
+        """The answer's body; raises BadRequest (the engine refused the request) or
+        RenderFailed."""
         timeout = aiohttp.ClientTimeout(total=settings.render_timeout_s)
         try:
             async with self._session.post(
@@ -229,10 +254,7 @@ class EngineRenderer:
             raise BadRequest(_error_message(status, raw))
         if status != 200:
             raise RenderFailed(f"http_{status}: {url}: {_error_message(status, raw)}")
-        try:
-            return jsonload.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise RenderFailed(f"malformed: {url}: the answer is not JSON") from None
+        return raw
 
     def _fallback(self, model: str, reason: str, message: str) -> None:
         self._counter.labels(model, "fallback").inc()
