@@ -84,6 +84,7 @@ async def test_engine_rendered_prompts_predict_the_engines_cache() -> None:
         page = state.metrics.render().decode()
         assert metric_sample(page, "kvrouter_render_requests_total", model="m", outcome="ok") == 2
         assert not metric_sample(page, "kvrouter_approximate_requests_total", model="m")
+        assert metric_sample(page, "kvrouter_tokenizer_mode", model="m", mode="engine") == 1
         await client.close()
     finally:
         for runner in runners:

@@ -139,7 +139,8 @@ class _StateCollector(Collector):
         replicas.add_metric([], s.index_replicas)
         mode = GaugeMetricFamily(
             "kvrouter_tokenizer_mode",
-            "1 for the model's prompt processing mode (exact or approximate)",
+            "1 for the model's prompt processing mode (exact, approximate, or engine: "
+            "rendered by the engines)",
             labels=["model", "mode"],
         )
         for model, m in s.tokenizer_modes.items():

@@ -46,7 +46,14 @@ def state_snapshot(state: RouterState) -> StateSnapshot:
         },
         index_replicas=stats.replicas,
         tokenizer_modes={
-            m: ("exact" if p.exact else "approximate") for m, p in state.processors.items()
+            m: (
+                "engine"
+                if state.settings.model(m).render == "engine"
+                else "exact"
+                if p.exact
+                else "approximate"
+            )
+            for m, p in state.processors.items()
         },
         prompt_cache_bytes={
             m: p.tokenizer.stats().bytes
