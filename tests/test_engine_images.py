@@ -23,7 +23,7 @@ from router.core.errors import BadRequest
 from router.core.types import BlocksStored
 from router.events.decode import decode_payload
 from router.events.reblock import Reblocker
-from router.service.render import parse_rendered
+from router.service.render_answer import parse_rendered
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.multimodal import (
     ImageSettings,

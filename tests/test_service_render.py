@@ -20,9 +20,9 @@ from router.core.hashing import MmItem, hash_prompt, mm_block_extras, root_hash
 from router.mock.server import MockSettings
 from router.service.app import STATE
 from router.service.config import build_settings
-from router.service.render import RenderFailed, parse_rendered
+from router.service.render_answer import RenderFailed, parse_rendered
 from router.tokenize.pipeline import PromptProcessor
-from tests.backends import metric_sample, start_mock, start_router
+from tests.backends import kimi_model_table, metric_sample, start_mock, start_router
 from tests.benches import bench_json
 from tests.ports import free_port
 from tests.waiting import eventually
@@ -56,6 +56,30 @@ def _chat(turns: int) -> list[Any]:
         messages.append({"role": "user", "content": f"question {i}: " + "why? " * 30})
         messages.append({"role": "assistant", "content": f"answer {i}"})
     return messages
+
+
+async def _render_server(handler: Any) -> tuple[web.AppRunner, str]:
+    """A stand-in render endpoint (both paths) on loopback: (runner, base URL)."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions/render", handler)
+    app.router.add_post("/v1/completions/render", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+def _renderer(session: Any, base: str, clock: Any = None, timeout: float = 5.0) -> Any:
+    from prometheus_client import CollectorRegistry
+
+    from router.service.loop_metrics import LoopCounter
+    from router.service.render import EngineRenderer
+    from router.service.settings import ModelSettings
+
+    counter = LoopCounter("r", "", ["model", "outcome"], registry=CollectorRegistry())
+    model = ModelSettings(name="m", render="engine", render_url=base, render_timeout_s=timeout)
+    extra = {} if clock is None else {"clock": clock}
+    return EngineRenderer({"m": model}, lambda _: [], counter, session, **extra), counter
 
 
 async def test_engine_rendered_prompts_predict_the_engines_cache() -> None:
@@ -211,11 +235,8 @@ async def test_a_target_that_failed_rests_before_it_is_asked_again() -> None:
     """A hung renderer costs the request that finds it its timeout; later requests skip it
     (falling back at once, or going to another target) until its cooldown ends."""
     import aiohttp
-    from prometheus_client import CollectorRegistry
 
-    from router.service.loop_metrics import LoopCounter
-    from router.service.render import COOLDOWN_S, EngineRenderer
-    from router.service.settings import ModelSettings
+    from router.service.render import COOLDOWN_S
 
     calls: list[str] = []
     release = asyncio.Event()
@@ -225,20 +246,13 @@ async def test_a_target_that_failed_rests_before_it_is_asked_again() -> None:
         await release.wait()
         return web.json_response({"token_ids": [1]})
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions/render", hang)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, base = await _render_server(hang)
     now = [100.0]
-    counter = LoopCounter("r", "", ["model", "outcome"], registry=CollectorRegistry())
-    model = ModelSettings(name="m", render="engine", render_url=base, render_timeout_s=0.2)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     proc = PromptProcessor("m", B)
     try:
         async with aiohttp.ClientSession() as session:
-            r = EngineRenderer({"m": model}, lambda _: [], counter, session, lambda: now[0])
+            r, counter = _renderer(session, base, lambda: now[0], timeout=0.2)
             assert await r.prompt("m", "chat", body, proc) is None  # waited its timeout
             assert await r.prompt("m", "chat", body, proc) is None  # resting: not asked
             assert len(calls) == 1
@@ -254,33 +268,133 @@ async def test_a_target_that_failed_rests_before_it_is_asked_again() -> None:
 
 async def test_a_long_prompts_answer_is_decoded_off_the_loop_and_hashed_alike() -> None:
     import aiohttp
-    from prometheus_client import CollectorRegistry
 
-    from router.service.loop_metrics import LoopCounter
-    from router.service.render import THREAD_MIN_ANSWER, EngineRenderer
-    from router.service.settings import ModelSettings
+    from router.service.render import THREAD_MIN_BYTES
 
     ids = list(range(100_000, 160_000))
     answer = json.dumps({"token_ids": ids, "features": None}).encode()
-    assert len(answer) >= THREAD_MIN_ANSWER
+    assert len(answer) >= THREAD_MIN_BYTES
 
     async def render(request: web.Request) -> web.Response:
         return web.Response(body=answer, content_type="application/json")
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions/render", render)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    counter = LoopCounter("r", "", ["model", "outcome"], registry=CollectorRegistry())
-    model = ModelSettings(name="m", render="engine", render_url=base)
+    runner, base = await _render_server(render)
     proc = PromptProcessor("m", B)
     try:
         async with aiohttp.ClientSession() as session:
-            r = EngineRenderer({"m": model}, lambda _: [], counter, session)
+            r, _ = _renderer(session, base)
             got = await r.prompt("m", "chat", {"messages": []}, proc)
     finally:
         await runner.cleanup()
     assert got is not None and got.prompt_tokens == len(ids)
     assert got.block_hashes == hash_prompt(np.array(ids, dtype=np.uint32), B, root_hash("m")).hashes
+
+
+async def test_requests_waiting_on_a_target_stop_when_another_finds_it_failing() -> None:
+    import aiohttp
+
+    calls: list[int] = []
+    never = asyncio.Event()
+
+    async def flaky(request: web.Request) -> web.Response:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            await never.wait()  # the first request hangs
+        return web.json_response({"error": {"message": "down"}}, status=503)
+
+    runner, base = await _render_server(flaky)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    proc = PromptProcessor("m", B)
+    try:
+        async with aiohttp.ClientSession() as session:
+            # a timeout far longer than the test: the hung request ends only because the
+            # other one found the target failing
+            r, counter = _renderer(session, base, timeout=600)
+            hung = asyncio.ensure_future(r.prompt("m", "chat", body, proc))
+            await eventually(lambda: len(calls) == 1)
+            assert await r.prompt("m", "chat", body, proc) is None  # a 503: the target rests
+            assert await asyncio.wait_for(hung, 30) is None
+            assert len(calls) == 2
+            assert await r.prompt("m", "chat", body, proc) is None  # resting: not asked
+            assert len(calls) == 2
+    finally:
+        never.set()
+        await runner.cleanup()
+    assert counter.labels("m", "fallback").value == 3
+
+
+async def test_what_moves_on_without_resting_and_what_is_not_sent() -> None:
+    """A 404 for the model (the target serves it under another name) and an unreadable
+    answer fall back without resting the target; bodies the render endpoints refuse though
+    the replica serves them (beam search, prompt embeddings) are not sent."""
+    import aiohttp
+
+    answers = [
+        web.json_response(
+            {"error": {"message": "The model `m` does not exist.", "type": "NotFoundError",
+                       "param": "model", "code": 404}},
+            status=404,
+        ),
+        web.Response(body=b"{not json", content_type="application/json"),
+        web.json_response({"token_ids": [7, 8]}),
+    ]  # fmt: skip
+    calls: list[str] = []
+
+    async def render(request: web.Request) -> web.Response:
+        calls.append(request.path)
+        return answers[len(calls) - 1]
+
+    runner, base = await _render_server(render)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    proc = PromptProcessor("m", B)
+    try:
+        async with aiohttp.ClientSession() as session:
+            r, counter = _renderer(session, base)
+            assert await r.prompt("m", "chat", chat, proc) is None
+            assert await r.prompt("m", "chat", chat, proc) is None
+            beam = {**chat, "use_beam_search": True}
+            assert await r.prompt("m", "chat", beam, proc) is None
+            embeds = {"model": "m", "prompt": "", "prompt_embeds": "AAAA"}
+            assert await r.prompt("m", "completion", embeds, proc) is None
+            got = await r.prompt("m", "chat", chat, proc)
+            assert got is not None and got.prompt_tokens == 2
+    finally:
+        await runner.cleanup()
+    assert len(calls) == 3  # the refused shapes never reached it; nothing rested it
+    assert counter.labels("m", "fallback").value == 4
+
+
+async def test_a_fallback_of_a_template_the_router_cannot_render_is_served(
+    tmp_path: Any,
+) -> None:
+    """The renderers down, the router's own template refuses the conversation: the request
+    is routed on load and served, not refused (the engine renders it its own way)."""
+    runners: list[web.AppRunner] = []
+    try:
+        replicas = await _fleet(1, runners)
+        template = tmp_path / "t.jinja"
+        template.write_text("{{ raise_exception('only the engine renders this model') }}")
+        model = kimi_model_table(
+            chat_template=str(template),
+            render="engine",
+            render_url=f"http://127.0.0.1:{free_port()}",
+        )
+        settings = build_settings({"replicas": replicas, "models": {"m": model}})
+        router, url = await start_router(settings)
+        runners.append(router)
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        done = await client.chat.completions.create(model="m", messages=_chat(1), max_tokens=2)
+        assert done.choices[0].finish_reason is not None
+        decided = router.app[STATE].recent_decisions(1)[0]
+        assert decided["usable_tokens"] == 0
+        await client.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def test_a_rendered_batchs_round_trip_counts_once() -> None:
+    proc = PromptProcessor("m", B)
+    prompts = [(np.arange(1, 40, dtype=np.uint32), []) for _ in range(3)]
+    got = proc.engine_rendered(prompts, {}, 0.2)
+    assert got.prompt_tokens == 3 * 39 and got.tokenize_s == pytest.approx(0.2)

@@ -31,7 +31,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     from router.mock.server import MockSettings
     from router.mock.server import create_app as create_mock
     from router.service.loop_metrics import LoopCounter
-    from router.service.render import EngineRenderer, parse_rendered
+    from router.service.render import EngineRenderer
+    from router.service.render_answer import parse_rendered
     from router.service.settings import ModelSettings
     from router.tokenize.incremental import IncrementalTokenizer
     from router.tokenize.pipeline import PromptProcessor

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import xxhash
 
@@ -224,16 +225,28 @@ async def checked_prompt(
     rendered = kind is not None and renderer is not None and renderer.serves(model)
     from_engine: ProcessedPrompt | None = None
     if rendered:
-        from_engine = await renderer.prompt(model, kind, arg, state.processor(model))
+        t0 = time.perf_counter()
+        processor = state.processor(model)
+        from_engine = await renderer.prompt(model, kind, arg, processor, offload=offload)
     if from_engine is not None:
         prompt = from_engine
-    else:
+    elif not rendered:
         if offload:
             prompt = await asyncio.get_running_loop().run_in_executor(None, fn, arg)
         else:
             prompt = fn(arg)
-        if rendered:
-            prompt = replace(prompt, provisional=True)
+    else:
+        # the router's own processing of a model it cannot render exactly: routed on what
+        # it gives, never refused for it (a template the router misreads, a count from it)
+        try:
+            if offload:
+                prompt = await asyncio.get_running_loop().run_in_executor(None, fn, arg)
+            else:
+                prompt = fn(arg)
+        except BadRequest:
+            prompt = processor.unknown(cast(dict[str, Any], arg))
+        waited = time.perf_counter() - t0
+        prompt = replace(prompt, exact=False, provisional=True, tokenize_s=waited)
     state.check_context(model, prompt)
     check_prompt_tokens(state.settings.server, prompt.prompt_tokens)
     return prompt

@@ -14,31 +14,39 @@ already applied the template, ``truncate_prompt_tokens`` and special tokens.
 Where: ``render_url`` when set (a render-only vLLM, say), else the model's healthy
 replicas in turn (every vLLM API server serves the render routes). A request the engine
 refuses (400, 422) is refused with the engine's message: the replica would refuse it too.
-Anything else (no answer within ``render_timeout_s``, a 5xx, a 404 from an engine without
-the routes) is tried once more on another target, and the target that failed is not asked
-again for ``COOLDOWN_S``; with no target left the router's own processing stands in
-(counted in ``kvrouter_render_requests_total{outcome="fallback"}``; the prompt is marked
-provisional and not memoised), so an outage of the renderers degrades routing, never
+Anything else is tried once more on another target. A target that is failing itself (no
+answer within ``render_timeout_s``, a 5xx, a 404 of a missing route) rests for
+``COOLDOWN_S``: the requests waiting on it stop waiting, later ones skip it. A 404 for the
+model (the target serves it under another name) or an unreadable answer only moves on. With
+no target left, or for a body the render endpoints refuse though the replica serves it
+(beam search, prompt embeddings), the router's own processing stands in (counted in
+``kvrouter_render_requests_total{outcome="fallback"}``): the prompt is marked provisional
+(not memoised) and approximate, so an outage of the renderers degrades routing, never
 requests.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import aiohttp
-import numpy as np
-import orjson
 
-from router import jsonload
 from router.core.errors import BadRequest
-from router.core.hashing import MmItem, as_u32_array
+from router.service.render_answer import (
+    RenderFailed,
+    decode_answer,
+    dumps,
+    error_message,
+    is_unknown_model,
+    renderable,
+)
 from router.service.settings import ModelSettings
 from router.tokenize.pipeline import ProcessedPrompt, PromptProcessor
 
@@ -46,12 +54,16 @@ _log = logging.getLogger("kvrouter.render")
 
 PATHS = {"chat": "/v1/chat/completions/render", "completion": "/v1/completions/render"}
 # the engine judged the request itself: its answer stands
-_REFUSED = frozenset({400, 413, 422})
+_REFUSED = frozenset({400, 422})
 _MAX_ATTEMPTS = 2
-# answers this large (a long prompt's ids) are decoded on a worker thread
-THREAD_MIN_ANSWER = 256 * 1024
-# how long a target that failed is not asked (the request that found it failing waited)
+# answers (a long prompt's ids) and request bodies this large are (de)coded off the loop
+THREAD_MIN_BYTES = 256 * 1024
+MAX_ANSWER_BYTES = 256 * 2**20
+# how long a target that failed is not asked
 COOLDOWN_S = 5.0
+# a render problem is logged at most this often per (model, target or reason)
+_LOG_EVERY_S = 60.0
+_MAX_TRACKED = 1024
 
 
 def render_targets(state: Any, model: str) -> list[str]:
@@ -68,97 +80,14 @@ def render_targets(state: Any, model: str) -> list[str]:
     return healthy or list(urls)
 
 
-class RenderFailed(Exception):
-    """No usable answer from a render target (the caller tries another, then falls back)."""
+@dataclass(slots=True)
+class _Target:
+    """What the renderer remembers of one render target."""
 
-
-def parse_rendered(kind: str, payload: Any) -> list[tuple[np.ndarray, list[MmItem]]]:
-    """The prompts of a render answer: a chat answer is one ``{"token_ids", "features"}``
-    object, a completion answer a list of them (one per prompt of a batch). Raises
-    RenderFailed for anything else."""
-    entries = payload if kind == "completion" else [payload]
-    if not isinstance(entries, list) or not entries:
-        raise RenderFailed("the render answer is not a list of prompts")
-    out = []
-    for entry in entries:
-        if not isinstance(entry, Mapping) or not isinstance(entry.get("token_ids"), list):
-            raise RenderFailed("a rendered prompt has no token_ids")
-        try:
-            ids = as_u32_array(entry["token_ids"])
-        except ValueError as exc:
-            raise RenderFailed(f"rendered token_ids: {exc}") from None
-        out.append((ids, _mm_items(entry.get("features"))))
-    return out
-
-
-def decode_answer(kind: str, raw: bytes) -> list[tuple[np.ndarray, list[MmItem]]]:
-    """:func:`parse_rendered` of a render answer's body."""
-    try:
-        payload = jsonload.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise RenderFailed("malformed: the answer is not JSON") from None
-    return parse_rendered(kind, payload)
-
-
-def _routing_view(
-    processor: PromptProcessor, kind: str, raw: bytes, body: Mapping[str, Any], t0: float
-) -> ProcessedPrompt:
-    return processor.engine_rendered(decode_answer(kind, raw), body, time.perf_counter() - t0)
-
-
-def _mm_items(features: Any) -> list[MmItem]:
-    """Multimodal items of ``features`` (``mm_hashes`` / ``mm_placeholders`` per modality,
-    parallel lists), by placeholder offset."""
-    if features is None:
-        return []
-    if not isinstance(features, Mapping):
-        raise RenderFailed("rendered features are not an object")
-    hashes, places = features.get("mm_hashes") or {}, features.get("mm_placeholders") or {}
-    if not isinstance(hashes, Mapping) or not isinstance(places, Mapping):
-        raise RenderFailed("rendered features: mm_hashes / mm_placeholders are not objects")
-    items = []
-    for modality, idents in hashes.items():
-        ranges = places.get(modality)
-        if (
-            not isinstance(idents, list)
-            or not isinstance(ranges, list)
-            or len(idents) != len(ranges)
-        ):
-            raise RenderFailed(f"rendered features: {modality} hashes and placeholders differ")
-        for ident, where in zip(idents, ranges, strict=True):
-            offset = where.get("offset") if isinstance(where, Mapping) else None
-            if not isinstance(ident, str) or type(offset) is not int or offset < 0:
-                raise RenderFailed(f"rendered features: a malformed {modality} item")
-            items.append(MmItem(offset, ident))
-    return sorted(items, key=lambda item: item.start)
-
-
-def _dumps(body: Mapping[str, Any]) -> bytes:
-    """``body`` as JSON (orjson; the standard library for what it refuses, such as integers
-    beyond 64 bits, which a parsed body may hold)."""
-    try:
-        return orjson.dumps(body)
-    except TypeError:
-        return json.dumps(body).encode()
-
-
-def _error_message(status: int, raw: bytes) -> str:
-    """The message of an engine's error body (OpenAI-style, FastAPI ``detail``, or text)."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        body = None
-    if isinstance(body, Mapping):
-        error = body.get("error")
-        for found in (
-            error.get("message") if isinstance(error, Mapping) else error,
-            body.get("message"),
-            body.get("detail"),
-        ):
-            if isinstance(found, str) and found:
-                return found
-    text = raw[:500].decode("utf-8", "replace").strip()
-    return text or f"the engine refused the request (HTTP {status})"
+    resting_until: float = 0.0
+    rested_at: float = float("-inf")  # when its last rest began
+    # set when it fails: the requests waiting on it stop waiting
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class EngineRenderer:
@@ -181,88 +110,171 @@ class EngineRenderer:
         self._session = session
         self._clock = clock
         self._cursor: dict[str, int] = {}
-        self._warned: set[tuple[str, str]] = set()
-        # target -> when it may be asked again: one that failed is skipped for a while, so
-        # a hung renderer costs one request its timeout, not every request
-        self._resting: dict[str, float] = {}
+        self._logged: dict[tuple[str, str], float] = {}
+        self._state: dict[str, _Target] = {}
 
     def serves(self, model: str) -> bool:
         return model in self._models
 
     async def prompt(
-        self, model: str, kind: str, body: Mapping[str, Any], processor: PromptProcessor
+        self,
+        model: str,
+        kind: str,
+        body: Mapping[str, Any],
+        processor: PromptProcessor,
+        *,
+        offload: bool = False,
     ) -> ProcessedPrompt | None:
         """The routing view of ``body`` as the engine renders it; None when no target
         answered usably (the caller processes the prompt itself). Raises BadRequest with the
-        engine's message when the engine refuses the request."""
+        engine's message when the engine refuses the request. ``offload``: a large body,
+        encoded off the event loop."""
         settings = self._models[model]
-        targets = [settings.render_url] if settings.render_url else self._targets(model)
-        if not targets:
-            self._fallback(model, "no_target", "no replica to render on")
+        if not renderable(kind, body):
+            self._fallback(model, "unrenderable", "the render endpoints refuse it")
             return None
+        targets = [settings.render_url] if settings.render_url else self._targets(model)
         start = self._cursor.get(model, 0)
         self._cursor[model] = start + 1
         now = self._clock()
         order = [targets[(start + i) % len(targets)] for i in range(len(targets))]
-        order = [t for t in order if self._resting.get(t, 0.0) <= now][:_MAX_ATTEMPTS]
+        order = [t for t in order if self._target(t, now).resting_until <= now]
         if not order:
-            self._fallback(model, "resting", "every render target failed within a cooldown")
+            reason = "resting" if targets else "no_target"
+            self._fallback(model, reason, "no render target to ask")
             return None
-        payload = _dumps({**body, "return_mm_kwargs": False})
+        request = {**body, "return_mm_kwargs": False}
+        if offload:
+            payload = await asyncio.get_running_loop().run_in_executor(None, dumps, request)
+        else:
+            payload = dumps(request)
         headers = {"Content-Type": "application/json"}
         if settings.render_api_key:
             headers["Authorization"] = f"Bearer {settings.render_api_key}"
-        reason = "error"
-        for base in order:
+        for base in order[:_MAX_ATTEMPTS]:
             t0 = time.perf_counter()
+            started = self._clock()
+            target = self._target(base, started)
             try:
-                raw = await self._post(base + PATHS[kind], payload, headers, settings)
+                raw = await self._ask(target, base + PATHS[kind], payload, headers, settings)
                 finish = partial(_routing_view, processor, kind, raw, body, t0)
-                if len(raw) >= THREAD_MIN_ANSWER:  # a long prompt's ids: off the event loop
+                if len(raw) >= THREAD_MIN_BYTES:  # a long prompt's ids: off the event loop
                     prompt = await asyncio.get_running_loop().run_in_executor(None, finish)
                 else:
                     prompt = finish()
             except RenderFailed as exc:
-                reason = str(exc).split(":", 1)[0]
-                self._resting[base] = self._clock() + COOLDOWN_S
-                self._warn(model, base, str(exc))
+                if exc.rest and started >= target.rested_at:
+                    self._rest(target, self._clock())
+                self._log(model, base, str(exc))
                 continue
             except BadRequest:
                 self._counter.labels(model, "refused").inc()
                 raise
-            self._resting.pop(base, None)
+            if started >= target.rested_at:  # not a late answer from before a failure
+                target.resting_until = 0.0
             self._counter.labels(model, "ok").inc()
             return prompt
-        self._fallback(model, reason, f"no render target answered for {model}")
+        self._fallback(model, "failed", "no render target answered")
         return None
+
+    def _target(self, base: str, now: float) -> _Target:
+        found = self._state.get(base)
+        if found is None:
+            if len(self._state) >= _MAX_TRACKED:  # targets come and go with the fleet
+                for url in [u for u, t in self._state.items() if t.resting_until <= now]:
+                    del self._state[url]
+            found = self._state[base] = _Target()
+        elif found.failed.is_set() and found.resting_until <= now:
+            found.failed = asyncio.Event()  # rested: ask it again
+        return found
+
+    def _rest(self, target: _Target, now: float) -> None:
+        target.resting_until = now + COOLDOWN_S
+        target.rested_at = now
+        target.failed.set()
+
+    async def _ask(
+        self,
+        target: _Target,
+        url: str,
+        payload: bytes,
+        headers: Mapping[str, str],
+        settings: ModelSettings,
+    ) -> bytes:
+        """:meth:`_post`, given up when another request finds the target failing."""
+        post = asyncio.ensure_future(self._post(url, payload, headers, settings))
+        failed = asyncio.ensure_future(target.failed.wait())
+        try:
+            await asyncio.wait({post, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+            if not post.done():
+                post.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await post
+        if post.cancelled():
+            raise RenderFailed(f"{url}: another request found it failing", rest=False)
+        return post.result()
 
     async def _post(
         self, url: str, payload: bytes, headers: Mapping[str, str], settings: ModelSettings
     ) -> bytes:
         """The answer's body; raises BadRequest (the engine refused the request) or
         RenderFailed."""
-        timeout = aiohttp.ClientTimeout(total=settings.render_timeout_s)
+        # no total: waiting for a pooled connection is the router's own queue, not the
+        # target's failure
+        timeout = aiohttp.ClientTimeout(
+            sock_connect=settings.render_timeout_s, sock_read=settings.render_timeout_s
+        )
         try:
-            async with self._session.post(
-                url, data=payload, headers=headers, timeout=timeout
-            ) as resp:
-                raw = await resp.read()
-                status = resp.status
+            async with asyncio.timeout(settings.render_timeout_s * 4):
+                async with self._session.post(
+                    url, data=payload, headers=headers, timeout=timeout
+                ) as resp:
+                    status = resp.status
+                    raw = await _read_capped(resp)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise RenderFailed(f"unreachable: {url}: {exc or type(exc).__name__}") from None
+            raise RenderFailed(f"{url}: {str(exc) or type(exc).__name__}", rest=True) from None
         if status in _REFUSED:
-            raise BadRequest(_error_message(status, raw))
+            raise BadRequest(error_message(status, raw))
+        if status == 404 and is_unknown_model(raw):
+            message = f"{url}: does not serve the model ({error_message(status, raw)})"
+            raise RenderFailed(message, rest=False)
         if status != 200:
-            raise RenderFailed(f"http_{status}: {url}: {_error_message(status, raw)}")
+            message = f"{url}: HTTP {status}: {error_message(status, raw)}"
+            raise RenderFailed(message, rest=status >= 500 or status == 404)
         return raw
 
     def _fallback(self, model: str, reason: str, message: str) -> None:
         self._counter.labels(model, "fallback").inc()
-        self._warn(model, reason, message)
+        self._log(model, reason, message)
 
-    def _warn(self, model: str, key: str, message: str) -> None:
-        """Log a render problem once per (model, target or reason)."""
-        if (model, key) not in self._warned:
-            self._warned.add((model, key))
-            _log.warning("model %s: engine render: %s (the router's own rendering stands in)",
-                         model, message)  # fmt: skip
+    def _log(self, model: str, key: str, message: str) -> None:
+        """Log a render problem, at most every ``_LOG_EVERY_S`` per (model, key)."""
+        now = self._clock()
+        if now - self._logged.get((model, key), float("-inf")) < _LOG_EVERY_S:
+            return
+        if len(self._logged) >= _MAX_TRACKED:
+            self._logged.clear()
+        self._logged[(model, key)] = now
+        _log.warning("model %s: engine render: %s (the router's own rendering stands in)",
+                     model, message)  # fmt: skip
+
+
+async def _read_capped(resp: aiohttp.ClientResponse) -> bytes:
+    if resp.content_length is not None and resp.content_length > MAX_ANSWER_BYTES:
+        raise RenderFailed(f"an answer of {resp.content_length} bytes", rest=False)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_chunked(1 << 20):
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            raise RenderFailed(f"an answer over {MAX_ANSWER_BYTES} bytes", rest=False)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _routing_view(
+    processor: PromptProcessor, kind: str, raw: bytes, body: Mapping[str, Any], t0: float
+) -> ProcessedPrompt:
+    return processor.engine_rendered(decode_answer(kind, raw), body, time.perf_counter() - t0)

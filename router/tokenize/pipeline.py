@@ -610,15 +610,25 @@ class PromptProcessor:
             raise BadRequest("the engine rendered no prompt")
         root, _ = self.root(body)
         bs = self.block_size
-        entries = []
+        entries: list[ProcessedPrompt] = []
         for ids, items in prompts:
             t0 = time.perf_counter()
             extras = mm_block_extras(items, bs) if items else None
             hashes = hash_prompt(ids, bs, root, extras=extras).hashes
+            # one round trip rendered them all: its time counts once in the batch's sum
+            spent = 0.0 if entries else render_s
             entries.append(
-                ProcessedPrompt(len(ids), hashes, bs, True, 0, render_s, time.perf_counter() - t0)
+                ProcessedPrompt(len(ids), hashes, bs, True, 0, spent, time.perf_counter() - t0)
             )
         return _batch(entries)
+
+    def unknown(self, body: Mapping[str, Any]) -> ProcessedPrompt:
+        """A prompt of which nothing is known but a rough size (the body's characters):
+        no blocks to match, so it is routed on load alone."""
+        size = len(json.dumps(body, default=str))
+        return ProcessedPrompt(
+            max(1, round(size / self.chars_per_token)), [], self.block_size, False
+        )
 
     def token_array(
         self, tokens: Sequence[int] | np.ndarray, body: Mapping[str, Any] | None = None
