@@ -323,6 +323,39 @@ def test_a_request_with_its_own_processor_kwargs_is_not_hashed_past_the_image(
     assert own.block_hashes == known[: len(own.block_hashes)]
 
 
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
+        {"type": "image_url", "image_url": None, "uuid": "img-1"},  # an image the engine cached
+        {"image_url": "https://example.com/cat.png"},  # no type
+        {"type": "image_embeds", "image_embeds": "AAAA"},
+    ],
+    ids=["audio", "video", "uuid", "untyped", "embeds"],
+)
+def test_a_medium_the_router_does_not_model_cuts_the_prompt_before_it(
+    processor: PromptProcessor, part: dict[str, Any]
+) -> None:
+    """Audio, video, embeddings and images given by uuid expand to as many tokens as the
+    engine's processor says: the router hashes the blocks before their message only (it
+    hashed them as text before, exact, and refused a uuid-only image)."""
+    body = chat(None)
+    body["messages"][1]["content"].append(part)
+    got = processor.chat(body)
+    assert not got.exact
+    # the system message's blocks are there, none from the user message on
+    system_only = processor.chat({"model": MODEL, "messages": body["messages"][:1]})
+    assert 0 < len(got.block_hashes) <= len(system_only.block_hashes)
+    assert got.block_hashes == system_only.block_hashes[: len(got.block_hashes)]
+
+
+def test_an_image_prompt_cut_by_truncation_is_not_hashed(processor: PromptProcessor) -> None:
+    body = {**chat(data_url(png("RGB", (300, 200), 7))), "truncate_prompt_tokens": 40}
+    got = processor.chat(body)
+    assert not got.exact and got.block_hashes == []
+
+
 def test_model_without_image_settings_does_not_hash_past_the_image(
     processor: PromptProcessor,
 ) -> None:

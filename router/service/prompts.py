@@ -30,7 +30,11 @@ def build_processor(
                 model.chat_template, content_format=model.chat_template_content_format
             )
         return PromptProcessor(
-            model.name, block, template=template, chars_per_token=model.chars_per_token
+            model.name,
+            block,
+            template=template,
+            chars_per_token=model.chars_per_token,
+            default_kwargs=model.chat_template_kwargs,
         )
     spec = (model.tokenizer, model.bpe_file, model.pattern, model.num_reserved)
     directory = Path(model.tokenizer)
@@ -69,6 +73,7 @@ def build_processor(
         add_bos_to_completions=model.add_bos_to_completions,
         chars_per_token=model.chars_per_token,
         images=model.images,
+        default_kwargs=model.chat_template_kwargs,
     )
 
 

@@ -147,6 +147,8 @@ class ModelSettings:
     chat_template: str | None = None  # file overriding the directory's template
     # vLLM's --chat-template-content-format: auto (from the template), string or openai
     chat_template_content_format: str = "auto"
+    # vLLM's --default-chat-template-kwargs: under every request's chat_template_kwargs
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     # "engine": prompts rendered by the engine's render endpoints (router/service/render.py)
     render: str = "local"
     render_url: str | None = None  # a renderer's base URL; None: the model's replicas

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.core.errors import BadRequest
-from router.tokenize.content_format import part_text
+from router.tokenize.content_format import medium, part_text
 
 MAX_IMAGE_BYTES = 32 * 2**20
 _IMAGE_PART_TYPES = ("image_url", "input_image", "image")
@@ -119,6 +119,28 @@ def image_url(part: Mapping[str, Any]) -> str | None:
     if not isinstance(raw, str):
         raise BadRequest(f"an {kind} content part needs an image URL string")
     return raw
+
+
+def _modelled_image(part: Mapping[str, Any]) -> bool:
+    """An image part the router can place and hash: typed, with an URL, without a uuid."""
+    if part.get("type") not in _IMAGE_PART_TYPES or part.get("uuid") is not None:
+        return False
+    raw = part.get("image_url", part.get("image"))
+    return isinstance(raw.get("url") if isinstance(raw, Mapping) else raw, str)
+
+
+def first_unmodelled(messages: Sequence[Mapping[str, Any]]) -> int | None:
+    """The index of the first message with a medium the router does not model (audio,
+    video, embeddings, an image given by uuid or without ``type``): its token count is the
+    engine's processor's, so nothing from there on can be hashed."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list) and any(
+            medium(p) is not None and not (isinstance(p, Mapping) and _modelled_image(p))
+            for p in content
+        ):
+            return i
+    return None
 
 
 def has_images(messages: Sequence[Mapping[str, Any]]) -> bool:

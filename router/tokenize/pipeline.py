@@ -35,6 +35,7 @@ from router.tokenize.local_template import LocalTemplate
 from router.tokenize.multimodal import (
     ImageSettings,
     data_url_bytes,
+    first_unmodelled,
     has_images,
     image_facts,
     image_urls,
@@ -227,9 +228,12 @@ class PromptProcessor:
         add_bos_to_completions: bool = False,
         chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
         images: ImageSettings | None = None,
+        default_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
+        """``default_kwargs``: the engine's ``--default-chat-template-kwargs``."""
         self.model = model
         self.images = images
+        self.default_kwargs = dict(default_kwargs or {})
         self.block_size = block_size
         self.tokenizer = tokenizer
         self.template = template
@@ -288,9 +292,8 @@ class PromptProcessor:
         )
         return text, _key_context(tools, kwargs, add_gen, cont)
 
-    @staticmethod
     def _chat_args(
-        body: Mapping[str, Any],
+        self, body: Mapping[str, Any]
     ) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool, bool]:
         """(messages, tools as vLLM dumps them, template kwargs, add_generation_prompt,
         continue_final_message), checked."""
@@ -313,6 +316,9 @@ class PromptProcessor:
                     raise BadRequest("'documents' must be an array of objects")
                 extra["documents"] = documents
             kwargs = {**kwargs, **extra}
+        if self.default_kwargs:  # vLLM's merge: a request's null or "auto" leaves the default
+            unset = {k for k, v in kwargs.items() if v is None or v == "auto"}
+            kwargs = {**self.default_kwargs, **{k: kwargs[k] for k in kwargs if k not in unset}}
         add_gen = body.get("add_generation_prompt", True)
         cont = body.get("continue_final_message", False)
         if not isinstance(add_gen, bool) or not isinstance(cont, bool):
@@ -325,6 +331,12 @@ class PromptProcessor:
         t0 = time.perf_counter()
         tokenizer, template = self.tokenizer, self.template
         messages, tools, kwargs, add_gen, cont = self._chat_args(body)
+        unmodelled = first_unmodelled(messages)
+        if unmodelled is not None:  # a medium the router cannot place: hashed up to it
+            at = messages[unmodelled]
+            marked = [*messages[:unmodelled], {**at, "content": _IMAGE_MARKER}]
+            text, _ = self._render_text(marked, tools, kwargs, add_gen, cont)
+            return self._cut_before(text, _IMAGE_MARKER, body, t0)
         if has_images(messages):
             return self._chat_images(body, messages, tools, kwargs, add_gen, cont, t0)
         broken: LocalTemplate | None = None
@@ -400,6 +412,10 @@ class PromptProcessor:
         tokenizer, template, settings = self.tokenizer, self.template, self.images
         if body.get("mm_processor_kwargs"):
             settings = None
+        if kept_tokens(body) is not None or (
+            adds_special_tokens(body, chat=True) and self._bos_id is not None
+        ):  # ids cut or shifted around the images: not modelled, routed on load
+            return self.unknown(body)
         marker = settings.placeholder if settings is not None else _IMAGE_MARKER
         if template is not None and template.content_format_for(tools) == "openai":
             # the template places {"type": "image"} parts itself; without settings a text
@@ -409,18 +425,13 @@ class PromptProcessor:
         else:
             with_ph, urls = with_placeholders(messages, marker)
         text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont)
-        if tokenizer is None or template is None:
-            return self._approximate(text, body, time.perf_counter() - t0, cut_at=marker)
+        if tokenizer is None or template is None or settings is None:
+            # nothing known from the first image on
+            return self._cut_before(text, marker, body, t0)
         root, _ = self.root(body)
         tokens = tokenizer.encode_text(text)
         t1 = time.perf_counter()
         bs = self.block_size
-        if settings is None:  # nothing known from the first image on
-            cut = len(tokenizer.encode_text(text[: text.find(marker)])) - 1
-            hashes = hash_prompt(tokens[: max(cut, 0)], bs, root).hashes
-            return ProcessedPrompt(
-                len(tokens), hashes, bs, False, 0, t1 - t0, time.perf_counter() - t1
-            )
         token_id = tokenizer.tokenizer.special_tokens[settings.token]
         at = np.flatnonzero(tokens == token_id)
         pieces: list[np.ndarray] = []
@@ -459,6 +470,23 @@ class PromptProcessor:
             0,
             t1 - t0,
             time.perf_counter() - t1,
+        )
+
+    def _cut_before(
+        self, text: str, marker: str, body: Mapping[str, Any], t0: float
+    ) -> ProcessedPrompt:
+        """Routing view of a rendered prompt known only up to ``marker`` (where a medium
+        the router cannot expand starts): the blocks before it, not exact."""
+        tokenizer = self.tokenizer
+        if tokenizer is None or self.template is None:
+            return self._approximate(text, body, time.perf_counter() - t0, cut_at=marker)
+        root, _ = self.root(body)
+        tokens = tokenizer.encode_text(text)
+        t1 = time.perf_counter()
+        cut = len(tokenizer.encode_text(text[: text.find(marker)])) - 1
+        hashes = hash_prompt(tokens[: max(cut, 0)], self.block_size, root).hashes
+        return ProcessedPrompt(
+            len(tokens), hashes, self.block_size, False, 0, t1 - t0, time.perf_counter() - t1
         )
 
     def _chat_local(

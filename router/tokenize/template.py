@@ -33,10 +33,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from router.core.errors import BadRequest, ConfigError
 from router.tokenize.content_format import (
+    BILLING_HEADER as _BILLING_HEADER,
+)
+from router.tokenize.content_format import (
     ContentFormat,
     content_text,
     openai_parts,
     resolve_content_format,
+    tool_content,
+    without_billing_header,
 )
 from router.tokenize.local_template import LocalTemplate, RenderedParts, Resume, analyze
 from router.tokenize.render_state import ListLike, StateMismatch, plain
@@ -183,13 +188,15 @@ _PLAIN_TOOL_KEYS = frozenset({"role", "content", "name", "tool_call_id"})
 def prepare_messages(
     messages: Sequence[Mapping[str, Any]], content_format: ContentFormat = "string"
 ) -> list[dict[str, Any]]:
-    """``messages`` as vLLM hands them to the template (vllm/entrypoints/chat_utils.py): the
-    content in ``content_format`` (router.tokenize.content_format: a string of the text
-    parts, a missing one empty; or a list of parts); of the other keys only ``name``, an
+    """``messages`` as vLLM hands them to the template (vLLM 0.34,
+    vllm/renderers/chat_utils/chat_message.py): the content in ``content_format``
+    (router.tokenize.content_format: a string of the text parts, a missing one empty; or a
+    list of parts, a tool result's all-text parts joined; a system message without Claude
+    Code's attribution line); of the other keys only ``name`` and a string ``task``, an
     assistant's ``tool_calls`` (arguments parsed, see :func:`_parse_arguments`; an empty list
     dropped) and ``reasoning`` (also given as ``reasoning_content``), a tool result's
-    ``tool_call_id``. Plain messages of the string format are passed as they are, the others
-    rebuilt."""
+    ``tool_call_id``, a developer message's ``tools`` (null when absent). Plain messages of
+    the string format are passed as they are, the others rebuilt."""
     openai = content_format == "openai"
     out: list[dict[str, Any]] = []
     for m in messages:
@@ -201,13 +208,20 @@ def prepare_messages(
             and type(content) is str
             and (m.keys() <= _PLAIN_KEYS or (role == "tool" and m.keys() <= _PLAIN_TOOL_KEYS))
             and type(m.get("name", "")) is str
+            and role != "developer"
+            and not (role == "system" and content.startswith(_BILLING_HEADER))
         ):
             out.append(m)  # nothing to change; the sandbox keeps templates from mutating it
             continue
-        msg: dict[str, Any] = {
-            "role": role,
-            "content": openai_parts(content) if openai else content_text(content) or "",
-        }
+        if role == "system":
+            content = without_billing_header(content)
+        if not openai:
+            prepared: Any = content_text(content) or ""
+        elif role == "tool":
+            prepared = tool_content(openai_parts(content))
+        else:
+            prepared = openai_parts(content)
+        msg: dict[str, Any] = {"role": role, "content": prepared}
         if role == "assistant":
             calls = m.get("tool_calls")
             if isinstance(calls, list):
@@ -226,6 +240,11 @@ def prepare_messages(
         name = m.get("name")
         if isinstance(name, str):
             msg["name"] = name
+        task = m.get("task")
+        if isinstance(task, str):
+            msg["task"] = task
+        if role == "developer":
+            msg["tools"] = m.get("tools")
         out.append(msg)
     return out
 
@@ -251,11 +270,8 @@ def developer_as_system(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[s
         merge = merge or i > 0 or bool(texts)
         content = m.get("content", "")
         if isinstance(content, list):
-            content = "\n".join(
-                p["text"] if isinstance(p, Mapping) else p
-                for p in content
-                if (isinstance(p, Mapping) and "text" in p) or isinstance(p, str)
-            )
+            found = [p.get("text") if isinstance(p, Mapping) else p for p in content]
+            content = "\n".join(t for t in found if isinstance(t, str))
         if content:
             texts.append(content)
     if not merge:
@@ -418,7 +434,7 @@ class ChatTemplate:
     def content_format_for(self, tools: Sequence[Any] | None) -> ContentFormat:
         """The content format of the template :meth:`render` uses for a request with
         ``tools``."""
-        if tools and self._compiled_tools is not None:
+        if tools is not None and self._compiled_tools is not None:
             return self.tool_content_format
         return self.content_format
 
@@ -427,7 +443,8 @@ class ChatTemplate:
     ) -> bool:
         """Whether :meth:`prepare` turns ``developer`` messages into system ones (the
         template for ``tools`` does not name that role; :func:`developer_as_system`)."""
-        source = self.tool_source if tools and self._compiled_tools is not None else self.source
+        uses_tools = tools is not None and self._compiled_tools is not None
+        source = self.tool_source if uses_tools else self.source
         return not _names_developer(source) and any(m.get("role") == "developer" for m in messages)
 
     def prepare(
@@ -455,7 +472,10 @@ class ChatTemplate:
         end-of-turn after it), found as transformers finds it: a marker appended to that
         content, the render cut where the marker starts (and trailing spacing dropped when
         the template trimmed the content)."""
-        template = self._compiled_tools if tools and self._compiled_tools else self._compiled
+        # transformers takes the tool_use template whenever tools are given, [] included
+        template = (
+            self._compiled_tools if tools is not None and self._compiled_tools else self._compiled
+        )
         assert template is not None, "ChatTemplate.build compiles the template"
         if continue_final_message:
             messages = [*messages[:-1], _tag_final_message(messages)]
@@ -471,7 +491,7 @@ class ChatTemplate:
     def local_for(self, tools: Sequence[Any] | None) -> LocalTemplate | None:
         """The instrumented template that :meth:`render` would use for a request with
         ``tools``, if it is message-local (None: render whole)."""
-        local = self._local_tools if tools and self._compiled_tools else self._local
+        local = self._local_tools if tools is not None and self._compiled_tools else self._local
         return local if local is not None and local.enabled else None
 
     def render_parts(
