@@ -342,6 +342,11 @@ def test_reasoning_effort_and_documents_reach_the_template_as_in_vllm() -> None:
     assert proc.render_chat({"messages": msgs})[0] == "|||hi"
     assert proc.render_chat({"messages": msgs, "reasoning_effort": "none"})[0] == "none|False||hi"
     assert proc.render_chat({"messages": msgs, "reasoning_effort": "high"})[0] == "high|True||hi"
+    # the engine's --reasoning-effort-map rewrites the effort first
+    mapped = PromptProcessor(
+        "m", 16, tokenizer=proc.tokenizer, template=proc.template, effort_map={"high": "none"}
+    )
+    assert mapped.render_chat({"messages": msgs, "reasoning_effort": "high"})[0] == "none|False||hi"
     own = {
         "messages": msgs,
         "reasoning_effort": "none",

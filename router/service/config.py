@@ -10,8 +10,8 @@ File layout (every section optional; see docs/configuration.md)::
     [models.NAME]  policy, block_size, hybrid, state_interval_blocks, speculative_ttl_s,
                    speculate_sessions,
                    context_length, tokenizer, bpe_file, pattern, chat_template,
-                   chat_template_content_format, chat_template_kwargs (a table), cache_mb,
-                   chars_per_token,
+                   chat_template_content_format, chat_template_kwargs and
+                   reasoning_effort_map (tables), cache_mb, chars_per_token,
                    add_bos_to_completions, render, render_url, render_timeout_s,
                    render_api_key (router/service/render.py)
     [models.NAME.policy_params]   keys of router.core.policies.make_policy (``cost`` nested)
@@ -246,6 +246,11 @@ def _model(name: str, table: Any) -> ModelSettings:
         )
     if not isinstance(model.chat_template_kwargs, Mapping):
         raise ConfigError(f"{where}.chat_template_kwargs: must be a table")
+    effort_map = model.reasoning_effort_map
+    if not isinstance(effort_map, Mapping) or not all(
+        isinstance(v, str) for v in effort_map.values()
+    ):
+        raise ConfigError(f"{where}.reasoning_effort_map: must be a table of strings")
     if model.render not in ("local", "engine"):
         raise ConfigError(f"{where}.render: {model.render!r} is not one of local, engine")
     if model.render_url is not None:

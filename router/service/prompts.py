@@ -35,6 +35,7 @@ def build_processor(
             template=template,
             chars_per_token=model.chars_per_token,
             default_kwargs=model.chat_template_kwargs,
+            effort_map=model.reasoning_effort_map,
         )
     spec = (model.tokenizer, model.bpe_file, model.pattern, model.num_reserved)
     directory = Path(model.tokenizer)
@@ -74,6 +75,7 @@ def build_processor(
         chars_per_token=model.chars_per_token,
         images=model.images,
         default_kwargs=model.chat_template_kwargs,
+        effort_map=model.reasoning_effort_map,
     )
 
 

@@ -149,6 +149,8 @@ class ModelSettings:
     chat_template_content_format: str = "auto"
     # vLLM's --default-chat-template-kwargs: under every request's chat_template_kwargs
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # vLLM's --reasoning-effort-map: a request's reasoning_effort rewritten before the template
+    reasoning_effort_map: Mapping[str, str] = field(default_factory=dict)
     # "engine": prompts rendered by the engine's render endpoints (router/service/render.py)
     render: str = "local"
     render_url: str | None = None  # a renderer's base URL; None: the model's replicas

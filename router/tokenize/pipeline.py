@@ -229,11 +229,14 @@ class PromptProcessor:
         chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
         images: ImageSettings | None = None,
         default_kwargs: Mapping[str, Any] | None = None,
+        effort_map: Mapping[str, str] | None = None,
     ) -> None:
-        """``default_kwargs``: the engine's ``--default-chat-template-kwargs``."""
+        """``default_kwargs`` / ``effort_map``: the engine's
+        ``--default-chat-template-kwargs`` / ``--reasoning-effort-map``."""
         self.model = model
         self.images = images
         self.default_kwargs = dict(default_kwargs or {})
+        self.effort_map = dict(effort_map or {})
         self.block_size = block_size
         self.tokenizer = tokenizer
         self.template = template
@@ -308,6 +311,7 @@ class PromptProcessor:
             if effort is not None:
                 if not isinstance(effort, str):
                     raise BadRequest("'reasoning_effort' must be a string")
+                effort = self.effort_map.get(effort, effort)
                 extra["reasoning_effort"] = effort
                 if "enable_thinking" not in kwargs:
                     extra["enable_thinking"] = effort != "none"
