@@ -347,3 +347,38 @@ async def test_reported_failures_eject_a_replica_as_http_failures_do() -> None:
                 assert (await stub.Pick(pick, metadata=AUTH)).replica == "b"
     finally:
         await runner.cleanup()
+
+
+async def test_a_whole_request_body_is_processed_as_http_processes_it(rpc: Any) -> None:
+    """``request_json`` carries what a messages_json Pick cannot (a cache salt, template
+    kwargs, truncation...): the prompt is the one the HTTP endpoint makes of the body, and
+    the body's session keys the session when session_id is empty."""
+    state, stub = rpc
+    proc = state.processors[MODEL]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "a salted question " * 30}],
+        "cache_salt": "tenant-7",
+        "metadata": {"session_id": "conv-9"},
+    }
+    want = proc.chat(body)
+    got = await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, request_json=json.dumps(body)), metadata=AUTH
+    )
+    assert got.prompt_tokens == want.prompt_tokens
+    # the salt made another prompt than the messages alone
+    plain = proc.chat({"messages": body["messages"]})
+    assert plain.block_hashes != want.block_hashes
+    decided = state.recent_decisions(1)[0]
+    assert decided["prompt_tokens"] == want.prompt_tokens
+    sessions = state.engines[MODEL].sessions
+    assert sessions is not None and sessions.get("conv-9", loop_clock()) is not None
+    completion = {"model": MODEL, "prompt": list(range(1000, 1400)), "truncate_prompt_tokens": 64}
+    got = await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, request_json=json.dumps(completion)), metadata=AUTH
+    )
+    assert got.prompt_tokens == 64
+    for bad in ("[1]", "{not json", json.dumps({**body, "model": "other"})):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Pick(router_pb2.PickRequest(model=MODEL, request_json=bad), metadata=AUTH)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -6,7 +6,6 @@ front door; errors of the core map to gRPC status codes here and only here.
 from __future__ import annotations
 
 import array
-import json
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +15,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from router import jsonload
 from router.core.admission import DEFAULT
 from router.core.errors import (
     BadRequest,
@@ -48,6 +48,7 @@ from router.service.errors import ErrorReply, reply_for
 from router.service.gate import Gate
 from router.service.handling import (
     THREAD_MIN_BODY,
+    body_session,
     checked_prompt,
     record,
     rejected,
@@ -221,7 +222,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if request.tools_json:
                 body["tools"] = _json(request.tools_json, "tools_json")
             return proc.chat, body, len(request.messages_json) + len(request.tools_json)
-        raise BadRequest("one of token_ids, text or messages_json is required")
+        if which == "request_json":
+            whole = _json(request.request_json, "request_json")
+            if not isinstance(whole, dict):
+                raise BadRequest("request_json must be a JSON object")
+            named = whole.get("model")
+            if named is not None and named != request.model:
+                raise BadRequest(f"request_json names model {named!r}, not {request.model!r}")
+            fn = proc.chat if "messages" in whole else proc.completion
+            return fn, whole, len(request.request_json)
+        raise BadRequest("one of token_ids, text, messages_json or request_json is required")
 
     def _candidates(self, request: router_pb2.PickRequest) -> list[ReplicaKey] | None:
         if not request.candidates:
@@ -319,6 +329,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # kept as the HTTP endpoints keep it (over 128 characters: its digest), so a
             # session's turns meet whichever front end they come through
             session = session_key(request.session_id)
+            if session is None and request.WhichOneof("prompt") == "request_json":
+                session = body_session(arg)
             slo_gate = self.state.admission
             pd = request.model in self.state.disagg
             # (disaggregated models are not admission-controlled, as on HTTP)
@@ -474,7 +486,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 def _json(text: str, field: str) -> Any:
     try:
-        return json.loads(text)
+        return jsonload.loads(text)
     except ValueError as exc:
         raise BadRequest(f"{field} is not valid JSON: {exc}") from None
 
