@@ -135,7 +135,7 @@ async def test_pick_text_chat_and_candidate_subset(rpc: Any) -> None:
 @pytest.mark.parametrize(
     "request_kw,code,fragment",
     [
-        ({"model": MODEL}, grpc.StatusCode.INVALID_ARGUMENT, "token_ids, text or messages_json"),
+        ({"model": MODEL}, grpc.StatusCode.INVALID_ARGUMENT, "messages_json or request_json"),
         (
             {"token_ids": router_pb2.TokenIds(ids=[1])},
             grpc.StatusCode.INVALID_ARGUMENT,
