@@ -288,6 +288,34 @@ def _compiled_once() -> Iterator[None]:
         tiktoken.core._tiktoken = native
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_default_client_ssl_context() -> Iterator[None]:
+    """Every ``openai.AsyncOpenAI`` a test makes (one or more a test, for plain-HTTP
+    servers on loopback) built a default SSL context, loading the machine's CA bundle (~40
+    ms of CPU each). Clients verifying with the default trust (``verify=True``, no client
+    certificate) now share the one context of their trust settings, as an application that
+    reuses a context does; any other ``verify`` or ``cert`` builds its own as before."""
+    import httpx2._transports.default as transports
+
+    create = transports.create_ssl_context
+    contexts: dict[tuple[Any, ...], Any] = {}
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        env = tuple(os.environ.get(k) for k in ("SSL_CERT_FILE", "SSL_CERT_DIR"))
+        key = (trust_env, env if trust_env else None)
+        if key not in contexts:
+            contexts[key] = create(verify=verify, cert=cert, trust_env=trust_env)
+        return contexts[key]
+
+    transports.create_ssl_context = create_ssl_context  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        transports.create_ssl_context = create
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
     """A redis-server for the whole session; its ``url`` is ``redis://127.0.0.1:<port>/0``."""
