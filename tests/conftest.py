@@ -143,6 +143,11 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> Iterator[None]
     signal.signal(signal.SIGALRM, dump_tasks_then_fail)
 
 
+# the BPE files parsed this session, and the copies of them last handed out (by id)
+_PARSED_BPE: dict[tuple[str, int, int], dict[bytes, int]] = {}
+_HANDED_BPE: dict[int, tuple[dict[bytes, int], tuple[str, int, int]]] = {}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _bpe_files_parsed_once() -> Iterator[None]:
     """Routers built inside the test process (a few hundred: one or more a test) parse each
@@ -154,7 +159,7 @@ def _bpe_files_parsed_once() -> Iterator[None]:
     import tiktoken.load
 
     parse = tiktoken.load.load_tiktoken_bpe
-    parsed: dict[tuple[str, int, int], dict[bytes, int]] = {}
+    parsed = _PARSED_BPE
 
     def load_tiktoken_bpe(path: str, expected_hash: str | None = None) -> dict[bytes, int]:
         if expected_hash is not None or not os.path.isfile(path):
@@ -163,13 +168,152 @@ def _bpe_files_parsed_once() -> Iterator[None]:
         key = (os.path.realpath(path), info.st_size, info.st_mtime_ns)
         if key not in parsed:
             parsed[key] = parse(path)
-        return dict(parsed[key])
+        ranks = dict(parsed[key])
+        if len(_HANDED_BPE) >= 4:  # the last few copies: each is built on at once
+            del _HANDED_BPE[next(iter(_HANDED_BPE))]
+        _HANDED_BPE[id(ranks)] = (ranks, key)
+        return ranks
 
     tiktoken.load.load_tiktoken_bpe = load_tiktoken_bpe  # type: ignore[assignment]
     try:
         yield
     finally:
         tiktoken.load.load_tiktoken_bpe = parse
+
+
+# Test modules of the tokenizer itself build every tokenizer and template afresh (below).
+_OWN_BUILDS_PREFIX = "tests.test_tokenize_"
+_builds_shared = True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the test's fixtures: whether its routers may share compiled templates and BPE
+    cores with earlier routers of this process (``_compiled_once``)."""
+    global _builds_shared
+    module = getattr(item, "module", None)
+    _builds_shared = not getattr(module, "__name__", "").startswith(_OWN_BUILDS_PREFIX)
+
+
+def _jinja_env_key(env: Any) -> tuple[Any, ...]:
+    """What a Jinja environment's compiled code depends on (lexer, parser, code generator)."""
+    return (
+        type(env), env.code_generator_class, env.block_start_string, env.block_end_string,
+        env.variable_start_string, env.variable_end_string, env.comment_start_string,
+        env.comment_end_string, env.line_statement_prefix, env.line_comment_prefix,
+        env.trim_blocks, env.lstrip_blocks, env.newline_sequence, env.keep_trailing_newline,
+        tuple(sorted((name, type(ext)) for name, ext in env.extensions.items())),
+        env.optimized, env.finalize, env.autoescape, env.is_async,
+        tuple(sorted(env.filters)), tuple(sorted(env.tests)),
+    )  # fmt: skip
+
+
+def _node_key(value: Any) -> Any:
+    """A Jinja syntax tree as a hashable value: node types, fields and line numbers."""
+    from jinja2 import nodes
+
+    if isinstance(value, nodes.Node):
+        fields = tuple(_node_key(getattr(value, f, None)) for f in value.fields)
+        return (type(value), getattr(value, "lineno", None), fields)
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_node_key(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _node_key(v)) for k, v in value.items()))
+    return (type(value), repr(value))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compiled_once() -> Iterator[None]:
+    """Routers built inside the test process (a few hundred) compile the same chat templates
+    and build the same tiktoken BPE cores again and again (~15 ms and ~70 ms of CPU each,
+    a tenth of the suite's). Both results are immutable: a Jinja environment's compiled
+    code object for the same source (or syntax tree) and settings, and tiktoken's native
+    ``CoreBPE`` for the same ranks, pattern and special tokens (tiktoken itself shares one
+    ``Encoding`` per name). Each router still builds its own ``Template``, ``Encoding`` and
+    tokenizer around them, and a template that does not compile raises every time. The
+    tokenizer's own tests (``_OWN_BUILDS_PREFIX``) build everything afresh."""
+    import jinja2
+    import tiktoken.core
+
+    compile_ = jinja2.Environment.compile
+    compiled: dict[tuple[Any, ...], Any] = {}
+
+    def compile_once(
+        self: jinja2.Environment,
+        source: Any,
+        name: str | None = None,
+        filename: str | None = None,
+        raw: bool = False,
+        defer_init: bool = False,
+    ) -> Any:
+        if not _builds_shared:
+            return compile_(self, source, name, filename, raw, defer_init)
+        text = source if isinstance(source, str) else _node_key(source)
+        key = (_jinja_env_key(self), text, name, filename, raw, defer_init)
+        if key not in compiled:
+            compiled[key] = compile_(self, source, name, filename, raw, defer_init)
+        return compiled[key]
+
+    native = tiktoken.core._tiktoken
+    cores: dict[tuple[Any, ...], Any] = {}
+
+    class SharedCores:
+        """``tiktoken.core``'s view of its native module: ``CoreBPE`` built once per
+        ranks file (as ``_bpe_files_parsed_once`` read it), pattern and special tokens."""
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(native, attr)
+
+        @staticmethod
+        def CoreBPE(ranks: dict[bytes, int], specials: dict[str, int], pattern: str) -> Any:
+            noted = _HANDED_BPE.get(id(ranks))
+            if (
+                not _builds_shared
+                or noted is None
+                or noted[0] is not ranks
+                or ranks != _PARSED_BPE.get(noted[1])  # as read: nothing changed it since
+            ):
+                return native.CoreBPE(ranks, specials, pattern)
+            key = (noted[1], pattern, tuple(sorted(specials.items())))
+            if key not in cores:
+                cores[key] = native.CoreBPE(ranks, specials, pattern)
+            return cores[key]
+
+    jinja2.Environment.compile = compile_once  # type: ignore[method-assign,assignment]
+    tiktoken.core._tiktoken = SharedCores()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        jinja2.Environment.compile = compile_  # type: ignore[method-assign]
+        tiktoken.core._tiktoken = native
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_default_client_ssl_context() -> Iterator[None]:
+    """Every ``openai.AsyncOpenAI`` a test makes (one or more a test, for plain-HTTP
+    servers on loopback) built a default SSL context, loading the machine's CA bundle (~40
+    ms of CPU each). Clients verifying with the default trust (``verify=True``, no client
+    certificate) now share the one context of their trust settings, as an application that
+    reuses a context does; any other ``verify`` or ``cert`` builds its own as before."""
+    import httpx2._transports.default as transports
+
+    create = transports.create_ssl_context
+    contexts: dict[tuple[Any, ...], Any] = {}
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        env = tuple(os.environ.get(k) for k in ("SSL_CERT_FILE", "SSL_CERT_DIR"))
+        key = (trust_env, env if trust_env else None)
+        if key not in contexts:
+            contexts[key] = create(verify=verify, cert=cert, trust_env=trust_env)
+        return contexts[key]
+
+    transports.create_ssl_context = create_ssl_context  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        transports.create_ssl_context = create
 
 
 @pytest.fixture(scope="session")

@@ -64,10 +64,11 @@ def test_bench_live_prints_rows_and_the_simulators_prediction() -> None:
     ("flag", "value"), [("--repeat", "0"), ("--sim-runs", "0"), ("--sim-samples", "-1")]
 )
 def test_bench_live_refuses_counts_out_of_range(flag: str, value: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "bench", "live", "--rows", "", flag, value],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    """A usage error before anything starts: in this process (an exception other than the
+    usage error's SystemExit would fail the test as a traceback would)."""
+    from tests.inprocess import kvrouter
+
+    out = kvrouter("bench", "live", "--rows", "", flag, value)
     assert out.returncode != 0 and flag in out.stderr and "Traceback" not in out.stderr
 
 

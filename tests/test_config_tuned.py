@@ -4,8 +4,6 @@ recurrent-state interval) as well as the policy, and the router takes all of it 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from sim.profiles import load_profile
 from sim.runner import build_workload
 from sim.tune import GRID, tune
 from sim.tuned import TunedPolicy, dump_tuned, load_tuned
+from tests.inprocess import kvrouter
 
 MODEL = "kimi/k3"
 BLOCK = 64
@@ -100,13 +99,10 @@ def test_bad_grid_values_are_config_errors(tmp_path: Path, extra: str, needle: s
 
 def test_sim_tune_command_writes_the_grid(tmp_path: Path) -> None:
     out = tmp_path / "tuned.toml"
-    p = subprocess.run(
-        [sys.executable, "-m", "router.cli", "sim", "tune", "mooncake", "--profile", "kimi-k3"]
-        + ["--replicas", "2", "--kv-blocks", "4096", "--limit", "40", "--budget", "2"]
-        + ["--speedups", "1", "--jobs", "1", "--model", MODEL, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    p = kvrouter(
+        *["sim", "tune", "mooncake", "--profile", "kimi-k3"],
+        *["--replicas", "2", "--kv-blocks", "4096", "--limit", "40", "--budget", "2"],
+        *["--speedups", "1", "--jobs", "1", "--model", MODEL, "--out", str(out)],
     )
     assert p.returncode == 0, p.stderr
     routing = _router_model(out).routing

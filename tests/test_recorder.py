@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from router.core.hashing import coarsen_chain, hash_prompt, root_hash
 from router.recorder import RecordSettings, TraceRecorder, block_id, record_key
 from router.trace_merge import merge, read_rows
+from tests.inprocess import kvrouter
 
 ROOT = root_hash("m")
 KEY = record_key("fleet secret")
@@ -204,13 +203,11 @@ def test_merge_orders_rebases_and_recomputes_delays(tmp_path: pathlib.Path) -> N
     assert [r.get("delay") for r in rows] == [None, 500, 500]
     assert rows[1]["hash_ids"][:1] == rows[0]["hash_ids"]  # the shared prefix survives
     out = tmp_path / "merged.jsonl"
-    kvrouter = [sys.executable, "-m", "router.cli"]
-    merge_cmd = [*kvrouter, "trace", "merge", *map(str, files), "-o", str(out)]
-    run = subprocess.run(merge_cmd, timeout=60)
-    assert run.returncode == 0
+    run = kvrouter("trace", "merge", *map(str, files), "-o", str(out))
+    assert run.returncode == 0, run.stderr
     assert [json.loads(x) for x in out.read_text().splitlines()] == rows
-    replay = [*kvrouter, "sim", "replay", str(out), "--replicas", "2", "--block-size", "64"]
-    sim = subprocess.run([*replay, "--json"], capture_output=True, text=True, timeout=60)
+    replay = ["sim", "replay", str(out), "--replicas", "2", "--block-size", "64"]
+    sim = kvrouter(*replay, "--json")
     assert sim.returncode == 0, sim.stderr
     assert json.loads(sim.stdout)["requests"] == 3
     from sim.workload import read_mooncake

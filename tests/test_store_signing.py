@@ -96,12 +96,8 @@ def test_router_setting_is_validated() -> None:
 
 
 def test_signing_key_command_derives_the_replica_key() -> None:
-    import subprocess
-    import sys
+    from tests.inprocess import kvrouter
 
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "signing-key", "--replica", "a", "--master",
-         MASTER.hex()],
-        capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
+    out = kvrouter("signing-key", "--replica", "a", "--master", MASTER.hex())
+    assert out.returncode == 0, out.stderr
     assert bytes.fromhex(out.stdout.strip()) == replica_signing_key(MASTER, "a")
