@@ -246,3 +246,63 @@ def test_sink_full_attention_only_model_is_indexed_and_unknown_kinds_logged_once
         batch = decode_payload(odd).batch
         assert batch is not None and rb.convert(batch.events) == []
     assert sum("new_kind_from_the_future" in r.message for r in caplog.records) == 1
+
+
+def _cache_full_blocks(
+    tokens: list[int],
+    be: int,
+    num_cached: int,
+    num_full: int,
+    kept: set[int],
+    group: int,
+    kind: str,
+) -> Any:
+    """The BlockStored of vLLM 0.34's ``BlockPool.cache_full_blocks`` for one group: hashes
+    (and extra keys) of the kept blocks only (null and masked blocks skipped: mamba "align"
+    mode keeps a checkpoint only where a chunk ended), token ids of the whole range."""
+    mod = load("vllm-0.33.0")  # 0.34's kv_events.py is byte-identical (tests/engines/README.md)
+    hashes = [hash(tuple(tokens[: (i + 1) * be])) & (2**62 - 1) for i in range(num_full)]
+    return mod.BlockStored(
+        block_hashes=[hashes[i] for i in range(num_cached, num_full) if i in kept],
+        parent_block_hash=hashes[num_cached - 1] if num_cached else None,
+        token_ids=tokens[num_cached * be : num_full * be],
+        block_size=be,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=group,
+        kv_cache_spec_kind=kind,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("state_first", [False, True])
+def test_vllm_034_sparse_state_checkpoints_are_indexed_where_they_are(state_first: bool) -> None:
+    """vLLM 0.34's hybrid (full attention + mamba "align") events list only the checkpoints
+    kept, with the tokens of the whole range: a 2,100-token prompt of 1,024-token engine
+    blocks stores attention blocks 0-1 and a checkpoint at 2,048 only. The router indexes that
+    checkpoint (it rejected the event: no state past the first block ever reached the index)
+    and predicts vLLM's hit: 2,048 usable tokens for an extension, none for a branch before
+    the checkpoint. The mamba event may come first in the batch."""
+    from router.core.index import PrefixIndex
+    from router.core.types import EventBatch, ReplicaKey
+
+    be, br = 1024, 64
+    tokens = [(7 * i) % 50_000 + 1 for i in range(2100)]
+    kv = _cache_full_blocks(tokens, be, 0, 2, {0, 1}, 0, "full_attention")
+    state = _cache_full_blocks(tokens, be, 0, 2, {1}, 1, "mamba")
+    mod = load("vllm-0.33.0")
+    events = [state, kv] if state_first else [kv, state]
+    result = decode_payload(msgspec.msgpack.encode(mod.KVEventBatch(ts=1.0, events=events)))
+    assert result.batch is not None and not result.errors
+    rb = Reblocker(br, MODEL)
+    out = rb.convert(result.batch.events)
+    assert rb.stats.bad_event == 0 and rb.stats.unmapped_offload == 0
+    index = PrefixIndex()
+    key = ReplicaKey("r0")
+    index.apply(EventBatch(key, tuple(out)))
+    extension = hash_prompt(tokens + [9] * 900, br, root_hash(MODEL)).hashes
+    hit = index.match(extension, hybrid=True).get(key)
+    assert hit is not None and hit.kv_blocks == 2048 // br and hit.usable_blocks == 2048 // br
+    branch = hash_prompt(tokens[:1500] + [3] * 500, br, root_hash(MODEL)).hashes
+    early = index.match(branch, hybrid=True).get(key)
+    assert early is not None and early.usable_blocks == 0 and early.kv_blocks == 1500 // br

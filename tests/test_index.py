@@ -65,6 +65,20 @@ def test_hybrid_usable_needs_state_checkpoint_at_the_boundary() -> None:
     assert idx.match(H[:10]).get(B).usable_blocks == 10
 
 
+def test_a_checkpoint_at_the_prompts_last_token_is_not_usable() -> None:
+    """Engines compute at least a prompt's last token (vLLM caps a hit at N - 1): a state
+    checkpoint exactly at the end of an N-token prompt (N a multiple of the block size) is
+    not usable for that prompt; the one before it is."""
+    idx = PrefixIndex()
+    idx.store(A, H[:10])
+    idx.store(A, [H[3], H[9]], kind=Kind.STATE)
+    bs = 16
+    aligned = idx.match(H[:10], hybrid=True, prompt_tokens=10 * bs, block_size=bs).get(A)
+    assert aligned.usable_blocks == 4 and aligned.kv_blocks == 10
+    longer = idx.match(H[:10], hybrid=True, prompt_tokens=10 * bs + 1, block_size=bs).get(A)
+    assert longer.usable_blocks == 10
+
+
 def test_tiers_are_tracked_separately() -> None:
     idx = PrefixIndex()
     idx.store(A, H[:4], Tier.GPU)

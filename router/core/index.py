@@ -502,10 +502,18 @@ class PrefixIndex:
         return many
 
     def match(
-        self, hashes: Sequence[int], *, hybrid: bool = False, now: float | None = None
+        self,
+        hashes: Sequence[int],
+        *,
+        hybrid: bool = False,
+        now: float | None = None,
+        prompt_tokens: int | None = None,
+        block_size: int = 0,
     ) -> PrefixMatches:
         """Cached prefix of ``hashes`` on every replica; ``now`` first expires speculative
-        entries. The result is valid until the index next changes."""
+        entries. The result is valid until the index next changes. ``prompt_tokens`` and
+        ``block_size``: a state checkpoint is usable only before the prompt's last token
+        (engines compute at least that one: vLLM caps a hit at ``prompt_tokens - 1``)."""
         if now is not None:
             self.expire(now)
         if not hashes or not self._live:
@@ -530,8 +538,11 @@ class PrefixIndex:
         if hybrid:
             state_tables = [t for t in (self._state, spec_state) if t]
             candidates = self._state_slots | (self._live if spec_state else 0)
+            limit = len(hashes)
+            if prompt_tokens is not None and block_size > 0:
+                limit = min(limit, (prompt_tokens - 1) // block_size)
             usable = (
-                usable_lengths(hashes, kv, self._holders(state_tables), candidates)
+                usable_lengths(hashes, kv, self._holders(state_tables), candidates, limit)
                 if state_tables
                 else []
             )

@@ -187,9 +187,10 @@ def usable_lengths(
     kv_groups: list[tuple[int, int]],
     state_holders: Callable[[int], int],
     candidates: int,
+    limit: int | None = None,
 ) -> list[tuple[int, int]]:
-    """Largest L <= kv length with a state checkpoint at L, grouped like the KV lengths;
-    replicas without one are left out (their usable length is 0).
+    """Largest L <= min(kv length, ``limit``) with a state checkpoint at L, grouped like the
+    KV lengths; replicas without one are left out (their usable length is 0).
 
     Walks depth downward from the longest KV match; each replica stops at its first
     checkpoint. Replicas with no checkpoints at all are never probed.
@@ -198,7 +199,7 @@ def usable_lengths(
     found: list[tuple[int, int]] = []
     active = 0
     i = 0
-    depth = groups[0][0]
+    depth = groups[0][0] if limit is None else min(groups[0][0], limit)
     while depth > 0:
         while i < len(groups) and groups[i][0] >= depth:
             active |= groups[i][1] & candidates

@@ -274,7 +274,13 @@ class RoutingEngine:
             return self._columns(request, replicas, now)
         eligible = filter_candidates(replicas, self.load, self.settings.busy, now)
         hybrid = self.hybrid_for(replicas)
-        matches = self.index.match(request.block_hashes, hybrid=hybrid, now=now)
+        matches = self.index.match(
+            request.block_hashes,
+            hybrid=hybrid,
+            now=now,
+            prompt_tokens=request.prompt_tokens,
+            block_size=request.block_size,
+        )
         get = matches.get
         size = self.index.replica_size
         risk = self._turnover(replicas, now).risk
@@ -301,7 +307,13 @@ class RoutingEngine:
         load = self.load.columns(replicas)
         up = eligible_columns(load, self.settings.busy)
         hybrid = self.hybrid_for(replicas)
-        matches = self.index.match(request.block_hashes, hybrid=hybrid, now=now)
+        matches = self.index.match(
+            request.block_hashes,
+            hybrid=hybrid,
+            now=now,
+            prompt_tokens=request.prompt_tokens,
+            block_size=request.block_size,
+        )
         slots = self.index.slots(replicas)
         kv, gpu, host, usable = matches.columns(slots)
         hint, covered = self._hint(request, now)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from router.core.hashing import MmItem, hash_prompt, mm_block_extras, root_hash
@@ -195,6 +195,7 @@ class Reblocker:
         # tier bits stored through vLLM's offloading connector: AllBlocksCleared keeps them
         self._offload_bits = 0
         self._logged_unmapped = False
+        self._pending: list[EngineBlockStored] = []  # see _stored_sparse_state
         self.stats = ReblockStats()
 
     def __len__(self) -> int:
@@ -206,6 +207,7 @@ class Reblocker:
 
     def convert(self, events: tuple[EngineEvent, ...] | list[EngineEvent]) -> list[IndexEvent]:
         out: list[IndexEvent] = []
+        self._pending = []
         for ev in events:
             if isinstance(ev, EngineBlockStored):
                 out.extend(self._stored(ev))
@@ -213,6 +215,13 @@ class Reblocker:
                 out.extend(self._removed(ev))
             elif isinstance(ev, EngineAllCleared):
                 out.extend(self._all_cleared())
+        # sparse state stores whose attention blocks came later in the batch (token-less
+        # now: placed by hash, the rest counted as unmapped)
+        pending, self._pending = self._pending, []
+        for ev in pending:
+            kind = _group_kind(ev.kv_cache_spec_kind) or Kind.STATE
+            tier = _TIER_OF.get(ev.medium) or Tier.GPU
+            out.extend(self._stored_by_hash(ev, tier, kind, ev.group_idx or 0, 1 << tier))
         return _coalesce(out)
 
     def _all_cleared(self) -> list[IndexEvent]:
@@ -266,6 +275,13 @@ class Reblocker:
         if not ev.token_ids:
             return self._stored_by_hash(ev, tier, kind, group, bit)
         if len(ev.token_ids) != n * be:
+            if (
+                kind is Kind.STATE
+                and be > 0
+                and len(ev.token_ids) % be == 0
+                and (len(ev.token_ids) > n * be)
+            ):  # vLLM >= 0.34 "align" mode: the kept checkpoints of a longer range
+                return self._stored_sparse_state(ev, tier, group, bit)
             self.stats.error(f"{len(ev.token_ids)} token_ids for {n} blocks of {be}")
             return []
         keys = None if ev.extra_keys is None else self._block_keys(ev, n)
@@ -395,6 +411,34 @@ class Reblocker:
         for k, hashes in emitted.items():
             out.extend(self._emit_stored(hashes, tier, k))
         return out
+
+    def _stored_sparse_state(
+        self, ev: EngineBlockStored, tier: Tier, group: int, bit: int
+    ) -> list[IndexEvent]:
+        """A recurrent-state store listing only the checkpoints kept within its token range
+        (vLLM 0.34's mamba "align" mode: ``token_ids`` cover every block of the range,
+        ``block_hashes`` the kept ones, without their positions): each is placed at the end
+        of the full-attention block of the same hash (engines share block hashes across
+        groups); one whose attention block is not known yet waits for the end of the batch
+        (``convert``), then is counted in ``unmapped_offload``."""
+        emitted: list[int] = []
+        missing = []
+        prev = ev.parent_block_hash
+        for h in ev.block_hashes:
+            block = self._blocks.get((group, h))
+            if block is None:
+                block = self._state_at(group, h, prev, bit)
+                if block is None:
+                    missing.append(h)
+                    continue
+                emitted.extend(block.covers)
+            elif not block.media & bit:
+                block.media |= bit
+                emitted.extend(block.covers)
+            prev = h
+        if missing:
+            self._pending.append(replace(ev, block_hashes=tuple(missing), token_ids=()))
+        return self._emit_stored(emitted, tier, Kind.STATE)
 
     def _store_chunk(
         self, group: int, block: _Block, size: int, bit: int, emitted: list[int]
