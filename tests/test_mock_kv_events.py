@@ -123,3 +123,29 @@ def test_a_salted_chain_is_indexed_under_its_salt(encoding: Encoding, engine_blo
     assert step.extra_keys is None and step.cache_salt is None
     ingest.handle_payload(encode_batch(EngineBatch(2.0, (step,), None), encoding))
     assert _cached(index, longer_salted) == 6
+
+
+def test_a_checkpoint_is_published_as_vllm_034_publishes_it_and_indexed_there() -> None:
+    """vLLM's mamba "align" mode lists the kept checkpoint's hash with the tokens of the whole
+    range the step cached; the router indexes the checkpoint at its own position."""
+    index = PrefixIndex()
+    index.add_replica(KEY)
+
+    def sink(key: ReplicaKey, events: list[IndexEvent]) -> None:
+        index.apply(EventBatch(key, tuple(events)))
+
+    ingest = EngineIngest(KEY.replica, MODEL, B, sink)
+    enc = EngineEventEncoder(B, 16)
+    tokens, hashes = _prompt(6, 5)
+    enc.learn(hashes, tokens)
+    events = enc.convert(
+        [
+            BlocksStored((hashes[5],), Tier.GPU, Kind.STATE),  # the state group first
+            BlocksStored(tuple(hashes), Tier.GPU, Kind.KV),
+        ]
+    )
+    state = next(e for e in events if isinstance(e, EngineBlockStored) and e.group_idx == 1)
+    assert len(state.block_hashes) == 1 and len(state.token_ids) == 4 * B  # a sparse range
+    ingest.handle_payload(encode_batch(EngineBatch(1.0, tuple(events), None)))
+    hit = index.match(hashes + [1], hybrid=True).get(KEY)
+    assert hit.kv_blocks == 6 and hit.usable_blocks == 6

@@ -8,8 +8,11 @@ tokens (``B / k`` or ``B * k``) under engine hashes derived from the canonical o
 
 * KV blocks go to group 0 (full attention); a ``B * k`` engine block is published once all
   ``k`` canonical blocks it spans are stored, and removed when any of them is.
-* Recurrent-state checkpoints go to group 1 (``kv_cache_spec_kind="mamba"``) as one engine
-  block ending exactly at the checkpoint (engine hashes are shared between groups, as in vLLM).
+* Recurrent-state checkpoints go to group 1 (``kv_cache_spec_kind="mamba"``) as vLLM 0.34's
+  mamba "align" mode publishes them: the hash of the engine block ending exactly at the
+  checkpoint only (engine hashes are shared between groups), with the tokens of the range
+  the step cached (``STATE_SPAN`` canonical blocks; a checkpoint on a ``B * k`` engine grid
+  is one engine block).
 * Tier ``CPU`` becomes ``medium="CPU"``.
 * A request's cache salt keys the first block of its chain, as the engines publish it:
   vLLM in that block's ``extra_keys`` (``salt_field="extra_keys"``), SGLang in the event's
@@ -32,6 +35,9 @@ from router.events.model import (
 )
 
 _MASK = 2**64 - 1
+# canonical blocks a published checkpoint's range spans (vLLM lists the tokens of every block
+# a step cached and the hash of the kept checkpoint only)
+STATE_SPAN = 4
 
 
 @dataclass(slots=True)
@@ -157,8 +163,10 @@ class EngineEventEncoder:
             if ev.kind is Kind.STATE:
                 state = self._state_block(h)
                 if state is not None:
-                    eh, parent, tokens = state
-                    keys, salt = self._salted(self._known[h].salt if parent is None else None, 1)
+                    eh, parent, tokens = self._state_range(h, state)
+                    # the salt keys the chain's first block: only the kept block's keys go out
+                    first = parent is None and len(tokens) == self.engine_block_size
+                    keys, salt = self._salted(self._known[h].salt if first else None, 1)
                     out.append(
                         EngineBlockStored(
                             (eh,),
@@ -221,6 +229,32 @@ class EngineEventEncoder:
                 cache_salt=cache_salt,
             )
         )
+
+    def _state_range(
+        self, h: int, state: tuple[int, int | None, tuple[int, ...]]
+    ) -> tuple[int, int | None, tuple[int, ...]]:
+        """A checkpoint as vLLM (mamba "align" mode) publishes it: the tokens of the range
+        the step cached (here up to ``STATE_SPAN`` canonical blocks ending at it, from the
+        chain's start at the earliest), the hash of the kept block at its end only."""
+        eh = state[0]
+        if self.engine_block_size > self.block_size:
+            return state  # (state only on the engine grid: one engine block)
+        span: list[tuple[int, ...]] = []
+        cur: int | None = h
+        start_parent: int | None = None
+        for _ in range(STATE_SPAN):
+            known = self._known.get(cur) if cur is not None else None
+            if known is None:
+                break
+            span.append(known.tokens)
+            start_parent = known.parent
+            cur = known.parent
+            if cur is None:
+                break
+        if len(span) <= 1:
+            return state
+        tokens = tuple(t for block in reversed(span) for t in block)
+        return eh, self._last_engine_hash(start_parent), tokens
 
     def _state_block(self, h: int) -> tuple[int, int | None, tuple[int, ...]] | None:
         """The engine block ending exactly at the end of canonical block ``h``."""
