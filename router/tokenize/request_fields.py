@@ -1,0 +1,128 @@
+"""What of a request decides the prompt vLLM runs, read and checked as vLLM reads it: the
+chat template's arguments (messages, tools, template variables), truncation and special
+tokens. router.tokenize.pipeline turns them into tokens and block hashes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from router.core.errors import BadRequest
+from router.tokenize.template import prepare_tools
+
+
+def kept_tokens(body: Mapping[str, Any]) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: k >= 1 sends only the prompt's last k tokens to the
+    engine (left truncation of the token ids), so those are what the router must hash. None
+    when absent, 0, or -1 (the model's context length: the router's context check stands in
+    for it); BadRequest for anything but an integer >= -1."""
+    k = body.get("truncate_prompt_tokens")
+    if k is None:
+        return None
+    if type(k) is not int or k < -1:
+        raise BadRequest("'truncate_prompt_tokens' must be an integer >= -1")
+    return k if k >= 1 else None
+
+
+def truncated(tokens: Any, keep: int, body: Mapping[str, Any]) -> Any:
+    """``tokens`` cut to ``keep`` as vLLM cuts them: the last ``keep`` (truncation side
+    "left", the default), or the first with a request's ``"truncation_side": "right"``."""
+    side = body.get("truncation_side")
+    if side is None or side == "left":
+        return tokens[-keep:] if keep < len(tokens) else tokens
+    if side == "right":
+        return tokens[:keep]
+    raise BadRequest('\'truncation_side\' must be "left" or "right"')
+
+
+def adds_special_tokens(body: Mapping[str, Any], chat: bool) -> bool:
+    """vLLM's ``add_special_tokens``: the tokenizer's special tokens (a BOS) added to the
+    prompt; false by default for chat (the template writes them), true for completions."""
+    add = body.get("add_special_tokens")
+    if add is None:
+        return not chat
+    if type(add) is not bool:
+        raise BadRequest("'add_special_tokens' must be a boolean")
+    return add
+
+
+def check_messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise BadRequest(
+            "'messages' is a required property",
+        )
+    if not isinstance(messages, list):
+        raise BadRequest("'messages' must be an array of message objects")
+    if not messages:
+        raise BadRequest("'messages' must contain at least one message")
+    for i, m in enumerate(messages):
+        # type() checks first: JSON bodies hold plain dicts/strs, and isinstance against the
+        # Mapping ABC is slow, once per message of sessions with thousands of messages.
+        if type(m) is not dict and not isinstance(m, Mapping):
+            raise BadRequest(f"messages[{i}] must be an object")
+        if type(m.get("role")) is not str:
+            raise BadRequest(f"messages[{i}].role must be a string")
+        c = m.get("content")
+        if c is not None and type(c) is not str and not isinstance(c, str):
+            if not isinstance(c, list):
+                raise BadRequest(f"messages[{i}].content must be a string or an array")
+            for j, part in enumerate(c):
+                # string parts and parts without text are accepted (content_text skips them)
+                if isinstance(part, Mapping):
+                    t = part.get("text")
+                    if t is not None and type(t) is not str:
+                        raise BadRequest(f"'messages[{i}].content[{j}].text' must be a string")
+        # hashed into the incremental cache's message keys and read by templates
+        n = m.get("name")
+        if n is not None and type(n) is not str:
+            raise BadRequest(f"'messages[{i}].name' must be a string")
+        n = m.get("tool_call_id")
+        if n is not None and type(n) is not str:
+            raise BadRequest(f"'messages[{i}].tool_call_id' must be a string")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("'tools' must be an array")
+    return messages
+
+
+def chat_args(
+    body: Mapping[str, Any],
+    default_kwargs: Mapping[str, Any],
+    effort_map: Mapping[str, str],
+) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool, bool]:
+    """(messages, tools as vLLM dumps them, template kwargs, add_generation_prompt,
+    continue_final_message) of a chat request, checked: the template's variables as vLLM
+    0.34 builds them (``ChatCompletionRequest.build_chat_params``): the request's
+    ``chat_template_kwargs`` over the engine's defaults (``default_kwargs``; a request's null
+    or "auto" leaves the default), its ``reasoning_effort`` (rewritten by ``effort_map``) and
+    the ``enable_thinking`` it implies, its ``documents``."""
+    messages = check_messages(body)
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise BadRequest("'chat_template_kwargs' must be an object")
+    effort, documents = body.get("reasoning_effort"), body.get("documents")
+    if effort is not None or documents is not None:
+        extra: dict[str, Any] = {}
+        if effort is not None:
+            if not isinstance(effort, str):
+                raise BadRequest("'reasoning_effort' must be a string")
+            effort = effort_map.get(effort, effort)
+            extra["reasoning_effort"] = effort
+            if "enable_thinking" not in kwargs:
+                extra["enable_thinking"] = effort != "none"
+        if documents is not None:
+            if not isinstance(documents, list):
+                raise BadRequest("'documents' must be an array of objects")
+            extra["documents"] = documents
+        kwargs = {**kwargs, **extra}
+    if default_kwargs:
+        unset = {k for k, v in kwargs.items() if v is None or v == "auto"}
+        kwargs = {**default_kwargs, **{k: kwargs[k] for k in kwargs if k not in unset}}
+    add_gen = body.get("add_generation_prompt", True)
+    cont = body.get("continue_final_message", False)
+    if not isinstance(add_gen, bool) or not isinstance(cont, bool):
+        raise BadRequest("'add_generation_prompt' and 'continue_final_message' are booleans")
+    if cont:
+        add_gen = False
+    return messages, prepare_tools(body.get("tools")), kwargs, add_gen, cont
