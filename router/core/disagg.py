@@ -393,13 +393,7 @@ class Disaggregator:
         if not dec:
             raise NoReplicaAvailable("no replica can decode")
         hybrid = engine.hybrid_for(replicas)
-        matches = engine.index.match(
-            request.block_hashes,
-            hybrid=hybrid,
-            now=now,
-            prompt_tokens=request.prompt_tokens,
-            block_size=request.block_size,
-        )
+        matches = engine.matches(request, replicas, now)
         here = self.site(prefill_replica)
         code_of, site = self.link.link_code, self.site
         if len(dec) >= engine.columnar_min:

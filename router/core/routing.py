@@ -21,6 +21,7 @@ from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import LoadColumns, LoadTracker, LoadView
 from router.core.policies import Candidate, CandidateColumns, ColumnarPolicy, Policy
+from router.core.prefix_match import PrefixMatches
 from router.core.session import SessionHint, SessionTable
 from router.core.state_layout import SOURCE_ENGINE, StateLayout, effective_layout
 from router.core.turnover import REUSE_WINDOW_S, CacheTurnover
@@ -250,6 +251,20 @@ class RoutingEngine:
             self.detect(replicas)
         return self.layout.hybrid
 
+    def matches(
+        self, request: RouteRequest, replicas: Sequence[ReplicaKey], now: float
+    ) -> PrefixMatches:
+        """The cached prefix of ``request`` on every replica, the hybrid-state rule applied
+        when it holds for ``replicas`` (a checkpoint usable only before the prompt's last
+        token)."""
+        return self.index.match(
+            request.block_hashes,
+            hybrid=self.hybrid_for(replicas),
+            now=now,
+            prompt_tokens=request.prompt_tokens,
+            block_size=request.block_size,
+        )
+
     def detect(self, replicas: Sequence[ReplicaKey]) -> bool:
         """Learn that the model is hybrid if one of ``replicas`` stored a state checkpoint
         (whatever the index's generation: for a periodic check over all the model's
@@ -273,14 +288,7 @@ class RoutingEngine:
         if self._columnar and len(replicas) >= self.columnar_min:
             return self._columns(request, replicas, now)
         eligible = filter_candidates(replicas, self.load, self.settings.busy, now)
-        hybrid = self.hybrid_for(replicas)
-        matches = self.index.match(
-            request.block_hashes,
-            hybrid=hybrid,
-            now=now,
-            prompt_tokens=request.prompt_tokens,
-            block_size=request.block_size,
-        )
+        matches = self.matches(request, replicas, now)
         get = matches.get
         size = self.index.replica_size
         risk = self._turnover(replicas, now).risk
@@ -306,14 +314,7 @@ class RoutingEngine:
         """``candidates`` as arrays: the same eligibility rules as ``filter_candidates``."""
         load = self.load.columns(replicas)
         up = eligible_columns(load, self.settings.busy)
-        hybrid = self.hybrid_for(replicas)
-        matches = self.index.match(
-            request.block_hashes,
-            hybrid=hybrid,
-            now=now,
-            prompt_tokens=request.prompt_tokens,
-            block_size=request.block_size,
-        )
+        matches = self.matches(request, replicas, now)
         slots = self.index.slots(replicas)
         kv, gpu, host, usable = matches.columns(slots)
         hint, covered = self._hint(request, now)

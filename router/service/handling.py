@@ -223,30 +223,32 @@ async def checked_prompt(
     stands in, marked provisional, when no engine answered."""
     renderer = state.renderer
     rendered = kind is not None and renderer is not None and renderer.serves(model)
-    from_engine: ProcessedPrompt | None = None
+    t0 = time.perf_counter() if rendered else 0.0
     if rendered:
-        t0 = time.perf_counter()
-        processor = state.processor(model)
-        from_engine = await renderer.prompt(model, kind, arg, processor, offload=offload)
-    if from_engine is not None:
-        prompt = from_engine
-    elif not rendered:
+        from_engine = await renderer.prompt(
+            model, kind, arg, state.processor(model), offload=offload
+        )
+        if from_engine is not None:
+            return _checked(state, model, from_engine)
+    try:
         if offload:
             prompt = await asyncio.get_running_loop().run_in_executor(None, fn, arg)
         else:
             prompt = fn(arg)
-    else:
-        # the router's own processing of a model it cannot render exactly: routed on what
-        # it gives, never refused for it (a template the router misreads, a count from it)
-        try:
-            if offload:
-                prompt = await asyncio.get_running_loop().run_in_executor(None, fn, arg)
-            else:
-                prompt = fn(arg)
-        except BadRequest:
-            prompt = processor.unknown(cast(dict[str, Any], arg))
+    except BadRequest:
+        if not rendered:
+            raise
+        # the router's own processing of a model it cannot render exactly routes the
+        # request on what it gives, never refuses it (a template the router misreads)
+        prompt = state.processor(model).unknown(cast(dict[str, Any], arg))
+    if rendered:
         waited = time.perf_counter() - t0
         prompt = replace(prompt, exact=False, provisional=True, tokenize_s=waited)
+    return _checked(state, model, prompt)
+
+
+def _checked(state: RouterState, model: str, prompt: ProcessedPrompt) -> ProcessedPrompt:
+    """``prompt`` within the model's context length and ``server.max_prompt_tokens``."""
     state.check_context(model, prompt)
     check_prompt_tokens(state.settings.server, prompt.prompt_tokens)
     return prompt
