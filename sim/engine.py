@@ -523,6 +523,8 @@ class EngineModel(BlockCache):
         usable = reach
         state_at = self._state_at
         if self.hybrid:
+            # a checkpoint at the prompt's very end serves no one (vLLM caps a hit at N - 1)
+            usable = min(usable, max(seq.prompt - 1, 0) // self.block_size)
             while usable > 0 and (hashes[usable - 1] | STATE_TAG) not in state_at:
                 usable -= 1
         loads = max(0, usable - kv)  # host blocks reloaded into GPU

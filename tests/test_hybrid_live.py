@@ -129,6 +129,7 @@ async def test_direct_mode_learns_the_layout_and_predicts_every_hit(tmp_path: Pa
         page = await _metrics(url)
         assert _sample(page, "kvrouter_model_hybrid", model=MODEL, source="engine") == 1
         assert _sample(page, "kvrouter_model_state_interval_blocks", model=MODEL) == GRID
+        assert _sample(page, "kvrouter_model_engine_block_blocks", model=MODEL) == 1
         assert _sample(page, "kvrouter_model_layout_mismatch", model=MODEL, field="hybrid") == 0
         count = _sample(page, "kvrouter_prediction_error_ratio_count", model=MODEL)
         exact = _sample(page, "kvrouter_prediction_error_ratio_bucket", model=MODEL, le="0.0")

@@ -24,7 +24,6 @@ from router.core.routing import (
     BusyThresholds,
     RoutingEngine,
     RoutingSettings,
-    speculative_state_hashes,
 )
 from router.core.types import Kind, PrefixMatch, ReplicaKey, RouteRequest
 
@@ -210,15 +209,6 @@ def test_routing_engine_filters_and_speculates() -> None:
     with pytest.raises(NoReplicaAvailable) as exc:
         strict.route(r, [A], 7.0, random.Random(0))
     assert exc.value.busy
-
-
-def test_speculative_state_grid() -> None:
-    assert speculative_state_hashes(list(range(10)), 4) == [3, 7, 9]
-    assert speculative_state_hashes(list(range(8)), 4) == [3, 7]
-    assert speculative_state_hashes(list(range(3)), 4) == [2]
-    assert speculative_state_hashes([], 4) == [] and speculative_state_hashes([], 0) == []
-    # no grid known (0): the prompt end only
-    assert speculative_state_hashes(list(range(5)), 0) == [4]
 
 
 def test_ours_breaks_exact_ties_towards_the_smallest_cache() -> None:

@@ -33,6 +33,8 @@ policy = "ours"
 block_size = 64
 hybrid = true
 state_interval_blocks = 8
+engine_block_size = 1024
+eagle = true
 speculative_ttl_s = 30.0
 context_length = 1048576
 
@@ -54,6 +56,7 @@ def test_toml_file(tmp_path: Path) -> None:
     assert s.replicas[0].dp_ranks == 2 and s.replicas[0].rack == "r1"
     m = s.model("kimi")
     assert m.routing.block_size == 64 and m.routing.hybrid and m.routing.state_interval_blocks == 8
+    assert m.routing.alignment_blocks == 16 and m.routing.eagle
     assert m.routing.busy.max_in_flight == 128
     assert m.policy_params["w_queue"] == 2.0
     state = RouterState(s)
@@ -138,6 +141,9 @@ def test_tuned_policy_file_is_merged(tmp_path: Path) -> None:
         ("[server]\nload_share_interval_s = -0.1\n", "server.load_share_interval_s"),
         ("[server]\nload_share_interval_s = nan\n", "server.load_share_interval_s"),
         ("[server]\napi_keys = 'k'\nredis_lost_grace_s = 0\n", "server.redis_lost_grace_s"),
+        ("[models.m]\nengine_block_size = 96\n", "models.m.engine_block_size: 96 is neither"),
+        ("[models.m]\nengine_block_size = -64\n", "models.m.engine_block_size: expected"),
+        ("[models.m]\neagle = 'yes'\n", "models.m.eagle"),
     ],
 )
 def test_errors_name_the_problem(tmp_path: Path, text: str, needle: str) -> None:

@@ -130,6 +130,10 @@ def test_mismatches_name_the_contradicted_setting() -> None:
         and "every 256 blocks" in wrong["state_interval_blocks"]
     )
     assert layout_mismatches(True, 256, True, 0, 256) == {}
+    # the configured engine block must divide where the engines' checkpoints land
+    assert layout_mismatches(True, 0, True, 0, None, 16, 32) == {}
+    off = layout_mismatches(True, 0, True, 0, None, 16, 8)
+    assert set(off) == {"engine_block_size"} and "multiples of 8" in off["engine_block_size"]
 
 
 def _engine(index: PrefixIndex, settings: RoutingSettings) -> RoutingEngine:
@@ -207,7 +211,13 @@ def test_the_model_config_and_registrations_teach_the_router(tmp_path: Path) -> 
     plain = _state(tmp_path, {"block_size": 64})
     assert not plain.engines["m"].layout.hybrid
     infos = [
-        ReplicaInfo("p0", model="m", publishes_state=True, state_interval_blocks=16),
+        ReplicaInfo(
+            "p0",
+            model="m",
+            publishes_state=True,
+            state_interval_blocks=16,
+            state_alignment_blocks=4,
+        ),
         ReplicaInfo("p1", model="m", publishes_state=True, state_interval_blocks=16),
         ReplicaInfo("p2", model="m", publishes_state=True, state_interval_blocks=8),
     ]
@@ -216,6 +226,8 @@ def test_the_model_config_and_registrations_teach_the_router(tmp_path: Path) -> 
     layout = plain.engines["m"].layout
     assert (layout.hybrid, layout.hybrid_source) == (True, SOURCE_REGISTRY)
     assert (layout.interval_blocks, layout.interval_source) == (16, SOURCE_REGISTRY)
+    assert (layout.alignment_blocks, layout.alignment_source) == (4, SOURCE_REGISTRY)
+    assert ReplicaInfo.from_json(infos[0].to_json()) == infos[0]
     plain.layouts.unregistered("p0")
     plain.layouts.unregistered("p1")
     assert plain.engines["m"].layout.interval_blocks == 8

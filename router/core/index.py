@@ -36,6 +36,7 @@ from operator import eq, ne
 
 import numpy as np
 
+from router.core.engine_hits import peeked
 from router.core.keycache import PerTuple
 from router.core.prefix_match import (
     PrefixMatches,
@@ -509,11 +510,16 @@ class PrefixIndex:
         now: float | None = None,
         prompt_tokens: int | None = None,
         block_size: int = 0,
+        align_blocks: int = 1,
+        peek_blocks: int = 0,
     ) -> PrefixMatches:
         """Cached prefix of ``hashes`` on every replica; ``now`` first expires speculative
         entries. The result is valid until the index next changes. ``prompt_tokens`` and
         ``block_size``: a state checkpoint is usable only before the prompt's last token
-        (engines compute at least that one: vLLM caps a hit at ``prompt_tokens - 1``)."""
+        (engines compute at least that one: vLLM caps a hit at ``prompt_tokens - 1``).
+        ``peek_blocks`` (EAGLE / MTP engines, ``align_blocks`` the engine block): the usable
+        prefix is what the engine grants once it gave back that many blocks of the hit
+        (router/core/engine_hits.py)."""
         if now is not None:
             self.expire(now)
         if not hashes or not self._live:
@@ -535,15 +541,20 @@ class PrefixIndex:
             gpu = bisect_lengths(hashes, self._holders(gpu_tables), within) if gpu_tables else []
             host = bisect_lengths(hashes, self._holders(host_tables), within)
         usable: list[tuple[int, int]] | None = None
+        limit = len(hashes)
+        if prompt_tokens is not None and block_size > 0:
+            limit = min(limit, (prompt_tokens - 1) // block_size)
+        reach = kv
+        if peek_blocks > 0:
+            reach = peeked(kv, limit, max(align_blocks, 1), peek_blocks)
+            if not hybrid:
+                usable = reach
         if hybrid:
             state_tables = [t for t in (self._state, spec_state) if t]
             candidates = self._state_slots | (self._live if spec_state else 0)
-            limit = len(hashes)
-            if prompt_tokens is not None and block_size > 0:
-                limit = min(limit, (prompt_tokens - 1) // block_size)
             usable = (
-                usable_lengths(hashes, kv, self._holders(state_tables), candidates, limit)
-                if state_tables
+                usable_lengths(hashes, reach, self._holders(state_tables), candidates, limit)
+                if state_tables and reach
                 else []
             )
         return PrefixMatches(self._slot_of, self._key_of, kv, gpu, host, usable)

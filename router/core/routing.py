@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from router.core.engine_hits import engine_holds
 from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import LoadColumns, LoadTracker, LoadView
@@ -93,7 +94,12 @@ class RoutingSettings:
     a session's last replica is remembered as a hint (router/core/session.py; 0: off); only
     policies with ``uses_session_hints`` read it. ``reuse_window_s``: the time scale of a
     cached block's next use, by which the turnover meter prices eviction
-    (router/core/turnover.py)."""
+    (router/core/turnover.py). ``engine_block_size``: the engines' cache-hit alignment in
+    tokens (vLLM: the scheduler block, or ``--prefix-match-unit``), a multiple or a divisor of
+    ``block_size`` (0: learned from a hybrid model's checkpoints, else the router block).
+    ``eagle``: the engines run EAGLE / MTP speculative decoding (vLLM's ``use_eagle``), so
+    every hit gives back its last engine block and a hybrid prompt's last checkpoint sits one
+    engine block lower (router/core/engine_hits.py)."""
 
     block_size: int = 64
     hybrid: bool | None = None
@@ -104,6 +110,16 @@ class RoutingSettings:
     session_ttl_s: float = 600.0
     max_sessions: int = 100_000
     reuse_window_s: float = REUSE_WINDOW_S
+    engine_block_size: int = 0
+    eagle: bool = False
+
+    @property
+    def alignment_blocks(self) -> int:
+        """``engine_block_size`` in router blocks (0: not configured; 1: no coarser than the
+        router's block)."""
+        if self.engine_block_size <= 0:
+            return 0
+        return max(1, self.engine_block_size // self.block_size)
 
     def speculative_ttl(self) -> float:
         """``speculative_ttl_s``, or ``DEFAULT_SPECULATIVE_TTL_S`` when not set."""
@@ -147,18 +163,6 @@ def eligible_columns(load: LoadColumns, busy: BusyThresholds) -> np.ndarray:
     return up
 
 
-def speculative_state_hashes(hashes: Sequence[int], interval_blocks: int) -> list[int]:
-    """State checkpoints a hybrid engine will hold after serving this prompt: every
-    ``interval_blocks`` blocks (none when 0: no grid known) plus the last full block (engines
-    snapshot at prefill end)."""
-    if not hashes:
-        return []
-    picked = list(hashes[interval_blocks - 1 :: interval_blocks]) if interval_blocks > 0 else []
-    if not picked or picked[-1] != hashes[-1]:
-        picked.append(hashes[-1])
-    return picked
-
-
 class RoutingEngine:
     """Index + load + policy for one model. Pure: the caller passes ``now`` and ``rng``.
 
@@ -193,6 +197,7 @@ class RoutingEngine:
         self._speculates = bool(getattr(policy, "speculates", True))
         self._learned_hybrid: str | None = None  # the source that showed it is hybrid
         self._learned_interval: tuple[int, str] | None = None
+        self._learned_alignment: tuple[int, str] | None = None
         self._state_generation = -1
         self.settings = settings  # fixed for the engine's life (``layout`` derives from it)
         self.layout = self._effective()
@@ -218,7 +223,12 @@ class RoutingEngine:
     def _effective(self) -> StateLayout:
         s = self.settings
         return effective_layout(
-            s.hybrid, s.state_interval_blocks, self._learned_hybrid, self._learned_interval
+            s.hybrid,
+            s.state_interval_blocks,
+            self._learned_hybrid,
+            self._learned_interval,
+            s.alignment_blocks,
+            self._learned_alignment,
         )
 
     @property
@@ -231,15 +241,28 @@ class RoutingEngine:
         """The engines' checkpoint grid and its source, when learned."""
         return self._learned_interval
 
-    def learn(self, *, hybrid: str | None = None, interval: tuple[int, str] | None = None) -> bool:
+    @property
+    def learned_alignment(self) -> tuple[int, str] | None:
+        """The block count the engines' checkpoints land on and its source, when learned."""
+        return self._learned_alignment
+
+    def learn(
+        self,
+        *,
+        hybrid: str | None = None,
+        interval: tuple[int, str] | None = None,
+        alignment: tuple[int, str] | None = None,
+    ) -> bool:
         """Facts about the model's state layout learned outside the index: ``hybrid`` names
         the source that showed the model is hybrid (learning it is final); ``interval`` is
-        the engines' grid with its source (0: they have none). Returns whether the layout
-        changed."""
+        the engines' grid with its source (0: they have none); ``alignment`` the block count
+        their checkpoints land on. Returns whether the layout changed."""
         if hybrid is not None and self._learned_hybrid is None:
             self._learned_hybrid = hybrid
         if interval is not None:
             self._learned_interval = interval
+        if alignment is not None:
+            self._learned_alignment = alignment
         old = self.layout
         self.layout = self._effective()
         return self.layout != old
@@ -257,12 +280,16 @@ class RoutingEngine:
         """The cached prefix of ``request`` on every replica, the hybrid-state rule applied
         when it holds for ``replicas`` (a checkpoint usable only before the prompt's last
         token)."""
+        hybrid = self.hybrid_for(replicas)
+        layout = self.layout
         return self.index.match(
             request.block_hashes,
-            hybrid=self.hybrid_for(replicas),
+            hybrid=hybrid,
             now=now,
             prompt_tokens=request.prompt_tokens,
             block_size=request.block_size,
+            align_blocks=layout.alignment_blocks,
+            peek_blocks=layout.alignment_blocks if self.settings.eagle else 0,
         )
 
     def detect(self, replicas: Sequence[ReplicaKey]) -> bool:
@@ -396,14 +423,15 @@ class RoutingEngine:
         hinted = exact and request.session_id and self.sessions is not None
         if not self._speculates or (hinted and not self.settings.speculate_sessions):
             ttl = 0.0
+        held = engine_holds(request, self.layout, self.settings.eagle)
         states: list[int] = []
-        if ttl > 0 and request.block_hashes:
-            layout = self.layout
-            if layout.hybrid:
-                states = speculative_state_hashes(request.block_hashes, layout.interval_blocks)
-            self.index.speculate(decision.replica, request.block_hashes, states, now, ttl)
+        if ttl > 0 and held.kv_blocks:
+            states = list(held.state_hashes)
+            kv = request.block_hashes[: held.kv_blocks]
+            self.index.speculate(decision.replica, kv, states, now, ttl)
         if self.sessions is not None and request.session_id:
-            self.sessions.record(request.session_id, decision.replica, request.block_hashes, now)
+            reused = request.block_hashes[: held.next_hit_blocks]
+            self.sessions.record(request.session_id, decision.replica, reused, now)
         self.on_dispatch(request, decision.replica, states, now, ttl)
 
 

@@ -11,9 +11,16 @@ at the end of a prompt. The router needs two facts about a model:
   (``PrefixIndex.publishes_state``);
 * the grid, for the checkpoints it *speculates* a replica will hold after serving a request
   (event-lag cover, approximate mode): :class:`CheckpointGrid` estimates it from the positions
-  of published checkpoints.
+  of published checkpoints;
+* the alignment: the engine block every checkpoint lands on (vLLM keeps a prompt's last
+  checkpoint at ``(N - 1) // a * a`` tokens, ``a`` its hit alignment, often 1,024 tokens for a
+  hybrid model against a router block of 64), so that the prompt-end checkpoint the router
+  speculates is one the engine will hold. :class:`CheckpointGrid` learns it too (the largest
+  block count dividing nearly every published position); ``[models.NAME]
+  engine_block_size`` sets it.
 
-Configured values (``[models.NAME] hybrid`` / ``state_interval_blocks``) override what is
+Configured values (``[models.NAME] hybrid`` / ``state_interval_blocks`` /
+``engine_block_size``) override what is
 learned; :func:`layout_mismatches` says where the two disagree (the service logs and exports
 it).
 """
@@ -38,12 +45,16 @@ KV_ONLY_EVIDENCE_BLOCKS = 256
 @dataclass(slots=True, frozen=True)
 class StateLayout:
     """The checkpoint layout the router routes on. ``interval_blocks``: the grid in router
-    blocks; 0 when no regular grid is known (only the prompt end is speculated)."""
+    blocks; 0 when no regular grid is known (only the prompt end is speculated).
+    ``alignment_blocks``: the engine block in router blocks (>= 1): engines cache KV blocks and
+    checkpoints only at its multiples, so speculation stops at one of them."""
 
     hybrid: bool
     interval_blocks: int
     hybrid_source: str = SOURCE_NONE
     interval_source: str = SOURCE_NONE
+    alignment_blocks: int = 1
+    alignment_source: str = SOURCE_NONE
 
 
 class CheckpointGrid:
@@ -68,6 +79,9 @@ class CheckpointGrid:
     MIN_EXCESS = 8.0
     Z = 4.0
     REESTIMATE = 64
+    # share of positions a candidate alignment must divide (a stray misaligned event is no
+    # reason to speculate finer than the engine caches)
+    ALIGNED_SHARE = 0.99
 
     def __init__(
         self,
@@ -89,6 +103,7 @@ class CheckpointGrid:
         self._n = 0.0
         self.observed = 0  # total observations (not decayed)
         self._cached: int | None = None
+        self._alignment = 1
         self._dirty = False
         self._estimated_at = 0
 
@@ -132,9 +147,21 @@ class CheckpointGrid:
             seen < 2 * self.min_observations or seen - self._estimated_at >= self.REESTIMATE
         ):
             self._cached = self._estimate()
+            self._alignment = self._estimate_alignment()
             self._estimated_at = seen
             self._dirty = False
         return self._cached
+
+    def alignment(self) -> int | None:
+        """The largest block count dividing ``ALIGNED_SHARE`` of the positions seen (1: none
+        larger); None until enough checkpoints were seen to tell (as ``interval``)."""
+        if self.interval() is None:
+            return None
+        return self._alignment
+
+    def _estimate_alignment(self) -> int:
+        need = self.ALIGNED_SHARE * self._n
+        return max((d for d, c in self._counts.items() if c >= need), default=1)
 
     def _estimate(self) -> int:
         n = self._n
@@ -168,11 +195,14 @@ def effective_layout(
     configured_interval: int,
     learned_hybrid: str | None,
     learned_interval: tuple[int, str] | None,
+    configured_alignment: int = 0,
+    learned_alignment: tuple[int, str] | None = None,
 ) -> StateLayout:
     """The layout to route on: configuration first, then what was learned.
 
     ``learned_hybrid``: the source that showed the model is hybrid (None: nothing did);
-    ``learned_interval``: (grid, source) when one is known."""
+    ``learned_interval``: (grid, source) when one is known; the alignment likewise (0 / None:
+    not known; a learned one is read from checkpoints, so it holds for hybrid models only)."""
     if configured_hybrid is not None:
         hybrid, hybrid_source = configured_hybrid, SOURCE_CONFIG
     elif learned_hybrid is not None:
@@ -185,9 +215,17 @@ def effective_layout(
         interval, interval_source = learned_interval
     else:
         interval, interval_source = 0, SOURCE_NONE
+    if configured_alignment > 0:
+        alignment, alignment_source = configured_alignment, SOURCE_CONFIG
+    elif learned_alignment is not None and hybrid:
+        alignment, alignment_source = learned_alignment
+    else:
+        alignment, alignment_source = 1, SOURCE_NONE
     if not hybrid:
         interval, interval_source = 0, SOURCE_NONE
-    return StateLayout(hybrid, interval, hybrid_source, interval_source)
+    return StateLayout(
+        hybrid, interval, hybrid_source, interval_source, max(1, alignment), alignment_source
+    )
 
 
 def layout_mismatches(
@@ -196,13 +234,16 @@ def layout_mismatches(
     publishes_state: bool,
     kv_only_blocks: int,
     learned_interval: int | None,
+    configured_alignment: int = 0,
+    learned_alignment: int | None = None,
 ) -> dict[str, str]:
     """Where the configuration contradicts what the engines publish: field -> explanation.
 
     ``publishes_state``: some engine of the model published a state checkpoint;
     ``kv_only_blocks``: KV blocks its replicas hold while none ever did (evidence that it is
     not hybrid once it reaches ``KV_ONLY_EVIDENCE_BLOCKS``); ``learned_interval``: the grid
-    estimated from the engines' checkpoints (None or 0: none known)."""
+    estimated from the engines' checkpoints (None or 0: none known); the alignments (router
+    blocks; 0 / None: not configured / not known)."""
     out: dict[str, str] = {}
     if configured_hybrid is False and publishes_state:
         out["hybrid"] = (
@@ -223,5 +264,11 @@ def layout_mismatches(
             f"configured state_interval_blocks = {configured_interval}, but the engines "
             f"checkpoint every {learned_interval} blocks: speculative checkpoints land where "
             "the engines have none"
+        )
+    if configured_alignment > 1 and learned_alignment and learned_alignment % configured_alignment:
+        out["engine_block_size"] = (
+            f"configured engine_block_size spans {configured_alignment} router blocks, but the "
+            f"engines' checkpoints land on multiples of {learned_alignment}: speculative "
+            "checkpoints land where the engines have none"
         )
     return out

@@ -129,6 +129,7 @@ class Publisher:
             configured,
             publishes_state=configured.publishes_state or self.grid.checkpoints > 0,
             state_interval_blocks=configured.state_interval_blocks or (self.grid.interval() or 0),
+            state_alignment_blocks=self.grid.alignment() or 0,
         )
 
     async def _register_learned(self) -> None:

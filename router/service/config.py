@@ -8,7 +8,7 @@ File layout (every section optional; see docs/configuration.md)::
                    max_retries, retry_after_s, seed, decisions_kept, health_interval_s, ...
     [[replicas]]   url, model, name, rack, region, role, dp_ranks
     [models.NAME]  policy, block_size, hybrid, state_interval_blocks, speculative_ttl_s,
-                   speculate_sessions,
+                   speculate_sessions, engine_block_size, eagle,
                    context_length, tokenizer, bpe_file, pattern, chat_template,
                    chat_template_content_format, chat_template_kwargs and
                    reasoning_effort_map (tables), cache_mb, chars_per_token,
@@ -224,13 +224,22 @@ def _model(name: str, table: Any) -> ModelSettings:
         routing = RoutingSettings(busy=busy, **_checked(RoutingSettings, routing_kw, where))
     except TypeError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    for key, kind in (("block_size", int), ("state_interval_blocks", int)):
-        if not isinstance(getattr(routing, key), kind) or getattr(routing, key) < 0:
+    for key in ("block_size", "state_interval_blocks", "engine_block_size"):
+        value = getattr(routing, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"{where}.{key}: expected a non-negative integer")
     if not routing.reuse_window_s > 0:
         raise ConfigError(f"{where}.reuse_window_s: expected a positive number of seconds")
     if routing.block_size <= 0:
         raise ConfigError(f"{where}.block_size: must be positive")
+    engine_block, block = routing.engine_block_size, routing.block_size
+    if engine_block and engine_block % block and block % engine_block:
+        raise ConfigError(
+            f"{where}.engine_block_size: {engine_block} is neither a multiple nor a divisor "
+            f"of block_size {block} (the router could not tell where the engines' hits land)"
+        )
+    if not isinstance(routing.eagle, bool):
+        raise ConfigError(f"{where}.eagle: expected true or false")
     if routing.hybrid is not None and not isinstance(routing.hybrid, bool):
         raise ConfigError(f"{where}.hybrid: expected true or false (omit it: learned)")
     params = table.get("policy_params") or {}

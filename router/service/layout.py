@@ -32,6 +32,7 @@ from router.core.routing import RoutingEngine
 from router.core.state_layout import (
     SOURCE_ENGINE,
     SOURCE_MODEL_CONFIG,
+    SOURCE_NONE,
     SOURCE_REGISTRY,
     CheckpointGrid,
     layout_mismatches,
@@ -97,9 +98,11 @@ class LayoutReport:
     interval_blocks: int
     interval_source: str
     mismatches: Mapping[str, str] = field(default_factory=dict)
+    alignment_blocks: int = 1
+    alignment_source: str = SOURCE_NONE
 
 
-MISMATCH_FIELDS = ("hybrid", "state_interval_blocks", "block_size")
+MISMATCH_FIELDS = ("hybrid", "state_interval_blocks", "block_size", "engine_block_size")
 
 
 class ModelLayouts:
@@ -141,9 +144,10 @@ class ModelLayouts:
             engine = self.engines.get(model)
             if engine is None:
                 return
-            interval = grid.interval()
+            interval, alignment = grid.interval(), grid.alignment()
             learned = None if interval is None else (interval, SOURCE_ENGINE)
-            if engine.learn(hybrid=SOURCE_ENGINE, interval=learned):
+            aligned = None if alignment is None else (alignment, SOURCE_ENGINE)
+            if engine.learn(hybrid=SOURCE_ENGINE, interval=learned, alignment=aligned):
                 self._log_layout(model, engine)
 
         return observe
@@ -170,19 +174,24 @@ class ModelLayouts:
         infos = self._registered.get(model, {}).values()
         grids = Counter(i.state_interval_blocks for i in infos if i.state_interval_blocks > 0)
         interval = (grids.most_common(1)[0][0], SOURCE_REGISTRY) if grids else None
+        aligns = Counter(i.state_alignment_blocks for i in infos if i.state_alignment_blocks > 0)
+        alignment = (aligns.most_common(1)[0][0], SOURCE_REGISTRY) if aligns else None
         hybrid = SOURCE_REGISTRY if any(i.hybrid for i in infos) else None
-        if engine.learn(hybrid=hybrid, interval=interval):
+        if engine.learn(hybrid=hybrid, interval=interval, alignment=alignment):
             self._log_layout(model, engine)
 
     def _log_layout(self, model: str, engine: RoutingEngine) -> None:
         layout = engine.layout
         _log.info(
-            "model %s: routing on hybrid=%s (%s), checkpoint grid %d blocks (%s)",
+            "model %s: routing on hybrid=%s (%s), checkpoint grid %d blocks (%s), "
+            "engine block %d blocks (%s)",
             model,
             layout.hybrid,
             layout.hybrid_source,
             layout.interval_blocks,
             layout.interval_source,
+            layout.alignment_blocks,
+            layout.alignment_source,
         )
 
     # ------------------------------------------------------------------ checks
@@ -211,12 +220,15 @@ class ModelLayouts:
         kv_only = 0 if publishes else sum(self.index.replica_size(k)[0] for k in keys)
         grid = self.grids.get(model)
         learned_interval = engine.learned_interval
+        learned_alignment = engine.learned_alignment
         mismatches = layout_mismatches(
             s.hybrid,
             s.state_interval_blocks,
             publishes,
             kv_only,
             learned_interval[0] if learned_interval is not None else None,
+            s.alignment_blocks,
+            learned_alignment[0] if learned_alignment is not None else None,
         )
         if grid is not None and grid.unaligned:
             mismatches["block_size"] = (
@@ -232,6 +244,8 @@ class ModelLayouts:
             layout.interval_blocks,
             layout.interval_source,
             mismatches,
+            layout.alignment_blocks,
+            layout.alignment_source,
         )
 
     @staticmethod

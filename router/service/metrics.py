@@ -206,18 +206,27 @@ def _layout_metrics(layouts: Iterable[LayoutReport]) -> Iterable[Metric]:
         "(0: none known, only prompt ends are speculated)",
         labels=["model", "source"],
     )
+    alignment = GaugeMetricFamily(
+        "kvrouter_model_engine_block_blocks",
+        "The engine block (cache-hit alignment) the router assumes, in router blocks: "
+        "speculated blocks and checkpoints stop at its multiples (source: config, engine, "
+        "registry or none)",
+        labels=["model", "source"],
+    )
     mismatch = GaugeMetricFamily(
         "kvrouter_model_layout_mismatch",
         "1 while the model's configuration contradicts what its engines publish (field: "
-        "hybrid, state_interval_blocks, block_size); the router logs each one",
+        "hybrid, state_interval_blocks, block_size, engine_block_size); the router logs each "
+        "one",
         labels=["model", "field"],
     )
     for r in layouts:
         hybrid.add_metric([r.model, r.hybrid_source], float(r.hybrid))
         interval.add_metric([r.model, r.interval_source], float(r.interval_blocks))
+        alignment.add_metric([r.model, r.alignment_source], float(r.alignment_blocks))
         for name in MISMATCH_FIELDS:
             mismatch.add_metric([r.model, name], float(name in r.mismatches))
-    yield from (hybrid, interval, mismatch)
+    yield from (hybrid, interval, alignment, mismatch)
 
 
 class Metrics:

@@ -208,6 +208,8 @@ ROUTING_KEYS = (
     "speculate_sessions",
     "session_ttl_s",
     "reuse_window_s",
+    "engine_block_size",
+    "eagle",
 )
 
 

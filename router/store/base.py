@@ -52,7 +52,8 @@ class ReplicaInfo:
     """What a publisher registers about its replica. ``state_interval_blocks`` is the
     recurrent-state checkpoint grid in router blocks (configured at the publisher, else
     learned from the engine's checkpoints; 0: none known); ``publishes_state``: the engine
-    published recurrent-state checkpoints (a hybrid model). The publisher registers again
+    published recurrent-state checkpoints (a hybrid model); ``state_alignment_blocks``: the
+    block count every checkpoint lands on, learned (0: not known yet). The publisher registers again
     when what it learned changes (router.core.state_layout)."""
 
     replica: str
@@ -66,6 +67,7 @@ class ReplicaInfo:
     engine: str = "vllm"
     publishes_state: bool = False
     role: str = "both"  # prefill / decode / both (router/core/disagg.py)
+    state_alignment_blocks: int = 0
 
     def __post_init__(self) -> None:
         check_replica_name(self.replica)
@@ -78,6 +80,8 @@ class ReplicaInfo:
             raise ValueError("state_interval_blocks must be a non-negative integer")
         if not isinstance(self.publishes_state, bool):
             raise ValueError("publishes_state must be true or false")
+        if not isinstance(self.state_alignment_blocks, int) or self.state_alignment_blocks < 0:
+            raise ValueError("state_alignment_blocks must be a non-negative integer")
 
     @property
     def hybrid(self) -> bool:

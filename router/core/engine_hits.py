@@ -1,0 +1,81 @@
+"""What an engine holds after prefilling a prompt, and which cached prefix it grants a later
+request, in router blocks: vLLM v1's rules (0.34: ``v1/core/sched/scheduler.py``
+``_mamba_block_aligned_split``, ``v1/kv_cache_interface.py``
+``get_mamba_prefill_checkpoint_position``, ``v1/core/single_type_kv_cache_manager.py``
+``find_longest_cache_hit``).
+
+Terms: ``N`` prompt tokens, ``B`` the router block, ``A`` the engines' cache-hit alignment in
+router blocks (``StateLayout.alignment_blocks``: vLLM's scheduler block, 1,024 tokens or so
+for a hybrid model, against a router block of 64), ``floor_A(x) = x // A * A``; ``eagle``:
+the engines run EAGLE / MTP speculative decoding.
+
+* KV: an engine caches whole engine blocks, ``floor_A(N // B)`` blocks of the prompt.
+* Recurrent state (hybrid models, mamba "align" mode): the prefill is split so that a
+  state lands on the last engine block boundary it can reuse, ``floor_A(N // B)``; with
+  EAGLE one engine block lower (the draft head recomputes the last matched block, so a
+  state there would never serve).
+* A hit: at most ``floor_A((N - 1) // B)`` blocks (the last token is recomputed for its
+  logits); with EAGLE every hit gives back one engine block, and a hybrid checkpoint at
+  ``L`` serves only where the cached KV runs on to ``L + A``. ``PrefixIndex.match`` applies
+  it through :func:`peeked`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.core.state_layout import StateLayout
+from router.core.types import RouteRequest
+
+
+def floor_to(blocks: int, align: int) -> int:
+    """``blocks`` rounded down to a multiple of ``align`` (>= 1)."""
+    return blocks // align * align
+
+
+def prompt_end_checkpoint(prompt_blocks: int, align: int, eagle: bool) -> int:
+    """Where (router blocks, 0: nowhere) an engine keeps the last recurrent-state checkpoint
+    of a prompt of ``prompt_blocks`` full router blocks."""
+    end = floor_to(prompt_blocks, align)
+    if eagle:
+        end -= align
+    return max(end, 0)
+
+
+def peeked(kv: list[tuple[int, int]], cap: int, align: int, peek: int) -> list[tuple[int, int]]:
+    """KV match groups ``(length, replica mask)`` as an engine that drops ``peek`` blocks
+    of every hit grants them: capped at ``cap``, on the ``align`` grid, ``peek`` shorter;
+    groups left empty are dropped (masks stay disjoint; lengths may repeat)."""
+    out: list[tuple[int, int]] = []
+    for length, mask in kv:
+        granted = floor_to(min(length, cap), align) - peek
+        if granted > 0:
+            out.append((granted, mask))
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class EngineHolds:
+    """What the replica a request was sent to will hold of its prompt once prefilled.
+    ``kv_blocks``: its full engine blocks; ``state_hashes``: the checkpoints a hybrid engine
+    keeps (grid and prompt end; empty for a KV-only model); ``next_hit_blocks``: what a later
+    turn extending the prompt reuses there (the session hint's reach)."""
+
+    kv_blocks: int
+    state_hashes: tuple[int, ...]
+    next_hit_blocks: int
+
+
+def engine_holds(request: RouteRequest, layout: StateLayout, eagle: bool) -> EngineHolds:
+    """:class:`EngineHolds` for ``request`` under ``layout`` (see the module docstring)."""
+    hashes = request.block_hashes
+    align = layout.alignment_blocks
+    kv = floor_to(len(hashes), align)
+    if not layout.hybrid:
+        return EngineHolds(kv, (), max(kv - align, 0) if eagle else kv)
+    end = prompt_end_checkpoint(len(hashes), align, eagle)
+    grid = layout.interval_blocks
+    picked = list(hashes[grid - 1 : end : grid]) if grid > 0 else []
+    if end and (not picked or picked[-1] != hashes[end - 1]):
+        picked.append(hashes[end - 1])
+    return EngineHolds(kv, tuple(picked), end)

@@ -1,0 +1,167 @@
+"""The engines' hit rule as the router predicts it (router/core/engine_hits.py): where a
+hybrid engine keeps a prompt's last checkpoint, what an engine block coarser than the router's
+does to speculation, what EAGLE / MTP speculative decoding gives back of every hit, and how
+the router learns the engine block from the checkpoints it sees. Expected figures follow vLLM
+0.34 (``get_mamba_prefill_checkpoint_position``, ``_mamba_block_aligned_split``,
+``FullAttentionManager.find_longest_cache_hit``: ``hit_length -= block``)."""
+
+from __future__ import annotations
+
+import random
+
+from router.core.engine_hits import engine_holds, peeked, prompt_end_checkpoint
+from router.core.index import PrefixIndex
+from router.core.load import LoadTracker
+from router.core.policies import make_policy
+from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.state_layout import SOURCE_ENGINE, CheckpointGrid, StateLayout
+from router.core.types import Kind, ReplicaKey, RouteRequest
+
+A, B = ReplicaKey("a"), ReplicaKey("b")
+BS = 64
+
+
+def req(tokens: int, hashes: list[int], session: str | None = None) -> RouteRequest:
+    return RouteRequest("r", "m", tokens, hashes[: tokens // BS], BS, session_id=session)
+
+
+def test_speculated_checkpoints_follow_the_grid_and_stop_at_the_prompt_end() -> None:
+    hashes = list(range(100, 110))
+    grid4 = StateLayout(hybrid=True, interval_blocks=4)
+    assert engine_holds(req(10 * BS, hashes), grid4, False).state_hashes == (103, 107, 109)
+    assert engine_holds(req(8 * BS, hashes), grid4, False).state_hashes == (103, 107)
+    assert engine_holds(req(3 * BS + 5, hashes), grid4, False).state_hashes == (102,)
+    assert engine_holds(req(BS - 1, hashes), grid4, False).state_hashes == ()
+    no_grid = StateLayout(hybrid=True, interval_blocks=0)
+    assert engine_holds(req(5 * BS, hashes), no_grid, False).state_hashes == (104,)
+    kv_only = engine_holds(req(5 * BS, hashes), StateLayout(False, 0), False)
+    assert kv_only.state_hashes == () and kv_only.kv_blocks == kv_only.next_hit_blocks == 5
+
+
+def test_an_engine_block_coarser_than_the_routers_holds_back_the_partial_one() -> None:
+    """A 1,024-token engine block over 64-token router blocks (16 router blocks): a 2,100-
+    token prompt leaves KV and its last checkpoint at 2,048 tokens, not at 2,048 + 0 router
+    blocks past it (2,048 is also where the router's own 64-token grid ends: use 2,500)."""
+    hashes = list(range(1000, 1100))
+    layout = StateLayout(hybrid=True, interval_blocks=0, alignment_blocks=16)
+    held = engine_holds(req(2500, hashes), layout, eagle=False)  # 39 router blocks
+    assert held.kv_blocks == 32 and held.state_hashes == (hashes[31],)
+    assert held.next_hit_blocks == 32
+    # grid checkpoints beyond the last engine block are not taken either
+    gridded = StateLayout(hybrid=True, interval_blocks=16, alignment_blocks=16)
+    assert engine_holds(req(2500, hashes), gridded, False).state_hashes == (
+        hashes[15],
+        hashes[31],
+    )
+
+
+def test_eagle_keeps_the_last_checkpoint_one_engine_block_lower() -> None:
+    # vLLM: checkpoint = N // a * a - a with EAGLE (a = 1,024 tokens): 2,500 -> 1,024
+    assert prompt_end_checkpoint(2500 // BS, 16, eagle=True) == 16
+    assert prompt_end_checkpoint(2500 // BS, 16, eagle=False) == 32
+    assert prompt_end_checkpoint(2048 // BS, 16, eagle=False) == 32  # dense align mode
+    assert prompt_end_checkpoint(1000 // BS, 16, eagle=True) == 0
+    hashes = list(range(1000, 1100))
+    layout = StateLayout(hybrid=True, interval_blocks=0, alignment_blocks=16)
+    held = engine_holds(req(2500, hashes), layout, eagle=True)
+    assert held.state_hashes == (hashes[15],) and held.next_hit_blocks == 16
+    kv_only = engine_holds(req(2500, hashes), StateLayout(False, 0, alignment_blocks=1), True)
+    assert kv_only.kv_blocks == 39 and kv_only.next_hit_blocks == 38
+
+
+def test_peeked_groups() -> None:
+    kv = [(40, 0b01), (20, 0b10)]
+    assert peeked(kv, 39, 16, 16) == [(16, 0b01)]  # 40 -> cap 39 -> 32 -> 16; 20 -> 16 -> 0
+    assert peeked(kv, 100, 1, 1) == [(39, 0b01), (19, 0b10)]
+
+
+def test_index_with_eagle_gives_back_one_engine_block_of_every_hit() -> None:
+    idx = PrefixIndex()
+    h = list(range(500, 540))
+    idx.store(A, h[:40])
+    idx.store(B, h[:20])
+    # KV-only model, engine block = router block
+    m = idx.match(h[:40], prompt_tokens=40 * BS + 7, block_size=BS, peek_blocks=1)
+    assert m.get(A).usable_blocks == 39 and m.get(A).kv_blocks == 40
+    assert m.get(B).usable_blocks == 19
+    # hybrid: a checkpoint at L serves only where the KV runs on to L + the engine block
+    idx.store(A, [h[15], h[31]], kind=Kind.STATE)
+    idx.store(B, [h[15]], kind=Kind.STATE)
+    m = idx.match(
+        h[:40],
+        hybrid=True,
+        prompt_tokens=40 * BS + 7,
+        block_size=BS,
+        align_blocks=16,
+        peek_blocks=16,
+    )
+    assert m.get(A).usable_blocks == 16  # 40 -> 32 -> peek 16: the checkpoint at 32 waits
+    assert m.get(B).usable_blocks == 0  # 20 -> 16 -> peek 0
+    plain = idx.match(h[:40], hybrid=True, prompt_tokens=40 * BS + 7, block_size=BS)
+    assert plain.get(A).usable_blocks == 32 and plain.get(B).usable_blocks == 16
+    cols = m.columns(idx.slots([A, B]))
+    assert list(cols[3]) == [16, 0]
+
+
+def _engine(settings: RoutingSettings) -> RoutingEngine:
+    return RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), settings)
+
+
+def test_dispatch_speculates_what_the_engine_will_hold() -> None:
+    """The next turn of a 2,500-token hybrid prompt on 1,024-token engine blocks is predicted
+    to reuse 2,048 tokens there (it reused 2,496 before: the state at 39 router blocks, which
+    the engine never keeps), and 1,024 with EAGLE."""
+    hashes = list(range(7000, 7100))
+    for eagle, expect in ((False, 2048), (True, 1024)):
+        engine = _engine(
+            RoutingSettings(block_size=BS, hybrid=True, engine_block_size=1024, eagle=eagle)
+        )
+        first = req(2500, hashes)
+        decision = engine.route(first, [A, B], 0.0, random.Random(0))
+        engine.dispatched(first, decision, 0.0)
+        nxt = req(4000, hashes)
+        match = engine.matches(nxt, [A, B], 0.1).get(decision.replica)
+        assert match.usable_blocks * BS == expect, eagle
+        assert match.kv_blocks * BS == 2048
+
+
+def test_the_session_hint_reaches_no_further_than_the_engine_holds() -> None:
+    hashes = list(range(9000, 9100))
+    engine = _engine(RoutingSettings(block_size=BS, hybrid=True, engine_block_size=1024))
+    assert engine.sessions is not None
+    first = req(2500, hashes, session="s1")
+    decision = engine.route(first, [A, B], 0.0, random.Random(0))
+    engine.dispatched(first, decision, 0.0)
+    hint = engine.sessions.get("s1", 0.1)
+    assert hint is not None and hint.covers(hashes[:62]) == 32
+
+
+def test_checkpoint_grid_learns_the_engine_block_from_checkpoint_positions() -> None:
+    """vLLM 0.34 prompt-end checkpoints on 1,024-token engine blocks, seen in 64-token router
+    blocks: every position is a multiple of 16."""
+    rng = random.Random(3)
+    grid = CheckpointGrid(BS)
+    for _ in range(200):
+        n = rng.randrange(1100, 200_000)
+        grid.observe_end(n // 1024 * 1024)
+    assert grid.alignment() == 16
+    every_block = CheckpointGrid(BS)
+    for _ in range(200):
+        every_block.observe(rng.randrange(1, 3000))
+    assert every_block.alignment() == 1
+    assert CheckpointGrid(BS).alignment() is None  # nothing seen yet
+
+
+def test_a_learned_alignment_moves_the_layout_and_configuration_wins() -> None:
+    engine = _engine(RoutingSettings(block_size=BS, hybrid=True))
+    assert engine.layout.alignment_blocks == 1
+    assert engine.learn(alignment=(16, SOURCE_ENGINE))
+    assert engine.layout.alignment_blocks == 16 and engine.layout.alignment_source == "engine"
+    configured = _engine(RoutingSettings(block_size=BS, hybrid=True, engine_block_size=512))
+    configured.learn(alignment=(16, SOURCE_ENGINE))
+    assert configured.layout.alignment_blocks == 8
+    assert configured.layout.alignment_source == "config"
+    # a KV-only model learns nothing from checkpoints
+    kv_only = _engine(RoutingSettings(block_size=BS, hybrid=False))
+    kv_only.learn(alignment=(16, SOURCE_ENGINE))
+    assert kv_only.layout.alignment_blocks == 1
