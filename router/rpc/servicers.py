@@ -123,6 +123,23 @@ def _serves(endpoint: Endpoint | None, model: str) -> bool:
     return endpoint is not None and endpoint.model == model
 
 
+def owner_of(caller: object) -> str | None:
+    """The owner a decision made for ``caller`` (:data:`CALLER`) records, as text a Report
+    relayed to another worker process carries (router/service/report_relay.py): ``key:N``
+    for the gate's client key N, ``addr:A`` for client address A (no keys configured),
+    None for a caller not held to per-key limits (``server.grpc_token``, or no gate).
+
+    The contract: a Report applies only to a decision whose owner equals the reporting
+    caller's exactly. None matches only None, so the gateway's token neither ends a client
+    key's decision nor has its own ended by one; to any other caller a decision is unknown
+    (the Report's answer is that of an id never picked, so it does not tell it exists)."""
+    if caller is None:
+        return None
+    if isinstance(caller, int):
+        return f"key:{caller}"
+    return f"addr:{caller}"
+
+
 @dataclass(slots=True)
 class _Pending:
     request_id: str
@@ -136,6 +153,7 @@ class _Pending:
     service_class: str = "default"
     first_at: float = 0.0  # when FIRST_TOKEN was reported (0: not yet)
     held: object = None  # the caller's slot of the gate's per-key limit (None: not counted)
+    owner: str | None = None  # the caller that made it (:func:`owner_of`): only its Reports
 
 
 class DecisionBook:
@@ -181,7 +199,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     HTTP front door's (router/service/gate.py): a Pick of a client held to per-key limits
     (:data:`CALLER`) holds one of its slots, as an HTTP request does for its whole answer,
     from the call until its decision ends: a COMPLETED or FAILED Report, the decision's
-    expiry or eviction from the book, or the Pick failing."""
+    expiry or eviction from the book, or the Pick failing. A decision is its caller's: a
+    Report of any other caller is answered as one of an unknown id (:func:`owner_of`)."""
 
     def __init__(
         self,
@@ -403,6 +422,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 routed.ttft_factor,
                 routed.service_class,
                 held=held,
+                owner=owner_of(CALLER.get()),
             ),
         ):
             self._end(old)
@@ -433,7 +453,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not request.decision_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decision_id is required")
         cached = request.cached_tokens if request.HasField("cached_tokens") else None
-        report = Reported(request.decision_id, phase, request.output_tokens, cached)
+        owner = owner_of(CALLER.get())
+        report = Reported(request.decision_id, phase, request.output_tokens, cached, owner)
         accepted = self.apply_report(report)
         if not accepted and self.workers is not None and self.workers.count > 1:
             accepted = await report_to_peers(self.workers, report)
@@ -441,10 +462,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def apply_report(self, report: Reported) -> bool:
         """Apply ``report`` to a decision of this process; False when it has none by that
-        id (unknown, expired, or another worker's)."""
+        id (unknown, expired, or another worker's) or the decision is not the reporting
+        caller's (:func:`owner_of`: the same answer, so another caller learns nothing)."""
         phase = report.phase
         pending = self.book.get(report.decision_id)
-        if pending is None:
+        if pending is None or pending.owner != report.owner:
             return False
         now = self.clock()
         mm = self.state.metrics.model(pending.model)
