@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import array
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
@@ -34,6 +32,7 @@ from router.core.types import (
     ReplicaKey,
     Tier,
 )
+from router.rpc.decisions import DecisionBook, Pending, owner_of
 from router.rpc.gen import (
     admin_pb2,
     admin_pb2_grpc,
@@ -121,74 +120,6 @@ async def abort_reply(context: grpc.aio.ServicerContext, reply: ErrorReply) -> N
 
 def _serves(endpoint: Endpoint | None, model: str) -> bool:
     return endpoint is not None and endpoint.model == model
-
-
-def owner_of(caller: object) -> str | None:
-    """The owner a decision made for ``caller`` (:data:`CALLER`) records, as text a Report
-    relayed to another worker process carries (router/service/report_relay.py): ``key:N``
-    for the gate's client key N, ``addr:A`` for client address A (no keys configured),
-    None for a caller not held to per-key limits (``server.grpc_token``, or no gate).
-
-    The contract: a Report applies only to a decision whose owner equals the reporting
-    caller's exactly. None matches only None, so the gateway's token neither ends a client
-    key's decision nor has its own ended by one; to any other caller a decision is unknown
-    (the Report's answer is that of an id never picked, so it does not tell it exists)."""
-    if caller is None:
-        return None
-    if isinstance(caller, int):
-        return f"key:{caller}"
-    return f"addr:{caller}"
-
-
-@dataclass(slots=True)
-class _Pending:
-    request_id: str
-    model: str
-    predicted_tokens: int
-    created: float
-    # what the outcome and SLO metrics need when the reports come (the HTTP forwarder's)
-    replica: ReplicaKey | None = None
-    prompt_tokens: int = 0
-    ttft_factor: float = 1.0
-    service_class: str = "default"
-    first_at: float = 0.0  # when FIRST_TOKEN was reported (0: not yet)
-    held: object = None  # the caller's slot of the gate's per-key limit (None: not counted)
-    owner: str | None = None  # the caller that made it (:func:`owner_of`): only its Reports
-
-
-class DecisionBook:
-    """Decisions awaiting Report, bounded in count and age so a gateway that never reports
-    cannot grow it; an evicted decision is completed in the load model (not leaked)."""
-
-    def __init__(self, max_entries: int = 100_000, ttl_s: float = 3600.0) -> None:
-        self.max_entries = max_entries
-        self.ttl_s = ttl_s
-        self._items: OrderedDict[str, _Pending] = OrderedDict()
-
-    def add(self, decision_id: str, pending: _Pending) -> list[_Pending]:
-        self._items[decision_id] = pending
-        evicted = []
-        while len(self._items) > self.max_entries:
-            evicted.append(self._items.popitem(last=False)[1])
-        return evicted
-
-    def expire(self, now: float) -> list[_Pending]:
-        out = []
-        while self._items:
-            first = next(iter(self._items.values()))
-            if now - first.created < self.ttl_s:
-                break
-            out.append(self._items.popitem(last=False)[1])
-        return out
-
-    def get(self, decision_id: str) -> _Pending | None:
-        return self._items.get(decision_id)
-
-    def pop(self, decision_id: str) -> _Pending | None:
-        return self._items.pop(decision_id, None)
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -411,7 +342,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # last: from here the book holds the caller's slot (``held``) until the decision ends
         for old in self.book.add(
             decision_id,
-            _Pending(
+            Pending(
                 # the id routed under: admission renames one whose id another request holds
                 routed.request.request_id,
                 request.model,
@@ -432,7 +363,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         for old in self.book.expire(now):
             self._end(old)
 
-    def _end(self, pending: _Pending) -> None:
+    def _end(self, pending: Pending) -> None:
         """A booked decision is over (reported, expired or evicted): :meth:`_finish` it and
         give its caller's slot back."""
         self._finish(pending.model, pending.request_id)

@@ -25,7 +25,7 @@ PATH = "/internal/decisions/{name}/report"
 @dataclass(slots=True, frozen=True)
 class Reported:
     """One gRPC Report: ``phase`` is the proto's ``ReportRequest.Phase`` number; ``owner``
-    the reporting caller as a decision records its owner (router/rpc/servicers.py
+    the reporting caller as a decision records its owner (router/rpc/decisions.py
     ``owner_of``), carried along so the deciding worker applies it only to that caller's
     decision."""
 
