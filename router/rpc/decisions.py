@@ -18,9 +18,10 @@ from router.core.types import ReplicaKey
 def owner_of(caller: object) -> str | None:
     """The owner a decision made for ``caller`` (router/rpc/servicers.py ``CALLER``)
     records, as text a Report relayed to another worker process carries
-    (router/service/report_relay.py): ``key:N`` for the gate's client key N, ``addr:A`` for
-    client address A (no keys configured), None for a caller not held to per-key limits
-    (``server.grpc_token``, or no gate).
+    (router/service/report_relay.py): ``key:N`` for the gate's client key N; None for a
+    caller that presented no client key: ``server.grpc_token``, no gate, or a router with no
+    client keys (a client address is no credential, and an open deployment's gateways may
+    pick from one host and report from another).
 
     The contract: a Report applies only to a decision whose owner equals the reporting
     caller's exactly. None matches only None, so the gateway's token neither ends a client
@@ -30,7 +31,7 @@ def owner_of(caller: object) -> str | None:
         return None
     if isinstance(caller, int):
         return f"key:{caller}"
-    return f"addr:{caller}"
+    return None
 
 
 @dataclass(slots=True)
