@@ -41,6 +41,7 @@ GATEWAY = "gw-token-5c1e9d"
 ADMIN = "adm-7f3c9a1b2d4e"
 RETRY_AFTER_S = 3
 Meta = tuple[tuple[str, str], ...]
+FIRST_TOKEN = router_pb2.ReportRequest.FIRST_TOKEN
 COMPLETED = router_pb2.ReportRequest.COMPLETED
 FAILED = router_pb2.ReportRequest.FAILED
 
@@ -85,6 +86,17 @@ class Front:
     async def stats(self, meta: Meta) -> admin_pb2.StatsResponse:
         stub = admin_pb2_grpc.AdminStub(self.channel)
         return await stub.Stats(admin_pb2.StatsRequest(), metadata=meta, timeout=10)
+
+    async def load(self) -> tuple[int, int, int]:
+        """(decisions awaiting Report, requests in flight, the replica's queued prefill
+        tokens), as the Admin service tells them."""
+        stub = admin_pb2_grpc.AdminStub(self.channel)
+        stats = await self.stats(bearer(ADMIN))
+        listed = await stub.ListReplicas(
+            admin_pb2.ListReplicasRequest(), metadata=bearer(ADMIN), timeout=10
+        )
+        (replica,) = listed.replicas
+        return stats.decisions, stats.in_flight, replica.queued_prefill_tokens
 
     async def post(self, key: str | None) -> int:
         """One ``POST /v1/completions`` (held while the replica's gate is closed)."""
@@ -139,7 +151,7 @@ async def test_client_keys_authorise_router_calls_and_nothing_else() -> None:
         # a client key: Pick and Report, as HTTP takes it
         picked = await front.pick(bearer(KEY_A))
         assert picked.replica == "b0" and picked.decision_id
-        assert await front.report(bearer(KEY_B), picked.decision_id)  # any client key
+        assert await front.report(bearer(KEY_A), picked.decision_id)
         assert (await front.pick((("api-key", KEY_B),))).decision_id  # HTTP's other header
         assert await front.post(KEY_A) == 200
         # a missing or wrong key: UNAUTHENTICATED, the HTTP answer's message
@@ -221,8 +233,48 @@ async def test_a_keys_http_requests_and_grpc_picks_share_its_concurrency_limit()
         assert await http == 200
         assert await front.post(KEY_A) == 200
         assert await front.report(bearer(KEY_A), second.decision_id, FAILED)
-        for d in [*both, *gateway]:
+        for d in both:
+            assert await front.report(bearer(KEY_B), d.decision_id)
+        for d in gateway:
             assert await front.report(bearer(GATEWAY), d.decision_id)
+
+
+async def test_a_report_ends_only_a_decision_its_own_caller_made() -> None:
+    """A decision belongs to the caller that picked it: its client key, or the gateway's
+    token. A Report from any other caller is answered as one of an unknown decision id
+    (``accepted`` false, whatever the phase), so it cannot end or start decoding another
+    key's decision, nor free that key's slot, nor tell that the id exists."""
+    async with running(**KEYED, grpc_token=GATEWAY) as front:
+        mine = await front.pick(bearer(KEY_A), request_id="req-a-1")  # a caller-chosen id
+        assert mine.decision_id == "req-a-1"
+        other = await front.pick(bearer(KEY_A))  # key A's second slot: its limit is full
+        gw = await front.pick(bearer(GATEWAY))
+        before = await front.load()
+        assert before[:2] == (3, 3) and before[2] > 0
+        for meta, decision in (
+            (bearer(KEY_B), mine),
+            (bearer(GATEWAY), mine),  # the gateway's token is no key's owner
+            (bearer(KEY_A), gw),  # nor a key the gateway's
+            (bearer(KEY_B), gw),
+        ):
+            for phase in (FIRST_TOKEN, COMPLETED, FAILED):
+                assert not await front.report(meta, decision.decision_id, phase), meta
+        assert not await front.report(bearer(KEY_B), "never-picked")  # the same answer
+        # nothing changed: the decisions, their load (no first token), key A's slots
+        assert await front.load() == before
+        refused = await front.refused(bearer(KEY_A))
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # a Pick of another key reusing the id is refused (the id is in flight)
+        taken = await front.refused(bearer(KEY_B), request_id="req-a-1")
+        assert taken.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # each owner's own reports are applied
+        assert await front.report(bearer(KEY_A), mine.decision_id, FIRST_TOKEN)
+        assert (await front.load())[2] < before[2]
+        assert await front.report(bearer(KEY_A), mine.decision_id)
+        assert (await front.pick(bearer(KEY_A))).decision_id  # its slot is free again
+        assert await front.report(bearer(GATEWAY), gw.decision_id, FAILED)
+        assert await front.report(bearer(KEY_A), other.decision_id)
+        assert (await front.load())[:2] == (1, 1)
 
 
 async def test_without_keys_a_client_address_is_limited_on_both_ports() -> None:

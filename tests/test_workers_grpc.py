@@ -14,11 +14,13 @@ import os
 import signal
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, unquote
 
 import grpc
 import pytest
 
 from router.rpc.gen import admin_pb2, admin_pb2_grpc, router_pb2, router_pb2_grpc
+from router.service.report_relay import Reported
 from tests.backends import Backend
 from tests.ports import free_port
 from tests.procs import Fleet, Proc
@@ -135,31 +137,78 @@ async def test_grpc_drain_that_misses_a_worker_is_unavailable_naming_it(fleet: F
         await b1.stop()
 
 
+async def pick_each(target: str, count: int, meta: Any = ()) -> list[str]:
+    """``count`` Picks, each on a new connection (the kernel picks the worker): their ids."""
+    ids = []
+    for i in range(count):
+        async with grpc.aio.insecure_channel(target) as channel:
+            pick = router_pb2.PickRequest(
+                model="m", token_ids=router_pb2.TokenIds(ids=[i + 1] * 40)
+            )
+            got = await router_pb2_grpc.RouterStub(channel).Pick(pick, metadata=meta, timeout=10)
+            ids.append(got.decision_id)
+    return ids
+
+
+async def report_each(target: str, ids: list[str], meta: Any = ()) -> list[bool]:
+    """A COMPLETED Report of each of ``ids``, each on a new connection: ``accepted``."""
+    accepted = []
+    for decision in ids:
+        async with grpc.aio.insecure_channel(target) as channel:
+            done = router_pb2.ReportRequest(
+                decision_id=decision, phase=router_pb2.ReportRequest.COMPLETED
+            )
+            got = await router_pb2_grpc.RouterStub(channel).Report(done, metadata=meta, timeout=10)
+            accepted.append(got.accepted)
+    return accepted
+
+
+async def in_flight_per_replica(proc: Proc) -> list[int]:
+    rows = await worker_pids(proc, 2)
+    return [r["in_flight"] for a in rows.values() for r in a["replicas"]]
+
+
+@pytest.mark.parametrize("owner", [None, "key:3", "key:0"])
+def test_a_relayed_report_carries_its_caller(owner: str | None) -> None:
+    """What the control socket's report route reads back of a relayed Report's target."""
+    sent = Reported("id/with?odd&chars %", 2, 7, 5, owner)
+    path, _, query = sent.target().partition("?")
+    name = unquote(path.removeprefix("/internal/decisions/").removesuffix("/report"))
+    got = Reported.parse(name, {k: v[-1] for k, v in parse_qs(query).items()})
+    assert got == sent
+
+
+async def test_a_relayed_report_ends_only_its_own_callers_decision(fleet: Fleet) -> None:
+    """The worker a Report lands on hands the reporting caller along with it: the deciding
+    worker applies it only to a decision of that caller's key (as a Report landing there
+    would be), and answers another key's as an unknown id."""
+    keys = ("sk-alpha-0123456789abcdef", "sk-bravo-fedcba9876543210")
+    key_a, key_b = ((("authorization", f"Bearer {k}"),) for k in keys)
+    b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
+    try:
+        port = free_port()
+        server = {"grpc_port": port, "api_keys": ",".join(keys)}
+        proc = await start_router(fleet, [b0, b1], workers=2, engine="fast", server=server)
+        target = f"127.0.0.1:{port}"
+        ids = await pick_each(target, 8, key_a)
+        assert await report_each(target, ids, key_b) == [False] * len(ids)
+        assert sum(await in_flight_per_replica(proc)) == len(ids)
+        assert await report_each(target, ids, key_a) == [True] * len(ids)
+        assert await in_flight_per_replica(proc) == [0] * 4
+    finally:
+        await b0.stop()
+        await b1.stop()
+
+
 async def test_a_report_reaches_the_worker_that_made_the_decision(fleet: Fleet) -> None:
     """A gateway that reconnects between Pick and Report may land on another worker: the
     Report still completes the decision where its load is counted (report_relay.py)."""
     b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
     try:
         proc, target = await grpc_router(fleet, [b0, b1], "fast")
-        ids = []
-        for i in range(8):  # each call on a new connection: the kernel picks the worker
-            async with grpc.aio.insecure_channel(target) as channel:
-                pick = router_pb2.PickRequest(
-                    model="m", token_ids=router_pb2.TokenIds(ids=[i + 1] * 40)
-                )
-                got = await router_pb2_grpc.RouterStub(channel).Pick(pick, timeout=10)
-                ids.append(got.decision_id)
-        accepted = []
-        for decision in ids:
-            async with grpc.aio.insecure_channel(target) as channel:
-                done = router_pb2.ReportRequest(
-                    decision_id=decision, phase=router_pb2.ReportRequest.COMPLETED
-                )
-                got = await router_pb2_grpc.RouterStub(channel).Report(done, timeout=10)
-                accepted.append(got.accepted)
-        assert accepted == [True] * len(ids)
-        rows = await worker_pids(proc, 2)
-        assert [r["in_flight"] for a in rows.values() for r in a["replicas"]] == [0] * 4
+        ids = await pick_each(target, 8)
+        assert await report_each(target, ids) == [True] * len(ids)
+        assert await in_flight_per_replica(proc) == [0] * 4
         async with grpc.aio.insecure_channel(target) as channel:
             unknown = router_pb2.ReportRequest(
                 decision_id="never-picked", phase=router_pb2.ReportRequest.COMPLETED

@@ -25,6 +25,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from router.rpc.decisions import DecisionBook
 from router.rpc.gen import (
     admin_pb2,
     admin_pb2_grpc,
@@ -36,7 +37,6 @@ from router.rpc.gen import (
 from router.rpc.servicers import (
     CALLER,
     AdminServicer,
-    DecisionBook,
     IndexServicer,
     RouterServicer,
     abort_reply,

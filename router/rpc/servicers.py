@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import array
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
@@ -34,6 +32,7 @@ from router.core.types import (
     ReplicaKey,
     Tier,
 )
+from router.rpc.decisions import DecisionBook, Pending, owner_of
 from router.rpc.gen import (
     admin_pb2,
     admin_pb2_grpc,
@@ -123,56 +122,6 @@ def _serves(endpoint: Endpoint | None, model: str) -> bool:
     return endpoint is not None and endpoint.model == model
 
 
-@dataclass(slots=True)
-class _Pending:
-    request_id: str
-    model: str
-    predicted_tokens: int
-    created: float
-    # what the outcome and SLO metrics need when the reports come (the HTTP forwarder's)
-    replica: ReplicaKey | None = None
-    prompt_tokens: int = 0
-    ttft_factor: float = 1.0
-    service_class: str = "default"
-    first_at: float = 0.0  # when FIRST_TOKEN was reported (0: not yet)
-    held: object = None  # the caller's slot of the gate's per-key limit (None: not counted)
-
-
-class DecisionBook:
-    """Decisions awaiting Report, bounded in count and age so a gateway that never reports
-    cannot grow it; an evicted decision is completed in the load model (not leaked)."""
-
-    def __init__(self, max_entries: int = 100_000, ttl_s: float = 3600.0) -> None:
-        self.max_entries = max_entries
-        self.ttl_s = ttl_s
-        self._items: OrderedDict[str, _Pending] = OrderedDict()
-
-    def add(self, decision_id: str, pending: _Pending) -> list[_Pending]:
-        self._items[decision_id] = pending
-        evicted = []
-        while len(self._items) > self.max_entries:
-            evicted.append(self._items.popitem(last=False)[1])
-        return evicted
-
-    def expire(self, now: float) -> list[_Pending]:
-        out = []
-        while self._items:
-            first = next(iter(self._items.values()))
-            if now - first.created < self.ttl_s:
-                break
-            out.append(self._items.popitem(last=False)[1])
-        return out
-
-    def get(self, decision_id: str) -> _Pending | None:
-        return self._items.get(decision_id)
-
-    def pop(self, decision_id: str) -> _Pending | None:
-        return self._items.pop(decision_id, None)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """``ejections``: the HTTP forwarder's outlier ejection (router/service/ejection.py), fed
     by the reports as the forwarder's own attempts feed it (None: not fed). ``workers``: the
@@ -181,7 +130,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     HTTP front door's (router/service/gate.py): a Pick of a client held to per-key limits
     (:data:`CALLER`) holds one of its slots, as an HTTP request does for its whole answer,
     from the call until its decision ends: a COMPLETED or FAILED Report, the decision's
-    expiry or eviction from the book, or the Pick failing."""
+    expiry or eviction from the book, or the Pick failing. A decision is its caller's: a
+    Report of any other caller is answered as one of an unknown id (:func:`owner_of`)."""
 
     def __init__(
         self,
@@ -392,7 +342,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # last: from here the book holds the caller's slot (``held``) until the decision ends
         for old in self.book.add(
             decision_id,
-            _Pending(
+            Pending(
                 # the id routed under: admission renames one whose id another request holds
                 routed.request.request_id,
                 request.model,
@@ -403,6 +353,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 routed.ttft_factor,
                 routed.service_class,
                 held=held,
+                owner=owner_of(CALLER.get()),
             ),
         ):
             self._end(old)
@@ -412,7 +363,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         for old in self.book.expire(now):
             self._end(old)
 
-    def _end(self, pending: _Pending) -> None:
+    def _end(self, pending: Pending) -> None:
         """A booked decision is over (reported, expired or evicted): :meth:`_finish` it and
         give its caller's slot back."""
         self._finish(pending.model, pending.request_id)
@@ -433,7 +384,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not request.decision_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decision_id is required")
         cached = request.cached_tokens if request.HasField("cached_tokens") else None
-        report = Reported(request.decision_id, phase, request.output_tokens, cached)
+        owner = owner_of(CALLER.get())
+        report = Reported(request.decision_id, phase, request.output_tokens, cached, owner)
         accepted = self.apply_report(report)
         if not accepted and self.workers is not None and self.workers.count > 1:
             accepted = await report_to_peers(self.workers, report)
@@ -441,10 +393,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def apply_report(self, report: Reported) -> bool:
         """Apply ``report`` to a decision of this process; False when it has none by that
-        id (unknown, expired, or another worker's)."""
+        id (unknown, expired, or another worker's) or the decision is not the reporting
+        caller's (:func:`owner_of`: the same answer, so another caller learns nothing)."""
         phase = report.phase
         pending = self.book.get(report.decision_id)
-        if pending is None:
+        if pending is None or pending.owner != report.owner:
             return False
         now = self.clock()
         mm = self.state.metrics.model(pending.model)

@@ -24,18 +24,24 @@ PATH = "/internal/decisions/{name}/report"
 
 @dataclass(slots=True, frozen=True)
 class Reported:
-    """One gRPC Report: ``phase`` is the proto's ``ReportRequest.Phase`` number."""
+    """One gRPC Report: ``phase`` is the proto's ``ReportRequest.Phase`` number; ``owner``
+    the reporting caller as a decision records its owner (router/rpc/decisions.py
+    ``owner_of``), carried along so the deciding worker applies it only to that caller's
+    decision."""
 
     decision_id: str
     phase: int
     output_tokens: int = 0
     cached_tokens: int | None = None
+    owner: str | None = None
 
     def target(self) -> str:
         """The control-socket path and query that carry this report."""
         query = f"phase={self.phase}&out={self.output_tokens}"
         if self.cached_tokens is not None:
             query += f"&cached={self.cached_tokens}"
+        if self.owner is not None:
+            query += f"&owner={quote(self.owner, safe='')}"
         return PATH.replace("{name}", quote(self.decision_id, safe="")) + "?" + query
 
     @classmethod
@@ -48,7 +54,7 @@ class Reported:
             cached = int(query["cached"]) if "cached" in query else None
         except (KeyError, ValueError):
             raise BadRequest(f"malformed report query {dict(query)!r}") from None
-        return cls(decision_id, phase, out, cached)
+        return cls(decision_id, phase, out, cached, query.get("owner"))
 
 
 class ReportRelay:

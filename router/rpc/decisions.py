@@ -1,0 +1,87 @@
+"""The gRPC Router service's decisions awaiting Report (router/rpc/servicers.py).
+
+A Pick books its decision under its ``decision_id`` (the caller's ``request_id``, else a
+uuid) with the caller that made it (:func:`owner_of`); a Report applies only to a decision
+whose owner is exactly the reporting caller, and to any other caller the decision is unknown.
+The book is bounded in count and age: an evicted or expired decision is handed back to the
+servicer, which ends it (completed in the load model, its per-key slot freed), not leaked.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from router.core.types import ReplicaKey
+
+
+def owner_of(caller: object) -> str | None:
+    """The owner a decision made for ``caller`` (router/rpc/servicers.py ``CALLER``)
+    records, as text a Report relayed to another worker process carries
+    (router/service/report_relay.py): ``key:N`` for the gate's client key N; None for a
+    caller that presented no client key: ``server.grpc_token``, no gate, or a router with no
+    client keys (a client address is no credential, and an open deployment's gateways may
+    pick from one host and report from another).
+
+    The contract: a Report applies only to a decision whose owner equals the reporting
+    caller's exactly. None matches only None, so the gateway's token neither ends a client
+    key's decision nor has its own ended by one; to any other caller a decision is unknown
+    (the Report's answer is that of an id never picked, so it does not tell it exists)."""
+    if caller is None:
+        return None
+    if isinstance(caller, int):
+        return f"key:{caller}"
+    return None
+
+
+@dataclass(slots=True)
+class Pending:
+    """A decision awaiting its Report: what ends it and what its metrics need."""
+
+    request_id: str
+    model: str
+    predicted_tokens: int
+    created: float
+    # what the outcome and SLO metrics need when the reports come (the HTTP forwarder's)
+    replica: ReplicaKey | None = None
+    prompt_tokens: int = 0
+    ttft_factor: float = 1.0
+    service_class: str = "default"
+    first_at: float = 0.0  # when FIRST_TOKEN was reported (0: not yet)
+    held: object = None  # the caller's slot of the gate's per-key limit (None: not counted)
+    owner: str | None = None  # the caller that made it (:func:`owner_of`): only its Reports
+
+
+class DecisionBook:
+    """Decisions awaiting Report, bounded in count and age so a gateway that never reports
+    cannot grow it; an evicted decision is completed in the load model (not leaked)."""
+
+    def __init__(self, max_entries: int = 100_000, ttl_s: float = 3600.0) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._items: OrderedDict[str, Pending] = OrderedDict()
+
+    def add(self, decision_id: str, pending: Pending) -> list[Pending]:
+        self._items[decision_id] = pending
+        evicted = []
+        while len(self._items) > self.max_entries:
+            evicted.append(self._items.popitem(last=False)[1])
+        return evicted
+
+    def expire(self, now: float) -> list[Pending]:
+        out = []
+        while self._items:
+            first = next(iter(self._items.values()))
+            if now - first.created < self.ttl_s:
+                break
+            out.append(self._items.popitem(last=False)[1])
+        return out
+
+    def get(self, decision_id: str) -> Pending | None:
+        return self._items.get(decision_id)
+
+    def pop(self, decision_id: str) -> Pending | None:
+        return self._items.pop(decision_id, None)
+
+    def __len__(self) -> int:
+        return len(self._items)
