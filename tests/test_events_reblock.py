@@ -117,11 +117,17 @@ def test_tiers_state_groups_and_clear() -> None:
     # Same blocks offloaded to CPU: same canonical hashes, CPU tier, without token work.
     cpu = EngineBlockStored(tuple(hashes), None, tuple(tokens), B, medium="CPU")
     assert rb.convert([cpu]) == [BlocksStored(tuple(canonical), Tier.CPU)]
-    # A mamba group storing states at the end of blocks 2 and 4 (separate map per group).
+    # A mamba group storing states at the end of blocks 1 and 2, one step each (separate
+    # map per group).
     st = EngineBlockStored(
-        (21, 22), None, tuple(tokens[: 2 * B]), B, group_idx=1, kv_cache_spec_kind="mamba"
+        (21,), None, tuple(tokens[:B]), B, group_idx=1, kv_cache_spec_kind="mamba"
     )
-    assert rb.convert([st]) == [BlocksStored((canonical[0], canonical[1]), Tier.GPU, Kind.STATE)]
+    st2 = EngineBlockStored(
+        (22,), 21, tuple(tokens[B : 2 * B]), B, group_idx=1, kv_cache_spec_kind="mamba"
+    )
+    assert rb.convert([st, st2]) == [
+        BlocksStored((canonical[0], canonical[1]), Tier.GPU, Kind.STATE)
+    ]
     assert rb.convert([EngineBlockRemoved((22,), group_idx=1)]) == [
         BlocksRemoved((canonical[1],), Tier.GPU, Kind.STATE)
     ]
@@ -138,10 +144,49 @@ def test_tiers_state_groups_and_clear() -> None:
 def test_state_checkpoint_off_the_router_grid_is_skipped() -> None:
     tokens = list(range(96))
     rb = Reblocker(B, MODEL)
-    ev = EngineBlockStored((1, 2, 3), None, tuple(tokens), 32, kv_cache_spec_kind="mamba")
-    out = rb.convert([ev])
+    ev = [
+        EngineBlockStored((i + 1,), i or None, tuple(tokens[32 * i : 32 * i + 32]), 32,
+                          kv_cache_spec_kind="mamba")
+        for i in range(3)
+    ]  # fmt: skip
+    out = rb.convert(ev)
     assert out == [BlocksStored((hash_prompt(tokens, B, ROOT).hashes[0],), Tier.GPU, Kind.STATE)]
     assert rb.stats.unaligned_state == 2
+
+
+def test_a_hit_reannounced_in_full_report_mode_keeps_only_its_last_checkpoint() -> None:
+    """vLLM's kv_cache_report_mode "full" re-announces a request's prefix hit: every group
+    stores every block from the first (block_pool.emit_cached_block_events), the state group
+    included, though the engine kept the state at the hit's end only (its prefills publish
+    the checkpoints they keep and skip the rest). Engine hashes are shared across groups."""
+    rng = random.Random(8)
+    tokens = [rng.randrange(1000) for _ in range(B * 3)]
+    canonical = hash_prompt(tokens, B, ROOT).hashes
+    rb = Reblocker(B, MODEL)
+    hashes = (41, 42, 43)
+    kv = EngineBlockStored(hashes, None, tuple(tokens), B, kv_cache_spec_kind="full_attention")
+    state = EngineBlockStored(
+        (43,), None, tuple(tokens), B, group_idx=1, kv_cache_spec_kind="mamba"
+    )  # the prefill: one kept checkpoint over the range
+    assert rb.convert([kv, state])[-1] == BlocksStored((canonical[2],), Tier.GPU, Kind.STATE)
+    again_kv = EngineBlockStored(
+        hashes, None, tuple(tokens), B, kv_cache_spec_kind="full_attention"
+    )
+    again = EngineBlockStored(
+        hashes, None, tuple(tokens), B, group_idx=1, kv_cache_spec_kind="mamba"
+    )
+    out = rb.convert([again_kv, again])
+    states = {
+        h for e in out if isinstance(e, BlocksStored) and e.kind is Kind.STATE for h in e.hashes
+    }
+    assert not states & {canonical[0], canonical[1]}
+    assert rb.stats.reannounced_state == 1
+    # on a router that has not seen the prefill (started since), the last one is taken
+    fresh = Reblocker(B, MODEL)
+    out = fresh.convert([again_kv, again])
+    assert [e for e in out if e.kind is Kind.STATE] == [  # type: ignore[union-attr]
+        BlocksStored((canonical[2],), Tier.GPU, Kind.STATE)
+    ]
 
 
 def test_bad_events_are_counted_and_skipped() -> None:

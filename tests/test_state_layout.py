@@ -93,13 +93,30 @@ def test_prompt_ends_alone_or_every_block_give_no_grid() -> None:
     assert dense.interval() == 0
 
 
+def test_a_grid_is_told_apart_from_the_engine_block_its_checkpoints_land_on() -> None:
+    """vLLM 0.34 (mamba "align" mode, 1,024-token engine blocks over 64-token router blocks):
+    prompt ends land on multiples of 16 blocks and nowhere else. Without chunk ends that is
+    an alignment and no grid (speculating a checkpoint on every engine block would
+    over-predict every branch); with chunk ends every 128 blocks it is that grid."""
+    rng = random.Random(5)
+    ends = CheckpointGrid(64)
+    for position in _checkpoints(rng, 0, 200):
+        ends.observe(position * 16)
+    assert (ends.interval(), ends.alignment()) == (0, 16)
+    chunked = CheckpointGrid(64)
+    for position in _checkpoints(rng, 8, 200):
+        chunked.observe(position * 16)
+    assert (chunked.interval(), chunked.alignment()) == (128, 16)
+
+
 def test_too_few_checkpoints_tell_nothing_and_off_grid_ends_are_counted() -> None:
     learner = CheckpointGrid(64, min_observations=32)
     for i in range(1, 32):
         learner.observe_end(i * 16 * 64)
     assert learner.interval() is None
     learner.observe_end(32 * 16 * 64)
-    assert learner.interval() == 16
+    # every position a multiple of 16 and no excess beyond: an engine block, not a grid
+    assert learner.interval() == 0 and learner.alignment() == 16
     learner.observe_end(100)  # not on a 64-token boundary: counted, never a position
     assert (learner.checkpoints, learner.unaligned, learner.observed) == (33, 1, 32)
     with pytest.raises(ValueError):

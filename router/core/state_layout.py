@@ -13,11 +13,11 @@ at the end of a prompt. The router needs two facts about a model:
   (event-lag cover, approximate mode): :class:`CheckpointGrid` estimates it from the positions
   of published checkpoints;
 * the alignment: the engine block every checkpoint lands on (vLLM keeps a prompt's last
-  checkpoint at ``(N - 1) // a * a`` tokens, ``a`` its hit alignment, often 1,024 tokens for a
+  checkpoint at ``N // a * a`` tokens, ``a`` its hit alignment, often 1,024 tokens for a
   hybrid model against a router block of 64), so that the prompt-end checkpoint the router
-  speculates is one the engine will hold. :class:`CheckpointGrid` learns it too (the largest
-  block count dividing nearly every published position); ``[models.NAME]
-  engine_block_size`` sets it.
+  speculates is one the engine will hold (router/core/engine_hits.py).
+  :class:`CheckpointGrid` learns it too (the largest block count dividing every published
+  position); ``[models.NAME] engine_block_size`` sets it.
 
 Configured values (``[models.NAME] hybrid`` / ``state_interval_blocks`` /
 ``engine_block_size``) override what is
@@ -74,14 +74,18 @@ class CheckpointGrid:
     ``window`` observations so an engine that changes its grid is followed. Known limit:
     prompt lengths that are themselves aligned (every prompt a multiple of 8 blocks) look like
     a grid; configure ``state_interval_blocks`` to override.
+
+    The alignment (``alignment``): the largest d dividing every position (their gcd), the
+    engine block every checkpoint lands on (vLLM's hybrid engines: 1,024 tokens or so).
+    The grid is sought among its multiples, chance taken relative to it, so checkpoints that
+    merely land on engine blocks are no grid. Known limit: an engine snapshotting on a grid
+    and nowhere else (no prompt ends) reads as an alignment without a grid: only the last
+    grid point of a prompt is speculated (under-prediction).
     """
 
     MIN_EXCESS = 8.0
     Z = 4.0
     REESTIMATE = 64
-    # share of positions a candidate alignment must divide (a stray misaligned event is no
-    # reason to speculate finer than the engine caches)
-    ALIGNED_SHARE = 0.99
 
     def __init__(
         self,
@@ -146,24 +150,27 @@ class CheckpointGrid:
         if self._dirty and (
             seen < 2 * self.min_observations or seen - self._estimated_at >= self.REESTIMATE
         ):
-            self._cached = self._estimate()
             self._alignment = self._estimate_alignment()
+            self._cached = self._estimate(self._alignment)
             self._estimated_at = seen
             self._dirty = False
         return self._cached
 
     def alignment(self) -> int | None:
-        """The largest block count dividing ``ALIGNED_SHARE`` of the positions seen (1: none
-        larger); None until enough checkpoints were seen to tell (as ``interval``)."""
+        """The largest block count dividing every position seen (in the decay window; 1:
+        none larger); None until enough checkpoints were seen to tell (as ``interval``)."""
         if self.interval() is None:
             return None
         return self._alignment
 
     def _estimate_alignment(self) -> int:
-        need = self.ALIGNED_SHARE * self._n
+        need = self._n * (1.0 - 1e-9)  # every one (counts and n decay alike)
         return max((d for d, c in self._counts.items() if c >= need), default=1)
 
-    def _estimate(self) -> int:
+    def _estimate(self, alignment: int = 1) -> int:
+        """The grid (0: none) among positions that are all multiples of ``alignment``: a
+        candidate is a multiple ``d = m * alignment`` (m > 1), by chance holding n / m of
+        them. Checkpoints on every engine block are no grid (as on every router block)."""
         n = self._n
         # Each candidate d is scored by how far its count of multiples lies above chance,
         # in standard deviations of that count: z(d) = excess / sqrt(n / d (1 - 1/d)). With G
@@ -176,12 +183,13 @@ class CheckpointGrid:
         best_d, best_z, best_e = 0, 0.0, 0.0
         floor = self.MIN_EXCESS / 2
         for d, c in self._counts.items():
-            if d <= 1:
+            if d <= alignment or d % alignment:
                 continue
-            e = c - n / d
+            m = d // alignment
+            e = c - n / m
             if e < floor:
                 continue
-            zd = e / math.sqrt(n / d * (1.0 - 1.0 / d))
+            zd = e / math.sqrt(n / m * (1.0 - 1.0 / m))
             if zd > best_z or (zd == best_z and d > best_d):
                 best_d, best_z, best_e = d, zd, e
         # significant: several grid checkpoints beyond chance, far outside its spread

@@ -96,6 +96,9 @@ class ReblockStats:
     opaque_blocks: int = 0
     unmapped_offload: int = 0  # token-less stores of engine blocks never stored with tokens
     kept_on_clear: int = 0  # engine blocks kept through AllBlocksCleared (offloaded)
+    # state stores naming every block from the start (vLLM's kv_cache_report_mode "full"
+    # re-announcing a hit): only their last checkpoint is taken
+    reannounced_state: int = 0
     errors: list[str] = field(default_factory=list)
 
     def error(self, message: str) -> None:
@@ -284,6 +287,14 @@ class Reblocker:
                 return self._stored_sparse_state(ev, tier, group, bit)
             self.stats.error(f"{len(ev.token_ids)} token_ids for {n} blocks of {be}")
             return []
+        if kind is Kind.STATE and n > 1 and ev.parent_block_hash is None:
+            # vLLM (0.33+) publishes the checkpoints a prefill kept and skips the others, so a
+            # state store naming every block from the first is a hit re-announced under
+            # kv_cache_report_mode "full" (block_pool.emit_cached_block_events): the hashes
+            # before its last name blocks whose state the engine never kept.
+            self.stats.reannounced_state += 1
+            last = replace(ev, block_hashes=ev.block_hashes[-1:])
+            return self._stored_sparse_state(last, tier, group, bit)
         keys = None if ev.extra_keys is None else self._block_keys(ev, n)
         if keys is None and ev.extra_keys is not None:
             return []
