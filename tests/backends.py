@@ -109,10 +109,14 @@ class Backend:
             "id": f"cmpl-{digest}",
             "created": 1700000000,
             "model": body.get("model"),
-            "system_fingerprint": f"fp-{self.name}",
             "x_vendor": {"replica": "hidden", "echo": echo},
         }
+        fingerprint = {"system_fingerprint": f"fp-{self.name}"}
+        # vLLM 0.34 stamps a stream's fingerprint on its final message only: the usage
+        # chunk when there is one, else the chunk that ends the choice
+        include_usage = (body.get("stream_options") or {}).get("include_usage")
         if not body.get("stream"):
+            base.update(fingerprint)
             if chat:
                 choice: dict[str, Any] = {
                     "index": 0,
@@ -146,14 +150,16 @@ class Backend:
                     choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
                 else:
                     choice = {"index": 0, "text": w + " ", "finish_reason": None, "logprobs": None}
+                chunk = {**base, "object": obj, "choices": [choice]}
                 if i == len(words) - 1:
                     choice["finish_reason"] = "stop"
-                chunk = {**base, "object": obj, "choices": [choice]}
+                    if not include_usage:
+                        chunk.update(fingerprint)
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if self.chunk_delay_s:
                     await asyncio.sleep(self.chunk_delay_s)
-            if (body.get("stream_options") or {}).get("include_usage"):
-                chunk = {**base, "object": obj, "choices": [], "usage": usage}
+            if include_usage:
+                chunk = {**base, "object": obj, "choices": [], "usage": usage, **fingerprint}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
         except asyncio.CancelledError:

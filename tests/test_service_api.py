@@ -129,6 +129,29 @@ async def test_chat_streaming_with_openai_client(fleet: Fleet) -> None:
     assert usage is not None and usage.prompt_tokens_details is not None
 
 
+async def test_a_stream_keeps_its_fingerprint_when_the_router_asks_for_usage(
+    fleet: Fleet,
+) -> None:
+    """vLLM (0.34) stamps a stream's ``system_fingerprint`` on the chunk that ends a choice,
+    or, when the stream ends with a usage chunk, on that chunk only. The router asks for the
+    usage chunk on every stream and takes it out for a client that did not ask: the client
+    must still get the fingerprint on the chunk that ends its choice, as without the router
+    (it used to get none)."""
+    chat = await fleet.client.chat.completions.create(
+        model=MODEL, messages=conversation(1), stream=True
+    )
+    text = await fleet.client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=4, stream=True
+    )
+    for chunks in ([c async for c in chat], [c async for c in text]):
+        assert len(chunks) == 4 and all(c.choices and c.usage is None for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert chunks[-1].system_fingerprint in {"fp-b0", "fp-b1"}
+        assert [c.system_fingerprint for c in chunks[:-1]] == [None] * 3
+    sent = [r["body"] for b in fleet.backends for r in b.received]
+    assert [b["stream_options"] for b in sent] == [{"include_usage": True}] * 2
+
+
 async def test_completions_text_and_token_ids(fleet: Fleet) -> None:
     r1 = await fleet.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)
     assert r1.choices[0].text.startswith("w0-")

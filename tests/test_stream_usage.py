@@ -70,3 +70,40 @@ def test_crlf_streams_are_relayed_untouched() -> None:
     crlf = TOKEN.replace(b"\n\n", b"\r\n\r\n") + USAGE.replace(b"\n\n", b"\r\n\r\n")
     f = UsageFilter()
     assert f.feed(crlf) + f.flush() == crlf
+
+
+def _event(obj: dict[str, object]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+FINAL = _event({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+FP_USAGE = _event(
+    {"id": "c", "choices": [], "usage": {"prompt_tokens": 9}, "system_fingerprint": "vllm-0.34"}
+)
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 17, 64, 4096])
+def test_the_usage_chunks_fingerprint_goes_to_the_chunk_that_ends_the_choice(piece: int) -> None:
+    """vLLM moves ``system_fingerprint`` from the chunk that ends a choice to the usage chunk
+    when the stream has one: taking that chunk out gives the fingerprint back."""
+    stream = TOKEN * 2 + FINAL + FP_USAGE + DONE
+    f = UsageFilter()
+    out = b"".join(f.feed(stream[i : i + piece]) for i in range(0, len(stream), piece))
+    out += f.flush()
+    events = out.split(b"\n\n")
+    assert out.startswith(TOKEN * 2) and out.endswith(DONE) and len(events) == 5
+    final = json.loads(events[2][5:])
+    assert final == {**json.loads(FINAL[5:]), "system_fingerprint": "vllm-0.34"}
+
+
+def test_a_chunk_that_ends_a_choice_waits_for_the_next_event_only() -> None:
+    f = UsageFilter()
+    assert f.feed(TOKEN + FINAL) == TOKEN  # held: a usage chunk may follow
+    assert f.feed(TOKEN) == FINAL + TOKEN  # another choice's token: no fingerprint to give
+    assert f.feed(FINAL) == b""
+    assert f.flush() == FINAL  # the stream's end
+    stamped = FINAL.replace(b'"id"', b'"system_fingerprint":"x","id"')
+    f = UsageFilter()
+    assert f.feed(stamped) == b"" and f.feed(FP_USAGE + DONE) == stamped + DONE  # has one
+    f = UsageFilter()
+    assert f.feed(FINAL) == b"" and f.pending() == FINAL and f.flush() == b""

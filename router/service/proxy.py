@@ -620,8 +620,9 @@ class Forwarder:
                 f"replica {key} {'timed out' if timeout else 'broke off the stream'}",
                 code="upstream_timeout" if timeout else "upstream_error",
             )
+            held = strip.pending() if strip is not None else b""  # events it had whole
             with contextlib.suppress(ConnectionResetError, RuntimeError, OSError):
-                await sink.write(b"data: " + event + b"\n\n")
+                await sink.write(held + b"data: " + event + b"\n\n")
             raise
         finally:
             state.load.complete(rid)

@@ -8,16 +8,30 @@ ends the stream with a usage chunk (``choices: []`` and a ``usage`` object) that
 every request. ``UsageFilter`` then removes that chunk from what the client receives, so
 the client sees the stream it asked for.
 
-Cost on the hot path: one ``bytes.endswith`` and one substring search per relayed piece
-of such streams; other requests are not touched.
+Asking for usage changes one more thing in vLLM's stream (vLLM 0.34
+``openai/chat_completion/serving.py`` and ``openai/completion/serving.py``: "Stamp the
+fingerprint on terminal chunks only when no trailing usage chunk will follow"): its
+``system_fingerprint`` moves from the chunks that end a choice (``finish_reason`` set) to
+the usage chunk. So ``UsageFilter`` holds a chunk that ends a choice until the next event
+arrives, and when that is the usage chunk it takes out, the chunk gets the usage chunk's
+``system_fingerprint`` (added as the object's last member). With ``n`` > 1 only the choices
+that end right before the usage chunk get it (holding the others would hold back the other
+choices' tokens).
+
+Cost on the hot path: one ``bytes.endswith``, one substring search and one regular
+expression search per relayed piece of such streams; other requests are not touched.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 _USAGE = b'"usage"'
+# a choice's end: ``"finish_reason": "stop"`` (a string, not null)
+_ENDS_CHOICE = re.compile(rb'"finish_reason"\s*:\s*"')
+_FINGERPRINT = b'"system_fingerprint"'
 _EVENT_END = b"\n\n"
 _MAX_HELD = 1 << 20  # a piece without an event end this long is relayed as it is
 
@@ -56,14 +70,17 @@ def with_patch(raw: bytes, patch: bytes) -> bytes:
 
 
 class UsageFilter:
-    """Drops the usage-only SSE events (``"choices":[]`` with a usage object) of a stream;
-    ``feed`` returns what to relay. An event cut by a piece boundary is held until its end
-    arrives (the client could not use half an event anyway)."""
+    """Drops the usage-only SSE events (``"choices":[]`` with a usage object) of a stream, and
+    gives the events that end a choice the ``system_fingerprint`` such a usage chunk carried
+    (see the module docstring); ``feed`` returns what to relay. An event cut by a piece
+    boundary is held until its end arrives (the client could not use half an event anyway),
+    an event that ends a choice until the next event (or the stream's end)."""
 
-    __slots__ = ("_held", "_off")
+    __slots__ = ("_ending", "_held", "_off")
 
     def __init__(self) -> None:
         self._held = b""
+        self._ending: list[bytes] = []  # events that end a choice, not relayed yet
         self._off = False  # events not separated by blank LF lines: relay untouched
 
     def feed(self, chunk: bytes) -> bytes:
@@ -74,30 +91,64 @@ class UsageFilter:
             self._held = b""
         if b"\r\n\r\n" in chunk:
             self._off = True
-            return chunk
+            return self.pending() + chunk
         if not chunk.endswith(_EVENT_END) and len(chunk) < _MAX_HELD:
             at = chunk.rfind(_EVENT_END)
             cut = 0 if at < 0 else at + len(_EVENT_END)
             chunk, self._held = chunk[:cut], chunk[cut:]
-        if _USAGE not in chunk:
+        if not self._ending and _USAGE not in chunk and _ENDS_CHOICE.search(chunk) is None:
             return chunk
-        kept = [ev for ev in chunk.split(_EVENT_END) if not _usage_only(ev)]
-        return _EVENT_END.join(kept)
+        events = chunk.split(_EVENT_END)
+        rest = events.pop()  # b"" after an event's end; else a piece relayed as it is
+        out: list[bytes] = []
+        for ev in events:
+            usage = _usage_only(ev)
+            if usage is not None:
+                self._stamp(usage.get("system_fingerprint"))
+                continue
+            out += self._ending
+            self._ending = []
+            if _ENDS_CHOICE.search(ev) is not None:
+                self._ending.append(ev)
+            else:
+                out.append(ev)
+        relayed = b"".join(ev + _EVENT_END for ev in out)
+        if rest:
+            relayed += self.pending() + rest
+        return relayed
+
+    def _stamp(self, fingerprint: object) -> None:
+        """Give the held events that end a choice the usage chunk's ``fingerprint``."""
+        if not isinstance(fingerprint, str):
+            return
+        member = b',"system_fingerprint":' + json.dumps(fingerprint).encode()
+        for i, ev in enumerate(self._ending):
+            end = ev.rfind(b"}")
+            if end > 0 and _FINGERPRINT not in ev:
+                self._ending[i] = ev[:end] + member + ev[end:]
+
+    def pending(self) -> bytes:
+        """The events held for ending a choice, taken out (to relay before anything else)."""
+        ending, self._ending = self._ending, []
+        return b"".join(ev + _EVENT_END for ev in ending)
 
     def flush(self) -> bytes:
         """What is still held at the end of the stream."""
         held, self._held = self._held, b""
-        return b"" if _usage_only(held) else held
+        return self.pending() + (b"" if _usage_only(held) is not None else held)
 
 
-def _usage_only(event: bytes) -> bool:
+def _usage_only(event: bytes) -> dict[str, Any] | None:
+    """The event's JSON object when it is a usage-only chunk, else None."""
     if _USAGE not in event:
-        return False
+        return None
     data = event.strip()
     if not data.startswith(b"data:"):
-        return False
+        return None
     try:
         obj = json.loads(data[5:])
     except ValueError:
-        return False
-    return isinstance(obj, dict) and obj.get("choices") == [] and isinstance(obj.get("usage"), dict)
+        return None
+    if isinstance(obj, dict) and obj.get("choices") == [] and isinstance(obj.get("usage"), dict):
+        return obj
+    return None
