@@ -152,6 +152,56 @@ async def test_a_stream_keeps_its_fingerprint_when_the_router_asks_for_usage(
     assert [b["stream_options"] for b in sent] == [{"include_usage": True}] * 2
 
 
+async def test_values_vllm_reads_leniently_are_served(fleet: Fleet) -> None:
+    """vLLM's request models are lax pydantic models: ``"stream": "true"`` is a stream,
+    ``"max_tokens": 4.0`` is 4 and ``"include_usage": "yes"`` asks for usage. The router used
+    to refuse such bodies (400); it now reads them as the engine does and forwards them
+    untouched (the client asked for usage: no usage added, none taken out)."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": "true",
+        "max_tokens": 4.0,
+        "stream_options": {"include_usage": "yes"},
+    }
+    r = await fleet.post("/v1/chat/completions", body)
+    assert r.status == 200, await r.text()
+    assert r.headers["Content-Type"].startswith("text/event-stream")
+    events = [e for e in (await r.read()).split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    assert json.loads(events[-2][5:])["usage"]["prompt_tokens"] > 0  # the client's usage
+    (sent,) = [r["body"] for b in fleet.backends for r in b.received]
+    assert sent == body
+
+
+async def test_a_body_without_model_is_for_the_one_model_routed() -> None:
+    """vLLM takes a request without ``model`` (or with ``""``) as one for its served model
+    (``_is_model_supported``: an empty name is supported); a router of one model does the
+    same, and forwards the body as it came."""
+    backend = await Backend("solo", [MODEL]).start()
+    settings = build_settings(
+        {
+            "replicas": [{"url": backend.url, "model": MODEL, "name": "solo"}],
+            "models": {MODEL: kimi_model_table(context_length=4096)},
+        }
+    )
+    runner, url = await start_router(settings)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for body in (
+                {"messages": [{"role": "user", "content": "hi"}]},
+                {"model": "", "prompt": "hi", "max_tokens": 2},
+            ):
+                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                async with http.post(url + path, json=body) as r:
+                    assert r.status == 200, await r.text()
+                    assert (await r.json())["choices"]
+                assert backend.received[-1]["body"] == body
+    finally:
+        await runner.cleanup()
+        await backend.stop()
+
+
 async def test_completions_text_and_token_ids(fleet: Fleet) -> None:
     r1 = await fleet.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)
     assert r1.choices[0].text.startswith("w0-")
@@ -343,13 +393,20 @@ async def test_stream_cancel_midway_cancels_upstream(engine: str) -> None:
         (b"", 400, "empty"),
         ({"messages": [{"role": "user", "content": "x"}]}, 400, "'model'"),
         ({"model": 7, "messages": []}, 400, "'model'"),
+        # two models routed: a body naming none is for neither
+        ({"messages": [{"role": "user", "content": "x"}], "model": ""}, 400, "'model'"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2.5},
+            400,
+            "max_tokens",
+        ),
         ({"model": MODEL}, 400, "'messages'"),
         ({"model": MODEL, "messages": []}, 400, "at least one"),
         ({"model": MODEL, "messages": "hi"}, 400, "array"),
         ({"model": MODEL, "messages": [{"content": "x"}]}, 400, "role"),
         ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "content"),
         (
-            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "maybe"},
             400,
             "stream",
         ),

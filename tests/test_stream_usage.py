@@ -107,3 +107,45 @@ def test_a_chunk_that_ends_a_choice_waits_for_the_next_event_only() -> None:
     assert f.feed(stamped) == b"" and f.feed(FP_USAGE + DONE) == stamped + DONE  # has one
     f = UsageFilter()
     assert f.feed(FINAL) == b"" and f.pending() == FINAL and f.flush() == b""
+
+
+def test_lax_flags_are_read_as_vllm_reads_them() -> None:
+    """``include_usage: "true"`` asked for usage (nothing to add, nothing to take out); a
+    value vLLM refuses is left for it to refuse; ``"stream": "yes"`` is a stream."""
+    for options in ({"include_usage": "true"}, {"include_usage": 1}, {"include_usage": "x"}):
+        assert usage_patch({"stream": True, "stream_options": options}) is None
+    assert usage_patch({"stream": True, "stream_options": {"continuous_usage_stats": 2}}) is None
+    for stream, options in (
+        ("yes", {"include_usage": "off"}),
+        (1, {"include_usage": 0, "continuous_usage_stats": "on"}),
+    ):
+        patch = usage_patch({"stream": stream, "stream_options": options})
+        assert patch is not None
+        merged = json.loads(patch[len(b',"stream_options":') :])
+        assert merged["include_usage"] is True and not merged.get("continuous_usage_stats")
+    assert usage_patch({"stream": "false"}) is None
+
+
+def test_lax_values_are_what_pydantic_makes_of_them() -> None:
+    pydantic = pytest.importorskip("pydantic")
+    from router.service.lax import INVALID, lax_bool, lax_int
+
+    class Request(pydantic.BaseModel):  # type: ignore[name-defined,misc]
+        flag: bool | None = None
+        number: int | None = None
+
+    values: list[object] = [
+        *(True, False, None, 0, 1, 2, -1, 0.0, -0.0, 1.0, 0.5, 5.0, 5.5, 1e20, 2**70),
+        *(float("nan"), float("inf"), [], {}, "", " yes", "YES", "Off", "maybe", "1.0"),
+        *("yes", "true", "on", "y", "t", "1", "0", "off", "no", "n", "f", "false"),
+        *("5", " 5 ", "+5", "-5", "+-5", "5_0", "_5", "5_", "1e3", "0x10", " 5.00 ", "5."),
+        *("-0", ".5", "5.0.0", "\u0661\u0662", "5 0", "5.10"),
+    ]
+    for value in values:
+        for field, lax in (("flag", lax_bool), ("number", lax_int)):
+            try:
+                expected = getattr(Request(**{field: value}), field)
+            except pydantic.ValidationError:
+                expected = INVALID
+            got = lax(value)
+            assert got == expected and type(got) is type(expected), (field, value, got)

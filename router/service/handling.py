@@ -32,6 +32,7 @@ from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, reply_for
 from router.service.gate import Gate
 from router.service.http_types import HttpRequest
+from router.service.lax import INVALID, lax_bool, lax_int
 from router.service.metrics import prompt_tier
 from router.service.proxy import Forwarder, Sink, send_error
 from router.service.routes import Routes
@@ -74,20 +75,43 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def field_types(body: dict[str, Any]) -> tuple[str, bool]:
+def field_types(body: dict[str, Any], default_model: str | None = None) -> tuple[str, bool]:
+    """The request's model and stream flag, read as vLLM reads them (router.service.lax):
+    a missing or empty ``model`` is the one model served (vLLM's served model; the router's
+    ``default_model``, when it routes exactly one); ``"stream": "yes"`` is a stream."""
     model = body.get("model")
-    if model is None:
-        raise BadRequest("'model' is a required property")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' must be a non-empty string")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
+    if model is None or model == "":
+        if default_model is None:
+            raise BadRequest("'model' is a required property")
+        model = default_model
+    if not isinstance(model, str):
+        raise BadRequest("'model' must be a string")
+    stream = lax_bool(body.get("stream", False))
+    if stream is INVALID:
         raise BadRequest("'stream' must be a boolean")
     for key in ("max_tokens", "max_completion_tokens"):
-        v = body.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        v = lax_int(body.get(key))
+        if v is INVALID or (v is not None and v < 0):
             raise BadRequest(f"'{key}' must be a non-negative integer")
     return model, bool(stream)
+
+
+def max_output_tokens(body: dict[str, Any]) -> int | None:
+    """``max_completion_tokens``, else ``max_tokens`` (as :func:`field_types` checked them)."""
+    found = lax_int(body.get("max_completion_tokens")) or lax_int(body.get("max_tokens"))
+    return found if type(found) is int else None
+
+
+def default_model(state: RouterState) -> str | None:
+    """The model a request naming none is for: the one model the router routes (vLLM serves
+    one model and takes a request without ``model`` as one for it), None with several."""
+    found = None
+    for name in state.processors:
+        if state.registry.keys_for(name):
+            if found is not None:
+                return None
+            found = name
+    return found
 
 
 class _RandomIds:
@@ -182,15 +206,15 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     """Check and process the prompt of a parsed body (``size`` bytes raw): everything before
     routing, a pure function of the body and the settings (what the body memo keeps); raises
     KVRouterError for a bad request."""
-    model, stream = field_types(body)
+    model, stream = field_types(body, default_model(state))
     processor = state.processor(model)
     fn = processor.chat if kind == "chat" else processor.completion
     offload = size >= THREAD_MIN_BODY and not _token_ids(body)
     prompt = await checked_prompt(state, model, fn, body, offload=offload, kind=kind)
-    max_out = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_out = max_output_tokens(body)
     tier = body.get("service_tier")
     parse_service_tier(tier)  # a bad value is a 400, admission on or off
-    n = body.get("n")
+    n = lax_int(body.get("n"))
     return Admitted(
         model,
         prompt,
@@ -374,7 +398,8 @@ async def serve_completion(
             body = parse_body(raw)
             model = body.get("model")
             admitted = await admit(state, body, len(raw), kind)
-            if not admitted.prompt.provisional:
+            # (a body naming no model is for the model routed now: not memoised)
+            if not admitted.prompt.provisional and model == admitted.model:
                 state.body_memo.put(kind, raw, admitted)
         else:
             model = admitted.model

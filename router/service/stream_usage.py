@@ -28,6 +28,8 @@ import json
 import re
 from typing import Any
 
+from router.service.lax import INVALID, lax_bool
+
 _USAGE = b'"usage"'
 # a choice's end: ``"finish_reason": "stop"`` (a string, not null)
 _ENDS_CHOICE = re.compile(rb'"finish_reason"\s*:\s*"')
@@ -41,16 +43,22 @@ def usage_patch(body: dict[str, Any]) -> bytes | None:
     (its final usage chunk only, which ``UsageFilter`` takes out again; a client's
     ``continuous_usage_stats`` without ``include_usage`` asked for no usage, and stays so);
     None when it is not a stream, the client asked for usage already, or its
-    ``stream_options`` is not an object (left for the engine to refuse)."""
-    if body.get("stream") is not True:
+    ``stream_options`` is not what the engine takes (left for the engine to refuse). Flags
+    are read as vLLM reads them (router.service.lax: ``"include_usage": "true"`` asked for
+    usage)."""
+    if lax_bool(body.get("stream")) is not True:
         return None
     options = body.get("stream_options")
     if options is None:
         options = {}
-    elif not isinstance(options, dict) or options.get("include_usage") is True:
+    elif not isinstance(options, dict):
+        return None
+    include = lax_bool(options.get("include_usage"))
+    continuous = lax_bool(options.get("continuous_usage_stats"))
+    if include is True or include is INVALID or continuous is INVALID:
         return None
     merged = {**options, "include_usage": True}
-    if merged.get("continuous_usage_stats"):
+    if continuous:
         # engines count per-chunk usage only with include_usage (vLLM:
         # ``include_usage and continuous_usage_stats``): the client's stream had none
         merged["continuous_usage_stats"] = False
