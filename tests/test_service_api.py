@@ -514,6 +514,14 @@ async def test_health_ready_and_approximate_mode(fleet: Fleet) -> None:
     assert r.choices[0].message.content
 
 
+async def test_ping_answers_as_health(fleet: Fleet) -> None:
+    """vLLM serves ``GET`` and ``POST /ping`` (SageMaker's health check) as ``/health``; a
+    load balancer probing a vLLM front door there got 404 from the router."""
+    for method in ("GET", "POST"):
+        async with fleet.http.request(method, fleet.url + "/ping") as r:
+            assert r.status == 200, await r.text()
+
+
 async def test_admin_requires_token_and_lists_decisions(fleet: Fleet) -> None:
     assert (await fleet.http.get(fleet.url + "/admin/replicas")).status == 401
     bad = await fleet.http.get(fleet.url + "/admin/replicas", headers={"X-Admin-Token": "no"})

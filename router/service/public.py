@@ -1,8 +1,8 @@
 """The public port's routes besides the two hot endpoints: ``GET /v1/models`` (and
-``/v1/models/{id}``, the id may hold slashes: ``meta-llama/Llama-3.1-8B``), ``/health``,
-``/ready`` and ``/metrics`` (the admin routes are router.service.admin's). Each answers a
-whole :class:`~router.service.http_types.Reply`; the front door (router.service.handling)
-has checked the request before."""
+``/v1/models/{id}``, the id may hold slashes: ``meta-llama/Llama-3.1-8B``), ``/health``
+(and vLLM's ``/ping``), ``/ready`` and ``/metrics`` (the admin routes are
+router.service.admin's). Each answers a whole :class:`~router.service.http_types.Reply`;
+the front door (router.service.handling) has checked the request before."""
 
 from __future__ import annotations
 
@@ -54,6 +54,8 @@ def add_routes(routes: Routes, app: web.Application) -> None:
     routes.get("/v1/models", models)
     routes.get("/v1/models/{id:path}", model)
     routes.get("/health", health)
+    routes.get("/ping", health)  # vLLM's (SageMaker's) name for it, GET and POST
+    routes.post("/ping", health)
     routes.get("/ready", ready)
     routes.get("/metrics", metrics)
 
