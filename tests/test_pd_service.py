@@ -526,3 +526,45 @@ async def test_same_request_id_twice_in_flight_gets_two_ids_on_the_legs() -> Non
         await router.cleanup()
         await prefill.runner.cleanup()
         await decode.stop()
+
+
+async def test_requests_vllm_cannot_hand_over_stay_local() -> None:
+    """vLLM 0.34 answers a completion batch's first prompt's ``kv_transfer_params`` only
+    (the decode leg would pull one prompt's blocks for all of them), and a request asking
+    prompt logprobs reads no transferred KV (the decode replica prefills it again). Both are
+    prefilled where they are decoded; a single prompt of token ids is not a batch."""
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    words = " ".join(f"w{i}" for i in range(3000))
+    chat = [{"role": "user", "content": words}]
+    cases = [
+        ("/v1/completions", {"prompt": [words, words + " x"]}, "batch_prompts"),
+        ("/v1/completions", {"prompt": [_prompt(17), _prompt(18)]}, "batch_prompts"),
+        ("/v1/completions", {"prompt": _prompt(19), "prompt_logprobs": 0}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": _prompt(20), "echo": True, "logprobs": 1},
+         "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": chat, "echo": True}, "prompt_logprobs"),
+    ]  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as http:
+            for path, extra, _ in cases:
+                body = {"model": MODEL, "max_tokens": 3, **extra}
+                async with http.post(url + path, json=body) as r:
+                    assert r.status == 200, (extra, await r.read())
+                sent = decode.received[-1]["body"]
+                assert sent.get("kv_transfer_params") is None, extra
+            assert not prefill.seen
+            # echo alone on a completion asks no prompt logprobs: disaggregated
+            body = {"model": MODEL, "prompt": _prompt(21), "echo": True, "max_tokens": 3}
+            async with http.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.read()
+            assert len(prefill.seen) == 1
+        decisions = router.app[STATE].disagg[MODEL].decisions
+        assert decisions == {"batch_prompts": 2, "prompt_logprobs": 3, "always": 1}
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()
