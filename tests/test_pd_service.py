@@ -568,3 +568,37 @@ async def test_requests_vllm_cannot_hand_over_stay_local() -> None:
         await router.cleanup()
         await prefill.runner.cleanup()
         await decode.stop()
+
+
+# vLLM 0.34's NIXL connector's answer to a prefill leg (nixl/pull_scheduler.py
+# request_finished) and the scheduler's remote_prefill_cached_tokens
+VLLM_PARAMS = {
+    "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+    "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
+    "remote_num_tokens", "remote_blocks_expiry_time", "remote_registration_generation",
+    "transfer_mode", "remote_prefill_cached_tokens",
+}  # fmt: skip
+
+
+async def test_mock_legs_speak_vllm_034s_transfer_params(mocks: Mocks) -> None:
+    """The mock's prefill answer carries what vLLM 0.34 answers, and its decode side reads
+    it as vLLM does: ``usage`` reports ``remote_prefill_cached_tokens``, the prefill's hit,
+    with no mock-only field, so a peer relaying vLLM's fields gets vLLM's accounting."""
+    prompt = _prompt(22)
+    asks = {"do_remote_decode": True, "do_remote_prefill": False}
+    leg = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": asks}
+    for _ in range(2):  # the second prefill finds the first one's blocks
+        status, raw, _ = await _post(mocks.urls["p0"], leg)
+        assert status == 200, raw
+    params = json.loads(raw)["kv_transfer_params"]
+    assert set(params) >= VLLM_PARAMS, VLLM_PARAMS - set(params)
+    assert params["remote_engine_id"] == "p0" and params["remote_num_tokens"] == len(prompt)
+    assert all(isinstance(g, list) for g in params["remote_block_ids"])
+    hit = params["remote_prefill_cached_tokens"]
+    assert hit > 0
+    vllm_only = {k: v for k, v in params.items() if k in VLLM_PARAMS}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "kv_transfer_params": vllm_only}
+    status, raw, _ = await _post(mocks.urls["d1"], body)
+    assert status == 200, raw
+    assert json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] == hit
+    assert mocks.counters("d1").decode_legs == 1
