@@ -602,3 +602,35 @@ async def test_mock_legs_speak_vllm_034s_transfer_params(mocks: Mocks) -> None:
     assert status == 200, raw
     assert json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] == hit
     assert mocks.counters("d1").decode_legs == 1
+
+
+async def test_a_decode_retry_prefills_locally_instead_of_reusing_the_transfer() -> None:
+    """The decode replica that got the prefill's ``kv_transfer_params`` answers 500: vLLM
+    has released the prefill replica's blocks by then (pulled, or freed on the rejection:
+    ``_with_kv_transfer_rejection_cleanup``), so the retry on the next decode replica goes
+    with the original body (a local prefill), never the same params (freed blocks)."""
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    near = await Backend("d0", [MODEL], fail_next=1).start()
+    far = await Backend("d1", [MODEL]).start()
+    reps = [
+        {"url": prefill.url, "model": MODEL, "name": "p0", "role": "prefill", "rack": "rack0"},
+        {"url": near.url, "model": MODEL, "name": "d0", "role": "decode", "rack": "rack0"},
+        {"url": far.url, "model": MODEL, "name": "d1", "role": "decode", "rack": "rack1"},
+    ]
+    for r in reps:
+        r["region"] = "reg0"
+    router, url = await start_router(_settings(reps))
+    try:
+        status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(23), "max_tokens": 3})
+        assert status == 200, raw
+        assert len(prefill.seen) == 1
+        # the pick in the prefill replica's rack got the params and failed
+        assert near.received[-1]["body"]["kv_transfer_params"] == _Prefill.PARAMS
+        assert far.received[-1]["body"].get("kv_transfer_params") is None
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await near.stop()
+        await far.stop()

@@ -19,7 +19,10 @@ For a model with ``[models.NAME.pd]`` (mode ``always`` or ``auto``) the front do
 Failures: a prefill that cannot be sent, fails, or answers without ``kv_transfer_params``
 falls back to a local prefill on the decode replica (the original body, no transfer
 params); the decode request is retried on the next decode replica while no byte reached the
-client (the Forwarder's retries over the pick's ranking). The request is never dropped.
+client (the Forwarder's retries over the pick's ranking), with the original body once a
+decode replica got the transfer params (local prefill: vLLM frees the prefill's blocks when
+the first decode replica to get them finishes with the request, pulled or not). The request
+is never dropped.
 """
 
 from __future__ import annotations
@@ -361,7 +364,17 @@ async def serve(
         decision = decision._replace(usable_tokens=first.usable_tokens, kv_tokens=first.kv_tokens)
     routed = Routed(request, decision, flow.routed.prompt, 0.0, 0.0, 0)
     await forwarder.forward(
-        sink, path, headers, decode_body, routed, stream=stream, strip_usage=strip_usage
+        sink,
+        path,
+        headers,
+        decode_body,
+        routed,
+        stream=stream,
+        strip_usage=strip_usage,
+        # the transfer params are good for one decode replica: vLLM releases the prefill's
+        # blocks once the first one to get them pulled them, failed or refused the request
+        # (connector request_finished); another one would read freed blocks
+        retry_body=body,
     )
 
 
