@@ -526,3 +526,116 @@ async def test_same_request_id_twice_in_flight_gets_two_ids_on_the_legs() -> Non
         await router.cleanup()
         await prefill.runner.cleanup()
         await decode.stop()
+
+
+async def test_requests_vllm_cannot_hand_over_stay_local() -> None:
+    """vLLM 0.34 answers a completion batch's first prompt's ``kv_transfer_params`` only
+    (the decode leg would pull one prompt's blocks for all of them), and a request asking
+    prompt logprobs reads no transferred KV (the decode replica prefills it again). Both are
+    prefilled where they are decoded; a single prompt of token ids is not a batch."""
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    words = " ".join(f"w{i}" for i in range(3000))
+    chat = [{"role": "user", "content": words}]
+    cases = [
+        ("/v1/completions", {"prompt": [words, words + " x"]}, "batch_prompts"),
+        ("/v1/completions", {"prompt": [_prompt(17), _prompt(18)]}, "batch_prompts"),
+        ("/v1/completions", {"prompt": _prompt(19), "prompt_logprobs": 0}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": _prompt(20), "echo": True, "logprobs": 1},
+         "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": chat, "echo": True}, "prompt_logprobs"),
+        # values vLLM reads leniently: "2" is n = 2, "true" is echo
+        ("/v1/completions", {"prompt": _prompt(22), "n": "2"}, "parallel_sampling"),
+        ("/v1/chat/completions", {"messages": chat, "echo": "true"}, "prompt_logprobs"),
+    ]  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as http:
+            for path, extra, _ in cases:
+                body = {"model": MODEL, "max_tokens": 3, **extra}
+                async with http.post(url + path, json=body) as r:
+                    assert r.status == 200, (extra, await r.read())
+                sent = decode.received[-1]["body"]
+                assert sent.get("kv_transfer_params") is None, extra
+            assert not prefill.seen
+            # echo alone on a completion asks no prompt logprobs: disaggregated
+            body = {"model": MODEL, "prompt": _prompt(21), "echo": True, "max_tokens": 3}
+            async with http.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.read()
+            assert len(prefill.seen) == 1
+        decisions = router.app[STATE].disagg[MODEL].decisions
+        assert decisions == {
+            "batch_prompts": 2, "prompt_logprobs": 4, "parallel_sampling": 1, "always": 1
+        }  # fmt: skip
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()
+
+
+# vLLM 0.34's NIXL connector's answer to a prefill leg (nixl/pull_scheduler.py
+# request_finished) and the scheduler's remote_prefill_cached_tokens
+VLLM_PARAMS = {
+    "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+    "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
+    "remote_num_tokens", "remote_blocks_expiry_time", "remote_registration_generation",
+    "transfer_mode", "remote_prefill_cached_tokens",
+}  # fmt: skip
+
+
+async def test_mock_legs_speak_vllm_034s_transfer_params(mocks: Mocks) -> None:
+    """The mock's prefill answer carries what vLLM 0.34 answers, and its decode side reads
+    it as vLLM does: ``usage`` reports ``remote_prefill_cached_tokens``, the prefill's hit,
+    with no mock-only field, so a peer relaying vLLM's fields gets vLLM's accounting."""
+    prompt = _prompt(22)
+    asks = {"do_remote_decode": True, "do_remote_prefill": False}
+    leg = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": asks}
+    for _ in range(2):  # the second prefill finds the first one's blocks
+        status, raw, _ = await _post(mocks.urls["p0"], leg)
+        assert status == 200, raw
+    params = json.loads(raw)["kv_transfer_params"]
+    assert set(params) >= VLLM_PARAMS, VLLM_PARAMS - set(params)
+    assert params["remote_engine_id"] == "p0" and params["remote_num_tokens"] == len(prompt)
+    assert all(isinstance(g, list) for g in params["remote_block_ids"])
+    hit = params["remote_prefill_cached_tokens"]
+    assert hit > 0
+    vllm_only = {k: v for k, v in params.items() if k in VLLM_PARAMS}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "kv_transfer_params": vllm_only}
+    status, raw, _ = await _post(mocks.urls["d1"], body)
+    assert status == 200, raw
+    assert json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] == hit
+    assert mocks.counters("d1").decode_legs == 1
+
+
+async def test_a_decode_retry_prefills_locally_instead_of_reusing_the_transfer() -> None:
+    """The decode replica that got the prefill's ``kv_transfer_params`` answers 500: vLLM
+    has released the prefill replica's blocks by then (pulled, or freed on the rejection:
+    ``_with_kv_transfer_rejection_cleanup``), so the retry on the next decode replica goes
+    with the original body (a local prefill), never the same params (freed blocks)."""
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    near = await Backend("d0", [MODEL], fail_next=1).start()
+    far = await Backend("d1", [MODEL]).start()
+    reps = [
+        {"url": prefill.url, "model": MODEL, "name": "p0", "role": "prefill", "rack": "rack0"},
+        {"url": near.url, "model": MODEL, "name": "d0", "role": "decode", "rack": "rack0"},
+        {"url": far.url, "model": MODEL, "name": "d1", "role": "decode", "rack": "rack1"},
+    ]
+    for r in reps:
+        r["region"] = "reg0"
+    router, url = await start_router(_settings(reps))
+    try:
+        status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(23), "max_tokens": 3})
+        assert status == 200, raw
+        assert len(prefill.seen) == 1
+        # the pick in the prefill replica's rack got the params and failed
+        assert near.received[-1]["body"]["kv_transfer_params"] == _Prefill.PARAMS
+        assert far.received[-1]["body"].get("kv_transfer_params") is None
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await near.stop()
+        await far.stop()

@@ -290,12 +290,13 @@ class Disaggregator:
         now: float,
         rng: random.Random,
         *,
-        local_only: bool = False,
+        keep_local: str = "",
     ) -> PdPlan:
         """Local or remote prefill for ``request`` (module doc). Raises NoReplicaAvailable
-        when no replica can serve it either way. ``local_only``: the request cannot be
-        disaggregated (``n`` > 1: vLLM's protocol hands over one sequence's blocks); it is
-        routed as a local one, reason ``parallel_sampling``."""
+        when no replica can serve it either way. ``keep_local``: why vLLM's protocol cannot
+        carry the request ('' when it can; ``parallel_sampling``, ``batch_prompts``,
+        ``prompt_logprobs``: docs/pd.md); such a request is routed as a local one, with that
+        reason."""
         mode = self.knobs.mode
         pre, dec, both = self.pools(replicas)
         if not dec:
@@ -309,10 +310,10 @@ class Disaggregator:
                 local = engine.route(request, local_pool, now, rng)
             except NoReplicaAvailable:
                 local = None
-        if local_only:
+        if keep_local:
             if local is None:
                 local = engine.route(request, dec, now, rng)
-            return PdPlan(local, None, "parallel_sampling")
+            return PdPlan(local, None, keep_local)
         if mode == "auto" and local is not None:
             reason = self._keep_local(request, local)
             if reason:

@@ -4,13 +4,16 @@ Either role, decided per request by its ``kv_transfer_params`` (as a vLLM engine
 ``kv_both`` connector does):
 
 * ``do_remote_decode: true`` (a prefill leg): the request runs as usual (the proxy asked for
-  one token) and the answer carries ``kv_transfer_params`` for the decode side:
-  ``do_remote_prefill: true``, ``remote_engine_id`` (this replica), ``remote_block_ids``,
-  ``remote_host`` / ``remote_port`` (vLLM NIXL's names) plus ``remote_rack`` /
-  ``remote_region`` (mock-only: where the blocks are, so the decode side can time the pull)
-  and ``remote_cached_tokens`` / ``remote_kv_hit_tokens`` (mock-only: the prefill's hit, which
-  the decode answer's ``usage`` reports as the request's: the decode side's own cache only
-  decides how much is pulled);
+  one token) and the answer carries ``kv_transfer_params`` for the decode side, the fields
+  vLLM 0.34's NIXL connector answers (``nixl/pull_scheduler.py`` ``request_finished``):
+  ``do_remote_prefill: true``, ``remote_engine_id`` (this replica), ``remote_request_id``,
+  ``remote_block_ids`` (one list per KV cache group), ``remote_host`` / ``remote_port``,
+  ``tp_size`` / ``dcp_size`` / ``pp_size``, ``remote_num_tokens``,
+  ``remote_blocks_expiry_time``, ``remote_registration_generation``, ``transfer_mode``, and
+  the scheduler's ``remote_prefill_cached_tokens`` (the prefill's hit, which the decode
+  answer's ``usage`` reports as the request's: vLLM's ``v1/engine/output_processor.py``);
+  plus mock-only ``remote_rack`` / ``remote_region`` (where the blocks are, so the decode
+  side can time the pull) and ``remote_kv_hit_tokens`` (the prefill's KV-only hit);
 * ``do_remote_prefill: true`` (a decode leg): the replica "pulls" the prompt's KV it does not
   hold (``kv_bytes_per_token`` of the profile a token) and the recurrent state at the prompt
   end (``state_bytes``, hybrid profiles) over the link between the two sites
@@ -56,32 +59,44 @@ def is_decode_leg(params: Mapping[str, Any] | None) -> bool:
 
 def answer_params(
     replica: str,
+    request_id: str,
     host: str,
     port: int,
     site: Site,
-    block_ids: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    computed: int,
     cached: int,
     kv_hit: int,
 ) -> dict[str, Any]:
-    """What a prefill leg's answer carries for the decode request."""
+    """What a prefill leg's answer carries for the decode request (module doc):
+    ``block_ids`` one list per KV cache group, ``computed`` the prompt tokens computed."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
+        "remote_block_ids": [list(g) for g in block_ids],
         "remote_engine_id": replica,
-        "remote_block_ids": list(block_ids),
+        "remote_request_id": request_id,
         "remote_host": host,
         "remote_port": port,
         "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": computed,
+        "remote_blocks_expiry_time": None,
+        "remote_registration_generation": 0,
+        "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": cached,
         "remote_rack": site.rack,
         "remote_region": site.region,
-        "remote_cached_tokens": cached,
         "remote_kv_hit_tokens": kv_hit,
     }
 
 
 def remote_hit(params: Mapping[str, Any], cached: int, kv_hit: int) -> tuple[int, int]:
-    """(cached, KV-only hit) a decode leg reports: the prefill replica's when it said."""
-    c, k = params.get("remote_cached_tokens"), params.get("remote_kv_hit_tokens")
+    """(cached, KV-only hit) a decode leg reports: the prefill replica's when its answer
+    said (``remote_prefill_cached_tokens``, vLLM's; ``remote_kv_hit_tokens``, the mock's),
+    else this replica's own."""
+    c, k = params.get("remote_prefill_cached_tokens"), params.get("remote_kv_hit_tokens")
     return (c if type(c) is int else cached), (k if type(k) is int else kv_hit)
 
 

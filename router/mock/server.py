@@ -367,12 +367,17 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
     if prefill_leg:
         c.prefill_legs += 1
         s = state.settings
+        blocks = [range(-(-req.prompt_tokens // s.block_size))]
+        if state.driver.model.hybrid:
+            blocks.append(range(1))  # the recurrent state's group: its running-state slot
         extra["kv_transfer_params"] = pd.answer_params(
             s.replica,
+            req.request_id,
             request.url.host or "",
             request.url.port or 0,
             pd.Site(s.region, s.rack),
-            range(-(-req.prompt_tokens // s.block_size)),
+            blocks,
+            req.prompt_tokens,
             cached,
             kv_hit,
         )

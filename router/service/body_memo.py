@@ -47,8 +47,8 @@ class Admitted:
     service_tier: str | None = None
     # the body's top-level ``"stream": true``: what the first-byte deadline waits for
     stream: bool = False
-    # ``n`` > 1: never disaggregated (router/service/disagg.py)
-    parallel: bool = False
+    # why the request is never disaggregated, '' when it may be (disagg.keep_local)
+    keep_local: str = ""
     # appended to a disaggregated request's prefill leg (disagg.prefill_caps)
     prefill_caps: bytes = b""
 

@@ -19,7 +19,10 @@ For a model with ``[models.NAME.pd]`` (mode ``always`` or ``auto``) the front do
 Failures: a prefill that cannot be sent, fails, or answers without ``kv_transfer_params``
 falls back to a local prefill on the decode replica (the original body, no transfer
 params); the decode request is retried on the next decode replica while no byte reached the
-client (the Forwarder's retries over the pick's ranking). The request is never dropped.
+client (the Forwarder's retries over the pick's ranking), with the original body once a
+decode replica got the transfer params (local prefill: vLLM frees the prefill's blocks when
+the first decode replica to get them finishes with the request, pulled or not). The request
+is never dropped.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from router.core.errors import KVRouterError
 from router.core.load import CostModel
 from router.core.types import ReplicaKey, RouteRequest
 from router.service.errors import reply_for
+from router.service.lax import lax_bool, lax_int
 from router.service.proxy import Forwarder, Sink, request_head, send_error
 from router.service.registry import ReplicaRegistry
 from router.service.replica_url import ReplicaUrl
@@ -150,11 +154,11 @@ def route(
     *,
     session_id: str | None,
     max_output_tokens: int | None,
-    local_only: bool = False,
+    keep_local: str = "",
 ) -> Routed | PdFlow:
     """Plan the request: a ``Routed`` to forward as usual (local prefill), or a
-    :class:`PdFlow` for :func:`serve` (never when ``local_only``: ``n`` > 1). Raises
-    KVRouterError like ``RouterState.route``."""
+    :class:`PdFlow` for :func:`serve` (never when ``keep_local`` names why vLLM's protocol
+    cannot carry it: :func:`keep_local`). Raises KVRouterError like ``RouterState.route``."""
     engine = state.engines[model]
     state.fleet.restore_health(now)
     request = RouteRequest(
@@ -167,7 +171,7 @@ def route(
         max_output_tokens,
     )
     keys = state.registry.keys_for(model)
-    plan = md.pd.plan(engine, request, keys, now, state.rng, local_only=local_only)
+    plan = md.pd.plan(engine, request, keys, now, state.rng, keep_local=keep_local)
     md.count(md.decisions, plan.reason)
     if plan.prefill is None:
         assert plan.local is not None
@@ -193,6 +197,40 @@ def route(
         replicas=(plan.prefill.replica,),
     )
     return PdFlow(leg, request, md)
+
+
+def keep_local(body: dict[str, Any], kind: str) -> str:
+    """Why vLLM 0.34's protocol cannot carry this request of ``kind`` (``chat`` /
+    ``completion``) from a prefill replica to a decode one ('' when it can), from the
+    parsed body:
+
+    * ``parallel_sampling``: ``n`` > 1; the connector hands over one sequence's blocks;
+    * ``batch_prompts``: a completion of several prompts; vLLM answers the first prompt's
+      ``kv_transfer_params`` only (``openai/completion/serving.py``), and the decode leg
+      would pull that prompt's blocks for every prompt of the batch;
+    * ``prompt_logprobs``: prompt logprobs asked (``prompt_logprobs``, or ``echo`` with
+      chat's ``top_logprobs`` / completions' ``logprobs``): vLLM then reads no prefix
+      cache and no transferred KV (``Request.skip_reading_external_kv``), so the decode
+      replica would prefill the whole prompt again."""
+    n = lax_int(body.get("n"))  # read as vLLM reads it: "2" and 2.0 are 2
+    if type(n) is int and n > 1:
+        return "parallel_sampling"
+    prompt = body.get("prompt") if kind == "completion" else None
+    if isinstance(prompt, list) and len(prompt) > 1 and not _token_ids(prompt):
+        return "batch_prompts"
+    if body.get("prompt_logprobs") is not None:
+        return "prompt_logprobs"
+    if lax_bool(body.get("echo")) is True:
+        # vLLM: prompt_logprobs = top_logprobs (chat, default 0) / logprobs (completions)
+        echoed = body.get("top_logprobs", 0) if kind == "chat" else body.get("logprobs")
+        if echoed is not None:
+            return "prompt_logprobs"
+    return ""
+
+
+def _token_ids(prompt: list[Any]) -> bool:
+    """A completion prompt given as one list of token ids (not a batch of prompts)."""
+    return all(type(t) is int for t in prompt)
 
 
 def prefill_caps(body: dict[str, Any]) -> bytes:
@@ -327,7 +365,17 @@ async def serve(
         decision = decision._replace(usable_tokens=first.usable_tokens, kv_tokens=first.kv_tokens)
     routed = Routed(request, decision, flow.routed.prompt, 0.0, 0.0, 0)
     await forwarder.forward(
-        sink, path, headers, decode_body, routed, stream=stream, strip_usage=strip_usage
+        sink,
+        path,
+        headers,
+        decode_body,
+        routed,
+        stream=stream,
+        strip_usage=strip_usage,
+        # the transfer params are good for one decode replica: vLLM releases the prefill's
+        # blocks once the first one to get them pulled them, failed or refused the request
+        # (connector request_finished); another one would read freed blocks
+        retry_body=body,
     )
 
 
@@ -349,7 +397,7 @@ class PdCollector(Collector):
             "kvrouter_pd_decisions",
             "Disaggregation decisions by reason (remote: always, remote_pays; local: off, "
             "few_uncached, local_hit, cheaper_local, same_replica, no_prefill_replica, "
-            "parallel_sampling)",
+            "parallel_sampling, batch_prompts, prompt_logprobs)",
             labels=["model", "reason"],
         )
         fallbacks = CounterMetricFamily(

@@ -214,7 +214,6 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     max_out = max_output_tokens(body)
     tier = body.get("service_tier")
     parse_service_tier(tier)  # a bad value is a 400, admission on or off
-    n = lax_int(body.get("n"))
     return Admitted(
         model,
         prompt,
@@ -223,7 +222,7 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
         usage_patch(body),
         tier,
         stream=stream,
-        parallel=type(n) is int and n > 1,
+        keep_local=disagg.keep_local(body, kind),
         prefill_caps=disagg.prefill_caps(body),
     )
 
@@ -418,7 +417,7 @@ async def serve_completion(
                 forwarder.event_loop().time(),
                 session_id=session_of(client_headers, admitted.session_id),
                 max_output_tokens=admitted.max_output_tokens,
-                local_only=admitted.parallel,
+                keep_local=admitted.keep_local,
             )
             slo_gate = None  # disaggregated flows are not admission-controlled (docs/admission.md)
         elif slo_gate is not None and slo_gate.enabled(admitted.model):  # SLO-aware admission

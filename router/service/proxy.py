@@ -352,12 +352,16 @@ class Forwarder:
         *,
         stream: bool,
         strip_usage: bool = False,
+        retry_body: bytes | None = None,
     ) -> None:
         """``stream``: the client asked for one (the parsed body's top-level ``stream``; an
         answer that is not a stream has its decode inside the first-byte deadline).
         ``strip_usage``: the router added ``include_usage`` to this stream; the usage
         chunk is read for feedback and not relayed (router.service.stream_usage). Retries:
-        router/service/retry.py; outcomes feed outlier ejection (router/service/ejection.py)."""
+        router/service/retry.py; outcomes feed outlier ejection (router/service/ejection.py).
+        ``retry_body``: sent instead of ``body`` once an attempt reached a replica (any
+        failure but a refused connection), for a body good for one replica only (a decode
+        leg's ``kv_transfer_params``: router/service/disagg.py)."""
         state = self.state
         model = routed.request.model
         mm = state.metrics.model(model)
@@ -376,6 +380,7 @@ class Forwarder:
         key: ReplicaKey | None = None
         token: object = None
         kind = ""
+        reached = False  # an attempt reached a replica (it may have acted on the body)
         try:
             for i, key in enumerate(ranked):
                 ep = state.registry.endpoint(key)
@@ -390,8 +395,9 @@ class Forwarder:
                     self.budget.spend(now)
                     state.load.complete(rid)
                     state.load.dispatch(rid, key, routed.request.prompt_tokens, 0)
+                sent = retry_body if reached and retry_body is not None else body
                 head = request_head(
-                    path, self._host(ep.base_url), client_headers, rid_b, ep.dp_rank, len(body)
+                    path, self._host(ep.base_url), client_headers, rid_b, ep.dp_rank, len(sent)
                 )
                 usable = routed.decision.usable_tokens if i == 0 else 0
                 expect = expected_first_byte_s(
@@ -412,7 +418,7 @@ class Forwarder:
                 upstream: Exchange | None = None
                 try:
                     async with deadline:
-                        upstream = await self.client.pool(ep.base_url).send(head, body, wait)
+                        upstream = await self.client.pool(ep.base_url).send(head, sent, wait)
                         if upstream.status < 400:
                             sse = (upstream.header(b"content-type") or b"").startswith(
                                 b"text/event-stream"
@@ -423,6 +429,7 @@ class Forwarder:
                         # it took the connection and dropped the request: this rank only
                         # (one request must not take a whole replica out of rotation)
                         state.fleet.mark_unhealthy(key, loop.time())
+                        reached = True
                     else:
                         # nothing listens at the URL every DP rank of the replica shares
                         refused.add(ep.base_url)
@@ -441,6 +448,7 @@ class Forwarder:
                     kind = "broken"
                 if upstream is not None and kind:
                     upstream.abort()
+                reached = reached or kind != "connect"
                 if kind:
                     ejections.failed(key, kind, loop.time(), token)
                     if final:
