@@ -70,7 +70,8 @@ class EngineRequest:
     decode leg of a disaggregated request: another replica computed the prompt and its KV
     (and recurrent state at the prompt end) arrive with it, so admission names the prompt's
     blocks as computed (publishing them) and the request decodes after one step with no
-    prefill compute."""
+    prefill compute. ``reads_cache`` False: the request reuses no cached block (vLLM: prompt
+    logprobs asked); the blocks it computes are cached all the same."""
 
     request_id: str
     block_hashes: Sequence[int]
@@ -78,6 +79,7 @@ class EngineRequest:
     max_output_tokens: int
     output_block_hashes: Sequence[int] = ()
     remote_prefilled: bool = False
+    reads_cache: bool = True
 
 
 @dataclass(slots=True, frozen=True)
@@ -143,6 +145,7 @@ class _Seq:
         "pinned",
         "prompt",
         "queued_s",
+        "reads_cache",
         "remote",
         "rid",
         "submitted",
@@ -181,6 +184,7 @@ class _Seq:
         self.queued_s = 0.0
         self.cancelled = False
         self.remote = req.remote_prefilled
+        self.reads_cache = req.reads_cache
 
 
 class _Segment:
@@ -499,9 +503,9 @@ class EngineModel(BlockCache):
         gpu = self._gpu
         # The cache is prefix-closed (blocks are named parents first and evicted children
         # first), so the hit length is found by bisection.
-        if nfull and hashes[nfull - 1] in gpu:
+        if nfull and seq.reads_cache and hashes[nfull - 1] in gpu:
             kv = nfull
-        elif not nfull or hashes[0] not in gpu:
+        elif not nfull or not seq.reads_cache or hashes[0] not in gpu:
             kv = 0
         else:
             lo, hi = 1, nfull - 1  # block lo-1 cached, block hi not
@@ -517,7 +521,7 @@ class EngineModel(BlockCache):
         in_free = sum(map(_negative, refs))  # unreferenced: in the LRU
         reach = kv  # KV hit including host-tier blocks
         cpu = self._cpu
-        if cpu:
+        if cpu and seq.reads_cache:
             while reach < nfull and hashes[reach] in cpu:
                 reach += 1
         usable = reach

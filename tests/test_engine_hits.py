@@ -165,3 +165,25 @@ def test_a_learned_alignment_moves_the_layout_and_configuration_wins() -> None:
     kv_only = _engine(RoutingSettings(block_size=BS, hybrid=False))
     kv_only.learn(alignment=(16, SOURCE_ENGINE))
     assert kv_only.layout.alignment_blocks == 1
+
+
+def test_a_request_reading_no_cache_matches_nothing_and_takes_no_hint() -> None:
+    """vLLM reads no prefix cache for a request asking prompt logprobs: no replica is
+    predicted to shorten it, its session's hint included; it is still speculated where sent
+    (the engine caches the blocks it computes), here as its session's hint."""
+    hashes = list(range(3000, 3040))
+    engine = _engine(RoutingSettings(block_size=BS))
+    first = req(30 * BS, hashes, session="s")
+    decision = engine.route(first, [A, B], 0.0, random.Random(0))
+    engine.dispatched(first, decision, 0.0)
+    blind = req(30 * BS, hashes, session="s")._replace(reads_cache=False)
+    assert not engine.matches(blind, [A, B], 0.1)
+    cands = engine.candidates(blind, [A, B], 0.1)
+    assert isinstance(cands, list) and all(c.match.usable_blocks == 0 for c in cands)
+    other = engine.route(blind, [A, B], 0.1, random.Random(0))
+    assert other.usable_tokens == 0
+    engine.dispatched(blind, other, 0.1)
+    # it computed the whole prompt there: the session's next turn follows it
+    assert engine.sessions is not None
+    hint = engine.sessions.get("s", 0.2)
+    assert hint is not None and hint.replica == other.replica and hint.covers(hashes[:30]) == 30

@@ -128,7 +128,7 @@ def test_lax_flags_are_read_as_vllm_reads_them() -> None:
 
 def test_lax_values_are_what_pydantic_makes_of_them() -> None:
     pydantic = pytest.importorskip("pydantic")
-    from router.service.lax import INVALID, lax_bool, lax_int
+    from router.tokenize.lax import INVALID, lax_bool, lax_int
 
     class Request(pydantic.BaseModel):  # type: ignore[name-defined,misc]
         flag: bool | None = None

@@ -280,6 +280,8 @@ class RoutingEngine:
         """The cached prefix of ``request`` on every replica, the hybrid-state rule applied
         when it holds for ``replicas`` (a checkpoint usable only before the prompt's last
         token)."""
+        if not request.reads_cache:
+            return PrefixMatches.empty()
         hybrid = self.hybrid_for(replicas)
         layout = self.layout
         return self.index.match(
@@ -302,7 +304,7 @@ class RoutingEngine:
 
     def _hint(self, request: RouteRequest, now: float) -> tuple[SessionHint | None, int]:
         """The request's session hint and how many of its blocks it covers (0: none)."""
-        if self.sessions is None or not request.session_id:
+        if self.sessions is None or not request.session_id or not request.reads_cache:
             return None, 0
         hint = self.sessions.get(request.session_id, now)
         if hint is None:

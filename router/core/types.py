@@ -141,6 +141,9 @@ class RouteRequest(NamedTuple):
     block_size: int
     session_id: str | None = None
     max_output_tokens: int | None = None
+    # False: the engine reads no prefix cache for it (vLLM: prompt logprobs asked); every
+    # replica's match is empty, its blocks are still cached where it is sent
+    reads_cache: bool = True
 
     @property
     def prompt_blocks(self) -> int:

@@ -52,6 +52,7 @@ from router.mock.kv_events import EngineEventEncoder
 from router.mock.latency import RequestLatency
 from router.mock.preprocess import handlers
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
+from router.tokenize.request_fields import asks_prompt_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +219,7 @@ async def _prepare(request: web.Request, chat: bool) -> tuple[MockState, dict[st
         block_hashes=hashes.hashes,
         prompt_tokens=len(tokens),
         max_output_tokens=_max_tokens(body, state.settings),
+        reads_cache=not asks_prompt_logprobs(body, "chat" if chat else "completion"),
     )
     return state, body, req
 

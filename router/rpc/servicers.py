@@ -9,6 +9,7 @@ import array
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import grpc
@@ -59,6 +60,7 @@ from router.service.report_relay import Reported, report_to_peers
 from router.service.state import RouterState
 from router.service.workers import Workers, forward_to_peers
 from router.tokenize.pipeline import ProcessedPrompt
+from router.tokenize.request_fields import asks_prompt_logprobs
 
 Clock = Callable[[], float]
 
@@ -267,6 +269,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prompt = await checked_prompt(
                 self.state, request.model, fn, arg, offload=size >= THREAD_MIN_BODY, kind=kind
             )
+            if isinstance(arg, dict) and asks_prompt_logprobs(arg, kind):
+                prompt = replace(prompt, reads_cache=False)  # as the HTTP endpoints read it
             now = self.clock()
             decision_id = request.request_id or uuid.uuid4().hex
             # in flight here or through the HTTP endpoints: the load tracker keys both by id

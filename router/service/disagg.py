@@ -40,7 +40,6 @@ from router.core.errors import KVRouterError
 from router.core.load import CostModel
 from router.core.types import ReplicaKey, RouteRequest
 from router.service.errors import reply_for
-from router.service.lax import lax_bool, lax_int
 from router.service.proxy import Forwarder, Sink, request_head, send_error
 from router.service.registry import ReplicaRegistry
 from router.service.replica_url import ReplicaUrl
@@ -48,6 +47,8 @@ from router.service.settings import ModelSettings
 from router.service.state import Routed, RouterState
 from router.service.stream_usage import with_patch
 from router.service.upstream_errors import ConnectFailed, UpstreamError, UpstreamTimeout
+from router.tokenize.lax import lax_int
+from router.tokenize.request_fields import asks_prompt_logprobs
 
 REMOTE_DECODE = {
     "do_remote_decode": True,
@@ -218,13 +219,8 @@ def keep_local(body: dict[str, Any], kind: str) -> str:
     prompt = body.get("prompt") if kind == "completion" else None
     if isinstance(prompt, list) and len(prompt) > 1 and not _token_ids(prompt):
         return "batch_prompts"
-    if body.get("prompt_logprobs") is not None:
+    if asks_prompt_logprobs(body, kind):
         return "prompt_logprobs"
-    if lax_bool(body.get("echo")) is True:
-        # vLLM: prompt_logprobs = top_logprobs (chat, default 0) / logprobs (completions)
-        echoed = body.get("top_logprobs", 0) if kind == "chat" else body.get("logprobs")
-        if echoed is not None:
-            return "prompt_logprobs"
     return ""
 
 

@@ -32,14 +32,15 @@ from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, reply_for
 from router.service.gate import Gate
 from router.service.http_types import HttpRequest
-from router.service.lax import INVALID, lax_bool, lax_int
 from router.service.metrics import prompt_tier
 from router.service.proxy import Forwarder, Sink, send_error
 from router.service.routes import Routes
 from router.service.security import check_prompt_tokens
 from router.service.state import BODY_MEMO_MAX_BYTES, Routed, RouterState
 from router.service.stream_usage import usage_patch, with_patch
+from router.tokenize.lax import INVALID, lax_bool, lax_int
 from router.tokenize.pipeline import ProcessedPrompt
+from router.tokenize.request_fields import asks_prompt_logprobs
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
@@ -214,6 +215,8 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     max_out = max_output_tokens(body)
     tier = body.get("service_tier")
     parse_service_tier(tier)  # a bad value is a 400, admission on or off
+    if asks_prompt_logprobs(body, kind):
+        prompt = replace(prompt, reads_cache=False)
     return Admitted(
         model,
         prompt,

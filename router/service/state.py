@@ -220,6 +220,7 @@ class RouterState:
             block_size=prompt.block_size,
             session_id=session_id,
             max_output_tokens=max_output_tokens,
+            reads_cache=prompt.reads_cache,
         )
         t0 = time.perf_counter()
         keys = self.registry.keys_for(model) if replicas is None else replicas

@@ -28,7 +28,7 @@ import json
 import re
 from typing import Any
 
-from router.service.lax import INVALID, lax_bool
+from router.tokenize.lax import INVALID, lax_bool
 
 _USAGE = b'"usage"'
 # a choice's end: ``"finish_reason": "stop"`` (a string, not null)

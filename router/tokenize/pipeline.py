@@ -79,6 +79,9 @@ class ProcessedPrompt:
     # a stand-in for what the engine would have rendered (router/service/render.py): not
     # kept by the body memo
     provisional: bool = False
+    # False when the engine reads no prefix cache for the request (vLLM: prompt logprobs
+    # asked): no replica's cache shortens it, though its blocks are cached as computed
+    reads_cache: bool = True
 
     @property
     def context_tokens(self) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from router.core.errors import BadRequest
+from router.tokenize.lax import lax_bool
 from router.tokenize.template import prepare_tools
 
 
@@ -126,3 +127,16 @@ def chat_args(
     if cont:
         add_gen = False
     return messages, prepare_tools(body.get("tools")), kwargs, add_gen, cont
+
+
+def asks_prompt_logprobs(body: dict[str, Any], kind: str | None) -> bool:
+    """Whether the parsed body of ``kind`` (``chat`` / ``completion``) asks prompt logprobs:
+    ``prompt_logprobs``, or ``echo`` with chat's ``top_logprobs`` (default 0) / completions'
+    ``logprobs`` (vLLM 0.34's ``to_sampling_params``). vLLM then reads no prefix cache for
+    it (``SamplingParams.skip_reading_prefix_cache``), and no transferred KV."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    if lax_bool(body.get("echo")) is True:
+        echoed = body.get("top_logprobs", 0) if kind == "chat" else body.get("logprobs")
+        return echoed is not None
+    return False
