@@ -65,6 +65,7 @@ class _Replica(asyncio.Protocol):
     """Answers every request with a stream whose pieces are written as ``mode`` says."""
 
     mode = "one_write"
+    release = asyncio.Event()  # "keep_alive": sends the events once set
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -94,6 +95,10 @@ class _Replica(asyncio.Protocol):
             w(body + END)
         elif self.mode == "no_data":
             w(HEAD + END)
+        elif self.mode == "keep_alive":  # vLLM --sse-keep-alive-interval: a comment first
+            w(HEAD + _chunk(b": keep-alive\n\n"))
+            await _Replica.release.wait()
+            w(body + END)
         elif self.mode == "late_end":  # every event at once, the end of the body 0.3 s later
             w(HEAD + body)
             await asyncio.sleep(0.3)
@@ -221,3 +226,48 @@ async def test_a_client_that_leaves_after_the_last_event_got_the_whole_answer(
     outcomes = await outcomes_counted()
     assert outcomes.get("ok") == "1.0", outcomes
     assert "cancelled" not in outcomes, outcomes
+
+
+async def test_a_keep_alive_comment_is_no_first_token() -> None:
+    """vLLM with ``--sse-keep-alive-interval`` sends ``: keep-alive`` comments while a request
+    queues or prefills: the client gets them, and the router keeps the request prefilling in
+    its load model and times no first token until the first event."""
+    from router.service.app import STATE
+
+    loop = asyncio.get_running_loop()
+    _Replica.mode, _Replica.release = "keep_alive", asyncio.Event()
+    server = await loop.create_server(_Replica, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    settings = build_settings(
+        {
+            "server": {"health_interval_s": 0},
+            "replicas": [{"url": f"http://127.0.0.1:{port}", "model": MODEL, "name": "r0"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    runner, url = await start_router(settings)
+    state = runner.app[STATE]
+    key = state.registry.keys_for(MODEL)[0]
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/chat/completions", json=BODY) as r,
+        ):
+            assert r.status == 200
+            first = await r.content.readuntil(b"\n\n")
+            assert first == b": keep-alive\n\n"
+            view = state.load.view(key, loop.time())
+            assert (view.prefilling, view.decoding) == (1, 0)
+            _Replica.release.set()
+            rest = await r.read()
+        assert rest.endswith(b"data: [DONE]\n\n") and rest.count(b"data: ") == 4
+
+        def settled() -> bool:
+            v = state.load.view(key, loop.time())
+            return v.in_flight == 0
+
+        await eventually(settled)
+    finally:
+        await runner.cleanup()
+        server.close()
+        _Replica.mode = "one_write"

@@ -114,6 +114,14 @@ def _hop_by_hop(headers: Iterable[tuple[bytes, bytes]], base: frozenset[bytes]) 
     return base if named is None else base | named
 
 
+def sse_comments_only(chunk: bytes) -> bool:
+    """Whether every line of a piece of an event stream is a comment or blank: vLLM's
+    keep-alive (``": keep-alive"`` while a request queues or prefills, with
+    ``--sse-keep-alive-interval``) carries no token, so it neither ends the prefill in the
+    load model nor times a first token."""
+    return all(line[:1] in (b"", b":", b"\r") for line in chunk.split(b"\n"))
+
+
 _JSON = [(b"Content-Type", b"application/json")]
 
 
@@ -567,14 +575,16 @@ class Forwarder:
             first = True
             while (chunk := await upstream.read()) is not None:
                 now = loop.time()
-                if first:
+                if chunk[:1] == b":" and sse_comments_only(chunk):
+                    pass  # keep-alive comments (vLLM --sse-keep-alive-interval): no token
+                elif first:
                     state.load.first_token(rid)
                     mm.ttft.observe(now - started)
-                    first_at = now
+                    first_at = last = now
                     first = False
                 else:
                     mm.itl.observe(now - last)
-                last = now
+                    last = now
                 ended = upstream.at_end
                 done_seen = chunk[-32:].rstrip().endswith(b"data: [DONE]")
                 cut = ended and until_close and not done_seen
