@@ -53,10 +53,38 @@ class DirectEvents:
         endpoints: Sequence[EndpointSpec],
         on_checkpoint: Callable[[int], None] | None = None,
     ) -> EngineIngest:
-        """Follow ``endpoints`` of ``replica``; call before ``start``. ``on_checkpoint``:
-        see ``EngineIngest``."""
+        """Follow ``endpoints`` of ``replica``; call before ``start`` (after it:
+        :meth:`follow`). ``on_checkpoint``: see ``EngineIngest``."""
         if self._started:
-            raise RuntimeError("add replicas before start()")
+            raise RuntimeError("add replicas before start(), or follow() them")
+        return self._add(replica, model, block_size, endpoints, on_checkpoint)
+
+    async def follow(
+        self,
+        replica: str,
+        model: str,
+        block_size: int,
+        endpoints: Sequence[EndpointSpec],
+        on_checkpoint: Callable[[int], None] | None = None,
+    ) -> EngineIngest:
+        """:meth:`add_replica` once running (endpoints learned later, e.g. asked of the
+        replica: router.events.discovery); its subscribers start now."""
+        if not self._started:
+            raise RuntimeError("follow() is for a running DirectEvents; add_replica() before")
+        if replica in self.ingests:
+            raise ValueError(f"replica {replica!r} is followed already")
+        ingest = self._add(replica, model, block_size, endpoints, on_checkpoint)
+        await self._groups[-1].start()
+        return ingest
+
+    def _add(
+        self,
+        replica: str,
+        model: str,
+        block_size: int,
+        endpoints: Sequence[EndpointSpec],
+        on_checkpoint: Callable[[int], None] | None,
+    ) -> EngineIngest:
         ingest = EngineIngest(
             replica, model, block_size, self._sink, self._applied, on_checkpoint=on_checkpoint
         )

@@ -43,6 +43,7 @@ from router import jsonload
 from router.core.errors import BadRequest
 from router.core.hashing import hash_prompt, root_hash
 from router.core.types import IndexEvent, ReplicaKey
+from router.events.discovery import SOURCES_PATH
 from router.events.zmq_pub import KVEventPublisher
 from router.mock import pd
 from router.mock.driver import EngineDriver, EngineFailed
@@ -461,6 +462,25 @@ def _tokenizer(settings: MockSettings) -> MockTokenizer:
     return ByteTokenizer()
 
 
+async def kv_event_sources(request: web.Request) -> web.Response:
+    """vLLM 0.34's ``GET /kv_event_sources``: the resolved publisher configuration per
+    data-parallel rank (one rank here), ``{}`` when events are off."""
+    s = request.app[STATE].settings
+    if not s.zmq_endpoint:
+        return web.json_response({})
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": s.zmq_endpoint,
+        "replay_endpoint": s.replay_endpoint or None,
+        "buffer_steps": 10_000,
+        "hwm": 100_000,
+        "max_queue_size": 100_000,
+        "topic": s.topic,
+    }
+    return web.json_response({"0": config})
+
+
 def create_app(settings: MockSettings) -> web.Application:
     """The mock replica application (see the module docstring)."""
     from sim.engine import EngineModel
@@ -531,6 +551,7 @@ def create_app(settings: MockSettings) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get(SOURCES_PATH, kv_event_sources)
     prep = handlers(lambda request: request.app[STATE].tokenizer, settings.max_model_len)
     for path, handler in prep.items():
         app.router.add_post(path, handler)

@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -19,7 +20,11 @@ from router.core.types import ReplicaKey
 from router.service.keys import FORWARDER, INDEX_SYNC, SESSION, SETTINGS, STATE
 from router.service.proxy import Forwarder
 from router.service.render import EngineRenderer, render_targets
+from router.service.settings import ZMQ_AUTO, ReplicaSettings
 from router.service.upstream import Client, Timeouts
+
+if TYPE_CHECKING:
+    from router.events.direct import DirectEvents
 
 _log = logging.getLogger("kvrouter.service")
 
@@ -199,8 +204,9 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
 
     settings = app[SETTINGS]
     direct = DirectEvents(app[STATE].index, event_lag=app[STATE].event_lag_s)
+    asked = [rep for rep in settings.replicas if rep.zmq == ZMQ_AUTO]
     for rep in settings.replicas:
-        if rep.zmq:
+        if rep.zmq and rep.zmq != ZMQ_AUTO:
             block = settings.model(rep.model).routing.block_size
             # every dp rank of the engine: rank N publishes on the configured ports + N
             specs = engine_endpoints(
@@ -214,7 +220,56 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
                 on_checkpoint=app[STATE].layouts.observer(rep.model, block),
             )
     async with direct:
+        tasks = [asyncio.create_task(_discover(app, direct, rep)) for rep in asked]
         yield
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _discover(app: web.Application, direct: DirectEvents, rep: ReplicaSettings) -> None:
+    """A replica with ``zmq = "auto"``: ask it where it publishes (router.events.discovery)
+    until it answers, then follow those endpoints. A replica that is down or answers
+    without usable endpoints is asked again (1 s, doubling to 30 s), each new reason logged
+    once."""
+    from router.events.discovery import SOURCES_PATH, NoEventSources, event_sources
+
+    settings, state = app[SETTINGS], app[STATE]
+    block = settings.model(rep.model).routing.block_size
+    url = rep.url.rstrip("/") + SOURCES_PATH
+    pause, said = 1.0, ""
+    timeout = aiohttp.ClientTimeout(total=10.0)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        while True:
+            try:
+                async with http.get(url) as resp:
+                    if resp.status != 200:
+                        raise NoEventSources(f"GET {SOURCES_PATH} answered {resp.status}")
+                    specs = event_sources(await resp.json(content_type=None), rep.url)
+                break
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                reason = str(exc) or type(exc).__name__
+                if reason != said:
+                    _log.warning("replica %s: KV events not followed yet: %s", rep.name, reason)
+                    said = reason
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 30.0)
+    ranks = [s.dp_rank for s in specs]
+    if ranks != list(range(rep.dp_ranks)):
+        _log.warning(
+            "replica %s: configured with %d dp ranks, publishes events for ranks %s",
+            rep.name,
+            rep.dp_ranks,
+            ranks,
+        )
+    await direct.follow(
+        rep.name, rep.model, block, specs, on_checkpoint=state.layouts.observer(rep.model, block)
+    )
+    _log.info(
+        "replica %s: following its KV events at %s",
+        rep.name,
+        ", ".join(s.endpoint for s in specs),
+    )
 
 
 async def recording(app: web.Application) -> AsyncIterator[None]:

@@ -57,6 +57,7 @@ from router.service.config_env import env_overrides
 from router.service.replica_url import ReplicaUrl
 from router.service.settings import (
     ROUTING_KEYS,
+    ZMQ_AUTO,
     ModelSettings,
     ReplicaSettings,
     ServerSettings,
@@ -195,7 +196,12 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
         raise ConfigError(f"{where}.role: {exc}") from None
     if rep.zmq_replay and not rep.zmq:
         raise ConfigError(f"{where}.zmq_replay: needs zmq")
-    if rep.zmq:
+    if rep.zmq == ZMQ_AUTO:
+        if rep.zmq_replay:
+            raise ConfigError(
+                f'{where}.zmq_replay: with zmq = "{ZMQ_AUTO}" the replica names it itself'
+            )
+    elif rep.zmq:
         try:  # rank N follows the engine's ports + N: they must exist
             engine_endpoints(
                 [rep.zmq], [rep.zmq_replay] if rep.zmq_replay else [], range(rep.dp_ranks)

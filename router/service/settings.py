@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     pass
 
 
+ZMQ_AUTO = "auto"  # ReplicaSettings.zmq: the replica says where it publishes
+
+
 @dataclass(slots=True, frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"
@@ -126,7 +129,9 @@ class ReplicaSettings:
     # prefill / decode / both: its part under prefill/decode disaggregation (docs/pd.md)
     role: str = "both"
     # Single-router mode without Redis: the router follows the engine's ZMQ KV events itself.
-    zmq: str | None = None  # engine KV-event PUB endpoint, e.g. tcp://10.0.0.7:5557
+    # engine KV-event PUB endpoint, e.g. tcp://10.0.0.7:5557; "auto": asked of the replica
+    # (vLLM's GET /kv_event_sources, router/events/discovery.py)
+    zmq: str | None = None
     zmq_replay: str | None = None  # its replay ROUTER endpoint (fills sequence gaps)
     # The engine's Prometheus page, scraped by the router itself for load and prefix-cache
     # counters (without Redis there is no publisher to do it), e.g. http://10.0.0.7:8000/metrics

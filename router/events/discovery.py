@@ -1,0 +1,90 @@
+"""Where a replica publishes its KV events, asked of the replica itself: vLLM (0.34 and later)
+answers ``GET /kv_event_sources`` with the resolved ``KVEventsConfig`` of each data-parallel
+rank's publisher (``{"0": {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "", ...}, "1": ...}``, ports
+already offset per rank; ``{}`` when events are off). A replica configured with ``zmq =
+"auto"`` is followed at those endpoints (router/service/background.py ``direct_events``).
+
+The engine reports the addresses it *binds*: a wildcard host (``*``, ``0.0.0.0``, ``::``)
+becomes the replica's own host from its URL, which is where a subscriber connects; an
+explicit host is kept. Parsing is pure; the request is the caller's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from router.events.endpoints import EndpointSpec, check_endpoint
+
+SOURCES_PATH = "/kv_event_sources"
+_WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+
+
+class NoEventSources(ValueError):
+    """The replica's answer names no endpoint the router can follow (events off, another
+    publisher, a port chosen by the OS, an unreadable answer): say which, for the operator."""
+
+
+def connectable(endpoint: str, replica_url: str) -> str:
+    """``endpoint`` as a subscriber reaches it: a wildcard tcp host replaced by the host of
+    ``replica_url``; ValueError when it still cannot be connected to (``check_endpoint``)."""
+    scheme, sep, rest = endpoint.partition("://")
+    if sep and scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if colon and host in _WILDCARDS:
+            target = urlsplit(replica_url).hostname
+            if not target:
+                raise ValueError(f"replica URL {replica_url!r} has no host")
+            if ":" in target:  # an IPv6 literal
+                target = f"[{target}]"
+            endpoint = f"tcp://{target}:{port}"
+    return check_endpoint(endpoint)
+
+
+def event_sources(answer: Any, replica_url: str) -> tuple[EndpointSpec, ...]:
+    """The endpoints to follow from a ``/kv_event_sources`` answer, one per rank in rank
+    order; raises :class:`NoEventSources` naming what is missing."""
+    if not isinstance(answer, Mapping):
+        raise NoEventSources("the answer is not a JSON object of ranks")
+    if not answer:
+        raise NoEventSources(
+            "the replica publishes no KV events (start vLLM with --kv-events-config "
+            '\'{"enable_kv_cache_events": true, "publisher": "zmq"}\')'
+        )
+    specs: list[EndpointSpec] = []
+    for key, config in answer.items():
+        try:
+            rank = int(key)
+        except (TypeError, ValueError):
+            raise NoEventSources(f"rank {key!r} is not a number") from None
+        specs.append(_spec(rank, config, replica_url))
+    specs.sort(key=lambda s: s.dp_rank)
+    return tuple(specs)
+
+
+def _spec(rank: int, config: Any, replica_url: str) -> EndpointSpec:
+    where = f"rank {rank}"
+    if rank < 0 or not isinstance(config, Mapping):
+        raise NoEventSources(f"{where}: not a publisher configuration")
+    if config.get("enable_kv_cache_events") is False or config.get("publisher") != "zmq":
+        raise NoEventSources(f"{where}: publisher {config.get('publisher')!r}, not zmq")
+    endpoint, replay, topic = (
+        config.get("endpoint"),
+        config.get("replay_endpoint"),
+        config.get("topic") or "",
+    )
+    if not isinstance(endpoint, str) or not isinstance(topic, str):
+        raise NoEventSources(f"{where}: no endpoint")
+    if replay is not None and not isinstance(replay, str):
+        raise NoEventSources(f"{where}: replay_endpoint {replay!r} is not a string")
+    try:
+        return EndpointSpec(
+            connectable(endpoint, replica_url),
+            connectable(replay, replica_url) if replay else None,
+            topic,
+            rank,
+        )
+    except ValueError as exc:
+        raise NoEventSources(f"{where}: {exc}") from None

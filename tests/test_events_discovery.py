@@ -1,0 +1,133 @@
+"""A replica asked where it publishes its KV events (``zmq = "auto"``): vLLM 0.34's
+``GET /kv_event_sources`` answer read into endpoints (router/events/discovery.py), and a router
+following mock replicas found that way, over real HTTP and ZMQ."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from router.core.errors import ConfigError
+from router.core.hashing import hash_prompt, root_hash
+from router.core.types import ReplicaKey
+from router.events.discovery import NoEventSources, event_sources
+from router.events.endpoints import EndpointSpec
+from router.mock.server import MockSettings
+from router.service.app import STATE
+from router.service.config import build_settings
+from tests.backends import start_mock, start_router
+from tests.ports import free_port
+from tests.waiting import eventually
+
+B = 64
+MODEL = "m"
+
+
+def _config(endpoint: str, replay: str | None = None, **extra: Any) -> dict[str, Any]:
+    """One rank's ``KVEventsConfig`` as vLLM 0.34 serialises it."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "replay_endpoint": replay,
+        "buffer_steps": 10000,
+        "hwm": 100000,
+        "max_queue_size": 100000,
+        "topic": "",
+        **extra,
+    }
+
+
+def test_bound_addresses_become_the_replicas_and_ranks_come_in_order() -> None:
+    answer = {
+        "1": _config("tcp://*:5558", "tcp://*:5560", topic="kv"),
+        "0": _config("tcp://0.0.0.0:5557", "tcp://0.0.0.0:5559", topic="kv"),
+    }
+    assert event_sources(answer, "http://10.0.0.7:8000") == (
+        EndpointSpec("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5559", "kv", 0),
+        EndpointSpec("tcp://10.0.0.7:5558", "tcp://10.0.0.7:5560", "kv", 1),
+    )
+    v6 = event_sources({"0": _config("tcp://[::]:5557")}, "http://[fd00::7]:8000")
+    assert v6 == (EndpointSpec("tcp://[fd00::7]:5557", None, "", 0),)
+    named = event_sources({"0": _config("tcp://10.1.1.1:5557")}, "http://vllm-0:8000")
+    assert named[0].endpoint == "tcp://10.1.1.1:5557"  # an explicit host is where it binds
+
+
+@pytest.mark.parametrize(
+    "answer,needle",
+    [
+        ({}, "publishes no KV events"),
+        ([], "not a JSON object"),
+        ({"0": _config("tcp://*:5557", publisher="null")}, "publisher 'null'"),
+        ({"0": _config("tcp://*:0")}, "expected tcp://HOST:PORT"),
+        ({"x": _config("tcp://*:5557")}, "rank 'x'"),
+        ({"0": {"publisher": "zmq"}}, "no endpoint"),
+    ],
+)
+def test_answers_without_a_followable_endpoint_say_why(answer: Any, needle: str) -> None:
+    with pytest.raises(NoEventSources, match=None) as info:
+        event_sources(answer, "http://h:8000")
+    assert needle in str(info.value)
+
+
+def test_auto_names_its_replay_endpoint_itself() -> None:
+    rep = {"url": "http://h:1", "model": MODEL, "zmq": "auto", "zmq_replay": "tcp://h:2"}
+    with pytest.raises(ConfigError, match="names it itself"):
+        build_settings({"replicas": [rep]})
+
+
+async def test_a_router_follows_the_events_of_replicas_it_asked() -> None:
+    """Two mock replicas binding ``tcp://*:PORT`` as vLLM does by default, and one with events
+    off; the router is configured with their URLs and ``zmq = "auto"`` only. It follows the
+    two, predicts a repeated prompt's hit as the engine reports it, and keeps asking the
+    third without harm."""
+    import openai
+
+    runners: list[Any] = []
+    try:
+        replicas = []
+        for i in range(3):
+            port, replay = free_port(), free_port()
+            s = MockSettings(
+                model=MODEL, replica=f"r{i}", block_size=B,
+                zmq_endpoint=f"tcp://*:{port}" if i < 2 else "",
+                replay_endpoint=f"tcp://*:{replay}" if i < 2 else "",
+            )  # fmt: skip
+            runner, base = await start_mock(s)
+            runners.append(runner)
+            # the third serves another model here: it is asked, never routed to
+            model = MODEL if i < 2 else "other"
+            replicas.append({"url": base, "model": model, "name": f"r{i}", "zmq": "auto"})
+        settings = build_settings(
+            {"replicas": replicas, "models": {MODEL: {"block_size": B, "policy": "ours"}}}
+        )
+        router, url = await start_router(settings)
+        runners.append(router)
+        state = router.app[STATE]
+        rng = random.Random(9)
+        prompt = [rng.randrange(1, 50_000) for _ in range(12 * B + 3)]
+        hashes = hash_prompt(prompt, B, root_hash(MODEL)).hashes
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        try:
+            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+            owner = ReplicaKey.parse(state.recent_decisions(1)[0]["replica"])
+
+            def indexed() -> bool:  # through events only: speculation is not a real entry
+                return state.index.match(hashes).get(owner).kv_blocks == len(hashes) and (
+                    state.index.stats().speculative_entries == 0
+                )
+
+            await eventually(indexed)
+            reply = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+            details = reply.usage.prompt_tokens_details if reply.usage else None
+            decision = state.recent_decisions(1)[0]
+            assert details is not None and decision["replica"] == str(owner)
+            assert decision["usable_tokens"] == details.cached_tokens == len(hashes) * B
+            assert state.index.replica_size(ReplicaKey("r2"))[0] == 0  # nothing to follow
+        finally:
+            await client.close()
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
