@@ -131,3 +131,42 @@ async def test_a_router_follows_the_events_of_replicas_it_asked() -> None:
     finally:
         for runner in reversed(runners):
             await runner.cleanup()
+
+
+async def test_the_publisher_sidecar_asks_its_engine_too() -> None:
+    """``kvrouter publish --zmq auto --url URL``: the endpoints its engine names, a replica
+    answering late included (asked again until it answers)."""
+    import argparse
+
+    from aiohttp import web
+
+    from router.publisher.cli import _endpoints
+
+    asked = 0
+
+    async def sources(_: web.Request) -> web.Response:
+        nonlocal asked
+        asked += 1
+        if asked == 1:
+            return web.json_response({})  # events not on yet: asked again (after 1 s)
+        return web.json_response({"0": _config("tcp://*:6001", "tcp://*:6002")})
+
+    app = web.Application()
+    app.router.add_get("/kv_event_sources", sources)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        args = argparse.Namespace(
+            zmq=["auto"], replay=None, url=f"http://127.0.0.1:{port}", replica="p0",
+            dp_ranks=[0], topic="",
+        )  # fmt: skip
+        assert await _endpoints(args) == (
+            EndpointSpec("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002", "", 0),
+        )
+        assert asked == 2
+        with pytest.raises(SystemExit, match="needs --url"):
+            await _endpoints(argparse.Namespace(**{**vars(args), "url": ""}))
+    finally:
+        await runner.cleanup()

@@ -7,16 +7,23 @@ already offset per rank; ``{}`` when events are off). A replica configured with 
 
 The engine reports the addresses it *binds*: a wildcard host (``*``, ``0.0.0.0``, ``::``)
 becomes the replica's own host from its URL, which is where a subscriber connects; an
-explicit host is kept. Parsing is pure; the request is the caller's.
+explicit host is kept. :func:`event_sources` reads an answer; :func:`ask` asks until one is
+usable (the router's direct mode and the publisher sidecar both use it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
+
 from router.events.endpoints import EndpointSpec, check_endpoint
+
+_log = logging.getLogger(__name__)
 
 SOURCES_PATH = "/kv_event_sources"
 _WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
@@ -88,3 +95,27 @@ def _spec(rank: int, config: Any, replica_url: str) -> EndpointSpec:
         )
     except ValueError as exc:
         raise NoEventSources(f"{where}: {exc}") from None
+
+
+async def ask(
+    replica_url: str, name: str, *, max_pause_s: float = 30.0
+) -> tuple[EndpointSpec, ...]:
+    """Ask ``replica_url`` where it publishes until it answers with usable endpoints: again
+    after 1 s, the pause doubling to ``max_pause_s``; each new reason for not following it
+    logged once (as replica ``name``). Cancel to give up."""
+    url = replica_url.rstrip("/") + SOURCES_PATH
+    pause, said = 1.0, ""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10.0)) as http:
+        while True:
+            try:
+                async with http.get(url) as resp:
+                    if resp.status != 200:
+                        raise NoEventSources(f"GET {SOURCES_PATH} answered {resp.status}")
+                    return event_sources(await resp.json(content_type=None), replica_url)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                reason = str(exc) or type(exc).__name__
+                if reason != said:
+                    _log.warning("replica %s: KV events not followed yet: %s", name, reason)
+                    said = reason
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, max_pause_s)

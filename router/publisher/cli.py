@@ -31,9 +31,17 @@ SIGNING_MASTER = "KVROUTER_SERVER__REDIS_SIGNING_MASTER"
 _OLD_SIGNING_MASTER = "KVROUTER_SIGNING_MASTER"  # its name before the convention was unified
 
 
-def _endpoints(args: argparse.Namespace) -> tuple[EndpointSpec, ...]:
+async def _endpoints(args: argparse.Namespace) -> tuple[EndpointSpec, ...]:
+    """The endpoints to follow: as given, or with ``--zmq auto`` asked of the engine at
+    ``--url`` until it answers (router.events.discovery)."""
     from router.events.endpoints import engine_endpoints
 
+    if args.zmq == ["auto"]:
+        if args.replay or not args.url:
+            raise SystemExit("kvrouter publish: --zmq auto needs --url and no --replay")
+        from router.events.discovery import ask
+
+        return await ask(args.url, args.replica)
     try:
         return engine_endpoints(args.zmq or [], args.replay or [], args.dp_ranks, args.topic)
     except ValueError as exc:
@@ -80,7 +88,7 @@ async def _main(args: argparse.Namespace) -> int:
     )
     settings = PublisherSettings(
         info=info,
-        endpoints=_endpoints(args),
+        endpoints=await _endpoints(args),
         engine_metrics_url=args.engine_metrics,
         lease_ttl_s=args.lease_ttl,
         heartbeat_s=args.heartbeat,
@@ -194,7 +202,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="the replica's role under prefill/decode disaggregation (docs/pd.md)",
     )
     p.add_argument("--engine", default="vllm", help="engine kind, for information")
-    p.add_argument("--zmq", action="append", help="engine KV-event PUB endpoint (repeatable)")
+    p.add_argument(
+        "--zmq",
+        action="append",
+        help="engine KV-event PUB endpoint (repeatable); 'auto': ask the engine at --url "
+        "(vLLM >= 0.34's GET /kv_event_sources: every rank's endpoints)",
+    )
     p.add_argument("--replay", action="append", help="replay ROUTER endpoint per --zmq")
     p.add_argument("--topic", default="", help="ZMQ topic (vLLM default: empty)")
     p.add_argument(

@@ -228,32 +228,13 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _discover(app: web.Application, direct: DirectEvents, rep: ReplicaSettings) -> None:
-    """A replica with ``zmq = "auto"``: ask it where it publishes (router.events.discovery)
-    until it answers, then follow those endpoints. A replica that is down or answers
-    without usable endpoints is asked again (1 s, doubling to 30 s), each new reason logged
-    once."""
-    from router.events.discovery import SOURCES_PATH, NoEventSources, event_sources
+    """A replica with ``zmq = "auto"``: ask it where it publishes until it answers
+    (router.events.discovery ``ask``), then follow those endpoints."""
+    from router.events.discovery import ask
 
     settings, state = app[SETTINGS], app[STATE]
     block = settings.model(rep.model).routing.block_size
-    url = rep.url.rstrip("/") + SOURCES_PATH
-    pause, said = 1.0, ""
-    timeout = aiohttp.ClientTimeout(total=10.0)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
-        while True:
-            try:
-                async with http.get(url) as resp:
-                    if resp.status != 200:
-                        raise NoEventSources(f"GET {SOURCES_PATH} answered {resp.status}")
-                    specs = event_sources(await resp.json(content_type=None), rep.url)
-                break
-            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                reason = str(exc) or type(exc).__name__
-                if reason != said:
-                    _log.warning("replica %s: KV events not followed yet: %s", rep.name, reason)
-                    said = reason
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 30.0)
+    specs = await ask(rep.url, rep.name)
     ranks = [s.dp_rank for s in specs]
     if ranks != list(range(rep.dp_ranks)):
         _log.warning(
