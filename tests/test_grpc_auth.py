@@ -264,9 +264,14 @@ async def test_a_report_ends_only_a_decision_its_own_caller_made() -> None:
         assert await front.load() == before
         refused = await front.refused(bearer(KEY_A))
         assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        # a Pick of another key reusing the id is refused (the id is in flight)
-        taken = await front.refused(bearer(KEY_B), request_id="req-a-1")
-        assert taken.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # another key may use the same id: its own decision (key A's untouched), which only
+        # its own Report ends; a caller reusing its own id in flight is refused
+        theirs = await front.pick(bearer(KEY_B), request_id="req-a-1")
+        assert theirs.decision_id == "req-a-1"
+        assert await front.report(bearer(KEY_B), "req-a-1")
+        assert await front.load() == before
+        again = await front.refused(bearer(GATEWAY), request_id=gw.decision_id)
+        assert again.code() == grpc.StatusCode.INVALID_ARGUMENT
         # each owner's own reports are applied
         assert await front.report(bearer(KEY_A), mine.decision_id, FIRST_TOKEN)
         assert (await front.load())[2] < before[2]

@@ -34,6 +34,14 @@ def owner_of(caller: object) -> str | None:
     return None
 
 
+def scoped_id(decision_id: str, owner: str | None) -> str:
+    """The id a decision is booked and dispatched under: the caller's ``decision_id`` within
+    its owner (:func:`owner_of`), so two client keys may use the same ids and neither can
+    hold an id another needs; a caller without a key uses its ids as given (the HTTP
+    endpoints' request ids share that space)."""
+    return decision_id if owner is None else f"{owner}/{decision_id}"
+
+
 @dataclass(slots=True)
 class Pending:
     """A decision awaiting its Report: what ends it and what its metrics need."""

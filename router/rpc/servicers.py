@@ -33,7 +33,7 @@ from router.core.types import (
     ReplicaKey,
     Tier,
 )
-from router.rpc.decisions import DecisionBook, Pending, owner_of
+from router.rpc.decisions import DecisionBook, Pending, owner_of, scoped_id
 from router.rpc.gen import (
     admin_pb2,
     admin_pb2_grpc,
@@ -273,11 +273,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 prompt = replace(prompt, reads_cache=False)  # as the HTTP endpoints read it
             now = self.clock()
             decision_id = request.request_id or uuid.uuid4().hex
+            owner = owner_of(CALLER.get())
+            # the id this process knows it by: its caller's, so no caller can take (or learn
+            # of) another's ids; the reply and the caller's Reports use ``decision_id``
+            internal = scoped_id(decision_id, owner)
             # in flight here or through the HTTP endpoints: the load tracker keys both by id
             if (
-                decision_id in self._picking
-                or self.book.get(decision_id) is not None
-                or self.state.load.replica_of(decision_id) is not None
+                internal in self._picking
+                or self.book.get(internal) is not None
+                or self.state.load.replica_of(internal) is not None
             ):
                 raise BadRequest(f"request_id {decision_id!r} is already in flight")
             # kept as the HTTP endpoints keep it (over 128 characters: its digest), so a
@@ -295,12 +299,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 and not pd
             ):
                 # SLO-aware admission (default class); a shed is RESOURCE_EXHAUSTED
-                self._picking.add(decision_id)
+                self._picking.add(internal)
                 try:
                     routed = await slo_gate.route(
                         request.model,
                         prompt,
-                        decision_id,
+                        internal,
                         now,
                         klass=DEFAULT,
                         tenant="",
@@ -308,12 +312,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         max_output_tokens=None,
                     )
                 finally:
-                    self._picking.discard(decision_id)
+                    self._picking.discard(internal)
             else:
                 routed = self.state.route(
                     request.model,
                     prompt,
-                    decision_id,
+                    internal,
                     now,
                     session_id=session,
                     replicas=self._whole(request),
@@ -345,7 +349,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
         # last: from here the book holds the caller's slot (``held``) until the decision ends
         for old in self.book.add(
-            decision_id,
+            internal,
             Pending(
                 # the id routed under: admission renames one whose id another request holds
                 routed.request.request_id,
@@ -357,7 +361,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 routed.ttft_factor,
                 routed.service_class,
                 held=held,
-                owner=owner_of(CALLER.get()),
+                owner=owner,
             ),
         ):
             self._end(old)
@@ -400,7 +404,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         id (unknown, expired, or another worker's) or the decision is not the reporting
         caller's (:func:`owner_of`: the same answer, so another caller learns nothing)."""
         phase = report.phase
-        pending = self.book.get(report.decision_id)
+        internal = scoped_id(report.decision_id, report.owner)
+        pending = self.book.get(internal)
         if pending is None or pending.owner != report.owner:
             return False
         now = self.clock()
@@ -411,14 +416,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if phase == router_pb2.ReportRequest.FAILED:
                 self.ejections.failed(pending.replica, "reported", now)
             else:
-                self.ejections.answered(pending.replica, report.decision_id, now)
+                self.ejections.answered(pending.replica, internal, now)
         if phase == router_pb2.ReportRequest.FIRST_TOKEN:
             self.state.load.first_token(pending.request_id)
             if not pending.first_at:
                 pending.first_at = now
                 mm.ttft.observe(now - pending.created)
         else:
-            self.book.pop(report.decision_id)
+            self.book.pop(internal)
             self._end(pending)
             # the outcome and SLO metrics of the HTTP endpoints (router/service/proxy.py)
             ok = phase == router_pb2.ReportRequest.COMPLETED
