@@ -71,6 +71,10 @@ async def pass_through(
                 upstream.abort()
             last = f"{base}: {str(exc) or type(exc).__name__}"
             continue
+        except BaseException:  # the client left: the replica's request goes too
+            if upstream is not None:
+                upstream.abort()
+            raise
         headers, _, _ = response_headers(upstream.headers)
         upstream.release()
         await sink.respond(upstream.status, headers, payload)
