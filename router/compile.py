@@ -72,6 +72,8 @@ TESTS = (
     "tests/test_proxy_usage.py",
     "tests/test_proxy_faults.py",
     "tests/test_proxy_integrity.py",
+    "tests/test_service_messages.py",  # the Anthropic Messages API through the hot path
+    "tests/test_tokenize_anthropic.py",  # its usage reading and stream end (proxy)
     "tests/test_loop_metrics.py",
     "tests/test_audit_input.py",
     "tests/test_audit_metrics.py",

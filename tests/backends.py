@@ -9,6 +9,10 @@ times), ``delay_s`` (before the headers), ``gate`` (an ``asyncio.Event`` answers
 requests held in flight until the test sets it), ``chunk_delay_s`` (between SSE chunks),
 ``hang`` (never answer; counts ``cancelled`` when the router gives up on it), ``pad_bytes``
 (a non-streamed answer carries that many more bytes, in ``x_pad``).
+
+It serves the Anthropic Messages API too (``/v1/messages``, JSON or vLLM's event stream, usage
+with ``cache_read_input_tokens`` from the same crude cache; ``/v1/messages/count_tokens``);
+each received request keeps its ``raw`` bytes, and ``sent`` the last answer body it wrote.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class Backend:
     chunks: int = 4
     pad_bytes: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
+    sent: bytes = b""
     cancelled: int = 0
     url: str = ""
     _seen: list[bytes] = field(default_factory=list)
@@ -168,6 +173,94 @@ class Backend:
         await resp.write_eof()
         return resp
 
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """The Anthropic Messages API, in vLLM 0.34's format."""
+        raw = await request.read()
+        body = json.loads(raw)
+        self.received.append(
+            {
+                "headers": {k.lower(): v for k, v in request.headers.items()},
+                "body": body,
+                "raw": raw,
+                "path": request.path,
+                "path_qs": request.path_qs,
+            }
+        )
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            error = {"type": "error", "error": {"type": "api_error", "message": "boom"}}
+            return web.json_response(error, status=self.fail_status)
+        prompt = json.dumps([body.get("system"), body.get("messages")]).encode()
+        prompt_tokens = max(1, len(prompt) // 4)
+        if request.path.endswith("/count_tokens"):
+            return web.json_response({"input_tokens": prompt_tokens})
+        cached = self._cached(prompt)
+        digest = hashlib.sha256(raw).hexdigest()[:16]
+        words = [f"w{i}-{digest[i % 16]}" for i in range(self.chunks)]
+
+        def usage(out: int) -> dict[str, int]:
+            uncached = prompt_tokens - cached
+            return {
+                "input_tokens": uncached,
+                "output_tokens": out,
+                "cache_read_input_tokens": cached,
+            }
+
+        msg = {
+            "id": f"msg_{digest}",
+            "type": "message",
+            "role": "assistant",
+            "model": body.get("model"),
+        }
+        if not body.get("stream"):
+            text = {"type": "text", "text": " ".join(words)}
+            answer = {
+                **msg,
+                "content": [text],
+                "stop_reason": "end_turn",
+                "usage": usage(len(words)),
+            }
+            self.sent = json.dumps(answer).encode()
+            return web.Response(body=self.sent, content_type="application/json")
+
+        def event(name: str, data: dict[str, Any]) -> bytes:
+            return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        start = {
+            **msg,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage(0),
+        }
+        pieces = [
+            event("message_start", {"type": "message_start", "message": start}),
+            event("content_block_start", {"type": "content_block_start", "index": 0,
+                                          "content_block": {"type": "text", "text": ""}}),
+            *(event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                            "delta": {"type": "text_delta", "text": w + " "}})
+              for w in words),
+            event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            event("message_delta", {"type": "message_delta", "usage": usage(len(words)),
+                                    "delta": {"stop_reason": "end_turn", "stop_sequence": None}}),
+            event("message_stop", {"type": "message_stop"}),
+        ]  # fmt: skip
+        self.sent = b"".join(pieces)
+        try:
+            for piece in pieces:
+                await resp.write(piece)
+                if self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        await resp.write_eof()
+        return resp
+
     async def _models(self, request: web.Request) -> web.Response:
         data = [
             {"id": m, "object": "model", "created": 1, "owned_by": self.name} for m in self.models
@@ -181,6 +274,8 @@ class Backend:
         app = web.Application(client_max_size=256 * 2**20)
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_post("/v1/completions", self._completion)
+        app.router.add_post("/v1/messages", self._messages)
+        app.router.add_post("/v1/messages/count_tokens", self._messages)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

@@ -5,9 +5,12 @@ tokenize a request before choosing a replica: ``POST /v1/chat/completions/render
 ``/v1/completions/render`` (the token ids of the request as the engine renders them:
 ``{"token_ids": [...]}``, a list of those for completions), falling back to ``POST /tokenize``
 (``{"count", "max_model_len", "tokens"}``), and ``POST /detokenize`` turns ids back into
-text. Every answer comes from the mock's own tokenizer, the one its completions use, so the
-ids a peer hashes are the ids the mock caches under. Errors are OpenAI-style bodies, as on
-the completion endpoints.
+text. The Anthropic Messages API has ``POST /v1/messages/render`` (the body's chat
+conversion rendered, as vLLM renders it) and ``/v1/messages/count_tokens``
+(``{"input_tokens", "context_management": {"original_input_tokens"}}``, Anthropic-style
+errors). Every answer comes from the mock's own tokenizer, the one its completions use, so
+the ids a peer hashes are the ids the mock caches under. Errors are OpenAI-style bodies, as
+on the completion endpoints (vLLM's render routes too).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 from aiohttp import web
 
 from router.core.errors import BadRequest
+from router.mock import anthropic
+from router.tokenize.anthropic import to_chat_body
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -71,6 +76,20 @@ def handlers(tokenizer_of: Callable[[web.Request], Any], max_model_len: int) -> 
         ids = check(tokenizer_of(request).chat(await _body(request)))
         return {"token_ids": ids, "features": None}
 
+    async def render_messages(request: web.Request) -> Any:
+        body = to_chat_body(await _body(request)).body
+        return {"token_ids": check(tokenizer_of(request).chat(body)), "features": None}
+
+    async def count_tokens(request: web.Request) -> web.StreamResponse:
+        try:
+            body = to_chat_body(await _body(request)).body
+            n = len(tokenizer_of(request).chat(body))
+        except BadRequest as exc:
+            return anthropic.error(400, str(exc))
+        return web.json_response(
+            {"input_tokens": n, "context_management": {"original_input_tokens": n}}
+        )
+
     async def render_completions(request: web.Request) -> Any:
         tokenizer = tokenizer_of(request)
         body = await _body(request)
@@ -97,6 +116,8 @@ def handlers(tokenizer_of: Callable[[web.Request], Any], max_model_len: int) -> 
     return {
         "/v1/chat/completions/render": guarded(render_chat),
         "/v1/completions/render": guarded(render_completions),
+        "/v1/messages/render": guarded(render_messages),
+        "/v1/messages/count_tokens": count_tokens,
         "/tokenize": guarded(tokenize),
         "/detokenize": guarded(detokenize),
     }

@@ -6,8 +6,10 @@ engine driver and the KV-event publisher (vLLM wire format over ZMQ). Endpoints:
 ``prompt_tokens_details.cached_tokens``, ``stream_options.include_usage``; for a hybrid
 profile ``prompt_tokens_details.kv_hit_tokens`` too, a mock-only field: the KV-only hit
 before the hybrid-state rule), ``GET /metrics`` (vLLM gauge names), ``GET /health``,
-``GET /v1/models``, and vLLM's prompt preparation: ``POST /tokenize``, ``/detokenize``,
-``/v1/chat/completions/render``, ``/v1/completions/render`` (router/mock/preprocess.py),
+``GET /v1/models``, the Anthropic Messages API: ``POST /v1/messages`` (streaming or not, in
+vLLM's format: router/mock/anthropic.py) and ``/v1/messages/count_tokens``, and vLLM's
+prompt preparation: ``POST /tokenize``, ``/detokenize``, ``/v1/chat/completions/render``,
+``/v1/completions/render``, ``/v1/messages/render`` (router/mock/preprocess.py),
 and ``GET`` / ``POST /admin/fault``: the fault mode (router/mock/faults.py).
 Bodies up to ``max_body_mb`` (vLLM itself has no cap).
 
@@ -45,7 +47,7 @@ from router.core.hashing import hash_prompt, root_hash
 from router.core.types import IndexEvent, ReplicaKey
 from router.events.discovery import SOURCES_PATH
 from router.events.zmq_pub import KVEventPublisher
-from router.mock import pd
+from router.mock import anthropic, pd
 from router.mock.driver import EngineDriver, EngineFailed
 from router.mock.faults import FaultMode
 from router.mock.faults import install as install_faults
@@ -53,6 +55,7 @@ from router.mock.kv_events import EngineEventEncoder
 from router.mock.latency import RequestLatency
 from router.mock.preprocess import handlers
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
+from router.tokenize.anthropic import to_chat_body
 from router.tokenize.request_fields import asks_prompt_logprobs
 
 log = logging.getLogger(__name__)
@@ -190,7 +193,15 @@ class _Collector:
         yield from s.latency.families(labels, lv)
 
 
-async def _prepare(request: web.Request, chat: bool) -> tuple[MockState, dict[str, Any], Any]:
+def tokens_of(tokenizer: MockTokenizer, kind: str, body: dict[str, Any]) -> list[int]:
+    """The prompt's token ids of a body of ``kind`` (``chat``, ``completion``, ``messages``:
+    an Anthropic body, rendered as its chat conversion)."""
+    if kind == "messages":
+        return tokenizer.chat(to_chat_body(body).body)
+    return tokenizer.chat(body) if kind == "chat" else tokenizer.completion(body)
+
+
+async def _prepare(request: web.Request, kind: str) -> tuple[MockState, dict[str, Any], Any]:
     state = request.app[STATE]
     try:
         body = await request.json(loads=jsonload.loads)
@@ -202,7 +213,7 @@ async def _prepare(request: web.Request, chat: bool) -> tuple[MockState, dict[st
     if model is not None and model != state.settings.model:
         raise BadRequest(f"model {model!r} is not served here ({state.settings.model!r} is)")
     try:
-        tokens = state.tokenizer.chat(body) if chat else state.tokenizer.completion(body)
+        tokens = tokens_of(state.tokenizer, kind, body)
     except UnicodeEncodeError:  # a lone surrogate (``"\ud800"``): no text to tokenize
         raise BadRequest("the prompt is not valid Unicode text (a lone surrogate)") from None
     if not tokens:
@@ -215,12 +226,13 @@ async def _prepare(request: web.Request, chat: bool) -> tuple[MockState, dict[st
     state.encoder.learn(hashes.hashes, tokens, salt)
     from sim.engine import EngineRequest  # the mock is the simulator's engine on a wall clock
 
+    prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "messages": "msg_"}[kind]
     req = EngineRequest(
-        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:20]}",
+        request_id=f"{prefix}{uuid.uuid4().hex[:20]}",
         block_hashes=hashes.hashes,
         prompt_tokens=len(tokens),
         max_output_tokens=_max_tokens(body, state.settings),
-        reads_cache=not asks_prompt_logprobs(body, "chat" if chat else "completion"),
+        reads_cache=not asks_prompt_logprobs(body, kind),
     )
     return state, body, req
 
@@ -255,25 +267,31 @@ def _usage(prompt: int, cached: int, completion: int, kv_hit: int | None) -> dic
     }
 
 
-async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
+async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
+    """Serve a completion of ``kind``: ``chat``, ``completion``, or ``messages`` (the
+    Anthropic Messages API: a chat whose answer is written as vLLM writes Anthropic's,
+    router/mock/anthropic.py)."""
     clock = asyncio.get_running_loop().time
     arrived = clock()  # vLLM's latency histograms start at the request's arrival
+    chat = kind != "completion"
+    messages = kind == "messages"
+    fail = anthropic.error if messages else _error
     try:
-        state, body, req = await _prepare(request, chat)
+        state, body, req = await _prepare(request, kind)
         stream = body.get("stream", False)
-        opts = body.get("stream_options") or {}
+        opts = {} if messages else body.get("stream_options") or {}
         if not isinstance(stream, bool) or not isinstance(opts, dict):
             raise BadRequest("'stream' must be a boolean and 'stream_options' an object")
     except BadRequest as exc:
         request.app[STATE].counters.bad_requests += 1
-        return _error(400, str(exc))
+        return fail(400, str(exc))
     params = pd.transfer_params(body)
     prefill_leg = pd.is_prefill_leg(params)
     if params is not None and pd.is_decode_leg(params):
         req = await _pull(state, req, params)
     created = int(time.time())
     model = state.settings.model
-    kind = "chat.completion" if chat else "text_completion"
+    object_type = "chat.completion" if chat else "text_completion"
     cached = 0
     kv_hit = 0
     produced = 0
@@ -290,7 +308,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         obj = {
             "id": req.request_id,
-            "object": f"{kind}.chunk" if chat else kind,
+            "object": f"{object_type}.chunk" if chat else object_type,
             "created": created,
             "model": model,
             "choices": [choice],
@@ -306,7 +324,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
             name = type(out).__name__
             if name == "Rejected":
                 state.counters.rejected += 1
-                return _error(400, f"request cannot be served: {out.reason}")
+                return fail(400, f"request cannot be served: {out.reason}")
             if response is None and stream:
                 response = web.StreamResponse(
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -319,7 +337,11 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
                 cached = out.cached_tokens
                 kv_hit = out.kv_hit_tokens
                 produced = 1
-                if response is not None:
+                if response is not None and messages:
+                    first = anthropic.usage(req.prompt_tokens, cached, 0)
+                    start = anthropic.start_events(req.request_id, model, first)
+                    await response.write(start + anthropic.text_event(_word(0)))
+                elif response is not None:
                     await response.write(chunk(_word(0), None, first=True))
                 else:
                     words.append(_word(0))
@@ -327,7 +349,10 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
                 new = [_word(produced + i) for i in range(out.count)]
                 produced += out.count
                 if response is not None:
-                    await response.write(chunk("".join(new), None))
+                    text = "".join(new)
+                    await response.write(
+                        anthropic.text_event(text) if messages else chunk(text, None)
+                    )
                 else:
                     words.extend(new)
             elif name == "Finished":
@@ -338,7 +363,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
     except EngineFailed as exc:
         if response is not None:
             raise  # the stream breaks off: the client sees an incomplete answer
-        return _error(500, str(exc))
+        return fail(500, str(exc))
     if params is not None and pd.is_decode_leg(params):  # the hit was the prefill replica's
         cached, kv_hit = pd.remote_hit(params, cached, kv_hit)
     c = state.counters
@@ -350,12 +375,22 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
     c.model_ttft_s += model_ttft_s
     hybrid = state.driver.model.hybrid
     usage = _usage(req.prompt_tokens, cached, produced, kv_hit if hybrid else None)
+    if messages:
+        final = anthropic.usage(req.prompt_tokens, cached, produced)
+        if response is not None:
+            await response.write(anthropic.end_events(finish_reason, final))
+            await response.write_eof()
+            return response
+        text = "".join(words)
+        return web.json_response(
+            anthropic.answer(req.request_id, model, text, finish_reason, final)
+        )
     if response is not None:
         await response.write(chunk(None if chat else "", finish_reason))
         if opts.get("include_usage"):
             obj = {
                 "id": req.request_id,
-                "object": f"{kind}.chunk" if chat else kind,
+                "object": f"{object_type}.chunk" if chat else object_type,
                 "created": created,
                 "model": model,
                 "choices": [],
@@ -395,7 +430,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
     return web.json_response(
         {
             "id": req.request_id,
-            "object": kind,
+            "object": object_type,
             "created": created,
             "model": model,
             "choices": [choice],
@@ -427,11 +462,15 @@ async def _pull(state: MockState, req: Any, params: Mapping[str, Any]) -> Any:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, chat=True)
+    return await _handle(request, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, chat=False)
+    return await _handle(request, "completion")
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, "messages")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -548,6 +587,7 @@ def create_app(settings: MockSettings) -> web.Application:
     install_faults(app, fault)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/messages", messages)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)

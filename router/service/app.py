@@ -5,7 +5,8 @@ of router.service.keys and the start / stop contexts of router.service.backgroun
 no HTTP itself) and the public port's route table. :func:`start` runs the contexts and opens
 the port with the router's HTTP server (router.service.fast_server), every request of which
 goes through the front door, router.service.handling.handle: ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``GET /v1/models``, ``/health``, ``/ready``, ``/metrics`` and the
+``POST /v1/completions``, the Anthropic Messages API's ``POST /v1/messages`` and
+``/v1/messages/count_tokens``, ``GET /v1/models``, ``/health``, ``/ready``, ``/metrics`` and the
 admin routes of router.service.admin. :func:`run` does that until SIGTERM / SIGINT
 (``kvrouter serve``). Errors are OpenAI-style JSON (router.service.errors).
 
@@ -24,6 +25,7 @@ from aiohttp import web
 
 from router.service import admin, background, public
 from router.service.admission import Admission
+from router.service.anthropic import COUNT_TOKENS_PATH, MESSAGES_PATH
 from router.service.banner import log_startup
 from router.service.fast_server import ConnLimits, FastServer
 from router.service.gate import Gate
@@ -97,6 +99,8 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
     routes = Routes()
     routes.served_elsewhere("POST", CHAT_PATH.decode())
     routes.served_elsewhere("POST", COMPLETIONS_PATH.decode())
+    routes.served_elsewhere("POST", MESSAGES_PATH.decode())
+    routes.served_elsewhere("POST", COUNT_TOKENS_PATH.decode())
     public.add_routes(routes, app)
     admin.add_routes(routes, app)
     app[ROUTES] = routes

@@ -202,7 +202,7 @@ def route(
 
 def keep_local(body: dict[str, Any], kind: str) -> str:
     """Why vLLM 0.34's protocol cannot carry this request of ``kind`` (``chat`` /
-    ``completion``) from a prefill replica to a decode one ('' when it can), from the
+    ``completion`` / ``messages``) from a prefill replica to a decode one ('' when it can), from the
     parsed body:
 
     * ``parallel_sampling``: ``n`` > 1; the connector hands over one sequence's blocks;
@@ -212,7 +212,12 @@ def keep_local(body: dict[str, Any], kind: str) -> str:
     * ``prompt_logprobs``: prompt logprobs asked (``prompt_logprobs``, or ``echo`` with
       chat's ``top_logprobs`` / completions' ``logprobs``): vLLM then reads no prefix
       cache and no transferred KV (``Request.skip_reading_external_kv``), so the decode
-      replica would prefill the whole prompt again."""
+      replica would prefill the whole prompt again;
+    * ``messages_api``: an Anthropic Messages API request (``kind`` ``messages``); the
+      router's prefill leg rewrites OpenAI fields (``max_tokens``, ``stream_options``) and
+      reads an OpenAI answer, so these are served where they are routed."""
+    if kind == "messages":
+        return "messages_api"
     n = lax_int(body.get("n"))  # read as vLLM reads it: "2" and 2.0 are 2
     if type(n) is int and n > 1:
         return "parallel_sampling"
@@ -393,7 +398,7 @@ class PdCollector(Collector):
             "kvrouter_pd_decisions",
             "Disaggregation decisions by reason (remote: always, remote_pays; local: off, "
             "few_uncached, local_hit, cheaper_local, same_replica, no_prefill_replica, "
-            "parallel_sampling, batch_prompts, prompt_logprobs)",
+            "parallel_sampling, batch_prompts, prompt_logprobs, messages_api)",
             labels=["model", "reason"],
         )
         fallbacks = CounterMetricFamily(

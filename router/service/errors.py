@@ -1,6 +1,8 @@
 """OpenAI-style error responses, and the one place where core errors become HTTP statuses.
 
-Body: ``{"error": {"message", "type", "param", "code"}}``. BadRequest -> 400,
+Body: ``{"error": {"message", "type", "param", "code"}}``; on the Anthropic Messages routes
+(``/v1/messages...``) Anthropic's ``{"type": "error", "error": {"type", "message"}}`` with
+the type vLLM 0.34 gives the status (``translate_error_type``). BadRequest -> 400,
 UnknownModel -> 404, body too large -> 413, NoReplicaAvailable -> 503 with ``Retry-After``
 (429 when every replica is over its busy threshold), Overloaded (SLO-aware admission) -> 429
 with ``Retry-After`` and code ``slo_<reason>``, anything unexpected -> 500.
@@ -40,10 +42,45 @@ _TYPES = {
 }
 
 
+# vLLM 0.34's vllm/entrypoints/anthropic/protocol.py ``_ANTHROPIC_ERROR_TYPE_BY_STATUS``
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's ``error.type`` for an HTTP status, as vLLM translates it: the table
+    above, else ``api_error`` from 500 on and ``invalid_request_error`` below."""
+    found = _ANTHROPIC_TYPES.get(status)
+    if found is not None:
+        return found
+    return "api_error" if status >= 500 else "invalid_request_error"
+
+
+def anthropic_error_body(status: int, message: str) -> bytes:
+    """The JSON bytes of an Anthropic-style error (the Messages API's shape)."""
+    error = {"type": anthropic_error_type(status), "message": message}
+    return json.dumps({"type": "error", "error": error}).encode()
+
+
 def error_body(
-    status: int, message: str, *, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    anthropic: bool = False,
 ) -> bytes:
-    """The JSON bytes of an OpenAI-style error."""
+    """The JSON bytes of an OpenAI-style error (``anthropic``: of an Anthropic-style one,
+    which has no ``param`` or ``code``)."""
+    if anthropic:
+        return anthropic_error_body(status, message)
     body = {
         "error": {
             "message": message,
@@ -65,8 +102,11 @@ class ErrorReply:
     param: str | None = None
     headers: tuple[tuple[str, str], ...] = ()
 
-    def body(self) -> bytes:
-        return error_body(self.status, self.message, param=self.param, code=self.code)
+    def body(self, anthropic: bool = False) -> bytes:
+        """OpenAI-style, or Anthropic-style with ``anthropic``."""
+        return error_body(
+            self.status, self.message, param=self.param, code=self.code, anthropic=anthropic
+        )
 
 
 def reply_for(exc: KVRouterError, retry_after_s: int = 1) -> ErrorReply:

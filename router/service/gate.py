@@ -47,13 +47,14 @@ class ApiKeys:
 
 
 def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> str:
-    """The API key a client presented: ``Authorization: Bearer KEY`` or ``api-key: KEY``."""
+    """The API key a client presented: ``Authorization: Bearer KEY``, ``api-key: KEY`` or
+    ``x-api-key: KEY`` (the Anthropic SDKs' header, Claude Code's with an API key)."""
     auth = api_key = ""
     for k, v in headers:
         name = k.lower()
         if name == b"authorization" and not auth:
             auth = v.decode("latin-1")
-        elif name == b"api-key" and not api_key:
+        elif (name == b"api-key" or name == b"x-api-key") and not api_key:
             api_key = v.decode("latin-1")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()

