@@ -272,7 +272,9 @@ def _fuzz(router: Any, n: int) -> dict[int, int]:
 
     @_settings(n)
     @given(
-        st.sampled_from([*ENDPOINTS, "/v1/models", "/v1/embeddings", "/admin/replicas", "/x"]),
+        st.sampled_from(
+            [*ENDPOINTS, "/v1/models", "/v1/embeddings", "/v1/unknown", "/admin/replicas", "/x"]
+        ),
         st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]),
         st.binary(max_size=200),
         st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded"]),
@@ -281,9 +283,9 @@ def _fuzz(router: Any, n: int) -> dict[int, int]:
         headers = {"Content-Type": ctype, "Authorization": f"Bearer {KEY}"}
         status, h, data = client.request(method, path, body, headers)
         check(status, h, data)
-        if path in ("/v1/embeddings", "/x"):
+        if path in ("/v1/unknown", "/x"):
             assert status == 404
-        elif path in ENDPOINTS and method != "POST":
+        elif path in (*ENDPOINTS, "/v1/embeddings") and method != "POST":
             assert status == 405
 
     @_settings(n)

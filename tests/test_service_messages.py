@@ -1,4 +1,4 @@
-"""The Anthropic Messages API through the router (router/service/anthropic.py, kind
+"""The Anthropic Messages API through the router (router/service/pass_through.py, kind
 ``messages`` of router/service/handling.py): a multi-turn conversation is routed to the
 replica holding its prefix and the router's predicted hit equals the engine's cached tokens
 (engine-rendered and locally converted prompts, streamed and not), the body and the answer

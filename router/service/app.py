@@ -25,7 +25,6 @@ from aiohttp import web
 
 from router.service import admin, background, public
 from router.service.admission import Admission
-from router.service.anthropic import COUNT_TOKENS_PATH, MESSAGES_PATH
 from router.service.banner import log_startup
 from router.service.fast_server import ConnLimits, FastServer
 from router.service.gate import Gate
@@ -40,6 +39,7 @@ from router.service.keys import (
     SETTINGS,
     STATE,
 )
+from router.service.pass_through import MESSAGES_PATH, PATHS
 from router.service.routes import Routes
 from router.service.saturation import loop_lag
 from router.service.security import Limits, check_grpc_token
@@ -100,7 +100,8 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
     routes.served_elsewhere("POST", CHAT_PATH.decode())
     routes.served_elsewhere("POST", COMPLETIONS_PATH.decode())
     routes.served_elsewhere("POST", MESSAGES_PATH.decode())
-    routes.served_elsewhere("POST", COUNT_TOKENS_PATH.decode())
+    for path in PATHS:
+        routes.served_elsewhere("POST", path.decode())
     public.add_routes(routes, app)
     admin.add_routes(routes, app)
     app[ROUTES] = routes

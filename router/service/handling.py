@@ -6,8 +6,9 @@ security.Gate` checks (header size; for ``/v1/`` paths the client's API key and 
 concurrency limit) hold for every route, then ``POST /v1/chat/completions``, ``POST
 /v1/completions`` and the Anthropic Messages API's ``POST /v1/messages`` are served here
 (:func:`serve_completion`: body -> checks -> prompt processing -> routing -> metrics ->
-:class:`~router.service.proxy.Forwarder`), ``POST /v1/messages/count_tokens`` is passed to
-a replica (router.service.anthropic), and every other path by the route table
+:class:`~router.service.proxy.Forwarder`), ``POST /v1/messages/count_tokens``, ``/tokenize``,
+``/detokenize`` and the pooling routes are passed to a replica of the model
+(router.service.pass_through), and every other path by the route table
 (router.service.routes). A check added to the gate holds for
 every route; the answer goes out through a :class:`~router.service.proxy.Sink`.
 
@@ -31,7 +32,7 @@ import xxhash
 from router import jsonload
 from router.core.admission import parse_service_tier
 from router.core.errors import BadRequest, KVRouterError
-from router.service import anthropic, disagg
+from router.service import disagg, pass_through
 from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, reply_for
 from router.service.gate import Gate
@@ -50,7 +51,7 @@ from router.tokenize.request_fields import asks_prompt_logprobs
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
-MESSAGES_PATH = anthropic.MESSAGES_PATH
+MESSAGES_PATH = pass_through.MESSAGES_PATH
 KINDS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completion", MESSAGES_PATH: "messages"}
 
 # Bodies this large or larger are tokenized on a worker thread, off the event loop.
@@ -393,8 +394,8 @@ async def handle(door: FrontDoor, req: HttpRequest, sink: Sink) -> None:
             await serve_completion(
                 door.state, door.forwarder, sink, path, req.body, req.headers, req.target
             )
-        elif req.method == b"POST" and path == anthropic.COUNT_TOKENS_PATH:
-            await serve_count_tokens(door.state, door.forwarder, sink, req)
+        elif req.method == b"POST" and path in pass_through.PATHS:
+            await serve_pass_through(door.state, door.forwarder, sink, req)
         else:
             reply = await door.routes.answer(req)
             await sink.respond(reply.status, list(reply.headers), reply.body)
@@ -403,21 +404,22 @@ async def handle(door: FrontDoor, req: HttpRequest, sink: Sink) -> None:
             door.gate.release(ident)
 
 
-async def serve_count_tokens(
+async def serve_pass_through(
     state: RouterState, forwarder: Forwarder, sink: Sink, req: HttpRequest
 ) -> None:
-    """``POST /v1/messages/count_tokens``: the body checked as a hot endpoint's (JSON object,
-    a model the router routes, the one model when it names none), then passed to a healthy
-    replica of the model as sent (router.service.anthropic ``pass_through``)."""
+    """A ``POST`` of router.service.pass_through ``PATHS``: the body checked as a hot
+    endpoint's (JSON object, a model the router routes, the one model when it names none),
+    then passed to a healthy replica of the model as sent."""
+    shaped = pass_through.PATHS[req.path]
     try:
         model, _ = field_types(parse_body(req.body), default_model(state))
         state.processor(model)  # a model the router does not route: 404
     except KVRouterError as exc:
-        await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s), True)
+        await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s), shaped)
         return
     rid = request_id_of(req.headers)
-    await anthropic.pass_through(
-        state, forwarder, sink, model, req.target, req.headers, req.body, rid
+    await pass_through.pass_through(
+        state, forwarder, sink, model, req.target, req.headers, req.body, rid, anthropic=shaped
     )
 
 

@@ -1,18 +1,15 @@
-"""The Anthropic Messages API through the router: what is particular to its routes.
+"""Requests the router passes to a replica without routing them: they leave nothing in the
+engine's cache worth following (vLLM's ``/tokenize`` and ``/detokenize``, the Anthropic
+``/v1/messages/count_tokens``) or are a pooling model's work (``/v1/embeddings``,
+``/pooling``, ``/classify``, ``/score``, ``/rerank``, ...). The body is checked as a hot
+endpoint's (a JSON object naming a model the router routes, or none for the one model) and
+sent, as the client sent it, to the model's healthy replicas in turn (one that cannot be
+reached or does not answer in time: the next, at most :data:`MAX_ATTEMPTS`); the answer,
+whatever its status, is relayed as the replica sent it. 503 when none answers.
 
-``POST /v1/messages`` is one of the front door's hot endpoints (router.service.handling:
-kind ``messages``): the same gate, checks, routing and forwarding as a chat request, its
-prompt the engine's ``/v1/messages/render`` answer (router.service.render) or the body's
-chat conversion (router.tokenize.anthropic), its body forwarded as sent, its answer (JSON,
-or vLLM's ``event: message_start`` ... ``message_stop`` stream) relayed as the replica sent
-it, its usage read by router.service.proxy ``usage_tokens``. The errors the router makes on
-these paths are Anthropic-shaped (router.service.errors ``anthropic_error_body``).
-
-``POST /v1/messages/count_tokens`` (:func:`pass_through`) needs no routing: it renders the
-prompt and counts it, on any healthy replica of the model, and leaves nothing behind. It
-is sent to the model's healthy replicas in turn (a replica that cannot be reached or does
-not answer in time: the next, at most :data:`MAX_ATTEMPTS`), and the answer, whatever its
-status, is relayed as the replica sent it.
+The Anthropic Messages API itself (``POST /v1/messages``) is a hot endpoint
+(router.service.handling, kind ``messages``); on its paths the router's own errors are
+Anthropic-shaped (router.service.errors ``anthropic_error_body``).
 """
 
 from __future__ import annotations
@@ -29,6 +26,26 @@ from router.service.upstream_errors import UpstreamError
 
 MESSAGES_PATH = b"/v1/messages"
 COUNT_TOKENS_PATH = b"/v1/messages/count_tokens"
+# path -> whether its errors are Anthropic-shaped
+PATHS: dict[bytes, bool] = {
+    COUNT_TOKENS_PATH: True,
+    **dict.fromkeys(
+        (
+            b"/tokenize",
+            b"/detokenize",
+            b"/v1/embeddings",
+            b"/v2/embed",
+            b"/pooling",
+            b"/classify",
+            b"/score",
+            b"/v1/score",
+            b"/rerank",
+            b"/v1/rerank",
+            b"/v2/rerank",
+        ),
+        False,
+    ),
+}
 MAX_ATTEMPTS = 2
 
 _turns = itertools.count()
@@ -43,6 +60,8 @@ async def pass_through(
     client_headers: Iterable[tuple[bytes, bytes]],
     body: bytes,
     request_id: str,
+    *,
+    anthropic: bool = False,
 ) -> None:
     """Send ``body`` (a checked request for ``model``) to ``target`` on a healthy replica of
     the model, and relay its answer (module docstring); 503 when none answers."""
@@ -84,5 +103,5 @@ async def pass_through(
         503,
         f"no replica of model {model!r} answered ({last})",
         headers=[(b"Retry-After", str(s.retry_after_s).encode())],
-        anthropic=True,
+        anthropic=anthropic,
     )
