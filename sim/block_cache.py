@@ -145,13 +145,17 @@ class BlockCache:
             g = self._grid
             at = list(range((lo // g + 1) * g, new_full + 1, g))
         at_prompt_end = new_full == seq.nfull and seq.computed >= seq.prompt
-        if (
-            p.checkpoint_prompt_end
-            and at_prompt_end
-            and new_full > lo
-            and (not at or at[-1] != new_full)
-        ):
-            at.append(new_full)
+        if p.checkpoint_prompt_end and at_prompt_end:
+            # vLLM: the prefill stops where the state can serve (an EAGLE engine: one block
+            # lower, its draft head recomputes the last one); a block-aligned prompt's last
+            # step ends on a block too (router/core/engine_hits.py)
+            ends = [new_full - 1] if p.eagle else [new_full]
+            if p.eagle and seq.prompt % self.block_size == 0:
+                ends.append(new_full)
+            for end in ends:
+                if end > lo and end not in at:
+                    at.append(end)
+            at.sort()
         made: list[int] = []
         state_at = self._state_at
         for b in at:

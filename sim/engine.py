@@ -526,6 +526,9 @@ class EngineModel(BlockCache):
                 reach += 1
         usable = reach
         state_at = self._state_at
+        if self.profile.eagle:
+            # vLLM caps a hit at N - 1 and gives back its last block (the draft head's peek)
+            usable = max(min(usable, max(seq.prompt - 1, 0) // self.block_size) - 1, 0)
         if self.hybrid:
             # a checkpoint at the prompt's very end serves no one (vLLM caps a hit at N - 1)
             usable = min(usable, max(seq.prompt - 1, 0) // self.block_size)

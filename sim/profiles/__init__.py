@@ -11,6 +11,8 @@ A profile is a TOML file (``sim/profiles/<name>.toml``, or any path) with these 
     checkpoint = "every_n"         # state checkpoint grid: every_block | step_end | every_n
     checkpoint_interval_tokens = 8192   # grid step for every_n (multiple of the block size)
     checkpoint_prompt_end = true   # also snapshot at the prompt's last full block
+    eagle = false                  # EAGLE / MTP speculative decoding: a hit gives back its
+                                   # last block, the prompt-end snapshot one block lower
     state_checkpoint_blocks = 64.0 # memory of one state checkpoint, in KV blocks
     cpu_blocks = 0                 # optional host-memory tier (0: none)
     cpu_load_s_per_token = 2e-7    # host -> GPU reload time per cached token
@@ -52,6 +54,7 @@ class EngineProfile:
     checkpoint: str = "every_n"
     checkpoint_interval_tokens: int = 8192
     checkpoint_prompt_end: bool = True
+    eagle: bool = False
     state_checkpoint_blocks: float = 0.0
     cpu_blocks: int = 0
     cpu_load_s_per_token: float = 2e-7
