@@ -169,7 +169,8 @@ def _processor(template: str | None = None) -> PromptProcessor:
 
 def test_the_prompt_is_the_chat_pipelines() -> None:
     """An exact conversion is the chat pipeline's prompt of the converted body; inline
-    system messages a template refuses in place are merged, and never exact."""
+    system messages are merged where vLLM's probe of the template says so; a conversation
+    the template refuses in place anyway is rendered merged, not exact."""
     proc = _processor()
     result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "l1"}
     messages = [
@@ -192,8 +193,17 @@ def test_the_prompt_is_the_chat_pipelines() -> None:
     strict = _processor(first_only)
     found = messages_prompt(strict, inline)
     merged = strict.chat(to_chat_body(inline, merge_inline_system=True).body)
-    assert found.block_hashes == merged.block_hashes and not found.exact
-    assert not messages_prompt(proc, inline).exact
+    assert found.block_hashes == merged.block_hashes and found.exact  # as vLLM's probe says
+    assert messages_prompt(proc, inline).exact  # this template takes them in place
+    refuses_late = (  # passes vLLM's probe, refuses a system message after an assistant
+        "{% for m in messages %}{% if m.role == 'system' and loop.index0 > 2 %}"
+        "{{ raise_exception('late system') }}{% endif %}{{ m.role }}: {{ m.content }}\n"
+        "{% endfor %}"
+    )
+    late = {**inline, "messages": [*inline["messages"], {"role": "assistant", "content": "a"},
+                                   {"role": "system", "content": "U"}]}  # fmt: skip
+    guessed = messages_prompt(_processor(refuses_late), late)  # vLLM answers 400
+    assert not guessed.exact
 
 
 def test_usage_is_read_in_both_shapes() -> None:

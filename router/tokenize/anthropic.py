@@ -22,10 +22,12 @@ that conversion for everything that decides the prompt:
 Where the router cannot know what vLLM decides, the conversion says so (``exact`` False)
 rather than pass a guess off as exact:
 
-* inline ``system`` messages: vLLM keeps them in place or merges them into the leading
-  system message depending on a probe of the chat template at start-up
-  (``_should_merge_inline_system``); the router renders them in place, and merged when
-  its template refuses that;
+* inline ``system`` messages, without the model's template: vLLM keeps them in place or
+  merges them into the leading system message depending on a probe of the chat template
+  at start-up (``_should_merge_inline_system``). With the template (``render = "local"``)
+  the router runs the same probe (:func:`merges_inline_system`) and is exact; only a
+  conversation the template then refuses in place is rendered merged, not exact (vLLM
+  answers it with an error);
 * ``thinking`` ``disabled`` / ``between_tools``: the ``reasoning_effort`` vLLM sends is
   ``--anthropic-disabled-thinking-effort``, by default found by rendering probe prompts
   (``DisabledThinkingEffortResolver``); the router takes ``"none"``;
@@ -41,12 +43,18 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
 
 from router.core.errors import BadRequest
 
 if TYPE_CHECKING:
     from router.tokenize.pipeline import ProcessedPrompt, PromptProcessor
+    from router.tokenize.template import ChatTemplate
 
 BILLING_HEADER = "x-anthropic-billing-header"
 # the reasoning_effort taken for thinking "disabled" / "between_tools" (see the docstring)
@@ -59,12 +67,14 @@ _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 class ChatConversion:
     """An Anthropic body as a chat body. ``exact``: the chat body is the one vLLM builds;
     False where vLLM decides by something the router cannot see (module docstring).
-    ``inline_system``: the body has inline system messages (rendered in place here; vLLM
-    may merge them)."""
+    ``inline_system``: the body has inline system messages (placed as asked: in place, or
+    merged; vLLM places them by a probe of its template, :func:`merges_inline_system`), so
+    ``exact`` is False; ``placed_exact``: exact apart from where they go."""
 
     body: dict[str, Any]
     exact: bool
     inline_system: bool = False
+    placed_exact: bool = True
 
 
 def _blocks(value: Any, where: str) -> list[Mapping[str, Any]]:
@@ -380,24 +390,61 @@ def to_chat_body(body: Mapping[str, Any], *, merge_inline_system: bool = False) 
         chat["tools"] = [_tool(t) for t in tools]
         chat.setdefault("tool_choice", "auto")
     exact = conv.exact and not conv.inline_system
-    return ChatConversion(chat, exact, conv.inline_system)
+    return ChatConversion(chat, exact, conv.inline_system, conv.exact)
+
+
+@lru_cache(maxsize=64)
+def _probe_refuses(source: str | None) -> bool:
+    """vLLM 0.34's ``_detect_merge_inline_system``: ``source`` rendered on
+    [system, user, system, user] in a bare sandboxed environment (no ``raise_exception``,
+    ``bos_token`` or other variables, no HF extensions), without a generation prompt; any
+    failure, or no template, means the template needs the system message first."""
+    if not source:
+        return True
+    try:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        probe = [{"role": role, "content": "t"} for role in ("system", "user") * 2]
+        env.from_string(source).render(messages=probe, add_generation_prompt=False)
+    except Exception:  # as vLLM: whatever fails (undefined names, filters) means merge
+        return True
+    return False
+
+
+def merges_inline_system(template: ChatTemplate) -> bool:
+    """Whether vLLM merges a body's inline system messages into the leading system message
+    for a model with ``template`` (``AnthropicServingMessages._should_merge_inline_system``
+    for a Jinja template: the probe fails on the template vLLM renders requests without
+    tools with, or on the one for requests with tools)."""
+    return _probe_refuses(template.source) or _probe_refuses(
+        template.tool_source or template.source
+    )
 
 
 def messages_prompt(processor: PromptProcessor, body: Mapping[str, Any]) -> ProcessedPrompt:
     """The routing view of an Anthropic body: its chat body (:func:`to_chat_body`) through
     the model's chat pipeline, not exact where the conversion is not. Inline system
-    messages are rendered in place, and merged into the leading system message when the
-    model's template refuses them there (what vLLM's probe decides for such templates)."""
-    conv = to_chat_body(body)
+    messages are merged into the leading system message when vLLM's start-up probe of the
+    model's template says so (:func:`merges_inline_system`), else rendered in place; a
+    conversation the template refuses in place is rendered merged (vLLM refuses it), not
+    exact."""
+    template = processor.template
+    merge = template is not None and merges_inline_system(template)
+    conv = to_chat_body(body, merge_inline_system=merge)
     if not conv.body["messages"]:  # nothing to render: routed on load
         return processor.unknown(body)
+    # inline system messages placed as vLLM's probe of the template places them: exact
+    exact = conv.exact or (conv.inline_system and conv.placed_exact and template is not None)
     try:
         prompt = processor.chat(conv.body)
     except BadRequest:
-        if not conv.inline_system:
+        if not conv.inline_system or merge:
             raise
+        # refused in place (vLLM answers with an error): the merged prompt, as a guess
         prompt = processor.chat(to_chat_body(body, merge_inline_system=True).body)
-    return prompt if conv.exact else replace(prompt, exact=False)
+        exact = False
+    return prompt if exact else replace(prompt, exact=False)
 
 
 def session_of(body: Mapping[str, Any]) -> Any:
