@@ -48,11 +48,18 @@ from router.tokenize.anthropic import session_of as anthropic_session
 from router.tokenize.lax import INVALID, lax_bool, lax_int
 from router.tokenize.pipeline import ProcessedPrompt
 from router.tokenize.request_fields import asks_prompt_logprobs
+from router.tokenize.responses import responses_prompt
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
 MESSAGES_PATH = pass_through.MESSAGES_PATH
-KINDS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completion", MESSAGES_PATH: "messages"}
+RESPONSES_PATH = pass_through.RESPONSES_PATH
+KINDS = {
+    CHAT_PATH: "chat",
+    COMPLETIONS_PATH: "completion",
+    MESSAGES_PATH: "messages",
+    RESPONSES_PATH: "responses",
+}
 
 # Bodies this large or larger are tokenized on a worker thread, off the event loop.
 THREAD_MIN_BODY = BODY_MEMO_MAX_BYTES
@@ -98,7 +105,7 @@ def field_types(body: dict[str, Any], default_model: str | None = None) -> tuple
     stream = lax_bool(body.get("stream", False))
     if stream is INVALID:
         raise BadRequest("'stream' must be a boolean")
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         v = lax_int(body.get(key))
         if v is INVALID or (v is not None and v < 0):
             raise BadRequest(f"'{key}' must be a non-negative integer")
@@ -106,8 +113,13 @@ def field_types(body: dict[str, Any], default_model: str | None = None) -> tuple
 
 
 def max_output_tokens(body: dict[str, Any]) -> int | None:
-    """``max_completion_tokens``, else ``max_tokens`` (as :func:`field_types` checked them)."""
-    found = lax_int(body.get("max_completion_tokens")) or lax_int(body.get("max_tokens"))
+    """``max_completion_tokens``, else ``max_tokens``, else the Responses API's
+    ``max_output_tokens`` (as :func:`field_types` checked them)."""
+    found = (
+        lax_int(body.get("max_completion_tokens"))
+        or lax_int(body.get("max_tokens"))
+        or lax_int(body.get("max_output_tokens"))
+    )
     return found if type(found) is int else None
 
 
@@ -214,22 +226,29 @@ def unique_in_flight(state: RouterState, request_id: str) -> str:
 async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) -> Admitted:
     """Check and process the prompt of a parsed body (``size`` bytes raw) of ``kind``
     (``chat``, ``completion``, ``messages``: an Anthropic Messages API body, whose prompt is
-    its chat conversion, router.tokenize.anthropic): everything before routing, a pure
+    its chat conversion, router.tokenize.anthropic; ``responses``: an OpenAI Responses API
+    body, likewise, router.tokenize.responses): everything before routing, a pure
     function of the body and the settings (what the body memo keeps); raises KVRouterError
     for a bad request."""
     model, stream = field_types(body, default_model(state))
     processor = state.processor(model)
     messages = kind == "messages"
+    responses = kind == "responses"
     fn: Callable[[dict[str, Any]], ProcessedPrompt]
     if messages:
         fn = partial(messages_prompt, processor)
+    elif responses:
+        fn = partial(responses_prompt, processor)
     else:
         fn = processor.chat if kind == "chat" else processor.completion
     offload = size >= THREAD_MIN_BODY and not _token_ids(body)
     prompt = await checked_prompt(state, model, fn, body, offload=offload, kind=kind)
     max_out = max_output_tokens(body)
     # the Messages API's service_tier ("standard_only") is Anthropic's, which vLLM ignores
-    tier = None if messages else body.get("service_tier")
+    # (the Responses API's "scale" tier is OpenAI's, which vLLM ignores too)
+    tier = body.get("service_tier")
+    if messages or (responses and tier == "scale"):
+        tier = None
     parse_service_tier(tier)  # a bad value is a 400, admission on or off
     if asks_prompt_logprobs(body, kind):
         prompt = replace(prompt, reads_cache=False)
@@ -242,8 +261,9 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
         session,
         max_out,
         # the engine reports usage on every Messages API stream (vLLM asks its chat
-        # stream for it): nothing to add, and the body reaches the replica as sent
-        None if messages else usage_patch(body),
+        # stream for it) and in every Responses API stream's final event: nothing to add,
+        # and the body reaches the replica as sent
+        None if messages or responses else usage_patch(body),
         tier,
         stream=stream,
         keep_local=disagg.keep_local(body, kind),

