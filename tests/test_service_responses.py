@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from aiohttp import web
@@ -184,6 +185,55 @@ async def test_locally_converted_responses_predict_the_engines_hit(stream: bool)
         # a built-in tool is not followed: not passed off as exact
         await _ask(client, stream, _items(2), tools=[*TOOLS, {"type": "web_search"}])
         assert not state.recent_decisions(1)[0]["exact"]
+        await client.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_stored_response_keeps_its_conversation_on_its_replica(stream: bool) -> None:
+    """Round robin over two replicas, each holding the responses it made (the mock keeps a
+    store, as vLLM with ``VLLM_ENABLE_RESPONSES_API_STORE=1``): a chain of requests naming
+    the previous response each reach its holder (elsewhere the engine answers 404), and so
+    do ``GET /v1/responses/{id}`` and its cancel; an id the router never saw is a 404 in
+    OpenAI's shape, and a ``store: false`` answer's id is not remembered."""
+    runners: list[web.AppRunner] = []
+    try:
+        replicas = await _fleet(2, runners)
+        model = {"block_size": B, "policy": "round_robin", "render": "engine"}
+        router, url = await start_router(
+            build_settings({"replicas": replicas, "models": {MODEL: model}})
+        )
+        runners.append(router)
+        state = router.app[STATE]
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        first = await _ask(client, stream, _items(1))
+        holder = state.recent_decisions(1)[0]["replica"]
+        previous = first.id
+        for i in range(4):
+            turn = await _ask(client, stream, f"and then {i}", previous_response_id=previous)
+            assert state.recent_decisions(1)[0]["replica"] == holder
+            assert not state.recent_decisions(1)[0]["exact"]  # the history is the replica's
+            previous = turn.id
+        # the last turn rendered the whole conversation there: most of it was cached
+        assert turn.usage.input_tokens_details.cached_tokens > first.usage.input_tokens // 2
+        for _ in range(3):  # round robin would alternate: the id decides
+            got = await client.responses.retrieve(previous)
+            assert got.id == previous and got.output
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/responses/{previous}/cancel") as r:
+                # the mock's (vLLM's) answer for a synchronous response, from its holder
+                assert r.status == 400 and "synchronous" in (await r.json())["error"]["message"]
+            async with http.get(url + "/v1/responses/resp_unknown") as r:
+                assert r.status == 404
+                error = (await r.json())["error"]
+                assert error["message"] == "Response with id 'resp_unknown' not found."
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve("resp_unknown")
+        unstored = await _ask(client, stream, "x", store=False)
+        assert state.response_ids.get(unstored.id) is None
+        assert state.response_ids.get(previous) is not None
         await client.close()
     finally:
         for runner in runners:

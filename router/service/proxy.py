@@ -38,6 +38,7 @@ from router.core.types import ReplicaKey
 from router.service.ejection import Ejections, outlier_settings
 from router.service.errors import error_body
 from router.service.replica_url import ReplicaUrl
+from router.service.response_ids import id_of_answer, id_of_stream
 from router.service.retry import (
     RetryBudget,
     expected_first_byte_s,
@@ -210,11 +211,12 @@ def request_head(
     rid: bytes,
     dp_rank: int | None,
     length: int,
+    method: bytes = b"POST",
 ) -> bytes:
-    """The upstream request head: the client's headers minus hop-by-hop ones (and those its
-    ``Connection`` header names), plus
+    """The upstream request head (``method``, POST by default): the client's headers minus
+    hop-by-hop ones (and those its ``Connection`` header names), plus
     ``X-Request-Id``, ``X-data-parallel-rank`` and ``Content-Length``."""
-    parts = [b"POST ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
+    parts = [method, b" ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
     client_headers = list(client_headers)
     dropped = _hop_by_hop(client_headers, _NOT_FORWARDED)
     for k, v in client_headers:
@@ -452,6 +454,7 @@ class Forwarder:
         strip_usage: bool = False,
         retry_body: bytes | None = None,
         anthropic: bool = False,
+        record_ids: bool = False,
     ) -> None:
         """``stream``: the client asked for one (the parsed body's top-level ``stream``; an
         answer that is not a stream has its decode inside the first-byte deadline).
@@ -461,7 +464,9 @@ class Forwarder:
         ``retry_body``: sent instead of ``body`` once an attempt reached a replica (any
         failure but a refused connection), for a body good for one replica only (a decode
         leg's ``kv_transfer_params``: router/service/disagg.py). ``anthropic``: a Messages
-        API request, whose errors the router answers in Anthropic's shape."""
+        API request, whose errors the router answers in Anthropic's shape. ``record_ids``: a
+        stored Responses API request; its answer's response id is recorded with the replica
+        that made it (router/service/response_ids.py)."""
         state = self.state
         model = routed.request.model
         mm = state.metrics.model(model)
@@ -573,7 +578,15 @@ class Forwarder:
                 token = None
                 try:
                     await self._relay(
-                        sink, upstream, routed, key, attempt, started, strip_usage, anthropic
+                        sink,
+                        upstream,
+                        routed,
+                        key,
+                        attempt,
+                        started,
+                        strip_usage,
+                        anthropic,
+                        record_ids,
                     )
                 finally:
                     upstream.release()
@@ -617,6 +630,7 @@ class Forwarder:
         started: float,
         strip_usage: bool = False,
         anthropic: bool = False,
+        record_ids: bool = False,
     ) -> None:
         state = self.state
         mm = state.metrics.model(routed.request.model)
@@ -650,6 +664,8 @@ class Forwarder:
                     )
                     return
                 state.load.first_token(rid)
+                if record_ids and status == 200:
+                    self._record_id(routed, key, id_of_answer(payload))
                 await sink.respond(status, headers, payload)  # the client gone: cancelled
                 self._answered(routed, key, started, status, payload, sse=False)
                 return
@@ -700,6 +716,11 @@ class Forwarder:
                 elif out:
                     await sink.write(out)
                 done_relayed = done_seen
+                if record_ids and status == 200:
+                    found = id_of_stream(chunk)
+                    if found is not None:
+                        self._record_id(routed, key, found)
+                        record_ids = False
                 at = responses_final_at(chunk) if b"event: response." in chunk else -1
                 if at >= 0:  # the whole response (and its usage) follows: kept whole
                     tail.clear()
@@ -749,6 +770,11 @@ class Forwarder:
             raise
         finally:
             state.load.complete(rid)
+
+    def _record_id(self, routed: Routed, key: ReplicaKey, response_id: str | None) -> None:
+        """Remember which replica holds a stored response (router/service/response_ids.py)."""
+        if response_id is not None:
+            self.state.response_ids.put(response_id, routed.request.model, key.replica)
 
     def _answered(
         self,
