@@ -238,3 +238,123 @@ async def test_a_stored_response_keeps_its_conversation_on_its_replica(stream: b
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+async def _capturing_replica() -> tuple[web.AppRunner, str, list[dict[str, Any]]]:
+    """A replica answering ``/v1/responses`` with fixed bytes (JSON, or vLLM's events when
+    the body streams), keeping what it received."""
+    seen: list[dict[str, Any]] = []
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        seen.append({"raw": raw, "path_qs": request.path_qs, "headers": dict(request.headers)})
+        if not json.loads(raw).get("stream"):
+            return web.Response(body=JSON_ANSWER, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in STREAM_ANSWER:
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}", seen
+
+
+_USAGE = (
+    b'"usage":{"input_tokens":7,"input_tokens_details":{"cached_tokens":0,'
+    b'"cache_write_tokens":0},"output_tokens":1,"output_tokens_details":'
+    b'{"reasoning_tokens":0},"total_tokens":8}'
+)
+JSON_ANSWER = (
+    b'{"id":"resp_x","object":"response","status":"completed","output":[],' + _USAGE + b"}"
+)
+STREAM_ANSWER = [
+    b'event: response.created\ndata: {"response":{"id":"resp_s","object":"response","output":[]'
+    b',"status":"in_progress"},"sequence_number":0,"type":"response.created"}\n\n',
+    b'event: response.completed\ndata: {"response":{"id":"resp_s","object":"response",'
+    b'"output":[],"status":"completed",' + _USAGE + b'},"sequence_number":1,'
+    b'"type":"response.completed"}\n\n',
+]
+
+
+@pytest.fixture
+async def capture() -> Any:
+    replica, base, seen = await _capturing_replica()
+    settings = build_settings(
+        {
+            "server": {"api_keys": "sk-r", "max_body_mb": 0.01},
+            "replicas": [{"url": base, "model": MODEL, "name": "b0"}],
+            "models": {MODEL: {"block_size": 16}},
+        }
+    )
+    running, url = await start_router(settings)
+    try:
+        yield url, seen, running.app[STATE]
+    finally:
+        await running.cleanup()
+        await replica.cleanup()
+
+
+async def test_the_body_and_the_answer_pass_unchanged(capture: Any) -> None:
+    """The body reaches the replica byte for byte (nothing added to a stream), with the
+    client's query string; the answer, JSON or events, reaches the client as written; the
+    answer's id is remembered with its replica; a body naming no model is the one model's."""
+    url, seen, state = capture
+    headers = {"Authorization": "Bearer sk-r"}
+    async with aiohttp.ClientSession() as http:
+        for stream, expected in ((False, JSON_ANSWER), (True, b"".join(STREAM_ANSWER))):
+            raw = b'{"model": "m",  "stream": %s, "x_vendor": [1, 2.50], "input": "hi"}' % (
+                b"true" if stream else b"false"
+            )
+            async with http.post(url + "/v1/responses?v=1", data=raw, headers=headers) as r:
+                assert r.status == 200
+                answer = await r.read()
+            assert seen[-1]["raw"] == raw and seen[-1]["path_qs"] == "/v1/responses?v=1"
+            assert answer == expected
+        assert state.response_ids.get("resp_x") == (MODEL, "b0")
+        assert state.response_ids.get("resp_s") == (MODEL, "b0")
+        body = {"input": [{"role": "user", "content": "hi"}]}
+        async with http.post(url + "/v1/responses", json=body, headers=headers) as r:
+            assert r.status == 200 and (await r.json())["id"] == "resp_x"
+    page = state.metrics.render().decode()
+    assert metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="ok") == 3
+
+
+async def test_the_routers_errors_answer_in_openai_shape(capture: Any) -> None:
+    url, seen, _ = capture
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-r", max_retries=0)
+    wrong = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await wrong.responses.create(model=MODEL, input="hi")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        await client.responses.create(model="nope", input="hi")
+    with pytest.raises(openai.BadRequestError, match="input"):
+        await client.responses.create(model=MODEL, input=3)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="Encrypted"):
+        await client.responses.create(
+            model=MODEL,
+            input=[{"type": "reasoning", "id": "r", "summary": [], "encrypted_content": "z"}],
+        )
+    async with aiohttp.ClientSession() as http:
+        headers = {"Authorization": "Bearer sk-r"}
+        async with http.post(url + "/v1/responses", data=b"{no", headers=headers) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+            assert "not valid JSON" in error["message"] and error["type"]
+        big = {"model": MODEL, "input": "x" * 20_000}
+        async with http.post(url + "/v1/responses", json=big, headers=headers) as r:
+            assert r.status == 413 and (await r.json())["error"]["code"] == "request_too_large"
+        async with http.get(url + "/v1/responses/a/b", headers=headers) as r:
+            assert r.status == 404
+    assert seen == []  # none reached the replica
+    await client.close()
+    await wrong.close()
