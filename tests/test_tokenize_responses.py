@@ -159,6 +159,7 @@ def test_what_vllm_decides_unseen_is_approximate(extra: dict[str, Any]) -> None:
         {"input": [{"type": "reasoning", "encrypted_content": "zz", "summary": []}]},
         {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
         {"input": "x", "tools": "no"},
+        {"input": "x", "instructions": ["a"]},
         {"input": "x", "tools": [{"type": "function"}]},
     ],
 )

@@ -192,8 +192,8 @@ def to_chat_body(body: Mapping[str, Any]) -> ChatConversion:
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        conv.exact = False  # (a prompt template's instructions: vLLM refuses "prompt")
-    elif instructions:
+        raise BadRequest("'instructions' must be a string")
+    if instructions:
         messages.append({"role": "system", "content": instructions})
     items = body.get("input")
     if isinstance(items, str):
@@ -237,8 +237,8 @@ def responses_prompt(processor: PromptProcessor, body: Mapping[str, Any]) -> Pro
     if not conv.body["messages"]:  # nothing to render: routed on load
         return processor.unknown(body)
     prompt = processor.chat(conv.body)
-    model = body.get("model")
-    harmony = isinstance(model, str) and is_harmony(model)
+    named = body.get("model")
+    harmony = is_harmony(processor.model) or (isinstance(named, str) and is_harmony(named))
     return prompt if conv.exact and not harmony else replace(prompt, exact=False)
 
 
