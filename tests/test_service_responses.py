@@ -350,6 +350,9 @@ async def test_the_routers_errors_answer_in_openai_shape(capture: Any) -> None:
             assert r.status == 400
             error = (await r.json())["error"]
             assert "not valid JSON" in error["message"] and error["type"]
+        bad = {"model": MODEL, "input": "hi", "max_output_tokens": -1}
+        async with http.post(url + "/v1/responses", json=bad, headers=headers) as r:
+            assert r.status == 400 and "max_output_tokens" in (await r.json())["error"]["message"]
         big = {"model": MODEL, "input": "x" * 20_000}
         async with http.post(url + "/v1/responses", json=big, headers=headers) as r:
             assert r.status == 413 and (await r.json())["error"]["code"] == "request_too_large"

@@ -108,21 +108,22 @@ def field_types(body: dict[str, Any], default_model: str | None = None) -> tuple
     stream = lax_bool(body.get("stream", False))
     if stream is INVALID:
         raise BadRequest("'stream' must be a boolean")
-    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+    for key in ("max_tokens", "max_completion_tokens"):
         v = lax_int(body.get(key))
         if v is INVALID or (v is not None and v < 0):
             raise BadRequest(f"'{key}' must be a non-negative integer")
     return model, bool(stream)
 
 
-def max_output_tokens(body: dict[str, Any]) -> int | None:
-    """``max_completion_tokens``, else ``max_tokens``, else the Responses API's
-    ``max_output_tokens`` (as :func:`field_types` checked them)."""
-    found = (
-        lax_int(body.get("max_completion_tokens"))
-        or lax_int(body.get("max_tokens"))
-        or lax_int(body.get("max_output_tokens"))
-    )
+def max_output_tokens(body: dict[str, Any], kind: str = "chat") -> int | None:
+    """``max_completion_tokens``, else ``max_tokens`` (as :func:`field_types` checked them);
+    for the Responses API (``kind`` ``responses``) its ``max_output_tokens``, checked here."""
+    if kind == "responses":
+        found = lax_int(body.get("max_output_tokens"))
+        if found is INVALID or (found is not None and found < 0):
+            raise BadRequest("'max_output_tokens' must be a non-negative integer")
+        return found if type(found) is int else None
+    found = lax_int(body.get("max_completion_tokens")) or lax_int(body.get("max_tokens"))
     return found if type(found) is int else None
 
 
@@ -246,7 +247,7 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
         fn = processor.chat if kind == "chat" else processor.completion
     offload = size >= THREAD_MIN_BODY and not _token_ids(body)
     prompt = await checked_prompt(state, model, fn, body, offload=offload, kind=kind)
-    max_out = max_output_tokens(body)
+    max_out = max_output_tokens(body, kind)
     # the Messages API's service_tier ("standard_only") is Anthropic's, which vLLM ignores
     # (the Responses API's "scale" tier is OpenAI's, which vLLM ignores too)
     tier = body.get("service_tier")
