@@ -105,7 +105,7 @@ def _body_schema(path: str) -> dict[str, Any]:
     return op["requestBody"]["content"]["application/json"]["schema"]  # type: ignore[no-any-return]
 
 
-ENDPOINTS = ["/v1/chat/completions", "/v1/completions"]
+ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
 valid_requests = st.one_of(
     *(st.tuples(st.just(p), from_schema(_body_schema(p))) for p in ENDPOINTS)
 )
@@ -125,7 +125,7 @@ def mutated_requests(draw: Any) -> tuple[str, Any]:
     elif op == 3:  # wrong top-level type
         return path, draw(json_values)
     else:  # nested damage inside messages / prompt
-        target = "messages" if "messages" in body else "prompt"
+        target = next((k for k in ("messages", "input") if k in body), "prompt")
         value = body.get(target)
         if isinstance(value, list) and value:
             value = list(value)
@@ -238,7 +238,11 @@ def check(status: int, headers: dict[str, str], data: bytes, expect: int | None 
         if status == 429:
             assert "retry-after" in headers
     elif headers.get("content-type", "").startswith("text/event-stream"):
-        assert data.rstrip().endswith(b"data: [DONE]"), data[-200:]
+        end = data.rstrip()
+        # the Responses API's streams end with their final event, not [DONE]
+        assert end.endswith(b"data: [DONE]") or end.endswith(
+            (b'"type":"response.completed"}', b'"type":"response.incomplete"}')
+        ), data[-200:]
 
 
 def _settings(n: int) -> Any:

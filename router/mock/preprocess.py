@@ -8,9 +8,10 @@ tokenize a request before choosing a replica: ``POST /v1/chat/completions/render
 text. The Anthropic Messages API has ``POST /v1/messages/render`` (the body's chat
 conversion rendered, as vLLM renders it) and ``/v1/messages/count_tokens``
 (``{"input_tokens", "context_management": {"original_input_tokens"}}``, Anthropic-style
-errors). Every answer comes from the mock's own tokenizer, the one its completions use, so
-the ids a peer hashes are the ids the mock caches under. Errors are OpenAI-style bodies, as
-on the completion endpoints (vLLM's render routes too).
+errors), and the OpenAI Responses API ``POST /v1/responses/render`` (its chat conversion
+rendered; no ``previous_response_id``). Every answer comes from the mock's own tokenizer,
+the one its completions use, so the ids a peer hashes are the ids the mock caches under.
+Errors are OpenAI-style bodies, as on the completion endpoints (vLLM's render routes too).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from aiohttp import web
 from router.core.errors import BadRequest
 from router.mock import anthropic
 from router.tokenize.anthropic import to_chat_body
+from router.tokenize.responses import to_chat_body as responses_chat
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -80,6 +82,15 @@ def handlers(tokenizer_of: Callable[[web.Request], Any], max_model_len: int) -> 
         body = to_chat_body(await _body(request)).body
         return {"token_ids": check(tokenizer_of(request).chat(body)), "features": None}
 
+    async def render_responses(request: web.Request) -> Any:
+        body = await _body(request)
+        if body.get("previous_response_id") is not None:  # vLLM's words
+            raise BadRequest(
+                "previous_response_id is not supported by the stateless render endpoint."
+            )
+        chat = responses_chat(body).body
+        return {"token_ids": check(tokenizer_of(request).chat(chat)), "features": None}
+
     async def count_tokens(request: web.Request) -> web.StreamResponse:
         try:
             body = to_chat_body(await _body(request)).body
@@ -117,6 +128,7 @@ def handlers(tokenizer_of: Callable[[web.Request], Any], max_model_len: int) -> 
         "/v1/chat/completions/render": guarded(render_chat),
         "/v1/completions/render": guarded(render_completions),
         "/v1/messages/render": guarded(render_messages),
+        "/v1/responses/render": guarded(render_responses),
         "/v1/messages/count_tokens": count_tokens,
         "/tokenize": guarded(tokenize),
         "/detokenize": guarded(detokenize),

@@ -7,9 +7,12 @@ engine driver and the KV-event publisher (vLLM wire format over ZMQ). Endpoints:
 profile ``prompt_tokens_details.kv_hit_tokens`` too, a mock-only field: the KV-only hit
 before the hybrid-state rule), ``GET /metrics`` (vLLM gauge names), ``GET /health``,
 ``GET /v1/models``, the Anthropic Messages API: ``POST /v1/messages`` (streaming or not, in
-vLLM's format: router/mock/anthropic.py) and ``/v1/messages/count_tokens``, and vLLM's
+vLLM's format: router/mock/anthropic.py) and ``/v1/messages/count_tokens``, the OpenAI
+Responses API: ``POST /v1/responses`` (streaming or not), ``GET /v1/responses/{id}`` and
+``POST /v1/responses/{id}/cancel`` (router/mock/responses.py), and vLLM's
 prompt preparation: ``POST /tokenize``, ``/detokenize``, ``/v1/chat/completions/render``,
-``/v1/completions/render``, ``/v1/messages/render`` (router/mock/preprocess.py),
+``/v1/completions/render``, ``/v1/messages/render``, ``/v1/responses/render``
+(router/mock/preprocess.py),
 and ``GET`` / ``POST /admin/fault``: the fault mode (router/mock/faults.py).
 Bodies up to ``max_body_mb`` (vLLM itself has no cap).
 
@@ -48,6 +51,7 @@ from router.core.types import IndexEvent, ReplicaKey
 from router.events.discovery import SOURCES_PATH
 from router.events.zmq_pub import KVEventPublisher
 from router.mock import anthropic, pd
+from router.mock import responses as resp
 from router.mock.driver import EngineDriver, EngineFailed
 from router.mock.faults import FaultMode
 from router.mock.faults import install as install_faults
@@ -119,6 +123,7 @@ class MockState:
     counters: MockCounters = field(default_factory=MockCounters)
     latency: RequestLatency = field(default_factory=RequestLatency)
     ids: Any = field(default_factory=lambda: itertools.count(1))
+    responses: resp.ResponseStore = field(default_factory=resp.ResponseStore)
 
 
 STATE = web.AppKey("mock_state", MockState)
@@ -131,6 +136,8 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
 
 def _max_tokens(body: Mapping[str, Any], settings: MockSettings) -> int:
     value = body.get("max_completion_tokens", body.get("max_tokens"))
+    if value is None:
+        value = body.get("max_output_tokens")  # the Responses API's
     if value is None:
         return settings.default_max_tokens
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -193,9 +200,17 @@ class _Collector:
         yield from s.latency.families(labels, lv)
 
 
-def tokens_of(tokenizer: MockTokenizer, kind: str, body: dict[str, Any]) -> list[int]:
+def tokens_of(
+    tokenizer: MockTokenizer,
+    kind: str,
+    body: dict[str, Any],
+    store: resp.ResponseStore | None = None,
+) -> list[int]:
     """The prompt's token ids of a body of ``kind`` (``chat``, ``completion``, ``messages``:
-    an Anthropic body, rendered as its chat conversion)."""
+    an Anthropic body, rendered as its chat conversion; ``responses``: a Responses API body,
+    likewise, with the history of its previous response in ``store``)."""
+    if kind == "responses":
+        return tokenizer.chat(resp.chat_body(store or resp.ResponseStore(), body))
     if kind == "messages":
         return tokenizer.chat(to_chat_body(body).body)
     return tokenizer.chat(body) if kind == "chat" else tokenizer.completion(body)
@@ -213,7 +228,7 @@ async def _prepare(request: web.Request, kind: str) -> tuple[MockState, dict[str
     if model is not None and model != state.settings.model:
         raise BadRequest(f"model {model!r} is not served here ({state.settings.model!r} is)")
     try:
-        tokens = tokens_of(state.tokenizer, kind, body)
+        tokens = tokens_of(state.tokenizer, kind, body, state.responses)
     except UnicodeEncodeError:  # a lone surrogate (``"\ud800"``): no text to tokenize
         raise BadRequest("the prompt is not valid Unicode text (a lone surrogate)") from None
     if not tokens:
@@ -226,7 +241,9 @@ async def _prepare(request: web.Request, kind: str) -> tuple[MockState, dict[str
     state.encoder.learn(hashes.hashes, tokens, salt)
     from sim.engine import EngineRequest  # the mock is the simulator's engine on a wall clock
 
-    prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "messages": "msg_"}[kind]
+    prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "messages": "msg_", "responses": "resp_"}[
+        kind
+    ]
     req = EngineRequest(
         request_id=f"{prefix}{uuid.uuid4().hex[:20]}",
         block_hashes=hashes.hashes,
@@ -275,13 +292,16 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     arrived = clock()  # vLLM's latency histograms start at the request's arrival
     chat = kind != "completion"
     messages = kind == "messages"
+    responses = kind == "responses"
     fail = anthropic.error if messages else _error
     try:
         state, body, req = await _prepare(request, kind)
         stream = body.get("stream", False)
-        opts = {} if messages else body.get("stream_options") or {}
+        opts = {} if messages or responses else body.get("stream_options") or {}
         if not isinstance(stream, bool) or not isinstance(opts, dict):
             raise BadRequest("'stream' must be a boolean and 'stream_options' an object")
+    except resp.UnknownResponse as exc:
+        return resp.not_found(str(exc))
     except BadRequest as exc:
         request.app[STATE].counters.bad_requests += 1
         return fail(400, str(exc))
@@ -316,6 +336,8 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         return f"data: {json.dumps(obj)}\n\n".encode()
 
     words: list[str] = []
+    rids = (req.request_id, f"msg_{uuid.uuid4().hex}")
+    writer = resp.EventWriter(rids)
     first_at = finished_at = arrived
     queued_s = model_ttft_s = 0.0
     submitted = state.driver.now()  # model time: the engine gets the request at once
@@ -341,6 +363,12 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                     first = anthropic.usage(req.prompt_tokens, cached, 0)
                     start = anthropic.start_events(req.request_id, model, first)
                     await response.write(start + anthropic.text_event(_word(0)))
+                elif response is not None and responses:
+                    created_obj = resp.response(
+                        body, rids, model, None, "in_progress", None, req.max_output_tokens
+                    )
+                    await response.write(writer.start(created_obj) + writer.delta(_word(0)))
+                    words.append(_word(0))
                 elif response is not None:
                     await response.write(chunk(_word(0), None, first=True))
                 else:
@@ -348,7 +376,10 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             elif name == "TokensEmitted":
                 new = [_word(produced + i) for i in range(out.count)]
                 produced += out.count
-                if response is not None:
+                if response is not None and responses:
+                    await response.write(writer.delta("".join(new)))
+                    words.extend(new)
+                elif response is not None:
                     text = "".join(new)
                     await response.write(
                         anthropic.text_event(text) if messages else chunk(text, None)
@@ -375,6 +406,19 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     c.model_ttft_s += model_ttft_s
     hybrid = state.driver.model.hybrid
     usage = _usage(req.prompt_tokens, cached, produced, kv_hit if hybrid else None)
+    if responses:
+        status = "incomplete" if finish_reason == "length" else "completed"
+        used = resp.usage(req.prompt_tokens, cached, produced)
+        text = "".join(words)
+        answer = resp.response(body, rids, model, text, status, used, req.max_output_tokens)
+        if body.get("store", True) is not False:
+            history = resp.chat_body(state.responses, body)["messages"]
+            state.responses.put(rids[0], resp.Stored(history, answer))
+        if response is not None:
+            await response.write(writer.end(answer))
+            await response.write_eof()
+            return response
+        return web.json_response(answer)
     if messages:
         final = anthropic.usage(req.prompt_tokens, cached, produced)
         if response is not None:
@@ -471,6 +515,28 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     return await _handle(request, "messages")
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, "responses")
+
+
+async def get_response(request: web.Request) -> web.StreamResponse:
+    """vLLM's ``GET /v1/responses/{id}`` (a stored response, else 404)."""
+    response_id = request.match_info["response_id"]
+    found = request.app[STATE].responses.get(response_id)
+    if found is None:
+        return resp.not_found(response_id)
+    return web.json_response(found.response)
+
+
+async def cancel_response(request: web.Request) -> web.StreamResponse:
+    """vLLM's ``POST /v1/responses/{id}/cancel``: only background responses can be
+    cancelled; the mock runs none, so a stored response answers vLLM's 400."""
+    response_id = request.match_info["response_id"]
+    if request.app[STATE].responses.get(response_id) is None:
+        return resp.not_found(response_id)
+    return _error(400, "Cannot cancel a synchronous response.")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -588,6 +654,9 @@ def create_app(settings: MockSettings) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)

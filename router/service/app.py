@@ -6,7 +6,8 @@ no HTTP itself) and the public port's route table. :func:`start` runs the contex
 the port with the router's HTTP server (router.service.fast_server), every request of which
 goes through the front door, router.service.handling.handle: ``POST /v1/chat/completions``,
 ``POST /v1/completions``, the Anthropic Messages API's ``POST /v1/messages`` and
-``/v1/messages/count_tokens``, ``GET /v1/models``, ``/health``, ``/ready``, ``/metrics`` and the
+``/v1/messages/count_tokens``, the OpenAI Responses API's ``POST /v1/responses`` (and ``GET`` /
+``cancel`` of a stored response), ``GET /v1/models``, ``/health``, ``/ready``, ``/metrics`` and the
 admin routes of router.service.admin. :func:`run` does that until SIGTERM / SIGINT
 (``kvrouter serve``). Errors are OpenAI-style JSON (router.service.errors).
 
@@ -39,7 +40,7 @@ from router.service.keys import (
     SETTINGS,
     STATE,
 )
-from router.service.pass_through import MESSAGES_PATH, PATHS
+from router.service.pass_through import MESSAGES_PATH, PATHS, RESPONSES_PATH
 from router.service.routes import Routes
 from router.service.saturation import loop_lag
 from router.service.security import Limits, check_grpc_token
@@ -100,6 +101,7 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
     routes.served_elsewhere("POST", CHAT_PATH.decode())
     routes.served_elsewhere("POST", COMPLETIONS_PATH.decode())
     routes.served_elsewhere("POST", MESSAGES_PATH.decode())
+    routes.served_elsewhere("POST", RESPONSES_PATH.decode())
     for path in PATHS:
         routes.served_elsewhere("POST", path.decode())
     public.add_routes(routes, app)

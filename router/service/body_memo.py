@@ -51,6 +51,10 @@ class Admitted:
     keep_local: str = ""
     # appended to a disaggregated request's prefill leg (disagg.prefill_caps)
     prefill_caps: bytes = b""
+    # a Responses API body: the stored response it continues (``previous_response_id``),
+    # and whether its answer's id is recorded (``store`` not false): response_ids.py
+    previous_response: str | None = None
+    stores: bool = False
 
 
 class BodyMemo:

@@ -215,9 +215,13 @@ def keep_local(body: dict[str, Any], kind: str) -> str:
       replica would prefill the whole prompt again;
     * ``messages_api``: an Anthropic Messages API request (``kind`` ``messages``); the
       router's prefill leg rewrites OpenAI fields (``max_tokens``, ``stream_options``) and
-      reads an OpenAI answer, so these are served where they are routed."""
+      reads an OpenAI answer, so these are served where they are routed;
+    * ``responses_api``: an OpenAI Responses API request (``kind`` ``responses``), for the
+      same reason (its answer is not a chat completion's)."""
     if kind == "messages":
         return "messages_api"
+    if kind == "responses":
+        return "responses_api"
     n = lax_int(body.get("n"))  # read as vLLM reads it: "2" and 2.0 are 2
     if type(n) is int and n > 1:
         return "parallel_sampling"
@@ -398,7 +402,7 @@ class PdCollector(Collector):
             "kvrouter_pd_decisions",
             "Disaggregation decisions by reason (remote: always, remote_pays; local: off, "
             "few_uncached, local_hit, cheaper_local, same_replica, no_prefill_replica, "
-            "parallel_sampling, batch_prompts, prompt_logprobs, messages_api)",
+            "parallel_sampling, batch_prompts, prompt_logprobs, messages_api, responses_api)",
             labels=["model", "reason"],
         )
         fallbacks = CounterMetricFamily(

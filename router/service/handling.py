@@ -8,9 +8,11 @@ concurrency limit) hold for every route, then ``POST /v1/chat/completions``, ``P
 (:func:`serve_completion`: body -> checks -> prompt processing -> routing -> metrics ->
 :class:`~router.service.proxy.Forwarder`), ``POST /v1/messages/count_tokens``, ``/tokenize``,
 ``/detokenize`` and the pooling routes are passed to a replica of the model
-(router.service.pass_through), and every other path by the route table
-(router.service.routes). A check added to the gate holds for
-every route; the answer goes out through a :class:`~router.service.proxy.Sink`.
+(router.service.pass_through), the OpenAI Responses API's ``POST /v1/responses`` is a hot
+endpoint too and its ``GET /v1/responses/{id}`` / ``POST /v1/responses/{id}/cancel`` go to
+the replica holding the response (router.service.stored_responses), and every other path
+by the route table (router.service.routes). A check added to the gate holds for every
+route; the answer goes out through a :class:`~router.service.proxy.Sink`.
 
 The router validates only what it needs (model, messages / prompt, stream flag, a few
 types); the body is forwarded untouched. Errors are OpenAI-style JSON, Anthropic-style on
@@ -31,8 +33,9 @@ import xxhash
 
 from router import jsonload
 from router.core.admission import parse_service_tier
-from router.core.errors import BadRequest, KVRouterError
-from router.service import disagg, pass_through
+from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable
+from router.core.types import ReplicaKey
+from router.service import disagg, pass_through, stored_responses
 from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, reply_for
 from router.service.gate import Gate
@@ -48,11 +51,18 @@ from router.tokenize.anthropic import session_of as anthropic_session
 from router.tokenize.lax import INVALID, lax_bool, lax_int
 from router.tokenize.pipeline import ProcessedPrompt
 from router.tokenize.request_fields import asks_prompt_logprobs
+from router.tokenize.responses import previous_response, responses_prompt
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
 MESSAGES_PATH = pass_through.MESSAGES_PATH
-KINDS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completion", MESSAGES_PATH: "messages"}
+RESPONSES_PATH = pass_through.RESPONSES_PATH
+KINDS = {
+    CHAT_PATH: "chat",
+    COMPLETIONS_PATH: "completion",
+    MESSAGES_PATH: "messages",
+    RESPONSES_PATH: "responses",
+}
 
 # Bodies this large or larger are tokenized on a worker thread, off the event loop.
 THREAD_MIN_BODY = BODY_MEMO_MAX_BYTES
@@ -105,8 +115,14 @@ def field_types(body: dict[str, Any], default_model: str | None = None) -> tuple
     return model, bool(stream)
 
 
-def max_output_tokens(body: dict[str, Any]) -> int | None:
-    """``max_completion_tokens``, else ``max_tokens`` (as :func:`field_types` checked them)."""
+def max_output_tokens(body: dict[str, Any], kind: str = "chat") -> int | None:
+    """``max_completion_tokens``, else ``max_tokens`` (as :func:`field_types` checked them);
+    for the Responses API (``kind`` ``responses``) its ``max_output_tokens``, checked here."""
+    if kind == "responses":
+        found = lax_int(body.get("max_output_tokens"))
+        if found is INVALID or (found is not None and found < 0):
+            raise BadRequest("'max_output_tokens' must be a non-negative integer")
+        return found if type(found) is int else None
     found = lax_int(body.get("max_completion_tokens")) or lax_int(body.get("max_tokens"))
     return found if type(found) is int else None
 
@@ -214,22 +230,29 @@ def unique_in_flight(state: RouterState, request_id: str) -> str:
 async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) -> Admitted:
     """Check and process the prompt of a parsed body (``size`` bytes raw) of ``kind``
     (``chat``, ``completion``, ``messages``: an Anthropic Messages API body, whose prompt is
-    its chat conversion, router.tokenize.anthropic): everything before routing, a pure
+    its chat conversion, router.tokenize.anthropic; ``responses``: an OpenAI Responses API
+    body, likewise, router.tokenize.responses): everything before routing, a pure
     function of the body and the settings (what the body memo keeps); raises KVRouterError
     for a bad request."""
     model, stream = field_types(body, default_model(state))
     processor = state.processor(model)
     messages = kind == "messages"
+    responses = kind == "responses"
     fn: Callable[[dict[str, Any]], ProcessedPrompt]
     if messages:
         fn = partial(messages_prompt, processor)
+    elif responses:
+        fn = partial(responses_prompt, processor)
     else:
         fn = processor.chat if kind == "chat" else processor.completion
     offload = size >= THREAD_MIN_BODY and not _token_ids(body)
     prompt = await checked_prompt(state, model, fn, body, offload=offload, kind=kind)
-    max_out = max_output_tokens(body)
+    max_out = max_output_tokens(body, kind)
     # the Messages API's service_tier ("standard_only") is Anthropic's, which vLLM ignores
-    tier = None if messages else body.get("service_tier")
+    # (the Responses API's "scale" tier is OpenAI's, which vLLM ignores too)
+    tier = body.get("service_tier")
+    if messages or (responses and tier == "scale"):
+        tier = None
     parse_service_tier(tier)  # a bad value is a 400, admission on or off
     if asks_prompt_logprobs(body, kind):
         prompt = replace(prompt, reads_cache=False)
@@ -242,12 +265,15 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
         session,
         max_out,
         # the engine reports usage on every Messages API stream (vLLM asks its chat
-        # stream for it): nothing to add, and the body reaches the replica as sent
-        None if messages else usage_patch(body),
+        # stream for it) and in every Responses API stream's final event: nothing to add,
+        # and the body reaches the replica as sent
+        None if messages or responses else usage_patch(body),
         tier,
         stream=stream,
         keep_local=disagg.keep_local(body, kind),
         prefill_caps=disagg.prefill_caps(body),
+        previous_response=previous_response(body) if responses else None,
+        stores=responses and body.get("store", True) is not False,
     )
 
 
@@ -396,6 +422,9 @@ async def handle(door: FrontDoor, req: HttpRequest, sink: Sink) -> None:
             )
         elif req.method == b"POST" and path in pass_through.PATHS:
             await serve_pass_through(door.state, door.forwarder, sink, req)
+        elif path.startswith(stored_responses.PREFIX) and stored_responses.response_id(req):
+            rid = request_id_of(req.headers)
+            await stored_responses.serve(door.state, door.forwarder, sink, req, rid)
         else:
             reply = await door.routes.answer(req)
             await sink.respond(reply.status, list(reply.headers), reply.body)
@@ -421,6 +450,43 @@ async def serve_pass_through(
     await pass_through.pass_through(
         state, forwarder, sink, model, req.target, req.headers, req.body, rid, anthropic=shaped
     )
+
+
+def holder_keys(state: RouterState, admitted: Admitted) -> list[ReplicaKey]:
+    """The keys of the replica holding the stored response a Responses body continues
+    (router/service/response_ids.py); empty when the router does not know it."""
+    if admitted.previous_response is None:
+        return []
+    holder = state.response_ids.get(admitted.previous_response)
+    if holder is None or holder.model != admitted.model:
+        return []
+    serving = state.registry.keys_for(admitted.model)
+    return [k for k in state.registry.find(holder.replica) if k in serving]
+
+
+def route_pinned(
+    state: RouterState,
+    forwarder: Forwarder,
+    admitted: Admitted,
+    client_headers: list[tuple[bytes, bytes]],
+    keys: list[ReplicaKey],
+) -> Routed:
+    """Route to the replica holding the previous response (``keys``: its ranks); when none
+    of them can take it, as usual (the engine answering decides: 404 without the
+    response)."""
+    args = (
+        admitted.model,
+        admitted.prompt,
+        unique_in_flight(state, request_id_of(client_headers)),
+        forwarder.event_loop().time(),
+    )
+    session = session_of(client_headers, admitted.session_id)
+    try:
+        return state.route(
+            *args, session_id=session, max_output_tokens=admitted.max_output_tokens, replicas=keys
+        )
+    except NoReplicaAvailable:
+        return state.route(*args, session_id=session, max_output_tokens=admitted.max_output_tokens)
 
 
 async def serve_completion(
@@ -457,7 +523,11 @@ async def serve_completion(
         slo_gate = state.admission
         pd = state.disagg.get(admitted.model) if state.disagg else None
         routed: Routed | disagg.PdFlow
-        if pd is not None:  # prefilled on one replica, decoded on another (service/disagg.py)
+        pinned = holder_keys(state, admitted)
+        if pinned:  # a stored response's follow-up: only its replica holds the response
+            pd = slo_gate = None
+            routed = route_pinned(state, forwarder, admitted, client_headers, pinned)
+        elif pd is not None:  # prefilled on one replica, decoded on another (service/disagg.py)
             routed = disagg.route(
                 state,
                 pd,
@@ -520,6 +590,7 @@ async def serve_completion(
                 routed,
                 stream=admitted.stream,
                 anthropic=shaped,
+                record_ids=admitted.stores,
             )
         else:  # the engine reports usage; the client gets the stream it asked for
             patched = with_patch(raw, patch)

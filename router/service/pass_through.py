@@ -26,6 +26,7 @@ from router.service.upstream_errors import UpstreamError
 
 MESSAGES_PATH = b"/v1/messages"
 COUNT_TOKENS_PATH = b"/v1/messages/count_tokens"
+RESPONSES_PATH = b"/v1/responses"
 # path -> whether its errors are Anthropic-shaped
 PATHS: dict[bytes, bool] = {
     COUNT_TOKENS_PATH: True,

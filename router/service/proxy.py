@@ -17,7 +17,8 @@ body, the client's raw header pairs and a :class:`Sink` that writes the answer t
   closed, which aborts the request on the replica.
 * Feedback: first body data -> ``LoadTracker.first_token``; end -> ``complete``; the
   replica's cached prompt tokens (non-streaming body, or the last usage of a stream:
-  :func:`usage_tokens` reads OpenAI's ``usage`` and the Anthropic one of ``/v1/messages``)
+  :func:`usage_tokens` reads OpenAI's ``usage``, the Anthropic one of ``/v1/messages`` and
+  the Responses API's, in a JSON answer or a stream's final ``response.completed`` event)
   are compared with the predicted usable hit.
 * Errors the router makes are OpenAI-style, Anthropic-style for the Messages API
   (``anthropic``); a replica's pass through as it sent them.
@@ -37,6 +38,7 @@ from router.core.types import ReplicaKey
 from router.service.ejection import Ejections, outlier_settings
 from router.service.errors import error_body
 from router.service.replica_url import ReplicaUrl
+from router.service.response_ids import id_of_answer, id_of_stream
 from router.service.retry import (
     RetryBudget,
     expected_first_byte_s,
@@ -170,12 +172,36 @@ def stream_error_event(status: int, message: str, code: str, anthropic: bool) ->
     return b"data: " + error_body(status, message, code=code) + b"\n\n"
 
 
+# the Responses API's last events (vLLM 0.34 responses/serving.py: the stream ends with one
+# of them, pydantic's compact JSON with ``type`` its last key, and no ``[DONE]``)
+RESPONSES_ENDS = (
+    b'"type":"response.completed"}',
+    b'"type":"response.failed"}',
+    b'"type":"response.incomplete"}',
+)
+
+
 def closes_stream(chunk: bytes) -> bool:
     """Whether a piece of an event stream ends with the stream's closing event: OpenAI's
-    ``data: [DONE]``, or the Messages API's ``message_stop`` (vLLM:
-    ``data: {"type":"message_stop"}``)."""
+    ``data: [DONE]``, the Messages API's ``message_stop`` (vLLM:
+    ``data: {"type":"message_stop"}``), or the Responses API's ``response.completed`` /
+    ``response.failed`` / ``response.incomplete``."""
     end = chunk[-48:].rstrip()
-    return end.endswith(b"data: [DONE]") or end.endswith(b'"message_stop"}')
+    return (
+        end.endswith(b"data: [DONE]")
+        or end.endswith(b'"message_stop"}')
+        or (b'"type":"response.' in end and end.endswith(RESPONSES_ENDS))
+    )
+
+
+def responses_final_at(chunk: bytes) -> int:
+    """Where a Responses API stream's final event (``response.completed`` / ``failed`` /
+    ``incomplete``, which carries the whole response and its usage) begins in a piece of
+    the stream; -1 when it does not."""
+    return max(chunk.rfind(b"event: response." + name) for name in _FINAL_EVENTS)
+
+
+_FINAL_EVENTS = (b"completed\n", b"failed\n", b"incomplete\n")
 
 
 def request_head(
@@ -185,11 +211,12 @@ def request_head(
     rid: bytes,
     dp_rank: int | None,
     length: int,
+    method: bytes = b"POST",
 ) -> bytes:
-    """The upstream request head: the client's headers minus hop-by-hop ones (and those its
-    ``Connection`` header names), plus
+    """The upstream request head (``method``, POST by default): the client's headers minus
+    hop-by-hop ones (and those its ``Connection`` header names), plus
     ``X-Request-Id``, ``X-data-parallel-rank`` and ``Content-Length``."""
-    parts = [b"POST ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
+    parts = [method, b" ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
     client_headers = list(client_headers)
     dropped = _hop_by_hop(client_headers, _NOT_FORWARDED)
     for k, v in client_headers:
@@ -219,6 +246,8 @@ def response_headers(upstream: Headers) -> tuple[Headers, bool, bool]:
     return out, sse, has_rid
 
 
+# the most of a Responses API stream's final event (the whole response) kept for its usage
+MAX_FINAL_EVENT = 16 * 2**20
 _DECODER = json.JSONDecoder()
 _UNKNOWN: Any = object()
 _WS = " \t\n\r"  # JSON's whitespace, and nothing else
@@ -293,6 +322,8 @@ def usage_of(payload: bytes, sse: bool | None = None) -> dict[str, Any] | None:
         except (ValueError, RecursionError):
             continue
         usage = obj.get("usage") if isinstance(obj, dict) else None
+        if usage is None and isinstance(obj, dict) and isinstance(obj.get("response"), dict):
+            usage = obj["response"].get("usage")  # a Responses API event's response
         if isinstance(usage, dict):
             return usage
     return None
@@ -314,12 +345,20 @@ def _int(value: object) -> int | None:
 def usage_tokens(usage: dict[str, Any] | None) -> UsageTokens:
     """The token counts of a ``usage`` object, in either shape the replicas answer:
     OpenAI's (``prompt_tokens``, ``completion_tokens``,
-    ``prompt_tokens_details.cached_tokens``) or the Messages API's as vLLM 0.34 builds it
+    ``prompt_tokens_details.cached_tokens``), the Messages API's as vLLM 0.34 builds it
     (``_build_anthropic_usage``: ``input_tokens`` is the prompt less
-    ``cache_read_input_tokens`` and ``cache_creation_input_tokens``, ``output_tokens``);
-    the one place the forwarder reads usage."""
+    ``cache_read_input_tokens`` and ``cache_creation_input_tokens``, ``output_tokens``), or
+    the Responses API's (``input_tokens`` the whole prompt, ``output_tokens``,
+    ``input_tokens_details.cached_tokens``); the one place the forwarder reads usage."""
     if not usage:
         return UsageTokens(None, None, None)
+    details = usage.get("input_tokens_details")
+    if isinstance(details, dict):  # the Responses API's: input_tokens is the whole prompt
+        return UsageTokens(
+            _int(usage.get("input_tokens")),
+            _int(usage.get("output_tokens")),
+            _int(details.get("cached_tokens")),
+        )
     if "input_tokens" in usage and "prompt_tokens" not in usage:
         uncached = _int(usage.get("input_tokens"))
         read = _int(usage.get("cache_read_input_tokens"))
@@ -415,6 +454,7 @@ class Forwarder:
         strip_usage: bool = False,
         retry_body: bytes | None = None,
         anthropic: bool = False,
+        record_ids: bool = False,
     ) -> None:
         """``stream``: the client asked for one (the parsed body's top-level ``stream``; an
         answer that is not a stream has its decode inside the first-byte deadline).
@@ -424,7 +464,9 @@ class Forwarder:
         ``retry_body``: sent instead of ``body`` once an attempt reached a replica (any
         failure but a refused connection), for a body good for one replica only (a decode
         leg's ``kv_transfer_params``: router/service/disagg.py). ``anthropic``: a Messages
-        API request, whose errors the router answers in Anthropic's shape."""
+        API request, whose errors the router answers in Anthropic's shape. ``record_ids``: a
+        stored Responses API request; its answer's response id is recorded with the replica
+        that made it (router/service/response_ids.py)."""
         state = self.state
         model = routed.request.model
         mm = state.metrics.model(model)
@@ -536,7 +578,15 @@ class Forwarder:
                 token = None
                 try:
                     await self._relay(
-                        sink, upstream, routed, key, attempt, started, strip_usage, anthropic
+                        sink,
+                        upstream,
+                        routed,
+                        key,
+                        attempt,
+                        started,
+                        strip_usage,
+                        anthropic,
+                        record_ids,
                     )
                 finally:
                     upstream.release()
@@ -580,6 +630,7 @@ class Forwarder:
         started: float,
         strip_usage: bool = False,
         anthropic: bool = False,
+        record_ids: bool = False,
     ) -> None:
         state = self.state
         mm = state.metrics.model(routed.request.model)
@@ -613,6 +664,8 @@ class Forwarder:
                     )
                     return
                 state.load.first_token(rid)
+                if record_ids and status == 200:
+                    self._record_id(routed, key, id_of_answer(payload))
                 await sink.respond(status, headers, payload)  # the client gone: cancelled
                 self._answered(routed, key, started, status, payload, sse=False)
                 return
@@ -631,6 +684,7 @@ class Forwarder:
                 head_sent = True
                 await sink.start(status, headers)
             tail_bytes = 0
+            keep_final = False  # the tail holds a Responses API stream's final event
             last = first_at = 0.0
             first = True
             while (chunk := await upstream.read()) is not None:
@@ -661,10 +715,21 @@ class Forwarder:
                     await sink.end(out)
                 elif out:
                     await sink.write(out)
-                tail.append(chunk)
                 done_relayed = done_seen
+                if record_ids and status == 200:
+                    found = id_of_stream(chunk)
+                    if found is not None:
+                        self._record_id(routed, key, found)
+                        record_ids = False
+                at = responses_final_at(chunk) if b"event: response." in chunk else -1
+                if at >= 0:  # the whole response (and its usage) follows: kept whole
+                    tail.clear()
+                    tail_bytes = 0
+                    keep_final = True
+                    chunk = chunk[at:]
+                tail.append(chunk)
                 tail_bytes += len(chunk)
-                while tail_bytes > 8192 and len(tail) > 1:
+                while tail_bytes > (MAX_FINAL_EVENT if keep_final else 8192) and len(tail) > 1:
                     tail_bytes -= len(tail.popleft())
                 if cut:
                     break
@@ -705,6 +770,11 @@ class Forwarder:
             raise
         finally:
             state.load.complete(rid)
+
+    def _record_id(self, routed: Routed, key: ReplicaKey, response_id: str | None) -> None:
+        """Remember which replica holds a stored response (router/service/response_ids.py)."""
+        if response_id is not None:
+            self.state.response_ids.put(response_id, routed.request.model, key.replica)
 
     def _answered(
         self,

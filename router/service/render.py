@@ -6,7 +6,8 @@ renders it in Python and tokenizes structural markers and user text apart), Deep
 Mistral have their own renderers, and a template the router reads differently from the
 engine gives hashes no replica holds. With ``render = "engine"`` on a model the router asks
 an engine how it will run each request: ``POST /v1/chat/completions/render`` (or
-``/v1/completions/render``, or ``/v1/messages/render`` for the Anthropic Messages API) with
+``/v1/completions/render``, ``/v1/messages/render`` for the Anthropic Messages API,
+``/v1/responses/render`` for the OpenAI Responses API) with
 the request's body plus ``"return_mm_kwargs": false``, and
 hashes the ``token_ids`` it answers, keying blocks with the ``features`` (multimodal item
 hashes and placeholder offsets) as the engine keys them. Those ids are final: the engine
@@ -59,6 +60,9 @@ PATHS = {
     # the Anthropic Messages API: vLLM converts the body as /v1/messages does, then renders
     # it as a chat (scale_out/render/serving.py ``render_messages_request``)
     "messages": "/v1/messages/render",
+    # the OpenAI Responses API: vLLM renders it as /v1/responses would (scale_out/render/
+    # serving.py ``render_responses_request``; no ``previous_response_id`` there)
+    "responses": "/v1/responses/render",
 }
 # the engine judged the request itself: its answer stands
 _REFUSED = frozenset({400, 422})

@@ -129,7 +129,10 @@ def is_unknown_model(raw: bytes) -> bool:
 
 def renderable(kind: str, body: Mapping[str, Any]) -> bool:
     """Whether the render endpoints take ``body`` as the replica will: they refuse beam
-    search, and a completion of ``prompt_embeds`` has no token ids to render."""
+    search, a completion of ``prompt_embeds`` has no token ids to render, and
+    ``/v1/responses/render`` is stateless (no ``previous_response_id``)."""
     if body.get("use_beam_search"):
+        return False
+    if kind == "responses" and body.get("previous_response_id") is not None:
         return False
     return not (kind == "completion" and body.get("prompt_embeds") is not None)

@@ -35,6 +35,7 @@ from router.service.layout import ModelLayouts
 from router.service.metrics import Metrics
 from router.service.prompts import build_processor
 from router.service.registry import ReplicaRegistry
+from router.service.response_ids import ResponseIds
 from router.service.settings import ModelSettings, Settings
 from router.service.snapshot import state_snapshot
 from router.tokenize.incremental import IncrementalTokenizer
@@ -97,6 +98,8 @@ class RouterState:
         self.layouts = ModelLayouts(self.engines, self.index, self.registry.keys_for)
         # per model with prefill/decode disaggregation on (router/service/disagg.py)
         self.disagg: dict[str, Any] = {}
+        # Responses API: stored response id -> its replica (router/service/response_ids.py)
+        self.response_ids = ResponseIds()
         self._tokenizers: dict[tuple[Any, ...], IncrementalTokenizer] = {}
         for name in {*settings.models, *self.registry.models()}:
             self._add_model(settings.model(name))

