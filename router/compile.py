@@ -73,6 +73,9 @@ TESTS = (
     "tests/test_proxy_faults.py",
     "tests/test_proxy_integrity.py",
     "tests/test_service_messages.py",  # the Anthropic Messages API through the hot path
+    "tests/test_service_responses.py",  # the Responses API through the hot path
+    "tests/test_pass_through.py",  # routes passed to a replica from the front door
+    "tests/test_cache_reads.py",  # prompt-logprobs requests: no cache read, end to end
     "tests/test_tokenize_anthropic.py",  # its usage reading and stream end (proxy)
     "tests/test_loop_metrics.py",
     "tests/test_audit_input.py",
