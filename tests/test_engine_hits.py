@@ -187,3 +187,18 @@ def test_a_request_reading_no_cache_matches_nothing_and_takes_no_hint() -> None:
     assert engine.sessions is not None
     hint = engine.sessions.get("s", 0.2)
     assert hint is not None and hint.replica == other.replica and hint.covers(hashes[:30]) == 30
+
+
+def test_a_match_ending_inside_an_engine_block_is_granted_to_the_block_before() -> None:
+    """A KV-only model on 1,024-token engine blocks (16 router blocks): a prompt sharing 20
+    router blocks with a cached chain diverges inside the engine's second block, whose hash
+    covers tokens it does not share: the engine grants 16 (vLLM's hit lands on its blocks)."""
+    idx = PrefixIndex()
+    h = list(range(800, 840))
+    idx.store(A, h[:32])
+    branch = [*h[:20], *range(9000, 9012)]
+    m = idx.match(branch, prompt_tokens=32 * BS + 5, block_size=BS, align_blocks=16)
+    assert m.get(A).kv_blocks == 20 and m.get(A).usable_blocks == 16
+    whole = idx.match(h[:32], prompt_tokens=32 * BS + 5, block_size=BS, align_blocks=16)
+    assert whole.get(A).usable_blocks == 32
+    assert idx.match(branch).get(A).usable_blocks == 20  # router blocks = engine blocks

@@ -272,6 +272,9 @@ async def test_a_report_ends_only_a_decision_its_own_caller_made() -> None:
         assert await front.load() == before
         again = await front.refused(bearer(GATEWAY), request_id=gw.decision_id)
         assert again.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # no id may spell a key's scoped one (owner NUL id)
+        squat = await front.refused(bearer(GATEWAY), request_id="key:0\x00req-a-1")
+        assert squat.code() == grpc.StatusCode.INVALID_ARGUMENT
         # each owner's own reports are applied
         assert await front.report(bearer(KEY_A), mine.decision_id, FIRST_TOKEN)
         assert (await front.load())[2] < before[2]

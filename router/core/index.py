@@ -517,9 +517,9 @@ class PrefixIndex:
         entries. The result is valid until the index next changes. ``prompt_tokens`` and
         ``block_size``: a state checkpoint is usable only before the prompt's last token
         (engines compute at least that one: vLLM caps a hit at ``prompt_tokens - 1``).
-        ``peek_blocks`` (EAGLE / MTP engines, ``align_blocks`` the engine block): the usable
-        prefix is what the engine grants once it gave back that many blocks of the hit
-        (router/core/engine_hits.py)."""
+        ``align_blocks``: the engine block in router blocks (a usable prefix ends on one);
+        ``peek_blocks`` (EAGLE / MTP engines): the usable prefix is what the engine grants once
+        it gave back that many blocks of the hit (router/core/engine_hits.py)."""
         if now is not None:
             self.expire(now)
         if not hashes or not self._live:
@@ -545,7 +545,9 @@ class PrefixIndex:
         if prompt_tokens is not None and block_size > 0:
             limit = min(limit, (prompt_tokens - 1) // block_size)
         reach = kv
-        if peek_blocks > 0:
+        if peek_blocks > 0 or align_blocks > 1:
+            # an engine block spans several of ours: a match ending inside one is not a hit
+            # there (its hash covers tokens the request does not share)
             reach = peeked(kv, limit, max(align_blocks, 1), peek_blocks)
             if not hybrid:
                 usable = reach

@@ -39,7 +39,9 @@ def scoped_id(decision_id: str, owner: str | None) -> str:
     its owner (:func:`owner_of`), so two client keys may use the same ids and neither can
     hold an id another needs; a caller without a key uses its ids as given (the HTTP
     endpoints' request ids share that space)."""
-    return decision_id if owner is None else f"{owner}/{decision_id}"
+    # NUL, which no HTTP request id (a header value) can hold: the HTTP endpoints' ids, which
+    # share the load tracker, never take a key's
+    return decision_id if owner is None else f"{owner}\x00{decision_id}"
 
 
 @dataclass(slots=True)

@@ -273,6 +273,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 prompt = replace(prompt, reads_cache=False)  # as the HTTP endpoints read it
             now = self.clock()
             decision_id = request.request_id or uuid.uuid4().hex
+            if "\x00" in decision_id:  # the separator of scoped ids (decisions.scoped_id)
+                raise BadRequest("request_id must not contain NUL")
             owner = owner_of(CALLER.get())
             # the id this process knows it by: its caller's, so no caller can take (or learn
             # of) another's ids; the reply and the caller's Reports use ``decision_id``

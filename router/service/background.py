@@ -221,10 +221,18 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
             )
     async with direct:
         tasks = [asyncio.create_task(_discover(app, direct, rep)) for rep in asked]
+        for task in tasks:
+            task.add_done_callback(_log_failure)
         yield
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A discovery that ended by an error (not a cancel) is logged, not lost."""
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("KV-event discovery failed", exc_info=task.exception())
 
 
 async def _discover(app: web.Application, direct: DirectEvents, rep: ReplicaSettings) -> None:

@@ -139,6 +139,12 @@ def default_model(state: RouterState) -> str | None:
     return found
 
 
+def _default_if_unnamed(state: RouterState, body: dict[str, Any]) -> str | None:
+    """:func:`default_model`, looked up only for a body naming no model."""
+    named = body.get("model")
+    return default_model(state) if named is None or named == "" else None
+
+
 class _RandomIds:
     """Fresh 32-hex-digit request ids from the OS's random bytes, drawn 4 KiB at a time.
 
@@ -234,7 +240,7 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     body, likewise, router.tokenize.responses): everything before routing, a pure
     function of the body and the settings (what the body memo keeps); raises KVRouterError
     for a bad request."""
-    model, stream = field_types(body, default_model(state))
+    model, stream = field_types(body, _default_if_unnamed(state, body))
     processor = state.processor(model)
     messages = kind == "messages"
     responses = kind == "responses"
@@ -441,7 +447,8 @@ async def serve_pass_through(
     then passed to a healthy replica of the model as sent."""
     shaped = pass_through.PATHS[req.path]
     try:
-        model, _ = field_types(parse_body(req.body), default_model(state))
+        parsed = parse_body(req.body)
+        model, _ = field_types(parsed, _default_if_unnamed(state, parsed))
         state.processor(model)  # a model the router does not route: 404
     except KVRouterError as exc:
         await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s), shaped)
@@ -522,6 +529,8 @@ async def serve_completion(
             state.processor(admitted.model)  # the model may have lost its replicas since: 404
         slo_gate = state.admission
         pd = state.disagg.get(admitted.model) if state.disagg else None
+        # a disaggregated model's bodies never carry a client's kv_transfer_params
+        no_transfer = pd is not None
         routed: Routed | disagg.PdFlow
         pinned = holder_keys(state, admitted)
         if pinned:  # a stored response's follow-up: only its replica holds the response
@@ -559,7 +568,7 @@ async def serve_completion(
         rejected(state, model)
         await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s), shaped)
         return
-    if pd is not None:
+    if no_transfer:
         raw = with_patch(raw, disagg.NO_TRANSFER)
     if isinstance(routed, disagg.PdFlow):
         record(state, routed.routed)

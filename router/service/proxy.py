@@ -181,17 +181,29 @@ RESPONSES_ENDS = (
 )
 
 
-def closes_stream(chunk: bytes) -> bool:
+# what ends each kind's stream (the relay tests one kind's, one test a piece)
+OPENAI_CLOSERS = (b"data: [DONE]",)
+ANTHROPIC_CLOSERS = (b'"message_stop"}', *OPENAI_CLOSERS)
+RESPONSES_CLOSERS = (*RESPONSES_ENDS, *OPENAI_CLOSERS)
+ALL_CLOSERS = (*RESPONSES_ENDS, *ANTHROPIC_CLOSERS)
+
+
+def closes_stream(chunk: bytes, closers: tuple[bytes, ...] = ALL_CLOSERS) -> bool:
     """Whether a piece of an event stream ends with the stream's closing event: OpenAI's
     ``data: [DONE]``, the Messages API's ``message_stop`` (vLLM:
     ``data: {"type":"message_stop"}``), or the Responses API's ``response.completed`` /
-    ``response.failed`` / ``response.incomplete``."""
-    end = chunk[-48:].rstrip()
-    return (
-        end.endswith(b"data: [DONE]")
-        or end.endswith(b'"message_stop"}')
-        or (b'"type":"response.' in end and end.endswith(RESPONSES_ENDS))
-    )
+    ``response.failed`` / ``response.incomplete``; ``closers``: one kind's alone."""
+    return chunk[-48:].rstrip().endswith(closers)
+
+
+def closers_of(path: bytes) -> tuple[bytes, ...]:
+    """The closing events of the streams of ``path`` (a hot endpoint's, a query string
+    allowed)."""
+    if path.startswith(b"/v1/responses"):
+        return RESPONSES_CLOSERS
+    if path.startswith(b"/v1/messages"):
+        return ANTHROPIC_CLOSERS
+    return OPENAI_CLOSERS
 
 
 def responses_final_at(chunk: bytes) -> int:
@@ -587,6 +599,7 @@ class Forwarder:
                         strip_usage,
                         anthropic,
                         record_ids,
+                        closers_of(path),
                     )
                 finally:
                     upstream.release()
@@ -631,9 +644,11 @@ class Forwarder:
         strip_usage: bool = False,
         anthropic: bool = False,
         record_ids: bool = False,
+        closers: tuple[bytes, ...] = OPENAI_CLOSERS,
     ) -> None:
         state = self.state
         mm = state.metrics.model(routed.request.model)
+        responses = closers is RESPONSES_CLOSERS
         strip = UsageFilter() if strip_usage else None
         rid = routed.request.request_id
         headers, streaming, has_rid = response_headers(upstream.headers)
@@ -700,7 +715,7 @@ class Forwarder:
                     mm.itl.observe(now - last)
                     last = now
                 ended = upstream.at_end
-                done_seen = closes_stream(chunk)
+                done_seen = chunk[-48:].rstrip().endswith(closers)
                 cut = ended and until_close and not done_seen
                 ended = ended and not cut
                 out = chunk
@@ -721,7 +736,7 @@ class Forwarder:
                     if found is not None:
                         self._record_id(routed, key, found)
                         record_ids = False
-                at = responses_final_at(chunk) if b"event: response." in chunk else -1
+                at = responses_final_at(chunk) if responses and b"event: response." in chunk else -1
                 if at >= 0:  # the whole response (and its usage) follows: kept whole
                     tail.clear()
                     tail_bytes = 0
@@ -788,21 +803,24 @@ class Forwarder:
     ) -> None:
         """Book an answer the client has whole: engine feedback, the live-traffic trace, the
         outcome, and for a stream (``first_at``: when its first data came) whether it met its
-        SLO. ``payload``: the body, or a stream's tail."""
-        self._feedback(routed, key, payload, sse)
+        SLO. ``payload``: the body, or a stream's tail, whose usage is read once here (a
+        Responses stream's final event carries the whole response)."""
+        usage = usage_of(payload, sse) if b'"usage"' in payload else None
+        self._feedback(routed, key, usage)
         if sse and first_at and status < 400:
-            self._slo(routed, started, first_at, payload)
+            self._slo(routed, started, first_at, usage)
         if self.state.recorder is not None and status < 400:
-            self._record(routed, key, started, payload, sse, first_at)
+            self._record(routed, key, started, usage, first_at)
         outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
         self.state.metrics.model(routed.request.model).outcome(key, outcome).inc()
 
-    def _slo(self, routed: Routed, started: float, first_at: float, payload: bytes) -> None:
+    def _slo(
+        self, routed: Routed, started: float, first_at: float, usage: dict[str, Any] | None
+    ) -> None:
         """Count a streamed answer by its prompt's SLO tier and which targets it met. The
         output length is the usage the replica reported (the router asks for it on every
         stream); without one the TPOT half is not judged."""
         req = routed.request
-        usage = usage_of(payload, True) if b'"usage"' in payload else None
         out = usage_tokens(usage).completion
         count_slo(
             self.state,
@@ -820,8 +838,7 @@ class Forwarder:
         routed: Routed,
         key: ReplicaKey,
         started: float,
-        payload: bytes,
-        sse: bool,
+        usage: dict[str, Any] | None,
         first_at: float,
     ) -> None:
         """Append the request to the live-traffic trace (router.recorder). The output length
@@ -830,7 +847,7 @@ class Forwarder:
         recorder = self.state.recorder
         assert recorder is not None
         req = routed.request
-        counts = usage_tokens(usage_of(payload, sse))
+        counts = usage_tokens(usage)
         out = counts.completion
         if out is None:
             out = req.max_output_tokens or 1
@@ -850,10 +867,7 @@ class Forwarder:
             first_token_at=first_at or None,
         )
 
-    def _feedback(self, routed: Routed, key: ReplicaKey, payload: bytes, sse: bool) -> None:
-        if b'"usage"' not in payload:
-            return
-        usage = usage_of(payload, sse)
+    def _feedback(self, routed: Routed, key: ReplicaKey, usage: dict[str, Any] | None) -> None:
         if not usage:
             return
         mm = self.state.metrics.model(routed.request.model)
