@@ -414,7 +414,9 @@ async def handle(door: FrontDoor, req: HttpRequest, sink: Sink) -> None:
     answer had begun."""
     path = req.path
     # the Messages API's paths answer the router's own errors in its shape
-    shaped = path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + b"/")
+    shaped = path.startswith(MESSAGES_PATH) and (
+        len(path) == len(MESSAGES_PATH) or path[len(MESSAGES_PATH)] == 0x2F  # "/"
+    )
     refused, ident = door.gate.admit(path, req.headers, req.header_bytes, req.peer)
     if refused is not None:
         await send_reply(sink, refused, shaped)
