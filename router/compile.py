@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the service modules on a proxied request's path (the fast engine's): server, handling,
 # request values, body memo, routing state, metrics, proxy and upstream client
 SERVICE_MODULES = (
+    "answers",
     "body_memo",
     "fast_server",
     "gate",
@@ -38,6 +39,7 @@ SERVICE_MODULES = (
     "proxy",
     "state",
     "upstream",
+    "wire",
 )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.service.proxy import cached_tokens_of, usage_of
+from router.service.answers import cached_tokens_of, usage_of
 
 # strings that try to look like keys: quotes, backslashes, braces, the word itself
 _TEXT = st.lists(

@@ -13,9 +13,10 @@ import pytest
 from router.service.body_memo import Admitted, BodyMemo
 from router.service.config import build_settings
 from router.service.handling import serve_completion
-from router.service.proxy import Forwarder, Headers
+from router.service.proxy import Forwarder
 from router.service.state import RouterState
 from router.service.upstream import Client, Timeouts
+from router.service.wire import Headers
 from router.store.base import ReplicaInfo
 from router.tokenize.pipeline import ProcessedPrompt
 from tests.test_service_api import MODEL, TOKEN, Fleet, conversation, make_fleet

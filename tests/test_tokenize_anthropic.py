@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from router.core.errors import BadRequest
+from router.service.answers import cached_tokens_of, closes_stream, usage_of, usage_tokens
 from router.service.disagg import keep_local
 from router.service.errors import anthropic_error_body, anthropic_error_type
-from router.service.proxy import cached_tokens_of, closes_stream, usage_of, usage_tokens
 from router.tokenize.anthropic import messages_prompt, to_chat_body
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor

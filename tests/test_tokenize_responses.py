@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 
 from router.core.errors import BadRequest
-from router.service.disagg import keep_local
-from router.service.proxy import (
+from router.service.answers import (
     cached_tokens_of,
     closes_stream,
     responses_final_at,
     usage_of,
     usage_tokens,
 )
+from router.service.disagg import keep_local
 from router.service.render_answer import renderable
 from router.service.response_ids import ResponseIds, id_of_answer, id_of_stream
 from router.tokenize.incremental import IncrementalTokenizer

@@ -26,10 +26,10 @@ from router.service.fast_server import FastServer
 from router.service.http_types import HttpRequest, Reply
 from router.service.keys import FORWARDER, REPORT_RELAY, STATE, WORKER_INDEX, WORKERS
 from router.service.load_share import load_sharing_ctx, own_load
-from router.service.proxy import Sink
 from router.service.report_relay import PATH as REPORT_PATH
 from router.service.report_relay import Reported, ReportRelay
 from router.service.routes import Handler, Routes, error
+from router.service.wire import Sink
 from router.service.worker_metrics import INDEX_HEADER
 from router.service.workers import Workers
 

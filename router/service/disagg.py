@@ -40,13 +40,14 @@ from router.core.errors import KVRouterError
 from router.core.load import CostModel
 from router.core.types import ReplicaKey, RouteRequest
 from router.service.errors import reply_for
-from router.service.proxy import Forwarder, Sink, request_head, send_error
+from router.service.proxy import Forwarder
 from router.service.registry import ReplicaRegistry
 from router.service.replica_url import ReplicaUrl
 from router.service.settings import ModelSettings
 from router.service.state import Routed, RouterState
 from router.service.stream_usage import with_patch
 from router.service.upstream_errors import ConnectFailed, UpstreamError, UpstreamTimeout
+from router.service.wire import Sink, request_head, send_error
 from router.tokenize.lax import lax_int
 from router.tokenize.request_fields import asks_prompt_logprobs
 

@@ -49,8 +49,8 @@ import httptools
 
 from router.service.errors import error_body
 from router.service.http_types import HttpRequest
-from router.service.proxy import Sink
 from router.service.upstream_errors import UpstreamError
+from router.service.wire import Sink
 
 _log = logging.getLogger(__name__)
 _STATUS_LINES: dict[int, bytes] = {}
@@ -106,14 +106,14 @@ class _Aborted(Exception):
 
 
 class _Sink:
-    """:class:`~router.service.proxy.Sink` writing HTTP/1.1 to the client connection."""
+    """:class:`~router.service.wire.Sink` writing HTTP/1.1 to the client connection."""
 
     __slots__ = ("conn", "head_only", "http10", "keep_alive", "started")
 
     def __init__(
         self, conn: _Connection, keep_alive: bool, head_only: bool = False, http10: bool = False
     ) -> None:
-        # (the proxy.Sink protocol's methods, over the connection)
+        # (the wire.Sink protocol's methods, over the connection)
         self.conn = conn
         self.keep_alive = keep_alive
         self.head_only = head_only

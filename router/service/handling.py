@@ -12,7 +12,7 @@ concurrency limit) hold for every route, then ``POST /v1/chat/completions``, ``P
 endpoint too and its ``GET /v1/responses/{id}`` / ``POST /v1/responses/{id}/cancel`` go to
 the replica holding the response (router.service.stored_responses), and every other path
 by the route table (router.service.routes). A check added to the gate holds for every
-route; the answer goes out through a :class:`~router.service.proxy.Sink`.
+route; the answer goes out through a :class:`~router.service.wire.Sink`.
 
 The router validates only what it needs (model, messages / prompt, stream flag, a few
 types); the body is forwarded untouched. Errors are OpenAI-style JSON, Anthropic-style on
@@ -41,11 +41,12 @@ from router.service.errors import ErrorReply, reply_for
 from router.service.gate import Gate
 from router.service.http_types import HttpRequest
 from router.service.metrics import prompt_tier
-from router.service.proxy import Forwarder, Sink, send_error
+from router.service.proxy import Forwarder
 from router.service.routes import Routes
 from router.service.security import check_prompt_tokens
 from router.service.state import BODY_MEMO_MAX_BYTES, Routed, RouterState
 from router.service.stream_usage import usage_patch, with_patch
+from router.service.wire import Sink, send_error
 from router.tokenize.anthropic import messages_prompt
 from router.tokenize.anthropic import session_of as anthropic_session
 from router.tokenize.lax import INVALID, lax_bool, lax_int

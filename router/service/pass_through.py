@@ -18,11 +18,12 @@ import asyncio
 import itertools
 from collections.abc import Iterable
 
-from router.service.proxy import Forwarder, Sink, request_head, response_headers, send_error
+from router.service.proxy import Forwarder
 from router.service.render import render_targets
 from router.service.replica_url import ReplicaUrl
 from router.service.state import RouterState
 from router.service.upstream_errors import UpstreamError
+from router.service.wire import Sink, request_head, response_headers, send_error
 
 MESSAGES_PATH = b"/v1/messages"
 COUNT_TOKENS_PATH = b"/v1/messages/count_tokens"

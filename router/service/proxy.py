@@ -17,9 +17,9 @@ body, the client's raw header pairs and a :class:`Sink` that writes the answer t
   closed, which aborts the request on the replica.
 * Feedback: first body data -> ``LoadTracker.first_token``; end -> ``complete``; the
   replica's cached prompt tokens (non-streaming body, or the last usage of a stream:
-  :func:`usage_tokens` reads OpenAI's ``usage``, the Anthropic one of ``/v1/messages`` and
-  the Responses API's, in a JSON answer or a stream's final ``response.completed`` event)
-  are compared with the predicted usable hit.
+  router.service.answers ``usage_tokens`` reads OpenAI's ``usage``, the Anthropic one of
+  ``/v1/messages`` and the Responses API's, in a JSON answer or a stream's final
+  ``response.completed`` event) are compared with the predicted usable hit.
 * Errors the router makes are OpenAI-style, Anthropic-style for the Messages API
   (``anthropic``); a replica's pass through as it sent them.
 """
@@ -28,15 +28,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 from router.core.slo import tpot_s
 from router.core.types import ReplicaKey
+from router.service.answers import (
+    MAX_FINAL_EVENT,
+    OPENAI_CLOSERS,
+    RESPONSES_CLOSERS,
+    closers_of,
+    responses_final_at,
+    sse_comments_only,
+    usage_of,
+    usage_tokens,
+)
 from router.service.ejection import Ejections, outlier_settings
-from router.service.errors import error_body
 from router.service.replica_url import ReplicaUrl
 from router.service.response_ids import id_of_answer, id_of_stream
 from router.service.retry import (
@@ -54,24 +62,14 @@ from router.service.upstream_errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-
-Headers = list[tuple[bytes, bytes]]
-
-HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"content-length",
-        b"expect",
-    }
+from router.service.wire import (
+    Sink,
+    request_head,
+    response_headers,
+    send_error,
+    stream_error_event,
 )
+
 _SLO_RESULTS = {
     (True, True): "met",
     (False, True): "ttft_missed",
@@ -100,296 +98,6 @@ def count_slo(
     tpot_ok = tpot is None or tpot <= slo.tpot_s
     result = _SLO_RESULTS[ttft_ok, tpot_ok]
     state.metrics.model(model).slo(tier.label, result, service_class).inc()
-
-
-_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id", b"x-data-parallel-rank"}
-
-
-def _hop_by_hop(headers: Iterable[tuple[bytes, bytes]], base: frozenset[bytes]) -> frozenset[bytes]:
-    """``base`` and the headers that a ``Connection`` header of ``headers`` names: those are
-    for this hop only too (RFC 9110, 7.6.1), and a proxy does not pass them on."""
-    named: set[bytes] | None = None
-    for k, v in headers:
-        if len(k) == 10 and k.lower() == b"connection":
-            for token in v.split(b","):
-                token = token.strip().lower()
-                if token and token not in base:
-                    named = named or set()
-                    named.add(token)
-    return base if named is None else base | named
-
-
-def sse_comments_only(chunk: bytes) -> bool:
-    """Whether every line of a piece of an event stream is a comment or blank: vLLM's
-    keep-alive (``": keep-alive"`` while a request queues or prefills, with
-    ``--sse-keep-alive-interval``) carries no token, so it neither ends the prefill in the
-    load model nor times a first token."""
-    return all(line[:1] in (b"", b":", b"\r") for line in chunk.split(b"\n"))
-
-
-_JSON = [(b"Content-Type", b"application/json")]
-
-
-class Sink(Protocol):
-    """Where the answer to the client goes. ``write`` raises ConnectionResetError when the
-    client has gone away."""
-
-    async def respond(self, status: int, headers: Headers, body: bytes) -> None:
-        """A whole answer (Content-Length framing)."""
-
-    async def start(
-        self, status: int, headers: Headers, data: bytes = b"", end: bool = False
-    ) -> None:
-        """Begin a streamed answer, with its first ``data`` when that is already at hand (and
-        its end too when ``end``): what is available goes out in one write."""
-
-    async def write(self, data: bytes) -> None: ...
-
-    async def end(self, data: bytes = b"") -> None:
-        """End a streamed answer, after a last piece of ``data``."""
-
-
-async def send_error(
-    sink: Sink,
-    status: int,
-    message: str,
-    *,
-    code: str | None = None,
-    param: str | None = None,
-    headers: Headers | None = None,
-    anthropic: bool = False,
-) -> None:
-    """Answer an error the router makes (``anthropic``: in the Messages API's shape)."""
-    body = error_body(status, message, param=param, code=code, anthropic=anthropic)
-    await sink.respond(status, [*_JSON, *(headers or [])], body)
-
-
-def stream_error_event(status: int, message: str, code: str, anthropic: bool) -> bytes:
-    """The SSE event that tells a client its stream broke off: OpenAI's ``data:`` error, or
-    the Messages API's ``event: error``."""
-    if anthropic:
-        return b"event: error\ndata: " + error_body(status, message, anthropic=True) + b"\n\n"
-    return b"data: " + error_body(status, message, code=code) + b"\n\n"
-
-
-# the Responses API's last events (vLLM 0.34 responses/serving.py: the stream ends with one
-# of them, pydantic's compact JSON with ``type`` its last key, and no ``[DONE]``)
-RESPONSES_ENDS = (
-    b'"type":"response.completed"}',
-    b'"type":"response.failed"}',
-    b'"type":"response.incomplete"}',
-)
-
-
-# what ends each kind's stream (the relay tests one kind's, one test a piece)
-OPENAI_CLOSERS = (b"data: [DONE]",)
-ANTHROPIC_CLOSERS = (b'"message_stop"}', *OPENAI_CLOSERS)
-RESPONSES_CLOSERS = (*RESPONSES_ENDS, *OPENAI_CLOSERS)
-ALL_CLOSERS = (*RESPONSES_ENDS, *ANTHROPIC_CLOSERS)
-
-
-def closes_stream(chunk: bytes, closers: tuple[bytes, ...] = ALL_CLOSERS) -> bool:
-    """Whether a piece of an event stream ends with the stream's closing event: OpenAI's
-    ``data: [DONE]``, the Messages API's ``message_stop`` (vLLM:
-    ``data: {"type":"message_stop"}``), or the Responses API's ``response.completed`` /
-    ``response.failed`` / ``response.incomplete``; ``closers``: one kind's alone."""
-    return chunk[-48:].rstrip().endswith(closers)
-
-
-def closers_of(path: bytes) -> tuple[bytes, ...]:
-    """The closing events of the streams of ``path`` (a hot endpoint's, a query string
-    allowed)."""
-    if path.startswith(b"/v1/responses"):
-        return RESPONSES_CLOSERS
-    if path.startswith(b"/v1/messages"):
-        return ANTHROPIC_CLOSERS
-    return OPENAI_CLOSERS
-
-
-def responses_final_at(chunk: bytes) -> int:
-    """Where a Responses API stream's final event (``response.completed`` / ``failed`` /
-    ``incomplete``, which carries the whole response and its usage) begins in a piece of
-    the stream; -1 when it does not."""
-    return max(chunk.rfind(b"event: response." + name) for name in _FINAL_EVENTS)
-
-
-_FINAL_EVENTS = (b"completed\n", b"failed\n", b"incomplete\n")
-
-
-def request_head(
-    path: bytes,
-    host: bytes,
-    client_headers: Iterable[tuple[bytes, bytes]],
-    rid: bytes,
-    dp_rank: int | None,
-    length: int,
-    method: bytes = b"POST",
-) -> bytes:
-    """The upstream request head (``method``, POST by default): the client's headers minus
-    hop-by-hop ones (and those its ``Connection`` header names), plus
-    ``X-Request-Id``, ``X-data-parallel-rank`` and ``Content-Length``."""
-    parts = [method, b" ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
-    client_headers = list(client_headers)
-    dropped = _hop_by_hop(client_headers, _NOT_FORWARDED)
-    for k, v in client_headers:
-        if k.lower() not in dropped:
-            parts += (k, b": ", v, b"\r\n")
-    parts += (b"X-Request-Id: ", rid, b"\r\n")
-    if dp_rank is not None:
-        parts += (b"X-data-parallel-rank: ", str(dp_rank).encode(), b"\r\n")
-    parts += (b"Content-Length: ", str(length).encode(), b"\r\n\r\n")
-    return b"".join(parts)
-
-
-def response_headers(upstream: Headers) -> tuple[Headers, bool, bool]:
-    """(headers to pass on, is it an SSE stream, has an X-Request-Id)."""
-    out: Headers = []
-    sse = has_rid = False
-    dropped = _hop_by_hop(upstream, HOP_BY_HOP)
-    for k, v in upstream:
-        low = k.lower()
-        if low in dropped:
-            continue
-        if low == b"content-type" and v.startswith(b"text/event-stream"):
-            sse = True
-        elif low == b"x-request-id":
-            has_rid = True
-        out.append((k, v))
-    return out, sse, has_rid
-
-
-# the most of a Responses API stream's final event (the whole response) kept for its usage
-MAX_FINAL_EVENT = 16 * 2**20
-_DECODER = json.JSONDecoder()
-_UNKNOWN: Any = object()
-_WS = " \t\n\r"  # JSON's whitespace, and nothing else
-
-
-def _top_level_usage(payload: bytes) -> Any:
-    """The top-level ``usage`` value of a JSON object body, parsed without parsing what comes
-    before it (long answers make the body large; ``usage`` comes after ``choices``), or
-    ``_UNKNOWN`` when that cannot be shown safely (the caller then parses the whole body).
-
-    For a valid JSON body the result is what a full parse gives. The last ``"usage"`` is a
-    real key when its opening quote is not escaped (an unescaped quote cannot sit inside a
-    string) and a colon follows. It is a key of the top-level object exactly when what follows
-    its value closes one object level: either just ``}``, or ``, ...}`` that parses as an
-    object once a ``{`` is put in front (a deeper key would leave closing brackets over). A
-    later key spelled with escapes (``"us\\u0061ge"``) is the same key to a full parse, which
-    keeps the last duplicate: that parse of the rest sees it. (For an invalid body the result
-    may be a value where a full parse fails; it only feeds metrics.)"""
-    at = payload.rfind(b'"usage"')
-    slashes = 0
-    while at - slashes > 0 and payload[at - slashes - 1] == 0x5C:  # backslash
-        slashes += 1
-    if at < 0 or slashes % 2:
-        return _UNKNOWN
-    try:
-        text = payload[at + 7 :].decode()
-    except UnicodeDecodeError:
-        return _UNKNOWN
-    rest = text.lstrip(_WS)
-    if not rest.startswith(":"):
-        return _UNKNOWN
-    rest = rest[1:].lstrip(_WS)
-    try:
-        value, end = _DECODER.raw_decode(rest)
-    except (ValueError, RecursionError):
-        return _UNKNOWN
-    after = rest[end:].strip(_WS)
-    if after == "}":
-        return value
-    if after.startswith(","):
-        try:
-            others = json.loads("{" + after[1:])
-        except (ValueError, RecursionError):
-            return _UNKNOWN
-        if isinstance(others, dict):
-            return others.get("usage", value)
-    return _UNKNOWN
-
-
-def usage_of(payload: bytes, sse: bool | None = None) -> dict[str, Any] | None:
-    """The last ``usage`` object of a JSON body or of SSE ``data:`` lines, if any. ``sse``:
-    whether the payload is an event stream (None: guessed from ``data:`` in it, which a JSON
-    answer may contain too, e.g. a ``data:image/png`` URI)."""
-    if b'"usage"' not in payload:
-        return None
-    if sse is None:
-        sse = b"data:" in payload
-    if not sse and (payload[:1] == b"{" or payload.lstrip(b" \t\n\r")[:1] == b"{"):
-        usage = _top_level_usage(payload)
-        if usage is not _UNKNOWN:
-            return usage if isinstance(usage, dict) else None
-    candidates = [payload]
-    if sse:
-        candidates = [
-            line[5:].strip()
-            for line in payload.splitlines()
-            if line.startswith(b"data:") and b'"usage"' in line
-        ]
-    for raw in reversed(candidates):
-        try:
-            obj = json.loads(raw)
-        except (ValueError, RecursionError):
-            continue
-        usage = obj.get("usage") if isinstance(obj, dict) else None
-        if usage is None and isinstance(obj, dict) and isinstance(obj.get("response"), dict):
-            usage = obj["response"].get("usage")  # a Responses API event's response
-        if isinstance(usage, dict):
-            return usage
-    return None
-
-
-class UsageTokens(NamedTuple):
-    """What a ``usage`` object says, None where it says nothing: the prompt's tokens, the
-    answer's, and the prompt tokens the engine found cached."""
-
-    prompt: int | None
-    completion: int | None
-    cached: int | None
-
-
-def _int(value: object) -> int | None:
-    return value if type(value) is int else None
-
-
-def usage_tokens(usage: dict[str, Any] | None) -> UsageTokens:
-    """The token counts of a ``usage`` object, in either shape the replicas answer:
-    OpenAI's (``prompt_tokens``, ``completion_tokens``,
-    ``prompt_tokens_details.cached_tokens``), the Messages API's as vLLM 0.34 builds it
-    (``_build_anthropic_usage``: ``input_tokens`` is the prompt less
-    ``cache_read_input_tokens`` and ``cache_creation_input_tokens``, ``output_tokens``), or
-    the Responses API's (``input_tokens`` the whole prompt, ``output_tokens``,
-    ``input_tokens_details.cached_tokens``); the one place the forwarder reads usage."""
-    if not usage:
-        return UsageTokens(None, None, None)
-    details = usage.get("input_tokens_details")
-    if isinstance(details, dict):  # the Responses API's: input_tokens is the whole prompt
-        return UsageTokens(
-            _int(usage.get("input_tokens")),
-            _int(usage.get("output_tokens")),
-            _int(details.get("cached_tokens")),
-        )
-    if "input_tokens" in usage and "prompt_tokens" not in usage:
-        uncached = _int(usage.get("input_tokens"))
-        read = _int(usage.get("cache_read_input_tokens"))
-        created = _int(usage.get("cache_creation_input_tokens")) or 0
-        prompt = None if uncached is None else uncached + (read or 0) + created
-        return UsageTokens(prompt, _int(usage.get("output_tokens")), read)
-    details = usage.get("prompt_tokens_details")
-    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
-    return UsageTokens(
-        _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), cached
-    )
-
-
-def cached_tokens_of(payload: bytes, sse: bool | None = None) -> int | None:
-    """The cached prompt tokens of the usage in a JSON body or SSE lines, if any
-    (:func:`usage_tokens`)."""
-    if b"cached_tokens" not in payload and b"cache_read_input_tokens" not in payload:
-        return None
-    return usage_tokens(usage_of(payload, sse)).cached
 
 
 class Forwarder:

@@ -11,10 +11,11 @@ import asyncio
 from urllib.parse import unquote
 
 from router.service.http_types import HttpRequest
-from router.service.proxy import Forwarder, Sink, request_head, response_headers, send_error
+from router.service.proxy import Forwarder
 from router.service.replica_url import ReplicaUrl
 from router.service.state import RouterState
 from router.service.upstream_errors import UpstreamError
+from router.service.wire import Sink, request_head, response_headers, send_error
 
 PREFIX = b"/v1/responses/"
 CANCEL = b"/cancel"

@@ -1,0 +1,197 @@
+"""What the router reads of an engine's answer (router/service/proxy.py relays it): the
+usage in each shape the replicas answer (OpenAI's, the Anthropic Messages API's, the
+Responses API's: :func:`usage_tokens`, found in a JSON body or a stream's tail by
+:func:`usage_of`), where each kind's stream ends (:func:`closers_of`), a Responses stream's
+final event (it carries the whole response), and SSE keep-alive comments (no token). Pure
+functions of bytes, read once an answer is whole or per relayed piece."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+
+def sse_comments_only(chunk: bytes) -> bool:
+    """Whether every line of a piece of an event stream is a comment or blank: vLLM's
+    keep-alive (``": keep-alive"`` while a request queues or prefills, with
+    ``--sse-keep-alive-interval``) carries no token, so it neither ends the prefill in the
+    load model nor times a first token."""
+    return all(line[:1] in (b"", b":", b"\r") for line in chunk.split(b"\n"))
+
+
+# the Responses API's last events (vLLM 0.34 responses/serving.py: the stream ends with one
+# of them, pydantic's compact JSON with ``type`` its last key, and no ``[DONE]``)
+RESPONSES_ENDS = (
+    b'"type":"response.completed"}',
+    b'"type":"response.failed"}',
+    b'"type":"response.incomplete"}',
+)
+
+
+# what ends each kind's stream (the relay tests one kind's, one test a piece)
+OPENAI_CLOSERS = (b"data: [DONE]",)
+ANTHROPIC_CLOSERS = (b'"message_stop"}', *OPENAI_CLOSERS)
+RESPONSES_CLOSERS = (*RESPONSES_ENDS, *OPENAI_CLOSERS)
+ALL_CLOSERS = (*RESPONSES_ENDS, *ANTHROPIC_CLOSERS)
+
+
+def closes_stream(chunk: bytes, closers: tuple[bytes, ...] = ALL_CLOSERS) -> bool:
+    """Whether a piece of an event stream ends with the stream's closing event: OpenAI's
+    ``data: [DONE]``, the Messages API's ``message_stop`` (vLLM:
+    ``data: {"type":"message_stop"}``), or the Responses API's ``response.completed`` /
+    ``response.failed`` / ``response.incomplete``; ``closers``: one kind's alone."""
+    return chunk[-48:].rstrip().endswith(closers)
+
+
+def closers_of(path: bytes) -> tuple[bytes, ...]:
+    """The closing events of the streams of ``path`` (a hot endpoint's, a query string
+    allowed)."""
+    if path.startswith(b"/v1/responses"):
+        return RESPONSES_CLOSERS
+    if path.startswith(b"/v1/messages"):
+        return ANTHROPIC_CLOSERS
+    return OPENAI_CLOSERS
+
+
+def responses_final_at(chunk: bytes) -> int:
+    """Where a Responses API stream's final event (``response.completed`` / ``failed`` /
+    ``incomplete``, which carries the whole response and its usage) begins in a piece of
+    the stream; -1 when it does not."""
+    return max(chunk.rfind(b"event: response." + name) for name in _FINAL_EVENTS)
+
+
+_FINAL_EVENTS = (b"completed\n", b"failed\n", b"incomplete\n")
+
+
+# the most of a Responses API stream's final event (the whole response) kept for its usage
+MAX_FINAL_EVENT = 16 * 2**20
+_DECODER = json.JSONDecoder()
+_UNKNOWN: Any = object()
+_WS = " \t\n\r"  # JSON's whitespace, and nothing else
+
+
+def _top_level_usage(payload: bytes) -> Any:
+    """The top-level ``usage`` value of a JSON object body, parsed without parsing what comes
+    before it (long answers make the body large; ``usage`` comes after ``choices``), or
+    ``_UNKNOWN`` when that cannot be shown safely (the caller then parses the whole body).
+
+    For a valid JSON body the result is what a full parse gives. The last ``"usage"`` is a
+    real key when its opening quote is not escaped (an unescaped quote cannot sit inside a
+    string) and a colon follows. It is a key of the top-level object exactly when what follows
+    its value closes one object level: either just ``}``, or ``, ...}`` that parses as an
+    object once a ``{`` is put in front (a deeper key would leave closing brackets over). A
+    later key spelled with escapes (``"us\\u0061ge"``) is the same key to a full parse, which
+    keeps the last duplicate: that parse of the rest sees it. (For an invalid body the result
+    may be a value where a full parse fails; it only feeds metrics.)"""
+    at = payload.rfind(b'"usage"')
+    slashes = 0
+    while at - slashes > 0 and payload[at - slashes - 1] == 0x5C:  # backslash
+        slashes += 1
+    if at < 0 or slashes % 2:
+        return _UNKNOWN
+    try:
+        text = payload[at + 7 :].decode()
+    except UnicodeDecodeError:
+        return _UNKNOWN
+    rest = text.lstrip(_WS)
+    if not rest.startswith(":"):
+        return _UNKNOWN
+    rest = rest[1:].lstrip(_WS)
+    try:
+        value, end = _DECODER.raw_decode(rest)
+    except (ValueError, RecursionError):
+        return _UNKNOWN
+    after = rest[end:].strip(_WS)
+    if after == "}":
+        return value
+    if after.startswith(","):
+        try:
+            others = json.loads("{" + after[1:])
+        except (ValueError, RecursionError):
+            return _UNKNOWN
+        if isinstance(others, dict):
+            return others.get("usage", value)
+    return _UNKNOWN
+
+
+def usage_of(payload: bytes, sse: bool | None = None) -> dict[str, Any] | None:
+    """The last ``usage`` object of a JSON body or of SSE ``data:`` lines, if any. ``sse``:
+    whether the payload is an event stream (None: guessed from ``data:`` in it, which a JSON
+    answer may contain too, e.g. a ``data:image/png`` URI)."""
+    if b'"usage"' not in payload:
+        return None
+    if sse is None:
+        sse = b"data:" in payload
+    if not sse and (payload[:1] == b"{" or payload.lstrip(b" \t\n\r")[:1] == b"{"):
+        usage = _top_level_usage(payload)
+        if usage is not _UNKNOWN:
+            return usage if isinstance(usage, dict) else None
+    candidates = [payload]
+    if sse:
+        candidates = [
+            line[5:].strip()
+            for line in payload.splitlines()
+            if line.startswith(b"data:") and b'"usage"' in line
+        ]
+    for raw in reversed(candidates):
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError):
+            continue
+        usage = obj.get("usage") if isinstance(obj, dict) else None
+        if usage is None and isinstance(obj, dict) and isinstance(obj.get("response"), dict):
+            usage = obj["response"].get("usage")  # a Responses API event's response
+        if isinstance(usage, dict):
+            return usage
+    return None
+
+
+class UsageTokens(NamedTuple):
+    """What a ``usage`` object says, None where it says nothing: the prompt's tokens, the
+    answer's, and the prompt tokens the engine found cached."""
+
+    prompt: int | None
+    completion: int | None
+    cached: int | None
+
+
+def _int(value: object) -> int | None:
+    return value if type(value) is int else None
+
+
+def usage_tokens(usage: dict[str, Any] | None) -> UsageTokens:
+    """The token counts of a ``usage`` object, in either shape the replicas answer:
+    OpenAI's (``prompt_tokens``, ``completion_tokens``,
+    ``prompt_tokens_details.cached_tokens``), the Messages API's as vLLM 0.34 builds it
+    (``_build_anthropic_usage``: ``input_tokens`` is the prompt less
+    ``cache_read_input_tokens`` and ``cache_creation_input_tokens``, ``output_tokens``), or
+    the Responses API's (``input_tokens`` the whole prompt, ``output_tokens``,
+    ``input_tokens_details.cached_tokens``); the one place the forwarder reads usage."""
+    if not usage:
+        return UsageTokens(None, None, None)
+    details = usage.get("input_tokens_details")
+    if isinstance(details, dict):  # the Responses API's: input_tokens is the whole prompt
+        return UsageTokens(
+            _int(usage.get("input_tokens")),
+            _int(usage.get("output_tokens")),
+            _int(details.get("cached_tokens")),
+        )
+    if "input_tokens" in usage and "prompt_tokens" not in usage:
+        uncached = _int(usage.get("input_tokens"))
+        read = _int(usage.get("cache_read_input_tokens"))
+        created = _int(usage.get("cache_creation_input_tokens")) or 0
+        prompt = None if uncached is None else uncached + (read or 0) + created
+        return UsageTokens(prompt, _int(usage.get("output_tokens")), read)
+    details = usage.get("prompt_tokens_details")
+    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return UsageTokens(
+        _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), cached
+    )
+
+
+def cached_tokens_of(payload: bytes, sse: bool | None = None) -> int | None:
+    """The cached prompt tokens of the usage in a JSON body or SSE lines, if any
+    (:func:`usage_tokens`)."""
+    if b"cached_tokens" not in payload and b"cache_read_input_tokens" not in payload:
+        return None
+    return usage_tokens(usage_of(payload, sse)).cached
