@@ -22,7 +22,7 @@ the engines run EAGLE / MTP speculative decoding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from router.core.state_layout import StateLayout
 from router.core.types import RouteRequest
@@ -54,12 +54,12 @@ def peeked(kv: list[tuple[int, int]], cap: int, align: int, peek: int) -> list[t
     return out
 
 
-@dataclass(slots=True, frozen=True)
-class EngineHolds:
+class EngineHolds(NamedTuple):
     """What the replica a request was sent to will hold of its prompt once prefilled.
     ``kv_blocks``: its full engine blocks; ``state_hashes``: the checkpoints a hybrid engine
     keeps (grid and prompt end; empty for a KV-only model); ``next_hit_blocks``: what a later
-    turn extending the prompt reuses there (the session hint's reach)."""
+    turn extending the prompt reuses there (the session hint's reach). A NamedTuple: built
+    once a dispatch (router/core/types.py says why)."""
 
     kv_blocks: int
     state_hashes: tuple[int, ...]
