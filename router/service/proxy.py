@@ -100,6 +100,10 @@ def count_slo(
     state.metrics.model(model).slo(tier.label, result, service_class).inc()
 
 
+# how much of a Responses stream's start is searched for its response id
+MAX_ID_SCAN = 1 << 16
+
+
 class Forwarder:
     """Sends routed requests upstream; one per app."""
 
@@ -408,6 +412,7 @@ class Forwarder:
                 await sink.start(status, headers)
             tail_bytes = 0
             keep_final = False  # the tail holds a Responses API stream's final event
+            head_seen = b""  # the stream's start, until its response id is found
             last = first_at = 0.0
             first = True
             while (chunk := await upstream.read()) is not None:
@@ -440,10 +445,13 @@ class Forwarder:
                     await sink.write(out)
                 done_relayed = done_seen
                 if record_ids and status == 200:
-                    found = id_of_stream(chunk)
-                    if found is not None:
+                    # the response.created event may come in pieces: read the stream's start
+                    head_seen = head_seen + chunk if head_seen else chunk
+                    found = id_of_stream(head_seen)
+                    if found is not None or len(head_seen) > MAX_ID_SCAN:
                         self._record_id(routed, key, found)
                         record_ids = False
+                        head_seen = b""
                 at = responses_final_at(chunk) if responses and b"event: response." in chunk else -1
                 if at >= 0:  # the whole response (and its usage) follows: kept whole
                     tail.clear()
