@@ -76,6 +76,7 @@ TESTS = (
     "tests/test_proxy_integrity.py",
     "tests/test_service_messages.py",  # the Anthropic Messages API through the hot path
     "tests/test_service_responses.py",  # the Responses API through the hot path
+    "tests/test_responses_split_id.py",  # a response id read across stream pieces
     "tests/test_pass_through.py",  # routes passed to a replica from the front door
     "tests/test_cache_reads.py",  # prompt-logprobs requests: no cache read, end to end
     "tests/test_tokenize_anthropic.py",  # its usage reading and stream end (proxy)
