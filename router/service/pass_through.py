@@ -53,6 +53,48 @@ MAX_ATTEMPTS = 2
 _turns = itertools.count()
 
 
+async def relay_once(
+    state: RouterState,
+    forwarder: Forwarder,
+    sink: Sink,
+    base: str,
+    target: bytes,
+    client_headers: Iterable[tuple[bytes, bytes]],
+    body: bytes,
+    request_id: str,
+    method: bytes = b"POST",
+) -> str | None:
+    """Send one request to the replica at ``base`` and relay its whole answer, whatever its
+    status; the reason it could not (no answer in ``first_byte_timeout_s``, a broken
+    connection) is returned instead, nothing written. A client that leaves aborts it."""
+    head = request_head(
+        target,
+        ReplicaUrl.parse(base).netloc.encode(),
+        client_headers,
+        request_id.encode("latin-1"),
+        None,
+        len(body),
+        method=method,
+    )
+    upstream = None
+    try:
+        async with asyncio.timeout(state.settings.server.first_byte_timeout_s):
+            upstream = await forwarder.client.pool(base).send(head, body)
+            payload = await upstream.read_all()
+    except (UpstreamError, TimeoutError) as exc:
+        if upstream is not None:
+            upstream.abort()
+        return f"{base}: {str(exc) or type(exc).__name__}"
+    except BaseException:  # the client left: the replica's request goes too
+        if upstream is not None:
+            upstream.abort()
+        raise
+    headers, _, _ = response_headers(upstream.headers)
+    upstream.release()
+    await sink.respond(upstream.status, headers, payload)
+    return None
+
+
 async def pass_through(
     state: RouterState,
     forwarder: Forwarder,
@@ -74,32 +116,12 @@ async def pass_through(
     client_headers = list(client_headers)
     last = "no replica to ask"
     for base in order:
-        head = request_head(
-            target,
-            ReplicaUrl.parse(base).netloc.encode(),
-            client_headers,
-            request_id.encode("latin-1"),
-            None,
-            len(body),
+        failed = await relay_once(
+            state, forwarder, sink, base, target, client_headers, body, request_id
         )
-        upstream = None
-        try:
-            async with asyncio.timeout(s.first_byte_timeout_s):
-                upstream = await forwarder.client.pool(base).send(head, body)
-                payload = await upstream.read_all()
-        except (UpstreamError, TimeoutError) as exc:
-            if upstream is not None:
-                upstream.abort()
-            last = f"{base}: {str(exc) or type(exc).__name__}"
-            continue
-        except BaseException:  # the client left: the replica's request goes too
-            if upstream is not None:
-                upstream.abort()
-            raise
-        headers, _, _ = response_headers(upstream.headers)
-        upstream.release()
-        await sink.respond(upstream.status, headers, payload)
-        return
+        if failed is None:
+            return
+        last = failed
     await send_error(
         sink,
         503,

@@ -7,15 +7,13 @@ still running, arrives in one piece at its end)."""
 
 from __future__ import annotations
 
-import asyncio
 from urllib.parse import unquote
 
 from router.service.http_types import HttpRequest
+from router.service.pass_through import relay_once
 from router.service.proxy import Forwarder
-from router.service.replica_url import ReplicaUrl
 from router.service.state import RouterState
-from router.service.upstream_errors import UpstreamError
-from router.service.wire import Sink, request_head, response_headers, send_error
+from router.service.wire import Sink, send_error
 
 PREFIX = b"/v1/responses/"
 CANCEL = b"/cancel"
@@ -49,37 +47,15 @@ async def serve(
     if not bases:
         await send_error(sink, 404, f"Response with id '{found}' not found.", param="response_id")
         return
-    base = bases[0]
-    head = request_head(
-        req.target,
-        ReplicaUrl.parse(base).netloc.encode(),
-        req.headers,
-        rid.encode("latin-1"),
-        None,
-        len(req.body),
-        method=req.method,
+    failed = await relay_once(
+        state, forwarder, sink, bases[0], req.target, req.headers, req.body, rid, req.method
     )
-    s = state.settings.server
-    upstream = None
-    try:
-        async with asyncio.timeout(s.first_byte_timeout_s):
-            upstream = await forwarder.client.pool(base).send(head, req.body)
-            payload = await upstream.read_all()
-    except (UpstreamError, TimeoutError) as exc:
-        if upstream is not None:
-            upstream.abort()
+    if failed is not None:
+        s = state.settings.server
         await send_error(
             sink,
             503,
             f"replica {holder.replica if holder else ''} holding response {found!r} did "
-            f"not answer ({str(exc) or type(exc).__name__})",
+            f"not answer ({failed})",
             headers=[(b"Retry-After", str(s.retry_after_s).encode())],
         )
-        return
-    except BaseException:  # the client left: the replica's request goes too
-        if upstream is not None:
-            upstream.abort()
-        raise
-    headers, _, _ = response_headers(upstream.headers)
-    upstream.release()
-    await sink.respond(upstream.status, headers, payload)
