@@ -339,3 +339,31 @@ async def start_mock(settings: Any) -> tuple[web.AppRunner, str]:
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}"
+
+
+async def start_mock_fleet(
+    n: int, runners: list[web.AppRunner], *, model: str, block_size: int, **mock: Any
+) -> list[dict[str, Any]]:
+    """``n`` mock replicas ``r0``.. of ``model`` publishing KV events over ZMQ (with their
+    replay sockets), started and appended to ``runners``; returned as the router's replica
+    tables. ``mock``: further ``MockSettings`` fields."""
+    from router.mock.server import MockSettings
+    from tests.ports import free_port
+
+    replicas = []
+    for i in range(n):
+        settings = MockSettings(
+            model=model,
+            replica=f"r{i}",
+            block_size=block_size,
+            zmq_endpoint=f"tcp://127.0.0.1:{free_port()}",
+            replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+            **mock,
+        )
+        runner, base = await start_mock(settings)
+        runners.append(runner)
+        replicas.append(
+            {"url": base, "model": model, "name": f"r{i}", "zmq": settings.zmq_endpoint,
+             "zmq_replay": settings.replay_endpoint}
+        )  # fmt: skip
+    return replicas

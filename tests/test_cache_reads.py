@@ -12,11 +12,9 @@ import openai
 
 from router.core.hashing import hash_prompt, root_hash
 from router.core.types import ReplicaKey
-from router.mock.server import MockSettings
 from router.service.app import STATE
 from router.service.config import build_settings
-from tests.backends import start_mock, start_router
-from tests.ports import free_port
+from tests.backends import start_mock_fleet, start_router
 from tests.waiting import eventually
 
 B = 64
@@ -26,19 +24,7 @@ MODEL = "m"
 async def test_prompt_logprobs_requests_are_predicted_and_served_without_reuse() -> None:
     runners: list[Any] = []
     try:
-        replicas = []
-        for i in range(2):
-            s = MockSettings(
-                model=MODEL, replica=f"r{i}", block_size=B,
-                zmq_endpoint=f"tcp://127.0.0.1:{free_port()}",
-                replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
-            )  # fmt: skip
-            runner, base = await start_mock(s)
-            runners.append(runner)
-            replicas.append(
-                {"url": base, "model": MODEL, "name": f"r{i}", "zmq": s.zmq_endpoint,
-                 "zmq_replay": s.replay_endpoint}
-            )  # fmt: skip
+        replicas = await start_mock_fleet(2, runners, model=MODEL, block_size=B)
         settings = build_settings(
             {"replicas": replicas, "models": {MODEL: {"block_size": B, "policy": "ours"}}}
         )

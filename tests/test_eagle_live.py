@@ -15,12 +15,10 @@ import pytest
 
 from router.core.hashing import hash_prompt, root_hash
 from router.core.types import ReplicaKey
-from router.mock.server import MockSettings
 from router.service.app import STATE
 from router.service.config import build_settings
 from router.service.state import RouterState
-from tests.backends import start_mock, start_router
-from tests.ports import free_port
+from tests.backends import start_mock_fleet, start_router
 from tests.waiting import eventually
 
 B = 64
@@ -93,19 +91,9 @@ async def test_eagle_hits_are_predicted_as_the_engine_grants_them(
     profile.write_text(_profile(hybrid))
     runners: list[Any] = []
     try:
-        replicas = []
-        for i in range(2):
-            s = MockSettings(
-                model=MODEL, replica=f"r{i}", profile=str(profile), block_size=B,
-                engine_block_size=16, zmq_endpoint=f"tcp://127.0.0.1:{free_port()}",
-                replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
-            )  # fmt: skip
-            runner, base = await start_mock(s)
-            runners.append(runner)
-            replicas.append(
-                {"url": base, "model": MODEL, "name": f"r{i}", "zmq": s.zmq_endpoint,
-                 "zmq_replay": s.replay_endpoint}
-            )  # fmt: skip
+        replicas = await start_mock_fleet(
+            2, runners, model=MODEL, block_size=B, profile=str(profile), engine_block_size=16
+        )
         table = {"block_size": B, "policy": "ours", "eagle": told, "hybrid": hybrid}
         settings = build_settings({"replicas": replicas, "models": {MODEL: table}})
         router, url = await start_router(settings)

@@ -16,12 +16,15 @@ import openai
 import pytest
 from aiohttp import web
 
-from router.mock.server import MockSettings
 from router.service.app import STATE
 from router.service.config import build_settings
 from router.tokenize.tokenizers import BUNDLED_DIR
-from tests.backends import kimi_model_table, metric_sample, start_mock, start_router
-from tests.ports import free_port
+from tests.backends import (
+    kimi_model_table,
+    metric_sample,
+    start_mock_fleet,
+    start_router,
+)
 from tests.waiting import eventually
 
 B = 16
@@ -61,21 +64,9 @@ def _items(n: int) -> list[dict[str, Any]]:
 
 async def _fleet(n: int, runners: list[web.AppRunner], **mock: Any) -> list[dict[str, Any]]:
     """``n`` mock replicas of model "m" publishing KV events over ZMQ, as replica tables."""
-    replicas = []
-    for i in range(n):
-        zmq, replay = free_port(), free_port()
-        settings = MockSettings(
-            model=MODEL, replica=f"r{i}", block_size=B, engine_block_size=B,
-            zmq_endpoint=f"tcp://127.0.0.1:{zmq}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
-            **mock,
-        )  # fmt: skip
-        runner, base = await start_mock(settings)
-        runners.append(runner)
-        replicas.append(
-            {"url": base, "model": MODEL, "name": f"r{i}", "zmq": settings.zmq_endpoint,
-             "zmq_replay": settings.replay_endpoint}
-        )  # fmt: skip
-    return replicas
+    return await start_mock_fleet(
+        n, runners, model=MODEL, block_size=B, engine_block_size=B, **mock
+    )
 
 
 async def _ask(client: openai.AsyncOpenAI, stream: bool, items: Any, **kw: Any) -> Any:
