@@ -39,6 +39,7 @@ from router.service.answers import (
     OPENAI_CLOSERS,
     RESPONSES_CLOSERS,
     closers_of,
+    closes_stream,
     responses_final_at,
     sse_comments_only,
     usage_of,
@@ -428,7 +429,7 @@ class Forwarder:
                     mm.itl.observe(now - last)
                     last = now
                 ended = upstream.at_end
-                done_seen = chunk[-48:].rstrip().endswith(closers)
+                done_seen = closes_stream(chunk, closers)
                 cut = ended and until_close and not done_seen
                 ended = ended and not cut
                 out = chunk
