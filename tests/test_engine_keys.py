@@ -15,8 +15,9 @@ import pytest
 from router.core.hashing import MmItem, hash_prompt, mm_block_extras, root_hash
 from router.core.types import BlocksStored, Kind
 from router.events.decode import decode_payload
-from router.events.model import IGNORED_KINDS, KV_KINDS, STATE_KINDS
-from router.events.reblock import Reblocker, read_extra_keys
+from router.events.extra_keys import read_extra_keys
+from router.events.model import IGNORED_KINDS, KV_KINDS, STATE_KINDS, WINDOW_KINDS
+from router.events.reblock import Reblocker
 from router.tokenize.pipeline import PromptProcessor
 from tests.engines import load, load_file
 
@@ -201,8 +202,8 @@ def test_every_vllm_kv_cache_spec_kind_is_classified() -> None:
         "mla_attention": "kv",
         "sink_full_attention": "kv",
         "mamba": "state",
-        "sliding_window": "ignored",
-        "sliding_window_mla": "ignored",
+        "sliding_window": "window",
+        "sliding_window_mla": "window",
         "chunked_local_attention": "ignored",
         "encoder_only_attention": "ignored",
         "cross_attention": "ignored",
@@ -210,6 +211,7 @@ def test_every_vllm_kv_cache_spec_kind_is_classified() -> None:
     }
     for kind, meaning in kinds.items():
         found = {"kv": kind in KV_KINDS, "state": kind in STATE_KINDS}
+        found["window"] = kind in WINDOW_KINDS
         found["ignored"] = kind in IGNORED_KINDS
         assert [m for m, yes in found.items() if yes] == [meaning], kind
 

@@ -131,8 +131,10 @@ def test_tiers_state_groups_and_clear() -> None:
     assert rb.convert([EngineBlockRemoved((22,), group_idx=1)]) == [
         BlocksRemoved((canonical[1],), Tier.GPU, Kind.STATE)
     ]
-    swa = EngineBlockStored((31,), None, tuple(tokens[:B]), B, kv_cache_spec_kind="sliding_window")
-    assert rb.convert([swa]) == [] and rb.stats.ignored_group == 1
+    local = EngineBlockStored(
+        (31,), None, tuple(tokens[:B]), B, group_idx=2, kv_cache_spec_kind="chunked_local_attention"
+    )
+    assert rb.convert([local]) == [] and rb.stats.ignored_group == 1
     # vLLM's reset clears the GPU prefix cache; the offloading connector's CPU copies stay
     kept = BlocksStored(tuple(canonical), Tier.CPU)
     assert rb.convert([EngineAllCleared()]) == [AllCleared(), kept]

@@ -11,10 +11,12 @@ read big-endian).
 ``kv_cache_spec_kind`` (vLLM >= 0.22, ``vllm.v1.kv_cache_interface.KVCacheSpecKind``): groups
 whose blocks hold the KV of the whole prefix are KV (``full_attention``, ``mla_attention``,
 ``sink_full_attention``: full attention plus a fixed set of sink tokens); ``mamba`` groups hold
-recurrent-state checkpoints. Groups that keep only a recent window or chunk
-(``sliding_window``, ``sliding_window_mla``, ``chunked_local_attention``) or no decoder prefix
-at all (``encoder_only_attention``, ``cross_attention``) are not prefix KV and are ignored, as
-are kinds this list does not know (logged once by the re-blocker).
+recurrent-state checkpoints. Sliding-window groups (``sliding_window``, ``sliding_window_mla``)
+keep a recent window: a prefix is usable where the window before its end is cached, which the
+re-blocker publishes as checkpoints (router/events/window.py). Groups that keep a chunk
+(``chunked_local_attention``) or no decoder prefix at all (``encoder_only_attention``,
+``cross_attention``) are ignored, as are kinds this list does not know (logged once by the
+re-blocker).
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ KV_KINDS = frozenset(
     {"", "full_attention", "mla_attention", "sink_full_attention"} | {"full", "attention", "mla"}
 )
 STATE_KINDS = frozenset({"mamba"} | {"mamba2", "linear_attention", "kda", "gdn", "state"})
+WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"} | {"swa"})
 IGNORED_KINDS = frozenset(
-    {"sliding_window", "sliding_window_mla", "chunked_local_attention"}
-    | {"encoder_only_attention", "cross_attention", "unknown"}
+    {"chunked_local_attention", "encoder_only_attention", "cross_attention", "unknown"}
 )
 
 

@@ -14,8 +14,9 @@ Engine blocks smaller than the router's complete a canonical block every few eve
 ones complete several at once. ``kv_cache_spec_kind`` chooses the meaning: full-attention
 groups yield KV blocks; ``mamba``-like groups yield recurrent-state checkpoints, named by the
 canonical hash of the prefix they end at (only at router block boundaries); sliding-window
-and unknown groups are ignored (``router.events.model``; an unknown kind is logged once).
-Each group keeps its own map.
+groups yield a checkpoint wherever the window before a router block boundary is cached
+(router/events/window.py); chunked-local and unknown groups are ignored
+(``router.events.model``; an unknown kind is logged once). Each group keeps its own map.
 
 Hash-changing keys enter the canonical chain as the router derives them from a request
 (``router.core.hashing``): a cache salt (SGLang's ``cache_salt`` field, or vLLM's salt in the
@@ -45,7 +46,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from router.core.hashing import MmItem, hash_prompt, mm_block_extras, root_hash
 from router.core.types import (
@@ -56,16 +56,20 @@ from router.core.types import (
     Kind,
     Tier,
 )
+from router.events.coalesce import coalesce
+from router.events.extra_keys import NO_KEYS, BlockKeys, read_extra_keys
 from router.events.model import (
     IGNORED_KINDS,
     KV_KINDS,
     OFFLOAD_MEDIA,
     STATE_KINDS,
+    WINDOW_KINDS,
     EngineAllCleared,
     EngineBlockRemoved,
     EngineBlockStored,
     EngineEvent,
 )
+from router.events.window import WindowChange, WindowGroup, blocks_needed
 
 
 @dataclass(slots=True)
@@ -99,6 +103,8 @@ class ReblockStats:
     # state stores naming every block from the start (vLLM's kv_cache_report_mode "full"
     # re-announcing a hit): only their last checkpoint is taken
     reannounced_state: int = 0
+    # sliding-window stores without a usable window size (not indexed)
+    unknown_window: int = 0
     errors: list[str] = field(default_factory=list)
 
     def error(self, message: str) -> None:
@@ -107,6 +113,7 @@ class ReblockStats:
             self.errors.append(message)
 
 
+_NO_ITEMS: set[MmItem] = set()  # shared, never added to: events without extra keys
 log = logging.getLogger(__name__)
 _logged_kinds: set[str] = set()
 # the kinds and media engines publish, as they spell them, read once
@@ -133,49 +140,6 @@ def _group_kind(kind: str | None) -> Kind | None:
     return None
 
 
-@dataclass(slots=True, frozen=True)
-class BlockKeys:
-    """One engine block's ``extra_keys`` entry, read: multimodal ``(identifier, offset in
-    the block)`` pairs, a cache salt, and whether it holds keys no request can reproduce."""
-
-    mm: tuple[tuple[str, int], ...] = ()
-    salt: str | None = None
-    opaque: bool = False
-
-
-NO_KEYS = BlockKeys()
-_NO_ITEMS: set[MmItem] = set()  # shared, never added to: events without extra keys
-
-
-def read_extra_keys(entry: Any, lora_name: str | None) -> BlockKeys:
-    """vLLM publishes each block's keys untagged, in order: the LoRA name (when the event has
-    ``lora_name``), ``(mm_identifier, offset)`` pairs, the cache salt, prompt-embedding
-    digests (bytes) -- ``to_event_extra_keys`` in vLLM 0.33, the same shapes since 0.20."""
-    if entry is None:
-        return NO_KEYS
-    if not isinstance(entry, (list, tuple)):
-        return BlockKeys(opaque=True)
-    items = list(entry)
-    if lora_name is not None and items and items[0] == lora_name:
-        items = items[1:]  # in the root already
-    mm: list[tuple[str, int]] = []
-    salt: str | None = None
-    for item in items:
-        if (
-            isinstance(item, (list, tuple))
-            and len(item) == 2
-            and isinstance(item[0], str)
-            and isinstance(item[1], int)
-            and not isinstance(item[1], bool)
-        ):
-            mm.append((item[0], item[1]))
-        elif isinstance(item, str) and salt is None:
-            salt = item
-        else:
-            return BlockKeys(opaque=True)
-    return BlockKeys(tuple(mm), salt)
-
-
 class Reblocker:
     """Converts one engine's events (one data-parallel rank) into canonical events."""
 
@@ -199,14 +163,17 @@ class Reblocker:
         self._offload_bits = 0
         self._logged_unmapped = False
         self._pending: list[EngineBlockStored] = []  # see _stored_sparse_state
+        self._windows: dict[int, WindowGroup] = {}  # sliding-window groups by group_idx
         self.stats = ReblockStats()
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._blocks) + sum(len(w) for w in self._windows.values())
 
     def clear(self) -> None:
         self._blocks.clear()
         self._kv_by_hash.clear()
+        for window in self._windows.values():
+            window.clear()
 
     def convert(self, events: tuple[EngineEvent, ...] | list[EngineEvent]) -> list[IndexEvent]:
         out: list[IndexEvent] = []
@@ -222,15 +189,20 @@ class Reblocker:
         # now: placed by hash, the rest counted as unmapped)
         pending, self._pending = self._pending, []
         for ev in pending:
+            if _is_window(ev.kv_cache_spec_kind):
+                out.extend(self._stored_window(ev, last=True))
+                continue
             kind = _group_kind(ev.kv_cache_spec_kind) or Kind.STATE
             tier = _TIER_OF.get(ev.medium) or Tier.GPU
             out.extend(self._stored_by_hash(ev, tier, kind, ev.group_idx or 0, 1 << tier))
-        return _coalesce(out)
+        return coalesce(out)
 
     def _all_cleared(self) -> list[IndexEvent]:
         """The engine reset its prefix cache: drop every block but the offloading
         connector's (``OFFLOAD_MEDIA``), which are stored again after ``AllCleared``."""
         keep = self._offload_bits
+        for window in self._windows.values():
+            window.clear()
         if not keep:
             self.clear()
             return [AllCleared()]
@@ -254,6 +226,8 @@ class Reblocker:
         return out
 
     def _stored(self, ev: EngineBlockStored) -> list[IndexEvent]:
+        if _is_window(ev.kv_cache_spec_kind):
+            return self._stored_window(ev, last=False)
         kind = _group_kind(ev.kv_cache_spec_kind)
         if kind is None:
             self.stats.ignored_group += 1
@@ -451,6 +425,48 @@ class Reblocker:
             self._pending.append(replace(ev, block_hashes=tuple(missing), token_ids=()))
         return self._emit_stored(emitted, tier, Kind.STATE)
 
+    def _stored_window(self, ev: EngineBlockStored, last: bool) -> list[IndexEvent]:
+        """A sliding-window group's store (router/events/window.py): each block is placed by
+        the full-attention block of the same hash, whether the event lists every block of
+        its token range or only the kept ones; a block whose attention block is not known
+        yet waits for the end of the batch (``last``: it is the end), then is counted in
+        ``unmapped_offload``. Only the GPU cache serves a window."""
+        window, be = ev.kv_cache_spec_sliding_window, ev.block_size
+        if not window or window <= 0 or be <= 0 or _TIER_OF.get(ev.medium) is not Tier.GPU:
+            self.stats.unknown_window += len(ev.block_hashes)
+            return []
+        group = ev.group_idx or 0
+        tracker = self._windows.get(group)
+        if tracker is None:
+            tracker = self._windows[group] = WindowGroup(blocks_needed(window, be))
+        change = WindowChange()
+        missing = []
+        for h in ev.block_hashes:
+            kv = self._kv_by_hash.get(h)
+            if kv is None:
+                missing.append(h)
+                continue
+            self.stats.stored_blocks += 1
+            canonical = kv.chain if not kv.tail and kv.end else None
+            tracker.stored(h, kv.parent, kv.end // be, canonical, change)
+        if missing and last:
+            self.stats.unmapped_offload += len(missing)
+        elif missing:
+            self._pending.append(replace(ev, block_hashes=tuple(missing), token_ids=()))
+        return self._window_events(change, be)
+
+    def _window_events(self, change: WindowChange, be: int) -> list[IndexEvent]:
+        out: list[IndexEvent] = []
+        if change.stored:
+            if self.on_checkpoint is not None:
+                for _, depth in change.stored:
+                    self.on_checkpoint(depth * be)
+            out.extend(self._emit_stored([h for h, _ in change.stored], Tier.GPU, Kind.STATE))
+        if change.removed:
+            self.stats.canonical_removed += len(change.removed)
+            out.append(BlocksRemoved(tuple(dict.fromkeys(change.removed)), Tier.GPU, Kind.STATE))
+        return out
+
     def _store_chunk(
         self, group: int, block: _Block, size: int, bit: int, emitted: list[int]
     ) -> None:
@@ -531,6 +547,20 @@ class Reblocker:
             if self._kv_by_hash.get(h) is block:
                 del self._kv_by_hash[h]
 
+    def _removed_window(
+        self, window: WindowGroup, ev: EngineBlockRemoved, tier: Tier
+    ) -> list[IndexEvent]:
+        if tier is not Tier.GPU:
+            self.stats.unknown_removed += len(ev.block_hashes)
+            return []
+        change = WindowChange()
+        for h in ev.block_hashes:
+            if window.removed(h, change):
+                self.stats.removed_blocks += 1
+            else:
+                self.stats.unknown_removed += 1
+        return self._window_events(change, 1)
+
     def _removed(self, ev: EngineBlockRemoved) -> list[IndexEvent]:
         tier = _TIER_OF.get(ev.medium)
         if tier is None:
@@ -540,6 +570,9 @@ class Reblocker:
                 self.stats.error(str(exc))
                 return []
         group = ev.group_idx or 0
+        window = self._windows.get(group)
+        if window is not None:
+            return self._removed_window(window, ev, tier)
         bit = 1 << tier
         out: dict[Kind, list[int]] = {Kind.KV: [], Kind.STATE: []}
         for h in ev.block_hashes:
@@ -561,41 +594,11 @@ class Reblocker:
         return events
 
 
+def _is_window(kind: str | None) -> bool:
+    return kind is not None and (kind in WINDOW_KINDS or kind.strip().lower() in WINDOW_KINDS)
+
+
 def _items_within(items: set[MmItem], start: int, end: int) -> tuple[MmItem, ...]:
     if not items:
         return ()
     return tuple(sorted(it for it in items if start <= it.start < end))
-
-
-def _coalesce(events: list[IndexEvent]) -> list[IndexEvent]:
-    """Merge neighbouring events of the same type, tier and kind (fewer, larger events)."""
-    out: list[IndexEvent] = []
-    run: list[BlocksStored | BlocksRemoved] = []  # neighbours to merge into one
-    for ev in events:
-        prev = run[-1] if run else None
-        if (
-            isinstance(ev, (BlocksStored, BlocksRemoved))
-            and prev is not None
-            and type(prev) is type(ev)
-            and prev.tier == ev.tier
-            and prev.kind == ev.kind
-        ):
-            run.append(ev)
-            continue
-        _merge_into(out, run)
-        if isinstance(ev, (BlocksStored, BlocksRemoved)):
-            run = [ev]
-        else:
-            run = []
-            out.append(ev)
-    _merge_into(out, run)
-    return out
-
-
-def _merge_into(out: list[IndexEvent], run: list[BlocksStored | BlocksRemoved]) -> None:
-    if len(run) == 1:
-        out.append(run[0])
-    elif run:
-        first = run[0]
-        hashes = tuple(h for ev in run for h in ev.hashes)
-        out.append(type(first)(hashes, first.tier, first.kind))
