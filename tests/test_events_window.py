@@ -166,29 +166,54 @@ def test_window_group_runs_placeholders_and_removals() -> None:
     need = blocks_needed(window=64, block_size=16)  # cdiv(63, 16) = 4
     assert need == 4 and blocks_needed(1, 16) == 1 and blocks_needed(17, 16) == 1
     w = WindowGroup(need)
+
+    def block(d: int) -> tuple[int, int | None, int, int]:
+        """Block ``d`` of one chain; the canonical checkpoint there is named 100 + d."""
+        return (d, d - 1 if d > 1 else None, d, 100 + d)
+
     change = WindowChange()
-    # blocks 1..8 of one chain, canonical checkpoints named 100 + depth at every block;
     # stored out of order: 5..8 first (their parent 4 unknown: a placeholder)
-    for d in (5, 6, 7, 8):
-        w.stored(d, d - 1, d, 100 + d, change)
+    w.stored([block(d) for d in (5, 6, 7, 8)], change)
     assert change.stored == [(108, 8)]  # only 8 has 4 stored blocks ending at it
     change = WindowChange()
-    for d in (1, 2, 3, 4):
-        w.stored(d, d - 1 if d > 1 else None, d, 100 + d, change)
+    w.stored([block(d) for d in (1, 2, 3, 4)], change)
     # short prefixes from the start count (1..3), then every depth >= 4
     assert sorted(change.stored) == [(100 + d, d) for d in (1, 2, 3, 4, 5, 6, 7)]
     change = WindowChange()
-    assert w.removed(2, change)
+    assert w.removed([2], change) == 1
     # depths 2..5 lose it (5's window is 2..5), 6 onwards keep 4 stored blocks
     assert sorted(change.removed) == [102, 103, 104, 105]
-    assert not w.removed(2, WindowChange())  # not stored any more
+    assert w.removed([2], WindowChange()) == 0  # not stored any more
     change = WindowChange()
-    w.stored(2, 1, 2, 102, change)
+    w.stored([block(2)], change)
     assert sorted(change.stored) == [(102 + i, 2 + i) for i in range(4)]
-    # removing everything forgets every node, placeholders included
-    for d in range(1, 9):
-        w.removed(d, WindowChange())
+    # ancestors first in one batch, as an engine evicts what the window slid past
+    change = WindowChange()
+    assert w.removed([1, 2, 3], change) == 3
+    assert sorted(change.removed) == [101, 102, 103, 104, 105, 106]
+    change = WindowChange()
+    w.stored([block(d) for d in (3, 1, 2)], change)  # in any order within a batch
+    assert sorted(change.stored) == [(100 + d, d) for d in range(1, 7)]
+    # removing everything forgets every node, placeholders included, in either order
+    w.removed(list(range(8, 0, -1)), WindowChange())
     assert len(w) == 0
+    w.stored([block(d) for d in range(1, 9)], WindowChange())
+    w.removed([4, 3, 8, 1, 2, 7, 6, 5], WindowChange())
+    assert len(w) == 0
+
+
+def test_window_cost_is_linear_in_the_chain() -> None:
+    """Evicting a long chain's early blocks in one event visits each node about once, not
+    ``need`` times (a 4,096-token window over 16-token blocks needs 256)."""
+    w = WindowGroup(256)
+    n = 2000
+    w.stored([(d, d - 1 if d > 1 else None, d, d) for d in range(1, n + 1)], WindowChange())
+    assert w.visits == n
+    change = WindowChange()
+    w.removed(list(range(1, n - 300)), change)
+    # the removed ones and the 255 after them whose window reached back into them
+    assert len(change.removed) == n - 301 + 255
+    assert w.visits == n + (n - 301) + 256  # each removed node, then the ones below it once
 
 
 def test_window_store_before_its_attention_block_waits_for_the_batch() -> None:

@@ -190,6 +190,11 @@ def random_payload(rng: random.Random) -> bytes:
             rng.choice([16, 8, 32, 0, -1, 17, _rand_value(rng)]),
         ]
         fields += [_rand_value(rng) for _ in range(rng.randint(0, 8))]
+        if rng.random() < 0.3:  # well-formed groups, sliding windows among them
+            group = rng.choice([0, 1, 1, 2])
+            kind = rng.choice(["sliding_window", "sliding_window_mla", "full_attention", "mamba"])
+            window = rng.choice([1, 16, 33, 128, None, -4])
+            fields = [*fields[:4], None, "GPU", None, None, group, kind, window]
         if rng.random() < 0.5:
             evs.append([tag, *fields[: rng.randint(0, len(fields))]])
         else:

@@ -13,6 +13,8 @@ through the path ``kvrouter serve`` runs for each payload of its ZMQ subscribers
   (router/mock/kv_events.py; what ``kvrouter bench live`` runs).
 
 Then the same blocks are removed (one ``BlockRemoved`` batch per prompt, as evictions).
+``--window W``: a full + sliding-window model's events, every block published in a window
+group of W tokens too (router/events/window.py).
 Figures are process CPU seconds (``time.process_time``), best of ``--reps`` rounds, each
 round on a fresh ingest and index: per engine block and per prompt, stored and removed, and
 the decode's share. ``events_digest`` hashes every canonical event the round produced: equal
@@ -59,6 +61,8 @@ def _payloads(args: argparse.Namespace, shape: str) -> tuple[list[bytes], list[b
         encoder.learn(hashes, tokens)
         events = encoder.convert([BlocksStored(tuple(hashes))])
         gone = encoder.convert([BlocksRemoved(tuple(reversed(hashes)))])
+        if args.window:
+            events, gone = _with_window(events, args.window), _with_window(gone, args.window)
         if shape == "per_block":
             events = [one for e in events for one in _per_block(e)]
         blocks += sum(len(e.block_hashes) for e in events if isinstance(e, EngineBlockStored))
@@ -66,6 +70,20 @@ def _payloads(args: argparse.Namespace, shape: str) -> tuple[list[bytes], list[b
         removed.append(encode_batch(EngineBatch(time.time(), tuple(gone), None)))
     assert all(isinstance(e, EngineBlockRemoved) for p in removed for e in decode_events(p))
     return stored, removed, blocks
+
+
+def _with_window(events: list[Any], window: int) -> list[Any]:
+    """``events`` and, after each, the same blocks in a sliding-window group (group 1), as a
+    full + sliding-window model publishes them (every block kept: the dense case)."""
+    out = []
+    for ev in events:
+        out.append(ev)
+        if isinstance(ev, EngineBlockStored):
+            out.append(dataclasses.replace(ev, group_idx=1, kv_cache_spec_kind="sliding_window",
+                                           kv_cache_spec_sliding_window=window))  # fmt: skip
+        elif isinstance(ev, EngineBlockRemoved):
+            out.append(dataclasses.replace(ev, group_idx=1))
+    return out
 
 
 def _per_block(event: Any) -> list[Any]:
@@ -152,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         "tokens": args.tokens,
         "engine_block_size": args.engine_block_size,
         "block_size": args.block_size,
+        "window": args.window,
         "reps": args.reps,
     }
     for shape in shapes:
@@ -168,5 +187,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--block-size", type=int, default=64, help="the router's block size")
     p.add_argument("--shape", choices=(*SHAPES, "both"), default="both")
     p.add_argument("--reps", type=int, default=5, help="rounds; the best is kept")
+    p.add_argument(
+        "--window", type=int, default=0,
+        help="also publish each block in a sliding-window group of this many tokens",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(handler=run)

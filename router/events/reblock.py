@@ -441,14 +441,16 @@ class Reblocker:
             tracker = self._windows[group] = WindowGroup(blocks_needed(window, be))
         change = WindowChange()
         missing = []
+        placed = []
         for h in ev.block_hashes:
             kv = self._kv_by_hash.get(h)
             if kv is None:
                 missing.append(h)
                 continue
-            self.stats.stored_blocks += 1
             canonical = kv.chain if not kv.tail and kv.end else None
-            tracker.stored(h, kv.parent, kv.end // be, canonical, change)
+            placed.append((h, kv.parent, kv.end // be, canonical))
+        self.stats.stored_blocks += len(placed)
+        tracker.stored(placed, change)
         if missing and last:
             self.stats.unmapped_offload += len(missing)
         elif missing:
@@ -554,11 +556,9 @@ class Reblocker:
             self.stats.unknown_removed += len(ev.block_hashes)
             return []
         change = WindowChange()
-        for h in ev.block_hashes:
-            if window.removed(h, change):
-                self.stats.removed_blocks += 1
-            else:
-                self.stats.unknown_removed += 1
+        gone = window.removed(ev.block_hashes, change)
+        self.stats.removed_blocks += gone
+        self.stats.unknown_removed += len(ev.block_hashes) - gone
         return self._window_events(change, 1)
 
     def _removed(self, ev: EngineBlockRemoved) -> list[IndexEvent]:

@@ -29,6 +29,7 @@ of the prefix it ends (None off a router block boundary).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 
@@ -46,6 +47,7 @@ class _Node:
     stored: bool = False
     run: int = 0  # stored blocks ending here, capped at ``need``
     valid: bool = False  # a checkpoint is published here
+    mark: int = 0  # the last refresh that queued it
     children: list[int] = field(default_factory=list)
 
 
@@ -58,16 +60,22 @@ class WindowChange:
     removed: list[int] = field(default_factory=list)
 
 
+# one stored block: (hash, parent hash, depth in engine blocks, canonical hash or None)
+Block = tuple[int, int | None, int, int | None]
+
+
 class WindowGroup:
     """One sliding-window group of one engine: which cached blocks complete a window."""
 
-    __slots__ = ("_nodes", "need")
+    __slots__ = ("_nodes", "_refreshes", "need", "visits")
 
     def __init__(self, need: int) -> None:
         if need <= 0:
             raise ValueError("need must be positive")
         self.need = need
         self._nodes: dict[int, _Node] = {}
+        self._refreshes = 0
+        self.visits = 0  # nodes recomputed, over the group's life (a cost figure)
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -75,34 +83,38 @@ class WindowGroup:
     def clear(self) -> None:
         self._nodes.clear()
 
-    def stored(
-        self, h: int, parent: int | None, depth: int, canonical: int | None, change: WindowChange
-    ) -> None:
-        """Block ``h`` is cached in the group (module docstring for the arguments)."""
-        node = self._nodes.get(h)
-        if node is None:
-            node = self._nodes[h] = _Node(parent, depth, canonical)
-            if parent is not None:
-                self._parent_of(parent).children.append(h)
-        elif node.stored:
-            return
-        else:  # a placeholder (a parent named before it was stored) or stored again
-            node.depth, node.canonical = depth, canonical
-            if node.parent is None and parent is not None:
-                node.parent = parent
-                self._parent_of(parent).children.append(h)
-        node.stored = True
-        self._refresh(node, change)
+    def stored(self, blocks: list[Block], change: WindowChange) -> None:
+        """These blocks are cached in the group (module docstring for what each names)."""
+        flipped = []
+        for h, parent, depth, canonical in blocks:
+            node = self._nodes.get(h)
+            if node is None:
+                node = self._nodes[h] = _Node(parent, depth, canonical)
+                if parent is not None:
+                    self._parent_of(parent).children.append(h)
+            elif node.stored:
+                continue
+            else:  # a placeholder (a parent named before it was stored) or stored again
+                node.depth, node.canonical = depth, canonical
+                if node.parent is None and parent is not None:
+                    node.parent = parent
+                    self._parent_of(parent).children.append(h)
+            node.stored = True
+            flipped.append(node)
+        self._refresh(flipped, change)
 
-    def removed(self, h: int, change: WindowChange) -> bool:
-        """Block ``h`` left the group's cache; False when it was not stored."""
-        node = self._nodes.get(h)
-        if node is None or not node.stored:
-            return False
-        node.stored = False
-        self._refresh(node, change)
-        self._forget(h, node)
-        return True
+    def removed(self, hashes: tuple[int, ...] | list[int], change: WindowChange) -> int:
+        """These blocks left the group's cache; how many of them were stored."""
+        flipped = []
+        for h in hashes:
+            node = self._nodes.get(h)
+            if node is not None and node.stored:
+                node.stored = False
+                flipped.append((h, node))
+        self._refresh([node for _, node in flipped], change)
+        for h, node in flipped:
+            self._forget(h, node)
+        return len(flipped)
 
     def _parent_of(self, parent: int) -> _Node:
         node = self._nodes.get(parent)
@@ -110,13 +122,23 @@ class WindowGroup:
             node = self._nodes[parent] = _Node(None, 0, None)
         return node
 
-    def _refresh(self, first: _Node, change: WindowChange) -> None:
-        """Recompute runs and checkpoints from ``first`` down its descendants, as far as a
-        run changes (at most ``need`` blocks deep)."""
-        nodes, need = self._nodes, self.need
-        stack = [first]
-        while stack:
-            node = stack.pop()
+    def _refresh(self, changed: list[_Node], change: WindowChange) -> None:
+        """Recompute runs and checkpoints from the ``changed`` nodes down their descendants,
+        as far as a run changes (at most ``need`` blocks deep), parents before children
+        (by depth), each node once: a chain of n blocks costs O(n + need)."""
+        if not changed:
+            return
+        self._refreshes += 1
+        mark, nodes, need = self._refreshes, self._nodes, self.need
+        heap: list[tuple[int, int, _Node]] = []
+        for seq, node in enumerate(changed):
+            node.mark = mark
+            heap.append((node.depth, seq, node))
+        heapq.heapify(heap)
+        seq = len(heap)
+        self.visits += len(heap)
+        while heap:
+            node = heapq.heappop(heap)[2]
             if node.stored:
                 above = nodes.get(node.parent) if node.parent is not None else None
                 run = min(need, (above.run if above is not None else 0) + 1)
@@ -130,13 +152,19 @@ class WindowGroup:
                     change.stored.append((node.canonical, node.depth))
                 elif node.canonical is not None:
                     change.removed.append(node.canonical)
-            if run != node.run or node is first:
+            if run != node.run:  # a flipped node's always does
                 node.run = run
-                stack.extend(nodes[c] for c in node.children if c in nodes)
+                for c in node.children:
+                    child = nodes.get(c)
+                    if child is not None and child.mark != mark:
+                        child.mark = mark
+                        seq += 1
+                        self.visits += 1
+                        heapq.heappush(heap, (child.depth, seq, child))
 
     def _forget(self, h: int, node: _Node) -> None:
         """Drop an unstored node nobody below needs, and placeholders above it left empty."""
-        while not node.stored and not node.children:
+        while not node.stored and not node.children and self._nodes.get(h) is node:
             del self._nodes[h]
             parent = self._nodes.get(node.parent) if node.parent is not None else None
             if parent is None:
