@@ -219,6 +219,45 @@ async def test_direct_mode_follows_every_dp_rank(
         await direct.stop()
 
 
+async def test_direct_mode_routes_a_sliding_window_model_on_complete_windows(
+    engines: list[RefEngine],
+) -> None:
+    """vLLM's own publisher, a full + sliding-window model (window 40 tokens: 3 engine
+    blocks of 16 before a hit's end), over ZMQ into the router's direct mode: the prefix is
+    usable only where the window group still holds the window."""
+    ports = Ports()
+    eng = RefEngine("vllm-0.33.0", ports.pub, ports.replay)
+    engines.append(eng)
+    index = PrefixIndex()
+    direct = await _follow(ports, index)
+    try:
+        await _until_live(direct, [eng])
+        tokens = eng.prompt(8)  # 4 router blocks
+        window = {
+            "group_idx": 1,
+            "kv_cache_spec_kind": "sliding_window",
+            "kv_cache_spec_sliding_window": 40,
+        }
+        full = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+        eng.publish(eng.stored(tokens, group=full), eng.stored(tokens, group=window))
+        # the engine evicts the first 4 window blocks (freed as the window slid past)
+        eng.publish(eng.removed(tokens, 0, 4, group_idx=1))
+        key = ReplicaKey("eng")
+        whole = canonical(tokens)
+        await eventually(lambda: index.match(whole, hybrid=True).get(key).usable_blocks == 4)
+        # a branch after 3 router blocks: all its KV is cached, its window (engine blocks
+        # 4-6) is not, nor any earlier one
+        branch = canonical(tokens[: 3 * B] + [1] * B)
+        found = index.match(branch, hybrid=True).get(key)
+        assert (found.kv_blocks, found.usable_blocks) == (3, 0)
+        # the window blocks come back: the branch is usable again
+        eng.publish(eng.stored(tokens, 0, 4, group=window))
+        await eventually(lambda: index.match(branch, hybrid=True).get(key).usable_blocks == 3)
+        assert index.publishes_state(key)  # what makes the router treat the model as hybrid
+    finally:
+        await direct.stop()
+
+
 @pytest.fixture
 async def store(redis_server: LocalRedis, key_prefix: str) -> AsyncIterator[RedisStore]:
     s = RedisStore.from_url(redis_server.url, KeySchema(key_prefix, 4))

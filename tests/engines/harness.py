@@ -106,9 +106,11 @@ class RefEngine:
         salt: str | None = None,
         extra_keys: list[Any] | None = None,
         lora_name: str | None = None,
+        group: dict[str, Any] | None = None,
     ) -> Any:
         """A ``BlockStored`` of blocks [first, last) of ``tokens``, in the engine's own class.
-        ``salt``: SGLang's ``cache_salt`` field, or for vLLM the salt as block 0's extra key."""
+        ``salt``: SGLang's ``cache_salt`` field, or for vLLM the salt as block 0's extra key;
+        ``group``: vLLM's group fields (``group_idx``, ``kv_cache_spec_kind``, ...)."""
         be = self.block_size
         last = len(tokens) // be if last is None else last
         hashes = [self.block_hash(tokens, i, salt) for i in range(first, last)]
@@ -134,10 +136,20 @@ class RefEngine:
                 head = tuple(keys[0] or ())
                 keys[0] = (*head, salt)
             fields["extra_keys"] = keys
+            fields.update(group or {})
         return self.mod.BlockStored(**fields)
 
-    def removed(self, tokens: list[int], first: int, last: int, salt: str | None = None) -> Any:
+    def removed(
+        self,
+        tokens: list[int],
+        first: int,
+        last: int,
+        salt: str | None = None,
+        group_idx: int | None = None,
+    ) -> Any:
         hashes = [self.block_hash(tokens, i, salt) for i in range(first, last)]
+        if group_idx is not None:
+            return self.mod.BlockRemoved(block_hashes=hashes, medium="GPU", group_idx=group_idx)
         return self.mod.BlockRemoved(block_hashes=hashes, medium="GPU")
 
     def publish(self, *events: Any) -> None:
