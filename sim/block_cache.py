@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from itertools import compress, islice, repeat
 from operator import eq
 from typing import TYPE_CHECKING, Any
 
 from router.core.types import BlocksRemoved, BlocksStored, IndexEvent, Kind, Tier
+from router.events.window import WindowChange, WindowGroup
 
 if TYPE_CHECKING:
     from sim.engine import _Seq
     from sim.profiles import EngineProfile
 
 STATE_TAG = 1 << 64  # cache key of the state checkpoint after block h is ``h | STATE_TAG``
+WINDOW_TAG = 1 << 65  # cache key of block h's sliding-window KV is ``h | WINDOW_TAG``
 
 # Bulk helpers: the cache bookkeeping runs per block, so the common cases are done with
 # C-level map/compress/update calls instead of Python loops (same results, in the same order).
@@ -53,6 +56,12 @@ class BlockCache:
     _states: int
     _reserved: int
     _cpu: OrderedDict[int, None]
+    window: int
+    publish_window_blocks: bool
+    _window_cost: float
+    _win: dict[int, int]
+    _windows: int
+    _window_group: WindowGroup | None
 
     # ------------------------------------------------------------------ cache bookkeeping
     #
@@ -78,6 +87,7 @@ class BlockCache:
         """Drop stale entries (amortised O(1) a push: runs only when most entries are)."""
         gpu_get = self._gpu.get
         state_get = self._state_at.get
+        win_get = self._win.get
         runs: deque[list[Any]] = deque()
         size = 0
         for run in self._lru:
@@ -87,7 +97,14 @@ class BlockCache:
                 keep = [
                     k
                     for k in islice(keys, off, None)
-                    if (state_get(k) if k >= STATE_TAG else gpu_get(k)) == tag
+                    if (
+                        win_get(k)
+                        if k >= WINDOW_TAG
+                        else state_get(k)
+                        if k >= STATE_TAG
+                        else gpu_get(k)
+                    )
+                    == tag
                 ]
             else:
                 part = keys[off:]
@@ -131,6 +148,8 @@ class BlockCache:
             self._events.append(BlocksStored(tuple(stored)))
         if self.hybrid and new_full > old_full:
             self._checkpoints(seq, old_full, new_full)
+        if self.window and new_full > seq.wheld:
+            self._window_computed(seq, seq.wheld, new_full)
 
     def _checkpoints(self, seq: _Seq, old_full: int, new_full: int) -> None:
         p = self.profile
@@ -176,7 +195,12 @@ class BlockCache:
             self._events.append(BlocksStored(tuple(made), kind=Kind.STATE))
 
     def _make_room(self, amount: float) -> bool:
-        used = len(self._gpu) + self._states * self._state_cost + self._reserved
+        used = (
+            len(self._gpu)
+            + self._states * self._state_cost
+            + self._windows * self._window_cost
+            + self._reserved
+        )
         deficit = used + amount - self.capacity
         if deficit <= 0:
             return True
@@ -194,7 +218,10 @@ class BlockCache:
         state_at = self._state_at
         kv: list[int] = []
         states: list[int] = []
+        windows: list[int] = []
+        win = self._win
         state_cost = self._state_cost
+        window_cost = self._window_cost
         scanned = 0
         while amount > 0 and runs:
             run = runs[0]
@@ -206,7 +233,14 @@ class BlockCache:
                 while amount > 0 and off < n:
                     key = keys[off]
                     off += 1
-                    if key >= STATE_TAG:
+                    if key >= WINDOW_TAG:
+                        if win.get(key) == tag:
+                            del win[key]
+                            windows.append(key ^ WINDOW_TAG)
+                            self._windows -= 1
+                            self._free_cost -= window_cost
+                            amount -= window_cost
+                    elif key >= STATE_TAG:
                         if state_at.get(key) == tag:
                             del state_at[key]
                             states.append(key ^ STATE_TAG)
@@ -234,6 +268,8 @@ class BlockCache:
             else:
                 run[2] = off
         self._lru_len -= scanned
+        if windows:
+            self._window_evicted(windows)
         if states:
             self._events.append(BlocksRemoved(tuple(states), kind=Kind.STATE))
         if kv:
@@ -259,11 +295,20 @@ class BlockCache:
             self._events.append(BlocksStored(tuple(stored), Tier.CPU))
 
     def _release(self, seq: _Seq, *, named_output: bool) -> None:
-        """Unpin ``seq``'s blocks tail first; name the answer's full blocks if known."""
+        """Unpin ``seq``'s blocks tail first; name the answer's full blocks if known. The
+        sliding-window blocks go after (an engine frees one group after the other)."""
+        answer = self._release_kv(seq, named_output=named_output)
+        if self.window:
+            self._window_finished(seq, answer)
+
+    def _release_kv(self, seq: _Seq, *, named_output: bool) -> list[int]:
+        """:meth:`_release` for the KV blocks; the answer's full blocks named (oldest first)."""
         gpu = self._gpu
+        answer_blocks: list[int] = []
         if named_output and seq.out_hashes and seq.nfull == seq.prompt // self.block_size:
             total_full = (seq.prompt + seq.out) // self.block_size
             names = dict.fromkeys(seq.out_hashes[: max(0, total_full - seq.nfull)])
+            answer_blocks = list(names)
             stored = [h for h in names if h not in gpu]
             if stored:
                 # parents (prompt) are unpinned below; answer blocks are children: evict first
@@ -279,7 +324,7 @@ class BlockCache:
         pinned = seq.pinned
         seq.pinned = []
         if not pinned:
-            return
+            return answer_blocks
         if not self.hybrid:  # KV blocks only, each pinned once
             rev = pinned[::-1]
             refs = list(map(gpu.__getitem__, rev))
@@ -292,7 +337,7 @@ class BlockCache:
                     zeros = list(compress(rev, map(_is1, refs)))
                     gpu.update(zip(zeros, repeat(self._lru_push(zeros, False))))
             self._free_cost += ones
-            return
+            return answer_blocks
         young: list[int] = []  # entries moving to the LRU's young end, oldest first
         mixed = False
         state_at = self._state_at
@@ -308,7 +353,7 @@ class BlockCache:
                 young.append(key)
                 self._free_cost += 1
         if not young:
-            return
+            return answer_blocks
         if mixed:  # a checkpoint pinned twice moves to its last position only
             young = list(dict.fromkeys(reversed(young)))[::-1]
         tag = self._lru_push(young, mixed)
@@ -317,3 +362,131 @@ class BlockCache:
                 state_at[key] = tag
             else:
                 gpu[key] = tag
+        return answer_blocks
+
+    # ------------------------------------------------------------------ sliding windows
+    #
+    # ``_win[h | WINDOW_TAG]`` is the refcount of block h's sliding-window KV while sequences
+    # whose window covers it pin it, else ``~stamp`` in the LRU. A sequence pins the last
+    # ``window`` blocks it computed (``seq.window``, oldest first) and releases each block the
+    # window slides past at once (vLLM frees them during the prefill), so they are evicted
+    # before the blocks a finished request releases. A prefix of L blocks is usable when the
+    # ``window`` blocks before L are cached (router/events/window.py). The simulator's index
+    # takes the checkpoints that rule makes of them (``_window_group``); the mock replica
+    # publishes the blocks themselves, as an engine does (``publish_window_blocks``).
+
+    def _window_computed(self, seq: _Seq, start: int, end: int) -> None:
+        """Blocks [start, end) of ``seq`` were computed: cache their window KV, pinned, and
+        release what the window slid past."""
+        win = self._win
+        hashes = seq.hashes
+        cost = self._window_cost
+        made: list[int] = []
+        for b in range(start, end):
+            key = hashes[b] | WINDOW_TAG
+            r = win.get(key)
+            if r is None:
+                if not self._make_room(cost):
+                    continue  # no memory for it: not cached
+                win[key] = 1
+                self._windows += 1
+                made.append(b)
+            elif r < 0:
+                win[key] = 1
+                self._free_cost -= cost
+            else:
+                win[key] = r + 1
+            seq.window.append(key)
+        seq.wheld = end
+        if made:
+            self._window_made(hashes, made)
+        slid = len(seq.window) - self.window
+        if slid > 0:
+            old = seq.window[:slid]
+            del seq.window[:slid]
+            self._window_unpin(old)
+
+    def _window_unpin(self, keys: list[int]) -> None:
+        """Unpin ``keys``; those no sequence holds go to the LRU's young end in this order."""
+        win = self._win
+        young: list[int] = []
+        for key in keys:
+            r = win.get(key)
+            if r is None or r <= 0:
+                continue
+            if r == 1:
+                young.append(key)
+            else:
+                win[key] = r - 1
+        if young:
+            tag = self._lru_push(young, True)
+            for key in young:
+                win[key] = tag
+            self._free_cost += len(young) * self._window_cost
+
+    def _window_finished(self, seq: _Seq, answer: list[int]) -> None:
+        """``seq`` ended: cache the window KV of its named answer blocks (unpinned) and
+        release its window tail first."""
+        if answer:
+            win = self._win
+            cost = self._window_cost
+            chain = [*seq.hashes[: seq.nfull], *answer]
+            made: list[int] = []
+            fresh: list[int] = []
+            for b in range(seq.nfull, len(chain)):
+                key = chain[b] | WINDOW_TAG
+                if key in win or not self._make_room(cost):
+                    continue
+                win[key] = 1
+                self._windows += 1
+                made.append(b)
+                fresh.append(key)
+            if made:
+                self._window_made(chain, made)
+                self._window_unpin(fresh)
+        pinned = seq.window
+        seq.window = []
+        if pinned:
+            self._window_unpin(pinned[::-1])
+
+    def _window_made(self, chain: Sequence[int], positions: list[int]) -> None:
+        """Window KV cached at ``positions`` of ``chain`` (block indexes): the events."""
+        if self.publish_window_blocks:
+            self._events.append(BlocksStored(tuple(chain[b] for b in positions), kind=Kind.STATE))
+            return
+        assert self._window_group is not None
+        change = WindowChange()
+        self._window_group.stored(
+            [(chain[b], chain[b - 1] if b else None, b + 1, chain[b]) for b in positions], change
+        )
+        self._window_checkpoints(change)
+
+    def _window_evicted(self, hashes: list[int]) -> None:
+        if self.publish_window_blocks:
+            self._events.append(BlocksRemoved(tuple(hashes), kind=Kind.STATE))
+            return
+        assert self._window_group is not None
+        change = WindowChange()
+        self._window_group.removed(hashes, change)
+        self._window_checkpoints(change)
+
+    def _window_checkpoints(self, change: WindowChange) -> None:
+        if change.stored:
+            self._events.append(BlocksStored(tuple(h for h, _ in change.stored), kind=Kind.STATE))
+        if change.removed:
+            self._events.append(BlocksRemoved(tuple(change.removed), kind=Kind.STATE))
+
+    def _window_hit(self, hashes: Sequence[int], usable: int) -> int:
+        """The longest prefix of at most ``usable`` blocks whose window is cached."""
+        win = self._win
+        need = self.window
+        end = usable
+        while end > 0:
+            j = end - 1
+            lo = max(0, end - need)
+            while j >= lo and (hashes[j] | WINDOW_TAG) in win:
+                j -= 1
+            if j < lo:
+                return end
+            end = j  # a window ending after the missing block holds it
+        return 0

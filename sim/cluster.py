@@ -218,11 +218,18 @@ class Simulation:
             )
             for k in self.keys
         ]
+        # a sliding-window model is routed as a hybrid one whose checkpoints sit on every block
+        # its window is cached at (router/events/window.py)
+        window = p.window_blocks(config.block_size) > 0
         settings = RoutingSettings(
             block_size=config.block_size,
-            hybrid=p.hybrid,
+            hybrid=p.hybrid or window,
             state_interval_blocks=(
-                max(1, p.checkpoint_interval_tokens // config.block_size) if p.hybrid else 0
+                max(1, p.checkpoint_interval_tokens // config.block_size)
+                if p.hybrid
+                else 1
+                if window
+                else 0
             ),
             speculative_ttl_s=config.speculative_ttl_s,
             busy=config.busy,

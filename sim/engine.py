@@ -56,7 +56,8 @@ from typing import Any
 
 from router.core.load import EngineReport
 from router.core.types import BlocksRemoved, BlocksStored, IndexEvent, ReplicaKey, Tier
-from sim.block_cache import STATE_TAG, BlockCache, _negative, _plus1
+from router.events.window import WindowGroup
+from sim.block_cache import STATE_TAG, WINDOW_TAG, BlockCache, _negative, _plus1
 from sim.profiles import EngineProfile
 
 # ---------------------------------------------------------------------------- values
@@ -151,6 +152,8 @@ class _Seq:
         "submitted",
         "unnamed",
         "usable_blocks",
+        "wheld",
+        "window",
     )
 
     def __init__(self, req: EngineRequest, now: float, block_size: int) -> None:
@@ -185,6 +188,8 @@ class _Seq:
         self.cancelled = False
         self.remote = req.remote_prefilled
         self.reads_cache = req.reads_cache
+        self.window: list[int] = []  # sliding-window keys pinned, oldest first
+        self.wheld = 0  # blocks whose window KV was taken (hit or computed)
 
 
 class _Segment:
@@ -250,7 +255,12 @@ class EngineModel(BlockCache):
         kv_blocks: int | None = None,
         cpu_blocks: int | None = None,
         emit_tokens: bool = True,
+        publish_window_blocks: bool = False,
     ) -> None:
+        """``publish_window_blocks``: record a sliding-window model's window blocks as state
+        events, as an engine publishes them (the mock replica's encoder sends them as a
+        ``sliding_window`` group), instead of the checkpoints the router derives from them
+        (what the simulator's index takes)."""
         p = profile.scaled(block_size)
         self.profile = p
         self.replica = replica
@@ -280,6 +290,13 @@ class EngineModel(BlockCache):
         self._states = 0
         self._reserved = 0  # allocated blocks not (yet) named
         self._cpu: OrderedDict[int, None] = OrderedDict()
+        # sliding-window attention (block_cache.py "sliding windows")
+        self.window = p.window_blocks(block_size)
+        self.publish_window_blocks = publish_window_blocks
+        self._window_cost = p.window_block_cost if self.window else 0.0
+        self._win: dict[int, int] = {}
+        self._windows = 0
+        self._window_group = WindowGroup(self.window) if self.window else None
         self.busy_s = 0.0  # time spent in steps, for utilisation
         self.steps = 0
 
@@ -370,7 +387,12 @@ class EngineModel(BlockCache):
 
     def kv_usage(self) -> float:
         """Referenced + allocated blocks over capacity (reusable cached blocks not counted)."""
-        used = len(self._gpu) + self._states * self._state_cost + self._reserved
+        used = (
+            len(self._gpu)
+            + self._states * self._state_cost
+            + self._windows * self._window_cost
+            + self._reserved
+        )
         return min(1.0, (used - self._free_cost) / self.capacity)
 
     def cached_blocks(self) -> int:
@@ -382,6 +404,10 @@ class EngineModel(BlockCache):
 
     def has_state(self, h: int) -> bool:
         return (h | STATE_TAG) in self._state_at
+
+    def has_window(self, h: int) -> bool:
+        """Whether block ``h``'s sliding-window KV is cached."""
+        return (h | WINDOW_TAG) in self._win
 
     def pending(self) -> int:
         """Requests submitted and not finished."""
@@ -534,11 +560,25 @@ class EngineModel(BlockCache):
             usable = min(usable, max(seq.prompt - 1, 0) // self.block_size)
             while usable > 0 and (hashes[usable - 1] | STATE_TAG) not in state_at:
                 usable -= 1
+        window: list[int] = []
+        window_free = 0.0  # memory of the window blocks the hit takes out of the LRU
+        if self.window:
+            # vLLM caps a hit at N - 1; the window before the hit's end must be cached
+            usable = min(usable, max(seq.prompt - 1, 0) // self.block_size)
+            usable = self._window_hit(hashes, usable)
+            window = [h | WINDOW_TAG for h in hashes[max(0, usable - self.window) : usable]]
+            win = self._win
+            window_free = sum(1 for key in window if win[key] < 0) * self._window_cost
         loads = max(0, usable - kv)  # host blocks reloaded into GPU
         total = -(-(seq.prompt + seq.max_out) // self.block_size)
         need = total - kv
-        used = len(gpu) + self._states * self._state_cost + self._reserved
-        if need > self.capacity - used + self._free_cost - in_free:
+        used = (
+            len(gpu)
+            + self._states * self._state_cost
+            + self._windows * self._window_cost
+            + self._reserved
+        )
+        if need > self.capacity - used + self._free_cost - in_free - window_free:
             return False
         # pin the GPU hit, take the host blocks back, evict for the rest
         pinned = seq.pinned
@@ -551,6 +591,14 @@ class EngineModel(BlockCache):
         if self.hybrid and usable:
             key = hashes[usable - 1] | STATE_TAG
             state_at[key] = self._lru_push([key], True)  # move to the LRU's young end
+        if window:  # the hit's window is pinned (vLLM: the group's blocks before it are null)
+            win = self._win
+            for key in window:
+                r = win[key]
+                win[key] = r + 1 if r > 0 else 1
+            self._free_cost -= window_free
+            seq.window = window
+            seq.wheld = usable
         deficit = used + need - self.capacity
         if loads:
             # Take the host blocks before evicting: evicted blocks move to the host tier and

@@ -252,3 +252,24 @@ def test_window_store_before_its_attention_block_waits_for_the_batch() -> None:
         ]
     )
     assert odd.stats.unknown_window == 3
+
+
+@pytest.mark.parametrize("window", [128, 33, 16, 1000])
+def test_the_simulators_engine_grants_what_vllm_grants(window: int) -> None:
+    """The engine model behind the simulator and the mock replica (sim/block_cache.py) finds
+    a sliding-window hit as vLLM 0.34's own search does, on random window caches."""
+    from router.core.types import ReplicaKey as Key
+    from sim.block_cache import WINDOW_TAG
+    from sim.engine import EngineModel
+    from sim.profiles import load_profile
+
+    profile = load_profile("gpt-oss-120b").with_overrides(sliding_window_tokens=window)
+    engine = EngineModel(profile, Key("r"), BE)
+    rng = random.Random(window)
+    for _ in range(300):
+        n = rng.randrange(1, 120)
+        hashes = [rng.getrandbits(62) for _ in range(n)]
+        present = {h for h in hashes if rng.random() < rng.choice((0.5, 0.8, 0.95))}
+        engine._win = {h | WINDOW_TAG: 1 for h in present}
+        full = set(hashes)
+        assert engine._window_hit(hashes, n) * BE == vllm_hit(window, hashes, full, present, BE)

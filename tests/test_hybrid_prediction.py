@@ -36,7 +36,7 @@ from router.events.ingest import EngineIngest
 from router.events.model import EngineBatch
 from router.mock.kv_events import EngineEventEncoder
 from sim.engine import EngineModel, EngineRequest, Finished, FirstToken
-from sim.profiles import load_profile
+from sim.profiles import EngineProfile, load_profile
 
 B = 64
 MODEL = "hybrid-model"
@@ -100,10 +100,17 @@ class Fleet:
         return decision.usable_tokens, cached, kv_hit
 
 
-def _fleet(settings: RoutingSettings, kv_blocks: int, engine_block: int) -> Fleet:
-    profile = load_profile("kimi-k3").with_overrides(
-        checkpoint_interval_tokens=GRID_TOKENS, cpu_blocks=0
-    )
+def _fleet(
+    settings: RoutingSettings,
+    kv_blocks: int,
+    engine_block: int,
+    profile: EngineProfile | None = None,
+) -> Fleet:
+    if profile is None:
+        profile = load_profile("kimi-k3").with_overrides(
+            checkpoint_interval_tokens=GRID_TOKENS, cpu_blocks=0
+        )
+    window = profile.sliding_window_tokens
     index, load = PrefixIndex(), LoadTracker()
     grid = CheckpointGrid(B)
     router = RoutingEngine(index, load, make_policy("longest_prefix"), settings)
@@ -117,8 +124,8 @@ def _fleet(settings: RoutingSettings, kv_blocks: int, engine_block: int) -> Flee
 
         fleet.replicas[key] = Replica(
             key,
-            EngineModel(profile, key, B, kv_blocks=kv_blocks),
-            EngineEventEncoder(B, engine_block),
+            EngineModel(profile, key, B, kv_blocks=kv_blocks, publish_window_blocks=True),
+            EngineEventEncoder(B, engine_block, sliding_window=window),
             EngineIngest(key.replica, MODEL, B, sink, on_checkpoint=grid.observe_end),
         )
     return fleet
@@ -207,3 +214,28 @@ def test_speculating_on_a_wrong_grid_over_predicts_and_the_learned_one_does_not(
     assert wrong_predicted > wrong_engine * 1.05
     learned_predicted, learned_engine = run(RoutingSettings(block_size=B, speculative_ttl_s=600))
     assert learned_predicted == learned_engine
+
+
+@pytest.mark.parametrize(("window", "engine_block"), [(128, 16), (128, 64), (300, 16)])
+def test_sliding_window_model_predicted_hit_equals_the_engines(
+    window: int, engine_block: int
+) -> None:
+    """A full + sliding-window model (the gpt-oss profile): the engine model publishes its
+    window blocks as a vLLM window group (mock encoder, engine blocks of 16 or 64), the
+    router derives where windows are complete (router/events/window.py) and learns that the
+    model needs them; memory tight enough that windows the engine freed early are evicted
+    while the full-attention KV stays, so branches inside shared prefixes lose their hit."""
+    profile = load_profile("gpt-oss-120b").with_overrides(sliding_window_tokens=window)
+    rng = random.Random(window + engine_block)
+    fleet = _fleet(RoutingSettings(block_size=B), 250, engine_block, profile)
+    assert not fleet.router.layout.hybrid
+    rows = []
+    for tokens in _interleaved(_sessions(rng, 14), rng):
+        predicted, cached, kv_hit = fleet.serve(tokens, rng.randrange(1, 40), rng)
+        rows.append((len(tokens), predicted, cached, kv_hit))
+    wrong = [r for r in rows if min(r[1], r[0] - 1) != r[2]]
+    assert not wrong, f"{len(wrong)} of {len(rows)} requests mispredicted: {wrong[:5]}"
+    assert fleet.router.layout.hybrid  # learned from the window checkpoints
+    # the window rule cut hits: KV cached beyond the usable prefix, and windows evicted
+    assert sum(1 for r in rows if r[3] - r[2] >= B) >= 3
+    assert sum(rep.state_removals for rep in fleet.replicas.values()) > 0

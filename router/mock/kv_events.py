@@ -13,6 +13,10 @@ tokens (``B / k`` or ``B * k``) under engine hashes derived from the canonical o
   checkpoint only (engine hashes are shared between groups), with the tokens of the range
   the step cached (``STATE_SPAN`` canonical blocks; a checkpoint on a ``B * k`` engine grid
   is one engine block).
+* A sliding-window model (``sliding_window`` tokens): its engine model records each block's
+  window KV as a state event; those go to group 1 as ``kv_cache_spec_kind="sliding_window"``
+  with ``kv_cache_spec_sliding_window``, every engine block of the canonical block, as vLLM
+  publishes a window group (engine blocks no larger than the router's).
 * Tier ``CPU`` becomes ``medium="CPU"``.
 * A request's cache salt keys the first block of its chain, as the engines publish it:
   vLLM in that block's ``extra_keys`` (``salt_field="extra_keys"``), SGLang in the event's
@@ -57,10 +61,14 @@ class EngineEventEncoder:
         engine_block_size: int,
         salt: int = 0x5EED,
         salt_field: Literal["extra_keys", "cache_salt"] = "extra_keys",
+        sliding_window: int = 0,
     ) -> None:
         small, large = sorted((block_size, engine_block_size))
         if large % small:
             raise ValueError("engine block size must divide or be a multiple of the block size")
+        if sliding_window and engine_block_size > block_size:
+            raise ValueError("a sliding-window model's engine blocks must divide the block size")
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.engine_block_size = engine_block_size
         self.salt = salt
@@ -156,9 +164,21 @@ class EngineEventEncoder:
         run_hashes: list[int] = []
         run_tokens: list[int] = []
         run_salt: str | None = None
+        window_parent: int | None = None  # a chain of sliding-window blocks
+        window_hashes: list[int] = []
+        window_tokens: list[int] = []
         for h in ev.hashes:
             if h not in self._known:
                 self.unknown += 1
+                continue
+            if ev.kind is Kind.STATE and self.sliding_window:
+                for eh, parent, tokens in self._sub_blocks(h):
+                    if window_hashes and parent == window_hashes[-1]:
+                        window_hashes.append(eh)
+                        window_tokens.extend(tokens)
+                        continue
+                    self._flush_window(out, window_parent, window_hashes, window_tokens, ev.tier)
+                    window_parent, window_hashes, window_tokens = parent, [eh], list(tokens)
                 continue
             if ev.kind is Kind.STATE:
                 state = self._state_block(h)
@@ -191,7 +211,32 @@ class EngineEventEncoder:
                 run_parent, run_hashes, run_tokens = parent, [eh], list(tokens)
                 run_salt = self._known[h].salt if parent is None else None
         self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier, run_salt)
+        self._flush_window(out, window_parent, window_hashes, window_tokens, ev.tier)
         return out
+
+    def _flush_window(
+        self,
+        out: list[EngineEvent],
+        parent: int | None,
+        hashes: list[int],
+        tokens: list[int],
+        tier: Tier,
+    ) -> None:
+        """One event per chain of sliding-window blocks (no extra keys: a router places window
+        blocks by the hash they share with the full-attention blocks)."""
+        if hashes:
+            out.append(
+                EngineBlockStored(
+                    tuple(hashes),
+                    parent,
+                    tuple(tokens),
+                    self.engine_block_size,
+                    medium=self._medium(tier),
+                    group_idx=1,
+                    kv_cache_spec_kind="sliding_window",
+                    kv_cache_spec_sliding_window=self.sliding_window,
+                )
+            )
 
     def _salted(self, salt: str | None, blocks: int) -> tuple[object, str | None]:
         """``(extra_keys, cache_salt)`` of an event that starts a chain salted with ``salt``
@@ -271,6 +316,9 @@ class EngineEventEncoder:
         for h in ev.hashes:
             known = self._known.get(h)
             if known is None:
+                continue
+            if ev.kind is Kind.STATE and self.sliding_window:
+                hashes.extend(self._engine_hash(h, j) for j in range(b // be - 1, -1, -1))
                 continue
             if ev.kind is Kind.STATE:
                 state = self._state_block(h)

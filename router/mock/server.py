@@ -602,6 +602,7 @@ def create_app(settings: MockSettings) -> web.Application:
         settings.engine_block_size,
         # SGLang (the map layout) names the salt in the event, vLLM in the block's keys
         salt_field="cache_salt" if settings.encoding == "map" else "extra_keys",
+        sliding_window=profile.sliding_window_tokens,
     )
     app = web.Application(client_max_size=int(settings.max_body_mb * 2**20))
 
@@ -612,6 +613,7 @@ def create_app(settings: MockSettings) -> web.Application:
             settings.block_size,
             kv_blocks=settings.kv_blocks,
             cpu_blocks=settings.cpu_blocks,
+            publish_window_blocks=True,
         )
         publisher = None
         outbox: asyncio.Queue[list[IndexEvent]] = asyncio.Queue()

@@ -14,6 +14,9 @@ A profile is a TOML file (``sim/profiles/<name>.toml``, or any path) with these 
     eagle = false                  # EAGLE / MTP speculative decoding: a hit gives back its
                                    # last block, the prompt-end snapshot one block lower
     state_checkpoint_blocks = 64.0 # memory of one state checkpoint, in KV blocks
+    sliding_window_tokens = 0      # full + sliding-window attention (gpt-oss, Gemma 3): the
+                                   # window; 0: none (not with hybrid or eagle)
+    window_block_cost = 1.0        # memory of a block's sliding-window KV, in KV blocks
     cpu_blocks = 0                 # optional host-memory tier (0: none)
     cpu_load_s_per_token = 2e-7    # host -> GPU reload time per cached token
     kv_bytes_per_token = 327680.0  # KV bytes a token (what a remote prefill moves)
@@ -36,6 +39,7 @@ from typing import Any
 
 from router.core.errors import ConfigError
 from router.core.load import CostModel
+from router.events.window import blocks_needed
 
 PROFILE_DIR = Path(__file__).resolve().parent
 CHECKPOINT_MODES = ("every_block", "step_end", "every_n")
@@ -56,6 +60,8 @@ class EngineProfile:
     checkpoint_prompt_end: bool = True
     eagle: bool = False
     state_checkpoint_blocks: float = 0.0
+    sliding_window_tokens: int = 0
+    window_block_cost: float = 1.0
     cpu_blocks: int = 0
     cpu_load_s_per_token: float = 2e-7
     kv_bytes_per_token: float = 327680.0
@@ -75,6 +81,19 @@ class EngineProfile:
             raise ConfigError(f"profile {self.name}: kv_bytes_per_token, state_bytes >= 0")
         if self.state_checkpoint_blocks < 0:
             raise ConfigError(f"profile {self.name}: state_checkpoint_blocks must be >= 0")
+        if self.sliding_window_tokens < 0 or self.window_block_cost < 0:
+            raise ConfigError(f"profile {self.name}: sliding window figures must be >= 0")
+        if self.sliding_window_tokens and (self.hybrid or self.eagle):
+            raise ConfigError(
+                f"profile {self.name}: a sliding window is not modelled with hybrid or eagle"
+            )
+
+    def window_blocks(self, block_size: int) -> int:
+        """Blocks of ``block_size`` a prefix hit needs before its end in the sliding-window
+        layers (vLLM's ``cdiv(window - 1, block_size)``, at least 1); 0 without a window."""
+        if not self.sliding_window_tokens:
+            return 0
+        return blocks_needed(self.sliding_window_tokens, block_size)
 
     def scaled(self, block_size: int) -> EngineProfile:
         """The same memory expressed in blocks of ``block_size`` tokens."""
