@@ -77,6 +77,8 @@ TESTS = (
     "tests/test_service_messages.py",  # the Anthropic Messages API through the hot path
     "tests/test_service_responses.py",  # the Responses API through the hot path
     "tests/test_responses_split_id.py",  # a response id read across stream pieces
+    # stored-response ids found across workers and pods (handling's and proxy's part)
+    "tests/test_responses_shared.py",
     "tests/test_pass_through.py",  # routes passed to a replica from the front door
     "tests/test_cache_reads.py",  # prompt-logprobs requests: no cache read, end to end
     "tests/test_tokenize_anthropic.py",  # its usage reading and stream end (proxy)

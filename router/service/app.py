@@ -41,6 +41,7 @@ from router.service.keys import (
     STATE,
 )
 from router.service.pass_through import MESSAGES_PATH, PATHS, RESPONSES_PATH
+from router.service.response_share import redis_ctx
 from router.service.routes import Routes
 from router.service.saturation import loop_lag
 from router.service.security import Limits, check_grpc_token
@@ -87,6 +88,9 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
             from router.service.pod_exchange import pod_exchange_ctx
 
             app.cleanup_ctx.append(pod_exchange_ctx(app))
+        if settings.server.response_ids_ttl_s > 0:  # (router/service/response_share.py)
+            share = state.response_share
+            app.cleanup_ctx.append(redis_ctx(share, settings.server, state.metrics.registry))
     if settings.server.record_path:
         app.cleanup_ctx.append(background.recording)
     if any(rep.zmq for rep in settings.replicas):

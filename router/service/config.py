@@ -379,6 +379,8 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
         raise ConfigError("server.max_body_mb: must be a finite number")
     if not (math.isfinite(server.body_memo_mb) and server.body_memo_mb >= 0):
         raise ConfigError("server.body_memo_mb: must be a finite number >= 0 (0: memo off)")
+    if not (math.isfinite(server.response_ids_ttl_s) and server.response_ids_ttl_s >= 0):
+        raise ConfigError("server.response_ids_ttl_s: must be a finite number >= 0 (0: off)")
     raw_replicas = data.get("replicas") or []
     if not isinstance(raw_replicas, list):
         raise ConfigError("replicas: must be an array of tables ([[replicas]])")

@@ -2,8 +2,9 @@
 the router's HTTP server (router.service.fast_server) with a route table of its own.
 
 It answers the other workers only: their forwarded drains / undrains, and their requests
-for this worker's replica rows, metrics page (router/service/worker_metrics.py) and load
-(router/service/load_share.py). It never serves the public routes, so there is no "already
+for this worker's replica rows, metrics page (router/service/worker_metrics.py), load
+(router/service/load_share.py) and the holder of a stored response it recorded
+(router/service/response_share.py). It never serves the public routes, so there is no "already
 forwarded" header a client could forge on the public port. Its trust boundary is the file
 system (only the router's user can enter the directory, the socket is 0600); the admin token
 travels with a forwarded drain and is checked again, so a control socket reached some other
@@ -28,6 +29,7 @@ from router.service.keys import FORWARDER, REPORT_RELAY, STATE, WORKER_INDEX, WO
 from router.service.load_share import load_sharing_ctx, own_load
 from router.service.report_relay import PATH as REPORT_PATH
 from router.service.report_relay import Reported, ReportRelay
+from router.service.response_share import PATH_PREFIX, holder_json, siblings_ctx
 from router.service.routes import Handler, Routes, error
 from router.service.wire import Sink
 from router.service.worker_metrics import INDEX_HEADER
@@ -84,9 +86,17 @@ def control_routes(app: web.Application, index: int) -> Routes:
             return error(ErrorReply(404, f"no decision {decision_id!r} here", "not_found"))
         return Reply.json({"accepted": True})
 
+    async def stored_response(req: HttpRequest, response_id: str) -> Reply:
+        # this worker's own record only (never asks further: the asker does)
+        holder = app[STATE].response_ids.get(response_id)
+        if holder is None:
+            return error(ErrorReply(404, "no such stored response here", "not_found"))
+        return Reply.json(holder_json(holder))
+
     routes.get("/internal/metrics", own_metrics)
     routes.get("/internal/replicas", own_replicas)
     routes.get("/internal/load", own_load_of_worker)
+    routes.get(PATH_PREFIX + "{id}", stored_response)
     routes.post("/internal/replicas/{name}/drain", drain(True))
     routes.post("/internal/replicas/{name}/undrain", drain(False))
     routes.post(REPORT_PATH, report)
@@ -101,7 +111,8 @@ async def _answer(routes: Routes, req: HttpRequest, sink: Sink) -> None:
 def join_workers(app: web.Application, group: Workers, index: int = 0) -> None:
     """Make ``app`` (not started yet) worker ``index`` of ``group``: its drains reach every
     worker, and while it runs it answers the other workers on its control socket; it takes
-    their load every ``server.load_share_interval_s``."""
+    their load every ``server.load_share_interval_s`` and asks them for the stored responses
+    it does not know."""
     app[WORKERS] = group
     app[WORKER_INDEX] = index
     app[REPORT_RELAY] = ReportRelay()
@@ -119,19 +130,23 @@ def join_workers(app: web.Application, group: Workers, index: int = 0) -> None:
                 os.unlink(path)
 
     app.cleanup_ctx.append(control)
-    interval = app[STATE].settings.server.load_share_interval_s
-    if group.count > 1 and interval > 0:
-        known: list[str] = []
+    if group.count <= 1:
+        return
+    known: list[str] = []
 
-        def sockets() -> list[str]:
-            # every round asks peers(), a file read, only until every worker is known: the
-            # parent forks its workers once and does not replace them
-            if known:
-                return known
-            pids, unknown = group.peers()
-            current = [group.socket(pid) for pid in pids]
-            if not unknown:
-                known.extend(current)
-            return current
+    def sockets() -> list[str]:
+        # every call asks peers(), a file read, only until every worker is known: the
+        # parent forks its workers once and does not replace them
+        if known:
+            return known
+        pids, unknown = group.peers()
+        current = [group.socket(pid) for pid in pids]
+        if not unknown:
+            known.extend(current)
+        return current
 
+    state = app[STATE]
+    app.cleanup_ctx.append(siblings_ctx(state.response_share, sockets, state.metrics.registry))
+    interval = state.settings.server.load_share_interval_s
+    if interval > 0:
         app.cleanup_ctx.append(load_sharing_ctx(app, sockets, interval))

@@ -464,7 +464,8 @@ async def serve_pass_through(
 
 def holder_keys(state: RouterState, admitted: Admitted) -> list[ReplicaKey]:
     """The keys of the replica holding the stored response a Responses body continues
-    (router/service/response_ids.py); empty when the router does not know it."""
+    (router/service/response_ids.py; :func:`serve_completion` has looked it up in the other
+    processes first when this one did not know it); empty when nobody knows it."""
     if admitted.previous_response is None:
         return []
     holder = state.response_ids.get(admitted.previous_response)
@@ -535,6 +536,10 @@ async def serve_completion(
         # a disaggregated model's bodies never carry a client's kv_transfer_params
         no_transfer = pd is not None
         routed: Routed | disagg.PdFlow
+        if admitted.previous_response is not None:
+            # a response another worker or pod recorded: asked there (only when not known
+            # here); nothing of this for the requests naming none
+            await state.response_share.find(admitted.previous_response)
         pinned = holder_keys(state, admitted)
         if pinned:  # a stored response's follow-up: only its replica holds the response
             pd = slo_gate = None

@@ -504,9 +504,10 @@ class Forwarder:
             state.load.complete(rid)
 
     def _record_id(self, routed: Routed, key: ReplicaKey, response_id: str | None) -> None:
-        """Remember which replica holds a stored response (router/service/response_ids.py)."""
+        """Remember which replica holds a stored response (router/service/response_ids.py;
+        with Redis, queued for the other pods: router/service/response_share.py)."""
         if response_id is not None:
-            self.state.response_ids.put(response_id, routed.request.model, key.replica)
+            self.state.response_share.record(response_id, routed.request.model, key.replica)
 
     def _answered(
         self,

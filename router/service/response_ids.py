@@ -4,10 +4,11 @@ vLLM keeps a response (with ``VLLM_ENABLE_RESPONSES_API_STORE=1``) in the API se
 made it: a request naming it as ``previous_response_id``, ``GET /v1/responses/{id}`` and
 ``POST /v1/responses/{id}/cancel`` only work there. The router learns response id ->
 replica from the answers of requests with ``store`` not false (a JSON answer's ``id``, a
-stream's ``response.created`` event) and keeps the most recent :data:`MAX_IDS`
-(least-recently-used first out). The map is per router process: with several worker
-processes or router pods, a follow-up handled by another process does not find the id and
-is routed as usual (the engine then answers, 404 when it does not hold the response).
+stream's ``response.created`` event; ids of at most :data:`MAX_ID_CHARS` characters) and
+keeps the most recent :data:`MAX_IDS` (least-recently-used first out). The map is per router
+process; a process that does not find an id asks the other worker processes and Redis
+(router/service/response_share.py). An id nobody knows is routed as usual (the engine then
+answers, 404 when it does not hold the response).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 MAX_IDS = 100_000
+MAX_ID_CHARS = 256  # longer ids are not recorded (nor looked up elsewhere)
 # vLLM's JSON answer begins with the response's id (pydantic's field order)
-_JSON_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*"([^"\\]{1,256})"')
+_JSON_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*"([^"\\]{1,%d})"' % MAX_ID_CHARS)
 # the stream's ``response.created`` event: ``data: {"response":{"id":"resp_..."``
-_CREATED_ID = re.compile(rb'data: \{"response":\{"id":"([^"\\]{1,256})"')
+_CREATED_ID = re.compile(rb'data: \{"response":\{"id":"([^"\\]{1,%d})"' % MAX_ID_CHARS)
 
 
 class Holder(NamedTuple):
@@ -67,7 +69,7 @@ def id_of_answer(payload: bytes) -> str | None:
     except (ValueError, RecursionError):
         return None
     value = obj.get("id") if isinstance(obj, dict) else None
-    return value if isinstance(value, str) and value else None
+    return value if _bounded(value) else None
 
 
 def id_of_stream(chunk: bytes) -> str | None:
@@ -86,5 +88,21 @@ def id_of_stream(chunk: bytes) -> str | None:
                 return None
             response = obj.get("response") if isinstance(obj, dict) else None
             value = response.get("id") if isinstance(response, dict) else None
-            return value if isinstance(value, str) and value else None
+            return value if _bounded(value) else None
     return None
+
+
+def _bounded(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
+
+
+def shareable(response_id: str) -> bool:
+    """Whether ``response_id`` may be recorded or looked up in another process: within
+    :data:`MAX_ID_CHARS` and valid UTF-8 text (a client's id may hold lone surrogates)."""
+    if not 0 < len(response_id) <= MAX_ID_CHARS:
+        return False
+    try:
+        response_id.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -87,6 +87,9 @@ class ServerSettings:
     discover_replicas: bool | None = None
     redis_key_prefix: str = "kvr"
     redis_stream_shards: int = 8
+    # with redis_url: stored Responses API ids are shared with the other pods through Redis,
+    # each kept this long (router/service/response_share.py); 0: not shared
+    response_ids_ttl_s: float = 86400.0
     # Redis came back empty: how long a known replica stays while its publisher registers
     # again (the publishers' lease TTL, --lease-ttl)
     redis_lost_grace_s: float = 10.0

@@ -36,6 +36,7 @@ from router.service.metrics import Metrics
 from router.service.prompts import build_processor
 from router.service.registry import ReplicaRegistry
 from router.service.response_ids import ResponseIds
+from router.service.response_share import ResponseShare
 from router.service.settings import ModelSettings, Settings
 from router.service.snapshot import state_snapshot
 from router.tokenize.incremental import IncrementalTokenizer
@@ -98,8 +99,10 @@ class RouterState:
         self.layouts = ModelLayouts(self.engines, self.index, self.registry.keys_for)
         # per model with prefill/decode disaggregation on (router/service/disagg.py)
         self.disagg: dict[str, Any] = {}
-        # Responses API: stored response id -> its replica (router/service/response_ids.py)
+        # Responses API: stored response id -> its replica (router/service/response_ids.py),
+        # and the ids of the other workers and pods (router/service/response_share.py)
         self.response_ids = ResponseIds()
+        self.response_share = ResponseShare(self.response_ids)
         self._tokenizers: dict[tuple[Any, ...], IncrementalTokenizer] = {}
         for name in {*settings.models, *self.registry.models()}:
             self._add_model(settings.model(name))

@@ -1,7 +1,8 @@
 """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: sent to the replica
-holding the stored response (router/service/response_ids.py), whose answer is relayed as it
-sent it. An id the router does not know (never seen by this process, or forgotten) is a 404
-in OpenAI's shape, vLLM's words; a holder that cannot be reached, a 503. The answer is read
+holding the stored response (router/service/response_ids.py; an id this process did not
+record is looked up in the other workers and pods: router/service/response_share.py), whose
+answer is relayed as it sent it. An id nobody knows (never seen, or forgotten) is a 404 in
+OpenAI's shape, vLLM's words; a holder that cannot be reached, a 503. The answer is read
 whole before it is relayed (a retrieve with ``stream=true``, of a background response
 still running, arrives in one piece at its end)."""
 
@@ -41,7 +42,7 @@ async def serve(
     """Answer a stored-response request (module docstring); ``rid``: the request id."""
     found = response_id(req)
     assert found is not None
-    holder = state.response_ids.get(found)
+    holder = await state.response_share.find(found)  # (asks elsewhere only if not known here)
     keys = state.registry.find(holder.replica) if holder is not None else []
     bases = [ep.base_url for k in keys if (ep := state.registry.endpoint(k)) is not None]
     if not bases:

@@ -12,6 +12,8 @@ replicas spread over the shards::
     <p>:replicas          SET   registered replica names
     <p>:stream:{<s>}      STREAM change stream shard s (replicas hash onto shards)
     <p>:instance          STRING random token; a new one means Redis lost its data
+    <p>:resp:<id>         STRING the model and replica holding stored response <id>, PX TTL
+                                 (router/store/response_ids.py; no hash tag: ids spread)
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class KeySchema:
     @property
     def instance(self) -> str:
         return f"{self.prefix}:instance"
+
+    def response(self, response_id: str) -> str:
+        """A stored Responses API response's holder (router/store/response_ids.py)."""
+        return f"{self.prefix}:resp:{response_id}"
 
     def shard_of(self, replica: str) -> int:
         """Stable shard of a replica: crc32 of its name modulo the shard count."""
