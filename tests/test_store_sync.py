@@ -374,6 +374,27 @@ async def test_state_written_after_a_reap_is_swept(store: IndexStore) -> None:
     assert await store.orphans() == []
 
 
+async def test_the_pods_load_exchange_is_no_orphaned_replica(
+    redis_url: str, key_prefix: str
+) -> None:
+    """The router pods' load stream (``<p>:{pods}:load``) has a replica's key shape: the
+    sweep leaves it alone, and no replica may take that name."""
+    from router.core.errors import ConfigError
+    from router.service.pod_exchange import ExchangeSettings
+
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
+    try:
+        stream = ExchangeSettings("stream", key_prefix, "a", 0.1, 1.0).stream_key
+        await store.redis.xadd(stream, {"m": "{}"})
+        assert await store.orphans() == []
+        assert await store.redis.exists(stream)
+        with pytest.raises(ConfigError, match="reserved"):
+            ReplicaInfo("pods", model="m")
+    finally:
+        await store.redis.delete(stream)
+        await store.close()
+
+
 async def test_lost_stream_entry_is_a_gap_and_resyncs(redis_url: str, key_prefix: str) -> None:
     store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=2))
     try:

@@ -58,6 +58,7 @@ from router.service.load_share import own_load, parse_load
 from router.service.peer_sum import PEER_SUM, PeerSum, peer_sum, summed
 from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare
 from router.service.workers import Workers
+from router.store.schema import POD_TAG
 from router.tasks import running, stop_all
 
 _log = logging.getLogger(__name__)
@@ -179,11 +180,11 @@ class ExchangeSettings:
 
     @property
     def stream_key(self) -> str:
-        return f"{self.key_prefix}:{{pods}}:load"
+        return f"{self.key_prefix}:{{{POD_TAG}}}:load"
 
     @property
     def hash_key(self) -> str:
-        return f"{self.key_prefix}:{{pods}}:loads"
+        return f"{self.key_prefix}:{{{POD_TAG}}}:loads"
 
 
 @dataclass(slots=True)

@@ -51,7 +51,7 @@ from router.store.codec import (
     verify_fields,
 )
 from router.store.packed import PackedTable, parse_records
-from router.store.schema import KeySchema
+from router.store.schema import RESERVED_NAMES, KeySchema
 
 _T = TypeVar("_T")
 DEFAULT_STREAM_MAXLEN = 50_000
@@ -515,6 +515,7 @@ class RedisStore:
                 head, tail = len(s.prefix) + 2, len(key) - len(suffix)
                 if key.startswith(s.prefix + ":{") and key.endswith(suffix) and head < tail:
                     names.add(key[head:tail])
+        names -= RESERVED_NAMES  # the pods' load stream is no replica's
         if not names:
             return []
         members: Any = await self.redis.smembers(s.registry)

@@ -9,6 +9,8 @@ replicas spread over the shards::
     <p>:{<r>}:st:<dp>     HASH  bucket id -> packed records of recurrent-state checkpoints
     <p>:{<r>}:load        HASH  <dp> -> JSON load sample
     <p>:{<r>}:lease       STRING owner id, PX TTL renewed by the publisher's heartbeat
+    <p>:{pods}:load       STREAM / <p>:{pods}:loads HASH: the router pods' load exchange
+                                 (router/service/pod_exchange.py; ``pods`` is no replica name)
     <p>:replicas          SET   registered replica names
     <p>:stream:{<s>}      STREAM change stream shard s (replicas hash onto shards)
     <p>:instance          STRING random token; a new one means Redis lost its data
@@ -25,14 +27,21 @@ from dataclasses import dataclass
 from router.core.errors import ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9._:@/-]{1,200}$")
+# the hash tag of the router pods' load exchange (``<p>:{pods}:load``, router/service/
+# pod_exchange.py): a replica of that name would share its keys
+POD_TAG = "pods"
+RESERVED_NAMES = frozenset({POD_TAG})
 
 
 def check_replica_name(name: str) -> str:
-    """Replica names become hash tags: no braces, no ``#`` (ReplicaKey uses ``#dp``)."""
+    """Replica names become hash tags: no braces, no ``#`` (ReplicaKey uses ``#dp``), none
+    of :data:`RESERVED_NAMES`."""
     if not _NAME.match(name):
         raise ConfigError(
             f"invalid replica name {name!r}: use 1-200 of [A-Za-z0-9._:@/-] (no braces or '#')"
         )
+    if name in RESERVED_NAMES:
+        raise ConfigError(f"invalid replica name {name!r}: reserved for the router's own keys")
     return name
 
 
