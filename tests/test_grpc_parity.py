@@ -349,6 +349,72 @@ async def test_reported_failures_eject_a_replica_as_http_failures_do() -> None:
         await runner.cleanup()
 
 
+async def test_messages_and_responses_bodies_are_processed_as_their_endpoints_do(
+    rpc: Any,
+) -> None:
+    """``request_path`` names the endpoint a gateway took ``request_json`` from: an Anthropic
+    Messages body (top-level ``system``, content blocks) is its chat conversion, not an
+    OpenAI chat body; a Responses body (``instructions``, ``input``) likewise; a follow-up
+    naming a stored response the router recorded gets the replica that holds it."""
+    from router.tokenize.anthropic import messages_prompt
+    from router.tokenize.responses import responses_prompt
+
+    state, stub = rpc
+    proc = state.processors[MODEL]
+    anthropic = {
+        "model": MODEL,
+        "max_tokens": 64,
+        "system": "You are a careful assistant. " * 20,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi " * 40}]}],
+        "metadata": {"user_id": "u-17"},
+    }
+    want = messages_prompt(proc, anthropic)
+    pick = router_pb2.PickRequest(
+        model=MODEL, request_json=json.dumps(anthropic), request_path="/v1/messages"
+    )
+    got = await stub.Pick(pick, metadata=AUTH)
+    assert got.prompt_tokens == want.prompt_tokens
+    # read as an OpenAI chat body, the system prompt would be lost
+    plain = await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, request_json=json.dumps(anthropic)), metadata=AUTH
+    )
+    assert plain.prompt_tokens != want.prompt_tokens
+    responses = {"model": MODEL, "instructions": "Be brief. " * 30, "input": "what now? " * 20}
+    want = responses_prompt(proc, responses)
+    got = await stub.Pick(
+        router_pb2.PickRequest(
+            model=MODEL, request_json=json.dumps(responses), request_path="/v1/responses"
+        ),
+        metadata=AUTH,
+    )
+    assert got.prompt_tokens == want.prompt_tokens
+    # a stored response's follow-up goes to its holder, not where it would be routed
+    follow = {**responses, "previous_response_id": "resp_abc", "input": "and then?"}
+    pick = router_pb2.PickRequest(
+        model=MODEL, request_json=json.dumps(follow), request_path="/v1/responses"
+    )
+    done = router_pb2.ReportRequest.COMPLETED
+
+    async def routed() -> str:
+        got = await stub.Pick(pick, metadata=AUTH)
+        report = router_pb2.ReportRequest(decision_id=got.decision_id, phase=done)
+        assert (await stub.Report(report, metadata=AUTH)).accepted
+        return str(got.replica)
+
+    unknown = [await routed() for _ in range(3)]  # the id is not known yet: routed
+    assert len(set(unknown)) == 1
+    holder = "a" if unknown[0] == "b" else "b"
+    state.response_ids.put("resp_abc", MODEL, holder)
+    assert [await routed() for _ in range(3)] == [holder] * 3
+    bad = router_pb2.PickRequest(
+        model=MODEL, request_json=json.dumps(responses), request_path="/v1/embeddings"
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Pick(bad, metadata=AUTH)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_path" in (info.value.details() or "")
+
+
 async def test_a_whole_request_body_is_processed_as_http_processes_it(rpc: Any) -> None:
     """``request_json`` carries what a messages_json Pick cannot (a cache salt, template
     kwargs, truncation...): the prompt is the one the HTTP endpoint makes of the body, and

@@ -42,14 +42,17 @@ from router.rpc.gen import (
     router_pb2,
     router_pb2_grpc,
 )
+from router.service.body_memo import Admitted
 from router.service.disagg import ModelDisagg
 from router.service.ejection import Ejections
 from router.service.errors import ErrorReply, reply_for
 from router.service.gate import Gate
 from router.service.handling import (
+    KINDS,
     THREAD_MIN_BODY,
-    body_session,
+    admit,
     checked_prompt,
+    holder_keys,
     record,
     rejected,
     session_key,
@@ -174,16 +177,37 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if request.tools_json:
                 body["tools"] = _json(request.tools_json, "tools_json")
             return proc.chat, body, len(request.messages_json) + len(request.tools_json)
-        if which == "request_json":
-            whole = _json(request.request_json, "request_json")
-            if not isinstance(whole, dict):
-                raise BadRequest("request_json must be a JSON object")
-            named = whole.get("model")
-            if named is not None and named != request.model:
-                raise BadRequest(f"request_json names model {named!r}, not {request.model!r}")
-            fn = proc.chat if "messages" in whole else proc.completion
-            return fn, whole, len(request.request_json)
         raise BadRequest("one of token_ids, text, messages_json or request_json is required")
+
+    async def _admitted(self, request: router_pb2.PickRequest) -> Admitted:
+        """A ``request_json`` body admitted as the HTTP endpoint of ``request_path`` admits
+        it (router.service.handling ``admit``: one path for every front end)."""
+        path = request.request_path
+        kind = _KIND_OF_PATH.get(path) if path else None
+        if path and kind is None:
+            raise BadRequest(f"request_path must be one of {', '.join(_KIND_OF_PATH)}")
+        whole = _json(request.request_json, "request_json")
+        if not isinstance(whole, dict):
+            raise BadRequest("request_json must be a JSON object")
+        named = whole.get("model")
+        if named is not None and named != request.model:
+            raise BadRequest(f"request_json names model {named!r}, not {request.model!r}")
+        if kind is None:
+            kind = "chat" if "messages" in whole else "completion"
+        whole["model"] = request.model
+        return await admit(self.state, whole, len(request.request_json), kind)
+
+    async def _pinned(
+        self, request: router_pb2.PickRequest, admitted: Admitted
+    ) -> list[ReplicaKey]:
+        """The replicas holding the stored response a Responses body continues, within the
+        caller's candidates (empty: routed as any other request)."""
+        if admitted.previous_response is None:
+            return []
+        await self.state.response_share.find(admitted.previous_response)
+        pinned = holder_keys(self.state, admitted)
+        allowed = self._candidates(request)
+        return pinned if allowed is None else [k for k in pinned if k in allowed]
 
     def _candidates(self, request: router_pb2.PickRequest) -> list[ReplicaKey] | None:
         if not request.candidates:
@@ -257,20 +281,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             if not request.model:
                 raise BadRequest("model is required")
-            fn, arg, size = self._prompt(request)
-            # the HTTP endpoints' limits, and a large prompt processed off the event loop
-            kind = (
-                None
-                if isinstance(arg, array.array)
-                else "chat"
-                if "messages" in arg
-                else "completion"
-            )
-            prompt = await checked_prompt(
-                self.state, request.model, fn, arg, offload=size >= THREAD_MIN_BODY, kind=kind
-            )
-            if isinstance(arg, dict) and asks_prompt_logprobs(arg, kind):
-                prompt = replace(prompt, reads_cache=False)  # as the HTTP endpoints read it
+            body_session: str | None = None
+            pinned: list[ReplicaKey] = []
+            if request.WhichOneof("prompt") == "request_json":
+                admitted = await self._admitted(request)
+                prompt, body_session = admitted.prompt, admitted.session_id
+                pinned = await self._pinned(request, admitted)
+            else:
+                fn, arg, size = self._prompt(request)
+                # the HTTP endpoints' limits, and a large prompt processed off the event loop
+                kind = None
+                if not isinstance(arg, array.array):
+                    kind = "chat" if "messages" in arg else "completion"
+                prompt = await checked_prompt(
+                    self.state, request.model, fn, arg, offload=size >= THREAD_MIN_BODY, kind=kind
+                )
+                if isinstance(arg, dict) and asks_prompt_logprobs(arg, kind):
+                    prompt = replace(prompt, reads_cache=False)  # as the HTTP endpoints read it
             now = self.clock()
             decision_id = request.request_id or uuid.uuid4().hex
             if "\x00" in decision_id:  # the separator of scoped ids (decisions.scoped_id)
@@ -289,13 +316,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # kept as the HTTP endpoints keep it (over 128 characters: its digest), so a
             # session's turns meet whichever front end they come through
             session = session_key(request.session_id)
-            if session is None and request.WhichOneof("prompt") == "request_json":
-                session = body_session(arg)
+            if session is None:
+                session = body_session
             slo_gate = self.state.admission
             pd = request.model in self.state.disagg
-            # (disaggregated models are not admission-controlled, as on HTTP)
+            # (disaggregated models are not admission-controlled, as on HTTP; nor are a stored
+            # response's follow-ups, which only its holder can serve)
             if (
-                slo_gate is not None
+                not pinned
+                and slo_gate is not None
                 and slo_gate.enabled(request.model)
                 and not request.candidates
                 and not pd
@@ -322,7 +351,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     internal,
                     now,
                     session_id=session,
-                    replicas=self._whole(request),
+                    replicas=pinned or self._whole(request),
                 )
         except KVRouterError as exc:
             rejected(self.state, request.model)  # counted as the HTTP endpoints count it
@@ -446,6 +475,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 report.cached_tokens
             )
         return True
+
+
+_KIND_OF_PATH = {path.decode(): kind for path, kind in KINDS.items()}
 
 
 def _json(text: str, field: str) -> Any:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrouter/v1/router.proto\x12\x0bkvrouter.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe3\x01\n\x0bPickRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.kvrouter.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x17\n\rmessages_json\x18\x04 \x01(\tH\x00\x12\x16\n\x0crequest_json\x18\t \x01(\tH\x00\x12\x12\n\ntools_json\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x12\n\ncandidates\x18\x07 \x03(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\tB\x08\n\x06prompt\"\xb5\x02\n\x0cPickResponse\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x04\x12\x19\n\x11usable_hit_tokens\x18\x06 \x01(\x04\x12\x15\n\rkv_hit_tokens\x18\x07 \x01(\x04\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\r\n\x05score\x18\t \x01(\x01\x12\x33\n\x05terms\x18\n \x03(\x0b\x32$.kvrouter.v1.PickResponse.TermsEntry\x12\x11\n\tfallbacks\x18\x0b \x03(\t\x1a,\n\nTermsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe6\x01\n\rReportRequest\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x01 \x01(\t\x12/\n\x05phase\x18\x02 \x01(\x0e\x32 .kvrouter.v1.ReportRequest.Phase\x12\x1a\n\rcached_tokens\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\routput_tokens\x18\x04 \x01(\x04\"J\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x46IRST_TOKEN\x10\x01\x12\r\n\tCOMPLETED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x42\x10\n\x0e_cached_tokens\"\"\n\x0eReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x32\x88\x01\n\x06Router\x12;\n\x04Pick\x12\x18.kvrouter.v1.PickRequest\x1a\x19.kvrouter.v1.PickResponse\x12\x41\n\x06Report\x12\x1a.kvrouter.v1.ReportRequest\x1a\x1b.kvrouter.v1.ReportResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrouter/v1/router.proto\x12\x0bkvrouter.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf9\x01\n\x0bPickRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.kvrouter.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x17\n\rmessages_json\x18\x04 \x01(\tH\x00\x12\x16\n\x0crequest_json\x18\t \x01(\tH\x00\x12\x14\n\x0crequest_path\x18\n \x01(\t\x12\x12\n\ntools_json\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x12\n\ncandidates\x18\x07 \x03(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\tB\x08\n\x06prompt\"\xb5\x02\n\x0cPickResponse\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x04\x12\x19\n\x11usable_hit_tokens\x18\x06 \x01(\x04\x12\x15\n\rkv_hit_tokens\x18\x07 \x01(\x04\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\r\n\x05score\x18\t \x01(\x01\x12\x33\n\x05terms\x18\n \x03(\x0b\x32$.kvrouter.v1.PickResponse.TermsEntry\x12\x11\n\tfallbacks\x18\x0b \x03(\t\x1a,\n\nTermsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe6\x01\n\rReportRequest\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x01 \x01(\t\x12/\n\x05phase\x18\x02 \x01(\x0e\x32 .kvrouter.v1.ReportRequest.Phase\x12\x1a\n\rcached_tokens\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\routput_tokens\x18\x04 \x01(\x04\"J\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x46IRST_TOKEN\x10\x01\x12\r\n\tCOMPLETED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x42\x10\n\x0e_cached_tokens\"\"\n\x0eReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x32\x88\x01\n\x06Router\x12;\n\x04Pick\x12\x18.kvrouter.v1.PickRequest\x1a\x19.kvrouter.v1.PickResponse\x12\x41\n\x06Report\x12\x1a.kvrouter.v1.ReportRequest\x1a\x1b.kvrouter.v1.ReportResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,17 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=41
   _globals['_TOKENIDS']._serialized_end=64
   _globals['_PICKREQUEST']._serialized_start=67
-  _globals['_PICKREQUEST']._serialized_end=294
-  _globals['_PICKRESPONSE']._serialized_start=297
-  _globals['_PICKRESPONSE']._serialized_end=606
-  _globals['_PICKRESPONSE_TERMSENTRY']._serialized_start=562
-  _globals['_PICKRESPONSE_TERMSENTRY']._serialized_end=606
-  _globals['_REPORTREQUEST']._serialized_start=609
-  _globals['_REPORTREQUEST']._serialized_end=839
-  _globals['_REPORTREQUEST_PHASE']._serialized_start=747
-  _globals['_REPORTREQUEST_PHASE']._serialized_end=821
-  _globals['_REPORTRESPONSE']._serialized_start=841
-  _globals['_REPORTRESPONSE']._serialized_end=875
-  _globals['_ROUTER']._serialized_start=878
-  _globals['_ROUTER']._serialized_end=1014
+  _globals['_PICKREQUEST']._serialized_end=316
+  _globals['_PICKRESPONSE']._serialized_start=319
+  _globals['_PICKRESPONSE']._serialized_end=628
+  _globals['_PICKRESPONSE_TERMSENTRY']._serialized_start=584
+  _globals['_PICKRESPONSE_TERMSENTRY']._serialized_end=628
+  _globals['_REPORTREQUEST']._serialized_start=631
+  _globals['_REPORTREQUEST']._serialized_end=861
+  _globals['_REPORTREQUEST_PHASE']._serialized_start=769
+  _globals['_REPORTREQUEST_PHASE']._serialized_end=843
+  _globals['_REPORTRESPONSE']._serialized_start=863
+  _globals['_REPORTRESPONSE']._serialized_end=897
+  _globals['_ROUTER']._serialized_start=900
+  _globals['_ROUTER']._serialized_end=1036
 # @@protoc_insertion_point(module_scope)

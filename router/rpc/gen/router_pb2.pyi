@@ -14,12 +14,13 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PickRequest(_message.Message):
-    __slots__ = ("model", "token_ids", "text", "messages_json", "request_json", "tools_json", "session_id", "candidates", "request_id")
+    __slots__ = ("model", "token_ids", "text", "messages_json", "request_json", "request_path", "tools_json", "session_id", "candidates", "request_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
     REQUEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_PATH_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
@@ -29,11 +30,12 @@ class PickRequest(_message.Message):
     text: str
     messages_json: str
     request_json: str
+    request_path: str
     tools_json: str
     session_id: str
     candidates: _containers.RepeatedScalarFieldContainer[str]
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., messages_json: _Optional[str] = ..., request_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., session_id: _Optional[str] = ..., candidates: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., messages_json: _Optional[str] = ..., request_json: _Optional[str] = ..., request_path: _Optional[str] = ..., tools_json: _Optional[str] = ..., session_id: _Optional[str] = ..., candidates: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class PickResponse(_message.Message):
     __slots__ = ("decision_id", "replica", "dp_rank", "endpoint", "prompt_tokens", "usable_hit_tokens", "kv_hit_tokens", "policy", "score", "terms", "fallbacks")
