@@ -70,7 +70,7 @@ def engine_holds(request: RouteRequest, layout: StateLayout, eagle: bool) -> Eng
     """:class:`EngineHolds` for ``request`` under ``layout`` (see the module docstring)."""
     hashes = request.block_hashes
     align = layout.alignment_blocks
-    kv = floor_to(len(hashes), align)
+    kv = len(hashes) // align * align  # floor_to, inline: once a dispatch
     if not layout.hybrid:
         return EngineHolds(kv, (), max(kv - align, 0) if eagle else kv)
     end = prompt_end_checkpoint(len(hashes), align, eagle)

@@ -182,10 +182,15 @@ def usage_tokens(usage: dict[str, Any] | None) -> UsageTokens:
         created = _int(usage.get("cache_creation_input_tokens")) or 0
         prompt = None if uncached is None else uncached + (read or 0) + created
         return UsageTokens(prompt, _int(usage.get("output_tokens")), read)
+    # OpenAI's, the common case: the checks inline (this runs for every answer)
     details = usage.get("prompt_tokens_details")
-    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+    cached = details.get("cached_tokens") if type(details) is dict else None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
     return UsageTokens(
-        _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), cached
+        prompt if type(prompt) is int else None,
+        completion if type(completion) is int else None,
+        cached if type(cached) is int else None,
     )
 
 

@@ -536,11 +536,12 @@ async def serve_completion(
         # a disaggregated model's bodies never carry a client's kv_transfer_params
         no_transfer = pd is not None
         routed: Routed | disagg.PdFlow
+        pinned: list[ReplicaKey] = []
         if admitted.previous_response is not None:
             # a response another worker or pod recorded: asked there (only when not known
             # here); nothing of this for the requests naming none
             await state.response_share.find(admitted.previous_response)
-        pinned = holder_keys(state, admitted)
+            pinned = holder_keys(state, admitted)
         if pinned:  # a stored response's follow-up: only its replica holds the response
             pd = slo_gate = None
             routed = route_pinned(state, forwarder, admitted, client_headers, pinned)
