@@ -8,6 +8,7 @@ events), real HTTP, the official openai client."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -352,3 +353,69 @@ async def test_the_routers_errors_answer_in_openai_shape(capture: Any) -> None:
     assert seen == []  # none reached the replica
     await client.close()
     await wrong.close()
+
+
+async def test_a_streamed_retrieve_is_relayed_as_it_comes() -> None:
+    """``GET /v1/responses/{id}?stream=true`` of a background response streams its events
+    for as long as the response runs: the client gets each event as the holder sends it,
+    not the whole stream at its end. (The mock replica runs no background responses: the
+    holder here is a stand-in streaming vLLM's event shapes, held until the client has the
+    first event.)"""
+    go = asyncio.Event()
+
+    async def retrieve(request: web.Request) -> web.StreamResponse:
+        assert request.query.get("stream") == "true"
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(STREAM_ANSWER[0])
+        if request.match_info["rid"] == "resp_broken":  # the holder dies mid-stream
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        await go.wait()
+        await resp.write(STREAM_ANSWER[1])
+        await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_get("/v1/responses/{rid}", retrieve)
+    app.router.add_get("/health", health)
+    holder = web.AppRunner(app)
+    await holder.setup()
+    await web.TCPSite(holder, "127.0.0.1", 0).start()
+    base = f"http://127.0.0.1:{holder.addresses[0][1]}"
+    replicas = [{"url": base, "model": MODEL, "name": "r0"}]
+    router, url = await start_router(build_settings({"replicas": replicas}))
+    try:
+        router.app[STATE].response_ids.put("resp_s", MODEL, "r0")
+        # the holder goes on by itself after 10 s: a relay that waits for the whole stream
+        # hands the client its first event only then (a failure, not a hang)
+        release = asyncio.get_running_loop().call_later(10, go.set)
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{url}/v1/responses/resp_s?stream=true") as r,
+        ):
+            assert r.status == 200
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            first = await r.content.readuntil(b"\n\n")
+            assert b"response.created" in first
+            assert not go.is_set(), "the first event came only with the end of the stream"
+            go.set()
+            release.cancel()
+            rest = await r.content.read()
+        assert b"response.completed" in rest
+        # a holder that breaks off: the client's stream ends with an error event
+        router.app[STATE].response_ids.put("resp_broken", MODEL, "r0")
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{url}/v1/responses/resp_broken?stream=true") as r,
+        ):
+            body = await r.content.read()
+        assert b"response.created" in body and b"broke off" in body
+    finally:
+        go.set()
+        await router.cleanup()
+        await holder.cleanup()

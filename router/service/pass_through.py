@@ -22,8 +22,16 @@ from router.service.proxy import Forwarder
 from router.service.render import render_targets
 from router.service.replica_url import ReplicaUrl
 from router.service.state import RouterState
+from router.service.upstream import Exchange
 from router.service.upstream_errors import UpstreamError
-from router.service.wire import Sink, request_head, response_headers, send_error
+from router.service.wire import (
+    Headers,
+    Sink,
+    request_head,
+    response_headers,
+    send_error,
+    stream_error_event,
+)
 
 MESSAGES_PATH = b"/v1/messages"
 COUNT_TOKENS_PATH = b"/v1/messages/count_tokens"
@@ -64,9 +72,13 @@ async def relay_once(
     request_id: str,
     method: bytes = b"POST",
 ) -> str | None:
-    """Send one request to the replica at ``base`` and relay its whole answer, whatever its
+    """Send one request to the replica at ``base`` and relay its answer, whatever its
     status; the reason it could not (no answer in ``first_byte_timeout_s``, a broken
-    connection) is returned instead, nothing written. A client that leaves aborts it."""
+    connection) is returned instead, nothing written. A client that leaves aborts it.
+
+    An answer is read whole, then relayed, except an event stream that is still coming
+    after its first data (``GET /v1/responses/{id}?stream=true`` of a background response
+    runs as long as the response): that is relayed as it comes (:func:`_relay_stream`)."""
     head = request_head(
         target,
         ReplicaUrl.parse(base).netloc.encode(),
@@ -80,7 +92,12 @@ async def relay_once(
     try:
         async with asyncio.timeout(state.settings.server.first_byte_timeout_s):
             upstream = await forwarder.client.pool(base).send(head, body)
-            payload = await upstream.read_all()
+            headers, sse, _ = response_headers(upstream.headers)
+            if sse:  # its first data (or its end) in time; the rest as it comes
+                await upstream.ready(whole=False)
+                payload = upstream.body()
+            else:
+                payload = await upstream.read_all()
     except (UpstreamError, TimeoutError) as exc:
         if upstream is not None:
             upstream.abort()
@@ -89,10 +106,42 @@ async def relay_once(
         if upstream is not None:
             upstream.abort()
         raise
-    headers, _, _ = response_headers(upstream.headers)
+    if payload is None:
+        await _relay_stream(sink, upstream, headers)
+        return None
     upstream.release()
     await sink.respond(upstream.status, headers, payload)
     return None
+
+
+async def _relay_stream(sink: Sink, upstream: Exchange, headers: Headers) -> None:
+    """Relay an event stream as its pieces arrive (each wait for more bounded by the
+    upstream's read timeout); a replica that breaks off ends it with an error event."""
+    started = False
+    try:
+        while (data := await upstream.read()) is not None:
+            if started:
+                await sink.write(data)
+            else:
+                started = True
+                await sink.start(upstream.status, headers, data)
+    except UpstreamError as exc:
+        upstream.abort()
+        why = f"the replica broke off its answer ({str(exc) or type(exc).__name__})"
+        event = stream_error_event(502, why, "upstream_error", anthropic=False)
+        if started:
+            await sink.end(event)
+        else:
+            await sink.start(upstream.status, headers, event, end=True)
+        return
+    except BaseException:  # the client left: the replica's request goes too
+        upstream.abort()
+        raise
+    upstream.release()
+    if started:
+        await sink.end()
+    else:
+        await sink.start(upstream.status, headers, end=True)
 
 
 async def pass_through(

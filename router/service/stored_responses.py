@@ -2,9 +2,9 @@
 holding the stored response (router/service/response_ids.py; an id this process did not
 record is looked up in the other workers and pods: router/service/response_share.py), whose
 answer is relayed as it sent it. An id nobody knows (never seen, or forgotten) is a 404 in
-OpenAI's shape, vLLM's words; a holder that cannot be reached, a 503. The answer is read
-whole before it is relayed (a retrieve with ``stream=true``, of a background response
-still running, arrives in one piece at its end)."""
+OpenAI's shape, vLLM's words; a holder that cannot be reached, a 503. A JSON answer is read
+whole, then relayed; a retrieve with ``stream=true`` (a background response still running)
+is relayed event by event as the holder sends them (router/service/pass_through.py)."""
 
 from __future__ import annotations
 
