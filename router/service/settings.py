@@ -159,6 +159,9 @@ class ModelSettings:
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     # vLLM's --reasoning-effort-map: a request's reasoning_effort rewritten before the template
     reasoning_effort_map: Mapping[str, str] = field(default_factory=dict)
+    # vLLM's --exclude-tools-when-tool-choice-none: no tools in the prompt of a request whose
+    # tool_choice is "none" (chat, and the Messages / Responses APIs' chat conversions)
+    exclude_tools_when_tool_choice_none: bool = False
     # "engine": prompts rendered by the engine's render endpoints (router/service/render.py)
     render: str = "local"
     render_url: str | None = None  # a renderer's base URL; None: the model's replicas

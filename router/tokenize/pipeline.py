@@ -165,15 +165,18 @@ class PromptProcessor:
         default_kwargs: Mapping[str, Any] | None = None,
         effort_map: Mapping[str, str] | None = None,
         context_length: int | None = None,
+        exclude_tools_when_none: bool = False,
     ) -> None:
-        """``default_kwargs`` / ``effort_map``: the engine's
-        ``--default-chat-template-kwargs`` / ``--reasoning-effort-map``; ``context_length``:
-        its ``--max-model-len`` (``truncate_prompt_tokens: -1`` truncates to it)."""
+        """``default_kwargs`` / ``effort_map`` / ``exclude_tools_when_none``: the engine's
+        ``--default-chat-template-kwargs`` / ``--reasoning-effort-map`` /
+        ``--exclude-tools-when-tool-choice-none``; ``context_length``: its
+        ``--max-model-len`` (``truncate_prompt_tokens: -1`` truncates to it)."""
         self.model = model
         self.context_length = context_length
         self.images = images
         self.default_kwargs = dict(default_kwargs or {})
         self.effort_map = dict(effort_map or {})
+        self.exclude_tools_when_none = exclude_tools_when_none
         self.block_size = block_size
         self.tokenizer = tokenizer
         self.template = template
@@ -237,7 +240,7 @@ class PromptProcessor:
     ) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool, bool]:
         """(messages, tools as vLLM dumps them, template kwargs, add_generation_prompt,
         continue_final_message), checked (router.tokenize.request_fields)."""
-        return chat_args(body, self.default_kwargs, self.effort_map)
+        return chat_args(body, self.default_kwargs, self.effort_map, self.exclude_tools_when_none)
 
     def chat(self, body: Mapping[str, Any]) -> ProcessedPrompt:
         t0 = time.perf_counter()

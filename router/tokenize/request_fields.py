@@ -94,13 +94,16 @@ def chat_args(
     body: Mapping[str, Any],
     default_kwargs: Mapping[str, Any],
     effort_map: Mapping[str, str],
+    exclude_tools_when_none: bool = False,
 ) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool, bool]:
     """(messages, tools as vLLM dumps them, template kwargs, add_generation_prompt,
     continue_final_message) of a chat request, checked: the template's variables as vLLM
     0.34 builds them (``ChatCompletionRequest.build_chat_params``): the request's
     ``chat_template_kwargs`` over the engine's defaults (``default_kwargs``; a request's null
     or "auto" leaves the default), its ``reasoning_effort`` (rewritten by ``effort_map``) and
-    the ``enable_thinking`` it implies, its ``documents``."""
+    the ``enable_thinking`` it implies, its ``documents``; no tools for a ``tool_choice`` of
+    ``"none"`` when the engine runs with ``--exclude-tools-when-tool-choice-none``
+    (``exclude_tools_when_none``; vLLM 0.34 ``OnlineRenderer``)."""
     messages = check_messages(body)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, Mapping):
@@ -129,7 +132,10 @@ def chat_args(
         raise BadRequest("'add_generation_prompt' and 'continue_final_message' are booleans")
     if cont:
         add_gen = False
-    return messages, prepare_tools(body.get("tools")), kwargs, add_gen, cont
+    tools = body.get("tools")
+    if exclude_tools_when_none and body.get("tool_choice") == "none":
+        tools = None
+    return messages, prepare_tools(tools), kwargs, add_gen, cont
 
 
 def asks_prompt_logprobs(body: dict[str, Any], kind: str | None) -> bool:
