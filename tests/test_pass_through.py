@@ -5,13 +5,16 @@ the body is checked as a hot endpoint's first (real HTTP, mock replicas)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from router.mock.server import MockSettings
 from router.service.config import build_settings
 from tests.backends import start_mock, start_router
+from tests.waiting import eventually
 
 MODEL = "m"
 
@@ -51,5 +54,67 @@ async def test_tokenize_and_pooling_routes_reach_a_replica() -> None:
             async with http.get(url + "/tokenize") as r:
                 assert r.status == 405
     finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
+
+
+async def test_pooling_work_goes_to_the_replica_with_the_least_in_flight() -> None:
+    """A replica busy with a long embedding batch is passed by: the next requests go to the
+    idle one, not in turn. (The mock replica is a generative engine and serves no pooling
+    routes: the two replicas here are stand-ins answering ``/v1/embeddings``.)"""
+    release = asyncio.Event()
+    served: dict[str, int] = {"a": 0, "b": 0}
+    held: list[str] = []
+
+    def replica(name: str) -> web.Application:
+        async def embeddings(request: web.Request) -> web.Response:
+            body = await request.json()
+            served[name] += 1
+            if body["input"] == "long batch":
+                held.append(name)
+                await release.wait()
+            return web.json_response({"object": "list", "data": [], "model": MODEL})
+
+        async def health(request: web.Request) -> web.Response:
+            return web.json_response({"ok": True})
+
+        app = web.Application()
+        app.router.add_post("/v1/embeddings", embeddings)
+        app.router.add_get("/health", health)
+        return app
+
+    runners: list[Any] = []
+    try:
+        replicas = []
+        for name in ("a", "b"):
+            runner = web.AppRunner(replica(name))
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            runners.append(runner)
+            base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            replicas.append({"url": base, "model": MODEL, "name": name})
+        router, url = await start_router(build_settings({"replicas": replicas}))
+        runners.append(router)
+        async with aiohttp.ClientSession() as http:
+            long = asyncio.create_task(
+                http.post(url + "/v1/embeddings", json={"model": MODEL, "input": "long batch"})
+            )
+            await eventually(lambda: len(held) == 1)
+            busy = held[0]
+            idle = "b" if busy == "a" else "a"
+            for _ in range(4):
+                body = {"model": MODEL, "input": "short"}
+                async with http.post(url + "/v1/embeddings", json=body) as r:
+                    assert r.status == 200
+            assert served[idle] == 4 and served[busy] == 1  # in turn: 2 and 3
+            release.set()
+            async with await long as r:
+                assert r.status == 200
+            for _ in range(4):  # both idle again: in turn
+                async with http.post(url + "/v1/embeddings", json=body) as r:
+                    assert r.status == 200
+            assert served[busy] == 3 and served[idle] == 6
+    finally:
+        release.set()
         for runner in reversed(runners):
             await runner.cleanup()

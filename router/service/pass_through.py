@@ -3,9 +3,11 @@ engine's cache worth following (vLLM's ``/tokenize`` and ``/detokenize``, the An
 ``/v1/messages/count_tokens``) or are a pooling model's work (``/v1/embeddings``,
 ``/pooling``, ``/classify``, ``/score``, ``/rerank``, ...). The body is checked as a hot
 endpoint's (a JSON object naming a model the router routes, or none for the one model) and
-sent, as the client sent it, to the model's healthy replicas in turn (one that cannot be
-reached or does not answer in time: the next, at most :data:`MAX_ATTEMPTS`); the answer,
-whatever its status, is relayed as the replica sent it. 503 when none answers.
+sent, as the client sent it, to the model's healthy replica with the fewest such requests
+in flight from this process, in turn among equals (one that cannot be reached or does not
+answer in time: the next, at most :data:`MAX_ATTEMPTS`); the answer, whatever its status,
+is relayed as the replica sent it. 503 when none answers. Pooling work is not routed on
+cache (it leaves none worth following), but a replica busy with a long batch is passed by.
 
 The Anthropic Messages API itself (``POST /v1/messages``) is a hot endpoint
 (router.service.handling, kind ``messages``); on its paths the router's own errors are
@@ -160,14 +162,25 @@ async def pass_through(
     the model, and relay its answer (module docstring); 503 when none answers."""
     urls = render_targets(state, model)
     start = next(_turns)
-    order = [urls[(start + i) % len(urls)] for i in range(len(urls))][:MAX_ATTEMPTS]
+    busy = state.passed_in_flight
+    # the least busy first; among equals, in turn (the sort is stable)
+    rotated = [urls[(start + i) % len(urls)] for i in range(len(urls))]
+    order = sorted(rotated, key=lambda url: busy.get(url, 0))[:MAX_ATTEMPTS]
     s = state.settings.server
     client_headers = list(client_headers)
     last = "no replica to ask"
     for base in order:
-        failed = await relay_once(
-            state, forwarder, sink, base, target, client_headers, body, request_id
-        )
+        busy[base] = busy.get(base, 0) + 1
+        try:
+            failed = await relay_once(
+                state, forwarder, sink, base, target, client_headers, body, request_id
+            )
+        finally:
+            left = busy[base] - 1
+            if left:
+                busy[base] = left
+            else:
+                del busy[base]
         if failed is None:
             return
         last = failed

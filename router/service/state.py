@@ -103,6 +103,8 @@ class RouterState:
         # and the ids of the other workers and pods (router/service/response_share.py)
         self.response_ids = ResponseIds()
         self.response_share = ResponseShare(self.response_ids)
+        # base URL -> requests passed there and not answered yet (router/service/pass_through)
+        self.passed_in_flight: dict[str, int] = {}
         self._tokenizers: dict[tuple[Any, ...], IncrementalTokenizer] = {}
         for name in {*settings.models, *self.registry.models()}:
             self._add_model(settings.model(name))
