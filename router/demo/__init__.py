@@ -217,7 +217,8 @@ def _run(args: argparse.Namespace, trace: Path) -> int:
         )
     print(
         "hit% = prompt tokens the engines reused (usable hit: cached KV up to a recurrent-state"
-        " checkpoint); kv% = their KV-only hit;\npred% = the router's predicted usable hit; "
+        " checkpoint or a cached window);\nkv% = their KV-only hit; pred% = the router's"
+        " predicted usable hit; "
         "err p99 = 99th percentile over requests of |predicted - reused| / prompt;\n"
         "good% = requests meeting their TTFT and TPOT targets; TTFT / TPOT in ms at the client;"
         "\nsim = the simulator on the same trace and cluster (ours, for an external router)."
