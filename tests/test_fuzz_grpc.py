@@ -59,6 +59,14 @@ UNARY = [
 
 _INTS = [0, 1, -1, 2, 16, 255, 2**31 - 1, -(2**31), 2**32 - 1, 2**63 - 1, -(2**63), 2**64 - 1]
 _STRINGS = ["", MODEL, "a", "b", "b#dp1", "a#dp9", "x" * 300, "\u0000", "é☃", "{}", "#"]
+# request_path values and request_json bodies of each kind (the same strings fill every field)
+_STRINGS += ["/v1/messages", "/v1/responses", "/v1/chat/completions", "/v1/completions"]
+_STRINGS += [
+    '{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none", "tools": []}',
+    '{"system": [{"type": "text", "text": "s"}], "messages": [{"role": "user", "content": []}]}',
+    '{"input": "x", "previous_response_id": "resp_1", "instructions": null}',
+    '{"input": [{"type": "message", "role": "user", "content": 3}]}',
+]
 
 
 def _scalar(field: pbd.FieldDescriptor, rng: random.Random) -> Any:
