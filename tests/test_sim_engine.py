@@ -266,3 +266,31 @@ def test_bundled_profiles_load() -> None:
     dense = load_profile("dense-70b")
     assert not dense.hybrid and dense.kv_blocks == 16384
     assert dense.scaled(128).kv_blocks == 8192
+
+
+def test_sliding_window_blocks_go_first_and_cut_the_hit() -> None:
+    """A full + sliding-window engine (window 20 tokens: the 2 blocks before a hit's end):
+    the window KV of blocks the window slid past is released during the prefill, so memory
+    pressure evicts it before the full-attention KV of the same finished request (and the
+    window tail, released after that KV, survives it); a later prompt sharing that KV is
+    granted only up to a complete window."""
+    e = engine(kv_blocks=48, sliding_window_tokens=20, window_block_cost=1.0)
+    a = list(range(1, 11))
+    e.submit(req("a", a), 0.0)
+    drain(e)
+    assert all(e.has_window(h) for h in a)  # all cached, none pinned
+    assert stored(e.take_index_events(), Kind.STATE) == a  # every block's window complete
+    e.submit(req("b", list(range(100, 116))), 1.0)  # unrelated: its blocks need room
+    drain(e)
+    events = e.take_index_events()
+    assert [h for h in a if not e.has_window(h)] == [1, 2, 3, 4, 5]  # released first
+    assert all(e.has_block(h) for h in a)  # the full-attention KV is all there
+    assert set(removed(events, Kind.STATE)) == {1, 2, 3, 4, 5, 6}  # 6's window had 5
+    # a prompt extending all of a: the window at its end is there
+    e.submit(req("d", [*a, 300]), 2.0)
+    first = next(o for o in drain(e) if isinstance(o, FirstToken))
+    assert (first.kv_hit_tokens, first.cached_tokens) == (100, 100)
+    # one sharing a's first 6 blocks: their KV is cached, no complete window in them
+    e.submit(req("c", [*a[:6], 200, 201]), 3.0)
+    first = next(o for o in drain(e) if isinstance(o, FirstToken))
+    assert (first.kv_hit_tokens, first.cached_tokens) == (60, 0)
