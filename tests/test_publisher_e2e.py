@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
 
 from router.bench.redis_server import LocalRedis
 from router.core.hashing import hash_prompt, root_hash
@@ -20,7 +21,7 @@ from router.core.types import ReplicaKey
 from router.events.ingest import EndpointSpec
 from router.events.model import EngineBlockRemoved, EngineBlockStored
 from router.events.zmq_pub import KVEventPublisher
-from router.publisher.publisher import Publisher, PublisherSettings
+from router.publisher.publisher import Publisher, PublisherCollector, PublisherSettings
 from router.store.base import ReplicaInfo
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
@@ -177,8 +178,23 @@ async def test_malformed_events_are_counted_and_do_no_harm(
             await eventually(lambda: index.match(canonical(x)).get(ReplicaKey("rm")).kv_blocks == 2)
             assert pub.ingest.stats.malformed_payloads == 2
             assert pub.ingest.stats.malformed_events == 2
+            # well-formed but not indexable: a window store without its size, counted
+            window = EngineBlockStored(
+                (7,), None, tuple(range(16)), 16, group_idx=1, kv_cache_spec_kind="sliding_window"
+            )
+            await eng.pub.publish([window])
+            await eventually(lambda: pub.ingest.not_indexed().get("unknown_window") == 1)
+            page = generate_latest(_registry(pub)).decode()
+            sample = 'kvrouter_publisher_blocks_not_indexed_total{reason="unknown_window"} 1.0'
+            assert sample in page
     finally:
         await eng.pub.close()
+
+
+def _registry(pub: Publisher) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(PublisherCollector(pub))
+    return registry
 
 
 async def _metrics_server(text: str) -> tuple[web.AppRunner, str]:

@@ -65,6 +65,15 @@ class EngineIngest:
         self.stats = IngestStats()
         self._ranks_of: dict[str, set[int]] = {}
 
+    def not_indexed(self) -> dict[str, int]:
+        """Engine blocks of every rank stored but not indexed, by reason
+        (``ReblockStats.not_indexed``)."""
+        total: dict[str, int] = {}
+        for rb in self.reblockers.values():
+            for reason, n in rb.stats.not_indexed().items():
+                total[reason] = total.get(reason, 0) + n
+        return total
+
     def reblocker(self, rank: int) -> Reblocker:
         rb = self.reblockers.get(rank)
         if rb is None:

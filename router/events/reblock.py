@@ -107,6 +107,17 @@ class ReblockStats:
     unknown_window: int = 0
     errors: list[str] = field(default_factory=list)
 
+    def not_indexed(self) -> dict[str, int]:
+        """Engine blocks stored but not indexed, by reason (the fields above of that kind)."""
+        return {
+            "ignored_group": self.ignored_group,
+            "unknown_window": self.unknown_window,
+            "unknown_parent": self.unknown_parent,
+            "unaligned_state": self.unaligned_state,
+            "opaque": self.opaque_blocks,
+            "unmapped_offload": self.unmapped_offload,
+        }
+
     def error(self, message: str) -> None:
         self.bad_event += 1
         if len(self.errors) < 20:
