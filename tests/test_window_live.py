@@ -17,11 +17,12 @@ from router.core.hashing import hash_prompt, root_hash
 from router.core.types import ReplicaKey
 from router.service.app import STATE
 from router.service.config import build_settings
-from tests.backends import start_mock_fleet, start_router
+from tests.backends import metric_sample, start_mock_fleet, start_router
 from tests.waiting import eventually
 
 B = 64
 MODEL = "m"
+NOT_INDEXED = "kvrouter_events_blocks_not_indexed_total"
 
 
 async def test_sliding_window_hits_are_predicted_as_the_engine_grants_them() -> None:
@@ -75,6 +76,14 @@ async def test_sliding_window_hits_are_predicted_as_the_engine_grants_them() -> 
             await client.close()
         assert rows == [(cached, cached) for _, cached in rows], rows
         assert state.engines[MODEL].layout.hybrid  # learned from the window checkpoints
+        # every window block the engines published was placed (none left unindexed)
+        page = state.metrics.render().decode()
+        for replica in ("r0", "r1"):
+            for reason in ("unknown_window", "unmapped_offload", "unknown_parent"):
+                sample = metric_sample(
+                    page, NOT_INDEXED, replica=replica, reason=reason
+                )  # fmt: skip
+                assert sample == 0.0, (replica, reason, sample)
         assert sum(cached for _, cached in rows) > 0 and cut > 0, cut
     finally:
         for runner in reversed(runners):

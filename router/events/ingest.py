@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from router.core.types import AllCleared, IndexEvent, ReplicaKey
 from router.events.decode import decode_payload
 from router.events.endpoints import EndpointSpec
-from router.events.reblock import Reblocker
+from router.events.reblock import Reblocker, ReblockStats
 from router.events.subscriber import ZmqEventSubscriber
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class EngineIngest:
     def not_indexed(self) -> dict[str, int]:
         """Engine blocks of every rank stored but not indexed, by reason
         (``ReblockStats.not_indexed``)."""
-        total: dict[str, int] = {}
+        total = dict.fromkeys(ReblockStats().not_indexed(), 0)  # every reason, 0 at first
         for rb in self.reblockers.values():
             for reason, n in rb.stats.not_indexed().items():
                 total[reason] = total.get(reason, 0) + n

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from router.core.types import ReplicaKey
 from router.service.keys import FORWARDER, INDEX_SYNC, SESSION, SETTINGS, STATE
@@ -219,6 +221,9 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
                 specs,
                 on_checkpoint=app[STATE].layouts.observer(rep.model, block),
             )
+    registry = app[STATE].metrics.registry
+    collector = _NotIndexed(direct)
+    registry.register(collector)
     async with direct:
         tasks = [asyncio.create_task(_discover(app, direct, rep)) for rep in asked]
         for task in tasks:
@@ -227,6 +232,27 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    registry.unregister(collector)
+
+
+class _NotIndexed(Collector):
+    """``kvrouter_events_blocks_not_indexed_total{replica, reason}`` of the engines this
+    router follows directly (router.events.ingest ``not_indexed``; the publisher's metric of
+    that name in Redis mode)."""
+
+    def __init__(self, direct: DirectEvents) -> None:
+        self.direct = direct
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "kvrouter_events_blocks_not_indexed",
+            "Engine blocks stored but not indexed, by replica and reason (docs/metrics.md)",
+            labels=["replica", "reason"],
+        )
+        for replica, ingest in self.direct.ingests.items():
+            for reason, n in ingest.not_indexed().items():
+                family.add_metric([replica, reason], float(n))
+        yield family
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
