@@ -363,11 +363,21 @@ async def test_a_streamed_retrieve_is_relayed_as_it_comes() -> None:
     first event.)"""
     go = asyncio.Event()
 
+    holder_requests = [0]
+    gone = [0]  # streams the router closed on the holder before their end
+
     async def retrieve(request: web.Request) -> web.StreamResponse:
         assert request.query.get("stream") == "true"
+        holder_requests[0] += 1
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(STREAM_ANSWER[0])
+        if request.match_info["rid"] == "resp_s" and not go.is_set():
+            try:
+                await go.wait()
+            except asyncio.CancelledError:  # the router dropped this request
+                gone[0] += 1
+                raise
         if request.match_info["rid"] == "resp_broken":  # the holder dies mid-stream
             assert request.transport is not None
             request.transport.close()
@@ -383,7 +393,7 @@ async def test_a_streamed_retrieve_is_relayed_as_it_comes() -> None:
     app = web.Application()
     app.router.add_get("/v1/responses/{rid}", retrieve)
     app.router.add_get("/health", health)
-    holder = web.AppRunner(app)
+    holder = web.AppRunner(app, handler_cancellation=True)
     await holder.setup()
     await web.TCPSite(holder, "127.0.0.1", 0).start()
     base = f"http://127.0.0.1:{holder.addresses[0][1]}"
@@ -415,6 +425,21 @@ async def test_a_streamed_retrieve_is_relayed_as_it_comes() -> None:
         ):
             body = await r.content.read()
         assert b"response.created" in body and b"broke off" in body
+        # a client that leaves mid-stream: the holder's request goes too, the router serves on
+        go.clear()
+        held = holder_requests[0]
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{url}/v1/responses/resp_s?stream=true") as r,
+        ):
+            await r.content.readuntil(b"\n\n")
+        await eventually(lambda: holder_requests[0] > held and gone[0] == 1)
+        go.set()
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{url}/v1/responses/resp_s?stream=true") as r,
+        ):
+            assert b"response.completed" in await r.content.read()
     finally:
         go.set()
         await router.cleanup()
