@@ -239,3 +239,7 @@ def test_sliding_window_model_predicted_hit_equals_the_engines(
     # the window rule cut hits: KV cached beyond the usable prefix, and windows evicted
     assert sum(1 for r in rows if r[3] - r[2] >= B) >= 3
     assert sum(rep.state_removals for rep in fleet.replicas.values()) > 0
+    for rep in fleet.replicas.values():  # all done: nothing pinned, nothing lost
+        e = rep.engine
+        assert e.kv_usage() == 0.0 and e._windows == len(e._win)
+        assert e._free_cost == pytest.approx(len(e._gpu) + e._windows * e._window_cost)

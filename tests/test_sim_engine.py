@@ -294,3 +294,6 @@ def test_sliding_window_blocks_go_first_and_cut_the_hit() -> None:
     e.submit(req("c", [*a[:6], 200, 201]), 3.0)
     first = next(o for o in drain(e) if isinstance(o, FirstToken))
     assert (first.kv_hit_tokens, first.cached_tokens) == (60, 0)
+    # all finished: nothing pinned, every cached block and window evictable, none lost
+    assert e.kv_usage() == 0.0 and e._windows == len(e._win)
+    assert e._free_cost == len(e._gpu) + e._windows
