@@ -308,7 +308,8 @@ class BlockCache:
         if named_output and seq.out_hashes and seq.nfull == seq.prompt // self.block_size:
             total_full = (seq.prompt + seq.out) // self.block_size
             names = dict.fromkeys(seq.out_hashes[: max(0, total_full - seq.nfull)])
-            answer_blocks = list(names)
+            if self.window:  # their window KV is cached too (_window_finished)
+                answer_blocks = list(names)
             stored = [h for h in names if h not in gpu]
             if stored:
                 # parents (prompt) are unpinned below; answer blocks are children: evict first

@@ -103,7 +103,7 @@ class ReblockStats:
     # state stores naming every block from the start (vLLM's kv_cache_report_mode "full"
     # re-announcing a hit): only their last checkpoint is taken
     reannounced_state: int = 0
-    # sliding-window stores without a usable window size (not indexed)
+    # sliding-window stores the router cannot use: no window size, or a tier other than GPU
     unknown_window: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -466,14 +466,14 @@ class Reblocker:
             self.stats.unmapped_offload += len(missing)
         elif missing:
             self._pending.append(replace(ev, block_hashes=tuple(missing), token_ids=()))
-        return self._window_events(change, be)
+        if self.on_checkpoint is not None:
+            for _, depth in change.stored:
+                self.on_checkpoint(depth * be)
+        return self._window_events(change)
 
-    def _window_events(self, change: WindowChange, be: int) -> list[IndexEvent]:
+    def _window_events(self, change: WindowChange) -> list[IndexEvent]:
         out: list[IndexEvent] = []
         if change.stored:
-            if self.on_checkpoint is not None:
-                for _, depth in change.stored:
-                    self.on_checkpoint(depth * be)
             out.extend(self._emit_stored([h for h, _ in change.stored], Tier.GPU, Kind.STATE))
         if change.removed:
             self.stats.canonical_removed += len(change.removed)
@@ -570,7 +570,7 @@ class Reblocker:
         gone = window.removed(ev.block_hashes, change)
         self.stats.removed_blocks += gone
         self.stats.unknown_removed += len(ev.block_hashes) - gone
-        return self._window_events(change, 1)
+        return self._window_events(change)
 
     def _removed(self, ev: EngineBlockRemoved) -> list[IndexEvent]:
         tier = _TIER_OF.get(ev.medium)

@@ -164,23 +164,13 @@ class EngineEventEncoder:
         run_hashes: list[int] = []
         run_tokens: list[int] = []
         run_salt: str | None = None
-        window_parent: int | None = None  # a chain of sliding-window blocks
-        window_hashes: list[int] = []
-        window_tokens: list[int] = []
+        # a sliding-window model's state events are its window blocks: chains, as KV's
+        window = ev.kind is Kind.STATE and self.sliding_window > 0
         for h in ev.hashes:
             if h not in self._known:
                 self.unknown += 1
                 continue
-            if ev.kind is Kind.STATE and self.sliding_window:
-                for eh, parent, tokens in self._sub_blocks(h):
-                    if window_hashes and parent == window_hashes[-1]:
-                        window_hashes.append(eh)
-                        window_tokens.extend(tokens)
-                        continue
-                    self._flush_window(out, window_parent, window_hashes, window_tokens, ev.tier)
-                    window_parent, window_hashes, window_tokens = parent, [eh], list(tokens)
-                continue
-            if ev.kind is Kind.STATE:
+            if ev.kind is Kind.STATE and not window:
                 state = self._state_block(h)
                 if state is not None:
                     eh, parent, tokens = self._state_range(h, state)
@@ -201,42 +191,18 @@ class EngineEventEncoder:
                         )
                     )
                 continue
-            self._media[h] = self._media.get(h, 0) | (1 << ev.tier)
+            if not window:
+                self._media[h] = self._media.get(h, 0) | (1 << ev.tier)
             for eh, parent, tokens in self._sub_blocks(h):
                 if run_hashes and parent == run_hashes[-1]:
                     run_hashes.append(eh)
                     run_tokens.extend(tokens)
                     continue
-                self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier, run_salt)
+                self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier, run_salt, window)
                 run_parent, run_hashes, run_tokens = parent, [eh], list(tokens)
-                run_salt = self._known[h].salt if parent is None else None
-        self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier, run_salt)
-        self._flush_window(out, window_parent, window_hashes, window_tokens, ev.tier)
+                run_salt = self._known[h].salt if parent is None and not window else None
+        self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier, run_salt, window)
         return out
-
-    def _flush_window(
-        self,
-        out: list[EngineEvent],
-        parent: int | None,
-        hashes: list[int],
-        tokens: list[int],
-        tier: Tier,
-    ) -> None:
-        """One event per chain of sliding-window blocks (no extra keys: a router places window
-        blocks by the hash they share with the full-attention blocks)."""
-        if hashes:
-            out.append(
-                EngineBlockStored(
-                    tuple(hashes),
-                    parent,
-                    tuple(tokens),
-                    self.engine_block_size,
-                    medium=self._medium(tier),
-                    group_idx=1,
-                    kv_cache_spec_kind="sliding_window",
-                    kv_cache_spec_sliding_window=self.sliding_window,
-                )
-            )
 
     def _salted(self, salt: str | None, blocks: int) -> tuple[object, str | None]:
         """``(extra_keys, cache_salt)`` of an event that starts a chain salted with ``salt``
@@ -255,9 +221,12 @@ class EngineEventEncoder:
         tokens: list[int],
         tier: Tier,
         salt: str | None = None,
+        window: bool = False,
     ) -> None:
-        """One event per chain of consecutive KV blocks, as vLLM's block pool records one
-        ``BlockStored`` per request and step (``cache_full_blocks``)."""
+        """One event per chain of consecutive blocks, as vLLM's block pool records one
+        ``BlockStored`` per request, step and group (``cache_full_blocks``): KV in group 0,
+        or (``window``) sliding-window blocks in group 1, without extra keys (a router places
+        them by the hash they share with the full-attention blocks)."""
         if not hashes:
             return
         keys, cache_salt = self._salted(salt, len(hashes))
@@ -268,10 +237,11 @@ class EngineEventEncoder:
                 tuple(tokens),
                 self.engine_block_size,
                 medium=self._medium(tier),
-                group_idx=0,
-                kv_cache_spec_kind="full_attention",
+                group_idx=1 if window else 0,
+                kv_cache_spec_kind="sliding_window" if window else "full_attention",
                 extra_keys=keys,
                 cache_salt=cache_salt,
+                kv_cache_spec_sliding_window=self.sliding_window if window else None,
             )
         )
 

@@ -362,9 +362,9 @@ class PublisherCollector:
             "kvrouter_publisher_blocks_not_indexed",
             "Engine blocks stored but not indexed, by reason: ignored_group (a KV cache group "
             "kind that holds no prefix), unknown_window (a sliding-window store without its "
-            "window size), unknown_parent, unaligned_state (a checkpoint off the router's "
-            "blocks), opaque (keys no request reproduces), unmapped_offload (placed by a hash "
-            "never stored with tokens)",
+            "window size or off GPU), unknown_parent, unaligned_state (a checkpoint off the "
+            "router's blocks), opaque (keys no request reproduces), unmapped_offload (placed by "
+            "a hash never stored with tokens)",
             labels=["reason"],
         )
         for reason, n in p.ingest.not_indexed().items():
