@@ -22,7 +22,8 @@ from router.bench.redis_server import LocalRedis
 from router.mock.server import MockSettings
 from router.service.app import STATE
 from router.service.config import build_settings
-from router.service.response_ids import MAX_ID_CHARS, shareable
+from router.service.response_ids import MAX_ID_CHARS, Holder, ResponseIds, shareable
+from router.service.response_share import ResponseShare
 from router.store.redis_store import connect
 from router.store.response_ids import ResponseIdStore, decode_holder, encode_holder
 from router.store.schema import KeySchema
@@ -340,3 +341,65 @@ async def test_a_hung_redis_fails_lookups_and_holds_up_no_answer(
             )
     finally:
         await running.cleanup()
+
+
+async def test_a_write_refused_by_redis_is_written_when_it_accepts_again(
+    replicas: list[Replica], private_redis: LocalRedis
+) -> None:
+    """Redis refuses writes (``min-replicas-to-write``: a real error at once): the id stays
+    queued and is retried, not dropped; once Redis accepts writes the other pod finds it."""
+    redis = connect(private_redis.url)
+    pods = []
+    try:
+        for _ in range(2):
+            pods.append(await start_router(_pod(replicas, private_redis.url, "kvr")))
+        share = pods[0][0].app[STATE].response_share
+        await redis.config_set("min-replicas-to-write", 1)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(pods[0][1] + "/v1/responses", json=_body("hi")) as r:
+                assert r.status == 200
+                made = (await r.json())["id"]
+            await eventually(lambda: share.counters.write_failed >= 2)  # tried again
+            assert await redis.get(f"kvr:resp:{made}") is None
+            assert share.counters.dropped == 0 and share.counters.written == 0
+            await redis.config_set("min-replicas-to-write", 0)
+            await eventually(lambda: share.counters.written == 1, timeout=20)
+            async with http.get(f"{pods[1][1]}/v1/responses/{made}") as r:
+                assert r.status == 200
+                assert (await r.json())["id"] == made
+    finally:
+        for running, _ in pods:
+            await running.cleanup()
+        await redis.aclose()
+
+
+async def test_an_id_written_just_after_a_miss_is_found_on_the_recheck(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    """The holder pod's write lands between this pod's first ``GET`` and its recheck (made
+    deterministic: the store writes it right after answering the first one): found."""
+    client = connect(redis_server.url)
+
+    class WrittenAfterTheFirstGet(ResponseIdStore):
+        gets = 0
+
+        async def get(self, response_id: str) -> tuple[str, str] | None:
+            got = await super().get(response_id)
+            self.gets += 1
+            if self.gets == 1:
+                await self.put([(response_id, MODEL, "r1")])
+            return got
+
+    try:
+        share = ResponseShare(ResponseIds())
+        store = WrittenAfterTheFirstGet(client, KeySchema(key_prefix), ttl_s=60)
+        share.use_store(store)
+        assert await share.find("resp_late") == Holder(MODEL, "r1")
+        assert store.gets == 2
+        assert share.counters.lookups["redis", "found"] == 1
+        assert share.counters.lookups["redis", "missed"] == 0
+        assert share.ids.get("resp_late") == Holder(MODEL, "r1")  # kept here
+        assert await share.find("resp_never") is None  # asked twice, counted once
+        assert store.gets == 4 and share.counters.lookups["redis", "missed"] == 1
+    finally:
+        await client.aclose()

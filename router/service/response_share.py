@@ -17,14 +17,18 @@ A holder found is kept in this process's map. With Redis, every id this process 
 also written there (``SET ... PX server.response_ids_ttl_s``), off the client's path: the
 record queues it (at most :data:`OUTBOX_MAX`, the oldest dropped and counted) and a
 background task writes what is queued in pipelines of up to :data:`WRITE_BATCH`. A failed
-write or lookup is counted (``kvrouter_response_id_writes_total``,
+write goes back to the head of the queue and is tried again after a pause that doubles
+from :data:`RETRY_MIN_S` to :data:`RETRY_MAX_S`, so an outage shorter than the queue's
+reach loses no id. A failed write or lookup is counted (``kvrouter_response_id_writes_total``,
 ``kvrouter_response_id_lookups_total``) and logged once per outage, never raised: the
 request is then routed as if the id were unknown. Lookups of one id at once share one
 lookup; at most :data:`MAX_LOOKUPS` ids are looked up at once (beyond, unknown). Only ids
 :func:`~router.service.response_ids.shareable` are written or looked up.
 
-A follow-up reaching another pod before the first pod's write reached Redis (within about
-a Redis round trip of the answer's id) does not find it.
+An id Redis does not have is asked for once more after :data:`RECHECK_S`: a follow-up can
+reach another pod while the first pod's write is still on its way (within about a Redis
+round trip of the answer), and an id nobody knows is a request that fails anyway, so only
+those wait.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ WRITE_TIMEOUT_S = 5.0  # one pipeline of writes
 MAX_LOOKUPS = 1024
 OUTBOX_MAX = 4096
 WRITE_BATCH = 256
+RETRY_MIN_S = 0.2  # the pause after a failed write, doubled while writes keep failing ...
+RETRY_MAX_S = 5.0  # ... up to this
+RECHECK_S = 0.05  # an id Redis did not have is asked for again after this
 SOURCES = ("workers", "redis")
 RESULTS = ("found", "missed", "failed")
 
@@ -143,8 +150,10 @@ class ResponseShare:
         self._outbox.append((response_id, model, replica))
         self._wake.set()
 
-    async def write_queued(self) -> None:
-        """Write what is queued until none is left (a failed batch is counted, dropped)."""
+    async def write_queued(self) -> bool:
+        """Write what is queued until none is left; False at the first failed batch, which
+        is counted and put back at the head of the queue (the oldest beyond
+        :data:`OUTBOX_MAX` dropped, counted)."""
         while self._outbox and (store := self._store) is not None:
             n = min(len(self._outbox), WRITE_BATCH)
             batch = [self._outbox.popleft() for _ in range(n)]
@@ -155,23 +164,34 @@ class ResponseShare:
                 _raise_if_cancelled()
                 self.counters.write_failed += n
                 self._failed("redis", "writing stored-response ids", exc)
-                continue
+                if self._store is store:
+                    self._outbox.extendleft(reversed(batch))
+                    while len(self._outbox) > OUTBOX_MAX:
+                        self._outbox.popleft()
+                        self.counters.dropped += 1
+                return False
             _raise_if_cancelled()
             self.counters.written += n
             self._recovered("redis")
+        return True
 
     async def write_forever(self) -> None:
-        """The background writer: :meth:`write_queued` whenever a record was queued. It
-        connects first, so neither the first write nor the first lookup waits for that."""
+        """The background writer: :meth:`write_queued` whenever a record was queued, and
+        again after a pause while writes fail (module docstring). It connects first, so
+        neither the first write nor the first lookup waits for that."""
         if (store := self._store) is not None:
             with contextlib.suppress(Exception):  # (the first write or lookup tells)
                 async with asyncio.timeout(LOOKUP_TIMEOUT_S):
                     await store.ping()
+        pause = RETRY_MIN_S
         while True:
             _raise_if_cancelled()
             await self._wake.wait()
             self._wake.clear()
-            await self.write_queued()
+            while not await self.write_queued():
+                await asyncio.sleep(pause)
+                pause = min(RETRY_MAX_S, pause * 2)
+            pause = RETRY_MIN_S
 
     # ------------------------------------------------------------------ finding
 
@@ -250,6 +270,9 @@ class ResponseShare:
         try:
             async with asyncio.timeout(LOOKUP_TIMEOUT_S):
                 got = await store.get(response_id)
+                if got is None:  # perhaps still on its way (module docstring)
+                    await asyncio.sleep(RECHECK_S)
+                    got = await store.get(response_id)
         except Exception as exc:  # Redis away or slow, a foreign value: as unknown
             _raise_if_cancelled()
             self._count("redis", "failed")
