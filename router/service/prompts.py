@@ -38,6 +38,7 @@ def build_processor(
             effort_map=model.reasoning_effort_map,
             context_length=model.context_length,
             exclude_tools_when_none=model.exclude_tools_when_tool_choice_none,
+            disabled_thinking_effort=model.anthropic_disabled_thinking_effort,
         )
     spec = (model.tokenizer, model.bpe_file, model.pattern, model.num_reserved)
     directory = Path(model.tokenizer)
@@ -80,6 +81,7 @@ def build_processor(
         effort_map=model.reasoning_effort_map,
         context_length=model.context_length,
         exclude_tools_when_none=model.exclude_tools_when_tool_choice_none,
+        disabled_thinking_effort=model.anthropic_disabled_thinking_effort,
     )
 
 

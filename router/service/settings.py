@@ -162,6 +162,10 @@ class ModelSettings:
     # vLLM's --exclude-tools-when-tool-choice-none: no tools in the prompt of a request whose
     # tool_choice is "none" (chat, and the Messages / Responses APIs' chat conversions)
     exclude_tools_when_tool_choice_none: bool = False
+    # vLLM's --anthropic-disabled-thinking-effort: the reasoning_effort of a Messages API body
+    # with thinking disabled / between_tools; "auto": vLLM's probe of the chat template
+    # (router/tokenize/anthropic.py)
+    anthropic_disabled_thinking_effort: str = "auto"
     # "engine": prompts rendered by the engine's render endpoints (router/service/render.py)
     render: str = "local"
     render_url: str | None = None  # a renderer's base URL; None: the model's replicas

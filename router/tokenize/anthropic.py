@@ -29,8 +29,17 @@ rather than pass a guess off as exact:
   conversation the template then refuses in place is rendered merged, not exact (vLLM
   answers it with an error);
 * ``thinking`` ``disabled`` / ``between_tools``: the ``reasoning_effort`` vLLM sends is
-  ``--anthropic-disabled-thinking-effort``, by default found by rendering probe prompts
-  (``DisabledThinkingEffortResolver``); the router takes ``"none"``;
+  its ``--anthropic-disabled-thinking-effort`` (the model's
+  ``anthropic_disabled_thinking_effort``, exact when set to an effort). Its default,
+  ``"auto"``, is a probe of the template, once per model at the first such request
+  (``DisabledThinkingEffortResolver``): ``[{"role": "user", "content": "Hi"}]`` rendered
+  with ``reasoning_effort`` ``"none"``, then with each Anthropic effort; ``"low"`` when
+  ``"none"`` fails to render or renders as one of them does (a template that ignores it,
+  or reads an unknown effort as ``"max"`` as GLM-5.3's does), else ``"none"``. With the
+  template the router runs the same probe through the model's chat pipeline
+  (:func:`disabled_thinking_effort`) and is exact; without one it has nothing to probe and
+  takes ``"none"``, not exact. (``render = "engine"``: the engine's render is the prompt;
+  the router's stand-in for it, never exact, probes the router's template if it has one);
 * a ``tool_use`` block without an ``id``: vLLM names the call after the clock.
 
 :func:`messages_prompt` is the routing view of such a body through the model's ordinary chat
@@ -41,6 +50,7 @@ is a BadRequest, as vLLM's request model refuses it with a 400.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -57,10 +67,19 @@ if TYPE_CHECKING:
     from router.tokenize.template import ChatTemplate
 
 BILLING_HEADER = "x-anthropic-billing-header"
-# the reasoning_effort taken for thinking "disabled" / "between_tools" (see the docstring)
+# vLLM 0.34's AnthropicEffort, AnthropicDisabledThinkingEffort and the choices of
+# --anthropic-disabled-thinking-effort (vllm/entrypoints/anthropic/protocol.py)
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+DISABLED_THINKING_EFFORTS = ("none", *EFFORTS)
+DISABLED_THINKING_EFFORT_OPTIONS = ("auto", *DISABLED_THINKING_EFFORTS)
+# the reasoning_effort taken for thinking "disabled" / "between_tools" where vLLM's is not
+# known (an "auto" setting the router cannot probe: the docstring)
 DISABLED_THINKING_EFFORT = "none"
+# the conversation vLLM's DisabledThinkingEffortResolver renders to probe the template
+_EFFORT_PROBE = ({"role": "user", "content": "Hi"},)
 _ROLES = frozenset({"user", "assistant", "system"})
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+_log = logging.getLogger("kvrouter.tokenize")
 
 
 @dataclass(slots=True, frozen=True)
@@ -358,10 +377,24 @@ def check_messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return messages
 
 
-def to_chat_body(body: Mapping[str, Any], *, merge_inline_system: bool = False) -> ChatConversion:
+def disables_thinking(body: Mapping[str, Any]) -> bool:
+    """Whether ``body``'s ``thinking`` is ``disabled`` / ``between_tools``: vLLM then sends
+    its disabled-thinking effort as the ``reasoning_effort``."""
+    thinking = body.get("thinking")
+    return isinstance(thinking, Mapping) and thinking.get("type") in ("disabled", "between_tools")
+
+
+def to_chat_body(
+    body: Mapping[str, Any],
+    *,
+    merge_inline_system: bool = False,
+    disabled_thinking_effort: str | None = None,
+) -> ChatConversion:
     """The chat body vLLM 0.34 builds from the Anthropic body ``body`` for its prompt
     (module docstring); ``merge_inline_system``: as vLLM does for templates that need the
-    system message first."""
+    system message first; ``disabled_thinking_effort``: the ``reasoning_effort`` vLLM sends
+    for thinking disabled / between_tools (:func:`disabled_thinking_effort`), None where it
+    is not known: ``"none"`` is taken and the conversion is not exact."""
     check_messages(body)
     conv = _Converter(merge_inline_system)
     out: list[dict[str, Any]] = []
@@ -375,10 +408,10 @@ def to_chat_body(body: Mapping[str, Any], *, merge_inline_system: bool = False) 
     output = body.get("output_config")
     if isinstance(output, Mapping) and output.get("effort") is not None:
         effort = output["effort"]
-    thinking = body.get("thinking")
-    if isinstance(thinking, Mapping) and thinking.get("type") in ("disabled", "between_tools"):
-        effort = DISABLED_THINKING_EFFORT
-        conv.exact = False  # vLLM's effort for it is a start-up probe or setting
+    if disables_thinking(body):
+        effort = disabled_thinking_effort or DISABLED_THINKING_EFFORT
+        if disabled_thinking_effort is None:
+            conv.exact = False  # vLLM's is a probe of a template the router has not got
     if effort is not None:
         chat["reasoning_effort"] = effort
     choice = body.get("tool_choice")
@@ -422,16 +455,62 @@ def merges_inline_system(template: ChatTemplate) -> bool:
     )
 
 
+def _probe_render(processor: PromptProcessor, effort: str) -> str | None:
+    """The probe conversation rendered by the model's chat pipeline with ``reasoning_effort``
+    ``effort`` (vLLM's ``_render_probe_prompt``), None when that fails."""
+    body = {"messages": list(_EFFORT_PROBE), "reasoning_effort": effort}
+    try:
+        text, _ = processor.render_chat(body)
+    except Exception:  # as vLLM: whatever fails to render counts as a failed probe
+        return None
+    return text
+
+
+@lru_cache(maxsize=64)
+def _probed_effort(processor: PromptProcessor) -> str:
+    """vLLM 0.34's ``DisabledThinkingEffortResolver._probe`` on ``processor``'s rendering
+    (its template, default template kwargs and effort map, as vLLM's renderer has them):
+    ``"low"`` if ``"none"`` fails to render or renders as one of :data:`EFFORTS` does, else
+    ``"none"``. vLLM compares token ids and text; the ids are the text's, so the text alone
+    decides. Once per processor (one per model), as vLLM resolves once per server."""
+    none = _probe_render(processor, "none")
+    if none is None or any(_probe_render(processor, effort) == none for effort in EFFORTS):
+        found = "low"
+    else:
+        found = "none"
+    _log.info(
+        "model %s: Anthropic thinking disabled / between_tools maps to reasoning_effort %r "
+        "(vLLM's --anthropic-disabled-thinking-effort auto)",
+        processor.model,
+        found,
+    )
+    return found
+
+
+def disabled_thinking_effort(processor: PromptProcessor) -> str | None:
+    """The ``reasoning_effort`` vLLM sends for thinking disabled / between_tools to the model
+    of ``processor``: its ``--anthropic-disabled-thinking-effort``
+    (``processor.disabled_thinking_effort``) when set to an effort, else (``"auto"``) vLLM's
+    probe of the template run on the router's (:func:`_probed_effort`); None without a
+    template, where there is nothing to probe."""
+    option = processor.disabled_thinking_effort
+    if option != "auto":
+        return option
+    return None if processor.template is None else _probed_effort(processor)
+
+
 def messages_prompt(processor: PromptProcessor, body: Mapping[str, Any]) -> ProcessedPrompt:
     """The routing view of an Anthropic body: its chat body (:func:`to_chat_body`) through
     the model's chat pipeline, not exact where the conversion is not. Inline system
     messages are merged into the leading system message when vLLM's start-up probe of the
     model's template says so (:func:`merges_inline_system`), else rendered in place; a
     conversation the template refuses in place is rendered merged (vLLM refuses it), not
-    exact."""
+    exact. Thinking disabled / between_tools takes the model's disabled-thinking effort
+    (:func:`disabled_thinking_effort`: probed at the first such body, as vLLM does)."""
     template = processor.template
     merge = template is not None and merges_inline_system(template)
-    conv = to_chat_body(body, merge_inline_system=merge)
+    effort = disabled_thinking_effort(processor) if disables_thinking(body) else None
+    conv = to_chat_body(body, merge_inline_system=merge, disabled_thinking_effort=effort)
     if not conv.body["messages"]:  # nothing to render: routed on load
         return processor.unknown(body)
     # inline system messages placed as vLLM's probe of the template places them: exact
@@ -442,7 +521,8 @@ def messages_prompt(processor: PromptProcessor, body: Mapping[str, Any]) -> Proc
         if not conv.inline_system or merge:
             raise
         # refused in place (vLLM answers with an error): the merged prompt, as a guess
-        prompt = processor.chat(to_chat_body(body, merge_inline_system=True).body)
+        merged = to_chat_body(body, merge_inline_system=True, disabled_thinking_effort=effort)
+        prompt = processor.chat(merged.body)
         exact = False
     return prompt if exact else replace(prompt, exact=False)
 

@@ -166,17 +166,21 @@ class PromptProcessor:
         effort_map: Mapping[str, str] | None = None,
         context_length: int | None = None,
         exclude_tools_when_none: bool = False,
+        disabled_thinking_effort: str = "auto",
     ) -> None:
         """``default_kwargs`` / ``effort_map`` / ``exclude_tools_when_none``: the engine's
         ``--default-chat-template-kwargs`` / ``--reasoning-effort-map`` /
         ``--exclude-tools-when-tool-choice-none``; ``context_length``: its
-        ``--max-model-len`` (``truncate_prompt_tokens: -1`` truncates to it)."""
+        ``--max-model-len`` (``truncate_prompt_tokens: -1`` truncates to it);
+        ``disabled_thinking_effort``: its ``--anthropic-disabled-thinking-effort`` ("auto" or
+        an effort; read by router.tokenize.anthropic)."""
         self.model = model
         self.context_length = context_length
         self.images = images
         self.default_kwargs = dict(default_kwargs or {})
         self.effort_map = dict(effort_map or {})
         self.exclude_tools_when_none = exclude_tools_when_none
+        self.disabled_thinking_effort = disabled_thinking_effort
         self.block_size = block_size
         self.tokenizer = tokenizer
         self.template = template

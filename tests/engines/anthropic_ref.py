@@ -11,7 +11,10 @@ the renderer parameters (``renderers/params.py``: ``ChatParams``, ``merge_kwargs
 ``map_reasoning_effort``), each under its own module name. Everything else those modules
 import (engine client, renderers, sampling parameters, logging, fastapi, torch) is a small
 stand-in: the request models use such names only as field types of fields the conversion
-leaves unset, or in methods the conversion does not call.
+leaves unset, or in methods the conversion does not call. ``extract_prompt_components``
+(``vllm/renderers/inputs/preprocess.py``) reads a rendered prompt's text and token ids,
+as the real one does for a decoder-only prompt: ``DisabledThinkingEffortResolver`` compares
+them, given a renderer (the tests' stand-in renders with the router's template).
 """
 
 from __future__ import annotations
@@ -78,6 +81,16 @@ def _init_logger(name: str) -> logging.Logger:
     return _Logger(name)
 
 
+def _extract_prompt_components(model_config: Any, prompt: Any) -> types.SimpleNamespace:
+    """vllm.renderers.inputs.preprocess.extract_prompt_components for a decoder-only prompt
+    (a mapping): its ``prompt`` text and ``prompt_token_ids``."""
+    return types.SimpleNamespace(
+        text=prompt.get("prompt"),
+        token_ids=prompt.get("prompt_token_ids"),
+        embeds=prompt.get("prompt_embeds"),
+    )
+
+
 class _OpenAIServingChat:
     """vllm.entrypoints.openai.chat_completion.serving.OpenAIServingChat: the base of the
     Anthropic handler, whose conversion classmethods do not use it."""
@@ -126,7 +139,9 @@ def _names() -> dict[str, dict[str, Any]]:
         "vllm.renderers.chat_utils": {"make_tool_call_id": lambda *a, **k: "chatcmpl-tool-0"},
         "vllm.renderers.hf": {},
         "vllm.renderers.inputs": {},
-        "vllm.renderers.inputs.preprocess": {},
+        "vllm.renderers.inputs.preprocess": {
+            "extract_prompt_components": _extract_prompt_components
+        },
         "vllm.renderers.online_renderer": {},
         "openai_harmony": {},
         "fastapi": {},
