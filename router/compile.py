@@ -53,6 +53,7 @@ TESTS = (
     "tests/test_hashing.py",
     "tests/test_index.py",
     "tests/test_engine_hits.py",  # what engines hold and grant (router/core/engine_hits.py)
+    "tests/test_eagle_lookahead.py",  # EAGLE engines with lookahead hashes drop no block
     "tests/test_policies.py",
     "tests/test_vllm_cache_aware.py",  # vllm-router's cache_aware (router/core/vllm_router.py)
     "tests/test_turnover.py",  # cache turnover and the eviction term

@@ -97,9 +97,11 @@ class RoutingSettings:
     (router/core/turnover.py). ``engine_block_size``: the engines' cache-hit alignment in
     tokens (vLLM: the scheduler block, or ``--prefix-match-unit``), a multiple or a divisor of
     ``block_size`` (0: learned from a hybrid model's checkpoints, else the router block).
-    ``eagle``: the engines run EAGLE / MTP speculative decoding (vLLM's ``use_eagle``), so
-    every hit gives back its last engine block and a hybrid prompt's last checkpoint sits one
-    engine block lower (router/core/engine_hits.py)."""
+    ``eagle``: the engines run EAGLE / MTP speculative decoding and give back a block of
+    every hit (vLLM's EAGLE block drop): every hit gives back its last engine block and a
+    hybrid prompt's last checkpoint sits one engine block lower (router/core/engine_hits.py).
+    Engines whose events show lookahead hashes (``RoutingEngine.learn``) drop nothing, so
+    ``eagle`` is then not applied."""
 
     block_size: int = 64
     hybrid: bool | None = None
@@ -198,6 +200,7 @@ class RoutingEngine:
         self._learned_hybrid: str | None = None  # the source that showed it is hybrid
         self._learned_interval: tuple[int, str] | None = None
         self._learned_alignment: tuple[int, str] | None = None
+        self._learned_lookahead: tuple[int, str] | None = None
         self._state_generation = -1
         self.settings = settings  # fixed for the engine's life (``layout`` derives from it)
         self.layout = self._effective()
@@ -246,26 +249,53 @@ class RoutingEngine:
         """The block count the engines' checkpoints land on and its source, when learned."""
         return self._learned_alignment
 
+    @property
+    def learned_lookahead(self) -> tuple[int, str] | None:
+        """The tokens after each block the engines' hashes cover, and its source, when
+        learned."""
+        return self._learned_lookahead
+
+    @property
+    def lookahead_tokens(self) -> int:
+        """The tokens after each block the engines' hashes cover (0: none known)."""
+        return self._learned_lookahead[0] if self._learned_lookahead is not None else 0
+
+    @property
+    def drops_eagle_block(self) -> bool:
+        """Whether the engines give back the last engine block of every hit: configured
+        ``eagle``, unless their events show lookahead hashes (vLLM >= 0.33 hashes each
+        block with the tokens its drafter reads after it instead of dropping the block;
+        ``--speculative-config`` ``disable_lookahead_block_hashes`` or a KV connector without
+        lookahead support keep the drop)."""
+        return self.settings.eagle and self._learned_lookahead is None
+
     def learn(
         self,
         *,
         hybrid: str | None = None,
         interval: tuple[int, str] | None = None,
         alignment: tuple[int, str] | None = None,
+        lookahead: tuple[int, str] | None = None,
     ) -> bool:
-        """Facts about the model's state layout learned outside the index: ``hybrid`` names
-        the source that showed the model is hybrid (learning it is final); ``interval`` is
-        the engines' grid with its source (0: they have none); ``alignment`` the block count
-        their checkpoints land on. Returns whether the layout changed."""
+        """Facts about the model's engines learned outside the index: ``hybrid`` names the
+        source that showed the model is hybrid (learning it is final); ``interval`` is the
+        engines' grid with its source (0: they have none); ``alignment`` the block count
+        their checkpoints land on; ``lookahead`` the tokens after each block their hashes
+        cover (> 0; learning it is final, the largest kept). Returns whether the layout or
+        the lookahead changed."""
         if hybrid is not None and self._learned_hybrid is None:
             self._learned_hybrid = hybrid
         if interval is not None:
             self._learned_interval = interval
         if alignment is not None:
             self._learned_alignment = alignment
+        changed = False
+        if lookahead is not None and lookahead[0] > self.lookahead_tokens:
+            self._learned_lookahead = lookahead
+            changed = True
         old = self.layout
         self.layout = self._effective()
-        return self.layout != old
+        return changed or self.layout != old
 
     def hybrid_for(self, replicas: Sequence[ReplicaKey]) -> bool:
         """Whether to apply the hybrid-state rule (see the class docstring)."""
@@ -291,7 +321,7 @@ class RoutingEngine:
             prompt_tokens=request.prompt_tokens,
             block_size=request.block_size,
             align_blocks=layout.alignment_blocks,
-            peek_blocks=layout.alignment_blocks if self.settings.eagle else 0,
+            peek_blocks=layout.alignment_blocks if self.drops_eagle_block else 0,
         )
 
     def detect(self, replicas: Sequence[ReplicaKey]) -> bool:
@@ -425,7 +455,7 @@ class RoutingEngine:
         hinted = exact and request.session_id and self.sessions is not None
         if not self._speculates or (hinted and not self.settings.speculate_sessions):
             ttl = 0.0
-        held = engine_holds(request, self.layout, self.settings.eagle)
+        held = engine_holds(request, self.layout, self.drops_eagle_block)
         states: list[int] = []
         if ttl > 0 and held.kv_blocks:
             states = list(held.state_hashes)

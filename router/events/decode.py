@@ -87,6 +87,23 @@ def _fields(raw: Any, names: tuple[str, ...], what: str) -> tuple[str, dict[str,
     raise _Bad(f"{what} is a {type(raw).__name__}")
 
 
+def _lookahead(value: Any) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``lookahead_token_ids``: a list of token-id lists (one a block; only their
+    presence and length are read, so a count other than the blocks' is taken as it is)."""
+    if not isinstance(value, (list, tuple)):
+        raise _Bad("lookahead_token_ids is not a list")
+    out = []
+    for ids in value:
+        if not isinstance(ids, (list, tuple)):
+            raise _Bad("lookahead_token_ids is not a list of lists")
+        try:
+            array.array("I", ids)
+        except (OverflowError, TypeError):
+            raise _Bad("lookahead_token_ids is not lists of uint32") from None
+        out.append(tuple(ids))
+    return tuple(out)
+
+
 # a BlockStored's optional fields but extra_keys, in its field order, with their types
 _OPTIONAL = (
     "lora_id",
@@ -100,7 +117,7 @@ _OPTIONAL = (
 _OPTIONAL_TYPE = (int, str, str, int, str, int, str)
 _OPTIONAL_CHECK = (_opt_int, _opt_str, _opt_str, _opt_int, _opt_str, _opt_int, _opt_str)
 # the keys of an event map in vLLM's and SGLang's layouts
-_MAP_KEYS = frozenset({"type", *STORED_FIELDS, "cache_salt"})
+_MAP_KEYS = frozenset({"type", *STORED_FIELDS, "cache_salt", "lookahead_token_ids"})
 
 
 def _event(raw: Any) -> EngineEvent:
@@ -146,9 +163,11 @@ def _event(raw: Any) -> EngineEvent:
         for i, value in enumerate(opt):
             if value is not None and type(value) is not _OPTIONAL_TYPE[i]:
                 opt[i] = _OPTIONAL_CHECK[i](value, _OPTIONAL[i])
+        lookahead = f.get("lookahead_token_ids")
         return EngineBlockStored(
             hashes, parent, tuple(token_ids), block_size, opt[0], opt[1], opt[2],
             f.get("extra_keys"), opt[3], opt[4], opt[5], opt[6],
+            None if lookahead is None else _lookahead(lookahead),
         )  # fmt: skip
     if tag == "BlockRemoved":
         return EngineBlockRemoved(

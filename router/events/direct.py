@@ -52,12 +52,13 @@ class DirectEvents:
         block_size: int,
         endpoints: Sequence[EndpointSpec],
         on_checkpoint: Callable[[int], None] | None = None,
+        on_lookahead: Callable[[int], None] | None = None,
     ) -> EngineIngest:
         """Follow ``endpoints`` of ``replica``; call before ``start`` (after it:
-        :meth:`follow`). ``on_checkpoint``: see ``EngineIngest``."""
+        :meth:`follow`). ``on_checkpoint``, ``on_lookahead``: see ``EngineIngest``."""
         if self._started:
             raise RuntimeError("add replicas before start(), or follow() them")
-        return self._add(replica, model, block_size, endpoints, on_checkpoint)
+        return self._add(replica, model, block_size, endpoints, on_checkpoint, on_lookahead)
 
     async def follow(
         self,
@@ -66,6 +67,7 @@ class DirectEvents:
         block_size: int,
         endpoints: Sequence[EndpointSpec],
         on_checkpoint: Callable[[int], None] | None = None,
+        on_lookahead: Callable[[int], None] | None = None,
     ) -> EngineIngest:
         """:meth:`add_replica` once running (endpoints learned later, e.g. asked of the
         replica: router.events.discovery); its subscribers start now."""
@@ -73,7 +75,7 @@ class DirectEvents:
             raise RuntimeError("follow() is for a running DirectEvents; add_replica() before")
         if replica in self.ingests:
             raise ValueError(f"replica {replica!r} is followed already")
-        ingest = self._add(replica, model, block_size, endpoints, on_checkpoint)
+        ingest = self._add(replica, model, block_size, endpoints, on_checkpoint, on_lookahead)
         await self._groups[-1].start()
         return ingest
 
@@ -84,9 +86,16 @@ class DirectEvents:
         block_size: int,
         endpoints: Sequence[EndpointSpec],
         on_checkpoint: Callable[[int], None] | None,
+        on_lookahead: Callable[[int], None] | None,
     ) -> EngineIngest:
         ingest = EngineIngest(
-            replica, model, block_size, self._sink, self._applied, on_checkpoint=on_checkpoint
+            replica,
+            model,
+            block_size,
+            self._sink,
+            self._applied,
+            on_checkpoint=on_checkpoint,
+            on_lookahead=on_lookahead,
         )
         self.ingests[replica] = ingest
         for spec in endpoints:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from router.core.types import AllCleared, IndexEvent, ReplicaKey
 from router.events.decode import decode_payload
 from router.events.endpoints import EndpointSpec
+from router.events.model import EngineBlockStored, EngineEvent
 from router.events.reblock import Reblocker, ReblockStats
 from router.events.subscriber import ZmqEventSubscriber
 
@@ -50,17 +51,23 @@ class EngineIngest:
         sink: Sink,
         on_batch: Callable[[ReplicaKey, float], None] | None = None,
         on_checkpoint: Callable[[int], None] | None = None,
+        on_lookahead: Callable[[int], None] | None = None,
     ) -> None:
         """``on_batch(key, ts)``: called after ``sink`` with the engine's batch timestamp
         (``KVEventBatch.ts``, the engine's wall clock) when the batch gave canonical events
         and carries a timestamp. ``on_checkpoint(end)``: the token position of every new
-        recurrent-state checkpoint (``Reblocker``), for layout learning."""
+        recurrent-state checkpoint (``Reblocker``), for layout learning. ``on_lookahead(n)``:
+        called once, at the first store whose engine hashes cover ``n`` tokens after each
+        block (vLLM's ``lookahead_token_ids``: an EAGLE / MTP engine that gives back no block
+        of a hit); ``lookahead_tokens`` keeps ``n``."""
         self.replica = replica
         self.model = model
         self.block_size = block_size
         self.sink = sink
         self.on_batch = on_batch
         self.on_checkpoint = on_checkpoint
+        self.on_lookahead = on_lookahead
+        self.lookahead_tokens = 0
         self.reblockers: dict[int, Reblocker] = {}
         self.stats = IngestStats()
         self._ranks_of: dict[str, set[int]] = {}
@@ -93,6 +100,8 @@ class EngineIngest:
             self.stats.malformed_payloads += 1
             return
         self.stats.malformed_events += len(result.errors)
+        if not self.lookahead_tokens:
+            self._find_lookahead(result.batch.events)
         rank = result.batch.data_parallel_rank
         rank = default_rank if rank is None else rank
         self._ranks_of.setdefault(source, set()).add(rank)
@@ -107,6 +116,14 @@ class EngineIngest:
             self.sink(key, events)
             if self.on_batch is not None and result.batch.ts > 0:
                 self.on_batch(key, result.batch.ts)
+
+    def _find_lookahead(self, events: Sequence[EngineEvent]) -> None:
+        for ev in events:
+            if type(ev) is EngineBlockStored and ev.lookahead_token_ids:
+                self.lookahead_tokens = ev.lookahead_tokens
+                if self.on_lookahead is not None and self.lookahead_tokens:
+                    self.on_lookahead(self.lookahead_tokens)
+                return
 
     def reset_source(self, source: str, default_rank: int = 0) -> None:
         """Events from ``source`` were lost or it restarted: clear what it told us."""

@@ -5,7 +5,10 @@ block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_na
 extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window)``,
 ``BlockRemoved(block_hashes, medium, group_idx)``, ``AllBlocksCleared()`` inside
 ``KVEventBatch(ts, events, data_parallel_rank)``; SGLang's ``cache_salt`` (a map field only,
-SGLang >= 0.5.20) is kept too. Engine block hashes are normalised to Python ints (bytes are
+SGLang >= 0.5.20) is kept too, and vLLM's ``lookahead_token_ids`` (0.33 on, a map field: the
+tokens after each block that its engine hash also covers, present only while the engine
+hashes with lookahead, which EAGLE / MTP engines with prefix caching do instead of giving
+back a block of every hit). Engine block hashes are normalised to Python ints (bytes are
 read big-endian).
 
 ``kv_cache_spec_kind`` (vLLM >= 0.22, ``vllm.v1.kv_cache_interface.KVCacheSpecKind``): groups
@@ -72,6 +75,14 @@ class EngineBlockStored:
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     cache_salt: str | None = None  # SGLang: the salt of the request that stored them
+    # vLLM: the tokens after each block its hash covers, one tuple a block (None: no lookahead)
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def lookahead_tokens(self) -> int:
+        """How many tokens after each block the engine's hash covers (0: none)."""
+        ids = self.lookahead_token_ids
+        return max(map(len, ids)) if ids else 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -130,6 +130,7 @@ class Publisher:
             publishes_state=configured.publishes_state or self.grid.checkpoints > 0,
             state_interval_blocks=configured.state_interval_blocks or (self.grid.interval() or 0),
             state_alignment_blocks=self.grid.alignment() or 0,
+            lookahead_tokens=self.ingest.lookahead_tokens,
         )
 
     async def _register_learned(self) -> None:
@@ -140,10 +141,12 @@ class Publisher:
         s = self.settings
         await self.store.register(info, s.owner, s.lease_ttl_s, take_over=False)
         log.info(
-            "publisher: %s publishes recurrent state: %s, checkpoint grid %d blocks",
+            "publisher: %s publishes recurrent state: %s, checkpoint grid %d blocks, "
+            "hashes %d lookahead tokens",
             info.replica,
             info.publishes_state,
             info.state_interval_blocks,
+            info.lookahead_tokens,
         )
         self.info = info
 

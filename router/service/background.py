@@ -220,6 +220,7 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
                 block,
                 specs,
                 on_checkpoint=app[STATE].layouts.observer(rep.model, block),
+                on_lookahead=app[STATE].layouts.lookahead_observer(rep.model),
             )
     registry = app[STATE].metrics.registry
     collector = _NotIndexed(direct)
@@ -278,7 +279,12 @@ async def _discover(app: web.Application, direct: DirectEvents, rep: ReplicaSett
             ranks,
         )
     await direct.follow(
-        rep.name, rep.model, block, specs, on_checkpoint=state.layouts.observer(rep.model, block)
+        rep.name,
+        rep.model,
+        block,
+        specs,
+        on_checkpoint=state.layouts.observer(rep.model, block),
+        on_lookahead=state.layouts.lookahead_observer(rep.model),
     )
     _log.info(
         "replica %s: following its KV events at %s",

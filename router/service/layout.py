@@ -12,6 +12,11 @@ Sources, strongest first after the configuration (``[models.NAME] hybrid`` /
 * the model's ``config.json`` beside its tokenizer (``hybrid_marker``): hybrid layer types
   make the model hybrid before its engines said anything.
 
+The engines' lookahead hashes (vLLM's ``lookahead_token_ids``: EAGLE / MTP engines that give
+back no block of a hit, whatever ``[models.NAME] eagle`` says) come from the same two
+sources: the engines' events in direct mode (``lookahead_observer``), publishers'
+``ReplicaInfo.lookahead_tokens`` in Redis mode.
+
 ``check()`` (the service's housekeeping, every second) compares configuration and evidence
 with ``layout_mismatches``, logs each mismatch when it appears and when it clears, and keeps
 the per-model :class:`LayoutReport` the metrics export.
@@ -100,6 +105,9 @@ class LayoutReport:
     mismatches: Mapping[str, str] = field(default_factory=dict)
     alignment_blocks: int = 1
     alignment_source: str = SOURCE_NONE
+    lookahead_tokens: int = 0
+    lookahead_source: str = SOURCE_NONE
+    drops_eagle_block: bool = False
 
 
 MISMATCH_FIELDS = ("hybrid", "state_interval_blocks", "block_size", "engine_block_size")
@@ -152,6 +160,17 @@ class ModelLayouts:
 
         return observe
 
+    def lookahead_observer(self, model: str) -> Callable[[int], None]:
+        """``on_lookahead`` for the model's engine ingests (direct mode): an engine's
+        hashes cover this many tokens after each block."""
+
+        def observe(tokens: int) -> None:
+            engine = self.engines.get(model)
+            if engine is not None and engine.learn(lookahead=(tokens, SOURCE_ENGINE)):
+                self._log_layout(model, engine)
+
+        return observe
+
     def registered(self, info: ReplicaInfo) -> None:
         """A publisher (re-)registered its replica (Redis mode)."""
         old = self._model_of.get(info.replica)
@@ -177,14 +196,17 @@ class ModelLayouts:
         aligns = Counter(i.state_alignment_blocks for i in infos if i.state_alignment_blocks > 0)
         alignment = (aligns.most_common(1)[0][0], SOURCE_REGISTRY) if aligns else None
         hybrid = SOURCE_REGISTRY if any(i.hybrid for i in infos) else None
-        if engine.learn(hybrid=hybrid, interval=interval, alignment=alignment):
+        most = max((i.lookahead_tokens for i in infos), default=0)
+        lookahead = (most, SOURCE_REGISTRY) if most else None
+        if engine.learn(hybrid=hybrid, interval=interval, alignment=alignment, lookahead=lookahead):
             self._log_layout(model, engine)
 
     def _log_layout(self, model: str, engine: RoutingEngine) -> None:
         layout = engine.layout
         _log.info(
             "model %s: routing on hybrid=%s (%s), checkpoint grid %d blocks (%s), "
-            "engine block %d blocks (%s)",
+            "engine block %d blocks (%s), lookahead hashes of %d tokens, EAGLE block "
+            "drop %s",
             model,
             layout.hybrid,
             layout.hybrid_source,
@@ -192,6 +214,8 @@ class ModelLayouts:
             layout.interval_source,
             layout.alignment_blocks,
             layout.alignment_source,
+            engine.lookahead_tokens,
+            engine.drops_eagle_block,
         )
 
     # ------------------------------------------------------------------ checks
@@ -237,6 +261,7 @@ class ModelLayouts:
                 "usable; choose a block_size dividing the engines' checkpoint positions"
             )
         layout = engine.layout
+        lookahead = engine.learned_lookahead
         return LayoutReport(
             model,
             layout.hybrid,
@@ -246,6 +271,9 @@ class ModelLayouts:
             mismatches,
             layout.alignment_blocks,
             layout.alignment_source,
+            lookahead[0] if lookahead is not None else 0,
+            lookahead[1] if lookahead is not None else SOURCE_NONE,
+            engine.drops_eagle_block,
         )
 
     @staticmethod

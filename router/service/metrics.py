@@ -213,6 +213,19 @@ def _layout_metrics(layouts: Iterable[LayoutReport]) -> Iterable[Metric]:
         "registry or none)",
         labels=["model", "source"],
     )
+    lookahead = GaugeMetricFamily(
+        "kvrouter_model_lookahead_tokens",
+        "The tokens after each block the engines' block hashes cover (vLLM's lookahead "
+        "hashes: EAGLE / MTP engines that give back no block of a hit; source: engine, "
+        "registry or none)",
+        labels=["model", "source"],
+    )
+    eagle_drop = GaugeMetricFamily(
+        "kvrouter_model_eagle_block_drop",
+        "1 if the router predicts that the engines give back the last engine block of every "
+        "hit ([models.NAME] eagle, and no lookahead hashes seen)",
+        labels=["model"],
+    )
     mismatch = GaugeMetricFamily(
         "kvrouter_model_layout_mismatch",
         "1 while the model's configuration contradicts what its engines publish (field: "
@@ -224,9 +237,11 @@ def _layout_metrics(layouts: Iterable[LayoutReport]) -> Iterable[Metric]:
         hybrid.add_metric([r.model, r.hybrid_source], float(r.hybrid))
         interval.add_metric([r.model, r.interval_source], float(r.interval_blocks))
         alignment.add_metric([r.model, r.alignment_source], float(r.alignment_blocks))
+        lookahead.add_metric([r.model, r.lookahead_source], float(r.lookahead_tokens))
+        eagle_drop.add_metric([r.model], float(r.drops_eagle_block))
         for name in MISMATCH_FIELDS:
             mismatch.add_metric([r.model, name], float(name in r.mismatches))
-    yield from (hybrid, interval, alignment, mismatch)
+    yield from (hybrid, interval, alignment, lookahead, eagle_drop, mismatch)
 
 
 class Metrics:

@@ -53,8 +53,10 @@ class ReplicaInfo:
     recurrent-state checkpoint grid in router blocks (configured at the publisher, else
     learned from the engine's checkpoints; 0: none known); ``publishes_state``: the engine
     published recurrent-state checkpoints (a hybrid model); ``state_alignment_blocks``: the
-    block count every checkpoint lands on, learned (0: not known yet). The publisher registers again
-    when what it learned changes (router.core.state_layout)."""
+    block count every checkpoint lands on, learned (0: not known yet); ``lookahead_tokens``:
+    the tokens after each block the engine's hashes cover (vLLM's ``lookahead_token_ids``;
+    0: none seen). The publisher registers again when what it learned changes
+    (router.core.state_layout)."""
 
     replica: str
     url: str = ""
@@ -68,6 +70,7 @@ class ReplicaInfo:
     publishes_state: bool = False
     role: str = "both"  # prefill / decode / both (router/core/disagg.py)
     state_alignment_blocks: int = 0
+    lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_replica_name(self.replica)
@@ -82,6 +85,8 @@ class ReplicaInfo:
             raise ValueError("publishes_state must be true or false")
         if not isinstance(self.state_alignment_blocks, int) or self.state_alignment_blocks < 0:
             raise ValueError("state_alignment_blocks must be a non-negative integer")
+        if not isinstance(self.lookahead_tokens, int) or self.lookahead_tokens < 0:
+            raise ValueError("lookahead_tokens must be a non-negative integer")
 
     @property
     def hybrid(self) -> bool:

@@ -1,0 +1,208 @@
+"""EAGLE / MTP engines that hash with lookahead tokens give back no block of a hit.
+
+vLLM >= 0.33 with prefix caching (and no KV connector, or one supporting it) hashes each
+block together with the token(s) its drafter reads after it (``num_hash_lookahead_tokens``)
+and then turns its EAGLE block drop off (``Scheduler.__init__``: "Lookahead hashes prove
+the boundary token, so EAGLE needs no drop"); its events carry ``lookahead_token_ids``. The
+router learns that from the events (direct mode: ``EngineIngest.on_lookahead``; Redis mode:
+the publisher's ``ReplicaInfo.lookahead_tokens``) and stops giving back a block where
+``[models.NAME] eagle = true`` would (router/core/routing.py ``drops_eagle_block``). vLLM's
+own event classes, unmodified, publish over real ZMQ; a real Redis in Redis mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import msgpack
+import pytest
+
+from router.bench.redis_server import LocalRedis
+from router.core.index import PrefixIndex
+from router.core.load import LoadTracker
+from router.core.policies import make_policy
+from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.state_layout import SOURCE_ENGINE, SOURCE_REGISTRY
+from router.core.types import ReplicaKey, RouteRequest
+from router.events.decode import decode_payload
+from router.events.direct import DirectEvents
+from router.events.encode import encode_batch
+from router.events.model import EngineBatch, EngineBlockStored
+from router.publisher.publisher import Publisher, PublisherSettings
+from router.service.layout import ModelLayouts
+from router.service.metrics import _layout_metrics
+from router.store.base import ReplicaInfo
+from router.store.redis_store import RedisStore
+from router.store.schema import KeySchema
+from router.store.sync import IndexSync
+from tests.engines.harness import RefEngine
+from tests.test_engine_replay import Ports, canonical
+from tests.test_engine_replay import engines as engines  # the fixture
+from tests.waiting import eventually
+
+B = 32  # router block: two 16-token engine blocks (tests.test_engine_replay's)
+MODEL = "m"
+KEY = ReplicaKey("eng")
+
+
+def _routing(eagle: bool) -> RoutingEngine:
+    settings = RoutingSettings(block_size=B, hybrid=False, eagle=eagle)
+    return RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), settings)
+
+
+def _usable(engine: RoutingEngine, tokens: list[int], prompt_tokens: int) -> int:
+    request = RouteRequest("r", MODEL, prompt_tokens, canonical(tokens), B)
+    return engine.matches(request, [KEY], 0.0).get(KEY).usable_blocks
+
+
+def _lookahead(eng: RefEngine, tokens: list[int], n: int = 1) -> list[list[int]]:
+    """vLLM's ``lookahead_token_ids`` of every engine block of ``tokens``: the ``n`` tokens
+    after it (the prompt goes on past the last one in these tests)."""
+    be = eng.block_size
+    return [tokens[(i + 1) * be : (i + 1) * be + n] for i in range(len(tokens) // be)]
+
+
+def test_the_decoder_reads_vllms_lookahead_token_ids() -> None:
+    """Both encodings vLLM's tools write: the field present (a list per block) or left out
+    (``omit_defaults``: no lookahead hashing); a malformed one fails that event alone."""
+    stored = EngineBlockStored((1, 2), None, tuple(range(32)), 16, None, "GPU", None)
+    ahead = EngineBlockStored(
+        (3, 4), None, tuple(range(32)), 16, None, "GPU", None, lookahead_token_ids=((7,), (8,))
+    )
+    batch = decode_payload(encode_batch(EngineBatch(1.0, (stored, ahead)))).batch
+    assert batch is not None
+    got = [ev for ev in batch.events if isinstance(ev, EngineBlockStored)]
+    assert [ev.lookahead_token_ids for ev in got] == [None, ((7,), (8,))]
+    assert [ev.lookahead_tokens for ev in got] == [0, 1]
+    raw = msgpack.unpackb(encode_batch(EngineBatch(1.0, (ahead,))))
+    for bad in ("x", [1, 2], [["a"]], [[-1]]):
+        raw[1][0]["lookahead_token_ids"] = bad
+        result = decode_payload(msgpack.packb(raw))
+        assert result.batch is not None and result.batch.events == ()
+        assert result.errors and "lookahead_token_ids" in result.errors[0]
+
+
+def test_lookahead_hashes_turn_the_eagle_block_drop_off() -> None:
+    """``eagle = true``: one engine block (here the router block) given back of every hit
+    until the engines are known to hash with lookahead."""
+    engine = _routing(eagle=True)
+    tokens = list(range(1, 8 * B + 1))
+    engine.index.store(KEY, canonical(tokens))
+    assert engine.drops_eagle_block
+    assert _usable(engine, tokens, 8 * B + 5) == 7
+    assert engine.learn(lookahead=(1, SOURCE_ENGINE))
+    assert not engine.drops_eagle_block and engine.learned_lookahead == (1, SOURCE_ENGINE)
+    assert _usable(engine, tokens, 8 * B + 5) == 8
+    assert not engine.learn(lookahead=(1, SOURCE_REGISTRY))  # nothing new
+    assert engine.learn(lookahead=(3, SOURCE_REGISTRY))  # vLLM 0.33's multi-module MTP
+    assert engine.lookahead_tokens == 3 and _usable(engine, tokens, 8 * B + 5) == 8
+    # without eagle nothing is given back either way
+    plain = _routing(eagle=False)
+    plain.index.store(KEY, canonical(tokens))
+    assert not plain.drops_eagle_block and _usable(plain, tokens, 8 * B + 5) == 8
+
+
+async def test_direct_mode_learns_lookahead_from_vllms_own_events(
+    engines: list[RefEngine],
+) -> None:
+    """vLLM 0.33's own ``BlockStored`` with ``lookahead_token_ids`` over ZMQ into direct
+    mode: the model's routing stops giving back a block, and the metrics say why."""
+    ports = Ports()
+    eng = RefEngine("vllm-0.33.0", ports.pub, ports.replay)
+    engines.append(eng)
+    index = PrefixIndex()
+    routing = RoutingEngine(
+        index, LoadTracker(), make_policy("ours"), RoutingSettings(block_size=B, eagle=True)
+    )
+    layouts = ModelLayouts({MODEL: routing}, index, lambda model: [KEY])
+    direct = DirectEvents(index)
+    direct.add_replica(
+        "eng",
+        MODEL,
+        B,
+        ports.specs(),  # type: ignore[arg-type]
+        on_lookahead=layouts.lookahead_observer(MODEL),
+    )
+    await direct.start()
+    try:
+        tokens = eng.prompt(9)
+        first = eng.stored(tokens[: 4 * 16])  # no lookahead hashing: the drop stays
+        ahead = eng.stored(
+            tokens, 4, 8, group={"lookahead_token_ids": _lookahead(eng, tokens)[4:8]}
+        )
+
+        def sent(event: object) -> bool:
+            if not index.match(canonical(tokens)).get(KEY).kv_blocks:
+                eng.publish(event)
+            return index.match(canonical(tokens)).get(KEY).kv_blocks == 2
+
+        await eventually(lambda: sent(first))
+        assert routing.drops_eagle_block and _usable(routing, tokens[: 4 * 16], 9 * 16) == 1
+        eng.publish(ahead)
+        await eventually(lambda: routing.lookahead_tokens == 1)
+        assert direct.ingests["eng"].lookahead_tokens == 1
+        assert not routing.drops_eagle_block
+        assert _usable(routing, tokens, 9 * 16) == 4
+        (report,) = layouts.check()
+        assert (report.lookahead_tokens, report.lookahead_source) == (1, SOURCE_ENGINE)
+        metrics = {m.name: m.samples for m in _layout_metrics([report])}
+        assert metrics["kvrouter_model_lookahead_tokens"][0].value == 1
+        assert metrics["kvrouter_model_eagle_block_drop"][0].value == 0
+    finally:
+        await direct.stop()
+
+
+@pytest.fixture
+async def store(redis_server: LocalRedis, key_prefix: str) -> AsyncIterator[RedisStore]:
+    s = RedisStore.from_url(redis_server.url, KeySchema(key_prefix, 4))
+    yield s
+    await s.close()
+
+
+async def test_redis_mode_learns_lookahead_from_the_publishers_registration(
+    engines: list[RefEngine], store: RedisStore
+) -> None:
+    """The publisher sees vLLM's lookahead hashes, registers ``lookahead_tokens``, and a
+    router following the registry stops giving back a block."""
+    ports = Ports()
+    eng = RefEngine("vllm-0.33.0", ports.pub, ports.replay)
+    engines.append(eng)
+    info = ReplicaInfo("eng", url="http://eng", model=MODEL, block_size=B)
+    settings = PublisherSettings(info=info, endpoints=ports.specs(), flush_interval_s=0.01)  # type: ignore[arg-type]
+    publisher = Publisher(settings, store)
+    index = PrefixIndex()
+    routing = RoutingEngine(
+        index, LoadTracker(), make_policy("ours"), RoutingSettings(block_size=B, eagle=True)
+    )
+    layouts = ModelLayouts({MODEL: routing}, index, lambda model: [KEY])
+    sync = IndexSync(store, index, audit_interval_s=0.1, block_s=0.05)
+    await publisher.start()
+    await sync.start()
+    try:
+        tokens = eng.prompt(9)
+        ahead = eng.stored(tokens, 0, 8, group={"lookahead_token_ids": _lookahead(eng, tokens)})
+
+        def sent() -> bool:
+            if publisher.ingest.lookahead_tokens == 0:
+                eng.publish(ahead)
+            return publisher.ingest.lookahead_tokens == 1
+
+        await eventually(sent)
+
+        async def registered() -> bool:
+            infos = [i for i in await store.list_replicas() if i.replica == "eng"]
+            if infos:
+                layouts.registered(infos[0])
+            return bool(infos) and infos[0].lookahead_tokens == 1
+
+        await eventually(registered)
+        assert routing.learned_lookahead == (1, SOURCE_REGISTRY)
+        await eventually(lambda: index.match(canonical(tokens)).get(KEY).kv_blocks == 4)
+        assert not routing.drops_eagle_block
+        assert _usable(routing, tokens, 9 * 16) == 4
+        assert ReplicaInfo.from_json(info.to_json()).lookahead_tokens == 0
+        with pytest.raises(ValueError):
+            ReplicaInfo.from_json('{"replica": "x", "lookahead_tokens": -1}')
+    finally:
+        await sync.stop()
+        await publisher.stop()
