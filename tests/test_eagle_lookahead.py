@@ -8,11 +8,16 @@ router learns that from the events (direct mode: ``EngineIngest.on_lookahead``; 
 the publisher's ``ReplicaInfo.lookahead_tokens``) and stops giving back a block where
 ``[models.NAME] eagle = true`` would (router/core/routing.py ``drops_eagle_block``). vLLM's
 own event classes, unmodified, publish over real ZMQ; a real Redis in Redis mode.
+
+SGLang's EAGLE engines key each position's KV by the pair (its token, the next one)
+(``RadixKey.is_bigram``) and publish those pairs as ``token_ids``: the same rule, read as
+tokens plus one lookahead token a block (router/events/decode.py ``_bigrams``).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -206,3 +211,84 @@ async def test_redis_mode_learns_lookahead_from_the_publishers_registration(
     finally:
         await sync.stop()
         await publisher.stop()
+
+
+def _sglang_bigram_store(eng: RefEngine, tokens: list[int], first: int, last: int) -> object:
+    """SGLang 0.5.23's store of pages [first, last) of an EAGLE engine's radix tree, in its
+    own class: ``KVCacheEventRecorder.record_store`` publishes each page's positions as
+    ``(t_j, t_j+1)`` pairs (block_size = the pairs in the page) and ``enqueue`` coalesces
+    the chained pages of one node into one event (sglang/srt/mem_cache/events.py)."""
+    page = eng.block_size
+    pairs = [[tokens[j], tokens[j + 1]] for j in range(first * page, last * page)]
+    return eng.mod.BlockStored(
+        block_hashes=[eng.block_hash(tokens, i) for i in range(first, last)],
+        parent_block_hash=eng.block_hash(tokens, first - 1) if first else None,
+        token_ids=pairs,
+        block_size=page,
+        lora_id=None,
+        medium="GPU",
+    )
+
+
+def test_sglang_bigram_pairs_decode_as_tokens_and_lookahead() -> None:
+    chained = [[1, 2], [2, 3], [3, 4], [4, 5]]
+    event: dict[str, Any] = {"type": "BlockStored", "block_hashes": [7, 8]}
+    event["parent_block_hash"] = None
+    event.update(token_ids=chained, block_size=2, lora_id=None, medium="GPU")
+    raw = [0.0, [event]]
+    batch = decode_payload(msgpack.packb(raw)).batch
+    assert batch is not None
+    (ev,) = batch.events
+    assert isinstance(ev, EngineBlockStored)
+    assert ev.token_ids == (1, 2, 3, 4) and ev.lookahead_token_ids == ((3,), (5,))
+    for bad, why in (
+        ([[1, 2], [3, 4]], "do not chain"),
+        ([[1, 2, 3]], "bigram pairs"),
+        ([[1, "a"]], "bigram pairs"),
+        ([[1, -2]], "bigram pairs"),
+    ):
+        event["token_ids"] = bad
+        result = decode_payload(msgpack.packb(raw))
+        assert result.batch is not None and result.batch.events == ()
+        assert why in result.errors[0]
+
+
+async def test_direct_mode_indexes_sglangs_eagle_stores(engines: list[RefEngine]) -> None:
+    """SGLang 0.5.23's own classes and publisher, an EAGLE engine's bigram stores: indexed
+    under the canonical hashes of the plain tokens (before, every one was malformed and the
+    replica indexed nothing), and the model learns that its engines drop no block."""
+    ports = Ports()
+    eng = RefEngine("sglang-0.5.23", ports.pub, ports.replay)
+    engines.append(eng)
+    index = PrefixIndex()
+    routing = RoutingEngine(
+        index, LoadTracker(), make_policy("ours"), RoutingSettings(block_size=B, eagle=True)
+    )
+    layouts = ModelLayouts({MODEL: routing}, index, lambda model: [KEY])
+    direct = DirectEvents(index)
+    direct.add_replica(
+        "eng",
+        MODEL,
+        B,
+        ports.specs(),  # type: ignore[arg-type]
+        on_lookahead=layouts.lookahead_observer(MODEL),
+    )
+    await direct.start()
+    try:
+        tokens = eng.prompt(9)
+        first = _sglang_bigram_store(eng, tokens, 0, 4)
+        rest = _sglang_bigram_store(eng, tokens, 4, 8)
+
+        def sent() -> bool:
+            if not index.match(canonical(tokens)).get(KEY).kv_blocks:
+                eng.publish(first)
+            return index.match(canonical(tokens)).get(KEY).kv_blocks == 2
+
+        await eventually(sent)
+        eng.publish(rest)
+        await eventually(lambda: index.match(canonical(tokens)).get(KEY).kv_blocks == 4)
+        assert direct.ingests["eng"].stats.malformed_events == 0
+        assert routing.lookahead_tokens == 1 and not routing.drops_eagle_block
+        assert _usable(routing, tokens, 9 * 16) == 4
+    finally:
+        await direct.stop()

@@ -6,6 +6,7 @@ extra fields (newer engines append fields)."""
 from __future__ import annotations
 
 import array
+import itertools
 from typing import Any
 
 import msgpack
@@ -104,6 +105,28 @@ def _lookahead(value: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+def _bigrams(pairs: list[Any] | tuple[Any, ...], block_size: Any) -> tuple[list[int], Any]:
+    """SGLang's store of an EAGLE engine (``RadixKey.is_bigram``, sglang/srt/mem_cache/
+    events.py ``record_store``): ``token_ids`` holds ``(t_j, t_j+1)`` for every position
+    ``j`` of the blocks, since its radix tree keys each position's KV by that pair. As
+    (tokens, lookahead): each position's own token, and for every block the token after
+    it, which its key also covers (vLLM's ``lookahead_token_ids`` of one token). Pairs
+    that do not chain are not a bigram key."""
+    if not pairs or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        raise _Bad("token_ids is not a list of uint32 (nor SGLang's bigram pairs)")
+    tokens = [p[0] for p in pairs]
+    try:
+        array.array("I", tokens)
+        array.array("I", [pairs[-1][1]])
+    except (OverflowError, TypeError):
+        raise _Bad("token_ids is not a list of uint32 (nor SGLang's bigram pairs)") from None
+    if any(a[1] != b[0] for a, b in itertools.pairwise(pairs)):
+        raise _Bad("token_ids: SGLang's bigram pairs do not chain")
+    size = block_size if isinstance(block_size, int) and block_size > 0 else len(pairs)
+    ends = range(size - 1, len(pairs), size)
+    return tokens, [[pairs[i][1]] for i in ends]
+
+
 # a BlockStored's optional fields but extra_keys, in its field order, with their types
 _OPTIONAL = (
     "lora_id",
@@ -141,10 +164,11 @@ def _event(raw: Any) -> EngineEvent:
         token_ids = f.get("token_ids")
         if not isinstance(token_ids, (list, tuple)):
             raise _Bad("token_ids is not a list")
+        lookahead = f.get("lookahead_token_ids")
         try:  # range- and type-checks every id in C (a msgpack true/false passes as 1/0)
             array.array("I", token_ids)
         except (OverflowError, TypeError):
-            raise _Bad("token_ids is not a list of uint32") from None
+            token_ids, lookahead = _bigrams(token_ids, f.get("block_size"))
         block_size = f.get("block_size")
         # vLLM's offloading connector stores blocks by hash alone: no tokens, block_size 0
         if (
@@ -163,7 +187,6 @@ def _event(raw: Any) -> EngineEvent:
         for i, value in enumerate(opt):
             if value is not None and type(value) is not _OPTIONAL_TYPE[i]:
                 opt[i] = _OPTIONAL_CHECK[i](value, _OPTIONAL[i])
-        lookahead = f.get("lookahead_token_ids")
         return EngineBlockStored(
             hashes, parent, tuple(token_ids), block_size, opt[0], opt[1], opt[2],
             f.get("extra_keys"), opt[3], opt[4], opt[5], opt[6],

@@ -8,8 +8,9 @@ extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window)``,
 SGLang >= 0.5.20) is kept too, and vLLM's ``lookahead_token_ids`` (0.33 on, a map field: the
 tokens after each block that its engine hash also covers, present only while the engine
 hashes with lookahead, which EAGLE / MTP engines with prefix caching do instead of giving
-back a block of every hit). Engine block hashes are normalised to Python ints (bytes are
-read big-endian).
+back a block of every hit; SGLang's EAGLE engines say the same by publishing each
+position's ``(token, next token)`` pair as its ``token_ids``, read as tokens and lookahead).
+Engine block hashes are normalised to Python ints (bytes are read big-endian).
 
 ``kv_cache_spec_kind`` (vLLM >= 0.22, ``vllm.v1.kv_cache_interface.KVCacheSpecKind``): groups
 whose blocks hold the KV of the whole prefix are KV (``full_attention``, ``mla_attention``,
