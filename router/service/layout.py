@@ -10,7 +10,10 @@ Sources, strongest first after the configuration (``[models.NAME] hybrid`` /
 * publishers' registrations (Redis mode): ``ReplicaInfo.publishes_state`` and the grid the
   publisher learned (``registered`` / ``unregistered``);
 * the model's ``config.json`` beside its tokenizer (``hybrid_marker``): hybrid layer types
-  make the model hybrid before its engines said anything.
+  make the model hybrid before its engines said anything. Only a guess: once its replicas
+  hold ``KV_ONLY_EVIDENCE_BLOCKS`` KV blocks and none published a checkpoint (SGLang
+  publishes no recurrent-state events), the hybrid rule would find no usable prefix
+  anywhere, so ``check()`` drops it (logged) and the model is routed on its KV prefix.
 
 The engines' lookahead hashes (vLLM's ``lookahead_token_ids``: EAGLE / MTP engines that give
 back no block of a hit, whatever ``[models.NAME] eagle`` says) come from the same two
@@ -35,6 +38,7 @@ from typing import Any
 from router.core.index import PrefixIndex
 from router.core.routing import RoutingEngine
 from router.core.state_layout import (
+    KV_ONLY_EVIDENCE_BLOCKS,
     SOURCE_ENGINE,
     SOURCE_MODEL_CONFIG,
     SOURCE_NONE,
@@ -227,11 +231,31 @@ class ModelLayouts:
         for model, engine in self.engines.items():
             keys = self.keys_for(model)
             engine.detect(keys)
+            self._check_guess(model, engine, keys)
             report = self._report(model, engine, keys)
             self._announce(self._reported.get(model), report)
             self._reported[model] = report
             out.append(report)
         return out
+
+    def _check_guess(self, model: str, engine: RoutingEngine, keys: Sequence[ReplicaKey]) -> None:
+        """Drop a hybrid layout only ``config.json`` suggested, once the engines showed they
+        publish no checkpoint (module docstring)."""
+        if engine.learned_hybrid != SOURCE_MODEL_CONFIG or engine.settings.hybrid is not None:
+            return
+        if any(map(self.index.publishes_state, keys)):
+            return
+        held = sum(self.index.replica_size(k)[0] for k in keys)
+        if held >= KV_ONLY_EVIDENCE_BLOCKS and engine.forget_guessed_hybrid():
+            _log.warning(
+                "model %s: its config.json names recurrent-state layers, but its engines "
+                "published %d KV blocks and no recurrent-state checkpoint (SGLang publishes "
+                "none): routing on the KV prefix alone; [models.%s] hybrid decides",
+                model,
+                held,
+                model,
+            )
+            self._log_layout(model, engine)
 
     def reports(self) -> list[LayoutReport]:
         return list(self._reported.values())
