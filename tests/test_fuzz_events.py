@@ -122,12 +122,23 @@ def batches(draw: Any) -> bytes:
 def _valid_payload(seed: int, encoding: str) -> bytes:
     rng = random.Random(seed)
     tokens = tuple(rng.randrange(50_000) for _ in range(64))
-    evs = (
+    evs: tuple[Any, ...] = (
         EngineBlockStored((1, 2, 3, 4), None, tokens, 16),
         EngineBlockRemoved((2,)),
         EngineAllCleared(),
         EngineBlockStored((7,), 4, tokens[:16], 16, medium="CPU"),
     )
+    if seed % 2:  # full, recurrent-state and sliding-window groups (checkpoints in both)
+        window = EngineBlockStored(
+            (1, 2, 3, 4), None, tokens, 16, group_idx=2,
+            kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=33,
+        )  # fmt: skip
+        mixed = (
+            EngineBlockStored((2, 4), None, tokens, 16, group_idx=1, kv_cache_spec_kind="mamba"),
+            window,
+            EngineBlockRemoved((3,), group_idx=2),
+        )
+        evs = evs[:1] + mixed + evs[1:]
     return encode_batch(EngineBatch(1.0, evs, rng.choice([None, 0, 1])), encoding)  # type: ignore[arg-type]
 
 
@@ -190,9 +201,12 @@ def random_payload(rng: random.Random) -> bytes:
             rng.choice([16, 8, 32, 0, -1, 17, _rand_value(rng)]),
         ]
         fields += [_rand_value(rng) for _ in range(rng.randint(0, 8))]
-        if rng.random() < 0.3:  # well-formed groups, sliding windows among them
-            group = rng.choice([0, 1, 1, 2])
-            kind = rng.choice(["sliding_window", "sliding_window_mla", "full_attention", "mamba"])
+        if rng.random() < 0.3:  # well-formed groups: several state-like ones mixed, of
+            # every kind (windows of several sizes, recurrent state), so some engines have both
+            group = rng.choice([0, 1, 1, 2, 3])
+            kind = rng.choice(
+                ["sliding_window", "sliding_window_mla", "full_attention", "mamba", "kda"]
+            )
             window = rng.choice([1, 16, 33, 128, None, -4])
             fields = [*fields[:4], None, "GPU", None, None, group, kind, window]
         if rng.random() < 0.5:

@@ -17,6 +17,10 @@ canonical hash of the prefix they end at (only at router block boundaries); slid
 groups yield a checkpoint wherever the window before a router block boundary is cached
 (router/events/window.py); chunked-local and unknown groups are ignored
 (``router.events.model``; an unknown kind is logged once). Each group keeps its own map.
+An engine serves a prefix only where every state-like (mamba or sliding-window) group can
+resume at its end: the first such group seen publishes its checkpoints as they come; from the
+second on, a checkpoint is published only while every group seen holds it, and a group seen
+late withdraws those it lacks (router/events/state_groups.py).
 
 Hash-changing keys enter the canonical chain as the router derives them from a request
 (``router.core.hashing``): a cache salt (SGLang's ``cache_salt`` field, or vLLM's salt in the
@@ -69,6 +73,7 @@ from router.events.model import (
     EngineBlockStored,
     EngineEvent,
 )
+from router.events.state_groups import StateGroups
 from router.events.window import WindowChange, WindowGroup, blocks_needed
 
 
@@ -175,6 +180,10 @@ class Reblocker:
         self._logged_unmapped = False
         self._pending: list[EngineBlockStored] = []  # see _stored_sparse_state
         self._windows: dict[int, WindowGroup] = {}  # sliding-window groups by group_idx
+        # the first state-like (mamba or sliding-window) group seen; from the second on,
+        # checkpoints are published where every one holds them (see _join)
+        self._state_group: int | None = None
+        self._mixed: StateGroups | None = None
         self.stats = ReblockStats()
 
     def __len__(self) -> int:
@@ -185,6 +194,8 @@ class Reblocker:
         self._kv_by_hash.clear()
         for window in self._windows.values():
             window.clear()
+        if self._mixed is not None:
+            self._mixed.reset({})
 
     def convert(self, events: tuple[EngineEvent, ...] | list[EngineEvent]) -> list[IndexEvent]:
         out: list[IndexEvent] = []
@@ -230,6 +241,11 @@ class Reblocker:
             for tier in Tier:
                 if media >> tier & 1:
                     kept.setdefault((tier, block.kind), []).extend(block.covers)
+        if self._mixed is not None:  # what every state-like group still holds
+            published = self._mixed.reset({g: self._holdings(g) for g in self._mixed.groups()})
+            for (_, kind), hashes in kept.items():
+                if kind is Kind.STATE:
+                    hashes[:] = [h for h in hashes if h in published]
         out: list[IndexEvent] = [AllCleared()]
         for (tier, kind), hashes in kept.items():
             if hashes:
@@ -243,6 +259,13 @@ class Reblocker:
         if kind is None:
             self.stats.ignored_group += 1
             return []
+        group = ev.group_idx or 0
+        if kind is Kind.STATE and group != self._state_group:
+            return self._join(group) + self._stored_group(ev, kind, group)
+        return self._stored_group(ev, kind, group)
+
+    def _stored_group(self, ev: EngineBlockStored, kind: Kind, group: int) -> list[IndexEvent]:
+        """A full-attention or recurrent-state group's store."""
         tier = _TIER_OF.get(ev.medium)
         if tier is None:
             try:
@@ -256,7 +279,6 @@ class Reblocker:
         n, be = len(ev.block_hashes), ev.block_size
         if n == 0:
             return []
-        group = ev.group_idx or 0
         bit = 1 << tier
         if tier is not Tier.GPU and ev.medium in OFFLOAD_MEDIA:
             self._offload_bits |= bit
@@ -300,7 +322,7 @@ class Reblocker:
         if usable < n:
             self.stats.opaque_blocks += n - usable
         if first_new >= usable:
-            return self._emit_stored(emitted, tier, kind)
+            return self._emit_stored(emitted, tier, kind, group)
         if first_new:
             parent_hash: int | None = ev.block_hashes[first_new - 1]
         else:
@@ -321,7 +343,7 @@ class Reblocker:
                 parent = self._kv_by_hash.get(parent_hash)
             if parent is None:
                 self.stats.unknown_parent += n - first_new
-                return self._emit_stored(emitted, tier, kind)
+                return self._emit_stored(emitted, tier, kind, group)
             end0, chain0, tail0, tail_mm0 = parent.end, parent.chain, parent.tail, parent.tail_mm
         bs = self.block_size
         tokens = ev.token_ids[first_new * be : usable * be]
@@ -371,7 +393,7 @@ class Reblocker:
                 block.media |= bit
                 emitted.extend(block.covers)
             prev_hash = h
-        return self._emit_stored(emitted, tier, kind)
+        return self._emit_stored(emitted, tier, kind, group)
 
     def _stored_by_hash(
         self, ev: EngineBlockStored, tier: Tier, kind: Kind, group: int, bit: int
@@ -405,7 +427,7 @@ class Reblocker:
                 self._store_chunk(group, block, ev.block_size, bit, emitted[Kind.KV])
         out: list[IndexEvent] = []
         for k, hashes in emitted.items():
-            out.extend(self._emit_stored(hashes, tier, k))
+            out.extend(self._emit_stored(hashes, tier, k, group))
         return out
 
     def _stored_sparse_state(
@@ -434,7 +456,7 @@ class Reblocker:
             prev = h
         if missing:
             self._pending.append(replace(ev, block_hashes=tuple(missing), token_ids=()))
-        return self._emit_stored(emitted, tier, Kind.STATE)
+        return self._emit_stored(emitted, tier, Kind.STATE, group)
 
     def _stored_window(self, ev: EngineBlockStored, last: bool) -> list[IndexEvent]:
         """A sliding-window group's store (router/events/window.py): each block is placed by
@@ -443,10 +465,12 @@ class Reblocker:
         yet waits for the end of the batch (``last``: it is the end), then is counted in
         ``unmapped_offload``. Only the GPU cache serves a window."""
         window, be = ev.kv_cache_spec_sliding_window, ev.block_size
+        group = ev.group_idx or 0
+        # a window group the router cannot read still counts: it holds no checkpoint
+        joined = self._join(group) if group != self._state_group else []
         if not window or window <= 0 or be <= 0 or _TIER_OF.get(ev.medium) is not Tier.GPU:
             self.stats.unknown_window += len(ev.block_hashes)
-            return []
-        group = ev.group_idx or 0
+            return joined
         tracker = self._windows.get(group)
         if tracker is None:
             tracker = self._windows[group] = WindowGroup(blocks_needed(window, be))
@@ -469,16 +493,44 @@ class Reblocker:
         if self.on_checkpoint is not None:
             for _, depth in change.stored:
                 self.on_checkpoint(depth * be)
-        return self._window_events(change)
+        events = self._window_events(change, group)
+        return joined + events if joined else events
 
-    def _window_events(self, change: WindowChange) -> list[IndexEvent]:
+    def _window_events(self, change: WindowChange, group: int) -> list[IndexEvent]:
         out: list[IndexEvent] = []
         if change.stored:
-            out.extend(self._emit_stored([h for h, _ in change.stored], Tier.GPU, Kind.STATE))
+            hashes = [h for h, _ in change.stored]
+            out.extend(self._emit_stored(hashes, Tier.GPU, Kind.STATE, group))
         if change.removed:
-            self.stats.canonical_removed += len(change.removed)
-            out.append(BlocksRemoved(tuple(dict.fromkeys(change.removed)), Tier.GPU, Kind.STATE))
+            out.extend(self._emit_removed(change.removed, Tier.GPU, Kind.STATE, group))
         return out
+
+    def _join(self, group: int) -> list[IndexEvent]:
+        """``group`` holds checkpoints (a mamba or sliding-window group) and is not the first
+        such group: from the second on, a checkpoint is published only while every one holds
+        it (router/events/state_groups.py), so one first seen now withdraws those published
+        that it lacks. The first group's checkpoints are published as they come, at no cost."""
+        if self._state_group is None:
+            self._state_group = group
+            return []
+        if self._mixed is None:
+            first = self._state_group
+            self._mixed = StateGroups({first: self._holdings(first)})
+        elif group in self._mixed:
+            return []
+        return self._removal(self._mixed.join(group, self._holdings(group)), Tier.GPU, Kind.STATE)
+
+    def _holdings(self, group: int) -> set[int]:
+        """The checkpoints ``group`` has published and not removed, on any tier."""
+        window = self._windows.get(group)
+        if window is not None:
+            return window.checkpoints()
+        return {
+            h
+            for (g, _), block in self._blocks.items()
+            if g == group and block.kind is Kind.STATE
+            for h in block.covers
+        }
 
     def _store_chunk(
         self, group: int, block: _Block, size: int, bit: int, emitted: list[int]
@@ -544,11 +596,32 @@ class Reblocker:
             block.covers.append(canonical)
             parent = block.parent
 
-    def _emit_stored(self, hashes: list[int], tier: Tier, kind: Kind) -> list[IndexEvent]:
+    def _emit_stored(
+        self, hashes: list[int], tier: Tier, kind: Kind, group: int
+    ) -> list[IndexEvent]:
+        """``group`` stored these canonical blocks (with several state-like groups, a
+        checkpoint is published only once every one holds it)."""
+        if hashes and kind is Kind.STATE and self._mixed is not None:
+            hashes = self._mixed.stored(group, hashes)
         if not hashes:
             return []
         self.stats.canonical_stored += len(hashes)
         return [BlocksStored(tuple(dict.fromkeys(hashes)), tier, kind)]
+
+    def _emit_removed(
+        self, hashes: list[int], tier: Tier, kind: Kind, group: int
+    ) -> list[IndexEvent]:
+        """``group`` lost these canonical blocks (with several state-like groups, a
+        checkpoint goes once one of them loses it)."""
+        if hashes and kind is Kind.STATE and self._mixed is not None:
+            hashes = self._mixed.removed(group, hashes)
+        return self._removal(hashes, tier, kind)
+
+    def _removal(self, hashes: list[int], tier: Tier, kind: Kind) -> list[IndexEvent]:
+        if not hashes:
+            return []
+        self.stats.canonical_removed += len(hashes)
+        return [BlocksRemoved(tuple(dict.fromkeys(hashes)), tier, kind)]
 
     def _drop(
         self, group: int, h: int, block: _Block, bit: int, out: dict[Kind, list[int]]
@@ -561,7 +634,7 @@ class Reblocker:
                 del self._kv_by_hash[h]
 
     def _removed_window(
-        self, window: WindowGroup, ev: EngineBlockRemoved, tier: Tier
+        self, window: WindowGroup, ev: EngineBlockRemoved, tier: Tier, group: int
     ) -> list[IndexEvent]:
         if tier is not Tier.GPU:
             self.stats.unknown_removed += len(ev.block_hashes)
@@ -570,7 +643,7 @@ class Reblocker:
         gone = window.removed(ev.block_hashes, change)
         self.stats.removed_blocks += gone
         self.stats.unknown_removed += len(ev.block_hashes) - gone
-        return self._window_events(change)
+        return self._window_events(change, group)
 
     def _removed(self, ev: EngineBlockRemoved) -> list[IndexEvent]:
         tier = _TIER_OF.get(ev.medium)
@@ -583,7 +656,7 @@ class Reblocker:
         group = ev.group_idx or 0
         window = self._windows.get(group)
         if window is not None:
-            return self._removed_window(window, ev, tier)
+            return self._removed_window(window, ev, tier, group)
         bit = 1 << tier
         out: dict[Kind, list[int]] = {Kind.KV: [], Kind.STATE: []}
         for h in ev.block_hashes:
@@ -599,9 +672,7 @@ class Reblocker:
                     self._drop(group, member, mb, bit, out)
         events: list[IndexEvent] = []
         for kind, hashes in out.items():
-            if hashes:
-                self.stats.canonical_removed += len(hashes)
-                events.append(BlocksRemoved(tuple(dict.fromkeys(hashes)), tier, kind))
+            events.extend(self._emit_removed(hashes, tier, kind, group))
         return events
 
 

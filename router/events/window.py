@@ -14,6 +14,8 @@ That is the recurrent-state rule with a different reason for a checkpoint: a
 complete, and the re-blocker publishes those as ``Kind.STATE`` checkpoints, stored while the
 window's blocks are and removed when one of them goes. So the index, the routing rule and
 the speculation treat a full + sliding-window model (gpt-oss, Gemma 3) like a hybrid one.
+Beside other state-like groups (a mamba group, a window of another size) a checkpoint is
+published only where every group has one (router/events/state_groups.py).
 
 Blocks outside the window are freed while a request runs, so they are evicted first: the
 full-attention KV of a shared prefix routinely outlives the window blocks at its end, and a
@@ -82,6 +84,11 @@ class WindowGroup:
 
     def clear(self) -> None:
         self._nodes.clear()
+
+    def checkpoints(self) -> set[int]:
+        """The canonical hashes of the checkpoints published now (the window before each
+        is cached)."""
+        return {n.canonical for n in self._nodes.values() if n.valid and n.canonical is not None}
 
     def stored(self, blocks: list[Block], change: WindowChange) -> None:
         """These blocks are cached in the group (module docstring for what each names)."""
