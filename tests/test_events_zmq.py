@@ -301,6 +301,54 @@ async def test_history_longer_than_the_replay_sockets_queue_arrives_whole() -> N
         await pub.close()
 
 
+async def test_replies_dropped_mid_burst_are_asked_again() -> None:
+    """The ROUTER drops replies past its high-water mark anywhere in the burst, and later
+    ones (the end marker too) still arrive: a history and a gap's replay with a hole in the
+    middle are asked again from the hole, and nothing is lost (before, the hole was)."""
+    ctx = zmq.asyncio.Context.instance()
+    pub = KVEventPublisher(
+        f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", context=ctx
+    )
+    pub.start()
+    got: list[int] = []
+    lost: list[int] = []
+    sub = ZmqEventSubscriber(
+        pub.endpoint,
+        lambda seq, _: got.append(seq),
+        replay_endpoint=pub.replay_endpoint,
+        on_lost=lost.append,
+        context=ctx,
+    )
+    task: asyncio.Task[None] | None = None
+    try:
+        for _ in range(50):  # nobody listens yet
+            await pub.publish([])
+        pub.drop_replay = set(range(10, 20))
+        task = asyncio.create_task(sub.run())
+        await eventually(lambda: len(got) >= 50)
+        assert got == list(range(50)) and sub.stats.replayed == 50
+
+        async def live() -> bool:
+            await pub.publish([])
+            return len(got) > 50
+
+        await eventually(live)
+        start = pub.seq + 1
+        pub.drop_next = 30  # a gap of 30 the subscriber replays, 5 of them dropped in it
+        for _ in range(30):
+            await pub.publish([])
+        pub.drop_replay = set(range(start + 12, start + 17))
+        await pub.publish([])
+        await eventually(lambda: got[-1] == pub.seq)
+        assert got == list(range(pub.seq + 1))
+        assert lost == [] and sub.stats.lost == 0 and sub.stats.gaps == 1
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await pub.close()
+
+
 @pytest.mark.parametrize(("old_batches", "new_batches"), [(20, 5), (3, 7)])
 async def test_a_restart_while_the_subscriber_was_away_is_found_and_replayed(
     old_batches: int, new_batches: int

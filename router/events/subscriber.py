@@ -204,15 +204,20 @@ class ZmqEventSubscriber:
         """Replayed ``(seq, payload)`` pairs from ``start`` (with ``stop``: up to
         ``stop - 1``), in order. The engine answers a start seq with its whole buffer tail and
         an end marker, through a ROUTER socket that drops what exceeds its high-water mark
-        (1,000 messages by default; the end marker with the rest) when the reader is far
-        behind: a reply that stops short of its end marker is asked again from the seq after
-        the last one it carried, until the end marker, ``stop - 1`` or nothing new comes."""
+        (1,000 messages by default) when the reader falls behind, anywhere in the burst: the
+        end marker with the rest, or a run in the middle while later replies still arrive.
+        The buffer is consecutive, so a reply that skips a seq, or stops short of its end
+        marker, is asked again from the seq after the last one in order, until the end
+        marker, ``stop - 1`` or nothing new comes."""
         assert self.replay_endpoint is not None
         out: list[tuple[int, bytes]] = []
         first = start
         for _ in range(_MAX_REPLAY_ROUNDS):
             got, ended = await self._fetch_once(first, stop)
             got = [(seq, payload) for seq, payload in got if seq >= first]
+            cut = _in_order(got)
+            if cut < len(got):  # replies dropped in the middle of the burst
+                got, ended = got[:cut], False
             out.extend(got)
             if ended or not got:
                 break
@@ -253,6 +258,16 @@ class ZmqEventSubscriber:
                 wait_ms = max(20, int(self.replay_timeout_s * 200))
         finally:
             sock.close(0)
+
+
+def _in_order(got: list[tuple[int, bytes]]) -> int:
+    """How many of ``got`` (replay replies) run in consecutive seqs from the first: the
+    first may start past the seq asked for (the engine's buffer no longer holds it), but
+    the buffer is consecutive, so a seq skipped after it was dropped on the way."""
+    for i in range(1, len(got)):
+        if got[i][0] != got[i - 1][0] + 1:
+            return i
+    return len(got)
 
 
 def parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:

@@ -26,7 +26,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 class KVEventPublisher:
     """Publishes batches; ``drop_next`` makes the next N batches skip the PUB socket (they
-    stay in the replay buffer), to exercise subscribers' gap recovery."""
+    stay in the replay buffer), and ``drop_replay`` names seqs the next replay answer leaves
+    out (as an engine's ROUTER drops replies past its high-water mark, mid-burst), to
+    exercise subscribers' gap recovery."""
 
     def __init__(
         self,
@@ -64,6 +66,7 @@ class KVEventPublisher:
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = -1
         self.drop_next = 0
+        self.drop_replay: set[int] = set()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -108,7 +111,8 @@ class KVEventPublisher:
             topic = (self.topic,) if self.replay_topic else ()
             head: tuple[bytes, ...] = (client, b"", *topic)
             end: tuple[bytes, ...] = (client, b"", b"") if self.replay_topic else (client, b"")
+            dropped, self.drop_replay = self.drop_replay, set()
             for seq, payload in list(self.buffer):
-                if seq >= start:
+                if seq >= start and seq not in dropped:
                     await self.replay.send_multipart((*head, seq.to_bytes(8, "big"), payload))
             await self.replay.send_multipart((*end, END_SEQ, b""))
