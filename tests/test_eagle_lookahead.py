@@ -16,13 +16,11 @@ tokens plus one lookahead token a block (router/events/decode.py ``_bigrams``).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgpack
 import pytest
 
-from router.bench.redis_server import LocalRedis
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import make_policy
@@ -38,11 +36,11 @@ from router.service.layout import ModelLayouts
 from router.service.metrics import _layout_metrics
 from router.store.base import ReplicaInfo
 from router.store.redis_store import RedisStore
-from router.store.schema import KeySchema
 from router.store.sync import IndexSync
 from tests.engines.harness import RefEngine
 from tests.test_engine_replay import Ports, canonical
-from tests.test_engine_replay import engines as engines  # the fixture
+from tests.test_engine_replay import engines as engines  # fixtures
+from tests.test_engine_replay import store as store
 from tests.waiting import eventually
 
 B = 32  # router block: two 16-token engine blocks (tests.test_engine_replay's)
@@ -53,6 +51,28 @@ KEY = ReplicaKey("eng")
 def _routing(eagle: bool) -> RoutingEngine:
     settings = RoutingSettings(block_size=B, hybrid=False, eagle=eagle)
     return RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), settings)
+
+
+async def _follow(
+    engine: str, engines: list[RefEngine]
+) -> tuple[RefEngine, RoutingEngine, ModelLayouts, DirectEvents]:
+    """``engine``'s own publisher, followed in direct mode by a model with ``eagle = true``
+    whose layouts learn lookahead hashes from the events (started)."""
+    ports = Ports()
+    eng = RefEngine(engine, ports.pub, ports.replay)
+    engines.append(eng)
+    routing = _routing(eagle=True)
+    layouts = ModelLayouts({MODEL: routing}, routing.index, lambda model: [KEY])
+    direct = DirectEvents(routing.index)
+    direct.add_replica(
+        "eng",
+        MODEL,
+        B,
+        ports.specs(),  # type: ignore[arg-type]
+        on_lookahead=layouts.lookahead_observer(MODEL),
+    )
+    await direct.start()
+    return eng, routing, layouts, direct
 
 
 def _usable(engine: RoutingEngine, tokens: list[int], prompt_tokens: int) -> int:
@@ -112,23 +132,8 @@ async def test_direct_mode_learns_lookahead_from_vllms_own_events(
 ) -> None:
     """vLLM 0.33's own ``BlockStored`` with ``lookahead_token_ids`` over ZMQ into direct
     mode: the model's routing stops giving back a block, and the metrics say why."""
-    ports = Ports()
-    eng = RefEngine("vllm-0.33.0", ports.pub, ports.replay)
-    engines.append(eng)
-    index = PrefixIndex()
-    routing = RoutingEngine(
-        index, LoadTracker(), make_policy("ours"), RoutingSettings(block_size=B, eagle=True)
-    )
-    layouts = ModelLayouts({MODEL: routing}, index, lambda model: [KEY])
-    direct = DirectEvents(index)
-    direct.add_replica(
-        "eng",
-        MODEL,
-        B,
-        ports.specs(),  # type: ignore[arg-type]
-        on_lookahead=layouts.lookahead_observer(MODEL),
-    )
-    await direct.start()
+    eng, routing, layouts, direct = await _follow("vllm-0.33.0", engines)
+    index = routing.index
     try:
         tokens = eng.prompt(9)
         first = eng.stored(tokens[: 4 * 16])  # no lookahead hashing: the drop stays
@@ -155,13 +160,6 @@ async def test_direct_mode_learns_lookahead_from_vllms_own_events(
         assert metrics["kvrouter_model_eagle_block_drop"][0].value == 0
     finally:
         await direct.stop()
-
-
-@pytest.fixture
-async def store(redis_server: LocalRedis, key_prefix: str) -> AsyncIterator[RedisStore]:
-    s = RedisStore.from_url(redis_server.url, KeySchema(key_prefix, 4))
-    yield s
-    await s.close()
 
 
 async def test_redis_mode_learns_lookahead_from_the_publishers_registration(
@@ -257,23 +255,8 @@ async def test_direct_mode_indexes_sglangs_eagle_stores(engines: list[RefEngine]
     """SGLang 0.5.23's own classes and publisher, an EAGLE engine's bigram stores: indexed
     under the canonical hashes of the plain tokens (before, every one was malformed and the
     replica indexed nothing), and the model learns that its engines drop no block."""
-    ports = Ports()
-    eng = RefEngine("sglang-0.5.23", ports.pub, ports.replay)
-    engines.append(eng)
-    index = PrefixIndex()
-    routing = RoutingEngine(
-        index, LoadTracker(), make_policy("ours"), RoutingSettings(block_size=B, eagle=True)
-    )
-    layouts = ModelLayouts({MODEL: routing}, index, lambda model: [KEY])
-    direct = DirectEvents(index)
-    direct.add_replica(
-        "eng",
-        MODEL,
-        B,
-        ports.specs(),  # type: ignore[arg-type]
-        on_lookahead=layouts.lookahead_observer(MODEL),
-    )
-    await direct.start()
+    eng, routing, _, direct = await _follow("sglang-0.5.23", engines)
+    index = routing.index
     try:
         tokens = eng.prompt(9)
         first = _sglang_bigram_store(eng, tokens, 0, 4)

@@ -269,9 +269,9 @@ async def test_a_repeated_batch_is_dropped_and_a_new_one_under_an_old_seq_is_a_r
         pub.close(0)
 
 
-async def test_history_longer_than_the_replay_sockets_queue_arrives_whole() -> None:
-    """The engine's ROUTER drops replies past its high-water mark (1,000), the end marker
-    with them: the subscriber asks again from where a reply stopped, and misses nothing."""
+def _replaying_pair() -> tuple[KVEventPublisher, ZmqEventSubscriber, list[int], list[int]]:
+    """A started publisher with a replay socket, and a subscriber of it (not running) that
+    records the seqs delivered and the counts reported lost."""
     ctx = zmq.asyncio.Context.instance()
     pub = KVEventPublisher(
         f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", context=ctx
@@ -286,6 +286,13 @@ async def test_history_longer_than_the_replay_sockets_queue_arrives_whole() -> N
         on_lost=lost.append,
         context=ctx,
     )
+    return pub, sub, got, lost
+
+
+async def test_history_longer_than_the_replay_sockets_queue_arrives_whole() -> None:
+    """The engine's ROUTER drops replies past its high-water mark (1,000), the end marker
+    with them: the subscriber asks again from where a reply stopped, and misses nothing."""
+    pub, sub, got, lost = _replaying_pair()
     task: asyncio.Task[None] | None = None
     try:
         for _ in range(3000):  # nobody listens yet
@@ -305,20 +312,7 @@ async def test_replies_dropped_mid_burst_are_asked_again() -> None:
     """The ROUTER drops replies past its high-water mark anywhere in the burst, and later
     ones (the end marker too) still arrive: a history and a gap's replay with a hole in the
     middle are asked again from the hole, and nothing is lost (before, the hole was)."""
-    ctx = zmq.asyncio.Context.instance()
-    pub = KVEventPublisher(
-        f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", context=ctx
-    )
-    pub.start()
-    got: list[int] = []
-    lost: list[int] = []
-    sub = ZmqEventSubscriber(
-        pub.endpoint,
-        lambda seq, _: got.append(seq),
-        replay_endpoint=pub.replay_endpoint,
-        on_lost=lost.append,
-        context=ctx,
-    )
+    pub, sub, got, lost = _replaying_pair()
     task: asyncio.Task[None] | None = None
     try:
         for _ in range(50):  # nobody listens yet
