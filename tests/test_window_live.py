@@ -4,7 +4,10 @@ before its end is cached) publish their window blocks as vLLM does (a ``sliding_
 group over ZMQ); the router, told nothing about the model, derives where windows are
 complete and predicts every request's usable hit as the engine grants it (real HTTP, the
 openai client). Memory is tight, so windows of earlier prompts are evicted while their
-full-attention KV stays: branches inside them are predicted short, as served."""
+full-attention KV stays: branches inside them are predicted short, as served. One replica,
+so where requests go, and so what its cache evicts, does not depend on the machine's speed
+(with two, the policy's load reading moved requests and, on a loaded machine, no window was
+evicted under a branch)."""
 
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ async def test_sliding_window_hits_are_predicted_as_the_engine_grants_them() -> 
     runners: list[Any] = []
     try:
         replicas = await start_mock_fleet(
-            2, runners, model=MODEL, block_size=B, profile="gpt-oss-120b",
-            engine_block_size=16, kv_blocks=140,
+            1, runners, model=MODEL, block_size=B, profile="gpt-oss-120b",
+            engine_block_size=16, kv_blocks=100,
         )  # fmt: skip
         settings = build_settings(
             {"replicas": replicas, "models": {MODEL: {"block_size": B, "policy": "ours"}}}
@@ -78,7 +81,7 @@ async def test_sliding_window_hits_are_predicted_as_the_engine_grants_them() -> 
         assert state.engines[MODEL].layout.hybrid  # learned from the window checkpoints
         # every window block the engines published was placed (none left unindexed)
         page = state.metrics.render().decode()
-        for replica in ("r0", "r1"):
+        for replica in ("r0",):
             for reason in ("unknown_window", "unmapped_offload", "unknown_parent"):
                 sample = metric_sample(
                     page, NOT_INDEXED, replica=replica, reason=reason
