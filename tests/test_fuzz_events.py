@@ -313,6 +313,7 @@ def test_fuzz_event_path_never_raises() -> None:
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(600)  # ~90 s on an idle 2-core machine: the default 120 s is no bound
 def test_soak_fuzz_event_path_100k() -> None:
     h = _run(SOAK)
     print({"payloads": h.ingest.stats.payloads, "malformed": h.ingest.stats.malformed_payloads})
