@@ -16,6 +16,7 @@ tokens plus one lookahead token a block (router/events/decode.py ``_bigrams``).
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import msgpack
@@ -273,5 +274,77 @@ async def test_direct_mode_indexes_sglangs_eagle_stores(engines: list[RefEngine]
         assert direct.ingests["eng"].stats.malformed_events == 0
         assert routing.lookahead_tokens == 1 and not routing.drops_eagle_block
         assert _usable(routing, tokens, 9 * 16) == 4
+    finally:
+        await direct.stop()
+
+
+def _lookahead_chain(
+    eng: RefEngine, tokens: list[int], first: int, last: int
+) -> tuple[list[int], int | None, list[list[int]]]:
+    """Engine hashes of blocks [first, last) of ``tokens`` as a lookahead engine names them
+    (each block's hash covers the token after it: vLLM's ``num_hash_lookahead_tokens`` 1),
+    the parent's, and the lookahead tokens."""
+    be = eng.block_size
+
+    def name(i: int) -> int:
+        return hash(("lookahead", tuple(tokens[: (i + 1) * be + 1]))) & (2**63 - 1)
+
+    parent = name(first - 1) if first else None
+    ahead = [tokens[(i + 1) * be : (i + 1) * be + 1] for i in range(first, last)]
+    return [name(i) for i in range(first, last)], parent, ahead
+
+
+async def test_a_block_cached_twice_under_lookahead_stays_until_both_go(
+    engines: list[RefEngine],
+) -> None:
+    """A lookahead engine caches the same tokens at the same position once for each next
+    token it saw: two conversations branching right after a block hold it twice, under two
+    hashes. Evicting one copy leaves the block cached (before, the router dropped it and
+    every block after it on that replica); evicting both removes it."""
+    eng, routing, _, direct = await _follow("vllm-0.33.0", engines)
+    index = routing.index
+    try:
+        rng = random.Random(5)
+        shared = [rng.randrange(1, 30_000) for _ in range(2 * B)]
+        a = shared + [rng.randrange(1, 30_000) for _ in range(B + 1)]
+        c = shared + [a[2 * B] + 1] + [rng.randrange(1, 30_000) for _ in range(B)]
+
+        def stored(tokens: list[int], first: int, last: int) -> object:
+            hashes, parent, ahead = _lookahead_chain(eng, tokens, first, last)
+            return eng.mod.BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=parent,
+                token_ids=tokens[first * 16 : last * 16],
+                block_size=16,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                lookahead_token_ids=ahead,
+            )
+
+        def removed(tokens: list[int], first: int, last: int) -> object:
+            hashes, _, _ = _lookahead_chain(eng, tokens, first, last)
+            return eng.mod.BlockRemoved(block_hashes=hashes, medium="GPU")
+
+        def held(tokens: list[int]) -> int:
+            return index.match(canonical(tokens)).get(KEY).kv_blocks
+
+        def sent() -> bool:
+            if not held(a):
+                eng.publish(stored(a, 0, 6))
+            return held(a) == 3
+
+        await eventually(sent)
+        # the branch: its first block is a hit, its second the same tokens with another
+        # next token (a second copy), then its own
+        eng.publish(stored(c, 3, 6))
+        await eventually(lambda: held(c) == 3)
+        eng.publish(removed(a, 3, 6))  # the first conversation's copy and the rest go
+        await eventually(lambda: held(a) == 2)  # its last router block went, not the one
+        assert held(c) == 3  # both hold, nor the branch after it
+        eng.publish(removed(c, 3, 6))
+        await eventually(lambda: held(c) == 1)
+        eng.publish(removed(a, 0, 3))
+        await eventually(lambda: held(c) == 0)
     finally:
         await direct.stop()

@@ -184,6 +184,11 @@ class Reblocker:
         # checkpoints are published where every one holds them (see _join)
         self._state_group: int | None = None
         self._mixed: StateGroups | None = None
+        # engines hashing with lookahead (vLLM's lookahead_token_ids, SGLang's EAGLE pairs)
+        # cache the same tokens at the same position as several engine blocks, one for each
+        # next token seen: (group, tier bit, end, canonical) -> how many hold it, so that
+        # evicting one copy does not remove what another still holds (None: not counted)
+        self._copies: dict[tuple[int, int, int, int], int] | None = None
         self.stats = ReblockStats()
 
     def __len__(self) -> int:
@@ -196,6 +201,8 @@ class Reblocker:
             window.clear()
         if self._mixed is not None:
             self._mixed.reset({})
+        if self._copies is not None:
+            self._copies.clear()
 
     def convert(self, events: tuple[EngineEvent, ...] | list[EngineEvent]) -> list[IndexEvent]:
         out: list[IndexEvent] = []
@@ -229,6 +236,7 @@ class Reblocker:
             self.clear()
             return [AllCleared()]
         kept: dict[tuple[Tier, Kind], list[int]] = {}
+        recount: list[tuple[int, _Block]] = []
         for key, block in list(self._blocks.items()):
             media = block.media & keep
             if not media:
@@ -238,9 +246,16 @@ class Reblocker:
                 continue
             block.media = media
             self.stats.kept_on_clear += 1
+            if self._copies is not None:
+                recount.append((key[0], block))
             for tier in Tier:
                 if media >> tier & 1:
                     kept.setdefault((tier, block.kind), []).extend(block.covers)
+        if self._copies is not None:
+            self._copies.clear()
+            for group, block in recount:
+                for bit in (1 << t for t in Tier if block.media >> t & 1):
+                    self._gain(group, block, bit, block.covers)
         if self._mixed is not None:  # what every state-like group still holds
             published = self._mixed.reset({g: self._holdings(g) for g in self._mixed.groups()})
             for (_, kind), hashes in kept.items():
@@ -253,6 +268,8 @@ class Reblocker:
         return out
 
     def _stored(self, ev: EngineBlockStored) -> list[IndexEvent]:
+        if ev.lookahead_token_ids and self._copies is None:
+            self._copies = {}
         if _is_window(ev.kv_cache_spec_kind):
             return self._stored_window(ev, last=False)
         kind = _group_kind(ev.kv_cache_spec_kind)
@@ -316,6 +333,7 @@ class Reblocker:
             if not known.media & bit:
                 known.media |= bit
                 emitted.extend(known.covers)
+                self._gain(group, known, bit, known.covers)
             first_new += 1
         # keys no request reproduces: that block and the ones after it are not indexed
         usable = n if keys is None else next((i for i in range(first_new, n) if keys[i].opaque), n)
@@ -389,9 +407,11 @@ class Reblocker:
                 elif self.on_checkpoint is not None:
                     self.on_checkpoint(end)
                 emitted.extend(covers)
+                self._gain(group, block, bit, covers)
             elif not block.media & bit:
                 block.media |= bit
                 emitted.extend(block.covers)
+                self._gain(group, block, bit, block.covers)
             prev_hash = h
         return self._emit_stored(emitted, tier, kind, group)
 
@@ -423,6 +443,7 @@ class Reblocker:
             if not block.media & bit:
                 block.media |= bit
                 emitted[block.kind].extend(block.covers)
+                self._gain(group, block, bit, block.covers)
             if block.kind is Kind.KV and ev.block_size > 0:
                 self._store_chunk(group, block, ev.block_size, bit, emitted[Kind.KV])
         out: list[IndexEvent] = []
@@ -450,9 +471,11 @@ class Reblocker:
                     missing.append(h)
                     continue
                 emitted.extend(block.covers)
+                self._gain(group, block, bit, block.covers)
             elif not block.media & bit:
                 block.media |= bit
                 emitted.extend(block.covers)
+                self._gain(group, block, bit, block.covers)
             prev = h
         if missing:
             self._pending.append(replace(ev, block_hashes=tuple(missing), token_ids=()))
@@ -549,6 +572,7 @@ class Reblocker:
             if not anc.media & bit:
                 anc.media |= bit
                 emitted.extend(anc.covers)
+                self._gain(group, anc, bit, anc.covers)
             parent = anc.parent
         block.chunk = tuple(members)
 
@@ -594,7 +618,35 @@ class Reblocker:
             if block is None or block.end <= base:
                 return
             block.covers.append(canonical)
+            for bit in (1 << t for t in Tier if block.media >> t & 1):
+                self._gain(group, block, bit, (canonical,))
             parent = block.parent
+
+    def _gain(self, group: int, block: _Block, bit: int, covers: Sequence[int]) -> None:
+        """``block`` now holds ``covers`` on ``bit``'s tier: one more copy of each (counted
+        for engines hashing with lookahead only)."""
+        copies = self._copies
+        if copies is None or not covers:
+            return
+        for c in covers:
+            key = (group, bit, block.end, c)
+            copies[key] = copies.get(key, 0) + 1
+
+    def _lose(self, group: int, block: _Block, bit: int) -> list[int]:
+        """``block`` leaves ``bit``'s tier: the canonical blocks no copy holds any more."""
+        copies = self._copies
+        if copies is None:
+            return block.covers
+        gone = []
+        for c in block.covers:
+            key = (group, bit, block.end, c)
+            left = copies.get(key, 1) - 1
+            if left > 0:
+                copies[key] = left
+            else:
+                copies.pop(key, None)
+                gone.append(c)
+        return gone
 
     def _emit_stored(
         self, hashes: list[int], tier: Tier, kind: Kind, group: int
@@ -627,7 +679,7 @@ class Reblocker:
         self, group: int, h: int, block: _Block, bit: int, out: dict[Kind, list[int]]
     ) -> None:
         block.media &= ~bit
-        out[block.kind].extend(block.covers)
+        out[block.kind].extend(self._lose(group, block, bit))
         if not block.media:
             del self._blocks[(group, h)]
             if self._kv_by_hash.get(h) is block:
