@@ -299,6 +299,18 @@ def test_a_config_json_guess_yields_to_engines_that_publish_no_checkpoint(
     configured.index.store(r0, hashes)
     [report] = configured.layouts.check()
     assert report.hybrid and "hybrid" in report.mismatches
+    # engines that do publish checkpoints, none of which reached the index (off the router's
+    # block boundaries): a publisher says so (Redis mode), or the grid saw them (direct)
+    registered = _state(tmp_path, _kimi_dir(tmp_path))
+    registered.layouts.registered(ReplicaInfo("r0", model="m", publishes_state=True))
+    registered.index.store(r0, hashes)
+    [report] = registered.layouts.check()
+    assert report.hybrid
+    observed = _state(tmp_path, _kimi_dir(tmp_path))
+    observed.layouts.observer("m", 64)(100)  # a checkpoint at token 100
+    observed.index.store(r0, hashes)
+    [report] = observed.layouts.check()
+    assert report.hybrid
 
 
 def _req(hashes: list[int]) -> RouteRequest:

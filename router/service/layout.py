@@ -245,6 +245,11 @@ class ModelLayouts:
             return
         if any(map(self.index.publishes_state, keys)):
             return
+        grid = self.grids.get(model)
+        if grid is not None and grid.checkpoints:  # they do, off the router's blocks
+            return
+        if any(i.hybrid for i in self._registered.get(model, {}).values()):
+            return
         held = sum(self.index.replica_size(k)[0] for k in keys)
         if held >= KV_ONLY_EVIDENCE_BLOCKS and engine.forget_guessed_hybrid():
             _log.warning(
