@@ -89,20 +89,19 @@ def _fields(raw: Any, names: tuple[str, ...], what: str) -> tuple[str, dict[str,
 
 
 def _lookahead(value: Any) -> tuple[tuple[int, ...], ...]:
-    """vLLM's ``lookahead_token_ids``: a list of token-id lists (one a block; only their
-    presence and length are read, so a count other than the blocks' is taken as it is)."""
-    if not isinstance(value, (list, tuple)):
-        raise _Bad("lookahead_token_ids is not a list")
-    out = []
-    for ids in value:
-        if not isinstance(ids, (list, tuple)):
-            raise _Bad("lookahead_token_ids is not a list of lists")
+    """vLLM's ``lookahead_token_ids``: a list of token-id lists (one a block). Only their
+    presence and length are read, so the ids are taken as they are (a count other than the
+    blocks' too); the first list's are checked, which tells a garbled field."""
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(ids, (list, tuple)) for ids in value
+    ):
+        raise _Bad("lookahead_token_ids is not a list of lists")
+    if value:
         try:
-            array.array("I", ids)
+            array.array("I", value[0])
         except (OverflowError, TypeError):
             raise _Bad("lookahead_token_ids is not lists of uint32") from None
-        out.append(tuple(ids))
-    return tuple(out)
+    return tuple(map(tuple, value))
 
 
 def _bigrams(pairs: list[Any] | tuple[Any, ...], block_size: Any) -> tuple[list[int], Any]:
