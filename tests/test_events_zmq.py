@@ -343,6 +343,28 @@ async def test_replies_dropped_mid_burst_are_asked_again() -> None:
         await pub.close()
 
 
+async def test_a_history_hole_the_buffer_moved_past_is_reported_lost() -> None:
+    """The history's first answer loses 10-19 on the way, and before it is asked again the
+    engine's buffer forgets 0-14: 15-19 come back, 10-14 are lost, and said to be (the
+    caller clears that engine: stale blocks are worse than missing ones)."""
+    pub, sub, got, lost = _replaying_pair()
+    task: asyncio.Task[None] | None = None
+    try:
+        for _ in range(50):
+            await pub.publish([])
+        pub.drop_replay = set(range(10, 20))
+        pub.trim_after_replay = 15
+        task = asyncio.create_task(sub.run())
+        await eventually(lambda: len(got) >= 45)
+        assert got == [*range(10), *range(15, 50)]
+        assert lost == [5] and sub.stats.lost == 5
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await pub.close()
+
+
 @pytest.mark.parametrize(("old_batches", "new_batches"), [(20, 5), (3, 7)])
 async def test_a_restart_while_the_subscriber_was_away_is_found_and_replayed(
     old_batches: int, new_batches: int

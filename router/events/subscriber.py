@@ -153,12 +153,17 @@ class ZmqEventSubscriber:
 
     async def _load_history(self) -> None:
         """Deliver the engine's whole replay buffer (nothing is lost before it: what the
-        buffer no longer holds was never seen)."""
+        buffer no longer holds was never seen; a hole after its first batch, where the
+        buffer moved on between two replay requests, is lost)."""
         got = await self._fetch(0)
         history: dict[int, int] = {}
         for seq, payload in got:
-            if self.last_seq is not None and seq <= self.last_seq:
+            last = self.last_seq
+            if last is not None and seq <= last:
                 continue
+            if history and last is not None and seq > last + 1:
+                self.stats.lost += seq - last - 1
+                self.on_lost(seq - last - 1)
             history[seq] = hash(payload)
             self.stats.replayed += 1
             self._deliver(seq, payload)

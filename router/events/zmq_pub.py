@@ -26,9 +26,10 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 class KVEventPublisher:
     """Publishes batches; ``drop_next`` makes the next N batches skip the PUB socket (they
-    stay in the replay buffer), and ``drop_replay`` names seqs the next replay answer leaves
-    out (as an engine's ROUTER drops replies past its high-water mark, mid-burst), to
-    exercise subscribers' gap recovery."""
+    stay in the replay buffer), ``drop_replay`` names seqs the next replay answer leaves
+    out (as an engine's ROUTER drops replies past its high-water mark, mid-burst), and
+    ``trim_after_replay`` makes the buffer forget its oldest N batches after the next
+    answer (as a busy engine's buffer moves on), to exercise subscribers' gap recovery."""
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class KVEventPublisher:
         self.seq = -1
         self.drop_next = 0
         self.drop_replay: set[int] = set()
+        self.trim_after_replay = 0
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -116,3 +118,6 @@ class KVEventPublisher:
                 if seq >= start and seq not in dropped:
                     await self.replay.send_multipart((*head, seq.to_bytes(8, "big"), payload))
             await self.replay.send_multipart((*end, END_SEQ, b""))
+            for _ in range(min(self.trim_after_replay, len(self.buffer))):
+                self.buffer.popleft()
+            self.trim_after_replay = 0
