@@ -383,6 +383,7 @@ class Reblocker:
             self._extend_ancestors(group, parent_hash, base, hashes[0])
         prev_hash = parent_hash
         blocks, kv_by_hash, is_kv = self._blocks, self._kv_by_hash, kind is Kind.KV
+        counted = self._copies is not None
         for i, h in enumerate(ev.block_hashes[first_new:usable]):
             end = end0 + (i + 1) * be
             done = (end - base) // bs  # complete router blocks of run up to ``end``
@@ -407,11 +408,13 @@ class Reblocker:
                 elif self.on_checkpoint is not None:
                     self.on_checkpoint(end)
                 emitted.extend(covers)
-                self._gain(group, block, bit, covers)
+                if counted:
+                    self._gain(group, block, bit, covers)
             elif not block.media & bit:
                 block.media |= bit
                 emitted.extend(block.covers)
-                self._gain(group, block, bit, block.covers)
+                if counted:
+                    self._gain(group, block, bit, block.covers)
             prev_hash = h
         return self._emit_stored(emitted, tier, kind, group)
 
@@ -618,8 +621,9 @@ class Reblocker:
             if block is None or block.end <= base:
                 return
             block.covers.append(canonical)
-            for bit in (1 << t for t in Tier if block.media >> t & 1):
-                self._gain(group, block, bit, (canonical,))
+            if self._copies is not None:
+                for bit in (1 << t for t in Tier if block.media >> t & 1):
+                    self._gain(group, block, bit, (canonical,))
             parent = block.parent
 
     def _gain(self, group: int, block: _Block, bit: int, covers: Sequence[int]) -> None:
@@ -679,7 +683,9 @@ class Reblocker:
         self, group: int, h: int, block: _Block, bit: int, out: dict[Kind, list[int]]
     ) -> None:
         block.media &= ~bit
-        out[block.kind].extend(self._lose(group, block, bit))
+        out[block.kind].extend(
+            block.covers if self._copies is None else self._lose(group, block, bit)
+        )
         if not block.media:
             del self._blocks[(group, h)]
             if self._kv_by_hash.get(h) is block:
