@@ -120,8 +120,12 @@ def test_lookahead_hashes_turn_the_eagle_block_drop_off() -> None:
     assert not engine.drops_eagle_block and engine.learned_lookahead == (1, SOURCE_ENGINE)
     assert _usable(engine, tokens, 8 * B + 5) == 8
     assert not engine.learn(lookahead=(1, SOURCE_REGISTRY))  # nothing new
-    assert engine.learn(lookahead=(3, SOURCE_REGISTRY))  # vLLM 0.33's multi-module MTP
+    # vLLM 0.33's multi-module MTP: hashes cover 3 tokens, so a block is found only where 3
+    # more of the prompt follow it
+    assert engine.learn(lookahead=(3, SOURCE_REGISTRY))
     assert engine.lookahead_tokens == 3 and _usable(engine, tokens, 8 * B + 5) == 8
+    assert _usable(engine, tokens, 8 * B + 2) == 7
+    assert _usable(engine, tokens, 8 * B + 3) == 8
     # without eagle nothing is given back either way
     plain = _routing(eagle=False)
     plain.index.store(KEY, canonical(tokens))

@@ -319,8 +319,14 @@ class RoutingEngine:
             return PrefixMatches.empty()
         hybrid = self.hybrid_for(replicas)
         layout = self.layout
+        hashes = request.block_hashes
+        ahead = self.lookahead_tokens
+        if ahead > 1:  # a block is hashed, so found, once the ``ahead`` tokens after it exist
+            reach = max(request.prompt_tokens - ahead, 0) // request.block_size
+            if reach < len(hashes):
+                hashes = hashes[:reach]
         return self.index.match(
-            request.block_hashes,
+            hashes,
             hybrid=hybrid,
             now=now,
             prompt_tokens=request.prompt_tokens,
