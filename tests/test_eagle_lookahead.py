@@ -4,7 +4,7 @@ vLLM >= 0.33 with prefix caching (and no KV connector, or one supporting it) has
 block together with the token(s) its drafter reads after it (``num_hash_lookahead_tokens``)
 and then turns its EAGLE block drop off (``Scheduler.__init__``: "Lookahead hashes prove
 the boundary token, so EAGLE needs no drop"); its events carry ``lookahead_token_ids``. The
-router learns that from the events (direct mode: ``EngineIngest.on_lookahead``; Redis mode:
+router learns that from the events (direct mode: ``EngineIngest.on_facts``; Redis mode:
 the publisher's ``ReplicaInfo.lookahead_tokens``) and stops giving back a block where
 ``[models.NAME] eagle = true`` would (router/core/routing.py ``drops_eagle_block``). vLLM's
 own event classes, unmodified, publish over real ZMQ; a real Redis in Redis mode.
@@ -70,7 +70,7 @@ async def _follow(
         MODEL,
         B,
         ports.specs(),  # type: ignore[arg-type]
-        on_lookahead=layouts.lookahead_observer(MODEL),
+        on_facts=layouts.facts_observer(MODEL),
     )
     await direct.start()
     return eng, routing, layouts, direct
@@ -155,7 +155,7 @@ async def test_direct_mode_learns_lookahead_from_vllms_own_events(
         assert routing.drops_eagle_block and _usable(routing, tokens[: 4 * 16], 9 * 16) == 1
         eng.publish(ahead)
         await eventually(lambda: routing.lookahead_tokens == 1)
-        assert direct.ingests["eng"].lookahead_tokens == 1
+        assert direct.ingests["eng"].facts.lookahead_tokens == 1
         assert not routing.drops_eagle_block
         assert _usable(routing, tokens, 9 * 16) == 4
         (report,) = layouts.check()
@@ -191,9 +191,9 @@ async def test_redis_mode_learns_lookahead_from_the_publishers_registration(
         ahead = eng.stored(tokens, 0, 8, group={"lookahead_token_ids": _lookahead(eng, tokens)})
 
         def sent() -> bool:
-            if publisher.ingest.lookahead_tokens == 0:
+            if publisher.ingest.facts.lookahead_tokens == 0:
                 eng.publish(ahead)
-            return publisher.ingest.lookahead_tokens == 1
+            return publisher.ingest.facts.lookahead_tokens == 1
 
         await eventually(sent)
 

@@ -26,6 +26,7 @@ from router.core.state_layout import (
     layout_mismatches,
 )
 from router.core.types import Kind, ReplicaKey, RouteRequest
+from router.events.ingest import EngineFacts
 from router.service.config import build_settings
 from router.service.layout import hybrid_marker
 from router.service.state import APPROXIMATE_SPECULATIVE_TTL_S, RouterState
@@ -268,11 +269,11 @@ def _kimi_dir(tmp_path: Path) -> dict[str, object]:
 def test_a_config_json_guess_yields_to_engines_that_publish_no_checkpoint(
     tmp_path: Path,
 ) -> None:
-    """config.json says hybrid, but the engines (SGLang: no recurrent-state events) publish
-    KV alone: the hybrid rule would predict no usable prefix anywhere, so once they hold
-    KV_ONLY_EVIDENCE_BLOCKS blocks the model is routed on its KV prefix; a checkpoint
-    published later makes it hybrid again. Engines that did publish one, and a configured
-    ``hybrid``, keep the rule."""
+    """config.json says hybrid, but the engines (SGLang: no recurrent-state events, no group
+    kinds) publish KV alone: the hybrid rule would predict no usable prefix anywhere, so
+    once they hold KV_ONLY_EVIDENCE_BLOCKS blocks the model is routed on its KV prefix; a
+    checkpoint published later makes it hybrid again. Engines that did publish one, or name
+    group kinds, and a configured ``hybrid``, keep the rule."""
     r0 = ReplicaKey("r0")
     hashes = list(range(10_000, 10_000 + KV_ONLY_EVIDENCE_BLOCKS))
     state = _state(tmp_path, _kimi_dir(tmp_path))
@@ -311,6 +312,18 @@ def test_a_config_json_guess_yields_to_engines_that_publish_no_checkpoint(
     observed.index.store(r0, hashes)
     [report] = observed.layouts.check()
     assert report.hybrid
+    # engines whose stores name their group kinds (vLLM) keep the guess: a hybrid one's
+    # prompts can all be too short for a checkpoint (vLLM with the EAGLE drop keeps none
+    # under 2 engine blocks); the events said so (direct mode) or a publisher did
+    for say in (
+        lambda s: s.layouts.facts_observer("m")(EngineFacts(names_groups=True)),
+        lambda s: s.layouts.registered(ReplicaInfo("r0", model="m", names_groups=True)),
+    ):
+        vllm = _state(tmp_path, _kimi_dir(tmp_path))
+        say(vllm)
+        vllm.index.store(r0, hashes)
+        [report] = vllm.layouts.check()
+        assert report.hybrid and report.hybrid_source == SOURCE_MODEL_CONFIG
 
 
 def _req(hashes: list[int]) -> RouteRequest:

@@ -18,7 +18,7 @@ from collections.abc import Callable, MutableMapping, Sequence
 from router.core.index import PrefixIndex
 from router.core.types import EventBatch, IndexEvent, ReplicaKey
 from router.events.endpoints import EndpointSpec
-from router.events.ingest import EngineIngest, SubscriberGroup
+from router.events.ingest import EngineFacts, EngineIngest, SubscriberGroup
 
 
 class DirectEvents:
@@ -52,13 +52,13 @@ class DirectEvents:
         block_size: int,
         endpoints: Sequence[EndpointSpec],
         on_checkpoint: Callable[[int], None] | None = None,
-        on_lookahead: Callable[[int], None] | None = None,
+        on_facts: Callable[[EngineFacts], None] | None = None,
     ) -> EngineIngest:
         """Follow ``endpoints`` of ``replica``; call before ``start`` (after it:
-        :meth:`follow`). ``on_checkpoint``, ``on_lookahead``: see ``EngineIngest``."""
+        :meth:`follow`). ``on_checkpoint``, ``on_facts``: see ``EngineIngest``."""
         if self._started:
             raise RuntimeError("add replicas before start(), or follow() them")
-        return self._add(replica, model, block_size, endpoints, on_checkpoint, on_lookahead)
+        return self._add(replica, model, block_size, endpoints, on_checkpoint, on_facts)
 
     async def follow(
         self,
@@ -67,7 +67,7 @@ class DirectEvents:
         block_size: int,
         endpoints: Sequence[EndpointSpec],
         on_checkpoint: Callable[[int], None] | None = None,
-        on_lookahead: Callable[[int], None] | None = None,
+        on_facts: Callable[[EngineFacts], None] | None = None,
     ) -> EngineIngest:
         """:meth:`add_replica` once running (endpoints learned later, e.g. asked of the
         replica: router.events.discovery); its subscribers start now."""
@@ -75,7 +75,7 @@ class DirectEvents:
             raise RuntimeError("follow() is for a running DirectEvents; add_replica() before")
         if replica in self.ingests:
             raise ValueError(f"replica {replica!r} is followed already")
-        ingest = self._add(replica, model, block_size, endpoints, on_checkpoint, on_lookahead)
+        ingest = self._add(replica, model, block_size, endpoints, on_checkpoint, on_facts)
         await self._groups[-1].start()
         return ingest
 
@@ -86,7 +86,7 @@ class DirectEvents:
         block_size: int,
         endpoints: Sequence[EndpointSpec],
         on_checkpoint: Callable[[int], None] | None,
-        on_lookahead: Callable[[int], None] | None,
+        on_facts: Callable[[EngineFacts], None] | None,
     ) -> EngineIngest:
         ingest = EngineIngest(
             replica,
@@ -95,7 +95,7 @@ class DirectEvents:
             self._sink,
             self._applied,
             on_checkpoint=on_checkpoint,
-            on_lookahead=on_lookahead,
+            on_facts=on_facts,
         )
         self.ingests[replica] = ingest
         for spec in endpoints:

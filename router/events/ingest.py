@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from router.core.types import AllCleared, IndexEvent, ReplicaKey
 from router.events.decode import decode_payload
@@ -25,6 +25,18 @@ from router.events.subscriber import ZmqEventSubscriber
 log = logging.getLogger(__name__)
 
 Sink = Callable[[ReplicaKey, list[IndexEvent]], None]
+
+
+@dataclass(slots=True, frozen=True)
+class EngineFacts:
+    """What an engine's stores showed about it. ``lookahead_tokens``: the tokens after each
+    block its hashes cover (vLLM's ``lookahead_token_ids``, SGLang's EAGLE pairs: an EAGLE /
+    MTP engine that gives back no block of a hit; 0: none seen). ``names_groups``: its
+    stores name their KV cache group's kind (vLLM >= 0.22; SGLang's never do), so a hybrid
+    one publishes its recurrent-state checkpoints."""
+
+    lookahead_tokens: int = 0
+    names_groups: bool = False
 
 
 @dataclass(slots=True)
@@ -51,23 +63,22 @@ class EngineIngest:
         sink: Sink,
         on_batch: Callable[[ReplicaKey, float], None] | None = None,
         on_checkpoint: Callable[[int], None] | None = None,
-        on_lookahead: Callable[[int], None] | None = None,
+        on_facts: Callable[[EngineFacts], None] | None = None,
     ) -> None:
         """``on_batch(key, ts)``: called after ``sink`` with the engine's batch timestamp
         (``KVEventBatch.ts``, the engine's wall clock) when the batch gave canonical events
         and carries a timestamp. ``on_checkpoint(end)``: the token position of every new
-        recurrent-state checkpoint (``Reblocker``), for layout learning. ``on_lookahead(n)``:
-        called once, at the first store whose engine hashes cover ``n`` tokens after each
-        block (vLLM's ``lookahead_token_ids``: an EAGLE / MTP engine that gives back no block
-        of a hit); ``lookahead_tokens`` keeps ``n``."""
+        recurrent-state checkpoint (``Reblocker``), for layout learning. ``on_facts``: called
+        with ``facts`` (:class:`EngineFacts`) each time the engine's stores show more of
+        them (at most twice)."""
         self.replica = replica
         self.model = model
         self.block_size = block_size
         self.sink = sink
         self.on_batch = on_batch
         self.on_checkpoint = on_checkpoint
-        self.on_lookahead = on_lookahead
-        self.lookahead_tokens = 0
+        self.on_facts = on_facts
+        self.facts = EngineFacts()
         self.reblockers: dict[int, Reblocker] = {}
         self.stats = IngestStats()
         self._ranks_of: dict[str, set[int]] = {}
@@ -100,8 +111,9 @@ class EngineIngest:
             self.stats.malformed_payloads += 1
             return
         self.stats.malformed_events += len(result.errors)
-        if not self.lookahead_tokens:
-            self._find_lookahead(result.batch.events)
+        facts = self.facts
+        if not (facts.lookahead_tokens and facts.names_groups):
+            self._learn_facts(result.batch.events)
         rank = result.batch.data_parallel_rank
         rank = default_rank if rank is None else rank
         self._ranks_of.setdefault(source, set()).add(rank)
@@ -117,13 +129,19 @@ class EngineIngest:
             if self.on_batch is not None and result.batch.ts > 0:
                 self.on_batch(key, result.batch.ts)
 
-    def _find_lookahead(self, events: Sequence[EngineEvent]) -> None:
+    def _learn_facts(self, events: Sequence[EngineEvent]) -> None:
+        old = facts = self.facts
         for ev in events:
-            if type(ev) is EngineBlockStored and ev.lookahead_token_ids:
-                self.lookahead_tokens = ev.lookahead_tokens
-                if self.on_lookahead is not None and self.lookahead_tokens:
-                    self.on_lookahead(self.lookahead_tokens)
-                return
+            if type(ev) is not EngineBlockStored:
+                continue
+            if not facts.names_groups and ev.kv_cache_spec_kind is not None:
+                facts = replace(facts, names_groups=True)
+            if not facts.lookahead_tokens and ev.lookahead_token_ids:
+                facts = replace(facts, lookahead_tokens=ev.lookahead_tokens)
+        if facts != old:
+            self.facts = facts
+            if self.on_facts is not None:
+                self.on_facts(facts)
 
     def reset_source(self, source: str, default_rank: int = 0) -> None:
         """Events from ``source`` were lost or it restarted: clear what it told us."""

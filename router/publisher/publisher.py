@@ -130,7 +130,8 @@ class Publisher:
             publishes_state=configured.publishes_state or self.grid.checkpoints > 0,
             state_interval_blocks=configured.state_interval_blocks or (self.grid.interval() or 0),
             state_alignment_blocks=self.grid.alignment() or 0,
-            lookahead_tokens=self.ingest.lookahead_tokens,
+            lookahead_tokens=self.ingest.facts.lookahead_tokens,
+            names_groups=self.ingest.facts.names_groups,
         )
 
     async def _register_learned(self) -> None:

@@ -220,7 +220,7 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
                 block,
                 specs,
                 on_checkpoint=app[STATE].layouts.observer(rep.model, block),
-                on_lookahead=app[STATE].layouts.lookahead_observer(rep.model),
+                on_facts=app[STATE].layouts.facts_observer(rep.model),
             )
     registry = app[STATE].metrics.registry
     collector = _NotIndexed(direct)
@@ -284,7 +284,7 @@ async def _discover(app: web.Application, direct: DirectEvents, rep: ReplicaSett
         block,
         specs,
         on_checkpoint=state.layouts.observer(rep.model, block),
-        on_lookahead=state.layouts.lookahead_observer(rep.model),
+        on_facts=state.layouts.facts_observer(rep.model),
     )
     _log.info(
         "replica %s: following its KV events at %s",

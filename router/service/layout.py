@@ -10,15 +10,18 @@ Sources, strongest first after the configuration (``[models.NAME] hybrid`` /
 * publishers' registrations (Redis mode): ``ReplicaInfo.publishes_state`` and the grid the
   publisher learned (``registered`` / ``unregistered``);
 * the model's ``config.json`` beside its tokenizer (``hybrid_marker``): hybrid layer types
-  make the model hybrid before its engines said anything. Only a guess: once its replicas
-  hold ``KV_ONLY_EVIDENCE_BLOCKS`` KV blocks and none published a checkpoint (SGLang
-  publishes no recurrent-state events), the hybrid rule would find no usable prefix
-  anywhere, so ``check()`` drops it (logged) and the model is routed on its KV prefix.
+  make the model hybrid before its engines said anything. Only a guess: engines whose
+  stores name no group kind (SGLang) publish no recurrent-state events, so once their
+  replicas hold ``KV_ONLY_EVIDENCE_BLOCKS`` KV blocks and none published a checkpoint, the
+  hybrid rule would find no usable prefix anywhere: ``check()`` drops the guess (logged) and
+  the model is routed on its KV prefix. Engines that name group kinds (vLLM) keep it: a
+  hybrid one has prompts too short for a checkpoint before it publishes its first.
 
 The engines' lookahead hashes (vLLM's ``lookahead_token_ids``: EAGLE / MTP engines that give
 back no block of a hit, whatever ``[models.NAME] eagle`` says) come from the same two
-sources: the engines' events in direct mode (``lookahead_observer``), publishers'
-``ReplicaInfo.lookahead_tokens`` in Redis mode.
+sources: the engines' events in direct mode (``facts_observer``), publishers'
+``ReplicaInfo.lookahead_tokens`` in Redis mode; so does whether their stores name group
+kinds (``names_groups``).
 
 ``check()`` (the service's housekeeping, every second) compares configuration and evidence
 with ``layout_mismatches``, logs each mismatch when it appears and when it clears, and keeps
@@ -47,6 +50,7 @@ from router.core.state_layout import (
     layout_mismatches,
 )
 from router.core.types import ReplicaKey
+from router.events.ingest import EngineFacts
 from router.store.base import ReplicaInfo
 
 _log = logging.getLogger(__name__)
@@ -133,6 +137,7 @@ class ModelLayouts:
         self._registered: dict[str, dict[str, ReplicaInfo]] = {}  # model -> replica -> info
         self._model_of: dict[str, str] = {}  # replica -> model
         self._reported: dict[str, LayoutReport] = {}
+        self._names_groups: set[str] = set()  # models whose engines' stores name group kinds
 
     # ------------------------------------------------------------------ evidence
 
@@ -164,13 +169,17 @@ class ModelLayouts:
 
         return observe
 
-    def lookahead_observer(self, model: str) -> Callable[[int], None]:
-        """``on_lookahead`` for the model's engine ingests (direct mode): an engine's
-        hashes cover this many tokens after each block."""
+    def facts_observer(self, model: str) -> Callable[[EngineFacts], None]:
+        """``on_facts`` for the model's engine ingests (direct mode): what an engine's stores
+        showed (lookahead hashes, group kinds)."""
 
-        def observe(tokens: int) -> None:
+        def observe(facts: EngineFacts) -> None:
+            if facts.names_groups:
+                self._names_groups.add(model)
             engine = self.engines.get(model)
-            if engine is not None and engine.learn(lookahead=(tokens, SOURCE_ENGINE)):
+            if engine is None or not facts.lookahead_tokens:
+                return
+            if engine.learn(lookahead=(facts.lookahead_tokens, SOURCE_ENGINE)):
                 self._log_layout(model, engine)
 
         return observe
@@ -200,6 +209,8 @@ class ModelLayouts:
         aligns = Counter(i.state_alignment_blocks for i in infos if i.state_alignment_blocks > 0)
         alignment = (aligns.most_common(1)[0][0], SOURCE_REGISTRY) if aligns else None
         hybrid = SOURCE_REGISTRY if any(i.hybrid for i in infos) else None
+        if any(i.names_groups for i in infos):
+            self._names_groups.add(model)
         most = max((i.lookahead_tokens for i in infos), default=0)
         lookahead = (most, SOURCE_REGISTRY) if most else None
         if engine.learn(hybrid=hybrid, interval=interval, alignment=alignment, lookahead=lookahead):
@@ -243,7 +254,7 @@ class ModelLayouts:
         publish no checkpoint (module docstring)."""
         if engine.learned_hybrid != SOURCE_MODEL_CONFIG or engine.settings.hybrid is not None:
             return
-        if any(map(self.index.publishes_state, keys)):
+        if model in self._names_groups or any(map(self.index.publishes_state, keys)):
             return
         grid = self.grids.get(model)
         if grid is not None and grid.checkpoints:  # they do, off the router's blocks
@@ -254,8 +265,9 @@ class ModelLayouts:
         if held >= KV_ONLY_EVIDENCE_BLOCKS and engine.forget_guessed_hybrid():
             _log.warning(
                 "model %s: its config.json names recurrent-state layers, but its engines "
-                "published %d KV blocks and no recurrent-state checkpoint (SGLang publishes "
-                "none): routing on the KV prefix alone; [models.%s] hybrid decides",
+                "published %d KV blocks, no recurrent-state checkpoint and no group kinds "
+                "(SGLang publishes none): routing on the KV prefix alone; [models.%s] hybrid "
+                "decides",
                 model,
                 held,
                 model,

@@ -55,7 +55,9 @@ class ReplicaInfo:
     published recurrent-state checkpoints (a hybrid model); ``state_alignment_blocks``: the
     block count every checkpoint lands on, learned (0: not known yet); ``lookahead_tokens``:
     the tokens after each block the engine's hashes cover (vLLM's ``lookahead_token_ids``;
-    0: none seen). The publisher registers again when what it learned changes
+    0: none seen); ``names_groups``: the engine's stores name their KV cache group kind
+    (vLLM >= 0.22: a hybrid one publishes checkpoints). The publisher registers again when
+    what it learned changes
     (router.core.state_layout)."""
 
     replica: str
@@ -71,6 +73,7 @@ class ReplicaInfo:
     role: str = "both"  # prefill / decode / both (router/core/disagg.py)
     state_alignment_blocks: int = 0
     lookahead_tokens: int = 0
+    names_groups: bool = False
 
     def __post_init__(self) -> None:
         check_replica_name(self.replica)
@@ -87,6 +90,8 @@ class ReplicaInfo:
             raise ValueError("state_alignment_blocks must be a non-negative integer")
         if not isinstance(self.lookahead_tokens, int) or self.lookahead_tokens < 0:
             raise ValueError("lookahead_tokens must be a non-negative integer")
+        if not isinstance(self.names_groups, bool):
+            raise ValueError("names_groups must be true or false")
 
     @property
     def hybrid(self) -> bool:
