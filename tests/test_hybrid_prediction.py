@@ -165,6 +165,23 @@ def _interleaved(sessions: list[list[list[int]]], rng: random.Random) -> list[li
     return order
 
 
+def _serve_sessions(fleet: Fleet, rng: random.Random) -> list[tuple[int, int, int, int]]:
+    """14 interleaved sessions through ``fleet``: (prompt tokens, predicted, cached, KV hit)
+    per request."""
+    rows = []
+    for tokens in _interleaved(_sessions(rng, 14), rng):
+        predicted, cached, kv_hit = fleet.serve(tokens, rng.randrange(1, 40), rng)
+        rows.append((len(tokens), predicted, cached, kv_hit))
+    return rows
+
+
+def _assert_predicted(rows: list[tuple[int, int, int, int]]) -> None:
+    """Every request's predicted hit is what the engine cached (engines always compute the
+    prompt's last token: a whole cached prompt reports n - 1)."""
+    wrong = [r for r in rows if min(r[1], r[0] - 1) != r[2]]
+    assert not wrong, f"{len(wrong)} of {len(rows)} requests mispredicted: {wrong[:5]}"
+
+
 @pytest.mark.parametrize("engine_block", [16, 64])
 def test_predicted_usable_hit_equals_the_engines_hit_for_every_request(engine_block: int) -> None:
     rng = random.Random(24)
@@ -172,13 +189,8 @@ def test_predicted_usable_hit_equals_the_engines_hit_for_every_request(engine_bl
     # and checkpoints (40 blocks of memory each) are evicted along the way
     fleet = _fleet(RoutingSettings(block_size=B), kv_blocks=900, engine_block=engine_block)
     assert not fleet.router.layout.hybrid
-    rows = []
-    for tokens in _interleaved(_sessions(rng, 14), rng):
-        predicted, cached, kv_hit = fleet.serve(tokens, rng.randrange(1, 40), rng)
-        rows.append((len(tokens), predicted, cached, kv_hit))
-    # engines always compute the prompt's last token: a whole cached prompt reports n - 1
-    wrong = [r for r in rows if min(r[1], r[0] - 1) != r[2]]
-    assert not wrong, f"{len(wrong)} of {len(rows)} requests mispredicted: {wrong[:5]}"
+    rows = _serve_sessions(fleet, rng)
+    _assert_predicted(rows)
     assert fleet.router.layout.hybrid and fleet.router.layout.hybrid_source == SOURCE_ENGINE
     # the run exercised what the hybrid rule is about: KV beyond the last checkpoint (usable
     # < KV hit), hits at grid checkpoints and at prompt ends, evicted checkpoints
@@ -229,12 +241,8 @@ def test_sliding_window_model_predicted_hit_equals_the_engines(
     rng = random.Random(window + engine_block)
     fleet = _fleet(RoutingSettings(block_size=B), 250, engine_block, profile)
     assert not fleet.router.layout.hybrid
-    rows = []
-    for tokens in _interleaved(_sessions(rng, 14), rng):
-        predicted, cached, kv_hit = fleet.serve(tokens, rng.randrange(1, 40), rng)
-        rows.append((len(tokens), predicted, cached, kv_hit))
-    wrong = [r for r in rows if min(r[1], r[0] - 1) != r[2]]
-    assert not wrong, f"{len(wrong)} of {len(rows)} requests mispredicted: {wrong[:5]}"
+    rows = _serve_sessions(fleet, rng)
+    _assert_predicted(rows)
     assert fleet.router.layout.hybrid  # learned from the window checkpoints
     # the window rule cut hits: KV cached beyond the usable prefix, and windows evicted
     assert sum(1 for r in rows if r[3] - r[2] >= B) >= 3

@@ -254,7 +254,7 @@ class Reblocker:
         if self._copies is not None:
             self._copies.clear()
             for group, block in recount:
-                for bit in (1 << t for t in Tier if block.media >> t & 1):
+                for bit in _tier_bits(block.media):
                     self._gain(group, block, bit, block.covers)
         if self._mixed is not None:  # what every state-like group still holds
             published = self._mixed.reset({g: self._holdings(g) for g in self._mixed.groups()})
@@ -622,7 +622,7 @@ class Reblocker:
                 return
             block.covers.append(canonical)
             if self._copies is not None:
-                for bit in (1 << t for t in Tier if block.media >> t & 1):
+                for bit in _tier_bits(block.media):
                     self._gain(group, block, bit, (canonical,))
             parent = block.parent
 
@@ -732,6 +732,11 @@ class Reblocker:
         for kind, hashes in out.items():
             events.extend(self._emit_removed(hashes, tier, kind, group))
         return events
+
+
+def _tier_bits(media: int) -> list[int]:
+    """The tier bits set in ``media``."""
+    return [1 << t for t in Tier if media >> t & 1]
 
 
 def _is_window(kind: str | None) -> bool:
