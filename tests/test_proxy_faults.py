@@ -4,7 +4,10 @@ replica's answer head, and a dead replica with several data-parallel ranks (one 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -12,6 +15,7 @@ import pytest
 
 from router.service.config import build_settings
 from tests.backends import Backend, kimi_model_table, start_router
+from tests.waiting import eventually
 
 MODEL = "kimi-test"
 TOKEN = "admin-secret"
@@ -44,6 +48,11 @@ async def _router(
 async def _replicas(url: str, session: aiohttp.ClientSession) -> dict[str, dict[str, Any]]:
     async with session.get(url + "/admin/replicas", headers={"X-Admin-Token": TOKEN}) as r:
         return {x["replica"]: x for x in (await r.json())["replicas"]}
+
+
+async def _settled(url: str, session: aiohttp.ClientSession) -> bool:
+    """No request loads any replica."""
+    return sum(r["in_flight"] for r in (await _replicas(url, session)).values()) == 0
 
 
 async def _outcomes(url: str, session: aiohttp.ClientSession) -> dict[str, float]:
@@ -167,3 +176,74 @@ async def test_a_replica_that_drops_a_request_loses_that_rank_only(engine: str) 
     finally:
         server.close()
         await live.stop()
+
+
+class HeadFirst:
+    """A replica that sends its answer's head at once and then nothing (vLLM sends a stream's
+    head before the prefill; ``head-only`` replicas promise a body that never comes), and
+    notes when the router closes the connection: how a replica learns a request was
+    cancelled."""
+
+    def __init__(self, head: bytes) -> None:
+        self.head = head
+        self.answering = asyncio.Event()  # the head went out
+        self.closed = asyncio.Event()  # the router closed the connection
+        self.url = ""
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> HeadFirst:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(self.head)
+        await writer.drain()
+        self.answering.set()
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(65536):  # the request's body, then the router's end
+                pass
+        self.closed.set()
+        writer.close()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+JSON_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_client_leaving_after_the_answer_head_aborts_the_upstream_request(
+    engine: str, stream: bool
+) -> None:
+    """The replica's head came, its first data did not (a stream prefilling, a JSON answer
+    decoding): a client that leaves then must close the upstream request, else the replica
+    goes on generating for nobody and the connection is never closed."""
+    replica = await HeadFirst(SSE_HEAD if stream else JSON_HEAD).start()
+    try:
+        async for url, session in _router(
+            engine, [{"url": replica.url, "model": MODEL, "name": "r0"}], health_interval_s=0
+        ):
+            body = json.dumps(_chat(stream)).encode()
+            port = int(url.rsplit(":", 1)[1])
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+                % (len(body), body)
+            )
+            await replica.answering.wait()
+            writer.close()  # the client leaves, before any byte of the answer
+            await eventually(replica.closed.is_set, message="the replica saw no cancel")
+
+            await eventually(partial(_settled, url, session))
+            outcomes = await _outcomes(url, session)
+            assert outcomes.get("cancelled") == 1.0, outcomes
+    finally:
+        await replica.stop()

@@ -276,6 +276,12 @@ class Forwarder:
                     mm.outcome(key, "upstream_broken").inc()
                     last_error = f"replica {key} failed: {exc}"
                     kind = "broken"
+                except asyncio.CancelledError:
+                    # the client left after the answer's head, before its first data (or
+                    # its whole body): the replica sees the request cancelled
+                    if upstream is not None:
+                        upstream.abort()
+                    raise
                 if upstream is not None and kind:
                     upstream.abort()
                 reached = reached or kind != "connect"
