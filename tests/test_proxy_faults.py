@@ -13,7 +13,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from router.core.load import decode_weight
+from router.service.app import STATE
 from router.service.config import build_settings
+from router.service.state import RouterState
 from tests.backends import Backend, kimi_model_table, start_router
 from tests.waiting import eventually
 
@@ -247,3 +250,64 @@ async def test_client_leaving_after_the_answer_head_aborts_the_upstream_request(
             assert outcomes.get("cancelled") == 1.0, outcomes
     finally:
         await replica.stop()
+
+
+async def test_a_retry_takes_the_request_record_to_the_replica_that_serves_it(
+    engine: str,
+) -> None:
+    """A request whose first replica fails is retried on the next one: what the router
+    recorded of it moves along, so the replica serving it counts its decode weight (its
+    output limit's, read by the goodput policy's interference term) and its session's
+    next turn is hinted to the replica that holds its prompt now, not the one that
+    failed it."""
+    backends = [await Backend(f"b{i}", [MODEL]).start() for i in range(2)]
+    settings = build_settings(
+        {
+            "server": {"admin_token": TOKEN, "health_interval_s": 0},
+            "replicas": [{"url": b.url, "model": MODEL, "name": b.name} for b in backends],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    running, url = await start_router(settings, engine)
+    state: RouterState = running.app[STATE]
+    http = aiohttp.ClientSession()
+    try:
+        messages = [{"role": "user", "content": "a long question about the sky " * 40}]
+        body = {"model": MODEL, "max_tokens": 2, "messages": messages}
+        session = {"X-Session-Id": "s1"}
+        async with http.post(url + "/v1/chat/completions", json=body, headers=session) as r:
+            assert r.status == 200
+        (first,) = [b for b in backends if b.received]
+        (other,) = [b for b in backends if not b.received]
+        first.fail_next = 1
+        other.gate = asyncio.Event()  # the retry stays in flight there
+        messages += [
+            {"role": "assistant", "content": "it scatters"},
+            {"role": "user", "content": "and at sunset?"},
+        ]
+
+        async def ask() -> int:
+            async with http.post(url + "/v1/chat/completions", json=body, headers=session) as r:
+                await r.read()
+                return r.status
+
+        asked = asyncio.create_task(ask())
+        await eventually(lambda: other.received)
+        assert len(first.received) == 2  # the session's turn went to its replica first
+        keys = {ep.key.replica: ep.key for ep in state.registry.endpoints()}
+        now = asyncio.get_running_loop().time()
+        view = state.load.view(keys[other.name], now)
+        assert view.in_flight == 1
+        assert view.decode_weight == pytest.approx(decode_weight(2))
+        sessions = state.engines[MODEL].sessions
+        assert sessions is not None
+        hint = sessions.get("s1", now)
+        assert hint is not None and hint.replica == keys[other.name], hint
+        other.gate.set()
+        assert await asked == 200
+        await eventually(partial(_settled, url, http))
+    finally:
+        await http.close()
+        await running.cleanup()
+        for b in backends:
+            await b.stop()
