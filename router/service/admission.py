@@ -235,6 +235,7 @@ class Admission:
         return routed._replace(
             service_class=CLASS_NAMES[ticket.klass],
             ttft_factor=queue.settings.ttft_factor[ticket.klass],
+            class_weight=weight,
         )
 
     def _shed(self, m: _Model, ticket: Ticket, reason: str, retry_after_s: float) -> Overloaded:

@@ -221,10 +221,9 @@ class Forwarder:
                 attempt += 1
                 tried.add(key)
                 now = loop.time()
-                if key != routed.decision.replica:  # a retry: the load moves with it
+                if key != routed.decision.replica:  # a retry: the request's record moves
                     self.budget.spend(now)
-                    state.load.complete(rid)
-                    state.load.dispatch(rid, key, routed.request.prompt_tokens, 0)
+                    state.retried(routed, key, now)
                 sent = retry_body if reached and retry_body is not None else body
                 head = request_head(
                     path, self._host(ep.base_url), client_headers, rid_b, ep.dp_rank, len(sent)
@@ -276,6 +275,12 @@ class Forwarder:
                     mm.outcome(key, "upstream_broken").inc()
                     last_error = f"replica {key} failed: {exc}"
                     kind = "broken"
+                except asyncio.CancelledError:
+                    # the client left after the answer's head, before its first data (or
+                    # its whole body): the replica sees the request cancelled
+                    if upstream is not None:
+                        upstream.abort()
+                    raise
                 if upstream is not None and kind:
                     upstream.abort()
                 reached = reached or kind != "connect"

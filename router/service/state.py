@@ -61,6 +61,8 @@ class Routed(NamedTuple):
     # service class (router/core/admission.py) and its TTFT target factor, for the SLO metric
     service_class: str = "default"
     ttft_factor: float = 1.0
+    # the service class's decode weight (LoadTracker.dispatch), kept for a retry's dispatch
+    class_weight: float = 1.0
 
 
 class Pending(NamedTuple):
@@ -267,6 +269,19 @@ class RouterState:
             )
         )
         return routed
+
+    def retried(self, routed: Routed, key: ReplicaKey, now: float) -> None:
+        """``routed``'s request is retried on ``key`` (router/service/proxy.py): recorded
+        there as a dispatch is (its load, with its decode weight; speculative entries; its
+        session's hint), with no predicted hit (only the decision's replica's was
+        predicted). Its load leaves the replica it was on (LoadTracker.dispatch)."""
+        request, prompt = routed.request, routed.prompt
+        decision = routed.decision._replace(replica=key, usable_tokens=0, kv_tokens=0)
+        approximate_ttl, exact_ttl = self.speculative_ttl[request.model]
+        ttl = exact_ttl if prompt.exact else approximate_ttl
+        self.engines[request.model].dispatched(
+            request, decision, now, ttl, class_weight=routed.class_weight, exact=prompt.exact
+        )
 
     # ------------------------------------------------------------------ introspection
 
