@@ -14,7 +14,14 @@ from router.bench.redis_server import LocalRedis
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.types import AllCleared, BlocksRemoved, BlocksStored, Kind, ReplicaKey, Tier
-from router.store.base import IndexStore, LeaseTaken, LoadSample, ReplicaDown, ReplicaInfo
+from router.store.base import (
+    IndexStore,
+    LeaseTaken,
+    LoadSample,
+    ReplicaDown,
+    ReplicaInfo,
+    SeqMismatch,
+)
 from router.store.memory import MemoryStore
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
@@ -303,9 +310,10 @@ async def test_dp_ranks_dropped_by_a_registration_leave_nothing_behind(store: In
         s = store.schema
         assert not {s.kv(name, 2), s.kv(name, 3)} & set(await _leftover_keys(store, name))
         assert sorted(await store.redis.hkeys(s.meta(name))) == [b"info", b"seq:0", b"seq:1"]
-    # the superseded 4-rank writer flushes once more before it notices
+    # the superseded 4-rank writer flushes once more before it notices (and finds out)
     w.add(ReplicaKey(name, 2), [BlocksStored((7,))])
-    await w.flush()
+    with pytest.raises(SeqMismatch):
+        await w.flush()
     assert await store.deregister(name, owner="pub-shrink-2")
     if isinstance(store, RedisStore):
         assert await _leftover_keys(store, name) == []
@@ -354,7 +362,8 @@ async def test_state_written_after_a_reap_is_swept(store: IndexStore) -> None:
     assert await store.orphans() == []
     # the stalled writer's last flush and load sample land after the reap
     w.add(ReplicaKey(name, 1), [BlocksStored((3,))])
-    await w.flush()
+    with pytest.raises(SeqMismatch):  # (what makes it republish, were it alive)
+        await w.flush()
     await store.publish_load(ReplicaKey(name, 1), LoadSample(1, 0, 0.1, 0.0))
     assert await store.orphans() == [name]
     index = PrefixIndex()
