@@ -20,6 +20,7 @@ from router.store.base import (
     LoadSample,
     ReplicaDown,
     ReplicaInfo,
+    ReplicaUp,
     SeqMismatch,
 )
 from router.store.memory import MemoryStore
@@ -455,6 +456,35 @@ async def test_a_replicas_last_batch_lost_to_the_stream_is_found_by_the_audit(
             await eventually(lambda: index.match([1, 2, 3, 4, 5, 6]).get(key).kv_blocks == 3)
             assert index.last_seq(key) == st.seq and sync.stats.stale >= 1
             assert sync.stats.gaps == 0
+    finally:
+        await store.close()
+
+
+async def test_a_registration_whose_up_entry_was_lost_reaches_the_router(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A re-registration with fewer DP ranks whose ReplicaUp the router never read (the
+    stream trimmed past it while it lagged): the store dropped the rank's state, so the
+    audit must bring the router's view of the replica in line, not keep the rank's blocks."""
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=2))
+    try:
+        w = await _publish(store, "shrunk", ranks=(0, 1))
+        gone = ReplicaKey("shrunk", 1)
+        w.add(gone, [BlocksStored((1, 2, 3))])
+        await w.flush()
+        index = PrefixIndex()
+        async with IndexSync(store, index, **FAST) as sync:
+            assert index.match([1, 2, 3]).get(gone).kv_blocks == 3
+            xadd = store._xadd
+            store._xadd = lambda pipe, r, change: (  # type: ignore[method-assign]
+                None if isinstance(change, ReplicaUp) else xadd(pipe, r, change)
+            )
+            one = ReplicaInfo("shrunk", url="http://shrunk", model="m", dp_ranks=(0,))
+            await store.register(one, owner="pub-shrunk", lease_ttl_s=30)
+            store._xadd = xadd  # type: ignore[method-assign]
+            assert await store.stored_seqs([gone]) == [None]  # its state went
+            await eventually(lambda: gone not in index)
+            assert sync.infos["shrunk"].dp_ranks == (0,)
     finally:
         await store.close()
 
