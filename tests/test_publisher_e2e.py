@@ -322,6 +322,46 @@ async def test_a_store_rolled_back_under_a_live_lease_is_republished_and_resynce
         await pub_store.close()
 
 
+async def test_a_store_rolled_back_is_republished_even_when_a_flush_comes_first(
+    redis_url: str, key_prefix: str
+) -> None:
+    """The engine goes on publishing after the store went back: the next flush writes the
+    seq that follows the publisher's own, so a seq check after it finds the stored seq
+    equal to the writer's while the buckets the lost writes changed are stale. The flush
+    itself must notice that the stored seq it follows is not the one it wrote last."""
+    schema = KeySchema(key_prefix, stream_shards=2)
+    pub_store = RedisStore.from_url(redis_url, schema)
+    eng = await _engine(16, 9)
+    pub = _publisher(pub_store, "rb2", eng, heartbeat_s=60.0)  # no seq check on its own
+    key = ReplicaKey("rb2")
+    redis = pub_store.redis
+    state_keys = [schema.meta("rb2"), schema.kv("rb2", 0), schema.state("rb2", 0)]
+    try:
+        async with pub:
+            await asyncio.sleep(0.3)
+            # enough blocks for many buckets: z's flush rewrites only a few of them
+            base, x, y, z = eng.prompt(1200), eng.prompt(80), eng.prompt(80), eng.prompt(2)
+            await eng.store(base)
+            await eng.store(x)
+            await eventually(lambda: _stored_holds(pub_store, key, canonical(x), ()))
+            saved = {k: await redis.dump(k) for k in state_keys}  # the snapshot
+            await eng.evict(x, 0)
+            await eng.store(y)
+            await eventually(lambda: _stored_holds(pub_store, key, canonical(y), canonical(x)))
+            for k, blob in saved.items():  # restored: x whole, y absent
+                if blob is not None:
+                    await redis.restore(k, 0, blob, replace=True)
+            await eng.store(z)  # flushed before any heartbeat
+            await eventually(lambda: _stored_holds(pub_store, key, canonical(z), ()))
+            pub._check_seqs = True  # (what the next heartbeat sets)
+            held = canonical(y) + canonical(z)
+            await eventually(lambda: _stored_holds(pub_store, key, held, canonical(x)))
+            assert pub.stats.seq_mismatches >= 1
+    finally:
+        await eng.pub.close()
+        await pub_store.close()
+
+
 async def test_a_second_publisher_for_a_replica_supersedes_the_first(
     stores: Callable[[], RedisStore],
 ) -> None:

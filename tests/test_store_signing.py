@@ -46,8 +46,9 @@ async def test_router_drops_entries_not_signed_by_the_named_replica(
     try:
         cursor = await router.cursor()
         key = ReplicaKey("a")
-        for store, blocks in ((honest, (1, 2)), (forger, (66, 67)), (unsigned, (99,))):
-            state = ReplicaState(key, seq=1)
+        writers = ((honest, (1, 2)), (forger, (66, 67)), (unsigned, (99,)))
+        for seq, (store, blocks) in enumerate(writers, 1):
+            state = ReplicaState(key, seq=seq)  # (each following the stored seq)
             events = (BlocksStored(blocks),)
             state.apply(events)
             await store.write([(state, events)])

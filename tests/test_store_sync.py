@@ -14,7 +14,15 @@ from router.bench.redis_server import LocalRedis
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.types import AllCleared, BlocksRemoved, BlocksStored, Kind, ReplicaKey, Tier
-from router.store.base import IndexStore, LeaseTaken, LoadSample, ReplicaDown, ReplicaInfo
+from router.store.base import (
+    IndexStore,
+    LeaseTaken,
+    LoadSample,
+    ReplicaDown,
+    ReplicaInfo,
+    ReplicaUp,
+    SeqMismatch,
+)
 from router.store.memory import MemoryStore
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
@@ -303,9 +311,10 @@ async def test_dp_ranks_dropped_by_a_registration_leave_nothing_behind(store: In
         s = store.schema
         assert not {s.kv(name, 2), s.kv(name, 3)} & set(await _leftover_keys(store, name))
         assert sorted(await store.redis.hkeys(s.meta(name))) == [b"info", b"seq:0", b"seq:1"]
-    # the superseded 4-rank writer flushes once more before it notices
+    # the superseded 4-rank writer flushes once more before it notices (and finds out)
     w.add(ReplicaKey(name, 2), [BlocksStored((7,))])
-    await w.flush()
+    with pytest.raises(SeqMismatch):
+        await w.flush()
     assert await store.deregister(name, owner="pub-shrink-2")
     if isinstance(store, RedisStore):
         assert await _leftover_keys(store, name) == []
@@ -354,7 +363,8 @@ async def test_state_written_after_a_reap_is_swept(store: IndexStore) -> None:
     assert await store.orphans() == []
     # the stalled writer's last flush and load sample land after the reap
     w.add(ReplicaKey(name, 1), [BlocksStored((3,))])
-    await w.flush()
+    with pytest.raises(SeqMismatch):  # (what makes it republish, were it alive)
+        await w.flush()
     await store.publish_load(ReplicaKey(name, 1), LoadSample(1, 0, 0.1, 0.0))
     assert await store.orphans() == [name]
     index = PrefixIndex()
@@ -446,6 +456,35 @@ async def test_a_replicas_last_batch_lost_to_the_stream_is_found_by_the_audit(
             await eventually(lambda: index.match([1, 2, 3, 4, 5, 6]).get(key).kv_blocks == 3)
             assert index.last_seq(key) == st.seq and sync.stats.stale >= 1
             assert sync.stats.gaps == 0
+    finally:
+        await store.close()
+
+
+async def test_a_registration_whose_up_entry_was_lost_reaches_the_router(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A re-registration with fewer DP ranks whose ReplicaUp the router never read (the
+    stream trimmed past it while it lagged): the store dropped the rank's state, so the
+    audit must bring the router's view of the replica in line, not keep the rank's blocks."""
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=2))
+    try:
+        w = await _publish(store, "shrunk", ranks=(0, 1))
+        gone = ReplicaKey("shrunk", 1)
+        w.add(gone, [BlocksStored((1, 2, 3))])
+        await w.flush()
+        index = PrefixIndex()
+        async with IndexSync(store, index, **FAST) as sync:
+            assert index.match([1, 2, 3]).get(gone).kv_blocks == 3
+            xadd = store._xadd
+            store._xadd = lambda pipe, r, change: (  # type: ignore[method-assign]
+                None if isinstance(change, ReplicaUp) else xadd(pipe, r, change)
+            )
+            one = ReplicaInfo("shrunk", url="http://shrunk", model="m", dp_ranks=(0,))
+            await store.register(one, owner="pub-shrunk", lease_ttl_s=30)
+            store._xadd = xadd  # type: ignore[method-assign]
+            assert await store.stored_seqs([gone]) == [None]  # its state went
+            await eventually(lambda: gone not in index)
+            assert sync.infos["shrunk"].dp_ranks == (0,)
     finally:
         await store.close()
 

@@ -9,7 +9,8 @@ Life cycle (``start``):
 4. heartbeat every ``heartbeat_s``: a missing lease (expired, or Redis lost its data) means
    register again and republish the full state; a failed write also forces a full republish;
    so does a stored ``seq`` other than the writer's, checked after each heartbeat between two
-   flushes (Redis restored from an older snapshot keeps the lease and loses later writes);
+   flushes and by every flush against the seq it replaces (Redis restored from an older
+   snapshot keeps the lease and loses later writes);
 5. scrape the engine's ``/metrics`` every ``load_interval_s`` and publish load per rank.
 
 Store outages are logged and retried; input problems are counted (``stats``/metrics) and
@@ -44,7 +45,7 @@ from router.core.types import IndexEvent, ReplicaKey
 from router.events.endpoints import EndpointSpec
 from router.events.ingest import EngineIngest, SubscriberGroup
 from router.publisher.scrape import fetch_page, parse_engine_metrics
-from router.store.base import IndexStore, LeaseTaken, LoadSample, ReplicaInfo
+from router.store.base import IndexStore, LeaseTaken, LoadSample, ReplicaInfo, SeqMismatch
 from router.store.writer import StoreWriter
 from router.tasks import stop_all
 
@@ -189,7 +190,10 @@ class Publisher:
             return  # the successor owns the replica's keys now
         s = self.settings
         try:
-            await self.writer.flush()
+            try:
+                await self.writer.flush()
+            except SeqMismatch:
+                await self.writer.flush()  # the full republish it calls for
             if s.deregister_on_stop and not await self.store.deregister(s.info.replica, s.owner):
                 log.warning("publisher stop: %s is owned by another publisher", s.info.replica)
         except Exception as exc:
@@ -236,6 +240,10 @@ class Publisher:
                 log.error("publisher: %s; standing down (no more writes)", exc)
                 await self._stand_down()
                 return
+            except SeqMismatch as exc:  # the writer needs a reset: republish at once
+                self.stats.seq_mismatches += 1
+                log.warning("publisher: %s; republishing", exc)
+                self._wake.set()
             except Exception as exc:
                 _raise_if_cancelled(exc)
                 self.stats.store_errors += 1

@@ -47,6 +47,17 @@ class LeaseTaken(Exception):
         self.holder = holder
 
 
+class SeqMismatch(Exception):
+    """A write found the stored ``seq`` of these keys other than the one before its own:
+    the store went back (restored from an older snapshot, a failover that lost writes) or
+    another writer wrote them, so buckets the write did not touch may be stale. The write
+    was made all the same; the writer must replace its state in full (``reset``)."""
+
+    def __init__(self, keys: Sequence[ReplicaKey]) -> None:
+        super().__init__(f"stored seq not the writer's last for {', '.join(map(str, keys))}")
+        self.keys = tuple(keys)
+
+
 @dataclass(slots=True, frozen=True)
 class ReplicaInfo:
     """What a publisher registers about its replica. ``state_interval_blocks`` is the
@@ -306,7 +317,9 @@ class IndexStore(Protocol):
 
     async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:
         """Commit each state's changed buckets and its ``seq`` (already incremented by the
-        caller), then append each batch of events to the change stream."""
+        caller), then append each batch of events to the change stream. A store that keeps
+        a state in pieces raises ``SeqMismatch`` (after doing all of that) when the stored
+        seq a state's commit replaced was not ``seq - 1``."""
         ...
 
     async def reset(self, states: Sequence[ReplicaState]) -> None:

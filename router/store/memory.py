@@ -29,6 +29,7 @@ from router.store.base import (
     ReplicaState,
     ReplicaUp,
     ResetChange,
+    SeqMismatch,
 )
 
 
@@ -98,11 +99,17 @@ class MemoryStore:
                 del table[key]
 
     async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:
+        behind = []
         for state, events in writes:
+            before = self._snapshots.get(state.key)
+            if (before.seq if before is not None else 0) != state.seq - 1:
+                behind.append(state.key)
             state.kv.take_changes()
             state.state.take_changes()
             self._snapshots[state.key] = state.snapshot()
             self._append(BatchChange(state.key, state.seq, events))
+        if behind:  # as RedisStore, though a snapshot here is never stale in part
+            raise SeqMismatch(behind)
 
     async def reset(self, states: Sequence[ReplicaState]) -> None:
         for state in states:

@@ -42,6 +42,7 @@ from router.store.base import (
     ReplicaState,
     ReplicaUp,
     ResetChange,
+    SeqMismatch,
 )
 from router.store.codec import (
     decode_change,
@@ -311,7 +312,10 @@ class RedisStore:
         if gone and not rebuilt:
             pipe.hdel(key, *gone)
 
-    async def _commit(self, states: Sequence[ReplicaState], full: bool) -> None:
+    async def _commit(self, states: Sequence[ReplicaState], full: bool) -> list[ReplicaKey]:
+        """Write the states (``full``: replace them whole) with their seqs, one transaction
+        per replica; returns the keys whose stored seq before it (0 when none) was not
+        ``seq - 1``."""
         s = self.schema
         by_replica: dict[str, list[ReplicaState]] = defaultdict(list)
         for st in states:
@@ -319,12 +323,21 @@ class RedisStore:
 
         def queue(pipe: Any, item: tuple[str, list[ReplicaState]]) -> None:
             replica, group = item
+            for st in group:  # the seqs replaced, first: the first len(group) replies
+                pipe.hget(s.meta(replica), s.seq_field(st.key.dp_rank))
             for st in group:
                 self._queue_table(pipe, s.kv(replica, st.key.dp_rank), st.kv, full)
                 self._queue_table(pipe, s.state(replica, st.key.dp_rank), st.state, full)
                 pipe.hset(s.meta(replica), s.seq_field(st.key.dp_rank), str(st.seq))
 
-        await self._transactions(list(by_replica.items()), queue)
+        items = list(by_replica.items())
+        replies = await self._transactions(items, queue)
+        return [
+            st.key
+            for (_, group), got in zip(items, replies, strict=True)
+            for st, before in zip(group, got, strict=False)
+            if int(before or 0) != st.seq - 1
+        ]
 
     async def _transactions(
         self, items: Sequence[_T], queue: Callable[[Any, _T], None]
@@ -353,11 +366,13 @@ class RedisStore:
     async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:
         if not writes:
             return
-        await self._commit([st for st, _ in writes], full=False)
+        behind = await self._commit([st for st, _ in writes], full=False)
         async with self.redis.pipeline(transaction=False) as pipe:
             for st, events in writes:
                 self._xadd(pipe, st.key.replica, BatchChange(st.key, st.seq, events))
             await pipe.execute()
+        if behind:  # the buckets this write left alone may not be the writer's
+            raise SeqMismatch(behind)
 
     async def reset(self, states: Sequence[ReplicaState]) -> None:
         if not states:

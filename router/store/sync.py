@@ -10,8 +10,9 @@ change stream from the cursor, in one task that owns all index mutations:
 * every ``audit_interval_s`` the leases are checked: a replica whose lease expired is purged
   from the index (and the listener told) and, with ``reap_expired``, its keys are deleted
   from the store (atomically against the lease coming back); a registered replica we do not
-  know is loaded; a new store instance token (Redis lost its data) triggers a full
-  re-bootstrap. Replicas without a live lease are skipped at bootstrap.
+  know is loaded, one whose registration changed unseen (its ReplicaUp trimmed from the
+  stream) is adopted as a ReplicaUp would be; a new store instance token (Redis lost its
+  data) triggers a full re-bootstrap. Replicas without a live lease are skipped at bootstrap.
 * a ReplicaDown purges the replica only if its lease is gone: one whose publisher registered
   it again while it was being deleted (the Down lands after the new Up) stays.
 * a store that lost its data does not end any replica's lease early: a replica known before
@@ -298,6 +299,11 @@ class IndexSync:
             if self.reap_expired:
                 await self.store.reap(name)
         registered = await self.store.list_replicas()
+        for info in registered:
+            known = self.infos.get(info.replica)
+            if known is not None and known != info:  # its ReplicaUp was trimmed past us
+                log.info("index sync: %s registered again unseen; adopting it", info.replica)
+                await self._up(info)
         fresh = [i for i in registered if i.replica not in self.infos]
         if fresh:
             alive = await self.store.leases([i.replica for i in fresh])
@@ -371,10 +377,7 @@ class IndexSync:
             if change.key.replica in self.infos:
                 self.listener.load(change.key, change.sample, self.clock())
         elif isinstance(change, ReplicaUp):
-            known = self.infos.get(change.info.replica)
-            self._adopt(change.info)
-            if known is None or known.dp_ranks != change.info.dp_ranks:
-                await self._resync(change.info.replica_keys())
+            await self._up(change.info)
         elif isinstance(change, ReplicaDown):
             if (await self.store.leases([change.replica])).get(change.replica):
                 # registered again after the deletion this announces (a publisher restarted
@@ -416,6 +419,14 @@ class IndexSync:
             return
         self._adopt(info)
         await self._resync(info.replica_keys())
+
+    async def _up(self, info: ReplicaInfo) -> None:
+        """A registration, new or changed: adopt it; read the state of a replica not known
+        before, or of every key when its DP ranks changed."""
+        known = self.infos.get(info.replica)
+        self._adopt(info)
+        if known is None or known.dp_ranks != info.dp_ranks:
+            await self._resync(info.replica_keys())
 
     def _adopt(self, info: ReplicaInfo) -> None:
         self._grace.pop(info.replica, None)

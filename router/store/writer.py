@@ -4,7 +4,8 @@ Events are folded into the authoritative ``ReplicaState`` per ``ReplicaKey`` as 
 (``add``) and committed in batches (``flush``): one ``seq`` per key per flush, changed
 buckets only. ``reset`` rewrites every key's full state (start-up, lost lease, Redis data
 loss, failed write). A failed flush leaves the writer needing a reset, so nothing is lost:
-the states already hold every event.
+the states already hold every event; so does a flush that found the stored seq it replaced
+not its own last (``SeqMismatch``: the store went back, or another writer wrote).
 """
 
 from __future__ import annotations
