@@ -136,6 +136,8 @@ class _Flight:
     prefill_tokens: int
     weight: float
     decoding: bool = False
+    sequences: int = 1  # sequences it decodes (its prompts x ``n``)
+    context_tokens: int = 0  # what they attend to: ``prompt_tokens`` x ``n``
 
 
 @dataclass(slots=True)
@@ -234,15 +236,24 @@ class LoadTracker:
         cached_tokens: int,
         max_output_tokens: int | None = None,
         class_weight: float = 1.0,
+        samples: int = 1,
+        prompts: int = 1,
     ) -> None:
         """A request was sent to ``key``; ``cached_tokens`` of its prompt are predicted hits;
         ``max_output_tokens`` (None: unknown) weighs it while it decodes (:func:`decode_weight`),
-        times ``class_weight`` (its service class's, router/core/admission.py)."""
+        times ``class_weight`` (its service class's, router/core/admission.py). It decodes
+        ``samples`` (its ``n``) sequences for each of its ``prompts`` (a batch of completion
+        prompts, ``prompt_tokens`` their sum), each weighed and counted in the replica's
+        decode batch; its prompt is prefilled once."""
         if request_id in self._flights:
             self.complete(request_id)
         prefill = max(prompt_tokens - cached_tokens, 1)
-        weight = decode_weight(max_output_tokens) * class_weight
-        self._flights[request_id] = _Flight(key, prompt_tokens, prefill, weight)
+        sequences = max(samples, 1) * max(prompts, 1)
+        weight = decode_weight(max_output_tokens) * class_weight * sequences
+        context = prompt_tokens * max(samples, 1)
+        self._flights[request_id] = _Flight(
+            key, prompt_tokens, prefill, weight, sequences=sequences, context_tokens=context
+        )
         rep = self._get(key)
         rep.prefilling += 1
         rep.queued_prefill_tokens += prefill
@@ -264,8 +275,8 @@ class LoadTracker:
             return
         rep.prefilling -= 1
         rep.queued_prefill_tokens -= flight.prefill_tokens
-        rep.decoding += 1
-        rep.decode_context_tokens += flight.prompt_tokens
+        rep.decoding += flight.sequences
+        rep.decode_context_tokens += flight.context_tokens
         if rep.row >= 0:
             self._mirror(rep)
 
@@ -280,11 +291,11 @@ class LoadTracker:
             return
         rep.in_flight_prompt_tokens -= flight.prompt_tokens
         # a float sum: removing what was added may leave a rounding residue
-        busy = rep.prefilling + rep.decoding > 1
+        busy = rep.prefilling + rep.decoding > (flight.sequences if flight.decoding else 1)
         rep.decode_weight = max(rep.decode_weight - flight.weight, 0.0) if busy else 0.0
         if flight.decoding:
-            rep.decoding -= 1
-            rep.decode_context_tokens -= flight.prompt_tokens
+            rep.decoding -= flight.sequences
+            rep.decode_context_tokens -= flight.context_tokens
         else:
             rep.prefilling -= 1
             rep.queued_prefill_tokens -= flight.prefill_tokens

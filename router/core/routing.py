@@ -471,6 +471,8 @@ class RoutingEngine:
             decision.usable_tokens,
             request.max_output_tokens,
             class_weight,
+            request.samples,
+            request.prompts,
         )
         new_tokens = request.prompt_tokens - decision.usable_tokens
         self.turnover.dispatched(decision.replica, new_tokens / request.block_size)

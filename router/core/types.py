@@ -144,6 +144,10 @@ class RouteRequest(NamedTuple):
     # False: the engine reads no prefix cache for it (vLLM: prompt logprobs asked); every
     # replica's match is empty, its blocks are still cached where it is sent
     reads_cache: bool = True
+    # sequences decoded for each prompt (``n``) and prompts sent together (a batch of
+    # completion prompts, ``prompt_tokens`` their sum): the load it adds (LoadTracker)
+    samples: int = 1
+    prompts: int = 1
 
     @property
     def prompt_blocks(self) -> int:

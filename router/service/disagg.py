@@ -171,6 +171,8 @@ def route(
         prompt.block_size,
         session_id,
         max_output_tokens,
+        samples=prompt.samples,
+        prompts=prompt.prompts,
     )
     keys = state.registry.keys_for(model)
     plan = md.pd.plan(engine, request, keys, now, state.rng, keep_local=keep_local)

@@ -67,6 +67,9 @@ KINDS = {
 
 # Bodies this large or larger are tokenized on a worker thread, off the event loop.
 THREAD_MIN_BODY = BODY_MEMO_MAX_BYTES
+# the most sequences a request's ``n`` adds to its replica's load view (a larger ``n`` is the
+# engine's to refuse or serve; the router's view stays bounded)
+MAX_SAMPLES = 1024
 
 _A = TypeVar("_A")
 
@@ -114,6 +117,17 @@ def field_types(body: dict[str, Any], default_model: str | None = None) -> tuple
         if v is INVALID or (v is not None and v < 0):
             raise BadRequest(f"'{key}' must be a non-negative integer")
     return model, bool(stream)
+
+
+def sampled_sequences(body: dict[str, Any], kind: str) -> int:
+    """How many sequences the engine samples for each prompt: a chat or completion body's
+    ``n`` (read as vLLM reads it: ``"2"`` and ``2.0`` are 2), at most ``MAX_SAMPLES`` for
+    the load view; 1 for the other kinds and for a value the engine will refuse (it answers
+    that itself)."""
+    if kind not in ("chat", "completion"):
+        return 1
+    n = lax_int(body.get("n"))
+    return min(n, MAX_SAMPLES) if type(n) is int and n > 1 else 1
 
 
 def max_output_tokens(body: dict[str, Any], kind: str = "chat") -> int | None:
@@ -263,6 +277,9 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     parse_service_tier(tier)  # a bad value is a 400, admission on or off
     if asks_prompt_logprobs(body, kind):
         prompt = replace(prompt, reads_cache=False)
+    samples = sampled_sequences(body, kind)
+    if samples > 1:
+        prompt = replace(prompt, samples=samples)
     session = body_session(body)
     if messages and session is None:
         session = session_key(anthropic_session(body))

@@ -231,6 +231,8 @@ class RouterState:
             session_id=session_id,
             max_output_tokens=max_output_tokens,
             reads_cache=prompt.reads_cache,
+            samples=prompt.samples,
+            prompts=prompt.prompts,
         )
         t0 = time.perf_counter()
         keys = self.registry.keys_for(model) if replicas is None else replicas

@@ -83,6 +83,10 @@ class ProcessedPrompt:
     # False when the engine reads no prefix cache for the request (vLLM: prompt logprobs
     # asked): no replica's cache shortens it, though its blocks are cached as computed
     reads_cache: bool = True
+    # prompts sent together (a batch of completion prompts) and sequences sampled for each
+    # (the body's ``n``, set by the request handler): what the engine decodes
+    prompts: int = 1
+    samples: int = 1
 
     @property
     def context_tokens(self) -> int:
@@ -125,6 +129,7 @@ def _batch(entries: Sequence[ProcessedPrompt]) -> ProcessedPrompt:
         tokenize_s=sum(e.tokenize_s for e in entries),
         hash_s=sum(e.hash_s for e in entries),
         longest_tokens=longest.prompt_tokens,
+        prompts=len(entries),
     )
 
 
