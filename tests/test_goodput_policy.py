@@ -94,6 +94,28 @@ def test_a_new_session_leaves_a_hot_prefix_whose_decode_batch_is_slow() -> None:
     assert ours.terms(request, idle)["batch"] == 0.0  # only what differs between replicas
 
 
+def test_a_request_sampling_many_sequences_prices_them_all_in_the_batch() -> None:
+    """``n`` sequences of one prompt (RL rollouts) each grow the steps of the sequences
+    already decoding; an idle replica still prices nothing."""
+    one = RouteRequest("x", "m", 8_000, [], 64, None, 500)
+    many = one._replace(samples=16)
+    a = _cand(A, kv=62, decoding=40, decode_context_tokens=40 * 40_000)
+    b = _cand(B, decoding=10, decode_context_tokens=10 * 1_000)
+    ours = Ours()
+    cost = ours.cost
+    step = cost.decode_step_s(40, 40 * 40_000)
+    assert ours.terms(many, a)["batch"] == pytest.approx(
+        500 * (step + 40 * cost.decode_step_s(16, 16 * 8_000))
+    )
+    assert ours.terms(many, a)["batch"] > ours.terms(one, a)["batch"]
+    assert ours.terms(many, _cand(C))["batch"] == 0.0
+    # a batch of 3 prompts (8,000 tokens in all), 2 samples each: 6 sequences
+    batch = one._replace(samples=2, prompts=3)
+    assert ours.terms(batch, b)["batch"] == pytest.approx(
+        500 * (cost.decode_step_s(10, 10_000) + 10 * cost.decode_step_s(6, 16_000))
+    )
+
+
 def test_the_batch_term_fades_once_every_replica_has_prefill_queued() -> None:
     """Spreading decode batches gives up cache hits: free while some replica has no prefill
     queued, paid by every queued request once none has."""

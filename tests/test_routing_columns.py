@@ -149,6 +149,8 @@ def test_the_array_path_decides_as_the_per_candidate_path(seed: int) -> None:
             settings.block_size,
             rng.choice([None, "s"]),
             rng.choice([None, 3, 300]),
+            samples=rng.choice([1, 1, 8]),
+            prompts=rng.choice([1, 1, 3]),
         )
         decided = _decide(arrays, request, keys, now, seed)
         assert decided == _decide(per_candidate, request, keys, now, seed)
@@ -159,7 +161,9 @@ def test_the_array_path_decides_as_the_per_candidate_path(seed: int) -> None:
             if request.session_id:  # what dispatched() records for the session, in both
                 arrays.sessions.record("s", decided[0].replica, request.block_hashes, now)
         key = rng.choice(keys)
-        load.dispatch(f"m{step}", key, rng.randrange(1, 5000), 0)
+        load.dispatch(f"m{step}", key, rng.randrange(1, 5000), 0, samples=rng.choice([1, 4]))
+        if rng.random() < 0.5:
+            load.first_token(f"m{step}")
         if rng.random() < 0.3:
             load.set_draining(rng.choice(keys), rng.random() < 0.5)
 

@@ -283,11 +283,12 @@ class Ours:
       of the request's output tokens (``max_output_tokens``, ``EXPECTED_OUTPUT_TOKENS``
       when unknown) waits for a step that also decodes the sequences already there
       (``decode_step_s(decoding, decode_context)``), and each of those sequences' steps
-      grows by what the request's own sequence and context add, for as long as both
-      decode. The part every replica charges alike (the request's own sequence) is left
-      out, so an idle replica prices 0. A replica that holds a popular prefix would
-      otherwise take every new session until its decode batch is several times slower
-      than the rest of the fleet's: TTFT bought with everyone's time per output token.
+      grows by what the request's own sequences (``n`` for each of its prompts) and their
+      context add, for as long as both decode. The part every replica charges alike (the
+      request's own sequences) is left out, so an idle replica prices 0. A replica that
+      holds a popular prefix would otherwise take every new session until its decode batch
+      is several times slower than the rest of the fleet's: TTFT bought with everyone's
+      time per output token.
       ``w_batch`` counts in proportion to the share of candidates with no prefill queued:
       spreading decode batches gives up cache hits, which is free while replicas have
       prefill time to spare and costs every queued request once they have none.
@@ -363,9 +364,9 @@ class Ours:
         interference = prefill * decode_weight / self.tpot_target_s
         eviction = prefill * maximum(eviction_risk - self.eviction_risk_floor, 0.0)
         out = request.max_output_tokens or EXPECTED_OUTPUT_TOKENS
-        joined = cost.decode_step_s(decoding, decode_context) + decoding * cost.decode_step_s(
-            1, prompt
-        )
+        # the request's own sequences (``n`` for each of its prompts) attend to its prompts
+        own = cost.decode_step_s(request.samples * request.prompts, prompt * request.samples)
+        joined = cost.decode_step_s(decoding, decode_context) + decoding * own
         batch = out * joined
         return prefill, queue, decode, kv, interference, eviction, batch
 
