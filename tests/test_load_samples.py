@@ -17,8 +17,8 @@ from router.core.load import LoadTracker, decode_weight
 from router.core.types import ReplicaKey
 from router.service.app import STATE
 from router.service.config import build_settings
-from router.service.handling import MAX_SAMPLES, sampled_sequences
 from router.service.state import RouterState
+from router.tokenize.request_fields import MAX_SAMPLES, sampled_sequences
 from tests.backends import Backend, kimi_model_table, start_router
 from tests.waiting import eventually
 

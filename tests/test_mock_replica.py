@@ -113,7 +113,14 @@ async def test_bad_requests_metrics_and_health(start_mock: Callable) -> None:
         await mock.client.completions.create(
             model="m", prompt=[1, 2], max_tokens=1, extra_body={"cache_salt": ""}
         )
-    await mock.client.completions.create(model="m", prompt=_prompt(2, 100), max_tokens=1)
+    # it samples one sequence a request: n > 1 is refused, never answered with one choice
+    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+        await mock.client.completions.create(model="m", prompt=[1, 2], max_tokens=1, n=2)
+    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+        await mock.client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1, n=3
+        )
+    await mock.client.completions.create(model="m", prompt=_prompt(2, 100), max_tokens=1, n=1)
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{mock.url}/health") as resp:
             assert resp.status == 200

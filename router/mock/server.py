@@ -60,7 +60,7 @@ from router.mock.latency import RequestLatency
 from router.mock.preprocess import handlers
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
 from router.tokenize.anthropic import to_chat_body
-from router.tokenize.request_fields import asks_prompt_logprobs
+from router.tokenize.request_fields import asks_prompt_logprobs, sampled_sequences
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +227,9 @@ async def _prepare(request: web.Request, kind: str) -> tuple[MockState, dict[str
     model = body.get("model")
     if model is not None and model != state.settings.model:
         raise BadRequest(f"model {model!r} is not served here ({state.settings.model!r} is)")
+    if kind in ("chat", "completion") and sampled_sequences(body, kind) > 1:
+        # a refusal, never one choice where n were asked
+        raise BadRequest("the mock replica samples one sequence a request: 'n' must be 1")
     try:
         tokens = tokens_of(state.tokenizer, kind, body, state.responses)
     except UnicodeEncodeError:  # a lone surrogate (``"\ud800"``): no text to tokenize

@@ -51,7 +51,7 @@ from router.tokenize.anthropic import messages_prompt
 from router.tokenize.anthropic import session_of as anthropic_session
 from router.tokenize.lax import INVALID, lax_bool, lax_int
 from router.tokenize.pipeline import ProcessedPrompt
-from router.tokenize.request_fields import asks_prompt_logprobs
+from router.tokenize.request_fields import asks_prompt_logprobs, sampled_sequences
 from router.tokenize.responses import previous_response, responses_prompt
 
 CHAT_PATH = b"/v1/chat/completions"
@@ -67,9 +67,6 @@ KINDS = {
 
 # Bodies this large or larger are tokenized on a worker thread, off the event loop.
 THREAD_MIN_BODY = BODY_MEMO_MAX_BYTES
-# the most sequences a request's ``n`` adds to its replica's load view (a larger ``n`` is the
-# engine's to refuse or serve; the router's view stays bounded)
-MAX_SAMPLES = 1024
 
 _A = TypeVar("_A")
 
@@ -117,17 +114,6 @@ def field_types(body: dict[str, Any], default_model: str | None = None) -> tuple
         if v is INVALID or (v is not None and v < 0):
             raise BadRequest(f"'{key}' must be a non-negative integer")
     return model, bool(stream)
-
-
-def sampled_sequences(body: dict[str, Any], kind: str) -> int:
-    """How many sequences the engine samples for each prompt: a chat or completion body's
-    ``n`` (read as vLLM reads it: ``"2"`` and ``2.0`` are 2), at most ``MAX_SAMPLES`` for
-    the load view; 1 for the other kinds and for a value the engine will refuse (it answers
-    that itself)."""
-    if kind not in ("chat", "completion"):
-        return 1
-    n = lax_int(body.get("n"))
-    return min(n, MAX_SAMPLES) if type(n) is int and n > 1 else 1
 
 
 def max_output_tokens(body: dict[str, Any], kind: str = "chat") -> int | None:

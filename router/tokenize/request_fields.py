@@ -11,6 +11,10 @@ from router.core.errors import BadRequest
 from router.tokenize.lax import lax_bool, lax_int
 from router.tokenize.template import prepare_tools
 
+# the most sequences a request's ``n`` adds to its replica's load view (a larger ``n`` is the
+# engine's to refuse or serve; the router's view stays bounded)
+MAX_SAMPLES = 1024
+
 
 def kept_tokens(body: Mapping[str, Any], context_length: int | None = None) -> int | None:
     """vLLM's ``truncate_prompt_tokens``: k >= 1 sends only the prompt's last k tokens to the
@@ -153,3 +157,14 @@ def asks_prompt_logprobs(body: dict[str, Any], kind: str | None) -> bool:
         echoed = body.get("top_logprobs", 0) if kind == "chat" else body.get("logprobs")
         return echoed is not None
     return False
+
+
+def sampled_sequences(body: Mapping[str, Any], kind: str) -> int:
+    """How many sequences the engine samples for each prompt: a chat or completion body's
+    ``n`` (read as vLLM reads it: ``"2"`` and ``2.0`` are 2), at most ``MAX_SAMPLES`` for
+    the load view; 1 for the other kinds and for a value the engine will refuse (it answers
+    that itself)."""
+    if kind not in ("chat", "completion"):
+        return 1
+    n = lax_int(body.get("n"))
+    return min(n, MAX_SAMPLES) if type(n) is int and n > 1 else 1
