@@ -649,6 +649,54 @@ async def test_a_replica_lost_with_the_store_stays_until_its_grace_ends(
         await router_store.close()
 
 
+async def test_a_rebootstrap_after_data_loss_that_fails_midway_keeps_the_grace(
+    private_redis: LocalRedis,
+) -> None:
+    """Redis comes back empty and the router's re-bootstrap fails after reading the new
+    instance token (Redis still loading, a timeout): the retry is still a re-bootstrap after
+    a data loss, so the replicas the empty store lacks keep their grace instead of being
+    purged at once."""
+    schema = KeySchema("kvr", stream_shards=2)
+    store = RedisStore.from_url(private_redis.url, schema)
+    downs: list[str] = []
+
+    class Downs(NullListener):
+        def replica_down(self, replica: str, keys: Sequence[ReplicaKey]) -> None:
+            downs.append(replica)
+
+    class Flaky(RedisStore):
+        """A real store whose stream cursor (read by bootstraps alone) fails once when
+        ``fail`` is set."""
+
+        fail = False
+
+        async def cursor(self) -> object:
+            if self.fail:
+                self.fail = False
+                raise ConnectionError("cursor read failed once")
+            return await super().cursor()
+
+    router_store = Flaky.from_url(private_redis.url, schema)
+    assert isinstance(router_store, Flaky)
+    try:
+        info = ReplicaInfo("r", model="m")
+        await store.register(info, owner="p", lease_ttl_s=30)
+        w = StoreWriter(store, info.replica_keys())
+        w.add(ReplicaKey("r"), [BlocksStored((1, 2))])
+        await w.flush()
+        index = PrefixIndex()
+        sync = IndexSync(router_store, index, listener=Downs(), lost_store_grace_s=30, **FAST)
+        async with sync:
+            router_store.fail = True
+            await store.redis.flushall()
+            await eventually(lambda: sync.stats.kept_on_data_loss == 1)
+            assert not router_store.fail  # the failing bootstrap ran first
+            assert downs == [] and index.match([1, 2]).get(ReplicaKey("r")).kv_blocks == 2
+    finally:
+        await store.close()
+        await router_store.close()
+
+
 async def test_auth_urls(tmp_path: Any) -> None:
     with LocalRedis(tmp_path / "auth", password="s3cret") as server:
         ok = RedisStore.from_url(server.url)

@@ -254,10 +254,12 @@ class IndexSync:
                 backoff = min(backoff * 2, 2.0)
 
     async def bootstrap(self) -> None:
-        """Rebuild the index's view of every stored replica from the store."""
-        before = self._token
-        self._token = await self.store.instance_token()
-        lost = before is not None and before != self._token
+        """Rebuild the index's view of every stored replica from the store. The store's
+        instance token is taken as seen only once this succeeds: a re-bootstrap after a data
+        loss that fails midway is retried as one after a data loss (its replicas keep their
+        grace)."""
+        token = await self.store.instance_token()
+        lost = self._token is not None and self._token != token
         self._cursor = await self.store.cursor()
         self._backlog.clear()  # read before the new cursor: the snapshots below hold it
         self._owed.clear()
@@ -277,6 +279,7 @@ class IndexSync:
         for i in range(0, len(keys), self.bootstrap_chunk):
             await self._resync(keys[i : i + self.bootstrap_chunk])
             await asyncio.sleep(0)  # let the owner's other tasks run between chunks
+        self._token = token
         self.stats.bootstraps += 1
         self._next_audit = time.monotonic() + self.audit_interval_s
 
