@@ -236,6 +236,14 @@ def test_stall_ledger() -> None:
     assert ledger.headroom(r) == pytest.approx(6.0)
     ledger.forget(r)
     assert ledger.headroom(r) == float("inf") and len(ledger) == 0
+    # a retry moves a request's allowance to its new replica, with its prefill there
+    other = ReplicaKey("o")
+    ledger.add("d", r, 1.0, 5.0)
+    ledger.move("d", other, 2.0)
+    assert ledger.headroom(r) == float("inf")
+    assert ledger.headroom(other) == pytest.approx(5.0) and len(ledger) == 1
+    ledger.move("c", r, 1.0)  # untracked: nothing to move
+    assert ledger.headroom(r) == float("inf")
 
 
 def test_assess_uses_the_policy_prediction_with_the_usable_hit() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.core.admission import AdmissionSettings
+from router.core.admission import AdmissionQueue, AdmissionSettings
 from router.core.errors import ConfigError
 from router.service.app import STATE
 from router.service.config import build_settings
@@ -32,6 +32,7 @@ class Door:
     state: RouterState
     backend: Backend
     http: aiohttp.ClientSession
+    backends: list[Backend]
 
     async def post(self, tier: str | None = None, **extra: Any) -> aiohttp.ClientResponse:
         body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **extra}
@@ -39,20 +40,26 @@ class Door:
             body["service_tier"] = tier
         return await self.http.post(self.url + "/v1/completions", json=body)
 
+    def queue(self) -> AdmissionQueue:
+        queue: AdmissionQueue = self.state.admission._models[MODEL].queue
+        return queue
+
     def held(self) -> int:
-        queue = self.state.admission._models[MODEL].queue
-        return len(queue)
+        return len(self.queue())
 
     async def metric(self, name: str) -> dict[str, float]:
         async with self.http.get(self.url + "/metrics") as r:
             return series(await r.text(), name)
 
 
-async def _door(admission: dict[str, Any], slo: dict[str, Any]) -> AsyncIterator[Door]:
-    backend = await Backend("b0", [MODEL]).start()
+async def _door(
+    admission: dict[str, Any], slo: dict[str, Any], replicas: int = 1
+) -> AsyncIterator[Door]:
+    backends = [await Backend(f"b{i}", [MODEL]).start() for i in range(replicas)]
+    backend = backends[0]
     settings = build_settings(
         {
-            "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
+            "replicas": [{"url": b.url, "model": MODEL, "name": b.name} for b in backends],
             "models": {
                 MODEL: kimi_model_table(
                     context_length=100_000, slo=slo, admission={"enabled": True, **admission}
@@ -63,13 +70,15 @@ async def _door(admission: dict[str, Any], slo: dict[str, Any]) -> AsyncIterator
     runner, url = await start_router(settings)
     http = aiohttp.ClientSession()
     try:
-        yield Door(url, runner.app[STATE], backend, http)
+        yield Door(url, runner.app[STATE], backend, http, backends)
     finally:
-        if backend.gate is not None:
-            backend.gate.set()
+        for b in backends:
+            if b.gate is not None:
+                b.gate.set()
         await http.close()
         await runner.cleanup()
-        await backend.stop()
+        for b in backends:
+            await b.stop()
 
 
 @pytest.fixture
@@ -89,6 +98,13 @@ async def protective() -> AsyncIterator[Door]:
         "max_hold_s": 60.0,
     }
     async for d in _door(knobs, {"ttft_s": 100.0}):
+        yield d
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Door]:
+    """Two replicas, every request admitted at once (a long TTFT target)."""
+    async for d in _door({}, {"ttft_s": 100.0}, replicas=2):
         yield d
 
 
@@ -158,3 +174,32 @@ async def test_a_client_that_leaves_leaves_the_queue(protective: Door) -> None:
         assert r.status == 200
     assert len(d.backend.received) == 1  # the one that left was never sent
     assert d.state.load.in_flight() == 0
+
+
+async def test_a_retry_moves_the_stall_allowance(pair: Door) -> None:
+    d = pair
+    for b in d.backends:
+        b.gate = asyncio.Event()
+    task = asyncio.create_task(d.post(max_tokens=200))
+    await eventually(lambda: sum(len(b.received) for b in d.backends) == 1)
+    first = next(b for b in d.backends if b.received)
+    other = next(b for b in d.backends if b is not first)
+    rid = first.received[0]["headers"]["x-request-id"]
+    queue = d.queue()
+    failed = d.state.load.replica_of(rid)
+    assert failed is not None and failed.replica == first.name
+    assert queue.stall.headroom(failed) < float("inf")  # its allowance is on the replica
+    first.fail_next = 1
+    assert first.gate is not None
+    first.gate.set()  # it answers 500: the request is retried on the other replica
+    await eventually(lambda: len(other.received) == 1)
+    retried = d.state.load.replica_of(rid)
+    assert retried is not None and retried.replica == other.name
+    # the failed replica protects nothing of it any more; the one decoding it does
+    assert queue.stall.headroom(failed) == float("inf")
+    assert queue.stall.headroom(retried) < float("inf")
+    assert other.gate is not None
+    other.gate.set()
+    async with await task as r:
+        assert r.status == 200, await r.text()
+    assert len(queue.stall) == 0

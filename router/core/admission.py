@@ -328,6 +328,11 @@ class AdmissionQueue:
         allowance = share * spare * (out - 1) if out > 1 else math.inf
         self.stall.add(ticket.key, replica, float(a.prefill_s[at]), allowance)
 
+    def retried(self, key: Hashable, replica: ReplicaKey, prefill_s: float) -> None:
+        """A dispatched request is retried on ``replica`` (with ``prefill_s`` of prefill
+        there): its allowance moves with it (:meth:`StallLedger.move`)."""
+        self.stall.move(key, replica, prefill_s)
+
     def finished(self, key: Hashable) -> None:
         """A dispatched request finished, failed or was cancelled."""
         self.stall.remove(key)

@@ -47,6 +47,7 @@ from router.core.admission import (
 )
 from router.core.errors import KVRouterError, NoReplicaAvailable, Overloaded
 from router.core.policies import Ours
+from router.core.types import ReplicaKey
 from router.service.body_memo import Admitted
 from router.service.gate import presented_key
 from router.service.state import Pending, Routed, RouterState
@@ -197,6 +198,17 @@ class Admission:
                 queue.finished(request_id)
             self._gauge(m)
             raise
+
+    def retried(self, routed: Routed, key: ReplicaKey) -> None:
+        """A routed request is retried on ``key`` (router/service/proxy.py, through
+        :meth:`RouterState.retried`): its decode-stall allowance moves there with its full
+        prompt's prefill (no hit is predicted on a retry)."""
+        request = routed.request
+        m = self._models.get(request.model)
+        if m is None:
+            return
+        prefill = float(m.predictor.cost.prefill_s(request.prompt_tokens))
+        m.queue.retried(request.request_id, key, prefill)
 
     def finished(self, model: str, request_id: str) -> None:
         """A routed request is over (answered, failed or cancelled): its allowance is no
