@@ -203,3 +203,60 @@ async def test_a_retry_moves_the_stall_allowance(pair: Door) -> None:
     async with await task as r:
         assert r.status == 200, await r.text()
     assert len(queue.stall) == 0
+
+
+async def test_a_held_request_keeps_its_id_from_other_models() -> None:
+    """A held request is in no load record yet; a request of another model (admission off)
+    sent meanwhile with the same X-Request-Id must not share its accounting."""
+    other_model = "kimi-other"
+    held_on = await Backend("b0", [MODEL]).start()
+    plain = await Backend("b1", [other_model]).start()
+    admission = {
+        "enabled": True,
+        "stall_share": [1e-9, 0.5, 0.5],
+        "max_stall": [float("inf"), 1e-9, 1e-9],
+        "max_hold_s": 60.0,
+    }
+    settings = build_settings(
+        {
+            "replicas": [
+                {"url": held_on.url, "model": MODEL, "name": "b0"},
+                {"url": plain.url, "model": other_model, "name": "b1"},
+            ],
+            "models": {
+                MODEL: kimi_model_table(slo={"ttft_s": 100.0}, admission=admission),
+                other_model: kimi_model_table(),
+            },
+        }
+    )
+    runner, url = await start_router(settings)
+    state: RouterState = runner.app[STATE]
+    held_on.gate, plain.gate = asyncio.Event(), asyncio.Event()
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            def post(model: str, rid: str, tier: str = "default") -> Any:
+                body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "service_tier": tier}
+                return http.post(url + "/v1/completions", json=body, headers={"X-Request-Id": rid})
+
+            first = asyncio.create_task(post(MODEL, "p", "priority"))
+            await eventually(lambda: len(held_on.received) == 1)
+            held = asyncio.create_task(post(MODEL, "dup"))
+            await eventually(lambda: len(state.admission._models[MODEL].queue) == 1)
+            other = asyncio.create_task(post(other_model, "dup"))
+            await eventually(lambda: len(plain.received) == 1)
+            held_on.gate.set()  # the held request goes, while the other model's is in flight
+            for task in (first, held):
+                async with await task as r:
+                    assert r.status == 200, await r.text()
+            assert state.load.in_flight() == 1  # the other model's request is still counted
+            plain.gate.set()
+            async with await other as r:
+                assert r.status == 200
+            assert state.load.in_flight() == 0
+    finally:
+        held_on.gate.set()
+        plain.gate.set()
+        await runner.cleanup()
+        await held_on.stop()
+        await plain.stop()
