@@ -53,12 +53,16 @@ class Door:
 
 
 async def _door(
-    admission: dict[str, Any], slo: dict[str, Any], replicas: int = 1
+    admission: dict[str, Any],
+    slo: dict[str, Any],
+    replicas: int = 1,
+    server: dict[str, Any] | None = None,
 ) -> AsyncIterator[Door]:
     backends = [await Backend(f"b{i}", [MODEL]).start() for i in range(replicas)]
     backend = backends[0]
     settings = build_settings(
         {
+            "server": server or {},
             "replicas": [{"url": b.url, "model": MODEL, "name": b.name} for b in backends],
             "models": {
                 MODEL: kimi_model_table(
@@ -260,3 +264,50 @@ async def test_a_held_request_keeps_its_id_from_other_models() -> None:
         await runner.cleanup()
         await held_on.stop()
         await plain.stop()
+
+
+@pytest.fixture
+async def impatient() -> AsyncIterator[Door]:
+    """Every request admitted at once; no retry, and a short wait for a first byte."""
+    server = {"max_retries": 0, "first_byte_timeout_s": 0.2, "first_byte_min_s": 0.1}
+    async for d in _door({}, {"ttft_s": 100.0}, server=server):
+        yield d
+
+
+async def test_an_id_reused_while_an_error_is_written_keeps_its_allowance(
+    impatient: Door, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request the forwarder gives up on leaves the load model before its error is written;
+    a request sent meanwhile under its id (a client retrying at once) must keep its own
+    decode-stall allowance when the first one's handler ends."""
+    import router.service.proxy as proxy
+
+    writing = asyncio.Event()
+    written = asyncio.Event()
+    real = proxy.send_error
+
+    async def slow(*a: Any, **kw: Any) -> None:
+        writing.set()
+        await written.wait()
+        await real(*a, **kw)
+
+    monkeypatch.setattr(proxy, "send_error", slow)
+    d = impatient
+    d.backend.hang = True  # no first byte in time: 504
+    headers = {"X-Request-Id": "same"}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200}
+    url = d.url + "/v1/completions"
+    first = asyncio.create_task(d.http.post(url, json=body, headers=headers))
+    await eventually(writing.is_set)
+    d.backend.hang = False
+    d.backend.gate = asyncio.Event()
+    again = asyncio.create_task(d.http.post(url, json=body, headers=headers))
+    await eventually(lambda: len(d.backend.received) == 2)
+    written.set()
+    async with await first as r:
+        assert r.status == 504
+    assert len(d.queue().stall) == 1  # still tracked while it runs
+    d.backend.gate.set()
+    async with await again as r:
+        assert r.status == 200
+    assert len(d.queue().stall) == 0

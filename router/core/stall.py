@@ -38,6 +38,10 @@ class StallLedger:
         """Requests whose allowance is tracked."""
         return len(self._where)
 
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether request ``key``'s allowance is tracked."""
+        return key in self._where
+
     def headroom(self, replica: ReplicaKey) -> float:
         """Prefill seconds ``replica`` can take before a tracked request's allowance runs out
         (negative: already over; ``inf``: nothing to protect)."""

@@ -92,10 +92,15 @@ class Admission:
     def enabled(self, model: str) -> bool:
         return self._model(model) is not None
 
-    def holds(self, request_id: str) -> bool:
-        """Whether a request is held under ``request_id`` (any model): in no load record
-        yet, but its id is taken (handling.py ``unique_in_flight``)."""
-        return any(m is not None and request_id in m.waiters for m in self._models.values())
+    def taken(self, request_id: str) -> bool:
+        """Whether ``request_id`` is taken here (any model): a request held under it (in no
+        load record yet), or one dispatched whose allowance :meth:`finished` has not
+        released yet (out of the load model while its error is written). For
+        handling.py ``unique_in_flight``."""
+        return any(
+            m is not None and (request_id in m.waiters or request_id in m.queue.stall)
+            for m in self._models.values()
+        )
 
     def _model(self, name: str) -> _Model | None:
         if name in self._models:
