@@ -236,6 +236,14 @@ def test_stall_ledger() -> None:
     assert ledger.headroom(r) == pytest.approx(6.0)
     ledger.forget(r)
     assert ledger.headroom(r) == float("inf") and len(ledger) == 0
+    # a retry moves a request's allowance to its new replica, with its prefill there
+    other = ReplicaKey("o")
+    ledger.add("d", r, 1.0, 5.0)
+    ledger.move("d", other, 2.0)
+    assert ledger.headroom(r) == float("inf")
+    assert ledger.headroom(other) == pytest.approx(5.0) and len(ledger) == 1
+    ledger.move("c", r, 1.0)  # untracked: nothing to move
+    assert ledger.headroom(r) == float("inf")
 
 
 def test_assess_uses_the_policy_prediction_with_the_usable_hit() -> None:
@@ -261,3 +269,19 @@ def test_assess_uses_the_policy_prediction_with_the_usable_hit() -> None:
     cols = RoutingEngine(index, load, policy, RoutingSettings(block_size=16), columnar_min=1)
     ca = assess(predictor_for(policy), req, cols.candidates(req, keys, 0.0), 0.0)
     assert sorted(ca.ttft_s.tolist()) == pytest.approx(sorted(a.ttft_s.tolist()))
+
+
+def test_a_held_request_never_overtakes_a_better_class() -> None:
+    """A flex request held behind a default one (``judge``: no overtaking) does not go first
+    from the queue either just because its budget (4x) fits a replica the default one does
+    not fit yet: that would fill the replica the default request waits for."""
+    q = queue()
+    # 1.5 s on a 2 s target: over the default class's headroom (1 s), held
+    assert q.judge(q.ticket("d", DEFAULT, "t", 10, 0.0), one(1.5), 0.0).action == HOLD
+    assert q.judge(q.ticket("f", FLEX, "t", 10, 0.0), one(1.5), 0.0).action == HOLD
+    assert q.ready(0.1, lambda t: one(1.5)) is None  # the flex one (2.4 s) would fit
+    assert len(q) == 2
+    got = q.ready(0.2, lambda t: one(0.5))  # room for both: best class first
+    assert got is not None and got[0].key == "d"
+    got = q.ready(0.2, lambda t: one(0.5))
+    assert got is not None and got[0].key == "f"

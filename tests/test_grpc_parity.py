@@ -214,6 +214,27 @@ async def test_report_completes_the_id_admission_routed_under(admitted: Any) -> 
         model.waiters.pop("r").cancel()
 
 
+async def test_a_pick_admission_does_not_judge_avoids_a_held_id(admitted: Any) -> None:
+    """A Pick with a candidate list is not judged by admission; its id must still not be
+    one a held request will be routed under, or the two share one load record."""
+    state, stub = admitted
+    model = state.admission._model(MODEL)
+    model.waiters["r"] = asyncio.get_running_loop().create_future()  # an HTTP request held
+    try:
+        decided = await stub.Pick(
+            router_pb2.PickRequest(
+                model=MODEL, token_ids=_ids(320), request_id="r", candidates=["a"]
+            ),
+            metadata=AUTH,
+        )
+        assert state.load.in_flight() == 1 and state.load.replica_of("r") is None
+        report = router_pb2.ReportRequest(decision_id=decided.decision_id, phase=2)
+        assert (await stub.Report(report, metadata=AUTH)).accepted
+        assert state.load.in_flight() == 0
+    finally:
+        model.waiters.pop("r").cancel()
+
+
 def _trailer(exc: grpc.aio.AioRpcError, name: str) -> str | None:
     return next((str(v) for k, v in exc.trailing_metadata() or () if k == name), None)
 

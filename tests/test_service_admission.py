@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.core.admission import AdmissionSettings
+from router.core.admission import AdmissionQueue, AdmissionSettings
 from router.core.errors import ConfigError
 from router.service.app import STATE
 from router.service.config import build_settings
@@ -32,6 +32,7 @@ class Door:
     state: RouterState
     backend: Backend
     http: aiohttp.ClientSession
+    backends: list[Backend]
 
     async def post(self, tier: str | None = None, **extra: Any) -> aiohttp.ClientResponse:
         body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **extra}
@@ -39,20 +40,30 @@ class Door:
             body["service_tier"] = tier
         return await self.http.post(self.url + "/v1/completions", json=body)
 
+    def queue(self) -> AdmissionQueue:
+        queue: AdmissionQueue = self.state.admission._models[MODEL].queue
+        return queue
+
     def held(self) -> int:
-        queue = self.state.admission._models[MODEL].queue
-        return len(queue)
+        return len(self.queue())
 
     async def metric(self, name: str) -> dict[str, float]:
         async with self.http.get(self.url + "/metrics") as r:
             return series(await r.text(), name)
 
 
-async def _door(admission: dict[str, Any], slo: dict[str, Any]) -> AsyncIterator[Door]:
-    backend = await Backend("b0", [MODEL]).start()
+async def _door(
+    admission: dict[str, Any],
+    slo: dict[str, Any],
+    replicas: int = 1,
+    server: dict[str, Any] | None = None,
+) -> AsyncIterator[Door]:
+    backends = [await Backend(f"b{i}", [MODEL]).start() for i in range(replicas)]
+    backend = backends[0]
     settings = build_settings(
         {
-            "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
+            "server": server or {},
+            "replicas": [{"url": b.url, "model": MODEL, "name": b.name} for b in backends],
             "models": {
                 MODEL: kimi_model_table(
                     context_length=100_000, slo=slo, admission={"enabled": True, **admission}
@@ -63,13 +74,15 @@ async def _door(admission: dict[str, Any], slo: dict[str, Any]) -> AsyncIterator
     runner, url = await start_router(settings)
     http = aiohttp.ClientSession()
     try:
-        yield Door(url, runner.app[STATE], backend, http)
+        yield Door(url, runner.app[STATE], backend, http, backends)
     finally:
-        if backend.gate is not None:
-            backend.gate.set()
+        for b in backends:
+            if b.gate is not None:
+                b.gate.set()
         await http.close()
         await runner.cleanup()
-        await backend.stop()
+        for b in backends:
+            await b.stop()
 
 
 @pytest.fixture
@@ -89,6 +102,13 @@ async def protective() -> AsyncIterator[Door]:
         "max_hold_s": 60.0,
     }
     async for d in _door(knobs, {"ttft_s": 100.0}):
+        yield d
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Door]:
+    """Two replicas, every request admitted at once (a long TTFT target)."""
+    async for d in _door({}, {"ttft_s": 100.0}, replicas=2):
         yield d
 
 
@@ -158,3 +178,136 @@ async def test_a_client_that_leaves_leaves_the_queue(protective: Door) -> None:
         assert r.status == 200
     assert len(d.backend.received) == 1  # the one that left was never sent
     assert d.state.load.in_flight() == 0
+
+
+async def test_a_retry_moves_the_stall_allowance(pair: Door) -> None:
+    d = pair
+    for b in d.backends:
+        b.gate = asyncio.Event()
+    task = asyncio.create_task(d.post(max_tokens=200))
+    await eventually(lambda: sum(len(b.received) for b in d.backends) == 1)
+    first = next(b for b in d.backends if b.received)
+    other = next(b for b in d.backends if b is not first)
+    rid = first.received[0]["headers"]["x-request-id"]
+    queue = d.queue()
+    failed = d.state.load.replica_of(rid)
+    assert failed is not None and failed.replica == first.name
+    assert queue.stall.headroom(failed) < float("inf")  # its allowance is on the replica
+    first.fail_next = 1
+    assert first.gate is not None
+    first.gate.set()  # it answers 500: the request is retried on the other replica
+    await eventually(lambda: len(other.received) == 1)
+    retried = d.state.load.replica_of(rid)
+    assert retried is not None and retried.replica == other.name
+    # the failed replica protects nothing of it any more; the one decoding it does
+    assert queue.stall.headroom(failed) == float("inf")
+    assert queue.stall.headroom(retried) < float("inf")
+    assert other.gate is not None
+    other.gate.set()
+    async with await task as r:
+        assert r.status == 200, await r.text()
+    assert len(queue.stall) == 0
+
+
+async def test_a_held_request_keeps_its_id_from_other_models() -> None:
+    """A held request is in no load record yet; a request of another model (admission off)
+    sent meanwhile with the same X-Request-Id must not share its accounting."""
+    other_model = "kimi-other"
+    held_on = await Backend("b0", [MODEL]).start()
+    plain = await Backend("b1", [other_model]).start()
+    admission = {
+        "enabled": True,
+        "stall_share": [1e-9, 0.5, 0.5],
+        "max_stall": [float("inf"), 1e-9, 1e-9],
+        "max_hold_s": 60.0,
+    }
+    settings = build_settings(
+        {
+            "replicas": [
+                {"url": held_on.url, "model": MODEL, "name": "b0"},
+                {"url": plain.url, "model": other_model, "name": "b1"},
+            ],
+            "models": {
+                MODEL: kimi_model_table(slo={"ttft_s": 100.0}, admission=admission),
+                other_model: kimi_model_table(),
+            },
+        }
+    )
+    runner, url = await start_router(settings)
+    state: RouterState = runner.app[STATE]
+    held_on.gate, plain.gate = asyncio.Event(), asyncio.Event()
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            def post(model: str, rid: str, tier: str = "default") -> Any:
+                body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "service_tier": tier}
+                return http.post(url + "/v1/completions", json=body, headers={"X-Request-Id": rid})
+
+            first = asyncio.create_task(post(MODEL, "p", "priority"))
+            await eventually(lambda: len(held_on.received) == 1)
+            held = asyncio.create_task(post(MODEL, "dup"))
+            await eventually(lambda: len(state.admission._models[MODEL].queue) == 1)
+            other = asyncio.create_task(post(other_model, "dup"))
+            await eventually(lambda: len(plain.received) == 1)
+            held_on.gate.set()  # the held request goes, while the other model's is in flight
+            for task in (first, held):
+                async with await task as r:
+                    assert r.status == 200, await r.text()
+            assert state.load.in_flight() == 1  # the other model's request is still counted
+            plain.gate.set()
+            async with await other as r:
+                assert r.status == 200
+            assert state.load.in_flight() == 0
+    finally:
+        held_on.gate.set()
+        plain.gate.set()
+        await runner.cleanup()
+        await held_on.stop()
+        await plain.stop()
+
+
+@pytest.fixture
+async def impatient() -> AsyncIterator[Door]:
+    """Every request admitted at once; no retry, and a short wait for a first byte."""
+    server = {"max_retries": 0, "first_byte_timeout_s": 0.2, "first_byte_min_s": 0.1}
+    async for d in _door({}, {"ttft_s": 100.0}, server=server):
+        yield d
+
+
+async def test_an_id_reused_while_an_error_is_written_keeps_its_allowance(
+    impatient: Door, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request the forwarder gives up on leaves the load model before its error is written;
+    a request sent meanwhile under its id (a client retrying at once) must keep its own
+    decode-stall allowance when the first one's handler ends."""
+    import router.service.proxy as proxy
+
+    writing = asyncio.Event()
+    written = asyncio.Event()
+    real = proxy.send_error
+
+    async def slow(*a: Any, **kw: Any) -> None:
+        writing.set()
+        await written.wait()
+        await real(*a, **kw)
+
+    monkeypatch.setattr(proxy, "send_error", slow)
+    d = impatient
+    d.backend.hang = True  # no first byte in time: 504
+    headers = {"X-Request-Id": "same"}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200}
+    url = d.url + "/v1/completions"
+    first = asyncio.create_task(d.http.post(url, json=body, headers=headers))
+    await eventually(writing.is_set)
+    d.backend.hang = False
+    d.backend.gate = asyncio.Event()
+    again = asyncio.create_task(d.http.post(url, json=body, headers=headers))
+    await eventually(lambda: len(d.backend.received) == 2)
+    written.set()
+    async with await first as r:
+        assert r.status == 504
+    assert len(d.queue().stall) == 1  # still tracked while it runs
+    d.backend.gate.set()
+    async with await again as r:
+        assert r.status == 200
+    assert len(d.queue().stall) == 0

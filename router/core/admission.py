@@ -28,7 +28,8 @@ queue, interleaved decode; see router/core/policies.py ``Ours``) for each eligib
   uncached prompt tokens (a virtual token counter: a tenant that comes back after idling is
   lifted to the lowest counter among the waiting tenants, so it cannot bank credit), then
   the least urgency ``slack / budget ** urgency_power`` (slack: time left to the deadline
-  after the request's own predicted prefill). :meth:`AdmissionQueue.expire` sheds held
+  after the request's own predicted prefill); never one of a class while a held one of a
+  better class does not fit. :meth:`AdmissionQueue.expire` sheds held
   requests whose slack ran out or that were held ``max_hold_s`` (never held to miss
   anyway, nor for long); :meth:`AdmissionQueue.cancel`
   removes one whose client left.
@@ -328,6 +329,11 @@ class AdmissionQueue:
         allowance = share * spare * (out - 1) if out > 1 else math.inf
         self.stall.add(ticket.key, replica, float(a.prefill_s[at]), allowance)
 
+    def retried(self, key: Hashable, replica: ReplicaKey, prefill_s: float) -> None:
+        """A dispatched request is retried on ``replica`` (with ``prefill_s`` of prefill
+        there): its allowance moves with it (:meth:`StallLedger.move`)."""
+        self.stall.move(key, replica, prefill_s)
+
     def finished(self, key: Hashable) -> None:
         """A dispatched request finished, failed or was cancelled."""
         self.stall.remove(key)
@@ -451,11 +457,15 @@ class AdmissionQueue:
         self, now: float, assess_held: Callable[[Ticket], Assessment | None]
     ) -> tuple[Ticket, np.ndarray] | None:
         """The best held request that fits now (removed from the queue) with the positions
-        that fit, examining at most ``scan`` of them; None when none does. ``assess_held``
-        gives a held request's assessment now (None: it cannot be routed now). Call
-        :meth:`expire` first, and again (with :meth:`served` for each dispatched one) until
-        it returns None."""
+        that fit, examining at most ``scan`` of them; None when none does. A request never
+        goes before a held one of a better class that does not fit yet (as :meth:`judge`
+        holds new ones behind it). ``assess_held`` gives a held request's assessment now
+        (None: it cannot be routed now). Call :meth:`expire` first, and again (with
+        :meth:`served` for each dispatched one) until it returns None."""
+        waiting = FLEX  # the best class with a held request that does not fit
         for t in self.order(now, self.settings.scan):
+            if t.klass > waiting:
+                break
             a = assess_held(t)
             if a is None:
                 continue
@@ -463,6 +473,7 @@ class AdmissionQueue:
             if allowed.any():
                 self._remove(t.key)
                 return t, allowed
+            waiting = min(waiting, t.klass)
         return None
 
     def served(self, tenant: str, uncached_tokens: int) -> None:

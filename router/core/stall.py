@@ -26,16 +26,21 @@ from router.core.types import ReplicaKey
 class StallLedger:
     """Prefill clocks and TPOT allowances per replica (module docstring)."""
 
-    __slots__ = ("_clock", "_heaps", "_where")
+    __slots__ = ("_allowance", "_clock", "_heaps", "_where")
 
     def __init__(self) -> None:
         self._clock: dict[ReplicaKey, float] = {}
         self._heaps: dict[ReplicaKey, list[tuple[float, int, Hashable]]] = {}
         self._where: dict[Hashable, tuple[ReplicaKey, float]] = {}
+        self._allowance: dict[Hashable, float] = {}  # of each tracked request, for ``move``
 
     def __len__(self) -> int:
         """Requests whose allowance is tracked."""
         return len(self._where)
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether request ``key``'s allowance is tracked."""
+        return key in self._where
 
     def headroom(self, replica: ReplicaKey) -> float:
         """Prefill seconds ``replica`` can take before a tracked request's allowance runs out
@@ -58,9 +63,11 @@ class StallLedger:
         self._clock[replica] = clock
         if not math.isfinite(allowance_s):
             self._where.pop(key, None)
+            self._allowance.pop(key, None)
             return
         limit = clock + max(allowance_s, 0.0)
         self._where[key] = (replica, limit)
+        self._allowance[key] = allowance_s
         heap = self._heaps.setdefault(replica, [])
         heapq.heappush(heap, (limit, id(key), key))
         if len(heap) > 64 and len(heap) > 4 * len(self._where):  # stale entries: compact
@@ -69,9 +76,19 @@ class StallLedger:
             heapq.heapify(live)
             self._heaps[replica] = live
 
+    def move(self, key: Hashable, replica: ReplicaKey, prefill_s: float) -> None:
+        """Tracked request ``key`` is retried on ``replica`` with ``prefill_s`` of prefill:
+        its allowance protects it there, no longer on the replica it left (whose clock keeps
+        its prefill: some of it may have run). Untracked keys are ignored."""
+        allowance = self._allowance.get(key)
+        where = self._where.get(key)
+        if allowance is not None and where is not None and where[0] != replica:
+            self.add(key, replica, prefill_s, allowance)
+
     def remove(self, key: Hashable) -> None:
         """Request ``key`` finished, failed or was cancelled (unknown keys are ignored)."""
         self._where.pop(key, None)
+        self._allowance.pop(key, None)
 
     def forget(self, replica: ReplicaKey) -> None:
         """``replica`` left the fleet."""
@@ -79,3 +96,4 @@ class StallLedger:
         self._heaps.pop(replica, None)
         for key in [k for k, (r, _) in self._where.items() if r == replica]:
             del self._where[key]
+            self._allowance.pop(key, None)

@@ -56,6 +56,7 @@ from router.service.handling import (
     record,
     rejected,
     session_key,
+    unique_in_flight,
 )
 from router.service.proxy import count_slo
 from router.service.registry import Endpoint
@@ -348,7 +349,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 routed = self.state.route(
                     request.model,
                     prompt,
-                    internal,
+                    # not one a request held by admission will be routed under (renamed)
+                    unique_in_flight(self.state, internal),
                     now,
                     session_id=session,
                     replicas=pinned or self._whole(request),

@@ -47,6 +47,7 @@ from router.core.admission import (
 )
 from router.core.errors import KVRouterError, NoReplicaAvailable, Overloaded
 from router.core.policies import Ours
+from router.core.types import ReplicaKey
 from router.service.body_memo import Admitted
 from router.service.gate import presented_key
 from router.service.state import Pending, Routed, RouterState
@@ -90,6 +91,16 @@ class Admission:
 
     def enabled(self, model: str) -> bool:
         return self._model(model) is not None
+
+    def taken(self, request_id: str) -> bool:
+        """Whether ``request_id`` is taken here (any model): a request held under it (in no
+        load record yet), or one dispatched whose allowance :meth:`finished` has not
+        released yet (out of the load model while its error is written). For
+        handling.py ``unique_in_flight``."""
+        return any(
+            m is not None and (request_id in m.waiters or request_id in m.queue.stall)
+            for m in self._models.values()
+        )
 
     def _model(self, name: str) -> _Model | None:
         if name in self._models:
@@ -197,6 +208,17 @@ class Admission:
                 queue.finished(request_id)
             self._gauge(m)
             raise
+
+    def retried(self, routed: Routed, key: ReplicaKey) -> None:
+        """A routed request is retried on ``key`` (router/service/proxy.py, through
+        :meth:`RouterState.retried`): its decode-stall allowance moves there with its full
+        prompt's prefill (no hit is predicted on a retry)."""
+        request = routed.request
+        m = self._models.get(request.model)
+        if m is None:
+            return
+        prefill = float(m.predictor.cost.prefill_s(request.prompt_tokens))
+        m.queue.retried(request.request_id, key, prefill)
 
     def finished(self, model: str, request_id: str) -> None:
         """A routed request is over (answered, failed or cancelled): its allowance is no

@@ -226,10 +226,15 @@ def unique_in_flight(state: RouterState, request_id: str) -> str:
     did not wait, or two clients with the same id) gets ``<id>-<8 hex digits>`` instead of
     taking over the other request's accounting. The replica sees that id too. A disaggregated
     request's prefill leg is in flight as ``<id>#p`` (router/service/disagg.py) and its
-    replica gets ``<id>``: that counts too. Call it right before routing (no ``await`` in
-    between)."""
+    replica gets ``<id>``: that counts too, as does an id admission holds or has not
+    released yet (router/service/admission.py ``taken``). Call it right before routing
+    (no ``await`` in between)."""
     load = state.load
-    if load.replica_of(request_id) is not None or load.replica_of(request_id + "#p") is not None:
+    if (
+        load.replica_of(request_id) is not None
+        or load.replica_of(request_id + "#p") is not None
+        or (state.admission is not None and state.admission.taken(request_id))
+    ):
         request_id = f"{request_id}-{_ids.next()[:8]}"
     return request_id
 

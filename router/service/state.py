@@ -276,7 +276,8 @@ class RouterState:
         """``routed``'s request is retried on ``key`` (router/service/proxy.py): recorded
         there as a dispatch is (its load, with its decode weight; speculative entries; its
         session's hint), with no predicted hit (only the decision's replica's was
-        predicted). Its load leaves the replica it was on (LoadTracker.dispatch)."""
+        predicted). Its load leaves the replica it was on (LoadTracker.dispatch), and so
+        does its decode-stall allowance when admission tracks it."""
         request, prompt = routed.request, routed.prompt
         decision = routed.decision._replace(replica=key, usable_tokens=0, kv_tokens=0)
         approximate_ttl, exact_ttl = self.speculative_ttl[request.model]
@@ -284,6 +285,8 @@ class RouterState:
         self.engines[request.model].dispatched(
             request, decision, now, ttl, class_weight=routed.class_weight, exact=prompt.exact
         )
+        if self.admission is not None:
+            self.admission.retried(routed, key)
 
     # ------------------------------------------------------------------ introspection
 
