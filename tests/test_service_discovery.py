@@ -291,3 +291,33 @@ def test_a_removed_replicas_series_leave_the_metrics_page() -> None:
     state.fleet.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))
     state.metrics.model("m").outcome(ReplicaKey("a"), "ok").inc()
     assert 'kvrouter_requests_total{model="m",outcome="ok",replica="a"} 1.0' in _page(state)
+
+
+@pytest.mark.parametrize(
+    "again",
+    [
+        ReplicaInfo("a", url="http://10.0.0.2:8000", model="m"),  # restarted elsewhere
+        ReplicaInfo("a", url="http://10.0.0.1:8000", model="n"),  # now serving another model
+    ],
+)
+def test_a_name_registered_for_another_engine_starts_afresh(again: ReplicaInfo) -> None:
+    """A replica name registered again at another address, or for another model, before its
+    old registration expired is another engine: the requests in flight to the old one do
+    not load it, and their completion does not release the new one's."""
+    state: Any = _state()
+    a = ReplicaKey("a")
+    assert state.fleet.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))
+    state.load.dispatch("old", a, prompt_tokens=100, cached_tokens=0)
+    state.metrics.model("m").outcome(a, "ok").inc()
+    state.fleet.mark_unhealthy(a, 0.0)
+    assert state.fleet.add_discovered(again)
+    view = state.load.view(a, 0.0)
+    assert (view.prefilling, view.in_flight_prompt_tokens, view.healthy) == (0, 0, True)
+    state.load.dispatch("new", a, prompt_tokens=50, cached_tokens=0)
+    state.load.complete("old")  # the old engine answered at last
+    view = state.load.view(a, 0.0)
+    assert (view.prefilling, view.in_flight_prompt_tokens) == (1, 50)
+    assert 'model="m",outcome="ok",replica="a"' not in _page(state)
+    # the same registration spelled differently is the same engine: nothing is forgotten
+    state.fleet.add_discovered(ReplicaInfo("a", url=again.url + "/", model=again.model))
+    assert state.load.view(a, 0.0).prefilling == 1

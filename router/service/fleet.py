@@ -54,7 +54,8 @@ class Fleet:
 
     def add_discovered(self, info: ReplicaInfo) -> bool:
         """Route to a replica a publisher registered (``server.discover_replicas``); a
-        re-registration updates it. Statically configured names are left alone. Returns
+        re-registration updates it (one at another address or for another model starts
+        afresh, as if the old one had left). Statically configured names are left alone. Returns
         whether the replica is now routable; a registration that is refused also withdraws
         an earlier one of the same name (its old address must not stay routable)."""
         if info.replica in self._static_names:
@@ -118,7 +119,13 @@ class Fleet:
             return True
         self.registry.upsert(settings)
         new = self.registry.find(info.replica)
-        self._forget_keys([k for k in old if k not in new], previous)
+        # the name registered for another engine (another address or model) before its old
+        # registration expired: none of the old one's requests in flight, health or counters
+        # are the new one's (as if the old one had left first)
+        moved = previous is not None and (
+            previous.model != settings.model or ReplicaUrl.parse(previous.url).address != address
+        )
+        self._forget_keys(old if moved else [k for k in old if k not in new], previous)
         for key in new:
             self.load.add_replica(key)
             self.index.add_replica(key)
