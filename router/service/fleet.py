@@ -24,7 +24,8 @@ _log = logging.getLogger("router.service.state")
 
 class Fleet:
     """``models`` are the configured models (a registration for another one is refused);
-    ``forget`` is called for each key of a replica that left, with its model."""
+    ``forget`` is called for each key of a replica that left, with its model, and then
+    each of ``on_forget`` (the key's other owners: outlier ejection) with the key."""
 
     def __init__(
         self,
@@ -40,6 +41,7 @@ class Fleet:
         self.registry = ReplicaRegistry(settings.replicas)
         self._models = models
         self._forget = forget
+        self.on_forget: list[Callable[[ReplicaKey], None]] = []
         self._static_names = frozenset(r.name for r in settings.replicas)
         self.drained: set[ReplicaKey] = set()  # see set_draining
         self.unhealthy_until: dict[ReplicaKey, float] = {}
@@ -151,6 +153,8 @@ class Fleet:
             self.unhealthy_until.pop(key, None)
             if previous is not None:
                 self._forget(previous.model, key)
+            for hook in self.on_forget:
+                hook(key)
 
     # ------------------------------------------------------------------ health and drains
 
