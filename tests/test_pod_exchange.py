@@ -239,3 +239,31 @@ async def test_another_pod_with_this_pods_name_is_reported(
         seen = one.exchange.counters.received
         await eventually(lambda: one.exchange.counters.received >= seen + 2)
         assert one.exchange.counters.name_clashes == 1
+
+
+async def test_a_reader_catching_up_does_not_revive_a_dead_pod(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    """A reader cut off for a while (its last id behind) reads the backlog when it resumes:
+    a member that died meanwhile, its last snapshot older than the bound, must not count
+    again as if it had just spoken."""
+    names = ("p1", "p2", "p3")
+    async with pods(redis_server.url, key_prefix, "stream", names) as (one, two, three):
+        one.load.dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
+        await eventually(lambda: three.prefilling() == 1)
+        await stop(three.task)  # p3 stops reading (cut off), its last id stays behind
+        one.load.dispatch("r2", A, prompt_tokens=100, cached_tokens=0)
+        await eventually(lambda: two.prefilling() == 2)
+        await one.die()
+        await eventually(lambda: two.prefilling() == 0)  # p1 silent past the bound
+        key = two.exchange.settings.stream_key
+
+        async def p1_older_than_the_bound() -> bool:
+            entries = await two.client.xrange(key)
+            last_p1 = max(pod_exchange._id_ms(i) for i, f in entries if decode(f[b"s"]).pod == "p1")
+            return pod_exchange._id_ms(entries[-1][0]) - last_p1 > 2000 * STALE_S
+
+        await eventually(p1_older_than_the_bound)  # p2's heartbeats went on
+        await three.exchange.read_stream()  # p3 is back: the backlog in one read
+        assert three.prefilling() == 0
+        assert set(three.exchange.views.views) == {two.exchange.member}

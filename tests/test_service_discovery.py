@@ -15,6 +15,7 @@ from router.core.types import ReplicaKey
 from router.mock.server import MockSettings
 from router.service.app import INDEX_SYNC, STATE
 from router.service.config import build_settings
+from router.service.ejection import Ejections, outlier_settings
 from router.store.base import ReplicaInfo
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
@@ -291,3 +292,63 @@ def test_a_removed_replicas_series_leave_the_metrics_page() -> None:
     state.fleet.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))
     state.metrics.model("m").outcome(ReplicaKey("a"), "ok").inc()
     assert 'kvrouter_requests_total{model="m",outcome="ok",replica="a"} 1.0' in _page(state)
+
+
+@pytest.mark.parametrize(
+    "again",
+    [
+        ReplicaInfo("a", url="http://10.0.0.2:8000", model="m"),  # restarted elsewhere
+        ReplicaInfo("a", url="http://10.0.0.1:8000", model="n"),  # now serving another model
+    ],
+)
+def test_a_name_registered_for_another_engine_starts_afresh(again: ReplicaInfo) -> None:
+    """A replica name registered again at another address, or for another model, before its
+    old registration expired is another engine: the requests in flight to the old one do
+    not load it, and their completion does not release the new one's."""
+    state: Any = _state()
+    a = ReplicaKey("a")
+    assert state.fleet.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))
+    state.load.dispatch("old", a, prompt_tokens=100, cached_tokens=0)
+    state.metrics.model("m").outcome(a, "ok").inc()
+    state.fleet.mark_unhealthy(a, 0.0)
+    assert state.fleet.add_discovered(again)
+    view = state.load.view(a, 0.0)
+    assert (view.prefilling, view.in_flight_prompt_tokens, view.healthy) == (0, 0, True)
+    state.load.dispatch("new", a, prompt_tokens=50, cached_tokens=0)
+    state.load.complete("old")  # the old engine answered at last
+    view = state.load.view(a, 0.0)
+    assert (view.prefilling, view.in_flight_prompt_tokens) == (1, 50)
+    assert 'model="m",outcome="ok",replica="a"' not in _page(state)
+    # the same registration spelled differently is the same engine: nothing is forgotten
+    state.fleet.add_discovered(ReplicaInfo("a", url=again.url + "/", model=again.model))
+    assert state.load.view(a, 0.0).prefilling == 1
+
+
+def test_an_ejected_replica_that_leaves_and_comes_back_starts_with_a_clean_record() -> None:
+    """Leaving forgets a replica's unhealthy mark; its failure run, ejection and penalty go
+    too: else its name comes back routable yet ejected, carrying phantom requests (load)
+    its new engine never failed."""
+    state: Any = _state()
+    ejections = Ejections(state, outlier_settings(state.settings.server))
+    a = ReplicaKey("a")
+    info = ReplicaInfo("a", url="http://10.0.0.1:8000", model="m")
+    state.fleet.add_discovered(info)
+    state.fleet.add_discovered(ReplicaInfo("b", url="http://10.0.0.2:8000", model="m"))
+    for i in range(3):
+        token = object()
+        ejections.sent(a, token, float(i), 1.0)
+        ejections.failed(a, "http_5xx", i + 0.1, token)
+    view = state.load.view(a, 2.5)
+    assert view.prefilling == 6 and not view.healthy  # ejected, with its phantom load
+    state.fleet.remove_discovered("a")  # its publisher restarts
+    ejections.failed(a, "connect", 2.6)  # an attempt that was in flight to it fails late
+    state.fleet.add_discovered(info)
+    ejections.sweep(2.7)
+    view = state.load.view(a, 2.7)
+    assert (view.prefilling, view.queued_prefill_tokens, view.healthy) == (0, 0, True)
+    assert ejections.status(a, 2.7) == {
+        "failures_in_a_row": 0,
+        "ejected": False,
+        "penalty_requests": 0,
+    }
+    assert 'kind="connect"' not in _page(state)  # the late failure was not counted

@@ -67,6 +67,14 @@ class Ejections:
             ["model", "replica", "kind"],
             registry=r,
         )
+        state.fleet.on_forget.append(self.forget)
+
+    def forget(self, key: ReplicaKey) -> None:
+        """``key`` left the fleet: its failure run, ejection and penalty go with it, as its
+        unhealthy mark does (a replica registered again under its name starts clean)."""
+        self.detector.forget(key)
+        self._penalised.discard(key)
+        self._probing.pop(key, None)
 
     def _pool(self, key: ReplicaKey) -> tuple[str, int]:
         ep = self.state.registry.endpoint(key)
@@ -124,6 +132,9 @@ class Ejections:
         token: object = None,
         retry_after_s: float | None = None,
     ) -> None:
+        if self.state.registry.endpoint(key) is None:  # left while the attempt was out
+            self._probed(key, token, now)
+            return
         model, size = self._pool(key)
         self.failures.labels(model, str(key), kind).inc()
         got = self.detector.failure(

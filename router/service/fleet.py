@@ -24,7 +24,8 @@ _log = logging.getLogger("router.service.state")
 
 class Fleet:
     """``models`` are the configured models (a registration for another one is refused);
-    ``forget`` is called for each key of a replica that left, with its model."""
+    ``forget`` is called for each key of a replica that left, with its model, and then
+    each of ``on_forget`` (the key's other owners: outlier ejection) with the key."""
 
     def __init__(
         self,
@@ -40,6 +41,7 @@ class Fleet:
         self.registry = ReplicaRegistry(settings.replicas)
         self._models = models
         self._forget = forget
+        self.on_forget: list[Callable[[ReplicaKey], None]] = []
         self._static_names = frozenset(r.name for r in settings.replicas)
         self.drained: set[ReplicaKey] = set()  # see set_draining
         self.unhealthy_until: dict[ReplicaKey, float] = {}
@@ -54,7 +56,8 @@ class Fleet:
 
     def add_discovered(self, info: ReplicaInfo) -> bool:
         """Route to a replica a publisher registered (``server.discover_replicas``); a
-        re-registration updates it. Statically configured names are left alone. Returns
+        re-registration updates it (one at another address or for another model starts
+        afresh, as if the old one had left). Statically configured names are left alone. Returns
         whether the replica is now routable; a registration that is refused also withdraws
         an earlier one of the same name (its old address must not stay routable)."""
         if info.replica in self._static_names:
@@ -118,7 +121,13 @@ class Fleet:
             return True
         self.registry.upsert(settings)
         new = self.registry.find(info.replica)
-        self._forget_keys([k for k in old if k not in new], previous)
+        # the name registered for another engine (another address or model) before its old
+        # registration expired: none of the old one's requests in flight, health or counters
+        # are the new one's (as if the old one had left first)
+        moved = previous is not None and (
+            previous.model != settings.model or ReplicaUrl.parse(previous.url).address != address
+        )
+        self._forget_keys(old if moved else [k for k in old if k not in new], previous)
         for key in new:
             self.load.add_replica(key)
             self.index.add_replica(key)
@@ -144,6 +153,8 @@ class Fleet:
             self.unhealthy_until.pop(key, None)
             if previous is not None:
                 self._forget(previous.model, key)
+            for hook in self.on_forget:
+                hook(key)
 
     # ------------------------------------------------------------------ health and drains
 

@@ -24,10 +24,13 @@ them as well as a standalone Redis (docs/pods.md compares them by measurement):
 
 Staleness bound: a snapshot carries its member's sequence number; a member whose sequence has
 not moved for ``pods_stale_s`` (by the reader's clock: no clock sync needed) stops counting,
-so a pod that dies, or is cut off, stops weighing on the replicas within that bound. A member
-stopping cleanly publishes an empty snapshot first. While Redis is away every view ages out
-the same way (the pod then routes on its own load and the engines' reports) and the exchange
-resumes by itself when Redis answers again (a restarted, empty Redis included).
+so a pod that dies, or is cut off, stops weighing on the replicas within that bound. A stream
+reader catching up on a backlog (it was cut off) dates each snapshot back by its entry's age
+relative to the newest entry it read (Redis stamps both), so a member that died meanwhile
+does not count again. A member stopping cleanly publishes an empty snapshot first. While
+Redis is away every view ages out the same way (the pod then routes on its own load and the
+engines' reports) and the exchange resumes by itself when Redis answers again (a restarted,
+empty Redis included).
 
 A snapshot also carries the member's speculative index entries and session bindings made
 since its previous one (router/service/pod_share.py: same message, ``x`` rows; a pending
@@ -313,7 +316,8 @@ class PodExchange:
             await self.client.hdel(key, *gone)
 
     def _take(self, data: bytes, now: float, age_s: float = 0.0) -> str | None:
-        """Take one message; its member (None: rejected)."""
+        """Take one message read at ``now``, known to be at least ``age_s`` old; its member
+        (None: rejected)."""
         self.counters.received += 1
         self.counters.bytes_received += len(data)
         if len(data) > MAX_MESSAGE_BYTES:
@@ -327,7 +331,9 @@ class PodExchange:
             return None
         if snap.pod == self.settings.pod and snap.member not in self._siblings:
             self._same_name(snap)
-        self.views.take(snap, now)
+        # a snapshot read late (a reader catching up on a backlog) moved when it was sent:
+        # a member that died meanwhile must not count again for a whole bound
+        self.views.take(snap, now - age_s)
         if self.share is not None and snap.shared is not None:
             self._apply_shared(self.share, snap, now, age_s)
         return snap.member
