@@ -639,3 +639,54 @@ async def test_a_decode_retry_prefills_locally_instead_of_reusing_the_transfer()
         await prefill.runner.cleanup()
         await near.stop()
         await far.stop()
+
+
+async def test_a_grpc_pick_of_an_id_in_a_prefill_leg_is_refused() -> None:
+    """An HTTP request's prefill leg is in flight as ``<id>#p``, and its decode leg will be
+    dispatched as ``<id>``: a gRPC Pick of that id meanwhile is refused as an id in flight
+    (docs/grpc.md), else the decode leg's dispatch takes over the Pick's load record, and the
+    Pick's Report then ends the decode leg's while it still runs (its replica looks idle)."""
+    import asyncio
+
+    import grpc
+
+    from router.rpc.gen import router_pb2, router_pb2_grpc
+    from router.service.keys import GRPC_PORT
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    prefill.gate = asyncio.Event()
+    decode = await Backend("d0", [MODEL]).start()
+    from dataclasses import replace
+
+    settings = _stub_settings(prefill.url, [(decode.url, "decode")])
+    settings = replace(settings, server=replace(settings.server, grpc_port=0))
+    router, url = await start_router(settings)
+    state = router.app[STATE]
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            grpc.aio.insecure_channel(f"127.0.0.1:{router.app[GRPC_PORT]}") as channel,
+        ):
+            body = {"model": MODEL, "prompt": _prompt(24), "max_tokens": 3}
+            post = asyncio.ensure_future(
+                http.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "r1"})
+            )
+            await eventually(lambda: len(prefill.seen) == 1)
+            stub = router_pb2_grpc.RouterStub(channel)
+            pick = router_pb2.PickRequest(
+                model=MODEL, token_ids=router_pb2.TokenIds(ids=_prompt(25)), request_id="r1"
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await stub.Pick(pick, timeout=10)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "already in flight" in (exc.value.details() or "")
+            prefill.gate.set()
+            async with await post as r:
+                assert r.status == 200, await r.read()
+        assert not state.load._flights
+    finally:
+        prefill.gate.set()
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()

@@ -53,6 +53,7 @@ from router.service.handling import (
     admit,
     checked_prompt,
     holder_keys,
+    in_flight,
     record,
     rejected,
     session_key,
@@ -306,11 +307,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # the id this process knows it by: its caller's, so no caller can take (or learn
             # of) another's ids; the reply and the caller's Reports use ``decision_id``
             internal = scoped_id(decision_id, owner)
-            # in flight here or through the HTTP endpoints: the load tracker keys both by id
+            # in flight here or through the HTTP endpoints (a disaggregated request's prefill
+            # leg included: its decode leg takes the id): the load tracker keys both by id
             if (
                 internal in self._picking
                 or self.book.get(internal) is not None
-                or self.state.load.replica_of(internal) is not None
+                or in_flight(self.state, internal)
             ):
                 raise BadRequest(f"request_id {decision_id!r} is already in flight")
             # kept as the HTTP endpoints keep it (over 128 characters: its digest), so a

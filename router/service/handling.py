@@ -242,10 +242,16 @@ def unique_in_flight(state: RouterState, request_id: str) -> str:
     request's prefill leg is in flight as ``<id>#p`` (router/service/disagg.py) and its
     replica gets ``<id>``: that counts too. Call it right before routing (no ``await`` in
     between)."""
-    load = state.load
-    if load.replica_of(request_id) is not None or load.replica_of(request_id + "#p") is not None:
+    if in_flight(state, request_id):
         request_id = f"{request_id}-{_ids.next()[:8]}"
     return request_id
+
+
+def in_flight(state: RouterState, request_id: str) -> bool:
+    """Whether ``request_id`` is in flight in this process's load tracker: as a request, or
+    as a disaggregated request's prefill leg (``<id>#p``, whose decode leg is ``<id>``)."""
+    load = state.load
+    return load.replica_of(request_id) is not None or load.replica_of(request_id + "#p") is not None
 
 
 async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) -> Admitted:
