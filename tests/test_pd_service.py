@@ -690,3 +690,40 @@ async def test_a_grpc_pick_of_an_id_in_a_prefill_leg_is_refused() -> None:
         await router.cleanup()
         await prefill.runner.cleanup()
         await decode.stop()
+
+
+async def test_a_prefill_fallback_records_the_decode_replica_as_holding_the_prompt() -> None:
+    """A prefill leg that answers no ``kv_transfer_params`` falls back to a local prefill on
+    the decode replica: that replica computes and holds the prompt, as after a transfer, so
+    the router's speculative entries and the session's hint name it (the next turn finds
+    its prefix there), not only the prefill replica the leg was routed to."""
+    import asyncio
+
+    from tests.backends import Backend
+
+    prefill = await Backend("p0", [MODEL]).start()  # answers no kv_transfer_params: fallback
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    state = router.app[STATE]
+    try:
+        async with aiohttp.ClientSession() as http:
+            for seed, session in ((26, None), (27, "s-fallback")):
+                headers = {"X-Session-Id": session} if session else {}
+                body = {"model": MODEL, "prompt": _prompt(seed), "max_tokens": 3}
+                async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
+                    assert r.status == 200, await r.read()
+        assert len(prefill.received) == 2 and len(decode.received) == 2
+        assert state.disagg[MODEL].fallbacks == {"no_transfer_params": 2}
+        # without a session: speculative entries
+        hashes = hash_prompt(_prompt(26), B, root_hash(MODEL)).hashes
+        held = state.index.match(hashes).get(ReplicaKey("d0"))
+        assert held is not None and held.kv_blocks == len(hashes), held
+        # a session's turn: its hint (which carries the session's next turn instead)
+        sessions = state.engines[MODEL].sessions
+        assert sessions is not None
+        hint = sessions.get("s-fallback", asyncio.get_running_loop().time())
+        assert hint is not None and hint.replica == ReplicaKey("d0"), hint
+    finally:
+        await router.cleanup()
+        await prefill.stop()
+        await decode.stop()
