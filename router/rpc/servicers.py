@@ -404,6 +404,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         for old in self.book.expire(now):
             self._end(old)
 
+    def sweep(self) -> None:
+        """End the decisions past their TTL now (a Pick does it first too), so a gateway
+        that stopped calling leaves neither load nor per-key slots held (router/rpc/server.py
+        runs it every :data:`router.rpc.server.SWEEP_S`)."""
+        self._expire(self.clock())
+
     def _end(self, pending: Pending) -> None:
         """A booked decision is over (reported, expired or evicted): :meth:`_finish` it and
         give its caller's slot back."""
