@@ -478,7 +478,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     now - pending.created,
                     report.output_tokens or None,
                 )
-        if report.cached_tokens is not None:
+        if report.cached_tokens is not None and not pending.cached_counted:
+            # once a request, as the forwarder counts its answer's usage: the first report
+            # that carries them (a later one, or a retried Report, repeats the same tokens)
+            pending.cached_counted = True
             self.state.metrics.engine_cached_tokens.labels(model=pending.model).inc(
                 report.cached_tokens
             )
