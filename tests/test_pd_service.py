@@ -727,3 +727,36 @@ async def test_a_prefill_fallback_records_the_decode_replica_as_holding_the_prom
         await router.cleanup()
         await prefill.stop()
         await decode.stop()
+
+
+async def test_a_disaggregated_requests_ttft_counts_its_prefill_leg() -> None:
+    """The time to first token of a disaggregated request is its prefill leg's plus its
+    decode leg's first token (what its client waits): ``kvrouter_ttft_seconds`` and the SLO
+    counts must not time it from the decode leg alone, or a slow prefill replica never
+    shows (every request would meet its TTFT target)."""
+    import asyncio
+
+    from tests.backends import Backend
+
+    held_s = 0.4
+    prefill = await _Prefill().start()
+    prefill.gate = asyncio.Event()
+    # the prefill replica takes ``held_s`` to answer
+    prefill.hook = lambda: asyncio.get_running_loop().call_later(held_s, prefill.gate.set)
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    state = router.app[STATE]
+    try:
+        body = {"model": MODEL, "prompt": _prompt(28), "max_tokens": 3, "stream": True}
+        status, raw, _ = await _post(url, body)
+        assert status == 200 and raw.rstrip().endswith(b"data: [DONE]"), raw
+        assert len(prefill.seen) == 1 and decode.received[-1]["body"]["kv_transfer_params"]
+        page = state.metrics.render().decode()
+        assert metric_sample(page, "kvrouter_ttft_seconds_count", model=MODEL) == 1
+        ttft = metric_sample(page, "kvrouter_ttft_seconds_sum", model=MODEL)
+        assert ttft is not None and ttft >= held_s, ttft
+    finally:
+        prefill.gate.set()
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()

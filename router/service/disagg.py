@@ -333,6 +333,7 @@ async def serve(
     headers = list(client_headers)
     md = flow.model
     leg_id = flow.routed.request.request_id
+    started = forwarder.event_loop().time()  # its TTFT includes the prefill leg
     try:
         params, cause = await _prefill(state, forwarder, flow, path, headers, body, prefill_caps)
     finally:
@@ -382,6 +383,7 @@ async def serve(
         # blocks once the first one to get them pulled them, failed or refused the request
         # (connector request_finished); another one would read freed blocks
         retry_body=body,
+        since=started,
     )
 
 
