@@ -339,6 +339,36 @@ async def test_an_unreported_decision_gives_its_slot_back_when_it_expires() -> N
         await gen.aclose()
 
 
+async def test_an_unreported_decision_expires_without_another_pick() -> None:
+    """Decisions expire on their own after ``decision_ttl_s``, not only when a next Pick
+    comes: a gateway that picked and then went away for good (its traffic moved to HTTP)
+    leaves neither load on the replica nor its key's slot taken, which the key's HTTP
+    requests share."""
+    settings = build_settings(
+        {
+            "replicas": [{"url": "http://127.0.0.1:9", "model": MODEL, "name": "b0"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    now = [1000.0]
+    gate = Gate(Limits(api_keys=(KEY_A,), max_concurrent_per_key=1))
+    state = RouterState(settings)
+    gen = serve_grpc(state, GrpcSettings(port=0, decision_ttl_s=60.0), lambda: now[0], gate=gate)
+    _server, port = await gen.__anext__()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            front = Front("", channel, Backend("none", []))
+            await front.pick(bearer(KEY_A))
+            assert state.load.in_flight() == 1
+            now[0] += 61.0  # no Pick, no Report from here on
+            await eventually(lambda: state.load.in_flight() == 0)
+            refused, held = gate.hold(0)  # KEY_A's slot (the gate's key 0) is free again
+            assert refused is None
+            gate.release(held)
+    finally:
+        await gen.aclose()
+
+
 @pytest.mark.parametrize(
     "peer,address",
     [

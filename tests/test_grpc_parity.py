@@ -469,3 +469,20 @@ async def test_a_whole_request_body_is_processed_as_http_processes_it(rpc: Any) 
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Pick(router_pb2.PickRequest(model=MODEL, request_json=bad), metadata=AUTH)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_cached_tokens_count_once_per_decision(rpc: Any) -> None:
+    """The engine's cached tokens of one request, as the HTTP forwarder counts them (once,
+    from its answer's usage): a gateway that gives them with FIRST_TOKEN and again with
+    COMPLETED, or whose client retried a Report, must not count them twice (the hit rate
+    read from ``kvrouter_engine_cached_tokens`` would pass 100 %)."""
+    state, stub = rpc
+    report = router_pb2.ReportRequest
+    done = await stub.Pick(router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)), metadata=AUTH)
+    first = report(decision_id=done.decision_id, phase=report.FIRST_TOKEN, cached_tokens=160)
+    for _ in range(2):  # a retried Report
+        assert (await stub.Report(first, metadata=AUTH)).accepted
+    end = report(decision_id=done.decision_id, phase=report.COMPLETED, cached_tokens=160)
+    assert (await stub.Report(end, metadata=AUTH)).accepted
+    page = state.metrics.render().decode()
+    assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 160

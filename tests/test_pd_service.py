@@ -639,3 +639,124 @@ async def test_a_decode_retry_prefills_locally_instead_of_reusing_the_transfer()
         await prefill.runner.cleanup()
         await near.stop()
         await far.stop()
+
+
+async def test_a_grpc_pick_of_an_id_in_a_prefill_leg_is_refused() -> None:
+    """An HTTP request's prefill leg is in flight as ``<id>#p``, and its decode leg will be
+    dispatched as ``<id>``: a gRPC Pick of that id meanwhile is refused as an id in flight
+    (docs/grpc.md), else the decode leg's dispatch takes over the Pick's load record, and the
+    Pick's Report then ends the decode leg's while it still runs (its replica looks idle)."""
+    import asyncio
+
+    import grpc
+
+    from router.rpc.gen import router_pb2, router_pb2_grpc
+    from router.service.keys import GRPC_PORT
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    prefill.gate = asyncio.Event()
+    decode = await Backend("d0", [MODEL]).start()
+    from dataclasses import replace
+
+    settings = _stub_settings(prefill.url, [(decode.url, "decode")])
+    settings = replace(settings, server=replace(settings.server, grpc_port=0))
+    router, url = await start_router(settings)
+    state = router.app[STATE]
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            grpc.aio.insecure_channel(f"127.0.0.1:{router.app[GRPC_PORT]}") as channel,
+        ):
+            body = {"model": MODEL, "prompt": _prompt(24), "max_tokens": 3}
+            post = asyncio.ensure_future(
+                http.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "r1"})
+            )
+            await eventually(lambda: len(prefill.seen) == 1)
+            stub = router_pb2_grpc.RouterStub(channel)
+            pick = router_pb2.PickRequest(
+                model=MODEL, token_ids=router_pb2.TokenIds(ids=_prompt(25)), request_id="r1"
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await stub.Pick(pick, timeout=10)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "already in flight" in (exc.value.details() or "")
+            prefill.gate.set()
+            async with await post as r:
+                assert r.status == 200, await r.read()
+        assert not state.load._flights
+    finally:
+        prefill.gate.set()
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()
+
+
+async def test_a_prefill_fallback_records_the_decode_replica_as_holding_the_prompt() -> None:
+    """A prefill leg that answers no ``kv_transfer_params`` falls back to a local prefill on
+    the decode replica: that replica computes and holds the prompt, as after a transfer, so
+    the router's speculative entries and the session's hint name it (the next turn finds
+    its prefix there), not only the prefill replica the leg was routed to."""
+    import asyncio
+
+    from tests.backends import Backend
+
+    prefill = await Backend("p0", [MODEL]).start()  # answers no kv_transfer_params: fallback
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    state = router.app[STATE]
+    try:
+        async with aiohttp.ClientSession() as http:
+            for seed, session in ((26, None), (27, "s-fallback")):
+                headers = {"X-Session-Id": session} if session else {}
+                body = {"model": MODEL, "prompt": _prompt(seed), "max_tokens": 3}
+                async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
+                    assert r.status == 200, await r.read()
+        assert len(prefill.received) == 2 and len(decode.received) == 2
+        assert state.disagg[MODEL].fallbacks == {"no_transfer_params": 2}
+        # without a session: speculative entries
+        hashes = hash_prompt(_prompt(26), B, root_hash(MODEL)).hashes
+        held = state.index.match(hashes).get(ReplicaKey("d0"))
+        assert held is not None and held.kv_blocks == len(hashes), held
+        # a session's turn: its hint (which carries the session's next turn instead)
+        sessions = state.engines[MODEL].sessions
+        assert sessions is not None
+        hint = sessions.get("s-fallback", asyncio.get_running_loop().time())
+        assert hint is not None and hint.replica == ReplicaKey("d0"), hint
+    finally:
+        await router.cleanup()
+        await prefill.stop()
+        await decode.stop()
+
+
+async def test_a_disaggregated_requests_ttft_counts_its_prefill_leg() -> None:
+    """The time to first token of a disaggregated request is its prefill leg's plus its
+    decode leg's first token (what its client waits): ``kvrouter_ttft_seconds`` and the SLO
+    counts must not time it from the decode leg alone, or a slow prefill replica never
+    shows (every request would meet its TTFT target)."""
+    import asyncio
+
+    from tests.backends import Backend
+
+    held_s = 0.4
+    prefill = await _Prefill().start()
+    prefill.gate = asyncio.Event()
+    # the prefill replica takes ``held_s`` to answer
+    prefill.hook = lambda: asyncio.get_running_loop().call_later(held_s, prefill.gate.set)
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    state = router.app[STATE]
+    try:
+        body = {"model": MODEL, "prompt": _prompt(28), "max_tokens": 3, "stream": True}
+        status, raw, _ = await _post(url, body)
+        assert status == 200 and raw.rstrip().endswith(b"data: [DONE]"), raw
+        assert len(prefill.seen) == 1 and decode.received[-1]["body"]["kv_transfer_params"]
+        page = state.metrics.render().decode()
+        assert metric_sample(page, "kvrouter_ttft_seconds_count", model=MODEL) == 1
+        ttft = metric_sample(page, "kvrouter_ttft_seconds_sum", model=MODEL)
+        assert ttft is not None and ttft >= held_s, ttft
+    finally:
+        prefill.gate.set()
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()

@@ -377,3 +377,30 @@ async def test_pick_applies_the_http_limits_and_unique_ids(rpc: Any) -> None:
     small = router_pb2.TokenIds(ids=list(range(50)))
     ok = await stub.Pick(router_pb2.PickRequest(model=MODEL, token_ids=small), metadata=auth())
     assert ok.prompt_tokens == 50
+
+
+async def test_a_retry_on_a_fallback_moves_the_decisions_load(rpc: Any) -> None:
+    """A gateway retrying on another replica reports the failure, then Picks again with the
+    same ``request_id`` among the replicas left (docs/grpc.md): the load and the next
+    Report follow the request to the replica that serves it."""
+    state, channel = rpc
+    stub = router_pb2_grpc.RouterStub(channel)
+    ids = router_pb2.TokenIds(ids=list(range(5000, 5000 + 640)))
+    first = await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, token_ids=ids, request_id="g1"), metadata=auth()
+    )
+    report = router_pb2.ReportRequest
+    failed = report(decision_id="g1", phase=report.FAILED)
+    assert (await stub.Report(failed, metadata=auth())).accepted
+    again = await stub.Pick(
+        router_pb2.PickRequest(
+            model=MODEL, token_ids=ids, request_id="g1", candidates=[first.fallbacks[0]]
+        ),
+        metadata=auth(),
+    )
+    moved = next(k for k in state.registry.keys_for(MODEL) if str(k) == first.fallbacks[0])
+    assert state.load.replica_of("g1") == moved and state.load.in_flight() == 1
+    assert f"{again.replica}#dp{again.dp_rank}".removesuffix("#dp0") == first.fallbacks[0]
+    done = report(decision_id="g1", phase=report.COMPLETED)
+    assert (await stub.Report(done, metadata=auth())).accepted
+    assert state.load.in_flight() == 0

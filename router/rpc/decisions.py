@@ -58,6 +58,7 @@ class Pending:
     ttft_factor: float = 1.0
     service_class: str = "default"
     first_at: float = 0.0  # when FIRST_TOKEN was reported (0: not yet)
+    cached_counted: bool = False  # the engine's cached tokens were counted (once a request)
     held: object = None  # the caller's slot of the gate's per-key limit (None: not counted)
     owner: str | None = None  # the caller that made it (:func:`owner_of`): only its Reports
 

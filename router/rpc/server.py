@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import pathlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ __all__ = [
     "grpc_cleanup_ctx",
     "serve_grpc",
 ]
+_log = logging.getLogger("kvrouter.service")
+SWEEP_S = 1.0  # how often decisions past their TTL are ended without a Pick to do it
 ADMIN_SERVICE = "/kvrouter.v1.Admin/"
 ROUTER_SERVICE = "/kvrouter.v1.Router/"
 KVROUTER_SERVICES = "/kvrouter."  # every other service (health, reflection) is open
@@ -263,13 +266,15 @@ def _guarded(
 
 @dataclass(frozen=True, slots=True)
 class BuiltServer:
-    """A created, not yet started, server: its bound port, its health service and the
-    names of the services it serves (the health service reports each)."""
+    """A created, not yet started, server: its bound port, its health service, the names of
+    the services it serves (the health service reports each) and its Router service (whose
+    decisions :func:`serve_grpc` sweeps)."""
 
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
     service_names: tuple[str, ...]
+    router: RouterServicer
 
 
 def build_server(
@@ -323,7 +328,7 @@ def build_server(
         port = server.add_secure_port(address, creds)
     else:
         port = server.add_insecure_port(address)
-    return BuiltServer(server, port, health_servicer, tuple(names))
+    return BuiltServer(server, port, health_servicer, tuple(names), router)
 
 
 async def serve_grpc(
@@ -336,16 +341,29 @@ async def serve_grpc(
     gate: Gate | None = None,
 ) -> AsyncGenerator[tuple[grpc.aio.Server, int], None]:
     """Async generator for aiohttp ``cleanup_ctx``-style lifetimes: start, yield the server
-    and its port, stop."""
+    and its port, stop. While it serves, decisions past their TTL are ended every
+    :data:`SWEEP_S`, whether or not Picks come."""
     built = build_server(state, settings, clock, workers, ejections, relay, gate)
     await built.server.start()
     for name in ["", *built.service_names]:
         await built.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    sweeper = asyncio.create_task(_sweep(built.router))
     try:
         yield built.server, built.port
     finally:
+        sweeper.cancel()
         await built.health.enter_graceful_shutdown()
         await built.server.stop(grace=5.0)
+
+
+async def _sweep(router: RouterServicer) -> None:
+    """End ``router``'s expired decisions every :data:`SWEEP_S` (until cancelled)."""
+    while True:
+        await asyncio.sleep(SWEEP_S)
+        try:
+            router.sweep()
+        except Exception:  # one bad decision must not end the sweeping
+            _log.exception("sweeping expired gRPC decisions failed")
 
 
 def loop_clock() -> float:

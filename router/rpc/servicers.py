@@ -53,6 +53,7 @@ from router.service.handling import (
     admit,
     checked_prompt,
     holder_keys,
+    in_flight,
     record,
     rejected,
     session_key,
@@ -307,11 +308,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # the id this process knows it by: its caller's, so no caller can take (or learn
             # of) another's ids; the reply and the caller's Reports use ``decision_id``
             internal = scoped_id(decision_id, owner)
-            # in flight here or through the HTTP endpoints: the load tracker keys both by id
+            # in flight here or through the HTTP endpoints (a disaggregated request's prefill
+            # leg included: its decode leg takes the id): the load tracker keys both by id
             if (
                 internal in self._picking
                 or self.book.get(internal) is not None
-                or self.state.load.replica_of(internal) is not None
+                or in_flight(self.state, internal)
             ):
                 raise BadRequest(f"request_id {decision_id!r} is already in flight")
             # kept as the HTTP endpoints keep it (over 128 characters: its digest), so a
@@ -404,6 +406,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         for old in self.book.expire(now):
             self._end(old)
 
+    def sweep(self) -> None:
+        """End the decisions past their TTL now (a Pick does it first too), so a gateway
+        that stopped calling leaves neither load nor per-key slots held (router/rpc/server.py
+        runs it every :data:`router.rpc.server.SWEEP_S`)."""
+        self._expire(self.clock())
+
     def _end(self, pending: Pending) -> None:
         """A booked decision is over (reported, expired or evicted): :meth:`_finish` it and
         give its caller's slot back."""
@@ -472,7 +480,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     now - pending.created,
                     report.output_tokens or None,
                 )
-        if report.cached_tokens is not None:
+        if report.cached_tokens is not None and not pending.cached_counted:
+            # once a request, as the forwarder counts its answer's usage: the first report
+            # that carries them (a later one, or a retried Report, repeats the same tokens)
+            pending.cached_counted = True
             self.state.metrics.engine_cached_tokens.labels(model=pending.model).inc(
                 report.cached_tokens
             )

@@ -18,7 +18,8 @@ For a model with ``[models.NAME.pd]`` (mode ``always`` or ``auto``) the front do
 
 Failures: a prefill that cannot be sent, fails, or answers without ``kv_transfer_params``
 falls back to a local prefill on the decode replica (the original body, no transfer
-params); the decode request is retried on the next decode replica while no byte reached the
+params; recorded there as a local request: load, speculative entries, the session's hint);
+the decode request is retried on the next decode replica while no byte reached the
 client (the Forwarder's retries over the pick's ranking), with the original body once a
 decode replica got the transfer params (local prefill: vLLM frees the prefill's blocks when
 the first decode replica to get them finishes with the request, pulled or not). The request
@@ -332,6 +333,7 @@ async def serve(
     headers = list(client_headers)
     md = flow.model
     leg_id = flow.routed.request.request_id
+    started = forwarder.event_loop().time()  # its TTFT includes the prefill leg
     try:
         params, cause = await _prefill(state, forwarder, flow, path, headers, body, prefill_caps)
     finally:
@@ -350,20 +352,17 @@ async def serve(
         extra = [(k.encode(), v.encode()) for k, v in reply.headers]  # Retry-After
         await send_error(sink, reply.status, reply.message, code=reply.code, headers=extra)
         return
+    approximate_ttl, exact_ttl = state.speculative_ttl[model]
+    exact = flow.routed.prompt.exact
+    ttl = exact_ttl if exact else approximate_ttl
     if params is None:
         md.count(md.fallbacks, cause)
-        state.load.dispatch(
-            request.request_id,
-            pick.decision.replica,
-            request.prompt_tokens,
-            pick.decision.usable_tokens,
-            request.max_output_tokens,
-        )
+        # prefilled where it is decoded: recorded as a local request is (its load with its
+        # own hit there; speculative entries and the session's hint: the replica holds it)
+        engine.dispatched(request, pick.decision, now, ttl, exact=exact)
         decode_body = body
     else:
-        approximate_ttl, exact_ttl = state.speculative_ttl[model]
-        ttl = exact_ttl if flow.routed.prompt.exact else approximate_ttl
-        md.pd.dispatched_decode(engine, request, pick, now, ttl, flow.routed.prompt.exact)
+        md.pd.dispatched_decode(engine, request, pick, now, ttl, exact)
         md.count(md.bytes_by_link, pick.link.value, pick.transfer_bytes)
         member = json.dumps(params, separators=(",", ":")).encode()
         decode_body = with_patch(body, b',"kv_transfer_params":' + member)
@@ -384,6 +383,7 @@ async def serve(
         # blocks once the first one to get them pulled them, failed or refused the request
         # (connector request_finished); another one would read freed blocks
         retry_body=body,
+        since=started,
     )
 
 

@@ -226,17 +226,21 @@ def unique_in_flight(state: RouterState, request_id: str) -> str:
     did not wait, or two clients with the same id) gets ``<id>-<8 hex digits>`` instead of
     taking over the other request's accounting. The replica sees that id too. A disaggregated
     request's prefill leg is in flight as ``<id>#p`` (router/service/disagg.py) and its
-    replica gets ``<id>``: that counts too, as does an id admission holds or has not
-    released yet (router/service/admission.py ``taken``). Call it right before routing
-    (no ``await`` in between)."""
-    load = state.load
-    if (
-        load.replica_of(request_id) is not None
-        or load.replica_of(request_id + "#p") is not None
-        or (state.admission is not None and state.admission.taken(request_id))
+    replica gets ``<id>``: that counts too (:func:`in_flight`), as does an id admission
+    holds or has not released yet (router/service/admission.py ``taken``). Call it right
+    before routing (no ``await`` in between)."""
+    if in_flight(state, request_id) or (
+        state.admission is not None and state.admission.taken(request_id)
     ):
         request_id = f"{request_id}-{_ids.next()[:8]}"
     return request_id
+
+
+def in_flight(state: RouterState, request_id: str) -> bool:
+    """Whether ``request_id`` is in flight in this process's load tracker: as a request, or
+    as a disaggregated request's prefill leg (``<id>#p``, whose decode leg is ``<id>``)."""
+    load = state.load
+    return load.replica_of(request_id) is not None or load.replica_of(request_id + "#p") is not None
 
 
 async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) -> Admitted:

@@ -180,6 +180,7 @@ class Forwarder:
         retry_body: bytes | None = None,
         anthropic: bool = False,
         record_ids: bool = False,
+        since: float | None = None,
     ) -> None:
         """``stream``: the client asked for one (the parsed body's top-level ``stream``; an
         answer that is not a stream has its decode inside the first-byte deadline).
@@ -191,7 +192,9 @@ class Forwarder:
         leg's ``kv_transfer_params``: router/service/disagg.py). ``anthropic``: a Messages
         API request, whose errors the router answers in Anthropic's shape. ``record_ids``: a
         stored Responses API request; its answer's response id is recorded with the replica
-        that made it (router/service/response_ids.py)."""
+        that made it (router/service/response_ids.py). ``since``: when the request was
+        dispatched, which its TTFT, SLO and trace are timed from (default: now; a
+        disaggregated request's decode leg is timed from its prefill leg's dispatch)."""
         state = self.state
         model = routed.request.model
         mm = state.metrics.model(model)
@@ -201,6 +204,8 @@ class Forwarder:
         ranked = [routed.decision.replica, *routed.decision.ranking]
         started = loop.time()
         self.budget.request(started)
+        if since is not None:
+            started = min(since, started)
         last_error = "no replica answered"
         client_headers = list(client_headers)
         refused: set[str] = set()  # base URLs that refused a connection in this request
