@@ -620,13 +620,9 @@ class Simulation:
         if fallback:
             self.pd_stats.fallbacks += 1
             self._from_prefill.discard(req.request_id)
-            engine.load.dispatch(
-                rr.request_id,
-                pick.decision.replica,
-                rr.prompt_tokens,
-                pick.decision.usable_tokens,
-                rr.max_output_tokens,
-            )
+            # prefilled where it is decoded: recorded as a local request is (its load with its
+            # own hit there; speculative entries and the session's hint), as the service does
+            engine.dispatched(rr, pick.decision, now)
             self._queue.push(now, TRANSFER, (j, ereq))
             return
         self.pd.dispatched_decode(engine, rr, pick, now)
