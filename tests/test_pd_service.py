@@ -351,6 +351,10 @@ async def test_no_decode_replica_after_prefill_answers_with_retry_after() -> Non
             assert r.headers.get("Retry-After"), dict(r.headers)
         assert len(prefill.seen) == 1 and not decode.received
         assert state.load.replica_of(prefill.seen[0][1] + "#p") is None
+        async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+            page = await r.text()
+        # the refusal is counted as the router's own answer, as a refusal before routing is
+        assert f'kvrouter_requests_total{{model="{MODEL}",outcome="rejected",replica=""' in page
     finally:
         await router.cleanup()
         await prefill.runner.cleanup()

@@ -347,7 +347,8 @@ async def serve(
         pick = md.pd.pick_decode(
             engine, request, prefill_key, state.registry.keys_for(model), now, state.rng
         )
-    except KVRouterError as exc:
+    except KVRouterError as exc:  # no decode replica left: answered, and counted
+        state.metrics.model(model).outcome(None, "rejected").inc()
         reply = reply_for(exc, state.settings.server.retry_after_s)
         extra = [(k.encode(), v.encode()) for k, v in reply.headers]  # Retry-After
         await send_error(sink, reply.status, reply.message, code=reply.code, headers=extra)
