@@ -89,6 +89,21 @@ def _publisher(
     return Publisher(settings, store)
 
 
+async def _joined(*pairs: tuple[FakeEngine, Publisher]) -> None:
+    """Until each publisher's SUB socket gets what its engine publishes (a ZMQ subscription
+    reaches the PUB socket a moment after the connect): empty batches until one arrives."""
+    for eng, pub in pairs:
+        seen = pub.ingest.stats.payloads
+
+        async def heard(eng: FakeEngine = eng, pub: Publisher = pub, seen: int = seen) -> bool:
+            if pub.ingest.stats.payloads > seen:
+                return True
+            await eng.pub.publish([])
+            return False
+
+        await eventually(heard)
+
+
 @pytest.fixture(params=["redis", "redis_cluster"])
 async def stores(
     request: pytest.FixtureRequest, key_prefix: str
@@ -118,7 +133,7 @@ async def test_two_routers_two_publishers_converge_and_restarted_router_recovers
     a, b = PrefixIndex(), PrefixIndex()
     try:
         async with p1, p2, IndexSync(stores(), a, **FAST_SYNC), IndexSync(stores(), b, **FAST_SYNC):
-            await asyncio.sleep(0.3)  # SUB sockets connect
+            await _joined((e1, p1), (e2, p2))
             x, y = e1.prompt(16), e2.prompt(3)  # 256 tokens on r1, 384 on r2
             await e1.store(x)
             await e2.store(y)
@@ -147,7 +162,7 @@ async def test_dropped_zmq_message_is_replayed_into_redis(stores: Callable[[], R
     index = PrefixIndex()
     try:
         async with pub, IndexSync(stores(), index, **FAST_SYNC):
-            await asyncio.sleep(0.3)
+            await _joined((eng, pub))
             x = eng.prompt(8)
             eng.pub.drop_next = 1
             await eng.store(x)
@@ -167,7 +182,7 @@ async def test_malformed_events_are_counted_and_do_no_harm(
     index = PrefixIndex()
     try:
         async with pub, IndexSync(stores(), index, **FAST_SYNC):
-            await asyncio.sleep(0.3)
+            await _joined((eng, pub))
             await eng.pub.publish_raw(b"\xc1\xc1")
             await eng.pub.publish_raw(b"\x92\xcb")
             await eng.pub.publish(
@@ -255,7 +270,7 @@ async def test_redis_flush_and_restart_publisher_republishes_router_resyncs(
     key = ReplicaKey("rf")
     try:
         async with pub, IndexSync(router_store, index, **FAST_SYNC) as sync:
-            await asyncio.sleep(0.3)
+            await _joined((eng, pub))
             x = eng.prompt(8)
             await eng.store(x)
             cx = canonical(x)
@@ -295,7 +310,7 @@ async def test_a_store_rolled_back_under_a_live_lease_is_republished_and_resynce
     state_keys = [schema.meta("rb"), schema.kv("rb", 0), schema.state("rb", 0)]
     try:
         async with pub:
-            await asyncio.sleep(0.3)
+            await _joined((eng, pub))
             x, y = eng.prompt(8), eng.prompt(8)
             await eng.store(x)
             await eventually(lambda: _stored_holds(pub_store, key, canonical(x), ()))
@@ -338,7 +353,7 @@ async def test_a_store_rolled_back_is_republished_even_when_a_flush_comes_first(
     state_keys = [schema.meta("rb2"), schema.kv("rb2", 0), schema.state("rb2", 0)]
     try:
         async with pub:
-            await asyncio.sleep(0.3)
+            await _joined((eng, pub))
             # enough blocks for many buckets: z's flush rewrites only a few of them
             base, x, y, z = eng.prompt(1200), eng.prompt(80), eng.prompt(80), eng.prompt(2)
             await eng.store(base)
@@ -376,14 +391,14 @@ async def test_a_second_publisher_for_a_replica_supersedes_the_first(
     try:
         await old.start()
         try:
-            await asyncio.sleep(0.3)  # SUB sockets connect
+            await _joined((old_eng, old))
             x = old_eng.prompt(8)
             await old_eng.store(x)
             await eventually(lambda: _stored_holds(old_store, key, canonical(x), ()))
             async with new:
                 await eventually(lambda: old.stats.superseded)
                 assert not new.stats.superseded
-                await asyncio.sleep(0.3)
+                await _joined((new_eng, new))
                 y = new_eng.prompt(8)
                 await new_eng.store(y)
                 await old_eng.store(old_eng.prompt(8))  # the old one no longer writes
