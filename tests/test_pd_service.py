@@ -291,6 +291,7 @@ class _Prefill:
         self.seen: list[tuple[dict[str, Any], str]] = []
         self.hook: Any = None
         self.gate: Any = None
+        self.status = 200  # another: answered as an error
         self.runner: Any = None
         self.url = ""
 
@@ -302,6 +303,8 @@ class _Prefill:
             self.hook()
         if self.gate is not None:
             await self.gate.wait()
+        if self.status != 200:
+            return web.json_response({"error": {"message": "boom"}}, status=self.status)
         return web.json_response(
             {"object": "text_completion", "choices": [], "kv_transfer_params": self.PARAMS}
         )
@@ -327,6 +330,31 @@ def _stub_settings(prefill: str, decode: list[tuple[str, str]], mode: str = "alw
         reps.append({"url": u, "model": MODEL, "name": f"d{i}", "role": role, "rack": "rack0",
                      "region": "reg0"})  # fmt: skip
     return _settings(reps, mode=mode)
+
+
+async def test_a_prefill_replica_failing_every_leg_is_ejected() -> None:
+    """Prefill legs answered 5xx feed outlier ejection as failed requests do: after
+    ``outlier_consecutive_failures`` of them the prefill replica is ejected, so requests
+    stop paying a failed leg before their local prefill; every request is answered."""
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    prefill.status = 500
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    state = router.app[STATE]
+    try:
+        failures = state.settings.server.outlier_consecutive_failures
+        for i in range(failures + 2):
+            status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(i, 300)})
+            assert status == 200, raw
+        assert len(prefill.seen) == failures  # the legs after the ejection went nowhere
+        assert len(decode.received) == failures + 2
+        assert ReplicaKey("p0") in state.fleet.unhealthy_until
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()
 
 
 async def test_no_decode_replica_after_prefill_answers_with_retry_after() -> None:

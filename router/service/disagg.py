@@ -302,6 +302,8 @@ async def _prefill(
         raise
     upstream.release()
     state.load.first_token(rid)
+    if upstream.status == 429:
+        return None, "http_429"
     if upstream.status >= 400:
         return None, f"http_{upstream.status // 100}xx"
     try:
@@ -312,6 +314,30 @@ async def _prefill(
     if not isinstance(params, dict):
         return None, "no_transfer_params"
     return params, ""
+
+
+# prefill-leg causes (``_prefill``) that are the replica's failures, as outlier ejection
+# counts them (router/core/outliers.py FAILURE_KINDS); the others (a 4xx, an answer without
+# transfer params: a replica serving without a KV connector) say nothing of its health
+_FAILURE_KIND = {
+    "connect_error": "connect",
+    "timeout": "timeout",
+    "error": "broken",
+    "broken": "broken",
+    "http_429": "http_429",
+    "http_5xx": "http_5xx",
+}
+
+
+def _eject_on(forwarder: Forwarder, key: ReplicaKey, cause: str, now: float) -> None:
+    """Feed a prefill leg's outcome to outlier ejection as the forwarder feeds an
+    attempt's: a replica failing every prefill leg is ejected like one failing requests
+    (else every disaggregated request would fall back to a local prefill, unseen but for
+    ``kvrouter_pd_prefill_fallbacks``); an answer ends its failure run."""
+    if not cause:
+        forwarder.ejections.answered(key, None, now)
+    elif (kind := _FAILURE_KIND.get(cause)) is not None:
+        forwarder.ejections.failed(key, kind, now)
 
 
 async def serve(
@@ -343,6 +369,7 @@ async def serve(
     engine = state.engines[model]
     now = forwarder.event_loop().time()
     prefill_key = flow.routed.decision.replica
+    _eject_on(forwarder, prefill_key, cause, now)
     try:
         pick = md.pd.pick_decode(
             engine, request, prefill_key, state.registry.keys_for(model), now, state.rng
