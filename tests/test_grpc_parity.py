@@ -21,6 +21,7 @@ from router.service.config import build_settings
 from router.service.handling import THREAD_MIN_BODY, session_key
 from router.service.state import RouterState
 from tests.backends import kimi_model_table, metric_sample
+from tests.waiting import eventually
 
 MODEL = "kimi"
 TOKEN = "client-secret"
@@ -366,6 +367,60 @@ async def test_reported_failures_eject_a_replica_as_http_failures_do() -> None:
             for i in range(4):
                 pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320, start=9000 + i))
                 assert (await stub.Pick(pick, metadata=AUTH)).replica == "b"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_readmitted_replica_takes_one_pick_at_a_time_until_answered() -> None:
+    """After its ejection a replica is on probation: as for the HTTP forwarder's attempts,
+    one Pick at a time goes there until that decision is reported answered; a second Pick
+    that could only go there finds no replica meanwhile."""
+    from router.rpc.server import GRPC_PORT
+    from router.service.app import STATE
+    from tests.backends import start_router
+
+    settings = build_settings(
+        {
+            "server": {
+                "grpc_port": 0,
+                "grpc_token": TOKEN,
+                "health_interval_s": 0,
+                "outlier_consecutive_failures": 2,
+                "outlier_base_ejection_s": 0.2,
+            },
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
+                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
+            ],
+            "models": {MODEL: kimi_model_table(block_size=16)},
+        }
+    )
+    runner, _url = await start_router(settings)
+    try:
+        state = runner.app[STATE]
+        report = router_pb2.ReportRequest
+        (key,) = state.registry.find("a")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{runner.app[GRPC_PORT]}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+
+            def only_a(i: int) -> Any:
+                return router_pb2.PickRequest(
+                    model=MODEL, token_ids=_ids(320, start=i * 1000), candidates=["a"]
+                )
+
+            for i in range(2):
+                got = await stub.Pick(only_a(i), metadata=AUTH)
+                failed = report(decision_id=got.decision_id, phase=report.FAILED)
+                assert (await stub.Report(failed, metadata=AUTH)).accepted
+            assert not state.load.view(key, loop_clock()).healthy
+            await eventually(lambda: state.fleet.unhealthy_until.get(key, 0.0) < loop_clock())
+            probe = await stub.Pick(only_a(10), metadata=AUTH)  # readmitted: on probation
+            assert probe.replica == "a"
+            with pytest.raises(grpc.aio.AioRpcError):  # the probe is out: none meanwhile
+                await stub.Pick(only_a(11), metadata=AUTH)
+            answered = report(decision_id=probe.decision_id, phase=report.FIRST_TOKEN)
+            assert (await stub.Report(answered, metadata=AUTH)).accepted
+            assert (await stub.Pick(only_a(12), metadata=AUTH)).replica == "a"
     finally:
         await runner.cleanup()
 

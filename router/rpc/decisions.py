@@ -10,7 +10,7 @@ servicer, which ends it (completed in the load model, its per-key slot freed), n
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.core.types import ReplicaKey
 
@@ -61,6 +61,8 @@ class Pending:
     cached_counted: bool = False  # the engine's cached tokens were counted (once a request)
     held: object = None  # the caller's slot of the gate's per-key limit (None: not counted)
     owner: str | None = None  # the caller that made it (:func:`owner_of`): only its Reports
+    # its attempt for outlier ejection (Ejections.sent / answered / failed / dropped)
+    token: object = field(default_factory=object)
 
 
 class DecisionBook:

@@ -6,6 +6,7 @@ front door; errors of the core map to gRPC status codes here and only here.
 from __future__ import annotations
 
 import array
+import math
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
@@ -382,23 +383,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             terms=dict(decision.terms),
             fallbacks=[str(k) for k in decision.ranking[:8]],
         )
+        pending = Pending(
+            # the id routed under: admission renames one whose id another request holds
+            routed.request.request_id,
+            request.model,
+            decision.usable_tokens,
+            self.clock(),  # dispatched now (after any wait in admission), as HTTP times it
+            decision.replica,
+            routed.request.prompt_tokens,
+            routed.ttft_factor,
+            routed.service_class,
+            held=held,
+            owner=owner,
+        )
+        if self.ejections is not None:
+            # an attempt, as the HTTP forwarder's (a replica readmitted after an ejection
+            # takes one at a time until one is answered); no latency sample: the gateway's
+            # own delays are in its reports
+            self.ejections.sent(decision.replica, pending.token, pending.created, math.inf)
         # last: from here the book holds the caller's slot (``held``) until the decision ends
-        for old in self.book.add(
-            internal,
-            Pending(
-                # the id routed under: admission renames one whose id another request holds
-                routed.request.request_id,
-                request.model,
-                decision.usable_tokens,
-                self.clock(),  # dispatched now (after any wait in admission), as HTTP times it
-                decision.replica,
-                routed.request.prompt_tokens,
-                routed.ttft_factor,
-                routed.service_class,
-                held=held,
-                owner=owner,
-            ),
-        ):
+        for old in self.book.add(internal, pending):
             self._end(old)
         return reply
 
@@ -414,9 +418,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _end(self, pending: Pending) -> None:
         """A booked decision is over (reported, expired or evicted): :meth:`_finish` it and
-        give its caller's slot back."""
+        give its caller's slot back; an attempt never answered ends for outlier ejection
+        (a probation it held is over)."""
         self._finish(pending.model, pending.request_id)
         self._release(pending.held)
+        if self.ejections is not None and pending.replica is not None:
+            self.ejections.dropped(pending.replica, pending.token, self.clock())
 
     def _finish(self, model: str, request_id: str) -> None:
         """A dispatched request is over: out of the load model and of admission's ledger."""
@@ -455,9 +462,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # a failure counts toward ejecting the replica; a first token or an answer ends
             # its failure run (as the HTTP forwarder's attempts do)
             if phase == router_pb2.ReportRequest.FAILED:
-                self.ejections.failed(pending.replica, "reported", now)
+                self.ejections.failed(pending.replica, "reported", now, pending.token)
             else:
-                self.ejections.answered(pending.replica, internal, now)
+                self.ejections.answered(pending.replica, pending.token, now)
         if phase == router_pb2.ReportRequest.FIRST_TOKEN:
             self.state.load.first_token(pending.request_id)
             if not pending.first_at:
