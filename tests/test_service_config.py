@@ -245,3 +245,18 @@ def test_in_range_edge_values_are_accepted(tmp_path: Path) -> None:
     )
     s = load_settings(path, environ={})
     assert s.server.grpc_port == 0 and s.server.log_level == "DEBUG"
+
+
+def test_serve_check_reports_what_the_start_would_refuse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``serve --check`` validates what ``serve`` would: a model whose tokenizer directory is
+    missing fails the check (exit 2) with the model's key, not "configuration OK"."""
+    from router.cli import build_parser
+
+    path = tmp_path / "c.toml"
+    path.write_text(f"[models.m]\ntokenizer = '{tmp_path / 'nope'}'\n")
+    args = build_parser().parse_args(["serve", "--config", str(path), "--check"])
+    assert args.handler(args) == 2
+    err = capsys.readouterr().err
+    assert "configuration error: models.m: tokenizer directory" in err and "does not exist" in err
