@@ -260,3 +260,23 @@ def test_serve_check_reports_what_the_start_would_refuse(
     assert args.handler(args) == 2
     err = capsys.readouterr().err
     assert "configuration error: models.m: tokenizer directory" in err and "does not exist" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[models.m]\nspeculative_ttl_s = -1.0\n", "models.m.speculative_ttl_s: must be"),
+        ("[models.m]\nsession_ttl_s = -1.0\n", "models.m.session_ttl_s: must be"),
+        ("[models.m]\ncache_mb = -1\n", "models.m.cache_mb: must be"),
+        ("[models.m]\nchars_per_token = 0\n", "models.m.chars_per_token: must be"),
+        ("[models.m.busy]\nmax_kv_usage = 1.5\n", "models.m.busy.max_kv_usage: must be in"),
+        ("[models.m.busy]\nmax_in_flight = -1\n", "models.m.busy.max_in_flight: must be"),
+        ("[models.m.busy]\nmax_queued_prefill_tokens = -1\n", "busy.max_queued_prefill_tokens"),
+    ],
+)
+def test_out_of_range_model_settings_name_the_key(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert needle in str(info.value)

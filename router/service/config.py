@@ -276,6 +276,21 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
     return rep
 
 
+def _check_model_ranges(routing: RoutingSettings, where: str) -> None:
+    """ConfigError naming the ``[models.NAME]`` / ``[models.NAME.busy]`` key whose value is
+    out of range: negative TTLs (0: off), busy thresholds below 0 or a KV usage above 1."""
+    for name in ("speculative_ttl_s", "session_ttl_s"):
+        v = getattr(routing, name)
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise ConfigError(f"{where}.{name}: must be a finite number >= 0 (0: off)")
+    busy = routing.busy
+    for name in ("max_in_flight", "max_queued_prefill_tokens"):
+        if (v := getattr(busy, name)) is not None and v < 0:
+            raise ConfigError(f"{where}.busy.{name}: must be >= 0, got {v}")
+    if busy.max_kv_usage is not None and not 0 < busy.max_kv_usage <= 1:
+        raise ConfigError(f"{where}.busy.max_kv_usage: must be in (0, 1], got {busy.max_kv_usage}")
+
+
 def _model(name: str, table: Any) -> ModelSettings:
     where = f"models.{name}"
     if not isinstance(table, Mapping):
@@ -297,6 +312,7 @@ def _model(name: str, table: Any) -> ModelSettings:
             raise ConfigError(f"{where}.{key}: expected a non-negative integer")
     if not routing.reuse_window_s > 0:
         raise ConfigError(f"{where}.reuse_window_s: expected a positive number of seconds")
+    _check_model_ranges(routing, where)
     if routing.block_size <= 0:
         raise ConfigError(f"{where}.block_size: must be positive")
     engine_block, block = routing.engine_block_size, routing.block_size
@@ -340,6 +356,10 @@ def _model(name: str, table: Any) -> ModelSettings:
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"{where}.render_url: {model.render_url!r} is not an http(s) URL")
         model = replace(model, render_url=model.render_url.rstrip("/"))
+    if not (math.isfinite(model.cache_mb) and model.cache_mb >= 0):
+        raise ConfigError(f"{where}.cache_mb: must be a finite number >= 0")
+    if not (math.isfinite(model.chars_per_token) and model.chars_per_token > 0):
+        raise ConfigError(f"{where}.chars_per_token: must be a finite number > 0")
     if not (isinstance(model.render_timeout_s, int | float) and model.render_timeout_s > 0):
         raise ConfigError(f"{where}.render_timeout_s: expected a positive number of seconds")
     images_tab = table.get("images")
