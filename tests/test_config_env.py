@@ -82,7 +82,7 @@ def test_misspelt_key_in_a_known_section_names_the_variable(name: str, needle: s
     [
         ("KVROUTER_SERVER__API_KEYS", "12345", lambda s: s.server.api_keys),
         ("KVROUTER_SERVER__GRPC_TOKEN", "true", lambda s: s.server.grpc_token),
-        ("KVROUTER_SERVER__LOG_LEVEL", "0", lambda s: s.server.log_level),
+        ("KVROUTER_SERVER__POD_NAME", "0", lambda s: s.server.pod_name),
         ("KVROUTER_SERVER__HOST", "1.5", lambda s: s.server.host),
         ("KVROUTER_SERVER__REDIS_KEY_PREFIX", "[1]", lambda s: s.server.redis_key_prefix),
         ("KVROUTER_ADMIN_TOKEN", "false", lambda s: s.server.admin_token),

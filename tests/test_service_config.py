@@ -198,3 +198,85 @@ def test_client_keys_with_grpc_need_no_grpc_token(tmp_path: Path) -> None:
     path.write_text(f"[server]\napi_keys_file = '{keys}'\ngrpc_port = 0\ngrpc_token = 'k3'\n")
     with pytest.raises(ConfigError, match="grpc_token: must differ from every client key"):
         create_app(load_settings(path, environ={}))
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ("connect_timeout_s = -1.0", "server.connect_timeout_s: must be a finite number > 0"),
+        ("request_timeout_s = 0", "server.request_timeout_s: must be a finite number > 0"),
+        ("first_byte_timeout_s = nan", "server.first_byte_timeout_s: must be a finite"),
+        ("health_timeout_s = 0", "server.health_timeout_s"),
+        ("engine_metrics_interval_s = nan", "server.engine_metrics_interval_s"),
+        ("health_interval_s = -1.0", "server.health_interval_s: must be a finite number >= 0"),
+        ("unhealthy_cooldown_s = -5", "server.unhealthy_cooldown_s"),
+        ("header_timeout_s = -1", "server.header_timeout_s"),
+        ("shutdown_timeout_s = -30", "server.shutdown_timeout_s"),
+        ("retry_after_s = -1", "server.retry_after_s: must be a finite number >= 0"),
+        ("decisions_kept = -1", "server.decisions_kept"),
+        ("max_prompt_tokens = -1", "server.max_prompt_tokens"),
+        ("max_connections = -5", "server.max_connections"),
+        ("pool_per_replica = 0", "server.pool_per_replica: must be >= 1"),
+        ("redis_stream_shards = 0", "server.redis_stream_shards: must be >= 1"),
+        ("outlier_consecutive_failures = 0", "server.outlier_consecutive_failures"),
+        ("retry_budget_ratio = 2.0", "server.retry_budget_ratio: must be in [0, 1]"),
+        ("retry_budget_ratio = -0.5", "server.retry_budget_ratio"),
+        ("outlier_max_ejected_share = 1.5", "server.outlier_max_ejected_share: must be in"),
+        ("grpc_port = 70000", "server.grpc_port: 70000 is not a TCP port"),
+        ("grpc_port = -1", "server.grpc_port"),
+        ("log_level = 'verbose'", "server.log_level: 'verbose' is not one of"),
+    ],
+)
+def test_out_of_range_server_settings_name_the_key(tmp_path: Path, line: str, needle: str) -> None:
+    """A negative timeout, a share above 1, a port out of range or an unknown log level is
+    refused at load (``serve --check`` too), naming the key, not carried into the service."""
+    path = tmp_path / "c.toml"
+    path.write_text(f"[server]\n{line}\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert needle in str(info.value)
+
+
+def test_in_range_edge_values_are_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        "[server]\nhealth_interval_s = 0\nheader_timeout_s = 0\nretry_budget_ratio = 0\n"
+        "outlier_max_ejected_share = 1\ngrpc_port = 0\nlog_level = 'DEBUG'\nretry_after_s = 0\n"
+    )
+    s = load_settings(path, environ={})
+    assert s.server.grpc_port == 0 and s.server.log_level == "DEBUG"
+
+
+def test_serve_check_reports_what_the_start_would_refuse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``serve --check`` validates what ``serve`` would: a model whose tokenizer directory is
+    missing fails the check (exit 2) with the model's key, not "configuration OK"."""
+    from router.cli import build_parser
+
+    path = tmp_path / "c.toml"
+    path.write_text(f"[models.m]\ntokenizer = '{tmp_path / 'nope'}'\n")
+    args = build_parser().parse_args(["serve", "--config", str(path), "--check"])
+    assert args.handler(args) == 2
+    err = capsys.readouterr().err
+    assert "configuration error: models.m: tokenizer directory" in err and "does not exist" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[models.m]\nspeculative_ttl_s = -1.0\n", "models.m.speculative_ttl_s: must be"),
+        ("[models.m]\nsession_ttl_s = -1.0\n", "models.m.session_ttl_s: must be"),
+        ("[models.m]\ncache_mb = -1\n", "models.m.cache_mb: must be"),
+        ("[models.m]\nchars_per_token = 0\n", "models.m.chars_per_token: must be"),
+        ("[models.m.busy]\nmax_kv_usage = 1.5\n", "models.m.busy.max_kv_usage: must be in"),
+        ("[models.m.busy]\nmax_in_flight = -1\n", "models.m.busy.max_in_flight: must be"),
+        ("[models.m.busy]\nmax_queued_prefill_tokens = -1\n", "busy.max_queued_prefill_tokens"),
+    ],
+)
+def test_out_of_range_model_settings_name_the_key(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert needle in str(info.value)

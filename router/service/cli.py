@@ -70,7 +70,8 @@ def serve(args: argparse.Namespace) -> int:
                     for name in {*settings.models, *(r.model for r in settings.replicas)}
                 },
             )
-        if args.check:
+        if args.check:  # what start-up would refuse too: tokenizer files, limits, tokens
+            create_app(settings)
             print(
                 f"configuration OK: {len(settings.replicas)} replica(s), "
                 f"{len({r.model for r in settings.replicas})} model(s)"

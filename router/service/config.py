@@ -155,6 +155,65 @@ def _check_pods(server: ServerSettings) -> None:
             raise ConfigError(f"server.{name}: must be a finite number > 0")
 
 
+# [server] numbers and their ranges (others: _check_pods, build_settings)
+_POSITIVE = (  # finite, > 0
+    "connect_timeout_s",
+    "request_timeout_s",
+    "first_byte_timeout_s",
+    "first_byte_min_s",
+    "first_byte_factor",
+    "health_timeout_s",
+    "engine_metrics_interval_s",
+    "outlier_base_ejection_s",
+    "outlier_max_ejection_s",
+    "outlier_latency_factor",
+    "grpc_max_message_mb",
+    "record_max_mb",
+)
+_NON_NEGATIVE = (  # finite, >= 0 (0: off or automatic, see ServerSettings)
+    "health_interval_s",
+    "unhealthy_cooldown_s",
+    "outlier_latency_min_s",
+    "header_timeout_s",
+    "body_timeout_s",
+    "keep_alive_timeout_s",
+    "shutdown_timeout_s",
+    "retry_after_s",
+    "retry_budget_min",
+    "max_connections",
+    "max_prompt_tokens",
+    "decisions_kept",
+    "record_backups",
+    "max_speculative_blocks",
+)
+_AT_LEAST_ONE = ("outlier_consecutive_failures", "pool_per_replica", "redis_stream_shards")
+_SHARES = ("retry_budget_ratio", "outlier_max_ejected_share")  # in [0, 1]
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _check_server_ranges(server: ServerSettings) -> None:
+    """ConfigError naming the ``[server]`` key whose value is out of its range: a negative
+    timeout, a share above 1, a gRPC port that is not one, a log level logging lacks."""
+    for name in _POSITIVE:
+        if not (math.isfinite(v := getattr(server, name)) and v > 0):
+            raise ConfigError(f"server.{name}: must be a finite number > 0, got {v!r}")
+    for name in _NON_NEGATIVE:
+        if not (math.isfinite(v := getattr(server, name)) and v >= 0):
+            raise ConfigError(f"server.{name}: must be a finite number >= 0, got {v!r}")
+    for name in _AT_LEAST_ONE:
+        if (v := getattr(server, name)) < 1:
+            raise ConfigError(f"server.{name}: must be >= 1, got {v!r}")
+    for name in _SHARES:
+        if not 0 <= (v := getattr(server, name)) <= 1:
+            raise ConfigError(f"server.{name}: must be in [0, 1], got {v!r}")
+    if server.grpc_port is not None and not 0 <= server.grpc_port < 65536:
+        raise ConfigError(f"server.grpc_port: {server.grpc_port} is not a TCP port (0: any free)")
+    if server.log_level.lower() not in _LOG_LEVELS:
+        raise ConfigError(
+            f"server.log_level: {server.log_level!r} is not one of " + ", ".join(_LOG_LEVELS)
+        )
+
+
 def _admission(table: Any, where: str) -> AdmissionSettings | None:
     """``[models.NAME.admission]``: ``enabled`` (default false) and the knobs of
     router.core.admission.AdmissionSettings (per-class knobs as 3-element arrays)."""
@@ -217,6 +276,21 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
     return rep
 
 
+def _check_model_ranges(routing: RoutingSettings, where: str) -> None:
+    """ConfigError naming the ``[models.NAME]`` / ``[models.NAME.busy]`` key whose value is
+    out of range: negative TTLs (0: off), busy thresholds below 0 or a KV usage above 1."""
+    for name in ("speculative_ttl_s", "session_ttl_s"):
+        v = getattr(routing, name)
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise ConfigError(f"{where}.{name}: must be a finite number >= 0 (0: off)")
+    busy = routing.busy
+    for name in ("max_in_flight", "max_queued_prefill_tokens"):
+        if (v := getattr(busy, name)) is not None and v < 0:
+            raise ConfigError(f"{where}.busy.{name}: must be >= 0, got {v}")
+    if busy.max_kv_usage is not None and not 0 < busy.max_kv_usage <= 1:
+        raise ConfigError(f"{where}.busy.max_kv_usage: must be in (0, 1], got {busy.max_kv_usage}")
+
+
 def _model(name: str, table: Any) -> ModelSettings:
     where = f"models.{name}"
     if not isinstance(table, Mapping):
@@ -238,6 +312,7 @@ def _model(name: str, table: Any) -> ModelSettings:
             raise ConfigError(f"{where}.{key}: expected a non-negative integer")
     if not routing.reuse_window_s > 0:
         raise ConfigError(f"{where}.reuse_window_s: expected a positive number of seconds")
+    _check_model_ranges(routing, where)
     if routing.block_size <= 0:
         raise ConfigError(f"{where}.block_size: must be positive")
     engine_block, block = routing.engine_block_size, routing.block_size
@@ -281,6 +356,10 @@ def _model(name: str, table: Any) -> ModelSettings:
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"{where}.render_url: {model.render_url!r} is not an http(s) URL")
         model = replace(model, render_url=model.render_url.rstrip("/"))
+    if not (math.isfinite(model.cache_mb) and model.cache_mb >= 0):
+        raise ConfigError(f"{where}.cache_mb: must be a finite number >= 0")
+    if not (math.isfinite(model.chars_per_token) and model.chars_per_token > 0):
+        raise ConfigError(f"{where}.chars_per_token: must be a finite number > 0")
     if not (isinstance(model.render_timeout_s, int | float) and model.render_timeout_s > 0):
         raise ConfigError(f"{where}.render_timeout_s: expected a positive number of seconds")
     images_tab = table.get("images")
@@ -380,8 +459,7 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
         raise ConfigError("server: workers >= 1, max_retries >= 0 and max_body_mb > 0 required")
     if not (math.isfinite(server.load_share_interval_s) and server.load_share_interval_s >= 0):
         raise ConfigError("server.load_share_interval_s: must be a finite number >= 0 (0: off)")
-    if server.engine_metrics_interval_s <= 0:
-        raise ConfigError("server.engine_metrics_interval_s: must be > 0")
+    _check_server_ranges(server)
     _check_pods(server)
     if not math.isfinite(server.max_body_mb):
         raise ConfigError("server.max_body_mb: must be a finite number")

@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from router.core.errors import BadRequest, UnknownModel
+from router.core.errors import BadRequest, ConfigError, UnknownModel
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import Candidate, CandidateColumns, make_policy
@@ -131,7 +131,10 @@ class RouterState:
             engine.turnover.forget(key)
 
     def _add_model(self, model: ModelSettings) -> None:
-        processor = build_processor(model, self._tokenizers)
+        try:  # its tokenizer, BPE and template files: a missing one names the model
+            processor = build_processor(model, self._tokenizers)
+        except ConfigError as exc:
+            raise ConfigError(f"models.{model.name}: {exc}") from None
         routing = model.routing
         params = dict(model.policy_params)
         if model.policy == "ours":  # priced against the model's TPOT target unless told
