@@ -237,6 +237,19 @@ def test_out_of_range_server_settings_name_the_key(tmp_path: Path, line: str, ne
     assert needle in str(info.value)
 
 
+def test_admission_and_pd_tables_of_the_right_types_load(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        "[models.m.admission]\nenabled = true\nmax_queue = 10\nheadroom = [1, 0.5, 0.3]\n"
+        "max_hold_s = 1\n[models.m.pd]\nmode = \"auto\"\nmargin_s = -0.5\n"
+        "min_uncached_tokens = 2048\nrack_penalty_s = 0\n"
+    )
+    model = load_settings(path, environ={}).models["m"]
+    assert model.admission is not None and model.admission.max_queue == 10
+    assert model.admission.max_hold_s == 1.0 and model.admission.headroom == (1.0, 0.5, 0.3)
+    assert model.pd is not None and model.pd.knobs.margin_s == -0.5
+
+
 def test_in_range_edge_values_are_accepted(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text(
@@ -272,6 +285,17 @@ def test_serve_check_reports_what_the_start_would_refuse(
         ("[models.m.busy]\nmax_kv_usage = 1.5\n", "models.m.busy.max_kv_usage: must be in"),
         ("[models.m.busy]\nmax_in_flight = -1\n", "models.m.busy.max_in_flight: must be"),
         ("[models.m.busy]\nmax_queued_prefill_tokens = -1\n", "busy.max_queued_prefill_tokens"),
+        # admission and P/D knobs: a wrong type names the key, not only the table
+        ('[models.m.admission]\nmax_queue = "10"\n', "models.m.admission.max_queue: expected"),
+        ("[models.m.admission]\nmax_queue = 1.5\n", "models.m.admission.max_queue: expected"),
+        ("[models.m.admission]\nscan = true\n", "models.m.admission.scan: expected"),
+        ('[models.m.admission]\nheadroom = [1, "x", 1]\n', "models.m.admission.headroom: expected"),
+        ("[models.m.admission]\nstall_share = 0.5\n", "models.m.admission.stall_share: expected"),
+        ("[models.m.admission]\nheadroom = [1, 1]\n", "models.m.admission.headroom: expected"),
+        ('[models.m.pd]\nmin_uncached_tokens = "4096"\n', "models.m.pd.min_uncached_tokens: exp"),
+        ("[models.m.pd]\nrack_penalty_s = -1.0\n", "models.m.pd.rack_penalty_s: must be"),
+        ("[models.m.pd]\nnetwork_latency_s = nan\n", "models.m.pd.network_latency_s: must be"),
+        ("[models.m.pd]\nmode = 1\n", "models.m.pd.mode: expected"),
     ],
 )
 def test_out_of_range_model_settings_name_the_key(tmp_path: Path, text: str, needle: str) -> None:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from router.core.admission import AdmissionSettings
-from router.core.disagg import PdSetup, Role
+from router.core.disagg import LinkModel, PdKnobs, PdSetup, Role, TransferSizes
 from router.core.errors import ConfigError
 from router.core.policies import POLICY_NAMES, make_policy
 from router.core.routing import BusyThresholds, RoutingSettings
@@ -224,13 +224,43 @@ def _admission(table: Any, where: str) -> AdmissionSettings | None:
     enabled = table.get("enabled", False)
     if not isinstance(enabled, bool):
         raise ConfigError(f"{where}.enabled: expected true or false")
-    knobs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
-    knobs.pop("enabled", None)
+    triples = {n for n in (f.name for f in fields(AdmissionSettings)) if _is_triple(n)}
+    scalars = {k: v for k, v in table.items() if k != "enabled" and k not in triples}
+    knobs: dict[str, Any] = _checked(AdmissionSettings, scalars, where)
+    for key in triples & table.keys():
+        value = table[key]
+        if not (
+            isinstance(value, list)
+            and len(value) == 3
+            and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+        ):
+            raise ConfigError(f"{where}.{key}: expected 3 numbers (priority, default, flex)")
+        knobs[key] = tuple(value)
     try:
         settings = AdmissionSettings(**knobs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return settings if enabled else None
+
+
+def _is_triple(name: str) -> bool:
+    """Whether AdmissionSettings' ``name`` is a per-class (priority, default, flex) triple."""
+    return isinstance(getattr(AdmissionSettings(), name), tuple)
+
+
+def _check_pd_types(table: Mapping[str, Any], where: str) -> None:
+    """ConfigError naming the ``[models.NAME.pd]`` key whose value is not of its declared
+    type, or is a negative or non-finite number (but ``margin_s``, which may favour the
+    remote prefill); unknown keys: PdSetup.from_mapping; the other ranges: the
+    dataclasses'."""
+    for key, value in table.items():
+        for cls in (PdKnobs, LinkModel, TransferSizes):
+            if key in {f.name for f in fields(cls)}:
+                _checked(cls, {key: value}, where)
+                number = isinstance(value, int | float) and not isinstance(value, bool)
+                if number and key != "margin_s" and not (math.isfinite(value) and value >= 0):
+                    raise ConfigError(f"{where}.{key}: must be a finite number >= 0")
+                break
 
 
 def _replica(i: int, table: Any) -> ReplicaSettings:
@@ -382,6 +412,7 @@ def _model(name: str, table: Any) -> ModelSettings:
     if pd_tab is not None:
         if not isinstance(pd_tab, Mapping):
             raise ConfigError(f"{where}.pd: must be a table")
+        _check_pd_types(pd_tab, f"{where}.pd")
         try:
             setup = PdSetup.from_mapping(pd_tab, model.slo.tpot_s)
         except ConfigError as exc:
