@@ -241,7 +241,7 @@ def test_admission_and_pd_tables_of_the_right_types_load(tmp_path: Path) -> None
     path = tmp_path / "c.toml"
     path.write_text(
         "[models.m.admission]\nenabled = true\nmax_queue = 10\nheadroom = [1, 0.5, 0.3]\n"
-        "max_hold_s = 1\n[models.m.pd]\nmode = \"auto\"\nmargin_s = -0.5\n"
+        'max_hold_s = 1\n[models.m.pd]\nmode = "auto"\nmargin_s = -0.5\n'
         "min_uncached_tokens = 2048\nrack_penalty_s = 0\n"
     )
     model = load_settings(path, environ={}).models["m"]
