@@ -1,7 +1,8 @@
 """Engine load from a Prometheus ``/metrics`` page (vLLM, SGLang, the mock replica).
 
 Recognised gauges (first match wins), per data-parallel rank (label ``engine``, ``dp_rank``
-or ``data_parallel_rank``; rank 0 without one):
+or ``data_parallel_rank``; rank 0 without one; of several series of one rank, which differ
+in other labels such as SGLang's ``pp_rank`` / ``tp_rank`` / ``priority``, the largest):
 
 * running: ``vllm:num_requests_running``, ``sglang:num_running_reqs``
 * waiting: ``vllm:num_requests_waiting``, ``sglang:num_queue_reqs``
@@ -76,8 +77,16 @@ def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
                         if label in sample.labels and sample.labels[label].isdigit():
                             rank = int(sample.labels[label])
                             break
+                    # Several series of one rank are copies of its figures, not parts to
+                    # add up: SGLang's pipeline stages (``pp_rank``) and, with metrics
+                    # for all schedulers, TP ranks (``tp_rank``) each export the rank's
+                    # queues, and with priority scheduling the total (``priority=""``)
+                    # sits beside its split by priority. The largest is the rank's (its
+                    # fullest stage's KV pool); a NaN only where there is nothing else.
                     per = values.setdefault(sample.name, {})
-                    per[rank] = per.get(rank, 0.0) + float(sample.value)
+                    value, prev = float(sample.value), per.get(rank)
+                    if prev is None or math.isnan(prev) or value > prev:
+                        per[rank] = value
     except Exception as exc:  # the parser raises assorted errors on junk
         raise ValueError(f"not a Prometheus metrics page: {exc}") from None
 
