@@ -22,6 +22,9 @@ Wheels (``pip download <engine>==<version> --no-deps``):
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from router.publisher.scrape import ScrapedLoad, parse_engine_metrics
@@ -212,3 +215,68 @@ def test_sglang_pipeline_stages_and_tp_ranks_report_one_rank_once() -> None:
         ]
     )
     assert parse_engine_metrics(page) == {0: ScrapedLoad(3, 2, 0.7), 1: ScrapedLoad(1, 0, 0.2)}
+
+
+def test_a_load_gauge_the_page_lacks_is_named_not_silently_zero() -> None:
+    """An engine version without one of the gauges (renamed or dropped): its figure is 0,
+    the policies' value without an engine report, and named in ``missing``; a full page
+    misses nothing."""
+    full = _vllm_034_page({0: (4, 2, 0, 0.5, 0, 0), 1: (1, 0, 0, 0.25, 0, 0)})
+    assert all(load.missing == () for load in parse_engine_metrics(full).values())
+    renamed = full.replace("vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_ratio")
+    assert parse_engine_metrics(renamed) == {
+        0: ScrapedLoad(4, 2, 0.0, 0.0, 0.0, ("kv_usage",)),
+        1: ScrapedLoad(1, 0, 0.0, 0.0, 0.0, ("kv_usage",)),
+    }
+    no_queue = _sglang_0523_page([{"running": 2, "queued": 1, "usage": 0.5}])
+    no_queue = no_queue.replace("sglang:num_queue_reqs", "sglang:num_waiting_reqs")
+    assert parse_engine_metrics(no_queue) == {0: ScrapedLoad(2, 0, 0.5, missing=("waiting",))}
+
+
+async def test_direct_mode_logs_a_missing_gauge_once_and_its_return(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The router's scrape of ``metrics_url`` warns once (naming the metrics it looks for)
+    while a gauge is missing, not every scrape, and says when it is back."""
+    import aiohttp
+    from aiohttp import web
+
+    from router.publisher.scrape import MissingGauges
+    from router.service.engines import scrape_once
+    from router.service.settings import ReplicaSettings
+    from tests.ports import free_port
+
+    full = _vllm_034_page({0: (4, 2, 0, 0.5, 0, 0)})
+    pages = [full.replace("vllm:kv_cache_usage_perc", "vllm:kv_usage")] * 2 + [full]
+
+    async def page(_: web.Request) -> web.Response:
+        return web.Response(text=pages.pop(0))
+
+    class Feed:
+        def __init__(self) -> None:
+            self.samples: list[tuple[object, float]] = []
+
+        def load(self, key: object, sample: object, now: float) -> None:
+            self.samples.append((key, getattr(sample, "kv_usage")))  # noqa: B009
+
+    app = web.Application()
+    app.router.add_get("/metrics", page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    rep = ReplicaSettings("http://x", "m", "r0", metrics_url=f"http://127.0.0.1:{port}/metrics")
+    feed, missing = Feed(), MissingGauges(logging.getLogger("router.service.engines"))
+    try:
+        with caplog.at_level(logging.INFO, logger="router.service.engines"):
+            async with aiohttp.ClientSession() as session:
+                for _ in range(3):
+                    await scrape_once(session, rep, feed, 0.0, missing)  # type: ignore[arg-type]
+    finally:
+        await runner.cleanup()
+    assert [usage for _, usage in feed.samples] == [0.0, 0.0, 0.5]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1
+    assert "no kv_usage (vllm:kv_cache_usage_perc" in warned[0].getMessage()
+    assert "r0" in warned[0].getMessage()
+    assert any("back" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
