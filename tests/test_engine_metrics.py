@@ -11,13 +11,20 @@ Wheels (``pip download <engine>==<version> --no-deps``):
 
 * vLLM 0.34.0: ``vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl`` (sha256
   ``79ca4b3cd74aec08c4bf476bdf0cb15735b605ae5368526a2faae1e30f044ca2``),
-  ``vllm/v1/metrics/loggers.py``. vLLM 0.16.0 (sha256 ``f066b2a2f8597a4a...``) declares
-  the same names and labels (``loggers.py:413,432,442,478,501,512``).
+  ``vllm/v1/metrics/loggers.py``. vLLM 0.16.0
+  (``vllm-0.16.0-cp38-abi3-manylinux_2_31_x86_64.whl``, sha256
+  ``f066b2a2f8597a4a3ada8fbbfd122b59086864b2260ca42dc81bf9fb57af0c42``) declares the same
+  names and labels (``loggers.py:413,432,442,478,501,512``).
 * SGLang 0.5.23: ``sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl`` (sha256
   ``00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937``),
-  ``sglang/srt/observability/metrics_collector.py``. SGLang 0.5.10 (sha256
-  ``ac8855a5d57dac88...``) declares the same (``observability/metrics_collector.py:189,201,
-  243,804-816``, labels in ``observability/scheduler_metrics_mixin.py:133-143``).
+  ``sglang/srt/observability/metrics_collector.py``. SGLang 0.5.10
+  (``sglang-0.5.10-py3-none-any.whl``, sha256
+  ``ac8855a5d57dac8831fee526bca5212f1ae451f378e2ab08b3baecbc4deb4076``) declares the same
+  (``observability/metrics_collector.py:189,201,243,804-816``, labels in
+  ``observability/scheduler_metrics_mixin.py:133-143``).
+
+Not read: SGLang's prefix-cache figures (``sglang:cache_hit_rate`` gauge; the tokenizer's
+``sglang:prompt_tokens_total`` / ``sglang:cached_tokens_total`` counters, not per DP rank).
 """
 
 from __future__ import annotations
