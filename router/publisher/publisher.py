@@ -44,7 +44,7 @@ from router.core.state_layout import CheckpointGrid
 from router.core.types import IndexEvent, ReplicaKey
 from router.events.endpoints import EndpointSpec
 from router.events.ingest import EngineIngest, SubscriberGroup
-from router.publisher.scrape import fetch_page, parse_engine_metrics
+from router.publisher.scrape import MissingGauges, fetch_page, parse_engine_metrics
 from router.store.base import IndexStore, LeaseTaken, LoadSample, ReplicaInfo, SeqMismatch
 from router.store.writer import StoreWriter
 from router.tasks import stop_all
@@ -300,12 +300,14 @@ class Publisher:
     async def _load_loop(self) -> None:
         s = self.settings
         assert self._http is not None and s.engine_metrics_url
+        missing = MissingGauges(log)
         while True:
             try:
                 text = await fetch_page(self._http, s.engine_metrics_url)
                 loads = await asyncio.get_running_loop().run_in_executor(
                     None, parse_engine_metrics, text
                 )
+                missing.check(s.info.replica, loads)
                 now = time.time()
                 for rank, load in loads.items():
                     if rank not in s.info.dp_ranks:

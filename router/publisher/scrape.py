@@ -1,7 +1,8 @@
 """Engine load from a Prometheus ``/metrics`` page (vLLM, SGLang, the mock replica).
 
 Recognised gauges (first match wins), per data-parallel rank (label ``engine``, ``dp_rank``
-or ``data_parallel_rank``; rank 0 without one):
+or ``data_parallel_rank``; rank 0 without one; of several series of one rank, which differ
+in other labels such as SGLang's ``pp_rank`` / ``tp_rank`` / ``priority``, the largest):
 
 * running: ``vllm:num_requests_running``, ``sglang:num_running_reqs``
 * waiting: ``vllm:num_requests_waiting``, ``sglang:num_queue_reqs``
@@ -11,10 +12,17 @@ or ``data_parallel_rank``; rank 0 without one):
 and, when the engine has them, its cumulative prefix-cache counters in tokens (vLLM v1:
 ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``, earlier ``vllm:gpu_prefix_cache_*``),
 which the router exports per replica beside its own predicted hits (docs/metrics.md).
+
+A page with none of the load gauges is refused (ValueError: no report, as for a replica
+without a scraped page). A figure the page lacks for a rank (an engine version that renamed
+or dropped its gauge) is taken as 0, the value the policies use without an engine report
+(waiting: only the router's own queue counts; KV usage: no KV-pressure term), and named in
+``ScrapedLoad.missing``, which :class:`MissingGauges` logs once per change.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -56,6 +64,37 @@ class ScrapedLoad:
     kv_usage: float
     prefix_cache_queries: float | None = None  # cumulative prompt tokens looked up
     prefix_cache_hits: float | None = None  # cumulative prompt tokens found cached
+    # the load figures ("running", "waiting", "kv_usage") the page has no series for at
+    # this rank: taken as 0 above
+    missing: tuple[str, ...] = ()
+
+
+FIGURES = {"running": RUNNING, "waiting": WAITING, "kv_usage": USAGE}
+
+
+class MissingGauges:
+    """Logs a warning when the load figures a source's page lacks change (once, not every
+    scrape), naming the metrics looked for; and when they are all back."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self._last: dict[str, tuple[str, ...]] = {}
+
+    def check(self, source: str, loads: dict[int, ScrapedLoad]) -> tuple[str, ...]:
+        """The figures missing at any rank of ``loads`` (logged if they changed)."""
+        missing = tuple(f for f in FIGURES if any(f in load.missing for load in loads.values()))
+        if missing != self._last.get(source, ()):
+            if missing:
+                self.log.warning(
+                    "engine metrics of %s: no %s on the page; taken as 0, as without an "
+                    "engine report, until it appears",
+                    source,
+                    "; no ".join(f"{f} ({' / '.join(FIGURES[f])})" for f in missing),
+                )
+            else:
+                self.log.info("engine metrics of %s: all load gauges are back", source)
+            self._last[source] = missing
+        return missing
 
 
 def unit_fraction(value: float) -> float:
@@ -76,8 +115,16 @@ def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
                         if label in sample.labels and sample.labels[label].isdigit():
                             rank = int(sample.labels[label])
                             break
+                    # Several series of one rank are copies of its figures, not parts to
+                    # add up: SGLang's pipeline stages (``pp_rank``) and, with metrics
+                    # for all schedulers, TP ranks (``tp_rank``) each export the rank's
+                    # queues, and with priority scheduling the total (``priority=""``)
+                    # sits beside its split by priority. The largest is the rank's (its
+                    # fullest stage's KV pool); a NaN only where there is nothing else.
                     per = values.setdefault(sample.name, {})
-                    per[rank] = per.get(rank, 0.0) + float(sample.value)
+                    value, prev = float(sample.value), per.get(rank)
+                    if prev is None or math.isnan(prev) or value > prev:
+                        per[rank] = value
     except Exception as exc:  # the parser raises assorted errors on junk
         raise ValueError(f"not a Prometheus metrics page: {exc}") from None
 
@@ -96,6 +143,7 @@ def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
     ranks = set(running) | set(waiting) | set(usage)
     if not ranks:
         raise ValueError("no engine load gauges (running/waiting/kv usage) on the page")
+    figures = {"running": running, "waiting": waiting, "kv_usage": usage}
     return {
         r: ScrapedLoad(
             int(running.get(r, 0)),
@@ -103,6 +151,7 @@ def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
             unit_fraction(usage.get(r, 0.0)),
             queries.get(r),
             hits.get(r),
+            tuple(name for name, per in figures.items() if r not in per),
         )
         for r in sorted(ranks)
     }

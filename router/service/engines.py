@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 import aiohttp
 
 from router.core.types import ReplicaKey
-from router.publisher.scrape import fetch_page, parse_engine_metrics
+from router.publisher.scrape import MissingGauges, fetch_page, parse_engine_metrics
 from router.service.settings import ReplicaSettings
 from router.service.state import RouterState
 from router.store.base import LoadSample, ReplicaInfo
@@ -29,6 +29,7 @@ from router.store.sync import LoadTrackerListener
 from router.tasks import running
 
 _log = logging.getLogger(__name__)
+_MISSING = MissingGauges(_log)  # for callers of scrape_once without their own
 
 
 class EngineFeed(LoadTrackerListener):
@@ -65,14 +66,20 @@ class EngineFeed(LoadTrackerListener):
 
 
 async def scrape_once(
-    session: aiohttp.ClientSession, rep: ReplicaSettings, feed: EngineFeed, now: float
+    session: aiohttp.ClientSession,
+    rep: ReplicaSettings,
+    feed: EngineFeed,
+    now: float,
+    missing: MissingGauges | None = None,
 ) -> int:
     """Scrape one replica's page into ``feed``; returns the number of ranks reported. Raises
     ``aiohttp.ClientError`` / ``TimeoutError`` / ``ValueError`` (refused or not a metrics
-    page). The page is bounded (``MAX_PAGE_BYTES``) and parsed off the event loop."""
+    page). The page is bounded (``MAX_PAGE_BYTES``) and parsed off the event loop. Load
+    gauges the page lacks are logged through ``missing`` (once per change)."""
     assert rep.metrics_url
     text = await fetch_page(session, rep.metrics_url)
     loads = await asyncio.get_running_loop().run_in_executor(None, parse_engine_metrics, text)
+    (missing or _MISSING).check(rep.name, loads)
     reported = 0
     wall = time.time()
     for rank, load in loads.items():
@@ -98,12 +105,13 @@ async def scrape_loop(
     failing page is logged once per failure streak and retried next round."""
     loop = asyncio.get_running_loop()
     failing: set[str] = set()
+    missing = MissingGauges(_log)
     timeout = aiohttp.ClientTimeout(total=max(0.5, min(every_s, 5.0)))
     async with aiohttp.ClientSession(timeout=timeout) as session:
         while True:
             now = loop.time()
             results = await asyncio.gather(
-                *(scrape_once(session, rep, feed, now) for rep in replicas),
+                *(scrape_once(session, rep, feed, now, missing) for rep in replicas),
                 return_exceptions=True,
             )
             for rep, result in zip(replicas, results, strict=True):
