@@ -65,6 +65,7 @@ TESTS = (
     "tests/test_load_peer.py::test_a_new_report_replaces_the_last_and_bad_figures_are_clamped",
     "tests/test_load_peer.py::test_the_array_mirror_carries_peer_load_too",
     "tests/test_load_samples.py",  # every sequence of a request with n > 1 counted
+    "tests/test_load_reports.py",  # engine reports that stopped coming are dropped
     "tests/test_gc_retention.py",
     "tests/test_sim_cache.py",  # the index's bulk event ingestion
     "tests/test_sim_run.py",  # whole simulated runs through the routing core

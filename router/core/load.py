@@ -386,6 +386,21 @@ class LoadTracker:
         if rep.row >= 0:
             self._mirror(rep)
 
+    def forget_stale_reports(self, now: float, max_age_s: float) -> list[ReplicaKey]:
+        """Drop engine reports older than ``max_age_s``: a replica whose reports stopped (its
+        metrics page unreachable or renamed, its publisher gone) is judged on the router's
+        own counts, as one that never reported, not by its last figures for good (a KV
+        usage of 0.97 would keep it over ``max_kv_usage``, out of routing, forever).
+        Returns the replicas whose report was dropped."""
+        dropped = []
+        for key, rep in self._replicas.items():
+            if rep.engine is not None and now - rep.engine.at > max_age_s:
+                rep.engine = None
+                dropped.append(key)
+                if rep.row >= 0:
+                    self._mirror(rep)
+        return dropped
+
     def set_health(self, key: ReplicaKey, healthy: bool) -> None:
         rep = self._get(key)
         rep.healthy = healthy

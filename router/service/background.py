@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from router.events.direct import DirectEvents
 
 _log = logging.getLogger("kvrouter.service")
+# an engine load report older than this many ``server.engine_metrics_interval_s`` is dropped
+# (direct scrapes and the publishers' reports alike; the publishers' default interval is 1 s)
+REPORT_STALE_INTERVALS = 10
 
 
 async def upstream_session(app: web.Application) -> AsyncIterator[None]:
@@ -78,15 +81,19 @@ async def upstream_session(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _housekeeping(app: web.Application, every: float = 1.0) -> None:
-    """Expire speculative index entries, readmit replicas whose unhealthy cooldown ended
-    (without waiting for traffic; an active probe re-marks them if still down), check the
-    models' state layouts against their configuration (router.service.layout), and compact
-    the index now and then."""
+    """Expire speculative index entries and engine load reports older than
+    ``REPORT_STALE_INTERVALS`` scrape intervals (LoadTracker.forget_stale_reports), readmit
+    replicas whose unhealthy cooldown ended (without waiting for traffic; an active probe
+    re-marks them if still down), check the models' state layouts against their
+    configuration (router.service.layout), and compact the index now and then."""
     state = app[STATE]
     loop = asyncio.get_running_loop()
+    stale_s = REPORT_STALE_INTERVALS * state.settings.server.engine_metrics_interval_s
     while True:
         await asyncio.sleep(every)
         state.index.expire(loop.time())
+        for key in state.load.forget_stale_reports(loop.time(), stale_s):
+            _log.warning("no engine load report from %s for %.0f s: dropped its last", key, stale_s)
         state.fleet.restore_health(loop.time())
         state.layouts.check()
         if state.index.garbage_ratio() > 0.5:
