@@ -72,6 +72,24 @@ def test_a_long_uncached_prefill_goes_where_it_stalls_fewest_short_answers() -> 
     assert ours.terms(request, a)["interference"] == pytest.approx(stall)
 
 
+def test_an_engine_report_counts_until_the_next_one_is_due_and_fetched() -> None:
+    """Engines report every second; the queue they report counts until the next report
+    is due plus its fetch (not only for exactly a second, which would drop it out for the
+    length of every fetch), and no longer than 1.5 s."""
+    from router.core.load import EngineReport
+
+    request = RouteRequest("x", "m", 1_000, [], 64, None, 100)
+    ours = Ours()
+
+    def queue(age: float) -> float:
+        report = EngineReport(running=0, waiting=4, kv_usage=0.0, at=0.0)
+        c = Candidate(A, PrefixMatch(0, 0, 0, 0), LoadView(engine=report, engine_age_s=age))
+        return ours.terms(request, c)["queue"]
+
+    assert queue(1.2) == queue(0.1) > 0.0  # 4 requests of other routers' queued there
+    assert queue(1.6) == 0.0
+
+
 def test_a_cache_hit_still_goes_to_its_cache_next_to_short_answers() -> None:
     request = RouteRequest("x", "m", 32_000, [], 64, None, 500)
     a = _cand(A, kv=490, weight=2.0, decoding=4)  # holds 31,360 of the 32,000 tokens

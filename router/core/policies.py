@@ -314,7 +314,9 @@ class Ours:
     kv_pressure_threshold: float = 0.9
     kv_pressure_s: float = 2.0
     foreign_waiting_tokens: int = 4096
-    report_max_age_s: float = 1.0
+    # reports come every second (the scrape / publish default): one stays fresh until the
+    # next is due and fetched, so the engine's queue never drops out between two
+    report_max_age_s: float = 1.5
     w_interference: float = 7.0
     tpot_target_s: float = 0.1
     w_eviction: float = 24.0
