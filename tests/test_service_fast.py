@@ -310,3 +310,39 @@ async def test_a_head_of_many_tiny_headers_is_431(front: Front) -> None:
     status, _, _ = await _response(reader)
     assert status == 200
     writer.close()
+
+
+async def test_an_upgrade_request_is_answered_once_in_http_1_1(front: Front) -> None:
+    # curl --http2 on http:// asks "Upgrade: h2c": the router speaks HTTP/1.1 only and answers
+    # as if not asked (RFC 9110, 7.8), body and all. The request used to be answered (without
+    # its body), then a 400 followed: an answer no request asked for, read by the next one
+    upgrade = (
+        "Upgrade: h2c\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        "HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+    )
+    reader, writer = await front.open()
+    writer.write(
+        f"GET /health HTTP/1.1\r\nHost: x\r\n{upgrade}\r\n".encode()
+        + _post(_chat(1), extra=upgrade)
+        + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    status, _, body = await _response(reader)
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    status, _, body = await _response(reader)
+    assert status == 200 and json.loads(body)["choices"], body
+    status, headers, body = await _response(reader)
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    assert headers["connection"] == "close"
+    assert await reader.read() == b""  # nothing more: no stray 400
+    writer.close()
+    [sent] = front.backend.received
+    assert sent["body"] == json.loads(_chat(1))
+    assert "upgrade" not in sent["headers"] and "http2-settings" not in sent["headers"]
+    # CONNECT (a tunnel) is refused, once
+    reader, writer = await front.open()
+    writer.write(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
+    status, headers, body = await _response(reader)
+    assert status == 400 and headers["connection"] == "close"
+    assert await reader.read() == b""
+    writer.close()
+

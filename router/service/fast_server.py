@@ -23,7 +23,9 @@ router.service.handling.handle, the front door.
   request is answered after the requests before it, then the connection closes.
   ``Expect: 100-continue`` is honoured (its ``100`` also waits for the answers before it);
   with a ``Content-Length`` over ``max_body`` the answer is 413 at once, without the body,
-  and the connection closes. ``HEAD`` gets the head of the GET answer.
+  and the connection closes. ``HEAD`` gets the head of the GET answer. A request asking to
+  switch protocols (``Upgrade: h2c``) is answered in HTTP/1.1 as if it had not asked;
+  ``CONNECT`` is 400.
 * A client that disconnects cancels its request's task, which aborts the upstream request
   (the replica sees the connection close). Writes wait while the client's socket buffer is
   full (backpressure reaches the replica through the upstream client's pause).
@@ -248,10 +250,31 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fatal(400, "protocol upgrades are not supported")
+        except httptools.HttpParserUpgrade as exc:
+            self._no_upgrade(data[exc.args[0] :])
         except httptools.HttpParserError as exc:
             self._fatal(400, f"malformed HTTP request: {exc}")
+
+    def _no_upgrade(self, rest: bytes) -> None:
+        """The request just parsed asked for another protocol (``Upgrade``, as curl's
+        ``--http2`` asks ``h2c``): llhttp stopped there, before its body. The router speaks
+        HTTP/1.1 only and answers as if not asked (RFC 9110, 7.8): the request is parsed
+        again without its ``Upgrade`` field, with what followed it (``rest``), on a fresh
+        parser. ``CONNECT`` (a tunnel) is answered 400."""
+        queue = self.queue
+        if not queue or queue[-1][0].headers is not self.headers:
+            return  # not queued: answered already (over the connection cap)
+        req, http10 = queue.pop()
+        self.parser = httptools.HttpRequestParser(self)
+        if req.method == b"CONNECT":
+            self._fatal(400, "CONNECT is not supported")
+            return
+        head = [req.method, b" ", req.target, b" HTTP/1.0\r\n" if http10 else b" HTTP/1.1\r\n"]
+        for k, v in req.headers:
+            if k.lower() != b"upgrade":
+                head += (k, b": ", v, b"\r\n")
+        head.append(b"\r\n")
+        self.data_received(b"".join(head) + rest)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
