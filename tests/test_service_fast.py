@@ -346,3 +346,37 @@ async def test_an_upgrade_request_is_answered_once_in_http_1_1(front: Front) -> 
     assert await reader.read() == b""
     writer.close()
 
+
+async def test_trailer_fields_of_a_chunked_body_are_not_headers() -> None:
+    # a chunked body's trailer section is not the header section (RFC 9110, 6.5.1): it was
+    # merged into the headers, so a key sent in a trailer passed the gate and trailer
+    # fields reached the replica as headers
+    backend = await Backend("b0", [MODEL]).start()
+    settings = build_settings(
+        {
+            "server": {"health_interval_s": 0, "api_keys": "k1"},
+            "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    running, url = await start_router(settings)
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = _chat(1)
+    try:
+        for head in (b"", b"Authorization: Bearer k1\r\n"):
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n%b"
+                b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n"
+                b"Authorization: Bearer k1\r\nX-Session-Id: s1\r\nX-Trailer: t\r\n\r\n"
+                % (head, len(body), body)
+            )
+            status, _, _ = await _response(reader)
+            assert status == (200 if head else 401)
+    finally:
+        writer.close()
+        await running.cleanup()
+        await backend.stop()
+    [sent] = backend.received
+    assert sent["body"] == json.loads(body)
+    assert "x-trailer" not in sent["headers"] and "x-session-id" not in sent["headers"]

@@ -25,7 +25,7 @@ router.service.handling.handle, the front door.
   with a ``Content-Length`` over ``max_body`` the answer is 413 at once, without the body,
   and the connection closes. ``HEAD`` gets the head of the GET answer. A request asking to
   switch protocols (``Upgrade: h2c``) is answered in HTTP/1.1 as if it had not asked;
-  ``CONNECT`` is 400.
+  ``CONNECT`` is 400. A chunked body's trailer fields are dropped, never taken for headers.
 * A client that disconnects cancels its request's task, which aborts the upstream request
   (the replica sees the connection close). Writes wait while the client's socket buffer is
   full (backpressure reaches the replica through the upstream client's pause).
@@ -226,6 +226,7 @@ class _Connection(asyncio.Protocol):
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.header_bytes = 0
+        self.head_done = False  # the head is parsed: header fields now are trailer fields
         # the body's pieces; small ones after the first are gathered in a bytearray (one
         # object per tiny chunk of a chunked body would cost ~27x the body's size)
         self.body: list[bytes | bytearray] = []
@@ -348,7 +349,9 @@ class _Connection(asyncio.Protocol):
             self._fatal(431, f"request head over {MAX_HEAD_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.closed or self.failed is not None:
+        # (after the head: a chunked body's trailer fields, not headers, RFC 9110 6.5.1;
+        # the body is passed on whole, so they are dropped)
+        if self.closed or self.failed is not None or self.head_done:
             return
         headers = self.headers
         headers.append((name, value))
@@ -359,6 +362,7 @@ class _Connection(asyncio.Protocol):
             self._fatal(431, f"request head of more than {MAX_HEADERS} header fields")
 
     def on_headers_complete(self) -> None:
+        self.head_done = True
         if self.closed or self.failed is not None:
             return
         body_timeout = self.server.limits.body_timeout_s
