@@ -380,3 +380,17 @@ async def test_trailer_fields_of_a_chunked_body_are_not_headers() -> None:
     [sent] = backend.received
     assert sent["body"] == json.loads(body)
     assert "x-trailer" not in sent["headers"] and "x-session-id" not in sent["headers"]
+
+
+async def test_an_absolute_form_request_target_is_served_as_its_path(front: Front) -> None:
+    # a server must accept the absolute-form (RFC 9112, 3.2.2), which a client sends when
+    # it takes the router for a proxy: it was a 404 "no route for GET http://x/health"
+    reader, writer = await front.open()
+    writer.write(b"GET http://x/health HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, _, body = await _response(reader)
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    writer.write(_post(_chat(1), path="HTTP://router.example:8000/v1/chat/completions?x=1"))
+    status, _, body = await _response(reader)
+    assert status == 200 and json.loads(body)["choices"], body
+    assert front.backend.received[-1]["path_qs"] == "/v1/chat/completions?x=1"
+    writer.close()

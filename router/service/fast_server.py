@@ -26,6 +26,7 @@ router.service.handling.handle, the front door.
   and the connection closes. ``HEAD`` gets the head of the GET answer. A request asking to
   switch protocols (``Upgrade: h2c``) is answered in HTTP/1.1 as if it had not asked;
   ``CONNECT`` is 400. A chunked body's trailer fields are dropped, never taken for headers.
+  An absolute-form target (``http://host/path``) is served as its path.
 * A client that disconnects cancels its request's task, which aborts the upstream request
   (the replica sees the connection close). Writes wait while the client's socket buffer is
   full (backpressure reaches the replica through the upstream client's pause).
@@ -101,6 +102,18 @@ def _status_line(status: int) -> bytes:
             phrase = "Unknown"
         line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {phrase}\r\n".encode()
     return line
+
+
+def _origin_form(target: bytes) -> bytes:
+    """An absolute-form request target as its origin-form (``http://host/p?q`` -> ``/p?q``,
+    RFC 9112 3.2.2: a server must accept it); any other (``*``, ``host:port``) as it is."""
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return target
+    slash, query = rest.find(b"/"), rest.find(b"?")
+    if query >= 0 and (slash < 0 or query < slash):
+        return b"/" + rest[query:]
+    return rest[slash:] if slash >= 0 else b"/"
 
 
 class _Aborted(Exception):
@@ -424,12 +437,15 @@ class _Connection(asyncio.Protocol):
             return
         parts = self.body
         body = parts[0] if len(parts) == 1 and type(parts[0]) is bytes else b"".join(parts)
+        url = self.url
+        if not url.startswith(b"/"):
+            url = _origin_form(url)
         self.queue.append(
             (
                 HttpRequest(
                     self.parser.get_method(),
-                    self.url,
-                    self.url.split(b"?", 1)[0],
+                    url,
+                    url.split(b"?", 1)[0],
                     self.headers,
                     body,
                     self.peer,
