@@ -394,3 +394,15 @@ async def test_an_absolute_form_request_target_is_served_as_its_path(front: Fron
     assert status == 200 and json.loads(body)["choices"], body
     assert front.backend.received[-1]["path_qs"] == "/v1/chat/completions?x=1"
     writer.close()
+
+
+async def test_expect_continue_from_an_http_1_0_client_is_ignored(front: Front) -> None:
+    # HTTP/1.0 has no 1xx answers: a server must ignore a 1.0 request's 100-continue
+    # (RFC 9110, 10.1.1). The "100 Continue" went out and such a client took it for the answer
+    reader, writer = await front.open()
+    body = _chat(1)
+    writer.write(_post(body, extra="Expect: 100-continue\r\n").replace(b"HTTP/1.1", b"HTTP/1.0"))
+    status, headers, answer = await _response(reader)
+    assert status == 200 and json.loads(answer)["choices"], answer
+    assert headers["connection"] == "close"
+    writer.close()

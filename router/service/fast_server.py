@@ -21,7 +21,8 @@ router.service.handling.handle, the front door.
 * Keep-alive and pipelining: requests on one connection are answered in order; reading
   pauses while more than a few requests wait. A protocol error (400, 431) in a pipelined
   request is answered after the requests before it, then the connection closes.
-  ``Expect: 100-continue`` is honoured (its ``100`` also waits for the answers before it);
+  ``Expect: 100-continue`` is honoured (its ``100`` also waits for the answers before it;
+  an HTTP/1.0 request's is ignored, RFC 9110 10.1.1);
   with a ``Content-Length`` over ``max_body`` the answer is 413 at once, without the body,
   and the connection closes. ``HEAD`` gets the head of the GET answer. A request asking to
   switch protocols (``Upgrade: h2c``) is answered in HTTP/1.1 as if it had not asked;
@@ -391,7 +392,7 @@ class _Connection(asyncio.Protocol):
                     pass
             elif len(k) == 6 and k.lower() == b"expect" and v.lower() == b"100-continue":
                 expect = True
-        if not expect:
+        if not expect or self.parser.get_http_version() == "1.0":  # (1.0 has no 100)
             return
         if self.too_large:  # the client waits for "100 Continue": answer without the body
             self._fatal(
