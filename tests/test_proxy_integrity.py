@@ -5,6 +5,7 @@ without its ``[DONE]`` is not an answer), the client's query string and request 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import socket
@@ -254,5 +255,58 @@ async def test_a_json_answer_delimited_by_the_connection(reset: bool) -> None:
                 else:
                     assert resp.status == 200, body
                     assert body == part + rest
+    finally:
+        await replica.stop()
+
+
+class Canned:
+    """A keep-alive replica that answers each request with the next of ``answers``, written
+    in one piece."""
+
+    def __init__(self, *answers: bytes) -> None:
+        self.answers = list(answers)
+        self.url = ""
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> Canned:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while self.answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                writer.write(self.answers.pop(0))
+                await writer.drain()
+        writer.close()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+async def test_a_replicas_trailer_fields_are_not_relayed_as_headers() -> None:
+    """A chunked answer's trailer section is not its header section (RFC 9110, 6.5.1): when
+    the whole answer came in one read, its trailer fields were relayed as headers (a
+    trailer ``Content-Type`` would even have made a JSON answer a stream)."""
+    body = b'{"id": "c1", "choices": [{"index": 0, "message": {"content": "hi"}}]}'
+    replica = await Canned(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+        b"Trailer: X-Trailer\r\n\r\n%x\r\n%b\r\n0\r\nX-Trailer: t\r\n\r\n" % (len(body), body)
+    ).start()
+    try:
+        async for url, session in _router(replica.url):
+            async with session.post(url + "/v1/chat/completions", json=_chat(False)) as resp:
+                assert resp.status == 200
+                assert await resp.read() == body
+                assert "X-Trailer" not in resp.headers, resp.headers
     finally:
         await replica.stop()

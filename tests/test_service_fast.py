@@ -310,3 +310,99 @@ async def test_a_head_of_many_tiny_headers_is_431(front: Front) -> None:
     status, _, _ = await _response(reader)
     assert status == 200
     writer.close()
+
+
+async def test_an_upgrade_request_is_answered_once_in_http_1_1(front: Front) -> None:
+    # curl --http2 on http:// asks "Upgrade: h2c": the router speaks HTTP/1.1 only and answers
+    # as if not asked (RFC 9110, 7.8), body and all. The request used to be answered (without
+    # its body), then a 400 followed: an answer no request asked for, read by the next one
+    upgrade = (
+        "Upgrade: h2c\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        "HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+    )
+    reader, writer = await front.open()
+    writer.write(
+        f"GET /health HTTP/1.1\r\nHost: x\r\n{upgrade}\r\n".encode()
+        + _post(_chat(1), extra=upgrade)
+        + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    status, _, body = await _response(reader)
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    status, _, body = await _response(reader)
+    assert status == 200 and json.loads(body)["choices"], body
+    status, headers, body = await _response(reader)
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    assert headers["connection"] == "close"
+    assert await reader.read() == b""  # nothing more: no stray 400
+    writer.close()
+    [sent] = front.backend.received
+    assert sent["body"] == json.loads(_chat(1))
+    assert "upgrade" not in sent["headers"] and "http2-settings" not in sent["headers"]
+    # CONNECT (a tunnel) is refused, once
+    reader, writer = await front.open()
+    writer.write(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
+    status, headers, body = await _response(reader)
+    assert status == 400 and headers["connection"] == "close"
+    assert await reader.read() == b""
+    writer.close()
+
+
+async def test_trailer_fields_of_a_chunked_body_are_not_headers() -> None:
+    # a chunked body's trailer section is not the header section (RFC 9110, 6.5.1): it was
+    # merged into the headers, so a key sent in a trailer passed the gate and trailer
+    # fields reached the replica as headers
+    backend = await Backend("b0", [MODEL]).start()
+    settings = build_settings(
+        {
+            "server": {"health_interval_s": 0, "api_keys": "k1"},
+            "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    running, url = await start_router(settings)
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = _chat(1)
+    try:
+        for head in (b"", b"Authorization: Bearer k1\r\n"):
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n%b"
+                b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n"
+                b"Authorization: Bearer k1\r\nX-Session-Id: s1\r\nX-Trailer: t\r\n\r\n"
+                % (head, len(body), body)
+            )
+            status, _, _ = await _response(reader)
+            assert status == (200 if head else 401)
+    finally:
+        writer.close()
+        await running.cleanup()
+        await backend.stop()
+    [sent] = backend.received
+    assert sent["body"] == json.loads(body)
+    assert "x-trailer" not in sent["headers"] and "x-session-id" not in sent["headers"]
+
+
+async def test_an_absolute_form_request_target_is_served_as_its_path(front: Front) -> None:
+    # a server must accept the absolute-form (RFC 9112, 3.2.2), which a client sends when
+    # it takes the router for a proxy: it was a 404 "no route for GET http://x/health"
+    reader, writer = await front.open()
+    writer.write(b"GET http://x/health HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, _, body = await _response(reader)
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    writer.write(_post(_chat(1), path="HTTP://router.example:8000/v1/chat/completions?x=1"))
+    status, _, body = await _response(reader)
+    assert status == 200 and json.loads(body)["choices"], body
+    assert front.backend.received[-1]["path_qs"] == "/v1/chat/completions?x=1"
+    writer.close()
+
+
+async def test_expect_continue_from_an_http_1_0_client_is_ignored(front: Front) -> None:
+    # HTTP/1.0 has no 1xx answers: a server must ignore a 1.0 request's 100-continue
+    # (RFC 9110, 10.1.1). The "100 Continue" went out and such a client took it for the answer
+    reader, writer = await front.open()
+    body = _chat(1)
+    writer.write(_post(body, extra="Expect: 100-continue\r\n").replace(b"HTTP/1.1", b"HTTP/1.0"))
+    status, headers, answer = await _response(reader)
+    assert status == 200 and json.loads(answer)["choices"], answer
+    assert headers["connection"] == "close"
+    writer.close()

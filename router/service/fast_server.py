@@ -21,9 +21,13 @@ router.service.handling.handle, the front door.
 * Keep-alive and pipelining: requests on one connection are answered in order; reading
   pauses while more than a few requests wait. A protocol error (400, 431) in a pipelined
   request is answered after the requests before it, then the connection closes.
-  ``Expect: 100-continue`` is honoured (its ``100`` also waits for the answers before it);
+  ``Expect: 100-continue`` is honoured (its ``100`` also waits for the answers before it;
+  an HTTP/1.0 request's is ignored, RFC 9110 10.1.1);
   with a ``Content-Length`` over ``max_body`` the answer is 413 at once, without the body,
-  and the connection closes. ``HEAD`` gets the head of the GET answer.
+  and the connection closes. ``HEAD`` gets the head of the GET answer. A request asking to
+  switch protocols (``Upgrade: h2c``) is answered in HTTP/1.1 as if it had not asked;
+  ``CONNECT`` is 400. A chunked body's trailer fields are dropped, never taken for headers.
+  An absolute-form target (``http://host/path``) is served as its path.
 * A client that disconnects cancels its request's task, which aborts the upstream request
   (the replica sees the connection close). Writes wait while the client's socket buffer is
   full (backpressure reaches the replica through the upstream client's pause).
@@ -99,6 +103,18 @@ def _status_line(status: int) -> bytes:
             phrase = "Unknown"
         line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {phrase}\r\n".encode()
     return line
+
+
+def _origin_form(target: bytes) -> bytes:
+    """An absolute-form request target as its origin-form (``http://host/p?q`` -> ``/p?q``,
+    RFC 9112 3.2.2: a server must accept it); any other (``*``, ``host:port``) as it is."""
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return target
+    slash, query = rest.find(b"/"), rest.find(b"?")
+    if query >= 0 and (slash < 0 or query < slash):
+        return b"/" + rest[query:]
+    return rest[slash:] if slash >= 0 else b"/"
 
 
 class _Aborted(Exception):
@@ -224,6 +240,7 @@ class _Connection(asyncio.Protocol):
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.header_bytes = 0
+        self.head_done = False  # the head is parsed: header fields now are trailer fields
         # the body's pieces; small ones after the first are gathered in a bytearray (one
         # object per tiny chunk of a chunked body would cost ~27x the body's size)
         self.body: list[bytes | bytearray] = []
@@ -248,10 +265,31 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fatal(400, "protocol upgrades are not supported")
+        except httptools.HttpParserUpgrade as exc:
+            self._no_upgrade(data[exc.args[0] :])
         except httptools.HttpParserError as exc:
             self._fatal(400, f"malformed HTTP request: {exc}")
+
+    def _no_upgrade(self, rest: bytes) -> None:
+        """The request just parsed asked for another protocol (``Upgrade``, as curl's
+        ``--http2`` asks ``h2c``): llhttp stopped there, before its body. The router speaks
+        HTTP/1.1 only and answers as if not asked (RFC 9110, 7.8): the request is parsed
+        again without its ``Upgrade`` field, with what followed it (``rest``), on a fresh
+        parser. ``CONNECT`` (a tunnel) is answered 400."""
+        queue = self.queue
+        if not queue or queue[-1][0].headers is not self.headers:
+            return  # not queued: answered already (over the connection cap)
+        req, http10 = queue.pop()
+        self.parser = httptools.HttpRequestParser(self)
+        if req.method == b"CONNECT":
+            self._fatal(400, "CONNECT is not supported")
+            return
+        head = [req.method, b" ", req.target, b" HTTP/1.0\r\n" if http10 else b" HTTP/1.1\r\n"]
+        for k, v in req.headers:
+            if k.lower() != b"upgrade":
+                head += (k, b": ", v, b"\r\n")
+        head.append(b"\r\n")
+        self.data_received(b"".join(head) + rest)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -325,7 +363,9 @@ class _Connection(asyncio.Protocol):
             self._fatal(431, f"request head over {MAX_HEAD_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.closed or self.failed is not None:
+        # (after the head: a chunked body's trailer fields, not headers, RFC 9110 6.5.1;
+        # the body is passed on whole, so they are dropped)
+        if self.closed or self.failed is not None or self.head_done:
             return
         headers = self.headers
         headers.append((name, value))
@@ -336,6 +376,7 @@ class _Connection(asyncio.Protocol):
             self._fatal(431, f"request head of more than {MAX_HEADERS} header fields")
 
     def on_headers_complete(self) -> None:
+        self.head_done = True
         if self.closed or self.failed is not None:
             return
         body_timeout = self.server.limits.body_timeout_s
@@ -351,7 +392,7 @@ class _Connection(asyncio.Protocol):
                     pass
             elif len(k) == 6 and k.lower() == b"expect" and v.lower() == b"100-continue":
                 expect = True
-        if not expect:
+        if not expect or self.parser.get_http_version() == "1.0":  # (1.0 has no 100)
             return
         if self.too_large:  # the client waits for "100 Continue": answer without the body
             self._fatal(
@@ -397,12 +438,15 @@ class _Connection(asyncio.Protocol):
             return
         parts = self.body
         body = parts[0] if len(parts) == 1 and type(parts[0]) is bytes else b"".join(parts)
+        url = self.url
+        if not url.startswith(b"/"):
+            url = _origin_form(url)
         self.queue.append(
             (
                 HttpRequest(
                     self.parser.get_method(),
-                    self.url,
-                    self.url.split(b"?", 1)[0],
+                    url,
+                    url.split(b"?", 1)[0],
                     self.headers,
                     body,
                     self.peer,

@@ -8,7 +8,8 @@ itself. This client does only what the proxy needs:
 * requests are written as given (the caller builds the head; the body is sent as is);
 * responses are parsed with ``httptools`` (llhttp): status, raw header pairs, and the body
   as the bytes the upstream sent (``Content-Length``, chunked or until close; the chunked
-  framing is removed, the payload bytes are untouched);
+  framing is removed, the payload bytes are untouched; trailer fields are dropped, never
+  taken for headers);
 * streaming: :meth:`Exchange.read` returns body data as it arrives; reading from the upstream
   pauses while more than ``HIGH_WATER`` bytes wait for a slow client;
 * timeouts: connect (new connections only), first byte of the head, each wait for more body
@@ -142,7 +143,8 @@ class _Conn(asyncio.Protocol):
     # ---------------------------------------------------------------- httptools callbacks
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.head_done:  # (after it: a chunked body's trailer fields, dropped)
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
