@@ -212,9 +212,10 @@ class RoutingEngine:
         self.sessions: SessionTable | None = None
         if settings.session_ttl_s > 0 and getattr(policy, "uses_session_hints", False):
             self.sessions = SessionTable(settings.session_ttl_s, settings.max_sessions)
-        # called by dispatched() with (request, replica, state hashes, now, speculative TTL):
-        # router pods share what they speculate and bind (router/service/pod_share.py)
-        self.on_dispatch: Callable[[RouteRequest, ReplicaKey, list[int], float, float], None]
+        # called by dispatched() with (request, replica, state hashes, now, speculative TTL,
+        # the blocks its session's hint covers): router pods share what they speculate and
+        # bind (router/service/pod_share.py)
+        self.on_dispatch: Callable[[RouteRequest, ReplicaKey, list[int], float, float, int], None]
         self.on_dispatch = _ignore
         self.turnover = CacheTurnover(reuse_window_s=settings.reuse_window_s)
 
@@ -490,10 +491,15 @@ class RoutingEngine:
         if self.sessions is not None and request.session_id:
             reused = request.block_hashes[: held.next_hit_blocks]
             self.sessions.record(request.session_id, decision.replica, reused, now)
-        self.on_dispatch(request, decision.replica, states, now, ttl)
+        self.on_dispatch(request, decision.replica, states, now, ttl, held.next_hit_blocks)
 
 
 def _ignore(
-    request: RouteRequest, replica: ReplicaKey, states: list[int], now: float, ttl: float
+    request: RouteRequest,
+    replica: ReplicaKey,
+    states: list[int],
+    now: float,
+    ttl: float,
+    hint_blocks: int,
 ) -> None:
     """The default ``on_dispatch``: nobody listens."""
