@@ -17,7 +17,7 @@ from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import make_policy
 from router.core.routing import RoutingEngine, RoutingSettings
-from router.core.types import ReplicaKey, RouteRequest
+from router.core.types import AllCleared, EventBatch, ReplicaKey, RouteRequest
 from router.service.peer_sum import PeerSum
 from router.service.pod_exchange import ExchangeSettings, PodExchange, encode
 from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare, _pack
@@ -245,3 +245,7 @@ def test_a_shared_session_hint_credits_only_what_the_engine_will_grant() -> None
 
     assert credited(sender) == 12
     assert credited(receiver) == credited(sender)
+    # the replica restarted since (its cache forgotten here): the binding credits nothing
+    receiver.index.add_replica(decision.replica)
+    receiver.index.apply(EventBatch(decision.replica, [AllCleared()]))
+    assert credited(receiver) == 0

@@ -358,11 +358,12 @@ class RoutingEngine:
         return self._learned_hybrid is not None
 
     def _hint(self, request: RouteRequest, now: float) -> tuple[SessionHint | None, int]:
-        """The request's session hint and how many of its blocks it covers (0: none)."""
+        """The request's session hint and how many of its blocks it covers (0: none, also
+        when the replica's cache was forgotten since: cleared, or removed and back)."""
         if self.sessions is None or not request.session_id or not request.reads_cache:
             return None, 0
         hint = self.sessions.get(request.session_id, now)
-        if hint is None:
+        if hint is None or hint.epoch != self.index.cache_epoch(hint.replica):
             return None, 0
         return hint, hint.covers(request.block_hashes)
 
@@ -490,7 +491,8 @@ class RoutingEngine:
             self.index.speculate(decision.replica, kv, states, now, ttl)
         if self.sessions is not None and request.session_id:
             reused = request.block_hashes[: held.next_hit_blocks]
-            self.sessions.record(request.session_id, decision.replica, reused, now)
+            epoch = self.index.cache_epoch(decision.replica)
+            self.sessions.record(request.session_id, decision.replica, reused, now, epoch)
         self.on_dispatch(request, decision.replica, states, now, ttl, held.next_hit_blocks)
 
 
