@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from router.core.engine_hits import engine_holds
+from router.core.engine_hits import engine_holds, granted_blocks
 from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import LoadColumns, LoadTracker, LoadView
@@ -358,14 +358,18 @@ class RoutingEngine:
         return self._learned_hybrid is not None
 
     def _hint(self, request: RouteRequest, now: float) -> tuple[SessionHint | None, int]:
-        """The request's session hint and how many of its blocks it covers (0: none, also
-        when the replica's cache was forgotten since: cleared, or removed and back)."""
+        """The request's session hint and how many of its blocks the engine grants it there
+        (0: none, also when the replica's cache was forgotten since: cleared, or removed and
+        back)."""
         if self.sessions is None or not request.session_id or not request.reads_cache:
             return None, 0
         hint = self.sessions.get(request.session_id, now)
         if hint is None or hint.epoch != self.index.cache_epoch(hint.replica):
             return None, 0
-        return hint, hint.covers(request.block_hashes)
+        covered = hint.covers(request.block_hashes)
+        if not covered:
+            return hint, 0
+        return hint, granted_blocks(covered, request, self.layout, self.drops_eagle_block)
 
     def candidates(
         self, request: RouteRequest, replicas: Sequence[ReplicaKey], now: float
