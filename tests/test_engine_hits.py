@@ -202,3 +202,42 @@ def test_a_match_ending_inside_an_engine_block_is_granted_to_the_block_before() 
     whole = idx.match(h[:32], prompt_tokens=32 * BS + 5, block_size=BS, align_blocks=16)
     assert whole.get(A).usable_blocks == 32
     assert idx.match(branch).get(A).usable_blocks == 20  # router blocks = engine blocks
+
+
+def test_a_hint_credits_no_more_than_the_next_request_is_granted() -> None:
+    """The session's prompt resent whole (a retry, a regenerate) on an engine block boundary
+    (2,048 tokens on 1,024-token engine blocks): the engine recomputes the last token, so it
+    grants the first engine block only (none with EAGLE; a hybrid model only where a
+    checkpoint is kept there: on a grid), as it would once the events came, whatever the
+    previous turn's hint says it holds."""
+    hashes = list(range(9500, 9600))
+    for hybrid, grid, eagle, expect in (
+        (False, 0, False, 16),
+        (False, 0, True, 0),
+        (True, 0, False, 0),
+        (True, 16, False, 16),
+        (True, 16, True, 0),
+    ):
+        settings = RoutingSettings(
+            block_size=BS,
+            hybrid=hybrid,
+            state_interval_blocks=grid,
+            engine_block_size=1024,
+            eagle=eagle,
+        )
+        engine = _engine(settings)
+        first = req(2048, hashes, session="s1")
+        decision = engine.route(first, [A, B], 0.0, random.Random(0))
+        engine.dispatched(first, decision, 0.0)
+        again = req(2048, hashes, session="s1")
+        got = engine.candidates(again, [A, B], 0.1)
+        assert isinstance(got, list)
+        credit = next(c.match.usable_blocks for c in got if c.replica == decision.replica)
+        # what the index grants once the engine's events report the previous turn
+        events = _engine(settings)
+        held = engine_holds(first, events.layout, events.drops_eagle_block)
+        events.index.store(decision.replica, hashes[: held.kv_blocks])
+        if hybrid:
+            events.index.store(decision.replica, held.state_hashes, kind=Kind.STATE)
+        indexed = events.matches(again, [A, B], 0.1).get(decision.replica).usable_blocks
+        assert credit == indexed == expect, (hybrid, grid, eagle)

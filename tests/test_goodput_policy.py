@@ -13,7 +13,14 @@ from router.core.load import EXPECTED_OUTPUT_TOKENS, LoadTracker, LoadView, deco
 from router.core.policies import Candidate, Ours, VllmKvAware
 from router.core.routing import RoutingEngine, RoutingSettings
 from router.core.session import SessionTable
-from router.core.types import PrefixMatch, ReplicaKey, RouteRequest, Tier
+from router.core.types import (
+    AllCleared,
+    EventBatch,
+    PrefixMatch,
+    ReplicaKey,
+    RouteRequest,
+    Tier,
+)
 
 A, B, C = ReplicaKey("a"), ReplicaKey("b"), ReplicaKey("c")
 
@@ -196,6 +203,35 @@ def test_a_hint_is_not_a_pin_a_busy_replica_loses_the_session() -> None:
         engine.load.dispatch(f"bg{i}", decision.replica, 50_000, 0)
     second = _turn("t2", list(range(1, 26)))
     assert engine.route(second, (A, B, C), 1.0, rng()).replica != decision.replica
+
+
+def _credit(engine: RoutingEngine, request: RouteRequest, key: ReplicaKey, now: float) -> int:
+    got = engine.candidates(request, (A, B, C), now)
+    assert isinstance(got, list)
+    return next(c.match.usable_blocks for c in got if c.replica == key)
+
+
+def test_a_hint_does_not_outlive_the_cache_it_credits() -> None:
+    """A replica whose cache was cleared (AllCleared, a resync), or that left the fleet and
+    came back (a restart), holds nothing of the session's previous turn: no credit."""
+    for lose in ("all_cleared", "re_added"):
+        engine = _engine(Ours())
+        first = _turn("t1", list(range(1, 21)))
+        decision = engine.route(first, (A, B, C), 0.0, rng())
+        engine.dispatched(first, decision, 0.0)
+        engine.load.complete("t1")
+        second = _turn("t2", list(range(1, 26)))
+        assert _credit(engine, second, decision.replica, 1.0) == 20
+        if lose == "all_cleared":
+            engine.index.apply(EventBatch(decision.replica, [AllCleared()]))
+        else:
+            engine.index.remove_replica(decision.replica)
+            engine.index.add_replica(decision.replica)
+        assert _credit(engine, second, decision.replica, 2.0) == 0, lose
+        # the session's next dispatch binds it again
+        engine.dispatched(second, engine.route(second, (A, B, C), 3.0, rng()), 3.0)
+        third = _turn("t3", list(range(1, 31)))
+        assert max(_credit(engine, third, k, 4.0) for k in (A, B, C)) == 25
 
 
 def test_baselines_do_not_read_hints_and_the_table_is_bounded() -> None:

@@ -17,7 +17,7 @@ from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import make_policy
 from router.core.routing import RoutingEngine, RoutingSettings
-from router.core.types import ReplicaKey, RouteRequest
+from router.core.types import AllCleared, EventBatch, ReplicaKey, RouteRequest
 from router.service.peer_sum import PeerSum
 from router.service.pod_exchange import ExchangeSettings, PodExchange, encode
 from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare, _pack
@@ -123,7 +123,7 @@ def test_shared_entries_lapse_with_the_senders_ttl() -> None:
     into = PodShare({MODEL: receiver}, lambda m, k: True)
     hashes = [5, 6, 7]
     request = RouteRequest("r", MODEL, 3 * BLOCK, hashes, BLOCK, "s")
-    sender.on_dispatch(request, KEYS[1], [], 0.0, 1.0)  # as dispatched() at t=0
+    sender.on_dispatch(request, KEYS[1], [], 0.0, 1.0, 3)  # as dispatched() at t=0
     rows = out.outbox.take(0.5)  # sent half a second later: 0.5 s / 1.5 s left
     into.apply(rows, 100.0)  # read on a clock of its own
     assert receiver.index.match(hashes, now=100.4).get(KEYS[1]).kv_blocks == 3
@@ -138,7 +138,7 @@ def test_shared_entries_lapse_with_the_senders_ttl() -> None:
     assert late.index.match(hashes, now=100.15).get(KEYS[1]).kv_blocks == 0
     # rows for a replica this pod does not serve are skipped, not applied elsewhere
     skip = PodShare({MODEL: receiver}, lambda m, k: False)
-    sender.on_dispatch(request, KEYS[2], [], 200.0, 1.0)
+    sender.on_dispatch(request, KEYS[2], [], 200.0, 1.0, 3)
     skip.apply(out.outbox.take(200.0), 200.0)
     assert skip.counters.applied_spec == 0 and skip.counters.rejected == 0
 
@@ -190,7 +190,7 @@ def test_a_hash_field_seen_first_is_not_trusted_for_its_rows() -> None:
     request = RouteRequest("r", MODEL, BLOCK, [9], BLOCK, "s")
 
     def message(seq: int) -> bytes:
-        engine.on_dispatch(request, KEYS[0], [], 0.0, 30.0)
+        engine.on_dispatch(request, KEYS[0], [], 0.0, 30.0, 1)
         return encode("old/1", "old", seq, LoadTracker(), sender.outbox.take(0.0))
 
     exchange._take(message(1), 0.0)
@@ -214,3 +214,38 @@ def test_a_shared_entry_never_outlives_the_readers_own_ttl() -> None:
     longer.apply([[MODEL, "r0", 0, huge, _pack((7,)), "", "", 0, "0", 0]], 100.0)
     assert engine.index.match([7], now=699.0).get(KEYS[0]).kv_blocks == 1
     assert engine.index.match([7], now=701.0).get(KEYS[0]).kv_blocks == 0
+
+
+def test_a_shared_session_hint_credits_only_what_the_engine_will_grant() -> None:
+    """A peer's binding reaches as far as the sender's own hint: the engine's grant (here
+    engine blocks of 4 router blocks and EAGLE's dropped block), not the whole prompt."""
+    routing = RoutingSettings(
+        block_size=BLOCK, speculative_ttl_s=0.0, engine_block_size=4 * BLOCK, eagle=True
+    )
+    sender = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
+    receiver = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
+    for engine in (sender, receiver):
+        for key in KEYS:
+            engine.load.add_replica(key)
+    out = PodShare({MODEL: sender}, lambda m, k: True)
+    out.attach()
+    into = PodShare({MODEL: receiver}, lambda m, k: True)
+    turn1 = list(range(1, 19))  # 18 router blocks: 16 in engine blocks, 12 granted
+    first = RouteRequest("t1", MODEL, 18 * BLOCK + 5, turn1, BLOCK, "s")
+    decision = sender.route(first, KEYS, 0.0, random.Random(1))
+    sender.dispatched(first, decision, 0.0)
+    into.apply(out.outbox.take(0.0), 0.0)
+    assert into.counters.applied_sessions == 1
+    second = RouteRequest("t2", MODEL, 24 * BLOCK + 5, [*turn1, *range(50, 56)], BLOCK, "s")
+
+    def credited(engine: RoutingEngine) -> int:
+        got = engine.candidates(second, KEYS, 1.0)
+        assert isinstance(got, list)
+        return next(c.match.usable_blocks for c in got if c.replica == decision.replica)
+
+    assert credited(sender) == 12
+    assert credited(receiver) == credited(sender)
+    # the replica restarted since (its cache forgotten here): the binding credits nothing
+    receiver.index.add_replica(decision.replica)
+    receiver.index.apply(EventBatch(decision.replica, [AllCleared()]))
+    assert credited(receiver) == 0

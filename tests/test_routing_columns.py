@@ -138,7 +138,7 @@ def test_the_array_path_decides_as_the_per_candidate_path(seed: int) -> None:
         bound, at = rng.choice(keys), now - rng.choice([1, 900])
         for engine in (per_candidate, arrays):
             assert engine.sessions is not None
-            engine.sessions.record("s", bound, hinted, at)
+            engine.sessions.record("s", bound, hinted, at, index.cache_epoch(bound))
     for step, prompt_tokens in enumerate((tokens, 1, rng.randrange(1, tokens + 1), tokens)):
         blocks = min(len(chain), prompt_tokens // settings.block_size)
         request = RouteRequest(
@@ -159,7 +159,9 @@ def test_the_array_path_decides_as_the_per_candidate_path(seed: int) -> None:
             per_candidate.dispatched(request, decided[0], now)
             assert arrays.sessions is not None and per_candidate.sessions is not None
             if request.session_id:  # what dispatched() records for the session, in both
-                arrays.sessions.record("s", decided[0].replica, request.block_hashes, now)
+                got = decided[0].replica
+                hashes = request.block_hashes
+                arrays.sessions.record("s", got, hashes, now, index.cache_epoch(got))
         key = rng.choice(keys)
         load.dispatch(f"m{step}", key, rng.randrange(1, 5000), 0, samples=rng.choice([1, 4]))
         if rng.random() < 0.5:

@@ -79,3 +79,24 @@ def engine_holds(request: RouteRequest, layout: StateLayout, eagle: bool) -> Eng
     if end and (not picked or picked[-1] != hashes[end - 1]):
         picked.append(hashes[end - 1])
     return EngineHolds(kv, tuple(picked), end)
+
+
+def granted_blocks(held: int, request: RouteRequest, layout: StateLayout, eagle: bool) -> int:
+    """Of a prefix of ``request`` that a replica reuses ``held`` blocks of for a request
+    extending it (:attr:`EngineHolds.next_hit_blocks`, a session hint's reach), what the
+    engine grants ``request`` itself, as ``PrefixIndex.match`` does: a hit ends before the
+    prompt's last token, on the engine block grid, with EAGLE one engine block shorter; a
+    hybrid model's hit ends on a checkpoint (below the hint's, on the grid: 0 with none)."""
+    align = layout.alignment_blocks
+    peek = align if eagle else 0
+    shaped = peek > 0 or align > 1
+    if not shaped and not layout.hybrid:
+        return held  # the index grants a whole KV match here too
+    limit = min(len(request.block_hashes), (request.prompt_tokens - 1) // request.block_size)
+    cap = floor_to(limit, align) - peek if shaped else limit
+    if held <= cap:
+        return held
+    if not layout.hybrid:
+        return max(cap, 0)
+    grid = layout.interval_blocks
+    return floor_to(cap, grid) if grid > 0 and cap > 0 else 0

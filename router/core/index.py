@@ -128,6 +128,8 @@ class PrefixIndex:
         self.state_generation = 0
         self._last_seq: dict[ReplicaKey, int] = {}
         self._slot_generation = 0  # bumped whenever a key gets or loses a slot
+        self._epochs = itertools.count(1)
+        self._epoch: list[int] = []  # per slot: the cache_epoch of the key given it last
         self._slots_cache: PerTuple[np.ndarray] = PerTuple()
 
     # ------------------------------------------------------------------ replicas
@@ -139,12 +141,14 @@ class PrefixIndex:
                 slot = self._free.pop()
                 self._key_of[slot] = key
                 self._kv_evicted[slot] = 0
+                self._epoch[slot] = next(self._epochs)
             else:
                 slot = len(self._key_of)
                 self._key_of.append(key)
                 self._kv_count.append(0)
                 self._state_count.append(0)
                 self._kv_evicted.append(0)
+                self._epoch.append(next(self._epochs))
             self._slot_of[key] = slot
             self._live |= 1 << slot
             self._slot_generation += 1
@@ -179,6 +183,15 @@ class PrefixIndex:
         self._kill(key)
         self._last_seq.pop(key, None)
         self._state_keys.discard(key)
+
+    def cache_epoch(self, key: ReplicaKey) -> int:
+        """Which cache of ``key`` the index describes: a number (> 0) that changes whenever
+        the replica's cache is forgotten (``clear_replica``: an AllCleared event, a resync;
+        ``remove_replica`` and back: a restart), never reused; 0 while the key is unknown.
+        What was guessed of a replica under one epoch (a session hint) says nothing of the
+        next."""
+        slot = self._slot_of.get(key)
+        return 0 if slot is None else self._epoch[slot]
 
     def publishes_state(self, key: ReplicaKey) -> bool:
         """Whether ``key`` ever stored a recurrent-state checkpoint (it serves a hybrid

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from router.core.engine_hits import engine_holds
+from router.core.engine_hits import engine_holds, granted_blocks
 from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import LoadColumns, LoadTracker, LoadView
@@ -212,9 +212,10 @@ class RoutingEngine:
         self.sessions: SessionTable | None = None
         if settings.session_ttl_s > 0 and getattr(policy, "uses_session_hints", False):
             self.sessions = SessionTable(settings.session_ttl_s, settings.max_sessions)
-        # called by dispatched() with (request, replica, state hashes, now, speculative TTL):
-        # router pods share what they speculate and bind (router/service/pod_share.py)
-        self.on_dispatch: Callable[[RouteRequest, ReplicaKey, list[int], float, float], None]
+        # called by dispatched() with (request, replica, state hashes, now, speculative TTL,
+        # the blocks its session's hint covers): router pods share what they speculate and
+        # bind (router/service/pod_share.py)
+        self.on_dispatch: Callable[[RouteRequest, ReplicaKey, list[int], float, float, int], None]
         self.on_dispatch = _ignore
         self.turnover = CacheTurnover(reuse_window_s=settings.reuse_window_s)
 
@@ -357,13 +358,18 @@ class RoutingEngine:
         return self._learned_hybrid is not None
 
     def _hint(self, request: RouteRequest, now: float) -> tuple[SessionHint | None, int]:
-        """The request's session hint and how many of its blocks it covers (0: none)."""
+        """The request's session hint and how many of its blocks the engine grants it there
+        (0: none, also when the replica's cache was forgotten since: cleared, or removed and
+        back)."""
         if self.sessions is None or not request.session_id or not request.reads_cache:
             return None, 0
         hint = self.sessions.get(request.session_id, now)
-        if hint is None:
+        if hint is None or hint.epoch != self.index.cache_epoch(hint.replica):
             return None, 0
-        return hint, hint.covers(request.block_hashes)
+        covered = hint.covers(request.block_hashes)
+        if not covered:
+            return hint, 0
+        return hint, granted_blocks(covered, request, self.layout, self.drops_eagle_block)
 
     def candidates(
         self, request: RouteRequest, replicas: Sequence[ReplicaKey], now: float
@@ -489,11 +495,17 @@ class RoutingEngine:
             self.index.speculate(decision.replica, kv, states, now, ttl)
         if self.sessions is not None and request.session_id:
             reused = request.block_hashes[: held.next_hit_blocks]
-            self.sessions.record(request.session_id, decision.replica, reused, now)
-        self.on_dispatch(request, decision.replica, states, now, ttl)
+            epoch = self.index.cache_epoch(decision.replica)
+            self.sessions.record(request.session_id, decision.replica, reused, now, epoch)
+        self.on_dispatch(request, decision.replica, states, now, ttl, held.next_hit_blocks)
 
 
 def _ignore(
-    request: RouteRequest, replica: ReplicaKey, states: list[int], now: float, ttl: float
+    request: RouteRequest,
+    replica: ReplicaKey,
+    states: list[int],
+    now: float,
+    ttl: float,
+    hint_blocks: int,
 ) -> None:
     """The default ``on_dispatch``: nobody listens."""

@@ -7,7 +7,8 @@ mode without speculative entries). :class:`SessionTable` remembers, per session 
 replica of its last request and that request's prompt chain (its length and last block hash:
 canonical hashes name the whole prefix, so one comparison tells whether the new prompt
 extends it). The routing step then credits that replica with the previous prompt as a cached
-prefix when the index shows less; the policy still weighs it against load, so a busy or
+prefix when the index shows less (and still describes the cache the hint was made on:
+``PrefixIndex.cache_epoch``); the policy still weighs it against load, so a busy or
 failed replica loses the session like any other: a hint, never a pin.
 
 Bounded: at most ``max_sessions`` entries (least recently used dropped first), each expiring
@@ -31,12 +32,15 @@ from router.core.types import ReplicaKey
 
 class SessionHint(NamedTuple):
     """The session's previous request: sent to ``replica`` at ``at`` with ``blocks`` full
-    prompt blocks, the last of them hashed ``last_hash``."""
+    prompt blocks, the last of them hashed ``last_hash``, while the replica's cache was the
+    one the prefix index numbers ``epoch`` (``PrefixIndex.cache_epoch``: a hint credits no
+    other)."""
 
     replica: ReplicaKey
     blocks: int
     last_hash: int
     at: float
+    epoch: int = 0
 
     def covers(self, block_hashes: Sequence[int]) -> int:
         """Blocks of ``block_hashes`` the previous prompt is known to share: all of its own
@@ -95,26 +99,35 @@ class SessionTable:
         last_hash: int,
         now: float,
         expires_at: float,
+        epoch: int = 0,
     ) -> None:
         """Another pod sent the session (by :func:`session_digest`) to ``replica`` (its
-        prompt: ``blocks`` full blocks, the last hashed ``last_hash``), seen at ``now``; the
-        binding lapses at ``expires_at`` (never later than ``now + ttl_s``)."""
+        prompt: ``blocks`` full blocks, the last hashed ``last_hash``), seen at ``now`` while
+        the replica's cache was ``epoch``; the binding lapses at ``expires_at`` (never later
+        than ``now + ttl_s``)."""
         learned = self._learned
         expires_at = min(expires_at, now + self.ttl_s)
         if expires_at <= now:
             return
-        learned[digest] = (SessionHint(replica, blocks, last_hash, now), expires_at)
+        learned[digest] = (SessionHint(replica, blocks, last_hash, now, epoch), expires_at)
         learned.move_to_end(digest)
         while len(learned) > self.max_sessions:
             learned.popitem(last=False)
 
     def record(
-        self, session_id: str, replica: ReplicaKey, block_hashes: Sequence[int], now: float
+        self,
+        session_id: str,
+        replica: ReplicaKey,
+        block_hashes: Sequence[int],
+        now: float,
+        epoch: int = 0,
     ) -> None:
-        """The session's request with prompt chain ``block_hashes`` went to ``replica``."""
+        """The session's request with prompt chain ``block_hashes`` went to ``replica``,
+        whose cache was ``epoch``."""
         entries = self._entries
         n = len(block_hashes)
-        entries[session_id] = SessionHint(replica, n, block_hashes[n - 1] if n else 0, now)
+        last = block_hashes[n - 1] if n else 0
+        entries[session_id] = SessionHint(replica, n, last, now, epoch)
         entries.move_to_end(session_id)
         while len(entries) > self.max_sessions:
             entries.popitem(last=False)

@@ -15,7 +15,8 @@ So every worker of every pod keeps an :class:`Outbox` of its own recent dispatch
 carries what is new since the last one, as the ``x`` rows of the snapshot: per dispatch the
 model, the replica, the prompt's block hashes (and hybrid state checkpoints) with their
 remaining speculative TTL, and the session's :func:`~router.core.session.session_digest`
-(never the session id) with its prompt length, last block hash and remaining session TTL.
+(never the session id) with the prompt blocks its next turn reuses (the hint's reach:
+router/core/engine_hits.py), the last one's hash and the remaining session TTL.
 Every other member, of this pod or another, applies them (:meth:`PodShare.apply`) to its own
 index (``speculate``) and session table (``learn``) for the remaining TTL counted from when
 the message is read: on the reader's clock, never longer than the sender's own entry (the
@@ -97,13 +98,15 @@ class Outbox:
 
     def record(
         self, model: str, request: RouteRequest, replica: ReplicaKey, states: list[int],
-        now: float, ttl: float, session_ttl: float,
+        now: float, ttl: float, session_ttl: float, hint_blocks: int,
     ) -> None:  # fmt: skip
+        """``hint_blocks``: the prompt blocks the session's binding covers (what the engine
+        grants a later turn, as the sender's own hint: router/core/engine_hits.py)."""
         hashes = tuple(request.block_hashes[:MAX_BLOCKS]) if ttl > 0 else ()
         session = session_digest(request.session_id) if request.session_id and session_ttl else 0
         if not hashes and not session:
             return
-        n = len(request.block_hashes)
+        n = min(hint_blocks, len(request.block_hashes))
         if len(self.pending) == OUTBOX_MAX:
             self.dropped += 1
         self.pending.append(
@@ -185,14 +188,15 @@ class PodShare:
 
     def _listener(
         self, model: str, engine: RoutingEngine
-    ) -> Callable[[RouteRequest, ReplicaKey, list[int], float, float], None]:
+    ) -> Callable[[RouteRequest, ReplicaKey, list[int], float, float, int], None]:
         record = self.outbox.record
 
         def on_dispatch(
-            request: RouteRequest, replica: ReplicaKey, states: list[int], now: float, ttl: float
-        ) -> None:
+            request: RouteRequest, replica: ReplicaKey, states: list[int], now: float,
+            ttl: float, hint_blocks: int,
+        ) -> None:  # fmt: skip
             session_ttl = engine.sessions.ttl_s if engine.sessions is not None else 0.0
-            record(model, request, replica, states, now, ttl, session_ttl)
+            record(model, request, replica, states, now, ttl, session_ttl, hint_blocks)
 
         return on_dispatch
 
@@ -236,5 +240,6 @@ class PodShare:
             engine.index.speculate(key, kv, st, now, spec_s)
             self.counters.applied_spec += 1
         if digest and session_s > 0 and engine.sessions is not None:
-            engine.sessions.learn(digest, key, blocks, last, now, now + session_s)
+            epoch = engine.index.cache_epoch(key)
+            engine.sessions.learn(digest, key, blocks, last, now, now + session_s, epoch)
             self.counters.applied_sessions += 1
