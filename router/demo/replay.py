@@ -7,10 +7,10 @@ hash exactly the same tokens. A session's first request goes out at its timestam
 follow-up ``delay`` after the previous turn finished (both divided by the speed-up).
 Every request is a streaming ``/v1/completions`` call with
 ``stream_options.include_usage``, carrying its session in ``X-Session-Id`` (and ``user``); the
-client measures TTFT at the first SSE event and E2E at the stream's end, and reads the
-engine's ``cached_tokens`` and ``completion_tokens`` (and the mock's KV-only
-``kv_hit_tokens``) from the usage chunk and the router's predicted hit from the
-``X-KVRouter-Decision`` header (kvrouter only).
+client measures TTFT at the first SSE event and E2E at the stream's closing ``[DONE]`` (a
+stream cut short of it is a failure), and reads the engine's ``cached_tokens`` and
+``completion_tokens`` (and the mock's KV-only ``kv_hit_tokens``) from the usage chunk and the
+router's predicted hit from the ``X-KVRouter-Decision`` header (kvrouter only).
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                     out.kv_hit_tokens = details.get("kv_hit_tokens", out.cached_tokens) or 0
             if out.ttft_s != out.ttft_s:
                 return Outcome(False, error="stream ended without data")
-            if out.e2e_s != out.e2e_s:
-                out.e2e_s = time.perf_counter() - t0
+            if out.e2e_s != out.e2e_s:  # cut short: no usage to judge it by, not an answer
+                return Outcome(False, error="stream ended before [DONE]")
             return out
     except aiohttp.ClientConnectorError as exc:  # never reached the router: safe to resend
         return Outcome(False, error=f"{CONNECT_FAILED}{exc}")

@@ -1,0 +1,98 @@
+"""The figures' definitions held the same wherever a figure is made: the replay client's
+timing of a stream (router/demo/replay.py) against a scripted replica on loopback, the live
+summary and its medians of runs (router/demo/figures.py, router/bench/measure.py) and the
+simulator's summary (sim/metrics.py), with hand-computed expectations."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from router.core.slo import SloTargets
+from router.demo.figures import summarize
+from router.demo.replay import Outcome, TraceRequest, _one
+from tests.ports import free_port
+
+Script = Callable[[web.StreamResponse], Awaitable[None]]
+GAP_S = 0.3  # the replica's pause before its first token (a lower bound: never flaky)
+
+
+def _event(obj: object) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def _token(text: str, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return _event({"id": "c", "object": "text_completion", "choices": [choice]})
+
+
+USAGE = _event(
+    {"id": "c", "choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 3}}
+)
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Callable[[Script], Awaitable[Outcome]]]:
+    """``await scripted(script)``: the replay client's outcome for one request answered by a
+    replica that writes its stream with ``script``."""
+    holder: list[Script] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await holder[0](resp)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    req = TraceRequest(0.0, 100, 3, b'{"prompt": [1], "stream": true}')
+
+    async def run(script: Script) -> Outcome:
+        holder[:] = [script]
+        async with aiohttp.ClientSession() as session:
+            return await _one(session, url, req)
+
+    try:
+        yield run
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_stream_cut_before_its_done_event_is_a_failure(
+    scripted: Callable[[Script], Awaitable[Outcome]],
+) -> None:
+    """A stream that ends without ``data: [DONE]`` (a router that relays a replica's broken
+    stream by closing its own) is not an answer: counted as one it would meet the TPOT half
+    with no usage to judge it by."""
+
+    async def script(resp: web.StreamResponse) -> None:
+        await resp.write(_token("a"))
+
+    out = await scripted(script)
+    assert not out.ok and out.error
+    figures = summarize([out], SloTargets())
+    assert (figures["ok"], figures["failed"], figures["goodput"]) == (0, 1, 0.0)
+
+
+async def test_a_complete_stream_is_timed_and_counted(
+    scripted: Callable[[Script], Awaitable[Outcome]],
+) -> None:
+    async def script(resp: web.StreamResponse) -> None:
+        await asyncio.sleep(GAP_S)
+        await resp.write(_token("a") + _token("b c", "length") + USAGE + b"data: [DONE]\n\n")
+
+    out = await scripted(script)
+    assert out.ok and (out.prompt_tokens, out.output_tokens) == (100, 3)
+    assert GAP_S <= out.ttft_s <= out.e2e_s
