@@ -70,6 +70,34 @@ async def scripted() -> AsyncIterator[Callable[[Script], Awaitable[Outcome]]]:
         await runner.cleanup()
 
 
+async def test_ttft_is_timed_at_the_first_token_not_an_empty_first_event(
+    scripted: Callable[[Script], Awaitable[Outcome]],
+) -> None:
+    """A stream may open with an event that carries no token (a role-only or empty-text
+    chunk, as some servers and routers send at once); TTFT is when the first token came."""
+
+    async def script(resp: web.StreamResponse) -> None:
+        await resp.write(b": keep-alive\n\n")
+        await resp.write(_token(""))
+        await asyncio.sleep(GAP_S)  # the replica's prefill
+        await resp.write(_token("a") + _token("b c", "length") + USAGE + b"data: [DONE]\n\n")
+
+    out = await scripted(script)
+    assert out.ok and out.output_tokens == 3
+    assert out.ttft_s >= GAP_S, out
+
+
+async def test_a_first_token_that_ends_the_answer_is_timed_without_text(
+    scripted: Callable[[Script], Awaitable[Outcome]],
+) -> None:
+    async def script(resp: web.StreamResponse) -> None:
+        await asyncio.sleep(GAP_S)
+        await resp.write(_token("", "stop") + USAGE + b"data: [DONE]\n\n")
+
+    out = await scripted(script)
+    assert out.ok and out.ttft_s >= GAP_S
+
+
 async def test_a_stream_cut_before_its_done_event_is_a_failure(
     scripted: Callable[[Script], Awaitable[Outcome]],
 ) -> None:
