@@ -13,9 +13,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from router.bench.measure import percentile
 from router.core.slo import SloTargets
 from router.demo.figures import summarize
 from router.demo.replay import Outcome, TraceRequest, _one
+from sim.metrics import RequestRecord
+from sim.metrics import summarize as sim_summarize
 from tests.ports import free_port
 
 Script = Callable[[web.StreamResponse], Awaitable[None]]
@@ -124,3 +127,22 @@ async def test_a_complete_stream_is_timed_and_counted(
     out = await scripted(script)
     assert out.ok and (out.prompt_tokens, out.output_tokens) == (100, 3)
     assert GAP_S <= out.ttft_s <= out.e2e_s
+
+
+def _record(i: int, ttft_s: float) -> RequestRecord:
+    r = RequestRecord(f"r{i}", 0.0, 100, 0)
+    r.first, r.finish, r.output = ttft_s, ttft_s + 1.0, 11
+    return r
+
+
+def test_simulator_and_live_percentiles_are_the_same_function() -> None:
+    """The simulator's ``ttft_ms_p50`` sits beside the live bench's ``ttft_p50_ms``
+    (``kvrouter bench live``'s ``sim``): both nearest rank. TTFTs 100, 200, 300, 400 ms:
+    p50 is 300 (the live bench's) whatever interpolation would give (250)."""
+    ttfts = [0.1, 0.2, 0.3, 0.4]
+    sim = sim_summarize([_record(i, t) for i, t in enumerate(ttfts)], [1.0], ["a"])
+    live = summarize([Outcome(True, t, 100, e2e_s=t + 1.0, output_tokens=11) for t in ttfts])
+    ms = [t * 1e3 for t in ttfts]
+    assert live["ttft_p50_ms"] == percentile(ms, 50) == 300.0
+    assert sim["ttft_ms_p50"] == live["ttft_p50_ms"]
+    assert sim["ttft_ms_p90"] == live["ttft_p90_ms"] == 400.0
