@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from router.bench.measure import percentile
+from router.bench.measure import median_row, percentile
 from router.core.slo import SloTargets
-from router.demo.figures import summarize
+from router.demo.figures import combine_runs, summarize
 from router.demo.replay import Outcome, TraceRequest, _one
 from sim.metrics import RequestRecord
 from sim.metrics import summarize as sim_summarize
@@ -146,3 +147,18 @@ def test_simulator_and_live_percentiles_are_the_same_function() -> None:
     assert live["ttft_p50_ms"] == percentile(ms, 50) == 300.0
     assert sim["ttft_ms_p50"] == live["ttft_p50_ms"]
     assert sim["ttft_ms_p90"] == live["ttft_p90_ms"] == 400.0
+
+
+def test_a_run_without_a_figure_leaves_the_median_of_the_others() -> None:
+    """A run with no answered request has no TTFT (NaN): the median of runs is the median of
+    the runs that have one, whatever their order (``statistics.median`` sorts NaN anywhere)."""
+    nan = math.nan
+    for values in ([nan, 100.0, 200.0], [100.0, nan, 200.0], [100.0, 200.0, nan]):
+        runs = [
+            {"requests": 1, "ok": int(v == v), "failed": int(v != v), "ttft_p90_ms": v}
+            for v in values
+        ]
+        row = combine_runs(runs)
+        assert row["ttft_p90_ms"] == 150.0, values
+        assert row["spread"]["ttft_p90_ms"] == [100.0, 200.0], values
+    assert math.isnan(median_row([{"x": nan}, {"x": nan}])["x"])  # no run has it
