@@ -1,6 +1,7 @@
 """Per-run metrics and the two cache ceilings every report carries.
 
-Definitions (all times from the request's arrival at a router):
+Definitions (all times from the request's arrival at a router; percentiles are nearest rank,
+as the live bench's):
 
 * TTFT: first token time - arrival. ITL: (finish - first token) / (output tokens - 1), one
   value per request with more than one output token; ``tpot_ms_*`` are the same figures under
@@ -83,7 +84,8 @@ def _pcts(values: Sequence[float], prefix: str, scale: float = 1000.0) -> dict[s
             f"{prefix}_mean": float("nan"),
         }
     arr = np.asarray(values, dtype=float) * scale
-    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    # nearest rank, as the live figures (router.bench.measure.percentile) they sit beside
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99], method="nearest")
     return {
         f"{prefix}_p50": round(float(p50), 3),
         f"{prefix}_p90": round(float(p90), 3),

@@ -326,6 +326,42 @@ async def test_reports_feed_the_outcome_ttft_and_slo_metrics(rpc: Any) -> None:
     assert met == 1
 
 
+async def test_a_pick_held_by_admission_is_timed_from_its_arrival(monkeypatch: Any) -> None:
+    """As on HTTP: a Pick held by admission has its TTFT (and SLO) timed from its arrival,
+    which its deadline runs from, not from its dispatch after the hold."""
+    from router.service.admission import Admission
+
+    state = _state(slo={"ttft_s": 5.0}, admission={"enabled": True})
+    state.admission = Admission(state)
+    held_s = [0.0]
+    gate = state.admission
+    real = gate.route
+
+    async def held(*a: Any, **kw: Any) -> Any:
+        held_s[0] = 10.0  # the clock moves on 10 s while the Pick is held
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(gate, "route", held)
+    report = router_pb2.ReportRequest
+    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), lambda: loop_clock() + held_s[0])
+    _server, port = await gen.__anext__()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320))
+            done = await stub.Pick(pick, metadata=AUTH)
+            first = report(decision_id=done.decision_id, phase=report.FIRST_TOKEN)
+            await stub.Report(first, metadata=AUTH)
+            end = report(decision_id=done.decision_id, phase=report.COMPLETED, output_tokens=1)
+            await stub.Report(end, metadata=AUTH)
+    finally:
+        await gen.aclose()
+    page = state.metrics.render().decode()
+    assert metric_sample(page, "kvrouter_ttft_seconds_sum", model=MODEL) >= 10.0
+    missed = metric_sample(page, "kvrouter_slo_requests_total", model=MODEL, result="ttft_missed")
+    assert missed == 1
+
+
 async def test_reported_failures_eject_a_replica_as_http_failures_do() -> None:
     """A replica that fails every request (it answers 500 fast, so it looks idle) is ejected
     after ``outlier_consecutive_failures`` failures in a row on HTTP; the same failures

@@ -311,3 +311,23 @@ async def test_an_id_reused_while_an_error_is_written_keeps_its_allowance(
     async with await again as r:
         assert r.status == 200
     assert len(d.queue().stall) == 0
+
+
+async def test_a_held_request_is_timed_from_its_arrival(protective: Door) -> None:
+    """Admission's deadline runs from a request's arrival, as the simulator's TTFT does: the
+    router's TTFT histogram and SLO counter time a held request from then, not from its
+    dispatch (its hold would otherwise count as met)."""
+    d = protective
+    d.backend.delay_s = 0.5  # the priority request's answer starts no sooner
+    first = asyncio.create_task(d.post("priority", stream=True))
+    await eventually(lambda: len(d.backend.received) == 1)
+    d.backend.delay_s = 0.0  # the held one is answered at once when it goes
+    held = asyncio.create_task(d.post(stream=True))
+    for task in (first, held):
+        async with await task as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+    waits = await d.metric("kvrouter_admission_wait_seconds_sum")
+    assert waits[f'{{class="default",model="{MODEL}"}}'] > 0.25  # it was held
+    fast = await d.metric("kvrouter_ttft_seconds_bucket")
+    assert fast[f'{{le="0.25",model="{MODEL}"}}'] == 0.0, fast

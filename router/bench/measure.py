@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -36,9 +37,10 @@ def median_row(
     """One row of figures from several runs of the same thing: the ``totals`` keys summed,
     every other number the runs' median (a dict of numbers, key by key), any other value
     kept where all runs agree on it; ``runs`` their number and ``spread`` the ``[min, max]``
-    of the ``spread`` keys. One run is returned as it is. Why medians: a closed loop or a
-    fleet past its capacity turns a millisecond into another schedule, so one run is one
-    sample and cannot rank two configurations."""
+    of the ``spread`` keys. A NaN figure (e.g. a TTFT percentile of a run that answered no
+    request) counts as the run not having it. One run is returned as it is. Why medians: a
+    closed loop or a fleet past its capacity turns a millisecond into another schedule, so
+    one run is one sample and cannot rank two configurations."""
     if len(runs) == 1:
         return dict(runs[0])
     out: dict[str, Any] = {}
@@ -47,19 +49,26 @@ def median_row(
         if key in totals:
             out[key] = sum(values)
         elif all(_number(v) for v in values):
-            out[key] = round(statistics.median(values), 4)
+            out[key] = _median(values)
         elif all(isinstance(v, dict) for v in values):
             inner = [k for k in values[0] if all(k in v and _number(v[k]) for v in values)]
-            out[key] = {k: round(statistics.median(v[k] for v in values), 4) for k in inner}
+            out[key] = {k: _median([v[k] for v in values]) for k in inner}
         elif len(values) == len(runs) and all(v == values[0] for v in values):
             out[key] = values[0]
     out["runs"] = len(runs)
-    out["spread"] = {
-        key: [min(r[key] for r in runs), max(r[key] for r in runs)]
-        for key in spread
-        if all(key in r for r in runs)
-    }
+    out["spread"] = {}
+    for key in spread:
+        if all(key in r for r in runs):
+            known = [r[key] for r in runs if r[key] == r[key]]
+            out["spread"][key] = [min(known), max(known)] if known else [math.nan, math.nan]
     return out
+
+
+def _median(values: Sequence[float]) -> float:
+    """The median of the values that are not NaN (NaN if none is): ``statistics.median``
+    sorts a NaN anywhere, so the result would depend on the runs' order."""
+    known = [v for v in values if v == v]
+    return round(statistics.median(known), 4) if known else math.nan
 
 
 def _number(value: object) -> bool:

@@ -7,10 +7,12 @@ hash exactly the same tokens. A session's first request goes out at its timestam
 follow-up ``delay`` after the previous turn finished (both divided by the speed-up).
 Every request is a streaming ``/v1/completions`` call with
 ``stream_options.include_usage``, carrying its session in ``X-Session-Id`` (and ``user``); the
-client measures TTFT at the first SSE event and E2E at the stream's end, and reads the
-engine's ``cached_tokens`` and ``completion_tokens`` (and the mock's KV-only
-``kv_hit_tokens``) from the usage chunk and the router's predicted hit from the
-``X-KVRouter-Decision`` header (kvrouter only).
+client measures TTFT at the first SSE event that carries a token (not a keep-alive comment, a
+role-only or empty chunk) and E2E at the stream's closing ``[DONE]`` (a stream cut short of
+it is a failure), both from just before the request is sent, and reads the engine's
+``cached_tokens`` and ``completion_tokens`` (and the mock's KV-only ``kv_hit_tokens``) from
+the usage chunk and the router's predicted hit from the ``X-KVRouter-Decision`` header
+(kvrouter only).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -96,6 +99,17 @@ def _predicted(header: str | None) -> int:
     return 0
 
 
+def _has_token(chunk: dict[str, Any]) -> bool:
+    """Whether a stream's chunk carries output: a choice with text, or the one that ends it
+    (a first token that is the end of the answer has no text); not a role-only, empty or
+    usage-only chunk."""
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if choice.get("text") or delta.get("content") or choice.get("finish_reason"):
+            return True
+    return False
+
+
 async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> Outcome:
     t0 = time.perf_counter()
     headers = {"Content-Type": "application/json"}
@@ -112,15 +126,16 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                 line = raw.strip()
                 if not line.startswith(b"data:"):
                     continue
+                at = time.perf_counter() - t0
                 data = line[5:].strip()
-                if out.ttft_s != out.ttft_s:
-                    out.ttft_s = time.perf_counter() - t0
                 if data == b"[DONE]":
-                    out.e2e_s = time.perf_counter() - t0
+                    out.e2e_s = at
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
                     return Outcome(False, error=str(chunk["error"])[:200])
+                if out.ttft_s != out.ttft_s and _has_token(chunk):
+                    out.ttft_s = at
                 usage = chunk.get("usage")
                 if usage:
                     out.prompt_tokens = usage.get("prompt_tokens", 0)
@@ -129,9 +144,9 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                     out.cached_tokens = details.get("cached_tokens") or 0
                     out.kv_hit_tokens = details.get("kv_hit_tokens", out.cached_tokens) or 0
             if out.ttft_s != out.ttft_s:
-                return Outcome(False, error="stream ended without data")
-            if out.e2e_s != out.e2e_s:
-                out.e2e_s = time.perf_counter() - t0
+                return Outcome(False, error="stream ended without a token")
+            if out.e2e_s != out.e2e_s:  # cut short: no usage to judge it by, not an answer
+                return Outcome(False, error="stream ended before [DONE]")
             return out
     except aiohttp.ClientConnectorError as exc:  # never reached the router: safe to resend
         return Outcome(False, error=f"{CONNECT_FAILED}{exc}")

@@ -61,6 +61,14 @@ class Pending:
     cached_counted: bool = False  # the engine's cached tokens were counted (once a request)
     held: object = None  # the caller's slot of the gate's per-key limit (None: not counted)
     owner: str | None = None  # the caller that made it (:func:`owner_of`): only its Reports
+    # when a Pick held by admission came: its TTFT and SLO are timed from then, as its
+    # deadline is (None: from ``created``, as HTTP times a request it dispatched at once)
+    arrived: float | None = None
+
+    @property
+    def since(self) -> float:
+        """What the request's TTFT and SLO are timed from."""
+        return self.created if self.arrived is None else self.arrived
     # its attempt for outlier ejection (Ejections.sent / answered / failed / dropped)
     token: object = field(default_factory=object)
 

@@ -323,6 +323,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if session is None:
                 session = body_session
             slo_gate = self.state.admission
+            arrived: float | None = None  # a Pick held by admission: when it came
             pd = request.model in self.state.disagg
             # (disaggregated models are not admission-controlled, as on HTTP; nor are a stored
             # response's follow-ups, which only its holder can serve)
@@ -334,6 +335,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 and not pd
             ):
                 # SLO-aware admission (default class); a shed is RESOURCE_EXHAUSTED
+                arrived = now  # timed from here, as its deadline is (HTTP's ``since``)
                 self._picking.add(internal)
                 try:
                     routed = await slo_gate.route(
@@ -388,13 +390,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             routed.request.request_id,
             request.model,
             decision.usable_tokens,
-            self.clock(),  # dispatched now (after any wait in admission), as HTTP times it
+            self.clock(),  # dispatched now (after any wait in admission)
             decision.replica,
             routed.request.prompt_tokens,
             routed.ttft_factor,
             routed.service_class,
             held=held,
             owner=owner,
+            arrived=arrived,
         )
         if self.ejections is not None:
             # an attempt, as the HTTP forwarder's (a replica readmitted after an ejection
@@ -469,7 +472,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self.state.load.first_token(pending.request_id)
             if not pending.first_at:
                 pending.first_at = now
-                mm.ttft.observe(now - pending.created)
+                mm.ttft.observe(now - pending.since)
         else:
             self.book.pop(internal)
             self._end(pending)
@@ -483,8 +486,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     pending.prompt_tokens,
                     pending.ttft_factor,
                     pending.service_class,
-                    pending.first_at - pending.created,
-                    now - pending.created,
+                    pending.first_at - pending.since,
+                    now - pending.since,
                     report.output_tokens or None,
                 )
         if report.cached_tokens is not None and not pending.cached_counted:

@@ -549,6 +549,7 @@ async def serve_completion(
         no_transfer = pd is not None
         routed: Routed | disagg.PdFlow
         pinned: list[ReplicaKey] = []
+        arrived: float | None = None  # a request held by admission: when it came
         if admitted.previous_response is not None:
             # a response another worker or pod recorded: asked there (only when not known
             # here); nothing of this for the requests naming none
@@ -573,6 +574,8 @@ async def serve_completion(
             slo_gate = None  # disaggregated flows are not admission-controlled (docs/admission.md)
         elif slo_gate is not None and slo_gate.enabled(admitted.model):  # SLO-aware admission
             loop = forwarder.event_loop()
+            # timed from here, as its deadline is: a hold counts toward its TTFT
+            arrived = loop.time()
             routed = await slo_gate.route_admitted(admitted, client_headers, loop.time)
         else:
             routed = state.route(
@@ -621,6 +624,7 @@ async def serve_completion(
                 stream=admitted.stream,
                 anthropic=shaped,
                 record_ids=admitted.stores,
+                since=arrived,
             )
         else:  # the engine reports usage; the client gets the stream it asked for
             patched = with_patch(raw, patch)
@@ -632,6 +636,7 @@ async def serve_completion(
                 routed,
                 stream=admitted.stream,
                 strip_usage=True,
+                since=arrived,
             )
     finally:
         if slo_gate is not None:

@@ -193,8 +193,9 @@ class Forwarder:
         API request, whose errors the router answers in Anthropic's shape. ``record_ids``: a
         stored Responses API request; its answer's response id is recorded with the replica
         that made it (router/service/response_ids.py). ``since``: when the request was
-        dispatched, which its TTFT, SLO and trace are timed from (default: now; a
-        disaggregated request's decode leg is timed from its prefill leg's dispatch)."""
+        dispatched, which its TTFT, SLO and trace are timed from (default: now; a request
+        held by SLO-aware admission is timed from its arrival, as its deadline is; a
+        disaggregated request's decode leg from its prefill leg's dispatch)."""
         state = self.state
         model = routed.request.model
         mm = state.metrics.model(model)

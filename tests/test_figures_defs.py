@@ -1,0 +1,164 @@
+"""The figures' definitions held the same wherever a figure is made: the replay client's
+timing of a stream (router/demo/replay.py) against a scripted replica on loopback, the live
+summary and its medians of runs (router/demo/figures.py, router/bench/measure.py) and the
+simulator's summary (sim/metrics.py), with hand-computed expectations."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from router.bench.measure import median_row, percentile
+from router.core.slo import SloTargets
+from router.demo.figures import combine_runs, summarize
+from router.demo.replay import Outcome, TraceRequest, _one
+from sim.metrics import RequestRecord
+from sim.metrics import summarize as sim_summarize
+from tests.ports import free_port
+
+Script = Callable[[web.StreamResponse], Awaitable[None]]
+GAP_S = 0.3  # the replica's pause before its first token (a lower bound: never flaky)
+
+
+def _event(obj: object) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def _token(text: str, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return _event({"id": "c", "object": "text_completion", "choices": [choice]})
+
+
+USAGE = _event(
+    {"id": "c", "choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 3}}
+)
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Callable[[Script], Awaitable[Outcome]]]:
+    """``await scripted(script)``: the replay client's outcome for one request answered by a
+    replica that writes its stream with ``script``."""
+    holder: list[Script] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await holder[0](resp)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    req = TraceRequest(0.0, 100, 3, b'{"prompt": [1], "stream": true}')
+
+    async def run(script: Script) -> Outcome:
+        holder[:] = [script]
+        async with aiohttp.ClientSession() as session:
+            return await _one(session, url, req)
+
+    try:
+        yield run
+    finally:
+        await runner.cleanup()
+
+
+async def test_ttft_is_timed_at_the_first_token_not_an_empty_first_event(
+    scripted: Callable[[Script], Awaitable[Outcome]],
+) -> None:
+    """A stream may open with an event that carries no token (a role-only or empty-text
+    chunk, as some servers and routers send at once); TTFT is when the first token came."""
+
+    async def script(resp: web.StreamResponse) -> None:
+        await resp.write(b": keep-alive\n\n")
+        await resp.write(_token(""))
+        await asyncio.sleep(GAP_S)  # the replica's prefill
+        await resp.write(_token("a") + _token("b c", "length") + USAGE + b"data: [DONE]\n\n")
+
+    out = await scripted(script)
+    assert out.ok and out.output_tokens == 3
+    assert out.ttft_s >= GAP_S, out
+
+
+async def test_a_first_token_that_ends_the_answer_is_timed_without_text(
+    scripted: Callable[[Script], Awaitable[Outcome]],
+) -> None:
+    async def script(resp: web.StreamResponse) -> None:
+        await asyncio.sleep(GAP_S)
+        await resp.write(_token("", "stop") + USAGE + b"data: [DONE]\n\n")
+
+    out = await scripted(script)
+    assert out.ok and out.ttft_s >= GAP_S
+
+
+async def test_a_stream_cut_before_its_done_event_is_a_failure(
+    scripted: Callable[[Script], Awaitable[Outcome]],
+) -> None:
+    """A stream that ends without ``data: [DONE]`` (a router that relays a replica's broken
+    stream by closing its own) is not an answer: counted as one it would meet the TPOT half
+    with no usage to judge it by."""
+
+    async def script(resp: web.StreamResponse) -> None:
+        await resp.write(_token("a"))
+
+    out = await scripted(script)
+    assert not out.ok and out.error
+    figures = summarize([out], SloTargets())
+    assert (figures["ok"], figures["failed"], figures["goodput"]) == (0, 1, 0.0)
+
+
+async def test_a_complete_stream_is_timed_and_counted(
+    scripted: Callable[[Script], Awaitable[Outcome]],
+) -> None:
+    async def script(resp: web.StreamResponse) -> None:
+        await asyncio.sleep(GAP_S)
+        await resp.write(_token("a") + _token("b c", "length") + USAGE + b"data: [DONE]\n\n")
+
+    out = await scripted(script)
+    assert out.ok and (out.prompt_tokens, out.output_tokens) == (100, 3)
+    assert GAP_S <= out.ttft_s <= out.e2e_s
+
+
+def _record(i: int, ttft_s: float) -> RequestRecord:
+    r = RequestRecord(f"r{i}", 0.0, 100, 0)
+    r.first, r.finish, r.output = ttft_s, ttft_s + 1.0, 11
+    return r
+
+
+def test_simulator_and_live_percentiles_are_the_same_function() -> None:
+    """The simulator's ``ttft_ms_p50`` sits beside the live bench's ``ttft_p50_ms``
+    (``kvrouter bench live``'s ``sim``): both nearest rank. TTFTs 100, 200, 300, 400 ms:
+    p50 is 300 (the live bench's) whatever interpolation would give (250)."""
+    ttfts = [0.1, 0.2, 0.3, 0.4]
+    sim = sim_summarize([_record(i, t) for i, t in enumerate(ttfts)], [1.0], ["a"])
+    live = summarize([Outcome(True, t, 100, e2e_s=t + 1.0, output_tokens=11) for t in ttfts])
+    ms = [t * 1e3 for t in ttfts]
+    assert live["ttft_p50_ms"] == percentile(ms, 50) == 300.0
+    assert sim["ttft_ms_p50"] == live["ttft_p50_ms"]
+    assert sim["ttft_ms_p90"] == live["ttft_p90_ms"] == 400.0
+
+
+def test_a_run_without_a_figure_leaves_the_median_of_the_others() -> None:
+    """A run with no answered request has no TTFT (NaN): the median of runs is the median of
+    the runs that have one, whatever their order (``statistics.median`` sorts NaN anywhere)."""
+    nan = math.nan
+    for values in ([nan, 100.0, 200.0], [100.0, nan, 200.0], [100.0, 200.0, nan]):
+        runs = [
+            {"requests": 1, "ok": int(v == v), "failed": int(v != v), "ttft_p90_ms": v}
+            for v in values
+        ]
+        row = combine_runs(runs)
+        assert row["ttft_p90_ms"] == 150.0, values
+        assert row["spread"]["ttft_p90_ms"] == [100.0, 200.0], values
+    assert math.isnan(median_row([{"x": nan}, {"x": nan}])["x"])  # no run has it
