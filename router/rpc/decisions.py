@@ -64,13 +64,13 @@ class Pending:
     # when a Pick held by admission came: its TTFT and SLO are timed from then, as its
     # deadline is (None: from ``created``, as HTTP times a request it dispatched at once)
     arrived: float | None = None
+    # its attempt for outlier ejection (Ejections.sent / answered / failed / dropped)
+    token: object = field(default_factory=object)
 
     @property
     def since(self) -> float:
         """What the request's TTFT and SLO are timed from."""
         return self.created if self.arrived is None else self.arrived
-    # its attempt for outlier ejection (Ejections.sent / answered / failed / dropped)
-    token: object = field(default_factory=object)
 
 
 class DecisionBook:
