@@ -35,9 +35,7 @@ def _token(text: str, finish: str | None = None) -> bytes:
     return _event({"id": "c", "object": "text_completion", "choices": [choice]})
 
 
-USAGE = _event(
-    {"id": "c", "choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 3}}
-)
+USAGE = _event({"id": "c", "choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 3}})
 
 
 @pytest.fixture
