@@ -144,45 +144,67 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-_ARGS_CACHE: dict[str, Any] = {}
+_ARGS_CACHE: dict[str, dict[str, Any]] = {}
 _ARGS_CACHE_MAX = 8192
 
 
-def _parse_arguments(text: str) -> Any:
-    """Tool-call arguments as an object; ``{}`` when they are not JSON (empty included), as
-    vLLM makes them. Memoised: every turn of a session resends the same calls; templates
-    cannot mutate the result."""
+def _parse_arguments(text: str) -> dict[str, Any]:
+    """Tool-call arguments as vLLM 0.34 hands them to the template
+    (``_postprocess_messages``): the JSON object ``text`` holds, else ``{}`` (empty, not
+    JSON, or JSON that is not an object: an array, a number, a string, null). Memoised:
+    every turn of a session resends the same calls; templates cannot mutate the result."""
     found = _ARGS_CACHE.get(text)
     if found is not None:
         return found
     try:
-        value = json.loads(text)
+        value = json.loads(text) if text else {}
     except ValueError:
+        value = {}
+    if not isinstance(value, dict):
         value = {}
     if len(_ARGS_CACHE) >= _ARGS_CACHE_MAX:
         _ARGS_CACHE.clear()
-    if value is not None:
-        _ARGS_CACHE[text] = value
+    _ARGS_CACHE[text] = value
     return value
 
 
+# the keys of a tool call and of its function in the order vLLM's request model validates
+# them into (openai's ``ChatCompletionMessageFunctionToolCallParam`` / ``Function``), the
+# other keys after them
+_CALL_KEYS = ("id", "function", "type")
+_FUNCTION_KEYS = ("arguments", "name")
+
+
+def _in_order(value: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """``value`` with ``keys`` (those present) first, in that order, then its other keys."""
+    out = {k: value[k] for k in keys if k in value}
+    out.update((k, v) for k, v in value.items() if k not in out)
+    return out
+
+
 def _prepare_call(call: Any) -> Any:
+    """A tool call as vLLM 0.34 hands it over: its keys in its request model's order, the
+    function's ``arguments`` an object (:func:`_parse_arguments`; an object given as such
+    kept, anything else ``{}``)."""
     fn = call.get("function") if isinstance(call, Mapping) else None
     if not isinstance(fn, Mapping):
         return call
     args = fn.get("arguments")
     if isinstance(args, str):
         args = _parse_arguments(args)
-    elif not isinstance(args, (dict, list)):
+    elif not isinstance(args, dict):
         args = {}
-    else:
-        return call
-    return {**call, "function": {**fn, "arguments": args}}
+    function = _in_order({**fn, "arguments": args}, _FUNCTION_KEYS)
+    return _in_order({**call, "function": function}, _CALL_KEYS)
 
 
-# keys a message may have and still reach the template as it is
-_PLAIN_KEYS = frozenset({"role", "content", "name"})
-_PLAIN_TOOL_KEYS = frozenset({"role", "content", "name", "tool_call_id"})
+# the keys (in their order) a message may have and still reach the template as it is: those
+# of the message vLLM builds from it
+_PLAIN_ORDERS = frozenset({("role", "content"), ("role", "content", "name")})
+_PLAIN_TOOL_ORDERS = _PLAIN_ORDERS | {
+    ("role", "content", "tool_call_id"),
+    ("role", "content", "tool_call_id", "name"),
+}
 
 
 def prepare_messages(
@@ -195,8 +217,10 @@ def prepare_messages(
     Code's attribution line); of the other keys only ``name`` and a string ``task``, an
     assistant's ``tool_calls`` (arguments parsed, see :func:`_parse_arguments`; an empty list
     dropped) and ``reasoning`` (also given as ``reasoning_content``), a tool result's
-    ``tool_call_id``, a developer message's ``tools`` (null when absent). Plain messages of
-    the string format are passed as they are, the others rebuilt."""
+    ``tool_call_id``, a developer message's ``tools`` (null when absent), in vLLM's order
+    (``role``, ``content``, the role's own keys, ``name``, ``task``, ``tools``: a template
+    serialising a message sees them so). Plain messages of the string format whose keys are
+    already so are passed as they are, the others rebuilt."""
     openai = content_format == "openai"
     out: list[dict[str, Any]] = []
     for m in messages:
@@ -206,7 +230,7 @@ def prepare_messages(
             not openai
             and type(m) is dict
             and type(content) is str
-            and (m.keys() <= _PLAIN_KEYS or (role == "tool" and m.keys() <= _PLAIN_TOOL_KEYS))
+            and (tuple(m) in (_PLAIN_TOOL_ORDERS if role == "tool" else _PLAIN_ORDERS))
             and type(m.get("name", "")) is str
             and role != "developer"
             and not (role == "system" and content.startswith(_BILLING_HEADER))
