@@ -308,9 +308,11 @@ def _names_developer(source: str | None) -> bool:
 
 
 def prepare_tools(tools: Any) -> Any:
-    """``tools`` as vLLM hands them to the template: each the ``model_dump()`` of its pydantic
-    model, so ``type`` then ``function`` (``name``, ``description``, ``parameters``, absent
-    ones null, then any other keys) then any other keys."""
+    """``tools`` as vLLM 0.34 hands them to the template: each the ``model_dump()`` of its
+    ``ChatCompletionToolsParam``: ``type``, then ``function`` (``name``, ``description``,
+    ``parameters``, absent ones null, then ``strict`` and ``defer_loading`` where not null; a
+    tool's ``defer_loading`` is its function's when that has none), then the tool's
+    ``defer_loading`` where not null. Other keys are dropped, as the dump drops them."""
     if not isinstance(tools, list):
         return tools
     out = []
@@ -319,16 +321,26 @@ def prepare_tools(tools: Any) -> Any:
         if not isinstance(fn, Mapping):
             out.append(t)
             continue
+        defer = t.get("defer_loading")
         f = {
             "name": fn.get("name"),
             "description": fn.get("description"),
             "parameters": fn.get("parameters"),
+            "strict": fn.get("strict"),
+            "defer_loading": defer if fn.get("defer_loading") is None else fn["defer_loading"],
         }
-        f.update((k, v) for k, v in fn.items() if k not in f)
-        tool: dict[str, Any] = {"type": t.get("type", "function"), "function": f}
-        tool.update((k, v) for k, v in t.items() if k not in tool)
+        tool: dict[str, Any] = {
+            "type": t.get("type", "function"),
+            "function": {k: v for k, v in f.items() if v is not None or k in _FUNCTION_DUMP},
+        }
+        if defer is not None:
+            tool["defer_loading"] = defer
         out.append(tool)
     return out
+
+
+# the keys of a tool's function that its dump keeps when null
+_FUNCTION_DUMP = frozenset({"name", "description", "parameters"})
 
 
 def _processor_template(directory: Path) -> str | None:
