@@ -588,3 +588,29 @@ def test_metrics_doc_tables_match_the_live_scrape(live: tuple[Scrape, Scrape]) -
         if publisher.family(series) is None:
             problems.append(f"docs/publisher.md: {series} not exported by the publisher")
     assert problems == [], "\n".join(problems)
+
+
+def _router_settings(tmp_path: pathlib.Path) -> Any:
+    from router.service.config import load_settings
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    path = tmp_path / "router.toml"
+    path.write_text(docs[("ConfigMap", "kvrouter-config")]["data"]["router.toml"])
+    return load_settings(path, environ={})
+
+
+def test_grace_period_lets_the_router_drain_its_streams(tmp_path: pathlib.Path) -> None:
+    """After the preStop sleep, SIGTERM gives in-flight streams ``shutdown_timeout_s``; the
+    pod's grace period must cover both (else the kubelet kills streams the router would
+    finish), and the router must use it (else streams are cut long before it ends):
+    docs/operations.md "Stopping or rolling a router"."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    pod = docs[("Deployment", "kvrouter")]["spec"]["template"]["spec"]
+    grace = pod["terminationGracePeriodSeconds"]
+    command = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    sleep = float(re.search(r"sleep (\d+)", " ".join(command)).group(1))  # type: ignore[union-attr]
+    shutdown = _router_settings(tmp_path).server.shutdown_timeout_s
+    assert sleep + shutdown <= grace
+    assert grace - (sleep + shutdown) <= 15, (
+        f"streams are cut after {shutdown} s although the pod may take {grace - sleep} s"
+    )
