@@ -614,3 +614,33 @@ def test_grace_period_lets_the_router_drain_its_streams(tmp_path: pathlib.Path) 
     assert grace - (sleep + shutdown) <= 15, (
         f"streams are cut after {shutdown} s although the pod may take {grace - sleep} s"
     )
+
+
+def test_static_replica_urls_resolve_to_an_engine_pod(tmp_path: pathlib.Path) -> None:
+    """A ``[[replicas]]`` entry's ``<pod>.<service>.<namespace>.svc`` address needs the
+    StatefulSet's governing headless Service (pod DNS records exist only through it), in
+    the namespace the engines land in (the overlay gives them none), on a port the engine
+    serves; its name is the pod name the publisher registers as ``--replica``."""
+    docs = [d for _, d in _manifests()]
+    replicas = _router_settings(tmp_path).replicas
+    assert replicas
+    for replica in replicas:
+        host, _, port = replica.url.removeprefix("http://").partition(":")
+        pod_name, service, namespace, svc = host.split(".")
+        assert svc == "svc"
+        sts = next(d for d in docs if d["kind"] == "StatefulSet"
+                   and pod_name.rsplit("-", 1)[0] == d["metadata"]["name"])  # fmt: skip
+        assert int(pod_name.rsplit("-", 1)[1]) < sts["spec"]["replicas"]
+        assert sts.get("metadata", {}).get("namespace", "default") == namespace
+        assert sts["spec"]["serviceName"] == service
+        services = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == service]
+        assert services, f"no Service {service!r} governs StatefulSet {sts['metadata']['name']}"
+        spec = services[0]["spec"]
+        assert spec.get("clusterIP") == "None", f"Service {service!r} is not headless"
+        pod = sts["spec"]["template"]
+        assert spec["selector"].items() <= pod["metadata"]["labels"].items()
+        engine = pod["spec"]["containers"][0]
+        assert int(port) in {p["containerPort"] for p in engine["ports"]}
+        assert replica.name == pod_name
+        sidecar = pod["spec"]["containers"][1]
+        assert "--replica=$(POD_NAME)" in sidecar["args"]
