@@ -19,7 +19,7 @@ import yaml
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "deploy"
 K8S = DEPLOY / "k8s"
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 
 def _docs(path: pathlib.Path) -> list[dict]:
@@ -48,6 +48,8 @@ def test_manifest_validates_against_kubernetes_schema(path: pathlib.Path, doc: d
         assert doc["apiVersion"].startswith("monitoring.coreos.com/")
         if doc["kind"] == "ServiceMonitor":
             assert doc["spec"]["endpoints"][0]["path"] == "/metrics"
+        if doc["kind"] == "PodMonitor":
+            assert doc["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
         return
     kubernetes_validate.validate(doc, "1.30.0", strict=True)
 
@@ -644,3 +646,53 @@ def test_static_replica_urls_resolve_to_an_engine_pod(tmp_path: pathlib.Path) ->
         assert replica.name == pod_name
         sidecar = pod["spec"]["containers"][1]
         assert "--replica=$(POD_NAME)" in sidecar["args"]
+
+
+def _relabel_targets(job: dict) -> dict[str, list[str]]:
+    """target_label -> source_labels of a scrape job's relabelling."""
+    return {r["target_label"]: r["source_labels"] for r in job["relabel_configs"]
+            if "target_label" in r}  # fmt: skip
+
+
+def test_publisher_metrics_port_is_declared_and_scraped() -> None:
+    """The sidecar's ``--metrics-port`` is a declared container port: Prometheus' pod
+    discovery makes one target per declared port (a container without one gets a port-less
+    target, scraped on port 80), and the scrape job and the PodMonitor keep that port."""
+    rack = _docs(K8S / "engine" / "engine-rack.yaml")[0]
+    sidecar = rack["spec"]["template"]["spec"]["containers"][1]
+    arg = next(a for a in sidecar["args"] if a.startswith("--metrics-port="))
+    port = int(arg.split("=", 1)[1])
+    declared = {p["name"]: p["containerPort"] for p in sidecar.get("ports", [])}
+    assert port in declared.values(), f"the publisher's /metrics port {port} is not declared"
+    name = next(n for n, p in declared.items() if p == port)
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "scrape.yaml").read_text())
+    job = next(j for j in scrape["scrape_configs"] if j["job_name"] == "kvrouter-publishers")
+    keeps = {tuple(r["source_labels"]): r["regex"] for r in job["relabel_configs"]
+             if r.get("action") == "keep"}  # fmt: skip
+    assert keeps.get(("__meta_kubernetes_pod_container_name",)) == sidecar["name"]
+    assert keeps.get(("__meta_kubernetes_pod_container_port_name",)) == name
+    monitors = [d for _, d in _manifests() if d["kind"] == "PodMonitor"]
+    assert monitors, "nothing scrapes the publishers under the Prometheus Operator"
+    labels = rack["spec"]["template"]["metadata"]["labels"]
+    for monitor in monitors:
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} == {name}
+
+
+def test_plain_scrape_config_labels_what_the_adapter_and_alerts_select() -> None:
+    """Without the Prometheus Operator (deploy/prometheus/scrape.yaml) the router series
+    must carry the ``namespace`` and ``pod`` labels the adapter rule maps to Kubernetes
+    objects (else the HPA's saturation metric matches no series and it scales on CPU
+    alone) and the alerts group by."""
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "scrape.yaml").read_text())
+    job = next(j for j in scrape["scrape_configs"] if j["job_name"] == "kvrouter")
+    targets = _relabel_targets(job)
+    adapter = yaml.safe_load((DEPLOY / "prometheus" / "adapter-rules.yaml").read_text())
+    for rule in adapter["rules"]:
+        for label in rule["resources"]["overrides"]:
+            assert label in targets, f"scrape.yaml sets no {label!r} label the adapter needs"
+    assert targets["namespace"] == ["__meta_kubernetes_namespace"]
+    assert targets["pod"] == ["__meta_kubernetes_pod_name"]
+    rules = _docs(K8S / "base" / "prometheus-rules.yaml")[0]
+    for rule in (r for g in rules["spec"]["groups"] for r in g["rules"]):
+        assert "pod" not in _used_labels(rule["expr"]) or "pod" in targets
