@@ -696,3 +696,28 @@ def test_plain_scrape_config_labels_what_the_adapter_and_alerts_select() -> None
     rules = _docs(K8S / "base" / "prometheus-rules.yaml")[0]
     for rule in (r for g in rules["spec"]["groups"] for r in g["rules"]):
         assert "pod" not in _used_labels(rule["expr"]) or "pod" in targets
+
+
+def test_the_engines_layout_is_learned_not_pinned_by_the_sidecar() -> None:
+    """The router config leaves the checkpoint grid to what the engines publish; a sidecar
+    ``--state-interval N`` registers N instead of the grid it learns (publisher.py:
+    configured wins) and every router would speculate on it, whatever the engine does."""
+    from router.cli import build_parser
+
+    rack = _docs(K8S / "engine" / "engine-rack.yaml")[0]
+    sidecar = rack["spec"]["template"]["spec"]["containers"][1]
+    env = {"POD_NAME": "r0", "POD_IP": "10.0.0.1", "RACK": "a01", "REGION": "us-east",
+           "REDIS_URL": "redis://redis:6379/0"}  # fmt: skip
+    args = build_parser().parse_args([_expand(a, env) for a in sidecar["args"]])
+    assert args.state_interval == 0
+
+
+def test_tokenizer_job_fetches_the_model_the_engines_serve() -> None:
+    """Exact mode hashes the tokens the router's tokenizer makes: the fetch Job must download
+    the served model's files (tokenizer, chat template, config.json's layer layout)."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    job = docs[("Job", "kvrouter-tokenizer-fetch")]["spec"]["template"]["spec"]["containers"][0]
+    repo = {e["name"]: e.get("value") for e in job["env"]}["HF_REPO"]
+    engine = _docs(K8S / "engine" / "engine-rack.yaml")[0]["spec"]["template"]["spec"]
+    model = next(a for a in engine["containers"][0]["args"] if a.startswith("--model="))
+    assert repo == model.split("=", 1)[1]
