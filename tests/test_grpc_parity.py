@@ -362,21 +362,17 @@ async def test_a_pick_held_by_admission_is_timed_from_its_arrival(monkeypatch: A
     assert missed == 1
 
 
-async def test_reported_failures_eject_a_replica_as_http_failures_do() -> None:
-    """A replica that fails every request (it answers 500 fast, so it looks idle) is ejected
-    after ``outlier_consecutive_failures`` failures in a row on HTTP; the same failures
-    reported over gRPC must eject it too, or Pick keeps sending the gateway there."""
-    from router.rpc.server import GRPC_PORT
-    from router.service.app import STATE
-    from tests.backends import start_router
-
-    settings = build_settings(
+def _two_replicas(**server: Any) -> Any:
+    """Settings of a router with gRPC on and two replicas (``a``, ``b``: nothing listens),
+    ejected after 2 failures in a row; ``server`` adds to its ``[server]`` table."""
+    return build_settings(
         {
             "server": {
                 "grpc_port": 0,
                 "grpc_token": TOKEN,
                 "health_interval_s": 0,
                 "outlier_consecutive_failures": 2,
+                **server,
             },
             "replicas": [
                 {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
@@ -385,7 +381,17 @@ async def test_reported_failures_eject_a_replica_as_http_failures_do() -> None:
             "models": {MODEL: kimi_model_table(block_size=16)},
         }
     )
-    runner, _url = await start_router(settings)
+
+
+async def test_reported_failures_eject_a_replica_as_http_failures_do() -> None:
+    """A replica that fails every request (it answers 500 fast, so it looks idle) is ejected
+    after ``outlier_consecutive_failures`` failures in a row on HTTP; the same failures
+    reported over gRPC must eject it too, or Pick keeps sending the gateway there."""
+    from router.rpc.server import GRPC_PORT
+    from router.service.app import STATE
+    from tests.backends import start_router
+
+    runner, _url = await start_router(_two_replicas())
     try:
         state = runner.app[STATE]
         report = router_pb2.ReportRequest
@@ -415,23 +421,7 @@ async def test_a_readmitted_replica_takes_one_pick_at_a_time_until_answered() ->
     from router.service.app import STATE
     from tests.backends import start_router
 
-    settings = build_settings(
-        {
-            "server": {
-                "grpc_port": 0,
-                "grpc_token": TOKEN,
-                "health_interval_s": 0,
-                "outlier_consecutive_failures": 2,
-                "outlier_base_ejection_s": 0.2,
-            },
-            "replicas": [
-                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
-                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
-            ],
-            "models": {MODEL: kimi_model_table(block_size=16)},
-        }
-    )
-    runner, _url = await start_router(settings)
+    runner, _url = await start_router(_two_replicas(outlier_base_ejection_s=0.2))
     try:
         state = runner.app[STATE]
         report = router_pb2.ReportRequest

@@ -130,6 +130,17 @@ async def test_query_string_request_id_bytes_and_end_to_end_headers_reach_the_re
         await backend.stop()
 
 
+async def _read_request(reader: asyncio.StreamReader) -> None:
+    """Read one request (its head and ``Content-Length`` body) off a raw replica's socket."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    await reader.readexactly(length)
+
+
 class UntilClose:
     """A replica whose answers have no length and no chunking: the body ends where the
     connection does. It sends the head and ``first`` at once, then what the test releases
@@ -155,13 +166,7 @@ class UntilClose:
         self._finish.set_result((rest, reset))
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n"):
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        await reader.readexactly(length)
+        await _read_request(reader)
         writer.write(
             b"HTTP/1.1 200 OK\r\nContent-Type: " + self.content_type + b"\r\n"
             b"Connection: close\r\n\r\n" + self.first
@@ -276,13 +281,7 @@ class Canned:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while self.answers:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                await reader.readexactly(length)
+                await _read_request(reader)
                 writer.write(self.answers.pop(0))
                 await writer.drain()
         writer.close()
