@@ -398,3 +398,35 @@ def test_a_rendered_batchs_round_trip_counts_once() -> None:
     prompts = [(np.arange(1, 40, dtype=np.uint32), []) for _ in range(3)]
     got = proc.engine_rendered(prompts, {}, 0.2)
     assert got.prompt_tokens == 3 * 39 and got.tokenize_s == pytest.approx(0.2)
+
+
+async def test_an_answer_nested_too_deep_or_not_text_moves_on() -> None:
+    """A render answer nested past what a parser follows, or with a multimodal item hash
+    that is not text, is unreadable as any other: the router's own processing stands in
+    (no error escapes to fail the request with a 500)."""
+    import aiohttp
+
+    deep = b"[" * 100_000 + b"]" * 100_000
+    surrogate = (
+        b'{"token_ids": [1, 2, 3], "features": {"mm_hashes": {"image": ["\\ud800"]}, '
+        b'"mm_placeholders": {"image": [{"offset": 0, "length": 1}]}}}'
+    )
+    answers = [deep, surrogate]
+    calls: list[str] = []
+
+    async def render(request: web.Request) -> web.Response:
+        calls.append(request.path)
+        return web.Response(body=answers[len(calls) - 1], content_type="application/json")
+
+    runner, base = await _render_server(render)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    proc = PromptProcessor("m", B)
+    try:
+        async with aiohttp.ClientSession() as session:
+            r, counter = _renderer(session, base)
+            assert await r.prompt("m", "chat", chat, proc) is None
+            assert await r.prompt("m", "chat", chat, proc) is None
+    finally:
+        await runner.cleanup()
+    assert len(calls) == 2
+    assert counter.labels("m", "fallback").value == 2

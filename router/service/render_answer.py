@@ -56,6 +56,8 @@ def decode_answer(kind: str, raw: bytes) -> Rendered:
         payload = jsonload.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise RenderFailed("malformed answer: not JSON", rest=False) from None
+    except RecursionError:
+        raise RenderFailed("malformed answer: nested too deeply", rest=False) from None
     return parse_rendered(kind, payload)
 
 
@@ -79,10 +81,22 @@ def _mm_items(features: Any) -> list[MmItem]:
             raise RenderFailed(f"malformed answer: {modality} hashes / placeholders", rest=False)
         for ident, where in zip(idents, ranges, strict=True):
             offset = where.get("offset") if isinstance(where, Mapping) else None
-            if not isinstance(ident, str) or type(offset) is not int or offset < 0:
+            if not _text(ident) or type(offset) is not int or offset < 0:
                 raise RenderFailed(f"malformed answer: a {modality} item", rest=False)
             items.append(MmItem(offset, ident))
     return sorted(items, key=lambda item: item.start)
+
+
+def _text(value: Any) -> bool:
+    """A string that is text (hashed as UTF-8): not one with lone surrogates, which JSON's
+    escapes can spell."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def dumps(body: Mapping[str, Any]) -> bytes:
