@@ -304,6 +304,7 @@ async def test_requests_waiting_on_a_target_stop_when_another_finds_it_failing()
 
     runner, base = await _render_server(flaky)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    other = {"model": "m", "messages": [{"role": "user", "content": "ho"}]}  # not shared
     proc = PromptProcessor("m", B)
     try:
         async with aiohttp.ClientSession() as session:
@@ -312,7 +313,7 @@ async def test_requests_waiting_on_a_target_stop_when_another_finds_it_failing()
             r, counter = _renderer(session, base, timeout=600)
             hung = asyncio.ensure_future(r.prompt("m", "chat", body, proc))
             await eventually(lambda: len(calls) == 1)
-            assert await r.prompt("m", "chat", body, proc) is None  # a 503: the target rests
+            assert await r.prompt("m", "chat", other, proc) is None  # a 503: the target rests
             assert await asyncio.wait_for(hung, 30) is None
             assert len(calls) == 2
             assert await r.prompt("m", "chat", body, proc) is None  # resting: not asked
@@ -430,3 +431,32 @@ async def test_an_answer_nested_too_deep_or_not_text_moves_on() -> None:
         await runner.cleanup()
     assert len(calls) == 2
     assert counter.labels("m", "fallback").value == 2
+
+
+async def test_identical_requests_rendering_at_once_share_one_render() -> None:
+    """Parallel sampling sent as separate requests arrives at once, before the body memo
+    holds the first: one render answers them all; another body renders on its own."""
+    import aiohttp
+
+    calls: list[bytes] = []
+
+    async def render(request: web.Request) -> web.Response:
+        calls.append(await request.read())
+        return web.json_response({"token_ids": list(range(1, 40))})
+
+    runner, base = await _render_server(render)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    other = {"model": "m", "messages": [{"role": "user", "content": "ho"}]}
+    proc = PromptProcessor("m", B)
+    try:
+        async with aiohttp.ClientSession() as session:
+            r, counter = _renderer(session, base)
+            got = await asyncio.gather(
+                *(r.prompt("m", "chat", dict(chat), proc) for _ in range(5)),
+                r.prompt("m", "chat", other, proc),
+            )
+    finally:
+        await runner.cleanup()
+    assert all(p is not None and p.prompt_tokens == 39 for p in got)
+    assert len(calls) == 2
+    assert counter.labels("m", "ok").value == 6

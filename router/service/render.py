@@ -8,7 +8,8 @@ engine gives hashes no replica holds. With ``render = "engine"`` on a model the 
 an engine how it will run each request: ``POST /v1/chat/completions/render`` (or
 ``/v1/completions/render``, ``/v1/messages/render`` for the Anthropic Messages API,
 ``/v1/responses/render`` for the OpenAI Responses API) with
-the request's body plus ``"return_mm_kwargs": false``, and
+the request's body plus ``"return_mm_kwargs": false`` (identical bodies rendering at once
+share one render), and
 hashes the ``token_ids`` it answers, keying blocks with the ``features`` (multimodal item
 hashes and placeholder offsets) as the engine keys them. Those ids are final: the engine
 already applied the template, ``truncate_prompt_tokens`` and special tokens.
@@ -123,6 +124,8 @@ class EngineRenderer:
         self._cursor: dict[str, int] = {}
         self._logged: dict[tuple[str, str], float] = {}
         self._state: dict[str, _Target] = {}
+        # renders under way, by (model, kind, request payload)
+        self._rendering: dict[tuple[str, str, bytes], asyncio.Future[ProcessedPrompt | None]] = {}
 
     def serves(self, model: str) -> bool:
         return model in self._models
@@ -159,6 +162,45 @@ class EngineRenderer:
             payload = await asyncio.get_running_loop().run_in_executor(None, dumps, request)
         else:
             payload = dumps(request)
+        # identical bodies rendering at once (parallel sampling sent as separate requests,
+        # before the body memo holds the first) share one render
+        key = (model, kind, payload)
+        shared = self._rendering.get(key)
+        if shared is None:
+            shared = asyncio.ensure_future(
+                self._render(model, kind, body, processor, order, payload)
+            )
+            self._rendering[key] = shared
+            shared.add_done_callback(partial(self._rendered, key))
+        try:
+            prompt = await asyncio.shield(shared)  # one client leaving stops no other's
+        except BadRequest:
+            self._counter.labels(model, "refused").inc()
+            raise
+        if prompt is None:
+            self._fallback(model, "failed", "no render target answered")
+            return None
+        self._counter.labels(model, "ok").inc()
+        return prompt
+
+    def _rendered(self, key: tuple[str, str, bytes], done: asyncio.Future[Any]) -> None:
+        if self._rendering.get(key) is done:
+            del self._rendering[key]
+        if not done.cancelled():
+            done.exception()  # (retrieved: its waiters may all have left)
+
+    async def _render(
+        self,
+        model: str,
+        kind: str,
+        body: Mapping[str, Any],
+        processor: PromptProcessor,
+        order: list[str],
+        payload: bytes,
+    ) -> ProcessedPrompt | None:
+        """:meth:`prompt`'s render: the first usable answer of at most ``_MAX_ATTEMPTS`` of
+        ``order``; None when none answered usably."""
+        settings = self._models[model]
         headers = {"Content-Type": "application/json"}
         if settings.render_api_key:
             headers["Authorization"] = f"Bearer {settings.render_api_key}"
@@ -178,14 +220,9 @@ class EngineRenderer:
                     self._rest(target, self._clock())
                 self._log(model, base, str(exc))
                 continue
-            except BadRequest:
-                self._counter.labels(model, "refused").inc()
-                raise
             if started >= target.rested_at:  # not a late answer from before a failure
                 target.resting_until = 0.0
-            self._counter.labels(model, "ok").inc()
             return prompt
-        self._fallback(model, "failed", "no render target answered")
         return None
 
     def _target(self, base: str, now: float) -> _Target:
