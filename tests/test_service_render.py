@@ -460,3 +460,29 @@ async def test_identical_requests_rendering_at_once_share_one_render() -> None:
     assert all(p is not None and p.prompt_tokens == 39 for p in got)
     assert len(calls) == 2
     assert counter.labels("m", "ok").value == 6
+
+
+async def test_a_target_refusing_the_routers_credentials_rests() -> None:
+    """A 401 / 403 is the target's setup (``render_api_key`` missing or wrong), the same
+    for every request: the target rests as a failing one does, and later requests fall
+    back at once instead of paying the round trip each."""
+    import aiohttp
+
+    calls: list[str | None] = []
+
+    async def render(request: web.Request) -> web.Response:
+        calls.append(request.headers.get("Authorization"))
+        return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
+
+    runner, base = await _render_server(render)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    proc = PromptProcessor("m", B)
+    try:
+        async with aiohttp.ClientSession() as session:
+            r, counter = _renderer(session, base)
+            assert await r.prompt("m", "chat", chat, proc) is None
+            assert await r.prompt("m", "chat", chat, proc) is None  # resting: not asked
+    finally:
+        await runner.cleanup()
+    assert calls == [None]
+    assert counter.labels("m", "fallback").value == 2

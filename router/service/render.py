@@ -18,8 +18,9 @@ Where: ``render_url`` when set (a render-only vLLM, say), else the model's healt
 replicas in turn (every vLLM API server serves the render routes). A request the engine
 refuses (400, 422) is refused with the engine's message: the replica would refuse it too.
 Anything else is tried once more on another target. A target that is failing itself (no
-answer within ``render_timeout_s``, a 5xx, a 404 of a missing route) rests for
-``COOLDOWN_S``: the requests waiting on it stop waiting, later ones skip it. A 404 for the
+answer within ``render_timeout_s``, a 5xx, a 404 of a missing route, a 401 / 403 of
+credentials it does not take: ``render_api_key``) rests for ``COOLDOWN_S``: the requests
+waiting on it stop waiting, later ones skip it. A 404 for the
 model (the target serves it under another name) or an unreadable answer only moves on. With
 no target left, or for a body the render endpoints refuse though the replica serves it
 (beam search, prompt embeddings), the router's own processing stands in (counted in
@@ -67,6 +68,8 @@ PATHS = {
 }
 # the engine judged the request itself: its answer stands
 _REFUSED = frozenset({400, 422})
+# the router's credentials (``render_api_key``) refused
+_UNAUTHORIZED = frozenset({401, 403})
 _MAX_ATTEMPTS = 2
 # answers (a long prompt's ids) and request bodies this large are (de)coded off the loop
 THREAD_MIN_BYTES = 256 * 1024
@@ -288,6 +291,9 @@ class EngineRenderer:
         if status == 404 and is_unknown_model(raw):
             message = f"{url}: does not serve the model ({error_message(status, raw)})"
             raise RenderFailed(message, rest=False)
+        if status in _UNAUTHORIZED:  # the same for every request: the target rests
+            message = f"{url}: HTTP {status}: {error_message(status, raw)} (render_api_key?)"
+            raise RenderFailed(message, rest=True)
         if status != 200:
             message = f"{url}: HTTP {status}: {error_message(status, raw)}"
             raise RenderFailed(message, rest=status >= 500 or status == 404)
