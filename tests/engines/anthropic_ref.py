@@ -37,6 +37,7 @@ FILES = (
     ("vllm.renderers.params", "vllm_0_34_0_renderer_params.py"),
     ("vllm.entrypoints.generate.base.protocol", "vllm_0_34_0_generate_protocol.py"),
     ("vllm.entrypoints.openai.chat_completion.protocol", "vllm_0_34_0_chat_completion_protocol.py"),
+    ("vllm.entrypoints.openai.completion.protocol", "vllm_0_34_0_completion_protocol.py"),
     ("vllm.entrypoints.anthropic.protocol", "vllm_0_34_0_anthropic_protocol.py"),
     ("vllm.entrypoints.anthropic.serving", "vllm_0_34_0_anthropic_serving.py"),
 )
@@ -104,6 +105,7 @@ def _names() -> dict[str, dict[str, Any]]:
         "vllm.envs": {"VLLM_MAX_STOP_STRINGS": 4},  # its default
         "vllm.logger": {"init_logger": _init_logger},
         "vllm.utils": {"random_uuid": lambda: "0" * 32},
+        "vllm.utils.collection_utils": {},
         "vllm.config": {},
         "vllm.config.utils": {},
         "vllm.exceptions": {"VLLMValidationError": type("VLLMValidationError", (ValueError,), {})},
@@ -124,6 +126,7 @@ def _names() -> dict[str, dict[str, Any]]:
         "vllm.entrypoints.openai.chat_completion.serving": {
             "OpenAIServingChat": _OpenAIServingChat
         },
+        "vllm.entrypoints.openai.completion": {},
         "vllm.entrypoints.openai.models": {},
         "vllm.entrypoints.openai.models.serving": {},
         "vllm.entrypoints.serve": {},
