@@ -105,7 +105,7 @@ async def test_bad_requests_metrics_and_health(start_mock: Callable) -> None:
     mock = await start_mock()
     with pytest.raises(openai.BadRequestError):
         await mock.client.completions.create(model="m", prompt=[], max_tokens=1)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):  # vLLM's 404 for a model not served
         await mock.client.completions.create(model="other", prompt=[1, 2], max_tokens=1)
     with pytest.raises(openai.BadRequestError):
         await mock.client.chat.completions.create(model="m", messages=[], max_tokens=1)

@@ -32,7 +32,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def _bad(message: str) -> web.Response:
     return web.json_response(
-        {"error": {"message": message, "type": "invalid_request_error", "code": 400}},
+        {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}},
         status=400,
     )
 
@@ -113,7 +113,15 @@ def handlers(tokenizer_of: Callable[[web.Request], Any], max_model_len: int) -> 
         tokenizer = tokenizer_of(request)
         body = await _body(request)
         ids = tokenizer.chat(body) if "messages" in body else tokenizer.completion(body)
-        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+        strs = None
+        if body.get("return_token_strs"):  # vLLM's TokenizeResponse.token_strs
+            strs = [tokenizer.decode([t]) for t in ids]
+        return {
+            "count": len(ids),
+            "max_model_len": max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
 
     async def detokenize(request: web.Request) -> Any:
         body = await _body(request)

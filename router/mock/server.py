@@ -2,17 +2,19 @@
 
 ``create_app(settings)`` builds the aiohttp application; its ``cleanup_ctx`` starts the
 engine driver and the KV-event publisher (vLLM wire format over ZMQ). Endpoints:
-``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not, ``usage`` with
-``prompt_tokens_details.cached_tokens``, ``stream_options.include_usage``; for a hybrid
-profile ``prompt_tokens_details.kv_hit_tokens`` too, a mock-only field: the KV-only hit
-before the hybrid-state rule), ``GET /metrics`` (vLLM gauge names), ``GET /health``,
-``GET /v1/models``, the Anthropic Messages API: ``POST /v1/messages`` (streaming or not, in
-vLLM's format: router/mock/anthropic.py) and ``/v1/messages/count_tokens``, the OpenAI
-Responses API: ``POST /v1/responses`` (streaming or not), ``GET /v1/responses/{id}`` and
-``POST /v1/responses/{id}/cancel`` (router/mock/responses.py), and vLLM's
-prompt preparation: ``POST /tokenize``, ``/detokenize``, ``/v1/chat/completions/render``,
-``/v1/completions/render``, ``/v1/messages/render``, ``/v1/responses/render``
-(router/mock/preprocess.py),
+``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not, every field of
+vLLM 0.34's answers, ``usage`` with ``prompt_tokens_details.cached_tokens``,
+``stream_options.include_usage`` and ``continuous_usage_stats``, the filler's logprobs when
+asked, vLLM's error types and statuses; for a hybrid profile
+``prompt_tokens_details.kv_hit_tokens`` too, a mock-only field: the KV-only hit before the
+hybrid-state rule), ``GET /metrics`` (vLLM gauge names), ``GET /health`` and ``/ping``,
+``GET /version``, ``GET /v1/models`` (with ``max_model_len``), the Anthropic Messages API:
+``POST /v1/messages`` (streaming or not, in vLLM's format: router/mock/anthropic.py) and
+``/v1/messages/count_tokens``, the OpenAI Responses API: ``POST /v1/responses`` (streaming
+or not), ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``
+(router/mock/responses.py), and vLLM's prompt preparation: ``POST /tokenize``,
+``/detokenize``, ``/v1/chat/completions/render``, ``/v1/completions/render``,
+``/v1/messages/render``, ``/v1/responses/render`` (router/mock/preprocess.py),
 and ``GET`` / ``POST /admin/fault``: the fault mode (router/mock/faults.py).
 Bodies up to ``max_body_mb`` (vLLM itself has no cap).
 
@@ -64,6 +66,8 @@ from router.tokenize.request_fields import asks_prompt_logprobs, sampled_sequenc
 
 log = logging.getLogger(__name__)
 
+VLLM_VERSION = "0.34.0"  # the release whose HTTP surface the mock serves
+
 
 @dataclass(slots=True, frozen=True)
 class MockSettings:
@@ -85,7 +89,8 @@ class MockSettings:
     bpe_file: str | None = None
     default_max_tokens: int = 16
     max_tokens_limit: int = 65536
-    max_model_len: int = 1_048_576  # /tokenize's max_model_len; longer prompts are refused
+    # the context length (/v1/models, /tokenize): longer prompts, or more output, are refused
+    max_model_len: int = 1_048_576
     max_body_mb: float = 1024.0  # vLLM has no body cap; aiohttp's default is 1 MiB
     time_scale: float = 1.0  # wall seconds per modelled second (router.mock.driver)
     rack: str = ""  # where it runs: times the KV pulls of disaggregated requests
@@ -129,26 +134,71 @@ class MockState:
 STATE = web.AppKey("mock_state", MockState)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+# vLLM's ``create_error_response`` types by status (serve/exception_handling)
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+
+
+class ModelNotServed(BadRequest):
+    """A ``model`` the replica does not serve (vLLM: 404 ``NotFoundError``)."""
+
+
+def _error(
+    status: int, message: str, kind: str | None = None, param: str | None = None
+) -> web.Response:
+    """vLLM's ``ErrorResponse`` body: ``type`` as vLLM names it for ``status``."""
+    kind = kind or _ERROR_TYPES.get(status, "BadRequestError")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return web.json_response(body, status=status)
 
 
-def _max_tokens(body: Mapping[str, Any], settings: MockSettings) -> int:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
+def _max_tokens(body: Mapping[str, Any], settings: MockSettings, kind: str, prompt: int) -> int:
+    """The output budget: chat's ``max_completion_tokens`` else ``max_tokens`` (vLLM's
+    order; completions have only ``max_tokens``), the Responses API's
+    ``max_output_tokens``; at most what the context leaves (vLLM's ``get_max_tokens``)."""
+    value = body.get("max_completion_tokens") if kind == "chat" else None
+    if value is None:
+        value = body.get("max_tokens")
     if value is None:
         value = body.get("max_output_tokens")  # the Responses API's
     if value is None:
-        return settings.default_max_tokens
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        value = settings.default_max_tokens
+    elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise BadRequest("'max_tokens' must be a positive integer")
-    if value > settings.max_tokens_limit:
+    elif value > settings.max_tokens_limit:
         raise BadRequest(f"'max_tokens' must be at most {settings.max_tokens_limit}")
-    return value
+    return max(1, min(value, settings.max_model_len - prompt))
 
 
 def _word(i: int) -> str:
     return f" tok{i % 1000}"
+
+
+def _asks_logprobs(body: Mapping[str, Any], chat: bool) -> bool:
+    """Sampled-token logprobs asked: chat's ``logprobs: true``, completions' ``logprobs: k``."""
+    value = body.get("logprobs")
+    return value is True if chat else isinstance(value, int) and not isinstance(value, bool)
+
+
+def _logprobs(words: list[str], chat: bool, offset: int = 0) -> dict[str, Any]:
+    """vLLM's logprobs of the filler tokens ``words`` (the text from ``offset`` on, for
+    completions' ``text_offset``): each was certain (logprob 0.0), so it is its own top
+    logprob, the only one the filler can give."""
+    if chat:
+        content = []
+        for w in words:
+            entry = {"token": w, "logprob": 0.0, "bytes": list(w.encode())}
+            content.append({**entry, "top_logprobs": [entry]})
+        return {"content": content}
+    offsets = []
+    for w in words:
+        offsets.append(offset)
+        offset += len(w)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [0.0] * len(words),
+        "tokens": list(words),
+        "top_logprobs": [{w: 0.0} for w in words],
+    }
 
 
 class _Collector:
@@ -225,17 +275,32 @@ async def _prepare(request: web.Request, kind: str) -> tuple[MockState, dict[str
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != state.settings.model:
-        raise BadRequest(f"model {model!r} is not served here ({state.settings.model!r} is)")
+    if model and model != state.settings.model:  # vLLM's words (_check_model)
+        raise ModelNotServed(
+            f"The model `{model}` does not exist. Valid aliases: {state.settings.model}."
+        )
     if kind in ("chat", "completion") and sampled_sequences(body, kind) > 1:
         # a refusal, never one choice where n were asked
         raise BadRequest("the mock replica samples one sequence a request: 'n' must be 1")
+    prompt = body.get("prompt") if kind == "completion" else None
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], list | str):
+        # vLLM answers a choice per prompt; never one choice for the first alone
+        raise BadRequest(
+            f"the mock replica serves one prompt a request: 'prompt' is a batch of {len(prompt)}"
+        )
     try:
         tokens = tokens_of(state.tokenizer, kind, body, state.responses)
     except UnicodeEncodeError:  # a lone surrogate (``"\ud800"``): no text to tokenize
         raise BadRequest("the prompt is not valid Unicode text (a lone surrogate)") from None
     if not tokens:
         raise BadRequest("the prompt is empty")
+    limit = state.settings.max_model_len
+    if len(tokens) > limit:  # vLLM's words (TokenizeParams._token_len_check)
+        raise BadRequest(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains {len(tokens)} input tokens, which exceeds this limit even without any "
+            "output tokens. Please reduce the length of the input prompt."
+        )
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         # vLLM's words (protocol.py, check_cache_salt_support)
@@ -251,7 +316,7 @@ async def _prepare(request: web.Request, kind: str) -> tuple[MockState, dict[str
         request_id=f"{prefix}{uuid.uuid4().hex[:20]}",
         block_hashes=hashes.hashes,
         prompt_tokens=len(tokens),
-        max_output_tokens=_max_tokens(body, state.settings),
+        max_output_tokens=_max_tokens(body, state.settings, kind, len(tokens)),
         reads_cache=not asks_prompt_logprobs(body, kind),
     )
     return state, body, req
@@ -275,15 +340,31 @@ async def _outputs(state: MockState, req: Any) -> AsyncIterator[Any]:
             state.driver.cancel(req.request_id)
 
 
-def _usage(prompt: int, cached: int, completion: int, kv_hit: int | None) -> dict[str, Any]:
-    details: dict[str, int] = {"cached_tokens": cached}
+def _usage(
+    prompt: int, cached: int, completion: int, kv_hit: int | None, created: int | None = None
+) -> dict[str, Any]:
+    """vLLM's ``UsageInfo`` as it dumps it (``--enable-prompt-tokens-details``): ``created``
+    is chat's ``created_cache_tokens`` (None on completions, as vLLM leaves it)."""
+    details: dict[str, Any] = {
+        "cached_tokens": cached,
+        "created_cache_tokens": created,
+        "multimodal_tokens": None,
+    }
     if kv_hit is not None:
         details["kv_hit_tokens"] = kv_hit
     return {
         "prompt_tokens": prompt,
-        "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "completion_tokens": completion,
         "prompt_tokens_details": details,
+        "completion_tokens_details": None,
+    }
+
+
+def _without_nulls(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` as vLLM's ``exclude_none`` dumps it (its final usage chunk)."""
+    return {
+        k: _without_nulls(v) if isinstance(v, dict) else v for k, v in obj.items() if v is not None
     }
 
 
@@ -303,8 +384,13 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         opts = {} if messages or responses else body.get("stream_options") or {}
         if not isinstance(stream, bool) or not isinstance(opts, dict):
             raise BadRequest("'stream' must be a boolean and 'stream_options' an object")
+        if opts and not stream:  # vLLM's words (validate_stream_options)
+            raise BadRequest("Stream options can only be defined when `stream=True`.")
     except resp.UnknownResponse as exc:
         return resp.not_found(str(exc))
+    except ModelNotServed as exc:
+        request.app[STATE].counters.bad_requests += 1
+        return fail(404, str(exc)) if messages else _error(404, str(exc), param="model")
     except BadRequest as exc:
         request.app[STATE].counters.bad_requests += 1
         return fail(400, str(exc))
@@ -321,21 +407,54 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     finish_reason = "length"
     response: web.StreamResponse | None = None
 
-    def chunk(text: str | None, finish: str | None, first: bool = False) -> bytes:
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far
+    continuous = bool(opts.get("include_usage") and opts.get("continuous_usage_stats"))
+
+    with_logprobs = not (messages or responses) and _asks_logprobs(body, chat)
+    streamed = [0]  # completions' text offset so far, for the logprobs' text_offset
+
+    def chunk(toks: list[str] | None, finish: str | None, first: bool = False) -> bytes:
+        text = None if toks is None else "".join(toks)
+        logprobs = None
+        if with_logprobs and toks:
+            logprobs = _logprobs(toks, chat, streamed[0])
+            streamed[0] += len(text or "")
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
+            if finish is not None:
+                choice["stop_reason"] = None
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        obj = {
+            choice = {
+                "index": 0,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": finish,
+                "stop_reason": None,
+            }
+        obj: dict[str, Any] = {
             "id": req.request_id,
             "object": f"{object_type}.chunk" if chat else object_type,
             "created": created,
             "model": model,
             "choices": [choice],
         }
+        if continuous:
+            used: dict[str, Any] = {
+                "prompt_tokens": req.prompt_tokens,
+                "completion_tokens": produced,
+                "total_tokens": req.prompt_tokens + produced,
+            }
+            if chat and first:  # vLLM: the first chunk's usage has the prompt's split
+                used["prompt_tokens_details"] = {"cached_tokens": cached}
+            obj["usage"] = used
         return f"data: {json.dumps(obj)}\n\n".encode()
 
     words: list[str] = []
@@ -373,7 +492,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                     await response.write(writer.start(created_obj) + writer.delta(_word(0)))
                     words.append(_word(0))
                 elif response is not None:
-                    await response.write(chunk(_word(0), None, first=True))
+                    await response.write(chunk([_word(0)], None, first=True))
                 else:
                     words.append(_word(0))
             elif name == "TokensEmitted":
@@ -383,9 +502,8 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                     await response.write(writer.delta("".join(new)))
                     words.extend(new)
                 elif response is not None:
-                    text = "".join(new)
                     await response.write(
-                        anthropic.text_event(text) if messages else chunk(text, None)
+                        anthropic.text_event("".join(new)) if messages else chunk(new, None)
                     )
                 else:
                     words.extend(new)
@@ -408,7 +526,11 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     state.latency.observe(first_at - arrived, finished_at - arrived, queued_s, produced)
     c.model_ttft_s += model_ttft_s
     hybrid = state.driver.model.hybrid
-    usage = _usage(req.prompt_tokens, cached, produced, kv_hit if hybrid else None)
+    ebs = state.settings.engine_block_size
+    # chat's created_cache_tokens: the prompt's full engine blocks it computed (vLLM's
+    # PrefillStats.num_cache_creation_tokens)
+    made = max(0, req.prompt_tokens // ebs * ebs - cached) if chat else None
+    usage = _usage(req.prompt_tokens, cached, produced, kv_hit if hybrid else None, made)
     if responses:
         status = "incomplete" if finish_reason == "length" else "completed"
         used = resp.usage(req.prompt_tokens, cached, produced)
@@ -433,7 +555,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             anthropic.answer(req.request_id, model, text, finish_reason, final)
         )
     if response is not None:
-        await response.write(chunk(None if chat else "", finish_reason))
+        await response.write(chunk(None if chat else [], finish_reason))
         if opts.get("include_usage"):
             obj = {
                 "id": req.request_id,
@@ -441,7 +563,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                 "created": created,
                 "model": model,
                 "choices": [],
-                "usage": usage,
+                "usage": _without_nulls(usage),
             }
             await response.write(f"data: {json.dumps(obj)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
@@ -466,14 +588,34 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             cached,
             kv_hit,
         )
+    # every field of vLLM's ChatCompletionResponse / CompletionResponse as it dumps them
     if chat:
+        message = {"role": "assistant", "content": text, "refusal": None, "audio": None}
+        message |= {"function_call": None, "reasoning": None}
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
+            "logprobs": _logprobs(words, chat) if with_logprobs else None,
             "finish_reason": finish_reason,
+            "stop_reason": None,
+            "token_ids": None,
+            "routed_experts": None,
+            "weight_versions": None,
         }
+        extra = {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None} | extra
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": _logprobs(words, chat) if with_logprobs else None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "token_ids": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
+            "weight_versions": None,
+        }
     return web.json_response(
         {
             "id": req.request_id,
@@ -481,7 +623,12 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             "created": created,
             "model": model,
             "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
             "usage": usage,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
             **extra,
         }
     )
@@ -539,7 +686,9 @@ async def cancel_response(request: web.Request) -> web.StreamResponse:
     response_id = request.match_info["response_id"]
     if request.app[STATE].responses.get(response_id) is None:
         return resp.not_found(response_id)
-    return _error(400, "Cannot cancel a synchronous response.")
+    return _error(
+        400, "Cannot cancel a synchronous response.", "invalid_request_error", "response_id"
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -552,14 +701,40 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
+async def version(request: web.Request) -> web.Response:
+    """vLLM's ``GET /version``: the vLLM release the mock answers as."""
+    return web.json_response({"version": VLLM_VERSION})
+
+
 async def models(request: web.Request) -> web.Response:
+    """vLLM's ``ModelList``: one ``ModelCard`` with ``max_model_len`` and a permission."""
     s = request.app[STATE].settings
-    return web.json_response(
-        {
-            "object": "list",
-            "data": [{"id": s.model, "object": "model", "owned_by": "kvrouter-mock"}],
-        }
-    )
+    now = int(time.time())
+    permission = {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": now,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    card = {
+        "id": s.model,
+        "object": "model",
+        "created": now,
+        "owned_by": "kvrouter-mock",
+        "root": s.model,
+        "parent": None,
+        "max_model_len": s.max_model_len,
+        "permission": [permission],
+    }
+    return web.json_response({"object": "list", "data": [card]})
 
 
 def _tokenizer(settings: MockSettings) -> MockTokenizer:
@@ -664,6 +839,9 @@ def create_app(settings: MockSettings) -> web.Application:
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)  # vLLM's (SageMaker's) ping: /health's answer
+    app.router.add_post("/ping", health)
+    app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)
     app.router.add_get(SOURCES_PATH, kv_event_sources)
     prep = handlers(lambda request: request.app[STATE].tokenizer, settings.max_model_len)
