@@ -26,13 +26,13 @@ from router.core.types import ReplicaKey
 class StallLedger:
     """Prefill clocks and TPOT allowances per replica (module docstring)."""
 
-    __slots__ = ("_allowance", "_clock", "_heaps", "_where")
+    __slots__ = ("_clock", "_heaps", "_where")
 
     def __init__(self) -> None:
         self._clock: dict[ReplicaKey, float] = {}
         self._heaps: dict[ReplicaKey, list[tuple[float, int, Hashable]]] = {}
-        self._where: dict[Hashable, tuple[ReplicaKey, float]] = {}
-        self._allowance: dict[Hashable, float] = {}  # of each tracked request, for ``move``
+        # each tracked request: its replica, its limit there and its allowance (for ``move``)
+        self._where: dict[Hashable, tuple[ReplicaKey, float, float]] = {}
 
     def __len__(self) -> int:
         """Requests whose allowance is tracked."""
@@ -48,13 +48,17 @@ class StallLedger:
         heap = self._heaps.get(replica)
         if not heap:
             return math.inf
-        where = self._where
         while heap:
             limit, _, key = heap[0]
-            if where.get(key) == (replica, limit):
+            if self._holds(key, replica, limit):
                 return limit - self._clock.get(replica, 0.0)
             heapq.heappop(heap)  # finished, or moved: a stale entry
         return math.inf
+
+    def _holds(self, key: Hashable, replica: ReplicaKey, limit: float) -> bool:
+        """Whether the heap entry ``(limit, key)`` of ``replica`` is ``key``'s current one."""
+        where = self._where.get(key)
+        return where is not None and where[0] == replica and where[1] == limit
 
     def add(self, key: Hashable, replica: ReplicaKey, prefill_s: float, allowance_s: float) -> None:
         """Request ``key`` was dispatched to ``replica`` with ``prefill_s`` of prefill and may
@@ -63,16 +67,13 @@ class StallLedger:
         self._clock[replica] = clock
         if not math.isfinite(allowance_s):
             self._where.pop(key, None)
-            self._allowance.pop(key, None)
             return
         limit = clock + max(allowance_s, 0.0)
-        self._where[key] = (replica, limit)
-        self._allowance[key] = allowance_s
+        self._where[key] = (replica, limit, allowance_s)
         heap = self._heaps.setdefault(replica, [])
         heapq.heappush(heap, (limit, id(key), key))
         if len(heap) > 64 and len(heap) > 4 * len(self._where):  # stale entries: compact
-            where = self._where
-            live = [e for e in heap if where.get(e[2]) == (replica, e[0])]
+            live = [e for e in heap if self._holds(e[2], replica, e[0])]
             heapq.heapify(live)
             self._heaps[replica] = live
 
@@ -80,20 +81,17 @@ class StallLedger:
         """Tracked request ``key`` is retried on ``replica`` with ``prefill_s`` of prefill:
         its allowance protects it there, no longer on the replica it left (whose clock keeps
         its prefill: some of it may have run). Untracked keys are ignored."""
-        allowance = self._allowance.get(key)
         where = self._where.get(key)
-        if allowance is not None and where is not None and where[0] != replica:
-            self.add(key, replica, prefill_s, allowance)
+        if where is not None and where[0] != replica:
+            self.add(key, replica, prefill_s, where[2])
 
     def remove(self, key: Hashable) -> None:
         """Request ``key`` finished, failed or was cancelled (unknown keys are ignored)."""
         self._where.pop(key, None)
-        self._allowance.pop(key, None)
 
     def forget(self, replica: ReplicaKey) -> None:
         """``replica`` left the fleet."""
         self._clock.pop(replica, None)
         self._heaps.pop(replica, None)
-        for key in [k for k, (r, _) in self._where.items() if r == replica]:
+        for key in [k for k, where in self._where.items() if where[0] == replica]:
             del self._where[key]
-            self._allowance.pop(key, None)

@@ -45,7 +45,7 @@ from router.service.proxy import Forwarder
 from router.service.registry import ReplicaRegistry
 from router.service.replica_url import ReplicaUrl
 from router.service.settings import ModelSettings
-from router.service.state import Routed, RouterState
+from router.service.state import Routed, RouterState, route_request
 from router.service.stream_usage import with_patch
 from router.service.upstream_errors import ConnectFailed, UpstreamError, UpstreamTimeout
 from router.service.wire import Sink, request_head, send_error
@@ -164,17 +164,7 @@ def route(
     cannot carry it: :func:`keep_local`). Raises KVRouterError like ``RouterState.route``."""
     engine = state.engines[model]
     state.fleet.restore_health(now)
-    request = RouteRequest(
-        request_id,
-        model,
-        max(prompt.prompt_tokens, 1),
-        prompt.block_hashes,
-        prompt.block_size,
-        session_id,
-        max_output_tokens,
-        samples=prompt.samples,
-        prompts=prompt.prompts,
-    )
+    request = route_request(model, prompt, request_id, session_id, max_output_tokens)
     keys = state.registry.keys_for(model)
     plan = md.pd.plan(engine, request, keys, now, state.rng, keep_local=keep_local)
     md.count(md.decisions, plan.reason)
@@ -380,9 +370,8 @@ async def serve(
         extra = [(k.encode(), v.encode()) for k, v in reply.headers]  # Retry-After
         await send_error(sink, reply.status, reply.message, code=reply.code, headers=extra)
         return
-    approximate_ttl, exact_ttl = state.speculative_ttl[model]
     exact = flow.routed.prompt.exact
-    ttl = exact_ttl if exact else approximate_ttl
+    ttl = state.ttl_for(model, exact)
     if params is None:
         md.count(md.fallbacks, cause)
         # prefilled where it is decoded: recorded as a local request is (its load with its

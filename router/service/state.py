@@ -76,6 +76,29 @@ class Pending(NamedTuple):
     lookup_s: float
 
 
+def route_request(
+    model: str,
+    prompt: ProcessedPrompt,
+    request_id: str,
+    session_id: str | None,
+    max_output_tokens: int | None,
+) -> RouteRequest:
+    """What the policies know of a request whose prompt was processed into ``prompt``: the
+    one builder for every front end's routing (local and disaggregated)."""
+    return RouteRequest(
+        request_id=request_id,
+        model=model,
+        prompt_tokens=max(prompt.prompt_tokens, 1),
+        block_hashes=prompt.block_hashes,
+        block_size=prompt.block_size,
+        session_id=session_id,
+        max_output_tokens=max_output_tokens,
+        reads_cache=prompt.reads_cache,
+        samples=prompt.samples,
+        prompts=prompt.prompts,
+    )
+
+
 class RouterState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -225,18 +248,7 @@ class RouterState:
         recorded (admission judges it before :meth:`commit`)."""
         engine = self.engines[model]
         self.fleet.restore_health(now)
-        request = RouteRequest(
-            request_id=request_id,
-            model=model,
-            prompt_tokens=max(prompt.prompt_tokens, 1),
-            block_hashes=prompt.block_hashes,
-            block_size=prompt.block_size,
-            session_id=session_id,
-            max_output_tokens=max_output_tokens,
-            reads_cache=prompt.reads_cache,
-            samples=prompt.samples,
-            prompts=prompt.prompts,
-        )
+        request = route_request(model, prompt, request_id, session_id, max_output_tokens)
         t0 = time.perf_counter()
         keys = self.registry.keys_for(model) if replicas is None else replicas
         candidates = engine.candidates(request, keys, now)
@@ -256,8 +268,7 @@ class RouterState:
         t1 = time.perf_counter()
         decision = engine.choose(request, candidates, now, self.rng)
         t2 = time.perf_counter()
-        approximate_ttl, exact_ttl = self.speculative_ttl[request.model]
-        ttl = exact_ttl if prompt.exact else approximate_ttl
+        ttl = self.ttl_for(request.model, prompt.exact)
         exact = prompt.exact
         engine.dispatched(request, decision, now, ttl, class_weight=class_weight, exact=exact)
         best = engine.best_usable_tokens(request, candidates)
@@ -275,6 +286,12 @@ class RouterState:
         )
         return routed
 
+    def ttl_for(self, model: str, exact: bool) -> float:
+        """How long a dispatched prompt of ``model`` is speculated (an ``exact`` one or an
+        approximate one: see :meth:`_add_model`)."""
+        approximate, exact_ttl = self.speculative_ttl[model]
+        return exact_ttl if exact else approximate
+
     def retried(self, routed: Routed, key: ReplicaKey, now: float) -> None:
         """``routed``'s request is retried on ``key`` (router/service/proxy.py): recorded
         there as a dispatch is (its load, with its decode weight; speculative entries; its
@@ -283,8 +300,7 @@ class RouterState:
         does its decode-stall allowance when admission tracks it."""
         request, prompt = routed.request, routed.prompt
         decision = routed.decision._replace(replica=key, usable_tokens=0, kv_tokens=0)
-        approximate_ttl, exact_ttl = self.speculative_ttl[request.model]
-        ttl = exact_ttl if prompt.exact else approximate_ttl
+        ttl = self.ttl_for(request.model, prompt.exact)
         self.engines[request.model].dispatched(
             request, decision, now, ttl, class_weight=routed.class_weight, exact=prompt.exact
         )
