@@ -13,6 +13,15 @@ from typing import Any
 import pytest
 
 from router.bench import reliability_bench
+from tests.ports import free_port
+
+
+@pytest.fixture(autouse=True)
+def _test_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's processes listen on the tests' ports (tests/ports.py): a port the kernel
+    picks from its ephemeral range can be taken by an outgoing connection, or by another
+    xdist worker, before the mock replica binds it (seen once: "address already in use")."""
+    monkeypatch.setattr(reliability_bench, "_free_port", free_port)
 
 
 def _bench(capsys: Any, **kw: Any) -> dict[str, Any]:
