@@ -136,9 +136,8 @@ async def _kill_mid_stream(fleet: Fleet) -> dict[str, float]:
         fleet.mock(victim, port=mocks[victim].port)  # type: ignore[attr-defined]
 
         async def healthy() -> bool:
-            # unhealthy marks expire when a request is routed (Fleet.restore_health):
-            # keep a trickle of traffic going, as a live fleet has
-            await one(3000)
+            # no traffic meanwhile: the router's housekeeping readmits it when its
+            # unhealthy cooldown ends (Fleet.restore_health), an idle router included
             return bool((await _replicas(router.url))[victim]["healthy"])
 
         await eventually(healthy)
