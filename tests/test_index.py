@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -317,3 +318,24 @@ def test_speculative_entries_are_bounded_oldest_dropped_first() -> None:
     idx.speculate(C, H[:2], [], now=4.0, ttl=100.0)  # drops B's call (12 queued)
     assert idx.match(H, now=5.0).get(B) is NO_MATCH
     assert idx.match(H, now=5.0).get(C).kv_blocks == 4
+
+
+def test_an_awaited_block_settles_on_its_replicas_store_only(monkeypatch: Any) -> None:
+    """``await_store`` / ``awaits``: per replica and kind, settled by that replica's store
+    of that kind (any tier) and by nothing else; bounded, the oldest forgotten first."""
+    idx = PrefixIndex()
+    assert idx.await_store(A, 7) and idx.await_store(B, 7)
+    assert idx.await_store(A, 8, Kind.STATE)
+    idx.store(C, [7])  # another replica
+    idx.store(A, [8])  # KV, not the awaited checkpoint
+    assert idx.awaits(A, 7) and idx.awaits(B, 7) and idx.awaits(A, 8, Kind.STATE)
+    idx.store(A, [5, 7], tier=Tier.CPU)
+    assert not idx.awaits(A, 7) and idx.awaits(B, 7)
+    idx.store(A, [8], kind=Kind.STATE)
+    assert not idx.awaits(A, 8, Kind.STATE)
+    assert not idx.await_store(A, 8)  # held on the GPU already: nothing to wait for
+    assert not idx.awaits(ReplicaKey("nobody"), 7)
+    monkeypatch.setattr("router.core.index.MAX_AWAITED", 2)
+    for block in (20, 21, 22):
+        idx.await_store(A, block)
+    assert [idx.awaits(A, b) for b in (7, 20, 21, 22)] == [False, False, True, True]

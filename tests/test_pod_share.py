@@ -17,7 +17,14 @@ from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import make_policy
 from router.core.routing import RoutingEngine, RoutingSettings
-from router.core.types import AllCleared, EventBatch, ReplicaKey, RouteRequest
+from router.core.types import (
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    ReplicaKey,
+    RouteRequest,
+)
 from router.service.peer_sum import PeerSum
 from router.service.pod_exchange import ExchangeSettings, PodExchange, encode
 from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare, _pack
@@ -214,6 +221,36 @@ def test_a_shared_entry_never_outlives_the_readers_own_ttl() -> None:
     longer.apply([[MODEL, "r0", 0, huge, _pack((7,)), "", "", 0, "0", 0]], 100.0)
     assert engine.index.match([7], now=699.0).get(KEYS[0]).kv_blocks == 1
     assert engine.index.match([7], now=701.0).get(KEYS[0]).kv_blocks == 0
+
+
+def test_a_shared_session_hint_lapses_when_the_engines_events_come() -> None:
+    """A peer's binding covers the event lag as the pod's own hints do: once the replica's
+    events report the prompt stored, the index alone tells, an eviction since included."""
+    routing = RoutingSettings(block_size=BLOCK, speculative_ttl_s=0.0)
+    sender = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
+    receiver = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
+    for engine in (sender, receiver):
+        for key in KEYS:
+            engine.load.add_replica(key)
+    out = PodShare({MODEL: sender}, lambda m, k: True)
+    out.attach()
+    into = PodShare({MODEL: receiver}, lambda m, k: True)
+    turn1 = tuple(range(1, 19))
+    first = RouteRequest("t1", MODEL, 18 * BLOCK + 5, list(turn1), BLOCK, "s")
+    decision = sender.route(first, KEYS, 0.0, random.Random(1))
+    sender.dispatched(first, decision, 0.0)
+    into.apply(out.outbox.take(0.0), 0.0)
+    second = RouteRequest("t2", MODEL, 24 * BLOCK + 5, [*turn1, *range(50, 56)], BLOCK, "s")
+
+    def credited() -> int:
+        got = receiver.candidates(second, KEYS, 1.0)
+        assert isinstance(got, list)
+        return next(c.match.usable_blocks for c in got if c.replica == decision.replica)
+
+    assert credited() == 18  # the lag: the binding
+    receiver.index.apply(EventBatch(decision.replica, [BlocksStored(turn1)]))
+    receiver.index.apply(EventBatch(decision.replica, [BlocksRemoved(turn1[6:])]))
+    assert credited() == 6  # what the index still holds
 
 
 def test_a_shared_session_hint_credits_only_what_the_engine_will_grant() -> None:

@@ -57,6 +57,9 @@ from router.core.types import (
 )
 
 _TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
+# blocks of each kind awaited from engines at once (PrefixIndex.await_store); beyond it the
+# oldest are forgotten, i.e. no longer awaited
+MAX_AWAITED = 400_000
 _SINK: deque[object] = deque(maxlen=0)
 _consume = _SINK.extend  # exhaust an iterator (C-level loops for bulk events)
 
@@ -117,6 +120,8 @@ class PrefixIndex:
         self._spec_owner: dict[tuple[int, int], dict[int, int]] = {}
         self._spec_heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
         self._spec_ids = itertools.count(1)
+        # per kind: block -> mask of the slots whose engine has yet to report storing it
+        self._awaited: tuple[dict[int, int], dict[int, int]] = ({}, {})
         self._kv_count: list[int] = []
         self._state_count: list[int] = []
         # GPU KV blocks each slot's engine reported removed since the slot was assigned
@@ -295,6 +300,15 @@ class PrefixIndex:
             self._kv_count[slot] += added
         if self._spec_owner:
             self._settle(slot, blocks, kind)
+        awaited = self._awaited[kind]
+        if awaited:
+            bit = 1 << slot
+            for block in awaited.keys() & blocks:
+                mask = awaited[block] & ~bit
+                if mask:
+                    awaited[block] = mask
+                else:
+                    del awaited[block]
 
     def _remove(self, slot: int, hashes: Iterable[int], tier: Tier, kind: Kind) -> None:
         table = self._state if kind is Kind.STATE else self._kv[tier]
@@ -419,6 +433,33 @@ class PrefixIndex:
         if not owner:
             del self._spec_owner[(kind, slot)]
         return dropped
+
+    # ------------------------------------------------------------------ awaited stores
+
+    def await_store(self, key: ReplicaKey, block: int, kind: Kind = Kind.KV) -> bool:
+        """Expect ``key``'s engine to report storing ``block`` (a prompt ending there was just
+        sent to it), unless its GPU cache is already indexed holding it (an engine reports a
+        block once, when it first caches it). Returns whether it is now awaited.
+
+        Why: what the router credits a replica ahead of its events (a session's hint) must
+        lapse once they arrive; from then on the index alone says what is cached there, an
+        eviction included. Bounded by ``MAX_AWAITED`` a kind, oldest forgotten first."""
+        slot = self._slot(key)
+        value = (self._state if kind is Kind.STATE else self._kv[Tier.GPU]).get(block)
+        if value is not None and (value == ~slot or (value >= 0 and value >> slot & 1)):
+            return False
+        awaited = self._awaited[kind]
+        mask = awaited.pop(block, 0)  # re-inserted: the newest
+        awaited[block] = mask | 1 << slot
+        while len(awaited) > MAX_AWAITED:
+            del awaited[next(iter(awaited))]
+        return True
+
+    def awaits(self, key: ReplicaKey, block: int, kind: Kind = Kind.KV) -> bool:
+        """Whether ``key``'s engine has yet to report storing ``block`` since
+        :meth:`await_store` named it (False when it was never awaited, or forgotten)."""
+        slot = self._slot_of.get(key)
+        return slot is not None and bool(self._awaited[kind].get(block, 0) >> slot & 1)
 
     # ------------------------------------------------------------------ maintenance
 

@@ -31,7 +31,14 @@ from router.core.state_layout import (
     effective_layout,
 )
 from router.core.turnover import REUSE_WINDOW_S, CacheTurnover
-from router.core.types import NO_MATCH, Decision, PrefixMatch, ReplicaKey, RouteRequest
+from router.core.types import (
+    NO_MATCH,
+    Decision,
+    Kind,
+    PrefixMatch,
+    ReplicaKey,
+    RouteRequest,
+)
 
 # Candidate lists at least this long are scored as arrays (policies that can): below it,
 # per-replica Python is cheaper than the array path's fixed cost (the crossover
@@ -357,6 +364,33 @@ class RoutingEngine:
             self.learn(hybrid=SOURCE_ENGINE)
         return self._learned_hybrid is not None
 
+    @property
+    def _hint_kind(self) -> Kind:
+        """What an engine reports of a hint's last block: a hybrid model's hint ends on a
+        recurrent-state checkpoint (``EngineHolds.next_hit_blocks``), a KV-only one on KV."""
+        return Kind.STATE if self.layout.hybrid else Kind.KV
+
+    def learn_session(
+        self,
+        digest: int,
+        replica: ReplicaKey,
+        blocks: int,
+        last_hash: int,
+        now: float,
+        expires_at: float,
+    ) -> None:
+        """Another router pod sent a session to ``replica`` (router/service/pod_share.py):
+        remembered as this pod's own hints are (``SessionTable.learn``), settling when the
+        engine's events name its last block (the row does not say whether the prompt was
+        hashed exactly: an approximate one's, which no event names, stays awaited until
+        ``MAX_AWAITED`` later awaits push it out)."""
+        if self.sessions is None:
+            return
+        if blocks:
+            self.index.await_store(replica, last_hash, self._hint_kind)
+        epoch = self.index.cache_epoch(replica)
+        self.sessions.learn(digest, replica, blocks, last_hash, now, expires_at, epoch, True)
+
     def _hint(self, request: RouteRequest, now: float) -> tuple[SessionHint | None, int]:
         """The request's session hint and how many of its blocks the engine grants it there
         (0: none, also when the replica's cache was forgotten since: cleared, or removed and
@@ -366,6 +400,8 @@ class RoutingEngine:
         hint = self.sessions.get(request.session_id, now)
         if hint is None or hint.epoch != self.index.cache_epoch(hint.replica):
             return None, 0
+        if hint.settles and not self.index.awaits(hint.replica, hint.last_hash, self._hint_kind):
+            return hint, 0  # the engine's events came: the index tells what is still held
         covered = hint.covers(request.block_hashes)
         if not covered:
             return hint, 0
@@ -495,8 +531,12 @@ class RoutingEngine:
             self.index.speculate(decision.replica, kv, states, now, ttl)
         if self.sessions is not None and request.session_id:
             reused = request.block_hashes[: held.next_hit_blocks]
+            if exact and reused:  # (first: it gives an unknown replica its slot, its epoch)
+                self.index.await_store(decision.replica, reused[-1], self._hint_kind)
             epoch = self.index.cache_epoch(decision.replica)
-            self.sessions.record(request.session_id, decision.replica, reused, now, epoch)
+            self.sessions.record(
+                request.session_id, decision.replica, reused, now, epoch, settles=exact
+            )
         self.on_dispatch(request, decision.replica, states, now, ttl, held.next_hit_blocks)
 
 

@@ -11,6 +11,12 @@ prefix when the index shows less (and still describes the cache the hint was mad
 ``PrefixIndex.cache_epoch``); the policy still weighs it against load, so a busy or
 failed replica loses the session like any other: a hint, never a pin.
 
+A hint covers the engine's event lag, nothing more: for a prompt hashed as the engines hash
+it, the credit ends when the replica's events report the prompt's last block stored
+(``PrefixIndex.await_store``), and from then on the index alone says what is cached there,
+the blocks the engine has evicted since included. Only approximate prompts, which no event
+names, are credited for the hint's whole life.
+
 Bounded: at most ``max_sessions`` entries (least recently used dropped first), each expiring
 ``ttl_s`` after the session's last request. Pure: the caller passes ``now``.
 
@@ -34,13 +40,16 @@ class SessionHint(NamedTuple):
     """The session's previous request: sent to ``replica`` at ``at`` with ``blocks`` full
     prompt blocks, the last of them hashed ``last_hash``, while the replica's cache was the
     one the prefix index numbers ``epoch`` (``PrefixIndex.cache_epoch``: a hint credits no
-    other)."""
+    other). ``settles``: the engine's events will name that last block (the prompt was
+    hashed as the engines hash it), and once they have the hint credits nothing more
+    (``PrefixIndex.await_store``)."""
 
     replica: ReplicaKey
     blocks: int
     last_hash: int
     at: float
     epoch: int = 0
+    settles: bool = False
 
     def covers(self, block_hashes: Sequence[int]) -> int:
         """Blocks of ``block_hashes`` the previous prompt is known to share: all of its own
@@ -100,16 +109,18 @@ class SessionTable:
         now: float,
         expires_at: float,
         epoch: int = 0,
+        settles: bool = False,
     ) -> None:
         """Another pod sent the session (by :func:`session_digest`) to ``replica`` (its
         prompt: ``blocks`` full blocks, the last hashed ``last_hash``), seen at ``now`` while
         the replica's cache was ``epoch``; the binding lapses at ``expires_at`` (never later
-        than ``now + ttl_s``)."""
+        than ``now + ttl_s``). ``settles``: see :class:`SessionHint`."""
         learned = self._learned
         expires_at = min(expires_at, now + self.ttl_s)
         if expires_at <= now:
             return
-        learned[digest] = (SessionHint(replica, blocks, last_hash, now, epoch), expires_at)
+        hint = SessionHint(replica, blocks, last_hash, now, epoch, settles)
+        learned[digest] = (hint, expires_at)
         learned.move_to_end(digest)
         while len(learned) > self.max_sessions:
             learned.popitem(last=False)
@@ -121,13 +132,14 @@ class SessionTable:
         block_hashes: Sequence[int],
         now: float,
         epoch: int = 0,
+        settles: bool = False,
     ) -> None:
         """The session's request with prompt chain ``block_hashes`` went to ``replica``,
-        whose cache was ``epoch``."""
+        whose cache was ``epoch``. ``settles``: see :class:`SessionHint`."""
         entries = self._entries
         n = len(block_hashes)
         last = block_hashes[n - 1] if n else 0
-        entries[session_id] = SessionHint(replica, n, last, now, epoch)
+        entries[session_id] = SessionHint(replica, n, last, now, epoch, settles)
         entries.move_to_end(session_id)
         while len(entries) > self.max_sessions:
             entries.popitem(last=False)

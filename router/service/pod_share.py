@@ -240,6 +240,5 @@ class PodShare:
             engine.index.speculate(key, kv, st, now, spec_s)
             self.counters.applied_spec += 1
         if digest and session_s > 0 and engine.sessions is not None:
-            epoch = engine.index.cache_epoch(key)
-            engine.sessions.learn(digest, key, blocks, last, now, now + session_s, epoch)
+            engine.learn_session(digest, key, blocks, last, now, now + session_s)
             self.counters.applied_sessions += 1
