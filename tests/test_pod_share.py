@@ -21,6 +21,7 @@ from router.core.types import (
     AllCleared,
     BlocksRemoved,
     BlocksStored,
+    Decision,
     EventBatch,
     ReplicaKey,
     RouteRequest,
@@ -223,10 +224,10 @@ def test_a_shared_entry_never_outlives_the_readers_own_ttl() -> None:
     assert engine.index.match([7], now=701.0).get(KEYS[0]).kv_blocks == 0
 
 
-def test_a_shared_session_hint_lapses_when_the_engines_events_come() -> None:
-    """A peer's binding covers the event lag as the pod's own hints do: once the replica's
-    events report the prompt stored, the index alone tells, an eviction since included."""
-    routing = RoutingSettings(block_size=BLOCK, speculative_ttl_s=0.0)
+def _session_shared(
+    routing: RoutingSettings, turn1: tuple[int, ...]
+) -> tuple[RoutingEngine, RoutingEngine, Decision]:
+    """A sender pod routes session ``s``'s first turn; a receiver pod learns its binding."""
     sender = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
     receiver = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
     for engine in (sender, receiver):
@@ -235,11 +236,19 @@ def test_a_shared_session_hint_lapses_when_the_engines_events_come() -> None:
     out = PodShare({MODEL: sender}, lambda m, k: True)
     out.attach()
     into = PodShare({MODEL: receiver}, lambda m, k: True)
-    turn1 = tuple(range(1, 19))
-    first = RouteRequest("t1", MODEL, 18 * BLOCK + 5, list(turn1), BLOCK, "s")
+    first = RouteRequest("t1", MODEL, len(turn1) * BLOCK + 5, list(turn1), BLOCK, "s")
     decision = sender.route(first, KEYS, 0.0, random.Random(1))
     sender.dispatched(first, decision, 0.0)
     into.apply(out.outbox.take(0.0), 0.0)
+    assert into.counters.applied_sessions == 1
+    return sender, receiver, decision
+
+
+def test_a_shared_session_hint_lapses_when_the_engines_events_come() -> None:
+    """A peer's binding covers the event lag as the pod's own hints do: once the replica's
+    events report the prompt stored, the index alone tells, an eviction since included."""
+    turn1 = tuple(range(1, 19))
+    _, receiver, decision = _session_shared(RoutingSettings(BLOCK, speculative_ttl_s=0.0), turn1)
     second = RouteRequest("t2", MODEL, 24 * BLOCK + 5, [*turn1, *range(50, 56)], BLOCK, "s")
 
     def credited() -> int:
@@ -259,20 +268,8 @@ def test_a_shared_session_hint_credits_only_what_the_engine_will_grant() -> None
     routing = RoutingSettings(
         block_size=BLOCK, speculative_ttl_s=0.0, engine_block_size=4 * BLOCK, eagle=True
     )
-    sender = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
-    receiver = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
-    for engine in (sender, receiver):
-        for key in KEYS:
-            engine.load.add_replica(key)
-    out = PodShare({MODEL: sender}, lambda m, k: True)
-    out.attach()
-    into = PodShare({MODEL: receiver}, lambda m, k: True)
-    turn1 = list(range(1, 19))  # 18 router blocks: 16 in engine blocks, 12 granted
-    first = RouteRequest("t1", MODEL, 18 * BLOCK + 5, turn1, BLOCK, "s")
-    decision = sender.route(first, KEYS, 0.0, random.Random(1))
-    sender.dispatched(first, decision, 0.0)
-    into.apply(out.outbox.take(0.0), 0.0)
-    assert into.counters.applied_sessions == 1
+    turn1 = tuple(range(1, 19))  # 18 router blocks: 16 in engine blocks, 12 granted
+    sender, receiver, decision = _session_shared(routing, turn1)
     second = RouteRequest("t2", MODEL, 24 * BLOCK + 5, [*turn1, *range(50, 56)], BLOCK, "s")
 
     def credited(engine: RoutingEngine) -> int:
