@@ -45,7 +45,7 @@ from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker, summed_load
 from router.core.policies import make_policy, uses_prefix_index
-from router.core.routing import BusyThresholds, RoutingEngine, RoutingSettings
+from router.core.routing import BusyThresholds, Dispatch, RoutingEngine, RoutingSettings
 from router.core.slo import SloTargets
 from router.core.turnover import REUSE_WINDOW_S
 from router.core.types import Decision, EventBatch, ReplicaKey, RouteRequest
@@ -266,6 +266,9 @@ class Simulation:
         self._shared_at = float("-inf")
         self._records: dict[str, RequestRecord] = {}
         self._router_of: dict[str, _Router] = {}
+        # what each request (or prefill leg) sent to an engine was guessed to leave there,
+        # until the engine takes it (its first token) or rejects it (withdrawn)
+        self._dispatches: dict[str, Dispatch] = {}
         self._children: dict[str, list[SimRequest]] = {}
         self._order: list[SimRequest] = []
         self._next_router = 0
@@ -394,7 +397,7 @@ class Simulation:
                 return
             self.pd_stats.remote += 1
             leg = self.pd.prefill_request(rr)
-            engine.dispatched(leg, plan.prefill, now)
+            self._dispatches[leg.request_id] = engine.dispatched(leg, plan.prefill, now)
             i = self._slot[plan.prefill.replica]
             record.replica = i
             record.sent = now
@@ -444,7 +447,10 @@ class Simulation:
         klass: int = DEFAULT,
     ) -> Decision:
         """Send the request to the engine ``decision`` chose."""
-        router.engine.dispatched(rr, decision, now, class_weight=self._weights[klass])
+        weight = self._weights[klass]
+        self._dispatches[req.request_id] = router.engine.dispatched(
+            rr, decision, now, class_weight=weight
+        )
         i = self._slot[decision.replica]
         rec = self._records[req.request_id]
         rec.replica = i
@@ -557,12 +563,14 @@ class Simulation:
                     rec.kv_hit = out.kv_hit_tokens
                     rec.queued = out.queued_s
                 self._router_of[out.request_id].engine.load.first_token(out.request_id)
+                self._dispatches.pop(out.request_id, None)
             elif kind is Finished:
                 rec = records[out.request_id]
                 rec.finish = out.time + transport
                 rec.output = out.output_tokens
                 router = self._router_of.pop(out.request_id)
                 router.engine.load.complete(out.request_id)
+                self._dispatches.pop(out.request_id, None)
                 if router.admission is not None:
                     router.admission.finished(out.request_id)
                 self._follow_ups(out.request_id, out.time + transport)
@@ -572,6 +580,7 @@ class Simulation:
                 rec = records[out.request_id]
                 rec.rejected = True
                 router = self._router_of.pop(out.request_id)
+                self._withdraw(router.engine, out.request_id)
                 router.engine.load.complete(out.request_id)
                 if router.admission is not None:
                     router.admission.finished(out.request_id)
@@ -598,12 +607,17 @@ class Simulation:
             rec.kv_hit = out.kv_hit_tokens
             rec.queued = out.queued_s
             engine.load.first_token(leg_id)
+            self._dispatches.pop(leg_id, None)
             return
         if type(out) not in (Finished, Rejected):
             return
         del self._legs[leg_id]
         engine.load.complete(leg_id)
         fallback = type(out) is Rejected
+        if fallback:  # the prefill engine holds nothing of it
+            self._withdraw(engine, leg_id)
+        else:
+            self._dispatches.pop(leg_id, None)
         assert self.pd is not None
         rng = self._router_of[req.request_id].rng
         pick = self.pd.pick_decode(engine, rr, self.keys[i], self.keys, now, rng)
@@ -622,12 +636,19 @@ class Simulation:
             self._from_prefill.discard(req.request_id)
             # prefilled where it is decoded: recorded as a local request is (its load with its
             # own hit there; speculative entries and the session's hint), as the service does
-            engine.dispatched(rr, pick.decision, now)
+            self._dispatches[req.request_id] = engine.dispatched(rr, pick.decision, now)
             self._queue.push(now, TRANSFER, (j, ereq))
             return
-        self.pd.dispatched_decode(engine, rr, pick, now)
+        self._dispatches[req.request_id] = self.pd.dispatched_decode(engine, rr, pick, now)
         self.pd_stats.moved(pick.link, pick.transfer_bytes, pick.transfer_s)
         self._queue.push(now + pick.transfer_s, TRANSFER, (j, ereq))
+
+    def _withdraw(self, engine: RoutingEngine, request_id: str) -> None:
+        """The engine rejected ``request_id``: what its dispatch guessed there goes (the
+        service's RouterState.withdraw for a replica that refused a request)."""
+        dispatch = self._dispatches.pop(request_id, None)
+        if dispatch is not None:
+            engine.withdraw(dispatch)
 
     def _follow_ups(self, request_id: str, now: float) -> None:
         for child in self._children.pop(request_id, ()):

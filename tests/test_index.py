@@ -339,3 +339,42 @@ def test_an_awaited_block_settles_on_its_replicas_store_only(monkeypatch: Any) -
     for block in (20, 21, 22):
         idx.await_store(A, block)
     assert [idx.awaits(A, b) for b in (7, 20, 21, 22)] == [False, False, True, True]
+
+
+def test_withdrawing_a_dispatch_drops_only_what_no_later_dispatch_named() -> None:
+    """A dispatch the engine never took (refused, an error answer) withdraws its guesses at
+    once: the blocks no later dispatch to that replica named again, KV and checkpoints, and
+    nothing of another replica's or of what the engine reported."""
+    idx = PrefixIndex()
+    first = idx.speculate(A, H[:8], [H[7]], now=0.0, ttl=30.0)
+    second = idx.speculate(A, H[:4], [H[3]], now=1.0, ttl=30.0)  # shares H[:4] with first
+    idx.speculate(B, H[:8], [H[7]], now=1.0, ttl=30.0)
+    idx.store(A, H[:2])
+    assert idx.stats().speculative_entries == 8 + 2 + 8 + 1 - 2  # H[:2] on A settled
+    assert idx.withdraw(A, first, H[:8], [H[7]]) == 4 + 1  # H[4:8] and the checkpoint
+    m = idx.match(H, hybrid=True, now=2.0)
+    assert (m.get(A).kv_blocks, m.get(A).usable_blocks) == (4, 4)  # the second's guess
+    assert (m.get(B).kv_blocks, m.get(B).usable_blocks) == (8, 8)
+    assert idx.withdraw(A, first, H[:8], [H[7]]) == 0  # idempotent
+    assert idx.withdraw(A, second, H[:4], [H[3]]) == 2 + 1
+    assert idx.match(H, now=2.0).get(A).kv_blocks == 2  # what the engine reported
+    assert idx.stats().speculative_entries == 8 + 1
+    # the withdrawn calls' expiry later changes nothing, and the cap's count stays right
+    assert idx.expire(31.0) == 8 + 1
+    assert idx._spec_queued == 0 and not idx._spec_heap
+    assert idx.stats().speculative_entries == 0
+
+
+def test_withdrawing_after_the_replica_was_cleared_or_removed_is_harmless() -> None:
+    idx = PrefixIndex()
+    spec = idx.speculate(A, H[:6], [], now=0.0, ttl=30.0)
+    idx.clear_replica(A)  # A moves to a fresh slot
+    later = idx.speculate(A, H[:6], [], now=1.0, ttl=30.0)
+    assert idx.withdraw(A, spec, H[:6], []) == 0
+    assert idx.match(H, now=2.0).get(A).kv_blocks == 6  # the later guess, on the new cache
+    idx.compact()  # the old slot is free for another replica
+    idx.speculate(B, H[:3], [], now=2.0, ttl=30.0)
+    assert idx.withdraw(B, spec, H[:6], []) == 0
+    assert idx.match(H, now=2.0).get(B).kv_blocks == 3
+    idx.remove_replica(A)
+    assert idx.withdraw(A, later, H[:6], []) == 0

@@ -793,3 +793,66 @@ async def test_a_disaggregated_requests_ttft_counts_its_prefill_leg() -> None:
         await router.cleanup()
         await prefill.runner.cleanup()
         await decode.stop()
+
+
+@pytest.mark.parametrize("status", [400, 503])
+async def test_a_prefill_leg_answered_an_error_leaves_no_guess_on_its_replica(
+    status: int,
+) -> None:
+    """The prefill replica refused the leg (an error status): it holds none of the prompt,
+    which the decode replica prefilled locally; the index and the session's hint say so
+    (before, the prefill replica kept its guessed blocks until their TTL, so the next
+    request sharing the prefix was planned to prefill there on a hit it did not have)."""
+    import asyncio
+
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    prefill.status = status
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    state = router.app[STATE]
+    try:
+        async with aiohttp.ClientSession() as http:
+            for seed, session in ((28, None), (30, "s-refused")):
+                headers = {"X-Session-Id": session} if session else {}
+                body = {"model": MODEL, "prompt": _prompt(seed), "max_tokens": 3}
+                async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
+                    assert r.status == 200, await r.read()
+        assert len(prefill.seen) == 2 and len(decode.received) == 2
+        # without a session: speculative entries
+        hashes = hash_prompt(_prompt(28), B, root_hash(MODEL)).hashes
+        found = state.index.match(hashes)
+        assert found.get(ReplicaKey("p0")).kv_blocks == 0
+        assert found.get(ReplicaKey("d0")).kv_blocks == len(hashes)
+        # a session's turn: its hint
+        sessions = state.engines[MODEL].sessions
+        assert sessions is not None
+        hint = sessions.get("s-refused", asyncio.get_running_loop().time())
+        assert hint is not None and hint.replica == ReplicaKey("d0"), hint
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()
+
+
+async def test_a_decode_leg_answered_an_error_leaves_no_guess_on_its_replica() -> None:
+    """The decode replica refused the decode leg (400, relayed to the client): it holds
+    none of the prompt; the prefill replica, which prefilled it, keeps its guess."""
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    decode = await Backend("d0", [MODEL], fail_next=1, fail_status=400).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    state = router.app[STATE]
+    try:
+        status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(29)})
+        assert status == 400, raw
+        hashes = hash_prompt(_prompt(29), B, root_hash(MODEL)).hashes
+        found = state.index.match(hashes)
+        assert found.get(ReplicaKey("d0")).kv_blocks == 0
+        assert found.get(ReplicaKey("p0")).kv_blocks == len(hashes)
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()

@@ -404,3 +404,44 @@ async def test_a_retry_on_a_fallback_moves_the_decisions_load(rpc: Any) -> None:
     done = report(decision_id="g1", phase=report.COMPLETED)
     assert (await stub.Report(done, metadata=auth())).accepted
     assert state.load.in_flight() == 0
+
+
+@pytest.mark.parametrize("phase", ["REFUSED", "FAILED"])
+async def test_a_refused_report_withdraws_the_decisions_guess(phase: str) -> None:
+    """A gateway whose replica refused the request (an error status, a refused connection)
+    reports REFUSED: what the Pick guessed the replica would cache goes at once, so the
+    retry's Pick (and any request sharing the prefix) is not drawn there. FAILED (the
+    replica may be prefilling it: no answer in time) keeps the guess until its TTL."""
+    settings = build_settings(
+        {
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
+                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
+            ],
+            "models": {MODEL: kimi_model_table(block_size=16, speculative_ttl_s=60.0)},
+        }
+    )
+    state = RouterState(settings)
+    grpc_settings = GrpcSettings(port=0, token=TOKEN, admin_token=ADMIN, max_message_mb=4)
+    gen = serve_grpc(state, grpc_settings, loop_clock)
+    _server, port = await gen.__anext__()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            tokens = list(range(7000, 7000 + 640))
+            hashes = hash_prompt(tokens, 16, root_hash(MODEL)).hashes
+            pick = router_pb2.PickRequest(
+                model=MODEL, token_ids=router_pb2.TokenIds(ids=tokens), request_id="w1"
+            )
+            first = await stub.Pick(pick, metadata=auth())
+            key = next(k for k in state.registry.keys_for(MODEL) if k.replica == first.replica)
+            assert state.index.match(hashes).get(key).kv_blocks == len(hashes)
+            report = router_pb2.ReportRequest(
+                decision_id="w1", phase=getattr(router_pb2.ReportRequest, phase)
+            )
+            assert (await stub.Report(report, metadata=auth())).accepted
+            held = state.index.match(hashes).get(key).kv_blocks
+            assert held == (0 if phase == "REFUSED" else len(hashes))
+            assert state.load.in_flight() == 0
+    finally:
+        await gen.aclose()

@@ -159,3 +159,28 @@ def test_arrival_jitter_delays_each_arrival_by_at_most_its_bound(slice_: Workloa
     assert runs[0] != runs[1]
     plain = Simulation(slice_, small_config(), "ours").run().summary
     assert Simulation(slice_, small_config(arrival_jitter_s=0.0), "ours").run().summary == plain
+
+
+def test_a_request_the_engine_rejects_leaves_no_guess_in_the_index() -> None:
+    """An engine that rejects a request (larger than its whole cache) holds none of its
+    prompt: the router withdraws what it speculated there, as the service does for a
+    replica that refused a request, instead of keeping it until the TTL."""
+    big = SimRequest("big", 0.0, 100 * 64, 1, list(range(1, 101)))
+    small = SimRequest("small", 1.0, 4 * 64, 1, [1, 2, 3, 4])
+    work = Workload("rejects", [big, small], 64, "m")
+    cfg = ClusterConfig(
+        profile=load_profile("dense-70b"),
+        replicas=4,
+        block_size=64,
+        kv_blocks=64,
+        speculative_ttl_s=600.0,
+        event_lag_s=0.5,
+    )
+    sim = Simulation(work, cfg, "longest_prefix")
+    summary = sim.run().summary
+    assert summary["rejected"] == 1 and summary["completed"] == 1
+    index = sim.routers[0].engine.index
+    found = index.match(list(range(1, 101)))
+    held = {str(k): found.get(k).kv_blocks for k in sim.keys}
+    # the small request's 4 blocks are there (speculated, then stored); none of big's rest
+    assert max(held.values()) == 4, held

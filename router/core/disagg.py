@@ -41,7 +41,7 @@ import numpy as np
 
 from router.core.errors import ConfigError, NoReplicaAvailable
 from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel
-from router.core.routing import RoutingEngine, eligible_columns, filter_candidates
+from router.core.routing import Dispatch, RoutingEngine, eligible_columns, filter_candidates
 from router.core.types import NO_MATCH, Decision, ReplicaKey, RouteRequest
 from router.core.xp import ARRAY, SCALAR, Ops
 
@@ -496,13 +496,13 @@ class Disaggregator:
         now: float,
         speculative_ttl_s: float | None = None,
         exact: bool = True,
-    ) -> None:
+    ) -> Dispatch:
         """Record the decode leg as ``RoutingEngine.dispatched`` records a request: its whole
         prompt arrives computed (load), the decode replica will hold it (speculative entries
         when the TTL is > 0) and is the session's replica for its next turn (it also holds
-        the answer)."""
+        the answer). Returns what was guessed (``RoutingEngine.withdraw``)."""
         whole = pick.decision._replace(usable_tokens=request.prompt_tokens)
-        engine.dispatched(request, whole, now, speculative_ttl_s, exact=exact)
+        return engine.dispatched(request, whole, now, speculative_ttl_s, exact=exact)
 
 
 @dataclass(slots=True, frozen=True)

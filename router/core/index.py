@@ -377,9 +377,11 @@ class PrefixIndex:
         state_hashes: Sequence[int],
         now: float,
         ttl: float,
-    ) -> None:
+    ) -> int:
         """Assume ``key`` will cache these blocks (a request was just sent there) until
-        ``now + ttl``. Covers event lag, and is the whole index in approximate mode."""
+        ``now + ttl``. Covers event lag, and is the whole index in approximate mode.
+        Returns the call's id, for :meth:`withdraw` (a tuple of hashes is kept as given,
+        not copied)."""
         slot = self._slot(key)
         bit = 1 << slot
         spec_id = next(self._spec_ids)
@@ -406,6 +408,30 @@ class PrefixIndex:
             self._spec_queued += len(hashes)
         while self._spec_queued > self.max_speculative_blocks and self._spec_heap:
             self._drop_spec(heapq.heappop(self._spec_heap))
+        return spec_id
+
+    def withdraw(
+        self,
+        key: ReplicaKey,
+        spec_id: int,
+        kv_hashes: Sequence[int],
+        state_hashes: Sequence[int],
+    ) -> int:
+        """Take back what the :meth:`speculate` call ``spec_id`` of ``key`` (with these
+        hashes) guessed, before its TTL: the request never reached the engine's cache (it
+        refused the connection or answered an error). Only the blocks no later call named
+        again go, and none the engine reported (they are real entries); a replica cleared
+        or removed since has nothing of the call left. Returns how many entries went.
+        Idempotent; the call's expiry later drops nothing more (its blocks count toward
+        ``max_speculative_blocks`` until then, as its queued entry does)."""
+        slot = self._slot_of.get(key)
+        if slot is None:
+            return 0
+        dropped = 0
+        for kind, hashes in ((Kind.KV, kv_hashes), (Kind.STATE, state_hashes)):
+            if hashes:
+                dropped += self._unspeculate(slot, int(kind), spec_id, hashes)
+        return dropped
 
     def expire(self, now: float) -> int:
         """Drop speculative entries whose TTL ended at or before ``now``. Returns how many."""
@@ -419,6 +445,11 @@ class PrefixIndex:
         """Remove the blocks of one speculate() call that no later call has named again."""
         _, spec_id, slot, kind, hashes = entry
         self._spec_queued -= len(hashes)
+        return self._unspeculate(slot, kind, spec_id, hashes)
+
+    def _unspeculate(self, slot: int, kind: int, spec_id: int, hashes: Sequence[int]) -> int:
+        """Drop the blocks of ``hashes`` that call ``spec_id`` was the last to name on
+        ``slot``; returns how many."""
         owner = self._spec_owner.get((kind, slot))
         if owner is None:
             return 0

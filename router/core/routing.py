@@ -177,6 +177,22 @@ def eligible_columns(load: LoadColumns, busy: BusyThresholds) -> np.ndarray:
     return up
 
 
+@dataclass(slots=True, frozen=True)
+class Dispatch:
+    """What :meth:`RoutingEngine.dispatched` guessed of one request on ``replica``, to take
+    back (:meth:`RoutingEngine.withdraw`) if the request never reaches its engine's cache:
+    the index's speculative entries (``spec_id`` 0: none) and the session's hint
+    (``hint``, and the session's hint it replaced: ``previous``)."""
+
+    replica: ReplicaKey
+    spec_id: int = 0
+    kv: Sequence[int] = ()
+    states: Sequence[int] = ()
+    session_id: str | None = None
+    hint: SessionHint | None = None
+    previous: SessionHint | None = None
+
+
 class RoutingEngine:
     """Index + load + policy for one model. Pure: the caller passes ``now`` and ``rng``.
 
@@ -501,11 +517,12 @@ class RoutingEngine:
         speculative_ttl_s: float | None = None,
         class_weight: float = 1.0,
         exact: bool = True,
-    ) -> None:
+    ) -> Dispatch:
         """Record that ``request`` was sent per ``decision`` (load, speculative entries for
         ``speculative_ttl_s``, by default the settings'); ``class_weight`` scales its decode
         weight (LoadTracker.dispatch). ``exact``: the prompt was hashed as the engines hash
-        it (approximate prompts live on speculative entries alone, sessions included)."""
+        it (approximate prompts live on speculative entries alone, sessions included).
+        Returns what was guessed, for :meth:`withdraw`."""
         self.load.dispatch(
             request.request_id,
             decision.replica,
@@ -525,19 +542,35 @@ class RoutingEngine:
             ttl = 0.0
         held = engine_holds(request, self.layout, self.drops_eagle_block)
         states: list[int] = []
+        kv: tuple[int, ...] = ()
+        spec_id = 0
         if ttl > 0 and held.kv_blocks:
             states = list(held.state_hashes)
-            kv = request.block_hashes[: held.kv_blocks]
-            self.index.speculate(decision.replica, kv, states, now, ttl)
+            kv = tuple(request.block_hashes[: held.kv_blocks])
+            spec_id = self.index.speculate(decision.replica, kv, states, now, ttl)
+        hint = previous = None
         if self.sessions is not None and request.session_id:
             reused = request.block_hashes[: held.next_hit_blocks]
             if exact and reused:  # (first: it gives an unknown replica its slot, its epoch)
                 self.index.await_store(decision.replica, reused[-1], self._hint_kind)
             epoch = self.index.cache_epoch(decision.replica)
-            self.sessions.record(
+            hint, previous = self.sessions.record(
                 request.session_id, decision.replica, reused, now, epoch, settles=exact
             )
         self.on_dispatch(request, decision.replica, states, now, ttl, held.next_hit_blocks)
+        return Dispatch(decision.replica, spec_id, kv, states, request.session_id, hint, previous)
+
+    def withdraw(self, dispatch: Dispatch) -> None:
+        """The request of ``dispatch`` never reached its replica's cache (the replica
+        refused the connection, dropped it unanswered, or answered an error): take back
+        its speculative entries (those no later dispatch named again) and its session's
+        hint (the session's earlier hint comes back, unless a later request replaced it),
+        so no request is sent there for a prefix it does not hold. Load is the caller's
+        (``LoadTracker.complete``, or a retry's ``dispatch``). Idempotent."""
+        if dispatch.spec_id:
+            self.index.withdraw(dispatch.replica, dispatch.spec_id, dispatch.kv, dispatch.states)
+        if dispatch.hint is not None and dispatch.session_id and self.sessions is not None:
+            self.sessions.undo(dispatch.session_id, dispatch.hint, dispatch.previous)
 
 
 def _ignore(

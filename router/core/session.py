@@ -133,16 +133,31 @@ class SessionTable:
         now: float,
         epoch: int = 0,
         settles: bool = False,
-    ) -> None:
+    ) -> tuple[SessionHint, SessionHint | None]:
         """The session's request with prompt chain ``block_hashes`` went to ``replica``,
-        whose cache was ``epoch``. ``settles``: see :class:`SessionHint`."""
+        whose cache was ``epoch``. ``settles``: see :class:`SessionHint`. Returns the hint
+        recorded and the session's own one it replaced (None: none), for :meth:`undo`."""
         entries = self._entries
         n = len(block_hashes)
         last = block_hashes[n - 1] if n else 0
-        entries[session_id] = SessionHint(replica, n, last, now, epoch, settles)
+        previous = entries.get(session_id)
+        hint = entries[session_id] = SessionHint(replica, n, last, now, epoch, settles)
         entries.move_to_end(session_id)
         while len(entries) > self.max_sessions:
             entries.popitem(last=False)
+        return hint, previous
+
+    def undo(self, session_id: str, hint: SessionHint, previous: SessionHint | None) -> None:
+        """Take back :meth:`record`'s ``hint`` (the request never reached its replica's
+        cache): the session's hint is ``previous`` again (None: none) if ``hint`` is still
+        the one it has; a later request's stays."""
+        entries = self._entries
+        if entries.get(session_id) is not hint:
+            return
+        if previous is None:
+            del entries[session_id]
+        else:
+            entries[session_id] = previous
 
     def forget(self, replica: ReplicaKey) -> None:
         """Drop every session bound to ``replica`` (it left the fleet)."""

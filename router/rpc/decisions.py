@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from router.core.routing import Dispatch
 from router.core.types import ReplicaKey
 
 
@@ -66,6 +67,9 @@ class Pending:
     arrived: float | None = None
     # its attempt for outlier ejection (Ejections.sent / answered / failed / dropped)
     token: object = field(default_factory=object)
+    # what was guessed of it on its replica (RoutingEngine.dispatched), withdrawn on a
+    # REFUSED report (RouterState.withdraw)
+    dispatch: Dispatch | None = None
 
     @property
     def since(self) -> float:

@@ -398,6 +398,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             held=held,
             owner=owner,
             arrived=arrived,
+            dispatch=routed.dispatch,
         )
         if self.ejections is not None:
             # an attempt, as the HTTP forwarder's (a replica readmitted after an ejection
@@ -464,7 +465,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if self.ejections is not None and pending.replica is not None:
             # a failure counts toward ejecting the replica; a first token or an answer ends
             # its failure run (as the HTTP forwarder's attempts do)
-            if phase == router_pb2.ReportRequest.FAILED:
+            if phase in _FAILURES:
                 self.ejections.failed(pending.replica, "reported", now, pending.token)
             else:
                 self.ejections.answered(pending.replica, pending.token, now)
@@ -476,6 +477,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         else:
             self.book.pop(internal)
             self._end(pending)
+            if phase == router_pb2.ReportRequest.REFUSED:  # its replica holds nothing of it
+                self.state.withdraw(pending.model, pending.dispatch)
             # the outcome and SLO metrics of the HTTP endpoints (router/service/proxy.py)
             ok = phase == router_pb2.ReportRequest.COMPLETED
             mm.outcome(pending.replica, "ok" if ok else "failed").inc()
@@ -499,6 +502,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         return True
 
+
+_FAILURES = (router_pb2.ReportRequest.FAILED, router_pb2.ReportRequest.REFUSED)
 
 _KIND_OF_PATH = {path.decode(): kind for path, kind in KINDS.items()}
 

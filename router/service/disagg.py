@@ -18,7 +18,8 @@ For a model with ``[models.NAME.pd]`` (mode ``always`` or ``auto``) the front do
 
 Failures: a prefill that cannot be sent, fails, or answers without ``kv_transfer_params``
 falls back to a local prefill on the decode replica (the original body, no transfer
-params; recorded there as a local request: load, speculative entries, the session's hint);
+params; recorded there as a local request: load, speculative entries, the session's hint;
+a prefill replica that refused the leg or answered an error has its guesses withdrawn);
 the decode request is retried on the next decode replica while no byte reached the
 client (the Forwarder's retries over the pick's ranking), with the original body once a
 decode replica got the transfer params (local prefill: vLLM frees the prefill's blocks when
@@ -319,6 +320,13 @@ _FAILURE_KIND = {
 }
 
 
+# prefill-leg causes after which the prefill replica holds nothing of the prompt (it refused
+# the connection or answered an error status: RouterState.withdraw); after a timeout or a
+# broken answer it may have prefilled it, and an answer without transfer params was a
+# prefill
+_NOT_TAKEN = frozenset({"connect_error", "http_429", "http_4xx", "http_5xx"})
+
+
 def _eject_on(forwarder: Forwarder, key: ReplicaKey, cause: str, now: float) -> None:
     """Feed a prefill leg's outcome to outlier ejection as the forwarder feeds an
     attempt's: a replica failing every prefill leg is ejected like one failing requests
@@ -372,14 +380,16 @@ async def serve(
         return
     exact = flow.routed.prompt.exact
     ttl = state.ttl_for(model, exact)
+    if cause in _NOT_TAKEN:  # the prefill replica holds nothing of the prompt
+        state.withdraw(model, flow.routed.dispatch)
     if params is None:
         md.count(md.fallbacks, cause)
         # prefilled where it is decoded: recorded as a local request is (its load with its
         # own hit there; speculative entries and the session's hint: the replica holds it)
-        engine.dispatched(request, pick.decision, now, ttl, exact=exact)
+        dispatch = engine.dispatched(request, pick.decision, now, ttl, exact=exact)
         decode_body = body
     else:
-        md.pd.dispatched_decode(engine, request, pick, now, ttl, exact)
+        dispatch = md.pd.dispatched_decode(engine, request, pick, now, ttl, exact)
         md.count(md.bytes_by_link, pick.link.value, pick.transfer_bytes)
         member = json.dumps(params, separators=(",", ":")).encode()
         decode_body = with_patch(body, b',"kv_transfer_params":' + member)
@@ -387,7 +397,7 @@ async def serve(
     if params is not None:  # the request's hit is the prefill replica's (feedback, headers)
         first = flow.routed.decision
         decision = decision._replace(usable_tokens=first.usable_tokens, kv_tokens=first.kv_tokens)
-    routed = Routed(request, decision, flow.routed.prompt, 0.0, 0.0, 0)
+    routed = Routed(request, decision, flow.routed.prompt, 0.0, 0.0, 0, dispatch=dispatch)
     await forwarder.forward(
         sink,
         path,

@@ -217,6 +217,7 @@ class Forwarder:
         token: object = None
         kind = ""
         reached = False  # an attempt reached a replica (it may have acted on the body)
+        dispatch = routed.dispatch  # what was guessed of the attempt's replica
         try:
             for i, key in enumerate(ranked):
                 ep = state.registry.endpoint(key)
@@ -229,7 +230,7 @@ class Forwarder:
                 now = loop.time()
                 if key != routed.decision.replica:  # a retry: the request's record moves
                     self.budget.spend(now)
-                    state.retried(routed, key, now)
+                    dispatch = state.retried(routed, key, now)
                 sent = retry_body if reached and retry_body is not None else body
                 head = request_head(
                     path, self._host(ep.base_url), client_headers, rid_b, ep.dp_rank, len(sent)
@@ -273,6 +274,9 @@ class Forwarder:
                     mm.outcome(key, "connect_error").inc()
                     last_error = f"replica {key} unreachable: {exc}"
                     kind = "connect"
+                    # no answer byte: the replica did not take the prompt (or died with
+                    # its cache); a timeout or a broken answer may be a prefill under way
+                    state.withdraw(model, dispatch)
                 except TimeoutError:  # no first byte by the deadline (ours or the client's)
                     mm.outcome(key, "timeout").inc()
                     last_error = f"replica {key} did not answer in time"
@@ -297,6 +301,8 @@ class Forwarder:
                     mm.retry(kind).inc()
                     continue
                 assert upstream is not None
+                if upstream.status >= 400:  # the replica refused the prompt: nothing cached
+                    state.withdraw(model, dispatch)
                 if upstream.status == 429 or upstream.status >= 500:
                     kind = "http_429" if upstream.status == 429 else "http_5xx"
                     pause = retry_after_s(upstream.header(b"retry-after"))

@@ -25,7 +25,7 @@ from router.core.errors import BadRequest, ConfigError, UnknownModel
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import Candidate, CandidateColumns, make_policy
-from router.core.routing import RoutingEngine
+from router.core.routing import Dispatch, RoutingEngine
 from router.core.slo import SloTargets
 from router.core.types import Decision, ReplicaKey, RouteRequest
 from router.recorder import TraceRecorder
@@ -63,6 +63,9 @@ class Routed(NamedTuple):
     ttft_factor: float = 1.0
     # the service class's decode weight (LoadTracker.dispatch), kept for a retry's dispatch
     class_weight: float = 1.0
+    # what was guessed of it on the decision's replica, taken back if the replica never
+    # took the request (RouterState.withdraw)
+    dispatch: Dispatch | None = None
 
 
 class Pending(NamedTuple):
@@ -270,9 +273,13 @@ class RouterState:
         t2 = time.perf_counter()
         ttl = self.ttl_for(request.model, prompt.exact)
         exact = prompt.exact
-        engine.dispatched(request, decision, now, ttl, class_weight=class_weight, exact=exact)
+        dispatch = engine.dispatched(
+            request, decision, now, ttl, class_weight=class_weight, exact=exact
+        )
         best = engine.best_usable_tokens(request, candidates)
-        routed = Routed(request, decision, prompt, pending.lookup_s, t2 - t1, best)
+        routed = Routed(
+            request, decision, prompt, pending.lookup_s, t2 - t1, best, dispatch=dispatch
+        )
         # formatted only when asked for (recent_decisions): nothing built per request
         self.decisions.append(
             (
@@ -292,20 +299,31 @@ class RouterState:
         approximate, exact_ttl = self.speculative_ttl[model]
         return exact_ttl if exact else approximate
 
-    def retried(self, routed: Routed, key: ReplicaKey, now: float) -> None:
+    def retried(self, routed: Routed, key: ReplicaKey, now: float) -> Dispatch:
         """``routed``'s request is retried on ``key`` (router/service/proxy.py): recorded
         there as a dispatch is (its load, with its decode weight; speculative entries; its
         session's hint), with no predicted hit (only the decision's replica's was
         predicted). Its load leaves the replica it was on (LoadTracker.dispatch), and so
-        does its decode-stall allowance when admission tracks it."""
+        does its decode-stall allowance when admission tracks it. What the replica it was
+        on was guessed to hold stays unless the caller withdraws it (:meth:`withdraw`: that
+        replica did not take the request). Returns the retry's dispatch."""
         request, prompt = routed.request, routed.prompt
         decision = routed.decision._replace(replica=key, usable_tokens=0, kv_tokens=0)
         ttl = self.ttl_for(request.model, prompt.exact)
-        self.engines[request.model].dispatched(
+        dispatch = self.engines[request.model].dispatched(
             request, decision, now, ttl, class_weight=routed.class_weight, exact=prompt.exact
         )
         if self.admission is not None:
             self.admission.retried(routed, key)
+        return dispatch
+
+    def withdraw(self, model: str, dispatch: Dispatch | None) -> None:
+        """A dispatch of ``model`` never reached its replica's cache: a refused or dropped
+        connection, an error answer (RoutingEngine.withdraw). Not for a timeout or a broken
+        answer: the replica may have taken (be prefilling) the prompt."""
+        engine = self.engines.get(model)
+        if dispatch is not None and engine is not None:
+            engine.withdraw(dispatch)
 
     # ------------------------------------------------------------------ introspection
 

@@ -78,10 +78,12 @@ class ReportRequest(_message.Message):
         FIRST_TOKEN: _ClassVar[ReportRequest.Phase]
         COMPLETED: _ClassVar[ReportRequest.Phase]
         FAILED: _ClassVar[ReportRequest.Phase]
+        REFUSED: _ClassVar[ReportRequest.Phase]
     PHASE_UNSPECIFIED: ReportRequest.Phase
     FIRST_TOKEN: ReportRequest.Phase
     COMPLETED: ReportRequest.Phase
     FAILED: ReportRequest.Phase
+    REFUSED: ReportRequest.Phase
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
