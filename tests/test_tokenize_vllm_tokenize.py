@@ -106,12 +106,16 @@ COMPLETIONS = {
     "cut_no_special_tokens": {"truncate_prompt_tokens": 20, "add_special_tokens": False},
     "cut_to_context": {"truncate_prompt_tokens": -1, "$times": 6},
     "cut_longer_than_prompt": {"truncate_prompt_tokens": 390},
+    # a prompt that writes the BOS itself gets a second one (vLLM does not look)
+    "own_bos": {"$bos": True},
+    "own_bos_cut": {"$bos": True, "truncate_prompt_tokens": 20},
+    "own_bos_no_special_tokens": {"$bos": True, "add_special_tokens": False},
 }
 
 
 def _body(extra: dict[str, Any], text: str) -> tuple[dict[str, Any], str]:
     fields = {k: v for k, v in extra.items() if not k.startswith("$")}
-    return fields, text * extra.get("$times", 1)
+    return fields, ("<s>" if extra.get("$bos") else "") + text * extra.get("$times", 1)
 
 
 @pytest.mark.parametrize("case", sorted(COMPLETIONS))
@@ -129,6 +133,24 @@ CHATS = {
     "plain": {},
     "cut": {"truncate_prompt_tokens": 30},
     "cut_right": {"truncate_prompt_tokens": 30, "truncation_side": "right"},
+    # the template writes the BOS: add_special_tokens adds another
+    "special_tokens": {"add_special_tokens": True},
+    "special_tokens_cut": {"add_special_tokens": True, "truncate_prompt_tokens": 30},
+    "special_tokens_cut_left": {
+        "add_special_tokens": True,
+        "truncate_prompt_tokens": 30,
+        "truncation_side": "left",
+    },
+    "special_tokens_cut_right": {
+        "add_special_tokens": True,
+        "truncate_prompt_tokens": 30,
+        "truncation_side": "right",
+    },
+    "special_tokens_cut_to_context": {
+        "add_special_tokens": True,
+        "truncate_prompt_tokens": -1,
+        "$times": 6,
+    },
 }
 
 

@@ -541,7 +541,8 @@ class PromptProcessor:
     def _engine_tokens(self, tokens: Any, body: Mapping[str, Any], *, chat: bool) -> Any:
         """The ids vLLM hands the engine for a prompt tokenized as ``tokens``: a BOS first
         when the request adds special tokens (:func:`adds_special_tokens`) and the tokenizer
-        has one (not doubled), then ``truncate_prompt_tokens`` of them (:func:`kept_tokens`,
+        has one (a second one before a text that starts with it: the tokenizer does not
+        look, nor does vLLM), then ``truncate_prompt_tokens`` of them (:func:`kept_tokens`,
         :func:`truncated`). ``tokens`` itself when neither changes it.
 
         Without a ``truncation_side`` vLLM has the tokenizer truncate while it encodes
@@ -550,11 +551,7 @@ class PromptProcessor:
         BOS among them."""
         bos = self._bos_id
         keep = kept_tokens(body, self.context_length)
-        if (
-            bos is not None
-            and adds_special_tokens(body, chat)
-            and (not len(tokens) or int(tokens[0]) != bos)
-        ):
+        if bos is not None and adds_special_tokens(body, chat):
             if keep is not None and body.get("truncation_side") is None:
                 if keep <= len(tokens):  # k - 1 text ids after the BOS (none for k = 1)
                     tokens = tokens[len(tokens) - (keep - 1) :]
