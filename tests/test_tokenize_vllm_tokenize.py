@@ -24,6 +24,7 @@ import pytest
 from router.core.hashing import hash_prompt, root_hash
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
+from router.tokenize.responses import responses_prompt, to_chat_body
 from router.tokenize.template import ChatTemplate
 from router.tokenize.tokenizers import load_tokenizer_dir
 from tests.engines.anthropic_ref import load
@@ -72,10 +73,8 @@ def processor(model_dir: Path) -> PromptProcessor:
 
 
 def vllm_ids(model_dir: Path, text: str, body: dict[str, Any], *, chat: bool) -> list[int]:
-    """The ids vLLM 0.34 hands the engine for the rendered ``text`` of ``body``
-    (``Renderer._tokenize_singleton_prompt`` for a text prompt: encode, then cut)."""
-    from tokenizers import Tokenizer
-
+    """The ids vLLM 0.34 hands the engine for the rendered ``text`` of a completion or chat
+    ``body``: its request model's ``build_tok_params``."""
     params = load()["vllm.renderers.params"].TokenizeParams(
         max_total_tokens=CONTEXT,
         # a completion's max_tokens defaults to 16, a chat's to None (build_tok_params)
@@ -84,6 +83,14 @@ def vllm_ids(model_dir: Path, text: str, body: dict[str, Any], *, chat: bool) ->
         truncation_side=body.get("truncation_side"),
         add_special_tokens=body.get("add_special_tokens", not chat),
     )
+    return encoded(model_dir, text, params)
+
+
+def encoded(model_dir: Path, text: str, params: Any) -> list[int]:
+    """``Renderer._tokenize_singleton_prompt`` of ``text`` with the ``TokenizeParams``
+    ``params``: encode, then cut."""
+    from tokenizers import Tokenizer
+
     kwargs = params.get_encode_kwargs()
     backend = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     if kwargs["truncation"]:  # transformers: the backend truncates, on the tokenizer's side
@@ -161,5 +168,35 @@ def test_chat_ids_are_vllms(case: str, model_dir: Path, processor: PromptProcess
     rendered, _ = processor.render_chat(body)
     want = vllm_ids(model_dir, rendered, fields, chat=True)
     got = processor.chat(body)
+    assert got.prompt_tokens == len(want)
+    assert got.block_hashes == hash_prompt(want, 1, root_hash("m")).hashes
+
+
+RESPONSES = {
+    "plain": {},
+    "auto_truncation": {"truncation": "auto", "$times": 6},
+    "auto_truncation_short": {"truncation": "auto"},
+    "disabled_truncation": {"truncation": "disabled"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESPONSES))
+def test_responses_ids_are_vllms(case: str, model_dir: Path, processor: PromptProcessor) -> None:
+    """A Responses body is rendered as a chat and tokenized with
+    ``ResponsesRequest.build_tok_params`` (vllm/entrypoints/openai/responses/protocol.py):
+    the tokenizer's special tokens added (the ``TokenizeParams`` default) and, for a
+    ``truncation`` other than "disabled", cut to the context (-1)."""
+    fields, text = _body(RESPONSES[case], TEXT)
+    body = {"model": "m", "instructions": "be brief", "input": text, **fields}
+    rendered, _ = processor.render_chat(to_chat_body(body).body)
+    params = load()["vllm.renderers.params"].TokenizeParams(
+        max_total_tokens=CONTEXT,
+        max_output_tokens=body.get("max_output_tokens"),
+        truncate_prompt_tokens=-1 if body.get("truncation", "disabled") != "disabled" else None,
+        max_total_tokens_param="max_model_len",
+        max_output_tokens_param="max_output_tokens",
+    )
+    want = encoded(model_dir, rendered, params)
+    got = responses_prompt(processor, body)
     assert got.prompt_tokens == len(want)
     assert got.block_hashes == hash_prompt(want, 1, root_hash("m")).hashes
