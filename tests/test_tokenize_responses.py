@@ -96,6 +96,7 @@ RICH_CHAT: dict[str, Any] = {
     "chat_template_kwargs": {"k": 1},
     "cache_salt": "salt",
     "reasoning_effort": "high",
+    "add_special_tokens": True,  # ResponsesRequest.build_tok_params: the TokenizeParams default
 }  # fmt: skip
 
 
@@ -107,8 +108,18 @@ def test_the_conversion_follows_vllm() -> None:
 
 def test_a_string_input_and_empty_instructions() -> None:
     conv = to_chat_body({"model": "m", "input": "hello", "instructions": ""})
-    assert conv.body == {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    assert conv.body == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hello"}],
+        "add_special_tokens": True,
+    }
     assert conv.exact
+    # "truncation": "auto" cuts to the context (truncate_prompt_tokens -1); "disabled" (the
+    # default) does not
+    auto = to_chat_body({"model": "m", "input": "hello", "truncation": "auto"}).body
+    assert auto["truncate_prompt_tokens"] == -1
+    off = to_chat_body({"model": "m", "input": "hello", "truncation": "disabled"}).body
+    assert "truncate_prompt_tokens" not in off
 
 
 def test_a_partial_last_message_is_continued() -> None:

@@ -3,7 +3,10 @@ against vLLM's own code: each request body is validated by vLLM's ``ChatCompleti
 and its messages parsed by vLLM's ``parse_chat_messages`` (tests/engines/chat_ref.py, the
 wheel's modules run unmodified), its tools dumped as vLLM dumps them (``model_dump()`` of
 the validated tools); both are rendered with the same template and compared as text, and as
-the block hashes of the router's whole and incremental paths.
+the block hashes of the router's whole and incremental paths. The reference renders with
+transformers' own ``apply_chat_template`` code (5.22.2, the newest vLLM 0.34 takes;
+tests/engines/transformers_ref.py), so what transformers adds to the messages (a reasoning
+also given as ``thinking``) is compared too.
 
 A template that serialises what it is given (``messages | tojson``, ``tools | tojson``)
 shows every difference, key order and dropped keys included; the bundled Kimi-style
@@ -22,9 +25,13 @@ from router.tokenize.incremental import MIN_CACHED_CHARS, IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
 from router.tokenize.template import ChatTemplate
 from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
-from tests.engines import chat_ref
+from tests.engines import chat_ref, transformers_ref
 
-DUMP_SOURCE = "{{ messages | tojson }}\n{{ tools | tojson }}\n{{ add_generation_prompt }}"
+# transformers continues a final message only for a template whose text names its field
+DUMP_SOURCE = (
+    "{# messages with their content #}"
+    "{{ messages | tojson }}\n{{ tools | tojson }}\n{{ add_generation_prompt }}"
+)
 
 
 def _call(args: str, **extra: Any) -> dict[str, Any]:
@@ -228,14 +235,20 @@ SHAPES: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
 
 def _vllm_text(template: ChatTemplate, body: dict[str, Any], content_format: str) -> str:
     """What vLLM renders for ``body``: its conversation and dumped tools, through
-    ``template`` (the variables as transformers passes them)."""
+    transformers' ``apply_chat_template`` (tests/engines/transformers_ref.py) with the
+    source of ``template`` (its tool-use one when tools are given) and its special
+    tokens."""
     body = copy.deepcopy(body)
     mods = chat_ref.load()
     request = mods["vllm.entrypoints.openai.chat_completion.protocol"].ChatCompletionRequest(**body)
     tools = None if request.tools is None else [t.model_dump() for t in request.tools]
     conversation = chat_ref.conversation(body, content_format)
-    return template.render(
+    named = {"bos_token": template.bos_token, "eos_token": template.eos_token, **template.extra}
+    source = template.tool_source if tools is not None and template.tool_source else None
+    return transformers_ref.render(
+        source or template.source,
         conversation,
+        special_tokens={k: v for k, v in named.items() if v},
         tools=tools,
         add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message,
@@ -261,7 +274,19 @@ def _k3_source() -> str:
     return (BUNDLED_DIR / "kimi_k3_style" / "chat_template.jinja").read_text(encoding="utf-8")
 
 
-TEMPLATES = {"dump": lambda: DUMP_SOURCE, "kimi": lambda: None, "kimi_k3": _k3_source}
+# an assistant's reasoning read as ``message.thinking`` (LFM2.5's template reads it so)
+THINKING_SOURCE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.thinking is defined %}<think>{{ m.thinking }}</think>{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEMPLATES = {
+    "dump": lambda: DUMP_SOURCE,
+    "thinking": lambda: THINKING_SOURCE,
+    "kimi": lambda: None,
+    "kimi_k3": _k3_source,
+}
 
 
 @pytest.mark.parametrize("content_format", ["string", "openai"])

@@ -541,16 +541,22 @@ class PromptProcessor:
     def _engine_tokens(self, tokens: Any, body: Mapping[str, Any], *, chat: bool) -> Any:
         """The ids vLLM hands the engine for a prompt tokenized as ``tokens``: a BOS first
         when the request adds special tokens (:func:`adds_special_tokens`) and the tokenizer
-        has one (not doubled), then ``truncate_prompt_tokens`` of them (:func:`kept_tokens`,
-        :func:`truncated`). ``tokens`` itself when neither changes it."""
+        has one (a second one before a text that starts with it: the tokenizer does not
+        look, nor does vLLM), then ``truncate_prompt_tokens`` of them (:func:`kept_tokens`,
+        :func:`truncated`). ``tokens`` itself when neither changes it.
+
+        Without a ``truncation_side`` vLLM has the tokenizer truncate while it encodes
+        (``TokenizeParams.get_encode_kwargs``), which keeps the BOS it adds and cuts the
+        text: a BOS and the text's last k - 1 ids. With one, it cuts the encoded ids, the
+        BOS among them."""
         bos = self._bos_id
-        if (
-            bos is not None
-            and adds_special_tokens(body, chat)
-            and (not len(tokens) or int(tokens[0]) != bos)
-        ):
-            tokens = np.concatenate([np.array([bos], dtype=np.uint32), tokens])
         keep = kept_tokens(body, self.context_length)
+        if bos is not None and adds_special_tokens(body, chat):
+            if keep is not None and body.get("truncation_side") is None:
+                if keep <= len(tokens):  # k - 1 text ids after the BOS (none for k = 1)
+                    tokens = tokens[len(tokens) - (keep - 1) :]
+                keep = None
+            tokens = np.concatenate([np.array([bos], dtype=np.uint32), tokens])
         if keep is not None:
             tokens = truncated(tokens, keep, body)
         return tokens

@@ -25,7 +25,10 @@ assistant (or reasoning) item still ``in_progress`` / ``incomplete`` is continue
   - anything else is refused (vLLM: "Unsupported input item type");
 
 * function tools -> chat function tools (``name``, ``description``, ``parameters``,
-  ``strict``); ``chat_template_kwargs``, ``cache_salt`` as they are.
+  ``strict``); ``chat_template_kwargs``, ``cache_salt`` as they are;
+* the rendered text tokenized as ``ResponsesRequest.build_tok_params`` has it: with the
+  tokenizer's special tokens (``add_special_tokens``), and cut to the context
+  (``truncate_prompt_tokens`` -1) unless ``truncation`` is "disabled" (its default).
 
 Where the router cannot follow vLLM the prompt is marked approximate (``exact`` False):
 ``previous_response_id`` (the history is in the replica's store), tools other than
@@ -219,6 +222,12 @@ def to_chat_body(body: Mapping[str, Any]) -> ChatConversion:
     if _continues(items):
         chat["continue_final_message"] = True
         chat["add_generation_prompt"] = False
+    # tokenized as ``ResponsesRequest.build_tok_params`` says: with the tokenizer's special
+    # tokens (the TokenizeParams default, where a chat's is false) and, for a truncation
+    # other than "disabled" (the default), cut to the context
+    chat["add_special_tokens"] = True
+    if body.get("truncation", "disabled") != "disabled":
+        chat["truncate_prompt_tokens"] = -1
     return ChatConversion(chat, conv.exact)
 
 

@@ -216,7 +216,8 @@ def prepare_messages(
     list of parts, a tool result's all-text parts joined; a system message without Claude
     Code's attribution line); of the other keys only ``name`` and a string ``task``, an
     assistant's ``tool_calls`` (arguments parsed, see :func:`_parse_arguments`; an empty list
-    dropped) and ``reasoning`` (also given as ``reasoning_content``), a tool result's
+    dropped) and ``reasoning`` (also given as ``reasoning_content``, and as ``thinking``
+    before the role, as transformers 5.21+ adds it), a tool result's
     ``tool_call_id``, a developer message's ``tools`` (null when absent), in vLLM's order
     (``role``, ``content``, the role's own keys, ``name``, ``task``, ``tools``: a template
     serialising a message sees them so). Plain messages of the string format whose keys are
@@ -257,6 +258,9 @@ def prepare_messages(
             if reasoning is None:  # vLLM before ``reasoning`` read ``reasoning_content``
                 reasoning = m.get("reasoning_content")
             if reasoning is not None:
+                # transformers 5.21+ (vLLM 0.34 takes up to 5.22) also gives it as
+                # ``thinking``, first (chat_template_utils._alias_reasoning_fields)
+                msg = {"thinking": reasoning, **msg}
                 msg["reasoning"] = reasoning
                 msg["reasoning_content"] = reasoning
         elif role == "tool" and "tool_call_id" in m:
