@@ -15,7 +15,8 @@ Trace formats (JSON lines; unknown extra fields are ignored):
   it arrives ``delay`` ms after that previous row's request finished.
 * Alibaba Bailian: ``{"chat_id", "parent_chat_id" (-1 for none), "timestamp" (s),
   "input_length", "output_length", "type", "turn", "hash_ids"}`` over 16-token blocks;
-  replayed open loop at its timestamps, sessions follow the parent chain.
+  replayed open loop at its timestamps, sessions follow the parent chain; a ``chat_id`` is
+  one request's id, so a second row with it is an error.
 
 Hash ids -> tokens. A trace names blocks, not tokens, so token content is synthesised
 deterministically: token ``j`` of the block with id ``k`` is ``(k * trace_block + j) mod 2**32``.
@@ -283,11 +284,15 @@ def read_bailian(
     hasher = BlockIdHasher(block_size, trace_block, model)
     rows: list[tuple[float, str, dict[str, Any], str]] = []
     root_of: dict[str, str] = {}
+    line_of: dict[str, int] = {}  # a chat id is its request's id: one row each
     for lineno, row in _rows(path):
         where = f"{path}:{lineno}"
         if "chat_id" not in row:
             raise ConfigError(f"{where}: missing 'chat_id'")
         chat = str(row["chat_id"])
+        if chat in line_of:
+            raise ConfigError(f"{where}: chat_id {chat} already on line {line_of[chat]}")
+        line_of[chat] = lineno
         parent = row.get("parent_chat_id", -1)
         parent_s = None if parent in (-1, None, "-1", "") else str(parent)
         root_of[chat] = root_of.get(parent_s, parent_s) if parent_s is not None else chat

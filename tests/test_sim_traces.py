@@ -182,3 +182,13 @@ def test_agentic_open_loop_is_a_conversation_trace_without_sessions() -> None:
     again = generate(AgenticSpec(**base), block_size=64)  # type: ignore[arg-type]
     assert [r.block_hashes for r in again.requests] == [r.block_hashes for r in closed.requests]
     assert [r.delay_s for r in again.requests] == [r.delay_s for r in closed.requests]
+
+
+def test_bailian_duplicate_chat_id_is_an_error_naming_both_lines(tmp_path: Path) -> None:
+    """Two rows with one ``chat_id`` would be one request id twice: the run merged their
+    records (one counted twice, the other lost) or crashed when they overlapped."""
+    row = {"chat_id": 5, "parent_chat_id": -1, "timestamp": 0.0, "input_length": 50}
+    path = write(tmp_path / "dup.jsonl", [row, {**row, "chat_id": 6}, {**row, "timestamp": 1.0}])
+    with pytest.raises(ConfigError, match=r"dup\.jsonl:3: chat_id 5 already on line 1"):
+        load_trace(str(path), block_size=64)
+
