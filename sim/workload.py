@@ -31,6 +31,7 @@ per id and a block shared by many requests is hashed once. Ids beyond the prompt
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -172,9 +173,12 @@ class BlockIdHasher:
 
 
 def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, 1):
-            line = line.strip()
+    with path.open("rb") as fh:  # decoded line by line, so a bad byte names its line
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise ConfigError(f"{path}:{lineno}: not UTF-8") from None
             if not line:
                 continue
             try:
@@ -186,13 +190,18 @@ def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             yield lineno, row
 
 
-def _int(row: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+def _number(row: dict[str, Any], key: str, where: str, default: float | None = None) -> float:
+    """``row[key]`` as a finite non-negative number (JSON's NaN and Infinity are not)."""
     value = row.get(key, default)
     if value is None:
         raise ConfigError(f"{where}: missing {key!r}")
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"{where}: {key!r} must be a non-negative number, got {value!r}")
-    return int(value)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError(f"{where}: {key!r} must be a finite non-negative number, got {value!r}")
+    return value
+
+
+def _int(row: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    return int(_number(row, key, where, default))
 
 
 def resolve_trace(trace: str) -> Path:
@@ -296,7 +305,7 @@ def read_bailian(
         parent = row.get("parent_chat_id", -1)
         parent_s = None if parent in (-1, None, "-1", "") else str(parent)
         root_of[chat] = root_of.get(parent_s, parent_s) if parent_s is not None else chat
-        ts = float(row.get("timestamp", 0.0))
+        ts = float(_number(row, "timestamp", where, 0.0))
         rows.append((ts, chat, row, where))
         if limit is not None and len(rows) >= limit:
             break

@@ -192,3 +192,34 @@ def test_bailian_duplicate_chat_id_is_an_error_naming_both_lines(tmp_path: Path)
     with pytest.raises(ConfigError, match=r"dup\.jsonl:3: chat_id 5 already on line 1"):
         load_trace(str(path), block_size=64)
 
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "message"),
+    [
+        ("mooncake", '{"timestamp": NaN, "input_length": 5}', "'timestamp' must be a finite"),
+        ("mooncake", '{"timestamp": 0, "input_length": Infinity}', "'input_length' must be a fin"),
+        ("bailian", '{"chat_id": 1, "timestamp": "abc", "input_length": 5}', "'timestamp' must"),
+        ("bailian", '{"chat_id": 1, "timestamp": [1], "input_length": 5}', "'timestamp' must"),
+        ("bailian", '{"chat_id": 1, "timestamp": NaN, "input_length": 5}', "'timestamp' must"),
+        ("bailian", '{"chat_id": 1, "timestamp": -1, "input_length": 5}', "'timestamp' must"),
+    ],
+)
+def test_non_finite_or_non_numeric_fields_name_their_line(
+    tmp_path: Path, fmt: str, text: str, message: str
+) -> None:
+    """A value that is not a finite non-negative number (JSON's NaN / Infinity, a string, a
+    list) is a ConfigError naming the file and line, not a traceback (OverflowError,
+    TypeError) or a bare ``cannot convert float NaN to integer``."""
+    path = tmp_path / "bad.jsonl"
+    good = {"input_length": 5, "chat_id": 0} if fmt == "bailian" else {"input_length": 5}
+    path.write_text(json.dumps({**good, "session_id": "s"}) + "\n" + text + "\n")
+    with pytest.raises(ConfigError, match=message) as exc:
+        load_trace(str(path), block_size=64, fmt=fmt)
+    assert "bad.jsonl:2" in str(exc.value)
+
+
+def test_a_line_that_is_not_utf8_is_an_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(b'{"timestamp": 0, "input_length": 5}\n\xff\xfe{}\n')
+    with pytest.raises(ConfigError, match=r"bin\.jsonl:2: not UTF-8"):
+        load_trace(str(path), block_size=64)
