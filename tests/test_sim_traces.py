@@ -223,3 +223,26 @@ def test_a_line_that_is_not_utf8_is_an_error_naming_it(tmp_path: Path) -> None:
     path.write_bytes(b'{"timestamp": 0, "input_length": 5}\n\xff\xfe{}\n')
     with pytest.raises(ConfigError, match=r"bin\.jsonl:2: not UTF-8"):
         load_trace(str(path), block_size=64)
+
+
+def test_agentic_limit_keeps_the_first_sessions_as_its_recorded_rows_do(tmp_path: Path) -> None:
+    """``agentic:... --limit N`` is the first N requests in the order sessions start, whole
+    sessions first, as the same workload written as recorded rows (``to_trace_rows``, what
+    ``kvrouter bench live`` replays and simulates) and read back with ``limit=N`` gives; it
+    was every session's first turn (all open loop, spread over the whole trace) and a few
+    follow-ups, another workload than the live bench's under the same limit."""
+    from sim.agentic import to_trace_rows
+    from sim.runner import build_workload
+
+    text = "agentic:sessions=12,session_rate=0.2,mean_turns=4,seed=3"
+    whole = build_workload(text, block_size=64)
+    path = write(tmp_path / "agentic.jsonl", to_trace_rows(whole))  # type: ignore[arg-type]
+    n = len(whole) // 2
+    assert n > 12  # more than one turn a session fits in the limit
+    head = build_workload(text, block_size=64, limit=n)
+    rows = load_trace(str(path), block_size=64, limit=n)
+
+    def shape(requests: list[SimRequest]) -> list[tuple[str | None, int, bool]]:
+        return [(r.session_id, r.prompt_tokens, r.after is not None) for r in requests]
+
+    assert shape(head.requests) == shape(rows.requests)
