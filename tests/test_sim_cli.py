@@ -238,3 +238,17 @@ def test_report_writes_plots_and_html(tmp_path: Path) -> None:
     html = (tmp_path / "index.html").read_text()
     assert "speedup_sweep.png" in html and "dynamo" in html
     assert len(json.loads((tmp_path / "summary.json").read_text())["sweep"]) == 4
+
+
+def test_json_settings_carry_every_setting_that_changed_the_run() -> None:
+    """``settings`` describes the run: the regions, the eviction pricing window and the P/D
+    knobs given change its figures, and were missing from it (two JSONs of different runs
+    read the same)."""
+    p = kvrouter("sim", "replay", "mooncake", *FLEET, "--limit", "20", "--regions", "2",
+                 "--racks", "2", "--reuse-window-s", "90", "--pd", "auto",
+                 "--pd-params", '{"rack_penalty_s": 1.5}', "--json")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    settings = json.loads(p.stdout)["settings"]
+    assert settings["regions"] == 2 and settings["racks"] == 2
+    assert settings["reuse_window_s"] == 90.0
+    assert settings["pd_params"] == {"rack_penalty_s": 1.5}
