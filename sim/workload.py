@@ -339,6 +339,13 @@ def read_bailian(
     return Workload(path.stem, requests, block_size, model, meta)
 
 
+def check_limit(limit: int | None, name: str = "the request limit") -> None:
+    """A request limit is None (all) or at least 1: 0 or less named no workload anyone
+    meant (a reader kept one request, ``Workload.head`` all or all but the last few)."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"{name} must be at least 1, got {limit}")
+
+
 def load_trace(
     trace: str,
     *,
@@ -349,6 +356,7 @@ def load_trace(
     limit: int | None = None,
 ) -> Workload:
     """Read ``trace`` (a path or ``mooncake``) in format ``auto|mooncake|recorded|bailian``."""
+    check_limit(limit)
     path = resolve_trace(trace)
     kind = sniff_format(path) if fmt == "auto" else fmt
     if kind in ("mooncake", "recorded"):

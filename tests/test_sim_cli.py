@@ -252,3 +252,13 @@ def test_json_settings_carry_every_setting_that_changed_the_run() -> None:
     assert settings["regions"] == 2 and settings["racks"] == 2
     assert settings["reuse_window_s"] == 90.0
     assert settings["pd_params"] == {"rack_penalty_s": 1.5}
+
+
+def test_a_limit_below_one_is_an_error_not_another_workload() -> None:
+    """``--limit 0`` replayed one request of a trace and the whole agentic workload;
+    ``--limit -3`` one request of a trace and all but the last 3 agentic ones."""
+    for trace in ("mooncake", "agentic:sessions=5"):
+        for limit in ("0", "-3"):
+            p = kvrouter("sim", "replay", trace, *FLEET, "--limit", limit, "--json")
+            assert p.returncode == 2, (trace, limit, p.stdout)
+            assert "--limit must be at least 1" in p.stderr and "Traceback" not in p.stderr
