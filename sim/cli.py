@@ -168,10 +168,18 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         raise KVRouterError("--replicas, --block-size and --routers must be positive")
     if args.kv_blocks is not None and args.kv_blocks <= 0:
         raise KVRouterError("--kv-blocks must be positive")
+    for flag in ("regions", "racks"):
+        if getattr(args, flag) < 1:
+            raise KVRouterError(f"--{flag} must be at least 1")
+    if args.cpu_blocks is not None and args.cpu_blocks < 0:
+        raise KVRouterError("--cpu-blocks must not be negative")
     share = args.share_load_ms
     if share is not None and share < 0:
         raise KVRouterError("--share-load-ms must not be negative")
-    for flag in ("event_lag_ms", "transport_ms", "arrival_jitter_ms"):
+    for flag in (
+        "event_lag_ms", "transport_ms", "arrival_jitter_ms", "speculative_ttl_ms",
+        "report_interval_ms",
+    ):  # fmt: skip
         if getattr(args, flag) < 0:
             raise KVRouterError(f"--{flag.replace('_', '-')} must not be negative")
     if not args.reuse_window_s > 0:
@@ -267,6 +275,9 @@ def _slo(args: argparse.Namespace) -> Any:
 
 def _workload(args: argparse.Namespace, trace: str | None = None) -> Any:
     from sim.runner import build_workload
+
+    if args.trace_block is not None and args.trace_block < 1:
+        raise KVRouterError("--trace-block must be at least 1")
 
     return build_workload(
         trace or args.trace,

@@ -361,11 +361,19 @@ def load_trace(
     kind = sniff_format(path) if fmt == "auto" else fmt
     if kind in ("mooncake", "recorded"):
         return read_mooncake(
-            path, block_size=block_size, trace_block=trace_block or 512, model=model, limit=limit
+            path,
+            block_size=block_size,
+            trace_block=512 if trace_block is None else trace_block,
+            model=model,
+            limit=limit,
         )
     if kind == "bailian":
         return read_bailian(
-            path, block_size=block_size, trace_block=trace_block or 16, model=model, limit=limit
+            path,
+            block_size=block_size,
+            trace_block=16 if trace_block is None else trace_block,
+            model=model,
+            limit=limit,
         )
     raise ConfigError(f"unknown trace format {fmt!r} (auto, mooncake, recorded, bailian)")
 

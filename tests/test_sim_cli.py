@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from router.core.policies import POLICY_NAMES, make_policy
 from sim.tuned import load_tuned
 from tests.inprocess import kvrouter
@@ -262,3 +264,21 @@ def test_a_limit_below_one_is_an_error_not_another_workload() -> None:
             p = kvrouter("sim", "replay", trace, *FLEET, "--limit", limit, "--json")
             assert p.returncode == 2, (trace, limit, p.stdout)
             assert "--limit must be at least 1" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--regions", "0"], "--regions must be at least 1"),  # was a ZeroDivisionError
+        (["--racks", "0"], "--racks must be at least 1"),  # the same
+        (["--regions", "-1"], "--regions must be at least 1"),  # was one region per replica
+        (["--cpu-blocks", "-5"], "--cpu-blocks must not be negative"),  # was no host tier
+        (["--trace-block", "0"], "--trace-block must be at least 1"),  # was 512
+        (["--speculative-ttl-ms", "-1"], "--speculative-ttl-ms must not be negative"),
+        (["--report-interval-ms", "-5"], "--report-interval-ms must not be negative"),
+    ],
+)
+def test_fleet_flags_out_of_range_are_errors(flags: list[str], message: str) -> None:
+    p = kvrouter("sim", "replay", "mooncake", *FLEET, "--limit", "5", *flags, "--json")
+    assert p.returncode == 2, p.stdout
+    assert message in p.stderr and "Traceback" not in p.stderr
