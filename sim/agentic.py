@@ -155,7 +155,10 @@ def generate(spec: AgenticSpec, *, block_size: int, model: str = "sim-model") ->
             tokens = np.concatenate([tokens, tool_toks])
             if len(tokens) >= spec.max_context:
                 break
-    requests.sort(key=lambda r: (r.after is not None, r.arrival_s))
+    # in the order sessions start, each session's turns together (a closed-loop turn's
+    # arrival_s is its session's start): ``head(n)`` keeps the first sessions whole, as the
+    # recorded rows of the same workload (to_trace_rows) read with a limit do
+    requests.sort(key=lambda r: r.arrival_s)
     meta = {"format": "agentic", "spec": {f.name: getattr(spec, f.name) for f in fields(spec)}}
     return Workload("agentic", requests, block_size, model, meta)
 

@@ -168,10 +168,18 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         raise KVRouterError("--replicas, --block-size and --routers must be positive")
     if args.kv_blocks is not None and args.kv_blocks <= 0:
         raise KVRouterError("--kv-blocks must be positive")
+    for flag in ("regions", "racks"):
+        if getattr(args, flag) < 1:
+            raise KVRouterError(f"--{flag} must be at least 1")
+    if args.cpu_blocks is not None and args.cpu_blocks < 0:
+        raise KVRouterError("--cpu-blocks must not be negative")
     share = args.share_load_ms
     if share is not None and share < 0:
         raise KVRouterError("--share-load-ms must not be negative")
-    for flag in ("event_lag_ms", "transport_ms", "arrival_jitter_ms"):
+    for flag in (
+        "event_lag_ms", "transport_ms", "arrival_jitter_ms", "speculative_ttl_ms",
+        "report_interval_ms",
+    ):  # fmt: skip
         if getattr(args, flag) < 0:
             raise KVRouterError(f"--{flag.replace('_', '-')} must not be negative")
     if not args.reuse_window_s > 0:
@@ -268,6 +276,9 @@ def _slo(args: argparse.Namespace) -> Any:
 def _workload(args: argparse.Namespace, trace: str | None = None) -> Any:
     from sim.runner import build_workload
 
+    if args.trace_block is not None and args.trace_block < 1:
+        raise KVRouterError("--trace-block must be at least 1")
+
     return build_workload(
         trace or args.trace,
         block_size=args.block_size,
@@ -286,12 +297,14 @@ def _settings(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         "kv_blocks": config.kv_blocks or config.profile.scaled(config.block_size).kv_blocks,
         "cpu_blocks": config.cpu_blocks,
         "routers": config.routers,
+        "regions": config.regions,
         "event_lag_ms": args.event_lag_ms,
         "transport_ms": args.transport_ms,
         "arrival_jitter_ms": args.arrival_jitter_ms,
         "report_interval_ms": args.report_interval_ms,
         "speculative_ttl_ms": args.speculative_ttl_ms,
         "share_load_ms": args.share_load_ms,
+        "reuse_window_s": config.reuse_window_s,
         "hybrid": config.profile.hybrid,
         "slo": {
             "ttft_s": {t.label: t.ttft_s for t in config.slo.tiers},
@@ -301,6 +314,7 @@ def _settings(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         "racks": config.racks,
         "pd": config.pd,
         "prefill_share": config.prefill_share,
+        "pd_params": dict(config.pd_params) if config.pd_params else None,
         "admission": asdict(config.admission) if config.admission is not None else None,
         "priority_share": config.priority_share,
         "flex_share": config.flex_share,

@@ -53,16 +53,20 @@ def sizes_of(kv_bytes_per_token: float, state_bytes: float) -> TransferSizes:
 
 @dataclass(slots=True)
 class PdStats:
-    """Counts of one run: requests disaggregated, bytes moved by link, prefill fallbacks."""
+    """Counts of one run: requests disaggregated, bytes moved by link, prefill fallbacks.
+    ``transfers``: the disaggregated requests whose prefill leg ended and moved its bytes (a
+    fallback moves none); ``transfer_ms_mean`` is over them."""
 
     requests: int = 0
     remote: int = 0
     fallbacks: int = 0
+    transfers: int = 0
     bytes_total: float = 0.0
     bytes_cross_rack: float = 0.0
     transfer_s: float = 0.0
 
     def moved(self, link: Link, nbytes: float, seconds: float) -> None:
+        self.transfers += 1
         self.bytes_total += nbytes
         if link in (Link.NETWORK, Link.REGION):
             self.bytes_cross_rack += nbytes
@@ -76,7 +80,7 @@ class PdStats:
             ),
             "transfer_gb": round(self.bytes_total / 1e9, 3),
             "transfer_ms_mean": (
-                round(1000 * self.transfer_s / self.remote, 3) if self.remote else 0.0
+                round(1000 * self.transfer_s / self.transfers, 3) if self.transfers else 0.0
             ),
             "pd_fallbacks": self.fallbacks,
         }

@@ -15,7 +15,7 @@ from router.core.policies import POLICY_NAMES
 from sim.agentic import AgenticSpec, generate
 from sim.cluster import ClusterConfig, Progress, RunResult, Simulation
 from sim.metrics import Ceilings, ceilings
-from sim.workload import Workload, load_trace
+from sim.workload import Workload, check_limit, load_trace
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,7 +39,9 @@ def build_workload(
     limit: int | None = None,
     model: str = "sim-model",
 ) -> Workload:
-    """A trace path, ``mooncake`` (the bundled trace) or ``agentic[:k=v,...]`` (synthetic)."""
+    """A trace path, ``mooncake`` (the bundled trace) or ``agentic[:k=v,...]`` (synthetic);
+    ``limit``: its first requests only (None: all)."""
+    check_limit(limit, "--limit")
     if trace == "agentic" or trace.startswith("agentic:"):
         workload = generate(AgenticSpec.parse(trace), block_size=block_size, model=model)
         return workload.head(limit) if limit else workload

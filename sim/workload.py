@@ -15,7 +15,8 @@ Trace formats (JSON lines; unknown extra fields are ignored):
   it arrives ``delay`` ms after that previous row's request finished.
 * Alibaba Bailian: ``{"chat_id", "parent_chat_id" (-1 for none), "timestamp" (s),
   "input_length", "output_length", "type", "turn", "hash_ids"}`` over 16-token blocks;
-  replayed open loop at its timestamps, sessions follow the parent chain.
+  replayed open loop at its timestamps, sessions follow the parent chain; a ``chat_id`` is
+  one request's id, so a second row with it is an error.
 
 Hash ids -> tokens. A trace names blocks, not tokens, so token content is synthesised
 deterministically: token ``j`` of the block with id ``k`` is ``(k * trace_block + j) mod 2**32``.
@@ -30,6 +31,7 @@ per id and a block shared by many requests is hashed once. Ids beyond the prompt
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -171,9 +173,12 @@ class BlockIdHasher:
 
 
 def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, 1):
-            line = line.strip()
+    with path.open("rb") as fh:  # decoded line by line, so a bad byte names its line
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise ConfigError(f"{path}:{lineno}: not UTF-8") from None
             if not line:
                 continue
             try:
@@ -185,13 +190,18 @@ def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             yield lineno, row
 
 
-def _int(row: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+def _number(row: dict[str, Any], key: str, where: str, default: float | None = None) -> float:
+    """``row[key]`` as a finite non-negative number (JSON's NaN and Infinity are not)."""
     value = row.get(key, default)
     if value is None:
         raise ConfigError(f"{where}: missing {key!r}")
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"{where}: {key!r} must be a non-negative number, got {value!r}")
-    return int(value)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError(f"{where}: {key!r} must be a finite non-negative number, got {value!r}")
+    return value
+
+
+def _int(row: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    return int(_number(row, key, where, default))
 
 
 def resolve_trace(trace: str) -> Path:
@@ -283,15 +293,19 @@ def read_bailian(
     hasher = BlockIdHasher(block_size, trace_block, model)
     rows: list[tuple[float, str, dict[str, Any], str]] = []
     root_of: dict[str, str] = {}
+    line_of: dict[str, int] = {}  # a chat id is its request's id: one row each
     for lineno, row in _rows(path):
         where = f"{path}:{lineno}"
         if "chat_id" not in row:
             raise ConfigError(f"{where}: missing 'chat_id'")
         chat = str(row["chat_id"])
+        if chat in line_of:
+            raise ConfigError(f"{where}: chat_id {chat} already on line {line_of[chat]}")
+        line_of[chat] = lineno
         parent = row.get("parent_chat_id", -1)
         parent_s = None if parent in (-1, None, "-1", "") else str(parent)
         root_of[chat] = root_of.get(parent_s, parent_s) if parent_s is not None else chat
-        ts = float(row.get("timestamp", 0.0))
+        ts = float(_number(row, "timestamp", where, 0.0))
         rows.append((ts, chat, row, where))
         if limit is not None and len(rows) >= limit:
             break
@@ -325,6 +339,13 @@ def read_bailian(
     return Workload(path.stem, requests, block_size, model, meta)
 
 
+def check_limit(limit: int | None, name: str = "the request limit") -> None:
+    """A request limit is None (all) or at least 1: 0 or less named no workload anyone
+    meant (a reader kept one request, ``Workload.head`` all or all but the last few)."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"{name} must be at least 1, got {limit}")
+
+
 def load_trace(
     trace: str,
     *,
@@ -335,15 +356,24 @@ def load_trace(
     limit: int | None = None,
 ) -> Workload:
     """Read ``trace`` (a path or ``mooncake``) in format ``auto|mooncake|recorded|bailian``."""
+    check_limit(limit)
     path = resolve_trace(trace)
     kind = sniff_format(path) if fmt == "auto" else fmt
     if kind in ("mooncake", "recorded"):
         return read_mooncake(
-            path, block_size=block_size, trace_block=trace_block or 512, model=model, limit=limit
+            path,
+            block_size=block_size,
+            trace_block=512 if trace_block is None else trace_block,
+            model=model,
+            limit=limit,
         )
     if kind == "bailian":
         return read_bailian(
-            path, block_size=block_size, trace_block=trace_block or 16, model=model, limit=limit
+            path,
+            block_size=block_size,
+            trace_block=16 if trace_block is None else trace_block,
+            model=model,
+            limit=limit,
         )
     raise ConfigError(f"unknown trace format {fmt!r} (auto, mooncake, recorded, bailian)")
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from router.core.policies import POLICY_NAMES, make_policy
 from sim.tuned import load_tuned
 from tests.inprocess import kvrouter
@@ -238,3 +240,45 @@ def test_report_writes_plots_and_html(tmp_path: Path) -> None:
     html = (tmp_path / "index.html").read_text()
     assert "speedup_sweep.png" in html and "dynamo" in html
     assert len(json.loads((tmp_path / "summary.json").read_text())["sweep"]) == 4
+
+
+def test_json_settings_carry_every_setting_that_changed_the_run() -> None:
+    """``settings`` describes the run: the regions, the eviction pricing window and the P/D
+    knobs given change its figures, and were missing from it (two JSONs of different runs
+    read the same)."""
+    p = kvrouter("sim", "replay", "mooncake", *FLEET, "--limit", "20", "--regions", "2",
+                 "--racks", "2", "--reuse-window-s", "90", "--pd", "auto",
+                 "--pd-params", '{"rack_penalty_s": 1.5}', "--json")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    settings = json.loads(p.stdout)["settings"]
+    assert settings["regions"] == 2 and settings["racks"] == 2
+    assert settings["reuse_window_s"] == 90.0
+    assert settings["pd_params"] == {"rack_penalty_s": 1.5}
+
+
+def test_a_limit_below_one_is_an_error_not_another_workload() -> None:
+    """``--limit 0`` replayed one request of a trace and the whole agentic workload;
+    ``--limit -3`` one request of a trace and all but the last 3 agentic ones."""
+    for trace in ("mooncake", "agentic:sessions=5"):
+        for limit in ("0", "-3"):
+            p = kvrouter("sim", "replay", trace, *FLEET, "--limit", limit, "--json")
+            assert p.returncode == 2, (trace, limit, p.stdout)
+            assert "--limit must be at least 1" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--regions", "0"], "--regions must be at least 1"),  # was a ZeroDivisionError
+        (["--racks", "0"], "--racks must be at least 1"),  # the same
+        (["--regions", "-1"], "--regions must be at least 1"),  # was one region per replica
+        (["--cpu-blocks", "-5"], "--cpu-blocks must not be negative"),  # was no host tier
+        (["--trace-block", "0"], "--trace-block must be at least 1"),  # was 512
+        (["--speculative-ttl-ms", "-1"], "--speculative-ttl-ms must not be negative"),
+        (["--report-interval-ms", "-5"], "--report-interval-ms must not be negative"),
+    ],
+)
+def test_fleet_flags_out_of_range_are_errors(flags: list[str], message: str) -> None:
+    p = kvrouter("sim", "replay", "mooncake", *FLEET, "--limit", "5", *flags, "--json")
+    assert p.returncode == 2, p.stdout
+    assert message in p.stderr and "Traceback" not in p.stderr

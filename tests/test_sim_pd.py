@@ -75,6 +75,25 @@ def test_runs_by_mode() -> None:
     )
 
 
+def test_transfer_ms_mean_is_over_the_transfers_a_fallback_moved_nothing() -> None:
+    """A prefill leg the engine rejects falls back to a local prefill and moves no bytes:
+    ``transfer_ms_mean`` is the mean over the transfers made, which the fallback halved
+    (it divided by every disaggregated request)."""
+    from sim.workload import SimRequest, Workload
+
+    small = SimRequest("a", 0.0, 640, 4, tuple(range(1, 11)))
+    huge = SimRequest("b", 1.0, 64 * 200, 4, tuple(range(100, 300)))  # > the 100-block cache
+    config = ClusterConfig(
+        load_profile("dense-70b"), replicas=4, kv_blocks=100, pd="always", prefill_share=0.5
+    )
+    alone = Simulation(Workload("t", [small], 64, "sim-model"), config, "ours").run().summary
+    both = Simulation(Workload("t", [small, huge], 64, "sim-model"), config, "ours").run()
+    s = both.summary
+    assert s["pd_fallbacks"] == 1 and s["rejected"] == 1 and s["transfer_gb"] > 0
+    assert alone["transfer_ms_mean"] > 0
+    assert s["transfer_ms_mean"] == alone["transfer_ms_mean"]
+
+
 TRACE = "agentic:sessions=6,system_tokens=20000,tool_tokens=6000,max_turns=4"
 FLEET = ["--profile", "kimi-k3", "--replicas", "4", "--racks", "2"]
 

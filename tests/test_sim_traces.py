@@ -182,3 +182,67 @@ def test_agentic_open_loop_is_a_conversation_trace_without_sessions() -> None:
     again = generate(AgenticSpec(**base), block_size=64)  # type: ignore[arg-type]
     assert [r.block_hashes for r in again.requests] == [r.block_hashes for r in closed.requests]
     assert [r.delay_s for r in again.requests] == [r.delay_s for r in closed.requests]
+
+
+def test_bailian_duplicate_chat_id_is_an_error_naming_both_lines(tmp_path: Path) -> None:
+    """Two rows with one ``chat_id`` would be one request id twice: the run merged their
+    records (one counted twice, the other lost) or crashed when they overlapped."""
+    row = {"chat_id": 5, "parent_chat_id": -1, "timestamp": 0.0, "input_length": 50}
+    path = write(tmp_path / "dup.jsonl", [row, {**row, "chat_id": 6}, {**row, "timestamp": 1.0}])
+    with pytest.raises(ConfigError, match=r"dup\.jsonl:3: chat_id 5 already on line 1"):
+        load_trace(str(path), block_size=64)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "message"),
+    [
+        ("mooncake", '{"timestamp": NaN, "input_length": 5}', "'timestamp' must be a finite"),
+        ("mooncake", '{"timestamp": 0, "input_length": Infinity}', "'input_length' must be a fin"),
+        ("bailian", '{"chat_id": 1, "timestamp": "abc", "input_length": 5}', "'timestamp' must"),
+        ("bailian", '{"chat_id": 1, "timestamp": [1], "input_length": 5}', "'timestamp' must"),
+        ("bailian", '{"chat_id": 1, "timestamp": NaN, "input_length": 5}', "'timestamp' must"),
+        ("bailian", '{"chat_id": 1, "timestamp": -1, "input_length": 5}', "'timestamp' must"),
+    ],
+)
+def test_non_finite_or_non_numeric_fields_name_their_line(
+    tmp_path: Path, fmt: str, text: str, message: str
+) -> None:
+    """A value that is not a finite non-negative number (JSON's NaN / Infinity, a string, a
+    list) is a ConfigError naming the file and line, not a traceback (OverflowError,
+    TypeError) or a bare ``cannot convert float NaN to integer``."""
+    path = tmp_path / "bad.jsonl"
+    good = {"input_length": 5, "chat_id": 0} if fmt == "bailian" else {"input_length": 5}
+    path.write_text(json.dumps({**good, "session_id": "s"}) + "\n" + text + "\n")
+    with pytest.raises(ConfigError, match=message) as exc:
+        load_trace(str(path), block_size=64, fmt=fmt)
+    assert "bad.jsonl:2" in str(exc.value)
+
+
+def test_a_line_that_is_not_utf8_is_an_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(b'{"timestamp": 0, "input_length": 5}\n\xff\xfe{}\n')
+    with pytest.raises(ConfigError, match=r"bin\.jsonl:2: not UTF-8"):
+        load_trace(str(path), block_size=64)
+
+
+def test_agentic_limit_keeps_the_first_sessions_as_its_recorded_rows_do(tmp_path: Path) -> None:
+    """``agentic:... --limit N`` is the first N requests in the order sessions start, whole
+    sessions first, as the same workload written as recorded rows (``to_trace_rows``, what
+    ``kvrouter bench live`` replays and simulates) and read back with ``limit=N`` gives; it
+    was every session's first turn (all open loop, spread over the whole trace) and a few
+    follow-ups, another workload than the live bench's under the same limit."""
+    from sim.agentic import to_trace_rows
+    from sim.runner import build_workload
+
+    text = "agentic:sessions=12,session_rate=0.2,mean_turns=4,seed=3"
+    whole = build_workload(text, block_size=64)
+    path = write(tmp_path / "agentic.jsonl", to_trace_rows(whole))  # type: ignore[arg-type]
+    n = len(whole) // 2
+    assert n > 12  # more than one turn a session fits in the limit
+    head = build_workload(text, block_size=64, limit=n)
+    rows = load_trace(str(path), block_size=64, limit=n)
+
+    def shape(requests: list[SimRequest]) -> list[tuple[str | None, int, bool]]:
+        return [(r.session_id, r.prompt_tokens, r.after is not None) for r in requests]
+
+    assert shape(head.requests) == shape(rows.requests)
