@@ -445,6 +445,49 @@ async def test_a_superseded_publisher_never_takes_the_lease_back(
         await new_eng.pub.close()
 
 
+async def test_a_superseded_publisher_cannot_land_a_write_after_the_takeover(
+    stores: Callable[[], RedisStore],
+) -> None:
+    """The old publisher flushes after its successor registered but before any heartbeat of
+    its own told it so. Its write must be refused in the same step that checks the lease:
+    otherwise its buckets land under the successor's seq (the old one's seq + 1 is the
+    successor's reset seq), the successor's next flush finds the seq it expects, and the
+    old engine's blocks stay in the store (and in every router that bootstraps from it)."""
+    old_eng, new_eng = await _engine(16, 31), await _engine(16, 32)
+    old_store, new_store = stores(), stores()
+    old = _publisher(old_store, "dup3", old_eng, heartbeat_s=60.0)  # never notices by heartbeat
+    new = _publisher(new_store, "dup3", new_eng, heartbeat_s=60.0)
+    key = ReplicaKey("dup3")
+    try:
+        await old.start()
+        try:
+            await _joined((old_eng, old))
+            x = old_eng.prompt(8)
+            await old_eng.store(x)
+            await eventually(lambda: _stored_holds(old_store, key, canonical(x), ()))
+            async with new:  # registered (took the lease) and reset when start returns
+                # enough blocks for several buckets: the successor's small flush rewrites one
+                z = old_eng.prompt(512)
+                await old_eng.store(z)  # the old one flushes z: its write after the takeover
+                await eventually(lambda: old.stats.superseded)
+                await _joined((new_eng, new))
+                y = new_eng.prompt(8)
+                await new_eng.store(y)
+                await eventually(lambda: _stored_holds(new_store, key, canonical(y), ()))
+                assert await _stored_holds(
+                    new_store, key, canonical(y), canonical(z) + canonical(x)
+                )
+                index = PrefixIndex()  # a router starting now
+                async with IndexSync(stores(), index, **FAST_SYNC):
+                    assert index.match(canonical(z)).get(key).kv_blocks == 0
+                    assert index.match(canonical(y)).get(key).kv_blocks == 4
+        finally:
+            await old.stop()
+    finally:
+        await old_eng.pub.close()
+        await new_eng.pub.close()
+
+
 async def _stored_holds(
     store: RedisStore, key: ReplicaKey, held: Sequence[int], gone: Sequence[int]
 ) -> bool:

@@ -96,3 +96,32 @@ def test_an_endpoint_it_cannot_subscribe_to_stops_publish_and_deregisters(
     assert "File name too long" in out.stderr  # ZMQ's own reason
     client = redis.Redis.from_url(redis_url)
     assert not [k for k in client.scan_iter(f"{key_prefix}*") if b"r1" in k]  # deregistered
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--heartbeat", "0"], "--heartbeat must be > 0"),
+        (["--heartbeat", "-1"], "--heartbeat must be > 0"),
+        (["--heartbeat", "10", "--lease-ttl", "10"], "shorter than --lease-ttl"),
+        (["--lease-ttl", "0"], "--lease-ttl must be > 0"),
+        (["--flush-interval", "-0.5"], "--flush-interval must be > 0"),
+        (["--metrics-port", "70000"], "--metrics-port must be in 0..65535"),
+    ],
+)
+def test_timing_flags_that_cannot_work_stop_the_command(flags: list[str], needle: str) -> None:
+    """A heartbeat not shorter than the lease lets the lease lapse between renewals (routers
+    drop the replica, it registers again, over and over); a zero or negative interval spins
+    against Redis. Refused before anything starts, with the flag named, not a traceback."""
+    import subprocess
+    import sys
+
+    from tests.ports import free_port
+
+    argv = ["publish", "--replica", "r0", "--model", "m", "--zmq", "tcp://127.0.0.1:1"]
+    argv += ["--redis", f"redis://127.0.0.1:{free_port()}/0", *flags]  # nothing listens
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", *argv], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 2 and needle in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

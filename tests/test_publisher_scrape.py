@@ -146,3 +146,18 @@ def test_kv_usage_outside_the_unit_range_is_clamped(value: str, taken: float) ->
         'engine="1",model_name="m"} 0.25', f'engine="1",model_name="m"}} {value}'
     )
     assert parse_engine_metrics(page)[1] == ScrapedLoad(1, 0, taken)
+
+
+@pytest.mark.parametrize(("value", "taken"), [("NaN", 0), ("+Inf", 0), ("-2", 0), ("3.9", 3)])
+@pytest.mark.parametrize("line", [1, 0], ids=["running", "waiting"])
+def test_a_request_count_that_is_not_a_count_does_not_refuse_the_page(
+    value: str, taken: int, line: int
+) -> None:
+    """One rank's running or waiting gauge reading NaN or infinite (an engine with nothing
+    to report for it yet) must not cost every rank its load report, nor a negative one go
+    on as a count: it counts as 0, as a NaN kv usage does."""
+    old = {1: 'running{engine="1",model_name="m"} 1.0', 0: 'waiting{engine="1",model_name="m"} 0.0'}
+    page = VLLM_DP.replace(old[line], old[line].rsplit(" ", 1)[0] + " " + value)
+    loads = parse_engine_metrics(page)
+    assert loads[0] == ScrapedLoad(4, 2, 0.5)
+    assert (loads[1].running, loads[1].waiting) == ((taken, 0) if line else (1, taken))

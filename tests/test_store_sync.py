@@ -16,6 +16,7 @@ from router.core.load import LoadTracker
 from router.core.types import AllCleared, BlocksRemoved, BlocksStored, Kind, ReplicaKey, Tier
 from router.store.base import (
     IndexStore,
+    LeaseLost,
     LeaseTaken,
     LoadSample,
     ReplicaDown,
@@ -152,6 +153,48 @@ async def test_lease_expiry_purges_and_load_reaches_the_tracker(store: IndexStor
         assert await store.list_replicas() == []
         assert await store.read_replicas([ReplicaKey("short")]) == [None]
         assert not await store.reap("short")
+
+
+async def test_writes_are_fenced_by_the_writers_lease(store: IndexStore) -> None:
+    """A writer with an owner writes only while the lease is its own, checked in the same
+    atomic step as the write: after another owner registered, or once its lease is gone,
+    nothing of a flush, a reset or a load sample lands (not the buckets, not the seq)."""
+    info = ReplicaInfo("fenced", model="m")
+    key = ReplicaKey("fenced")
+    await store.register(info, owner="first", lease_ttl_s=30)
+    first = StoreWriter(store, [key], owner="first")
+    first.add(key, [BlocksStored((1, 2))])
+    await first.flush()  # the reset, events included
+    await store.register(info, owner="second", lease_ttl_s=0.3)
+    second = StoreWriter(store, [key], owner="second")
+    second.states[key].seq = first.states[key].seq  # (as a publisher's resume_seq)
+    await second.flush()
+    first.add(key, [BlocksStored((3,))])
+    with pytest.raises(LeaseTaken) as taken:
+        await first.flush()
+    assert taken.value.holder == "second" and first.needs_reset
+    with pytest.raises(LeaseTaken):
+        await first.flush()  # its reset
+    with pytest.raises(LeaseTaken):
+        await store.publish_load(key, LoadSample(9, 9, 0.9, 1.0), owner="first")
+    (snap,) = await store.read_replicas([key])
+    assert snap is not None and snap.entries == 0 and snap.seq == second.states[key].seq
+    # the second owner's lease runs out (a stalled writer): its own writes are refused too
+    await eventually(lambda: _lease_gone(store, "fenced"))
+    second.add(key, [BlocksStored((4,))])
+    with pytest.raises(LeaseLost):
+        await second.flush()
+    with pytest.raises(LeaseLost):
+        await store.publish_load(key, LoadSample(1, 1, 0.1, 1.0), owner="second")
+    assert await store.stored_seq(key) == second.states[key].seq - 1
+    await store.register(info, owner="second", lease_ttl_s=30, take_over=False)
+    await second.flush()  # the reset it owes
+    (snap,) = await store.read_replicas([key])
+    assert snap is not None and snap.entries == 1 and snap.seq == second.states[key].seq
+
+
+async def _lease_gone(store: IndexStore, replica: str) -> bool:
+    return not (await store.leases([replica]))[replica]
 
 
 async def test_the_last_registration_owns_the_lease(store: IndexStore) -> None:

@@ -61,7 +61,7 @@ async def bench_publish(store: RedisStore, args: argparse.Namespace) -> dict[str
     of them later removed (eviction), flushed every ``--batch`` block events."""
     key = ReplicaKey("bench-pub")
     await store.register(ReplicaInfo(key.replica), "bench", 60)
-    writer = StoreWriter(store, [key])
+    writer = StoreWriter(store, [key], "bench")  # fenced by its lease, as a publisher
     await writer.flush()
     hashes = _rand64(args.seed, args.events).tolist()
     evs: list[IndexEvent] = []
@@ -104,7 +104,7 @@ async def bench_pipeline(store: RedisStore, args: argparse.Namespace) -> dict[st
     """Engine payloads -> decode -> re-block -> Redis."""
     key = ReplicaKey("bench-pipe")
     await store.register(ReplicaInfo(key.replica), "bench", 60)
-    writer = StoreWriter(store, [key])
+    writer = StoreWriter(store, [key], "bench")  # fenced by its lease, as a publisher
     await writer.flush()
     ingest = EngineIngest(key.replica, "bench-model", args.block_size, writer.add)
     rng = random.Random(args.seed)

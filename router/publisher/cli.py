@@ -132,6 +132,26 @@ async def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_timing(args: argparse.Namespace) -> None:
+    """Raise ValueError naming a timing or port flag that cannot work: a heartbeat not
+    shorter than the lease lets the lease lapse between renewals (routers drop the replica,
+    it registers again, over and over); a zero or negative interval spins against Redis."""
+    for flag, value in (
+        ("--lease-ttl", args.lease_ttl),
+        ("--heartbeat", args.heartbeat),
+        ("--flush-interval", args.flush_interval),
+    ):
+        if not value > 0:  # (NaN too)
+            raise ValueError(f"{flag} must be > 0 seconds, got {value}")
+    if args.heartbeat >= args.lease_ttl:
+        raise ValueError(
+            f"--heartbeat ({args.heartbeat} s) must be shorter than --lease-ttl "
+            f"({args.lease_ttl} s): the lease would lapse between renewals"
+        )
+    if not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -141,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         check(args, os.environ)
+        check_timing(args)
     except ValueError as exc:
         print(f"kvrouter publish: {exc}", file=sys.stderr)
         return 2

@@ -19,12 +19,15 @@ skipped. ``stop`` flushes and, by default, deregisters so routers drop the repli
 One writer per replica: the last publisher to register a replica name owns its lease. A
 publisher whose heartbeat finds the lease held by another owner (``LeaseTaken``) stands
 down: it stops following the engine, writes nothing more and, on stop, neither flushes nor
-deletes its successor's state (``superseded``). Its writes between the takeover and that
-heartbeat are healed by the successor's seq check. Only a publisher's first registration
-takes the lease from another owner: registering again (a lost lease, a failed write, a seq
-mismatch, a learned layout) finds a lease held by another owner and stands down the same way,
-so a superseded publisher whose seq check runs before its heartbeat notices never takes the
-replica back from its successor.
+deletes its successor's state (``superseded``). Between the takeover and that heartbeat it
+cannot write either: every state write and load sample is fenced by its lease (the store
+checks the owner in the same atomic step and refuses, ``LeaseTaken``: it stands down then);
+a write that finds the lease gone (it stalled past the lease, ``LeaseLost``) registers
+again first. Only a publisher's first registration takes the lease from another owner:
+registering again (a lost lease, a failed write, a seq mismatch, a learned layout) finds a
+lease held by another owner and stands down the same way, so a superseded publisher whose
+seq check runs before its heartbeat notices never takes the replica back from its
+successor.
 """
 
 from __future__ import annotations
@@ -45,7 +48,14 @@ from router.core.types import IndexEvent, ReplicaKey
 from router.events.endpoints import EndpointSpec
 from router.events.ingest import EngineIngest, SubscriberGroup
 from router.publisher.scrape import MissingGauges, fetch_page, parse_engine_metrics
-from router.store.base import IndexStore, LeaseTaken, LoadSample, ReplicaInfo, SeqMismatch
+from router.store.base import (
+    IndexStore,
+    LeaseLost,
+    LeaseTaken,
+    LoadSample,
+    ReplicaInfo,
+    SeqMismatch,
+)
 from router.store.writer import StoreWriter
 from router.tasks import stop_all
 
@@ -92,7 +102,7 @@ class Publisher:
         self.settings = settings
         self.store = store
         info = settings.info
-        self.writer = StoreWriter(store, info.replica_keys())
+        self.writer = StoreWriter(store, info.replica_keys(), settings.owner)
         # the engine's recurrent-state layout, learned from its checkpoints and registered
         # with the replica (routers read it from the registry: router.service.layout)
         self.grid = CheckpointGrid(info.block_size)
@@ -194,6 +204,8 @@ class Publisher:
                 await self.writer.flush()
             except SeqMismatch:
                 await self.writer.flush()  # the full republish it calls for
+            except LeaseLost:
+                pass  # nothing written; deregistering still deletes what it left
             if s.deregister_on_stop and not await self.store.deregister(s.info.replica, s.owner):
                 log.warning("publisher stop: %s is owned by another publisher", s.info.replica)
         except Exception as exc:
@@ -236,7 +248,11 @@ class Publisher:
                 backoff = 0.05
             except asyncio.CancelledError:
                 raise
-            except LeaseTaken as exc:  # found registering again
+            except LeaseLost as exc:  # a write found the lease gone: register again at once
+                self.stats.lease_losses += 1
+                log.warning("publisher: %s; registering again and republishing", exc)
+                self._wake.set()
+            except LeaseTaken as exc:  # found registering again, or by a fenced write
                 log.error("publisher: %s; standing down (no more writes)", exc)
                 await self._stand_down()
                 return
@@ -320,10 +336,17 @@ class Publisher:
                         load.prefix_cache_queries,
                         load.prefix_cache_hits,
                     )
-                    await self.store.publish_load(ReplicaKey(s.info.replica, rank), sample)
+                    await self.store.publish_load(ReplicaKey(s.info.replica, rank), sample, s.owner)
                     self.stats.loads_published += 1
             except asyncio.CancelledError:
                 raise
+            except LeaseTaken as exc:
+                log.error("publisher: %s; standing down (no more writes)", exc)
+                await self._stand_down()
+                return
+            except LeaseLost:  # not written; the flush loop registers again
+                self.writer.needs_reset = True
+                self._wake.set()
             except Exception as exc:
                 _raise_if_cancelled(exc)
                 self.stats.scrape_errors += 1

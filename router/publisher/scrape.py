@@ -17,7 +17,8 @@ A page with none of the load gauges is refused (ValueError: no report, as for a 
 without a scraped page). A figure the page lacks for a rank (an engine version that renamed
 or dropped its gauge) is taken as 0, the value the policies use without an engine report
 (waiting: only the router's own queue counts; KV usage: no KV-pressure term), and named in
-``ScrapedLoad.missing``, which :class:`MissingGauges` logs once per change.
+``ScrapedLoad.missing``, which :class:`MissingGauges` logs once per change. A value that is
+no figure (NaN, infinite, a negative count) is taken as 0 too, for its rank alone.
 """
 
 from __future__ import annotations
@@ -102,6 +103,12 @@ def unit_fraction(value: float) -> float:
     return min(max(value, 0.0), 1.0) if not math.isnan(value) else 0.0
 
 
+def request_count(value: float) -> int:
+    """A running / waiting gauge as a count: NaN, infinite or negative (no count an engine
+    can have) is 0, as a missing gauge; a fraction is truncated."""
+    return int(value) if math.isfinite(value) and value > 0 else 0
+
+
 def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
     """Load per dp rank; raises ValueError when the page is not Prometheus text or carries
     none of the gauges above."""
@@ -146,8 +153,8 @@ def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
     figures = {"running": running, "waiting": waiting, "kv_usage": usage}
     return {
         r: ScrapedLoad(
-            int(running.get(r, 0)),
-            int(waiting.get(r, 0)),
+            request_count(running.get(r, 0.0)),
+            request_count(waiting.get(r, 0.0)),
             unit_fraction(usage.get(r, 0.0)),
             queries.get(r),
             hits.get(r),

@@ -47,6 +47,16 @@ class LeaseTaken(Exception):
         self.holder = holder
 
 
+class LeaseLost(Exception):
+    """A write fenced by its writer's lease found the lease gone (it expired while the writer
+    was stalled, or the store lost its data): nothing was written; the writer must register
+    again and republish its state in full."""
+
+    def __init__(self, replica: str) -> None:
+        super().__init__(f"the lease of replica {replica!r} is gone")
+        self.replica = replica
+
+
 class SeqMismatch(Exception):
     """A write found the stored ``seq`` of these keys other than the one before its own:
     the store went back (restored from an older snapshot, a failover that lost writes) or
@@ -315,18 +325,30 @@ class IndexStore(Protocol):
         died), with neither a lease nor a registration. :meth:`reap` deletes them."""
         ...
 
-    async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:
+    async def write(
+        self,
+        writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]],
+        owner: str | None = None,
+    ) -> None:
         """Commit each state's changed buckets and its ``seq`` (already incremented by the
         caller), then append each batch of events to the change stream. A store that keeps
         a state in pieces raises ``SeqMismatch`` (after doing all of that) when the stored
-        seq a state's commit replaced was not ``seq - 1``."""
+        seq a state's commit replaced was not ``seq - 1``. With ``owner``, a replica's
+        write is made only while its lease is ``owner``'s, checked in the same atomic step:
+        otherwise nothing of that replica's is written and ``LeaseTaken`` (another owner
+        holds it) or ``LeaseLost`` (it is gone) is raised, after the other replicas'."""
         ...
 
-    async def reset(self, states: Sequence[ReplicaState]) -> None:
-        """Replace the stored content of these replica keys with ``states`` in full."""
+    async def reset(self, states: Sequence[ReplicaState], owner: str | None = None) -> None:
+        """Replace the stored content of these replica keys with ``states`` in full; fenced
+        by ``owner``'s lease as :meth:`write`."""
         ...
 
-    async def publish_load(self, key: ReplicaKey, sample: LoadSample) -> None: ...
+    async def publish_load(
+        self, key: ReplicaKey, sample: LoadSample, owner: str | None = None
+    ) -> None:
+        """Store and announce a load sample; fenced by ``owner``'s lease as :meth:`write`."""
+        ...
 
     async def stored_seq(self, key: ReplicaKey) -> int | None: ...
 

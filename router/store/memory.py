@@ -20,6 +20,7 @@ from router.store.base import (
     BatchChange,
     Change,
     ChangeRead,
+    LeaseLost,
     LeaseTaken,
     LoadChange,
     LoadSample,
@@ -98,7 +99,23 @@ class MemoryStore:
             for key in [k for k in table if k.replica == replica and k.dp_rank not in keep]:
                 del table[key]
 
-    async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:
+    def _fence(self, replicas: set[str], owner: str | None) -> None:
+        """As RedisStore's lease-fenced writes: ``owner`` must hold each replica's lease."""
+        if owner is None:
+            return
+        for replica in sorted(replicas):
+            lease = self._leases.get(replica)
+            if lease is None or lease[1] <= self._clock():
+                raise LeaseLost(replica)
+            if lease[0] != owner:
+                raise LeaseTaken(replica, lease[0])
+
+    async def write(
+        self,
+        writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]],
+        owner: str | None = None,
+    ) -> None:
+        self._fence({st.key.replica for st, _ in writes}, owner)
         behind = []
         for state, events in writes:
             before = self._snapshots.get(state.key)
@@ -111,7 +128,8 @@ class MemoryStore:
         if behind:  # as RedisStore, though a snapshot here is never stale in part
             raise SeqMismatch(behind)
 
-    async def reset(self, states: Sequence[ReplicaState]) -> None:
+    async def reset(self, states: Sequence[ReplicaState], owner: str | None = None) -> None:
+        self._fence({st.key.replica for st in states}, owner)
         for state in states:
             state.kv.take_changes()
             state.state.take_changes()
@@ -134,7 +152,10 @@ class MemoryStore:
         alive = await self.leases(sorted(names))
         return [n for n in sorted(names) if not alive[n]]
 
-    async def publish_load(self, key: ReplicaKey, sample: LoadSample) -> None:
+    async def publish_load(
+        self, key: ReplicaKey, sample: LoadSample, owner: str | None = None
+    ) -> None:
+        self._fence({key.replica}, owner)
         self._loads[key] = sample
         self._append(LoadChange(key, sample))
 

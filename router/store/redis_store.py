@@ -3,10 +3,12 @@ docs/redis.md). Works with ``redis://`` and ``rediss://`` URLs, AUTH (``user:pas
 ``?db=`` or ``/db`` path, and with a Redis Cluster through ``redis+cluster://`` /
 ``rediss+cluster://`` (any node's address; the client discovers the rest).
 
-Writes are pipelined: per flush, one MULTI/EXEC per replica (all keys share the replica's
-hash tag, so each transaction is single-slot) and one pipeline of XADDs. A standalone Redis
-gets all of them in one round trip; on a cluster each replica's transaction is its own
-pipeline (run concurrently) and the client routes the XADDs to the shards' nodes.
+Writes: per flush, one MULTI/EXEC per replica (all keys share the replica's hash tag, so
+each transaction is single-slot), fenced by the writer's lease (``WATCH`` lease, ``GET``,
+then the transaction: a superseded or lapsed writer cannot land a write, ``_fenced``), then
+one pipeline of XADDs. The replicas' transactions run concurrently, each on its connection;
+the client routes the XADDs to the shards' nodes. Unfenced writes (no owner: tests, bench)
+share one round trip on a standalone Redis.
 
 Reads of the change stream: standalone, one blocking XREAD over all shards. On a cluster the
 shards live in different slots, so each shard is read on its own (concurrently, without
@@ -27,12 +29,14 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import WatchError
 
 from router.core.types import IndexEvent, ReplicaKey
 from router.store.base import (
     BatchChange,
     Change,
     ChangeRead,
+    LeaseLost,
     LeaseTaken,
     LoadChange,
     LoadSample,
@@ -59,6 +63,9 @@ DEFAULT_STREAM_MAXLEN = 50_000
 DEFAULT_CLUSTER_POLL_S = 0.05
 DEFAULT_SOCKET_TIMEOUT_S = 10.0
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
+# a fenced write retried this often when its lease key changed between the check and EXEC
+# (its own heartbeat renewing it, usually)
+FENCE_ATTEMPTS = 8
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 # Deletes a replica's keys. KEYS[1] lease, KEYS[2] meta, KEYS[3..] load and kv:<dp>, st:<dp>
 # of the ranks ARGV[3..]; ARGV[1] when: "reap" only while the lease is gone (and meta or
@@ -104,6 +111,17 @@ local cur = redis.call('GET', KEYS[1])
 if not cur then return 0 end
 if cur ~= ARGV[1] then return cur end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+# A load sample, fenced by the writer's lease: KEYS[1] lease, KEYS[2] load; ARGV owner (''
+# unchecked), dp, sample. 1 written, 0 lease gone, else the holder.
+_LOAD = """
+if ARGV[1] ~= '' then
+  local cur = redis.call('GET', KEYS[1])
+  if not cur then return 0 end
+  if cur ~= ARGV[1] then return cur end
+end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 return 1
 """
 
@@ -299,45 +317,103 @@ class RedisStore:
             self._xadd(pipe, replica, ReplicaDown(replica))
             await pipe.execute()
 
-    def _queue_table(self, pipe: Any, key: str, table: PackedTable, full: bool) -> None:
+    @staticmethod
+    def _table_cmds(key: str, table: PackedTable, full: bool) -> list[tuple[Any, ...]]:
+        """The commands that bring ``key`` to ``table`` (its changes, or all of it)."""
         rebuilt, buckets = table.take_changes()
         if full:
             rebuilt, buckets = True, table.all_buckets()
+        cmds: list[tuple[Any, ...]] = []
         if rebuilt:
-            pipe.execute_command("UNLINK", key)  # (a cluster pipeline's unlink() is a coroutine)
-        put = {str(b): v for b, v in buckets.items() if v}
+            cmds.append(("UNLINK", key))
+        put = [x for b, v in buckets.items() if v for x in (str(b), v)]
         gone = [str(b) for b, v in buckets.items() if not v]
         if put:
-            pipe.hset(key, mapping=put)
+            cmds.append(("HSET", key, *put))
         if gone and not rebuilt:
-            pipe.hdel(key, *gone)
+            cmds.append(("HDEL", key, *gone))
+        return cmds
 
-    async def _commit(self, states: Sequence[ReplicaState], full: bool) -> list[ReplicaKey]:
+    async def _fenced(
+        self, replica: str, owner: str, cmds: Sequence[tuple[Any, ...]]
+    ) -> list[Any] | str | None:
+        """Run ``cmds`` in one MULTI/EXEC only while ``replica``'s lease is ``owner``'s:
+        ``WATCH`` the lease, read it, then the transaction, which Redis aborts when the lease
+        changed meanwhile (taken by another owner, renewed: checked again). The replies, or
+        what refused it: the holder, None when the lease is gone."""
+        lease = self.schema.lease(replica)
+        mine = owner.encode()
+        pipe: Any  # (redis-py's pipeline methods are untyped)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for _ in range(FENCE_ATTEMPTS):
+                try:
+                    await pipe.watch(lease)
+                    cur: Any = await pipe.get(lease)
+                    if cur != mine:
+                        await pipe.reset()
+                        return None if cur is None else bytes(cur).decode(errors="replace")
+                    pipe.multi()
+                    for cmd in cmds:
+                        pipe.execute_command(*cmd)
+                    return list(await pipe.execute())
+                except WatchError:
+                    continue
+        raise WatchError(f"replica {replica!r}: its lease kept changing during a write")
+
+    async def _commit(
+        self, states: Sequence[ReplicaState], full: bool, owner: str | None = None
+    ) -> tuple[list[ReplicaKey], dict[str, str | None]]:
         """Write the states (``full``: replace them whole) with their seqs, one transaction
-        per replica; returns the keys whose stored seq before it (0 when none) was not
-        ``seq - 1``."""
+        per replica, fenced by ``owner``'s lease (None: unchecked; ``_fenced``). Returns the
+        keys whose stored seq before it (0 when none) was not ``seq - 1``, and the replicas
+        whose write was refused (nothing of it written): the lease's holder, None when gone."""
         s = self.schema
         by_replica: dict[str, list[ReplicaState]] = defaultdict(list)
         for st in states:
             by_replica[st.key.replica].append(st)
-
-        def queue(pipe: Any, item: tuple[str, list[ReplicaState]]) -> None:
-            replica, group = item
-            for st in group:  # the seqs replaced, first: the first len(group) replies
-                pipe.hget(s.meta(replica), s.seq_field(st.key.dp_rank))
+        items: list[tuple[str, list[ReplicaState], list[tuple[Any, ...]]]] = []
+        for replica, group in by_replica.items():
+            meta = s.meta(replica)
+            # the seqs replaced, first: the first len(group) replies
+            cmds: list[tuple[Any, ...]] = [
+                ("HGET", meta, s.seq_field(st.key.dp_rank)) for st in group
+            ]
             for st in group:
-                self._queue_table(pipe, s.kv(replica, st.key.dp_rank), st.kv, full)
-                self._queue_table(pipe, s.state(replica, st.key.dp_rank), st.state, full)
-                pipe.hset(s.meta(replica), s.seq_field(st.key.dp_rank), str(st.seq))
+                dp = st.key.dp_rank
+                cmds += self._table_cmds(s.kv(replica, dp), st.kv, full)
+                cmds += self._table_cmds(s.state(replica, dp), st.state, full)
+                cmds.append(("HSET", meta, s.seq_field(dp), str(st.seq)))
+            items.append((replica, group, cmds))
+        replies: list[list[Any] | str | None]
+        if owner is None:
 
-        items = list(by_replica.items())
-        replies = await self._transactions(items, queue)
-        return [
-            st.key
-            for (_, group), got in zip(items, replies, strict=True)
-            for st, before in zip(group, got, strict=False)
-            if int(before or 0) != st.seq - 1
-        ]
+            def queue(pipe: Any, item: tuple[str, Any, list[tuple[Any, ...]]]) -> None:
+                for cmd in item[2]:
+                    pipe.execute_command(*cmd)
+
+            replies = list(await self._transactions(items, queue))
+        else:
+            replies = await _all(self._fenced(r, owner, cmds) for r, _, cmds in items)
+        behind: list[ReplicaKey] = []
+        refused: dict[str, str | None] = {}
+        for (replica, group, _), got in zip(items, replies, strict=True):
+            if not isinstance(got, list):
+                refused[replica] = got
+                continue
+            behind += [
+                st.key
+                for st, before in zip(group, got, strict=False)
+                if int(before or 0) != st.seq - 1
+            ]
+        return behind, refused
+
+    @staticmethod
+    def _raise_refused(refused: dict[str, str | None]) -> None:
+        for replica, holder in refused.items():
+            if holder is not None:
+                raise LeaseTaken(replica, holder)
+        for replica in refused:
+            raise LeaseLost(replica)
 
     async def _transactions(
         self, items: Sequence[_T], queue: Callable[[Any, _T], None]
@@ -363,29 +439,44 @@ class RedisStore:
             replies = await pipe.execute()
         return [list(replies[i]) for i in exec_at]
 
-    async def write(self, writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]]) -> None:
+    async def write(
+        self,
+        writes: Sequence[tuple[ReplicaState, tuple[IndexEvent, ...]]],
+        owner: str | None = None,
+    ) -> None:
         if not writes:
             return
-        behind = await self._commit([st for st, _ in writes], full=False)
+        behind, refused = await self._commit([st for st, _ in writes], False, owner)
         async with self.redis.pipeline(transaction=False) as pipe:
             for st, events in writes:
-                self._xadd(pipe, st.key.replica, BatchChange(st.key, st.seq, events))
+                if st.key.replica not in refused:
+                    self._xadd(pipe, st.key.replica, BatchChange(st.key, st.seq, events))
             await pipe.execute()
+        self._raise_refused(refused)
         if behind:  # the buckets this write left alone may not be the writer's
             raise SeqMismatch(behind)
 
-    async def reset(self, states: Sequence[ReplicaState]) -> None:
+    async def reset(self, states: Sequence[ReplicaState], owner: str | None = None) -> None:
         if not states:
             return
-        await self._commit(states, full=True)
+        _, refused = await self._commit(states, True, owner)
         async with self.redis.pipeline(transaction=False) as pipe:
             for st in states:
-                self._xadd(pipe, st.key.replica, ResetChange(st.key, st.seq))
+                if st.key.replica not in refused:
+                    self._xadd(pipe, st.key.replica, ResetChange(st.key, st.seq))
             await pipe.execute()
+        self._raise_refused(refused)
 
-    async def publish_load(self, key: ReplicaKey, sample: LoadSample) -> None:
+    async def publish_load(
+        self, key: ReplicaKey, sample: LoadSample, owner: str | None = None
+    ) -> None:
+        s = self.schema
+        keys = (s.lease(key.replica), s.load(key.replica))
+        got = await self.redis.eval(_LOAD, 2, *keys, owner or "", key.dp_rank, sample.to_json())
+        self._raise_refused(
+            {} if got == 1 else {key.replica: got.decode(errors="replace") if got else None}
+        )
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(self.schema.load(key.replica), str(key.dp_rank), sample.to_json())
             self._xadd(pipe, key.replica, LoadChange(key, sample))
             await pipe.execute()
 

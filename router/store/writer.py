@@ -5,7 +5,9 @@ Events are folded into the authoritative ``ReplicaState`` per ``ReplicaKey`` as 
 buckets only. ``reset`` rewrites every key's full state (start-up, lost lease, Redis data
 loss, failed write). A failed flush leaves the writer needing a reset, so nothing is lost:
 the states already hold every event; so does a flush that found the stored seq it replaced
-not its own last (``SeqMismatch``: the store went back, or another writer wrote).
+not its own last (``SeqMismatch``: the store went back, or another writer wrote). With an
+``owner``, every write is fenced by that owner's lease (``LeaseTaken`` / ``LeaseLost``: the
+write was refused, the writer needs a reset).
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from router.store.base import IndexStore, ReplicaState
 
 
 class StoreWriter:
-    def __init__(self, store: IndexStore, keys: Iterable[ReplicaKey]) -> None:
+    def __init__(
+        self, store: IndexStore, keys: Iterable[ReplicaKey], owner: str | None = None
+    ) -> None:
         self.store = store
+        self.owner = owner
         self.states: dict[ReplicaKey, ReplicaState] = {k: ReplicaState(k) for k in keys}
         self._pending: dict[ReplicaKey, list[IndexEvent]] = {}
         self.pending_events = 0
@@ -61,7 +66,7 @@ class StoreWriter:
         self._pending = {}
         self.pending_events = 0
         try:
-            await self.store.write(writes)
+            await self.store.write(writes, self.owner)
         except BaseException:
             self.needs_reset = True
             raise
@@ -75,7 +80,7 @@ class StoreWriter:
         self.pending_events = 0
         for st in self.states.values():
             st.seq += 1
-        await self.store.reset(list(self.states.values()))
+        await self.store.reset(list(self.states.values()), self.owner)
         self.needs_reset = False
         self.flushes += 1
 
