@@ -125,3 +125,32 @@ def test_timing_flags_that_cannot_work_stop_the_command(flags: list[str], needle
     )
     assert out.returncode == 2 and needle in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_metrics_port_taken_stops_the_command_before_it_registers(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A ``--metrics-port`` another process holds: a clear error and exit 2 before the
+    replica is registered (it was registered first, and left to its lease)."""
+    import socket
+    import subprocess
+    import sys
+
+    import redis
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["publish", "--replica", "r0", "--model", "m", "--zmq", "tcp://127.0.0.1:1"]
+        argv += ["--redis", redis_url, "--key-prefix", key_prefix, "--metrics-port", str(port)]
+        out = subprocess.run(
+            [sys.executable, "-m", "router.cli", *argv], capture_output=True, text=True, timeout=30
+        )
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert client.smembers(f"{key_prefix}:replicas") == set()
+    finally:
+        client.close()
+    assert out.returncode == 2 and f"--metrics-port {port}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

@@ -108,16 +108,30 @@ async def _main(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
     import zmq
 
+    # the metrics port first: a port taken must stop the command before it registers the
+    # replica (routers would keep a replica whose publisher died until its lease ran out)
+    runner = None
+    if args.metrics_port:
+        try:
+            runner = await _serve_metrics(publisher, args.metrics_port)
+        except OSError as exc:
+            await store.close()
+            print(
+                f"kvrouter publish: cannot serve --metrics-port {args.metrics_port}: {exc}",
+                file=sys.stderr,
+            )
+            return 2
     try:
         await publisher.start()
     except zmq.ZMQError as exc:
         await publisher.stop()  # deregisters the replica it registered
+        if runner is not None:
+            await runner.cleanup()
         await store.close()
         print(
             f"kvrouter publish: cannot subscribe to the engine's KV events: {exc}", file=sys.stderr
         )
         return 2
-    runner = await _serve_metrics(publisher, args.metrics_port) if args.metrics_port else None
     logging.getLogger("kvrouter.publish").info(
         "publishing %s (%d endpoints) to %s",
         info.replica,
