@@ -309,3 +309,38 @@ async def test_a_replicas_trailer_fields_are_not_relayed_as_headers() -> None:
                 assert "X-Trailer" not in resp.headers, resp.headers
     finally:
         await replica.stop()
+
+
+@pytest.mark.parametrize("status", [b"204 No Content", b"304 Not Modified"])
+async def test_an_answer_without_a_body_is_relayed_without_framing(status: bytes) -> None:
+    """A 204 or 304 has no body and carries neither ``Content-Length`` (RFC 9110 8.6: a
+    server must not send one with a 204; a 304's would name another answer's size) nor
+    chunked framing: the router relayed both with ``Content-Length: 0``. The connection
+    stays usable for the client's next request."""
+    body = b'{"id": "c1", "choices": [{"index": 0, "message": {"content": "hi"}}]}'
+    replica = await Canned(
+        b"HTTP/1.1 %b\r\nX-Replica: r0\r\n\r\n" % status,
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+        % (len(body), body),
+    ).start()
+    try:
+        async for url, _ in _router(replica.url):
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            payload = json.dumps(_chat(False)).encode()
+            request = (
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+                % (len(payload), payload)
+            )
+            writer.write(request)
+            head = (await reader.readuntil(b"\r\n\r\n")).lower()
+            assert head.startswith(b"http/1.1 " + status[:3]), head
+            assert b"content-length" not in head and b"transfer-encoding" not in head, head
+            writer.write(request)  # the same connection: the next answer reads whole
+            head = (await reader.readuntil(b"\r\n\r\n")).lower()
+            assert head.startswith(b"http/1.1 200"), head
+            assert await reader.readexactly(len(body)) == body
+            writer.close()
+    finally:
+        await replica.stop()

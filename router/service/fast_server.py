@@ -66,6 +66,9 @@ MAX_HEAD_BYTES = 1 << 20
 # a tiny one), so MAX_HEAD_BYTES of them would hold ~20 MB per connection
 MAX_HEADERS = 1000
 _LAST_CHUNK = b"0\r\n\r\n"
+# answers that never have a body, so neither framing header (RFC 9110 6.4.1, 8.6: a 204
+# must not carry Content-Length; a 304's would give another answer's size)
+_BODILESS = frozenset({204, 304})
 _PIECE = 4096  # body pieces below this size are gathered (see _Connection.on_body)
 
 
@@ -152,9 +155,11 @@ class _Sink:
         conn = self.conn
         if conn.closed:
             raise ConnectionResetError("client went away")
-        head = self._head(status, headers, b"Content-Length: %d\r\n" % len(body))
+        bodiless = status in _BODILESS
+        framing = b"" if bodiless else b"Content-Length: %d\r\n" % len(body)
+        head = self._head(status, headers, framing)
         self.started = True
-        if self.head_only or not body:
+        if self.head_only or bodiless or not body:
             conn.transport.write(head)
         elif len(body) < 65536:
             conn.transport.write(head + body)
@@ -171,6 +176,12 @@ class _Sink:
         if conn.closed:
             raise ConnectionResetError("client went away")
         self.started = True
+        if status in _BODILESS:  # the head alone: no framing, nothing written after it
+            self.head_only = True
+            conn.transport.write(self._head(status, headers, b""))
+            if conn.paused:
+                await conn.drain()
+            return
         if self.http10:
             self.keep_alive = False
             out = self._head(status, headers, b"")
