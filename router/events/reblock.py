@@ -410,11 +410,20 @@ class Reblocker:
                 emitted.extend(covers)
                 if counted:
                     self._gain(group, block, bit, covers)
-            elif not block.media & bit:
-                block.media |= bit
-                emitted.extend(block.covers)
-                if counted:
-                    self._gain(group, block, bit, block.covers)
+            else:
+                # stored again (vLLM: a new copy of a block whose ancestor was evicted):
+                # the canonical blocks this event completes over it are its too
+                more = [c for c in covers if c not in block.covers] if is_kv else []
+                if more:
+                    block.covers.extend(more)
+                    if counted:
+                        for b in _tier_bits(block.media):
+                            self._gain(group, block, b, more)
+                if not block.media & bit:
+                    block.media |= bit
+                    emitted.extend(block.covers)
+                    if counted:
+                        self._gain(group, block, bit, block.covers)
             prev_hash = h
         return self._emit_stored(emitted, tier, kind, group)
 
@@ -658,9 +667,7 @@ class Reblocker:
         if copies is None:
             return [] if block.media else list(covers)
         bits = [1 << t for t in Tier]
-        return [
-            c for c in covers if not any((group, b, block.end, c) in copies for b in bits)
-        ]
+        return [c for c in covers if not any((group, b, block.end, c) in copies for b in bits)]
 
     def _emit_stored(
         self, hashes: list[int], tier: Tier, kind: Kind, group: int
