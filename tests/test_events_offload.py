@@ -180,3 +180,37 @@ def test_token_less_state_checkpoint_aligns_with_the_attention_block() -> None:
     )
     p.vllm(state)
     assert p.ingest.stats.malformed_events == 0 and p.stats.unaligned_state == 1
+
+
+def test_a_state_checkpoint_held_on_another_tier_survives_one_tiers_eviction() -> None:
+    """The index keeps one state set per replica, whatever the tier: a checkpoint the
+    offloading connector copied to CPU (vLLM 0.34's self-describing mamba payload) stays
+    loadable when the GPU evicts its copy, and the other way round."""
+    tokens, hashes, canonical = _prompt(4)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    gpu_state = VLLM.BlockStored(
+        [hashes[3]], hashes[2], tokens[3 * BE :], BE, None, "GPU", None,
+        group_idx=1, kv_cache_spec_kind="mamba",
+    )  # fmt: skip
+    p.vllm(gpu_state)
+    assert p.index.match(canonical, hybrid=True).get(KEY).usable_blocks == 2
+    # the connector offloads the KV and the checkpoint
+    p.vllm(VLLM.BlockStored(hashes, None, tokens, BE, None, "CPU", None, group_idx=0))
+    cpu_state = VLLM.BlockStored(
+        [hashes[3]], hashes[2], [], BE, None, "CPU", None,
+        group_idx=1, kv_cache_spec_kind="mamba",
+    )  # fmt: skip
+    p.vllm(cpu_state)
+    # the GPU evicts both groups' blocks: the CPU copies are what the engine loads
+    p.vllm(VLLM.BlockRemoved(hashes, "GPU", group_idx=0))
+    p.vllm(VLLM.BlockRemoved([hashes[3]], "GPU", group_idx=1))
+    assert p.index.match(canonical, hybrid=True).get(KEY) == PrefixMatch(2, 0, 2, 2)
+    # stored on GPU again, then evicted from CPU: the GPU copy is still there
+    p.vllm(_gpu_store(tokens, hashes), gpu_state)
+    p.vllm(VLLM.BlockRemoved([hashes[3]], "CPU", group_idx=1))
+    assert p.index.match(canonical, hybrid=True).get(KEY).usable_blocks == 2
+    # gone from both tiers: no checkpoint
+    p.vllm(VLLM.BlockRemoved([hashes[3]], "GPU", group_idx=1))
+    assert p.index.match(canonical, hybrid=True).get(KEY).usable_blocks == 0
+    assert p.ingest.stats.malformed_events == 0

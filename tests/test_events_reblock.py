@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from router.core.hashing import hash_prompt, root_hash
@@ -18,8 +19,10 @@ from router.core.types import (
     ReplicaKey,
     Tier,
 )
+from router.events.ingest import EngineIngest
 from router.events.model import EngineAllCleared, EngineBlockRemoved, EngineBlockStored
 from router.events.reblock import Reblocker
+from tests.engines import load
 
 B = 64
 MODEL = "m"
@@ -199,3 +202,40 @@ def test_bad_events_are_counted_and_skipped() -> None:
     assert rb.convert([EngineBlockRemoved((12345,))]) == []
     assert rb.stats.bad_event == 2
     assert rb.stats.unknown_parent == 1 and rb.stats.unknown_removed == 1
+
+
+def test_blocks_stored_again_mid_event_take_the_canonical_block_it_completes() -> None:
+    """vLLM evicted an ancestor (block 2) while its descendants stayed cached; a request
+    recomputing from there stores blocks 2-7 again, new copies of 4 and 5 among them, and
+    completes the router block of blocks 4-7. Once the engine has evicted both copies of
+    block 4, that router block is gone; it stayed indexed (an over-prediction) because the
+    blocks already known kept the covers of their first store, which did not complete it."""
+    vllm = load("vllm-0.33.0")
+    be = 16
+    rng = random.Random(7)
+    tokens = [rng.randrange(50_000) for _ in range(8 * be)]
+    hashes = [rng.getrandbits(63) for _ in range(8)]
+    canonical = hash_prompt(tokens, B, ROOT).hashes
+    index, key = PrefixIndex(), ReplicaKey("r")
+    ingest = EngineIngest(
+        key.replica, MODEL, B, lambda k, evs: index.apply(EventBatch(k, tuple(evs)))
+    )
+
+    def publish(*events: object) -> None:
+        ingest.handle_payload(msgspec.msgpack.encode(vllm.KVEventBatch(1.0, list(events))))
+
+    def stored(first: int, stop: int) -> object:
+        parent = hashes[first - 1] if first else None
+        span = tokens[first * be : stop * be]
+        return vllm.BlockStored(
+            hashes[first:stop], parent, span, be, None, "GPU", None, group_idx=0
+        )
+
+    publish(stored(0, 6))  # a 96-token prompt: router block 0 complete
+    publish(vllm.BlockRemoved([hashes[2]], "GPU", group_idx=0))
+    publish(stored(2, 8))  # the longer prompt, from the evicted block on
+    assert index.match(canonical).get(key).kv_blocks == 2
+    publish(vllm.BlockRemoved([hashes[4]], "GPU", group_idx=0))  # the old copy
+    publish(vllm.BlockRemoved([hashes[4]], "GPU", group_idx=0))  # the new one
+    assert index.match(canonical).get(key).kv_blocks == 1
+    assert ingest.stats.malformed_events == 0

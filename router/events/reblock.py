@@ -410,11 +410,20 @@ class Reblocker:
                 emitted.extend(covers)
                 if counted:
                     self._gain(group, block, bit, covers)
-            elif not block.media & bit:
-                block.media |= bit
-                emitted.extend(block.covers)
-                if counted:
-                    self._gain(group, block, bit, block.covers)
+            else:
+                # stored again (vLLM: a new copy of a block whose ancestor was evicted):
+                # the canonical blocks this event completes over it are its too
+                more = [c for c in covers if c not in block.covers] if is_kv else []
+                if more:
+                    block.covers.extend(more)
+                    if counted:
+                        for b in _tier_bits(block.media):
+                            self._gain(group, block, b, more)
+                if not block.media & bit:
+                    block.media |= bit
+                    emitted.extend(block.covers)
+                    if counted:
+                        self._gain(group, block, bit, block.covers)
             prev_hash = h
         return self._emit_stored(emitted, tier, kind, group)
 
@@ -652,6 +661,14 @@ class Reblocker:
                 gone.append(c)
         return gone
 
+    def _held_nowhere(self, group: int, block: _Block, covers: Sequence[int]) -> list[int]:
+        """Of ``covers``, which ``block`` just lost on one tier, those no tier holds now."""
+        copies = self._copies
+        if copies is None:
+            return [] if block.media else list(covers)
+        bits = [1 << t for t in Tier]
+        return [c for c in covers if not any((group, b, block.end, c) in copies for b in bits)]
+
     def _emit_stored(
         self, hashes: list[int], tier: Tier, kind: Kind, group: int
     ) -> list[IndexEvent]:
@@ -683,9 +700,12 @@ class Reblocker:
         self, group: int, h: int, block: _Block, bit: int, out: dict[Kind, list[int]]
     ) -> None:
         block.media &= ~bit
-        out[block.kind].extend(
-            block.covers if self._copies is None else self._lose(group, block, bit)
-        )
+        lost = block.covers if self._copies is None else self._lose(group, block, bit)
+        if block.kind is Kind.STATE and lost:
+            # the index keeps one state set per replica, of every tier: a checkpoint goes
+            # only when no tier holds it (the engine loads one offloaded to CPU)
+            lost = self._held_nowhere(group, block, lost)
+        out[block.kind].extend(lost)
         if not block.media:
             del self._blocks[(group, h)]
             if self._kv_by_hash.get(h) is block:
