@@ -104,7 +104,8 @@ class PrefixIndex:
 
     def __init__(self, max_speculative_blocks: int = 1_000_000) -> None:
         """``max_speculative_blocks`` bounds the memory of speculative entries: beyond it the
-        entries closest to expiry are dropped early (oldest first), whatever their TTL."""
+        entries closest to expiry are dropped early (with one TTL, the oldest first; with
+        mixed TTLs, such as approximate and exact prompts', the shortest-lived go first)."""
         self.max_speculative_blocks = max_speculative_blocks
         self._spec_queued = 0
         self._slot_of: dict[ReplicaKey, int] = {}
