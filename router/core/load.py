@@ -86,6 +86,8 @@ class LoadView(NamedTuple):
     healthy: bool = True
     draining: bool = False
     decode_weight: float = 0.0
+    # phantom requests (LoadTracker.set_penalty) among ``prefilling``: no engine queues them
+    phantom: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -174,6 +176,7 @@ class LoadColumns(NamedTuple):
     healthy: np.ndarray
     draining: np.ndarray
     decode_weight: np.ndarray
+    phantom: np.ndarray
 
     @property
     def in_flight(self) -> np.ndarray:
@@ -429,6 +432,7 @@ class LoadTracker:
             rep.healthy,
             rep.draining,
             rep.decode_weight,
+            rep.penalty[0],
         )
 
     def _rows(self, keys: Sequence[ReplicaKey]) -> np.ndarray:
@@ -483,6 +487,7 @@ class LoadTracker:
             rep.healthy,
             rep.draining,
             rep.decode_weight,
+            rep.penalty[0],  # phantom
         )
 
     def replicas(self) -> list[ReplicaKey]:

@@ -345,7 +345,9 @@ class Ours:
         """The terms (``TERM_NAMES``; see the class docstring), for one candidate
         (numbers, ``xp=SCALAR``) or for many (arrays, ``xp=ARRAY``): one formula for both.
         ``waiting`` / ``kv_usage`` are the engine's report (0 without one); ``fresh``: it
-        is younger than ``report_max_age_s``."""
+        is younger than ``report_max_age_s``. ``prefilling``: the requests the router knows
+        are queued there (its own and its peers'), not a failing replica's phantom ones
+        (``LoadView.phantom``): the engine's ``waiting`` beyond them is other routers'."""
         minimum, maximum = xp.minimum, xp.maximum
         usable = minimum(usable_blocks, kv_blocks)
         gpu = minimum(usable, gpu_blocks)
@@ -382,15 +384,15 @@ class Ours:
     ) -> tuple[float, float, float, float, float, float, float]:
         """The terms (``TERM_NAMES``) for one candidate; see the class docstring."""
         _, (kv, gpu, host, usable), load, _, risk = c
-        _, prefilling, queued, decoding, context, _, engine, engine_age, _, _, weight = load
+        _, prefilling, queued, decoding, context, _, engine, age, _, _, weight, phantom = load
         if engine is None:
             waiting, fresh, usage = 0, False, 0.0
         else:
-            waiting, fresh = engine.waiting, engine_age <= self.report_max_age_s
+            waiting, fresh = engine.waiting, age <= self.report_max_age_s
             usage = engine.kv_usage
         return self._terms(
-            SCALAR, request, kv, gpu, host, usable, queued, prefilling, decoding, context,
-            waiting, fresh, usage, weight, risk,
+            SCALAR, request, kv, gpu, host, usable, queued, prefilling - phantom, decoding,
+            context, waiting, fresh, usage, weight, risk,
         )  # fmt: skip
 
     def terms(self, request: RouteRequest, c: Candidate) -> dict[str, float]:
@@ -441,7 +443,7 @@ class Ours:
             columns.host_blocks,
             columns.usable_blocks,
             load.queued_prefill_tokens,
-            load.prefilling,
+            load.prefilling - load.phantom,
             load.decoding,
             load.decode_context_tokens,
             load.waiting,
