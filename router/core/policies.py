@@ -22,7 +22,7 @@ from router.core.candidates import Candidate, CandidateColumns, ColumnarPolicy, 
 from router.core.candidates import decide as _decide
 from router.core.candidates import rank as _rank
 from router.core.candidates import tokens as _tokens
-from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel
+from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel, require_nonnegative
 from router.core.types import MAX_RANKING, Decision, RouteRequest
 from router.core.vllm_router import VllmCacheAware, VllmKvAware
 from router.core.xp import ARRAY, SCALAR, Ops
@@ -323,6 +323,28 @@ class Ours:
     eviction_risk_floor: float = 0.15
     w_batch: float = 1.0
     uses_session_hints: bool = True
+
+    def __post_init__(self) -> None:
+        require_nonnegative(
+            ("w_prefill", self.w_prefill),
+            ("w_queue", self.w_queue),
+            ("w_decode", self.w_decode),
+            ("w_kv", self.w_kv),
+            ("w_interference", self.w_interference),
+            ("w_eviction", self.w_eviction),
+            ("w_batch", self.w_batch),
+            ("host_hit_value", self.host_hit_value),
+            ("disk_hit_value", self.disk_hit_value),
+            ("kv_pressure_s", self.kv_pressure_s),
+            ("foreign_waiting_tokens", self.foreign_waiting_tokens),
+            ("kv_pressure_threshold", self.kv_pressure_threshold),
+        )
+        if not math.isfinite(self.eviction_risk_floor):
+            raise ValueError(f"eviction_risk_floor must be finite, not {self.eviction_risk_floor}")
+        if not self.report_max_age_s >= 0:  # (inf: every report is fresh)
+            raise ValueError(f"report_max_age_s must be >= 0, not {self.report_max_age_s!r}")
+        if not (math.isfinite(self.tpot_target_s) and self.tpot_target_s > 0):
+            raise ValueError(f"tpot_target_s must be positive seconds, not {self.tpot_target_s!r}")
 
     def _terms(
         self,
