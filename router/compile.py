@@ -66,6 +66,7 @@ TESTS = (
     "tests/test_load_peer.py::test_the_array_mirror_carries_peer_load_too",
     "tests/test_load_samples.py",  # every sequence of a request with n > 1 counted
     "tests/test_load_reports.py",  # engine reports that stopped coming are dropped
+    "tests/test_load_accounting.py",  # own, peer, phantom and engine counts combined
     "tests/test_gc_retention.py",
     "tests/test_sim_cache.py",  # the index's bulk event ingestion
     "tests/test_sim_run.py",  # whole simulated runs through the routing core

@@ -77,6 +77,21 @@ def test_a_replica_that_stops_answering_is_a_latency_outlier() -> None:
     assert det.sweep(6.3, {"m": 3}) == []  # judged again on new answers only
 
 
+def test_a_slow_replica_is_judged_against_its_peers_even_in_a_pool_of_two() -> None:
+    """The bar is ``latency_factor`` times the *peers'* median ratio: with two replicas the
+    pool's own median (the upper of two) is the slow replica's own ratio, which no replica
+    ever exceeds five times over."""
+    for pool in ((A, B), (A, B, C)):
+        det = OutlierDetector(OutlierSettings(latency_min_s=1.0, latency_factor=5.0))
+        for i in range(5):
+            for key in pool:
+                took = 2.5 if key == A else 0.12  # A: 25x its prediction, 2.4 s past it
+                det.sent(key, "m", (key, i), float(i), 0.1)
+                det.answered(key, (key, i), i + took)
+        got = det.sweep(10.0, {"m": len(pool)})
+        assert [e.key for e in got] == [A], pool
+
+
 def test_nothing_is_ejected_when_disabled() -> None:
     det = OutlierDetector(OutlierSettings(enabled=False))
     assert _fail(det, A, 10, 0.0) is None

@@ -224,3 +224,26 @@ def test_ours_breaks_exact_ties_towards_the_smallest_cache() -> None:
     # Among equally small caches the rng decides, so both get picked.
     even = [Candidate(A, PrefixMatch(), LoadView()), Candidate(B, PrefixMatch(), LoadView())]
     assert {Ours().choose(r, even, 0.0, random.Random(s)).replica for s in range(20)} == {A, B}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"tpot_target_s": 0.0},  # every request: ZeroDivisionError
+        {"tpot_target_s": -0.1},  # interference negative: decoding replicas preferred
+        {"w_prefill": -12.0},  # a cache miss rewarded
+        {"w_interference": float("nan")},  # every score NaN: the first replica always wins
+        {"report_max_age_s": float("nan")},
+        {"foreign_waiting_tokens": -4096},
+        {"host_hit_value": -0.5},
+        {"cost": {"chunk_tokens": 0}},  # ZeroDivisionError in steps_for
+        {"cost": {"prefill_s_per_token": -2.5e-5}},
+        {"cost": {"decode_s_per_seq": float("inf")}},
+    ],
+)
+def test_ours_refuses_parameters_that_break_or_invert_its_cost(params: dict[str, object]) -> None:
+    """A policy file's or config's parameters reach every request's score: a value that
+    divides by zero, goes NaN or turns a cost into a reward is refused when the policy is
+    built (``kvrouter serve --check``, ``--policy-file``), not met by every request."""
+    with pytest.raises(ValueError, match="must be"):
+        make_policy("ours", params)

@@ -72,6 +72,9 @@ def _populate(
             load.set_health(key, False)
         if rng.random() < 0.1:
             load.set_draining(key, True)
+        if rng.random() < 0.1:  # failing: phantom requests (router/core/outliers.py)
+            n = rng.randrange(1, 7)
+            load.set_penalty(key, n, n * 4096)
 
 
 def _busy(rng: random.Random) -> BusyThresholds:

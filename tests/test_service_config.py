@@ -296,6 +296,9 @@ def test_serve_check_reports_what_the_start_would_refuse(
         ("[models.m.pd]\nrack_penalty_s = -1.0\n", "models.m.pd.rack_penalty_s: must be"),
         ("[models.m.pd]\nnetwork_latency_s = nan\n", "models.m.pd.network_latency_s: must be"),
         ("[models.m.pd]\nmode = 1\n", "models.m.pd.mode: expected"),
+        # the policy's cost: refused when read, not met by every request
+        ("[models.m.policy_params]\ntpot_target_s = 0.0\n", "policy_params: tpot_target_s"),
+        ("[models.m.policy_params.cost]\nchunk_tokens = 0\n", "policy_params: chunk_tokens"),
     ],
 )
 def test_out_of_range_model_settings_name_the_key(tmp_path: Path, text: str, needle: str) -> None:

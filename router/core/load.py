@@ -8,6 +8,7 @@ calls with ``now``; nothing here reads a clock.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -17,6 +18,15 @@ import numpy as np
 from router.core.keycache import PerTuple
 from router.core.types import ReplicaKey
 from router.core.xp import SCALAR, Ops
+
+
+def require_nonnegative(*values: tuple[str, float]) -> None:
+    """Raise ValueError naming the first ``(name, value)`` that is not a finite number >= 0:
+    a cost parameter every score is made of (NaN compares false with everything, a negative
+    one turns a cost into a reward)."""
+    for name, value in values:
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,6 +46,17 @@ class CostModel:
     decode_s_per_seq: float = 1.0e-4
     decode_s_per_ctx_token: float = 2.0e-9
     chunk_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        require_nonnegative(
+            ("step_overhead_s", self.step_overhead_s),
+            ("prefill_s_per_token", self.prefill_s_per_token),
+            ("prefill_s_per_token_ctx", self.prefill_s_per_token_ctx),
+            ("decode_s_per_seq", self.decode_s_per_seq),
+            ("decode_s_per_ctx_token", self.decode_s_per_ctx_token),
+        )
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, not {self.chunk_tokens!r}")
 
     # Each formula is written once and evaluated on numbers or on numpy arrays (one value per
     # replica, for large fleets): ``xp`` supplies the few operations that differ
@@ -86,6 +107,8 @@ class LoadView(NamedTuple):
     healthy: bool = True
     draining: bool = False
     decode_weight: float = 0.0
+    # phantom requests (LoadTracker.set_penalty) among ``prefilling``: no engine queues them
+    phantom: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -174,6 +197,7 @@ class LoadColumns(NamedTuple):
     healthy: np.ndarray
     draining: np.ndarray
     decode_weight: np.ndarray
+    phantom: np.ndarray
 
     @property
     def in_flight(self) -> np.ndarray:
@@ -429,6 +453,7 @@ class LoadTracker:
             rep.healthy,
             rep.draining,
             rep.decode_weight,
+            rep.penalty[0],
         )
 
     def _rows(self, keys: Sequence[ReplicaKey]) -> np.ndarray:
@@ -483,6 +508,7 @@ class LoadTracker:
             rep.healthy,
             rep.draining,
             rep.decode_weight,
+            rep.penalty[0],  # phantom
         )
 
     def replicas(self) -> list[ReplicaKey]:

@@ -24,7 +24,8 @@ replica's health in the load tracker, a load penalty in the cost).
   prediction and its *ratio* the time over the prediction (at least :data:`MIN_EXPECT_S`).
   A replica is ejected (:meth:`sweep`) when its answered attempts (moving averages) or its
   oldest attempt still waiting show an excess over ``latency_min_s`` *and* a ratio over
-  ``latency_factor`` times the median of its pool's average ratios: a replica that hangs is
+  ``latency_factor`` times the median of its peers' average ratios (the pool's others: in a
+  pool of two the pool's own median would be the slow replica's ratio): a replica that hangs is
   caught in about ``latency_min_s``, not after a first-byte timeout, while a prediction that
   is wrong for every replica alike (a cost model slower or faster than the engines) moves the
   median with it.
@@ -38,6 +39,7 @@ replica's health in the load tracker, a load penalty in the cost).
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field, replace
 
@@ -226,11 +228,11 @@ class OutlierDetector:
             if len(members) < 2:
                 continue  # no peers to compare with
             ratios = sorted(rep.ratio_avg or 1.0 for _, rep in members)
-            median = ratios[len(ratios) // 2]
-            bar = s.latency_factor * median
             for key, rep in members:
                 if now < rep.ejected_until:
                     continue
+                median = _peers_median(ratios, rep.ratio_avg or 1.0)
+                bar = s.latency_factor * median
                 views = [(rep.excess_avg or 0.0, rep.ratio_avg or 0.0)]
                 for sent, expect in rep.pending.values():
                     age = now - sent
@@ -294,3 +296,10 @@ class OutlierDetector:
             out["first_byte_excess_s"] = round(rep.excess_avg, 4)
             out["first_byte_ratio"] = round(rep.ratio_avg, 2)
         return out
+
+
+def _peers_median(ratios: list[float], own: float) -> float:
+    """The (upper) median of sorted ``ratios`` without one occurrence of ``own``."""
+    at = bisect.bisect_left(ratios, own)
+    middle = (len(ratios) - 1) // 2  # in the list without ``own``
+    return ratios[middle] if middle < at else ratios[middle + 1]

@@ -22,7 +22,7 @@ from router.core.candidates import Candidate, CandidateColumns, ColumnarPolicy, 
 from router.core.candidates import decide as _decide
 from router.core.candidates import rank as _rank
 from router.core.candidates import tokens as _tokens
-from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel
+from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel, require_nonnegative
 from router.core.types import MAX_RANKING, Decision, RouteRequest
 from router.core.vllm_router import VllmCacheAware, VllmKvAware
 from router.core.xp import ARRAY, SCALAR, Ops
@@ -324,6 +324,28 @@ class Ours:
     w_batch: float = 1.0
     uses_session_hints: bool = True
 
+    def __post_init__(self) -> None:
+        require_nonnegative(
+            ("w_prefill", self.w_prefill),
+            ("w_queue", self.w_queue),
+            ("w_decode", self.w_decode),
+            ("w_kv", self.w_kv),
+            ("w_interference", self.w_interference),
+            ("w_eviction", self.w_eviction),
+            ("w_batch", self.w_batch),
+            ("host_hit_value", self.host_hit_value),
+            ("disk_hit_value", self.disk_hit_value),
+            ("kv_pressure_s", self.kv_pressure_s),
+            ("foreign_waiting_tokens", self.foreign_waiting_tokens),
+            ("kv_pressure_threshold", self.kv_pressure_threshold),
+        )
+        if not math.isfinite(self.eviction_risk_floor):
+            raise ValueError(f"eviction_risk_floor must be finite, not {self.eviction_risk_floor}")
+        if not self.report_max_age_s >= 0:  # (inf: every report is fresh)
+            raise ValueError(f"report_max_age_s must be >= 0, not {self.report_max_age_s!r}")
+        if not (math.isfinite(self.tpot_target_s) and self.tpot_target_s > 0):
+            raise ValueError(f"tpot_target_s must be positive seconds, not {self.tpot_target_s!r}")
+
     def _terms(
         self,
         xp: Ops,
@@ -345,7 +367,9 @@ class Ours:
         """The terms (``TERM_NAMES``; see the class docstring), for one candidate
         (numbers, ``xp=SCALAR``) or for many (arrays, ``xp=ARRAY``): one formula for both.
         ``waiting`` / ``kv_usage`` are the engine's report (0 without one); ``fresh``: it
-        is younger than ``report_max_age_s``."""
+        is younger than ``report_max_age_s``. ``prefilling``: the requests the router knows
+        are queued there (its own and its peers'), not a failing replica's phantom ones
+        (``LoadView.phantom``): the engine's ``waiting`` beyond them is other routers'."""
         minimum, maximum = xp.minimum, xp.maximum
         usable = minimum(usable_blocks, kv_blocks)
         gpu = minimum(usable, gpu_blocks)
@@ -382,15 +406,15 @@ class Ours:
     ) -> tuple[float, float, float, float, float, float, float]:
         """The terms (``TERM_NAMES``) for one candidate; see the class docstring."""
         _, (kv, gpu, host, usable), load, _, risk = c
-        _, prefilling, queued, decoding, context, _, engine, engine_age, _, _, weight = load
+        _, prefilling, queued, decoding, context, _, engine, age, _, _, weight, phantom = load
         if engine is None:
             waiting, fresh, usage = 0, False, 0.0
         else:
-            waiting, fresh = engine.waiting, engine_age <= self.report_max_age_s
+            waiting, fresh = engine.waiting, age <= self.report_max_age_s
             usage = engine.kv_usage
         return self._terms(
-            SCALAR, request, kv, gpu, host, usable, queued, prefilling, decoding, context,
-            waiting, fresh, usage, weight, risk,
+            SCALAR, request, kv, gpu, host, usable, queued, prefilling - phantom, decoding,
+            context, waiting, fresh, usage, weight, risk,
         )  # fmt: skip
 
     def terms(self, request: RouteRequest, c: Candidate) -> dict[str, float]:
@@ -441,7 +465,7 @@ class Ours:
             columns.host_blocks,
             columns.usable_blocks,
             load.queued_prefill_tokens,
-            load.prefilling,
+            load.prefilling - load.phantom,
             load.decoding,
             load.decode_context_tokens,
             load.waiting,
