@@ -792,6 +792,7 @@ def create_app(settings: MockSettings) -> web.Application:
             kv_blocks=settings.kv_blocks,
             cpu_blocks=settings.cpu_blocks,
             publish_window_blocks=True,
+            engine_block_size=settings.engine_block_size,
         )
         publisher = None
         outbox: asyncio.Queue[list[IndexEvent]] = asyncio.Queue()
