@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from router.mock.server import MockSettings
-from tests.backends import start_mock
+from tests.backends import metric_sample, start_mock
 from tests.engines import anthropic_ref
 
 
@@ -24,7 +24,10 @@ async def post() -> AsyncIterator[Callable[..., Any]]:
     runner, url = await start_mock(MockSettings(model="m", block_size=16))
     session = aiohttp.ClientSession()
 
-    async def send(path: str, body: dict[str, Any], status: int = 200) -> Any:
+    async def send(path: str, body: dict[str, Any] | None = None, status: int = 200) -> Any:
+        if body is None:  # a GET of a text page
+            async with session.get(f"{url}{path}") as r:
+                return await r.text()
         async with session.post(f"{url}{path}", json={"model": "m", **body}) as r:
             assert r.status == status, await r.text()
             return await r.json()
@@ -125,3 +128,21 @@ async def test_streamed_prompt_logprobs_are_refused_as_vllm_refuses_them(
     body = {"prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 1, "stream": True}
     answer = await post("/v1/completions", body, status=400)
     assert "prompt_logprobs" in answer["error"]["message"]
+
+
+async def test_a_request_reading_no_cache_is_no_prefix_cache_query(
+    post: Callable[..., Any],
+) -> None:
+    """vLLM counts ``vllm:prefix_cache_queries`` / ``_hits`` only for requests that looked
+    the prefix cache up (``record_prefix_cache_stats``); prompt-logprobs requests do not."""
+    prompt = list(range(1, 41))
+    await post("/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    await post("/v1/completions", {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0})
+    looked_up = await post("/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    page = await post("/metrics")
+    labels = {"model_name": "m"}
+    assert metric_sample(page, "vllm:prompt_tokens_total", **labels) == 3 * len(prompt)
+    assert metric_sample(page, "vllm:prefix_cache_queries_total", **labels) == 2 * len(prompt)
+    hits = looked_up["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert hits > 0
+    assert metric_sample(page, "vllm:prefix_cache_hits_total", **labels) == hits

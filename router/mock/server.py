@@ -107,6 +107,8 @@ class MockSettings:
 class MockCounters:
     requests: int = 0
     prompt_tokens: int = 0
+    # prompt tokens of requests that looked the prefix cache up (vLLM counts no other)
+    queried_tokens: int = 0
     cached_tokens: int = 0
     generation_tokens: int = 0
     rejected: int = 0
@@ -197,7 +199,7 @@ class _Collector:
         for name, doc, value in (
             ("vllm:prompt_tokens", "Prompt tokens processed", c.prompt_tokens),
             ("vllm:generation_tokens", "Tokens generated", c.generation_tokens),
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up", c.prompt_tokens),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up", c.queried_tokens),
             ("vllm:prefix_cache_hits", "Prompt tokens found cached", c.cached_tokens),
             ("vllm:request_success", "Requests finished", c.requests),
             ("kvrouter_mock_kv_event_batches", "KV event batches published", c.kv_event_batches),
@@ -511,6 +513,8 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     c = state.counters
     c.requests += 1
     c.prompt_tokens += req.prompt_tokens
+    if req.reads_cache:
+        c.queried_tokens += req.prompt_tokens
     c.cached_tokens += cached
     c.generation_tokens += produced
     state.latency.observe(first_at - arrived, finished_at - arrived, queued_s, produced)
