@@ -30,6 +30,9 @@ Cache:
 * Blocks are named by the canonical chained hashes the router uses (``block_hashes``: the
   prompt's full blocks; ``output_block_hashes``: full blocks the answer completes, when the
   driver knows the answer's content). A block is cached once the step computing it ends.
+* A hit is whole engine blocks (``engine_block_size``, the router's block by default), at
+  most ``(N - 1) // engine_block_size`` of them (vLLM recomputes the last prompt token and
+  the block it falls in).
 * Referenced blocks are pinned; unreferenced ones sit in an LRU list. A finishing request
   releases its blocks tail first, so children are always evicted before their parents.
 * Hybrid models: a recurrent-state checkpoint at block boundary L (keyed by the hash of
@@ -256,8 +259,13 @@ class EngineModel(BlockCache):
         cpu_blocks: int | None = None,
         emit_tokens: bool = True,
         publish_window_blocks: bool = False,
+        engine_block_size: int | None = None,
     ) -> None:
-        """``publish_window_blocks``: record a sliding-window model's window blocks as state
+        """``engine_block_size``: the block (tokens) the engine's cache hits are counted in,
+        ``block_size`` by default; it must divide or be a multiple of ``block_size`` (a hit
+        is a whole number of engine blocks, at most ``(N - 1) // engine_block_size`` of
+        them: vLLM's ``find_longest_cache_hit`` under ``get_max_cache_hit_length``).
+        ``publish_window_blocks``: record a sliding-window model's window blocks as state
         events, as an engine publishes them (the mock replica's encoder sends them as a
         ``sliding_window`` group), instead of the checkpoints the router derives from them
         (what the simulator's index takes)."""
@@ -265,6 +273,11 @@ class EngineModel(BlockCache):
         self.profile = p
         self.replica = replica
         self.block_size = block_size
+        ebs = engine_block_size or block_size
+        if max(ebs, block_size) % min(ebs, block_size):
+            raise ValueError("engine block size must divide or be a multiple of the block size")
+        self.engine_block_size = ebs
+        self._align = max(1, ebs // block_size)  # an engine block in router blocks
         self.capacity = kv_blocks if kv_blocks is not None else p.kv_blocks
         self.cpu_capacity = cpu_blocks if cpu_blocks is not None else p.cpu_blocks
         self.emit_tokens = emit_tokens
@@ -550,11 +563,13 @@ class EngineModel(BlockCache):
         if cpu and seq.reads_cache:
             while reach < nfull and hashes[reach] in cpu:
                 reach += 1
-        usable = reach
+        align = self._align
+        usable = reach // align * align  # whole engine blocks
         state_at = self._state_at
         if self.profile.eagle:
             # vLLM caps a hit at N - 1 and gives back its last block (the draft head's peek)
-            usable = max(min(usable, max(seq.prompt - 1, 0) // self.block_size) - 1, 0)
+            cap = max(seq.prompt - 1, 0) // self.block_size // align * align
+            usable = max(min(usable, cap) - align, 0)
         if self.hybrid:
             # a checkpoint at the prompt's very end serves no one (vLLM caps a hit at N - 1)
             usable = min(usable, max(seq.prompt - 1, 0) // self.block_size)
@@ -618,7 +633,9 @@ class EngineModel(BlockCache):
         self._reserved += seq.unnamed
         seq.kv_hit = min(reach * self.block_size, seq.prompt)
         seq.usable_blocks = usable
-        seq.cached = min(usable * self.block_size, seq.prompt - 1)
+        # vLLM's hit: whole engine blocks, the last token's block recomputed
+        ebs = self.engine_block_size
+        seq.cached = min(usable * self.block_size, max(seq.prompt - 1, 0) // ebs * ebs)
         seq.computed = seq.cached
         seq.queued_s = now - seq.submitted
         if seq.remote:  # the transferred prompt: named (and published) as computed

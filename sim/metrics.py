@@ -16,8 +16,9 @@ as the live bench's):
   goodput of each prompt tier's requests; ``goodput_by_slo_scale``: goodput with every target
   scaled by 0.25, 0.5, 1 and 2 (``router.core.slo.SLO_SCALES``; "1" is ``goodput``).
 * ``token_hit_rate``: prompt tokens the engines actually reused (the *usable* hit: hybrid
-  rule applied, at most prompt - 1 since the last token is always recomputed) over all prompt
-  tokens of completed requests. ``kv_token_hit_rate``: same with the KV-only hit.
+  rule applied, whole engine blocks before the prompt's last token, which is recomputed with
+  its block) over all prompt tokens of completed requests. ``kv_token_hit_rate``: same with
+  the KV-only hit.
 * Utilisation of a replica: time it spent running steps / the run's makespan. Imbalance:
   max / mean of the per-replica utilisations (1.0 is perfectly even).
 * ``ceiling_infinite``: hit rate of one cache that never evicts, fed the requests in arrival

@@ -134,9 +134,10 @@ async def test_router_scrapes_engine_metrics_and_exports_real_and_predicted_hits
         assert queries == engine_queries
         predicted = _sample(mine, "kvrouter_replica_predicted_hit_tokens_total", replica=owner)
         sent = _sample(mine, "kvrouter_replica_prompt_tokens_total", replica=owner)
-        # the router's prediction matches the engine's count up to the one prompt token an
-        # engine always recomputes per request
-        assert predicted is not None and abs(predicted - engine_hits) <= 3
+        # the router's prediction matches the engine's count up to what an engine always
+        # recomputes per request: the prompt's last token, with the whole engine block (16
+        # tokens here) it falls in where the whole prompt was cached (vLLM's hit rule)
+        assert predicted is not None and abs(predicted - engine_hits) <= 3 * 16
         assert sent is not None and sent >= 3 * 11 * B
         async with (
             aiohttp.ClientSession() as http,

@@ -65,7 +65,7 @@ def test_host_reload_survives_eviction_into_a_full_host_tier() -> None:
     e.take_index_events()
     e.submit(EngineRequest("c", [1, 2], 20, 1), 2.0)  # reload 1, 2; evict 4, 3 to host
     first = next(o for o in drain(e) if isinstance(o, FirstToken))
-    assert first.kv_hit_tokens == 20 and first.cached_tokens == 19
+    assert first.kv_hit_tokens == 20 and first.cached_tokens == 10
     ev = e.take_index_events()
     moved = [x for x in ev if isinstance(x, BlocksRemoved) and x.tier is Tier.CPU]
     assert moved[0].hashes == (1, 2)

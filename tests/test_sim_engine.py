@@ -118,7 +118,8 @@ def test_prefix_hit_and_last_token_recomputed() -> None:
     drain(e)
     e.submit(req("b", [1, 2, 3, 4], 40), 1.0)
     first = next(o for o in drain(e) if isinstance(o, FirstToken))
-    assert first.cached_tokens == 39 and first.kv_hit_tokens == 40
+    # vLLM recomputes the last token's whole block: a hit of at most (40 - 1) // 10 blocks
+    assert first.cached_tokens == 30 and first.kv_hit_tokens == 40
     e.submit(req("c", [1, 2, 9], 35), 2.0)
     first = next(o for o in drain(e) if isinstance(o, FirstToken))
     assert first.cached_tokens == 20
@@ -239,9 +240,9 @@ def test_cpu_tier_offloads_evicted_blocks_and_reloads_them() -> None:
     e.submit(req("c", [1, 2, 3]), 2.0)
     outs = drain(e)
     first = next(o for o in outs if isinstance(o, FirstToken))
-    assert first.cached_tokens == 29 and first.kv_hit_tokens == 30
-    # reload of 30 tokens (0.03 s) + step 0.01 + 1 token of prefill
-    assert first.time == pytest.approx(2.0 + 0.03 + 0.01 + 1e-4)
+    assert first.cached_tokens == 20 and first.kv_hit_tokens == 30
+    # reload of 30 tokens (0.03 s) + step 0.01 + the last block's 10 tokens of prefill
+    assert first.time == pytest.approx(2.0 + 0.03 + 0.01 + 10e-4)
     ev = e.take_index_events()
     assert removed(ev, tier=Tier.CPU) == [1, 2, 3] and e.has_block(1)
 

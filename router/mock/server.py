@@ -4,8 +4,9 @@
 engine driver and the KV-event publisher (vLLM wire format over ZMQ). Endpoints:
 ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not, every field of
 vLLM 0.34's answers, ``usage`` with ``prompt_tokens_details.cached_tokens``,
-``stream_options.include_usage`` and ``continuous_usage_stats``, the filler's logprobs when
-asked, vLLM's error types and statuses; for a hybrid profile
+``stream_options.include_usage`` and ``continuous_usage_stats``, the filler's logprobs,
+prompt logprobs and ``echo`` when asked (router/mock/logprobs.py), vLLM's error types and
+statuses; for a hybrid profile
 ``prompt_tokens_details.kv_hit_tokens`` too, a mock-only field: the KV-only hit before the
 hybrid-state rule), ``GET /metrics`` (vLLM gauge names), ``GET /health`` and ``/ping``,
 ``GET /version``, ``GET /v1/models`` (with ``max_model_len``), the Anthropic Messages API:
@@ -53,6 +54,7 @@ from router.core.types import IndexEvent, ReplicaKey
 from router.events.discovery import SOURCES_PATH
 from router.events.zmq_pub import KVEventPublisher
 from router.mock import anthropic, pd
+from router.mock import logprobs as lp
 from router.mock import responses as resp
 from router.mock.driver import EngineDriver, EngineFailed
 from router.mock.faults import FaultMode
@@ -62,7 +64,7 @@ from router.mock.latency import RequestLatency
 from router.mock.preprocess import handlers
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
 from router.tokenize.anthropic import to_chat_body
-from router.tokenize.request_fields import asks_prompt_logprobs, sampled_sequences
+from router.tokenize.request_fields import sampled_sequences
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,8 @@ class MockSettings:
 class MockCounters:
     requests: int = 0
     prompt_tokens: int = 0
+    # prompt tokens of requests that looked the prefix cache up (vLLM counts no other)
+    queried_tokens: int = 0
     cached_tokens: int = 0
     generation_tokens: int = 0
     rejected: int = 0
@@ -173,34 +177,6 @@ def _word(i: int) -> str:
     return f" tok{i % 1000}"
 
 
-def _asks_logprobs(body: Mapping[str, Any], chat: bool) -> bool:
-    """Sampled-token logprobs asked: chat's ``logprobs: true``, completions' ``logprobs: k``."""
-    value = body.get("logprobs")
-    return value is True if chat else isinstance(value, int) and not isinstance(value, bool)
-
-
-def _logprobs(words: list[str], chat: bool, offset: int = 0) -> dict[str, Any]:
-    """vLLM's logprobs of the filler tokens ``words`` (the text from ``offset`` on, for
-    completions' ``text_offset``): each was certain (logprob 0.0), so it is its own top
-    logprob, the only one the filler can give."""
-    if chat:
-        content = []
-        for w in words:
-            entry = {"token": w, "logprob": 0.0, "bytes": list(w.encode())}
-            content.append({**entry, "top_logprobs": [entry]})
-        return {"content": content}
-    offsets = []
-    for w in words:
-        offsets.append(offset)
-        offset += len(w)
-    return {
-        "text_offset": offsets,
-        "token_logprobs": [0.0] * len(words),
-        "tokens": list(words),
-        "top_logprobs": [{w: 0.0} for w in words],
-    }
-
-
 class _Collector:
     def __init__(self, state: MockState) -> None:
         self.state = state
@@ -223,7 +199,7 @@ class _Collector:
         for name, doc, value in (
             ("vllm:prompt_tokens", "Prompt tokens processed", c.prompt_tokens),
             ("vllm:generation_tokens", "Tokens generated", c.generation_tokens),
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up", c.prompt_tokens),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up", c.queried_tokens),
             ("vllm:prefix_cache_hits", "Prompt tokens found cached", c.cached_tokens),
             ("vllm:request_success", "Requests finished", c.requests),
             ("kvrouter_mock_kv_event_batches", "KV event batches published", c.kv_event_batches),
@@ -266,7 +242,9 @@ def tokens_of(
     return tokenizer.chat(body) if kind == "chat" else tokenizer.completion(body)
 
 
-async def _prepare(request: web.Request, kind: str) -> tuple[MockState, dict[str, Any], Any]:
+async def _prepare(
+    request: web.Request, kind: str
+) -> tuple[MockState, dict[str, Any], Any, list[int]]:
     state = request.app[STATE]
     try:
         body = await request.json(loads=jsonload.loads)
@@ -317,9 +295,9 @@ async def _prepare(request: web.Request, kind: str) -> tuple[MockState, dict[str
         block_hashes=hashes.hashes,
         prompt_tokens=len(tokens),
         max_output_tokens=_max_tokens(body, state.settings, kind, len(tokens)),
-        reads_cache=not asks_prompt_logprobs(body, kind),
+        reads_cache=not lp.check(body, kind),
     )
-    return state, body, req
+    return state, body, req, tokens
 
 
 async def _outputs(state: MockState, req: Any) -> AsyncIterator[Any]:
@@ -379,7 +357,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     responses = kind == "responses"
     fail = anthropic.error if messages else _error
     try:
-        state, body, req = await _prepare(request, kind)
+        state, body, req, prompt_ids = await _prepare(request, kind)
         stream = body.get("stream", False)
         opts = {} if messages or responses else body.get("stream_options") or {}
         if not isinstance(stream, bool) or not isinstance(opts, dict):
@@ -410,15 +388,29 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     # vLLM's continuous_usage_stats: every chunk carries the usage so far
     continuous = bool(opts.get("include_usage") and opts.get("continuous_usage_stats"))
 
-    with_logprobs = not (messages or responses) and _asks_logprobs(body, chat)
+    openai_api = not (messages or responses)
+    with_logprobs = openai_api and lp.asks_logprobs(body, chat)
+    decode = state.tokenizer.decode
+    prompt_logprobs = lp.prompt_entries(prompt_ids, decode) if not req.reads_cache else None
+    echo = ""  # the text echoed before the answer's (vLLM's ``echo``)
+    if openai_api and lp.echoes(body):
+        echo = lp.chat_echo(body) if chat else lp.completion_echo(body, prompt_ids, decode)
+    # completions' logprobs with echo list the prompt's tokens first
+    echo_logprobs = with_logprobs and not chat and lp.echoes(body)
     streamed = [0]  # completions' text offset so far, for the logprobs' text_offset
 
     def chunk(toks: list[str] | None, finish: str | None, first: bool = False) -> bytes:
         text = None if toks is None else "".join(toks)
         logprobs = None
         if with_logprobs and toks:
-            logprobs = _logprobs(toks, chat, streamed[0])
-            streamed[0] += len(text or "")
+            if first and echo_logprobs:
+                logprobs = lp.echoed(prompt_ids, decode, toks)
+                streamed[0] += len("".join(logprobs["tokens"]))
+            else:
+                logprobs = lp.sampled(toks, chat, streamed[0])
+                streamed[0] += len(text or "")
+        if first and echo:
+            text = echo + (text or "")
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
@@ -521,6 +513,8 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     c = state.counters
     c.requests += 1
     c.prompt_tokens += req.prompt_tokens
+    if req.reads_cache:
+        c.queried_tokens += req.prompt_tokens
     c.cached_tokens += cached
     c.generation_tokens += produced
     state.latency.observe(first_at - arrived, finished_at - arrived, queued_s, produced)
@@ -569,7 +563,12 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-    text = "".join(words)
+    text = echo + "".join(words)
+    logprobs: dict[str, Any] | None = None
+    if with_logprobs:
+        logprobs = (
+            lp.echoed(prompt_ids, decode, words) if echo_logprobs else lp.sampled(words, chat)
+        )
     extra: dict[str, Any] = {}
     if prefill_leg:
         c.prefill_legs += 1
@@ -595,23 +594,27 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         choice: dict[str, Any] = {
             "index": 0,
             "message": message,
-            "logprobs": _logprobs(words, chat) if with_logprobs else None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": None,
             "token_ids": None,
             "routed_experts": None,
             "weight_versions": None,
         }
-        extra = {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None} | extra
+        extra = {
+            "prompt_logprobs": prompt_logprobs,
+            "prompt_token_ids": None,
+            "prompt_text": None,
+        } | extra
     else:
         choice = {
             "index": 0,
             "text": text,
-            "logprobs": _logprobs(words, chat) if with_logprobs else None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": None,
             "token_ids": None,
-            "prompt_logprobs": None,
+            "prompt_logprobs": prompt_logprobs,
             "prompt_token_ids": None,
             "routed_experts": None,
             "weight_versions": None,
@@ -792,6 +795,7 @@ def create_app(settings: MockSettings) -> web.Application:
             kv_blocks=settings.kv_blocks,
             cpu_blocks=settings.cpu_blocks,
             publish_window_blocks=True,
+            engine_block_size=settings.engine_block_size,
         )
         publisher = None
         outbox: asyncio.Queue[list[IndexEvent]] = asyncio.Queue()

@@ -1,0 +1,128 @@
+"""The logprobs and echoed prompts of the mock replica's answers, in vLLM 0.34's shapes.
+
+The filler answer's tokens, and the prompt's, were each certain: logprob 0.0, rank 1, its
+own and only top logprob. What is asked and where it goes, as vLLM answers:
+
+* sampled tokens: chat's ``logprobs: true``, completions' ``logprobs: k``;
+* prompt logprobs (``prompt_logprobs``, or ``echo`` with chat's ``top_logprobs``, default 0,
+  or completions' ``logprobs``: ``to_sampling_params``): one entry a prompt token, ``None``
+  for the first (nothing predicts it), then ``{token id: Logprob}`` (vLLM's
+  ``prompt_logprobs``: the choice's on completions, the answer's on chat); refused on a
+  stream, as vLLM's request validation refuses it;
+* completions' ``echo``: the prompt's text before the answer's, and with ``logprobs`` the
+  prompt's tokens before the answer's (``OpenAIServingCompletion``); chat's ``echo``: the
+  last message's content before the answer when that message has the role answered
+  (``OpenAIServingChat``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from router.core.errors import BadRequest
+from router.tokenize.lax import lax_bool
+from router.tokenize.request_fields import asks_prompt_logprobs
+
+Decode = Callable[[Sequence[int]], str]
+
+
+def asks_logprobs(body: Mapping[str, Any], chat: bool) -> bool:
+    """Sampled-token logprobs asked: chat's ``logprobs: true``, completions' ``logprobs: k``."""
+    value = body.get("logprobs")
+    return value is True if chat else isinstance(value, int) and not isinstance(value, bool)
+
+
+def check(body: dict[str, Any], kind: str) -> bool:
+    """Whether a chat or completion ``body`` asks prompt logprobs; BadRequest where vLLM's
+    request validation refuses them (vLLM's words)."""
+    if kind not in ("chat", "completion"):
+        return False  # the Messages and Responses APIs have no such field
+    value = body.get("prompt_logprobs")
+    if value is not None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise BadRequest("'prompt_logprobs' must be an integer")
+        if body.get("stream") and (value > 0 or value == -1):
+            raise BadRequest("`prompt_logprobs` are not available when `stream=True`.")
+        if value < 0 and value != -1:
+            raise BadRequest("`prompt_logprobs` must be a positive value or -1.")
+    return asks_prompt_logprobs(body, kind)
+
+
+def echoes(body: Mapping[str, Any]) -> bool:
+    return lax_bool(body.get("echo")) is True
+
+
+def sampled(words: Sequence[str], chat: bool, offset: int = 0) -> dict[str, Any]:
+    """vLLM's logprobs of the filler tokens ``words`` (the text from ``offset`` on, for
+    completions' ``text_offset``)."""
+    if chat:
+        content = []
+        for w in words:
+            entry = {"token": w, "logprob": 0.0, "bytes": list(w.encode())}
+            content.append({**entry, "top_logprobs": [entry]})
+        return {"content": content}
+    offsets = []
+    for w in words:
+        offsets.append(offset)
+        offset += len(w)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [0.0] * len(words),
+        "tokens": list(words),
+        "top_logprobs": [{w: 0.0} for w in words],
+    }
+
+
+def prompt_entries(ids: Sequence[int], decode: Decode) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` of the prompt ``ids`` as it dumps them."""
+    out: list[dict[str, Any] | None] = [None]
+    for token in ids[1:]:
+        out.append({str(token): {"logprob": 0.0, "rank": 1, "decoded_token": decode([token])}})
+    return out
+
+
+def echoed(ids: Sequence[int], decode: Decode, words: Sequence[str]) -> dict[str, Any]:
+    """Completions' logprobs with ``echo``: the prompt's tokens (the first with no logprob),
+    then the answer's ``words``, offsets running over the echoed text."""
+    tokens = [decode([t]) for t in ids]
+    offsets = []
+    offset = 0
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    answer = sampled(words, False, offset)
+    return {
+        "text_offset": offsets + answer["text_offset"],
+        "token_logprobs": [None, *([0.0] * (len(tokens) - 1)), *answer["token_logprobs"]],
+        "tokens": tokens + answer["tokens"],
+        "top_logprobs": [None, *({t: 0.0} for t in tokens[1:]), *answer["top_logprobs"]],
+    }
+
+
+def completion_echo(body: Mapping[str, Any], ids: Sequence[int], decode: Decode) -> str:
+    """The prompt text completions' ``echo`` repeats: the prompt as sent, or its ids decoded
+    (``return_token_ids``: none, as vLLM)."""
+    if lax_bool(body.get("return_token_ids")) is True:
+        return ""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else decode(ids)
+
+
+def chat_echo(body: Mapping[str, Any]) -> str:
+    """The text chat's ``echo`` repeats: the last message's content when its role is the
+    one answered (``assistant``, or the last message's own without a generation prompt)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+        return ""
+    last = messages[-1]
+    add_prompt = lax_bool(body.get("add_generation_prompt", True)) is not False
+    role = "assistant" if add_prompt else last.get("role")
+    if last.get("role") != role:
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
