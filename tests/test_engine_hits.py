@@ -241,3 +241,23 @@ def test_a_hint_credits_no_more_than_the_next_request_is_granted() -> None:
             events.index.store(decision.replica, held.state_hashes, kind=Kind.STATE)
         indexed = events.matches(again, [A, B], 0.1).get(decision.replica).usable_blocks
         assert credit == indexed == expect, (hybrid, grid, eagle)
+
+
+def test_a_kv_only_prompt_cached_whole_is_a_hit_one_block_short() -> None:
+    """vLLM recomputes a prompt's last token, so a prompt of whole blocks cached whole is
+    granted one engine block less (``(N - 1) // B`` blocks): the router predicted all of
+    it. Engine blocks finer than the router's give back less than a router block, which
+    the grid cannot show: the match stays whole there (``engine_block_size`` 16)."""
+    hashes = list(range(300, 310))
+    for engine_block, aligned, unaligned in ((0, 9, 10), (BS, 9, 10), (16, 10, 10)):
+        engine = _engine(RoutingSettings(block_size=BS, engine_block_size=engine_block))
+        engine.index.store(A, hashes)
+        for tokens, expect in ((10 * BS, aligned), (10 * BS + 1, unaligned)):
+            got = engine.matches(req(tokens, hashes), [A, B], 0.0).get(A).usable_blocks
+            assert got == expect, (engine_block, tokens)
+        # a session's hint reaches as far (the previous turn resent whole, before its events)
+        hinted = _engine(RoutingSettings(block_size=BS, engine_block_size=engine_block))
+        first = req(10 * BS, hashes, session="s")
+        hinted.dispatched(first, hinted.route(first, [A], 0.0, random.Random(0)), 0.0)
+        credit = hinted.candidates(req(10 * BS, hashes, session="s"), [A], 0.1)
+        assert isinstance(credit, list) and credit[0].match.usable_blocks == aligned

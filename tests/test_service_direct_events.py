@@ -93,7 +93,7 @@ async def test_router_scrapes_engine_metrics_and_exports_real_and_predicted_hits
             {
                 "server": {"engine_metrics_interval_s": 0.1, "admin_token": "t"},
                 "replicas": replicas,
-                "models": {"m": {"block_size": B, "policy": "ours"}},
+                "models": {"m": {"block_size": B, "engine_block_size": 16, "policy": "ours"}},
             }
         )
         router, url = await start_router(settings)

@@ -81,18 +81,22 @@ def engine_holds(request: RouteRequest, layout: StateLayout, eagle: bool) -> Eng
     return EngineHolds(kv, tuple(picked), end)
 
 
-def granted_blocks(held: int, request: RouteRequest, layout: StateLayout, eagle: bool) -> int:
+def granted_blocks(
+    held: int, request: RouteRequest, layout: StateLayout, eagle: bool, fine: bool = False
+) -> int:
     """Of a prefix of ``request`` that a replica reuses ``held`` blocks of for a request
     extending it (:attr:`EngineHolds.next_hit_blocks`, a session hint's reach), what the
     engine grants ``request`` itself, as ``PrefixIndex.match`` does: a hit ends before the
     prompt's last token, on the engine block grid, with EAGLE one engine block shorter; a
-    hybrid model's hit ends on a checkpoint (below the hint's, on the grid: 0 with none)."""
+    hybrid model's hit ends on a checkpoint (below the hint's, on the grid: 0 with none).
+    ``fine``: engine blocks finer than the router's (``PrefixIndex.match``'s
+    ``fine_blocks``)."""
     align = layout.alignment_blocks
     peek = align if eagle else 0
     shaped = peek > 0 or align > 1
-    if not shaped and not layout.hybrid:
-        return held  # the index grants a whole KV match here too
     limit = min(len(request.block_hashes), (request.prompt_tokens - 1) // request.block_size)
+    if not shaped and not layout.hybrid:
+        return held if fine else min(held, max(limit, 0))  # as the index has it
     cap = floor_to(limit, align) - peek if shaped else limit
     if held <= cap:
         return held

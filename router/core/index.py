@@ -598,6 +598,7 @@ class PrefixIndex:
         block_size: int = 0,
         align_blocks: int = 1,
         peek_blocks: int = 0,
+        fine_blocks: bool = False,
     ) -> PrefixMatches:
         """Cached prefix of ``hashes`` on every replica; ``now`` first expires speculative
         entries. The result is valid until the index next changes. ``prompt_tokens`` and
@@ -605,7 +606,11 @@ class PrefixIndex:
         (engines compute at least that one: vLLM caps a hit at ``prompt_tokens - 1``).
         ``align_blocks``: the engine block in router blocks (a usable prefix ends on one);
         ``peek_blocks`` (EAGLE / MTP engines): the usable prefix is what the engine grants once
-        it gave back that many blocks of the hit (router/core/engine_hits.py)."""
+        it gave back that many blocks of the hit (router/core/engine_hits.py).
+        ``fine_blocks``: the engine block is finer than the router's, so a prompt cached whole
+        is granted all but its last engine block, less than a router block short, which the
+        block grid cannot show (a KV match is then usable whole; otherwise it ends a router
+        block short of such a prompt's end, as the engine's hit does)."""
         if now is not None:
             self.expire(now)
         if not hashes or not self._live:
@@ -637,6 +642,9 @@ class PrefixIndex:
             reach = peeked(kv, limit, max(align_blocks, 1), peek_blocks)
             if not hybrid:
                 usable = reach
+        elif not hybrid and not fine_blocks and max(length for length, _ in kv) > limit:
+            # the whole prompt cached (its last token recomputed): one block less is a hit
+            usable = peeked(kv, limit, 1, 0)
         if hybrid:
             state_tables = [t for t in (self._state, spec_state) if t]
             candidates = self._state_slots | (self._live if spec_state else 0)

@@ -357,6 +357,7 @@ class RoutingEngine:
             block_size=request.block_size,
             align_blocks=layout.alignment_blocks,
             peek_blocks=layout.alignment_blocks if self.drops_eagle_block else 0,
+            fine_blocks=0 < self.settings.engine_block_size < request.block_size,
         )
 
     def forget_guessed_hybrid(self) -> bool:
@@ -421,7 +422,8 @@ class RoutingEngine:
         covered = hint.covers(request.block_hashes)
         if not covered:
             return hint, 0
-        return hint, granted_blocks(covered, request, self.layout, self.drops_eagle_block)
+        fine = 0 < self.settings.engine_block_size < request.block_size
+        return hint, granted_blocks(covered, request, self.layout, self.drops_eagle_block, fine)
 
     def candidates(
         self, request: RouteRequest, replicas: Sequence[ReplicaKey], now: float
