@@ -37,6 +37,7 @@ from router.tokenize.pipeline import PromptProcessor
 from router.tokenize.template import ChatTemplate
 from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
 from tests.engines import MediaWithBytes, load, load_file
+from tests.engines.transformers_ref import qwen2_vl_image_tokens
 
 MODEL = "vl"
 ENGINE_MODEL_ID = "Org/VL-7B"
@@ -98,6 +99,24 @@ def test_qwen2_vl_resize_keeps_the_pixel_bounds() -> None:
     assert (
         SETTINGS.count(50, 30) == 6 and ImageSettings("<i>", "<i>", "fixed:576").count(9, 9) == 576
     )
+
+
+@pytest.mark.parametrize("bounds", [(56 * 56, 28 * 28 * 1280), (256 * 28 * 28, 1024 * 28 * 28)])
+def test_qwen2_vl_token_count_is_the_image_processors(bounds: tuple[int, int]) -> None:
+    """The count against transformers 5.22.2's own Qwen2-VL image processor (vendored), as
+    vLLM 0.34 uses it: thin images too, where a side rounds to no patch (the router counted
+    a 100 x 10 image as 4 tokens where the processor makes 7)."""
+    settings = ImageSettings(
+        SETTINGS.placeholder, PAD, "qwen2_vl", min_pixels=bounds[0], max_pixels=bounds[1]
+    )
+    sizes = [(100, 10), (10, 100), (1, 150), (13, 13), (14, 14), (42, 41), (300, 200)]
+    sizes += [(w, h) for w in (1, 5, 13, 14, 15, 27, 29, 60) for h in range(1, 200, 9)]
+    sizes += [(4000, 3000), (5000, 40), (28 * 200, 28)]
+    for width, height in sizes:
+        if max(width, height) / min(width, height) > 200:
+            continue
+        want = qwen2_vl_image_tokens(width, height, *bounds)
+        assert settings.count(width, height) == want, (width, height)
 
 
 def test_placeholders_go_first_as_vllm_renders_string_content() -> None:

@@ -88,11 +88,13 @@ def _fixed(spec: str) -> int:
 def qwen2_vl_resize(
     height: int, width: int, factor: int, min_pixels: int, max_pixels: int
 ) -> tuple[int, int]:
-    """``smart_resize`` of the Qwen2-VL image processor (transformers)."""
+    """``smart_resize`` of the Qwen2-VL image processor (transformers 5.22.2, the newest
+    release vLLM 0.34 takes)."""
     if max(height, width) / max(1, min(height, width)) > 200:
         raise BadRequest("image aspect ratio above 200 is refused by the model's processor")
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
+    # (a side rounding to no patch is caught by the min_pixels branch, as in transformers)
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt((height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
