@@ -342,6 +342,33 @@ def test_a_request_with_its_own_processor_kwargs_is_not_hashed_past_the_image(
     assert own.block_hashes == known[: len(own.block_hashes)]
 
 
+def test_a_request_with_its_own_image_media_io_kwargs_is_not_hashed_past_the_image(
+    processor: PromptProcessor,
+) -> None:
+    """vLLM 0.34 (``--trust-request-mm-kwargs``) mixes a request's ``media_io_kwargs`` for
+    images into each image's hash (``ProcessorInputs.get_mm_hashes``' hash factors), and they
+    may change how it is loaded: the router keys only the blocks before the image (it hashed
+    the image as if they were absent, exact, under an identifier the engine never uses)."""
+    data = png("RGBA", (300, 200), 7)
+    media_io = {"image": {"rgba_background_color": [0, 0, 0]}}
+    hasher = load_file("vllm_0_33_0_mm_hasher.py").MultiModalHasher
+    io_config = {"image_mode": "RGB", "rgba_background_color": (0, 0, 0)}
+    engines = hasher.hash_kwargs(
+        "blake3",
+        model_id=ENGINE_MODEL_ID,
+        image=MediaWithBytes(Image.open(io.BytesIO(data)), data, io_config),
+        media_io_kwargs=media_io,
+    )
+    assert engines != vllm_hash(data)  # what the router hashes without them
+    known = processor.chat(chat(data_url(data))).block_hashes
+    own = processor.chat({**chat(data_url(data)), "media_io_kwargs": media_io})
+    assert not own.exact and 0 < len(own.block_hashes) < len(known)
+    assert own.block_hashes == known[: len(own.block_hashes)]
+    # kwargs for another modality leave the image's hash alone (vLLM scopes them)
+    video = processor.chat({**chat(data_url(data)), "media_io_kwargs": {"video": {"fps": 2}}})
+    assert video.exact and video.block_hashes == known
+
+
 @pytest.mark.parametrize(
     "part",
     [

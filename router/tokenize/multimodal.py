@@ -24,7 +24,8 @@ tokens the model's processor expands it to and (3) where they start in the promp
    (``placeholder`` is then unused). Every ``token`` in the result is expanded to the
    image's count.
 
-An image the router cannot hash (an ``http(s)`` URL it does not fetch, undecodable data)
+An image the router cannot hash (an ``http(s)`` URL it does not fetch, undecodable data, a
+request's own ``mm_processor_kwargs`` or image ``media_io_kwargs``: ``own_image_kwargs``)
 makes the prompt's blocks from that image on unknown: the request is routed on the blocks
 before it (``first_unknown``).
 """
@@ -219,6 +220,17 @@ def with_placeholders(
         pieces = [placeholder] * images + (["\n".join(texts)] if texts else [])
         out.append({**m, "content": "\n".join(pieces)})
     return out, urls
+
+
+def own_image_kwargs(body: Mapping[str, Any]) -> bool:
+    """Whether a request brings its own image processing: ``mm_processor_kwargs`` (they may
+    change an image's token count) or ``media_io_kwargs`` for images (vLLM 0.34 mixes them
+    into the image's hash, ``ProcessorInputs.get_mm_hashes``, and loads it with them). vLLM
+    takes either only with ``--trust-request-mm-kwargs``; the router does not model them."""
+    media_io = body.get("media_io_kwargs")
+    return bool(body.get("mm_processor_kwargs")) or (
+        isinstance(media_io, Mapping) and bool(media_io.get("image"))
+    )
 
 
 def data_url_bytes(url: str) -> bytes | None:

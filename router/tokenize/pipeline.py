@@ -41,6 +41,7 @@ from router.tokenize.multimodal import (
     image_facts,
     image_urls,
     marked_images,
+    own_image_kwargs,
     vllm_image_hash,
     with_placeholders,
 )
@@ -338,10 +339,10 @@ class PromptProcessor:
         engine renders them, each expanded to the image's token count and keyed with its
         hash in the block where it starts. Blocks from an image the router cannot hash (no
         image settings for the model, an URL it does not fetch, a request's own
-        ``mm_processor_kwargs``, which may change the image's token count) on are left
-        out."""
+        ``mm_processor_kwargs`` or image ``media_io_kwargs``: ``own_image_kwargs``) on are
+        left out."""
         tokenizer, template, settings = self.tokenizer, self.template, self.images
-        if body.get("mm_processor_kwargs"):
+        if own_image_kwargs(body):
             settings = None
         if kept_tokens(body) is not None or (
             adds_special_tokens(body, chat=True) and self._bos_id is not None
