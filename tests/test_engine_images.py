@@ -396,6 +396,41 @@ def test_a_medium_the_router_does_not_model_cuts_the_prompt_before_it(
     assert got.block_hashes == system_only.block_hashes[: len(got.block_hashes)]
 
 
+@pytest.mark.parametrize("content_format", ["string", "openai"])
+def test_an_image_before_an_unmodelled_medium_is_hashed_as_the_engine_does(
+    processor: PromptProcessor, content_format: str
+) -> None:
+    """A conversation with an image, then audio in a later message: the blocks the router
+    keys (those before the audio's message) are the engine's, the image's placeholder tokens
+    and identifier included. They were the text rendered without the image (string format)
+    or with one unexpanded placeholder and no identifier (openai), which a text-only prompt
+    matches (a hit predicted where the engine has other tokens)."""
+    template = ChatTemplate.build(QWEN_VL_SOURCE, content_format=content_format)
+    vl = PromptProcessor(
+        MODEL, 16, tokenizer=processor.tokenizer, template=template, images=SETTINGS
+    )
+    data = png("RGB", (300, 200), 7)
+    body = chat(data_url(data))
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    body["messages"] += [
+        {"role": "assistant", "content": "It shows a square. " * 4},
+        {"role": "user", "content": [{"type": "text", "text": "And this?"}, audio]},
+    ]
+    got = vl.chat(body)
+    assert not got.exact
+    # the engine's blocks before the audio's message: the conversation up to it, exact
+    upto = vl.chat({**body, "messages": body["messages"][:3], "add_generation_prompt": False})
+    assert upto.exact
+    assert got.block_hashes == upto.block_hashes[: len(got.block_hashes)]
+    # the same conversation without the image shares only the blocks before the image
+    plain = chat(None)["messages"] + body["messages"][2:3]
+    text_only = vl.chat({**chat(None), "messages": plain, "add_generation_prompt": False})
+    pairs = zip(upto.block_hashes, text_only.block_hashes, strict=False)
+    before = next(i for i, (a, b) in enumerate(pairs) if a != b)
+    assert len(got.block_hashes) > before + 2  # (blocks from the image on are keyed)
+    assert len(set(got.block_hashes) & set(text_only.block_hashes)) == before
+
+
 def test_an_image_prompt_cut_by_truncation_is_not_hashed(processor: PromptProcessor) -> None:
     body = {**chat(data_url(png("RGB", (300, 200), 7))), "truncate_prompt_tokens": 40}
     got = processor.chat(body)

@@ -260,6 +260,10 @@ class PromptProcessor:
         if unmodelled is not None:  # a medium the router cannot place: hashed up to it
             at = messages[unmodelled]
             marked = [*messages[:unmodelled], {**at, "content": _IMAGE_MARKER}]
+            if has_images(marked):  # images before it: expanded and keyed as the engine does
+                return self._chat_images(
+                    body, marked, tools, kwargs, add_gen, cont, t0, cut_at=_IMAGE_MARKER
+                )
             text, _ = self._render_text(marked, tools, kwargs, add_gen, cont)
             return self._cut_before(text, _IMAGE_MARKER, body, t0)
         if has_images(messages):
@@ -334,13 +338,15 @@ class PromptProcessor:
         add_gen: bool,
         cont: bool,
         t0: float,
+        cut_at: str | None = None,
     ) -> ProcessedPrompt:
         """A chat request with image parts (router.tokenize.multimodal): placeholders as the
         engine renders them, each expanded to the image's token count and keyed with its
         hash in the block where it starts. Blocks from an image the router cannot hash (no
         image settings for the model, an URL it does not fetch, a request's own
         ``mm_processor_kwargs`` or image ``media_io_kwargs``: ``own_image_kwargs``) on are
-        left out."""
+        left out; so are those from ``cut_at`` on (a text in ``messages`` standing for a
+        message the router cannot place), and the prompt is then not exact."""
         tokenizer, template, settings = self.tokenizer, self.template, self.images
         if own_image_kwargs(body):
             settings = None
@@ -361,7 +367,13 @@ class PromptProcessor:
             # nothing known from the first image on
             return self._cut_before(text, marker, body, t0)
         root, _ = self.root(body)
-        tokens = tokenizer.encode_text(text)
+        rest = 0  # tokens after ``cut_at``, not hashed
+        if cut_at is not None and (cut := text.find(cut_at)) >= 0:
+            # (the last token before it may merge with what follows: left out)
+            tokens = tokenizer.encode_text(text[:cut])[:-1]
+            rest = len(tokenizer.encode_text(text[cut:]))
+        else:
+            tokens = tokenizer.encode_text(text)
         t1 = time.perf_counter()
         bs = self.block_size
         token_id = tokenizer.tokenizer.special_tokens[settings.token]
@@ -395,10 +407,10 @@ class PromptProcessor:
         extras = mm_block_extras(items, bs) if items else None
         hashes = hash_prompt(hashed, bs, root, extras=extras).hashes
         return ProcessedPrompt(
-            len(expanded),
+            len(expanded) + rest,
             hashes,
             bs,
-            known_until is None,
+            known_until is None and cut_at is None,
             0,
             t1 - t0,
             time.perf_counter() - t1,
