@@ -238,6 +238,7 @@ def engine_side(
     block_size: int,
     text: str | None = None,
     render: dict[str, Any] | None = None,
+    identifier: str | None = None,
 ) -> list[int]:
     """What the publisher indexes when vLLM 0.33 serves ``body``, whose prompt renders to
     ``text`` (default: the string content format's placeholders, rendered): the prompt with
@@ -261,7 +262,8 @@ def engine_side(
         }
     be = 16
     feature = SimpleNamespace(
-        identifier=vllm_hash(data), mm_position=SimpleNamespace(offset=at, length=count)
+        identifier=identifier or vllm_hash(data),
+        mm_position=SimpleNamespace(offset=at, length=count),
     )
     request = SimpleNamespace(
         mm_features=[feature],
@@ -317,6 +319,31 @@ def test_image_prompt_hashes_match_the_engines_blocks(
     assert 0 < first < len(want) and not set(want[first:]) & set(other)
     # the same image without the salt: nothing in common
     assert not set(want) & set(processor.chat(chat(data_url(data))).block_hashes)
+
+
+@pytest.mark.parametrize("part_type", ["image_url", "input_image"])
+def test_an_image_given_with_a_uuid_is_keyed_by_it(
+    processor: PromptProcessor, part_type: str
+) -> None:
+    """vLLM 0.34 takes a part's ``uuid`` as the image's identifier (no hash factors:
+    ``ProcessorInputs.get_mm_hashes``) and counts its tokens from the image sent with it:
+    the router keys the image's block with the uuid (it cut the prompt before the message)."""
+    data = png("RGB", (300, 200), 7)
+    body = chat(data_url(data), salt="t1")
+    part = body["messages"][1]["content"][1]
+    url = part["image_url"]["url"]
+    part.clear()
+    part.update(
+        {"type": part_type, "image_url": url if part_type == "input_image" else {"url": url}}
+    )
+    part["uuid"] = "img-1234"
+    got = processor.chat(body)
+    want = engine_side(processor, body, data, 16, identifier="img-1234")
+    assert got.exact and got.block_hashes == want
+    # the same image by content (no uuid) is another item from its block on
+    plain = processor.chat(chat(data_url(data), salt="t1")).block_hashes
+    first = next(i for i, (a, b) in enumerate(zip(want, plain, strict=True)) if a != b)
+    assert first > 0 and not set(want[first:]) & set(plain)
 
 
 def test_unhashable_image_routes_on_the_blocks_before_it(processor: PromptProcessor) -> None:

@@ -6,7 +6,8 @@ multimodal hash (``mm_feature.identifier``), so the router must know, for each O
 tokens the model's processor expands it to and (3) where they start in the prompt.
 
 1. ``vllm_image_hash``: ``MultiModalHasher.hash_kwargs(model_id=..., image=...)`` of vLLM
-   0.33 over the image's original bytes (the base64-decoded ``data:`` URL), with the
+   0.33 over the image's original bytes (an image part with a ``uuid`` is named by it
+   instead, as vLLM 0.34 names it: ``image_uuids``) (the base64-decoded ``data:`` URL), with the
    ``io_config`` vLLM adds when loading changes the image (a mode other than RGB, or
    transparency): blake3 by default (``--mm-hasher-algorithm`` sha256 / sha512 too). Exact.
    ``model_id`` is the engine's ``--model`` (its ``model_config.model``), not the served name.
@@ -125,8 +126,9 @@ def image_url(part: Mapping[str, Any]) -> str | None:
 
 
 def _modelled_image(part: Mapping[str, Any]) -> bool:
-    """An image part the router can place and hash: typed, with an URL, without a uuid."""
-    if part.get("type") not in _IMAGE_PART_TYPES or part.get("uuid") is not None:
+    """An image part the router can place and hash: typed, with an URL (a ``uuid`` names
+    it, :func:`image_uuids`, but its size is the image's)."""
+    if part.get("type") not in _IMAGE_PART_TYPES:
         return False
     raw = part.get("image_url", part.get("image"))
     return isinstance(raw.get("url") if isinstance(raw, Mapping) else raw, str)
@@ -134,8 +136,8 @@ def _modelled_image(part: Mapping[str, Any]) -> bool:
 
 def first_unmodelled(messages: Sequence[Mapping[str, Any]]) -> int | None:
     """The index of the first message with a medium the router does not model (audio,
-    video, embeddings, an image given by uuid or without ``type``): its token count is the
-    engine's processor's, so nothing from there on can be hashed."""
+    video, embeddings, an image given by uuid alone or without ``type``): its token count
+    is the engine's processor's, so nothing from there on can be hashed."""
     for i, m in enumerate(messages):
         content = m.get("content")
         if isinstance(content, list) and any(
@@ -167,6 +169,22 @@ def image_urls(messages: Sequence[Mapping[str, Any]]) -> list[str]:
                 if isinstance(part, Mapping) and (url := image_url(part)) is not None:
                     urls.append(url)
     return urls
+
+
+def image_uuids(messages: Sequence[Mapping[str, Any]]) -> list[str | None]:
+    """The ``uuid`` of each image part of ``messages`` (as a string, as vLLM takes it; None
+    where there is none), in the order of :func:`image_urls`. vLLM 0.34 names an image sent
+    with a uuid by the uuid instead of its content's hash, unless the request has hash
+    factors of its own (``ProcessorInputs.get_mm_hashes``; :func:`own_image_kwargs`)."""
+    out: list[str | None] = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, Mapping) and image_url(part) is not None:
+                    uuid = part.get("uuid")
+                    out.append(None if uuid is None else str(uuid))
+    return out
 
 
 def marked_images(messages: Sequence[Mapping[str, Any]], marker: str) -> list[Mapping[str, Any]]:

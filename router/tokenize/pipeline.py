@@ -40,6 +40,7 @@ from router.tokenize.multimodal import (
     has_images,
     image_facts,
     image_urls,
+    image_uuids,
     marked_images,
     own_image_kwargs,
     vllm_image_hash,
@@ -383,6 +384,7 @@ class PromptProcessor:
         known_until: int | None = None  # tokens after this are not known exactly
         prev = length = 0
         model_id = settings.model_id or self.model
+        uuids = image_uuids(messages)
         for k, pos in enumerate(at):
             pieces.append(tokens[prev:pos])
             length += int(pos) - prev
@@ -395,7 +397,9 @@ class PromptProcessor:
                 continue
             facts = image_facts(data)
             count = settings.count(facts.width, facts.height)
-            ident = vllm_image_hash(data, facts.converted, model_id, settings.hash_algorithm)
+            ident = uuids[k]
+            if ident is None:
+                ident = vllm_image_hash(data, facts.converted, model_id, settings.hash_algorithm)
             items.append(MmItem(length, ident))
             pieces.append(np.full(count, token_id, dtype=tokens.dtype))
             length += count
