@@ -37,6 +37,7 @@ from router.tokenize.pipeline import PromptProcessor
 from router.tokenize.template import ChatTemplate
 from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
 from tests.engines import MediaWithBytes, load, load_file
+from tests.engines.transformers_ref import qwen2_vl_image_tokens
 
 MODEL = "vl"
 ENGINE_MODEL_ID = "Org/VL-7B"
@@ -98,6 +99,24 @@ def test_qwen2_vl_resize_keeps_the_pixel_bounds() -> None:
     assert (
         SETTINGS.count(50, 30) == 6 and ImageSettings("<i>", "<i>", "fixed:576").count(9, 9) == 576
     )
+
+
+@pytest.mark.parametrize("bounds", [(56 * 56, 28 * 28 * 1280), (256 * 28 * 28, 1024 * 28 * 28)])
+def test_qwen2_vl_token_count_is_the_image_processors(bounds: tuple[int, int]) -> None:
+    """The count against transformers 5.22.2's own Qwen2-VL image processor (vendored), as
+    vLLM 0.34 uses it: thin images too, where a side rounds to no patch (the router counted
+    a 100 x 10 image as 4 tokens where the processor makes 7)."""
+    settings = ImageSettings(
+        SETTINGS.placeholder, PAD, "qwen2_vl", min_pixels=bounds[0], max_pixels=bounds[1]
+    )
+    sizes = [(100, 10), (10, 100), (1, 150), (13, 13), (14, 14), (42, 41), (300, 200)]
+    sizes += [(w, h) for w in (1, 5, 13, 14, 15, 27, 29, 60) for h in range(1, 200, 9)]
+    sizes += [(4000, 3000), (5000, 40), (28 * 200, 28)]
+    for width, height in sizes:
+        if max(width, height) / min(width, height) > 200:
+            continue
+        want = qwen2_vl_image_tokens(width, height, *bounds)
+        assert settings.count(width, height) == want, (width, height)
 
 
 def test_placeholders_go_first_as_vllm_renders_string_content() -> None:
@@ -219,6 +238,7 @@ def engine_side(
     block_size: int,
     text: str | None = None,
     render: dict[str, Any] | None = None,
+    identifier: str | None = None,
 ) -> list[int]:
     """What the publisher indexes when vLLM 0.33 serves ``body``, whose prompt renders to
     ``text`` (default: the string content format's placeholders, rendered): the prompt with
@@ -242,7 +262,8 @@ def engine_side(
         }
     be = 16
     feature = SimpleNamespace(
-        identifier=vllm_hash(data), mm_position=SimpleNamespace(offset=at, length=count)
+        identifier=identifier or vllm_hash(data),
+        mm_position=SimpleNamespace(offset=at, length=count),
     )
     request = SimpleNamespace(
         mm_features=[feature],
@@ -300,6 +321,31 @@ def test_image_prompt_hashes_match_the_engines_blocks(
     assert not set(want) & set(processor.chat(chat(data_url(data))).block_hashes)
 
 
+@pytest.mark.parametrize("part_type", ["image_url", "input_image"])
+def test_an_image_given_with_a_uuid_is_keyed_by_it(
+    processor: PromptProcessor, part_type: str
+) -> None:
+    """vLLM 0.34 takes a part's ``uuid`` as the image's identifier (no hash factors:
+    ``ProcessorInputs.get_mm_hashes``) and counts its tokens from the image sent with it:
+    the router keys the image's block with the uuid (it cut the prompt before the message)."""
+    data = png("RGB", (300, 200), 7)
+    body = chat(data_url(data), salt="t1")
+    part = body["messages"][1]["content"][1]
+    url = part["image_url"]["url"]
+    part.clear()
+    part.update(
+        {"type": part_type, "image_url": url if part_type == "input_image" else {"url": url}}
+    )
+    part["uuid"] = "img-1234"
+    got = processor.chat(body)
+    want = engine_side(processor, body, data, 16, identifier="img-1234")
+    assert got.exact and got.block_hashes == want
+    # the same image by content (no uuid) is another item from its block on
+    plain = processor.chat(chat(data_url(data), salt="t1")).block_hashes
+    first = next(i for i, (a, b) in enumerate(zip(want, plain, strict=True)) if a != b)
+    assert first > 0 and not set(want[first:]) & set(plain)
+
+
 def test_unhashable_image_routes_on_the_blocks_before_it(processor: PromptProcessor) -> None:
     data = png("RGB", (300, 200), 7)
     known = processor.chat(chat(data_url(data))).block_hashes
@@ -321,6 +367,33 @@ def test_a_request_with_its_own_processor_kwargs_is_not_hashed_past_the_image(
     own = processor.chat({**chat(data), "mm_processor_kwargs": {"max_pixels": 3136}})
     assert not own.exact and 0 < len(own.block_hashes) < len(known)
     assert own.block_hashes == known[: len(own.block_hashes)]
+
+
+def test_a_request_with_its_own_image_media_io_kwargs_is_not_hashed_past_the_image(
+    processor: PromptProcessor,
+) -> None:
+    """vLLM 0.34 (``--trust-request-mm-kwargs``) mixes a request's ``media_io_kwargs`` for
+    images into each image's hash (``ProcessorInputs.get_mm_hashes``' hash factors), and they
+    may change how it is loaded: the router keys only the blocks before the image (it hashed
+    the image as if they were absent, exact, under an identifier the engine never uses)."""
+    data = png("RGBA", (300, 200), 7)
+    media_io = {"image": {"rgba_background_color": [0, 0, 0]}}
+    hasher = load_file("vllm_0_33_0_mm_hasher.py").MultiModalHasher
+    io_config = {"image_mode": "RGB", "rgba_background_color": (0, 0, 0)}
+    engines = hasher.hash_kwargs(
+        "blake3",
+        model_id=ENGINE_MODEL_ID,
+        image=MediaWithBytes(Image.open(io.BytesIO(data)), data, io_config),
+        media_io_kwargs=media_io,
+    )
+    assert engines != vllm_hash(data)  # what the router hashes without them
+    known = processor.chat(chat(data_url(data))).block_hashes
+    own = processor.chat({**chat(data_url(data)), "media_io_kwargs": media_io})
+    assert not own.exact and 0 < len(own.block_hashes) < len(known)
+    assert own.block_hashes == known[: len(own.block_hashes)]
+    # kwargs for another modality leave the image's hash alone (vLLM scopes them)
+    video = processor.chat({**chat(data_url(data)), "media_io_kwargs": {"video": {"fps": 2}}})
+    assert video.exact and video.block_hashes == known
 
 
 @pytest.mark.parametrize(
@@ -348,6 +421,41 @@ def test_a_medium_the_router_does_not_model_cuts_the_prompt_before_it(
     system_only = processor.chat({"model": MODEL, "messages": body["messages"][:1]})
     assert 0 < len(got.block_hashes) <= len(system_only.block_hashes)
     assert got.block_hashes == system_only.block_hashes[: len(got.block_hashes)]
+
+
+@pytest.mark.parametrize("content_format", ["string", "openai"])
+def test_an_image_before_an_unmodelled_medium_is_hashed_as_the_engine_does(
+    processor: PromptProcessor, content_format: str
+) -> None:
+    """A conversation with an image, then audio in a later message: the blocks the router
+    keys (those before the audio's message) are the engine's, the image's placeholder tokens
+    and identifier included. They were the text rendered without the image (string format)
+    or with one unexpanded placeholder and no identifier (openai), which a text-only prompt
+    matches (a hit predicted where the engine has other tokens)."""
+    template = ChatTemplate.build(QWEN_VL_SOURCE, content_format=content_format)
+    vl = PromptProcessor(
+        MODEL, 16, tokenizer=processor.tokenizer, template=template, images=SETTINGS
+    )
+    data = png("RGB", (300, 200), 7)
+    body = chat(data_url(data))
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    body["messages"] += [
+        {"role": "assistant", "content": "It shows a square. " * 4},
+        {"role": "user", "content": [{"type": "text", "text": "And this?"}, audio]},
+    ]
+    got = vl.chat(body)
+    assert not got.exact
+    # the engine's blocks before the audio's message: the conversation up to it, exact
+    upto = vl.chat({**body, "messages": body["messages"][:3], "add_generation_prompt": False})
+    assert upto.exact
+    assert got.block_hashes == upto.block_hashes[: len(got.block_hashes)]
+    # the same conversation without the image shares only the blocks before the image
+    plain = chat(None)["messages"] + body["messages"][2:3]
+    text_only = vl.chat({**chat(None), "messages": plain, "add_generation_prompt": False})
+    pairs = zip(upto.block_hashes, text_only.block_hashes, strict=False)
+    before = next(i for i, (a, b) in enumerate(pairs) if a != b)
+    assert len(got.block_hashes) > before + 2  # (blocks from the image on are keyed)
+    assert len(set(got.block_hashes) & set(text_only.block_hashes)) == before
 
 
 def test_an_image_prompt_cut_by_truncation_is_not_hashed(processor: PromptProcessor) -> None:

@@ -6,7 +6,8 @@ multimodal hash (``mm_feature.identifier``), so the router must know, for each O
 tokens the model's processor expands it to and (3) where they start in the prompt.
 
 1. ``vllm_image_hash``: ``MultiModalHasher.hash_kwargs(model_id=..., image=...)`` of vLLM
-   0.33 over the image's original bytes (the base64-decoded ``data:`` URL), with the
+   0.33 over the image's original bytes (an image part with a ``uuid`` is named by it
+   instead, as vLLM 0.34 names it: ``image_uuids``) (the base64-decoded ``data:`` URL), with the
    ``io_config`` vLLM adds when loading changes the image (a mode other than RGB, or
    transparency): blake3 by default (``--mm-hasher-algorithm`` sha256 / sha512 too). Exact.
    ``model_id`` is the engine's ``--model`` (its ``model_config.model``), not the served name.
@@ -24,7 +25,8 @@ tokens the model's processor expands it to and (3) where they start in the promp
    (``placeholder`` is then unused). Every ``token`` in the result is expanded to the
    image's count.
 
-An image the router cannot hash (an ``http(s)`` URL it does not fetch, undecodable data)
+An image the router cannot hash (an ``http(s)`` URL it does not fetch, undecodable data, a
+request's own ``mm_processor_kwargs`` or image ``media_io_kwargs``: ``own_image_kwargs``)
 makes the prompt's blocks from that image on unknown: the request is routed on the blocks
 before it (``first_unknown``).
 """
@@ -88,11 +90,13 @@ def _fixed(spec: str) -> int:
 def qwen2_vl_resize(
     height: int, width: int, factor: int, min_pixels: int, max_pixels: int
 ) -> tuple[int, int]:
-    """``smart_resize`` of the Qwen2-VL image processor (transformers)."""
+    """``smart_resize`` of the Qwen2-VL image processor (transformers 5.22.2, the newest
+    release vLLM 0.34 takes)."""
     if max(height, width) / max(1, min(height, width)) > 200:
         raise BadRequest("image aspect ratio above 200 is refused by the model's processor")
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
+    # (a side rounding to no patch is caught by the min_pixels branch, as in transformers)
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt((height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
@@ -122,8 +126,9 @@ def image_url(part: Mapping[str, Any]) -> str | None:
 
 
 def _modelled_image(part: Mapping[str, Any]) -> bool:
-    """An image part the router can place and hash: typed, with an URL, without a uuid."""
-    if part.get("type") not in _IMAGE_PART_TYPES or part.get("uuid") is not None:
+    """An image part the router can place and hash: typed, with an URL (a ``uuid`` names
+    it, :func:`image_uuids`, but its size is the image's)."""
+    if part.get("type") not in _IMAGE_PART_TYPES:
         return False
     raw = part.get("image_url", part.get("image"))
     return isinstance(raw.get("url") if isinstance(raw, Mapping) else raw, str)
@@ -131,8 +136,8 @@ def _modelled_image(part: Mapping[str, Any]) -> bool:
 
 def first_unmodelled(messages: Sequence[Mapping[str, Any]]) -> int | None:
     """The index of the first message with a medium the router does not model (audio,
-    video, embeddings, an image given by uuid or without ``type``): its token count is the
-    engine's processor's, so nothing from there on can be hashed."""
+    video, embeddings, an image given by uuid alone or without ``type``): its token count
+    is the engine's processor's, so nothing from there on can be hashed."""
     for i, m in enumerate(messages):
         content = m.get("content")
         if isinstance(content, list) and any(
@@ -164,6 +169,22 @@ def image_urls(messages: Sequence[Mapping[str, Any]]) -> list[str]:
                 if isinstance(part, Mapping) and (url := image_url(part)) is not None:
                     urls.append(url)
     return urls
+
+
+def image_uuids(messages: Sequence[Mapping[str, Any]]) -> list[str | None]:
+    """The ``uuid`` of each image part of ``messages`` (as a string, as vLLM takes it; None
+    where there is none), in the order of :func:`image_urls`. vLLM 0.34 names an image sent
+    with a uuid by the uuid instead of its content's hash, unless the request has hash
+    factors of its own (``ProcessorInputs.get_mm_hashes``; :func:`own_image_kwargs`)."""
+    out: list[str | None] = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, Mapping) and image_url(part) is not None:
+                    uuid = part.get("uuid")
+                    out.append(None if uuid is None else str(uuid))
+    return out
 
 
 def marked_images(messages: Sequence[Mapping[str, Any]], marker: str) -> list[Mapping[str, Any]]:
@@ -217,6 +238,17 @@ def with_placeholders(
         pieces = [placeholder] * images + (["\n".join(texts)] if texts else [])
         out.append({**m, "content": "\n".join(pieces)})
     return out, urls
+
+
+def own_image_kwargs(body: Mapping[str, Any]) -> bool:
+    """Whether a request brings its own image processing: ``mm_processor_kwargs`` (they may
+    change an image's token count) or ``media_io_kwargs`` for images (vLLM 0.34 mixes them
+    into the image's hash, ``ProcessorInputs.get_mm_hashes``, and loads it with them). vLLM
+    takes either only with ``--trust-request-mm-kwargs``; the router does not model them."""
+    media_io = body.get("media_io_kwargs")
+    return bool(body.get("mm_processor_kwargs")) or (
+        isinstance(media_io, Mapping) and bool(media_io.get("image"))
+    )
 
 
 def data_url_bytes(url: str) -> bytes | None:

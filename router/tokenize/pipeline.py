@@ -40,7 +40,9 @@ from router.tokenize.multimodal import (
     has_images,
     image_facts,
     image_urls,
+    image_uuids,
     marked_images,
+    own_image_kwargs,
     vllm_image_hash,
     with_placeholders,
 )
@@ -259,6 +261,10 @@ class PromptProcessor:
         if unmodelled is not None:  # a medium the router cannot place: hashed up to it
             at = messages[unmodelled]
             marked = [*messages[:unmodelled], {**at, "content": _IMAGE_MARKER}]
+            if has_images(marked):  # images before it: expanded and keyed as the engine does
+                return self._chat_images(
+                    body, marked, tools, kwargs, add_gen, cont, t0, cut_at=_IMAGE_MARKER
+                )
             text, _ = self._render_text(marked, tools, kwargs, add_gen, cont)
             return self._cut_before(text, _IMAGE_MARKER, body, t0)
         if has_images(messages):
@@ -333,15 +339,17 @@ class PromptProcessor:
         add_gen: bool,
         cont: bool,
         t0: float,
+        cut_at: str | None = None,
     ) -> ProcessedPrompt:
         """A chat request with image parts (router.tokenize.multimodal): placeholders as the
         engine renders them, each expanded to the image's token count and keyed with its
         hash in the block where it starts. Blocks from an image the router cannot hash (no
         image settings for the model, an URL it does not fetch, a request's own
-        ``mm_processor_kwargs``, which may change the image's token count) on are left
-        out."""
+        ``mm_processor_kwargs`` or image ``media_io_kwargs``: ``own_image_kwargs``) on are
+        left out; so are those from ``cut_at`` on (a text in ``messages`` standing for a
+        message the router cannot place), and the prompt is then not exact."""
         tokenizer, template, settings = self.tokenizer, self.template, self.images
-        if body.get("mm_processor_kwargs"):
+        if own_image_kwargs(body):
             settings = None
         if kept_tokens(body) is not None or (
             adds_special_tokens(body, chat=True) and self._bos_id is not None
@@ -360,7 +368,13 @@ class PromptProcessor:
             # nothing known from the first image on
             return self._cut_before(text, marker, body, t0)
         root, _ = self.root(body)
-        tokens = tokenizer.encode_text(text)
+        rest = 0  # tokens after ``cut_at``, not hashed
+        if cut_at is not None and (cut := text.find(cut_at)) >= 0:
+            # (the last token before it may merge with what follows: left out)
+            tokens = tokenizer.encode_text(text[:cut])[:-1]
+            rest = len(tokenizer.encode_text(text[cut:]))
+        else:
+            tokens = tokenizer.encode_text(text)
         t1 = time.perf_counter()
         bs = self.block_size
         token_id = tokenizer.tokenizer.special_tokens[settings.token]
@@ -370,6 +384,7 @@ class PromptProcessor:
         known_until: int | None = None  # tokens after this are not known exactly
         prev = length = 0
         model_id = settings.model_id or self.model
+        uuids = image_uuids(messages)
         for k, pos in enumerate(at):
             pieces.append(tokens[prev:pos])
             length += int(pos) - prev
@@ -382,7 +397,9 @@ class PromptProcessor:
                 continue
             facts = image_facts(data)
             count = settings.count(facts.width, facts.height)
-            ident = vllm_image_hash(data, facts.converted, model_id, settings.hash_algorithm)
+            ident = uuids[k]
+            if ident is None:
+                ident = vllm_image_hash(data, facts.converted, model_id, settings.hash_algorithm)
             items.append(MmItem(length, ident))
             pieces.append(np.full(count, token_id, dtype=tokens.dtype))
             length += count
@@ -394,10 +411,10 @@ class PromptProcessor:
         extras = mm_block_extras(items, bs) if items else None
         hashes = hash_prompt(hashed, bs, root, extras=extras).hashes
         return ProcessedPrompt(
-            len(expanded),
+            len(expanded) + rest,
             hashes,
             bs,
-            known_until is None,
+            known_until is None and cut_at is None,
             0,
             t1 - t0,
             time.perf_counter() - t1,

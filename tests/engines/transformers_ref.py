@@ -92,3 +92,64 @@ def render(
         **{**special_tokens, **kwargs},
     )
     return str(rendered[0])
+
+
+QWEN2_VL_FILE = "transformers_5_22_2_image_processing_pil_qwen2_vl.py"
+QWEN2_VL_PACKAGE = "transformers_ref.transformers"
+_qwen2_vl: types.ModuleType | None = None
+
+
+def load_qwen2_vl() -> types.ModuleType:
+    """The vendored ``models/qwen2_vl/image_processing_pil_qwen2_vl.py`` (README.md; its
+    ``smart_resize`` is the fast image processor's, copied), loaded once. Its imports into the
+    rest of transformers are stand-ins: a plain base class for ``PilBackend``, typing's
+    ``TypedDict`` / ``Unpack`` for ``ImagesKwargs`` / ``Unpack``, ``auto_docstring`` as the
+    identity; only the module's own functions are used."""
+    global _qwen2_vl
+    if _qwen2_vl is not None:
+        return _qwen2_vl
+    import typing
+
+    _package("transformers_ref")
+    _package(QWEN2_VL_PACKAGE)
+    _package(QWEN2_VL_PACKAGE + ".models")
+    _package(QWEN2_VL_PACKAGE + ".models.qwen2_vl")
+    _package(QWEN2_VL_PACKAGE + ".image_processing_backends", PilBackend=type("PilBackend", (), {}))
+    _package(QWEN2_VL_PACKAGE + ".image_processing_utils", BatchFeature=dict)
+    _package(
+        QWEN2_VL_PACKAGE + ".image_utils",
+        OPENAI_CLIP_MEAN=(0.0,),
+        OPENAI_CLIP_STD=(1.0,),
+        ImageInput=typing.Any,
+        PILImageResampling=types.SimpleNamespace(BICUBIC=3),
+        SizeDict=dict,
+    )
+    _package(
+        QWEN2_VL_PACKAGE + ".processing_utils",
+        ImagesKwargs=typing.TypedDict("ImagesKwargs", {}, total=False),
+        Unpack=typing.Unpack,
+    )
+    _package(QWEN2_VL_PACKAGE + ".utils", TensorType=str, auto_docstring=lambda cls: cls)
+    name = QWEN2_VL_PACKAGE + ".models.qwen2_vl.image_processing_pil_qwen2_vl"
+    spec = importlib.util.spec_from_file_location(name, HERE / QWEN2_VL_FILE)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = QWEN2_VL_PACKAGE + ".models.qwen2_vl"
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    _qwen2_vl = mod
+    return mod
+
+
+def qwen2_vl_image_tokens(width: int, height: int, min_pixels: int, max_pixels: int) -> int:
+    """Placeholder tokens of a ``width`` x ``height`` image for Qwen2-VL / Qwen2.5-VL, as vLLM
+    0.34 counts them: the image processor's ``get_number_of_image_patches`` (its
+    ``smart_resize``) over ``merge_size ** 2`` (vllm/model_executor/models/qwen2_vl.py)."""
+    cls = load_qwen2_vl().Qwen2VLImageProcessorPil
+    processor = types.SimpleNamespace(
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        patch_size=cls.patch_size,
+        merge_size=cls.merge_size,
+    )
+    patches = cls.get_number_of_image_patches(processor, height, width)
+    return int(patches) // cls.merge_size**2
