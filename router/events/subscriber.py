@@ -15,6 +15,12 @@ while nothing reached this subscriber and counted past the old seq. After a rest
 engine's batches before the one seen are replayed from 0. Malformed frames are counted and
 skipped; nothing here raises on input.
 
+Turns (``YIELD_EVERY``): the subscriber runs in the router's event loop, and pyzmq hands out
+messages already queued on a socket without yielding to it, so a history, a replay or a
+backlog of live batches would be applied in one go, requests and the other engines' events
+waiting meanwhile. The event loop gets a turn after every ``YIELD_EVERY`` batches delivered,
+and after any batch delivered ``YIELD_AFTER_S`` or more after its last turn.
+
 History (``replay_history``): as soon as it has subscribed, the subscriber asks the replay
 socket for everything the engine still buffers, so what the engine cached before the
 subscriber started is known even if the engine stays idle afterwards (a publisher restarted
@@ -40,6 +46,8 @@ log = logging.getLogger(__name__)
 END_SEQ = -1
 RECENT = 16  # delivered batches kept (references) to recognise a repeated one
 _MAX_REPLAY_ROUNDS = 1000  # replay requests of one fetch (each brings at least one batch)
+YIELD_EVERY = 32  # batches delivered at most between two turns of the event loop
+YIELD_AFTER_S = 0.005  # delivering since the last turn: the next batch is followed by one
 
 
 @dataclass(slots=True)
@@ -84,6 +92,8 @@ class ZmqEventSubscriber:
         # live message goes past them (their live copies may still be queued on the SUB)
         self._history: dict[int, int] | None = None
         self._recent: deque[tuple[int, bytes]] = deque(maxlen=RECENT)
+        self._since_turn = 0  # batches delivered since the event loop's last turn
+        self._turn_due = 0.0  # loop time after which a delivered batch is followed by one
 
     async def run(self) -> None:
         """Receive until cancelled."""
@@ -101,6 +111,7 @@ class ZmqEventSubscriber:
             while True:
                 frames = await sub.recv_multipart()
                 await self._handle(frames)
+                await self._pace()
         finally:
             sub.close(0)
             self._sub = None
@@ -137,7 +148,7 @@ class ZmqEventSubscriber:
                 log.warning("engine %s restarted (seq %d is another batch)", self.endpoint, last)
                 await self._restarted(seq)
             else:
-                self._deliver_replayed(got, last + 1, seq)
+                await self._deliver_replayed(got, last + 1, seq)
         self._deliver(seq, payload)
 
     async def _restarted(self, seq: int) -> None:
@@ -167,6 +178,7 @@ class ZmqEventSubscriber:
             history[seq] = hash(payload)
             self.stats.replayed += 1
             self._deliver(seq, payload)
+            await self._pace()
         if history:
             self._history = history
             log.info("%s: %d buffered batches loaded from replay", self.endpoint, len(history))
@@ -180,14 +192,24 @@ class ZmqEventSubscriber:
         self._recent.append((seq, payload))
         self.on_payload(seq, payload)
 
+    async def _pace(self) -> None:
+        """After a batch was delivered: give the event loop a turn when ``YIELD_EVERY``
+        batches were delivered since its last one, or ``YIELD_AFTER_S`` went by."""
+        self._since_turn += 1
+        loop = asyncio.get_running_loop()
+        if self._since_turn >= YIELD_EVERY or loop.time() >= self._turn_due:
+            await asyncio.sleep(0)
+            self._since_turn = 0
+            self._turn_due = loop.time() + YIELD_AFTER_S
+
     async def _replay(self, start: int, stop: int) -> None:
         """Fetch ``[start, stop)`` from the replay socket and deliver it; report what is lost."""
         got: list[tuple[int, bytes]] = []
         if self.replay_endpoint:
             got = await self._fetch(start, stop)
-        self._deliver_replayed(got, start, stop)
+        await self._deliver_replayed(got, start, stop)
 
-    def _deliver_replayed(self, got: list[tuple[int, bytes]], start: int, stop: int) -> None:
+    async def _deliver_replayed(self, got: list[tuple[int, bytes]], start: int, stop: int) -> None:
         """Deliver the replayed batches of ``[start, stop)`` among ``got`` in order; report
         what is missing from them as lost (from a start past 0: before it nothing was
         seen, so nothing is lost)."""
@@ -200,6 +222,7 @@ class ZmqEventSubscriber:
                 self.on_lost(seq - expected)
             self.stats.replayed += 1
             self._deliver(seq, payload)
+            await self._pace()
             expected = seq + 1
         if expected < stop and start > 0:
             self.stats.lost += stop - expected
@@ -260,6 +283,8 @@ class ZmqEventSubscriber:
                 out.append((seq, payload))
                 if stop is not None and seq >= stop - 1:
                     return out, True
+                if len(out) % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # queued replies come without a turn too
                 wait_ms = max(20, int(self.replay_timeout_s * 200))
         finally:
             sock.close(0)
