@@ -105,8 +105,10 @@ class ZmqEventSubscriber:
         self._sub = sub
         self.connected.set()
         try:
-            if self.replay_history and self.replay_endpoint and self.last_seq is None:
-                # subscribed first, so nothing published from here on is missed
+            # subscribed first, so nothing published from here on is missed
+            if self.last_seq is not None and self.replay_endpoint:
+                await self._catch_up()  # run again after a failure
+            elif self.replay_history and self.replay_endpoint:
                 await self._load_history()
             while True:
                 frames = await sub.recv_multipart()
@@ -141,7 +143,7 @@ class ZmqEventSubscriber:
             await self._restarted(seq)
         elif seq > last + 1:
             self.stats.gaps += 1
-            got = await self._fetch(last, seq) if self.replay_endpoint else []
+            got = (await self._fetch(last, seq))[0] if self.replay_endpoint else []
             if got and got[0][0] == last and not self._delivered(last, got[0][1]):
                 # the engine's batch ``last`` is not the one delivered under it: the engine
                 # restarted while nothing reached this subscriber, and counted past ``last``
@@ -154,25 +156,53 @@ class ZmqEventSubscriber:
     async def _restarted(self, seq: int) -> None:
         """The engine restarted: forget it (``on_restart``), then deliver what the new engine
         published before ``seq`` (its batches from 0, which this subscriber never saw)."""
+        self._forget_engine()
+        if seq > 0 and self.replay_endpoint:
+            await self._replay(0, seq)
+
+    def _forget_engine(self) -> None:
         self.stats.restarts += 1
         self.last_seq = None
         self._history = None
         self._recent.clear()
         self.on_restart()
-        if seq > 0 and self.replay_endpoint:
-            await self._replay(0, seq)
+
+    async def _catch_up(self) -> None:
+        """Run again after a failure, its last seq kept: ask the replay socket from that seq
+        at once (the engine may stay idle, and no live batch would show what was missed) and
+        deliver what came after it, or, when the engine no longer holds that very batch under
+        that seq (it restarted meanwhile), forget the engine and load the new one's
+        history. Batches the buffer moved past are lost; with no answer, the next live batch
+        shows any gap or restart."""
+        last = self.last_seq
+        assert last is not None
+        got, answered = await self._fetch(last)
+        if not answered:
+            return
+        if not got or (got[0][0] == last and not self._delivered(last, got[0][1])):
+            log.warning("engine %s restarted (batch %d is gone or another)", self.endpoint, last)
+            self._forget_engine()
+            await self._load_history()
+            return
+        await self._deliver_history(got, lost_before=True)
 
     async def _load_history(self) -> None:
         """Deliver the engine's whole replay buffer (nothing is lost before it: what the
         buffer no longer holds was never seen; a hole after its first batch, where the
         buffer moved on between two replay requests, is lost)."""
-        got = await self._fetch(0)
+        got, _ = await self._fetch(0)
+        await self._deliver_history(got, lost_before=False)
+
+    async def _deliver_history(self, got: list[tuple[int, bytes]], *, lost_before: bool) -> None:
+        """Deliver the replayed ``got`` past the last seq delivered, remembered against
+        their live copies queued on the SUB; a hole is lost, before the first of them too
+        with ``lost_before``."""
         history: dict[int, int] = {}
         for seq, payload in got:
             last = self.last_seq
             if last is not None and seq <= last:
                 continue
-            if history and last is not None and seq > last + 1:
+            if (history or lost_before) and last is not None and seq > last + 1:
                 self.stats.lost += seq - last - 1
                 self.on_lost(seq - last - 1)
             history[seq] = hash(payload)
@@ -206,7 +236,7 @@ class ZmqEventSubscriber:
         """Fetch ``[start, stop)`` from the replay socket and deliver it; report what is lost."""
         got: list[tuple[int, bytes]] = []
         if self.replay_endpoint:
-            got = await self._fetch(start, stop)
+            got, _ = await self._fetch(start, stop)
         await self._deliver_replayed(got, start, stop)
 
     async def _deliver_replayed(self, got: list[tuple[int, bytes]], start: int, stop: int) -> None:
@@ -228,20 +258,26 @@ class ZmqEventSubscriber:
             self.stats.lost += stop - expected
             self.on_lost(stop - expected)
 
-    async def _fetch(self, start: int, stop: int | None = None) -> list[tuple[int, bytes]]:
+    async def _fetch(
+        self, start: int, stop: int | None = None
+    ) -> tuple[list[tuple[int, bytes]], bool]:
         """Replayed ``(seq, payload)`` pairs from ``start`` (with ``stop``: up to
-        ``stop - 1``), in order. The engine answers a start seq with its whole buffer tail and
-        an end marker, through a ROUTER socket that drops what exceeds its high-water mark
-        (1,000 messages by default) when the reader falls behind, anywhere in the burst: the
-        end marker with the rest, or a run in the middle while later replies still arrive.
+        ``stop - 1``), in order, and whether the engine answered at all (an end marker
+        alone is an answer: it holds nothing from ``start``). The engine answers a start
+        seq with its whole buffer tail and an end marker, through a ROUTER socket that drops
+        what exceeds its high-water mark (1,000 messages by default) when the reader falls
+        behind, anywhere in the burst: the end marker with the rest, or a run in the middle
+        while later replies still arrive.
         The buffer is consecutive, so a reply that skips a seq, or stops short of its end
         marker, is asked again from the seq after the last one in order, until the end
         marker, ``stop - 1`` or nothing new comes."""
         assert self.replay_endpoint is not None
         out: list[tuple[int, bytes]] = []
         first = start
+        answered = False
         for _ in range(_MAX_REPLAY_ROUNDS):
             got, ended = await self._fetch_once(first, stop)
+            answered = answered or ended or bool(got)
             got = [(seq, payload) for seq, payload in got if seq >= first]
             cut = _in_order(got)
             if cut < len(got):  # replies dropped in the middle of the burst
@@ -252,7 +288,7 @@ class ZmqEventSubscriber:
             first = got[-1][0] + 1
             if stop is not None and first >= stop:
                 break
-        return out
+        return out, answered
 
     async def _fetch_once(
         self, start: int, stop: int | None
