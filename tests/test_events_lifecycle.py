@@ -12,7 +12,7 @@ import zmq
 
 from router.events.subscriber import YIELD_EVERY, ZmqEventSubscriber
 from tests.engines.harness import RefEngine, free_port_run
-from tests.waiting import eventually
+from tests.waiting import eventually, wait_until
 
 ENGINE = "vllm-0.33.0"  # byte-identical to vLLM 0.34.0's kv_events.py (tests/engines)
 
@@ -128,3 +128,54 @@ async def test_a_backlog_of_live_batches_is_delivered_in_turns_with_the_event_lo
         assert turns.longest <= YIELD_EVERY
     finally:
         await _stop(task)
+
+
+def _restart(eng: RefEngine) -> RefEngine:
+    """``eng`` shut down and a new engine on its ports (the old ones are released
+    asynchronously by ZMQ's I/O thread: bound once they are free)."""
+    port = int(eng.pub._endpoint.rpartition(":")[2])
+    replay = int(str(eng.pub._replay_endpoint).rpartition(":")[2])
+    eng.close()
+    made: list[RefEngine] = []
+
+    def bound() -> bool:
+        try:
+            made.append(RefEngine(ENGINE, port, replay, seed=1))
+        except zmq.ZMQError:
+            return False
+        return True
+
+    wait_until(bound)
+    return made[0]
+
+
+async def test_a_restarted_engine_is_forgotten_before_its_first_batch() -> None:
+    """vLLM restarts on the same ports and stays idle: the subscriber's SUB reconnects, it
+    asks the replay socket from its last seq, the new engine holds nothing, and the old
+    engine's state is forgotten at once (``on_restart``), not at the new one's first
+    batch; that batch then comes as seq 0 of the new engine, no second restart."""
+    p = free_port_run(2)
+    engine = RefEngine(ENGINE, p, p + 1)
+    turns = Turns()
+    sub = _subscriber(engine, turns)
+    restarts: list[int] = []
+    sub.on_restart = lambda: restarts.append(len(turns.seqs))
+    task = asyncio.create_task(sub.run())
+    new: RefEngine | None = None
+    try:
+        for _ in range(3):
+            engine.publish(engine.stored(engine.prompt(2)))
+        await eventually(lambda: turns.seqs == [0, 1, 2])
+        new = _restart(engine)
+        await eventually(lambda: restarts == [3])
+
+        async def live() -> bool:
+            assert new is not None
+            new.publish(new.stored(new.prompt(2)))
+            return len(turns.seqs) > 3
+
+        await eventually(live)
+        assert turns.seqs[3] == 0 and restarts == [3] and sub.stats.restarts == 1
+    finally:
+        await _stop(task)
+        (engine if new is None else new).close()

@@ -488,3 +488,37 @@ async def test_a_subscriber_back_from_a_failure_catches_up_with_an_idle_engine(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await pub.close()
+
+
+async def test_an_engine_restart_is_found_when_the_subscriber_reconnects() -> None:
+    """The engine restarts and then stays idle (no request reached it yet) while the
+    subscriber stays up: the SUB socket reconnects by itself, and the subscriber asks the
+    replay socket from its last seq then. The new engine holds no such batch: its state is
+    cleared at once. Before, the old engine's blocks stayed indexed (and drew requests to
+    the restarted engine) until the new engine's first batch arrived."""
+    ctx = zmq.asyncio.Context.instance()
+    pub = KVEventPublisher(
+        f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", context=ctx
+    )
+    pub.start()
+    eng, index = Engine(), PrefixIndex()
+    direct = await _follow(pub, index)
+    try:
+        a = eng.prompt(4)
+        await pub.publish([eng.stored(a, 0, 4)])
+        await eventually(lambda: index.match(canonical(a)).get(KEY).kv_blocks == 2)
+        pub = await _reopened(pub, ctx)  # publishes nothing
+        await eventually(lambda: index.match(canonical(a)).get(KEY).kv_blocks == 0)
+        assert direct.ingests["eng"].stats.restarts == 1
+        b = eng.prompt(4)  # the new engine's batches follow
+        await pub.publish([eng.stored(b, 0, 4)])
+
+        async def b_indexed() -> bool:
+            await pub.publish([])  # one past ZMQ's slow joiner shows a gap, if any
+            return index.match(canonical(b)).get(KEY).kv_blocks == 2
+
+        await eventually(b_indexed)
+        assert direct.ingests["eng"].stats.restarts == 1
+    finally:
+        await direct.stop()
+        await pub.close()

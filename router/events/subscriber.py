@@ -93,6 +93,7 @@ class ZmqEventSubscriber:
         self._history: dict[int, int] | None = None
         self._recent: deque[tuple[int, bytes]] = deque(maxlen=RECENT)
         self._since_turn = 0  # batches delivered since the event loop's last turn
+        self._lock = asyncio.Lock()  # one delivery at a time: live batches or a catch-up
         self._turn_due = 0.0  # loop time after which a delivered batch is followed by one
 
     async def run(self) -> None:
@@ -101,22 +102,56 @@ class ZmqEventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sub.connect(self.endpoint)
-        self._sub = sub
-        self.connected.set()
+        watch: asyncio.Task[None] | None = None
+        monitor: zmq.asyncio.Socket | None = None
         try:
+            if self.replay_endpoint:
+                monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                watch = asyncio.create_task(self._watch_reconnects(monitor))
+            sub.connect(self.endpoint)
+            self._sub = sub
+            self.connected.set()
             # subscribed first, so nothing published from here on is missed
-            if self.last_seq is not None and self.replay_endpoint:
-                await self._catch_up()  # run again after a failure
-            elif self.replay_history and self.replay_endpoint:
-                await self._load_history()
+            async with self._lock:
+                if self.last_seq is not None and self.replay_endpoint:
+                    await self._catch_up()  # run again after a failure
+                elif self.replay_history and self.replay_endpoint:
+                    await self._load_history()
             while True:
                 frames = await sub.recv_multipart()
-                await self._handle(frames)
+                async with self._lock:
+                    await self._handle(frames)
                 await self._pace()
         finally:
+            if watch is not None:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(0)
             sub.close(0)
             self._sub = None
+
+    async def _watch_reconnects(self, monitor: zmq.asyncio.Socket) -> None:
+        """Each time the SUB socket connects to the engine again (it reconnects by itself:
+        the engine restarted, or the connection was cut), catch up from the last seq
+        (``_catch_up``): a restarted engine is found before its first batch, and what was
+        published while the connection was down comes back even if the engine stays idle.
+        The first connection is the one ``run`` loaded the history for."""
+        try:
+            first = True
+            while True:
+                await monitor.recv_multipart()  # a handshake succeeded
+                if first:
+                    first = False
+                    continue
+                async with self._lock:
+                    if self.last_seq is not None:
+                        log.info("%s: reconnected; catching up from seq %d", self.endpoint,
+                                 self.last_seq)  # fmt: skip
+                        await self._catch_up()
+        except Exception:  # the subscriber goes on, seeing gaps and restarts by their seqs
+            log.exception("%s: reconnection watch failed", self.endpoint)
 
     async def _handle(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
