@@ -188,6 +188,7 @@ class SubscriberGroup:
 
     def __init__(self, ingest: EngineIngest, specs: Sequence[EndpointSpec]) -> None:
         self.ingest = ingest
+        self.specs = tuple(specs)
         self.subscribers = [ingest.subscriber(s) for s in specs]
         self.restarts = 0
         self._tasks: list[asyncio.Task[None]] = []
