@@ -170,3 +170,78 @@ async def test_the_publisher_sidecar_asks_its_engine_too() -> None:
             await _endpoints(argparse.Namespace(**{**vars(args), "url": ""}))
     finally:
         await runner.cleanup()
+
+
+async def test_a_replica_that_moves_its_event_ports_is_followed_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``zmq = "auto"``: the replica restarts publishing on other ports (vLLM's ``tcp://*:0``
+    is resolved to a port the OS picks anew; an operator changed the ports or the dp size).
+    The router asks it again, forgets what the old endpoints said and follows the new ones.
+    Before, it asked once: the old engine's blocks stayed indexed and the new engine's were
+    never seen."""
+    from aiohttp import web
+
+    from router.events.model import EngineBlockStored
+    from router.events.zmq_pub import KVEventPublisher
+    from router.service import background
+
+    monkeypatch.setattr(background, "SOURCES_RECHECK_S", 0.1)
+
+    def engine() -> KVEventPublisher:
+        pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+        pub.start()
+        return pub
+
+    def sources(pub: KVEventPublisher) -> dict[str, Any]:
+        return {"0": _config(pub.endpoint, pub.replay_endpoint)}
+
+    pub = engine()
+    answer = sources(pub)
+
+    async def kv_event_sources(_: web.Request) -> web.Response:
+        return web.json_response(answer)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/kv_event_sources", kv_event_sources)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", free_port())
+    await site.start()
+    base = f"http://127.0.0.1:{site._port}"
+    replica = {"url": base, "model": MODEL, "name": "r0", "zmq": "auto"}
+    settings = build_settings({"replicas": [replica], "models": {MODEL: {"block_size": B}}})
+    router, _ = await start_router(settings)
+    state = router.app[STATE]
+    rng = random.Random(3)
+    key = ReplicaKey("r0")
+
+    def blocks(tokens: list[int]) -> int:
+        return state.index.match(hash_prompt(tokens, B, root_hash(MODEL)).hashes).get(key).kv_blocks
+
+    async def stored(pub: KVEventPublisher, tokens: list[int]) -> None:
+        """Published until indexed (ZMQ's slow joiner drops the first ones)."""
+
+        async def indexed() -> bool:
+            await pub.publish([EngineBlockStored((rng.getrandbits(63),), None, tuple(tokens), B)])
+            return blocks(tokens) == 1
+
+        await eventually(indexed)
+
+    try:
+        a = [rng.randrange(1, 50_000) for _ in range(B)]
+        await stored(pub, a)
+        await pub.close()  # the engine restarts on other ports
+        pub = engine()
+        answer = sources(pub)
+        b = [rng.randrange(1, 50_000) for _ in range(B)]
+        await stored(pub, b)
+        assert blocks(a) == 0
+    finally:
+        await router.cleanup()
+        await runner.cleanup()
+        await pub.close()

@@ -423,3 +423,102 @@ async def test_a_restart_while_the_subscriber_was_away_is_found_and_replayed(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await pub.close()
+
+
+async def _reopened(pub: KVEventPublisher, ctx: zmq.asyncio.Context) -> KVEventPublisher:
+    """A new engine on ``pub``'s endpoints (``pub`` closed first), started."""
+    endpoint, replay = pub.endpoint, pub.replay_endpoint
+    await pub.close()
+    for _ in range(100):  # the old sockets are closed asynchronously by ZMQ's I/O thread
+        try:
+            pub = KVEventPublisher(endpoint, replay, context=ctx)
+            break
+        except zmq.ZMQError:
+            await asyncio.sleep(0.05)
+    pub.start()
+    return pub
+
+
+@pytest.mark.parametrize(("old_batches", "new_batches"), [(20, 5), (3, 7), (3, 3), (5, 0)])
+async def test_a_subscriber_back_from_a_failure_catches_up_with_an_idle_engine(
+    old_batches: int, new_batches: int
+) -> None:
+    """The subscriber fails (its supervisor runs it again, keeping its last seq); meanwhile
+    the engine publishes a few more batches, or restarts and publishes its first ones, and
+    then stays idle. Back, the subscriber asks the replay socket from its last seq at once:
+    it delivers what it missed, or finds the restart (a new batch under its last seq) and
+    delivers the new engine's from 0. Before, it waited for the engine's next live batch,
+    and one whose seq came right after its last (3, 3) passed for the old engine's."""
+    ctx = zmq.asyncio.Context.instance()
+    pub = KVEventPublisher(
+        f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", context=ctx
+    )
+    pub.start()
+    got: list[bytes] = []
+    restarts: list[int] = []
+    sub = ZmqEventSubscriber(
+        pub.endpoint,
+        lambda _, payload: got.append(payload),
+        replay_endpoint=pub.replay_endpoint,
+        on_restart=lambda: restarts.append(len(got)),
+        context=ctx,
+    )
+    task = asyncio.create_task(sub.run())
+    try:
+        old = [f"old-{i}".encode() for i in range(old_batches)]
+        for payload in old:
+            await pub.publish_raw(payload)
+        await eventually(lambda: got == old)
+        task.cancel()  # the subscriber fails
+        await asyncio.gather(task, return_exceptions=True)
+        if new_batches:  # the engine restarts
+            pub = await _reopened(pub, ctx)
+            new = [f"new-{i}".encode() for i in range(new_batches)]
+        else:  # the engine goes on
+            new = [f"more-{i}".encode() for i in range(3)]
+        for payload in new:  # nobody listens; then the engine stays idle
+            await pub.publish_raw(payload)
+        task = asyncio.create_task(sub.run())  # its supervisor runs it again
+        await eventually(lambda: got[-len(new) :] == new)
+        if new_batches:
+            assert restarts == [old_batches] and sub.stats.restarts == 1
+        else:
+            assert restarts == [] and got == old + new and sub.stats.lost == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await pub.close()
+
+
+async def test_an_engine_restart_is_found_when_the_subscriber_reconnects() -> None:
+    """The engine restarts and then stays idle (no request reached it yet) while the
+    subscriber stays up: the SUB socket reconnects by itself, and the subscriber asks the
+    replay socket from its last seq then. The new engine holds no such batch: its state is
+    cleared at once. Before, the old engine's blocks stayed indexed (and drew requests to
+    the restarted engine) until the new engine's first batch arrived."""
+    ctx = zmq.asyncio.Context.instance()
+    pub = KVEventPublisher(
+        f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", context=ctx
+    )
+    pub.start()
+    eng, index = Engine(), PrefixIndex()
+    direct = await _follow(pub, index)
+    try:
+        a = eng.prompt(4)
+        await pub.publish([eng.stored(a, 0, 4)])
+        await eventually(lambda: index.match(canonical(a)).get(KEY).kv_blocks == 2)
+        pub = await _reopened(pub, ctx)  # publishes nothing
+        await eventually(lambda: index.match(canonical(a)).get(KEY).kv_blocks == 0)
+        assert direct.ingests["eng"].stats.restarts == 1
+        b = eng.prompt(4)  # the new engine's batches follow
+        await pub.publish([eng.stored(b, 0, 4)])
+
+        async def b_indexed() -> bool:
+            await pub.publish([])  # one past ZMQ's slow joiner shows a gap, if any
+            return index.match(canonical(b)).get(KEY).kv_blocks == 2
+
+        await eventually(b_indexed)
+        assert direct.ingests["eng"].stats.restarts == 1
+    finally:
+        await direct.stop()
+        await pub.close()

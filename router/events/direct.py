@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, MutableMapping, Sequence
 
 from router.core.index import PrefixIndex
-from router.core.types import EventBatch, IndexEvent, ReplicaKey
+from router.core.types import AllCleared, EventBatch, IndexEvent, ReplicaKey
 from router.events.endpoints import EndpointSpec
 from router.events.ingest import EngineFacts, EngineIngest, SubscriberGroup
 
@@ -78,6 +78,22 @@ class DirectEvents:
         ingest = self._add(replica, model, block_size, endpoints, on_checkpoint, on_facts)
         await self._groups[-1].start()
         return ingest
+
+    async def unfollow(self, replica: str) -> None:
+        """Stop following ``replica`` and forget what its events said: its subscribers
+        stop, and every key they fed (the endpoints' ranks, and the ranks their payloads
+        named) is cleared in the index (kept: the replica is still routed to). Then
+        :meth:`follow` it elsewhere (it restarted publishing on other endpoints)."""
+        ingest = self.ingests.pop(replica, None)
+        if ingest is None:
+            return
+        ranks = set(ingest.reblockers)
+        for group in [g for g in self._groups if g.ingest is ingest]:
+            self._groups.remove(group)
+            await group.stop()
+            ranks.update(spec.dp_rank for spec in group.specs)
+        for rank in sorted(ranks):
+            self.index.apply(EventBatch(ReplicaKey(replica, rank), (AllCleared(),)))
 
     def _add(
         self,

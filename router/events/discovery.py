@@ -8,7 +8,9 @@ already offset per rank; ``{}`` when events are off). A replica configured with 
 The engine reports the addresses it *binds*: a wildcard host (``*``, ``0.0.0.0``, ``::``)
 becomes the replica's own host from its URL, which is where a subscriber connects; an
 explicit host is kept. :func:`event_sources` reads an answer; :func:`ask` asks until one is
-usable (the router's direct mode and the publisher sidecar both use it).
+usable (the router's direct mode and the publisher sidecar both use it); :func:`ask_once`
+asks once (the router asks a followed replica again now and then: one that restarted may
+publish elsewhere).
 """
 
 from __future__ import annotations
@@ -103,15 +105,11 @@ async def ask(
     """Ask ``replica_url`` where it publishes until it answers with usable endpoints: again
     after 1 s, the pause doubling to ``max_pause_s``; each new reason for not following it
     logged once (as replica ``name``). Cancel to give up."""
-    url = replica_url.rstrip("/") + SOURCES_PATH
     pause, said = 1.0, ""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10.0)) as http:
         while True:
             try:
-                async with http.get(url) as resp:
-                    if resp.status != 200:
-                        raise NoEventSources(f"GET {SOURCES_PATH} answered {resp.status}")
-                    return event_sources(await resp.json(content_type=None), replica_url)
+                return await _asked(http, replica_url)
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 reason = str(exc) or type(exc).__name__
                 if reason != said:
@@ -119,3 +117,20 @@ async def ask(
                     said = reason
             await asyncio.sleep(pause)
             pause = min(pause * 2, max_pause_s)
+
+
+async def ask_once(replica_url: str) -> tuple[EndpointSpec, ...] | None:
+    """:func:`ask` once: the endpoints, or None when the replica does not answer with usable
+    ones now (down, restarting)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10.0)) as http:
+        try:
+            return await _asked(http, replica_url)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+
+
+async def _asked(http: aiohttp.ClientSession, replica_url: str) -> tuple[EndpointSpec, ...]:
+    async with http.get(replica_url.rstrip("/") + SOURCES_PATH) as resp:
+        if resp.status != 200:
+            raise NoEventSources(f"GET {SOURCES_PATH} answered {resp.status}")
+        return event_sources(await resp.json(content_type=None), replica_url)

@@ -179,14 +179,16 @@ class SubscriberGroup:
     never connected (a malformed endpoint, a terminated ZMQ context): a misconfigured
     publisher fails at start-up instead of waiting forever. A subscriber that fails after
     it connected is restarted with backoff (``restarts``, logged); it keeps its last
-    sequence number, so the batches it missed meanwhile come back through the engine's
-    replay socket, or count as lost (and clear that engine) when the replay cannot serve
-    them."""
+    sequence number and, as it runs again, asks the engine's replay socket from it: the
+    batches it missed meanwhile come back (or count as lost, and clear that engine, when
+    the replay cannot serve them), and an engine that restarted meanwhile is found
+    (``ZmqEventSubscriber._catch_up``), even if it stays idle afterwards."""
 
     RESTART_BACKOFF_S = (0.1, 5.0)
 
     def __init__(self, ingest: EngineIngest, specs: Sequence[EndpointSpec]) -> None:
         self.ingest = ingest
+        self.specs = tuple(specs)
         self.subscribers = [ingest.subscriber(s) for s in specs]
         self.restarts = 0
         self._tasks: list[asyncio.Task[None]] = []

@@ -15,6 +15,12 @@ while nothing reached this subscriber and counted past the old seq. After a rest
 engine's batches before the one seen are replayed from 0. Malformed frames are counted and
 skipped; nothing here raises on input.
 
+Turns (``YIELD_EVERY``): the subscriber runs in the router's event loop, and pyzmq hands out
+messages already queued on a socket without yielding to it, so a history, a replay or a
+backlog of live batches would be applied in one go, requests and the other engines' events
+waiting meanwhile. The event loop gets a turn after every ``YIELD_EVERY`` batches delivered,
+and after any batch delivered ``YIELD_AFTER_S`` or more after its last turn.
+
 History (``replay_history``): as soon as it has subscribed, the subscriber asks the replay
 socket for everything the engine still buffers, so what the engine cached before the
 subscriber started is known even if the engine stays idle afterwards (a publisher restarted
@@ -40,6 +46,8 @@ log = logging.getLogger(__name__)
 END_SEQ = -1
 RECENT = 16  # delivered batches kept (references) to recognise a repeated one
 _MAX_REPLAY_ROUNDS = 1000  # replay requests of one fetch (each brings at least one batch)
+YIELD_EVERY = 32  # batches delivered at most between two turns of the event loop
+YIELD_AFTER_S = 0.005  # delivering since the last turn: the next batch is followed by one
 
 
 @dataclass(slots=True)
@@ -84,6 +92,9 @@ class ZmqEventSubscriber:
         # live message goes past them (their live copies may still be queued on the SUB)
         self._history: dict[int, int] | None = None
         self._recent: deque[tuple[int, bytes]] = deque(maxlen=RECENT)
+        self._since_turn = 0  # batches delivered since the event loop's last turn
+        self._lock = asyncio.Lock()  # one delivery at a time: live batches or a catch-up
+        self._turn_due = 0.0  # loop time after which a delivered batch is followed by one
 
     async def run(self) -> None:
         """Receive until cancelled."""
@@ -91,19 +102,56 @@ class ZmqEventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sub.connect(self.endpoint)
-        self._sub = sub
-        self.connected.set()
+        watch: asyncio.Task[None] | None = None
+        monitor: zmq.asyncio.Socket | None = None
         try:
-            if self.replay_history and self.replay_endpoint and self.last_seq is None:
-                # subscribed first, so nothing published from here on is missed
-                await self._load_history()
+            if self.replay_endpoint:
+                monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                watch = asyncio.create_task(self._watch_reconnects(monitor))
+            sub.connect(self.endpoint)
+            self._sub = sub
+            self.connected.set()
+            # subscribed first, so nothing published from here on is missed
+            async with self._lock:
+                if self.last_seq is not None and self.replay_endpoint:
+                    await self._catch_up()  # run again after a failure
+                elif self.replay_history and self.replay_endpoint:
+                    await self._load_history()
             while True:
                 frames = await sub.recv_multipart()
-                await self._handle(frames)
+                async with self._lock:
+                    await self._handle(frames)
+                await self._pace()
         finally:
+            if watch is not None:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(0)
             sub.close(0)
             self._sub = None
+
+    async def _watch_reconnects(self, monitor: zmq.asyncio.Socket) -> None:
+        """Each time the SUB socket connects to the engine again (it reconnects by itself:
+        the engine restarted, or the connection was cut), catch up from the last seq
+        (``_catch_up``): a restarted engine is found before its first batch, and what was
+        published while the connection was down comes back even if the engine stays idle.
+        The first connection is the one ``run`` loaded the history for."""
+        try:
+            first = True
+            while True:
+                await monitor.recv_multipart()  # a handshake succeeded
+                if first:
+                    first = False
+                    continue
+                async with self._lock:
+                    if self.last_seq is not None:
+                        log.info("%s: reconnected; catching up from seq %d", self.endpoint,
+                                 self.last_seq)  # fmt: skip
+                        await self._catch_up()
+        except Exception:  # the subscriber goes on, seeing gaps and restarts by their seqs
+            log.exception("%s: reconnection watch failed", self.endpoint)
 
     async def _handle(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -130,43 +178,72 @@ class ZmqEventSubscriber:
             await self._restarted(seq)
         elif seq > last + 1:
             self.stats.gaps += 1
-            got = await self._fetch(last, seq) if self.replay_endpoint else []
+            got = (await self._fetch(last, seq))[0] if self.replay_endpoint else []
             if got and got[0][0] == last and not self._delivered(last, got[0][1]):
                 # the engine's batch ``last`` is not the one delivered under it: the engine
                 # restarted while nothing reached this subscriber, and counted past ``last``
                 log.warning("engine %s restarted (seq %d is another batch)", self.endpoint, last)
                 await self._restarted(seq)
             else:
-                self._deliver_replayed(got, last + 1, seq)
+                await self._deliver_replayed(got, last + 1, seq)
         self._deliver(seq, payload)
 
     async def _restarted(self, seq: int) -> None:
         """The engine restarted: forget it (``on_restart``), then deliver what the new engine
         published before ``seq`` (its batches from 0, which this subscriber never saw)."""
+        self._forget_engine()
+        if seq > 0 and self.replay_endpoint:
+            await self._replay(0, seq)
+
+    def _forget_engine(self) -> None:
         self.stats.restarts += 1
         self.last_seq = None
         self._history = None
         self._recent.clear()
         self.on_restart()
-        if seq > 0 and self.replay_endpoint:
-            await self._replay(0, seq)
+
+    async def _catch_up(self) -> None:
+        """Run again after a failure, its last seq kept: ask the replay socket from that seq
+        at once (the engine may stay idle, and no live batch would show what was missed) and
+        deliver what came after it, or, when the engine no longer holds that very batch under
+        that seq (it restarted meanwhile), forget the engine and load the new one's
+        history. Batches the buffer moved past are lost; with no answer, the next live batch
+        shows any gap or restart."""
+        last = self.last_seq
+        assert last is not None
+        got, answered = await self._fetch(last)
+        if not answered:
+            return
+        if not got or (got[0][0] == last and not self._delivered(last, got[0][1])):
+            log.warning("engine %s restarted (batch %d is gone or another)", self.endpoint, last)
+            self._forget_engine()
+            await self._load_history()
+            return
+        await self._deliver_history(got, lost_before=True)
 
     async def _load_history(self) -> None:
         """Deliver the engine's whole replay buffer (nothing is lost before it: what the
         buffer no longer holds was never seen; a hole after its first batch, where the
         buffer moved on between two replay requests, is lost)."""
-        got = await self._fetch(0)
+        got, _ = await self._fetch(0)
+        await self._deliver_history(got, lost_before=False)
+
+    async def _deliver_history(self, got: list[tuple[int, bytes]], *, lost_before: bool) -> None:
+        """Deliver the replayed ``got`` past the last seq delivered, remembered against
+        their live copies queued on the SUB; a hole is lost, before the first of them too
+        with ``lost_before``."""
         history: dict[int, int] = {}
         for seq, payload in got:
             last = self.last_seq
             if last is not None and seq <= last:
                 continue
-            if history and last is not None and seq > last + 1:
+            if (history or lost_before) and last is not None and seq > last + 1:
                 self.stats.lost += seq - last - 1
                 self.on_lost(seq - last - 1)
             history[seq] = hash(payload)
             self.stats.replayed += 1
             self._deliver(seq, payload)
+            await self._pace()
         if history:
             self._history = history
             log.info("%s: %d buffered batches loaded from replay", self.endpoint, len(history))
@@ -180,14 +257,24 @@ class ZmqEventSubscriber:
         self._recent.append((seq, payload))
         self.on_payload(seq, payload)
 
+    async def _pace(self) -> None:
+        """After a batch was delivered: give the event loop a turn when ``YIELD_EVERY``
+        batches were delivered since its last one, or ``YIELD_AFTER_S`` went by."""
+        self._since_turn += 1
+        loop = asyncio.get_running_loop()
+        if self._since_turn >= YIELD_EVERY or loop.time() >= self._turn_due:
+            await asyncio.sleep(0)
+            self._since_turn = 0
+            self._turn_due = loop.time() + YIELD_AFTER_S
+
     async def _replay(self, start: int, stop: int) -> None:
         """Fetch ``[start, stop)`` from the replay socket and deliver it; report what is lost."""
         got: list[tuple[int, bytes]] = []
         if self.replay_endpoint:
-            got = await self._fetch(start, stop)
-        self._deliver_replayed(got, start, stop)
+            got, _ = await self._fetch(start, stop)
+        await self._deliver_replayed(got, start, stop)
 
-    def _deliver_replayed(self, got: list[tuple[int, bytes]], start: int, stop: int) -> None:
+    async def _deliver_replayed(self, got: list[tuple[int, bytes]], start: int, stop: int) -> None:
         """Deliver the replayed batches of ``[start, stop)`` among ``got`` in order; report
         what is missing from them as lost (from a start past 0: before it nothing was
         seen, so nothing is lost)."""
@@ -200,25 +287,32 @@ class ZmqEventSubscriber:
                 self.on_lost(seq - expected)
             self.stats.replayed += 1
             self._deliver(seq, payload)
+            await self._pace()
             expected = seq + 1
         if expected < stop and start > 0:
             self.stats.lost += stop - expected
             self.on_lost(stop - expected)
 
-    async def _fetch(self, start: int, stop: int | None = None) -> list[tuple[int, bytes]]:
+    async def _fetch(
+        self, start: int, stop: int | None = None
+    ) -> tuple[list[tuple[int, bytes]], bool]:
         """Replayed ``(seq, payload)`` pairs from ``start`` (with ``stop``: up to
-        ``stop - 1``), in order. The engine answers a start seq with its whole buffer tail and
-        an end marker, through a ROUTER socket that drops what exceeds its high-water mark
-        (1,000 messages by default) when the reader falls behind, anywhere in the burst: the
-        end marker with the rest, or a run in the middle while later replies still arrive.
+        ``stop - 1``), in order, and whether the engine answered at all (an end marker
+        alone is an answer: it holds nothing from ``start``). The engine answers a start
+        seq with its whole buffer tail and an end marker, through a ROUTER socket that drops
+        what exceeds its high-water mark (1,000 messages by default) when the reader falls
+        behind, anywhere in the burst: the end marker with the rest, or a run in the middle
+        while later replies still arrive.
         The buffer is consecutive, so a reply that skips a seq, or stops short of its end
         marker, is asked again from the seq after the last one in order, until the end
         marker, ``stop - 1`` or nothing new comes."""
         assert self.replay_endpoint is not None
         out: list[tuple[int, bytes]] = []
         first = start
+        answered = False
         for _ in range(_MAX_REPLAY_ROUNDS):
             got, ended = await self._fetch_once(first, stop)
+            answered = answered or ended or bool(got)
             got = [(seq, payload) for seq, payload in got if seq >= first]
             cut = _in_order(got)
             if cut < len(got):  # replies dropped in the middle of the burst
@@ -229,7 +323,7 @@ class ZmqEventSubscriber:
             first = got[-1][0] + 1
             if stop is not None and first >= stop:
                 break
-        return out
+        return out, answered
 
     async def _fetch_once(
         self, start: int, stop: int | None
@@ -260,6 +354,8 @@ class ZmqEventSubscriber:
                 out.append((seq, payload))
                 if stop is not None and seq >= stop - 1:
                     return out, True
+                if len(out) % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # queued replies come without a turn too
                 wait_ms = max(20, int(self.replay_timeout_s * 200))
         finally:
             sock.close(0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,11 +27,15 @@ from router.service.upstream import Client, Timeouts
 
 if TYPE_CHECKING:
     from router.events.direct import DirectEvents
+    from router.events.endpoints import EndpointSpec
 
 _log = logging.getLogger("kvrouter.service")
 # an engine load report older than this many ``server.engine_metrics_interval_s`` is dropped
 # (direct scrapes and the publishers' reports alike; the publishers' default interval is 1 s)
 REPORT_STALE_INTERVALS = 10
+# a replica with ``zmq = "auto"`` that is followed is asked where it publishes this often
+# (seconds): one restarted publishing elsewhere is followed there
+SOURCES_RECHECK_S = 10.0
 
 
 async def upstream_session(app: web.Application) -> AsyncIterator[None]:
@@ -271,12 +275,30 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 
 async def _discover(app: web.Application, direct: DirectEvents, rep: ReplicaSettings) -> None:
     """A replica with ``zmq = "auto"``: ask it where it publishes until it answers
-    (router.events.discovery ``ask``), then follow those endpoints."""
-    from router.events.discovery import ask
+    (router.events.discovery ``ask``), then follow those endpoints; ask it again every
+    ``SOURCES_RECHECK_S`` and, when it names other endpoints (it restarted publishing on
+    other ports, or with another dp size), forget what the old ones said and follow the new
+    ones (``DirectEvents.unfollow``). An answer that fails changes nothing."""
+    from router.events.discovery import ask, ask_once
 
+    specs = await ask(rep.url, rep.name)
+    await _follow(app, direct, rep, specs)
+    while True:
+        await asyncio.sleep(SOURCES_RECHECK_S)
+        now = await ask_once(rep.url)
+        if now is None or now == specs:
+            continue
+        _log.warning("replica %s: its KV events moved; following them anew", rep.name)
+        await direct.unfollow(rep.name)
+        specs = now
+        await _follow(app, direct, rep, specs)
+
+
+async def _follow(
+    app: web.Application, direct: DirectEvents, rep: ReplicaSettings, specs: Sequence[EndpointSpec]
+) -> None:
     settings, state = app[SETTINGS], app[STATE]
     block = settings.model(rep.model).routing.block_size
-    specs = await ask(rep.url, rep.name)
     ranks = [s.dp_rank for s in specs]
     if ranks != list(range(rep.dp_ranks)):
         _log.warning(

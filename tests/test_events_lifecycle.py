@@ -1,0 +1,181 @@
+"""The life cycle of an engine's KV-event feed against the engines' own publishers
+(tests/engines, real ZMQ on loopback): a long history or backlog shares the event loop, a
+restart is found whenever the subscriber comes back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from router.events.subscriber import YIELD_EVERY, ZmqEventSubscriber
+from tests.engines.harness import RefEngine, free_port_run
+from tests.waiting import eventually, wait_until
+
+ENGINE = "vllm-0.33.0"  # byte-identical to vLLM 0.34.0's kv_events.py (tests/engines)
+
+
+class Turns:
+    """An ``on_payload`` that records how many batches were delivered in a row without the
+    event loop getting a turn (a callback scheduled at the first of them runs at the next)."""
+
+    def __init__(self) -> None:
+        self.seqs: list[int] = []
+        self.run = 0
+        self.longest = 0
+        self._pending = False
+
+    def _turn(self) -> None:
+        self._pending = False
+
+    def __call__(self, seq: int, payload: bytes) -> None:
+        self.seqs.append(seq)
+        if self._pending:
+            self.run += 1
+        else:
+            self.run = 1
+            self._pending = True
+            asyncio.get_running_loop().call_soon(self._turn)
+        self.longest = max(self.longest, self.run)
+
+
+@pytest.fixture
+def engine() -> Iterator[RefEngine]:
+    p = free_port_run(2)
+    eng = RefEngine(ENGINE, p, p + 1)
+    yield eng
+    eng.close()
+
+
+def _subscriber(eng: RefEngine, on_payload: Turns) -> ZmqEventSubscriber:
+    port = int(eng.pub._endpoint.rpartition(":")[2])
+    replay = int(str(eng.pub._replay_endpoint).rpartition(":")[2])
+    return ZmqEventSubscriber(
+        f"tcp://127.0.0.1:{port}", on_payload, replay_endpoint=f"tcp://127.0.0.1:{replay}"
+    )
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_long_history_is_delivered_in_turns_with_the_event_loop(
+    engine: RefEngine,
+) -> None:
+    """A warm engine's 10,000-batch history took seconds to apply, every batch delivered
+    without the event loop getting a turn (requests, probes and other engines' events
+    waited): now it gets one at least every YIELD_EVERY batches."""
+    for _ in range(10 * YIELD_EVERY):
+        engine.publish(engine.stored(engine.prompt(2)))
+    engine.wait_sent()
+    turns = Turns()
+    task = asyncio.create_task(_subscriber(engine, turns).run())
+    try:
+        await eventually(lambda: len(turns.seqs) == 10 * YIELD_EVERY)
+        assert turns.seqs == list(range(10 * YIELD_EVERY))
+        assert turns.longest <= YIELD_EVERY
+    finally:
+        await _stop(task)
+
+
+async def test_a_backlog_of_live_batches_is_delivered_in_turns_with_the_event_loop(
+    engine: RefEngine,
+) -> None:
+    """Live batches queued on the SUB socket (the router was busy) came out of pyzmq
+    without a yield: all of them were applied before anything else ran."""
+    turns = Turns()
+    sub = _subscriber(engine, turns)
+    task = asyncio.create_task(sub.run())
+    try:
+
+        async def live() -> bool:
+            engine.publish()
+            return bool(turns.seqs)
+
+        await eventually(live)
+        await eventually(lambda: turns.seqs[-1] == engine.published - 1)
+        # a SUB of the test's own, fed by the same engine, tells when the backlog is there
+        watch = zmq.Context.instance().socket(zmq.SUB)
+        watch.setsockopt(zmq.LINGER, 0)
+        watch.setsockopt(zmq.SUBSCRIBE, b"")
+        watch.connect(sub.endpoint)
+        try:
+
+            async def joined() -> bool:
+                engine.publish()
+                return bool(watch.poll(0))
+
+            await eventually(joined)
+            await eventually(lambda: turns.seqs[-1] == engine.published - 1)
+            while watch.poll(0):
+                watch.recv_multipart()
+            first, backlog = engine.published, 10 * YIELD_EVERY
+            # the event loop is held here (a busy router) while the engine publishes
+            for _ in range(backlog):
+                engine.publish(engine.stored(engine.prompt(2)))
+            engine.wait_sent()
+            seen = 0
+            while seen < backlog and watch.poll(10_000):
+                seen += watch.recv_multipart()[1] >= first.to_bytes(8, "big")
+            assert seen == backlog
+        finally:
+            watch.close(0)
+        await eventually(lambda: turns.seqs[-1] == first + backlog - 1)
+        assert turns.seqs[-backlog:] == list(range(first, first + backlog))
+        assert turns.longest <= YIELD_EVERY
+    finally:
+        await _stop(task)
+
+
+def _restart(eng: RefEngine) -> RefEngine:
+    """``eng`` shut down and a new engine on its ports (the old ones are released
+    asynchronously by ZMQ's I/O thread: bound once they are free)."""
+    port = int(eng.pub._endpoint.rpartition(":")[2])
+    replay = int(str(eng.pub._replay_endpoint).rpartition(":")[2])
+    eng.close()
+    made: list[RefEngine] = []
+
+    def bound() -> bool:
+        try:
+            made.append(RefEngine(ENGINE, port, replay, seed=1))
+        except zmq.ZMQError:
+            return False
+        return True
+
+    wait_until(bound)
+    return made[0]
+
+
+async def test_a_restarted_engine_is_forgotten_before_its_first_batch() -> None:
+    """vLLM restarts on the same ports and stays idle: the subscriber's SUB reconnects, it
+    asks the replay socket from its last seq, the new engine holds nothing, and the old
+    engine's state is forgotten at once (``on_restart``), not at the new one's first
+    batch; that batch then comes as seq 0 of the new engine, no second restart."""
+    p = free_port_run(2)
+    engine = RefEngine(ENGINE, p, p + 1)
+    turns = Turns()
+    sub = _subscriber(engine, turns)
+    restarts: list[int] = []
+    sub.on_restart = lambda: restarts.append(len(turns.seqs))
+    task = asyncio.create_task(sub.run())
+    new: RefEngine | None = None
+    try:
+        for _ in range(3):
+            engine.publish(engine.stored(engine.prompt(2)))
+        await eventually(lambda: turns.seqs == [0, 1, 2])
+        new = _restart(engine)
+        await eventually(lambda: restarts == [3])
+
+        async def live() -> bool:
+            assert new is not None
+            new.publish(new.stored(new.prompt(2)))
+            return len(turns.seqs) > 3
+
+        await eventually(live)
+        assert turns.seqs[3] == 0 and restarts == [3] and sub.stats.restarts == 1
+    finally:
+        await _stop(task)
+        (engine if new is None else new).close()
