@@ -80,3 +80,23 @@ def free_port() -> int:
             _given.add(port)
             return port
     raise RuntimeError(f"no free test port left in [{lo}, {hi})")
+
+
+class RefusedPort:
+    """A loopback port bound and never listened on, held while the context is open: a
+    connection to it is refused, and no other server (another test, another xdist worker)
+    can take the port meanwhile, as one freed by a stopped server could be."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def __enter__(self) -> RefusedPort:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._sock.close()

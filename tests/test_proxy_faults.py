@@ -18,6 +18,7 @@ from router.service.app import STATE
 from router.service.config import build_settings
 from router.service.state import RouterState
 from tests.backends import Backend, kimi_model_table, start_router
+from tests.ports import RefusedPort
 from tests.waiting import eventually
 
 MODEL = "kimi-test"
@@ -112,9 +113,8 @@ async def test_a_dead_replica_with_several_dp_ranks_is_skipped_whole(engine: str
     """A connection refused at one DP rank's URL is refused at all of them: the retry goes to
     another replica, and every rank of the dead one is marked unhealthy."""
     live = await Backend("live", [MODEL]).start()
-    dead = await Backend("dead", [MODEL]).start()
+    dead = RefusedPort()
     dead_url = dead.url
-    await dead.stop()
     try:
         async for url, session in _router(
             engine,
@@ -139,6 +139,7 @@ async def test_a_dead_replica_with_several_dp_ranks_is_skipped_whole(engine: str
             assert all(r["healthy"] is False for r in dead_ranks), dead_ranks
             assert sum(r["in_flight"] for r in reps.values()) == 0
     finally:
+        dead.close()
         await live.stop()
 
 

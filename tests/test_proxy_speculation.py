@@ -21,6 +21,7 @@ from router.service.app import STATE
 from router.service.config import build_settings
 from router.service.state import RouterState
 from tests.backends import Backend, kimi_model_table, start_router
+from tests.ports import RefusedPort
 from tests.waiting import eventually
 
 MODEL = "kimi-test"
@@ -133,11 +134,9 @@ async def test_a_refused_or_dropped_connection_withdraws_the_guess() -> None:
 
     server = await asyncio.start_server(drop, "127.0.0.1", 0)
     dropping = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    dead = await Backend("dead", [MODEL]).start()
-    dead_url = dead.url
-    await dead.stop()
+    dead = RefusedPort()
     live = await Backend("live", [MODEL]).start()
-    replicas = [("dead", dead_url), ("drop", dropping), live]
+    replicas = [("dead", dead.url), ("drop", dropping), live]
     try:
         async with _router(replicas, max_retries=2) as (url, http, state):
             for text in ("the moon", "the stars", "the clouds"):
@@ -148,6 +147,7 @@ async def test_a_refused_or_dropped_connection_withdraws_the_guess() -> None:
                 assert guessed["live"] > 0, guessed
     finally:
         server.close()
+        dead.close()
         await live.stop()
 
 
