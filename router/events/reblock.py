@@ -8,7 +8,11 @@ chained hashes (``router.core.hashing``), remembering for every engine block:
   complete router block at or before that end, and the tokens after it (the *tail*), so a
   child block can continue the chain without the prefix;
 * which canonical blocks it overlaps (``covers``), so removing it removes exactly those:
-  a canonical block is cached only while every engine block overlapping it is.
+  a canonical block is cached only while every engine block overlapping it is. Per tier, a
+  full-attention canonical block is announced once every engine block overlapping it is held
+  there, whichever path (store with tokens, token-less store, ``AllBlocksCleared``) brings
+  the last one (where engine blocks do not hold whole router blocks, ``_held`` counts, per
+  canonical block, the engine blocks it needs and those each tier holds).
 
 Engine blocks smaller than the router's complete a canonical block every few events; larger
 ones complete several at once. ``kv_cache_spec_kind`` chooses the meaning: full-attention
@@ -38,7 +42,8 @@ too; a recurrent-state checkpoint takes its position from the full-attention blo
 hash. A hash never seen stored with tokens cannot be placed: counted (``unmapped_offload``).
 ``AllBlocksCleared`` clears what the engine's own cache held and keeps what vLLM's
 offloading connector holds (``router.events.model.OFFLOAD_MEDIA``): the canonical events are
-then ``AllCleared`` followed by those blocks stored again on their tiers.
+then ``AllCleared`` followed by the canonical blocks those hold whole, stored again on their
+tiers.
 
 Known limit: if an ancestor engine block is evicted and later re-stored while its
 descendants stayed cached, the descendants' canonical blocks are not re-announced (the
@@ -184,11 +189,19 @@ class Reblocker:
         # checkpoints are published where every one holds them (see _join)
         self._state_group: int | None = None
         self._mixed: StateGroups | None = None
-        # engines hashing with lookahead (vLLM's lookahead_token_ids, SGLang's EAGLE pairs)
-        # cache the same tokens at the same position as several engine blocks, one for each
-        # next token seen: (group, tier bit, end, canonical) -> how many hold it, so that
-        # evicting one copy does not remove what another still holds (None: not counted)
+        # several engine blocks at one position can hold the same canonical block: engines
+        # hashing with lookahead (vLLM's lookahead_token_ids, SGLang's EAGLE pairs) cache the
+        # same tokens there once for each next token seen, and an engine block reaching past
+        # a router block's end is shared by sequences diverging after that end:
+        # (group, tier bit, end, canonical) -> how many hold it, so that evicting one copy
+        # does not remove what another still holds, and ``_held`` counts positions (None: not
+        # counted: no lookahead, and engine blocks dividing the router's or multiples of it,
+        # where a removed copy removes the canonical blocks it overlaps, an under-report)
         self._copies: dict[tuple[int, int, int, int], int] | None = None
+        # full-attention canonical blocks by group: [engine blocks overlapping it, then per
+        # tier (index tier + 1) how many of those positions hold it there]; an entry lives
+        # while some engine block's covers name it
+        self._held: dict[int, dict[int, list[int]]] = {}
         self.stats = ReblockStats()
 
     def __len__(self) -> int:
@@ -203,6 +216,7 @@ class Reblocker:
             self._mixed.reset({})
         if self._copies is not None:
             self._copies.clear()
+        self._held.clear()
 
     def convert(self, events: tuple[EngineEvent, ...] | list[EngineEvent]) -> list[IndexEvent]:
         out: list[IndexEvent] = []
@@ -236,7 +250,6 @@ class Reblocker:
             self.clear()
             return [AllCleared()]
         kept: dict[tuple[Tier, Kind], list[int]] = {}
-        recount: list[tuple[int, _Block]] = []
         for key, block in list(self._blocks.items()):
             media = block.media & keep
             if not media:
@@ -246,16 +259,24 @@ class Reblocker:
                 continue
             block.media = media
             self.stats.kept_on_clear += 1
-            if self._copies is not None:
-                recount.append((key[0], block))
-            for tier in Tier:
-                if media >> tier & 1:
-                    kept.setdefault((tier, block.kind), []).extend(block.covers)
-        if self._copies is not None:
-            self._copies.clear()
-            for group, block in recount:
-                for bit in _tier_bits(block.media):
-                    self._gain(group, block, bit, block.covers)
+            if block.kind is Kind.STATE or key[0] not in self._held:  # else: counted below
+                for tier in Tier:
+                    if media >> tier & 1:
+                        kept.setdefault((tier, block.kind), []).extend(block.covers)
+        if self._copies is not None:  # the kept tiers' copies are those left
+            self._copies = {k: n for k, n in self._copies.items() if k[1] & keep}
+        kept_tiers = [t for t in Tier if keep >> t & 1]
+        for held in self._held.values():
+            for c, entry in list(held.items()):
+                for t in Tier:
+                    if not keep >> t & 1:
+                        entry[t + 1] = 0
+                if sum(entry) == entry[0]:  # no kept block names it
+                    del held[c]
+                    continue
+                for t in kept_tiers:
+                    if entry[t + 1] == entry[0]:
+                        kept.setdefault((t, Kind.KV), []).append(c)
         if self._mixed is not None:  # what every state-like group still holds
             published = self._mixed.reset({g: self._holdings(g) for g in self._mixed.groups()})
             for (_, kind), hashes in kept.items():
@@ -268,7 +289,11 @@ class Reblocker:
         return out
 
     def _stored(self, ev: EngineBlockStored) -> list[IndexEvent]:
-        if ev.lookahead_token_ids and self._copies is None:
+        be = ev.block_size
+        if self._copies is None and (
+            ev.lookahead_token_ids
+            or (ev.token_ids and be > 0 and self.block_size % be and be % self.block_size)
+        ):  # counted: see __init__
             self._copies = {}
         if _is_window(ev.kv_cache_spec_kind):
             return self._stored_window(ev, last=False)
@@ -332,8 +357,7 @@ class Reblocker:
                 break
             if not known.media & bit:
                 known.media |= bit
-                emitted.extend(known.covers)
-                self._gain(group, known, bit, known.covers)
+                emitted.extend(self._gain(group, known, bit, known.covers))
             first_new += 1
         # keys no request reproduces: that block and the ones after it are not indexed
         usable = n if keys is None else next((i for i in range(first_new, n) if keys[i].opaque), n)
@@ -379,11 +403,28 @@ class Reblocker:
         hashes: list[int] = []
         if len(run) >= bs:  # else no router block completes: nothing to hash
             hashes = hash_prompt(run, bs, 0, parent=chain0, extras=extras).hashes
-        if tail0 and hashes and kind is Kind.KV:
-            self._extend_ancestors(group, parent_hash, base, hashes[0])
-        prev_hash = parent_hash
         blocks, kv_by_hash, is_kv = self._blocks, self._kv_by_hash, kind is Kind.KV
-        counted = self._copies is not None
+        # canonical blocks completed on tiers other than this event's (by blocks it extends)
+        elsewhere: dict[int, list[int]] | None = None
+        held = self._held.get(group) if is_kv else None
+        if is_kv and hashes:
+            if held is None and be % bs:  # router blocks span several engine blocks
+                held = self._held[group] = {}
+            if held is not None:
+                # engine blocks each overlaps (the grid of engine block ends is end0's)
+                start = base - end0
+                for c in hashes:
+                    if c not in held:
+                        held[c] = [-(-(start + bs) // be) - start // be, 0, 0, 0]
+                    start += bs
+            if tail0:
+                elsewhere = self._extend_ancestors(group, parent_hash, base, hashes[0])
+        # a new block's covers: all held on this tier with it (one engine block each, no
+        # copies), or counted in ``held`` inline (no copies), or by ``_gain``
+        plain = self._copies is None and held is None
+        inline = self._copies is None and held is not None
+        t = bit.bit_length()
+        prev_hash = parent_hash
         for i, h in enumerate(ev.block_hashes[first_new:usable]):
             end = end0 + (i + 1) * be
             done = (end - base) // bs  # complete router blocks of run up to ``end``
@@ -407,24 +448,39 @@ class Reblocker:
                     kv_by_hash[h] = block
                 elif self.on_checkpoint is not None:
                     self.on_checkpoint(end)
-                emitted.extend(covers)
-                if counted:
-                    self._gain(group, block, bit, covers)
+                if plain:
+                    emitted.extend(covers)
+                elif inline:
+                    for c in covers:
+                        count = held[c]  # type: ignore[index]
+                        n = count[t] + 1
+                        count[t] = n
+                        if n == count[0]:
+                            emitted.append(c)
+                elif covers:
+                    emitted.extend(self._gain(group, block, bit, covers))
             else:
                 # stored again (vLLM: a new copy of a block whose ancestor was evicted):
                 # the canonical blocks this event completes over it are its too
                 more = [c for c in covers if c not in block.covers] if is_kv else []
                 if more:
                     block.covers.extend(more)
-                    if counted:
-                        for b in _tier_bits(block.media):
-                            self._gain(group, block, b, more)
+                    for b in _tier_bits(block.media):
+                        done_on = self._gain(group, block, b, more)
+                        if done_on:
+                            if elsewhere is None:
+                                elsewhere = {}
+                            elsewhere.setdefault(b, []).extend(done_on)
                 if not block.media & bit:
                     block.media |= bit
-                    emitted.extend(block.covers)
-                    if counted:
-                        self._gain(group, block, bit, block.covers)
+                    emitted.extend(self._gain(group, block, bit, block.covers))
             prev_hash = h
+        if elsewhere:
+            emitted.extend(elsewhere.pop(bit, ()))
+            out = self._emit_stored(emitted, tier, kind, group)
+            for b, more in elsewhere.items():
+                out.extend(self._emit_stored(more, Tier(b.bit_length() - 1), kind, group))
+            return out
         return self._emit_stored(emitted, tier, kind, group)
 
     def _stored_by_hash(
@@ -454,8 +510,7 @@ class Reblocker:
             self.stats.stored_blocks += 1
             if not block.media & bit:
                 block.media |= bit
-                emitted[block.kind].extend(block.covers)
-                self._gain(group, block, bit, block.covers)
+                emitted[block.kind].extend(self._gain(group, block, bit, block.covers))
             if block.kind is Kind.KV and ev.block_size > 0:
                 self._store_chunk(group, block, ev.block_size, bit, emitted[Kind.KV])
         out: list[IndexEvent] = []
@@ -583,8 +638,7 @@ class Reblocker:
                 members.append(parent)
             if not anc.media & bit:
                 anc.media |= bit
-                emitted.extend(anc.covers)
-                self._gain(group, anc, bit, anc.covers)
+                emitted.extend(self._gain(group, anc, bit, anc.covers))
             parent = anc.parent
         block.chunk = tuple(members)
 
@@ -622,44 +676,99 @@ class Reblocker:
             keys[0] = BlockKeys(opaque=True)
         return keys
 
-    def _extend_ancestors(self, group: int, parent: int | None, base: int, canonical: int) -> None:
+    def _extend_ancestors(
+        self, group: int, parent: int | None, base: int, canonical: int
+    ) -> dict[int, list[int]] | None:
         """``canonical`` (the router block starting at ``base``) also overlaps the ancestors
-        whose tokens formed the tail: record it in their covers for removals."""
+        whose tokens formed the tail: record it in their covers, held on their tiers. Returns
+        the tiers (by bit) where that completes it, if any."""
+        done: dict[int, list[int]] | None = None
+        one = (canonical,)
+        held = self._held.get(group)
+        count = None if held is None or self._copies is not None else held.get(canonical)
+        counted = self._copies is not None or count is not None
         while parent is not None:
             block = self._blocks.get((group, parent))
             if block is None or block.end <= base:
-                return
-            block.covers.append(canonical)
-            if self._copies is not None:
-                for bit in _tier_bits(block.media):
-                    self._gain(group, block, bit, (canonical,))
+                return done
+            if canonical not in block.covers:
+                block.covers.append(canonical)
+                if count is not None:  # _gain inline: no copies to count
+                    for t in _TIER_SLOTS[block.media]:
+                        count[t] += 1
+                        if count[t] == count[0]:
+                            done = done or {}
+                            done.setdefault(1 << (t - 1), []).append(canonical)
+                elif counted:
+                    for bit in _tier_bits(block.media):
+                        if self._gain(group, block, bit, one):
+                            done = done or {}
+                            done.setdefault(bit, []).append(canonical)
             parent = block.parent
+        return done
 
-    def _gain(self, group: int, block: _Block, bit: int, covers: Sequence[int]) -> None:
-        """``block`` now holds ``covers`` on ``bit``'s tier: one more copy of each (counted
-        for engines hashing with lookahead only)."""
+    def _gain(self, group: int, block: _Block, bit: int, covers: Sequence[int]) -> Sequence[int]:
+        """``block`` now holds ``covers`` on ``bit``'s tier (one more copy of each at its
+        position where copies are counted): those of them now held there, a checkpoint
+        always, a full-attention block once every engine block it overlaps is (counted in
+        ``_held`` where it spans several: its entry was made where it was hashed)."""
         copies = self._copies
-        if copies is None or not covers:
-            return
+        if copies is not None:
+            fresh = []
+            for c in covers:
+                key = (group, bit, block.end, c)
+                n = copies.get(key, 0)
+                copies[key] = n + 1
+                if not n:  # no other copy held this position there
+                    fresh.append(c)
+            if block.kind is Kind.KV:
+                covers = fresh
+        held = self._held.get(group)
+        if held is None or block.kind is Kind.STATE:
+            return covers
+        t = bit.bit_length()  # the tier's index in an entry
+        whole = []
         for c in covers:
-            key = (group, bit, block.end, c)
-            copies[key] = copies.get(key, 0) + 1
+            entry = held.get(c)
+            if entry is None:  # hashed before counting began: one engine block, as then
+                whole.append(c)
+                continue
+            n = entry[t] + 1
+            entry[t] = n
+            if n == entry[0]:
+                whole.append(c)
+        return whole
 
-    def _lose(self, group: int, block: _Block, bit: int) -> list[int]:
-        """``block`` leaves ``bit``'s tier: the canonical blocks no copy holds any more."""
+    def _lose(
+        self, group: int, block: _Block, bit: int, held: dict[int, list[int]] | None
+    ) -> list[int]:
+        """``block`` leaves ``bit``'s tier: the canonical blocks it overlaps that no copy
+        at its position holds there any more (gone from that tier, whatever other engine
+        blocks or groups hold); ``held``: its group's counts (``_held``), or None."""
         copies = self._copies
-        if copies is None:
-            return block.covers
-        gone = []
-        for c in block.covers:
-            key = (group, bit, block.end, c)
-            left = copies.get(key, 1) - 1
-            if left > 0:
-                copies[key] = left
-            else:
+        covers = block.covers
+        if copies is None and held is None:
+            return covers
+        if copies is not None:
+            covers = []
+            for c in block.covers:
+                key = (group, bit, block.end, c)
+                left = copies.get(key, 1) - 1
+                if left > 0:
+                    copies[key] = left
+                    continue
                 copies.pop(key, None)
-                gone.append(c)
-        return gone
+                covers.append(c)
+        if held is not None and block.kind is Kind.KV:
+            t = bit.bit_length()
+            for c in covers:
+                entry = held.get(c)
+                if entry is not None:
+                    n = entry[t] - 1
+                    entry[t] = n
+                    if not n and sum(entry) == entry[0]:  # no engine block names it
+                        del held[c]
+        return covers
 
     def _held_nowhere(self, group: int, block: _Block, covers: Sequence[int]) -> list[int]:
         """Of ``covers``, which ``block`` just lost on one tier, those no tier holds now."""
@@ -697,10 +806,17 @@ class Reblocker:
         return [BlocksRemoved(tuple(dict.fromkeys(hashes)), tier, kind)]
 
     def _drop(
-        self, group: int, h: int, block: _Block, bit: int, out: dict[Kind, list[int]]
+        self,
+        group: int,
+        h: int,
+        block: _Block,
+        bit: int,
+        out: dict[Kind, list[int]],
+        held: dict[int, list[int]] | None,
     ) -> None:
+        """``block`` leaves ``bit``'s tier; ``held``: its group's (``_held``), or None."""
         block.media &= ~bit
-        lost = block.covers if self._copies is None else self._lose(group, block, bit)
+        lost = self._lose(group, block, bit, held)
         if block.kind is Kind.STATE and lost:
             # the index keeps one state set per replica, of every tier: a checkpoint goes
             # only when no tier holds it (the engine loads one offloaded to CPU)
@@ -737,21 +853,26 @@ class Reblocker:
             return self._removed_window(window, ev, tier, group)
         bit = 1 << tier
         out: dict[Kind, list[int]] = {Kind.KV: [], Kind.STATE: []}
+        held = self._held.get(group)
         for h in ev.block_hashes:
             block = self._blocks.get((group, h))
             if block is None or not block.media & bit:
                 self.stats.unknown_removed += 1
                 continue
             self.stats.removed_blocks += 1
-            self._drop(group, h, block, bit, out)
+            self._drop(group, h, block, bit, out, held)
             for member in block.chunk:  # the rest of its offloaded chunk
                 mb = self._blocks.get((group, member))
                 if mb is not None and mb.media & bit:
-                    self._drop(group, member, mb, bit, out)
+                    self._drop(group, member, mb, bit, out, held)
         events: list[IndexEvent] = []
         for kind, hashes in out.items():
             events.extend(self._emit_removed(hashes, tier, kind, group))
         return events
+
+
+# a tier bit mask -> the slots of its tiers in a ``_held`` entry (tier + 1)
+_TIER_SLOTS = tuple(tuple(t + 1 for t in Tier if m >> t & 1) for m in range(1 << len(Tier)))
 
 
 def _tier_bits(media: int) -> list[int]:
