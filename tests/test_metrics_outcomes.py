@@ -1,0 +1,69 @@
+"""``kvrouter_requests_total``: every request a client sent ends in exactly one outcome, also
+when the client leaves while the router holds it before its replica answers (a
+disaggregated request's prefill leg, a request held by SLO-aware admission). Real HTTP on
+loopback, scraped as Prometheus does."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.core.types import ReplicaKey
+from router.service.app import STATE
+from tests.backends import Backend, start_router
+from tests.test_pd_service import _Prefill, _prompt, _stub_settings
+from tests.waiting import eventually
+
+MODEL = "m"
+
+
+async def _outcomes(url: str) -> dict[tuple[str, str], float]:
+    """(replica, outcome) -> count of the model's ``kvrouter_requests_total``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        page = await r.text()
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            if s.name == "kvrouter_requests_total" and s.labels["model"] == MODEL:
+                out[s.labels["replica"], s.labels["outcome"]] = float(s.value)
+    return out
+
+
+async def _leave(url: str, body: dict[str, Any], arrived: Any) -> None:
+    """Send ``body`` and go away (the connection closed) once ``arrived()`` is true."""
+    async with aiohttp.ClientSession() as http:
+        task = asyncio.ensure_future(http.post(url + "/v1/completions", json=body))
+        try:
+            await eventually(arrived)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_leaving_during_the_prefill_leg_counts_cancelled(stream: bool) -> None:
+    """A disaggregated request whose client leaves while its prefill leg runs is a request
+    the router took and did not answer: ``cancelled``, once, on the replica it was at."""
+    prefill = await _Prefill().start()
+    prefill.gate = asyncio.Event()  # the prefill leg never answers
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    state = router.app[STATE]
+    try:
+        body = {"model": MODEL, "prompt": _prompt(3), "max_tokens": 3, "stream": stream}
+        await _leave(url, body, lambda: prefill.seen)
+        await eventually(lambda: not state.load.replica_of(prefill.seen[0][1] + "#p"))
+        await eventually(lambda: _outcomes(url), message="no outcome counted")
+        assert await _outcomes(url) == {(str(ReplicaKey("p0")), "cancelled"): 1.0}
+        assert not decode.received
+    finally:
+        prefill.gate.set()
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()
