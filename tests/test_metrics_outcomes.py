@@ -6,6 +6,7 @@ loopback, scraped as Prometheus does."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -15,13 +16,15 @@ from router.core.types import ReplicaKey
 from router.service.app import STATE
 from tests.backends import Backend, start_router
 from tests.test_pd_service import _Prefill, _prompt, _stub_settings
+from tests.test_service_admission import MODEL as ADMITTED
+from tests.test_service_admission import Door, _door
 from tests.waiting import eventually
 
 MODEL = "m"
 
 
-async def _outcomes(url: str) -> dict[tuple[str, str], float]:
-    """(replica, outcome) -> count of the model's ``kvrouter_requests_total``."""
+async def _outcomes(url: str, model: str = MODEL) -> dict[tuple[str, str], float]:
+    """(replica, outcome) -> count of ``model``'s ``kvrouter_requests_total``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
@@ -29,7 +32,7 @@ async def _outcomes(url: str) -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(page):
         for s in family.samples:
-            if s.name == "kvrouter_requests_total" and s.labels["model"] == MODEL:
+            if s.name == "kvrouter_requests_total" and s.labels["model"] == model:
                 out[s.labels["replica"], s.labels["outcome"]] = float(s.value)
     return out
 
@@ -67,3 +70,37 @@ async def test_a_client_leaving_during_the_prefill_leg_counts_cancelled(stream: 
         await router.cleanup()
         await prefill.runner.cleanup()
         await decode.stop()
+
+
+@pytest.fixture
+async def door() -> AsyncIterator[Door]:
+    """SLO-aware admission that holds a default request while a priority one runs."""
+    knobs = {"stall_share": [1e-9, 0.5, 0.5], "max_stall": [float("inf"), 1e-9, 1e-9],
+             "max_hold_s": 60.0}  # fmt: skip
+    async for d in _door(knobs, {"ttft_s": 100.0}):
+        yield d
+
+
+async def test_a_client_leaving_while_admission_holds_it_counts_cancelled(door: Door) -> None:
+    """A request held by SLO-aware admission whose client leaves was never sent: it still
+    ends in one outcome, ``cancelled`` with no replica, like a refusal's ``rejected``."""
+    d = door
+    d.backend.gate = asyncio.Event()
+    first = asyncio.create_task(d.post("priority"))
+    await eventually(lambda: len(d.backend.received) == 1)
+    gone = asyncio.create_task(d.post())
+    await eventually(lambda: d.held() == 1)
+    gone.cancel()  # the client closes its connection while held
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    await eventually(lambda: d.held() == 0)
+    d.backend.gate.set()
+    async with await first as r:
+        assert r.status == 200
+
+    async def answered() -> bool:
+        return ("b0", "ok") in await _outcomes(d.url, ADMITTED)
+
+    await eventually(answered)
+    assert await _outcomes(d.url, ADMITTED) == {("b0", "ok"): 1.0, ("", "cancelled"): 1.0}
+    assert len(d.backend.received) == 1
