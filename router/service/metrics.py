@@ -580,6 +580,15 @@ class ModelMetrics:
             del self._outcomes[key]
         return [outcome for _, outcome in gone]
 
+    def prediction(self, predicted: int, prompt_tokens: int, cached: int) -> None:
+        """One request's prediction error: the usable hit predicted on the replica that
+        answered minus the ``cached`` tokens its engine reported (engines always compute the
+        prompt's last token: a whole-prompt hit is ``prompt_tokens - 1``), in tokens and
+        over the prompt. The forwarder and gRPC Report both call it."""
+        error = min(predicted, prompt_tokens - 1) - cached
+        self.prediction_error.observe(error)
+        self.prediction_error_ratio.observe(error / prompt_tokens)
+
     def retry(self, reason: str) -> Any:
         child = self._retries.get(reason)
         if child is None:
