@@ -200,3 +200,33 @@ async def test_cache_turnover_gauges_follow_the_engines_evictions(fleet: Fleet) 
     page = await fleet.metrics()
     assert value(page, "kvrouter_cache_horizon_seconds", labels) == pytest.approx(10.0, rel=0.02)
     assert value(page, "kvrouter_cache_eviction_risk", labels) == 0.0  # it is the calmest
+
+
+def _bounds(page: str, name: str) -> list[float]:
+    """The finite ``le`` bounds of histogram ``name`` on a scraped page."""
+    les = {k.split('le="', 1)[1].split('"', 1)[0] for k in series(page, name + "_bucket")}
+    return sorted(float(le) for le in les if le != "+Inf")
+
+
+async def test_the_ttft_buckets_reach_a_long_prompts_first_token(fleet: Fleet) -> None:
+    """``kvrouter_ttft_seconds`` resolves the first tokens the router itself expects: a
+    1M-token prompt's prefill on an idle replica (the default cost model), and the longest
+    default SLO target of the most lenient service class. A TTFT past the last finite
+    bucket only lands in ``+Inf``, where ``histogram_quantile`` reports that bucket's
+    lower bound: every such p99 would read as the same number."""
+    from router.core.admission import AdmissionSettings
+    from router.core.load import CostModel
+    from router.core.slo import DEFAULT_TIERS
+
+    stream = await fleet.client.chat.completions.create(
+        model=MODEL, messages=CONVERSATION, max_tokens=2, stream=True
+    )
+    async for _ in stream:
+        pass
+    bounds = _bounds(await fleet.metrics(), "kvrouter_ttft_seconds")
+    assert bounds, "no TTFT series after a stream"
+    cost = CostModel()
+    tokens = 1 << 20
+    long_prompt = cost.prefill_s(tokens) + cost.steps_for(tokens) * cost.step_overhead_s
+    lenient = max(t.ttft_s for t in DEFAULT_TIERS) * max(AdmissionSettings().ttft_factor)
+    assert bounds[-1] >= max(long_prompt, lenient), (bounds, long_prompt, lenient)

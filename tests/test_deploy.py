@@ -592,6 +592,20 @@ def test_metrics_doc_tables_match_the_live_scrape(live: tuple[Scrape, Scrape]) -
     assert problems == [], "\n".join(problems)
 
 
+def test_every_family_the_live_router_exports_has_a_row_in_the_metrics_doc(
+    live: tuple[Scrape, Scrape],
+) -> None:
+    """The other way round: a family added to the router without a docs/metrics.md row is
+    drift too (operators read the table to know what a series counts)."""
+    router, _ = live
+    table_row = re.compile(r"^\| `(kvrouter_\w+)` \|", flags=re.M)
+    documented = {
+        re.sub(r"_total$", "", n) for n in table_row.findall((DOCS / "metrics.md").read_text())
+    }
+    missing = sorted(f for f in router.types if f.startswith("kvrouter_") and f not in documented)
+    assert missing == [], f"exported but not in docs/metrics.md's tables: {missing}"
+
+
 def _router_settings(tmp_path: pathlib.Path) -> Any:
     from router.service.config import load_settings
 

@@ -567,3 +567,26 @@ async def test_cached_tokens_count_once_per_decision(rpc: Any) -> None:
     assert (await stub.Report(end, metadata=AUTH)).accepted
     page = state.metrics.render().decode()
     assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 160
+
+
+async def test_a_reports_cached_tokens_feed_the_prediction_error(rpc: Any) -> None:
+    """A Report's engine cached tokens measure the Pick's predicted hit as an HTTP answer's
+    usage does: one ``kvrouter_prediction_error_tokens`` / ``_ratio`` sample per decision
+    (the same formula: a whole-prompt prediction counts as prompt - 1). Without it a fleet
+    routed over gRPC has no prediction-error figure and the docs' alert never fires."""
+    state, stub = rpc
+    report = router_pb2.ReportRequest
+    cached = 160
+    done = await stub.Pick(router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)), metadata=AUTH)
+    first = report(decision_id=done.decision_id, phase=report.FIRST_TOKEN, cached_tokens=cached)
+    for _ in range(2):  # a retried Report
+        assert (await stub.Report(first, metadata=AUTH)).accepted
+    end = report(decision_id=done.decision_id, phase=report.COMPLETED, cached_tokens=cached)
+    assert (await stub.Report(end, metadata=AUTH)).accepted
+    page = state.metrics.render().decode()
+    error = min(done.usable_hit_tokens, done.prompt_tokens - 1) - cached
+    for name in ("kvrouter_prediction_error_tokens", "kvrouter_prediction_error_ratio"):
+        assert metric_sample(page, name + "_count", model=MODEL) == 1, name
+    at_most_0 = metric_sample(page, "kvrouter_prediction_error_ratio_bucket", model=MODEL,
+                              le="0.0")  # fmt: skip
+    assert at_most_0 == (1 if error <= 0 else 0), error

@@ -21,6 +21,7 @@ from router.service.worker_metrics import families, labelled, merge
 from tests.backends import Backend
 from tests.procs import Fleet, Proc
 from tests.test_workers_admin import start_router, traffic, worker_pids
+from tests.waiting import eventually
 
 
 def test_labelled_puts_the_worker_first() -> None:
@@ -107,3 +108,48 @@ async def test_a_worker_that_is_gone_is_left_out(fleet: Fleet) -> None:
         assert len(ok_requests(page)) == 1  # the survivor's own samples
     finally:
         await b0.stop()
+
+
+async def test_in_flight_gauges_sum_over_workers_to_the_requests_in_flight(fleet: Fleet) -> None:
+    """``kvrouter_in_flight_requests`` / ``kvrouter_queued_prefill_tokens`` are the requests
+    each worker sent: summed over ``worker`` (as docs/metrics.md says to, and as the
+    dashboard sums them) they are the requests in flight, not that many times over once the
+    workers share their load for routing (load_share.py)."""
+    from tests.test_workers_admin import call
+
+    slow = await Backend("b0", ["m"], gate=asyncio.Event()).start()  # holds until set
+    try:
+        proc = await start_router(
+            fleet, [slow], workers=2, engine="fast", server={"load_share_interval_s": 0.02}
+        )
+        held = [
+            asyncio.create_task(
+                call(proc, "POST", "/v1/completions", {"model": "m", "prompt": f"p{i}"})
+            )
+            for i in range(16)
+        ]
+
+        async def shared() -> bool:
+            # every request at the replica, and each worker routes on the other's
+            rows = [a["replicas"][0] for a in (await worker_pids(proc, 2)).values()]
+            own = [r["in_flight"] for r in rows]
+            return sum(own) == 16 and [r["peers_in_flight"] for r in rows] == own[::-1]
+
+        await eventually(shared)
+        status, view = await call(proc, "GET", "/admin/replicas?workers=all")
+        assert status == 200, view
+        page = await scrape(proc)
+        for family, field in (
+            ("kvrouter_in_flight_requests", "in_flight"),
+            ("kvrouter_queued_prefill_tokens", "queued_prefill_tokens"),
+        ):
+            per_worker = {s.labels["worker"]: s.value for s in page[family].samples}
+            assert sorted(per_worker) == ["0", "1"], per_worker
+            want = view["replicas"][0][field]
+            assert want > 0 and sum(per_worker.values()) == want, (family, per_worker, want)
+        slow.gate.set()  # type: ignore[union-attr]
+        assert [s for s, _ in await asyncio.gather(*held)] == [200] * 16
+    finally:
+        if slow.gate is not None:
+            slow.gate.set()
+        await slow.stop()

@@ -395,6 +395,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             routed.request.prompt_tokens,
             routed.ttft_factor,
             routed.service_class,
+            exact=routed.prompt.exact,
             held=held,
             owner=owner,
             arrived=arrived,
@@ -497,9 +498,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # once a request, as the forwarder counts its answer's usage: the first report
             # that carries them (a later one, or a retried Report, repeats the same tokens)
             pending.cached_counted = True
-            self.state.metrics.engine_cached_tokens.labels(model=pending.model).inc(
-                report.cached_tokens
-            )
+            mm.engine_cached_tokens.inc(report.cached_tokens)
+            if pending.exact and pending.prompt_tokens > 0 and pending.replica is not None:
+                mm.prediction(pending.predicted_tokens, pending.prompt_tokens, report.cached_tokens)
         return True
 
 

@@ -29,6 +29,7 @@ is never dropped.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -358,12 +359,17 @@ async def serve(
     md = flow.model
     leg_id = flow.routed.request.request_id
     started = forwarder.event_loop().time()  # its TTFT includes the prefill leg
-    try:
-        params, cause = await _prefill(state, forwarder, flow, path, headers, body, prefill_caps)
-    finally:
-        state.load.complete(leg_id)
     request = flow.request
     model = request.model
+    try:
+        params, cause = await _prefill(state, forwarder, flow, path, headers, body, prefill_caps)
+    except asyncio.CancelledError:
+        # the client left during the prefill leg: its one outcome (the decode leg, which
+        # counts it otherwise, is never sent)
+        state.metrics.model(model).outcome(flow.routed.decision.replica, "cancelled").inc()
+        raise
+    finally:
+        state.load.complete(leg_id)
     engine = state.engines[model]
     now = forwarder.event_loop().time()
     prefill_key = flow.routed.decision.replica

@@ -384,13 +384,14 @@ def record(state: RouterState, routed: Routed) -> None:
         mm.prompt_cache_reused.inc(prompt.reused_tokens)
 
 
-def rejected(state: RouterState, raw_model: object) -> None:
-    """Count a rejected request (labelled by model only for configured models: request
-    bodies must not be able to create label values)."""
+def rejected(state: RouterState, raw_model: object, outcome: str = "rejected") -> None:
+    """Count a request that ended before any replica took it (``outcome``: ``rejected``,
+    or ``cancelled``), labelled by model only for configured models: request bodies must
+    not be able to create label values."""
     if isinstance(raw_model, str) and raw_model in state.processors:
-        state.metrics.model(raw_model).outcome(None, "rejected").inc()
+        state.metrics.model(raw_model).outcome(None, outcome).inc()
     else:
-        state.metrics.requests.labels("", "", "rejected").inc()
+        state.metrics.requests.labels("", "", outcome).inc()
 
 
 async def send_reply(sink: Sink, reply: ErrorReply, anthropic: bool = False) -> None:
@@ -592,6 +593,11 @@ async def serve_completion(
         rejected(state, model)
         await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s), shaped)
         return
+    except asyncio.CancelledError:
+        # the client left before the request reached a replica (held by admission, or
+        # while its prompt was processed): its one outcome, on no replica
+        rejected(state, model, "cancelled")
+        raise
     if no_transfer:
         raw = with_patch(raw, disagg.NO_TRANSFER)
     if isinstance(routed, disagg.PdFlow):

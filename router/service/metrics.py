@@ -24,7 +24,9 @@ from router.service.layout import MISMATCH_FIELDS, LayoutReport
 from router.service.loop_metrics import LoopCounter, LoopHistogram
 
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-_TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# to 600 s: a 1M-token prefill (~80 s at the default cost model) and the longest default SLO
+# target of the flex class (60 s x 4) stay in finite buckets
+_TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TOKENS = tuple(float(4**i) for i in range(2, 11))  # 16 .. 1M
 _ERROR = tuple(sorted({-(4.0**i) for i in range(2, 11)} | {0.0} | {4.0**i for i in range(2, 11)}))
@@ -577,6 +579,15 @@ class ModelMetrics:
         for key in gone:
             del self._outcomes[key]
         return [outcome for _, outcome in gone]
+
+    def prediction(self, predicted: int, prompt_tokens: int, cached: int) -> None:
+        """One request's prediction error: the usable hit predicted on the replica that
+        answered minus the ``cached`` tokens its engine reported (engines always compute the
+        prompt's last token: a whole-prompt hit is ``prompt_tokens - 1``), in tokens and
+        over the prompt. The forwarder and gRPC Report both call it."""
+        error = min(predicted, prompt_tokens - 1) - cached
+        self.prediction_error.observe(error)
+        self.prediction_error_ratio.observe(error / prompt_tokens)
 
     def retry(self, reason: str) -> Any:
         child = self._retries.get(reason)

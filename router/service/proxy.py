@@ -616,8 +616,4 @@ class Forwarder:
             return
         mm.engine_cached_tokens.inc(cached)
         if key == routed.decision.replica and routed.prompt.exact:  # the predicted replica
-            # engines always compute the prompt's last token: a whole-prompt hit is n - 1
-            tokens = routed.request.prompt_tokens
-            error = min(routed.decision.usable_tokens, tokens - 1) - cached
-            mm.prediction_error.observe(error)
-            mm.prediction_error_ratio.observe(error / tokens)
+            mm.prediction(routed.decision.usable_tokens, routed.request.prompt_tokens, cached)

@@ -20,14 +20,17 @@ def state_snapshot(state: RouterState) -> StateSnapshot:
     gauges = []
     for ep in state.registry.endpoints():
         v = state.load.view(ep.key, now)
+        # this process's own requests: the routing view adds the other workers' and pods'
+        # (and outlier penalties), which every process would export again
+        own = state.load.own(ep.key)
         engine = state.engines.get(ep.model)
         turnover = engine.turnover if engine is not None else None
         gauges.append(
             ReplicaGauge(
                 str(ep.key),
                 ep.model,
-                v.in_flight,
-                v.queued_prefill_tokens,
+                own.prefilling + own.decoding,
+                own.queued_prefill_tokens,
                 v.healthy,
                 v.draining,
                 ep.rack or "",

@@ -1,0 +1,106 @@
+"""``kvrouter_requests_total``: every request a client sent ends in exactly one outcome, also
+when the client leaves while the router holds it before its replica answers (a
+disaggregated request's prefill leg, a request held by SLO-aware admission). Real HTTP on
+loopback, scraped as Prometheus does."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.core.types import ReplicaKey
+from router.service.app import STATE
+from tests.backends import Backend, start_router
+from tests.test_pd_service import _Prefill, _prompt, _stub_settings
+from tests.test_service_admission import MODEL as ADMITTED
+from tests.test_service_admission import Door, _door
+from tests.waiting import eventually
+
+MODEL = "m"
+
+
+async def _outcomes(url: str, model: str = MODEL) -> dict[tuple[str, str], float]:
+    """(replica, outcome) -> count of ``model``'s ``kvrouter_requests_total``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        page = await r.text()
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            if s.name == "kvrouter_requests_total" and s.labels["model"] == model:
+                out[s.labels["replica"], s.labels["outcome"]] = float(s.value)
+    return out
+
+
+async def _leave(url: str, body: dict[str, Any], arrived: Any) -> None:
+    """Send ``body`` and go away (the connection closed) once ``arrived()`` is true."""
+    async with aiohttp.ClientSession() as http:
+        task = asyncio.ensure_future(http.post(url + "/v1/completions", json=body))
+        try:
+            await eventually(arrived)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_leaving_during_the_prefill_leg_counts_cancelled(stream: bool) -> None:
+    """A disaggregated request whose client leaves while its prefill leg runs is a request
+    the router took and did not answer: ``cancelled``, once, on the replica it was at."""
+    prefill = await _Prefill().start()
+    prefill.gate = asyncio.Event()  # the prefill leg never answers
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    state = router.app[STATE]
+    try:
+        body = {"model": MODEL, "prompt": _prompt(3), "max_tokens": 3, "stream": stream}
+        await _leave(url, body, lambda: prefill.seen)
+        await eventually(lambda: not state.load.replica_of(prefill.seen[0][1] + "#p"))
+        await eventually(lambda: _outcomes(url), message="no outcome counted")
+        assert await _outcomes(url) == {(str(ReplicaKey("p0")), "cancelled"): 1.0}
+        assert not decode.received
+    finally:
+        prefill.gate.set()
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()
+
+
+@pytest.fixture
+async def door() -> AsyncIterator[Door]:
+    """SLO-aware admission that holds a default request while a priority one runs."""
+    knobs = {"stall_share": [1e-9, 0.5, 0.5], "max_stall": [float("inf"), 1e-9, 1e-9],
+             "max_hold_s": 60.0}  # fmt: skip
+    async for d in _door(knobs, {"ttft_s": 100.0}):
+        yield d
+
+
+async def test_a_client_leaving_while_admission_holds_it_counts_cancelled(door: Door) -> None:
+    """A request held by SLO-aware admission whose client leaves was never sent: it still
+    ends in one outcome, ``cancelled`` with no replica, like a refusal's ``rejected``."""
+    d = door
+    d.backend.gate = asyncio.Event()
+    first = asyncio.create_task(d.post("priority"))
+    await eventually(lambda: len(d.backend.received) == 1)
+    gone = asyncio.create_task(d.post())
+    await eventually(lambda: d.held() == 1)
+    gone.cancel()  # the client closes its connection while held
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    await eventually(lambda: d.held() == 0)
+    d.backend.gate.set()
+    async with await first as r:
+        assert r.status == 200
+
+    async def answered() -> bool:
+        return ("b0", "ok") in await _outcomes(d.url, ADMITTED)
+
+    await eventually(answered)
+    assert await _outcomes(d.url, ADMITTED) == {("b0", "ok"): 1.0, ("", "cancelled"): 1.0}
+    assert len(d.backend.received) == 1
