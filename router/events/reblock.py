@@ -55,6 +55,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Final
 
 from router.core.hashing import MmItem, hash_prompt, mm_block_extras, root_hash
 from router.core.types import (
@@ -81,19 +82,61 @@ from router.events.model import (
 from router.events.state_groups import StateGroups
 from router.events.window import WindowChange, WindowGroup, blocks_needed
 
+# An engine block's record: a plain tuple of numbers and tuples of numbers, replaced (not
+# mutated) when it changes, so that the garbage collector stops tracking it at its first
+# collection (an engine's cache holds 10^5-10^6 blocks; tracked records made every full
+# collection of the router process scan them all). Fields, by these indices:
+PARENT: Final = 0  # int | None: the parent engine block's hash
+END: Final = 1  # tokens from the sequence start to this block's end
+CHAIN: Final = 2  # canonical hash of the last complete router block at or before END
+TAIL: Final = 3  # tokens after that router block, < block_size of them
+COVERS: Final = 4  # canonical hashes this engine block overlaps (complete ones)
+MEDIA: Final = 5  # tier bits it is stored in
+KIND: Final = 6  # int(Kind) (an enum member would keep the tuple tracked)
+TAIL_MM: Final = 7  # MmItems starting in the tail (absolute starts)
+CHUNK: Final = 8  # ancestors offloaded with it in one chunk that a token-less store keyed
+_Block = tuple[
+    int | None, int, int, tuple[int, ...], tuple[int, ...], int, int, tuple[MmItem, ...],
+    tuple[int, ...],
+]  # fmt: skip
 
-@dataclass(slots=True)
-class _Block:
-    parent: int | None
-    end: int  # tokens from the sequence start to this block's end
-    chain: int  # canonical hash of the last complete router block at or before ``end``
-    tail: tuple[int, ...]  # tokens after that router block, < block_size of them
-    covers: list[int]  # canonical hashes this engine block overlaps (complete ones)
-    media: int  # tier bits it is stored in
-    kind: Kind
-    tail_mm: tuple[MmItem, ...] = ()  # items starting in the tail (absolute starts)
-    # ancestors offloaded with it in one chunk that a token-less store keyed by its hash
-    chunk: tuple[int, ...] = ()
+
+def _new_block(
+    parent: int | None,
+    end: int,
+    chain: int,
+    tail: tuple[int, ...],
+    covers: Sequence[int],
+    media: int,
+    kind: Kind,
+    tail_mm: tuple[MmItem, ...],
+) -> _Block:
+    return (parent, end, chain, tail, tuple(covers), media, int(kind), tail_mm, ())
+
+
+def _with_media(block: _Block, media: int) -> _Block:
+    return (*block[:MEDIA], media, *block[MEDIA + 1 :])  # type: ignore[return-value]
+
+
+def _with_covers(block: _Block, covers: tuple[int, ...]) -> _Block:
+    return (*block[:COVERS], covers, *block[COVERS + 1 :])  # type: ignore[return-value]
+
+
+# A full-attention canonical block's counts (``Reblocker._held``): the engine blocks that
+# overlap it, then per tier (index tier + 1) how many of those positions hold it there; a
+# tuple, replaced when a count changes, for the reason an engine block's record is one
+_Held = tuple[int, int, int, int]
+_KINDS = tuple(Kind)  # by value
+
+
+def _bump(entry: _Held, t: int, delta: int) -> _Held:
+    """``entry`` with its count ``t`` (1, 2 or 3) moved by ``delta``."""
+    n, gpu, cpu, disk = entry
+    if t == 1:
+        return (n, gpu + delta, cpu, disk)
+    if t == 2:
+        return (n, gpu, cpu + delta, disk)
+    return (n, gpu, cpu, disk + delta)
 
 
 @dataclass(slots=True)
@@ -198,11 +241,17 @@ class Reblocker:
         # counted: no lookahead, and engine blocks dividing the router's or multiples of it,
         # where a removed copy removes the canonical blocks it overlaps, an under-report)
         self._copies: dict[tuple[int, int, int, int], int] | None = None
-        # full-attention canonical blocks by group: [engine blocks overlapping it, then per
-        # tier (index tier + 1) how many of those positions hold it there]; an entry lives
+        # full-attention canonical blocks by group: their counts (_Held); an entry lives
         # while some engine block's covers name it
-        self._held: dict[int, dict[int, list[int]]] = {}
+        self._held: dict[int, dict[int, _Held]] = {}
         self.stats = ReblockStats()
+
+    def _replace(self, group: int, h: int, old: _Block, new: _Block) -> _Block:
+        """``new`` takes the place of ``old`` as engine block ``h``'s record in ``group``."""
+        self._blocks[(group, h)] = new
+        if self._kv_by_hash.get(h) is old:
+            self._kv_by_hash[h] = new
+        return new
 
     def __len__(self) -> int:
         return len(self._blocks) + sum(len(w) for w in self._windows.values())
@@ -251,18 +300,19 @@ class Reblocker:
             return [AllCleared()]
         kept: dict[tuple[Tier, Kind], list[int]] = {}
         for key, block in list(self._blocks.items()):
-            media = block.media & keep
+            media = block[MEDIA] & keep
             if not media:
                 del self._blocks[key]
                 if self._kv_by_hash.get(key[1]) is block:
                     del self._kv_by_hash[key[1]]
                 continue
-            block.media = media
+            block = self._replace(key[0], key[1], block, _with_media(block, media))
             self.stats.kept_on_clear += 1
-            if block.kind is Kind.STATE or key[0] not in self._held:  # else: counted below
+            kind = _KINDS[block[KIND]]
+            if kind is Kind.STATE or key[0] not in self._held:  # else: counted below
                 for tier in Tier:
                     if media >> tier & 1:
-                        kept.setdefault((tier, block.kind), []).extend(block.covers)
+                        kept.setdefault((tier, kind), []).extend(block[COVERS])
         if self._copies is not None:  # the kept tiers' copies are those left
             self._copies = {k: n for k, n in self._copies.items() if k[1] & keep}
         kept_tiers = [t for t in Tier if keep >> t & 1]
@@ -270,10 +320,11 @@ class Reblocker:
             for c, entry in list(held.items()):
                 for t in Tier:
                     if not keep >> t & 1:
-                        entry[t + 1] = 0
+                        entry = _bump(entry, t + 1, -entry[t + 1])
                 if sum(entry) == entry[0]:  # no kept block names it
                     del held[c]
                     continue
+                held[c] = entry
                 for t in kept_tiers:
                     if entry[t + 1] == entry[0]:
                         kept.setdefault((t, Kind.KV), []).append(c)
@@ -352,12 +403,13 @@ class Reblocker:
         first_new = 0
         emitted: list[int] = []
         while first_new < n:
-            known = self._blocks.get((group, ev.block_hashes[first_new]))
+            h = ev.block_hashes[first_new]
+            known = self._blocks.get((group, h))
             if known is None:
                 break
-            if not known.media & bit:
-                known.media |= bit
-                emitted.extend(self._gain(group, known, bit, known.covers))
+            if not known[MEDIA] & bit:
+                known = self._replace(group, h, known, _with_media(known, known[MEDIA] | bit))
+                emitted.extend(self._gain(group, known, bit, known[COVERS]))
             first_new += 1
         # keys no request reproduces: that block and the ones after it are not indexed
         usable = n if keys is None else next((i for i in range(first_new, n) if keys[i].opaque), n)
@@ -386,7 +438,12 @@ class Reblocker:
             if parent is None:
                 self.stats.unknown_parent += n - first_new
                 return self._emit_stored(emitted, tier, kind, group)
-            end0, chain0, tail0, tail_mm0 = parent.end, parent.chain, parent.tail, parent.tail_mm
+            end0, chain0, tail0, tail_mm0 = (
+                parent[END],
+                parent[CHAIN],
+                parent[TAIL],
+                parent[TAIL_MM],
+            )
         bs = self.block_size
         tokens = ev.token_ids[first_new * be : usable * be]
         run = tail0 + tokens
@@ -415,7 +472,7 @@ class Reblocker:
                 start = base - end0
                 for c in hashes:
                     if c not in held:
-                        held[c] = [-(-(start + bs) // be) - start // be, 0, 0, 0]
+                        held[c] = (-(-(start + bs) // be) - start // be, 0, 0, 0)
                     start += bs
             if tail0:
                 elsewhere = self._extend_ancestors(group, parent_hash, base, hashes[0])
@@ -442,7 +499,7 @@ class Reblocker:
             # (the first is not known: the loop over known blocks stopped there)
             block = blocks.get((group, h)) if i else None
             if block is None:
-                block = _Block(prev_hash, end, chain, tail, covers, bit, kind, tail_mm)
+                block = _new_block(prev_hash, end, chain, tail, covers, bit, kind, tail_mm)
                 blocks[(group, h)] = block
                 if is_kv:
                     kv_by_hash[h] = block
@@ -452,28 +509,28 @@ class Reblocker:
                     emitted.extend(covers)
                 elif inline:
                     for c in covers:
-                        count = held[c]  # type: ignore[index]
-                        n = count[t] + 1
-                        count[t] = n
-                        if n == count[0]:
+                        count = held[c] = _bump(held[c], t, 1)  # type: ignore[index]
+                        if count[t] == count[0]:
                             emitted.append(c)
                 elif covers:
                     emitted.extend(self._gain(group, block, bit, covers))
             else:
                 # stored again (vLLM: a new copy of a block whose ancestor was evicted):
                 # the canonical blocks this event completes over it are its too
-                more = [c for c in covers if c not in block.covers] if is_kv else []
+                more = [c for c in covers if c not in block[COVERS]] if is_kv else []
                 if more:
-                    block.covers.extend(more)
-                    for b in _tier_bits(block.media):
+                    block = self._replace(
+                        group, h, block, _with_covers(block, (*block[COVERS], *more))
+                    )
+                    for b in _tier_bits(block[MEDIA]):
                         done_on = self._gain(group, block, b, more)
                         if done_on:
                             if elsewhere is None:
                                 elsewhere = {}
                             elsewhere.setdefault(b, []).extend(done_on)
-                if not block.media & bit:
-                    block.media |= bit
-                    emitted.extend(self._gain(group, block, bit, block.covers))
+                if not block[MEDIA] & bit:
+                    block = self._replace(group, h, block, _with_media(block, block[MEDIA] | bit))
+                    emitted.extend(self._gain(group, block, bit, block[COVERS]))
             prev_hash = h
         if elsewhere:
             emitted.extend(elsewhere.pop(bit, ()))
@@ -496,7 +553,7 @@ class Reblocker:
             if block is None and kind is Kind.STATE:
                 block = self._state_at(group, h, ev.parent_block_hash, bit)
                 if block is not None:
-                    emitted[Kind.STATE].extend(block.covers)
+                    emitted[Kind.STATE].extend(block[COVERS])
                     continue
             if block is None:
                 self.stats.unmapped_offload += 1
@@ -508,11 +565,11 @@ class Reblocker:
                     )  # fmt: skip
                 continue
             self.stats.stored_blocks += 1
-            if not block.media & bit:
-                block.media |= bit
-                emitted[block.kind].extend(self._gain(group, block, bit, block.covers))
-            if block.kind is Kind.KV and ev.block_size > 0:
-                self._store_chunk(group, block, ev.block_size, bit, emitted[Kind.KV])
+            if not block[MEDIA] & bit:
+                block = self._replace(group, h, block, _with_media(block, block[MEDIA] | bit))
+                emitted[_KINDS[block[KIND]]].extend(self._gain(group, block, bit, block[COVERS]))
+            if block[KIND] == Kind.KV and ev.block_size > 0:
+                self._store_chunk(group, h, block, ev.block_size, bit, emitted[Kind.KV])
         out: list[IndexEvent] = []
         for k, hashes in emitted.items():
             out.extend(self._emit_stored(hashes, tier, k, group))
@@ -537,12 +594,12 @@ class Reblocker:
                 if block is None:
                     missing.append(h)
                     continue
-                emitted.extend(block.covers)
-                self._gain(group, block, bit, block.covers)
-            elif not block.media & bit:
-                block.media |= bit
-                emitted.extend(block.covers)
-                self._gain(group, block, bit, block.covers)
+                emitted.extend(block[COVERS])
+                self._gain(group, block, bit, block[COVERS])
+            elif not block[MEDIA] & bit:
+                block = self._replace(group, h, block, _with_media(block, block[MEDIA] | bit))
+                emitted.extend(block[COVERS])
+                self._gain(group, block, bit, block[COVERS])
             prev = h
         if missing:
             self._pending.append(replace(ev, block_hashes=tuple(missing), token_ids=()))
@@ -572,8 +629,8 @@ class Reblocker:
             if kv is None:
                 missing.append(h)
                 continue
-            canonical = kv.chain if not kv.tail and kv.end else None
-            placed.append((h, kv.parent, kv.end // be, canonical))
+            canonical = kv[CHAIN] if not kv[TAIL] and kv[END] else None
+            placed.append((h, kv[PARENT], kv[END] // be, canonical))
         self.stats.stored_blocks += len(placed)
         tracker.stored(placed, change)
         if missing and last:
@@ -618,29 +675,31 @@ class Reblocker:
         return {
             h
             for (g, _), block in self._blocks.items()
-            if g == group and block.kind is Kind.STATE
-            for h in block.covers
+            if g == group and block[KIND] == Kind.STATE
+            for h in block[COVERS]
         }
 
     def _store_chunk(
-        self, group: int, block: _Block, size: int, bit: int, emitted: list[int]
+        self, group: int, h: int, block: _Block, size: int, bit: int, emitted: list[int]
     ) -> None:
-        """The engine blocks before ``block`` within the ``size`` tokens ending at it are
-        stored on ``bit``'s tier with it (and removed with it: ``block.chunk``)."""
-        start = block.end - size
-        members = list(block.chunk)
-        parent = block.parent
+        """The engine blocks before ``block`` (engine block ``h``) within the ``size`` tokens
+        ending at it are stored on ``bit``'s tier with it (and removed with it: its CHUNK)."""
+        start = block[END] - size
+        members = list(block[CHUNK])
+        parent = block[PARENT]
         while parent is not None:
             anc = self._blocks.get((group, parent))
-            if anc is None or anc.end <= start:
+            if anc is None or anc[END] <= start:
                 break
             if parent not in members:
                 members.append(parent)
-            if not anc.media & bit:
-                anc.media |= bit
-                emitted.extend(self._gain(group, anc, bit, anc.covers))
-            parent = anc.parent
-        block.chunk = tuple(members)
+            if not anc[MEDIA] & bit:
+                anc = self._replace(group, parent, anc, _with_media(anc, anc[MEDIA] | bit))
+                emitted.extend(self._gain(group, anc, bit, anc[COVERS]))
+            parent = anc[PARENT]
+        chunk = tuple(members)
+        if chunk != block[CHUNK]:
+            self._replace(group, h, block, (*block[:CHUNK], chunk))
 
     def _state_at(self, group: int, h: int, parent: int | None, bit: int) -> _Block | None:
         """A token-less recurrent-state checkpoint named ``h``: at the end of the
@@ -648,16 +707,17 @@ class Reblocker:
         kv = self._kv_by_hash.get(h)
         if kv is None:
             return None
-        if kv.tail:
+        if kv[TAIL]:
             covers: list[int] = []
             self.stats.unaligned_state += 1
         else:
-            covers = [kv.chain]
-        block = _Block(parent, kv.end, kv.chain, kv.tail, covers, bit, Kind.STATE, kv.tail_mm)
+            covers = [kv[CHAIN]]
+        end = kv[END]
+        block = _new_block(parent, end, kv[CHAIN], kv[TAIL], covers, bit, Kind.STATE, kv[TAIL_MM])
         self._blocks[(group, h)] = block
         self.stats.stored_blocks += 1
         if self.on_checkpoint is not None:
-            self.on_checkpoint(kv.end)
+            self.on_checkpoint(end)
         return block
 
     def _block_keys(self, ev: EngineBlockStored, n: int) -> Sequence[BlockKeys] | None:
@@ -689,22 +749,24 @@ class Reblocker:
         counted = self._copies is not None or count is not None
         while parent is not None:
             block = self._blocks.get((group, parent))
-            if block is None or block.end <= base:
+            if block is None or block[END] <= base:
                 return done
-            if canonical not in block.covers:
-                block.covers.append(canonical)
+            if canonical not in block[COVERS]:
+                block = self._replace(
+                    group, parent, block, _with_covers(block, (*block[COVERS], canonical))
+                )
                 if count is not None:  # _gain inline: no copies to count
-                    for t in _TIER_SLOTS[block.media]:
-                        count[t] += 1
+                    for t in _TIER_SLOTS[block[MEDIA]]:
+                        count = held[canonical] = _bump(count, t, 1)  # type: ignore[index]
                         if count[t] == count[0]:
                             done = done or {}
                             done.setdefault(1 << (t - 1), []).append(canonical)
                 elif counted:
-                    for bit in _tier_bits(block.media):
+                    for bit in _tier_bits(block[MEDIA]):
                         if self._gain(group, block, bit, one):
                             done = done or {}
                             done.setdefault(bit, []).append(canonical)
-            parent = block.parent
+            parent = block[PARENT]
         return done
 
     def _gain(self, group: int, block: _Block, bit: int, covers: Sequence[int]) -> Sequence[int]:
@@ -716,15 +778,15 @@ class Reblocker:
         if copies is not None:
             fresh = []
             for c in covers:
-                key = (group, bit, block.end, c)
+                key = (group, bit, block[END], c)
                 n = copies.get(key, 0)
                 copies[key] = n + 1
                 if not n:  # no other copy held this position there
                     fresh.append(c)
-            if block.kind is Kind.KV:
+            if block[KIND] == Kind.KV:
                 covers = fresh
         held = self._held.get(group)
-        if held is None or block.kind is Kind.STATE:
+        if held is None or block[KIND] == Kind.STATE:
             return covers
         t = bit.bit_length()  # the tier's index in an entry
         whole = []
@@ -733,50 +795,50 @@ class Reblocker:
             if entry is None:  # hashed before counting began: one engine block, as then
                 whole.append(c)
                 continue
-            n = entry[t] + 1
-            entry[t] = n
-            if n == entry[0]:
+            entry = held[c] = _bump(entry, t, 1)
+            if entry[t] == entry[0]:
                 whole.append(c)
         return whole
 
     def _lose(
-        self, group: int, block: _Block, bit: int, held: dict[int, list[int]] | None
-    ) -> list[int]:
+        self, group: int, block: _Block, bit: int, held: dict[int, _Held] | None
+    ) -> Sequence[int]:
         """``block`` leaves ``bit``'s tier: the canonical blocks it overlaps that no copy
         at its position holds there any more (gone from that tier, whatever other engine
         blocks or groups hold); ``held``: its group's counts (``_held``), or None."""
         copies = self._copies
-        covers = block.covers
+        covers: Sequence[int] = block[COVERS]
         if copies is None and held is None:
             return covers
         if copies is not None:
-            covers = []
-            for c in block.covers:
-                key = (group, bit, block.end, c)
+            gone = []
+            for c in covers:
+                key = (group, bit, block[END], c)
                 left = copies.get(key, 1) - 1
                 if left > 0:
                     copies[key] = left
                     continue
                 copies.pop(key, None)
-                covers.append(c)
-        if held is not None and block.kind is Kind.KV:
+                gone.append(c)
+            covers = gone
+        if held is not None and block[KIND] == Kind.KV:
             t = bit.bit_length()
             for c in covers:
                 entry = held.get(c)
                 if entry is not None:
-                    n = entry[t] - 1
-                    entry[t] = n
-                    if not n and sum(entry) == entry[0]:  # no engine block names it
+                    entry = held[c] = _bump(entry, t, -1)
+                    if not entry[t] and sum(entry) == entry[0]:  # no engine block names it
                         del held[c]
         return covers
 
-    def _held_nowhere(self, group: int, block: _Block, covers: Sequence[int]) -> list[int]:
-        """Of ``covers``, which ``block`` just lost on one tier, those no tier holds now."""
+    def _held_nowhere(self, group: int, end: int, media: int, covers: Sequence[int]) -> list[int]:
+        """Of ``covers``, which the block ending at ``end`` just lost on one tier (``media``:
+        the tiers it is left on), those no tier holds now."""
         copies = self._copies
         if copies is None:
-            return [] if block.media else list(covers)
+            return [] if media else list(covers)
         bits = [1 << t for t in Tier]
-        return [c for c in covers if not any((group, b, block.end, c) in copies for b in bits)]
+        return [c for c in covers if not any((group, b, end, c) in copies for b in bits)]
 
     def _emit_stored(
         self, hashes: list[int], tier: Tier, kind: Kind, group: int
@@ -812,17 +874,20 @@ class Reblocker:
         block: _Block,
         bit: int,
         out: dict[Kind, list[int]],
-        held: dict[int, list[int]] | None,
+        held: dict[int, _Held] | None,
     ) -> None:
         """``block`` leaves ``bit``'s tier; ``held``: its group's (``_held``), or None."""
-        block.media &= ~bit
+        media = block[MEDIA] & ~bit
         lost = self._lose(group, block, bit, held)
-        if block.kind is Kind.STATE and lost:
+        kind = _KINDS[block[KIND]]
+        if kind is Kind.STATE and lost:
             # the index keeps one state set per replica, of every tier: a checkpoint goes
             # only when no tier holds it (the engine loads one offloaded to CPU)
-            lost = self._held_nowhere(group, block, lost)
-        out[block.kind].extend(lost)
-        if not block.media:
+            lost = self._held_nowhere(group, block[END], media, lost)
+        out[kind].extend(lost)
+        if media:
+            self._replace(group, h, block, _with_media(block, media))
+        else:
             del self._blocks[(group, h)]
             if self._kv_by_hash.get(h) is block:
                 del self._kv_by_hash[h]
@@ -856,14 +921,14 @@ class Reblocker:
         held = self._held.get(group)
         for h in ev.block_hashes:
             block = self._blocks.get((group, h))
-            if block is None or not block.media & bit:
+            if block is None or not block[MEDIA] & bit:
                 self.stats.unknown_removed += 1
                 continue
             self.stats.removed_blocks += 1
             self._drop(group, h, block, bit, out, held)
-            for member in block.chunk:  # the rest of its offloaded chunk
+            for member in block[CHUNK]:  # the rest of its offloaded chunk
                 mb = self._blocks.get((group, member))
-                if mb is not None and mb.media & bit:
+                if mb is not None and mb[MEDIA] & bit:
                     self._drop(group, member, mb, bit, out, held)
         events: list[IndexEvent] = []
         for kind, hashes in out.items():
