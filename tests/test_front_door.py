@@ -108,6 +108,35 @@ async def test_api_keys_hold_on_every_v1_route(keyed: tuple[str, Backend]) -> No
             assert status == 200, path
 
 
+async def test_api_keys_hold_on_every_route_that_reaches_a_replica(
+    keyed: tuple[str, Backend],
+) -> None:
+    """vLLM's routes outside ``/v1/`` that the router passes to a replica (``/tokenize``,
+    the pooling routes, ``/v2/...``) cost the fleet work as the ``/v1/`` ones do: they need a
+    client key and count against its concurrency limit; only the probes, ``/metrics`` and
+    the admin routes (their own token) are open."""
+    from router.service.pass_through import PATHS
+
+    url, backend = keyed
+    outside = [p.decode() for p in PATHS if not p.startswith(b"/v1/")]
+    assert "/tokenize" in outside and "/v2/embed" in outside
+    body = {"model": MODEL, "prompt": "hello"}
+    async with aiohttp.ClientSession() as s:
+        for path in outside:
+            for headers in ({}, bearer("sk-wrong")):
+                status, _, data = await _call(s, url, "POST", path, body, headers)
+                assert (status, _code(data)) == (401, "invalid_api_key"), (path, headers)
+            status, _, data = await _call(s, url, "POST", path, body, bearer(KEY_A))
+            assert status == 404, (path, data)  # the replica's own answer: it serves none
+        backend.chunks = 200  # key A's one slot held by a stream
+        hold = await s.post(url + "/v1/chat/completions", json=HOT[1][2], headers=bearer(KEY_A))
+        await hold.content.readline()
+        for path in outside:
+            status, _, data = await _call(s, url, "POST", path, body, bearer(KEY_A))
+            assert (status, _code(data)) == (429, "too_many_concurrent_requests"), path
+        hold.close()
+
+
 async def test_header_limit_holds_on_every_route(keyed: tuple[str, Backend]) -> None:
     url, _ = keyed
     admin = ("GET", "/admin/replicas", None)
@@ -162,7 +191,7 @@ async def test_per_address_concurrency_without_keys() -> None:
             status, _, data = await _call(s, url, *HOT[2])
             assert (status, _code(data)) == (429, "too_many_concurrent_requests")
             status, _, _ = await _call(s, url, "GET", "/health", None)
-            assert status == 200  # only /v1 paths count
+            assert status == 200  # the probes are not counted
             hold.close()
 
 
@@ -206,6 +235,8 @@ async def test_no_route_and_wrong_method(keyed: tuple[str, Backend]) -> None:
     url, _ = keyed
     async with aiohttp.ClientSession() as s:
         status, _, data = await _call(s, url, "GET", "/nothing", None)
+        assert (status, _code(data)) == (401, "invalid_api_key")  # the key before the 404
+        status, _, data = await _call(s, url, "GET", "/nothing", None, bearer(KEY_A))
         assert (status, _code(data)) == (404, "not_found")
         status, headers, data = await _call(s, url, "GET", "/v1/completions", None, bearer(KEY_A))
         assert (status, _code(data), headers.get("Allow")) == (405, "http_405", "POST")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -116,3 +117,55 @@ async def test_one_model_by_id(front: Front) -> None:
     writer.write(b"GET /v1/models/org/unknown-model HTTP/1.1\r\nHost: x\r\n\r\n")
     status, _, body = await _response(reader)
     assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+
+
+async def test_a_client_that_takes_no_bytes_of_its_answer_is_disconnected() -> None:
+    """A client that stops reading holds its connection, its request and, past
+    ``max_connections``, everyone else's place: once the router has answer bytes it cannot
+    hand over for ``send_timeout_s``, the connection is aborted. A slow client that keeps
+    taking bytes is not: only no progress at all counts."""
+    pad = 8 << 20  # an answer far larger than the socket buffers
+    backend = await Backend("b0", [MODEL], pad_bytes=pad).start()
+    settings = build_settings(
+        {
+            "server": {
+                "health_interval_s": 0,
+                "header_timeout_s": 1.0,
+                "body_timeout_s": 1.0,
+                "keep_alive_timeout_s": 0.5,
+                "send_timeout_s": 1.0,
+                "max_connections": CAP,
+            },
+            "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    running, url = await start_router(settings, "fast")
+    host, port = url.removeprefix("http://").split(":")
+    request = _post(_chat(1))
+    try:
+        # slow but steady: ~6 s for the answer, paused writes all along, never cut
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        assert length > pad
+        while length:
+            piece = await asyncio.wait_for(reader.read(min(length, 65536)), 10)
+            assert piece, "the slow reader was cut off"
+            length -= len(piece)
+            await asyncio.sleep(0.05)  # the client's pace is the subject here, not a wait
+        writer.close()
+        await eventually(lambda: not running.server.connections)
+        # reads nothing at all: aborted, its place free again
+        stuck = socket.socket()
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stuck.connect((host, int(port)))
+        stuck.sendall(request)
+        await eventually(lambda: running.server.connections, message="never connected")
+        await eventually(lambda: not running.server.connections, timeout=15)
+        stuck.close()
+    finally:
+        await running.cleanup()
+        await backend.stop()

@@ -79,6 +79,25 @@ async def test_an_answer_larger_than_the_read_buffer_arrives_whole() -> None:
         await backend.stop()
 
 
+async def test_the_connection_of_a_large_answer_is_pooled_reading() -> None:
+    """A non-streamed answer over the read buffer pauses reading from the replica while it
+    arrives; the connection goes back to the pool once the answer is whole, and the next
+    request on it must be read: it was pooled still paused, so the next answer was never
+    read (the request waited for its first-byte deadline, then counted as a timeout of a
+    healthy replica)."""
+    backend = await Backend("r0", [MODEL], pad_bytes=3 * HIGH_WATER).start()
+    try:
+        async for url, session in _router(backend.url, first_byte_timeout_s=30.0):
+            for _ in range(3):
+                post = session.post(url + "/v1/chat/completions", json=_chat(False))
+                async with await asyncio.wait_for(post, 10) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert len((await resp.json())["x_pad"]) == 3 * HIGH_WATER
+            assert (await _outcomes(url, session)).get("ok") == 3.0
+    finally:
+        await backend.stop()
+
+
 async def test_a_nested_stream_key_does_not_make_an_answer_a_stream() -> None:
     """The first-byte deadline of an answer that is not a stream includes its decode; a
     ``"stream": true`` nested before the top-level ``"stream": false`` must not shorten it

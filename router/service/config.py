@@ -177,6 +177,7 @@ _NON_NEGATIVE = (  # finite, >= 0 (0: off or automatic, see ServerSettings)
     "header_timeout_s",
     "body_timeout_s",
     "keep_alive_timeout_s",
+    "send_timeout_s",
     "shutdown_timeout_s",
     "retry_after_s",
     "retry_budget_min",

@@ -11,10 +11,12 @@ router.service.handling.handle, the front door.
 * Connection limits (:class:`ConnLimits`, from ``server.*``): a request's line and headers
   must arrive within ``header_timeout_s`` of its first byte and its body may pause at most
   ``body_timeout_s`` (else 408 and the connection closes); a connection idle between
-  requests closes after ``keep_alive_timeout_s``. At ``max_connections`` open connections a
-  new one first closes the longest-idle connection; with none idle it is answered 503 (with
-  ``Retry-After``) and closed, logged at most every 10 s: the process keeps file
-  descriptors for its replicas and its logs.
+  requests closes after ``keep_alive_timeout_s``; one whose client takes no byte of the
+  answer waiting for it for ``send_timeout_s`` (writes paused, nothing more acknowledged:
+  any progress starts the wait again) is aborted, its request cancelled. At
+  ``max_connections`` open connections a new one first closes the longest-idle connection;
+  with none idle it is answered 503 (with ``Retry-After``) and closed, logged at most every
+  10 s: the process keeps file descriptors for its replicas and its logs.
 * HTTP/1.0: a streamed answer goes out unframed and the connection closes at its end (no
   chunked encoding, which 1.0 does not know); a kept connection is confirmed with
   ``Connection: keep-alive``.
@@ -40,10 +42,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import http
 import logging
 import resource
 import socket
+import sys
+import termios
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -80,6 +85,7 @@ class ConnLimits:
     body_timeout_s: float = 0.0
     keep_alive_timeout_s: float = 0.0
     max_connections: int = 0
+    send_timeout_s: float = 0.0
 
     @classmethod
     def from_server(cls, s: Any) -> ConnLimits:
@@ -89,7 +95,9 @@ class ConnLimits:
         if cap <= 0:
             soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
             cap = max(int(soft * 0.8), 64) if soft != resource.RLIM_INFINITY else 0
-        return cls(s.header_timeout_s, s.body_timeout_s, s.keep_alive_timeout_s, cap)
+        return cls(
+            s.header_timeout_s, s.body_timeout_s, s.keep_alive_timeout_s, cap, s.send_timeout_s
+        )
 
 
 def _chunk(data: bytes) -> bytes:
@@ -233,9 +241,13 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.closed = False
         self.paused = False
+        # while paused: when the unacknowledged answer bytes last shrank, and how many then
+        self.stalled_at = 0.0
+        self.unsent = 0
         self._drain: asyncio.Future[None] | None = None
         self.queue: deque[tuple[HttpRequest, bool]] = deque()  # (request, HTTP/1.0)
         self.peer = ""
+        self.fd = -1  # the socket's descriptor (TCP only), for what its kernel queue holds
         self.task: asyncio.Task[None] | None = None
         self.reading_paused = False
         self.deadline = 0.0  # loop time at which the connection is closed; 0: none
@@ -267,6 +279,7 @@ class _Connection(asyncio.Protocol):
             self.peer = str(peer[0])
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            self.fd = sock.fileno()
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server.admit(self)
@@ -313,6 +326,30 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.paused = True
+        self.stalled_at = self.loop.time()
+        self.unsent = self._unsent()
+
+    def _unsent(self) -> int:
+        """Answer bytes the client has not acknowledged: the transport's buffer and the
+        kernel's send queue (which takes megabytes and is refilled in large steps, so the
+        transport's buffer alone would show a slow reader no progress for seconds)."""
+        queued = 0
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                raw = fcntl.ioctl(self.fd, termios.TIOCOUTQ, b"\0\0\0\0")
+                queued = int.from_bytes(raw, sys.byteorder, signed=True)
+        return self.transport.get_write_buffer_size() + queued
+
+    def stalled(self, now: float, timeout: float) -> bool:
+        """Whether the client has taken no byte of what waits for it for ``timeout`` s
+        (any progress, however slow, starts the wait again)."""
+        if not self.paused or self.closed:
+            return False
+        unsent = self._unsent()
+        if unsent < self.unsent:
+            self.unsent, self.stalled_at = unsent, now
+            return False
+        return now - self.stalled_at > timeout
 
     def resume_writing(self) -> None:
         self.paused = False
@@ -604,6 +641,13 @@ class FastServer:
             if now - scanned < every:
                 continue
             scanned = now
+            send = self.limits.send_timeout_s
+            if send > 0:
+                for conn in [c for c in self.connections if c.stalled(now, send)]:
+                    conn.transport.abort()  # (connection_lost cancels its request)
+                    conn.closed = True
+                    self.idle.pop(conn, None)
+                    self.connections.discard(conn)
             for conn in [c for c in self.connections if c.deadline and c.deadline < now]:
                 if conn.task is not None or conn.closed:
                     continue
@@ -618,7 +662,14 @@ class FastServer:
     def _start_sweeper(self) -> None:
         lim = self.limits
         timeouts = [
-            t for t in (lim.header_timeout_s, lim.body_timeout_s, lim.keep_alive_timeout_s) if t > 0
+            t
+            for t in (
+                lim.header_timeout_s,
+                lim.body_timeout_s,
+                lim.keep_alive_timeout_s,
+                lim.send_timeout_s,
+            )
+            if t > 0
         ]
         if timeouts or lim.max_connections:
             every = min(max(min(timeouts, default=5.0) / 4, 0.05), 1.0)

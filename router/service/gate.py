@@ -61,15 +61,25 @@ def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> str:
     return api_key.strip()
 
 
+# the paths answered without a client key: the probes and the scraper's page (they carry
+# none); the admin routes (``/admin/...``) have a token of their own
+OPEN_PATHS = frozenset({b"/health", b"/ping", b"/ready", b"/metrics"})
+
+
 def protected(path: bytes) -> bool:
-    """Whether a path needs the client's API key (the OpenAI API: ``/v1/...``)."""
-    return path.startswith(b"/v1/")
+    """Whether a path needs the client's API key (and counts against its concurrency
+    limit): every path but :data:`OPEN_PATHS` and the admin routes, so whatever reaches a
+    replica (the OpenAI API's ``/v1/...``, vLLM's ``/tokenize``, ``/pooling``,
+    ``/v2/...``) and any route added later is keyed, and an unknown path is a 401 before it
+    is a 404."""
+    return path not in OPEN_PATHS and not path.startswith(b"/admin/")
 
 
 class Gate:
     """The checks every request of the public port passes before it is answered, whatever
-    the route: the header block's size, then for ``/v1/`` paths the API key and the per-key
-    (per-address without keys) concurrency. :meth:`admit` and :meth:`release` are called by
+    the route: the header block's size, then for every :func:`protected` path (all but the
+    probes, ``/metrics`` and the admin routes) the API key and the per-key (per-address
+    without keys) concurrency. :meth:`admit` and :meth:`release` are called by
     the front door (router.service.handling.handle) around the request's whole answer.
 
     The gRPC Router service holds its callers to the same keys and limits with the same
@@ -99,7 +109,7 @@ class Gate:
                 "(server.max_header_kb)",
                 "request_header_fields_too_large",
             ), None
-        if not self._counted or not path.startswith(b"/v1/"):  # (protected(path))
+        if not self._counted or not protected(path):
             return _PASS
         refused, ident = self.caller(presented_key(headers), peer)
         if refused is not None:

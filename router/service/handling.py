@@ -2,10 +2,11 @@
 
 :func:`handle` is where every request of the public port goes, whatever its path, once the
 HTTP server (router.service.fast_server) has parsed it: the :class:`~router.service.
-security.Gate` checks (header size; for ``/v1/`` paths the client's API key and the per-key
-concurrency limit) hold for every route, then ``POST /v1/chat/completions``, ``POST
-/v1/completions`` and the Anthropic Messages API's ``POST /v1/messages`` are served here
-(:func:`serve_completion`: body -> checks -> prompt processing -> routing -> metrics ->
+security.Gate` checks (header size; for every path but the probes, ``/metrics`` and the
+admin routes the client's API key and the per-key concurrency limit) hold for every route,
+then ``POST /v1/chat/completions``, ``POST /v1/completions`` and the Anthropic Messages
+API's ``POST /v1/messages`` are served here (:func:`serve_completion`: body -> checks ->
+prompt processing -> routing -> metrics ->
 :class:`~router.service.proxy.Forwarder`), ``POST /v1/messages/count_tokens``, ``/tokenize``,
 ``/detokenize`` and the pooling routes are passed to a replica of the model
 (router.service.pass_through), the OpenAI Responses API's ``POST /v1/responses`` is a hot

@@ -6,7 +6,9 @@ limit and log redaction.
 All of it is off unless configured (``[server]`` keys, see docs/operations.md):
 
 * ``api_keys`` (comma-separated) and/or ``api_keys_file`` (one key per line, ``#`` comments):
-  every ``/v1/*`` request must carry ``Authorization: Bearer KEY`` (or ``api-key: KEY``).
+  every request but the probes', ``/metrics``' and the admin routes' (router.service.gate
+  ``protected``: the ``/v1/`` API, vLLM's ``/tokenize``, pooling and ``/v2/`` routes, unknown
+  paths) must carry ``Authorization: Bearer KEY`` (or ``api-key: KEY``).
   Keys are compared in constant time: the given key is hashed (SHA-256) and compared with
   ``hmac.compare_digest`` against *every* configured digest, so neither the position of a
   match nor a common prefix shows in the timing. Missing or wrong key -> 401

@@ -61,6 +61,7 @@ class ServerSettings:
     header_timeout_s: float = 15.0  # a request's line and headers must arrive within this
     body_timeout_s: float = 60.0  # longest wait between two pieces of a request body
     keep_alive_timeout_s: float = 30.0  # an idle connection is closed after this
+    send_timeout_s: float = 60.0  # a client taking no byte of its answer this long: aborted
     max_connections: int = 0  # per process, answered 503 beyond; 0: 80% of the fd limit
     engine_metrics_interval_s: float = 1.0  # scrape of replicas with metrics_url
     seed: int = 0

@@ -314,6 +314,11 @@ class Exchange:
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         c.buffered = 0
+        if c.paused and c.transport is not None and not c.closed:
+            # the last data paused reading: the connection goes back to the pool reading,
+            # or the next answer on it would never be read
+            c.paused = False
+            c.transport.resume_reading()
         return data
 
     async def ready(self, whole: bool) -> None:

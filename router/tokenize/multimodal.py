@@ -25,10 +25,12 @@ tokens the model's processor expands it to and (3) where they start in the promp
    (``placeholder`` is then unused). Every ``token`` in the result is expanded to the
    image's count.
 
-An image the router cannot hash (an ``http(s)`` URL it does not fetch, undecodable data, a
-request's own ``mm_processor_kwargs`` or image ``media_io_kwargs``: ``own_image_kwargs``)
-makes the prompt's blocks from that image on unknown: the request is routed on the blocks
-before it (``first_unknown``).
+An image the router cannot hash (an ``http(s)`` URL it does not fetch, a request's own
+``mm_processor_kwargs`` or image ``media_io_kwargs``: ``own_image_kwargs``) makes the
+prompt's blocks from that image on unknown: the request is routed on the blocks before it
+(``first_unknown``). A ``data:`` URL that is not base64, over :data:`MAX_IMAGE_BYTES`, not an
+image, or whose header declares more pixels than Pillow opens (a decompression bomb) is a
+bad request (400), as the engine's loader refuses it too.
 """
 
 from __future__ import annotations
@@ -282,7 +284,9 @@ class ImageFacts:
 
 def image_facts(data: bytes) -> ImageFacts:
     """Read the image header (Pillow; no pixel decoding). Raises BadRequest when it is not
-    an image."""
+    an image, or when its header declares more pixels than Pillow opens (twice
+    ``Image.MAX_IMAGE_PIXELS``: a decompression bomb, which the engine's image loader, Pillow
+    too, refuses as well)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -295,6 +299,11 @@ def image_facts(data: bytes) -> ImageFacts:
             if orientation in (5, 6, 7, 8):
                 width, height = height, width
             converted = img.mode != "RGB" or "transparency" in img.info
+    except Image.DecompressionBombError:
+        raise BadRequest(
+            f"image content part declares more than {2 * (Image.MAX_IMAGE_PIXELS or 0)} "
+            "pixels (a decompression bomb to the image loader)"
+        ) from None
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError):
         raise BadRequest("image content part is not a readable image") from None
     return ImageFacts(width, height, converted)
