@@ -595,7 +595,6 @@ class Reblocker:
                     missing.append(h)
                     continue
                 emitted.extend(block[COVERS])
-                self._gain(group, block, bit, block[COVERS])
             elif not block[MEDIA] & bit:
                 block = self._replace(group, h, block, _with_media(block, block[MEDIA] | bit))
                 emitted.extend(block[COVERS])
@@ -703,7 +702,8 @@ class Reblocker:
 
     def _state_at(self, group: int, h: int, parent: int | None, bit: int) -> _Block | None:
         """A token-less recurrent-state checkpoint named ``h``: at the end of the
-        full-attention block of that hash (engines share block hashes across groups)."""
+        full-attention block of that hash (engines share block hashes across groups), held
+        on ``bit``'s tier (``_gain``)."""
         kv = self._kv_by_hash.get(h)
         if kv is None:
             return None
@@ -715,6 +715,7 @@ class Reblocker:
         end = kv[END]
         block = _new_block(parent, end, kv[CHAIN], kv[TAIL], covers, bit, Kind.STATE, kv[TAIL_MM])
         self._blocks[(group, h)] = block
+        self._gain(group, block, bit, covers)  # (a copy counted where copies are)
         self.stats.stored_blocks += 1
         if self.on_checkpoint is not None:
             self.on_checkpoint(end)
