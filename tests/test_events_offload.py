@@ -243,3 +243,19 @@ def test_a_state_checkpoint_placed_at_the_end_of_a_batch_survives_another_tiers_
     p.vllm(VLLM.BlockRemoved([hashes[3]], "GPU", group_idx=1))
     assert p.index.match(canonical, hybrid=True).get(KEY).usable_blocks == 0
     assert p.ingest.stats.malformed_events == 0
+
+
+def test_a_state_store_waiting_for_its_attention_blocks_is_cleared_by_a_reset_after_it() -> None:
+    """A mamba "align" mode store placed at the batch's end (its attention blocks came
+    later in the batch) that an ``AllBlocksCleared`` later in the same batch reset: the
+    engine no longer holds that checkpoint, though the attention blocks it is placed by
+    stay offloaded on CPU."""
+    tokens, hashes, canonical = _prompt(4)
+    p = Pipeline()
+    sparse = VLLM.BlockStored(
+        [hashes[3]], None, tokens, BE, None, "GPU", None, group_idx=1, kv_cache_spec_kind="mamba"
+    )
+    cpu_kv = VLLM.BlockStored(hashes, None, tokens, BE, None, "CPU", None, group_idx=0)
+    p.vllm(sparse, _gpu_store(tokens, hashes), cpu_kv, VLLM.AllBlocksCleared())
+    assert p.index.match(canonical, hybrid=True).get(KEY) == PrefixMatch(2, 0, 2, 0)
+    assert p.ingest.stats.malformed_events == 0

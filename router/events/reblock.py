@@ -293,6 +293,11 @@ class Reblocker:
         """The engine reset its prefix cache: drop every block but the offloading
         connector's (``OFFLOAD_MEDIA``), which are stored again after ``AllCleared``."""
         keep = self._offload_bits
+        # stores earlier in this batch waiting for their attention blocks (``convert``):
+        # those on a tier the reset clears are gone with it
+        self._pending = [
+            ev for ev in self._pending if keep >> (_TIER_OF.get(ev.medium) or Tier.GPU) & 1
+        ]
         for window in self._windows.values():
             window.clear()
         if not keep:
