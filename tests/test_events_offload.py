@@ -214,3 +214,48 @@ def test_a_state_checkpoint_held_on_another_tier_survives_one_tiers_eviction() -
     p.vllm(VLLM.BlockRemoved([hashes[3]], "GPU", group_idx=1))
     assert p.index.match(canonical, hybrid=True).get(KEY).usable_blocks == 0
     assert p.ingest.stats.malformed_events == 0
+
+
+def test_a_state_checkpoint_placed_at_the_end_of_a_batch_survives_another_tiers_eviction() -> None:
+    """vLLM 0.34's mamba "align" mode store can come before its attention blocks' in one
+    batch (it is placed by hash at the batch's end). With copies counted (lookahead hashes),
+    the checkpoint it placed on GPU stays when the CPU copy the connector made is evicted."""
+    tokens, hashes, canonical = _prompt(4)
+    look = [[1]] * 4  # lookahead hashes: copies at one position are counted
+    p = Pipeline()
+    sparse = VLLM.BlockStored(
+        [hashes[3]], None, tokens, BE, None, "GPU", None, group_idx=1, kv_cache_spec_kind="mamba"
+    )
+    gpu_kv = VLLM.BlockStored(
+        hashes, None, tokens, BE, None, "GPU", None, group_idx=0, lookahead_token_ids=look
+    )
+    p.vllm(sparse, gpu_kv)
+    assert p.index.match(canonical, hybrid=True).get(KEY).usable_blocks == 2
+    # the connector offloads the checkpoint, then evicts it from CPU: the GPU still holds it
+    p.vllm(
+        VLLM.BlockStored(
+            [hashes[3]], hashes[2], [], BE, None, "CPU", None,
+            group_idx=1, kv_cache_spec_kind="mamba",
+        )
+    )  # fmt: skip
+    p.vllm(VLLM.BlockRemoved([hashes[3]], "CPU", group_idx=1))
+    assert p.index.match(canonical, hybrid=True).get(KEY).usable_blocks == 2
+    p.vllm(VLLM.BlockRemoved([hashes[3]], "GPU", group_idx=1))
+    assert p.index.match(canonical, hybrid=True).get(KEY).usable_blocks == 0
+    assert p.ingest.stats.malformed_events == 0
+
+
+def test_a_state_store_waiting_for_its_attention_blocks_is_cleared_by_a_reset_after_it() -> None:
+    """A mamba "align" mode store placed at the batch's end (its attention blocks came
+    later in the batch) that an ``AllBlocksCleared`` later in the same batch reset: the
+    engine no longer holds that checkpoint, though the attention blocks it is placed by
+    stay offloaded on CPU."""
+    tokens, hashes, canonical = _prompt(4)
+    p = Pipeline()
+    sparse = VLLM.BlockStored(
+        [hashes[3]], None, tokens, BE, None, "GPU", None, group_idx=1, kv_cache_spec_kind="mamba"
+    )
+    cpu_kv = VLLM.BlockStored(hashes, None, tokens, BE, None, "CPU", None, group_idx=0)
+    p.vllm(sparse, _gpu_store(tokens, hashes), cpu_kv, VLLM.AllBlocksCleared())
+    assert p.index.match(canonical, hybrid=True).get(KEY) == PrefixMatch(2, 0, 2, 0)
+    assert p.ingest.stats.malformed_events == 0

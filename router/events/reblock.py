@@ -293,6 +293,11 @@ class Reblocker:
         """The engine reset its prefix cache: drop every block but the offloading
         connector's (``OFFLOAD_MEDIA``), which are stored again after ``AllCleared``."""
         keep = self._offload_bits
+        # stores earlier in this batch waiting for their attention blocks (``convert``):
+        # those on a tier the reset clears are gone with it
+        self._pending = [
+            ev for ev in self._pending if keep >> (_TIER_OF.get(ev.medium) or Tier.GPU) & 1
+        ]
         for window in self._windows.values():
             window.clear()
         if not keep:
@@ -595,7 +600,6 @@ class Reblocker:
                     missing.append(h)
                     continue
                 emitted.extend(block[COVERS])
-                self._gain(group, block, bit, block[COVERS])
             elif not block[MEDIA] & bit:
                 block = self._replace(group, h, block, _with_media(block, block[MEDIA] | bit))
                 emitted.extend(block[COVERS])
@@ -703,7 +707,8 @@ class Reblocker:
 
     def _state_at(self, group: int, h: int, parent: int | None, bit: int) -> _Block | None:
         """A token-less recurrent-state checkpoint named ``h``: at the end of the
-        full-attention block of that hash (engines share block hashes across groups)."""
+        full-attention block of that hash (engines share block hashes across groups), held
+        on ``bit``'s tier (``_gain``)."""
         kv = self._kv_by_hash.get(h)
         if kv is None:
             return None
@@ -715,6 +720,7 @@ class Reblocker:
         end = kv[END]
         block = _new_block(parent, end, kv[CHAIN], kv[TAIL], covers, bit, Kind.STATE, kv[TAIL_MM])
         self._blocks[(group, h)] = block
+        self._gain(group, block, bit, covers)  # (a copy counted where copies are)
         self.stats.stored_blocks += 1
         if self.on_checkpoint is not None:
             self.on_checkpoint(end)
