@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import compress, filterfalse, repeat
@@ -121,8 +121,13 @@ class PrefixIndex:
         self._spec_owner: dict[tuple[int, int], dict[int, int]] = {}
         self._spec_heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
         self._spec_ids = itertools.count(1)
-        # per kind: block -> mask of the slots whose engine has yet to report storing it
-        self._awaited: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        # per kind: block -> mask of the slots whose engine has yet to report storing it,
+        # oldest first (an OrderedDict: a plain dict's first key, deleted again and again,
+        # costs a walk over every key deleted before it)
+        self._awaited: tuple[OrderedDict[int, int], OrderedDict[int, int]] = (
+            OrderedDict(),
+            OrderedDict(),
+        )
         self._kv_count: list[int] = []
         self._state_count: list[int] = []
         # GPU KV blocks each slot's engine reported removed since the slot was assigned
@@ -481,10 +486,10 @@ class PrefixIndex:
         if value is not None and (value == ~slot or (value >= 0 and value >> slot & 1)):
             return False
         awaited = self._awaited[kind]
-        mask = awaited.pop(block, 0)  # re-inserted: the newest
-        awaited[block] = mask | 1 << slot
+        awaited[block] = awaited.get(block, 0) | 1 << slot
+        awaited.move_to_end(block)  # the newest
         while len(awaited) > MAX_AWAITED:
-            del awaited[next(iter(awaited))]
+            awaited.popitem(last=False)
         return True
 
     def awaits(self, key: ReplicaKey, block: int, kind: Kind = Kind.KV) -> bool:
