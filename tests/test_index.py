@@ -406,3 +406,21 @@ def test_awaiting_at_the_bound_costs_the_same_however_long_it_runs(monkeypatch: 
     later = min(batch(bound + 60_000 + i * 2_000) for i in range(3))
     assert later < 5 * first, (first, later)
     assert idx.awaits(A, bound + 65_999) and not idx.awaits(A, 65_999)
+
+
+def test_a_slot_freed_by_compaction_awaits_nothing_for_its_next_replica() -> None:
+    """A replica that leaves with blocks still awaited (its engine never reported them)
+    leaves nothing awaited for the replica that later gets its slot: that one never
+    awaited those blocks, and a session hint of it would otherwise credit such a block
+    (``RoutingEngine._hint``) after its engine reported it stored and evicted."""
+    idx = PrefixIndex()
+    assert idx.await_store(A, 7) and idx.await_store(A, 8, Kind.STATE)
+    idx.remove_replica(A)
+    idx.compact()
+    idx.add_replica(B)  # A's old slot
+    assert not idx.awaits(B, 7) and not idx.awaits(B, 8, Kind.STATE)
+    idx.store(C, [9])
+    assert idx.await_store(C, 7)  # still awaited for a replica that asked
+    idx.remove_replica(C)
+    idx.compact()
+    assert not idx._awaited[Kind.KV]  # nothing left of the replicas gone

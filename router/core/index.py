@@ -505,7 +505,8 @@ class PrefixIndex:
         return self._garbage / max(live, 1)
 
     def compact(self) -> int:
-        """Strip bits of cleared/removed replicas from every entry and free their slots.
+        """Strip bits of cleared/removed replicas from every entry (awaited blocks too) and
+        free their slots.
 
         O(entries); callers run it when ``garbage_ratio()`` is high. Returns entries touched.
         """
@@ -524,6 +525,14 @@ class PrefixIndex:
                         table[block] = _pack(mask)
                     else:
                         del table[block]
+        for awaited in self._awaited:  # a freed slot's next replica awaits none of them
+            for block, mask in list(awaited.items()):
+                if mask & dead:
+                    touched += 1
+                    if mask & keep:
+                        awaited[block] = mask & keep  # (its place in the order kept)
+                    else:
+                        del awaited[block]
         self._spec_owner = {k: v for k, v in self._spec_owner.items() if not (dead >> k[1]) & 1}
         self._spec_heap = [e for e in self._spec_heap if not (dead >> e[2]) & 1]
         heapq.heapify(self._spec_heap)
