@@ -294,6 +294,33 @@ def test_a_hint_for_a_prompt_already_indexed_awaits_nothing() -> None:
     assert _credit(engine, _turn("t2", list(range(1, 26))), A, 1.0) == 0
 
 
+def test_two_withdrawn_turns_of_a_session_leave_its_last_served_hint() -> None:
+    """Two turns of one session in flight on a replica that refuses both (no other to
+    retry on), their refusals handled in the order they were sent: the session's hint is
+    its last served turn's again. (The second's undo gave back the first's hint, itself
+    withdrawn: the session credited the replica with a prompt it never took, for the
+    hint's whole TTL, since no engine event would ever settle it.)"""
+    engine = _engine(Ours())
+    served = _turn("t1", list(range(1, 21)))
+    decision = engine.route(served, (A, B, C), 0.0, rng())
+    engine.dispatched(served, decision._replace(replica=A), 0.0)
+    engine.load.complete("t1")
+    first, second = _turn("t2", list(range(1, 31))), _turn("t3", list(range(1, 41)))
+    refused = [
+        (engine.dispatched(first, decision._replace(replica=B), 1.0), "t2"),
+        (engine.dispatched(second, decision._replace(replica=B), 1.5), "t3"),
+    ]
+    for dispatch, request_id in refused:
+        engine.withdraw(dispatch)
+        engine.load.complete(request_id)
+    assert engine.sessions is not None
+    hint = engine.sessions.get("s", 2.0)
+    assert hint is not None and (hint.replica, hint.blocks) == (A, 20), hint
+    later = _turn("t4", list(range(1, 51)))
+    assert _credit(engine, later, B, 2.0) == 0
+    assert _credit(engine, later, A, 2.0) == 20
+
+
 def test_baselines_do_not_read_hints_and_the_table_is_bounded() -> None:
     assert _engine(VllmKvAware()).sessions is None
     assert _engine(Ours(uses_session_hints=False)).sessions is None
