@@ -321,6 +321,29 @@ def test_two_withdrawn_turns_of_a_session_leave_its_last_served_hint() -> None:
     assert _credit(engine, later, A, 2.0) == 20
 
 
+def test_a_refused_resend_does_not_bring_back_a_settled_hints_credit() -> None:
+    """A served turn's hint settled (its events came) and the engine evicted its blocks
+    since: no credit. The same turn sent again to that replica awaits its last block anew;
+    the replica refuses it, so its hint goes and the served turn's comes back, which must
+    not find the refused resend's await and credit the evicted blocks again until the
+    session's TTL (the engine never reports a block of a prompt it refused)."""
+    engine = _engine(Ours())
+    chain = list(range(1, 21))
+    served = _turn("t1", chain)
+    decision = engine.route(served, (A, B, C), 0.0, rng())._replace(replica=A)
+    engine.dispatched(served, decision, 0.0)
+    engine.load.complete("t1")
+    engine.index.apply(EventBatch(A, [BlocksStored(tuple(chain))]))  # settled
+    engine.index.apply(EventBatch(A, [BlocksRemoved(tuple(chain))]))  # evicted since
+    later = _turn("t3", list(range(1, 26)))
+    assert _credit(engine, later, A, 1.0) == 0
+    refused = engine.dispatched(_turn("t2", chain), decision, 2.0)
+    assert _credit(engine, later, A, 2.5) == 20  # the resend's own hint, while in flight
+    engine.withdraw(refused)
+    engine.load.complete("t2")
+    assert _credit(engine, later, A, 3.0) == 0
+
+
 def test_baselines_do_not_read_hints_and_the_table_is_bounded() -> None:
     assert _engine(VllmKvAware()).sessions is None
     assert _engine(Ours(uses_session_hints=False)).sessions is None

@@ -492,6 +492,20 @@ class PrefixIndex:
             awaited.popitem(last=False)
         return True
 
+    def unawait(self, key: ReplicaKey, block: int, kind: Kind = Kind.KV) -> None:
+        """Expect no report of ``block`` from ``key``'s engine after all: the prompt
+        :meth:`await_store` named it for never reached the engine (``RoutingEngine.withdraw``)."""
+        slot = self._slot_of.get(key)
+        awaited = self._awaited[kind]
+        mask = awaited.get(block)
+        if slot is None or mask is None:
+            return
+        mask &= ~(1 << slot)
+        if mask:
+            awaited[block] = mask
+        else:
+            del awaited[block]
+
     def awaits(self, key: ReplicaKey, block: int, kind: Kind = Kind.KV) -> bool:
         """Whether ``key``'s engine has yet to report storing ``block`` since
         :meth:`await_store` named it (False when it was never awaited, or forgotten)."""
