@@ -294,6 +294,56 @@ def test_a_hint_for_a_prompt_already_indexed_awaits_nothing() -> None:
     assert _credit(engine, _turn("t2", list(range(1, 26))), A, 1.0) == 0
 
 
+def test_two_withdrawn_turns_of_a_session_leave_its_last_served_hint() -> None:
+    """Two turns of one session in flight on a replica that refuses both (no other to
+    retry on), their refusals handled in the order they were sent: the session's hint is
+    its last served turn's again. (The second's undo gave back the first's hint, itself
+    withdrawn: the session credited the replica with a prompt it never took, for the
+    hint's whole TTL, since no engine event would ever settle it.)"""
+    engine = _engine(Ours())
+    served = _turn("t1", list(range(1, 21)))
+    decision = engine.route(served, (A, B, C), 0.0, rng())
+    engine.dispatched(served, decision._replace(replica=A), 0.0)
+    engine.load.complete("t1")
+    first, second = _turn("t2", list(range(1, 31))), _turn("t3", list(range(1, 41)))
+    refused = [
+        (engine.dispatched(first, decision._replace(replica=B), 1.0), "t2"),
+        (engine.dispatched(second, decision._replace(replica=B), 1.5), "t3"),
+    ]
+    for dispatch, request_id in refused:
+        engine.withdraw(dispatch)
+        engine.load.complete(request_id)
+    assert engine.sessions is not None
+    hint = engine.sessions.get("s", 2.0)
+    assert hint is not None and (hint.replica, hint.blocks) == (A, 20), hint
+    later = _turn("t4", list(range(1, 51)))
+    assert _credit(engine, later, B, 2.0) == 0
+    assert _credit(engine, later, A, 2.0) == 20
+
+
+def test_a_refused_resend_does_not_bring_back_a_settled_hints_credit() -> None:
+    """A served turn's hint settled (its events came) and the engine evicted its blocks
+    since: no credit. The same turn sent again to that replica awaits its last block anew;
+    the replica refuses it, so its hint goes and the served turn's comes back, which must
+    not find the refused resend's await and credit the evicted blocks again until the
+    session's TTL (the engine never reports a block of a prompt it refused)."""
+    engine = _engine(Ours())
+    chain = list(range(1, 21))
+    served = _turn("t1", chain)
+    decision = engine.route(served, (A, B, C), 0.0, rng())._replace(replica=A)
+    engine.dispatched(served, decision, 0.0)
+    engine.load.complete("t1")
+    engine.index.apply(EventBatch(A, [BlocksStored(tuple(chain))]))  # settled
+    engine.index.apply(EventBatch(A, [BlocksRemoved(tuple(chain))]))  # evicted since
+    later = _turn("t3", list(range(1, 26)))
+    assert _credit(engine, later, A, 1.0) == 0
+    refused = engine.dispatched(_turn("t2", chain), decision, 2.0)
+    assert _credit(engine, later, A, 2.5) == 20  # the resend's own hint, while in flight
+    engine.withdraw(refused)
+    engine.load.complete("t2")
+    assert _credit(engine, later, A, 3.0) == 0
+
+
 def test_baselines_do_not_read_hints_and_the_table_is_bounded() -> None:
     assert _engine(VllmKvAware()).sessions is None
     assert _engine(Ours(uses_session_hints=False)).sessions is None

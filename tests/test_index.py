@@ -378,3 +378,49 @@ def test_withdrawing_after_the_replica_was_cleared_or_removed_is_harmless() -> N
     assert idx.match(H, now=2.0).get(B).kv_blocks == 3
     idx.remove_replica(A)
     assert idx.withdraw(A, later, H[:6], []) == 0
+
+
+def test_awaiting_at_the_bound_costs_the_same_however_long_it_runs(monkeypatch: Any) -> None:
+    """At ``MAX_AWAITED`` every ``await_store`` forgets the oldest awaited block: that must
+    cost the same each time. (Deleting a plain dict's first key again and again leaves the
+    deleted slots at the front, which each next ``next(iter(...))`` walks over: the cost
+    grew with every eviction since the dict last resized, a whole second a request at the
+    real bound.)"""
+    import time
+
+    bound = 100_000
+    monkeypatch.setattr("router.core.index.MAX_AWAITED", bound)
+    idx = PrefixIndex()
+    for block in range(bound):
+        idx.await_store(A, block)
+
+    def batch(start: int, n: int = 2_000) -> float:
+        t0 = time.perf_counter()
+        for block in range(start, start + n):
+            idx.await_store(A, block)
+        return time.perf_counter() - t0
+
+    first = min(batch(bound + i * 2_000) for i in range(3))
+    for block in range(bound + 6_000, bound + 60_000):
+        idx.await_store(A, block)
+    later = min(batch(bound + 60_000 + i * 2_000) for i in range(3))
+    assert later < 5 * first, (first, later)
+    assert idx.awaits(A, bound + 65_999) and not idx.awaits(A, 65_999)
+
+
+def test_a_slot_freed_by_compaction_awaits_nothing_for_its_next_replica() -> None:
+    """A replica that leaves with blocks still awaited (its engine never reported them)
+    leaves nothing awaited for the replica that later gets its slot: that one never
+    awaited those blocks, and a session hint of it would otherwise credit such a block
+    (``RoutingEngine._hint``) after its engine reported it stored and evicted."""
+    idx = PrefixIndex()
+    assert idx.await_store(A, 7) and idx.await_store(A, 8, Kind.STATE)
+    idx.remove_replica(A)
+    idx.compact()
+    idx.add_replica(B)  # A's old slot
+    assert not idx.awaits(B, 7) and not idx.awaits(B, 8, Kind.STATE)
+    idx.store(C, [9])
+    assert idx.await_store(C, 7)  # still awaited for a replica that asked
+    idx.remove_replica(C)
+    idx.compact()
+    assert not idx._awaited[Kind.KV]  # nothing left of the replicas gone

@@ -856,3 +856,39 @@ async def test_a_decode_leg_answered_an_error_leaves_no_guess_on_its_replica() -
         await router.cleanup()
         await prefill.runner.cleanup()
         await decode.stop()
+
+
+async def test_a_refused_prefill_leg_is_withdrawn_before_the_decode_pick() -> None:
+    """A prefill replica that also decodes (role ``both``) refuses the leg: the decode
+    replica is picked on an index that no longer credits it with the prompt (the leg's
+    guesses are withdrawn first, as the simulator does), so when it is picked to prefill
+    locally its predicted hit is what it holds: nothing (before, the refused leg's guess
+    made it a whole-prompt hit, in its load and in the prediction error)."""
+    from tests.backends import Backend
+
+    both = await Backend("p0", [MODEL], fail_next=1, fail_status=503).start()
+    decode = await Backend("d0", [MODEL]).start()
+    reps = [
+        {"url": both.url, "model": MODEL, "name": "p0", "role": "both", "rack": "rack0",
+         "region": "reg0"},
+        {"url": decode.url, "model": MODEL, "name": "d0", "role": "decode", "rack": "rack1",
+         "region": "reg0"},
+    ]  # fmt: skip
+    router, url = await start_router(_settings(reps))
+    state = router.app[STATE]
+    try:
+        status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(31), "max_tokens": 3})
+        assert status == 200, raw
+        assert len(both.received) == 2 and not decode.received  # the leg, then the request
+        assert state.disagg[MODEL].fallbacks == {"http_5xx": 1}
+        page = state.metrics.render().decode()
+        assert metric_sample(page, "kvrouter_prediction_error_tokens_count", model=MODEL) == 1
+        # predicted on p0 minus what its engine reported cached (none): 0, not the prompt
+        exact = metric_sample(
+            page, "kvrouter_prediction_error_tokens_bucket", model=MODEL, le="0.0"
+        )
+        assert exact == 1, page
+    finally:
+        await router.cleanup()
+        await both.stop()
+        await decode.stop()

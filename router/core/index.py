@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import compress, filterfalse, repeat
@@ -121,8 +121,13 @@ class PrefixIndex:
         self._spec_owner: dict[tuple[int, int], dict[int, int]] = {}
         self._spec_heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
         self._spec_ids = itertools.count(1)
-        # per kind: block -> mask of the slots whose engine has yet to report storing it
-        self._awaited: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        # per kind: block -> mask of the slots whose engine has yet to report storing it,
+        # oldest first (an OrderedDict: a plain dict's first key, deleted again and again,
+        # costs a walk over every key deleted before it)
+        self._awaited: tuple[OrderedDict[int, int], OrderedDict[int, int]] = (
+            OrderedDict(),
+            OrderedDict(),
+        )
         self._kv_count: list[int] = []
         self._state_count: list[int] = []
         # GPU KV blocks each slot's engine reported removed since the slot was assigned
@@ -481,11 +486,25 @@ class PrefixIndex:
         if value is not None and (value == ~slot or (value >= 0 and value >> slot & 1)):
             return False
         awaited = self._awaited[kind]
-        mask = awaited.pop(block, 0)  # re-inserted: the newest
-        awaited[block] = mask | 1 << slot
+        awaited[block] = awaited.get(block, 0) | 1 << slot
+        awaited.move_to_end(block)  # the newest
         while len(awaited) > MAX_AWAITED:
-            del awaited[next(iter(awaited))]
+            awaited.popitem(last=False)
         return True
+
+    def unawait(self, key: ReplicaKey, block: int, kind: Kind = Kind.KV) -> None:
+        """Expect no report of ``block`` from ``key``'s engine after all: the prompt
+        :meth:`await_store` named it for never reached the engine (``RoutingEngine.withdraw``)."""
+        slot = self._slot_of.get(key)
+        awaited = self._awaited[kind]
+        mask = awaited.get(block)
+        if slot is None or mask is None:
+            return
+        mask &= ~(1 << slot)
+        if mask:
+            awaited[block] = mask
+        else:
+            del awaited[block]
 
     def awaits(self, key: ReplicaKey, block: int, kind: Kind = Kind.KV) -> bool:
         """Whether ``key``'s engine has yet to report storing ``block`` since
@@ -500,7 +519,8 @@ class PrefixIndex:
         return self._garbage / max(live, 1)
 
     def compact(self) -> int:
-        """Strip bits of cleared/removed replicas from every entry and free their slots.
+        """Strip bits of cleared/removed replicas from every entry (awaited blocks too) and
+        free their slots.
 
         O(entries); callers run it when ``garbage_ratio()`` is high. Returns entries touched.
         """
@@ -519,6 +539,14 @@ class PrefixIndex:
                         table[block] = _pack(mask)
                     else:
                         del table[block]
+        for awaited in self._awaited:  # a freed slot's next replica awaits none of them
+            for block, mask in list(awaited.items()):
+                if mask & dead:
+                    touched += 1
+                    if mask & keep:
+                        awaited[block] = mask & keep  # (its place in the order kept)
+                    else:
+                        del awaited[block]
         self._spec_owner = {k: v for k, v in self._spec_owner.items() if not (dead >> k[1]) & 1}
         self._spec_heap = [e for e in self._spec_heap if not (dead >> e[2]) & 1]
         heapq.heapify(self._spec_heap)

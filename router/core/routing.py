@@ -182,7 +182,8 @@ class Dispatch:
     """What :meth:`RoutingEngine.dispatched` guessed of one request on ``replica``, to take
     back (:meth:`RoutingEngine.withdraw`) if the request never reaches its engine's cache:
     the index's speculative entries (``spec_id`` 0: none) and the session's hint
-    (``hint``, and the session's hint it replaced: ``previous``)."""
+    (``hint``, and the session's hint it replaced: ``previous``; ``awaited``: the request
+    made the index await the hint's last block, ``PrefixIndex.await_store``)."""
 
     replica: ReplicaKey
     spec_id: int = 0
@@ -191,6 +192,7 @@ class Dispatch:
     session_id: str | None = None
     hint: SessionHint | None = None
     previous: SessionHint | None = None
+    awaited: bool = False
 
 
 class RoutingEngine:
@@ -551,26 +553,36 @@ class RoutingEngine:
             kv = tuple(request.block_hashes[: held.kv_blocks])
             spec_id = self.index.speculate(decision.replica, kv, states, now, ttl)
         hint = previous = None
+        awaited = False
         if self.sessions is not None and request.session_id:
             reused = request.block_hashes[: held.next_hit_blocks]
             if exact and reused:  # (first: it gives an unknown replica its slot, its epoch)
-                self.index.await_store(decision.replica, reused[-1], self._hint_kind)
+                index, last, kind = self.index, reused[-1], self._hint_kind
+                fresh = not index.awaits(decision.replica, last, kind)
+                awaited = index.await_store(decision.replica, last, kind) and fresh
             epoch = self.index.cache_epoch(decision.replica)
             hint, previous = self.sessions.record(
                 request.session_id, decision.replica, reused, now, epoch, settles=exact
             )
         self.on_dispatch(request, decision.replica, states, now, ttl, held.next_hit_blocks)
-        return Dispatch(decision.replica, spec_id, kv, states, request.session_id, hint, previous)
+        return Dispatch(
+            decision.replica, spec_id, kv, states, request.session_id, hint, previous, awaited
+        )
 
     def withdraw(self, dispatch: Dispatch) -> None:
         """The request of ``dispatch`` never reached its replica's cache (the replica
         refused the connection, dropped it unanswered, or answered an error): take back
         its speculative entries (those no later dispatch named again) and its session's
         hint (the session's earlier hint comes back, unless a later request replaced it),
-        so no request is sent there for a prefix it does not hold. Load is the caller's
+        so no request is sent there for a prefix it does not hold; nor is the hint's last
+        block awaited any more when the request was the one to await it (a hint that comes
+        back ending on that block, settled before, would credit it again: the engine
+        reports nothing of a prompt it never took). Load is the caller's
         (``LoadTracker.complete``, or a retry's ``dispatch``). Idempotent."""
         if dispatch.spec_id:
             self.index.withdraw(dispatch.replica, dispatch.spec_id, dispatch.kv, dispatch.states)
+        if dispatch.awaited and dispatch.hint is not None:
+            self.index.unawait(dispatch.replica, dispatch.hint.last_hash, self._hint_kind)
         if dispatch.hint is not None and dispatch.session_id and self.sessions is not None:
             self.sessions.undo(dispatch.session_id, dispatch.hint, dispatch.previous)
 

@@ -69,7 +69,7 @@ def session_digest(session_id: str) -> int:
 class SessionTable:
     """Session id -> :class:`SessionHint` of its last request (see the module doc)."""
 
-    __slots__ = ("_entries", "_learned", "max_sessions", "ttl_s")
+    __slots__ = ("_entries", "_learned", "_withdrawn", "max_sessions", "ttl_s")
 
     def __init__(self, ttl_s: float, max_sessions: int = 100_000) -> None:
         if ttl_s < 0 or max_sessions < 1:
@@ -79,6 +79,9 @@ class SessionTable:
         self._entries: OrderedDict[str, SessionHint] = OrderedDict()
         # session digest -> (hint learned from another pod, when it expires)
         self._learned: OrderedDict[int, tuple[SessionHint, float]] = OrderedDict()
+        # hints taken back (undo) while a later request's was the session's -> the hint
+        # to give back in their place; bounded as the sessions are
+        self._withdrawn: OrderedDict[SessionHint, SessionHint | None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -150,9 +153,18 @@ class SessionTable:
     def undo(self, session_id: str, hint: SessionHint, previous: SessionHint | None) -> None:
         """Take back :meth:`record`'s ``hint`` (the request never reached its replica's
         cache): the session's hint is ``previous`` again (None: none) if ``hint`` is still
-        the one it has; a later request's stays."""
-        entries = self._entries
+        the one it has; a later request's stays, and should it be taken back too, the
+        session gets ``previous`` back, not ``hint``. So is a ``previous`` taken back
+        before: the hint of the last request not taken back comes back."""
+        entries, withdrawn = self._entries, self._withdrawn
+        while previous is not None and previous in withdrawn:
+            previous = withdrawn[previous]
         if entries.get(session_id) is not hint:
+            # the request recorded after ``hint`` has it as its previous hint
+            withdrawn[hint] = previous
+            withdrawn.move_to_end(hint)
+            while len(withdrawn) > self.max_sessions:
+                withdrawn.popitem(last=False)
             return
         if previous is None:
             del entries[session_id]

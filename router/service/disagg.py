@@ -374,6 +374,9 @@ async def serve(
     now = forwarder.event_loop().time()
     prefill_key = flow.routed.decision.replica
     _eject_on(forwarder, prefill_key, cause, now)
+    if cause in _NOT_TAKEN:  # the prefill replica holds nothing of the prompt: the decode
+        # pick (a ``both`` replica's hit, its transfer) must not credit it with the leg
+        state.withdraw(model, flow.routed.dispatch)
     try:
         pick = md.pd.pick_decode(
             engine, request, prefill_key, state.registry.keys_for(model), now, state.rng
@@ -386,8 +389,6 @@ async def serve(
         return
     exact = flow.routed.prompt.exact
     ttl = state.ttl_for(model, exact)
-    if cause in _NOT_TAKEN:  # the prefill replica holds nothing of the prompt
-        state.withdraw(model, flow.routed.dispatch)
     if params is None:
         md.count(md.fallbacks, cause)
         # prefilled where it is decoded: recorded as a local request is (its load with its
