@@ -380,32 +380,23 @@ def test_withdrawing_after_the_replica_was_cleared_or_removed_is_harmless() -> N
     assert idx.withdraw(A, later, H[:6], []) == 0
 
 
-def test_awaiting_at_the_bound_costs_the_same_however_long_it_runs(monkeypatch: Any) -> None:
-    """At ``MAX_AWAITED`` every ``await_store`` forgets the oldest awaited block: that must
-    cost the same each time. (Deleting a plain dict's first key again and again leaves the
-    deleted slots at the front, which each next ``next(iter(...))`` walks over: the cost
-    grew with every eviction since the dict last resized, a whole second a request at the
-    real bound.)"""
-    import time
-
-    bound = 100_000
+def test_awaiting_at_the_bound_forgets_the_oldest_and_renews_a_block_named_again(
+    monkeypatch: Any,
+) -> None:
+    """At ``MAX_AWAITED`` every ``await_store`` forgets the oldest awaited block (an
+    ``OrderedDict``: a plain dict's first key deleted again and again leaves deleted slots
+    at its front that each next lookup walks over, a cost growing with every eviction); a
+    block awaited again becomes the newest."""
+    bound = 1_000
     monkeypatch.setattr("router.core.index.MAX_AWAITED", bound)
     idx = PrefixIndex()
-    for block in range(bound):
+    for block in range(5 * bound):
         idx.await_store(A, block)
-
-    def batch(start: int, n: int = 2_000) -> float:
-        t0 = time.perf_counter()
-        for block in range(start, start + n):
-            idx.await_store(A, block)
-        return time.perf_counter() - t0
-
-    first = min(batch(bound + i * 2_000) for i in range(3))
-    for block in range(bound + 6_000, bound + 60_000):
-        idx.await_store(A, block)
-    later = min(batch(bound + 60_000 + i * 2_000) for i in range(3))
-    assert later < 5 * first, (first, later)
-    assert idx.awaits(A, bound + 65_999) and not idx.awaits(A, 65_999)
+        if block == 4 * bound:
+            idx.await_store(B, 4 * bound - 1)  # named again: the newest, not forgotten
+    awaited = [b for b in range(5 * bound) if idx.awaits(A, b) or idx.awaits(B, b)]
+    assert awaited == [4 * bound - 1, *range(4 * bound + 1, 5 * bound)]
+    assert idx.awaits(A, 4 * bound - 1) and idx.awaits(B, 4 * bound - 1)
 
 
 def test_a_slot_freed_by_compaction_awaits_nothing_for_its_next_replica() -> None:
