@@ -247,9 +247,10 @@ def test_a_kv_only_prompt_cached_whole_is_a_hit_one_block_short() -> None:
     """vLLM recomputes a prompt's last token, so a prompt of whole blocks cached whole is
     granted one engine block less (``(N - 1) // B`` blocks): the router predicted all of
     it. Engine blocks finer than the router's give back less than a router block, which
-    the grid cannot show: the match stays whole there (``engine_block_size`` 16)."""
+    the grid cannot show: the match stays whole there (``engine_block_size`` 16, and not
+    configured: the engines' defaults are finer)."""
     hashes = list(range(300, 310))
-    for engine_block, aligned, unaligned in ((0, 9, 10), (BS, 9, 10), (16, 10, 10)):
+    for engine_block, aligned, unaligned in ((0, 10, 10), (BS, 9, 10), (16, 10, 10)):
         engine = _engine(RoutingSettings(block_size=BS, engine_block_size=engine_block))
         engine.index.store(A, hashes)
         for tokens, expect in ((10 * BS, aligned), (10 * BS + 1, unaligned)):

@@ -135,6 +135,16 @@ class RoutingSettings:
             return 0
         return max(1, self.engine_block_size // self.block_size)
 
+    @property
+    def fine_engine_blocks(self) -> bool:
+        """Whether the engines' blocks are taken as finer than the router's: a prompt cached
+        whole is then granted all but its last engine block, less than a router block short,
+        and is predicted whole. True for ``engine_block_size`` under ``block_size`` and when
+        it is not configured (vLLM's default block of 16 tokens and SGLang's page of 1 are
+        finer than a router block); a configured block of the router's size or coarser
+        predicts such a hit one router block short, as the engine grants it."""
+        return self.engine_block_size < self.block_size
+
     def speculative_ttl(self) -> float:
         """``speculative_ttl_s``, or ``DEFAULT_SPECULATIVE_TTL_S`` when not set."""
         ttl = self.speculative_ttl_s
@@ -359,7 +369,7 @@ class RoutingEngine:
             block_size=request.block_size,
             align_blocks=layout.alignment_blocks,
             peek_blocks=layout.alignment_blocks if self.drops_eagle_block else 0,
-            fine_blocks=0 < self.settings.engine_block_size < request.block_size,
+            fine_blocks=self.settings.fine_engine_blocks,
         )
 
     def forget_guessed_hybrid(self) -> bool:
@@ -424,7 +434,7 @@ class RoutingEngine:
         covered = hint.covers(request.block_hashes)
         if not covered:
             return hint, 0
-        fine = 0 < self.settings.engine_block_size < request.block_size
+        fine = self.settings.fine_engine_blocks
         return hint, granted_blocks(covered, request, self.layout, self.drops_eagle_block, fine)
 
     def candidates(

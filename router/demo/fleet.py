@@ -252,6 +252,7 @@ def _router_toml(s: FleetSpec, port: int, replicas: list[dict[str, str]]) -> str
     if s.record_path:
         lines += [f"record_path = {json.dumps(s.record_path)}"]
     lines += ["", f'[models."{MODEL}"]', f'policy = "{s.policy}"', f"block_size = {s.block_size}"]
+    lines += [f"engine_block_size = {s.engine_block_size}"]  # the mocks' (FleetSpec)
     if s.speculative_ttl_s is not None:
         lines += [f"speculative_ttl_s = {float(s.speculative_ttl_s)}"]
     lines += _cost_table(s.policy, s.profile)
