@@ -116,19 +116,21 @@ def test_engine_block_records_are_not_tracked_by_the_garbage_collector() -> None
 
 
 @pytest.mark.parametrize(
-    ("engine_block", "lookahead"), [(16, False), (64, False), (256, False), (16, True)]
+    ("engine_block", "lookahead", "window"),
+    [(16, False, 0), (64, False, 0), (256, False, 0), (16, True, 0), (16, False, 128)],
 )
 def test_a_full_collection_walks_no_table_of_engine_blocks(
-    engine_block: int, lookahead: bool
+    engine_block: int, lookahead: bool, window: int
 ) -> None:
     """A dict is tracked again as soon as a tracked key or value goes in (a fresh tuple is,
     until a collection): tables keyed by (group, hash) tuples, or holding tuple records,
     made every full collection after fresh stores walk all their entries (~100 ms at
-    450,000 engine blocks, growing with the fleet). What a full collection following a few
-    stores walks must not grow with the blocks a reblocker holds."""
+    450,000 engine blocks, growing with the fleet); a sliding-window group's blocks were
+    objects of their own. What a full collection following a few stores walks must not
+    grow with the blocks a reblocker holds."""
     rng = random.Random(11)
     reblocker = Reblocker(64, MODEL)
-    encoder = EngineEventEncoder(64, engine_block)
+    encoder = EngineEventEncoder(64, engine_block, sliding_window=window)
     _feed(reblocker, encoder, rng, 8, lookahead)
     _collect()
     _feed(reblocker, encoder, rng, 2, lookahead)  # what a live router did since
