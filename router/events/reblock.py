@@ -66,6 +66,17 @@ from router.core.types import (
     Kind,
     Tier,
 )
+from router.events.block_table import (
+    END_SHIFT,
+    MEDIA_BITS,
+    STATE_BIT,
+    BlockTable,
+    kind_of,
+    pack_mm,
+    u32_bytes,
+    unpack_mm,
+    word,
+)
 from router.events.coalesce import coalesce
 from router.events.extra_keys import NO_KEYS, BlockKeys, read_extra_keys
 from router.events.model import (
@@ -82,61 +93,31 @@ from router.events.model import (
 from router.events.state_groups import StateGroups
 from router.events.window import WindowChange, WindowGroup, blocks_needed
 
-# An engine block's record: a plain tuple of numbers and tuples of numbers, replaced (not
-# mutated) when it changes, so that the garbage collector stops tracking it at its first
-# collection (an engine's cache holds 10^5-10^6 blocks; tracked records made every full
-# collection of the router process scan them all). Fields, by these indices:
-PARENT: Final = 0  # int | None: the parent engine block's hash
-END: Final = 1  # tokens from the sequence start to this block's end
-CHAIN: Final = 2  # canonical hash of the last complete router block at or before END
-TAIL: Final = 3  # tokens after that router block, < block_size of them
-COVERS: Final = 4  # canonical hashes this engine block overlaps (complete ones)
-MEDIA: Final = 5  # tier bits it is stored in
-KIND: Final = 6  # int(Kind) (an enum member would keep the tuple tracked)
-TAIL_MM: Final = 7  # MmItems starting in the tail (absolute starts)
-CHUNK: Final = 8  # ancestors offloaded with it in one chunk that a token-less store keyed
-_Block = tuple[
-    int | None, int, int, tuple[int, ...], tuple[int, ...], int, int, tuple[MmItem, ...],
-    tuple[int, ...],
-]  # fmt: skip
-
-
-def _new_block(
-    parent: int | None,
-    end: int,
-    chain: int,
-    tail: tuple[int, ...],
-    covers: Sequence[int],
-    media: int,
-    kind: Kind,
-    tail_mm: tuple[MmItem, ...],
-) -> _Block:
-    return (parent, end, chain, tail, tuple(covers), media, int(kind), tail_mm, ())
-
-
-def _with_media(block: _Block, media: int) -> _Block:
-    return (*block[:MEDIA], media, *block[MEDIA + 1 :])  # type: ignore[return-value]
-
-
-def _with_covers(block: _Block, covers: tuple[int, ...]) -> _Block:
-    return (*block[:COVERS], covers, *block[COVERS + 1 :])  # type: ignore[return-value]
-
-
 # A full-attention canonical block's counts (``Reblocker._held``): the engine blocks that
-# overlap it, then per tier (index tier + 1) how many of those positions hold it there; a
-# tuple, replaced when a count changes, for the reason an engine block's record is one
-_Held = tuple[int, int, int, int]
-_KINDS = tuple(Kind)  # by value
+# overlap it (slot 0), then per tier (slot tier + 1) how many of those positions hold it
+# there, packed in one int (an int-valued table is never GC-tracked: router/events/
+# block_table.py), each count a signed field of _W bits: ``_count``, ``_STEP``
+_W: Final = 20
+_HALF: Final = 1 << (_W - 1)
+_FIELD: Final = (1 << _W) - 1
+_BIAS: Final = sum(_HALF << (_W * t) for t in range(4))
+_STEP: Final = tuple(1 << (_W * t) for t in range(4))  # one more in slot t
 
 
-def _bump(entry: _Held, t: int, delta: int) -> _Held:
-    """``entry`` with its count ``t`` (1, 2 or 3) moved by ``delta``."""
-    n, gpu, cpu, disk = entry
-    if t == 1:
-        return (n, gpu + delta, cpu, disk)
-    if t == 2:
-        return (n, gpu, cpu + delta, disk)
-    return (n, gpu, cpu, disk + delta)
+def _count(entry: int, t: int) -> int:
+    """Slot ``t`` of a ``_held`` entry."""
+    return ((entry + _BIAS) >> (_W * t) & _FIELD) - _HALF
+
+
+def _named(entry: int) -> bool:
+    """Some tier's count in a ``_held`` entry is not zero (an engine block names it)."""
+    return _count(entry, 1) + _count(entry, 2) + _count(entry, 3) != 0
+
+
+def _copy_key(end: int, c: int, tier: int) -> int:
+    """``Reblocker._copies``' key of canonical block ``c`` (in [0, 2**64), as every hash
+    ``hash_prompt`` makes) at the position ending at ``end`` on ``tier``."""
+    return (end << 64 | c) << 2 | tier
 
 
 @dataclass(slots=True)
@@ -221,8 +202,10 @@ class Reblocker:
         self.block_size = block_size
         self.root_for = root_for or (lambda lora, salt: root_hash(model, salt, lora))
         self.on_checkpoint = on_checkpoint
-        self._blocks: dict[tuple[int, int], _Block] = {}
-        self._kv_by_hash: dict[int, _Block] = {}
+        self._tables: dict[int, BlockTable] = {}  # by group_idx: full attention, state
+        # engine block hash -> the group whose full-attention block of that hash is in
+        # ``_tables`` (the last stored)
+        self._kv_group: dict[int, int] = {}
         # tier bits stored through vLLM's offloading connector: AllBlocksCleared keeps them
         self._offload_bits = 0
         self._logged_unmapped = False
@@ -236,29 +219,32 @@ class Reblocker:
         # hashing with lookahead (vLLM's lookahead_token_ids, SGLang's EAGLE pairs) cache the
         # same tokens there once for each next token seen, and an engine block reaching past
         # a router block's end is shared by sequences diverging after that end:
-        # (group, tier bit, end, canonical) -> how many hold it, so that evicting one copy
-        # does not remove what another still holds, and ``_held`` counts positions (None: not
-        # counted: no lookahead, and engine blocks dividing the router's or multiples of it,
-        # where a removed copy removes the canonical blocks it overlaps, an under-report)
-        self._copies: dict[tuple[int, int, int, int], int] | None = None
-        # full-attention canonical blocks by group: their counts (_Held); an entry lives
+        # group -> _copy_key(end, canonical, tier) -> how many hold it, so that evicting one
+        # copy does not remove what another still holds, and ``_held`` counts positions
+        # (None: not counted: no lookahead, and engine blocks dividing the router's or
+        # multiples of it, where a removed copy removes the canonical blocks it overlaps, an
+        # under-report)
+        self._copies: dict[int, dict[int, int]] | None = None
+        # full-attention canonical blocks by group: their counts (_count); an entry lives
         # while some engine block's covers name it
-        self._held: dict[int, dict[int, _Held]] = {}
+        self._held: dict[int, dict[int, int]] = {}
         self.stats = ReblockStats()
 
-    def _replace(self, group: int, h: int, old: _Block, new: _Block) -> _Block:
-        """``new`` takes the place of ``old`` as engine block ``h``'s record in ``group``."""
-        self._blocks[(group, h)] = new
-        if self._kv_by_hash.get(h) is old:
-            self._kv_by_hash[h] = new
-        return new
+    def _table(self, group: int) -> BlockTable:
+        table = self._tables.get(group)
+        if table is None:
+            table = self._tables[group] = BlockTable()
+        return table
 
     def __len__(self) -> int:
-        return len(self._blocks) + sum(len(w) for w in self._windows.values())
+        return sum(len(t) for t in self._tables.values()) + sum(
+            len(w) for w in self._windows.values()
+        )
 
     def clear(self) -> None:
-        self._blocks.clear()
-        self._kv_by_hash.clear()
+        for table in self._tables.values():
+            table.clear()
+        self._kv_group.clear()
         for window in self._windows.values():
             window.clear()
         if self._mixed is not None:
@@ -304,34 +290,39 @@ class Reblocker:
             self.clear()
             return [AllCleared()]
         kept: dict[tuple[Tier, Kind], list[int]] = {}
-        for key, block in list(self._blocks.items()):
-            media = block[MEDIA] & keep
-            if not media:
-                del self._blocks[key]
-                if self._kv_by_hash.get(key[1]) is block:
-                    del self._kv_by_hash[key[1]]
-                continue
-            block = self._replace(key[0], key[1], block, _with_media(block, media))
-            self.stats.kept_on_clear += 1
-            kind = _KINDS[block[KIND]]
-            if kind is Kind.STATE or key[0] not in self._held:  # else: counted below
-                for tier in Tier:
-                    if media >> tier & 1:
-                        kept.setdefault((tier, kind), []).extend(block[COVERS])
+        for group, table in self._tables.items():
+            words = table.word
+            for h, w in list(words.items()):
+                media = w & keep
+                if not media:
+                    table.remove(h)
+                    if self._kv_group.get(h) == group:
+                        del self._kv_group[h]
+                    continue
+                words[h] = w & ~MEDIA_BITS | media
+                self.stats.kept_on_clear += 1
+                kind = kind_of(w)
+                if kind is Kind.STATE or group not in self._held:  # else: counted below
+                    for tier in Tier:
+                        if media >> tier & 1:
+                            kept.setdefault((tier, kind), []).extend(table.covers_of(h))
         if self._copies is not None:  # the kept tiers' copies are those left
-            self._copies = {k: n for k, n in self._copies.items() if k[1] & keep}
+            self._copies = {
+                g: {k: n for k, n in copies.items() if keep >> (k & 3) & 1}
+                for g, copies in self._copies.items()
+            }
         kept_tiers = [t for t in Tier if keep >> t & 1]
         for held in self._held.values():
             for c, entry in list(held.items()):
                 for t in Tier:
                     if not keep >> t & 1:
-                        entry = _bump(entry, t + 1, -entry[t + 1])
-                if sum(entry) == entry[0]:  # no kept block names it
+                        entry -= _count(entry, t + 1) * _STEP[t + 1]
+                if not _named(entry):  # no kept block names it
                     del held[c]
                     continue
                 held[c] = entry
                 for t in kept_tiers:
-                    if entry[t + 1] == entry[0]:
+                    if _count(entry, t + 1) == _count(entry, 0):
                         kept.setdefault((t, Kind.KV), []).append(c)
         if self._mixed is not None:  # what every state-like group still holds
             published = self._mixed.reset({g: self._holdings(g) for g in self._mixed.groups()})
@@ -407,14 +398,16 @@ class Reblocker:
         # Blocks already known (e.g. the same block now offloaded to CPU): reuse covers.
         first_new = 0
         emitted: list[int] = []
+        table = self._table(group)
+        words = table.word
         while first_new < n:
             h = ev.block_hashes[first_new]
-            known = self._blocks.get((group, h))
+            known = words.get(h)
             if known is None:
                 break
-            if not known[MEDIA] & bit:
-                known = self._replace(group, h, known, _with_media(known, known[MEDIA] | bit))
-                emitted.extend(self._gain(group, known, bit, known[COVERS]))
+            if not known & bit:
+                known = words[h] = known | bit
+                emitted.extend(self._gain(group, known, bit, table.covers_of(h)))
             first_new += 1
         # keys no request reproduces: that block and the ones after it are not indexed
         usable = n if keys is None else next((i for i in range(first_new, n) if keys[i].opaque), n)
@@ -426,33 +419,31 @@ class Reblocker:
             parent_hash: int | None = ev.block_hashes[first_new - 1]
         else:
             parent_hash = ev.parent_block_hash
-        tail0: tuple[int, ...]
+        tail0: bytes  # little-endian u32 tokens
         tail_mm0: tuple[MmItem, ...]
         if parent_hash is None:
             salt = ev.cache_salt
             if salt is None and keys is not None:
                 salt = keys[0].salt
-            end0, chain0, tail0, tail_mm0 = 0, self.root_for(ev.lora_name, salt), (), ()
+            end0, chain0, tail0, tail_mm0 = 0, self.root_for(ev.lora_name, salt), b"", ()
         else:
-            parent = self._blocks.get((group, parent_hash))
+            parent: BlockTable | None = table if parent_hash in words else None
             if parent is None and kind is Kind.STATE:
                 # Sparse state groups (vLLM mamba "align" mode) hold no entry for most
                 # blocks; engines use the same block hashes in every group, so the chain
                 # position comes from the full-attention map.
-                parent = self._kv_by_hash.get(parent_hash)
+                kv_group = self._kv_group.get(parent_hash)
+                parent = None if kv_group is None else self._tables[kv_group]
             if parent is None:
                 self.stats.unknown_parent += n - first_new
                 return self._emit_stored(emitted, tier, kind, group)
-            end0, chain0, tail0, tail_mm0 = (
-                parent[END],
-                parent[CHAIN],
-                parent[TAIL],
-                parent[TAIL_MM],
-            )
+            end0 = parent.word[parent_hash] >> END_SHIFT
+            chain0 = parent.chain[parent_hash]
+            tail0 = parent.tail.get(parent_hash, b"")
+            tail_mm0 = unpack_mm(parent.mm.get(parent_hash))
         bs = self.block_size
-        tokens = ev.token_ids[first_new * be : usable * be]
-        run = tail0 + tokens
-        base = end0 - len(tail0)  # absolute position of run[0], a router block boundary
+        run = tail0 + u32_bytes(ev.token_ids[first_new * be : usable * be])
+        base = end0 - len(tail0) // 4  # absolute position of run's first token, a boundary
         items: set[MmItem] = set(tail_mm0) if tail_mm0 or keys is not None else _NO_ITEMS
         for i, entry in enumerate(keys[first_new:usable] if keys is not None else ()):
             block_start = end0 + i * be
@@ -463,9 +454,9 @@ class Reblocker:
         if items:
             extras = mm_block_extras([MmItem(it.start - base, it.identifier) for it in items], bs)
         hashes: list[int] = []
-        if len(run) >= bs:  # else no router block completes: nothing to hash
+        if len(run) >= 4 * bs:  # else no router block completes: nothing to hash
             hashes = hash_prompt(run, bs, 0, parent=chain0, extras=extras).hashes
-        blocks, kv_by_hash, is_kv = self._blocks, self._kv_by_hash, kind is Kind.KV
+        kv_groups, is_kv = self._kv_group, kind is Kind.KV
         # canonical blocks completed on tiers other than this event's (by blocks it extends)
         elsewhere: dict[int, list[int]] | None = None
         held = self._held.get(group) if is_kv else None
@@ -477,7 +468,7 @@ class Reblocker:
                 start = base - end0
                 for c in hashes:
                     if c not in held:
-                        held[c] = (-(-(start + bs) // be) - start // be, 0, 0, 0)
+                        held[c] = -(-(start + bs) // be) - start // be
                     start += bs
             if tail0:
                 elsewhere = self._extend_ancestors(group, parent_hash, base, hashes[0])
@@ -486,14 +477,15 @@ class Reblocker:
         plain = self._copies is None and held is None
         inline = self._copies is None and held is not None
         t = bit.bit_length()
+        step = _STEP[t]
+        kind_bits = word(0, kind, bit)
         prev_hash = parent_hash
         for i, h in enumerate(ev.block_hashes[first_new:usable]):
             end = end0 + (i + 1) * be
             done = (end - base) // bs  # complete router blocks of run up to ``end``
             start_blk = (end - be - base) // bs
             chain = hashes[done - 1] if done else chain0
-            tail = run[done * bs : end - base]
-            tail_mm = _items_within(items, base + done * bs, end) if items else ()
+            tail = run[4 * done * bs : 4 * (end - base)]
             if is_kv:  # every canonical block it overlaps that is complete by now
                 covers = hashes[start_blk : min(-(-(end - base) // bs), len(hashes))]
             elif not tail and done:
@@ -502,40 +494,40 @@ class Reblocker:
                 covers = []
                 self.stats.unaligned_state += 1
             # (the first is not known: the loop over known blocks stopped there)
-            block = blocks.get((group, h)) if i else None
-            if block is None:
-                block = _new_block(prev_hash, end, chain, tail, covers, bit, kind, tail_mm)
-                blocks[(group, h)] = block
+            w = words.get(h) if i else None
+            if w is None:
+                w = end << END_SHIFT | kind_bits
+                mm = pack_mm(_items_within(items, base + done * bs, end)) if items else b""
+                table.add(h, prev_hash, w, chain, covers, tail, mm)
                 if is_kv:
-                    kv_by_hash[h] = block
+                    kv_groups[h] = group
                 elif self.on_checkpoint is not None:
                     self.on_checkpoint(end)
                 if plain:
                     emitted.extend(covers)
                 elif inline:
                     for c in covers:
-                        count = held[c] = _bump(held[c], t, 1)  # type: ignore[index]
-                        if count[t] == count[0]:
+                        count = held[c] = held[c] + step  # type: ignore[index]
+                        if _count(count, t) == _count(count, 0):
                             emitted.append(c)
                 elif covers:
-                    emitted.extend(self._gain(group, block, bit, covers))
+                    emitted.extend(self._gain(group, w, bit, covers))
             else:
                 # stored again (vLLM: a new copy of a block whose ancestor was evicted):
                 # the canonical blocks this event completes over it are its too
-                more = [c for c in covers if c not in block[COVERS]] if is_kv else []
+                had = table.covers_of(h)
+                more = [c for c in covers if c not in had] if is_kv else []
                 if more:
-                    block = self._replace(
-                        group, h, block, _with_covers(block, (*block[COVERS], *more))
-                    )
-                    for b in _tier_bits(block[MEDIA]):
-                        done_on = self._gain(group, block, b, more)
+                    table.set_covers(h, (*had, *more))
+                    for b in _tier_bits(w & MEDIA_BITS):
+                        done_on = self._gain(group, w, b, more)
                         if done_on:
                             if elsewhere is None:
                                 elsewhere = {}
                             elsewhere.setdefault(b, []).extend(done_on)
-                if not block[MEDIA] & bit:
-                    block = self._replace(group, h, block, _with_media(block, block[MEDIA] | bit))
-                    emitted.extend(self._gain(group, block, bit, block[COVERS]))
+                if not w & bit:
+                    w = words[h] = w | bit
+                    emitted.extend(self._gain(group, w, bit, table.covers_of(h)))
             prev_hash = h
         if elsewhere:
             emitted.extend(elsewhere.pop(bit, ()))
@@ -553,14 +545,17 @@ class Reblocker:
         ``block_size`` is the chunk each hash ends (vLLM 0.18's offloaded block), whose
         earlier engine blocks are stored with it."""
         emitted: dict[Kind, list[int]] = {Kind.KV: [], Kind.STATE: []}
+        table = self._table(group)
+        words = table.word
         for h in ev.block_hashes:
-            block = self._blocks.get((group, h))
-            if block is None and kind is Kind.STATE:
-                block = self._state_at(group, h, ev.parent_block_hash, bit)
-                if block is not None:
-                    emitted[Kind.STATE].extend(block[COVERS])
+            w = words.get(h)
+            if w is None and kind is Kind.STATE:
+                placed = self._state_at(table, h, ev.parent_block_hash, bit)
+                if placed is not None:
+                    emitted[Kind.STATE].extend(placed[1])
+                    self._gain(group, placed[0], bit, placed[1])  # its copy counted
                     continue
-            if block is None:
+            if w is None:
                 self.stats.unmapped_offload += 1
                 if not self._logged_unmapped:
                     self._logged_unmapped = True
@@ -570,11 +565,11 @@ class Reblocker:
                     )  # fmt: skip
                 continue
             self.stats.stored_blocks += 1
-            if not block[MEDIA] & bit:
-                block = self._replace(group, h, block, _with_media(block, block[MEDIA] | bit))
-                emitted[_KINDS[block[KIND]]].extend(self._gain(group, block, bit, block[COVERS]))
-            if block[KIND] == Kind.KV and ev.block_size > 0:
-                self._store_chunk(group, h, block, ev.block_size, bit, emitted[Kind.KV])
+            if not w & bit:
+                w = words[h] = w | bit
+                emitted[kind_of(w)].extend(self._gain(group, w, bit, table.covers_of(h)))
+            if not w & STATE_BIT and ev.block_size > 0:
+                self._store_chunk(group, h, w, ev.block_size, bit, emitted[Kind.KV])
         out: list[IndexEvent] = []
         for k, hashes in emitted.items():
             out.extend(self._emit_stored(hashes, tier, k, group))
@@ -592,18 +587,23 @@ class Reblocker:
         emitted: list[int] = []
         missing = []
         prev = ev.parent_block_hash
+        table = self._table(group)
+        words = table.word
         for h in ev.block_hashes:
-            block = self._blocks.get((group, h))
-            if block is None:
-                block = self._state_at(group, h, prev, bit)
-                if block is None:
+            w = words.get(h)
+            if w is None:
+                placed = self._state_at(table, h, prev, bit)
+                if placed is None:
                     missing.append(h)
                     continue
-                emitted.extend(block[COVERS])
-            elif not block[MEDIA] & bit:
-                block = self._replace(group, h, block, _with_media(block, block[MEDIA] | bit))
-                emitted.extend(block[COVERS])
-                self._gain(group, block, bit, block[COVERS])
+                w, covers = placed
+                emitted.extend(covers)
+                self._gain(group, w, bit, covers)
+            elif not w & bit:
+                w = words[h] = w | bit
+                had = table.covers_of(h)
+                emitted.extend(had)
+                self._gain(group, w, bit, had)
             prev = h
         if missing:
             self._pending.append(replace(ev, block_hashes=tuple(missing), token_ids=()))
@@ -629,12 +629,14 @@ class Reblocker:
         missing = []
         placed = []
         for h in ev.block_hashes:
-            kv = self._kv_by_hash.get(h)
-            if kv is None:
+            kv_group = self._kv_group.get(h)
+            if kv_group is None:
                 missing.append(h)
                 continue
-            canonical = kv[CHAIN] if not kv[TAIL] and kv[END] else None
-            placed.append((h, kv[PARENT], kv[END] // be, canonical))
+            kv = self._tables[kv_group]
+            end = kv.word[h] >> END_SHIFT
+            canonical = kv.chain[h] if end and h not in kv.tail else None
+            placed.append((h, kv.parent.get(h), end // be, canonical))
         self.stats.stored_blocks += len(placed)
         tracker.stored(placed, change)
         if missing and last:
@@ -676,55 +678,60 @@ class Reblocker:
         window = self._windows.get(group)
         if window is not None:
             return window.checkpoints()
-        return {
-            h
-            for (g, _), block in self._blocks.items()
-            if g == group and block[KIND] == Kind.STATE
-            for h in block[COVERS]
-        }
+        table = self._tables.get(group)
+        if table is None:
+            return set()
+        return {c for h, w in table.word.items() if w & STATE_BIT for c in table.covers_of(h)}
 
     def _store_chunk(
-        self, group: int, h: int, block: _Block, size: int, bit: int, emitted: list[int]
+        self, group: int, h: int, w: int, size: int, bit: int, emitted: list[int]
     ) -> None:
-        """The engine blocks before ``block`` (engine block ``h``) within the ``size`` tokens
-        ending at it are stored on ``bit``'s tier with it (and removed with it: its CHUNK)."""
-        start = block[END] - size
-        members = list(block[CHUNK])
-        parent = block[PARENT]
+        """The engine blocks before engine block ``h`` (``w``: its word) within the ``size``
+        tokens ending at it are stored on ``bit``'s tier with it (and removed with it: its
+        chunk)."""
+        table = self._tables[group]
+        words = table.word
+        start = (w >> END_SHIFT) - size
+        had = table.chunk_of(h)
+        members = list(had)
+        parent = table.parent.get(h)
         while parent is not None:
-            anc = self._blocks.get((group, parent))
-            if anc is None or anc[END] <= start:
+            anc = words.get(parent)
+            if anc is None or anc >> END_SHIFT <= start:
                 break
             if parent not in members:
                 members.append(parent)
-            if not anc[MEDIA] & bit:
-                anc = self._replace(group, parent, anc, _with_media(anc, anc[MEDIA] | bit))
-                emitted.extend(self._gain(group, anc, bit, anc[COVERS]))
-            parent = anc[PARENT]
+            if not anc & bit:
+                anc = words[parent] = anc | bit
+                emitted.extend(self._gain(group, anc, bit, table.covers_of(parent)))
+            parent = table.parent.get(parent)
         chunk = tuple(members)
-        if chunk != block[CHUNK]:
-            self._replace(group, h, block, (*block[:CHUNK], chunk))
+        if chunk != had:
+            table.set_chunk(h, chunk)
 
-    def _state_at(self, group: int, h: int, parent: int | None, bit: int) -> _Block | None:
-        """A token-less recurrent-state checkpoint named ``h``: at the end of the
-        full-attention block of that hash (engines share block hashes across groups), held
-        on ``bit``'s tier (``_gain``)."""
-        kv = self._kv_by_hash.get(h)
-        if kv is None:
+    def _state_at(
+        self, table: BlockTable, h: int, parent: int | None, bit: int
+    ) -> tuple[int, list[int]] | None:
+        """A token-less recurrent-state checkpoint named ``h``, added to ``table``: at the end
+        of the full-attention block of that hash (engines share block hashes across groups).
+        Its word and covers."""
+        kv_group = self._kv_group.get(h)
+        if kv_group is None:
             return None
-        if kv[TAIL]:
+        kv = self._tables[kv_group]
+        tail = kv.tail.get(h, b"")
+        if tail:
             covers: list[int] = []
             self.stats.unaligned_state += 1
         else:
-            covers = [kv[CHAIN]]
-        end = kv[END]
-        block = _new_block(parent, end, kv[CHAIN], kv[TAIL], covers, bit, Kind.STATE, kv[TAIL_MM])
-        self._blocks[(group, h)] = block
-        self._gain(group, block, bit, covers)  # (a copy counted where copies are)
+            covers = [kv.chain[h]]
+        end = kv.word[h] >> END_SHIFT
+        w = word(end, Kind.STATE, bit)
+        table.add(h, parent, w, kv.chain[h], covers, tail, kv.mm.get(h, b""))
         self.stats.stored_blocks += 1
         if self.on_checkpoint is not None:
             self.on_checkpoint(end)
-        return block
+        return w, covers
 
     def _block_keys(self, ev: EngineBlockStored, n: int) -> Sequence[BlockKeys] | None:
         """Each block's extra keys read (None, counted as an error, when malformed)."""
@@ -753,87 +760,97 @@ class Reblocker:
         held = self._held.get(group)
         count = None if held is None or self._copies is not None else held.get(canonical)
         counted = self._copies is not None or count is not None
+        table = self._tables[group]
+        words = table.word
         while parent is not None:
-            block = self._blocks.get((group, parent))
-            if block is None or block[END] <= base:
+            w = words.get(parent)
+            if w is None or w >> END_SHIFT <= base:
                 return done
-            if canonical not in block[COVERS]:
-                block = self._replace(
-                    group, parent, block, _with_covers(block, (*block[COVERS], canonical))
-                )
+            had = table.covers_of(parent)
+            if canonical not in had:
+                table.set_covers(parent, (*had, canonical))
                 if count is not None:  # _gain inline: no copies to count
-                    for t in _TIER_SLOTS[block[MEDIA]]:
-                        count = held[canonical] = _bump(count, t, 1)  # type: ignore[index]
-                        if count[t] == count[0]:
+                    for t in _TIER_SLOTS[w & MEDIA_BITS]:
+                        count = held[canonical] = count + _STEP[t]  # type: ignore[index]
+                        if _count(count, t) == _count(count, 0):
                             done = done or {}
                             done.setdefault(1 << (t - 1), []).append(canonical)
                 elif counted:
-                    for bit in _tier_bits(block[MEDIA]):
-                        if self._gain(group, block, bit, one):
+                    for bit in _tier_bits(w & MEDIA_BITS):
+                        if self._gain(group, w, bit, one):
                             done = done or {}
                             done.setdefault(bit, []).append(canonical)
-            parent = block[PARENT]
+            parent = table.parent.get(parent)
         return done
 
-    def _gain(self, group: int, block: _Block, bit: int, covers: Sequence[int]) -> Sequence[int]:
-        """``block`` now holds ``covers`` on ``bit``'s tier (one more copy of each at its
-        position where copies are counted): those of them now held there, a checkpoint
-        always, a full-attention block once every engine block it overlaps is (counted in
-        ``_held`` where it spans several: its entry was made where it was hashed)."""
+    def _gain(self, group: int, w: int, bit: int, covers: Sequence[int]) -> Sequence[int]:
+        """The engine block of word ``w`` now holds ``covers`` on ``bit``'s tier (one more
+        copy of each at its position where copies are counted): those of them now held
+        there, a checkpoint always, a full-attention block once every engine block it
+        overlaps is (counted in ``_held`` where it spans several: its entry was made where it
+        was hashed)."""
         copies = self._copies
         if copies is not None:
+            mine = copies.get(group)
+            if mine is None:
+                mine = copies[group] = {}
+            end, tier = w >> END_SHIFT, bit.bit_length() - 1
             fresh = []
             for c in covers:
-                key = (group, bit, block[END], c)
-                n = copies.get(key, 0)
-                copies[key] = n + 1
+                key = _copy_key(end, c, tier)
+                n = mine.get(key, 0)
+                mine[key] = n + 1
                 if not n:  # no other copy held this position there
                     fresh.append(c)
-            if block[KIND] == Kind.KV:
+            if not w & STATE_BIT:
                 covers = fresh
         held = self._held.get(group)
-        if held is None or block[KIND] == Kind.STATE:
+        if held is None or w & STATE_BIT:
             return covers
-        t = bit.bit_length()  # the tier's index in an entry
+        t = bit.bit_length()  # the tier's slot in an entry
+        step = _STEP[t]
         whole = []
         for c in covers:
             entry = held.get(c)
             if entry is None:  # hashed before counting began: one engine block, as then
                 whole.append(c)
                 continue
-            entry = held[c] = _bump(entry, t, 1)
-            if entry[t] == entry[0]:
+            entry = held[c] = entry + step
+            if _count(entry, t) == _count(entry, 0):
                 whole.append(c)
         return whole
 
     def _lose(
-        self, group: int, block: _Block, bit: int, held: dict[int, _Held] | None
+        self, group: int, w: int, covers: Sequence[int], bit: int, held: dict[int, int] | None
     ) -> Sequence[int]:
-        """``block`` leaves ``bit``'s tier: the canonical blocks it overlaps that no copy
-        at its position holds there any more (gone from that tier, whatever other engine
-        blocks or groups hold); ``held``: its group's counts (``_held``), or None."""
+        """The engine block of word ``w`` overlapping ``covers`` leaves ``bit``'s tier: those
+        of them that no copy at its position holds there any more (gone from that tier,
+        whatever other engine blocks or groups hold); ``held``: its group's counts
+        (``_held``), or None."""
         copies = self._copies
-        covers: Sequence[int] = block[COVERS]
         if copies is None and held is None:
             return covers
         if copies is not None:
+            mine = copies.get(group, {})
+            end, tier = w >> END_SHIFT, bit.bit_length() - 1
             gone = []
             for c in covers:
-                key = (group, bit, block[END], c)
-                left = copies.get(key, 1) - 1
+                key = _copy_key(end, c, tier)
+                left = mine.get(key, 1) - 1
                 if left > 0:
-                    copies[key] = left
+                    mine[key] = left
                     continue
-                copies.pop(key, None)
+                mine.pop(key, None)
                 gone.append(c)
             covers = gone
-        if held is not None and block[KIND] == Kind.KV:
+        if held is not None and not w & STATE_BIT:
             t = bit.bit_length()
+            step = _STEP[t]
             for c in covers:
                 entry = held.get(c)
                 if entry is not None:
-                    entry = held[c] = _bump(entry, t, -1)
-                    if not entry[t] and sum(entry) == entry[0]:  # no engine block names it
+                    entry = held[c] = entry - step
+                    if not _count(entry, t) and not _named(entry):  # no engine block names it
                         del held[c]
         return covers
 
@@ -843,8 +860,8 @@ class Reblocker:
         copies = self._copies
         if copies is None:
             return [] if media else list(covers)
-        bits = [1 << t for t in Tier]
-        return [c for c in covers if not any((group, b, end, c) in copies for b in bits)]
+        mine = copies.get(group, {})
+        return [c for c in covers if not any(_copy_key(end, c, t) in mine for t in Tier)]
 
     def _emit_stored(
         self, hashes: list[int], tier: Tier, kind: Kind, group: int
@@ -876,27 +893,32 @@ class Reblocker:
     def _drop(
         self,
         group: int,
+        table: BlockTable,
         h: int,
-        block: _Block,
+        w: int,
         bit: int,
         out: dict[Kind, list[int]],
-        held: dict[int, _Held] | None,
+        held: dict[int, int] | None,
     ) -> None:
-        """``block`` leaves ``bit``'s tier; ``held``: its group's (``_held``), or None."""
-        media = block[MEDIA] & ~bit
-        lost = self._lose(group, block, bit, held)
-        kind = _KINDS[block[KIND]]
+        """Engine block ``h`` (``w``: its word in ``table``, ``group``'s) leaves ``bit``'s
+        tier; ``held``: its group's (``_held``), or None."""
+        media = w & MEDIA_BITS & ~bit
+        c = table.covers.get(h)
+        covers = () if c is None else (c,) if type(c) is int else table.covers_of(h)
+        counted = held is not None or self._copies is not None
+        lost = self._lose(group, w, covers, bit, held) if counted else covers
+        kind = Kind.STATE if w & STATE_BIT else Kind.KV
         if kind is Kind.STATE and lost:
             # the index keeps one state set per replica, of every tier: a checkpoint goes
             # only when no tier holds it (the engine loads one offloaded to CPU)
-            lost = self._held_nowhere(group, block[END], media, lost)
+            lost = self._held_nowhere(group, w >> END_SHIFT, media, lost)
         out[kind].extend(lost)
         if media:
-            self._replace(group, h, block, _with_media(block, media))
+            table.word[h] = w & ~bit
         else:
-            del self._blocks[(group, h)]
-            if self._kv_by_hash.get(h) is block:
-                del self._kv_by_hash[h]
+            table.remove(h)
+            if not w & STATE_BIT and self._kv_group.get(h) == group:
+                del self._kv_group[h]
 
     def _removed_window(
         self, window: WindowGroup, ev: EngineBlockRemoved, tier: Tier, group: int
@@ -925,17 +947,20 @@ class Reblocker:
         bit = 1 << tier
         out: dict[Kind, list[int]] = {Kind.KV: [], Kind.STATE: []}
         held = self._held.get(group)
+        table = self._table(group)
+        words, chunks = table.word, table.chunk
         for h in ev.block_hashes:
-            block = self._blocks.get((group, h))
-            if block is None or not block[MEDIA] & bit:
+            w = words.get(h)
+            if w is None or not w & bit:
                 self.stats.unknown_removed += 1
                 continue
             self.stats.removed_blocks += 1
-            self._drop(group, h, block, bit, out, held)
-            for member in block[CHUNK]:  # the rest of its offloaded chunk
-                mb = self._blocks.get((group, member))
-                if mb is not None and mb[MEDIA] & bit:
-                    self._drop(group, member, mb, bit, out, held)
+            chunk = table.chunk_of(h) if chunks and h in chunks else ()
+            self._drop(group, table, h, w, bit, out, held)
+            for member in chunk:  # the rest of its offloaded chunk
+                mw = words.get(member)
+                if mw is not None and mw & bit:
+                    self._drop(group, table, member, mw, bit, out, held)
         events: list[IndexEvent] = []
         for kind, hashes in out.items():
             events.extend(self._emit_removed(hashes, tier, kind, group))

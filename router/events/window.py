@@ -32,7 +32,9 @@ of the prefix it ends (None off a router block boundary).
 from __future__ import annotations
 
 import heapq
+import marshal
 from dataclasses import dataclass, field
+from typing import Final
 
 
 def blocks_needed(window: int, block_size: int) -> int:
@@ -41,16 +43,16 @@ def blocks_needed(window: int, block_size: int) -> int:
     return max(1, -(-(window - 1) // block_size))
 
 
-@dataclass(slots=True)
-class _Node:
-    parent: int | None
-    depth: int  # engine blocks from the sequence start to this block's end (0: not known)
-    canonical: int | None  # canonical hash of the prefix ending here, at router boundaries
-    stored: bool = False
-    run: int = 0  # stored blocks ending here, capped at ``need``
-    valid: bool = False  # a checkpoint is published here
-    mark: int = 0  # the last refresh that queued it
-    children: list[int] = field(default_factory=list)
+# A block's word (``WindowGroup._word``): depth << _DEPTH_SHIFT | run << _RUN_SHIFT | flags.
+# ``depth``: engine blocks from the sequence start to the block's end (0: not known, a
+# placeholder for a parent named before it was stored); ``run``: stored blocks ending here,
+# capped at ``need`` (at most the chain's length); _STORED; _VALID: a checkpoint is
+# published here. Int-valued tables are never GC-tracked (router/events/block_table.py).
+_STORED: Final = 1
+_VALID: Final = 2
+_RUN_SHIFT: Final = 2
+_RUN_BITS: Final = (1 << 32) - 1
+_DEPTH_SHIFT: Final = 34
 
 
 @dataclass(slots=True)
@@ -67,115 +69,172 @@ Block = tuple[int, int | None, int, int | None]
 
 
 class WindowGroup:
-    """One sliding-window group of one engine: which cached blocks complete a window."""
+    """One sliding-window group of one engine: which cached blocks complete a window.
+    Blocks are keyed by engine hash in int-valued dicts (never GC-tracked)."""
 
-    __slots__ = ("_nodes", "_refreshes", "need", "visits")
+    __slots__ = ("_canonical", "_child", "_children", "_parent", "_word", "need", "visits")
 
     def __init__(self, need: int) -> None:
         if need <= 0:
             raise ValueError("need must be positive")
         self.need = need
-        self._nodes: dict[int, _Node] = {}
-        self._refreshes = 0
+        self._word: dict[int, int] = {}  # see _DEPTH_SHIFT
+        self._parent: dict[int, int] = {}  # absent: not known
+        self._canonical: dict[int, int] = {}  # the prefix ending here, at router boundaries
+        self._child: dict[int, int] = {}  # the first child named
+        self._children: dict[int, bytes] = {}  # the later ones, in order (marshal tuple)
         self.visits = 0  # nodes recomputed, over the group's life (a cost figure)
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return len(self._word)
 
     def clear(self) -> None:
-        self._nodes.clear()
+        for table in (self._word, self._parent, self._canonical, self._child, self._children):
+            table.clear()
 
     def checkpoints(self) -> set[int]:
         """The canonical hashes of the checkpoints published now (the window before each
         is cached)."""
-        return {n.canonical for n in self._nodes.values() if n.valid and n.canonical is not None}
+        canonical = self._canonical
+        return {canonical[h] for h, w in self._word.items() if w & _VALID and h in canonical}
 
     def stored(self, blocks: list[Block], change: WindowChange) -> None:
         """These blocks are cached in the group (module docstring for what each names)."""
         flipped = []
+        words, canonicals, parents = self._word, self._canonical, self._parent
         for h, parent, depth, canonical in blocks:
-            node = self._nodes.get(h)
-            if node is None:
-                node = self._nodes[h] = _Node(parent, depth, canonical)
+            w = words.get(h)
+            if w is None:
+                words[h] = depth << _DEPTH_SHIFT | _STORED
+                if canonical is not None:
+                    canonicals[h] = canonical
                 if parent is not None:
-                    self._parent_of(parent).children.append(h)
-            elif node.stored:
+                    parents[h] = parent
+                    self._add_child(parent, h)
+            elif w & _STORED:
                 continue
             else:  # a placeholder (a parent named before it was stored) or stored again
-                node.depth, node.canonical = depth, canonical
-                if node.parent is None and parent is not None:
-                    node.parent = parent
-                    self._parent_of(parent).children.append(h)
-            node.stored = True
-            flipped.append(node)
+                words[h] = depth << _DEPTH_SHIFT | w & ~(-1 << _DEPTH_SHIFT) | _STORED
+                if canonical is None:
+                    canonicals.pop(h, None)
+                else:
+                    canonicals[h] = canonical
+                if h not in parents and parent is not None:
+                    parents[h] = parent
+                    self._add_child(parent, h)
+            flipped.append(h)
         self._refresh(flipped, change)
 
     def removed(self, hashes: tuple[int, ...] | list[int], change: WindowChange) -> int:
         """These blocks left the group's cache; how many of them were stored."""
         flipped = []
+        words = self._word
         for h in hashes:
-            node = self._nodes.get(h)
-            if node is not None and node.stored:
-                node.stored = False
-                flipped.append((h, node))
-        self._refresh([node for _, node in flipped], change)
-        for h, node in flipped:
-            self._forget(h, node)
+            w = words.get(h)
+            if w is not None and w & _STORED:
+                words[h] = w & ~_STORED
+                flipped.append(h)
+        self._refresh(flipped, change)
+        for h in flipped:
+            self._forget(h)
         return len(flipped)
 
-    def _parent_of(self, parent: int) -> _Node:
-        node = self._nodes.get(parent)
-        if node is None:
-            node = self._nodes[parent] = _Node(None, 0, None)
-        return node
+    def _add_child(self, parent: int, h: int) -> None:
+        """``h`` is a child of ``parent`` (a placeholder made for it if not known)."""
+        if parent not in self._word:
+            self._word[parent] = 0
+        first = self._child.get(parent)
+        if first is None:
+            self._child[parent] = h
+        else:
+            more = self._children.get(parent)
+            later = marshal.loads(more) if more is not None else ()
+            self._children[parent] = marshal.dumps((*later, h))
 
-    def _refresh(self, changed: list[_Node], change: WindowChange) -> None:
-        """Recompute runs and checkpoints from the ``changed`` nodes down their descendants,
-        as far as a run changes (at most ``need`` blocks deep), parents before children
-        (by depth), each node once: a chain of n blocks costs O(n + need)."""
+    def _children_of(self, h: int) -> tuple[int, ...]:
+        first = self._child.get(h)
+        if first is None:
+            return ()
+        more = self._children.get(h)
+        return (first,) if more is None else (first, *marshal.loads(more))
+
+    def _remove_child(self, parent: int, h: int) -> None:
+        if parent not in self._children:  # one child at most
+            if self._child.get(parent) == h:
+                del self._child[parent]
+            return
+        kids = list(self._children_of(parent))
+        if h in kids:
+            kids.remove(h)
+        self._children.pop(parent, None)
+        if not kids:
+            self._child.pop(parent, None)
+            return
+        self._child[parent] = kids[0]
+        if len(kids) > 1:
+            self._children[parent] = marshal.dumps(tuple(kids[1:]))
+
+    def _refresh(self, changed: list[int], change: WindowChange) -> None:
+        """Recompute runs and checkpoints from the ``changed`` blocks down their
+        descendants, as far as a run changes (at most ``need`` blocks deep), parents before
+        children (by depth), each block once: a chain of n blocks costs O(n + need)."""
         if not changed:
             return
-        self._refreshes += 1
-        mark, nodes, need = self._refreshes, self._nodes, self.need
-        heap: list[tuple[int, int, _Node]] = []
-        for seq, node in enumerate(changed):
-            node.mark = mark
-            heap.append((node.depth, seq, node))
+        words, parents, canonicals, need = self._word, self._parent, self._canonical, self.need
+        first_child, more_children = self._child, self._children
+        queued = set(changed)
+        heap = [(words[h] >> _DEPTH_SHIFT, seq, h) for seq, h in enumerate(changed)]
         heapq.heapify(heap)
         seq = len(heap)
         self.visits += len(heap)
         while heap:
-            node = heapq.heappop(heap)[2]
-            if node.stored:
-                above = nodes.get(node.parent) if node.parent is not None else None
-                run = min(need, (above.run if above is not None else 0) + 1)
+            depth, _, h = heapq.heappop(heap)
+            w = words[h]
+            canonical = None
+            if w & _STORED:
+                p = parents.get(h)
+                above = words.get(p) if p is not None else None
+                run = min(need, (0 if above is None else above >> _RUN_SHIFT & _RUN_BITS) + 1)
+                canonical = canonicals.get(h)
+                valid = canonical is not None and run >= min(need, depth)
             else:
                 run = 0
-            valid = node.stored and node.canonical is not None and run >= min(need, node.depth)
-            if valid != node.valid:
-                node.valid = valid
-                if valid:
-                    assert node.canonical is not None
-                    change.stored.append((node.canonical, node.depth))
-                elif node.canonical is not None:
-                    change.removed.append(node.canonical)
-            if run != node.run:  # a flipped node's always does
-                node.run = run
-                for c in node.children:
-                    child = nodes.get(c)
-                    if child is not None and child.mark != mark:
-                        child.mark = mark
+                valid = False
+            if valid:
+                if not w & _VALID:
+                    w |= _VALID
+                    assert canonical is not None
+                    change.stored.append((canonical, depth))
+            elif w & _VALID:
+                w &= ~_VALID
+                canonical = canonicals.get(h)
+                if canonical is not None:
+                    change.removed.append(canonical)
+            old = w >> _RUN_SHIFT & _RUN_BITS
+            if run != old:  # a flipped block's always does
+                w += (run - old) << _RUN_SHIFT
+                first = first_child.get(h)
+                kids = () if first is None else (first,) if h not in more_children else None
+                for c in self._children_of(h) if kids is None else kids:
+                    if c in words and c not in queued:
+                        queued.add(c)
                         seq += 1
                         self.visits += 1
-                        heapq.heappush(heap, (child.depth, seq, child))
+                        heapq.heappush(heap, (words[c] >> _DEPTH_SHIFT, seq, c))
+            words[h] = w
 
-    def _forget(self, h: int, node: _Node) -> None:
-        """Drop an unstored node nobody below needs, and placeholders above it left empty."""
-        while not node.stored and not node.children and self._nodes.get(h) is node:
-            del self._nodes[h]
-            parent = self._nodes.get(node.parent) if node.parent is not None else None
-            if parent is None:
+    def _forget(self, h: int) -> None:
+        """Drop an unstored block nobody below needs, and placeholders above it left
+        empty."""
+        words = self._word
+        while True:
+            w = words.get(h)
+            if w is None or w & _STORED or h in self._child:
                 return
-            parent.children.remove(h)
-            assert node.parent is not None
-            h, node = node.parent, parent
+            del words[h]
+            self._canonical.pop(h, None)
+            parent = self._parent.pop(h, None)
+            if parent is None or parent not in words:
+                return
+            self._remove_child(parent, h)
+            h = parent
