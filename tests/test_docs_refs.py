@@ -54,3 +54,14 @@ def test_tests_the_docs_name_exist(doc: str, text: str) -> None:
     ]
     wrong += [name for name in _BARE.findall(text) if name not in tests]
     assert wrong == [], f"{doc} names tests that do not exist there"
+
+
+def test_architecture_lists_the_compiled_service_modules() -> None:
+    """docs/architecture.md "Compiled hot path" names the service modules ``make compile``
+    builds (``router.compile.SERVICE_MODULES``)."""
+    from router.compile import SERVICE_MODULES
+
+    text = (ROOT / "docs/architecture.md").read_text()
+    found = re.search(r"runs through \(([^)]*): `router\.compile\.SERVICE_MODULES`\)", text, re.S)
+    assert found, "the SERVICE_MODULES list is gone from docs/architecture.md"
+    assert sorted(re.findall(r"`(\w+)`", found.group(1))) == sorted(SERVICE_MODULES)
