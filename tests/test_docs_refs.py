@@ -65,3 +65,20 @@ def test_architecture_lists_the_compiled_service_modules() -> None:
     found = re.search(r"runs through \(([^)]*): `router\.compile\.SERVICE_MODULES`\)", text, re.S)
     assert found, "the SERVICE_MODULES list is gone from docs/architecture.md"
     assert sorted(re.findall(r"`(\w+)`", found.group(1))) == sorted(SERVICE_MODULES)
+
+
+def test_readme_names_every_benchmark_command() -> None:
+    """README.md's ``kvrouter bench ...`` row names every ``kvrouter bench`` subcommand."""
+    import argparse
+
+    from router.cli import build_parser
+
+    def commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return dict(action.choices)
+
+    benches = commands(commands(build_parser())["bench"])
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
+               if line.startswith("| `kvrouter bench ...` |"))  # fmt: skip
+    named = set(re.findall(r"`(\w+)`", row))
+    assert sorted(set(benches) - named) == [], "bench commands README.md does not name"
