@@ -112,7 +112,8 @@ class ServerSettings:
     record_backups: int = 5
     record_key: str | None = None  # secret for fleet-consistent ids; None: <path>.key
     # Speculative index entries (approximate mode, event lag) are capped at this many block
-    # names; beyond it the oldest go first, whatever their TTL (bounds router memory).
+    # names; beyond it those soonest to expire go first, whatever their TTL (bounds router
+    # memory; router/core/index.py PrefixIndex).
     max_speculative_blocks: int = 1_000_000
     # Byte-identical request bodies (parallel sampling, retries) reuse the first one's prompt
     # processing (router/service/body_memo.py); 0: off
