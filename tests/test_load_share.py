@@ -4,6 +4,8 @@ answering (its last answer counts for STALE_AFTER_S, then it counts as idle)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -94,4 +96,61 @@ async def test_exchange_with_a_peer_that_then_goes_away(tmp_path: Path) -> None:
         assert sharing.peers.applied == set() and mine.own(A) != NO_PEER_LOAD
     finally:
         client.close()
+        await runner.cleanup()
+
+
+async def test_a_peer_that_does_not_answer_holds_up_no_other_peers_load(
+    tmp_path: Path,
+) -> None:
+    """Worker exchange rounds (``load_sharing_ctx``) with two peers, one of which takes the
+    request and never answers (a stalled worker): the other peer's load, and each change of
+    it, still reaches this worker's tracker round after round, rather than once the stalled
+    one's call gives up (its timeout, ``interval * 20`` = 20 s here)."""
+    from router.service.config import build_settings
+    from router.service.keys import STATE
+    from router.service.load_share import load_sharing_ctx
+    from router.service.state import RouterState
+    from tests.waiting import eventually
+
+    peer = LoadTracker()
+    peer.dispatch("p1", A, prompt_tokens=500, cached_tokens=0)
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(own_load(peer))
+
+    app = web.Application()
+    app.router.add_get("/internal/load", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    live = str(tmp_path / "live.sock")
+    await web.UnixSite(runner, live).start()
+
+    release = asyncio.Event()
+    asked = [0]
+
+    async def stalled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asked[0] += 1
+        await release.wait()
+        writer.close()
+
+    hung = str(tmp_path / "hung.sock")
+    hung_server = await asyncio.start_unix_server(stalled, hung)
+    settings = build_settings(
+        {"replicas": [{"url": "http://127.0.0.1:9", "model": "m", "name": "a"}]}
+    )
+    mine = web.Application()
+    mine[STATE] = state = RouterState(settings)
+    ctx = load_sharing_ctx(mine, lambda: [live, hung], interval_s=1.0)(mine)
+    try:
+        await anext(ctx)  # the exchange runs
+        await eventually(lambda: asked[0] >= 1)
+        await eventually(lambda: state.load.view(A, 0.0).prefilling == 1)
+        peer.dispatch("p2", A, prompt_tokens=300, cached_tokens=0)
+        await eventually(lambda: state.load.view(A, 0.0).prefilling == 2)
+        assert not release.is_set() and asked[0] == 1  # one call, still waiting
+    finally:
+        release.set()
+        with contextlib.suppress(StopAsyncIteration):
+            await anext(ctx)
+        hung_server.close()
         await runner.cleanup()

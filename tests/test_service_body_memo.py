@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -104,6 +105,11 @@ def test_the_budget_evicts_least_recently_used_first() -> None:
     alone = BodyMemo(budget_bytes=1 << 20, max_body_bytes=1 << 16)
     alone.put("chat", b"a" * 1000, big_user)
     assert alone.size_bytes == per_entry - len("sess") + 5000
+    # and so is a Responses body's previous_response_id (a decoded copy, unbounded)
+    follow_up = replace(_admitted(), previous_response="r" * 50_000)
+    kept = BodyMemo(budget_bytes=1 << 20, max_body_bytes=1 << 17)
+    kept.put("responses", b"a" * 1000, follow_up)
+    assert kept.size_bytes == per_entry + 50_000
     # an entry larger than the whole budget is not kept (and evicts nothing)
     memo.put("chat", b"z" * 1000, _admitted(hashes=10_000))
     assert len(memo) == 3 and memo.get("chat", b"z" * 1000) is None

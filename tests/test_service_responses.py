@@ -444,3 +444,49 @@ async def test_a_streamed_retrieve_is_relayed_as_it_comes() -> None:
         go.set()
         await router.cleanup()
         await holder.cleanup()
+
+
+async def test_a_follow_up_whose_holder_cannot_take_it_is_not_sent_elsewhere() -> None:
+    """Only the holder's store has the previous response: while the holder cannot take the
+    follow-up (drained here; unhealthy or over its busy threshold alike) the client gets a
+    retryable 503 naming it, with ``Retry-After``, as gRPC Pick answers UNAVAILABLE; the
+    other replica, which could only answer 404 (the response "not found"), never sees it.
+    Undrained, the conversation goes on there."""
+    runners: list[web.AppRunner] = []
+    try:
+        replicas = await _fleet(2, runners)
+        settings = build_settings(
+            {
+                "server": {"admin_token": "t"},
+                "replicas": replicas,
+                "models": {MODEL: {"block_size": B, "policy": "round_robin"}},
+            }
+        )
+        router, url = await start_router(settings)
+        runners.append(router)
+        state = router.app[STATE]
+        admin = {"Authorization": "Bearer t"}
+        async with aiohttp.ClientSession() as http:
+            body: dict[str, Any] = {"model": MODEL, "input": "hi", "max_output_tokens": 3}
+            async with http.post(url + "/v1/responses", json=body) as r:
+                assert r.status == 200
+                first = (await r.json())["id"]
+            holder = state.recent_decisions(1)[0]["replica"]
+            async with http.post(f"{url}/admin/replicas/{holder}/drain", headers=admin) as r:
+                assert r.status == 200
+            decided = len(state.decisions)
+            follow_up = {**body, "input": "and then", "previous_response_id": first}
+            async with http.post(url + "/v1/responses", json=follow_up) as r:
+                error = (await r.json())["error"]
+                assert r.status == 503, error
+                assert r.headers["Retry-After"]
+                assert holder in error["message"] and first in error["message"]
+            assert len(state.decisions) == decided  # routed nowhere
+            async with http.post(f"{url}/admin/replicas/{holder}/undrain", headers=admin) as r:
+                assert r.status == 200
+            async with http.post(url + "/v1/responses", json=follow_up) as r:
+                assert r.status == 200, await r.text()
+            assert state.recent_decisions(1)[0]["replica"] == holder
+    finally:
+        for runner in runners:
+            await runner.cleanup()

@@ -15,7 +15,8 @@ time; routing may still fail for live reasons, as on any hit) and only bodies
 smaller than ``max_body_bytes`` (larger ones are long agentic turns, which the incremental
 tokenizer serves and which rarely repeat byte for byte). Entries are evicted least recently
 used first to stay within ``budget_bytes``, counted as the body's length plus the prompt's
-block hashes and a fixed overhead. The memo belongs to the event-loop thread.
+block hashes, the strings copied out of the body and a fixed overhead. The memo belongs to
+the event-loop thread.
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ class BodyMemo:
 
 
 def _cost(raw: bytes, admitted: Admitted) -> int:
-    # the session id is a decoded copy of the body's ``user`` field: as large as it is
+    # the session id and a Responses body's previous response id are decoded copies of body
+    # fields: as large as they are
     session = len(admitted.session_id) if admitted.session_id else 0
-    return len(raw) + session + _PER_HASH * len(admitted.prompt.block_hashes) + _ENTRY_OVERHEAD
+    previous = len(admitted.previous_response) if admitted.previous_response else 0
+    hashes = _PER_HASH * len(admitted.prompt.block_hashes)
+    return len(raw) + session + previous + hashes + _ENTRY_OVERHEAD

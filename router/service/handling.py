@@ -496,22 +496,27 @@ def route_pinned(
     client_headers: list[tuple[bytes, bytes]],
     keys: list[ReplicaKey],
 ) -> Routed:
-    """Route to the replica holding the previous response (``keys``: its ranks); when none
-    of them can take it, as usual (the engine answering decides: 404 without the
-    response)."""
-    args = (
-        admitted.model,
-        admitted.prompt,
-        unique_in_flight(state, request_id_of(client_headers)),
-        forwarder.event_loop().time(),
-    )
-    session = session_of(client_headers, admitted.session_id)
+    """Route to the replica holding the previous response (``keys``: its ranks). When none
+    of them can take it now (unhealthy, draining, over its busy threshold) the request is
+    refused as one no replica can take (503, or 429 when busy, with ``Retry-After``; gRPC
+    Pick's UNAVAILABLE likewise), naming the holder: any other replica could only answer
+    that the response does not exist."""
     try:
         return state.route(
-            *args, session_id=session, max_output_tokens=admitted.max_output_tokens, replicas=keys
+            admitted.model,
+            admitted.prompt,
+            unique_in_flight(state, request_id_of(client_headers)),
+            forwarder.event_loop().time(),
+            session_id=session_of(client_headers, admitted.session_id),
+            max_output_tokens=admitted.max_output_tokens,
+            replicas=keys,
         )
-    except NoReplicaAvailable:
-        return state.route(*args, session_id=session, max_output_tokens=admitted.max_output_tokens)
+    except NoReplicaAvailable as exc:
+        raise NoReplicaAvailable(
+            f"replica {keys[0].replica!r}, the only one holding response "
+            f"{admitted.previous_response!r}, cannot take requests now: {exc}",
+            busy=exc.busy,
+        ) from None
 
 
 async def serve_completion(

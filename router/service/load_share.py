@@ -11,8 +11,11 @@ policy reads: nothing is added per request.
 The sum goes to the app's :class:`~router.service.peer_sum.PeerSum` as the ``workers``
 source (other pods' load is another source: router/service/pod_exchange.py).
 
-A peer that does not answer keeps its last answer for ``STALE_AFTER_S``, then counts as
-idle (a worker that died has no requests in flight). The answer lists only replicas with
+A round waits at most ``server.load_share_interval_s`` for the answers: a peer slower than
+that (a worker whose event loop is held up) is not asked again while its call is under way,
+and its answer counts in the round it arrives in, so it holds up no other peer's figures. A
+peer that does not answer keeps its last answer for ``STALE_AFTER_S``, then counts as idle
+(a worker that died has no requests in flight). The answer lists only replicas with
 requests in flight: ``{"load": [[replica, dp_rank, prefilling, queued_prefill_tokens,
 decoding, decode_context_tokens, in_flight_prompt_tokens, decode_weight], ...]}`` (the
 :class:`~router.core.load.PeerLoad` fields in order; all integers but ``decode_weight``).
@@ -96,6 +99,10 @@ class LoadSharing:
     peers: PeerSum
     client: PeerClient
     last: dict[str, tuple[float, dict[ReplicaKey, PeerLoad]]] = field(default_factory=dict)
+    # calls under way (by control socket) and when each was made
+    asking: dict[str, tuple[float, asyncio.Task[dict[ReplicaKey, PeerLoad] | None]]] = field(
+        default_factory=dict
+    )
 
     async def _ask(self, socket: str) -> dict[ReplicaKey, PeerLoad] | None:
         got = await self.client.call(socket, "GET", "/internal/load")
@@ -109,17 +116,37 @@ class LoadSharing:
             _log.debug("no load from %s: %s", socket, exc)
             return None
 
-    async def exchange(self, sockets: list[str], now: float) -> None:
-        """One round: ask every peer, keep the fresh answers, apply their sum."""
-        got = await asyncio.gather(*(self._ask(s) for s in sockets))
-        for socket, answer in zip(sockets, got, strict=True):
-            if answer is not None:
-                self.last[socket] = (now, answer)
+    async def exchange(self, sockets: list[str], now: float, wait_s: float | None = None) -> None:
+        """One round: ask every peer not still answering an earlier call, wait for the calls
+        under way up to ``wait_s`` (None: until all end), keep the fresh answers (as of when
+        each was asked), apply their sum. A call still under way goes on into the next
+        rounds."""
         live = set(sockets)
+        for socket in sockets:
+            if socket not in self.asking:
+                self.asking[socket] = (now, asyncio.ensure_future(self._ask(socket)))
+        if self.asking:
+            await asyncio.wait([task for _, task in self.asking.values()], timeout=wait_s)
+        for socket, (asked_at, task) in list(self.asking.items()):
+            if not task.done():
+                if socket not in live:
+                    task.cancel()
+                    del self.asking[socket]
+                continue
+            del self.asking[socket]
+            answer = None if task.cancelled() or task.exception() else task.result()
+            if answer is not None:
+                self.last[socket] = (asked_at, answer)
         for socket in list(self.last):
             if socket not in live or now - self.last[socket][0] > STALE_AFTER_S:
                 del self.last[socket]
         self.apply(summed(answer for _, answer in self.last.values()))
+
+    def stop(self) -> None:
+        """Cancel the calls under way."""
+        for _, task in self.asking.values():
+            task.cancel()
+        self.asking.clear()
 
     def apply(self, peers: dict[ReplicaKey, PeerLoad]) -> None:
         self.peers.update(SOURCE, peers)
@@ -143,7 +170,7 @@ def load_sharing_ctx(
             while True:
                 await asyncio.sleep(interval_s)
                 try:
-                    await sharing.exchange(sockets(), loop.time())
+                    await sharing.exchange(sockets(), loop.time(), wait_s=interval_s)
                 except Exception:  # never let one bad round stop the exchange
                     _log.exception("load exchange with the other workers failed")
 
@@ -151,6 +178,7 @@ def load_sharing_ctx(
             async with running(run(), name=f"load-sharing-{os.getpid()}"):
                 yield
         finally:
+            sharing.stop()
             client.close()
 
     return ctx
