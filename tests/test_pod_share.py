@@ -28,7 +28,7 @@ from router.core.types import (
 )
 from router.service.peer_sum import PeerSum
 from router.service.pod_exchange import ExchangeSettings, PodExchange, encode
-from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare, _pack
+from router.service.pod_share import MAX_BLOCKS, MAX_MESSAGE_BYTES, MAX_ROWS, PodShare, _pack
 from router.store.redis_store import connect
 from tests.waiting import eventually
 
@@ -283,3 +283,31 @@ def test_a_shared_session_hint_credits_only_what_the_engine_will_grant() -> None
     receiver.index.add_replica(decision.replica)
     receiver.index.apply(EventBatch(decision.replica, [AllCleared()]))
     assert credited(receiver) == 0
+
+
+def test_a_message_of_long_prompts_stays_within_what_readers_take() -> None:
+    """``MAX_ROWS`` pending dispatches of ``MAX_BLOCKS`` blocks (a burst, or what piled up
+    while Redis hung) would make a message over ``MAX_MESSAGE_BYTES``, which every reader
+    drops whole, its load snapshot included: the rows a message cannot hold go in the next
+    ones, and every row arrives."""
+    sender = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), settings(30.0))
+    receiver = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), settings(30.0))
+    out = PodShare({MODEL: sender}, lambda m, k: True)
+    out.attach()
+    into = PodShare({MODEL: receiver}, lambda m, k: True)
+    ex = ExchangeSettings("stream", "kvr", "me", 0.005, 0.5)
+    exchange = PodExchange(ex, None, LoadTracker(), PeerSum(LoadTracker()), lambda: 0.0, into)
+    for i in range(MAX_ROWS):
+        hashes = [i * MAX_BLOCKS + j + 1 for j in range(MAX_BLOCKS)]
+        request = RouteRequest(f"r{i}", MODEL, MAX_BLOCKS * BLOCK, hashes, BLOCK)
+        sender.on_dispatch(request, KEYS[i % len(KEYS)], [hashes[-1]], 0.0, 30.0, 0)
+    seq = 0
+    while out.outbox and seq < MAX_ROWS:
+        seq += 1
+        data = encode("them/1", "them", seq, LoadTracker(), out.outbox.take(0.0))
+        assert len(data) <= MAX_MESSAGE_BYTES
+        exchange._take(data, 0.0)
+    assert exchange.counters.rejected == 0 and into.counters.rejected == 0
+    assert into.counters.applied_spec == MAX_ROWS
+    last = [(MAX_ROWS - 1) * MAX_BLOCKS + j + 1 for j in range(MAX_BLOCKS)]
+    assert receiver.index.match(last, now=1.0).get(KEYS[-1]).kv_blocks == MAX_BLOCKS

@@ -23,8 +23,9 @@ the message is read: on the reader's clock, never longer than the sender's own e
 Redis transit, one round trip, aside), so a dead pod's entries lapse by themselves.
 
 Bounded: the outbox keeps at most ``OUTBOX_MAX`` dispatches (older ones dropped, counted),
-a message carries at most ``MAX_ROWS`` of them and at most ``MAX_BLOCKS`` block hashes per
-row (a prefix: a prompt's first blocks are the ones others share); a reader ignores, and
+a message carries at most ``MAX_ROWS`` of them, in at most ``ROWS_BYTES``, and at most
+``MAX_BLOCKS`` block hashes per row (a prefix: a prompt's first blocks are the ones others
+share); a reader ignores, and
 counts, a message over ``MAX_MESSAGE_BYTES`` and any malformed row. In ``hash`` mode a reader
 that polls less often than a member writes misses the rows of the versions it skipped (the
 load is a snapshot; these are deltas): ``stream`` mode delivers every message.
@@ -48,6 +49,10 @@ OUTBOX_MAX = 2048
 MAX_ROWS = 128
 MAX_BLOCKS = 1024
 MAX_MESSAGE_BYTES = 1 << 20
+# the rows of one message, at most (the rest of MAX_MESSAGE_BYTES is the load snapshot's):
+# MAX_ROWS rows of MAX_BLOCKS hashes would be ~1.4 MB, a message every reader drops whole
+ROWS_BYTES = MAX_MESSAGE_BYTES // 2
+_ROW_FIXED = 8 * 24  # a row's numbers (<= 20 digits each), quotes and commas, at most
 _U64 = 1 << 64
 
 
@@ -127,25 +132,33 @@ class Outbox:
         return bool(self.pending)
 
     def take(self, now: float) -> list[list[Any]]:
-        """Up to ``MAX_ROWS`` pending dispatches, oldest first, as message rows (remaining
-        TTLs in ms; lapsed parts left out)."""
+        """Up to ``MAX_ROWS`` pending dispatches in at most ``ROWS_BYTES`` of JSON (one at
+        least), oldest first, as message rows (remaining TTLs in ms; lapsed parts left out)."""
         rows: list[list[Any]] = []
         pending = self.pending
+        size = 0
         while pending and len(rows) < MAX_ROWS:
-            s = pending.popleft()
+            s = pending[0]
             spec_ms = int((s.spec_until - now) * 1000)
             session_ms = int((s.session_until - now) * 1000) if s.session else 0
             if spec_ms <= 0 and session_ms <= 0:
+                pending.popleft()
                 continue
             keep = spec_ms > 0 and all(0 <= h < _U64 for h in (*s.hashes, *s.states))
+            kv, states = (_pack(s.hashes), _pack(s.states)) if keep else ("", "")
+            # the row's JSON: its texts, 20-digit numbers and punctuation at most
+            size += len(kv) + len(states) + len(s.model) + len(s.replica.replica) + _ROW_FIXED
+            if rows and size > ROWS_BYTES:
+                break  # in the next message
+            pending.popleft()
             rows.append(
                 [
                     s.model,
                     s.replica.replica,
                     s.replica.dp_rank,
                     max(spec_ms, 0) if keep else 0,
-                    _pack(s.hashes) if keep else "",
-                    _pack(s.states) if keep else "",
+                    kv,
+                    states,
                     str(s.session) if session_ms > 0 else "",
                     s.blocks,
                     str(s.last_hash),
