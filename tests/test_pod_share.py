@@ -16,7 +16,7 @@ from router.bench.redis_server import LocalRedis
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import make_policy
-from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.routing import Dispatch, RoutingEngine, RoutingSettings
 from router.core.types import (
     AllCleared,
     BlocksRemoved,
@@ -28,7 +28,7 @@ from router.core.types import (
 )
 from router.service.peer_sum import PeerSum
 from router.service.pod_exchange import ExchangeSettings, PodExchange, encode
-from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare, _pack
+from router.service.pod_share import MAX_BLOCKS, MAX_MESSAGE_BYTES, MAX_ROWS, PodShare, _pack
 from router.store.redis_store import connect
 from tests.waiting import eventually
 
@@ -73,6 +73,14 @@ class Pod:
         self.load.first_token(rid)
         self.load.complete(rid)
         return decision.replica, decision.usable_tokens
+
+    def dispatch(self, hashes: Sequence[int], session: str | None, to: ReplicaKey) -> Dispatch:
+        """Send a request to ``to`` and leave it in flight: its dispatch."""
+        self.n += 1
+        rid = f"{self.exchange.member}-{self.n}"
+        request = RouteRequest(rid, MODEL, len(hashes) * BLOCK, list(hashes), BLOCK, session)
+        now = asyncio.get_running_loop().time()
+        return self.engine.dispatched(request, self.engine.route(request, [to], now, self.rng), now)
 
     async def stop(self) -> None:
         self.task.cancel()
@@ -120,6 +128,25 @@ async def test_speculative_entries_draw_the_same_prefix_before_any_event(
         # and back: pod one learns what pod two just sent (its own entry came first)
         assert one.share.counters.applied_spec == 0
         await eventually(lambda: one.share.counters.applied_spec == 1)
+
+
+async def test_a_dispatch_refused_on_one_pod_is_withdrawn_on_another(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    routing = RoutingSettings(BLOCK, speculative_ttl_s=30.0, speculate_sessions=True)
+    async with two_pods(redis_server.url, key_prefix, routing) as (one, two):
+        prompt = list(range(300, 320))
+        refused = one.dispatch(prompt, "conversation-2", KEYS[2])
+        counters = two.share.counters
+        await eventually(lambda: counters.applied_spec == counters.applied_sessions == 1)
+        assert two.index.match(prompt).get(KEYS[2]).kv_blocks == 20
+        assert two.engine.sessions is not None
+        loop = asyncio.get_running_loop()
+        assert two.engine.sessions.get("conversation-2", loop.time()) is not None
+        one.engine.withdraw(refused)  # the replica refused it
+        await eventually(lambda: two.index.match(prompt).get(KEYS[2]).kv_blocks == 0)
+        assert two.engine.sessions.get("conversation-2", loop.time()) is None
+        assert not two.index.awaits(KEYS[2], prompt[-1])
 
 
 def test_shared_entries_lapse_with_the_senders_ttl() -> None:
@@ -214,12 +241,12 @@ def test_a_shared_entry_never_outlives_the_readers_own_ttl() -> None:
     engine = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), settings(2.0))
     share = PodShare({MODEL: engine}, lambda m, k: True)
     huge = 10**15  # ms: some 30,000 years
-    share.apply([[MODEL, "r0", 0, huge, _pack((5, 6)), "", "", 0, "0", 0]], 100.0)
+    share.apply({"x": [[MODEL, "r0", 0, huge, _pack((5, 6)), "", "", 0, "0", 0]]}, 100.0)
     assert share.counters.applied_spec == 1
     assert engine.index.match([5, 6], now=101.9).get(KEYS[0]).kv_blocks == 2
     assert engine.index.match([5, 6], now=102.1).get(KEYS[0]).kv_blocks == 0
     longer = PodShare({MODEL: engine}, lambda m, k: True, lambda model: 600.0)
-    longer.apply([[MODEL, "r0", 0, huge, _pack((7,)), "", "", 0, "0", 0]], 100.0)
+    longer.apply({"x": [[MODEL, "r0", 0, huge, _pack((7,)), "", "", 0, "0", 0]]}, 100.0)
     assert engine.index.match([7], now=699.0).get(KEYS[0]).kv_blocks == 1
     assert engine.index.match([7], now=701.0).get(KEYS[0]).kv_blocks == 0
 
@@ -283,3 +310,159 @@ def test_a_shared_session_hint_credits_only_what_the_engine_will_grant() -> None
     receiver.index.add_replica(decision.replica)
     receiver.index.apply(EventBatch(decision.replica, [AllCleared()]))
     assert credited(receiver) == 0
+
+
+def test_a_message_of_long_prompts_stays_within_what_readers_take() -> None:
+    """``MAX_ROWS`` pending dispatches of ``MAX_BLOCKS`` blocks (a burst, or what piled up
+    while Redis hung) would make a message over ``MAX_MESSAGE_BYTES``, which every reader
+    drops whole, its load snapshot included: the rows a message cannot hold go in the next
+    ones, and every row arrives."""
+    sender = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), settings(30.0))
+    receiver = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), settings(30.0))
+    out = PodShare({MODEL: sender}, lambda m, k: True)
+    out.attach()
+    into = PodShare({MODEL: receiver}, lambda m, k: True)
+    ex = ExchangeSettings("stream", "kvr", "me", 0.005, 0.5)
+    exchange = PodExchange(ex, None, LoadTracker(), PeerSum(LoadTracker()), lambda: 0.0, into)
+    for i in range(MAX_ROWS):
+        hashes = [i * MAX_BLOCKS + j + 1 for j in range(MAX_BLOCKS)]
+        request = RouteRequest(f"r{i}", MODEL, MAX_BLOCKS * BLOCK, hashes, BLOCK)
+        sender.on_dispatch(request, KEYS[i % len(KEYS)], [hashes[-1]], 0.0, 30.0, 0)
+    seq = 0
+    while out.outbox and seq < MAX_ROWS:
+        seq += 1
+        data = encode("them/1", "them", seq, LoadTracker(), out.outbox.take(0.0))
+        assert len(data) <= MAX_MESSAGE_BYTES
+        exchange._take(data, 0.0)
+    assert exchange.counters.rejected == 0 and into.counters.rejected == 0
+    assert into.counters.applied_spec == MAX_ROWS
+    last = [(MAX_ROWS - 1) * MAX_BLOCKS + j + 1 for j in range(MAX_BLOCKS)]
+    assert receiver.index.match(last, now=1.0).get(KEYS[-1]).kv_blocks == MAX_BLOCKS
+
+
+class Pair:
+    """A sender pod's engine and a receiver pod's; the sender's messages go through the
+    exchange's own encoding and reading (``encode`` / ``PodExchange._take``), by hand."""
+
+    def __init__(self, routing: RoutingSettings) -> None:
+        self.sender = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
+        self.receiver = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
+        for engine in (self.sender, self.receiver):
+            for key in KEYS:
+                engine.load.add_replica(key)
+        self.out = PodShare({MODEL: self.sender}, lambda m, k: True)
+        self.out.attach()
+        self.into = PodShare({MODEL: self.receiver}, lambda m, k: True)
+        ex = ExchangeSettings("stream", "kvr", "me", 0.005, 0.5)
+        self.exchange = PodExchange(
+            ex, None, LoadTracker(), PeerSum(LoadTracker()), lambda: 0.0, self.into
+        )
+        self.seq = 0
+
+    def dispatch(
+        self, engine: RoutingEngine, hashes: Sequence[int], session: str | None, to: ReplicaKey,
+        now: float,
+    ) -> Dispatch:  # fmt: skip
+        self.seq += 1
+        request = RouteRequest(
+            f"q{self.seq}", MODEL, len(hashes) * BLOCK, list(hashes), BLOCK, session
+        )
+        decision = engine.route(request, [to], now, random.Random(1))
+        return engine.dispatched(request, decision, now)
+
+    def send(self, now: float) -> dict[str, object]:
+        """The sender's next message, read by the receiver; returns it decoded."""
+        self.seq += 1
+        data = encode("them/1", "them", self.seq, LoadTracker(), self.out.outbox.take(now))
+        self.exchange._take(data, now)
+        doc: dict[str, object] = json.loads(data)
+        return doc
+
+
+def test_a_withdrawn_dispatch_is_taken_back_on_the_other_pods() -> None:
+    """A dispatch the replica refused (RoutingEngine.withdraw) leaves no trace on the other
+    pods either: its speculative entries go (those no later call named again: the
+    receiver's own here), its session binding gives way to the session's previous one, and
+    its last block is no longer awaited (which would keep the binding crediting for the
+    session's whole TTL: no event comes of a prompt the replica never took)."""
+    pair = Pair(RoutingSettings(BLOCK, speculative_ttl_s=30.0, speculate_sessions=True))
+    a, b = KEYS[0], KEYS[1]
+    turn1 = list(range(1, 17))
+    pair.dispatch(pair.sender, turn1, "s", a, 0.0)
+    pair.send(0.0)
+    turn2 = [*turn1, *range(100, 108)]
+    refused = pair.dispatch(pair.sender, turn2, "s", b, 1.0)
+    pair.send(1.0)
+    receiver = pair.receiver
+    assert receiver.sessions is not None and pair.sender.sessions is not None
+    assert receiver.index.match(turn2, now=1.5).get(b).kv_blocks == 24
+    assert receiver.sessions.get("s", 1.5) is not None
+    assert receiver.sessions.get("s", 1.5).replica == b  # type: ignore[union-attr]
+    assert receiver.index.awaits(b, turn2[-1])
+    pair.dispatch(receiver, turn1[:8], None, b, 1.5)  # the receiver's own guess of b
+    pair.sender.withdraw(refused)
+    pair.send(2.0)
+    assert pair.into.counters.rejected == 0 and pair.exchange.counters.rejected == 0
+    assert receiver.index.match(turn2, now=2.0).get(b).kv_blocks == 8  # its own guess
+    assert receiver.index.match(turn1, now=2.0).get(a).kv_blocks == 16  # turn 1's stays
+    hint = receiver.sessions.get("s", 2.0)
+    assert hint is not None and hint.replica == a
+    assert (hint.replica, hint.blocks) == (a, pair.sender.sessions.get("s", 2.0).blocks)  # type: ignore[union-attr]
+    assert not receiver.index.awaits(b, turn2[-1])
+    # the receiver's credit for the session's next turn is the sender's own
+    turn3 = RouteRequest("t3", MODEL, 30 * BLOCK, [*turn2, *range(200, 206)], BLOCK, "s")
+    got = {c.replica: c.match.usable_blocks for c in receiver.candidates(turn3, KEYS, 2.0)}  # type: ignore[union-attr]
+    own = {c.replica: c.match.usable_blocks for c in pair.sender.candidates(turn3, KEYS, 2.0)}  # type: ignore[union-attr]
+    assert got[b] == 8 and own[b] == 0 and got[a] == own[a] > 0
+
+
+def test_a_dispatch_withdrawn_before_it_was_sent_is_never_sent() -> None:
+    pair = Pair(RoutingSettings(BLOCK, speculative_ttl_s=30.0, speculate_sessions=True))
+    pair.sender.withdraw(pair.dispatch(pair.sender, list(range(1, 9)), "s", KEYS[2], 0.0))
+    assert not pair.out.outbox
+    pair.dispatch(pair.sender, list(range(20, 29)), None, KEYS[3], 0.0)
+    doc = pair.send(0.0)
+    assert len(doc["x"]) == 1 and "w" not in doc  # type: ignore[arg-type]
+    assert pair.into.counters.applied_spec == 1 and pair.into.counters.applied_sessions == 0
+    assert pair.receiver.index.match(list(range(1, 9)), now=1.0).get(KEYS[2]).kv_blocks == 0
+
+
+def test_withdrawals_reach_readers_of_the_previous_version_as_nothing() -> None:
+    """A rolling update runs pods of both versions: the dispatch rows (``x``) keep the
+    previous version's ten fields, and what names and withdraws them travels in fields of
+    the message it never reads; a message of the previous version (rows without ids)
+    applies here as before."""
+    pair = Pair(RoutingSettings(BLOCK, speculative_ttl_s=30.0))
+    sent = pair.dispatch(pair.sender, list(range(1, 9)), None, KEYS[1], 0.0)
+    first = pair.send(0.0)
+    pair.sender.withdraw(sent)
+    second = pair.send(0.0)
+    assert all(isinstance(row, list) and len(row) == 10 for row in first["x"])  # type: ignore[attr-defined]
+    assert "x" not in second and second["w"]
+    old = PodShare(
+        {MODEL: RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), settings(30.0))},
+        lambda m, k: True,
+    )
+    old.apply({"x": first["x"]}, 0.0)  # what a previous version's reader takes of either
+    old.apply({}, 0.0)
+    assert old.counters.applied_spec == 1 and old.counters.rejected == 0
+
+
+def test_malformed_withdrawals_are_counted_and_ignored() -> None:
+    pair = Pair(RoutingSettings(BLOCK, speculative_ttl_s=30.0))
+    sent = pair.dispatch(pair.sender, list(range(1, 9)), None, KEYS[1], 0.0)
+    doc = pair.send(0.0)
+    assert doc["x"]
+    junk: list[dict[str, object]] = [
+        {"w": "1"},
+        {"w": [1.5, "2", -3]},
+        {"w": [0] * 100_000},
+        {"x": [], "i": [1, 2]},
+    ]
+    for seq, fields in enumerate(junk, 1000):
+        body = {"load": [], "m": "them/1", "p": "them", "s": seq, **fields}
+        pair.exchange._take(json.dumps(body).encode(), 0.0)
+    assert pair.into.counters.rejected == 1 + 3 + 1 + 1
+    pair.sender.withdraw(sent)  # the real withdrawal still works
+    pair.send(0.0)
+    assert pair.receiver.index.match(list(range(1, 9)), now=1.0).get(KEYS[1]).kv_blocks == 0

@@ -193,7 +193,10 @@ class Dispatch:
     back (:meth:`RoutingEngine.withdraw`) if the request never reaches its engine's cache:
     the index's speculative entries (``spec_id`` 0: none) and the session's hint
     (``hint``, and the session's hint it replaced: ``previous``; ``awaited``: the request
-    made the index await the hint's last block, ``PrefixIndex.await_store``)."""
+    made the index await the hint's last block, ``PrefixIndex.await_store``). ``shared``:
+    the id ``on_dispatch`` gave it (0: none), which ``on_withdraw`` names. A dispatch of
+    another router pod (:meth:`RoutingEngine.adopt`) has the session's ``digest`` instead
+    of its id, and a learned binding as its hint."""
 
     replica: ReplicaKey
     spec_id: int = 0
@@ -203,6 +206,8 @@ class Dispatch:
     hint: SessionHint | None = None
     previous: SessionHint | None = None
     awaited: bool = False
+    shared: int = 0
+    digest: int = 0
 
 
 class RoutingEngine:
@@ -248,10 +253,12 @@ class RoutingEngine:
         if settings.session_ttl_s > 0 and getattr(policy, "uses_session_hints", False):
             self.sessions = SessionTable(settings.session_ttl_s, settings.max_sessions)
         # called by dispatched() with (request, replica, state hashes, now, speculative TTL,
-        # the blocks its session's hint covers): router pods share what they speculate and
-        # bind (router/service/pod_share.py)
-        self.on_dispatch: Callable[[RouteRequest, ReplicaKey, list[int], float, float, int], None]
+        # the blocks its session's hint covers), returning an id for the dispatch (0: none),
+        # and by withdraw() with that id: router pods share what they speculate and bind,
+        # and what they take back (router/service/pod_share.py)
+        self.on_dispatch: Callable[[RouteRequest, ReplicaKey, list[int], float, float, int], int]
         self.on_dispatch = _ignore
+        self.on_withdraw: Callable[[int], None] = _ignore_withdraw
         self.turnover = CacheTurnover(reuse_window_s=settings.reuse_window_s)
 
     def _turnover(self, replicas: Sequence[ReplicaKey], now: float) -> CacheTurnover:
@@ -399,26 +406,44 @@ class RoutingEngine:
         recurrent-state checkpoint (``EngineHolds.next_hit_blocks``), a KV-only one on KV."""
         return Kind.STATE if self.layout.hybrid else Kind.KV
 
-    def learn_session(
+    def _await_hint(self, replica: ReplicaKey, last_hash: int) -> bool:
+        """Await the engine's report of a hint's last block; whether this call made it
+        awaited (it was not already), so that taking the hint back stops awaiting it."""
+        index, kind = self.index, self._hint_kind
+        fresh = not index.awaits(replica, last_hash, kind)
+        return index.await_store(replica, last_hash, kind) and fresh
+
+    def adopt(
         self,
-        digest: int,
         replica: ReplicaKey,
+        kv: Sequence[int],
+        states: Sequence[int],
+        now: float,
+        ttl: float,
+        digest: int,
         blocks: int,
         last_hash: int,
-        now: float,
         expires_at: float,
-    ) -> None:
-        """Another router pod sent a session to ``replica`` (router/service/pod_share.py):
-        remembered as this pod's own hints are (``SessionTable.learn``), settling when the
-        engine's events name its last block (the row does not say whether the prompt was
-        hashed exactly: an approximate one's, which no event names, stays awaited until
-        ``MAX_AWAITED`` later awaits push it out)."""
-        if self.sessions is None:
-            return
-        if blocks:
-            self.index.await_store(replica, last_hash, self._hint_kind)
-        epoch = self.index.cache_epoch(replica)
-        self.sessions.learn(digest, replica, blocks, last_hash, now, expires_at, epoch, True)
+    ) -> Dispatch:
+        """Another router pod sent a request to ``replica`` (router/service/pod_share.py):
+        its blocks ``kv`` / ``states`` are speculated for ``ttl`` (none when ``ttl`` <= 0),
+        and its session (``digest``, 0: none) is remembered as this pod's own hints are
+        (``SessionTable.learn``, lapsing at ``expires_at``), settling when the engine's
+        events name its last block (the row does not say whether the prompt was hashed
+        exactly: an approximate one's, which no event names, stays awaited until
+        ``MAX_AWAITED`` later awaits push it out). Returns what was taken, for
+        :meth:`withdraw` when that pod withdraws the request."""
+        spec_id = self.index.speculate(replica, kv, states, now, ttl) if kv and ttl > 0 else 0
+        hint = previous = None
+        awaited = False
+        if digest and self.sessions is not None and expires_at > now:
+            awaited = bool(blocks) and self._await_hint(replica, last_hash)
+            epoch = self.index.cache_epoch(replica)
+            hint, previous = self.sessions.learn(
+                digest, replica, blocks, last_hash, now, expires_at, epoch, True
+            )
+        kept = (kv, states) if spec_id else ((), ())
+        return Dispatch(replica, spec_id, *kept, None, hint, previous, awaited, 0, digest)
 
     def _hint(self, request: RouteRequest, now: float) -> tuple[SessionHint | None, int]:
         """The request's session hint and how many of its blocks the engine grants it there
@@ -567,16 +592,22 @@ class RoutingEngine:
         if self.sessions is not None and request.session_id:
             reused = request.block_hashes[: held.next_hit_blocks]
             if exact and reused:  # (first: it gives an unknown replica its slot, its epoch)
-                index, last, kind = self.index, reused[-1], self._hint_kind
-                fresh = not index.awaits(decision.replica, last, kind)
-                awaited = index.await_store(decision.replica, last, kind) and fresh
+                awaited = self._await_hint(decision.replica, reused[-1])
             epoch = self.index.cache_epoch(decision.replica)
             hint, previous = self.sessions.record(
                 request.session_id, decision.replica, reused, now, epoch, settles=exact
             )
-        self.on_dispatch(request, decision.replica, states, now, ttl, held.next_hit_blocks)
+        shared = self.on_dispatch(request, decision.replica, states, now, ttl, held.next_hit_blocks)
         return Dispatch(
-            decision.replica, spec_id, kv, states, request.session_id, hint, previous, awaited
+            decision.replica,
+            spec_id,
+            kv,
+            states,
+            request.session_id,
+            hint,
+            previous,
+            awaited,
+            shared,
         )
 
     def withdraw(self, dispatch: Dispatch) -> None:
@@ -588,13 +619,22 @@ class RoutingEngine:
         block awaited any more when the request was the one to await it (a hint that comes
         back ending on that block, settled before, would credit it again: the engine
         reports nothing of a prompt it never took). Load is the caller's
-        (``LoadTracker.complete``, or a retry's ``dispatch``). Idempotent."""
+        (``LoadTracker.complete``, or a retry's ``dispatch``). The other router pods are
+        told (``on_withdraw``); a dispatch of theirs (:meth:`adopt`) is taken back alike,
+        its learned binding by ``SessionTable.unlearn``. Idempotent here (the other pods
+        may hear of it twice)."""
+        if dispatch.shared:
+            self.on_withdraw(dispatch.shared)
         if dispatch.spec_id:
             self.index.withdraw(dispatch.replica, dispatch.spec_id, dispatch.kv, dispatch.states)
         if dispatch.awaited and dispatch.hint is not None:
             self.index.unawait(dispatch.replica, dispatch.hint.last_hash, self._hint_kind)
-        if dispatch.hint is not None and dispatch.session_id and self.sessions is not None:
-            self.sessions.undo(dispatch.session_id, dispatch.hint, dispatch.previous)
+        sessions, hint = self.sessions, dispatch.hint
+        if hint is not None and sessions is not None:
+            if dispatch.digest:
+                sessions.unlearn(dispatch.digest, hint, dispatch.previous)
+            elif dispatch.session_id:
+                sessions.undo(dispatch.session_id, hint, dispatch.previous)
 
 
 def _ignore(
@@ -604,5 +644,10 @@ def _ignore(
     now: float,
     ttl: float,
     hint_blocks: int,
-) -> None:
+) -> int:
     """The default ``on_dispatch``: nobody listens."""
+    return 0
+
+
+def _ignore_withdraw(shared: int) -> None:
+    """The default ``on_withdraw``: nobody listens."""

@@ -23,15 +23,18 @@ Bounded: at most ``max_sessions`` entries (least recently used dropped first), e
 Bindings made by *other* router pods (router/service/pod_share.py) arrive keyed by
 :func:`session_digest` (session ids never leave the pod) with their sender's expiry; they are
 kept apart (:meth:`SessionTable.learn`, as bounded) and :meth:`SessionTable.get` returns the
-more recent of the session's own and learned binding.
+more recent of the session's own and learned binding. A binding its sender took back (the
+replica refused the request) is taken back here too (:meth:`SessionTable.unlearn`), as the
+pod's own are (:meth:`SessionTable.undo`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import MutableMapping, Sequence
+from typing import NamedTuple, TypeVar
 
 from router.core.types import ReplicaKey
 
@@ -42,7 +45,8 @@ class SessionHint(NamedTuple):
     one the prefix index numbers ``epoch`` (``PrefixIndex.cache_epoch``: a hint credits no
     other). ``settles``: the engine's events will name that last block (the prompt was
     hashed as the engines hash it), and once they have the hint credits nothing more
-    (``PrefixIndex.await_store``)."""
+    (``PrefixIndex.await_store``). ``until``: when a binding learned from another pod
+    lapses (the pod's own lapse ``ttl_s`` after ``at``)."""
 
     replica: ReplicaKey
     blocks: int
@@ -50,6 +54,7 @@ class SessionHint(NamedTuple):
     at: float
     epoch: int = 0
     settles: bool = False
+    until: float = math.inf
 
     def covers(self, block_hashes: Sequence[int]) -> int:
         """Blocks of ``block_hashes`` the previous prompt is known to share: all of its own
@@ -69,7 +74,7 @@ def session_digest(session_id: str) -> int:
 class SessionTable:
     """Session id -> :class:`SessionHint` of its last request (see the module doc)."""
 
-    __slots__ = ("_entries", "_learned", "_withdrawn", "max_sessions", "ttl_s")
+    __slots__ = ("_entries", "_learned", "_unlearned", "_withdrawn", "max_sessions", "ttl_s")
 
     def __init__(self, ttl_s: float, max_sessions: int = 100_000) -> None:
         if ttl_s < 0 or max_sessions < 1:
@@ -77,11 +82,12 @@ class SessionTable:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self._entries: OrderedDict[str, SessionHint] = OrderedDict()
-        # session digest -> (hint learned from another pod, when it expires)
-        self._learned: OrderedDict[int, tuple[SessionHint, float]] = OrderedDict()
-        # hints taken back (undo) while a later request's was the session's -> the hint
-        # to give back in their place; bounded as the sessions are
+        # session digest -> the hint learned from another pod (lapsing at its ``until``)
+        self._learned: OrderedDict[int, SessionHint] = OrderedDict()
+        # hints taken back (undo, unlearn) while a later request's was the session's -> the
+        # hint to give back in their place; bounded as the sessions are
         self._withdrawn: OrderedDict[SessionHint, SessionHint | None] = OrderedDict()
+        self._unlearned: OrderedDict[SessionHint, SessionHint | None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -97,10 +103,10 @@ class SessionTable:
             digest = session_digest(session_id)
             got = self._learned.get(digest)
             if got is not None:
-                if now >= got[1]:
+                if now >= got.until:
                     del self._learned[digest]
-                elif hint is None or got[0].at > hint.at:
-                    return got[0]
+                elif hint is None or got.at > hint.at:
+                    return got
         return hint
 
     def learn(
@@ -113,20 +119,24 @@ class SessionTable:
         expires_at: float,
         epoch: int = 0,
         settles: bool = False,
-    ) -> None:
+    ) -> tuple[SessionHint | None, SessionHint | None]:
         """Another pod sent the session (by :func:`session_digest`) to ``replica`` (its
         prompt: ``blocks`` full blocks, the last hashed ``last_hash``), seen at ``now`` while
         the replica's cache was ``epoch``; the binding lapses at ``expires_at`` (never later
-        than ``now + ttl_s``). ``settles``: see :class:`SessionHint`."""
+        than ``now + ttl_s``). ``settles``: see :class:`SessionHint`. Returns the binding
+        learned (None: it had lapsed) and the learned one it replaced, for :meth:`unlearn`."""
         learned = self._learned
         expires_at = min(expires_at, now + self.ttl_s)
         if expires_at <= now:
-            return
-        hint = SessionHint(replica, blocks, last_hash, now, epoch, settles)
-        learned[digest] = (hint, expires_at)
+            return None, None
+        previous = learned.get(digest)
+        hint = learned[digest] = SessionHint(
+            replica, blocks, last_hash, now, epoch, settles, expires_at
+        )
         learned.move_to_end(digest)
         while len(learned) > self.max_sessions:
             learned.popitem(last=False)
+        return hint, previous
 
     def record(
         self,
@@ -156,24 +166,46 @@ class SessionTable:
         the one it has; a later request's stays, and should it be taken back too, the
         session gets ``previous`` back, not ``hint``. So is a ``previous`` taken back
         before: the hint of the last request not taken back comes back."""
-        entries, withdrawn = self._entries, self._withdrawn
-        while previous is not None and previous in withdrawn:
-            previous = withdrawn[previous]
-        if entries.get(session_id) is not hint:
-            # the request recorded after ``hint`` has it as its previous hint
-            withdrawn[hint] = previous
-            withdrawn.move_to_end(hint)
-            while len(withdrawn) > self.max_sessions:
-                withdrawn.popitem(last=False)
-            return
-        if previous is None:
-            del entries[session_id]
-        else:
-            entries[session_id] = previous
+        _take_back(self._entries, self._withdrawn, session_id, hint, previous, self.max_sessions)
+
+    def unlearn(self, digest: int, hint: SessionHint, previous: SessionHint | None) -> None:
+        """Take back :meth:`learn`'s ``hint`` (its sender withdrew the dispatch), as
+        :meth:`undo` does the pod's own: the learned binding it replaced (``previous``)
+        comes back if ``hint`` is still the session's, a later one stays."""
+        _take_back(self._learned, self._unlearned, digest, hint, previous, self.max_sessions)
 
     def forget(self, replica: ReplicaKey) -> None:
         """Drop every session bound to ``replica`` (it left the fleet)."""
         for sid in [s for s, h in self._entries.items() if h.replica == replica]:
             del self._entries[sid]
-        for digest in [d for d, (h, _) in self._learned.items() if h.replica == replica]:
+        for digest in [d for d, h in self._learned.items() if h.replica == replica]:
             del self._learned[digest]
+
+
+_K = TypeVar("_K")
+
+
+def _take_back(
+    table: MutableMapping[_K, SessionHint],
+    withdrawn: OrderedDict[SessionHint, SessionHint | None],
+    key: _K,
+    hint: SessionHint,
+    previous: SessionHint | None,
+    bound: int,
+) -> None:
+    """:meth:`SessionTable.undo` on ``table`` (keyed by session id or digest), the hints
+    taken back while a later one was the key's remembered in ``withdrawn`` (at most
+    ``bound``)."""
+    while previous is not None and previous in withdrawn:
+        previous = withdrawn[previous]
+    if table.get(key) is not hint:
+        # the request recorded after ``hint`` has it as its previous hint
+        withdrawn[hint] = previous
+        withdrawn.move_to_end(hint)
+        while len(withdrawn) > bound:
+            withdrawn.popitem(last=False)
+        return
+    if previous is None:
+        del table[key]
+    else:
+        table[key] = previous

@@ -33,8 +33,9 @@ engines' reports) and the exchange resumes by itself when Redis answers again (a
 empty Redis included).
 
 A snapshot also carries the member's speculative index entries and session bindings made
-since its previous one (router/service/pod_share.py: same message, ``x`` rows; a pending
-dispatch makes a message due); a reader drops, and counts, a message over
+since its previous one, and its withdrawals of those its replicas refused
+(router/service/pod_share.py: same message, ``x`` / ``i`` / ``w`` fields; a pending
+dispatch or withdrawal makes a message due); a reader drops, and counts, a message over
 ``MAX_MESSAGE_BYTES`` or one it cannot parse.
 """
 
@@ -46,7 +47,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +60,7 @@ from router.core.types import ReplicaKey
 from router.service.keys import SETTINGS, STATE, WORKERS
 from router.service.load_share import own_load, parse_load
 from router.service.peer_sum import PEER_SUM, PeerSum, peer_sum, summed
-from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare
+from router.service.pod_share import FIELDS, MAX_MESSAGE_BYTES, PodShare
 from router.service.workers import Workers
 from router.store.schema import POD_TAG
 from router.tasks import running, stop_all
@@ -81,16 +82,19 @@ class Snapshot:
     pod: str
     seq: int
     load: dict[ReplicaKey, PeerLoad]
-    shared: object = None  # the ``x`` rows (router/service/pod_share.py), unchecked
+    # the message's shared fields (router/service/pod_share.py FIELDS: rows, their ids,
+    # withdrawals), unchecked; None: none
+    shared: dict[str, object] | None = None
 
 
 def encode(
-    member: str, pod: str, seq: int, load: LoadTracker, shared: list[list[Any]] | None = None
+    member: str, pod: str, seq: int, load: LoadTracker, shared: Mapping[str, Any] | None = None
 ) -> bytes:
+    """A snapshot: ``shared`` is ``Outbox.take``'s fields (router/service/pod_share.py)."""
     body: dict[str, Any] = own_load(load)
     body.update(m=member, p=pod, s=seq)
     if shared:
-        body["x"] = shared
+        body.update(shared)
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -102,7 +106,8 @@ def decode(data: bytes) -> Snapshot:
     member, pod, seq = doc.get("m"), doc.get("p"), doc.get("s")
     if not isinstance(member, str) or not isinstance(pod, str) or type(seq) is not int:
         raise ValueError("snapshot without m / p / s")
-    return Snapshot(member, pod, seq, parse_load(data), doc.get("x"))
+    shared = {k: doc[k] for k in FIELDS if k in doc}
+    return Snapshot(member, pod, seq, parse_load(data), shared or None)
 
 
 @dataclass(slots=True)
@@ -381,7 +386,7 @@ class PodExchange:
         # reader reads only entries appended after it started
         if seen is None and self.settings.mode == "hash":
             return
-        share.apply(snap.shared, now, age_s)
+        share.apply(snap.shared, now, age_s, snap.member)
 
     def apply(self, now: float) -> None:
         self.peers.update(SOURCE, self.views.total(now))
@@ -520,12 +525,14 @@ class _ExchangeCollector(Collector):
         if ex.share is not None:
             shared = CounterMetricFamily(
                 "kvrouter_pod_exchange_shared",
-                "Speculative entries / session bindings of other members applied here, and "
-                "own dispatches dropped unsent (outbox full)",
+                "Speculative entries / session bindings of other members applied here, those "
+                "taken back since (withdrawn), and own dispatches or withdrawals dropped "
+                "unsent (outbox full)",
                 labels=["kind"],
             )
             shared.add_metric(["speculative"], ex.share.counters.applied_spec)
             shared.add_metric(["session"], ex.share.counters.applied_sessions)
+            shared.add_metric(["withdrawn"], ex.share.counters.withdrawn)
             shared.add_metric(["dropped"], ex.share.outbox.dropped)
             yield shared
 
