@@ -44,7 +44,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from router.bench.measure import emit, percentile
+from router.bench.measure import emit, percentile, use_uvloop
 from router.bench.reliability_bench import KVROUTER, Procs, _free_port, _wait_health
 
 ADMIN = "bench-admin"
@@ -324,12 +324,7 @@ def _idle(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:  # pragma: no cover
-        pass
+    use_uvloop()
     results = []
     scenarios = [s for s in args.scenarios.split(",") if s]
     for name in scenarios:

@@ -79,3 +79,13 @@ def emit(result: dict[str, Any]) -> None:
     """Print one JSON object on stdout (the benchmarks' contract)."""
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
+
+
+def use_uvloop() -> None:
+    """Run the bench's event loops on uvloop, as ``kvrouter serve`` does, where installed."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass

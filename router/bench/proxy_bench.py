@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from router.bench.measure import emit
+from router.bench.measure import emit, use_uvloop
 from router.compile import compiled, service_compiled
 
 MODEL = "bench-model"
@@ -154,12 +154,7 @@ def backend_main(ports: list[int], paced: bool = False) -> None:
     """Serve the canned backend on ``ports`` until killed (runs in its own process);
     ``paced``: see :attr:`_Backend.paced`."""
     _Backend.paced = paced
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
+    use_uvloop()
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

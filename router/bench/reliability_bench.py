@@ -36,7 +36,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from router.bench.measure import emit, percentile
+from router.bench.measure import emit, percentile, use_uvloop
 
 KVROUTER = str(Path(sys.executable).parent / "kvrouter")
 
@@ -179,12 +179,7 @@ async def _sample_rss(pid: int, every: float, out: list[float], stop: asyncio.Ev
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:  # pragma: no cover
-        pass
+    use_uvloop()
     workdir = Path(tempfile.mkdtemp(prefix="kvr-reliability-"))
     procs = Procs(workdir)
     try:

@@ -36,7 +36,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from router.bench.measure import emit, percentile
+from router.bench.measure import emit, percentile, use_uvloop
 from router.bench.reliability_bench import KVROUTER, Procs, _free_port, _wait_health
 
 ENGINE_BLOCK = 16
@@ -242,12 +242,7 @@ async def _measure(
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:  # pragma: no cover
-        pass
+    use_uvloop()
     workdir = Path(tempfile.mkdtemp(prefix="kvr-stalls-"))
     procs = Procs(workdir)
     try:
