@@ -93,6 +93,7 @@ async def _main(args: argparse.Namespace) -> int:
         lease_ttl_s=args.lease_ttl,
         heartbeat_s=args.heartbeat,
         flush_interval_s=args.flush_interval,
+        ask_sources=args.zmq == ["auto"],
     )
     signing_hex = args.signing_key
     store = RedisStore.from_url(
