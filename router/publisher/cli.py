@@ -252,7 +252,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         nargs="+",
         default=[0],
         help="the engine's dp ranks: with one --zmq, rank N publishes on its port + N (and "
-        "--replay port + N), as vLLM and SGLang assign them; else one --zmq per rank",
+        "--replay port + N), as vLLM and SGLang assign them; else one --zmq per rank "
+        "(--zmq auto: the ranks the engine names)",
     )
     p.add_argument("--block-size", type=int, default=64, help="router (canonical) block size")
     p.add_argument(

@@ -87,8 +87,9 @@ class PublisherSettings:
     max_batch_events: int = 8192
     deregister_on_stop: bool = True
     owner: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    # ``endpoints`` were asked of the engine at ``info.url`` (``--zmq auto``): ask it again
-    # now and then, and follow it where it moves (router.events.discovery ``watch``)
+    # ``endpoints`` were asked of the engine at ``info.url`` (``--zmq auto``): the replica is
+    # registered with the ranks they name (not ``info.dp_ranks``); the engine is asked
+    # again now and then, and followed where it moves (router.events.discovery ``watch``)
     ask_sources: bool = False
 
 
@@ -105,6 +106,8 @@ class PublisherStats:
 
 class Publisher:
     def __init__(self, settings: PublisherSettings, store: IndexStore) -> None:
+        if settings.ask_sources:
+            settings = _with_ranks(settings, settings.endpoints)
         self.settings = settings
         self.store = store
         info = settings.info
@@ -179,11 +182,16 @@ class Publisher:
         its cache new): the old subscribers stop, every rank's state is cleared as for an
         engine restart found by its seq (``EngineIngest.clear``: the store keeps none of
         the old engine's blocks), then the new subscribers start and the new engine's
-        history refills it."""
+        history refills it. With ``ask_sources``, ranks the endpoints no longer name are
+        dropped from the registration and new ones added (registered again, republished
+        in full)."""
         old = self.subscribers
         await old.stop()
         self._retired_restarts += old.restarts
         self.ingest.clear(spec.dp_rank for spec in old.specs)
+        if self.settings.ask_sources:
+            self.settings = _with_ranks(self.settings, endpoints)
+            self.writer.set_keys(self.settings.info.replica_keys())
         # in place before it starts: whoever stops the publisher meanwhile stops it
         self.subscribers = SubscriberGroup(self.ingest, endpoints)
         await self.subscribers.start()
@@ -354,7 +362,7 @@ class Publisher:
         await self.subscribers.stop()  # after the tasks: one may have replaced them
 
     async def _load_loop(self) -> None:
-        s = self.settings
+        s = self.settings  # (its ``info.dp_ranks`` may change: ``follow_endpoints``)
         assert self._http is not None and s.engine_metrics_url
         missing = MissingGauges(log)
         while True:
@@ -366,7 +374,7 @@ class Publisher:
                 missing.check(s.info.replica, loads)
                 now = time.time()
                 for rank, load in loads.items():
-                    if rank not in s.info.dp_ranks:
+                    if rank not in self.settings.info.dp_ranks:
                         continue
                     sample = LoadSample(
                         load.running,
@@ -392,6 +400,14 @@ class Publisher:
                 self.stats.scrape_errors += 1
                 log.warning("publisher: load scrape/publish failed: %s", exc)
             await asyncio.sleep(s.load_interval_s)
+
+
+def _with_ranks(
+    settings: PublisherSettings, endpoints: tuple[EndpointSpec, ...]
+) -> PublisherSettings:
+    """``settings`` following ``endpoints``, its replica registered with the ranks they name."""
+    ranks = tuple(sorted({spec.dp_rank for spec in endpoints}))
+    return replace(settings, info=replace(settings.info, dp_ranks=ranks), endpoints=endpoints)
 
 
 class PublisherCollector:
