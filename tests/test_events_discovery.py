@@ -182,11 +182,11 @@ async def test_a_replica_that_moves_its_event_ports_is_followed_there(
     never seen."""
     from aiohttp import web
 
+    from router.events import discovery
     from router.events.model import EngineBlockStored
     from router.events.zmq_pub import KVEventPublisher
-    from router.service import background
 
-    monkeypatch.setattr(background, "SOURCES_RECHECK_S", 0.1)
+    monkeypatch.setattr(discovery, "SOURCES_RECHECK_S", 0.1)
 
     def engine() -> KVEventPublisher:
         pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
@@ -245,3 +245,165 @@ async def test_a_replica_that_moves_its_event_ports_is_followed_there(
         await router.cleanup()
         await runner.cleanup()
         await pub.close()
+
+
+async def test_a_publisher_follows_its_engine_to_the_ports_it_moved_to(
+    monkeypatch: pytest.MonkeyPatch, private_redis: Any
+) -> None:
+    """``kvrouter publish --zmq auto``: the engine (a mock replica binding ``tcp://*:PORT``)
+    restarts publishing on other ports, its cache new. The publisher asks it again, forgets
+    the old engine's blocks in the store (as for a restart found by seq) and follows the new
+    endpoints. Before, it asked once at start: the old blocks stayed in Redis for as long
+    as the sidecar ran and the new engine's were never published."""
+    import aiohttp
+    from aiohttp import web
+
+    from router.core.index import PrefixIndex
+    from router.events import discovery
+    from router.mock.server import create_app
+    from router.publisher.publisher import Publisher, PublisherSettings
+    from router.store.base import ReplicaInfo
+    from router.store.redis_store import RedisStore
+    from router.store.schema import KeySchema
+    from router.store.sync import IndexSync
+
+    monkeypatch.setattr(discovery, "SOURCES_RECHECK_S", 0.1)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+
+    async def engine() -> web.AppRunner:
+        s = MockSettings(
+            model=MODEL, replica="p0", block_size=B, time_scale=0.05,
+            zmq_endpoint=f"tcp://*:{free_port()}", replay_endpoint=f"tcp://*:{free_port()}",
+        )  # fmt: skip
+        runner = web.AppRunner(create_app(s))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    rng = random.Random(5)
+    key = ReplicaKey("p0")
+    index = PrefixIndex()
+
+    def blocks(tokens: list[int]) -> int:
+        return index.match(hash_prompt(tokens, B, root_hash(MODEL)).hashes).get(key).kv_blocks
+
+    async def cached(http: aiohttp.ClientSession, tokens: list[int]) -> None:
+        body = {"model": MODEL, "prompt": tokens, "max_tokens": 1}
+        async with http.post(f"{base}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+        await eventually(lambda: blocks(tokens) == len(tokens) // B)
+
+    store = RedisStore.from_url(private_redis.url, KeySchema("pm"))
+    reader = RedisStore.from_url(private_redis.url, KeySchema("pm"))
+    eng = await engine()
+    info = ReplicaInfo("p0", url=base, model=MODEL, block_size=B)
+    settings = PublisherSettings(
+        info, await discovery.ask(base, "p0"), heartbeat_s=0.1, lease_ttl_s=1.0,
+        ask_sources=True,
+    )  # fmt: skip
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            Publisher(settings, store) as pub,
+            IndexSync(reader, index, audit_interval_s=0.1, block_s=0.05),
+        ):
+            a = [rng.randrange(1, 50_000) for _ in range(4 * B)]
+            await cached(http, a)
+            await eng.cleanup()  # the engine restarts on other ports, its cache empty
+            eng = await engine()
+            await eventually(lambda: blocks(a) == 0)
+            b = [rng.randrange(1, 50_000) for _ in range(4 * B)]
+            await cached(http, b)
+            assert pub.ingest.stats.lost_batches == 0
+    finally:
+        await eng.cleanup()
+        await store.close()
+        await reader.close()
+
+
+async def test_a_publisher_registers_the_ranks_its_engine_names(
+    monkeypatch: pytest.MonkeyPatch, private_redis: Any
+) -> None:
+    """``--zmq auto`` against a data-parallel engine: the replica is registered with the
+    ranks the engine names (two here), so routers read and route to each; the engine then
+    restarts with one rank on other ports, and the registration follows (the second rank's
+    keys dropped). Before, it was registered with ``--dp-ranks`` (rank 0 by default):
+    routers never read the second rank's blocks, and a dp size that changed was not seen."""
+    from aiohttp import web
+
+    from router.core.index import PrefixIndex
+    from router.events import discovery
+    from router.events.model import EngineBlockStored
+    from router.events.zmq_pub import KVEventPublisher
+    from router.publisher.publisher import Publisher, PublisherSettings
+    from router.store.base import ReplicaInfo
+    from router.store.redis_store import RedisStore
+    from router.store.schema import KeySchema
+    from router.store.sync import IndexSync
+
+    monkeypatch.setattr(discovery, "SOURCES_RECHECK_S", 0.1)
+
+    def rank() -> KVEventPublisher:
+        pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+        pub.start()
+        return pub
+
+    ranks = [rank(), rank()]
+
+    async def kv_event_sources(_: web.Request) -> web.Response:
+        return web.json_response(
+            {str(i): _config(p.endpoint, p.replay_endpoint) for i, p in enumerate(ranks)}
+        )
+
+    app = web.Application()
+    app.router.add_get("/kv_event_sources", kv_event_sources)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    base = f"http://127.0.0.1:{port}"
+    rng = random.Random(7)
+    index = PrefixIndex()
+
+    def blocks(tokens: list[int], dp: int) -> int:
+        hashes = hash_prompt(tokens, B, root_hash(MODEL)).hashes
+        return index.match(hashes).get(ReplicaKey("p0", dp)).kv_blocks
+
+    async def stored(dp: int) -> list[int]:
+        """Published on rank ``dp`` until indexed (ZMQ's slow joiner drops the first)."""
+        tokens = [rng.randrange(1, 50_000) for _ in range(B)]
+
+        async def indexed() -> bool:
+            event = EngineBlockStored((rng.getrandbits(63),), None, tuple(tokens), B)
+            await ranks[dp].publish([event], dp)
+            return blocks(tokens, dp) == 1
+
+        await eventually(indexed)
+        return tokens
+
+    store = RedisStore.from_url(private_redis.url, KeySchema("pr"))
+    reader = RedisStore.from_url(private_redis.url, KeySchema("pr"))
+    info = ReplicaInfo("p0", url=base, model=MODEL, block_size=B)  # dp_ranks (0,)
+    settings = PublisherSettings(
+        info, await discovery.ask(base, "p0"), heartbeat_s=0.1, lease_ttl_s=1.0,
+        ask_sources=True,
+    )  # fmt: skip
+    sync = IndexSync(reader, index, audit_interval_s=0.1, block_s=0.05)
+    try:
+        async with Publisher(settings, store), sync:
+            await eventually(lambda: "p0" in sync.infos)
+            assert sync.infos["p0"].dp_ranks == (0, 1)
+            a = await stored(1)
+            for pub in ranks:  # the engine restarts with one rank, on other ports
+                await pub.close()
+            ranks[:] = [rank()]
+            await eventually(lambda: sync.infos["p0"].dp_ranks == (0,))
+            assert blocks(a, 1) == 0
+            await stored(0)
+    finally:
+        await runner.cleanup()
+        for pub in ranks:
+            await pub.close()
+        await store.close()
+        await reader.close()

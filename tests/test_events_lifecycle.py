@@ -57,6 +57,48 @@ def _subscriber(eng: RefEngine, on_payload: Turns) -> ZmqEventSubscriber:
     )
 
 
+class Gate:
+    """A TCP forwarder on loopback that holds the connections made to it until ``open``:
+    a subscriber's SUB socket behind it connects (to the gate) but completes no handshake
+    with the engine until then."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.opened = asyncio.Event()
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.opened.wait()
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pipe(src, dst))
+            self._pipes.add(task)
+            task.add_done_callback(self._pipes.discard)
+
+    @staticmethod
+    async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        finally:
+            dst.close()
+
+    async def close(self) -> None:
+        for task in list(self._pipes):
+            task.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
 async def _stop(task: asyncio.Task[None]) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -131,11 +173,16 @@ async def test_a_backlog_of_live_batches_is_delivered_in_turns_with_the_event_lo
 
 
 def _restart(eng: RefEngine) -> RefEngine:
-    """``eng`` shut down and a new engine on its ports (the old ones are released
-    asynchronously by ZMQ's I/O thread: bound once they are free)."""
+    """``eng`` shut down and a new engine on its ports."""
     port = int(eng.pub._endpoint.rpartition(":")[2])
     replay = int(str(eng.pub._replay_endpoint).rpartition(":")[2])
     eng.close()
+    return _back(port, replay)
+
+
+def _back(port: int, replay: int) -> RefEngine:
+    """A new engine on ``port`` with replay on ``replay`` (an old engine's ports are
+    released asynchronously by ZMQ's I/O thread: bound once they are free)."""
     made: list[RefEngine] = []
 
     def bound() -> bool:
@@ -179,3 +226,96 @@ async def test_a_restarted_engine_is_forgotten_before_its_first_batch() -> None:
     finally:
         await _stop(task)
         (engine if new is None else new).close()
+
+
+async def test_a_subscriber_back_while_its_engine_is_down_catches_up_when_it_returns() -> None:
+    """The subscriber fails and its supervisor runs it again while the engine is down: its
+    catch-up from the last seq gets no answer. The engine then comes back restarted and
+    stays idle. The SUB socket's first handshake is the engine's return: the subscriber
+    catches up then and forgets the old engine. Before, the monitor skipped every socket's
+    first handshake (the one ``run`` had caught up for), so the old engine's blocks stayed
+    until the new engine's first batch."""
+    p = free_port_run(2)
+    engine = RefEngine(ENGINE, p, p + 1)
+    turns = Turns()
+    sub = _subscriber(engine, turns)
+    sub.replay_timeout_s = 0.2
+    restarts: list[int] = []
+    sub.on_restart = lambda: restarts.append(len(turns.seqs))
+    task = asyncio.create_task(sub.run())
+    new: RefEngine | None = None
+    try:
+        for _ in range(3):
+            engine.publish(engine.stored(engine.prompt(2)))
+        await eventually(lambda: turns.seqs == [0, 1, 2])
+        await _stop(task)  # the subscriber fails ...
+        engine.close()  # ... and the engine goes down
+        task = asyncio.create_task(sub.run())  # its supervisor runs it again
+        # its catch-up asked the replay socket, unanswered (held under the lock until then)
+        await eventually(lambda: sub._sub is not None and not sub._lock.locked())
+        assert restarts == [] and sub.last_seq == 2
+        new = _back(p, p + 1)  # restarted, idle
+        await eventually(lambda: restarts == [3])
+        assert sub.last_seq is None and sub.stats.restarts == 1
+    finally:
+        await _stop(task)
+        (engine if new is None else new).close()
+
+
+async def test_a_subscriber_started_before_its_engine_loads_the_history_when_it_comes() -> None:
+    """The subscriber starts while its engine is down (its history fetch unanswered); the
+    engine comes, publishes a few batches that do not reach the SUB socket and goes idle.
+    Its first handshake loads the history: they are delivered. Before, they waited for the
+    engine's next batch."""
+    p = free_port_run(2)
+    engine = RefEngine(ENGINE, p, p + 1)
+    turns = Turns()
+    sub = _subscriber(engine, turns)
+    engine.close()
+    sub.replay_timeout_s = 0.2
+    task = asyncio.create_task(sub.run())
+    new: RefEngine | None = None
+    try:
+        await eventually(lambda: sub._sub is not None and not sub._lock.locked())
+        new = _back(p, p + 1)
+        # published before the event loop runs again: the handshake's fetch comes after
+        new.wire.drop = 3
+        for _ in range(3):
+            new.publish(new.stored(new.prompt(2)))
+        new.wait_sent()
+        await eventually(lambda: turns.seqs == [0, 1, 2])
+        assert sub.stats.replayed == 3
+    finally:
+        await _stop(task)
+        (engine if new is None else new).close()
+
+
+async def test_batches_published_before_the_subscription_joined_are_loaded() -> None:
+    """The history fetch is answered (the engine's buffer is empty) before the SUB socket
+    has joined the engine's PUB (ZMQ connects asynchronously: here a gate holds the
+    connection); the engine publishes a few batches meanwhile, which its PUB drops for
+    want of a subscriber, then goes idle. The first handshake catches up: they are
+    delivered. Before, the first handshake was skipped and they waited for the engine's
+    next batch."""
+    p = free_port_run(2)
+    engine = RefEngine(ENGINE, p, p + 1)
+    gate = Gate(p)
+    await gate.start()
+    turns = Turns()
+    sub = ZmqEventSubscriber(
+        f"tcp://127.0.0.1:{gate.port}", turns, replay_endpoint=f"tcp://127.0.0.1:{p + 1}"
+    )
+    task = asyncio.create_task(sub.run())
+    try:
+        await eventually(lambda: sub._sub is not None and not sub._lock.locked())
+        assert sub.stats.replayed == 0 and sub.last_seq is None  # answered: nothing yet
+        for _ in range(3):
+            engine.publish(engine.stored(engine.prompt(2)))
+        engine.wait_sent()
+        gate.opened.set()
+        await eventually(lambda: turns.seqs == [0, 1, 2])
+        assert sub.stats.replayed == 3
+    finally:
+        await _stop(task)
+        await gate.close()
+        engine.close()

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, MutableMapping, Sequence
 
 from router.core.index import PrefixIndex
-from router.core.types import AllCleared, EventBatch, IndexEvent, ReplicaKey
+from router.core.types import EventBatch, IndexEvent, ReplicaKey
 from router.events.endpoints import EndpointSpec
 from router.events.ingest import EngineFacts, EngineIngest, SubscriberGroup
 
@@ -87,13 +87,12 @@ class DirectEvents:
         ingest = self.ingests.pop(replica, None)
         if ingest is None:
             return
-        ranks = set(ingest.reblockers)
+        ranks: set[int] = set()
         for group in [g for g in self._groups if g.ingest is ingest]:
             self._groups.remove(group)
             await group.stop()
             ranks.update(spec.dp_rank for spec in group.specs)
-        for rank in sorted(ranks):
-            self.index.apply(EventBatch(ReplicaKey(replica, rank), (AllCleared(),)))
+        ingest.clear(ranks)
 
     def _add(
         self,

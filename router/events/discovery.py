@@ -8,17 +8,17 @@ already offset per rank; ``{}`` when events are off). A replica configured with 
 The engine reports the addresses it *binds*: a wildcard host (``*``, ``0.0.0.0``, ``::``)
 becomes the replica's own host from its URL, which is where a subscriber connects; an
 explicit host is kept. :func:`event_sources` reads an answer; :func:`ask` asks until one is
-usable (the router's direct mode and the publisher sidecar both use it); :func:`ask_once`
-asks once (the router asks a followed replica again now and then: one that restarted may
-publish elsewhere).
+usable; :func:`ask_once` asks once; :func:`watch` asks a followed replica again every
+``SOURCES_RECHECK_S`` (one that restarted may publish elsewhere). The router's direct mode
+and the publisher sidecar both use them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -29,6 +29,9 @@ _log = logging.getLogger(__name__)
 
 SOURCES_PATH = "/kv_event_sources"
 _WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+# a replica followed at the endpoints it named is asked again this often (seconds): one
+# restarted publishing elsewhere is followed there (``watch``)
+SOURCES_RECHECK_S = 10.0
 
 
 class NoEventSources(ValueError):
@@ -127,6 +130,27 @@ async def ask_once(replica_url: str) -> tuple[EndpointSpec, ...] | None:
             return await _asked(http, replica_url)
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
+
+
+async def watch(
+    replica_url: str,
+    name: str,
+    specs: tuple[EndpointSpec, ...],
+    moved: Callable[[tuple[EndpointSpec, ...]], Awaitable[None]],
+) -> NoReturn:
+    """Replica ``name`` at ``replica_url`` is followed at ``specs`` (its answer): ask it
+    again every ``SOURCES_RECHECK_S`` and, when it names other endpoints (it restarted
+    publishing on other ports, or with another dp size), call ``moved`` with them (the
+    caller forgets what the old endpoints said and follows the new ones). An answer that
+    fails (the replica down, restarting) changes nothing. Cancel to stop."""
+    while True:
+        await asyncio.sleep(SOURCES_RECHECK_S)
+        now = await ask_once(replica_url)
+        if now is None or now == specs:
+            continue
+        _log.warning("replica %s: its KV events moved; following them anew", name)
+        await moved(now)
+        specs = now
 
 
 async def _asked(http: aiohttp.ClientSession, replica_url: str) -> tuple[EndpointSpec, ...]:

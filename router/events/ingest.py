@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from router.core.types import AllCleared, IndexEvent, ReplicaKey
@@ -148,6 +148,15 @@ class EngineIngest:
         for rank in self._ranks_of.get(source, {default_rank}):
             self.reblocker(rank).clear()
             self.sink(ReplicaKey(self.replica, rank), [AllCleared()])
+
+    def clear(self, ranks: Iterable[int] = ()) -> None:
+        """Forget every source (the engine restarted elsewhere, its cache new): the state
+        of each of ``ranks`` and of every rank a payload named is cleared, as for a source
+        that restarted (``reset_source``)."""
+        for rank in sorted({*ranks, *self.reblockers}):
+            self.reblocker(rank).clear()
+            self.sink(ReplicaKey(self.replica, rank), [AllCleared()])
+        self._ranks_of.clear()
 
     def subscriber(self, spec: EndpointSpec) -> ZmqEventSubscriber:
         def on_payload(seq: int, payload: bytes) -> None:

@@ -27,8 +27,12 @@ subscriber started is known even if the engine stays idle afterwards (a publishe
 next to an idle engine, or one that started after the engine's last requests, would
 otherwise wait for the next event to learn any of it). Live messages that were queued on the
 SUB socket meanwhile and carry a batch the history already delivered (same seq, same
-payload) are duplicates. When the history fetch got nothing (the engine was not answering
-yet), the first live message asks for the history before it instead.
+payload) are duplicates. ZMQ connects asynchronously: the engine's PUB drops what it
+publishes before the subscription reaches it, so when the SUB socket's connection completes
+(its first handshake, and each one after) the subscriber catches up from its last seq, or
+loads the history if it has none yet; an engine that did not answer at start (it was down)
+is caught up on when it comes. The first live message that shows a gap asks for the batches
+before it too.
 """
 
 from __future__ import annotations
@@ -111,7 +115,8 @@ class ZmqEventSubscriber:
             sub.connect(self.endpoint)
             self._sub = sub
             self.connected.set()
-            # subscribed first, so nothing published from here on is missed
+            # what was published before: the first handshake catches up on what came between
+            # this fetch and the subscription reaching the engine (``_watch_reconnects``)
             async with self._lock:
                 if self.last_seq is not None and self.replay_endpoint:
                     await self._catch_up()  # run again after a failure
@@ -133,23 +138,26 @@ class ZmqEventSubscriber:
             self._sub = None
 
     async def _watch_reconnects(self, monitor: zmq.asyncio.Socket) -> None:
-        """Each time the SUB socket connects to the engine again (it reconnects by itself:
-        the engine restarted, or the connection was cut), catch up from the last seq
-        (``_catch_up``): a restarted engine is found before its first batch, and what was
-        published while the connection was down comes back even if the engine stays idle.
-        The first connection is the one ``run`` loaded the history for."""
+        """Each time the SUB socket connects to the engine, catch up from the last seq
+        (``_catch_up``), or with none yet, load the history: ZMQ connects asynchronously,
+        and what the engine published before the subscription reached it (after ``run``'s
+        fetch, or while it did not answer: it was down) was dropped by its PUB socket. It
+        connects again by itself (the engine restarted, or the connection was cut): a
+        restarted engine is found before its first batch, and what was published while the
+        connection was down comes back, even if the engine stays idle."""
         try:
-            first = True
+            again = False
             while True:
                 await monitor.recv_multipart()  # a handshake succeeded
-                if first:
-                    first = False
-                    continue
                 async with self._lock:
                     if self.last_seq is not None:
-                        log.info("%s: reconnected; catching up from seq %d", self.endpoint,
+                        how = "reconnected" if again else "connected"
+                        log.info("%s: %s; catching up from seq %d", self.endpoint, how,
                                  self.last_seq)  # fmt: skip
                         await self._catch_up()
+                    elif self.replay_history:
+                        await self._load_history()
+                again = True
         except Exception:  # the subscriber goes on, seeing gaps and restarts by their seqs
             log.exception("%s: reconnection watch failed", self.endpoint)
 
@@ -208,7 +216,7 @@ class ZmqEventSubscriber:
         deliver what came after it, or, when the engine no longer holds that very batch under
         that seq (it restarted meanwhile), forget the engine and load the new one's
         history. Batches the buffer moved past are lost; with no answer, the next live batch
-        shows any gap or restart."""
+        or (``_watch_reconnects``) the next connection shows any gap or restart."""
         last = self.last_seq
         assert last is not None
         got, answered = await self._fetch(last)

@@ -93,6 +93,7 @@ async def _main(args: argparse.Namespace) -> int:
         lease_ttl_s=args.lease_ttl,
         heartbeat_s=args.heartbeat,
         flush_interval_s=args.flush_interval,
+        ask_sources=args.zmq == ["auto"],
     )
     signing_hex = args.signing_key
     store = RedisStore.from_url(
@@ -251,7 +252,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         nargs="+",
         default=[0],
         help="the engine's dp ranks: with one --zmq, rank N publishes on its port + N (and "
-        "--replay port + N), as vLLM and SGLang assign them; else one --zmq per rank",
+        "--replay port + N), as vLLM and SGLang assign them; else one --zmq per rank "
+        "(--zmq auto: the ranks the engine names)",
     )
     p.add_argument("--block-size", type=int, default=64, help="router (canonical) block size")
     p.add_argument(

@@ -4,7 +4,10 @@ Life cycle (``start``):
 1. resume the stored sequence numbers, register the replica (info + lease), and write an
    empty full state (the publisher does not know the engine's cache yet; engines cannot dump
    it) -- the ZMQ replay buffer then refills what the engine still remembers;
-2. follow the engine endpoints (``EngineIngest``: decode, re-block, per-rank state);
+2. follow the engine endpoints (``EngineIngest``: decode, re-block, per-rank state); with
+   ``ask_sources`` (``--zmq auto``), ask the engine where it publishes every
+   ``discovery.SOURCES_RECHECK_S`` and follow other endpoints it names
+   (``follow_endpoints``: the old engine's blocks are forgotten);
 3. flush batched changes every ``flush_interval_s`` or ``max_batch_events`` block events;
 4. heartbeat every ``heartbeat_s``: a missing lease (expired, or Redis lost its data) means
    register again and republish the full state; a failed write also forces a full republish;
@@ -84,6 +87,10 @@ class PublisherSettings:
     max_batch_events: int = 8192
     deregister_on_stop: bool = True
     owner: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # ``endpoints`` were asked of the engine at ``info.url`` (``--zmq auto``): the replica is
+    # registered with the ranks they name (not ``info.dp_ranks``); the engine is asked
+    # again now and then, and followed where it moves (router.events.discovery ``watch``)
+    ask_sources: bool = False
 
 
 @dataclass(slots=True)
@@ -99,6 +106,8 @@ class PublisherStats:
 
 class Publisher:
     def __init__(self, settings: PublisherSettings, store: IndexStore) -> None:
+        if settings.ask_sources:
+            settings = _with_ranks(settings, settings.endpoints)
         self.settings = settings
         self.store = store
         info = settings.info
@@ -111,6 +120,7 @@ class Publisher:
             info.replica, info.model, info.block_size, self._sink, on_checkpoint=self._checkpoint
         )
         self.subscribers = SubscriberGroup(self.ingest, settings.endpoints)
+        self._retired_restarts = 0  # ``restarts`` of the subscriber groups replaced
         self.stats = PublisherStats()
         self._wake = asyncio.Event()
         self._check_seqs = False  # set by a heartbeat; done by the flush loop (no write then)
@@ -162,6 +172,39 @@ class Publisher:
         )
         self.info = info
 
+    @property
+    def subscriber_restarts(self) -> int:
+        """Subscribers restarted after failing, those of endpoints no longer followed too."""
+        return self._retired_restarts + self.subscribers.restarts
+
+    async def follow_endpoints(self, endpoints: tuple[EndpointSpec, ...]) -> None:
+        """Follow the engine at ``endpoints`` instead (it restarted publishing elsewhere,
+        its cache new): the old subscribers stop, every rank's state is cleared as for an
+        engine restart found by its seq (``EngineIngest.clear``: the store keeps none of
+        the old engine's blocks), then the new subscribers start and the new engine's
+        history refills it. With ``ask_sources``, ranks the endpoints no longer name are
+        dropped from the registration and new ones added (registered again, republished
+        in full)."""
+        old = self.subscribers
+        await old.stop()
+        self._retired_restarts += old.restarts
+        self.ingest.clear(spec.dp_rank for spec in old.specs)
+        if self.settings.ask_sources:
+            self.settings = _with_ranks(self.settings, endpoints)
+            self.writer.set_keys(self.settings.info.replica_keys())
+        # in place before it starts: whoever stops the publisher meanwhile stops it
+        self.subscribers = SubscriberGroup(self.ingest, endpoints)
+        await self.subscribers.start()
+
+    async def _follow_sources(self) -> None:
+        from router.events.discovery import watch
+
+        info = self.settings.info
+        try:
+            await watch(info.url, info.replica, self.subscribers.specs, self.follow_endpoints)
+        except Exception:
+            log.exception("publisher: following %s's KV event endpoints failed", info.replica)
+
     def _sink(self, key: ReplicaKey, events: list[IndexEvent]) -> None:
         self.writer.add(key, events)
         if self.writer.pending_events >= self.settings.max_batch_events:
@@ -186,13 +229,18 @@ class Publisher:
         if self.settings.engine_metrics_url:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
             self._tasks.append(asyncio.create_task(self._load_loop(), name="publisher-load"))
+        if self.settings.ask_sources:
+            self._tasks.append(
+                asyncio.create_task(self._follow_sources(), name="publisher-sources")
+            )
 
     async def stop(self) -> None:
-        await self.subscribers.stop()
         # re-cancelled until they end: a cancel the Redis client swallows whole (the command
-        # returns, the loop sleeps again) would otherwise keep stop waiting forever
+        # returns, the loop sleeps again) would otherwise keep stop waiting forever; the
+        # subscribers after them (one may have replaced them)
         await stop_all(self._tasks)
         self._tasks = []
+        await self.subscribers.stop()
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -309,12 +357,12 @@ class Publisher:
         if self.stats.superseded:
             return  # the other loop found it first and is stopping this one
         self.stats.superseded = True
-        await self.subscribers.stop()
         me = asyncio.current_task()
         await stop_all([t for t in self._tasks if t is not me])
+        await self.subscribers.stop()  # after the tasks: one may have replaced them
 
     async def _load_loop(self) -> None:
-        s = self.settings
+        s = self.settings  # (its ``info.dp_ranks`` may change: ``follow_endpoints``)
         assert self._http is not None and s.engine_metrics_url
         missing = MissingGauges(log)
         while True:
@@ -326,7 +374,7 @@ class Publisher:
                 missing.check(s.info.replica, loads)
                 now = time.time()
                 for rank, load in loads.items():
-                    if rank not in s.info.dp_ranks:
+                    if rank not in self.settings.info.dp_ranks:
                         continue
                     sample = LoadSample(
                         load.running,
@@ -354,6 +402,14 @@ class Publisher:
             await asyncio.sleep(s.load_interval_s)
 
 
+def _with_ranks(
+    settings: PublisherSettings, endpoints: tuple[EndpointSpec, ...]
+) -> PublisherSettings:
+    """``settings`` following ``endpoints``, its replica registered with the ranks they name."""
+    ranks = tuple(sorted({spec.dp_rank for spec in endpoints}))
+    return replace(settings, info=replace(settings.info, dp_ranks=ranks), endpoints=endpoints)
+
+
 class PublisherCollector:
     """Prometheus collector over a publisher's counters (read at scrape time)."""
 
@@ -379,7 +435,7 @@ class PublisherCollector:
             ),
             "kvrouter_publisher_subscriber_restarts": (
                 "KV event subscribers restarted after failing",
-                p.subscribers.restarts,
+                p.subscriber_restarts,
             ),
             "kvrouter_publisher_block_events": ("canonical block events written", w.block_events),
             "kvrouter_publisher_flushes": ("store writes (batches or resets)", w.flushes),

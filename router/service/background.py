@@ -33,9 +33,6 @@ _log = logging.getLogger("kvrouter.service")
 # an engine load report older than this many ``server.engine_metrics_interval_s`` is dropped
 # (direct scrapes and the publishers' reports alike; the publishers' default interval is 1 s)
 REPORT_STALE_INTERVALS = 10
-# a replica with ``zmq = "auto"`` that is followed is asked where it publishes this often
-# (seconds): one restarted publishing elsewhere is followed there
-SOURCES_RECHECK_S = 10.0
 
 
 async def upstream_session(app: web.Application) -> AsyncIterator[None]:
@@ -275,23 +272,18 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 
 async def _discover(app: web.Application, direct: DirectEvents, rep: ReplicaSettings) -> None:
     """A replica with ``zmq = "auto"``: ask it where it publishes until it answers
-    (router.events.discovery ``ask``), then follow those endpoints; ask it again every
-    ``SOURCES_RECHECK_S`` and, when it names other endpoints (it restarted publishing on
-    other ports, or with another dp size), forget what the old ones said and follow the new
-    ones (``DirectEvents.unfollow``). An answer that fails changes nothing."""
-    from router.events.discovery import ask, ask_once
+    (router.events.discovery ``ask``), then follow those endpoints; when it names other
+    endpoints later (``discovery.watch``), forget what the old ones said and follow the new
+    ones (``DirectEvents.unfollow``)."""
+    from router.events.discovery import ask, watch
+
+    async def moved(specs: tuple[EndpointSpec, ...]) -> None:
+        await direct.unfollow(rep.name)
+        await _follow(app, direct, rep, specs)
 
     specs = await ask(rep.url, rep.name)
     await _follow(app, direct, rep, specs)
-    while True:
-        await asyncio.sleep(SOURCES_RECHECK_S)
-        now = await ask_once(rep.url)
-        if now is None or now == specs:
-            continue
-        _log.warning("replica %s: its KV events moved; following them anew", rep.name)
-        await direct.unfollow(rep.name)
-        specs = now
-        await _follow(app, direct, rep, specs)
+    await watch(rep.url, rep.name, specs, moved)
 
 
 async def _follow(

@@ -38,6 +38,12 @@ class StoreWriter:
             self.needs_reset = True
         return st
 
+    def set_keys(self, keys: Iterable[ReplicaKey]) -> None:
+        """Write ``keys`` from now on (the replica's ranks changed): the states of other
+        keys are dropped, new ones start empty, and a full reset is due."""
+        self.states = {k: self.states.get(k) or ReplicaState(k) for k in keys}
+        self.needs_reset = True
+
     def add(self, key: ReplicaKey, events: Iterable[IndexEvent]) -> None:
         """Fold canonical events of ``key`` in; they are written at the next flush."""
         evs = list(events)
