@@ -15,7 +15,7 @@ import pytest
 
 from router.core.hashing import hash_prompt, root_hash
 from router.core.types import BlocksRemoved, BlocksStored, Kind, Tier
-from router.events.model import EngineBlockStored, EngineEvent
+from router.events.model import EngineBlockRemoved, EngineBlockStored, EngineEvent
 from router.events.reblock import Reblocker
 from router.mock.kv_events import EngineEventEncoder
 
@@ -73,12 +73,24 @@ def _with_lookahead(events: list[EngineEvent]) -> list[EngineEvent]:
     ]
 
 
+def _second_state_group(events: list[EngineEvent]) -> list[EngineEvent]:
+    """A model with two state-like groups (two mamba groups, or two windows): every event of
+    the mock's state group (1) published for group 2 as well."""
+    out: list[EngineEvent] = []
+    for ev in events:
+        out.append(ev)
+        if isinstance(ev, EngineBlockStored | EngineBlockRemoved) and ev.group_idx == 1:
+            out.append(dataclasses.replace(ev, group_idx=2))
+    return out
+
+
 def _feed(
     reblocker: Reblocker,
     encoder: EngineEventEncoder,
     rng: random.Random,
     n: int,
     lookahead: bool = False,
+    two_state_groups: bool = False,
 ) -> None:
     """``n`` prompts of 8 router blocks stored on GPU with a checkpoint at their end, half of
     them offloaded to CPU, a quarter evicted from GPU afterwards."""
@@ -86,15 +98,22 @@ def _feed(
         tokens = [rng.randrange(50_000) for _ in range(8 * 64)]
         hashes = tuple(hash_prompt(tokens, 64, root_hash(MODEL)).hashes)
         encoder.learn(list(hashes), tokens)
-        events = [BlocksStored(hashes), BlocksStored(hashes[-1:], Tier.GPU, Kind.STATE)]
+        # a window's checkpoint at the end needs the window before it (two router blocks)
+        state = hashes[-2:] if encoder.sliding_window else hashes[-1:]
+        events = [BlocksStored(hashes), BlocksStored(state, Tier.GPU, Kind.STATE)]
         if i % 2:
             events.append(BlocksStored(hashes, Tier.CPU))
         engine_events = encoder.convert(events)
         if lookahead:
             engine_events = _with_lookahead(engine_events)
+        if two_state_groups:
+            engine_events = _second_state_group(engine_events)
         assert reblocker.convert(engine_events)
         if i % 4 == 1:
-            assert reblocker.convert(encoder.convert([BlocksRemoved(hashes[4:])]))
+            removed = encoder.convert([BlocksRemoved(hashes[4:])])
+            if two_state_groups:
+                removed = _second_state_group(removed)
+            assert reblocker.convert(removed)
 
 
 def test_engine_block_records_are_not_tracked_by_the_garbage_collector() -> None:
@@ -116,28 +135,37 @@ def test_engine_block_records_are_not_tracked_by_the_garbage_collector() -> None
 
 
 @pytest.mark.parametrize(
-    ("engine_block", "lookahead", "window"),
-    [(16, False, 0), (64, False, 0), (256, False, 0), (16, True, 0), (16, False, 128)],
+    ("engine_block", "lookahead", "window", "two_groups"),
+    [
+        (16, False, 0, False),
+        (64, False, 0, False),
+        (256, False, 0, False),
+        (16, True, 0, False),
+        (16, False, 128, False),
+        (16, False, 0, True),
+        (16, False, 128, True),
+    ],
 )
 def test_a_full_collection_walks_no_table_of_engine_blocks(
-    engine_block: int, lookahead: bool, window: int
+    engine_block: int, lookahead: bool, window: int, two_groups: bool
 ) -> None:
     """A dict is tracked again as soon as a tracked key or value goes in (a fresh tuple is,
     until a collection): tables keyed by (group, hash) tuples, or holding tuple records,
     made every full collection after fresh stores walk all their entries (~100 ms at
     450,000 engine blocks, growing with the fleet); a sliding-window group's blocks were
-    objects of their own. What a full collection following a few stores walks must not
-    grow with the blocks a reblocker holds."""
+    objects of their own; with two state-like groups, the checkpoints each holds were sets
+    (always tracked). What a full collection following a few stores walks must not grow
+    with the blocks a reblocker holds."""
     rng = random.Random(11)
     reblocker = Reblocker(64, MODEL)
     encoder = EngineEventEncoder(64, engine_block, sliding_window=window)
-    _feed(reblocker, encoder, rng, 8, lookahead)
+    _feed(reblocker, encoder, rng, 8, lookahead, two_groups)
     _collect()
-    _feed(reblocker, encoder, rng, 2, lookahead)  # what a live router did since
+    _feed(reblocker, encoder, rng, 2, lookahead, two_groups)  # what a live router did since
     few = walked_within(reblocker)
     blocks = len(reblocker)
-    _feed(reblocker, encoder, rng, 200, lookahead)
+    _feed(reblocker, encoder, rng, 200, lookahead, two_groups)
     _collect()
-    _feed(reblocker, encoder, rng, 2, lookahead)
+    _feed(reblocker, encoder, rng, 2, lookahead, two_groups)
     assert len(reblocker) > 20 * blocks
     assert walked_within(reblocker) <= few

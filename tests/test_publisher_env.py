@@ -154,3 +154,38 @@ def test_a_metrics_port_taken_stops_the_command_before_it_registers(
         client.close()
     assert out.returncode == 2 and f"--metrics-port {port}" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "flags"),
+    [
+        ({}, ["--zmq", "auto", "--dp-ranks", "0", "1"]),
+        ({"KVROUTER_PUBLISHER__DP_RANKS": "0,1"}, ["--zmq", "auto"]),
+        ({"KVROUTER_PUBLISHER__ZMQ": "auto"}, ["--dp-ranks", "0"]),
+        ({"KVROUTER_PUBLISHER__ZMQ": "auto", "KVROUTER_PUBLISHER__DP_RANKS": "0"}, []),
+    ],
+    ids=["flags", "ranks-from-env", "auto-from-env", "both-from-env"],
+)
+def test_ranks_given_with_zmq_auto_stop_the_command(env: dict[str, str], flags: list[str]) -> None:
+    """``--zmq auto`` registers the ranks the engine names: ``--dp-ranks`` given as well
+    (even ``0``, the default's value; or from the environment) was silently ignored, the
+    command waiting for the engine. It is refused before anything starts, naming both."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.ports import free_port
+
+    argv = ["publish", "--replica", "r0", "--model", "m", *flags]
+    argv += ["--url", f"http://127.0.0.1:{free_port()}"]  # nothing listens: never answers
+    argv += ["--redis", f"redis://127.0.0.1:{free_port()}/0"]
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **env},
+    )
+    assert out.returncode == 2, out.stderr
+    assert "--dp-ranks" in out.stderr and "--zmq auto" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

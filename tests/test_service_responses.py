@@ -189,7 +189,7 @@ async def test_a_stored_response_keeps_its_conversation_on_its_replica(stream: b
     store, as vLLM with ``VLLM_ENABLE_RESPONSES_API_STORE=1``): a chain of requests naming
     the previous response each reach its holder (elsewhere the engine answers 404), and so
     do ``GET /v1/responses/{id}`` and its cancel; an id the router never saw is a 404 in
-    OpenAI's shape, and a ``store: false`` answer's id is not remembered."""
+    OpenAI's shape, and a ``store: false`` or ``null`` answer's id is not remembered."""
     runners: list[web.AppRunner] = []
     try:
         replicas = await _fleet(2, runners)
@@ -201,6 +201,7 @@ async def test_a_stored_response_keeps_its_conversation_on_its_replica(stream: b
         state = router.app[STATE]
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         first = await _ask(client, stream, _items(1))
+        assert not hasattr(first, "store")  # vLLM 0.34's Response has none, nor the mock's
         holder = state.recent_decisions(1)[0]["replica"]
         previous = first.id
         for i in range(4):
@@ -225,6 +226,14 @@ async def test_a_stored_response_keeps_its_conversation_on_its_replica(stream: b
             await client.responses.retrieve("resp_unknown")
         unstored = await _ask(client, stream, "x", store=False)
         assert state.response_ids.get(unstored.id) is None
+        # vLLM 0.34: ``store`` is ``bool | None`` and only a true value stores (``if
+        # request.store:``): ``null`` stores nothing, neither the router nor the replica
+        unstored = await _ask(client, stream, "y", extra_body={"store": None})
+        assert state.response_ids.get(unstored.id) is None
+        async with aiohttp.ClientSession() as http:
+            for base in (replica["url"] for replica in replicas):
+                async with http.get(f"{base}/v1/responses/{unstored.id}") as r:
+                    assert r.status == 404
         assert state.response_ids.get(previous) is not None
         await client.close()
     finally:

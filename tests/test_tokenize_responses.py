@@ -25,7 +25,7 @@ from router.service.render_answer import renderable
 from router.service.response_ids import ResponseIds, id_of_answer, id_of_stream
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
-from router.tokenize.responses import is_harmony, responses_prompt, to_chat_body
+from router.tokenize.responses import is_harmony, responses_prompt, stores, to_chat_body
 from router.tokenize.template import ChatTemplate
 from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
 
@@ -256,3 +256,19 @@ def test_responses_are_never_disaggregated_nor_rendered_with_history() -> None:
     assert keep_local({"input": "hi"}, "responses") == "responses_api"
     assert renderable("responses", {"input": "hi"})
     assert not renderable("responses", {"input": "hi", "previous_response_id": "resp_1"})
+
+
+@pytest.mark.parametrize(
+    "value",
+    [None, True, False, 0, 1, 0.0, 1.0, "false", "False", "no", "off", "0", "f", "n",
+     "true", "TRUE", "yes", "on", "1", "t", "y"],
+)  # fmt: skip
+def test_the_store_rule_is_vllms(value: object) -> None:
+    """vLLM 0.34's ``ResponsesRequest.store: bool | None = True`` read by pydantic (lax: the
+    strings and numbers it takes as booleans), and ``serving_responses`` stores when it is
+    true (``if request.store:``): ``null`` and every false spelling store nothing."""
+    from pydantic import TypeAdapter
+
+    engine = TypeAdapter(bool | None).validate_python(value)
+    assert stores({"store": value}) is bool(engine)
+    assert stores({}) is True  # the field's default

@@ -17,6 +17,11 @@ every tier). What it publishes is their intersection. A group first seen after c
 were published (the router learns an engine's groups from its events) withdraws those it
 does not hold.
 
+A group's checkpoints are the keys of a dict of int -> int (the value is unused, 0), not a
+set: a set is always tracked by the garbage collector (every full collection would walk
+every checkpoint), a dict holding only ints never is (tests/test_events_gc.py;
+router/events/block_table.py says why that matters).
+
 Pure: no I/O, no clock; the caller turns the hashes returned into index events.
 """
 
@@ -33,7 +38,10 @@ class StateGroups:
     def __init__(self, held: Mapping[int, Iterable[int]]) -> None:
         """``held``: the groups known so far and what each holds; their intersection is what
         is published from now on (the caller publishes nothing else)."""
-        self._held: dict[int, set[int]] = {group: set(hashes) for group, hashes in held.items()}
+        # group -> its checkpoints (keys; module docstring)
+        self._held: dict[int, dict[int, int]] = {
+            group: dict.fromkeys(hashes, 0) for group, hashes in held.items()
+        }
 
     def __contains__(self, group: int) -> bool:
         return group in self._held
@@ -43,12 +51,12 @@ class StateGroups:
 
     def published(self) -> set[int]:
         """The checkpoints every group holds."""
-        sets = sorted(self._held.values(), key=len)
-        if not sets:
+        held = sorted(self._held.values(), key=len)
+        if not held:
             return set()
-        out = set(sets[0])
-        for other in sets[1:]:
-            out &= other
+        out = set(held[0])
+        for other in held[1:]:
+            out &= other.keys()
         return out
 
     def join(self, group: int, held: Iterable[int] = ()) -> list[int]:
@@ -57,19 +65,20 @@ class StateGroups:
         if group in self._held:
             return []
         before = self.published()
-        mine = self._held[group] = set(held)
+        mine = self._held[group] = dict.fromkeys(held, 0)
         return [h for h in before if h not in mine]
 
     def stored(self, group: int, hashes: Iterable[int]) -> list[int]:
         """``group`` now holds ``hashes``: those every group holds (to publish; ones
         published already are announced again, as a single group's would be)."""
-        mine = self._held.setdefault(group, set())
-        others = [held for g, held in self._held.items() if g != group]
-        out = []
-        for h in hashes:
-            mine.add(h)
-            if all(h in held for held in others):
-                out.append(h)
+        mine = self._held.get(group)
+        if mine is None:
+            mine = self._held[group] = {}
+        out = list(hashes)
+        mine.update(dict.fromkeys(out, 0))
+        for g, held in self._held.items():
+            if g != group:
+                out = [h for h in out if h in held]
         return out
 
     def removed(self, group: int, hashes: Iterable[int]) -> list[int]:
@@ -77,18 +86,19 @@ class StateGroups:
         mine = self._held.get(group)
         if mine is None:
             return []
-        others = [held for g, held in self._held.items() if g != group]
         out = []
         for h in hashes:
             if h in mine:
-                mine.discard(h)
-                if all(h in held for held in others):
-                    out.append(h)
+                del mine[h]
+                out.append(h)
+        for g, held in self._held.items():
+            if g != group:
+                out = [h for h in out if h in held]
         return out
 
     def reset(self, held: Mapping[int, Iterable[int]]) -> set[int]:
         """Every group's holdings replaced (the engine cleared its cache and kept some
         blocks; a group not named holds nothing): what is published now."""
         for group in self._held:
-            self._held[group] = set(held.get(group, ()))
+            self._held[group] = dict.fromkeys(held.get(group, ()), 0)
         return self.published()

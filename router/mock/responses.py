@@ -16,8 +16,10 @@ what the mock's tokenizer renders) and writing the answer as a ``Response``:
 
 The store: vLLM keeps responses (and the chat messages that made them) only with
 ``VLLM_ENABLE_RESPONSES_API_STORE=1``; the mock keeps them as if that were set, for bodies
-with ``store`` not false (bounded), so ``previous_response_id``, ``GET /v1/responses/{id}``
-and ``POST /v1/responses/{id}/cancel`` work, and an unknown id is vLLM's 404. A request
+whose ``store`` is absent or true (router.tokenize.responses ``stores``: ``null`` stores
+nothing), bounded, so ``previous_response_id``, ``GET /v1/responses/{id}`` and
+``POST /v1/responses/{id}/cancel`` work, and an unknown id is vLLM's 404. vLLM 0.34's
+``Response`` has no ``store`` field, nor has the mock's. A request
 naming a previous response renders as vLLM renders it: the instructions, the previous
 messages but their system ones, the previous answer as an assistant message, then the new
 input (``construct_input_messages``).
@@ -180,7 +182,6 @@ def response(
         "reasoning": body.get("reasoning"),
         "service_tier": body.get("service_tier", "auto"),
         "status": status,
-        "store": body.get("store", True) is not False,
         "text": None,
         "truncation": body.get("truncation", "disabled"),
         "usage": used,

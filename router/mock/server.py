@@ -65,6 +65,7 @@ from router.mock.preprocess import handlers
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
 from router.tokenize.anthropic import to_chat_body
 from router.tokenize.request_fields import sampled_sequences
+from router.tokenize.responses import stores
 
 log = logging.getLogger(__name__)
 
@@ -530,7 +531,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         used = resp.usage(req.prompt_tokens, cached, produced)
         text = "".join(words)
         answer = resp.response(body, rids, model, text, status, used, req.max_output_tokens)
-        if body.get("store", True) is not False:
+        if stores(body):
             history = resp.chat_body(state.responses, body)["messages"]
             state.responses.put(rids[0], resp.Stored(history, answer))
         if response is not None:

@@ -167,6 +167,23 @@ def check_timing(args: argparse.Namespace) -> None:
         raise ValueError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
 
 
+def check_ranks(args: argparse.Namespace) -> None:
+    """Raise ValueError for ``--dp-ranks`` given with ``--zmq auto`` (on the command line or
+    in the environment): the engine names its ranks then, and they would be ignored (an
+    operator giving both means one of them, and a warning in a sidecar's log is read too
+    late). Else fill in the default, rank 0 (``--dp-ranks`` parses to None when not given,
+    so that a given ``0`` is told from it)."""
+    if args.dp_ranks is None:
+        args.dp_ranks = [0]
+    elif args.zmq == ["auto"]:
+        ranks = " ".join(map(str, args.dp_ranks))
+        raise ValueError(
+            f"--dp-ranks ({ranks}) cannot be given with --zmq auto: the ranks are the ones "
+            "the engine names (GET /kv_event_sources); drop --dp-ranks "
+            "(or KVROUTER_PUBLISHER__DP_RANKS), or give the endpoints instead of auto"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -176,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         check(args, os.environ)
+        check_ranks(args)
         check_timing(args)
     except ValueError as exc:
         print(f"kvrouter publish: {exc}", file=sys.stderr)
@@ -250,10 +268,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--dp-ranks",
         type=int,
         nargs="+",
-        default=[0],
-        help="the engine's dp ranks: with one --zmq, rank N publishes on its port + N (and "
-        "--replay port + N), as vLLM and SGLang assign them; else one --zmq per rank "
-        "(--zmq auto: the ranks the engine names)",
+        default=None,  # rank 0; None tells "not given" (refused with --zmq auto)
+        help="the engine's dp ranks (default: 0): with one --zmq, rank N publishes on its "
+        "port + N (and --replay port + N), as vLLM and SGLang assign them; else one --zmq "
+        "per rank (not with --zmq auto: the ranks the engine names)",
     )
     p.add_argument("--block-size", type=int, default=64, help="router (canonical) block size")
     p.add_argument(

@@ -53,7 +53,7 @@ from router.tokenize.anthropic import session_of as anthropic_session
 from router.tokenize.lax import INVALID, lax_bool, lax_int
 from router.tokenize.pipeline import ProcessedPrompt
 from router.tokenize.request_fields import asks_prompt_logprobs, sampled_sequences
-from router.tokenize.responses import previous_response, responses_prompt
+from router.tokenize.responses import previous_response, responses_prompt, stores
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
@@ -293,7 +293,7 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
         keep_local=disagg.keep_local(body, kind),
         prefill_caps=disagg.prefill_caps(body),
         previous_response=previous_response(body) if responses else None,
-        stores=responses and body.get("store", True) is not False,
+        stores=responses and stores(body),
     )
 
 

@@ -251,6 +251,24 @@ def responses_prompt(processor: PromptProcessor, body: Mapping[str, Any]) -> Pro
     return prompt if conv.exact and not harmony else replace(prompt, exact=False)
 
 
+# the strings pydantic's (lax) ``bool`` reads as true; its false ones, and ``null``, store
+# nothing, and a value it refuses is the engine's 400 (nothing stored either)
+_TRUE_STRINGS = frozenset(("1", "on", "t", "true", "y", "yes"))
+
+
+def stores(body: Mapping[str, Any]) -> bool:
+    """Whether the engine keeps the response a Responses API ``body`` asks for (with its
+    store enabled): vLLM 0.34's ``ResponsesRequest.store`` is ``bool | None`` defaulting to
+    true, and ``serving_responses`` stores only when it is true (``if request.store:``), so
+    an absent ``store`` stores and ``"store": null`` does not."""
+    value = body.get("store", True)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return value == 1
+    return isinstance(value, str) and value.lower() in _TRUE_STRINGS
+
+
 def previous_response(body: Mapping[str, Any]) -> str | None:
     """The ``previous_response_id`` a body names, if a non-empty string."""
     found = body.get("previous_response_id")
