@@ -522,3 +522,35 @@ async def test_an_engine_restart_is_found_when_the_subscriber_reconnects() -> No
     finally:
         await direct.stop()
         await pub.close()
+
+
+async def test_a_task_cancelled_while_it_unfollows_a_replica_ends_cancelled(
+    pub: KVEventPublisher,
+) -> None:
+    """The router's discovery task (``zmq = "auto"``) unfollows a replica that moved its
+    ports and follows it anew; the router stops it meanwhile (one cancel, then it waits
+    for the task). The cancellation reaches the task while its subscribers stop: the task
+    ends there, and the replica's blocks are cleared all the same. Before, stopping the
+    subscribers swallowed the caller's cancellation too: the task went on following the
+    replica and watching it, and the router's shutdown waited for it forever."""
+    eng, index = Engine(), PrefixIndex()
+    direct = await _follow(pub, index)
+    went_on: list[str] = []
+    try:
+        tokens = eng.prompt(4)
+        await pub.publish([eng.stored(tokens, 0, 4)])
+        await eventually(lambda: index.match(canonical(tokens)).get(KEY).kv_blocks == 2)
+
+        async def moved() -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()  # delivered at its first wait: the subscribers' stopping
+            await direct.unfollow("eng")
+            went_on.append("followed again")
+
+        task = asyncio.create_task(moved())
+        await asyncio.wait({task}, timeout=10)
+        assert task.cancelled() and went_on == []
+        assert index.match(canonical(tokens)).get(KEY).kv_blocks == 0
+    finally:
+        await direct.stop()

@@ -12,6 +12,7 @@ loop, so index mutations never race with lookups.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, MutableMapping, Sequence
 
@@ -88,11 +89,17 @@ class DirectEvents:
         if ingest is None:
             return
         ranks: set[int] = set()
+        cancelled = False
         for group in [g for g in self._groups if g.ingest is ingest]:
             self._groups.remove(group)
-            await group.stop()
             ranks.update(spec.dp_rank for spec in group.specs)
+            try:
+                await group.stop()
+            except asyncio.CancelledError:  # the router stopping: raised once all are
+                cancelled = True
         ingest.clear(ranks)
+        if cancelled:
+            raise asyncio.CancelledError
 
     def _add(
         self,

@@ -10,7 +10,6 @@ partial garbage, and nothing here raises on input.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -239,10 +238,21 @@ class SubscriberGroup:
                 backoff = min(2 * backoff, most)
 
     async def stop(self) -> None:
+        """Stop the subscribers and wait until they have ended. A cancellation of the caller
+        meanwhile is raised once they have (never swallowed: a task stopping them, then
+        going on, is stopped)."""
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
+        cancelled = False
+        while not all(task.done() for task in tasks):
+            try:
+                await asyncio.wait(tasks)  # raises only the caller's own cancellation
+            except asyncio.CancelledError:
+                cancelled = True
         for task in tasks:
             # a task that ended with an error ended in ``start``, which raised it
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            if not task.cancelled():
+                task.exception()
+        if cancelled:
+            raise asyncio.CancelledError

@@ -32,7 +32,6 @@ of the prefix it ends (None off a router block boundary).
 from __future__ import annotations
 
 import heapq
-import marshal
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -72,7 +71,9 @@ class WindowGroup:
     """One sliding-window group of one engine: which cached blocks complete a window.
     Blocks are keyed by engine hash in int-valued dicts (never GC-tracked)."""
 
-    __slots__ = ("_canonical", "_child", "_children", "_parent", "_word", "need", "visits")
+    __slots__ = (
+        "_canonical", "_child", "_last", "_next", "_parent", "_prev", "_word", "need", "visits",
+    )  # fmt: skip
 
     def __init__(self, need: int) -> None:
         if need <= 0:
@@ -81,15 +82,22 @@ class WindowGroup:
         self._word: dict[int, int] = {}  # see _DEPTH_SHIFT
         self._parent: dict[int, int] = {}  # absent: not known
         self._canonical: dict[int, int] = {}  # the prefix ending here, at router boundaries
-        self._child: dict[int, int] = {}  # the first child named
-        self._children: dict[int, bytes] = {}  # the later ones, in order (marshal tuple)
+        # a block's children, in the order they were named: a list linked through int
+        # tables (a block a thousand cached prompts continue takes a child in O(1))
+        self._child: dict[int, int] = {}  # the first child (absent: none)
+        self._last: dict[int, int] = {}  # the last child, once there are two or more
+        self._next: dict[int, int] = {}  # the next sibling (absent: none)
+        self._prev: dict[int, int] = {}  # the previous sibling (absent: none)
         self.visits = 0  # nodes recomputed, over the group's life (a cost figure)
 
     def __len__(self) -> int:
         return len(self._word)
 
     def clear(self) -> None:
-        for table in (self._word, self._parent, self._canonical, self._child, self._children):
+        for table in (
+            self._word, self._parent, self._canonical, self._child, self._last, self._next,
+            self._prev,
+        ):  # fmt: skip
             table.clear()
 
     def checkpoints(self) -> set[int]:
@@ -146,33 +154,39 @@ class WindowGroup:
         first = self._child.get(parent)
         if first is None:
             self._child[parent] = h
-        else:
-            more = self._children.get(parent)
-            later = marshal.loads(more) if more is not None else ()
-            self._children[parent] = marshal.dumps((*later, h))
-
-    def _children_of(self, h: int) -> tuple[int, ...]:
-        first = self._child.get(h)
-        if first is None:
-            return ()
-        more = self._children.get(h)
-        return (first,) if more is None else (first, *marshal.loads(more))
+            return
+        last = self._last.get(parent, first)
+        self._next[last] = h
+        self._prev[h] = last
+        self._last[parent] = h
 
     def _remove_child(self, parent: int, h: int) -> None:
-        if parent not in self._children:  # one child at most
-            if self._child.get(parent) == h:
+        """``h`` (a child of ``parent``) is no longer one."""
+        if h not in self._prev and self._child.get(parent) != h:
+            return  # not a child of it
+        before, after = self._prev.pop(h, None), self._next.pop(h, None)
+        if before is None:
+            if after is None:
                 del self._child[parent]
-            return
-        kids = list(self._children_of(parent))
-        if h in kids:
-            kids.remove(h)
-        self._children.pop(parent, None)
-        if not kids:
-            self._child.pop(parent, None)
-            return
-        self._child[parent] = kids[0]
-        if len(kids) > 1:
-            self._children[parent] = marshal.dumps(tuple(kids[1:]))
+            else:
+                self._child[parent] = after
+        else:
+            if after is None:
+                del self._next[before]
+            else:
+                self._next[before] = after
+        if after is None:
+            if before is None or before == self._child.get(parent):
+                self._last.pop(parent, None)
+            else:
+                self._last[parent] = before
+        else:
+            if before is None:
+                del self._prev[after]
+            else:
+                self._prev[after] = before
+            if after == self._last.get(parent) and after == self._child[parent]:
+                del self._last[parent]
 
     def _refresh(self, changed: list[int], change: WindowChange) -> None:
         """Recompute runs and checkpoints from the ``changed`` blocks down their
@@ -181,7 +195,7 @@ class WindowGroup:
         if not changed:
             return
         words, parents, canonicals, need = self._word, self._parent, self._canonical, self.need
-        first_child, more_children = self._child, self._children
+        first_child, following = self._child, self._next
         queued = set(changed)
         heap = [(words[h] >> _DEPTH_SHIFT, seq, h) for seq, h in enumerate(changed)]
         heapq.heapify(heap)
@@ -213,14 +227,14 @@ class WindowGroup:
             old = w >> _RUN_SHIFT & _RUN_BITS
             if run != old:  # a flipped block's always does
                 w += (run - old) << _RUN_SHIFT
-                first = first_child.get(h)
-                kids = () if first is None else (first,) if h not in more_children else None
-                for c in self._children_of(h) if kids is None else kids:
+                c = first_child.get(h)
+                while c is not None:
                     if c in words and c not in queued:
                         queued.add(c)
                         seq += 1
                         self.visits += 1
                         heapq.heappush(heap, (words[c] >> _DEPTH_SHIFT, seq, c))
+                    c = following.get(c)
             words[h] = w
 
     def _forget(self, h: int) -> None:
