@@ -232,17 +232,19 @@ def _continuations(n: int) -> float:
     return took
 
 
-@pytest.mark.soak
+@pytest.mark.benchmark
 def test_a_block_with_many_continuations_costs_each_one_the_same() -> None:
-    """A block many cached prompts continue (the last block of a system prompt every
-    session shares: thousands of children in an engine's cache) takes each store and
-    removal of a child in about the same time, whatever the number of its siblings. Before,
-    each one rewrote the whole sibling list (marshal bytes): 15,000 continuations took ~100
-    times as long as 1,500 (~15 s of event loop, 2 ms an event at the end)."""
+    """Prints what storing and removing 1,500 and 15,000 continuations of one block cost (a
+    block many cached prompts continue: the last block of a system prompt every session
+    shares). Linear is about 10 times; when each one rewrote the whole sibling list
+    (marshal bytes) it was ~90 times (~10 s of event loop, 2 ms an event at the end).
+    ``pytest -m benchmark tests/test_events_window.py -s``."""
     small = min(_continuations(1_500) for _ in range(3))
     large = _continuations(15_000)
-    print(f"1,500 continuations: {small * 1e3:.1f} ms, 15,000: {large * 1e3:.1f} ms")
-    assert large < 30 * small  # linear: ~10 times
+    print(
+        f"1,500 continuations: {small * 1e3:.1f} ms, 15,000: {large * 1e3:.1f} ms "
+        f"({large / small:.1f}x)"
+    )
 
 
 def test_siblings_keep_their_order_through_removals() -> None:
