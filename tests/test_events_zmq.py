@@ -153,16 +153,7 @@ async def test_engine_restart_clears_state(published_before: int) -> None:
             await pub.publish([])
         await pub.publish([eng.stored(a, 0, 4)])
         await eventually(lambda: index.match(canonical(a)).get(KEY).kv_blocks == 2)
-        await pub.close()
-        for _ in range(100):  # the old sockets are closed asynchronously by ZMQ's I/O thread
-            try:
-                pub = KVEventPublisher(
-                    f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", context=ctx
-                )
-                break
-            except zmq.ZMQError:
-                await asyncio.sleep(0.05)
-        pub.start()
+        pub = await _reopened(pub, ctx)
         await asyncio.sleep(0.3)
         b = eng.prompt(4)
         await pub.publish([eng.stored(b, 0, 4)])
@@ -394,14 +385,7 @@ async def test_a_restart_while_the_subscriber_was_away_is_found_and_replayed(
         await eventually(lambda: got == old)
         task.cancel()  # the subscriber goes away (a publisher restart, a slow reconnect)
         await asyncio.gather(task, return_exceptions=True)
-        await pub.close()
-        for _ in range(100):  # the old sockets are closed asynchronously by ZMQ's I/O thread
-            try:
-                pub = KVEventPublisher(endpoint, replay, context=ctx)
-                break
-            except zmq.ZMQError:
-                await asyncio.sleep(0.05)
-        pub.start()
+        pub = await _reopened(pub, ctx)
         new = [f"new-{i}".encode() for i in range(new_batches)]
         for payload in new:  # nobody listens
             await pub.publish_raw(payload)

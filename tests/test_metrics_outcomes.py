@@ -85,18 +85,7 @@ async def test_a_client_leaving_while_admission_holds_it_counts_cancelled(door: 
     """A request held by SLO-aware admission whose client leaves was never sent: it still
     ends in one outcome, ``cancelled`` with no replica, like a refusal's ``rejected``."""
     d = door
-    d.backend.gate = asyncio.Event()
-    first = asyncio.create_task(d.post("priority"))
-    await eventually(lambda: len(d.backend.received) == 1)
-    gone = asyncio.create_task(d.post())
-    await eventually(lambda: d.held() == 1)
-    gone.cancel()  # the client closes its connection while held
-    with pytest.raises(asyncio.CancelledError):
-        await gone
-    await eventually(lambda: d.held() == 0)
-    d.backend.gate.set()
-    async with await first as r:
-        assert r.status == 200
+    await d.leave_while_held()
 
     async def answered() -> bool:
         return ("b0", "ok") in await _outcomes(d.url, ADMITTED)

@@ -47,6 +47,22 @@ class Door:
     def held(self) -> int:
         return len(self.queue())
 
+    async def leave_while_held(self) -> None:
+        """A priority request keeps the backend busy (its gate closed) while a second one,
+        held by admission, is left by its client; then the first is answered."""
+        self.backend.gate = asyncio.Event()
+        first = asyncio.create_task(self.post("priority"))
+        await eventually(lambda: len(self.backend.received) == 1)
+        gone = asyncio.create_task(self.post())
+        await eventually(lambda: self.held() == 1)
+        gone.cancel()  # the client closes its connection while held
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        await eventually(lambda: self.held() == 0)
+        self.backend.gate.set()
+        async with await first as r:
+            assert r.status == 200
+
     async def metric(self, name: str) -> dict[str, float]:
         async with self.http.get(self.url + "/metrics") as r:
             return series(await r.text(), name)
@@ -164,18 +180,7 @@ async def test_a_held_request_goes_when_capacity_frees(protective: Door) -> None
 
 async def test_a_client_that_leaves_leaves_the_queue(protective: Door) -> None:
     d = protective
-    d.backend.gate = asyncio.Event()
-    first = asyncio.create_task(d.post("priority"))
-    await eventually(lambda: len(d.backend.received) == 1)
-    gone = asyncio.create_task(d.post())
-    await eventually(lambda: d.held() == 1)
-    gone.cancel()  # the client closes its connection while held
-    with pytest.raises(asyncio.CancelledError):
-        await gone
-    await eventually(lambda: d.held() == 0)
-    d.backend.gate.set()
-    async with await first as r:
-        assert r.status == 200
+    await d.leave_while_held()
     assert len(d.backend.received) == 1  # the one that left was never sent
     assert d.state.load.in_flight() == 0
 

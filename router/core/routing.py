@@ -442,8 +442,16 @@ class RoutingEngine:
             hint, previous = self.sessions.learn(
                 digest, replica, blocks, last_hash, now, expires_at, epoch, True
             )
-        kept = (kv, states) if spec_id else ((), ())
-        return Dispatch(replica, spec_id, *kept, None, hint, previous, awaited, 0, digest)
+        return Dispatch(
+            replica,
+            spec_id,
+            kv if spec_id else (),
+            states if spec_id else (),
+            hint=hint,
+            previous=previous,
+            awaited=awaited,
+            digest=digest,
+        )
 
     def _hint(self, request: RouteRequest, now: float) -> tuple[SessionHint | None, int]:
         """The request's session hint and how many of its blocks the engine grants it there
