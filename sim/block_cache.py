@@ -184,6 +184,10 @@ class BlockCache:
                 state_at[key] = self._lru_push([key], True)
                 seq.pinned.append(key)
                 continue
+            if made and self._deficit(self._state_cost) > 0:
+                # making room may evict a checkpoint just made: announce those first
+                self._events.append(BlocksStored(tuple(made), kind=Kind.STATE))
+                made = []
             if not self._make_room(self._state_cost):
                 continue  # no memory for it: the engine skips the snapshot
             state_at[key] = self._lru_push([key], True)
@@ -194,14 +198,18 @@ class BlockCache:
         if made:
             self._events.append(BlocksStored(tuple(made), kind=Kind.STATE))
 
-    def _make_room(self, amount: float) -> bool:
+    def _deficit(self, amount: float) -> float:
+        """Memory missing for ``amount`` more blocks without evicting (<= 0: it fits)."""
         used = (
             len(self._gpu)
             + self._states * self._state_cost
             + self._windows * self._window_cost
             + self._reserved
         )
-        deficit = used + amount - self.capacity
+        return used + amount - self.capacity
+
+    def _make_room(self, amount: float) -> bool:
+        deficit = self._deficit(amount)
         if deficit <= 0:
             return True
         if deficit > self._free_cost:
@@ -387,6 +395,9 @@ class BlockCache:
             key = hashes[b] | WINDOW_TAG
             r = win.get(key)
             if r is None:
+                if made and self._deficit(cost) > 0:  # announce before evicting them
+                    self._window_made(hashes, made)
+                    made = []
                 if not self._make_room(cost):
                     continue  # no memory for it: not cached
                 win[key] = 1

@@ -351,6 +351,7 @@ class Simulation:
         summary = {"policy": self.policy_name, **summary, **self.pd_stats.summary()}
         summary["admission"] = "slo" if self.config.admission is not None else "off"
         summary["shed"] = self._shed_count
+        summary["preemptions"] = sum(e.preemptions for e in engines)
         ttft = [
             rec.first - rec.arrival
             for rec in self._records.values()

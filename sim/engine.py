@@ -11,9 +11,16 @@ fast-forwarded decode run are returned as they complete).
 Scheduling (vLLM v1 style, simplified):
 
 * Requests wait FCFS. One is admitted when fewer than ``max_running`` run and its whole
-  footprint fits: blocks for prompt + ``max_output_tokens`` minus the cached prefix, after
-  evicting unreferenced cached blocks. Nothing is preempted later; a request larger than the
-  whole cache is rejected at once.
+  prompt fits (vLLM's ``scheduler_reserve_full_isl``): blocks for the prompt minus the cached
+  prefix, after evicting unreferenced cached blocks and keeping the blocks the running
+  sequences' next step needs. No request is admitted in a step that preempted one. A request
+  whose prompt + ``max_output_tokens`` - 1 tokens exceed the whole cache is rejected at once.
+* Decoding sequences allocate a block when their context crosses a block boundary. When a
+  step's new blocks do not fit, the most recently admitted running sequence is preempted
+  (vLLM v1's FCFS recompute preemption): its blocks are released (the computed ones stay
+  cached, as vLLM frees them to the prefix cache) and it goes back to the head of the
+  queue; re-admitted, it recomputes its prompt and the tokens it had generated (less what the
+  cache still holds) and resumes decoding without a second first token.
 * A step has a token budget ``chunk_tokens``: every decoding sequence takes one token, the
   rest goes to prefilling sequences FCFS (chunked prefill). A sequence emits its first token
   at the end of the step that completes its prompt, then one token a step.
@@ -135,6 +142,8 @@ EngineOutput = FirstToken | TokensEmitted | Finished | Rejected
 
 class _Seq:
     __slots__ = (
+        "admitted",
+        "blocks",
         "cached",
         "cancelled",
         "computed",
@@ -153,6 +162,7 @@ class _Seq:
         "remote",
         "rid",
         "submitted",
+        "target",
         "unnamed",
         "usable_blocks",
         "wheld",
@@ -179,6 +189,9 @@ class _Seq:
         self.max_out = max(1, req.max_output_tokens)
         self.submitted = now
         self.computed = 0
+        self.target = req.prompt_tokens  # tokens to prefill: the prompt, + answer if resumed
+        self.blocks = 0  # KV blocks allocated (router blocks of the tokens it can hold)
+        self.admitted = 0  # admission order (0: waiting for its first admission)
         self.cached = 0
         self.kv_hit = 0
         self.held = 0  # prompt blocks pinned so far (a prefix of the prompt's full blocks)
@@ -312,6 +325,8 @@ class EngineModel(BlockCache):
         self._window_group = WindowGroup(self.window) if self.window else None
         self.busy_s = 0.0  # time spent in steps, for utilisation
         self.steps = 0
+        self.preemptions = 0  # running sequences preempted for lack of KV blocks
+        self._admissions = 0
 
     # ------------------------------------------------------------------ driver API
 
@@ -325,7 +340,8 @@ class EngineModel(BlockCache):
             raise ValueError("prompt_tokens must be > 0 and max_output_tokens >= 0")
         self._run_until(now)
         seq = _Seq(req, now, self.block_size)
-        footprint = -(-(seq.prompt + seq.max_out) // self.block_size)
+        # the last token's KV is never written (vLLM: prompt + max_tokens <= max_model_len)
+        footprint = -(-(seq.prompt + seq.max_out - 1) // self.block_size)
         if footprint > self.capacity:
             self._out.append(
                 Rejected(seq.rid, now, f"needs {footprint} KV blocks, capacity {self.capacity}")
@@ -450,7 +466,8 @@ class EngineModel(BlockCache):
             seg.end = seg.start + seg.elapsed(keep)
 
     def _start(self, now: float) -> None:
-        self._admit(now)
+        if not self._room_for_decoders():
+            self._admit(now)
         if not self._prefilling and not self._decoding:
             return
         cost = self.cost
@@ -463,7 +480,7 @@ class EngineModel(BlockCache):
             for seq in self._prefilling:
                 if budget <= 0:
                     break
-                n = min(seq.prompt - seq.computed, budget)
+                n = min(seq.target - seq.computed, budget)
                 budget -= n
                 chunks.append((seq, n))
                 dur += cost.prefill_s(n, seq.computed)
@@ -472,7 +489,7 @@ class EngineModel(BlockCache):
                     seq.load_s = 0.0
             self._seg = _Segment(now, 1, dur, 0.0, 0, decoders, chunks)
         else:
-            steps = min(s.max_out - s.out for s in decoders)
+            steps = self._steps_that_fit(decoders, min(s.max_out - s.out for s in decoders))
             base = cost.step_overhead_s + cost.decode_s_per_seq * ndec
             self._seg = _Segment(
                 now, steps, base, cost.decode_s_per_ctx_token, self._dec_ctx, decoders, []
@@ -484,22 +501,27 @@ class EngineModel(BlockCache):
         self.steps += seg.steps
         self.busy_s += t - seg.start
         block = self.block_size
+        steps = seg.steps
+        if seg.decoders:  # the blocks the steps wrote into (they fit: _steps_that_fit)
+            self._allocate([s for s in seg.decoders if not s.cancelled], steps)
         for seq, n in seg.chunks:
             if seq.cancelled:
                 continue
             old = seq.computed
             seq.computed = old + n
             self._computed(seq, old // block, min(seq.computed // block, seq.nfull))
-            if seq.computed >= seq.prompt:
+            if seq.computed >= seq.target:
                 self._prefilling.remove(seq)
-                seq.out = 1
-                self._out.append(FirstToken(seq.rid, t, seq.cached, seq.kv_hit, seq.queued_s))
+                seq.out += 1
+                if seq.out == 1:
+                    self._out.append(FirstToken(seq.rid, t, seq.cached, seq.kv_hit, seq.queued_s))
+                elif self.emit_tokens:  # a resumed sequence: its recompute samples the next
+                    self._out.append(TokensEmitted(seq.rid, t, 1, 0.0))
                 if seq.out >= seq.max_out:
                     self._complete(seq, t)
                 else:
                     self._decoding.append(seq)
-                    self._dec_ctx += seq.prompt + 1
-        steps = seg.steps
+                    self._dec_ctx += seq.prompt + seq.out
         if not seg.decoders:
             return
         first = seg.start + seg.elapsed(1)
@@ -519,6 +541,84 @@ class EngineModel(BlockCache):
             self._decoding.remove(seq)
             self._dec_ctx -= seq.prompt + seq.out
             self._complete(seq, t)
+
+    # ------------------------------------------------------------------ decode blocks
+
+    def _free_blocks(self) -> float:
+        """Memory free now or held only by evictable cached entries."""
+        return self._free_cost - self._deficit(0)
+
+    def _growth(self, decoders: list[_Seq], steps: int) -> int:
+        """New blocks ``decoders`` need to run ``steps`` more decode steps (step j of a
+        sequence with ``out`` tokens writes the KV of its first ``prompt + out - 1 + j``)."""
+        block = self.block_size
+        need = 0
+        for s in decoders:
+            n = -(-(s.prompt + s.out - 1 + steps) // block) - s.blocks
+            if n > 0:
+                need += n
+        return need
+
+    def _steps_that_fit(self, decoders: list[_Seq], steps: int) -> int:
+        """The most of ``steps`` decode steps whose new blocks fit (at least 1: the caller
+        made room for one, :meth:`_room_for_decoders`)."""
+        free = self._free_blocks()
+        if self._growth(decoders, steps) <= free:
+            return steps
+        lo, hi = 1, steps - 1  # lo fits, hi + 1 does not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._growth(decoders, mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _allocate(self, decoders: list[_Seq], steps: int) -> None:
+        """Give ``decoders`` the blocks their ``steps`` finished steps wrote into."""
+        block = self.block_size
+        total = 0
+        for s in decoders:
+            n = -(-(s.prompt + s.out - 1 + steps) // block) - s.blocks
+            if n > 0:
+                s.blocks += n
+                s.unnamed += n
+                total += n
+        if total:
+            self._make_room(total)
+            self._reserved += total
+
+    def _room_for_decoders(self) -> bool:
+        """Preempt running sequences, most recently admitted first, until the decoders' next
+        step fits; True if any was preempted (vLLM then admits nothing this step). The last
+        running sequence always fits (``submit`` rejects larger requests)."""
+        preempted = False
+        while (
+            self._decoding
+            and len(self._decoding) + len(self._prefilling) > 1
+            and self._growth(self._decoding, 1) > self._free_blocks()
+        ):
+            victim = max((*self._prefilling, *self._decoding), key=lambda s: s.admitted)
+            self._preempt(victim)
+            preempted = True
+        return preempted
+
+    def _preempt(self, seq: _Seq) -> None:
+        decoding = seq in self._decoding
+        if decoding:
+            self._decoding.remove(seq)
+            self._dec_ctx -= seq.prompt + seq.out
+        else:
+            self._prefilling.remove(seq)
+        # the blocks it computed stay cached; its answer's blocks too once decoded
+        self._release(seq, named_output=decoding)
+        # vLLM recomputes every token it holds; the last one's logits give the next token
+        seq.target = seq.prompt + seq.out
+        if seq.out:
+            seq.remote = False  # its KV is gone: recomputed here
+        seq.computed = seq.held = seq.blocks = seq.usable_blocks = seq.wheld = 0
+        self._waiting.appendleft(seq)
+        self.preemptions += 1
 
     def _complete(self, seq: _Seq, t: float) -> None:
         del self._by_id[seq.rid]
@@ -568,24 +668,24 @@ class EngineModel(BlockCache):
         state_at = self._state_at
         if self.profile.eagle:
             # vLLM caps a hit at N - 1 and gives back its last block (the draft head's peek)
-            cap = max(seq.prompt - 1, 0) // self.block_size // align * align
+            cap = max(seq.target - 1, 0) // self.block_size // align * align
             usable = max(min(usable, cap) - align, 0)
         if self.hybrid:
             # a checkpoint at the prompt's very end serves no one (vLLM caps a hit at N - 1)
-            usable = min(usable, max(seq.prompt - 1, 0) // self.block_size)
+            usable = min(usable, max(seq.target - 1, 0) // self.block_size)
             while usable > 0 and (hashes[usable - 1] | STATE_TAG) not in state_at:
                 usable -= 1
         window: list[int] = []
         window_free = 0.0  # memory of the window blocks the hit takes out of the LRU
         if self.window:
             # vLLM caps a hit at N - 1; the window before the hit's end must be cached
-            usable = min(usable, max(seq.prompt - 1, 0) // self.block_size)
+            usable = min(usable, max(seq.target - 1, 0) // self.block_size)
             usable = self._window_hit(hashes, usable)
             window = [h | WINDOW_TAG for h in hashes[max(0, usable - self.window) : usable]]
             win = self._win
             window_free = sum(1 for key in window if win[key] < 0) * self._window_cost
         loads = max(0, usable - kv)  # host blocks reloaded into GPU
-        total = -(-(seq.prompt + seq.max_out) // self.block_size)
+        total = -(-seq.target // self.block_size)
         need = total - kv
         used = (
             len(gpu)
@@ -593,7 +693,8 @@ class EngineModel(BlockCache):
             + self._windows * self._window_cost
             + self._reserved
         )
-        if need > self.capacity - used + self._free_cost - in_free - window_free:
+        room = self.capacity - used + self._free_cost - in_free - window_free
+        if need > room - self._growth(self._decoding, 1):  # the running go first
             return False
         # pin the GPU hit, take the host blocks back, evict for the rest
         pinned = seq.pinned
@@ -631,13 +732,17 @@ class EngineModel(BlockCache):
         seq.unnamed = need - loads
         seq.held = max(kv, usable)
         self._reserved += seq.unnamed
-        seq.kv_hit = min(reach * self.block_size, seq.prompt)
+        seq.blocks = total
         seq.usable_blocks = usable
         # vLLM's hit: whole engine blocks, the last token's block recomputed
         ebs = self.engine_block_size
-        seq.cached = min(usable * self.block_size, max(seq.prompt - 1, 0) // ebs * ebs)
-        seq.computed = seq.cached
-        seq.queued_s = now - seq.submitted
+        seq.computed = min(usable * self.block_size, max(seq.target - 1, 0) // ebs * ebs)
+        if not seq.admitted:  # what a response reports: the first admission's
+            seq.kv_hit = min(reach * self.block_size, seq.prompt)
+            seq.cached = seq.computed
+            seq.queued_s = now - seq.submitted
+        self._admissions += 1
+        seq.admitted = self._admissions
         if seq.remote:  # the transferred prompt: named (and published) as computed
             old = seq.computed
             seq.computed = seq.prompt

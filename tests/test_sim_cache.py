@@ -56,7 +56,7 @@ def drain(e: EngineModel) -> list[object]:
 def test_host_reload_survives_eviction_into_a_full_host_tier() -> None:
     """Reloading host blocks while evicting GPU blocks into a full host tier: the reloaded
     blocks are taken first, so the offload cannot push them out (this used to KeyError)."""
-    e = engine(kv_blocks=3, cpu_blocks=2, cpu_load_s_per_token=1e-3)
+    e = engine(kv_blocks=2, cpu_blocks=2, cpu_load_s_per_token=1e-3)
     e.submit(EngineRequest("a", [1, 2], 20, 1), 0.0)
     drain(e)
     e.submit(EngineRequest("b", [3, 4], 20, 1), 1.0)  # evicts 2, 1 into the host tier
@@ -139,12 +139,22 @@ def _chains(rng: random.Random, n: int) -> list[list[int]]:
             "state_checkpoint_blocks": 1.0,
             "cpu_blocks": 20,
         },
+        {"kv_blocks": 16, "max_out": 80},
+        {
+            "kv_blocks": 30,
+            "hybrid": True,
+            "checkpoint": "every_block",
+            "state_checkpoint_blocks": 1.0,
+            "max_out": 80,
+        },
     ],
-    ids=["lru", "no-eviction", "host-tier", "hybrid", "hybrid-host"],
+    ids=["lru", "no-eviction", "host-tier", "hybrid", "hybrid-host", "preempt", "hybrid-preempt"],
 )
 @pytest.mark.parametrize("seed", range(12))
 def test_cache_bookkeeping_invariants_on_random_runs(profile: dict[str, object], seed: int) -> None:
     rng = random.Random(seed)
+    profile = dict(profile)
+    max_out = int(profile.pop("max_out", 15))  # type: ignore[call-overload]
     e = engine(**profile)
     paths = [p for p in _chains(rng, 40) if len(p) <= 8]
     gpu_seen: set[int] = set()
@@ -163,7 +173,7 @@ def test_cache_bookkeeping_invariants_on_random_runs(profile: dict[str, object],
             outs: list[int] = []
             if tokens % B == 0 and rng.random() < 0.3:  # names of the answer's full blocks
                 outs = [blocks[-1] * 7 + j for j in range(2)]
-            e.submit(EngineRequest(rid, blocks, tokens, rng.randint(1, 15), outs), now)
+            e.submit(EngineRequest(rid, blocks, tokens, rng.randint(1, max_out), outs), now)
             live.append(rid)
         elif r < 0.8 and live:
             e.cancel(live.pop(rng.randrange(len(live))), now)
@@ -173,6 +183,9 @@ def test_cache_bookkeeping_invariants_on_random_runs(profile: dict[str, object],
     drain(e)
     _audit(e, e.take_index_events(), gpu_seen, states)
     assert e.pending() == 0 and e.kv_usage() == pytest.approx(0.0)
+    assert e._reserved == 0
+    if max_out > 15:  # decoders outgrew the cache: preempted sequences resumed and finished
+        assert e.preemptions > 0
 
 
 def test_lru_order_is_release_order_with_repinned_blocks_skipped() -> None:
@@ -182,7 +195,7 @@ def test_lru_order_is_release_order_with_repinned_blocks_skipped() -> None:
         drain(e)
     e.take_index_events()
     # LRU, oldest first: 3 (a's tail; 2, 1 were re-pinned by c), 6, 5, 4, then c's 2, 1.
-    e.submit(EngineRequest("d", list(range(7, 18)), 110, 1), 3.0)  # needs all 12 blocks
+    e.submit(EngineRequest("d", list(range(7, 19)), 120, 1), 3.0)  # needs all 12 blocks
     drain(e)
     ev = e.take_index_events()
     gone = [h for x in ev if isinstance(x, BlocksRemoved) for h in x.hashes]

@@ -126,29 +126,69 @@ def test_prefix_hit_and_last_token_recomputed() -> None:
 
 
 def test_lru_evicts_children_before_parents_and_never_pinned() -> None:
-    e = engine(kv_blocks=8)
+    e = engine(kv_blocks=7)
     e.submit(req("a", [1, 2, 3]), 0.0)
     drain(e)
     e.submit(req("b", [4, 5, 6]), 1.0)
     drain(e)
     e.take_index_events()
-    # 6 named blocks cached (the output blocks are unnamed, freed at the end); c needs 4
-    # of 8 -> evict 2, from a (released before b), tail first
+    # 6 named blocks cached; c's prompt needs 3 of 7 -> evict 2, from a (released before
+    # b), tail first
     e.submit(req("c", [7, 8, 9]), 2.0)
     drain(e)
     ev = e.take_index_events()
     assert removed(ev) == [3, 2]
     assert e.has_block(1) and e.has_block(4) and not e.has_block(2)
-    # a request holding blocks pins them: d (8 blocks with its output) pins all of them,
-    # so e waits until d is done instead of evicting d's blocks
-    e.submit(req("d", [4, 5, 6], out=50), 3.0)
+    # a request holding blocks pins them: d pins its hit (4, 5, 6), e's prompt needs 5 of the
+    # 4 evictable -> e waits for d instead of evicting d's blocks
+    e.submit(req("d", [4, 5, 6], out=40), 3.0)
     e.submit(req("e", [11, 12, 13, 14, 15]), 3.0)
     e.advance(3.0)
-    assert removed(e.take_index_events()) == [1, 9, 8, 7]
-    assert e.report(3.0).waiting == 1 and e.kv_usage() == 1.0
+    assert e.report(3.0).waiting == 1 and removed(e.take_index_events()) == []
     outs = drain(e)
     order = [o.request_id for o in outs if isinstance(o, Finished)]
     assert order == ["d", "e"]
+    assert e.preemptions == 0 and e.kv_usage() == 0.0
+
+
+def test_admission_takes_the_prompt_and_decoding_grows_block_by_block() -> None:
+    """vLLM admits a request when its prompt fits (not prompt + max_tokens) and gives a
+    decoding sequence a block when its context crosses a block boundary."""
+    e = engine(kv_blocks=8)
+    e.submit(req("a", [1, 2, 3], out=50), 0.0)  # 3 blocks now, 8 by its last token
+    e.submit(req("b", [4, 5, 6, 7]), 0.0)  # 4 blocks: fits beside a's prompt
+    outs = drain(e)
+    first_b = next(o for o in outs if isinstance(o, FirstToken) and o.request_id == "b")
+    fin = next(o for o in outs if isinstance(o, Finished) and o.request_id == "a")
+    assert first_b.time < 0.05 < fin.time  # admitted at the step after a's, not after a
+    # a grows to 8 blocks: b's 4 released blocks are evicted tail first, one by one
+    assert removed(e.take_index_events()) == [7, 6, 5, 4]
+    assert fin.output_tokens == 50 and e.preemptions == 0
+
+
+def test_preemption_takes_the_latest_admitted_and_resumes_it_by_recompute() -> None:
+    """Two decoders outgrow the cache: the later admitted one is preempted (its computed
+    prompt blocks stay cached), waits for room, and resumes by recomputing
+    its prompt and answer so far, without a second first token."""
+    e = engine(kv_blocks=8)
+    e.submit(req("a", [1, 2], out=40), 0.0)  # 6 blocks by its last token
+    e.submit(req("b", [3, 4], out=40), 0.0)
+    outs = drain(e)
+    assert e.preemptions == 1
+    assert [o.request_id for o in outs if isinstance(o, Finished)] == ["a", "b"]
+    b_out = [o for o in outs if getattr(o, "request_id", "") == "b"]
+    assert sum(isinstance(o, FirstToken) for o in b_out) == 1
+    # b (admitted a step after a) goes with 20 tokens when the 8 blocks are full; once a is
+    # done it recomputes its 20 + 20 tokens, its prompt's 2 blocks a cache hit, and
+    # samples its 21st token at the end of that prefill
+    resumed = [o for o in b_out if isinstance(o, TokensEmitted) and o.count == 1]
+    assert len(resumed) == 1
+    emitted = sum(o.count for o in b_out if isinstance(o, TokensEmitted))
+    fin = next(o for o in b_out if isinstance(o, Finished))
+    assert 1 + emitted == fin.output_tokens == 40
+    assert fin.cached_tokens == 0  # what the first admission found
+    assert 3 not in removed(e.take_index_events())  # b's prompt blocks were never evicted
+    assert e.pending() == 0 and e.kv_usage() == 0.0
 
 
 def test_request_larger_than_cache_is_rejected() -> None:
@@ -230,7 +270,7 @@ def test_hybrid_usable_hit_stops_at_last_checkpoint() -> None:
 
 
 def test_cpu_tier_offloads_evicted_blocks_and_reloads_them() -> None:
-    e = engine(kv_blocks=4, cpu_blocks=10, cpu_load_s_per_token=1e-3)
+    e = engine(kv_blocks=3, cpu_blocks=10, cpu_load_s_per_token=1e-3)
     e.submit(req("a", [1, 2, 3]), 0.0)
     drain(e)
     e.submit(req("b", [4, 5, 6]), 1.0)
@@ -275,7 +315,7 @@ def test_sliding_window_blocks_go_first_and_cut_the_hit() -> None:
     pressure evicts it before the full-attention KV of the same finished request (and the
     window tail, released after that KV, survives it); a later prompt sharing that KV is
     granted only up to a complete window."""
-    e = engine(kv_blocks=48, sliding_window_tokens=20, window_block_cost=1.0)
+    e = engine(kv_blocks=47, sliding_window_tokens=20, window_block_cost=1.0)
     a = list(range(1, 11))
     e.submit(req("a", a), 0.0)
     drain(e)

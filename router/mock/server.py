@@ -203,6 +203,7 @@ class _Collector:
             ("vllm:prefix_cache_queries", "Prompt tokens looked up", c.queried_tokens),
             ("vllm:prefix_cache_hits", "Prompt tokens found cached", c.cached_tokens),
             ("vllm:request_success", "Requests finished", c.requests),
+            ("vllm:num_preemptions", "Requests preempted", s.driver.model.preemptions),
             ("kvrouter_mock_kv_event_batches", "KV event batches published", c.kv_event_batches),
             (
                 "kvrouter_mock_pd_prefill_legs",
