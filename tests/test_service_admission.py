@@ -336,3 +336,40 @@ async def test_a_held_request_is_timed_from_its_arrival(protective: Door) -> Non
     assert waits[f'{{class="default",model="{MODEL}"}}'] > 0.25  # it was held
     fast = await d.metric("kvrouter_ttft_seconds_bucket")
     assert fast[f'{{le="0.25",model="{MODEL}"}}'] == 0.0, fast
+
+
+@pytest.fixture
+async def keyed() -> AsyncIterator[Door]:
+    """Every request admitted at once; one priority key and one flex key."""
+    server = {"priority_keys": "gold", "flex_keys": "batch"}
+    async for d in _door({}, {"ttft_s": 100.0}, server=server):
+        yield d
+
+
+async def test_a_flex_key_asking_for_default_is_served_default_with_priority_keys(
+    keyed: Door,
+) -> None:
+    """``server.flex_keys``: flex "unless it asks otherwise"; ``server.priority_keys`` only
+    stops other keys from asking for *priority*. A flex key asking for ``default`` is a
+    default request whether or not priority keys are configured."""
+    d = keyed
+    for key, tier in (
+        ("batch", "default"),  # asks otherwise: default
+        ("batch", None),  # flex by its key
+        ("batch", "priority"),  # may not ask for priority: its key's class
+        ("other", "priority"),  # likewise: default
+        ("gold", "priority"),
+    ):
+        body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+        if tier is not None:
+            body["service_tier"] = tier
+        headers = {"Authorization": f"Bearer {key}"}
+        async with d.http.post(d.url + "/v1/completions", json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+    got = await d.metric("kvrouter_admission_decisions_total")
+    by_class = {c: 0.0 for c in ("priority", "default", "flex")}
+    for labels, n in got.items():
+        for c in by_class:
+            if f'class="{c}"' in labels:
+                by_class[c] += n
+    assert by_class == {"priority": 1.0, "default": 2.0, "flex": 2.0}, got

@@ -11,9 +11,9 @@ cancels its handler, which takes its request out of the queue (or, if it was com
 that very moment, completes it in the load model): nothing is answered twice or leaked.
 
 Service class: OpenAI's ``service_tier`` in the body (``priority``, ``default``, ``flex``,
-``auto``), capped by the API key's class when ``server.priority_keys`` names any (a key not
-listed there cannot ask for priority); ``server.flex_keys`` makes a key's requests flex by
-default. Tenant (fairness): the API key presented (hashed), one tenant for requests
+``auto``); when ``server.priority_keys`` names any, a key not listed there cannot ask for
+priority (it gets its key's class); ``server.flex_keys`` makes a key's requests flex unless
+they ask otherwise. Tenant (fairness): the API key presented (hashed), one tenant for requests
 without one.
 
 Per process: with ``server.workers`` > 1 each worker judges with its own queue and its own
@@ -124,8 +124,8 @@ class Admission:
             PRIORITY if key in self._priority_keys else FLEX if key in self._flex_keys else DEFAULT
         )
         asked = parse_service_tier(body_tier, own)
-        if self._priority_keys and asked < own:  # only listed keys may ask for better
-            return own
+        if asked == PRIORITY and self._priority_keys and own != PRIORITY:
+            return own  # only listed keys may ask for priority (any key may ask for default)
         return asked
 
     @staticmethod
