@@ -8,7 +8,8 @@ waits on a future; one pump task per model runs while anything is held, every
 :data:`TICK_S` and whenever a request finishes: it sheds the held requests that can no
 longer meet their deadline and commits those that fit, best first. A client that goes away
 cancels its handler, which takes its request out of the queue (or, if it was committed at
-that very moment, completes it in the load model): nothing is answered twice or leaked.
+that very moment, completes it in the load model and takes back what was guessed of it:
+speculative index entries, session hint): nothing is answered twice or leaked.
 
 Service class: OpenAI's ``service_tier`` in the body (``priority``, ``default``, ``flex``,
 ``auto``); when ``server.priority_keys`` names any, a key not listed there cannot ask for
@@ -206,6 +207,7 @@ class Admission:
             if queue.cancel(request_id) is None and committed:  # sent as it left: not sent
                 state.load.complete(request_id)
                 queue.finished(request_id)
+                state.withdraw(model, fut.result().dispatch)  # its replica never saw it
             self._gauge(m)
             raise
 
