@@ -93,8 +93,19 @@ def tune_admission(
         worst = min((v for v in prio if v is not None), default=1.0)
         mean = sum(float(c["goodput"]) for c in cs) / len(cs)
         trials.append(AdmissionTrial(p, round(mean, 5), worst, tuple(cs)))
-    trials.sort(key=lambda t: (t.priority < min_priority, -t.goodput, -t.priority))
-    return trials
+    return ranked(trials, min_priority)
+
+
+def ranked(trials: Sequence[AdmissionTrial], min_priority: float) -> list[AdmissionTrial]:
+    """``trials`` best first: those whose priority attainment meets ``min_priority`` by
+    mean goodput, then the others by their worst priority attainment (goodput breaks ties)."""
+
+    def key(t: AdmissionTrial) -> tuple[bool, float, float]:
+        if t.priority >= min_priority:
+            return (False, -t.goodput, -t.priority)
+        return (True, -t.priority, -t.goodput)
+
+    return sorted(trials, key=key)
 
 
 def admission_toml(model: str, settings: AdmissionSettings, header: str) -> str:

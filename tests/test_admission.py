@@ -285,3 +285,26 @@ def test_a_held_request_never_overtakes_a_better_class() -> None:
     assert got is not None and got[0].key == "d"
     got = q.ready(0.2, lambda t: one(0.5))
     assert got is not None and got[0].key == "f"
+
+
+def test_a_retried_one_token_request_puts_its_prefill_on_its_new_replica() -> None:
+    """A request answering one token has no allowance of its own, but its prefill still
+    stalls the requests decoding where it runs: retried there, it is on that replica's
+    clock as its first dispatch was on the first one's."""
+    q = queue()
+    first, second = ReplicaKey("first"), ReplicaKey("second")
+    two = Assessment(
+        np.array([0.5, 0.5]),
+        np.array([0.3, 0.3]),
+        np.array([0.1, 0.1]),
+        np.array([0.02, 0.02]),
+        np.array([True, True]),
+        (first, second),
+    )
+    # a default request decoding 11 tokens on "second": 0.4 s of headroom there
+    q.dispatched(q.ticket("long", DEFAULT, "t", 10, 0.0), two, second, 10, output_tokens=11)
+    assert q.stall_headroom(two).tolist() == pytest.approx([float("inf"), 0.4])
+    one_token = q.ticket("one", DEFAULT, "t", 10, 0.0)
+    q.dispatched(one_token, two, first, 10, output_tokens=1)
+    q.retried("one", second, 0.3)  # its first replica failed it: 0.3 s of prefill on "second"
+    assert q.stall_headroom(two).tolist() == pytest.approx([float("inf"), 0.1])

@@ -336,3 +336,94 @@ async def test_a_held_request_is_timed_from_its_arrival(protective: Door) -> Non
     assert waits[f'{{class="default",model="{MODEL}"}}'] > 0.25  # it was held
     fast = await d.metric("kvrouter_ttft_seconds_bucket")
     assert fast[f'{{le="0.25",model="{MODEL}"}}'] == 0.0, fast
+
+
+@pytest.fixture
+async def keyed() -> AsyncIterator[Door]:
+    """Every request admitted at once; one priority key and one flex key."""
+    server = {"priority_keys": "gold", "flex_keys": "batch"}
+    async for d in _door({}, {"ttft_s": 100.0}, server=server):
+        yield d
+
+
+async def test_a_flex_key_asking_for_default_is_served_default_with_priority_keys(
+    keyed: Door,
+) -> None:
+    """``server.flex_keys``: flex "unless it asks otherwise"; ``server.priority_keys`` only
+    stops other keys from asking for *priority*. A flex key asking for ``default`` is a
+    default request whether or not priority keys are configured."""
+    d = keyed
+    for key, tier in (
+        ("batch", "default"),  # asks otherwise: default
+        ("batch", None),  # flex by its key
+        ("batch", "priority"),  # may not ask for priority: its key's class
+        ("other", "priority"),  # likewise: default
+        ("gold", "priority"),
+    ):
+        body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+        if tier is not None:
+            body["service_tier"] = tier
+        headers = {"Authorization": f"Bearer {key}"}
+        async with d.http.post(d.url + "/v1/completions", json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+    got = await d.metric("kvrouter_admission_decisions_total")
+    by_class = {c: 0.0 for c in ("priority", "default", "flex")}
+    for labels, n in got.items():
+        for c in by_class:
+            if f'class="{c}"' in labels:
+                by_class[c] += n
+    assert by_class == {"priority": 1.0, "default": 2.0, "flex": 2.0}, got
+
+
+async def test_a_client_that_leaves_as_its_held_request_goes_takes_back_its_dispatch(
+    protective: Door,
+) -> None:
+    """The pump commits a held request (load record, speculative index entries, session
+    hint) and its client leaves before its handler runs again: the request never reaches
+    the replica, so the index must not keep predicting a hit there for its prompt."""
+    from router.service.handling import admit
+
+    d = protective
+    state = d.state
+    adm = state.admission
+    assert adm is not None
+    loop = asyncio.get_running_loop()
+    d.backend.gate = asyncio.Event()
+    first = asyncio.create_task(d.post("priority"))
+    await eventually(lambda: len(d.backend.received) == 1)
+    other = "Tell me about the tides of the northern seas, in detail. " * 30
+    body = {"model": MODEL, "prompt": other, "max_tokens": 4}
+    admitted = await admit(state, body, len(other), "completion")
+
+    def hit() -> int:
+        probe = state.decide(MODEL, admitted.prompt, "probe", loop.time())
+        return state.engines[MODEL].best_usable_tokens(probe.request, probe.candidates)
+
+    assert hit() == 0  # nothing of it anywhere
+    held = asyncio.create_task(
+        adm.route(
+            MODEL,
+            admitted.prompt,
+            "held",
+            loop.time(),
+            klass=1,
+            tenant="",
+            session_id=None,
+            max_output_tokens=4,
+        )
+    )
+    await eventually(lambda: d.held() == 1)
+    m = adm._models[MODEL]
+    assert m is not None
+    priority_rid = d.backend.received[0]["headers"]["x-request-id"]
+    m.queue.finished(priority_rid)  # the priority request no longer needs protecting ...
+    adm._step(m, loop.time())  # ... so the pump commits the held one
+    assert state.load.replica_of("held") is not None and hit() > 0
+    held.cancel()  # and its client leaves before its handler runs again
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert state.load.replica_of("held") is None
+    assert hit() == 0  # never sent: not predicted there
+    d.backend.gate.set()
+    async with await first as r:
+        assert r.status == 200

@@ -72,3 +72,22 @@ def test_tune_admission_writes_a_service_table(
     assert 0 <= doc["goodput"] <= 1 and doc["cases"][0]["speedup"] == 2
     table = tomllib.loads(out.read_text())["models"]["sim-model"]["admission"]
     assert table["enabled"] is True and len(table["stall_share"]) == 3
+
+
+def test_tune_ranks_settings_under_the_priority_floor_by_priority() -> None:
+    """Settings that miss ``--min-priority`` rank after the others, by their worst priority
+    attainment (docs/simulator.md): when none meets the floor, the table written is the one
+    closest to it, not the one with the most goodput."""
+    from router.core.admission import AdmissionSettings
+    from sim.tune_admission import AdmissionTrial, ranked
+
+    def trial(share: float, goodput: float, priority: float) -> AdmissionTrial:
+        return AdmissionTrial(
+            AdmissionSettings(stall_share=(share, 0.5, 0.5)), goodput, priority, ()
+        )
+
+    meets = trial(0.2, 0.50, 0.995)
+    close = trial(0.1, 0.60, 0.985)
+    far = trial(0.3, 0.70, 0.90)
+    assert ranked([far, close, meets], 0.99) == [meets, close, far]
+    assert ranked([far, close], 0.99)[0] is close

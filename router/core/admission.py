@@ -331,8 +331,12 @@ class AdmissionQueue:
 
     def retried(self, key: Hashable, replica: ReplicaKey, prefill_s: float) -> None:
         """A dispatched request is retried on ``replica`` (with ``prefill_s`` of prefill
-        there): its allowance moves with it (:meth:`StallLedger.move`)."""
-        self.stall.move(key, replica, prefill_s)
+        there): its allowance moves with it (:meth:`StallLedger.move`); one without an
+        allowance (a one-token answer) still puts its prefill on that replica's clock."""
+        if key in self.stall:
+            self.stall.move(key, replica, prefill_s)
+        else:
+            self.stall.add(key, replica, prefill_s, math.inf)
 
     def finished(self, key: Hashable) -> None:
         """A dispatched request finished, failed or was cancelled."""

@@ -8,12 +8,13 @@ waits on a future; one pump task per model runs while anything is held, every
 :data:`TICK_S` and whenever a request finishes: it sheds the held requests that can no
 longer meet their deadline and commits those that fit, best first. A client that goes away
 cancels its handler, which takes its request out of the queue (or, if it was committed at
-that very moment, completes it in the load model): nothing is answered twice or leaked.
+that very moment, completes it in the load model and takes back what was guessed of it:
+speculative index entries, session hint): nothing is answered twice or leaked.
 
 Service class: OpenAI's ``service_tier`` in the body (``priority``, ``default``, ``flex``,
-``auto``), capped by the API key's class when ``server.priority_keys`` names any (a key not
-listed there cannot ask for priority); ``server.flex_keys`` makes a key's requests flex by
-default. Tenant (fairness): the API key presented (hashed), one tenant for requests
+``auto``); when ``server.priority_keys`` names any, a key not listed there cannot ask for
+priority (it gets its key's class); ``server.flex_keys`` makes a key's requests flex unless
+they ask otherwise. Tenant (fairness): the API key presented (hashed), one tenant for requests
 without one.
 
 Per process: with ``server.workers`` > 1 each worker judges with its own queue and its own
@@ -124,8 +125,8 @@ class Admission:
             PRIORITY if key in self._priority_keys else FLEX if key in self._flex_keys else DEFAULT
         )
         asked = parse_service_tier(body_tier, own)
-        if self._priority_keys and asked < own:  # only listed keys may ask for better
-            return own
+        if asked == PRIORITY and self._priority_keys and own != PRIORITY:
+            return own  # only listed keys may ask for priority (any key may ask for default)
         return asked
 
     @staticmethod
@@ -206,6 +207,7 @@ class Admission:
             if queue.cancel(request_id) is None and committed:  # sent as it left: not sent
                 state.load.complete(request_id)
                 queue.finished(request_id)
+                state.withdraw(model, fut.result().dispatch)  # its replica never saw it
             self._gauge(m)
             raise
 
