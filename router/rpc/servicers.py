@@ -366,8 +366,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             # the deadline passed while this call held the loop: the answer cannot reach the
-            # caller, so no Report will come; undo the dispatch rather than keep it an hour
+            # caller, so no request goes to the replica and no Report will come; undo the
+            # dispatch (its load, and what it guessed the replica would cache) rather than
+            # keep it an hour
             self._finish(request.model, routed.request.request_id)
+            self.state.withdraw(request.model, routed.dispatch)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         record(self.state, routed)  # the per-request metrics of the HTTP endpoints
         decision = routed.decision
