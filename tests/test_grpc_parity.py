@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from router.core.load import decode_weight
 from router.rpc.gen import router_pb2, router_pb2_grpc
 from router.rpc.server import loop_clock, serve_grpc
 from router.rpc.settings import GrpcSettings
@@ -590,3 +591,33 @@ async def test_a_reports_cached_tokens_feed_the_prediction_error(rpc: Any) -> No
     at_most_0 = metric_sample(page, "kvrouter_prediction_error_ratio_bucket", model=MODEL,
                               le="0.0")  # fmt: skip
     assert at_most_0 == (1 if error <= 0 else 0), error
+
+
+@pytest.fixture(params=[False, True], ids=["direct", "admission"])
+async def either(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[RouterState, router_pb2_grpc.RouterStub]]:
+    """The ``rpc`` router, and the same with SLO-aware admission on."""
+    from router.service.admission import Admission
+
+    on = bool(request.param)
+    state = _state(slo={"ttft_s": 100.0}, admission={"enabled": True}) if on else _state()
+    if on:
+        state.admission = Admission(state)
+    async for channel in _serve(state):
+        yield state, router_pb2_grpc.RouterStub(channel)
+
+
+async def test_a_whole_request_bodys_output_limit_weighs_its_load(either: Any) -> None:
+    """A ``request_json`` body's ``max_tokens`` is what the HTTP endpoint routes with
+    (``Admitted.max_output_tokens``), admission on or off: it weighs the request's decode
+    in the load model (router/core/load.py ``decode_weight``), the policy's decode cost and
+    admission's stall allowance. Dropped, a gRPC request for 2 tokens weighs as one for
+    the default 256, unlike the same body sent over HTTP."""
+    state, stub = either
+    body = {"model": MODEL, "prompt": list(range(1000, 1320)), "max_tokens": 2}
+    got = await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, request_json=json.dumps(body)), metadata=AUTH
+    )
+    key = next(k for k in state.registry.keys_for(MODEL) if k.replica == got.replica)
+    assert state.load.own(key).decode_weight == pytest.approx(decode_weight(2))

@@ -285,10 +285,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not request.model:
                 raise BadRequest("model is required")
             body_session: str | None = None
+            max_out: int | None = None  # the body's output limit (as HTTP routes with it)
             pinned: list[ReplicaKey] = []
             if request.WhichOneof("prompt") == "request_json":
                 admitted = await self._admitted(request)
                 prompt, body_session = admitted.prompt, admitted.session_id
+                max_out = admitted.max_output_tokens
                 pinned = await self._pinned(request, admitted)
             else:
                 fn, arg, size = self._prompt(request)
@@ -346,7 +348,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         klass=DEFAULT,
                         tenant="",
                         session_id=session,
-                        max_output_tokens=None,
+                        max_output_tokens=max_out,
                     )
                 finally:
                     self._picking.discard(internal)
@@ -358,6 +360,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     unique_in_flight(self.state, internal),
                     now,
                     session_id=session,
+                    max_output_tokens=max_out,
                     replicas=pinned or self._whole(request),
                 )
         except KVRouterError as exc:
