@@ -621,3 +621,74 @@ async def test_a_whole_request_bodys_output_limit_weighs_its_load(either: Any) -
     )
     key = next(k for k in state.registry.keys_for(MODEL) if k.replica == got.replica)
     assert state.load.own(key).decode_weight == pytest.approx(decode_weight(2))
+
+
+async def test_admission_classes_a_pick_by_its_key_and_tier_as_http(monkeypatch: Any) -> None:
+    """SLO-aware admission judges a Pick in the class and tenant the HTTP front door gives
+    the same key and body (router/service/admission.py ``service_class``, ``tenant``): a
+    ``server.flex_keys`` key's Picks are flex, a ``priority_keys`` key's priority, a
+    ``request_json`` body's ``service_tier`` asks as on HTTP, and each key is its own
+    tenant for fairness. Judged all in the default class and one tenant, a batch key's gRPC
+    traffic would compete with interactive traffic and escape its fair share."""
+    from router.core.admission import AdmissionQueue
+    from router.service.admission import Admission
+    from router.service.gate import Gate
+    from router.service.security import Limits
+
+    urgent, batch = "sk-urgent-0123", "sk-batch-4567"
+    settings = build_settings(
+        {
+            "server": {
+                "api_keys": f"{urgent},{batch}",
+                "priority_keys": urgent,
+                "flex_keys": batch,
+            },
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
+                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
+            ],
+            "models": {
+                MODEL: kimi_model_table(
+                    block_size=16,
+                    speculative_ttl_s=0.0,
+                    slo={"ttft_s": 100.0},
+                    admission={"enabled": True},
+                )
+            },
+        }
+    )
+    state = RouterState(settings)
+    state.admission = Admission(state)
+    tenants: list[str] = []
+    ticket = AdmissionQueue.ticket
+
+    def spy(queue: AdmissionQueue, rid: str, klass: int, tenant: str, *a: Any) -> Any:
+        tenants.append(tenant)
+        return ticket(queue, rid, klass, tenant, *a)
+
+    monkeypatch.setattr(AdmissionQueue, "ticket", spy)
+    gate = Gate(Limits.from_server(settings.server))
+    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), loop_clock, gate=gate)
+    _server, port = await gen.__anext__()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            asked = json.dumps({"model": MODEL, "prompt": "hi", "service_tier": "flex"})
+            picks = [
+                (batch, router_pb2.PickRequest(model=MODEL, text="a batch job")),
+                (urgent, router_pb2.PickRequest(model=MODEL, text="an urgent one")),
+                (urgent, router_pb2.PickRequest(model=MODEL, request_json=asked)),
+            ]
+            for key, pick in picks:
+                await stub.Pick(pick, metadata=(("authorization", f"Bearer {key}"),))
+    finally:
+        await gen.aclose()
+    page = state.metrics.render().decode()
+
+    def judged(klass: str) -> float | None:
+        name = "kvrouter_admission_decisions_total"
+        return metric_sample(page, name, model=MODEL, action="admit", **{"class": klass})
+
+    assert (judged("flex"), judged("priority"), judged("default")) == (2, 1, None)
+    want = [Admission.tenant([(b"authorization", f"Bearer {k}".encode())]) for k, _ in picks]
+    assert tenants == want and tenants[0] != tenants[1]

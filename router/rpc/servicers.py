@@ -16,7 +16,6 @@ from typing import Any, NoReturn
 import grpc
 
 from router import jsonload
-from router.core.admission import DEFAULT
 from router.core.errors import (
     BadRequest,
     KVRouterError,
@@ -124,6 +123,20 @@ async def abort_reply(context: grpc.aio.ServicerContext, reply: ErrorReply) -> N
     code = _GATE_STATUS.get(reply.status, grpc.StatusCode.INTERNAL)
     await context.abort(code, reply.message, _trailers(reply))
     raise AssertionError("context.abort returned")
+
+
+def metadata_headers(
+    metadata: tuple[tuple[str, str | bytes], ...] | None,
+) -> list[tuple[bytes, bytes]]:
+    """Call metadata as the HTTP server's header pairs, for the readers of HTTP headers
+    (router/service/gate.py ``presented_key``, admission's class and tenant)."""
+    return [
+        (
+            k.encode("latin-1", "replace"),
+            v if isinstance(v, bytes) else v.encode("latin-1", "replace"),
+        )
+        for k, v in metadata or ()
+    ]
 
 
 def _serves(endpoint: Endpoint | None, model: str) -> bool:
@@ -286,11 +299,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise BadRequest("model is required")
             body_session: str | None = None
             max_out: int | None = None  # the body's output limit (as HTTP routes with it)
+            tier: object = None  # the body's service_tier (admission's class, as on HTTP)
             pinned: list[ReplicaKey] = []
             if request.WhichOneof("prompt") == "request_json":
                 admitted = await self._admitted(request)
                 prompt, body_session = admitted.prompt, admitted.session_id
                 max_out = admitted.max_output_tokens
+                tier = admitted.service_tier
                 pinned = await self._pinned(request, admitted)
             else:
                 fn, arg, size = self._prompt(request)
@@ -336,7 +351,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 and not request.candidates
                 and not pd
             ):
-                # SLO-aware admission (default class); a shed is RESOURCE_EXHAUSTED
+                # SLO-aware admission; a shed is RESOURCE_EXHAUSTED. Class and tenant as
+                # HTTP gives them: the body's service_tier capped by the key's class, the key
+                headers = metadata_headers(context.invocation_metadata())
+                klass = slo_gate.service_class(tier, headers)
                 arrived = now  # timed from here, as its deadline is (HTTP's ``since``)
                 self._picking.add(internal)
                 try:
@@ -345,8 +363,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         prompt,
                         internal,
                         now,
-                        klass=DEFAULT,
-                        tenant="",
+                        klass=klass,
+                        tenant=slo_gate.tenant(headers),
                         session_id=session,
                         max_output_tokens=max_out,
                     )
