@@ -692,3 +692,44 @@ async def test_admission_classes_a_pick_by_its_key_and_tier_as_http(monkeypatch:
     assert (judged("flex"), judged("priority"), judged("default")) == (2, 1, None)
     want = [Admission.tenant([(b"authorization", f"Bearer {k}".encode())]) for k, _ in picks]
     assert tenants == want and tenants[0] != tenants[1]
+
+
+async def test_a_pick_its_caller_left_counts_as_cancelled(rpc: Any, monkeypatch: Any) -> None:
+    """A Pick whose caller left before it was answered (its deadline passed while its
+    prompt was processed, or while it routed) ended before any replica took the request:
+    ``kvrouter_requests_total{outcome="cancelled"}``, as the HTTP endpoints count a client
+    that leaves then. Uncounted, the outcomes of gRPC traffic do not add up to its
+    requests."""
+    state, stub = rpc
+    proc = state.processors[MODEL]
+    real = proc.completion
+
+    def slow_tokenizer(body: Any) -> Any:  # on a worker thread: the loop goes on
+        time.sleep(0.5)
+        return real(body)
+
+    monkeypatch.setattr(proc, "completion", slow_tokenizer)
+    big = "many words here " * (THREAD_MIN_BODY // 16 + 1)
+    route = state.route
+    routed: list[Any] = []
+
+    def slow_route(*a: Any, **kw: Any) -> Any:  # holds the loop past the deadline
+        time.sleep(0.5)
+        routed.append(route(*a, **kw))
+        return routed[-1]
+
+    monkeypatch.setattr(state, "route", slow_route)
+
+    def cancelled() -> float | None:
+        page = state.metrics.render().decode()
+        return metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="cancelled")
+
+    for pick in (
+        router_pb2.PickRequest(model=MODEL, text=big),
+        router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Pick(pick, metadata=AUTH, timeout=0.2)
+        assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await eventually(lambda: len(routed) == 1 and state.load.in_flight() == 0)
+    await eventually(lambda: cancelled() == 2)

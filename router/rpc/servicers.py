@@ -6,6 +6,7 @@ front door; errors of the core map to gRPC status codes here and only here.
 from __future__ import annotations
 
 import array
+import asyncio
 import math
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -384,6 +385,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except KVRouterError as exc:
             rejected(self.state, request.model)  # counted as the HTTP endpoints count it
             await _abort(context, exc, self.state.settings.server.retry_after_s)
+        except asyncio.CancelledError:
+            # the caller left (cancelled, or its deadline passed) before the request reached
+            # a replica (held by admission, or while its prompt was processed): its one
+            # outcome, on no replica, as the HTTP endpoints count it
+            rejected(self.state, request.model, "cancelled")
+            raise
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             # the deadline passed while this call held the loop: the answer cannot reach the
@@ -392,6 +399,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # keep it an hour
             self._finish(request.model, routed.request.request_id)
             self.state.withdraw(request.model, routed.dispatch)
+            rejected(self.state, request.model, "cancelled")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         record(self.state, routed)  # the per-request metrics of the HTTP endpoints
         decision = routed.decision
