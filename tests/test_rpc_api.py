@@ -491,3 +491,32 @@ async def test_a_pick_past_its_deadline_withdraws_its_guess(monkeypatch: Any) ->
             assert held is None or held.kv_blocks == 0, held
     finally:
         await gen.aclose()
+
+
+async def test_a_request_id_is_bounded_as_an_http_header_is(rpc: Any) -> None:
+    """A Pick's ``request_id`` is kept with its decision (up to an hour, up to 100,000 of
+    them) and in the recent decisions: HTTP bounds an ``X-Request-Id`` by the header block's
+    limit (``server.max_header_kb``), so gRPC does too, rather than by the message size
+    (megabytes per decision)."""
+    from dataclasses import replace
+
+    state, channel = rpc
+    stub = router_pb2_grpc.RouterStub(channel)
+    state.settings = replace(
+        state.settings, server=replace(state.settings.server, max_header_kb=1.0)
+    )
+    ids = router_pb2.TokenIds(ids=list(range(200)))
+    long_id = "r" * 2048
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(
+            router_pb2.PickRequest(model=MODEL, token_ids=ids, request_id=long_id),
+            metadata=auth(),
+        )
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_header_kb" in (exc.value.details() or "")
+    assert state.load.in_flight() == 0
+    ok = await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, token_ids=ids, request_id="r" * 1000),
+        metadata=auth(),
+    )
+    assert ok.decision_id == "r" * 1000

@@ -140,6 +140,19 @@ def metadata_headers(
     ]
 
 
+def _check_id_size(request_id: str, max_header_kb: float) -> None:
+    """BadRequest for a ``request_id`` over the HTTP header block's limit
+    (``server.max_header_kb``; 0: unlimited), which bounds an HTTP ``X-Request-Id``: a
+    decision keeps its id up to its TTL, so the message size (megabytes) is no bound."""
+    limit = int(max_header_kb * 1024)
+    size = len(request_id.encode())
+    if limit and size > limit:
+        raise BadRequest(
+            f"request_id is {size} bytes; the limit is {limit} (server.max_header_kb, as "
+            "for an HTTP request's headers)"
+        )
+
+
 def _serves(endpoint: Endpoint | None, model: str) -> bool:
     return endpoint is not None and endpoint.model == model
 
@@ -323,6 +336,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             decision_id = request.request_id or uuid.uuid4().hex
             if "\x00" in decision_id:  # the separator of scoped ids (decisions.scoped_id)
                 raise BadRequest("request_id must not contain NUL")
+            _check_id_size(decision_id, self.state.settings.server.max_header_kb)
             owner = owner_of(CALLER.get())
             # the id this process knows it by: its caller's, so no caller can take (or learn
             # of) another's ids; the reply and the caller's Reports use ``decision_id``
