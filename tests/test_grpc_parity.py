@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from router.core.load import decode_weight
 from router.rpc.gen import router_pb2, router_pb2_grpc
 from router.rpc.server import loop_clock, serve_grpc
 from router.rpc.settings import GrpcSettings
@@ -590,3 +591,145 @@ async def test_a_reports_cached_tokens_feed_the_prediction_error(rpc: Any) -> No
     at_most_0 = metric_sample(page, "kvrouter_prediction_error_ratio_bucket", model=MODEL,
                               le="0.0")  # fmt: skip
     assert at_most_0 == (1 if error <= 0 else 0), error
+
+
+@pytest.fixture(params=[False, True], ids=["direct", "admission"])
+async def either(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[RouterState, router_pb2_grpc.RouterStub]]:
+    """The ``rpc`` router, and the same with SLO-aware admission on."""
+    from router.service.admission import Admission
+
+    on = bool(request.param)
+    state = _state(slo={"ttft_s": 100.0}, admission={"enabled": True}) if on else _state()
+    if on:
+        state.admission = Admission(state)
+    async for channel in _serve(state):
+        yield state, router_pb2_grpc.RouterStub(channel)
+
+
+async def test_a_whole_request_bodys_output_limit_weighs_its_load(either: Any) -> None:
+    """A ``request_json`` body's ``max_tokens`` is what the HTTP endpoint routes with
+    (``Admitted.max_output_tokens``), admission on or off: it weighs the request's decode
+    in the load model (router/core/load.py ``decode_weight``), the policy's decode cost and
+    admission's stall allowance. Dropped, a gRPC request for 2 tokens weighs as one for
+    the default 256, unlike the same body sent over HTTP."""
+    state, stub = either
+    body = {"model": MODEL, "prompt": list(range(1000, 1320)), "max_tokens": 2}
+    got = await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, request_json=json.dumps(body)), metadata=AUTH
+    )
+    key = next(k for k in state.registry.keys_for(MODEL) if k.replica == got.replica)
+    assert state.load.own(key).decode_weight == pytest.approx(decode_weight(2))
+
+
+async def test_admission_classes_a_pick_by_its_key_and_tier_as_http(monkeypatch: Any) -> None:
+    """SLO-aware admission judges a Pick in the class and tenant the HTTP front door gives
+    the same key and body (router/service/admission.py ``service_class``, ``tenant``): a
+    ``server.flex_keys`` key's Picks are flex, a ``priority_keys`` key's priority, a
+    ``request_json`` body's ``service_tier`` asks as on HTTP, and each key is its own
+    tenant for fairness. Judged all in the default class and one tenant, a batch key's gRPC
+    traffic would compete with interactive traffic and escape its fair share."""
+    from router.core.admission import AdmissionQueue
+    from router.service.admission import Admission
+    from router.service.gate import Gate
+    from router.service.security import Limits
+
+    urgent, batch = "sk-urgent-0123", "sk-batch-4567"
+    settings = build_settings(
+        {
+            "server": {
+                "api_keys": f"{urgent},{batch}",
+                "priority_keys": urgent,
+                "flex_keys": batch,
+            },
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
+                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
+            ],
+            "models": {
+                MODEL: kimi_model_table(
+                    block_size=16,
+                    speculative_ttl_s=0.0,
+                    slo={"ttft_s": 100.0},
+                    admission={"enabled": True},
+                )
+            },
+        }
+    )
+    state = RouterState(settings)
+    state.admission = Admission(state)
+    tenants: list[str] = []
+    ticket = AdmissionQueue.ticket
+
+    def spy(queue: AdmissionQueue, rid: str, klass: int, tenant: str, *a: Any) -> Any:
+        tenants.append(tenant)
+        return ticket(queue, rid, klass, tenant, *a)
+
+    monkeypatch.setattr(AdmissionQueue, "ticket", spy)
+    gate = Gate(Limits.from_server(settings.server))
+    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), loop_clock, gate=gate)
+    _server, port = await gen.__anext__()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            asked = json.dumps({"model": MODEL, "prompt": "hi", "service_tier": "flex"})
+            picks = [
+                (batch, router_pb2.PickRequest(model=MODEL, text="a batch job")),
+                (urgent, router_pb2.PickRequest(model=MODEL, text="an urgent one")),
+                (urgent, router_pb2.PickRequest(model=MODEL, request_json=asked)),
+            ]
+            for key, pick in picks:
+                await stub.Pick(pick, metadata=(("authorization", f"Bearer {key}"),))
+    finally:
+        await gen.aclose()
+    page = state.metrics.render().decode()
+
+    def judged(klass: str) -> float | None:
+        name = "kvrouter_admission_decisions_total"
+        return metric_sample(page, name, model=MODEL, action="admit", **{"class": klass})
+
+    assert (judged("flex"), judged("priority"), judged("default")) == (2, 1, None)
+    want = [Admission.tenant([(b"authorization", f"Bearer {k}".encode())]) for k, _ in picks]
+    assert tenants == want and tenants[0] != tenants[1]
+
+
+async def test_a_pick_its_caller_left_counts_as_cancelled(rpc: Any, monkeypatch: Any) -> None:
+    """A Pick whose caller left before it was answered (its deadline passed while its
+    prompt was processed, or while it routed) ended before any replica took the request:
+    ``kvrouter_requests_total{outcome="cancelled"}``, as the HTTP endpoints count a client
+    that leaves then. Uncounted, the outcomes of gRPC traffic do not add up to its
+    requests."""
+    state, stub = rpc
+    proc = state.processors[MODEL]
+    real = proc.completion
+
+    def slow_tokenizer(body: Any) -> Any:  # on a worker thread: the loop goes on
+        time.sleep(0.5)
+        return real(body)
+
+    monkeypatch.setattr(proc, "completion", slow_tokenizer)
+    big = "many words here " * (THREAD_MIN_BODY // 16 + 1)
+    route = state.route
+    routed: list[Any] = []
+
+    def slow_route(*a: Any, **kw: Any) -> Any:  # holds the loop past the deadline
+        time.sleep(0.5)
+        routed.append(route(*a, **kw))
+        return routed[-1]
+
+    monkeypatch.setattr(state, "route", slow_route)
+
+    def cancelled() -> float | None:
+        page = state.metrics.render().decode()
+        return metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="cancelled")
+
+    for pick in (
+        router_pb2.PickRequest(model=MODEL, text=big),
+        router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Pick(pick, metadata=AUTH, timeout=0.2)
+        assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await eventually(lambda: len(routed) == 1 and state.load.in_flight() == 0)
+    await eventually(lambda: cancelled() == 2)

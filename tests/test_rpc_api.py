@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,6 +30,7 @@ from router.rpc.settings import GrpcSettings
 from router.service.config import build_settings
 from router.service.state import RouterState
 from tests.backends import kimi_model_table
+from tests.waiting import eventually
 
 MODEL = "kimi"
 TOKEN = "client-secret"
@@ -445,3 +447,76 @@ async def test_a_refused_report_withdraws_the_decisions_guess(phase: str) -> Non
             assert state.load.in_flight() == 0
     finally:
         await gen.aclose()
+
+
+async def test_a_pick_past_its_deadline_withdraws_its_guess(monkeypatch: Any) -> None:
+    """A Pick whose deadline passed while it routed undoes its dispatch: its caller never
+    learns the replica, so no request goes there and no Report comes. What the Pick guessed
+    the replica would cache (speculative entries) must go with its load, as for a REFUSED
+    report; else requests sharing the prefix are drawn there for a hit it never holds."""
+    settings = build_settings(
+        {
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
+                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
+            ],
+            "models": {MODEL: kimi_model_table(block_size=16, speculative_ttl_s=60.0)},
+        }
+    )
+    state = RouterState(settings)
+    route = state.route
+    routed: list[Any] = []
+
+    def slow(*a: Any, **kw: Any) -> Any:
+        time.sleep(0.5)  # holds the loop past the caller's deadline
+        routed.append(route(*a, **kw))
+        return routed[-1]
+
+    monkeypatch.setattr(state, "route", slow)
+    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), loop_clock)
+    _server, port = await gen.__anext__()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            tokens = list(range(9000, 9000 + 640))
+            hashes = hash_prompt(tokens, 16, root_hash(MODEL)).hashes
+            pick = router_pb2.PickRequest(
+                model=MODEL, token_ids=router_pb2.TokenIds(ids=tokens), request_id="late"
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await stub.Pick(pick, metadata=auth(), timeout=0.2)
+            assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await eventually(lambda: routed and state.load.in_flight() == 0)
+            held = state.index.match(hashes).get(routed[0].decision.replica)
+            assert held is None or held.kv_blocks == 0, held
+    finally:
+        await gen.aclose()
+
+
+async def test_a_request_id_is_bounded_as_an_http_header_is(rpc: Any) -> None:
+    """A Pick's ``request_id`` is kept with its decision (up to an hour, up to 100,000 of
+    them) and in the recent decisions: HTTP bounds an ``X-Request-Id`` by the header block's
+    limit (``server.max_header_kb``), so gRPC does too, rather than by the message size
+    (megabytes per decision)."""
+    from dataclasses import replace
+
+    state, channel = rpc
+    stub = router_pb2_grpc.RouterStub(channel)
+    state.settings = replace(
+        state.settings, server=replace(state.settings.server, max_header_kb=1.0)
+    )
+    ids = router_pb2.TokenIds(ids=list(range(200)))
+    long_id = "r" * 2048
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(
+            router_pb2.PickRequest(model=MODEL, token_ids=ids, request_id=long_id),
+            metadata=auth(),
+        )
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_header_kb" in (exc.value.details() or "")
+    assert state.load.in_flight() == 0
+    ok = await stub.Pick(
+        router_pb2.PickRequest(model=MODEL, token_ids=ids, request_id="r" * 1000),
+        metadata=auth(),
+    )
+    assert ok.decision_id == "r" * 1000

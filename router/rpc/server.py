@@ -41,6 +41,7 @@ from router.rpc.servicers import (
     IndexServicer,
     RouterServicer,
     abort_reply,
+    metadata_headers,
 )
 from router.rpc.settings import GrpcSettings
 from router.service.ejection import Ejections
@@ -85,17 +86,6 @@ def _bearer(metadata: Metadata) -> str:
             if text[:7].lower() == "bearer ":
                 return text[7:].strip()
     return ""
-
-
-def _headers(metadata: Metadata) -> list[tuple[bytes, bytes]]:
-    """Call metadata as the HTTP server's header pairs (for ``presented_key``)."""
-    return [
-        (
-            k.encode("latin-1", "replace"),
-            v if isinstance(v, bytes) else v.encode("latin-1", "replace"),
-        )
-        for k, v in metadata or ()
-    ]
 
 
 def _same(given: str, expected: str) -> bool:
@@ -175,7 +165,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
             if gate is not None and (keyed or not self.token):
                 # the client's key read as HTTP reads it (Authorization: Bearer, or api-key);
                 # 401 when missing or wrong
-                return gate.caller(presented_key(_headers(metadata)), peer)
+                return gate.caller(presented_key(metadata_headers(metadata)), peer)
             if self.token:
                 return _unauthenticated("missing or wrong bearer token"), None
             return None, None

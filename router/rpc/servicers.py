@@ -6,6 +6,7 @@ front door; errors of the core map to gRPC status codes here and only here.
 from __future__ import annotations
 
 import array
+import asyncio
 import math
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,7 +17,6 @@ from typing import Any, NoReturn
 import grpc
 
 from router import jsonload
-from router.core.admission import DEFAULT
 from router.core.errors import (
     BadRequest,
     KVRouterError,
@@ -124,6 +124,33 @@ async def abort_reply(context: grpc.aio.ServicerContext, reply: ErrorReply) -> N
     code = _GATE_STATUS.get(reply.status, grpc.StatusCode.INTERNAL)
     await context.abort(code, reply.message, _trailers(reply))
     raise AssertionError("context.abort returned")
+
+
+def metadata_headers(
+    metadata: tuple[tuple[str, str | bytes], ...] | None,
+) -> list[tuple[bytes, bytes]]:
+    """Call metadata as the HTTP server's header pairs, for the readers of HTTP headers
+    (router/service/gate.py ``presented_key``, admission's class and tenant)."""
+    return [
+        (
+            k.encode("latin-1", "replace"),
+            v if isinstance(v, bytes) else v.encode("latin-1", "replace"),
+        )
+        for k, v in metadata or ()
+    ]
+
+
+def _check_id_size(request_id: str, max_header_kb: float) -> None:
+    """BadRequest for a ``request_id`` over the HTTP header block's limit
+    (``server.max_header_kb``; 0: unlimited), which bounds an HTTP ``X-Request-Id``: a
+    decision keeps its id up to its TTL, so the message size (megabytes) is no bound."""
+    limit = int(max_header_kb * 1024)
+    size = len(request_id.encode())
+    if limit and size > limit:
+        raise BadRequest(
+            f"request_id is {size} bytes; the limit is {limit} (server.max_header_kb, as "
+            "for an HTTP request's headers)"
+        )
 
 
 def _serves(endpoint: Endpoint | None, model: str) -> bool:
@@ -285,10 +312,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not request.model:
                 raise BadRequest("model is required")
             body_session: str | None = None
+            max_out: int | None = None  # the body's output limit (as HTTP routes with it)
+            tier: object = None  # the body's service_tier (admission's class, as on HTTP)
             pinned: list[ReplicaKey] = []
             if request.WhichOneof("prompt") == "request_json":
                 admitted = await self._admitted(request)
                 prompt, body_session = admitted.prompt, admitted.session_id
+                max_out = admitted.max_output_tokens
+                tier = admitted.service_tier
                 pinned = await self._pinned(request, admitted)
             else:
                 fn, arg, size = self._prompt(request)
@@ -305,6 +336,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             decision_id = request.request_id or uuid.uuid4().hex
             if "\x00" in decision_id:  # the separator of scoped ids (decisions.scoped_id)
                 raise BadRequest("request_id must not contain NUL")
+            _check_id_size(decision_id, self.state.settings.server.max_header_kb)
             owner = owner_of(CALLER.get())
             # the id this process knows it by: its caller's, so no caller can take (or learn
             # of) another's ids; the reply and the caller's Reports use ``decision_id``
@@ -334,7 +366,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 and not request.candidates
                 and not pd
             ):
-                # SLO-aware admission (default class); a shed is RESOURCE_EXHAUSTED
+                # SLO-aware admission; a shed is RESOURCE_EXHAUSTED. Class and tenant as
+                # HTTP gives them: the body's service_tier capped by the key's class, the key
+                headers = metadata_headers(context.invocation_metadata())
+                klass = slo_gate.service_class(tier, headers)
                 arrived = now  # timed from here, as its deadline is (HTTP's ``since``)
                 self._picking.add(internal)
                 try:
@@ -343,10 +378,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         prompt,
                         internal,
                         now,
-                        klass=DEFAULT,
-                        tenant="",
+                        klass=klass,
+                        tenant=slo_gate.tenant(headers),
                         session_id=session,
-                        max_output_tokens=None,
+                        max_output_tokens=max_out,
                     )
                 finally:
                     self._picking.discard(internal)
@@ -358,16 +393,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     unique_in_flight(self.state, internal),
                     now,
                     session_id=session,
+                    max_output_tokens=max_out,
                     replicas=pinned or self._whole(request),
                 )
         except KVRouterError as exc:
             rejected(self.state, request.model)  # counted as the HTTP endpoints count it
             await _abort(context, exc, self.state.settings.server.retry_after_s)
+        except asyncio.CancelledError:
+            # the caller left (cancelled, or its deadline passed) before the request reached
+            # a replica (held by admission, or while its prompt was processed): its one
+            # outcome, on no replica, as the HTTP endpoints count it
+            rejected(self.state, request.model, "cancelled")
+            raise
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             # the deadline passed while this call held the loop: the answer cannot reach the
-            # caller, so no Report will come; undo the dispatch rather than keep it an hour
+            # caller, so no request goes to the replica and no Report will come; undo the
+            # dispatch (its load, and what it guessed the replica would cache) rather than
+            # keep it an hour
             self._finish(request.model, routed.request.request_id)
+            self.state.withdraw(request.model, routed.dispatch)
+            rejected(self.state, request.model, "cancelled")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         record(self.state, routed)  # the per-request metrics of the HTTP endpoints
         decision = routed.decision
