@@ -293,6 +293,7 @@ class _Prefill:
         self.hook: Any = None
         self.gate: Any = None
         self.status = 200  # another: answered as an error
+        self.retry_after = ""  # the error's Retry-After header, when set
         self.runner: Any = None
         self.url = ""
 
@@ -305,7 +306,10 @@ class _Prefill:
         if self.gate is not None:
             await self.gate.wait()
         if self.status != 200:
-            return web.json_response({"error": {"message": "boom"}}, status=self.status)
+            headers = {"Retry-After": self.retry_after} if self.retry_after else None
+            return web.json_response(
+                {"error": {"message": "boom"}}, status=self.status, headers=headers
+            )
         return web.json_response(
             {"object": "text_completion", "choices": [], "kv_transfer_params": self.PARAMS}
         )
@@ -924,4 +928,32 @@ async def test_a_hung_prefill_replica_gives_up_at_the_first_byte_deadline() -> N
     finally:
         await router.cleanup()
         await prefill.stop()
+        await decode.stop()
+
+
+@pytest.mark.parametrize("status", [429, 503])
+async def test_a_prefill_legs_retry_after_ejects_its_replica_at_once(status: int) -> None:
+    """A prefill replica answering 429 / 503 with ``Retry-After`` is ejected for that long at
+    once, as a replica answering a request so is (docs/operations.md): the next request's
+    leg does not go there. Before, the header was ignored and the replica got legs until
+    ``outlier_consecutive_failures`` of them had failed."""
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    prefill.status = status
+    prefill.retry_after = "30"
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    state = router.app[STATE]
+    state.fleet.restore_health = lambda now: None  # no readmission while the test runs
+    try:
+        for seed in (33, 34):
+            status_, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(seed)})
+            assert status_ == 200, raw
+        assert len(prefill.seen) == 1  # the second request's leg went nowhere
+        assert len(decode.received) == 2
+        assert ReplicaKey("p0") in state.fleet.unhealthy_until
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
         await decode.stop()

@@ -46,7 +46,7 @@ from router.service.errors import reply_for
 from router.service.proxy import Forwarder
 from router.service.registry import ReplicaRegistry
 from router.service.replica_url import ReplicaUrl
-from router.service.retry import expected_first_byte_s
+from router.service.retry import expected_first_byte_s, retry_after_s
 from router.service.settings import ModelSettings
 from router.service.state import Routed, RouterState, route_request
 from router.service.stream_usage import with_patch
@@ -318,10 +318,11 @@ async def _prefill(
         raise
     upstream.release()
     state.load.first_token(rid)
-    if upstream.status == 429:
-        return _eject_on(forwarder, key, "http_429", token)
     if upstream.status >= 400:
-        return _eject_on(forwarder, key, f"http_{upstream.status // 100}xx", token)
+        cause = "http_429" if upstream.status == 429 else f"http_{upstream.status // 100}xx"
+        # a 429 / 5xx with Retry-After ejects its replica that long at once, as for requests
+        pause = retry_after_s(upstream.header(b"retry-after"))
+        return _eject_on(forwarder, key, cause, token, pause)
     try:
         answer = json.loads(payload)
     except (ValueError, RecursionError):
@@ -353,18 +354,24 @@ _FAILURE_KIND = {
 _NOT_TAKEN = frozenset({"connect_error", "http_429", "http_4xx", "http_5xx"})
 
 
-def _eject_on(forwarder: Forwarder, key: ReplicaKey, cause: str, token: object) -> tuple[None, str]:
+def _eject_on(
+    forwarder: Forwarder,
+    key: ReplicaKey,
+    cause: str,
+    token: object,
+    retry_after: float | None = None,
+) -> tuple[None, str]:
     """Feed a prefill leg's outcome (its attempt ``token``, ``Ejections.sent``) to outlier
     ejection as the forwarder feeds an attempt's: a replica failing every prefill leg is
     ejected like one failing requests (else every disaggregated request would fall back to
     a local prefill, unseen but for ``kvrouter_pd_prefill_fallbacks``); any answer (an
-    error status but 429 / 5xx, one without transfer params) ends its failure run.
-    Returns (None, ``cause``)."""
+    error status but 429 / 5xx, one without transfer params) ends its failure run;
+    ``retry_after``: a failed answer's ``Retry-After`` seconds. Returns (None, ``cause``)."""
     now = forwarder.event_loop().time()
     if not cause or (kind := _FAILURE_KIND.get(cause)) is None:
         forwarder.ejections.answered(key, token, now)
     else:
-        forwarder.ejections.failed(key, kind, now, token)
+        forwarder.ejections.failed(key, kind, now, token, retry_after)
     return None, cause
 
 
