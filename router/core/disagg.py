@@ -500,9 +500,14 @@ class Disaggregator:
         """Record the decode leg as ``RoutingEngine.dispatched`` records a request: its whole
         prompt arrives computed (load), the decode replica will hold it (speculative entries
         when the TTL is > 0) and is the session's replica for its next turn (it also holds
-        the answer). Returns what was guessed (``RoutingEngine.withdraw``)."""
+        the answer). Returns what was guessed (``RoutingEngine.withdraw``). The blocks it
+        pulls (all but its own usable hit) are stored there as a local prefill's would be,
+        evicting as many: the cache turnover meter counts them."""
         whole = pick.decision._replace(usable_tokens=request.prompt_tokens)
-        return engine.dispatched(request, whole, now, speculative_ttl_s, exact=exact)
+        dispatch = engine.dispatched(request, whole, now, speculative_ttl_s, exact=exact)
+        pulled = request.prompt_tokens - pick.decision.usable_tokens
+        engine.turnover.dispatched(pick.decision.replica, pulled / request.block_size)
+        return dispatch
 
 
 @dataclass(slots=True, frozen=True)
