@@ -233,3 +233,18 @@ def test_a_decode_leg_counts_the_blocks_it_receives_in_its_replicas_turnover() -
     # its load is still a prefill-free arrival: the whole prompt came computed
     assert engine.load.view(pick.decision.replica, 0.0).queued_prefill_tokens <= 1
     assert dispatch.replica == pick.decision.replica
+
+
+@pytest.mark.parametrize("mode", ["always", "auto"])
+def test_a_fleet_without_prefill_replicas_counts_no_prefill_replica(mode: str) -> None:
+    """Every prefill-capable replica gone (deregistered, or a fleet of decode replicas):
+    the request is prefilled where it is decoded, for the reason docs/pd.md names,
+    ``no_prefill_replica``, as when the prefill replicas are all out of rotation. Before,
+    it was counted as ``off`` in ``kvrouter_pd_decisions_total`` though the mode was on."""
+    rng = random.Random(0)
+    engine, pd = _fleet(mode, dict.fromkeys(KEYS, Role.DECODE))
+    plan = pd.plan(engine, _request("np", 64_000), KEYS, 0.0, rng)
+    assert not plan.remote and plan.local is not None
+    assert plan.reason == "no_prefill_replica"
+    engine, pd = _fleet("off", dict.fromkeys(KEYS, Role.DECODE))
+    assert pd.plan(engine, _request("np2", 64_000), KEYS, 0.0, rng).reason == "off"

@@ -302,8 +302,11 @@ class Disaggregator:
         if not dec:
             raise NoReplicaAvailable("no replica can decode")
         local_pool = both if mode != "off" else dec
-        if mode == "off" or not pre:
-            return PdPlan(engine.route(request, local_pool or dec, now, rng), None, "off")
+        if mode == "off":
+            return PdPlan(engine.route(request, dec, now, rng), None, "off")
+        if not pre:  # no replica prefills (and none does both): decode replicas prefill
+            reason = keep_local or "no_prefill_replica"
+            return PdPlan(engine.route(request, dec, now, rng), None, reason)
         local: Decision | None = None
         if local_pool:
             try:
