@@ -208,3 +208,43 @@ def test_the_array_decode_pick_decides_as_the_per_candidate_one(seed: int) -> No
         decided = _pick(pd, arrays, request, prefill, keys, seed)
         assert decided == _pick(pd, per_candidate, request, prefill, keys, seed)
         load.dispatch(f"m{step}", rng.choice(keys), rng.randrange(1, 5000), 0)
+
+
+def test_a_decode_leg_counts_the_blocks_it_receives_in_its_replicas_turnover() -> None:
+    """The decode replica stores the prompt blocks it pulls (all but its own hit) as a local
+    prefill would have: they evict as many of its cached blocks, so the cache turnover
+    meter (router/core/turnover.py, fed by each dispatch's uncached blocks) counts them.
+    Before, the decode leg was recorded as a whole-prompt hit there and counted nothing: a
+    decode replica taking every remote prefill looked as calm as an idle one."""
+    rng = random.Random(0)
+    roles = {KEYS[0]: Role.PREFILL, KEYS[1]: Role.DECODE, KEYS[2]: Role.PREFILL}
+    roles[KEYS[3]] = Role.DECODE
+    engine, pd = _fleet("always", roles)
+    engine.turnover.sample(0.0, KEYS, lambda k: 0, lambda k: 0)  # meters for every replica
+    req = _request("t", 8192)
+    plan = pd.plan(engine, req, KEYS, 0.0, rng)
+    assert plan.prefill is not None
+    engine.dispatched(pd.prefill_request(req), plan.prefill, 0.0)
+    pick = pd.pick_decode(engine, req, plan.prefill.replica, KEYS, 0.0, rng)
+    dispatch = pd.dispatched_decode(engine, req, pick, 0.0)
+    meters = engine.turnover._meters
+    assert meters[plan.prefill.replica].sent == 8192 / BLOCK
+    assert meters[pick.decision.replica].sent == (8192 - pick.decision.usable_tokens) / BLOCK
+    # its load is still a prefill-free arrival: the whole prompt came computed
+    assert engine.load.view(pick.decision.replica, 0.0).queued_prefill_tokens <= 1
+    assert dispatch.replica == pick.decision.replica
+
+
+@pytest.mark.parametrize("mode", ["always", "auto"])
+def test_a_fleet_without_prefill_replicas_counts_no_prefill_replica(mode: str) -> None:
+    """Every prefill-capable replica gone (deregistered, or a fleet of decode replicas):
+    the request is prefilled where it is decoded, for the reason docs/pd.md names,
+    ``no_prefill_replica``, as when the prefill replicas are all out of rotation. Before,
+    it was counted as ``off`` in ``kvrouter_pd_decisions_total`` though the mode was on."""
+    rng = random.Random(0)
+    engine, pd = _fleet(mode, dict.fromkeys(KEYS, Role.DECODE))
+    plan = pd.plan(engine, _request("np", 64_000), KEYS, 0.0, rng)
+    assert not plan.remote and plan.local is not None
+    assert plan.reason == "no_prefill_replica"
+    engine, pd = _fleet("off", dict.fromkeys(KEYS, Role.DECODE))
+    assert pd.plan(engine, _request("np2", 64_000), KEYS, 0.0, rng).reason == "off"

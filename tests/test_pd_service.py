@@ -78,12 +78,12 @@ async def mocks(tmp_path: Path) -> AsyncIterator[Mocks]:
             await r.cleanup()
 
 
-def _settings(replicas: list[dict[str, Any]], mode: str = "always") -> Any:
+def _settings(replicas: list[dict[str, Any]], mode: str = "always", **server: Any) -> Any:
     return build_settings(
         {
             # no active probes: the fallbacks under test must meet dead and stub replicas
             # that a probe would take out of rotation first
-            "server": {"max_retries": 2, "admin_token": TOKEN, "health_interval_s": 0},
+            "server": {"max_retries": 2, "admin_token": TOKEN, "health_interval_s": 0, **server},
             "replicas": replicas,
             "models": {MODEL: {"block_size": B, "hybrid": True, "pd": {"mode": mode}}},
         }
@@ -293,6 +293,7 @@ class _Prefill:
         self.hook: Any = None
         self.gate: Any = None
         self.status = 200  # another: answered as an error
+        self.retry_after = ""  # the error's Retry-After header, when set
         self.runner: Any = None
         self.url = ""
 
@@ -305,7 +306,10 @@ class _Prefill:
         if self.gate is not None:
             await self.gate.wait()
         if self.status != 200:
-            return web.json_response({"error": {"message": "boom"}}, status=self.status)
+            headers = {"Retry-After": self.retry_after} if self.retry_after else None
+            return web.json_response(
+                {"error": {"message": "boom"}}, status=self.status, headers=headers
+            )
         return web.json_response(
             {"object": "text_completion", "choices": [], "kv_transfer_params": self.PARAMS}
         )
@@ -324,13 +328,15 @@ class _Prefill:
         return self
 
 
-def _stub_settings(prefill: str, decode: list[tuple[str, str]], mode: str = "always") -> Any:
+def _stub_settings(
+    prefill: str, decode: list[tuple[str, str]], mode: str = "always", **server: Any
+) -> Any:
     reps = [{"url": prefill, "model": MODEL, "name": "p0", "role": "prefill", "rack": "rack0",
              "region": "reg0"}]  # fmt: skip
     for i, (u, role) in enumerate(decode):
         reps.append({"url": u, "model": MODEL, "name": f"d{i}", "role": role, "rack": "rack0",
                      "region": "reg0"})  # fmt: skip
-    return _settings(reps, mode=mode)
+    return _settings(reps, mode=mode, **server)
 
 
 async def test_a_prefill_replica_failing_every_leg_is_ejected() -> None:
@@ -891,4 +897,63 @@ async def test_a_refused_prefill_leg_is_withdrawn_before_the_decode_pick() -> No
     finally:
         await router.cleanup()
         await both.stop()
+        await decode.stop()
+
+
+async def test_a_hung_prefill_replica_gives_up_at_the_first_byte_deadline() -> None:
+    """A prefill replica that takes the leg and never answers: the leg has the first-byte
+    deadline every upstream attempt has (``first_byte_min_s`` .. ``first_byte_timeout_s``,
+    scaled by the predicted prefill), then the decode replica prefills locally. Before,
+    the leg waited out ``first_byte_timeout_s`` (600 s) and the request with it."""
+    import asyncio
+
+    from tests.backends import Backend
+
+    prefill = await Backend("p0", [MODEL], hang=True).start()
+    decode = await Backend("d0", [MODEL]).start()
+    settings = _stub_settings(prefill.url, [(decode.url, "decode")], first_byte_min_s=0.5)
+    assert settings.server.first_byte_timeout_s >= 600
+    router, url = await start_router(settings)
+    state = router.app[STATE]
+    try:
+        body = {"model": MODEL, "prompt": _prompt(32), "max_tokens": 3}
+        # a bound on a hang, far below the 600 s the leg used to wait
+        status, raw, _ = await asyncio.wait_for(_post(url, body), 60)
+        assert status == 200, raw
+        assert len(prefill.received) == 1 and len(decode.received) == 1
+        assert decode.received[0]["body"].get("kv_transfer_params") is None
+        assert state.disagg[MODEL].fallbacks == {"timeout": 1}
+        await eventually(lambda: prefill.cancelled == 1)  # the leg's connection was closed
+        assert not state.load._flights
+    finally:
+        await router.cleanup()
+        await prefill.stop()
+        await decode.stop()
+
+
+@pytest.mark.parametrize("status", [429, 503])
+async def test_a_prefill_legs_retry_after_ejects_its_replica_at_once(status: int) -> None:
+    """A prefill replica answering 429 / 503 with ``Retry-After`` is ejected for that long at
+    once, as a replica answering a request so is (docs/operations.md): the next request's
+    leg does not go there. Before, the header was ignored and the replica got legs until
+    ``outlier_consecutive_failures`` of them had failed."""
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    prefill.status = status
+    prefill.retry_after = "30"
+    decode = await Backend("d0", [MODEL]).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    state = router.app[STATE]
+    state.fleet.restore_health = lambda now: None  # no readmission while the test runs
+    try:
+        for seed in (33, 34):
+            status_, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(seed)})
+            assert status_ == 200, raw
+        assert len(prefill.seen) == 1  # the second request's leg went nowhere
+        assert len(decode.received) == 2
+        assert ReplicaKey("p0") in state.fleet.unhealthy_until
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()
         await decode.stop()

@@ -302,8 +302,11 @@ class Disaggregator:
         if not dec:
             raise NoReplicaAvailable("no replica can decode")
         local_pool = both if mode != "off" else dec
-        if mode == "off" or not pre:
-            return PdPlan(engine.route(request, local_pool or dec, now, rng), None, "off")
+        if mode == "off":
+            return PdPlan(engine.route(request, dec, now, rng), None, "off")
+        if not pre:  # no replica prefills (and none does both): decode replicas prefill
+            reason = keep_local or "no_prefill_replica"
+            return PdPlan(engine.route(request, dec, now, rng), None, reason)
         local: Decision | None = None
         if local_pool:
             try:
@@ -500,9 +503,14 @@ class Disaggregator:
         """Record the decode leg as ``RoutingEngine.dispatched`` records a request: its whole
         prompt arrives computed (load), the decode replica will hold it (speculative entries
         when the TTL is > 0) and is the session's replica for its next turn (it also holds
-        the answer). Returns what was guessed (``RoutingEngine.withdraw``)."""
+        the answer). Returns what was guessed (``RoutingEngine.withdraw``). The blocks it
+        pulls (all but its own usable hit) are stored there as a local prefill's would be,
+        evicting as many: the cache turnover meter counts them."""
         whole = pick.decision._replace(usable_tokens=request.prompt_tokens)
-        return engine.dispatched(request, whole, now, speculative_ttl_s, exact=exact)
+        dispatch = engine.dispatched(request, whole, now, speculative_ttl_s, exact=exact)
+        pulled = request.prompt_tokens - pick.decision.usable_tokens
+        engine.turnover.dispatched(pick.decision.replica, pulled / request.block_size)
+        return dispatch
 
 
 @dataclass(slots=True, frozen=True)

@@ -46,9 +46,11 @@ from router.service.errors import reply_for
 from router.service.proxy import Forwarder
 from router.service.registry import ReplicaRegistry
 from router.service.replica_url import ReplicaUrl
+from router.service.retry import expected_first_byte_s, retry_after_s
 from router.service.settings import ModelSettings
 from router.service.state import Routed, RouterState, route_request
 from router.service.stream_usage import with_patch
+from router.service.upstream import Exchange
 from router.service.upstream_errors import ConnectFailed, UpstreamError, UpstreamTimeout
 from router.service.wire import Sink, request_head, send_error
 from router.tokenize.lax import lax_int
@@ -256,7 +258,11 @@ async def _prefill(
     body: bytes,
     caps: bytes,
 ) -> tuple[dict[str, Any] | None, str]:
-    """Run the prefill leg: (the answer's ``kv_transfer_params``, '') or (None, cause)."""
+    """Run the prefill leg: (the answer's ``kv_transfer_params``, '') or (None, cause). The
+    leg is an upstream attempt as the forwarder's are: its answer must come by the
+    first-byte deadline of its predicted prefill (``Forwarder.deadline``; a hung replica
+    costs the request that, not ``first_byte_timeout_s``), and its outcome feeds outlier
+    ejection (:func:`_eject_on`), latency sweeps and probation included."""
     key = flow.routed.decision.replica
     ep = state.registry.endpoint(key)
     rid = flow.routed.request.request_id
@@ -273,38 +279,58 @@ async def _prefill(
         ep.dp_rank,
         len(prefill_body),
     )
+    loop = forwarder.event_loop()
+    ejections = forwarder.ejections
+    now = loop.time()
+    expect = expected_first_byte_s(
+        state.load.view(key, now).queued_prefill_tokens - ejections.phantom_tokens(key, now),
+        flow.request.prompt_tokens,
+        flow.routed.decision.usable_tokens,
+        False,
+        1,  # what the leg decodes
+    )
+    wait = forwarder.deadline(expect)
+    token = asyncio.timeout(wait)
+    ejections.sent(key, token, now, expect)
+    upstream: Exchange | None = None
     try:
-        upstream = await forwarder.client.pool(ep.base_url).send(head, prefill_body)
+        async with token:
+            upstream = await forwarder.client.pool(ep.base_url).send(head, prefill_body, wait)
+            payload = upstream.body()
+            if payload is None:
+                payload = await upstream.read_all()
     except ConnectFailed:
-        state.fleet.mark_unhealthy(key, forwarder.event_loop().time())
-        return None, "connect_error"
-    except UpstreamTimeout:
-        return None, "timeout"
+        state.fleet.mark_unhealthy(key, loop.time())
+        return _eject_on(forwarder, key, "connect_error", token)
+    except (TimeoutError, UpstreamTimeout):  # no answer by the deadline
+        if upstream is not None:
+            upstream.abort()
+        return _eject_on(forwarder, key, "timeout", token)
     except UpstreamError:
-        return None, "error"
-    try:
-        payload = upstream.body()
-        if payload is None:
-            payload = await upstream.read_all()
-    except UpstreamError:
+        if upstream is None:
+            return _eject_on(forwarder, key, "error", token)
         upstream.abort()
-        return None, "broken"
-    except BaseException:
-        upstream.abort()
+        return _eject_on(forwarder, key, "broken", token)
+    except BaseException:  # the client left: the attempt is neither a success nor a failure
+        if upstream is not None:
+            upstream.abort()
+        ejections.dropped(key, token, loop.time())
         raise
     upstream.release()
     state.load.first_token(rid)
-    if upstream.status == 429:
-        return None, "http_429"
     if upstream.status >= 400:
-        return None, f"http_{upstream.status // 100}xx"
+        cause = "http_429" if upstream.status == 429 else f"http_{upstream.status // 100}xx"
+        # a 429 / 5xx with Retry-After ejects its replica that long at once, as for requests
+        pause = retry_after_s(upstream.header(b"retry-after"))
+        return _eject_on(forwarder, key, cause, token, pause)
     try:
         answer = json.loads(payload)
     except (ValueError, RecursionError):
-        return None, "bad_answer"
+        return _eject_on(forwarder, key, "bad_answer", token)
     params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
     if not isinstance(params, dict):
-        return None, "no_transfer_params"
+        return _eject_on(forwarder, key, "no_transfer_params", token)
+    _eject_on(forwarder, key, "", token)
     return params, ""
 
 
@@ -328,15 +354,25 @@ _FAILURE_KIND = {
 _NOT_TAKEN = frozenset({"connect_error", "http_429", "http_4xx", "http_5xx"})
 
 
-def _eject_on(forwarder: Forwarder, key: ReplicaKey, cause: str, now: float) -> None:
-    """Feed a prefill leg's outcome to outlier ejection as the forwarder feeds an
-    attempt's: a replica failing every prefill leg is ejected like one failing requests
-    (else every disaggregated request would fall back to a local prefill, unseen but for
-    ``kvrouter_pd_prefill_fallbacks``); an answer ends its failure run."""
-    if not cause:
-        forwarder.ejections.answered(key, None, now)
-    elif (kind := _FAILURE_KIND.get(cause)) is not None:
-        forwarder.ejections.failed(key, kind, now)
+def _eject_on(
+    forwarder: Forwarder,
+    key: ReplicaKey,
+    cause: str,
+    token: object,
+    retry_after: float | None = None,
+) -> tuple[None, str]:
+    """Feed a prefill leg's outcome (its attempt ``token``, ``Ejections.sent``) to outlier
+    ejection as the forwarder feeds an attempt's: a replica failing every prefill leg is
+    ejected like one failing requests (else every disaggregated request would fall back to
+    a local prefill, unseen but for ``kvrouter_pd_prefill_fallbacks``); any answer (an
+    error status but 429 / 5xx, one without transfer params) ends its failure run;
+    ``retry_after``: a failed answer's ``Retry-After`` seconds. Returns (None, ``cause``)."""
+    now = forwarder.event_loop().time()
+    if not cause or (kind := _FAILURE_KIND.get(cause)) is None:
+        forwarder.ejections.answered(key, token, now)
+    else:
+        forwarder.ejections.failed(key, kind, now, token, retry_after)
+    return None, cause
 
 
 async def serve(
@@ -373,7 +409,6 @@ async def serve(
     engine = state.engines[model]
     now = forwarder.event_loop().time()
     prefill_key = flow.routed.decision.replica
-    _eject_on(forwarder, prefill_key, cause, now)
     if cause in _NOT_TAKEN:  # the prefill replica holds nothing of the prompt: the decode
         # pick (a ``both`` replica's hit, its transfer) must not credit it with the leg
         state.withdraw(model, flow.routed.dispatch)

@@ -246,7 +246,7 @@ class Forwarder:
                 )
                 # the attempt's deadline is its token: an ejection for latency moves it to now
                 # (the exchange keeps the deadline too: a cancellation can be lost)
-                wait = self._deadline(expect)
+                wait = self.deadline(expect)
                 token = deadline = asyncio.timeout(wait)
                 ejections.sent(key, token, now, expect)
                 final = self._final(attempt, ranked[i + 1 :], refused, tried)
@@ -357,7 +357,9 @@ class Forwarder:
             if key is not None and token is not None:
                 ejections.dropped(key, token, loop.time())
 
-    def _deadline(self, expect_s: float) -> float:
+    def deadline(self, expect_s: float) -> float:
+        """Seconds an attempt predicted to take ``expect_s`` waits for its first byte (a
+        disaggregated request's prefill leg too: router/service/disagg.py)."""
         s = self.state.settings.server
         return first_byte_deadline(
             expect_s, s.first_byte_min_s, s.first_byte_factor, s.first_byte_timeout_s
