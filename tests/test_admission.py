@@ -3,6 +3,7 @@ cancellation; and its predictions on real candidates (the ``ours`` cost model)."
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -71,6 +72,11 @@ def test_settings_are_checked() -> None:
         AdmissionSettings(headroom=(1.0, 0.5))  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         AdmissionSettings(headroom=(1.5, 0.5, 0.3))
+    # NaN passed ``< 0``: a NaN hold limit would never expire a held request
+    for name in ("max_hold_s", "stall_backlog_s", "urgency_power"):
+        for bad in (math.nan, math.inf, -1.0):
+            with pytest.raises(ValueError, match=name):
+                AdmissionSettings(**{name: bad})  # type: ignore[arg-type]
 
 
 def test_admit_hold_shed_by_class_headroom() -> None:

@@ -134,8 +134,9 @@ class AdmissionSettings:
             raise ValueError("admission headroom is a share of the TTFT budget: at most 1")
         if any(not 0 < v <= 1 for v in self.stall_share):
             raise ValueError("admission stall_share values must be in (0, 1]")
-        if self.stall_backlog_s < 0 or self.urgency_power < 0 or self.max_hold_s < 0:
-            raise ValueError("admission stall_backlog_s, urgency_power, max_hold_s must be >= 0")
+        for name in ("stall_backlog_s", "urgency_power", "max_hold_s"):
+            if not (math.isfinite(v := getattr(self, name)) and v >= 0):  # NaN: never expires
+                raise ValueError(f"admission {name} must be a finite number >= 0, got {v}")
         if self.max_queue < 0 or self.scan < 1:
             raise ValueError("admission max_queue must be >= 0 and scan >= 1")
 
