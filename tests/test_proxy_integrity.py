@@ -255,6 +255,27 @@ async def test_a_stream_delimited_by_the_connection_ends_well_with_its_done() ->
         await replica.stop()
 
 
+async def test_a_done_split_across_reads_ends_a_stream_delimited_by_the_connection() -> None:
+    """``data: [DONE]`` cut by a TCP read (``data: [DO`` in one, ``NE]`` in the next) is
+    still the stream's end: the stream was complete, yet the router judged only the last
+    read, found no ``[DONE]`` ending it, and broke the answer off with an error event and
+    an aborted connection (counted ``upstream_broken``)."""
+    replica = await UntilClose(b"text/event-stream", EVENT + b"data: [DO").start()
+    try:
+        async for url, session in _router(replica.url):
+            async with session.post(url + "/v1/chat/completions", json=_chat(True)) as resp:
+                assert resp.status == 200
+                # the router has read the first piece, "data: [DO" included
+                assert await resp.content.readuntil(b"\n\n") == EVENT
+                replica.finish(b"NE]\n\n", reset=False)
+                body = await resp.read()
+            assert body == b"data: [DONE]\n\n", body
+            outcomes = await _outcomes(url, session)
+            assert outcomes.get("ok") == 1.0 and "upstream_broken" not in outcomes, outcomes
+    finally:
+        await replica.stop()
+
+
 @pytest.mark.parametrize("reset", [False, True], ids=["clean-close", "reset"])
 async def test_a_json_answer_delimited_by_the_connection(reset: bool) -> None:
     """A clean close ends such a body (HTTP/1.1's rule; nothing else can tell), a reset

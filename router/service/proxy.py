@@ -42,6 +42,7 @@ from router.service.answers import (
     closes_stream,
     responses_final_at,
     sse_comments_only,
+    stream_end,
     usage_of,
     usage_tokens,
 )
@@ -431,6 +432,7 @@ class Forwarder:
             tail_bytes = 0
             keep_final = False  # the tail holds a Responses API stream's final event
             head_seen = b""  # the stream's start, until its response id is found
+            end = b""  # the stream's last bytes (a read may cut its closing event)
             last = first_at = 0.0
             first = True
             while (chunk := await upstream.read()) is not None:
@@ -446,7 +448,8 @@ class Forwarder:
                     mm.itl.observe(now - last)
                     last = now
                 ended = upstream.at_end
-                done_seen = closes_stream(chunk, closers)
+                end = stream_end(end, chunk)
+                done_seen = closes_stream(end, closers)
                 cut = ended and until_close and not done_seen
                 ended = ended and not cut
                 out = chunk
