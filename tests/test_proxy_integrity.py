@@ -277,6 +277,26 @@ async def test_a_done_split_across_reads_ends_a_stream_delimited_by_the_connecti
         await replica.stop()
 
 
+async def test_a_replica_that_breaks_off_after_the_done_gave_the_whole_answer() -> None:
+    """A replica whose connection resets after the stream's ``data: [DONE]`` (the client
+    has it already) broke nothing of the answer: as for a client that leaves after the
+    ``[DONE]``, the answer is whole (``ok``). The relay wrote an error event after the
+    ``[DONE]`` and aborted the client's connection, counted ``upstream_broken``."""
+    replica = await UntilClose(b"text/event-stream", EVENT).start()
+    try:
+        async for url, session in _router(replica.url):
+            async with session.post(url + "/v1/chat/completions", json=_chat(True)) as resp:
+                assert resp.status == 200
+                assert await resp.content.readuntil(b"\n\n") == EVENT
+                replica.finish(b"data: [DONE]\n\n", reset=True)
+                body = await resp.read()
+            assert body == b"data: [DONE]\n\n", body
+            outcomes = await _outcomes(url, session)
+            assert outcomes.get("ok") == 1.0 and "upstream_broken" not in outcomes, outcomes
+    finally:
+        await replica.stop()
+
+
 CREATED = (
     b'event: response.created\ndata: {"response":{"id":"resp_1","status":"in_progress"},'
     b'"sequence_number":0,"type":"response.created"}\n\n'

@@ -503,12 +503,19 @@ class Forwarder:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         except (UpstreamTimeout, UpstreamBroken) as exc:
+            upstream.abort()
+            if done_relayed:
+                # after the stream's closing event: the client has the whole answer (as
+                # when it leaves there), so nothing broke for it
+                self._answered(routed, key, started, status, b"".join(tail), True, first_at)
+                with contextlib.suppress(ConnectionResetError):
+                    await sink.end(strip.flush() if strip is not None else b"")
+                return
             # The replica stalled or broke mid-stream: tell the client in an SSE error event,
             # then abort its connection too, so a truncated stream is never mistaken for a
             # complete one (no [DONE] follows).
             mm.outcome(key, "upstream_broken").inc()
             self.ejections.failed(key, "broken", loop.time())
-            upstream.abort()
             timeout = isinstance(exc, UpstreamTimeout)
             event = stream_error_event(
                 504 if timeout else 502,
