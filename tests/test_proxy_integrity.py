@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from router.service.app import STATE
 from router.service.config import build_settings
 from router.service.upstream import HIGH_WATER
 from tests.backends import Backend, kimi_model_table, start_router
@@ -252,6 +253,113 @@ async def test_a_stream_delimited_by_the_connection_ends_well_with_its_done() ->
             assert body.startswith(EVENT) and body.rstrip().endswith(b"data: [DONE]"), body
             assert (await _outcomes(url, session)).get("ok") == 1.0
     finally:
+        await replica.stop()
+
+
+async def test_a_done_split_across_reads_ends_a_stream_delimited_by_the_connection() -> None:
+    """``data: [DONE]`` cut by a TCP read (``data: [DO`` in one, ``NE]`` in the next) is
+    still the stream's end: the stream was complete, yet the router judged only the last
+    read, found no ``[DONE]`` ending it, and broke the answer off with an error event and
+    an aborted connection (counted ``upstream_broken``)."""
+    replica = await UntilClose(b"text/event-stream", EVENT + b"data: [DO").start()
+    try:
+        async for url, session in _router(replica.url):
+            async with session.post(url + "/v1/chat/completions", json=_chat(True)) as resp:
+                assert resp.status == 200
+                # the router has read the first piece, "data: [DO" included
+                assert await resp.content.readuntil(b"\n\n") == EVENT
+                replica.finish(b"NE]\n\n", reset=False)
+                body = await resp.read()
+            assert body == b"data: [DONE]\n\n", body
+            outcomes = await _outcomes(url, session)
+            assert outcomes.get("ok") == 1.0 and "upstream_broken" not in outcomes, outcomes
+    finally:
+        await replica.stop()
+
+
+async def test_a_replica_that_breaks_off_after_the_done_gave_the_whole_answer() -> None:
+    """A replica whose connection resets after the stream's ``data: [DONE]`` (the client
+    has it already) broke nothing of the answer: as for a client that leaves after the
+    ``[DONE]``, the answer is whole (``ok``). The relay wrote an error event after the
+    ``[DONE]`` and aborted the client's connection, counted ``upstream_broken``."""
+    replica = await UntilClose(b"text/event-stream", EVENT).start()
+    try:
+        async for url, session in _router(replica.url):
+            async with session.post(url + "/v1/chat/completions", json=_chat(True)) as resp:
+                assert resp.status == 200
+                assert await resp.content.readuntil(b"\n\n") == EVENT
+                replica.finish(b"data: [DONE]\n\n", reset=True)
+                body = await resp.read()
+            assert body == b"data: [DONE]\n\n", body
+            outcomes = await _outcomes(url, session)
+            assert outcomes.get("ok") == 1.0 and "upstream_broken" not in outcomes, outcomes
+    finally:
+        await replica.stop()
+
+
+CREATED = (
+    b'event: response.created\ndata: {"response":{"id":"resp_1","status":"in_progress"},'
+    b'"sequence_number":0,"type":"response.created"}\n\n'
+)
+
+
+async def _holder_of(replica_url: str, response_id: str) -> tuple[Any, str]:
+    """A router whose one replica holds the stored response ``response_id``."""
+    settings = build_settings(
+        {
+            "server": {"health_interval_s": 0},
+            "replicas": [{"url": replica_url, "model": MODEL, "name": "r0"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    running, url = await start_router(settings)
+    running.app[STATE].response_ids.put(response_id, MODEL, "r0")
+    return running, url
+
+
+async def test_a_streamed_retrieve_delimited_by_the_connection_needs_its_final_event() -> None:
+    """``GET /v1/responses/{id}?stream=true`` relayed from the holder (pass_through.py): a
+    stream the holder delimits by closing the connection is whole only with its final
+    ``response.completed`` event, as for the hot endpoints. The relay took a clean close for
+    the stream's end: the client got a truncated stream that ended like a whole one, with
+    no error event."""
+    replica = await UntilClose(b"text/event-stream", CREATED).start()
+    running, url = await _holder_of(replica.url, "resp_1")
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(url + "/v1/responses/resp_1?stream=true") as resp,
+        ):
+            assert resp.status == 200
+            assert await resp.content.readuntil(b"\n\n") == CREATED
+            replica.finish(b"", reset=False)  # the holder stops: no response.completed
+            rest = await resp.content.read()
+        assert b"broke off" in rest, rest
+    finally:
+        await running.cleanup()
+        await replica.stop()
+
+
+async def test_a_cut_retrieve_that_came_whole_at_once_is_no_answer() -> None:
+    """The same cut stream, head, event and close sent at once: when the relay finds it
+    ended before relaying any of it, nothing reached the client and the holder gave no
+    answer (503); else it is relayed with the error event. Never a whole-looking 200."""
+    replica = await Canned(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + CREATED
+    ).start()
+    running, url = await _holder_of(replica.url, "resp_1")
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(url + "/v1/responses/resp_1?stream=true") as resp,
+        ):
+            body = await resp.read()
+        if resp.status == 503:
+            assert "closed before the stream's end" in json.loads(body)["error"]["message"]
+        else:
+            assert resp.status == 200 and b"broke off" in body, (resp.status, body)
+    finally:
+        await running.cleanup()
         await replica.stop()
 
 

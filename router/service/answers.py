@@ -35,12 +35,27 @@ RESPONSES_CLOSERS = (*RESPONSES_ENDS, *OPENAI_CLOSERS)
 ALL_CLOSERS = (*RESPONSES_ENDS, *ANTHROPIC_CLOSERS)
 
 
+# how many of a stream's last bytes :func:`closes_stream` reads
+CLOSER_SPAN = 48
+
+
 def closes_stream(chunk: bytes, closers: tuple[bytes, ...] = ALL_CLOSERS) -> bool:
     """Whether a piece of an event stream ends with the stream's closing event: OpenAI's
     ``data: [DONE]``, the Messages API's ``message_stop`` (vLLM:
     ``data: {"type":"message_stop"}``), or the Responses API's ``response.completed`` /
-    ``response.failed`` / ``response.incomplete``; ``closers``: one kind's alone."""
-    return chunk[-48:].rstrip().endswith(closers)
+    ``response.failed`` / ``response.incomplete``; ``closers``: one kind's alone. Only the
+    last :data:`CLOSER_SPAN` bytes are read: a relay passes the stream's last bytes across
+    its reads (:func:`stream_end`), since a read may cut the closing event."""
+    return chunk[-CLOSER_SPAN:].rstrip().endswith(closers)
+
+
+def stream_end(end: bytes, chunk: bytes) -> bytes:
+    """The last :data:`CLOSER_SPAN` bytes of a stream whose last bytes were ``end``, once
+    ``chunk`` followed them (what :func:`closes_stream` reads, whatever cut the stream
+    into pieces)."""
+    if len(chunk) >= CLOSER_SPAN:
+        return chunk[-CLOSER_SPAN:]
+    return (end + chunk)[-CLOSER_SPAN:]
 
 
 def closers_of(path: bytes) -> tuple[bytes, ...]:

@@ -20,12 +20,13 @@ import asyncio
 import itertools
 from collections.abc import Iterable
 
+from router.service.answers import closers_of, closes_stream, stream_end
 from router.service.proxy import Forwarder
 from router.service.render import render_targets
 from router.service.replica_url import ReplicaUrl
 from router.service.state import RouterState
 from router.service.upstream import Exchange
-from router.service.upstream_errors import UpstreamError
+from router.service.upstream_errors import UpstreamBroken, UpstreamError
 from router.service.wire import (
     Headers,
     Sink,
@@ -80,7 +81,9 @@ async def relay_once(
 
     An answer is read whole, then relayed, except an event stream that is still coming
     after its first data (``GET /v1/responses/{id}?stream=true`` of a background response
-    runs as long as the response): that is relayed as it comes (:func:`_relay_stream`)."""
+    runs as long as the response): that is relayed as it comes (:func:`_relay_stream`).
+    A stream the replica delimits by closing the connection is whole only with its closing
+    event, as on the hot endpoints (router/service/proxy.py)."""
     head = request_head(
         target,
         ReplicaUrl.parse(base).netloc.encode(),
@@ -98,6 +101,8 @@ async def relay_once(
             if sse:  # its first data (or its end) in time; the rest as it comes
                 await upstream.ready(whole=False)
                 payload = upstream.body()
+                if payload is not None and _cut(upstream, payload, target):
+                    raise UpstreamBroken("the connection closed before the stream's end")
             else:
                 payload = await upstream.read_all()
     except (UpstreamError, TimeoutError) as exc:
@@ -109,24 +114,36 @@ async def relay_once(
             upstream.abort()
         raise
     if payload is None:
-        await _relay_stream(sink, upstream, headers)
+        await _relay_stream(sink, upstream, headers, target)
         return None
     upstream.release()
     await sink.respond(upstream.status, headers, payload)
     return None
 
 
-async def _relay_stream(sink: Sink, upstream: Exchange, headers: Headers) -> None:
-    """Relay an event stream as its pieces arrive (each wait for more bounded by the
-    upstream's read timeout); a replica that breaks off ends it with an error event."""
+def _cut(upstream: Exchange, end: bytes, target: bytes) -> bool:
+    """Whether a stream to ``target`` that ended with ``end`` was cut: delimited by the
+    connection's end (a clean close looks the same whether the replica finished or died)
+    and without its closing event."""
+    return upstream.until_close and not closes_stream(end, closers_of(target))
+
+
+async def _relay_stream(sink: Sink, upstream: Exchange, headers: Headers, target: bytes) -> None:
+    """Relay an event stream to ``target`` as its pieces arrive (each wait for more bounded
+    by the upstream's read timeout); a replica that breaks off ends it with an error
+    event."""
     started = False
+    end = b""  # the stream's last bytes
     try:
         while (data := await upstream.read()) is not None:
+            end = stream_end(end, data)
             if started:
                 await sink.write(data)
             else:
                 started = True
                 await sink.start(upstream.status, headers, data)
+        if _cut(upstream, end, target):
+            raise UpstreamBroken("the connection closed before the stream's end")
     except UpstreamError as exc:
         upstream.abort()
         why = f"the replica broke off its answer ({str(exc) or type(exc).__name__})"

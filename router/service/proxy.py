@@ -42,6 +42,7 @@ from router.service.answers import (
     closes_stream,
     responses_final_at,
     sse_comments_only,
+    stream_end,
     usage_of,
     usage_tokens,
 )
@@ -433,6 +434,7 @@ class Forwarder:
             tail_bytes = 0
             keep_final = False  # the tail holds a Responses API stream's final event
             head_seen = b""  # the stream's start, until its response id is found
+            end = b""  # the stream's last bytes (a read may cut its closing event)
             last = first_at = 0.0
             first = True
             while (chunk := await upstream.read()) is not None:
@@ -448,7 +450,8 @@ class Forwarder:
                     mm.itl.observe(now - last)
                     last = now
                 ended = upstream.at_end
-                done_seen = closes_stream(chunk, closers)
+                end = stream_end(end, chunk)
+                done_seen = closes_stream(end, closers)
                 cut = ended and until_close and not done_seen
                 ended = ended and not cut
                 out = chunk
@@ -502,12 +505,19 @@ class Forwarder:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         except (UpstreamTimeout, UpstreamBroken) as exc:
+            upstream.abort()
+            if done_relayed:
+                # after the stream's closing event: the client has the whole answer (as
+                # when it leaves there), so nothing broke for it
+                self._answered(routed, key, started, status, b"".join(tail), True, first_at)
+                with contextlib.suppress(ConnectionResetError):
+                    await sink.end(strip.flush() if strip is not None else b"")
+                return
             # The replica stalled or broke mid-stream: tell the client in an SSE error event,
             # then abort its connection too, so a truncated stream is never mistaken for a
             # complete one (no [DONE] follows).
             mm.outcome(key, "upstream_broken").inc()
             self.ejections.failed(key, "broken", loop.time())
-            upstream.abort()
             timeout = isinstance(exc, UpstreamTimeout)
             event = stream_error_event(
                 504 if timeout else 502,
