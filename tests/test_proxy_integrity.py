@@ -130,6 +130,7 @@ async def test_query_string_request_id_bytes_and_end_to_end_headers_reach_the_re
                 + f"Host: {host}\r\nContent-Type: application/json\r\n".encode()
                 + b"X-Request-Id: caf\xe9-1\r\n"  # latin-1 bytes, as HTTP allows
                 + b"X-Hop: for the router only\r\nX-Kept: for the replica\r\n"
+                + b"Accept-Encoding: gzip, br\r\n"
                 + f"Content-Length: {len(body)}\r\nConnection: close, X-Hop\r\n\r\n".encode()
                 + body
             )
@@ -146,6 +147,9 @@ async def test_query_string_request_id_bytes_and_end_to_end_headers_reach_the_re
             # a header the client's Connection header names is for the first hop only
             assert "x-hop" not in seen["headers"], seen["headers"]
             assert seen["headers"]["x-kept"] == "for the replica"
+            # the router reads answers (usage, a stream's closing event, error bodies): it
+            # asks for them uncompressed whatever the client accepts
+            assert seen["headers"].get("accept-encoding", "identity") == "identity"
     finally:
         await backend.stop()
 

@@ -30,7 +30,9 @@ HOP_BY_HOP = frozenset(
 )
 
 
-_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id", b"x-data-parallel-rank"}
+# accept-encoding: the router reads what replicas answer (usage, a stream's closing event,
+# error bodies), so it asks for identity whatever the client accepts
+_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id", b"x-data-parallel-rank", b"accept-encoding"}
 
 
 def _hop_by_hop(headers: Iterable[tuple[bytes, bytes]], base: frozenset[bytes]) -> frozenset[bytes]:
