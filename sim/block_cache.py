@@ -165,10 +165,11 @@ class BlockCache:
             at = list(range((lo // g + 1) * g, new_full + 1, g))
         at_prompt_end = new_full == seq.nfull and seq.computed >= seq.prompt
         if p.checkpoint_prompt_end and at_prompt_end:
-            # vLLM: the prefill stops where the state can serve (an EAGLE engine: one block
-            # lower, its draft head recomputes the last one); a block-aligned prompt's last
-            # step ends on a block too (router/core/engine_hits.py)
-            ends = [new_full - 1] if p.eagle else [new_full]
+            # vLLM: the prefill stops where the state can serve, before the prompt's last
+            # token (an EAGLE engine: one block below its end, its draft head recomputes the
+            # last one); an EAGLE block-aligned prompt's last step ends on a block too
+            # (router/core/engine_hits.py)
+            ends = [new_full - 1] if p.eagle else [max(seq.prompt - 1, 0) // self.block_size]
             if p.eagle and seq.prompt % self.block_size == 0:
                 ends.append(new_full)
             for end in ends:

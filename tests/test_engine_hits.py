@@ -15,7 +15,7 @@ from router.core.load import LoadTracker
 from router.core.policies import make_policy
 from router.core.routing import RoutingEngine, RoutingSettings
 from router.core.state_layout import SOURCE_ENGINE, CheckpointGrid, StateLayout
-from router.core.types import Kind, ReplicaKey, RouteRequest
+from router.core.types import Kind, PrefixMatch, ReplicaKey, RouteRequest
 
 A, B = ReplicaKey("a"), ReplicaKey("b")
 BS = 64
@@ -28,12 +28,16 @@ def req(tokens: int, hashes: list[int], session: str | None = None) -> RouteRequ
 def test_speculated_checkpoints_follow_the_grid_and_stop_at_the_prompt_end() -> None:
     hashes = list(range(100, 110))
     grid4 = StateLayout(hybrid=True, interval_blocks=4)
-    assert engine_holds(req(10 * BS, hashes), grid4, False).state_hashes == (103, 107, 109)
-    assert engine_holds(req(8 * BS, hashes), grid4, False).state_hashes == (103, 107)
+    # the prompt's own checkpoint ends before its last token: block 9 of a 10-block prompt
+    assert engine_holds(req(10 * BS, hashes), grid4, False).state_hashes == (103, 107, 108)
+    assert engine_holds(req(10 * BS + 1, hashes), grid4, False).state_hashes == (103, 107, 109)
+    # a grid point on the prompt's end is kept too (the state after the whole prompt)
+    on_grid = engine_holds(req(8 * BS, hashes), grid4, False)
+    assert on_grid.state_hashes == (103, 106, 107) and on_grid.next_hit_blocks == 8
     assert engine_holds(req(3 * BS + 5, hashes), grid4, False).state_hashes == (102,)
     assert engine_holds(req(BS - 1, hashes), grid4, False).state_hashes == ()
     no_grid = StateLayout(hybrid=True, interval_blocks=0)
-    assert engine_holds(req(5 * BS, hashes), no_grid, False).state_hashes == (104,)
+    assert engine_holds(req(5 * BS, hashes), no_grid, False).state_hashes == (103,)
     kv_only = engine_holds(req(5 * BS, hashes), StateLayout(False, 0), False)
     assert kv_only.state_hashes == () and kv_only.kv_blocks == kv_only.next_hit_blocks == 5
 
@@ -57,10 +61,11 @@ def test_an_engine_block_coarser_than_the_routers_holds_back_the_partial_one() -
 
 def test_eagle_keeps_the_last_checkpoint_one_engine_block_lower() -> None:
     # vLLM: checkpoint = N // a * a - a with EAGLE (a = 1,024 tokens): 2,500 -> 1,024
-    assert prompt_end_checkpoint(2500 // BS, 16, eagle=True) == 16
-    assert prompt_end_checkpoint(2500 // BS, 16, eagle=False) == 32
-    assert prompt_end_checkpoint(2048 // BS, 16, eagle=False) == 32  # dense align mode
-    assert prompt_end_checkpoint(1000 // BS, 16, eagle=True) == 0
+    assert prompt_end_checkpoint(2500, BS, 16, eagle=True) == 16
+    assert prompt_end_checkpoint(2500, BS, 16, eagle=False) == 32
+    assert prompt_end_checkpoint(2048, BS, 16, eagle=True) == 16
+    assert prompt_end_checkpoint(2048, BS, 16, eagle=False) == 16  # (N - 1) // a * a
+    assert prompt_end_checkpoint(1000, BS, 16, eagle=True) == 0
     hashes = list(range(1000, 1100))
     layout = StateLayout(hybrid=True, interval_blocks=0, alignment_blocks=16)
     held = engine_holds(req(2500, hashes), layout, eagle=True)
@@ -136,6 +141,38 @@ def test_the_session_hint_reaches_no_further_than_the_engine_holds() -> None:
     assert hint is not None and hint.covers(hashes[:62]) == 32
 
 
+def _spec_match(settings: RoutingSettings, first: RouteRequest, nxt: RouteRequest) -> PrefixMatch:
+    """What the router predicts of ``nxt`` where it sent ``first`` (speculated entries)."""
+    engine = _engine(settings)
+    decision = engine.route(first, [A, B], 0.0, random.Random(0))
+    engine.dispatched(first, decision, 0.0)
+    return engine.matches(nxt, [A, B], 0.1).get(decision.replica)
+
+
+def test_a_block_aligned_prompt_keeps_its_last_checkpoint_one_engine_block_lower() -> None:
+    """vLLM 0.34 keeps a prompt's last checkpoint at ``(N - 1) // a * a`` tokens
+    (``get_mamba_prefill_checkpoint_position``; the default ``prefix_cache_retention_interval``
+    0 retains only the replay boundary ``N - 1``): a 2,048-token prompt on 1,024-token engine
+    blocks leaves its state at 1,024, so its next turn is granted 1,024 tokens there, not
+    2,048. Both the speculated checkpoint and the session hint stop there (they said 2,048:
+    a state the engine never stores, so the hint never settled)."""
+    hashes = list(range(7000, 7100))
+    settings = RoutingSettings(block_size=BS, hybrid=True, engine_block_size=1024)
+    match = _spec_match(settings, req(2048, hashes), req(4000, hashes))
+    assert match.kv_blocks * BS == 2048
+    assert match.usable_blocks * BS == 1024
+    engine = _engine(settings)
+    first = req(2048, hashes, session="s1")
+    engine.dispatched(first, engine.route(first, [A, B], 0.0, random.Random(0)), 0.0)
+    assert engine.sessions is not None
+    hint = engine.sessions.get("s1", 0.1)
+    assert hint is not None and hint.covers(hashes[:62]) * BS == 1024
+    # lookahead hashes (EAGLE without the block drop): the checkpoint leaves them room too
+    layout = StateLayout(hybrid=True, interval_blocks=0, alignment_blocks=16)
+    assert engine_holds(req(2049, hashes), layout, False, lookahead=2).next_hit_blocks == 16
+    assert engine_holds(req(2050, hashes), layout, False, lookahead=2).next_hit_blocks == 32
+
+
 def test_checkpoint_grid_learns_the_engine_block_from_checkpoint_positions() -> None:
     """vLLM 0.34 prompt-end checkpoints on 1,024-token engine blocks, seen in 64-token router
     blocks: every position is a multiple of 16."""
@@ -208,13 +245,14 @@ def test_a_hint_credits_no_more_than_the_next_request_is_granted() -> None:
     """The session's prompt resent whole (a retry, a regenerate) on an engine block boundary
     (2,048 tokens on 1,024-token engine blocks): the engine recomputes the last token, so it
     grants the first engine block only (none with EAGLE; a hybrid model only where a
-    checkpoint is kept there: on a grid), as it would once the events came, whatever the
+    checkpoint is kept there: the prompt's own, which vLLM 0.34 keeps at ``(N - 1) // a * a``
+    for this very case, or on a grid), as it would once the events came, whatever the
     previous turn's hint says it holds."""
     hashes = list(range(9500, 9600))
     for hybrid, grid, eagle, expect in (
         (False, 0, False, 16),
         (False, 0, True, 0),
-        (True, 0, False, 0),
+        (True, 0, False, 16),
         (True, 16, False, 16),
         (True, 16, True, 0),
     ):

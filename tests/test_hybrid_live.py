@@ -83,8 +83,11 @@ async def _sessions(url: str, state: RouterState, keys: list[ReplicaKey]) -> lis
                 owner = ReplicaKey.parse(decision["replica"])
                 assert owner in keys
 
-                def caught_up(h: list[int] = hashes, k: ReplicaKey = owner) -> bool:
-                    return state.index.match(h, hybrid=True).get(k).usable_blocks == len(h)
+                # the engine keeps the prompt's state before its last token
+                end = (tokens - 1) // B
+
+                def caught_up(h: list[int] = hashes, k: ReplicaKey = owner, e: int = end) -> bool:
+                    return state.index.match(h, hybrid=True).get(k).usable_blocks == e
 
                 await eventually(caught_up)
                 context = context + [

@@ -192,8 +192,9 @@ def test_routing_engine_filters_and_speculates() -> None:
     d2 = eng.route(r2, [A, B], 0.1, random.Random(0))
     assert d2.replica == B and d2.usable_tokens == 0
     eng.dispatched(r2, d2, 0.1)
-    # B got speculative entries (KV + state grid) for the blocks it was sent.
-    assert idx.match(hashes, hybrid=True, now=1.0).get(B).usable_blocks == 10
+    # B got speculative entries (KV + state grid) for the blocks it was sent; the prompt's
+    # own checkpoint ends before its last token (block 9 of this 10-block prompt)
+    assert idx.match(hashes, hybrid=True, now=1.0).get(B).usable_blocks == 9
     assert idx.match(hashes, hybrid=True, now=6.0).get(B).usable_blocks == 0
     lt.set_draining(A, True)
     lt.set_health(B, False)

@@ -269,6 +269,38 @@ def test_hybrid_usable_hit_stops_at_last_checkpoint() -> None:
     assert e.has_state(20) and e.has_state(25)
 
 
+def test_a_block_aligned_prompt_keeps_its_state_before_its_last_token() -> None:
+    """vLLM 0.34 keeps a prompt's state at ``(N - 1) // B`` blocks
+    (``get_mamba_prefill_checkpoint_position``): a prompt of 25 whole blocks leaves it at 24
+    off the grid (the simulated engine kept it at 25, which vLLM never stores), and the
+    prompt sent again is granted those 24 blocks (none before: 25 is capped at N - 1)."""
+    e = engine(
+        kv_blocks=200,
+        hybrid=True,
+        checkpoint="every_n",
+        checkpoint_interval_tokens=100,
+        state_checkpoint_blocks=1.0,
+    )
+    hashes = list(range(1, 26))
+    e.submit(req("a", hashes, 250), 0.0)
+    drain(e)
+    assert stored(e.take_index_events(), Kind.STATE) == [10, 20, 24]
+    e.submit(req("b", hashes, 250), 1.0)
+    first = next(o for o in drain(e) if isinstance(o, FirstToken))
+    assert first.cached_tokens == 240
+    # on the grid, the state after the whole prompt is kept (and the one before its end)
+    e = engine(
+        kv_blocks=200,
+        hybrid=True,
+        checkpoint="every_n",
+        checkpoint_interval_tokens=50,
+        state_checkpoint_blocks=1.0,
+    )
+    e.submit(req("a", hashes, 250), 0.0)
+    drain(e)
+    assert stored(e.take_index_events(), Kind.STATE) == [5, 10, 15, 20, 24, 25]
+
+
 def test_cpu_tier_offloads_evicted_blocks_and_reloads_them() -> None:
     e = engine(kv_blocks=3, cpu_blocks=10, cpu_load_s_per_token=1e-3)
     e.submit(req("a", [1, 2, 3]), 0.0)

@@ -11,9 +11,12 @@ the engines run EAGLE / MTP speculative decoding.
 
 * KV: an engine caches whole engine blocks, ``floor_A(N // B)`` blocks of the prompt.
 * Recurrent state (hybrid models, mamba "align" mode): the prefill is split so that a
-  state lands on the last engine block boundary it can reuse, ``floor_A(N // B)``; with
-  EAGLE one engine block lower (the draft head recomputes the last matched block, so a
-  state there would never serve).
+  state lands on the last engine block boundary before the prompt's last token,
+  ``floor_A((N - 1) // B)`` (``N - l`` with lookahead hashes of ``l`` > 1 tokens), which is
+  the checkpoint vLLM keeps of the prompt (its default ``prefix_cache_retention_interval`` 0
+  retains only that replay boundary: a block-aligned prompt leaves no state at ``N``); with
+  EAGLE ``floor_A(N // B)`` less one engine block (the draft head recomputes the last
+  matched block, so a state there would never serve).
 * A hit: at most ``floor_A((N - 1) // B)`` blocks (the last token is recomputed for its
   logits); with EAGLE every hit gives back one engine block, and a hybrid checkpoint at
   ``L`` serves only where the cached KV runs on to ``L + A``. ``PrefixIndex.match`` applies
@@ -22,6 +25,7 @@ the engines run EAGLE / MTP speculative decoding.
 
 from __future__ import annotations
 
+from bisect import insort
 from typing import NamedTuple
 
 from router.core.state_layout import StateLayout
@@ -33,10 +37,15 @@ def floor_to(blocks: int, align: int) -> int:
     return blocks // align * align
 
 
-def prompt_end_checkpoint(prompt_blocks: int, align: int, eagle: bool) -> int:
+def prompt_end_checkpoint(
+    prompt_tokens: int, block_size: int, align: int, eagle: bool, lookahead: int = 0
+) -> int:
     """Where (router blocks, 0: nowhere) an engine keeps the last recurrent-state checkpoint
-    of a prompt of ``prompt_blocks`` full router blocks."""
-    end = floor_to(prompt_blocks, align)
+    of a prompt of ``prompt_tokens`` tokens: vLLM 0.34's
+    ``get_mamba_prefill_checkpoint_position`` in router blocks of ``block_size`` tokens
+    (``lookahead``: the tokens after each block its hashes cover)."""
+    reach = prompt_tokens if eagle else prompt_tokens - max(1, lookahead)
+    end = floor_to(max(reach, 0) // block_size, align)
     if eagle:
         end -= align
     return max(end, 0)
@@ -66,19 +75,25 @@ class EngineHolds(NamedTuple):
     next_hit_blocks: int
 
 
-def engine_holds(request: RouteRequest, layout: StateLayout, eagle: bool) -> EngineHolds:
-    """:class:`EngineHolds` for ``request`` under ``layout`` (see the module docstring)."""
+def engine_holds(
+    request: RouteRequest, layout: StateLayout, eagle: bool, lookahead: int = 0
+) -> EngineHolds:
+    """:class:`EngineHolds` for ``request`` under ``layout`` (see the module docstring;
+    ``lookahead``: the tokens after each block the engines' hashes cover)."""
     hashes = request.block_hashes
     align = layout.alignment_blocks
     kv = len(hashes) // align * align  # floor_to, inline: once a dispatch
     if not layout.hybrid:
         return EngineHolds(kv, (), max(kv - align, 0) if eagle else kv)
-    end = prompt_end_checkpoint(len(hashes), align, eagle)
+    end = prompt_end_checkpoint(request.prompt_tokens, request.block_size, align, eagle, lookahead)
+    end = max(min(end, kv - align if eagle else kv), 0)  # only blocks it has hashes of
     grid = layout.interval_blocks
-    picked = list(hashes[grid - 1 : end : grid]) if grid > 0 else []
-    if end and (not picked or picked[-1] != hashes[end - 1]):
-        picked.append(hashes[end - 1])
-    return EngineHolds(kv, tuple(picked), end)
+    # grid points up to the prompt's end: the state after the whole prompt is kept where
+    # the grid falls on it (a block-aligned prompt), past its own checkpoint
+    at = list(range(grid, (end if eagle else kv) + 1, grid)) if grid > 0 else []
+    if end and (grid <= 0 or end % grid):
+        insort(at, end)
+    return EngineHolds(kv, tuple(hashes[p - 1] for p in at), at[-1] if at else 0)
 
 
 def granted_blocks(

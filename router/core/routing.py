@@ -587,7 +587,7 @@ class RoutingEngine:
         hinted = exact and request.session_id and self.sessions is not None
         if not self._speculates or (hinted and not self.settings.speculate_sessions):
             ttl = 0.0
-        held = engine_holds(request, self.layout, self.drops_eagle_block)
+        held = engine_holds(request, self.layout, self.drops_eagle_block, self.lookahead_tokens)
         states: list[int] = []
         kv: tuple[int, ...] = ()
         spec_id = 0

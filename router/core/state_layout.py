@@ -13,7 +13,7 @@ at the end of a prompt. The router needs two facts about a model:
   (event-lag cover, approximate mode): :class:`CheckpointGrid` estimates it from the positions
   of published checkpoints;
 * the alignment: the engine block every checkpoint lands on (vLLM keeps a prompt's last
-  checkpoint at ``N // a * a`` tokens, ``a`` its hit alignment, often 1,024 tokens for a
+  checkpoint at ``(N - 1) // a * a`` tokens, ``a`` its hit alignment, often 1,024 tokens for a
   hybrid model against a router block of 64), so that the prompt-end checkpoint the router
   speculates is one the engine will hold (router/core/engine_hits.py).
   :class:`CheckpointGrid` learns it too (the largest block count dividing every published
