@@ -427,6 +427,35 @@ async def test_state_written_after_a_reap_is_swept(store: IndexStore) -> None:
     assert await store.orphans() == []
 
 
+async def test_a_replica_that_died_unseen_is_reaped(store: IndexStore) -> None:
+    """A publisher that dies while no router follows the store (every router restarting)
+    leaves its registration and state behind with its lease gone. A router that starts
+    afterwards never knew the replica, so its lease expiry is no purge of a known one: the
+    audit must still reap it, or its keys stay in Redis for good (and a live replica
+    registered beside it is kept)."""
+    name = "died-unseen"
+    info = ReplicaInfo(name, model="m", dp_ranks=(0, 1))
+    await store.register(info, owner="p", lease_ttl_s=0.2)
+    w = StoreWriter(store, info.replica_keys())
+    w.add(ReplicaKey(name, 1), [BlocksStored((1, 2, 3))])
+    await w.flush()
+    await _publish(store, "live")
+    await eventually(lambda: _lease_gone(store, name))
+    index = PrefixIndex()
+    async with IndexSync(store, index, **FAST):
+        assert ReplicaKey(name, 1) not in index  # (skipped at bootstrap: its lease is gone)
+
+        async def reaped() -> bool:
+            return [i.replica for i in await store.list_replicas()] == ["live"]
+
+        await eventually(reaped)
+        assert ReplicaKey("live") in index
+    assert await store.read_replicas([ReplicaKey(name, 1)]) == [None]
+    assert await store.orphans() == []
+    if isinstance(store, RedisStore):
+        assert await _leftover_keys(store, name) == []
+
+
 async def test_the_pods_load_exchange_is_no_orphaned_replica(
     redis_url: str, key_prefix: str
 ) -> None:

@@ -10,9 +10,10 @@ change stream from the cursor, in one task that owns all index mutations:
 * every ``audit_interval_s`` the leases are checked: a replica whose lease expired is purged
   from the index (and the listener told) and, with ``reap_expired``, its keys are deleted
   from the store (atomically against the lease coming back); a registered replica we do not
-  know is loaded, one whose registration changed unseen (its ReplicaUp trimmed from the
-  stream) is adopted as a ReplicaUp would be; a new store instance token (Redis lost its
-  data) triggers a full re-bootstrap. Replicas without a live lease are skipped at bootstrap.
+  know is loaded (or reaped when its lease is gone: it died before we knew it), one whose
+  registration changed unseen (its ReplicaUp trimmed from the stream) is adopted as a
+  ReplicaUp would be; a new store instance token (Redis lost its data) triggers a full
+  re-bootstrap. Replicas without a live lease are skipped at bootstrap.
 * a ReplicaDown purges the replica only if its lease is gone: one whose publisher registered
   it again while it was being deleted (the Down lands after the new Up) stays.
 * a store that lost its data does not end any replica's lease early: a replica known before
@@ -314,6 +315,8 @@ class IndexSync:
                 if alive.get(info.replica):
                     self._adopt(info)
                     await self._resync(info.replica_keys())
+                elif self.reap_expired:  # died before this router knew it: nobody else will
+                    await self.store.reap(info.replica)
         await self._check_seqs()
         if self.reap_expired and now >= self._next_sweep:
             self._next_sweep = now + self.orphan_sweep_s
