@@ -226,7 +226,7 @@ class IndexSync:
                     need_bootstrap = False
                     self.ready.set()
                 if self._owed:
-                    known = sorted(k for k in self._owed if k.replica in self.infos)
+                    known = sorted(k for k in self._owed if self._registered(k))
                     self._owed.clear()
                     if known:
                         await self._resync(known)
@@ -358,11 +358,20 @@ class IndexSync:
 
     # ------------------------------------------------------------------ changes
 
+    def _registered(self, key: ReplicaKey) -> bool:
+        """``key`` is a DP rank of a replica as this router knows it registered."""
+        info = self.infos.get(key.replica)
+        return info is not None and key.dp_rank in info.dp_ranks
+
     async def _handle(self, change: Change, cursor: object = None) -> None:
-        if isinstance(change, BatchChange):
+        if isinstance(change, (BatchChange, ResetChange)) and not self._registered(change.key):
             if change.key.replica not in self.infos:
                 await self._learn(change.key.replica)
-                return
+            # else a rank the registration does not list (dropped, or added by a registration
+            # not seen yet: its Up, or the audit, reads every rank's state then): the index
+            # must not gain a key that no purge would remove
+            return
+        if isinstance(change, BatchChange):
             outcome = self.index.apply(EventBatch(change.key, change.events, change.seq))
             if outcome is ApplyOutcome.DUPLICATE:
                 self.stats.duplicates += 1
@@ -374,13 +383,10 @@ class IndexSync:
                 self.stats.batches += 1
             self._note_lag(change.key, cursor)
         elif isinstance(change, ResetChange):
-            if change.key.replica not in self.infos:
-                await self._learn(change.key.replica)
-            else:
-                await self._resync([change.key])
-                self._note_lag(change.key, cursor)
+            await self._resync([change.key])
+            self._note_lag(change.key, cursor)
         elif isinstance(change, LoadChange):
-            if change.key.replica in self.infos:
+            if self._registered(change.key):
                 self.listener.load(change.key, change.sample, self.clock())
         elif isinstance(change, ReplicaUp):
             await self._up(change.info)
