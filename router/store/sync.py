@@ -159,6 +159,9 @@ class IndexSync:
         # replicas kept through a store's data loss -> monotonic deadline to re-register by
         self._grace: dict[str, float] = {}
         self.stats = SyncStats()
+        # the last turn reached the store (False from start until the bootstrap succeeds,
+        # and while the store fails: the index then serves its last known content)
+        self.up = False
         self.ready = asyncio.Event()
         self._cursor: object = None
         # Changes read and not yet handled, with the cursor of their read: a failure in the
@@ -232,6 +235,7 @@ class IndexSync:
                         await self._resync(known)
                 backlog = self._backlog
                 read = await self.store.read_changes(self._cursor, self.block_s, self.read_count)
+                self.up = True
                 self._cursor = read.cursor
                 self.stats.malformed += read.malformed
                 backlog.extend((change, read.cursor) for change in read.changes)
@@ -247,6 +251,7 @@ class IndexSync:
             except Exception as exc:  # store unreachable, restarting, ...: retry
                 if self._stopping:
                     return
+                self.up = False
                 self.stats.errors += 1
                 log.warning(
                     "index sync: %s: %s (retrying in %.2fs)", type(exc).__name__, exc, backoff
