@@ -258,6 +258,53 @@ async def test_crashed_publisher_lease_expires_and_load_is_published(
         await eng.pub.close()
 
 
+class _DownButHeartbeats:
+    """A store that fails every call but heartbeats while ``down``: Redis answering again
+    just as the publisher's heartbeat comes round, before its flush loop's next retry."""
+
+    def __init__(self, inner: RedisStore) -> None:
+        self.inner = inner
+        self.down = True
+        self.heartbeats = 0
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.inner, name)
+        if name == "heartbeat":
+            self.heartbeats += 1
+        if not self.down or name == "heartbeat" or not callable(attr):
+            return attr
+
+        async def fail(*args: object, **kw: object) -> object:
+            raise ConnectionError("Redis unreachable")
+
+        return fail
+
+
+async def test_a_publisher_started_while_redis_is_down_does_not_stand_down_for_its_predecessor(
+    stores: Callable[[], RedisStore],
+) -> None:
+    """A publisher restarts while Redis is unreachable; its predecessor's lease still runs.
+    Until it has registered, the lease's other holder is no successor that took the replica
+    over: its heartbeat must not make it stand down (it stood down for good, writing
+    nothing, and the replica left every router once the old lease expired)."""
+    old_eng, new_eng = await _engine(16, 45), await _engine(16, 46)
+    old = _publisher(stores(), "restarted", old_eng, deregister_on_stop=False, lease_ttl_s=30.0)
+    down = _DownButHeartbeats(stores())
+    new = _publisher(down, "restarted", new_eng)  # type: ignore[arg-type]
+    try:
+        await old.start()
+        await old.stop()  # (its lease runs on: as after a crash)
+        await new.start()
+        await eventually(lambda: down.heartbeats >= 2)
+        down.down = False
+        await eventually(lambda: new.stats.resets == 1)
+        assert not new.stats.superseded
+    finally:
+        await new.stop()
+        await old_eng.pub.close()
+        await new_eng.pub.close()
+
+
 async def test_redis_flush_and_restart_publisher_republishes_router_resyncs(
     private_redis: LocalRedis,
 ) -> None:

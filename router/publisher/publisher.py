@@ -341,9 +341,8 @@ class Publisher:
                 else:
                     self._check_seqs = True
             except LeaseTaken as exc:
-                log.error("publisher: %s; standing down (no more writes)", exc)
-                await self._stand_down()
-                return
+                if await self._taken(exc):
+                    return
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -351,6 +350,17 @@ class Publisher:
                 self.stats.store_errors += 1
                 self.writer.needs_reset = True
                 log.warning("publisher: heartbeat failed: %s", exc)
+
+    async def _taken(self, exc: LeaseTaken) -> bool:
+        """Another publisher holds the lease: once this one has registered, a successor took
+        the replica over and this one stands down (True: the loop ends). Before its first
+        registration (the store was down at start) the holder is its predecessor, whose
+        lease that registration takes over: nothing to do yet."""
+        if not self._registered:
+            return False
+        log.error("publisher: %s; standing down (no more writes)", exc)
+        await self._stand_down()
+        return True
 
     async def _stand_down(self) -> None:
         """Stop every writing task but this one (a loop that returns after this)."""
@@ -389,9 +399,8 @@ class Publisher:
             except asyncio.CancelledError:
                 raise
             except LeaseTaken as exc:
-                log.error("publisher: %s; standing down (no more writes)", exc)
-                await self._stand_down()
-                return
+                if await self._taken(exc):
+                    return
             except LeaseLost:  # not written; the flush loop registers again
                 self.writer.needs_reset = True
                 self._wake.set()
