@@ -49,6 +49,14 @@ async def _publisher_blocks(url: str) -> int:
     return int(float(m.group(1))) if m else -1
 
 
+async def _sync_up(url: str) -> float | None:
+    """The router's ``kvrouter_index_sync_up`` gauge (None: not on the page)."""
+    code, text = await asyncio.to_thread(http_get, url + "/metrics", 2.0)
+    assert code == 200, text
+    m = re.search(r"^kvrouter_index_sync_up ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
 class Load:
     """Closed-loop clients sending short completions over a pool of shared prefixes."""
 
@@ -100,6 +108,7 @@ async def _outage(fleet: Fleet, tmp_path: Path, outage_s: float) -> dict[str, An
             return all(v > 0 for v in (await _router_blocks(router.url)).values())
 
         await eventually(indexed, 15)
+        assert await _sync_up(router.url) == 1.0
         before = await _router_blocks(router.url)
         ok_before = load.ok
 
@@ -108,6 +117,12 @@ async def _outage(fleet: Fleet, tmp_path: Path, outage_s: float) -> dict[str, An
         redis.process.wait()
         redis.process = None
         await asyncio.sleep(outage_s)
+        # serving from its last view, and saying so
+
+        async def sync_down() -> bool:
+            return await _sync_up(router.url) == 0.0
+
+        await eventually(sync_down, 10, message="kvrouter_index_sync_up not 0 during the outage")
         during = await _router_blocks(router.url)
         ok_during = load.ok - ok_before
         failed_during = list(load.failed)
@@ -128,6 +143,11 @@ async def _outage(fleet: Fleet, tmp_path: Path, outage_s: float) -> dict[str, An
 
         await eventually(converged, 15, message="router and publishers' blocks differ")
         resync_s = time.monotonic() - restarted
+
+        async def sync_up() -> bool:
+            return await _sync_up(router.url) == 1.0
+
+        await eventually(sync_up, 10, message="kvrouter_index_sync_up not 1 again")
         return {
             "outage_s": outage_s,
             "requests_ok": load.ok,

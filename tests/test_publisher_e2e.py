@@ -22,7 +22,7 @@ from router.events.ingest import EndpointSpec
 from router.events.model import EngineBlockRemoved, EngineBlockStored
 from router.events.zmq_pub import KVEventPublisher
 from router.publisher.publisher import Publisher, PublisherCollector, PublisherSettings
-from router.store.base import ReplicaInfo
+from router.store.base import ReplicaDown, ReplicaInfo, ReplicaUp, ResetChange
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
 from router.store.sync import IndexSync, LoadTrackerListener
@@ -256,6 +256,137 @@ async def test_crashed_publisher_lease_expires_and_load_is_published(
             task.cancel()
         await runner.cleanup()
         await eng.pub.close()
+
+
+async def test_a_restarted_publisher_is_not_taken_for_the_old_one_by_a_lagging_router(
+    stores: Callable[[], RedisStore],
+) -> None:
+    """A publisher stops (deregistering: its keys and stored seq go) and another starts for
+    the same replica name, while a router lags so far behind that the stream is trimmed past
+    the old one's Down and the new one's Up and reset entries. The new publisher's batches
+    must not look like old ones to that router: numbered from 1 again, they were duplicates
+    of seqs it had applied, dropped while the replica stayed busy (the audit's stale check
+    needs an idle replica; turned off here), and the old engine's blocks stayed indexed."""
+    old_eng, new_eng = await _engine(16, 41), await _engine(16, 42)
+    old_store, new_store = stores(), stores()
+    old = _publisher(old_store, "again", old_eng)
+    new = _publisher(new_store, "again", new_eng)
+    key = ReplicaKey("again")
+    index = PrefixIndex()
+    busy = {"audit_interval_s": 3600.0, "block_s": 0.05}
+
+    def held(tokens: list[int]) -> int:
+        m = index.match(canonical(tokens)).get(key)
+        return 0 if m is None else m.kv_blocks
+
+    def losing(store: RedisStore, lost: tuple[type, ...]) -> Callable[[], None]:
+        xadd = store._xadd
+        store._xadd = lambda pipe, r, change: (  # type: ignore[method-assign]
+            None if isinstance(change, lost) else xadd(pipe, r, change)
+        )
+        return lambda: setattr(store, "_xadd", xadd)
+
+    try:
+        async with IndexSync(stores(), index, **busy):
+            await old.start()
+            await _joined((old_eng, old))
+            olds = [old_eng.prompt(4) for _ in range(6)]
+            for x in olds:  # one flush each: the old seq climbs
+                await old_eng.store(x)
+                await eventually(lambda x=x: held(x) == len(canonical(x)))
+            restore = losing(old_store, (ReplicaDown,))
+            await old.stop()
+            restore()
+            restore = losing(new_store, (ReplicaUp, ResetChange))
+            await new.start()
+            restore()
+            await _joined((new_eng, new))
+            y = new_eng.prompt(4)
+            await new_eng.store(y)
+            await eventually(lambda: _stored_holds(new_store, key, canonical(y), ()))
+            await eventually(lambda: held(y) == len(canonical(y)))
+            # (a gap's resync follows the batch that showed it)
+            await eventually(lambda: [held(x) for x in olds] == [0] * len(olds))
+    finally:
+        await new.stop()
+        await old.stop()
+        await old_eng.pub.close()
+        await new_eng.pub.close()
+
+
+class _DownButHeartbeats:
+    """A store that fails every call but heartbeats while ``down``: Redis answering again
+    just as the publisher's heartbeat comes round, before its flush loop's next retry."""
+
+    def __init__(self, inner: RedisStore) -> None:
+        self.inner = inner
+        self.down = True
+        self.heartbeats = 0
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.inner, name)
+        if name == "heartbeat":
+            self.heartbeats += 1
+        if not self.down or name == "heartbeat" or not callable(attr):
+            return attr
+
+        async def fail(*args: object, **kw: object) -> object:
+            raise ConnectionError("Redis unreachable")
+
+        return fail
+
+
+async def test_a_publisher_started_while_redis_is_down_numbers_after_the_stored_seq(
+    stores: Callable[[], RedisStore],
+) -> None:
+    """The stored seq is resumed when the publisher first registers, not only when its
+    start did: with Redis down at start, it numbered from 1 under the old publisher's seq."""
+    old_eng, new_eng = await _engine(16, 43), await _engine(16, 44)
+    store = stores()
+    old = _publisher(store, "late", old_eng, deregister_on_stop=False)
+    key = ReplicaKey("late")
+    down = _DownButHeartbeats(stores())
+    new = _publisher(down, "late", new_eng)  # type: ignore[arg-type]
+    try:
+        await old.start()
+        await old.stop()  # (its keys and seq stay: as after a crash)
+        (before,) = await store.stored_seqs([key])
+        assert before is not None
+        await new.start()
+        assert new.stats.store_errors == 1
+        down.down = False
+        await eventually(lambda: new.stats.resets == 1)
+        (after,) = await store.stored_seqs([key])
+        assert after is not None and after > before
+    finally:
+        await new.stop()
+        await old_eng.pub.close()
+        await new_eng.pub.close()
+
+
+async def test_a_publisher_started_while_redis_is_down_does_not_stand_down_for_its_predecessor(
+    stores: Callable[[], RedisStore],
+) -> None:
+    """A publisher restarts while Redis is unreachable; its predecessor's lease still runs.
+    Until it has registered, the lease's other holder is no successor that took the replica
+    over: its heartbeat must not make it stand down (it stood down for good, writing
+    nothing, and the replica left every router once the old lease expired)."""
+    old_eng, new_eng = await _engine(16, 45), await _engine(16, 46)
+    old = _publisher(stores(), "restarted", old_eng, deregister_on_stop=False, lease_ttl_s=30.0)
+    down = _DownButHeartbeats(stores())
+    new = _publisher(down, "restarted", new_eng)  # type: ignore[arg-type]
+    try:
+        await old.start()
+        await old.stop()  # (its lease runs on: as after a crash)
+        await new.start()
+        await eventually(lambda: down.heartbeats >= 2)
+        down.down = False
+        await eventually(lambda: new.stats.resets == 1)
+        assert not new.stats.superseded
+    finally:
+        await new.stop()
+        await old_eng.pub.close()
+        await new_eng.pub.close()
 
 
 async def test_redis_flush_and_restart_publisher_republishes_router_resyncs(

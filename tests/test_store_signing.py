@@ -102,3 +102,29 @@ def test_signing_key_command_derives_the_replica_key() -> None:
     out = kvrouter("signing-key", "--replica", "a", "--master", MASTER.hex())
     assert out.returncode == 0, out.stderr
     assert bytes.fromhex(out.stdout.strip()) == replica_signing_key(MASTER, "a")
+
+
+async def test_a_registration_entry_signed_in_one_name_cannot_carry_another(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A ``U`` entry names its replica twice: the signed ``r`` field and the info's own
+    ``replica``. ``a``'s publisher signs with its own key (``r`` = ``a``) but puts ``b``'s
+    registration in the info, pointing ``b`` at its own address: the router must drop it,
+    not adopt it as ``b``'s (a signed entry speaks only for the replica it is signed for)."""
+    from router.store.base import ReplicaInfo, ReplicaUp
+
+    schema = KeySchema(key_prefix, stream_shards=1)  # a and b share the one shard
+    forger = RedisStore.from_url(redis_url, schema, signing_key=replica_signing_key(MASTER, "a"))
+    router = RedisStore.from_url(redis_url, schema, verify_master=MASTER)
+    try:
+        cursor = await router.cursor()
+        fields = encode_change(ReplicaUp(ReplicaInfo("b", url="http://evil:1", model="m")))
+        fields[b"r"] = b"a"  # the name it can sign for
+        await forger.redis.xadd(schema.stream(0), sign_fields(fields, forger.signing_key or b""))
+        assert verify_fields(fields, MASTER)  # a genuine signature, of a
+        read = await router.read_changes(cursor, 0.0, 100)
+        assert [c for c in read.changes if isinstance(c, ReplicaUp)] == []
+        assert read.malformed == 1
+    finally:
+        await forger.close()
+        await router.close()

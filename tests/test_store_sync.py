@@ -368,6 +368,37 @@ async def test_dp_ranks_dropped_by_a_registration_leave_nothing_behind(store: In
     assert [s.entries if s else 0 for s in await store.read_replicas(keys)] == [0] * 4
 
 
+async def test_a_change_of_a_dp_rank_not_registered_adds_no_index_key(
+    store: IndexStore,
+) -> None:
+    """A batch or reset entry of a DP rank the replica's registration does not list (written
+    before a re-registration dropped the rank and read after the router adopted it: its
+    audit reads the registry ahead of a lagging stream) must not create that key in the
+    index: nothing would ever remove it (a purge removes the registered ranks), so it stayed
+    after the replica left, its blocks still matched."""
+    name = "ranks"
+    w = await _publish(store, name, ranks=(0, 1))
+    index = PrefixIndex()
+    async with IndexSync(store, index, **FAST) as sync:
+        assert ReplicaKey(name, 1) in index
+        one = ReplicaInfo(name, url=f"http://{name}", model="m", dp_ranks=(0,))
+        await store.register(one, owner=f"pub-{name}", lease_ttl_s=30)
+        await eventually(lambda: ReplicaKey(name, 1) not in index)
+        # the old writer's last entries for rank 1 (unfenced, as one in flight)
+        w.add(ReplicaKey(name, 1), [BlocksStored((11, 12))])
+        with pytest.raises(SeqMismatch):
+            await w.flush()
+        await w.reset()
+        w.add(ReplicaKey(name, 0), [BlocksStored((21,))])
+        await w.flush()  # (a rank-0 batch after them: once applied, they were handled)
+        await eventually(lambda: index.match([21]).get(ReplicaKey(name, 0)) is not None)
+        assert index.replicas() == [ReplicaKey(name, 0)]
+        assert not index.match([11, 12])
+        assert await store.deregister(name)
+        await eventually(lambda: sync.stats.purges >= 1)
+        await eventually(lambda: index.replicas() == [])
+
+
 @pytest.mark.parametrize("how", ["reap", "deregister"])
 async def test_an_unreadable_registration_leaks_no_dp_rank(store: IndexStore, how: str) -> None:
     if not isinstance(store, RedisStore):
@@ -425,6 +456,35 @@ async def test_state_written_after_a_reap_is_swept(store: IndexStore) -> None:
     await w.flush()
     await store.register(info, owner="p2", lease_ttl_s=30)
     assert await store.orphans() == []
+
+
+async def test_a_replica_that_died_unseen_is_reaped(store: IndexStore) -> None:
+    """A publisher that dies while no router follows the store (every router restarting)
+    leaves its registration and state behind with its lease gone. A router that starts
+    afterwards never knew the replica, so its lease expiry is no purge of a known one: the
+    audit must still reap it, or its keys stay in Redis for good (and a live replica
+    registered beside it is kept)."""
+    name = "died-unseen"
+    info = ReplicaInfo(name, model="m", dp_ranks=(0, 1))
+    await store.register(info, owner="p", lease_ttl_s=0.2)
+    w = StoreWriter(store, info.replica_keys())
+    w.add(ReplicaKey(name, 1), [BlocksStored((1, 2, 3))])
+    await w.flush()
+    await _publish(store, "live")
+    await eventually(lambda: _lease_gone(store, name))
+    index = PrefixIndex()
+    async with IndexSync(store, index, **FAST):
+        assert ReplicaKey(name, 1) not in index  # (skipped at bootstrap: its lease is gone)
+
+        async def reaped() -> bool:
+            return [i.replica for i in await store.list_replicas()] == ["live"]
+
+        await eventually(reaped)
+        assert ReplicaKey("live") in index
+    assert await store.read_replicas([ReplicaKey(name, 1)]) == [None]
+    assert await store.orphans() == []
+    if isinstance(store, RedisStore):
+        assert await _leftover_keys(store, name) == []
 
 
 async def test_the_pods_load_exchange_is_no_orphaned_replica(

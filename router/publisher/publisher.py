@@ -1,9 +1,12 @@
 """The publisher sidecar: one engine's KV events and load -> the shared store.
 
 Life cycle (``start``):
-1. resume the stored sequence numbers, register the replica (info + lease), and write an
-   empty full state (the publisher does not know the engine's cache yet; engines cannot dump
-   it) -- the ZMQ replay buffer then refills what the engine still remembers;
+1. resume the stored sequence numbers (at least from the wall clock in microseconds, so a
+   restarted publisher numbers above its predecessor even when the store kept no seq),
+   register the replica (info + lease), and write an empty full state (the publisher does
+   not know the engine's cache yet; engines cannot dump it) -- the ZMQ replay buffer then
+   refills what the engine still remembers; with the store down, the flush loop does this
+   once it answers;
 2. follow the engine endpoints (``EngineIngest``: decode, re-block, per-rank state); with
    ``ask_sources`` (``--zmq auto``), ask the engine where it publishes every
    ``discovery.SOURCES_RECHECK_S`` and follow other endpoints it names
@@ -216,7 +219,7 @@ class Publisher:
         """Register and start following; a store that is down now is retried by the flush
         loop (the state is republished in full once it answers)."""
         try:
-            await self._register_and_reset(first=True)
+            await self._register_and_reset()
         except Exception as exc:
             self.stats.store_errors += 1
             self.writer.needs_reset = True
@@ -266,10 +269,10 @@ class Publisher:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    async def _register_and_reset(self, first: bool = False) -> None:
+    async def _register_and_reset(self) -> None:
         s = self.settings
-        if first:
-            await self.writer.resume_seq()
+        if not self._registered:  # the first registration (also when the store was down at start)
+            await self.writer.resume_seq(floor=time.time_ns() // 1000)
         self.info = self.learned_info()
         await self.store.register(self.info, s.owner, s.lease_ttl_s, take_over=not self._registered)
         self._registered = True
@@ -341,9 +344,8 @@ class Publisher:
                 else:
                     self._check_seqs = True
             except LeaseTaken as exc:
-                log.error("publisher: %s; standing down (no more writes)", exc)
-                await self._stand_down()
-                return
+                if await self._taken(exc):
+                    return
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -351,6 +353,17 @@ class Publisher:
                 self.stats.store_errors += 1
                 self.writer.needs_reset = True
                 log.warning("publisher: heartbeat failed: %s", exc)
+
+    async def _taken(self, exc: LeaseTaken) -> bool:
+        """Another publisher holds the lease: once this one has registered, a successor took
+        the replica over and this one stands down (True: the loop ends). Before its first
+        registration (the store was down at start) the holder is its predecessor, whose
+        lease that registration takes over: nothing to do yet."""
+        if not self._registered:
+            return False
+        log.error("publisher: %s; standing down (no more writes)", exc)
+        await self._stand_down()
+        return True
 
     async def _stand_down(self) -> None:
         """Stop every writing task but this one (a loop that returns after this)."""
@@ -389,9 +402,8 @@ class Publisher:
             except asyncio.CancelledError:
                 raise
             except LeaseTaken as exc:
-                log.error("publisher: %s; standing down (no more writes)", exc)
-                await self._stand_down()
-                return
+                if await self._taken(exc):
+                    return
             except LeaseLost:  # not written; the flush loop registers again
                 self.writer.needs_reset = True
                 self._wake.set()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.core.types import ReplicaKey
@@ -28,6 +28,7 @@ from router.service.upstream import Client, Timeouts
 if TYPE_CHECKING:
     from router.events.direct import DirectEvents
     from router.events.endpoints import EndpointSpec
+    from router.store.sync import IndexSync
 
 _log = logging.getLogger("kvrouter.service")
 # an engine load report older than this many ``server.engine_metrics_interval_s`` is dropped
@@ -200,10 +201,36 @@ async def redis_index(app: web.Application) -> AsyncIterator[None]:
     )
     app[INDEX_SYNC] = sync
     _log.info("shared index: following %s (key prefix %s)", s.redis_url, s.redis_key_prefix)
+    registry = app[STATE].metrics.registry
+    collector = _IndexSyncCollector(sync)
+    registry.register(collector)
     await sync.start(wait=False)
     yield
     await sync.stop()
     await store.close()
+    registry.unregister(collector)
+
+
+class _IndexSyncCollector(Collector):
+    """Whether the shared index follower reaches Redis (docs/metrics.md): while it does not,
+    the router routes on its last known index and load, and only this says so."""
+
+    def __init__(self, sync: IndexSync) -> None:
+        self.sync = sync
+
+    def collect(self) -> Iterable[Metric]:
+        up = GaugeMetricFamily(
+            "kvrouter_index_sync_up",
+            "1 while the shared index follower reaches Redis, 0 while it does not (the index "
+            "serves its last known content)",
+        )
+        up.add_metric([], 1.0 if self.sync.up else 0.0)
+        yield up
+        errors = CounterMetricFamily(
+            "kvrouter_index_sync_errors", "Failed turns of the shared index follower (retried)"
+        )
+        errors.add_metric([], float(self.sync.stats.errors))
+        yield errors
 
 
 async def direct_events(app: web.Application) -> AsyncIterator[None]:

@@ -112,7 +112,10 @@ def decode_change(fields: Mapping[bytes, bytes]) -> Change:
         kind = fields[b"t"]
         replica = fields[b"r"].decode()
         if kind == b"U":
-            return ReplicaUp(ReplicaInfo.from_json(fields[b"i"]))
+            info = ReplicaInfo.from_json(fields[b"i"])
+            if info.replica != replica:  # ``r`` is what a signature vouches for
+                raise ValueError(f"registration of {info.replica!r} in an entry of {replica!r}")
+            return ReplicaUp(info)
         if kind == b"D":
             return ReplicaDown(replica)
         key = ReplicaKey(replica, int(fields[b"d"]))

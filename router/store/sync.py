@@ -10,9 +10,10 @@ change stream from the cursor, in one task that owns all index mutations:
 * every ``audit_interval_s`` the leases are checked: a replica whose lease expired is purged
   from the index (and the listener told) and, with ``reap_expired``, its keys are deleted
   from the store (atomically against the lease coming back); a registered replica we do not
-  know is loaded, one whose registration changed unseen (its ReplicaUp trimmed from the
-  stream) is adopted as a ReplicaUp would be; a new store instance token (Redis lost its
-  data) triggers a full re-bootstrap. Replicas without a live lease are skipped at bootstrap.
+  know is loaded (or reaped when its lease is gone: it died before we knew it), one whose
+  registration changed unseen (its ReplicaUp trimmed from the stream) is adopted as a
+  ReplicaUp would be; a new store instance token (Redis lost its data) triggers a full
+  re-bootstrap. Replicas without a live lease are skipped at bootstrap.
 * a ReplicaDown purges the replica only if its lease is gone: one whose publisher registered
   it again while it was being deleted (the Down lands after the new Up) stays.
 * a store that lost its data does not end any replica's lease early: a replica known before
@@ -158,6 +159,9 @@ class IndexSync:
         # replicas kept through a store's data loss -> monotonic deadline to re-register by
         self._grace: dict[str, float] = {}
         self.stats = SyncStats()
+        # the last turn reached the store (False from start until the bootstrap succeeds,
+        # and while the store fails: the index then serves its last known content)
+        self.up = False
         self.ready = asyncio.Event()
         self._cursor: object = None
         # Changes read and not yet handled, with the cursor of their read: a failure in the
@@ -225,12 +229,13 @@ class IndexSync:
                     need_bootstrap = False
                     self.ready.set()
                 if self._owed:
-                    known = sorted(k for k in self._owed if k.replica in self.infos)
+                    known = sorted(k for k in self._owed if self._registered(k))
                     self._owed.clear()
                     if known:
                         await self._resync(known)
                 backlog = self._backlog
                 read = await self.store.read_changes(self._cursor, self.block_s, self.read_count)
+                self.up = True
                 self._cursor = read.cursor
                 self.stats.malformed += read.malformed
                 backlog.extend((change, read.cursor) for change in read.changes)
@@ -246,6 +251,7 @@ class IndexSync:
             except Exception as exc:  # store unreachable, restarting, ...: retry
                 if self._stopping:
                     return
+                self.up = False
                 self.stats.errors += 1
                 log.warning(
                     "index sync: %s: %s (retrying in %.2fs)", type(exc).__name__, exc, backoff
@@ -314,6 +320,8 @@ class IndexSync:
                 if alive.get(info.replica):
                     self._adopt(info)
                     await self._resync(info.replica_keys())
+                elif self.reap_expired:  # died before this router knew it: nobody else will
+                    await self.store.reap(info.replica)
         await self._check_seqs()
         if self.reap_expired and now >= self._next_sweep:
             self._next_sweep = now + self.orphan_sweep_s
@@ -355,11 +363,20 @@ class IndexSync:
 
     # ------------------------------------------------------------------ changes
 
+    def _registered(self, key: ReplicaKey) -> bool:
+        """``key`` is a DP rank of a replica as this router knows it registered."""
+        info = self.infos.get(key.replica)
+        return info is not None and key.dp_rank in info.dp_ranks
+
     async def _handle(self, change: Change, cursor: object = None) -> None:
-        if isinstance(change, BatchChange):
+        if isinstance(change, (BatchChange, ResetChange)) and not self._registered(change.key):
             if change.key.replica not in self.infos:
                 await self._learn(change.key.replica)
-                return
+            # else a rank the registration does not list (dropped, or added by a registration
+            # not seen yet: its Up, or the audit, reads every rank's state then): the index
+            # must not gain a key that no purge would remove
+            return
+        if isinstance(change, BatchChange):
             outcome = self.index.apply(EventBatch(change.key, change.events, change.seq))
             if outcome is ApplyOutcome.DUPLICATE:
                 self.stats.duplicates += 1
@@ -371,13 +388,10 @@ class IndexSync:
                 self.stats.batches += 1
             self._note_lag(change.key, cursor)
         elif isinstance(change, ResetChange):
-            if change.key.replica not in self.infos:
-                await self._learn(change.key.replica)
-            else:
-                await self._resync([change.key])
-                self._note_lag(change.key, cursor)
+            await self._resync([change.key])
+            self._note_lag(change.key, cursor)
         elif isinstance(change, LoadChange):
-            if change.key.replica in self.infos:
+            if self._registered(change.key):
                 self.listener.load(change.key, change.sample, self.clock())
         elif isinstance(change, ReplicaUp):
             await self._up(change.info)

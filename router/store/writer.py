@@ -90,9 +90,12 @@ class StoreWriter:
         self.needs_reset = False
         self.flushes += 1
 
-    async def resume_seq(self) -> None:
-        """Continue numbering after what the store holds (a restarted publisher)."""
+    async def resume_seq(self, floor: int = 0) -> None:
+        """Continue numbering after what the store holds (a restarted publisher), and at
+        least from ``floor``: a publisher passes its wall clock in microseconds, so a new one
+        numbers above any earlier one for the replica even when the store kept no seq (it
+        deregistered): a router that missed the entries between them sees a gap, never
+        batches it takes for ones it has applied."""
         for key, st in self.states.items():
             stored = await self.store.stored_seq(key)
-            if stored is not None and stored >= st.seq:
-                st.seq = stored
+            st.seq = max(st.seq, stored or 0, floor)
