@@ -825,6 +825,41 @@ async def test_leases_that_lapsed_while_redis_was_unreachable_get_the_grace(
         await router.inner.close()
 
 
+async def test_an_up_entry_read_after_its_lease_lapsed_adds_no_replica(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A router that could not read the stream for a while reads a registration whose
+    publisher died meanwhile (its lease gone): adopting it would make a dead address
+    routable (for the grace after the outage, too). It is skipped, as ``_learn`` skips a
+    batch of a replica whose lease is gone; a live one read the same way is adopted."""
+    schema = KeySchema(key_prefix, stream_shards=2)
+    store = RedisStore.from_url(redis_url, schema)
+    router = _Unreachable(RedisStore.from_url(redis_url, schema))
+    ups: list[str] = []
+
+    class Ups(NullListener):
+        def replica_up(self, info: ReplicaInfo) -> None:
+            ups.append(info.replica)
+
+    try:
+        index = PrefixIndex()
+        async with IndexSync(router, index, listener=Ups(), **FAST) as sync:  # type: ignore[arg-type]
+            router.down = True
+            await eventually(lambda: sync.stats.errors >= 1 and not sync.up)
+            await store.register(ReplicaInfo("gone", model="m"), owner="p", lease_ttl_s=0.05)
+            await store.register(ReplicaInfo("live", model="m"), owner="p", lease_ttl_s=30)
+            await eventually(lambda: _lease_gone(store, "gone"))
+            router.down = False
+            await eventually(lambda: ReplicaKey("live") in index)
+            router.listed = 0
+            await eventually(lambda: router.listed >= 2)  # (audits ran since)
+            assert ups.count("gone") == 0
+            assert ReplicaKey("gone") not in index
+    finally:
+        await store.close()
+        await router.inner.close()
+
+
 async def test_a_rebootstrap_after_data_loss_that_fails_midway_keeps_the_grace(
     private_redis: LocalRedis,
 ) -> None:

@@ -15,7 +15,8 @@ change stream from the cursor, in one task that owns all index mutations:
   ReplicaUp would be; a new store instance token (Redis lost its data) triggers a full
   re-bootstrap. Replicas without a live lease are skipped at bootstrap.
 * a ReplicaDown purges the replica only if its lease is gone: one whose publisher registered
-  it again while it was being deleted (the Down lands after the new Up) stays.
+  it again while it was being deleted (the Down lands after the new Up) stays; a ReplicaUp
+  counts only while its lease lives (read late, after its publisher died, it is skipped).
 * a store that lost its data does not end any replica's lease early: a replica known before
   and missing from the new store stays (index content, listener not told) for up to
   ``lost_store_grace_s`` (the publishers' default lease TTL) while its publisher notices at
@@ -410,6 +411,11 @@ class IndexSync:
             if self._registered(change.key):
                 self.listener.load(change.key, change.sample, self.clock())
         elif isinstance(change, ReplicaUp):
+            name = change.info.replica
+            if not (await self.store.leases([name])).get(name):
+                # its publisher died before we read it (we lagged, or the store was away):
+                # no address to route to; the audit purges what we knew of it
+                return
             await self._up(change.info)
         elif isinstance(change, ReplicaDown):
             if (await self.store.leases([change.replica])).get(change.replica):
