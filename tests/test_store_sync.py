@@ -752,6 +752,114 @@ async def test_a_replica_lost_with_the_store_stays_until_its_grace_ends(
         await router_store.close()
 
 
+class _Unreachable:
+    """A store the router cannot reach while ``down`` (every call fails); counts the
+    registry reads it answers (one per audit, after its lease check)."""
+
+    def __init__(self, inner: RedisStore) -> None:
+        self.inner = inner
+        self.down = False
+        self.listed = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+        if self.down:
+
+            async def fail(*args: Any, **kw: Any) -> Any:
+                raise ConnectionError("Redis unreachable")
+
+            return fail
+        if name == "list_replicas":
+            self.listed += 1
+        return attr
+
+
+async def test_leases_that_lapsed_while_redis_was_unreachable_get_the_grace(
+    redis_url: str, key_prefix: str
+) -> None:
+    """Redis unreachable (down, paused, partitioned) for longer than the lease TTL and back
+    with its data (persistence: the same instance token): the leases lapsed only because no
+    publisher could renew them either. The router's first audit must not purge the whole
+    fleet at once: a replica whose publisher registers again within the grace stays, one
+    that does not is purged after it."""
+    schema = KeySchema(key_prefix, stream_shards=2)
+    store = RedisStore.from_url(redis_url, schema)
+    router = _Unreachable(RedisStore.from_url(redis_url, schema))
+    downs: list[str] = []
+
+    class Downs(NullListener):
+        def replica_down(self, replica: str, keys: Sequence[ReplicaKey]) -> None:
+            downs.append(replica)
+
+    try:
+        writers = {}
+        for name in ("back", "dead"):
+            info = ReplicaInfo(name, model="m")
+            await store.register(info, owner="p", lease_ttl_s=30)
+            writers[name] = StoreWriter(store, info.replica_keys())
+            writers[name].add(ReplicaKey(name), [BlocksStored((1, 2))])
+            await writers[name].flush()
+        index = PrefixIndex()
+        grace = {"lost_store_grace_s": 1.5}
+        sync = IndexSync(router, index, listener=Downs(), **grace, **FAST)  # type: ignore[arg-type]
+        async with sync:
+            router.down = True
+            await eventually(lambda: sync.stats.errors >= 1 and not sync.up)
+            # the leases run out meanwhile (nobody can renew them)
+            await store.redis.delete(schema.lease("back"), schema.lease("dead"))
+            router.down, router.listed = False, 0
+            await eventually(lambda: router.listed >= 2)  # (audits ran since)
+            assert downs == []
+            assert index.match([1, 2]).get(ReplicaKey("dead")).kv_blocks == 2
+            assert not await store.heartbeat("back", "p", 30)
+            await store.register(ReplicaInfo("back", model="m"), owner="p", lease_ttl_s=30)
+            await writers["back"].reset()
+            await eventually(lambda: "dead" in downs, timeout=5)
+            assert set(downs) == {"dead"}  # (its reap's Down entry may tell it again)
+            assert index.match([1, 2]).get(ReplicaKey("back")).kv_blocks == 2
+            assert ReplicaKey("dead") not in index
+    finally:
+        await store.close()
+        await router.inner.close()
+
+
+async def test_an_up_entry_read_after_its_lease_lapsed_adds_no_replica(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A router that could not read the stream for a while reads a registration whose
+    publisher died meanwhile (its lease gone): adopting it would make a dead address
+    routable (for the grace after the outage, too). It is skipped, as ``_learn`` skips a
+    batch of a replica whose lease is gone; a live one read the same way is adopted."""
+    schema = KeySchema(key_prefix, stream_shards=2)
+    store = RedisStore.from_url(redis_url, schema)
+    router = _Unreachable(RedisStore.from_url(redis_url, schema))
+    ups: list[str] = []
+
+    class Ups(NullListener):
+        def replica_up(self, info: ReplicaInfo) -> None:
+            ups.append(info.replica)
+
+    try:
+        index = PrefixIndex()
+        async with IndexSync(router, index, listener=Ups(), **FAST) as sync:  # type: ignore[arg-type]
+            router.down = True
+            await eventually(lambda: sync.stats.errors >= 1 and not sync.up)
+            await store.register(ReplicaInfo("gone", model="m"), owner="p", lease_ttl_s=0.05)
+            await store.register(ReplicaInfo("live", model="m"), owner="p", lease_ttl_s=30)
+            await eventually(lambda: _lease_gone(store, "gone"))
+            router.down = False
+            await eventually(lambda: ReplicaKey("live") in index)
+            router.listed = 0
+            await eventually(lambda: router.listed >= 2)  # (audits ran since)
+            assert ups.count("gone") == 0
+            assert ReplicaKey("gone") not in index
+    finally:
+        await store.close()
+        await router.inner.close()
+
+
 async def test_a_rebootstrap_after_data_loss_that_fails_midway_keeps_the_grace(
     private_redis: LocalRedis,
 ) -> None:

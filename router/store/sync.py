@@ -15,11 +15,13 @@ change stream from the cursor, in one task that owns all index mutations:
   ReplicaUp would be; a new store instance token (Redis lost its data) triggers a full
   re-bootstrap. Replicas without a live lease are skipped at bootstrap.
 * a ReplicaDown purges the replica only if its lease is gone: one whose publisher registered
-  it again while it was being deleted (the Down lands after the new Up) stays.
+  it again while it was being deleted (the Down lands after the new Up) stays; a ReplicaUp
+  counts only while its lease lives (read late, after its publisher died, it is skipped).
 * a store that lost its data does not end any replica's lease early: a replica known before
   and missing from the new store stays (index content, listener not told) for up to
   ``lost_store_grace_s`` (the publishers' default lease TTL) while its publisher notices at
-  its next heartbeat and registers again; purged only if it has not by then.
+  its next heartbeat and registers again; purged only if it has not by then. So does one
+  whose lease lapsed while the store was unreachable (its publisher could not renew it).
 
 Store errors (Redis down, restarting) are logged and retried with backoff; the index keeps
 serving its last known content meanwhile. ``clock`` is the router's monotonic clock, used to
@@ -162,6 +164,8 @@ class IndexSync:
         # the last turn reached the store (False from start until the bootstrap succeeds,
         # and while the store fails: the index then serves its last known content)
         self.up = False
+        self._failed = False  # a turn failed since the last that reached the store
+        self._outage_grace_until = 0.0  # (monotonic) see ``_after_outage``
         self.ready = asyncio.Event()
         self._cursor: object = None
         # Changes read and not yet handled, with the cursor of their read: a failure in the
@@ -235,6 +239,9 @@ class IndexSync:
                         await self._resync(known)
                 backlog = self._backlog
                 read = await self.store.read_changes(self._cursor, self.block_s, self.read_count)
+                if self._failed:
+                    self._failed = False
+                    self._after_outage()
                 self.up = True
                 self._cursor = read.cursor
                 self.stats.malformed += read.malformed
@@ -252,12 +259,21 @@ class IndexSync:
                 if self._stopping:
                     return
                 self.up = False
+                self._failed = True
                 self.stats.errors += 1
                 log.warning(
                     "index sync: %s: %s (retrying in %.2fs)", type(exc).__name__, exc, backoff
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
+
+    def _after_outage(self) -> None:
+        """The store answers again after failing: a lease that lapsed meanwhile may have
+        lapsed only because its publisher could not reach the store either (Redis down,
+        paused or cut off for longer than the lease TTL, and back with its data: no new
+        instance token). Lapsed leases get the data-loss grace from now, so that the first
+        audit does not purge the fleet while the publishers register again."""
+        self._outage_grace_until = time.monotonic() + self.lost_store_grace_s
 
     async def bootstrap(self) -> None:
         """Rebuild the index's view of every stored replica from the store. The store's
@@ -301,8 +317,9 @@ class IndexSync:
             if ok:
                 self._grace.pop(name, None)
                 continue
-            if self._grace.get(name, now) > now:
-                continue  # the store lost it; its publisher has until then to register again
+            if self._grace.get(name, now) > now or now < self._outage_grace_until:
+                continue  # the store lost it, or was away; its publisher has until then to
+                # register again
             log.info("index sync: lease of %s expired; purging it", name)
             self._purge(name)
             if self.reap_expired:
@@ -394,6 +411,11 @@ class IndexSync:
             if self._registered(change.key):
                 self.listener.load(change.key, change.sample, self.clock())
         elif isinstance(change, ReplicaUp):
+            name = change.info.replica
+            if not (await self.store.leases([name])).get(name):
+                # its publisher died before we read it (we lagged, or the store was away):
+                # no address to route to; the audit purges what we knew of it
+                return
             await self._up(change.info)
         elif isinstance(change, ReplicaDown):
             if (await self.store.leases([change.replica])).get(change.replica):
