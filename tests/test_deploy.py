@@ -175,8 +175,10 @@ def test_routers_run_in_exact_mode_with_the_mounted_tokenizer() -> None:
 def _exported_metrics() -> set[str]:
     """Every metric family a router with the pods exchange exports."""
     import re
+    from types import SimpleNamespace
 
     from router.core.load import LoadTracker
+    from router.service.background import _IndexSyncCollector
     from router.service.config import build_settings
     from router.service.peer_sum import PeerSum
     from router.service.pod_exchange import ExchangeSettings, PodExchange, _ExchangeCollector
@@ -191,6 +193,9 @@ def _exported_metrics() -> set[str]:
                      lambda: 0.0)  # fmt: skip
     state.metrics.registry.register(_ExchangeCollector(ex))
     state.metrics.registry.register(LoopLag())
+    # the shared index follower's collector reads its ``up`` flag and error count
+    follower = SimpleNamespace(up=True, stats=SimpleNamespace(errors=0))
+    state.metrics.registry.register(_IndexSyncCollector(follower))  # type: ignore[arg-type]
     text = state.metrics.render().decode()
     return set(re.findall(r"^# TYPE (kvrouter_\w+) \w+$", text, flags=re.M))
 
