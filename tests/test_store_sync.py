@@ -11,9 +11,17 @@ from typing import Any
 import pytest
 
 from router.bench.redis_server import LocalRedis
-from router.core.index import PrefixIndex
+from router.core.index import ApplyOutcome, PrefixIndex
 from router.core.load import LoadTracker
-from router.core.types import AllCleared, BlocksRemoved, BlocksStored, Kind, ReplicaKey, Tier
+from router.core.types import (
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    Kind,
+    ReplicaKey,
+    Tier,
+)
 from router.store.base import (
     IndexStore,
     LeaseLost,
@@ -973,3 +981,31 @@ async def test_a_silent_redis_fails_calls_instead_of_hanging(private_redis: Loca
     finally:
         await writer_store.close()
         await router_store.close()
+
+
+async def test_a_rank_dropped_and_named_again_numbers_above_what_it_wrote() -> None:
+    """A publisher's registration drops a DP rank and later names it again (``--zmq auto``
+    following the engine): the rank's batches must number above those it wrote before, or a
+    router that lagged past both registrations takes them for batches it applied and drops
+    them (the index then misses what the rank stores)."""
+    store = MemoryStore()
+    k0, k1 = ReplicaKey("r"), ReplicaKey("r", 1)
+    clock = iter(range(1_000, 10**9, 1_000))
+    writer = StoreWriter(store, [k0, k1], seq_floor=lambda: next(clock))
+    await writer.flush()
+    index = PrefixIndex()  # a router that applied everything rank 1 wrote
+    for h in range(1, 6):
+        writer.add(k1, [BlocksStored((h,))])
+        await writer.flush()
+        assert index.apply(EventBatch(k1, (BlocksStored((h,)),), writer.states[k1].seq))
+    before = writer.states[k1].seq
+    writer.set_keys([k0])
+    writer.set_keys([k0, k1])
+    writer.add(k1, [BlocksStored((99,))])
+    await writer.flush()  # the reset the key change asks for, then the batch
+    writer.add(k1, [BlocksStored((100,))])
+    await writer.flush()
+    after = writer.states[k1].seq
+    assert after > before
+    outcome = index.apply(EventBatch(k1, (BlocksStored((100,)),), after))
+    assert outcome is not ApplyOutcome.DUPLICATE

@@ -107,6 +107,12 @@ class PublisherStats:
     superseded: bool = False  # another publisher took this replica's lease: stood down
 
 
+def _wall_us() -> int:
+    """The wall clock in microseconds: where a new publisher, or a rank it starts writing,
+    numbers its batches from (above any earlier writer's for the replica: docs/redis.md)."""
+    return time.time_ns() // 1000
+
+
 class Publisher:
     def __init__(self, settings: PublisherSettings, store: IndexStore) -> None:
         if settings.ask_sources:
@@ -114,7 +120,7 @@ class Publisher:
         self.settings = settings
         self.store = store
         info = settings.info
-        self.writer = StoreWriter(store, info.replica_keys(), settings.owner)
+        self.writer = StoreWriter(store, info.replica_keys(), settings.owner, _wall_us)
         # the engine's recurrent-state layout, learned from its checkpoints and registered
         # with the replica (routers read it from the registry: router.service.layout)
         self.grid = CheckpointGrid(info.block_size)
@@ -272,7 +278,7 @@ class Publisher:
     async def _register_and_reset(self) -> None:
         s = self.settings
         if not self._registered:  # the first registration (also when the store was down at start)
-            await self.writer.resume_seq(floor=time.time_ns() // 1000)
+            await self.writer.resume_seq(floor=_wall_us())
         self.info = self.learned_info()
         await self.store.register(self.info, s.owner, s.lease_ttl_s, take_over=not self._registered)
         self._registered = True

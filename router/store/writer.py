@@ -12,7 +12,7 @@ write was refused, the writer needs a reset).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from router.core.types import AllCleared, IndexEvent, ReplicaKey
 from router.store.base import IndexStore, ReplicaState
@@ -20,10 +20,19 @@ from router.store.base import IndexStore, ReplicaState
 
 class StoreWriter:
     def __init__(
-        self, store: IndexStore, keys: Iterable[ReplicaKey], owner: str | None = None
+        self,
+        store: IndexStore,
+        keys: Iterable[ReplicaKey],
+        owner: str | None = None,
+        seq_floor: Callable[[], int] | None = None,
     ) -> None:
+        """``seq_floor``: where a key this writer starts writing later numbers from (a
+        publisher passes its wall clock in microseconds): a rank dropped and added again
+        numbers above what it wrote before, so a router that lagged past both sees a gap, not
+        batches it takes for ones it applied."""
         self.store = store
         self.owner = owner
+        self.seq_floor = seq_floor
         self.states: dict[ReplicaKey, ReplicaState] = {k: ReplicaState(k) for k in keys}
         self._pending: dict[ReplicaKey, list[IndexEvent]] = {}
         self.pending_events = 0
@@ -34,14 +43,17 @@ class StoreWriter:
     def state(self, key: ReplicaKey) -> ReplicaState:
         st = self.states.get(key)
         if st is None:
-            st = self.states[key] = ReplicaState(key)
+            st = self.states[key] = self._new(key)
             self.needs_reset = True
         return st
+
+    def _new(self, key: ReplicaKey) -> ReplicaState:
+        return ReplicaState(key, self.seq_floor() if self.seq_floor is not None else 0)
 
     def set_keys(self, keys: Iterable[ReplicaKey]) -> None:
         """Write ``keys`` from now on (the replica's ranks changed): the states of other
         keys are dropped, new ones start empty, and a full reset is due."""
-        self.states = {k: self.states.get(k) or ReplicaState(k) for k in keys}
+        self.states = {k: self.states.get(k) or self._new(k) for k in keys}
         self.needs_reset = True
 
     def add(self, key: ReplicaKey, events: Iterable[IndexEvent]) -> None:
