@@ -45,6 +45,9 @@ offloading connector holds (``router.events.model.OFFLOAD_MEDIA``): the canonica
 then ``AllCleared`` followed by the canonical blocks those hold whole, stored again on their
 tiers.
 
+The per-tier counting and the removal path are in router/events/tier_coverage.py
+(``TierCoverage``, a mixin of ``Reblocker``).
+
 Known limit: if an ancestor engine block is evicted and later re-stored while its
 descendants stayed cached, the descendants' canonical blocks are not re-announced (the
 index under-reports until they are stored again), which is the safe direction.
@@ -55,12 +58,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Final
 
 from router.core.hashing import MmItem, hash_prompt, mm_block_extras, root_hash
 from router.core.types import (
     AllCleared,
-    BlocksRemoved,
     BlocksStored,
     IndexEvent,
     Kind,
@@ -91,33 +92,16 @@ from router.events.model import (
     EngineEvent,
 )
 from router.events.state_groups import StateGroups
+from router.events.tier_coverage import (
+    HELD_STEP,
+    TIER_OF,
+    TIER_SLOTS,
+    TierCoverage,
+    held_count,
+    held_named,
+    tier_bits,
+)
 from router.events.window import WindowChange, WindowGroup, blocks_needed
-
-# A full-attention canonical block's counts (``Reblocker._held``): the engine blocks that
-# overlap it (slot 0), then per tier (slot tier + 1) how many of those positions hold it
-# there, packed in one int (an int-valued table is never GC-tracked: router/events/
-# block_table.py), each count a signed field of _W bits: ``_count``, ``_STEP``
-_W: Final = 20
-_HALF: Final = 1 << (_W - 1)
-_FIELD: Final = (1 << _W) - 1
-_BIAS: Final = sum(_HALF << (_W * t) for t in range(4))
-_STEP: Final = tuple(1 << (_W * t) for t in range(4))  # one more in slot t
-
-
-def _count(entry: int, t: int) -> int:
-    """Slot ``t`` of a ``_held`` entry."""
-    return ((entry + _BIAS) >> (_W * t) & _FIELD) - _HALF
-
-
-def _named(entry: int) -> bool:
-    """Some tier's count in a ``_held`` entry is not zero (an engine block names it)."""
-    return _count(entry, 1) + _count(entry, 2) + _count(entry, 3) != 0
-
-
-def _copy_key(end: int, c: int, tier: int) -> int:
-    """``Reblocker._copies``' key of canonical block ``c`` (in [0, 2**64), as every hash
-    ``hash_prompt`` makes) at the position ending at ``end`` on ``tier``."""
-    return (end << 64 | c) << 2 | tier
 
 
 @dataclass(slots=True)
@@ -161,14 +145,13 @@ class ReblockStats:
 _NO_ITEMS: set[MmItem] = set()  # shared, never added to: events without extra keys
 log = logging.getLogger(__name__)
 _logged_kinds: set[str] = set()
-# the kinds and media engines publish, as they spell them, read once
+# the kinds engines publish, as they spell them, read once
 _KIND_OF: dict[str | None, Kind | None] = {
     None: Kind.KV,
     **{name: Kind.KV for name in KV_KINDS},
     **{name: Kind.STATE for name in STATE_KINDS},
     **{name: None for name in IGNORED_KINDS},
 }
-_TIER_OF: dict[str | None, Tier] = {None: Tier.GPU, **{t.name: t for t in Tier}}
 
 
 def _group_kind(kind: str | None) -> Kind | None:
@@ -185,7 +168,7 @@ def _group_kind(kind: str | None) -> Kind | None:
     return None
 
 
-class Reblocker:
+class Reblocker(TierCoverage):
     """Converts one engine's events (one data-parallel rank) into canonical events."""
 
     def __init__(
@@ -219,13 +202,13 @@ class Reblocker:
         # hashing with lookahead (vLLM's lookahead_token_ids, SGLang's EAGLE pairs) cache the
         # same tokens there once for each next token seen, and an engine block reaching past
         # a router block's end is shared by sequences diverging after that end:
-        # group -> _copy_key(end, canonical, tier) -> how many hold it, so that evicting one
+        # group -> copy_key(end, canonical, tier) -> how many hold it, so that evicting one
         # copy does not remove what another still holds, and ``_held`` counts positions
         # (None: not counted: no lookahead, and engine blocks dividing the router's or
         # multiples of it, where a removed copy removes the canonical blocks it overlaps, an
         # under-report)
         self._copies: dict[int, dict[int, int]] | None = None
-        # full-attention canonical blocks by group: their counts (_count); an entry lives
+        # full-attention canonical blocks by group: their counts (held_count); an entry lives
         # while some engine block's covers name it
         self._held: dict[int, dict[int, int]] = {}
         self.stats = ReblockStats()
@@ -271,7 +254,7 @@ class Reblocker:
                 out.extend(self._stored_window(ev, last=True))
                 continue
             kind = _group_kind(ev.kv_cache_spec_kind) or Kind.STATE
-            tier = _TIER_OF.get(ev.medium) or Tier.GPU
+            tier = TIER_OF.get(ev.medium) or Tier.GPU
             out.extend(self._stored_by_hash(ev, tier, kind, ev.group_idx or 0, 1 << tier))
         return coalesce(out)
 
@@ -282,7 +265,7 @@ class Reblocker:
         # stores earlier in this batch waiting for their attention blocks (``convert``):
         # those on a tier the reset clears are gone with it
         self._pending = [
-            ev for ev in self._pending if keep >> (_TIER_OF.get(ev.medium) or Tier.GPU) & 1
+            ev for ev in self._pending if keep >> (TIER_OF.get(ev.medium) or Tier.GPU) & 1
         ]
         for window in self._windows.values():
             window.clear()
@@ -316,13 +299,13 @@ class Reblocker:
             for c, entry in list(held.items()):
                 for t in Tier:
                     if not keep >> t & 1:
-                        entry -= _count(entry, t + 1) * _STEP[t + 1]
-                if not _named(entry):  # no kept block names it
+                        entry -= held_count(entry, t + 1) * HELD_STEP[t + 1]
+                if not held_named(entry):  # no kept block names it
                     del held[c]
                     continue
                 held[c] = entry
                 for t in kept_tiers:
-                    if _count(entry, t + 1) == _count(entry, 0):
+                    if held_count(entry, t + 1) == held_count(entry, 0):
                         kept.setdefault((t, Kind.KV), []).append(c)
         if self._mixed is not None:  # what every state-like group still holds
             published = self._mixed.reset({g: self._holdings(g) for g in self._mixed.groups()})
@@ -355,7 +338,7 @@ class Reblocker:
 
     def _stored_group(self, ev: EngineBlockStored, kind: Kind, group: int) -> list[IndexEvent]:
         """A full-attention or recurrent-state group's store."""
-        tier = _TIER_OF.get(ev.medium)
+        tier = TIER_OF.get(ev.medium)
         if tier is None:
             try:
                 tier = Tier.parse(ev.medium)
@@ -477,7 +460,7 @@ class Reblocker:
         plain = self._copies is None and held is None
         inline = self._copies is None and held is not None
         t = bit.bit_length()
-        step = _STEP[t]
+        step = HELD_STEP[t]
         kind_bits = word(0, kind, bit)
         prev_hash = parent_hash
         for i, h in enumerate(ev.block_hashes[first_new:usable]):
@@ -508,7 +491,7 @@ class Reblocker:
                 elif inline:
                     for c in covers:
                         count = held[c] = held[c] + step  # type: ignore[index]
-                        if _count(count, t) == _count(count, 0):
+                        if held_count(count, t) == held_count(count, 0):
                             emitted.append(c)
                 elif covers:
                     emitted.extend(self._gain(group, w, bit, covers))
@@ -519,7 +502,7 @@ class Reblocker:
                 more = [c for c in covers if c not in had] if is_kv else []
                 if more:
                     table.set_covers(h, (*had, *more))
-                    for b in _tier_bits(w & MEDIA_BITS):
+                    for b in tier_bits(w & MEDIA_BITS):
                         done_on = self._gain(group, w, b, more)
                         if done_on:
                             if elsewhere is None:
@@ -619,7 +602,7 @@ class Reblocker:
         group = ev.group_idx or 0
         # a window group the router cannot read still counts: it holds no checkpoint
         joined = self._join(group) if group != self._state_group else []
-        if not window or window <= 0 or be <= 0 or _TIER_OF.get(ev.medium) is not Tier.GPU:
+        if not window or window <= 0 or be <= 0 or TIER_OF.get(ev.medium) is not Tier.GPU:
             self.stats.unknown_window += len(ev.block_hashes)
             return joined
         tracker = self._windows.get(group)
@@ -648,15 +631,6 @@ class Reblocker:
                 self.on_checkpoint(depth * be)
         events = self._window_events(change, group)
         return joined + events if joined else events
-
-    def _window_events(self, change: WindowChange, group: int) -> list[IndexEvent]:
-        out: list[IndexEvent] = []
-        if change.stored:
-            hashes = [h for h, _ in change.stored]
-            out.extend(self._emit_stored(hashes, Tier.GPU, Kind.STATE, group))
-        if change.removed:
-            out.extend(self._emit_removed(change.removed, Tier.GPU, Kind.STATE, group))
-        return out
 
     def _join(self, group: int) -> list[IndexEvent]:
         """``group`` holds checkpoints (a mamba or sliding-window group) and is not the first
@@ -770,210 +744,18 @@ class Reblocker:
             if canonical not in had:
                 table.set_covers(parent, (*had, canonical))
                 if count is not None:  # _gain inline: no copies to count
-                    for t in _TIER_SLOTS[w & MEDIA_BITS]:
-                        count = held[canonical] = count + _STEP[t]  # type: ignore[index]
-                        if _count(count, t) == _count(count, 0):
+                    for t in TIER_SLOTS[w & MEDIA_BITS]:
+                        count = held[canonical] = count + HELD_STEP[t]  # type: ignore[index]
+                        if held_count(count, t) == held_count(count, 0):
                             done = done or {}
                             done.setdefault(1 << (t - 1), []).append(canonical)
                 elif counted:
-                    for bit in _tier_bits(w & MEDIA_BITS):
+                    for bit in tier_bits(w & MEDIA_BITS):
                         if self._gain(group, w, bit, one):
                             done = done or {}
                             done.setdefault(bit, []).append(canonical)
             parent = table.parent.get(parent)
         return done
-
-    def _gain(self, group: int, w: int, bit: int, covers: Sequence[int]) -> Sequence[int]:
-        """The engine block of word ``w`` now holds ``covers`` on ``bit``'s tier (one more
-        copy of each at its position where copies are counted): those of them now held
-        there, a checkpoint always, a full-attention block once every engine block it
-        overlaps is (counted in ``_held`` where it spans several: its entry was made where it
-        was hashed)."""
-        copies = self._copies
-        if copies is not None:
-            mine = copies.get(group)
-            if mine is None:
-                mine = copies[group] = {}
-            end, tier = w >> END_SHIFT, bit.bit_length() - 1
-            fresh = []
-            for c in covers:
-                key = _copy_key(end, c, tier)
-                n = mine.get(key, 0)
-                mine[key] = n + 1
-                if not n:  # no other copy held this position there
-                    fresh.append(c)
-            if not w & STATE_BIT:
-                covers = fresh
-        held = self._held.get(group)
-        if held is None or w & STATE_BIT:
-            return covers
-        t = bit.bit_length()  # the tier's slot in an entry
-        step = _STEP[t]
-        whole = []
-        for c in covers:
-            entry = held.get(c)
-            if entry is None:  # hashed before counting began: one engine block, as then
-                whole.append(c)
-                continue
-            entry = held[c] = entry + step
-            if _count(entry, t) == _count(entry, 0):
-                whole.append(c)
-        return whole
-
-    def _lose(
-        self, group: int, w: int, covers: Sequence[int], bit: int, held: dict[int, int] | None
-    ) -> Sequence[int]:
-        """The engine block of word ``w`` overlapping ``covers`` leaves ``bit``'s tier: those
-        of them that no copy at its position holds there any more (gone from that tier,
-        whatever other engine blocks or groups hold); ``held``: its group's counts
-        (``_held``), or None."""
-        copies = self._copies
-        if copies is None and held is None:
-            return covers
-        if copies is not None:
-            mine = copies.get(group, {})
-            end, tier = w >> END_SHIFT, bit.bit_length() - 1
-            gone = []
-            for c in covers:
-                key = _copy_key(end, c, tier)
-                left = mine.get(key, 1) - 1
-                if left > 0:
-                    mine[key] = left
-                    continue
-                mine.pop(key, None)
-                gone.append(c)
-            covers = gone
-        if held is not None and not w & STATE_BIT:
-            t = bit.bit_length()
-            step = _STEP[t]
-            for c in covers:
-                entry = held.get(c)
-                if entry is not None:
-                    entry = held[c] = entry - step
-                    if not _count(entry, t) and not _named(entry):  # no engine block names it
-                        del held[c]
-        return covers
-
-    def _held_nowhere(self, group: int, end: int, media: int, covers: Sequence[int]) -> list[int]:
-        """Of ``covers``, which the block ending at ``end`` just lost on one tier (``media``:
-        the tiers it is left on), those no tier holds now."""
-        copies = self._copies
-        if copies is None:
-            return [] if media else list(covers)
-        mine = copies.get(group, {})
-        return [c for c in covers if not any(_copy_key(end, c, t) in mine for t in Tier)]
-
-    def _emit_stored(
-        self, hashes: list[int], tier: Tier, kind: Kind, group: int
-    ) -> list[IndexEvent]:
-        """``group`` stored these canonical blocks (with several state-like groups, a
-        checkpoint is published only once every one holds it)."""
-        if hashes and kind is Kind.STATE and self._mixed is not None:
-            hashes = self._mixed.stored(group, hashes)
-        if not hashes:
-            return []
-        self.stats.canonical_stored += len(hashes)
-        return [BlocksStored(tuple(dict.fromkeys(hashes)), tier, kind)]
-
-    def _emit_removed(
-        self, hashes: list[int], tier: Tier, kind: Kind, group: int
-    ) -> list[IndexEvent]:
-        """``group`` lost these canonical blocks (with several state-like groups, a
-        checkpoint goes once one of them loses it)."""
-        if hashes and kind is Kind.STATE and self._mixed is not None:
-            hashes = self._mixed.removed(group, hashes)
-        return self._removal(hashes, tier, kind)
-
-    def _removal(self, hashes: list[int], tier: Tier, kind: Kind) -> list[IndexEvent]:
-        if not hashes:
-            return []
-        self.stats.canonical_removed += len(hashes)
-        return [BlocksRemoved(tuple(dict.fromkeys(hashes)), tier, kind)]
-
-    def _drop(
-        self,
-        group: int,
-        table: BlockTable,
-        h: int,
-        w: int,
-        bit: int,
-        out: dict[Kind, list[int]],
-        held: dict[int, int] | None,
-    ) -> None:
-        """Engine block ``h`` (``w``: its word in ``table``, ``group``'s) leaves ``bit``'s
-        tier; ``held``: its group's (``_held``), or None."""
-        media = w & MEDIA_BITS & ~bit
-        c = table.covers.get(h)
-        covers = () if c is None else (c,) if type(c) is int else table.covers_of(h)
-        counted = held is not None or self._copies is not None
-        lost = self._lose(group, w, covers, bit, held) if counted else covers
-        kind = Kind.STATE if w & STATE_BIT else Kind.KV
-        if kind is Kind.STATE and lost:
-            # the index keeps one state set per replica, of every tier: a checkpoint goes
-            # only when no tier holds it (the engine loads one offloaded to CPU)
-            lost = self._held_nowhere(group, w >> END_SHIFT, media, lost)
-        out[kind].extend(lost)
-        if media:
-            table.word[h] = w & ~bit
-        else:
-            table.remove(h)
-            if not w & STATE_BIT and self._kv_group.get(h) == group:
-                del self._kv_group[h]
-
-    def _removed_window(
-        self, window: WindowGroup, ev: EngineBlockRemoved, tier: Tier, group: int
-    ) -> list[IndexEvent]:
-        if tier is not Tier.GPU:
-            self.stats.unknown_removed += len(ev.block_hashes)
-            return []
-        change = WindowChange()
-        gone = window.removed(ev.block_hashes, change)
-        self.stats.removed_blocks += gone
-        self.stats.unknown_removed += len(ev.block_hashes) - gone
-        return self._window_events(change, group)
-
-    def _removed(self, ev: EngineBlockRemoved) -> list[IndexEvent]:
-        tier = _TIER_OF.get(ev.medium)
-        if tier is None:
-            try:
-                tier = Tier.parse(ev.medium)
-            except ValueError as exc:
-                self.stats.error(str(exc))
-                return []
-        group = ev.group_idx or 0
-        window = self._windows.get(group)
-        if window is not None:
-            return self._removed_window(window, ev, tier, group)
-        bit = 1 << tier
-        out: dict[Kind, list[int]] = {Kind.KV: [], Kind.STATE: []}
-        held = self._held.get(group)
-        table = self._table(group)
-        words, chunks = table.word, table.chunk
-        for h in ev.block_hashes:
-            w = words.get(h)
-            if w is None or not w & bit:
-                self.stats.unknown_removed += 1
-                continue
-            self.stats.removed_blocks += 1
-            chunk = table.chunk_of(h) if chunks and h in chunks else ()
-            self._drop(group, table, h, w, bit, out, held)
-            for member in chunk:  # the rest of its offloaded chunk
-                mw = words.get(member)
-                if mw is not None and mw & bit:
-                    self._drop(group, table, member, mw, bit, out, held)
-        events: list[IndexEvent] = []
-        for kind, hashes in out.items():
-            events.extend(self._emit_removed(hashes, tier, kind, group))
-        return events
-
-
-# a tier bit mask -> the slots of its tiers in a ``_held`` entry (tier + 1)
-_TIER_SLOTS = tuple(tuple(t + 1 for t in Tier if m >> t & 1) for m in range(1 << len(Tier)))
-
-
-def _tier_bits(media: int) -> list[int]:
-    """The tier bits set in ``media``."""
-    return [1 << t for t in Tier if media >> t & 1]
 
 
 def _is_window(kind: str | None) -> bool:
