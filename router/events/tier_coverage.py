@@ -14,8 +14,9 @@ blocks holding each canonical block and turns their arrivals and departures into
   groups it is published while every group holds it (router/events/state_groups.py);
 * ``BlockRemoved`` events (``_removed``) drop engine blocks, and with them what they covered.
 
-:class:`TierCoverage` is a mixin of ``Reblocker`` (as ``sim.block_cache.BlockCache`` is of
-the engine model): its methods run once per engine block on the ingest path and read the
+:class:`TierCoverage` is a base of ``Reblocker`` (through
+``router.events.placed_stores.PlacedStores``), as ``sim.block_cache.BlockCache`` is of the
+engine model: its methods run once per engine block on the ingest path and read the
 re-blocker's attributes, declared below, directly.
 """
 
@@ -84,6 +85,12 @@ class TierCoverage:
     _mixed: StateGroups | None
     _copies: dict[int, dict[int, int]] | None
     _held: dict[int, dict[int, int]]
+
+    def _table(self, group: int) -> BlockTable:
+        table = self._tables.get(group)
+        if table is None:
+            table = self._tables[group] = BlockTable()
+        return table
 
     def _gain(self, group: int, w: int, bit: int, covers: Sequence[int]) -> Sequence[int]:
         """The engine block of word ``w`` now holds ``covers`` on ``bit``'s tier (one more
