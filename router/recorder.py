@@ -37,6 +37,7 @@ combines them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -128,6 +129,7 @@ class TraceRecorder:
         self._ids: dict[int, int] = {}
         self._last_finish: OrderedDict[str, float] = OrderedDict()
         self._pending: list[str] = []
+        self._torn = False  # the last write left a partial line
         self._fd = self._open()
 
     def _open(self) -> int:
@@ -198,9 +200,16 @@ class TraceRecorder:
         self._pending.append(json.dumps(row, separators=(",", ":")) + "\n")
         self.rows += 1
 
+    @property
+    def pending(self) -> int:
+        """Rows recorded and not yet flushed."""
+        return len(self._pending)
+
     def flush(self) -> None:
         """Append the pending rows (whole lines, one write per file), rotating whenever the
-        live file would pass ``max_bytes``."""
+        live file would pass ``max_bytes``. A failed or short write (full disk, a path that
+        cannot be opened) raises OSError; its rows are dropped, and the next flush tries
+        again, starting a new line after any torn one."""
         if not self._pending:
             return
         lines, self._pending = self._pending, []
@@ -211,14 +220,31 @@ class TraceRecorder:
             line = text.encode("utf-8")
             if size + len(line) > self.settings.max_bytes and size > 0:
                 if chunk:
-                    os.write(self._fd, b"".join(chunk))
+                    self._write(b"".join(chunk))
                     chunk = []
                 self._rotate()
                 size = os.fstat(self._fd).st_size
             chunk.append(line)
             size += len(line)
         if chunk:
-            os.write(self._fd, b"".join(chunk))
+            self._write(b"".join(chunk))
+
+    def _write(self, data: bytes) -> None:
+        """One append of whole lines; OSError when the file took less than all of it (the
+        rest is dropped: a retry would not be one append, and could interleave)."""
+        if self._torn:
+            data = b"\n" + data
+        written = 0
+        try:
+            written = os.write(self._fd, data)
+        finally:
+            # a partial line is left in the file: the next append starts a new line
+            self._torn = 0 < written < len(data)
+        if written < len(data):
+            raise OSError(
+                errno.ENOSPC,
+                f"{self.settings.path}: wrote {written} of {len(data)} bytes",
+            )
 
     def _follow_rotation(self) -> None:
         """Reopen the live file if another worker rotated it away."""
@@ -226,9 +252,10 @@ class TraceRecorder:
             same = os.stat(self.settings.path).st_ino == os.fstat(self._fd).st_ino
         except FileNotFoundError:
             same = False
-        if not same:
-            os.close(self._fd)
-            self._fd = self._open()
+        if not same:  # the new file opened first: a failure leaves the old fd valid
+            fd, old = self._open(), self._fd
+            self._fd = fd
+            os.close(old)
 
     def _rotate(self) -> None:
         path = self.settings.path
@@ -243,8 +270,9 @@ class TraceRecorder:
                     os.replace(src, path.with_name(f"{path.name}.{i}"))
             if self.settings.backups <= 0:
                 path.unlink(missing_ok=True)
-            os.close(self._fd)
-            self._fd = self._open()
+            fd, old = self._open(), self._fd
+            self._fd = fd
+            os.close(old)
 
     def close(self) -> None:
         self.flush()

@@ -44,7 +44,8 @@ async def test_the_default_scale_is_the_profile_s_timing() -> None:
     assert wall >= modelled * 0.95
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan")])
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
 def test_a_scale_that_is_not_positive_is_refused(scale: float) -> None:
+    """inf: every modelled prefill or decode step would sleep for ever (a hung replica)."""
     with pytest.raises(ValueError, match="time-scale must be > 0"):
         create_app(MockSettings(time_scale=scale))

@@ -106,6 +106,9 @@ def test_an_endpoint_it_cannot_subscribe_to_stops_publish_and_deregisters(
         (["--heartbeat", "10", "--lease-ttl", "10"], "shorter than --lease-ttl"),
         (["--lease-ttl", "0"], "--lease-ttl must be > 0"),
         (["--flush-interval", "-0.5"], "--flush-interval must be > 0"),
+        # inf: small batches never flushed (a silent stall); a lease Redis cannot take
+        (["--flush-interval", "inf"], "--flush-interval must be > 0 seconds and finite"),
+        (["--lease-ttl", "inf", "--heartbeat", "1"], "--lease-ttl must be > 0 seconds and"),
         (["--metrics-port", "70000"], "--metrics-port must be in 0..65535"),
     ],
 )

@@ -238,3 +238,56 @@ def test_workers_sharing_a_path_rotate_without_losing_rows(tmp_path: pathlib.Pat
     rows = [json.loads(line) for p in files for line in p.read_text().splitlines()]
     assert sorted(r["session_id"] for r in rows) == sorted(f"s{i}" for i in range(60))
     assert all(p.stat().st_size <= 2000 for p in files)
+
+
+def test_recording_resumes_after_the_trace_could_not_be_written(tmp_path: pathlib.Path) -> None:
+    """The live file replaced by something that cannot be opened for appending (here a
+    directory; a full or read-only volume alike): that flush fails with an OSError, and once
+    the path is writable again the next flush writes to it. The defect: the failed reopen left
+    the recorder holding an fd it had already closed, so every later flush failed (or, with
+    the number reused by a socket, acted on that socket) and recording never resumed."""
+    path = tmp_path / "t.jsonl"
+    rec = TraceRecorder(RecordSettings(path, key=KEY), 0.0)
+    toks = list(range(1024))
+    _record(rec, toks, 1.0, session_id="before")
+    rec.flush()
+    path.rename(tmp_path / "moved.jsonl")
+    path.mkdir()
+    _record(rec, toks, 2.0, session_id="lost")
+    with pytest.raises(OSError):
+        rec.flush()
+    path.rmdir()
+    _record(rec, toks, 3.0, session_id="after")
+    rec.close()
+    assert [json.loads(x)["session_id"] for x in path.read_text().splitlines()] == ["after"]
+
+
+def test_a_short_write_is_an_error_and_the_next_row_starts_a_line(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A write the file system cuts short (a full disk; here the file size limit, which
+    Python turns into EFBIG): the flush raises instead of dropping the rest of the batch
+    silently, and the next row, once there is room, starts on a line of its own instead of
+    being glued to the torn one (which would make both unreadable)."""
+    import resource
+
+    path = tmp_path / "t.jsonl"
+    rec = TraceRecorder(RecordSettings(path, key=KEY), 0.0)
+    toks = list(range(1024))
+    for i in range(3):
+        _record(rec, toks, float(i), session_id=f"s{i}")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (300, hard))  # room for one row and a bit
+    try:
+        with pytest.raises(OSError):
+            rec.flush()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert path.stat().st_size == 300  # the kernel wrote what fitted
+    _record(rec, toks, 9.0, session_id="next")
+    rec.close()
+    lines = path.read_text().splitlines()
+    *whole, torn, last = lines
+    assert [json.loads(x)["session_id"] for x in whole] == [f"s{i}" for i in range(len(whole))]
+    assert torn and not torn.endswith("}")  # the row cut short, on its own line
+    assert json.loads(last)["session_id"] == "next"

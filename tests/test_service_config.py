@@ -225,6 +225,11 @@ def test_client_keys_with_grpc_need_no_grpc_token(tmp_path: Path) -> None:
         ("grpc_port = 70000", "server.grpc_port: 70000 is not a TCP port"),
         ("grpc_port = -1", "server.grpc_port"),
         ("log_level = 'verbose'", "server.log_level: 'verbose' is not one of"),
+        # refused only when the app was built, without the key (nan), with a traceback (inf)
+        ("max_header_kb = inf", "server.max_header_kb: must be a finite number >= 0"),
+        ("max_header_kb = nan", "server.max_header_kb: must be a finite number >= 0"),
+        ("max_header_kb = -1.0", "server.max_header_kb: must be a finite number >= 0"),
+        ("max_concurrent_per_key = -1", "server.max_concurrent_per_key: must be a finite"),
     ],
 )
 def test_out_of_range_server_settings_name_the_key(tmp_path: Path, line: str, needle: str) -> None:
@@ -235,6 +240,16 @@ def test_out_of_range_server_settings_name_the_key(tmp_path: Path, line: str, ne
     with pytest.raises(ConfigError) as info:
         load_settings(path, environ={})
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_non_finite_pd_margin_is_refused(tmp_path: Path, value: str) -> None:
+    """``margin_s`` may be negative (favouring the remote prefill) but not NaN, which made
+    every comparison false: P/D configured and silently never used (inf alike; -inf: always)."""
+    path = tmp_path / "c.toml"
+    path.write_text(f'[models.m.pd]\nmode = "auto"\nmargin_s = {value}\n')
+    with pytest.raises(ConfigError, match=r"models\.m\.pd\.margin_s: must be a finite number"):
+        load_settings(path, environ={})
 
 
 def test_admission_and_pd_tables_of_the_right_types_load(tmp_path: Path) -> None:

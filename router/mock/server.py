@@ -37,6 +37,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -774,8 +775,8 @@ def create_app(settings: MockSettings) -> web.Application:
     from sim.engine import EngineModel
     from sim.profiles import load_profile
 
-    if not settings.time_scale > 0:
-        raise ValueError(f"--time-scale must be > 0, got {settings.time_scale}")
+    if not (math.isfinite(settings.time_scale) and settings.time_scale > 0):
+        raise ValueError(f"--time-scale must be > 0 and finite, got {settings.time_scale}")
 
     fault = FaultMode.parse(settings.fault, settings.fault_rate, settings.fault_retry_after_s)
     profile = load_profile(settings.profile)

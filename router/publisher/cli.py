@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import re
 import signal
@@ -150,14 +151,16 @@ async def _main(args: argparse.Namespace) -> int:
 def check_timing(args: argparse.Namespace) -> None:
     """Raise ValueError naming a timing or port flag that cannot work: a heartbeat not
     shorter than the lease lets the lease lapse between renewals (routers drop the replica,
-    it registers again, over and over); a zero or negative interval spins against Redis."""
+    it registers again, over and over); a zero or negative interval spins against Redis, an
+    infinite one never flushes (or is a lease Redis refuses)."""
     for flag, value in (
         ("--lease-ttl", args.lease_ttl),
         ("--heartbeat", args.heartbeat),
         ("--flush-interval", args.flush_interval),
     ):
-        if not value > 0:  # (NaN too)
-            raise ValueError(f"{flag} must be > 0 seconds, got {value}")
+        if not (math.isfinite(value) and value > 0):  # NaN too; inf: never flushed / a
+            # lease Redis cannot take
+            raise ValueError(f"{flag} must be > 0 seconds and finite, got {value}")
     if args.heartbeat >= args.lease_ttl:
         raise ValueError(
             f"--heartbeat ({args.heartbeat} s) must be shorter than --lease-ttl "

@@ -7,6 +7,7 @@ scrape, the Redis index follower, direct ZMQ events and the live-traffic recorde
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from functools import partial
@@ -364,14 +365,34 @@ async def recording(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     state.recorder = recorder
 
+    failing = False
+
+    def flush_rows() -> None:
+        """One flush; a failure (full disk, unwritable path) is logged when it starts and
+        when it ends, and never stops the recording: the next second tries again."""
+        nonlocal failing
+        pending = recorder.pending
+        try:
+            recorder.flush()
+        except OSError as exc:
+            if not failing:
+                _log.error("recording: cannot write the trace (%s); %d row(s) lost", exc, pending)
+            failing = True
+            return
+        if failing:
+            _log.warning("recording: writing to %s again", s.record_path)
+        failing = False
+
     async def flush() -> None:
         while True:
             await asyncio.sleep(1.0)
-            recorder.flush()
+            flush_rows()
 
     task = asyncio.create_task(flush())
     yield
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     state.recorder = None
-    recorder.close()
+    flush_rows()
+    with contextlib.suppress(OSError):
+        recorder.close()

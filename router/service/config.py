@@ -186,6 +186,8 @@ _NON_NEGATIVE = (  # finite, >= 0 (0: off or automatic, see ServerSettings)
     "decisions_kept",
     "record_backups",
     "max_speculative_blocks",
+    "max_header_kb",
+    "max_concurrent_per_key",
 )
 _AT_LEAST_ONE = ("outlier_consecutive_failures", "pool_per_replica", "redis_stream_shards")
 _SHARES = ("retry_budget_ratio", "outlier_max_ejected_share")  # in [0, 1]
@@ -251,7 +253,7 @@ def _is_triple(name: str) -> bool:
 
 def _check_pd_types(table: Mapping[str, Any], where: str) -> None:
     """ConfigError naming the ``[models.NAME.pd]`` key whose value is not of its declared
-    type, or is a negative or non-finite number (but ``margin_s``, which may favour the
+    type, or is a non-finite or negative number (``margin_s`` may be negative: it favours the
     remote prefill); unknown keys: PdSetup.from_mapping; the other ranges: the
     dataclasses'."""
     for key, value in table.items():
@@ -259,7 +261,9 @@ def _check_pd_types(table: Mapping[str, Any], where: str) -> None:
             if key in {f.name for f in fields(cls)}:
                 _checked(cls, {key: value}, where)
                 number = isinstance(value, int | float) and not isinstance(value, bool)
-                if number and key != "margin_s" and not (math.isfinite(value) and value >= 0):
+                if number and not math.isfinite(value):
+                    raise ConfigError(f"{where}.{key}: must be a finite number")
+                if number and key != "margin_s" and value < 0:
                     raise ConfigError(f"{where}.{key}: must be a finite number >= 0")
                 break
 
