@@ -37,6 +37,7 @@ from router.core.admission import (
     Assessment,
     Ticket,
     assess,
+    engine_priority,
     predictor_for,
     restrict,
 )
@@ -207,6 +208,8 @@ class Simulation:
         self.progress = progress
         p = config.profile
         self.keys = tuple(config.replica_keys())  # one tuple: routing caches where each sits
+        # engines scheduling by priority, requests carrying their class (as the service does)
+        self._engine_priority = config.admission is not None and config.admission.engine_priority
         self.engines = [
             EngineModel(
                 p,
@@ -215,6 +218,7 @@ class Simulation:
                 kv_blocks=config.kv_blocks,
                 cpu_blocks=config.cpu_blocks,
                 emit_tokens=False,
+                scheduling="priority" if self._engine_priority else "fcfs",
             )
             for k in self.keys
         ]
@@ -463,6 +467,7 @@ class Simulation:
             req.prompt_tokens,
             req.output_tokens,
             req.output_block_hashes,
+            priority=engine_priority(klass) if self._engine_priority else 0,
         )
         self._submit(i, ereq, now)
         return decision

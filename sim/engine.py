@@ -15,9 +15,12 @@ Scheduling (vLLM v1 style, simplified):
   prefix, after evicting unreferenced cached blocks and keeping the blocks the running
   sequences' next step needs. No request is admitted in a step that preempted one. A request
   whose prompt + ``max_output_tokens`` - 1 tokens exceed the whole cache is rejected at once.
+* ``scheduling="priority"`` (vLLM's ``--scheduling-policy priority``): requests wait in
+  order of (``priority``, arrival) instead of arrival alone, a preempted one included.
 * Decoding sequences allocate a block when their context crosses a block boundary. When a
   step's new blocks do not fit, the most recently admitted running sequence is preempted
-  (vLLM v1's FCFS recompute preemption): its blocks are released (the computed ones stay
+  (with priority scheduling the running sequence last in (priority, arrival) order; vLLM
+  v1's recompute preemption): its blocks are released (the computed ones stay
   cached, as vLLM frees them to the prefix cache) and it goes back to the head of the
   queue; re-admitted, it recomputes its prompt and the tokens it had generated (less what the
   cache still holds) and resumes decoding without a second first token.
@@ -82,7 +85,8 @@ class EngineRequest:
     (and recurrent state at the prompt end) arrive with it, so admission names the prompt's
     blocks as computed (publishing them) and the request decodes after one step with no
     prefill compute. ``reads_cache`` False: the request reuses no cached block (vLLM: prompt
-    logprobs asked); the blocks it computes are cached all the same."""
+    logprobs asked); the blocks it computes are cached all the same. ``priority``: vLLM's
+    request priority (lower first), used by an engine scheduling by priority."""
 
     request_id: str
     block_hashes: Sequence[int]
@@ -91,6 +95,7 @@ class EngineRequest:
     output_block_hashes: Sequence[int] = ()
     remote_prefilled: bool = False
     reads_cache: bool = True
+    priority: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -156,6 +161,7 @@ class _Seq:
         "out",
         "out_hashes",
         "pinned",
+        "priority",
         "prompt",
         "queued_s",
         "reads_cache",
@@ -188,6 +194,7 @@ class _Seq:
         self.out_hashes = req.output_block_hashes
         self.max_out = max(1, req.max_output_tokens)
         self.submitted = now
+        self.priority = req.priority
         self.computed = 0
         self.target = req.prompt_tokens  # tokens to prefill: the prompt, + answer if resumed
         self.blocks = 0  # KV blocks allocated (router blocks of the tokens it can hold)
@@ -273,6 +280,7 @@ class EngineModel(BlockCache):
         emit_tokens: bool = True,
         publish_window_blocks: bool = False,
         engine_block_size: int | None = None,
+        scheduling: str = "fcfs",
     ) -> None:
         """``engine_block_size``: the block (tokens) the engine's cache hits are counted in,
         ``block_size`` by default; it must divide or be a multiple of ``block_size`` (a hit
@@ -281,7 +289,11 @@ class EngineModel(BlockCache):
         ``publish_window_blocks``: record a sliding-window model's window blocks as state
         events, as an engine publishes them (the mock replica's encoder sends them as a
         ``sliding_window`` group), instead of the checkpoints the router derives from them
-        (what the simulator's index takes)."""
+        (what the simulator's index takes). ``scheduling``: ``fcfs`` or ``priority`` (the
+        module docstring)."""
+        if scheduling not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling must be fcfs or priority, got {scheduling!r}")
+        self.by_priority = scheduling == "priority"
         p = profile.scaled(block_size)
         self.profile = p
         self.replica = replica
@@ -348,8 +360,8 @@ class EngineModel(BlockCache):
             )
             return
         self._by_id[seq.rid] = seq
-        self._waiting.append(seq)
-        if len(self._waiting) == 1:  # others waiting were blocked: this one cannot jump them
+        self._enqueue(seq, front=False)
+        if self._waiting[0] is seq:  # others waiting were blocked: only the head may go
             self._wake(now)
 
     def cancel(self, request_id: str, now: float) -> None:
@@ -598,10 +610,31 @@ class EngineModel(BlockCache):
             and len(self._decoding) + len(self._prefilling) > 1
             and self._growth(self._decoding, 1) > self._free_blocks()
         ):
-            victim = max((*self._prefilling, *self._decoding), key=lambda s: s.admitted)
+            victim = max((*self._prefilling, *self._decoding), key=self._victim_order)
             self._preempt(victim)
             preempted = True
         return preempted
+
+    def _victim_order(self, seq: _Seq) -> tuple[int, float]:
+        """The running sequence preempted first is the greatest: vLLM preempts the last
+        admitted (FCFS), or the last in (priority, arrival) order."""
+        return (seq.priority, seq.submitted) if self.by_priority else (0, seq.admitted)
+
+    def _enqueue(self, seq: _Seq, *, front: bool) -> None:
+        """Queue ``seq``: FCFS at the back (``front``: a preempted one, at the head); by
+        priority in (priority, arrival) order, a preempted one included."""
+        waiting = self._waiting
+        if not self.by_priority:
+            if front:
+                waiting.appendleft(seq)
+            else:
+                waiting.append(seq)
+            return
+        key = (seq.priority, seq.submitted)
+        i = len(waiting)
+        while i and (waiting[i - 1].priority, waiting[i - 1].submitted) > key:
+            i -= 1
+        waiting.insert(i, seq)
 
     def _preempt(self, seq: _Seq) -> None:
         decoding = seq in self._decoding
@@ -617,7 +650,7 @@ class EngineModel(BlockCache):
         if seq.out:
             seq.remote = False  # its KV is gone: recomputed here
         seq.computed = seq.held = seq.blocks = seq.usable_blocks = seq.wheld = 0
-        self._waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.preemptions += 1
 
     def _complete(self, seq: _Seq, t: float) -> None:

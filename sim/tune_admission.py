@@ -122,6 +122,8 @@ def admission_toml(model: str, settings: AdmissionSettings, header: str) -> str:
 
 
 def _num(value: float) -> str:
+    if isinstance(value, bool):  # TOML's spelling
+        return "true" if value else "false"
     if value == float("inf"):
         return "inf"
     return repr(float(value)) if isinstance(value, float) else str(value)

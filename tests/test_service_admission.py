@@ -427,3 +427,20 @@ async def test_a_client_that_leaves_as_its_held_request_goes_takes_back_its_disp
     d.backend.gate.set()
     async with await first as r:
         assert r.status == 200
+
+
+async def test_engine_priority_gives_each_class_vllms_priority_field() -> None:
+    """``engine_priority``: the engines schedule by vLLM's ``priority`` (lower first), so the
+    body each replica gets carries its class's, overriding the client's own; without it the
+    body goes as it came."""
+    async for door in _door({"engine_priority": True}, {"ttft_s": 100.0}):
+        for tier, want in (("priority", -1), (None, 0), ("flex", 1)):
+            async with await door.post(tier, priority=-50) as r:
+                assert r.status == 200, await r.text()
+            assert door.backend.received[-1]["body"]["priority"] == want
+    async for door in _door({}, {"ttft_s": 100.0}):
+        async with await door.post("priority", priority=7) as r:
+            assert r.status == 200
+        async with await door.post("priority") as r:
+            assert r.status == 200
+        assert [x["body"].get("priority") for x in door.backend.received] == [7, None]

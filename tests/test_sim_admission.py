@@ -72,6 +72,7 @@ def test_tune_admission_writes_a_service_table(
     assert 0 <= doc["goodput"] <= 1 and doc["cases"][0]["speedup"] == 2
     table = tomllib.loads(out.read_text())["models"]["sim-model"]["admission"]
     assert table["enabled"] is True and len(table["stall_share"]) == 3
+    assert table["engine_priority"] is False  # a TOML boolean: the service loads it
 
 
 def test_tune_ranks_settings_under_the_priority_floor_by_priority() -> None:

@@ -370,3 +370,36 @@ def test_sliding_window_blocks_go_first_and_cut_the_hit() -> None:
     # all finished: nothing pinned, every cached block and window evictable, none lost
     assert e.kv_usage() == 0.0 and e._windows == len(e._win)
     assert e._free_cost == len(e._gpu) + e._windows
+
+
+def test_priority_scheduling_orders_the_queue_and_picks_the_victim() -> None:
+    """vLLM's ``--scheduling-policy priority``: waiting requests go in (priority, arrival)
+    order, and the running request preempted first is the last in that order."""
+    profile = EngineProfile("t", cost=COST, block_size=B, kv_blocks=8, max_running=1)
+    e = EngineModel(profile, ReplicaKey("r"), B, scheduling="priority")
+    e.submit(req("running", [1]), 0.0)  # runs first: the queue was empty
+    e.submit(EngineRequest("late", [2], 10, 1, priority=1), 0.001)
+    e.submit(EngineRequest("urgent", [3], 10, 1, priority=-1), 0.002)
+    e.submit(EngineRequest("plain", [4], 10, 1), 0.003)
+    outs = drain(e)
+    order = [o.request_id for o in outs if isinstance(o, Finished)]
+    assert order == ["running", "urgent", "plain", "late"]
+    fcfs = engine(kv_blocks=8, max_running=1)
+    fcfs.submit(req("running", [1]), 0.0)
+    fcfs.submit(EngineRequest("late", [2], 10, 1, priority=1), 0.001)
+    fcfs.submit(EngineRequest("urgent", [3], 10, 1, priority=-1), 0.002)
+    assert [o.request_id for o in drain(fcfs) if isinstance(o, Finished)] == [
+        "running",
+        "late",
+        "urgent",
+    ]
+    # two decoders outgrow the cache: the lower-priority one goes, though admitted first
+    p = EngineModel(EngineProfile("t", cost=COST, block_size=B, kv_blocks=8), ReplicaKey("r"),
+                    B, scheduling="priority")  # fmt: skip
+    p.submit(EngineRequest("low", [1, 2], 20, 40, priority=5), 0.0)
+    p.submit(EngineRequest("high", [3, 4], 20, 40, priority=0), 0.0)
+    outs = drain(p)
+    assert p.preemptions == 1
+    assert [o.request_id for o in outs if isinstance(o, Finished)] == ["high", "low"]
+    with pytest.raises(ValueError, match="scheduling"):
+        EngineModel(profile, ReplicaKey("r"), B, scheduling="lifo")

@@ -108,6 +108,12 @@ def parse_service_tier(value: object, default: int = DEFAULT) -> int:
 Triple = tuple[float, float, float]
 
 
+def engine_priority(klass: int) -> int:
+    """vLLM's request ``priority`` for a service class (lower first): priority -1, default
+    0 (vLLM's default), flex 1."""
+    return klass - DEFAULT
+
+
 @dataclass(slots=True, frozen=True)
 class AdmissionSettings:
     """Per-class knobs (tuples indexed priority, default, flex) and the queue's bounds; see
@@ -123,6 +129,10 @@ class AdmissionSettings:
     max_queue: int = 1024
     max_hold_s: float = 0.5
     scan: int = 8  # held requests examined per ``ready`` call, best first
+    # the engines run vLLM's ``--scheduling-policy priority``: each request carries its
+    # class as vLLM's ``priority`` (:func:`engine_priority`), so an engine's queue serves
+    # the priority class first
+    engine_priority: bool = False
 
     def __post_init__(self) -> None:
         for name in ("headroom", "ttft_factor", "decode_weight", "max_stall", "stall_share"):

@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         bpe_file=args.bpe_file,
         default_max_tokens=args.default_max_tokens,
         time_scale=args.time_scale,
+        scheduling_policy=args.scheduling_policy,
         rack=args.rack,
         region=args.region,
         fault=args.fault,
@@ -72,6 +73,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--tokenizer", default=None, help="HF-style tokenizer dir (router's config)")
     p.add_argument("--bpe-file", default=None, help="tiktoken BPE file for --tokenizer")
     p.add_argument("--default-max-tokens", type=int, default=16)
+    p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="vLLM's: priority orders the queue by each request's 'priority' (lower first)",
+    )
     p.add_argument("--rack", default="", help="its rack: times KV pulls of disaggregated requests")
     p.add_argument("--region", default="", help="its region (likewise)")
     p.add_argument(

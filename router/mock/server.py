@@ -97,6 +97,7 @@ class MockSettings:
     max_model_len: int = 1_048_576
     max_body_mb: float = 1024.0  # vLLM has no body cap; aiohttp's default is 1 MiB
     time_scale: float = 1.0  # wall seconds per modelled second (router.mock.driver)
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs or priority
     rack: str = ""  # where it runs: times the KV pulls of disaggregated requests
     region: str = ""
     fault: str = "none"  # router/mock/faults.py: how the completion endpoints misbehave
@@ -299,8 +300,20 @@ async def _prepare(
         prompt_tokens=len(tokens),
         max_output_tokens=_max_tokens(body, state.settings, kind, len(tokens)),
         reads_cache=not lp.check(body, kind),
+        priority=_priority(body),
     )
     return state, body, req, tokens
+
+
+def _priority(body: dict[str, Any]) -> int:
+    """The request's ``priority`` (vLLM's field: an int, lower first; default 0), which an
+    engine run with ``--scheduling-policy priority`` orders its queue by."""
+    value = body.get("priority", 0)
+    if value is None:
+        return 0
+    if type(value) is not int or not -(2**63) <= value < 2**63:
+        raise BadRequest("priority: Input should be a valid integer")
+    return value
 
 
 async def _outputs(state: MockState, req: Any) -> AsyncIterator[Any]:
@@ -775,6 +788,10 @@ def create_app(settings: MockSettings) -> web.Application:
     from sim.engine import EngineModel
     from sim.profiles import load_profile
 
+    if settings.scheduling_policy not in ("fcfs", "priority"):
+        raise ValueError(
+            f"--scheduling-policy must be fcfs or priority, got {settings.scheduling_policy!r}"
+        )
     if not (math.isfinite(settings.time_scale) and settings.time_scale > 0):
         raise ValueError(f"--time-scale must be > 0 and finite, got {settings.time_scale}")
 
@@ -799,6 +816,7 @@ def create_app(settings: MockSettings) -> web.Application:
             cpu_blocks=settings.cpu_blocks,
             publish_window_blocks=True,
             engine_block_size=settings.engine_block_size,
+            scheduling=settings.scheduling_policy,
         )
         publisher = None
         outbox: asyncio.Queue[list[IndexEvent]] = asyncio.Queue()

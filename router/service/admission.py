@@ -42,6 +42,7 @@ from router.core.admission import (
     Assessment,
     Ticket,
     assess,
+    engine_priority,
     parse_service_tier,
     predictor_for,
     restrict,
@@ -133,6 +134,15 @@ class Admission:
     def tenant(headers: Iterable[tuple[bytes, bytes]]) -> str:
         key = presented_key(headers)
         return xxhash.xxh3_64_hexdigest(key.encode()) if key else ""
+
+    def priority_patch(self, admitted: Admitted, headers: list[tuple[bytes, bytes]]) -> bytes:
+        """The body member giving the engine the request's class as vLLM's ``priority``
+        (``engine_priority`` set for its model), else b"" (the body goes as it came)."""
+        settings = self.state.settings.model(admitted.model).admission
+        if settings is None or not settings.engine_priority:
+            return b""
+        klass = self.service_class(admitted.service_tier, headers)
+        return b',"priority":%d' % engine_priority(klass)
 
     async def route_admitted(
         self,

@@ -557,6 +557,7 @@ async def serve_completion(
         routed: Routed | disagg.PdFlow
         pinned: list[ReplicaKey] = []
         arrived: float | None = None  # a request held by admission: when it came
+        priority = b""  # the engine's priority for its class (Admission.priority_patch)
         if admitted.previous_response is not None:
             # a response another worker or pod recorded: asked there (only when not known
             # here); nothing of this for the requests naming none
@@ -584,6 +585,8 @@ async def serve_completion(
             # timed from here, as its deadline is: a hold counts toward its TTFT
             arrived = loop.time()
             routed = await slo_gate.route_admitted(admitted, client_headers, loop.time)
+            if not shaped:  # vLLM's Messages API takes no priority
+                priority = slo_gate.priority_patch(admitted, client_headers)
         else:
             routed = state.route(
                 admitted.model,
@@ -606,6 +609,8 @@ async def serve_completion(
         raise
     if no_transfer:
         raw = with_patch(raw, disagg.NO_TRANSFER)
+    if priority:
+        raw = with_patch(raw, priority)
     if isinstance(routed, disagg.PdFlow):
         record(state, routed.routed)
         sent = raw if admitted.usage_patch is None else with_patch(raw, admitted.usage_patch)
