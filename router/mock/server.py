@@ -302,6 +302,21 @@ async def _prepare(
     return state, body, req, tokens
 
 
+def _answer_id(request: web.Request, body: Mapping[str, Any], kind: str) -> str:
+    """The id vLLM gives the answer (``_base_request_id``): ``chatcmpl-`` (chat and, carried
+    over, the Anthropic answer) or ``cmpl-`` + the ``X-Request-Id`` header, else the body's
+    ``request_id``, else a random one; the Responses API's is the body's ``request_id``
+    (``resp_`` + random by default). The engine's own id stays unique: a client may send one
+    id with concurrent requests."""
+    given = body.get("request_id")
+    given = given if isinstance(given, str) else None
+    if kind == "responses":
+        return given or f"resp_{uuid.uuid4().hex}"
+    header = request.headers.get("X-Request-Id")
+    base = header if header is not None else given or uuid.uuid4().hex
+    return f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{base}"
+
+
 async def _outputs(state: MockState, req: Any) -> AsyncIterator[Any]:
     queue = state.driver.submit(req)
     done = False
@@ -374,6 +389,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     except BadRequest as exc:
         request.app[STATE].counters.bad_requests += 1
         return fail(400, str(exc))
+    answer_id = _answer_id(request, body, kind)
     params = pd.transfer_params(body)
     prefill_leg = pd.is_prefill_leg(params)
     if params is not None and pd.is_decode_leg(params):
@@ -434,7 +450,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                 "stop_reason": None,
             }
         obj: dict[str, Any] = {
-            "id": req.request_id,
+            "id": answer_id,
             "object": f"{object_type}.chunk" if chat else object_type,
             "created": created,
             "model": model,
@@ -452,7 +468,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         return f"data: {json.dumps(obj)}\n\n".encode()
 
     words: list[str] = []
-    rids = (req.request_id, f"msg_{uuid.uuid4().hex}")
+    rids = (answer_id, f"msg_{uuid.uuid4().hex}")
     writer = resp.EventWriter(rids)
     first_at = finished_at = arrived
     queued_s = model_ttft_s = 0.0
@@ -477,7 +493,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                 produced = 1
                 if response is not None and messages:
                     first = anthropic.usage(req.prompt_tokens, cached, 0)
-                    start = anthropic.start_events(req.request_id, model, first)
+                    start = anthropic.start_events(answer_id, model, first)
                     await response.write(start + anthropic.text_event(_word(0)))
                 elif response is not None and responses:
                     created_obj = resp.response(
@@ -547,14 +563,12 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             await response.write_eof()
             return response
         text = "".join(words)
-        return web.json_response(
-            anthropic.answer(req.request_id, model, text, finish_reason, final)
-        )
+        return web.json_response(anthropic.answer(answer_id, model, text, finish_reason, final))
     if response is not None:
         await response.write(chunk(None if chat else [], finish_reason))
         if opts.get("include_usage"):
             obj = {
-                "id": req.request_id,
+                "id": answer_id,
                 "object": f"{object_type}.chunk" if chat else object_type,
                 "created": created,
                 "model": model,
@@ -623,7 +637,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         }
     return web.json_response(
         {
-            "id": req.request_id,
+            "id": answer_id,
             "object": object_type,
             "created": created,
             "model": model,
