@@ -8,7 +8,8 @@ vLLM 0.34's answers, ``usage`` with ``prompt_tokens_details.cached_tokens``,
 prompt logprobs and ``echo`` when asked (router/mock/logprobs.py), vLLM's error types and
 statuses; for a hybrid profile
 ``prompt_tokens_details.kv_hit_tokens`` too, a mock-only field: the KV-only hit before the
-hybrid-state rule), ``GET /metrics`` (vLLM gauge names), ``GET /health`` and ``/ping``,
+hybrid-state rule), ``GET /metrics`` (vLLM gauge names), ``GET /health`` and ``/ping``
+(503 once the engine model has failed, as vLLM's dead engine answers),
 ``GET /version``, ``GET /v1/models`` (with ``max_model_len``), the Anthropic Messages API:
 ``POST /v1/messages`` (streaming or not, in vLLM's format: router/mock/anthropic.py) and
 ``/v1/messages/count_tokens``, the OpenAI Responses API: ``POST /v1/responses`` (streaming
@@ -717,7 +718,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(text="ok")
+    """vLLM's ``/health`` (and ``/ping``): 200 with no body, 503 once the engine is dead."""
+    return web.Response(status=503 if request.app[STATE].driver.failure else 200)
 
 
 async def version(request: web.Request) -> web.Response:
