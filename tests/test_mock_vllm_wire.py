@@ -340,3 +340,37 @@ async def test_the_answer_id_is_vllm_s_from_x_request_id_or_request_id(mock: Cal
                 return int((await r.json())["usage"]["completion_tokens"])
 
         assert await asyncio.wait_for(asyncio.gather(one(), one(), one()), 30) == [4, 4, 4]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": CHAT}),
+        ("/v1/completions", {"prompt": "hello there"}),
+        ("/v1/messages", {"messages": CHAT}),
+        ("/v1/responses", {"input": "hello there"}),
+    ],
+    ids=["chat", "completion", "messages", "responses"],
+)
+async def test_a_prefill_leg_answers_kv_transfer_params_on_every_api(
+    mock: Callable, path: str, body: dict[str, Any]
+) -> None:
+    """vLLM's Anthropic and Responses answers carry the prefill's ``kv_transfer_params`` as
+    its chat answer does (``messages_full_converter``, ``ResponsesResponse``): a P/D proxy
+    (vllm-router routes /v1/messages through its P/D pipeline) hands them to the decode
+    leg. The mock's left them out: the decode leg ran without them ("No kv_transfer_params
+    for prefill"), prefilling locally."""
+    url = await mock()
+    leg = {"do_remote_decode": True, "do_remote_prefill": False}
+    body = body | {"model": MODEL, "max_tokens": 1, "kv_transfer_params": leg}
+    status, answer = await _post(url, path, body)
+    assert status == 200, answer
+    params = answer.get("kv_transfer_params")
+    assert params is not None and params["do_remote_prefill"] is True, answer
+    assert params["remote_num_tokens"] > 0 and params["remote_block_ids"][0]
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as r:
+        page = await r.text()
+    assert 'kvrouter_mock_pd_prefill_legs_total{engine="0",model_name="m"} 1.0' in page
+    # a request that is no prefill leg: vLLM's Responses answer has the field, null
+    status, plain = await _post(url, path, {k: v for k, v in body.items() if k[0] != "k"})
+    assert status == 200 and plain.get("kv_transfer_params") is None

@@ -544,11 +544,31 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     # PrefillStats.num_cache_creation_tokens)
     made = max(0, req.prompt_tokens // ebs * ebs - cached) if chat else None
     usage = _usage(req.prompt_tokens, cached, produced, kv_hit if hybrid else None, made)
+    # a prefill leg's answer names its blocks for the decode leg, on every API (vLLM's)
+    transfer: dict[str, Any] | None = None
+    if prefill_leg:
+        c.prefill_legs += 1
+        s = state.settings
+        blocks = [range(-(-req.prompt_tokens // s.block_size))]
+        if state.driver.model.hybrid:
+            blocks.append(range(1))  # the recurrent state's group: its running-state slot
+        transfer = pd.answer_params(
+            s.replica,
+            req.request_id,
+            request.url.host or "",
+            request.url.port or 0,
+            pd.Site(s.region, s.rack),
+            blocks,
+            req.prompt_tokens,
+            cached,
+            kv_hit,
+        )
     if responses:
         status = "incomplete" if finish_reason == "length" else "completed"
         used = resp.usage(req.prompt_tokens, cached, produced)
         text = "".join(words)
         answer = resp.response(body, rids, model, text, status, used, req.max_output_tokens)
+        answer |= {"kv_transfer_params": transfer, "ec_transfer_params": None}
         if stores(body):
             history = resp.chat_body(state.responses, body)["messages"]
             state.responses.put(rids[0], resp.Stored(history, answer))
@@ -564,7 +584,10 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             await response.write_eof()
             return response
         text = "".join(words)
-        return web.json_response(anthropic.answer(answer_id, model, text, finish_reason, final))
+        answer = anthropic.answer(answer_id, model, text, finish_reason, final)
+        if transfer is not None:  # vLLM dumps the answer without its None fields
+            answer["kv_transfer_params"] = transfer
+        return web.json_response(answer)
     if response is not None:
         await response.write(chunk(None if chat else [], finish_reason))
         if opts.get("include_usage"):
@@ -587,23 +610,8 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             lp.echoed(prompt_ids, decode, words) if echo_logprobs else lp.sampled(words, chat)
         )
     extra: dict[str, Any] = {}
-    if prefill_leg:
-        c.prefill_legs += 1
-        s = state.settings
-        blocks = [range(-(-req.prompt_tokens // s.block_size))]
-        if state.driver.model.hybrid:
-            blocks.append(range(1))  # the recurrent state's group: its running-state slot
-        extra["kv_transfer_params"] = pd.answer_params(
-            s.replica,
-            req.request_id,
-            request.url.host or "",
-            request.url.port or 0,
-            pd.Site(s.region, s.rack),
-            blocks,
-            req.prompt_tokens,
-            cached,
-            kv_hit,
-        )
+    if transfer is not None:
+        extra["kv_transfer_params"] = transfer
     # every field of vLLM's ChatCompletionResponse / CompletionResponse as it dumps them
     if chat:
         message = {"role": "assistant", "content": text, "refusal": None, "audio": None}
