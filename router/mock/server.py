@@ -10,7 +10,8 @@ statuses; for a hybrid profile
 ``prompt_tokens_details.kv_hit_tokens`` too, a mock-only field: the KV-only hit before the
 hybrid-state rule), ``GET /metrics`` (vLLM gauge names), ``GET /health`` and ``/ping``
 (503 once the engine model has failed, as vLLM's dead engine answers),
-``GET /version``, ``GET /v1/models`` (with ``max_model_len``), the Anthropic Messages API:
+``GET /version``, ``GET /load`` (the requests in flight), ``GET /v1/models`` (with
+``max_model_len``), the Anthropic Messages API:
 ``POST /v1/messages`` (streaming or not, in vLLM's format: router/mock/anthropic.py) and
 ``/v1/messages/count_tokens``, the OpenAI Responses API: ``POST /v1/responses`` (streaming
 or not), ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``
@@ -122,6 +123,7 @@ class MockCounters:
     # the engine model's own TTFT summed over finished requests (model time in wall seconds):
     # against vllm:time_to_first_token_seconds, the mock's lag behind its model
     model_ttft_s: float = 0.0
+    in_flight: int = 0  # requests on the generating routes not yet answered (vLLM's /load)
 
 
 @dataclass(slots=True)
@@ -683,20 +685,30 @@ async def _pull(state: MockState, req: Any, params: Mapping[str, Any]) -> Any:
     return replace(req, remote_prefilled=True)
 
 
+async def _tracked(request: web.Request, kind: str) -> web.StreamResponse:
+    """``_handle``, counted in flight until answered (vLLM's ``load_aware_call``)."""
+    counters = request.app[STATE].counters
+    counters.in_flight += 1
+    try:
+        return await _handle(request, kind)
+    finally:
+        counters.in_flight -= 1
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, "chat")
+    return await _tracked(request, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, "completion")
+    return await _tracked(request, "completion")
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, "messages")
+    return await _tracked(request, "messages")
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, "responses")
+    return await _tracked(request, "responses")
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:
@@ -728,6 +740,12 @@ async def metrics(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """vLLM's ``/health`` (and ``/ping``): 200 with no body, 503 once the engine is dead."""
     return web.Response(status=503 if request.app[STATE].driver.failure else 200)
+
+
+async def load(request: web.Request) -> web.Response:
+    """vLLM's ``GET /load`` as ``--enable-server-load-tracking`` answers it: the requests
+    in flight on the generating routes."""
+    return web.json_response({"server_load": request.app[STATE].counters.in_flight})
 
 
 async def version(request: web.Request) -> web.Response:
@@ -872,6 +890,7 @@ def create_app(settings: MockSettings) -> web.Application:
     app.router.add_get("/ping", health)  # vLLM's (SageMaker's) ping: /health's answer
     app.router.add_post("/ping", health)
     app.router.add_get("/version", version)
+    app.router.add_get("/load", load)
     app.router.add_get("/v1/models", models)
     app.router.add_get(SOURCES_PATH, kv_event_sources)
     prep = handlers(lambda request: request.app[STATE].tokenizer, settings.max_model_len)
