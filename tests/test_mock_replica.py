@@ -294,3 +294,49 @@ async def test_an_engine_model_that_fails_fails_its_requests_instead_of_hanging(
         await asyncio.wait_for(
             mock.client.completions.create(model="m", prompt=_prompt(2, 100), max_tokens=2), 30
         )
+
+
+async def test_health_reports_a_failed_engine_as_vllm_does(start_mock: Callable) -> None:
+    """vLLM's ``/health`` (and ``/ping``) answer 200 with no body, 503 once the engine is
+    dead (``EngineDeadError``): a peer's health checks stop sending to it. The mock's
+    answered 200 for good, so a replica failing every request was kept in rotation."""
+    from router.mock.server import STATE
+
+    mock = await start_mock(time_scale=1.0)
+    driver = mock.runner.app[STATE].driver
+    async with aiohttp.ClientSession() as http:
+        for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+            async with http.request(method, mock.url + path) as r:
+                assert (r.status, await r.read()) == (200, b""), path
+
+        def broken(now: float) -> list[object]:
+            raise ZeroDivisionError("injected")
+
+        driver.model.advance = broken  # type: ignore[method-assign]
+        with pytest.raises(openai.InternalServerError, match="engine model failed"):
+            await asyncio.wait_for(
+                mock.client.completions.create(model="m", prompt=_prompt(3, 50), max_tokens=2),
+                30,
+            )
+        for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+            async with http.request(method, mock.url + path) as r:
+                assert r.status == 503, path
+
+
+async def test_load_counts_the_requests_in_flight_as_vllm_s(start_mock: Callable) -> None:
+    """vLLM serves ``GET /load`` (``{"server_load": N}``, the requests in flight on its
+    generating routes with ``--enable-server-load-tracking``); the mock answered 404."""
+    mock = await start_mock(time_scale=1.0)
+
+    async def load_is(n: int) -> bool:
+        async with aiohttp.ClientSession() as http, http.get(f"{mock.url}/load") as r:
+            assert r.status == 200
+            return bool(await r.json() == {"server_load": n})
+
+    assert await load_is(0)
+    running = asyncio.ensure_future(
+        mock.client.completions.create(model="m", prompt=_prompt(4, 300), max_tokens=64)
+    )
+    await eventually(lambda: load_is(1))
+    assert (await asyncio.wait_for(running, 30)).usage.completion_tokens == 64
+    assert await load_is(0)

@@ -302,3 +302,75 @@ async def test_the_openai_client_parses_every_answer(mock: Callable) -> None:
             tok = await r.json()
         assert set(tok) == {"count", "max_model_len", "tokens", "token_strs"}
         assert "".join(tok["token_strs"]) == "ab"
+
+
+async def test_the_answer_id_is_vllm_s_from_x_request_id_or_request_id(mock: Callable) -> None:
+    """vLLM names an answer ``chatcmpl-`` / ``cmpl-`` + the ``X-Request-Id`` header, else the
+    body's ``request_id`` (``_base_request_id``); its Anthropic answer carries the chat id,
+    the Responses API the body's ``request_id``. Peers (vllm-router's P/D legs) send the
+    header; a client reusing one id for concurrent requests still gets every answer."""
+    import asyncio
+
+    url = await mock()
+    hdr = {"X-Request-Id": "rid-1"}
+    cases = [
+        ("/v1/chat/completions", {"messages": CHAT}, hdr, "chatcmpl-rid-1"),
+        ("/v1/completions", {"prompt": "hi"}, hdr, "cmpl-rid-1"),
+        ("/v1/chat/completions", {"messages": CHAT, "request_id": "body-2"}, {}, "chatcmpl-body-2"),
+        ("/v1/completions", {"prompt": "hi", "request_id": "body-2"}, hdr, "cmpl-rid-1"),
+        ("/v1/messages", {"messages": CHAT}, hdr, "chatcmpl-rid-1"),
+        ("/v1/responses", {"input": "hi", "request_id": "resp_given"}, hdr, "resp_given"),
+    ]
+    async with aiohttp.ClientSession() as http:
+        for path, body, headers, want in cases:
+            body = body | {"model": MODEL, "max_tokens": 2}
+            async with http.post(url + path, json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                assert (await r.json())["id"] == want, (path, body, headers)
+        stream = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}
+        async with http.post(url + "/v1/completions", json=stream, headers=hdr) as r:
+            text = await r.text()
+        ids = {json.loads(b[6:])["id"] for b in text.split("\n\n") if b[6:7] == "{"}
+        assert ids == {"cmpl-rid-1"}
+
+        async def one() -> int:
+            body = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
+            async with http.post(url + "/v1/chat/completions", json=body, headers=hdr) as r:
+                assert r.status == 200
+                return int((await r.json())["usage"]["completion_tokens"])
+
+        assert await asyncio.wait_for(asyncio.gather(one(), one(), one()), 30) == [4, 4, 4]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": CHAT}),
+        ("/v1/completions", {"prompt": "hello there"}),
+        ("/v1/messages", {"messages": CHAT}),
+        ("/v1/responses", {"input": "hello there"}),
+    ],
+    ids=["chat", "completion", "messages", "responses"],
+)
+async def test_a_prefill_leg_answers_kv_transfer_params_on_every_api(
+    mock: Callable, path: str, body: dict[str, Any]
+) -> None:
+    """vLLM's Anthropic and Responses answers carry the prefill's ``kv_transfer_params`` as
+    its chat answer does (``messages_full_converter``, ``ResponsesResponse``): a P/D proxy
+    (vllm-router routes /v1/messages through its P/D pipeline) hands them to the decode
+    leg. The mock's left them out: the decode leg ran without them ("No kv_transfer_params
+    for prefill"), prefilling locally."""
+    url = await mock()
+    leg = {"do_remote_decode": True, "do_remote_prefill": False}
+    body = body | {"model": MODEL, "max_tokens": 1, "kv_transfer_params": leg}
+    status, answer = await _post(url, path, body)
+    assert status == 200, answer
+    params = answer.get("kv_transfer_params")
+    assert params is not None and params["do_remote_prefill"] is True, answer
+    assert params["remote_num_tokens"] > 0 and params["remote_block_ids"][0]
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as r:
+        page = await r.text()
+    assert 'kvrouter_mock_pd_prefill_legs_total{engine="0",model_name="m"} 1.0' in page
+    # a request that is no prefill leg: vLLM's Responses answer has the field, null
+    status, plain = await _post(url, path, {k: v for k, v in body.items() if k[0] != "k"})
+    assert status == 200 and plain.get("kv_transfer_params") is None

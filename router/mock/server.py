@@ -8,8 +8,10 @@ vLLM 0.34's answers, ``usage`` with ``prompt_tokens_details.cached_tokens``,
 prompt logprobs and ``echo`` when asked (router/mock/logprobs.py), vLLM's error types and
 statuses; for a hybrid profile
 ``prompt_tokens_details.kv_hit_tokens`` too, a mock-only field: the KV-only hit before the
-hybrid-state rule), ``GET /metrics`` (vLLM gauge names), ``GET /health`` and ``/ping``,
-``GET /version``, ``GET /v1/models`` (with ``max_model_len``), the Anthropic Messages API:
+hybrid-state rule), ``GET /metrics`` (vLLM gauge names), ``GET /health`` and ``/ping``
+(503 once the engine model has failed, as vLLM's dead engine answers),
+``GET /version``, ``GET /load`` (the requests in flight), ``GET /v1/models`` (with
+``max_model_len``), the Anthropic Messages API:
 ``POST /v1/messages`` (streaming or not, in vLLM's format: router/mock/anthropic.py) and
 ``/v1/messages/count_tokens``, the OpenAI Responses API: ``POST /v1/responses`` (streaming
 or not), ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``
@@ -123,6 +125,7 @@ class MockCounters:
     # the engine model's own TTFT summed over finished requests (model time in wall seconds):
     # against vllm:time_to_first_token_seconds, the mock's lag behind its model
     model_ttft_s: float = 0.0
+    in_flight: int = 0  # requests on the generating routes not yet answered (vLLM's /load)
 
 
 @dataclass(slots=True)
@@ -316,6 +319,21 @@ def _priority(body: dict[str, Any]) -> int:
     return value
 
 
+def _answer_id(request: web.Request, body: Mapping[str, Any], kind: str) -> str:
+    """The id vLLM gives the answer (``_base_request_id``): ``chatcmpl-`` (chat and, carried
+    over, the Anthropic answer) or ``cmpl-`` + the ``X-Request-Id`` header, else the body's
+    ``request_id``, else a random one; the Responses API's is the body's ``request_id``
+    (``resp_`` + random by default). The engine's own id stays unique: a client may send one
+    id with concurrent requests."""
+    given = body.get("request_id")
+    given = given if isinstance(given, str) else None
+    if kind == "responses":
+        return given or f"resp_{uuid.uuid4().hex}"
+    header = request.headers.get("X-Request-Id")
+    base = header if header is not None else given or uuid.uuid4().hex
+    return f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{base}"
+
+
 async def _outputs(state: MockState, req: Any) -> AsyncIterator[Any]:
     queue = state.driver.submit(req)
     done = False
@@ -388,6 +406,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     except BadRequest as exc:
         request.app[STATE].counters.bad_requests += 1
         return fail(400, str(exc))
+    answer_id = _answer_id(request, body, kind)
     params = pd.transfer_params(body)
     prefill_leg = pd.is_prefill_leg(params)
     if params is not None and pd.is_decode_leg(params):
@@ -448,7 +467,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                 "stop_reason": None,
             }
         obj: dict[str, Any] = {
-            "id": req.request_id,
+            "id": answer_id,
             "object": f"{object_type}.chunk" if chat else object_type,
             "created": created,
             "model": model,
@@ -466,7 +485,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         return f"data: {json.dumps(obj)}\n\n".encode()
 
     words: list[str] = []
-    rids = (req.request_id, f"msg_{uuid.uuid4().hex}")
+    rids = (answer_id, f"msg_{uuid.uuid4().hex}")
     writer = resp.EventWriter(rids)
     first_at = finished_at = arrived
     queued_s = model_ttft_s = 0.0
@@ -491,7 +510,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                 produced = 1
                 if response is not None and messages:
                     first = anthropic.usage(req.prompt_tokens, cached, 0)
-                    start = anthropic.start_events(req.request_id, model, first)
+                    start = anthropic.start_events(answer_id, model, first)
                     await response.write(start + anthropic.text_event(_word(0)))
                 elif response is not None and responses:
                     created_obj = resp.response(
@@ -541,11 +560,31 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     # PrefillStats.num_cache_creation_tokens)
     made = max(0, req.prompt_tokens // ebs * ebs - cached) if chat else None
     usage = _usage(req.prompt_tokens, cached, produced, kv_hit if hybrid else None, made)
+    # a prefill leg's answer names its blocks for the decode leg, on every API (vLLM's)
+    transfer: dict[str, Any] | None = None
+    if prefill_leg:
+        c.prefill_legs += 1
+        s = state.settings
+        blocks = [range(-(-req.prompt_tokens // s.block_size))]
+        if state.driver.model.hybrid:
+            blocks.append(range(1))  # the recurrent state's group: its running-state slot
+        transfer = pd.answer_params(
+            s.replica,
+            req.request_id,
+            request.url.host or "",
+            request.url.port or 0,
+            pd.Site(s.region, s.rack),
+            blocks,
+            req.prompt_tokens,
+            cached,
+            kv_hit,
+        )
     if responses:
         status = "incomplete" if finish_reason == "length" else "completed"
         used = resp.usage(req.prompt_tokens, cached, produced)
         text = "".join(words)
         answer = resp.response(body, rids, model, text, status, used, req.max_output_tokens)
+        answer |= {"kv_transfer_params": transfer, "ec_transfer_params": None}
         if stores(body):
             history = resp.chat_body(state.responses, body)["messages"]
             state.responses.put(rids[0], resp.Stored(history, answer))
@@ -561,14 +600,15 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             await response.write_eof()
             return response
         text = "".join(words)
-        return web.json_response(
-            anthropic.answer(req.request_id, model, text, finish_reason, final)
-        )
+        answer = anthropic.answer(answer_id, model, text, finish_reason, final)
+        if transfer is not None:  # vLLM dumps the answer without its None fields
+            answer["kv_transfer_params"] = transfer
+        return web.json_response(answer)
     if response is not None:
         await response.write(chunk(None if chat else [], finish_reason))
         if opts.get("include_usage"):
             obj = {
-                "id": req.request_id,
+                "id": answer_id,
                 "object": f"{object_type}.chunk" if chat else object_type,
                 "created": created,
                 "model": model,
@@ -586,23 +626,8 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             lp.echoed(prompt_ids, decode, words) if echo_logprobs else lp.sampled(words, chat)
         )
     extra: dict[str, Any] = {}
-    if prefill_leg:
-        c.prefill_legs += 1
-        s = state.settings
-        blocks = [range(-(-req.prompt_tokens // s.block_size))]
-        if state.driver.model.hybrid:
-            blocks.append(range(1))  # the recurrent state's group: its running-state slot
-        extra["kv_transfer_params"] = pd.answer_params(
-            s.replica,
-            req.request_id,
-            request.url.host or "",
-            request.url.port or 0,
-            pd.Site(s.region, s.rack),
-            blocks,
-            req.prompt_tokens,
-            cached,
-            kv_hit,
-        )
+    if transfer is not None:
+        extra["kv_transfer_params"] = transfer
     # every field of vLLM's ChatCompletionResponse / CompletionResponse as it dumps them
     if chat:
         message = {"role": "assistant", "content": text, "refusal": None, "audio": None}
@@ -637,7 +662,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         }
     return web.json_response(
         {
-            "id": req.request_id,
+            "id": answer_id,
             "object": object_type,
             "created": created,
             "model": model,
@@ -674,20 +699,30 @@ async def _pull(state: MockState, req: Any, params: Mapping[str, Any]) -> Any:
     return replace(req, remote_prefilled=True)
 
 
+async def _tracked(request: web.Request, kind: str) -> web.StreamResponse:
+    """``_handle``, counted in flight until answered (vLLM's ``load_aware_call``)."""
+    counters = request.app[STATE].counters
+    counters.in_flight += 1
+    try:
+        return await _handle(request, kind)
+    finally:
+        counters.in_flight -= 1
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, "chat")
+    return await _tracked(request, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, "completion")
+    return await _tracked(request, "completion")
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, "messages")
+    return await _tracked(request, "messages")
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    return await _handle(request, "responses")
+    return await _tracked(request, "responses")
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:
@@ -717,7 +752,14 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(text="ok")
+    """vLLM's ``/health`` (and ``/ping``): 200 with no body, 503 once the engine is dead."""
+    return web.Response(status=503 if request.app[STATE].driver.failure else 200)
+
+
+async def load(request: web.Request) -> web.Response:
+    """vLLM's ``GET /load`` as ``--enable-server-load-tracking`` answers it: the requests
+    in flight on the generating routes."""
+    return web.json_response({"server_load": request.app[STATE].counters.in_flight})
 
 
 async def version(request: web.Request) -> web.Response:
@@ -867,6 +909,7 @@ def create_app(settings: MockSettings) -> web.Application:
     app.router.add_get("/ping", health)  # vLLM's (SageMaker's) ping: /health's answer
     app.router.add_post("/ping", health)
     app.router.add_get("/version", version)
+    app.router.add_get("/load", load)
     app.router.add_get("/v1/models", models)
     app.router.add_get(SOURCES_PATH, kv_event_sources)
     prep = handlers(lambda request: request.app[STATE].tokenizer, settings.max_model_len)
