@@ -340,3 +340,25 @@ async def test_load_counts_the_requests_in_flight_as_vllm_s(start_mock: Callable
     await eventually(lambda: load_is(1))
     assert (await asyncio.wait_for(running, 30)).usage.completion_tokens == 64
     assert await load_is(0)
+
+
+async def test_a_priority_scheduling_mock_reads_vllms_priority_field(
+    start_mock: Callable,
+) -> None:
+    """``--scheduling-policy priority`` orders the engine model's queue by the body's
+    ``priority`` (tests/test_sim_engine.py has the order); the field is vLLM's: an int as
+    pydantic reads one, anything else a 400, and an fcfs engine takes it too (and ignores
+    it)."""
+    for policy in ("priority", "fcfs"):
+        mock = await start_mock(scheduling_policy=policy)
+        for value in (-3, 0, 7, 1.0, "3", True):  # pydantic's lax int, as vLLM reads it
+            await mock.client.completions.create(
+                model="m", prompt=_prompt(3, 40), max_tokens=1, extra_body={"priority": value}
+            )
+        for bad in ("high", 1.5, None, 2**63):
+            with pytest.raises(openai.BadRequestError, match="priority"):
+                await mock.client.completions.create(
+                    model="m", prompt=_prompt(3, 40), max_tokens=1, extra_body={"priority": bad}
+                )
+    with pytest.raises(ValueError, match="scheduling-policy"):
+        create_app(MockSettings(model="m", scheduling_policy="lifo"))

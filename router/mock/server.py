@@ -311,9 +311,12 @@ async def _prepare(
 def _priority(body: dict[str, Any]) -> int:
     """The request's ``priority`` (vLLM's field: an int, lower first; default 0), which an
     engine run with ``--scheduling-policy priority`` orders its queue by."""
-    value = body.get("priority", 0)
-    if value is None:
+    if "priority" not in body:
         return 0
+    value = body["priority"]  # read as vLLM's pydantic model does (lax mode): 1.0, "3", true
+    integral = isinstance(value, bool) or (isinstance(value, float) and value.is_integer())
+    if integral or (isinstance(value, str) and value.strip().lstrip("+-").isdigit()):
+        value = int(value)
     if type(value) is not int or not -(2**63) <= value < 2**63:
         raise BadRequest("priority: Input should be a valid integer")
     return value
