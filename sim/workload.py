@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from pathlib import Path
 from typing import Any, cast
@@ -278,7 +278,23 @@ def read_mooncake(
             break
     meta = {"format": "mooncake", "path": str(path), "trace_block": trace_block}
     meta["hashed_tokens"] = hasher.hashed_tokens
-    return Workload(path.stem, requests, block_size, model, meta)
+    return Workload(path.stem, _in_arrival_order(requests), block_size, model, meta)
+
+
+def _in_arrival_order(requests: list[SimRequest]) -> list[SimRequest]:
+    """``requests`` (in file order) by arrival, from 0: a recording holds its rows in order
+    of completion. A session's closed-loop turn (``after``) stays behind its previous turn
+    (a stable sort on that turn's arrival); the open-loop arrivals start at 0."""
+    if not requests:
+        return requests
+    key: dict[str, float] = {}
+    for r in requests:
+        key[r.request_id] = key[r.after] if r.after is not None else r.arrival_s
+    start = min(r.arrival_s for r in requests if r.after is None)
+    ordered = sorted(requests, key=lambda r: key[r.request_id])
+    if start == 0.0:
+        return ordered
+    return [replace(r, arrival_s=r.arrival_s - start) for r in ordered]
 
 
 def read_bailian(

@@ -59,7 +59,7 @@ def test_recorded_rows_sessions_delay_and_unknown_fields(tmp_path: Path) -> None
         },
     ]
     w = load_trace(str(write(tmp_path / "rec.jsonl", rows)), block_size=64)
-    a, b, c = w.requests
+    a, c, b = w.requests  # by arrival; the closed-loop turn right behind its previous one
     assert a.after is None and a.arrival_s == 0.0 and b.arrival_s == pytest.approx(0.5)
     assert c.after == a.request_id and c.delay_s == pytest.approx(0.25)
     assert list(c.block_hashes[: len(a.block_hashes)]) == list(a.block_hashes)
@@ -246,3 +246,24 @@ def test_agentic_limit_keeps_the_first_sessions_as_its_recorded_rows_do(tmp_path
         return [(r.session_id, r.prompt_tokens, r.after is not None) for r in requests]
 
     assert shape(head.requests) == shape(rows.requests)
+
+
+def test_a_recording_in_completion_order_is_replayed_in_arrival_order(tmp_path: Path) -> None:
+    """The recorder writes a row when its request completes: a long request that came first
+    is written after short ones that came later. The simulator reads arrivals from 0 in
+    arrival order (the ceilings walk the requests in list order), each session's turns
+    still in order."""
+    rows = [
+        {"timestamp": 5_000, "input_length": 100, "output_length": 2, "hash_ids": [7]},
+        {"timestamp": 6_000, "input_length": 100, "output_length": 2, "hash_ids": [8],
+         "session_id": "s"},
+        {"timestamp": 4_000, "input_length": 900, "output_length": 90, "hash_ids": [1, 2]},
+        {"timestamp": 9_000, "input_length": 200, "output_length": 2, "hash_ids": [8, 9],
+         "session_id": "s", "delay": 100},
+    ]  # fmt: skip
+    w = load_trace(str(write(tmp_path / "rec.jsonl", rows)), block_size=64)
+    arrivals = [r.arrival_s for r in w.requests]
+    assert arrivals[:3] == pytest.approx([0.0, 1.0, 2.0])  # 4 s, 5 s, 6 s from the first
+    assert w.requests[0].prompt_tokens == 900
+    turn = w.requests[3]
+    assert turn.after == w.requests[2].request_id and turn.delay_s == pytest.approx(0.1)
