@@ -163,17 +163,18 @@ class BlockCache:
         else:
             g = self._grid
             at = list(range((lo // g + 1) * g, new_full + 1, g))
-        at_prompt_end = new_full == seq.nfull and seq.computed >= seq.prompt
-        if p.checkpoint_prompt_end and at_prompt_end:
+        if p.checkpoint_prompt_end:
             # vLLM: the prefill stops where the state can serve, before the prompt's last
             # token (an EAGLE engine: one block below its end, its draft head recomputes the
             # last one); an EAGLE block-aligned prompt's last step ends on a block too
-            # (router/core/engine_hits.py)
-            ends = [new_full - 1] if p.eagle else [max(seq.prompt - 1, 0) // self.block_size]
+            # (router/core/engine_hits.py). vLLM's scheduler ends a chunk there, so the state
+            # is kept by whichever step reaches it, not only by the one ending the prompt.
+            whole = seq.prompt // self.block_size
+            ends = [whole - 1] if p.eagle else [max(seq.prompt - 1, 0) // self.block_size]
             if p.eagle and seq.prompt % self.block_size == 0:
-                ends.append(new_full)
+                ends.append(whole)
             for end in ends:
-                if end > lo and end not in at:
+                if lo < end <= new_full and end not in at:
                     at.append(end)
             at.sort()
         made: list[int] = []

@@ -301,6 +301,29 @@ def test_a_block_aligned_prompt_keeps_its_state_before_its_last_token() -> None:
     assert stored(e.take_index_events(), Kind.STATE) == [5, 10, 15, 20, 24, 25]
 
 
+@pytest.mark.parametrize("tokens", [205, 210])
+def test_the_prompt_end_state_is_kept_when_a_chunk_ends_on_it(tokens: int) -> None:
+    """vLLM 0.34 keeps the state at ``(N - 1) // B`` blocks however the prefill is chunked
+    (its scheduler stops a chunk there). Chunks of 100 tokens end on block 20, the prompt's
+    checkpoint for 205 and 210 tokens; the step completing the prompt starts there, and the
+    simulated engine took the prompt-end state only inside that last step, so it kept none
+    (and a resend was granted nothing)."""
+    e = engine(
+        kv_blocks=200,
+        hybrid=True,
+        checkpoint="every_n",
+        checkpoint_interval_tokens=1000,
+        state_checkpoint_blocks=1.0,
+    )
+    hashes = list(range(1, tokens // B + 1))
+    e.submit(req("a", hashes, tokens), 0.0)
+    drain(e)
+    assert stored(e.take_index_events(), Kind.STATE) == [20]
+    e.submit(req("b", hashes, tokens), 1.0)
+    first = next(o for o in drain(e) if isinstance(o, FirstToken))
+    assert first.cached_tokens == 200
+
+
 def test_cpu_tier_offloads_evicted_blocks_and_reloads_them() -> None:
     e = engine(kv_blocks=3, cpu_blocks=10, cpu_load_s_per_token=1e-3)
     e.submit(req("a", [1, 2, 3]), 0.0)
