@@ -115,9 +115,10 @@ class BlockCache:
         self._lru = runs
         self._lru_len = size
 
-    def _computed(self, seq: _Seq, old_full: int, new_full: int) -> None:
+    def _computed(self, seq: _Seq, old_full: int, new_full: int, *, windows: bool = True) -> None:
         """Blocks [old_full, new_full) of ``seq`` were just computed: name and cache them,
-        and take the state checkpoints the grid asks for."""
+        and take the state checkpoints the grid asks for (and their window KV unless
+        ``windows`` is False: the next call takes it)."""
         hashes = seq.hashes
         gpu = self._gpu
         start = max(old_full, seq.held)
@@ -148,7 +149,7 @@ class BlockCache:
             self._events.append(BlocksStored(tuple(stored)))
         if self.hybrid and new_full > old_full:
             self._checkpoints(seq, old_full, new_full)
-        if self.window and new_full > seq.wheld:
+        if windows and self.window and new_full > seq.wheld:
             self._window_computed(seq, seq.wheld, new_full)
 
     def _checkpoints(self, seq: _Seq, old_full: int, new_full: int) -> None:

@@ -746,5 +746,7 @@ class EngineModel(BlockCache):
         if seq.remote:  # the transferred prompt: named (and published) as computed
             old = seq.computed
             seq.computed = seq.prompt
-            self._computed(seq, old // self.block_size, seq.nfull)
+            # its window KV is pinned at the end of its step, as a prefill chunk's, after the
+            # decoders' blocks: the room above kept those free, not the window's too
+            self._computed(seq, old // self.block_size, seq.nfull, windows=False)
         return True

@@ -393,3 +393,25 @@ def test_sliding_window_blocks_go_first_and_cut_the_hit() -> None:
     # all finished: nothing pinned, every cached block and window evictable, none lost
     assert e.kv_usage() == 0.0 and e._windows == len(e._win)
     assert e._free_cost == len(e._gpu) + e._windows
+
+
+def _used(e: EngineModel) -> float:
+    """KV memory taken: named blocks, checkpoints, window KV and allocated unnamed blocks."""
+    return len(e._gpu) + e._states * e._state_cost + e._windows * e._window_cost + e._reserved
+
+
+def test_a_remote_prefilled_windows_leave_the_decoders_their_next_block() -> None:
+    """A P/D decode leg on a sliding-window engine is admitted beside a decoder that needs a
+    block at its next step (kept out of the admission's room). The leg's window KV, named
+    at admission, took that block's memory: the decoder's step then wrote into memory the
+    engine did not have (13 blocks in use on 12)."""
+    e = engine(kv_blocks=12, sliding_window_tokens=25, window_block_cost=1.0)
+    e.submit(req("a", [1], 10, out=20), 0.0)  # 1 block; its first decode step needs a 2nd
+    remote = EngineRequest("b", list(range(10, 18)), 80, 2, remote_prefilled=True)
+    e.submit(remote, 0.005)  # queued behind a's prefill step, admitted after it
+    outs: list[object] = []
+    while (t := e.next_time()) is not None:
+        outs += e.advance(t)
+        assert _used(e) <= e.capacity
+    fins = {o.request_id: o for o in outs if isinstance(o, Finished)}
+    assert fins["a"].output_tokens == 20 and fins["b"].output_tokens == 2
