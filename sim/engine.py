@@ -29,8 +29,8 @@ Scheduling (vLLM v1 style, simplified):
   per context token they attend, + host-tier reload time of a newly admitted request.
 * While no sequence is prefilling, the batch composition cannot change before the next
   completion or arrival, so the whole run of decode steps is one *segment* whose duration is
-  an arithmetic series (contexts grow by one token a step); an arrival cuts the segment at
-  the end of the step in progress.
+  an arithmetic series (contexts grow by one token a step); an arrival (or a cancel that
+  frees KV or the head of the queue) cuts the segment at the end of the step in progress.
 
 Cache:
 
@@ -361,7 +361,10 @@ class EngineModel(BlockCache):
             return
         seq.cancelled = True
         if seq in self._waiting:
+            head = self._waiting[0] is seq
             self._waiting.remove(seq)
+            if head and self._waiting:  # the next may fit where the head did not
+                self._wake(now)
             return
         if seq in self._prefilling:
             self._prefilling.remove(seq)

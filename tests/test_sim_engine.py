@@ -415,3 +415,19 @@ def test_a_remote_prefilled_windows_leave_the_decoders_their_next_block() -> Non
         assert _used(e) <= e.capacity
     fins = {o.request_id: o for o in outs if isinstance(o, Finished)}
     assert fins["a"].output_tokens == 20 and fins["b"].output_tokens == 2
+
+
+def test_cancelling_the_blocked_head_of_the_queue_admits_the_next_at_once() -> None:
+    """A request waits for room behind the queue's head while a decoder runs a long decode
+    run. The head's client leaves: vLLM schedules the next one at the next step; the engine
+    model left it waiting until the decode run ended (the whole of a's answer)."""
+    e = engine(kv_blocks=10)
+    e.submit(req("a", [1, 2], out=60), 0.0)  # decodes for 60 steps, up to 7 blocks
+    e.advance(0.05)
+    e.submit(req("b", list(range(10, 19))), 0.05)  # 9 blocks: no room beside a
+    e.submit(req("c", [20]), 0.06)  # 1 block: fits, but FCFS behind b
+    e.cancel("b", 0.07)
+    outs = drain(e)
+    first_c = next(o for o in outs if isinstance(o, FirstToken) and o.request_id == "c")
+    fin_a = next(o for o in outs if isinstance(o, Finished) and o.request_id == "a")
+    assert first_c.time < 0.1 < fin_a.time
