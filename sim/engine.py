@@ -14,7 +14,8 @@ Scheduling (vLLM v1 style, simplified):
   prompt fits (vLLM's ``scheduler_reserve_full_isl``): blocks for the prompt minus the cached
   prefix, after evicting unreferenced cached blocks and keeping the blocks the running
   sequences' next step needs. No request is admitted in a step that preempted one. A request
-  whose prompt + ``max_output_tokens`` - 1 tokens exceed the whole cache is rejected at once.
+  whose prompt + ``max_output_tokens`` - 1 tokens (+ its pinned sliding window) exceed the
+  whole cache is rejected at once.
 * Decoding sequences allocate a block when their context crosses a block boundary. When a
   step's new blocks do not fit, the most recently admitted running sequence is preempted
   (vLLM v1's FCFS recompute preemption): its blocks are released (the computed ones stay
@@ -340,11 +341,13 @@ class EngineModel(BlockCache):
             raise ValueError("prompt_tokens must be > 0 and max_output_tokens >= 0")
         self._run_until(now)
         seq = _Seq(req, now, self.block_size)
-        # the last token's KV is never written (vLLM: prompt + max_tokens <= max_model_len)
-        footprint = -(-(seq.prompt + seq.max_out - 1) // self.block_size)
+        # the last token's KV is never written (vLLM: prompt + max_tokens <= max_model_len);
+        # a sliding-window engine keeps the window before it pinned all the while
+        blocks = -(-(seq.prompt + seq.max_out - 1) // self.block_size)
+        footprint = blocks + min(self.window, seq.nfull) * self._window_cost
         if footprint > self.capacity:
             self._out.append(
-                Rejected(seq.rid, now, f"needs {footprint} KV blocks, capacity {self.capacity}")
+                Rejected(seq.rid, now, f"needs {footprint:g} KV blocks, capacity {self.capacity}")
             )
             return
         self._by_id[seq.rid] = seq

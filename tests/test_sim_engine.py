@@ -431,3 +431,20 @@ def test_cancelling_the_blocked_head_of_the_queue_admits_the_next_at_once() -> N
     first_c = next(o for o in outs if isinstance(o, FirstToken) and o.request_id == "c")
     fin_a = next(o for o in outs if isinstance(o, Finished) and o.request_id == "a")
     assert first_c.time < 0.1 < fin_a.time
+
+
+@pytest.mark.parametrize("out", [20, 50])
+def test_a_lone_sequence_with_its_window_never_outgrows_the_cache(out: int) -> None:
+    """A sequence alone on a sliding-window engine keeps its window KV pinned while it
+    decodes (3 blocks here). Its KV alone fitting the cache is not enough: 50 tokens of
+    answer took its KV to 10 blocks beside the window's 3 on 10, which no preemption can
+    relieve (it is the only one). It is refused at once, as one larger than the cache;
+    with 20 tokens (7 blocks + 3) it runs."""
+    e = engine(kv_blocks=10, sliding_window_tokens=25, window_block_cost=1.0)
+    e.submit(req("a", [1, 2, 3, 4, 5], 50, out=out), 0.0)
+    outs = e.advance(0.0)
+    while (t := e.next_time()) is not None:
+        outs += e.advance(t)
+        assert _used(e) <= e.capacity
+    (last,) = [o for o in outs if isinstance(o, (Finished, Rejected))]
+    assert isinstance(last, Finished if out == 20 else Rejected)
