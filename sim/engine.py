@@ -63,7 +63,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any
+from typing import Any, cast
 
 from router.core.load import EngineReport
 from router.core.types import BlocksRemoved, BlocksStored, IndexEvent, ReplicaKey, Tier
@@ -647,7 +647,7 @@ class EngineModel(BlockCache):
         nfull = seq.nfull
         gpu = self._gpu
         # The cache is prefix-closed (blocks are named parents first and evicted children
-        # first), so the hit length is found by bisection.
+        # first), so the hit length is found by bisection (then cut at a missing block, below).
         if nfull and seq.reads_cache and hashes[nfull - 1] in gpu:
             kv = nfull
         elif not nfull or not seq.reads_cache or hashes[0] not in gpu:
@@ -662,7 +662,12 @@ class EngineModel(BlockCache):
                     hi = mid
             kv = lo
         hit = hashes[:kv]
-        refs = list(map(gpu.__getitem__, hit))
+        found = list(map(gpu.get, hit))
+        if None in found:  # not closed: answer blocks named apart by requests sharing them
+            kv = found.index(None)
+            hit = hit[:kv]
+            del found[kv:]
+        refs = cast("list[int]", found)
         in_free = sum(map(_negative, refs))  # unreferenced: in the LRU
         reach = kv  # KV hit including host-tier blocks
         cpu = self._cpu

@@ -448,3 +448,23 @@ def test_a_lone_sequence_with_its_window_never_outgrows_the_cache(out: int) -> N
         assert _used(e) <= e.capacity
     (last,) = [o for o in outs if isinstance(o, (Finished, Rejected))]
     assert isinstance(last, Finished if out == 20 else Rejected)
+
+
+def test_answer_blocks_named_out_of_order_do_not_break_the_hit() -> None:
+    """Two requests with the same prompt and answer names, the second answer longer: the
+    first names block 50, the second only 51 (50 is cached), so 51 is released after its
+    parent and outlives it. The cache is then not prefix-closed, and the hit's bisection
+    took a prompt through 1, 50, 51 as a 3-block hit and crashed on the missing 50
+    (KeyError: the simulator run, or the mock replica's engine, failed). The hit is the
+    blocks before the first missing one."""
+    e = engine(kv_blocks=4)
+    e.submit(EngineRequest("x", [1], 10, 11, [50, 51]), 0.0)  # names 50
+    drain(e)
+    e.submit(EngineRequest("y", [1], 10, 21, [50, 51]), 1.0)  # names 51
+    drain(e)
+    e.submit(req("w", [7, 8]), 2.0)  # evicts the oldest: 50
+    drain(e)
+    assert not e.has_block(50) and e.has_block(51)
+    e.submit(req("z", [1, 50, 51, 9]), 3.0)
+    first = next(o for o in drain(e) if isinstance(o, FirstToken))
+    assert first.kv_hit_tokens == 10
