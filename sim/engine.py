@@ -21,7 +21,8 @@ Scheduling (vLLM v1 style, simplified):
   (vLLM v1's FCFS recompute preemption): its blocks are released (the computed ones stay
   cached, as vLLM frees them to the prefix cache) and it goes back to the head of the
   queue; re-admitted, it recomputes its prompt and the tokens it had generated (less what the
-  cache still holds) and resumes decoding without a second first token.
+  cache still holds, its answer's blocks too when ``output_block_hashes`` name them) and
+  resumes decoding without a second first token.
 * A step has a token budget ``chunk_tokens``: every decoding sequence takes one token, the
   rest goes to prefilling sequences FCFS (chunked prefill). A sequence emits its first token
   at the end of the step that completes its prompt, then one token a step.
@@ -642,10 +643,28 @@ class EngineModel(BlockCache):
             self._waiting.popleft()
             self._prefilling.append(seq)
 
+    def _resumed_chain(self, seq: _Seq) -> list[int]:
+        """A resumed sequence's full blocks: its prompt's, then its answer's whose KV it wrote
+        (up to the first name that repeats, as for a prompt)."""
+        chain = list(seq.hashes[: seq.nfull])
+        seen = set(chain)
+        written = (seq.prompt + seq.out - 1) // self.block_size - seq.nfull
+        for h in seq.out_hashes[: max(0, written)]:
+            if h in seen:
+                break
+            seen.add(h)
+            chain.append(h)
+        return chain
+
     def _try_admit(self, seq: _Seq, now: float) -> bool:
         hashes = seq.hashes
         nfull = seq.nfull
         gpu = self._gpu
+        if seq.out and seq.out_hashes and nfull == seq.prompt // self.block_size:
+            # resumed: vLLM hashes the answer's blocks too, so the ones it wrote (named as it
+            # was preempted, _release_kv) are part of the prefix it can hit
+            hashes = self._resumed_chain(seq)
+            nfull = len(hashes)
         # The cache is prefix-closed (blocks are named parents first and evicted children
         # first), so the hit length is found by bisection (then cut at a missing block, below).
         if nfull and seq.reads_cache and hashes[nfull - 1] in gpu:

@@ -468,3 +468,24 @@ def test_answer_blocks_named_out_of_order_do_not_break_the_hit() -> None:
     e.submit(req("z", [1, 50, 51, 9]), 3.0)
     first = next(o for o in drain(e) if isinstance(o, FirstToken))
     assert first.kv_hit_tokens == 10
+
+
+def test_a_resumed_sequence_hits_the_answer_blocks_it_left_cached() -> None:
+    """vLLM hashes a request's blocks over its prompt and answer, so a preempted request
+    resumed finds the answer blocks it freed to the prefix cache and recomputes only the
+    rest. b is preempted with 20 tokens of answer (blocks 30, 31 named as it goes; 31 is
+    evicted as a grows); resumed once a is done, its prompt and block 30 are a hit, and it
+    recomputes 10 tokens, not the 20 of its answer."""
+    e = engine(kv_blocks=8)
+    e.submit(req("a", [1, 2], out=25), 0.0)
+    e.submit(EngineRequest("b", [3, 4], 20, 40, [30, 31, 32, 33, 34]), 0.0)
+    outs = drain(e)
+    assert e.preemptions == 1
+    fin_a = next(o for o in outs if isinstance(o, Finished) and o.request_id == "a")
+    (resumed,) = [
+        o for o in outs if isinstance(o, TokensEmitted) and o.request_id == "b" and o.count == 1
+    ]
+    assert resumed.time - fin_a.time == pytest.approx(0.01 + 10 * 1e-4)
+    fin_b = next(o for o in outs if isinstance(o, Finished) and o.request_id == "b")
+    assert fin_b.output_tokens == 40 and fin_b.cached_tokens == 0  # the first admission's
+    assert e.pending() == 0 and e.kv_usage() == 0.0
