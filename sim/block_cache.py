@@ -16,6 +16,7 @@ from itertools import compress, islice, repeat
 from operator import eq
 from typing import TYPE_CHECKING, Any
 
+from router.core.engine_hits import prompt_end_checkpoint
 from router.core.types import BlocksRemoved, BlocksStored, IndexEvent, Kind, Tier
 from router.events.window import WindowChange, WindowGroup
 
@@ -41,6 +42,7 @@ class BlockCache:
 
     profile: EngineProfile
     block_size: int
+    _align: int
     capacity: int
     cpu_capacity: int
     hybrid: bool
@@ -170,10 +172,10 @@ class BlockCache:
             # last one); an EAGLE block-aligned prompt's last step ends on a block too
             # (router/core/engine_hits.py). vLLM's scheduler ends a chunk there, so the state
             # is kept by whichever step reaches it, not only by the one ending the prompt.
-            whole = seq.prompt // self.block_size
-            ends = [whole - 1] if p.eagle else [max(seq.prompt - 1, 0) // self.block_size]
-            if p.eagle and seq.prompt % self.block_size == 0:
-                ends.append(whole)
+            # On the engine's block grid, as the router speculates it.
+            ends = [prompt_end_checkpoint(seq.prompt, self.block_size, self._align, p.eagle)]
+            if p.eagle and seq.prompt % (self.block_size * self._align) == 0:
+                ends.append(seq.prompt // self.block_size)
             for end in ends:
                 if lo < end <= new_full and end not in at:
                     at.append(end)

@@ -489,3 +489,29 @@ def test_a_resumed_sequence_hits_the_answer_blocks_it_left_cached() -> None:
     fin_b = next(o for o in outs if isinstance(o, Finished) and o.request_id == "b")
     assert fin_b.output_tokens == 40 and fin_b.cached_tokens == 0  # the first admission's
     assert e.pending() == 0 and e.kv_usage() == 0.0
+
+
+def test_the_prompt_end_state_is_on_the_engine_block_grid() -> None:
+    """With engine blocks of 2 router blocks, vLLM 0.34 keeps a 235-token prompt's state at
+    (N - 1) // 20 * 20 = 220 tokens (``get_mamba_prefill_checkpoint_position`` on the
+    engine's block; router/core/engine_hits.py ``prompt_end_checkpoint``), and grants the
+    prompt sent again those 220. The simulated engine kept it at 23 router blocks, off the
+    engine's grid, where no hit of whole engine blocks ends: the resend was granted none."""
+    profile = EngineProfile(
+        "t",
+        cost=COST,
+        block_size=B,
+        kv_blocks=200,
+        hybrid=True,
+        checkpoint="every_n",
+        checkpoint_interval_tokens=1000,
+        state_checkpoint_blocks=1.0,
+    )
+    e = EngineModel(profile, ReplicaKey("r"), B, engine_block_size=2 * B)
+    hashes = list(range(1, 24))
+    e.submit(req("a", hashes, 235), 0.0)
+    drain(e)
+    assert stored(e.take_index_events(), Kind.STATE) == [22]
+    e.submit(req("b", hashes, 235), 1.0)
+    first = next(o for o in drain(e) if isinstance(o, FirstToken))
+    assert first.cached_tokens == 220
