@@ -16,6 +16,7 @@ from itertools import compress, islice, repeat
 from operator import eq
 from typing import TYPE_CHECKING, Any
 
+from router.core.engine_hits import prompt_end_checkpoint
 from router.core.types import BlocksRemoved, BlocksStored, IndexEvent, Kind, Tier
 from router.events.window import WindowChange, WindowGroup
 
@@ -41,6 +42,7 @@ class BlockCache:
 
     profile: EngineProfile
     block_size: int
+    _align: int
     capacity: int
     cpu_capacity: int
     hybrid: bool
@@ -115,9 +117,10 @@ class BlockCache:
         self._lru = runs
         self._lru_len = size
 
-    def _computed(self, seq: _Seq, old_full: int, new_full: int) -> None:
+    def _computed(self, seq: _Seq, old_full: int, new_full: int, *, windows: bool = True) -> None:
         """Blocks [old_full, new_full) of ``seq`` were just computed: name and cache them,
-        and take the state checkpoints the grid asks for."""
+        and take the state checkpoints the grid asks for (and their window KV unless
+        ``windows`` is False: the next call takes it)."""
         hashes = seq.hashes
         gpu = self._gpu
         start = max(old_full, seq.held)
@@ -148,7 +151,7 @@ class BlockCache:
             self._events.append(BlocksStored(tuple(stored)))
         if self.hybrid and new_full > old_full:
             self._checkpoints(seq, old_full, new_full)
-        if self.window and new_full > seq.wheld:
+        if windows and self.window and new_full > seq.wheld:
             self._window_computed(seq, seq.wheld, new_full)
 
     def _checkpoints(self, seq: _Seq, old_full: int, new_full: int) -> None:
@@ -163,17 +166,18 @@ class BlockCache:
         else:
             g = self._grid
             at = list(range((lo // g + 1) * g, new_full + 1, g))
-        at_prompt_end = new_full == seq.nfull and seq.computed >= seq.prompt
-        if p.checkpoint_prompt_end and at_prompt_end:
+        if p.checkpoint_prompt_end:
             # vLLM: the prefill stops where the state can serve, before the prompt's last
             # token (an EAGLE engine: one block below its end, its draft head recomputes the
             # last one); an EAGLE block-aligned prompt's last step ends on a block too
-            # (router/core/engine_hits.py)
-            ends = [new_full - 1] if p.eagle else [max(seq.prompt - 1, 0) // self.block_size]
-            if p.eagle and seq.prompt % self.block_size == 0:
-                ends.append(new_full)
+            # (router/core/engine_hits.py). vLLM's scheduler ends a chunk there, so the state
+            # is kept by whichever step reaches it, not only by the one ending the prompt.
+            # On the engine's block grid, as the router speculates it.
+            ends = [prompt_end_checkpoint(seq.prompt, self.block_size, self._align, p.eagle)]
+            if p.eagle and seq.prompt % (self.block_size * self._align) == 0:
+                ends.append(seq.prompt // self.block_size)
             for end in ends:
-                if end > lo and end not in at:
+                if lo < end <= new_full and end not in at:
                     at.append(end)
             at.sort()
         made: list[int] = []

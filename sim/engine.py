@@ -14,7 +14,8 @@ Scheduling (vLLM v1 style, simplified):
   prompt fits (vLLM's ``scheduler_reserve_full_isl``): blocks for the prompt minus the cached
   prefix, after evicting unreferenced cached blocks and keeping the blocks the running
   sequences' next step needs. No request is admitted in a step that preempted one. A request
-  whose prompt + ``max_output_tokens`` - 1 tokens exceed the whole cache is rejected at once.
+  whose prompt + ``max_output_tokens`` - 1 tokens (+ its pinned sliding window) exceed the
+  whole cache is rejected at once.
 * ``scheduling="priority"`` (vLLM's ``--scheduling-policy priority``): requests wait in
   order of (``priority``, arrival) instead of arrival alone, a preempted one included.
 * Decoding sequences allocate a block when their context crosses a block boundary. When a
@@ -23,7 +24,8 @@ Scheduling (vLLM v1 style, simplified):
   v1's recompute preemption): its blocks are released (the computed ones stay
   cached, as vLLM frees them to the prefix cache) and it goes back to the head of the
   queue; re-admitted, it recomputes its prompt and the tokens it had generated (less what the
-  cache still holds) and resumes decoding without a second first token.
+  cache still holds, its answer's blocks too when ``output_block_hashes`` name them) and
+  resumes decoding without a second first token.
 * A step has a token budget ``chunk_tokens``: every decoding sequence takes one token, the
   rest goes to prefilling sequences FCFS (chunked prefill). A sequence emits its first token
   at the end of the step that completes its prompt, then one token a step.
@@ -32,8 +34,8 @@ Scheduling (vLLM v1 style, simplified):
   per context token they attend, + host-tier reload time of a newly admitted request.
 * While no sequence is prefilling, the batch composition cannot change before the next
   completion or arrival, so the whole run of decode steps is one *segment* whose duration is
-  an arithmetic series (contexts grow by one token a step); an arrival cuts the segment at
-  the end of the step in progress.
+  an arithmetic series (contexts grow by one token a step); an arrival (or a cancel that
+  frees KV or the head of the queue) cuts the segment at the end of the step in progress.
 
 Cache:
 
@@ -65,7 +67,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any
+from typing import Any, cast
 
 from router.core.load import EngineReport
 from router.core.types import BlocksRemoved, BlocksStored, IndexEvent, ReplicaKey, Tier
@@ -352,11 +354,13 @@ class EngineModel(BlockCache):
             raise ValueError("prompt_tokens must be > 0 and max_output_tokens >= 0")
         self._run_until(now)
         seq = _Seq(req, now, self.block_size)
-        # the last token's KV is never written (vLLM: prompt + max_tokens <= max_model_len)
-        footprint = -(-(seq.prompt + seq.max_out - 1) // self.block_size)
+        # the last token's KV is never written (vLLM: prompt + max_tokens <= max_model_len);
+        # a sliding-window engine keeps the window before it pinned all the while
+        blocks = -(-(seq.prompt + seq.max_out - 1) // self.block_size)
+        footprint = blocks + min(self.window, seq.nfull) * self._window_cost
         if footprint > self.capacity:
             self._out.append(
-                Rejected(seq.rid, now, f"needs {footprint} KV blocks, capacity {self.capacity}")
+                Rejected(seq.rid, now, f"needs {footprint:g} KV blocks, capacity {self.capacity}")
             )
             return
         self._by_id[seq.rid] = seq
@@ -373,7 +377,10 @@ class EngineModel(BlockCache):
             return
         seq.cancelled = True
         if seq in self._waiting:
+            head = self._waiting[0] is seq
             self._waiting.remove(seq)
+            if head and self._waiting:  # the next may fit where the head did not
+                self._wake(now)
             return
         if seq in self._prefilling:
             self._prefilling.remove(seq)
@@ -669,12 +676,30 @@ class EngineModel(BlockCache):
             self._waiting.popleft()
             self._prefilling.append(seq)
 
+    def _resumed_chain(self, seq: _Seq) -> list[int]:
+        """A resumed sequence's full blocks: its prompt's, then its answer's whose KV it wrote
+        (up to the first name that repeats, as for a prompt)."""
+        chain = list(seq.hashes[: seq.nfull])
+        seen = set(chain)
+        written = (seq.prompt + seq.out - 1) // self.block_size - seq.nfull
+        for h in seq.out_hashes[: max(0, written)]:
+            if h in seen:
+                break
+            seen.add(h)
+            chain.append(h)
+        return chain
+
     def _try_admit(self, seq: _Seq, now: float) -> bool:
         hashes = seq.hashes
         nfull = seq.nfull
         gpu = self._gpu
+        if seq.out and seq.out_hashes and nfull == seq.prompt // self.block_size:
+            # resumed: vLLM hashes the answer's blocks too, so the ones it wrote (named as it
+            # was preempted, _release_kv) are part of the prefix it can hit
+            hashes = self._resumed_chain(seq)
+            nfull = len(hashes)
         # The cache is prefix-closed (blocks are named parents first and evicted children
-        # first), so the hit length is found by bisection.
+        # first), so the hit length is found by bisection (then cut at a missing block, below).
         if nfull and seq.reads_cache and hashes[nfull - 1] in gpu:
             kv = nfull
         elif not nfull or not seq.reads_cache or hashes[0] not in gpu:
@@ -689,7 +714,12 @@ class EngineModel(BlockCache):
                     hi = mid
             kv = lo
         hit = hashes[:kv]
-        refs = list(map(gpu.__getitem__, hit))
+        found = list(map(gpu.get, hit))
+        if None in found:  # not closed: answer blocks named apart by requests sharing them
+            kv = found.index(None)
+            hit = hit[:kv]
+            del found[kv:]
+        refs = cast("list[int]", found)
         in_free = sum(map(_negative, refs))  # unreferenced: in the LRU
         reach = kv  # KV hit including host-tier blocks
         cpu = self._cpu
@@ -779,5 +809,7 @@ class EngineModel(BlockCache):
         if seq.remote:  # the transferred prompt: named (and published) as computed
             old = seq.computed
             seq.computed = seq.prompt
-            self._computed(seq, old // self.block_size, seq.nfull)
+            # its window KV is pinned at the end of its step, as a prefill chunk's, after the
+            # decoders' blocks: the room above kept those free, not the window's too
+            self._computed(seq, old // self.block_size, seq.nfull, windows=False)
         return True

@@ -24,7 +24,15 @@ from router.core.types import (
     ReplicaKey,
     Tier,
 )
-from sim.engine import STATE_TAG, EngineModel, EngineRequest, FirstToken
+from sim.engine import (
+    STATE_TAG,
+    EngineModel,
+    EngineRequest,
+    Finished,
+    FirstToken,
+    Rejected,
+    TokensEmitted,
+)
 from sim.profiles import EngineProfile
 
 B = 10
@@ -280,3 +288,110 @@ def test_bulk_ingest_matches_the_per_block_definition(
             assert idx.replica_size(k) == tuple(counts[k])
     idx.apply(EventBatch(keys[0], (AllCleared(),)))
     assert idx.replica_size(keys[0]) == (0, 0)
+
+
+# ---------------------------------------------------------------------------- preemption
+
+
+def _used(e: EngineModel) -> float:
+    return len(e._gpu) + e._states * e._state_cost + e._windows * e._window_cost + e._reserved
+
+
+@pytest.mark.parametrize(
+    "profile",
+    [
+        {"kv_blocks": 16},
+        {"kv_blocks": 24, "cpu_blocks": 10},
+        {
+            "kv_blocks": 30,
+            "hybrid": True,
+            "checkpoint": "every_n",
+            "checkpoint_interval_tokens": 30,
+            "state_checkpoint_blocks": 0.5,
+        },
+        {
+            "kv_blocks": 30,
+            "hybrid": True,
+            "checkpoint": "step_end",
+            "eagle": True,
+            "state_checkpoint_blocks": 1.0,
+        },
+        {"kv_blocks": 14, "sliding_window_tokens": 25, "window_block_cost": 1.0},
+        {"kv_blocks": 12, "max_running": 3},
+    ],
+    ids=["lru", "host-tier", "hybrid", "eagle", "window", "max-running"],
+)
+@pytest.mark.parametrize("seed", range(8))
+def test_preempting_engine_streams_every_token_within_its_memory(
+    profile: dict[str, object], seed: int
+) -> None:
+    """Random arrivals (some P/D decode legs), cancels and reads at any time (splitting
+    decode runs, as the mock's driver does) on an engine that preempts: memory in use never
+    exceeds the cache, the allocated-unnamed count is the running sequences', a preempted
+    (waiting) one holds nothing, and every request that finishes streamed exactly its
+    max_tokens with one first token."""
+    rng = random.Random(seed)
+    profile = EngineProfile("t", cost=COST, block_size=B, **profile)  # type: ignore[arg-type]
+    e = EngineModel(profile, ReplicaKey("r"), B, emit_tokens=True)
+    paths = [p for p in _chains(rng, 40) if len(p) <= 8]
+    tokens: Counter[str] = Counter()
+    firsts: Counter[str] = Counter()
+    finished: dict[str, object] = {}
+    wanted: dict[str, int] = {}
+    live: list[str] = []
+    now = 0.0
+
+    def take(outs: list[object]) -> None:
+        for o in outs:
+            if isinstance(o, FirstToken):
+                firsts[o.request_id] += 1
+                tokens[o.request_id] += 1
+            elif isinstance(o, TokensEmitted):
+                tokens[o.request_id] += o.count
+            elif isinstance(o, (Finished, Rejected)):
+                assert o.request_id not in finished
+                finished[o.request_id] = o
+
+    def check() -> None:
+        assert _used(e) <= e.capacity + 1e-9
+        running = [*e._prefilling, *e._decoding]
+        assert e._reserved == sum(s.unnamed for s in running)
+        assert all(s.unnamed >= 0 for s in running)
+        assert all(s.unnamed == 0 and not s.pinned and not s.window for s in e._waiting)
+        for s in e._decoding:  # a block for every token whose KV was written
+            assert s.blocks == -(-(s.prompt + s.out - 1) // B)
+
+    for i in range(150):
+        now += rng.expovariate(30.0)
+        r = rng.random()
+        if r < 0.6:
+            blocks = list(rng.choice(paths))
+            n = len(blocks) * B - rng.choice([0, 0, 3])
+            outs = [blocks[-1] * 7 + j for j in range(8)] if n % B == 0 else []
+            rid = f"q{i}"
+            wanted[rid] = rng.randint(1, 60)
+            remote = rng.random() < 0.15
+            e.submit(EngineRequest(rid, blocks, n, wanted[rid], outs, remote), now)
+            live.append(rid)
+        elif r < 0.7 and live:
+            rid = live.pop(rng.randrange(len(live)))
+            e.cancel(rid, now)
+            for seen in (wanted, finished, tokens, firsts):
+                seen.pop(rid, None)
+        else:
+            take(e.advance(now))
+        check()
+    while (t := e.next_time()) is not None:
+        if rng.random() < 0.5:  # a read inside the step or run in progress
+            now += (t - now) * rng.random()
+            take(e.advance(now))
+            check()
+        now = t
+        take(e.advance(t))
+        check()
+    assert e.pending() == 0 and e._reserved == 0 and e.kv_usage() == pytest.approx(0.0)
+    assert e.preemptions > 0
+    for rid, n in wanted.items():
+        end = finished[rid]
+        if isinstance(end, Finished):
+            assert (end.output_tokens, tokens[rid], firsts[rid]) == (n, n, 1)

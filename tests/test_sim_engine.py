@@ -301,6 +301,29 @@ def test_a_block_aligned_prompt_keeps_its_state_before_its_last_token() -> None:
     assert stored(e.take_index_events(), Kind.STATE) == [5, 10, 15, 20, 24, 25]
 
 
+@pytest.mark.parametrize("tokens", [205, 210])
+def test_the_prompt_end_state_is_kept_when_a_chunk_ends_on_it(tokens: int) -> None:
+    """vLLM 0.34 keeps the state at ``(N - 1) // B`` blocks however the prefill is chunked
+    (its scheduler stops a chunk there). Chunks of 100 tokens end on block 20, the prompt's
+    checkpoint for 205 and 210 tokens; the step completing the prompt starts there, and the
+    simulated engine took the prompt-end state only inside that last step, so it kept none
+    (and a resend was granted nothing)."""
+    e = engine(
+        kv_blocks=200,
+        hybrid=True,
+        checkpoint="every_n",
+        checkpoint_interval_tokens=1000,
+        state_checkpoint_blocks=1.0,
+    )
+    hashes = list(range(1, tokens // B + 1))
+    e.submit(req("a", hashes, tokens), 0.0)
+    drain(e)
+    assert stored(e.take_index_events(), Kind.STATE) == [20]
+    e.submit(req("b", hashes, tokens), 1.0)
+    first = next(o for o in drain(e) if isinstance(o, FirstToken))
+    assert first.cached_tokens == 200
+
+
 def test_cpu_tier_offloads_evicted_blocks_and_reloads_them() -> None:
     e = engine(kv_blocks=3, cpu_blocks=10, cpu_load_s_per_token=1e-3)
     e.submit(req("a", [1, 2, 3]), 0.0)
@@ -403,3 +426,125 @@ def test_priority_scheduling_orders_the_queue_and_picks_the_victim() -> None:
     assert [o.request_id for o in outs if isinstance(o, Finished)] == ["high", "low"]
     with pytest.raises(ValueError, match="scheduling"):
         EngineModel(profile, ReplicaKey("r"), B, scheduling="lifo")
+
+
+def _used(e: EngineModel) -> float:
+    """KV memory taken: named blocks, checkpoints, window KV and allocated unnamed blocks."""
+    return len(e._gpu) + e._states * e._state_cost + e._windows * e._window_cost + e._reserved
+
+
+def test_a_remote_prefilled_windows_leave_the_decoders_their_next_block() -> None:
+    """A P/D decode leg on a sliding-window engine is admitted beside a decoder that needs a
+    block at its next step (kept out of the admission's room). The leg's window KV, named
+    at admission, took that block's memory: the decoder's step then wrote into memory the
+    engine did not have (13 blocks in use on 12)."""
+    e = engine(kv_blocks=12, sliding_window_tokens=25, window_block_cost=1.0)
+    e.submit(req("a", [1], 10, out=20), 0.0)  # 1 block; its first decode step needs a 2nd
+    remote = EngineRequest("b", list(range(10, 18)), 80, 2, remote_prefilled=True)
+    e.submit(remote, 0.005)  # queued behind a's prefill step, admitted after it
+    outs: list[object] = []
+    while (t := e.next_time()) is not None:
+        outs += e.advance(t)
+        assert _used(e) <= e.capacity
+    fins = {o.request_id: o for o in outs if isinstance(o, Finished)}
+    assert fins["a"].output_tokens == 20 and fins["b"].output_tokens == 2
+
+
+def test_cancelling_the_blocked_head_of_the_queue_admits_the_next_at_once() -> None:
+    """A request waits for room behind the queue's head while a decoder runs a long decode
+    run. The head's client leaves: vLLM schedules the next one at the next step; the engine
+    model left it waiting until the decode run ended (the whole of a's answer)."""
+    e = engine(kv_blocks=10)
+    e.submit(req("a", [1, 2], out=60), 0.0)  # decodes for 60 steps, up to 7 blocks
+    e.advance(0.05)
+    e.submit(req("b", list(range(10, 19))), 0.05)  # 9 blocks: no room beside a
+    e.submit(req("c", [20]), 0.06)  # 1 block: fits, but FCFS behind b
+    e.cancel("b", 0.07)
+    outs = drain(e)
+    first_c = next(o for o in outs if isinstance(o, FirstToken) and o.request_id == "c")
+    fin_a = next(o for o in outs if isinstance(o, Finished) and o.request_id == "a")
+    assert first_c.time < 0.1 < fin_a.time
+
+
+@pytest.mark.parametrize("out", [20, 50])
+def test_a_lone_sequence_with_its_window_never_outgrows_the_cache(out: int) -> None:
+    """A sequence alone on a sliding-window engine keeps its window KV pinned while it
+    decodes (3 blocks here). Its KV alone fitting the cache is not enough: 50 tokens of
+    answer took its KV to 10 blocks beside the window's 3 on 10, which no preemption can
+    relieve (it is the only one). It is refused at once, as one larger than the cache;
+    with 20 tokens (7 blocks + 3) it runs."""
+    e = engine(kv_blocks=10, sliding_window_tokens=25, window_block_cost=1.0)
+    e.submit(req("a", [1, 2, 3, 4, 5], 50, out=out), 0.0)
+    outs = e.advance(0.0)
+    while (t := e.next_time()) is not None:
+        outs += e.advance(t)
+        assert _used(e) <= e.capacity
+    (last,) = [o for o in outs if isinstance(o, (Finished, Rejected))]
+    assert isinstance(last, Finished if out == 20 else Rejected)
+
+
+def test_answer_blocks_named_out_of_order_do_not_break_the_hit() -> None:
+    """Two requests with the same prompt and answer names, the second answer longer: the
+    first names block 50, the second only 51 (50 is cached), so 51 is released after its
+    parent and outlives it. The cache is then not prefix-closed, and the hit's bisection
+    took a prompt through 1, 50, 51 as a 3-block hit and crashed on the missing 50
+    (KeyError: the simulator run, or the mock replica's engine, failed). The hit is the
+    blocks before the first missing one."""
+    e = engine(kv_blocks=4)
+    e.submit(EngineRequest("x", [1], 10, 11, [50, 51]), 0.0)  # names 50
+    drain(e)
+    e.submit(EngineRequest("y", [1], 10, 21, [50, 51]), 1.0)  # names 51
+    drain(e)
+    e.submit(req("w", [7, 8]), 2.0)  # evicts the oldest: 50
+    drain(e)
+    assert not e.has_block(50) and e.has_block(51)
+    e.submit(req("z", [1, 50, 51, 9]), 3.0)
+    first = next(o for o in drain(e) if isinstance(o, FirstToken))
+    assert first.kv_hit_tokens == 10
+
+
+def test_a_resumed_sequence_hits_the_answer_blocks_it_left_cached() -> None:
+    """vLLM hashes a request's blocks over its prompt and answer, so a preempted request
+    resumed finds the answer blocks it freed to the prefix cache and recomputes only the
+    rest. b is preempted with 20 tokens of answer (blocks 30, 31 named as it goes; 31 is
+    evicted as a grows); resumed once a is done, its prompt and block 30 are a hit, and it
+    recomputes 10 tokens, not the 20 of its answer."""
+    e = engine(kv_blocks=8)
+    e.submit(req("a", [1, 2], out=25), 0.0)
+    e.submit(EngineRequest("b", [3, 4], 20, 40, [30, 31, 32, 33, 34]), 0.0)
+    outs = drain(e)
+    assert e.preemptions == 1
+    fin_a = next(o for o in outs if isinstance(o, Finished) and o.request_id == "a")
+    (resumed,) = [
+        o for o in outs if isinstance(o, TokensEmitted) and o.request_id == "b" and o.count == 1
+    ]
+    assert resumed.time - fin_a.time == pytest.approx(0.01 + 10 * 1e-4)
+    fin_b = next(o for o in outs if isinstance(o, Finished) and o.request_id == "b")
+    assert fin_b.output_tokens == 40 and fin_b.cached_tokens == 0  # the first admission's
+    assert e.pending() == 0 and e.kv_usage() == 0.0
+
+
+def test_the_prompt_end_state_is_on_the_engine_block_grid() -> None:
+    """With engine blocks of 2 router blocks, vLLM 0.34 keeps a 235-token prompt's state at
+    (N - 1) // 20 * 20 = 220 tokens (``get_mamba_prefill_checkpoint_position`` on the
+    engine's block; router/core/engine_hits.py ``prompt_end_checkpoint``), and grants the
+    prompt sent again those 220. The simulated engine kept it at 23 router blocks, off the
+    engine's grid, where no hit of whole engine blocks ends: the resend was granted none."""
+    profile = EngineProfile(
+        "t",
+        cost=COST,
+        block_size=B,
+        kv_blocks=200,
+        hybrid=True,
+        checkpoint="every_n",
+        checkpoint_interval_tokens=1000,
+        state_checkpoint_blocks=1.0,
+    )
+    e = EngineModel(profile, ReplicaKey("r"), B, engine_block_size=2 * B)
+    hashes = list(range(1, 24))
+    e.submit(req("a", hashes, 235), 0.0)
+    drain(e)
+    assert stored(e.take_index_events(), Kind.STATE) == [22]
+    e.submit(req("b", hashes, 235), 1.0)
+    first = next(o for o in drain(e) if isinstance(o, FirstToken))
+    assert first.cached_tokens == 220
