@@ -332,7 +332,9 @@ def test_preempting_engine_streams_every_token_within_its_memory(
     max_tokens with one first token."""
     rng = random.Random(seed)
     profile = EngineProfile("t", cost=COST, block_size=B, **profile)  # type: ignore[arg-type]
-    e = EngineModel(profile, ReplicaKey("r"), B, emit_tokens=True)
+    # odd seeds: vLLM's priority scheduling, each request a random priority
+    scheduling = "priority" if seed % 2 else "fcfs"
+    e = EngineModel(profile, ReplicaKey("r"), B, emit_tokens=True, scheduling=scheduling)
     paths = [p for p in _chains(rng, 40) if len(p) <= 8]
     tokens: Counter[str] = Counter()
     firsts: Counter[str] = Counter()
@@ -371,7 +373,8 @@ def test_preempting_engine_streams_every_token_within_its_memory(
             rid = f"q{i}"
             wanted[rid] = rng.randint(1, 60)
             remote = rng.random() < 0.15
-            e.submit(EngineRequest(rid, blocks, n, wanted[rid], outs, remote), now)
+            prio = rng.randint(-1, 1) if scheduling == "priority" else 0
+            e.submit(EngineRequest(rid, blocks, n, wanted[rid], outs, remote, priority=prio), now)
             live.append(rid)
         elif r < 0.7 and live:
             rid = live.pop(rng.randrange(len(live)))
