@@ -319,7 +319,8 @@ class BlockCache:
         gpu = self._gpu
         answer_blocks: list[int] = []
         if named_output and seq.out_hashes and seq.nfull == seq.prompt // self.block_size:
-            total_full = (seq.prompt + seq.out) // self.block_size
+            # the last token's KV is never written (it was sampled, not computed)
+            total_full = (seq.prompt + seq.out - 1) // self.block_size
             names = dict.fromkeys(seq.out_hashes[: max(0, total_full - seq.nfull)])
             if self.window:  # their window KV is cached too (_window_finished)
                 answer_blocks = list(names)

@@ -548,3 +548,15 @@ def test_the_prompt_end_state_is_on_the_engine_block_grid() -> None:
     e.submit(req("b", hashes, 235), 1.0)
     first = next(o for o in drain(e) if isinstance(o, FirstToken))
     assert first.cached_tokens == 220
+
+
+def test_an_answer_names_only_the_blocks_its_written_kv_fills() -> None:
+    """vLLM caches the full blocks of the tokens it computed: the answer's last token is
+    sampled, never computed, so an answer ending exactly on a block boundary leaves that
+    block unfilled (uncached)."""
+    for out, cached in ((10, False), (11, True)):
+        e = engine(kv_blocks=20)
+        e.submit(EngineRequest("a", [1, 2], 20, out, [3, 4]), 0.0)
+        drain(e)
+        assert e.has_block(3) is cached, out
+        assert not e.has_block(4)
