@@ -654,8 +654,9 @@ class EngineModel(BlockCache):
         self._release(seq, named_output=decoding)
         # vLLM recomputes every token it holds; the last one's logits give the next token
         seq.target = seq.prompt + seq.out
-        if seq.out:
-            seq.remote = False  # its KV is gone: recomputed here
+        # a decode leg's transferred KV arrived at its admission (and it has its first token
+        # by the next step, before any preemption): what the cache lost is recomputed here
+        seq.remote = False
         seq.computed = seq.held = seq.blocks = seq.usable_blocks = seq.wheld = 0
         self._enqueue(seq, front=True)
         self.preemptions += 1
