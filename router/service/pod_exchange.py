@@ -203,8 +203,15 @@ class Counters:
     bytes_received: int = 0
     errors: int = 0
     rejected: int = 0  # messages too large or unparsable, ignored
-    failing: bool = False  # the last Redis call failed
+    # the loops whose last Redis call failed: one failing is enough (a Redis that answers
+    # reads but refuses writes takes this member's load to nobody)
+    failing_loops: set[str] = field(default_factory=set)
     name_clashes: int = 0  # live members of another pod that uses this pod's name
+
+    @property
+    def failing(self) -> bool:
+        """Whether a loop's last Redis call failed."""
+        return bool(self.failing_loops)
 
 
 class PodExchange:
@@ -412,7 +419,8 @@ class PodExchange:
                 await step()
                 if failing:
                     _log.info("pod load exchange: %s works again", what)
-                failing = self.counters.failing = False
+                failing = False
+                self.counters.failing_loops.discard(what)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -424,7 +432,8 @@ class PodExchange:
                 self.counters.errors += 1
                 if not failing:
                     _log.warning("pod load exchange: %s failed: %s", what, exc)
-                failing = self.counters.failing = True
+                failing = True
+                self.counters.failing_loops.add(what)
                 self.apply(self.clock())
                 await asyncio.sleep(min(self.settings.stale_s / 4, 0.25))
 
@@ -508,7 +517,8 @@ class _ExchangeCollector(Collector):
         errors.add_metric([], c.errors)
         up = GaugeMetricFamily(
             "kvrouter_pod_exchange_redis_up",
-            "1 while the pods exchange's Redis calls succeed, 0 while Redis is unreachable",
+            "1 while the pods exchange's Redis calls succeed, 0 while Redis is unreachable or "
+            "refuses its writes or its reads",
         )
         up.add_metric([], 0.0 if c.failing else 1.0)
         rejected = CounterMetricFamily(
