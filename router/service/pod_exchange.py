@@ -271,14 +271,25 @@ class PodExchange:
         self.counters.bytes_sent += len(data)
         return data
 
+    def _unsent(self) -> None:
+        """The last snapshot never got through: its load goes again at the next check, its
+        shared rows and withdrawals in the next message (router/service/pod_share.py)."""
+        self._sent_changes = -1
+        if self.share is not None:
+            self.share.outbox.put_back()
+
     async def publish(self, now: float) -> None:
         """Stream mode: append a snapshot if this member's load changed (or a heartbeat is
         due)."""
         if self._due(now):
             data = self._snapshot(now)
-            await self.client.xadd(
-                self.settings.stream_key, {b"s": data}, maxlen=STREAM_MAXLEN, approximate=True
-            )
+            try:
+                await self.client.xadd(
+                    self.settings.stream_key, {b"s": data}, maxlen=STREAM_MAXLEN, approximate=True
+                )
+            except Exception:
+                self._unsent()
+                raise
 
     async def read_stream(self) -> None:
         """Stream mode: wait (up to 250 ms) for the next snapshots and take them."""
@@ -306,10 +317,16 @@ class PodExchange:
         """Hash mode: one round trip writing this member's snapshot and reading all."""
         key = self.settings.hash_key
         pipe = self.client.pipeline(transaction=False)
-        if self._due(now):
+        writing = self._due(now)
+        if writing:
             pipe.hset(key, self.member, self._snapshot(now))
         pipe.hgetall(key)
-        results = await pipe.execute()
+        try:
+            results = await pipe.execute()
+        except Exception:
+            if writing:
+                self._unsent()
+            raise
         now = self.clock()
         fields: dict[bytes, bytes] = results[-1]
         for data in fields.values():

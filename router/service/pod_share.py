@@ -119,6 +119,8 @@ class Outbox:
         self.withdrawn: deque[int] = deque(maxlen=OUTBOX_MAX)
         self.dropped = 0  # dispatches / withdrawals pushed out before they could be sent
         self._next_id = first_id if first_id is not None else 1 + secrets.randbelow(1 << 50)
+        # what the last take() carried, for put_back() if its message never got through
+        self._taken: tuple[list[Shared], list[int]] = ([], [])
 
     def record(
         self, model: str, request: RouteRequest, replica: ReplicaKey, states: list[int],
@@ -176,6 +178,7 @@ class Outbox:
         to carry are left out."""
         rows: list[list[Any]] = []
         ids: list[int] = []
+        taken: list[Shared] = []
         pending = self.pending
         size = 0
         while pending and len(rows) < MAX_ROWS:
@@ -207,6 +210,7 @@ class Outbox:
                 ]
             )
             ids.append(s.id)
+            taken.append(s)
         out: dict[str, list[Any]] = {}
         if rows:
             out["x"], out["i"] = rows, ids
@@ -214,7 +218,29 @@ class Outbox:
         if withdrawn:
             n = min(len(withdrawn), MAX_WITHDRAWN)
             out["w"] = [withdrawn.popleft() for _ in range(n)]
+        self._taken = (taken, out.get("w", []))
         return out
+
+    def put_back(self) -> None:
+        """The message of the last :meth:`take` never got through (Redis refused it, or
+        did not answer): its dispatches and withdrawals go first in the next one, the
+        dispatches with the TTLs then remaining. A dispatch withdrawn since is not sent again
+        (its withdrawal is: the message may have got through after all). Beyond
+        ``OUTBOX_MAX`` the oldest are dropped, counted."""
+        taken, withdrawn = self._taken
+        self._taken = ([], [])
+        since = set(self.withdrawn)
+        self._restore(self.pending, [s for s in taken if s.id not in since])
+        self._restore(self.withdrawn, withdrawn)
+
+    def _restore(self, queue: deque[Any], items: list[Any]) -> None:
+        """``items`` (oldest first) back at the head of ``queue``, as many as it has room
+        for (the newest of them)."""
+        room = OUTBOX_MAX - len(queue)
+        if len(items) > room:
+            self.dropped += len(items) - room
+            items = items[len(items) - room :]
+        queue.extendleft(reversed(items))
 
 
 @dataclass(slots=True)
@@ -253,6 +279,9 @@ class _Recall:
 
     def pop(self, key: tuple[str, int]) -> tuple[RoutingEngine, Dispatch, float] | None:
         return self._rows.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._rows
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -321,12 +350,16 @@ class PodShare:
             self.counters.rejected += 1
             ids = None  # the rows apply, and cannot be withdrawn
         for n, row in enumerate(rows):
+            row_id = ids[n] if ids is not None else None
+            if type(row_id) is int and (
+                (member, row_id) in self._spec or (member, row_id) in self._bound
+            ):
+                continue  # heard before: its sender resent a message it took for lost
             try:
                 took = self._apply_row(row, now, age_s)
             except (ValueError, TypeError, OverflowError):
                 self.counters.rejected += 1
                 continue
-            row_id = ids[n] if ids is not None else None
             if took is None or row_id is None:
                 continue
             if type(row_id) is not int or not 0 < row_id < _ID_MAX:
