@@ -505,6 +505,29 @@ def test_a_row_heard_twice_is_taken_once() -> None:
     assert receiver.index.match(turn2, now=2.0).get(b).kv_blocks == 0
 
 
+def test_a_binding_read_late_loses_to_the_readers_own_later_one() -> None:
+    """A reader catching up on a backlog (it was cut off from Redis) reads a binding
+    another pod made before the reader's own next turn of the same session: its own, the
+    more recent, stays the session's (as the sender made it, not as the reader read it)."""
+    pair = Pair(RoutingSettings(BLOCK, speculative_ttl_s=0.0))
+    a, b = KEYS[0], KEYS[1]
+    turn1 = list(range(1, 17))
+    pair.dispatch(pair.sender, turn1, "s", a, 2.0)  # the other pod, at 2
+    late = encode("them/1", "them", 1, LoadTracker(), pair.out.outbox.take(2.0))
+    pair.dispatch(pair.receiver, [*turn1, *range(100, 108)], "s", b, 5.0)  # its own, at 5
+    pair.exchange._take(late, 10.0, age_s=8.0)  # read at 10, known to be 8 s old
+    assert pair.into.counters.applied_sessions == 1
+    assert pair.receiver.sessions is not None
+    hint = pair.receiver.sessions.get("s", 10.0)
+    assert hint is not None and hint.replica == b
+    # a binding made after its own still wins, and lapses at its sender's expiry
+    pair.dispatch(pair.sender, turn1, "s", a, 6.0)
+    late = encode("them/1", "them", 2, LoadTracker(), pair.out.outbox.take(6.0))
+    pair.exchange._take(late, 10.0, age_s=4.0)
+    hint = pair.receiver.sessions.get("s", 10.0)
+    assert hint is not None and hint.replica == a and hint.at == 6.0
+
+
 def test_withdrawals_reach_readers_of_the_previous_version_as_nothing() -> None:
     """A rolling update runs pods of both versions: the dispatch rows (``x``) keep the
     previous version's ten fields, and what names and withdraws them travels in fields of

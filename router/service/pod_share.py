@@ -19,8 +19,10 @@ remaining speculative TTL, and the session's :func:`~router.core.session.session
 router/core/engine_hits.py), the last one's hash and the remaining session TTL.
 Every other member, of this pod or another, applies them (:meth:`PodShare.apply`) to its own
 index (``speculate``) and session table (``learn``) for the remaining TTL counted from when
-the message is read: on the reader's clock, never longer than the sender's own entry (the
-Redis transit, one round trip, aside), so a dead pod's entries lapse by themselves.
+the message is read, less its known age (a reader catching up on a backlog): on the
+reader's clock, never longer than the sender's own entry (the Redis transit, one round
+trip, aside), so a dead pod's entries lapse by themselves; a binding dates from then too,
+so that the session's own later turn stays the more recent.
 
 A dispatch its replica refused (:meth:`~router.core.routing.RoutingEngine.withdraw`) is
 taken back on the other members too: each row goes with an id (the message's ``i`` field),
@@ -330,7 +332,7 @@ class PodShare:
 
     def apply(self, message: object, now: float, age_s: float = 0.0, member: str = "") -> None:
         """Apply the :data:`FIELDS` of ``member``'s message, read at ``now`` and known to be
-        at least ``age_s`` old (its rows' TTLs shortened by it): first its withdrawals (they
+        at least ``age_s`` old (its rows dated back by it): first its withdrawals (they
         name rows of its earlier messages), then its rows. A malformed field or row is
         counted and skipped (the others still apply)."""
         if not isinstance(message, Mapping):
@@ -409,7 +411,11 @@ class PodShare:
         key = ReplicaKey(name, rank)
         if engine is None or not self.known(model, key):
             return None
-        spec_s, session_s = _ms(spec_ms) / 1000 - age_s, _ms(session_ms) / 1000 - age_s
+        # made when it was sent, ``age_s`` ago on this reader's clock: its TTLs count from
+        # then, and a binding is as recent as then (a reader catching up on a backlog must
+        # not let it beat the session's own later turn)
+        sent = now - age_s
+        spec_s, session_s = _ms(spec_ms) / 1000, _ms(session_ms) / 1000
         kv = _unpack(hashes) if hashes else ()
         st = _unpack(states) if states else ()
         if session and (not isinstance(session, str) or type(blocks) is not int or blocks < 0):
@@ -422,11 +428,13 @@ class PodShare:
             spec_s = min(spec_s, self.max_spec_ttl(model))
         else:
             spec_s = min(spec_s, engine.settings.speculative_ttl())
-        if session_s <= 0:
+        if sent + spec_s <= now:  # lapsed on its way
+            spec_s = 0.0
+        if sent + session_s <= now:
             digest = 0
-        took = engine.adopt(key, kv, st, now, spec_s, digest, blocks, last, now + session_s)
+        took = engine.adopt(key, kv, st, sent, spec_s, digest, blocks, last, sent + session_s)
         self.counters.applied_spec += bool(took.spec_id)
         self.counters.applied_sessions += took.hint is not None
         if not took.spec_id and took.hint is None:
             return None
-        return engine, took, now + spec_s, now + session_s
+        return engine, took, sent + spec_s, sent + session_s
