@@ -267,3 +267,40 @@ async def test_a_reader_catching_up_does_not_revive_a_dead_pod(
         await three.exchange.read_stream()  # p3 is back: the backlog in one read
         assert three.prefilling() == 0
         assert set(three.exchange.views.views) == {two.exchange.member}
+
+
+def _redis_up(exchange: PodExchange) -> float:
+    """The ``kvrouter_pod_exchange_redis_up`` gauge, as a scrape reads it."""
+    for metric in pod_exchange._ExchangeCollector(exchange).collect():
+        if metric.name == "kvrouter_pod_exchange_redis_up":
+            return float(metric.samples[0].value)
+    raise AssertionError("no kvrouter_pod_exchange_redis_up")
+
+
+async def test_redis_refusing_writes_reads_as_down(private_redis: LocalRedis) -> None:
+    """A Redis that answers reads but refuses writes (full under ``noeviction``, or a
+    read-only replica after a failover): this pod's snapshots reach nobody, so the other
+    pods no longer count its requests. The gauge must say so all along, not flip back to
+    1 at every read that works."""
+    async with pods(private_redis.url, "kvr", "stream", ("p1",)) as (one,):
+        ex = one.exchange
+        await eventually(lambda: ex.counters.sent >= 1 and _redis_up(ex) == 1.0)
+        admin = connect(private_redis.url)
+        try:
+            await admin.config_set("maxmemory-policy", "noeviction")
+            await admin.config_set("maxmemory", "1")  # every write now fails with OOM
+            await eventually(lambda: ex.counters.errors >= 1)
+            seen: set[float] = set()
+            errors = ex.counters.errors
+
+            def failed_more() -> bool:
+                seen.add(_redis_up(ex))
+                return ex.counters.errors >= errors + 8  # and the reads working in between
+
+            await eventually(failed_more, interval=0.001)
+            assert seen == {0.0}
+            await admin.config_set("maxmemory", "0")  # writes work again
+            await eventually(lambda: _redis_up(ex) == 1.0)
+        finally:
+            await admin.config_set("maxmemory", "0")
+            await admin.aclose()

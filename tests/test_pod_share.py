@@ -149,6 +149,34 @@ async def test_a_dispatch_refused_on_one_pod_is_withdrawn_on_another(
         assert not two.index.awaits(KEYS[2], prompt[-1])
 
 
+async def test_a_withdrawal_redis_refused_is_sent_again(private_redis: LocalRedis) -> None:
+    """A message Redis refuses (full under ``noeviction``, a failover) carried a
+    withdrawal: it must go in a later message, or the other pods keep the refused
+    dispatch's entries and binding for their whole TTL."""
+    routing = RoutingSettings(BLOCK, speculative_ttl_s=30.0, speculate_sessions=True)
+    async with two_pods(private_redis.url, "kvr", routing) as (one, two):
+        prompt = list(range(400, 420))
+        refused = one.dispatch(prompt, "conversation-3", KEYS[1])
+        counters = two.share.counters
+        await eventually(lambda: counters.applied_spec == counters.applied_sessions == 1)
+        admin = connect(private_redis.url)
+        try:
+            await admin.config_set("maxmemory-policy", "noeviction")
+            await admin.config_set("maxmemory", "1")  # every write now fails with OOM
+            errors = one.exchange.counters.errors
+            one.engine.withdraw(refused)  # the replica refused it
+            # a message made after the withdrawal (the second refused since) carried it
+            await eventually(lambda: one.exchange.counters.errors >= errors + 2)
+            await admin.config_set("maxmemory", "0")
+            await eventually(lambda: two.index.match(prompt).get(KEYS[1]).kv_blocks == 0)
+            assert two.engine.sessions is not None
+            loop = asyncio.get_running_loop()
+            assert two.engine.sessions.get("conversation-3", loop.time()) is None
+        finally:
+            await admin.config_set("maxmemory", "0")
+            await admin.aclose()
+
+
 def test_shared_entries_lapse_with_the_senders_ttl() -> None:
     routing = settings(1.0, 2.0)
     sender = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), routing)
@@ -427,6 +455,79 @@ def test_a_dispatch_withdrawn_before_it_was_sent_is_never_sent() -> None:
     assert pair.receiver.index.match(list(range(1, 9)), now=1.0).get(KEYS[2]).kv_blocks == 0
 
 
+def test_a_message_that_did_not_get_through_goes_again() -> None:
+    """What a refused message carried goes in the next one, rows with the TTLs then
+    remaining; a dispatch withdrawn meanwhile (while Redis was being asked) goes only as
+    its withdrawal."""
+    pair = Pair(RoutingSettings(BLOCK, speculative_ttl_s=30.0))
+    outbox, receiver = pair.out.outbox, pair.receiver
+    sent = pair.dispatch(pair.sender, list(range(1, 9)), None, KEYS[1], 0.0)
+    pair.send(0.0)
+    assert receiver.index.match(list(range(1, 9)), now=1.0).get(KEYS[1]).kv_blocks == 8
+    pair.sender.withdraw(sent)
+    kept = pair.dispatch(pair.sender, list(range(20, 29)), None, KEYS[2], 1.0)
+    refused = pair.dispatch(pair.sender, list(range(40, 49)), None, KEYS[3], 1.0)
+    lost = outbox.take(1.0)  # a message Redis refuses
+    assert lost["i"] == [kept.shared, refused.shared] and lost["w"] == [sent.shared]
+    pair.sender.withdraw(refused)  # meanwhile
+    outbox.put_back()
+    doc = pair.send(2.0)
+    assert doc["i"] == [kept.shared] and doc["w"] == [sent.shared, refused.shared]
+    assert [row[3] for row in doc["x"]] == [29_000]  # type: ignore[attr-defined]
+    assert receiver.index.match(list(range(1, 9)), now=2.0).get(KEYS[1]).kv_blocks == 0
+    assert receiver.index.match(list(range(20, 29)), now=2.0).get(KEYS[2]).kv_blocks == 9
+    assert receiver.index.match(list(range(40, 49)), now=2.0).get(KEYS[3]).kv_blocks == 0
+
+
+def test_a_row_heard_twice_is_taken_once() -> None:
+    """A message the sender took for lost (Redis did not answer in time) may have got
+    through after all: its rows come again in the next one. Taken twice, the second
+    binding would replace the first of the same dispatch, and its withdrawal would give
+    the session back that refused binding."""
+    pair = Pair(RoutingSettings(BLOCK, speculative_ttl_s=30.0, speculate_sessions=True))
+    a, b = KEYS[0], KEYS[1]
+    turn1 = list(range(1, 17))
+    pair.dispatch(pair.sender, turn1, "s", a, 0.0)
+    pair.send(0.0)
+    turn2 = [*turn1, *range(100, 108)]
+    refused = pair.dispatch(pair.sender, turn2, "s", b, 1.0)
+    pair.send(1.0)  # it reached the readers, but Redis's answer did not come back
+    pair.out.outbox.put_back()
+    again = pair.send(1.5)
+    assert again["i"] == [refused.shared]
+    assert pair.into.counters.applied_sessions == 2  # turn 1, and turn 2 once
+    pair.sender.withdraw(refused)
+    pair.send(2.0)
+    receiver = pair.receiver
+    assert receiver.sessions is not None
+    hint = receiver.sessions.get("s", 2.0)
+    assert hint is not None and hint.replica == a
+    assert receiver.index.match(turn2, now=2.0).get(b).kv_blocks == 0
+
+
+def test_a_binding_read_late_loses_to_the_readers_own_later_one() -> None:
+    """A reader catching up on a backlog (it was cut off from Redis) reads a binding
+    another pod made before the reader's own next turn of the same session: its own, the
+    more recent, stays the session's (as the sender made it, not as the reader read it)."""
+    pair = Pair(RoutingSettings(BLOCK, speculative_ttl_s=0.0))
+    a, b = KEYS[0], KEYS[1]
+    turn1 = list(range(1, 17))
+    pair.dispatch(pair.sender, turn1, "s", a, 2.0)  # the other pod, at 2
+    late = encode("them/1", "them", 1, LoadTracker(), pair.out.outbox.take(2.0))
+    pair.dispatch(pair.receiver, [*turn1, *range(100, 108)], "s", b, 5.0)  # its own, at 5
+    pair.exchange._take(late, 10.0, age_s=8.0)  # read at 10, known to be 8 s old
+    assert pair.into.counters.applied_sessions == 1
+    assert pair.receiver.sessions is not None
+    hint = pair.receiver.sessions.get("s", 10.0)
+    assert hint is not None and hint.replica == b
+    # a binding made after its own still wins, and lapses at its sender's expiry
+    pair.dispatch(pair.sender, turn1, "s", a, 6.0)
+    late = encode("them/1", "them", 2, LoadTracker(), pair.out.outbox.take(6.0))
+    pair.exchange._take(late, 10.0, age_s=4.0)
+    hint = pair.receiver.sessions.get("s", 10.0)
+    assert hint is not None and hint.replica == a and hint.at == 6.0
+
+
 def test_withdrawals_reach_readers_of_the_previous_version_as_nothing() -> None:
     """A rolling update runs pods of both versions: the dispatch rows (``x``) keep the
     previous version's ten fields, and what names and withdraws them travels in fields of
@@ -458,11 +559,12 @@ def test_malformed_withdrawals_are_counted_and_ignored() -> None:
         {"w": [1.5, "2", -3]},
         {"w": [0] * 100_000},
         {"x": [], "i": [1, 2]},
+        {"x": [[MODEL, "r3", 0, 1000, _pack((7, 8)), "", "", 0, "0", 0]], "i": [[1]]},
     ]
     for seq, fields in enumerate(junk, 1000):
         body = {"load": [], "m": "them/1", "p": "them", "s": seq, **fields}
         pair.exchange._take(json.dumps(body).encode(), 0.0)
-    assert pair.into.counters.rejected == 1 + 3 + 1 + 1
+    assert pair.into.counters.rejected == 1 + 3 + 1 + 1 + 1
     pair.sender.withdraw(sent)  # the real withdrawal still works
     pair.send(0.0)
     assert pair.receiver.index.match(list(range(1, 9)), now=1.0).get(KEYS[1]).kv_blocks == 0

@@ -141,6 +141,12 @@ def test_tuned_policy_file_is_merged(tmp_path: Path) -> None:
         ("[server]\nload_share_interval_s = -0.1\n", "server.load_share_interval_s"),
         ("[server]\nload_share_interval_s = nan\n", "server.load_share_interval_s"),
         ("[server]\napi_keys = 'k'\nredis_lost_grace_s = 0\n", "server.redis_lost_grace_s"),
+        # a member would heartbeat less often than its peers drop it as silent: its load
+        # would drop out of the other pods' view while its requests are still in flight
+        (
+            "[server]\npods_exchange_interval_s = 0.5\npods_stale_s = 1.0\n",
+            "server.pods_exchange_interval_s: 0.5 is more than a quarter of server.pods_stale_s",
+        ),
         ("[models.m]\nengine_block_size = 96\n", "models.m.engine_block_size: 96 is neither"),
         ("[models.m]\nengine_block_size = -64\n", "models.m.engine_block_size: expected"),
         ("[models.m]\neagle = 'yes'\n", "models.m.eagle"),

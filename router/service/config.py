@@ -153,6 +153,15 @@ def _check_pods(server: ServerSettings) -> None:
         v = getattr(server, name)
         if not (math.isfinite(v) and v > 0):
             raise ConfigError(f"server.{name}: must be a finite number > 0")
+    interval, stale = server.pods_exchange_interval_s, server.pods_stale_s
+    if server.pods_exchange != "off" and interval > stale / 4:
+        # a member sends at most once an interval, its heartbeat every stale/4: slower, the
+        # others drop its view as silent while its requests are still in flight (docs/pods.md)
+        raise ConfigError(
+            f"server.pods_exchange_interval_s: {interval:g} is more than a quarter of "
+            f"server.pods_stale_s ({stale:g}): the other pods would stop counting this "
+            "one's requests between its snapshots"
+        )
 
 
 # [server] numbers and their ranges (others: _check_pods, build_settings)

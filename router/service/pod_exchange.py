@@ -203,8 +203,15 @@ class Counters:
     bytes_received: int = 0
     errors: int = 0
     rejected: int = 0  # messages too large or unparsable, ignored
-    failing: bool = False  # the last Redis call failed
+    # the loops whose last Redis call failed: one failing is enough (a Redis that answers
+    # reads but refuses writes takes this member's load to nobody)
+    failing_loops: set[str] = field(default_factory=set)
     name_clashes: int = 0  # live members of another pod that uses this pod's name
+
+    @property
+    def failing(self) -> bool:
+        """Whether a loop's last Redis call failed."""
+        return bool(self.failing_loops)
 
 
 class PodExchange:
@@ -264,14 +271,25 @@ class PodExchange:
         self.counters.bytes_sent += len(data)
         return data
 
+    def _unsent(self) -> None:
+        """The last snapshot never got through: its load goes again at the next check, its
+        shared rows and withdrawals in the next message (router/service/pod_share.py)."""
+        self._sent_changes = -1
+        if self.share is not None:
+            self.share.outbox.put_back()
+
     async def publish(self, now: float) -> None:
         """Stream mode: append a snapshot if this member's load changed (or a heartbeat is
         due)."""
         if self._due(now):
             data = self._snapshot(now)
-            await self.client.xadd(
-                self.settings.stream_key, {b"s": data}, maxlen=STREAM_MAXLEN, approximate=True
-            )
+            try:
+                await self.client.xadd(
+                    self.settings.stream_key, {b"s": data}, maxlen=STREAM_MAXLEN, approximate=True
+                )
+            except Exception:
+                self._unsent()
+                raise
 
     async def read_stream(self) -> None:
         """Stream mode: wait (up to 250 ms) for the next snapshots and take them."""
@@ -299,10 +317,16 @@ class PodExchange:
         """Hash mode: one round trip writing this member's snapshot and reading all."""
         key = self.settings.hash_key
         pipe = self.client.pipeline(transaction=False)
-        if self._due(now):
+        writing = self._due(now)
+        if writing:
             pipe.hset(key, self.member, self._snapshot(now))
         pipe.hgetall(key)
-        results = await pipe.execute()
+        try:
+            results = await pipe.execute()
+        except Exception:
+            if writing:
+                self._unsent()
+            raise
         now = self.clock()
         fields: dict[bytes, bytes] = results[-1]
         for data in fields.values():
@@ -412,7 +436,8 @@ class PodExchange:
                 await step()
                 if failing:
                     _log.info("pod load exchange: %s works again", what)
-                failing = self.counters.failing = False
+                failing = False
+                self.counters.failing_loops.discard(what)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -424,7 +449,8 @@ class PodExchange:
                 self.counters.errors += 1
                 if not failing:
                     _log.warning("pod load exchange: %s failed: %s", what, exc)
-                failing = self.counters.failing = True
+                failing = True
+                self.counters.failing_loops.add(what)
                 self.apply(self.clock())
                 await asyncio.sleep(min(self.settings.stale_s / 4, 0.25))
 
@@ -508,7 +534,8 @@ class _ExchangeCollector(Collector):
         errors.add_metric([], c.errors)
         up = GaugeMetricFamily(
             "kvrouter_pod_exchange_redis_up",
-            "1 while the pods exchange's Redis calls succeed, 0 while Redis is unreachable",
+            "1 while the pods exchange's Redis calls succeed, 0 while Redis is unreachable or "
+            "refuses its writes or its reads",
         )
         up.add_metric([], 0.0 if c.failing else 1.0)
         rejected = CounterMetricFamily(

@@ -19,8 +19,10 @@ remaining speculative TTL, and the session's :func:`~router.core.session.session
 router/core/engine_hits.py), the last one's hash and the remaining session TTL.
 Every other member, of this pod or another, applies them (:meth:`PodShare.apply`) to its own
 index (``speculate``) and session table (``learn``) for the remaining TTL counted from when
-the message is read: on the reader's clock, never longer than the sender's own entry (the
-Redis transit, one round trip, aside), so a dead pod's entries lapse by themselves.
+the message is read, less its known age (a reader catching up on a backlog): on the
+reader's clock, never longer than the sender's own entry (the Redis transit, one round
+trip, aside), so a dead pod's entries lapse by themselves; a binding dates from then too,
+so that the session's own later turn stays the more recent.
 
 A dispatch its replica refused (:meth:`~router.core.routing.RoutingEngine.withdraw`) is
 taken back on the other members too: each row goes with an id (the message's ``i`` field),
@@ -119,6 +121,8 @@ class Outbox:
         self.withdrawn: deque[int] = deque(maxlen=OUTBOX_MAX)
         self.dropped = 0  # dispatches / withdrawals pushed out before they could be sent
         self._next_id = first_id if first_id is not None else 1 + secrets.randbelow(1 << 50)
+        # what the last take() carried, for put_back() if its message never got through
+        self._taken: tuple[list[Shared], list[int]] = ([], [])
 
     def record(
         self, model: str, request: RouteRequest, replica: ReplicaKey, states: list[int],
@@ -176,6 +180,7 @@ class Outbox:
         to carry are left out."""
         rows: list[list[Any]] = []
         ids: list[int] = []
+        taken: list[Shared] = []
         pending = self.pending
         size = 0
         while pending and len(rows) < MAX_ROWS:
@@ -207,6 +212,7 @@ class Outbox:
                 ]
             )
             ids.append(s.id)
+            taken.append(s)
         out: dict[str, list[Any]] = {}
         if rows:
             out["x"], out["i"] = rows, ids
@@ -214,7 +220,29 @@ class Outbox:
         if withdrawn:
             n = min(len(withdrawn), MAX_WITHDRAWN)
             out["w"] = [withdrawn.popleft() for _ in range(n)]
+        self._taken = (taken, out.get("w", []))
         return out
+
+    def put_back(self) -> None:
+        """The message of the last :meth:`take` never got through (Redis refused it, or
+        did not answer): its dispatches and withdrawals go first in the next one, the
+        dispatches with the TTLs then remaining. A dispatch withdrawn since is not sent again
+        (its withdrawal is: the message may have got through after all). Beyond
+        ``OUTBOX_MAX`` the oldest are dropped, counted."""
+        taken, withdrawn = self._taken
+        self._taken = ([], [])
+        since = set(self.withdrawn)
+        self._restore(self.pending, [s for s in taken if s.id not in since])
+        self._restore(self.withdrawn, withdrawn)
+
+    def _restore(self, queue: deque[Any], items: list[Any]) -> None:
+        """``items`` (oldest first) back at the head of ``queue``, as many as it has room
+        for (the newest of them)."""
+        room = OUTBOX_MAX - len(queue)
+        if len(items) > room:
+            self.dropped += len(items) - room
+            items = items[len(items) - room :]
+        queue.extendleft(reversed(items))
 
 
 @dataclass(slots=True)
@@ -253,6 +281,9 @@ class _Recall:
 
     def pop(self, key: tuple[str, int]) -> tuple[RoutingEngine, Dispatch, float] | None:
         return self._rows.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._rows
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -301,7 +332,7 @@ class PodShare:
 
     def apply(self, message: object, now: float, age_s: float = 0.0, member: str = "") -> None:
         """Apply the :data:`FIELDS` of ``member``'s message, read at ``now`` and known to be
-        at least ``age_s`` old (its rows' TTLs shortened by it): first its withdrawals (they
+        at least ``age_s`` old (its rows dated back by it): first its withdrawals (they
         name rows of its earlier messages), then its rows. A malformed field or row is
         counted and skipped (the others still apply)."""
         if not isinstance(message, Mapping):
@@ -321,12 +352,16 @@ class PodShare:
             self.counters.rejected += 1
             ids = None  # the rows apply, and cannot be withdrawn
         for n, row in enumerate(rows):
+            row_id = ids[n] if ids is not None else None
+            if type(row_id) is int and (
+                (member, row_id) in self._spec or (member, row_id) in self._bound
+            ):
+                continue  # heard before: its sender resent a message it took for lost
             try:
                 took = self._apply_row(row, now, age_s)
             except (ValueError, TypeError, OverflowError):
                 self.counters.rejected += 1
                 continue
-            row_id = ids[n] if ids is not None else None
             if took is None or row_id is None:
                 continue
             if type(row_id) is not int or not 0 < row_id < _ID_MAX:
@@ -376,7 +411,11 @@ class PodShare:
         key = ReplicaKey(name, rank)
         if engine is None or not self.known(model, key):
             return None
-        spec_s, session_s = _ms(spec_ms) / 1000 - age_s, _ms(session_ms) / 1000 - age_s
+        # made when it was sent, ``age_s`` ago on this reader's clock: its TTLs count from
+        # then, and a binding is as recent as then (a reader catching up on a backlog must
+        # not let it beat the session's own later turn)
+        sent = now - age_s
+        spec_s, session_s = _ms(spec_ms) / 1000, _ms(session_ms) / 1000
         kv = _unpack(hashes) if hashes else ()
         st = _unpack(states) if states else ()
         if session and (not isinstance(session, str) or type(blocks) is not int or blocks < 0):
@@ -389,11 +428,13 @@ class PodShare:
             spec_s = min(spec_s, self.max_spec_ttl(model))
         else:
             spec_s = min(spec_s, engine.settings.speculative_ttl())
-        if session_s <= 0:
+        if sent + spec_s <= now:  # lapsed on its way
+            spec_s = 0.0
+        if sent + session_s <= now:
             digest = 0
-        took = engine.adopt(key, kv, st, now, spec_s, digest, blocks, last, now + session_s)
+        took = engine.adopt(key, kv, st, sent, spec_s, digest, blocks, last, sent + session_s)
         self.counters.applied_spec += bool(took.spec_id)
         self.counters.applied_sessions += took.hint is not None
         if not took.spec_id and took.hint is None:
             return None
-        return engine, took, now + spec_s, now + session_s
+        return engine, took, sent + spec_s, sent + session_s
