@@ -332,13 +332,9 @@ class Reblocker(PlacedStores):
 
     def _stored_group(self, ev: EngineBlockStored, kind: Kind, group: int) -> list[IndexEvent]:
         """A full-attention or recurrent-state group's store."""
-        tier = TIER_OF.get(ev.medium)
+        tier = self._tier(ev.medium)
         if tier is None:
-            try:
-                tier = Tier.parse(ev.medium)
-            except ValueError as exc:
-                self.stats.error(str(exc))
-                return []
+            return []
         if ev.lora_id is not None and not ev.lora_name:
             self.stats.error("LoRA block without lora_name: cannot derive its root")
             return []

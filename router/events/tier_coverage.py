@@ -86,6 +86,16 @@ class TierCoverage:
     _copies: dict[int, dict[int, int]] | None
     _held: dict[int, dict[int, int]]
 
+    def _tier(self, medium: str | None) -> Tier | None:
+        """The tier an event's ``medium`` names (None, counted as a bad event, if none)."""
+        tier = TIER_OF.get(medium)
+        if tier is None:
+            try:
+                tier = Tier.parse(medium)
+            except ValueError as exc:
+                self.stats.error(str(exc))
+        return tier
+
     def _table(self, group: int) -> BlockTable:
         table = self._tables.get(group)
         if table is None:
@@ -251,13 +261,9 @@ class TierCoverage:
         return self._window_events(change, group)
 
     def _removed(self, ev: EngineBlockRemoved) -> list[IndexEvent]:
-        tier = TIER_OF.get(ev.medium)
+        tier = self._tier(ev.medium)
         if tier is None:
-            try:
-                tier = Tier.parse(ev.medium)
-            except ValueError as exc:
-                self.stats.error(str(exc))
-                return []
+            return []
         group = ev.group_idx or 0
         window = self._windows.get(group)
         if window is not None:
