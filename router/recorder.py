@@ -222,7 +222,7 @@ class TraceRecorder:
                 if chunk:
                     self._write(b"".join(chunk))
                     chunk = []
-                self._rotate()
+                self._rotate(len(line))
                 size = os.fstat(self._fd).st_size
             chunk.append(line)
             size += len(line)
@@ -257,11 +257,14 @@ class TraceRecorder:
             self._fd = fd
             os.close(old)
 
-    def _rotate(self) -> None:
+    def _rotate(self, need: int) -> None:
+        """Rotate the live file, which has no room for ``need`` more bytes, unless another
+        worker rotated it while this one waited for the lock (then its new file has room)."""
         path = self.settings.path
         with _locked(path):
             self._follow_rotation()  # someone else may have rotated while we waited
-            if os.fstat(self._fd).st_size == 0:
+            size = os.fstat(self._fd).st_size
+            if size == 0 or size + need <= self.settings.max_bytes:
                 return
             # trace.jsonl.(k-1) -> trace.jsonl.k, oldest first; the one past `backups` goes.
             for i in range(self.settings.backups, 0, -1):

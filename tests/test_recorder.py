@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Iterator
 
 import pytest
 
@@ -291,3 +292,46 @@ def test_a_short_write_is_an_error_and_the_next_row_starts_a_line(
     assert [json.loads(x)["session_id"] for x in whole] == [f"s{i}" for i in range(len(whole))]
     assert torn and not torn.endswith("}")  # the row cut short, on its own line
     assert json.loads(last)["session_id"] == "next"
+
+
+def test_a_worker_that_waited_for_another_s_rotation_does_not_rotate_again(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker A finds the live file full and waits for the rotation lock while worker B
+    rotates and starts a new file; A must write into B's new file, not rotate again (which
+    would push a full backup out early, losing it with few backups)."""
+    import contextlib
+
+    import router.recorder as recorder
+
+    path = tmp_path / "t.jsonl"
+    settings = RecordSettings(path, max_bytes=3000, backups=1, key=KEY)
+    a, b = TraceRecorder(settings, 0.0), TraceRecorder(settings, 0.0)
+    toks = list(range(1024))
+    _record(a, toks, 0.0, session_id="old")
+    a.flush()
+    row = path.stat().st_size
+    while path.stat().st_size + row <= settings.max_bytes:  # full: one more row rotates
+        _record(a, toks, 0.0, session_id="old")
+        a.flush()
+    _record(a, toks, 1.0, session_id="a")
+    _record(b, toks, 2.0, session_id="b")
+    locked = recorder._locked
+    calls = []
+
+    @contextlib.contextmanager
+    def b_rotates_first(p: pathlib.Path) -> Iterator[None]:
+        if not calls:  # A's wait: B takes the lock first, rotates and writes its row
+            calls.append(1)
+            b.flush()
+        with locked(p):
+            yield
+
+    monkeypatch.setattr(recorder, "_locked", b_rotates_first)
+    a.flush()
+    a.close()
+    b.close()
+    backup = path.with_name("t.jsonl.1").read_text()
+    assert '"old"' in backup  # the full file B rotated is still the backup
+    live = [json.loads(line)["session_id"] for line in path.read_text().splitlines()]
+    assert sorted(live) == ["a", "b"]
