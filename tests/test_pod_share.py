@@ -149,6 +149,29 @@ async def test_a_dispatch_refused_on_one_pod_is_withdrawn_on_another(
         assert not two.index.awaits(KEYS[2], prompt[-1])
 
 
+async def test_a_pod_that_leaves_sends_the_withdrawals_it_still_held(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    """A dispatch refused in a pod's last moments: the pod's leaving message carries the
+    withdrawal, or the other pods keep the refused dispatch's entries and binding for
+    their whole TTL (stream mode; a hash mode pod's row is deleted as it leaves)."""
+    routing = RoutingSettings(BLOCK, speculative_ttl_s=30.0, speculate_sessions=True)
+    async with two_pods(redis_server.url, key_prefix, routing) as (one, two):
+        prompt = list(range(500, 520))
+        refused = one.dispatch(prompt, "conversation-4", KEYS[0])
+        counters = two.share.counters
+        await eventually(lambda: counters.applied_spec == counters.applied_sessions == 1)
+        one.task.cancel()  # stopping: its exchange loop sends nothing more
+        with contextlib.suppress(asyncio.CancelledError):
+            await one.task
+        one.engine.withdraw(refused)  # the replica refused it as the pod stopped
+        await one.exchange.leave()
+        await eventually(lambda: two.index.match(prompt).get(KEYS[0]).kv_blocks == 0)
+        assert two.engine.sessions is not None
+        loop = asyncio.get_running_loop()
+        assert two.engine.sessions.get("conversation-4", loop.time()) is None
+
+
 async def test_a_withdrawal_redis_refused_is_sent_again(private_redis: LocalRedis) -> None:
     """A message Redis refuses (full under ``noeviction``, a failover) carried a
     withdrawal: it must go in a later message, or the other pods keep the refused

@@ -416,9 +416,16 @@ class PodExchange:
         self.peers.update(SOURCE, self.views.total(now))
 
     async def leave(self) -> None:
-        """Tell the others this member has nothing in flight any more (clean stop)."""
+        """Tell the others this member has nothing in flight any more (clean stop); in stream
+        mode the message also carries what the outbox still held (withdrawals of dispatches
+        refused in the last moments, rows), which would otherwise last their whole TTL on
+        the other pods."""
         self._seq += 1
-        body = json.dumps({"load": [], "m": self.member, "p": self.settings.pod, "s": self._seq})
+        doc: dict[str, Any] = {"load": [], "m": self.member, "p": self.settings.pod}
+        doc["s"] = self._seq
+        if self.share is not None and self.settings.mode == "stream":
+            doc.update(self.share.outbox.take(self.clock()) or {})
+        body = json.dumps(doc, separators=(",", ":"))
         with contextlib.suppress(Exception):
             if self.settings.mode == "stream":
                 await self.client.xadd(self.settings.stream_key, {b"s": body.encode()})
