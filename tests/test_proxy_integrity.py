@@ -475,3 +475,58 @@ async def test_an_answer_without_a_body_is_relayed_without_framing(status: bytes
             writer.close()
     finally:
         await replica.stop()
+
+
+@pytest.mark.parametrize("idle", [False, True], ids=["with-the-answer", "while-idle"])
+async def test_a_second_answer_nobody_asked_for_is_never_taken_for_one(idle: bool) -> None:
+    """A replica (or a balancer before it) that sends an answer nobody asked for on a
+    keep-alive connection (a 408 as it times the connection out), right behind the real
+    answer or later while the connection idles in the pool: it must neither replace the
+    real answer nor be read as the next request's; the connection is dropped."""
+    answer = json.dumps({"id": "c", "object": "chat.completion", "choices": []}).encode()
+    spoke, relayed = asyncio.Event(), asyncio.Event()
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        first = connections == 1
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await _read_request(reader)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    + b"Content-Length: %d\r\n\r\n" % len(answer)
+                    + answer
+                )
+                await writer.drain()
+                if first:  # then it times the connection out unprompted
+                    first = False
+                    if idle:
+                        await relayed.wait()
+                    writer.write(
+                        b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
+                        b"Connection: close\r\n\r\n"
+                    )
+                    await writer.drain()
+                    sock: socket.socket = writer.get_extra_info("socket")
+                    await eventually(lambda s=sock: _unacknowledged(s) == 0)
+                    spoke.set()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async for url, session in _router(f"http://127.0.0.1:{port}"):
+            async with session.post(url + "/v1/chat/completions", json=_chat(False)) as r:
+                assert r.status == 200, await r.text()
+                assert await r.read() == answer
+            relayed.set()
+            await spoke.wait()
+            async with session.post(url + "/v1/chat/completions", json=_chat(False)) as r:
+                assert r.status == 200, await r.text()
+                assert await r.read() == answer
+        assert connections == 2
+    finally:
+        server.close()
+        await server.wait_closed()

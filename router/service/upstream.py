@@ -73,6 +73,7 @@ class _Conn(asyncio.Protocol):
         "closed",
         "complete",
         "error",
+        "extra",
         "got_bytes",
         "head_done",
         "headers",
@@ -106,6 +107,9 @@ class _Conn(asyncio.Protocol):
         self.paused = False
         self.keep_alive = True
         self.got_bytes = False
+        # bytes after the answer's end, which no request asked for (a balancer's unprompted
+        # 408): never parsed into this answer; the connection is not reused
+        self.extra = False
 
     # ---------------------------------------------------------------- asyncio protocol
 
@@ -142,11 +146,17 @@ class _Conn(asyncio.Protocol):
 
     # ---------------------------------------------------------------- httptools callbacks
 
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request
+            self.extra = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self.head_done:  # (after it: a chunked body's trailer fields, dropped)
             self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.complete:
+            return
         self.status = self.parser.get_status_code()
         if self.status < 200:  # 1xx: wait for the real answer
             self.headers = []
@@ -156,6 +166,8 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.complete:
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
@@ -164,7 +176,7 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
-        if self.status < 200:
+        if self.status < 200 or self.complete:
             return
         self.complete = True
         self._wake()
@@ -358,7 +370,7 @@ class Exchange:
         """Hand the connection back: pooled if the response was read whole and keep-alive
         holds, closed otherwise. Idempotent."""
         c = self._conn
-        if c.complete and c.keep_alive and not c.closed and c.error is None:
+        if c.complete and c.keep_alive and not c.closed and c.error is None and not c.extra:
             self._pool._put(c)
         elif not c.closed:
             c.abort()
@@ -402,10 +414,15 @@ class Pool:
         return conn
 
     def _take(self) -> _Conn | None:
+        """An idle connection to reuse. One the replica spoke on while idle (a balancer's
+        unprompted 408 as it times the connection out) is dropped: its bytes would be read
+        as the next request's answer."""
         idle = self._idle
         while idle:
             conn = idle.pop()
-            if not conn.closed:
+            if conn.got_bytes:
+                conn.abort()
+            elif not conn.closed:
                 return conn
         return None
 
