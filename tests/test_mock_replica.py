@@ -362,3 +362,15 @@ async def test_a_priority_scheduling_mock_reads_vllms_priority_field(
                 )
     with pytest.raises(ValueError, match="scheduling-policy"):
         create_app(MockSettings(model="m", scheduling_policy="lifo"))
+
+
+async def test_a_large_max_tokens_is_capped_by_the_context_as_vllm_caps_it(
+    start_mock: Callable,
+) -> None:
+    """vLLM's ``get_max_tokens``: the answer may take what the context leaves, whatever
+    ``max_tokens`` asks (no upper bound of its own, no error)."""
+    mock = await start_mock(max_model_len=200, time_scale=0.01)
+    answer = await mock.client.completions.create(
+        model="m", prompt=_prompt(4, 150), max_tokens=100_000
+    )
+    assert answer.usage is not None and answer.usage.completion_tokens == 50

@@ -94,7 +94,6 @@ class MockSettings:
     tokenizer_dir: str | None = None
     bpe_file: str | None = None
     default_max_tokens: int = 16
-    max_tokens_limit: int = 65536
     # the context length (/v1/models, /tokenize): longer prompts, or more output, are refused
     max_model_len: int = 1_048_576
     max_body_mb: float = 1024.0  # vLLM has no body cap; aiohttp's default is 1 MiB
@@ -174,8 +173,6 @@ def _max_tokens(body: Mapping[str, Any], settings: MockSettings, kind: str, prom
         value = settings.default_max_tokens
     elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise BadRequest("'max_tokens' must be a positive integer")
-    elif value > settings.max_tokens_limit:
-        raise BadRequest(f"'max_tokens' must be at most {settings.max_tokens_limit}")
     return max(1, min(value, settings.max_model_len - prompt))
 
 
