@@ -113,6 +113,7 @@ async def test_answers_carry_every_field_of_vllm_s_response_models(mock: Callabl
     async with aiohttp.ClientSession() as http, http.get(f"{url}/v1/models") as r:
         listed = _as_vllm_sends(v["engine"].ModelList, await r.json())
     assert listed.data[0].id == MODEL and listed.data[0].max_model_len == 1_048_576
+    assert listed.data[0].owned_by == "vllm"  # a client telling engines apart sees vLLM
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])

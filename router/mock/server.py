@@ -789,7 +789,7 @@ async def models(request: web.Request) -> web.Response:
         "id": s.model,
         "object": "model",
         "created": now,
-        "owned_by": "kvrouter-mock",
+        "owned_by": "vllm",  # vLLM's ModelCard default
         "root": s.model,
         "parent": None,
         "max_model_len": s.max_model_len,
