@@ -86,6 +86,29 @@ async def test_bad_input_is_an_openai_error(mock: str, path: str, body: object) 
     assert status == 400 and isinstance(got, dict) and got["error"]["type"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/tokenize", {"prompt": "hi"}),
+        ("/detokenize", {"tokens": [1, 2]}),
+        ("/v1/chat/completions/render", {"messages": CHAT}),
+        ("/v1/completions/render", {"prompt": "hi"}),
+    ],
+)
+async def test_a_model_not_served_is_a_404_as_vllm_answers(
+    mock: str, path: str, body: dict[str, object]
+) -> None:
+    """vLLM checks the body's ``model`` on its tokenizer and render endpoints too
+    (``_check_model``): another model is a 404 ``NotFoundError``; the served one, or none,
+    is answered."""
+    status, got = await _post(mock, path, {**body, "model": "other"})
+    assert status == 404 and isinstance(got, dict)
+    assert got["error"]["type"] == "NotFoundError" and "`other` does not exist" in str(got)
+    for named in ({"model": "m"}, {}):
+        status, got = await _post(mock, path, {**body, **named})
+        assert status == 200, got
+
+
 async def test_bodies_past_one_mebibyte_are_read(mock: str) -> None:
     ids = list(range(100_000, 400_000))  # 2.1 MB of JSON
     raw = json.dumps({"prompt": ids}).encode()

@@ -30,14 +30,27 @@ from router.tokenize.responses import to_chat_body as responses_chat
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _bad(message: str) -> web.Response:
+class ModelNotServed(BadRequest):
+    """A ``model`` the replica does not serve (vLLM: 404 ``NotFoundError``)."""
+
+
+def not_served(model: object, served: str) -> ModelNotServed | None:
+    """The error for a body naming another ``model`` than the one served (vLLM's
+    ``_check_model``: a body naming none is for the served one)."""
+    if model and model != served:
+        return ModelNotServed(f"The model `{model}` does not exist. Valid aliases: {served}.")
+    return None
+
+
+def _bad(message: str, status: int = 400) -> web.Response:
+    kind = "NotFoundError" if status == 404 else "BadRequestError"
     return web.json_response(
-        {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}},
-        status=400,
+        {"error": {"message": message, "type": kind, "param": None, "code": status}},
+        status=status,
     )
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
+async def _json(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -55,13 +68,25 @@ def _prompts(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [body]
 
 
-def handlers(tokenizer_of: Callable[[web.Request], Any], max_model_len: int) -> dict[str, Handler]:
-    """Path -> handler; ``tokenizer_of(request)`` gives the mock's ``MockTokenizer``."""
+def handlers(
+    tokenizer_of: Callable[[web.Request], Any], max_model_len: int, model: str
+) -> dict[str, Handler]:
+    """Path -> handler; ``tokenizer_of(request)`` gives the mock's ``MockTokenizer``;
+    ``model``: the one served (a body naming another is a 404, as vLLM answers)."""
+
+    async def _body(request: web.Request) -> dict[str, Any]:
+        body = await _json(request)
+        error = not_served(body.get("model"), model)
+        if error is not None:
+            raise error
+        return body
 
     def guarded(fn: Callable[[web.Request], Awaitable[Any]]) -> Handler:
         async def handle(request: web.Request) -> web.StreamResponse:
             try:
                 return web.json_response(await fn(request))
+            except ModelNotServed as exc:
+                return _bad(str(exc), 404)
             except BadRequest as exc:
                 return _bad(str(exc))
 

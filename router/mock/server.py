@@ -64,7 +64,7 @@ from router.mock.faults import FaultMode
 from router.mock.faults import install as install_faults
 from router.mock.kv_events import EngineEventEncoder
 from router.mock.latency import RequestLatency
-from router.mock.preprocess import handlers
+from router.mock.preprocess import ModelNotServed, handlers, not_served
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
 from router.tokenize.anthropic import to_chat_body
 from router.tokenize.request_fields import sampled_sequences
@@ -145,10 +145,6 @@ STATE = web.AppKey("mock_state", MockState)
 
 # vLLM's ``create_error_response`` types by status (serve/exception_handling)
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
-
-
-class ModelNotServed(BadRequest):
-    """A ``model`` the replica does not serve (vLLM: 404 ``NotFoundError``)."""
 
 
 def _error(
@@ -256,11 +252,9 @@ async def _prepare(
         raise BadRequest("request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    model = body.get("model")
-    if model and model != state.settings.model:  # vLLM's words (_check_model)
-        raise ModelNotServed(
-            f"The model `{model}` does not exist. Valid aliases: {state.settings.model}."
-        )
+    error = not_served(body.get("model"), state.settings.model)
+    if error is not None:
+        raise error
     if kind in ("chat", "completion") and sampled_sequences(body, kind) > 1:
         # a refusal, never one choice where n were asked
         raise BadRequest("the mock replica samples one sequence a request: 'n' must be 1")
@@ -912,7 +906,9 @@ def create_app(settings: MockSettings) -> web.Application:
     app.router.add_get("/load", load)
     app.router.add_get("/v1/models", models)
     app.router.add_get(SOURCES_PATH, kv_event_sources)
-    prep = handlers(lambda request: request.app[STATE].tokenizer, settings.max_model_len)
+    prep = handlers(
+        lambda request: request.app[STATE].tokenizer, settings.max_model_len, settings.model
+    )
     for path, handler in prep.items():
         app.router.add_post(path, handler)
     return app
