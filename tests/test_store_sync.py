@@ -1009,3 +1009,37 @@ async def test_a_rank_dropped_and_named_again_numbers_above_what_it_wrote() -> N
     assert after > before
     outcome = index.apply(EventBatch(k1, (BlocksStored((100,)),), after))
     assert outcome is not ApplyOutcome.DUPLICATE
+
+
+async def test_a_dead_replicas_backlog_reads_the_registry_once_a_read() -> None:
+    """Entries of a replica the registry does not hold alive (it died with its batches
+    still in the stream): the follower asks the registry once a read, not once an entry
+    (every ask lists the whole registry: a backlog of thousands would stall the follower
+    for every replica of the fleet)."""
+    store = MemoryStore()
+    ghost = ReplicaKey("ghost")
+    lists = 0
+    listing = store.list_replicas
+
+    async def counted() -> list[ReplicaInfo]:
+        nonlocal lists
+        lists += 1
+        return await listing()
+
+    store.list_replicas = counted  # type: ignore[method-assign]
+    index = PrefixIndex()
+    sync = IndexSync(store, index, audit_interval_s=3600.0, read_count=1000, block_s=0.5)
+    async with sync:
+        await sync.ready.wait()
+        before = lists
+        writer = StoreWriter(store, [ghost])
+        # 200 entries of a replica never registered (MemoryStore writes without suspending:
+        # all are in the stream before the follower's next read)
+        for h in range(1, 201):
+            writer.add(ghost, [BlocksStored((h,))])
+            await writer.flush()
+        # every entry read and handled
+        await eventually(lambda: int(sync._cursor or 0) >= store._appended and not sync._backlog)
+        assert ghost not in index
+        # once a read: the entries came in a few reads, not 200 asks
+        assert lists - before <= 3, lists - before

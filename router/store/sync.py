@@ -160,6 +160,10 @@ class IndexSync:
         self.infos: dict[str, ReplicaInfo] = {}
         # replicas kept through a store's data loss -> monotonic deadline to re-register by
         self._grace: dict[str, float] = {}
+        # replicas this read's changes named that the registry does not hold alive: asked
+        # once a read, not once an entry (a dead replica's backlog would re-read the whole
+        # registry for each of its entries)
+        self._not_alive: set[str] = set()
         self.stats = SyncStats()
         # the last turn reached the store (False from start until the bootstrap succeeds,
         # and while the store fails: the index then serves its last known content)
@@ -244,6 +248,7 @@ class IndexSync:
                     self._after_outage()
                 self.up = True
                 self._cursor = read.cursor
+                self._not_alive.clear()
                 self.stats.malformed += read.malformed
                 backlog.extend((change, read.cursor) for change in read.changes)
                 while backlog:
@@ -451,10 +456,14 @@ class IndexSync:
         return at if at > 0 else None
 
     async def _learn(self, replica: str) -> None:
-        """A replica we have not seen registered: load its info and state if it is alive."""
+        """A replica we have not seen registered: load its info and state if it is alive
+        (asked once a read: ``_not_alive``)."""
+        if replica in self._not_alive:
+            return
         infos = {i.replica: i for i in await self.store.list_replicas()}
         info = infos.get(replica)
         if info is None or not (await self.store.leases([replica])).get(replica):
+            self._not_alive.add(replica)
             return
         self._adopt(info)
         await self._resync(info.replica_keys())
@@ -469,6 +478,7 @@ class IndexSync:
 
     def _adopt(self, info: ReplicaInfo) -> None:
         self._grace.pop(info.replica, None)
+        self._not_alive.discard(info.replica)
         old = self.infos.get(info.replica)
         self.infos[info.replica] = info
         if old is not None:
