@@ -582,6 +582,9 @@ class EngineModel(BlockCache):
         """The most of ``steps`` decode steps whose new blocks fit (at least 1: the caller
         made room for one, :meth:`_room_for_decoders`)."""
         free = self._free_blocks()
+        # each decoder needs at most ceil(steps / block) new blocks: most runs fit on that
+        if len(decoders) * -(-steps // self.block_size) <= free:
+            return steps
         if self._growth(decoders, steps) <= free:
             return steps
         lo, hi = 1, steps - 1  # lo fits, hi + 1 does not
@@ -615,6 +618,7 @@ class EngineModel(BlockCache):
         while (
             self._decoding
             and len(self._decoding) + len(self._prefilling) > 1
+            and len(self._decoding) > self._free_blocks()  # a step needs <= 1 block each
             and self._growth(self._decoding, 1) > self._free_blocks()
         ):
             victim = max((*self._prefilling, *self._decoding), key=self._victim_order)
@@ -758,7 +762,8 @@ class EngineModel(BlockCache):
             + self._reserved
         )
         room = self.capacity - used + self._free_cost - in_free - window_free
-        if need > room - self._growth(self._decoding, 1):  # the running go first
+        # the running go first: their next step's blocks (at most one each) stay free
+        if need > room - len(self._decoding) and need > room - self._growth(self._decoding, 1):
             return False
         # pin the GPU hit, take the host blocks back, evict for the rest
         pinned = seq.pinned
