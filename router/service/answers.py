@@ -76,6 +76,8 @@ def responses_final_at(chunk: bytes) -> int:
 
 
 _FINAL_EVENTS = (b"completed\n", b"failed\n", b"incomplete\n")
+# the bytes of a read's end that can hold the start of a final event's first line
+FINAL_LINE_SPAN = len(b"event: response.incomplete\n") - 1
 
 
 # the most of a Responses API stream's final event (the whole response) kept for its usage

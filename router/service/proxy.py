@@ -35,6 +35,7 @@ from typing import Any
 from router.core.slo import tpot_s
 from router.core.types import ReplicaKey
 from router.service.answers import (
+    FINAL_LINE_SPAN,
     MAX_FINAL_EVENT,
     OPENAI_CLOSERS,
     RESPONSES_CLOSERS,
@@ -435,6 +436,7 @@ class Forwarder:
             keep_final = False  # the tail holds a Responses API stream's final event
             head_seen = b""  # the stream's start, until its response id is found
             end = b""  # the stream's last bytes (a read may cut its closing event)
+            carry = b""  # the last read's end (a read may cut the final event's first line)
             last = first_at = 0.0
             first = True
             while (chunk := await upstream.read()) is not None:
@@ -475,12 +477,19 @@ class Forwarder:
                         self._record_id(routed, key, found)
                         record_ids = False
                         head_seen = b""
-                at = responses_final_at(chunk) if responses and b"event: response." in chunk else -1
+                at = -1
+                probe = chunk
+                if responses:
+                    if carry:
+                        probe = carry + chunk
+                    if b"event: response." in probe:
+                        at = responses_final_at(probe)
+                    carry = chunk[-FINAL_LINE_SPAN:]
                 if at >= 0:  # the whole response (and its usage) follows: kept whole
                     tail.clear()
                     tail_bytes = 0
                     keep_final = True
-                    chunk = chunk[at:]
+                    chunk = probe[at:]
                 tail.append(chunk)
                 tail_bytes += len(chunk)
                 while tail_bytes > (MAX_FINAL_EVENT if keep_final else 8192) and len(tail) > 1:
