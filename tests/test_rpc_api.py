@@ -408,12 +408,14 @@ async def test_a_retry_on_a_fallback_moves_the_decisions_load(rpc: Any) -> None:
     assert state.load.in_flight() == 0
 
 
-@pytest.mark.parametrize("phase", ["REFUSED", "FAILED"])
+@pytest.mark.parametrize("phase", ["REFUSED", "FAILED", "REFUSED_AFTER_FIRST_TOKEN"])
 async def test_a_refused_report_withdraws_the_decisions_guess(phase: str) -> None:
     """A gateway whose replica refused the request (an error status, a refused connection)
     reports REFUSED: what the Pick guessed the replica would cache goes at once, so the
     retry's Pick (and any request sharing the prefix) is not drawn there. FAILED (the
-    replica may be prefilling it: no answer in time) keeps the guess until its TTL."""
+    replica may be prefilling it: no answer in time) keeps the guess until its TTL, and so
+    does a REFUSED after a FIRST_TOKEN report (the replica computed the prompt: it holds
+    it, whatever the gateway calls the end)."""
     settings = build_settings(
         {
             "replicas": [
@@ -438,8 +440,14 @@ async def test_a_refused_report_withdraws_the_decisions_guess(phase: str) -> Non
             first = await stub.Pick(pick, metadata=auth())
             key = next(k for k in state.registry.keys_for(MODEL) if k.replica == first.replica)
             assert state.index.match(hashes).get(key).kv_blocks == len(hashes)
+            if phase == "REFUSED_AFTER_FIRST_TOKEN":
+                token = router_pb2.ReportRequest(
+                    decision_id="w1", phase=router_pb2.ReportRequest.FIRST_TOKEN
+                )
+                assert (await stub.Report(token, metadata=auth())).accepted
+            ends = phase.removesuffix("_AFTER_FIRST_TOKEN")
             report = router_pb2.ReportRequest(
-                decision_id="w1", phase=getattr(router_pb2.ReportRequest, phase)
+                decision_id="w1", phase=getattr(router_pb2.ReportRequest, ends)
             )
             assert (await stub.Report(report, metadata=auth())).accepted
             held = state.index.match(hashes).get(key).kv_blocks

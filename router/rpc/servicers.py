@@ -524,7 +524,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         else:
             self.book.pop(internal)
             self._end(pending)
-            if phase == router_pb2.ReportRequest.REFUSED:  # its replica holds nothing of it
+            if phase == router_pb2.ReportRequest.REFUSED and not pending.first_at:
+                # its replica holds nothing of it (one that gave a first token computed it)
                 self.state.withdraw(pending.model, pending.dispatch)
             # the outcome and SLO metrics of the HTTP endpoints (router/service/proxy.py)
             ok = phase == router_pb2.ReportRequest.COMPLETED
