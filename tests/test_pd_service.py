@@ -196,6 +196,26 @@ async def test_fallbacks_prefill_down_and_decode_down(mocks: Mocks) -> None:
         await router.cleanup()
 
 
+async def test_a_prefill_replica_refusing_connections_leaves_rotation_with_every_rank(
+    mocks: Mocks,
+) -> None:
+    """Nothing listens at a prefill replica's URL, which all its DP ranks share: one leg's
+    refused connection takes every rank out of rotation, as the forwarder does for a
+    request (each rank would otherwise cost a request one more refused leg)."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    replicas = _replicas(mocks)
+    replicas[0] = {**replicas[0], "url": dead, "dp_ranks": 2}
+    del replicas[0]["zmq"]
+    router, url = await start_router(_settings(replicas))
+    try:
+        status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(6), "max_tokens": 2})
+        assert status == 200, raw
+        fleet = router.app[STATE].fleet
+        assert set(fleet.unhealthy_until) >= {ReplicaKey("p0"), ReplicaKey("p0", 1)}
+    finally:
+        await router.cleanup()
+
+
 async def test_auto_keeps_short_prompts_local(mocks: Mocks) -> None:
     replicas = _replicas(mocks)
     for r in replicas[1:]:

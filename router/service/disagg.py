@@ -299,8 +299,8 @@ async def _prefill(
             payload = upstream.body()
             if payload is None:
                 payload = await upstream.read_all()
-    except ConnectFailed:
-        state.fleet.mark_unhealthy(key, loop.time())
+    except ConnectFailed as exc:
+        state.fleet.connect_failed(key, loop.time(), connected=exc.connected)
         return _eject_on(forwarder, key, "connect_error", token)
     except (TimeoutError, UpstreamTimeout):  # no answer by the deadline
         if upstream is not None:

@@ -176,6 +176,16 @@ class Fleet:
                 del self.unhealthy_until[key]
                 self.load.set_health(key, True)
 
+    def connect_failed(self, key: ReplicaKey, now: float, *, connected: bool) -> None:
+        """A connection to ``key`` failed: taken and dropped unanswered (``connected``), that
+        rank leaves rotation (one request must not take a whole replica out); refused
+        (nothing listens), every DP rank of the replica does (they share its URL)."""
+        if connected:
+            self.mark_unhealthy(key, now)
+            return
+        for other in self.registry.find(key.replica):
+            self.mark_unhealthy(other, now)
+
     def mark_unhealthy(self, key: ReplicaKey, now: float) -> None:
         """Take ``key`` out of rotation for ``server.unhealthy_cooldown_s``."""
         if self.registry.endpoint(key) is None:

@@ -263,16 +263,11 @@ class Forwarder:
                             )
                             await upstream.ready(whole=not sse)
                 except ConnectFailed as exc:
-                    if exc.connected:
-                        # it took the connection and dropped the request: this rank only
-                        # (one request must not take a whole replica out of rotation)
-                        state.fleet.mark_unhealthy(key, loop.time())
+                    state.fleet.connect_failed(key, loop.time(), connected=exc.connected)
+                    if exc.connected:  # it took the connection and dropped the request
                         reached = True
-                    else:
-                        # nothing listens at the URL every DP rank of the replica shares
+                    else:  # nothing listens at the URL every DP rank of the replica shares
                         refused.add(ep.base_url)
-                        for other in state.registry.find(key.replica):
-                            state.fleet.mark_unhealthy(other, loop.time())
                     mm.outcome(key, "connect_error").inc()
                     last_error = f"replica {key} unreachable: {exc}"
                     kind = "connect"
