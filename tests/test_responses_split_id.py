@@ -13,6 +13,7 @@ from aiohttp import web
 from router.service.config import build_settings
 from tests.backends import metric_sample, start_router
 from tests.ports import free_port
+from tests.waiting import eventually
 
 MODEL = "m"
 CREATED = (
@@ -126,9 +127,13 @@ async def test_a_final_event_split_across_reads_still_gives_its_usage() -> None:
             async with http.post(url + "/v1/responses", json=body) as r:
                 assert r.status == 200
                 assert await r.read() == CREATED + done
-            async with http.get(url + "/metrics") as r:
-                page = await r.text()
-        assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 7
+
+            async def cached() -> bool:  # booked as the relay ends, after the last byte went
+                async with http.get(url + "/metrics") as r:
+                    page = await r.text()
+                return metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 7
+
+            await eventually(cached)
     finally:
         await router.cleanup()
         await replica.cleanup()

@@ -377,7 +377,8 @@ class Forwarder:
     ) -> None:
         state = self.state
         mm = state.metrics.model(routed.request.model)
-        responses = closers is RESPONSES_CLOSERS
+        # equality, not identity: compiled (mypyc) code may hand over a copy of the tuple
+        responses = closers == RESPONSES_CLOSERS
         strip = UsageFilter() if strip_usage else None
         rid = routed.request.request_id
         headers, streaming, has_rid = response_headers(upstream.headers)
