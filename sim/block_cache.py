@@ -203,15 +203,19 @@ class BlockCache:
         if made:
             self._events.append(BlocksStored(tuple(made), kind=Kind.STATE))
 
-    def _deficit(self, amount: float) -> float:
-        """Memory missing for ``amount`` more blocks without evicting (<= 0: it fits)."""
-        used = (
+    def _used(self) -> float:
+        """Memory taken: named KV blocks, checkpoints, window KV (referenced or evictable)
+        and allocated blocks not named yet."""
+        return (
             len(self._gpu)
             + self._states * self._state_cost
             + self._windows * self._window_cost
             + self._reserved
         )
-        return used + amount - self.capacity
+
+    def _deficit(self, amount: float) -> float:
+        """Memory missing for ``amount`` more blocks without evicting (<= 0: it fits)."""
+        return self._used() + amount - self.capacity
 
     def _make_room(self, amount: float) -> bool:
         deficit = self._deficit(amount)

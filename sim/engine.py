@@ -217,6 +217,12 @@ class _Seq:
         self.wheld = 0  # blocks whose window KV was taken (hit or computed)
 
 
+def _new_blocks(seq: _Seq, steps: int, block: int) -> int:
+    """Blocks ``seq`` must add (<= 0: none) to run ``steps`` more decode steps: step j of a
+    sequence with ``out`` tokens writes the KV of its first ``prompt + out - 1 + j``."""
+    return -(-(seq.prompt + seq.out - 1 + steps) // block) - seq.blocks
+
+
 class _Segment:
     """``steps`` steps starting at ``start``. A prefill step has ``chunks`` and steps == 1;
     a decode run's step i lasts ``base + ctx_cost * (ctx0 + i * nseq)``."""
@@ -435,13 +441,7 @@ class EngineModel(BlockCache):
 
     def kv_usage(self) -> float:
         """Referenced + allocated blocks over capacity (reusable cached blocks not counted)."""
-        used = (
-            len(self._gpu)
-            + self._states * self._state_cost
-            + self._windows * self._window_cost
-            + self._reserved
-        )
-        return min(1.0, (used - self._free_cost) / self.capacity)
+        return min(1.0, (self._used() - self._free_cost) / self.capacity)
 
     def cached_blocks(self) -> int:
         """Named KV blocks on GPU (referenced or not)."""
@@ -568,15 +568,9 @@ class EngineModel(BlockCache):
         return self._free_cost - self._deficit(0)
 
     def _growth(self, decoders: list[_Seq], steps: int) -> int:
-        """New blocks ``decoders`` need to run ``steps`` more decode steps (step j of a
-        sequence with ``out`` tokens writes the KV of its first ``prompt + out - 1 + j``)."""
+        """New blocks ``decoders`` need to run ``steps`` more decode steps."""
         block = self.block_size
-        need = 0
-        for s in decoders:
-            n = -(-(s.prompt + s.out - 1 + steps) // block) - s.blocks
-            if n > 0:
-                need += n
-        return need
+        return sum(max(0, _new_blocks(s, steps, block)) for s in decoders)
 
     def _steps_that_fit(self, decoders: list[_Seq], steps: int) -> int:
         """The most of ``steps`` decode steps whose new blocks fit (at least 1: the caller
@@ -601,7 +595,7 @@ class EngineModel(BlockCache):
         block = self.block_size
         total = 0
         for s in decoders:
-            n = -(-(s.prompt + s.out - 1 + steps) // block) - s.blocks
+            n = _new_blocks(s, steps, block)
             if n > 0:
                 s.blocks += n
                 s.unnamed += n
@@ -755,12 +749,7 @@ class EngineModel(BlockCache):
         loads = max(0, usable - kv)  # host blocks reloaded into GPU
         total = -(-seq.target // self.block_size)
         need = total - kv
-        used = (
-            len(gpu)
-            + self._states * self._state_cost
-            + self._windows * self._window_cost
-            + self._reserved
-        )
+        used = self._used()
         room = self.capacity - used + self._free_cost - in_free - window_free
         # the running go first: their next step's blocks (at most one each) stay free
         if need > room - len(self._decoding) and need > room - self._growth(self._decoding, 1):

@@ -35,7 +35,8 @@ RESPONSES_CLOSERS = (*RESPONSES_ENDS, *OPENAI_CLOSERS)
 ALL_CLOSERS = (*RESPONSES_ENDS, *ANTHROPIC_CLOSERS)
 
 
-# how many of a stream's last bytes :func:`closes_stream` reads
+# how many of a stream's last bytes :func:`closes_stream` reads (enough to hold the start of
+# a Responses stream's final ``event: response.incomplete`` line too: router/service/proxy.py)
 CLOSER_SPAN = 48
 
 
@@ -76,8 +77,6 @@ def responses_final_at(chunk: bytes) -> int:
 
 
 _FINAL_EVENTS = (b"completed\n", b"failed\n", b"incomplete\n")
-# the bytes of a read's end that can hold the start of a final event's first line
-FINAL_LINE_SPAN = len(b"event: response.incomplete\n") - 1
 
 
 # the most of a Responses API stream's final event (the whole response) kept for its usage

@@ -46,7 +46,7 @@ from router.service.errors import reply_for
 from router.service.proxy import Forwarder
 from router.service.registry import ReplicaRegistry
 from router.service.replica_url import ReplicaUrl
-from router.service.retry import expected_first_byte_s, retry_after_s
+from router.service.retry import retry_after_s
 from router.service.settings import ModelSettings
 from router.service.state import Routed, RouterState, route_request
 from router.service.stream_usage import with_patch
@@ -282,13 +282,9 @@ async def _prefill(
     loop = forwarder.event_loop()
     ejections = forwarder.ejections
     now = loop.time()
-    expect = expected_first_byte_s(
-        state.load.view(key, now).queued_prefill_tokens - ejections.phantom_tokens(key, now),
-        flow.request.prompt_tokens,
-        flow.routed.decision.usable_tokens,
-        False,
-        1,  # what the leg decodes
-    )
+    expect = forwarder.expected_first_byte(
+        key, now, flow.request.prompt_tokens, flow.routed.decision.usable_tokens, False, 1
+    )  # (one token: what the leg decodes)
     wait = forwarder.deadline(expect)
     token = asyncio.timeout(wait)
     ejections.sent(key, token, now, expect)

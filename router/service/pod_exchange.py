@@ -421,8 +421,9 @@ class PodExchange:
         refused in the last moments, rows), which would otherwise last their whole TTL on
         the other pods."""
         self._seq += 1
-        doc: dict[str, Any] = {"load": [], "m": self.member, "p": self.settings.pod}
-        doc["s"] = self._seq
+        doc: dict[str, Any] = {
+            "load": [], "m": self.member, "p": self.settings.pod, "s": self._seq
+        }  # fmt: skip
         if self.share is not None and self.settings.mode == "stream":
             doc.update(self.share.outbox.take(self.clock()) or {})
         body = json.dumps(doc, separators=(",", ":"))

@@ -35,7 +35,6 @@ from typing import Any
 from router.core.slo import tpot_s
 from router.core.types import ReplicaKey
 from router.service.answers import (
-    FINAL_LINE_SPAN,
     MAX_FINAL_EVENT,
     OPENAI_CLOSERS,
     RESPONSES_CLOSERS,
@@ -238,14 +237,10 @@ class Forwarder:
                     path, self._host(ep.base_url), client_headers, rid_b, ep.dp_rank, len(sent)
                 )
                 usable = routed.decision.usable_tokens if i == 0 else 0
-                expect = expected_first_byte_s(
-                    state.load.view(key, now).queued_prefill_tokens
-                    - ejections.phantom_tokens(key, now),
-                    routed.request.prompt_tokens,
-                    usable,
-                    stream,
+                expect = self.expected_first_byte(
+                    key, now, routed.request.prompt_tokens, usable, stream,
                     routed.request.max_output_tokens,
-                )
+                )  # fmt: skip
                 # the attempt's deadline is its token: an ejection for latency moves it to now
                 # (the exchange keeps the deadline too: a cancellation can be lost)
                 wait = self.deadline(expect)
@@ -354,6 +349,26 @@ class Forwarder:
             if key is not None and token is not None:
                 ejections.dropped(key, token, loop.time())
 
+    def expected_first_byte(
+        self,
+        key: ReplicaKey,
+        now: float,
+        prompt_tokens: int,
+        usable_tokens: int,
+        stream: bool,
+        max_output_tokens: int | None,
+    ) -> float:
+        """Seconds until ``key``'s first byte for a request sent now: its prefill behind the
+        prefill queued there (less a failing replica's phantom work), router/service/retry.py."""
+        queued = self.state.load.view(key, now).queued_prefill_tokens
+        return expected_first_byte_s(
+            queued - self.ejections.phantom_tokens(key, now),
+            prompt_tokens,
+            usable_tokens,
+            stream,
+            max_output_tokens,
+        )
+
     def deadline(self, expect_s: float) -> float:
         """Seconds an attempt predicted to take ``expect_s`` waits for its first byte (a
         disaggregated request's prefill leg too: router/service/disagg.py)."""
@@ -432,7 +447,6 @@ class Forwarder:
             keep_final = False  # the tail holds a Responses API stream's final event
             head_seen = b""  # the stream's start, until its response id is found
             end = b""  # the stream's last bytes (a read may cut its closing event)
-            carry = b""  # the last read's end (a read may cut the final event's first line)
             last = first_at = 0.0
             first = True
             while (chunk := await upstream.read()) is not None:
@@ -448,7 +462,7 @@ class Forwarder:
                     mm.itl.observe(now - last)
                     last = now
                 ended = upstream.at_end
-                end = stream_end(end, chunk)
+                before, end = end, stream_end(end, chunk)
                 done_seen = closes_stream(end, closers)
                 cut = ended and until_close and not done_seen
                 ended = ended and not cut
@@ -475,12 +489,10 @@ class Forwarder:
                         head_seen = b""
                 at = -1
                 probe = chunk
-                if responses:
-                    if carry:
-                        probe = carry + chunk
+                if responses:  # the final event's first line may start in an earlier read
+                    probe = before + chunk
                     if b"event: response." in probe:
                         at = responses_final_at(probe)
-                    carry = chunk[-FINAL_LINE_SPAN:]
                 if at >= 0:  # the whole response (and its usage) follows: kept whole
                     tail.clear()
                     tail_bytes = 0
