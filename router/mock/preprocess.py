@@ -42,12 +42,17 @@ def not_served(model: object, served: str) -> ModelNotServed | None:
     return None
 
 
-def _bad(message: str, status: int = 400) -> web.Response:
-    kind = "NotFoundError" if status == 404 else "BadRequestError"
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}},
-        status=status,
-    )
+# vLLM's ``create_error_response`` types by status (serve/exception_handling)
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+
+
+def error_response(
+    status: int, message: str, kind: str | None = None, param: str | None = None
+) -> web.Response:
+    """vLLM's ``ErrorResponse`` body: ``type`` as vLLM names it for ``status``."""
+    kind = kind or _ERROR_TYPES.get(status, "BadRequestError")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.json_response(body, status=status)
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
@@ -86,9 +91,9 @@ def handlers(
             try:
                 return web.json_response(await fn(request))
             except ModelNotServed as exc:
-                return _bad(str(exc), 404)
+                return error_response(404, str(exc))
             except BadRequest as exc:
-                return _bad(str(exc))
+                return error_response(400, str(exc))
 
         return handle
 

@@ -65,6 +65,7 @@ from router.mock.faults import install as install_faults
 from router.mock.kv_events import EngineEventEncoder
 from router.mock.latency import RequestLatency
 from router.mock.preprocess import ModelNotServed, handlers, not_served
+from router.mock.preprocess import error_response as _error
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
 from router.tokenize.anthropic import to_chat_body
 from router.tokenize.request_fields import sampled_sequences
@@ -141,19 +142,6 @@ class MockState:
 
 
 STATE = web.AppKey("mock_state", MockState)
-
-
-# vLLM's ``create_error_response`` types by status (serve/exception_handling)
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
-
-
-def _error(
-    status: int, message: str, kind: str | None = None, param: str | None = None
-) -> web.Response:
-    """vLLM's ``ErrorResponse`` body: ``type`` as vLLM names it for ``status``."""
-    kind = kind or _ERROR_TYPES.get(status, "BadRequestError")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return web.json_response(body, status=status)
 
 
 def _max_tokens(body: Mapping[str, Any], settings: MockSettings, kind: str, prompt: int) -> int:
