@@ -90,10 +90,49 @@ def test_yaml_file_env_and_flags_precedence(tmp_path: Path) -> None:
         replica = ["m=http://other:2"]
         policy = "round_robin"
 
-    s = load_settings(path, environ=env, overrides=_overrides(Args()))  # type: ignore[arg-type]
+    s = load_settings(
+        path,
+        environ=env,
+        overrides=_overrides(Args()),  # type: ignore[arg-type]
+        policy=Args.policy,
+    )
     assert s.server.port == 9300
     assert [r.url for r in s.replicas] == ["http://other:2"]
     assert s.model("m").policy == "round_robin"
+
+
+def test_serve_policy_flag_names_every_models_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``serve --policy`` is every model's policy: a model configured only in the file (its
+    replicas discovered from Redis) gets it beside ``--replica``'s, and an unknown name is
+    refused as a file's would be."""
+    from router.cli import build_parser
+    from router.service.cli import settings_from_args
+
+    monkeypatch.delenv("KVROUTER_CONFIG", raising=False)
+    path = tmp_path / "c.toml"
+    path.write_text('[models.found]\npolicy = "dynamo"\n')
+    argv = ["serve", "--config", str(path), "--replica", "given=http://h:1"]
+    s = settings_from_args(build_parser().parse_args([*argv, "--policy", "round_robin"]))
+    assert s.model("found").policy == "round_robin"
+    assert s.model("given").policy == "round_robin"
+    # without --replica: the file's models
+    s = settings_from_args(
+        build_parser().parse_args(["serve", "--config", str(path), "--policy", "round_robin"])
+    )
+    assert s.model("found").policy == "round_robin"
+    # the file's parameters tune its own policy: kept for it, dropped for another
+    path.write_text(
+        '[models.found]\npolicy = "dynamo"\n'
+        "[models.found.policy_params]\nprefill_load_scale = 2.0\n"
+    )
+    s = settings_from_args(build_parser().parse_args([*argv, "--policy", "dynamo"]))
+    assert s.model("found").policy_params == {"prefill_load_scale": 2.0}
+    s = settings_from_args(build_parser().parse_args([*argv, "--policy", "round_robin"]))
+    assert s.model("found").policy == "round_robin" and s.model("found").policy_params == {}
+    with pytest.raises(ConfigError, match="unknown policy 'best'"):
+        settings_from_args(build_parser().parse_args([*argv, "--policy", "best"]))
 
 
 def test_env_replicas_and_config_path(tmp_path: Path) -> None:

@@ -44,32 +44,26 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"server": server} if server else {}
     if args.replica:
         out["replicas"] = parse_replica_list(args.replica)
-    if args.policy:
-        names = {r["model"] for r in out.get("replicas", [])}
-        out["models"] = {name: {"policy": args.policy} for name in names}
     return out
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """What ``serve`` runs with: the file, the tuned policy file, the environment, then the
+    flags (``--policy`` names every model's policy, discovered replicas' models included)."""
+    from router.service.config import load_settings
+
+    return load_settings(
+        args.config, overrides=_overrides(args), policy_file=args.policy_file, policy=args.policy
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
 
     from router.core.errors import ConfigError
     from router.service.app import create_app
-    from router.service.config import load_settings
 
     try:
-        settings = load_settings(
-            args.config, overrides=_overrides(args), policy_file=args.policy_file
-        )
-        if args.policy and not args.replica:
-            from dataclasses import replace
-
-            settings = replace(
-                settings,
-                models={
-                    name: replace(settings.model(name), policy=args.policy)
-                    for name in {*settings.models, *(r.model for r in settings.replicas)}
-                },
-            )
+        settings = settings_from_args(args)
         if args.check:  # what start-up would refuse too: tokenizer files, limits, tokens
             create_app(settings)
             print(
@@ -197,7 +191,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--replica", action="append", metavar="MODEL=URL", help="add a replica (repeatable)"
     )
-    p.add_argument("--policy", help="policy for every model (overrides the file)")
+    p.add_argument("--policy", help="policy for every configured model (overrides the file)")
     p.add_argument("--admin-token", dest="admin_token")
     p.add_argument("--record", help="append every request to this rotating JSONL trace")
     p.add_argument(

@@ -57,6 +57,7 @@ from router.events.endpoints import engine_endpoints
 from router.service.config_env import env_overrides
 from router.service.replica_url import ReplicaUrl
 from router.service.settings import (
+    DEFAULT_POLICY,
     ROUTING_KEYS,
     ZMQ_AUTO,
     ModelSettings,
@@ -533,8 +534,12 @@ def load_settings(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     policy_file: str | os.PathLike[str] | None = None,
+    policy: str | None = None,
 ) -> Settings:
-    """File (``path`` or ``$KVROUTER_CONFIG``) < tuned policy file < environment < overrides."""
+    """File (``path`` or ``$KVROUTER_CONFIG``) < tuned policy file < environment < overrides.
+
+    ``policy`` (``serve --policy``) is every model's policy: each ``[models.NAME]`` of every
+    source and each model a replica names, validated with its ``policy_params`` as a file's."""
     env = dict(os.environ if environ is None else environ)
     data: dict[str, Any] = {}
     path = path or env.get("KVROUTER_CONFIG")
@@ -546,4 +551,33 @@ def load_settings(
     data = merge(data, env_overrides(env))
     if overrides:
         data = merge(data, overrides)
+    if policy is not None and isinstance(data.get("models", {}), Mapping):
+        data = {**data, "models": _with_policy(data, policy)}
     return build_settings(data)
+
+
+def _with_policy(data: Mapping[str, Any], policy: str) -> dict[str, Any]:
+    """``data``'s models, each model it names with ``policy``; a model's ``policy_params`` for
+    another policy are dropped (they tune that one), its own policy's are kept."""
+    models = dict(data.get("models") or {})
+    for name in _named_models(data):
+        table = models.get(name)
+        table = dict(table) if isinstance(table, Mapping) else {}
+        if table.get("policy", DEFAULT_POLICY) != policy:
+            table.pop("policy_params", None)
+        models[name] = {**table, "policy": policy}
+    return models
+
+
+def _named_models(data: Mapping[str, Any]) -> set[str]:
+    """Every model the merged settings name: their ``[models]`` tables and replicas' ``model``."""
+    models = data.get("models")
+    names = set(models) if isinstance(models, Mapping) else set()
+    replicas = data.get("replicas")
+    if isinstance(replicas, Sequence) and not isinstance(replicas, str):
+        names.update(
+            r["model"]
+            for r in replicas
+            if isinstance(r, Mapping) and isinstance(r.get("model"), str)
+        )
+    return names

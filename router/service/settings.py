@@ -143,10 +143,13 @@ class ReplicaSettings:
     metrics_url: str | None = None
 
 
+DEFAULT_POLICY = "ours"
+
+
 @dataclass(slots=True, frozen=True)
 class ModelSettings:
     name: str
-    policy: str = "ours"
+    policy: str = DEFAULT_POLICY
     policy_params: Mapping[str, Any] = field(default_factory=dict)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     context_length: int | None = None
