@@ -501,6 +501,57 @@ async def test_a_pick_past_its_deadline_withdraws_its_guess(monkeypatch: Any) ->
         await gen.aclose()
 
 
+async def test_a_pick_whose_reply_never_reached_its_caller_is_withdrawn(
+    monkeypatch: Any,
+) -> None:
+    """A caller that leaves after the Pick's last check (its deadline passes while the reply
+    is built and sent) never learns the replica: the decision, its load and its guess go
+    when the call ends cancelled, not after the book's hour."""
+    import router.rpc.servicers as servicers
+
+    settings = build_settings(
+        {
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
+                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
+            ],
+            "models": {MODEL: kimi_model_table(block_size=16, speculative_ttl_s=60.0)},
+        }
+    )
+    state = RouterState(settings)
+    recorded: list[Any] = []
+    record = servicers.record
+
+    def slow_record(st: Any, routed: Any) -> None:
+        recorded.append(routed)
+        record(st, routed)
+        time.sleep(0.5)  # holds the loop past the caller's deadline, after the last check
+
+    monkeypatch.setattr(servicers, "record", slow_record)
+    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), loop_clock)
+    _server, port = await gen.__anext__()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            tokens = list(range(9000, 9000 + 640))
+            hashes = hash_prompt(tokens, 16, root_hash(MODEL)).hashes
+            pick = router_pb2.PickRequest(
+                model=MODEL, token_ids=router_pb2.TokenIds(ids=tokens), request_id="gone"
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await stub.Pick(pick, metadata=auth(), timeout=0.2)
+            assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await eventually(lambda: recorded and state.load.in_flight() == 0)
+            held = state.index.match(hashes).get(recorded[0].decision.replica)
+            assert held is None or held.kv_blocks == 0, held
+            report = router_pb2.ReportRequest(
+                decision_id="gone", phase=router_pb2.ReportRequest.COMPLETED
+            )
+            assert not (await stub.Report(report, metadata=auth())).accepted
+    finally:
+        await gen.aclose()
+
+
 async def test_a_request_id_is_bounded_as_an_http_header_is(rpc: Any) -> None:
     """A Pick's ``request_id`` is kept with its decision (up to an hour, up to 100,000 of
     them) and in the recent decisions: HTTP bounds an ``X-Request-Id`` by the header block's

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import functools
 import math
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -455,7 +456,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # last: from here the book holds the caller's slot (``held``) until the decision ends
         for old in self.book.add(internal, pending):
             self._end(old)
+        context.add_done_callback(functools.partial(self._unreached, internal, pending))
         return reply
+
+    def _unreached(
+        self, internal: str, pending: Pending, context: grpc.aio.ServicerContext
+    ) -> None:
+        """A booked Pick's call ended cancelled, or past its deadline (its caller left after
+        the last check; the client ends its call at the deadline, whatever the server sends
+        later): the reply never reached the caller, so no request goes to the replica and no
+        Report comes. The decision ends now, with what it guessed the replica would cache,
+        as one past its deadline before the reply does."""
+        remaining = context.time_remaining()
+        late = remaining is not None and remaining <= 0
+        if not (late or context.cancelled()) or self.book.get(internal) is not pending:
+            return
+        self.book.pop(internal)
+        self._end(pending)
+        self.state.withdraw(pending.model, pending.dispatch)
+        rejected(self.state, pending.model, "cancelled")
 
     def _expire(self, now: float) -> None:
         for old in self.book.expire(now):
