@@ -239,3 +239,30 @@ def test_blocks_stored_again_mid_event_take_the_canonical_block_it_completes() -
     publish(vllm.BlockRemoved([hashes[4]], "GPU", group_idx=0))  # the new one
     assert index.match(canonical).get(key).kv_blocks == 1
     assert ingest.stats.malformed_events == 0
+
+
+@pytest.mark.parametrize("be", [128, 256])
+def test_evicting_a_branch_keeps_router_blocks_another_engine_block_still_holds(be: int) -> None:
+    """Engine blocks a multiple of the router's: two prompts diverging inside their second
+    engine block hold different engine blocks there, both holding the router blocks before
+    the divergence. Evicting one branch's block must not remove those router blocks while
+    the other branch's block still holds them (before: removed, a hole in the other
+    branch's cached prefix: it matched one engine block, or, by the index's bisection, its
+    whole length, whatever was evicted after)."""
+    rng = random.Random(be)
+    a = [rng.randrange(50_000) for _ in range(2 * be)]
+    b = a[: be + B] + [rng.randrange(50_000) for _ in range(be - B)]  # one router block on
+    rb = Reblocker(B, MODEL)
+    a_hashes, a_events = engine_events(a, be, None, 1, 2)
+    rb.convert(a_events)
+    b_second = hash((2, 1)) & (2**64 - 1)
+    rb.convert([EngineBlockStored((b_second,), a_hashes[0], tuple(b[be:]), be)])
+    a_canonical = hash_prompt(a, B, ROOT).hashes
+    b_canonical = hash_prompt(b, B, ROOT).hashes
+    assert a_canonical[be // B] == b_canonical[be // B]  # shared by both second blocks
+    assert rb.convert([EngineBlockRemoved((b_second,))]) == [
+        BlocksRemoved(tuple(b_canonical[be // B + 1 :]), Tier.GPU, Kind.KV)
+    ]
+    assert rb.convert([EngineBlockRemoved((a_hashes[1],))]) == [
+        BlocksRemoved(tuple(a_canonical[be // B :]), Tier.GPU, Kind.KV)
+    ]

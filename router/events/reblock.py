@@ -204,9 +204,9 @@ class Reblocker(PlacedStores):
         # a router block's end is shared by sequences diverging after that end:
         # group -> copy_key(end, canonical, tier) -> how many hold it, so that evicting one
         # copy does not remove what another still holds, and ``_held`` counts positions
-        # (None: not counted: no lookahead, and engine blocks dividing the router's or
-        # multiples of it, where a removed copy removes the canonical blocks it overlaps, an
-        # under-report)
+        # (None: not counted: no lookahead, and engine blocks dividing the router's, which
+        # two sequences hold whole or not at all; engine blocks a multiple of it are
+        # counted: sequences diverging inside one share its router blocks before that point)
         self._copies: dict[int, dict[int, int]] | None = None
         # full-attention canonical blocks by group: their counts (held_count); an entry lives
         # while some engine block's covers name it
@@ -315,8 +315,7 @@ class Reblocker(PlacedStores):
     def _stored(self, ev: EngineBlockStored) -> list[IndexEvent]:
         be = ev.block_size
         if self._copies is None and (
-            ev.lookahead_token_ids
-            or (ev.token_ids and be > 0 and self.block_size % be and be % self.block_size)
+            ev.lookahead_token_ids or (ev.token_ids and be > 0 and self.block_size % be)
         ):  # counted: see __init__
             self._copies = {}
         if _is_window(ev.kv_cache_spec_kind):
