@@ -37,6 +37,7 @@ from router.core.admission import (
     Assessment,
     Ticket,
     assess,
+    class_ttft_factor,
     engine_priority,
     predictor_for,
     restrict,
@@ -350,7 +351,7 @@ class Simulation:
             [e.busy_s for e in engines],
             [str(k) for k in self.keys],
             self.config.slo,
-            (self.config.admission or AdmissionSettings()).ttft_factor,
+            [class_ttft_factor(self.config.admission, k) for k in (PRIORITY, DEFAULT, FLEX)],
         )
         summary = {"policy": self.policy_name, **summary, **self.pd_stats.summary()}
         summary["admission"] = "slo" if self.config.admission is not None else "off"

@@ -42,6 +42,7 @@ from router.core.admission import (
     Assessment,
     Ticket,
     assess,
+    class_ttft_factor,
     engine_priority,
     parse_service_tier,
     predictor_for,
@@ -129,6 +130,19 @@ class Admission:
         if asked == PRIORITY and self._priority_keys and own != PRIORITY:
             return own  # only listed keys may ask for priority (any key may ask for default)
         return asked
+
+    def classed(
+        self, routed: Routed, body_tier: object, headers: Iterable[tuple[bytes, bytes]]
+    ) -> Routed:
+        """``routed`` (routed without admission: it is off for its model, or the request
+        bypasses it) with its request's class and that class's TTFT factor, which the SLO
+        metric judges it by: a class's SLO does not depend on whether admission is on
+        (router.core.admission ``class_ttft_factor``), as the simulator judges it."""
+        klass = self.service_class(body_tier, headers)
+        settings = self.state.settings.model(routed.request.model).admission
+        return routed._replace(
+            service_class=CLASS_NAMES[klass], ttft_factor=class_ttft_factor(settings, klass)
+        )
 
     @staticmethod
     def tenant(headers: Iterable[tuple[bytes, bytes]]) -> str:
@@ -268,7 +282,7 @@ class Admission:
         )
         return routed._replace(
             service_class=CLASS_NAMES[ticket.klass],
-            ttft_factor=queue.settings.ttft_factor[ticket.klass],
+            ttft_factor=class_ttft_factor(queue.settings, ticket.klass),
             class_weight=weight,
         )
 
