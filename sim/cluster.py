@@ -399,7 +399,8 @@ class Simulation:
             self.pd_stats.requests += 1
             if plan.prefill is None:
                 assert plan.local is not None
-                self._dispatch(router, req, rr, plan.local, now, klass)
+                # as admission's own: no class weight nor engine priority (the service's)
+                self._dispatch(router, req, rr, plan.local, now, None)
                 return
             self.pd_stats.remote += 1
             leg = self.pd.prefill_request(rr)
@@ -450,10 +451,12 @@ class Simulation:
         rr: RouteRequest,
         decision: Decision,
         now: float,
-        klass: int = DEFAULT,
+        klass: int | None = DEFAULT,
     ) -> Decision:
-        """Send the request to the engine ``decision`` chose."""
-        weight = self._weights[klass]
+        """Send the request to the engine ``decision`` chose; ``klass`` None: routed
+        without admission (a disaggregated model's, as the service routes it: no class
+        decode weight, no engine priority)."""
+        weight = 1.0 if klass is None else self._weights[klass]
         self._dispatches[req.request_id] = router.engine.dispatched(
             rr, decision, now, class_weight=weight
         )
@@ -468,7 +471,7 @@ class Simulation:
             req.prompt_tokens,
             req.output_tokens,
             req.output_block_hashes,
-            priority=engine_priority(klass) if self._engine_priority else 0,
+            priority=engine_priority(klass) if self._engine_priority and klass is not None else 0,
         )
         self._submit(i, ereq, now)
         return decision
