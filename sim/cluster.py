@@ -283,8 +283,14 @@ class Simulation:
         self.pd: Disaggregator | None = None
         if config.pd != "off":
             sites = sites_of(self.keys)
+            # the run's mode and TPOT target, whatever ``pd_params`` say (as the service
+            # takes the model's TPOT target: PdSetup.from_mapping)
             knobs = PdKnobs(
-                mode=config.pd, tpot_target_s=config.slo.tpot_s, **dict(config.pd_params or {})
+                **{
+                    **dict(config.pd_params or {}),
+                    "mode": config.pd,
+                    "tpot_target_s": config.slo.tpot_s,
+                }
             )
             self.pd = Disaggregator(
                 knobs,
