@@ -400,8 +400,12 @@ class Simulation:
         record.klass = klass
         self._records[req.request_id] = record
         if self.pd is not None:  # disaggregated serving decides without admission
+            try:
+                plan = self.pd.plan(engine, rr, self.keys, now, router.rng)
+            except NoReplicaAvailable:
+                self._refuse(req.request_id, now)
+                return
             self._router_of[req.request_id] = router
-            plan = self.pd.plan(engine, rr, self.keys, now, router.rng)
             self.pd_stats.requests += 1
             if plan.prefill is None:
                 assert plan.local is not None
@@ -421,11 +425,16 @@ class Simulation:
             )
             return
         queue = router.admission
-        if queue is None:
-            self._commit(router, req, rr, engine.candidates(rr, self.keys, now), now, klass)
+        if queue is not None:
+            self._pump(router, now)
+        try:
+            candidates = engine.candidates(rr, self.keys, now)
+        except NoReplicaAvailable:  # every replica busy, reject_when_all_busy: the 429
+            self._refuse(req.request_id, now)
             return
-        self._pump(router, now)
-        candidates = engine.candidates(rr, self.keys, now)
+        if queue is None:
+            self._commit(router, req, rr, candidates, now, klass)
+            return
         a = assess(self._predictor, rr, candidates, now)
         ticket = queue.ticket(req.request_id, klass, tenant, req.prompt_tokens, now, (req, rr))
         verdict = queue.judge(ticket, a, now)
@@ -490,8 +499,14 @@ class Simulation:
         self._after_engine(i, now, eng.advance(now))
 
     def _shed(self, request_id: str, now: float) -> None:
-        self._records[request_id].rejected = True
         self._shed_count += 1
+        self._refuse(request_id, now)
+
+    def _refuse(self, request_id: str, now: float) -> None:
+        """The router answers ``request_id`` with an error, sending it nowhere (an admission
+        shed; no replica to take it, as the service's 429 / 503): a miss, and its session
+        goes on."""
+        self._records[request_id].rejected = True
         self._follow_ups(request_id, now)
 
     def _pump(self, router: _Router, now: float) -> None:
@@ -636,7 +651,13 @@ class Simulation:
             self._dispatches.pop(leg_id, None)
         assert self.pd is not None
         rng = self._router_of[req.request_id].rng
-        pick = self.pd.pick_decode(engine, rr, self.keys[i], self.keys, now, rng)
+        try:
+            pick = self.pd.pick_decode(engine, rr, self.keys[i], self.keys, now, rng)
+        except NoReplicaAvailable:  # no decode replica left: answered with the error
+            self._router_of.pop(req.request_id)
+            self._from_prefill.discard(req.request_id)
+            self._refuse(req.request_id, now)
+            return
         j = self._slot[pick.decision.replica]
         self._records[req.request_id].replica = j
         ereq = EngineRequest(

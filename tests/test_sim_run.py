@@ -184,3 +184,26 @@ def test_a_request_the_engine_rejects_leaves_no_guess_in_the_index() -> None:
     held = {str(k): found.get(k).kv_blocks for k in sim.keys}
     # the small request's 4 blocks are there (speculated, then stored); none of big's rest
     assert max(held.values()) == 4, held
+
+
+@pytest.mark.parametrize("admission", [False, True])
+def test_a_request_every_busy_replica_refuses_is_a_miss_not_a_crash(admission: bool) -> None:
+    """With ``reject_when_all_busy`` the service answers 429 when every replica is over its
+    busy threshold (router.core.routing ``filter_candidates``); the simulator let the
+    NoReplicaAvailable escape and the run died. The refused request counts as rejected (a
+    goodput miss) and its session goes on, as after an admission shed."""
+    from router.core.admission import AdmissionSettings
+    from router.core.routing import BusyThresholds
+    from sim.agentic import AgenticSpec, generate
+
+    workload = generate(AgenticSpec(sessions=20, session_rate=20.0), block_size=64)
+    config = ClusterConfig(
+        load_profile("dense-70b"),
+        replicas=2,
+        busy=BusyThresholds(max_in_flight=1, reject_when_all_busy=True),
+        admission=AdmissionSettings() if admission else None,
+    )
+    s = Simulation(workload, config, "ours", speedup=8).run().summary
+    assert s["requests"] == len(workload)
+    assert s["rejected"] > 0 and s["completed"] + s["rejected"] == s["requests"]
+    assert s["goodput"] <= s["completed"] / s["requests"]
