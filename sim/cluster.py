@@ -239,6 +239,9 @@ class Simulation:
             speculative_ttl_s=config.speculative_ttl_s,
             busy=config.busy,
             reuse_window_s=config.reuse_window_s,
+            # EAGLE / MTP engines give back a block of every hit: the router is told, as
+            # the service is for such engines ([models.NAME] eagle)
+            eagle=p.eagle,
         )
         params = policy_params_for(policy, policy_params, p, config.slo)
         self.routers = []

@@ -207,3 +207,33 @@ def test_a_request_every_busy_replica_refuses_is_a_miss_not_a_crash(admission: b
     assert s["requests"] == len(workload)
     assert s["rejected"] > 0 and s["completed"] + s["rejected"] == s["requests"]
     assert s["goodput"] <= s["completed"] / s["requests"]
+
+
+def test_an_eagle_profiles_routers_predict_the_block_its_engines_give_back() -> None:
+    """A profile with ``eagle = true`` models engines that give back the last block of every
+    hit; the service routing such engines is configured ``[models.NAME] eagle = true``
+    (docs/configuration.md) and predicts that. The simulator's routers were not told, so
+    they predicted one block more than the engines granted on every hit."""
+    import dataclasses
+
+    from sim.workload import SimRequest, Workload
+
+    b = 64
+    profile = dataclasses.replace(load_profile("dense-70b"), eagle=True)
+    first = SimRequest("a", 0.0, 20 * b, 4, list(range(1, 21)))
+    second = SimRequest("b", 100.0, 30 * b + 10, 4, list(range(1, 31)))
+    workload = Workload("t", [first, second], b, "m")
+    sim = Simulation(workload, ClusterConfig(profile, replicas=1, block_size=b), "ours")
+    engine = sim.routers[0].engine
+    predicted: list[int] = []
+    dispatched = engine.dispatched
+
+    def spy(request: object, decision: object, *args: object, **kw: object) -> object:
+        predicted.append(decision.usable_tokens)  # type: ignore[attr-defined]
+        return dispatched(request, decision, *args, **kw)  # type: ignore[arg-type]
+
+    engine.dispatched = spy  # type: ignore[method-assign]
+    sim.run()
+    granted = [sim._records[r.request_id].cached for r in (first, second)]
+    assert granted == [0, 19 * b]  # 20 blocks cached, the last given back
+    assert predicted == granted
