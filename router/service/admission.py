@@ -84,6 +84,7 @@ class Admission:
         self._priority_keys = _keys(server.priority_keys)
         self._flex_keys = _keys(server.flex_keys)
         self._models: dict[str, _Model | None] = {}
+        self._factors: dict[str, tuple[float, ...]] = {}  # each class's, by model (classed)
         m = state.metrics
         self.decisions = m.admission_decisions
         self.shed = m.admission_shed
@@ -139,10 +140,13 @@ class Admission:
         metric judges it by: a class's SLO does not depend on whether admission is on
         (router.core.admission ``class_ttft_factor``), as the simulator judges it."""
         klass = self.service_class(body_tier, headers)
-        settings = self.state.settings.model(routed.request.model).admission
-        return routed._replace(
-            service_class=CLASS_NAMES[klass], ttft_factor=class_ttft_factor(settings, klass)
-        )
+        model = routed.request.model
+        factors = self._factors.get(model)
+        if factors is None:  # (once a model: its settings do not change)
+            settings = self.state.settings.model(model).admission
+            factors = tuple(class_ttft_factor(settings, k) for k in range(len(CLASS_NAMES)))
+            self._factors[model] = factors
+        return routed._replace(service_class=CLASS_NAMES[klass], ttft_factor=factors[klass])
 
     @staticmethod
     def tenant(headers: Iterable[tuple[bytes, bytes]]) -> str:
