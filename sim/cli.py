@@ -191,6 +191,10 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         pd_params = _json_object(args.pd_params, "--pd-params")
         from router.core.disagg import PdKnobs
 
+        # set by other flags (the service: by the model's SLO and its pd table's mode)
+        for key, flag in (("mode", "--pd"), ("tpot_target_s", "--slo-tpot-ms")):
+            if key in pd_params:
+                raise KVRouterError(f"--pd-params: {key!r} is set by {flag}")
         try:
             PdKnobs(**pd_params)
         except TypeError as exc:

@@ -37,6 +37,7 @@ from router.core.admission import (
     Assessment,
     Ticket,
     assess,
+    class_ttft_factor,
     engine_priority,
     predictor_for,
     restrict,
@@ -238,6 +239,9 @@ class Simulation:
             speculative_ttl_s=config.speculative_ttl_s,
             busy=config.busy,
             reuse_window_s=config.reuse_window_s,
+            # EAGLE / MTP engines give back a block of every hit: the router is told, as
+            # the service is for such engines ([models.NAME] eagle)
+            eagle=p.eagle,
         )
         params = policy_params_for(policy, policy_params, p, config.slo)
         self.routers = []
@@ -282,8 +286,14 @@ class Simulation:
         self.pd: Disaggregator | None = None
         if config.pd != "off":
             sites = sites_of(self.keys)
+            # the run's mode and TPOT target, whatever ``pd_params`` say (as the service
+            # takes the model's TPOT target: PdSetup.from_mapping)
             knobs = PdKnobs(
-                mode=config.pd, tpot_target_s=config.slo.tpot_s, **dict(config.pd_params or {})
+                **{
+                    **dict(config.pd_params or {}),
+                    "mode": config.pd,
+                    "tpot_target_s": config.slo.tpot_s,
+                }
             )
             self.pd = Disaggregator(
                 knobs,
@@ -350,7 +360,7 @@ class Simulation:
             [e.busy_s for e in engines],
             [str(k) for k in self.keys],
             self.config.slo,
-            (self.config.admission or AdmissionSettings()).ttft_factor,
+            [class_ttft_factor(self.config.admission, k) for k in (PRIORITY, DEFAULT, FLEX)],
         )
         summary = {"policy": self.policy_name, **summary, **self.pd_stats.summary()}
         summary["admission"] = "slo" if self.config.admission is not None else "off"
@@ -393,12 +403,17 @@ class Simulation:
         record.klass = klass
         self._records[req.request_id] = record
         if self.pd is not None:  # disaggregated serving decides without admission
+            try:
+                plan = self.pd.plan(engine, rr, self.keys, now, router.rng)
+            except NoReplicaAvailable:
+                self._refuse(req.request_id, now)
+                return
             self._router_of[req.request_id] = router
-            plan = self.pd.plan(engine, rr, self.keys, now, router.rng)
             self.pd_stats.requests += 1
             if plan.prefill is None:
                 assert plan.local is not None
-                self._dispatch(router, req, rr, plan.local, now, klass)
+                # as admission's own: no class weight nor engine priority (the service's)
+                self._dispatch(router, req, rr, plan.local, now, None)
                 return
             self.pd_stats.remote += 1
             leg = self.pd.prefill_request(rr)
@@ -413,11 +428,16 @@ class Simulation:
             )
             return
         queue = router.admission
-        if queue is None:
-            self._commit(router, req, rr, engine.candidates(rr, self.keys, now), now, klass)
+        if queue is not None:
+            self._pump(router, now)
+        try:
+            candidates = engine.candidates(rr, self.keys, now)
+        except NoReplicaAvailable:  # every replica busy, reject_when_all_busy: the 429
+            self._refuse(req.request_id, now)
             return
-        self._pump(router, now)
-        candidates = engine.candidates(rr, self.keys, now)
+        if queue is None:
+            self._commit(router, req, rr, candidates, now, klass)
+            return
         a = assess(self._predictor, rr, candidates, now)
         ticket = queue.ticket(req.request_id, klass, tenant, req.prompt_tokens, now, (req, rr))
         verdict = queue.judge(ticket, a, now)
@@ -449,10 +469,12 @@ class Simulation:
         rr: RouteRequest,
         decision: Decision,
         now: float,
-        klass: int = DEFAULT,
+        klass: int | None = DEFAULT,
     ) -> Decision:
-        """Send the request to the engine ``decision`` chose."""
-        weight = self._weights[klass]
+        """Send the request to the engine ``decision`` chose; ``klass`` None: routed
+        without admission (a disaggregated model's, as the service routes it: no class
+        decode weight, no engine priority)."""
+        weight = 1.0 if klass is None else self._weights[klass]
         self._dispatches[req.request_id] = router.engine.dispatched(
             rr, decision, now, class_weight=weight
         )
@@ -467,7 +489,7 @@ class Simulation:
             req.prompt_tokens,
             req.output_tokens,
             req.output_block_hashes,
-            priority=engine_priority(klass) if self._engine_priority else 0,
+            priority=engine_priority(klass) if self._engine_priority and klass is not None else 0,
         )
         self._submit(i, ereq, now)
         return decision
@@ -480,8 +502,14 @@ class Simulation:
         self._after_engine(i, now, eng.advance(now))
 
     def _shed(self, request_id: str, now: float) -> None:
-        self._records[request_id].rejected = True
         self._shed_count += 1
+        self._refuse(request_id, now)
+
+    def _refuse(self, request_id: str, now: float) -> None:
+        """The router answers ``request_id`` with an error, sending it nowhere (an admission
+        shed; no replica to take it, as the service's 429 / 503): a miss, and its session
+        goes on."""
+        self._records[request_id].rejected = True
         self._follow_ups(request_id, now)
 
     def _pump(self, router: _Router, now: float) -> None:
@@ -626,7 +654,13 @@ class Simulation:
             self._dispatches.pop(leg_id, None)
         assert self.pd is not None
         rng = self._router_of[req.request_id].rng
-        pick = self.pd.pick_decode(engine, rr, self.keys[i], self.keys, now, rng)
+        try:
+            pick = self.pd.pick_decode(engine, rr, self.keys[i], self.keys, now, rng)
+        except NoReplicaAvailable:  # no decode replica left: answered with the error
+            self._router_of.pop(req.request_id)
+            self._from_prefill.discard(req.request_id)
+            self._refuse(req.request_id, now)
+            return
         j = self._slot[pick.decision.replica]
         self._records[req.request_id].replica = j
         ereq = EngineRequest(

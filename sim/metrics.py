@@ -111,8 +111,7 @@ def slo_figures(
     # each answered request with its TTFT over its class's factor, for the SLO scales
     answered: list[Answered] = []
     for r in records:
-        tier = slo.tier(r.prompt)
-        counts = tiers[tier.label]
+        counts = tiers[slo.tier(r.prompt).label]
         counts[1] += 1
         per_class = classes[r.klass]
         per_class[1] += 1
@@ -121,8 +120,7 @@ def slo_figures(
         ttft = r.first - r.arrival
         tpot = tpot_s(r.finish - r.arrival, ttft, r.output)
         answered.append((r.prompt, ttft / ttft_factor[r.klass], tpot))
-        a = ttft <= tier.ttft_s * ttft_factor[r.klass]
-        b = tpot is None or tpot <= slo.tpot_s
+        _, a, b = slo.judge(r.prompt, ttft, tpot, ttft_factor[r.klass])
         ttft_ok += a
         tpot_ok += b
         if a and b:

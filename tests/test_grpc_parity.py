@@ -733,3 +733,28 @@ async def test_a_pick_its_caller_left_counts_as_cancelled(rpc: Any, monkeypatch:
         assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await eventually(lambda: len(routed) == 1 and state.load.in_flight() == 0)
     await eventually(lambda: cancelled() == 2)
+
+
+async def test_a_flex_pick_is_judged_as_flex_with_admission_off() -> None:
+    """As on HTTP: with admission off for the model, a Pick whose body asks for flex is
+    counted in ``kvrouter_slo_requests_total`` as flex, against flex's TTFT factor (4x): a
+    class's SLO does not depend on whether admission is on (it was "default" at 1x)."""
+    from router.service.admission import Admission
+
+    state = _state(slo={"ttft_s": 100.0})
+    state.admission = Admission(state)
+    report = router_pb2.ReportRequest
+    body = json.dumps({"model": MODEL, "prompt": list(range(1000, 1320)), "service_tier": "flex"})
+    async for channel in _serve(state):
+        stub = router_pb2_grpc.RouterStub(channel)
+        got = await stub.Pick(router_pb2.PickRequest(model=MODEL, request_json=body), metadata=AUTH)
+        await stub.Report(
+            report(decision_id=got.decision_id, phase=report.FIRST_TOKEN), metadata=AUTH
+        )
+        await stub.Report(
+            report(decision_id=got.decision_id, phase=report.COMPLETED, output_tokens=1),
+            metadata=AUTH,
+        )
+    page = state.metrics.render().decode()
+    name = "kvrouter_slo_requests_total"
+    assert metric_sample(page, name, model=MODEL, result="met", **{"class": "flex"}) == 1

@@ -168,3 +168,27 @@ def test_slo_settings_from_the_file_and_the_environment(tmp_path: Any) -> None:
             build_settings({**table, "models": {"m": {"slo": bad}}})
     with pytest.raises(ConfigError, match="SLO__"):
         load_settings(environ={"KVROUTER_MODELS__M__SLO": "1"})
+
+
+async def test_a_flex_request_is_judged_as_flex_with_admission_off(
+    strict_fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A class's SLO does not depend on whether admission is on: with it off (this model has
+    no admission table) a flex request is still counted in its class, against its class's
+    TTFT factor (4x by default), as the simulator judges it (sim/metrics.py)."""
+    import router.service.proxy as proxy
+
+    factors: list[tuple[str, float]] = []
+    count = proxy.count_slo
+
+    def spy(state: Any, model: str, prompt: int, factor: float, klass: str, *rest: Any) -> None:
+        factors.append((klass, factor))
+        count(state, model, prompt, factor, klass, *rest)
+
+    monkeypatch.setattr(proxy, "count_slo", spy)
+    assert strict_fleet.state.settings.model(MODEL).admission is None
+    await _stream(strict_fleet.client, service_tier="flex")
+    await eventually_counts(
+        strict_fleet, f'{{class="flex",model="{MODEL}",result="tpot_missed",tier="any"}}', 1.0
+    )
+    assert factors == [("flex", 4.0)]

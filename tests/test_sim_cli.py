@@ -282,3 +282,17 @@ def test_fleet_flags_out_of_range_are_errors(flags: list[str], message: str) -> 
     p = kvrouter("sim", "replay", "mooncake", *FLEET, "--limit", "5", *flags, "--json")
     assert p.returncode == 2, p.stdout
     assert message in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("key", ["tpot_target_s", "mode"])
+def test_pd_params_naming_what_other_flags_set_are_errors(key: str) -> None:
+    """``tpot_target_s`` is the SLO's (``--slo-tpot-ms``), as the service takes it from the
+    model's SLO and refuses it in ``[models.NAME.pd]``; ``mode`` is ``--pd``'s. Both passed
+    the flag's check and then crashed the run with a TypeError traceback."""
+    value = 0.05 if key == "tpot_target_s" else '"always"'
+    p = kvrouter(
+        "sim", "replay", "agentic:sessions=2", "--replicas", "4", "--racks", "2",
+        "--pd", "auto", "--pd-params", f'{{"{key}": {value}}}', "--json",
+    )  # fmt: skip
+    assert p.returncode == 2, p.stdout
+    assert f"--pd-params: {key!r}" in p.stderr and "Traceback" not in p.stderr

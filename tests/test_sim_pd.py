@@ -116,3 +116,46 @@ def test_cli_pd_flags_json_and_tune(tmp_path: Path) -> None:
     assert set(result["pd"]) == {"prefill_share", "pd_params"}
     assert "prefill/decode (auto)" in out.read_text()
     assert load_tuned(out).policy == "ours"
+
+
+def test_a_disaggregated_model_ignores_admission_as_the_service_does() -> None:
+    """A model with P/D on routes without admission in the service (docs/admission.md): its
+    requests carry no class decode weight and no engine priority (handling.py routes them
+    through RouterState.route, weight 1, no priority patch); the simulator did both for the
+    locally prefilled ones under ``--admission slo``."""
+    from router.core.admission import AdmissionSettings
+
+    spec = AgenticSpec(sessions=6, session_rate=2.0, system_tokens=20000, tool_tokens=6000)
+    workload = generate(spec, block_size=64)
+    config = ClusterConfig(
+        load_profile("kimi-k3"),
+        replicas=8,
+        racks=2,
+        pd="auto",
+        admission=AdmissionSettings(engine_priority=True),
+        priority_share=1.0,
+    )
+    sim = Simulation(workload, config, "ours", speedup=4)
+    weights: list[float] = []
+    priorities: list[int] = []
+    for router in sim.routers:
+        engine = router.engine
+        original = engine.dispatched
+
+        def spy(*args: object, _original: object = original, **kw: object) -> object:
+            weights.append(float(kw.get("class_weight", 1.0)))  # type: ignore[arg-type]
+            return _original(*args, **kw)  # type: ignore[operator]
+
+        engine.dispatched = spy  # type: ignore[method-assign]
+    for e in sim.engines:
+        submit = e.submit
+
+        def spy_submit(req: EngineRequest, now: float, _submit: object = submit) -> None:
+            priorities.append(req.priority)
+            _submit(req, now)  # type: ignore[operator]
+
+        e.submit = spy_submit  # type: ignore[method-assign]
+    summary = sim.run().summary
+    assert summary["completed"] == len(workload)
+    assert weights and set(weights) == {1.0}
+    assert priorities and set(priorities) == {0}

@@ -184,3 +184,56 @@ def test_a_request_the_engine_rejects_leaves_no_guess_in_the_index() -> None:
     held = {str(k): found.get(k).kv_blocks for k in sim.keys}
     # the small request's 4 blocks are there (speculated, then stored); none of big's rest
     assert max(held.values()) == 4, held
+
+
+@pytest.mark.parametrize("admission", [False, True])
+def test_a_request_every_busy_replica_refuses_is_a_miss_not_a_crash(admission: bool) -> None:
+    """With ``reject_when_all_busy`` the service answers 429 when every replica is over its
+    busy threshold (router.core.routing ``filter_candidates``); the simulator let the
+    NoReplicaAvailable escape and the run died. The refused request counts as rejected (a
+    goodput miss) and its session goes on, as after an admission shed."""
+    from router.core.admission import AdmissionSettings
+    from router.core.routing import BusyThresholds
+    from sim.agentic import AgenticSpec, generate
+
+    workload = generate(AgenticSpec(sessions=20, session_rate=20.0), block_size=64)
+    config = ClusterConfig(
+        load_profile("dense-70b"),
+        replicas=2,
+        busy=BusyThresholds(max_in_flight=1, reject_when_all_busy=True),
+        admission=AdmissionSettings() if admission else None,
+    )
+    s = Simulation(workload, config, "ours", speedup=8).run().summary
+    assert s["requests"] == len(workload)
+    assert s["rejected"] > 0 and s["completed"] + s["rejected"] == s["requests"]
+    assert s["goodput"] <= s["completed"] / s["requests"]
+
+
+def test_an_eagle_profiles_routers_predict_the_block_its_engines_give_back() -> None:
+    """A profile with ``eagle = true`` models engines that give back the last block of every
+    hit; the service routing such engines is configured ``[models.NAME] eagle = true``
+    (docs/configuration.md) and predicts that. The simulator's routers were not told, so
+    they predicted one block more than the engines granted on every hit."""
+    import dataclasses
+
+    from sim.workload import SimRequest, Workload
+
+    b = 64
+    profile = dataclasses.replace(load_profile("dense-70b"), eagle=True)
+    first = SimRequest("a", 0.0, 20 * b, 4, list(range(1, 21)))
+    second = SimRequest("b", 100.0, 30 * b + 10, 4, list(range(1, 31)))
+    workload = Workload("t", [first, second], b, "m")
+    sim = Simulation(workload, ClusterConfig(profile, replicas=1, block_size=b), "ours")
+    engine = sim.routers[0].engine
+    predicted: list[int] = []
+    dispatched = engine.dispatched
+
+    def spy(request: object, decision: object, *args: object, **kw: object) -> object:
+        predicted.append(decision.usable_tokens)  # type: ignore[attr-defined]
+        return dispatched(request, decision, *args, **kw)  # type: ignore[arg-type]
+
+    engine.dispatched = spy  # type: ignore[method-assign]
+    sim.run()
+    granted = [sim._records[r.request_id].cached for r in (first, second)]
+    assert granted == [0, 19 * b]  # 20 blocks cached, the last given back
+    assert predicted == granted

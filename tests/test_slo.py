@@ -150,3 +150,14 @@ def test_goodput_by_slo_scale_recounts_each_request_under_each_scale() -> None:
     # a class's TTFT factor (admission's, here the default class's) applies at every scale
     flex = slo_figures(records, slo, ttft_factor=(1.0, 2.0, 1.0))["goodput_by_slo_scale"]
     assert flex["1"] == 0.6  # the second request's TTFT 1.5 is within 2 x 1 s
+
+
+def test_a_class_is_promised_its_factor_with_admission_on_or_off() -> None:
+    from router.core.admission import DEFAULT, FLEX, AdmissionSettings, class_ttft_factor
+
+    assert class_ttft_factor(None, FLEX) == 4.0 and class_ttft_factor(None, DEFAULT) == 1.0
+    tuned = AdmissionSettings(ttft_factor=(1.0, 1.0, 2.0))
+    assert class_ttft_factor(tuned, FLEX) == 2.0
+    slo = SloTargets((SloTier(None, 1.0),))
+    assert slo.judge(10, 3.0, None, 4.0)[1:] == (True, True)
+    assert not slo.met(10, 3.0, None) and slo.met(10, 3.0, None, 4.0)

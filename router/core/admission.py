@@ -151,6 +151,17 @@ class AdmissionSettings:
             raise ValueError("admission max_queue must be >= 0 and scan >= 1")
 
 
+DEFAULT_SETTINGS = AdmissionSettings()
+
+
+def class_ttft_factor(settings: AdmissionSettings | None, klass: int) -> float:
+    """The factor of its tier's TTFT target a request of ``klass`` is promised and judged
+    against (the SLO metric, the simulator's goodput, admission's budget): the model's
+    admission settings', else the defaults' (flex 4x). A class's SLO is the same whether
+    admission is on or off; only whether the router acts on it differs."""
+    return (settings or DEFAULT_SETTINGS).ttft_factor[klass]
+
+
 class Assessment(NamedTuple):
     """Predictions for a request on each candidate position (a list's index, or a column):
     TTFT if sent now, its own prefill, the replica's queue and decode step time (seconds);
@@ -280,7 +291,7 @@ class AdmissionQueue:
 
     def budget_s(self, klass: int, prompt_tokens: int) -> float:
         """The TTFT budget of a request of ``klass`` with that prompt."""
-        return self.settings.ttft_factor[klass] * self.slo.ttft_target_s(prompt_tokens)
+        return self.slo.ttft_budget_s(prompt_tokens, class_ttft_factor(self.settings, klass))
 
     def ticket(
         self,

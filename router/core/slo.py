@@ -100,11 +100,28 @@ class SloTargets:
     def ttft_target_s(self, prompt_tokens: int) -> float:
         return self.tier(prompt_tokens).ttft_s
 
-    def met(self, prompt_tokens: int, ttft_s: float, tpot_s: float | None) -> bool:
+    def ttft_budget_s(self, prompt_tokens: int, ttft_factor: float = 1.0) -> float:
+        """The TTFT a request with that prompt is promised: its tier's target times its
+        service class's ``ttft_factor`` (router.core.admission ``class_ttft_factor``)."""
+        return self.ttft_target_s(prompt_tokens) * ttft_factor
+
+    def judge(
+        self, prompt_tokens: int, ttft_s: float, tpot_s: float | None, ttft_factor: float = 1.0
+    ) -> tuple[SloTier, bool, bool]:
+        """The one SLO judgement of a finished request (the service's metric, the
+        simulator's goodput, the benchmarks'): its prompt's tier, whether its TTFT was within
+        :meth:`ttft_budget_s` (NaN, never answered, is not) and whether its TPOT was within
+        the target (``tpot_s`` None, at most one output token: met)."""
+        tier = self.tier(prompt_tokens)
+        ttft_ok = ttft_s <= tier.ttft_s * ttft_factor
+        return tier, ttft_ok, tpot_s is None or tpot_s <= self.tpot_s
+
+    def met(
+        self, prompt_tokens: int, ttft_s: float, tpot_s: float | None, ttft_factor: float = 1.0
+    ) -> bool:
         """Whether a finished request met both targets (``tpot_s`` None: one output token)."""
-        if not ttft_s <= self.ttft_target_s(prompt_tokens):  # NaN (never answered) fails
-            return False
-        return tpot_s is None or tpot_s <= self.tpot_s
+        _, ttft_ok, tpot_ok = self.judge(prompt_tokens, ttft_s, tpot_s, ttft_factor)
+        return ttft_ok and tpot_ok
 
     def labels(self) -> Sequence[str]:
         return [t.label for t in self.tiers]

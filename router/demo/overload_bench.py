@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from router.core.admission import CLASS_NAMES, AdmissionSettings, class_of
+from router.core.admission import CLASS_NAMES, class_of, class_ttft_factor
 from router.core.slo import SloTargets, SloTier, tpot_s
 
 TRACE = Path(__file__).resolve().parents[2] / "sim" / "traces" / "mooncake_synthetic_trace.jsonl"
@@ -156,7 +156,6 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def summarize(results: list[Result], slo: SloTargets, prompts: list[int]) -> dict[str, Any]:
-    factor = AdmissionSettings().ttft_factor
     served = [r for r in results if r.status == 200 and not r.error]
     refused = [r for r in results if r.status in (429, 503)]
     met = [0, 0, 0]
@@ -170,8 +169,8 @@ def summarize(results: list[Result], slo: SloTargets, prompts: list[int]) -> dic
         tpot = tpot_s(r.elapsed_s, r.ttft_s, r.output_tokens)
         if tpot is not None:
             tpots.append(tpot)
-        ok = r.ttft_s <= slo.ttft_target_s(n) * factor[r.klass]
-        tpot_ok = tpot is None or tpot <= slo.tpot_s
+        # the router's default knobs (its config names none), as its SLO metric judges
+        _, ok, tpot_ok = slo.judge(n, r.ttft_s, tpot, class_ttft_factor(None, r.klass))
         if ok and tpot_ok:
             met[r.klass] += 1
         missed = misses[CLASS_NAMES[r.klass]]

@@ -397,6 +397,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     max_output_tokens=max_out,
                     replicas=pinned or self._whole(request),
                 )
+                if slo_gate is not None:  # judged in its class without admission too
+                    headers = metadata_headers(context.invocation_metadata())
+                    routed = slo_gate.classed(routed, tier, headers)
         except KVRouterError as exc:
             rejected(self.state, request.model)  # counted as the HTTP endpoints count it
             await _abort(context, exc, self.state.settings.server.retry_after_s)

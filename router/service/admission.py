@@ -42,6 +42,7 @@ from router.core.admission import (
     Assessment,
     Ticket,
     assess,
+    class_ttft_factor,
     engine_priority,
     parse_service_tier,
     predictor_for,
@@ -83,6 +84,7 @@ class Admission:
         self._priority_keys = _keys(server.priority_keys)
         self._flex_keys = _keys(server.flex_keys)
         self._models: dict[str, _Model | None] = {}
+        self._factors: dict[str, tuple[float, ...]] = {}  # each class's, by model (classed)
         m = state.metrics
         self.decisions = m.admission_decisions
         self.shed = m.admission_shed
@@ -129,6 +131,22 @@ class Admission:
         if asked == PRIORITY and self._priority_keys and own != PRIORITY:
             return own  # only listed keys may ask for priority (any key may ask for default)
         return asked
+
+    def classed(
+        self, routed: Routed, body_tier: object, headers: Iterable[tuple[bytes, bytes]]
+    ) -> Routed:
+        """``routed`` (routed without admission: it is off for its model, or the request
+        bypasses it) with its request's class and that class's TTFT factor, which the SLO
+        metric judges it by: a class's SLO does not depend on whether admission is on
+        (router.core.admission ``class_ttft_factor``), as the simulator judges it."""
+        klass = self.service_class(body_tier, headers)
+        model = routed.request.model
+        factors = self._factors.get(model)
+        if factors is None:  # (once a model: its settings do not change)
+            settings = self.state.settings.model(model).admission
+            factors = tuple(class_ttft_factor(settings, k) for k in range(len(CLASS_NAMES)))
+            self._factors[model] = factors
+        return routed._replace(service_class=CLASS_NAMES[klass], ttft_factor=factors[klass])
 
     @staticmethod
     def tenant(headers: Iterable[tuple[bytes, bytes]]) -> str:
@@ -268,7 +286,7 @@ class Admission:
         )
         return routed._replace(
             service_class=CLASS_NAMES[ticket.klass],
-            ttft_factor=queue.settings.ttft_factor[ticket.klass],
+            ttft_factor=class_ttft_factor(queue.settings, ticket.klass),
             class_weight=weight,
         )
 

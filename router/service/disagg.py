@@ -435,7 +435,18 @@ async def serve(
     if params is not None:  # the request's hit is the prefill replica's (feedback, headers)
         first = flow.routed.decision
         decision = decision._replace(usable_tokens=first.usable_tokens, kv_tokens=first.kv_tokens)
-    routed = Routed(request, decision, flow.routed.prompt, 0.0, 0.0, 0, dispatch=dispatch)
+    leg = flow.routed
+    routed = Routed(
+        request,
+        decision,
+        leg.prompt,
+        0.0,
+        0.0,
+        0,
+        service_class=leg.service_class,  # the request's class (Admission.classed)
+        ttft_factor=leg.ttft_factor,
+        dispatch=dispatch,
+    )
     await forwarder.forward(
         sink,
         path,

@@ -598,6 +598,13 @@ async def serve_completion(
                 max_output_tokens=admitted.max_output_tokens,
             )
             slo_gate = None
+        if arrived is None and state.admission is not None:
+            # judged in its class without admission too (Admission.classed)
+            if isinstance(routed, disagg.PdFlow):
+                leg = state.admission.classed(routed.routed, admitted.service_tier, client_headers)
+                routed = routed._replace(routed=leg)
+            else:
+                routed = state.admission.classed(routed, admitted.service_tier, client_headers)
     except KVRouterError as exc:
         rejected(state, model)
         await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s), shaped)

@@ -93,11 +93,8 @@ def count_slo(
     """Count an answer with a first token in ``kvrouter_slo_requests``: its prompt's SLO
     tier and which targets it met (without an output length, TPOT is not judged). The
     forwarder's streams and gRPC Report (router/rpc/servicers.py) both count here."""
-    slo = state.slos[model]
-    tier = slo.tier(prompt_tokens)
-    ttft_ok = ttft <= tier.ttft_s * ttft_factor
     tpot = tpot_s(e2e, ttft, output_tokens) if output_tokens is not None else None
-    tpot_ok = tpot is None or tpot <= slo.tpot_s
+    tier, ttft_ok, tpot_ok = state.slos[model].judge(prompt_tokens, ttft, tpot, ttft_factor)
     result = _SLO_RESULTS[ttft_ok, tpot_ok]
     state.metrics.model(model).slo(tier.label, result, service_class).inc()
 
