@@ -9,7 +9,8 @@ Every request is a streaming ``/v1/completions`` call with
 ``stream_options.include_usage``, carrying its session in ``X-Session-Id`` (and ``user``); the
 client measures TTFT at the first SSE event that carries a token (not a keep-alive comment, a
 role-only or empty chunk) and E2E at the stream's closing ``[DONE]`` (a stream cut short of
-it is a failure), both from just before the request is sent, and reads the engine's
+it is a failure, as is an event that is not a JSON object: that request fails, the replay
+goes on), both from just before the request is sent, and reads the engine's
 ``cached_tokens`` and ``completion_tokens`` (and the mock's KV-only ``kv_hit_tokens``) from
 the usage chunk and the router's predicted hit from the ``X-KVRouter-Decision`` header
 (kvrouter only).
@@ -118,7 +119,8 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
     try:
         async with session.post(url, data=req.body, headers=headers) as resp:
             if resp.status != 200:
-                return Outcome(False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                text = await resp.text(errors="replace")
+                return Outcome(False, error=f"HTTP {resp.status}: {text[:200]}")
             out = Outcome(
                 True, predicted_tokens=_predicted(resp.headers.get("X-KVRouter-Decision"))
             )
@@ -131,7 +133,12 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                 if data == b"[DONE]":
                     out.e2e_s = at
                     break
-                chunk = json.loads(data)
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    chunk = None
+                if not isinstance(chunk, dict):  # one request's failure, not the replay's
+                    return Outcome(False, error=f"malformed event: {data[:200]!r}")
                 if "error" in chunk:
                     return Outcome(False, error=str(chunk["error"])[:200])
                 if out.ttft_s != out.ttft_s and _has_token(chunk):
