@@ -128,6 +128,24 @@ async def test_a_complete_stream_is_timed_and_counted(
     assert GAP_S <= out.ttft_s <= out.e2e_s
 
 
+async def test_a_stream_without_its_usage_is_a_failure(
+    scripted: Callable[[Script], Awaitable[Outcome]],
+) -> None:
+    """Every replayed request asks for ``stream_options.include_usage``: a stream that ends
+    without the usage chunk (a router that drops ``stream_options`` or the chunk) has no
+    prompt or output length to judge it by. Counted as an answer it would be judged against
+    the shortest prompt tier's TTFT target, meet the TPOT half with no TPOT at all and add
+    nothing to the hit's denominator; it is a failure instead, as a cut stream is."""
+
+    async def script(resp: web.StreamResponse) -> None:
+        await resp.write(_token("a") + _token("b c", "length") + b"data: [DONE]\n\n")
+
+    out = await scripted(script)
+    assert not out.ok and "usage" in out.error, out
+    figures = summarize([out], SloTargets())
+    assert (figures["ok"], figures["failed"], figures["goodput"]) == (0, 1, 0.0)
+
+
 def _record(i: int, ttft_s: float) -> RequestRecord:
     r = RequestRecord(f"r{i}", 0.0, 100, 0)
     r.first, r.finish, r.output = ttft_s, ttft_s + 1.0, 11
