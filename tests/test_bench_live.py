@@ -72,6 +72,46 @@ def test_bench_live_refuses_counts_out_of_range(flag: str, value: str) -> None:
     assert out.returncode != 0 and flag in out.stderr and "Traceback" not in out.stderr
 
 
+def test_bench_live_refuses_a_vllm_router_it_cannot_run_before_running_anything() -> None:
+    """A ``--vllm-router`` path that is no executable is a usage error before the first row
+    starts: found only at its own row, it cost the rows run before it."""
+    from tests.inprocess import kvrouter
+
+    out = kvrouter(
+        "bench", "live", "--rows", "kvrouter_ours,vllm_router_kv_aware",
+        "--vllm-router", "/nonexistent/vllm-router",
+    )  # fmt: skip
+    assert out.returncode != 0 and "/nonexistent/vllm-router" in out.stderr, out.stderr
+    assert "bench live: kvrouter_ours" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_run_that_breaks_is_its_rows_error_and_the_other_rows_are_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A row whose processes die or never come up (``_row`` raises) ends that run as the
+    row's ``error``; the rows measured before and after it are printed, and the bench exits
+    non-zero."""
+    from router.demo import live_bench
+    from router.demo.replay import Outcome
+    from tests.inprocess import kvrouter
+
+    async def row(name: str, *args: object, **kwargs: object) -> tuple[dict[str, object], list]:
+        if name == "vllm_router_kv_aware":
+            raise RuntimeError("vllm-router exited with code 1")
+        return {"ok": 1, "failed": 0, "goodput": 1.0}, [Outcome(True, 0.1, 10)]
+
+    monkeypatch.setattr(live_bench, "_row", row)
+    out = kvrouter(
+        "bench", "live", "--rows", "kvrouter_ours,vllm_router_kv_aware,vllm_router_cache_aware",
+        "--vllm-router", sys.executable, "--sim-policies", "", "--requests", "3", "--json",
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert rows["kvrouter_ours"]["goodput"] == rows["vllm_router_cache_aware"]["goodput"] == 1.0
+    assert "exited with code 1" in rows["vllm_router_kv_aware"]["error"]
+    assert "vllm-router exited" in out.stderr
+
+
 @pytest.fixture
 async def external() -> AsyncIterator[str]:
     """A mock replica serving the demo's model: any OpenAI-compatible endpoint will do."""

@@ -28,3 +28,21 @@ def test_overload_loses_nothing_and_refuses_with_retry_after() -> None:
     assert row["refused_with_retry_after"] == row["refused"]
     assert set(row["refusal_codes"]) <= {"slo_deadline", "slo_queue_full"}
     assert set(row["slo_attainment"]) == {"priority", "default", "flex"}
+
+
+def test_overload_percentiles_are_nearest_rank_as_every_other_figure() -> None:
+    """The overload rows' TTFT / TPOT / refusal percentiles are the same function as the
+    live bench's and the simulator's (router.bench.measure.percentile, nearest rank), not
+    numpy's interpolation: TTFTs 100, 200, 300, 400 ms have p50 300, not 250."""
+    from router.bench.measure import percentile
+    from router.core.slo import SloTargets
+    from router.demo.overload_bench import Result, summarize
+
+    ttfts = [0.1, 0.2, 0.3, 0.4]
+    served = [Result(1, 200, ttft_s=t, elapsed_s=t + 0.9, output_tokens=10) for t in ttfts]
+    refused = [Result(1, 429, retry_after=True, elapsed_s=t) for t in ttfts]
+    row = summarize(served + refused, SloTargets(), [100] * 8)
+    assert row["ttft_ms_p50"] == percentile([t * 1e3 for t in ttfts], 50) == 300.0
+    assert row["ttft_ms_p90"] == 400.0
+    assert row["refusal_latency_ms_p50"] == 300.0 and row["refusal_latency_ms_max"] == 400.0
+    assert row["tpot_ms_p90"] == 100.0

@@ -128,6 +128,24 @@ async def test_a_complete_stream_is_timed_and_counted(
     assert GAP_S <= out.ttft_s <= out.e2e_s
 
 
+async def test_a_stream_without_its_usage_is_a_failure(
+    scripted: Callable[[Script], Awaitable[Outcome]],
+) -> None:
+    """Every replayed request asks for ``stream_options.include_usage``: a stream that ends
+    without the usage chunk (a router that drops ``stream_options`` or the chunk) has no
+    prompt or output length to judge it by. Counted as an answer it would be judged against
+    the shortest prompt tier's TTFT target, meet the TPOT half with no TPOT at all and add
+    nothing to the hit's denominator; it is a failure instead, as a cut stream is."""
+
+    async def script(resp: web.StreamResponse) -> None:
+        await resp.write(_token("a") + _token("b c", "length") + b"data: [DONE]\n\n")
+
+    out = await scripted(script)
+    assert not out.ok and "usage" in out.error, out
+    figures = summarize([out], SloTargets())
+    assert (figures["ok"], figures["failed"], figures["goodput"]) == (0, 1, 0.0)
+
+
 def _record(i: int, ttft_s: float) -> RequestRecord:
     r = RequestRecord(f"r{i}", 0.0, 100, 0)
     r.first, r.finish, r.output = ttft_s, ttft_s + 1.0, 11
@@ -160,3 +178,42 @@ def test_a_run_without_a_figure_leaves_the_median_of_the_others() -> None:
         assert row["ttft_p90_ms"] == 150.0, values
         assert row["spread"]["ttft_p90_ms"] == [100.0, 200.0], values
     assert math.isnan(median_row([{"x": nan}, {"x": nan}])["x"])  # no run has it
+
+
+@pytest.mark.parametrize(
+    "event",
+    [b"data: Internal Server Error\n\n", b'data: "a string"\n\n', b"data: [1, 2]\n\n"],
+)
+async def test_a_malformed_event_fails_its_request_not_the_replay(
+    scripted: Callable[[Script], Awaitable[Outcome]], event: bytes
+) -> None:
+    """A router that writes something other than a JSON object into a stream fails that
+    request: the replay (and the bench around it, with every run so far) goes on."""
+
+    async def script(resp: web.StreamResponse) -> None:
+        await resp.write(_token("a") + event + USAGE + b"data: [DONE]\n\n")
+
+    out = await scripted(script)
+    assert not out.ok and "malformed" in out.error, out
+
+
+async def test_an_error_body_that_is_not_text_fails_its_request_not_the_replay() -> None:
+    """A refusal whose body does not decode is a failed request like any other."""
+
+    async def handler(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=502, body=b"\xff\xfe bad gateway", charset="utf-8")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    req = TraceRequest(0.0, 100, 3, b'{"prompt": [1], "stream": true}')
+    try:
+        async with aiohttp.ClientSession() as session:
+            out = await _one(session, f"http://127.0.0.1:{port}/v1/completions", req)
+    finally:
+        await runner.cleanup()
+    assert not out.ok and out.error.startswith("HTTP 502"), out

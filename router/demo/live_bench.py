@@ -38,7 +38,10 @@ client less engine is the router's and HTTP's share under load, engine less mode
 mocks' lag behind their model, and the model's against the simulator's ``ttft_mean_ms -
 transport_ms`` what the live schedule did differently from the simulated one.
 With ``--repeat N`` each row runs N times (the rows interleaved) and reports the runs'
-medians, their totals and spread (``combine_runs``).
+medians, their totals and spread (``combine_runs``). A row without a vllm-router binary is
+its ``error``; so is one whose processes die or never come up (the other rows are still run
+and printed, and the bench exits 1); a ``--vllm-router`` that is no executable is a usage
+error before anything runs.
 ``versus`` compares ``kvrouter_ours`` with each other row that ran: ours' goodput, TTFT p50
 and p90, E2E p90 and TPOT p90 over the peer's, with a 95 % interval from a paired bootstrap
 over the requests both replayed (router/demo/compare.py: an interval that holds 1 means the
@@ -69,6 +72,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -390,6 +394,10 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         known = ", ".join((*ROWS, *PD_ROWS))
         raise SystemExit(f"unknown row(s) {', '.join(unknown)}; choose from {known}")
+    # checked before any row: found at its own row, it would cost the rows run before it
+    peers = any(not r.startswith("kvrouter_") for r in rows)
+    if peers and args.vllm_router is not None and shutil.which(args.vllm_router) is None:
+        raise SystemExit(f"--vllm-router {args.vllm_router}: not an executable")
     slo = _slo(args)
     sim_policies = [p.strip() for p in args.sim_policies.split(",") if p.strip()]
     if unknown := [p for p in sim_policies if p not in POLICY_NAMES]:
@@ -410,6 +418,7 @@ def run(args: argparse.Namespace) -> int:
             "slo": {"ttft_s": {t.label: t.ttft_s for t in slo.tiers}, "tpot_s": slo.tpot_s},
             "rows": {},
         }
+        broken = False
         runs: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
         outcomes: dict[str, list[list[Any]]] = {row: [] for row in rows}
         for k in range(args.repeat):  # rows interleaved: a drifting machine hits them all
@@ -418,9 +427,16 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 print(f"bench live: {row} (run {k + 1} of {args.repeat}) ...", file=sys.stderr)
                 ttl = args.speculative_ttl_s
-                figures, answered = asyncio.run(
-                    _row(row, workload, requests, args.vllm_router, slo, ttl)
-                )
+                try:
+                    figures, answered = asyncio.run(
+                        _row(row, workload, requests, args.vllm_router, slo, ttl)
+                    )
+                except (RuntimeError, OSError, TimeoutError) as exc:
+                    # a process died or never came up: this run is the row's error, the
+                    # rows measured before and after it are kept
+                    print(f"bench live: {row}: {exc}", file=sys.stderr)
+                    figures, answered = {"error": f"{type(exc).__name__}: {exc}"[:500]}, []
+                    broken = True
                 runs[row].append(figures)
                 outcomes[row].append(answered)
         rows_out = {row: combine_runs(r) for row, r in runs.items()}
@@ -468,7 +484,7 @@ def run(args: argparse.Namespace) -> int:
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(result, indent=None if args.json else 2)
     sys.stdout.write(text + "\n")
-    return 0
+    return 1 if broken else 0
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

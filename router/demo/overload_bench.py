@@ -13,7 +13,8 @@ Per row: ``served`` (200 and a complete stream), ``refused`` (429/503), how many
 carried ``Retry-After``, ``lost`` (anything else: errors, cut streams; must be 0),
 ``goodput`` (share of all requests that met their class's SLO, as the client measured),
 ``slo_attainment`` per class, the refusal latency (request sent -> refusal received) and
-the served requests' TTFT / TPOT. Figures of a shared machine: compare rows of one run.
+the served requests' TTFT / TPOT (percentiles nearest rank, as ``kvrouter bench live``'s and
+the simulator's). Figures of a shared machine: compare rows of one run.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from router.bench.measure import percentile
 from router.core.admission import CLASS_NAMES, class_of, class_ttft_factor
 from router.core.slo import SloTargets, SloTier, tpot_s
 
@@ -152,7 +152,8 @@ async def _replay(url: str, requests: list[tuple[float, bytes, int]]) -> list[Re
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)) * 1000, 1) if values else None
+    """The ``q``th percentile in ms, nearest rank as the live bench's and the simulator's."""
+    return round(percentile(values, q) * 1000, 1) if values else None
 
 
 def summarize(results: list[Result], slo: SloTargets, prompts: list[int]) -> dict[str, Any]:

@@ -9,10 +9,12 @@ Every request is a streaming ``/v1/completions`` call with
 ``stream_options.include_usage``, carrying its session in ``X-Session-Id`` (and ``user``); the
 client measures TTFT at the first SSE event that carries a token (not a keep-alive comment, a
 role-only or empty chunk) and E2E at the stream's closing ``[DONE]`` (a stream cut short of
-it is a failure), both from just before the request is sent, and reads the engine's
-``cached_tokens`` and ``completion_tokens`` (and the mock's KV-only ``kv_hit_tokens``) from
-the usage chunk and the router's predicted hit from the ``X-KVRouter-Decision`` header
-(kvrouter only).
+it is a failure, as is an event that is not a JSON object: that request fails, the replay
+goes on), both from just before the request is sent, and reads the engine's
+``prompt_tokens``, ``cached_tokens`` and ``completion_tokens`` (and the mock's KV-only
+``kv_hit_tokens``) from the usage chunk (a stream without one is a failure: nothing to judge
+it by) and the router's predicted hit from the ``X-KVRouter-Decision`` header (kvrouter
+only).
 """
 
 from __future__ import annotations
@@ -118,10 +120,12 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
     try:
         async with session.post(url, data=req.body, headers=headers) as resp:
             if resp.status != 200:
-                return Outcome(False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                text = await resp.text(errors="replace")
+                return Outcome(False, error=f"HTTP {resp.status}: {text[:200]}")
             out = Outcome(
                 True, predicted_tokens=_predicted(resp.headers.get("X-KVRouter-Decision"))
             )
+            usage_seen = False
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
@@ -131,13 +135,19 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                 if data == b"[DONE]":
                     out.e2e_s = at
                     break
-                chunk = json.loads(data)
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    chunk = None
+                if not isinstance(chunk, dict):  # one request's failure, not the replay's
+                    return Outcome(False, error=f"malformed event: {data[:200]!r}")
                 if "error" in chunk:
                     return Outcome(False, error=str(chunk["error"])[:200])
                 if out.ttft_s != out.ttft_s and _has_token(chunk):
                     out.ttft_s = at
                 usage = chunk.get("usage")
                 if usage:
+                    usage_seen = True
                     out.prompt_tokens = usage.get("prompt_tokens", 0)
                     out.output_tokens = usage.get("completion_tokens", 0)
                     details = usage.get("prompt_tokens_details") or {}
@@ -147,6 +157,8 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                 return Outcome(False, error="stream ended without a token")
             if out.e2e_s != out.e2e_s:  # cut short: no usage to judge it by, not an answer
                 return Outcome(False, error="stream ended before [DONE]")
+            if not usage_seen:  # no prompt or output length to judge it by: not an answer
+                return Outcome(False, error="stream ended without its usage chunk")
             return out
     except aiohttp.ClientConnectorError as exc:  # never reached the router: safe to resend
         return Outcome(False, error=f"{CONNECT_FAILED}{exc}")
@@ -240,6 +252,7 @@ async def probe_ttft(router_url: str, model: str, count: int = 5) -> list[float]
                 "prompt": rng.integers(1 << 31, 1 << 32, PROBE_TOKENS).tolist(),
                 "max_tokens": 1,
                 "stream": True,
+                "stream_options": {"include_usage": True},  # as every replayed request
             }
             req = TraceRequest(0.0, PROBE_TOKENS, 1, json.dumps(body).encode())
             outcome = await _one(session, url, req)
