@@ -475,11 +475,9 @@ def run(args: argparse.Namespace) -> int:
             from router.demo import sim_samples
 
             drawn = sim_samples.samples(workload, trace, args.sim_samples, Path(tmp), _trace_file)
-            # the first sample is the workload's own trace: ``sim`` above predicted it
-            per_policy = {
-                key(p): [result["sim"][key(p)]] + [predict(p, w, at) for _, w, at in drawn[1:]]
-                for p in sim_policies
-            }
+            # one run a sample, the first (the workload's own trace) included: ``sim`` above
+            # is the median of ``--sim-runs``, which would weigh that sample differently
+            per_policy = {key(p): [predict(p, w, at) for _, w, at in drawn] for p in sim_policies}
             result["sim_samples"] = sim_samples.summarize(per_policy, [n for n, _, _ in drawn])
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(result, indent=None if args.json else 2)
