@@ -126,11 +126,14 @@ def _serve_workers(settings: Settings, workers: int) -> int:
     Before forking, the parent creates a private control directory (mode 0700): each worker
     listens on ``<dir>/worker-<pid>.sock`` for the drains / undrains other workers forward
     (router.service.control), and the parent writes the workers' pids to ``<dir>/workers``
-    once all are forked. The parent removes the directory when it exits."""
+    once all are forked. The parent removes the directory when it exits, with the first
+    failing worker's status (:func:`_exit_status`; 0 when every worker stopped cleanly)."""
     import shutil
     import signal
     import tempfile
+    import traceback
 
+    from router.cli import failure_code
     from router.service.app import create_app
     from router.service.control import join_workers
     from router.service.workers import PIDS_FILE, Workers
@@ -149,6 +152,7 @@ def _serve_workers(settings: Settings, workers: int) -> int:
         for index in range(workers):
             pid = os.fork()
             if pid == 0:  # child
+                code = 1
                 try:
                     # each worker's share of the CPUs: encoding threads beyond it would only
                     # hold more tiktoken copies (one vocabulary each) for cores others use
@@ -156,8 +160,17 @@ def _serve_workers(settings: Settings, workers: int) -> int:
                     app = create_app(settings)
                     join_workers(app, group, index)
                     _run(app, settings.server.host, settings.server.port, reuse_port=True)
+                    code = 0
+                except BaseException as exc:  # as main() would say it: os._exit skips that
+                    failed = failure_code("serve", exc)
+                    if failed is None:
+                        traceback.print_exc()
+                    code = 1 if failed is None else failed
                 finally:
-                    os._exit(0)
+                    with contextlib.suppress(Exception):
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                    os._exit(code)
             children.append(pid)
         pids = os.path.join(control, PIDS_FILE)
         with open(pids + ".tmp", "w") as f:
@@ -175,10 +188,17 @@ def _serve_workers(settings: Settings, workers: int) -> int:
         status = 0
         for pid in children:
             _, code = os.waitpid(pid, 0)
-            status = status or (code >> 8)
+            status = status or _exit_status(code)
         return status
     finally:
         shutil.rmtree(control, ignore_errors=True)
+
+
+def _exit_status(wait_status: int) -> int:
+    """A worker's exit as a shell reports it: its exit code, or 128 + the signal that
+    killed it (a worker the kernel's OOM killer took is a failure, not a clean exit)."""
+    code = os.waitstatus_to_exitcode(wait_status)
+    return code if code >= 0 else 128 - code
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
