@@ -5,12 +5,15 @@ processes (whose failure used to be silent, and the router's exit status 0)."""
 
 from __future__ import annotations
 
+import re
+import signal
 import socket
 from pathlib import Path
 
 import pytest
 
 from tests.procs import Fleet
+from tests.waiting import wait_until
 
 
 @pytest.mark.parametrize(("engine", "workers"), [("fast", 1), ("aiohttp", 1), ("fast", 2)])
@@ -31,3 +34,32 @@ def test_a_taken_port_is_an_error_exit(
         code = router.wait(60)
     assert code == 2, router.log()[-2000:]
     assert "address already in use" in router.log()
+
+
+def test_a_stop_while_the_workers_start_stops_them_all_cleanly(tmp_path: Path) -> None:
+    """SIGTERM to ``serve --workers 2`` as soon as it forks (the workers still building
+    their apps): every worker stops, the control directory goes, and that is a clean stop
+    (exit 0), though a worker may die of the signal before it could handle it."""
+    with Fleet(tmp_path) as fleet:
+        router = fleet.router("router", [], server={"workers": 2}, wait=False)
+        wait_until(lambda: "worker control sockets in" in router.log(), timeout=30)
+        found = re.search(r"worker control sockets in (\S+)", router.log())
+        assert found, router.log()
+        router.signal(signal.SIGTERM)
+        code = router.wait(60)
+        assert code == 0, router.log()[-2000:]
+        assert not Path(found.group(1)).exists()
+        config = str(fleet.workdir / "router.toml").encode()
+        left = [
+            p.name
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit() and config in _cmdline(p)  # a worker shares the parent's
+        ]
+        assert left == [], left
+
+
+def _cmdline(proc_dir: Path) -> bytes:
+    try:
+        return (proc_dir / "cmdline").read_bytes()
+    except OSError:  # (it exited meanwhile)
+        return b""

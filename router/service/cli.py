@@ -148,10 +148,26 @@ def _serve_workers(settings: Settings, workers: int) -> int:
         control,
     )
     children: list[int] = []
+    stopping: list[int] = []  # the signals that asked the router to stop
+
+    def forward(signum: int, _frame: Any) -> None:
+        stopping.append(signum)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    # the parent only supervises: SIGTERM / SIGINT stop every worker, then the parent; set
+    # before forking, so that a stop asked for while the workers start stops them all too
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
     try:
         for index in range(workers):
+            if stopping:
+                break
             pid = os.fork()
             if pid == 0:  # child
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the app sets its own)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
                 code = 1
                 try:
                     # each worker's share of the CPUs: encoding threads beyond it would only
@@ -172,22 +188,17 @@ def _serve_workers(settings: Settings, workers: int) -> int:
                         sys.stderr.flush()
                     os._exit(code)
             children.append(pid)
+        if stopping:  # (a signal between a fork and its pid's append missed that worker)
+            forward(stopping[0], None)
         pids = os.path.join(control, PIDS_FILE)
         with open(pids + ".tmp", "w") as f:
             f.write("".join(f"{pid}\n" for pid in children))
         os.replace(pids + ".tmp", pids)
-
-        def forward(signum: int, _frame: Any) -> None:
-            for pid in children:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-
-        # the parent only supervises: SIGTERM / SIGINT stop every worker, then the parent
-        signal.signal(signal.SIGTERM, forward)
-        signal.signal(signal.SIGINT, forward)
         status = 0
         for pid in children:
             _, code = os.waitpid(pid, 0)
+            if stopping and os.WIFSIGNALED(code) and os.WTERMSIG(code) == signal.SIGTERM:
+                continue  # stopped as asked before it could handle the signal itself
             status = status or _exit_status(code)
         return status
     finally:
