@@ -160,14 +160,26 @@ def _serve_workers(settings: Settings, workers: int) -> int:
     # before forking, so that a stop asked for while the workers start stops them all too
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    held = {signal.SIGTERM, signal.SIGINT}
     try:
         for index in range(workers):
             if stopping:
                 break
-            pid = os.fork()
+            # held over the fork: the parent's handler runs once the pid is listed, and a
+            # worker never runs it (it gets its own handlers first)
+            signal.pthread_sigmask(signal.SIG_BLOCK, held)
+            try:
+                pid = os.fork()
+            except BaseException:  # (out of processes or memory): stop the ones started
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+                forward(signal.SIGTERM, None)
+                for started in children:
+                    os.waitpid(started, 0)
+                raise
             if pid == 0:  # child
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the app sets its own)
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
                 code = 1
                 try:
                     # each worker's share of the CPUs: encoding threads beyond it would only
@@ -188,8 +200,7 @@ def _serve_workers(settings: Settings, workers: int) -> int:
                         sys.stderr.flush()
                     os._exit(code)
             children.append(pid)
-        if stopping:  # (a signal between a fork and its pid's append missed that worker)
-            forward(stopping[0], None)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
         pids = os.path.join(control, PIDS_FILE)
         with open(pids + ".tmp", "w") as f:
             f.write("".join(f"{pid}\n" for pid in children))
