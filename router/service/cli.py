@@ -161,6 +161,7 @@ def _serve_workers(settings: Settings, workers: int) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     held = {signal.SIGTERM, signal.SIGINT}
+    parent = os.getpid()
     try:
         for index in range(workers):
             if stopping:
@@ -186,7 +187,7 @@ def _serve_workers(settings: Settings, workers: int) -> int:
                     # hold more tiktoken copies (one vocabulary each) for cores others use
                     set_pool_threads(pool_threads_for(workers))
                     app = create_app(settings)
-                    join_workers(app, group, index)
+                    join_workers(app, group, index, parent)
                     _run(app, settings.server.host, settings.server.port, reuse_port=True)
                     code = 0
                 except BaseException as exc:  # as main() would say it: os._exit skips that
