@@ -190,6 +190,8 @@ def _serve_workers(settings: Settings, workers: int) -> int:
                     join_workers(app, group, index, parent)
                     _run(app, settings.server.host, settings.server.port, reuse_port=True)
                     code = 0
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
                 except BaseException as exc:  # as main() would say it: os._exit skips that
                     failed = failure_code("serve", exc)
                     if failed is None:
@@ -207,8 +209,9 @@ def _serve_workers(settings: Settings, workers: int) -> int:
             f.write("".join(f"{pid}\n" for pid in children))
         os.replace(pids + ".tmp", pids)
         status = 0
-        for pid in children:
+        for pid in list(children):
             _, code = os.waitpid(pid, 0)
+            children.remove(pid)  # reaped: its pid may be another process's by a next stop
             if stopping and os.WIFSIGNALED(code) and os.WTERMSIG(code) == signal.SIGTERM:
                 continue  # stopped as asked before it could handle the signal itself
             status = status or _exit_status(code)
