@@ -139,14 +139,6 @@ def _serve_workers(settings: Settings, workers: int) -> int:
     from router.service.workers import PIDS_FILE, Workers
     from router.tokenize.tokenizers import pool_threads_for, set_pool_threads
 
-    control = tempfile.mkdtemp(prefix="kvrouter-workers-")  # mode 0700
-    group = Workers(control, workers)
-    logging.getLogger("kvrouter.service").info(
-        "%d workers on port %d; worker control sockets in %s",
-        workers,
-        settings.server.port,
-        control,
-    )
     children: list[int] = []
     stopping: list[int] = []  # the signals that asked the router to stop
 
@@ -157,10 +149,19 @@ def _serve_workers(settings: Settings, workers: int) -> int:
                 os.kill(pid, signal.SIGTERM)
 
     # the parent only supervises: SIGTERM / SIGINT stop every worker, then the parent; set
-    # before forking, so that a stop asked for while the workers start stops them all too
+    # before anything is made, so that a stop asked for while the workers start stops them
+    # all too and leaves no control directory
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     held = {signal.SIGTERM, signal.SIGINT}
+    control = tempfile.mkdtemp(prefix="kvrouter-workers-")  # mode 0700
+    group = Workers(control, workers)
+    logging.getLogger("kvrouter.service").info(
+        "%d workers on port %d; worker control sockets in %s",
+        workers,
+        settings.server.port,
+        control,
+    )
     parent = os.getpid()
     try:
         for index in range(workers):
