@@ -69,17 +69,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(handler(args) or 0)
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        code = failure_code(args.command, exc)
+        if code is None:
+            raise
+        return code
+
+
+def failure_code(command: str, exc: BaseException) -> int | None:
+    """The exit status of ``kvrouter COMMAND`` stopped by ``exc``, its one-line message
+    printed; None when ``exc`` must keep its traceback (a bug, or ``KVROUTER_DEBUG=1``).
+    Also used by the worker processes of ``serve --workers N``, whose exceptions never
+    reach :func:`main`."""
+    if isinstance(exc, KeyboardInterrupt):
         return 130
-    except BrokenPipeError:
+    if isinstance(exc, BrokenPipeError):
         return 0
-    except (KVRouterError, ValueError, OSError) as exc:
+    if isinstance(exc, KVRouterError | ValueError | OSError):
         # Bad settings, arguments or files: one clear line, no traceback (KVROUTER_DEBUG=1
         # shows it). Anything else is a bug and keeps its traceback.
         if os.environ.get("KVROUTER_DEBUG"):
-            raise
-        print(f"kvrouter {args.command}: error: {exc}", file=sys.stderr)
+            return None
+        print(f"kvrouter {command}: error: {exc}", file=sys.stderr)
         return 2
+    return None
 
 
 if __name__ == "__main__":

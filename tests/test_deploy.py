@@ -567,6 +567,25 @@ def test_joins_match_one_series_per_key_across_router_pods() -> None:
     assert problems == [], "\n".join(problems)
 
 
+# gauges each router process exports of its own view of the same fleet (docs/metrics.md:
+# every worker and pod has a copy): summed over routers they count each copy again
+_VIEW_GAUGES = ("kvrouter_index_entries", "kvrouter_index_replicas", "kvrouter_replica_up")
+_SUMMED = re.compile(r"\bsum\s*(?:(?:by|without)\s*\([^)]*\)\s*)?\(\s*(kvrouter_\w+)")
+
+
+def test_a_routers_own_view_is_not_summed_over_routers() -> None:
+    """With ``server.workers = N`` (or N pods) ``sum(kvrouter_index_entries)`` shows N
+    times the index and ``sum by (replica) (kvrouter_replica_up)`` N for a replica that is
+    up: those gauges take ``max`` / ``min`` over the routers, not ``sum``."""
+    problems = [
+        f"{where}: sums {m.group(1)} over router processes"
+        for where, expr in _queries()
+        for m in _SUMMED.finditer(expr)
+        if m.group(1) in _VIEW_GAUGES
+    ]
+    assert problems == [], "\n".join(problems)
+
+
 def test_metrics_doc_tables_match_the_live_scrape(live: tuple[Scrape, Scrape]) -> None:
     """Each row of docs/metrics.md's tables names an exported series with its type and
     exactly its labels (the publishers' metrics in docs/publisher.md: their names)."""

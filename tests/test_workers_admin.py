@@ -212,7 +212,8 @@ async def test_drain_that_misses_a_worker_is_an_error_naming_it(fleet: Fleet) ->
         b1.received.clear()
         await traffic(proc, 10)
         assert b1.received == []
-        proc.stop()
+        # the router's exit status tells a worker was killed (as a shell would: 128 + 9)
+        assert proc.stop() == 128 + signal.SIGKILL, proc.log()[-2000:]
         assert not control.exists()  # the parent removed the control directory
     finally:
         await b0.stop()
@@ -293,3 +294,30 @@ async def test_workers_count_each_others_requests_in_flight(fleet: Fleet, share:
         assert [s for s, _ in await asyncio.gather(*held)] == [200] * 16
     finally:
         await slow.stop()
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie waiting for its reaper does not)."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat_line.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def test_workers_stop_when_their_parent_is_killed(fleet: Fleet) -> None:
+    """The parent SIGKILLed (the OOM killer, a supervisor's hard stop): its workers must not
+    go on serving the port unsupervised (a restarted router would share it with them, each
+    generation with its own drains and load); they stop as on SIGTERM."""
+    b0 = await Backend("b0", ["m"]).start()
+    pids: list[int] = []
+    try:
+        proc = await start_router(fleet, [b0], workers=2, engine="fast")
+        pids = sorted(await worker_pids(proc, 2))
+        proc.kill()
+        await eventually(lambda: not any(_running(p) for p in pids), timeout=20)
+    finally:
+        for pid in pids:  # (the workers of the router this test started)
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        await b0.stop()

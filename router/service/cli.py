@@ -126,16 +126,34 @@ def _serve_workers(settings: Settings, workers: int) -> int:
     Before forking, the parent creates a private control directory (mode 0700): each worker
     listens on ``<dir>/worker-<pid>.sock`` for the drains / undrains other workers forward
     (router.service.control), and the parent writes the workers' pids to ``<dir>/workers``
-    once all are forked. The parent removes the directory when it exits."""
+    once all are forked. The parent removes the directory when it exits, with the first
+    failing worker's status (:func:`_exit_status`; 0 when every worker stopped cleanly)."""
     import shutil
     import signal
     import tempfile
+    import traceback
 
+    from router.cli import failure_code
     from router.service.app import create_app
     from router.service.control import join_workers
     from router.service.workers import PIDS_FILE, Workers
     from router.tokenize.tokenizers import pool_threads_for, set_pool_threads
 
+    children: list[int] = []
+    stopping: list[int] = []  # the signals that asked the router to stop
+
+    def forward(signum: int, _frame: Any) -> None:
+        stopping.append(signum)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    # the parent only supervises: SIGTERM / SIGINT stop every worker, then the parent; set
+    # before anything is made, so that a stop asked for while the workers start stops them
+    # all too and leaves no control directory
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    held = {signal.SIGTERM, signal.SIGINT}
     control = tempfile.mkdtemp(prefix="kvrouter-workers-")  # mode 0700
     group = Workers(control, workers)
     logging.getLogger("kvrouter.service").info(
@@ -144,41 +162,70 @@ def _serve_workers(settings: Settings, workers: int) -> int:
         settings.server.port,
         control,
     )
-    children: list[int] = []
+    parent = os.getpid()
     try:
         for index in range(workers):
-            pid = os.fork()
+            if stopping:
+                break
+            # held over the fork: the parent's handler runs once the pid is listed, and a
+            # worker never runs it (it gets its own handlers first)
+            signal.pthread_sigmask(signal.SIG_BLOCK, held)
+            try:
+                pid = os.fork()
+            except BaseException:  # (out of processes or memory): stop the ones started
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+                forward(signal.SIGTERM, None)
+                for started in children:
+                    os.waitpid(started, 0)
+                raise
             if pid == 0:  # child
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the app sets its own)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+                code = 1
                 try:
                     # each worker's share of the CPUs: encoding threads beyond it would only
                     # hold more tiktoken copies (one vocabulary each) for cores others use
                     set_pool_threads(pool_threads_for(workers))
                     app = create_app(settings)
-                    join_workers(app, group, index)
+                    join_workers(app, group, index, parent)
                     _run(app, settings.server.host, settings.server.port, reuse_port=True)
+                    code = 0
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+                except BaseException as exc:  # as main() would say it: os._exit skips that
+                    failed = failure_code("serve", exc)
+                    if failed is None:
+                        traceback.print_exc()
+                    code = 1 if failed is None else failed
                 finally:
-                    os._exit(0)
+                    with contextlib.suppress(Exception):
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                    os._exit(code)
             children.append(pid)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
         pids = os.path.join(control, PIDS_FILE)
         with open(pids + ".tmp", "w") as f:
             f.write("".join(f"{pid}\n" for pid in children))
         os.replace(pids + ".tmp", pids)
-
-        def forward(signum: int, _frame: Any) -> None:
-            for pid in children:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-
-        # the parent only supervises: SIGTERM / SIGINT stop every worker, then the parent
-        signal.signal(signal.SIGTERM, forward)
-        signal.signal(signal.SIGINT, forward)
         status = 0
-        for pid in children:
+        for pid in list(children):
             _, code = os.waitpid(pid, 0)
-            status = status or (code >> 8)
+            children.remove(pid)  # reaped: its pid may be another process's by a next stop
+            if stopping and os.WIFSIGNALED(code) and os.WTERMSIG(code) == signal.SIGTERM:
+                continue  # stopped as asked before it could handle the signal itself
+            status = status or _exit_status(code)
         return status
     finally:
         shutil.rmtree(control, ignore_errors=True)
+
+
+def _exit_status(wait_status: int) -> int:
+    """A worker's exit as a shell reports it: its exit code, or 128 + the signal that
+    killed it (a worker the kernel's OOM killer took is a failure, not a clean exit)."""
+    code = os.waitstatus_to_exitcode(wait_status)
+    return code if code >= 0 else 128 - code
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -33,7 +33,7 @@ from router.service.response_share import PATH_PREFIX, holder_json, siblings_ctx
 from router.service.routes import Handler, Routes, error
 from router.service.wire import Sink
 from router.service.worker_metrics import INDEX_HEADER
-from router.service.workers import Workers
+from router.service.workers import Workers, parent_watch
 
 _MAX_BODY = 1 << 16  # control calls carry no body
 
@@ -108,14 +108,19 @@ async def _answer(routes: Routes, req: HttpRequest, sink: Sink) -> None:
     await sink.respond(reply.status, list(reply.headers), reply.body)
 
 
-def join_workers(app: web.Application, group: Workers, index: int = 0) -> None:
+def join_workers(
+    app: web.Application, group: Workers, index: int = 0, parent: int | None = None
+) -> None:
     """Make ``app`` (not started yet) worker ``index`` of ``group``: its drains reach every
     worker, and while it runs it answers the other workers on its control socket; it takes
     their load every ``server.load_share_interval_s`` and asks them for the stored responses
-    it does not know."""
+    it does not know. ``parent``: the pid of the process that forked it, whose end stops
+    this worker (:func:`~router.service.workers.parent_watch`)."""
     app[WORKERS] = group
     app[WORKER_INDEX] = index
     app[REPORT_RELAY] = ReportRelay()
+    if parent is not None:
+        app.cleanup_ctx.append(parent_watch(parent))
 
     async def control(app: web.Application) -> AsyncIterator[None]:
         server = FastServer(partial(_answer, control_routes(app, index)), _MAX_BODY)

@@ -12,8 +12,10 @@ received it and then by every other worker through its control socket
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-from collections.abc import Awaitable, Callable
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -22,6 +24,8 @@ from router.service.peers import peer_call
 
 T = TypeVar("T")
 PIDS_FILE = "workers"  # the parent's list of worker pids, one a line, in the control directory
+PARENT_CHECK_S = 0.5  # how often a worker checks that the parent that forked it still runs
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,3 +130,25 @@ async def forward_to_peers(
     auth = f"Bearer {admin_token or ''}"
     _, failed = await ask_peers(group, lambda pid: _forward(group, pid, name, draining, auth))
     return FanOut(group.count, failed)
+
+
+def parent_watch(parent: int) -> Callable[[object], AsyncIterator[None]]:
+    """A ``cleanup_ctx`` for a worker forked by process ``parent``: when that parent is gone
+    (killed without stopping its workers: SIGKILL, the OOM killer) the worker stops as on
+    SIGTERM (requests in flight finish), rather than serve the port unsupervised beside the
+    workers of a router started again."""
+
+    async def ctx(_app: object) -> AsyncIterator[None]:
+        async def watch() -> None:
+            while os.getppid() == parent:
+                await asyncio.sleep(PARENT_CHECK_S)
+            _log.warning("the parent process %d is gone: this worker stops", parent)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        task = asyncio.ensure_future(watch())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    return ctx
