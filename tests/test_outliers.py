@@ -51,6 +51,14 @@ def test_the_ejected_share_of_a_pool_is_capped_and_the_rest_are_penalised() -> N
     assert det.penalty(D, 1.0) == 0
 
 
+def test_the_cap_is_the_configured_share_despite_float_rounding() -> None:
+    """0.7 of 90 replicas is 63, although ``0.7 * 90`` is 62.99999999999999 in floats."""
+    det = OutlierDetector(OutlierSettings(consecutive_failures=1, max_ejected_share=0.7))
+    keys = [ReplicaKey(f"r{i}") for i in range(90)]
+    got = [det.failure(k, "m", "http_5xx", 0.0, pool_size=90) for k in keys[:64]]
+    assert sum(g is not None for g in got) == 63
+
+
 def test_retry_after_ejects_at_once_for_that_long() -> None:
     det = OutlierDetector(OutlierSettings(max_retry_after_s=30.0, base_ejection_s=2.0))
     got = det.failure(A, "m", "http_429", 10.0, retry_after_s=7.0, pool_size=3)

@@ -202,7 +202,9 @@ class OutlierDetector:
         hold: float | None = None,
     ) -> Ejection | None:
         s = self.settings
-        cap = max(1, int(s.max_ejected_share * pool_size))
+        # (a hair over, so a share that is a whole number of replicas is not one short:
+        # 0.7 * 90 is 62.99999999999999 in floats)
+        cap = max(1, int(s.max_ejected_share * pool_size + 1e-9))
         if self._ejected_in(rep.pool, now) >= cap:
             return None  # the cap: it stays, penalised
         rep.ejections += 1

@@ -4,8 +4,9 @@ policy picks it until ``until``) and a failing replica's penalty as phantom load
 
 Ejection rides the fleet's unhealthy cooldown (router/service/fleet.py): an ejected key is
 in ``Fleet.unhealthy_until`` until its ejection ends, then readmitted by the same
-housekeeping that readmits replicas after a failed health probe; a passing health probe
-does not readmit it early. A readmitted replica is on probation until an attempt succeeds:
+housekeeping that readmits replicas after a failed health probe; neither a passing health
+probe nor a failed one's shorter cooldown (``Fleet.mark_unhealthy`` keeps the later end)
+readmits it early. A readmitted replica is on probation until an attempt succeeds:
 while its one attempt is out it is out of rotation again (so a replica that hangs takes one
 request per readmission, whatever the policy).
 
@@ -89,15 +90,19 @@ class Ejections:
             self.state.fleet.unhealthy_until[key] = _UNTIL_ANSWERED
             self.state.load.set_health(key, False)
 
-    def _probed(self, key: ReplicaKey, token: object, now: float) -> None:
-        """The probation attempt ``token`` on ``key`` ended: readmit it unless ejected."""
+    def _probed(self, key: ReplicaKey, token: object, now: float, hold: float = 0.0) -> None:
+        """The probation attempt ``token`` on ``key`` ended: readmit it unless ejected, or
+        held out until ``hold`` (a connection failure's unhealthy cooldown, which the
+        fleet's mark could not record over the probation's hold)."""
         if token is None or self._probing.get(key) is not token:
             return
         del self._probing[key]
         fleet = self.state.fleet
         ejected = self.detector.ejected(key, now)
-        if ejected is not None:
-            fleet.unhealthy_until[key] = ejected.until
+        until = max(ejected.until if ejected is not None else 0.0, hold)
+        if until > now:
+            fleet.unhealthy_until[key] = until
+            self.state.load.set_health(key, False)
         elif fleet.unhealthy_until.get(key) == _UNTIL_ANSWERED:
             del fleet.unhealthy_until[key]
             self.state.load.set_health(key, True)
@@ -143,7 +148,10 @@ class Ejections:
         self._penalise(key, now)
         if got is not None:
             self._apply(got, "retry_after" if retry_after_s else "failures", model)
-        self._probed(key, token, now)
+        # a failed connection takes the replica out for the unhealthy cooldown (Fleet.
+        # connect_failed), a probation attempt's too
+        hold = now + self.state.settings.server.unhealthy_cooldown_s if kind == "connect" else 0.0
+        self._probed(key, token, now, hold)
 
     def sweep(self, now: float) -> None:
         """Latency outliers, and lapsed penalties (call a few times a second)."""

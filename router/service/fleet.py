@@ -187,8 +187,11 @@ class Fleet:
             self.mark_unhealthy(other, now)
 
     def mark_unhealthy(self, key: ReplicaKey, now: float) -> None:
-        """Take ``key`` out of rotation for ``server.unhealthy_cooldown_s``."""
+        """Take ``key`` out of rotation for ``server.unhealthy_cooldown_s``, or longer when
+        it is out longer already (an ejection, a probation attempt: router/service/ejection.py;
+        a failed probe or a dropped connection must not readmit it early)."""
         if self.registry.endpoint(key) is None:
             return  # removed meanwhile (a discovered replica left): nothing to mark
-        self.unhealthy_until[key] = now + self.settings.server.unhealthy_cooldown_s
+        until = now + self.settings.server.unhealthy_cooldown_s
+        self.unhealthy_until[key] = max(self.unhealthy_until.get(key, until), until)
         self.load.set_health(key, False)

@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from router.core.load import LoadView
 from router.core.slo import tpot_s
 from router.core.types import ReplicaKey
 from router.service.answers import (
@@ -99,6 +100,12 @@ def count_slo(
     state.metrics.model(model).slo(tier.label, result, service_class).inc()
 
 
+def _routable(view: LoadView) -> bool:
+    """Whether a retry may go to a replica in this state: in rotation and not draining (a
+    retry is a new request to it; a drained replica takes none)."""
+    return view.healthy and not view.draining
+
+
 # how much of a Responses stream's start is searched for its response id
 MAX_ID_SCAN = 1 << 16
 
@@ -146,9 +153,10 @@ class Forwarder:
     def _final(
         self, attempt: int, rest: Iterable[ReplicaKey], refused: set[str], tried: set[ReplicaKey]
     ) -> bool:
-        """Whether attempt ``attempt`` (from 0) is the last: the retries or the retry budget
-        are spent, or no key of ``rest`` can be tried (all gone, at a URL that refused a
-        connection, tried already, or out of rotation since the decision)."""
+        """Whether failed attempt ``attempt`` (from 0) is the last, judged when it failed
+        (no await before the retry spends the budget): the retries or the retry budget are
+        spent, or no key of ``rest`` can be tried (all gone, at a URL that refused a
+        connection, tried already, or out of rotation or drained since the decision)."""
         if attempt >= self.max_retries or not self.budget.allows(self.event_loop().time()):
             return True
         registry = self.state.registry
@@ -160,7 +168,7 @@ class Forwarder:
                 ep is not None
                 and ep.base_url not in refused
                 and k not in tried
-                and load.view(k, now).healthy
+                and _routable(load.view(k, now))
             ):
                 return False
         return True
@@ -221,8 +229,8 @@ class Forwarder:
                 ep = state.registry.endpoint(key)
                 if ep is None or ep.base_url in refused or key in tried:
                     continue  # gone, a replica tried already, or one that just refused
-                if i and not state.load.view(key, loop.time()).healthy:
-                    continue  # ejected or marked down since the decision
+                if i and not _routable(state.load.view(key, loop.time())):
+                    continue  # ejected, marked down or drained since the decision
                 attempt += 1
                 tried.add(key)
                 now = loop.time()
@@ -243,7 +251,6 @@ class Forwarder:
                 wait = self.deadline(expect)
                 token = deadline = asyncio.timeout(wait)
                 ejections.sent(key, token, now, expect)
-                final = self._final(attempt, ranked[i + 1 :], refused, tried)
                 kind = ""
                 upstream: Exchange | None = None
                 try:
@@ -285,7 +292,9 @@ class Forwarder:
                 reached = reached or kind != "connect"
                 if kind:
                     ejections.failed(key, kind, loop.time(), token)
-                    if final:
+                    # judged now, not when the attempt went out: the budget is spent by
+                    # then, or the replicas left are out of rotation (or refused)
+                    if self._final(attempt, ranked[i + 1 :], refused, tried):
                         break
                     mm.retry(kind).inc()
                     continue
@@ -296,7 +305,7 @@ class Forwarder:
                     kind = "http_429" if upstream.status == 429 else "http_5xx"
                     pause = retry_after_s(upstream.header(b"retry-after"))
                     ejections.failed(key, kind, loop.time(), token, pause)
-                    if not final:
+                    if not self._final(attempt, ranked[i + 1 :], refused, tried):
                         upstream.abort()
                         mm.outcome(
                             key, "upstream_5xx" if kind == "http_5xx" else "upstream_4xx"

@@ -4,15 +4,17 @@
   or 5xx answer, a response that broke off, or no first byte by the attempt's deadline. The
   proxy holds a response's head until its first body data (a stream) or its whole body (any
   other answer) has arrived, so each of those is still retryable.
-* **Where.** On the next-best replica of the decision's ranking, never twice on one replica
+* **Where.** On the next-best replica of the decision's ranking still in rotation and not
+  draining (a retry is a new request to it), never twice on one replica
   key (a data-parallel rank is a replica of its own: one whose engine dropped a request may
   leave the other ranks well; a refused connection skips them all), at most
   ``server.max_retries`` times.
 * **How many.** A :class:`RetryBudget` per router process: retries may add at most
   ``server.retry_budget_ratio`` of the requests of the last 10 s, plus
-  ``server.retry_budget_min`` (so a quiet router still retries); past it the failed attempt's
-  answer goes to the client (Envoy's and Linkerd's retry budgets: retries cannot multiply
-  the load of a struggling fleet).
+  ``server.retry_budget_min`` (so a quiet router still retries), judged when an attempt
+  fails (not when it was sent: requests failing at once would all retry); past it the
+  failed attempt's answer goes to the client (Envoy's and Linkerd's retry budgets: retries
+  cannot multiply the load of a struggling fleet).
 * **The first-byte deadline** scales with the work the router predicts before that byte:
   :func:`first_byte_deadline` (prefill of the replica's queued prompt tokens and this prompt
   with the model's default cost model; for an answer that is not a stream, its decode too)

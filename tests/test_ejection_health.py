@@ -1,0 +1,95 @@
+"""An ejection (router/service/ejection.py) and the fleet's unhealthy marks
+(router/service/fleet.py) share ``Fleet.unhealthy_until``: a failed health probe or a
+dropped connection must not cut an ejection, or a probation's one attempt, short."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.core.types import ReplicaKey
+from router.service.config import build_settings
+from router.service.ejection import Ejections, outlier_settings
+from router.service.state import RouterState
+
+COOLDOWN_S = 5.0
+
+
+def _state() -> Any:
+    return RouterState(
+        build_settings(
+            {
+                "server": {
+                    "unhealthy_cooldown_s": COOLDOWN_S,
+                    "outlier_base_ejection_s": 30.0,
+                    "outlier_max_ejection_s": 120.0,
+                },
+                "replicas": [
+                    {"url": f"http://10.0.0.{i}:8000", "model": "m", "name": n}
+                    for i, n in enumerate(("a", "b", "c", "d"), 1)
+                ],
+                "models": {"m": {"block_size": 16}},
+            }
+        )
+    )
+
+
+def _eject(ejections: Ejections, key: ReplicaKey, at: float) -> None:
+    for i in range(3):
+        token = object()
+        ejections.sent(key, token, at + i * 0.01, 1.0)
+        ejections.failed(key, "http_5xx", at + i * 0.01 + 0.005, token)
+
+
+def test_a_failed_health_probe_does_not_end_an_ejection_early() -> None:
+    state = _state()
+    ejections = Ejections(state, outlier_settings(state.settings.server))
+    a = ReplicaKey("a")
+    _eject(ejections, a, 0.0)
+    assert ejections.status(a, 1.0)["ejected"] is True  # for 30 s
+    state.fleet.mark_unhealthy(a, 1.0)  # its /health fails meanwhile (or a connection drops)
+    later = 1.0 + COOLDOWN_S + 1.0
+    state.fleet.restore_health(later)  # the housekeeping, past the unhealthy cooldown
+    assert ejections.status(a, later)["ejected"] is True
+    assert state.load.view(a, later).healthy is False  # still out of rotation
+    state.fleet.restore_health(31.0)  # the ejection is over
+    assert state.load.view(a, 31.0).healthy is True
+
+
+def test_a_failed_health_probe_does_not_end_a_probation_hold() -> None:
+    """A readmitted replica takes one attempt at a time until one is answered: a health
+    probe failing while that attempt is out must not readmit it for everyone after the
+    unhealthy cooldown."""
+    state = _state()
+    ejections = Ejections(state, outlier_settings(state.settings.server))
+    a = ReplicaKey("a")
+    _eject(ejections, a, 0.0)
+    state.fleet.restore_health(31.0)  # readmitted, on probation
+    probe = object()
+    ejections.sent(a, probe, 31.0, 1.0)  # its one attempt
+    assert state.load.view(a, 31.0).healthy is False
+    state.fleet.mark_unhealthy(a, 32.0)
+    later = 32.0 + COOLDOWN_S + 1.0
+    state.fleet.restore_health(later)
+    assert state.load.view(a, later).healthy is False  # the attempt is still out
+    ejections.answered(a, probe, later + 1.0)
+    assert state.load.view(a, later + 1.0).healthy is True
+
+
+def test_a_refused_probation_attempt_keeps_its_replica_out_for_the_cooldown() -> None:
+    """The probation attempt's connection is refused and the pool's ejected share is at its
+    cap (no new ejection): the replica still sits out the unhealthy cooldown."""
+    state = _state()
+    ejections = Ejections(state, outlier_settings(state.settings.server))
+    a, b, c = ReplicaKey("a"), ReplicaKey("b"), ReplicaKey("c")
+    _eject(ejections, a, 0.0)
+    _eject(ejections, b, 25.0)
+    state.fleet.restore_health(31.0)  # a readmitted, on probation
+    _eject(ejections, c, 31.0)  # b and c ejected: the cap of a pool of 4 (half)
+    probe = object()
+    ejections.sent(a, probe, 31.5, 1.0)
+    state.fleet.connect_failed(a, 32.0, connected=False)
+    ejections.failed(a, "connect", 32.0, probe)
+    assert ejections.status(a, 32.0)["ejected"] is False  # the cap
+    assert state.load.view(a, 32.1).healthy is False
+    state.fleet.restore_health(32.0 + COOLDOWN_S + 0.1)
+    assert state.load.view(a, 32.0 + COOLDOWN_S + 0.1).healthy is True

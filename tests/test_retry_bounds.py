@@ -1,0 +1,130 @@
+"""The forwarder's retries stay within their bounds with real HTTP on loopback: the retry
+budget holds when many requests fail at once, and a retry is counted only when one is sent
+(router/service/retry.py, router/service/proxy.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from router.service.config import build_settings
+from tests.backends import Backend, kimi_model_table, metric_sample, start_router
+from tests.ports import RefusedPort
+from tests.waiting import eventually
+
+MODEL = "kimi-test"
+
+
+async def _router(
+    replicas: list[dict[str, Any]], **server: Any
+) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
+    settings = build_settings(
+        {
+            "server": {"health_interval_s": 0, **server},
+            "replicas": replicas,
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    runner, url = await start_router(settings)
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+    try:
+        yield url, session
+    finally:
+        await session.close()
+        await runner.cleanup()
+
+
+def _chat(i: int) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "stream": False,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": f"question number {i}"}],
+    }
+
+
+async def _post(session: aiohttp.ClientSession, url: str, i: int) -> int:
+    async with session.post(url + "/v1/chat/completions", json=_chat(i)) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def test_the_retry_budget_holds_when_requests_fail_at_once() -> None:
+    """Requests whose attempts are all out when their replicas fail may retry only as far
+    as the budget allows: whether one more retry fits is judged when it would be sent, not
+    when the failed attempt was (else every request in flight retries past the budget)."""
+    gate = asyncio.Event()
+    backends = [
+        await Backend(name, [MODEL], fail_next=100, gate=gate).start() for name in ("a", "b")
+    ]
+    try:
+        async for url, session in _router(
+            [{"url": b.url, "model": MODEL, "name": b.name} for b in backends],
+            max_retries=1,
+            retry_budget_ratio=0.0,
+            retry_budget_min=1,  # one retry in the window, whatever the traffic
+            outlier_detection=False,
+        ):
+            calls = [asyncio.create_task(_post(session, url, i)) for i in range(6)]
+            await eventually(lambda: sum(len(b.received) for b in backends) == 6)
+            gate.set()
+            statuses = await asyncio.gather(*calls)
+            assert statuses == [500] * 6  # the replicas' own answers
+            # six first attempts and the one retry the budget has room for
+            assert sum(len(b.received) for b in backends) == 7
+            async with session.get(url + "/metrics") as r:
+                page = await r.text()
+            assert metric_sample(page, "kvrouter_retries_total", model=MODEL) == 1.0
+    finally:
+        for b in backends:
+            await b.stop()
+
+
+async def test_no_retry_is_counted_when_no_replica_is_left_to_try() -> None:
+    """A refused connection rules out every DP rank of the replica (one URL): with no other
+    replica the request fails after one attempt, and ``kvrouter_retries_total`` counts no
+    retry (none was sent)."""
+    with RefusedPort() as dead:
+        async for url, session in _router(
+            [{"url": dead.url, "model": MODEL, "name": "dead", "dp_ranks": 2}]
+        ):
+            async with session.post(url + "/v1/chat/completions", json=_chat(0)) as resp:
+                assert resp.status == 502
+                text = await resp.text()
+            assert "gave up after 1 attempt(s)" in text, text
+            async with session.get(url + "/metrics") as r:
+                page = await r.text()
+            assert metric_sample(page, "kvrouter_retries_total", model=MODEL) is None, [
+                line for line in page.splitlines() if "retries" in line
+            ]
+
+
+async def test_a_retry_skips_a_replica_drained_since_the_decision() -> None:
+    """A drained replica takes no new requests: a retry is a new request to it, so a
+    replica drained while the first attempt was out is no retry target (the first
+    replica's own error answer goes to the client)."""
+    gate = asyncio.Event()
+    backends = [await Backend(name, [MODEL], fail_next=1, gate=gate).start() for name in ("a", "b")]
+    try:
+        async for url, session in _router(
+            [{"url": b.url, "model": MODEL, "name": b.name} for b in backends],
+            admin_token="t",
+            max_retries=1,
+        ):
+            call = asyncio.create_task(_post(session, url, 0))
+            await eventually(lambda: sum(len(b.received) for b in backends) == 1)
+            other = next(b for b in backends if not b.received)
+            other.fail_next = 0
+            async with session.post(
+                f"{url}/admin/replicas/{other.name}/drain", headers={"X-Admin-Token": "t"}
+            ) as r:
+                assert r.status == 200, await r.text()
+            gate.set()
+            assert await call == 500  # the first replica's answer, not a retry's
+            assert other.received == []
+    finally:
+        for b in backends:
+            await b.stop()
