@@ -213,6 +213,38 @@ async def test_auth_tokens(rpc: Any) -> None:
     assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+async def test_publishing_is_refused_when_other_workers_would_not_see_it(
+    tmp_path: Any,
+) -> None:
+    """With ``server.workers`` > 1 a Publish stream lands on one worker, whose index alone
+    would take its events: the others would route that replica cache-blind. The stream is
+    refused with FAILED_PRECONDITION naming the way out, and nothing is applied."""
+    from router.service.workers import Workers
+
+    state = _state()
+    settings = GrpcSettings(port=0, token=TOKEN, admin_token=ADMIN, max_message_mb=4)
+    gen = serve_grpc(state, settings, loop_clock, workers=Workers(str(tmp_path), 2))
+    _server, port = await gen.__anext__()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+
+            async def one() -> AsyncIterator[index_pb2.IndexEventBatch]:
+                stored = index_pb2.IndexEvent.STORED
+                yield index_pb2.IndexEventBatch(
+                    replica="a", seq=1, events=[index_pb2.IndexEvent(type=stored, hashes=[1])]
+                )
+
+            stub = index_pb2_grpc.IndexStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                _ = [a async for a in stub.Publish(one(), metadata=auth())]
+            assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "workers" in (exc.value.details() or "")
+            key = state.registry.keys_for(MODEL)[0]
+            assert state.index.replica_size(key) == (0, 0)
+    finally:
+        await gen.aclose()
+
+
 async def test_publish_sequencing_and_bad_batches(rpc: Any) -> None:
     state, channel = rpc
     stub = index_pb2_grpc.IndexStub(channel)

@@ -293,7 +293,7 @@ def build_server(
     if relay is not None:  # other workers' control sockets hand it Reports (report_relay.py)
         relay.apply = router.apply_report
     router_pb2_grpc.add_RouterServicer_to_server(router, server)
-    index_pb2_grpc.add_IndexServicer_to_server(IndexServicer(state), server)
+    index_pb2_grpc.add_IndexServicer_to_server(IndexServicer(state, workers), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(state, clock, book, workers), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

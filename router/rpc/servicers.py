@@ -618,14 +618,27 @@ def decode_batch(msg: index_pb2.IndexEventBatch) -> EventBatch:
 
 
 class IndexServicer(index_pb2_grpc.IndexServicer):
-    def __init__(self, state: RouterState) -> None:
+    """``workers``: the worker processes of a ``kvrouter serve --workers N`` (None for one
+    process). A Publish stream lands on one of them and only its index would take the
+    events, so with several it is refused rather than leave the others cache-blind."""
+
+    def __init__(self, state: RouterState, workers: Workers | None = None) -> None:
         self.state = state
+        self.workers = workers
 
     async def Publish(
         self,
         request_iterator: AsyncIterator[index_pb2.IndexEventBatch],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[index_pb2.PublishAck]:
+        if self.workers is not None and self.workers.count > 1:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"index publishing reaches one of the router's {self.workers.count} worker "
+                "processes only (each keeps its own index): publish through Redis "
+                "(kvrouter publish) or the engines' ZMQ events, or run server.workers = 1",
+            )
+            return
         async for msg in request_iterator:
             try:
                 batch = decode_batch(msg)
