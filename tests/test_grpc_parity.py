@@ -414,6 +414,51 @@ async def test_reported_failures_eject_a_replica_as_http_failures_do() -> None:
         await runner.cleanup()
 
 
+@pytest.mark.parametrize(
+    ("status", "ejected"), [(400, False), (422, False), (429, True), (503, True)]
+)
+async def test_a_refusal_reported_with_a_clients_error_status_ejects_nothing(
+    status: int, ejected: bool
+) -> None:
+    """A REFUSED report with the answer's ``http_status``: a 4xx other than 429 is the
+    client's error (the HTTP forwarder never counts one toward ejection), so a gateway
+    whose clients send bad requests does not get a good replica ejected; 429 and 5xx count
+    as failures. The guess is withdrawn either way (the replica took nothing) and the
+    outcome is the HTTP endpoints' label."""
+    from router.rpc.server import GRPC_PORT
+    from router.service.app import STATE
+    from tests.backends import start_router
+
+    runner, _url = await start_router(_two_replicas())
+    try:
+        state = runner.app[STATE]
+        report = router_pb2.ReportRequest
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{runner.app[GRPC_PORT]}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            for i in range(2):  # outlier_consecutive_failures
+                pick = router_pb2.PickRequest(
+                    model=MODEL, token_ids=_ids(320, start=i * 1000), candidates=["a"]
+                )
+                got = await stub.Pick(pick, metadata=AUTH)
+                refused = report(
+                    decision_id=got.decision_id, phase=report.REFUSED, http_status=status
+                )
+                assert (await stub.Report(refused, metadata=AUTH)).accepted
+            (key,) = state.registry.find("a")
+            assert state.load.view(key, loop_clock()).healthy is not ejected
+            assert state.load.in_flight() == 0
+            page = state.metrics.render().decode()
+            label = "upstream_4xx" if not ejected else "failed"
+            assert (
+                metric_sample(
+                    page, "kvrouter_requests_total", model=MODEL, replica="a", outcome=label
+                )
+                == 2
+            )
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_readmitted_replica_takes_one_pick_at_a_time_until_answered() -> None:
     """After its ejection a replica is on probation: as for the HTTP forwarder's attempts,
     one Pick at a time goes there until that decision is reported answered; a second Pick

@@ -168,10 +168,11 @@ async def in_flight_per_replica(proc: Proc) -> list[int]:
     return [r["in_flight"] for a in rows.values() for r in a["replicas"]]
 
 
-@pytest.mark.parametrize("owner", [None, "key:3", "key:0"])
-def test_a_relayed_report_carries_its_caller(owner: str | None) -> None:
-    """What the control socket's report route reads back of a relayed Report's target."""
-    sent = Reported("id/with?odd&chars %", 2, 7, 5, owner)
+@pytest.mark.parametrize(("owner", "status"), [(None, None), ("key:3", 400), ("key:0", 503)])
+def test_a_relayed_report_carries_its_caller(owner: str | None, status: int | None) -> None:
+    """What the control socket's report route reads back of a relayed Report's target
+    (its caller, and the replica's answer status that decides whether it is a failure)."""
+    sent = Reported("id/with?odd&chars %", 2, 7, 5, owner, status)
     path, _, query = sent.target().partition("?")
     name = unquote(path.removeprefix("/internal/decisions/").removesuffix("/report"))
     got = Reported.parse(name, {k: v[-1] for k, v in parse_qs(query).items()})

@@ -514,7 +514,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decision_id is required")
         cached = request.cached_tokens if request.HasField("cached_tokens") else None
         owner = owner_of(CALLER.get())
-        report = Reported(request.decision_id, phase, request.output_tokens, cached, owner)
+        status = request.http_status if request.HasField("http_status") else None
+        report = Reported(request.decision_id, phase, request.output_tokens, cached, owner, status)
         accepted = self.apply_report(report)
         if not accepted and self.workers is not None and self.workers.count > 1:
             accepted = await report_to_peers(self.workers, report)
@@ -531,10 +532,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return False
         now = self.clock()
         mm = self.state.metrics.model(pending.model)
+        # a 4xx other than 429 is the client's error, answered correctly: no failure of the
+        # replica's (as the HTTP forwarder counts it), though it took nothing of the request
+        client_error = report.http_status is not None and _client_error(report.http_status)
         if self.ejections is not None and pending.replica is not None:
             # a failure counts toward ejecting the replica; a first token or an answer ends
             # its failure run (as the HTTP forwarder's attempts do)
-            if phase in _FAILURES:
+            if phase in _FAILURES and not client_error:
                 self.ejections.failed(pending.replica, "reported", now, pending.token)
             else:
                 self.ejections.answered(pending.replica, pending.token, now)
@@ -551,7 +555,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self.state.withdraw(pending.model, pending.dispatch)
             # the outcome and SLO metrics of the HTTP endpoints (router/service/proxy.py)
             ok = phase == router_pb2.ReportRequest.COMPLETED
-            mm.outcome(pending.replica, "ok" if ok else "failed").inc()
+            outcome = "ok" if ok else ("upstream_4xx" if client_error else "failed")
+            mm.outcome(pending.replica, outcome).inc()
             if ok and pending.first_at:
                 count_slo(
                     self.state,
@@ -574,6 +579,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 
 _FAILURES = (router_pb2.ReportRequest.FAILED, router_pb2.ReportRequest.REFUSED)
+
+
+def _client_error(status: int) -> bool:
+    """A replica's answer status that is the client's error: 4xx other than 429 (busy)."""
+    return 400 <= status < 500 and status != 429
+
 
 _KIND_OF_PATH = {path.decode(): kind for path, kind in KINDS.items()}
 

@@ -34,6 +34,7 @@ class Reported:
     output_tokens: int = 0
     cached_tokens: int | None = None
     owner: str | None = None
+    http_status: int | None = None  # the replica's answer status, when the caller gave it
 
     def target(self) -> str:
         """The control-socket path and query that carry this report."""
@@ -42,6 +43,8 @@ class Reported:
             query += f"&cached={self.cached_tokens}"
         if self.owner is not None:
             query += f"&owner={quote(self.owner, safe='')}"
+        if self.http_status is not None:
+            query += f"&status={self.http_status}"
         return PATH.replace("{name}", quote(self.decision_id, safe="")) + "?" + query
 
     @classmethod
@@ -52,9 +55,10 @@ class Reported:
             phase = int(query["phase"])
             out = int(query.get("out", "0"))
             cached = int(query["cached"]) if "cached" in query else None
+            status = int(query["status"]) if "status" in query else None
         except (KeyError, ValueError):
             raise BadRequest(f"malformed report query {dict(query)!r}") from None
-        return cls(decision_id, phase, out, cached, query.get("owner"))
+        return cls(decision_id, phase, out, cached, query.get("owner"), status)
 
 
 class ReportRelay:

@@ -71,7 +71,7 @@ class PickResponse(_message.Message):
     def __init__(self, decision_id: _Optional[str] = ..., replica: _Optional[str] = ..., dp_rank: _Optional[int] = ..., endpoint: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., usable_hit_tokens: _Optional[int] = ..., kv_hit_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., score: _Optional[float] = ..., terms: _Optional[_Mapping[str, float]] = ..., fallbacks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("decision_id", "phase", "cached_tokens", "output_tokens")
+    __slots__ = ("decision_id", "phase", "cached_tokens", "output_tokens", "http_status")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[ReportRequest.Phase]
@@ -88,11 +88,13 @@ class ReportRequest(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_STATUS_FIELD_NUMBER: _ClassVar[int]
     decision_id: str
     phase: ReportRequest.Phase
     cached_tokens: int
     output_tokens: int
-    def __init__(self, decision_id: _Optional[str] = ..., phase: _Optional[_Union[ReportRequest.Phase, str]] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+    http_status: int
+    def __init__(self, decision_id: _Optional[str] = ..., phase: _Optional[_Union[ReportRequest.Phase, str]] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., http_status: _Optional[int] = ...) -> None: ...
 
 class ReportResponse(_message.Message):
     __slots__ = ("accepted",)
