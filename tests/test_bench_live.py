@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -159,6 +160,27 @@ def test_fleet_router_is_calibrated_to_the_mocks_engine_profile() -> None:
     spec = FleetSpec(replicas=1, policy="ours", speculative_ttl_s=30)
     guessing = tomllib.loads(_router_toml(spec, 1, replicas))
     assert guessing["models"][MODEL]["speculative_ttl_s"] == 30.0
+
+
+def test_fleet_router_is_told_when_the_mocks_give_back_a_block(tmp_path: Any) -> None:
+    """Mocks of an EAGLE / MTP profile give back a block of every hit: the demo and bench
+    fleets' router is told (``eagle = true``), as the simulator's routers are, or it
+    predicts one block more than the engines grant on every hit."""
+    import tomllib
+
+    from router.demo.fleet import PROFILE, FleetSpec, _router_toml
+    from router.service.config import build_settings
+
+    profile = tmp_path / "eagle.toml"
+    profile.write_text(
+        'name = "eagle-small"\nblock_size = 64\nkv_blocks = 2000\neagle = true\n'
+        "[cost]\nstep_overhead_s = 0.002\nprefill_s_per_token = 1e-6\ndecode_s_per_seq = 1e-4\n"
+    )
+    replicas = [{"url": "http://127.0.0.1:1", "model": MODEL, "name": "r0"}]
+    told = tomllib.loads(_router_toml(FleetSpec(1, "ours", profile=str(profile)), 1, replicas))
+    assert build_settings(told).model(MODEL).routing.eagle
+    plain = tomllib.loads(_router_toml(FleetSpec(1, "ours", profile=PROFILE), 1, replicas))
+    assert not build_settings(plain).model(MODEL).routing.eagle
 
 
 def test_vllm_router_hashes_in_the_block_size_the_mocks_publish() -> None:

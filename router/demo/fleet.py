@@ -239,6 +239,15 @@ def _cost_table(policy: str | None, profile: str) -> list[str]:
     return ["", f'[models."{MODEL}".policy_params.cost]', *values]
 
 
+def _profile_eagle(profile: str) -> bool:
+    """Whether the mocks' engine profile drops a block of every hit (EAGLE / MTP), which the
+    router is told as an operator would tell it ([models.NAME] eagle), as the simulator's
+    routers are (sim/cluster.py)."""
+    from sim.profiles import load_profile
+
+    return load_profile(profile).eagle
+
+
 def _router_toml(s: FleetSpec, port: int, replicas: list[dict[str, str]]) -> str:
     lines = [
         "[server]",
@@ -253,6 +262,8 @@ def _router_toml(s: FleetSpec, port: int, replicas: list[dict[str, str]]) -> str
         lines += [f"record_path = {json.dumps(s.record_path)}"]
     lines += ["", f'[models."{MODEL}"]', f'policy = "{s.policy}"', f"block_size = {s.block_size}"]
     lines += [f"engine_block_size = {s.engine_block_size}"]  # the mocks' (FleetSpec)
+    if _profile_eagle(s.profile):  # its engines give back a block of every hit: say so
+        lines += ["eagle = true"]
     if s.speculative_ttl_s is not None:
         lines += [f"speculative_ttl_s = {float(s.speculative_ttl_s)}"]
     lines += _cost_table(s.policy, s.profile)
