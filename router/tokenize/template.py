@@ -182,10 +182,11 @@ def _in_order(value: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _prepare_call(call: Any) -> Any:
-    """A tool call as vLLM 0.34 hands it over: its keys in its request model's order, the
-    function's ``arguments`` an object (:func:`_parse_arguments`; an object given as such
-    kept, anything else ``{}``)."""
+def _prepare_call(call: Any, as_sent: bool = False) -> Any:
+    """A tool call as vLLM 0.34 hands it over: its keys in its request model's order (in
+    their own order when ``as_sent``: messages vLLM builds itself and does not validate,
+    a Responses API request's), the function's ``arguments`` an object
+    (:func:`_parse_arguments`; an object given as such kept, anything else ``{}``)."""
     fn = call.get("function") if isinstance(call, Mapping) else None
     if not isinstance(fn, Mapping):
         return call
@@ -194,6 +195,8 @@ def _prepare_call(call: Any) -> Any:
         args = _parse_arguments(args)
     elif not isinstance(args, dict):
         args = {}
+    if as_sent:  # vLLM parses the arguments in place
+        return {**call, "function": {**fn, "arguments": args}}
     function = _in_order({**fn, "arguments": args}, _FUNCTION_KEYS)
     return _in_order({**call, "function": function}, _CALL_KEYS)
 
@@ -208,7 +211,9 @@ _PLAIN_TOOL_ORDERS = _PLAIN_ORDERS | {
 
 
 def prepare_messages(
-    messages: Sequence[Mapping[str, Any]], content_format: ContentFormat = "string"
+    messages: Sequence[Mapping[str, Any]],
+    content_format: ContentFormat = "string",
+    calls_as_sent: bool = False,
 ) -> list[dict[str, Any]]:
     """``messages`` as vLLM hands them to the template (vLLM 0.34,
     vllm/renderers/chat_utils/chat_message.py): the content in ``content_format``
@@ -221,7 +226,9 @@ def prepare_messages(
     ``tool_call_id``, a developer message's ``tools`` (null when absent), in vLLM's order
     (``role``, ``content``, the role's own keys, ``name``, ``task``, ``tools``: a template
     serialising a message sees them so). Plain messages of the string format whose keys are
-    already so are passed as they are, the others rebuilt."""
+    already so are passed as they are, the others rebuilt. A tool call's keys are in the
+    order of vLLM's chat request model, or with ``calls_as_sent`` in their own (the chat
+    messages vLLM builds from a Responses API request are not validated by that model)."""
     openai = content_format == "openai"
     out: list[dict[str, Any]] = []
     for m in messages:
@@ -251,7 +258,7 @@ def prepare_messages(
             calls = m.get("tool_calls")
             if isinstance(calls, list):
                 if calls:
-                    msg["tool_calls"] = [_prepare_call(c) for c in calls]
+                    msg["tool_calls"] = [_prepare_call(c, calls_as_sent) for c in calls]
             elif calls is not None:
                 msg["tool_calls"] = calls
             reasoning = m.get("reasoning")
@@ -515,11 +522,14 @@ class ChatTemplate:
         return not _names_developer(source) and any(m.get("role") == "developer" for m in messages)
 
     def prepare(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None,
+        calls_as_sent: bool = False,
     ) -> list[Mapping[str, Any]]:
         """:func:`prepare_messages` in this template's content format for ``tools``, with
         ``developer`` messages as vLLM gives them to a template that does not know them."""
-        prepared = prepare_messages(messages, self.content_format_for(tools))
+        prepared = prepare_messages(messages, self.content_format_for(tools), calls_as_sent)
         if self.converts_developer(messages, tools):
             return developer_as_system(prepared)
         return list(prepared)
