@@ -167,8 +167,11 @@ def vllm_view(
     chat = serving.to_chat_completion_request(
         request, merge_inline_system=merge, disabled_thinking_effort=effort
     )
-    params = chat.build_chat_params(None, "auto")
+    # _preprocess_chat merges over the engine's defaults, which always hold ``tokenize``
+    # (and the tools, passed to the template on their own): a null / "auto" drops out
+    params = chat.build_chat_params(None, "auto").with_defaults({"tokenize": False})
     kwargs = dict(params.chat_template_kwargs)
+    kwargs.pop("tokenize")
     return {
         "messages": json.loads(json.dumps(chat.messages)),
         "tools": None if chat.tools is None else [t.model_dump() for t in chat.tools],

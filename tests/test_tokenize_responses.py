@@ -215,7 +215,7 @@ def test_tool_calls_reach_the_template_as_vllm_builds_them() -> None:
         want = hash_prompt(ids, 1, root_hash("m", None)).hashes
         for _ in range(2):  # cold, then from the incremental cache
             assert responses_prompt(processor, b).block_hashes == want
-        assert RouterTokenizer(processor).chat(to_chat_body(b).body, calls_as_sent=True) == [
+        assert RouterTokenizer(processor).chat(to_chat_body(b).body, from_responses=True) == [
             int(t) for t in ids
         ]
         # the same messages sent as a chat completion: validated, the chat order

@@ -201,7 +201,11 @@ def _renderer(proc: PromptProcessor) -> responses_ref.Renderer:
 def router_view(body: dict[str, Any], proc: PromptProcessor) -> dict[str, Any]:
     chat = to_chat_body(body).body
     messages, tools, kwargs, add_gen, cont = chat_args(
-        chat, proc.default_kwargs, proc.effort_map, proc.exclude_tools_when_none
+        chat,
+        proc.default_kwargs,
+        proc.effort_map,
+        proc.exclude_tools_when_none,
+        over_defaults=False,
     )
     return {
         "messages": json.loads(json.dumps(messages)),
@@ -225,7 +229,7 @@ def _compare(body: dict[str, Any], proc: PromptProcessor) -> None:
     conversation = responses_ref.conversation_of(mine["messages"], renderer.content_format)
     assert conversation == theirs.conversation
     assert mine["kwargs"] == theirs.kwargs
-    text, _ = proc.render_chat(to_chat_body(body).body, calls_as_sent=True)
+    text, _ = proc.render_chat(to_chat_body(body).body, from_responses=True)
     assert text == theirs.text
     prompt = responses_prompt(proc, body)
     assert prompt.exact

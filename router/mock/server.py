@@ -225,7 +225,7 @@ def tokens_of(
     likewise, with the history of its previous response in ``store``)."""
     if kind == "responses":
         chat = resp.chat_body(store or resp.ResponseStore(), body)
-        return tokenizer.chat(chat, calls_as_sent=True)
+        return tokenizer.chat(chat, from_responses=True)
     if kind == "messages":
         return tokenizer.chat(to_chat_body(body).body)
     return tokenizer.chat(body) if kind == "chat" else tokenizer.completion(body)

@@ -140,14 +140,14 @@ def _key_context(
     kwargs: Mapping[str, Any],
     add_gen: bool,
     cont: bool = False,
-    calls_as_sent: bool = False,
+    from_responses: bool = False,
 ) -> dict[str, Any]:
     """What besides the messages selects a cached conversation (part of message keys)."""
     context = {"tools": tools, "kwargs": kwargs, "gen": add_gen}
     if cont:
         context["cont"] = True
-    if calls_as_sent:
-        context["calls_as_sent"] = True
+    if from_responses:
+        context["from_responses"] = True
     return context
 
 
@@ -221,19 +221,19 @@ class PromptProcessor:
     # ------------------------------------------------------------------ chat
 
     def render_chat(
-        self, body: Mapping[str, Any], *, calls_as_sent: bool = False
+        self, body: Mapping[str, Any], *, from_responses: bool = False
     ) -> tuple[str, list[int]]:
-        """Rendered prompt text and message-prefix keys of a chat request (``calls_as_sent``:
+        """Rendered prompt text and message-prefix keys of a chat request (``from_responses``:
         see :meth:`chat`)."""
-        text, messages, context = self._render(body, calls_as_sent)
+        text, messages, context = self._render(body, from_responses)
         return text, message_keys(messages, context) if context is not None else []
 
     def _render(
-        self, body: Mapping[str, Any], calls_as_sent: bool = False
+        self, body: Mapping[str, Any], from_responses: bool = False
     ) -> tuple[str, list[Mapping[str, Any]], dict[str, Any] | None]:
         """Rendered text, the messages and the key context (None without a template)."""
-        messages, tools, kwargs, add_gen, cont = self._chat_args(body)
-        text, context = self._render_text(messages, tools, kwargs, add_gen, cont, calls_as_sent)
+        messages, tools, kwargs, add_gen, cont = self._chat_args(body, from_responses)
+        text, context = self._render_text(messages, tools, kwargs, add_gen, cont, from_responses)
         return text, messages, context
 
     def _render_text(
@@ -243,11 +243,11 @@ class PromptProcessor:
         kwargs: Mapping[str, Any],
         add_gen: bool,
         cont: bool = False,
-        calls_as_sent: bool = False,
+        from_responses: bool = False,
     ) -> tuple[str, dict[str, Any] | None]:
         if self.template is None:
             return _simple_render(messages, tools), None
-        prepared = self.template.prepare(messages, tools, calls_as_sent)
+        prepared = self.template.prepare(messages, tools, from_responses)
         text = self.template.render(
             prepared,
             tools=tools,
@@ -255,36 +255,42 @@ class PromptProcessor:
             kwargs=kwargs,
             continue_final_message=cont,
         )
-        return text, _key_context(tools, kwargs, add_gen, cont, calls_as_sent)
+        return text, _key_context(tools, kwargs, add_gen, cont, from_responses)
 
     def _chat_args(
-        self, body: Mapping[str, Any]
+        self, body: Mapping[str, Any], from_responses: bool = False
     ) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool, bool]:
         """(messages, tools as vLLM dumps them, template kwargs, add_generation_prompt,
         continue_final_message), checked (router.tokenize.request_fields)."""
-        return chat_args(body, self.default_kwargs, self.effort_map, self.exclude_tools_when_none)
+        return chat_args(
+            body,
+            self.default_kwargs,
+            self.effort_map,
+            self.exclude_tools_when_none,
+            over_defaults=not from_responses,
+        )
 
-    def chat(self, body: Mapping[str, Any], *, calls_as_sent: bool = False) -> ProcessedPrompt:
-        """Routing view of a chat request; ``calls_as_sent``: its assistant tool calls reach
-        the template with their keys in their own order (the chat vLLM builds from a
-        Responses API request, which no chat request model validates), not the chat
-        request model's."""
+    def chat(self, body: Mapping[str, Any], *, from_responses: bool = False) -> ProcessedPrompt:
+        """Routing view of a chat request; ``from_responses``: the chat vLLM builds from a
+        Responses API request, which no chat request model validates (its assistant tool
+        calls reach the template with their keys in their own order, not the chat request
+        model's) and whose template kwargs are merged only over configured defaults."""
         t0 = time.perf_counter()
         tokenizer, template = self.tokenizer, self.template
-        messages, tools, kwargs, add_gen, cont = self._chat_args(body)
+        messages, tools, kwargs, add_gen, cont = self._chat_args(body, from_responses)
         unmodelled = first_unmodelled(messages)
         if unmodelled is not None:  # a medium the router cannot place: hashed up to it
             at = messages[unmodelled]
             marked = [*messages[:unmodelled], {**at, "content": _IMAGE_MARKER}]
             if has_images(marked):  # images before it: expanded and keyed as the engine does
                 return self._chat_images(
-                    body, marked, tools, kwargs, add_gen, cont, t0, _IMAGE_MARKER, calls_as_sent
+                    body, marked, tools, kwargs, add_gen, cont, t0, _IMAGE_MARKER, from_responses
                 )
-            text, _ = self._render_text(marked, tools, kwargs, add_gen, cont, calls_as_sent)
+            text, _ = self._render_text(marked, tools, kwargs, add_gen, cont, from_responses)
             return self._cut_before(text, _IMAGE_MARKER, body, t0)
         if has_images(messages):
             return self._chat_images(
-                body, messages, tools, kwargs, add_gen, cont, t0, None, calls_as_sent
+                body, messages, tools, kwargs, add_gen, cont, t0, None, from_responses
             )
         broken: LocalTemplate | None = None
         # prompts cut or given a BOS are rendered whole, then adjusted (_engine_tokens);
@@ -308,7 +314,7 @@ class PromptProcessor:
                 if chars >= MIN_CACHED_CHARS:
                     try:
                         found = self._chat_local(
-                            local, body, messages, tools, kwargs, add_gen, chars, calls_as_sent
+                            local, body, messages, tools, kwargs, add_gen, chars, from_responses
                         )
                         if keep is None or found.prompt_tokens <= keep:
                             return found
@@ -318,7 +324,7 @@ class PromptProcessor:
                         # plain render succeeds this counts against the instrumented form
                         # (LocalTemplate.failed: not tried again after a few in a row)
                         broken = local
-        text, context = self._render_text(messages, tools, kwargs, add_gen, cont, calls_as_sent)
+        text, context = self._render_text(messages, tools, kwargs, add_gen, cont, from_responses)
         if broken is not None:
             broken.failed()
         render_s = time.perf_counter() - t0
@@ -357,7 +363,7 @@ class PromptProcessor:
         cont: bool,
         t0: float,
         cut_at: str | None = None,
-        calls_as_sent: bool = False,
+        from_responses: bool = False,
     ) -> ProcessedPrompt:
         """A chat request with image parts (router.tokenize.multimodal): placeholders as the
         engine renders them, each expanded to the image's token count and keyed with its
@@ -381,7 +387,7 @@ class PromptProcessor:
             with_ph = messages if settings is not None else marked_images(messages, marker)
         else:
             with_ph, urls = with_placeholders(messages, marker)
-        text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont, calls_as_sent)
+        text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont, from_responses)
         if tokenizer is None or template is None or settings is None:
             # nothing known from the first image on
             return self._cut_before(text, marker, body, t0)
@@ -464,17 +470,17 @@ class PromptProcessor:
         kwargs: Mapping[str, Any],
         add_gen: bool,
         chars: int,
-        calls_as_sent: bool = False,
+        from_responses: bool = False,
     ) -> ProcessedPrompt:
         """A long conversation with a message-local template: render and tokenize only the
         messages a cached conversation does not hold (router.tokenize.local_template)."""
         tokenizer, template = self.tokenizer, self.template
         assert tokenizer is not None and template is not None
         t0 = time.perf_counter()
-        keys = message_keys(messages, _key_context(tools, kwargs, add_gen, False, calls_as_sent))
+        keys = message_keys(messages, _key_context(tools, kwargs, add_gen, False, from_responses))
         # the instrumented template too: models sharing a tokenizer share its cache, and a
         # render state is only valid for the template that made it
-        context = (tools, kwargs, add_gen, local, calls_as_sent)
+        context = (tools, kwargs, add_gen, local, from_responses)
         root, _ = self.root(body)
         bs = self.block_size
         out = None
@@ -483,7 +489,7 @@ class PromptProcessor:
         if prefix is not None:
             start = prefix.start
             cached = prefix.prepared
-            prepared = [*cached, *template.prepare(messages[len(cached) :], tools, calls_as_sent)]
+            prepared = [*cached, *template.prepare(messages[len(cached) :], tools, from_responses)]
             try:
                 parts = template.render_parts(
                     local,
@@ -499,7 +505,7 @@ class PromptProcessor:
             else:
                 out = tokenizer.encode_local(parts, prefix, root, bs)
         if out is None:
-            prepared = template.prepare(messages, tools, calls_as_sent)
+            prepared = template.prepare(messages, tools, from_responses)
             parts = template.render_parts(
                 local, prepared, 0, tools=tools, add_generation_prompt=add_gen, kwargs=kwargs
             )

@@ -99,15 +99,19 @@ def chat_args(
     default_kwargs: Mapping[str, Any],
     effort_map: Mapping[str, str],
     exclude_tools_when_none: bool = False,
+    over_defaults: bool = True,
 ) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool, bool]:
     """(messages, tools as vLLM dumps them, template kwargs, add_generation_prompt,
     continue_final_message) of a chat request, checked: the template's variables as vLLM
     0.34 builds them (``ChatCompletionRequest.build_chat_params``): the request's
     ``chat_template_kwargs`` over the engine's defaults (``default_kwargs``; a request's null
-    or "auto" leaves the default), its ``reasoning_effort`` (rewritten by ``effort_map``) and
-    the ``enable_thinking`` it implies, its ``documents``; no tools for a ``tool_choice`` of
-    ``"none"`` when the engine runs with ``--exclude-tools-when-tool-choice-none``
-    (``exclude_tools_when_none``; vLLM 0.34 ``OnlineRenderer``)."""
+    or "auto" leaves the default, or reaches no template: vLLM's chat and Messages paths
+    merge over defaults that always hold ``tokenize``; ``over_defaults`` False: a Responses
+    API request's chat, which vLLM merges only over configured defaults), its
+    ``reasoning_effort`` (rewritten by ``effort_map``) and the ``enable_thinking`` it
+    implies, its ``documents``; no tools for a ``tool_choice`` of ``"none"`` when the engine
+    runs with ``--exclude-tools-when-tool-choice-none`` (``exclude_tools_when_none``; vLLM
+    0.34 ``OnlineRenderer``)."""
     messages = check_messages(body)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, Mapping):
@@ -127,7 +131,7 @@ def chat_args(
                 raise BadRequest("'documents' must be an array of objects")
             extra["documents"] = documents
         kwargs = {**kwargs, **extra}
-    if default_kwargs:
+    if default_kwargs or over_defaults:
         unset = {k for k, v in kwargs.items() if v is None or v == "auto"}
         kwargs = {**default_kwargs, **{k: kwargs[k] for k in kwargs if k not in unset}}
     add_gen = body.get("add_generation_prompt", True)

@@ -248,7 +248,7 @@ def responses_prompt(processor: PromptProcessor, body: Mapping[str, Any]) -> Pro
         return processor.unknown(body)
     # vLLM hands the template the messages it built as they are (no chat request model
     # validates them): tool calls keep their keys' order
-    prompt = processor.chat(conv.body, calls_as_sent=True)
+    prompt = processor.chat(conv.body, from_responses=True)
     named = body.get("model")
     harmony = is_harmony(processor.model) or (isinstance(named, str) and is_harmony(named))
     return prompt if conv.exact and not harmony else replace(prompt, exact=False)
