@@ -208,3 +208,157 @@ def test_parsed_tool_call_arguments_are_bounded_in_bytes() -> None:
     for i in range(20_000):
         assert template_module._parse_arguments(json.dumps({"i": i, "s": "z" * 1000}))["i"] == i
     assert sum(len(k) for k in memo) <= 8 * 2**20 and len(memo) <= 8192
+
+
+# ---------------------------------------------------------------------------- the body memo
+
+
+_URL = {"a": "http://127.0.0.1:9", "b": "http://127.0.0.2:9", "approx": "http://127.0.0.3:9"}
+_BS = {"a": 16, "b": 32, "approx": 16}
+
+
+def _state(memo_mb: float) -> Any:
+    from router.service.config import build_settings
+    from router.service.state import RouterState
+    from router.store.base import ReplicaInfo
+    from tests.backends import kimi_model_table
+
+    settings = build_settings(
+        {
+            "server": {"body_memo_mb": memo_mb},
+            "models": {
+                "a": kimi_model_table(context_length=100_000),
+                # the same tokenizer files: one shared tokenizer cache
+                "b": kimi_model_table(block_size=32, chat_template_kwargs={"thinking": True}),
+                "approx": {"block_size": 16},
+            },
+        }
+    )
+    state = RouterState(settings)
+    for name in ("a", "b", "approx"):
+        assert state.fleet.add_discovered(
+            ReplicaInfo(f"r-{name}", url=_URL[name], model=name, block_size=_BS[name])
+        )
+    return state
+
+
+async def _routed(state: Any, path: bytes, raw: bytes, headers: list[tuple[bytes, bytes]]) -> Any:
+    """What ``serve_completion`` hands routing for ``raw`` (or the error it answers)."""
+    from router.core.errors import NoReplicaAvailable
+    from router.service.handling import serve_completion
+    from router.service.proxy import Forwarder
+    from router.service.upstream import Client, Timeouts
+
+    seen: list[Any] = []
+
+    def route(model: str, prompt: Any, request_id: str, now: float, **kw: Any) -> Any:
+        seen.append(
+            (
+                model,
+                prompt.prompt_tokens,
+                list(prompt.block_hashes),
+                prompt.block_size,
+                prompt.exact,
+                prompt.reads_cache,
+                prompt.samples,
+                prompt.prompts,
+                kw.get("session_id"),
+                kw.get("max_output_tokens"),
+            )
+        )
+        raise NoReplicaAvailable("stop here")
+
+    state.route = route
+    answer = _Answer()
+    if not hasattr(state, "_test_forwarder"):  # never reached: routing stops
+        state._test_forwarder = Forwarder(state, Client(Timeouts()))
+    await serve_completion(state, state._test_forwarder, answer, path, raw, headers)
+    return seen[0] if seen else (answer.status, answer.body)
+
+
+class _Answer:
+    def __init__(self) -> None:
+        self.status = 0
+        self.body = b""
+
+    async def respond(self, status: int, headers: Any, body: bytes) -> None:
+        self.status, self.body = status, body
+
+
+def _bodies(r: random.Random) -> list[tuple[bytes, bytes]]:
+    """(path, body) pairs with many repeats, near-repeats and the same bytes elsewhere."""
+    chat, completions = b"/v1/chat/completions", b"/v1/completions"
+    messages, responses = b"/v1/messages", b"/v1/responses"
+    convo = [{"role": "system", "content": "Be brief. " * 200}]
+    out: list[tuple[bytes, bytes]] = []
+    for _ in range(40):
+        convo = [*convo, {"role": r.choice(["user", "assistant"]), "content": _text(r, 30)}]
+        if convo[-1]["role"] == "assistant":
+            convo.append({"role": "user", "content": _text(r, 10)})
+        body: dict[str, Any] = {"model": r.choice(["a", "b", "approx", ""]), "messages": convo}
+        for field, values in (
+            ("cache_salt", ["s1", "s2"]),
+            ("n", [1, 2, 4]),
+            ("prompt_logprobs", [1]),
+            ("echo", [True]),
+            ("user", ["u1", "u2"]),
+            ("max_tokens", [5, 50]),
+            ("tools", [_TOOLS]),
+            ("add_generation_prompt", [False]),
+        ):
+            if r.random() < 0.15:
+                body[field] = r.choice(values)
+        raw = json.dumps(body).encode()
+        kind = r.random()
+        if kind < 0.15:  # the same body as a completion: its prompt (or its absence) differs
+            out.append((completions, raw))
+        elif kind < 0.25:
+            text = {"model": body["model"], "prompt": _text(r, 40), "n": r.randint(1, 3)}
+            out.append((completions, json.dumps(text).encode()))
+        elif kind < 0.35:
+            turn = {"model": body["model"], "max_tokens": 9, "messages": convo[1:] or convo}
+            out.append(
+                (messages if convo[-1]["role"] == "user" else chat, json.dumps(turn).encode())
+            )
+        elif kind < 0.4:
+            out.append(
+                (responses, json.dumps({"model": body["model"], "input": _text(r, 20)}).encode())
+            )
+        else:
+            out.append((chat, raw))
+        if r.random() < 0.4:  # an exact repeat, maybe later
+            out.insert(r.randint(max(0, len(out) - 5), len(out)), out[-1])
+    return out
+
+
+async def test_body_memo_hits_route_as_a_fresh_router_would() -> None:
+    """A router with the body memo (and the incremental caches) warm routes every body with
+    what a fresh router computes for it: the same model, prompt tokens, block hashes,
+    sampling and cache-reading flags, session and output limit, or the same refusal; also
+    when the body names no model and the model routed for it changes (a replica of another
+    model comes and goes), and when a header names the session."""
+    from router.store.base import ReplicaInfo
+
+    for seed in range(2):
+        r = random.Random(seed)
+        warm = _state(16.0)
+        gone = False
+        for i, (path, raw) in enumerate(_bodies(r)):
+            if r.random() < 0.1:  # the one model routed for a body naming none changes
+                gone = not gone
+            headers = [(b"x-session-id", b"hdr")] if r.random() < 0.2 else []
+            fresh = _state(0.0)
+            for state in (warm, fresh):
+                if gone:
+                    state.fleet.remove_discovered("r-b")
+                    state.fleet.remove_discovered("r-approx")
+                else:
+                    for name in ("b", "approx"):
+                        info = ReplicaInfo(
+                            f"r-{name}", url=_URL[name], model=name, block_size=_BS[name]
+                        )
+                        state.fleet.add_discovered(info)
+            got = await _routed(warm, path, raw, headers)
+            want = await _routed(fresh, path, raw, headers)
+            assert got == want, (seed, i, path, raw[:200])
+        assert warm.body_memo.hits > 5
