@@ -13,6 +13,8 @@ import random
 import tracemalloc
 from typing import Any
 
+import pytest
+
 from router.tokenize import template as template_module
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
@@ -129,14 +131,16 @@ def _view(proc: PromptProcessor, body: dict[str, Any]) -> tuple[Any, ...] | str:
     return (got.prompt_tokens, got.block_hashes, got.exact, got.block_size)
 
 
-def test_warm_caches_give_every_request_its_cold_prompt() -> None:
+@pytest.mark.parametrize("budget", [256 * 2**20, 150_000])
+def test_warm_caches_give_every_request_its_cold_prompt(budget: int) -> None:
     """Sessions growing turn by turn (and sometimes edited back), each turn followed by a
     related body (another model on the same tokenizer, a cache salt, tools, template
     arguments, generation flags, truncation, ...): what the shared, warm caches give equals
-    what a fresh state gives, body after body."""
+    what a fresh state gives, body after body; also with a budget that holds about one
+    conversation (entries evicted and rebuilt all along)."""
     for seed in range(2):
         r = random.Random(seed)
-        warm = _processors()
+        warm = _processors(budget)
         sessions: list[list[dict[str, Any]]] = [[_SYSTEM] for _ in range(3)]
         for _ in range(24):
             s = r.randrange(3)
@@ -151,7 +155,7 @@ def test_warm_caches_give_every_request_its_cold_prompt() -> None:
                 cold = _processors()[sent["model"]]
                 assert _view(warm[sent["model"]], sent) == _view(cold, sent), (seed, sent.keys())
         tokenizer = warm["a"].tokenizer
-        assert tokenizer is not None and tokenizer.hits > 10  # the warm caches were used
+        assert tokenizer is not None and tokenizer.hits > 5  # the warm caches were used
 
 
 def _retained(run: Any) -> int:
