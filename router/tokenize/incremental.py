@@ -70,6 +70,33 @@ def message_keys(
     return keys
 
 
+_REASONING_KEYS = ("reasoning", "reasoning_content", "thinking")
+
+
+def held_chars(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Characters ``messages`` hold besides their text content (what ``chars`` of
+    :meth:`IncrementalTokenizer.remember_local` counts): reasoning, and tool-call
+    arguments counted twice (the text as sent and the object parsed from it, which the
+    prepared messages keep)."""
+    n = 0
+    for m in messages:
+        for key in _REASONING_KEYS:
+            v = m.get(key)
+            if type(v) is str:
+                n += len(v)
+        calls = m.get("tool_calls")
+        if type(calls) is not list:
+            continue
+        for call in calls:
+            fn = call.get("function") if isinstance(call, Mapping) else None
+            if not isinstance(fn, Mapping):
+                n += len(repr(call))
+                continue
+            args = fn.get("arguments")
+            n += 2 * (len(args) if type(args) is str else len(repr(args))) + 64
+    return n
+
+
 @dataclass(slots=True, frozen=True)
 class _Cut:
     pos: int  # start of a special token in the cached text
@@ -568,12 +595,16 @@ class IncrementalTokenizer:
         resume = parts.resume
         if loop_idx < 0 or resume is None or self.budget_bytes <= 0:
             return
-        nbytes = 2 * chars + 200 * len(messages) + encoded.tokens.nbytes
+        # the message strings and the head (the tools, rendered; the tools themselves are
+        # the request's) at 2 bytes a character; besides the content, what else the
+        # messages hold: tool-call arguments, twice (as sent, and parsed in ``prepared``)
+        held = chars + held_chars(messages) + 2 * len(parts.head)
+        nbytes = 2 * held + 200 * len(messages) + encoded.tokens.nbytes
         nbytes += 40 * len(encoded.hashes) + 512
         full, text_at = None, 0
         if text is not None:
             full, text_at = text
-            nbytes += len(full)
+            nbytes += 2 * len(full)
         entry = _LocalEntry(
             list(messages),
             list(prepared),

