@@ -202,9 +202,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if which == "text":
             if not request.text:
                 raise BadRequest("text must not be empty")
-            return proc.completion, {"prompt": request.text}, len(request.text)
+            return (
+                proc.completion,
+                {"model": request.model, "prompt": request.text},
+                len(request.text),
+            )
         if which == "messages_json":
-            body: dict[str, Any] = {"messages": _json(request.messages_json, "messages_json")}
+            # the model named as an HTTP body names it (an engine's render endpoint reads it)
+            body: dict[str, Any] = {
+                "model": request.model,
+                "messages": _json(request.messages_json, "messages_json"),
+            }
             if request.tools_json:
                 body["tools"] = _json(request.tools_json, "tools_json")
             return proc.chat, body, len(request.messages_json) + len(request.tools_json)
