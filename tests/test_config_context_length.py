@@ -109,3 +109,20 @@ def test_default_limit_refuses_a_long_prompt(tmp_path: Path) -> None:
     state.check_context("m", short_prompt)
     with pytest.raises(BadRequest, match="maximum context length is 16 tokens"):
         state.check_context("m", long_prompt)
+
+
+def test_models_sharing_tokenizer_files_keep_their_own_cache_budgets(tmp_path: Path) -> None:
+    """Two models naming the same tokenizer files share its incremental cache only when
+    their ``cache_mb`` agree: each model's budget holds (0 turns it off for that model),
+    not the first configured one's for both."""
+    directory = _model_dir(tmp_path)
+    path = tmp_path / "c.toml"
+    table = f"tokenizer = '{directory}'\nbpe_file = '{BPE}'\n"
+    path.write_text(
+        f"[models.a]\n{table}cache_mb = 64\n[models.b]\n{table}cache_mb = 0\n"
+        f"[models.c]\n{table}cache_mb = 64\n"
+    )
+    state = RouterState(load_settings(path, environ={}))
+    a, b, c = (state.processors[m].tokenizer for m in ("a", "b", "c"))
+    assert a.budget_bytes == 64 * 2**20 and b.budget_bytes == 0
+    assert a is c  # the same files and budget: one cache

@@ -21,7 +21,8 @@ _log = logging.getLogger("router.service.state")
 def build_processor(
     model: ModelSettings, tokenizers: dict[tuple[Any, ...], IncrementalTokenizer]
 ) -> PromptProcessor:
-    """The prompt processor of one model; tokenizers with the same files are shared."""
+    """The prompt processor of one model; tokenizers with the same files and ``cache_mb`` are
+    shared (their incremental cache with them)."""
     block = model.routing.block_size
     if model.tokenizer is None:
         template = None
@@ -40,7 +41,9 @@ def build_processor(
             exclude_tools_when_none=model.exclude_tools_when_tool_choice_none,
             disabled_thinking_effort=model.anthropic_disabled_thinking_effort,
         )
-    spec = (model.tokenizer, model.bpe_file, model.pattern, model.num_reserved)
+    # models naming the same files share one incremental cache when their budgets agree
+    # (each model's cache_mb holds: 0 turns it off for that model only)
+    spec = (model.tokenizer, model.bpe_file, model.pattern, model.num_reserved, model.cache_mb)
     directory = Path(model.tokenizer)
     files = load_tokenizer_dir(
         directory, bpe_file=model.bpe_file, pattern=model.pattern, num_reserved=model.num_reserved
