@@ -352,3 +352,70 @@ def test_an_ejected_replica_that_leaves_and_comes_back_starts_with_a_clean_recor
         "penalty_requests": 0,
     }
     assert 'kind="connect"' not in _page(state)  # the late failure was not counted
+
+
+# ---------------------------------------------------------------------------- replica churn
+# (a router runs for weeks while discovered replicas come and go at new names and addresses:
+# nothing kept per replica may outlive it)
+
+
+def test_churned_replicas_leave_no_failure_or_ejection_series() -> None:
+    """``kvrouter_replica_failures_total`` / ``kvrouter_replica_ejections_total`` children
+    of a replica that left go with it, as ``kvrouter_requests_total``'s do: else every pod
+    that ever failed stays on the page, frozen, for ever."""
+    state: Any = _state()
+    ejections = Ejections(state, outlier_settings(state.settings.server))
+    state.fleet.add_discovered(ReplicaInfo("keep", url="http://10.0.1.1:8000", model="m"))
+    for i in range(40):
+        name = f"pod-{i}"
+        key = ReplicaKey(name)
+        assert state.fleet.add_discovered(
+            ReplicaInfo(name, url=f"http://10.0.0.{i + 1}:8000", model="m")
+        )
+        for j in range(3):
+            token = object()
+            ejections.sent(key, token, i + j / 10, 1.0)
+            ejections.failed(key, "http_5xx", i + j / 10 + 0.01, token)
+        page = _page(state)
+        assert f'kind="http_5xx",model="m",replica="{name}"' in page
+        assert f'model="m",reason="failures",replica="{name}"' in page
+        state.fleet.remove_discovered(name)
+    page = _page(state)
+    assert 'replica="pod-' not in page
+    assert len(ejections.failures._children) == 0
+    assert len(ejections.ejections._children) == 0
+
+
+async def test_churned_replicas_leave_no_decode_stall_ledger_rows() -> None:
+    """Admission's decode-stall ledger (router/core/stall.py) keeps a prefill clock, a heap
+    of allowances and the allowances themselves per replica: a replica that leaves takes
+    them with it (its requests leave the load model too), else each pod that ever served
+    keeps its rows for ever."""
+    from router.service.admission import Admission
+    from router.service.handling import admit
+    from router.service.state import RouterState
+
+    state = RouterState(
+        build_settings({"models": {"m": {"block_size": B, "admission": {"enabled": True}}}})
+    )
+    adm = Admission(state)
+    state.admission = adm
+    loop = asyncio.get_running_loop()
+    prompt = list(range(1, 200))
+    for i in range(40):
+        name = f"pod-{i}"
+        assert state.fleet.add_discovered(
+            ReplicaInfo(name, url=f"http://10.0.0.{i + 1}:8000", model="m")
+        )
+        body = {"model": "m", "prompt": prompt, "max_tokens": 100}
+        admitted = await admit(state, body, 1000, "completion")
+        routed = await adm.route(
+            "m", admitted.prompt, f"r{i}", loop.time(),
+            klass=1, tenant="", session_id=None, max_output_tokens=100,
+        )  # fmt: skip
+        assert routed.decision.replica == ReplicaKey(name)
+        state.fleet.remove_discovered(name)  # its pod goes with the request in flight
+    m = adm._models["m"]
+    assert m is not None
+    stall = m.queue.stall
+    assert (len(stall), len(stall._clock), len(stall._heaps)) == (0, 0, 0)
