@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from aiohttp import web
@@ -19,7 +20,7 @@ from router.service.ejection import Ejections, outlier_settings
 from router.store.base import ReplicaInfo
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
-from tests.backends import start_mock, start_router
+from tests.backends import Backend, start_mock, start_router
 from tests.ports import free_port
 from tests.waiting import eventually
 
@@ -419,3 +420,41 @@ async def test_churned_replicas_leave_no_decode_stall_ledger_rows() -> None:
     assert m is not None
     stall = m.queue.stall
     assert (len(stall), len(stall._clock), len(stall._heaps)) == (0, 0, 0)
+
+
+async def test_churned_replicas_leave_no_connection_pools() -> None:
+    """The proxy's keep-alive pools are per replica address: a replica that leaves (a pod
+    restarted at a new address, a scale-down) takes its pool with it, its idle connections
+    closed; else every address the router ever sent to keeps a pool, and its sockets."""
+    from router.service.keys import FORWARDER
+
+    router, base = await start_router(build_settings({"models": {"m": {"block_size": B}}}))
+    state = router.app[STATE]
+    forwarder = router.app[FORWARDER]
+    backends: list[Backend] = []
+    old_pools = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            for i in range(12):
+                backend = await Backend(f"b{i}", ["m"]).start()
+                backends.append(backend)
+                name = f"pod-{i}"
+                assert state.fleet.add_discovered(
+                    ReplicaInfo(name, url=backend.url, model="m", block_size=B)
+                )
+                body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}
+                async with http.post(base + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                assert backend.received
+                pool = forwarder.client._pools[backend.url]
+                assert pool._idle  # the answer's connection, kept alive
+                old_pools.append(pool)
+                state.fleet.remove_discovered(name)
+        live = {ep.base_url for ep in state.registry.endpoints()}
+        assert set(forwarder.client._pools) <= live
+        assert set(forwarder._hosts) <= live
+        assert not any(p._idle for p in old_pools)
+    finally:
+        await router.cleanup()
+        for backend in backends:
+            await backend.stop()
