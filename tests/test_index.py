@@ -112,6 +112,29 @@ def test_remove_clear_and_replica_removal() -> None:
     assert idx.stats().garbage_entries == 16
 
 
+def test_replicas_that_leave_little_behind_still_get_their_slots_freed() -> None:
+    """Every removal or clear retires a slot (a bit position); ``compact`` frees them, and
+    callers compact when ``garbage_ratio`` is high. Replicas that come and go with (almost)
+    nothing cached (a crash-looping pod; each registration's resync clears the new key)
+    leave no garbage entries behind, yet each takes a new, higher slot: without counting
+    the dead slots the slot numbers (per-slot lists, the width of every shared block's
+    bitmask) grow for ever next to a large live index."""
+    idx = PrefixIndex()
+    for i in range(4):
+        idx.store(ReplicaKey(f"r{i}"), H[:10])
+    idx.store(ReplicaKey("big"), range(10_000, 20_000))
+    for i in range(1000):
+        key = ReplicaKey(f"pod-{i}")
+        idx.add_replica(key)  # registered ...
+        idx.clear_replica(key)  # ... its resync ...
+        idx.store(key, H[:1])
+        idx.remove_replica(key)  # ... and gone
+        if idx.garbage_ratio() > 0.5:  # the housekeeping's rule (router/service/background.py)
+            idx.compact()
+    assert len(idx._key_of) <= 2 * 64
+    assert idx.match(H).get(ReplicaKey("r0")).kv_blocks == 10
+
+
 def test_compaction_frees_slots_and_keeps_answers() -> None:
     idx = PrefixIndex()
     for i in range(5):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from aiohttp import web
@@ -19,7 +20,7 @@ from router.service.ejection import Ejections, outlier_settings
 from router.store.base import ReplicaInfo
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
-from tests.backends import start_mock, start_router
+from tests.backends import Backend, start_mock, start_router
 from tests.ports import free_port
 from tests.waiting import eventually
 
@@ -352,3 +353,108 @@ def test_an_ejected_replica_that_leaves_and_comes_back_starts_with_a_clean_recor
         "penalty_requests": 0,
     }
     assert 'kind="connect"' not in _page(state)  # the late failure was not counted
+
+
+# ---------------------------------------------------------------------------- replica churn
+# (a router runs for weeks while discovered replicas come and go at new names and addresses:
+# nothing kept per replica may outlive it)
+
+
+def test_churned_replicas_leave_no_failure_or_ejection_series() -> None:
+    """``kvrouter_replica_failures_total`` / ``kvrouter_replica_ejections_total`` children
+    of a replica that left go with it, as ``kvrouter_requests_total``'s do: else every pod
+    that ever failed stays on the page, frozen, for ever."""
+    state: Any = _state()
+    ejections = Ejections(state, outlier_settings(state.settings.server))
+    state.fleet.add_discovered(ReplicaInfo("keep", url="http://10.0.1.1:8000", model="m"))
+    for i in range(40):
+        name = f"pod-{i}"
+        key = ReplicaKey(name)
+        assert state.fleet.add_discovered(
+            ReplicaInfo(name, url=f"http://10.0.0.{i + 1}:8000", model="m")
+        )
+        for j in range(3):
+            token = object()
+            ejections.sent(key, token, i + j / 10, 1.0)
+            ejections.failed(key, "http_5xx", i + j / 10 + 0.01, token)
+        page = _page(state)
+        assert f'kind="http_5xx",model="m",replica="{name}"' in page
+        assert f'model="m",reason="failures",replica="{name}"' in page
+        state.fleet.remove_discovered(name)
+    page = _page(state)
+    assert 'replica="pod-' not in page
+    assert len(ejections.failures._children) == 0
+    assert len(ejections.ejections._children) == 0
+
+
+async def test_churned_replicas_leave_no_decode_stall_ledger_rows() -> None:
+    """Admission's decode-stall ledger (router/core/stall.py) keeps a prefill clock, a heap
+    of allowances and the allowances themselves per replica: a replica that leaves takes
+    them with it (its requests leave the load model too), else each pod that ever served
+    keeps its rows for ever."""
+    from router.service.admission import Admission
+    from router.service.handling import admit
+    from router.service.state import RouterState
+
+    state = RouterState(
+        build_settings({"models": {"m": {"block_size": B, "admission": {"enabled": True}}}})
+    )
+    adm = Admission(state)
+    state.admission = adm
+    loop = asyncio.get_running_loop()
+    prompt = list(range(1, 200))
+    for i in range(40):
+        name = f"pod-{i}"
+        assert state.fleet.add_discovered(
+            ReplicaInfo(name, url=f"http://10.0.0.{i + 1}:8000", model="m")
+        )
+        body = {"model": "m", "prompt": prompt, "max_tokens": 100}
+        admitted = await admit(state, body, 1000, "completion")
+        routed = await adm.route(
+            "m", admitted.prompt, f"r{i}", loop.time(),
+            klass=1, tenant="", session_id=None, max_output_tokens=100,
+        )  # fmt: skip
+        assert routed.decision.replica == ReplicaKey(name)
+        state.fleet.remove_discovered(name)  # its pod goes with the request in flight
+    m = adm._models["m"]
+    assert m is not None
+    stall = m.queue.stall
+    assert (len(stall), len(stall._clock), len(stall._heaps)) == (0, 0, 0)
+
+
+async def test_churned_replicas_leave_no_connection_pools() -> None:
+    """The proxy's keep-alive pools are per replica address: a replica that leaves (a pod
+    restarted at a new address, a scale-down) takes its pool with it, its idle connections
+    closed; else every address the router ever sent to keeps a pool, and its sockets."""
+    from router.service.keys import FORWARDER
+
+    router, base = await start_router(build_settings({"models": {"m": {"block_size": B}}}))
+    state = router.app[STATE]
+    forwarder = router.app[FORWARDER]
+    backends: list[Backend] = []
+    old_pools = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            for i in range(12):
+                backend = await Backend(f"b{i}", ["m"]).start()
+                backends.append(backend)
+                name = f"pod-{i}"
+                assert state.fleet.add_discovered(
+                    ReplicaInfo(name, url=backend.url, model="m", block_size=B)
+                )
+                body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}
+                async with http.post(base + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                assert backend.received
+                pool = forwarder.client._pools[backend.url]
+                assert pool._idle  # the answer's connection, kept alive
+                old_pools.append(pool)
+                state.fleet.remove_discovered(name)
+        live = {ep.base_url for ep in state.registry.endpoints()}
+        assert set(forwarder.client._pools) <= live
+        assert set(forwarder._hosts) <= live
+        assert not any(p._idle for p in old_pools)
+    finally:
+        await router.cleanup()
+        for backend in backends:
+            await backend.stop()

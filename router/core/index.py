@@ -11,7 +11,7 @@ Layout (chosen for 10^3 replicas x 10^7 blocks, see docs/benchmarks.md):
   entries live in two more dicts with expiry, so real events never have to undo a guess.
 * Clearing a replica is O(1): it moves to a fresh slot and the old slot is marked dead.
   Queries mask dead bits out; ``compact()`` strips them later (amortised, when garbage
-  exceeds the live entries) and frees the slots for reuse.
+  exceeds the live entries, or dead slots the live keys) and frees the slots for reuse.
 
 Lookup: with one dict probe we learn *all* replicas holding a depth, so the query bisects
 over depth on bitmasks: replicas that drop out at different depths split a segment in two,
@@ -62,6 +62,11 @@ _TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
 MAX_AWAITED = 400_000
 _SINK: deque[object] = deque(maxlen=0)
 _consume = _SINK.extend  # exhaust an iterator (C-level loops for bulk events)
+
+
+_SLOT_SLACK = 64
+"""Retired slots :meth:`PrefixIndex.garbage_ratio` weighs against at least this many keys
+(a small fleet is not compacted for every replica that leaves)."""
 
 
 def _bits(value: int) -> int:
@@ -515,8 +520,14 @@ class PrefixIndex:
     # ------------------------------------------------------------------ maintenance
 
     def garbage_ratio(self) -> float:
+        """What :meth:`compact` would reclaim, relative to what stays: the entries of
+        retired slots per live entry, or the retired slots themselves per live key (at
+        least ``_SLOT_SLACK``), whichever is more. A key that leaves (or is cleared) with
+        next to nothing cached leaves few entries behind but retires its slot all the
+        same, and new keys take ever higher slots until the dead ones are freed."""
         live = sum(self._kv_count) + sum(self._state_count)
-        return self._garbage / max(live, 1)
+        slots = self._dead.bit_count() / max(len(self._slot_of), _SLOT_SLACK)
+        return max(self._garbage / max(live, 1), slots)
 
     def compact(self) -> int:
         """Strip bits of cleared/removed replicas from every entry (awaited blocks too) and

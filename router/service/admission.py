@@ -90,6 +90,15 @@ class Admission:
         self.shed = m.admission_shed
         self.wait = m.admission_wait
         self.depth = m.admission_held
+        state.fleet.on_forget.append(self.forget)
+
+    def forget(self, key: ReplicaKey) -> None:
+        """``key`` left the fleet: its decode-stall clock and the allowances of its requests
+        go with it (they left the load model too; a replica registered again under its
+        name starts clean)."""
+        for m in self._models.values():
+            if m is not None:
+                m.queue.stall.forget(key)
 
     # ------------------------------------------------------------------ per request
 

@@ -72,8 +72,11 @@ class Ejections:
 
     def forget(self, key: ReplicaKey) -> None:
         """``key`` left the fleet: its failure run, ejection and penalty go with it, as its
-        unhealthy mark does (a replica registered again under its name starts clean)."""
+        unhealthy mark does (a replica registered again under its name starts clean), and
+        so do its failure and ejection series (as its ``kvrouter_requests_total`` do)."""
         self.detector.forget(key)
+        for family in (self.failures, self.ejections):
+            family.remove_where("replica", key)
         self._penalised.discard(key)
         self._probing.pop(key, None)
 

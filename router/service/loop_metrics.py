@@ -9,7 +9,8 @@ and are exported through the registry's collector interface.
 
 The exposition is the one prometheus-client gives its own classes (``_total`` for counters;
 ``_bucket{le=...}``, ``_count`` and ``_sum`` for histograms) minus the ``_created`` series.
-The API is the subset the router uses: ``labels(*values)`` (or by keyword), ``remove``, and
+The API is the subset the router uses: ``labels(*values)`` (or by keyword), ``remove``
+(and ``remove_where``, dropping every child with one label's value), and
 ``inc`` / ``observe`` on a child. Do not touch them from another thread.
 """
 
@@ -75,6 +76,13 @@ class _Family(Collector):
     def remove(self, *values: object) -> None:
         """Drop a child (KeyError if it does not exist, as prometheus-client does)."""
         del self._children[self._key(values, {})]
+
+    def remove_where(self, label: str, value: object) -> None:
+        """Drop every child whose label ``label`` is ``value`` (e.g. a replica that left)."""
+        at = self.labelnames.index(label)
+        text = str(value)
+        for key in [k for k in self._children if k[at] == text]:
+            del self._children[key]
 
     def describe(self) -> Iterable[Metric]:
         return [self._metric()]

@@ -123,6 +123,16 @@ class Forwarder:
         self.debug_header = s.debug_header
         self._hosts: dict[str, bytes] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        state.fleet.on_forget.append(self._forget)
+
+    def _forget(self, key: ReplicaKey) -> None:
+        """A replica left: the connection pools (and Host headers) of the addresses no
+        replica has any more go (a pod restarted elsewhere leaves its old address for
+        good; the pool would keep its sockets for ever)."""
+        live = {ep.base_url for ep in self.state.registry.endpoints()}
+        self.client.forget(live)
+        for url in [u for u in self._hosts if u not in live]:
+            del self._hosts[url]
 
     def event_loop(self) -> asyncio.AbstractEventLoop:
         """The loop this forwarder serves on, looked up once: ``asyncio.get_running_loop``

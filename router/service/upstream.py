@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass
 
 import httptools
@@ -385,9 +386,10 @@ class Pool:
         self.size = size
         self._idle: list[_Conn] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False  # (closed: a connection handed back is closed, not kept)
 
     def _put(self, conn: _Conn) -> None:
-        if len(self._idle) >= self.size:
+        if self._closed or len(self._idle) >= self.size:
             conn.abort()
             return
         conn._reset()
@@ -467,6 +469,8 @@ class Pool:
         raise ConnectFailed("connections kept closing before answering", connected=True)
 
     def close(self) -> None:
+        """Close the idle connections, and those in use as they are handed back."""
+        self._closed = True
         for conn in self._idle:
             conn.abort()
         self._idle.clear()
@@ -494,6 +498,12 @@ class Client:
         if p is None:
             p = self._pools[key] = Pool(Target(path=path), self.timeouts, self.pool_size)
         return p
+
+    def forget(self, keep: Container[str]) -> None:
+        """Close and drop the pools of the base URLs not in ``keep`` (replicas that left:
+        their addresses may never be asked again)."""
+        for url in [u for u in self._pools if not u.startswith("unix:") and u not in keep]:
+            self._pools.pop(url).close()
 
     def close(self) -> None:
         for p in self._pools.values():
