@@ -3,6 +3,8 @@ multi-router / lagged-index run through the real routing core."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from sim.cluster import ClusterConfig, Simulation
@@ -224,15 +226,14 @@ def test_an_eagle_profiles_routers_predict_the_block_its_engines_give_back() -> 
     second = SimRequest("b", 100.0, 30 * b + 10, 4, list(range(1, 31)))
     workload = Workload("t", [first, second], b, "m")
     sim = Simulation(workload, ClusterConfig(profile, replicas=1, block_size=b), "ours")
-    engine = sim.routers[0].engine
     predicted: list[int] = []
-    dispatched = engine.dispatched
+    dispatch = sim._dispatch  # (the simulator's own method: RoutingEngine may be compiled)
 
-    def spy(request: object, decision: object, *args: object, **kw: object) -> object:
-        predicted.append(decision.usable_tokens)  # type: ignore[attr-defined]
-        return dispatched(request, decision, *args, **kw)  # type: ignore[arg-type]
+    def spy(router: Any, req: Any, rr: Any, decision: Any, *args: Any) -> Any:
+        predicted.append(decision.usable_tokens)
+        return dispatch(router, req, rr, decision, *args)
 
-    engine.dispatched = spy  # type: ignore[method-assign]
+    sim._dispatch = spy  # type: ignore[method-assign]
     sim.run()
     granted = [sim._records[r.request_id].cached for r in (first, second)]
     assert granted == [0, 19 * b]  # 20 blocks cached, the last given back
