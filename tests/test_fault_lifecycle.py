@@ -1,6 +1,7 @@
 """Router process life cycle, with real processes on loopback.
 
-* SIGTERM: the listener closes at once (new connections are refused), in-flight streams run
+* SIGTERM: the listener closes at once (new connections are refused), and so do the
+  connections kept between requests (each busy one after its answer), in-flight streams run
   to their ``[DONE]``, and the process exits 0; a stream longer than
   ``server.shutdown_timeout_s`` is cut at the deadline and the process still exits 0.
 * Router restart with Redis (``server.redis_url``): a new router process recovers the index
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
+import json
 import signal
 import socket
 import time
@@ -107,6 +110,69 @@ async def test_sigterm_deadline_cuts_long_streams(fleet: Fleet) -> None:
     assert code == 0
     assert result != "done"  # cut, and never mistaken for a complete answer
     assert elapsed < 6.0, elapsed
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """The server closed ``sock`` (EOF or reset; nothing unread is pending on it)."""
+    sock.settimeout(0.05)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def _kept_connection(port: int) -> http.client.HTTPConnection:
+    """A connection kept alive after one answer, as a load balancer's pool keeps one."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request("GET", "/health")
+    resp = conn.getresponse()
+    assert resp.status == 200 and not resp.will_close
+    resp.read()
+    return conn
+
+
+async def test_sigterm_closes_kept_connections_so_no_new_request_lands(fleet: Fleet) -> None:
+    """A load balancer sends new requests on the connections it keeps, not only on new
+    ones: a drain that closes the listener but keeps those open goes on taking requests
+    (and ``/ready`` answers 200 on them) for as long as any stream runs. Idle kept
+    connections close at once on SIGTERM; one whose answer is in flight closes at its end
+    (``Connection: close`` on answers begun after it)."""
+    mock = fleet.mock("a")
+    router = fleet.router("router", [("a", mock.url)], server={"shutdown_timeout_s": 30.0})
+    port: int = router.port  # type: ignore[attr-defined]
+    idle = _kept_connection(port)
+    busy = _kept_connection(port)
+    body = {"model": "m", "prompt": token_prompt(2, 32), "max_tokens": 300, "stream": True}
+    busy.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    async with aiohttp.ClientSession() as session:
+        long = asyncio.create_task(_stream(session, router.url, 1, 3000))
+
+        async def both_running() -> bool:
+            return await _running(mock.url) == 2
+
+        await eventually(both_running, message="the streams did not reach the engine")
+        router.signal(signal.SIGTERM)
+        await eventually(lambda: _refused(port), message="the listener must close on SIGTERM")
+        assert idle.sock is not None
+        await eventually(
+            lambda: _closed_by_peer(idle.sock), message="an idle kept connection stayed open"
+        )
+        resp = await asyncio.to_thread(busy.getresponse)
+        assert resp.status == 200
+        assert b"data: [DONE]" in await asyncio.to_thread(resp.read)  # its answer runs out
+        assert busy.sock is not None
+        await eventually(
+            lambda: _closed_by_peer(busy.sock), message="a connection stayed open after its answer"
+        )
+        assert router.alive()  # still draining the stream
+        long.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await long
+    idle.close()
+    busy.close()
+    assert await asyncio.to_thread(router.wait, 15) == 0
 
 
 def _redis(

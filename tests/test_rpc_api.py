@@ -4,6 +4,7 @@ reflection, auth, deadlines and bad messages."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -611,3 +612,84 @@ async def test_a_request_id_is_bounded_as_an_http_header_is(rpc: Any) -> None:
         metadata=auth(),
     )
     assert ok.decision_id == "r" * 1000
+
+
+async def test_grpc_health_follows_readiness_and_the_drain() -> None:
+    """The health service says what ``/ready`` says: the Router service (and the server as
+    a whole, service "") is NOT_SERVING while a model has no available replica, and every
+    service is NOT_SERVING from the moment a drain begins (SIGTERM: ``Running.cleanup``),
+    not only once the HTTP requests in flight have ended."""
+    from router.core.types import ReplicaKey
+    from router.rpc.server import GRPC_PORT
+    from router.service.app import STATE
+    from tests.backends import start_router
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # accepts, never answers (until the router lets go)
+        writer.close()
+
+    upstream = await asyncio.start_server(hang, "127.0.0.1", 0)
+    up_port = upstream.sockets[0].getsockname()[1]
+    settings = build_settings(
+        {
+            "server": {
+                "grpc_port": 0,
+                "health_interval_s": 0,
+                "first_byte_timeout_s": 120,
+                "first_byte_min_s": 120,
+            },
+            "replicas": [{"url": f"http://127.0.0.1:{up_port}", "model": MODEL, "name": "a"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    running, url = await start_router(settings)
+    state = running.app[STATE]
+    stopping: asyncio.Task[None] | None = None
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.app[GRPC_PORT]}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            serving = health_pb2.HealthCheckResponse.SERVING
+
+            async def status(service: str) -> int:
+                req = health_pb2.HealthCheckRequest(service=service)
+                return int((await health.Check(req)).status)
+
+            assert await status("") == serving
+            state.fleet.mark_unhealthy(ReplicaKey("a"), loop_clock())
+            async with aiohttp.ClientSession() as http, http.get(url + "/ready") as ready:
+                assert ready.status == 503
+
+            async def router_down() -> bool:
+                return await status("") != serving and await status("kvrouter.v1.Router") != serving
+
+            await eventually(router_down, message="gRPC health SERVING while /ready is 503")
+            assert await status("kvrouter.v1.Admin") == serving  # (to undrain, say)
+            state.fleet.unhealthy_until.clear()
+            state.load.set_health(ReplicaKey("a"), True)
+
+            async def router_up() -> bool:
+                return await status("") == serving and await status("kvrouter.v1.Router") == serving
+
+            await eventually(router_up, message="gRPC health not SERVING again")
+
+            async with aiohttp.ClientSession() as http:
+                body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}
+                held = asyncio.create_task(http.post(url + "/v1/completions", json=body))
+                await eventually(lambda: any(c.task for c in running.server.connections))
+                stopping = asyncio.create_task(running.cleanup(60.0))
+
+                async def all_down() -> bool:
+                    names = ("", "kvrouter.v1.Router", "kvrouter.v1.Index", "kvrouter.v1.Admin")
+                    return all([await status(n) != serving for n in names])
+
+                await eventually(all_down, message="gRPC health SERVING during the drain")
+                assert not stopping.done()  # the HTTP request still holds the drain
+                held.cancel()
+                with contextlib.suppress(BaseException):
+                    await held
+    finally:
+        if stopping is None:
+            await running.cleanup()
+        else:
+            await stopping
+        upstream.close()

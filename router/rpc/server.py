@@ -11,6 +11,7 @@ Secrets are compared in constant time. TLS is on when a certificate and key are 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import pathlib
@@ -55,10 +56,13 @@ from router.service.keys import (
     REPORT_RELAY,
     SETTINGS,
     STATE,
+    STOPPING,
     WORKERS,
 )
+from router.service.public import is_ready
 from router.service.report_relay import ReportRelay
 from router.service.state import RouterState
+from router.service.stopping import Stopping
 from router.service.workers import Workers
 
 __all__ = [
@@ -71,6 +75,8 @@ __all__ = [
 ]
 _log = logging.getLogger("kvrouter.service")
 SWEEP_S = 1.0  # how often decisions past their TTL are ended without a Pick to do it
+READY_S = 0.5  # how often the health service's statuses are brought in line with /ready
+STOP_GRACE_S = 5.0  # RPCs in flight when the server stops: at most this, within the deadline
 ADMIN_SERVICE = "/kvrouter.v1.Admin/"
 ROUTER_SERVICE = "/kvrouter.v1.Router/"
 KVROUTER_SERVICES = "/kvrouter."  # every other service (health, reflection) is open
@@ -329,21 +335,60 @@ async def serve_grpc(
     ejections: Ejections | None = None,
     relay: ReportRelay | None = None,
     gate: Gate | None = None,
+    stopping: Stopping | None = None,
 ) -> AsyncGenerator[tuple[grpc.aio.Server, int], None]:
     """Async generator for aiohttp ``cleanup_ctx``-style lifetimes: start, yield the server
     and its port, stop. While it serves, decisions past their TTL are ended every
-    :data:`SWEEP_S`, whether or not Picks come."""
+    :data:`SWEEP_S`, whether or not Picks come, and the health service follows ``/ready``
+    (:func:`_follow_readiness`). ``stopping``: the process's stop, from whose start every
+    service reports NOT_SERVING and whose deadline bounds the grace of the RPCs in flight."""
     built = build_server(state, settings, clock, workers, ejections, relay, gate)
     await built.server.start()
-    for name in ["", *built.service_names]:
+    for name in built.service_names[1:]:  # Index, Admin: while the process serves
         await built.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    stopping = stopping or Stopping()
+    await _set_ready(built, is_ready(state, loop_clock()))
     sweeper = asyncio.create_task(_sweep(built.router))
+    follower = asyncio.create_task(_follow_readiness(built, state, stopping))
     try:
         yield built.server, built.port
     finally:
         sweeper.cancel()
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
         await built.health.enter_graceful_shutdown()
-        await built.server.stop(grace=5.0)
+        grace = STOP_GRACE_S
+        if stopping.started:  # (the HTTP drain may have used the time up)
+            grace = min(grace, stopping.left(loop_clock()))
+        await built.server.stop(grace=grace)
+
+
+async def _set_ready(built: BuiltServer, ready: bool) -> None:
+    """The server as a whole (service "") and the Router service: SERVING when ``/ready``
+    would answer 200, else NOT_SERVING (a Pick would find no replica)."""
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if ready
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ("", built.service_names[0]):
+        await built.health.set(name, status)
+
+
+async def _follow_readiness(built: BuiltServer, state: RouterState, stopping: Stopping) -> None:
+    """Every :data:`READY_S`, the health statuses of :func:`_set_ready`; once the process
+    stops, NOT_SERVING for every service at once (graceful shutdown)."""
+    shown = is_ready(state, loop_clock())
+    while not stopping.started:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.event.wait(), READY_S)
+        if stopping.started:
+            break
+        ready = is_ready(state, loop_clock())
+        if ready != shown:
+            await _set_ready(built, ready)
+            shown = ready
+    await built.health.enter_graceful_shutdown()
 
 
 async def _sweep(router: RouterServicer) -> None:
@@ -379,7 +424,7 @@ async def grpc_cleanup_ctx(app: web.Application) -> AsyncIterator[None]:
     relay = app.get(REPORT_RELAY)
     # the public port's gate: one check of client keys and one count per key for both ports
     async for server, port in serve_grpc(
-        app[STATE], settings, loop_clock, workers, ejections, relay, app[GATE]
+        app[STATE], settings, loop_clock, workers, ejections, relay, app[GATE], app[STOPPING]
     ):
         app[GRPC_PORT] = port
         app[GRPC_SERVER] = server

@@ -39,6 +39,7 @@ from router.service.keys import (
     SESSION,
     SETTINGS,
     STATE,
+    STOPPING,
 )
 from router.service.pass_through import MESSAGES_PATH, PATHS, RESPONSES_PATH
 from router.service.response_share import redis_ctx
@@ -47,6 +48,7 @@ from router.service.saturation import loop_lag
 from router.service.security import Limits, check_grpc_token
 from router.service.settings import Settings
 from router.service.state import RouterState
+from router.service.stopping import Stopping
 
 __all__ = [
     "FORWARDER",
@@ -78,6 +80,7 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
     app[GATE] = Gate(limits)  # one per process: HTTP and gRPC hold their callers to it
     app[STATE] = state
     app[INDEX] = state.index
+    app[STOPPING] = Stopping()
     app.cleanup_ctx.append(background.upstream_session)
     app.cleanup_ctx.append(loop_lag)  # the saturation gauge (router/service/saturation.py)
     for factory in settings.background:
@@ -124,8 +127,10 @@ class Running:
     runner: web.AppRunner
 
     async def cleanup(self, timeout: float = 0.0) -> None:
-        """Stop accepting, let requests in flight finish for up to ``timeout`` seconds, close
-        the rest, then stop the contexts."""
+        """Stop accepting (``/ready`` and the gRPC health service say so from now on), let
+        requests in flight finish for up to ``timeout`` seconds, close the rest, then stop
+        the contexts."""
+        self.app[STOPPING].begin(asyncio.get_running_loop().time() + timeout)
         await self.server.close(timeout)
         await self.runner.cleanup()
 

@@ -546,7 +546,11 @@ class _Connection(asyncio.Protocol):
                 status, message, code, extra = failed
                 self._fatal(status, message, extra, code)
             elif not self.closed and not self.in_message:
-                self.server.rest(self)
+                if self.server.draining:
+                    self.transport.close()
+                    self.closed = True
+                else:
+                    self.server.rest(self)
 
 
 Handler = Callable[[HttpRequest, Sink], Awaitable[None]]
@@ -567,6 +571,8 @@ class FastServer:
         self._sweeper: asyncio.Task[None] | None = None
         self.refused = 0  # the cap's actions since its last log line
         self._logged_at = -1e9
+        # closing (:meth:`close`): no connection is kept for another request
+        self.draining = False
 
     def admit(self, conn: _Connection) -> None:
         """A new connection: under the cap, or over it after closing the longest-idle one,
@@ -692,13 +698,23 @@ class FastServer:
         self._start_sweeper()
 
     async def close(self, timeout: float = 0.0) -> None:
-        """Stop accepting; wait up to ``timeout`` s for requests in flight; close the rest."""
+        """Stop accepting; close the connections kept idle between requests (a load balancer
+        sends new requests on those too); wait up to ``timeout`` s for the requests in flight
+        (and those being received), each connection closing once its answer is out (answers
+        begun from now on say ``Connection: close``); close the rest."""
+        self.draining = True
         if self._server is not None:
             self._server.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
+        for conn in list(self.idle):
+            if not conn.closed:
+                conn.transport.close()
+                conn.closed = True
+            self.connections.discard(conn)
+        self.idle.clear()
         deadline = self.loop.time() + timeout
-        while self.loop.time() < deadline and any(c.task for c in self.connections):
+        while self.loop.time() < deadline and any(c.task or c.in_message for c in self.connections):
             await asyncio.sleep(0.05)
         for conn in list(self.connections):
             if not conn.closed:
@@ -709,7 +725,8 @@ class FastServer:
 
     async def serve(self, conn: _Connection, req: HttpRequest, http10: bool = False) -> bool:
         """Answer ``req``; returns whether the connection stays open for another request."""
-        sink = _Sink(conn, req.keep_alive, head_only=req.method == b"HEAD", http10=http10)
+        keep = req.keep_alive and not self.draining
+        sink = _Sink(conn, keep, head_only=req.method == b"HEAD", http10=http10)
         try:
             await self.handler(req, sink)
         except (asyncio.CancelledError, ConnectionResetError):
@@ -723,7 +740,7 @@ class FastServer:
                 raise _Aborted() from exc
             body = error_body(500, "internal error in the router", code="internal_error")
             await sink.respond(500, [(b"Content-Type", b"application/json")], body)
-        return sink.keep_alive
+        return sink.keep_alive and not self.draining  # (an answer begun before the drain)
 
 
 def _what(req: HttpRequest) -> tuple[str, str]:

@@ -18,6 +18,7 @@ from router.service.report_relay import ReportRelay
 from router.service.routes import Routes
 from router.service.settings import Settings
 from router.service.state import RouterState
+from router.service.stopping import Stopping
 from router.service.workers import Workers
 
 if TYPE_CHECKING:  # (imports redis: only when server.redis_url is set)
@@ -39,6 +40,8 @@ INDEX_SYNC: web.AppKey[IndexSync] = web.AppKey("kvrouter_index_sync")
 # with several worker processes (server.workers > 1): the group and this worker's index
 WORKERS = web.AppKey("kvrouter_workers", Workers)
 WORKER_INDEX = web.AppKey("kvrouter_worker_index", int)  # 0 .. count-1, in fork order
+# the process's stop: set when the SIGTERM drain begins (router/service/stopping.py)
+STOPPING = web.AppKey("kvrouter_stopping", Stopping)
 GRPC_PORT = web.AppKey("kvrouter_grpc_port", int)
 GRPC_SERVER = web.AppKey("kvrouter_grpc_server", object)
 # with several workers: how the control socket reaches this worker's gRPC Reports

@@ -13,9 +13,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from router.core.types import ReplicaKey
 from router.service.errors import ErrorReply
 from router.service.http_types import HttpRequest, Reply
-from router.service.keys import SESSION, STATE, WORKER_INDEX, WORKERS
+from router.service.keys import SESSION, STATE, STOPPING, WORKER_INDEX, WORKERS
 from router.service.routes import Routes, error
 from router.service.state import RouterState
 from router.service.worker_metrics import all_workers_page
@@ -38,7 +39,7 @@ def add_routes(routes: Routes, app: web.Application) -> None:
         return Reply.json({"status": "ok"})
 
     async def ready(req: HttpRequest, _: str) -> Reply:
-        return ready_reply(app[STATE])
+        return ready_reply(app[STATE], stopping=app[STOPPING].started)
 
     async def metrics(req: HttpRequest, _: str) -> Reply:
         """This process's metrics; with several workers, every worker's, labelled ``worker``
@@ -105,15 +106,29 @@ def routable(state: RouterState, model: str) -> bool:
     return model in state.processors and bool(state.registry.keys_for(model))
 
 
-def ready_reply(state: RouterState) -> Reply:
-    """200 when every model has an available replica; says which models are approximate."""
+def _available(state: RouterState, name: str, now: float) -> list[ReplicaKey]:
+    keys = state.registry.keys_for(name)
+    return [k for k in keys if (v := state.load.view(k, now)).healthy and not v.draining]
+
+
+def is_ready(state: RouterState, now: float) -> bool:
+    """What ``/ready`` answers 200 for: a model at least, each with an available replica
+    (healthy, not draining); the gRPC health service follows it too."""
+    state.fleet.restore_health(now)
+    models = state.registry.models()
+    return bool(models) and all(_available(state, name, now) for name in models)
+
+
+def ready_reply(state: RouterState, *, stopping: bool = False) -> Reply:
+    """200 when every model has an available replica and the process is not stopping (a
+    SIGTERM drain); says which models are approximate."""
     now = asyncio.get_running_loop().time()
     state.fleet.restore_health(now)
     out: dict[str, Any] = {}
-    ok = bool(state.registry.models())
+    ok = bool(state.registry.models()) and not stopping
     for name in state.registry.models():
         keys = state.registry.keys_for(name)
-        up = [k for k in keys if (v := state.load.view(k, now)).healthy and not v.draining]
+        up = _available(state, name, now)
         proc = state.processors[name]
         out[name] = {
             "replicas": len(keys),
@@ -130,4 +145,7 @@ def ready_reply(state: RouterState) -> Reply:
                 "routing uses the router's own speculative entries only"
             )
         ok = ok and bool(up)
-    return Reply.json({"ready": ok, "models": out}, status=200 if ok else 503)
+    body: dict[str, Any] = {"ready": ok, "models": out}
+    if stopping:
+        body["stopping"] = True
+    return Reply.json(body, status=200 if ok else 503)
