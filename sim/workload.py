@@ -19,13 +19,17 @@ Trace formats (JSON lines; unknown extra fields are ignored):
   one request's id, so a second row with it is an error.
 
 Hash ids -> tokens. A trace names blocks, not tokens, so token content is synthesised
-deterministically: token ``j`` of the block with id ``k`` is ``(k * trace_block + j) mod 2**32``.
-Distinct ids get distinct content and a shared id gets identical content, so the router's
-chained hashing sees exactly the sharing the trace describes. The partial last block of a
+deterministically: a trace's ids are renamed densely in order of first appearance (``k`` = 0,
+1, 2, ...; the bundled traces' ids already are) and token ``j`` of the block renamed ``k`` is
+``(k * trace_block + j) mod 2**32``. Distinct ids get distinct content (up to ``2**32 /
+trace_block`` of them) and a shared id gets identical content, so the router's chained hashing
+sees exactly the sharing the trace describes (raw ids ``2**32 / trace_block`` apart, or the
+fresh ids below, would otherwise share tokens). The partial last block of a
 prompt is the first tokens of its block's content. Hashes of the router blocks that end inside
 a full trace block depend only on its id (an id names the whole prefix), so they are memoised
-per id and a block shared by many requests is hashed once. Ids beyond the prompt (rows whose
-``input_length`` exceeds ``len(hash_ids) * trace_block``) get fresh ids, never shared.
+per id and a block shared by many requests is hashed once. Blocks beyond a row's ids (rows whose
+``input_length`` exceeds ``len(hash_ids) * trace_block``) get fresh ids after every id taken so
+far, never shared.
 """
 
 from __future__ import annotations
@@ -172,6 +176,35 @@ class BlockIdHasher:
 # ---------------------------------------------------------------------------- readers
 
 
+class DenseIds:
+    """A trace's block ids renamed ``0, 1, 2, ...`` in order of first appearance, and fresh
+    ids for the blocks a row's ids do not cover, taken from the same sequence: no two get the
+    same token content (module doc)."""
+
+    __slots__ = ("_next", "_of")
+
+    def __init__(self) -> None:
+        self._of: dict[int, int] = {}
+        self._next = 0
+
+    def prompt(self, ids: Sequence[int], prompt_tokens: int, trace_block: int) -> list[int]:
+        """The renamed ids of a prompt of ``prompt_tokens`` tokens, fresh ones appended where
+        ``ids`` fall short of it."""
+        out: list[int] = []
+        of = self._of
+        for raw in ids:
+            k = of.get(raw)
+            if k is None:
+                k = of[raw] = self._next
+                self._next += 1
+            out.append(k)
+        missing = -(-prompt_tokens // trace_block) - len(out)
+        if missing > 0:
+            out.extend(range(self._next, self._next + missing))
+            self._next += missing
+        return out
+
+
 def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     with path.open("rb") as fh:  # decoded line by line, so a bad byte names its line
         for lineno, raw in enumerate(fh, 1):
@@ -231,10 +264,9 @@ def read_mooncake(
     hasher = BlockIdHasher(block_size, trace_block, model)
     requests: list[SimRequest] = []
     last_of_session: dict[str, str] = {}
-    next_fresh = 1 << 40  # ids for blocks a row's hash_ids do not cover
     # Recorded ids are 53-bit keyed hashes (router/recorder.py): renamed densely in order of
     # first appearance, so block contents (built from ids mod 2**32) stay distinct.
-    dense: dict[int, int] = {}
+    dense = DenseIds()
     t0: float | None = None
     for lineno, row in _rows(path):
         where = f"{path}:{lineno}"
@@ -247,11 +279,7 @@ def read_mooncake(
             raise ConfigError(f"{where}: 'hash_ids' must be a list of integers")
         if n_in <= 0:
             raise ConfigError(f"{where}: 'input_length' must be positive")
-        ids = [dense.setdefault(i, len(dense)) for i in ids]
-        missing = -(-n_in // trace_block) - len(ids)
-        if missing > 0:
-            ids = ids + list(range(next_fresh, next_fresh + missing))
-            next_fresh += missing
+        ids = dense.prompt(ids, n_in, trace_block)
         rid = f"r{len(requests)}"
         session = row.get("session_id")
         session = None if session is None else str(session)
@@ -327,7 +355,7 @@ def read_bailian(
             break
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0] if rows else 0.0
-    next_fresh = 1 << 40
+    dense = DenseIds()  # raw ids 2**28 apart would share tokens at 16-token blocks
     requests: list[SimRequest] = []
     for ts, chat, row, where in rows:
         n_in = _int(row, "input_length", where)
@@ -337,10 +365,7 @@ def read_bailian(
         ids = row.get("hash_ids", [])
         if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
             raise ConfigError(f"{where}: 'hash_ids' must be a list of integers")
-        missing = -(-n_in // trace_block) - len(ids)
-        if missing > 0:
-            ids = ids + list(range(next_fresh, next_fresh + missing))
-            next_fresh += missing
+        ids = dense.prompt(ids, n_in, trace_block)
         requests.append(
             SimRequest(
                 f"c{chat}",

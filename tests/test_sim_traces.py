@@ -122,7 +122,8 @@ def test_bailian_rows_sessions_and_16_token_blocks(tmp_path: Path) -> None:
     assert b.arrival_s == pytest.approx(2.5) and a.session_id == b.session_id == "7"
     assert len(a.block_hashes) == 3 and len(b.block_hashes) == 5
     assert a.block_hashes[:3] == b.block_hashes[:3]  # 6 shared 16-token ids = 3 blocks of 32
-    toks = tokens_of(rows[1]["hash_ids"], 160, 16)  # type: ignore[arg-type]
+    # ids renamed in order of first appearance: 1..7 -> 0..6, then 10..13 -> 7..10
+    toks = tokens_of([0, 1, 2, 3, 4, 5, 7, 8, 9, 10], 160, 16)
     assert list(b.block_hashes) == hash_prompt(toks, 32, root_hash("sim-model")).hashes
 
 
@@ -267,3 +268,35 @@ def test_a_recording_in_completion_order_is_replayed_in_arrival_order(tmp_path: 
     assert w.requests[0].prompt_tokens == 900
     turn = w.requests[3]
     assert turn.after == w.requests[2].request_id and turn.delay_s == pytest.approx(0.1)
+
+
+def test_fresh_and_wrapping_ids_never_alias_another_blocks_tokens(tmp_path: Path) -> None:
+    """Token content is ``(k * trace_block + j) mod 2**32``: ids ``2**32 / trace_block``
+    apart got the same tokens. The fresh ids for a row without (enough) ``hash_ids`` (the
+    recorder writes ``[]`` where its block size does not divide 512) started at ``2**40``,
+    which wraps to id 0: such a row shared the first row's whole prefix; Bailian ids were
+    used raw, so ``2**28`` shared id 0's tokens at 16-token blocks. Unrelated prompts must
+    share no block."""
+    rows = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [5, 6]},
+        {"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": []},
+        {"timestamp": 2, "input_length": 1024, "output_length": 1},
+    ]
+    w = load_trace(str(write(tmp_path / "m.jsonl", rows)), block_size=64)
+    chains = [set(r.block_hashes) for r in w.requests]
+    assert all(len(c) == 16 for c in chains)
+    assert not chains[0] & chains[1] and not chains[0] & chains[2]
+    assert not chains[1] & chains[2]
+    wrap = 1 << 28  # 2**32 / 16
+    bailian = [
+        {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.0, "input_length": 64,
+         "output_length": 1, "hash_ids": [0, 1, 2, 3]},
+        {"chat_id": 2, "parent_chat_id": -1, "timestamp": 1.0, "input_length": 64,
+         "output_length": 1, "hash_ids": [wrap, wrap + 1, wrap + 2, wrap + 3]},
+        {"chat_id": 3, "parent_chat_id": -1, "timestamp": 2.0, "input_length": 64,
+         "output_length": 1, "hash_ids": []},
+    ]  # fmt: skip
+    w = load_trace(str(write(tmp_path / "b.jsonl", bailian)), block_size=16)
+    chains = [set(r.block_hashes) for r in w.requests]
+    assert all(len(c) == 4 for c in chains)
+    assert not chains[0] & chains[1] and not chains[0] & chains[2]
