@@ -12,7 +12,9 @@ Trace formats (JSON lines; unknown extra fields are ignored):
   each hash id names a ``trace_block``-token prefix block (512 in Mooncake's releases).
 * Recorded (the router's own format): Mooncake rows plus optional ``session_id``, ``model``
   and ``delay`` (ms). A row with ``delay`` whose session already had a row is closed-loop:
-  it arrives ``delay`` ms after that previous row's request finished.
+  it arrives ``delay`` ms after the answer of the session's earlier rows that finished last
+  (``timestamp + e2e_ms``, as ``kvrouter trace merge`` measures ``delay``; the last such row
+  where ``e2e_ms`` is missing: a worker's own file is in order of completion).
 * Alibaba Bailian: ``{"chat_id", "parent_chat_id" (-1 for none), "timestamp" (s),
   "input_length", "output_length", "type", "turn", "hash_ids"}`` over 16-token blocks;
   replayed open loop at its timestamps, sessions follow the parent chain; a ``chat_id`` is
@@ -263,7 +265,7 @@ def read_mooncake(
     """Mooncake JSONL, including the router's recorded rows (``session_id``, ``delay``)."""
     hasher = BlockIdHasher(block_size, trace_block, model)
     requests: list[SimRequest] = []
-    last_of_session: dict[str, str] = {}
+    last_of_session: dict[str, tuple[str, float | None]] = {}  # (request, finish ms)
     # Recorded ids are 53-bit keyed hashes (router/recorder.py): renamed densely in order of
     # first appearance, so block contents (built from ids mod 2**32) stay distinct.
     dense = DenseIds()
@@ -286,10 +288,17 @@ def read_mooncake(
         after = None
         delay = 0.0
         if session is not None and "delay" in row and session in last_of_session:
-            after = last_of_session[session]
+            after = last_of_session[session][0]
             delay = _int(row, "delay", where) / 1000.0
         if session is not None:
-            last_of_session[session] = rid
+            e2e = row.get("e2e_ms")
+            finish: float | None = None
+            if isinstance(e2e, int | float) and not isinstance(e2e, bool) and 0 <= e2e < math.inf:
+                finish = ts * 1000.0 + e2e
+            held = last_of_session.get(session)
+            # the session's answer that finished last (file order where finishes are unknown)
+            if held is None or finish is None or held[1] is None or finish >= held[1]:
+                last_of_session[session] = (rid, finish)
         requests.append(
             SimRequest(
                 rid,

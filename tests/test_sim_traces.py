@@ -300,3 +300,31 @@ def test_fresh_and_wrapping_ids_never_alias_another_blocks_tokens(tmp_path: Path
     chains = [set(r.block_hashes) for r in w.requests]
     assert all(len(c) == 4 for c in chains)
     assert not chains[0] & chains[1] and not chains[0] & chains[2]
+
+
+def test_a_closed_loop_turn_waits_for_its_sessions_last_answer_in_a_merged_trace(
+    tmp_path: Path,
+) -> None:
+    """``kvrouter trace merge`` orders rows by arrival and measures a turn's ``delay`` from
+    the latest finish (``timestamp + e2e_ms``) of its session's earlier requests. With two
+    requests of a session in flight (A long, B short, arrived while A ran), the next turn C
+    came 0.5 s after A's answer; the reader attached it to the last row (B) instead, so the
+    replay sent C while A was still being answered, seconds early."""
+    from router.trace_merge import merge
+
+    rows = [
+        {"timestamp": 1_000, "input_length": 100, "output_length": 2, "hash_ids": [2],
+         "session_id": "s", "e2e_ms": 1_000.0},
+        {"timestamp": 0, "input_length": 900, "output_length": 900, "hash_ids": [1, 3],
+         "session_id": "s", "e2e_ms": 10_000.0},
+        {"timestamp": 10_500, "input_length": 1100, "output_length": 2, "hash_ids": [1, 3, 4],
+         "session_id": "s", "e2e_ms": 50.0},
+    ]  # fmt: skip
+    merged = merge(rows)
+    assert [r["timestamp"] for r in merged] == [0, 1_000, 10_500]
+    assert merged[2]["delay"] == 500 and "delay" not in merged[1]
+    w = load_trace(str(write(tmp_path / "merged.jsonl", merged)), block_size=64)
+    by_prompt = {r.prompt_tokens: r for r in w.requests}
+    a, b, c = by_prompt[900], by_prompt[100], by_prompt[1100]
+    assert b.after is None and b.arrival_s == pytest.approx(1.0)
+    assert c.after == a.request_id and c.delay_s == pytest.approx(0.5)
