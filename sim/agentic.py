@@ -4,6 +4,8 @@ A session is one user's agent loop:
 
 * its first prompt is a *shared* system prompt (popularity Zipf over ``system_prompts``), a
   *shared* tool-definition block (one of ``tool_sets``) and the user's own message;
+* a session has 1 + ``mean_turns`` turns on average (a first turn, then a geometric number
+  of follow-ups of mean ``mean_turns``, at least one), at most ``max_turns``;
 * every turn the model answers (``answer_tokens``), the agent runs a tool whose output
   (``tool_tokens``, Pareto heavy tail) is appended, and the next turn's prompt is the whole
   context so far: contexts grow turn by turn, up to ``max_context`` (1M tokens);
@@ -47,6 +49,9 @@ class AgenticSpec:
     tool_sets: int = 4
     tool_def_tokens: int = 3000
     user_tokens: int = 400
+    # turns after the first: a session has 1 + Geometric(1 / max(mean_turns, 1)) turns, on
+    # average mean_turns + 1 (9 by default: 200 sessions make ~1,800 requests), at most
+    # max_turns, fewer where the context reaches max_context
     mean_turns: float = 8.0
     max_turns: int = 60
     answer_tokens: int = 300

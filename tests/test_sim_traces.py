@@ -328,3 +328,18 @@ def test_a_closed_loop_turn_waits_for_its_sessions_last_answer_in_a_merged_trace
     a, b, c = by_prompt[900], by_prompt[100], by_prompt[1100]
     assert b.after is None and b.arrival_s == pytest.approx(1.0)
     assert c.after == a.request_id and c.delay_s == pytest.approx(0.5)
+
+
+def test_agentic_mean_turns_counts_the_turns_after_the_first() -> None:
+    """``mean_turns`` is the mean number of follow-ups (docs/simulator.md): sessions have
+    ``mean_turns + 1`` turns on average and at least two; the default spec's 200 sessions
+    are the 1,798 requests the documented figures were measured on."""
+    small = dict(system_tokens=64, tool_def_tokens=64, user_tokens=16, answer_tokens=16)
+    spec = AgenticSpec(sessions=2000, mean_turns=4, max_turns=1000, tool_tokens=16, **small)
+    w = generate(spec, block_size=64)
+    turns: dict[str, int] = {}
+    for r in w.requests:
+        turns[str(r.session_id)] = turns.get(str(r.session_id), 0) + 1
+    assert min(turns.values()) == 2
+    assert sum(turns.values()) / len(turns) == pytest.approx(5.0, abs=0.25)
+    assert len(generate(AgenticSpec(), block_size=64)) == 1798
