@@ -176,7 +176,17 @@ def to_trace_rows(workload: Workload, trace_block: int = 512) -> list[dict[str, 
 
     Token *content* is not kept: a reader rebuilds tokens from the ids, which preserves which
     prompts share which prefixes (the property routing depends on), not the tokens themselves.
+
+    A follow-up is tied to its previous turn by ``session_id``: closed-loop turns without one
+    (``session_ids=0`` without ``open_loop=1``) cannot be written (ConfigError); readers
+    would take them as open loop, every turn at its session's start.
     """
+    if any(r.after is not None and r.session_id is None for r in workload.requests):
+        raise ConfigError(
+            "agentic: closed-loop sessions without session ids (session_ids=0) cannot be "
+            "written as trace rows: a follow-up is tied to its turn by session_id "
+            "(use open_loop=1 or session_ids=1)"
+        )
     dense: dict[int, int] = {}
     rows: list[dict[str, object]] = []
     for r in workload.requests:

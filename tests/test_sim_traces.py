@@ -343,3 +343,20 @@ def test_agentic_mean_turns_counts_the_turns_after_the_first() -> None:
     assert min(turns.values()) == 2
     assert sum(turns.values()) / len(turns) == pytest.approx(5.0, abs=0.25)
     assert len(generate(AgenticSpec(), block_size=64)) == 1798
+
+
+def test_closed_loop_sessions_without_ids_are_not_written_as_open_loop_rows() -> None:
+    """Recorded rows tie a follow-up to its previous turn by ``session_id``: a closed-loop
+    workload without session ids (``agentic:session_ids=0``) was written with ``delay`` but no
+    session, which readers (the simulator's and the live replay's, ``kvrouter demo
+    --agentic``) take as open loop at the row's timestamp, the session's start: every turn
+    of a session arrived at once. Such a workload cannot be written as rows."""
+    from sim.agentic import to_trace_rows
+
+    w = generate(AgenticSpec(sessions=4, mean_turns=3, session_ids=0, seed=1), block_size=64)
+    assert any(r.after is not None for r in w.requests)
+    with pytest.raises(ConfigError, match="session_ids=0"):
+        to_trace_rows(w)
+    spec = AgenticSpec(sessions=4, mean_turns=3, session_ids=0, open_loop=1, seed=1)
+    rows = to_trace_rows(generate(spec, block_size=64))  # open loop: nothing to tie
+    assert rows and not any("delay" in row or "session_id" in row for row in rows)
