@@ -345,7 +345,7 @@ def read_bailian(
     """Alibaba Bailian JSONL (open loop at its timestamps, sessions via parent_chat_id)."""
     hasher = BlockIdHasher(block_size, trace_block, model)
     rows: list[tuple[float, str, dict[str, Any], str]] = []
-    root_of: dict[str, str] = {}
+    parent_of: dict[str, str] = {}
     line_of: dict[str, int] = {}  # a chat id is its request's id: one row each
     for lineno, row in _rows(path):
         where = f"{path}:{lineno}"
@@ -356,14 +356,23 @@ def read_bailian(
             raise ConfigError(f"{where}: chat_id {chat} already on line {line_of[chat]}")
         line_of[chat] = lineno
         parent = row.get("parent_chat_id", -1)
-        parent_s = None if parent in (-1, None, "-1", "") else str(parent)
-        root_of[chat] = root_of.get(parent_s, parent_s) if parent_s is not None else chat
+        if parent not in (-1, None, "-1", ""):
+            parent_of[chat] = str(parent)
         ts = float(_number(row, "timestamp", where, 0.0))
         rows.append((ts, chat, row, where))
         if limit is not None and len(rows) >= limit:
             break
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0] if rows else 0.0
+    # a session is its chain's root, once every row is read (a file need not list a parent
+    # first); a parent not in the trace (cut by ``limit``) is the root
+    root_of: dict[str, str] = {}
+    for chat in line_of:
+        chain = [chat]
+        while chain[-1] in parent_of and chain[-1] not in root_of and len(chain) <= len(line_of):
+            chain.append(parent_of[chain[-1]])
+        root = root_of.get(chain[-1], chain[-1])
+        root_of.update(dict.fromkeys(chain, root))
     dense = DenseIds()  # raw ids 2**28 apart would share tokens at 16-token blocks
     requests: list[SimRequest] = []
     for ts, chat, row, where in rows:

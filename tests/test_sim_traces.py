@@ -360,3 +360,20 @@ def test_closed_loop_sessions_without_ids_are_not_written_as_open_loop_rows() ->
     spec = AgenticSpec(sessions=4, mean_turns=3, session_ids=0, open_loop=1, seed=1)
     rows = to_trace_rows(generate(spec, block_size=64))  # open loop: nothing to tie
     assert rows and not any("delay" in row or "session_id" in row for row in rows)
+
+
+def test_bailian_sessions_follow_the_parent_chain_whatever_the_row_order(
+    tmp_path: Path,
+) -> None:
+    """The reader sorts Bailian rows by timestamp itself, so files need not be sorted; but the
+    session (the chain's root) was resolved in file order: a turn listed before its parent
+    got the parent's id as its session, one conversation split in two."""
+    base = {"input_length": 32, "output_length": 1, "type": "text", "hash_ids": [1, 2]}
+    rows = [
+        {**base, "chat_id": 1, "parent_chat_id": -1, "timestamp": 0.0, "turn": 1},
+        {**base, "chat_id": 3, "parent_chat_id": 2, "timestamp": 2.0, "turn": 3},
+        {**base, "chat_id": 2, "parent_chat_id": 1, "timestamp": 1.0, "turn": 2},
+    ]
+    w = load_trace(str(write(tmp_path / "b.jsonl", rows)), block_size=16)
+    assert [r.request_id for r in w.requests] == ["c1", "c2", "c3"]
+    assert [r.session_id for r in w.requests] == ["1", "1", "1"]
