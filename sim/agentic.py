@@ -4,6 +4,8 @@ A session is one user's agent loop:
 
 * its first prompt is a *shared* system prompt (popularity Zipf over ``system_prompts``), a
   *shared* tool-definition block (one of ``tool_sets``) and the user's own message;
+* a session has 1 + ``mean_turns`` turns on average (a first turn, then a geometric number
+  of follow-ups of mean ``mean_turns``, at least one), at most ``max_turns``;
 * every turn the model answers (``answer_tokens``), the agent runs a tool whose output
   (``tool_tokens``, Pareto heavy tail) is appended, and the next turn's prompt is the whole
   context so far: contexts grow turn by turn, up to ``max_context`` (1M tokens);
@@ -47,6 +49,9 @@ class AgenticSpec:
     tool_sets: int = 4
     tool_def_tokens: int = 3000
     user_tokens: int = 400
+    # turns after the first: a session has 1 + Geometric(1 / max(mean_turns, 1)) turns, on
+    # average mean_turns + 1 (9 by default: 200 sessions make ~1,800 requests), at most
+    # max_turns, fewer where the context reaches max_context
     mean_turns: float = 8.0
     max_turns: int = 60
     answer_tokens: int = 300
@@ -171,7 +176,17 @@ def to_trace_rows(workload: Workload, trace_block: int = 512) -> list[dict[str, 
 
     Token *content* is not kept: a reader rebuilds tokens from the ids, which preserves which
     prompts share which prefixes (the property routing depends on), not the tokens themselves.
+
+    A follow-up is tied to its previous turn by ``session_id``: closed-loop turns without one
+    (``session_ids=0`` without ``open_loop=1``) cannot be written (ConfigError); readers
+    would take them as open loop, every turn at its session's start.
     """
+    if any(r.after is not None and r.session_id is None for r in workload.requests):
+        raise ConfigError(
+            "agentic: closed-loop sessions without session ids (session_ids=0) cannot be "
+            "written as trace rows: a follow-up is tied to its turn by session_id "
+            "(use open_loop=1 or session_ids=1)"
+        )
     dense: dict[int, int] = {}
     rows: list[dict[str, object]] = []
     for r in workload.requests:

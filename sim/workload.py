@@ -12,20 +12,26 @@ Trace formats (JSON lines; unknown extra fields are ignored):
   each hash id names a ``trace_block``-token prefix block (512 in Mooncake's releases).
 * Recorded (the router's own format): Mooncake rows plus optional ``session_id``, ``model``
   and ``delay`` (ms). A row with ``delay`` whose session already had a row is closed-loop:
-  it arrives ``delay`` ms after that previous row's request finished.
+  it arrives ``delay`` ms after the answer of the session's earlier rows that finished last
+  (``timestamp + e2e_ms``, as ``kvrouter trace merge`` measures ``delay``; the last such row
+  where ``e2e_ms`` is missing: a worker's own file is in order of completion).
 * Alibaba Bailian: ``{"chat_id", "parent_chat_id" (-1 for none), "timestamp" (s),
   "input_length", "output_length", "type", "turn", "hash_ids"}`` over 16-token blocks;
   replayed open loop at its timestamps, sessions follow the parent chain; a ``chat_id`` is
   one request's id, so a second row with it is an error.
 
 Hash ids -> tokens. A trace names blocks, not tokens, so token content is synthesised
-deterministically: token ``j`` of the block with id ``k`` is ``(k * trace_block + j) mod 2**32``.
-Distinct ids get distinct content and a shared id gets identical content, so the router's
-chained hashing sees exactly the sharing the trace describes. The partial last block of a
+deterministically: a trace's ids are renamed densely in order of first appearance (``k`` = 0,
+1, 2, ...; the bundled traces' ids already are) and token ``j`` of the block renamed ``k`` is
+``(k * trace_block + j) mod 2**32``. Distinct ids get distinct content (up to ``2**32 /
+trace_block`` of them) and a shared id gets identical content, so the router's chained hashing
+sees exactly the sharing the trace describes (raw ids ``2**32 / trace_block`` apart, or the
+fresh ids below, would otherwise share tokens). The partial last block of a
 prompt is the first tokens of its block's content. Hashes of the router blocks that end inside
 a full trace block depend only on its id (an id names the whole prefix), so they are memoised
-per id and a block shared by many requests is hashed once. Ids beyond the prompt (rows whose
-``input_length`` exceeds ``len(hash_ids) * trace_block``) get fresh ids, never shared.
+per id and a block shared by many requests is hashed once. Blocks beyond a row's ids (rows whose
+``input_length`` exceeds ``len(hash_ids) * trace_block``) get fresh ids after every id taken so
+far, never shared.
 """
 
 from __future__ import annotations
@@ -172,6 +178,35 @@ class BlockIdHasher:
 # ---------------------------------------------------------------------------- readers
 
 
+class DenseIds:
+    """A trace's block ids renamed ``0, 1, 2, ...`` in order of first appearance, and fresh
+    ids for the blocks a row's ids do not cover, taken from the same sequence: no two get the
+    same token content (module doc)."""
+
+    __slots__ = ("_next", "_of")
+
+    def __init__(self) -> None:
+        self._of: dict[int, int] = {}
+        self._next = 0
+
+    def prompt(self, ids: Sequence[int], prompt_tokens: int, trace_block: int) -> list[int]:
+        """The renamed ids of a prompt of ``prompt_tokens`` tokens, fresh ones appended where
+        ``ids`` fall short of it."""
+        out: list[int] = []
+        of = self._of
+        for raw in ids:
+            k = of.get(raw)
+            if k is None:
+                k = of[raw] = self._next
+                self._next += 1
+            out.append(k)
+        missing = -(-prompt_tokens // trace_block) - len(out)
+        if missing > 0:
+            out.extend(range(self._next, self._next + missing))
+            self._next += missing
+        return out
+
+
 def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     with path.open("rb") as fh:  # decoded line by line, so a bad byte names its line
         for lineno, raw in enumerate(fh, 1):
@@ -230,11 +265,10 @@ def read_mooncake(
     """Mooncake JSONL, including the router's recorded rows (``session_id``, ``delay``)."""
     hasher = BlockIdHasher(block_size, trace_block, model)
     requests: list[SimRequest] = []
-    last_of_session: dict[str, str] = {}
-    next_fresh = 1 << 40  # ids for blocks a row's hash_ids do not cover
+    last_of_session: dict[str, tuple[str, float | None]] = {}  # (request, finish ms)
     # Recorded ids are 53-bit keyed hashes (router/recorder.py): renamed densely in order of
     # first appearance, so block contents (built from ids mod 2**32) stay distinct.
-    dense: dict[int, int] = {}
+    dense = DenseIds()
     t0: float | None = None
     for lineno, row in _rows(path):
         where = f"{path}:{lineno}"
@@ -247,21 +281,24 @@ def read_mooncake(
             raise ConfigError(f"{where}: 'hash_ids' must be a list of integers")
         if n_in <= 0:
             raise ConfigError(f"{where}: 'input_length' must be positive")
-        ids = [dense.setdefault(i, len(dense)) for i in ids]
-        missing = -(-n_in // trace_block) - len(ids)
-        if missing > 0:
-            ids = ids + list(range(next_fresh, next_fresh + missing))
-            next_fresh += missing
+        ids = dense.prompt(ids, n_in, trace_block)
         rid = f"r{len(requests)}"
         session = row.get("session_id")
         session = None if session is None else str(session)
         after = None
         delay = 0.0
         if session is not None and "delay" in row and session in last_of_session:
-            after = last_of_session[session]
+            after = last_of_session[session][0]
             delay = _int(row, "delay", where) / 1000.0
         if session is not None:
-            last_of_session[session] = rid
+            e2e = row.get("e2e_ms")
+            finish: float | None = None
+            if isinstance(e2e, int | float) and not isinstance(e2e, bool) and 0 <= e2e < math.inf:
+                finish = ts * 1000.0 + e2e
+            held = last_of_session.get(session)
+            # the session's answer that finished last (file order where finishes are unknown)
+            if held is None or finish is None or held[1] is None or finish >= held[1]:
+                last_of_session[session] = (rid, finish)
         requests.append(
             SimRequest(
                 rid,
@@ -308,7 +345,7 @@ def read_bailian(
     """Alibaba Bailian JSONL (open loop at its timestamps, sessions via parent_chat_id)."""
     hasher = BlockIdHasher(block_size, trace_block, model)
     rows: list[tuple[float, str, dict[str, Any], str]] = []
-    root_of: dict[str, str] = {}
+    parent_of: dict[str, str] = {}
     line_of: dict[str, int] = {}  # a chat id is its request's id: one row each
     for lineno, row in _rows(path):
         where = f"{path}:{lineno}"
@@ -319,15 +356,24 @@ def read_bailian(
             raise ConfigError(f"{where}: chat_id {chat} already on line {line_of[chat]}")
         line_of[chat] = lineno
         parent = row.get("parent_chat_id", -1)
-        parent_s = None if parent in (-1, None, "-1", "") else str(parent)
-        root_of[chat] = root_of.get(parent_s, parent_s) if parent_s is not None else chat
+        if parent not in (-1, None, "-1", ""):
+            parent_of[chat] = str(parent)
         ts = float(_number(row, "timestamp", where, 0.0))
         rows.append((ts, chat, row, where))
         if limit is not None and len(rows) >= limit:
             break
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0] if rows else 0.0
-    next_fresh = 1 << 40
+    # a session is its chain's root, once every row is read (a file need not list a parent
+    # first); a parent not in the trace (cut by ``limit``) is the root
+    root_of: dict[str, str] = {}
+    for chat in line_of:
+        chain = [chat]
+        while chain[-1] in parent_of and chain[-1] not in root_of and len(chain) <= len(line_of):
+            chain.append(parent_of[chain[-1]])
+        root = root_of.get(chain[-1], chain[-1])
+        root_of.update(dict.fromkeys(chain, root))
+    dense = DenseIds()  # raw ids 2**28 apart would share tokens at 16-token blocks
     requests: list[SimRequest] = []
     for ts, chat, row, where in rows:
         n_in = _int(row, "input_length", where)
@@ -337,10 +383,7 @@ def read_bailian(
         ids = row.get("hash_ids", [])
         if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
             raise ConfigError(f"{where}: 'hash_ids' must be a list of integers")
-        missing = -(-n_in // trace_block) - len(ids)
-        if missing > 0:
-            ids = ids + list(range(next_fresh, next_fresh + missing))
-            next_fresh += missing
+        ids = dense.prompt(ids, n_in, trace_block)
         requests.append(
             SimRequest(
                 f"c{chat}",

@@ -122,7 +122,8 @@ def test_bailian_rows_sessions_and_16_token_blocks(tmp_path: Path) -> None:
     assert b.arrival_s == pytest.approx(2.5) and a.session_id == b.session_id == "7"
     assert len(a.block_hashes) == 3 and len(b.block_hashes) == 5
     assert a.block_hashes[:3] == b.block_hashes[:3]  # 6 shared 16-token ids = 3 blocks of 32
-    toks = tokens_of(rows[1]["hash_ids"], 160, 16)  # type: ignore[arg-type]
+    # ids renamed in order of first appearance: 1..7 -> 0..6, then 10..13 -> 7..10
+    toks = tokens_of([0, 1, 2, 3, 4, 5, 7, 8, 9, 10], 160, 16)
     assert list(b.block_hashes) == hash_prompt(toks, 32, root_hash("sim-model")).hashes
 
 
@@ -267,3 +268,112 @@ def test_a_recording_in_completion_order_is_replayed_in_arrival_order(tmp_path: 
     assert w.requests[0].prompt_tokens == 900
     turn = w.requests[3]
     assert turn.after == w.requests[2].request_id and turn.delay_s == pytest.approx(0.1)
+
+
+def test_fresh_and_wrapping_ids_never_alias_another_blocks_tokens(tmp_path: Path) -> None:
+    """Token content is ``(k * trace_block + j) mod 2**32``: ids ``2**32 / trace_block``
+    apart got the same tokens. The fresh ids for a row without (enough) ``hash_ids`` (the
+    recorder writes ``[]`` where its block size does not divide 512) started at ``2**40``,
+    which wraps to id 0: such a row shared the first row's whole prefix; Bailian ids were
+    used raw, so ``2**28`` shared id 0's tokens at 16-token blocks. Unrelated prompts must
+    share no block."""
+    rows = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [5, 6]},
+        {"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": []},
+        {"timestamp": 2, "input_length": 1024, "output_length": 1},
+    ]
+    w = load_trace(str(write(tmp_path / "m.jsonl", rows)), block_size=64)
+    chains = [set(r.block_hashes) for r in w.requests]
+    assert all(len(c) == 16 for c in chains)
+    assert not chains[0] & chains[1] and not chains[0] & chains[2]
+    assert not chains[1] & chains[2]
+    wrap = 1 << 28  # 2**32 / 16
+    bailian = [
+        {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.0, "input_length": 64,
+         "output_length": 1, "hash_ids": [0, 1, 2, 3]},
+        {"chat_id": 2, "parent_chat_id": -1, "timestamp": 1.0, "input_length": 64,
+         "output_length": 1, "hash_ids": [wrap, wrap + 1, wrap + 2, wrap + 3]},
+        {"chat_id": 3, "parent_chat_id": -1, "timestamp": 2.0, "input_length": 64,
+         "output_length": 1, "hash_ids": []},
+    ]  # fmt: skip
+    w = load_trace(str(write(tmp_path / "b.jsonl", bailian)), block_size=16)
+    chains = [set(r.block_hashes) for r in w.requests]
+    assert all(len(c) == 4 for c in chains)
+    assert not chains[0] & chains[1] and not chains[0] & chains[2]
+
+
+def test_a_closed_loop_turn_waits_for_its_sessions_last_answer_in_a_merged_trace(
+    tmp_path: Path,
+) -> None:
+    """``kvrouter trace merge`` orders rows by arrival and measures a turn's ``delay`` from
+    the latest finish (``timestamp + e2e_ms``) of its session's earlier requests. With two
+    requests of a session in flight (A long, B short, arrived while A ran), the next turn C
+    came 0.5 s after A's answer; the reader attached it to the last row (B) instead, so the
+    replay sent C while A was still being answered, seconds early."""
+    from router.trace_merge import merge
+
+    rows = [
+        {"timestamp": 1_000, "input_length": 100, "output_length": 2, "hash_ids": [2],
+         "session_id": "s", "e2e_ms": 1_000.0},
+        {"timestamp": 0, "input_length": 900, "output_length": 900, "hash_ids": [1, 3],
+         "session_id": "s", "e2e_ms": 10_000.0},
+        {"timestamp": 10_500, "input_length": 1100, "output_length": 2, "hash_ids": [1, 3, 4],
+         "session_id": "s", "e2e_ms": 50.0},
+    ]  # fmt: skip
+    merged = merge(rows)
+    assert [r["timestamp"] for r in merged] == [0, 1_000, 10_500]
+    assert merged[2]["delay"] == 500 and "delay" not in merged[1]
+    w = load_trace(str(write(tmp_path / "merged.jsonl", merged)), block_size=64)
+    by_prompt = {r.prompt_tokens: r for r in w.requests}
+    a, b, c = by_prompt[900], by_prompt[100], by_prompt[1100]
+    assert b.after is None and b.arrival_s == pytest.approx(1.0)
+    assert c.after == a.request_id and c.delay_s == pytest.approx(0.5)
+
+
+def test_agentic_mean_turns_counts_the_turns_after_the_first() -> None:
+    """``mean_turns`` is the mean number of follow-ups (docs/simulator.md): sessions have
+    ``mean_turns + 1`` turns on average and at least two; the default spec's 200 sessions
+    are the 1,798 requests the documented figures were measured on."""
+    small = dict(system_tokens=64, tool_def_tokens=64, user_tokens=16, answer_tokens=16)
+    spec = AgenticSpec(sessions=2000, mean_turns=4, max_turns=1000, tool_tokens=16, **small)
+    w = generate(spec, block_size=64)
+    turns: dict[str, int] = {}
+    for r in w.requests:
+        turns[str(r.session_id)] = turns.get(str(r.session_id), 0) + 1
+    assert min(turns.values()) == 2
+    assert sum(turns.values()) / len(turns) == pytest.approx(5.0, abs=0.25)
+    assert len(generate(AgenticSpec(), block_size=64)) == 1798
+
+
+def test_closed_loop_sessions_without_ids_are_not_written_as_open_loop_rows() -> None:
+    """Recorded rows tie a follow-up to its previous turn by ``session_id``: a closed-loop
+    workload without session ids (``agentic:session_ids=0``) was written with ``delay`` but no
+    session, which readers (the simulator's and the live replay's, ``kvrouter demo
+    --agentic``) take as open loop at the row's timestamp, the session's start: every turn
+    of a session arrived at once. Such a workload cannot be written as rows."""
+    from sim.agentic import to_trace_rows
+
+    w = generate(AgenticSpec(sessions=4, mean_turns=3, session_ids=0, seed=1), block_size=64)
+    assert any(r.after is not None for r in w.requests)
+    with pytest.raises(ConfigError, match="session_ids=0"):
+        to_trace_rows(w)
+    spec = AgenticSpec(sessions=4, mean_turns=3, session_ids=0, open_loop=1, seed=1)
+    rows = to_trace_rows(generate(spec, block_size=64))  # open loop: nothing to tie
+    assert rows and not any("delay" in row or "session_id" in row for row in rows)
+
+
+def test_bailian_sessions_follow_the_parent_chain_whatever_the_row_order(
+    tmp_path: Path,
+) -> None:
+    """The reader sorts Bailian rows by timestamp itself, so files need not be sorted; but the
+    session (the chain's root) was resolved in file order: a turn listed before its parent
+    got the parent's id as its session, one conversation split in two."""
+    base = {"input_length": 32, "output_length": 1, "type": "text", "hash_ids": [1, 2]}
+    rows = [
+        {**base, "chat_id": 1, "parent_chat_id": -1, "timestamp": 0.0, "turn": 1},
+        {**base, "chat_id": 3, "parent_chat_id": 2, "timestamp": 2.0, "turn": 3},
+        {**base, "chat_id": 2, "parent_chat_id": 1, "timestamp": 1.0, "turn": 2},
+    ]
+    w = load_trace(str(write(tmp_path / "b.jsonl", rows)), block_size=16)
+    assert [r.request_id for r in w.requests] == ["c1", "c2", "c3"]
+    assert [r.session_id for r in w.requests] == ["1", "1", "1"]
