@@ -151,6 +151,55 @@ def test_compaction_frees_slots_and_keeps_answers() -> None:
     assert idx.stats().unique_kv_blocks == 8
 
 
+def test_a_compaction_in_steps_changes_no_answer_while_the_index_changes() -> None:
+    """``compaction`` strips dead slots' bits a chunk at a time so the event loop serves
+    between steps. Stores, removals, clears, replicas leaving and coming, speculation and
+    awaited blocks go on meanwhile: every answer equals that of an index that never
+    compacts, no slot is reused before its bits are gone, and ``compact`` finishes the
+    compaction in progress rather than start a second one over it."""
+    rng = random.Random(7)
+    keys = [ReplicaKey(f"r{i}", i % 2) for i in range(12)]
+    steady, stepping = PrefixIndex(), PrefixIndex()
+    steps = None
+    finished = 0
+    for op in range(4000):
+        key = rng.choice(keys)
+        n = rng.randint(1, 20)
+        tier = rng.choice(list(Tier))
+        kind = rng.choice([Kind.KV, Kind.KV, Kind.STATE])
+        roll = rng.random()
+        for idx in (steady, stepping):
+            if roll < 0.45:
+                idx.store(key, H[:n], tier, kind)
+            elif roll < 0.6:
+                idx.remove(key, H[n - 1 : n + 2], tier, kind)
+            elif roll < 0.7:
+                idx.clear_replica(key)
+            elif roll < 0.77:
+                idx.remove_replica(key)
+            elif roll < 0.85:
+                idx.speculate(key, H[:n], H[n - 1 : n], float(op), 50.0)
+                idx.expire(float(op))
+            else:
+                idx.await_store(key, H[n - 1], kind)
+        if steps is None and stepping.garbage_ratio() > 0.2:
+            steps = stepping.compaction(chunk=3)
+        if steps is not None:
+            if rng.random() < 0.02:
+                stepping.compact()  # finishes the one in progress
+            if next(steps, None) is None:
+                steps, finished = None, finished + 1
+        for prompt in (H[:5], H[:20], H[3:9]):
+            for hybrid in (False, True):
+                want = steady.match(prompt, hybrid=hybrid).as_dict()
+                assert stepping.match(prompt, hybrid=hybrid).as_dict() == want, op
+        for k in keys:
+            assert stepping.awaits(k, H[0]) == steady.awaits(k, H[0])
+    assert finished > 10
+    stepping.compact()
+    assert stepping.stats().garbage_entries == 0
+
+
 def test_event_batches_sequencing() -> None:
     idx = PrefixIndex()
     stored = EventBatch(A, (BlocksStored(tuple(H[:5])),), seq=1)

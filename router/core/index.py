@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress, filterfalse, repeat
 from operator import eq, ne
@@ -63,6 +63,9 @@ MAX_AWAITED = 400_000
 _SINK: deque[object] = deque(maxlen=0)
 _consume = _SINK.extend  # exhaust an iterator (C-level loops for bulk events)
 
+
+COMPACT_CHUNK = 50_000
+"""Entries a :meth:`PrefixIndex.compaction` step visits."""
 
 _SLOT_SLACK = 64
 """Retired slots :meth:`PrefixIndex.garbage_ratio` weighs against at least this many keys
@@ -119,6 +122,7 @@ class PrefixIndex:
         self._live = 0
         self._dead = 0
         self._garbage = 0
+        self._compacting: Iterator[int] | None = None  # (compaction)
         self._kv: tuple[dict[int, int], ...] = ({}, {}, {})
         self._state: dict[int, int] = {}
         self._spec: tuple[dict[int, int], dict[int, int]] = ({}, {})
@@ -531,41 +535,74 @@ class PrefixIndex:
 
     def compact(self) -> int:
         """Strip bits of cleared/removed replicas from every entry (awaited blocks too) and
-        free their slots.
+        free their slots, at once (a :meth:`compaction` in progress finished first).
 
         O(entries); callers run it when ``garbage_ratio()`` is high. Returns entries touched.
         """
-        dead = self._dead
-        if not dead:
-            return 0
-        keep = ~dead
-        touched = 0
-        for table in (*self._kv, self._state, *self._spec):
-            for block, value in list(table.items()):
-                mask = _bits(value)
-                if mask & dead:
-                    touched += 1
-                    mask &= keep
-                    if mask:
-                        table[block] = _pack(mask)
-                    else:
-                        del table[block]
-        for awaited in self._awaited:  # a freed slot's next replica awaits none of them
-            for block, mask in list(awaited.items()):
-                if mask & dead:
-                    touched += 1
-                    if mask & keep:
-                        awaited[block] = mask & keep  # (its place in the order kept)
-                    else:
-                        del awaited[block]
-        self._spec_owner = {k: v for k, v in self._spec_owner.items() if not (dead >> k[1]) & 1}
-        self._spec_heap = [e for e in self._spec_heap if not (dead >> e[2]) & 1]
-        heapq.heapify(self._spec_heap)
-        self._spec_queued = sum(len(e[4]) for e in self._spec_heap)
-        self._free.extend(iter_slots(dead))
-        self._dead = 0
-        self._garbage = 0
+        touched = sum(self.compaction())
+        if self._dead:  # slots retired while that one ran
+            touched += sum(self.compaction())
         return touched
+
+    def compaction(self, chunk: int = COMPACT_CHUNK) -> Iterator[int]:
+        """The compaction in progress, or a new one: each step strips the bits of the slots
+        dead when it began from up to ``chunk`` entries and yields how many it touched, so
+        an event loop can serve between steps (a whole index of 10^7 entries takes seconds).
+        Between steps the index answers as before: those slots stay masked out of queries
+        and are freed only by the last step, and no entry made meanwhile can name them (a
+        dead slot is given to no key until freed). Slots that die meanwhile wait for the
+        next compaction. One at a time: every caller gets the same iterator."""
+        if self._compacting is None:
+            self._compacting = self._compact_steps(chunk)
+        return self._compacting
+
+    def _compact_steps(self, chunk: int) -> Iterator[int]:
+        try:
+            dead = self._dead
+            if not dead:
+                return
+            garbage = self._garbage
+            keep = ~dead
+            for table in (*self._kv, self._state, *self._spec):
+                blocks = list(table)
+                for at in range(0, len(blocks), chunk):
+                    touched = 0
+                    for block in blocks[at : at + chunk]:
+                        value = table.get(block)
+                        if value is None:
+                            continue  # gone since the step began
+                        mask = _bits(value)
+                        if mask & dead:
+                            touched += 1
+                            mask &= keep
+                            if mask:
+                                table[block] = _pack(mask)
+                            else:
+                                del table[block]
+                    yield touched
+            for awaited in self._awaited:  # a freed slot's next replica awaits none of them
+                blocks = list(awaited)
+                for at in range(0, len(blocks), chunk):
+                    touched = 0
+                    for block in blocks[at : at + chunk]:
+                        held = awaited.get(block)
+                        if held is not None and held & dead:
+                            touched += 1
+                            if held & keep:
+                                awaited[block] = held & keep  # (its place in the order kept)
+                            else:
+                                del awaited[block]
+                    yield touched
+            self._spec_owner = {k: v for k, v in self._spec_owner.items() if not (dead >> k[1]) & 1}
+            self._spec_heap = [e for e in self._spec_heap if not (dead >> e[2]) & 1]
+            heapq.heapify(self._spec_heap)
+            self._spec_queued = sum(len(e[4]) for e in self._spec_heap)
+            self._free.extend(iter_slots(dead))
+            self._dead &= keep
+            # what slots retired since the compaction began left behind stays counted
+            self._garbage = max(0, self._garbage - garbage)
+        finally:
+            self._compacting = None
 
     def stats(self) -> IndexStats:
         return IndexStats(

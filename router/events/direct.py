@@ -39,8 +39,6 @@ class DirectEvents:
 
     def _sink(self, key: ReplicaKey, events: list[IndexEvent]) -> None:
         self.index.apply(EventBatch(key, tuple(events)))
-        if self.index.garbage_ratio() > 1.0:
-            self.index.compact()
 
     def _applied(self, key: ReplicaKey, ts: float) -> None:
         if self.event_lag is not None:

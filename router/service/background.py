@@ -27,6 +27,7 @@ from router.service.settings import ZMQ_AUTO, ReplicaSettings
 from router.service.upstream import Client, Timeouts
 
 if TYPE_CHECKING:
+    from router.core.index import PrefixIndex
     from router.events.direct import DirectEvents
     from router.events.endpoints import EndpointSpec
     from router.store.sync import IndexSync
@@ -92,15 +93,30 @@ async def _housekeeping(app: web.Application, every: float = 1.0) -> None:
     state = app[STATE]
     loop = asyncio.get_running_loop()
     stale_s = REPORT_STALE_INTERVALS * state.settings.server.engine_metrics_interval_s
-    while True:
-        await asyncio.sleep(every)
-        state.index.expire(loop.time())
-        for key in state.load.forget_stale_reports(loop.time(), stale_s):
-            _log.warning("no engine load report from %s for %.0f s: dropped its last", key, stale_s)
-        state.fleet.restore_health(loop.time())
-        state.layouts.check()
-        if state.index.garbage_ratio() > 0.5:
-            state.index.compact()
+    compacting: asyncio.Task[None] | None = None
+    try:
+        while True:
+            await asyncio.sleep(every)
+            state.index.expire(loop.time())
+            for key in state.load.forget_stale_reports(loop.time(), stale_s):
+                _log.warning(
+                    "no engine load report from %s for %.0f s: dropped its last", key, stale_s
+                )
+            state.fleet.restore_health(loop.time())
+            state.layouts.check()
+            if (compacting is None or compacting.done()) and state.index.garbage_ratio() > 0.5:
+                compacting = asyncio.create_task(_compact(state.index))
+    finally:
+        if compacting is not None:
+            compacting.cancel()
+
+
+async def _compact(index: PrefixIndex) -> None:
+    """Compact the index a chunk at a time (``PrefixIndex.compaction``), serving requests
+    and events between chunks: the whole of a large index at once holds the loop for
+    seconds. The only compaction of a serving router's index."""
+    for _ in index.compaction():
+        await asyncio.sleep(0)
 
 
 async def _outlier_sweep(app: web.Application, every: float = 0.25) -> None:

@@ -516,5 +516,3 @@ class IndexSync:
                 continue
             self.index.apply(EventBatch(key, snap.events(), snap.seq))
             self.stats.entries_loaded += snap.entries
-        if self.index.garbage_ratio() > 1.0:
-            self.index.compact()
