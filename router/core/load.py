@@ -141,6 +141,11 @@ def summed_load(loads: Iterable[PeerLoad]) -> PeerLoad:
     return PeerLoad(*(sum(column) for column in zip(*loads, strict=True)))
 
 
+MAX_COUNT = 1 << 53
+"""The largest request count an engine report is taken to have (:meth:`LoadTracker.engine_report`):
+beyond any engine's, and exact as a float (the mirror table's type)."""
+
+
 EXPECTED_OUTPUT_TOKENS = 256
 """Output length assumed for a request that does not say how long its answer may be."""
 
@@ -400,11 +405,17 @@ class LoadTracker:
     def engine_report(self, key: ReplicaKey, report: EngineReport) -> None:
         """Take an engine's own figures. A KV usage outside [0, 1] is clamped, and NaN is
         taken as 0: reports come from other processes, and one bad gauge must not poison
-        every score (NaN compares false with everything: no replica would ever win)."""
+        every score (NaN compares false with everything: no replica would ever win). So
+        are the counts, to [0, ``MAX_COUNT``]: a negative one is no count, and one past
+        float range made every score's float arithmetic raise OverflowError."""
         usage = report.kv_usage
-        if not 0.0 <= usage <= 1.0:
-            usage = 0.0 if usage != usage else min(max(usage, 0.0), 1.0)
-            report = EngineReport(report.running, report.waiting, usage, report.at)
+        running, waiting = report.running, report.waiting
+        if not (0.0 <= usage <= 1.0 and 0 <= running <= MAX_COUNT and 0 <= waiting <= MAX_COUNT):
+            if not 0.0 <= usage <= 1.0:
+                usage = 0.0 if usage != usage else min(max(usage, 0.0), 1.0)
+            running = min(max(running, 0), MAX_COUNT)
+            waiting = min(max(waiting, 0), MAX_COUNT)
+            report = EngineReport(running, waiting, usage, report.at)
         rep = self._get(key)
         rep.engine = report
         if rep.row >= 0:
