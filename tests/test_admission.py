@@ -79,6 +79,18 @@ def test_settings_are_checked() -> None:
                 AdmissionSettings(**{name: bad})  # type: ignore[arg-type]
 
 
+def test_per_class_factors_must_be_finite_but_max_stall() -> None:
+    """``inf`` passed ``> 0``: a class ``decode_weight`` of inf made a replica's summed
+    decode weight inf, so ``ours``'s interference term NaN for a fully cached prompt (0 x
+    inf) and for good once such a request completed (inf - inf); a ``ttft_factor`` of inf
+    made every held request's urgency NaN (inf / inf), ordering the queue arbitrarily.
+    Only ``max_stall`` means something at inf (no limit, priority's default)."""
+    for name in ("decode_weight", "ttft_factor"):
+        with pytest.raises(ValueError, match=name):
+            AdmissionSettings(**{name: (math.inf, 1.0, 1.0)})  # type: ignore[arg-type]
+    assert AdmissionSettings(max_stall=(math.inf, math.inf, 3.0)).max_stall[1] == math.inf
+
+
 def test_admit_hold_shed_by_class_headroom() -> None:
     q = queue()
     now = 100.0

@@ -103,3 +103,38 @@ def test_routers_that_share_their_load_stop_piling_onto_one_replica(trace: Workl
     assert shared["itl_ms_p99"] < 2 * alone["itl_ms_p99"]
     # one router has nobody to share with: the same run
     assert _run(trace, share_load_s=0.01) == alone
+
+
+def test_an_idle_replica_keeps_no_decode_weight_residue() -> None:
+    """Decode weights are float sums: adding a peer's weight and removing requests left
+    5e-15 on a replica with nothing in flight, which put an interference term on it, so it
+    lost every exact tie with idle replicas (the cache-size tie-break and the rng's)."""
+    import random
+
+    from router.core.index import PrefixIndex
+    from router.core.policies import Ours
+    from router.core.routing import RoutingEngine, RoutingSettings
+    from router.core.types import RouteRequest
+
+    t = LoadTracker()
+    for key in (A, B):
+        t.add_replica(key)
+    t.columns((A, B))  # mirrored too
+    for i, (out, klass) in enumerate(((16, 1.0), (2, 10.0), (300, 10.0), (2, 10.0))):
+        t.dispatch(f"q{i}", A, 100, 0, out, klass)
+    t.set_peer_load(A, PeerLoad(1, 10, 0, 0, 10, 10.176676676676676))
+    for i in range(4):
+        t.complete(f"q{i}")
+    t.set_peer_load(A, NO_PEER_LOAD)
+    assert t.view(A, 0.0).decode_weight == 0.0
+    assert t.columns((A, B)).decode_weight[0] == 0.0
+    assert t.own(A) == NO_PEER_LOAD
+    # the tie between two idle replicas goes to the smaller cache, A's
+    index = PrefixIndex()
+    index.store(B, [11, 12, 13])
+    request = RouteRequest("q", "m", 20000, [1, 2, 3], 16)
+    for columnar_min in (1, 10**9):
+        engine = RoutingEngine(
+            index, t, Ours(), RoutingSettings(block_size=16), columnar_min=columnar_min
+        )
+        assert engine.route(request, (A, B), 0.0, random.Random(0)).replica == A

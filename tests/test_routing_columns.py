@@ -5,6 +5,7 @@ speculative entries, stale and fresh engine reports, unhealthy / draining / busy
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -245,3 +246,37 @@ def test_engine_reports_outside_the_unit_range_are_clamped_for_both_paths() -> N
         engine = RoutingEngine(index, load, Ours(), settings, columnar_min=columnar_min)
         decision = engine.route(request, keys, 0.0, random.Random(0))
         assert decision.replica == keys[0] and decision.ranking == ()
+
+
+@pytest.mark.parametrize("count", [10**306, 2**70, -3])
+def test_engine_counts_past_float_range_or_negative_are_clamped(count: int) -> None:
+    """A running / waiting count from another process (a Redis load sample's JSON integer)
+    past float range made ``ours``'s per-candidate path raise OverflowError on every request
+    while the report was fresh (and its array path score NaN); every policy now routes on
+    both paths alike, with a finite score."""
+    from router.core.load import MAX_COUNT
+    from router.core.policies import POLICY_NAMES, make_policy
+
+    rng = random.Random(2)
+    index, load, keys = _fleet(rng, 3)
+    load.engine_report(keys[0], EngineReport(count, count, 0.5, 0.0))
+    request = RouteRequest("q", "m", 100, [1, 2], 16)
+    settings = RoutingSettings(block_size=16)
+    for name in POLICY_NAMES:
+        decided = []
+        for columnar_min in (1, 10**9):
+            engine = RoutingEngine(
+                index, load, make_policy(name), settings, columnar_min=columnar_min
+            )
+            decision = engine.route(request, keys, 0.0, random.Random(0))
+            assert math.isfinite(decision.score), name
+            decided.append(decision)
+        assert decided[0] == decided[1], name
+    load = LoadTracker()
+    key = ReplicaKey("r")
+    load.engine_report(key, EngineReport(count, count, 0.5, 5.0))
+    taken = min(max(count, 0), MAX_COUNT)
+    engine_report = load.view(key, 5.0).engine
+    assert engine_report is not None
+    assert (engine_report.running, engine_report.waiting) == (taken, taken)
+    assert load.columns((key,)).waiting[0] == taken

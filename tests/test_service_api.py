@@ -448,6 +448,25 @@ async def test_what_the_standard_json_parser_accepts_is_still_accepted(fleet: Fl
     assert r.status == 200, await r.text()
 
 
+async def test_a_max_tokens_beyond_any_float_is_routed_not_a_500(fleet: Fleet) -> None:
+    """JSON integers have no bound (vLLM's pydantic takes 10**400 and answers with its own
+    error): the router's cost models multiply the limit with floats, which raised
+    OverflowError (a 500) for one past about 1e308. It is counted as
+    ``MAX_OUTPUT_TOKENS`` and the body is forwarded as it came."""
+    huge = b"1" + b"0" * 400
+    for path, rest in (
+        ("/v1/chat/completions", b'"messages": [{"role": "user", "content": "hi"}]'),
+        ("/v1/completions", b'"prompt": "hi"'),
+    ):
+        for key in (b"max_tokens", b"max_completion_tokens"):
+            if path == "/v1/completions" and key == b"max_completion_tokens":
+                continue
+            raw = b'{"model": "%s", %s, "%s": %s}' % (MODEL.encode(), rest, key, huge)
+            r = await fleet.post(path, raw)
+            assert r.status == 200, await r.text()
+    assert sum(len(b.received) for b in fleet.backends) == 3
+
+
 async def test_bad_input_via_openai_client_raises_typed_errors(fleet: Fleet) -> None:
     with pytest.raises(openai.NotFoundError):
         await fleet.client.chat.completions.create(

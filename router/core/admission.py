@@ -139,6 +139,10 @@ class AdmissionSettings:
             value = getattr(self, name)
             if len(value) != 3 or any(not v > 0 for v in value):
                 raise ValueError(f"admission {name} needs 3 positive values (one per class)")
+            # only max_stall means something at inf (no limit); an infinite weight or
+            # factor turns scores and urgencies NaN (0 x inf, inf - inf, inf / inf)
+            if name != "max_stall" and not all(math.isfinite(v) for v in value):
+                raise ValueError(f"admission {name} values must be finite")
             object.__setattr__(self, name, tuple(float(v) for v in value))
         if any(h > 1 for h in self.headroom):
             raise ValueError("admission headroom is a share of the TTFT budget: at most 1")

@@ -141,6 +141,11 @@ def summed_load(loads: Iterable[PeerLoad]) -> PeerLoad:
     return PeerLoad(*(sum(column) for column in zip(*loads, strict=True)))
 
 
+MAX_COUNT = 1 << 53
+"""The largest request count an engine report is taken to have (:meth:`LoadTracker.engine_report`):
+beyond any engine's, and exact as a float (the mirror table's type)."""
+
+
 EXPECTED_OUTPUT_TOKENS = 256
 """Output length assumed for a request that does not say how long its answer may be."""
 
@@ -177,6 +182,20 @@ class _Replica:
     row: int = -1  # column of the mirror table (LoadColumns), -1: not mirrored
     peer: PeerLoad = NO_PEER_LOAD  # included in the counts above (set_peer_load)
     penalty: tuple[int, int] = (0, 0)  # phantom requests and their tokens (set_penalty)
+
+
+def _real_requests(rep: _Replica) -> int:
+    """Requests in flight on ``rep`` (its own and its peers'), phantoms left out: the ones
+    that carry decode weight."""
+    return rep.prefilling - rep.penalty[0] + rep.decoding
+
+
+def _settled(rep: _Replica, weight: float) -> float:
+    """``rep``'s decode weight after an update to ``weight``: a float sum, from which
+    removing what was added may leave a rounding residue, so it is 0 while no request is in
+    flight there (a residue would make the replica lose every exact tie with idle ones,
+    which the cache-size tie-break and the rng are for) and never negative."""
+    return max(weight, 0.0) if _real_requests(rep) > 0 else 0.0
 
 
 class LoadColumns(NamedTuple):
@@ -314,15 +333,13 @@ class LoadTracker:
         if rep is None:
             return
         rep.in_flight_prompt_tokens -= flight.prompt_tokens
-        # a float sum: removing what was added may leave a rounding residue
-        busy = rep.prefilling + rep.decoding > (flight.sequences if flight.decoding else 1)
-        rep.decode_weight = max(rep.decode_weight - flight.weight, 0.0) if busy else 0.0
         if flight.decoding:
             rep.decoding -= flight.sequences
             rep.decode_context_tokens -= flight.context_tokens
         else:
             rep.prefilling -= 1
             rep.queued_prefill_tokens -= flight.prefill_tokens
+        rep.decode_weight = _settled(rep, rep.decode_weight - flight.weight)
         if rep.row >= 0:
             self._mirror(rep)
 
@@ -334,13 +351,17 @@ class LoadTracker:
             return NO_PEER_LOAD
         p = rep.peer
         phantom, phantom_tokens = rep.penalty
+        prefilling = rep.prefilling - p.prefilling - phantom
+        decoding = rep.decoding - p.decoding
+        # the difference of two float sums: a rounding residue where it has none in flight
+        weight = max(rep.decode_weight - p.decode_weight, 0.0) if prefilling + decoding else 0.0
         return PeerLoad(
-            rep.prefilling - p.prefilling - phantom,
+            prefilling,
             rep.queued_prefill_tokens - p.queued_prefill_tokens - phantom_tokens,
-            rep.decoding - p.decoding,
+            decoding,
             rep.decode_context_tokens - p.decode_context_tokens,
             rep.in_flight_prompt_tokens - p.in_flight_prompt_tokens,
-            max(rep.decode_weight - p.decode_weight, 0.0),
+            weight,
         )
 
     def set_peer_load(self, key: ReplicaKey, load: PeerLoad) -> None:
@@ -370,7 +391,9 @@ class LoadTracker:
         rep.decoding += load.decoding - old.decoding
         rep.decode_context_tokens += load.decode_context_tokens - old.decode_context_tokens
         rep.in_flight_prompt_tokens += load.in_flight_prompt_tokens - old.in_flight_prompt_tokens
-        rep.decode_weight = max(rep.decode_weight + load.decode_weight - old.decode_weight, 0.0)
+        rep.decode_weight = _settled(
+            rep, rep.decode_weight + load.decode_weight - old.decode_weight
+        )
         rep.peer = load
         if rep.row >= 0:
             self._mirror(rep)
@@ -400,11 +423,17 @@ class LoadTracker:
     def engine_report(self, key: ReplicaKey, report: EngineReport) -> None:
         """Take an engine's own figures. A KV usage outside [0, 1] is clamped, and NaN is
         taken as 0: reports come from other processes, and one bad gauge must not poison
-        every score (NaN compares false with everything: no replica would ever win)."""
+        every score (NaN compares false with everything: no replica would ever win). So
+        are the counts, to [0, ``MAX_COUNT``]: a negative one is no count, and one past
+        float range made every score's float arithmetic raise OverflowError."""
         usage = report.kv_usage
-        if not 0.0 <= usage <= 1.0:
-            usage = 0.0 if usage != usage else min(max(usage, 0.0), 1.0)
-            report = EngineReport(report.running, report.waiting, usage, report.at)
+        running, waiting = report.running, report.waiting
+        if not (0.0 <= usage <= 1.0 and 0 <= running <= MAX_COUNT and 0 <= waiting <= MAX_COUNT):
+            if not 0.0 <= usage <= 1.0:
+                usage = 0.0 if usage != usage else min(max(usage, 0.0), 1.0)
+            running = min(max(running, 0), MAX_COUNT)
+            waiting = min(max(waiting, 0), MAX_COUNT)
+            report = EngineReport(running, waiting, usage, report.at)
         rep = self._get(key)
         rep.engine = report
         if rep.row >= 0:

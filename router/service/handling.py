@@ -117,16 +117,24 @@ def field_types(body: dict[str, Any], default_model: str | None = None) -> tuple
     return model, bool(stream)
 
 
+MAX_OUTPUT_TOKENS = 1 << 53
+"""The most output tokens the router's load and cost models count for one request: beyond
+any context length, and exact as a float. A larger limit (JSON integers have no bound; the
+engine refuses it or stops at its context) is counted as this many: the models multiply it
+with floats, which an integer past about 1e308 cannot become."""
+
+
 def max_output_tokens(body: dict[str, Any], kind: str = "chat") -> int | None:
     """``max_completion_tokens``, else ``max_tokens`` (as :func:`field_types` checked them);
-    for the Responses API (``kind`` ``responses``) its ``max_output_tokens``, checked here."""
+    for the Responses API (``kind`` ``responses``) its ``max_output_tokens``, checked here;
+    at most ``MAX_OUTPUT_TOKENS`` (the body goes on as it came)."""
     if kind == "responses":
         found = lax_int(body.get("max_output_tokens"))
         if found is INVALID or (found is not None and found < 0):
             raise BadRequest("'max_output_tokens' must be a non-negative integer")
-        return found if type(found) is int else None
-    found = lax_int(body.get("max_completion_tokens")) or lax_int(body.get("max_tokens"))
-    return found if type(found) is int else None
+    else:
+        found = lax_int(body.get("max_completion_tokens")) or lax_int(body.get("max_tokens"))
+    return min(found, MAX_OUTPUT_TOKENS) if type(found) is int else None
 
 
 def default_model(state: RouterState) -> str | None:
