@@ -248,3 +248,22 @@ def test_ours_refuses_parameters_that_break_or_invert_its_cost(params: dict[str,
     built (``kvrouter serve --check``, ``--policy-file``), not met by every request."""
     with pytest.raises(ValueError, match="must be"):
         make_policy("ours", params)
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "value"),
+    [
+        ("llmd", "kv_weight", float("nan")),
+        ("dynamo", "prefill_load_scale", -1.0),
+        ("sglang", "cache_threshold", float("inf")),
+        ("vllm_kv_aware", "host_credit", float("nan")),
+        ("vllm_cache_aware", "balance_abs_threshold", -5),
+    ],
+)
+def test_a_baselines_odd_parameter_is_refused_by_name(name: str, key: str, value: float) -> None:
+    """A NaN, negative or infinite weight or threshold makes every score it enters rank
+    candidates arbitrarily (comparisons with NaN are all false): refused, naming the key,
+    as ``ours``' own are; a time may be infinite (never)."""
+    with pytest.raises(ValueError, match=key):
+        make_policy(name, {key: value})
+    assert make_policy("llmd", {"report_max_age_s": float("inf")}) is not None

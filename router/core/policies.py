@@ -554,5 +554,12 @@ def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
         if bad:
             raise ValueError(f"cost model has no parameter(s) {', '.join(sorted(bad))}")
         params["cost"] = CostModel(**params["cost"])
+    if cls is not Ours:  # (which checks its own in __post_init__)
+        for key, value in params.items():
+            # the baselines' weights, thresholds, credits and times: a NaN, a negative or an
+            # infinite weight would rank candidates arbitrarily (a time may be inf: never)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if number and (not value >= 0 or (math.isinf(value) and not key.endswith("_s"))):
+                raise ValueError(f"policy {name!r}: {key} must be finite and >= 0, got {value}")
     policy: Policy = cls(**params)
     return policy
