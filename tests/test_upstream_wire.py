@@ -1,12 +1,13 @@
 """What the router reads of its replicas' HTTP/1.1 answers, byte for byte: a raw-socket
 replica sends exact bytes, in pieces the test releases one at a time (each acknowledged by
-the router's kernel before the next goes), and the client, the router's metrics and its
-connection pool show what the router made of them."""
+the router's kernel before the next goes), and what the client got and the router's
+metrics show what the router made of them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -155,3 +156,49 @@ async def test_a_usage_chunk_split_after_a_large_read_is_still_read() -> None:
             assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 32
     finally:
         await replica.stop()
+
+
+async def test_answers_are_asked_for_uncompressed() -> None:
+    """The router reads answers (usage, error bodies, a stream's end), so it must get them
+    uncompressed; it dropped the client's ``Accept-Encoding`` and sent none, which asks for
+    any coding at all (RFC 9110, 12.5.3): a replica that took it so answered gzip, relayed
+    as such, and its usage went unread."""
+    answer = json.dumps(
+        {"id": "c1", "object": "chat.completion", "choices": [], "usage": json.loads(
+            USAGE[6:].strip())["usage"]}
+    ).encode()  # fmt: skip
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        fields = dict(
+            (k.strip().lower(), v.strip().lower())
+            for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+        )
+        # no Accept-Encoding: any coding is acceptable (RFC 9110, 12.5.3)
+        plain = fields.get(b"accept-encoding", b"*") == b"identity"
+        body = answer if plain else gzip.compress(answer)
+        coding = b"" if plain else b"Content-Encoding: gzip\r\n"
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n%b"
+            b"Content-Length: %d\r\n\r\n%b" % (coding, len(body), body)
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        url_of = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async for url, session in _router(url_of):
+            headers = {"Accept-Encoding": "gzip"}
+            async with session.post(
+                url + "/v1/chat/completions", json=_chat(False), headers=headers
+            ) as resp:
+                assert resp.status == 200
+                assert await resp.read() == answer
+            page = await _answered(url, session)
+            assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 32
+    finally:
+        server.close()
+        await server.wait_closed()
