@@ -108,6 +108,8 @@ def _routable(view: LoadView) -> bool:
 
 # how much of a Responses stream's start is searched for its response id
 MAX_ID_SCAN = 1 << 16
+# how many of a stream's last bytes are kept for its usage (the usage event and what follows)
+TAIL_SPAN = 8192
 
 
 class Forwarder:
@@ -419,7 +421,7 @@ class Forwarder:
             headers.append((b"X-KVRouter-Decision", self._debug(routed, key, attempt)))
         status = upstream.status
         loop = self.event_loop()
-        tail: deque[bytes] = deque()  # the stream's last ~8 KiB (usage, for feedback)
+        tail: deque[bytes] = deque()  # at least the stream's last TAIL_SPAN bytes (usage)
         done_relayed = False  # the client has the stream's closing ``data: [DONE]`` event
         try:
             if not streaming:
@@ -516,7 +518,10 @@ class Forwarder:
                     chunk = probe[at:]
                 tail.append(chunk)
                 tail_bytes += len(chunk)
-                while tail_bytes > (MAX_FINAL_EVENT if keep_final else 8192) and len(tail) > 1:
+                # whole reads go while the rest still holds the span: a read may cut the
+                # usage event, whose start is then in the read before
+                span = MAX_FINAL_EVENT if keep_final else TAIL_SPAN
+                while len(tail) > 1 and tail_bytes - len(tail[0]) >= span:
                     tail_bytes -= len(tail.popleft())
                 if cut:
                     break

@@ -31,7 +31,8 @@ HOP_BY_HOP = frozenset(
 
 
 # accept-encoding: the router reads what replicas answer (usage, a stream's closing event,
-# error bodies), so it asks for identity whatever the client accepts
+# error bodies), so it asks for identity whatever the client accepts (``identity`` said
+# outright: a request without the field accepts any coding, RFC 9110 12.5.3)
 _NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id", b"x-data-parallel-rank", b"accept-encoding"}
 
 
@@ -105,7 +106,8 @@ def request_head(
 ) -> bytes:
     """The upstream request head (``method``, POST by default): the client's headers minus
     hop-by-hop ones (and those its ``Connection`` header names), plus
-    ``X-Request-Id``, ``X-data-parallel-rank`` and ``Content-Length``."""
+    ``X-Request-Id``, ``X-data-parallel-rank``, ``Accept-Encoding: identity`` and
+    ``Content-Length``."""
     parts = [method, b" ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
     client_headers = list(client_headers)
     dropped = _hop_by_hop(client_headers, _NOT_FORWARDED)
@@ -115,7 +117,7 @@ def request_head(
     parts += (b"X-Request-Id: ", rid, b"\r\n")
     if dp_rank is not None:
         parts += (b"X-data-parallel-rank: ", str(dp_rank).encode(), b"\r\n")
-    parts += (b"Content-Length: ", str(length).encode(), b"\r\n\r\n")
+    parts += (b"Accept-Encoding: identity\r\nContent-Length: ", str(length).encode(), b"\r\n\r\n")
     return b"".join(parts)
 
 

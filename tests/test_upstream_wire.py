@@ -1,0 +1,204 @@
+"""What the router reads of its replicas' HTTP/1.1 answers, byte for byte: a raw-socket
+replica sends exact bytes, in pieces the test releases one at a time (each acknowledged by
+the router's kernel before the next goes), and what the client got and the router's
+metrics show what the router made of them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import json
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from router.service.config import build_settings
+from tests.backends import kimi_model_table, metric_sample, start_router
+from tests.test_proxy_integrity import _read_request, _unacknowledged
+from tests.waiting import eventually
+
+MODEL = "kimi-test"
+
+
+class Scripted:
+    """A keep-alive replica that answers its n-th request with the n-th script, a list of
+    byte pieces: the first goes at once, each next one when the test calls :meth:`step`."""
+
+    def __init__(self, *scripts: list[bytes]) -> None:
+        self.scripts = list(scripts)
+        self.connections = 0
+        self.url = ""
+        self._steps: asyncio.Queue[None] = asyncio.Queue()
+        self.sent = asyncio.Event()  # the pieces released so far are all with the router
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> Scripted:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    def step(self) -> None:
+        self.sent.clear()
+        self._steps.put_nowait(None)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        sock: socket.socket = writer.get_extra_info("socket")
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while self.scripts:
+                await _read_request(reader)
+                for i, piece in enumerate(self.scripts.pop(0)):
+                    if i:
+                        await self._steps.get()
+                    writer.write(piece)
+                    await writer.drain()
+                    await eventually(lambda: _unacknowledged(sock) == 0)
+                    self.sent.set()
+        writer.close()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+async def _router(replica_url: str) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
+    settings = build_settings(
+        {
+            "server": {"health_interval_s": 0},
+            "replicas": [{"url": replica_url, "model": MODEL, "name": "r0"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    running, url = await start_router(settings)
+    session = aiohttp.ClientSession()
+    try:
+        yield url, session
+    finally:
+        await session.close()
+        await running.cleanup()
+
+
+def _chat(stream: bool, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "stream": stream,
+        "messages": [{"role": "user", "content": "tell me everything"}],
+        **extra,
+    }
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+)
+
+
+def _token(i: int) -> bytes:
+    delta = {"content": f"word{i:04d} " + "x" * 200}
+    event = {"id": "c1", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": delta, "finish_reason": None}
+    ]}  # fmt: skip
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+USAGE = (
+    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[],"usage":'
+    b'{"prompt_tokens":40,"completion_tokens":60,"total_tokens":100,'
+    b'"prompt_tokens_details":{"cached_tokens":32}}}\n\n'
+)
+
+
+async def _answered(url: str, session: aiohttp.ClientSession) -> str:
+    """The router's metrics page once it booked one answer ``ok`` (its usage read)."""
+    page = ""
+
+    async def booked() -> bool:
+        nonlocal page
+        async with session.get(url + "/metrics") as r:
+            page = await r.text()
+        return metric_sample(page, "kvrouter_requests_total", outcome="ok") == 1.0
+
+    await eventually(booked)
+    return page
+
+
+async def test_a_usage_chunk_split_after_a_large_read_is_still_read() -> None:
+    """The relay keeps a stream's last ~8 KiB for its usage, trimmed by whole reads: when a
+    read larger than that ended with the first half of the usage chunk, the next read (the
+    other half) dropped it, and the usage (cached and output tokens: the prediction and SLO
+    metrics) was lost."""
+    tokens = b"".join(_token(i) for i in range(60))  # ~14 KiB in one read
+    cut = USAGE.index(b'"prompt_tokens_details"')
+    replica = await Scripted(
+        [SSE_HEAD + _chunk(tokens + USAGE[:cut]), _chunk(USAGE[cut:] + b"data: [DONE]\n\n")
+         + b"0\r\n\r\n"]
+    ).start()  # fmt: skip
+    try:
+        async for url, session in _router(replica.url):
+            body = _chat(True, stream_options={"include_usage": True})
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                got = b""
+                while not got.endswith(USAGE[:cut]):  # the relay has read the first piece
+                    got += await resp.content.readany()
+                replica.step()
+                got += await resp.read()
+            assert got == tokens + USAGE + b"data: [DONE]\n\n"
+            page = await _answered(url, session)
+            assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 32
+    finally:
+        await replica.stop()
+
+
+async def test_answers_are_asked_for_uncompressed() -> None:
+    """The router reads answers (usage, error bodies, a stream's end), so it must get them
+    uncompressed; it dropped the client's ``Accept-Encoding`` and sent none, which asks for
+    any coding at all (RFC 9110, 12.5.3): a replica that took it so answered gzip, relayed
+    as such, and its usage went unread."""
+    answer = json.dumps(
+        {"id": "c1", "object": "chat.completion", "choices": [], "usage": json.loads(
+            USAGE[6:].strip())["usage"]}
+    ).encode()  # fmt: skip
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        fields = dict(
+            (k.strip().lower(), v.strip().lower())
+            for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+        )
+        # no Accept-Encoding: any coding is acceptable (RFC 9110, 12.5.3)
+        plain = fields.get(b"accept-encoding", b"*") == b"identity"
+        body = answer if plain else gzip.compress(answer)
+        coding = b"" if plain else b"Content-Encoding: gzip\r\n"
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n%b"
+            b"Content-Length: %d\r\n\r\n%b" % (coding, len(body), body)
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        url_of = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async for url, session in _router(url_of):
+            headers = {"Accept-Encoding": "gzip"}
+            async with session.post(
+                url + "/v1/chat/completions", json=_chat(False), headers=headers
+            ) as resp:
+                assert resp.status == 200
+                assert await resp.read() == answer
+            page = await _answered(url, session)
+            assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 32
+    finally:
+        server.close()
+        await server.wait_closed()
