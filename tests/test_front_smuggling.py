@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from router.service.fast_server import MAX_HEAD_BYTES
-from tests.test_service_fast import Front, _response
+from tests.test_service_fast import Front, _chat, _response
 from tests.test_service_fast import front as front  # (the fixture)
 
 
@@ -28,4 +28,49 @@ async def test_a_header_line_that_never_ends_is_431_at_the_parser_cap(front: Fro
     assert status == 431 and headers["connection"] == "close"
     assert json.loads(body)["error"]["code"] == "http_431"
     assert await reader.read() == b""
+    writer.close()
+
+
+async def test_transfer_encoding_in_an_http_1_0_request_is_refused(front: Front) -> None:
+    # HTTP/1.0 has no chunked coding: a proxy in front may frame such a request by its
+    # Content-Length or as bodiless, so its "body" is the next request to it (RFC 9112
+    # 6.1: the framing is faulty, the connection must close). The router decoded it as
+    # chunked and kept the connection for the request that followed
+    reader, writer = await front.open()
+    body = _chat(1)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.0\r\nConnection: keep-alive\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"%x\r\n%b\r\n0\r\n\r\nGET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
+        % (len(body), body)
+    )
+    status, headers, answer = await _response(reader)
+    assert status == 400 and headers["connection"] == "close", answer
+    assert await reader.read() == b""
+    writer.close()
+    assert front.backend.received == []
+
+
+async def test_a_transfer_coding_other_than_chunked_is_501(front: Front) -> None:
+    # "gzip, chunked": llhttp undoes the chunked coding only, and the router took the still
+    # gzip-coded bytes for the body, passing them on as a plain body (the coding, hop by
+    # hop, dropped); a server must refuse a coding it does not know (RFC 9112 6.1: 501),
+    # as h11 and nginx do
+    for coding in (b"gzip, chunked", b"deflate,chunked"):
+        reader, writer = await front.open()
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: %b\r\n\r\n"
+            b"4\r\nabcd\r\n0\r\n\r\n" % coding
+        )
+        status, headers, _ = await _response(reader)
+        assert (status, headers["connection"]) == (501, "close"), coding
+        writer.close()
+    reader, writer = await front.open()  # the chunked coding alone, any case: served
+    body = _chat(2)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: Chunked\r\n\r\n"
+        b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    )
+    status, _, answer = await _response(reader)
+    assert status == 200 and json.loads(answer)["choices"], answer
     writer.close()

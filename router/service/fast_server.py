@@ -7,7 +7,10 @@ router.service.handling.handle, the front door.
   body over ``max_body`` is answered 413 by the handler (``HttpRequest.too_large``; the body
   is discarded as it arrives, never buffered); a request line and headers over
   :data:`MAX_HEAD_BYTES` (or of more than :data:`MAX_HEADERS` fields) 431 and an unparsable
-  request 400, and the connection is closed.
+  request 400, and the connection is closed. Framing a proxy in front could read otherwise
+  is refused the same way (RFC 9112 6.1): a ``Transfer-Encoding`` in an HTTP/1.0 request
+  400, a transfer coding other than ``chunked`` 501 (llhttp refuses ``Content-Length`` with
+  ``Transfer-Encoding``, repeated lengths, bare LF, obs-fold and bad chunk framing: 400).
 * Connection limits (:class:`ConnLimits`, from ``server.*``): a request's line and headers
   must arrive within ``header_timeout_s`` of its first byte and its body may pause at most
   ``body_timeout_s`` (else 408 and the connection closes); a connection idle between
@@ -451,6 +454,8 @@ class _Connection(asyncio.Protocol):
                     pass
             elif len(k) == 6 and k.lower() == b"expect" and v.lower() == b"100-continue":
                 expect = True
+            elif len(k) == 17 and k.lower() == b"transfer-encoding" and self._bad_coding(v):
+                return
         if not expect or self.parser.get_http_version() == "1.0":  # (1.0 has no 100)
             return
         if self.too_large:  # the client waits for "100 Continue": answer without the body
@@ -463,6 +468,25 @@ class _Connection(asyncio.Protocol):
             self.want_continue = True
         else:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _bad_coding(self, value: bytes) -> bool:
+        """Whether a ``Transfer-Encoding`` field ``value`` makes the request one the router
+        must refuse (answered, the connection closing): in an HTTP/1.0 request (1.0 has no
+        transfer coding: a proxy in front may frame it otherwise, RFC 9112 6.1), 400; a
+        coding but ``chunked`` (the one llhttp undoes), 501. llhttp refuses the others
+        (``chunked`` not last, with ``Content-Length``)."""
+        if self.parser.get_http_version() == "1.0":
+            self._fatal(400, "Transfer-Encoding in an HTTP/1.0 request")
+            return True
+        for coding in value.split(b","):
+            coding = coding.strip().lower()
+            if coding and coding != b"chunked":
+                self._fatal(
+                    501,
+                    f"transfer coding {coding.decode('latin-1')!r} is not supported (only chunked)",
+                )
+                return True
+        return False
 
     def on_body(self, body: bytes) -> None:
         if self.deadline:
