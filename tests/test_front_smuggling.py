@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from router.service.fast_server import MAX_HEAD_BYTES
-from tests.test_service_fast import Front, _chat, _response
+from tests.test_service_fast import Front, _chat, _post, _response
 from tests.test_service_fast import front as front  # (the fixture)
 
 
@@ -74,3 +74,30 @@ async def test_a_transfer_coding_other_than_chunked_is_501(front: Front) -> None
     status, _, answer = await _response(reader)
     assert status == 200 and json.loads(answer)["choices"], answer
     writer.close()
+
+
+async def test_hop_by_hop_headers_do_not_reach_the_replica(front: Front) -> None:
+    # Proxy-Connection (HTTP/1.0 proxies' Connection, RFC 9110 7.6.1) went to the replica
+    reader, writer = await front.open()
+    extra = (
+        "Proxy-Connection: keep-alive\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\n"
+        "Trailer: X-T\r\nProxy-Authorization: Basic eA==\r\nConnection: X-Hop, keep-alive\r\n"
+        "X-Hop: 1\r\nX-Data-Parallel-Rank: 3\r\nX-Kept: 1\r\n"
+    )
+    writer.write(_post(_chat(1), extra=extra))
+    status, _, _ = await _response(reader)
+    assert status == 200
+    writer.close()
+    [sent] = front.backend.received
+    got = sent["headers"]
+    assert got["x-kept"] == "1"
+    for name in (
+        "proxy-connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "proxy-authorization",
+        "x-hop",
+        "x-data-parallel-rank",
+    ):
+        assert name not in got, name
