@@ -6,6 +6,7 @@ duplicate lengths, bare LF, obs-fold, ...) are llhttp's; these are the router's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 from router.service.fast_server import MAX_HEAD_BYTES
@@ -29,6 +30,28 @@ async def test_a_header_line_that_never_ends_is_431_at_the_parser_cap(front: Fro
     assert json.loads(body)["error"]["code"] == "http_431"
     assert await reader.read() == b""
     writer.close()
+
+
+async def test_a_trailer_line_that_never_ends_closes_the_connection(front: Front) -> None:
+    # the same in a chunked body's trailer section: its fields are dropped, but httptools
+    # gathers each line first; a trailer line that never ended grew without bound. (Where
+    # the server stops reading depends on how the body and the trailer arrive together, so
+    # the test sends until the connection breaks, far beyond the cap and socket buffers.)
+    _, writer = await front.open()
+    body = _chat(1)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"%x\r\n%b\r\n0\r\nX-Long: " % (len(body), body)
+    )
+    sent, piece = 0, b"a" * 65536
+    with contextlib.suppress(ConnectionError):
+        while sent < 32 * MAX_HEAD_BYTES:
+            writer.write(piece)
+            await writer.drain()
+            sent += len(piece)
+    assert sent < 32 * MAX_HEAD_BYTES
+    writer.close()
+    assert front.backend.received == []
 
 
 async def test_transfer_encoding_in_an_http_1_0_request_is_refused(front: Front) -> None:

@@ -68,8 +68,9 @@ _log = logging.getLogger(__name__)
 _STATUS_LINES: dict[int, bytes] = {}
 _PIPELINE_MAX = 8
 # what the parser keeps of one request's line and headers, whatever server.max_header_kb says
-# (the front door's limit, answered with an OpenAI-style 431), and what is read of a head
-# (one that never ends its line included): past it the connection closes
+# (the front door's limit, answered with an OpenAI-style 431), and what is read of a head or
+# of a chunked body's trailer section (one that never ends its line included): past it the
+# connection closes
 MAX_HEAD_BYTES = 1 << 20
 # header fields per request: each costs two bytes objects and a tuple (~20x the wire size of
 # a tiny one), so MAX_HEAD_BYTES of them would hold ~20 MB per connection
@@ -267,7 +268,10 @@ class _Connection(asyncio.Protocol):
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.header_bytes = 0
-        self.head_read = 0  # bytes read while the head is incomplete (see data_received)
+        # bytes read since the request began or since its last body bytes, and whether body
+        # bytes came in the piece being read (see data_received)
+        self.head_read = 0
+        self.got_body = False
         self.head_done = False  # the head is parsed: header fields now are trailer fields
         # the body's pieces; small ones after the first are gathered in a bytearray (one
         # object per tiny chunk of a chunked body would cost ~27x the body's size)
@@ -299,14 +303,20 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fatal(400, f"malformed HTTP request: {exc}")
         else:
-            if self.in_message and not self.head_done:
-                # httptools gathers a header line's name and value until the line ends
-                # (on_url and on_header count only what ended): the bytes read since the
-                # request began bound what it holds of an unended line. (Counted from the
-                # start of the piece it began in: a request before it there counts too.)
-                self.head_read += len(data)
-                if self.head_read > MAX_HEAD_BYTES:
-                    self._fatal(431, f"request head over {MAX_HEAD_BYTES} bytes")
+            if self.in_message:
+                # httptools gathers a header (or trailer) line's name and value until the
+                # line ends (on_url and on_header count only what ended): the bytes read
+                # since the request began, or since its last body bytes, bound what it
+                # holds of an unended line. (Counted by whole pieces read: from the start of
+                # the piece the request began in, a request before it there included.)
+                if self.got_body:
+                    self.got_body = False
+                    self.head_read = 0
+                else:
+                    self.head_read += len(data)
+                    if self.head_read > MAX_HEAD_BYTES:
+                        what = "chunk framing or trailer" if self.head_done else "head"
+                        self._fatal(431, f"request {what} over {MAX_HEAD_BYTES} bytes")
 
     def _no_upgrade(self, rest: bytes) -> None:
         """The request just parsed asked for another protocol (``Upgrade``, as curl's
@@ -489,6 +499,7 @@ class _Connection(asyncio.Protocol):
         return False
 
     def on_body(self, body: bytes) -> None:
+        self.got_body = True
         if self.deadline:
             self.deadline = self.loop.time() + self.server.limits.body_timeout_s
         if self.too_large:
