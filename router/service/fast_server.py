@@ -11,6 +11,9 @@ router.service.handling.handle, the front door.
   is refused the same way (RFC 9112 6.1): a ``Transfer-Encoding`` in an HTTP/1.0 request
   400, a transfer coding other than ``chunked`` 501 (llhttp refuses ``Content-Length`` with
   ``Transfer-Encoding``, repeated lengths, bare LF, obs-fold and bad chunk framing: 400).
+  Such a close ends the stream after the answer and reads (and drops) what the client still
+  sends, until it closes or for :data:`LINGER_S`: a close with its bytes unread would be a
+  reset, which destroys the answer before the client reads it.
 * Connection limits (:class:`ConnLimits`, from ``server.*``): a request's line and headers
   must arrive within ``header_timeout_s`` of its first byte and its body may pause at most
   ``body_timeout_s`` (else 408 and the connection closes); a connection idle between
@@ -80,6 +83,9 @@ _LAST_CHUNK = b"0\r\n\r\n"
 # must not carry Content-Length; a 304's would give another answer's size)
 _BODILESS = frozenset({204, 304})
 _PIECE = 4096  # body pieces below this size are gathered (see _Connection.on_body)
+# how long a connection closed by a protocol error's answer goes on reading (and dropping)
+# what its client still sends, so that its close is no reset that destroys the answer
+LINGER_S = 5.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -294,8 +300,8 @@ class _Connection(asyncio.Protocol):
         self.server.admit(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.failed is not None:
-            return
+        if self.closed or self.failed is not None:
+            return  # (closed: lingering after a protocol error's answer, see _fatal)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -409,15 +415,27 @@ class _Connection(asyncio.Protocol):
                 self.transport.pause_reading()
             return
         body = error_body(status, message, code=code)
-        self.transport.write(
+        transport = self.transport
+        transport.write(
             _status_line(status)
             + b"Content-Type: application/json\r\nConnection: close\r\n"
             + extra
             + b"Content-Length: %d\r\n\r\n" % len(body)
             + body
         )
-        self.transport.close()
         self.closed = True
+        # a close with unread bytes (the rest of a refused body or head, pipelined requests)
+        # is a TCP reset, which destroys the answer at the client before it is read: the
+        # answer is followed by the end of the stream, then what the client still sends is
+        # read and dropped until it closes, for at most LINGER_S (RFC 9112 9.6)
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        if self.reading_paused:
+            self.reading_paused = False
+            transport.resume_reading()
+        self.loop.call_later(LINGER_S, transport.close)
 
     # ---------------------------------------------------------------- httptools callbacks
 
@@ -763,8 +781,7 @@ class FastServer:
         while self.loop.time() < deadline and any(c.task or c.in_message for c in self.connections):
             await asyncio.sleep(0.05)
         for conn in list(self.connections):
-            if not conn.closed:
-                conn.transport.close()
+            conn.transport.close()  # (lingering ones too: see _Connection._fatal)
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
