@@ -73,6 +73,7 @@ TESTS = (
     # the service's hot modules, in process on both HTTP engines
     "tests/test_service_api.py",
     "tests/test_service_fast.py",
+    "tests/test_front_smuggling.py",  # request framing against smuggling
     "tests/test_service_body_memo.py",
     "tests/test_service_stream_writes.py",
     "tests/test_proxy_usage.py",

@@ -7,7 +7,13 @@ router.service.handling.handle, the front door.
   body over ``max_body`` is answered 413 by the handler (``HttpRequest.too_large``; the body
   is discarded as it arrives, never buffered); a request line and headers over
   :data:`MAX_HEAD_BYTES` (or of more than :data:`MAX_HEADERS` fields) 431 and an unparsable
-  request 400, and the connection is closed.
+  request 400, and the connection is closed. Framing a proxy in front could read otherwise
+  is refused the same way (RFC 9112 6.1): a ``Transfer-Encoding`` in an HTTP/1.0 request
+  400, a transfer coding other than ``chunked`` 501 (llhttp refuses ``Content-Length`` with
+  ``Transfer-Encoding``, repeated lengths, bare LF, obs-fold and bad chunk framing: 400).
+  Such a close ends the stream after the answer and reads (and drops) what the client still
+  sends, until it closes or for :data:`LINGER_S`: a close with its bytes unread would be a
+  reset, which destroys the answer before the client reads it.
 * Connection limits (:class:`ConnLimits`, from ``server.*``): a request's line and headers
   must arrive within ``header_timeout_s`` of its first byte and its body may pause at most
   ``body_timeout_s`` (else 408 and the connection closes); a connection idle between
@@ -65,7 +71,9 @@ _log = logging.getLogger(__name__)
 _STATUS_LINES: dict[int, bytes] = {}
 _PIPELINE_MAX = 8
 # what the parser keeps of one request's line and headers, whatever server.max_header_kb says
-# (the front door's limit, answered with an OpenAI-style 431): past it the connection closes
+# (the front door's limit, answered with an OpenAI-style 431), and what is read of a head or
+# of a chunked body's trailer section (one that never ends its line included): past it the
+# connection closes
 MAX_HEAD_BYTES = 1 << 20
 # header fields per request: each costs two bytes objects and a tuple (~20x the wire size of
 # a tiny one), so MAX_HEAD_BYTES of them would hold ~20 MB per connection
@@ -75,6 +83,9 @@ _LAST_CHUNK = b"0\r\n\r\n"
 # must not carry Content-Length; a 304's would give another answer's size)
 _BODILESS = frozenset({204, 304})
 _PIECE = 4096  # body pieces below this size are gathered (see _Connection.on_body)
+# how long a connection closed by a protocol error's answer goes on reading (and dropping)
+# what its client still sends, so that its close is no reset that destroys the answer
+LINGER_S = 5.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -263,6 +274,10 @@ class _Connection(asyncio.Protocol):
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.header_bytes = 0
+        # bytes read since the request began or since its last body bytes, and whether body
+        # bytes came in the piece being read (see data_received)
+        self.head_read = 0
+        self.got_body = False
         self.head_done = False  # the head is parsed: header fields now are trailer fields
         # the body's pieces; small ones after the first are gathered in a bytearray (one
         # object per tiny chunk of a chunked body would cost ~27x the body's size)
@@ -285,14 +300,29 @@ class _Connection(asyncio.Protocol):
         self.server.admit(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.failed is not None:
-            return
+        if self.closed or self.failed is not None:
+            return  # (closed: lingering after a protocol error's answer, see _fatal)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
             self._no_upgrade(data[exc.args[0] :])
         except httptools.HttpParserError as exc:
             self._fatal(400, f"malformed HTTP request: {exc}")
+        else:
+            if self.in_message:
+                # httptools gathers a header (or trailer) line's name and value until the
+                # line ends (on_url and on_header count only what ended): the bytes read
+                # since the request began, or since its last body bytes, bound what it
+                # holds of an unended line. (Counted by whole pieces read: from the start of
+                # the piece the request began in, a request before it there included.)
+                if self.got_body:
+                    self.got_body = False
+                    self.head_read = 0
+                else:
+                    self.head_read += len(data)
+                    if self.head_read > MAX_HEAD_BYTES:
+                        what = "chunk framing or trailer" if self.head_done else "head"
+                        self._fatal(431, f"request {what} over {MAX_HEAD_BYTES} bytes")
 
     def _no_upgrade(self, rest: bytes) -> None:
         """The request just parsed asked for another protocol (``Upgrade``, as curl's
@@ -385,15 +415,27 @@ class _Connection(asyncio.Protocol):
                 self.transport.pause_reading()
             return
         body = error_body(status, message, code=code)
-        self.transport.write(
+        transport = self.transport
+        transport.write(
             _status_line(status)
             + b"Content-Type: application/json\r\nConnection: close\r\n"
             + extra
             + b"Content-Length: %d\r\n\r\n" % len(body)
             + body
         )
-        self.transport.close()
         self.closed = True
+        # a close with unread bytes (the rest of a refused body or head, pipelined requests)
+        # is a TCP reset, which destroys the answer at the client before it is read: the
+        # answer is followed by the end of the stream, then what the client still sends is
+        # read and dropped until it closes, for at most LINGER_S (RFC 9112 9.6)
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        if self.reading_paused:
+            self.reading_paused = False
+            transport.resume_reading()
+        self.loop.call_later(LINGER_S, transport.close)
 
     # ---------------------------------------------------------------- httptools callbacks
 
@@ -440,6 +482,8 @@ class _Connection(asyncio.Protocol):
                     pass
             elif len(k) == 6 and k.lower() == b"expect" and v.lower() == b"100-continue":
                 expect = True
+            elif len(k) == 17 and k.lower() == b"transfer-encoding" and self._bad_coding(v):
+                return
         if not expect or self.parser.get_http_version() == "1.0":  # (1.0 has no 100)
             return
         if self.too_large:  # the client waits for "100 Continue": answer without the body
@@ -453,7 +497,27 @@ class _Connection(asyncio.Protocol):
         else:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
+    def _bad_coding(self, value: bytes) -> bool:
+        """Whether a ``Transfer-Encoding`` field ``value`` makes the request one the router
+        must refuse (answered, the connection closing): in an HTTP/1.0 request (1.0 has no
+        transfer coding: a proxy in front may frame it otherwise, RFC 9112 6.1), 400; a
+        coding but ``chunked`` (the one llhttp undoes), 501. llhttp refuses the others
+        (``chunked`` not last, with ``Content-Length``)."""
+        if self.parser.get_http_version() == "1.0":
+            self._fatal(400, "Transfer-Encoding in an HTTP/1.0 request")
+            return True
+        for coding in value.split(b","):
+            coding = coding.strip().lower()
+            if coding and coding != b"chunked":
+                self._fatal(
+                    501,
+                    f"transfer coding {coding.decode('latin-1')!r} is not supported (only chunked)",
+                )
+                return True
+        return False
+
     def on_body(self, body: bytes) -> None:
+        self.got_body = True
         if self.deadline:
             self.deadline = self.loop.time() + self.server.limits.body_timeout_s
         if self.too_large:
@@ -717,8 +781,7 @@ class FastServer:
         while self.loop.time() < deadline and any(c.task or c.in_message for c in self.connections):
             await asyncio.sleep(0.05)
         for conn in list(self.connections):
-            if not conn.closed:
-                conn.transport.close()
+            conn.transport.close()  # (lingering ones too: see _Connection._fatal)
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)

@@ -19,6 +19,7 @@ HOP_BY_HOP = frozenset(
         b"keep-alive",
         b"proxy-authenticate",
         b"proxy-authorization",
+        b"proxy-connection",  # (HTTP/1.0 proxies' Connection, RFC 9110 7.6.1)
         b"te",
         b"trailer",
         b"transfer-encoding",
