@@ -202,3 +202,25 @@ async def test_answers_are_asked_for_uncompressed() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_101_answer_is_a_broken_attempt_not_a_fatal_protocol_error(
+    caplog: Any,
+) -> None:
+    """A replica that switches protocols unasked (101) broke its answer: the attempt fails
+    as a malformed one does (the client gets the router's 502), without the event loop's
+    "Fatal error on transport" traceback the parser's upgrade exception caused."""
+    import logging
+
+    switch = (
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+    )
+    replica = await Scripted([switch]).start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            async for url, session in _router(replica.url):
+                async with session.post(url + "/v1/chat/completions", json=_chat(False)) as r:
+                    assert r.status == 502, await r.text()
+        assert not [rec for rec in caplog.records if rec.name == "asyncio"], caplog.text
+    finally:
+        await replica.stop()

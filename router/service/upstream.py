@@ -124,6 +124,10 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamBroken(f"malformed HTTP response: {exc}"))
             self.abort()
+        except httptools.HttpParserUpgrade:  # (not an HttpParserError: 101 to a request
+            # that asked for no upgrade) a broken answer, not the protocol's fatal error
+            self._fail(UpstreamBroken("the replica switched protocols (101) unasked"))
+            self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
