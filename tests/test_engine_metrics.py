@@ -287,3 +287,111 @@ async def test_direct_mode_logs_a_missing_gauge_once_and_its_return(
     assert "no kv_usage (vllm:kv_cache_usage_perc" in warned[0].getMessage()
     assert "r0" in warned[0].getMessage()
     assert any("back" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
+
+
+def _vllm_034_models_page(per_model: dict[str, dict[int, tuple[int, int, float, int, int]]]) -> str:
+    """One page carrying several vLLM 0.34 servers' series, told apart by ``model_name``
+    (each ``PrometheusStatLogger`` labels with its own ``served_model_name``,
+    ``loggers.py:499-505``): what ``prometheus_client``'s ``MultiProcessCollector``
+    (``vllm/v1/metrics/prometheus.py:47-50``) serves when two servers of different models
+    share one ``PROMETHEUS_MULTIPROC_DIR`` (vLLM's warning at ``prometheus.py:31-35``), or
+    a page gathered from several engines. ``model -> engine -> (running, waiting, usage,
+    prefix queries, prefix hits)``."""
+    reg = CollectorRegistry()
+    labelnames = ["model_name", "engine"]
+    running = Gauge("vllm:num_requests_running", "", labelnames, registry=reg)
+    waiting = Gauge("vllm:num_requests_waiting", "", labelnames, registry=reg)
+    usage = Gauge("vllm:kv_cache_usage_perc", "", labelnames, registry=reg)
+    queries = Counter("vllm:prefix_cache_queries", "", labelnames, registry=reg)
+    hits = Counter("vllm:prefix_cache_hits", "", labelnames, registry=reg)
+    for model, engines in per_model.items():
+        for idx, (run, wait, kv, q, h) in engines.items():
+            lv = [model, str(idx)]
+            running.labels(*lv).set(run)
+            waiting.labels(*lv).set(wait)
+            usage.labels(*lv).set(kv)
+            queries.labels(*lv).inc(q)
+            hits.labels(*lv).inc(h)
+    return generate_latest(reg).decode()
+
+
+class _Feed:
+    def __init__(self) -> None:
+        self.samples: dict[object, object] = {}
+
+    def load(self, key: object, sample: object, now: float) -> None:
+        self.samples[key] = sample
+
+
+async def _scrape(page: str, model: str, dp_ranks: int = 1) -> dict[object, object]:
+    """``page`` served on loopback, scraped once by the router for a replica of ``model``."""
+    import aiohttp
+    from aiohttp import web
+
+    from router.service.engines import scrape_once
+    from router.service.settings import ReplicaSettings
+    from tests.ports import free_port
+
+    async def serve(_: web.Request) -> web.Response:
+        return web.Response(text=page, content_type="text/plain", charset="utf-8")
+
+    app = web.Application()
+    app.router.add_get("/metrics", serve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    rep = ReplicaSettings(
+        "http://x", model, "r0", dp_ranks=dp_ranks, metrics_url=f"http://127.0.0.1:{port}/metrics"
+    )
+    feed = _Feed()
+    try:
+        async with aiohttp.ClientSession() as session:
+            await scrape_once(session, rep, feed, 0.0)  # type: ignore[arg-type]
+    finally:
+        await runner.cleanup()
+    return feed.samples
+
+
+async def test_a_page_with_several_models_reports_the_replicas_own() -> None:
+    """A page carrying another model's series beside the replica's: each rank's load and
+    prefix-cache counters are the replica's model's, not the larger of the two models'."""
+    from router.core.types import ReplicaKey
+    from router.store.base import LoadSample
+
+    page = _vllm_034_models_page(
+        {
+            "kimi-k3": {0: (2, 0, 0.25, 100, 40), 1: (1, 1, 0.125, 50, 10)},
+            "qwen3": {0: (9, 7, 0.875, 9000, 8000), 1: (8, 6, 0.75, 7000, 100)},
+        }
+    )
+    samples = await _scrape(page, "kimi-k3", dp_ranks=2)
+    got = {k: (s.running, s.waiting, s.kv_usage, s.prefix_cache_queries, s.prefix_cache_hits)
+           for k, s in samples.items() if isinstance(s, LoadSample)}  # fmt: skip
+    assert got == {
+        ReplicaKey("r0", 0): (2, 0, 0.25, 100.0, 40.0),
+        ReplicaKey("r0", 1): (1, 1, 0.125, 50.0, 10.0),
+    }
+    assert parse_engine_metrics(page, "qwen3")[1] == ScrapedLoad(8, 6, 0.75, 7000.0, 100.0)
+
+
+async def test_a_served_model_alias_still_reads_the_engines_page() -> None:
+    """vLLM labels its series with the first ``--served-model-name`` only
+    (``vllm/config/model.py:2367-2378``): a replica configured under another alias of the
+    one model the page names still gets its load."""
+    from router.core.types import ReplicaKey
+
+    page = _vllm_034_models_page({"kimi-k3": {0: (3, 1, 0.5, 10, 5)}})
+    samples = await _scrape(page, "kimi")
+    assert list(samples) == [ReplicaKey("r0", 0)]
+    assert parse_engine_metrics(page, "kimi") == {0: ScrapedLoad(3, 1, 0.5, 10.0, 5.0)}
+
+
+def test_a_page_of_other_models_only_is_refused() -> None:
+    """Several models on the page, none of them the replica's: no load is read (the page is
+    refused, as one without load gauges), rather than another model's."""
+    page = _vllm_034_models_page(
+        {"qwen3": {0: (9, 7, 0.875, 0, 0)}, "llama": {0: (1, 0, 0.125, 0, 0)}}
+    )
+    with pytest.raises(ValueError, match="kimi-k3"):
+        parse_engine_metrics(page, "kimi-k3")

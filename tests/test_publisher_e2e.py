@@ -258,6 +258,41 @@ async def test_crashed_publisher_lease_expires_and_load_is_published(
         await eng.pub.close()
 
 
+async def test_the_publisher_publishes_its_models_load_from_a_page_of_several(
+    stores: Callable[[], RedisStore],
+) -> None:
+    """An engine page carrying another model's series too (two vLLM servers sharing a
+    ``PROMETHEUS_MULTIPROC_DIR``): the load published is the publisher's model's, not the
+    larger of the two models' figures."""
+    page = "".join(
+        f"# TYPE {name} gauge\n"
+        f'{name}{{engine="0",model_name="{MODEL}"}} {mine}\n'
+        f'{name}{{engine="0",model_name="other-model"}} {other}\n'
+        for name, mine, other in (
+            ("vllm:num_requests_running", 3, 30),
+            ("vllm:num_requests_waiting", 7, 70),
+            ("vllm:kv_cache_usage_perc", 0.42, 0.99),
+        )
+    )
+    runner, url = await _metrics_server(page)
+    eng = await _engine(16, 6)
+    pub = _publisher(stores(), "rm", eng, metrics_url=url)
+    tracker = LoadTracker()
+    key = ReplicaKey("rm")
+    try:
+        listener = LoadTrackerListener(tracker)
+        async with IndexSync(stores(), PrefixIndex(), listener=listener, **FAST_SYNC):
+            await pub.start()
+            await eventually(lambda: tracker.view(key, 0).engine is not None)
+            report = tracker.view(key, 0).engine
+            assert report is not None and (report.running, report.waiting) == (3, 7)
+            assert report.kv_usage == pytest.approx(0.42)
+    finally:
+        await pub.stop()
+        await runner.cleanup()
+        await eng.pub.close()
+
+
 async def test_a_restarted_publisher_is_not_taken_for_the_old_one_by_a_lagging_router(
     stores: Callable[[], RedisStore],
 ) -> None:

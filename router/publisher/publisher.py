@@ -388,7 +388,7 @@ class Publisher:
             try:
                 text = await fetch_page(self._http, s.engine_metrics_url)
                 loads = await asyncio.get_running_loop().run_in_executor(
-                    None, parse_engine_metrics, text
+                    None, parse_engine_metrics, text, s.info.model
                 )
                 missing.check(s.info.replica, loads)
                 now = time.time()

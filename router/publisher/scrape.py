@@ -2,7 +2,9 @@
 
 Recognised gauges (first match wins), per data-parallel rank (label ``engine``, ``dp_rank``
 or ``data_parallel_rank``; rank 0 without one; of several series of one rank, which differ
-in other labels such as SGLang's ``pp_rank`` / ``tp_rank`` / ``priority``, the largest):
+in other labels such as SGLang's ``pp_rank`` / ``tp_rank`` / ``priority``, the largest), of
+the replica's model only when the page carries several (label ``model_name``;
+:func:`parse_engine_metrics`):
 
 * running: ``vllm:num_requests_running``, ``sglang:num_running_reqs``
 * waiting: ``vllm:num_requests_waiting``, ``sglang:num_queue_reqs``
@@ -109,10 +111,17 @@ def request_count(value: float) -> int:
     return int(value) if math.isfinite(value) and value > 0 else 0
 
 
-def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
-    """Load per dp rank; raises ValueError when the page is not Prometheus text or carries
-    none of the gauges above."""
-    values: dict[str, dict[int, float]] = {}
+def parse_engine_metrics(text: str, model: str | None = None) -> dict[int, ScrapedLoad]:
+    """Load per dp rank of the replica serving ``model``; raises ValueError when the page is
+    not Prometheus text or carries none of the gauges above (for that model).
+
+    A page can carry several models' series (``model_name``): two engines sharing vLLM's
+    ``PROMETHEUS_MULTIPROC_DIR``, a page gathered from several engines. Only ``model``'s
+    are read (and series without ``model_name``); a page naming one model only is that
+    model's under another name (vLLM labels with the first ``--served-model-name``); a page
+    naming several models, none of them ``model``, is refused rather than read as one."""
+    # metric name -> model_name label ("" without one) -> rank -> value
+    values: dict[str, dict[str, dict[int, float]]] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -128,17 +137,39 @@ def parse_engine_metrics(text: str) -> dict[int, ScrapedLoad]:
                     # queues, and with priority scheduling the total (``priority=""``)
                     # sits beside its split by priority. The largest is the rank's (its
                     # fullest stage's KV pool); a NaN only where there is nothing else.
-                    per = values.setdefault(sample.name, {})
+                    by_model = values.setdefault(sample.name, {})
+                    per = by_model.setdefault(sample.labels.get("model_name", ""), {})
                     value, prev = float(sample.value), per.get(rank)
                     if prev is None or math.isnan(prev) or value > prev:
                         per[rank] = value
     except Exception as exc:  # the parser raises assorted errors on junk
         raise ValueError(f"not a Prometheus metrics page: {exc}") from None
 
+    named = {m for by_model in values.values() for m in by_model if m}
+    read: set[str]
+    if model and model in named:
+        read = {model, ""}
+    elif not model or len(named) <= 1:
+        read = named | {""}
+    else:
+        raise ValueError(
+            f"no engine load gauges for model {model!r} on the page (it has "
+            f"{', '.join(repr(m) for m in sorted(named))})"
+        )
+
     def pick(names: tuple[str, ...]) -> dict[int, float]:
         for name in names:
             if name in values:
-                return values[name]
+                merged: dict[int, float] = {}
+                for m, per in values[name].items():
+                    if m not in read:
+                        continue
+                    for r, v in per.items():
+                        prev = merged.get(r)
+                        if prev is None or math.isnan(prev) or v > prev:
+                            merged[r] = v
+                if merged:
+                    return merged
         return {}
 
     def counter(names: tuple[str, ...]) -> dict[int, float]:

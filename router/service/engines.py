@@ -78,7 +78,9 @@ async def scrape_once(
     gauges the page lacks are logged through ``missing`` (once per change)."""
     assert rep.metrics_url
     text = await fetch_page(session, rep.metrics_url)
-    loads = await asyncio.get_running_loop().run_in_executor(None, parse_engine_metrics, text)
+    loads = await asyncio.get_running_loop().run_in_executor(
+        None, parse_engine_metrics, text, rep.model
+    )
     (missing or _MISSING).check(rep.name, loads)
     reported = 0
     wall = time.time()
