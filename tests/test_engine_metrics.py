@@ -289,6 +289,26 @@ async def test_direct_mode_logs_a_missing_gauge_once_and_its_return(
     assert any("back" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
 
 
+def test_engine_ranks_a_replica_does_not_have_are_named_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM's external data-parallel load balancing labels each node's engines by their
+    global rank: a replica configured with ranks 0..3 whose page reports engines 4..7 got no
+    load report at all, silently. The mismatch is logged (once per change), naming both."""
+    from router.publisher.scrape import MissingGauges, parse_engine_metrics
+
+    page = _vllm_034_page({r: (1, 0, 0, 0.1, 0, 0) for r in (4, 5, 6, 7)})
+    loads = parse_engine_metrics(page)
+    missing = MissingGauges(logging.getLogger("router.service.engines"))
+    with caplog.at_level(logging.WARNING, logger="router.service.engines"):
+        for _ in range(3):
+            missing.check_ranks("r0", loads, range(4))
+        missing.check_ranks("r0", {0: None, 1: None, 2: None, 3: None}, range(4))
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1, warned
+    assert "[4, 5, 6, 7]" in warned[0] and "[0, 1, 2, 3]" in warned[0] and "r0" in warned[0]
+
+
 def _vllm_034_models_page(per_model: dict[str, dict[int, tuple[int, int, float, int, int]]]) -> str:
     """One page carrying several vLLM 0.34 servers' series, told apart by ``model_name``
     (each ``PrometheusStatLogger`` labels with its own ``served_model_name``,

@@ -391,6 +391,7 @@ class Publisher:
                     None, parse_engine_metrics, text, s.info.model
                 )
                 missing.check(s.info.replica, loads)
+                missing.check_ranks(s.info.replica, loads, self.settings.info.dp_ranks)
                 now = time.time()
                 for rank, load in loads.items():
                     if rank not in self.settings.info.dp_ranks:

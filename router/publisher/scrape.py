@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import aiohttp
@@ -82,6 +83,28 @@ class MissingGauges:
     def __init__(self, log: logging.Logger) -> None:
         self.log = log
         self._last: dict[str, tuple[str, ...]] = {}
+        self._ranks: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def check_ranks(self, source: str, found: Iterable[int], ranks: Iterable[int]) -> None:
+        """Log (once per change) the engine ranks the page reports that the replica does not
+        have (their load is not read: e.g. vLLM's external data-parallel load balancing
+        labels each node's engines by their global rank) and the replica's ranks the page
+        does not report (they keep no engine report)."""
+        have, want = set(found), set(ranks)
+        state = (tuple(sorted(have - want)), tuple(sorted(want - have)))
+        if state == self._ranks.get(source, ((), ())):
+            return
+        self._ranks[source] = state
+        extra, absent = state
+        if extra or absent:
+            self.log.warning(
+                "engine metrics of %s: engine ranks %s on the page are not the replica's "
+                "(its ranks: %s); ranks %s not on the page: their load is not read",
+                source,
+                list(extra),
+                sorted(want),
+                list(absent),
+            )
 
     def check(self, source: str, loads: dict[int, ScrapedLoad]) -> tuple[str, ...]:
         """The figures missing at any rank of ``loads`` (logged if they changed)."""

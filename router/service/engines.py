@@ -82,6 +82,7 @@ async def scrape_once(
         None, parse_engine_metrics, text, rep.model
     )
     (missing or _MISSING).check(rep.name, loads)
+    (missing or _MISSING).check_ranks(rep.name, loads, range(rep.dp_ranks))
     reported = 0
     wall = time.time()
     for rank, load in loads.items():
