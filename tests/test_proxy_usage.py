@@ -118,3 +118,55 @@ def test_json_answers_that_mention_data_or_nest_deeply() -> None:
     assert cached_tokens_of(payload, sse=False) == 4
     deep = b'{"usage": {"cached_tokens": 1}, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     assert usage_of(deep, sse=False) is None  # what json.loads cannot parse: no crash
+
+
+def test_anthropic_streams_as_vllm_writes_them(monkeypatch: Any) -> None:
+    """The Messages API stream of vLLM 0.34's own converter (anthropic/serving.py
+    ``message_stream_converter``, run unmodified: tests/engines/anthropic_ref.py) read as the
+    relay reads it: the prompt is ``input_tokens`` + ``cache_read_input_tokens`` +
+    ``cache_creation_input_tokens`` (vLLM's ``_build_anthropic_usage`` takes both from its
+    prompt), the hit is ``cache_read_input_tokens`` and the answer's length is
+    ``message_delta``'s cumulative ``output_tokens``; the usage of ``message_start`` (nested
+    in its message, output 0) is not the answer's, so a stream ending with an ``error`` event
+    reports none."""
+    import asyncio
+
+    from router.service.answers import usage_tokens
+    from tests.engines.anthropic_ref import load
+
+    mods = load()
+    chat = mods["vllm.entrypoints.openai.chat_completion.protocol"]
+    engine = mods["vllm.entrypoints.serve.engine.protocol"]
+    module = mods["vllm.entrypoints.anthropic.serving"]
+    monkeypatch.setattr(module, "sanitize_message", str)  # a stand-in in anthropic_ref
+    serving = module.AnthropicServingMessages
+    details = engine.PromptTokenUsageInfo(cached_tokens=32, created_cache_tokens=64)
+
+    def chunk(content: str | None, out: int, last: bool = False) -> Any:
+        usage = engine.UsageInfo(
+            prompt_tokens=100,
+            completion_tokens=out,
+            total_tokens=100 + out,
+            prompt_tokens_details=details if out == 0 or last else None,
+        )
+        delta = chat.DeltaMessage(role="assistant" if out == 0 else None, content=content)
+        choices = [] if last else [chat.ChatCompletionResponseStreamChoice(index=0, delta=delta)]
+        return chat.ChatCompletionStreamResponse(id="c", model="m", choices=choices, usage=usage)
+
+    async def stream(fail: bool) -> bytes:
+        async def chunks() -> Any:
+            yield chunk("", 0)  # vLLM's first chunk (continuous usage: the prompt's split)
+            yield chunk("Hi", 1)
+            yield chunk(" there", 2)
+            if fail:
+                raise RuntimeError("engine died")
+            yield chunk(None, 2, last=True)
+
+        return "".join([e async for e in serving.message_stream_converter(None, chunks())]).encode()
+
+    whole = asyncio.run(stream(fail=False))
+    assert whole.startswith(b"event: message_start") and b"message_delta" in whole
+    assert usage_tokens(usage_of(whole, True)) == (100, 2, 32)
+    failed = asyncio.run(stream(fail=True))
+    assert failed.rstrip().endswith(b"}") and b"event: error" in failed
+    assert b'"output_tokens":0' in failed and usage_of(failed, True) is None

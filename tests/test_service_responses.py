@@ -17,6 +17,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from router.service.answers import ResponsesPreamble
 from router.service.app import STATE
 from router.service.config import build_settings
 from router.tokenize.tokenizers import BUNDLED_DIR
@@ -499,3 +500,106 @@ async def test_a_follow_up_whose_holder_cannot_take_it_is_not_sent_elsewhere() -
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+def _vllm_event(kind: str, **fields: Any) -> bytes:
+    """One event as vLLM 0.34 writes it (responses/api_router.py
+    ``_convert_stream_to_sse_events``: pydantic's compact JSON, ``type`` last)."""
+    data = json.dumps({**fields, "sequence_number": 0, "type": kind}, separators=(",", ":"))
+    return f"event: {kind}\ndata: {data}\n\n".encode()
+
+
+async def test_a_streams_first_token_is_its_first_output_event_not_response_created() -> None:
+    """vLLM 0.34 (responses/serving.py ``responses_stream_generator``) writes
+    ``response.created`` and ``response.in_progress`` before it reads the engine's first
+    output, i.e. while the prompt queues and prefills; the first token comes with the first
+    output event (``response.output_item.added`` and its delta, as vLLM's own benchmark
+    client times it). Until then the request is prefilling in the load model and has no
+    TTFT; the first output event ends its prefill and is its first token."""
+    go = asyncio.Event()
+    started = {"item": {"id": "msg_1", "content": [], "role": "assistant",
+                        "status": "in_progress", "type": "message"}, "output_index": 0}  # fmt: skip
+    initial = {"id": "resp_t", "object": "response", "output": [], "status": "in_progress",
+               "tools": [], "instructions": "x" * 5000, "usage": None}  # fmt: skip
+    final = {**initial, "status": "completed", "usage": json.loads(b"{" + _USAGE + b"}")["usage"]}
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        created = _vllm_event("response.created", response=initial)
+        # the first event cut by a read: only its whole start tells what it is
+        await resp.write(created[:20])
+        await resp.write(created[20:] + _vllm_event("response.in_progress", response=initial))
+        await go.wait()  # the engine prefills
+        await resp.write(_vllm_event("response.output_item.added", **started))
+        await resp.write(_vllm_event("response.output_text.delta", delta="Hi", output_index=0))
+        await resp.write(_vllm_event("response.completed", response=final))
+        await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/health", health)
+    replica = web.AppRunner(app, handler_cancellation=True)
+    await replica.setup()
+    await web.TCPSite(replica, "127.0.0.1", 0).start()
+    base = f"http://127.0.0.1:{replica.addresses[0][1]}"
+    settings = build_settings(
+        {"replicas": [{"url": base, "model": MODEL, "name": "r0"}],
+         "models": {MODEL: {"block_size": 16}}}
+    )  # fmt: skip
+    router, url = await start_router(settings)
+    state = router.app[STATE]
+    try:
+        body = {"model": MODEL, "input": "hi", "stream": True}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/responses", json=body) as r,
+        ):
+            assert r.status == 200
+            assert b"response.created" in await r.content.readuntil(b"\n\n")
+            assert b"response.in_progress" in await r.content.readuntil(b"\n\n")
+            (key,) = state.load.replicas()
+            view = state.load.view(key, asyncio.get_running_loop().time())
+            assert (view.prefilling, view.decoding) == (1, 0), "response.created ended the prefill"
+            page = state.metrics.render().decode()
+            assert not metric_sample(page, "kvrouter_ttft_seconds_count", model=MODEL)
+            go.set()
+            rest = await r.content.read()
+        assert rest.endswith(b'"type":"response.completed"}\n\n')
+        page = state.metrics.render().decode()
+        assert metric_sample(page, "kvrouter_ttft_seconds_count", model=MODEL) == 1
+        assert metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="ok") == 1
+    finally:
+        go.set()
+        await router.cleanup()
+        await replica.cleanup()
+
+
+def test_the_preamble_ends_where_the_first_output_event_begins_wherever_reads_cut() -> None:
+    """``ResponsesPreamble`` on vLLM's events cut into two reads anywhere (CRLF lines too):
+    no output while only ``response.created`` / ``response.in_progress`` arrived (whatever
+    part of them), an output once the next event's ``event:`` line is whole."""
+    initial = {"id": "resp_t", "output": [], "status": "in_progress", "usage": None}
+    head = _vllm_event("response.created", response=initial) + b": keep-alive\n\n"
+    head += _vllm_event("response.in_progress", response=initial)
+    delta = _vllm_event("response.output_text.delta", delta="Hi", output_index=0)
+    for newline in (b"\n", b"\r\n"):
+        stream = (head + delta).replace(b"\n", newline)
+        begins = len(head.replace(b"\n", newline))
+        named = stream.index(newline, begins) + len(newline)  # the output's event: line whole
+        for cut in range(len(stream) + 1):
+            scan = ResponsesPreamble()
+            first, second = scan.output_began(stream[:cut]), scan.output_began(stream[cut:])
+            if cut <= begins:
+                assert not first and second, cut
+            elif cut >= named:
+                assert first, cut
+            else:  # the output's event: line cut: known once no preamble name fits it
+                assert first or second, cut
+    # an event without an event: line is an output; so is a data-only stream's first event
+    assert ResponsesPreamble().output_began(b'data: {"type":"response.output_text.delta"}')

@@ -2,7 +2,8 @@
 usage in each shape the replicas answer (OpenAI's, the Anthropic Messages API's, the
 Responses API's: :func:`usage_tokens`, found in a JSON body or a stream's tail by
 :func:`usage_of`), where each kind's stream ends (:func:`closers_of`), a Responses stream's
-final event (it carries the whole response), and SSE keep-alive comments (no token). Pure
+final event (it carries the whole response), and what is no token: SSE keep-alive comments,
+a Responses stream's opening events (:class:`ResponsesPreamble`). Pure
 functions of bytes, read once an answer is whole or per relayed piece."""
 
 from __future__ import annotations
@@ -17,6 +18,52 @@ def sse_comments_only(chunk: bytes) -> bool:
     ``--sse-keep-alive-interval``) carries no token, so it neither ends the prefill in the
     load model nor times a first token."""
     return all(line[:1] in (b"", b":", b"\r") for line in chunk.split(b"\n"))
+
+
+# the events a Responses API stream opens with before the engine's first output (vLLM 0.34
+# responses/serving.py ``responses_stream_generator``: written before it reads the engine)
+RESPONSES_PREAMBLE = (b"response.created", b"response.in_progress")
+_LINE_HEAD = 64  # of an unfinished line, only its start is kept (all that is read of it)
+
+
+class ResponsesPreamble:
+    """Tells whether a Responses API stream, fed piece by piece, has begun an event that is
+    not one of its :data:`RESPONSES_PREAMBLE` yet. vLLM writes ``response.created`` and
+    ``response.in_progress`` before the engine's first output (while the prompt queues and
+    prefills); every later event comes from an output (the first one with the first token),
+    so the first token is the piece where such an event begins, as vLLM's own benchmark
+    client times it. An event is known by its ``event:`` line; one without (``data:`` first)
+    is taken as an output. Only the last line's start is held across pieces."""
+
+    __slots__ = ("_line", "_named")
+
+    def __init__(self) -> None:
+        self._line = b""
+        self._named = False  # the current event is named (a preamble event)
+
+    def output_began(self, chunk: bytes) -> bool:
+        """Whether an event other than the preamble began by the end of ``chunk``."""
+        lines = (self._line + chunk).split(b"\n")
+        last = lines.pop()
+        self._line = last[:_LINE_HEAD]
+        for line in lines:
+            if self._is_output(line.rstrip(b"\r"), whole=True):
+                return True
+        return self._is_output(last, whole=False)
+
+    def _is_output(self, line: bytes, whole: bool) -> bool:
+        if line.startswith(b"event:"):
+            name = line[6:].lstrip(b" ")
+            if whole:
+                self._named = True
+                return name.rstrip(b" ") not in RESPONSES_PREAMBLE
+            # a name still arriving: an output as soon as no preamble name can follow
+            return not any(known.startswith(name[: len(known)]) for known in RESPONSES_PREAMBLE)
+        if line.startswith(b"data:"):
+            return not self._named
+        if whole and not line:
+            self._named = False  # the event's end
+        return False
 
 
 # the Responses API's last events (vLLM 0.34 responses/serving.py: the stream ends with one

@@ -15,7 +15,9 @@ body, the client's raw header pairs and a :class:`Sink` that writes the answer t
 * Streams (``text/event-stream``) are relayed piece by piece as they arrive. A client that
   disconnects cancels the handler or fails a write; either way the upstream connection is
   closed, which aborts the request on the replica.
-* Feedback: first body data -> ``LoadTracker.first_token``; end -> ``complete``; the
+* Feedback: first body data (a stream's first event that is a token: not a keep-alive
+  comment, nor a Responses stream's ``response.created`` / ``in_progress``) ->
+  ``LoadTracker.first_token``; end -> ``complete``; the
   replica's cached prompt tokens (non-streaming body, or the last usage of a stream:
   router.service.answers ``usage_tokens`` reads OpenAI's ``usage``, the Anthropic one of
   ``/v1/messages`` and the Responses API's, in a JSON answer or a stream's final
@@ -39,6 +41,7 @@ from router.service.answers import (
     MAX_FINAL_EVENT,
     OPENAI_CLOSERS,
     RESPONSES_CLOSERS,
+    ResponsesPreamble,
     closers_of,
     closes_stream,
     responses_final_at,
@@ -467,11 +470,17 @@ class Forwarder:
             end = b""  # the stream's last bytes (a read may cut its closing event)
             last = first_at = 0.0
             first = True
+            # a Responses stream's response.created / in_progress come before the engine's
+            # first output: no token either
+            preamble = ResponsesPreamble() if responses and status == 200 else None
             while (chunk := await upstream.read()) is not None:
                 now = loop.time()
                 if chunk[:1] == b":" and sse_comments_only(chunk):
                     pass  # keep-alive comments (vLLM --sse-keep-alive-interval): no token
+                elif preamble is not None and not preamble.output_began(chunk):
+                    pass
                 elif first:
+                    preamble = None
                     state.load.first_token(rid)
                     mm.ttft.observe(now - started)
                     first_at = last = now
