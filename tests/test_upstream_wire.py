@@ -116,15 +116,16 @@ USAGE = (
 )
 
 
-async def _answered(url: str, session: aiohttp.ClientSession) -> str:
-    """The router's metrics page once it booked one answer ``ok`` (its usage read)."""
+async def _answered(url: str, session: aiohttp.ClientSession, outcome: str = "ok") -> str:
+    """The router's metrics page once it booked one answer with ``outcome`` (its usage
+    read)."""
     page = ""
 
     async def booked() -> bool:
         nonlocal page
         async with session.get(url + "/metrics") as r:
             page = await r.text()
-        return metric_sample(page, "kvrouter_requests_total", outcome="ok") == 1.0
+        return metric_sample(page, "kvrouter_requests_total", outcome=outcome) == 1.0
 
     await eventually(booked)
     return page
@@ -224,3 +225,44 @@ async def test_a_101_answer_is_a_broken_attempt_not_a_fatal_protocol_error(
         assert not [rec for rec in caplog.records if rec.name == "asyncio"], caplog.text
     finally:
         await replica.stop()
+
+
+async def test_a_stream_that_ends_with_the_engines_error_event_is_no_good_answer() -> None:
+    """vLLM ends a stream that failed mid-way with its error event (``data: {"error":
+    {...}}``, then ``[DONE]``): the client has an error, not an answer. It was booked
+    ``ok`` and judged against the SLO like a whole answer; it is ``upstream_error`` and
+    stays out of the SLO metric."""
+    error = json.dumps(
+        {"error": {"message": "engine died", "type": "InternalServerError", "param": None,
+                   "code": 500}}, separators=(",", ":"),
+    ).encode()  # fmt: skip
+    replica = await Scripted(
+        [SSE_HEAD + _chunk(_token(0) + b"data: " + error + b"\n\ndata: [DONE]\n\n") + b"0\r\n\r\n"]
+    ).start()
+    try:
+        async for url, session in _router(replica.url):
+            body = _chat(True, stream_options={"include_usage": True})
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+            page = await _answered(url, session, "upstream_error")
+            assert metric_sample(page, "kvrouter_requests_total", outcome="ok") is None
+            assert metric_sample(page, "kvrouter_slo_requests_total", model=MODEL) is None
+    finally:
+        await replica.stop()
+
+
+def test_each_apis_error_event_is_told_from_an_answer() -> None:
+    """The error events of the three streaming APIs, wherever the tail begins; an answer
+    whose text speaks of errors is none (its newlines are escaped inside the JSON)."""
+    from router.service.answers import stream_error
+
+    vllm = b'data: {"error":{"message":"x","type":"InternalServerError","code":500}}\n\n'
+    anthropic = b'event: error\ndata: {"type":"error","error":{"type":"api_error"}}\n\n'
+    failed = b'event: response.failed\ndata: {"type":"response.failed"}\n\n'
+    for event in (vllm, anthropic, failed):
+        assert stream_error(event)
+        assert stream_error(_token(1) + event + b"data: [DONE]\n\n")
+    text = json.dumps({"choices": [{"delta": {"content": '\ndata: {"error": 1}'}}]})
+    assert not stream_error(b"data: " + text.encode() + b"\n\ndata: [DONE]\n\n")
+    assert not stream_error(_token(2) + USAGE + b"data: [DONE]\n\n")

@@ -97,6 +97,20 @@ def closes_stream(chunk: bytes, closers: tuple[bytes, ...] = ALL_CLOSERS) -> boo
     return chunk[-CLOSER_SPAN:].rstrip().endswith(closers)
 
 
+# how a stream's error event begins, at the start of a line: vLLM's (``data: {"error": {...}}``,
+# ``ErrorResponse.model_dump_json``, then ``[DONE]``), the Messages API's and the Responses
+# API's ``event: error``, and a Responses ``response.failed``. A line cannot begin so inside
+# an event's JSON: a newline there is escaped.
+_ERROR_STARTS = (b'data: {"error":', b"event: error", b"event: response.failed")
+
+
+def stream_error(tail: bytes) -> bool:
+    """Whether a stream's tail (its last bytes, whole lines or not) holds the engine's error
+    event: the client got an error, not a whole answer, though the stream was closed as
+    usual."""
+    return any(tail.startswith(start) or b"\n" + start in tail for start in _ERROR_STARTS)
+
+
 def stream_end(end: bytes, chunk: bytes) -> bytes:
     """The last :data:`CLOSER_SPAN` bytes of a stream whose last bytes were ``end``, once
     ``chunk`` followed them (what :func:`closes_stream` reads, whatever cut the stream

@@ -47,6 +47,7 @@ from router.service.answers import (
     responses_final_at,
     sse_comments_only,
     stream_end,
+    stream_error,
     usage_of,
     usage_tokens,
 )
@@ -601,11 +602,15 @@ class Forwarder:
         Responses stream's final event carries the whole response)."""
         usage = usage_of(payload, sse) if b'"usage"' in payload else None
         self._feedback(routed, key, usage)
-        if sse and first_at and status < 400:
+        # a stream the engine ended with its error event is an error, not an answer
+        errored = sse and status < 400 and stream_error(payload)
+        if sse and first_at and status < 400 and not errored:
             self._slo(routed, started, first_at, usage)
         if self.state.recorder is not None and status < 400:
             self._record(routed, key, started, usage, first_at)
         outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
+        if errored:
+            outcome = "upstream_error"
         self.state.metrics.model(routed.request.model).outcome(key, outcome).inc()
 
     def _slo(
