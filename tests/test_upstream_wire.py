@@ -10,14 +10,12 @@ import contextlib
 import gzip
 import json
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 
-from router.service.config import build_settings
-from tests.backends import kimi_model_table, metric_sample, start_router
-from tests.test_proxy_integrity import _read_request, _unacknowledged
+from tests.backends import metric_sample
+from tests.test_proxy_integrity import _read_request, _router, _unacknowledged
 from tests.waiting import eventually
 
 MODEL = "kimi-test"
@@ -63,23 +61,6 @@ class Scripted:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-
-
-async def _router(replica_url: str) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
-    settings = build_settings(
-        {
-            "server": {"health_interval_s": 0},
-            "replicas": [{"url": replica_url, "model": MODEL, "name": "r0"}],
-            "models": {MODEL: kimi_model_table()},
-        }
-    )
-    running, url = await start_router(settings)
-    session = aiohttp.ClientSession()
-    try:
-        yield url, session
-    finally:
-        await session.close()
-        await running.cleanup()
 
 
 def _chat(stream: bool, **extra: Any) -> dict[str, Any]:
