@@ -374,3 +374,25 @@ async def test_a_large_max_tokens_is_capped_by_the_context_as_vllm_caps_it(
         model="m", prompt=_prompt(4, 150), max_tokens=100_000
     )
     assert answer.usage is not None and answer.usage.completion_tokens == 50
+
+
+async def test_a_responses_stream_opens_before_the_prompts_prefill(start_mock: Callable) -> None:
+    """vLLM writes ``response.created`` and ``response.in_progress`` as the stream starts,
+    while the prompt is still queued or prefilling, and the message item with the first
+    output token: the mock does the same, so a router's TTFT of a Responses stream (taken
+    at the first output event) is exercised against it."""
+    import aiohttp
+
+    mock = await start_mock()
+    body = {"model": "m", "input": "word " * 4000, "stream": True, "max_output_tokens": 2}
+    url = mock.url + "/v1/responses"
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+        assert resp.status == 200
+        opening = b""
+        while not opening.endswith(b"\n\n") or b"response.in_progress" not in opening:
+            opening += await resp.content.readany()
+        assert b"event: response.created" in opening
+        assert b"output_item.added" not in opening and b"output_text.delta" not in opening
+        rest = await resp.read()
+    assert b"event: response.output_item.added" in rest
+    assert b"event: response.incomplete" in rest  # (max_output_tokens reached, as vLLM)

@@ -202,7 +202,16 @@ class EventWriter:
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
-    def start(self, created: dict[str, Any]) -> bytes:
+    def opening(self, created: dict[str, Any]) -> bytes:
+        """``response.created`` and ``response.in_progress``: vLLM writes them when the
+        stream starts, before the engine's first output (the prompt still queued or
+        prefilling)."""
+        return self.event("response.created", response=created) + self.event(
+            "response.in_progress", response=created
+        )
+
+    def first_output(self) -> bytes:
+        """The message item and its text part, written with the first output token."""
         item = {
             "id": self.ids[1],
             "content": [],
@@ -211,17 +220,12 @@ class EventWriter:
             "type": "message",
         }
         part = {"annotations": [], "text": "", "type": "output_text", "logprobs": []}
-        return (
-            self.event("response.created", response=created)
-            + self.event("response.in_progress", response=created)
-            + self.event("response.output_item.added", item=item, output_index=0)
-            + self.event(
-                "response.content_part.added",
-                content_index=0,
-                item_id=self.ids[1],
-                output_index=0,
-                part=part,
-            )
+        return self.event("response.output_item.added", item=item, output_index=0) + self.event(
+            "response.content_part.added",
+            content_index=0,
+            item_id=self.ids[1],
+            output_index=0,
+            part=part,
         )
 
     def delta(self, text: str) -> bytes:

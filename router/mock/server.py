@@ -473,12 +473,27 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     first_at = finished_at = arrived
     queued_s = model_ttft_s = 0.0
     submitted = state.driver.now()  # model time: the engine gets the request at once
+    if responses and stream:  # vLLM opens the stream before the engine's first output
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        opened = resp.response(body, rids, model, None, "in_progress", None, req.max_output_tokens)
+        await response.write(writer.opening(opened))
     try:
         async for out in _outputs(state, req):
             name = type(out).__name__
             if name == "Rejected":
                 state.counters.rejected += 1
-                return fail(400, f"request cannot be served: {out.reason}")
+                reason = f"request cannot be served: {out.reason}"
+                if response is not None:  # an opened stream ends with its error event
+                    error = writer.event(
+                        "error", code="BadRequestError", message=reason, param=None
+                    )
+                    await response.write(error)
+                    await response.write_eof()
+                    return response
+                return fail(400, reason)
             if response is None and stream:
                 response = web.StreamResponse(
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -496,10 +511,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                     start = anthropic.start_events(answer_id, model, first)
                     await response.write(start + anthropic.text_event(_word(0)))
                 elif response is not None and responses:
-                    created_obj = resp.response(
-                        body, rids, model, None, "in_progress", None, req.max_output_tokens
-                    )
-                    await response.write(writer.start(created_obj) + writer.delta(_word(0)))
+                    await response.write(writer.first_output() + writer.delta(_word(0)))
                     words.append(_word(0))
                 elif response is not None:
                     await response.write(chunk([_word(0)], None, first=True))
