@@ -26,6 +26,7 @@ from router.service.pod_exchange import (
     decode,
     encode,
 )
+from router.service.workers import Workers
 from router.store.redis_store import connect
 from router.tasks import stop
 from tests.waiting import eventually
@@ -304,3 +305,43 @@ async def test_redis_refusing_writes_reads_as_down(private_redis: LocalRedis) ->
         finally:
             await admin.config_set("maxmemory", "0")
             await admin.aclose()
+
+
+async def test_a_namesake_with_this_pods_pids_is_reported(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    """Two pods configured with one ``pod_name`` whose processes have the same pids (the
+    same image in two containers: pid 1, or the same worker pids) send as the same member:
+    the clash is still counted on both, and neither takes the other's entries for its own."""
+    async with pods(redis_server.url, key_prefix, "stream", ("p1", "p1")) as (one, two):
+        assert one.exchange.member == two.exchange.member  # one test process: one pid
+        await eventually(
+            lambda: (
+                one.exchange.counters.name_clashes == 1 and two.exchange.counters.name_clashes == 1
+            )
+        )
+
+
+def test_a_namesake_with_a_sibling_workers_pid_is_told_from_the_sibling(tmp_path) -> None:
+    """With several workers, a member of this pod's name is a sibling only if it is of this
+    pod's group of workers: another pod's worker that happens to have a sibling's pid (its
+    container numbers its processes alike) is a namesake."""
+    sibling = 424242
+    (tmp_path / "workers").write_text(f"{os.getpid()}\n{sibling}\n")
+    group = Workers(str(tmp_path), 2)
+    other_group = Workers(str(tmp_path / "elsewhere"), 2)
+    load = LoadTracker()
+    settings = ExchangeSettings("stream", "k", "p1", 0.005, STALE_S)
+    me = PodExchange(settings, None, load, PeerSum(load), lambda: 0.0, workers=group)
+    same = PodExchange(settings, None, LoadTracker(), PeerSum(load), lambda: 0.0, workers=group)
+    other = PodExchange(
+        settings, None, LoadTracker(), PeerSum(load), lambda: 0.0, workers=other_group
+    )
+    for ex in (same, other):  # both as pid ``sibling``
+        ex.member = f"p1/{sibling}"
+    for _ in range(3):
+        me._take(same._snapshot(0.0), 0.0)
+    assert me.counters.name_clashes == 0
+    for _ in range(3):
+        me._take(other._snapshot(0.0), 0.0)
+    assert me.counters.name_clashes == 1

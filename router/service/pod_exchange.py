@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -85,14 +86,25 @@ class Snapshot:
     # the message's shared fields (router/service/pod_share.py FIELDS: rows, their ids,
     # withdrawals), unchecked; None: none
     shared: dict[str, object] | None = None
+    # the sender's pod instance (``n``: shared by the worker processes of one pod, new at
+    # every start); None: a sender that does not say (an earlier version)
+    instance: str | None = None
 
 
 def encode(
-    member: str, pod: str, seq: int, load: LoadTracker, shared: Mapping[str, Any] | None = None
+    member: str,
+    pod: str,
+    seq: int,
+    load: LoadTracker,
+    shared: Mapping[str, Any] | None = None,
+    instance: str | None = None,
 ) -> bytes:
-    """A snapshot: ``shared`` is ``Outbox.take``'s fields (router/service/pod_share.py)."""
+    """A snapshot: ``shared`` is ``Outbox.take``'s fields (router/service/pod_share.py),
+    ``instance`` the sender's pod instance (:func:`pod_instance`)."""
     body: dict[str, Any] = own_load(load)
     body.update(m=member, p=pod, s=seq)
+    if instance is not None:
+        body["n"] = instance
     if shared:
         body.update(shared)
     return json.dumps(body, separators=(",", ":")).encode()
@@ -107,7 +119,20 @@ def decode(data: bytes) -> Snapshot:
     if not isinstance(member, str) or not isinstance(pod, str) or type(seq) is not int:
         raise ValueError("snapshot without m / p / s")
     shared = {k: doc[k] for k in FIELDS if k in doc}
-    return Snapshot(member, pod, seq, parse_load(data), shared or None)
+    instance = doc.get("n")
+    if instance is not None and not isinstance(instance, str):
+        raise ValueError("snapshot with a non-string n")
+    return Snapshot(member, pod, seq, parse_load(data), shared or None, instance)
+
+
+def pod_instance(workers: Workers | None) -> str:
+    """This pod's instance: the same for all its worker processes (derived from their
+    private control directory, random per start), random per process without workers. A
+    member's name (``<pod>/<pid>``) alone does not tell a namesake pod apart: two containers
+    of one image number their processes alike."""
+    if workers is None:
+        return os.urandom(8).hex()
+    return hashlib.blake2b(workers.directory.encode(), digest_size=8).hexdigest()
 
 
 @dataclass(slots=True)
@@ -233,6 +258,7 @@ class PodExchange:
         pod's worker processes (the other members of its name that are its own)."""
         self.settings = settings
         self.workers = workers
+        self.instance = pod_instance(workers)
         self._siblings = {settings.member}  # members of this pod's name that are this pod
         self._foreign: dict[str, int] = {}  # other members of this name -> first seq seen
         self._clashed: set[str] = set()
@@ -266,7 +292,7 @@ class PodExchange:
         self._sent_changes = self.load.own_changes
         self._sent_at = now
         shared = self.share.outbox.take(now) if self.share is not None else None
-        data = encode(self.member, self.settings.pod, self._seq, self.load, shared)
+        data = encode(self.member, self.settings.pod, self._seq, self.load, shared, self.instance)
         self.counters.sent += 1
         self.counters.bytes_sent += len(data)
         return data
@@ -303,7 +329,7 @@ class PodExchange:
             for entry_id, fields in entries:
                 self._last_id = entry_id
                 age_s = max(newest - _id_ms(entry_id), 0) / 1000
-                if self._take(fields.get(b"s", b""), now, age_s) == self.member:
+                if self._take(fields.get(b"s", b""), now, age_s):
                     self._heard_self_at = now
         if now - self._heard_self_at > self.settings.stale_s and self._last_id != b"$":
             # this member's own heartbeats (every stale/4) no longer come back: the stream's
@@ -344,38 +370,45 @@ class PodExchange:
         if gone:
             await self.client.hdel(key, *gone)
 
-    def _take(self, data: bytes, now: float, age_s: float = 0.0) -> str | None:
-        """Take one message read at ``now``, known to be at least ``age_s`` old; its member
-        (None: rejected)."""
+    def _take(self, data: bytes, now: float, age_s: float = 0.0) -> bool:
+        """Take one message read at ``now``, known to be at least ``age_s`` old; whether it
+        was this member's own (not a namesake's that has its name)."""
         self.counters.received += 1
         self.counters.bytes_received += len(data)
         if len(data) > MAX_MESSAGE_BYTES:
             self.counters.rejected += 1
-            return None
+            return False
         try:
             snap = decode(data)
         except (ValueError, TypeError, RecursionError) as exc:
             self.counters.rejected += 1
             _log.debug("bad load snapshot in Redis: %s", exc)
-            return None
-        if snap.pod == self.settings.pod and snap.member not in self._siblings:
+            return False
+        mine = snap.instance == self.instance
+        # this pod's name but not this pod: by its instance, else (an earlier version) its pid
+        known = snap.instance is None and snap.member in self._siblings
+        if snap.pod == self.settings.pod and not mine and not known:
             self._same_name(snap)
         # a snapshot read late (a reader catching up on a backlog) moved when it was sent:
         # a member that died meanwhile must not count again for a whole bound
         self.views.take(snap, now - age_s)
-        if self.share is not None and snap.shared is not None:
+        own = snap.member == self.member and (mine or snap.instance is None)
+        if self.share is not None and snap.shared is not None and not own:
             self._apply_shared(self.share, snap, now, age_s)
-        return snap.member
+        return own
 
     def _same_name(self, snap: Snapshot) -> None:
         """A member of this pod's name that is none of this pod's processes is another pod
         configured with the same ``pod_name``: the two ignore each other's load. Counted and
         logged once it shows it is alive (its seq moves; a dead namesake's leftover entry
-        does not)."""
+        does not). A sender that names its pod instance is this pod's only with this pod's
+        instance, whatever its pid; one that does not (an earlier version) by its pid."""
         member = snap.member
+        if snap.instance is not None:  # a namesake may have this pod's very pids
+            member = f"{member}#{snap.instance}"
         if member in self._clashed:
             return
-        if self.workers is not None and member not in self._foreign:
+        if snap.instance is None and self.workers is not None and member not in self._foreign:
             pids, _ = self.workers.peers()
             self._siblings.update(f"{self.settings.pod}/{pid}" for pid in pids)
             if member in self._siblings:
@@ -397,8 +430,6 @@ class PodExchange:
     def _apply_shared(self, share: PodShare, snap: Snapshot, now: float, age_s: float) -> None:
         """Another member's rows, each message's once (a hash re-read shows the same seq
         again; this member's own stream entries come back to it too)."""
-        if snap.member == self.member:
-            return
         seen = self._applied.get(snap.member)
         if seen == snap.seq:
             return
@@ -422,7 +453,8 @@ class PodExchange:
         the other pods."""
         self._seq += 1
         doc: dict[str, Any] = {
-            "load": [], "m": self.member, "p": self.settings.pod, "s": self._seq
+            "load": [], "m": self.member, "p": self.settings.pod, "s": self._seq,
+            "n": self.instance,
         }  # fmt: skip
         if self.share is not None and self.settings.mode == "stream":
             doc.update(self.share.outbox.take(self.clock()) or {})
