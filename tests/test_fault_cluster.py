@@ -3,6 +3,8 @@ are restarted: the session's ``redis_cluster`` is shared by other tests)."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -11,7 +13,7 @@ import redis
 from router.bench.redis_server import LocalRedis, LocalRedisCluster
 from router.core.index import PrefixIndex
 from router.core.types import BlocksStored, ReplicaKey
-from router.store.base import ReplicaInfo
+from router.store.base import LoadSample, ReplicaInfo
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
 from router.store.sync import IndexSync, NullListener
@@ -111,6 +113,65 @@ async def test_a_node_restarted_empty_does_not_purge_its_live_replicas(
 
             await eventually(republished)
             assert downs == []
+    finally:
+        await store.close()
+        await router_store.close()
+
+
+async def test_a_stream_that_went_back_is_followed_again(
+    cluster: LocalRedisCluster, schema: KeySchema
+) -> None:
+    """A change-stream shard's node is replaced by one whose entry ids are below the router's
+    cursor (restarted empty, or failed over, on a host whose clock is behind the old one's:
+    the old node wrote an id ahead of the new clock). Reading on from the cursor would wait
+    for ever for ids above it; the audit sees the stream's newest id below the cursor and
+    re-bootstraps, so the replica's later entries (a load sample, which no audit re-reads)
+    reach the router again."""
+    token_node = _node_of(cluster, schema.instance)
+
+    def fits(n: str) -> bool:
+        stream_node = _node_of(cluster, schema.stream(schema.shard_of(n)))
+        return stream_node is not token_node and stream_node is not _node_of(
+            cluster, schema.lease(n)
+        )
+
+    name = next(n for n in (f"s{i}" for i in range(200)) if fits(n))
+    stream = schema.stream(schema.shard_of(name))
+    store = RedisStore.from_url(cluster.url, schema)
+    router_store = RedisStore.from_url(cluster.url, schema)
+    loads: list[int] = []
+
+    class Loads(NullListener):
+        def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None:
+            loads.append(sample.running)
+
+    try:
+        info = ReplicaInfo(name, model="m")
+        await store.register(info, owner="p", lease_ttl_s=30)
+        index = PrefixIndex()
+        sync = IndexSync(router_store, index, listener=Loads(), **FAST)
+        async with sync:
+            await eventually(lambda: ReplicaKey(name) in index)
+            await store.publish_load(
+                ReplicaKey(name), LoadSample(1, 0, 0.0, time.time()), owner="p"
+            )
+            await eventually(lambda: 1 in loads)
+            # the old node's clock an hour ahead: an entry the router reads (malformed)
+            future = f"{int(time.time() * 1000) + 3_600_000}-0"
+            await store.redis.xadd(stream, {"t": "?"}, id=future)
+            await eventually(lambda: sync.stats.malformed >= 1)
+            _node_of(cluster, stream).restart()  # its clock is right: ids now below the cursor
+            await eventually(lambda: _cluster_ok(cluster), 15)
+
+            async def sample_seen() -> bool:
+                with contextlib.suppress(redis.RedisError, OSError):
+                    await store.publish_load(
+                        ReplicaKey(name), LoadSample(2, 0, 0.0, time.time()), owner="p"
+                    )
+                return 2 in loads
+
+            await eventually(sample_seen, 10)
+            assert ReplicaKey(name) in index
     finally:
         await store.close()
         await router_store.close()

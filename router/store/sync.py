@@ -123,6 +123,7 @@ class SyncStats:
     kept_on_data_loss: int = 0  # replicas kept through a store's data loss (grace)
     downs_ignored: int = 0  # ReplicaDown entries of a replica whose lease lives: ignored
     orphans_reaped: int = 0  # replicas whose state outlived them, deleted by the sweep
+    streams_reset: int = 0  # change streams found behind the cursor (lost): re-bootstrapped
 
 
 class IndexSync:
@@ -185,6 +186,7 @@ class IndexSync:
         # each key's stored seq at the last audit (see ``_check_seqs``)
         self._audited_seqs: dict[ReplicaKey, int | None] = {}
         self._token: str | None = None
+        self._streams_lost = False  # a change stream went back: bootstrap as after data loss
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._next_audit = 0.0
@@ -288,7 +290,7 @@ class IndexSync:
         loss that fails midway is retried as one after a data loss (its replicas keep their
         grace)."""
         token = await self.store.instance_token()
-        lost = self._token is not None and self._token != token
+        lost = self._token is not None and (self._token != token or self._streams_lost)
         self._cursor = await self.store.cursor()
         self._backlog.clear()  # read before the new cursor: the snapshots below hold it
         self._owed.clear()
@@ -309,6 +311,7 @@ class IndexSync:
             await self._resync(keys[i : i + self.bootstrap_chunk])
             await asyncio.sleep(0)  # let the owner's other tasks run between chunks
         self._token = token
+        self._streams_lost = False
         self.stats.bootstraps += 1
         self._next_audit = time.monotonic() + self.audit_interval_s
 
@@ -317,6 +320,16 @@ class IndexSync:
         self._next_audit = time.monotonic() + self.audit_interval_s
         if await self.store.instance_token() != self._token:
             log.warning("index sync: store instance changed (data lost?); re-bootstrapping")
+            return True
+        if behind := await self.store.streams_behind(self._cursor):
+            # its node lost it (the instance token lives on another): read on from the
+            # cursor, the stream would show nothing until its new ids passed it
+            log.warning(
+                "index sync: change stream(s) %s went back (data lost?); re-bootstrapping",
+                ", ".join(behind),
+            )
+            self.stats.streams_reset += 1
+            self._streams_lost = True
             return True
         alive = await self.store.leases(list(self.infos))
         registered = await self.store.list_replicas()
