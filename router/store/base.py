@@ -361,6 +361,13 @@ class IndexStore(Protocol):
 
     async def cursor(self) -> object: ...
 
+    async def streams_behind(self, cursor: object) -> list[str]:
+        """The change streams whose newest entry is older than ``cursor``'s position in them:
+        the stream was lost and began again below it (a Redis Cluster node restarted empty,
+        or failed over, on a host whose clock is behind the old one's). Read on from
+        ``cursor``, such a stream would show nothing until its ids pass it."""
+        ...
+
     async def list_replicas(self) -> list[ReplicaInfo]: ...
 
     async def read_replicas(self, keys: Sequence[ReplicaKey]) -> list[ReplicaSnapshot | None]: ...

@@ -174,6 +174,9 @@ class MemoryStore:
     async def cursor(self) -> object:
         return self._appended
 
+    async def streams_behind(self, cursor: object) -> list[str]:
+        return []  # one list that never loses entries
+
     async def list_replicas(self) -> list[ReplicaInfo]:
         return list(self._infos.values())
 

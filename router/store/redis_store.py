@@ -157,6 +157,13 @@ async def _all(coros: Iterable[Coroutine[Any, Any, _T]]) -> list[_T]:
     return results  # type: ignore[return-value]
 
 
+def _stream_id(raw: bytes | str) -> tuple[int, int]:
+    """A stream entry id ``<ms>-<n>`` as a comparable pair."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    ms, _, n = text.partition("-")
+    return int(ms), int(n or 0)
+
+
 def _replica_of(change: Change) -> str:
     if isinstance(change, ReplicaUp):
         return change.info.replica
@@ -507,6 +514,10 @@ class RedisStore:
         return bytes(raw).decode() if raw else ""
 
     async def cursor(self) -> object:
+        return await self._tails()
+
+    async def _tails(self) -> dict[str, bytes]:
+        """Every stream's newest entry id (``0-0`` when empty or missing)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for stream in self.schema.streams():
                 pipe.xrevrange(stream, count=1)
@@ -515,6 +526,15 @@ class RedisStore:
             stream: (tail[0][0] if tail else b"0-0")
             for stream, tail in zip(self.schema.streams(), tails, strict=True)
         }
+
+    async def streams_behind(self, cursor: object) -> list[str]:
+        tails = await self._tails()
+        ids: dict[str, Any] = dict(cursor)  # type: ignore[call-overload]
+        return [
+            stream
+            for stream, last in ids.items()
+            if _stream_id(tails.get(stream, b"0-0")) < _stream_id(last)
+        ]
 
     async def list_replicas(self) -> list[ReplicaInfo]:
         members: Any = await self.redis.smembers(self.schema.registry)

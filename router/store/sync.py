@@ -21,7 +21,9 @@ change stream from the cursor, in one task that owns all index mutations:
   and missing from the new store stays (index content, listener not told) for up to
   ``lost_store_grace_s`` (the publishers' default lease TTL) while its publisher notices at
   its next heartbeat and registers again; purged only if it has not by then. So does one
-  whose lease lapsed while the store was unreachable (its publisher could not renew it).
+  whose lease lapsed while the store was unreachable (its publisher could not renew it), and
+  one whose lease and registration vanished together with no ReplicaDown (a cluster node
+  that restarted empty: the instance token is on another node).
 
 Store errors (Redis down, restarting) are logged and retried with backoff; the index keeps
 serving its last known content meanwhile. ``clock`` is the router's monotonic clock, used to
@@ -121,6 +123,7 @@ class SyncStats:
     kept_on_data_loss: int = 0  # replicas kept through a store's data loss (grace)
     downs_ignored: int = 0  # ReplicaDown entries of a replica whose lease lives: ignored
     orphans_reaped: int = 0  # replicas whose state outlived them, deleted by the sweep
+    streams_reset: int = 0  # change streams found behind the cursor (lost): re-bootstrapped
 
 
 class IndexSync:
@@ -183,6 +186,7 @@ class IndexSync:
         # each key's stored seq at the last audit (see ``_check_seqs``)
         self._audited_seqs: dict[ReplicaKey, int | None] = {}
         self._token: str | None = None
+        self._streams_lost = False  # a change stream went back: bootstrap as after data loss
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._next_audit = 0.0
@@ -286,7 +290,7 @@ class IndexSync:
         loss that fails midway is retried as one after a data loss (its replicas keep their
         grace)."""
         token = await self.store.instance_token()
-        lost = self._token is not None and self._token != token
+        lost = self._token is not None and (self._token != token or self._streams_lost)
         self._cursor = await self.store.cursor()
         self._backlog.clear()  # read before the new cursor: the snapshots below hold it
         self._owed.clear()
@@ -307,6 +311,7 @@ class IndexSync:
             await self._resync(keys[i : i + self.bootstrap_chunk])
             await asyncio.sleep(0)  # let the owner's other tasks run between chunks
         self._token = token
+        self._streams_lost = False
         self.stats.bootstraps += 1
         self._next_audit = time.monotonic() + self.audit_interval_s
 
@@ -316,20 +321,43 @@ class IndexSync:
         if await self.store.instance_token() != self._token:
             log.warning("index sync: store instance changed (data lost?); re-bootstrapping")
             return True
+        if behind := await self.store.streams_behind(self._cursor):
+            # its node lost it (the instance token lives on another): read on from the
+            # cursor, the stream would show nothing until its new ids passed it
+            log.warning(
+                "index sync: change stream(s) %s went back (data lost?); re-bootstrapping",
+                ", ".join(behind),
+            )
+            self.stats.streams_reset += 1
+            self._streams_lost = True
+            return True
         alive = await self.store.leases(list(self.infos))
+        registered = await self.store.list_replicas()
+        stored = {info.replica for info in registered}
+        purged: set[str] = set()
         now = time.monotonic()
         for name, ok in alive.items():
             if ok:
                 self._grace.pop(name, None)
                 continue
+            if name not in self._grace and name not in stored:
+                # lease and registration gone together, and no ReplicaDown read: the store
+                # lost the replica's keys (a cluster node restarted empty or failed over to
+                # a replica that lacked them; the instance token lives on another node), or
+                # a deregistration whose Down is on its way. Its publisher registers again
+                # at its next heartbeat: the grace of a data loss, as for a new token.
+                log.warning("index sync: %s vanished from the store (data lost?); keeping it", name)
+                self._grace[name] = now + self.lost_store_grace_s
+                self.stats.kept_on_data_loss += 1
             if self._grace.get(name, now) > now or now < self._outage_grace_until:
                 continue  # the store lost it, or was away; its publisher has until then to
                 # register again
             log.info("index sync: lease of %s expired; purging it", name)
             self._purge(name)
+            purged.add(name)
             if self.reap_expired:
                 await self.store.reap(name)
-        registered = await self.store.list_replicas()
+        registered = [i for i in registered if i.replica not in purged]  # reaped just now
         for info in registered:
             known = self.infos.get(info.replica)
             if known is not None and known != info:  # its ReplicaUp was trimmed past us

@@ -1,0 +1,177 @@
+"""Faults of one node of a Redis Cluster, on a private 3-node cluster of this module (nodes
+are restarted: the session's ``redis_cluster`` is shared by other tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+import redis
+
+from router.bench.redis_server import LocalRedis, LocalRedisCluster
+from router.core.index import PrefixIndex
+from router.core.types import BlocksStored, ReplicaKey
+from router.store.base import LoadSample, ReplicaInfo
+from router.store.redis_store import RedisStore
+from router.store.schema import KeySchema
+from router.store.sync import IndexSync, NullListener
+from router.store.writer import StoreWriter
+from tests.waiting import eventually
+
+FAST = {"audit_interval_s": 0.1, "block_s": 0.05}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    c = LocalRedisCluster(tmp_path_factory.mktemp("fault-cluster"))
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def schema(key_prefix: str) -> KeySchema:
+    return KeySchema(key_prefix, stream_shards=4)
+
+
+def _node_of(cluster: LocalRedisCluster, key: str) -> LocalRedis:
+    """The node that serves ``key``'s slot (the others answer MOVED)."""
+    for server in cluster.servers:
+        with redis.Redis(port=server.port) as r:
+            try:
+                r.exists(key)
+            except redis.ResponseError:
+                continue
+            return server
+    raise AssertionError(f"no node serves {key}")
+
+
+def _cluster_ok(cluster: LocalRedisCluster) -> bool:
+    for server in cluster.servers:
+        try:
+            with redis.Redis(port=server.port) as r:
+                if b"cluster_state:ok" not in r.execute_command("CLUSTER", "INFO"):
+                    return False
+        except redis.RedisError:
+            return False
+    return True
+
+
+async def test_a_node_restarted_empty_does_not_purge_its_live_replicas(
+    cluster: LocalRedisCluster, schema: KeySchema
+) -> None:
+    """The node holding a replica's keys restarts empty (the instance token lives on another
+    node, so no router sees a new token): the replica's lease and registration are gone
+    with it, its publisher registers again at its next heartbeat. Routers keep it (index
+    content and routing) for the data-loss grace instead of purging a live replica at once,
+    and count it; then converge to what the publisher republished."""
+    store = RedisStore.from_url(cluster.url, schema)
+    router_store = RedisStore.from_url(cluster.url, schema)
+    downs: list[str] = []
+
+    class Downs(NullListener):
+        def replica_down(self, replica: str, keys: Sequence[ReplicaKey]) -> None:
+            downs.append(replica)
+
+    try:
+        # a replica whose keys are on another node than the instance token
+        token_node = _node_of(cluster, schema.instance)
+        name = next(
+            n
+            for n in (f"r{i}" for i in range(100))
+            if _node_of(cluster, schema.lease(n)) is not token_node
+        )
+        node = _node_of(cluster, schema.lease(name))
+        info = ReplicaInfo(name, model="m")
+        await store.register(info, owner="p", lease_ttl_s=30)
+        writer = StoreWriter(store, info.replica_keys(), owner="p")
+        writer.add(ReplicaKey(name), [BlocksStored((1, 2))])
+        await writer.flush()
+        index = PrefixIndex()
+        sync = IndexSync(router_store, index, listener=Downs(), lost_store_grace_s=1.0, **FAST)
+        async with sync:
+            await eventually(lambda: ReplicaKey(name) in index)
+            node.restart()  # same port, same cluster config, no data
+            await eventually(lambda: _cluster_ok(cluster), 15)
+            # the router notices the loss (after its own outage grace, if it saw errors)
+            await eventually(lambda: sync.stats.kept_on_data_loss >= 1 or downs, 10)
+            assert downs == []
+            assert index.match([1, 2]).get(ReplicaKey(name)).kv_blocks == 2
+            # the publisher's next heartbeat finds its lease gone: register, republish
+            assert not await store.heartbeat(name, "p", 30)
+            await store.register(info, owner="p", lease_ttl_s=30, take_over=False)
+            writer.add(ReplicaKey(name), [BlocksStored((3,))])
+            await writer.reset()
+
+            def republished() -> bool:
+                got = index.match([1, 2, 3]).get(ReplicaKey(name))
+                return got is not None and got.kv_blocks == 3
+
+            await eventually(republished)
+            assert downs == []
+    finally:
+        await store.close()
+        await router_store.close()
+
+
+async def test_a_stream_that_went_back_is_followed_again(
+    cluster: LocalRedisCluster, schema: KeySchema
+) -> None:
+    """A change-stream shard's node is replaced by one whose entry ids are below the router's
+    cursor (restarted empty, or failed over, on a host whose clock is behind the old one's:
+    the old node wrote an id ahead of the new clock). Reading on from the cursor would wait
+    for ever for ids above it; the audit sees the stream's newest id below the cursor and
+    re-bootstraps, so the replica's later entries (a load sample, which no audit re-reads)
+    reach the router again."""
+    token_node = _node_of(cluster, schema.instance)
+
+    def fits(n: str) -> bool:
+        stream_node = _node_of(cluster, schema.stream(schema.shard_of(n)))
+        return stream_node is not token_node and stream_node is not _node_of(
+            cluster, schema.lease(n)
+        )
+
+    name = next(n for n in (f"s{i}" for i in range(200)) if fits(n))
+    stream = schema.stream(schema.shard_of(name))
+    store = RedisStore.from_url(cluster.url, schema)
+    router_store = RedisStore.from_url(cluster.url, schema)
+    loads: list[int] = []
+
+    class Loads(NullListener):
+        def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None:
+            loads.append(sample.running)
+
+    try:
+        info = ReplicaInfo(name, model="m")
+        await store.register(info, owner="p", lease_ttl_s=30)
+        index = PrefixIndex()
+        sync = IndexSync(router_store, index, listener=Loads(), **FAST)
+        async with sync:
+            await eventually(lambda: ReplicaKey(name) in index)
+            await store.publish_load(
+                ReplicaKey(name), LoadSample(1, 0, 0.0, time.time()), owner="p"
+            )
+            await eventually(lambda: 1 in loads)
+            # the old node's clock an hour ahead: an entry the router reads (malformed)
+            future = f"{int(time.time() * 1000) + 3_600_000}-0"
+            await store.redis.xadd(stream, {"t": "?"}, id=future)
+            await eventually(lambda: sync.stats.malformed >= 1)
+            _node_of(cluster, stream).restart()  # its clock is right: ids now below the cursor
+            await eventually(lambda: _cluster_ok(cluster), 15)
+
+            async def sample_seen() -> bool:
+                with contextlib.suppress(redis.RedisError, OSError):
+                    await store.publish_load(
+                        ReplicaKey(name), LoadSample(2, 0, 0.0, time.time()), owner="p"
+                    )
+                return 2 in loads
+
+            await eventually(sample_seen, 10)
+            assert ReplicaKey(name) in index
+    finally:
+        await store.close()
+        await router_store.close()
