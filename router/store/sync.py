@@ -241,10 +241,7 @@ class IndexSync:
                     need_bootstrap = False
                     self.ready.set()
                 if self._owed:
-                    known = sorted(k for k in self._owed if self._registered(k))
-                    self._owed.clear()
-                    if known:
-                        await self._resync(known)
+                    await self._settle_owed()
                 backlog = self._backlog
                 read = await self.store.read_changes(self._cursor, self.block_s, self.read_count)
                 if self._failed:
@@ -531,6 +528,29 @@ class IndexSync:
     def _forget_lag(self, key: ReplicaKey) -> None:
         if self.event_lag is not None:
             self.event_lag.pop(str(key), None)
+
+    async def _settle_owed(self) -> None:
+        """Resync the registered replicas owed one. A read that fails leaves them owed (tried
+        again next turn) without stopping the follower: every other replica's changes are
+        read meanwhile (a snapshot on a Cluster slot mid-migration can fail for a while)."""
+        known = sorted(k for k in self._owed if self._registered(k))
+        self._owed.clear()
+        if not known:
+            return
+        try:
+            await self._resync(known)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._owed.update(known)
+            self.stats.errors += 1
+            log.warning(
+                "index sync: resync of %s failed (%s: %s); reading the other replicas' "
+                "changes, retried next turn",
+                ", ".join(map(str, known)),
+                type(exc).__name__,
+                exc,
+            )
 
     async def _resync(self, keys: Sequence[ReplicaKey]) -> None:
         self._owed.update(keys)
