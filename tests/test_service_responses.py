@@ -242,6 +242,25 @@ async def test_a_stored_response_keeps_its_conversation_on_its_replica(stream: b
             await runner.cleanup()
 
 
+async def _replica(
+    *routes: tuple[str, str, Any], cancellation: bool = False
+) -> tuple[web.AppRunner, str]:
+    """A replica on loopback answering ``routes`` (method, path, handler) and ``/health``;
+    its runner and base URL (``cancellation``: a client that leaves cancels its handler)."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, handler_cancellation=cancellation)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
 async def _capturing_replica() -> tuple[web.AppRunner, str, list[dict[str, Any]]]:
     """A replica answering ``/v1/responses`` with fixed bytes (JSON, or vLLM's events when
     the body streams), keeping what it received."""
@@ -259,16 +278,8 @@ async def _capturing_replica() -> tuple[web.AppRunner, str, list[dict[str, Any]]
         await resp.write_eof()
         return resp
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
-
-    app = web.Application()
-    app.router.add_post("/v1/responses", responses)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}", seen
+    runner, base = await _replica(("POST", "/v1/responses", responses))
+    return runner, base, seen
 
 
 _USAGE = (
@@ -397,16 +408,7 @@ async def test_a_streamed_retrieve_is_relayed_as_it_comes() -> None:
         await resp.write_eof()
         return resp
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
-
-    app = web.Application()
-    app.router.add_get("/v1/responses/{rid}", retrieve)
-    app.router.add_get("/health", health)
-    holder = web.AppRunner(app, handler_cancellation=True)
-    await holder.setup()
-    await web.TCPSite(holder, "127.0.0.1", 0).start()
-    base = f"http://127.0.0.1:{holder.addresses[0][1]}"
+    holder, base = await _replica(("GET", "/v1/responses/{rid}", retrieve), cancellation=True)
     replicas = [{"url": base, "model": MODEL, "name": "r0"}]
     router, url = await start_router(build_settings({"replicas": replicas}))
     try:
@@ -538,16 +540,7 @@ async def test_a_streams_first_token_is_its_first_output_event_not_response_crea
         await resp.write_eof()
         return resp
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
-
-    app = web.Application()
-    app.router.add_post("/v1/responses", responses)
-    app.router.add_get("/health", health)
-    replica = web.AppRunner(app, handler_cancellation=True)
-    await replica.setup()
-    await web.TCPSite(replica, "127.0.0.1", 0).start()
-    base = f"http://127.0.0.1:{replica.addresses[0][1]}"
+    replica, base = await _replica(("POST", "/v1/responses", responses), cancellation=True)
     settings = build_settings(
         {"replicas": [{"url": base, "model": MODEL, "name": "r0"}],
          "models": {MODEL: {"block_size": 16}}}
