@@ -441,6 +441,22 @@ async def test_a_retry_on_a_fallback_moves_the_decisions_load(rpc: Any) -> None:
     assert state.load.in_flight() == 0
 
 
+def _guessing_state() -> RouterState:
+    """Two replicas nothing listens at (``a``, ``b``), in 16-token blocks, whose Picks enter
+    what they guess the replica will cache for 60 s."""
+    return RouterState(
+        build_settings(
+            {
+                "replicas": [
+                    {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
+                    {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
+                ],
+                "models": {MODEL: kimi_model_table(block_size=16, speculative_ttl_s=60.0)},
+            }
+        )
+    )
+
+
 @pytest.mark.parametrize("phase", ["REFUSED", "FAILED", "REFUSED_AFTER_FIRST_TOKEN"])
 async def test_a_refused_report_withdraws_the_decisions_guess(phase: str) -> None:
     """A gateway whose replica refused the request (an error status, a refused connection)
@@ -449,16 +465,7 @@ async def test_a_refused_report_withdraws_the_decisions_guess(phase: str) -> Non
     replica may be prefilling it: no answer in time) keeps the guess until its TTL, and so
     does a REFUSED after a FIRST_TOKEN report (the replica computed the prompt: it holds
     it, whatever the gateway calls the end)."""
-    settings = build_settings(
-        {
-            "replicas": [
-                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
-                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
-            ],
-            "models": {MODEL: kimi_model_table(block_size=16, speculative_ttl_s=60.0)},
-        }
-    )
-    state = RouterState(settings)
+    state = _guessing_state()
     grpc_settings = GrpcSettings(port=0, token=TOKEN, admin_token=ADMIN, max_message_mb=4)
     gen = serve_grpc(state, grpc_settings, loop_clock)
     _server, port = await gen.__anext__()
@@ -502,16 +509,7 @@ async def test_a_pick_whose_caller_never_heard_back_withdraws_its_guess(
     for a hit it never holds."""
     import router.rpc.servicers as servicers
 
-    settings = build_settings(
-        {
-            "replicas": [
-                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
-                {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
-            ],
-            "models": {MODEL: kimi_model_table(block_size=16, speculative_ttl_s=60.0)},
-        }
-    )
-    state = RouterState(settings)
+    state = _guessing_state()
     routed: list[Any] = []
     if late == "while_routing":
         route = state.route
