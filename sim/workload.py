@@ -397,9 +397,9 @@ def read_bailian(
             parent_of[chat] = str(parent)
         ts = float(_number(row, "timestamp", where, 0.0))
         rows.append((ts, chat, row, where))
-        if limit is not None and len(rows) >= limit:
-            break
     rows.sort(key=lambda r: r[0])
+    if limit is not None:  # the first arrivals, not the first lines
+        rows = rows[:limit]
     t0 = rows[0][0] if rows else 0.0
     # a session is its chain's root, once every row is read (a file need not list a parent
     # first); a parent not in the trace (cut by ``limit``) is the root
