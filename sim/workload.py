@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 from typing import Any, cast
@@ -254,26 +254,40 @@ def sniff_format(path: Path) -> str:
     raise ConfigError(f"{path}: empty trace")
 
 
-def read_mooncake(
-    path: Path,
-    *,
-    block_size: int,
-    trace_block: int = 512,
-    model: str = "sim-model",
-    limit: int | None = None,
-) -> Workload:
-    """Mooncake JSONL, including the router's recorded rows (``session_id``, ``delay``)."""
-    hasher = BlockIdHasher(block_size, trace_block, model)
-    requests: list[SimRequest] = []
-    last_of_session: dict[str, tuple[str, float | None]] = {}  # (request, finish ms)
-    # Recorded ids are 53-bit keyed hashes (router/recorder.py): renamed densely in order of
-    # first appearance, so block contents (built from ids mod 2**32) stay distinct.
-    dense = DenseIds()
-    t0: float | None = None
+@dataclass(slots=True, frozen=True)
+class TraceRow:
+    """One request of a Mooncake / recorded trace before hashing, as both replays (the
+    simulator's and the live one, router/demo/replay.py) take it: its prompt as dense trace
+    block ids (module doc), its open-loop arrival from 0, and for a closed-loop turn the
+    index of the request it follows (in the list :func:`mooncake_rows` returns) and the
+    delay after that request's answer."""
+
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    block_ids: list[int]
+    session_id: str | None = None
+    after: int | None = None
+    delay_s: float = 0.0
+
+
+def mooncake_rows(
+    path: Path, *, trace_block: int = 512, limit: int | None = None
+) -> list[TraceRow]:
+    """The requests of a Mooncake JSONL trace, including the router's recorded rows
+    (``session_id``, ``delay``), in arrival order: a recording holds its rows in order of
+    completion. A closed-loop turn (a ``delay`` row of a session already seen) follows the
+    session's earlier request that finished last (``timestamp + e2e_ms``; where finishes are
+    unknown, the last row, as a worker's file is in order of completion) and sorts at its own
+    timestamp, never before that request (a synthetic trace's turns carry their session's
+    start). ``limit``: the first ``limit`` of that order (a kept turn's request is kept).
+    Timestamps are ms; arrivals start at the first one. Block ids are renamed densely in
+    arrival order."""
+    raw: list[tuple[float, int, int, list[int], str | None, int | None, float]] = []
+    last_of_session: dict[str, tuple[int, float | None]] = {}  # (row, finish ms)
     for lineno, row in _rows(path):
         where = f"{path}:{lineno}"
         ts = _int(row, "timestamp", where, 0) / 1000.0
-        t0 = ts if t0 is None else t0
         n_in = _int(row, "input_length", where)
         n_out = _int(row, "output_length", where, 1)
         ids = row.get("hash_ids", [])
@@ -281,8 +295,7 @@ def read_mooncake(
             raise ConfigError(f"{where}: 'hash_ids' must be a list of integers")
         if n_in <= 0:
             raise ConfigError(f"{where}: 'input_length' must be positive")
-        ids = dense.prompt(ids, n_in, trace_block)
-        rid = f"r{len(requests)}"
+        index = len(raw)
         session = row.get("session_id")
         session = None if session is None else str(session)
         after = None
@@ -298,40 +311,64 @@ def read_mooncake(
             held = last_of_session.get(session)
             # the session's answer that finished last (file order where finishes are unknown)
             if held is None or finish is None or held[1] is None or finish >= held[1]:
-                last_of_session[session] = (rid, finish)
-        requests.append(
-            SimRequest(
-                rid,
-                ts - t0,
+                last_of_session[session] = (index, finish)
+        raw.append((ts, n_in, max(n_out, 1), ids, session, after, delay))
+    # a turn sorts at its own arrival, never before its previous request (ties: file order,
+    # which puts that request first)
+    key: list[float] = []
+    for ts, _, _, _, _, after, _ in raw:
+        key.append(ts if after is None else max(ts, key[after]))
+    order = sorted(range(len(raw)), key=key.__getitem__)
+    if limit is not None:
+        order = order[:limit]
+    position = {k: i for i, k in enumerate(order)}
+    start = raw[order[0]][0] if order else 0.0
+    dense = DenseIds()
+    out: list[TraceRow] = []
+    for k in order:
+        ts, n_in, n_out, ids, session, after, delay = raw[k]
+        out.append(
+            TraceRow(
+                ts - start,
                 n_in,
-                max(n_out, 1),
-                hasher.hashes(ids, n_in),
+                n_out,
+                # Recorded ids are 53-bit keyed hashes (router/recorder.py): renamed densely,
+                # so block contents (built from ids mod 2**32) stay distinct.
+                dense.prompt(ids, n_in, trace_block),
                 session,
-                after,
+                None if after is None else position[after],
                 delay,
             )
         )
-        if limit is not None and len(requests) >= limit:
-            break
+    return out
+
+
+def read_mooncake(
+    path: Path,
+    *,
+    block_size: int,
+    trace_block: int = 512,
+    model: str = "sim-model",
+    limit: int | None = None,
+) -> Workload:
+    """Mooncake JSONL, including the router's recorded rows (:func:`mooncake_rows`)."""
+    hasher = BlockIdHasher(block_size, trace_block, model)
+    requests = [
+        SimRequest(
+            f"r{i}",
+            r.arrival_s,
+            r.prompt_tokens,
+            r.output_tokens,
+            hasher.hashes(r.block_ids, r.prompt_tokens),
+            r.session_id,
+            None if r.after is None else f"r{r.after}",
+            r.delay_s,
+        )
+        for i, r in enumerate(mooncake_rows(path, trace_block=trace_block, limit=limit))
+    ]
     meta = {"format": "mooncake", "path": str(path), "trace_block": trace_block}
     meta["hashed_tokens"] = hasher.hashed_tokens
-    return Workload(path.stem, _in_arrival_order(requests), block_size, model, meta)
-
-
-def _in_arrival_order(requests: list[SimRequest]) -> list[SimRequest]:
-    """``requests`` (in file order) by arrival, from 0: a recording holds its rows in order
-    of completion. A session's closed-loop turn (``after``) stays behind its previous turn
-    (a stable sort on that turn's arrival); the open-loop arrivals start at 0."""
-    if not requests:
-        return requests
-    key: dict[str, float] = {}
-    for r in requests:
-        key[r.request_id] = key[r.after] if r.after is not None else r.arrival_s
-    start = min(r.arrival_s for r in requests if r.after is None)
-    ordered = sorted(requests, key=lambda r: key[r.request_id])
-    if start == 0.0:
-        return ordered
-    return [replace(r, arrival_s=r.arrival_s - start) for r in ordered]
+    return Workload(path.stem, requests, block_size, model, meta)
 
 
 def read_bailian(
@@ -360,9 +397,9 @@ def read_bailian(
             parent_of[chat] = str(parent)
         ts = float(_number(row, "timestamp", where, 0.0))
         rows.append((ts, chat, row, where))
-        if limit is not None and len(rows) >= limit:
-            break
     rows.sort(key=lambda r: r[0])
+    if limit is not None:  # the first arrivals, not the first lines
+        rows = rows[:limit]
     t0 = rows[0][0] if rows else 0.0
     # a session is its chain's root, once every row is read (a file need not list a parent
     # first); a parent not in the trace (cut by ``limit``) is the root

@@ -377,3 +377,16 @@ def test_bailian_sessions_follow_the_parent_chain_whatever_the_row_order(
     w = load_trace(str(write(tmp_path / "b.jsonl", rows)), block_size=16)
     assert [r.request_id for r in w.requests] == ["c1", "c2", "c3"]
     assert [r.session_id for r in w.requests] == ["1", "1", "1"]
+
+
+def test_a_bailian_limit_keeps_the_first_arrivals(tmp_path: Path) -> None:
+    """``limit`` cut the file's first rows before sorting them by timestamp: a file not in
+    arrival order gave later requests than the first ``limit`` arrivals."""
+    rows = [
+        {"chat_id": i, "parent_chat_id": -1, "timestamp": float(ts), "input_length": 16 * n,
+         "output_length": 1, "hash_ids": list(range(10 * i, 10 * i + n))}
+        for i, (ts, n) in enumerate(((3, 1), (1, 2), (2, 3)))
+    ]  # fmt: skip
+    w = load_trace(str(write(tmp_path / "b.jsonl", rows)), block_size=16, limit=2)
+    assert [r.prompt_tokens for r in w.requests] == [32, 48]
+    assert [r.arrival_s for r in w.requests] == [0.0, 1.0]

@@ -3,8 +3,10 @@ the router over real HTTP.
 
 Prompts are rebuilt as token ids with the simulator's rule (token ``j`` of trace block id
 ``k`` is ``(k * 512 + j) mod 2**32``), so the router, the mock replicas and the simulator all
-hash exactly the same tokens. A session's first request goes out at its timestamp, each
-follow-up ``delay`` after the previous turn finished (both divided by the speed-up).
+hash exactly the same tokens; the trace is read as the simulator reads it
+(sim.workload.mooncake_rows: arrival order from 0, dense block ids, the first ``limit``
+arrivals). An open-loop request goes out at its arrival, a closed-loop turn ``delay`` after
+the request the simulator ties it to finished (both divided by the speed-up).
 Every request is a streaming ``/v1/completions`` call with
 ``stream_options.include_usage``, carrying its session in ``X-Session-Id`` (and ``user``); the
 client measures TTFT at the first SSE event that carries a token (not a keep-alive comment, a
@@ -42,7 +44,8 @@ class TraceRequest:
     output_tokens: int
     body: bytes
     session_id: str | None = None
-    delay_s: float | None = None  # closed loop: after the session's previous request
+    delay_s: float | None = None  # closed loop: this long after request ``after`` finished
+    after: int | None = None  # closed loop: the index of the request it follows
 
 
 @dataclass(slots=True)
@@ -59,37 +62,39 @@ class Outcome:
 
 
 def load_requests(path: Path, limit: int, model: str, max_output: int) -> list[TraceRequest]:
+    """The first ``limit`` requests of a Mooncake / recorded trace as the simulator reads
+    them (sim.workload.mooncake_rows: arrival order from 0, dense block ids, closed-loop
+    turns tied to the same requests), outputs capped at ``max_output``."""
+    from sim.workload import mooncake_rows
+
     out: list[TraceRequest] = []
     offsets = np.arange(TRACE_BLOCK, dtype="<u4")
-    with path.open() as fh:
-        for line in fh:
-            if len(out) >= limit:
-                break
-            row = json.loads(line)
-            n = int(row["input_length"])
-            ids = np.asarray(row["hash_ids"], dtype="<u4")
-            tokens = (ids[:, None] * np.uint32(TRACE_BLOCK) + offsets).reshape(-1)[:n]
-            output = max(1, min(int(row["output_length"]), max_output))
-            body = {
-                "model": model,
-                "prompt": tokens.tolist(),
-                "max_tokens": output,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            if row.get("session_id") is not None:
-                body["user"] = str(row["session_id"])  # the router's session id
-            delay = row.get("delay")
-            out.append(
-                TraceRequest(
-                    row["timestamp"] / 1000.0,
-                    n,
-                    output,
-                    json.dumps(body).encode(),
-                    row.get("session_id"),
-                    None if delay is None else delay / 1000.0,
-                )
+    for row in mooncake_rows(path, trace_block=TRACE_BLOCK, limit=limit):
+        n = row.prompt_tokens
+        ids = np.asarray(row.block_ids, dtype="<u4")
+        tokens = (ids[:, None] * np.uint32(TRACE_BLOCK) + offsets).reshape(-1)[:n]
+        output = max(1, min(row.output_tokens, max_output))
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": tokens.tolist(),
+            "max_tokens": output,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if row.session_id is not None:
+            body["user"] = row.session_id  # the router's session id
+        closed = row.after is not None
+        out.append(
+            TraceRequest(
+                row.arrival_s,
+                n,
+                output,
+                json.dumps(body).encode(),
+                row.session_id,
+                row.delay_s if closed else None,
+                row.after,
             )
+        )
     return out
 
 
@@ -174,8 +179,8 @@ async def replay(
     spread: Sequence[str] = (),
     in_flight: dict[str, int] | None = None,
 ) -> list[Outcome]:
-    """Send open-loop requests at their (scaled) arrival times and closed-loop follow-ups
-    ``delay`` after their session's previous request finished; wait for all of them.
+    """Send open-loop requests at their (scaled) arrival times and closed-loop turns
+    ``delay`` after the request they follow (``after``) finished; wait for all of them.
 
     ``spread``: several routers (pods) instead of ``router_url``, as a load balancer spreads
     requests: request ``i`` goes to ``spread[i % n]``; one that refuses the connection is
@@ -191,45 +196,42 @@ async def replay(
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start = time.perf_counter()
 
-        async def chain(items: list[tuple[int, TraceRequest]]) -> None:
+        async def send(i: int) -> None:
+            """Request ``i`` at its time, then the closed-loop turns that follow it."""
             nonlocal done
-            for i, req in items:
-                if req.delay_s is None:
-                    wait = req.arrival_s / speedup - (time.perf_counter() - start)
-                else:
-                    wait = req.delay_s / speedup
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                outcome = Outcome(False, error="no router left")
-                for k in range(len(urls)):
-                    url = urls[(i + k) % len(urls)]
-                    if url in down and len(down) < len(urls):
-                        continue
+            req = requests[i]
+            if req.after is None:
+                wait = req.arrival_s / speedup - (time.perf_counter() - start)
+            else:
+                wait = (req.delay_s or 0.0) / speedup
+            if wait > 0:
+                await asyncio.sleep(wait)
+            outcome = Outcome(False, error="no router left")
+            for k in range(len(urls)):
+                url = urls[(i + k) % len(urls)]
+                if url in down and len(down) < len(urls):
+                    continue
+                if in_flight is not None:
+                    in_flight[url] = in_flight.get(url, 0) + 1
+                try:
+                    outcome = await _one(session, url, req)
+                finally:
                     if in_flight is not None:
-                        in_flight[url] = in_flight.get(url, 0) + 1
-                    try:
-                        outcome = await _one(session, url, req)
-                    finally:
-                        if in_flight is not None:
-                            in_flight[url] -= 1
-                    if len(urls) == 1 or not outcome.error.startswith(CONNECT_FAILED):
-                        break
-                    down.add(url)
-                outcomes[i] = outcome
-                done += 1
-                if on_done:
-                    on_done(done)
+                        in_flight[url] -= 1
+                if len(urls) == 1 or not outcome.error.startswith(CONNECT_FAILED):
+                    break
+                down.add(url)
+            outcomes[i] = outcome
+            done += 1
+            if on_done:
+                on_done(done)
+            await asyncio.gather(*(send(j) for j in followers[i]))
 
-        chains: list[list[tuple[int, TraceRequest]]] = []
-        open_chain: dict[str, list[tuple[int, TraceRequest]]] = {}
+        followers: list[list[int]] = [[] for _ in requests]
         for i, req in enumerate(requests):
-            if req.delay_s is not None and req.session_id in open_chain:
-                open_chain[req.session_id].append((i, req))
-                continue
-            chains.append([(i, req)])
-            if req.session_id is not None:
-                open_chain[req.session_id] = chains[-1]
-        await asyncio.gather(*(chain(c) for c in chains))
+            if req.after is not None:
+                followers[req.after].append(i)
+        await asyncio.gather(*(send(i) for i, r in enumerate(requests) if r.after is None))
     return [o if o is not None else Outcome(False, error="not sent") for o in outcomes]
 
 

@@ -1,0 +1,175 @@
+"""A recording replayed live (router/demo/replay.py: ``kvrouter demo --trace``, the benches)
+sends what the simulator replays from the same file: one loader (sim.workload), arrivals
+from 0 in arrival order, dense block ids, a limit that keeps the first arrivals, and each
+closed-loop turn after the request the simulator ties it to."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from router.core.hashing import hash_prompt, root_hash
+from router.demo.replay import TraceRequest, load_requests, replay
+from router.recorder import RecordSettings, TraceRecorder, record_key
+from sim.workload import load_trace
+from tests.ports import free_port
+
+KEY = record_key("fleet secret")
+WALL = 1_700_000_000.0  # the recorder's wall clock at its start: epoch seconds
+
+
+def _record(rec: TraceRecorder, toks: list[int], at: float, done: float, **kw: object) -> None:
+    chain = hash_prompt(toks, 64, root_hash("m")).hashes
+    rec.record(arrived_at=at, model="m", input_length=len(toks), output_length=2,
+               block_hashes=chain, block_size=64, finished_at=done, **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def _completion_order_recording(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A real recording, rows in order of completion: a long request that came first (A,
+    1,500 tokens) is written after a later short one (B), and session s's follow-up (C,
+    extending A) came 0.25 s after A's answer."""
+    rec = TraceRecorder(RecordSettings(tmp_path / "rec.jsonl", key=KEY), 0.0, WALL)
+    a = list(range(1500))
+    _record(rec, list(range(9000, 9300)), 2.0, 2.5)  # B
+    _record(rec, a, 1.0, 4.0, session_id="s")  # A
+    _record(rec, [*a, *range(5000, 5600)], 4.25, 5.0, session_id="s")  # C
+    _record(rec, list(range(7000, 7100)), 6.0, 6.5)  # D
+    rec.close()
+    return tmp_path / "rec.jsonl"
+
+
+def _prompt(req: TraceRequest) -> list[int]:
+    prompt = json.loads(req.body)["prompt"]
+    assert isinstance(prompt, list)
+    return prompt
+
+
+def test_a_recording_replays_live_as_the_simulator_replays_it(tmp_path: pathlib.Path) -> None:
+    """The live replay read rows in file order (completion order) with their epoch-ms
+    timestamps (a first wait of decades) and raw 53-bit ids (which do not fit the uint32
+    tokens: it raised); it must send the simulator's requests: same order, same arrivals
+    from 0, same prompts (their hashes are the simulator's), same closed-loop ties."""
+    path = _completion_order_recording(tmp_path)
+    sim = load_trace(str(path), block_size=64, model="m")
+    live = load_requests(path, 100, "m", max_output=64)
+    assert [r.prompt_tokens for r in live] == [1500, 300, 2100, 100]  # A, B, C, D
+    assert [r.prompt_tokens for r in live] == [r.prompt_tokens for r in sim.requests]
+    assert [r.arrival_s for r in live] == pytest.approx([0.0, 1.0, 3.25, 5.0])
+    root = root_hash("m")
+    for lr, sr in zip(live, sim.requests, strict=True):
+        prompt = _prompt(lr)
+        assert len(prompt) == lr.prompt_tokens and max(prompt) < 2**32
+        assert hash_prompt(prompt, 64, root).hashes == list(sr.block_hashes)
+    ids = [r.request_id for r in sim.requests]
+    assert [None if r.after is None else ids[r.after] for r in live] == [
+        r.after for r in sim.requests
+    ]
+    c = live[2]
+    assert c.after == 0 and c.delay_s == pytest.approx(0.25) and c.session_id == "s"
+    assert _prompt(c)[:1024] == _prompt(live[0])[:1024]  # the shared full blocks survive
+
+
+def test_a_limit_keeps_the_first_arrivals_not_the_first_rows(tmp_path: pathlib.Path) -> None:
+    """``--limit N`` on a recording kept its first N rows, i.e. the first N to complete:
+    here B and A (arrived second and first); the first two arrivals are A and B, and with
+    three, C's previous turn A is kept with it."""
+    path = _completion_order_recording(tmp_path)
+    for n, expected in ((1, [1500]), (2, [1500, 300]), (3, [1500, 300, 2100])):
+        sim = load_trace(str(path), block_size=64, model="m", limit=n)
+        live = load_requests(path, n, "m", max_output=64)
+        assert [r.prompt_tokens for r in sim.requests] == expected
+        assert [r.prompt_tokens for r in live] == expected
+    # the first arrivals of a recording whose rows are in completion order
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["input_length"] for r in rows] == [300, 1500, 2100, 100]
+
+
+def test_a_row_without_hash_ids_is_replayed_at_its_full_length(tmp_path: pathlib.Path) -> None:
+    """The recorder writes ``hash_ids: []`` where the router's block size does not divide
+    512: the live replay sent such a prompt empty (the simulator gives it fresh blocks)."""
+    rec = TraceRecorder(RecordSettings(tmp_path / "rec.jsonl", key=KEY), 0.0, WALL)
+    chain = hash_prompt(list(range(700)), 48, root_hash("m")).hashes
+    rec.record(arrived_at=1.0, model="m", input_length=700, output_length=2,
+               block_hashes=chain, block_size=48)  # fmt: skip
+    rec.close()
+    assert json.loads((tmp_path / "rec.jsonl").read_text())["hash_ids"] == []
+    (req,) = load_requests(tmp_path / "rec.jsonl", 10, "m", max_output=64)
+    assert len(_prompt(req)) == 700 and req.arrival_s == 0.0
+
+
+@pytest.fixture
+async def replica() -> AsyncIterator[tuple[str, list[str]]]:
+    """A replica on loopback answering every request with one token and its usage; the
+    request with a 300-token prompt (B) is held until the one with 2,100 (C) arrived, or
+    10 s (a bound on the failure). Yields its URL and the log of requests (by prompt length)
+    arriving and finishing."""
+    c_arrived = asyncio.Event()
+    log: list[str] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        n = len(body["prompt"])
+        log.append(f"sent {n}")
+        if n == 2100:
+            c_arrived.set()
+        if n == 300:
+            try:
+                await asyncio.wait_for(c_arrived.wait(), 10)
+            except TimeoutError:
+                log.append("B held for nothing")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        choice = {"index": 0, "text": "a", "finish_reason": "length"}
+        usage = {"prompt_tokens": n, "completion_tokens": 1}
+        await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        log.append(f"done {n}")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}", log
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_closed_loop_turn_follows_the_answer_the_simulator_ties_it_to(
+    tmp_path: pathlib.Path, replica: tuple[str, list[str]]
+) -> None:
+    """Session s had two requests in flight: A (first, finished last) and B (arrived while A
+    ran); its next turn C came 0.1 s after A's answer (``trace merge`` measures ``delay``
+    from the latest finish; the simulator ties C to A). The live replay chained C behind the
+    session's last open-loop request in the list, B: here B's answer waits for C, so the
+    two never met; C must go once A is answered, B still in flight."""
+    from router.trace_merge import merge
+
+    rows = merge([
+        {"timestamp": 0, "input_length": 1500, "output_length": 1, "hash_ids": [1, 2, 3],
+         "session_id": "s", "e2e_ms": 2_000.0},
+        {"timestamp": 100, "input_length": 300, "output_length": 1, "hash_ids": [9],
+         "session_id": "s", "e2e_ms": 1_000.0},
+        {"timestamp": 2_100, "input_length": 2100, "output_length": 1,
+         "hash_ids": [1, 2, 3, 4, 5], "session_id": "s", "e2e_ms": 50.0},
+    ])  # fmt: skip
+    assert rows[2]["delay"] == 100 and "delay" not in rows[1]
+    path = tmp_path / "merged.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sim = load_trace(str(path), block_size=64)
+    assert sim.requests[2].after == sim.requests[0].request_id
+    url, log = replica
+    outcomes = await replay(url, load_requests(path, 10, "m", max_output=1), speedup=100.0)
+    assert all(o.ok for o in outcomes), outcomes
+    assert "B held for nothing" not in log, log
+    assert log.index("done 1500") < log.index("sent 2100") < log.index("done 300"), log
