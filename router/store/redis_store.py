@@ -47,6 +47,7 @@ from router.store.base import (
     ReplicaUp,
     ResetChange,
     SeqMismatch,
+    UnreadableSnapshot,
 )
 from router.store.codec import (
     decode_change,
@@ -555,8 +556,11 @@ class RedisStore:
                 continue
         return out
 
-    async def read_replicas(self, keys: Sequence[ReplicaKey]) -> list[ReplicaSnapshot | None]:
-        """Snapshots read atomically per key (MULTI/EXEC); None when not registered."""
+    async def read_replicas(
+        self, keys: Sequence[ReplicaKey]
+    ) -> list[ReplicaSnapshot | UnreadableSnapshot | None]:
+        """Snapshots read atomically per key (MULTI/EXEC); None when not registered,
+        ``UnreadableSnapshot`` when registered and its records or seq do not parse."""
         s = self.schema
 
         def queue(pipe: Any, key: ReplicaKey) -> None:
@@ -568,7 +572,7 @@ class RedisStore:
             pipe.hstrlen(s.meta(key.replica), "info")
 
         snapshots = await self._transactions(keys, queue)
-        out: list[ReplicaSnapshot | None] = []
+        out: list[ReplicaSnapshot | UnreadableSnapshot | None] = []
         for key, snapshot in zip(keys, snapshots, strict=True):
             seq_raw, kv_vals, st_vals, registered = snapshot
             if not registered:
@@ -577,10 +581,10 @@ class RedisStore:
             try:
                 kv_h, kv_m = parse_records(kv_vals)
                 st_h, _ = parse_records(st_vals)
-            except ValueError:
-                out.append(None)
+                seq = int(seq_raw) if seq_raw is not None else 0
+            except ValueError as exc:
+                out.append(UnreadableSnapshot(key, str(exc)))
                 continue
-            seq = int(seq_raw) if seq_raw is not None else 0
             out.append(ReplicaSnapshot(key, seq, kv_h, kv_m, st_h))
         return out
 
