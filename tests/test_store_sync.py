@@ -749,6 +749,29 @@ async def test_a_snapshot_that_does_not_parse_keeps_the_replica_and_is_read_agai
         await store.close()
 
 
+async def test_a_seq_that_does_not_parse_fails_no_audit(redis_url: str, key_prefix: str) -> None:
+    """A ``seq:<dp>`` that is not an integer (a foreign write) is no stored seq. The audit's
+    seq check raised on it, so every audit failed, each counted as the store unreachable:
+    ``up`` flapped to 0, the outage grace was armed again each time, and a replica whose
+    lease lapsed meanwhile was never purged."""
+    schema = KeySchema(key_prefix, stream_shards=1)
+    store = RedisStore.from_url(redis_url, schema)
+    try:
+        await _publish(store, "live")
+        await store.redis.hset(schema.meta("live"), schema.seq_field(0), "nope")
+        assert await store.stored_seqs([ReplicaKey("live")]) == [None]
+        assert await store.stored_seq(ReplicaKey("live")) is None
+        dead = ReplicaInfo("dead", model="m")
+        await store.register(dead, owner="p", lease_ttl_s=1.0)
+        index = PrefixIndex()
+        async with IndexSync(store, index, lost_store_grace_s=30, **FAST) as sync:
+            assert ReplicaKey("dead") in index
+            await eventually(lambda: ReplicaKey("dead") not in index)  # its lease lapsed
+            assert sync.stats.errors == 0 and sync.up
+    finally:
+        await store.close()
+
+
 async def test_malformed_stream_entries_do_no_harm(redis_url: str, key_prefix: str) -> None:
     store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
     try:

@@ -165,6 +165,17 @@ def _stream_id(raw: bytes | str) -> tuple[int, int]:
     return int(ms), int(n or 0)
 
 
+def _seq(raw: Any) -> int | None:
+    """A stored ``seq:<dp>``; None when absent or not an integer (a foreign write: no seq a
+    writer stored, so a publisher republishes over it and a router's audit skips it)."""
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        return None
+
+
 def _replica_of(change: Change) -> str:
     if isinstance(change, ReplicaUp):
         return change.info.replica
@@ -492,7 +503,7 @@ class RedisStore:
         raw = await self.redis.hget(
             self.schema.meta(key.replica), self.schema.seq_field(key.dp_rank)
         )
-        return int(raw) if raw is not None else None
+        return _seq(raw)
 
     async def stored_seqs(self, keys: Sequence[ReplicaKey]) -> list[int | None]:
         s = self.schema
@@ -505,7 +516,7 @@ class RedisStore:
                 for k in keys:
                     pipe.hget(s.meta(k.replica), s.seq_field(k.dp_rank))
                 raws = await pipe.execute()
-        return [int(raw) if raw is not None else None for raw in raws]
+        return [_seq(raw) for raw in raws]
 
     # ------------------------------------------------------------------ read side
 
