@@ -193,8 +193,8 @@ def _exported_metrics() -> set[str]:
                      lambda: 0.0)  # fmt: skip
     state.metrics.registry.register(_ExchangeCollector(ex))
     state.metrics.registry.register(LoopLag())
-    # the shared index follower's collector reads its ``up`` flag and error count
-    follower = SimpleNamespace(up=True, stats=SimpleNamespace(errors=0))
+    # the shared index follower's collector reads its ``up`` flag and error counts
+    follower = SimpleNamespace(up=True, stats=SimpleNamespace(errors=0, unreadable=0))
     state.metrics.registry.register(_IndexSyncCollector(follower))  # type: ignore[arg-type]
     text = state.metrics.render().decode()
     return set(re.findall(r"^# TYPE (kvrouter_\w+) \w+$", text, flags=re.M))

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -15,6 +17,7 @@ import openai
 import pytest
 
 from router.service.config import build_settings
+from router.tokenize.tokenizers import BUNDLED_DIR
 from tests.backends import Backend, kimi_model_table, start_router
 from tests.waiting import eventually
 
@@ -235,6 +238,60 @@ async def test_models_lists_what_the_router_routes(fleet: Fleet) -> None:
         assert r.choices
     with pytest.raises(openai.NotFoundError):  # ... and the adapter is not, so it is not listed
         await fleet.client.completions.create(model="extra-lora", prompt="hi", max_tokens=1)
+
+
+async def test_models_answer_vllms_model_card_where_the_replicas_do_not(
+    tmp_path: Path,
+) -> None:
+    """Each listed model is answered as vLLM's ``ModelCard`` (id, object, created, owned_by,
+    root, parent, max_model_len, permission), also when its replicas' own entries lack
+    fields (another engine, an older vLLM) or no replica reports the model at all (its
+    ``/v1/models`` failing): ``max_model_len`` is then the router's context length
+    (configured, or the tokenizer's ``model_max_length``), null where the router knows none.
+    The router used to answer the replica's bare entry, or a four-field one of its own."""
+    directory = tmp_path / "model"
+    shutil.copytree(BUNDLED_DIR / "kimi_style", directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({**config, "model_max_length": 131072})
+    )
+    bare = await Backend("b0", [MODEL, "unknown-length"]).start()  # entries without metadata
+    silent = await Backend("s0", []).start()  # lists nothing
+    settings = build_settings(
+        {
+            "replicas": [
+                {"url": bare.url, "model": MODEL, "name": "b0"},
+                {"url": bare.url, "model": "unknown-length", "name": "b0-u"},
+                {"url": silent.url, "model": "from-tokenizer", "name": "s0"},
+            ],
+            "models": {
+                MODEL: kimi_model_table(context_length=4096),
+                "from-tokenizer": kimi_model_table(tokenizer=str(directory)),
+            },
+        }
+    )
+    runner, url = await start_router(settings)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    try:
+        page = await client.models.list()
+        cards = {m.id: m.model_dump() for m in page.data}
+        assert sorted(cards) == sorted([MODEL, "unknown-length", "from-tokenizer"])
+        expected = {MODEL: 4096, "unknown-length": None, "from-tokenizer": 131072}
+        for name, card in cards.items():
+            assert card["max_model_len"] == expected[name], card
+            assert card["root"] == name and card["parent"] is None, card
+            assert card["object"] == "model" and isinstance(card["created"], int), card
+            assert card["created"] > 0, card
+            (perm,) = card["permission"]
+            assert perm["object"] == "model_permission" and perm["allow_sampling"] is True
+        assert cards[MODEL]["owned_by"] == "b0"  # what a replica reports passes through
+        one = await client.models.retrieve("from-tokenizer")
+        assert one.model_dump()["max_model_len"] == 131072
+    finally:
+        await client.close()
+        await runner.cleanup()
+        await bare.stop()
+        await silent.stop()
 
 
 # ---------------------------------------------------------------------------- transparency

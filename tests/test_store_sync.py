@@ -4,11 +4,14 @@ Redis Cluster."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from router.bench.redis_server import LocalRedis
 from router.core.index import ApplyOutcome, PrefixIndex
@@ -22,6 +25,7 @@ from router.core.types import (
     ReplicaKey,
     Tier,
 )
+from router.service.background import _IndexSyncCollector
 from router.store.base import (
     IndexStore,
     LeaseLost,
@@ -29,8 +33,10 @@ from router.store.base import (
     LoadSample,
     ReplicaDown,
     ReplicaInfo,
+    ReplicaSnapshot,
     ReplicaUp,
     SeqMismatch,
+    UnreadableSnapshot,
 )
 from router.store.memory import MemoryStore
 from router.store.redis_store import RedisStore
@@ -653,6 +659,115 @@ async def test_a_failing_resync_is_retried_and_the_other_replicas_are_read(
             # asked for may not show)
             await eventually(lambda: index.match([1, 2, 3, 4]).get(key).kv_blocks == 4)
             assert sync.stats.gaps >= 1 and sync.stats.errors >= 1
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("garble", ["torn", "misaligned", "state", "seq"])
+async def test_a_registered_key_whose_state_does_not_parse_is_unreadable_not_absent(
+    store: IndexStore, garble: str
+) -> None:
+    """A registered replica key whose stored state does not parse (a torn record, records
+    that only line up when joined, a foreign seq) is told apart from one not registered:
+    None would make a follower drop the replica's blocks. Its other keys read as usual."""
+    if not isinstance(store, RedisStore):
+        pytest.skip("MemoryStore keeps no bytes")
+    name = "garbled-state"
+    w = await _publish(store, name, ranks=(0, 1))
+    key, other = ReplicaKey(name, 0), ReplicaKey(name, 1)
+    w.add(key, [BlocksStored((1, 2, 3))])
+    w.add(other, [BlocksStored((4,))])
+    await w.flush()
+    s = store.schema
+    if garble == "torn":
+        await store.redis.hset(s.kv(name, 0), "foreign", b"\x01\x02\x03")
+    elif garble == "misaligned":  # 4 + 5 bytes: a multiple of a record only when joined
+        await store.redis.hset(s.kv(name, 0), mapping={"f1": b"\x00" * 4, "f2": b"\x00" * 5})
+    elif garble == "state":
+        await store.redis.hset(s.state(name, 0), "foreign", b"\x01")
+    else:
+        await store.redis.hset(s.meta(name), s.seq_field(0), "nope")
+    snap, fine = await store.read_replicas([key, other])
+    assert snap is not None and not isinstance(snap, ReplicaSnapshot)
+    assert isinstance(snap, UnreadableSnapshot) and snap.key == key
+    assert isinstance(fine, ReplicaSnapshot) and fine.entries == 1
+
+
+@pytest.mark.parametrize("when", ["bootstrap", "gap"])
+async def test_a_snapshot_that_does_not_parse_keeps_the_replica_and_is_read_again(
+    redis_url: str, key_prefix: str, when: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A resync whose snapshot does not parse (a torn record in the replica's kv hash) is
+    not a replica gone: the index keeps what it knew of the key, the read is counted and
+    logged once, and the resync stays owed, retried each turn (as a failing read) while the
+    follower reads every other change, until the state parses again."""
+    caplog.set_level(logging.WARNING, logger="router.store.sync")
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
+    try:
+        w = await _publish(store, "torn")
+        other = await _publish(store, "o")
+        key, okey = ReplicaKey("torn"), ReplicaKey("o")
+        w.add(key, [BlocksStored((1, 2, 3))])
+        await w.flush()
+        kv = store.schema.kv("torn", 0)
+        if when == "bootstrap":
+            await store.redis.hset(kv, "foreign", b"\x01\x02\x03")
+        index = PrefixIndex()
+        async with IndexSync(store, index, **FAST) as sync:
+            if when == "gap":
+                assert index.match([1, 2, 3]).get(key).kv_blocks == 3
+                await store.redis.hset(kv, "foreign", b"\x01\x02\x03")
+                st = _commit_without_entry(w, key, [BlocksStored((1, 2, 3, 4))])
+                await store._commit([st], full=False)
+                w.add(key, [BlocksStored((5,))])
+                await w.flush()  # a gap: seq jumps, the resync reads the torn record
+            other.add(okey, [BlocksStored((9, 10))])
+            await other.flush()  # in the same stream, after the gap
+            await eventually(lambda: index.match([9, 10]).get(okey).kv_blocks == 2)
+            assert key in index.replicas() and "torn" in sync.infos
+            if when == "gap":  # what it knew, and the gap batch, kept
+                assert index.match([1, 2, 3]).get(key).kv_blocks == 3
+                assert index.match([5]).get(key).kv_blocks == 1
+            assert key in sync._owed
+            await eventually(lambda: sync.stats.unreadable >= 3)  # retried each turn
+            registry = CollectorRegistry()
+            registry.register(_IndexSyncCollector(sync))
+            page = generate_latest(registry).decode()
+            family = "kvrouter_index_sync_unreadable_snapshots_total"
+            counted = re.search(rf"^{family} (\S+)$", page, re.M)
+            assert counted and float(counted[1]) >= 3, page
+            said = [r for r in caplog.records if "torn" in r.getMessage()]
+            assert len(said) == 1 and said[0].levelno == logging.WARNING, said
+            # the record goes (the publisher rewrote the bucket): the owed resync completes
+            await store.redis.hdel(kv, "foreign")
+            await eventually(lambda: key not in sync._owed)
+            blocks = [1, 2, 3, 4] if when == "gap" else [1, 2, 3]
+            assert index.match(blocks).get(key).kv_blocks == len(blocks)
+            if when == "gap":
+                assert index.match([5]).get(key).kv_blocks == 1
+    finally:
+        await store.close()
+
+
+async def test_a_seq_that_does_not_parse_fails_no_audit(redis_url: str, key_prefix: str) -> None:
+    """A ``seq:<dp>`` that is not an integer (a foreign write) is no stored seq. The audit's
+    seq check raised on it, so every audit failed, each counted as the store unreachable:
+    ``up`` flapped to 0, the outage grace was armed again each time, and a replica whose
+    lease lapsed meanwhile was never purged."""
+    schema = KeySchema(key_prefix, stream_shards=1)
+    store = RedisStore.from_url(redis_url, schema)
+    try:
+        await _publish(store, "live")
+        await store.redis.hset(schema.meta("live"), schema.seq_field(0), "nope")
+        assert await store.stored_seqs([ReplicaKey("live")]) == [None]
+        assert await store.stored_seq(ReplicaKey("live")) is None
+        dead = ReplicaInfo("dead", model="m")
+        await store.register(dead, owner="p", lease_ttl_s=1.0)
+        index = PrefixIndex()
+        async with IndexSync(store, index, lost_store_grace_s=30, **FAST) as sync:
+            assert ReplicaKey("dead") in index
+            await eventually(lambda: ReplicaKey("dead") not in index)  # its lease lapsed
+            assert sync.stats.errors == 0 and sync.up
     finally:
         await store.close()
 

@@ -67,6 +67,7 @@ from router.mock.latency import RequestLatency
 from router.mock.preprocess import ModelNotServed, handlers, not_served
 from router.mock.preprocess import error_response as _error
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
+from router.service.model_card import model_card
 from router.tokenize.anthropic import to_chat_body
 from router.tokenize.request_fields import sampled_sequences
 from router.tokenize.responses import stores
@@ -765,31 +766,10 @@ async def version(request: web.Request) -> web.Response:
 async def models(request: web.Request) -> web.Response:
     """vLLM's ``ModelList``: one ``ModelCard`` with ``max_model_len`` and a permission."""
     s = request.app[STATE].settings
-    now = int(time.time())
-    permission = {
-        "id": f"modelperm-{uuid.uuid4().hex}",
-        "object": "model_permission",
-        "created": now,
-        "allow_create_engine": False,
-        "allow_sampling": True,
-        "allow_logprobs": True,
-        "allow_search_indices": False,
-        "allow_view": True,
-        "allow_fine_tuning": False,
-        "organization": "*",
-        "group": None,
-        "is_blocking": False,
-    }
-    card = {
-        "id": s.model,
-        "object": "model",
-        "created": now,
-        "owned_by": "vllm",  # vLLM's ModelCard default
-        "root": s.model,
-        "parent": None,
-        "max_model_len": s.max_model_len,
-        "permission": [permission],
-    }
+    # "vllm": vLLM's ModelCard default
+    card = model_card(
+        s.model, created=int(time.time()), owned_by="vllm", max_model_len=s.max_model_len
+    )
     return web.json_response({"object": "list", "data": [card]})
 
 

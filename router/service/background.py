@@ -248,6 +248,13 @@ class _IndexSyncCollector(Collector):
         )
         errors.add_metric([], float(self.sync.stats.errors))
         yield errors
+        unreadable = CounterMetricFamily(
+            "kvrouter_index_sync_unreadable_snapshots",
+            "Snapshot reads of registered replica keys whose stored state did not parse (the "
+            "key keeps its last known content and is read again each turn)",
+        )
+        unreadable.add_metric([], float(self.sync.stats.unreadable))
+        yield unreadable
 
 
 async def direct_events(app: web.Application) -> AsyncIterator[None]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -17,6 +18,7 @@ from router.core.types import ReplicaKey
 from router.service.errors import ErrorReply
 from router.service.http_types import HttpRequest, Reply
 from router.service.keys import SESSION, STATE, STOPPING, WORKER_INDEX, WORKERS
+from router.service.model_card import model_card
 from router.service.routes import Routes, error
 from router.service.state import RouterState
 from router.service.worker_metrics import all_workers_page
@@ -64,9 +66,11 @@ def add_routes(routes: Routes, app: web.Application) -> None:
 async def models_reply(state: RouterState, session: aiohttp.ClientSession) -> Reply:
     """The models the router routes: configured (or served by a configured replica) and with
     at least one replica, i.e. every model a request may name without a 404. Each entry is
-    the first replica's own ``/v1/models`` entry for it (metadata such as ``max_model_len``
-    passes through), or a plain one if no replica reports it. Other ids the replicas report
-    (LoRA adapters, say) are left out: the router answers 404 for them."""
+    vLLM's ``ModelCard``: the first replica's own ``/v1/models`` entry for it (its metadata
+    passes through), the fields it lacks (null ``max_model_len`` included) filled in from
+    the router's card (``model_card``; ``max_model_len`` the model's ``context_length``, null
+    when the router knows none), or the router's card if no replica reports it. Other ids
+    the replicas report (LoRA adapters, say) are left out: the router answers 404 for them."""
     timeout = aiohttp.ClientTimeout(total=2.0)
     routed = sorted(m for m in state.registry.models() if routable(state, m))
 
@@ -93,10 +97,19 @@ async def models_reply(state: RouterState, session: aiohttp.ClientSession) -> Re
     for items in await asyncio.gather(*(fetch(u) for u in urls)):
         for item in items:
             found.setdefault(str(item["id"]), item)
-    data = [
-        found.get(name) or {"id": name, "object": "model", "created": 0, "owned_by": "kvrouter"}
-        for name in routed
-    ]
+    created = int(time.time())
+    data = []
+    for name in routed:
+        own = model_card(
+            name,
+            created=created,
+            owned_by="kvrouter",
+            max_model_len=state.settings.model(name).context_length,
+        )
+        card = {**own, **found.get(name, {})}
+        if card["max_model_len"] is None:
+            card["max_model_len"] = own["max_model_len"]
+        data.append(card)
     return Reply.json({"object": "list", "data": data})
 
 

@@ -6,7 +6,7 @@ Write side (the publisher; exactly one writer per replica, guarded by a lease):
 replica's whole stored state (start-up, or after the store lost its data).
 
 Read side (routers, through ``router.store.sync.IndexSync``): ``instance_token`` ->
-``cursor`` -> ``list_replicas`` + ``read_replica`` (bootstrap) -> ``read_changes`` from the
+``cursor`` -> ``list_replicas`` + ``read_replicas`` (bootstrap) -> ``read_changes`` from the
 cursor (follow) -> ``leases`` (expiry check). Because a writer commits a batch's state before
 appending it to the change stream, a snapshot read after taking the cursor contains every
 batch older than the cursor; later batches arrive as changes and are told apart by ``seq``.
@@ -200,6 +200,16 @@ class ReplicaSnapshot:
         return tuple(out)
 
 
+@dataclass(slots=True, frozen=True)
+class UnreadableSnapshot:
+    """A registered ``ReplicaKey`` whose stored state does not parse (a torn record, a
+    foreign write): not "not registered" (None). The reader keeps what it knew of the key
+    and reads it again later."""
+
+    key: ReplicaKey
+    reason: str
+
+
 # ---------------------------------------------------------------------------- changes
 
 
@@ -370,7 +380,12 @@ class IndexStore(Protocol):
 
     async def list_replicas(self) -> list[ReplicaInfo]: ...
 
-    async def read_replicas(self, keys: Sequence[ReplicaKey]) -> list[ReplicaSnapshot | None]: ...
+    async def read_replicas(
+        self, keys: Sequence[ReplicaKey]
+    ) -> list[ReplicaSnapshot | UnreadableSnapshot | None]:
+        """Each key's stored state, read atomically per key: None when its replica is not
+        registered, ``UnreadableSnapshot`` when it is and its state does not parse."""
+        ...
 
     async def read_changes(self, cursor: object, block_s: float, count: int) -> ChangeRead: ...
 

@@ -31,6 +31,7 @@ from router.store.base import (
     ReplicaUp,
     ResetChange,
     SeqMismatch,
+    UnreadableSnapshot,
 )
 
 
@@ -180,7 +181,9 @@ class MemoryStore:
     async def list_replicas(self) -> list[ReplicaInfo]:
         return list(self._infos.values())
 
-    async def read_replicas(self, keys: Sequence[ReplicaKey]) -> list[ReplicaSnapshot | None]:
+    async def read_replicas(
+        self, keys: Sequence[ReplicaKey]
+    ) -> list[ReplicaSnapshot | UnreadableSnapshot | None]:
         return [self._snapshots.get(k) if k.replica in self._infos else None for k in keys]
 
     async def read_changes(self, cursor: object, block_s: float, count: int) -> ChangeRead:

@@ -172,11 +172,13 @@ def _split(records: npt.NDArray[np.void], bits: int) -> dict[int, bytearray]:
 
 
 def parse_records(values: Iterable[bytes]) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint8]]:
-    """Hashes and masks of stored bucket values. Raises ValueError on a torn record."""
-    blob = b"".join(values)
-    if len(blob) % RECORD:
-        raise ValueError(f"packed records of {len(blob)} bytes are not a multiple of {RECORD}")
-    arr = np.frombuffer(blob, dtype=RECORD_DTYPE)
+    """Hashes and masks of stored bucket values. Raises ValueError on a torn record: checked
+    per value (a bucket holds whole records), as two torn ones can join into whole ones."""
+    values = list(values)
+    for value in values:
+        if len(value) % RECORD:
+            raise ValueError(f"a bucket of {len(value)} bytes is not whole {RECORD}-byte records")
+    arr = np.frombuffer(b"".join(values), dtype=RECORD_DTYPE)
     return arr["h"].astype(np.uint64), arr["m"].astype(np.uint8)
 
 

@@ -47,6 +47,7 @@ from router.store.base import (
     ReplicaUp,
     ResetChange,
     SeqMismatch,
+    UnreadableSnapshot,
 )
 from router.store.codec import (
     decode_change,
@@ -162,6 +163,17 @@ def _stream_id(raw: bytes | str) -> tuple[int, int]:
     text = raw.decode() if isinstance(raw, bytes) else raw
     ms, _, n = text.partition("-")
     return int(ms), int(n or 0)
+
+
+def _seq(raw: Any) -> int | None:
+    """A stored ``seq:<dp>``; None when absent or not an integer (a foreign write: no seq a
+    writer stored, so a publisher republishes over it and a router's audit skips it)."""
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        return None
 
 
 def _replica_of(change: Change) -> str:
@@ -491,7 +503,7 @@ class RedisStore:
         raw = await self.redis.hget(
             self.schema.meta(key.replica), self.schema.seq_field(key.dp_rank)
         )
-        return int(raw) if raw is not None else None
+        return _seq(raw)
 
     async def stored_seqs(self, keys: Sequence[ReplicaKey]) -> list[int | None]:
         s = self.schema
@@ -504,7 +516,7 @@ class RedisStore:
                 for k in keys:
                     pipe.hget(s.meta(k.replica), s.seq_field(k.dp_rank))
                 raws = await pipe.execute()
-        return [int(raw) if raw is not None else None for raw in raws]
+        return [_seq(raw) for raw in raws]
 
     # ------------------------------------------------------------------ read side
 
@@ -555,8 +567,11 @@ class RedisStore:
                 continue
         return out
 
-    async def read_replicas(self, keys: Sequence[ReplicaKey]) -> list[ReplicaSnapshot | None]:
-        """Snapshots read atomically per key (MULTI/EXEC); None when not registered."""
+    async def read_replicas(
+        self, keys: Sequence[ReplicaKey]
+    ) -> list[ReplicaSnapshot | UnreadableSnapshot | None]:
+        """Snapshots read atomically per key (MULTI/EXEC); None when not registered,
+        ``UnreadableSnapshot`` when registered and its records or seq do not parse."""
         s = self.schema
 
         def queue(pipe: Any, key: ReplicaKey) -> None:
@@ -568,7 +583,7 @@ class RedisStore:
             pipe.hstrlen(s.meta(key.replica), "info")
 
         snapshots = await self._transactions(keys, queue)
-        out: list[ReplicaSnapshot | None] = []
+        out: list[ReplicaSnapshot | UnreadableSnapshot | None] = []
         for key, snapshot in zip(keys, snapshots, strict=True):
             seq_raw, kv_vals, st_vals, registered = snapshot
             if not registered:
@@ -577,10 +592,10 @@ class RedisStore:
             try:
                 kv_h, kv_m = parse_records(kv_vals)
                 st_h, _ = parse_records(st_vals)
-            except ValueError:
-                out.append(None)
+                seq = int(seq_raw) if seq_raw is not None else 0
+            except ValueError as exc:
+                out.append(UnreadableSnapshot(key, str(exc)))
                 continue
-            seq = int(seq_raw) if seq_raw is not None else 0
             out.append(ReplicaSnapshot(key, seq, kv_h, kv_m, st_h))
         return out
 

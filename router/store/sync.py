@@ -63,6 +63,7 @@ from router.store.base import (
     ReplicaInfo,
     ReplicaUp,
     ResetChange,
+    UnreadableSnapshot,
 )
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class SyncStats:
     downs_ignored: int = 0  # ReplicaDown entries of a replica whose lease lives: ignored
     orphans_reaped: int = 0  # replicas whose state outlived them, deleted by the sweep
     streams_reset: int = 0  # change streams found behind the cursor (lost): re-bootstrapped
+    unreadable: int = 0  # snapshot reads of registered keys whose state did not parse
 
 
 class IndexSync:
@@ -183,6 +185,8 @@ class IndexSync:
         # applied; retried each turn until it succeeds (an applied gap batch is a duplicate
         # when handled again, so only this remembers that its resync is owed).
         self._owed: set[ReplicaKey] = set()
+        # keys whose last snapshot read did not parse (``_resync``): logged once per replica
+        self._unreadable: set[ReplicaKey] = set()
         # each key's stored seq at the last audit (see ``_check_seqs``)
         self._audited_seqs: dict[ReplicaKey, int | None] = {}
         self._token: str | None = None
@@ -511,6 +515,7 @@ class IndexSync:
                 if key.dp_rank not in info.dp_ranks:
                     self.index.remove_replica(key)
                     self._forget_lag(key)
+                    self._unreadable.discard(key)
         for key in info.replica_keys():
             self.index.add_replica(key)
         self.listener.replica_up(info)
@@ -522,6 +527,7 @@ class IndexSync:
         for key in keys:
             self.index.remove_replica(key)
             self._forget_lag(key)
+        self._unreadable = {k for k in self._unreadable if k.replica != replica}
         self.stats.purges += 1
         self.listener.replica_down(replica, keys)
 
@@ -553,10 +559,19 @@ class IndexSync:
             )
 
     async def _resync(self, keys: Sequence[ReplicaKey]) -> None:
+        """Replace each key's content in the index with its stored snapshot. A key whose
+        stored state does not parse keeps what the index holds and stays owed: read again
+        each turn (``_settle_owed``), as after a failing read."""
         self._owed.update(keys)
         snaps = await self.store.read_replicas(keys)
         for key, snap in zip(keys, snaps, strict=True):
+            if isinstance(snap, UnreadableSnapshot):
+                self._note_unreadable(snap)
+                continue
             self._owed.discard(key)
+            if key in self._unreadable:
+                self._unreadable.discard(key)
+                log.info("index sync: the stored state of %s reads again", key)
             self.stats.resyncs += 1
             self.index.clear_replica(key)
             self.index.reset_sequence(key)
@@ -564,3 +579,15 @@ class IndexSync:
                 continue
             self.index.apply(EventBatch(key, snap.events(), snap.seq))
             self.stats.entries_loaded += snap.entries
+
+    def _note_unreadable(self, snap: UnreadableSnapshot) -> None:
+        self.stats.unreadable += 1
+        replica = snap.key.replica
+        if not any(k.replica == replica for k in self._unreadable):
+            log.warning(
+                "index sync: the stored state of %s does not parse (%s); keeping what the "
+                "index knew of it, read again each turn",
+                snap.key,
+                snap.reason,
+            )
+        self._unreadable.add(snap.key)
