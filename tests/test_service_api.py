@@ -5,6 +5,7 @@ errors, admin, metrics."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -216,6 +217,28 @@ async def test_completions_text_and_token_ids(fleet: Fleet) -> None:
     assert {"prompt": list(range(100))}.items() <= next(
         b for b in bodies if isinstance(b["prompt"], list)
     ).items()
+
+
+async def test_a_completion_of_prompt_embeddings_is_routed_and_passed_on(fleet: Fleet) -> None:
+    """vLLM 0.34 serves a completion whose prompt is ``prompt_embeds`` (base64 tensors) alone
+    or beside ``prompt``. The router refused one without ``prompt`` (400 "'prompt' is a
+    required property"); it now routes it on load (nothing to hash: not exact) and passes the
+    body on as sent."""
+    embed = base64.b64encode(bytes(64)).decode()
+    bodies = [
+        {"model": MODEL, "prompt_embeds": embed, "max_tokens": 2},
+        {"model": MODEL, "prompt_embeds": [embed, embed], "prompt": [], "max_tokens": 2},
+        {"model": MODEL, "prompt_embeds": [embed], "prompt": "Once upon", "max_tokens": 2},
+    ]
+    for body in bodies:
+        r = await fleet.post("/v1/completions", body)
+        assert r.status == 200, await r.text()
+        decision = dict(p.split("=") for p in r.headers["X-KVRouter-Decision"].split("; "))
+        assert decision["exact"] == "false"
+        (sent,) = [r["body"] for b in fleet.backends for r in b.received]
+        assert sent == body
+        for b in fleet.backends:
+            b.received.clear()
 
 
 async def test_models_lists_what_the_router_routes(fleet: Fleet) -> None:
