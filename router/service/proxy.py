@@ -618,9 +618,14 @@ class Forwarder:
     ) -> None:
         """Count a streamed answer by its prompt's SLO tier and which targets it met. The
         output length is the usage the replica reported (the router asks for it on every
-        stream); without one the TPOT half is not judged."""
+        stream); without one the TPOT half is not judged. A request's sequences (``n`` of
+        each of its prompts) decode side by side and its usage sums their tokens: TPOT is
+        judged on a sequence's share of them."""
         req = routed.request
         out = usage_tokens(usage).completion
+        sequences = req.samples * req.prompts
+        if out is not None and sequences > 1:
+            out = -(-out // sequences)
         count_slo(
             self.state,
             req.model,
