@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from router.service.config import build_settings
+from router.service.handling import max_output_tokens
 from tests.backends import Backend, kimi_model_table, start_router
 from tests.waiting import eventually
 
@@ -239,6 +240,33 @@ async def test_a_completion_of_prompt_embeddings_is_routed_and_passed_on(fleet: 
         assert sent == body
         for b in fleet.backends:
             b.received.clear()
+
+
+def test_output_limits_are_read_as_vllm_reads_them() -> None:
+    """vLLM 0.34's chat takes ``max_completion_tokens`` when it is not null (0 included), else
+    ``max_tokens``; its completions have no ``max_completion_tokens`` (an unknown field,
+    ignored) and default ``max_tokens`` (absent or null) to 16. The router counted a
+    completion by a ``max_completion_tokens`` the engine ignores, and one without a limit
+    as one of unknown length."""
+    chat = {"max_completion_tokens": 0, "max_tokens": 900}
+    assert max_output_tokens(chat, "chat") == 0
+    assert max_output_tokens({"max_completion_tokens": None, "max_tokens": 9}, "chat") == 9
+    assert max_output_tokens({}, "chat") is None
+    completion = {"max_completion_tokens": 4096, "max_tokens": 8}
+    assert max_output_tokens(completion, "completion") == 8
+    assert max_output_tokens({"max_completion_tokens": 4096}, "completion") == 16
+    assert max_output_tokens({"max_tokens": None}, "completion") == 16
+
+
+async def test_a_completion_s_unknown_fields_are_not_checked(fleet: Fleet) -> None:
+    """``max_completion_tokens`` is no field of vLLM's completion request: the engine ignores
+    whatever it holds. The router refused a completion whose value was not a non-negative
+    integer (400); it passes the body on."""
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 2, "max_completion_tokens": -1}
+    r = await fleet.post("/v1/completions", body)
+    assert r.status == 200, await r.text()
+    (sent,) = [r["body"] for b in fleet.backends for r in b.received]
+    assert sent == body
 
 
 async def test_models_lists_what_the_router_routes(fleet: Fleet) -> None:
