@@ -620,6 +620,15 @@ async def test_unknown_route_is_openai_style_404(fleet: Fleet) -> None:
     r = await fleet.http.get(fleet.url + "/v1/nothing")
     assert r.status == 404
     assert (await r.json())["error"]["type"] == "not_found_error"
+    # vLLM routes the router does not serve (docs/service.md): refused, never sent on
+    form = aiohttp.FormData({"model": MODEL})
+    form.add_field("file", b"RIFF", filename="a.wav")
+    for path in ("/v1/audio/transcriptions", "/inference/v1/generate", "/invocations"):
+        data = form if "audio" in path else json.dumps({"model": MODEL}).encode()
+        r = await fleet.http.post(fleet.url + path, data=data)
+        assert r.status == 404, path
+        assert path in (await r.json())["error"]["message"]
+    assert sum(len(b.received) for b in fleet.backends) == 0
 
 
 async def test_agentic_turns_reuse_the_rendered_history_over_http(engine: str) -> None:
