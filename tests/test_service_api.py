@@ -349,6 +349,21 @@ async def test_metrics_report_prediction_and_engine_cache(fleet: Fleet) -> None:
     assert predicted > 0
 
 
+async def test_a_batch_is_not_judged_against_one_prompt_s_cached_tokens(fleet: Fleet) -> None:
+    """vLLM 0.34 reports one prompt's ``cached_tokens`` for a batch of completion prompts (the
+    last one's ``num_cached_tokens``), against the longest prompt's hit the router predicted
+    and the batch's summed prompt tokens: no prediction error to measure. The router
+    observed one per batch."""
+    body = {"model": MODEL, "prompt": ["Once upon a time " * 20, "In a land"], "max_tokens": 2}
+    r = await fleet.post("/v1/completions", body)
+    assert r.status == 200, await r.text()
+    assert len((await r.json())["choices"]) == 2
+    one = await fleet.post("/v1/completions", {**body, "prompt": body["prompt"][0]})
+    await one.read()
+    text = await (await fleet.http.get(fleet.url + "/metrics")).text()
+    assert 'kvrouter_prediction_error_tokens_count{model="kimi-test"} 1.0' in text
+
+
 def _metric(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + " "):

@@ -684,5 +684,8 @@ class Forwarder:
         if cached is None:
             return
         mm.engine_cached_tokens.inc(cached)
-        if key == routed.decision.replica and routed.prompt.exact:  # the predicted replica
+        # the predicted replica; a batch's usage has one of its prompts' cached tokens
+        # (vLLM: the last to finish), not the batch's: no error to measure
+        exact = routed.prompt.exact and routed.request.prompts == 1
+        if key == routed.decision.replica and exact:
             mm.prediction(routed.decision.usable_tokens, routed.request.prompt_tokens, cached)
