@@ -103,10 +103,17 @@ class Backend:
         cached = self._cached(prompt)
         digest = hashlib.sha256(raw).hexdigest()[:16]
         words = [f"w{i}-{digest[i % 16]}" for i in range(self.chunks)]
+        # vLLM samples ``n`` sequences of each prompt of a batch, choice i * n + j, and sums
+        # their tokens in the usage
+        batch = body.get("prompt")
+        prompts = (
+            len(batch) if isinstance(batch, list) and batch and type(batch[0]) is not int else 1
+        )
+        choices = prompts * int(body.get("n") or 1)
         usage = {
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(words),
-            "total_tokens": prompt_tokens + len(words),
+            "completion_tokens": len(words) * choices,
+            "total_tokens": prompt_tokens + len(words) * choices,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
         echo = {k: v for k, v in body.items() if k not in KNOWN}
@@ -123,21 +130,22 @@ class Backend:
         if not body.get("stream"):
             base.update(fingerprint)
             if chat:
-                choice: dict[str, Any] = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": " ".join(words)},
-                    "finish_reason": "stop",
-                    "logprobs": None,
-                }
+                done: list[dict[str, Any]] = [
+                    {
+                        "index": c,
+                        "message": {"role": "assistant", "content": " ".join(words)},
+                        "finish_reason": "stop",
+                        "logprobs": None,
+                    }
+                    for c in range(choices)
+                ]
             else:
-                choice = {
-                    "index": 0,
-                    "text": " ".join(words),
-                    "finish_reason": "stop",
-                    "logprobs": None,
-                }
+                done = [
+                    {"index": c, "text": " ".join(words), "finish_reason": "stop", "logprobs": None}
+                    for c in range(choices)
+                ]
             obj = "chat.completion" if chat else "text_completion"
-            answer = {**base, "object": obj, "choices": [choice], "usage": usage}
+            answer = {**base, "object": obj, "choices": done, "usage": usage}
             if self.pad_bytes:
                 answer["x_pad"] = "x" * self.pad_bytes
             return web.json_response(answer)
@@ -148,19 +156,22 @@ class Backend:
         obj = "chat.completion.chunk" if chat else "text_completion"
         try:
             for i, w in enumerate(words):
-                if chat:
-                    delta: dict[str, Any] = {"content": w + " "}
-                    if i == 0:
-                        delta["role"] = "assistant"
-                    choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
-                else:
-                    choice = {"index": 0, "text": w + " ", "finish_reason": None, "logprobs": None}
-                chunk = {**base, "object": obj, "choices": [choice]}
-                if i == len(words) - 1:
-                    choice["finish_reason"] = "stop"
-                    if not include_usage:
-                        chunk.update(fingerprint)
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                for c in range(choices):
+                    choice: dict[str, Any]
+                    if chat:
+                        delta: dict[str, Any] = {"content": w + " "}
+                        if i == 0:
+                            delta["role"] = "assistant"
+                        choice = {"index": c, "delta": delta, "finish_reason": None}
+                    else:
+                        choice = {"index": c, "text": w + " ", "finish_reason": None}
+                    choice["logprobs"] = None
+                    chunk = {**base, "object": obj, "choices": [choice]}
+                    if i == len(words) - 1:
+                        choice["finish_reason"] = "stop"
+                        if not include_usage:
+                            chunk.update(fingerprint)
+                    await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if self.chunk_delay_s:
                     await asyncio.sleep(self.chunk_delay_s)
             if include_usage:

@@ -5,6 +5,7 @@ errors, admin, metrics."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ import openai
 import pytest
 
 from router.service.config import build_settings
+from router.service.handling import max_output_tokens
 from router.tokenize.tokenizers import BUNDLED_DIR
 from tests.backends import Backend, kimi_model_table, start_router
 from tests.waiting import eventually
@@ -221,6 +223,55 @@ async def test_completions_text_and_token_ids(fleet: Fleet) -> None:
     ).items()
 
 
+async def test_a_completion_of_prompt_embeddings_is_routed_and_passed_on(fleet: Fleet) -> None:
+    """vLLM 0.34 serves a completion whose prompt is ``prompt_embeds`` (base64 tensors) alone
+    or beside ``prompt``. The router refused one without ``prompt`` (400 "'prompt' is a
+    required property"); it now routes it on load (nothing to hash: not exact) and passes the
+    body on as sent."""
+    embed = base64.b64encode(bytes(64)).decode()
+    bodies = [
+        {"model": MODEL, "prompt_embeds": embed, "max_tokens": 2},
+        {"model": MODEL, "prompt_embeds": [embed, embed], "prompt": [], "max_tokens": 2},
+        {"model": MODEL, "prompt_embeds": [embed], "prompt": "Once upon", "max_tokens": 2},
+    ]
+    for body in bodies:
+        r = await fleet.post("/v1/completions", body)
+        assert r.status == 200, await r.text()
+        decision = dict(p.split("=") for p in r.headers["X-KVRouter-Decision"].split("; "))
+        assert decision["exact"] == "false"
+        (sent,) = [r["body"] for b in fleet.backends for r in b.received]
+        assert sent == body
+        for b in fleet.backends:
+            b.received.clear()
+
+
+def test_output_limits_are_read_as_vllm_reads_them() -> None:
+    """vLLM 0.34's chat takes ``max_completion_tokens`` when it is not null (0 included), else
+    ``max_tokens``; its completions have no ``max_completion_tokens`` (an unknown field,
+    ignored) and default ``max_tokens`` (absent or null) to 16. The router counted a
+    completion by a ``max_completion_tokens`` the engine ignores, and one without a limit
+    as one of unknown length."""
+    chat = {"max_completion_tokens": 0, "max_tokens": 900}
+    assert max_output_tokens(chat, "chat") == 0
+    assert max_output_tokens({"max_completion_tokens": None, "max_tokens": 9}, "chat") == 9
+    assert max_output_tokens({}, "chat") is None
+    completion = {"max_completion_tokens": 4096, "max_tokens": 8}
+    assert max_output_tokens(completion, "completion") == 8
+    assert max_output_tokens({"max_completion_tokens": 4096}, "completion") == 16
+    assert max_output_tokens({"max_tokens": None}, "completion") == 16
+
+
+async def test_a_completion_s_unknown_fields_are_not_checked(fleet: Fleet) -> None:
+    """``max_completion_tokens`` is no field of vLLM's completion request: the engine ignores
+    whatever it holds. The router refused a completion whose value was not a non-negative
+    integer (400); it passes the body on."""
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 2, "max_completion_tokens": -1}
+    r = await fleet.post("/v1/completions", body)
+    assert r.status == 200, await r.text()
+    (sent,) = [r["body"] for b in fleet.backends for r in b.received]
+    assert sent == body
+
+
 async def test_models_lists_what_the_router_routes(fleet: Fleet) -> None:
     """``/v1/models`` lists the models the router will route: configured (or served by a
     configured replica) with at least one replica. Replica a0 also reports ``extra-lora`` (a
@@ -353,6 +404,21 @@ async def test_metrics_report_prediction_and_engine_cache(fleet: Fleet) -> None:
     assert 'kvrouter_tokenizer_mode{mode="approximate",model="approx-model"} 1.0' in text
     predicted = _metric(text, 'kvrouter_predicted_hit_tokens_total{model="kimi-test"}')
     assert predicted > 0
+
+
+async def test_a_batch_is_not_judged_against_one_prompt_s_cached_tokens(fleet: Fleet) -> None:
+    """vLLM 0.34 reports one prompt's ``cached_tokens`` for a batch of completion prompts (the
+    last one's ``num_cached_tokens``), against the longest prompt's hit the router predicted
+    and the batch's summed prompt tokens: no prediction error to measure. The router
+    observed one per batch."""
+    body = {"model": MODEL, "prompt": ["Once upon a time " * 20, "In a land"], "max_tokens": 2}
+    r = await fleet.post("/v1/completions", body)
+    assert r.status == 200, await r.text()
+    assert len((await r.json())["choices"]) == 2
+    one = await fleet.post("/v1/completions", {**body, "prompt": body["prompt"][0]})
+    await one.read()
+    text = await (await fleet.http.get(fleet.url + "/metrics")).text()
+    assert 'kvrouter_prediction_error_tokens_count{model="kimi-test"} 1.0' in text
 
 
 def _metric(text: str, name: str) -> float:
@@ -626,6 +692,15 @@ async def test_unknown_route_is_openai_style_404(fleet: Fleet) -> None:
     r = await fleet.http.get(fleet.url + "/v1/nothing")
     assert r.status == 404
     assert (await r.json())["error"]["type"] == "not_found_error"
+    # vLLM routes the router does not serve (docs/service.md): refused, never sent on
+    form = aiohttp.FormData({"model": MODEL})
+    form.add_field("file", b"RIFF", filename="a.wav")
+    for path in ("/v1/audio/transcriptions", "/inference/v1/generate", "/invocations"):
+        data = form if "audio" in path else json.dumps({"model": MODEL}).encode()
+        r = await fleet.http.post(fleet.url + path, data=data)
+        assert r.status == 404, path
+        assert path in (await r.json())["error"]["message"]
+    assert sum(len(b.received) for b in fleet.backends) == 0
 
 
 async def test_agentic_turns_reuse_the_rendered_history_over_http(engine: str) -> None:

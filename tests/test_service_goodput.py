@@ -106,6 +106,31 @@ async def test_a_missed_tpot_target_is_counted_as_such(strict_fleet: Fleet) -> N
     assert isinstance(engine.policy, Ours) and engine.policy.tpot_target_s == 0.001
 
 
+@pytest.fixture(params=ENGINES)
+async def tpot_fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+    """TTFT target 10 s, TPOT target 10 ms: each sequence's ~20 ms chunks miss it."""
+    async for f in _fleet(str(request.param), {"ttft_s": 10.0, "tpot_s": 0.01}):
+        yield f
+
+
+async def test_tpot_is_judged_per_sequence_of_a_sampled_or_batched_stream(
+    tpot_fleet: Fleet,
+) -> None:
+    """vLLM decodes a request's ``n`` sequences of each of its prompts side by side and its
+    usage sums their tokens: 8 sequences of 4 tokens, ~20 ms apart, report 32. The router
+    took the TPOT as the time after the first token over 31 tokens (~2 ms: met); each
+    sequence took ~20 ms a token, which misses the 10 ms target."""
+    await _stream(tpot_fleet.client, n=8)
+    key = f'{{class="default",model="{MODEL}",result="tpot_missed",tier="any"}}'
+    await eventually_counts(tpot_fleet, key, 1.0)
+    stream = await tpot_fleet.client.completions.create(
+        model=MODEL, prompt=["Once upon a time"] * 4, n=2, max_tokens=4, stream=True
+    )
+    async for _ in stream:
+        pass
+    await eventually_counts(tpot_fleet, key, 2.0)
+
+
 async def eventually_counts(fleet: Fleet, key: str, expected: float) -> None:
     """The stream's books close right after its last byte went out: poll the page until
     they do (at most 5 s)."""

@@ -198,3 +198,27 @@ def test_add_special_tokens_adds_or_leaves_out_the_bos_as_vllm() -> None:
     assert with_bos.block_hashes == hash_prompt([bos, *chat_ids], 1, root).hashes
     with pytest.raises(BadRequest):
         proc.completion({"prompt": text, "add_special_tokens": "no"})
+
+
+def test_prompt_embeddings_are_counted_as_prompts_of_the_batch_and_not_hashed() -> None:
+    """vLLM 0.34 (``--enable-prompt-embeds``) serves ``prompt_embeds`` (base64 tensors, one or
+    a list) alone or beside ``prompt``: one batch, the embeddings first
+    (``OnlineRenderer.preprocess_completion``); an empty list adds none. The router cannot
+    hash a tensor: the text prompts are routed as before, each embedding is one more prompt
+    of the batch (its decode sequences), its prefill not counted, the view not exact. It
+    used to refuse a body without ``prompt`` (400) and count a mixed batch without them."""
+    proc = _processor("kimi_style")
+    embed = "AAAA"
+    alone = proc.completion({"prompt_embeds": embed})
+    assert (alone.prompts, alone.block_hashes, alone.exact) == (1, [], False)
+    assert proc.completion({"prompt_embeds": [embed, embed], "prompt": []}).prompts == 2
+    text = {"prompt": "a plain continuation " * 20}
+    mixed = proc.completion({**text, "prompt_embeds": [embed, embed]})
+    plain = proc.completion(text)
+    assert (mixed.prompts, mixed.exact) == (3, False)
+    assert mixed.block_hashes == plain.block_hashes
+    assert mixed.prompt_tokens == plain.prompt_tokens
+    empty = proc.completion({**text, "prompt_embeds": []})
+    assert (empty.prompts, empty.exact, empty.block_hashes) == (1, True, plain.block_hashes)
+    with pytest.raises(BadRequest):  # neither: vLLM's "Either prompt or prompt_embeds ..."
+        proc.completion({"prompt_embeds": []})

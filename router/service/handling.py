@@ -96,10 +96,14 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def field_types(body: dict[str, Any], default_model: str | None = None) -> tuple[str, bool]:
+def field_types(
+    body: dict[str, Any], default_model: str | None = None, kind: str = "chat"
+) -> tuple[str, bool]:
     """The request's model and stream flag, read as vLLM reads them (router.service.lax):
     a missing or empty ``model`` is the one model served (vLLM's served model; the router's
-    ``default_model``, when it routes exactly one); ``"stream": "yes"`` is a stream."""
+    ``default_model``, when it routes exactly one); ``"stream": "yes"`` is a stream. Its
+    output limits are checked too: a completion (``kind``) has no ``max_completion_tokens``
+    (vLLM ignores the field)."""
     model = body.get("model")
     if model is None or model == "":
         if default_model is None:
@@ -110,7 +114,7 @@ def field_types(body: dict[str, Any], default_model: str | None = None) -> tuple
     stream = lax_bool(body.get("stream", False))
     if stream is INVALID:
         raise BadRequest("'stream' must be a boolean")
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens",) if kind == "completion" else ("max_tokens", "max_completion_tokens"):
         v = lax_int(body.get(key))
         if v is INVALID or (v is not None and v < 0):
             raise BadRequest(f"'{key}' must be a non-negative integer")
@@ -124,16 +128,29 @@ engine refuses it or stops at its context) is counted as this many: the models m
 with floats, which an integer past about 1e308 cannot become."""
 
 
+COMPLETION_MAX_TOKENS = 16
+"""vLLM's ``max_tokens`` of a completion that sets none (or null): its request model's
+default (vLLM 0.34 ``CompletionRequest``)."""
+
+
 def max_output_tokens(body: dict[str, Any], kind: str = "chat") -> int | None:
-    """``max_completion_tokens``, else ``max_tokens`` (as :func:`field_types` checked them);
-    for the Responses API (``kind`` ``responses``) its ``max_output_tokens``, checked here;
-    at most ``MAX_OUTPUT_TOKENS`` (the body goes on as it came)."""
+    """``max_completion_tokens`` when not null, else ``max_tokens`` (as :func:`field_types`
+    checked them), as vLLM's chat reads them; a completion's ``max_tokens``, else
+    ``COMPLETION_MAX_TOKENS`` (vLLM's completions have no ``max_completion_tokens``); for
+    the Responses API (``kind`` ``responses``) its ``max_output_tokens``, checked here; at
+    most ``MAX_OUTPUT_TOKENS`` (the body goes on as it came)."""
     if kind == "responses":
         found = lax_int(body.get("max_output_tokens"))
         if found is INVALID or (found is not None and found < 0):
             raise BadRequest("'max_output_tokens' must be a non-negative integer")
+    elif kind == "completion":
+        found = lax_int(body.get("max_tokens"))
+        if found is None:
+            found = COMPLETION_MAX_TOKENS
     else:
-        found = lax_int(body.get("max_completion_tokens")) or lax_int(body.get("max_tokens"))
+        found = lax_int(body.get("max_completion_tokens"))
+        if found is None:
+            found = lax_int(body.get("max_tokens"))
     return min(found, MAX_OUTPUT_TOKENS) if type(found) is int else None
 
 
@@ -259,7 +276,7 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     body, likewise, router.tokenize.responses): everything before routing, a pure
     function of the body and the settings (what the body memo keeps); raises KVRouterError
     for a bad request."""
-    model, stream = field_types(body, _default_if_unnamed(state, body))
+    model, stream = field_types(body, _default_if_unnamed(state, body), kind)
     processor = state.processor(model)
     messages = kind == "messages"
     responses = kind == "responses"

@@ -618,9 +618,14 @@ class Forwarder:
     ) -> None:
         """Count a streamed answer by its prompt's SLO tier and which targets it met. The
         output length is the usage the replica reported (the router asks for it on every
-        stream); without one the TPOT half is not judged."""
+        stream); without one the TPOT half is not judged. A request's sequences (``n`` of
+        each of its prompts) decode side by side and its usage sums their tokens: TPOT is
+        judged on a sequence's share of them."""
         req = routed.request
         out = usage_tokens(usage).completion
+        sequences = req.samples * req.prompts
+        if out is not None and sequences > 1:
+            out = -(-out // sequences)
         count_slo(
             self.state,
             req.model,
@@ -679,5 +684,8 @@ class Forwarder:
         if cached is None:
             return
         mm.engine_cached_tokens.inc(cached)
-        if key == routed.decision.replica and routed.prompt.exact:  # the predicted replica
+        # the predicted replica; a batch's usage has one of its prompts' cached tokens
+        # (vLLM: the last to finish), not the batch's: no error to measure
+        exact = routed.prompt.exact and routed.request.prompts == 1
+        if key == routed.decision.replica and exact:
             mm.prediction(routed.decision.usable_tokens, routed.request.prompt_tokens, cached)

@@ -543,7 +543,24 @@ class PromptProcessor:
 
     def completion(self, body: Mapping[str, Any]) -> ProcessedPrompt:
         """Routing view of a completion request. A batch (several prompts, answered by one
-        replica) is routed by its longest prompt and counted with all its tokens."""
+        replica) is routed by its longest prompt and counted with all its tokens.
+
+        ``prompt_embeds`` (vLLM: one base64 tensor or a list, run before the text prompts in
+        the same batch) cannot be hashed: each is one more prompt of the batch (its decode
+        sequences counted, its prefill not), the text prompts are routed as without them,
+        and the view is not exact (the engine's usage counts tokens the router did not)."""
+        embeds = body.get("prompt_embeds")
+        embedded = 0 if embeds is None else len(embeds) if isinstance(embeds, list) else 1
+        if not embedded:
+            return self._completion_text(body)
+        prompt = body.get("prompt")
+        if prompt is None or (isinstance(prompt, list) and not prompt):
+            return ProcessedPrompt(0, [], self.block_size, False, prompts=embedded)
+        text = self._completion_text(body)
+        return replace(text, exact=False, prompts=text.prompts + embedded)
+
+    def _completion_text(self, body: Mapping[str, Any]) -> ProcessedPrompt:
+        """:meth:`completion` of the body's ``prompt``."""
         prompt = body.get("prompt")
         if prompt is None:
             raise BadRequest("'prompt' is a required property")
