@@ -772,6 +772,27 @@ async def test_a_seq_that_does_not_parse_fails_no_audit(redis_url: str, key_pref
         await store.close()
 
 
+async def test_a_write_over_a_seq_that_does_not_parse_is_a_seq_mismatch(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A publisher's write over a foreign ``seq:<dp>`` raised ValueError after its
+    transaction landed: the batch's change-stream entry was never appended. It is a seq
+    mismatch (the writer sends its full state), with the entry appended."""
+    schema = KeySchema(key_prefix, stream_shards=1)
+    store = RedisStore.from_url(redis_url, schema)
+    try:
+        w = await _publish(store, "live")
+        await store.redis.hset(schema.meta("live"), schema.seq_field(0), "nope")
+        before = await store.redis.xlen(schema.stream(0))
+        w.add(ReplicaKey("live"), [BlocksStored((5, 6))])
+        with pytest.raises(SeqMismatch):
+            await w.flush()
+        assert await store.redis.xlen(schema.stream(0)) == before + 1
+        assert await store.stored_seq(ReplicaKey("live")) is not None
+    finally:
+        await store.close()
+
+
 async def test_malformed_stream_entries_do_no_harm(redis_url: str, key_prefix: str) -> None:
     store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
     try:

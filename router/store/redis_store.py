@@ -384,8 +384,9 @@ class RedisStore:
     ) -> tuple[list[ReplicaKey], dict[str, str | None]]:
         """Write the states (``full``: replace them whole) with their seqs, one transaction
         per replica, fenced by ``owner``'s lease (None: unchecked; ``_fenced``). Returns the
-        keys whose stored seq before it (0 when none) was not ``seq - 1``, and the replicas
-        whose write was refused (nothing of it written): the lease's holder, None when gone."""
+        keys whose stored seq before it (0 when none) was not ``seq - 1`` (or did not parse),
+        and the replicas whose write was refused (nothing of it written): the lease's holder,
+        None when gone."""
         s = self.schema
         by_replica: dict[str, list[ReplicaState]] = defaultdict(list)
         for st in states:
@@ -419,10 +420,11 @@ class RedisStore:
             if not isinstance(got, list):
                 refused[replica] = got
                 continue
+            # a seq that does not parse (a foreign write) was not ``seq - 1``: behind
             behind += [
                 st.key
                 for st, before in zip(group, got, strict=False)
-                if int(before or 0) != st.seq - 1
+                if (0 if before is None else _seq(before)) != st.seq - 1
             ]
         return behind, refused
 
