@@ -699,8 +699,8 @@ async def test_a_snapshot_that_does_not_parse_keeps_the_replica_and_is_read_agai
 ) -> None:
     """A resync whose snapshot does not parse (a torn record in the replica's kv hash) is
     not a replica gone: the index keeps what it knew of the key, the read is counted and
-    logged once, and the resync stays owed, retried each turn (as a failing read) while the
-    follower reads every other change, until the state parses again."""
+    logged once, and the resync stays owed, retried (with a backoff) while the follower
+    reads every other change, until the state parses again."""
     caplog.set_level(logging.WARNING, logger="router.store.sync")
     store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
     try:
@@ -713,7 +713,7 @@ async def test_a_snapshot_that_does_not_parse_keeps_the_replica_and_is_read_agai
         if when == "bootstrap":
             await store.redis.hset(kv, "foreign", b"\x01\x02\x03")
         index = PrefixIndex()
-        async with IndexSync(store, index, **FAST) as sync:
+        async with IndexSync(store, index, unreadable_retry_s=0.01, **FAST) as sync:
             if when == "gap":
                 assert index.match([1, 2, 3]).get(key).kv_blocks == 3
                 await store.redis.hset(kv, "foreign", b"\x01\x02\x03")
@@ -729,7 +729,7 @@ async def test_a_snapshot_that_does_not_parse_keeps_the_replica_and_is_read_agai
                 assert index.match([1, 2, 3]).get(key).kv_blocks == 3
                 assert index.match([5]).get(key).kv_blocks == 1
             assert key in sync._owed
-            await eventually(lambda: sync.stats.unreadable >= 3)  # retried each turn
+            await eventually(lambda: sync.stats.unreadable >= 3)  # retried
             registry = CollectorRegistry()
             registry.register(_IndexSyncCollector(sync))
             page = generate_latest(registry).decode()
@@ -745,6 +745,34 @@ async def test_a_snapshot_that_does_not_parse_keeps_the_replica_and_is_read_agai
             assert index.match(blocks).get(key).kv_blocks == len(blocks)
             if when == "gap":
                 assert index.match([5]).get(key).kv_blocks == 1
+    finally:
+        await store.close()
+
+
+async def test_an_unreadable_snapshot_is_read_again_after_a_wait_not_each_turn(
+    redis_url: str, key_prefix: str
+) -> None:
+    """Such a read succeeds with the key's whole stored state: retried each turn (a turn
+    after every read of the change streams), it re-read megabytes from Redis many times a
+    second for as long as the key stayed unreadable. It waits ``unreadable_retry_s``,
+    doubling, between reads."""
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
+    try:
+        w = await _publish(store, "torn")
+        other = await _publish(store, "o")
+        key, okey = ReplicaKey("torn"), ReplicaKey("o")
+        w.add(key, [BlocksStored((1, 2, 3))])
+        await w.flush()
+        await store.redis.hset(store.schema.kv("torn", 0), "foreign", b"\x01\x02\x03")
+        index = PrefixIndex()
+        async with IndexSync(store, index, unreadable_retry_s=60.0, **FAST) as sync:
+            assert sync.stats.unreadable == 1
+            for block in range(10, 20):  # turns: each batch read and applied
+                other.add(okey, [BlocksStored((block,))])
+                await other.flush()
+                await eventually(lambda b=block: index.match([b]).get(okey) is not None)
+            assert sync.stats.unreadable == 1
+            assert key in sync._owed and key in index.replicas()
     finally:
         await store.close()
 

@@ -251,7 +251,7 @@ class _IndexSyncCollector(Collector):
         unreadable = CounterMetricFamily(
             "kvrouter_index_sync_unreadable_snapshots",
             "Snapshot reads of registered replica keys whose stored state did not parse (the "
-            "key keeps its last known content and is read again each turn)",
+            "key keeps its last known content and is read again after a backoff)",
         )
         unreadable.add_metric([], float(self.sync.stats.unreadable))
         yield unreadable

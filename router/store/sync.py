@@ -68,6 +68,9 @@ from router.store.base import (
 
 log = logging.getLogger(__name__)
 
+UNREADABLE_RETRY_MAX_S = 60.0
+"""The longest wait before reading again a key whose stored state did not parse."""
+
 
 class SyncListener(Protocol):
     """Told about fleet membership and load as the follower learns them."""
@@ -147,6 +150,7 @@ class IndexSync:
         wall_clock: Callable[[], float] = time.time,
         lost_store_grace_s: float = 10.0,
         orphan_sweep_s: float = 300.0,
+        unreadable_retry_s: float = 1.0,
     ) -> None:
         self.store = store
         self.index = index
@@ -161,6 +165,7 @@ class IndexSync:
         self.wall_clock = wall_clock
         self.lost_store_grace_s = lost_store_grace_s
         self.orphan_sweep_s = orphan_sweep_s
+        self.unreadable_retry_s = unreadable_retry_s
         self._next_sweep = 0.0
         self.infos: dict[str, ReplicaInfo] = {}
         # replicas kept through a store's data loss -> monotonic deadline to re-register by
@@ -185,8 +190,10 @@ class IndexSync:
         # applied; retried each turn until it succeeds (an applied gap batch is a duplicate
         # when handled again, so only this remembers that its resync is owed).
         self._owed: set[ReplicaKey] = set()
-        # keys whose last snapshot read did not parse (``_resync``): logged once per replica
-        self._unreadable: set[ReplicaKey] = set()
+        # keys whose last snapshot read did not parse (``_resync``) -> (monotonic time of the
+        # next read, the wait before it): such a read succeeds with the key's whole state,
+        # so it is retried with a backoff, not each turn; logged once per replica
+        self._unreadable: dict[ReplicaKey, tuple[float, float]] = {}
         # each key's stored seq at the last audit (see ``_check_seqs``)
         self._audited_seqs: dict[ReplicaKey, int | None] = {}
         self._token: str | None = None
@@ -515,7 +522,7 @@ class IndexSync:
                 if key.dp_rank not in info.dp_ranks:
                     self.index.remove_replica(key)
                     self._forget_lag(key)
-                    self._unreadable.discard(key)
+                    self._unreadable.pop(key, None)
         for key in info.replica_keys():
             self.index.add_replica(key)
         self.listener.replica_up(info)
@@ -527,7 +534,7 @@ class IndexSync:
         for key in keys:
             self.index.remove_replica(key)
             self._forget_lag(key)
-        self._unreadable = {k for k in self._unreadable if k.replica != replica}
+        self._unreadable = {k: v for k, v in self._unreadable.items() if k.replica != replica}
         self.stats.purges += 1
         self.listener.replica_down(replica, keys)
 
@@ -539,8 +546,10 @@ class IndexSync:
         """Resync the registered replicas owed one. A read that fails leaves them owed (tried
         again next turn) without stopping the follower: every other replica's changes are
         read meanwhile (a snapshot on a Cluster slot mid-migration can fail for a while)."""
-        known = sorted(k for k in self._owed if self._registered(k))
-        self._owed.clear()
+        now = time.monotonic()
+        waiting = {k for k in self._owed if self._unreadable.get(k, (0.0, 0.0))[0] > now}
+        known = sorted(k for k in self._owed - waiting if self._registered(k))
+        self._owed = waiting
         if not known:
             return
         try:
@@ -561,7 +570,8 @@ class IndexSync:
     async def _resync(self, keys: Sequence[ReplicaKey]) -> None:
         """Replace each key's content in the index with its stored snapshot. A key whose
         stored state does not parse keeps what the index holds and stays owed: read again
-        each turn (``_settle_owed``), as after a failing read."""
+        each turn (``_settle_owed``) as after a failing read, but after a wait that doubles
+        from ``unreadable_retry_s`` up to ``UNREADABLE_RETRY_MAX_S``."""
         self._owed.update(keys)
         snaps = await self.store.read_replicas(keys)
         for key, snap in zip(keys, snaps, strict=True):
@@ -569,8 +579,7 @@ class IndexSync:
                 self._note_unreadable(snap)
                 continue
             self._owed.discard(key)
-            if key in self._unreadable:
-                self._unreadable.discard(key)
+            if self._unreadable.pop(key, None) is not None:
                 log.info("index sync: the stored state of %s reads again", key)
             self.stats.resyncs += 1
             self.index.clear_replica(key)
@@ -586,8 +595,11 @@ class IndexSync:
         if not any(k.replica == replica for k in self._unreadable):
             log.warning(
                 "index sync: the stored state of %s does not parse (%s); keeping what the "
-                "index knew of it, read again each turn",
+                "index knew of it, read again with a backoff",
                 snap.key,
                 snap.reason,
             )
-        self._unreadable.add(snap.key)
+        last = self._unreadable.get(snap.key)
+        wait = self.unreadable_retry_s if last is None else last[1] * 2
+        wait = min(wait, UNREADABLE_RETRY_MAX_S)
+        self._unreadable[snap.key] = (time.monotonic() + wait, wait)
