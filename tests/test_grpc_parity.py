@@ -803,3 +803,31 @@ async def test_a_flex_pick_is_judged_as_flex_with_admission_off() -> None:
     page = state.metrics.render().decode()
     name = "kvrouter_slo_requests_total"
     assert metric_sample(page, name, model=MODEL, result="met", **{"class": "flex"}) == 1
+
+
+async def test_a_picks_tpot_is_judged_per_sequence_of_its_samples() -> None:
+    """As on HTTP: a Report's ``output_tokens`` is the engine's usage, the sum over the
+    request's ``n`` sequences, which decode side by side. 101 tokens of 4 sequences 3 s after
+    the first token are ~26 a sequence: 120 ms a token, which misses a 100 ms target (the sum
+    gave 30 ms: met)."""
+    state = _state(slo={"ttft_s": 100.0, "tpot_s": 0.1})
+    shift = [0.0]
+    report = router_pb2.ReportRequest
+    body = json.dumps({"model": MODEL, "prompt": list(range(1000, 1320)), "n": 4})
+    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), lambda: loop_clock() + shift[0])
+    _server, port = await gen.__anext__()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            pick = router_pb2.PickRequest(model=MODEL, request_json=body)
+            got = await stub.Pick(pick, metadata=AUTH)
+            first = report(decision_id=got.decision_id, phase=report.FIRST_TOKEN)
+            await stub.Report(first, metadata=AUTH)
+            shift[0] = 3.0
+            end = report(decision_id=got.decision_id, phase=report.COMPLETED, output_tokens=101)
+            await stub.Report(end, metadata=AUTH)
+    finally:
+        await gen.aclose()
+    page = state.metrics.render().decode()
+    missed = metric_sample(page, "kvrouter_slo_requests_total", model=MODEL, result="tpot_missed")
+    assert missed == 1

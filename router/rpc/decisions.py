@@ -71,6 +71,9 @@ class Pending:
     # what was guessed of it on its replica (RoutingEngine.dispatched), withdrawn on a
     # REFUSED report (RouterState.withdraw)
     dispatch: Dispatch | None = None
+    # sequences it decodes side by side (``n`` of each prompt): its reported output tokens
+    # are their sum (router.service.proxy.count_slo)
+    sequences: int = 1
 
     @property
     def since(self) -> float:

@@ -458,6 +458,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             owner=owner,
             arrived=arrived,
             dispatch=routed.dispatch,
+            sequences=routed.request.samples * routed.request.prompts,
         )
         if self.ejections is not None:
             # an attempt, as the HTTP forwarder's (a replica readmitted after an ejection
@@ -575,6 +576,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     pending.first_at - pending.since,
                     now - pending.since,
                     report.output_tokens or None,
+                    pending.sequences,
                 )
         if report.cached_tokens is not None and not pending.cached_counted:
             # once a request, as the forwarder counts its answer's usage: the first report

@@ -94,10 +94,17 @@ def count_slo(
     ttft: float,
     e2e: float,
     output_tokens: int | None,
+    sequences: int = 1,
 ) -> None:
     """Count an answer with a first token in ``kvrouter_slo_requests``: its prompt's SLO
     tier and which targets it met (without an output length, TPOT is not judged). The
-    forwarder's streams and gRPC Report (router/rpc/servicers.py) both count here."""
+    forwarder's streams and gRPC Report (router/rpc/servicers.py) both count here.
+
+    ``output_tokens`` is the engine's usage: a request's ``sequences`` (``n`` of each of
+    its prompts) decode side by side and it sums their tokens, so TPOT is judged on one
+    sequence's share of them."""
+    if output_tokens is not None and sequences > 1:
+        output_tokens = -(-output_tokens // sequences)
     tpot = tpot_s(e2e, ttft, output_tokens) if output_tokens is not None else None
     tier, ttft_ok, tpot_ok = state.slos[model].judge(prompt_tokens, ttft, tpot, ttft_factor)
     result = _SLO_RESULTS[ttft_ok, tpot_ok]
@@ -618,14 +625,8 @@ class Forwarder:
     ) -> None:
         """Count a streamed answer by its prompt's SLO tier and which targets it met. The
         output length is the usage the replica reported (the router asks for it on every
-        stream); without one the TPOT half is not judged. A request's sequences (``n`` of
-        each of its prompts) decode side by side and its usage sums their tokens: TPOT is
-        judged on a sequence's share of them."""
+        stream); without one the TPOT half is not judged."""
         req = routed.request
-        out = usage_tokens(usage).completion
-        sequences = req.samples * req.prompts
-        if out is not None and sequences > 1:
-            out = -(-out // sequences)
         count_slo(
             self.state,
             req.model,
@@ -634,7 +635,8 @@ class Forwarder:
             routed.service_class,
             first_at - started,
             self.event_loop().time() - started,
-            out,
+            usage_tokens(usage).completion,
+            req.samples * req.prompts,
         )
 
     def _record(
