@@ -103,18 +103,18 @@ async def call(proc: Proc, method: str, path: str, body: Any = None) -> tuple[in
 
 async def worker_pids(proc: Proc, workers: int, path: str = "/admin/replicas") -> dict[int, Any]:
     """``path``'s answer per worker pid, asked over fresh connections until every worker
-    answered."""
+    answered (a worker still starting on a loaded machine may take a while)."""
     seen: dict[int, Any] = {}
-    for _ in range(400):
+
+    async def all_answered() -> bool:
         status, data = await call(proc, "GET", path)
         assert status == 200, data
         assert data["workers"] == workers, data
         seen.setdefault(data["worker_pid"], data)
-        if len(seen) == workers:
-            return seen
-    raise AssertionError(
-        f"only workers {sorted(seen)} answered, expected {workers}:\n{proc.log()[-3000:]}"
-    )
+        return len(seen) == workers
+
+    await eventually(all_answered, timeout=30, interval=0)
+    return seen
 
 
 async def traffic(proc: Proc, n: int) -> None:

@@ -200,10 +200,10 @@ def supervise(count: int, port: int, work: Callable[[Workers, int, int, bool], N
             now = time.monotonic()
             for index in [i for i, at in sorted(due.items()) if at <= now]:
                 del due[index]
+                restarts += 1  # (written first: counted before the replacement serves)
+                _write(control, RESTARTS_FILE, f"{restarts}\n")
                 pid = spawn(index, replacing=True)
                 if pid:
-                    restarts += 1
-                    _write(control, RESTARTS_FILE, f"{restarts}\n")
                     _log.info("worker %d replaced: pid %d (%d so far)", index, pid, restarts)
             timeout = max(min(due.values()) - time.monotonic(), 0.0) if due else None
             fds = [wake_r] + [c.ready for c in children.values() if c.ready is not None]
