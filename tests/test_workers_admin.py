@@ -103,16 +103,18 @@ async def call(proc: Proc, method: str, path: str, body: Any = None) -> tuple[in
 
 async def worker_pids(proc: Proc, workers: int, path: str = "/admin/replicas") -> dict[int, Any]:
     """``path``'s answer per worker pid, asked over fresh connections until every worker
-    answered."""
+    answered (a worker still starting on a loaded machine may take a while)."""
     seen: dict[int, Any] = {}
-    for _ in range(400):
+
+    async def all_answered() -> bool:
         status, data = await call(proc, "GET", path)
         assert status == 200, data
         assert data["workers"] == workers, data
         seen.setdefault(data["worker_pid"], data)
-        if len(seen) == workers:
-            return seen
-    raise AssertionError(f"only workers {sorted(seen)} answered, expected {workers}")
+        return len(seen) == workers
+
+    await eventually(all_answered, timeout=30, interval=0)
+    return seen
 
 
 async def traffic(proc: Proc, n: int) -> None:
@@ -199,21 +201,25 @@ async def test_drain_that_misses_a_worker_is_an_error_naming_it(fleet: Fleet) ->
         pids = sorted(await worker_pids(proc, 2))
         assert sorted(int(p.stem.split("-")[1]) for p in control.glob("worker-*.sock")) == pids
         dead, alive = pids
-        os.kill(dead, signal.SIGKILL)  # a worker of the router this test started
-        await asyncio.sleep(0.3)
-        status, out = await call(proc, "POST", "/admin/replicas/b1/drain")
-        assert status == 502, out
-        err = out["error"]
-        assert err["code"] == "workers_unreachable" and err["type"] == "upstream_error"
-        assert str(dead) in err["message"] and "1 of 2" in err["message"], err
-        assert out["workers_applied"] == 1 and out["worker_pid"] == alive
-        assert [w["pid"] for w in out["workers_failed"]] == [dead]
-        # applied where it could be: the surviving worker no longer routes to b1
-        b1.received.clear()
-        await traffic(proc, 10)
-        assert b1.received == []
-        # the router's exit status tells a worker was killed (as a shell would: 128 + 9)
-        assert proc.stop() == 128 + signal.SIGKILL, proc.log()[-2000:]
+        proc.signal(signal.SIGSTOP)  # the parent replaces no worker until it continues
+        try:
+            os.kill(dead, signal.SIGKILL)  # a worker of the router this test started
+            await eventually(lambda: not _running(dead))
+            status, out = await call(proc, "POST", "/admin/replicas/b1/drain")
+            assert status == 502, out
+            err = out["error"]
+            assert err["code"] == "workers_unreachable" and err["type"] == "upstream_error"
+            assert str(dead) in err["message"] and "1 of 2" in err["message"], err
+            assert out["workers_applied"] == 1 and out["worker_pid"] == alive
+            assert [w["pid"] for w in out["workers_failed"]] == [dead]
+            # applied where it could be: the surviving worker no longer routes to b1
+            b1.received.clear()
+            await traffic(proc, 10)
+            assert b1.received == []
+        finally:
+            proc.signal(signal.SIGCONT)
+        await replacement(proc, dead, alive)
+        assert proc.stop() == 0, proc.log()[-2000:]  # a replaced worker fails no stop
         assert not control.exists()  # the parent removed the control directory
     finally:
         await b0.stop()
@@ -321,3 +327,168 @@ async def test_workers_stop_when_their_parent_is_killed(fleet: Fleet) -> None:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
         await b0.stop()
+
+
+async def serving_pids(proc: Proc, tries: int = 40) -> set[int]:
+    """The worker pids that answered ``tries`` requests over fresh connections."""
+    seen: set[int] = set()
+    for _ in range(tries):
+        status, data = await call(proc, "GET", "/admin/replicas")
+        assert status == 200, data
+        seen.add(data["worker_pid"])
+    return seen
+
+
+async def replacement(proc: Proc, dead: int, alive: int) -> int:
+    """The pid of the worker that replaced ``dead``, once it serves beside ``alive``."""
+    found: list[int] = []
+
+    async def replaced() -> bool:
+        pids = await serving_pids(proc)
+        found[:] = sorted(pids - {alive})
+        return len(pids) == 2 and dead not in pids and alive in pids
+
+    await eventually(replaced, timeout=30)
+    return found[0]
+
+
+async def test_a_killed_worker_is_replaced(fleet: Fleet) -> None:
+    """A worker killed after start-up (the OOM killer, a crash) is replaced on the same port,
+    with the same worker index, logged and counted; the others know the new one."""
+    b0 = await Backend("b0", ["m"]).start()
+    try:
+        proc = await start_router(fleet, [b0], workers=2, engine="fast")
+        dead, alive = sorted(await worker_pids(proc, 2))
+        os.kill(dead, signal.SIGKILL)  # a worker of the router this test started
+
+        await replacement(proc, dead, alive)
+        await traffic(proc, 20)
+        log = proc.log()
+        assert f"(pid {dead}) was killed by signal SIGKILL (9)" in log, log[-3000:]
+        status, page = await call(proc, "GET", "/metrics")
+        assert status == 200
+        assert "kvrouter_worker_restarts_total 1" in page, page[-2000:]
+        assert "kvrouter_workers_scraped 2" in page  # the survivor asks the new one too
+        assert 'worker="0"' in page and 'worker="1"' in page  # the index is kept
+        status, out = await call(proc, "GET", "/admin/replicas?workers=all")
+        assert out["workers_answered"] == 2 and out["workers_failed"] == [], out
+        assert proc.stop() == 0, proc.log()[-2000:]  # a replaced worker is no failed stop
+    finally:
+        await b0.stop()
+
+
+async def test_no_worker_is_replaced_while_the_router_stops(fleet: Fleet) -> None:
+    """A worker that dies while the router drains (SIGTERM) is not replaced: the router
+    exits once the others finished, with the status of the one that died."""
+    slow = await Backend("b0", ["m"], gate=asyncio.Event()).start()  # holds until set
+    try:
+        proc = await start_router(fleet, [slow], workers=2, engine="fast")
+        pids = sorted(await worker_pids(proc, 2))
+        held = [
+            asyncio.create_task(
+                call(proc, "POST", "/v1/completions", {"model": "m", "prompt": f"p{i}"})
+            )
+            for i in range(8)
+        ]
+        await eventually(lambda: len(slow.received) == 8)
+        proc.signal(signal.SIGTERM)
+
+        async def closed() -> bool:  # both workers stopped listening: both are draining
+            try:
+                await call(proc, "GET", "/health")
+            except aiohttp.ClientError:
+                return True
+            return False
+
+        await eventually(closed)
+        os.kill(pids[0], signal.SIGKILL)
+        slow.gate.set()  # type: ignore[union-attr]
+        await asyncio.gather(*held, return_exceptions=True)
+        code = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
+        assert code == 128 + signal.SIGKILL, proc.log()[-2000:]
+        assert "replacement" not in proc.log(), proc.log()[-2000:]
+        assert not any(_running(p) for p in pids)
+    finally:
+        await slow.stop()
+
+
+def test_restart_delay_doubles_and_resets() -> None:
+    from router.service.workers import (
+        RESTART_FIRST_S,
+        RESTART_MAX_S,
+        RESTART_RESET_S,
+        restart_delay,
+    )
+
+    delay = None
+    seen = []
+    for _ in range(10):  # replacements that die at once (or before they listen)
+        delay = restart_delay(delay, None if len(seen) % 2 else 0.1)
+        seen.append(delay)
+    assert seen[:3] == [RESTART_FIRST_S, 2 * RESTART_FIRST_S, 4 * RESTART_FIRST_S]
+    assert seen[-1] == RESTART_MAX_S
+    assert restart_delay(RESTART_MAX_S, RESTART_RESET_S) == RESTART_FIRST_S
+
+
+async def test_a_replacement_worker_keeps_the_drains(fleet: Fleet) -> None:
+    """Drains live in each worker's memory: the worker that replaces a killed one takes them
+    from the others before it listens, or it would send requests to a replica under
+    maintenance."""
+    b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
+    try:
+        proc = await start_router(fleet, [b0, b1], workers=2, engine="fast")
+        status, out = await call(proc, "POST", "/admin/replicas/b1/drain")
+        assert status == 200 and out["workers_applied"] == 2, out
+        dead, alive = sorted(await worker_pids(proc, 2))
+        os.kill(dead, signal.SIGKILL)  # a worker of the router this test started
+
+        new = await replacement(proc, dead, alive)
+        b1.received.clear()
+        await traffic(proc, 40)
+        assert b1.received == []
+        answers = await worker_pids(proc, 2)
+        assert set(answers) == {alive, new}
+        for answer in answers.values():
+            assert {r["name"]: r["draining"] for r in answer["replicas"]} == {
+                "b0": False,
+                "b1": True,
+            }
+    finally:
+        await b0.stop()
+        await b1.stop()
+
+
+async def test_a_replacement_worker_shares_load_both_ways(fleet: Fleet) -> None:
+    """The survivor exchanges its load with the worker that replaced a killed one (it asks
+    the workers of the parent's new pid list, not those it knew first), and the other way."""
+    slow = await Backend("b0", ["m"], gate=asyncio.Event()).start()  # holds until set
+    try:
+        proc = await start_router(
+            fleet, [slow], workers=2, engine="fast", server={"load_share_interval_s": 0.02}
+        )
+        dead, alive = sorted(await worker_pids(proc, 2))
+        os.kill(dead, signal.SIGKILL)  # a worker of the router this test started
+        new = await replacement(proc, dead, alive)
+        held = [
+            asyncio.create_task(
+                call(proc, "POST", "/v1/completions", {"model": "m", "prompt": f"p{i}"})
+            )
+            for i in range(16)
+        ]
+        await eventually(lambda: len(slow.received) == 16)
+
+        async def shared() -> bool:
+            rows = {pid: a["replicas"][0] for pid, a in (await worker_pids(proc, 2)).items()}
+            assert set(rows) == {alive, new}
+            own = {pid: r["in_flight"] for pid, r in rows.items()}
+            return (
+                all(own.values())
+                and rows[alive]["peers_in_flight"] == own[new]
+                and rows[new]["peers_in_flight"] == own[alive]
+            )
+
+        await eventually(shared)
+        slow.gate.set()  # type: ignore[union-attr]
+        assert [s for s, _ in await asyncio.gather(*held)] == [200] * 16
+    finally:
+        await slow.stop()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -161,10 +162,11 @@ def run(
     *,
     reuse_port: bool = False,
     shutdown_timeout: float = 30.0,
+    on_started: Callable[[], None] | None = None,
 ) -> None:
     """Serve ``app`` until SIGTERM / SIGINT (``kvrouter serve``). Shutdown: stop accepting,
     let requests in flight finish for up to ``shutdown_timeout`` seconds, then stop the
-    contexts."""
+    contexts. ``on_started`` is called once the port listens."""
     import signal
 
     async def main() -> None:
@@ -173,6 +175,8 @@ def run(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        if on_started is not None:
+            on_started()
         await stop.wait()
         await running.cleanup(shutdown_timeout)
 

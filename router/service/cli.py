@@ -15,6 +15,8 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from aiohttp import web
 
     from router.service.settings import Settings
@@ -97,7 +99,14 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(app: web.Application, host: str, port: int, *, reuse_port: bool) -> None:
+def _run(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    reuse_port: bool,
+    on_started: Callable[[], None] | None = None,
+) -> None:
     try:
         import uvloop
 
@@ -117,115 +126,60 @@ def _run(app: web.Application, host: str, port: int, *, reuse_port: bool) -> Non
         port,
         reuse_port=reuse_port,
         shutdown_timeout=float(app[SETTINGS].server.shutdown_timeout_s),
+        on_started=on_started,
     )
 
 
 def _serve_workers(settings: Settings, workers: int) -> int:
-    """Fork ``workers`` processes that each run the app on the same port (SO_REUSEPORT).
-
-    Before forking, the parent creates a private control directory (mode 0700): each worker
-    listens on ``<dir>/worker-<pid>.sock`` for the drains / undrains other workers forward
-    (router.service.control), and the parent writes the workers' pids to ``<dir>/workers``
-    once all are forked. The parent removes the directory when it exits, with the first
-    failing worker's status (:func:`_exit_status`; 0 when every worker stopped cleanly)."""
-    import shutil
-    import signal
-    import tempfile
+    """Fork ``workers`` processes that each run the app on the same port (SO_REUSEPORT),
+    replace the ones that die and stop them all on SIGTERM / SIGINT
+    (router.service.supervisor: the control directory, the exit status)."""
     import traceback
 
     from router.cli import failure_code
     from router.service.app import create_app
     from router.service.control import join_workers
-    from router.service.workers import PIDS_FILE, Workers
+    from router.service.supervisor import supervise
+    from router.service.workers import Workers
     from router.tokenize.tokenizers import pool_threads_for, set_pool_threads
 
-    children: list[int] = []
-    stopping: list[int] = []  # the signals that asked the router to stop
-
-    def forward(signum: int, _frame: Any) -> None:
-        stopping.append(signum)
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-
-    # the parent only supervises: SIGTERM / SIGINT stop every worker, then the parent; set
-    # before anything is made, so that a stop asked for while the workers start stops them
-    # all too and leaves no control directory
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    held = {signal.SIGTERM, signal.SIGINT}
-    control = tempfile.mkdtemp(prefix="kvrouter-workers-")  # mode 0700
-    group = Workers(control, workers)
-    logging.getLogger("kvrouter.service").info(
-        "%d workers on port %d; worker control sockets in %s",
-        workers,
-        settings.server.port,
-        control,
-    )
     parent = os.getpid()
-    try:
-        for index in range(workers):
-            if stopping:
-                break
-            # held over the fork: the parent's handler runs once the pid is listed, and a
-            # worker never runs it (it gets its own handlers first)
-            signal.pthread_sigmask(signal.SIG_BLOCK, held)
-            try:
-                pid = os.fork()
-            except BaseException:  # (out of processes or memory): stop the ones started
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
-                forward(signal.SIGTERM, None)
-                for started in children:
-                    os.waitpid(started, 0)
-                raise
-            if pid == 0:  # child
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the app sets its own)
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
-                code = 1
-                try:
-                    # each worker's share of the CPUs: encoding threads beyond it would only
-                    # hold more tiktoken copies (one vocabulary each) for cores others use
-                    set_pool_threads(pool_threads_for(workers))
-                    app = create_app(settings)
-                    join_workers(app, group, index, parent)
-                    _run(app, settings.server.host, settings.server.port, reuse_port=True)
-                    code = 0
-                except SystemExit as exc:
-                    code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-                except BaseException as exc:  # as main() would say it: os._exit skips that
-                    failed = failure_code("serve", exc)
-                    if failed is None:
-                        traceback.print_exc()
-                    code = 1 if failed is None else failed
-                finally:
-                    with contextlib.suppress(Exception):
-                        sys.stdout.flush()
-                        sys.stderr.flush()
-                    os._exit(code)
-            children.append(pid)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
-        pids = os.path.join(control, PIDS_FILE)
-        with open(pids + ".tmp", "w") as f:
-            f.write("".join(f"{pid}\n" for pid in children))
-        os.replace(pids + ".tmp", pids)
-        status = 0
-        for pid in list(children):
-            _, code = os.waitpid(pid, 0)
-            children.remove(pid)  # reaped: its pid may be another process's by a next stop
-            if stopping and os.WIFSIGNALED(code) and os.WTERMSIG(code) == signal.SIGTERM:
-                continue  # stopped as asked before it could handle the signal itself
-            status = status or _exit_status(code)
-        return status
-    finally:
-        shutil.rmtree(control, ignore_errors=True)
 
+    def work(group: Workers, index: int, ready: int, replacing: bool) -> None:
+        code = 1
+        try:
+            # each worker's share of the CPUs: encoding threads beyond it would only
+            # hold more tiktoken copies (one vocabulary each) for cores others use
+            set_pool_threads(pool_threads_for(workers))
+            app = create_app(settings)
+            join_workers(app, group, index, parent, replacing=replacing)
 
-def _exit_status(wait_status: int) -> int:
-    """A worker's exit as a shell reports it: its exit code, or 128 + the signal that
-    killed it (a worker the kernel's OOM killer took is a failure, not a clean exit)."""
-    code = os.waitstatus_to_exitcode(wait_status)
-    return code if code >= 0 else 128 - code
+            def listening() -> None:
+                os.write(ready, b"1")
+                os.close(ready)
+
+            _run(
+                app,
+                settings.server.host,
+                settings.server.port,
+                reuse_port=True,
+                on_started=listening,
+            )
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except BaseException as exc:  # as main() would say it: os._exit skips that
+            failed = failure_code("serve", exc)
+            if failed is None:
+                traceback.print_exc()
+            code = 1 if failed is None else failed
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+    return supervise(workers, settings.server.port, work)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

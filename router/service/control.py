@@ -2,7 +2,8 @@
 the router's HTTP server (router.service.fast_server) with a route table of its own.
 
 It answers the other workers only: their forwarded drains / undrains, and their requests
-for this worker's replica rows, metrics page (router/service/worker_metrics.py), load
+for this worker's replica rows, drained replicas (for a worker replacing one that died),
+metrics page (router/service/worker_metrics.py), load
 (router/service/load_share.py) and the holder of a stored response it recorded
 (router/service/response_share.py). It never serves the public routes, so there is no "already
 forwarded" header a client could forge on the public port. Its trust boundary is the file
@@ -14,6 +15,8 @@ way (a loosened directory mode, root tools) still needs it.
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 from collections.abc import AsyncIterator
 from functools import partial
@@ -21,21 +24,25 @@ from functools import partial
 from aiohttp import web
 
 from router.core.errors import BadRequest
+from router.core.types import ReplicaKey
 from router.service.admin import apply_drain, authorised, replica_rows
 from router.service.errors import ErrorReply
 from router.service.fast_server import FastServer
 from router.service.http_types import HttpRequest, Reply
 from router.service.keys import FORWARDER, REPORT_RELAY, STATE, WORKER_INDEX, WORKERS
 from router.service.load_share import load_sharing_ctx, own_load
+from router.service.peers import peer_call
 from router.service.report_relay import PATH as REPORT_PATH
 from router.service.report_relay import Reported, ReportRelay
 from router.service.response_share import PATH_PREFIX, holder_json, siblings_ctx
 from router.service.routes import Handler, Routes, error
 from router.service.wire import Sink
 from router.service.worker_metrics import INDEX_HEADER
-from router.service.workers import Workers, parent_watch
+from router.service.workers import Workers, ask_peers, parent_watch
 
 _MAX_BODY = 1 << 16  # control calls carry no body
+DRAINED_PATH = "/internal/drained"
+_log = logging.getLogger(__name__)
 
 
 def control_routes(app: web.Application, index: int) -> Routes:
@@ -69,6 +76,15 @@ def control_routes(app: web.Application, index: int) -> Routes:
         ejections = forwarder.ejections if forwarder is not None else None
         return Reply.json({"replicas": replica_rows(state, ejections)})
 
+    async def drained(req: HttpRequest, _: str) -> Reply:
+        # what this worker holds drained, discovered replicas away included, for a worker
+        # that replaces one that died (inherit_drains)
+        state = app[STATE]
+        denied = authorised(req, state.settings.server.admin_token)
+        if denied is not None:
+            return denied
+        return Reply.json({"drained": sorted(str(k) for k in state.fleet.drained)})
+
     async def own_load_of_worker(req: HttpRequest, _: str) -> Reply:
         # what this worker has in flight, for the others' load sharing (load_share.py)
         return Reply.json(own_load(app[STATE].load))
@@ -96,6 +112,7 @@ def control_routes(app: web.Application, index: int) -> Routes:
     routes.get("/internal/metrics", own_metrics)
     routes.get("/internal/replicas", own_replicas)
     routes.get("/internal/load", own_load_of_worker)
+    routes.get(DRAINED_PATH, drained)
     routes.get(PATH_PREFIX + "{id}", stored_response)
     routes.post("/internal/replicas/{name}/drain", drain(True))
     routes.post("/internal/replicas/{name}/undrain", drain(False))
@@ -108,19 +125,64 @@ async def _answer(routes: Routes, req: HttpRequest, sink: Sink) -> None:
     await sink.respond(reply.status, list(reply.headers), reply.body)
 
 
+async def inherit_drains(app: web.Application, group: Workers) -> None:
+    """Drain in ``app`` (a worker replacing one that died, not listening yet) every replica
+    key some other worker of ``group`` holds drained: drains live in each worker's memory.
+    A worker that does not answer is logged and passed over."""
+    state = app[STATE]
+    auth = f"Bearer {state.settings.server.admin_token or ''}"
+
+    async def ask(pid: int) -> list[str] | str:
+        got = await peer_call(group.socket(pid), "GET", DRAINED_PATH, auth=auth)
+        if isinstance(got, str):
+            return got
+        if got.status != 200:
+            return got.why_not()
+        try:
+            return [str(k) for k in json.loads(got.body)["drained"]]
+        except (ValueError, KeyError, TypeError):
+            return "a malformed answer"
+
+    answers, failed = await ask_peers(group, ask)
+    for f in failed:
+        _log.warning("drains not taken from worker %s: %s", f["pid"] or "?", f["reason"])
+    fleet = state.fleet
+    for name in sorted({k for answer in answers for k in answer}):
+        key = ReplicaKey.parse(name)
+        if state.registry.endpoint(key) is not None:
+            fleet.set_draining(key, True)
+        else:  # (a discovered replica away: drained when it comes back)
+            fleet.drained.add(key)
+    if fleet.drained:
+        _log.info("drained as the other workers: %s", ", ".join(sorted(map(str, fleet.drained))))
+
+
 def join_workers(
-    app: web.Application, group: Workers, index: int = 0, parent: int | None = None
+    app: web.Application,
+    group: Workers,
+    index: int = 0,
+    parent: int | None = None,
+    *,
+    replacing: bool = False,
 ) -> None:
     """Make ``app`` (not started yet) worker ``index`` of ``group``: its drains reach every
     worker, and while it runs it answers the other workers on its control socket; it takes
     their load every ``server.load_share_interval_s`` and asks them for the stored responses
     it does not know. ``parent``: the pid of the process that forked it, whose end stops
-    this worker (:func:`~router.service.workers.parent_watch`)."""
+    this worker (:func:`~router.service.workers.parent_watch`). ``replacing``: it replaces
+    a worker that died, and takes the others' drains before it listens."""
     app[WORKERS] = group
     app[WORKER_INDEX] = index
     app[REPORT_RELAY] = ReportRelay()
     if parent is not None:
         app.cleanup_ctx.append(parent_watch(parent))
+    if replacing:
+
+        async def drains(app: web.Application) -> AsyncIterator[None]:
+            await inherit_drains(app, group)
+            yield
+
+        app.cleanup_ctx.append(drains)
 
     async def control(app: web.Application) -> AsyncIterator[None]:
         server = FastServer(partial(_answer, control_routes(app, index)), _MAX_BODY)
@@ -137,17 +199,18 @@ def join_workers(
     app.cleanup_ctx.append(control)
     if group.count <= 1:
         return
-    known: list[str] = []
+    # (the pid list the sockets were read from, the sockets)
+    known: list[tuple[tuple[int, int, int] | None, list[str]]] = [(None, [])]
 
     def sockets() -> list[str]:
-        # every call asks peers(), a file read, only until every worker is known: the
-        # parent forks its workers once and does not replace them
-        if known:
-            return known
+        # peers() (a file read) again only when the parent wrote another pid list (it
+        # replaced a worker that died) or some worker was not known yet
+        listing = group.listing()
+        if listing is not None and listing == known[0][0]:
+            return known[0][1]
         pids, unknown = group.peers()
         current = [group.socket(pid) for pid in pids]
-        if not unknown:
-            known.extend(current)
+        known[0] = (listing if not unknown else None, current)
         return current
 
     state = app[STATE]

@@ -51,7 +51,9 @@ def add_routes(routes: Routes, app: web.Application) -> None:
         if group is not None and group.count > 1:
             peers, _unknown = group.peers()
             sockets = [group.socket(p) for p in peers]
-            body = await all_workers_page(app[WORKER_INDEX], body, sockets, group.count)
+            body = await all_workers_page(
+                app[WORKER_INDEX], body, sockets, group.count, group.restarts()
+            )
         return Reply.text(body, _PROMETHEUS)
 
     routes.get("/v1/models", models)

@@ -9,7 +9,8 @@ receives ``GET /metrics`` asks every other worker for its own page over its cont
 ``sum without (worker) (rate(kvrouter_requests_total[1m]))`` is the router's rate. Two
 gauges say whether the page is complete: ``kvrouter_workers`` (configured) and
 ``kvrouter_workers_scraped`` (whose samples this page holds); a worker that does not answer
-within the timeout is left out rather than failing the scrape.
+within the timeout is left out rather than failing the scrape. ``kvrouter_worker_restarts_total``
+counts the workers the parent started to replace ones that died (router/service/supervisor.py).
 
 The merge works on the text exposition format (version 0.0.4): all samples of a metric
 family must stay together, so the pages are merged family by family, headers once.
@@ -76,7 +77,7 @@ def merge(pages: Iterable[tuple[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _completeness(configured: int, scraped: int) -> str:
+def _completeness(configured: int, scraped: int, restarts: int) -> str:
     return (
         "# HELP kvrouter_workers Worker processes the router was started with.\n"
         "# TYPE kvrouter_workers gauge\n"
@@ -84,6 +85,10 @@ def _completeness(configured: int, scraped: int) -> str:
         "# HELP kvrouter_workers_scraped Worker processes whose samples this page holds.\n"
         "# TYPE kvrouter_workers_scraped gauge\n"
         f"kvrouter_workers_scraped {scraped}\n"
+        "# HELP kvrouter_worker_restarts_total Worker processes started to replace ones "
+        "that died.\n"
+        "# TYPE kvrouter_worker_restarts_total counter\n"
+        f"kvrouter_worker_restarts_total {restarts}\n"
     )
 
 
@@ -100,10 +105,11 @@ async def _peer_page(socket_path: str) -> tuple[str, str] | None:
 
 
 async def all_workers_page(
-    own_index: int, own_page: bytes, peer_sockets: Sequence[str], configured: int
+    own_index: int, own_page: bytes, peer_sockets: Sequence[str], configured: int, restarts: int
 ) -> bytes:
-    """This worker's page merged with the pages of the workers at ``peer_sockets``."""
+    """This worker's page merged with the pages of the workers at ``peer_sockets``;
+    ``restarts``: the workers the parent replaced so far."""
     got = await asyncio.gather(*(_peer_page(p) for p in peer_sockets))
     pages = [(str(own_index), own_page.decode())] + [g for g in got if g is not None]
     pages.sort(key=lambda p: int(p[0]))
-    return (merge(pages) + _completeness(configured, len(pages))).encode()
+    return (merge(pages) + _completeness(configured, len(pages), restarts)).encode()

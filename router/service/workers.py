@@ -4,7 +4,8 @@
 Each worker has its own state. Before forking, the parent creates a private control
 directory (mode 0700); each worker listens on ``<dir>/worker-<pid>.sock`` (its control
 socket, router/service/control.py) and the parent writes the workers' pids to
-``<dir>/workers`` once all are forked. A drain / undrain is applied by the worker that
+``<dir>/workers`` once all are forked, and again whenever it replaces one that died
+(router/service/supervisor.py). A drain / undrain is applied by the worker that
 received it and then by every other worker through its control socket
 (:func:`forward_to_peers`, used by the HTTP admin endpoints and the gRPC Admin service).
 """
@@ -24,7 +25,11 @@ from router.service.peers import peer_call
 
 T = TypeVar("T")
 PIDS_FILE = "workers"  # the parent's list of worker pids, one a line, in the control directory
+RESTARTS_FILE = "restarts"  # how many workers the parent replaced, in the control directory
 PARENT_CHECK_S = 0.5  # how often a worker checks that the parent that forked it still runs
+RESTART_FIRST_S = 0.5  # a worker that died is replaced after this long ...
+RESTART_MAX_S = 30.0  # ... doubled for each death of its replacements, up to this ...
+RESTART_RESET_S = 60.0  # ... unless the one that died had served this long
 _log = logging.getLogger(__name__)
 
 
@@ -60,6 +65,35 @@ class Workers:
                 pids.append(me)
         others = sorted(p for p in pids if p != me)
         return others, max(self.count - 1 - len(others), 0)
+
+    def listing(self) -> tuple[int, int, int] | None:
+        """Which pid list the parent wrote last (it writes a new file whenever it starts a
+        worker, replacements included), to tell whether :meth:`peers` may have changed;
+        None before the first."""
+        try:
+            st = os.stat(os.path.join(self.directory, PIDS_FILE))
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def restarts(self) -> int:
+        """How many workers the parent started to replace ones that died."""
+        try:
+            with open(os.path.join(self.directory, RESTARTS_FILE)) as f:
+                return int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
+
+def restart_delay(previous: float | None, served_s: float | None) -> float:
+    """How long after a worker's death its replacement starts: ``RESTART_FIRST_S``, doubled
+    from ``previous`` (the delay before the one that died, None if none) while replacements
+    keep dying, up to ``RESTART_MAX_S``; back to the first once one served
+    ``RESTART_RESET_S`` (``served_s``: how long the one that died served, None if it died
+    before it listened)."""
+    if previous is None or (served_s is not None and served_s >= RESTART_RESET_S):
+        return RESTART_FIRST_S
+    return min(previous * 2, RESTART_MAX_S)
 
 
 def worker_info(group: Workers | None) -> dict[str, int]:

@@ -1,0 +1,237 @@
+"""The parent process of ``kvrouter serve --workers N``: it forks the workers, replaces the
+ones that die, and stops them all when it is asked to stop (docs/service.md, "Worker
+processes").
+
+:func:`supervise` creates the group's private control directory (mode 0700), forks one
+worker per index and writes the workers' pids to ``<dir>/workers`` (index order) whenever it
+has started one. A worker says that it listens by writing a byte to a pipe the parent
+holds. A worker that exits or is killed when no stop was asked is logged with its exit
+status or signal and replaced, with the same index, after :func:`restart_delay`; the
+replacements are counted in ``<dir>/restarts`` (``kvrouter_worker_restarts_total``). A
+worker of the first start that dies before it listened (its port taken, a bad file) stops
+the router with its status instead: a replacement would fail the same way. SIGTERM / SIGINT
+stop every worker and then the parent, also while workers start; nothing is replaced from
+then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from router.service.workers import PIDS_FILE, RESTARTS_FILE, Workers, restart_delay
+
+_log = logging.getLogger("kvrouter.service")
+
+
+@dataclass(slots=True)
+class _Child:
+    """A worker process as its parent sees it."""
+
+    index: int
+    ready: int | None  # the read end of its pipe until it said it listens (or died)
+    serving_since: float | None = None  # monotonic time it said it listens
+
+
+def exit_status(wait_status: int) -> int:
+    """A worker's exit as a shell reports it: its exit code, or 128 + the signal that
+    killed it (a worker the kernel's OOM killer took is a failure, not a clean exit)."""
+    code = os.waitstatus_to_exitcode(wait_status)
+    return code if code >= 0 else 128 - code
+
+
+def _how(wait_status: int) -> str:
+    code = os.waitstatus_to_exitcode(wait_status)
+    if code >= 0:
+        return f"exited with status {code}"
+    return f"was killed by signal {signal.Signals(-code).name} ({-code})"
+
+
+def _write(directory: str, name: str, text: str) -> None:
+    path = os.path.join(directory, name)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _ignore(_signum: int, _frame: Any) -> None:
+    """SIGCHLD's handler: nothing, but a handled signal wakes the loop (``set_wakeup_fd``)."""
+
+
+def supervise(count: int, port: int, work: Callable[[Workers, int, int, bool], None]) -> int:
+    """Run ``count`` workers until SIGTERM / SIGINT; the exit status: that of the first
+    worker (in index order of their ends) that failed while they stopped or before the
+    first start completed, 0 when all stopped cleanly. ``work(group, index, ready_fd,
+    replacing)`` runs in each forked worker and never returns (``os._exit``); the worker
+    writes a byte to ``ready_fd`` once it listens; ``replacing``: it replaces one that
+    died."""
+    children: dict[int, _Child] = {}
+    stopping: list[int] = []  # the signals that asked the router to stop
+
+    def forward(signum: int, _frame: Any) -> None:
+        stopping.append(signum)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    # the parent only supervises: SIGTERM / SIGINT stop every worker, then the parent; set
+    # before anything is made, so that a stop asked for while the workers start stops them
+    # all too and leaves no control directory
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    held = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
+    wake_r, wake_w = os.pipe()  # every handled signal writes a byte: the loop wakes
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, _ignore)
+    control = tempfile.mkdtemp(prefix="kvrouter-workers-")  # mode 0700
+    group = Workers(control, count)
+    _log.info("%d workers on port %d; worker control sockets in %s", count, port, control)
+    pids = [0] * count  # by index, the last started
+    delays: list[float | None] = [None] * count  # the last delay before a replacement
+    served = [False] * count  # whether a worker of that index ever listened
+    due: dict[int, float] = {}  # index -> when its replacement starts (monotonic)
+    restarts = 0
+    status = 0
+
+    def spawn(index: int, replacing: bool = False) -> int:
+        """Fork worker ``index``; its pid, or 0 when a stop was asked meanwhile."""
+        # held over the fork: the parent's handlers run once the pid is listed, and a
+        # worker never runs them (it gets its own first)
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        if stopping:  # (asked since the caller looked: the new worker would not hear it)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+            return 0
+        ready_r, ready_w = os.pipe()
+        try:
+            pid = os.fork()
+        except BaseException:  # (out of processes or memory)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+            os.close(ready_r)
+            os.close(ready_w)
+            raise
+        if pid == 0:  # child
+            signal.set_wakeup_fd(-1)
+            for fd in (ready_r, wake_r, wake_w, *(c.ready for c in children.values())):
+                if fd is not None:
+                    os.close(fd)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the app sets its own)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+            try:
+                work(group, index, ready_w, replacing)
+            finally:
+                os._exit(1)  # (work never returns)
+        os.close(ready_w)
+        children[pid] = _Child(index, ready_r)
+        pids[index] = pid
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+        if all(pids):  # (until then the workers find each other by their sockets)
+            _write(control, PIDS_FILE, "".join(f"{p}\n" for p in pids))
+        return pid
+
+    def ended(pid: int, wait_status: int) -> None:
+        nonlocal status
+        child = children.pop(pid, None)
+        if child is None:
+            return
+        if child.ready is not None:
+            os.close(child.ready)
+        with contextlib.suppress(OSError):  # (a killed worker leaves its socket behind)
+            os.unlink(group.socket(pid))
+        index = child.index
+        if stopping:
+            if os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGTERM:
+                return  # stopped as asked before it could handle the signal itself
+            status = status or exit_status(wait_status)
+            return
+        if not served[index]:  # the first start failed: a replacement would fail alike
+            _log.error(
+                "worker %d (pid %d) %s before it listened: the router stops",
+                index,
+                pid,
+                _how(wait_status),
+            )
+            status = exit_status(wait_status) or 1
+            forward(signal.SIGTERM, None)
+            return
+        now = time.monotonic()
+        up = now - child.serving_since if child.serving_since is not None else None
+        delay = restart_delay(delays[index], up)
+        delays[index] = delay
+        due[index] = now + delay
+        _log.warning(
+            "worker %d (pid %d) %s; a replacement starts in %.1f s",
+            index,
+            pid,
+            _how(wait_status),
+            delay,
+        )
+
+    def reap() -> None:
+        while children:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                return
+            ended(pid, wait_status)
+
+    try:
+        for index in range(count):
+            if stopping:
+                break
+            spawn(index)
+        while children or (due and not stopping):
+            reap()
+            if stopping:
+                due.clear()
+                if not children:
+                    break
+            now = time.monotonic()
+            for index in [i for i, at in sorted(due.items()) if at <= now]:
+                del due[index]
+                restarts += 1  # (written first: counted before the replacement serves)
+                _write(control, RESTARTS_FILE, f"{restarts}\n")
+                pid = spawn(index, replacing=True)
+                if pid:
+                    _log.info("worker %d replaced: pid %d (%d so far)", index, pid, restarts)
+            timeout = max(min(due.values()) - time.monotonic(), 0.0) if due else None
+            fds = [wake_r] + [c.ready for c in children.values() if c.ready is not None]
+            readable, _, _ = select.select(fds, [], [], timeout)
+            for fd in readable:
+                if fd == wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(wake_r, 512):
+                            pass
+                    continue
+                for child in children.values():
+                    if child.ready == fd:
+                        said = os.read(fd, 1)
+                        os.close(fd)
+                        child.ready = None
+                        if said:  # (else it died: reaped next)
+                            child.serving_since = time.monotonic()
+                            served[child.index] = True
+                        break
+        return status
+    finally:
+        if children:  # (an error of the parent itself): leave no worker behind
+            forward(signal.SIGTERM, None)
+            for pid in list(children):
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.close(wake_r)
+        os.close(wake_w)
+        shutil.rmtree(control, ignore_errors=True)
