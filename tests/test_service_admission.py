@@ -225,6 +225,32 @@ async def test_a_client_that_leaves_leaves_the_queue(protective: Door) -> None:
     assert d.state.load.in_flight() == 0
 
 
+async def test_a_held_request_whose_replicas_all_leave_is_answered_as_a_new_one(
+    protective: Door,
+) -> None:
+    """A held request that no replica can take any more (drained, unhealthy) is answered at
+    once as a request arriving now is, 503 naming the cause: not held for ``max_hold_s``
+    (60 s here) to be refused then as one that missed its TTFT target."""
+    d = protective
+    d.backend.gate = asyncio.Event()
+    first = asyncio.create_task(d.post("priority"))
+    await eventually(lambda: len(d.backend.received) == 1)
+    held = asyncio.create_task(d.post())
+    await eventually(lambda: d.held() == 1)
+    (key,) = d.state.registry.keys_for(MODEL)
+    d.state.fleet.set_draining(key, True)
+    await eventually(held.done)
+    async with await held as r:
+        assert r.status == 503, await r.text()
+        assert r.headers["Retry-After"] == "1"
+        error = (await r.json())["error"]
+        assert error["code"] == "no_replica_available" and "draining" in error["message"]
+    assert d.held() == 0 and len(d.backend.received) == 1
+    d.backend.gate.set()
+    async with await first as r:
+        assert r.status == 200
+
+
 async def test_a_retry_moves_the_stall_allowance(pair: Door) -> None:
     d = pair
     for b in d.backends:

@@ -344,13 +344,16 @@ class Admission:
             self._gauge(m)
 
     def _step(self, m: _Model, now: float) -> None:
-        """Shed the late, commit what fits (best first)."""
+        """Shed the late, commit what fits (best first); a held request no replica can take
+        now (every one unhealthy or draining: not merely busy, which waiting may cure) is
+        answered at once as a new one would be."""
         queue = m.queue
         for t in queue.expire(now):
             fut = m.waiters.pop(str(t.key), None)
             if fut is not None and not fut.done():
                 fut.set_exception(self._shed(m, t, SHED_REASONS[0], 1.0))
         seen: dict[object, tuple[Pending, Assessment]] = {}
+        unroutable: dict[object, KVRouterError] = {}
 
         def held(t: Ticket) -> Assessment | None:
             old: Pending = t.payload
@@ -363,7 +366,9 @@ class Admission:
                     session_id=old.request.session_id,
                     max_output_tokens=old.request.max_output_tokens,
                 )
-            except KVRouterError:
+            except KVRouterError as exc:
+                if not (isinstance(exc, NoReplicaAvailable) and exc.busy):  # busy: it waits
+                    unroutable[t.key] = exc
                 return None
             a = assess(m.predictor, pending.request, pending.candidates, now)
             seen[t.key] = (pending, a)
@@ -385,3 +390,8 @@ class Admission:
                 continue
             self.wait.labels(m.name, CLASS_NAMES[t.klass]).observe(now - t.arrived)
             fut.set_result(routed)
+        for key, error in unroutable.items():
+            queue.cancel(key)
+            fut = m.waiters.pop(str(key), None)
+            if fut is not None and not fut.done():
+                fut.set_exception(error)
