@@ -261,6 +261,28 @@ async def test_refusals_carry_retry_info_as_http_does(rpc: Any) -> None:
 async def test_an_admission_shed_is_resource_exhausted_with_retry_info() -> None:
     from router.service.admission import Admission
 
+    # short prompts must start within 50 ms: an idle replica can, one prefilling a long
+    # prompt (picked, not reported: in flight) cannot
+    state = _state(slo={"ttft_tiers": "1000:0.05,*:1000"}, admission={"enabled": True})
+    state.admission = Admission(state)
+    async for channel in _serve(state):
+        stub = router_pb2_grpc.RouterStub(channel)
+        for i in range(2):  # one long prompt on each replica
+            pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(20000, start=i * 30000))
+            await stub.Pick(pick, metadata=AUTH)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Pick(
+                router_pb2.PickRequest(model=MODEL, token_ids=_ids(320, start=70000)),
+                metadata=AUTH,
+            )
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert int(_trailer(exc.value, "retry-after") or 0) >= 1
+        assert int(_trailer(exc.value, "grpc-retry-pushback-ms") or 0) >= 1000
+
+
+async def test_a_pick_no_idle_replica_could_serve_in_time_is_not_retried() -> None:
+    from router.service.admission import Admission
+
     state = _state(slo={"ttft_s": 1e-9}, admission={"enabled": True})  # no request meets it
     state.admission = Admission(state)
     async for channel in _serve(state):
@@ -268,9 +290,8 @@ async def test_an_admission_shed_is_resource_exhausted_with_retry_info() -> None
             await router_pb2_grpc.RouterStub(channel).Pick(
                 router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)), metadata=AUTH
             )
-        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert int(_trailer(exc.value, "retry-after") or 0) >= 1
-        assert int(_trailer(exc.value, "grpc-retry-pushback-ms") or 0) >= 1000
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _trailer(exc.value, "retry-after") is None
 
 
 async def test_pick_of_a_disaggregated_model_never_names_a_prefill_only_replica() -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from router.core.admission import AdmissionQueue, AdmissionSettings
@@ -146,18 +147,57 @@ async def test_a_bad_service_tier_is_a_400(impossible: Door) -> None:
         assert "service_tier" in error["message"] and error["type"] == "invalid_request_error"
 
 
-async def test_a_request_that_cannot_meet_its_slo_is_refused_at_once(impossible: Door) -> None:
+@pytest.fixture
+async def tiered() -> AsyncIterator[Door]:
+    """Short prompts must start within 50 ms, long ones within 1000 s: a long prompt in
+    flight (its prefill predicted to take about a second) keeps the replica from meeting a
+    short one's target, which an idle replica meets."""
+    async for d in _door({}, {"ttft_tiers": "1000:0.05,*:1000"}):
+        yield d
+
+
+async def test_a_request_that_cannot_meet_its_slo_now_is_refused_at_once(tiered: Door) -> None:
+    d = tiered
+    d.backend.gate = asyncio.Event()
+    long_prompt = "The tides rise and fall with the moon, day after day. " * 4000
+    first = asyncio.create_task(d.post(prompt=long_prompt))
+    await eventually(lambda: len(d.backend.received) == 1)
     for tier in (None, "priority", "flex"):
-        async with await impossible.post(tier) as r:
+        async with await d.post(tier) as r:
             assert r.status == 429, await r.text()
-            assert int(r.headers["Retry-After"]) >= 1
+            assert 1 <= int(r.headers["Retry-After"]) <= 60
             error = (await r.json())["error"]
             assert error["code"] == "slo_deadline" and error["type"] == "rate_limit_error"
+    assert len(d.backend.received) == 1  # never sent, never held
+    assert d.held() == 0
+    shed = await d.metric("kvrouter_admission_shed_total")
+    assert shed[f'{{class="priority",model="{MODEL}",reason="deadline"}}'] == 1.0
+    assert sum(shed.values()) == 3.0
+    d.backend.gate.set()
+    async with await first as r:
+        assert r.status == 200
+
+
+async def test_a_request_no_idle_replica_could_serve_in_time_is_not_retried(
+    impossible: Door,
+) -> None:
+    """A request whose own prefill misses its TTFT target on an idle replica cannot meet it
+    by waiting: a 400 naming the cause, which the openai client does not retry (a 429
+    would be retried after its Retry-After, to be refused again)."""
+    client = openai.AsyncOpenAI(base_url=impossible.url + "/v1", api_key="k", max_retries=2)
+    for tier in ("default", "priority", "flex"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"service_tier": tier}
+            )
+        assert caught.value.code == "slo_unattainable"
+        assert "time-to-first-token" in caught.value.message
+        assert caught.value.response.headers.get("retry-after") is None
+    await client.close()
     assert impossible.backend.received == []  # never sent, never held
     assert impossible.held() == 0
     shed = await impossible.metric("kvrouter_admission_shed_total")
-    assert shed[f'{{class="priority",model="{MODEL}",reason="deadline"}}'] == 1.0
-    assert sum(shed.values()) == 3.0
+    assert sum(shed.values()) == 3.0  # one attempt each: none retried
 
 
 async def test_a_held_request_goes_when_capacity_frees(protective: Door) -> None:
@@ -183,6 +223,32 @@ async def test_a_client_that_leaves_leaves_the_queue(protective: Door) -> None:
     await d.leave_while_held()
     assert len(d.backend.received) == 1  # the one that left was never sent
     assert d.state.load.in_flight() == 0
+
+
+async def test_a_held_request_whose_replicas_all_leave_is_answered_as_a_new_one(
+    protective: Door,
+) -> None:
+    """A held request that no replica can take any more (drained, unhealthy) is answered at
+    once as a request arriving now is, 503 naming the cause: not held for ``max_hold_s``
+    (60 s here) to be refused then as one that missed its TTFT target."""
+    d = protective
+    d.backend.gate = asyncio.Event()
+    first = asyncio.create_task(d.post("priority"))
+    await eventually(lambda: len(d.backend.received) == 1)
+    held = asyncio.create_task(d.post())
+    await eventually(lambda: d.held() == 1)
+    (key,) = d.state.registry.keys_for(MODEL)
+    d.state.fleet.set_draining(key, True)
+    await eventually(held.done)
+    async with await held as r:
+        assert r.status == 503, await r.text()
+        assert r.headers["Retry-After"] == "1"
+        error = (await r.json())["error"]
+        assert error["code"] == "no_replica_available" and "draining" in error["message"]
+    assert d.held() == 0 and len(d.backend.received) == 1
+    d.backend.gate.set()
+    async with await first as r:
+        assert r.status == 200
 
 
 async def test_a_retry_moves_the_stall_allowance(pair: Door) -> None:

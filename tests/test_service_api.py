@@ -626,6 +626,10 @@ async def test_no_replica_available_is_503_with_retry_after(fleet: Fleet) -> Non
         assert r.status == 200
     r = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": conversation(0)})
     assert r.status == 503 and r.headers["Retry-After"] == "1"
+    error = (await r.json())["error"]
+    assert error["code"] == "no_replica_available"
+    # healthy replicas that were drained: the message names the drain, not a failure
+    assert "draining" in error["message"] and "healthy" not in error["message"], error
     ready = await fleet.http.get(fleet.url + "/ready")
     assert ready.status == 503
     await fleet.post(

@@ -22,7 +22,8 @@ queue, interleaved decode; see router/core/policies.py ``Ours``) for each eligib
   the fleet's best predicted TTFT plus the prefill work held ahead of it (same or better
   class) spread over the eligible replicas exceeds the budget, or it would wait more than
   ``max_hold_s`` for a replica to fit it; or (``queue_full``) when the queue holds
-  ``max_queue`` requests. A shed carries a ``retry_after_s`` hint.
+  ``max_queue`` requests. A shed carries a ``retry_after_s`` hint, which is no use when the
+  request is not :meth:`AdmissionQueue.attainable` (not even an idle replica meets it).
 * else **hold** it. :meth:`AdmissionQueue.ready` hands back held requests that fit, best
   first: by class (priority, default, flex), then the tenant that has been served the fewest
   uncached prompt tokens (a virtual token counter: a tenant that comes back after idling is
@@ -409,6 +410,16 @@ class AdmissionQueue:
         prefill = float(a.prefill_s[a.eligible].min())
         self._hold(ticket, prefill)
         return Verdict(HOLD)
+
+    def attainable(self, ticket: Ticket, a: Assessment) -> bool:
+        """Whether some eligible replica of ``a`` could meet ``ticket``'s budget with nothing
+        queued: its own predicted prefill there (after that replica's usable cached prefix)
+        within the budget. A request shed that is not attainable cannot be served in time
+        by waiting (the front door answers it as one retrying cannot help); without an
+        eligible replica nothing is known, and it counts as attainable."""
+        if not a.eligible.any():
+            return True
+        return float(a.prefill_s[a.eligible].min()) <= ticket.budget_s
 
     def _hold(self, ticket: Ticket, prefill_s: float) -> None:
         t = ticket.tenant

@@ -3,7 +3,9 @@ event loop, per model with ``[models.NAME.admission] enabled = true``.
 
 A request is judged before it is committed to a replica (:meth:`RouterState.decide`, then
 :meth:`RouterState.commit` among the replicas that fit): admitted at once, held, or shed with
-:class:`Overloaded` (HTTP 429 with ``Retry-After``, gRPC RESOURCE_EXHAUSTED). A held request
+:class:`Overloaded` (HTTP 429 with ``Retry-After``, gRPC RESOURCE_EXHAUSTED), or with
+:class:`SloUnattainable` (HTTP 400, INVALID_ARGUMENT) when not even an idle replica could
+meet its deadline, which no wait helps (``AdmissionQueue.attainable``). A held request
 waits on a future; one pump task per model runs while anything is held, every
 :data:`TICK_S` and whenever a request finishes: it sheds the held requests that can no
 longer meet their deadline and commits those that fit, best first. A client that goes away
@@ -48,7 +50,7 @@ from router.core.admission import (
     predictor_for,
     restrict,
 )
-from router.core.errors import KVRouterError, NoReplicaAvailable, Overloaded
+from router.core.errors import KVRouterError, NoReplicaAvailable, Overloaded, SloUnattainable
 from router.core.policies import Ours
 from router.core.types import ReplicaKey
 from router.service.body_memo import Admitted
@@ -205,7 +207,8 @@ class Admission:
         session_id: str | None,
         max_output_tokens: int | None,
     ) -> Routed:
-        """Judge and route one request (the model must be enabled); raises Overloaded."""
+        """Judge and route one request (the model must be enabled); raises Overloaded, or
+        SloUnattainable."""
         m = self._model(model)
         assert m is not None
         state = self.state
@@ -231,7 +234,15 @@ class Admission:
             self.wait.labels(model, name).observe(0.0)
             return self._commit(m, ticket, pending, a, verdict.allowed, now)
         if verdict.action == SHED:
-            raise self._shed(m, ticket, verdict.reason, verdict.retry_after_s)
+            shed = self._shed(m, ticket, verdict.reason, verdict.retry_after_s)
+            if not queue.attainable(ticket, a):  # no wait helps: not worth a retry
+                raise SloUnattainable(
+                    f"this {name}-class request of {prompt_tokens} prompt tokens cannot meet "
+                    f"its time-to-first-token target ({ticket.budget_s:g} s) even on an idle "
+                    "replica; a shorter prompt, or a class with a longer target "
+                    "(service_tier), may"
+                )
+            raise shed
         fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
         m.waiters[request_id] = fut
         self._gauge(m)
@@ -333,13 +344,16 @@ class Admission:
             self._gauge(m)
 
     def _step(self, m: _Model, now: float) -> None:
-        """Shed the late, commit what fits (best first)."""
+        """Shed the late, commit what fits (best first); a held request no replica can take
+        now (every one unhealthy or draining: not merely busy, which waiting may cure) is
+        answered at once as a new one would be."""
         queue = m.queue
         for t in queue.expire(now):
             fut = m.waiters.pop(str(t.key), None)
             if fut is not None and not fut.done():
                 fut.set_exception(self._shed(m, t, SHED_REASONS[0], 1.0))
         seen: dict[object, tuple[Pending, Assessment]] = {}
+        unroutable: dict[object, KVRouterError] = {}
 
         def held(t: Ticket) -> Assessment | None:
             old: Pending = t.payload
@@ -352,7 +366,9 @@ class Admission:
                     session_id=old.request.session_id,
                     max_output_tokens=old.request.max_output_tokens,
                 )
-            except KVRouterError:
+            except KVRouterError as exc:
+                if not (isinstance(exc, NoReplicaAvailable) and exc.busy):  # busy: it waits
+                    unroutable[t.key] = exc
                 return None
             a = assess(m.predictor, pending.request, pending.candidates, now)
             seen[t.key] = (pending, a)
@@ -374,3 +390,8 @@ class Admission:
                 continue
             self.wait.labels(m.name, CLASS_NAMES[t.klass]).observe(now - t.arrived)
             fut.set_result(routed)
+        for key, error in unroutable.items():
+            queue.cancel(key)
+            fut = m.waiters.pop(str(key), None)
+            if fut is not None and not fut.done():
+                fut.set_exception(error)
