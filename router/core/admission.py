@@ -22,8 +22,13 @@ queue, interleaved decode; see router/core/policies.py ``Ours``) for each eligib
   the fleet's best predicted TTFT plus the prefill work held ahead of it (same or better
   class) spread over the eligible replicas exceeds the budget, or it would wait more than
   ``max_hold_s`` for a replica to fit it; or (``queue_full``) when the queue holds
-  ``max_queue`` requests. A shed carries a ``retry_after_s`` hint, which is no use when the
-  request is not :meth:`AdmissionQueue.attainable` (not even an idle replica meets it).
+  ``max_queue`` requests. A shed carries a ``retry_after_s`` hint.
+* A request whose own predicted prefill on the best eligible replica (after that replica's
+  usable cached prefix, nothing queued) is over its budget could never be admitted: a
+  prompt too long for its class's target, a 1M-token one say. Its budget is that prefill
+  plus its class's budget (:meth:`AdmissionQueue.within_reach`), so it is served when a
+  replica can start it soon and held or shed (429, worth retrying) while the fleet is busy,
+  never refused for good; its SLO is still judged against the class's target.
 * else **hold** it. :meth:`AdmissionQueue.ready` hands back held requests that fit, best
   first: by class (priority, default, flex), then the tenant that has been served the fewest
   uncached prompt tokens (a virtual token counter: a tenant that comes back after idling is
@@ -48,7 +53,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -389,7 +394,9 @@ class AdmissionQueue:
         return max(own, min(waiting)) if waiting else own
 
     def judge(self, ticket: Ticket, a: Assessment, now: float) -> Verdict:
-        """Admit, hold (the ticket joins the queue) or shed ``ticket``."""
+        """Admit, hold (the ticket joins the queue) or shed ``ticket`` (judged with its
+        budget :meth:`within_reach`)."""
+        ticket = self.within_reach(ticket, a)
         s = self.settings
         c = ticket.klass
         waiting_ahead = sum(self._by_class[: c + 1]) > 0
@@ -411,15 +418,17 @@ class AdmissionQueue:
         self._hold(ticket, prefill)
         return Verdict(HOLD)
 
-    def attainable(self, ticket: Ticket, a: Assessment) -> bool:
-        """Whether some eligible replica of ``a`` could meet ``ticket``'s budget with nothing
-        queued: its own predicted prefill there (after that replica's usable cached prefix)
-        within the budget. A request shed that is not attainable cannot be served in time
-        by waiting (the front door answers it as one retrying cannot help); without an
-        eligible replica nothing is known, and it counts as attainable."""
+    def within_reach(self, ticket: Ticket, a: Assessment) -> Ticket:
+        """``ticket``, its budget raised to its own best predicted prefill (an eligible
+        replica of ``a`` with nothing queued) plus its class's budget when that prefill
+        alone is over the budget: no wait makes such a request meet its target, and with
+        the target's budget it would be refused however idle the fleet."""
         if not a.eligible.any():
-            return True
-        return float(a.prefill_s[a.eligible].min()) <= ticket.budget_s
+            return ticket
+        own = float(a.prefill_s[a.eligible].min())
+        if own <= ticket.budget_s:
+            return ticket
+        return replace(ticket, budget_s=own + ticket.budget_s)
 
     def _hold(self, ticket: Ticket, prefill_s: float) -> None:
         t = ticket.tenant

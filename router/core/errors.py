@@ -12,12 +12,6 @@ class BadRequest(KVRouterError):
     """The caller sent something malformed or out of bounds (HTTP 400, INVALID_ARGUMENT)."""
 
 
-class SloUnattainable(BadRequest):
-    """SLO-aware admission refused a request that no replica could serve within its TTFT
-    target even with nothing queued: waiting cannot help (HTTP 400 with code
-    ``slo_unattainable`` and no Retry-After, INVALID_ARGUMENT)."""
-
-
 class UnknownModel(KVRouterError):
     """No replica serves the requested model (HTTP 404, NOT_FOUND)."""
 

@@ -3,9 +3,7 @@ event loop, per model with ``[models.NAME.admission] enabled = true``.
 
 A request is judged before it is committed to a replica (:meth:`RouterState.decide`, then
 :meth:`RouterState.commit` among the replicas that fit): admitted at once, held, or shed with
-:class:`Overloaded` (HTTP 429 with ``Retry-After``, gRPC RESOURCE_EXHAUSTED), or with
-:class:`SloUnattainable` (HTTP 400, INVALID_ARGUMENT) when not even an idle replica could
-meet its deadline, which no wait helps (``AdmissionQueue.attainable``). A held request
+:class:`Overloaded` (HTTP 429 with ``Retry-After``, gRPC RESOURCE_EXHAUSTED). A held request
 waits on a future; one pump task per model runs while anything is held, every
 :data:`TICK_S` and whenever a request finishes: it sheds the held requests that can no
 longer meet their deadline and commits those that fit, best first. A client that goes away
@@ -50,7 +48,7 @@ from router.core.admission import (
     predictor_for,
     restrict,
 )
-from router.core.errors import KVRouterError, NoReplicaAvailable, Overloaded, SloUnattainable
+from router.core.errors import KVRouterError, NoReplicaAvailable, Overloaded
 from router.core.policies import Ours
 from router.core.types import ReplicaKey
 from router.service.body_memo import Admitted
@@ -207,8 +205,7 @@ class Admission:
         session_id: str | None,
         max_output_tokens: int | None,
     ) -> Routed:
-        """Judge and route one request (the model must be enabled); raises Overloaded, or
-        SloUnattainable."""
+        """Judge and route one request (the model must be enabled); raises Overloaded."""
         m = self._model(model)
         assert m is not None
         state = self.state
@@ -234,15 +231,7 @@ class Admission:
             self.wait.labels(model, name).observe(0.0)
             return self._commit(m, ticket, pending, a, verdict.allowed, now)
         if verdict.action == SHED:
-            shed = self._shed(m, ticket, verdict.reason, verdict.retry_after_s)
-            if not queue.attainable(ticket, a):  # no wait helps: not worth a retry
-                raise SloUnattainable(
-                    f"this {name}-class request of {prompt_tokens} prompt tokens cannot meet "
-                    f"its time-to-first-token target ({ticket.budget_s:g} s) even on an idle "
-                    "replica; a shorter prompt, or a class with a longer target "
-                    "(service_tier), may"
-                )
-            raise shed
+            raise self._shed(m, ticket, verdict.reason, verdict.retry_after_s)
         fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
         m.waiters[request_id] = fut
         self._gauge(m)

@@ -5,9 +5,7 @@ Body: ``{"error": {"message", "type", "param", "code"}}``; on the Anthropic Mess
 the type vLLM 0.34 gives the status (``translate_error_type``). BadRequest -> 400,
 UnknownModel -> 404, body too large -> 413, NoReplicaAvailable -> 503 with ``Retry-After``
 (429 when every replica is over its busy threshold), Overloaded (SLO-aware admission) -> 429
-with ``Retry-After`` and code ``slo_<reason>``, SloUnattainable (admission: not even an idle
-replica meets the request's TTFT target; retrying cannot help) -> 400 with code
-``slo_unattainable`` and no ``Retry-After``, anything unexpected -> 500.
+with ``Retry-After`` and code ``slo_<reason>``, anything unexpected -> 500.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from router.core.errors import (
     KVRouterError,
     NoReplicaAvailable,
     Overloaded,
-    SloUnattainable,
     UnknownModel,
 )
 
@@ -131,8 +128,6 @@ def reply_for(exc: KVRouterError, retry_after_s: int = 1) -> ErrorReply:
             "replicas_busy" if exc.busy else "no_replica_available",
             headers=(("Retry-After", str(retry_after_s)),),
         )
-    if isinstance(exc, SloUnattainable):
-        return ErrorReply(400, str(exc), "slo_unattainable")
     if isinstance(exc, BadRequest):
         return ErrorReply(400, str(exc), "invalid_request")
     return ErrorReply(500, str(exc), "internal_error")
