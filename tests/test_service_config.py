@@ -204,6 +204,21 @@ def test_errors_name_the_problem(tmp_path: Path, text: str, needle: str) -> None
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("key", ["blok_size", "routing", "name"])
+def test_model_table_unknown_key_lists_the_table_keys(tmp_path: Path, key: str) -> None:
+    """A ``[models.NAME]`` key that is not a setting is refused by name, with the keys the
+    table takes (routing ones such as block_size included), not the internal fields."""
+    path = tmp_path / "c.toml"
+    path.write_text(f"[models.m]\n{key} = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    message = str(info.value)
+    assert message.startswith(f"models.m: unknown key {key!r} (known: ")
+    known = message.split("(known: ", 1)[1].rstrip(")").split(", ")
+    assert {"block_size", "busy", "hybrid", "policy", "slo", "tokenizer"} <= set(known)
+    assert "routing" not in known and "name" not in known
+
+
 def test_anthropic_disabled_thinking_effort_reaches_the_processor(tmp_path: Path) -> None:
     """vLLM's ``--anthropic-disabled-thinking-effort`` per model: "auto" by default (as
     vLLM), from the file or the environment, handed to the model's prompt processor."""

@@ -374,6 +374,11 @@ def _model(name: str, table: Any) -> ModelSettings:
     if not isinstance(params, Mapping):
         raise ConfigError(f"{where}.policy_params: must be a table")
     skip = (*ROUTING_KEYS, "busy", "policy_params", "images", "slo", "pd", "admission")
+    # ModelSettings' name and routing are built here, never read from the table
+    known = {f.name for f in fields(ModelSettings)} - {"name", "routing"} | set(skip)
+    for key in table:
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
     rest = {k: v for k, v in table.items() if k not in skip}
     model = _typed(ModelSettings, {**rest, "name": name}, where)
     if model.chat_template_content_format not in CONTENT_FORMAT_OPTIONS:
