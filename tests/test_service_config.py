@@ -219,6 +219,18 @@ def test_model_table_unknown_key_lists_the_table_keys(tmp_path: Path, key: str) 
     assert "routing" not in known and "name" not in known
 
 
+def test_tokenizer_dir_without_vocabulary_names_bpe_file(tmp_path: Path) -> None:
+    """A directory with a tokenizer_config.json and no vocabulary (the bundled kimi_style
+    one) is refused with the setting that supplies the vocabulary."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text("{}")
+    path = tmp_path / "c.toml"
+    path.write_text(f"[models.m]\ntokenizer = '{tmp_path / 'tok'}'\n")
+    with pytest.raises(ConfigError) as info:
+        RouterState(load_settings(path, environ={}))
+    assert "models.m: " in str(info.value) and "bpe_file" in str(info.value)
+
+
 def test_anthropic_disabled_thinking_effort_reaches_the_processor(tmp_path: Path) -> None:
     """vLLM's ``--anthropic-disabled-thinking-effort`` per model: "auto" by default (as
     vLLM), from the file or the environment, handed to the model's prompt processor."""
