@@ -362,6 +362,20 @@ def test_serve_check_reports_what_the_start_would_refuse(
     assert "configuration error: models.m: tokenizer directory" in err and "does not exist" in err
 
 
+def test_serve_check_counts_configured_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Redis mode configures models and leaves replicas to discovery: ``--check`` counts the
+    models the file names, not only those of its replicas."""
+    from router.cli import build_parser
+
+    path = tmp_path / "c.toml"
+    path.write_text("[models.m]\n[[replicas]]\nurl = 'http://127.0.0.1:9'\nmodel = 'n'\n")
+    args = build_parser().parse_args(["serve", "--config", str(path), "--check"])
+    assert args.handler(args) == 0
+    assert capsys.readouterr().out == "configuration OK: 1 replica(s), 2 model(s)\n"
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
