@@ -110,6 +110,8 @@ def test_an_endpoint_it_cannot_subscribe_to_stops_publish_and_deregisters(
         (["--flush-interval", "inf"], "--flush-interval must be > 0 seconds and finite"),
         (["--lease-ttl", "inf", "--heartbeat", "1"], "--lease-ttl must be > 0 seconds and"),
         (["--metrics-port", "70000"], "--metrics-port must be in 0..65535"),
+        (["--redis", "http://127.0.0.1:1/0"], "--redis: scheme 'http' is not one of redis://"),
+        (["--block-size", "0"], "--block-size must be positive"),
     ],
 )
 def test_timing_flags_that_cannot_work_stop_the_command(flags: list[str], needle: str) -> None:

@@ -168,6 +168,10 @@ def test_tuned_policy_file_is_merged(tmp_path: Path) -> None:
         ("[models.m.busy]\nmax_cats = 1\n", "models.m"),
         ("[whatever]\n", "unknown top-level"),
         (
+            "[server]\nredis_url = 'http://127.0.0.1:6379/0'\n",
+            "server.redis_url: scheme 'http' is not one of redis://",
+        ),
+        (
             "[[replicas]]\nurl='http://a:1'\nmodel='m'\nname='x'\n"
             "[[replicas]]\nurl='http://b:1'\nmodel='m'\nname='x'\n",
             "duplicate",

@@ -149,10 +149,11 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def check_timing(args: argparse.Namespace) -> None:
-    """Raise ValueError naming a timing or port flag that cannot work: a heartbeat not
-    shorter than the lease lets the lease lapse between renewals (routers drop the replica,
-    it registers again, over and over); a zero or negative interval spins against Redis, an
-    infinite one never flushes (or is a lease Redis refuses)."""
+    """Raise ValueError naming a timing, port, block-size or Redis URL flag that cannot
+    work: a heartbeat not shorter than the lease lets the lease lapse between renewals
+    (routers drop the replica, it registers again, over and over); a zero or negative
+    interval spins against Redis, an infinite one never flushes (or is a lease Redis
+    refuses)."""
     for flag, value in (
         ("--lease-ttl", args.lease_ttl),
         ("--heartbeat", args.heartbeat),
@@ -168,6 +169,16 @@ def check_timing(args: argparse.Namespace) -> None:
         )
     if not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    if args.block_size <= 0:
+        raise ValueError(f"--block-size must be positive, got {args.block_size}")
+    if args.redis is not None:
+        from router.core.errors import ConfigError
+        from router.store.schema import check_redis_url
+
+        try:
+            check_redis_url(args.redis)
+        except ConfigError as exc:
+            raise ValueError(f"--redis: {exc}") from None
 
 
 def check_ranks(args: argparse.Namespace) -> None:

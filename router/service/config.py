@@ -67,6 +67,7 @@ from router.service.settings import (
     SloSettings,
     declared_kind,
 )
+from router.store.schema import check_redis_url
 from router.tokenize.anthropic import DISABLED_THINKING_EFFORT_OPTIONS
 from router.tokenize.content_format import CONTENT_FORMAT_OPTIONS
 from router.tokenize.multimodal import ImageSettings
@@ -497,6 +498,11 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
             raise ConfigError(f"server.redis_signing_master: not a hex secret ({exc})") from None
     if not 0 < server.port < 65536:
         raise ConfigError(f"server.port: {server.port} is not a TCP port")
+    if server.redis_url is not None:
+        try:
+            check_redis_url(server.redis_url)
+        except ConfigError as exc:
+            raise ConfigError(f"server.redis_url: {exc}") from None
     if server.http_engine not in ("aiohttp", "fast"):
         raise ConfigError(
             f"server.http_engine: {server.http_engine!r} is not one of 'aiohttp', 'fast'"
