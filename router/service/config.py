@@ -556,15 +556,34 @@ def load_settings(
     path = path or env.get("KVROUTER_CONFIG")
     if path:
         data = read_file(path)
+    later = [env_overrides(env), *([overrides] if overrides else [])]
     if policy_file:
-        tuned = read_file(policy_file)
-        data = merge(data, {"models": tuned.get("models") or {}})
-    data = merge(data, env_overrides(env))
-    if overrides:
-        data = merge(data, overrides)
+        tuned = read_file(policy_file).get("models") or {}
+        if isinstance(tuned, Mapping):
+            rest = data
+            for layer in later:
+                rest = merge(rest, layer)
+            _check_tuned_models(tuned, _named_models(rest), policy_file)
+        data = merge(data, {"models": tuned})
+    for layer in later:
+        data = merge(data, layer)
     if policy is not None and isinstance(data.get("models", {}), Mapping):
         data = {**data, "models": _with_policy(data, policy)}
     return build_settings(data)
+
+
+def _check_tuned_models(
+    tuned: Mapping[str, Any], served: set[str], policy_file: str | os.PathLike[str]
+) -> None:
+    """A tuned model no replica or ``[models]`` table of the rest names would tune nothing
+    (``sim tune`` writes ``sim-model`` unless given ``--model``)."""
+    for name in tuned:
+        if name not in served:
+            raise ConfigError(
+                f"{policy_file}: models.{name}: no replica or [models] table of the "
+                f"configuration names this model (served: {', '.join(sorted(served)) or '-'});"
+                " write the tuned file for a served model with kvrouter sim tune --model NAME"
+            )
 
 
 def _with_policy(data: Mapping[str, Any], policy: str) -> dict[str, Any]:
