@@ -244,7 +244,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--profile",
         default="kimi-k3",
-        help="mock replica / simulator profile (kimi-k3: the hybrid KDA model; dense-70b)",
+        help="mock replica / simulator profile (kimi-k3: the hybrid KDA model; dense-70b; "
+        "gpt-oss-120b: full + sliding-window attention; or a .toml path)",
     )
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--kv-blocks", type=int, default=16384, help="GPU KV blocks per replica")
