@@ -57,10 +57,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
     except zmq.ZMQError as exc:  # the KV-event sockets, bound at start-up
-        print(
-            f"kvrouter mock-replica: cannot bind --zmq {args.zmq} / --replay {args.replay}: {exc}",
-            file=sys.stderr,
-        )
+        given = f"--zmq {args.zmq}" + (f" / --replay {args.replay}" if args.replay else "")
+        print(f"kvrouter mock-replica: cannot bind {given}: {exc}", file=sys.stderr)
         return 2
     return 0
 
