@@ -167,6 +167,9 @@ def test_tuned_policy_file_is_merged(tmp_path: Path) -> None:
         ("[models.m.policy_params]\nnope = 1\n", "policy_params"),
         ("[models.m.busy]\nmax_cats = 1\n", "models.m"),
         ("[whatever]\n", "unknown top-level"),
+        ("[server]\nworkers = 0\n", "server.workers: must be >= 1, got 0"),
+        ("[server]\nmax_retries = -1\n", "server.max_retries: must be >= 0, got -1"),
+        ("[server]\nmax_body_mb = 0\n", "server.max_body_mb: must be > 0, got 0"),
         (
             "[server]\nredis_url = 'http://127.0.0.1:6379/0'\n",
             "server.redis_url: scheme 'http' is not one of redis://",

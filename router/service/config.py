@@ -512,8 +512,13 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
             "server.http_engine = 'aiohttp' is obsolete and ignored: the router serves every "
             "route with its own HTTP server"
         )
-    if server.workers < 1 or server.max_retries < 0 or server.max_body_mb <= 0:
-        raise ConfigError("server: workers >= 1, max_retries >= 0 and max_body_mb > 0 required")
+    for key, ok, need in (
+        ("workers", server.workers >= 1, ">= 1"),
+        ("max_retries", server.max_retries >= 0, ">= 0"),
+        ("max_body_mb", server.max_body_mb > 0, "> 0"),
+    ):
+        if not ok:
+            raise ConfigError(f"server.{key}: must be {need}, got {getattr(server, key)}")
     if not (math.isfinite(server.load_share_interval_s) and server.load_share_interval_s >= 0):
         raise ConfigError("server.load_share_interval_s: must be a finite number >= 0 (0: off)")
     _check_server_ranges(server)
