@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _derive(args: argparse.Namespace) -> int:
-    from router.store.codec import replica_signing_key
+    from router.store.codec import MIN_MASTER_BYTES, master_secret, replica_signing_key
 
     master = args.master or os.environ.get(SIGNING_MASTER)
     if not master and os.environ.get(_OLD_SIGNING_MASTER):
@@ -236,7 +236,14 @@ def _derive(args: argparse.Namespace) -> int:
         master = os.environ[_OLD_SIGNING_MASTER]
     if not master:
         raise ValueError(f"give --master HEX or set {SIGNING_MASTER}")
-    print(replica_signing_key(bytes.fromhex(master), args.replica).hex())
+    try:
+        secret = master_secret(master)
+    except ValueError as exc:
+        flag = "--master" if args.master else SIGNING_MASTER
+        raise ValueError(
+            f"{flag}: not a hex secret of {MIN_MASTER_BYTES} bytes or more ({exc})"
+        ) from None
+    print(replica_signing_key(secret, args.replica).hex())
     return 0
 
 

@@ -67,6 +67,7 @@ from router.service.settings import (
     SloSettings,
     declared_kind,
 )
+from router.store.codec import master_secret
 from router.store.schema import check_redis_url
 from router.tokenize.anthropic import DISABLED_THINKING_EFFORT_OPTIONS
 from router.tokenize.content_format import CONTENT_FORMAT_OPTIONS
@@ -492,8 +493,7 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     server = _typed(ServerSettings, server_tab, "server")
     if server.redis_signing_master is not None:
         try:
-            if len(bytes.fromhex(server.redis_signing_master)) < 16:
-                raise ValueError("shorter than 16 bytes")
+            master_secret(server.redis_signing_master)
         except ValueError as exc:
             raise ConfigError(f"server.redis_signing_master: not a hex secret ({exc})") from None
     if not 0 < server.port < 65536:
