@@ -123,6 +123,7 @@ def test_an_endpoint_it_cannot_subscribe_to_stops_publish_and_deregisters(
         (["--metrics-port", "70000"], "--metrics-port must be in 0..65535"),
         (["--redis", "http://127.0.0.1:1/0"], "--redis: scheme 'http' is not one of redis://"),
         (["--block-size", "0"], "--block-size must be positive"),
+        (["--zmq", "foo"], "endpoint 'foo': expected tcp://HOST:PORT"),
     ],
 )
 def test_timing_flags_that_cannot_work_stop_the_command(flags: list[str], needle: str) -> None:

@@ -39,14 +39,11 @@ async def _endpoints(args: argparse.Namespace) -> tuple[EndpointSpec, ...]:
 
     if args.zmq == ["auto"]:
         if args.replay or not args.url:
-            raise SystemExit("kvrouter publish: --zmq auto needs --url and no --replay")
+            raise ValueError("--zmq auto needs --url and no --replay")
         from router.events.discovery import ask
 
         return await ask(args.url, args.replica)
-    try:
-        return engine_endpoints(args.zmq or [], args.replay or [], args.dp_ranks, args.topic)
-    except ValueError as exc:
-        raise SystemExit(f"kvrouter publish: {exc}") from None
+    return engine_endpoints(args.zmq or [], args.replay or [], args.dp_ranks, args.topic)
 
 
 async def _serve_metrics(publisher: Publisher, port: int) -> web.AppRunner:
