@@ -26,17 +26,24 @@ def read_rows(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:
     """The rows of recorded traces; raises ConfigError naming file and line for a bad one."""
     for path in paths:
         with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-                ts = row.get("timestamp") if isinstance(row, dict) else None
-                if not isinstance(ts, int | float) or isinstance(ts, bool):
-                    raise ConfigError(f"{path}:{lineno}: a row needs a numeric 'timestamp'")
-                yield row
+            try:
+                yield from _rows(path, fh)
+            except UnicodeDecodeError:  # a recorder's key file (trace.jsonl.key), say
+                raise ConfigError(f"{path}: not a recorded trace (not UTF-8 text)") from None
+
+
+def _rows(path: Path, lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+        ts = row.get("timestamp") if isinstance(row, dict) else None
+        if not isinstance(ts, int | float) or isinstance(ts, bool):
+            raise ConfigError(f"{path}:{lineno}: a row needs a numeric 'timestamp'")
+        yield row
 
 
 def merge(rows: Iterable[dict[str, Any]], keep_time: bool = False) -> list[dict[str, Any]]:
@@ -63,6 +70,12 @@ def merge(rows: Iterable[dict[str, Any]], keep_time: bool = False) -> list[dict[
 
 def _run(args: argparse.Namespace) -> int:
     paths = [Path(p) for p in args.files]
+    # a trace recorded without record_key has its key beside it (router/recorder.py):
+    # ``trace.jsonl*`` matches both
+    keys = {p for p in paths if p.suffix == ".key" and p.with_suffix("") in paths}
+    for key in keys:
+        print(f"skipped {key}: the recorder's key file of {key.with_suffix('')}", file=sys.stderr)
+    paths = [p for p in paths if p not in keys]
     rows = merge(read_rows(paths), keep_time=args.keep_time)
     if not rows:
         raise ConfigError("no rows in " + ", ".join(args.files))

@@ -469,6 +469,9 @@ def _tune(args: argparse.Namespace) -> int:
     from sim.tune import tune
     from sim.tuned import TunedPolicy, dump_tuned
 
+    out_dir = Path(args.out).parent
+    if not out_dir.is_dir():  # found before the search, not after it
+        raise KVRouterError(f"--out {args.out}: directory {out_dir} does not exist")
     config = _config(args)
     workloads = [(t, _workload(args, t)) for t in args.trace]
     speedups = [float(s) for s in args.speedups.split(",") if s]

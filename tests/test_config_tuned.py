@@ -107,3 +107,20 @@ def test_sim_tune_command_writes_the_grid(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     routing = _router_model(out).routing
     assert routing.hybrid is True and routing.state_interval_blocks == 16384 // BLOCK
+
+
+def test_a_tuned_model_the_configuration_does_not_serve_is_refused(tmp_path: Path) -> None:
+    """``sim tune`` names its model ``sim-model`` unless given ``--model``: merged over a
+    configuration serving another model, the tuned settings would apply to nothing. The
+    start is refused naming the file, the model and the flag that names it."""
+    tuned = tmp_path / "tuned.toml"
+    tuned.write_text('[models.sim-model]\npolicy = "ours"\nblock_size = 64\n')
+    env = {"KVROUTER_REPLICAS": f"{MODEL}=http://h:1"}
+    with pytest.raises(ConfigError) as info:
+        load_settings(environ=env, policy_file=tuned)
+    assert f"{tuned}: models.sim-model: no replica or [models] table" in str(info.value)
+    assert "--model" in str(info.value)
+    # a model the configuration names in a [models] table only (Redis discovery) is served
+    main = tmp_path / "main.toml"
+    main.write_text("[models.sim-model]\n")
+    assert load_settings(main, environ={}, policy_file=tuned).model("sim-model").policy == "ours"

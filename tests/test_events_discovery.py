@@ -166,7 +166,7 @@ async def test_the_publisher_sidecar_asks_its_engine_too() -> None:
             EndpointSpec("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002", "", 0),
         )
         assert asked == 2
-        with pytest.raises(SystemExit, match="needs --url"):
+        with pytest.raises(ValueError, match="needs --url"):
             await _endpoints(argparse.Namespace(**{**vars(args), "url": ""}))
     finally:
         await runner.cleanup()

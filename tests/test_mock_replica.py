@@ -396,3 +396,26 @@ async def test_a_responses_stream_opens_before_the_prompts_prefill(start_mock: C
         rest = await resp.read()
     assert b"event: response.output_item.added" in rest
     assert b"event: response.incomplete" in rest  # (max_output_tokens reached, as vLLM)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--zmq", "foo"], "--zmq foo"),
+        (["--fault-rate", "2"], "--fault-rate"),
+    ],
+)
+def test_mock_replica_flags_that_cannot_work_stop_it_by_name(flags: list[str], needle: str) -> None:
+    """A KV-event endpoint ZMQ cannot bind (malformed, or a port taken) or a fault rate out
+    of range stops ``kvrouter mock-replica`` with exit 2 and the flag named, no traceback."""
+    import subprocess
+    import sys
+
+    from tests.ports import free_port
+
+    argv = ["mock-replica", "--port", str(free_port()), *flags]
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", *argv], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and needle in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

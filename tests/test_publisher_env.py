@@ -80,6 +80,17 @@ def test_signing_key_reads_the_routers_master_variable(
     assert bytes.fromhex(capsys.readouterr().out.strip()) == replica_signing_key(master, "a")
 
 
+@pytest.mark.parametrize("master", ["zz" * 16, "ab" * 8 + "a", "ab" * 15])
+def test_signing_key_refuses_a_master_the_routers_refuse(
+    master: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not hex, or shorter than the 16 bytes server.redis_signing_master needs: refused
+    naming --master, not with fromhex()'s words nor a key the routers could not verify."""
+    assert main(["signing-key", "--replica", "a", "--master", master]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--master: not a hex secret of 16 bytes or more" in captured.err
+
+
 def test_an_endpoint_it_cannot_subscribe_to_stops_publish_and_deregisters(
     redis_url: str, key_prefix: str
 ) -> None:
@@ -110,6 +121,9 @@ def test_an_endpoint_it_cannot_subscribe_to_stops_publish_and_deregisters(
         (["--flush-interval", "inf"], "--flush-interval must be > 0 seconds and finite"),
         (["--lease-ttl", "inf", "--heartbeat", "1"], "--lease-ttl must be > 0 seconds and"),
         (["--metrics-port", "70000"], "--metrics-port must be in 0..65535"),
+        (["--redis", "http://127.0.0.1:1/0"], "--redis: scheme 'http' is not one of redis://"),
+        (["--block-size", "0"], "--block-size must be positive"),
+        (["--zmq", "foo"], "endpoint 'foo': expected tcp://HOST:PORT"),
     ],
 )
 def test_timing_flags_that_cannot_work_stop_the_command(flags: list[str], needle: str) -> None:

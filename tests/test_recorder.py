@@ -219,6 +219,23 @@ def test_merge_orders_rebases_and_recomputes_delays(tmp_path: pathlib.Path) -> N
     assert work.requests[2].block_hashes[:16] == work.requests[1].block_hashes
 
 
+def test_merge_skips_the_key_file_and_names_a_non_trace(tmp_path: pathlib.Path) -> None:
+    """docs/tuning.md's ``trace merge /data/router-*.jsonl*`` also matches the key file
+    written beside a trace recorded without record_key (``trace.jsonl.key``, binary): given
+    with its trace, it is skipped; given alone, the merge names it."""
+    rec = TraceRecorder(RecordSettings(tmp_path / "trace.jsonl"), 0.0, 100.0)
+    _record(rec, list(range(512)), 1.0)
+    rec.close()
+    key = tmp_path / "trace.jsonl.key"
+    assert key.exists()
+    run = kvrouter("trace", "merge", str(tmp_path / "trace.jsonl"), str(key))
+    assert run.returncode == 0, run.stderr
+    assert len(run.stdout.splitlines()) == 1 and f"skipped {key}" in run.stderr
+    run = kvrouter("trace", "merge", str(key))
+    assert run.returncode == 2
+    assert f"{key}: not a recorded trace (not UTF-8 text)" in run.stderr, run.stderr
+
+
 def test_workers_sharing_a_path_rotate_without_losing_rows(tmp_path: pathlib.Path) -> None:
     """Two workers append to one path and rotate it in turns: every row lands whole in one of
     the files (none lost while the backups last, none torn or interleaved)."""

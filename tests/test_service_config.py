@@ -167,6 +167,13 @@ def test_tuned_policy_file_is_merged(tmp_path: Path) -> None:
         ("[models.m.policy_params]\nnope = 1\n", "policy_params"),
         ("[models.m.busy]\nmax_cats = 1\n", "models.m"),
         ("[whatever]\n", "unknown top-level"),
+        ("[server]\nworkers = 0\n", "server.workers: must be >= 1, got 0"),
+        ("[server]\nmax_retries = -1\n", "server.max_retries: must be >= 0, got -1"),
+        ("[server]\nmax_body_mb = 0\n", "server.max_body_mb: must be > 0, got 0"),
+        (
+            "[server]\nredis_url = 'http://127.0.0.1:6379/0'\n",
+            "server.redis_url: scheme 'http' is not one of redis://",
+        ),
         (
             "[[replicas]]\nurl='http://a:1'\nmodel='m'\nname='x'\n"
             "[[replicas]]\nurl='http://b:1'\nmodel='m'\nname='x'\n",
@@ -202,6 +209,33 @@ def test_errors_name_the_problem(tmp_path: Path, text: str, needle: str) -> None
     with pytest.raises(ConfigError, match=None) as info:
         load_settings(path, environ={})
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["blok_size", "routing", "name"])
+def test_model_table_unknown_key_lists_the_table_keys(tmp_path: Path, key: str) -> None:
+    """A ``[models.NAME]`` key that is not a setting is refused by name, with the keys the
+    table takes (routing ones such as block_size included), not the internal fields."""
+    path = tmp_path / "c.toml"
+    path.write_text(f"[models.m]\n{key} = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    message = str(info.value)
+    assert message.startswith(f"models.m: unknown key {key!r} (known: ")
+    known = message.split("(known: ", 1)[1].rstrip(")").split(", ")
+    assert {"block_size", "busy", "hybrid", "policy", "slo", "tokenizer"} <= set(known)
+    assert "routing" not in known and "name" not in known
+
+
+def test_tokenizer_dir_without_vocabulary_names_bpe_file(tmp_path: Path) -> None:
+    """A directory with a tokenizer_config.json and no vocabulary (the bundled kimi_style
+    one) is refused with the setting that supplies the vocabulary."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text("{}")
+    path = tmp_path / "c.toml"
+    path.write_text(f"[models.m]\ntokenizer = '{tmp_path / 'tok'}'\n")
+    with pytest.raises(ConfigError) as info:
+        RouterState(load_settings(path, environ={}))
+    assert "models.m: " in str(info.value) and "bpe_file" in str(info.value)
 
 
 def test_anthropic_disabled_thinking_effort_reaches_the_processor(tmp_path: Path) -> None:
@@ -333,6 +367,20 @@ def test_serve_check_reports_what_the_start_would_refuse(
     assert args.handler(args) == 2
     err = capsys.readouterr().err
     assert "configuration error: models.m: tokenizer directory" in err and "does not exist" in err
+
+
+def test_serve_check_counts_configured_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Redis mode configures models and leaves replicas to discovery: ``--check`` counts the
+    models the file names, not only those of its replicas."""
+    from router.cli import build_parser
+
+    path = tmp_path / "c.toml"
+    path.write_text("[models.m]\n[[replicas]]\nurl = 'http://127.0.0.1:9'\nmodel = 'n'\n")
+    args = build_parser().parse_args(["serve", "--config", str(path), "--check"])
+    assert args.handler(args) == 0
+    assert capsys.readouterr().out == "configuration OK: 1 replica(s), 2 model(s)\n"
 
 
 @pytest.mark.parametrize(

@@ -296,3 +296,17 @@ def test_pd_params_naming_what_other_flags_set_are_errors(key: str) -> None:
     )  # fmt: skip
     assert p.returncode == 2, p.stdout
     assert f"--pd-params: {key!r}" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("tune", ["policy", "admission"])
+def test_tune_refuses_an_out_path_it_cannot_write_before_tuning(tmp_path: Path, tune: str) -> None:
+    """A tuning run takes minutes to hours: an ``--out`` in a directory that does not exist
+    is refused before it starts, naming the flag, not after the search."""
+    out = tmp_path / "missing" / "tuned.toml"
+    p = kvrouter(
+        "sim", "tune", "mooncake", "--limit", "40", "--budget", "1", "--speedups", "1",
+        "--tune", tune, "--out", str(out),
+    )  # fmt: skip
+    assert p.returncode == 2
+    assert f"--out {out}: directory {out.parent} does not exist" in p.stderr, p.stderr
+    assert "rung" not in p.stderr

@@ -18,7 +18,7 @@ router speaking vLLM's ``kv_transfer_params`` protocol to the mocks (docs/pd.md)
 
 ``--sim-only`` skips the live part (no processes at all). ``--router-url URL`` replays the
 workload through a router that is already running (any OpenAI-compatible one, in front of
-its own replicas) instead of starting a fleet: one row, ``external``.
+its own replicas serving ``demo-model``) instead of starting a fleet: one row, ``external``.
 
 This is a command-line entry point, so it may use ``sim/`` (for the prediction); the
 serving code never does.
@@ -244,7 +244,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--profile",
         default="kimi-k3",
-        help="mock replica / simulator profile (kimi-k3: the hybrid KDA model; dense-70b)",
+        help="mock replica / simulator profile (kimi-k3: the hybrid KDA model; dense-70b; "
+        "gpt-oss-120b: full + sliding-window attention; or a .toml path)",
     )
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--kv-blocks", type=int, default=16384, help="GPU KV blocks per replica")
@@ -266,6 +267,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--router-url",
-        help="replay through this running router (e.g. http://host:8000) instead of a fleet",
+        help="replay through this running router (e.g. http://host:8000) instead of a fleet;"
+        " the requests name the model 'demo-model', which it must serve",
     )
     p.set_defaults(handler=run)

@@ -16,6 +16,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    if not 0 <= args.fault_rate <= 1:
+        print(
+            f"kvrouter mock-replica: --fault-rate must be within [0, 1], got {args.fault_rate}",
+            file=sys.stderr,
+        )
+        return 2
     settings = MockSettings(
         model=args.model,
         replica=args.replica,
@@ -46,7 +52,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # a client that goes away cancels its request (as engines abort it), so a SIGTERM does
     # not wait on streams nobody reads
-    web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
+    import zmq
+
+    try:
+        web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
+    except zmq.ZMQError as exc:  # the KV-event sockets, bound at start-up
+        given = f"--zmq {args.zmq}" + (f" / --replay {args.replay}" if args.replay else "")
+        print(f"kvrouter mock-replica: cannot bind {given}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -39,14 +39,11 @@ async def _endpoints(args: argparse.Namespace) -> tuple[EndpointSpec, ...]:
 
     if args.zmq == ["auto"]:
         if args.replay or not args.url:
-            raise SystemExit("kvrouter publish: --zmq auto needs --url and no --replay")
+            raise ValueError("--zmq auto needs --url and no --replay")
         from router.events.discovery import ask
 
         return await ask(args.url, args.replica)
-    try:
-        return engine_endpoints(args.zmq or [], args.replay or [], args.dp_ranks, args.topic)
-    except ValueError as exc:
-        raise SystemExit(f"kvrouter publish: {exc}") from None
+    return engine_endpoints(args.zmq or [], args.replay or [], args.dp_ranks, args.topic)
 
 
 async def _serve_metrics(publisher: Publisher, port: int) -> web.AppRunner:
@@ -149,10 +146,11 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def check_timing(args: argparse.Namespace) -> None:
-    """Raise ValueError naming a timing or port flag that cannot work: a heartbeat not
-    shorter than the lease lets the lease lapse between renewals (routers drop the replica,
-    it registers again, over and over); a zero or negative interval spins against Redis, an
-    infinite one never flushes (or is a lease Redis refuses)."""
+    """Raise ValueError naming a timing, port, block-size or Redis URL flag that cannot
+    work: a heartbeat not shorter than the lease lets the lease lapse between renewals
+    (routers drop the replica, it registers again, over and over); a zero or negative
+    interval spins against Redis, an infinite one never flushes (or is a lease Redis
+    refuses)."""
     for flag, value in (
         ("--lease-ttl", args.lease_ttl),
         ("--heartbeat", args.heartbeat),
@@ -168,6 +166,16 @@ def check_timing(args: argparse.Namespace) -> None:
         )
     if not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    if args.block_size <= 0:
+        raise ValueError(f"--block-size must be positive, got {args.block_size}")
+    if args.redis is not None:
+        from router.core.errors import ConfigError
+        from router.store.schema import check_redis_url
+
+        try:
+            check_redis_url(args.redis)
+        except ConfigError as exc:
+            raise ValueError(f"--redis: {exc}") from None
 
 
 def check_ranks(args: argparse.Namespace) -> None:
@@ -213,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _derive(args: argparse.Namespace) -> int:
-    from router.store.codec import replica_signing_key
+    from router.store.codec import MIN_MASTER_BYTES, master_secret, replica_signing_key
 
     master = args.master or os.environ.get(SIGNING_MASTER)
     if not master and os.environ.get(_OLD_SIGNING_MASTER):
@@ -225,7 +233,14 @@ def _derive(args: argparse.Namespace) -> int:
         master = os.environ[_OLD_SIGNING_MASTER]
     if not master:
         raise ValueError(f"give --master HEX or set {SIGNING_MASTER}")
-    print(replica_signing_key(bytes.fromhex(master), args.replica).hex())
+    try:
+        secret = master_secret(master)
+    except ValueError as exc:
+        flag = "--master" if args.master else SIGNING_MASTER
+        raise ValueError(
+            f"{flag}: not a hex secret of {MIN_MASTER_BYTES} bytes or more ({exc})"
+        ) from None
+    print(replica_signing_key(secret, args.replica).hex())
     return 0
 
 

@@ -70,7 +70,7 @@ def serve(args: argparse.Namespace) -> int:
             create_app(settings)
             print(
                 f"configuration OK: {len(settings.replicas)} replica(s), "
-                f"{len({r.model for r in settings.replicas})} model(s)"
+                f"{len({*settings.models, *(r.model for r in settings.replicas)})} model(s)"
             )
             return 0
         logging.basicConfig(

@@ -67,6 +67,8 @@ from router.service.settings import (
     SloSettings,
     declared_kind,
 )
+from router.store.codec import master_secret
+from router.store.schema import check_redis_url
 from router.tokenize.anthropic import DISABLED_THINKING_EFFORT_OPTIONS
 from router.tokenize.content_format import CONTENT_FORMAT_OPTIONS
 from router.tokenize.multimodal import ImageSettings
@@ -374,6 +376,11 @@ def _model(name: str, table: Any) -> ModelSettings:
     if not isinstance(params, Mapping):
         raise ConfigError(f"{where}.policy_params: must be a table")
     skip = (*ROUTING_KEYS, "busy", "policy_params", "images", "slo", "pd", "admission")
+    # ModelSettings' name and routing are built here, never read from the table
+    known = {f.name for f in fields(ModelSettings)} - {"name", "routing"} | set(skip)
+    for key in table:
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
     rest = {k: v for k, v in table.items() if k not in skip}
     model = _typed(ModelSettings, {**rest, "name": name}, where)
     if model.chat_template_content_format not in CONTENT_FORMAT_OPTIONS:
@@ -486,12 +493,16 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     server = _typed(ServerSettings, server_tab, "server")
     if server.redis_signing_master is not None:
         try:
-            if len(bytes.fromhex(server.redis_signing_master)) < 16:
-                raise ValueError("shorter than 16 bytes")
+            master_secret(server.redis_signing_master)
         except ValueError as exc:
             raise ConfigError(f"server.redis_signing_master: not a hex secret ({exc})") from None
     if not 0 < server.port < 65536:
         raise ConfigError(f"server.port: {server.port} is not a TCP port")
+    if server.redis_url is not None:
+        try:
+            check_redis_url(server.redis_url)
+        except ConfigError as exc:
+            raise ConfigError(f"server.redis_url: {exc}") from None
     if server.http_engine not in ("aiohttp", "fast"):
         raise ConfigError(
             f"server.http_engine: {server.http_engine!r} is not one of 'aiohttp', 'fast'"
@@ -501,8 +512,13 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
             "server.http_engine = 'aiohttp' is obsolete and ignored: the router serves every "
             "route with its own HTTP server"
         )
-    if server.workers < 1 or server.max_retries < 0 or server.max_body_mb <= 0:
-        raise ConfigError("server: workers >= 1, max_retries >= 0 and max_body_mb > 0 required")
+    for key, ok, need in (
+        ("workers", server.workers >= 1, ">= 1"),
+        ("max_retries", server.max_retries >= 0, ">= 0"),
+        ("max_body_mb", server.max_body_mb > 0, "> 0"),
+    ):
+        if not ok:
+            raise ConfigError(f"server.{key}: must be {need}, got {getattr(server, key)}")
     if not (math.isfinite(server.load_share_interval_s) and server.load_share_interval_s >= 0):
         raise ConfigError("server.load_share_interval_s: must be a finite number >= 0 (0: off)")
     _check_server_ranges(server)
@@ -545,15 +561,34 @@ def load_settings(
     path = path or env.get("KVROUTER_CONFIG")
     if path:
         data = read_file(path)
+    later = [env_overrides(env), *([overrides] if overrides else [])]
     if policy_file:
-        tuned = read_file(policy_file)
-        data = merge(data, {"models": tuned.get("models") or {}})
-    data = merge(data, env_overrides(env))
-    if overrides:
-        data = merge(data, overrides)
+        tuned = read_file(policy_file).get("models") or {}
+        if isinstance(tuned, Mapping):
+            rest = data
+            for layer in later:
+                rest = merge(rest, layer)
+            _check_tuned_models(tuned, _named_models(rest), policy_file)
+        data = merge(data, {"models": tuned})
+    for layer in later:
+        data = merge(data, layer)
     if policy is not None and isinstance(data.get("models", {}), Mapping):
         data = {**data, "models": _with_policy(data, policy)}
     return build_settings(data)
+
+
+def _check_tuned_models(
+    tuned: Mapping[str, Any], served: set[str], policy_file: str | os.PathLike[str]
+) -> None:
+    """A tuned model no replica or ``[models]`` table of the rest names would tune nothing
+    (``sim tune`` writes ``sim-model`` unless given ``--model``)."""
+    for name in tuned:
+        if name not in served:
+            raise ConfigError(
+                f"{policy_file}: models.{name}: no replica or [models] table of the "
+                f"configuration names this model (served: {', '.join(sorted(served)) or '-'});"
+                " write the tuned file for a served model with kvrouter sim tune --model NAME"
+            )
 
 
 def _with_policy(data: Mapping[str, Any], policy: str) -> dict[str, Any]:

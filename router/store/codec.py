@@ -142,6 +142,18 @@ def decode_change(fields: Mapping[bytes, bytes]) -> Change:
 SIGNATURE_FIELD = b"m"
 
 
+MIN_MASTER_BYTES = 16
+
+
+def master_secret(text: str) -> bytes:
+    """The routers' master secret (server.redis_signing_master) from its hex text; ValueError
+    when it is not hex or shorter than :data:`MIN_MASTER_BYTES`."""
+    master = bytes.fromhex(text)
+    if len(master) < MIN_MASTER_BYTES:
+        raise ValueError(f"shorter than {MIN_MASTER_BYTES} bytes")
+    return master
+
+
 def replica_signing_key(master: bytes, replica: str) -> bytes:
     return hmac.new(master, b"kvrouter-replica-key\0" + replica.encode(), hashlib.sha256).digest()
 

@@ -33,6 +33,22 @@ POD_TAG = "pods"
 RESERVED_NAMES = frozenset({POD_TAG})
 
 
+# the URL schemes router.store.redis_store.connect opens (``unix://`` a socket path)
+REDIS_URL_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
+
+
+def check_redis_url(url: str) -> str:
+    """``url`` when its scheme is one of :data:`REDIS_URL_SCHEMES`, else a ConfigError that
+    names the scheme (never the URL: it may carry a password)."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme.lower() not in REDIS_URL_SCHEMES:
+        raise ConfigError(
+            f"scheme {scheme if sep else '(none)'!r} is not one of "
+            + ", ".join(f"{s}://" for s in REDIS_URL_SCHEMES)
+        )
+    return url
+
+
 def check_replica_name(name: str) -> str:
     """Replica names become hash tags: no braces, no ``#`` (ReplicaKey uses ``#dp``), none
     of :data:`RESERVED_NAMES`."""

@@ -506,7 +506,10 @@ def load_tokenizer_dir(
         else next((p for p in candidates if p.exists()), None)
     )
     if bpe is None:
-        raise ConfigError(f"{d} has neither tokenizer.json nor a tiktoken BPE file")
+        raise ConfigError(
+            f"{d} has neither tokenizer.json nor a tiktoken BPE file (tiktoken.model, "
+            "*.tiktoken): name one with the model's bpe_file (mock-replica: --bpe-file)"
+        )
     specials: dict[str, int] = {}
     for key, value in (config.get("added_tokens_decoder") or {}).items():
         content = _token_content(value)
