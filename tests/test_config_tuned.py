@@ -124,3 +124,9 @@ def test_a_tuned_model_the_configuration_does_not_serve_is_refused(tmp_path: Pat
     main = tmp_path / "main.toml"
     main.write_text("[models.sim-model]\n")
     assert load_settings(main, environ={}, policy_file=tuned).model("sim-model").policy == "ours"
+    # where replicas are discovered in Redis the file may be the first to name a model
+    # (logged, not refused): its replicas register it later
+    redis = tmp_path / "redis.toml"
+    redis.write_text('[server]\nredis_url = "redis://127.0.0.1:1/0"\n')
+    discovered = load_settings(redis, environ={}, policy_file=tuned).models["sim-model"]
+    assert discovered.routing.block_size == 64

@@ -568,7 +568,7 @@ def load_settings(
             rest = data
             for layer in later:
                 rest = merge(rest, layer)
-            _check_tuned_models(tuned, _named_models(rest), policy_file)
+            _check_tuned_models(tuned, _named_models(rest), policy_file, _discovers(rest))
         data = merge(data, {"models": tuned})
     for layer in later:
         data = merge(data, layer)
@@ -578,17 +578,34 @@ def load_settings(
 
 
 def _check_tuned_models(
-    tuned: Mapping[str, Any], served: set[str], policy_file: str | os.PathLike[str]
+    tuned: Mapping[str, Any],
+    served: set[str],
+    policy_file: str | os.PathLike[str],
+    discovers: bool,
 ) -> None:
     """A tuned model no replica or ``[models]`` table of the rest names would tune nothing
-    (``sim tune`` writes ``sim-model`` unless given ``--model``)."""
+    (``sim tune`` writes ``sim-model`` unless given ``--model``): refused; logged only where
+    replicas are discovered in Redis (``discovers``), whose models the file may be the
+    first to configure."""
     for name in tuned:
-        if name not in served:
-            raise ConfigError(
-                f"{policy_file}: models.{name}: no replica or [models] table of the "
-                f"configuration names this model (served: {', '.join(sorted(served)) or '-'});"
-                " write the tuned file for a served model with kvrouter sim tune --model NAME"
-            )
+        if name in served:
+            continue
+        message = (
+            f"{policy_file}: models.{name}: no replica or [models] table of the "
+            f"configuration names this model (served: {', '.join(sorted(served)) or '-'});"
+            " write the tuned file for a served model with kvrouter sim tune --model NAME"
+        )
+        if not discovers:
+            raise ConfigError(message)
+        logging.getLogger("kvrouter.config").warning(
+            "%s; it applies only if a replica registers it in Redis", message
+        )
+
+
+def _discovers(data: Mapping[str, Any]) -> bool:
+    """Whether the merged settings discover replicas in Redis (``server.redis_url``)."""
+    server = data.get("server")
+    return isinstance(server, Mapping) and bool(server.get("redis_url"))
 
 
 def _with_policy(data: Mapping[str, Any], policy: str) -> dict[str, Any]:
