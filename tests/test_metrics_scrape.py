@@ -1,8 +1,8 @@
 """``/metrics`` at fleet scale: the page is built off the event loop.
 
-A router following ~1,000 replicas has a page of ~10,000 series (~700 kB); building its
-samples and text on the event loop held every in-flight stream for tens of milliseconds a
-scrape, several times per 15 s with several Prometheus servers. On the loop a scrape only
+The page grows with the fleet (a few series per replica key); building its samples and
+text on the event loop held every in-flight stream for as long on each scrape, and several
+Prometheus servers scrape it every 15 s. On the loop a scrape only
 copies what the page reports; the samples and the text are made in a worker thread, and so
 is the merge of several worker processes' pages. Real HTTP on loopback; where the work runs
 is checked by thread, never by timing."""

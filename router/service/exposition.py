@@ -1,14 +1,14 @@
 """The ``/metrics`` page, built off the event loop.
 
-A router following ~1,000 replicas has ~10,000 series on its page (docs/metrics.md, "At
-fleet scale"); building their samples and the text takes tens of milliseconds, which on the
-event loop would hold every in-flight stream that long on each scrape. A scrape therefore has
-two halves. On the loop, the registry's collectors are asked for their families
-(``registry.collect()``): each reads the live objects, which only the event-loop thread
-writes, and those with a series per replica or per labelled child copy what they report and
-return it as :class:`Deferred` families. In a worker thread, the text is written
-(``generate_latest``), the deferred families' samples made from those copies one at a time
-as it reads them. The page is the state of one moment, the loop's half, as before.
+The page grows with the fleet, a few series per replica key (docs/metrics.md, "At fleet
+scale"); building its samples and text on the event loop would hold every in-flight stream
+for as long on each scrape. A scrape therefore has two halves. On the loop, the registry's
+collectors are asked for their families (``registry.collect()``): each reads the live
+objects, which only the event-loop thread writes, and those with a series per replica or per
+labelled child copy what they report and return it as :class:`Deferred` families. In a
+worker thread, the text is written (``generate_latest``), the deferred families' samples
+made from those copies one at a time as it reads them. The page is the state of one moment,
+the loop's half, as before.
 """
 
 from __future__ import annotations
