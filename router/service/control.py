@@ -62,7 +62,7 @@ def control_routes(app: web.Application, index: int) -> Routes:
     async def own_metrics(req: HttpRequest, _: str) -> Reply:
         # the control socket's file permissions are the boundary, as for /metrics
         return Reply.text(
-            app[STATE].metrics.render(),
+            await app[STATE].metrics.page(),
             b"text/plain; version=0.0.4",
             (INDEX_HEADER.encode(), str(index).encode()),
         )

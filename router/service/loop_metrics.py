@@ -3,9 +3,12 @@
 prometheus-client's ``Counter`` and ``Histogram`` take a lock on every ``inc`` / ``observe``
 (they may be shared between threads), and a routed request updates about fifteen of them.
 The router's request metrics are only
-touched by the event-loop thread (HTTP handlers, gRPC servicers and the ``/metrics`` page
-all run on it; worker threads only tokenize), so these families keep plain numbers instead
-and are exported through the registry's collector interface.
+touched by the event-loop thread (HTTP handlers, gRPC servicers and the ``/metrics``
+page's collection all run on it; worker threads only tokenize), so these families keep plain
+numbers instead and are exported through the registry's collector interface: ``collect``
+copies the numbers (on the loop) and returns them as a
+:class:`~router.service.exposition.Deferred` family, whose samples are made in the thread
+that writes the page (router/service/exposition.py).
 
 The exposition is the one prometheus-client gives its own classes (``_total`` for counters;
 ``_bucket{le=...}``, ``_count`` and ``_sum`` for histograms) minus the ``_created`` series.
@@ -17,13 +20,16 @@ The API is the subset the router uses: ``labels(*values)`` (or by keyword), ``re
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import pairwise
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
+
+from router.service.exposition import Deferred, rows
 
 
 class CounterChild:
@@ -103,10 +109,9 @@ class LoopCounter(_Family):
         return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
     def collect(self) -> Iterable[Metric]:
-        family = self._metric()
-        for key, child in list(self._children.items()):
-            family.add_metric(list(key), child.value)  # type: ignore[attr-defined]
-        return [family]
+        # on the loop: the values copied; their samples are made where the page is written
+        copied = [(key, child.value) for key, child in self._children.items()]  # type: ignore[attr-defined]
+        return [rows("counter", self.name, self.documentation, self.labelnames, lambda: copied)]
 
 
 class LoopHistogram(_Family):
@@ -139,17 +144,24 @@ class LoopHistogram(_Family):
         # negative bucket bound (kvrouter_prediction_error_tokens) _count but no _sum
         # (OpenMetrics: a sum only for non-negative observations); HistogramMetricFamily
         # would leave out _count too
-        family = self._metric()
-        with_sum = not self.bounds or self.bounds[0] >= 0
-        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
-        for key, child in list(self._children.items()):
-            h: HistogramChild = child  # type: ignore[assignment]
-            labels = dict(zip(self.labelnames, key, strict=True))
-            total = 0
-            for le, n in zip(les, h.counts, strict=True):
-                total += n
-                family.add_sample(f"{self.name}_bucket", {**labels, "le": le}, float(total))
-            family.add_sample(f"{self.name}_count", labels, float(total))
-            if with_sum:
-                family.add_sample(f"{self.name}_sum", labels, h.sum)
-        return [family]
+        # (on the loop: the counts copied; their samples are made where the page is written)
+        copied = [
+            (key, list(child.counts), child.sum)  # type: ignore[attr-defined]
+            for key, child in self._children.items()
+        ]
+        name, labelnames, bounds = self.name, self.labelnames, self.bounds
+
+        def samples() -> Iterator[Sample]:
+            with_sum = not bounds or bounds[0] >= 0
+            les = [floatToGoString(b) for b in bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
+            for key, counts, total_sum in copied:
+                labels = dict(zip(labelnames, key, strict=True))
+                total = 0
+                for le, n in zip(les, counts, strict=True):
+                    total += n
+                    yield Sample(f"{name}_bucket", {**labels, "le": le}, float(total))
+                yield Sample(f"{name}_count", labels, float(total))
+                if with_sum:
+                    yield Sample(f"{name}_sum", labels, total_sum)
+
+        return [Deferred(name, self.documentation, "histogram", samples)]

@@ -14,12 +14,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router import __version__
 from router.compile import compiled_parts
+from router.service.exposition import render, render_off_loop, rows
 from router.service.layout import MISMATCH_FIELDS, LayoutReport
 from router.service.loop_metrics import LoopCounter, LoopHistogram
 
@@ -89,45 +90,55 @@ class _StateCollector(Collector):
         self._snapshot = snapshot
 
     def collect(self) -> Iterable[Metric]:
+        # on the loop: the snapshot (copies of the live state); the samples of the families
+        # with one per replica are made from it where the page is written
+        # (router/service/exposition.py)
         s = self._snapshot()
-        inflight = GaugeMetricFamily(
+        reps = s.replicas
+        pair = ("replica", "model")
+        inflight = rows(
+            "gauge",
             "kvrouter_in_flight_requests",
             "Requests this router sent to the replica and not finished",
-            labels=["replica", "model"],
+            pair,
+            lambda: (((r.replica, r.model), r.in_flight) for r in reps),
         )
-        queued = GaugeMetricFamily(
+        queued = rows(
+            "gauge",
             "kvrouter_queued_prefill_tokens",
             "Prompt tokens sent to the replica still awaiting their first output token",
-            labels=["replica", "model"],
+            pair,
+            lambda: (((r.replica, r.model), r.queued_prefill_tokens) for r in reps),
         )
-        up = GaugeMetricFamily(
+        up = rows(
+            "gauge",
             "kvrouter_replica_up",
             "1 if the replica is healthy and not draining",
-            labels=["replica", "model"],
+            pair,
+            lambda: (((r.replica, r.model), float(r.healthy and not r.draining)) for r in reps),
         )
-        info = GaugeMetricFamily(
+        info = rows(
+            "gauge",
             "kvrouter_replica_info",
             "1 per replica key, with its rack and region (join on replica for per-rack sums)",
-            labels=["replica", "model", "rack", "region"],
+            ("replica", "model", "rack", "region"),
+            lambda: (((r.replica, r.model, r.rack, r.region), 1.0) for r in reps),
         )
-        horizon = GaugeMetricFamily(
+        horizon = rows(
+            "gauge",
             "kvrouter_cache_horizon_seconds",
             "How long an unused block lasts in the replica's cache at its current turnover "
             "(+Inf while it evicts nothing)",
-            labels=["replica", "model"],
+            pair,
+            lambda: (((r.replica, r.model), r.cache_horizon_s) for r in reps),
         )
-        risk = GaugeMetricFamily(
+        risk = rows(
+            "gauge",
             "kvrouter_cache_eviction_risk",
             "Chance of reuse a new block placed there evicts beyond the fleet's calmest cache",
-            labels=["replica", "model"],
+            pair,
+            lambda: (((r.replica, r.model), r.eviction_risk) for r in reps),
         )
-        for r in s.replicas:
-            info.add_metric([r.replica, r.model, r.rack, r.region], 1.0)
-            inflight.add_metric([r.replica, r.model], r.in_flight)
-            queued.add_metric([r.replica, r.model], r.queued_prefill_tokens)
-            up.add_metric([r.replica, r.model], float(r.healthy and not r.draining))
-            horizon.add_metric([r.replica, r.model], r.cache_horizon_s)
-            risk.add_metric([r.replica, r.model], r.eviction_risk)
         entries = GaugeMetricFamily(
             "kvrouter_index_entries",
             "(block, replica) entries in the prefix index",
@@ -154,28 +165,31 @@ class _StateCollector(Collector):
         )
         for model, n in s.prompt_cache_bytes.items():
             cache.add_metric([model], n)
-        lag = GaugeMetricFamily(
+        lags = s.event_lag_s
+        lag = rows(
+            "gauge",
             "kvrouter_index_event_lag_seconds",
             "Age of the newest index event applied for the replica when it was applied",
-            labels=["replica"],
+            ("replica",),
+            lambda: (((replica,), v) for replica, v in lags.items()),
         )
-        for replica, v in s.event_lag_s.items():
-            lag.add_metric([replica], v)
-        queries = CounterMetricFamily(
+        engine = s.engine_prefix_cache
+        queries = rows(
+            "counter",
             "kvrouter_engine_prefix_cache_queries_tokens",
             "The replica's own count of prompt tokens looked up in its prefix cache (all "
             "routers' traffic; vllm:prefix_cache_queries)",
-            labels=["replica", "model"],
+            pair,
+            lambda: (((replica, model), q) for replica, (model, q, _) in engine.items()),
         )
-        hits = CounterMetricFamily(
+        hits = rows(
+            "counter",
             "kvrouter_engine_prefix_cache_hits_tokens",
             "The replica's own count of prompt tokens found in its prefix cache "
             "(vllm:prefix_cache_hits)",
-            labels=["replica", "model"],
+            pair,
+            lambda: (((replica, model), h) for replica, (model, _, h) in engine.items()),
         )
-        for replica, (model, q, h) in s.engine_prefix_cache.items():
-            queries.add_metric([replica, model], q)
-            hits.add_metric([replica, model], h)
         memo_hits, memo_misses, memo_bytes = s.body_memo
         memo_lookups = CounterMetricFamily(
             "kvrouter_body_memo_lookups",
@@ -481,7 +495,13 @@ class Metrics:
                 self.requests.remove(model, label, outcome)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The page, written on the calling thread (tests, tools)."""
+        return render(self.registry)
+
+    async def page(self) -> bytes:
+        """The page as ``/metrics`` answers it: collected on the event loop, written in a
+        worker thread (router/service/exposition.py)."""
+        return await render_off_loop(self.registry)
 
 
 class ModelMetrics:

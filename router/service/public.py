@@ -46,7 +46,7 @@ def add_routes(routes: Routes, app: web.Application) -> None:
     async def metrics(req: HttpRequest, _: str) -> Reply:
         """This process's metrics; with several workers, every worker's, labelled ``worker``
         (router/service/worker_metrics.py)."""
-        body = app[STATE].metrics.render()
+        body = await app[STATE].metrics.page()
         group = app.get(WORKERS)
         if group is not None and group.count > 1:
             peers, _unknown = group.peers()

@@ -44,7 +44,9 @@ def labelled(sample: str, worker: str) -> str:
 def families(page: str) -> list[tuple[str, list[str], list[str]]]:
     """The page's metric families in order: (name, ``# HELP`` / ``# TYPE`` lines, samples)."""
     out: list[tuple[str, list[str], list[str]]] = []
-    for line in page.splitlines():
+    # "\n" only: label values may hold other line breaks (U+2028, U+0085, ...), which the
+    # text format does not escape and str.splitlines would cut a sample at
+    for line in page.split("\n"):
         if not line:
             continue
         if line.startswith("#"):
@@ -112,4 +114,11 @@ async def all_workers_page(
     got = await asyncio.gather(*(_peer_page(p) for p in peer_sockets))
     pages = [(str(own_index), own_page.decode())] + [g for g in got if g is not None]
     pages.sort(key=lambda p: int(p[0]))
-    return (merge(pages) + _completeness(configured, len(pages), restarts)).encode()
+    tail = _completeness(configured, len(pages), restarts)
+    # a line at a time over every worker's page: in a worker thread, as the pages themselves
+    # are written (router/service/exposition.py), not on the event loop
+    return await asyncio.get_running_loop().run_in_executor(None, _merged, pages, tail)
+
+
+def _merged(pages: list[tuple[str, str]], tail: str) -> bytes:
+    return (merge(pages) + tail).encode()
