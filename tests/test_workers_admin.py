@@ -492,3 +492,61 @@ async def test_a_replacement_worker_shares_load_both_ways(fleet: Fleet) -> None:
         assert [s for s, _ in await asyncio.gather(*held)] == [200] * 16
     finally:
         await slow.stop()
+
+
+_STOP_DURING_SPAWN = """
+import os, signal, sys
+from router.service import supervisor
+
+real_pipe, calls = os.pipe, [0]
+
+def pipe():
+    calls[0] += 1
+    if calls[0] == 3:  # the second worker's: after spawn's stop check, before its fork
+        # the parent's SIGTERM handler, run here as CPython may run it: at a bytecode after
+        # the signal arrived (before spawn blocked it), past that check
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    return real_pipe()
+
+os.pipe = pipe
+
+def work(group, index, ready_fd, replacing):
+    os.write(ready_fd, b"x")
+    while True:
+        signal.pause()
+
+sys.exit(supervisor.supervise(2, 0, work))
+"""
+
+
+def test_a_stop_whose_handler_runs_during_a_fork_stops_that_worker_too() -> None:
+    """A signal's Python handler runs at a later bytecode than its C handler, so the parent's
+    ``forward`` could run between a spawn's stop check and its fork: it stopped the workers
+    listed then, the new one never heard of the stop and the parent waited for it forever."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STOP_DURING_SPAWN], env={**os.environ, "PYTHONPATH": os.getcwd()}
+    )
+    try:
+        assert proc.wait(timeout=20) == 0
+    finally:
+        left = _children_of(proc.pid)  # (a worker the old code left behind)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat_line = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        if entry.name.isdigit() and int(stat_line.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry.name))
+    return out

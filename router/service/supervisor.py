@@ -137,6 +137,12 @@ def supervise(count: int, port: int, work: Callable[[Workers, int, int, bool], N
         children[pid] = _Child(index, ready_r)
         pids[index] = pid
         signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+        if stopping:
+            # a signal whose C handler ran before the block above runs its Python handler
+            # (``forward``) at any later bytecode, also between the check above and the
+            # fork: it then stopped the workers listed before this one
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
         if all(pids):  # (until then the workers find each other by their sockets)
             _write(control, PIDS_FILE, "".join(f"{p}\n" for p in pids))
         return pid
