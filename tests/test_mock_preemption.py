@@ -17,9 +17,10 @@ from tests.procs import token_prompt
 
 async def test_requests_outgrowing_the_cache_are_preempted_and_answered_whole() -> None:
     # 8 blocks of 16 tokens: each request's prompt (2 blocks) fits beside the other's, but
-    # both answers together (2 x 6 blocks by their last token) do not
+    # both answers together (2 x 6 blocks by their last token) do not. (The answers must
+    # overlap: at a twentieth of real time one ended before a loaded machine sent the other.)
     runner, url = await start_mock(
-        MockSettings(model="m", block_size=16, kv_blocks=8, time_scale=0.05)
+        MockSettings(model="m", block_size=16, kv_blocks=8, time_scale=0.5)
     )
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     try:
