@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -129,6 +129,50 @@ def test_parallel_encode_equals_single_thread() -> None:
     splitter = SpecialSplitter.for_tokens(tok.special_tokens)
     assert np.array_equal(encode(tok, splitter, text, threads=4), tok.encode_segment(text))
     assert len(splitter.cut_points(text, 4)) == 3
+
+
+
+class _CountingPattern:
+    """A compiled pattern that counts the characters its ``finditer`` scans are given."""
+
+    def __init__(self, pattern: Any) -> None:
+        self.pattern = pattern
+        self.scanned = 0
+
+    def finditer(self, text: str, pos: int = 0) -> Any:
+        self.scanned += len(text) - pos
+        return self.pattern.finditer(text, pos)
+
+
+def test_last_occurrences_scan_a_long_text_about_once() -> None:
+    # a cached prompt's cut points are its last special tokens (IncrementalTokenizer
+    # _remember); a 1M-token final message puts them megabytes back: the search back must
+    # not rescan the end once per 32 KiB it widens (quadratic: ~4 s at 1M tokens)
+    plain = SpecialSplitter.for_tokens({"<|im_end|>": 1, "<|im_user|>": 2})
+    assert plain.pattern is not None
+    spy = _CountingPattern(plain.pattern)
+    splitter = SpecialSplitter(cast(Any, spy))
+    text = "<|im_user|>" * 6 + "x y " * 500_000 + "<|im_end|>"
+    found = splitter.last_n(text, 6)
+    assert [m.start() for m in found] == [
+        m.start() for m in list(plain.pattern.finditer(text))[-6:]
+    ]
+    assert spy.scanned <= 2 * len(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 8),
+    pieces=st.lists(
+        st.sampled_from(["<|im_end|>", "<|im_user|>", "x", "y" * 5000, "<|", "|>"]), max_size=30
+    ),
+)
+def test_last_occurrences_equal_the_full_scan(n: int, pieces: list[str]) -> None:
+    splitter = SpecialSplitter.for_tokens({"<|im_end|>": 1, "<|im_user|>": 2})
+    assert splitter.pattern is not None
+    text = "".join(pieces)
+    want = [m.start() for m in splitter.pattern.finditer(text)][-n:]
+    assert [m.start() for m in splitter.last_n(text, n, window=64)] == want
 
 
 # ---------------------------------------------------------------------------- HF tokenizer.json
