@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -131,48 +132,43 @@ def test_parallel_encode_equals_single_thread() -> None:
     assert len(splitter.cut_points(text, 4)) == 3
 
 
+class _CountingTokenizer:
+    """A tokenizer that counts the characters it is asked to encode."""
 
-class _CountingPattern:
-    """A compiled pattern that counts the characters its ``finditer`` scans are given."""
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self.encoded = 0
+        self._lock = threading.Lock()  # (long texts are encoded on pool threads)
 
-    def __init__(self, pattern: Any) -> None:
-        self.pattern = pattern
-        self.scanned = 0
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tok, name)
 
-    def finditer(self, text: str, pos: int = 0) -> Any:
-        self.scanned += len(text) - pos
-        return self.pattern.finditer(text, pos)
-
-
-def test_last_occurrences_scan_a_long_text_about_once() -> None:
-    # a cached prompt's cut points are its last special tokens (IncrementalTokenizer
-    # _remember); a 1M-token final message puts them megabytes back: the search back must
-    # not rescan the end once per 32 KiB it widens (quadratic: ~4 s at 1M tokens)
-    plain = SpecialSplitter.for_tokens({"<|im_end|>": 1, "<|im_user|>": 2})
-    assert plain.pattern is not None
-    spy = _CountingPattern(plain.pattern)
-    splitter = SpecialSplitter(cast(Any, spy))
-    text = "<|im_user|>" * 6 + "x y " * 500_000 + "<|im_end|>"
-    found = splitter.last_n(text, 6)
-    assert [m.start() for m in found] == [
-        m.start() for m in list(plain.pattern.finditer(text))[-6:]
-    ]
-    assert spy.scanned <= 2 * len(text)
+    def encode_segment(self, text: str) -> Any:
+        with self._lock:
+            self.encoded += len(text)
+        return self.tok.encode_segment(text)
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    n=st.integers(1, 8),
-    pieces=st.lists(
-        st.sampled_from(["<|im_end|>", "<|im_user|>", "x", "y" * 5000, "<|", "|>"]), max_size=30
-    ),
-)
-def test_last_occurrences_equal_the_full_scan(n: int, pieces: list[str]) -> None:
-    splitter = SpecialSplitter.for_tokens({"<|im_end|>": 1, "<|im_user|>": 2})
-    assert splitter.pattern is not None
-    text = "".join(pieces)
-    want = [m.start() for m in splitter.pattern.finditer(text)][-n:]
-    assert [m.start() for m in splitter.last_n(text, n, window=64)] == want
+def test_a_prompt_is_remembered_without_encoding_it_again() -> None:
+    # the cut points of a cached prompt (its last special tokens) are found in the ids it
+    # was encoded to: a long final message is not tokenized twice (nor its last special
+    # tokens searched for quadratically: 4 s for a 1M-token message before)
+    tok, template = kimi()
+    counting = _CountingTokenizer(tok)
+    inc = IncrementalTokenizer(counting)
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "x y 12 " * 100_000}]
+    text = template.render(msgs)
+    got = inc.encode(text, message_keys(msgs), ROOT, 16)
+    assert np.array_equal(got.tokens, tok.encode_segment(text))
+    assert inc.stats().entries == 1
+    assert counting.encoded == len(text)
+    # ... and the next turn takes its ids from it, exactly
+    msgs = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    text = template.render(msgs)
+    again = inc.encode(text, message_keys(msgs), ROOT, 16)
+    assert again.reused_tokens >= len(got.tokens) - 8
+    assert np.array_equal(again.tokens, tok.encode_segment(text))
+    assert again.hashes == hash_prompt(again.tokens, 16, ROOT).hashes
 
 
 # ---------------------------------------------------------------------------- HF tokenizer.json

@@ -149,20 +149,6 @@ class SpecialSplitter:
                 cuts.append(m.start())
         return cuts
 
-    def last_n(self, text: str, n: int, window: int = 4096) -> list[re.Match[str]]:
-        """Up to the last ``n`` special-token occurrences in ``text``, in text order (searching
-        back in windows that grow eightfold: each search rescans its window's end, so the
-        characters scanned stay under 8/7 of the text however far back the ``n``-th lies)."""
-        if self.pattern is None:
-            return []
-        span = window
-        while True:
-            lo = max(0, len(text) - span)
-            found = list(self.pattern.finditer(text, lo))
-            if len(found) >= n or lo == 0:
-                return found[-n:]
-            span *= 8
-
 
 def _unsafe_before(alts: Sequence[str]) -> tuple[str, ...]:
     """Proper prefixes ``t[:i]`` of special tokens whose rest ``t[i:]`` starts a token or
