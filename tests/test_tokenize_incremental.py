@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,45 @@ def test_parallel_encode_equals_single_thread() -> None:
     splitter = SpecialSplitter.for_tokens(tok.special_tokens)
     assert np.array_equal(encode(tok, splitter, text, threads=4), tok.encode_segment(text))
     assert len(splitter.cut_points(text, 4)) == 3
+
+
+class _CountingTokenizer:
+    """A tokenizer that counts the characters it is asked to encode."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self.encoded = 0
+        self._lock = threading.Lock()  # (long texts are encoded on pool threads)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tok, name)
+
+    def encode_segment(self, text: str) -> Any:
+        with self._lock:
+            self.encoded += len(text)
+        return self.tok.encode_segment(text)
+
+
+def test_a_prompt_is_remembered_without_encoding_it_again() -> None:
+    # the cut points of a cached prompt (its last special tokens) are found in the ids it
+    # was encoded to: a long final message is not tokenized twice (nor its last special
+    # tokens searched for quadratically: 4 s for a 1M-token message before)
+    tok, template = kimi()
+    counting = _CountingTokenizer(tok)
+    inc = IncrementalTokenizer(counting)
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "x y 12 " * 100_000}]
+    text = template.render(msgs)
+    got = inc.encode(text, message_keys(msgs), ROOT, 16)
+    assert np.array_equal(got.tokens, tok.encode_segment(text))
+    assert inc.stats().entries == 1
+    assert counting.encoded == len(text)
+    # ... and the next turn takes its ids from it, exactly
+    msgs = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    text = template.render(msgs)
+    again = inc.encode(text, message_keys(msgs), ROOT, 16)
+    assert again.reused_tokens >= len(got.tokens) - 8
+    assert np.array_equal(again.tokens, tok.encode_segment(text))
+    assert again.hashes == hash_prompt(again.tokens, 16, ROOT).hashes
 
 
 # ---------------------------------------------------------------------------- HF tokenizer.json

@@ -384,22 +384,24 @@ class IncrementalTokenizer:
         root: int,
         block_size: int,
     ) -> None:
-        found = self.splitter.last_n(text, CUTS_KEPT)
-        if not found:
+        special = self.splitter.pattern
+        if special is None:
             return
-        first = found[0].start()
-        tail = self.tokenizer.encode_segment(text[first:])
-        offset = len(tokens) - len(tail)
-        ids = self.tokenizer.special_tokens
-        special_at = [i for i, t in enumerate(tail.tolist()) if t in self._special_ids]
-        if offset < 0 or len(special_at) != len(found):
+        # the cut points are the last special tokens; their indices in ``tokens`` are those of
+        # the last special ids (by the tokenizer contract each occurrence is one id, and text
+        # between them none: checked by their counts), so nothing is tokenized again
+        starts = self.splitter.starts(text)
+        at = self._special_at(tokens)
+        if not starts or len(at) != len(starts):
             return  # the contract does not hold here; never cache an inexact prefix
+        ids = self.tokenizer.special_tokens
         cuts = []
-        for m, at in zip(found, special_at, strict=True):
-            if ids.get(m.group()) != int(tail[at]):
+        for pos, idx in zip(starts[-CUTS_KEPT:], at[-CUTS_KEPT:].tolist(), strict=True):
+            m = special.match(text, pos)
+            if m is None or ids.get(m.group()) != int(tokens[idx]):
                 return
-            if self.splitter.clean_cut(text, m.start()):
-                cuts.append(_Cut(m.start(), m.group(), offset + at))
+            if self.splitter.clean_cut(text, pos):
+                cuts.append(_Cut(pos, m.group(), idx))
         if not cuts:
             return
         nbytes = len(text) * 2 + tokens.nbytes + 40 * len(hashes) + 512
@@ -542,6 +544,10 @@ class IncrementalTokenizer:
             loop_idx = -1
         return self._finish(tokens, base_hashes, reused, root, block_size, t0), loop_idx
 
+    def _special_at(self, tokens: TokenArray) -> np.ndarray:
+        """Indices of the special-token ids in ``tokens``, in order."""
+        return np.flatnonzero(np.isin(tokens, np.fromiter(self._special_ids, dtype=tokens.dtype)))
+
     def _shared_ids(self, text: str, old: str, old_ids: TokenArray) -> tuple[int, int] | None:
         """``(chars, n)``: ``text[:chars] == old[:chars]``, both continue with a special
         token there, and ``old_ids[:n]`` are the ids of ``old[:chars]`` (the special tokens of
@@ -553,7 +559,7 @@ class IncrementalTokenizer:
         shared = common_prefix(text, old)
         starts = self.splitter.starts(old)
         ids = self.tokenizer.special_tokens
-        at = np.flatnonzero(np.isin(old_ids, np.fromiter(self._special_ids, dtype=old_ids.dtype)))
+        at = self._special_at(old_ids)
         if len(at) != len(starts):
             return None  # the tokenizer did not keep every special token: no exact cut
         j = bisect.bisect_right(starts, shared) - 1

@@ -149,18 +149,6 @@ class SpecialSplitter:
                 cuts.append(m.start())
         return cuts
 
-    def last_n(self, text: str, n: int, window: int = 4096) -> list[re.Match[str]]:
-        """Up to the last ``n`` special-token occurrences in ``text``, in text order (searching
-        back in growing windows)."""
-        if self.pattern is None:
-            return []
-        lo = max(0, len(text) - window)
-        while True:
-            found = list(self.pattern.finditer(text, lo))
-            if len(found) >= n or lo == 0:
-                return found[-n:]
-            lo = max(0, lo - 8 * window)
-
 
 def _unsafe_before(alts: Sequence[str]) -> tuple[str, ...]:
     """Proper prefixes ``t[:i]`` of special tokens whose rest ``t[i:]`` starts a token or
