@@ -93,3 +93,26 @@ def test_a_refused_probation_attempt_keeps_its_replica_out_for_the_cooldown() ->
     assert state.load.view(a, 32.1).healthy is False
     state.fleet.restore_health(32.0 + COOLDOWN_S + 0.1)
     assert state.load.view(a, 32.0 + COOLDOWN_S + 0.1).healthy is True
+
+
+def test_retry_after_is_the_time_until_the_first_replica_comes_back() -> None:
+    """Only when every replica of the model is out until a known time; capped at 60 s."""
+    from router.service.fleet import RETRY_AFTER_MAX_S
+
+    state = _state()
+    fleet = state.fleet
+    keys = [ReplicaKey(n) for n in ("a", "b", "c")]
+    for i, key in enumerate(keys):
+        fleet.mark_unhealthy(key, 10.0 + i)  # out until 15, 16, 17
+    assert fleet.retry_after_s("m", 10.5) == 1  # "d" is still in rotation
+    fleet.mark_unhealthy(ReplicaKey("d"), 10.0)
+    assert fleet.retry_after_s("m", 10.5) == 5  # ceil(15 - 10.5)
+    assert fleet.retry_after_s("m", 14.9) == 1  # never under the configured value
+    fleet.unhealthy_until[ReplicaKey("a")] = 10.0 + 3600.0
+    fleet.unhealthy_until[ReplicaKey("b")] = 10.0 + 3600.0
+    fleet.unhealthy_until[ReplicaKey("c")] = 10.0 + 3600.0
+    fleet.unhealthy_until[ReplicaKey("d")] = 10.0 + 3600.0
+    assert fleet.retry_after_s("m", 10.0) == RETRY_AFTER_MAX_S
+    fleet.unhealthy_until[ReplicaKey("d")] = float("inf")  # on probation: no known end
+    assert fleet.retry_after_s("m", 10.0) == 1
+    assert fleet.retry_after_s("unknown", 10.0) == 1

@@ -641,6 +641,19 @@ async def test_no_replica_available_is_503_with_retry_after(fleet: Fleet) -> Non
     assert r.status == 200
 
 
+async def test_a_fleet_out_until_a_known_time_says_when_in_retry_after(fleet: Fleet) -> None:
+    """Every replica refused its connection: each is out for the unhealthy cooldown (60 s
+    here). A refusal then said ``Retry-After: 1``, so clients spent their retries in the
+    same refusal; it says when the first replica comes back."""
+    for b in fleet.backends:
+        await b.stop()
+    first = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": conversation(0)})
+    assert first.status >= 500
+    r = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": conversation(0)})
+    assert r.status == 503, await r.text()
+    assert 50 <= int(r.headers["Retry-After"]) <= 60
+
+
 # ---------------------------------------------------------------------------- ops endpoints
 
 

@@ -414,7 +414,7 @@ async def serve(
         )
     except KVRouterError as exc:  # no decode replica left: answered, and counted
         state.metrics.model(model).outcome(None, "rejected").inc()
-        reply = reply_for(exc, state.settings.server.retry_after_s)
+        reply = reply_for(exc, state.fleet.retry_after_s(model, now))
         extra = [(k.encode(), v.encode()) for k, v in reply.headers]  # Retry-After
         await send_error(sink, reply.status, reply.message, code=reply.code, headers=extra)
         return

@@ -9,6 +9,7 @@ Only the event-loop thread calls it.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Collection, Sequence
 
 from router.core.index import PrefixIndex
@@ -20,6 +21,11 @@ from router.service.settings import ReplicaSettings, Settings
 from router.store.base import ReplicaInfo
 
 _log = logging.getLogger("router.service.state")
+
+
+RETRY_AFTER_MAX_S = 60
+"""The longest ``Retry-After`` a refusal for want of replicas gives (the openai SDK follows
+one of up to 60 s)."""
 
 
 class Fleet:
@@ -175,6 +181,19 @@ class Fleet:
             if now >= until:
                 del self.unhealthy_until[key]
                 self.load.set_health(key, True)
+
+    def retry_after_s(self, model: str, now: float) -> int:
+        """The ``Retry-After`` of a request of ``model`` refused for want of a replica: the
+        configured ``server.retry_after_s``; when every replica of the model is held out of
+        rotation until a known time (ejected, cooling down after failures), the whole
+        seconds until the first comes back, up to ``RETRY_AFTER_MAX_S`` (a client told 1 s
+        would spend its retries in the same refusal)."""
+        base = self.settings.server.retry_after_s
+        keys = self.registry.keys_for(model)
+        ends = [self.unhealthy_until.get(k, math.nan) for k in keys]
+        if not ends or not all(math.isfinite(e) for e in ends):
+            return base  # one is out for another reason (down, draining, on probation)
+        return max(base, min(math.ceil(min(ends) - now), RETRY_AFTER_MAX_S))
 
     def connect_failed(self, key: ReplicaKey, now: float, *, connected: bool) -> None:
         """A connection to ``key`` failed: taken and dropped unanswered (``connected``), that

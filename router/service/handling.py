@@ -632,7 +632,9 @@ async def serve_completion(
                 routed = state.admission.classed(routed, admitted.service_tier, client_headers)
     except KVRouterError as exc:
         rejected(state, model)
-        await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s), shaped)
+        now = forwarder.event_loop().time()
+        retry_after = state.fleet.retry_after_s(model if isinstance(model, str) else "", now)
+        await send_reply(sink, reply_for(exc, retry_after), shaped)
         return
     except asyncio.CancelledError:
         # the client left before the request reached a replica (held by admission, or
