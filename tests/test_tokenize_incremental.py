@@ -123,6 +123,35 @@ def test_budget_evicts_least_recently_used() -> None:
     assert 0 < stats.entries < 5 and stats.bytes <= 400_000
 
 
+def test_a_growing_conversation_evicts_its_own_earlier_turns_first() -> None:
+    """Each turn of a long session stores an entry that extends the previous turn's; the
+    extended entry is evicted before any other conversation's latest entry, so one busy
+    session's history can not push the others out. Regenerating the latest turn still hits,
+    and every result stays the cold tokenization."""
+    tok, template = kimi()
+    inc = IncrementalTokenizer(tok, budget_bytes=600_000)
+    other = [{"role": "user", "content": "other session " * 1500}]
+    inc.encode(template.render(other), message_keys(other), ROOT, 16)
+    session: list[dict[str, Any]] = [{"role": "system", "content": "agent " * 3000}]
+    for turn in range(4):
+        session = [
+            *session,
+            {"role": "assistant", "content": f"step {turn}"},
+            {"role": "tool", "content": f"out {turn} " * 3000},
+        ]
+        text = template.render(session)
+        got = inc.encode(text, message_keys(session), ROOT, 16)
+        assert np.array_equal(got.tokens, tok.encode_segment(text))
+        assert inc.stats().bytes <= 600_000
+    again = inc.encode(text, message_keys(session), ROOT, 16)  # the latest turn, regenerated
+    assert again.reused_tokens >= len(got.tokens) - 8
+    text = template.render(other)
+    back = inc.encode(text, message_keys(other), ROOT, 16)
+    assert back.reused_tokens > 0  # still cached: the session's older turns went first
+    assert np.array_equal(back.tokens, tok.encode_segment(text))
+    assert back.hashes == hash_prompt(back.tokens, 16, ROOT).hashes
+
+
 def test_parallel_encode_equals_single_thread() -> None:
     tok, template = kimi()
     msgs = [{"role": "user", "content": f"part {i} " + "x y z 12 " * 3000} for i in range(8)]

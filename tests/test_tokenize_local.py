@@ -714,6 +714,38 @@ def test_local_entries_respect_the_byte_budget() -> None:
     assert 0 < stats.entries < 6 and stats.bytes <= 300_000
 
 
+@pytest.mark.parametrize("source", ["kimi", "kimi_k3_style"])
+def test_a_growing_conversation_evicts_its_own_earlier_turns_first(source: str) -> None:
+    """A turn that extends a cached conversation leaves the entry it extended first in line
+    for eviction: one busy session's history can not push another session's latest entry
+    out of the budget. Regenerating the latest turn still reuses it whole."""
+    proc = _processor(None if source == "kimi" else K3_SOURCE, budget=600_000)
+    assert proc.tokenizer is not None
+    other = {"model": "m", "messages": [_SYSTEM, {"role": "user", "content": "other"}]}
+    proc.chat(other)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "agent " * 3000},
+        {"role": "user", "content": "go"},
+    ]
+    for turn in range(4):
+        call = {"id": f"t{turn}", "type": "function", "function": {"name": "run", "arguments": {}}}
+        messages = [
+            *messages,
+            {"role": "assistant", "content": f"step {turn}", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"t{turn}", "content": f"out {turn} " * 3000},
+        ]
+        got = proc.chat({"model": "m", "messages": messages})
+        assert (got.prompt_tokens, got.block_hashes) == _cold(
+            proc, {"model": "m", "messages": messages}
+        )
+        assert proc.tokenizer.stats().bytes <= 600_000
+    again = proc.chat({"model": "m", "messages": messages})  # the latest turn, regenerated
+    assert again.reused_tokens > 0
+    back = proc.chat(other)
+    assert back.reused_tokens > 0  # still cached: the session's older turns went first
+    assert (back.prompt_tokens, back.block_hashes) == _cold(proc, other)
+
+
 @pytest.mark.parametrize(
     ("first", "second"),
     [

@@ -14,8 +14,10 @@ encode(suffix)`` whenever ``suffix`` starts with a special token: the result is 
 cold tokenization (property-tested in tests/test_tokenize_incremental.py). Block hashes
 continue the chain from the last full block of the reused prefix.
 
-Entries are evicted least-recently-used under a byte budget. Thread-safe: the service encodes
-long prompts on worker threads.
+Entries are evicted least-recently-used under a byte budget, except that an entry a newer one
+was made from (the previous turn of a conversation that has moved on) is put first in line:
+one long session's earlier turns can not push other sessions' latest entries out. Thread-safe:
+the service encodes long prompts on worker threads.
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ class LocalPrefix:
 
     entry: _LocalEntry
     start: int  # the message loop's bodies before its ``start``-th are cached; it starts there
+    key: int  # where ``entry`` is cached (an entry kept for the request supersedes it)
 
     @property
     def prepared(self) -> list[Mapping[str, Any]]:
@@ -292,7 +295,7 @@ class IncrementalTokenizer:
                 self.reused_tokens,
             )
 
-    def _probe(self, text: str, keys: Sequence[int]) -> tuple[_Entry, _Cut] | None:
+    def _probe(self, text: str, keys: Sequence[int]) -> tuple[int, _Entry, _Cut] | None:
         with self._lock:
             for key in reversed(keys):
                 entry = self._entries.get(key)
@@ -301,7 +304,7 @@ class IncrementalTokenizer:
                 cut = self._usable_cut(text, entry)
                 if cut is not None:
                     self._entries.move_to_end(key)
-                    return entry, cut
+                    return key, entry, cut
         return None
 
     @staticmethod
@@ -328,8 +331,10 @@ class IncrementalTokenizer:
         use_cache = bool(keys) and self.budget_bytes > 0 and len(text) >= MIN_CACHED_CHARS
         found = self._probe(text, keys) if use_cache else None
         reused = 0
+        extends: tuple[int, _Entry] | None = None
         if found is not None:
-            entry, cut = found
+            key, entry, cut = found
+            extends = key, entry
             suffix = self.encode_text(text[cut.pos :])
             tokens = np.concatenate([entry.tokens[: cut.idx], suffix])
             reused = cut.idx
@@ -343,7 +348,7 @@ class IncrementalTokenizer:
             base_hashes = None
         enc = self._finish(tokens, base_hashes, reused, root, block_size, t0)
         if remember and use_cache:
-            self._remember(keys[-1], text, tokens, enc.hashes, root, block_size)
+            self._remember(keys[-1], text, tokens, enc.hashes, root, block_size, extends)
         return enc
 
     def _finish(
@@ -383,6 +388,7 @@ class IncrementalTokenizer:
         hashes: list[int],
         root: int,
         block_size: int,
+        extends: tuple[int, _Entry] | None,
     ) -> None:
         special = self.splitter.pattern
         if special is None:
@@ -406,10 +412,22 @@ class IncrementalTokenizer:
             return
         nbytes = len(text) * 2 + tokens.nbytes + 40 * len(hashes) + 512
         self._store(
-            key, _Entry(text, tokens, tuple(reversed(cuts)), {(root, block_size): hashes}, nbytes)
+            key,
+            _Entry(text, tokens, tuple(reversed(cuts)), {(root, block_size): hashes}, nbytes),
+            extends,
         )
 
-    def _store(self, key: int, entry: _Entry | _LocalEntry) -> None:
+    def _store(
+        self,
+        key: int,
+        entry: _Entry | _LocalEntry,
+        extends: tuple[int, _Entry | _LocalEntry] | None = None,
+    ) -> None:
+        """Keep ``entry`` under ``key``, the most recently used; ``extends``: the cached
+        entry (and its key) it was made from, which it supersedes. That one, if still cached
+        under another key, is put first in line for eviction: superseded entries go before
+        any entry that is still a conversation's latest (a retry of the earlier turn hits it
+        while it lasts)."""
         if entry.nbytes > self.budget_bytes:
             return
         with self._lock:
@@ -418,6 +436,10 @@ class IncrementalTokenizer:
                 self._bytes -= old.nbytes
             self._entries[key] = entry
             self._bytes += entry.nbytes
+            if extends is not None:
+                at, previous = extends
+                if at != key and self._entries.get(at) is previous:
+                    self._entries.move_to_end(at, last=False)
             while self._bytes > self.budget_bytes and self._entries:
                 _, dropped = self._entries.popitem(last=False)
                 self._bytes -= dropped.nbytes
@@ -452,7 +474,7 @@ class IncrementalTokenizer:
                     )
                 ):
                     self._entries.move_to_end(key)
-                    return LocalPrefix(entry, entry.resume.start)
+                    return LocalPrefix(entry, entry.resume.start, key)
         return None
 
     def encode_local(
@@ -590,9 +612,11 @@ class IncrementalTokenizer:
         block_size: int,
         chars: int,
         text: tuple[str, int] | None = None,
+        extends: LocalPrefix | None = None,
     ) -> None:
         """Keep a conversation for :meth:`probe_local` (``chars``: its content length, for
-        the byte budget; the message strings are shared with the request, not copied).
+        the byte budget; the message strings are shared with the request, not copied;
+        ``extends``: the cached conversation this one was found to extend, superseded by it).
 
         ``text`` (the whole rendered text, and where the resume point is in it) is given for
         templates whose head reads the whole conversation: a turn that can not resume (a
@@ -624,4 +648,4 @@ class IncrementalTokenizer:
             full,
             text_at,
         )
-        self._store(key, entry)
+        self._store(key, entry, None if extends is None else (extends.key, extends.entry))

@@ -526,7 +526,18 @@ class PromptProcessor:
             # kept with the entry (see IncrementalTokenizer.remember_local)
             text = (before + parts.bodies + parts.tail, len(before) + parts.resume.offset)
         tokenizer.remember_local(
-            keys[-1], messages, prepared, context, parts, enc, loop_idx, root, bs, chars, text
+            keys[-1],
+            messages,
+            prepared,
+            context,
+            parts,
+            enc,
+            loop_idx,
+            root,
+            bs,
+            chars,
+            text,
+            extends=prefix,
         )
         total_s = time.perf_counter() - t0
         return ProcessedPrompt(
