@@ -248,7 +248,7 @@ async def test_a_completion_of_prompt_embeddings_is_routed_and_passed_on(fleet: 
 def test_output_limits_are_read_as_vllm_reads_them() -> None:
     """vLLM 0.34's chat takes ``max_completion_tokens`` when it is not null (0 included), else
     ``max_tokens``; its completions have no ``max_completion_tokens`` (an unknown field,
-    ignored) and default ``max_tokens`` (absent or null) to 16. The router counted a
+    ignored) and default an absent ``max_tokens`` to 16. The router counted a
     completion by a ``max_completion_tokens`` the engine ignores, and one without a limit
     as one of unknown length."""
     chat = {"max_completion_tokens": 0, "max_tokens": 900}
@@ -258,7 +258,17 @@ def test_output_limits_are_read_as_vllm_reads_them() -> None:
     completion = {"max_completion_tokens": 4096, "max_tokens": 8}
     assert max_output_tokens(completion, "completion") == 8
     assert max_output_tokens({"max_completion_tokens": 4096}, "completion") == 16
-    assert max_output_tokens({"max_tokens": None}, "completion") == 16
+
+
+def test_a_completion_s_null_max_tokens_is_no_limit() -> None:
+    """16 is the default of vLLM's completion ``max_tokens`` field, used when the body leaves
+    it out; an explicit null is None, which vLLM's ``get_max_tokens`` reads as no limit (the
+    context's rest, or the generation config's). The router counted a null as 16: a
+    non-stream completion then got a first-byte deadline sized for 16 tokens (timed out and
+    retried while the replica still decoded) and a short answer's stall weight."""
+    assert max_output_tokens({"max_tokens": None}, "completion") is None
+    assert max_output_tokens({"max_tokens": None, "max_completion_tokens": 9}, "completion") is None
+    assert max_output_tokens({}, "completion") == 16
 
 
 async def test_a_completion_s_unknown_fields_are_not_checked(fleet: Fleet) -> None:

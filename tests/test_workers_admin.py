@@ -550,3 +550,58 @@ def _children_of(pid: int) -> list[int]:
         if entry.name.isdigit() and int(stat_line.rsplit(")", 1)[1].split()[1]) == pid:
             out.append(int(entry.name))
     return out
+
+
+_LISTENED_THEN_DIED = """
+import os, signal, sys
+from router.service import supervisor
+
+real_write = supervisor._write
+
+def write(directory, name, text):
+    if name == supervisor.PIDS_FILE and not getattr(write, "held", False):
+        write.held = True
+        # the parent busy elsewhere (forking, writing) while its first worker says it
+        # listens and dies: it is reaped before its byte is read
+        pid = int(text.split()[0])
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    real_write(directory, name, text)
+
+supervisor._write = write
+
+def work(group, index, ready_fd, replacing):
+    os.write(ready_fd, b"x")
+    if not replacing:
+        os._exit(3)  # (a crash just after it listened)
+    os.kill(os.getppid(), signal.SIGTERM)  # the replacement stops the router: done
+    while True:
+        signal.pause()
+
+sys.exit(supervisor.supervise(1, 0, work))
+"""
+
+
+def test_a_worker_that_listened_and_died_before_its_byte_was_read_is_replaced() -> None:
+    """A worker that said it listens is replaced when it dies, also when the parent reaps it
+    before reading its byte (both waiting when the parent looks): the parent took it for a
+    worker of the first start that never listened and stopped the whole router with its
+    status."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LISTENED_THEN_DIED],
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0, err
+    finally:
+        left = _children_of(proc.pid)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)

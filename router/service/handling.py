@@ -129,14 +129,16 @@ with floats, which an integer past about 1e308 cannot become."""
 
 
 COMPLETION_MAX_TOKENS = 16
-"""vLLM's ``max_tokens`` of a completion that sets none (or null): its request model's
-default (vLLM 0.34 ``CompletionRequest``)."""
+"""vLLM's ``max_tokens`` of a completion whose body leaves it out: its request model's
+default (vLLM 0.34 ``CompletionRequest``). An explicit null stays None there: no limit but
+the context (``get_max_tokens``)."""
 
 
 def max_output_tokens(body: dict[str, Any], kind: str = "chat") -> int | None:
     """``max_completion_tokens`` when not null, else ``max_tokens`` (as :func:`field_types`
-    checked them), as vLLM's chat reads them; a completion's ``max_tokens``, else
-    ``COMPLETION_MAX_TOKENS`` (vLLM's completions have no ``max_completion_tokens``); for
+    checked them), as vLLM's chat reads them; a completion's ``max_tokens``,
+    ``COMPLETION_MAX_TOKENS`` when absent, None (unknown) when null (vLLM's completions have
+    no ``max_completion_tokens``); for
     the Responses API (``kind`` ``responses``) its ``max_output_tokens``, checked here; at
     most ``MAX_OUTPUT_TOKENS`` (the body goes on as it came)."""
     if kind == "responses":
@@ -144,9 +146,7 @@ def max_output_tokens(body: dict[str, Any], kind: str = "chat") -> int | None:
         if found is INVALID or (found is not None and found < 0):
             raise BadRequest("'max_output_tokens' must be a non-negative integer")
     elif kind == "completion":
-        found = lax_int(body.get("max_tokens"))
-        if found is None:
-            found = COMPLETION_MAX_TOKENS
+        found = lax_int(body.get("max_tokens", COMPLETION_MAX_TOKENS))
     else:
         found = lax_int(body.get("max_completion_tokens"))
         if found is None:

@@ -153,6 +153,13 @@ def supervise(count: int, port: int, work: Callable[[Workers, int, int, bool], N
         if child is None:
             return
         if child.ready is not None:
+            # its byte, if it said it listens before it died, is still in the pipe (reaped
+            # before the loop read it)
+            os.set_blocking(child.ready, False)
+            with contextlib.suppress(BlockingIOError):
+                if os.read(child.ready, 1):
+                    child.serving_since = time.monotonic()
+                    served[child.index] = True
             os.close(child.ready)
         with contextlib.suppress(OSError):  # (a killed worker leaves its socket behind)
             os.unlink(group.socket(pid))
