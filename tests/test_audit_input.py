@@ -201,10 +201,10 @@ async def test_unexpected_error_on_a_side_endpoint_is_openai_style_500(
     OpenAI-style 500 JSON there too, and is logged."""
     from router.service.metrics import Metrics
 
-    def broken(self: Metrics) -> bytes:
+    async def broken(self: Metrics) -> bytes:
         raise ValueError("simulated bug in the metrics page")
 
-    monkeypatch.setattr(Metrics, "render", broken)
+    monkeypatch.setattr(Metrics, "page", broken)
     with caplog.at_level(logging.ERROR):
         async with router.http.get(router.url + "/metrics") as r:
             status, ctype, data = r.status, r.headers.get("Content-Type", ""), await r.read()

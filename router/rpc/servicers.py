@@ -410,7 +410,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     routed = slo_gate.classed(routed, tier, headers)
         except KVRouterError as exc:
             rejected(self.state, request.model)  # counted as the HTTP endpoints count it
-            await _abort(context, exc, self.state.fleet.retry_after_s(request.model, now))
+            await _abort(context, exc, self.state.fleet.retry_after_s(request.model, self.clock()))
         except asyncio.CancelledError:
             # the caller left (cancelled, or its deadline passed) before the request reached
             # a replica (held by admission, or while its prompt was processed): its one
