@@ -32,7 +32,8 @@ test-compiled: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
 		$$($(BIN)/python -m router.compile --tests)
 
-# mypy: strict over the whole package and the simulator (pyproject [tool.mypy]), which holds
+# mypy: strict, plus the error codes pyproject [tool.mypy] enables (possibly-undefined, ...),
+# over the whole package and the simulator, which holds
 # every module `make compile` builds (`python -m router.compile --list`): mypyc refuses what
 # mypy rejects. Only the generated gRPC code (router/rpc/gen) is not checked itself.
 lint: $(STAMP)

@@ -20,3 +20,16 @@ def bench_json(*args: str, timeout: float = 120) -> dict[str, Any]:
     ).stdout
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
+
+
+def bench_refused(*args: str, timeout: float = 120) -> str:
+    """``kvrouter bench ARGS...`` that must refuse its arguments: its one-line message (not
+    a traceback)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    return done.stderr.strip()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+from tests.benches import bench_refused
 from tests.procs import KVROUTER
 
 
@@ -30,3 +31,8 @@ def test_bench_ingest_prints_cpu_figures_for_both_shapes() -> None:
         for key in ("stored_us_per_engine_block", "removed_us_per_engine_block"):
             assert figures[key] > 0, key
     assert mock["events_digest"] == step["events_digest"]
+
+
+def test_bench_ingest_refuses_zero_rounds() -> None:
+    # a best of no rounds has no figures (it failed reading one it never took)
+    assert bench_refused("ingest", "--reps", "0") == "--reps must be >= 1, got 0"

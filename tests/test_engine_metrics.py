@@ -415,3 +415,47 @@ def test_a_page_of_other_models_only_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="kimi-k3"):
         parse_engine_metrics(page, "kimi-k3")
+
+
+async def test_a_scrape_that_times_out_is_logged_by_its_kind(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A timed-out scrape raises a ``TimeoutError`` without a message: the warning names
+    the exception (its repr), not an empty reason."""
+    import asyncio
+
+    from aiohttp import web
+
+    from router.service.engines import scraping
+    from router.service.settings import ReplicaSettings
+    from tests.ports import free_port
+    from tests.waiting import eventually
+
+    release = asyncio.Event()
+
+    async def hang(_: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/metrics", hang)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    rep = ReplicaSettings("http://x", "m", "r0", metrics_url=f"http://127.0.0.1:{port}/metrics")
+
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="router.service.engines"):
+            # every 0.05 s: the scrape's timeout is its floor, 0.5 s
+            async with scraping([rep], _Feed(), 0.05):  # type: ignore[arg-type]
+                await eventually(warned)
+    finally:
+        release.set()
+        await runner.cleanup()
+    assert len(warned()) == 1, warned()
+    assert warned()[0].startswith("engine metrics of r0: ")
+    assert "Timeout" in warned()[0], warned()

@@ -23,7 +23,7 @@ from router.service.config import build_settings
 from router.service.render_answer import RenderFailed, parse_rendered
 from router.tokenize.pipeline import PromptProcessor
 from tests.backends import kimi_model_table, metric_sample, start_mock, start_router
-from tests.benches import bench_json
+from tests.benches import bench_json, bench_refused
 from tests.ports import free_port
 from tests.waiting import eventually
 
@@ -229,6 +229,11 @@ def test_the_render_bench_runs_and_the_engine_renders_as_the_router() -> None:
     out = bench_json("render", "--tokens", "3000", "--reps", "1")
     assert out["bench"] == "render" and out["prompt_tokens"] >= 3000
     assert out["engine_ms"] > 0 and out["answer_mb"] > 0
+
+
+def test_the_render_bench_refuses_zero_rounds() -> None:
+    # a median of no rounds has no figures (it failed reading one it never took)
+    assert bench_refused("render", "--reps", "0") == "--reps must be >= 1, got 0"
 
 
 async def test_a_target_that_failed_rests_before_it_is_asked_again() -> None:

@@ -133,6 +133,7 @@ def _shape(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     stored, removed, blocks = _payloads(args, shape)
     best: dict[str, float] = {}
     digest = ""
+    kv_blocks = 0
     for _ in range(args.reps):
         rnd = _Round(args.block_size)
         t0 = time.process_time()
@@ -163,6 +164,8 @@ def _shape(args: argparse.Namespace, shape: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.reps < 1:
+        raise SystemExit(f"--reps must be >= 1, got {args.reps}")
     shapes = SHAPES if args.shape == "both" else (args.shape,)
     result: dict[str, Any] = {
         "bench": "ingest",

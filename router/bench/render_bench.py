@@ -69,6 +69,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     model = ModelSettings(name="m", render="engine", render_url=base, render_timeout_s=600.0)
     local_ms, engine_ms, decode_ms = [], [], []
     answer = b""
+    prompt_tokens = 0
     try:
         async with aiohttp.ClientSession() as session:
             renderer = EngineRenderer({"m": model}, lambda _: [base], counter, session)
@@ -76,6 +77,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 local = processor().chat(body)
                 local_ms.append((time.perf_counter() - t0) * 1e3)
+                prompt_tokens = local.prompt_tokens
                 t0 = time.perf_counter()
                 got = await renderer.prompt("m", "chat", body, processor())
                 engine_ms.append((time.perf_counter() - t0) * 1e3)
@@ -90,7 +92,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         await runner.cleanup()
     return {
         "bench": "render",
-        "prompt_tokens": local.prompt_tokens,
+        "prompt_tokens": prompt_tokens,
         "local_cold_ms": round(percentile(local_ms, 50), 2),
         "engine_ms": round(percentile(engine_ms, 50), 2),
         "engine_decode_ms": round(percentile(decode_ms, 50), 2),
@@ -100,6 +102,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.reps < 1:
+        raise SystemExit(f"--reps must be >= 1, got {args.reps}")
     emit(asyncio.run(_run(args)))
     return 0
 

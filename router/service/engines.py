@@ -123,7 +123,8 @@ async def scrape_loop(
                 if isinstance(result, BaseException):
                     if rep.name not in failing:
                         failing.add(rep.name)
-                        _log.warning("engine metrics of %s: %s", rep.name, result or repr(result))
+                        reason = str(result) or repr(result)  # TimeoutError() has no text
+                        _log.warning("engine metrics of %s: %s", rep.name, reason)
                 else:
                     failing.discard(rep.name)
             await asyncio.sleep(every_s)

@@ -70,11 +70,12 @@ class Fleet:
             return False
         ranks = tuple(info.dp_ranks)
         problem: str | None = None
+        address: tuple[str, int] | None = None  # None: the URL is refused (``problem``)
         try:  # the same URL rule as configured replicas (router/service/replica_url.py)
             address = ReplicaUrl.parse(info.url).address
         except ValueError as exc:
             problem = str(exc)
-        if problem is None:
+        if address is not None:
             owner = next(
                 (
                     r.name

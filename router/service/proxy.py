@@ -434,6 +434,7 @@ class Forwarder:
         loop = self.event_loop()
         tail: deque[bytes] = deque()  # at least the stream's last TAIL_SPAN bytes (usage)
         done_relayed = False  # the client has the stream's closing ``data: [DONE]`` event
+        first_at = 0.0  # when the stream's first token came (0: none yet)
         try:
             if not streaming:
                 try:
@@ -476,7 +477,7 @@ class Forwarder:
             keep_final = False  # the tail holds a Responses API stream's final event
             head_seen = b""  # the stream's start, until its response id is found
             end = b""  # the stream's last bytes (a read may cut its closing event)
-            last = first_at = 0.0
+            last = 0.0
             first = True
             # a Responses stream's response.created / in_progress come before the engine's
             # first output: no token either

@@ -32,7 +32,7 @@ from router.tokenize.incremental import (
     message_keys,
 )
 from router.tokenize.lax import lax_int
-from router.tokenize.local_template import LocalTemplate
+from router.tokenize.local_template import LocalTemplate, RenderedParts
 from router.tokenize.multimodal import (
     ImageSettings,
     data_url_bytes,
@@ -484,6 +484,7 @@ class PromptProcessor:
         root, _ = self.root(body)
         bs = self.block_size
         out = None
+        parts: RenderedParts | None = None  # the render ``out`` was encoded from
         prepared: list[Mapping[str, Any]]
         prefix = tokenizer.probe_local(messages, keys, context)
         if prefix is not None:
@@ -517,7 +518,7 @@ class PromptProcessor:
             size = len(parts.head) + len(parts.bodies) + len(parts.tail)
             local.observe(out[1] >= 0 and 2 * len(parts.tail) <= size)
         else:
-            assert prefix is not None
+            assert prefix is not None and parts is not None
             old = prefix.entry.text
             before = old[: prefix.entry.text_at] if old is not None else None
         enc, loop_idx = out
