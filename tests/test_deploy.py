@@ -180,6 +180,7 @@ def _exported_metrics() -> set[str]:
     from router.core.load import LoadTracker
     from router.service.background import _IndexSyncCollector
     from router.service.config import build_settings
+    from router.service.ejection import Ejections, outlier_settings
     from router.service.peer_sum import PeerSum
     from router.service.pod_exchange import ExchangeSettings, PodExchange, _ExchangeCollector
     from router.service.saturation import LoopLag
@@ -193,11 +194,26 @@ def _exported_metrics() -> set[str]:
                      lambda: 0.0)  # fmt: skip
     state.metrics.registry.register(_ExchangeCollector(ex))
     state.metrics.registry.register(LoopLag())
+    Ejections(state, outlier_settings(state.settings.server))  # the forwarder's counters
     # the shared index follower's collector reads its ``up`` flag and error counts
     follower = SimpleNamespace(up=True, stats=SimpleNamespace(errors=0, unreadable=0))
     state.metrics.registry.register(_IndexSyncCollector(follower))  # type: ignore[arg-type]
-    text = state.metrics.render().decode()
-    return set(re.findall(r"^# TYPE (kvrouter_\w+) \w+$", text, flags=re.M))
+    text = state.metrics.render().decode() + _workers_page()
+    # and the labelled families no request has touched yet (no samples, no TYPE line)
+    declared = set(_declared_labels(state.metrics.registry))
+    return declared | set(re.findall(r"^# TYPE (kvrouter_\w+) \w+$", text, flags=re.M))
+
+
+def _workers_page() -> str:
+    """What ``server.workers > 1`` adds to the page: the families of the merged workers'
+    page (router/service/worker_metrics.py) that a single process has none of."""
+    import asyncio
+
+    from router.service.worker_metrics import all_workers_page
+
+    page = asyncio.run(all_workers_page(0, b"", [], configured=2, restarts=1)).decode()
+    assert "kvrouter_worker_restarts_total 1" in page
+    return page
 
 
 def test_alert_rules_cover_the_issues_and_use_exported_metrics() -> None:
@@ -217,6 +233,82 @@ def test_alert_rules_cover_the_issues_and_use_exported_metrics() -> None:
         assert rule["labels"]["severity"] and rule["annotations"]["summary"] and rule["for"]
 
 
+# the failure modes docs/operations.md describes, and the metric each alert must watch
+_ALERTS = {
+    "KVRouterHitRateDrift": "kvrouter_engine_cached_tokens_total",
+    "KVRouterIndexEventLag": "kvrouter_index_event_lag_seconds",
+    "KVRouterRedisUnreachable": "kvrouter_pod_exchange_redis_up",
+    "KVRouterIndexSyncDown": "kvrouter_index_sync_up",
+    "KVRouterUnreadableSnapshots": "kvrouter_index_sync_unreadable_snapshots_total",
+    "KVRouterReplicasOutOfRotation": "kvrouter_replica_up",
+    "KVRouterWorkerCrashLoop": "kvrouter_worker_restarts_total",
+    "KVRouterStalePeerView": "kvrouter_peer_view_age_seconds",
+    "KVRouterSaturated": "kvrouter_event_loop_lag_seconds",
+}
+
+
+def _alert_rules() -> dict[str, dict]:
+    rules = _docs(K8S / "base" / "prometheus-rules.yaml")[0]
+    return {r["alert"]: r for g in rules["spec"]["groups"] for r in g["rules"]}
+
+
+def _anchor(heading: str) -> str:
+    """A Markdown heading's anchor as GitHub makes it."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_alerts_cover_the_failure_modes_of_the_runbook() -> None:
+    alerts = _alert_rules()
+    for name, metric in _ALERTS.items():
+        assert name in alerts, f"no alert {name}"
+        assert metric in alerts[name]["expr"], f"{name} does not watch {metric}"
+
+
+def test_every_alert_points_to_a_docs_section_that_exists() -> None:
+    """Each alert's ``runbook`` annotation is ``docs/<page>.md#<anchor>`` of a heading that
+    exists: what the on-call engineer reads when it fires."""
+    root = DEPLOY.parent
+    problems = []
+    for name, rule in _alert_rules().items():
+        runbook = rule["annotations"].get("runbook", "")
+        page, _, anchor = runbook.partition("#")
+        if not (page.startswith("docs/") and anchor and (root / page).is_file()):
+            problems.append(f"{name}: runbook {runbook!r} is not docs/<page>.md#<section>")
+            continue
+        headings = re.findall(r"^#+ (.+)$", (root / page).read_text(), flags=re.M)
+        if anchor not in {_anchor(h) for h in headings}:
+            problems.append(f"{name}: {page} has no section #{anchor}")
+    assert problems == [], "\n".join(problems)
+    assert _anchor("Resync (index disagrees with the engines)") == (
+        "resync-index-disagrees-with-the-engines"
+    )
+    assert _anchor("Read protocol (router, `IndexSync`)") == "read-protocol-router-indexsync"
+
+
+# what an operator looks for on the dashboard: (what, metrics a panel of it queries)
+_PANELS = {
+    "hit rate": ("kvrouter_predicted_hit_tokens_total", "kvrouter_engine_cached_tokens_total"),
+    "goodput by class": ("kvrouter_slo_requests_total", "class"),
+    "TTFT": ("kvrouter_ttft_seconds_bucket",),
+    "decode speed": ("kvrouter_itl_seconds_bucket",),
+    "ejections": ("kvrouter_replica_ejections_total",),
+    "index sync": ("kvrouter_index_sync_up", "kvrouter_index_sync_errors_total",
+                   "kvrouter_index_sync_unreadable_snapshots_total"),
+    "worker restarts": ("kvrouter_worker_restarts_total",),
+}  # fmt: skip
+
+
+def test_dashboard_has_the_panels_operators_need() -> None:
+    dash = json.loads((DEPLOY / "grafana" / "kvrouter-dashboard.json").read_text())
+    panels = [" ".join(t["expr"] for t in p["targets"]) for p in dash["panels"]]
+    missing = [what for what, words in _PANELS.items()
+               if not any(all(w in text for w in words) for text in panels)]  # fmt: skip
+    assert missing == [], f"no dashboard panel for {missing}"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids repeat"
+
+
 def test_hpa_scales_on_the_saturation_signal() -> None:
     hpa = _docs(K8S / "base" / "router-hpa.yaml")[0]
     pods = [m["pods"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
@@ -230,19 +322,12 @@ def test_dashboard_queries_only_metrics_the_router_exports() -> None:
     import json
     import re
 
-    from router.service.config import build_settings
-    from router.service.state import RouterState
-
     dash = json.loads((DEPLOY / "grafana" / "kvrouter-dashboard.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     exprs.append(dash["templating"]["list"][1]["query"])
     used = {m for e in exprs for m in re.findall(r"kvrouter_[a-z_]+", e)}
     assert len(used) >= 10
-    state = RouterState(
-        build_settings({"replicas": [{"url": "http://127.0.0.1:9", "model": "m", "name": "a"}]})
-    )
-    text = state.metrics.render().decode()
-    families = set(re.findall(r"^# TYPE (kvrouter_\w+) \w+$", text, flags=re.M))
+    families = _exported_metrics()
     suffix = re.compile(r"_(bucket|sum|count|total|created)$")
     missing = {m for m in used if m not in families and suffix.sub("", m) not in families}
     assert missing == set(), f"dashboard uses metrics the router does not export: {missing}"
@@ -446,6 +531,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> tuple[Scrape, Scrape]:
     return _parse_page(router_page, declared), _parse_page(publisher_page, {})
 
 
+@pytest.fixture(scope="module")
+def scrapes(live: tuple[Scrape, Scrape]) -> tuple[Scrape, ...]:
+    """The live router's and publisher's scrapes, and the families ``server.workers > 1``
+    adds to a router's page (the live routers run one process each)."""
+    return (*live, _parse_page(_workers_page(), {}))
+
+
 _LABEL_LISTS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
 _SELECTOR = re.compile(r"\b(kvrouter_\w+)\s*\{([^}]*)\}")
 _MATCHER = re.compile(r"(?:^|,)\s*([A-Za-z_]\w*)")
@@ -486,7 +578,7 @@ def _used_labels(expr: str) -> set[str]:
 
 
 def test_operator_queries_name_series_and_labels_the_live_router_exports(
-    live: tuple[Scrape, Scrape],
+    scrapes: tuple[Scrape, ...],
 ) -> None:
     """Every metric of the dashboard, the alerts, the adapter rule and the docs' PromQL is a
     series the running router or publisher exports (``_total`` / ``_bucket`` suffixes as
@@ -497,7 +589,7 @@ def test_operator_queries_name_series_and_labels_the_live_router_exports(
         names = set(re.findall(r"\bkvrouter_\w+", expr))
         families = {}
         for name in names:
-            scrape = next((s for s in live if s.family(name)), None)
+            scrape = next((s for s in scrapes if s.family(name)), None)
             if scrape is None:
                 problems.append(f"{where}: {name} is not exported")
                 continue
@@ -515,7 +607,7 @@ def test_operator_queries_name_series_and_labels_the_live_router_exports(
 
 
 def test_legends_and_alert_summaries_use_labels_their_query_keeps(
-    live: tuple[Scrape, Scrape],
+    scrapes: tuple[Scrape, ...],
 ) -> None:
     """A panel's ``{{label}}`` legend names a label its query groups by (else every series
     of the panel shows the same blank name); an alert's ``$labels.x`` one its expression
@@ -537,7 +629,7 @@ def test_legends_and_alert_summaries_use_labels_their_query_keeps(
         else:
             kept = set(TARGET_LABELS)
             for name in re.findall(r"\bkvrouter_\w+", expr):
-                scrape = next(s for s in live if s.family(name))
+                scrape = next(s for s in scrapes if s.family(name))
                 kept |= scrape.labels[scrape.family(name)]  # type: ignore[index]
         for label in re.findall(r"\$labels\.(\w+)", rule["annotations"]["summary"]):
             if label not in kept:
@@ -567,23 +659,50 @@ def test_joins_match_one_series_per_key_across_router_pods() -> None:
     assert problems == [], "\n".join(problems)
 
 
-# gauges each router process exports of its own view of the same fleet (docs/metrics.md:
-# every worker and pod has a copy): summed over routers they count each copy again
-_VIEW_GAUGES = ("kvrouter_index_entries", "kvrouter_index_replicas", "kvrouter_replica_up")
-_SUMMED = re.compile(r"\bsum\s*(?:(?:by|without)\s*\([^)]*\)\s*)?\(\s*(kvrouter_\w+)")
+# what each router process exports of its own view of the same fleet, and the copies of the
+# engines' own counters every process exports (docs/metrics.md: every worker and pod has a
+# copy): summed over routers they count each copy again
+_VIEW_GAUGES = ("kvrouter_index_entries", "kvrouter_index_replicas", "kvrouter_replica_up",
+                "kvrouter_replica_info", "kvrouter_index_event_lag_seconds",
+                "kvrouter_cache_horizon_seconds", "kvrouter_cache_eviction_risk",
+                "kvrouter_engine_prefix_cache_queries_tokens",
+                "kvrouter_engine_prefix_cache_hits_tokens")  # fmt: skip
+# sum (by / without) over a series, directly or through functions: sum(rate(x[5m]))
+_SUMMED = re.compile(
+    r"\bsum\s*(?:(?:by|without)\s*\([^)]*\)\s*)?\(\s*(?:[a-z_]+\s*\(\s*)*(kvrouter_\w+)"
+)
 
 
 def test_a_routers_own_view_is_not_summed_over_routers() -> None:
     """With ``server.workers = N`` (or N pods) ``sum(kvrouter_index_entries)`` shows N
     times the index and ``sum by (replica) (kvrouter_replica_up)`` N for a replica that is
-    up: those gauges take ``max`` / ``min`` over the routers, not ``sum``."""
+    up: those gauges take ``max`` / ``min`` over the routers, not ``sum``; so do the
+    engines' counters each router copies (``sum(rate(...))`` is N times the engine's)."""
     problems = [
         f"{where}: sums {m.group(1)} over router processes"
         for where, expr in _queries()
         for m in _SUMMED.finditer(expr)
-        if m.group(1) in _VIEW_GAUGES
+        if re.sub(r"_(total|bucket|count|sum)$", "", m.group(1)) in _VIEW_GAUGES
     ]
     assert problems == [], "\n".join(problems)
+
+
+def test_the_view_check_sees_through_functions() -> None:
+    """The check above catches the forms a query sums with (a check that cannot fail is
+    none)."""
+    caught = [
+        "sum(kvrouter_index_entries)",
+        "sum by (replica) (kvrouter_replica_up)",
+        "sum by (replica) (rate(kvrouter_engine_prefix_cache_hits_tokens_total[5m]))",
+        "sum without (worker) (max_over_time(kvrouter_index_event_lag_seconds[5m]))",
+    ]
+    for expr in caught:
+        names = [m.group(1) for m in _SUMMED.finditer(expr)]
+        assert any(re.sub(r"_(total|bucket|count|sum)$", "", n) in _VIEW_GAUGES
+                   for n in names), expr  # fmt: skip
+    # the router's own per-request counters are summed over routers
+    own = _SUMMED.search("sum by (replica) (rate(kvrouter_replica_prompt_tokens_total[5m]))")
+    assert own is not None and own.group(1) == "kvrouter_replica_prompt_tokens_total"
 
 
 def test_metrics_doc_tables_match_the_live_scrape(live: tuple[Scrape, Scrape]) -> None:
@@ -759,3 +878,168 @@ def test_tokenizer_job_fetches_the_model_the_engines_serve() -> None:
     engine = _docs(K8S / "engine" / "engine-rack.yaml")[0]["spec"]["template"]["spec"]
     model = next(a for a in engine["containers"][0]["args"] if a.startswith("--model="))
     assert repo == model.split("=", 1)[1]
+
+
+# -- the rules and queries through Prometheus' own parser and rule evaluation -----------------
+
+_PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(_PROMTOOL is None, reason="promtool (Prometheus) not installed")
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    assert _PROMTOOL is not None
+    return subprocess.run([_PROMTOOL, *args], capture_output=True, text=True, timeout=60)
+
+
+def _one_query_each(expr: str) -> list[str]:
+    """A docs block may hold several queries, one per unindented line (a line that goes on
+    with ``)`` or an operator continues the one before)."""
+    out: list[str] = []
+    for line in expr.splitlines():
+        if not line.strip():
+            continue
+        if out and (line[0].isspace() or line.lstrip()[0] in ")/*+-<>=!"):
+            out[-1] += "\n" + line
+        else:
+            out.append(line)
+    return out
+
+
+@needs_promtool
+def test_alert_rules_and_every_operator_query_parse_as_promql(tmp_path: pathlib.Path) -> None:
+    rules = _docs(K8S / "base" / "prometheus-rules.yaml")[0]
+    path = tmp_path / "alerts.yaml"
+    path.write_text(yaml.safe_dump({"groups": rules["spec"]["groups"]}))
+    got = _promtool("check", "rules", str(path))
+    assert got.returncode == 0, got.stdout + got.stderr
+    records = []
+    for where, expr in _queries():
+        if where.startswith("dashboard variable"):
+            continue  # Grafana's label_values(), not PromQL
+        expr = expr.replace("$model", ".*")
+        expr = expr.replace("<<.Series>>", "kvrouter_event_loop_lag_seconds")
+        expr = expr.replace("<<.LabelMatchers>>", 'pod!=""')
+        queries = _one_query_each(expr) if where.endswith(" promql") else [expr]
+        for i, query in enumerate(queries):
+            records.append({"record": f"q:{len(records)}", "expr": query})
+            records[-1]["labels"] = {"where": f"{where} #{i}"}
+    path = tmp_path / "queries.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "queries", "rules": records}]}))
+    got = _promtool("check", "rules", str(path))
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert len(records) >= 40
+
+
+def _expanded(rule: dict, labels: dict[str, str]) -> dict[str, str]:
+    """The rule's annotations as Prometheus fills them in for an alert with ``labels``."""
+    out = {}
+    for key, text in rule["annotations"].items():
+        assert "$value" not in text, f"{rule['alert']}: the test cannot fill in $value"
+        out[key] = re.sub(r"\{\{\s*\$labels\.(\w+)\s*\}\}", lambda m: labels[m.group(1)], text)
+    return out
+
+
+def _fires(alert: str, labels: dict[str, str]) -> dict[str, Any]:
+    rule = _alert_rules()[alert]
+    return {"exp_labels": {**labels, **rule["labels"]}, "exp_annotations": _expanded(rule, labels)}
+
+
+@needs_promtool
+def test_alerts_fire_on_what_they_say_and_only_then(tmp_path: pathlib.Path) -> None:
+    """promtool's rule unit tests: series as the routers export them, each alert firing on
+    its failure and silent on the healthy neighbour next to it."""
+    rules = _docs(K8S / "base" / "prometheus-rules.yaml")[0]
+    (tmp_path / "alerts.yaml").write_text(yaml.safe_dump({"groups": rules["spec"]["groups"]}))
+    a = {"namespace": "kvr", "pod": "kvrouter-a"}
+    pods = [{"namespace": "kvr", "pod": f"kvrouter-{p}", "worker": w} for p in "ab" for w in "01"]
+
+    def series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
+        inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        return {"series": f"{name}{{{inner}}}", "values": values}
+
+    up = []
+    for router in pods:
+        # model m: replicas 0-2 out of rotation (an ejection's brief readmissions included),
+        # 3 up; model n: one replica of four out
+        for r in range(4):
+            m = "0 0 0 1 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0" if r < 3 else "1+0x20"
+            n = "0+0x20" if r == 0 else "1+0x20"
+            for model, values in (("m", m), ("n", n)):
+                labels = {**router, "model": model, "replica": f"{model}{r}"}
+                up.append(series("kvrouter_replica_up", labels, values))
+    tests = [
+        {  # a crash loop: 3 restarts in 15 min; pod b restarted once, then itself (a reset)
+            "interval": "1m",
+            "input_series": [
+                series("kvrouter_worker_restarts_total", a, "0 0 1 1 2 3 3 3"),
+                series(
+                    "kvrouter_worker_restarts_total", {**a, "pod": "kvrouter-b"}, "5 5 6 0 0 0 0 0"
+                ),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "3m", "alertname": "KVRouterWorkerCrashLoop", "exp_alerts": []},
+                {
+                    "eval_time": "7m",
+                    "alertname": "KVRouterWorkerCrashLoop",
+                    "exp_alerts": [_fires("KVRouterWorkerCrashLoop", a)],
+                },
+            ],
+        },
+        {  # one unreadable read on one pod's worker; the other pod reads nothing unreadable
+            "interval": "1m",
+            "input_series": [
+                series(
+                    "kvrouter_index_sync_unreadable_snapshots_total",
+                    {**a, "worker": "0"},
+                    "0 0 0 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1",
+                ),
+                series(
+                    "kvrouter_index_sync_unreadable_snapshots_total",
+                    {**a, "pod": "kvrouter-b", "worker": "0"},
+                    "0+0x19",
+                ),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "2m", "alertname": "KVRouterUnreadableSnapshots", "exp_alerts": []},
+                {
+                    "eval_time": "4m",
+                    "alertname": "KVRouterUnreadableSnapshots",
+                    "exp_alerts": [_fires("KVRouterUnreadableSnapshots", {"namespace": "kvr"})],
+                },
+                {"eval_time": "19m", "alertname": "KVRouterUnreadableSnapshots", "exp_alerts": []},
+            ],
+        },
+        {  # three of model m's four replicas out of rotation in every router process
+            "interval": "1m",
+            "input_series": up,
+            "alert_rule_test": [
+                {"eval_time": "3m", "alertname": "KVRouterReplicasOutOfRotation", "exp_alerts": []},
+                {
+                    "eval_time": "15m",
+                    "alertname": "KVRouterReplicasOutOfRotation",
+                    "exp_alerts": [_fires("KVRouterReplicasOutOfRotation", {"model": "m"})],
+                },
+            ],
+        },
+    ]
+    # pod a runs two workers, pod b one: each process counts the other pods' processes;
+    # from minute 3 pod b counts only one of pod a's two
+    b = {"namespace": "kvr", "pod": "kvrouter-b", "worker": "0"}
+    tests.append({
+        "interval": "1m",
+        "input_series": [
+            series("kvrouter_peer_views", {**a, "worker": "0"}, "1+0x12"),
+            series("kvrouter_peer_views", {**a, "worker": "1"}, "1+0x12"),
+            series("kvrouter_peer_views", b, "2 2 2 1 1 1 1 1 1 1 1 1 1"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "5m", "alertname": "KVRouterPeerMissing", "exp_alerts": []},
+            {"eval_time": "12m", "alertname": "KVRouterPeerMissing",
+             "exp_alerts": [_fires("KVRouterPeerMissing", b)]},
+        ],
+    })  # fmt: skip
+    path = tmp_path / "tests.yaml"
+    path.write_text(yaml.safe_dump({"rule_files": ["alerts.yaml"], "evaluation_interval": "1m",
+                                    "tests": tests}))  # fmt: skip
+    got = _promtool("test", "rules", str(path))
+    assert got.returncode == 0, got.stdout + got.stderr
