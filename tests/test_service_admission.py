@@ -48,14 +48,20 @@ class Door:
     def held(self) -> int:
         return len(self.queue())
 
-    async def leave_while_held(self) -> None:
-        """A priority request keeps the backend busy (its gate closed) while a second one,
-        held by admission, is left by its client; then the first is answered."""
+    async def one_held(self) -> tuple[asyncio.Task[Any], asyncio.Task[Any]]:
+        """A priority request keeps the backend busy (its gate closed) while a second one
+        is held by admission: their tasks, (in flight, held)."""
         self.backend.gate = asyncio.Event()
         first = asyncio.create_task(self.post("priority"))
         await eventually(lambda: len(self.backend.received) == 1)
-        gone = asyncio.create_task(self.post())
+        held = asyncio.create_task(self.post())
         await eventually(lambda: self.held() == 1)
+        return first, held
+
+    async def leave_while_held(self) -> None:
+        """A priority request keeps the backend busy (its gate closed) while a second one,
+        held by admission, is left by its client; then the first is answered."""
+        first, gone = await self.one_held()
         gone.cancel()  # the client closes its connection while held
         with pytest.raises(asyncio.CancelledError):
             await gone
@@ -211,11 +217,7 @@ async def test_a_request_no_idle_replica_could_serve_in_time_is_served_when_one_
 
 async def test_a_held_request_goes_when_capacity_frees(protective: Door) -> None:
     d = protective
-    d.backend.gate = asyncio.Event()
-    first = asyncio.create_task(d.post("priority"))
-    await eventually(lambda: len(d.backend.received) == 1)
-    held = asyncio.create_task(d.post())
-    await eventually(lambda: d.held() == 1)
+    first, held = await d.one_held()
     depth = await d.metric("kvrouter_admission_held")
     assert depth[f'{{class="default",model="{MODEL}"}}'] == 1.0
     d.backend.gate.set()  # the priority request completes: the held one may go
@@ -241,11 +243,7 @@ async def test_a_held_request_whose_replicas_all_leave_is_answered_as_a_new_one(
     once as a request arriving now is, 503 naming the cause: not held for ``max_hold_s``
     (60 s here) to be refused then as one that missed its TTFT target."""
     d = protective
-    d.backend.gate = asyncio.Event()
-    first = asyncio.create_task(d.post("priority"))
-    await eventually(lambda: len(d.backend.received) == 1)
-    held = asyncio.create_task(d.post())
-    await eventually(lambda: d.held() == 1)
+    first, held = await d.one_held()
     (key,) = d.state.registry.keys_for(MODEL)
     d.state.fleet.set_draining(key, True)
     await eventually(held.done)

@@ -88,6 +88,15 @@ async def _publish(store: IndexStore, name: str, ranks: tuple[int, ...] = (0,)) 
     return writer
 
 
+async def _torn_and_other(store: IndexStore) -> tuple[StoreWriter, StoreWriter]:
+    """Writers of replica "torn", blocks 1-3 stored, and of replica "o" (nothing yet)."""
+    w = await _publish(store, "torn")
+    other = await _publish(store, "o")
+    w.add(ReplicaKey("torn"), [BlocksStored((1, 2, 3))])
+    await w.flush()
+    return w, other
+
+
 async def test_two_routers_converge_and_a_restarted_router_recovers(store: IndexStore) -> None:
     rng = random.Random(1)
     chains = {f"c{i}": chain(rng, 40) for i in range(6)}
@@ -704,11 +713,8 @@ async def test_a_snapshot_that_does_not_parse_keeps_the_replica_and_is_read_agai
     caplog.set_level(logging.WARNING, logger="router.store.sync")
     store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
     try:
-        w = await _publish(store, "torn")
-        other = await _publish(store, "o")
+        w, other = await _torn_and_other(store)
         key, okey = ReplicaKey("torn"), ReplicaKey("o")
-        w.add(key, [BlocksStored((1, 2, 3))])
-        await w.flush()
         kv = store.schema.kv("torn", 0)
         if when == "bootstrap":
             await store.redis.hset(kv, "foreign", b"\x01\x02\x03")
@@ -758,11 +764,8 @@ async def test_an_unreadable_snapshot_is_read_again_after_a_wait_not_each_turn(
     doubling, between reads."""
     store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
     try:
-        w = await _publish(store, "torn")
-        other = await _publish(store, "o")
+        _, other = await _torn_and_other(store)
         key, okey = ReplicaKey("torn"), ReplicaKey("o")
-        w.add(key, [BlocksStored((1, 2, 3))])
-        await w.flush()
         await store.redis.hset(store.schema.kv("torn", 0), "foreign", b"\x01\x02\x03")
         index = PrefixIndex()
         async with IndexSync(store, index, unreadable_retry_s=60.0, **FAST) as sync:
