@@ -111,9 +111,9 @@ def test_bad_input_is_a_clear_error() -> None:
     p = kvrouter("sim", "replay", "mooncake", "--params", '{"bogus": 1}', "--limit", "5")
     assert p.returncode == 2 and "bogus" in p.stderr
     p = kvrouter("sim", "replay", "mooncake", "--transport-ms", "-1", "--limit", "5")
-    assert p.returncode == 2 and "--transport-ms must not be negative" in p.stderr
+    assert p.returncode == 2 and "--transport-ms must be >= 0 and finite" in p.stderr
     p = kvrouter("sim", "replay", "mooncake", "--arrival-jitter-ms", "-1", "--limit", "5")
-    assert p.returncode == 2 and "--arrival-jitter-ms must not be negative" in p.stderr
+    assert p.returncode == 2 and "--arrival-jitter-ms must be >= 0 and finite" in p.stderr
     p = kvrouter("sim", "replay", "mooncake", "--reuse-window-s", "0", "--limit", "5")
     assert p.returncode == 2 and "--reuse-window-s must be positive" in p.stderr
 
@@ -274,8 +274,19 @@ def test_a_limit_below_one_is_an_error_not_another_workload() -> None:
         (["--regions", "-1"], "--regions must be at least 1"),  # was one region per replica
         (["--cpu-blocks", "-5"], "--cpu-blocks must not be negative"),  # was no host tier
         (["--trace-block", "0"], "--trace-block must be at least 1"),  # was 512
-        (["--speculative-ttl-ms", "-1"], "--speculative-ttl-ms must not be negative"),
-        (["--report-interval-ms", "-5"], "--report-interval-ms must not be negative"),
+        (["--speculative-ttl-ms", "-1"], "--speculative-ttl-ms must be >= 0 and finite"),
+        (["--report-interval-ms", "-5"], "--report-interval-ms must be >= 0 and finite"),
+        # NaN passed every "< 0" check: a run of NaN delays, lags and intervals
+        (["--event-lag-ms", "nan"], "--event-lag-ms must be >= 0 and finite"),
+        (["--transport-ms", "inf"], "--transport-ms must be >= 0 and finite"),
+        (["--arrival-jitter-ms", "nan"], "--arrival-jitter-ms must be >= 0 and finite"),
+        (["--report-interval-ms", "nan"], "--report-interval-ms must be >= 0 and finite"),
+        (["--speculative-ttl-ms", "nan"], "--speculative-ttl-ms must be >= 0 and finite"),
+        (["--share-load-ms", "nan"], "--share-load-ms must be >= 0 and finite"),
+        (["--reuse-window-s", "inf"], "--reuse-window-s must be positive and finite"),
+        (["--speedup", "nan"], "--speedup must be positive and finite"),  # was a run forever
+        (["--speedup", "inf"], "--speedup must be positive and finite"),
+        (["--jobs", "-1"], "--jobs must be >= 1"),  # was accepted
     ],
 )
 def test_fleet_flags_out_of_range_are_errors(flags: list[str], message: str) -> None:
