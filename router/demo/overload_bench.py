@@ -58,6 +58,7 @@ def scaled_slo(scale: float) -> SloTargets:
 def router_toml(
     port: int, model: str, replicas: list[dict[str, str]], profile: str, scale: float, slo: bool
 ) -> str:
+    from sim.profiles import load_profile
 
     cost = asdict(load_profile(profile).cost)
     for k, v in list(cost.items()):
@@ -255,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     if not rows or any(r not in ("off", "slo") for r in rows):
         raise SystemExit("--rows: a comma-separated list of off, slo")
+    load_profile(args.profile)  # a bad --profile: refused here, not by each mock replica
     requests, prompts = workload(
         args.requests, args.speedup, args.time_scale, args.priority_share, args.flex_share,
         args.seed, MODEL,
