@@ -473,11 +473,15 @@ def _tune(args: argparse.Namespace) -> int:
     out_dir = Path(args.out).parent
     if not out_dir.is_dir():  # found before the search, not after it
         raise KVRouterError(f"--out {args.out}: directory {out_dir} does not exist")
+    if args.budget is not None and args.budget < 1:
+        raise KVRouterError(f"--budget must be >= 1, got {args.budget}")
+    if not 0 <= args.min_priority <= 1:
+        raise KVRouterError(f"--min-priority must be in [0, 1], got {args.min_priority}")
     config = _config(args)
     workloads = [(t, _workload(args, t)) for t in args.trace]
     speedups = [float(s) for s in args.speedups.split(",") if s]
-    if not speedups or min(speedups) <= 0:
-        raise KVRouterError("--speedups must list positive numbers")
+    if not speedups or not all(0 < s < math.inf for s in speedups):
+        raise KVRouterError("--speedups must list positive finite numbers")
     if args.tune == "admission":
         return _tune_admission(args, config, workloads, speedups)
     t0 = time.perf_counter()

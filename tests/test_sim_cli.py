@@ -321,3 +321,24 @@ def test_tune_refuses_an_out_path_it_cannot_write_before_tuning(tmp_path: Path, 
     assert p.returncode == 2
     assert f"--out {out}: directory {out.parent} does not exist" in p.stderr, p.stderr
     assert "rung" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--budget", "0"], "--budget must be >= 1"),  # was a search of one setting
+        (["--budget", "-1"], "--budget must be >= 1"),
+        (["--speedups", "1,nan"], "--speedups must list positive finite numbers"),  # no end
+        (["--speedups", "inf"], "--speedups must list positive finite numbers"),
+        (["--tune", "admission", "--min-priority", "nan"], "--min-priority must be in [0, 1]"),
+        (["--tune", "admission", "--min-priority", "2"], "--min-priority must be in [0, 1]"),
+    ],
+)
+def test_tune_flags_out_of_range_are_errors(tmp_path: Path, flags: list[str], message: str) -> None:
+    p = kvrouter(
+        "sim", "tune", "mooncake", *FLEET, "--limit", "10", *flags,
+        "--out", str(tmp_path / "tuned.toml"),
+    )  # fmt: skip
+    assert p.returncode == 2, p.stdout
+    assert message in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "tuned.toml").exists()
