@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import asdict
@@ -173,17 +174,17 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
             raise KVRouterError(f"--{flag} must be at least 1")
     if args.cpu_blocks is not None and args.cpu_blocks < 0:
         raise KVRouterError("--cpu-blocks must not be negative")
-    share = args.share_load_ms
-    if share is not None and share < 0:
-        raise KVRouterError("--share-load-ms must not be negative")
+    if args.jobs is not None and args.jobs < 1:
+        raise KVRouterError(f"--jobs must be >= 1, got {args.jobs}")
     for flag in (
         "event_lag_ms", "transport_ms", "arrival_jitter_ms", "speculative_ttl_ms",
-        "report_interval_ms",
+        "report_interval_ms", "share_load_ms",
     ):  # fmt: skip
-        if getattr(args, flag) < 0:
-            raise KVRouterError(f"--{flag.replace('_', '-')} must not be negative")
-    if not args.reuse_window_s > 0:
-        raise KVRouterError("--reuse-window-s must be positive")
+        value = getattr(args, flag)
+        if value is not None and not 0 <= value < math.inf:
+            raise KVRouterError(f"--{flag.replace('_', '-')} must be >= 0 and finite, got {value}")
+    if not 0 < args.reuse_window_s < math.inf:
+        raise KVRouterError("--reuse-window-s must be positive and finite")
     if not 0.0 <= args.prefill_share < 1.0:
         raise KVRouterError("--prefill-share must be in [0, 1)")
     pd_params = None
@@ -215,7 +216,7 @@ def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
         report_interval_s=args.report_interval_ms / 1000,
         speculative_ttl_s=args.speculative_ttl_ms / 1000,
         reuse_window_s=args.reuse_window_s,
-        share_load_s=share / 1000 if share is not None else None,
+        share_load_s=args.share_load_ms / 1000 if args.share_load_ms is not None else None,
         seed=args.seed,
         record_load=record_load,
         pd=args.pd,
@@ -345,8 +346,8 @@ def _replay(args: argparse.Namespace) -> int:
         params[tuned.policy] = tuned.params
         if tuned.policy not in names:
             names.append(tuned.policy)
-    if args.speedup <= 0:
-        raise KVRouterError("--speedup must be positive")
+    if not 0 < args.speedup < math.inf:
+        raise KVRouterError("--speedup must be positive and finite")
     if not 1 <= args.runs <= MAX_RUNS:
         raise KVRouterError(f"--runs must be in [1, {MAX_RUNS}], got {args.runs}")
     if args.runs > 1 and args.report:
@@ -472,11 +473,15 @@ def _tune(args: argparse.Namespace) -> int:
     out_dir = Path(args.out).parent
     if not out_dir.is_dir():  # found before the search, not after it
         raise KVRouterError(f"--out {args.out}: directory {out_dir} does not exist")
+    if args.budget is not None and args.budget < 1:
+        raise KVRouterError(f"--budget must be >= 1, got {args.budget}")
+    if not 0 <= args.min_priority <= 1:
+        raise KVRouterError(f"--min-priority must be in [0, 1], got {args.min_priority}")
     config = _config(args)
     workloads = [(t, _workload(args, t)) for t in args.trace]
     speedups = [float(s) for s in args.speedups.split(",") if s]
-    if not speedups or min(speedups) <= 0:
-        raise KVRouterError("--speedups must list positive numbers")
+    if not speedups or not all(0 < s < math.inf for s in speedups):
+        raise KVRouterError("--speedups must list positive finite numbers")
     if args.tune == "admission":
         return _tune_admission(args, config, workloads, speedups)
     t0 = time.perf_counter()

@@ -23,13 +23,13 @@ def bench_json(*args: str, timeout: float = 120) -> dict[str, Any]:
 
 
 def bench_refused(*args: str, timeout: float = 120) -> str:
-    """``kvrouter bench ARGS...`` that must refuse its arguments: its one-line message (not
-    a traceback)."""
+    """``kvrouter bench ARGS...`` that must refuse its arguments: its message (a usage error,
+    exit status 2, not a traceback)."""
     done = subprocess.run(
         [sys.executable, "-m", "router.cli", "bench", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
     )
-    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     return done.stderr.strip()

@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+from tests.benches import bench_refused
 
 
 def test_overload_loses_nothing_and_refuses_with_retry_after() -> None:
@@ -46,3 +49,13 @@ def test_overload_percentiles_are_nearest_rank_as_every_other_figure() -> None:
     assert row["ttft_ms_p90"] == 400.0
     assert row["refusal_latency_ms_p50"] == 300.0 and row["refusal_latency_ms_max"] == 400.0
     assert row["tpot_ms_p90"] == 100.0
+
+
+def test_overload_refuses_a_profile_it_cannot_load_before_starting_a_fleet(
+    tmp_path: Path,
+) -> None:
+    # each mock replica refused it on its own: a traceback naming a replica that exited
+    assert "no profile" in bench_refused("overload", "--profile", "no-such-profile")
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    assert "a profile needs a name" in bench_refused("overload", "--profile", str(empty))

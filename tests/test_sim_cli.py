@@ -111,9 +111,9 @@ def test_bad_input_is_a_clear_error() -> None:
     p = kvrouter("sim", "replay", "mooncake", "--params", '{"bogus": 1}', "--limit", "5")
     assert p.returncode == 2 and "bogus" in p.stderr
     p = kvrouter("sim", "replay", "mooncake", "--transport-ms", "-1", "--limit", "5")
-    assert p.returncode == 2 and "--transport-ms must not be negative" in p.stderr
+    assert p.returncode == 2 and "--transport-ms must be >= 0 and finite" in p.stderr
     p = kvrouter("sim", "replay", "mooncake", "--arrival-jitter-ms", "-1", "--limit", "5")
-    assert p.returncode == 2 and "--arrival-jitter-ms must not be negative" in p.stderr
+    assert p.returncode == 2 and "--arrival-jitter-ms must be >= 0 and finite" in p.stderr
     p = kvrouter("sim", "replay", "mooncake", "--reuse-window-s", "0", "--limit", "5")
     assert p.returncode == 2 and "--reuse-window-s must be positive" in p.stderr
 
@@ -274,8 +274,19 @@ def test_a_limit_below_one_is_an_error_not_another_workload() -> None:
         (["--regions", "-1"], "--regions must be at least 1"),  # was one region per replica
         (["--cpu-blocks", "-5"], "--cpu-blocks must not be negative"),  # was no host tier
         (["--trace-block", "0"], "--trace-block must be at least 1"),  # was 512
-        (["--speculative-ttl-ms", "-1"], "--speculative-ttl-ms must not be negative"),
-        (["--report-interval-ms", "-5"], "--report-interval-ms must not be negative"),
+        (["--speculative-ttl-ms", "-1"], "--speculative-ttl-ms must be >= 0 and finite"),
+        (["--report-interval-ms", "-5"], "--report-interval-ms must be >= 0 and finite"),
+        # NaN passed every "< 0" check: a run of NaN delays, lags and intervals
+        (["--event-lag-ms", "nan"], "--event-lag-ms must be >= 0 and finite"),
+        (["--transport-ms", "inf"], "--transport-ms must be >= 0 and finite"),
+        (["--arrival-jitter-ms", "nan"], "--arrival-jitter-ms must be >= 0 and finite"),
+        (["--report-interval-ms", "nan"], "--report-interval-ms must be >= 0 and finite"),
+        (["--speculative-ttl-ms", "nan"], "--speculative-ttl-ms must be >= 0 and finite"),
+        (["--share-load-ms", "nan"], "--share-load-ms must be >= 0 and finite"),
+        (["--reuse-window-s", "inf"], "--reuse-window-s must be positive and finite"),
+        (["--speedup", "nan"], "--speedup must be positive and finite"),  # was a run forever
+        (["--speedup", "inf"], "--speedup must be positive and finite"),
+        (["--jobs", "-1"], "--jobs must be >= 1"),  # was accepted
     ],
 )
 def test_fleet_flags_out_of_range_are_errors(flags: list[str], message: str) -> None:
@@ -310,3 +321,24 @@ def test_tune_refuses_an_out_path_it_cannot_write_before_tuning(tmp_path: Path, 
     assert p.returncode == 2
     assert f"--out {out}: directory {out.parent} does not exist" in p.stderr, p.stderr
     assert "rung" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--budget", "0"], "--budget must be >= 1"),  # was a search of one setting
+        (["--budget", "-1"], "--budget must be >= 1"),
+        (["--speedups", "1,nan"], "--speedups must list positive finite numbers"),  # no end
+        (["--speedups", "inf"], "--speedups must list positive finite numbers"),
+        (["--tune", "admission", "--min-priority", "nan"], "--min-priority must be in [0, 1]"),
+        (["--tune", "admission", "--min-priority", "2"], "--min-priority must be in [0, 1]"),
+    ],
+)
+def test_tune_flags_out_of_range_are_errors(tmp_path: Path, flags: list[str], message: str) -> None:
+    p = kvrouter(
+        "sim", "tune", "mooncake", *FLEET, "--limit", "10", *flags,
+        "--out", str(tmp_path / "tuned.toml"),
+    )  # fmt: skip
+    assert p.returncode == 2, p.stdout
+    assert message in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "tuned.toml").exists()

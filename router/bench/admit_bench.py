@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from router.bench.measure import emit
+from router.cliargs import at_least
 from router.compile import compiled, service_compiled
 
 
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("admit", help="per-request CPU before I/O: parse, prompt, route, metrics")
-    p.add_argument("--requests", type=int, default=4000, help="requests per round")
-    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--requests", type=at_least(1), default=4000, help="requests per round")
+    p.add_argument("--rounds", type=at_least(1), default=10)
     p.add_argument("--unique", action="store_true", help="a fresh user text in every request")
     p.set_defaults(handler=run)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from router.bench.measure import emit, percentile
+from router.cliargs import at_least, sizes
 
 
 def _median_ms(fn: Callable[[], Any], reps: int) -> float:
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     root = root_hash("bench")
     rng = random.Random(0)
     rows: dict[str, dict[str, float]] = {}
-    for n in (int(t) for t in args.tokens.split(",")):
+    for n in args.tokens:
         tokens = [rng.randrange(1, 200_000) for _ in range(n)]
         raw = json.dumps({"model": "bench", "prompt": tokens, "max_tokens": 64}).encode()
 
@@ -63,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("body", help="request-body parsing of token-id prompts")
-    p.add_argument("--tokens", default="1000,20000,60000,1000000", help="comma-separated sizes")
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--reps", type=int, default=9)
+    p.add_argument(
+        "--tokens", type=sizes, default="1000,20000,60000,1000000", help="comma-separated sizes"
+    )
+    p.add_argument("--block-size", type=at_least(1), default=64)
+    p.add_argument("--reps", type=at_least(1), default=9)
     p.set_defaults(handler=run)

@@ -46,6 +46,7 @@ from typing import Any
 
 from router.bench.measure import emit, percentile, use_uvloop
 from router.bench.reliability_bench import KVROUTER, Procs, _free_port, _wait_health
+from router.cliargs import at_least, non_negative_float, positive_float
 
 ADMIN = "bench-admin"
 _HOLDER = """
@@ -349,15 +350,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default="429,500,short-body,head-only,hang,slow:3,sigstop,idle",
         help="comma-separated: mock fault modes (router/mock/faults.py), sigstop, idle",
     )
-    p.add_argument("--rate", type=float, default=20.0, help="client requests a second")
-    p.add_argument("--duration", type=float, default=20.0, help="seconds per fault scenario")
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--rate", type=positive_float, default=20.0, help="client requests a second")
+    p.add_argument(
+        "--duration", type=positive_float, default=20.0, help="seconds per fault scenario"
+    )
+    p.add_argument("--max-tokens", type=at_least(1), default=8)
     p.add_argument("--policy", default=None, help="the model's policy (default: the router's)")
-    p.add_argument("--stop-at", type=float, default=3.0, help="sigstop: seconds into the run")
-    p.add_argument("--idle-sockets", type=int, default=20000)
+    p.add_argument(
+        "--stop-at", type=non_negative_float, default=3.0, help="sigstop: seconds into the run"
+    )
+    p.add_argument("--idle-sockets", type=at_least(1), default=20000)
     p.add_argument(
         "--keep-alive-timeout",
-        type=float,
+        type=positive_float,
         default=30.0,
         help="idle: the router's server.keep_alive_timeout_s (its default); the run lasts "
         "this + 10 s",

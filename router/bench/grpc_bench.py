@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from router.bench.measure import emit, percentile
+from router.cliargs import at_least, positive_float
 
 MODEL = "bench-model"
 
@@ -146,12 +147,12 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("grpc", help="Router.Pick requests/s and latency over gRPC")
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--tokens", type=int, default=8192, help="prompt tokens (as token ids)")
-    p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--replicas", type=int, default=8)
-    p.add_argument("--sessions", type=int, default=64, help="distinct prompts")
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--concurrency", type=at_least(1), default=64)
+    p.add_argument("--tokens", type=at_least(1), default=8192, help="prompt tokens (as token ids)")
+    p.add_argument("--seconds", type=positive_float, default=10.0)
+    p.add_argument("--replicas", type=at_least(1), default=8)
+    p.add_argument("--sessions", type=at_least(1), default=64, help="distinct prompts")
+    p.add_argument("--block-size", type=at_least(1), default=64)
     p.add_argument("--policy", default="ours")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(

@@ -9,6 +9,7 @@ import numpy as np
 import xxhash
 
 from router.bench.measure import emit, percentile
+from router.cliargs import at_least
 from router.core.hashing import as_u32_array, hash_prompt, root_hash
 
 
@@ -46,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("hash", help="time chained block hashing of one long prompt")
-    p.add_argument("--tokens", type=int, default=1_000_000)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--tokens", type=at_least(1), default=1_000_000)
+    p.add_argument("--block-size", type=at_least(1), default=64)
+    p.add_argument("--reps", type=at_least(1), default=20)
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(handler=run)

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from router.bench.measure import emit, percentile, rss_mb
+from router.cliargs import at_least
 from router.core.index import PrefixIndex
 from router.core.types import BlocksStored, EventBatch, ReplicaKey
 
@@ -213,15 +214,22 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("index", help="prefix index ingest, lookup latency and memory")
-    p.add_argument("--replicas", type=int, default=64)
-    p.add_argument("--blocks", type=int, default=10_000, help="anchor: blocks per replica")
-    p.add_argument("--shared", type=int, default=2_000, help="anchor: shared prefix blocks")
-    p.add_argument("--query", type=int, default=2_000, help="query length in blocks")
-    p.add_argument("--reps", type=int, default=200, help="anchor: query repetitions")
+    p.add_argument("--replicas", type=at_least(1), default=64)
+    p.add_argument("--blocks", type=at_least(1), default=10_000, help="anchor: blocks per replica")
+    p.add_argument("--shared", type=at_least(0), default=2_000, help="anchor: shared prefix blocks")
+    p.add_argument("--query", type=at_least(1), default=2_000, help="query length in blocks")
+    p.add_argument("--reps", type=at_least(1), default=200, help="anchor: query repetitions")
     p.add_argument(
-        "--unique-blocks", type=int, default=0, help="fleet workload with this many unique blocks"
+        "--unique-blocks",
+        type=at_least(0),
+        default=0,
+        help="fleet workload with this many unique blocks",
     )
-    p.add_argument("--doc-replicas", type=int, default=16, help="fleet: holders per document")
-    p.add_argument("--queries", type=int, default=3000, help="fleet: number of lookups timed")
+    p.add_argument(
+        "--doc-replicas", type=at_least(1), default=16, help="fleet: holders per document"
+    )
+    p.add_argument(
+        "--queries", type=at_least(1), default=3000, help="fleet: number of lookups timed"
+    )
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(handler=run)

@@ -32,6 +32,7 @@ from typing import Any
 import xxhash
 
 from router.bench.measure import emit
+from router.cliargs import at_least
 from router.core.hashing import hash_prompt, root_hash
 from router.core.index import PrefixIndex
 from router.core.types import BlocksRemoved, BlocksStored, EventBatch, IndexEvent, ReplicaKey
@@ -164,8 +165,6 @@ def _shape(args: argparse.Namespace, shape: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.reps < 1:
-        raise SystemExit(f"--reps must be >= 1, got {args.reps}")
     shapes = SHAPES if args.shape == "both" else (args.shape,)
     result: dict[str, Any] = {
         "bench": "ingest",
@@ -184,14 +183,14 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("ingest", help="CPU to decode and re-block engine KV events")
-    p.add_argument("--requests", type=int, default=40, help="prompts published")
-    p.add_argument("--tokens", type=int, default=14_336, help="tokens a prompt")
-    p.add_argument("--engine-block-size", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=64, help="the router's block size")
+    p.add_argument("--requests", type=at_least(1), default=40, help="prompts published")
+    p.add_argument("--tokens", type=at_least(1), default=14_336, help="tokens a prompt")
+    p.add_argument("--engine-block-size", type=at_least(1), default=16)
+    p.add_argument("--block-size", type=at_least(1), default=64, help="the router's block size")
     p.add_argument("--shape", choices=(*SHAPES, "both"), default="both")
-    p.add_argument("--reps", type=int, default=5, help="rounds; the best is kept")
+    p.add_argument("--reps", type=at_least(1), default=5, help="rounds; the best is kept")
     p.add_argument(
-        "--window", type=int, default=0,
+        "--window", type=at_least(0), default=0,
         help="also publish each block in a sliding-window group of this many tokens",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)

@@ -38,6 +38,7 @@ from router.bench.proxy_bench import (
     chat_body,
     kvrouter_config,
 )
+from router.cliargs import at_least
 
 
 def _closed_loop(port: int, body: bytes, requests: int, connections: int) -> int:
@@ -189,10 +190,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "instructions", help="CPU instructions per proxied request (valgrind callgrind)"
     )
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--warmup", type=int, default=300)
-    p.add_argument("--connections", type=int, default=8)
-    p.add_argument("--backends", type=int, default=4)
+    p.add_argument("--requests", type=at_least(1), default=2000)
+    p.add_argument("--warmup", type=at_least(0), default=300)
+    p.add_argument("--connections", type=at_least(1), default=8)
+    p.add_argument("--backends", type=at_least(1), default=4)
     p.add_argument("--stream", action="store_true", help="streamed answers (SSE)")
     p.add_argument("--vllm-router", help="path of the vllm-router binary")
     p.add_argument("--without-peer", action="store_true", help="count kvrouter only")

@@ -39,6 +39,7 @@ from typing import Any
 
 from router.bench.measure import emit
 from router.bench.reliability_bench import Procs, _free_port, _wait_health
+from router.cliargs import at_least, sizes
 
 MODEL = "kimi-k3"
 SHAPES = ("ids", "text", "chat", "prefill", "conv")
@@ -165,7 +166,7 @@ def _row(pid: int, base: str, label: str, path: str, body: bytes) -> dict[str, A
 def run(args: argparse.Namespace) -> int:
     from router.tokenize.tokenizers import BUNDLED_DIR
 
-    sizes = [int(s) for s in args.tokens.split(",")]
+    lengths: list[int] = args.tokens
     shapes = args.shapes.split(",")
     if bad := [s for s in shapes if s not in SHAPES]:
         raise SystemExit(f"--shapes: unknown {bad} (known: {', '.join(SHAPES)})")
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
             warm = {"model": MODEL, "max_tokens": 1, "messages": [_msg("user", "hi")]}
             _post(base + "/v1/chat/completions", json.dumps(warm).encode())
             rows = []
-            for n in sizes:
+            for n in lengths:
                 for shape in shapes:
                     for label, path, body in _requests(shape, n, rng):
                         row = _row(router.pid, base, label, path, json.dumps(body).encode())
@@ -241,10 +242,12 @@ def _progress(args: argparse.Namespace, row: dict[str, Any]) -> None:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("longctx", help="prompts of up to 1M tokens through a real router")
-    p.add_argument("--tokens", default="125000,250000,500000,1000000", help="prompt sizes")
+    p.add_argument(
+        "--tokens", type=sizes, default="125000,250000,500000,1000000", help="prompt sizes"
+    )
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--kv-blocks", type=int, default=400_000, help="each mock's KV capacity")
+    p.add_argument("--replicas", type=at_least(1), default=2)
+    p.add_argument("--kv-blocks", type=at_least(1), default=400_000, help="each mock's KV capacity")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="each row on stderr as it comes")
     p.set_defaults(handler=run)

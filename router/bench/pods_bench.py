@@ -40,6 +40,7 @@ from typing import Any
 import aiohttp
 
 from router.bench.redis_server import LocalRedis
+from router.cliargs import at_least, non_negative_float, positive_float
 
 ROWS = ("single", "pods_shared", "pods_unshared")
 MODEL = "demo-model"
@@ -298,20 +299,24 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("pods", help="N router pods (shared / unshared load) vs one router")
-    p.add_argument("--pods", type=int, default=3)
-    p.add_argument("--replicas", type=int, default=4, help="mock replicas")
-    p.add_argument("--requests", type=int, default=300, help="agentic requests replayed")
-    p.add_argument("--speedup", type=float, default=2.0, help="arrival speed-up")
+    p.add_argument("--pods", type=at_least(1), default=3)
+    p.add_argument("--replicas", type=at_least(1), default=4, help="mock replicas")
+    p.add_argument("--requests", type=at_least(1), default=300, help="agentic requests replayed")
+    p.add_argument("--speedup", type=positive_float, default=2.0, help="arrival speed-up")
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--mode", choices=("stream", "hash"), default="stream")
-    p.add_argument("--interval-ms", type=float, default=5.0, help="pods_exchange_interval_s")
-    p.add_argument("--stale-s", type=float, default=1.0, help="pods_stale_s")
-    p.add_argument("--time-scale", type=float, default=1.0, help="the mocks' time scale")
-    p.add_argument("--repeat", type=int, default=1, help="run the rows this many times")
-    p.add_argument("--kill-one-at", type=float, help="SIGKILL one pod this many seconds in")
+    p.add_argument(
+        "--interval-ms", type=positive_float, default=5.0, help="pods_exchange_interval_s"
+    )
+    p.add_argument("--stale-s", type=positive_float, default=1.0, help="pods_stale_s")
+    p.add_argument("--time-scale", type=positive_float, default=1.0, help="the mocks' time scale")
+    p.add_argument("--repeat", type=at_least(1), default=1, help="run the rows this many times")
+    p.add_argument(
+        "--kill-one-at", type=non_negative_float, help="SIGKILL one pod this many seconds in"
+    )
     p.add_argument(
         "--speculative-ttl-s",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         help="the model's speculative_ttl_s (> 0: the pods also share speculative entries)",
     )

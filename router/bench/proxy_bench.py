@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.measure import emit, use_uvloop
+from router.cliargs import at_least, non_negative_float, positive_float
 from router.compile import compiled, service_compiled
 
 MODEL = "bench-model"
@@ -542,11 +543,13 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("proxy", help="proxy throughput/latency: direct, kvrouter, vllm-router")
-    p.add_argument("--backends", type=int, default=4)
-    p.add_argument("--connections", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2, help="wrk threads")
-    p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--workers", type=int, default=1, help="kvrouter processes (SO_REUSEPORT)")
+    p.add_argument("--backends", type=at_least(1), default=4)
+    p.add_argument("--connections", type=at_least(1), default=64)
+    p.add_argument("--threads", type=at_least(1), default=2, help="wrk threads")
+    p.add_argument("--seconds", type=positive_float, default=10.0)
+    p.add_argument(
+        "--workers", type=at_least(1), default=1, help="kvrouter processes (SO_REUSEPORT)"
+    )
     p.add_argument("--vllm-router", help="path of the vllm-router binary")
     p.add_argument(
         "--unique",
@@ -567,7 +570,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--body-memo-mb",
-        type=float,
+        type=non_negative_float,
         help="kvrouter's server.body_memo_mb (0: no exact-repeat memo; default: the router's)",
     )
     p.add_argument(

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.measure import emit, percentile, use_uvloop
+from router.cliargs import at_least, non_negative_float, positive_float
 
 KVROUTER = str(Path(sys.executable).parent / "kvrouter")
 
@@ -264,15 +265,15 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("reliability", help="many concurrent streams through one router")
-    p.add_argument("--replicas", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=1000)
-    p.add_argument("--duration", type=float, default=60.0)
-    p.add_argument("--direct-duration", type=float, default=20.0)
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--replicas", type=at_least(1), default=16)
+    p.add_argument("--concurrency", type=at_least(1), default=1000)
+    p.add_argument("--duration", type=positive_float, default=60.0)
+    p.add_argument("--direct-duration", type=non_negative_float, default=20.0)
+    p.add_argument("--prompt-tokens", type=at_least(1), default=256)
+    p.add_argument("--max-tokens", type=at_least(1), default=16)
     p.add_argument(
         "--max-speculative-blocks",
-        type=int,
+        type=at_least(0),
         help="router's cap on speculative index entries (default: the router's own)",
     )
     p.add_argument(

@@ -20,6 +20,7 @@ from typing import Any
 
 from router import jsonload
 from router.bench.measure import emit, percentile
+from router.cliargs import at_least
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
@@ -102,15 +103,13 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.reps < 1:
-        raise SystemExit(f"--reps must be >= 1, got {args.reps}")
     emit(asyncio.run(_run(args)))
     return 0
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("render", help="engine rendering (render = engine) against local")
-    p.add_argument("--tokens", type=int, default=100_000)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tokens", type=at_least(1), default=100_000)
+    p.add_argument("--block-size", type=at_least(1), default=64)
+    p.add_argument("--reps", type=at_least(1), default=5)
     p.set_defaults(handler=run)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from router.bench.measure import emit
+from router.cliargs import at_least, sizes
 from router.core.disagg import Disaggregator, PdKnobs, Role, Site
 from router.core.index import PrefixIndex
 from router.core.load import CostModel, EngineReport, LoadTracker
@@ -168,14 +169,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sizes(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("route", help="routing cost per request vs fleet size (both code paths)")
-    p.add_argument("--replicas", type=_sizes, default=[4, 16, 32, 64, 256, 900])
-    p.add_argument("--requests", type=int, default=300, help="requests per round")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--replicas", type=sizes, default=[4, 16, 32, 64, 256, 900])
+    p.add_argument("--requests", type=at_least(1), default=300, help="requests per round")
+    p.add_argument("--rounds", type=at_least(1), default=5)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=run)

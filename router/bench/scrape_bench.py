@@ -28,6 +28,7 @@ import aiohttp
 
 from router.bench.measure import emit, percentile, use_uvloop
 from router.bench.reliability_bench import KVROUTER, Procs, _free_port, _wait_health
+from router.cliargs import at_least
 
 
 def _lag_ms(page: str) -> float:
@@ -134,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("scrape", help="the /metrics page at fleet scale: size, time, loop lag")
-    p.add_argument("--entries", type=int, default=1000, help="[[replicas]] entries")
-    p.add_argument("--models", type=int, default=4, help="models (a mock replica each)")
-    p.add_argument("--workers", type=int, default=1, help="router worker processes")
-    p.add_argument("--scrapes", type=int, default=20)
+    p.add_argument("--entries", type=at_least(1), default=1000, help="[[replicas]] entries")
+    p.add_argument("--models", type=at_least(1), default=4, help="models (a mock replica each)")
+    p.add_argument("--workers", type=at_least(1), default=1, help="router worker processes")
+    p.add_argument("--scrapes", type=at_least(1), default=20)
     p.set_defaults(handler=run)

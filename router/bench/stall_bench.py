@@ -38,6 +38,7 @@ from typing import Any
 
 from router.bench.measure import emit, percentile, use_uvloop
 from router.bench.reliability_bench import KVROUTER, Procs, _free_port, _wait_health
+from router.cliargs import at_least, positive_float
 
 ENGINE_BLOCK = 16
 MODEL = "m"
@@ -300,13 +301,15 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("stalls", help="event-loop stalls and GC pauses under events and requests")
-    p.add_argument("--replicas", type=int, default=2, help="mock replicas serving requests")
-    p.add_argument("--feeds", type=int, default=2, help="event feeds (one engine each)")
-    p.add_argument("--batches", type=int, default=5000, help="batches each feed publishes")
-    p.add_argument("--blocks", type=int, default=32, help="engine blocks a batch")
-    p.add_argument("--rate", type=float, default=500.0, help="batches a second, each feed")
-    p.add_argument("--concurrency", type=int, default=8, help="streaming requests in flight")
-    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--replicas", type=at_least(1), default=2, help="mock replicas serving requests")
+    p.add_argument("--feeds", type=at_least(1), default=2, help="event feeds (one engine each)")
+    p.add_argument("--batches", type=at_least(1), default=5000, help="batches each feed publishes")
+    p.add_argument("--blocks", type=at_least(1), default=32, help="engine blocks a batch")
+    p.add_argument("--rate", type=positive_float, default=500.0, help="batches a second, each feed")
+    p.add_argument(
+        "--concurrency", type=at_least(1), default=8, help="streaming requests in flight"
+    )
+    p.add_argument("--prompt-tokens", type=at_least(1), default=1024)
     p.add_argument(
         "--gc", choices=("serve", "off"), default="serve",
         help="the collector as kvrouter serve sets it up (gc.freeze() at start-up), or off",

@@ -26,6 +26,7 @@ import numpy as np
 
 from router.bench.measure import emit, rss_mb
 from router.bench.redis_server import LocalRedis, LocalRedisCluster
+from router.cliargs import at_least, fraction
 from router.core.index import PrefixIndex
 from router.core.types import BlocksRemoved, BlocksStored, IndexEvent, ReplicaKey
 from router.events.encode import encode_batch
@@ -242,21 +243,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--redis", default="", help="Redis URL (default: a private redis-server)")
     p.add_argument(
         "--cluster",
-        type=int,
+        type=at_least(0),
         default=0,
         metavar="N",
         help="without --redis: a private Redis Cluster of N primaries instead",
     )
     p.add_argument("--key-prefix", default="kvrbench")
-    p.add_argument("--stream-shards", type=int, default=8)
-    p.add_argument("--events", type=int, default=2_000_000, help="publish/pipeline: blocks")
-    p.add_argument("--event-blocks", type=int, default=32, help="blocks per engine event")
-    p.add_argument("--batch", type=int, default=8192, help="block events per flush")
-    p.add_argument("--block-size", type=int, default=64, help="router block size")
-    p.add_argument("--engine-block-size", type=int, default=16)
-    p.add_argument("--replicas", type=int, default=100, help="bootstrap: replicas")
-    p.add_argument("--entries", type=int, default=10_000_000, help="bootstrap: total entries")
-    p.add_argument("--shared-fraction", type=float, default=0.2)
-    p.add_argument("--chunk", type=int, default=8, help="bootstrap: replica keys per read")
+    p.add_argument("--stream-shards", type=at_least(1), default=8)
+    p.add_argument("--events", type=at_least(1), default=2_000_000, help="publish/pipeline: blocks")
+    p.add_argument("--event-blocks", type=at_least(1), default=32, help="blocks per engine event")
+    p.add_argument("--batch", type=at_least(1), default=8192, help="block events per flush")
+    p.add_argument("--block-size", type=at_least(1), default=64, help="router block size")
+    p.add_argument("--engine-block-size", type=at_least(1), default=16)
+    p.add_argument("--replicas", type=at_least(1), default=100, help="bootstrap: replicas")
+    p.add_argument(
+        "--entries", type=at_least(1), default=10_000_000, help="bootstrap: total entries"
+    )
+    p.add_argument("--shared-fraction", type=fraction, default=0.2)
+    p.add_argument("--chunk", type=at_least(1), default=8, help="bootstrap: replica keys per read")
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(handler=run)

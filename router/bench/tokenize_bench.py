@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from router.bench.measure import emit, percentile
+from router.cliargs import at_least, fraction
 
 
 def _corpus(min_chars: int) -> list[str]:
@@ -191,10 +192,10 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("tokenize", help="prompt processing of a long agentic turn")
-    p.add_argument("--tokens", type=int, default=1_000_000)
-    p.add_argument("--reuse", type=float, default=0.99, help="share covered by the last turn")
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tokens", type=at_least(1), default=1_000_000)
+    p.add_argument("--reuse", type=fraction, default=0.99, help="share covered by the last turn")
+    p.add_argument("--block-size", type=at_least(1), default=64)
+    p.add_argument("--reps", type=at_least(1), default=5)
     p.add_argument(
         "--template",
         choices=("kimi_style", "kimi_k3_style"),

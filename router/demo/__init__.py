@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from router.cliargs import at_least, fraction, positive_float
+
 # ~40 agent sessions over ~20 s: shared system prompts and tool schemas, 6 turns on average,
 # contexts growing to ~20-60k tokens; sized so the default demo takes about a minute.
 DEFAULT_AGENTIC = (
@@ -231,9 +233,13 @@ def _run(args: argparse.Namespace, trace: Path) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="live demo: mock replicas + router + trace replay")
-    p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--requests", type=int, default=400, help="at most N requests of the trace")
-    p.add_argument("--speedup", type=float, default=2.0, help="arrival speed-up of the trace")
+    p.add_argument("--replicas", type=at_least(1), default=4)
+    p.add_argument(
+        "--requests", type=at_least(1), default=400, help="at most N requests of the trace"
+    )
+    p.add_argument(
+        "--speedup", type=positive_float, default=2.0, help="arrival speed-up of the trace"
+    )
     p.add_argument(
         "--agentic",
         default=DEFAULT_AGENTIC,
@@ -247,9 +253,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="mock replica / simulator profile (kimi-k3: the hybrid KDA model; dense-70b; "
         "gpt-oss-120b: full + sliding-window attention; or a .toml path)",
     )
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--kv-blocks", type=int, default=16384, help="GPU KV blocks per replica")
-    p.add_argument("--max-output", type=int, default=64, help="cap on output tokens per request")
+    p.add_argument("--block-size", type=at_least(1), default=64)
+    p.add_argument("--kv-blocks", type=at_least(1), default=16384, help="GPU KV blocks per replica")
+    p.add_argument(
+        "--max-output", type=at_least(1), default=64, help="cap on output tokens per request"
+    )
     p.add_argument("--redis", help="use this Redis (publishers + shared index) instead of ZMQ")
     p.add_argument(
         "--record",
@@ -261,9 +269,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--pd",
         help="prefill/decode disaggregation modes to run, e.g. off,auto,always (docs/pd.md)",
     )
-    p.add_argument("--racks", type=int, default=2, help="racks the replicas spread over (--pd)")
     p.add_argument(
-        "--prefill-share", type=float, default=0.5, help="share of a rack with the prefill role"
+        "--racks", type=at_least(1), default=2, help="racks the replicas spread over (--pd)"
+    )
+    p.add_argument(
+        "--prefill-share", type=fraction, default=0.5, help="share of a rack with the prefill role"
     )
     p.add_argument(
         "--router-url",

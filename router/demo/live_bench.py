@@ -80,6 +80,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from router.cliargs import at_least, non_negative_float, positive_float
 from router.core.slo import SloTargets, SloTier
 
 AGENTIC = (
@@ -374,14 +375,6 @@ def run(args: argparse.Namespace) -> int:
     from router.demo.figures import combine_runs
     from router.demo.replay import load_requests
 
-    if args.repeat < 1:
-        raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
-    if args.sim_runs < 1:
-        raise SystemExit(f"--sim-runs must be >= 1, got {args.sim_runs}")
-    if args.sim_samples < 0:
-        raise SystemExit(f"--sim-samples must be >= 0, got {args.sim_samples}")
-    if args.speculative_ttl_s is not None and args.speculative_ttl_s < 0:
-        raise SystemExit(f"--speculative-ttl-s must be >= 0, got {args.speculative_ttl_s}")
     workload = WORKLOADS[args.workload]
     if args.requests:
         workload = dataclasses.replace(workload, requests=args.requests)
@@ -492,11 +485,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="agentic")
     p.add_argument("--vllm-router", help="the vllm-router binary (pip install vllm-router)")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
-    p.add_argument("--requests", type=int, help="replay at most N requests of the workload")
-    p.add_argument("--speedup", type=float, help="arrival speed-up (workload default)")
-    p.add_argument("--replicas", type=int, help="mock replicas (workload default)")
-    p.add_argument("--slo-ttft-ms", type=float, help="one TTFT target (default: the tiers)")
-    p.add_argument("--slo-tpot-ms", type=float, help="the TPOT target (default 100 ms)")
+    p.add_argument("--requests", type=at_least(1), help="replay at most N requests of the workload")
+    p.add_argument("--speedup", type=positive_float, help="arrival speed-up (workload default)")
+    p.add_argument("--replicas", type=at_least(1), help="mock replicas (workload default)")
+    p.add_argument(
+        "--slo-ttft-ms", type=positive_float, help="one TTFT target (default: the tiers)"
+    )
+    p.add_argument("--slo-tpot-ms", type=positive_float, help="the TPOT target (default 100 ms)")
     p.add_argument(
         "--sim-policies",
         default="ours",
@@ -512,24 +507,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--sim-runs",
-        type=int,
+        type=at_least(1),
         default=5,
         help="simulator runs behind `sim`, arrivals jittered by the measured transport, each "
         "from its own seed; `sim` gives their medians (default 5)",
     )
     p.add_argument(
         "--sim-samples",
-        type=int,
+        type=at_least(0),
         default=0,
         help="also predict each --sim-policies policy on N samples of the workload (its next "
         "seeds or trace windows; `sim_samples` in the JSON: means, ours over each per sample)",
     )
     p.add_argument(
-        "--repeat", type=int, default=1, help="runs of each row; figures are their medians"
+        "--repeat", type=at_least(1), default=1, help="runs of each row; figures are their medians"
     )
     p.add_argument(
         "--speculative-ttl-s",
-        type=float,
+        type=non_negative_float,
         help="kvrouter's speculative_ttl_s for the model, live and in the simulator "
         "(default: the router's, 30 s; 0: events only)",
     )

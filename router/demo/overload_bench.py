@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.measure import percentile
+from router.cliargs import at_least, fraction, positive_float
 from router.core.admission import CLASS_NAMES, class_of, class_ttft_factor
 from router.core.slo import SloTargets, SloTier, tpot_s
 
@@ -250,10 +251,12 @@ async def _row(args: argparse.Namespace, slo_on: bool, requests: Any, prompts: l
 
 def run(args: argparse.Namespace) -> int:
     from router.demo.fleet import MODEL
+    from sim.profiles import load_profile
 
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     if not rows or any(r not in ("off", "slo") for r in rows):
         raise SystemExit("--rows: a comma-separated list of off, slo")
+    load_profile(args.profile)  # a bad --profile: refused here, not by each mock replica
     requests, prompts = workload(
         args.requests, args.speedup, args.time_scale, args.priority_share, args.flex_share,
         args.seed, MODEL,
@@ -282,13 +285,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "overload", help="mock replicas past saturation, SLO-aware admission off vs on"
     )
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--requests", type=int, default=200, help="first N rows of the trace")
-    p.add_argument("--speedup", type=float, default=2.0, help="arrival speed-up of the trace")
-    p.add_argument("--priority-share", type=float, default=0.2)
-    p.add_argument("--flex-share", type=float, default=0.0)
+    p.add_argument("--replicas", type=at_least(1), default=2)
+    p.add_argument("--requests", type=at_least(1), default=200, help="first N rows of the trace")
+    p.add_argument(
+        "--speedup", type=positive_float, default=2.0, help="arrival speed-up of the trace"
+    )
+    p.add_argument("--priority-share", type=fraction, default=0.2)
+    p.add_argument("--flex-share", type=fraction, default=0.0)
     p.add_argument("--profile", default="dense-70b", help="the mocks' (and router's) profile")
-    p.add_argument("--time-scale", type=float, default=1.0, help="mock time scale (0.05: 20x)")
+    p.add_argument(
+        "--time-scale", type=positive_float, default=1.0, help="mock time scale (0.05: 20x)"
+    )
     p.add_argument("--rows", default="off,slo", help="admission modes to run: off, slo")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from router.cliargs import at_least, port
+
 
 def run(args: argparse.Namespace) -> int:
     from aiohttp import web
@@ -66,12 +68,14 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("mock-replica", help="run a mock replica (OpenAI API + vLLM KV events)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--port", type=port, default=8001)
     p.add_argument("--model", default="mock-model")
     p.add_argument("--replica", default="mock-0")
     p.add_argument("--profile", default="dense-70b", help="sim profile name or TOML path")
-    p.add_argument("--block-size", type=int, default=64, help="router (canonical) block size")
-    p.add_argument("--engine-block-size", type=int, default=16, help="block size in events")
+    p.add_argument(
+        "--block-size", type=at_least(1), default=64, help="router (canonical) block size"
+    )
+    p.add_argument("--engine-block-size", type=at_least(1), default=16, help="block size in events")
     p.add_argument("--kv-blocks", type=int, default=None, help="override GPU KV capacity")
     p.add_argument("--cpu-blocks", type=int, default=None, help="override host-tier capacity")
     p.add_argument("--zmq", default="", help="bind KV-event PUB here, e.g. tcp://*:5557")
