@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from router.cliargs import at_least, port
+from router.cliargs import at_least, fraction, port
 
 
 def run(args: argparse.Namespace) -> int:
@@ -18,12 +18,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
-    if not 0 <= args.fault_rate <= 1:
-        print(
-            f"kvrouter mock-replica: --fault-rate must be within [0, 1], got {args.fault_rate}",
-            file=sys.stderr,
-        )
-        return 2
     settings = MockSettings(
         model=args.model,
         replica=args.replica,
@@ -112,7 +106,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(429, 500, 503 ...), hang, head-only, short-body or slow:SECONDS; changed at run time "
         "with POST /admin/fault",
     )
-    p.add_argument("--fault-rate", type=float, default=1.0, help="share of requests faulted")
+    p.add_argument("--fault-rate", type=fraction, default=1.0, help="share of requests faulted")
     p.add_argument("--fault-retry-after", type=int, default=1, help="Retry-After of 429 / 503")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(handler=run)
