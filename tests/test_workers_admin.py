@@ -205,7 +205,13 @@ async def test_drain_that_misses_a_worker_is_an_error_naming_it(fleet: Fleet) ->
         try:
             os.kill(dead, signal.SIGKILL)  # a worker of the router this test started
             await eventually(lambda: not _running(dead))
-            status, out = await call(proc, "POST", "/admin/replicas/b1/drain")
+            try:
+                status, out = await call(proc, "POST", "/admin/replicas/b1/drain")
+            except aiohttp.ClientOSError:
+                # On a loaded machine this connection is sometimes reset (about 1 run in 4
+                # with two busy loops beside the test; never seen with diagnostics on), cause
+                # not found yet: a drain is idempotent, so it is asked once more
+                status, out = await call(proc, "POST", "/admin/replicas/b1/drain")
             assert status == 502, out
             err = out["error"]
             assert err["code"] == "workers_unreachable" and err["type"] == "upstream_error"
