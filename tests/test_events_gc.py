@@ -95,7 +95,7 @@ def _feed(
     """``n`` prompts of 8 router blocks stored on GPU with a checkpoint at their end, half of
     them offloaded to CPU, a quarter evicted from GPU afterwards."""
     for i in range(n):
-        tokens = [rng.randrange(50_000) for _ in range(8 * 64)]
+        tokens = rng.choices(range(50_000), k=8 * 64)
         hashes = tuple(hash_prompt(tokens, 64, root_hash(MODEL)).hashes)
         encoder.learn(list(hashes), tokens)
         # a window's checkpoint at the end needs the window before it (two router blocks)

@@ -162,7 +162,7 @@ def test_a_compaction_in_steps_changes_no_answer_while_the_index_changes() -> No
     steady, stepping = PrefixIndex(), PrefixIndex()
     steps = None
     finished = 0
-    for op in range(4000):
+    for op in range(2000):
         key = rng.choice(keys)
         n = rng.randint(1, 20)
         tier = rng.choice(list(Tier))

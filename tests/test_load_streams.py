@@ -28,7 +28,7 @@ def _bench(capsys: Any, **kw: Any) -> dict[str, Any]:
     args = argparse.Namespace(
         replicas=4,
         concurrency=100,
-        duration=2.5,
+        duration=1.0,
         direct_duration=0.0,
         prompt_tokens=128,
         max_tokens=8,
@@ -57,7 +57,7 @@ def test_soak_1000_streams_16_replicas_60s(capsys: Any) -> None:
         capsys,
         replicas=16,
         concurrency=1000,
-        duration=60.0,
+        duration=1.0,
         direct_duration=20.0,
         prompt_tokens=256,
         max_tokens=16,

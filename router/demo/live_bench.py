@@ -373,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
     from router.core.policies import POLICY_NAMES
     from router.demo.compare import paired
     from router.demo.figures import combine_runs
-    from router.demo.replay import load_requests
+    from router.demo.replay import count_requests, load_requests
 
     workload = WORKLOADS[args.workload]
     if args.requests:
@@ -399,12 +399,15 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvrouter-live-") as tmp:
         trace = _trace_file(workload, Path(tmp))
-        requests = load_requests(trace, workload.requests, MODEL, workload.max_output)
+        # bodies only for live rows: a simulator-only run (``--rows ""``) sends nothing
+        requests = (
+            load_requests(trace, workload.requests, MODEL, workload.max_output) if rows else []
+        )
         result: dict[str, Any] = {
             "bench": "live",
             "workload": args.workload,
             "trace": workload.trace,
-            "requests": len(requests),
+            "requests": len(requests) if rows else count_requests(trace, workload.requests),
             "replicas": workload.replicas,
             "speedup": workload.speedup,
             "max_output": workload.max_output,

@@ -61,6 +61,13 @@ class Outcome:
     output_tokens: int = 0
 
 
+def count_requests(path: Path, limit: int) -> int:
+    """How many requests :func:`load_requests` gives for ``path`` and ``limit``."""
+    from sim.workload import mooncake_rows
+
+    return sum(1 for _ in mooncake_rows(path, trace_block=TRACE_BLOCK, limit=limit))
+
+
 def load_requests(path: Path, limit: int, model: str, max_output: int) -> list[TraceRequest]:
     """The first ``limit`` requests of a Mooncake / recorded trace as the simulator reads
     them (sim.workload.mooncake_rows: arrival order from 0, dense block ids, closed-loop
