@@ -192,3 +192,49 @@ async def test_router_exports_event_lag_of_redis_replicas(redis_url: str, key_pr
         for r in runners:
             await r.cleanup()
         await publisher_side.close()
+
+
+async def test_an_idle_replica_holds_its_last_lag_and_a_late_one_rewrites_it() -> None:
+    """What ``KVRouterIndexEventLag`` must tell apart (deploy/k8s/base/prometheus-rules.yaml
+    asks for a lag over 2 s that ``changes`` within 5 min). The gauge is set when a batch is
+    applied and holds while nothing comes. ``idle``: its last batch came 9 s late, then
+    nothing: every scrape shows the same 9 s, which says nothing of now. ``late``: a batch
+    3 s late between scrapes: over 2 s, and a new value at each scrape."""
+    pubs = {n: KVEventPublisher(f"tcp://127.0.0.1:{free_port()}") for n in ("idle", "late")}
+    settings = build_settings({
+        "replicas": [{"url": "http://127.0.0.1:9", "model": "m", "name": n, "zmq": p.endpoint}
+                     for n, p in pubs.items()],
+        "models": {"m": {"block_size": 64}},
+    })  # fmt: skip
+    router, url = await start_router(settings)
+    rng = random.Random(7)
+
+    async def send(name: str, late_s: float) -> None:
+        block = stored([rng.randrange(9999) for _ in range(64)])
+        batch = EngineBatch(time.time() - late_s, (block,))
+        await pubs[name].publish_raw(encode_batch(batch))
+
+    try:
+        lag = router.app[STATE].event_lag_s
+
+        async def subscribed(name: str, late_s: float) -> bool:
+            await send(name, late_s)  # (again until one gets through: ZMQ's slow joiner)
+            return name in lag
+
+        await eventually(lambda: subscribed("idle", 9.0), interval=0.1)
+        await eventually(lambda: subscribed("late", 3.0), interval=0.1)
+        scrapes = []
+        for _ in range(4):
+            before = lag["late"]
+            await send("late", 3.0)
+            await eventually(lambda: lag["late"] != before)  # noqa: B023
+            scrapes.append(await scrape(url))
+        # (the first scrape may still see a copy of idle's batch that was on its way)
+        idle = [s["idle"] for s in scrapes[1:]]
+        assert len(set(idle)) == 1 and 9.0 <= idle[0] < 11.0, scrapes
+        late = [s["late"] for s in scrapes]
+        assert len(set(late)) == len(late) and all(3.0 <= v < 5.0 for v in late), scrapes
+    finally:
+        await router.cleanup()
+        for p in pubs.values():
+            await p.close()

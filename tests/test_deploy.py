@@ -242,6 +242,7 @@ _ALERTS = {
     "KVRouterUnreadableSnapshots": "kvrouter_index_sync_unreadable_snapshots_total",
     "KVRouterReplicasOutOfRotation": "kvrouter_replica_up",
     "KVRouterWorkerCrashLoop": "kvrouter_worker_restarts_total",
+    "KVRouterWorkerHung": "kvrouter_workers_scraped",
     "KVRouterStalePeerView": "kvrouter_peer_view_age_seconds",
     "KVRouterSaturated": "kvrouter_event_loop_lag_seconds",
 }
@@ -263,6 +264,24 @@ def test_alerts_cover_the_failure_modes_of_the_runbook() -> None:
     for name, metric in _ALERTS.items():
         assert name in alerts, f"no alert {name}"
         assert metric in alerts[name]["expr"], f"{name} does not watch {metric}"
+
+
+def test_the_event_lag_alert_looks_only_at_replicas_whose_events_keep_coming() -> None:
+    """``kvrouter_index_event_lag_seconds`` holds the lag of the replica's last applied event
+    while the replica is idle (tests/test_audit_event_lag.py): the alert must ask that the
+    value was rewritten lately (``changes``), else one late event before an idle spell
+    fires it for as long as the replica stays idle."""
+    expr = _alert_rules()["KVRouterIndexEventLag"]["expr"]
+    assert "changes(kvrouter_index_event_lag_seconds[" in expr, expr
+
+
+def test_the_hung_worker_alert_reads_over_the_scrapes_it_fails() -> None:
+    """A scrape that lands on the hung worker times out and every series of the pod goes
+    stale until the next one: the rule must look over a window (``*_over_time``), not at
+    the last sample, or each failed scrape resets its ``for``."""
+    expr = _alert_rules()["KVRouterWorkerHung"]["expr"]
+    assert "max_over_time(kvrouter_workers_scraped[" in expr, expr
+    assert "max_over_time(kvrouter_workers[" in expr, expr
 
 
 def test_every_alert_points_to_a_docs_section_that_exists() -> None:
@@ -296,6 +315,7 @@ _PANELS = {
     "index sync": ("kvrouter_index_sync_up", "kvrouter_index_sync_errors_total",
                    "kvrouter_index_sync_unreadable_snapshots_total"),
     "worker restarts": ("kvrouter_worker_restarts_total",),
+    "workers not answering": ("kvrouter_workers_scraped", "kvrouter_workers"),
 }  # fmt: skip
 
 
@@ -1043,3 +1063,83 @@ def test_alerts_fire_on_what_they_say_and_only_then(tmp_path: pathlib.Path) -> N
                                     "tests": tests}))  # fmt: skip
     got = _promtool("test", "rules", str(path))
     assert got.returncode == 0, got.stdout + got.stderr
+
+
+def _promtool_tests(tmp_path: pathlib.Path, tests: list[dict[str, Any]]) -> None:
+    rules = _docs(K8S / "base" / "prometheus-rules.yaml")[0]
+    (tmp_path / "alerts.yaml").write_text(yaml.safe_dump({"groups": rules["spec"]["groups"]}))
+    path = tmp_path / "tests.yaml"
+    path.write_text(yaml.safe_dump({"rule_files": ["alerts.yaml"], "evaluation_interval": "1m",
+                                    "tests": tests}))  # fmt: skip
+    got = _promtool("test", "rules", str(path))
+    assert got.returncode == 0, got.stdout + got.stderr
+
+
+def _series(name: str, labels: dict[str, str], values: list[str]) -> dict[str, str]:
+    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return {"series": f"{name}{{{inner}}}", "values": " ".join(values)}
+
+
+@needs_promtool
+def test_a_hung_worker_fires_although_the_scrapes_landing_on_it_fail(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Pod a (two workers, scraped every 15 s): worker 1 hangs from 2m15s to 15m. A scrape
+    the kernel hands to worker 0 holds ``kvrouter_workers_scraped`` 1; one it hands to the
+    hung worker times out, and Prometheus marks every series of the pod stale (also at
+    minute marks, where the rules are evaluated). Pod b loses a worker once, replaced
+    within a scrape. Only pod a fires, and it resolves once the worker answers again."""
+    a = {"namespace": "kvr", "pod": "kvrouter-a"}
+    b = {"namespace": "kvr", "pod": "kvrouter-b"}
+    failed = {16, 19, 20, 24, 27, 28, 29, 33, 40, 41, 44, 48, 50, 56}  # scrapes on the hung one
+    configured, scraped = [], []
+    for i in range(81):  # 0 .. 20m
+        hung = 9 <= i < 60
+        configured.append("stale" if hung and i in failed else "2")
+        scraped.append("stale" if hung and i in failed else "1" if hung else "2")
+    b_scraped = ["1" if i == 20 else "2" for i in range(81)]
+    hung_alert = [_fires("KVRouterWorkerHung", a)]
+    _promtool_tests(tmp_path, [{
+        "interval": "15s",
+        "input_series": [
+            _series("kvrouter_workers", a, configured),
+            _series("kvrouter_workers_scraped", a, scraped),
+            _series("kvrouter_workers", b, ["2"] * 81),
+            _series("kvrouter_workers_scraped", b, b_scraped),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "4m", "alertname": "KVRouterWorkerHung", "exp_alerts": []},
+            {"eval_time": "9m", "alertname": "KVRouterWorkerHung", "exp_alerts": hung_alert},
+            {"eval_time": "12m", "alertname": "KVRouterWorkerHung", "exp_alerts": hung_alert},
+            {"eval_time": "16m", "alertname": "KVRouterWorkerHung", "exp_alerts": []},
+        ],
+    }])  # fmt: skip
+
+
+@needs_promtool
+def test_the_event_lag_alert_fires_for_late_events_not_for_an_idle_replica(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Scraped every 15 s. Replica ``idle``: its events reach the index in milliseconds,
+    then its last one before an idle spell arrives 9.5 s late (a backlog caught up, a
+    replay of old batches) and the gauge holds 9.5 s while it stays idle. Replica ``late``:
+    every event arrives 3 - 4 s late, each applied batch rewriting the gauge. Only ``late``
+    fires, 5 min after its first rewritten lag (the lag before the idle spell, seen alone
+    for 5 min, fired the rule that read the gauge only)."""
+    w0 = {"namespace": "kvr", "pod": "kvrouter-a", "worker": "0"}
+    idle = [f"0.0{i % 9 + 1}" for i in range(4)] + ["9.5"] * 117  # 0 .. 30m
+    late = [f"{3 + (i % 10) / 10:.1f}" for i in range(121)]
+    lag = "kvrouter_index_event_lag_seconds"
+    fired = [_fires("KVRouterIndexEventLag", {"replica": "late"})]
+    _promtool_tests(tmp_path, [{
+        "interval": "15s",
+        "input_series": [
+            _series(lag, {**w0, "replica": "idle"}, idle),
+            _series(lag, {**w0, "replica": "late"}, late),
+        ],
+        "alert_rule_test": [
+            {"eval_time": f"{m}m", "alertname": "KVRouterIndexEventLag",
+             "exp_alerts": fired if m >= 6 else []}
+            for m in (3, 5, 6, 7, 8, 10, 15, 25)
+        ],
+    }])  # fmt: skip

@@ -8,6 +8,7 @@ the same whichever worker answered. Real ``kvrouter serve`` processes on loopbac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -52,12 +53,12 @@ def fleet(tmp_path: Path) -> Any:
         yield f
 
 
-async def scrape(proc: Proc) -> dict[str, Any]:
+async def scrape(proc: Proc, timeout_s: float = 10.0) -> dict[str, Any]:
     """``/metrics`` over a fresh connection (SO_REUSEPORT picks the worker), parsed."""
     connector = aiohttp.TCPConnector(force_close=True)
     async with (
         aiohttp.ClientSession(connector=connector) as http,
-        http.get(proc.url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r,
+        http.get(proc.url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r,
     ):
         assert r.status == 200
         text = await r.text()
@@ -107,6 +108,52 @@ async def test_a_worker_that_is_gone_is_left_out(fleet: Fleet) -> None:
         assert page["kvrouter_workers_scraped"].samples[0].value == 1
         assert len(ok_requests(page)) == 1  # the survivor's own samples
     finally:
+        await b0.stop()
+
+
+async def test_a_hung_worker_is_left_out_of_the_pages_the_other_answers(fleet: Fleet) -> None:
+    """A worker alive but not answering (SIGSTOPped, as one whose event loop is stuck in a
+    call): the parent sees it alive and replaces nothing. A scrape the kernel hands to it
+    is not answered (Prometheus: a failed scrape, the pod's series stale); one the other
+    worker answers leaves its samples out, ``kvrouter_workers_scraped`` 1 of
+    ``kvrouter_workers`` 2: what ``KVRouterWorkerHung`` watches
+    (deploy/k8s/base/prometheus-rules.yaml). Once it answers again, the pages hold it."""
+    b0 = await Backend("b0", ["m"]).start()
+    hung: int | None = None
+    try:
+        proc = await start_router(fleet, [b0], workers=2, engine="fast")
+        await traffic(proc, 20)
+        hung, _alive = sorted(await worker_pids(proc, 2))
+        os.kill(hung, signal.SIGSTOP)  # a worker of the router this test started
+        pages: list[dict[str, Any]] = []
+
+        async def answered(want: int) -> bool:
+            # four fresh connections at once: the kernel hands some to the answering worker
+            # (which waits up to 2 s for the hung one's page); those it hands to the hung
+            # one are not answered
+            tries = [asyncio.create_task(scrape(proc, timeout_s=4)) for _ in range(4)]
+            try:
+                for first in asyncio.as_completed(tries):
+                    with contextlib.suppress(TimeoutError):
+                        pages.append(await first)
+                        return pages[-1]["kvrouter_workers_scraped"].samples[0].value == want
+                return False
+            finally:
+                for t in tries:
+                    t.cancel()
+
+        await eventually(lambda: answered(1), timeout=60, interval=0)
+        page = pages[-1]
+        assert page["kvrouter_workers"].samples[0].value == 2
+        assert len(ok_requests(page)) == 1  # the answering worker's own samples
+        assert page["kvrouter_worker_restarts"].samples[0].value == 0  # not replaced
+        os.kill(hung, signal.SIGCONT)
+        hung = None
+        await eventually(lambda: answered(2), timeout=60, interval=0)
+        assert sorted(ok_requests(pages[-1])) == ["0", "1"]
+    finally:
+        if hung is not None:
+            os.kill(hung, signal.SIGCONT)  # (a stopped worker would not take the SIGTERM)
         await b0.stop()
 
 
