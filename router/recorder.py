@@ -54,6 +54,18 @@ TRACE_BLOCK_TOKENS = 512
 MAX_SESSIONS = 1_000_000  # sessions whose last finish time is kept for ``delay``
 ID_BITS = 53  # ids stay exact in any JSON reader (IEEE doubles)
 KEY_BYTES = 32
+# the request paths the router records, by the ``endpoint`` name a row carries
+ENDPOINTS = {
+    b"/v1/chat/completions": "chat",
+    b"/v1/completions": "completions",
+    b"/v1/responses": "responses",
+    b"/v1/messages": "messages",
+}
+
+
+def endpoint_of(path: bytes) -> str | None:
+    """The ``endpoint`` of a request path (its query string aside); None for another."""
+    return ENDPOINTS.get(path.partition(b"?")[0].rstrip(b"/"))
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,10 +175,17 @@ class TraceRecorder:
         predicted_hit: int | None = None,
         cached_tokens: int | None = None,
         first_token_at: float | None = None,
+        samples: int = 1,
+        stream: bool | None = None,
+        endpoint: str | None = None,
     ) -> None:
-        """Append one request. ``block_hashes`` is its canonical chain at ``block_size``; when
-        that size does not divide 512 the row gets no ``hash_ids`` (lengths only). The row
-        reaches the file at the next :meth:`flush`."""
+        """Append one prompt of a request (a completions batch: one call per prompt, at the
+        batch's arrival). ``block_hashes`` is its canonical chain at ``block_size``; when
+        that size does not divide 512 the row gets no ``hash_ids`` (lengths only).
+        ``output_length`` is one sequence's, ``samples`` the sequences sampled (``n``): a
+        row with ``n`` > 1 gets it. ``stream`` and ``endpoint`` (:data:`ENDPOINTS`), when
+        known, say how the request was sent. The row reaches the file at the next
+        :meth:`flush`."""
         wall_ms = (self.wall_at_start + arrived_at - self.started_at) * 1000
         row: dict[str, object] = {
             "timestamp": max(0, round(wall_ms)),
@@ -179,6 +198,12 @@ class TraceRecorder:
         else:
             row["hash_ids"] = []
         row["model"] = model
+        if samples > 1:
+            row["n"] = samples
+        if stream is not None:
+            row["stream"] = stream
+        if endpoint is not None:
+            row["endpoint"] = endpoint
         if session_id:
             row["session_id"] = session_id
             previous = self._last_finish.pop(session_id, None)
