@@ -1,10 +1,21 @@
 """Record live traffic as a Mooncake-compatible JSONL trace that ``kvrouter sim replay`` reads.
 
-One row per completed request, written when it completes:
+One row per prompt of a completed request (a completions batch: one row per prompt, all at
+the batch's arrival), written when it completes:
 
     {"timestamp": arrival, ms since the Unix epoch (wall clock), "input_length": n,
-     "output_length": m, "hash_ids": [...], "model": "...", "session_id": "...",
-     "replica": "name/dp", "pred_hit": t, "cached": t, "ttft_ms": x, "e2e_ms": y}
+     "output_length": m, "hash_ids": [...], "model": "...", "n": k, "stream": true,
+     "endpoint": "chat", "session_id": "...", "replica": "name/dp", "pred_hit": t,
+     "cached": t, "ttft_ms": x, "e2e_ms": y}
+
+``output_length`` is one sequence's (the usage sums every sequence of every prompt: it is
+shared out over them). ``n`` (only when > 1) is the sequences sampled from the prompt: the
+engine prefills it once and decodes ``n`` answers, which the simulator models from this
+field (n rows would be n requests, routed and prefilled apart). A batch's prompts are
+independent requests to the engine, each with its own prefix blocks, hence a row each.
+``stream`` and ``endpoint`` (``chat``, ``completions``, ``responses``, ``messages``) say how
+the request came, so a live replay (router/demo/replay.py) sends it the same way; a reader
+takes a row without them as a streamed completion.
 
 ``hash_ids`` name 512-token prefix blocks (the last one may be partial). Each id is a keyed
 hash of the block's canonical hash (the hash of the whole prefix up to it): the same prompt
@@ -17,12 +28,14 @@ once by whichever worker comes first).
 
 The outcome columns (present when known): ``replica`` the request was sent to, the usable
 prefix the router predicted (``pred_hit``, tokens), what the engine reported cached
-(``cached``, tokens), TTFT and E2E in ms (TTFT only for streams).
+(``cached``, tokens; neither on a batch's rows: the router predicts its longest prompt and
+the usage holds one prompt's cached tokens), TTFT and E2E in ms (TTFT only for streams).
 
 With a session id, a request that arrived after its session's previous request (in this
 worker) finished also gets ``delay`` (ms since that finish), so the simulator replays the
-session closed loop, as agents behave. ``kvrouter trace merge`` recomputes ``delay`` across
-all the files merged (sessions spread over workers and pods).
+session closed loop, as agents behave (a batch: its first row; the others arrived before
+that row finished, as ``trace merge`` finds too). ``kvrouter trace merge`` recomputes
+``delay`` across all the files merged (sessions spread over workers and pods).
 
 Several workers may record to one path: rows are buffered and appended with one
 ``O_APPEND`` write of whole lines per flush (lines never interleave), and rotation at

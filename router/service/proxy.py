@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from router.core.load import LoadView
@@ -557,7 +557,9 @@ class Forwarder:
             # reading there, often before the replica's end of the body arrives): answered,
             # not cancelled.
             if done_relayed:
-                self._answered(routed, key, started, status, b"".join(tail), True, first_at, endpoint)
+                self._answered(
+                    routed, key, started, status, b"".join(tail), True, first_at, endpoint
+                )
             else:
                 mm.outcome(key, "cancelled").inc()
             upstream.abort()
@@ -568,7 +570,9 @@ class Forwarder:
             if done_relayed:
                 # after the stream's closing event: the client has the whole answer (as
                 # when it leaves there), so nothing broke for it
-                self._answered(routed, key, started, status, b"".join(tail), True, first_at, endpoint)
+                self._answered(
+                    routed, key, started, status, b"".join(tail), True, first_at, endpoint
+                )
                 with contextlib.suppress(ConnectionResetError):
                     await sink.end(strip.flush() if strip is not None else b"")
                 return
@@ -670,7 +674,7 @@ class Forwarder:
             out = req.max_output_tokens or 1
         else:
             out = max(1, -(-out // sequences))
-        parts = routed.prompt.batch
+        parts: Sequence[tuple[int, Sequence[int]]] = routed.prompt.batch
         batch = len(parts) > 1
         if not batch:
             parts = ((req.prompt_tokens, req.block_hashes),)
