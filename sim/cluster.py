@@ -20,9 +20,10 @@ decode replica. TTFT is the decode replica's first token.
 A request sampling ``n`` > 1 sequences (``SimRequest.samples``) is routed as one (its
 ``n`` counted in the router's load, as the service counts it) and runs as vLLM v1 runs it:
 one engine request per sequence, all on the replica it went to, queued together. The first
-prefills the prompt; the others hit the blocks it computed (the engine model caches a block
-at the end of the step that computed it: they start a step behind, where vLLM starts them in
-the same step) and decode alongside it. The request's first token is the first sequence's,
+prefills the prompt; the others hit the blocks it computed before they were admitted and
+decode alongside it. (The engine model caches a block at the end of the step that computed
+it, vLLM as it allocates it: sequences admitted in the same step as the first prefill the
+prompt again here, where vLLM's hit them.) The request's first token is the first sequence's,
 its finish the last sequence's.
 """
 
