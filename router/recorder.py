@@ -1,10 +1,21 @@
 """Record live traffic as a Mooncake-compatible JSONL trace that ``kvrouter sim replay`` reads.
 
-One row per completed request, written when it completes:
+One row per prompt of a completed request (a completions batch: one row per prompt, all at
+the batch's arrival), written when it completes:
 
     {"timestamp": arrival, ms since the Unix epoch (wall clock), "input_length": n,
-     "output_length": m, "hash_ids": [...], "model": "...", "session_id": "...",
-     "replica": "name/dp", "pred_hit": t, "cached": t, "ttft_ms": x, "e2e_ms": y}
+     "output_length": m, "hash_ids": [...], "model": "...", "n": k, "stream": true,
+     "endpoint": "chat", "session_id": "...", "replica": "name/dp", "pred_hit": t,
+     "cached": t, "ttft_ms": x, "e2e_ms": y}
+
+``output_length`` is one sequence's (the usage sums every sequence of every prompt: it is
+shared out over them). ``n`` (only when > 1) is the sequences sampled from the prompt: the
+engine prefills it once and decodes ``n`` answers, which the simulator models from this
+field (n rows would be n requests, routed and prefilled apart). A batch's prompts are
+independent requests to the engine, each with its own prefix blocks, hence a row each.
+``stream`` and ``endpoint`` (``chat``, ``completions``, ``responses``, ``messages``) say how
+the request came, so a live replay (router/demo/replay.py) sends it the same way; a reader
+takes a row without them as a streamed completion.
 
 ``hash_ids`` name 512-token prefix blocks (the last one may be partial). Each id is a keyed
 hash of the block's canonical hash (the hash of the whole prefix up to it): the same prompt
@@ -17,12 +28,14 @@ once by whichever worker comes first).
 
 The outcome columns (present when known): ``replica`` the request was sent to, the usable
 prefix the router predicted (``pred_hit``, tokens), what the engine reported cached
-(``cached``, tokens), TTFT and E2E in ms (TTFT only for streams).
+(``cached``, tokens; neither on a batch's rows: the router predicts its longest prompt and
+the usage holds one prompt's cached tokens), TTFT and E2E in ms (TTFT only for streams).
 
 With a session id, a request that arrived after its session's previous request (in this
 worker) finished also gets ``delay`` (ms since that finish), so the simulator replays the
-session closed loop, as agents behave. ``kvrouter trace merge`` recomputes ``delay`` across
-all the files merged (sessions spread over workers and pods).
+session closed loop, as agents behave (a batch: its first row; the others arrived before
+that row finished, as ``trace merge`` finds too). ``kvrouter trace merge`` recomputes
+``delay`` across all the files merged (sessions spread over workers and pods).
 
 Several workers may record to one path: rows are buffered and appended with one
 ``O_APPEND`` write of whole lines per flush (lines never interleave), and rotation at
@@ -54,6 +67,18 @@ TRACE_BLOCK_TOKENS = 512
 MAX_SESSIONS = 1_000_000  # sessions whose last finish time is kept for ``delay``
 ID_BITS = 53  # ids stay exact in any JSON reader (IEEE doubles)
 KEY_BYTES = 32
+# the request paths the router records, by the ``endpoint`` name a row carries
+ENDPOINTS = {
+    b"/v1/chat/completions": "chat",
+    b"/v1/completions": "completions",
+    b"/v1/responses": "responses",
+    b"/v1/messages": "messages",
+}
+
+
+def endpoint_of(path: bytes) -> str | None:
+    """The ``endpoint`` of a request path (its query string aside); None for another."""
+    return ENDPOINTS.get(path.partition(b"?")[0].rstrip(b"/"))
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,10 +188,17 @@ class TraceRecorder:
         predicted_hit: int | None = None,
         cached_tokens: int | None = None,
         first_token_at: float | None = None,
+        samples: int = 1,
+        stream: bool | None = None,
+        endpoint: str | None = None,
     ) -> None:
-        """Append one request. ``block_hashes`` is its canonical chain at ``block_size``; when
-        that size does not divide 512 the row gets no ``hash_ids`` (lengths only). The row
-        reaches the file at the next :meth:`flush`."""
+        """Append one prompt of a request (a completions batch: one call per prompt, at the
+        batch's arrival). ``block_hashes`` is its canonical chain at ``block_size``; when
+        that size does not divide 512 the row gets no ``hash_ids`` (lengths only).
+        ``output_length`` is one sequence's, ``samples`` the sequences sampled (``n``): a
+        row with ``n`` > 1 gets it. ``stream`` and ``endpoint`` (:data:`ENDPOINTS`), when
+        known, say how the request was sent. The row reaches the file at the next
+        :meth:`flush`."""
         wall_ms = (self.wall_at_start + arrived_at - self.started_at) * 1000
         row: dict[str, object] = {
             "timestamp": max(0, round(wall_ms)),
@@ -179,6 +211,12 @@ class TraceRecorder:
         else:
             row["hash_ids"] = []
         row["model"] = model
+        if samples > 1:
+            row["n"] = samples
+        if stream is not None:
+            row["stream"] = stream
+        if endpoint is not None:
+            row["endpoint"] = endpoint
         if session_id:
             row["session_id"] = session_id
             previous = self._last_finish.pop(session_id, None)

@@ -16,6 +16,15 @@ finishes, the decode replica is picked (``pick_decode``) and the request reaches
 transfer time of its KV and state over the link between the two (``remote_prefilled``: no
 prefill compute there). A prefill leg the engine rejects falls back to a local prefill on the
 decode replica. TTFT is the decode replica's first token.
+
+A request sampling ``n`` > 1 sequences (``SimRequest.samples``) is routed as one (its
+``n`` counted in the router's load, as the service counts it) and runs as vLLM v1 runs it:
+one engine request per sequence, all on the replica it went to, queued together. The first
+prefills the prompt; the others hit the blocks it computed before they were admitted and
+decode alongside it. (The engine model caches a block at the end of the step that computed
+it, vLLM as it allocates it: sequences admitted in the same step as the first prefill the
+prompt again here, where vLLM's hit them.) The request's first token is the first sequence's,
+its finish the last sequence's.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from router.core.admission import (
@@ -306,6 +315,11 @@ class Simulation:
         # prefill leg id -> (request, its RouteRequest, prefill engine slot)
         self._legs: dict[str, tuple[SimRequest, RouteRequest, int]] = {}
         self._from_prefill: set[str] = set()  # requests whose hit their prefill leg reported
+        # ``n`` > 1: request id -> (its request, engine ids of its sequences not finished),
+        # and each extra sequence's engine id -> its request's id
+        self._sampled: dict[str, tuple[SimRequest, set[str]]] = {}
+        self._sample_of: dict[str, str] = {}
+        self._held_finish: dict[str, Any] = {}  # a request's own Finished, held for the others
         self._shed_count = 0
         self._pumping = False
         self._jitter = random.Random(config.seed + 0x5EED) if config.arrival_jitter_s > 0 else None
@@ -397,7 +411,10 @@ class Simulation:
             self.config.block_size,
             req.session_id,
             req.output_tokens,
+            samples=req.samples,
         )
+        if req.samples > 1:
+            self._sampled[req.request_id] = (req, {req.request_id})
         klass, tenant = class_and_tenant(req, self.config)
         record = RequestRecord(req.request_id, now, req.prompt_tokens, -1)
         record.klass = klass
@@ -497,6 +514,13 @@ class Simulation:
     def _submit(self, i: int, ereq: EngineRequest, now: float) -> None:
         eng = self.engines[i]
         eng.submit(ereq, now)
+        sampled = self._sampled.get(ereq.request_id)
+        if sampled is not None:  # its other sequences, behind it in the queue (module doc)
+            for j in range(1, sampled[0].samples):
+                sid = f"{ereq.request_id}#s{j}"
+                self._sample_of[sid] = ereq.request_id
+                sampled[1].add(sid)
+                eng.submit(replace(ereq, request_id=sid, output_block_hashes=()), now)
         if self.config.record_load:
             self._series[i].append((now, eng.pending()))
         self._after_engine(i, now, eng.advance(now))
@@ -581,6 +605,20 @@ class Simulation:
             else:
                 for router in self.routers:
                     router.engine.index.apply(batch)
+        self._outputs(i, now, outputs)
+        if outputs and self.config.admission is not None:
+            for router in self.routers:
+                self._pump(router, now)
+        nt = eng.next_time()
+        if nt != self._wake_at[i]:
+            self._gen[i] += 1
+            self._wake_at[i] = nt
+            if nt is not None:
+                self._queue.push(nt, ENGINE, (i, self._gen[i]))
+
+    def _outputs(self, i: int, now: float, outputs: list[Any]) -> None:
+        """Book engine ``i``'s outputs: first tokens, finishes, rejections."""
+        eng = self.engines[i]
         records = self._records
         legs = self._legs
         transport = self.config.transport_s
@@ -588,6 +626,8 @@ class Simulation:
             kind = type(out)
             if legs and out.request_id in legs:
                 self._prefill_leg(out, now)
+                continue
+            if self._sampled and not self._sequence_output(i, out):
                 continue
             if kind is FirstToken:
                 rec = records[out.request_id]
@@ -619,15 +659,52 @@ class Simulation:
                 if router.admission is not None:
                     router.admission.finished(out.request_id)
                 self._follow_ups(out.request_id, out.time + transport)
-        if outputs and self.config.admission is not None:
-            for router in self.routers:
-                self._pump(router, now)
-        nt = eng.next_time()
-        if nt != self._wake_at[i]:
-            self._gen[i] += 1
-            self._wake_at[i] = nt
-            if nt is not None:
-                self._queue.push(nt, ENGINE, (i, self._gen[i]))
+
+    def _sequence_output(self, i: int, out: Any) -> bool:
+        """Book an output of a request sampling ``n`` sequences (module doc); True when it
+        is the request's to handle as any request's: its own sequence's first token or
+        rejection, or the end of its last sequence (one Finished, at the latest end)."""
+        sid: str = out.request_id
+        kind = type(out)
+        rid = self._sample_of.get(sid)
+        if rid is None:  # a request's own sequence
+            rid = sid
+        elif kind is Finished or kind is Rejected:
+            del self._sample_of[sid]
+        entry = self._sampled.get(rid)
+        if entry is None:
+            return rid == sid
+        running = entry[1]
+        if kind is FirstToken:
+            return rid == sid
+        if kind is Rejected and rid == sid:  # none ran (the others are as large)
+            del self._sampled[rid]
+            self._held_finish.pop(rid, None)
+            return True
+        if kind is not Finished and kind is not Rejected:
+            return False
+        running.discard(sid)
+        held = self._held_finish.pop(rid, None)
+        if kind is Finished:
+            if held is None:
+                held = Finished(rid, out.time, out.prompt_tokens, out.cached_tokens, 0)
+            if rid == sid:  # the request's own figures, at the latest end of any sequence
+                held = Finished(
+                    rid, max(out.time, held.time), out.prompt_tokens, out.cached_tokens,
+                    out.output_tokens,
+                )  # fmt: skip
+            elif out.time > held.time:
+                held = Finished(
+                    rid, out.time, held.prompt_tokens, held.cached_tokens, held.output_tokens
+                )
+        if running:
+            if held is not None:
+                self._held_finish[rid] = held
+            return False
+        del self._sampled[rid]
+        if held is not None:
+            self._outputs(i, held.time, [held])  # engine i ran all its sequences
+        return False
 
     def _prefill_leg(self, out: Any, now: float) -> None:
         """An output of a prefill leg: its hit is the request's; when it ends the decode

@@ -10,8 +10,11 @@ Trace formats (JSON lines; unknown extra fields are ignored):
 
 * Mooncake: ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``;
   each hash id names a ``trace_block``-token prefix block (512 in Mooncake's releases).
-* Recorded (the router's own format): Mooncake rows plus optional ``session_id``, ``model``
-  and ``delay`` (ms). A row with ``delay`` whose session already had a row is closed-loop:
+* Recorded (the router's own format): Mooncake rows plus optional ``session_id``, ``model``,
+  ``n`` (sequences sampled from the prompt: one prefill, ``n`` answers of ``output_length``
+  each; default 1), ``stream`` and ``endpoint`` (how the live replay sends the row: default a
+  streamed ``completions`` request, as rows recorded before them were replayed) and
+  ``delay`` (ms). A row with ``delay`` whose session already had a row is closed-loop:
   it arrives ``delay`` ms after the answer of the session's earlier rows that finished last
   (``timestamp + e2e_ms``, as ``kvrouter trace merge`` measures ``delay``; the last such row
   where ``e2e_ms`` is missing: a worker's own file is in order of completion).
@@ -72,6 +75,9 @@ class SimRequest:
     after: str | None = None
     delay_s: float = 0.0
     output_block_hashes: Sequence[int] = ()
+    # sequences sampled from the prompt (a request's ``n``): one prefill, ``samples``
+    # answers of ``output_tokens`` each, decoded on the replica the request went to
+    samples: int = 1
 
 
 @dataclass(slots=True)
@@ -104,6 +110,7 @@ class Workload:
                 None,
                 0.0,
                 r.output_block_hashes,
+                r.samples,
             )
             for r in kept
         ]
@@ -269,6 +276,26 @@ class TraceRow:
     session_id: str | None = None
     after: int | None = None
     delay_s: float = 0.0
+    samples: int = 1
+    stream: bool = True
+    endpoint: str = "completions"
+
+
+ENDPOINTS = ("completions", "chat", "responses", "messages")
+
+
+def _manner(row: dict[str, Any], where: str) -> tuple[int, bool, str]:
+    """A row's ``n`` (>= 1), ``stream`` and ``endpoint`` (defaults: 1, a stream, completions)."""
+    samples = row.get("n", 1)
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ConfigError(f"{where}: 'n' must be a positive integer, got {samples!r}")
+    stream = row.get("stream", True)
+    if not isinstance(stream, bool):
+        raise ConfigError(f"{where}: 'stream' must be true or false, got {stream!r}")
+    endpoint = row.get("endpoint", "completions")
+    if endpoint not in ENDPOINTS:
+        raise ConfigError(f"{where}: 'endpoint' must be one of {', '.join(ENDPOINTS)}")
+    return samples, stream, str(endpoint)
 
 
 def mooncake_rows(
@@ -284,6 +311,7 @@ def mooncake_rows(
     Timestamps are ms; arrivals start at the first one. Block ids are renamed densely in
     arrival order."""
     raw: list[tuple[float, int, int, list[int], str | None, int | None, float]] = []
+    manners: list[tuple[int, bool, str]] = []
     last_of_session: dict[str, tuple[int, float | None]] = {}  # (row, finish ms)
     for lineno, row in _rows(path):
         where = f"{path}:{lineno}"
@@ -313,6 +341,7 @@ def mooncake_rows(
             if held is None or finish is None or held[1] is None or finish >= held[1]:
                 last_of_session[session] = (index, finish)
         raw.append((ts, n_in, max(n_out, 1), ids, session, after, delay))
+        manners.append(_manner(row, where))
     # a turn sorts at its own arrival, never before its previous request (ties: file order,
     # which puts that request first)
     key: list[float] = []
@@ -338,6 +367,7 @@ def mooncake_rows(
                 session,
                 None if after is None else position[after],
                 delay,
+                *manners[k],
             )
         )
     return out
@@ -363,6 +393,7 @@ def read_mooncake(
             r.session_id,
             None if r.after is None else f"r{r.after}",
             r.delay_s,
+            samples=r.samples,
         )
         for i, r in enumerate(mooncake_rows(path, trace_block=trace_block, limit=limit))
     ]
@@ -491,6 +522,7 @@ def scale_arrivals(requests: Iterable[SimRequest], speedup: float) -> list[SimRe
             r.after,
             r.delay_s / speedup,
             r.output_block_hashes,
+            r.samples,
         )
         for r in requests
     ]

@@ -173,3 +173,122 @@ async def test_a_closed_loop_turn_follows_the_answer_the_simulator_ties_it_to(
     assert all(o.ok for o in outcomes), outcomes
     assert "B held for nothing" not in log, log
     assert log.index("done 1500") < log.index("sent 2100") < log.index("done 300"), log
+
+
+def _rows_file(tmp_path: pathlib.Path, rows: list[dict[str, object]]) -> pathlib.Path:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+ENDPOINT_ROWS: list[dict[str, object]] = [
+    {"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]},  # old row
+    {"timestamp": 1, "input_length": 600, "output_length": 3, "hash_ids": [1, 2],
+     "endpoint": "completions", "stream": False},
+    {"timestamp": 2, "input_length": 700, "output_length": 3, "hash_ids": [1, 3],
+     "endpoint": "chat", "stream": True},
+    {"timestamp": 3, "input_length": 700, "output_length": 3, "hash_ids": [1, 3],
+     "endpoint": "chat", "stream": False},
+    {"timestamp": 4, "input_length": 300, "output_length": 3, "hash_ids": [4],
+     "endpoint": "responses", "stream": True},
+    {"timestamp": 5, "input_length": 300, "output_length": 3, "hash_ids": [4],
+     "endpoint": "responses", "stream": False},
+    {"timestamp": 6, "input_length": 200, "output_length": 3, "hash_ids": [5],
+     "endpoint": "messages", "stream": True},
+    {"timestamp": 7, "input_length": 200, "output_length": 3, "hash_ids": [5],
+     "endpoint": "messages", "stream": False},
+]  # fmt: skip
+
+
+def test_a_row_is_sent_to_its_endpoint_streamed_as_it_was(tmp_path: pathlib.Path) -> None:
+    """Rows name their endpoint and whether they streamed: the live replay sent every one
+    as a streaming completion. A row without them (an older recording) still is one."""
+    path = _rows_file(tmp_path, ENDPOINT_ROWS)
+    live = load_requests(path, 100, "m", max_output=64)
+    assert [(r.path, json.loads(r.body).get("stream", False)) for r in live] == [
+        ("/v1/completions", True),
+        ("/v1/completions", False),
+        ("/v1/chat/completions", True),
+        ("/v1/chat/completions", False),
+        ("/v1/responses", True),
+        ("/v1/responses", False),
+        ("/v1/messages", True),
+        ("/v1/messages", False),
+    ]
+    chat = json.loads(live[2].body)
+    text = chat["messages"][0]["content"]
+    # one ASCII character a token (the mock's byte tokenizer: one token each), the shared
+    # block the same text in every prompt that has it
+    assert len(text) == 700 and text.isascii()
+    other = {**ENDPOINT_ROWS[2], "hash_ids": [1, 9]}
+    a, b = load_requests(_rows_file(tmp_path, [ENDPOINT_ROWS[2], other]), 2, "m", 64)
+    assert _prompt_text(a)[:512] == _prompt_text(b)[:512]
+    assert _prompt_text(a)[512:] != _prompt_text(b)[512:]
+    assert json.loads(live[4].body)["input"] != text[:300]
+
+
+def _prompt_text(req: TraceRequest) -> str:
+    return str(json.loads(req.body)["messages"][0]["content"])
+
+
+async def test_every_endpoint_replays_against_a_replica_streamed_or_not(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Each request reaches the mock replica at its endpoint and its answer is read in that
+    endpoint's shape: usage from the body, or from the stream (TTFT only for streams)."""
+    from router.mock.server import MockSettings
+    from tests.backends import start_mock
+
+    path = _rows_file(tmp_path, ENDPOINT_ROWS)
+    runner, url = await start_mock(MockSettings(model="m", replica="r0", time_scale=0.01))
+    try:
+        outcomes = await replay(url, load_requests(path, 100, "m", max_output=64), 100.0)
+    finally:
+        await runner.cleanup()
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    streamed = [True, False, True, False, True, False, True, False]
+    assert [o.ttft_s == o.ttft_s for o in outcomes] == streamed
+    assert all(o.e2e_s > 0 and o.output_tokens == 3 for o in outcomes)
+    assert [o.prompt_tokens for o in outcomes][:2] == [600, 600]
+    lengths = [int(str(r["input_length"])) for r in ENDPOINT_ROWS]
+    assert all(o.prompt_tokens >= n for o, n in zip(outcomes, lengths, strict=True))
+
+
+def test_n_samples_are_replayed_as_one_request_of_n(tmp_path: pathlib.Path) -> None:
+    """A row with ``n`` is one request sampling n sequences of one prompt (live: ``n`` in
+    the body; simulated: one prefill, n sequences decoded on one replica)."""
+    row = {"timestamp": 0, "input_length": 1500, "output_length": 20, "hash_ids": [1, 2, 3]}
+    path = _rows_file(tmp_path, [{**row, "n": 3, "endpoint": "chat"}])
+    (live,) = load_requests(path, 10, "m", max_output=64)
+    assert json.loads(live.body)["n"] == 3
+    (sim,) = load_trace(str(path), block_size=64).requests
+    assert sim.samples == 3
+
+
+def _busy(rows: list[dict[str, object]], tmp_path: pathlib.Path) -> list[float]:
+    """Each replica's busy time when a fleet of three, routed round robin, replays ``rows``."""
+    from sim.cluster import ClusterConfig, Simulation
+    from sim.profiles import load_profile
+
+    path = _rows_file(tmp_path, rows)
+    workload = load_trace(str(path), block_size=64)
+    config = ClusterConfig(profile=load_profile("dense-70b"), replicas=3, block_size=64)
+    sim = Simulation(workload, config, "round_robin")
+    result = sim.run()
+    assert result.summary["completed"] == len(rows)
+    return [e.busy_s for e in sim.engines]
+
+
+def test_the_simulator_runs_n_samples_on_one_replica_prefilling_once(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Live, ``n`` sequences are one request on one replica, which prefills the prompt
+    once and decodes n answers; n rows would be n requests, routed apart, each prefilled."""
+    row: dict[str, object] = {"timestamp": 0, "input_length": 4000, "output_length": 50,
+                              "hash_ids": list(range(8))}  # fmt: skip
+    (one,) = [b for b in _busy([row], tmp_path) if b]
+    sampled = _busy([{**row, "n": 3}], tmp_path)
+    apart = _busy([row, row, row], tmp_path)
+    assert sorted(sampled)[:2] == [0.0, 0.0]  # one replica did all of it
+    assert one < max(sampled) < sum(apart)
+    assert all(b == one for b in apart)

@@ -352,3 +352,36 @@ def test_a_worker_that_waited_for_another_s_rotation_does_not_rotate_again(
     assert '"old"' in backup  # the full file B rotated is still the backup
     live = [json.loads(line)["session_id"] for line in path.read_text().splitlines()]
     assert sorted(live) == ["a", "b"]
+
+
+def test_a_batch_s_rows_keep_their_delays_and_fields_through_merge(tmp_path: pathlib.Path) -> None:
+    """A batch recorded as one row per prompt (same arrival, same finish) within a closed-
+    loop session: only its first row follows the previous turn; ``trace merge`` recomputes
+    the same delays and keeps ``n``, ``stream`` and ``endpoint``; the reader sends both of
+    the batch's prompts at once and ties the next turn to the batch."""
+    from sim.workload import mooncake_rows
+
+    rec = TraceRecorder(RecordSettings(tmp_path / "t.jsonl", key=KEY), 0.0, 1_700_000_000.0)
+    a, b = list(range(600)), list(range(5000, 5900))
+    calls = [(1.0, 2.0, a, 1), (2.5, 3.0, a + b[:100], 2), (2.5, 3.0, b, 2), (3.5, 4.0, b, 1)]
+    for at, done, toks, n in calls:
+        rec.record(arrived_at=at, model="m", input_length=len(toks), output_length=3,
+                   block_hashes=hash_prompt(toks, 64, ROOT).hashes, block_size=64,
+                   session_id="s", finished_at=done, samples=n, stream=False,
+                   endpoint="chat")  # fmt: skip
+    rec.close()
+    rows = list(read_rows([tmp_path / "t.jsonl"]))
+    assert [r.get("delay") for r in rows] == [None, 500, None, 500]
+    merged = merge([dict(r) for r in rows])
+    assert [r.get("delay") for r in merged] == [None, 500, None, 500]
+    assert [(r.get("n", 1), r["stream"], r["endpoint"]) for r in merged] == [
+        (1, False, "chat"),
+        (2, False, "chat"),
+        (2, False, "chat"),
+        (1, False, "chat"),
+    ]
+    path = tmp_path / "merged.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in merged))
+    read = mooncake_rows(path)
+    assert [(r.after, r.samples) for r in read] == [(None, 1), (0, 2), (None, 2), (2, 1)]
+    assert read[2].arrival_s == 1.5 and not read[2].stream and read[2].endpoint == "chat"

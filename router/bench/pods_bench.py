@@ -122,7 +122,7 @@ async def _watch_kill(
     """Kill ``victim`` (a pid) at ``at_s``; wait until every other pod counts one pod fewer."""
     await asyncio.sleep(at_s)
     pid = int(victim)
-    lost = in_flight.get(urls[0] + "/v1/completions", 0)
+    lost = in_flight.get(urls[0], 0)
     os.killpg(pid, signal.SIGKILL)
     killed = time.perf_counter()
     pending = set(urls[1:])

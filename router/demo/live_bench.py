@@ -3,8 +3,9 @@
 For each router under test a fresh fleet of ``kvrouter mock-replica`` processes (the
 simulator's engine model on the wall clock, real HTTP, vLLM-format KV events over ZMQ with a
 replay socket) is started, the router is put in front of it, and the same trace is replayed
-through it over HTTP (router/demo/replay.py: streaming ``/v1/completions`` with token-id
-prompts, sessions in ``X-Session-Id``, closed-loop follow-ups). Rows:
+through it over HTTP (router/demo/replay.py: each row at its recorded endpoint, streamed or
+not; streaming ``/v1/completions`` with token-id prompts for rows that name neither, as the
+generated traces' rows; sessions in ``X-Session-Id``, closed-loop follow-ups). Rows:
 
 * ``kvrouter_ours``: ``kvrouter serve``, policy ``ours``, following the mocks' events directly;
 * ``vllm_router_kv_aware``: vllm-router (the binary given by ``--vllm-router``) with

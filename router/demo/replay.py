@@ -7,16 +7,23 @@ hash exactly the same tokens; the trace is read as the simulator reads it
 (sim.workload.mooncake_rows: arrival order from 0, dense block ids, the first ``limit``
 arrivals). An open-loop request goes out at its arrival, a closed-loop turn ``delay`` after
 the request the simulator ties it to finished (both divided by the speed-up).
-Every request is a streaming ``/v1/completions`` call with
-``stream_options.include_usage``, carrying its session in ``X-Session-Id`` (and ``user``); the
-client measures TTFT at the first SSE event that carries a token (not a keep-alive comment, a
-role-only or empty chunk) and E2E at the stream's closing ``[DONE]`` (a stream cut short of
-it is a failure, as is an event that is not a JSON object: that request fails, the replay
-goes on), both from just before the request is sent, and reads the engine's
-``prompt_tokens``, ``cached_tokens`` and ``completion_tokens`` (and the mock's KV-only
-``kv_hit_tokens``) from the usage chunk (a stream without one is a failure: nothing to judge
-it by) and the router's predicted hit from the ``X-KVRouter-Decision`` header (kvrouter
-only).
+Each request goes to the endpoint its row names (``endpoint``: ``/v1/completions``,
+``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages``), streamed or not as recorded
+(``stream``), with its ``n``; a row without them (an older recording, a Mooncake trace) is a
+streamed completion. Completions carry the token ids; the other endpoints take text, so
+their prompt is a stand-in (:func:`prompt_text`: one ASCII character a token, a function of
+its id, so shared blocks are shared text; the mock replica's byte tokenizer makes it one
+token each, plus the chat's role tokens; a real tokenizer's lengths differ). OpenAI streams
+ask ``stream_options.include_usage``. Each carries its session in ``X-Session-Id`` (and
+``user``; the Messages API: ``metadata.user_id``). The client measures TTFT at the first SSE
+event that carries a token (not a keep-alive comment, a role-only or empty chunk; only for
+streams) and E2E at the stream's last event (OpenAI's ``[DONE]``, the Responses API's final
+response event, the Messages API's ``message_stop``: a stream cut short of it is a failure,
+as is an event that is not a JSON object: that request fails, the replay goes on) or the end
+of the whole answer, both from just before the request is sent, and reads the engine's
+prompt, cached and output tokens (and the mock's KV-only ``kv_hit_tokens``) from the usage,
+in the endpoint's shape (a stream or an answer without one is a failure: nothing to judge it
+by), and the router's predicted hit from the ``X-KVRouter-Decision`` header (kvrouter only).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class TraceRequest:
     session_id: str | None = None
     delay_s: float | None = None  # closed loop: this long after request ``after`` finished
     after: int | None = None  # closed loop: the index of the request it follows
+    path: str = "/v1/completions"  # the endpoint it goes to (PATHS)
 
 
 @dataclass(slots=True)
@@ -68,10 +76,50 @@ def count_requests(path: Path, limit: int) -> int:
     return sum(1 for _ in mooncake_rows(path, trace_block=TRACE_BLOCK, limit=limit))
 
 
+PATHS = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "responses": "/v1/responses",
+    "messages": "/v1/messages",
+}
+
+
+def prompt_text(tokens: np.ndarray) -> str:
+    """A text stand-in for token ids, for the endpoints that take no token ids: one
+    printable ASCII character a token (one token each to the mock replica's byte
+    tokenizer), a function of the token id alone, so prompts sharing blocks share text."""
+    mixed = (tokens.astype("<u4") * np.uint32(0x9E3779B1)) >> np.uint32(25)  # 0..127
+    return (mixed % np.uint32(94) + np.uint32(33)).astype(np.uint8).tobytes().decode("ascii")
+
+
+def request_body(
+    endpoint: str, model: str, tokens: np.ndarray, output: int, stream: bool, samples: int
+) -> dict[str, Any]:
+    """The body of a replayed request at ``endpoint``: completions carry the token ids, the
+    others :func:`prompt_text` as one user message (the Responses API: as its input)."""
+    body: dict[str, Any] = {"model": model}
+    if endpoint == "completions":
+        body["prompt"] = tokens.tolist()
+    elif endpoint == "responses":
+        body["input"] = prompt_text(tokens)
+        body["store"] = False
+    else:
+        body["messages"] = [{"role": "user", "content": prompt_text(tokens)}]
+    body["max_output_tokens" if endpoint == "responses" else "max_tokens"] = output
+    if samples > 1:  # only the OpenAI endpoints sample several sequences
+        body["n"] = samples
+    body["stream"] = stream
+    if stream and endpoint in ("completions", "chat"):
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
 def load_requests(path: Path, limit: int, model: str, max_output: int) -> list[TraceRequest]:
     """The first ``limit`` requests of a Mooncake / recorded trace as the simulator reads
     them (sim.workload.mooncake_rows: arrival order from 0, dense block ids, closed-loop
-    turns tied to the same requests), outputs capped at ``max_output``."""
+    turns tied to the same requests), outputs capped at ``max_output``, each sent to the
+    row's endpoint, streamed or not and with its ``n`` as recorded (rows without them:
+    streamed completions)."""
     from sim.workload import mooncake_rows
 
     out: list[TraceRequest] = []
@@ -81,15 +129,12 @@ def load_requests(path: Path, limit: int, model: str, max_output: int) -> list[T
         ids = np.asarray(row.block_ids, dtype="<u4")
         tokens = (ids[:, None] * np.uint32(TRACE_BLOCK) + offsets).reshape(-1)[:n]
         output = max(1, min(row.output_tokens, max_output))
-        body: dict[str, Any] = {
-            "model": model,
-            "prompt": tokens.tolist(),
-            "max_tokens": output,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = request_body(row.endpoint, model, tokens, output, row.stream, row.samples)
         if row.session_id is not None:
-            body["user"] = row.session_id  # the router's session id
+            if row.endpoint == "messages":
+                body["metadata"] = {"user_id": row.session_id}
+            else:
+                body["user"] = row.session_id  # the router's session id
         closed = row.after is not None
         out.append(
             TraceRequest(
@@ -100,6 +145,7 @@ def load_requests(path: Path, limit: int, model: str, max_output: int) -> list[T
                 row.session_id,
                 row.delay_s if closed else None,
                 row.after,
+                PATHS[row.endpoint],
             )
         )
     return out
@@ -113,15 +159,60 @@ def _predicted(header: str | None) -> int:
     return 0
 
 
+# a stream's last event, by endpoint: OpenAI's closing ``[DONE]``; the Responses API's final
+# response event; the Messages API's ``message_stop``
+FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "message_stop")
+
+
 def _has_token(chunk: dict[str, Any]) -> bool:
     """Whether a stream's chunk carries output: a choice with text, or the one that ends it
-    (a first token that is the end of the answer has no text); not a role-only, empty or
-    usage-only chunk."""
+    (a first token that is the end of the answer has no text); a Responses API text delta;
+    a Messages API content delta; not a role-only, empty or usage-only chunk."""
+    kind = chunk.get("type")
+    if kind in ("response.output_text.delta", "content_block_delta"):
+        return True
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta") or {}
         if choice.get("text") or delta.get("content") or choice.get("finish_reason"):
             return True
     return False
+
+
+def _read_usage(out: Outcome, usage: dict[str, Any]) -> None:
+    """The engine's counts from a usage object: OpenAI's (``prompt_tokens``, ...), the
+    Responses API's (``input_tokens``, ``input_tokens_details.cached_tokens``) or the
+    Messages API's (``input_tokens`` the uncached part, ``cache_read_input_tokens``; a
+    stream's ``message_start`` has the prompt's, its ``message_delta`` the output's)."""
+    if "prompt_tokens" in usage or "completion_tokens" in usage:
+        out.prompt_tokens = usage.get("prompt_tokens", 0)
+        out.output_tokens = usage.get("completion_tokens", 0)
+        details = usage.get("prompt_tokens_details") or {}
+        out.cached_tokens = details.get("cached_tokens") or 0
+        out.kv_hit_tokens = details.get("kv_hit_tokens", out.cached_tokens) or 0
+        return
+    if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
+        cached = usage.get("cache_read_input_tokens") or 0
+        made = usage.get("cache_creation_input_tokens") or 0
+        if "input_tokens" in usage:
+            out.prompt_tokens = (usage.get("input_tokens") or 0) + cached + made
+            out.cached_tokens = out.kv_hit_tokens = cached
+    elif "input_tokens" in usage:
+        out.prompt_tokens = usage.get("input_tokens") or 0
+        details = usage.get("input_tokens_details") or {}
+        out.cached_tokens = details.get("cached_tokens") or 0
+        out.kv_hit_tokens = details.get("kv_hit_tokens", out.cached_tokens) or 0
+    if "output_tokens" in usage:
+        out.output_tokens = usage.get("output_tokens") or 0
+
+
+def _usage_of(event: dict[str, Any]) -> dict[str, Any] | None:
+    """The usage an answer or a stream's event carries (the Responses API's in its
+    response, the Messages API's ``message_start`` in its message)."""
+    for holder in (event, event.get("response"), event.get("message")):
+        usage = holder.get("usage") if isinstance(holder, dict) else None
+        if isinstance(usage, dict):
+            return usage
+    return None
 
 
 async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> Outcome:
@@ -137,6 +228,8 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
             out = Outcome(
                 True, predicted_tokens=_predicted(resp.headers.get("X-KVRouter-Decision"))
             )
+            if not resp.content_type.startswith("text/event-stream"):
+                return await _answer(resp, out, t0)
             usage_seen = False
             async for raw in resp.content:
                 line = raw.strip()
@@ -153,22 +246,21 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                     chunk = None
                 if not isinstance(chunk, dict):  # one request's failure, not the replay's
                     return Outcome(False, error=f"malformed event: {data[:200]!r}")
-                if "error" in chunk:
+                if "error" in chunk and chunk.get("type") != "response.failed":
                     return Outcome(False, error=str(chunk["error"])[:200])
                 if out.ttft_s != out.ttft_s and _has_token(chunk):
                     out.ttft_s = at
-                usage = chunk.get("usage")
+                usage = _usage_of(chunk)
                 if usage:
                     usage_seen = True
-                    out.prompt_tokens = usage.get("prompt_tokens", 0)
-                    out.output_tokens = usage.get("completion_tokens", 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    out.cached_tokens = details.get("cached_tokens") or 0
-                    out.kv_hit_tokens = details.get("kv_hit_tokens", out.cached_tokens) or 0
+                    _read_usage(out, usage)
+                if chunk.get("type") in FINAL_EVENTS:
+                    out.e2e_s = at
+                    break
             if out.ttft_s != out.ttft_s:
                 return Outcome(False, error="stream ended without a token")
             if out.e2e_s != out.e2e_s:  # cut short: no usage to judge it by, not an answer
-                return Outcome(False, error="stream ended before [DONE]")
+                return Outcome(False, error="stream ended before its last event")
             if not usage_seen:  # no prompt or output length to judge it by: not an answer
                 return Outcome(False, error="stream ended without its usage chunk")
             return out
@@ -176,6 +268,26 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
         return Outcome(False, error=f"{CONNECT_FAILED}{exc}")
     except (aiohttp.ClientError, TimeoutError) as exc:
         return Outcome(False, error=f"{type(exc).__name__}: {exc}")
+
+
+async def _answer(resp: aiohttp.ClientResponse, out: Outcome, t0: float) -> Outcome:
+    """A request that did not stream: its whole answer, E2E at its end (no TTFT: nothing
+    comes before the whole answer) and the usage in it."""
+    raw = await resp.read()
+    out.e2e_s = time.perf_counter() - t0
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        return Outcome(False, error=f"malformed answer: {raw[:200]!r}")
+    if "error" in answer and answer.get("error"):
+        return Outcome(False, error=str(answer["error"])[:200])
+    usage = _usage_of(answer)
+    if not usage:  # no prompt or output length to judge it by: not an answer
+        return Outcome(False, error="answer without its usage")
+    _read_usage(out, usage)
+    return out
 
 
 async def replay(
@@ -192,9 +304,9 @@ async def replay(
     ``spread``: several routers (pods) instead of ``router_url``, as a load balancer spreads
     requests: request ``i`` goes to ``spread[i % n]``; one that refuses the connection is
     taken out and the request goes to the next (it never reached a router: nothing is
-    resent that a router had seen). ``in_flight`` (if given) counts the requests each URL
-    has outstanding, as they go."""
-    urls = [u + "/v1/completions" for u in spread] or [router_url + "/v1/completions"]
+    resent that a router had seen). ``in_flight`` (if given) counts the requests each base
+    URL has outstanding, as they go."""
+    urls = list(spread) or [router_url]
     down: set[str] = set()
     timeout = aiohttp.ClientTimeout(total=300)
     outcomes: list[Outcome | None] = [None] * len(requests)
@@ -221,7 +333,7 @@ async def replay(
                 if in_flight is not None:
                     in_flight[url] = in_flight.get(url, 0) + 1
                 try:
-                    outcome = await _one(session, url, req)
+                    outcome = await _one(session, url + req.path, req)
                 finally:
                     if in_flight is not None:
                         in_flight[url] -= 1

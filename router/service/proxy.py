@@ -31,12 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from router.core.load import LoadView
 from router.core.slo import tpot_s
 from router.core.types import ReplicaKey
+from router.recorder import endpoint_of
 from router.service.answers import (
     MAX_FINAL_EVENT,
     OPENAI_CLOSERS,
@@ -351,6 +352,7 @@ class Forwarder:
                         anthropic,
                         record_ids,
                         closers_of(path),
+                        endpoint_of(path),
                     )
                 finally:
                     upstream.release()
@@ -418,6 +420,7 @@ class Forwarder:
         anthropic: bool = False,
         record_ids: bool = False,
         closers: tuple[bytes, ...] = OPENAI_CLOSERS,
+        endpoint: str | None = None,
     ) -> None:
         state = self.state
         mm = state.metrics.model(routed.request.model)
@@ -457,7 +460,7 @@ class Forwarder:
                 if record_ids and status == 200:
                     self._record_id(routed, key, id_of_answer(payload))
                 await sink.respond(status, headers, payload)  # the client gone: cancelled
-                self._answered(routed, key, started, status, payload, sse=False)
+                self._answered(routed, key, started, status, payload, False, 0.0, endpoint)
                 return
             # Each piece goes out as soon as it is here, in as few writes as what is at hand
             # allows: the head alone when the replica sent no data with it yet (the client
@@ -547,14 +550,16 @@ class Forwarder:
                 raise UpstreamBroken("the connection closed before the stream's [DONE]")
             if not ended:  # the end came on its own, after the last data
                 await sink.end(strip.flush() if strip is not None else b"")
-            self._answered(routed, key, started, status, b"".join(tail), True, first_at)
+            self._answered(routed, key, started, status, b"".join(tail), True, first_at, endpoint)
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             # The client went away: abort the request on the replica. A stream whose closing
             # [DONE] event the client already has is complete for it (SSE clients stop
             # reading there, often before the replica's end of the body arrives): answered,
             # not cancelled.
             if done_relayed:
-                self._answered(routed, key, started, status, b"".join(tail), True, first_at)
+                self._answered(
+                    routed, key, started, status, b"".join(tail), True, first_at, endpoint
+                )
             else:
                 mm.outcome(key, "cancelled").inc()
             upstream.abort()
@@ -565,7 +570,9 @@ class Forwarder:
             if done_relayed:
                 # after the stream's closing event: the client has the whole answer (as
                 # when it leaves there), so nothing broke for it
-                self._answered(routed, key, started, status, b"".join(tail), True, first_at)
+                self._answered(
+                    routed, key, started, status, b"".join(tail), True, first_at, endpoint
+                )
                 with contextlib.suppress(ConnectionResetError):
                     await sink.end(strip.flush() if strip is not None else b"")
                 return
@@ -603,6 +610,7 @@ class Forwarder:
         payload: bytes,
         sse: bool,
         first_at: float = 0.0,
+        endpoint: str | None = None,
     ) -> None:
         """Book an answer the client has whole: engine feedback, the live-traffic trace, the
         outcome, and for a stream (``first_at``: when its first data came) whether it met its
@@ -615,7 +623,7 @@ class Forwarder:
         if sse and first_at and status < 400 and not errored:
             self._slo(routed, started, first_at, usage)
         if self.state.recorder is not None and status < 400:
-            self._record(routed, key, started, usage, first_at)
+            self._record(routed, key, started, usage, first_at, sse, endpoint)
         outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
         if errored:
             outcome = "upstream_error"
@@ -647,32 +655,50 @@ class Forwarder:
         started: float,
         usage: dict[str, Any] | None,
         first_at: float,
+        stream: bool,
+        endpoint: str | None,
     ) -> None:
-        """Append the request to the live-traffic trace (router.recorder). The output length
-        is the replica's usage (:func:`usage_tokens`), else the request's max tokens, else
-        1."""
+        """Append the request to the live-traffic trace (router.recorder): one row per prompt
+        of a completions batch (each its own prompt and blocks), ``n`` on each. The output
+        length is one sequence's: the replica's usage (:func:`usage_tokens`, which sums every
+        sequence of every prompt) shared out over them, else the request's max tokens, else
+        1. A batch's rows carry no predicted or engine-cached tokens: the router predicted
+        its longest prompt's, and the usage holds one prompt's cached tokens, not each's."""
         recorder = self.state.recorder
         assert recorder is not None
         req = routed.request
         counts = usage_tokens(usage)
+        sequences = max(req.samples, 1) * max(req.prompts, 1)
         out = counts.completion
         if out is None:
             out = req.max_output_tokens or 1
-        cached = counts.cached
-        recorder.record(
-            arrived_at=started,
-            model=req.model,
-            input_length=req.prompt_tokens,
-            output_length=out,
-            block_hashes=req.block_hashes,
-            block_size=req.block_size,
-            session_id=req.session_id,
-            finished_at=self.event_loop().time(),
-            replica=f"{key.replica}/{key.dp_rank}",
-            predicted_hit=routed.decision.usable_tokens if key == routed.decision.replica else None,
-            cached_tokens=cached,
-            first_token_at=first_at or None,
-        )
+        else:
+            out = max(1, -(-out // sequences))
+        parts: Sequence[tuple[int, Sequence[int]]] = routed.prompt.batch
+        batch = len(parts) > 1
+        if not batch:
+            parts = ((req.prompt_tokens, req.block_hashes),)
+        finished = self.event_loop().time()
+        replica = f"{key.replica}/{key.dp_rank}"
+        predicted = routed.decision.usable_tokens if key == routed.decision.replica else None
+        for tokens, hashes in parts:
+            recorder.record(
+                arrived_at=started,
+                model=req.model,
+                input_length=max(tokens, 1),
+                output_length=out,
+                block_hashes=hashes,
+                block_size=req.block_size,
+                session_id=req.session_id,
+                finished_at=finished,
+                replica=replica,
+                predicted_hit=None if batch else predicted,
+                cached_tokens=None if batch else counts.cached,
+                first_token_at=first_at or None,
+                samples=req.samples,
+                stream=stream,
+                endpoint=endpoint,
+            )
 
     def _feedback(self, routed: Routed, key: ReplicaKey, usage: dict[str, Any] | None) -> None:
         if not usage:

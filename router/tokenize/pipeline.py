@@ -89,6 +89,9 @@ class ProcessedPrompt:
     # (the body's ``n``, set by the request handler): what the engine decodes
     prompts: int = 1
     samples: int = 1
+    # a batch's prompts, each (prompt_tokens, block_hashes) in the body's order (the live-
+    # traffic trace records one row each: router/recorder.py); empty for a single prompt
+    batch: tuple[tuple[int, list[int]], ...] = ()
 
     @property
     def context_tokens(self) -> int:
@@ -132,6 +135,7 @@ def _batch(entries: Sequence[ProcessedPrompt]) -> ProcessedPrompt:
         hash_s=sum(e.hash_s for e in entries),
         longest_tokens=longest.prompt_tokens,
         prompts=len(entries),
+        batch=tuple((e.prompt_tokens, e.block_hashes) for e in entries),
     )
 
 
