@@ -19,12 +19,13 @@ decode replica. TTFT is the decode replica's first token.
 
 A request sampling ``n`` > 1 sequences (``SimRequest.samples``) is routed as one (its
 ``n`` counted in the router's load, as the service counts it) and runs as vLLM v1 runs it:
-one engine request per sequence, all on the replica it went to, queued together. The first
-prefills the prompt; the others hit the blocks it computed before they were admitted and
-decode alongside it. (The engine model caches a block at the end of the step that computed
-it, vLLM as it allocates it: sequences admitted in the same step as the first prefill the
-prompt again here, where vLLM's hit them.) The request's first token is the first sequence's,
-its finish the last sequence's.
+one engine request per sequence (``sim.engine.sampled``, as the mock replica submits them),
+all on the replica it went to, queued together. The first prefills the prompt; the others
+hit the blocks it computed before they were admitted and decode alongside it. (The engine
+model caches a block at the end of the step that computed it, vLLM as it allocates it:
+sequences admitted in the same step as the first prefill the prompt again here, where
+vLLM's hit them.) The request's first token is the first sequence's, its finish the last
+sequence's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from router.core.admission import (
@@ -61,6 +62,7 @@ from router.core.slo import SloTargets
 from router.core.turnover import REUSE_WINDOW_S
 from router.core.types import Decision, EventBatch, ReplicaKey, RouteRequest
 from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, Rejected
+from sim.engine import sampled as engine_sequences
 from sim.events import ARRIVAL, DELIVER, ENGINE, TRANSFER, EventQueue
 from sim.metrics import RequestRecord, summarize
 from sim.pd import PdStats, roles_of, sites_of
@@ -516,11 +518,10 @@ class Simulation:
         eng.submit(ereq, now)
         sampled = self._sampled.get(ereq.request_id)
         if sampled is not None:  # its other sequences, behind it in the queue (module doc)
-            for j in range(1, sampled[0].samples):
-                sid = f"{ereq.request_id}#s{j}"
-                self._sample_of[sid] = ereq.request_id
-                sampled[1].add(sid)
-                eng.submit(replace(ereq, request_id=sid, output_block_hashes=()), now)
+            for seq in engine_sequences(ereq, sampled[0].samples)[1:]:
+                self._sample_of[seq.request_id] = ereq.request_id
+                sampled[1].add(seq.request_id)
+                eng.submit(seq, now)
         if self.config.record_load:
             self._series[i].append((now, eng.pending()))
         self._after_engine(i, now, eng.advance(now))
