@@ -113,13 +113,6 @@ async def test_bad_requests_metrics_and_health(start_mock: Callable) -> None:
         await mock.client.completions.create(
             model="m", prompt=[1, 2], max_tokens=1, extra_body={"cache_salt": ""}
         )
-    # it samples one sequence a request: n > 1 is refused, never answered with one choice
-    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
-        await mock.client.completions.create(model="m", prompt=[1, 2], max_tokens=1, n=2)
-    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
-        await mock.client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1, n=3
-        )
     await mock.client.completions.create(model="m", prompt=_prompt(2, 100), max_tokens=1, n=1)
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{mock.url}/health") as resp:
@@ -136,6 +129,13 @@ async def test_bad_requests_metrics_and_health(start_mock: Callable) -> None:
     assert 'vllm:num_requests_running{engine="0",model_name="m"} 0.0' in page
     assert "vllm:kv_cache_usage_perc" in page
     assert 'vllm:prompt_tokens_total{engine="0",model_name="m"} 100.0' in page
+    # n > 1: a choice per sequence (tests/test_mock_sampling.py)
+    sampled = await mock.client.completions.create(model="m", prompt=[1, 2], max_tokens=1, n=2)
+    assert len(sampled.choices) == 2
+    sampled_chat = await mock.client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1, n=3
+    )
+    assert len(sampled_chat.choices) == 3
 
 
 async def test_latency_histograms_as_vllm_exports_them(start_mock: Callable) -> None:

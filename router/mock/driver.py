@@ -65,13 +65,19 @@ class EngineDriver:
                 await self._task
             self._task = None
 
-    def submit(self, request: EngineRequest) -> asyncio.Queue[EngineOutput | EngineFailed]:
+    def submit(
+        self,
+        request: EngineRequest,
+        queue: asyncio.Queue[EngineOutput | EngineFailed] | None = None,
+    ) -> asyncio.Queue[EngineOutput | EngineFailed]:
         """Queue ``request`` (a ``sim.engine.EngineRequest``) now; raises ValueError as the
         model does (duplicate id, bad sizes), ``EngineFailed`` once the model has failed. The
-        queue gets the request's outputs, or the ``EngineFailed`` that ends them."""
+        queue (a new one, else ``queue``: requests sharing one get their outputs in the
+        model's order) gets the request's outputs, or the ``EngineFailed`` that ends them."""
         if self.failure is not None:
             raise self.failure
-        queue: asyncio.Queue[EngineOutput | EngineFailed] = asyncio.Queue()
+        if queue is None:
+            queue = asyncio.Queue()
         self.model.submit(request, self.now())
         self._queues[request.request_id] = queue
         self._wake.set()

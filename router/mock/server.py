@@ -2,7 +2,8 @@
 
 ``create_app(settings)`` builds the aiohttp application; its ``cleanup_ctx`` starts the
 engine driver and the KV-event publisher (vLLM wire format over ZMQ). Endpoints:
-``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not, every field of
+``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not, ``n`` > 1 and
+completion batches as vLLM serves them: router/mock/multi.py; every field of
 vLLM 0.34's answers, ``usage`` with ``prompt_tokens_details.cached_tokens``,
 ``stream_options.include_usage`` and ``continuous_usage_stats``, the filler's logprobs,
 prompt logprobs and ``echo`` when asked (router/mock/logprobs.py), vLLM's error types and
@@ -69,7 +70,6 @@ from router.mock.preprocess import error_response as _error
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
 from router.service.model_card import model_card
 from router.tokenize.anthropic import to_chat_body
-from router.tokenize.request_fields import sampled_sequences
 from router.tokenize.responses import stores
 
 log = logging.getLogger(__name__)
@@ -232,9 +232,8 @@ def tokens_of(
     return tokenizer.chat(body) if kind == "chat" else tokenizer.completion(body)
 
 
-async def _prepare(
-    request: web.Request, kind: str
-) -> tuple[MockState, dict[str, Any], Any, list[int]]:
+async def _read(request: web.Request) -> tuple[MockState, dict[str, Any]]:
+    """The request's body, a JSON object naming the model served."""
     state = request.app[STATE]
     try:
         body = await request.json(loads=jsonload.loads)
@@ -245,15 +244,12 @@ async def _prepare(
     error = not_served(body.get("model"), state.settings.model)
     if error is not None:
         raise error
-    if kind in ("chat", "completion") and sampled_sequences(body, kind) > 1:
-        # a refusal, never one choice where n were asked
-        raise BadRequest("the mock replica samples one sequence a request: 'n' must be 1")
-    prompt = body.get("prompt") if kind == "completion" else None
-    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], list | str):
-        # vLLM answers a choice per prompt; never one choice for the first alone
-        raise BadRequest(
-            f"the mock replica serves one prompt a request: 'prompt' is a batch of {len(prompt)}"
-        )
+    return state, body
+
+
+def engine_request(state: MockState, body: dict[str, Any], kind: str) -> tuple[Any, list[int]]:
+    """The engine request of ``body``'s prompt (one prompt: a batch's is its own body) and
+    the prompt's token ids; BadRequest as vLLM refuses the prompt or the request."""
     try:
         tokens = tokens_of(state.tokenizer, kind, body, state.responses)
     except UnicodeEncodeError:  # a lone surrogate (``"\ud800"``): no text to tokenize
@@ -286,7 +282,7 @@ async def _prepare(
         reads_cache=not lp.check(body, kind),
         priority=_priority(body),
     )
-    return state, body, req, tokens
+    return req, tokens
 
 
 def _priority(body: dict[str, Any]) -> int:
@@ -374,8 +370,15 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     messages = kind == "messages"
     responses = kind == "responses"
     fail = anthropic.error if messages else _error
+    from router.mock import multi  # it serves several sequences with this module's parts
+
     try:
-        state, body, req, prompt_ids = await _prepare(request, kind)
+        state, body = await _read(request)
+        many = multi.prepare(state, body, kind)  # None: one sequence of one prompt
+        req: Any = None
+        prompt_ids: list[int] = []
+        if many is None:
+            req, prompt_ids = engine_request(state, body, kind)
         stream = body.get("stream", False)
         opts = {} if messages or responses else body.get("stream_options") or {}
         if not isinstance(stream, bool) or not isinstance(opts, dict):
@@ -391,6 +394,8 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         request.app[STATE].counters.bad_requests += 1
         return fail(400, str(exc))
     answer_id = _answer_id(request, body, kind)
+    if many is not None:
+        return await multi.serve(request, many, answer_id, stream, opts, arrived)
     params = pd.transfer_params(body)
     prefill_leg = pd.is_prefill_leg(params)
     if params is not None and pd.is_decode_leg(params):
