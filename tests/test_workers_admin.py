@@ -9,6 +9,7 @@ for every request so the kernel spreads them over the workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -204,14 +205,14 @@ async def test_drain_that_misses_a_worker_is_an_error_naming_it(fleet: Fleet) ->
         proc.signal(signal.SIGSTOP)  # the parent replaces no worker until it continues
         try:
             os.kill(dead, signal.SIGKILL)  # a worker of the router this test started
-            await eventually(lambda: not _running(dead))
-            try:
-                status, out = await call(proc, "POST", "/admin/replicas/b1/drain")
-            except aiohttp.ClientOSError:
-                # On a loaded machine this connection is sometimes reset (about 1 run in 4
-                # with two busy loops beside the test; never seen with diagnostics on), cause
-                # not found yet: a drain is idempotent, so it is asked once more
-                status, out = await call(proc, "POST", "/admin/replicas/b1/drain")
+            # Its listening socket leaves the port's SO_REUSEPORT group only when the last of
+            # its threads has exited: its main thread may be a zombie already while its
+            # libuv threads still hold the descriptors. Until then the kernel hands that
+            # socket its share of new connections, and resets the ones it queued when it
+            # closes: the drain is sent once only the survivor listens.
+            port = int(proc.url.rsplit(":", 1)[1])
+            await eventually(lambda: not _running(dead) and _listeners(port) == 1)
+            status, out = await call(proc, "POST", "/admin/replicas/b1/drain")
             assert status == 502, out
             err = out["error"]
             assert err["code"] == "workers_unreachable" and err["type"] == "upstream_error"
@@ -306,6 +307,18 @@ async def test_workers_count_each_others_requests_in_flight(fleet: Fleet, share:
         assert [s for s, _ in await asyncio.gather(*held)] == [200] * 16
     finally:
         await slow.stop()
+
+
+def _listeners(port: int) -> int:
+    """How many TCP sockets listen on ``port`` (/proc/net/tcp and tcp6; state 0A: LISTEN)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    count += 1
+    return count
 
 
 def _running(pid: int) -> bool:
