@@ -54,6 +54,22 @@ def test_a_fresh_engine_queue_does_not_cancel_a_failing_replicas_phantom_load(
     assert engine.route(request, keys, NOW, random.Random(0)).replica == B
 
 
+def test_a_peer_report_of_no_request_carries_no_decode_weight() -> None:
+    """A peer's report with decode weight but no request in flight (``own`` never sends
+    one; a peer of another version might): the weight is not counted, and the peer's next
+    report, of requests in flight, counts exactly its own weight (it used to be settled
+    away, then taken off again: the replica looked lighter than its requests)."""
+    load = LoadTracker()
+    load.add_replica(A)
+    load.dispatch("mine", A, 1000, 0, 100, 1.0, 1)
+    mine = load.view(A, NOW).decode_weight
+    load.set_peer_load(A, PeerLoad(decode_weight=1.0))
+    assert load.view(A, NOW).decode_weight == pytest.approx(mine)
+    load.complete("mine")
+    load.set_peer_load(A, PeerLoad(0, 0, 2, 4000, 4000, 0.5))
+    assert load.view(A, NOW).decode_weight == pytest.approx(0.5)
+
+
 _KEYS = (A, B, ReplicaKey("c"))
 _request_ids = st.sampled_from([f"q{i}" for i in range(6)])
 _ops = st.one_of(
@@ -109,8 +125,9 @@ def test_counts_stay_whole_whatever_the_order_of_calls(ops: list[Any], mirrored:
         elif name == "complete":
             load.complete(op[1])
         elif name == "peer":
-            peers[op[1]] = PeerLoad(*op[2])
-            load.set_peer_load(op[1], peers[op[1]])
+            load.set_peer_load(op[1], PeerLoad(*op[2]))
+            held = op[2][0] + op[2][2]  # a report of no request in flight carries no weight
+            peers[op[1]] = PeerLoad(*op[2][:5], op[2][5] if held else 0.0)
         elif name == "penalty":
             phantoms[op[1]] = op[2]
             load.set_penalty(op[1], op[2], op[2] * 4096)

@@ -374,14 +374,18 @@ class LoadTracker:
         rep = self._replicas.get(key)
         if rep is None:  # not (or no longer) ours to route to: a peer may lag behind
             return
-        if min(load) < 0:  # reports come from other processes: never let one go negative
+        # reports come from other processes: never let one go negative, and a report of no
+        # request in flight carries no decode weight (``own`` sends none then; counted, it
+        # would be settled away here and taken off again by the peer's next report)
+        if min(load) < 0 or (load.decode_weight and load.prefilling + load.decoding <= 0):
+            prefilling, decoding = max(load.prefilling, 0), max(load.decoding, 0)
             load = PeerLoad(
-                max(load.prefilling, 0),
+                prefilling,
                 max(load.queued_prefill_tokens, 0),
-                max(load.decoding, 0),
+                decoding,
                 max(load.decode_context_tokens, 0),
                 max(load.in_flight_prompt_tokens, 0),
-                max(load.decode_weight, 0.0),
+                max(load.decode_weight, 0.0) if prefilling + decoding else 0.0,
             )
         old = rep.peer
         if load == old:
