@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from router.core.errors import ConfigError
 from router.core.hashing import hash_prompt, root_hash
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.local_template import analyze
@@ -335,6 +336,30 @@ def test_incremental_templates_are_recognised(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(NOT_LOCAL))
 def test_templates_the_render_can_not_observe_are_rejected(name: str) -> None:
     assert analyze(_environment(), NOT_LOCAL[name]) is None
+
+
+def test_templates_built_from_one_source_keep_their_state_apart() -> None:
+    """``ChatTemplate.build`` derives a source's compiled code once a process (models of
+    one family share a template): each template built from it still renders alike and has
+    a message-local form of its own, with its own marks and state (one that gives up on
+    its local form leaves the others' in use)."""
+    source = LOCAL["kimi"]
+    first, second = ChatTemplate.build(source), ChatTemplate.build(source)
+    a, b = first.local_for(None), second.local_for(None)
+    assert a is not None and b is not None and a is not b
+    for _ in range(a.FAILURES_TO_DISABLE):
+        a.failed()
+    assert not a.enabled and b.enabled
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    assert (
+        first.render(messages)
+        == second.render(messages)
+        == ChatTemplate.build(source, content_format="openai").render(messages)
+    )
+    assert ChatTemplate.build(source, content_format="openai").content_format == "openai"
+    assert first.content_format == "string"
+    with pytest.raises(ConfigError, match="content_format"):
+        ChatTemplate.build(source, content_format="bogus")
 
 
 _tool_run = st.lists(

@@ -50,6 +50,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import CodeType
 from typing import Any
 
 import jinja2
@@ -298,14 +299,14 @@ class LocalTemplate:
     """The instrumented, incrementally renderable form of a template :func:`analyze`
     accepted."""
 
-    def __init__(self, env: jinja2.Environment, ast: nodes.Template) -> None:
+    def __init__(self, env: jinja2.Environment, code: CodeType) -> None:
+        """``code``: :func:`instrument`'s for the template (a fresh form each time: its
+        marks and its state below are its own)."""
         token = os.urandom(12).hex()
         self._mark = "\x00kvrouter-" + token + "\x00"
         self._mark_msg = "\x00kvrouter-msg-" + token + "\x00"
         self._mark_end = "\x00kvrouter-end-" + token + "\x00"
-        self._template = env.template_class.from_code(
-            env, env.compile(ast), env.make_globals(None), None
-        )
+        self._template = env.template_class.from_code(env, code, env.make_globals(None), None)
         self.enabled = True
         self._failures = 0  # in a row
         self._poor = 0  # whole renders in a row that left nothing to resume from
@@ -421,8 +422,15 @@ def _name_sliced_loops(ast: nodes.Template) -> None:
 
 
 def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
-    """The instrumented template if :func:`analyze` accepts ``source`` (see the module
+    """The instrumented template if ``source`` is message-local (see the module
     docstring), else None."""
+    code = instrument(env, source)
+    return None if code is None else LocalTemplate(env, code)
+
+
+def instrument(env: jinja2.Environment, source: str) -> CodeType | None:
+    """The compiled instrumented form of ``source`` if it is message-local, else None: a
+    function of the source and the environment's settings alone (its code holds no state)."""
     try:
         ast = env.parse(source)
         if any(n.name.startswith("__kvrouter") for n in ast.find_all(nodes.Name)):
@@ -477,4 +485,5 @@ def analyze(env: jinja2.Environment, source: str) -> LocalTemplate | None:
     ]
     ast.set_lineno(1)  # the new nodes need one for the code generator
     ast.set_environment(env)
-    return LocalTemplate(env, ast)
+    code: CodeType = env.compile(ast)
+    return code

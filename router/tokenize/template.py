@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from pprint import pformat
+from types import CodeType
 from typing import Any
 
 import jinja2
@@ -39,12 +40,13 @@ from router.tokenize.content_format import (
 from router.tokenize.content_format import (
     ContentFormat,
     content_text,
+    detect_content_format,
     openai_parts,
     resolve_content_format,
     tool_content,
     without_billing_header,
 )
-from router.tokenize.local_template import LocalTemplate, RenderedParts, Resume, analyze
+from router.tokenize.local_template import LocalTemplate, RenderedParts, Resume, instrument
 from router.tokenize.render_state import ListLike, StateMismatch, plain
 
 
@@ -389,6 +391,52 @@ def _processor_template(directory: Path) -> str | None:
     return found
 
 
+@dataclass(slots=True, frozen=True)
+class _Derived:
+    """What :meth:`ChatTemplate.build` derives from a template's source alone (the
+    environment's settings are fixed): its compiled code, the content format vLLM's "auto"
+    detects, the code of its message-local form (None: not message-local). Code objects
+    hold no state: every template built from them renders and keeps its state on its own."""
+
+    code: CodeType
+    detected: ContentFormat
+    local: CodeType | None
+
+
+# per process, the sources built last: models of one family share a template, and each
+# parse and compile of one costs tens of milliseconds
+_DERIVED: dict[str, _Derived] = {}
+_DERIVED_MAX = 32
+_derived_lock = threading.Lock()
+
+
+def _derived(env: jinja2.Environment, source: str) -> _Derived:
+    """``source``'s :class:`_Derived`; raises ``TemplateSyntaxError`` (remembering nothing)."""
+    with _derived_lock:
+        found = _DERIVED.get(source)
+    if found is not None:
+        return found
+    made = _Derived(
+        env.compile(source), detect_content_format(env, source), instrument(env, source)
+    )
+    with _derived_lock:
+        if source not in _DERIVED and len(_DERIVED) >= _DERIVED_MAX:
+            del _DERIVED[next(iter(_DERIVED))]
+        _DERIVED[source] = made
+    return made
+
+
+def _from_derived(
+    env: jinja2.Environment, derived: _Derived, option: str, source: str
+) -> tuple[jinja2.Template, ContentFormat, LocalTemplate | None]:
+    """A template's compiled form, content format (``option`` as for ``build``) and
+    message-local form, each new, from ``derived``."""
+    compiled = env.template_class.from_code(env, derived.code, env.make_globals(None), None)
+    fmt = derived.detected if option == "auto" else resolve_content_format(option, env, source)
+    local = None if derived.local is None else LocalTemplate(env, derived.local)
+    return compiled, fmt, local
+
+
 # transformers' marker for continue_final_message: appended to the final message's content,
 # the render is cut where it starts
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -455,22 +503,29 @@ class ChatTemplate:
         from each template as vLLM does)."""
         env = _environment()
         try:
-            compiled = env.from_string(source)
-            compiled_tools = env.from_string(tool_source) if tool_source else None
+            main = _derived(env, source)
+            tools = _derived(env, tool_source) if tool_source else None
         except jinja2.TemplateSyntaxError as exc:
             raise ConfigError(f"chat template does not compile: {exc}") from None
+        compiled, fmt, local = _from_derived(env, main, content_format, source)
+        tool_fmt: ContentFormat = "string"
+        compiled_tools, local_tools = None, None
+        if tools is not None and tool_source:
+            compiled_tools, tool_fmt, local_tools = _from_derived(
+                env, tools, content_format, tool_source
+            )
         return cls(
             source,
             tool_source,
             bos_token,
             eos_token,
             dict(extra or {}),
-            resolve_content_format(content_format, env, source),
-            resolve_content_format(content_format, env, tool_source) if tool_source else "string",
+            fmt,
+            tool_fmt,
             compiled,
             compiled_tools,
-            analyze(env, source),
-            analyze(env, tool_source) if tool_source else None,
+            local,
+            local_tools,
         )
 
     @classmethod
