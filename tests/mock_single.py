@@ -1,7 +1,7 @@
 """The mock replica's answers to one sequence of one prompt (``n`` absent or 1, a single
 prompt or a batch of one), normalised so that runs compare: ids and ``created`` dropped, a
-stream's chunks as its first, the text between, the set of key sets of the chunks between,
-and its last two (the finish and the usage); then the engine's counters.
+stream as what does not depend on how its tokens fell into chunks (``_stream``); then the
+engine's counters.
 tests/fixtures/mock_single_answers.json holds them as the mock answered before it served
 ``n`` > 1 and batches (tests/test_mock_sampling.py checks they are unchanged)."""
 
@@ -74,18 +74,41 @@ def _bare(obj: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in ("id", "created")}
 
 
+def _merged_logprobs(into: Any, more: Any) -> Any:
+    """Two chunks' logprobs as one (completions: lists side by side; chat: ``content``)."""
+    if into is None or more is None:
+        return more if into is None else into
+    return {key: (into.get(key) or []) + (more.get(key) or []) for key in into.keys() | more}
+
+
 def _stream(events: list[Any]) -> dict[str, Any]:
+    """A stream as what does not depend on how its tokens fell into chunks (a reader that
+    lags gets several tokens in one): the chunks' envelope, the text and logprobs of all
+    its choice chunks together, their key sets, the last finish_reason, the last running
+    usage (``continuous_usage_stats``) and the final usage chunk."""
     chunks = [_bare(e) for e in events if e != "[DONE]"]
-    first, *between, finish, usage = chunks
-    texts = []
-    for c in between:
+    final = chunks.pop() if chunks and not chunks[-1]["choices"] else None
+    text, logprobs, finish, running = "", None, None, None
+    keys, role = set(), None
+    for c in chunks:
         choice = c["choices"][0]
-        texts.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+        keys.add(json.dumps(sorted(choice)))
+        delta = choice.get("delta") or {}
+        role = role or delta.get("role")
+        text += choice.get("text") or delta.get("content") or ""
+        logprobs = _merged_logprobs(logprobs, choice.get("logprobs"))
+        finish = choice.get("finish_reason") or finish
+        running = c.get("usage", running)
     return {
-        "first": first,
-        "text": "".join(texts),
-        "keys": sorted({json.dumps(sorted(c["choices"][0])) for c in between}),
-        "last": [finish, usage],
+        "envelope": sorted({json.dumps(sorted(k for k in c if k != "usage")) for c in chunks}),
+        "object": chunks[0]["object"],
+        "role": role,
+        "text": text,
+        "logprobs": logprobs,
+        "keys": sorted(keys),
+        "finish_reason": finish,
+        "running_usage": running,
+        "final": final,
         "done": events[-1] == "[DONE]",
     }
 
