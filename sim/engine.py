@@ -375,19 +375,29 @@ class EngineModel(BlockCache):
             raise ValueError("prompt_tokens must be > 0 and max_output_tokens >= 0")
         self._run_until(now)
         seq = _Seq(req, now, self.block_size)
-        # the last token's KV is never written (vLLM: prompt + max_tokens <= max_model_len);
-        # a sliding-window engine keeps the window before it pinned all the while
-        blocks = -(-(seq.prompt + seq.max_out - 1) // self.block_size)
-        footprint = blocks + min(self.window, seq.nfull) * self._window_cost
-        if footprint > self.capacity:
-            self._out.append(
-                Rejected(seq.rid, now, f"needs {footprint:g} KV blocks, capacity {self.capacity}")
-            )
+        refused = self._refusal(seq)
+        if refused is not None:
+            self._out.append(Rejected(seq.rid, now, refused))
             return
         self._by_id[seq.rid] = seq
         self._enqueue(seq, front=False)
         if self._waiting[0] is seq:  # others waiting were blocked: only the head may go
             self._wake(now)
+
+    def refusal(self, req: EngineRequest) -> str | None:
+        """Why ``req`` can never run here, else None: what :meth:`submit` answers with
+        ``Rejected`` (a caller submitting several sequences of one request checks them all
+        first, as vLLM refuses such a request before it starts)."""
+        return self._refusal(_Seq(req, 0.0, self.block_size))
+
+    def _refusal(self, seq: _Seq) -> str | None:
+        # the last token's KV is never written (vLLM: prompt + max_tokens <= max_model_len);
+        # a sliding-window engine keeps the window before it pinned all the while
+        blocks = -(-(seq.prompt + seq.max_out - 1) // self.block_size)
+        footprint = blocks + min(self.window, seq.nfull) * self._window_cost
+        if footprint > self.capacity:
+            return f"needs {footprint:g} KV blocks, capacity {self.capacity}"
+        return None
 
     def cancel(self, request_id: str, now: float) -> None:
         """Drop a request (client went away); unknown ids are ignored. Its blocks are

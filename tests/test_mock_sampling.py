@@ -309,6 +309,26 @@ async def test_what_it_does_not_serve_is_refused_never_answered_short(mock: Call
     await eventually(lambda: m.state.driver.model.pending() == 0)
 
 
+@pytest.mark.parametrize("time_scale", [0.05, 1e-5])
+async def test_a_stream_with_a_sequence_that_cannot_run_is_refused_before_it_opens(
+    mock: Callable, time_scale: float
+) -> None:
+    """A batch or ``n`` samples of which one sequence can never run: 400 before any byte of
+    a stream, however fast the model's clock runs (at 1e-5 the first prompt's prefill
+    finished between the submits, its first token opened the stream, and the refusal came
+    as an error event after a 200)."""
+    m = await mock(kv_blocks=4, time_scale=time_scale)
+    for body in (
+        {"prompt": ["ab", "x" * 200], "max_tokens": 1},
+        {"prompt": ["ab", "cd"], "n": 2, "max_tokens": 200},
+    ):
+        status, answer = await _post(
+            m.url, "/v1/completions", {"model": MODEL, "stream": True, **body}
+        )
+        assert status == 400 and "cannot be served" in answer["error"]["message"], answer
+    await eventually(lambda: m.state.driver.model.pending() == 0)
+
+
 async def test_echo_and_logprobs_are_each_choice_s_own(mock: Callable) -> None:
     m = await mock()
     body = {"model": MODEL, "prompt": ["ab", "cd"], "n": 2, "max_tokens": 2, "stream": True}

@@ -154,7 +154,9 @@ async def test_two_routers_converge_and_a_restarted_router_recovers(store: Index
 
 async def test_lease_expiry_purges_and_load_reaches_the_tracker(store: IndexStore) -> None:
     info = ReplicaInfo("short", model="m")
-    await store.register(info, owner="p", lease_ttl_s=0.4)
+    # a lease that outlasts the setup however loaded the machine; the heartbeat below
+    # shortens it to 0.4 s (it once lapsed before that heartbeat: False, in a CI run)
+    await store.register(info, owner="p", lease_ttl_s=30)
     writer = StoreWriter(store, info.replica_keys())
     writer.add(ReplicaKey("short"), [BlocksStored((1, 2, 3))])
     await writer.flush()

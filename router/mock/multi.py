@@ -255,6 +255,11 @@ async def serve(
     running = 0
     submitted = driver.now()  # model time: the engine gets the sequences at once
     c = state.counters
+    for s in seqs:  # none starts unless all can (a stream's answer would open first)
+        refused = driver.model.refusal(s.req)
+        if refused is not None:
+            c.rejected += 1
+            return _error(400, f"request cannot be served: {refused}")
     try:
         for s in seqs:
             driver.submit(s.req, queue)
