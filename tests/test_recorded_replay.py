@@ -322,3 +322,40 @@ async def test_a_recording_with_n_samples_and_batches_replays_against_a_mock(
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
     assert [o.output_tokens for o in outcomes] == [6, 4, 4, 4, 2]
     assert all(o.prompt_tokens >= r.prompt_tokens for o, r in zip(outcomes, requests, strict=True))
+
+
+async def test_replayed_figures_judge_n_samples_and_unstreamed_answers_per_sequence(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A replayed row sampling ``n`` answers ``n`` sequences decoded side by side: its TPOT
+    is one sequence's (the usage sums all n, which would make it n times too fast), as the
+    simulator and the router's own SLO count it. A row recorded unstreamed has no TTFT: the
+    figures' TTFT and TPOT leave it out (never NaN), and the SLO judges it by its E2E, when
+    the client had its first token, rather than as a miss."""
+    from router.core.slo import SloTargets, SloTier
+    from router.demo.compare import _columns
+    from router.demo.figures import summarize
+    from router.mock.server import MockSettings
+    from tests.backends import start_mock
+
+    row = {"timestamp": 0, "input_length": 600, "output_length": 8, "hash_ids": [1, 2]}
+    rows = [{**row, "hash_ids": [7, 8]}, {**row, "n": 4}, {**row, "timestamp": 1, "stream": False}]
+    requests = load_requests(_rows_file(tmp_path, rows), 10, "m", max_output=64)
+    runner, url = await start_mock(MockSettings(model="m", replica="r0", time_scale=0.05))
+    try:
+        one, sampled, whole = await replay(url, requests, 1.0)
+    finally:
+        await runner.cleanup()
+    assert one.ok and sampled.ok and whole.ok, [one.error, sampled.error, whole.error]
+    assert sampled.output_tokens == 32  # the usage's: every sequence's tokens
+    # one sequence's TPOT: 8 tokens decoded over the time after the first, not 32
+    assert sampled.tpot_s() == (sampled.e2e_s - sampled.ttft_s) / 7
+    assert whole.ttft_s != whole.ttft_s and whole.tpot_s() is None
+    lax = SloTargets((SloTier(None, 3600.0),), 3600.0)
+    figures = summarize([one, sampled, whole], lax)
+    assert figures["goodput"] == 1.0
+    assert figures["ttft_mean_ms"] == round((one.ttft_s + sampled.ttft_s) / 2 * 1e3, 1)
+    assert all(v == v for k, v in figures.items() if k.startswith(("ttft", "tpot", "e2e")))
+    assert list(_columns([one, sampled, whole], lax)["met"]) == [1.0, 1.0, 1.0]
+    strict = SloTargets((SloTier(None, whole.e2e_s / 2),), 3600.0)
+    assert summarize([whole], strict)["goodput"] == 0.0  # its first token came at its end
