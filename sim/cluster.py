@@ -419,6 +419,7 @@ class Simulation:
             self._sampled[req.request_id] = (req, {req.request_id})
         klass, tenant = class_and_tenant(req, self.config)
         record = RequestRecord(req.request_id, now, req.prompt_tokens, -1)
+        record.samples = req.samples
         record.klass = klass
         self._records[req.request_id] = record
         if self.pd is not None:  # disaggregated serving decides without admission

@@ -359,3 +359,25 @@ async def test_replayed_figures_judge_n_samples_and_unstreamed_answers_per_seque
     assert list(_columns([one, sampled, whole], lax)["met"]) == [1.0, 1.0, 1.0]
     strict = SloTargets((SloTier(None, whole.e2e_s / 2),), 3600.0)
     assert summarize([whole], strict)["goodput"] == 0.0  # its first token came at its end
+
+
+def test_the_simulator_counts_every_sampled_sequence_s_output(tmp_path: pathlib.Path) -> None:
+    """A row sampling ``n`` decodes ``n`` answers of ``output_length`` each: the run's
+    output throughput counts all of them (the engine generated them, as the mock's
+    ``vllm:generation_tokens`` counts), its TPOT stays one sequence's."""
+    from sim.cluster import ClusterConfig, Simulation
+    from sim.profiles import load_profile
+
+    row: dict[str, object] = {"timestamp": 0, "input_length": 1000, "output_length": 40,
+                              "hash_ids": [1, 2]}  # fmt: skip
+
+    def summary(rows: list[dict[str, object]]) -> dict[str, object]:
+        workload = load_trace(str(_rows_file(tmp_path, rows)), block_size=64)
+        config = ClusterConfig(profile=load_profile("dense-70b"), replicas=1, block_size=64)
+        return Simulation(workload, config, "round_robin").run().summary
+
+    sampled = summary([{**row, "n": 3}])
+    tokens = float(str(sampled["output_tokens_per_s"])) * float(str(sampled["makespan_s"]))
+    assert round(tokens) == 120
+    one = summary([row])
+    assert sampled["tpot_ms_p50"] >= one["tpot_ms_p50"]  # type: ignore[operator]
