@@ -381,3 +381,23 @@ def test_the_simulator_counts_every_sampled_sequence_s_output(tmp_path: pathlib.
     assert round(tokens) == 120
     one = summary([row])
     assert sampled["tpot_ms_p50"] >= one["tpot_ms_p50"]  # type: ignore[operator]
+
+
+def test_the_simulator_never_disaggregates_a_request_sampling_n(tmp_path: pathlib.Path) -> None:
+    """The service serves a request of ``n`` > 1 where it routes it, never split into a
+    prefill and a decode leg (vLLM's connector hands over one sequence's blocks:
+    ``keep_local`` ``parallel_sampling``, docs/pd.md); the simulator's disaggregated fleet
+    runs such a row as the service would, locally."""
+    from sim.cluster import ClusterConfig, Simulation
+    from sim.profiles import load_profile
+
+    row: dict[str, object] = {"timestamp": 0, "input_length": 6000, "output_length": 20,
+                              "hash_ids": list(range(12))}  # fmt: skip
+    rows = [{**row, "n": 3}, {**row, "timestamp": 1000, "hash_ids": list(range(50, 62))}]
+    workload = load_trace(str(_rows_file(tmp_path, rows)), block_size=64)
+    config = ClusterConfig(
+        profile=load_profile("dense-70b"), replicas=4, block_size=64, pd="always"
+    )
+    sim = Simulation(workload, config, "round_robin")
+    assert sim.run().summary["completed"] == 2
+    assert (sim.pd_stats.requests, sim.pd_stats.remote) == (2, 1)  # the n = 1 row alone
