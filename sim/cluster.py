@@ -18,7 +18,8 @@ prefill compute there). A prefill leg the engine rejects falls back to a local p
 decode replica. TTFT is the decode replica's first token.
 
 A request sampling ``n`` > 1 sequences (``SimRequest.samples``) is routed as one (its
-``n`` counted in the router's load, as the service counts it) and runs as vLLM v1 runs it:
+``n`` counted in the router's load, as the service counts it; never disaggregated, as the
+service keeps it local: ``keep_local`` ``parallel_sampling``) and runs as vLLM v1 runs it:
 one engine request per sequence (``sim.engine.sampled``, as the mock replica submits them),
 all on the replica it went to, queued together. The first prefills the prompt; the others
 hit the blocks it computed before they were admitted and decode alongside it. (The engine
@@ -419,11 +420,14 @@ class Simulation:
             self._sampled[req.request_id] = (req, {req.request_id})
         klass, tenant = class_and_tenant(req, self.config)
         record = RequestRecord(req.request_id, now, req.prompt_tokens, -1)
+        record.samples = req.samples
         record.klass = klass
         self._records[req.request_id] = record
         if self.pd is not None:  # disaggregated serving decides without admission
             try:
-                plan = self.pd.plan(engine, rr, self.keys, now, router.rng)
+                # the service keeps what vLLM's protocol cannot carry local (disagg.keep_local)
+                keep = "parallel_sampling" if req.samples > 1 else ""
+                plan = self.pd.plan(engine, rr, self.keys, now, router.rng, keep_local=keep)
             except NoReplicaAvailable:
                 self._refuse(req.request_id, now)
                 return

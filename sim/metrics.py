@@ -57,6 +57,7 @@ class RequestRecord:
         "rejected",
         "replica",
         "request_id",
+        "samples",
         "sent",
     )
 
@@ -70,7 +71,8 @@ class RequestRecord:
         self.cached = 0
         self.kv_hit = 0
         self.queued = 0.0
-        self.output = 0
+        self.output = 0  # one sequence's output tokens
+        self.samples = 1  # the sequences it sampled (``n``), each of ``output`` tokens
         self.rejected = False
         self.klass = 1  # service class (router/core/admission.py): default
         self.sent = arrival  # when the router dispatched it (later if admission held it)
@@ -180,7 +182,7 @@ def summarize(
         {
             "makespan_s": round(makespan, 3),
             "throughput_rps": round(len(done) / makespan, 4),
-            "output_tokens_per_s": round(sum(r.output for r in done) / makespan, 2),
+            "output_tokens_per_s": round(sum(r.output * r.samples for r in done) / makespan, 2),
             "prompt_tokens_per_s": round(prompt / makespan, 2),
             "replica_utilisation": [round(u, 4) for u in util],
             "utilisation_imbalance": round(max(util) / mean_util, 4) if mean_util > 0 else 1.0,

@@ -322,3 +322,82 @@ async def test_a_recording_with_n_samples_and_batches_replays_against_a_mock(
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
     assert [o.output_tokens for o in outcomes] == [6, 4, 4, 4, 2]
     assert all(o.prompt_tokens >= r.prompt_tokens for o, r in zip(outcomes, requests, strict=True))
+
+
+async def test_replayed_figures_judge_n_samples_and_unstreamed_answers_per_sequence(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A replayed row sampling ``n`` answers ``n`` sequences decoded side by side: its TPOT
+    is one sequence's (the usage sums all n, which would make it n times too fast), as the
+    simulator and the router's own SLO count it. A row recorded unstreamed has no TTFT: the
+    figures' TTFT and TPOT leave it out (never NaN), and the SLO judges it by its E2E, when
+    the client had its first token, rather than as a miss."""
+    from router.core.slo import SloTargets, SloTier
+    from router.demo.compare import _columns
+    from router.demo.figures import summarize
+    from router.mock.server import MockSettings
+    from tests.backends import start_mock
+
+    row = {"timestamp": 0, "input_length": 600, "output_length": 8, "hash_ids": [1, 2]}
+    rows = [{**row, "hash_ids": [7, 8]}, {**row, "n": 4}, {**row, "timestamp": 1, "stream": False}]
+    requests = load_requests(_rows_file(tmp_path, rows), 10, "m", max_output=64)
+    runner, url = await start_mock(MockSettings(model="m", replica="r0", time_scale=0.05))
+    try:
+        one, sampled, whole = await replay(url, requests, 1.0)
+    finally:
+        await runner.cleanup()
+    assert one.ok and sampled.ok and whole.ok, [one.error, sampled.error, whole.error]
+    assert sampled.output_tokens == 32  # the usage's: every sequence's tokens
+    # one sequence's TPOT: 8 tokens decoded over the time after the first, not 32
+    assert sampled.tpot_s() == (sampled.e2e_s - sampled.ttft_s) / 7
+    assert whole.ttft_s != whole.ttft_s and whole.tpot_s() is None
+    lax = SloTargets((SloTier(None, 3600.0),), 3600.0)
+    figures = summarize([one, sampled, whole], lax)
+    assert figures["goodput"] == 1.0
+    assert figures["ttft_mean_ms"] == round((one.ttft_s + sampled.ttft_s) / 2 * 1e3, 1)
+    assert all(v == v for k, v in figures.items() if k.startswith(("ttft", "tpot", "e2e")))
+    assert list(_columns([one, sampled, whole], lax)["met"]) == [1.0, 1.0, 1.0]
+    strict = SloTargets((SloTier(None, whole.e2e_s / 2),), 3600.0)
+    assert summarize([whole], strict)["goodput"] == 0.0  # its first token came at its end
+
+
+def test_the_simulator_counts_every_sampled_sequence_s_output(tmp_path: pathlib.Path) -> None:
+    """A row sampling ``n`` decodes ``n`` answers of ``output_length`` each: the run's
+    output throughput counts all of them (the engine generated them, as the mock's
+    ``vllm:generation_tokens`` counts), its TPOT stays one sequence's."""
+    from sim.cluster import ClusterConfig, Simulation
+    from sim.profiles import load_profile
+
+    row: dict[str, object] = {"timestamp": 0, "input_length": 1000, "output_length": 40,
+                              "hash_ids": [1, 2]}  # fmt: skip
+
+    def summary(rows: list[dict[str, object]]) -> dict[str, object]:
+        workload = load_trace(str(_rows_file(tmp_path, rows)), block_size=64)
+        config = ClusterConfig(profile=load_profile("dense-70b"), replicas=1, block_size=64)
+        return Simulation(workload, config, "round_robin").run().summary
+
+    sampled = summary([{**row, "n": 3}])
+    tokens = float(str(sampled["output_tokens_per_s"])) * float(str(sampled["makespan_s"]))
+    assert round(tokens) == 120
+    one = summary([row])
+    assert sampled["tpot_ms_p50"] >= one["tpot_ms_p50"]  # type: ignore[operator]
+
+
+def test_the_simulator_never_disaggregates_a_request_sampling_n(tmp_path: pathlib.Path) -> None:
+    """The service serves a request of ``n`` > 1 where it routes it, never split into a
+    prefill and a decode leg (vLLM's connector hands over one sequence's blocks:
+    ``keep_local`` ``parallel_sampling``, docs/pd.md); the simulator's disaggregated fleet
+    runs such a row as the service would, locally."""
+    from sim.cluster import ClusterConfig, Simulation
+    from sim.profiles import load_profile
+
+    row: dict[str, object] = {"timestamp": 0, "input_length": 6000, "output_length": 20,
+                              "hash_ids": list(range(12))}  # fmt: skip
+    rows = [{**row, "n": 3}, {**row, "timestamp": 1000, "hash_ids": list(range(50, 62))}]
+    workload = load_trace(str(_rows_file(tmp_path, rows)), block_size=64)
+    config = ClusterConfig(
+        profile=load_profile("dense-70b"), replicas=4, block_size=64, pd="always"
+    )
+    sim = Simulation(workload, config, "round_robin")
+    assert sim.run().summary["completed"] == 2
+    assert (sim.pd_stats.requests, sim.pd_stats.remote) == (2, 1)  # the n = 1 row alone

@@ -9,9 +9,10 @@ about the routers alone. Runs are paired in order (the bench interleaves them) a
 For each figure, ``ratio`` is ours over the peer's on the pooled pairs and ``ci95`` the 2.5th
 and 97.5th percentiles of the same ratio over ``resamples`` resamplings of the pairs (seeded:
 the same runs give the same interval). Latency percentiles are over answered requests (nearest
-rank, as router/demo/figures.py), goodput over all of them, failed ones as misses. An
-interval that holds 1 says the runs cannot tell the two routers apart on that figure; one
-that lies past 1.05 says ours is more than 5 % worse (for latencies; for goodput, below 1).
+rank, as router/demo/figures.py; TPOT one sequence's), goodput over all of them, failed ones
+as misses. An interval that holds 1 says the runs cannot tell the two routers apart on that
+figure; one that lies past 1.05 says ours is more than 5 % worse (for latencies; for
+goodput, below 1).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from router.core.slo import SloTargets, tpot_s
+from router.core.slo import SloTargets
 from router.demo.replay import Outcome
 
 # figure -> (per-request value, percentile or None for a share)
@@ -43,11 +44,11 @@ def _columns(outcomes: Sequence[Outcome], slo: SloTargets) -> dict[str, np.ndarr
     nan = math.nan
     ttft, e2e, tpot, met = [], [], [], []
     for o in outcomes:
-        t = tpot_s(o.e2e_s, o.ttft_s, o.output_tokens) if o.ok else None
+        t = o.tpot_s() if o.ok else None
         ttft.append(o.ttft_s if o.ok else nan)
         e2e.append(o.e2e_s if o.ok else nan)
         tpot.append(t if t is not None else nan)
-        met.append(o.ok and slo.met(o.prompt_tokens, o.ttft_s, t))
+        met.append(o.ok and slo.met(*o.judged()))
     return {
         "ttft": np.asarray(ttft) * 1e3,
         "e2e": np.asarray(e2e) * 1e3,

@@ -5,9 +5,11 @@ prompt tokens the engines reported cached (``hit``; ``kv_hit``: the mock's KV-on
 the hybrid-state rule), the router's predicted usable hit where it told (kvrouter's decision
 header) and ``error_p99``, the 99th percentile over requests of ``|predicted - reused| /
 prompt`` (a prediction of the whole prompt counts as prompt - 1: engines always compute the
-last token), TTFT and E2E percentiles, per-request TPOT
-(``(E2E - TTFT) / (output tokens - 1)``) and goodput: the share of *all* requests, failed
-ones included, that met their SLO (router.core.slo). Times in milliseconds.
+last token), TTFT and E2E percentiles, per-request TPOT (one sequence's:
+``(E2E - TTFT) / (output tokens / n - 1)``, ``Outcome.tpot_s``; TTFT and TPOT of the
+answers streamed alone) and goodput: the share of *all* requests, failed ones included,
+that met their SLO (router.core.slo; an answer not streamed judged by its E2E,
+``Outcome.judged``). Times in milliseconds.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.bench.measure import median_row, percentile
-from router.core.slo import Answered, SloTargets, count_met, goodput_by_scale, tpot_s
+from router.core.slo import Answered, SloTargets, count_met, goodput_by_scale
 from router.demo.replay import Outcome
 
 
@@ -36,10 +38,9 @@ def summarize(outcomes: Sequence[Outcome], slo: SloTargets | None = None) -> dic
     slo = slo or SloTargets()
     ok = [o for o in outcomes if o.ok]
     prompt = sum(o.prompt_tokens for o in ok)
-    answered: list[Answered] = [
-        (o.prompt_tokens, o.ttft_s, tpot_s(o.e2e_s, o.ttft_s, o.output_tokens)) for o in ok
-    ]
+    answered: list[Answered] = [o.judged() for o in ok]
     tpots = [tpot * 1e3 for _, _, tpot in answered if tpot is not None]
+    streamed = [o for o in ok if o.ttft_s == o.ttft_s]  # answers not streamed have no TTFT
     errors = [
         abs(min(o.predicted_tokens, o.prompt_tokens - 1) - o.cached_tokens) / o.prompt_tokens
         for o in ok
@@ -60,9 +61,9 @@ def summarize(outcomes: Sequence[Outcome], slo: SloTargets | None = None) -> dic
         "goodput": round(count_met(answered, slo) / len(outcomes), 4) if outcomes else 0.0,
         "goodput_by_slo_scale": goodput_by_scale(answered, len(outcomes), slo),
     }
-    if ok:
-        out["ttft_mean_ms"] = round(statistics.fmean(o.ttft_s for o in ok) * 1e3, 1)
-    out.update(_pcts([o.ttft_s * 1e3 for o in ok], "ttft", (50, 90, 99)))
+    if streamed:
+        out["ttft_mean_ms"] = round(statistics.fmean(o.ttft_s for o in streamed) * 1e3, 1)
+    out.update(_pcts([o.ttft_s * 1e3 for o in streamed], "ttft", (50, 90, 99)))
     out.update(_pcts([o.e2e_s * 1e3 for o in ok], "e2e", (50, 90, 99)))
     out.update(_pcts(tpots, "tpot", (50, 90)))
     return out

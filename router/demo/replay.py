@@ -40,6 +40,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from router.core.slo import tpot_s as _tpot
+
 TRACE_BLOCK = 512
 CONNECT_FAILED = "connect failed: "
 
@@ -54,6 +56,7 @@ class TraceRequest:
     delay_s: float | None = None  # closed loop: this long after request ``after`` finished
     after: int | None = None  # closed loop: the index of the request it follows
     path: str = "/v1/completions"  # the endpoint it goes to (PATHS)
+    samples: int = 1  # the sequences it samples (its ``n``)
 
 
 @dataclass(slots=True)
@@ -66,7 +69,23 @@ class Outcome:
     predicted_tokens: int = 0
     error: str = ""
     e2e_s: float = float("nan")
-    output_tokens: int = 0
+    output_tokens: int = 0  # the usage's: every sequence's tokens
+    samples: int = 1  # the sequences the request sampled (its ``n``), decoded side by side
+
+    def tpot_s(self) -> float | None:
+        """One sequence's time per output token after the first (the usage sums the
+        ``samples`` sequences'); None without a TTFT (an answer not streamed) or for
+        sequences of at most one token."""
+        if self.ttft_s != self.ttft_s:
+            return None
+        return _tpot(self.e2e_s, self.ttft_s, -(-self.output_tokens // max(self.samples, 1)))
+
+    def judged(self) -> tuple[int, float, float | None]:
+        """The answered request as the SLO judges it (``router.core.slo.Answered``): an
+        answer not streamed has no TTFT, its first token reached the client with the whole
+        answer: judged by its E2E, its TPOT not judged."""
+        ttft = self.ttft_s if self.ttft_s == self.ttft_s else self.e2e_s
+        return self.prompt_tokens, ttft, self.tpot_s()
 
 
 def count_requests(path: Path, limit: int) -> int:
@@ -146,6 +165,7 @@ def load_requests(path: Path, limit: int, model: str, max_output: int) -> list[T
                 row.delay_s if closed else None,
                 row.after,
                 PATHS[row.endpoint],
+                row.samples,
             )
         )
     return out
@@ -226,7 +246,9 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                 text = await resp.text(errors="replace")
                 return Outcome(False, error=f"HTTP {resp.status}: {text[:200]}")
             out = Outcome(
-                True, predicted_tokens=_predicted(resp.headers.get("X-KVRouter-Decision"))
+                True,
+                predicted_tokens=_predicted(resp.headers.get("X-KVRouter-Decision")),
+                samples=req.samples,
             )
             if not resp.content_type.startswith("text/event-stream"):
                 return await _answer(resp, out, t0)
