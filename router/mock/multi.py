@@ -54,7 +54,7 @@ from router.mock import logprobs as lp
 from router.mock import pd
 from router.mock.driver import EngineFailed
 from router.mock.preprocess import error_response as _error
-from router.mock.server import MockState, _usage, _without_nulls, _word, engine_request
+from router.mock.server import MockState, _usage, _word, end_stream, engine_request
 from router.tokenize.lax import lax_int
 from router.tokenize.request_fields import MAX_SAMPLES
 from sim.engine import EngineRequest, sampled
@@ -344,19 +344,8 @@ async def serve(
         made,
     )
     if response is not None:
-        if opts.get("include_usage"):
-            obj = {
-                "id": answer_id,
-                "object": f"{object_type}.chunk" if chat else object_type,
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": _without_nulls(usage),
-            }
-            await response.write(sse(obj))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        ids = (answer_id, f"{object_type}.chunk" if chat else object_type, created, model)
+        return await end_stream(response, ids, usage if opts.get("include_usage") else None)
     return web.json_response(
         _answer(many, seqs, answer_id, created, usage, with_logprobs, echo_logprobs, echo_of)
     )

@@ -314,6 +314,29 @@ def _answer_id(request: web.Request, body: Mapping[str, Any], kind: str) -> str:
     return f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{base}"
 
 
+async def end_stream(
+    response: web.StreamResponse,
+    ids: tuple[str, str, int, str],
+    usage: dict[str, Any] | None,
+) -> web.StreamResponse:
+    """End an OpenAI stream: its usage chunk (``include_usage``: ``usage`` not None), then
+    ``[DONE]``. ``ids``: the chunks' id, object, created and model."""
+    if usage is not None:
+        answer_id, object_type, created, model = ids
+        obj = {
+            "id": answer_id,
+            "object": object_type,
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": _without_nulls(usage),
+        }
+        await response.write(f"data: {json.dumps(obj)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
 async def _outputs(state: MockState, req: Any) -> AsyncIterator[Any]:
     queue = state.driver.submit(req)
     done = False
@@ -607,19 +630,8 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         return web.json_response(answer)
     if response is not None:
         await response.write(chunk(None if chat else [], finish_reason))
-        if opts.get("include_usage"):
-            obj = {
-                "id": answer_id,
-                "object": f"{object_type}.chunk" if chat else object_type,
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": _without_nulls(usage),
-            }
-            await response.write(f"data: {json.dumps(obj)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        ids = (answer_id, f"{object_type}.chunk" if chat else object_type, created, model)
+        return await end_stream(response, ids, usage if opts.get("include_usage") else None)
     text = echo + "".join(words)
     logprobs: dict[str, Any] | None = None
     if with_logprobs:
