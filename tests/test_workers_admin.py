@@ -194,7 +194,11 @@ async def test_drain_one_dp_rank_with_percent_encoded_hash(
 async def test_drain_that_misses_a_worker_is_an_error_naming_it(fleet: Fleet) -> None:
     b0, b1 = await Backend("b0", ["m"]).start(), await Backend("b1", ["m"]).start()
     try:
-        proc = await start_router(fleet, [b0, b1], workers=2, engine="fast")
+        # a short hang bound: the parent, stopped below for longer, must not take the
+        # heartbeats it did not read meanwhile for a hung worker once it continues
+        proc = await start_router(
+            fleet, [b0, b1], workers=2, engine="fast", server={"worker_hang_s": 0.5}
+        )
         found = re.search(r"worker control sockets in (\S+)", proc.log())
         assert found, proc.log()[-2000:]
         control = Path(found.group(1))
@@ -393,6 +397,32 @@ async def test_a_killed_worker_is_replaced(fleet: Fleet) -> None:
         assert out["workers_answered"] == 2 and out["workers_failed"] == [], out
         assert proc.stop() == 0, proc.log()[-2000:]  # a replaced worker is no failed stop
     finally:
+        await b0.stop()
+
+
+async def test_a_hung_worker_is_killed_and_replaced(fleet: Fleet) -> None:
+    """A worker whose event loop stops (SIGSTOP here; a call that never returns alike) sends
+    its parent no heartbeat: after ``worker_hang_s`` the parent kills it and replaces it as
+    one that died, logged as hung and counted; the worker that kept beating stays."""
+    b0 = await Backend("b0", ["m"]).start()
+    hung: int | None = None
+    try:
+        proc = await start_router(
+            fleet, [b0], workers=2, engine="fast", server={"worker_hang_s": 1}
+        )
+        hung, alive = sorted(await worker_pids(proc, 2))
+        os.kill(hung, signal.SIGSTOP)  # a worker of the router this test started
+        await replacement(proc, hung, alive)
+        hung = None  # (killed)
+        await traffic(proc, 10)
+        log = proc.log()
+        assert "sent no heartbeat for" in log and log.count("(hung): killed") == 1, log[-3000:]
+        status, page = await call(proc, "GET", "/metrics")
+        assert status == 200 and "kvrouter_worker_restarts_total 1" in page, page[-2000:]
+        assert proc.stop() == 0, proc.log()[-2000:]
+    finally:
+        if hung is not None:
+            os.kill(hung, signal.SIGCONT)
         await b0.stop()
 
 

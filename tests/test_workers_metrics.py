@@ -121,7 +121,10 @@ async def test_a_hung_worker_is_left_out_of_the_pages_the_other_answers(fleet: F
     b0 = await Backend("b0", ["m"]).start()
     hung: int | None = None
     try:
-        proc = await start_router(fleet, [b0], workers=2, engine="fast")
+        # the parent would replace it after worker_hang_s: here it stays hung
+        proc = await start_router(
+            fleet, [b0], workers=2, engine="fast", server={"worker_hang_s": 0}
+        )
         await traffic(proc, 20)
         hung, _alive = sorted(await worker_pids(proc, 2))
         os.kill(hung, signal.SIGSTOP)  # a worker of the router this test started

@@ -8,6 +8,7 @@ with SO_REUSEPORT; each has its own index and load view (see docs/service.md).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -139,11 +140,12 @@ def _serve_workers(settings: Settings, workers: int) -> int:
     from router.cli import failure_code
     from router.service.app import create_app
     from router.service.control import join_workers
-    from router.service.supervisor import supervise
+    from router.service.supervisor import heartbeat, heartbeat_interval, supervise
     from router.service.workers import Workers
     from router.tokenize.tokenizers import pool_threads_for, set_pool_threads
 
     parent = os.getpid()
+    hang_s = float(settings.server.worker_hang_s)
 
     def work(group: Workers, index: int, ready: int, replacing: bool) -> None:
         code = 1
@@ -156,7 +158,10 @@ def _serve_workers(settings: Settings, workers: int) -> int:
 
             def listening() -> None:
                 os.write(ready, b"1")
-                os.close(ready)
+                if hang_s > 0:  # the parent watches: beat from this event loop
+                    heartbeat(asyncio.get_running_loop(), ready, heartbeat_interval(hang_s))
+                else:
+                    os.close(ready)
 
             _run(
                 app,
@@ -179,7 +184,7 @@ def _serve_workers(settings: Settings, workers: int) -> int:
                 sys.stderr.flush()
             os._exit(code)
 
-    return supervise(workers, settings.server.port, work)
+    return supervise(workers, settings.server.port, work, hang_s)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -191,6 +191,7 @@ _NON_NEGATIVE = (  # finite, >= 0 (0: off or automatic, see ServerSettings)
     "keep_alive_timeout_s",
     "send_timeout_s",
     "shutdown_timeout_s",
+    "worker_hang_s",
     "retry_after_s",
     "retry_budget_min",
     "max_connections",

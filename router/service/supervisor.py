@@ -12,10 +12,18 @@ worker of the first start that dies before it listened (its port taken, a bad fi
 the router with its status instead: a replacement would fail the same way. SIGTERM / SIGINT
 stop every worker and then the parent, also while workers start; nothing is replaced from
 then on.
+
+A worker that listens keeps its pipe and writes a byte to it every ``hang_s / 4`` (at most
+every second) from its event loop (:func:`heartbeat`): one that writes none for ``hang_s``
+(its loop stuck in a call, the process stopped) is hung. It answers nothing, while the
+kernel still hands it its share of new connections, so the parent kills it (SIGKILL) and
+replaces it as one that died, as gunicorn's arbiter does with workers that miss its
+timeout. ``hang_s`` 0: not watched (the pipe is closed after its first byte).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -38,8 +46,33 @@ class _Child:
     """A worker process as its parent sees it."""
 
     index: int
-    ready: int | None  # the read end of its pipe until it said it listens (or died)
+    ready: int | None  # the read end of its pipe while open (closed: it died, or no watch)
     serving_since: float | None = None  # monotonic time it said it listens
+    beat_at: float = 0.0  # monotonic time of the last byte read from its pipe
+    killed: bool = False  # killed as hung: reaped next
+
+
+def heartbeat(loop: asyncio.AbstractEventLoop, fd: int, every_s: float) -> None:
+    """In a worker that listens: write a byte to ``fd`` (its pipe to the parent) every
+    ``every_s`` from ``loop``, for as long as the parent reads it. A byte that does not fit
+    (the parent reads later) is skipped: the parent needs one, not each."""
+    os.set_blocking(fd, False)
+
+    def beat() -> None:
+        try:
+            os.write(fd, b".")
+        except BlockingIOError:
+            pass
+        except OSError:  # the parent is gone
+            return
+        loop.call_later(every_s, beat)
+
+    loop.call_later(every_s, beat)
+
+
+def heartbeat_interval(hang_s: float) -> float:
+    """How often a worker writes its heartbeat when the parent calls ``hang_s`` hung."""
+    return min(hang_s / 4, 1.0)
 
 
 def exit_status(wait_status: int) -> int:
@@ -67,13 +100,19 @@ def _ignore(_signum: int, _frame: Any) -> None:
     """SIGCHLD's handler: nothing, but a handled signal wakes the loop (``set_wakeup_fd``)."""
 
 
-def supervise(count: int, port: int, work: Callable[[Workers, int, int, bool], None]) -> int:
+def supervise(
+    count: int,
+    port: int,
+    work: Callable[[Workers, int, int, bool], None],
+    hang_s: float = 0.0,
+) -> int:
     """Run ``count`` workers until SIGTERM / SIGINT; the exit status: that of the first
     worker (in index order of their ends) that failed while they stopped or before the
     first start completed, 0 when all stopped cleanly. ``work(group, index, ready_fd,
     replacing)`` runs in each forked worker and never returns (``os._exit``); the worker
-    writes a byte to ``ready_fd`` once it listens; ``replacing``: it replaces one that
-    died."""
+    writes a byte to ``ready_fd`` once it listens, then (``hang_s`` > 0) its
+    :func:`heartbeat`; ``replacing``: it replaces one that died. A worker whose last byte
+    is older than ``hang_s`` is killed and replaced (0: never)."""
     children: dict[int, _Child] = {}
     stopping: list[int] = []  # the signals that asked the router to stop
 
@@ -157,7 +196,7 @@ def supervise(count: int, port: int, work: Callable[[Workers, int, int, bool], N
             # before the loop read it)
             os.set_blocking(child.ready, False)
             with contextlib.suppress(BlockingIOError):
-                if os.read(child.ready, 1):
+                if os.read(child.ready, 1) and child.serving_since is None:
                     child.serving_since = time.monotonic()
                     served[child.index] = True
             os.close(child.ready)
@@ -192,6 +231,14 @@ def supervise(count: int, port: int, work: Callable[[Workers, int, int, bool], N
             delay,
         )
 
+    def watched(of: dict[int, _Child]) -> list[_Child]:
+        """The workers that listen, beat (their pipe open) and were not killed as hung."""
+        return [
+            c
+            for c in of.values()
+            if c.serving_since is not None and c.ready is not None and not c.killed
+        ]
+
     def reap() -> None:
         while children:
             pid, wait_status = os.waitpid(-1, os.WNOHANG)
@@ -218,7 +265,10 @@ def supervise(count: int, port: int, work: Callable[[Workers, int, int, bool], N
                 pid = spawn(index, replacing=True)
                 if pid:
                     _log.info("worker %d replaced: pid %d (%d so far)", index, pid, restarts)
-            timeout = max(min(due.values()) - time.monotonic(), 0.0) if due else None
+            deadlines = list(due.values())
+            if hang_s > 0:
+                deadlines += [c.beat_at + hang_s for c in watched(children)]
+            timeout = max(min(deadlines) - time.monotonic(), 0.0) if deadlines else None
             fds = [wake_r] + [c.ready for c in children.values() if c.ready is not None]
             readable, _, _ = select.select(fds, [], [], timeout)
             for fd in readable:
@@ -229,13 +279,32 @@ def supervise(count: int, port: int, work: Callable[[Workers, int, int, bool], N
                     continue
                 for child in children.values():
                     if child.ready == fd:
-                        said = os.read(fd, 1)
-                        os.close(fd)
-                        child.ready = None
-                        if said:  # (else it died: reaped next)
-                            child.serving_since = time.monotonic()
+                        said = os.read(fd, 4096)
+                        now = time.monotonic()
+                        if said and child.serving_since is None:  # it listens
+                            child.serving_since = now
                             served[child.index] = True
+                        child.beat_at = now
+                        if not said or hang_s <= 0:  # (no byte: it died, reaped next)
+                            os.close(fd)
+                            child.ready = None
                         break
+            # after the reads: a parent that was stopped itself reads its workers' bytes of
+            # meanwhile first, and finds none of them hung
+            if hang_s > 0:
+                now = time.monotonic()
+                hung = {id(c) for c in watched(children) if now - c.beat_at > hang_s}
+                for pid, child in children.items():
+                    if id(child) in hung:
+                        _log.error(
+                            "worker %d (pid %d) sent no heartbeat for %.1f s (hung): killed",
+                            child.index,
+                            pid,
+                            now - child.beat_at,
+                        )
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                        child.killed = True
         return status
     finally:
         if children:  # (an error of the parent itself): leave no worker behind
