@@ -50,7 +50,9 @@ async def mock() -> AsyncIterator[Callable[..., Any]]:
     async def start(**overrides: Any) -> Mock:
         settings = replace(MockSettings(model=MODEL, block_size=B, time_scale=0.05), **overrides)
         app = create_app(settings)
-        runner = web.AppRunner(app)
+        # as `kvrouter mock-replica` serves it (router/mock/cli.py): a client that goes away
+        # cancels its handler, as vLLM's with_cancellation does
+        runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
