@@ -5,14 +5,17 @@ the batch's arrival), written when it completes:
 
     {"timestamp": arrival, ms since the Unix epoch (wall clock), "input_length": n,
      "output_length": m, "hash_ids": [...], "model": "...", "n": k, "stream": true,
-     "endpoint": "chat", "session_id": "...", "replica": "name/dp", "pred_hit": t,
-     "cached": t, "ttft_ms": x, "e2e_ms": y}
+     "endpoint": "chat", "batch": "...", "session_id": "...", "replica": "name/dp",
+     "pred_hit": t, "cached": t, "ttft_ms": x, "e2e_ms": y}
 
 ``output_length`` is one sequence's (the usage sums every sequence of every prompt: it is
 shared out over them). ``n`` (only when > 1) is the sequences sampled from the prompt: the
 engine prefills it once and decodes ``n`` answers, which the simulator models from this
 field (n rows would be n requests, routed and prefilled apart). A batch's prompts are
-independent requests to the engine, each with its own prefix blocks, hence a row each.
+independent requests to the engine, each with its own prefix blocks, hence a row each; they
+share ``batch`` (only on a batch's rows), an id naming that batch alone in any merged trace
+(:meth:`TraceRecorder.next_batch`): the router sent the batch to one replica, chosen by its
+longest prompt, and the simulator routes the rows so, together.
 ``stream`` and ``endpoint`` (``chat``, ``completions``, ``responses``, ``messages``) say how
 the request came, so a live replay (router/demo/replay.py) sends it the same way; a reader
 takes a row without them as a streamed completion.
@@ -156,9 +159,17 @@ class TraceRecorder:
         self._pending: list[str] = []
         self._torn = False  # the last write left a partial line
         self._fd = self._open()
+        # batch ids: this recorder's random prefix (unique across workers and pods) + a count
+        self._batch_prefix = secrets.token_hex(6)
+        self._batches = 0
 
     def _open(self) -> int:
         return os.open(self.settings.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def next_batch(self) -> str:
+        """A fresh ``batch`` id for the rows of one completions batch (module doc)."""
+        self._batches += 1
+        return f"{self._batch_prefix}-{self._batches}"
 
     def ids(self, hashes: Sequence[int]) -> list[int]:
         """The recorded ids of canonical (512-token) block hashes (see :func:`block_id`)."""
@@ -191,14 +202,16 @@ class TraceRecorder:
         samples: int = 1,
         stream: bool | None = None,
         endpoint: str | None = None,
+        batch: str | None = None,
     ) -> None:
         """Append one prompt of a request (a completions batch: one call per prompt, at the
         batch's arrival). ``block_hashes`` is its canonical chain at ``block_size``; when
         that size does not divide 512 the row gets no ``hash_ids`` (lengths only).
         ``output_length`` is one sequence's, ``samples`` the sequences sampled (``n``): a
         row with ``n`` > 1 gets it. ``stream`` and ``endpoint`` (:data:`ENDPOINTS`), when
-        known, say how the request was sent. The row reaches the file at the next
-        :meth:`flush`."""
+        known, say how the request was sent; ``batch`` (:meth:`next_batch`) names the
+        completions batch the prompt came in, on each of its rows. The row reaches the file
+        at the next :meth:`flush`."""
         wall_ms = (self.wall_at_start + arrived_at - self.started_at) * 1000
         row: dict[str, object] = {
             "timestamp": max(0, round(wall_ms)),
@@ -217,6 +230,8 @@ class TraceRecorder:
             row["stream"] = stream
         if endpoint is not None:
             row["endpoint"] = endpoint
+        if batch is not None:
+            row["batch"] = batch
         if session_id:
             row["session_id"] = session_id
             previous = self._last_finish.pop(session_id, None)

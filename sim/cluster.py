@@ -27,6 +27,18 @@ model caches a block at the end of the step that computed it, vLLM as it allocat
 sequences admitted in the same step as the first prefill the prompt again here, where
 vLLM's hit them.) The request's first token is the first sequence's, its finish the last
 sequence's.
+
+Under ``pd`` a request stays local where the service keeps it local, by the same rule
+(``router.core.disagg.keep_local_reason`` of its endpoint, ``n`` and prompts): ``n`` > 1,
+a Messages or Responses API request, a completions batch.
+
+The requests of one completions batch (``SimRequest.batch``: a recording's rows of one
+batch) are one request to the service: they arrive with the batch's first request (in
+workload order; the others' own arrival and ``after`` are not used), are routed once as the
+router routes a batch (the longest prompt's blocks, the first of the longest, every prompt's
+tokens counted, ``prompts`` = the batch's size) and all run on that replica, each an engine
+request of its own prompt. The batch's load is booked once, under its first request, until
+that request finishes; a refusal or a shed refuses all of them.
 """
 
 from __future__ import annotations
@@ -53,7 +65,13 @@ from router.core.admission import (
     predictor_for,
     restrict,
 )
-from router.core.disagg import Disaggregator, LinkModel, PdKnobs, TransferSizes
+from router.core.disagg import (
+    Disaggregator,
+    LinkModel,
+    PdKnobs,
+    TransferSizes,
+    keep_local_reason,
+)
 from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker, summed_load
@@ -323,6 +341,8 @@ class Simulation:
         self._sampled: dict[str, tuple[SimRequest, set[str]]] = {}
         self._sample_of: dict[str, str] = {}
         self._held_finish: dict[str, Any] = {}  # a request's own Finished, held for the others
+        # a completions batch: its first request's id -> the batch's other requests
+        self._batch_of: dict[str, list[SimRequest]] = {}
         self._shed_count = 0
         self._pumping = False
         self._jitter = random.Random(config.seed + 0x5EED) if config.arrival_jitter_s > 0 else None
@@ -338,7 +358,13 @@ class Simulation:
     def run(self) -> RunResult:
         requests = scale_arrivals(self.workload.requests, self.speedup)
         q = self._queue
+        leaders: dict[str, str] = {}  # batch -> its first request's id
         for r in requests:
+            if r.batch is not None:
+                leader = leaders.setdefault(r.batch, r.request_id)
+                if leader != r.request_id:  # arrives with its batch's first request
+                    self._batch_of.setdefault(leader, []).append(r)
+                    continue
             if r.after is None:
                 q.push(self._arrival_time(r.arrival_s), ARRIVAL, r)
             else:
@@ -406,27 +432,36 @@ class Simulation:
         engine = router.engine
         self._refresh_reports(engine, now)
         self._share_load(now)
+        rows = [req, *self._batch_of.get(req.request_id, ())]
+        # a batch is routed as the service routes it: by its longest prompt's blocks (the
+        # first of the longest), every prompt's tokens counted
+        longest = max(rows, key=lambda r: r.prompt_tokens)
         rr = RouteRequest(
             req.request_id,
             self.workload.model,
-            req.prompt_tokens,
-            req.block_hashes,
+            sum(r.prompt_tokens for r in rows),
+            longest.block_hashes,
             self.config.block_size,
             req.session_id,
             req.output_tokens,
             samples=req.samples,
+            prompts=len(rows),
         )
-        if req.samples > 1:
-            self._sampled[req.request_id] = (req, {req.request_id})
         klass, tenant = class_and_tenant(req, self.config)
-        record = RequestRecord(req.request_id, now, req.prompt_tokens, -1)
-        record.samples = req.samples
-        record.klass = klass
-        self._records[req.request_id] = record
+        for row in rows:
+            if row.samples > 1:
+                self._sampled[row.request_id] = (row, {row.request_id})
+            record = RequestRecord(row.request_id, now, row.prompt_tokens, -1)
+            record.samples = row.samples
+            record.klass = klass
+            self._records[row.request_id] = record
+            if row is not req:
+                self._order.append(row)
+        record = self._records[req.request_id]
         if self.pd is not None:  # disaggregated serving decides without admission
             try:
-                # the service keeps what vLLM's protocol cannot carry local (disagg.keep_local)
-                keep = "parallel_sampling" if req.samples > 1 else ""
+                # the service keeps what vLLM's protocol cannot carry local (its keep_local)
+                keep = keep_local_reason(req.endpoint, req.samples, len(rows))
                 plan = self.pd.plan(engine, rr, self.keys, now, router.rng, keep_local=keep)
             except NoReplicaAvailable:
                 self._refuse(req.request_id, now)
@@ -462,12 +497,12 @@ class Simulation:
             self._commit(router, req, rr, candidates, now, klass)
             return
         a = assess(self._predictor, rr, candidates, now)
-        ticket = queue.ticket(req.request_id, klass, tenant, req.prompt_tokens, now, (req, rr))
+        ticket = queue.ticket(req.request_id, klass, tenant, rr.prompt_tokens, now, (req, rr))
         verdict = queue.judge(ticket, a, now)
         if verdict.action == ADMIT:
             assert verdict.allowed is not None
             d = self._commit(router, req, rr, restrict(candidates, verdict.allowed), now, klass)
-            uncached = req.prompt_tokens - d.usable_tokens
+            uncached = rr.prompt_tokens - d.usable_tokens
             queue.dispatched(ticket, a, d.replica, uncached, req.output_tokens)
         elif verdict.action == SHED:
             self._shed(req.request_id, now)
@@ -496,7 +531,8 @@ class Simulation:
     ) -> Decision:
         """Send the request to the engine ``decision`` chose; ``klass`` None: routed
         without admission (a disaggregated model's, as the service routes it: no class
-        decode weight, no engine priority)."""
+        decode weight, no engine priority). A batch's first request takes the batch's
+        others along (its load booked once, under its id, as the service books a batch)."""
         weight = 1.0 if klass is None else self._weights[klass]
         self._dispatches[req.request_id] = router.engine.dispatched(
             rr, decision, now, class_weight=weight
@@ -515,6 +551,20 @@ class Simulation:
             priority=engine_priority(klass) if self._engine_priority and klass is not None else 0,
         )
         self._submit(i, ereq, now)
+        for row in self._batch_of.get(req.request_id, ()):
+            rec = self._records[row.request_id]
+            rec.replica = i
+            rec.sent = now
+            self._router_of[row.request_id] = router
+            part = EngineRequest(
+                row.request_id,
+                row.block_hashes,
+                row.prompt_tokens,
+                row.output_tokens,
+                row.output_block_hashes,
+                priority=ereq.priority,
+            )
+            self._submit(i, part, now)
         return decision
 
     def _submit(self, i: int, ereq: EngineRequest, now: float) -> None:
@@ -540,6 +590,9 @@ class Simulation:
         goes on."""
         self._records[request_id].rejected = True
         self._follow_ups(request_id, now)
+        for row in self._batch_of.get(request_id, ()):  # a batch is answered as one
+            self._records[row.request_id].rejected = True
+            self._follow_ups(row.request_id, now)
 
     def _pump(self, router: _Router, now: float) -> None:
         """Shed the held requests that can no longer make it; dispatch those that fit."""
@@ -572,7 +625,7 @@ class Simulation:
                 req, rr = t.payload
                 cands, a = seen[t.key]
                 d = self._commit(router, req, rr, restrict(cands, allowed), now, t.klass)
-                uncached = req.prompt_tokens - d.usable_tokens
+                uncached = rr.prompt_tokens - d.usable_tokens
                 queue.dispatched(t, a, d.replica, uncached, req.output_tokens)
         finally:
             self._pumping = False

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from pathlib import Path
 from typing import Any, cast
@@ -78,6 +78,12 @@ class SimRequest:
     # sequences sampled from the prompt (a request's ``n``): one prefill, ``samples``
     # answers of ``output_tokens`` each, decoded on the replica the request went to
     samples: int = 1
+    # the API it came through (router/recorder.py ENDPOINTS: chat, completions, responses,
+    # messages), which decides whether a disaggregated fleet may split it
+    endpoint: str = "completions"
+    # the completions batch it is one prompt of: the requests of a batch arrive together
+    # with its first (in workload order) and go to one replica, routed by the longest
+    batch: str | None = None
 
 
 @dataclass(slots=True)
@@ -98,20 +104,7 @@ class Workload:
         kept = self.requests[:n]
         ids = {r.request_id for r in kept}
         fixed = [
-            r
-            if r.after is None or r.after in ids
-            else SimRequest(
-                r.request_id,
-                r.arrival_s,
-                r.prompt_tokens,
-                r.output_tokens,
-                r.block_hashes,
-                r.session_id,
-                None,
-                0.0,
-                r.output_block_hashes,
-                r.samples,
-            )
+            r if r.after is None or r.after in ids else replace(r, after=None, delay_s=0.0)
             for r in kept
         ]
         return Workload(self.name, fixed, self.block_size, self.model, dict(self.meta))
@@ -279,13 +272,16 @@ class TraceRow:
     samples: int = 1
     stream: bool = True
     endpoint: str = "completions"
+    # the completions batch the row's prompt came in (router/recorder.py), None: alone
+    batch: str | None = None
 
 
 ENDPOINTS = ("completions", "chat", "responses", "messages")
 
 
-def _manner(row: dict[str, Any], where: str) -> tuple[int, bool, str]:
-    """A row's ``n`` (>= 1), ``stream`` and ``endpoint`` (defaults: 1, a stream, completions)."""
+def _manner(row: dict[str, Any], where: str) -> tuple[int, bool, str, str | None]:
+    """A row's ``n`` (>= 1), ``stream``, ``endpoint`` and ``batch`` (defaults: 1, a stream,
+    completions, none)."""
     samples = row.get("n", 1)
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ConfigError(f"{where}: 'n' must be a positive integer, got {samples!r}")
@@ -295,7 +291,10 @@ def _manner(row: dict[str, Any], where: str) -> tuple[int, bool, str]:
     endpoint = row.get("endpoint", "completions")
     if endpoint not in ENDPOINTS:
         raise ConfigError(f"{where}: 'endpoint' must be one of {', '.join(ENDPOINTS)}")
-    return samples, stream, str(endpoint)
+    batch = row.get("batch")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, str | int)):
+        raise ConfigError(f"{where}: 'batch' must be a string, got {batch!r}")
+    return samples, stream, str(endpoint), None if batch is None else str(batch)
 
 
 def mooncake_rows(
@@ -311,7 +310,7 @@ def mooncake_rows(
     Timestamps are ms; arrivals start at the first one. Block ids are renamed densely in
     arrival order."""
     raw: list[tuple[float, int, int, list[int], str | None, int | None, float]] = []
-    manners: list[tuple[int, bool, str]] = []
+    manners: list[tuple[int, bool, str, str | None]] = []
     last_of_session: dict[str, tuple[int, float | None]] = {}  # (row, finish ms)
     for lineno, row in _rows(path):
         where = f"{path}:{lineno}"
@@ -394,6 +393,8 @@ def read_mooncake(
             None if r.after is None else f"r{r.after}",
             r.delay_s,
             samples=r.samples,
+            endpoint=r.endpoint,
+            batch=r.batch,
         )
         for i, r in enumerate(mooncake_rows(path, trace_block=trace_block, limit=limit))
     ]
@@ -512,17 +513,5 @@ def scale_arrivals(requests: Iterable[SimRequest], speedup: float) -> list[SimRe
     if speedup == 1.0:
         return list(requests)
     return [
-        SimRequest(
-            r.request_id,
-            r.arrival_s / speedup,
-            r.prompt_tokens,
-            r.output_tokens,
-            r.block_hashes,
-            r.session_id,
-            r.after,
-            r.delay_s / speedup,
-            r.output_block_hashes,
-            r.samples,
-        )
-        for r in requests
+        replace(r, arrival_s=r.arrival_s / speedup, delay_s=r.delay_s / speedup) for r in requests
     ]

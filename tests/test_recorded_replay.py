@@ -401,3 +401,94 @@ def test_the_simulator_never_disaggregates_a_request_sampling_n(tmp_path: pathli
     sim = Simulation(workload, config, "round_robin")
     assert sim.run().summary["completed"] == 2
     assert (sim.pd_stats.requests, sim.pd_stats.remote) == (2, 1)  # the n = 1 row alone
+
+
+def test_the_simulator_keeps_messages_and_responses_rows_local(tmp_path: pathlib.Path) -> None:
+    """The service never disaggregates an Anthropic Messages or a Responses API request
+    (``keep_local`` ``messages_api`` / ``responses_api``): the simulator runs such rows
+    locally too, and disaggregates the chat and completions rows as the service would."""
+    from sim.cluster import ClusterConfig, Simulation
+    from sim.profiles import load_profile
+
+    row: dict[str, object] = {"input_length": 6000, "output_length": 20}
+    rows = [
+        {**row, "timestamp": 1000 * i, "hash_ids": list(range(20 * i, 20 * i + 12)),
+         "endpoint": endpoint}
+        for i, endpoint in enumerate(("messages", "responses", "chat", "completions"))
+    ]  # fmt: skip
+    workload = load_trace(str(_rows_file(tmp_path, rows)), block_size=64)
+    assert [r.endpoint for r in workload.requests] == [
+        "messages", "responses", "chat", "completions"
+    ]  # fmt: skip
+    config = ClusterConfig(
+        profile=load_profile("dense-70b"), replicas=4, block_size=64, pd="always"
+    )
+    sim = Simulation(workload, config, "round_robin")
+    assert sim.run().summary["completed"] == 4
+    assert (sim.pd_stats.requests, sim.pd_stats.remote) == (4, 2)
+
+
+BATCH_ROWS: list[dict[str, object]] = [
+    {"timestamp": 0, "input_length": 300, "output_length": 4, "hash_ids": [1],
+     "endpoint": "completions", "batch": "b1"},
+    {"timestamp": 0, "input_length": 1200, "output_length": 4, "hash_ids": [2, 3, 4],
+     "endpoint": "completions", "batch": "b1"},
+    {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [5, 6],
+     "endpoint": "completions", "batch": "b1"},
+    {"timestamp": 0, "input_length": 300, "output_length": 4, "hash_ids": [7],
+     "endpoint": "completions"},
+]  # fmt: skip
+
+
+def test_the_simulator_sends_a_completions_batch_to_one_replica(tmp_path: pathlib.Path) -> None:
+    """A batch of completion prompts is one request to the service, routed once (by its
+    longest prompt) to one replica: the simulator routes a batch's rows together, even round
+    robin over three replicas (the row outside the batch is the next pick)."""
+    from sim.cluster import ClusterConfig, Simulation
+    from sim.profiles import load_profile
+
+    workload = load_trace(str(_rows_file(tmp_path, BATCH_ROWS)), block_size=64)
+    config = ClusterConfig(profile=load_profile("dense-70b"), replicas=3, block_size=64)
+    sim = Simulation(workload, config, "round_robin")
+    assert sim.run().summary["completed"] == 4
+    replicas = [sim._records[r.request_id].replica for r in workload.requests]
+    assert replicas[0] == replicas[1] == replicas[2] != replicas[3]
+    busy = [e.busy_s > 0 for e in sim.engines]
+    assert sum(busy) == 2
+
+
+def test_the_simulator_routes_a_batch_by_its_longest_prompt(tmp_path: pathlib.Path) -> None:
+    """The router places a batch where its longest prompt is cached (the prompt whose
+    prefill dominates): a batch whose long prompt an earlier request left on one replica
+    goes there, with its short prompts."""
+    from sim.cluster import ClusterConfig, Simulation
+    from sim.profiles import load_profile
+
+    warm = {"timestamp": 0, "input_length": 1200, "output_length": 4, "hash_ids": [2, 3, 4]}
+    later = [{**r, "timestamp": 5000} for r in BATCH_ROWS[:3]]
+    # the short prompts first: routed one by one, each would go elsewhere
+    rows = [warm, later[0], later[2], later[1]]
+    workload = load_trace(str(_rows_file(tmp_path, rows)), block_size=64)
+    config = ClusterConfig(profile=load_profile("dense-70b"), replicas=3, block_size=64)
+    sim = Simulation(workload, config, "ours")
+    assert sim.run().summary["completed"] == 4
+    replicas = {sim._records[r.request_id].replica for r in workload.requests}
+    assert len(replicas) == 1
+
+
+def test_the_simulator_never_disaggregates_a_batch(tmp_path: pathlib.Path) -> None:
+    """vLLM hands over only a batch's first prompt's KV, so the service keeps a batch local
+    (``keep_local`` ``batch_prompts``): the simulator's disaggregated fleet runs the batch's
+    rows on one replica, locally, counted as one request as the service counts it."""
+    from sim.cluster import ClusterConfig, Simulation
+    from sim.profiles import load_profile
+
+    workload = load_trace(str(_rows_file(tmp_path, BATCH_ROWS)), block_size=64)
+    config = ClusterConfig(
+        profile=load_profile("dense-70b"), replicas=4, block_size=64, pd="always"
+    )
+    sim = Simulation(workload, config, "round_robin")
+    assert sim.run().summary["completed"] == 4
+    assert (sim.pd_stats.requests, sim.pd_stats.remote) == (2, 1)
+    replicas = [sim._records[r.request_id].replica for r in workload.requests]
+    assert replicas[0] == replicas[1] == replicas[2]

@@ -357,18 +357,20 @@ def test_a_worker_that_waited_for_another_s_rotation_does_not_rotate_again(
 def test_a_batch_s_rows_keep_their_delays_and_fields_through_merge(tmp_path: pathlib.Path) -> None:
     """A batch recorded as one row per prompt (same arrival, same finish) within a closed-
     loop session: only its first row follows the previous turn; ``trace merge`` recomputes
-    the same delays and keeps ``n``, ``stream`` and ``endpoint``; the reader sends both of
-    the batch's prompts at once and ties the next turn to the batch."""
+    the same delays and keeps ``n``, ``stream``, ``endpoint`` and ``batch``; the reader sends
+    both of the batch's prompts at once and ties the next turn to the batch."""
     from sim.workload import mooncake_rows
 
     rec = TraceRecorder(RecordSettings(tmp_path / "t.jsonl", key=KEY), 0.0, 1_700_000_000.0)
     a, b = list(range(600)), list(range(5000, 5900))
-    calls = [(1.0, 2.0, a, 1), (2.5, 3.0, a + b[:100], 2), (2.5, 3.0, b, 2), (3.5, 4.0, b, 1)]
-    for at, done, toks, n in calls:
+    batch = rec.next_batch()
+    calls = [(1.0, 2.0, a, 1, None), (2.5, 3.0, a + b[:100], 2, batch), (2.5, 3.0, b, 2, batch),
+             (3.5, 4.0, b, 1, None)]  # fmt: skip
+    for at, done, toks, n, bid in calls:
         rec.record(arrived_at=at, model="m", input_length=len(toks), output_length=3,
                    block_hashes=hash_prompt(toks, 64, ROOT).hashes, block_size=64,
                    session_id="s", finished_at=done, samples=n, stream=False,
-                   endpoint="chat")  # fmt: skip
+                   endpoint="chat", batch=bid)  # fmt: skip
     rec.close()
     rows = list(read_rows([tmp_path / "t.jsonl"]))
     assert [r.get("delay") for r in rows] == [None, 500, None, 500]
@@ -385,3 +387,16 @@ def test_a_batch_s_rows_keep_their_delays_and_fields_through_merge(tmp_path: pat
     read = mooncake_rows(path)
     assert [(r.after, r.samples) for r in read] == [(None, 1), (0, 2), (None, 2), (2, 1)]
     assert read[2].arrival_s == 1.5 and not read[2].stream and read[2].endpoint == "chat"
+    assert [r.get("batch") for r in merged] == [None, batch, batch, None]
+    assert [r.batch for r in read] == [None, batch, batch, None]
+
+
+def test_each_batch_gets_an_id_of_its_own(tmp_path: pathlib.Path) -> None:
+    """Batch ids name one batch in a merged trace: distinct per batch and per recorder (two
+    workers, or two pods, recording at once)."""
+    one = TraceRecorder(RecordSettings(tmp_path / "a.jsonl", key=KEY), 0.0)
+    two = TraceRecorder(RecordSettings(tmp_path / "b.jsonl", key=KEY), 0.0)
+    ids = [one.next_batch(), one.next_batch(), two.next_batch(), two.next_batch()]
+    assert len(set(ids)) == 4 and all(isinstance(i, str) and i for i in ids)
+    one.close()
+    two.close()

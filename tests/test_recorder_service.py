@@ -141,5 +141,13 @@ def test_rows_name_the_endpoint_and_whether_the_request_streamed(tmp_path: Path)
         wait_until(lambda: len(_recorded(trace)) == 1, timeout=20)
         _post(router.url, "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2})
         wait_until(lambda: len(_recorded(trace)) == 2, timeout=20)
+        batch = {"model": "m", "prompt": ["one prompt", "another"], "max_tokens": 2}
+        _post(router.url, "/v1/completions", batch)
+        wait_until(lambda: len(_recorded(trace)) == 4, timeout=20)
     rows = _recorded(trace)
-    assert [(r["endpoint"], r["stream"]) for r in rows] == [("chat", True), ("completions", False)]
+    assert [(r["endpoint"], r["stream"]) for r in rows] == [
+        ("chat", True), ("completions", False), ("completions", False), ("completions", False)
+    ]  # fmt: skip
+    # a batch's rows name it (one id, its own), a single prompt's none
+    assert "batch" not in rows[0] and "batch" not in rows[1]
+    assert rows[2]["batch"] == rows[3]["batch"] and isinstance(rows[2]["batch"], str)

@@ -159,3 +159,21 @@ def test_a_disaggregated_model_ignores_admission_as_the_service_does() -> None:
     assert summary["completed"] == len(workload)
     assert weights and set(weights) == {1.0}
     assert priorities and set(priorities) == {0}
+
+
+def test_the_service_s_keep_local_rule_is_the_one_the_simulator_applies() -> None:
+    """One rule (router.core.disagg.keep_local_reason) names why a request stays local, from
+    what a recorded row carries: its endpoint, ``n``, its prompts; the service reads those
+    from the body and applies the same rule."""
+    from router.core.disagg import keep_local_reason
+    from router.service.disagg import keep_local
+
+    assert keep_local_reason("messages") == "messages_api"
+    assert keep_local_reason("responses", samples=2) == "responses_api"
+    assert keep_local_reason("chat", samples=2) == "parallel_sampling"
+    assert keep_local_reason("completions", prompts=3) == "batch_prompts"
+    assert keep_local_reason("completions", prompt_logprobs=True) == "prompt_logprobs"
+    assert keep_local_reason("chat") == keep_local_reason("completions") == ""
+    assert keep_local({"prompt": ["a", "b"]}, "completion") == "batch_prompts"
+    assert keep_local({"prompt": [1, 2]}, "completion") == ""
+    assert keep_local({"messages": [], "n": 2}, "chat") == "parallel_sampling"

@@ -188,6 +188,41 @@ class TransferSizes:
         return self.kv_bytes(tokens, xp) + (self.state_bytes if hybrid else 0.0)
 
 
+def keep_local_reason(
+    endpoint: str, samples: int = 1, prompts: int = 1, prompt_logprobs: bool = False
+) -> str:
+    """Why vLLM 0.34's protocol cannot carry a request from a prefill replica to a decode
+    one ('' when it can), from what it is: its ``endpoint`` (the API: ``messages``,
+    ``responses``, else chat or completions, as router/recorder.py names them), the
+    sequences it samples (``n``), the prompts it sends together (a completions batch) and
+    whether it asks prompt logprobs. The one rule: the service applies it to a parsed body
+    (router/service/disagg.py ``keep_local``), the simulator to a recorded row.
+
+    * ``messages_api``: an Anthropic Messages API request; the router's prefill leg rewrites
+      OpenAI fields (``max_tokens``, ``stream_options``) and reads an OpenAI answer, so these
+      are served where they are routed;
+    * ``responses_api``: an OpenAI Responses API request, for the same reason (its answer is
+      not a chat completion's);
+    * ``parallel_sampling``: ``n`` > 1; the connector hands over one sequence's blocks;
+    * ``batch_prompts``: a completion of several prompts; vLLM answers the first prompt's
+      ``kv_transfer_params`` only (``openai/completion/serving.py``), and the decode leg
+      would pull that prompt's blocks for every prompt of the batch;
+    * ``prompt_logprobs``: vLLM then reads no prefix cache and no transferred KV
+      (``Request.skip_reading_external_kv``), so the decode replica would prefill the whole
+      prompt again."""
+    if endpoint == "messages":
+        return "messages_api"
+    if endpoint == "responses":
+        return "responses_api"
+    if samples > 1:
+        return "parallel_sampling"
+    if prompts > 1:
+        return "batch_prompts"
+    if prompt_logprobs:
+        return "prompt_logprobs"
+    return ""
+
+
 @dataclass(slots=True, frozen=True)
 class PdKnobs:
     """The decision's settings (module doc); ``sim tune`` searches them."""

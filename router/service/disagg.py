@@ -38,7 +38,15 @@ from typing import Any, NamedTuple
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.core.disagg import PREFILL_LEG_OUTPUT, Disaggregator, Link, PdSetup, Role, Site
+from router.core.disagg import (
+    PREFILL_LEG_OUTPUT,
+    Disaggregator,
+    Link,
+    PdSetup,
+    Role,
+    Site,
+    keep_local_reason,
+)
 from router.core.errors import KVRouterError
 from router.core.load import CostModel
 from router.core.types import ReplicaKey, RouteRequest
@@ -200,35 +208,22 @@ def route(
 
 def keep_local(body: dict[str, Any], kind: str) -> str:
     """Why vLLM 0.34's protocol cannot carry this request of ``kind`` (``chat`` /
-    ``completion`` / ``messages``) from a prefill replica to a decode one ('' when it can), from the
-    parsed body:
-
-    * ``parallel_sampling``: ``n`` > 1; the connector hands over one sequence's blocks;
-    * ``batch_prompts``: a completion of several prompts; vLLM answers the first prompt's
-      ``kv_transfer_params`` only (``openai/completion/serving.py``), and the decode leg
-      would pull that prompt's blocks for every prompt of the batch;
-    * ``prompt_logprobs``: prompt logprobs asked (``prompt_logprobs``, or ``echo`` with
-      chat's ``top_logprobs`` / completions' ``logprobs``): vLLM then reads no prefix
-      cache and no transferred KV (``Request.skip_reading_external_kv``), so the decode
-      replica would prefill the whole prompt again;
-    * ``messages_api``: an Anthropic Messages API request (``kind`` ``messages``); the
-      router's prefill leg rewrites OpenAI fields (``max_tokens``, ``stream_options``) and
-      reads an OpenAI answer, so these are served where they are routed;
-    * ``responses_api``: an OpenAI Responses API request (``kind`` ``responses``), for the
-      same reason (its answer is not a chat completion's)."""
-    if kind == "messages":
-        return "messages_api"
-    if kind == "responses":
-        return "responses_api"
-    n = lax_int(body.get("n"))  # read as vLLM reads it: "2" and 2.0 are 2
-    if type(n) is int and n > 1:
-        return "parallel_sampling"
+    ``completion`` / ``messages`` / ``responses``) from a prefill replica to a decode one
+    ('' when it can): router.core.disagg.keep_local_reason (the reasons, shared with the
+    simulator) of what the parsed body asks. ``n`` is read as vLLM reads it ("2" and 2.0
+    are 2); a completion's ``prompt`` list is a batch unless it is one prompt of token ids;
+    prompt logprobs: ``prompt_logprobs``, or ``echo`` with chat's ``top_logprobs`` /
+    completions' ``logprobs``."""
+    n = lax_int(body.get("n"))
+    samples = n if type(n) is int else 1
     prompt = body.get("prompt") if kind == "completion" else None
-    if isinstance(prompt, list) and len(prompt) > 1 and not _token_ids(prompt):
-        return "batch_prompts"
-    if asks_prompt_logprobs(body, kind):
-        return "prompt_logprobs"
-    return ""
+    batch = isinstance(prompt, list) and len(prompt) > 1 and not _token_ids(prompt)
+    return keep_local_reason(
+        kind,
+        samples,
+        len(prompt) if batch and isinstance(prompt, list) else 1,
+        asks_prompt_logprobs(body, kind),
+    )
 
 
 def _token_ids(prompt: list[Any]) -> bool:

@@ -659,7 +659,8 @@ class Forwarder:
         endpoint: str | None,
     ) -> None:
         """Append the request to the live-traffic trace (router.recorder): one row per prompt
-        of a completions batch (each its own prompt and blocks), ``n`` on each. The output
+        of a completions batch (each its own prompt and blocks, one ``batch`` id on all of
+        them), ``n`` on each. The output
         length is one sequence's: the replica's usage (:func:`usage_tokens`, which sums every
         sequence of every prompt) shared out over them, else the request's max tokens, else
         1. A batch's rows carry no predicted or engine-cached tokens: the router predicted
@@ -681,6 +682,7 @@ class Forwarder:
         finished = self.event_loop().time()
         replica = f"{key.replica}/{key.dp_rank}"
         predicted = routed.decision.usable_tokens if key == routed.decision.replica else None
+        batch_id = recorder.next_batch() if batch else None
         for tokens, hashes in parts:
             recorder.record(
                 arrived_at=started,
@@ -698,6 +700,7 @@ class Forwarder:
                 samples=req.samples,
                 stream=stream,
                 endpoint=endpoint,
+                batch=batch_id,
             )
 
     def _feedback(self, routed: Routed, key: ReplicaKey, usage: dict[str, Any] | None) -> None:
