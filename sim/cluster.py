@@ -538,33 +538,21 @@ class Simulation:
             rr, decision, now, class_weight=weight
         )
         i = self._slot[decision.replica]
-        rec = self._records[req.request_id]
-        rec.replica = i
-        rec.sent = now
-        self._router_of[req.request_id] = router
-        ereq = EngineRequest(
-            req.request_id,
-            req.block_hashes,
-            req.prompt_tokens,
-            req.output_tokens,
-            req.output_block_hashes,
-            priority=engine_priority(klass) if self._engine_priority and klass is not None else 0,
-        )
-        self._submit(i, ereq, now)
-        for row in self._batch_of.get(req.request_id, ()):
-            rec = self._records[row.request_id]
+        priority = engine_priority(klass) if self._engine_priority and klass is not None else 0
+        for sent in (req, *self._batch_of.get(req.request_id, ())):
+            rec = self._records[sent.request_id]
             rec.replica = i
             rec.sent = now
-            self._router_of[row.request_id] = router
-            part = EngineRequest(
-                row.request_id,
-                row.block_hashes,
-                row.prompt_tokens,
-                row.output_tokens,
-                row.output_block_hashes,
-                priority=ereq.priority,
+            self._router_of[sent.request_id] = router
+            ereq = EngineRequest(
+                sent.request_id,
+                sent.block_hashes,
+                sent.prompt_tokens,
+                sent.output_tokens,
+                sent.output_block_hashes,
+                priority=priority,
             )
-            self._submit(i, part, now)
+            self._submit(i, ereq, now)
         return decision
 
     def _submit(self, i: int, ereq: EngineRequest, now: float) -> None:

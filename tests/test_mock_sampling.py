@@ -24,6 +24,7 @@ from router.mock.server import STATE, MockSettings, MockState, create_app
 from tests import mock_single
 from tests.engines import anthropic_ref
 from tests.ports import free_port
+from tests.test_mock_vllm_wire import _events
 from tests.waiting import eventually
 
 MODEL = "m"
@@ -72,19 +73,6 @@ def _vllm() -> dict[str, Any]:
         "chat": mods["vllm.entrypoints.openai.chat_completion.protocol"],
         "completion": mods["vllm.entrypoints.openai.completion.protocol"],
     }
-
-
-async def _events(url: str, path: str, body: dict[str, Any]) -> list[Any]:
-    """The ``data:`` payloads of a stream, ``[DONE]`` as the string."""
-    async with aiohttp.ClientSession() as http, http.post(url + path, json=body) as r:
-        assert r.status == 200, await r.text()
-        text = await r.text()
-    out: list[Any] = []
-    for block in text.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[len("data: ") :]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 async def _post(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:

@@ -231,13 +231,9 @@ def supervise(
             delay,
         )
 
-    def watched(of: dict[int, _Child]) -> list[_Child]:
-        """The workers that listen, beat (their pipe open) and were not killed as hung."""
-        return [
-            c
-            for c in of.values()
-            if c.serving_since is not None and c.ready is not None and not c.killed
-        ]
+    def beating(child: _Child) -> bool:
+        """Whether ``child`` is watched: it listens, its pipe is open, not killed as hung."""
+        return child.serving_since is not None and child.ready is not None and not child.killed
 
     def reap() -> None:
         while children:
@@ -267,7 +263,7 @@ def supervise(
                     _log.info("worker %d replaced: pid %d (%d so far)", index, pid, restarts)
             deadlines = list(due.values())
             if hang_s > 0:
-                deadlines += [c.beat_at + hang_s for c in watched(children)]
+                deadlines += [c.beat_at + hang_s for c in children.values() if beating(c)]
             timeout = max(min(deadlines) - time.monotonic(), 0.0) if deadlines else None
             fds = [wake_r] + [c.ready for c in children.values() if c.ready is not None]
             readable, _, _ = select.select(fds, [], [], timeout)
@@ -293,9 +289,8 @@ def supervise(
             # meanwhile first, and finds none of them hung
             if hang_s > 0:
                 now = time.monotonic()
-                hung = {id(c) for c in watched(children) if now - c.beat_at > hang_s}
                 for pid, child in children.items():
-                    if id(child) in hung:
+                    if beating(child) and now - child.beat_at > hang_s:
                         _log.error(
                             "worker %d (pid %d) sent no heartbeat for %.1f s (hung): killed",
                             child.index,
