@@ -7,14 +7,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import signal
 import sys
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from types import FrameType
+from collections.abc import Sequence
 
 from router.core.errors import KVRouterError
+from router.sigterm import stopped_by_sigterm
 
 # (module, attribute) pairs that add subcommands; a missing module is skipped so that
 # optional parts can be absent from a slim install.
@@ -64,29 +61,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 # The commands that start processes of their own (replicas, routers, vllm-router, Redis):
-# each stops them in a ``finally`` (Python runs none on a SIGTERM it does not handle).
+# each stops them in a ``finally`` (see router.sigterm).
 _SPAWNING = frozenset({"bench", "demo"})
-
-
-def _terminate(signum: int, _frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
-
-
-@contextmanager
-def _stopped_by_sigterm(on: bool) -> Iterator[None]:
-    """While a spawning command runs: SIGTERM (``timeout``, a CI job cancelled, ``kill``)
-    ends it as an exception, so its ``finally`` blocks stop the processes it started: killed
-    by the signal's default action it left them running, orphaned. Only where SIGTERM has
-    its default action (a process embedding :func:`main` keeps its own), restored after."""
-    main_thread = threading.current_thread() is threading.main_thread()
-    if not on or not main_thread or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with _stopped_by_sigterm(args.command in _SPAWNING):
+        with stopped_by_sigterm(args.command in _SPAWNING):
             return int(handler(args) or 0)
     except BaseException as exc:
         code = failure_code(args.command, exc)

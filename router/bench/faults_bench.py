@@ -47,6 +47,7 @@ from typing import Any
 from router.bench.measure import emit, percentile, use_uvloop
 from router.bench.reliability_bench import KVROUTER, Procs, _free_port, _wait_health
 from router.cliargs import at_least, non_negative_float, positive_float
+from router.sigterm import held
 
 ADMIN = "bench-admin"
 _HOLDER = """
@@ -283,12 +284,13 @@ def _idle(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         hold = args.keep_alive_timeout + 30.0
         while left > 0:
             n = min(per, left)
-            helpers.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", _HOLDER, "127.0.0.1", str(port), str(n), str(hold)],
-                    stdout=subprocess.PIPE,
+            with held():
+                helpers.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _HOLDER, "127.0.0.1", str(port), str(n), str(hold)],
+                        stdout=subprocess.PIPE,
+                    )
                 )
-            )
             left -= n
         t0 = time.monotonic()
         recs = asyncio.run(

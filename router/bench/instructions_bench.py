@@ -39,6 +39,7 @@ from router.bench.proxy_bench import (
     kvrouter_config,
 )
 from router.cliargs import at_least
+from router.sigterm import held
 
 
 def _closed_loop(port: int, body: bytes, requests: int, connections: int) -> int:
@@ -92,13 +93,15 @@ def _count(
 ) -> dict[str, Any]:
     """Instructions per request of the server ``command`` listening on ``port``."""
     prefix = out_dir / f"cg-{port}"
-    proc = subprocess.Popen(
-        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={prefix}.%p"]
-        + command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc: subprocess.Popen[bytes] | None = None
     try:
+        with held():
+            proc = subprocess.Popen(
+                ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
+                + [f"--callgrind-out-file={prefix}.%p", *command],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         _wait_http(f"http://127.0.0.1:{port}/health", timeout=600)
         body = chat_body(args.stream).encode()
         bad = _closed_loop(port, body, args.warmup, args.connections)
@@ -125,13 +128,7 @@ def run(args: argparse.Namespace) -> int:
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is needed: apt-get install valgrind")
     ports = [_free_port() for _ in range(args.backends)]
-    backend = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"from router.bench.proxy_bench import backend_main; backend_main({ports!r})",
-        ]
-    )
+    backend: subprocess.Popen[bytes] | None = None
     result: dict[str, Any] = {
         "bench": "instructions",
         "stream": args.stream,
@@ -140,6 +137,14 @@ def run(args: argparse.Namespace) -> int:
         "backends": args.backends,
     }
     try:
+        with held():
+            backend = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    f"from router.bench.proxy_bench import backend_main; backend_main({ports!r})",
+                ]
+            )
         _wait_http(f"http://127.0.0.1:{ports[0]}/health")
         with tempfile.TemporaryDirectory() as tmp:
             out_dir = Path(tmp)

@@ -36,6 +36,7 @@ from typing import Any
 from router.bench.measure import emit, use_uvloop
 from router.cliargs import at_least, non_negative_float, positive_float
 from router.compile import compiled, service_compiled
+from router.sigterm import held
 
 MODEL = "bench-model"
 # every request carries it; kvrouter requires it only with ``--limits``
@@ -444,11 +445,13 @@ def _measure_kvrouter(
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "kvrouter.toml"
         kvrouter_config(cfg, ports, kv_port, args.workers, args.body_memo_mb, limits)
-        kv = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
-            preexec_fn=_on_cpus(args.router_cpus),
-        )
+        kv: subprocess.Popen[bytes] | None = None
         try:
+            with held():
+                kv = subprocess.Popen(
+                    [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+                    preexec_fn=_on_cpus(args.router_cpus),
+                )
             _wait_http(f"http://127.0.0.1:{kv_port}/health")
             kv_url = f"http://127.0.0.1:{kv_port}/v1/chat/completions"
             figures = measure(kv_url, args, kv.pid)
@@ -470,16 +473,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("wrk is needed as the load generator: apt-get install wrk")
     args.router_cpus, args.load_cpus = _cpu_split(args.router_cpus_spec)
     ports = [_free_port() for _ in range(args.backends)]
-    backend = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "from router.bench.proxy_bench import backend_main; "
-            f"backend_main({ports!r}, paced={args.paced_stream!r})",
-        ],
-        preexec_fn=_on_cpus(args.load_cpus),
-    )
-    procs: list[subprocess.Popen[bytes]] = [backend]
+    procs: list[subprocess.Popen[bytes]] = []
     result: dict[str, Any] = {
         "bench": "proxy",
         "backends": args.backends,
@@ -494,6 +488,18 @@ def run(args: argparse.Namespace) -> int:
         "service_compiled": service_compiled(),
     }
     try:
+        with held():
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        "from router.bench.proxy_bench import backend_main; "
+                        f"backend_main({ports!r}, paced={args.paced_stream!r})",
+                    ],
+                    preexec_fn=_on_cpus(args.load_cpus),
+                )
+            )
         _wait_http(f"http://127.0.0.1:{ports[0]}/health")
         direct_url = f"http://127.0.0.1:{ports[0]}/v1/chat/completions"
         result["direct"] = measure(direct_url, args)
@@ -508,25 +514,26 @@ def run(args: argparse.Namespace) -> int:
             result["vllm_router"] = {"error": VLLM_ROUTER_MISSING}
         else:
             vr_port = _free_port()
-            vr = subprocess.Popen(
-                [
-                    binary,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(vr_port),
-                    "--policy",
-                    "round_robin",
-                    "--log-level",
-                    "warning",
-                    "--worker-urls",
-                    *[f"http://127.0.0.1:{p}" for p in ports],
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                preexec_fn=_on_cpus(args.router_cpus),
-            )
-            procs.append(vr)
+            with held():
+                vr = subprocess.Popen(
+                    [
+                        binary,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(vr_port),
+                        "--policy",
+                        "round_robin",
+                        "--log-level",
+                        "warning",
+                        "--worker-urls",
+                        *[f"http://127.0.0.1:{p}" for p in ports],
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    preexec_fn=_on_cpus(args.router_cpus),
+                )
+                procs.append(vr)
             try:
                 _wait_http(f"http://127.0.0.1:{vr_port}/health", 60)
                 result["vllm_router"] = measure(

@@ -38,6 +38,7 @@ from typing import Any
 
 from router.bench.measure import emit, percentile, use_uvloop
 from router.cliargs import at_least, non_negative_float, positive_float
+from router.sigterm import held
 
 KVROUTER = str(Path(sys.executable).parent / "kvrouter")
 
@@ -78,9 +79,12 @@ class Procs:
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with held():
+            proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            self.procs.append(proc)
         log.close()
-        self.procs.append(proc)
         return proc
 
     def stop(self) -> None:

@@ -39,6 +39,7 @@ from typing import Any
 from router.bench.measure import emit, percentile, use_uvloop
 from router.bench.reliability_bench import KVROUTER, Procs, _free_port, _wait_health
 from router.cliargs import at_least, positive_float
+from router.sigterm import held
 
 ENGINE_BLOCK = 16
 MODEL = "m"
@@ -175,14 +176,15 @@ def _config(
 def _child(procs: Procs, name: str, argv: list[str]) -> Any:
     import subprocess
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "router.bench.stall_bench", *argv],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=open(procs.workdir / f"{name}.log", "wb"),  # noqa: SIM115 - the child's
-        text=True,
-    )
-    procs.procs.append(proc)  # type: ignore[arg-type]
+    with held():
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.bench.stall_bench", *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(procs.workdir / f"{name}.log", "wb"),  # noqa: SIM115 - the child's
+            text=True,
+        )
+        procs.procs.append(proc)  # type: ignore[arg-type]
     if proc.stdout is None or proc.stdout.readline().strip() != "ready":
         raise RuntimeError(f"{name} did not start: {procs.workdir / (name + '.log')}")
     return proc

@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 
 from router.bench.redis_server import free_port
+from router.sigterm import held
 
 MODEL = "demo-model"
 PROFILE = "kimi-k3"  # the mission's model: hybrid KDA + MLA
@@ -86,9 +87,12 @@ class Fleet:
     def _spawn_cmd(self, name: str, cmd: list[str]) -> None:
         assert self._tmp is not None
         log = open(Path(self._tmp.name) / f"{name}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with held():
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            self.procs.append((name, proc))
         log.close()
-        self.procs.append((name, proc))
 
     def port(self) -> int:
         """A free loopback port for a process the caller adds to the fleet."""
