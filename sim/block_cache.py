@@ -157,15 +157,19 @@ class BlockCache:
     def _checkpoints(self, seq: _Seq, old_full: int, new_full: int) -> None:
         p = self.profile
         lo = max(old_full, seq.usable_blocks)
+        # an engine keeps state in whole engine blocks (``a`` router blocks): a checkpoint
+        # ends on an engine block boundary (vLLM's align mode cuts a prefill step there)
+        a = self._align
         if seq.remote:  # a transfer carries the state at the prompt end only
             at: list[int] = []
         elif p.checkpoint == "every_block":
-            at = list(range(lo + 1, new_full + 1))
+            at = list(range((lo // a + 1) * a, new_full + 1, a))
         elif p.checkpoint == "step_end":
-            at = [new_full] if new_full > lo else []
+            end = new_full // a * a
+            at = [end] if end > lo else []
         else:
             g = self._grid
-            at = list(range((lo // g + 1) * g, new_full + 1, g))
+            at = [b for b in range((lo // g + 1) * g, new_full + 1, g) if not b % a]
         if p.checkpoint_prompt_end:
             # vLLM: the prefill stops where the state can serve, before the prompt's last
             # token (an EAGLE engine: one block below its end, its draft head recomputes the

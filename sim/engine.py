@@ -758,8 +758,9 @@ class EngineModel(BlockCache):
             cap = max(seq.target - 1, 0) // self.block_size // align * align
             usable = max(min(usable, cap) - align, 0)
         if self.hybrid:
-            # a checkpoint at the prompt's very end serves no one (vLLM caps a hit at N - 1)
-            usable = min(usable, max(seq.target - 1, 0) // self.block_size)
+            # a checkpoint at the prompt's very end serves no one (vLLM caps a hit at N - 1,
+            # in whole engine blocks)
+            usable = min(usable, max(seq.target - 1, 0) // self.block_size // align * align)
             while usable > 0 and (hashes[usable - 1] | STATE_TAG) not in state_at:
                 usable -= 1
         window: list[int] = []

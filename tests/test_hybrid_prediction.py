@@ -251,3 +251,25 @@ def test_sliding_window_model_predicted_hit_equals_the_engines(
         e = rep.engine
         assert e.kv_usage() == 0.0 and e._windows == len(e._win)
         assert e._free_cost == pytest.approx(len(e._gpu) + e._windows * e._window_cost)
+
+
+@pytest.mark.parametrize(("mode", "cpu_blocks"), [("step_end", 0), ("every_block", 1500)])
+def test_engine_blocks_coarser_than_the_routers_keep_prediction_exact(
+    mode: str, cpu_blocks: int
+) -> None:
+    """Engine blocks of 2 router blocks, checkpoints at steps' ends or every block: the
+    engine's checkpoints (hence its hits) are on its block grid, which is all its events can
+    name. The simulated engine took them at router blocks off that grid and granted hits
+    there that the router, fed the same engine's events, could not predict."""
+    rng = random.Random(7)
+    profile = load_profile("kimi-k3").with_overrides(
+        checkpoint=mode, checkpoint_interval_tokens=GRID_TOKENS, cpu_blocks=cpu_blocks
+    )
+    settings = RoutingSettings(block_size=B, engine_block_size=2 * B)
+    fleet = _fleet(settings, kv_blocks=900, engine_block=2 * B, profile=profile)
+    for rep in fleet.replicas.values():
+        rep.engine = EngineModel(
+            profile, rep.key, B, kv_blocks=900, publish_window_blocks=True,
+            engine_block_size=2 * B,
+        )  # fmt: skip
+    _assert_predicted(_serve_sessions(fleet, rng))

@@ -3,6 +3,8 @@ children before parents, the hybrid state checkpoint grid, the host tier, stream
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from router.core.load import CostModel
@@ -560,3 +562,37 @@ def test_an_answer_names_only_the_blocks_its_written_kv_fills() -> None:
         drain(e)
         assert e.has_block(3) is cached, out
         assert not e.has_block(4)
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("every_block", list(range(2, 25, 2))), ("step_end", [8, 18, 24])],
+)
+def test_checkpoints_and_hits_stay_on_a_coarser_engine_block_grid(
+    mode: str, expected: list[int]
+) -> None:
+    """vLLM keeps recurrent state in engine blocks, so a checkpoint ends on an engine block
+    boundary and a hit is whole engine blocks. With engine blocks of 2 router blocks and
+    prefill steps of 90 tokens, the simulated engine took checkpoints at every router block
+    (``every_block``) or at its steps' ends (9, 18 and 25 blocks: ``step_end``), and granted
+    a prompt sharing 10 blocks a hit of 90 tokens at the checkpoint at 9 blocks, which vLLM
+    never holds (its align mode cuts a step at the engine block boundary below) and the mock
+    replica never publishes: the router's prediction and the engine's hit disagreed."""
+    profile = EngineProfile(
+        "t",
+        cost=replace(COST, chunk_tokens=90),
+        block_size=B,
+        kv_blocks=200,
+        hybrid=True,
+        checkpoint=mode,
+        state_checkpoint_blocks=1.0,
+    )
+    e = EngineModel(profile, ReplicaKey("r"), B, engine_block_size=2 * B)
+    hashes = list(range(1, 26))
+    e.submit(req("a", hashes, 255), 0.0)
+    drain(e)
+    assert stored(e.take_index_events(), Kind.STATE) == expected
+    e.submit(req("b", [*hashes[:10], *range(100, 115)], 255), 1.0)
+    first = next(o for o in drain(e) if isinstance(o, FirstToken))
+    assert first.kv_hit_tokens == 100
+    assert first.cached_tokens == (100 if mode == "every_block" else 80)
