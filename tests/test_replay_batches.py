@@ -1,6 +1,8 @@
 """A recorded completions batch (router/recorder.py: one row per prompt, one ``batch`` id on
-all of them) replayed live (router/demo/replay.py) as the service received it: one
-``/v1/completions`` request whose ``prompt`` lists the rows' prompts, judged per sequence."""
+all of them) replayed as the service received it: live (router/demo/replay.py) one
+``/v1/completions`` request whose ``prompt`` lists the rows' prompts, judged per sequence;
+simulated (sim/cluster.py) one request whose load counts every row until the last one
+ends, as the service's tracker books a batch (``LoadTracker.dispatch`` ``prompts``)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,12 @@ import json
 import pathlib
 from typing import Any
 
+from router.core.load import LoadView
 from router.demo.replay import count_requests, load_requests, replay
 from router.service.config import build_settings
+from sim.cluster import ClusterConfig, Simulation
+from sim.profiles import load_profile
+from sim.workload import SimRequest, load_trace
 from tests.backends import start_mock, start_router
 from tests.waiting import eventually
 
@@ -93,3 +99,67 @@ async def test_a_recorded_batch_replays_through_the_router_as_one_request(
     assert [r["input_length"] for r in recorded[:3]] == [300, 1200, 600]
     assert len({r.get("batch") for r in recorded[:3]}) == 1 and "batch" in recorded[0]
     assert "batch" not in recorded[3] and recorded[0]["n"] == 2
+
+
+class _Spy(Simulation):
+    """A simulation that keeps its router's load view of every replica when ``probe``
+    arrives (what a policy sees then)."""
+
+    probe = ""
+    seen: dict[str, LoadView]
+
+    def _arrive(self, req: SimRequest, now: float) -> None:
+        if req.request_id == self.probe:
+            load = self.routers[0].engine.load
+            self.seen = {str(k): load.view(k, now) for k in self.keys}
+        super()._arrive(req, now)
+
+
+def test_the_simulator_books_a_batch_s_load_until_its_last_row_ends(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The service books a batch as one flight of all its prompts (``prompts``: each
+    prompt's sequences decoding, every prompt's tokens in flight) until the whole answer
+    ends. The simulator booked it under its first row and released it when that row
+    finished: a request arriving while the batch's other rows still decoded saw the
+    replica idle."""
+    short = {"timestamp": 0, "input_length": 300, "output_length": 2, "hash_ids": [1],
+             "batch": "b1"}  # fmt: skip
+    long = {**short, "input_length": 1200, "output_length": 400, "hash_ids": [2, 3, 4]}
+    probe = {"timestamp": 1000, "input_length": 300, "output_length": 2, "hash_ids": [9]}
+    workload = load_trace(str(_rows_file(tmp_path, [short, long, probe])), block_size=64)
+    config = ClusterConfig(profile=load_profile("dense-70b"), replicas=2, block_size=64)
+    sim = _Spy(workload, config, "round_robin")
+    first, other, later = workload.requests
+    sim.probe = later.request_id
+    assert sim.run().summary["completed"] == 3
+    records = sim._records
+    # the probe came after the first row's answer, while the other row still decoded
+    assert records[first.request_id].finish < 1.0 < records[other.request_id].finish
+    view = sim.seen[str(sim.keys[records[first.request_id].replica])]
+    assert (view.prefilling, view.decoding) == (0, 2)  # one sequence a prompt
+    assert view.in_flight_prompt_tokens == 1500
+    for key in sim.keys:  # nothing is left booked once every row ended
+        assert sim.routers[0].engine.load.view(key, 1e9).in_flight == 0
+
+
+def test_the_simulator_sends_a_turn_tied_to_a_batch_s_row_after_the_whole_batch(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The service answers a batch as one request: a session's next turn comes after that
+    answer, all of it (the live replay's turn follows the batch's one request), not after
+    the row it was tied to, here the batch's short one, answered long before the other."""
+    long = {"timestamp": 0, "input_length": 1200, "output_length": 400,
+            "hash_ids": [2, 3, 4], "batch": "b1", "session_id": "s"}  # fmt: skip
+    short = {**long, "input_length": 300, "output_length": 2, "hash_ids": [1]}
+    turn = {"timestamp": 100, "input_length": 300, "output_length": 2, "hash_ids": [9],
+            "session_id": "s", "delay": 10}  # fmt: skip
+    workload = load_trace(str(_rows_file(tmp_path, [long, short, turn])), block_size=64)
+    first, other, later = workload.requests
+    assert later.after == other.request_id  # the last row of its session
+    config = ClusterConfig(profile=load_profile("dense-70b"), replicas=2, block_size=64)
+    sim = Simulation(workload, config, "round_robin")
+    assert sim.run().summary["completed"] == 3
+    records = sim._records
+    assert records[other.request_id].finish < records[first.request_id].finish
+    assert records[later.request_id].arrival >= records[first.request_id].finish + 0.01
