@@ -17,7 +17,8 @@ share ``batch`` (only on a batch's rows), an id naming that batch alone in any m
 (:meth:`TraceRecorder.next_batch`): the router sent the batch to one replica, chosen by its
 longest prompt, and the simulator routes the rows so, together.
 ``stream`` and ``endpoint`` (``chat``, ``completions``, ``responses``, ``messages``) say how
-the request came, so a live replay (router/demo/replay.py) sends it the same way; a reader
+the request came, so a live replay (router/demo/replay.py) sends it the same way (a batch's
+rows as one request again, ``prompt`` the list of their prompts); a reader
 takes a row without them as a streamed completion.
 
 ``hash_ids`` name 512-token prefix blocks (the last one may be partial). Each id is a keyed

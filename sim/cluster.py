@@ -37,8 +37,13 @@ batch) are one request to the service: they arrive with the batch's first reques
 workload order; the others' own arrival and ``after`` are not used), are routed once as the
 router routes a batch (the longest prompt's blocks, the first of the longest, every prompt's
 tokens counted, ``prompts`` = the batch's size) and all run on that replica, each an engine
-request of its own prompt. The batch's load is booked once, under its first request, until
-that request finishes; a refusal or a shed refuses all of them.
+request of its own prompt. The batch's load is booked as the service books it, one flight
+of all its prompts (``LoadTracker.dispatch`` ``prompts``: each prompt's sequences, every
+prompt's tokens) under its first request's id: it starts decoding at the first token of any
+of its rows and ends when the last of them ends (the service's answer ends with its last
+sequence), and so does its admission ticket; a closed-loop turn tied to any of its rows
+follows the whole batch's end, as the live replay's turn follows the batch's one answer. A
+refusal or a shed refuses all of them.
 """
 
 from __future__ import annotations
@@ -343,6 +348,10 @@ class Simulation:
         self._held_finish: dict[str, Any] = {}  # a request's own Finished, held for the others
         # a completions batch: its first request's id -> the batch's other requests
         self._batch_of: dict[str, list[SimRequest]] = {}
+        # a dispatched batch's rows: row id -> its first request's id (the flight booked),
+        # and that id -> the rows not ended yet
+        self._flight_of: dict[str, str] = {}
+        self._batch_left: dict[str, set[str]] = {}
         self._shed_count = 0
         self._pumping = False
         self._jitter = random.Random(config.seed + 0x5EED) if config.arrival_jitter_s > 0 else None
@@ -539,7 +548,12 @@ class Simulation:
         )
         i = self._slot[decision.replica]
         priority = engine_priority(klass) if self._engine_priority and klass is not None else 0
-        for sent in (req, *self._batch_of.get(req.request_id, ())):
+        rows = (req, *self._batch_of.get(req.request_id, ()))
+        if len(rows) > 1:
+            self._batch_left[req.request_id] = {r.request_id for r in rows}
+            for row in rows:
+                self._flight_of[row.request_id] = req.request_id
+        for sent in rows:
             rec = self._records[sent.request_id]
             rec.replica = i
             rec.sent = now
@@ -682,29 +696,46 @@ class Simulation:
                     rec.cached = out.cached_tokens
                     rec.kv_hit = out.kv_hit_tokens
                     rec.queued = out.queued_s
-                self._router_of[out.request_id].engine.load.first_token(out.request_id)
-                self._dispatches.pop(out.request_id, None)
+                flight = self._flight_of.get(out.request_id, out.request_id)
+                self._router_of[out.request_id].engine.load.first_token(flight)
+                self._dispatches.pop(flight, None)
             elif kind is Finished:
                 rec = records[out.request_id]
                 rec.finish = out.time + transport
                 rec.output = out.output_tokens
                 router = self._router_of.pop(out.request_id)
-                router.engine.load.complete(out.request_id)
-                self._dispatches.pop(out.request_id, None)
-                if router.admission is not None:
-                    router.admission.finished(out.request_id)
-                self._follow_ups(out.request_id, out.time + transport)
+                self._ended(router, out.request_id, out.time + transport, False)
                 if self.config.record_load:
                     self._series[i].append((out.time, eng.pending()))
             elif kind is Rejected:
                 rec = records[out.request_id]
                 rec.rejected = True
                 router = self._router_of.pop(out.request_id)
-                self._withdraw(router.engine, out.request_id)
-                router.engine.load.complete(out.request_id)
-                if router.admission is not None:
-                    router.admission.finished(out.request_id)
-                self._follow_ups(out.request_id, out.time + transport)
+                self._ended(router, out.request_id, out.time + transport, True)
+
+    def _ended(self, router: _Router, request_id: str, now: float, rejected: bool) -> None:
+        """``request_id`` finished (or the engine rejected it) at ``now``: its flight ends,
+        and its admission ticket and closed-loop turns with it; a batch's row ends the
+        batch's flight when it is the last of its rows to end (module doc)."""
+        flight = self._flight_of.pop(request_id, request_id)
+        rows: tuple[str, ...] = (request_id,)
+        if flight in self._batch_left:
+            left = self._batch_left[flight]
+            left.discard(request_id)
+            if left:
+                return
+            del self._batch_left[flight]
+            batch = self._batch_of.get(flight, ())
+            rows = (flight, *(r.request_id for r in batch))
+        if rejected:  # what its dispatch guessed goes, unless one of its rows answered
+            self._withdraw(router.engine, flight)
+        else:
+            self._dispatches.pop(flight, None)
+        router.engine.load.complete(flight)
+        if router.admission is not None:
+            router.admission.finished(flight)
+        for row in rows:
+            self._follow_ups(row, now)
 
     def _sequence_output(self, i: int, out: Any) -> bool:
         """Book an output of a request sampling ``n`` sequences (module doc); True when it

@@ -299,8 +299,8 @@ async def test_a_recording_with_n_samples_and_batches_replays_against_a_mock(
 ) -> None:
     """The router records ``n`` on a row and a completions batch as one row per prompt;
     ``kvrouter demo --trace`` and ``bench live`` replay them against mock replicas, which
-    refused ``n`` > 1 (every such row failed). Each row is answered, its usage summing its
-    sequences' tokens."""
+    refused ``n`` > 1 (every such row failed). Each request is answered, its usage summing
+    its sequences' tokens (the batch's: both prompts', sent as one request again)."""
     from router.mock.server import MockSettings
     from tests.backends import start_mock
 
@@ -308,19 +308,22 @@ async def test_a_recording_with_n_samples_and_batches_replays_against_a_mock(
     a, b = list(range(700)), list(range(3000, 3300))
     _record(rec, a, 0.0, 0.5, samples=3, stream=True, endpoint="chat")
     _record(rec, a, 0.1, 0.6, samples=2, stream=False, endpoint="completions")
+    batch = rec.next_batch()
     for toks in (a, b):  # a batch of two prompts: a row each, at the batch's arrival
-        _record(rec, toks, 0.2, 0.7, samples=2, stream=True, endpoint="completions")
+        _record(rec, toks, 0.2, 0.7, samples=2, stream=True, endpoint="completions",
+                batch=batch)  # fmt: skip
     _record(rec, b, 0.3, 0.8, stream=False, endpoint="chat")
     rec.close()
     requests = load_requests(tmp_path / "rec.jsonl", 10, "m", max_output=64)
-    assert [json.loads(r.body).get("n", 1) for r in requests] == [3, 2, 2, 2, 1]
+    assert [json.loads(r.body).get("n", 1) for r in requests] == [3, 2, 2, 1]
+    assert [len(p) for p in json.loads(requests[2].body)["prompt"]] == [700, 300]
     runner, url = await start_mock(MockSettings(model="m", replica="r0", time_scale=0.01))
     try:
         outcomes = await replay(url, requests, 100.0)
     finally:
         await runner.cleanup()
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
-    assert [o.output_tokens for o in outcomes] == [6, 4, 4, 4, 2]
+    assert [o.output_tokens for o in outcomes] == [6, 4, 8, 2]
     assert all(o.prompt_tokens >= r.prompt_tokens for o, r in zip(outcomes, requests, strict=True))
 
 

@@ -10,7 +10,13 @@ the request the simulator ties it to finished (both divided by the speed-up).
 Each request goes to the endpoint its row names (``endpoint``: ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages``), streamed or not as recorded
 (``stream``), with its ``n``; a row without them (an older recording, a Mooncake trace) is a
-streamed completion. Completions carry the token ids; the other endpoints take text, so
+streamed completion. The rows of one completions batch (``batch``: the recorder's row per
+prompt) are one request, as the router received and routed them: at the first row's arrival
+(and, closed loop, its tie), its ``prompt`` the rows' prompts in row order, with the first
+row's ``n``, ``stream``, session and max tokens (a batch's rows share them); the answer
+holds a choice per sequence (prompt ``i``'s sample ``j`` at index ``i * n + j``), its
+usage sums every prompt's, and a turn tied to any of its rows follows the whole answer.
+Completions carry the token ids; the other endpoints take text, so
 their prompt is a stand-in (:func:`prompt_text`: one ASCII character a token, a function of
 its id, so shared blocks are shared text; the mock replica's byte tokenizer makes it one
 token each, plus the chat's role tokens; a real tokenizer's lengths differ). OpenAI streams
@@ -35,12 +41,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
 
 from router.core.slo import tpot_s as _tpot
+
+if TYPE_CHECKING:
+    from sim.workload import TraceRow
 
 TRACE_BLOCK = 512
 CONNECT_FAILED = "connect failed: "
@@ -56,7 +65,8 @@ class TraceRequest:
     delay_s: float | None = None  # closed loop: this long after request ``after`` finished
     after: int | None = None  # closed loop: the index of the request it follows
     path: str = "/v1/completions"  # the endpoint it goes to (PATHS)
-    samples: int = 1  # the sequences it samples (its ``n``)
+    samples: int = 1  # the sequences it samples for each prompt (its ``n``)
+    prompts: int = 1  # the prompts it sends (a batch's rows; ``prompt_tokens`` their sum)
 
 
 @dataclass(slots=True)
@@ -70,15 +80,17 @@ class Outcome:
     error: str = ""
     e2e_s: float = float("nan")
     output_tokens: int = 0  # the usage's: every sequence's tokens
-    samples: int = 1  # the sequences the request sampled (its ``n``), decoded side by side
+    samples: int = 1  # the sequences the request sampled for each prompt (its ``n``)
+    prompts: int = 1  # its prompts (a completions batch's), their sequences decoded side by side
 
     def tpot_s(self) -> float | None:
         """One sequence's time per output token after the first (the usage sums the
-        ``samples`` sequences'); None without a TTFT (an answer not streamed) or for
-        sequences of at most one token."""
+        ``samples`` x ``prompts`` sequences'); None without a TTFT (an answer not streamed)
+        or for sequences of at most one token."""
         if self.ttft_s != self.ttft_s:
             return None
-        return _tpot(self.e2e_s, self.ttft_s, -(-self.output_tokens // max(self.samples, 1)))
+        sequences = max(self.samples, 1) * max(self.prompts, 1)
+        return _tpot(self.e2e_s, self.ttft_s, -(-self.output_tokens // sequences))
 
     def judged(self) -> tuple[int, float, float | None]:
         """The answered request as the SLO judges it (``router.core.slo.Answered``): an
@@ -89,10 +101,28 @@ class Outcome:
 
 
 def count_requests(path: Path, limit: int) -> int:
-    """How many requests :func:`load_requests` gives for ``path`` and ``limit``."""
+    """How many requests :func:`load_requests` gives for ``path`` and ``limit`` (a
+    completions batch's rows are one)."""
     from sim.workload import mooncake_rows
 
-    return sum(1 for _ in mooncake_rows(path, trace_block=TRACE_BLOCK, limit=limit))
+    return len(_requests_of(mooncake_rows(path, trace_block=TRACE_BLOCK, limit=limit)))
+
+
+def _requests_of(rows: Sequence[TraceRow]) -> list[list[int]]:
+    """The requests ``rows`` (in arrival order) make, as lists of row indices, in order of
+    their first row: a row alone, or the rows of one completions batch (``batch``), which
+    arrived together with the first of them."""
+    out: list[list[int]] = []
+    batches: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        if row.batch is None or row.endpoint != "completions":
+            out.append([i])
+        elif (rows_of := batches.get(row.batch)) is not None:
+            rows_of.append(i)
+        else:
+            batches[row.batch] = rows_of = [i]
+            out.append(rows_of)
+    return out
 
 
 PATHS = {
@@ -112,12 +142,22 @@ def prompt_text(tokens: np.ndarray) -> str:
 
 
 def request_body(
-    endpoint: str, model: str, tokens: np.ndarray, output: int, stream: bool, samples: int
+    endpoint: str,
+    model: str,
+    tokens: np.ndarray | Sequence[np.ndarray],
+    output: int,
+    stream: bool,
+    samples: int,
 ) -> dict[str, Any]:
-    """The body of a replayed request at ``endpoint``: completions carry the token ids, the
-    others :func:`prompt_text` as one user message (the Responses API: as its input)."""
+    """The body of a replayed request at ``endpoint``: completions carry the token ids (a
+    sequence of several prompts: a batch, ``prompt`` a list of them), the others
+    :func:`prompt_text` as one user message (the Responses API: as its input)."""
     body: dict[str, Any] = {"model": model}
-    if endpoint == "completions":
+    if not isinstance(tokens, np.ndarray):
+        if endpoint != "completions":
+            raise ValueError(f"a batch of prompts goes to completions, not {endpoint}")
+        body["prompt"] = [t.tolist() for t in tokens]
+    elif endpoint == "completions":
         body["prompt"] = tokens.tolist()
     elif endpoint == "responses":
         body["input"] = prompt_text(tokens)
@@ -134,38 +174,48 @@ def request_body(
 
 
 def load_requests(path: Path, limit: int, model: str, max_output: int) -> list[TraceRequest]:
-    """The first ``limit`` requests of a Mooncake / recorded trace as the simulator reads
-    them (sim.workload.mooncake_rows: arrival order from 0, dense block ids, closed-loop
-    turns tied to the same requests), outputs capped at ``max_output``, each sent to the
-    row's endpoint, streamed or not and with its ``n`` as recorded (rows without them:
-    streamed completions)."""
+    """The requests of the first ``limit`` rows of a Mooncake / recorded trace as the
+    simulator reads them (sim.workload.mooncake_rows: arrival order from 0, dense block ids,
+    closed-loop turns tied to the same requests), outputs capped at ``max_output``, each
+    sent to the row's endpoint, streamed or not and with its ``n`` as recorded (rows without
+    them: streamed completions); a completions batch's rows as one request (module doc),
+    ``after`` the index of the request a turn follows in the list returned."""
     from sim.workload import mooncake_rows
 
+    rows = mooncake_rows(path, trace_block=TRACE_BLOCK, limit=limit)
+    groups = _requests_of(rows)
+    request_of = {i: k for k, group in enumerate(groups) for i in group}
     out: list[TraceRequest] = []
     offsets = np.arange(TRACE_BLOCK, dtype="<u4")
-    for row in mooncake_rows(path, trace_block=TRACE_BLOCK, limit=limit):
-        n = row.prompt_tokens
+
+    def tokens_of(row: TraceRow) -> np.ndarray:
         ids = np.asarray(row.block_ids, dtype="<u4")
-        tokens = (ids[:, None] * np.uint32(TRACE_BLOCK) + offsets).reshape(-1)[:n]
-        output = max(1, min(row.output_tokens, max_output))
+        return (ids[:, None] * np.uint32(TRACE_BLOCK) + offsets).reshape(-1)[: row.prompt_tokens]
+
+    for group in groups:
+        row = rows[group[0]]
+        members = [rows[i] for i in group]
+        output = max(1, min(max(r.output_tokens for r in members), max_output))
+        tokens = tokens_of(row) if len(group) == 1 else [tokens_of(r) for r in members]
         body = request_body(row.endpoint, model, tokens, output, row.stream, row.samples)
         if row.session_id is not None:
             if row.endpoint == "messages":
                 body["metadata"] = {"user_id": row.session_id}
             else:
                 body["user"] = row.session_id  # the router's session id
-        closed = row.after is not None
+        after = None if row.after is None else request_of[row.after]
         out.append(
             TraceRequest(
                 row.arrival_s,
-                n,
+                sum(r.prompt_tokens for r in members),
                 output,
                 json.dumps(body).encode(),
                 row.session_id,
-                row.delay_s if closed else None,
-                row.after,
+                row.delay_s if after is not None else None,
+                after,
                 PATHS[row.endpoint],
                 row.samples,
+                len(group),
             )
         )
     return out
@@ -249,6 +299,7 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                 True,
                 predicted_tokens=_predicted(resp.headers.get("X-KVRouter-Decision")),
                 samples=req.samples,
+                prompts=req.prompts,
             )
             if not resp.content_type.startswith("text/event-stream"):
                 return await _answer(resp, out, t0)

@@ -1,0 +1,165 @@
+"""A recorded completions batch (router/recorder.py: one row per prompt, one ``batch`` id on
+all of them) replayed as the service received it: live (router/demo/replay.py) one
+``/v1/completions`` request whose ``prompt`` lists the rows' prompts, judged per sequence;
+simulated (sim/cluster.py) one request whose load counts every row until the last one
+ends, as the service's tracker books a batch (``LoadTracker.dispatch`` ``prompts``)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+from router.core.load import LoadView
+from router.demo.replay import count_requests, load_requests, replay
+from router.service.config import build_settings
+from sim.cluster import ClusterConfig, Simulation
+from sim.profiles import load_profile
+from sim.workload import SimRequest, load_trace
+from tests.backends import start_mock, start_router
+from tests.waiting import eventually
+
+
+def _rows_file(tmp_path: pathlib.Path, rows: list[dict[str, object]]) -> pathlib.Path:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+BATCH = {"endpoint": "completions", "batch": "b1", "n": 2, "stream": True, "session_id": "s"}
+ROWS: list[dict[str, object]] = [
+    {"timestamp": 0, "input_length": 300, "output_length": 4, "hash_ids": [1], **BATCH},
+    {"timestamp": 0, "input_length": 1200, "output_length": 4, "hash_ids": [2, 3, 4], **BATCH},
+    {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [5, 6], **BATCH},
+    {"timestamp": 5, "input_length": 300, "output_length": 4, "hash_ids": [7],
+     "endpoint": "completions"},
+    # the session's next turn, tied to the batch's last row (no finish times: the last)
+    {"timestamp": 9, "input_length": 400, "output_length": 4, "hash_ids": [2, 8],
+     "endpoint": "completions", "session_id": "s", "delay": 1},
+]  # fmt: skip
+
+
+def test_a_batch_is_loaded_as_one_request_of_its_prompts(tmp_path: pathlib.Path) -> None:
+    """The live replay sent each row of a batch as a request of its own: the service would
+    route k requests apart, where the recorded one was one request routed once."""
+    path = _rows_file(tmp_path, ROWS)
+    requests = load_requests(path, 10, "m", max_output=64)
+    assert count_requests(path, 10) == len(requests) == 3
+    batch = requests[0]
+    body = json.loads(batch.body)
+    prompts = body["prompt"]
+    assert [len(p) for p in prompts] == [300, 1200, 600]  # in row order
+    assert (body["n"], body["max_tokens"], body["stream"]) == (2, 4, True)
+    assert (batch.prompt_tokens, batch.prompts, batch.samples) == (2100, 3, 2)
+    # each prompt is its row's, as the simulator hashes it
+    alone = [json.loads(r.body)["prompt"] for r in requests[1:]]
+    assert prompts[1][:400] == alone[1]  # the turn's 400 tokens of their shared block (id 2)
+    # the turn tied to a row of the batch follows the batch's request
+    assert requests[2].after == 0 and requests[1].after is None
+
+
+async def test_a_recorded_batch_replays_through_the_router_as_one_request(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Through a real router (recording what it serves) in front of a mock replica: the
+    router records the replayed batch as a batch again (it came as one request), and the
+    replay judges it per sequence: its usage sums 3 prompts x 2 samples x 4 tokens, its
+    TPOT is one sequence's."""
+    from router.mock.server import MockSettings
+
+    path = _rows_file(tmp_path, ROWS[:4])
+    requests = load_requests(path, 10, "m", max_output=64)
+    trace = tmp_path / "again.jsonl"
+    mock, mock_url = await start_mock(MockSettings(model="m", replica="r0", time_scale=0.02))
+    router, url = await start_router(
+        build_settings({
+            "replicas": [{"url": mock_url, "model": "m", "name": "r0"}],
+            "server": {"record_path": str(trace), "record_key": "k"},
+            "models": {"m": {"block_size": 16}},
+        })
+    )  # fmt: skip
+    try:
+        outcomes = await replay(url, requests, 10.0)
+
+        def rows() -> list[dict[str, Any]]:
+            text = trace.read_text() if trace.is_file() else ""
+            return [json.loads(line) for line in text.splitlines()]
+
+        await eventually(lambda: len(rows()) >= 4, timeout=20)
+    finally:
+        await router.cleanup()
+        await mock.cleanup()
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    assert len(outcomes) == 2
+    batch, alone = outcomes
+    assert batch.output_tokens == 24 and batch.prompt_tokens >= 2100
+    assert alone.output_tokens == 4 and alone.prompts == 1
+    assert batch.tpot_s() == (batch.e2e_s - batch.ttft_s) / 3  # one sequence's 4 tokens
+    recorded = sorted(rows(), key=lambda r: "batch" not in r)
+    assert [r["input_length"] for r in recorded[:3]] == [300, 1200, 600]
+    assert len({r.get("batch") for r in recorded[:3]}) == 1 and "batch" in recorded[0]
+    assert "batch" not in recorded[3] and recorded[0]["n"] == 2
+
+
+class _Spy(Simulation):
+    """A simulation that keeps its router's load view of every replica when ``probe``
+    arrives (what a policy sees then)."""
+
+    probe = ""
+    seen: dict[str, LoadView]
+
+    def _arrive(self, req: SimRequest, now: float) -> None:
+        if req.request_id == self.probe:
+            load = self.routers[0].engine.load
+            self.seen = {str(k): load.view(k, now) for k in self.keys}
+        super()._arrive(req, now)
+
+
+def test_the_simulator_books_a_batch_s_load_until_its_last_row_ends(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The service books a batch as one flight of all its prompts (``prompts``: each
+    prompt's sequences decoding, every prompt's tokens in flight) until the whole answer
+    ends. The simulator booked it under its first row and released it when that row
+    finished: a request arriving while the batch's other rows still decoded saw the
+    replica idle."""
+    short = {"timestamp": 0, "input_length": 300, "output_length": 2, "hash_ids": [1],
+             "batch": "b1"}  # fmt: skip
+    long = {**short, "input_length": 1200, "output_length": 400, "hash_ids": [2, 3, 4]}
+    probe = {"timestamp": 1000, "input_length": 300, "output_length": 2, "hash_ids": [9]}
+    workload = load_trace(str(_rows_file(tmp_path, [short, long, probe])), block_size=64)
+    config = ClusterConfig(profile=load_profile("dense-70b"), replicas=2, block_size=64)
+    sim = _Spy(workload, config, "round_robin")
+    first, other, later = workload.requests
+    sim.probe = later.request_id
+    assert sim.run().summary["completed"] == 3
+    records = sim._records
+    # the probe came after the first row's answer, while the other row still decoded
+    assert records[first.request_id].finish < 1.0 < records[other.request_id].finish
+    view = sim.seen[str(sim.keys[records[first.request_id].replica])]
+    assert (view.prefilling, view.decoding) == (0, 2)  # one sequence a prompt
+    assert view.in_flight_prompt_tokens == 1500
+    for key in sim.keys:  # nothing is left booked once every row ended
+        assert sim.routers[0].engine.load.view(key, 1e9).in_flight == 0
+
+
+def test_the_simulator_sends_a_turn_tied_to_a_batch_s_row_after_the_whole_batch(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The service answers a batch as one request: a session's next turn comes after that
+    answer, all of it (the live replay's turn follows the batch's one request), not after
+    the row it was tied to, here the batch's short one, answered long before the other."""
+    long = {"timestamp": 0, "input_length": 1200, "output_length": 400,
+            "hash_ids": [2, 3, 4], "batch": "b1", "session_id": "s"}  # fmt: skip
+    short = {**long, "input_length": 300, "output_length": 2, "hash_ids": [1]}
+    turn = {"timestamp": 100, "input_length": 300, "output_length": 2, "hash_ids": [9],
+            "session_id": "s", "delay": 10}  # fmt: skip
+    workload = load_trace(str(_rows_file(tmp_path, [long, short, turn])), block_size=64)
+    first, other, later = workload.requests
+    assert later.after == other.request_id  # the last row of its session
+    config = ClusterConfig(profile=load_profile("dense-70b"), replicas=2, block_size=64)
+    sim = Simulation(workload, config, "round_robin")
+    assert sim.run().summary["completed"] == 3
+    records = sim._records
+    assert records[other.request_id].finish < records[first.request_id].finish
+    assert records[later.request_id].arrival >= records[first.request_id].finish + 0.01
