@@ -977,3 +977,39 @@ async def test_a_prefill_legs_retry_after_ejects_its_replica_at_once(status: int
         await router.cleanup()
         await prefill.runner.cleanup()
         await decode.stop()
+
+
+async def test_a_decode_legs_first_byte_is_not_predicted_as_a_prefill_of_its_prompt() -> None:
+    """The decode replica gets the prompt computed (the prefill replica's KV, pulled): the
+    router records it with nothing to prefill there, and its first byte (deadline, latency
+    sample) is predicted the same way: the prefill queued there, the transfer, no prefill of
+    the prompt. Before, it was predicted as a local prefill of all the prefill replica had
+    not cached: a hung decode replica held a long prompt's client 4x that prefill (100 s
+    for 500k tokens) before the retry, and a decode replica slow to answer every pulled
+    prompt (recomputing it) looked on time to latency ejection."""
+    import asyncio
+
+    from router.core.load import CostModel
+    from router.service.keys import FORWARDER
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    decode = await Backend("d0", [MODEL], gate=asyncio.Event()).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    detector = router.app[FORWARDER].ejections.detector
+    n = 60_000
+    try:
+        body = {"model": MODEL, "prompt": _prompt(35, n), "max_tokens": 3, "stream": True}
+        post = asyncio.ensure_future(_post(url, body))
+        await eventually(lambda: len(decode.received) == 1)
+        assert decode.received[0]["body"]["kv_transfer_params"] == _Prefill.PARAMS
+        ((_, expect),) = detector._replicas[ReplicaKey("d0")].pending.values()
+        assert expect < CostModel().prefill_s(n) / 10, expect
+        decode.gate.set()
+        status, raw, _ = await post
+        assert status == 200, raw
+    finally:
+        decode.gate.set()
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()
