@@ -977,3 +977,107 @@ async def test_a_prefill_legs_retry_after_ejects_its_replica_at_once(status: int
         await router.cleanup()
         await prefill.runner.cleanup()
         await decode.stop()
+
+
+async def test_a_decode_legs_first_byte_is_not_predicted_as_a_prefill_of_its_prompt() -> None:
+    """The decode replica gets the prompt computed (the prefill replica's KV, pulled): the
+    router records it with nothing to prefill there, and its first byte (deadline, latency
+    sample) is predicted the same way: the prefill queued there, the transfer, no prefill of
+    the prompt. Before, it was predicted as a local prefill of all the prefill replica had
+    not cached: a hung decode replica held a long prompt's client 4x that prefill (100 s
+    for 500k tokens) before the retry, and a decode replica slow to answer every pulled
+    prompt (recomputing it) looked on time to latency ejection."""
+    import asyncio
+
+    from router.core.load import CostModel
+    from router.service.keys import FORWARDER
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    decode = await Backend("d0", [MODEL], gate=asyncio.Event()).start()
+    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
+    detector = router.app[FORWARDER].ejections.detector
+    n = 60_000
+    try:
+        body = {"model": MODEL, "prompt": _prompt(35, n), "max_tokens": 3, "stream": True}
+        post = asyncio.ensure_future(_post(url, body))
+        await eventually(lambda: len(decode.received) == 1)
+        assert decode.received[0]["body"]["kv_transfer_params"] == _Prefill.PARAMS
+        ((_, expect),) = detector._replicas[ReplicaKey("d0")].pending.values()
+        assert expect < CostModel().prefill_s(n) / 10, expect
+        decode.gate.set()
+        status, raw, _ = await post
+        assert status == 200, raw
+    finally:
+        decode.gate.set()
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await decode.stop()
+
+
+async def test_a_request_whose_id_is_another_ones_prefill_leg_gets_its_own() -> None:
+    """The load tracker keys a prefill leg ``<id>#p`` and its decode leg ``<id>``: request
+    A (id ``x#p``, its leg ``x#p#p``) and request B (id ``x``, its leg ``x#p``) would share
+    ``x#p`` once A's decode leg starts while B's prefill leg runs. B gets an id of its own,
+    so each leg keeps its record. Before, A's decode dispatch replaced B's leg's record
+    (its prefill replica looked idle) and B's leg, ending, removed A's decode leg's record
+    while A decoded (its decode replica looked idle)."""
+    import asyncio
+
+    from aiohttp import web
+
+    from tests.backends import Backend
+
+    gates: dict[str, asyncio.Event] = {}
+    seen: list[str] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        rid = request.headers.get("X-Request-Id", "")
+        seen.append(rid)
+        await gates.setdefault(rid, asyncio.Event()).wait()
+        return web.json_response(
+            {"object": "text_completion", "choices": [], "kv_transfer_params": _Prefill.PARAMS}
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    decode = await Backend("d0", [MODEL], gate=asyncio.Event()).start()
+    settings = _stub_settings(f"http://127.0.0.1:{port}", [(decode.url, "decode")])
+    router, url = await start_router(settings)
+    flights = router.app[STATE].load._flights
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def post(rid: str, seed: int) -> int:
+                body = {"model": MODEL, "prompt": _prompt(seed), "max_tokens": 3}
+                headers = {"X-Request-Id": rid}
+                async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
+                    await r.read()
+                    return r.status
+
+            a = asyncio.ensure_future(post("x#p", 36))
+            await eventually(lambda: len(seen) == 1)
+            b = asyncio.ensure_future(post("x", 37))
+            await eventually(lambda: len(seen) == 2)
+            gates.setdefault(seen[0], asyncio.Event()).set()  # A's prefill leg answers
+            await eventually(lambda: len(decode.received) == 1)
+            assert len(flights) == 2, list(flights)  # A's decode leg and B's prefill leg
+            gates.setdefault(seen[1], asyncio.Event()).set()  # B's prefill leg answers
+            await eventually(lambda: len(decode.received) == 2)
+            assert len(flights) == 2, list(flights)  # both decode legs
+            assert decode.gate is not None
+            decode.gate.set()
+            assert await a == 200 and await b == 200
+        assert not flights
+    finally:
+        for g in gates.values():
+            g.set()
+        if decode.gate is not None:
+            decode.gate.set()
+        await router.cleanup()
+        await runner.cleanup()
+        await decode.stop()

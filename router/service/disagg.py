@@ -455,6 +455,9 @@ async def serve(
         # (connector request_finished); another one would read freed blocks
         retry_body=body,
         since=started,
+        # the decode replica computes none of the prompt it pulls: its first byte is not
+        # predicted as a prefill of it (deadline, latency sample), as its load is not
+        transfer_s=None if params is None else pick.transfer_s,
     )
 
 

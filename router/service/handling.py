@@ -253,10 +253,14 @@ def unique_in_flight(state: RouterState, request_id: str) -> str:
     taking over the other request's accounting. The replica sees that id too. A disaggregated
     request's prefill leg is in flight as ``<id>#p`` (router/service/disagg.py) and its
     replica gets ``<id>``: that counts too (:func:`in_flight`), as does an id admission
-    holds or has not released yet (router/service/admission.py ``taken``). Call it right
-    before routing (no ``await`` in between)."""
-    if in_flight(state, request_id) or (
-        state.admission is not None and state.admission.taken(request_id)
+    holds or has not released yet (router/service/admission.py ``taken``), and so does a
+    request ``<id>#p`` in its prefill leg (``<id>#p#p``): its decode leg will be ``<id>#p``,
+    this request's own prefill leg, and the load tracker keeps one record per id. Call it
+    right before routing (no ``await`` in between)."""
+    if (
+        in_flight(state, request_id)
+        or state.load.replica_of(request_id + "#p#p") is not None
+        or (state.admission is not None and state.admission.taken(request_id))
     ):
         request_id = f"{request_id}-{_ids.next()[:8]}"
     return request_id

@@ -211,6 +211,7 @@ class Forwarder:
         anthropic: bool = False,
         record_ids: bool = False,
         since: float | None = None,
+        transfer_s: float | None = None,
     ) -> None:
         """``stream``: the client asked for one (the parsed body's top-level ``stream``; an
         answer that is not a stream has its decode inside the first-byte deadline).
@@ -225,7 +226,11 @@ class Forwarder:
         that made it (router/service/response_ids.py). ``since``: when the request was
         dispatched, which its TTFT, SLO and trace are timed from (default: now; a request
         held by SLO-aware admission is timed from its arrival, as its deadline is; a
-        disaggregated request's decode leg from its prefill leg's dispatch)."""
+        disaggregated request's decode leg from its prefill leg's dispatch). ``transfer_s``:
+        ``body`` carries a prompt computed elsewhere (a decode leg's ``kv_transfer_params``),
+        pulled in about that many seconds: an attempt that sends it is predicted no prefill
+        of the prompt (its first byte: the prefill queued there and the transfer), as its
+        dispatch recorded it; ``retry_body`` is prefilled where it goes."""
         state = self.state
         model = routed.request.model
         mm = state.metrics.model(model)
@@ -261,15 +266,19 @@ class Forwarder:
                 if key != routed.decision.replica:  # a retry: the request's record moves
                     self.budget.spend(now)
                     dispatch = state.retried(routed, key, now)
-                sent = retry_body if reached and retry_body is not None else body
+                retrying = reached and retry_body is not None
+                sent = retry_body if retrying and retry_body is not None else body
                 head = request_head(
                     path, self._host(ep.base_url), client_headers, rid_b, ep.dp_rank, len(sent)
                 )
-                usable = routed.decision.usable_tokens if i == 0 else 0
+                prompt = routed.request.prompt_tokens
+                pulled = transfer_s is not None and not retrying  # the prompt comes computed
+                usable = prompt if pulled else (routed.decision.usable_tokens if i == 0 else 0)
                 expect = self.expected_first_byte(
-                    key, now, routed.request.prompt_tokens, usable, stream,
-                    routed.request.max_output_tokens,
-                )  # fmt: skip
+                    key, now, prompt, usable, stream, routed.request.max_output_tokens
+                )
+                if pulled and transfer_s is not None:
+                    expect += transfer_s
                 # the attempt's deadline is its token: an ejection for latency moves it to now
                 # (the exchange keeps the deadline too: a cancellation can be lost)
                 wait = self.deadline(expect)
