@@ -243,6 +243,8 @@ def test_roles_in_config_and_registrations() -> None:
         _settings([{"url": "http://a:1", "model": MODEL, "role": "router"}])
     with pytest.raises(ConfigError, match="pd"):
         build_settings({"models": {MODEL: {"pd": {"mode": "auto", "bogus": 1}}}})
+    # off: served as a model without a pd table, every replica routable whatever its role
+    # (docs/pd.md); the simulator's --pd off gives every replica the role both
     off = build_settings({"models": {MODEL: {"pd": {"mode": "off"}}}})
     assert off.models[MODEL].pd is None
 

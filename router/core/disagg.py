@@ -11,7 +11,8 @@ with the answer's ``kv_transfer_params`` and pulls the blocks it does not hold i
 
 The decision (:meth:`Disaggregator.plan`), per request, under ``mode``:
 
-* ``off``: never; the policy routes among the replicas that can decode.
+* ``off``: never; the policy routes among the replicas that can decode (the service
+  builds no Disaggregator for such a model: it routes among all replicas, roles ignored).
 * ``always``: always, whenever a prefill replica and a decode replica exist.
 * ``auto``: remote prefill only when it pays: at least ``min_uncached_tokens`` of the prompt
   are not usable-cached where it would run locally, the local usable hit is at most
