@@ -219,6 +219,35 @@ async def test_direct_mode_follows_every_dp_rank(
         await direct.stop()
 
 
+async def test_a_payload_naming_a_rank_not_followed_is_filed_under_its_endpoints(
+    engine_name: str, engines: list[RefEngine]
+) -> None:
+    """An engine started as data-parallel rank 2 of a larger group but routed to as a replica
+    of its own (vLLM's external load balancing: one API server per rank) publishes on its
+    port + 2 with rank 2 in every payload. Followed at that endpoint as the replica's only
+    rank (0), its blocks are that rank's: the router routes to rank 0 alone, and a key for
+    rank 2 would be one nobody routes to (the replica would look cold for ever)."""
+    ports = Ports(ranks=3)
+    eng = RefEngine(engine_name, ports.pub, ports.replay, dp_rank=2)
+    engines.append(eng)
+    index = PrefixIndex()
+    direct = DirectEvents(index)
+    specs = engine_endpoints(
+        [f"tcp://127.0.0.1:{ports.pub + 2}"], [f"tcp://127.0.0.1:{ports.replay + 2}"], [0]
+    )
+    direct.add_replica("eng", MODEL, B, specs)
+    await direct.start()
+    try:
+        await _until_live(direct, [eng])
+        tokens = eng.prompt(6)
+        eng.publish(eng.stored(tokens))
+        want = canonical(tokens)
+        await eventually(lambda: index.match(want).get(ReplicaKey("eng", 0)).kv_blocks == 3)
+        assert index.replicas() == [ReplicaKey("eng", 0)]
+    finally:
+        await direct.stop()
+
+
 async def test_direct_mode_routes_a_sliding_window_model_on_complete_windows(
     engines: list[RefEngine],
 ) -> None:
@@ -306,6 +335,39 @@ async def test_redis_mode_replays_history_refills_gaps_and_follows_ranks(
         )
         assert publisher.ingest.stats.lost_batches == 0
         assert index.match(canonical(history)).get(ReplicaKey("eng", 1)).kv_blocks == 2
+    finally:
+        await sync.stop()
+        await publisher.stop()
+    await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("engine_name", ["vllm-0.33.0", "sglang-0.5.23"])
+async def test_the_publisher_files_a_foreign_rank_under_its_endpoints(
+    engine_name: str, engines: list[RefEngine], store: RedisStore
+) -> None:
+    """The sidecar, as the direct mode: a payload naming rank 2 from the endpoint of the
+    replica's only rank is written to that rank's keys (``kv:0``), which routers read."""
+    ports = Ports(ranks=3)
+    eng = RefEngine(engine_name, ports.pub, ports.replay, dp_rank=2)
+    engines.append(eng)
+    tokens = eng.prompt(6)
+    eng.publish(eng.stored(tokens))
+    eng.wait_sent()
+    info = ReplicaInfo("eng", url="http://eng", model=MODEL, dp_ranks=(0,), block_size=B)
+    specs = engine_endpoints(
+        [f"tcp://127.0.0.1:{ports.pub + 2}"], [f"tcp://127.0.0.1:{ports.replay + 2}"], [0]
+    )
+    settings = PublisherSettings(info=info, endpoints=specs, flush_interval_s=0.01)
+    publisher = Publisher(settings, store)
+    index = PrefixIndex()
+    sync = IndexSync(store, index, audit_interval_s=0.1, block_s=0.05)
+    await publisher.start()
+    await sync.start()
+    try:
+        want = canonical(tokens)
+        await eventually(lambda: index.match(want).get(ReplicaKey("eng", 0)).kv_blocks == 3)
+        assert list(publisher.writer.states) == [ReplicaKey("eng", 0)]
+        assert publisher.ingest.stats.foreign_rank_batches >= 1
     finally:
         await sync.stop()
         await publisher.stop()

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 @dataclass(slots=True, frozen=True)
 class EndpointSpec:
-    """One engine event endpoint. ``dp_rank`` is used when payloads carry no rank."""
+    """One engine event endpoint. ``dp_rank``: the rank its batches are filed under when
+    their payload names none, or a rank the replica's endpoints do not
+    (router/events/ingest.py)."""
 
     endpoint: str
     replay_endpoint: str | None = None

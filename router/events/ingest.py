@@ -1,6 +1,11 @@
 """``EngineIngest``: one engine's event endpoints -> canonical index events per replica key.
 
 payload -> ``decode_payload`` -> per data-parallel rank ``Reblocker`` -> ``sink(key, events)``.
+A batch is filed under the rank its payload names when that is a rank the ingest follows (an
+endpoint's ``EndpointSpec.dp_rank``), else under the rank of the endpoint it came from: an
+engine numbered within a larger data-parallel group but routed to as a replica of its own
+(e.g. one API server a rank behind vLLM's external load balancing) names a rank no router
+routes to.
 Lost batches (a gap the replay could not fill) and engine restarts clear that engine's
 state: a ``AllCleared`` goes to the sink for every rank the endpoint served. Malformed
 payloads and events are counted in ``stats`` and skipped; the sink is never called with
@@ -45,6 +50,8 @@ class IngestStats:
     malformed_events: int = 0
     lost_batches: int = 0
     restarts: int = 0
+    # batches naming a rank not followed, filed under their endpoint's rank instead
+    foreign_rank_batches: int = 0
     last_errors: list[str] = field(default_factory=list)
 
     def note(self, errors: Sequence[str]) -> None:
@@ -81,6 +88,11 @@ class EngineIngest:
         self.reblockers: dict[int, Reblocker] = {}
         self.stats = IngestStats()
         self._ranks_of: dict[str, set[int]] = {}
+        # the ranks of the endpoints subscribed to (``subscriber``): a payload naming another
+        # is filed under its endpoint's rank (module docstring); the pairs (source, rank)
+        # warned about
+        self._followed: set[int] = set()
+        self._foreign: set[tuple[str, int]] = set()
 
     def not_indexed(self) -> dict[str, int]:
         """Engine blocks of every rank stored but not indexed, by reason
@@ -114,7 +126,11 @@ class EngineIngest:
         if not (facts.lookahead_tokens and facts.names_groups):
             self._learn_facts(result.batch.events)
         rank = result.batch.data_parallel_rank
-        rank = default_rank if rank is None else rank
+        if rank is None:
+            rank = default_rank
+        elif rank != default_rank and self._followed and rank not in self._followed:
+            self._foreign_rank(source, rank, default_rank)
+            rank = default_rank
         self._ranks_of.setdefault(source, set()).add(rank)
         rb = self.reblocker(rank)
         before = rb.stats.bad_event
@@ -127,6 +143,17 @@ class EngineIngest:
             self.sink(key, events)
             if self.on_batch is not None and result.batch.ts > 0:
                 self.on_batch(key, result.batch.ts)
+
+    def _foreign_rank(self, source: str, rank: int, endpoint_rank: int) -> None:
+        self.stats.foreign_rank_batches += 1
+        if (source, rank) not in self._foreign and len(self._foreign) < 64:
+            self._foreign.add((source, rank))
+            log.warning(
+                "KV events from %s name data-parallel rank %d, which replica %s does not have "
+                "(its ranks: %s): filed under the endpoint's rank %d",
+                source or "engine", rank, self.replica,
+                " ".join(map(str, sorted(self._followed))), endpoint_rank,
+            )  # fmt: skip
 
     def _learn_facts(self, events: Sequence[EngineEvent]) -> None:
         old = facts = self.facts
@@ -151,13 +178,18 @@ class EngineIngest:
     def clear(self, ranks: Iterable[int] = ()) -> None:
         """Forget every source (the engine restarted elsewhere, its cache new): the state
         of each of ``ranks`` and of every rank a payload named is cleared, as for a source
-        that restarted (``reset_source``)."""
+        that restarted (``reset_source``). The ranks followed are those of the subscribers
+        made from then on."""
         for rank in sorted({*ranks, *self.reblockers}):
             self.reblocker(rank).clear()
             self.sink(ReplicaKey(self.replica, rank), [AllCleared()])
         self._ranks_of.clear()
+        self._followed.clear()  # the next endpoints' subscribers name theirs
+        self._foreign.clear()
 
     def subscriber(self, spec: EndpointSpec) -> ZmqEventSubscriber:
+        self._followed.add(spec.dp_rank)
+
         def on_payload(seq: int, payload: bytes) -> None:
             self.handle_payload(payload, spec.dp_rank, spec.endpoint)
 

@@ -452,6 +452,11 @@ class PublisherCollector:
                 "event batches lost beyond replay",
                 ing.lost_batches,
             ),
+            "kvrouter_publisher_foreign_rank_batches": (
+                "batches naming a data-parallel rank not followed (filed under their "
+                "endpoint's rank)",
+                ing.foreign_rank_batches,
+            ),
             "kvrouter_publisher_subscriber_restarts": (
                 "KV event subscribers restarted after failing",
                 p.subscriber_restarts,
