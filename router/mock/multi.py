@@ -1,6 +1,7 @@
 """Chat and completion requests of several sequences, served as vLLM 0.34 serves them: ``n``
 > 1 samples of a prompt, and a ``/v1/completions`` batch (``prompt`` a list of strings or
-of token-id lists). One sequence of one prompt is router/mock/server.py's own path.
+of token-id lists). One sequence of one prompt is router/mock/server.py's own path; both
+write their answers with router/mock/openai_answer.py.
 
 The engine (vLLM 0.34 ``completion/serving.py``, ``chat_completion/serving.py``,
 ``v1/engine/async_llm.py``, ``parallel_sampling.py``):
@@ -41,9 +42,8 @@ sequence the engine cannot hold (the whole request).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,10 +51,12 @@ from aiohttp import web
 
 from router.core.errors import BadRequest
 from router.mock import logprobs as lp
+from router.mock import openai_answer as oa
 from router.mock import pd
 from router.mock.driver import EngineFailed
 from router.mock.preprocess import error_response as _error
-from router.mock.server import MockState, _usage, _word, end_stream, engine_request
+from router.mock.request import engine_request
+from router.mock.server import MockState
 from router.tokenize.lax import lax_int
 from router.tokenize.request_fields import MAX_SAMPLES
 from sim.engine import EngineRequest, sampled
@@ -123,11 +125,13 @@ def prepare(state: MockState, body: dict[str, Any], kind: str) -> Many | None:
 
 @dataclass(slots=True)
 class _Seq:
-    """One sequence's progress: its choice ``index``, prompt, tokens so far and timings."""
+    """One sequence's progress: its choice ``index``, prompt, streamed chunks, tokens so far
+    and timings."""
 
     index: int
     prompt: Prompt
     req: EngineRequest
+    chunks: oa.ChoiceStream
     words: list[str] = field(default_factory=list)
     cached: int = 0
     kv_hit: int = 0
@@ -136,8 +140,6 @@ class _Seq:
     model_ttft_s: float = 0.0
     finish: str | None = None
     done: bool = False  # finished or rejected: nothing to cancel
-    offset: int = 0  # completions' streamed text offset (logprobs' ``text_offset``)
-    echoed: bool = False
 
 
 async def serve(
@@ -153,100 +155,33 @@ async def serve(
     chat = kind == "chat"
     clock = asyncio.get_running_loop().time
     driver = state.driver
-    seqs = [
-        _Seq(i * many.samples + j, p, r)
-        for i, p in enumerate(many.prompts)
-        for j, r in enumerate(p.sequences)
-    ]
-    by_id = {s.req.request_id: s for s in seqs}
-    created = int(time.time())
-    model = state.settings.model
-    object_type = "chat.completion" if chat else "text_completion"
-    continuous = bool(opts.get("include_usage") and opts.get("continuous_usage_stats"))
-    with_logprobs = lp.asks_logprobs(body, chat)
     echoes = lp.echoes(body)
-    echo_logprobs = with_logprobs and not chat and echoes
+    with_logprobs = lp.asks_logprobs(body, chat)
     decode = state.tokenizer.decode
+    answer = oa.Answer(
+        answer_id,
+        chat,
+        int(time.time()),
+        state.settings.model,
+        decode,
+        with_logprobs=with_logprobs,
+        echo_logprobs=with_logprobs and not chat and echoes,
+        continuous=bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
+    )
 
     def echo_of(p: Prompt) -> str:
         if not echoes:
             return ""
         return lp.chat_echo(p.body) if chat else lp.completion_echo(p.body, p.tokens, decode)
 
-    def sse(obj: dict[str, Any]) -> bytes:
-        return f"data: {json.dumps(obj)}\n\n".encode()
-
-    def chunk(choice: dict[str, Any], usage: dict[str, Any] | None) -> bytes:
-        obj: dict[str, Any] = {
-            "id": answer_id,
-            "object": f"{object_type}.chunk" if chat else object_type,
-            "created": created,
-            "model": model,
-            "choices": [choice],
-        }
-        if usage is not None:
-            obj["usage"] = usage
-        return sse(obj)
-
-    def running_usage(s: _Seq) -> dict[str, Any] | None:
-        if not continuous:
-            return None
-        prompt, produced = len(s.prompt.tokens), len(s.words)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": produced,
-            "total_tokens": prompt + produced,
-        }
-
-    def tokens_chunk(s: _Seq, new: list[str]) -> bytes:
-        """A chunk of ``new`` tokens of sequence ``s`` (its first: after its echo)."""
-        text = "".join(new)
-        logprobs = None
-        first = not s.echoed
-        s.echoed = True
-        if with_logprobs:
-            if first and echo_logprobs:
-                logprobs = lp.echoed(s.prompt.tokens, decode, new)
-                s.offset += len("".join(logprobs["tokens"]))
-            else:
-                logprobs = lp.sampled(new, chat, s.offset)
-                s.offset += len(text)
-        if chat:
-            return chunk(
-                {"index": s.index, "delta": {"content": text}, "logprobs": logprobs}
-                | {"finish_reason": None},
-                running_usage(s),
-            )
-        if first and echoes:
-            text = echo_of(s.prompt) + text
-        choice = {"index": s.index, "text": text, "logprobs": logprobs}
-        return chunk(choice | {"finish_reason": None, "stop_reason": None}, running_usage(s))
-
-    def finish_chunk(s: _Seq) -> bytes:
-        if chat:
-            choice = {"index": s.index, "delta": {}, "logprobs": None}
-        else:
-            choice = {"index": s.index, "text": "", "logprobs": None}
-        return chunk(choice | {"finish_reason": s.finish, "stop_reason": None}, running_usage(s))
-
-    def opening(cached: int) -> bytes:
-        """Chat's first chunks: every choice's role, then its echo (vLLM's first output)."""
-        prompt = len(seqs[0].prompt.tokens)
-        echo = echo_of(seqs[0].prompt)
-        deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
-        deltas += [{"content": echo}] if echo else []
-        out = b""
-        for k, delta in enumerate(deltas):
-            for s in seqs:
-                used: dict[str, Any] | None = None
-                if continuous:
-                    used = {"prompt_tokens": prompt, "completion_tokens": 0}
-                    used["total_tokens"] = prompt
-                    if k == 0:  # vLLM: the role chunks' usage has the prompt's split
-                        used["prompt_tokens_details"] = {"cached_tokens": cached}
-                choice = {"index": s.index, "delta": delta, "logprobs": None, "finish_reason": None}
-                out += chunk(choice, used)
-        return out
+    # chat's echo comes in its opening chunks, completions' before each choice's tokens
+    seqs: list[_Seq] = []
+    for i, p in enumerate(many.prompts):
+        echo = "" if chat else echo_of(p)  # once a prompt: its samples share it
+        for j, r in enumerate(p.sequences):
+            index = i * many.samples + j
+            seqs.append(_Seq(index, p, r, oa.ChoiceStream(answer, index, p.tokens, echo)))
+    by_id = {s.req.request_id: s for s in seqs}
 
     queue: asyncio.Queue[Any] = asyncio.Queue()
     response: web.StreamResponse | None = None
@@ -276,9 +211,7 @@ async def serve(
                 reason = f"request cannot be served: {out.reason}"
                 if response is None:
                     return _error(400, reason)
-                error: dict[str, Any] = {"message": reason, "type": "BadRequestError"}
-                error |= {"param": None, "code": 400}
-                await response.write(sse({"error": error}) + b"data: [DONE]\n\n")
+                await response.write(oa.stream_error(reason))
                 await response.write_eof()
                 return response
             if name == "FirstToken":
@@ -286,7 +219,7 @@ async def serve(
                 s.queued_s = out.queued_s * driver.time_scale
                 s.model_ttft_s = (out.time - submitted) * driver.time_scale
                 s.cached, s.kv_hit = out.cached_tokens, out.kv_hit_tokens
-                s.words.append(_word(0))
+                s.words.append(oa.word(0))
                 if first is None:
                     first = s
                 if stream:
@@ -299,19 +232,28 @@ async def serve(
                         )
                         await response.prepare(request)
                         if chat:
-                            await response.write(opening(s.cached))
-                    await response.write(tokens_chunk(s, [_word(0)]))
+                            first_prompt = seqs[0].prompt
+                            await response.write(
+                                answer.opening(
+                                    [t.index for t in seqs],
+                                    len(first_prompt.tokens),
+                                    s.cached,
+                                    echo_of(first_prompt),
+                                )
+                            )
+                    await response.write(s.chunks.tokens([oa.word(0)], len(s.words)))
             elif name == "TokensEmitted":
                 produced = len(s.words)
-                new = [_word(produced + i) for i in range(out.count)]
+                new = [oa.word(produced + i) for i in range(out.count)]
                 s.words.extend(new)
                 if response is not None:
-                    await response.write(tokens_chunk(s, new))
+                    await response.write(s.chunks.tokens(new, len(s.words)))
             elif name == "Finished":
                 running -= 1
                 s.done = True
                 produced = len(s.words)
-                s.finish = "length" if produced >= s.req.max_output_tokens else "stop"
+                finish = "length" if produced >= s.req.max_output_tokens else "stop"
+                s.finish = finish
                 last[s.index // many.samples] = s
                 req = s.req
                 c.requests += 1
@@ -323,7 +265,7 @@ async def serve(
                 state.latency.observe(s.first_at - arrived, clock() - arrived, s.queued_s, produced)
                 c.model_ttft_s += s.model_ttft_s
                 if response is not None:
-                    await response.write(finish_chunk(s))
+                    await response.write(s.chunks.finish(finish, produced))
     except EngineFailed as exc:
         if response is not None:
             raise  # the stream breaks off: the client sees an incomplete answer
@@ -336,7 +278,7 @@ async def serve(
     assert told is not None
     ebs = state.settings.engine_block_size
     made = max(0, len(told.prompt.tokens) // ebs * ebs - told.cached) if chat else None
-    usage = _usage(
+    usage = oa.usage(
         sum(len(p.tokens) for p in many.prompts),
         told.cached,
         sum(len(s.words) for s in seqs),
@@ -344,69 +286,30 @@ async def serve(
         made,
     )
     if response is not None:
-        ids = (answer_id, f"{object_type}.chunk" if chat else object_type, created, model)
-        return await end_stream(response, ids, usage if opts.get("include_usage") else None)
-    return web.json_response(
-        _answer(many, seqs, answer_id, created, usage, with_logprobs, echo_logprobs, echo_of)
-    )
+        return await oa.end_stream(response, answer, usage if opts.get("include_usage") else None)
+    return web.json_response(_answer(many, seqs, answer, usage, echo_of))
 
 
 def _answer(
     many: Many,
     seqs: list[_Seq],
-    answer_id: str,
-    created: int,
+    answer: oa.Answer,
     usage: dict[str, Any],
-    with_logprobs: bool,
-    echo_logprobs: bool,
-    echo_of: Any,
+    echo_of: Callable[[Prompt], str],
 ) -> dict[str, Any]:
-    """The whole answer, every field of vLLM's ChatCompletionResponse / CompletionResponse
-    as it dumps them (as router/mock/server.py answers one sequence)."""
-    chat = many.kind == "chat"
+    """The whole answer: a choice per sequence (module doc)."""
     decode = many.state.tokenizer.decode
     choices: list[dict[str, Any]] = []
     for s in seqs:
         text = echo_of(s.prompt) + "".join(s.words)
-        logprobs: dict[str, Any] | None = None
-        if with_logprobs:
-            logprobs = (
-                lp.echoed(s.prompt.tokens, decode, s.words)
-                if echo_logprobs
-                else lp.sampled(s.words, chat)
-            )
-        if chat:
-            message = {"role": "assistant", "content": text, "refusal": None, "audio": None}
-            message |= {"function_call": None, "reasoning": None}
-            choice: dict[str, Any] = {"index": s.index, "message": message, "logprobs": logprobs}
-        else:
-            choice = {"index": s.index, "text": text, "logprobs": logprobs}
-        choice |= {"finish_reason": s.finish, "stop_reason": None, "token_ids": None}
-        if not chat:
-            entries = None if s.req.reads_cache else lp.prompt_entries(s.prompt.tokens, decode)
-            choice |= {"prompt_logprobs": entries, "prompt_token_ids": None}
-        choice |= {"routed_experts": None, "weight_versions": None}
-        choices.append(choice)
-    extra: dict[str, Any] = {}
-    if chat:
+        entries = None
+        if not answer.chat and not s.req.reads_cache:  # completions': the choice's own
+            entries = lp.prompt_entries(s.prompt.tokens, decode)
+        logprobs = answer.logprobs(s.prompt.tokens, s.words)
+        choices.append(answer.choice(s.index, text, logprobs, s.finish, entries))
+    prompt_logprobs = None
+    if answer.chat:  # chat's: the answer's, its first prompt's
         first = many.prompts[0]
-        reads = first.sequences[0].reads_cache
-        extra = {
-            "prompt_logprobs": None if reads else lp.prompt_entries(first.tokens, decode),
-            "prompt_token_ids": None,
-            "prompt_text": None,
-        }
-    return {
-        "id": answer_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": many.state.settings.model,
-        "choices": choices,
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": usage,
-        "kv_transfer_params": None,
-        "ec_transfer_params": None,
-        "metrics": None,
-        **extra,
-    }
+        if not first.sequences[0].reads_cache:
+            prompt_logprobs = lp.prompt_entries(first.tokens, decode)
+    return answer.body(choices, usage, prompt_logprobs)

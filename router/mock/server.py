@@ -3,7 +3,8 @@
 ``create_app(settings)`` builds the aiohttp application; its ``cleanup_ctx`` starts the
 engine driver and the KV-event publisher (vLLM wire format over ZMQ). Endpoints:
 ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not, ``n`` > 1 and
-completion batches as vLLM serves them: router/mock/multi.py; every field of
+completion batches as vLLM serves them: router/mock/multi.py; the answers' bodies and
+chunks for one sequence and several: router/mock/openai_answer.py; every field of
 vLLM 0.34's answers, ``usage`` with ``prompt_tokens_details.cached_tokens``,
 ``stream_options.include_usage`` and ``continuous_usage_stats``, the filler's logprobs,
 prompt logprobs and ``echo`` when asked (router/mock/logprobs.py), vLLM's error types and
@@ -26,7 +27,8 @@ Prefill/decode disaggregation: vLLM's ``kv_transfer_params`` protocol, either ro
 KV and recurrent-state pull timed by the link between the two replicas' sites
 (router/mock/pd.py).
 
-Prompts are tokenized by a ``MockTokenizer`` and hashed exactly as the router hashes them
+Prompts are tokenized by a ``MockTokenizer`` (router/mock/request.py reads a request as the
+engine sees it) and hashed exactly as the router hashes them
 (``root_hash(model, cache_salt)``, the router's block size), so hits are real; the answer is
 filler text, one word per token, timed by the engine model (TTFT, inter-token gaps). Should
 the engine model raise, the requests in flight and every later one get HTTP 500 naming the
@@ -53,12 +55,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from router import jsonload
 from router.core.errors import BadRequest
-from router.core.hashing import hash_prompt, root_hash
 from router.core.types import IndexEvent, ReplicaKey
 from router.events.discovery import SOURCES_PATH
 from router.events.zmq_pub import KVEventPublisher
 from router.mock import anthropic, pd
 from router.mock import logprobs as lp
+from router.mock import openai_answer as oa
+from router.mock import request as rq
 from router.mock import responses as resp
 from router.mock.driver import EngineDriver, EngineFailed
 from router.mock.faults import FaultMode
@@ -69,7 +72,6 @@ from router.mock.preprocess import ModelNotServed, handlers, not_served
 from router.mock.preprocess import error_response as _error
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
 from router.service.model_card import model_card
-from router.tokenize.anthropic import to_chat_body
 from router.tokenize.responses import stores
 
 log = logging.getLogger(__name__)
@@ -145,26 +147,6 @@ class MockState:
 STATE = web.AppKey("mock_state", MockState)
 
 
-def _max_tokens(body: Mapping[str, Any], settings: MockSettings, kind: str, prompt: int) -> int:
-    """The output budget: chat's ``max_completion_tokens`` else ``max_tokens`` (vLLM's
-    order; completions have only ``max_tokens``), the Responses API's
-    ``max_output_tokens``; at most what the context leaves (vLLM's ``get_max_tokens``)."""
-    value = body.get("max_completion_tokens") if kind == "chat" else None
-    if value is None:
-        value = body.get("max_tokens")
-    if value is None:
-        value = body.get("max_output_tokens")  # the Responses API's
-    if value is None:
-        value = settings.default_max_tokens
-    elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise BadRequest("'max_tokens' must be a positive integer")
-    return max(1, min(value, settings.max_model_len - prompt))
-
-
-def _word(i: int) -> str:
-    return f" tok{i % 1000}"
-
-
 class _Collector:
     def __init__(self, state: MockState) -> None:
         self.state = state
@@ -215,23 +197,6 @@ class _Collector:
         yield from s.latency.families(labels, lv)
 
 
-def tokens_of(
-    tokenizer: MockTokenizer,
-    kind: str,
-    body: dict[str, Any],
-    store: resp.ResponseStore | None = None,
-) -> list[int]:
-    """The prompt's token ids of a body of ``kind`` (``chat``, ``completion``, ``messages``:
-    an Anthropic body, rendered as its chat conversion; ``responses``: a Responses API body,
-    likewise, with the history of its previous response in ``store``)."""
-    if kind == "responses":
-        chat = resp.chat_body(store or resp.ResponseStore(), body)
-        return tokenizer.chat(chat, from_responses=True)
-    if kind == "messages":
-        return tokenizer.chat(to_chat_body(body).body)
-    return tokenizer.chat(body) if kind == "chat" else tokenizer.completion(body)
-
-
 async def _read(request: web.Request) -> tuple[MockState, dict[str, Any]]:
     """The request's body, a JSON object naming the model served."""
     state = request.app[STATE]
@@ -245,96 +210,6 @@ async def _read(request: web.Request) -> tuple[MockState, dict[str, Any]]:
     if error is not None:
         raise error
     return state, body
-
-
-def engine_request(state: MockState, body: dict[str, Any], kind: str) -> tuple[Any, list[int]]:
-    """The engine request of ``body``'s prompt (one prompt: a batch's is its own body) and
-    the prompt's token ids; BadRequest as vLLM refuses the prompt or the request."""
-    try:
-        tokens = tokens_of(state.tokenizer, kind, body, state.responses)
-    except UnicodeEncodeError:  # a lone surrogate (``"\ud800"``): no text to tokenize
-        raise BadRequest("the prompt is not valid Unicode text (a lone surrogate)") from None
-    if not tokens:
-        raise BadRequest("the prompt is empty")
-    limit = state.settings.max_model_len
-    if len(tokens) > limit:  # vLLM's words (TokenizeParams._token_len_check)
-        raise BadRequest(
-            f"This model's maximum context length is {limit} tokens. However, your prompt "
-            f"contains {len(tokens)} input tokens, which exceeds this limit even without any "
-            "output tokens. Please reduce the length of the input prompt."
-        )
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        # vLLM's words (protocol.py, check_cache_salt_support)
-        raise BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
-    hashes = hash_prompt(tokens, state.settings.block_size, root_hash(state.settings.model, salt))
-    state.encoder.learn(hashes.hashes, tokens, salt)
-    from sim.engine import EngineRequest  # the mock is the simulator's engine on a wall clock
-
-    prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "messages": "msg_", "responses": "resp_"}[
-        kind
-    ]
-    req = EngineRequest(
-        request_id=f"{prefix}{uuid.uuid4().hex[:20]}",
-        block_hashes=hashes.hashes,
-        prompt_tokens=len(tokens),
-        max_output_tokens=_max_tokens(body, state.settings, kind, len(tokens)),
-        reads_cache=not lp.check(body, kind),
-        priority=_priority(body),
-    )
-    return req, tokens
-
-
-def _priority(body: dict[str, Any]) -> int:
-    """The request's ``priority`` (vLLM's field: an int, lower first; default 0), which an
-    engine run with ``--scheduling-policy priority`` orders its queue by."""
-    if "priority" not in body:
-        return 0
-    value = body["priority"]  # read as vLLM's pydantic model does (lax mode): 1.0, "3", true
-    integral = isinstance(value, bool) or (isinstance(value, float) and value.is_integer())
-    if integral or (isinstance(value, str) and value.strip().lstrip("+-").isdigit()):
-        value = int(value)
-    if type(value) is not int or not -(2**63) <= value < 2**63:
-        raise BadRequest("priority: Input should be a valid integer")
-    return value
-
-
-def _answer_id(request: web.Request, body: Mapping[str, Any], kind: str) -> str:
-    """The id vLLM gives the answer (``_base_request_id``): ``chatcmpl-`` (chat and, carried
-    over, the Anthropic answer) or ``cmpl-`` + the ``X-Request-Id`` header, else the body's
-    ``request_id``, else a random one; the Responses API's is the body's ``request_id``
-    (``resp_`` + random by default). The engine's own id stays unique: a client may send one
-    id with concurrent requests."""
-    given = body.get("request_id")
-    given = given if isinstance(given, str) else None
-    if kind == "responses":
-        return given or f"resp_{uuid.uuid4().hex}"
-    header = request.headers.get("X-Request-Id")
-    base = header if header is not None else given or uuid.uuid4().hex
-    return f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{base}"
-
-
-async def end_stream(
-    response: web.StreamResponse,
-    ids: tuple[str, str, int, str],
-    usage: dict[str, Any] | None,
-) -> web.StreamResponse:
-    """End an OpenAI stream: its usage chunk (``include_usage``: ``usage`` not None), then
-    ``[DONE]``. ``ids``: the chunks' id, object, created and model."""
-    if usage is not None:
-        answer_id, object_type, created, model = ids
-        obj = {
-            "id": answer_id,
-            "object": object_type,
-            "created": created,
-            "model": model,
-            "choices": [],
-            "usage": _without_nulls(usage),
-        }
-        await response.write(f"data: {json.dumps(obj)}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
 
 
 async def _outputs(state: MockState, req: Any) -> AsyncIterator[Any]:
@@ -355,34 +230,6 @@ async def _outputs(state: MockState, req: Any) -> AsyncIterator[Any]:
             state.driver.cancel(req.request_id)
 
 
-def _usage(
-    prompt: int, cached: int, completion: int, kv_hit: int | None, created: int | None = None
-) -> dict[str, Any]:
-    """vLLM's ``UsageInfo`` as it dumps it (``--enable-prompt-tokens-details``): ``created``
-    is chat's ``created_cache_tokens`` (None on completions, as vLLM leaves it)."""
-    details: dict[str, Any] = {
-        "cached_tokens": cached,
-        "created_cache_tokens": created,
-        "multimodal_tokens": None,
-    }
-    if kv_hit is not None:
-        details["kv_hit_tokens"] = kv_hit
-    return {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "completion_tokens": completion,
-        "prompt_tokens_details": details,
-        "completion_tokens_details": None,
-    }
-
-
-def _without_nulls(obj: dict[str, Any]) -> dict[str, Any]:
-    """``obj`` as vLLM's ``exclude_none`` dumps it (its final usage chunk)."""
-    return {
-        k: _without_nulls(v) if isinstance(v, dict) else v for k, v in obj.items() if v is not None
-    }
-
-
 async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     """Serve a completion of ``kind``: ``chat``, ``completion``, or ``messages`` (the
     Anthropic Messages API: a chat whose answer is written as vLLM writes Anthropic's,
@@ -393,7 +240,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     messages = kind == "messages"
     responses = kind == "responses"
     fail = anthropic.error if messages else _error
-    from router.mock import multi  # it serves several sequences with this module's parts
+    from router.mock import multi  # it serves several sequences (it imports MockState)
 
     try:
         state, body = await _read(request)
@@ -401,7 +248,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         req: Any = None
         prompt_ids: list[int] = []
         if many is None:
-            req, prompt_ids = engine_request(state, body, kind)
+            req, prompt_ids = rq.engine_request(state, body, kind)
         stream = body.get("stream", False)
         opts = {} if messages or responses else body.get("stream_options") or {}
         if not isinstance(stream, bool) or not isinstance(opts, dict):
@@ -416,7 +263,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     except BadRequest as exc:
         request.app[STATE].counters.bad_requests += 1
         return fail(400, str(exc))
-    answer_id = _answer_id(request, body, kind)
+    answer_id = rq.answer_id(request, body, kind)
     if many is not None:
         return await multi.serve(request, many, answer_id, stream, opts, arrived)
     params = pd.transfer_params(body)
@@ -425,15 +272,11 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         req = await _pull(state, req, params)
     created = int(time.time())
     model = state.settings.model
-    object_type = "chat.completion" if chat else "text_completion"
     cached = 0
     kv_hit = 0
     produced = 0
     finish_reason = "length"
     response: web.StreamResponse | None = None
-
-    # vLLM's continuous_usage_stats: every chunk carries the usage so far
-    continuous = bool(opts.get("include_usage") and opts.get("continuous_usage_stats"))
 
     openai_api = not (messages or responses)
     with_logprobs = openai_api and lp.asks_logprobs(body, chat)
@@ -442,59 +285,20 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     echo = ""  # the text echoed before the answer's (vLLM's ``echo``)
     if openai_api and lp.echoes(body):
         echo = lp.chat_echo(body) if chat else lp.completion_echo(body, prompt_ids, decode)
-    # completions' logprobs with echo list the prompt's tokens first
-    echo_logprobs = with_logprobs and not chat and lp.echoes(body)
-    streamed = [0]  # completions' text offset so far, for the logprobs' text_offset
-
-    def chunk(toks: list[str] | None, finish: str | None, first: bool = False) -> bytes:
-        text = None if toks is None else "".join(toks)
-        logprobs = None
-        if with_logprobs and toks:
-            if first and echo_logprobs:
-                logprobs = lp.echoed(prompt_ids, decode, toks)
-                streamed[0] += len("".join(logprobs["tokens"]))
-            else:
-                logprobs = lp.sampled(toks, chat, streamed[0])
-                streamed[0] += len(text or "")
-        if first and echo:
-            text = echo + (text or "")
-        if chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text is not None:
-                delta["content"] = text
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-            if finish is not None:
-                choice["stop_reason"] = None
-        else:
-            choice = {
-                "index": 0,
-                "text": text or "",
-                "logprobs": logprobs,
-                "finish_reason": finish,
-                "stop_reason": None,
-            }
-        obj: dict[str, Any] = {
-            "id": answer_id,
-            "object": f"{object_type}.chunk" if chat else object_type,
-            "created": created,
-            "model": model,
-            "choices": [choice],
-        }
-        if continuous:
-            used: dict[str, Any] = {
-                "prompt_tokens": req.prompt_tokens,
-                "completion_tokens": produced,
-                "total_tokens": req.prompt_tokens + produced,
-            }
-            if chat and first:  # vLLM: the first chunk's usage has the prompt's split
-                used["prompt_tokens_details"] = {"cached_tokens": cached}
-            obj["usage"] = used
-        return f"data: {json.dumps(obj)}\n\n".encode()
+    oai = oa.Answer(
+        answer_id,
+        chat,
+        created,
+        model,
+        decode,
+        with_logprobs=with_logprobs,
+        # completions' logprobs with echo list the prompt's tokens first
+        echo_logprobs=with_logprobs and not chat and lp.echoes(body),
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far
+        continuous=bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
+    )
+    # the one choice's chunks: its first names chat's role, after the echo
+    seq = oa.ChoiceStream(oai, 0, prompt_ids, echo, role=chat)
 
     words: list[str] = []
     rids = (answer_id, f"msg_{uuid.uuid4().hex}")
@@ -538,23 +342,25 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                 if response is not None and messages:
                     first = anthropic.usage(req.prompt_tokens, cached, 0)
                     start = anthropic.start_events(answer_id, model, first)
-                    await response.write(start + anthropic.text_event(_word(0)))
+                    await response.write(start + anthropic.text_event(oa.word(0)))
                 elif response is not None and responses:
-                    await response.write(writer.first_output() + writer.delta(_word(0)))
-                    words.append(_word(0))
+                    await response.write(writer.first_output() + writer.delta(oa.word(0)))
+                    words.append(oa.word(0))
                 elif response is not None:
-                    await response.write(chunk([_word(0)], None, first=True))
+                    await response.write(seq.tokens([oa.word(0)], produced, cached))
                 else:
-                    words.append(_word(0))
+                    words.append(oa.word(0))
             elif name == "TokensEmitted":
-                new = [_word(produced + i) for i in range(out.count)]
+                new = [oa.word(produced + i) for i in range(out.count)]
                 produced += out.count
                 if response is not None and responses:
                     await response.write(writer.delta("".join(new)))
                     words.extend(new)
                 elif response is not None:
                     await response.write(
-                        anthropic.text_event("".join(new)) if messages else chunk(new, None)
+                        anthropic.text_event("".join(new))
+                        if messages
+                        else seq.tokens(new, produced)
                     )
                 else:
                     words.extend(new)
@@ -583,7 +389,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     # chat's created_cache_tokens: the prompt's full engine blocks it computed (vLLM's
     # PrefillStats.num_cache_creation_tokens)
     made = max(0, req.prompt_tokens // ebs * ebs - cached) if chat else None
-    usage = _usage(req.prompt_tokens, cached, produced, kv_hit if hybrid else None, made)
+    usage = oa.usage(req.prompt_tokens, cached, produced, kv_hit if hybrid else None, made)
     # a prefill leg's answer names its blocks for the decode leg, on every API (vLLM's)
     transfer: dict[str, Any] | None = None
     if prefill_leg:
@@ -629,66 +435,11 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             answer["kv_transfer_params"] = transfer
         return web.json_response(answer)
     if response is not None:
-        await response.write(chunk(None if chat else [], finish_reason))
-        ids = (answer_id, f"{object_type}.chunk" if chat else object_type, created, model)
-        return await end_stream(response, ids, usage if opts.get("include_usage") else None)
+        await response.write(seq.finish(finish_reason, produced))
+        return await oa.end_stream(response, oai, usage if opts.get("include_usage") else None)
     text = echo + "".join(words)
-    logprobs: dict[str, Any] | None = None
-    if with_logprobs:
-        logprobs = (
-            lp.echoed(prompt_ids, decode, words) if echo_logprobs else lp.sampled(words, chat)
-        )
-    extra: dict[str, Any] = {}
-    if transfer is not None:
-        extra["kv_transfer_params"] = transfer
-    # every field of vLLM's ChatCompletionResponse / CompletionResponse as it dumps them
-    if chat:
-        message = {"role": "assistant", "content": text, "refusal": None, "audio": None}
-        message |= {"function_call": None, "reasoning": None}
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": message,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-            "stop_reason": None,
-            "token_ids": None,
-            "routed_experts": None,
-            "weight_versions": None,
-        }
-        extra = {
-            "prompt_logprobs": prompt_logprobs,
-            "prompt_token_ids": None,
-            "prompt_text": None,
-        } | extra
-    else:
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-            "stop_reason": None,
-            "token_ids": None,
-            "prompt_logprobs": prompt_logprobs,
-            "prompt_token_ids": None,
-            "routed_experts": None,
-            "weight_versions": None,
-        }
-    return web.json_response(
-        {
-            "id": answer_id,
-            "object": object_type,
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "service_tier": None,
-            "system_fingerprint": None,
-            "usage": usage,
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "metrics": None,
-            **extra,
-        }
-    )
+    one = oai.choice(0, text, oai.logprobs(prompt_ids, words), finish_reason, prompt_logprobs)
+    return web.json_response(oai.body([one], usage, prompt_logprobs, transfer))
 
 
 async def _pull(state: MockState, req: Any, params: Mapping[str, Any]) -> Any:

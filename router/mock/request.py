@@ -1,0 +1,124 @@
+"""A completion request as the mock replica's engine sees it, read as vLLM 0.34 reads it:
+the prompt's token ids (rendered by the replica's tokenizer for every API: chat, completions,
+the Anthropic Messages API, the OpenAI Responses API), the output budget, vLLM's
+``priority``, the engine request (the prompt's block hashes, as the router hashes them), and
+the answer's id. BadRequest, in vLLM's words, where vLLM refuses the request.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from router.core.errors import BadRequest
+from router.core.hashing import hash_prompt, root_hash
+from router.mock import logprobs as lp
+from router.mock import responses as resp
+from router.mock.tokenizer import MockTokenizer
+from router.tokenize.anthropic import to_chat_body
+
+if TYPE_CHECKING:
+    from router.mock.server import MockSettings, MockState
+
+
+def max_tokens(body: Mapping[str, Any], settings: MockSettings, kind: str, prompt: int) -> int:
+    """The output budget: chat's ``max_completion_tokens`` else ``max_tokens`` (vLLM's
+    order; completions have only ``max_tokens``), the Responses API's
+    ``max_output_tokens``; at most what the context leaves (vLLM's ``get_max_tokens``)."""
+    value = body.get("max_completion_tokens") if kind == "chat" else None
+    if value is None:
+        value = body.get("max_tokens")
+    if value is None:
+        value = body.get("max_output_tokens")  # the Responses API's
+    if value is None:
+        value = settings.default_max_tokens
+    elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BadRequest("'max_tokens' must be a positive integer")
+    return max(1, min(value, settings.max_model_len - prompt))
+
+
+def tokens_of(
+    tokenizer: MockTokenizer,
+    kind: str,
+    body: dict[str, Any],
+    store: resp.ResponseStore | None = None,
+) -> list[int]:
+    """The prompt's token ids of a body of ``kind`` (``chat``, ``completion``, ``messages``:
+    an Anthropic body, rendered as its chat conversion; ``responses``: a Responses API body,
+    likewise, with the history of its previous response in ``store``)."""
+    if kind == "responses":
+        chat = resp.chat_body(store or resp.ResponseStore(), body)
+        return tokenizer.chat(chat, from_responses=True)
+    if kind == "messages":
+        return tokenizer.chat(to_chat_body(body).body)
+    return tokenizer.chat(body) if kind == "chat" else tokenizer.completion(body)
+
+
+def engine_request(state: MockState, body: dict[str, Any], kind: str) -> tuple[Any, list[int]]:
+    """The engine request of ``body``'s prompt (one prompt: a batch's is its own body) and
+    the prompt's token ids; BadRequest as vLLM refuses the prompt or the request."""
+    try:
+        tokens = tokens_of(state.tokenizer, kind, body, state.responses)
+    except UnicodeEncodeError:  # a lone surrogate (``"\ud800"``): no text to tokenize
+        raise BadRequest("the prompt is not valid Unicode text (a lone surrogate)") from None
+    if not tokens:
+        raise BadRequest("the prompt is empty")
+    limit = state.settings.max_model_len
+    if len(tokens) > limit:  # vLLM's words (TokenizeParams._token_len_check)
+        raise BadRequest(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains {len(tokens)} input tokens, which exceeds this limit even without any "
+            "output tokens. Please reduce the length of the input prompt."
+        )
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        # vLLM's words (protocol.py, check_cache_salt_support)
+        raise BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
+    hashes = hash_prompt(tokens, state.settings.block_size, root_hash(state.settings.model, salt))
+    state.encoder.learn(hashes.hashes, tokens, salt)
+    from sim.engine import EngineRequest  # the mock is the simulator's engine on a wall clock
+
+    prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "messages": "msg_", "responses": "resp_"}[
+        kind
+    ]
+    req = EngineRequest(
+        request_id=f"{prefix}{uuid.uuid4().hex[:20]}",
+        block_hashes=hashes.hashes,
+        prompt_tokens=len(tokens),
+        max_output_tokens=max_tokens(body, state.settings, kind, len(tokens)),
+        reads_cache=not lp.check(body, kind),
+        priority=priority(body),
+    )
+    return req, tokens
+
+
+def priority(body: dict[str, Any]) -> int:
+    """The request's ``priority`` (vLLM's field: an int, lower first; default 0), which an
+    engine run with ``--scheduling-policy priority`` orders its queue by."""
+    if "priority" not in body:
+        return 0
+    value = body["priority"]  # read as vLLM's pydantic model does (lax mode): 1.0, "3", true
+    integral = isinstance(value, bool) or (isinstance(value, float) and value.is_integer())
+    if integral or (isinstance(value, str) and value.strip().lstrip("+-").isdigit()):
+        value = int(value)
+    if type(value) is not int or not -(2**63) <= value < 2**63:
+        raise BadRequest("priority: Input should be a valid integer")
+    return value
+
+
+def answer_id(request: web.Request, body: Mapping[str, Any], kind: str) -> str:
+    """The id vLLM gives the answer (``_base_request_id``): ``chatcmpl-`` (chat and, carried
+    over, the Anthropic answer) or ``cmpl-`` + the ``X-Request-Id`` header, else the body's
+    ``request_id``, else a random one; the Responses API's is the body's ``request_id``
+    (``resp_`` + random by default). The engine's own id stays unique: a client may send one
+    id with concurrent requests."""
+    given = body.get("request_id")
+    given = given if isinstance(given, str) else None
+    if kind == "responses":
+        return given or f"resp_{uuid.uuid4().hex}"
+    header = request.headers.get("X-Request-Id")
+    base = header if header is not None else given or uuid.uuid4().hex
+    return f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{base}"
