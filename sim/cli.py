@@ -162,7 +162,7 @@ def _add_fleet_args(p: argparse.ArgumentParser, traces: bool = False) -> None:
 
 
 def _config(args: argparse.Namespace, record_load: bool = False) -> Any:
-    from sim.cluster import ClusterConfig
+    from sim.cluster_config import ClusterConfig
     from sim.profiles import load_profile
 
     if args.replicas <= 0 or args.block_size <= 0 or args.routers <= 0:

@@ -9,49 +9,17 @@ round robin, so several routers can pile onto one replica before they see each o
 
 Replicas carry region and rack labels (``reg{g}-rack{k}-r{i}``), spread evenly.
 
-With ``pd`` ``always`` or ``auto`` (sim/pd.py: roles by rack) every arrival goes through
-``router.core.disagg.Disaggregator.plan``: a local request runs as above; a disaggregated one
-runs its prefill leg (``max_output_tokens`` 1) on the prefill replica, then, when that leg
-finishes, the decode replica is picked (``pick_decode``) and the request reaches it after the
-transfer time of its KV and state over the link between the two (``remote_prefilled``: no
-prefill compute there). A prefill leg the engine rejects falls back to a local prefill on the
-decode replica. TTFT is the decode replica's first token.
-
-A request sampling ``n`` > 1 sequences (``SimRequest.samples``) is routed as one (its
-``n`` counted in the router's load, as the service counts it; never disaggregated, as the
-service keeps it local: ``keep_local`` ``parallel_sampling``) and runs as vLLM v1 runs it:
-one engine request per sequence (``sim.engine.sampled``, as the mock replica submits them),
-all on the replica it went to, queued together. The first prefills the prompt; the others
-hit the blocks it computed before they were admitted and decode alongside it. (The engine
-model caches a block at the end of the step that computed it, vLLM as it allocates it:
-sequences admitted in the same step as the first prefill the prompt again here, where
-vLLM's hit them.) The request's first token is the first sequence's, its finish the last
-sequence's.
-
-Under ``pd`` a request stays local where the service keeps it local, by the same rule
-(``router.core.disagg.keep_local_reason`` of its endpoint, ``n`` and prompts): ``n`` > 1,
-a Messages or Responses API request, a completions batch.
-
-The requests of one completions batch (``SimRequest.batch``: a recording's rows of one
-batch) are one request to the service: they arrive with the batch's first request (in
-workload order; the others' own arrival and ``after`` are not used), are routed once as the
-router routes a batch (the longest prompt's blocks, the first of the longest, every prompt's
-tokens counted, ``prompts`` = the batch's size) and all run on that replica, each an engine
-request of its own prompt. The batch's load is booked as the service books it, one flight
-of all its prompts (``LoadTracker.dispatch`` ``prompts``: each prompt's sequences, every
-prompt's tokens) under its first request's id: it starts decoding at the first token of any
-of its rows and ends when the last of them ends (the service's answer ends with its last
-sequence), and so does its admission ticket; a closed-loop turn tied to any of its rows
-follows the whole batch's end, as the live replay's turn follows the batch's one answer. A
-refusal or a shed refuses all of them.
+Disaggregated serving (``pd`` ``always`` or ``auto``: prefill legs and their move to a
+decode replica) is sim/pd.py's :class:`~sim.pd.PrefillLegs`; requests that run as several
+engine requests (``n`` > 1 sequences, a completions batch's rows) are sim/fanout.py's. A
+run's settings and result (``ClusterConfig``, ``RunResult``, importable from here too) are
+sim/cluster_config.py's.
 """
 
 from __future__ import annotations
 
 import random
-import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from router.core.admission import (
@@ -61,7 +29,6 @@ from router.core.admission import (
     PRIORITY,
     SHED,
     AdmissionQueue,
-    AdmissionSettings,
     Assessment,
     Ticket,
     assess,
@@ -70,124 +37,23 @@ from router.core.admission import (
     predictor_for,
     restrict,
 )
-from router.core.disagg import (
-    Disaggregator,
-    LinkModel,
-    PdKnobs,
-    TransferSizes,
-    keep_local_reason,
-)
 from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker, summed_load
 from router.core.policies import make_policy, uses_prefix_index
-from router.core.routing import BusyThresholds, Dispatch, RoutingEngine, RoutingSettings
-from router.core.slo import SloTargets
-from router.core.turnover import REUSE_WINDOW_S
-from router.core.types import Decision, EventBatch, ReplicaKey, RouteRequest
+from router.core.routing import Dispatch, RoutingEngine, RoutingSettings
+from router.core.types import Decision, EventBatch, RouteRequest
+from sim.cluster_config import ClusterConfig, RunResult, class_and_tenant, policy_params_for
 from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, Rejected
-from sim.engine import sampled as engine_sequences
 from sim.events import ARRIVAL, DELIVER, ENGINE, TRANSFER, EventQueue
+from sim.fanout import CompletionBatches, SampledRequests
 from sim.metrics import RequestRecord, summarize
-from sim.pd import PdStats, roles_of, sites_of
-from sim.profiles import EngineProfile
+from sim.pd import PdStats, PrefillLegs
 from sim.workload import SimRequest, Workload, scale_arrivals
 
+__all__ = ["ClusterConfig", "Progress", "RunResult", "Simulation"]
+
 Progress = Callable[[int, int], None]
-
-
-@dataclass(slots=True, frozen=True)
-class ClusterConfig:
-    """Fleet and router settings of a run (profile figures can be overridden here)."""
-
-    profile: EngineProfile
-    replicas: int = 8
-    block_size: int = 64
-    kv_blocks: int | None = None
-    cpu_blocks: int | None = None
-    routers: int = 1
-    regions: int = 1
-    racks: int = 1
-    event_lag_s: float = 0.0
-    # what the HTTP path (client -> router -> engine and the first byte back) adds to every
-    # request as its client sees it: TTFT and E2E start this much before the engine's
-    # times, and a session's next turn leaves this much after the engine finished
-    transport_s: float = 0.0
-    # each arrival (a trace's request, a session's next turn) reaches the router up to this
-    # much later than its time, uniformly, drawn from ``seed``: the live client's and the
-    # network's scheduling noise. 0: a workload has one run. A closed loop turns a
-    # millisecond into another schedule, so one run is one sample of what a live run shows
-    # (``kvrouter bench live`` predicts with the median over several seeds)
-    arrival_jitter_s: float = 0.0
-    # engines' own load reports reach routers this often: 1 s, as in production (the
-    # publisher's load_interval_s, the router's engine_metrics_interval_s)
-    report_interval_s: float = 1.0
-    speculative_ttl_s: float | None = None  # None: the service's default (RoutingSettings)
-    reuse_window_s: float = REUSE_WINDOW_S  # RoutingSettings.reuse_window_s
-    # None: each router knows only the requests it sent; a number: every that many seconds
-    # each router takes the others' own in-flight load (LoadTracker.set_peer_load), as the
-    # service's worker processes exchange it (server.load_share_interval_s)
-    share_load_s: float | None = None
-    busy: BusyThresholds = field(default_factory=BusyThresholds)
-    slo: SloTargets = field(default_factory=SloTargets)
-    seed: int = 0
-    record_load: bool = False
-    # prefill/decode disaggregation (sim/pd.py): off | always | auto, the prefill share of
-    # each rack, PdKnobs overrides, the link model
-    pd: str = "off"
-    prefill_share: float = 0.25
-    pd_params: Mapping[str, Any] | None = None
-    link: LinkModel = field(default_factory=LinkModel)
-    # SLO-aware admission (router/core/admission.py; None: off), the shares of requests in
-    # the priority and flex classes (the rest: default) and the number of tenants; a
-    # session's requests share a class and a tenant
-    admission: AdmissionSettings | None = None
-    priority_share: float = 0.0
-    flex_share: float = 0.0
-    tenants: int = 1
-
-    def capacity_blocks(self) -> int:
-        """The cluster's total GPU KV capacity, in blocks."""
-        per = self.kv_blocks or self.profile.scaled(self.block_size).kv_blocks
-        return per * self.replicas
-
-    def replica_keys(self) -> list[ReplicaKey]:
-        per_region = max(1, -(-self.replicas // self.regions))
-        per_rack = max(1, -(-per_region // self.racks))
-        keys = []
-        for i in range(self.replicas):
-            g, k = divmod(i, per_region)
-            keys.append(ReplicaKey(f"reg{g}-rack{k // per_rack}-r{i}"))
-        return keys
-
-
-@dataclass(slots=True)
-class RunResult:
-    policy: str
-    summary: dict[str, Any]
-    ttft_s: list[float]
-    arrival_ids: list[str]
-    load_series: list[list[tuple[float, int]]]
-    replica_names: list[str]
-
-
-def policy_params_for(
-    name: str,
-    params: Mapping[str, Any] | None,
-    profile: EngineProfile,
-    slo: SloTargets | None = None,
-) -> dict[str, Any]:
-    """``ours`` predicts TTFT with the fleet's cost model and prices decode stalls against the
-    run's TPOT target, unless given others."""
-    out = dict(params or {})
-    if name == "ours":
-        if "cost" not in out:
-            from dataclasses import asdict
-
-            out["cost"] = asdict(profile.cost)
-        if slo is not None:
-            out.setdefault("tpot_target_s", slo.tpot_s)
-    return out
 
 
 class _Router:
@@ -199,27 +65,6 @@ class _Router:
         self.engine = engine
         self.rng = rng
         self.admission = admission
-
-
-def _unit(text: str, salt: int) -> float:
-    """A stable number in [0, 1) for ``text`` (class and tenant draws, reproducible)."""
-    return zlib.crc32(f"{salt}:{text}".encode()) / 2**32
-
-
-def class_and_tenant(req: SimRequest, config: ClusterConfig) -> tuple[int, str]:
-    """A request's service class (by ``priority_share`` / ``flex_share``) and tenant, drawn
-    per session (per request without one) from the run's seed."""
-    who = req.session_id or req.request_id
-    u = _unit(who, config.seed)
-    if u < config.priority_share:
-        klass = PRIORITY
-    elif u < config.priority_share + config.flex_share:
-        klass = FLEX
-    else:
-        klass = DEFAULT
-    tenants = max(1, config.tenants)
-    tenant = f"t{int(_unit(who, config.seed + 7919) * tenants)}" if tenants > 1 else "t0"
-    return klass, tenant
 
 
 class Simulation:
@@ -317,41 +162,10 @@ class Simulation:
         self._next_router = 0
         self._series: list[list[tuple[float, int]]] = [[] for _ in self.engines]
         self._done = 0
-        self.pd_stats = PdStats()
-        self.pd: Disaggregator | None = None
-        if config.pd != "off":
-            sites = sites_of(self.keys)
-            # the run's mode and TPOT target, whatever ``pd_params`` say (as the service
-            # takes the model's TPOT target: PdSetup.from_mapping)
-            knobs = PdKnobs(
-                **{
-                    **dict(config.pd_params or {}),
-                    "mode": config.pd,
-                    "tpot_target_s": config.slo.tpot_s,
-                }
-            )
-            self.pd = Disaggregator(
-                knobs,
-                p.cost,
-                roles=roles_of(self.keys, sites, config.pd, config.prefill_share),
-                sites=sites,
-                link=config.link,
-                sizes=TransferSizes(p.kv_bytes_per_token, p.state_bytes),
-            )
-        # prefill leg id -> (request, its RouteRequest, prefill engine slot)
-        self._legs: dict[str, tuple[SimRequest, RouteRequest, int]] = {}
-        self._from_prefill: set[str] = set()  # requests whose hit their prefill leg reported
-        # ``n`` > 1: request id -> (its request, engine ids of its sequences not finished),
-        # and each extra sequence's engine id -> its request's id
-        self._sampled: dict[str, tuple[SimRequest, set[str]]] = {}
-        self._sample_of: dict[str, str] = {}
-        self._held_finish: dict[str, Any] = {}  # a request's own Finished, held for the others
-        # a completions batch: its first request's id -> the batch's other requests
-        self._batch_of: dict[str, list[SimRequest]] = {}
-        # a dispatched batch's rows: row id -> its first request's id (the flight booked),
-        # and that id -> the rows not ended yet
-        self._flight_of: dict[str, str] = {}
-        self._batch_left: dict[str, set[str]] = {}
+        self.pd = PrefillLegs(config, self.keys) if config.pd != "off" else None
+        self.pd_stats = self.pd.stats if self.pd is not None else PdStats()
+        self._sampled = SampledRequests()
+        self._batches = CompletionBatches()
         self._shed_count = 0
         self._pumping = False
         self._jitter = random.Random(config.seed + 0x5EED) if config.arrival_jitter_s > 0 else None
@@ -367,13 +181,9 @@ class Simulation:
     def run(self) -> RunResult:
         requests = scale_arrivals(self.workload.requests, self.speedup)
         q = self._queue
-        leaders: dict[str, str] = {}  # batch -> its first request's id
         for r in requests:
-            if r.batch is not None:
-                leader = leaders.setdefault(r.batch, r.request_id)
-                if leader != r.request_id:  # arrives with its batch's first request
-                    self._batch_of.setdefault(leader, []).append(r)
-                    continue
+            if self._batches.joins_first(r):  # arrives with its batch's first request
+                continue
             if r.after is None:
                 q.push(self._arrival_time(r.arrival_s), ARRIVAL, r)
             else:
@@ -441,7 +251,7 @@ class Simulation:
         engine = router.engine
         self._refresh_reports(engine, now)
         self._share_load(now)
-        rows = [req, *self._batch_of.get(req.request_id, ())]
+        rows = [req, *self._batches.others(req.request_id)]
         # a batch is routed as the service routes it: by its longest prompt's blocks (the
         # first of the longest), every prompt's tokens counted
         longest = max(rows, key=lambda r: r.prompt_tokens)
@@ -459,7 +269,7 @@ class Simulation:
         klass, tenant = class_and_tenant(req, self.config)
         for row in rows:
             if row.samples > 1:
-                self._sampled[row.request_id] = (row, {row.request_id})
+                self._sampled.arrived(row)
             record = RequestRecord(row.request_id, now, row.prompt_tokens, -1)
             record.samples = row.samples
             record.klass = klass
@@ -469,27 +279,21 @@ class Simulation:
         record = self._records[req.request_id]
         if self.pd is not None:  # disaggregated serving decides without admission
             try:
-                # the service keeps what vLLM's protocol cannot carry local (its keep_local)
-                keep = keep_local_reason(req.endpoint, req.samples, len(rows))
-                plan = self.pd.plan(engine, rr, self.keys, now, router.rng, keep_local=keep)
+                plan = self.pd.plan(engine, req, rr, len(rows), now, router.rng)
             except NoReplicaAvailable:
                 self._refuse(req.request_id, now)
                 return
             self._router_of[req.request_id] = router
-            self.pd_stats.requests += 1
             if plan.prefill is None:
                 assert plan.local is not None
                 # as admission's own: no class weight nor engine priority (the service's)
                 self._dispatch(router, req, rr, plan.local, now, None)
                 return
-            self.pd_stats.remote += 1
-            leg = self.pd.prefill_request(rr)
+            leg = self.pd.start_leg(req, rr, plan.prefill.replica)
             self._dispatches[leg.request_id] = engine.dispatched(leg, plan.prefill, now)
             i = self._slot[plan.prefill.replica]
             record.replica = i
             record.sent = now
-            self._legs[leg.request_id] = (req, rr, i)
-            self._from_prefill.add(req.request_id)
             self._submit(
                 i, EngineRequest(leg.request_id, req.block_hashes, req.prompt_tokens, 1), now
             )
@@ -548,11 +352,8 @@ class Simulation:
         )
         i = self._slot[decision.replica]
         priority = engine_priority(klass) if self._engine_priority and klass is not None else 0
-        rows = (req, *self._batch_of.get(req.request_id, ()))
-        if len(rows) > 1:
-            self._batch_left[req.request_id] = {r.request_id for r in rows}
-            for row in rows:
-                self._flight_of[row.request_id] = req.request_id
+        rows = (req, *self._batches.others(req.request_id))
+        self._batches.dispatched(rows)
         for sent in rows:
             rec = self._records[sent.request_id]
             rec.replica = i
@@ -572,12 +373,8 @@ class Simulation:
     def _submit(self, i: int, ereq: EngineRequest, now: float) -> None:
         eng = self.engines[i]
         eng.submit(ereq, now)
-        sampled = self._sampled.get(ereq.request_id)
-        if sampled is not None:  # its other sequences, behind it in the queue (module doc)
-            for seq in engine_sequences(ereq, sampled[0].samples)[1:]:
-                self._sample_of[seq.request_id] = ereq.request_id
-                sampled[1].add(seq.request_id)
-                eng.submit(seq, now)
+        for seq in self._sampled.other_sequences(ereq):  # behind it in the queue (sim/fanout.py)
+            eng.submit(seq, now)
         if self.config.record_load:
             self._series[i].append((now, eng.pending()))
         self._after_engine(i, now, eng.advance(now))
@@ -592,7 +389,7 @@ class Simulation:
         goes on."""
         self._records[request_id].rejected = True
         self._follow_ups(request_id, now)
-        for row in self._batch_of.get(request_id, ()):  # a batch is answered as one
+        for row in self._batches.others(request_id):  # a batch is answered as one
             self._records[row.request_id].rejected = True
             self._follow_ups(row.request_id, now)
 
@@ -680,23 +477,28 @@ class Simulation:
         """Book engine ``i``'s outputs: first tokens, finishes, rejections."""
         eng = self.engines[i]
         records = self._records
-        legs = self._legs
+        pd = self.pd
+        sampled = self._sampled
         transport = self.config.transport_s
         for out in outputs:
             kind = type(out)
-            if legs and out.request_id in legs:
+            if pd is not None and pd.is_leg(out.request_id):
                 self._prefill_leg(out, now)
                 continue
-            if self._sampled and not self._sequence_output(i, out):
-                continue
+            if sampled:  # a sampled request's sequences end as one (sim/fanout.py)
+                own, finished = sampled.output(out)
+                if finished is not None:  # engine i ran all its sequences
+                    self._outputs(i, finished.time, [finished])
+                if not own:
+                    continue
             if kind is FirstToken:
                 rec = records[out.request_id]
                 rec.first = out.time + transport
-                if out.request_id not in self._from_prefill:
+                if pd is None or not pd.hit_from_leg(out.request_id):
                     rec.cached = out.cached_tokens
                     rec.kv_hit = out.kv_hit_tokens
                     rec.queued = out.queued_s
-                flight = self._flight_of.get(out.request_id, out.request_id)
+                flight = self._batches.flight(out.request_id)
                 self._router_of[out.request_id].engine.load.first_token(flight)
                 self._dispatches.pop(flight, None)
             elif kind is Finished:
@@ -716,17 +518,11 @@ class Simulation:
     def _ended(self, router: _Router, request_id: str, now: float, rejected: bool) -> None:
         """``request_id`` finished (or the engine rejected it) at ``now``: its flight ends,
         and its admission ticket and closed-loop turns with it; a batch's row ends the
-        batch's flight when it is the last of its rows to end (module doc)."""
-        flight = self._flight_of.pop(request_id, request_id)
-        rows: tuple[str, ...] = (request_id,)
-        if flight in self._batch_left:
-            left = self._batch_left[flight]
-            left.discard(request_id)
-            if left:
-                return
-            del self._batch_left[flight]
-            batch = self._batch_of.get(flight, ())
-            rows = (flight, *(r.request_id for r in batch))
+        batch's flight when it is the last of its rows to end (sim/fanout.py)."""
+        ended = self._batches.ended(request_id)
+        if ended is None:
+            return
+        flight, rows = ended
         if rejected:  # what its dispatch guessed goes, unless one of its rows answered
             self._withdraw(router.engine, flight)
         else:
@@ -737,105 +533,35 @@ class Simulation:
         for row in rows:
             self._follow_ups(row, now)
 
-    def _sequence_output(self, i: int, out: Any) -> bool:
-        """Book an output of a request sampling ``n`` sequences (module doc); True when it
-        is the request's to handle as any request's: its own sequence's first token or
-        rejection, or the end of its last sequence (one Finished, at the latest end)."""
-        sid: str = out.request_id
-        kind = type(out)
-        rid = self._sample_of.get(sid)
-        if rid is None:  # a request's own sequence
-            rid = sid
-        elif kind is Finished or kind is Rejected:
-            del self._sample_of[sid]
-        entry = self._sampled.get(rid)
-        if entry is None:
-            return rid == sid
-        running = entry[1]
-        if kind is FirstToken:
-            return rid == sid
-        if kind is Rejected and rid == sid:  # none ran (the others are as large)
-            del self._sampled[rid]
-            self._held_finish.pop(rid, None)
-            return True
-        if kind is not Finished and kind is not Rejected:
-            return False
-        running.discard(sid)
-        held = self._held_finish.pop(rid, None)
-        if kind is Finished:
-            if held is None:
-                held = Finished(rid, out.time, out.prompt_tokens, out.cached_tokens, 0)
-            if rid == sid:  # the request's own figures, at the latest end of any sequence
-                held = Finished(
-                    rid, max(out.time, held.time), out.prompt_tokens, out.cached_tokens,
-                    out.output_tokens,
-                )  # fmt: skip
-            elif out.time > held.time:
-                held = Finished(
-                    rid, out.time, held.prompt_tokens, held.cached_tokens, held.output_tokens
-                )
-        if running:
-            if held is not None:
-                self._held_finish[rid] = held
-            return False
-        del self._sampled[rid]
-        if held is not None:
-            self._outputs(i, held.time, [held])  # engine i ran all its sequences
-        return False
-
     def _prefill_leg(self, out: Any, now: float) -> None:
-        """An output of a prefill leg: its hit is the request's; when it ends the decode
-        replica is picked and the request moves there (a rejected leg: local prefill)."""
+        """An output of a prefill leg: its hit is the request's; when it ends the request
+        moves to its decode replica (sim/pd.py)."""
+        assert self.pd is not None
         leg_id = out.request_id
-        req, rr, i = self._legs[leg_id]
-        engine = self._router_of[req.request_id].engine
+        req = self.pd.request_of(leg_id)
+        router = self._router_of[req.request_id]
         if type(out) is FirstToken:
             rec = self._records[req.request_id]
             rec.cached = out.cached_tokens
             rec.kv_hit = out.kv_hit_tokens
             rec.queued = out.queued_s
-            engine.load.first_token(leg_id)
+            router.engine.load.first_token(leg_id)
             self._dispatches.pop(leg_id, None)
             return
         if type(out) not in (Finished, Rejected):
             return
-        del self._legs[leg_id]
-        engine.load.complete(leg_id)
-        fallback = type(out) is Rejected
-        if fallback:  # the prefill engine holds nothing of it
-            self._withdraw(engine, leg_id)
-        else:
-            self._dispatches.pop(leg_id, None)
-        assert self.pd is not None
-        rng = self._router_of[req.request_id].rng
+        leg_dispatch = self._dispatches.pop(leg_id, None)
+        rejected = type(out) is Rejected
         try:
-            pick = self.pd.pick_decode(engine, rr, self.keys[i], self.keys, now, rng)
+            to = self.pd.leg_ended(leg_id, rejected, router.engine, leg_dispatch, now, router.rng)
         except NoReplicaAvailable:  # no decode replica left: answered with the error
             self._router_of.pop(req.request_id)
-            self._from_prefill.discard(req.request_id)
             self._refuse(req.request_id, now)
             return
-        j = self._slot[pick.decision.replica]
+        j = self._slot[to.replica]
         self._records[req.request_id].replica = j
-        ereq = EngineRequest(
-            req.request_id,
-            req.block_hashes,
-            req.prompt_tokens,
-            req.output_tokens,
-            req.output_block_hashes,
-            remote_prefilled=not fallback,
-        )
-        if fallback:
-            self.pd_stats.fallbacks += 1
-            self._from_prefill.discard(req.request_id)
-            # prefilled where it is decoded: recorded as a local request is (its load with its
-            # own hit there; speculative entries and the session's hint), as the service does
-            self._dispatches[req.request_id] = engine.dispatched(rr, pick.decision, now)
-            self._queue.push(now, TRANSFER, (j, ereq))
-            return
-        self._dispatches[req.request_id] = self.pd.dispatched_decode(engine, rr, pick, now)
-        self.pd_stats.moved(pick.link, pick.transfer_bytes, pick.transfer_s)
-        self._queue.push(now + pick.transfer_s, TRANSFER, (j, ereq))
+        self._dispatches[req.request_id] = to.dispatch
+        self._queue.push(to.at, TRANSFER, (j, to.engine_request))
 
     def _withdraw(self, engine: RoutingEngine, request_id: str) -> None:
         """The engine rejected ``request_id``: what its dispatch guessed there goes (the

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from router.core.errors import KVRouterError
-from sim.cluster import RunResult
+from sim.cluster_config import RunResult
 
 _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("policy", "policy", "{}"),

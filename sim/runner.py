@@ -13,7 +13,8 @@ from typing import Any
 from router.core.admission import AdmissionSettings
 from router.core.policies import POLICY_NAMES
 from sim.agentic import AgenticSpec, generate
-from sim.cluster import ClusterConfig, Progress, RunResult, Simulation
+from sim.cluster import Progress, Simulation
+from sim.cluster_config import ClusterConfig, RunResult
 from sim.metrics import Ceilings, ceilings
 from sim.workload import Workload, check_limit, load_trace
 

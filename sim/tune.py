@@ -32,7 +32,7 @@ from typing import Any
 
 from router.core.disagg import PdKnobs
 from router.core.policies import Ours
-from sim.cluster import ClusterConfig
+from sim.cluster_config import ClusterConfig
 from sim.runner import RunSpec, run_many
 from sim.workload import Workload
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from router.core.admission import AdmissionSettings
-from sim.cluster import ClusterConfig
+from sim.cluster_config import ClusterConfig
 from sim.runner import RunSpec, run_many
 from sim.workload import Workload
 

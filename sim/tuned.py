@@ -36,7 +36,7 @@ from router.core.errors import ConfigError
 from router.core.policies import make_policy
 
 if TYPE_CHECKING:
-    from sim.cluster import ClusterConfig
+    from sim.cluster_config import ClusterConfig
     from sim.profiles import EngineProfile
 
 _KEYS = ("policy", "policy_params", "block_size", "hybrid", "state_interval_blocks")

@@ -1,8 +1,9 @@
 """A recorded completions batch (router/recorder.py: one row per prompt, one ``batch`` id on
 all of them) replayed as the service received it: live (router/demo/replay.py) one
 ``/v1/completions`` request whose ``prompt`` lists the rows' prompts, judged per sequence;
-simulated (sim/cluster.py) one request whose load counts every row until the last one
-ends, as the service's tracker books a batch (``LoadTracker.dispatch`` ``prompts``)."""
+simulated (sim/cluster.py, sim/fanout.py) one request whose load counts every row until the
+last one ends, as the service's tracker books a batch (``LoadTracker.dispatch``
+``prompts``)."""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def _simulate(
     args: argparse.Namespace, policy: str, trace: Path, pd: str | None = None
 ) -> dict[str, Any]:
     from router.demo.fleet import MODEL
-    from sim.cluster import ClusterConfig
+    from sim.cluster_config import ClusterConfig
     from sim.profiles import load_profile
     from sim.runner import RunSpec, run_one
     from sim.workload import load_trace

@@ -213,7 +213,7 @@ def _simulate(
     """The simulator's figures for ``policy`` on ``trace``; arrivals jitter by up to
     ``transport_s`` (``ClusterConfig.arrival_jitter_s``), drawn from ``seed``."""
     from router.demo.fleet import PROFILE
-    from sim.cluster import ClusterConfig
+    from sim.cluster_config import ClusterConfig
     from sim.profiles import load_profile
     from sim.runner import RunSpec, run_one
     from sim.workload import load_trace
