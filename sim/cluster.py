@@ -161,7 +161,6 @@ class Simulation:
         self._order: list[SimRequest] = []
         self._next_router = 0
         self._series: list[list[tuple[float, int]]] = [[] for _ in self.engines]
-        self._done = 0
         self.pd = PrefillLegs(config, self.keys) if config.pd != "off" else None
         self.pd_stats = self.pd.stats if self.pd is not None else PdStats()
         self._sampled = SampledRequests()

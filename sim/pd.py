@@ -75,10 +75,6 @@ def roles_of(
     return out
 
 
-def sizes_of(kv_bytes_per_token: float, state_bytes: float) -> TransferSizes:
-    return TransferSizes(kv_bytes_per_token, state_bytes)
-
-
 @dataclass(slots=True)
 class PdStats:
     """Counts of one run: requests disaggregated, bytes moved by link, prefill fallbacks.
