@@ -21,7 +21,7 @@ from router.core.types import BlocksRemoved, BlocksStored, IndexEvent, Kind, Tie
 from router.events.window import WindowChange, WindowGroup
 
 if TYPE_CHECKING:
-    from sim.engine import _Seq
+    from sim.engine_requests import _Seq
     from sim.profiles import EngineProfile
 
 STATE_TAG = 1 << 64  # cache key of the state checkpoint after block h is ``h | STATE_TAG``

@@ -8,6 +8,14 @@ engine's state next changes, and calls ``advance(now)`` to run every step that f
 wall clock (it may call ``advance`` at any time: tokens of steps already finished inside a
 fast-forwarded decode run are returned as they complete).
 
+This module is the model's driver API and its stepping: a step's duration (the cost model
+below) and the fast-forwarded decode runs (``_Segment``). The rest is in three modules:
+sim/engine_requests.py (the request and output values, re-exported here, and the per-request
+state), sim/engine_scheduler.py (admission and its cache hit, decode block growth,
+preemption) and sim/block_cache.py (naming, pinning, evicting and offloading blocks and
+checkpoints); the last two are mixins of :class:`EngineModel`. The rules below are the
+model's as a whole.
+
 Scheduling (vLLM v1 style, simplified):
 
 * Requests wait FCFS. One is admitted when fewer than ``max_running`` run and its whole
@@ -64,178 +72,38 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from itertools import repeat
-from typing import Any, cast
+from typing import Any
 
 from router.core.load import EngineReport
-from router.core.types import BlocksRemoved, BlocksStored, IndexEvent, ReplicaKey, Tier
+from router.core.types import IndexEvent, ReplicaKey, Tier
 from router.events.window import WindowGroup
-from sim.block_cache import STATE_TAG, WINDOW_TAG, BlockCache, _negative, _plus1
+from sim.block_cache import STATE_TAG, WINDOW_TAG
+from sim.engine_requests import (
+    EngineOutput,
+    EngineRequest,
+    Finished,
+    FirstToken,
+    Rejected,
+    TokensEmitted,
+    _Seq,
+    sampled,
+)
+from sim.engine_scheduler import Scheduler
 from sim.profiles import EngineProfile
 
-# ---------------------------------------------------------------------------- values
+__all__ = [
+    "STATE_TAG",
+    "EngineModel",
+    "EngineOutput",
+    "EngineRequest",
+    "Finished",
+    "FirstToken",
+    "Rejected",
+    "TokensEmitted",
+    "sampled",
+]
 
-
-@dataclass(slots=True, frozen=True)
-class EngineRequest:
-    """One request as an engine sees it. ``block_hashes`` are the canonical hashes (router
-    block size) of the prompt's full blocks; ``output_block_hashes`` optionally name the full
-    blocks the answer completes (so a follow-up turn can hit them). ``remote_prefilled``: the
-    decode leg of a disaggregated request: another replica computed the prompt and its KV
-    (and recurrent state at the prompt end) arrive with it, so admission names the prompt's
-    blocks as computed (publishing them) and the request decodes after one step with no
-    prefill compute. ``reads_cache`` False: the request reuses no cached block (vLLM: prompt
-    logprobs asked); the blocks it computes are cached all the same. ``priority``: vLLM's
-    request priority (lower first), used by an engine scheduling by priority."""
-
-    request_id: str
-    block_hashes: Sequence[int]
-    prompt_tokens: int
-    max_output_tokens: int
-    output_block_hashes: Sequence[int] = ()
-    remote_prefilled: bool = False
-    reads_cache: bool = True
-    priority: int = 0
-
-
-def sampled(req: EngineRequest, samples: int) -> list[EngineRequest]:
-    """The engine requests of a request sampling ``samples`` sequences of one prompt, as
-    vLLM v1 fans ``n`` out into child requests: ``req``, then ``samples - 1`` copies named
-    ``{request_id}#s{j}`` that name no answer blocks (the answers differ: only the first's
-    are the follow-up turn's). Submitted in this order at one time, the first is admitted
-    on its own when the engine is idle (``submit`` starts its step) and the others reuse
-    the blocks it computed; queued behind a step in progress, all are admitted in the same
-    step and prefill the prompt again (the engine model caches a block at the end of the
-    step that computes it, vLLM as it allocates it)."""
-    return [req] + [
-        replace(req, request_id=f"{req.request_id}#s{j}", output_block_hashes=())
-        for j in range(1, samples)
-    ]
-
-
-@dataclass(slots=True, frozen=True)
-class FirstToken:
-    """Prefill done. ``cached_tokens``: the usable hit the engine got (hybrid rule applied);
-    ``kv_hit_tokens``: the KV-only hit; ``queued_s``: time from submit to admission."""
-
-    request_id: str
-    time: float
-    cached_tokens: int
-    kv_hit_tokens: int = 0
-    queued_s: float = 0.0
-
-
-@dataclass(slots=True, frozen=True)
-class TokensEmitted:
-    """``count`` decode tokens of one request; the first at ``time``, then one every
-    ``interval`` seconds (the mean step time of a fast-forwarded run)."""
-
-    request_id: str
-    time: float
-    count: int
-    interval: float
-
-
-@dataclass(slots=True, frozen=True)
-class Finished:
-    request_id: str
-    time: float
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-
-
-@dataclass(slots=True, frozen=True)
-class Rejected:
-    """The request can never run here (e.g. larger than the whole KV cache)."""
-
-    request_id: str
-    time: float
-    reason: str
-
-
-EngineOutput = FirstToken | TokensEmitted | Finished | Rejected
-
-
-# ---------------------------------------------------------------------------- internals
-
-
-class _Seq:
-    __slots__ = (
-        "admitted",
-        "blocks",
-        "cached",
-        "cancelled",
-        "computed",
-        "hashes",
-        "held",
-        "kv_hit",
-        "load_s",
-        "max_out",
-        "nfull",
-        "out",
-        "out_hashes",
-        "pinned",
-        "priority",
-        "prompt",
-        "queued_s",
-        "reads_cache",
-        "remote",
-        "rid",
-        "submitted",
-        "target",
-        "unnamed",
-        "usable_blocks",
-        "wheld",
-        "window",
-    )
-
-    def __init__(self, req: EngineRequest, now: float, block_size: int) -> None:
-        self.rid = req.request_id
-        self.prompt = req.prompt_tokens
-        hashes = req.block_hashes
-        self.nfull = min(len(hashes), req.prompt_tokens // block_size)
-        self.hashes = hashes
-        if len(set(hashes)) < len(hashes):
-            # Canonical chained hashes never repeat within a prompt. If these do, only the
-            # blocks before the first repeat are named and cached: a repeated name would
-            # break the prefix closure of the cache (and the one-pin-per-block bookkeeping).
-            seen: set[int] = set()
-            for i, h in enumerate(hashes[: self.nfull]):
-                if h in seen:
-                    self.nfull = i
-                    break
-                seen.add(h)
-        self.out_hashes = req.output_block_hashes
-        self.max_out = max(1, req.max_output_tokens)
-        self.submitted = now
-        self.priority = req.priority
-        self.computed = 0
-        self.target = req.prompt_tokens  # tokens to prefill: the prompt, + answer if resumed
-        self.blocks = 0  # KV blocks allocated (router blocks of the tokens it can hold)
-        self.admitted = 0  # admission order (0: waiting for its first admission)
-        self.cached = 0
-        self.kv_hit = 0
-        self.held = 0  # prompt blocks pinned so far (a prefix of the prompt's full blocks)
-        self.usable_blocks = 0
-        self.out = 0
-        self.pinned: list[int] = []
-        self.unnamed = 0
-        self.load_s = 0.0
-        self.queued_s = 0.0
-        self.cancelled = False
-        self.remote = req.remote_prefilled
-        self.reads_cache = req.reads_cache
-        self.window: list[int] = []  # sliding-window keys pinned, oldest first
-        self.wheld = 0  # blocks whose window KV was taken (hit or computed)
-
-
-def _new_blocks(seq: _Seq, steps: int, block: int) -> int:
-    """Blocks ``seq`` must add (<= 0: none) to run ``steps`` more decode steps: step j of a
-    sequence with ``out`` tokens writes the KV of its first ``prompt + out - 1 + j``."""
-    return -(-(seq.prompt + seq.out - 1 + steps) // block) - seq.blocks
+# ---------------------------------------------------------------------------- step segments
 
 
 class _Segment:
@@ -289,7 +157,7 @@ class _Segment:
 # ---------------------------------------------------------------------------- the model
 
 
-class EngineModel(BlockCache):
+class EngineModel(Scheduler):
     """One replica. Not thread-safe; times passed in must not decrease."""
 
     def __init__(
@@ -585,252 +453,3 @@ class EngineModel(BlockCache):
             self._decoding.remove(seq)
             self._dec_ctx -= seq.prompt + seq.out
             self._complete(seq, t)
-
-    # ------------------------------------------------------------------ decode blocks
-
-    def _free_blocks(self) -> float:
-        """Memory free now or held only by evictable cached entries."""
-        return self._free_cost - self._deficit(0)
-
-    def _growth(self, decoders: list[_Seq], steps: int) -> int:
-        """New blocks ``decoders`` need to run ``steps`` more decode steps."""
-        block = self.block_size
-        return sum(max(0, _new_blocks(s, steps, block)) for s in decoders)
-
-    def _steps_that_fit(self, decoders: list[_Seq], steps: int) -> int:
-        """The most of ``steps`` decode steps whose new blocks fit (at least 1: the caller
-        made room for one, :meth:`_room_for_decoders`)."""
-        free = self._free_blocks()
-        # each decoder needs at most ceil(steps / block) new blocks: most runs fit on that
-        if len(decoders) * -(-steps // self.block_size) <= free:
-            return steps
-        if self._growth(decoders, steps) <= free:
-            return steps
-        lo, hi = 1, steps - 1  # lo fits, hi + 1 does not
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._growth(decoders, mid) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def _allocate(self, decoders: list[_Seq], steps: int) -> None:
-        """Give ``decoders`` the blocks their ``steps`` finished steps wrote into."""
-        block = self.block_size
-        total = 0
-        for s in decoders:
-            n = _new_blocks(s, steps, block)
-            if n > 0:
-                s.blocks += n
-                s.unnamed += n
-                total += n
-        if total:
-            self._make_room(total)
-            self._reserved += total
-
-    def _room_for_decoders(self) -> bool:
-        """Preempt running sequences, most recently admitted first, until the decoders' next
-        step fits; True if any was preempted (vLLM then admits nothing this step). The last
-        running sequence always fits (``submit`` rejects larger requests)."""
-        preempted = False
-        while (
-            self._decoding
-            and len(self._decoding) + len(self._prefilling) > 1
-            and len(self._decoding) > self._free_blocks()  # a step needs <= 1 block each
-            and self._growth(self._decoding, 1) > self._free_blocks()
-        ):
-            victim = max((*self._prefilling, *self._decoding), key=self._victim_order)
-            self._preempt(victim)
-            preempted = True
-        return preempted
-
-    def _victim_order(self, seq: _Seq) -> tuple[int, float]:
-        """The running sequence preempted first is the greatest: vLLM preempts the last
-        admitted (FCFS), or the last in (priority, arrival) order."""
-        return (seq.priority, seq.submitted) if self.by_priority else (0, seq.admitted)
-
-    def _enqueue(self, seq: _Seq, *, front: bool) -> None:
-        """Queue ``seq``: FCFS at the back (``front``: a preempted one, at the head); by
-        priority in (priority, arrival) order, a preempted one included."""
-        waiting = self._waiting
-        if not self.by_priority:
-            if front:
-                waiting.appendleft(seq)
-            else:
-                waiting.append(seq)
-            return
-        key = (seq.priority, seq.submitted)
-        i = len(waiting)
-        while i and (waiting[i - 1].priority, waiting[i - 1].submitted) > key:
-            i -= 1
-        waiting.insert(i, seq)
-
-    def _preempt(self, seq: _Seq) -> None:
-        decoding = seq in self._decoding
-        if decoding:
-            self._decoding.remove(seq)
-            self._dec_ctx -= seq.prompt + seq.out
-        else:
-            self._prefilling.remove(seq)
-        # the blocks it computed stay cached; its answer's blocks too once decoded
-        self._release(seq, named_output=decoding)
-        # vLLM recomputes every token it holds; the last one's logits give the next token
-        seq.target = seq.prompt + seq.out
-        # a decode leg's transferred KV arrived at its admission (and it has its first token
-        # by the next step, before any preemption): what the cache lost is recomputed here
-        seq.remote = False
-        seq.computed = seq.held = seq.blocks = seq.usable_blocks = seq.wheld = 0
-        self._enqueue(seq, front=True)
-        self.preemptions += 1
-
-    def _complete(self, seq: _Seq, t: float) -> None:
-        del self._by_id[seq.rid]
-        self._release(seq, named_output=True)
-        self._out.append(Finished(seq.rid, t, seq.prompt, seq.cached, seq.out))
-
-    # ------------------------------------------------------------------ admission
-
-    def _admit(self, now: float) -> None:
-        max_running = self.profile.max_running
-        while self._waiting and len(self._prefilling) + len(self._decoding) < max_running:
-            seq = self._waiting[0]
-            if not self._try_admit(seq, now):
-                return
-            self._waiting.popleft()
-            self._prefilling.append(seq)
-
-    def _resumed_chain(self, seq: _Seq) -> list[int]:
-        """A resumed sequence's full blocks: its prompt's, then its answer's whose KV it wrote
-        (up to the first name that repeats, as for a prompt)."""
-        chain = list(seq.hashes[: seq.nfull])
-        seen = set(chain)
-        written = (seq.prompt + seq.out - 1) // self.block_size - seq.nfull
-        for h in seq.out_hashes[: max(0, written)]:
-            if h in seen:
-                break
-            seen.add(h)
-            chain.append(h)
-        return chain
-
-    def _try_admit(self, seq: _Seq, now: float) -> bool:
-        hashes = seq.hashes
-        nfull = seq.nfull
-        gpu = self._gpu
-        if seq.out and seq.out_hashes and nfull == seq.prompt // self.block_size:
-            # resumed: vLLM hashes the answer's blocks too, so the ones it wrote (named as it
-            # was preempted, _release_kv) are part of the prefix it can hit
-            hashes = self._resumed_chain(seq)
-            nfull = len(hashes)
-        # The cache is prefix-closed (blocks are named parents first and evicted children
-        # first), so the hit length is found by bisection (then cut at a missing block, below).
-        if nfull and seq.reads_cache and hashes[nfull - 1] in gpu:
-            kv = nfull
-        elif not nfull or not seq.reads_cache or hashes[0] not in gpu:
-            kv = 0
-        else:
-            lo, hi = 1, nfull - 1  # block lo-1 cached, block hi not
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if hashes[mid] in gpu:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            kv = lo
-        hit = hashes[:kv]
-        found = list(map(gpu.get, hit))
-        if None in found:  # not closed: answer blocks named apart by requests sharing them
-            kv = found.index(None)
-            hit = hit[:kv]
-            del found[kv:]
-        refs = cast("list[int]", found)
-        in_free = sum(map(_negative, refs))  # unreferenced: in the LRU
-        reach = kv  # KV hit including host-tier blocks
-        cpu = self._cpu
-        if cpu and seq.reads_cache:
-            while reach < nfull and hashes[reach] in cpu:
-                reach += 1
-        align = self._align
-        usable = reach // align * align  # whole engine blocks
-        state_at = self._state_at
-        if self.profile.eagle:
-            # vLLM caps a hit at N - 1 and gives back its last block (the draft head's peek)
-            cap = max(seq.target - 1, 0) // self.block_size // align * align
-            usable = max(min(usable, cap) - align, 0)
-        if self.hybrid:
-            # a checkpoint at the prompt's very end serves no one (vLLM caps a hit at N - 1,
-            # in whole engine blocks)
-            usable = min(usable, max(seq.target - 1, 0) // self.block_size // align * align)
-            while usable > 0 and (hashes[usable - 1] | STATE_TAG) not in state_at:
-                usable -= 1
-        window: list[int] = []
-        window_free = 0.0  # memory of the window blocks the hit takes out of the LRU
-        if self.window:
-            # vLLM caps a hit at N - 1; the window before the hit's end must be cached
-            usable = min(usable, max(seq.target - 1, 0) // self.block_size)
-            usable = self._window_hit(hashes, usable)
-            window = [h | WINDOW_TAG for h in hashes[max(0, usable - self.window) : usable]]
-            win = self._win
-            window_free = sum(1 for key in window if win[key] < 0) * self._window_cost
-        loads = max(0, usable - kv)  # host blocks reloaded into GPU
-        total = -(-seq.target // self.block_size)
-        need = total - kv
-        used = self._used()
-        room = self.capacity - used + self._free_cost - in_free - window_free
-        # the running go first: their next step's blocks (at most one each) stay free
-        if need > room - len(self._decoding) and need > room - self._growth(self._decoding, 1):
-            return False
-        # pin the GPU hit, take the host blocks back, evict for the rest
-        pinned = seq.pinned
-        if in_free == kv:
-            gpu.update(zip(hit, repeat(1)))
-        else:
-            gpu.update(zip(hit, map(_plus1, map(max, refs, repeat(0))), strict=True))
-        pinned.extend(hit)
-        self._free_cost -= in_free
-        if self.hybrid and usable:
-            key = hashes[usable - 1] | STATE_TAG
-            state_at[key] = self._lru_push([key], True)  # move to the LRU's young end
-        if window:  # the hit's window is pinned (vLLM: the group's blocks before it are null)
-            win = self._win
-            for key in window:
-                r = win[key]
-                win[key] = r + 1 if r > 0 else 1
-            self._free_cost -= window_free
-            seq.window = window
-            seq.wheld = usable
-        deficit = used + need - self.capacity
-        if loads:
-            # Take the host blocks before evicting: evicted blocks move to the host tier and
-            # could push the very blocks being reloaded out of it.
-            moved = hashes[kv:usable]
-            for h in moved:
-                del cpu[h]
-                gpu[h] = 1
-                pinned.append(h)
-            self._events.append(BlocksRemoved(tuple(moved), Tier.CPU))
-            self._events.append(BlocksStored(tuple(moved), Tier.GPU))
-            seq.load_s = loads * self.block_size * self.profile.cpu_load_s_per_token
-        if deficit > 0:
-            self._evict(deficit)
-        seq.unnamed = need - loads
-        seq.held = max(kv, usable)
-        self._reserved += seq.unnamed
-        seq.blocks = total
-        seq.usable_blocks = usable
-        # vLLM's hit: whole engine blocks, the last token's block recomputed
-        ebs = self.engine_block_size
-        seq.computed = min(usable * self.block_size, max(seq.target - 1, 0) // ebs * ebs)
-        if not seq.admitted:  # what a response reports: the first admission's
-            seq.kv_hit = min(reach * self.block_size, seq.prompt)
-            seq.cached = seq.computed
-            seq.queued_s = now - seq.submitted
-        self._admissions += 1
-        seq.admitted = self._admissions
-        if seq.remote:  # the transferred prompt: named (and published) as computed
-            old = seq.computed
-            seq.computed = seq.prompt
-            # its window KV is pinned at the end of its step, as a prefill chunk's, after the
-            # decoders' blocks: the room above kept those free, not the window's too
-            self._computed(seq, old // self.block_size, seq.nfull, windows=False)
-        return True
