@@ -25,6 +25,7 @@ _BENCHES: tuple[str, ...] = (
     "router.bench.stall_bench",
     "router.bench.scrape_bench",
     "router.bench.longctx_bench",
+    "router.bench.listener_bench",
     "router.demo.overload_bench",  # a command-line entry point: it reads a sim profile
     "router.demo.live_bench",  # a command-line entry point: it may run the simulator
 )

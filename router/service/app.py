@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -136,8 +137,16 @@ class Running:
         await self.runner.cleanup()
 
 
-async def start(app: web.Application, host: str, port: int, *, reuse_port: bool = False) -> Running:
-    """Run the app's contexts, then serve its port (0: a free one)."""
+async def start(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    reuse_port: bool = False,
+    sock: socket.socket | None = None,
+) -> Running:
+    """Run the app's contexts, then serve its port (0: a free one), or accept from
+    ``sock``, a socket listening on it already (the parent's, with several workers)."""
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()  # the cleanup_ctx entries start (no aiohttp site: no HTTP here)
     try:
@@ -147,7 +156,7 @@ async def start(app: web.Application, host: str, port: int, *, reuse_port: bool 
         server = FastServer(
             partial(handle, door), int(s.max_body_mb * 2**20), ConnLimits.from_server(s)
         )
-        bound = await server.start(host, port, reuse_port=reuse_port)
+        bound = await server.start(host, port, reuse_port=reuse_port, sock=sock)
         log_startup(state, host, bound, server.limits.max_connections)
     except BaseException:
         await runner.cleanup()
@@ -161,16 +170,17 @@ def run(
     port: int,
     *,
     reuse_port: bool = False,
+    sock: socket.socket | None = None,
     shutdown_timeout: float = 30.0,
     on_started: Callable[[], None] | None = None,
 ) -> None:
     """Serve ``app`` until SIGTERM / SIGINT (``kvrouter serve``). Shutdown: stop accepting,
     let requests in flight finish for up to ``shutdown_timeout`` seconds, then stop the
-    contexts. ``on_started`` is called once the port listens."""
+    contexts. ``on_started`` is called once the port listens (``sock``: see :func:`start`)."""
     import signal
 
     async def main() -> None:
-        running = await start(app, host, port, reuse_port=reuse_port)
+        running = await start(app, host, port, reuse_port=reuse_port, sock=sock)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -2,7 +2,8 @@
 
 Configuration: ``--config FILE`` (TOML or YAML) or ``$KVROUTER_CONFIG``, then ``KVROUTER_*``
 environment variables, then these flags. ``--workers N`` starts N processes sharing the port
-with SO_REUSEPORT; each has its own index and load view (see docs/service.md).
+(``server.listener``: each binds it with SO_REUSEPORT, or all accept from one socket the
+parent binds); each has its own index and load view (see docs/service.md).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import socket
     from collections.abc import Callable
 
     from aiohttp import web
@@ -106,6 +108,7 @@ def _run(
     port: int,
     *,
     reuse_port: bool,
+    sock: socket.socket | None = None,
     on_started: Callable[[], None] | None = None,
 ) -> None:
     try:
@@ -126,13 +129,15 @@ def _run(
         host,
         port,
         reuse_port=reuse_port,
+        sock=sock,
         shutdown_timeout=float(app[SETTINGS].server.shutdown_timeout_s),
         on_started=on_started,
     )
 
 
 def _serve_workers(settings: Settings, workers: int) -> int:
-    """Fork ``workers`` processes that each run the app on the same port (SO_REUSEPORT),
+    """Fork ``workers`` processes that each run the app on the same port (SO_REUSEPORT, or
+    ``server.listener = "shared"``: all accept from one socket bound here, before the fork),
     replace the ones that die and stop them all on SIGTERM / SIGINT
     (router.service.supervisor: the control directory, the exit status)."""
     import traceback
@@ -140,12 +145,20 @@ def _serve_workers(settings: Settings, workers: int) -> int:
     from router.cli import failure_code
     from router.service.app import create_app
     from router.service.control import join_workers
-    from router.service.supervisor import heartbeat, heartbeat_interval, supervise
+    from router.service.supervisor import (
+        heartbeat,
+        heartbeat_interval,
+        shared_socket,
+        supervise,
+    )
     from router.service.workers import Workers
     from router.tokenize.tokenizers import pool_threads_for, set_pool_threads
 
     parent = os.getpid()
     hang_s = float(settings.server.worker_hang_s)
+    host, port = settings.server.host, settings.server.port
+    # OSError (the port taken): kvrouter serve: error: ..., status 2
+    shared = shared_socket(host, port) if settings.server.listener == "shared" else None
 
     def work(group: Workers, index: int, ready: int, replacing: bool) -> None:
         code = 1
@@ -165,9 +178,10 @@ def _serve_workers(settings: Settings, workers: int) -> int:
 
             _run(
                 app,
-                settings.server.host,
-                settings.server.port,
-                reuse_port=True,
+                host,
+                port,
+                reuse_port=shared is None,
+                sock=shared,
                 on_started=listening,
             )
             code = 0
@@ -184,7 +198,7 @@ def _serve_workers(settings: Settings, workers: int) -> int:
                 sys.stderr.flush()
             os._exit(code)
 
-    return supervise(workers, settings.server.port, work, hang_s)
+    return supervise(workers, port, work, hang_s, listening=shared)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -193,7 +207,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--policy-file", help="simulator-tuned policy TOML merged into [models]")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
-    p.add_argument("--workers", type=int, help="processes sharing the port (SO_REUSEPORT)")
+    p.add_argument("--workers", type=int, help="processes sharing the port (server.listener)")
     p.add_argument(
         "--replica", action="append", metavar="MODEL=URL", help="add a replica (repeatable)"
     )

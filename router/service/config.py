@@ -513,6 +513,10 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
             "server.http_engine = 'aiohttp' is obsolete and ignored: the router serves every "
             "route with its own HTTP server"
         )
+    if server.listener not in ("reuseport", "shared"):
+        raise ConfigError(
+            f"server.listener: {server.listener!r} is not one of 'reuseport', 'shared'"
+        )
     for key, ok, need in (
         ("workers", server.workers >= 1, ">= 1"),
         ("max_retries", server.max_retries >= 0, ">= 0"),

@@ -86,6 +86,7 @@ _PIECE = 4096  # body pieces below this size are gathered (see _Connection.on_bo
 # how long a connection closed by a protocol error's answer goes on reading (and dropping)
 # what its client still sends, so that its close is no reset that destroys the answer
 LINGER_S = 5.0
+BACKLOG = 2048  # connections the kernel queues on a listening socket before one is accepted
 
 
 @dataclass(slots=True, frozen=True)
@@ -745,11 +746,29 @@ class FastServer:
             every = min(max(min(timeouts, default=5.0) / 4, 0.05), 1.0)
             self._sweeper = self.loop.create_task(self._sweep(every))
 
-    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
-        """Listen on ``host:port`` (0: any free port); returns the port."""
-        self._server = await self.loop.create_server(
-            lambda: _Connection(self), host, port, reuse_port=reuse_port or None, backlog=2048
-        )
+    async def start(
+        self,
+        host: str,
+        port: int,
+        *,
+        reuse_port: bool = False,
+        sock: socket.socket | None = None,
+    ) -> int:
+        """Listen on ``host:port`` (0: any free port), or accept from ``sock``, a socket
+        that listens already (bound by another process: ``host`` and ``port`` unused);
+        returns the port."""
+        if sock is not None:  # (the backlog: libuv listens again, with this one)
+            self._server = await self.loop.create_server(
+                lambda: _Connection(self), sock=sock, backlog=BACKLOG
+            )
+        else:
+            self._server = await self.loop.create_server(
+                lambda: _Connection(self),
+                host,
+                port,
+                reuse_port=reuse_port or None,
+                backlog=BACKLOG,
+            )
         # read untyped: uvloop's is a list where typeshed says tuple, which compiled code
         # (make compile) would check
         sockets: Any = getattr(self._server, "sockets")  # noqa: B009

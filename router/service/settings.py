@@ -30,6 +30,9 @@ class ServerSettings:
     # workers > 1: a worker whose event loop sends its parent no heartbeat for this long is
     # killed and replaced (router/service/supervisor.py); 0: never
     worker_hang_s: float = 30.0
+    # workers > 1: "reuseport": each worker binds the port (SO_REUSEPORT, one accept queue
+    # each); "shared": the parent binds it once, every worker accepts from that one queue
+    listener: str = "reuseport"
     # workers > 1: how often each takes the others' in-flight load (load_share.py); 0: never
     load_share_interval_s: float = 0.025
     # with redis_url: pods share in-flight load through Redis (pod_exchange.py, docs/pods.md)

@@ -19,6 +19,13 @@ every second) from its event loop (:func:`heartbeat`): one that writes none for 
 kernel still hands it its share of new connections, so the parent kills it (SIGKILL) and
 replaces it as one that died, as gunicorn's arbiter does with workers that miss its
 timeout. ``hang_s`` 0: not watched (the pipe is closed after its first byte).
+
+``server.listener = "shared"``: the parent binds the port once (:func:`shared_socket`)
+before forking and keeps the socket open while it runs, so every worker, replacements
+included, accepts from one kernel queue: a worker that dies or does not run leaves the
+connections queued there to the others. :func:`supervise` closes the parent's copy once a
+stop is asked, so the port closes when the last worker stopped accepting (new connections
+are refused, not queued for no one).
 """
 
 from __future__ import annotations
@@ -30,12 +37,14 @@ import os
 import select
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from router.service.fast_server import BACKLOG
 from router.service.workers import PIDS_FILE, RESTARTS_FILE, Workers, restart_delay
 
 _log = logging.getLogger("kvrouter.service")
@@ -100,11 +109,43 @@ def _ignore(_signum: int, _frame: Any) -> None:
     """SIGCHLD's handler: nothing, but a handled signal wakes the loop (``set_wakeup_fd``)."""
 
 
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` for every worker to accept from, bound as
+    the workers' own servers bind (``SO_REUSEADDR``; IPv6 only for an IPv6 address). OSError
+    when ``host`` names more than one address (``localhost``: IPv4 and IPv6; one socket
+    serves one) or the port is taken."""
+    infos = {
+        (family, addr)
+        for family, _, _, _, addr in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        if family in (socket.AF_INET, socket.AF_INET6)
+    }
+    if len(infos) != 1:
+        raise OSError(
+            f"server.listener = 'shared' listens on one address; host {host!r} names "
+            f"{len(infos)}: give an IP address"
+        )
+    ((family, addr),) = infos
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+        sock.listen(BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def supervise(
     count: int,
     port: int,
     work: Callable[[Workers, int, int, bool], None],
     hang_s: float = 0.0,
+    listening: socket.socket | None = None,
 ) -> int:
     """Run ``count`` workers until SIGTERM / SIGINT; the exit status: that of the first
     worker (in index order of their ends) that failed while they stopped or before the
@@ -112,7 +153,9 @@ def supervise(
     replacing)`` runs in each forked worker and never returns (``os._exit``); the worker
     writes a byte to ``ready_fd`` once it listens, then (``hang_s`` > 0) its
     :func:`heartbeat`; ``replacing``: it replaces one that died. A worker whose last byte
-    is older than ``hang_s`` is killed and replaced (0: never)."""
+    is older than ``hang_s`` is killed and replaced (0: never). ``listening``: the socket
+    the workers share (:func:`shared_socket`), kept open for replacements until a stop is
+    asked, then closed (the workers hold their copies until they stop accepting)."""
     children: dict[int, _Child] = {}
     stopping: list[int] = []  # the signals that asked the router to stop
 
@@ -135,7 +178,13 @@ def supervise(
     signal.signal(signal.SIGCHLD, _ignore)
     control = tempfile.mkdtemp(prefix="kvrouter-workers-")  # mode 0700
     group = Workers(control, count)
-    _log.info("%d workers on port %d; worker control sockets in %s", count, port, control)
+    _log.info(
+        "%d workers on port %d (%s); worker control sockets in %s",
+        count,
+        port,
+        "one listening socket, shared" if listening is not None else "SO_REUSEPORT",
+        control,
+    )
     pids = [0] * count  # by index, the last started
     delays: list[float | None] = [None] * count  # the last delay before a replacement
     served = [False] * count  # whether a worker of that index ever listened
@@ -251,6 +300,8 @@ def supervise(
             reap()
             if stopping:
                 due.clear()
+                if listening is not None:  # no replacement will accept from it
+                    listening.close()
                 if not children:
                     break
             now = time.monotonic()
@@ -307,6 +358,8 @@ def supervise(
             for pid in list(children):
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, 0)
+        if listening is not None:
+            listening.close()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.close(wake_r)
