@@ -230,6 +230,14 @@ SHAPES: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
         {"continue_final_message": True, "add_generation_prompt": False},
     ),
     ("no_generation_prompt", [{"role": "user", "content": "x"}], {"add_generation_prompt": False}),
+    # an empty tools array is no tools to vLLM's request model (as to OpenAI): the template
+    # sees null, and the template for no tools renders it (Llama 3.1 tests ``is not none``)
+    ("empty_tools", [{"role": "user", "content": "x"}], {"tools": []}),
+    (
+        "empty_tools_choice_auto",
+        [{"role": "user", "content": "x"}],
+        {"tools": [], "tool_choice": "auto"},
+    ),
 ]
 
 
@@ -281,9 +289,17 @@ THINKING_SOURCE = (
     "{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# tools written whenever they are not null, an empty list included (Llama 3.1's test)
+TOOLS_NOT_NONE_SOURCE = (
+    "{% if tools is not none %}<|im_start|>system\nEnvironment: ipython\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 TEMPLATES = {
     "dump": lambda: DUMP_SOURCE,
     "thinking": lambda: THINKING_SOURCE,
+    "tools_not_none": lambda: TOOLS_NOT_NONE_SOURCE,
     "kimi": lambda: None,
     "kimi_k3": _k3_source,
 }
@@ -314,7 +330,7 @@ def test_whole_and_incremental_hashes_are_vllms(
     """A long conversation (the incremental path) and its short form (rendered whole)."""
     for long in (False, True):
         head = [{"role": "user", "content": "w " * MIN_CACHED_CHARS}] if long else []
-        for template_name in ("kimi", "kimi_k3"):
+        for template_name in ("kimi", "kimi_k3", "tools_not_none"):
             proc = _processor(TEMPLATES[template_name](), "string")
             assert proc.template is not None and proc.tokenizer is not None
             body = {"model": "m", "messages": head + messages, **extra}

@@ -100,6 +100,7 @@ def chat_args(
     effort_map: Mapping[str, str],
     exclude_tools_when_none: bool = False,
     over_defaults: bool = True,
+    keep_empty_tools: bool = False,
 ) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool, bool]:
     """(messages, tools as vLLM dumps them, template kwargs, add_generation_prompt,
     continue_final_message) of a chat request, checked: the template's variables as vLLM
@@ -109,7 +110,10 @@ def chat_args(
     merge over defaults that always hold ``tokenize``; ``over_defaults`` False: a Responses
     API request's chat, which vLLM merges only over configured defaults), its
     ``reasoning_effort`` (rewritten by ``effort_map``) and the ``enable_thinking`` it
-    implies, its ``documents``; no tools for a ``tool_choice`` of ``"none"`` when the engine
+    implies, its ``documents``; no tools for an empty ``tools`` array (unless ``tool_choice``
+    names one: vLLM refuses that; or ``keep_empty_tools``: the chat vLLM builds from an
+    Anthropic Messages API request, whose tools it sets after validation, so an empty list
+    reaches the template), nor for a ``tool_choice`` of ``"none"`` when the engine
     runs with ``--exclude-tools-when-tool-choice-none`` (``exclude_tools_when_none``; vLLM
     0.34 ``OnlineRenderer``)."""
     messages = check_messages(body)
@@ -141,7 +145,12 @@ def chat_args(
     if cont:
         add_gen = False
     tools = body.get("tools")
-    if exclude_tools_when_none and body.get("tool_choice") == "none":
+    tool_choice = body.get("tool_choice")
+    if tools == [] and not keep_empty_tools and not isinstance(tool_choice, Mapping):
+        # vLLM's request model reads an empty array as no tools, as OpenAI does
+        # (``ChatCompletionRequest.check_tool_usage``): the template sees null
+        tools = None
+    if exclude_tools_when_none and tool_choice == "none":
         tools = None
     return messages, prepare_tools(tools), kwargs, add_gen, cont
 
