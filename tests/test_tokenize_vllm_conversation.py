@@ -339,3 +339,25 @@ def test_whole_and_incremental_hashes_are_vllms(
             for _ in range(2):  # the second time from the incremental cache
                 got = proc.chat(copy.deepcopy(body))
                 assert got.block_hashes == expected, (template_name, long)
+
+
+@pytest.mark.parametrize("where", ["chat_template", "chat_template_kwargs"])
+def test_a_template_sent_with_the_request_is_not_guessed(where: str) -> None:
+    """vLLM refuses a template sent with the request (``chat_template``, or one in
+    ``chat_template_kwargs``) unless it runs with ``--trust-request-chat-template``, and then
+    renders with it (``OnlineRenderer.validate_chat_template``, ``ChatParams.chat_template``):
+    the router, which renders with the model's own, knows nothing of that prompt's blocks."""
+    proc = _processor(None, "string")
+    assert proc.tokenizer is not None
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "w " * MIN_CACHED_CHARS}],
+    }
+    own = ChatTemplate.build(THINKING_SOURCE)
+    ids = proc.tokenizer.encode_text(_vllm_text(own, body, "string"))
+    engine = hash_prompt(ids, 16, root_hash("m")).hashes
+    sent = {where: THINKING_SOURCE if where == "chat_template" else {"chat_template": own.source}}
+    got = proc.chat({**body, **sent})
+    assert not got.exact
+    assert got.block_hashes == engine[: len(got.block_hashes)]
+    assert proc.chat(body).exact  # (the model's own template: exact)

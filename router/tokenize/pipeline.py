@@ -50,6 +50,7 @@ from router.tokenize.request_fields import (
     adds_special_tokens,
     chat_args,
     kept_tokens,
+    sends_template,
     truncated,
 )
 from router.tokenize.template import (
@@ -293,12 +294,18 @@ class PromptProcessor:
         calls reach the template with their keys in their own order, not the chat request
         model's) and whose template kwargs are merged only over configured defaults;
         ``from_messages``: the chat vLLM builds from an Anthropic Messages API request (its
-        tools set after validation: an empty list reaches the template as one)."""
+        tools set after validation: an empty list reaches the template as one).
+
+        A body with a chat template of its own (:func:`sends_template`: the engine refuses
+        it, or renders with a template the router does not run) is known only by its size
+        (:meth:`unknown`), once checked."""
         t0 = time.perf_counter()
         tokenizer, template = self.tokenizer, self.template
         messages, tools, kwargs, add_gen, cont = self._chat_args(
             body, from_responses, from_messages
         )
+        if sends_template(body):
+            return self.unknown(body)
         unmodelled = first_unmodelled(messages)
         if unmodelled is not None:  # a medium the router cannot place: hashed up to it
             at = messages[unmodelled]

@@ -54,6 +54,19 @@ def adds_special_tokens(body: Mapping[str, Any], chat: bool) -> bool:
     return add
 
 
+def sends_template(body: Mapping[str, Any]) -> bool:
+    """Whether a chat body brings a chat template of its own: ``chat_template``, or one in
+    ``chat_template_kwargs``. vLLM 0.34 refuses such a request unless it runs with
+    ``--trust-request-chat-template`` (``OnlineRenderer.validate_chat_template``), and then
+    renders it with that template (``ChatParams.chat_template``; the one in the kwargs when
+    the engine has no ``--chat-template``), which the router does not run: an arbitrary
+    template from a client is not the router's to execute."""
+    if body.get("chat_template") is not None:
+        return True
+    kwargs = body.get("chat_template_kwargs")
+    return isinstance(kwargs, Mapping) and kwargs.get("chat_template") is not None
+
+
 def check_messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     messages = body.get("messages")
     if messages is None:
