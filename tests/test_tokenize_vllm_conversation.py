@@ -230,6 +230,13 @@ SHAPES: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
         {"continue_final_message": True, "add_generation_prompt": False},
     ),
     ("no_generation_prompt", [{"role": "user", "content": "x"}], {"add_generation_prompt": False}),
+    # flags read as vLLM's (lax pydantic) request model reads them
+    ("lax_flags", [{"role": "user", "content": "x"}], {"add_generation_prompt": "no"}),
+    (
+        "lax_continue",
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is"}],
+        {"continue_final_message": "true", "add_generation_prompt": 0},
+    ),
     # an empty tools array is no tools to vLLM's request model (as to OpenAI): the template
     # sees null, and the template for no tools renders it (Llama 3.1 tests ``is not none``)
     ("empty_tools", [{"role": "user", "content": "x"}], {"tools": []}),

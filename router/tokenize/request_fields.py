@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from router.core.errors import BadRequest
-from router.tokenize.lax import lax_bool, lax_int
+from router.tokenize.lax import INVALID, lax_bool, lax_int
 from router.tokenize.template import prepare_tools
 
 # the most sequences a request's ``n`` adds to its replica's load view (a larger ``n`` is the
@@ -45,11 +45,12 @@ def truncated(tokens: Any, keep: int, body: Mapping[str, Any]) -> Any:
 
 def adds_special_tokens(body: Mapping[str, Any], chat: bool) -> bool:
     """vLLM's ``add_special_tokens``: the tokenizer's special tokens (a BOS) added to the
-    prompt; false by default for chat (the template writes them), true for completions."""
-    add = body.get("add_special_tokens")
-    if add is None:
+    prompt; false by default for chat (the template writes them), true for completions.
+    Read as vLLM's request models read it (``"no"`` and ``0`` are false: lax_bool)."""
+    if "add_special_tokens" not in body:
         return not chat
-    if type(add) is not bool:
+    add = lax_bool(body["add_special_tokens"])
+    if add is None or add is INVALID:
         raise BadRequest("'add_special_tokens' must be a boolean")
     return add
 
@@ -151,9 +152,14 @@ def chat_args(
     if default_kwargs or over_defaults:
         unset = {k for k, v in kwargs.items() if v is None or v == "auto"}
         kwargs = {**default_kwargs, **{k: kwargs[k] for k in kwargs if k not in unset}}
-    add_gen = body.get("add_generation_prompt", True)
-    cont = body.get("continue_final_message", False)
-    if not isinstance(add_gen, bool) or not isinstance(cont, bool):
+    # vLLM's check_generation_prompt runs on the values as sent, before they are read
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        raise BadRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    add_gen = lax_bool(body.get("add_generation_prompt", True))
+    cont = lax_bool(body.get("continue_final_message", False))
+    if add_gen is None or add_gen is INVALID or cont is None or cont is INVALID:
         raise BadRequest("'add_generation_prompt' and 'continue_final_message' are booleans")
     if cont:
         add_gen = False
