@@ -186,7 +186,7 @@ def router_view(
     body: dict[str, Any], merge: bool = False, effort: str | None = None
 ) -> dict[str, Any]:
     chat = to_chat_body(body, merge_inline_system=merge, disabled_thinking_effort=effort).body
-    messages, tools, kwargs, add_gen, cont = chat_args(chat, {}, {})
+    messages, tools, kwargs, add_gen, cont = chat_args(chat, {}, {}, keep_empty_tools=True)
     return {
         "messages": json.loads(json.dumps(messages)),
         "tools": tools,

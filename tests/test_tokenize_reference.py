@@ -196,8 +196,12 @@ def test_add_special_tokens_adds_or_leaves_out_the_bos_as_vllm() -> None:
     assert proc.chat(chat).block_hashes == hash_prompt(chat_ids, 1, root).hashes
     with_bos = proc.chat({**chat, "add_special_tokens": True})
     assert with_bos.block_hashes == hash_prompt([bos, *chat_ids], 1, root).hashes
+    # read as vLLM's (lax pydantic) request models read it
+    lax = proc.completion({"prompt": text, "add_special_tokens": "no"})
+    assert lax.block_hashes == bare.block_hashes
+    assert proc.chat({**chat, "add_special_tokens": 1}).block_hashes == with_bos.block_hashes
     with pytest.raises(BadRequest):
-        proc.completion({"prompt": text, "add_special_tokens": "no"})
+        proc.completion({"prompt": text, "add_special_tokens": "maybe"})
 
 
 def test_prompt_embeddings_are_counted_as_prompts_of_the_batch_and_not_hashed() -> None:

@@ -230,6 +230,21 @@ SHAPES: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
         {"continue_final_message": True, "add_generation_prompt": False},
     ),
     ("no_generation_prompt", [{"role": "user", "content": "x"}], {"add_generation_prompt": False}),
+    # flags read as vLLM's (lax pydantic) request model reads them
+    ("lax_flags", [{"role": "user", "content": "x"}], {"add_generation_prompt": "no"}),
+    (
+        "lax_continue",
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is"}],
+        {"continue_final_message": "true", "add_generation_prompt": 0},
+    ),
+    # an empty tools array is no tools to vLLM's request model (as to OpenAI): the template
+    # sees null, and the template for no tools renders it (Llama 3.1 tests ``is not none``)
+    ("empty_tools", [{"role": "user", "content": "x"}], {"tools": []}),
+    (
+        "empty_tools_choice_auto",
+        [{"role": "user", "content": "x"}],
+        {"tools": [], "tool_choice": "auto"},
+    ),
 ]
 
 
@@ -281,9 +296,17 @@ THINKING_SOURCE = (
     "{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# tools written whenever they are not null, an empty list included (Llama 3.1's test)
+TOOLS_NOT_NONE_SOURCE = (
+    "{% if tools is not none %}<|im_start|>system\nEnvironment: ipython\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 TEMPLATES = {
     "dump": lambda: DUMP_SOURCE,
     "thinking": lambda: THINKING_SOURCE,
+    "tools_not_none": lambda: TOOLS_NOT_NONE_SOURCE,
     "kimi": lambda: None,
     "kimi_k3": _k3_source,
 }
@@ -314,7 +337,7 @@ def test_whole_and_incremental_hashes_are_vllms(
     """A long conversation (the incremental path) and its short form (rendered whole)."""
     for long in (False, True):
         head = [{"role": "user", "content": "w " * MIN_CACHED_CHARS}] if long else []
-        for template_name in ("kimi", "kimi_k3"):
+        for template_name in ("kimi", "kimi_k3", "tools_not_none"):
             proc = _processor(TEMPLATES[template_name](), "string")
             assert proc.template is not None and proc.tokenizer is not None
             body = {"model": "m", "messages": head + messages, **extra}
@@ -323,3 +346,25 @@ def test_whole_and_incremental_hashes_are_vllms(
             for _ in range(2):  # the second time from the incremental cache
                 got = proc.chat(copy.deepcopy(body))
                 assert got.block_hashes == expected, (template_name, long)
+
+
+@pytest.mark.parametrize("where", ["chat_template", "chat_template_kwargs"])
+def test_a_template_sent_with_the_request_is_not_guessed(where: str) -> None:
+    """vLLM refuses a template sent with the request (``chat_template``, or one in
+    ``chat_template_kwargs``) unless it runs with ``--trust-request-chat-template``, and then
+    renders with it (``OnlineRenderer.validate_chat_template``, ``ChatParams.chat_template``):
+    the router, which renders with the model's own, knows nothing of that prompt's blocks."""
+    proc = _processor(None, "string")
+    assert proc.tokenizer is not None
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "w " * MIN_CACHED_CHARS}],
+    }
+    own = ChatTemplate.build(THINKING_SOURCE)
+    ids = proc.tokenizer.encode_text(_vllm_text(own, body, "string"))
+    engine = hash_prompt(ids, 16, root_hash("m")).hashes
+    sent = {where: THINKING_SOURCE if where == "chat_template" else {"chat_template": own.source}}
+    got = proc.chat({**body, **sent})
+    assert not got.exact
+    assert got.block_hashes == engine[: len(got.block_hashes)]
+    assert proc.chat(body).exact  # (the model's own template: exact)

@@ -200,3 +200,28 @@ def test_responses_ids_are_vllms(case: str, model_dir: Path, processor: PromptPr
     got = responses_prompt(processor, body)
     assert got.prompt_tokens == len(want)
     assert got.block_hashes == hash_prompt(want, 1, root_hash("m")).hashes
+
+
+@pytest.mark.parametrize("add_bos_token", [None, True, False])
+def test_a_model_without_the_setting_adds_the_bos_its_tokenizer_adds(
+    model_dir: Path, tmp_path: Path, add_bos_token: bool | None
+) -> None:
+    """With ``add_bos_to_completions`` unset, a completion's prompt starts as vLLM's does:
+    transformers 5.22 (``TokenizersBackend.__init__``) encodes with ``tokenizer.json``'s
+    post-processor (here a BOS first), rebuilt from ``tokenizer_config.json``'s
+    ``add_bos_token`` when that is set."""
+    import shutil
+
+    from router.service.prompts import build_processor
+    from router.service.settings import ModelSettings
+
+    shutil.copy(model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if add_bos_token is not None:
+        config["add_bos_token"] = add_bos_token
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    proc = build_processor(ModelSettings(name="m", tokenizer=str(tmp_path)), {})
+    want = vllm_ids(model_dir, TEXT, {"add_special_tokens": add_bos_token is not False}, chat=False)
+    got = proc.completion({"prompt": TEXT})
+    assert got.block_hashes == hash_prompt(want, proc.block_size, root_hash("m")).hashes
+    assert got.prompt_tokens == len(want)

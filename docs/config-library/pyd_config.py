@@ -121,7 +121,7 @@ class Model(_Table):
     chat_template: str | None = None
     cache_mb: float = 256.0
     chars_per_token: float = 4.0
-    add_bos_to_completions: bool = False
+    add_bos_to_completions: bool | None = None
     busy: Busy = Busy()
     images: Images | None = None
     slo: Slo = Slo()

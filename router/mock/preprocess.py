@@ -110,7 +110,8 @@ def handlers(
 
     async def render_messages(request: web.Request) -> Any:
         body = to_chat_body(await _body(request)).body
-        return {"token_ids": check(tokenizer_of(request).chat(body)), "features": None}
+        ids = check(tokenizer_of(request).chat(body, from_messages=True))
+        return {"token_ids": ids, "features": None}
 
     async def render_responses(request: web.Request) -> Any:
         body = await _body(request)
@@ -124,7 +125,7 @@ def handlers(
     async def count_tokens(request: web.Request) -> web.StreamResponse:
         try:
             body = to_chat_body(await _body(request)).body
-            n = len(tokenizer_of(request).chat(body))
+            n = len(tokenizer_of(request).chat(body, from_messages=True))
         except BadRequest as exc:
             return anthropic.error(400, str(exc))
         return web.json_response(

@@ -53,7 +53,7 @@ def tokens_of(
         chat = resp.chat_body(store or resp.ResponseStore(), body)
         return tokenizer.chat(chat, from_responses=True)
     if kind == "messages":
-        return tokenizer.chat(to_chat_body(body).body)
+        return tokenizer.chat(to_chat_body(body).body, from_messages=True)
     return tokenizer.chat(body) if kind == "chat" else tokenizer.completion(body)
 
 

@@ -73,7 +73,9 @@ def _content(value: Any) -> str:
 
 
 class MockTokenizer(Protocol):
-    def chat(self, body: Mapping[str, Any], *, from_responses: bool = False) -> list[int]: ...
+    def chat(
+        self, body: Mapping[str, Any], *, from_responses: bool = False, from_messages: bool = False
+    ) -> list[int]: ...
 
     def completion(self, body: Mapping[str, Any]) -> list[int]: ...
 
@@ -84,7 +86,9 @@ _ROLE_NAMES = {v: k for k, v in ROLE_IDS.items()}
 
 
 class ByteTokenizer:
-    def chat(self, body: Mapping[str, Any], *, from_responses: bool = False) -> list[int]:
+    def chat(
+        self, body: Mapping[str, Any], *, from_responses: bool = False, from_messages: bool = False
+    ) -> list[int]:
         out: list[int] = []
         for m in _messages(body):
             out.append(ROLE_IDS.get(str(m["role"]), 261))
@@ -123,9 +127,14 @@ class RouterTokenizer:
         self.processor = processor
         self._tokenizer: IncrementalTokenizer = processor.tokenizer
 
-    def chat(self, body: Mapping[str, Any], *, from_responses: bool = False) -> list[int]:
-        """``from_responses``: PromptProcessor.chat's (a Responses API request's chat)."""
-        text, _ = self.processor.render_chat(body, from_responses=from_responses)
+    def chat(
+        self, body: Mapping[str, Any], *, from_responses: bool = False, from_messages: bool = False
+    ) -> list[int]:
+        """``from_responses`` / ``from_messages``: PromptProcessor.chat's (a Responses /
+        Messages API request's chat)."""
+        text, _ = self.processor.render_chat(
+            body, from_responses=from_responses, from_messages=from_messages
+        )
         return [int(t) for t in self._tokenizer.encode_text(text)]
 
     def completion(self, body: Mapping[str, Any]) -> list[int]:

@@ -13,7 +13,7 @@ from router.service.settings import ModelSettings
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
 from router.tokenize.template import ChatTemplate
-from router.tokenize.tokenizers import load_tokenizer_dir, read_tokenizer_config
+from router.tokenize.tokenizers import adds_bos, load_tokenizer_dir, read_tokenizer_config
 
 _log = logging.getLogger("router.service.state")
 
@@ -77,7 +77,11 @@ def build_processor(
         block,
         tokenizer=inc,
         template=template,
-        add_bos_to_completions=model.add_bos_to_completions,
+        add_bos_to_completions=(
+            adds_bos(files)
+            if model.add_bos_to_completions is None
+            else model.add_bos_to_completions
+        ),
         chars_per_token=model.chars_per_token,
         images=model.images,
         default_kwargs=model.chat_template_kwargs,

@@ -184,7 +184,9 @@ class ModelSettings:
     render_api_key: str | None = None  # bearer token for the render endpoints
     cache_mb: float = 256.0  # incremental tokenization cache
     chars_per_token: float = 4.0  # approximate mode
-    add_bos_to_completions: bool = False
+    # the BOS before a prompt encoded with special tokens (a completion's, by default); None:
+    # as the engine's tokenizer adds it (router.tokenize.tokenizers.adds_bos)
+    add_bos_to_completions: bool | None = None
     # [models.NAME.images]: image placeholders and vLLM's image hash (router/tokenize/multimodal)
     images: ImageSettings | None = None
     # [models.NAME.slo]: the TTFT / TPOT targets ``ours`` routes for and the SLO metrics count

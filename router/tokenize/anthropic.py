@@ -516,13 +516,13 @@ def messages_prompt(processor: PromptProcessor, body: Mapping[str, Any]) -> Proc
     # inline system messages placed as vLLM's probe of the template places them: exact
     exact = conv.exact or (conv.inline_system and conv.placed_exact and template is not None)
     try:
-        prompt = processor.chat(conv.body)
+        prompt = processor.chat(conv.body, from_messages=True)
     except BadRequest:
         if not conv.inline_system or merge:
             raise
         # refused in place (vLLM answers with an error): the merged prompt, as a guess
         merged = to_chat_body(body, merge_inline_system=True, disabled_thinking_effort=effort)
-        prompt = processor.chat(merged.body)
+        prompt = processor.chat(merged.body, from_messages=True)
         exact = False
     return prompt if exact else replace(prompt, exact=False)
 

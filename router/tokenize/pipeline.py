@@ -50,6 +50,7 @@ from router.tokenize.request_fields import (
     adds_special_tokens,
     chat_args,
     kept_tokens,
+    sends_template,
     truncated,
 )
 from router.tokenize.template import (
@@ -225,18 +226,24 @@ class PromptProcessor:
     # ------------------------------------------------------------------ chat
 
     def render_chat(
-        self, body: Mapping[str, Any], *, from_responses: bool = False
+        self,
+        body: Mapping[str, Any],
+        *,
+        from_responses: bool = False,
+        from_messages: bool = False,
     ) -> tuple[str, list[int]]:
-        """Rendered prompt text and message-prefix keys of a chat request (``from_responses``:
-        see :meth:`chat`)."""
-        text, messages, context = self._render(body, from_responses)
+        """Rendered prompt text and message-prefix keys of a chat request (``from_responses``,
+        ``from_messages``: see :meth:`chat`)."""
+        text, messages, context = self._render(body, from_responses, from_messages)
         return text, message_keys(messages, context) if context is not None else []
 
     def _render(
-        self, body: Mapping[str, Any], from_responses: bool = False
+        self, body: Mapping[str, Any], from_responses: bool = False, from_messages: bool = False
     ) -> tuple[str, list[Mapping[str, Any]], dict[str, Any] | None]:
         """Rendered text, the messages and the key context (None without a template)."""
-        messages, tools, kwargs, add_gen, cont = self._chat_args(body, from_responses)
+        messages, tools, kwargs, add_gen, cont = self._chat_args(
+            body, from_responses, from_messages
+        )
         text, context = self._render_text(messages, tools, kwargs, add_gen, cont, from_responses)
         return text, messages, context
 
@@ -262,7 +269,7 @@ class PromptProcessor:
         return text, _key_context(tools, kwargs, add_gen, cont, from_responses)
 
     def _chat_args(
-        self, body: Mapping[str, Any], from_responses: bool = False
+        self, body: Mapping[str, Any], from_responses: bool = False, from_messages: bool = False
     ) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool, bool]:
         """(messages, tools as vLLM dumps them, template kwargs, add_generation_prompt,
         continue_final_message), checked (router.tokenize.request_fields)."""
@@ -272,16 +279,33 @@ class PromptProcessor:
             self.effort_map,
             self.exclude_tools_when_none,
             over_defaults=not from_responses,
+            keep_empty_tools=from_messages,
         )
 
-    def chat(self, body: Mapping[str, Any], *, from_responses: bool = False) -> ProcessedPrompt:
+    def chat(
+        self,
+        body: Mapping[str, Any],
+        *,
+        from_responses: bool = False,
+        from_messages: bool = False,
+    ) -> ProcessedPrompt:
         """Routing view of a chat request; ``from_responses``: the chat vLLM builds from a
         Responses API request, which no chat request model validates (its assistant tool
         calls reach the template with their keys in their own order, not the chat request
-        model's) and whose template kwargs are merged only over configured defaults."""
+        model's) and whose template kwargs are merged only over configured defaults;
+        ``from_messages``: the chat vLLM builds from an Anthropic Messages API request (its
+        tools set after validation: an empty list reaches the template as one).
+
+        A body with a chat template of its own (:func:`sends_template`: the engine refuses
+        it, or renders with a template the router does not run) is known only by its size
+        (:meth:`unknown`), once checked."""
         t0 = time.perf_counter()
         tokenizer, template = self.tokenizer, self.template
-        messages, tools, kwargs, add_gen, cont = self._chat_args(body, from_responses)
+        messages, tools, kwargs, add_gen, cont = self._chat_args(
+            body, from_responses, from_messages
+        )
+        if sends_template(body):
+            return self.unknown(body)
         unmodelled = first_unmodelled(messages)
         if unmodelled is not None:  # a medium the router cannot place: hashed up to it
             at = messages[unmodelled]

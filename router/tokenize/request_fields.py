@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from router.core.errors import BadRequest
-from router.tokenize.lax import lax_bool, lax_int
+from router.tokenize.lax import INVALID, lax_bool, lax_int
 from router.tokenize.template import prepare_tools
 
 # the most sequences a request's ``n`` adds to its replica's load view (a larger ``n`` is the
@@ -45,13 +45,27 @@ def truncated(tokens: Any, keep: int, body: Mapping[str, Any]) -> Any:
 
 def adds_special_tokens(body: Mapping[str, Any], chat: bool) -> bool:
     """vLLM's ``add_special_tokens``: the tokenizer's special tokens (a BOS) added to the
-    prompt; false by default for chat (the template writes them), true for completions."""
-    add = body.get("add_special_tokens")
-    if add is None:
+    prompt; false by default for chat (the template writes them), true for completions.
+    Read as vLLM's request models read it (``"no"`` and ``0`` are false: lax_bool)."""
+    if "add_special_tokens" not in body:
         return not chat
-    if type(add) is not bool:
+    add = lax_bool(body["add_special_tokens"])
+    if add is None or add is INVALID:
         raise BadRequest("'add_special_tokens' must be a boolean")
     return add
+
+
+def sends_template(body: Mapping[str, Any]) -> bool:
+    """Whether a chat body brings a chat template of its own: ``chat_template``, or one in
+    ``chat_template_kwargs``. vLLM 0.34 refuses such a request unless it runs with
+    ``--trust-request-chat-template`` (``OnlineRenderer.validate_chat_template``), and then
+    renders it with that template (``ChatParams.chat_template``; the one in the kwargs when
+    the engine has no ``--chat-template``), which the router does not run: an arbitrary
+    template from a client is not the router's to execute."""
+    if body.get("chat_template") is not None:
+        return True
+    kwargs = body.get("chat_template_kwargs")
+    return isinstance(kwargs, Mapping) and kwargs.get("chat_template") is not None
 
 
 def check_messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -100,6 +114,7 @@ def chat_args(
     effort_map: Mapping[str, str],
     exclude_tools_when_none: bool = False,
     over_defaults: bool = True,
+    keep_empty_tools: bool = False,
 ) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool, bool]:
     """(messages, tools as vLLM dumps them, template kwargs, add_generation_prompt,
     continue_final_message) of a chat request, checked: the template's variables as vLLM
@@ -109,7 +124,10 @@ def chat_args(
     merge over defaults that always hold ``tokenize``; ``over_defaults`` False: a Responses
     API request's chat, which vLLM merges only over configured defaults), its
     ``reasoning_effort`` (rewritten by ``effort_map``) and the ``enable_thinking`` it
-    implies, its ``documents``; no tools for a ``tool_choice`` of ``"none"`` when the engine
+    implies, its ``documents``; no tools for an empty ``tools`` array (unless ``tool_choice``
+    names one: vLLM refuses that; or ``keep_empty_tools``: the chat vLLM builds from an
+    Anthropic Messages API request, whose tools it sets after validation, so an empty list
+    reaches the template), nor for a ``tool_choice`` of ``"none"`` when the engine
     runs with ``--exclude-tools-when-tool-choice-none`` (``exclude_tools_when_none``; vLLM
     0.34 ``OnlineRenderer``)."""
     messages = check_messages(body)
@@ -134,14 +152,24 @@ def chat_args(
     if default_kwargs or over_defaults:
         unset = {k for k, v in kwargs.items() if v is None or v == "auto"}
         kwargs = {**default_kwargs, **{k: kwargs[k] for k in kwargs if k not in unset}}
-    add_gen = body.get("add_generation_prompt", True)
-    cont = body.get("continue_final_message", False)
-    if not isinstance(add_gen, bool) or not isinstance(cont, bool):
+    # vLLM's check_generation_prompt runs on the values as sent, before they are read
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        raise BadRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    add_gen = lax_bool(body.get("add_generation_prompt", True))
+    cont = lax_bool(body.get("continue_final_message", False))
+    if add_gen is None or add_gen is INVALID or cont is None or cont is INVALID:
         raise BadRequest("'add_generation_prompt' and 'continue_final_message' are booleans")
     if cont:
         add_gen = False
     tools = body.get("tools")
-    if exclude_tools_when_none and body.get("tool_choice") == "none":
+    tool_choice = body.get("tool_choice")
+    if tools == [] and not keep_empty_tools and not isinstance(tool_choice, Mapping):
+        # vLLM's request model reads an empty array as no tools, as OpenAI does
+        # (``ChatCompletionRequest.check_tool_usage``): the template sees null
+        tools = None
+    if exclude_tools_when_none and tool_choice == "none":
         tools = None
     return messages, prepare_tools(tools), kwargs, add_gen, cont
 

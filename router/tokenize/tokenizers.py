@@ -411,6 +411,38 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=False))
 
+    def special_prefix(self) -> list[int] | None:
+        """The ids ``tokenizer.json``'s post-processor puts before a single text encoded
+        with special tokens; None without a post-processor."""
+        if self._tok.post_processor is None:
+            return None
+        bare = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        for at in range(len(full) - len(bare) + 1):
+            if full[at : at + len(bare)] == bare:
+                return list(full[:at])
+        return []
+
+
+def adds_bos(files: TokenizerFiles) -> bool:
+    """Whether the engine's tokenizer (transformers 5.22, as vLLM 0.34 loads an HF
+    ``tokenizer.json``) puts the BOS before a text it encodes with special tokens (a
+    completion's prompt, by default). ``TokenizersBackend.__init__`` rebuilds the
+    post-processor from ``tokenizer_config.json``'s ``add_bos_token`` / ``add_eos_token``
+    when either is set or ``tokenizer.json`` has none (a BOS only with ``add_bos_token``
+    true), else keeps the file's: a BOS when what it puts first is exactly the BOS token. A
+    tiktoken tokenizer adds none. (An EOS such a tokenizer appends is not modelled: only
+    the prompt's last block would differ.)"""
+    tok = files.tokenizer
+    if not isinstance(tok, HFTokenizer) or not tok.bos_token:
+        return False
+    bos = tok.special_tokens.get(tok.bos_token)
+    config = files.config
+    prefix = tok.special_prefix()
+    if "add_bos_token" in config or "add_eos_token" in config or prefix is None:
+        return bos is not None and config.get("add_bos_token") is True
+    return bos is not None and prefix == [bos]
+
 
 # ---------------------------------------------------------------------------- directory loading
 
