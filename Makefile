@@ -23,9 +23,7 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvrouter demo
 
-# tests/bytecode.py: compile once before the workers start (a fresh checkout has no caches)
 test: $(STAMP)
-	$(BIN)/python -m tests.bytecode
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The tests of what `make compile` compiles (router/compile.py TESTS): CI runs them against
