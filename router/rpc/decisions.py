@@ -60,7 +60,9 @@ class Pending:
     service_class: str = "default"
     first_at: float = 0.0  # when FIRST_TOKEN was reported (0: not yet)
     cached_counted: bool = False  # the engine's cached tokens were counted (once a request)
-    exact: bool = False  # its prompt was tokenized as the engine does: its prediction is judged
+    # an exact prompt of one sequence: its Report's cached tokens judge its prediction
+    # (router.service.proxy ``judged``)
+    exact: bool = False
     held: object = None  # the caller's slot of the gate's per-key limit (None: not counted)
     owner: str | None = None  # the caller that made it (:func:`owner_of`): only its Reports
     # when a Pick held by admission came: its TTFT and SLO are timed from then, as its

@@ -61,7 +61,7 @@ from router.service.handling import (
     session_key,
     unique_in_flight,
 )
-from router.service.proxy import count_slo
+from router.service.proxy import count_slo, judged
 from router.service.registry import Endpoint
 from router.service.report_relay import Reported, report_to_peers
 from router.service.state import RouterState
@@ -453,7 +453,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             routed.request.prompt_tokens,
             routed.ttft_factor,
             routed.service_class,
-            exact=routed.prompt.exact,
+            exact=judged(routed),
             held=held,
             owner=owner,
             arrived=arrived,

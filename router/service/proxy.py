@@ -112,6 +112,17 @@ def count_slo(
     state.metrics.model(model).slo(tier.label, result, service_class).inc()
 
 
+def judged(routed: Routed) -> bool:
+    """Whether the engine's cached tokens of ``routed``'s answer measure its predicted hit
+    (``kvrouter_prediction_error_tokens``; the forwarder and gRPC Report both ask): an exact
+    prompt of one sequence. A request of several reports one sequence's: a batch's, one of
+    its prompts' (vLLM: the last to finish); ``n`` > 1 samples', one child request's, and
+    the children after the first reuse the blocks the first just computed, so a prompt no
+    replica held reports nearly all of itself cached."""
+    request = routed.request
+    return routed.prompt.exact and request.prompts == 1 and request.samples == 1
+
+
 def _routable(view: LoadView) -> bool:
     """Whether a retry may go to a replica in this state: in rotation and not draining (a
     retry is a new request to it; a drained replica takes none)."""
@@ -725,8 +736,6 @@ class Forwarder:
         if cached is None:
             return
         mm.engine_cached_tokens.inc(cached)
-        # the predicted replica; a batch's usage has one of its prompts' cached tokens
-        # (vLLM: the last to finish), not the batch's: no error to measure
-        exact = routed.prompt.exact and routed.request.prompts == 1
-        if key == routed.decision.replica and exact:
+        # the predicted replica, and the cached tokens of the prompt it predicted
+        if key == routed.decision.replica and judged(routed):
             mm.prediction(routed.decision.usable_tokens, routed.request.prompt_tokens, cached)
