@@ -37,6 +37,7 @@ from router.bench.proxy_bench import (
     _wait_http,
     chat_body,
     kvrouter_config,
+    start_backend,
 )
 from router.cliargs import at_least
 from router.sigterm import held
@@ -138,13 +139,7 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         with held():
-            backend = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    f"from router.bench.proxy_bench import backend_main; backend_main({ports!r})",
-                ]
-            )
+            backend = start_backend(ports)
         _wait_http(f"http://127.0.0.1:{ports[0]}/health")
         with tempfile.TemporaryDirectory() as tmp:
             out_dir = Path(tmp)

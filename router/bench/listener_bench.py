@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.measure import emit, use_uvloop
-from router.bench.proxy_bench import _free_port, _stop, _wait_http, chat_body, kvrouter_config
+from router.bench.proxy_bench import (
+    _free_port,
+    _stop,
+    _wait_http,
+    chat_body,
+    kvrouter_config,
+    start_backend,
+)
 from router.cliargs import at_least
 from router.sigterm import held
 
@@ -128,13 +135,7 @@ def run(args: argparse.Namespace) -> int:
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     try:
         with held():
-            backend = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    f"from router.bench.proxy_bench import backend_main; backend_main({ports!r})",
-                ]
-            )
+            backend = start_backend(ports)
         _wait_http(f"http://127.0.0.1:{ports[0]}/health")
         for _ in range(args.runs):
             for mode in MODES:

@@ -152,6 +152,22 @@ class _Backend(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self._next_event, i + 1)
 
 
+def start_backend(
+    ports: list[int], paced: bool = False, cpus: frozenset[int] | None = None
+) -> subprocess.Popen[bytes]:
+    """:func:`backend_main` in a process of its own (``cpus``: pinned to them). Call it
+    inside ``router.sigterm.held`` and record the process there."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from router.bench.proxy_bench import backend_main; "
+            f"backend_main({ports!r}, paced={paced!r})",
+        ],
+        preexec_fn=_on_cpus(cpus),
+    )
+
+
 def backend_main(ports: list[int], paced: bool = False) -> None:
     """Serve the canned backend on ``ports`` until killed (runs in its own process);
     ``paced``: see :attr:`_Backend.paced`."""
@@ -489,17 +505,7 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         with held():
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-c",
-                        "from router.bench.proxy_bench import backend_main; "
-                        f"backend_main({ports!r}, paced={args.paced_stream!r})",
-                    ],
-                    preexec_fn=_on_cpus(args.load_cpus),
-                )
-            )
+            procs.append(start_backend(ports, args.paced_stream, args.load_cpus))
         _wait_http(f"http://127.0.0.1:{ports[0]}/health")
         direct_url = f"http://127.0.0.1:{ports[0]}/v1/chat/completions"
         result["direct"] = measure(direct_url, args)
