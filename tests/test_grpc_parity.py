@@ -852,3 +852,27 @@ async def test_a_picks_tpot_is_judged_per_sequence_of_its_samples() -> None:
     page = state.metrics.render().decode()
     missed = metric_sample(page, "kvrouter_slo_requests_total", model=MODEL, result="tpot_missed")
     assert missed == 1
+
+
+@pytest.mark.parametrize("field", ["request_json", "messages_json", "tools_json"])
+async def test_json_nested_too_deeply_is_invalid_argument_as_http_answers_400(
+    rpc: Any, field: str
+) -> None:
+    """A JSON field nested deeper than the parser recurses is the client's error: HTTP
+    answers such a body 400 ("nested too deeply", router.service.handling ``parse_body``),
+    and Pick INVALID_ARGUMENT, counted ``rejected`` as HTTP counts it; not UNKNOWN (an
+    unhandled RecursionError, logged as a servicer bug)."""
+    state, stub = rpc
+    deep = "[" * 5000 + "]" * 5000
+    chat = json.dumps([{"role": "user", "content": "hi"}])
+    kw = {
+        "request_json": {"request_json": '{"messages": ' + deep + "}"},
+        "messages_json": {"messages_json": deep},
+        "tools_json": {"messages_json": chat, "tools_json": deep},
+    }[field]
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(router_pb2.PickRequest(model=MODEL, **kw), metadata=AUTH)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{field} is nested too deeply" in (exc.value.details() or "")
+    page = state.metrics.render().decode()
+    assert metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="rejected") == 1

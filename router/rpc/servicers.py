@@ -17,7 +17,6 @@ from typing import Any, NoReturn
 
 import grpc
 
-from router import jsonload
 from router.core.errors import (
     BadRequest,
     KVRouterError,
@@ -56,6 +55,7 @@ from router.service.handling import (
     checked_prompt,
     holder_keys,
     in_flight,
+    json_value,
     record,
     rejected,
     session_key,
@@ -211,10 +211,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # the model named as an HTTP body names it (an engine's render endpoint reads it)
             body: dict[str, Any] = {
                 "model": request.model,
-                "messages": _json(request.messages_json, "messages_json"),
+                "messages": json_value(request.messages_json, "messages_json"),
             }
             if request.tools_json:
-                body["tools"] = _json(request.tools_json, "tools_json")
+                body["tools"] = json_value(request.tools_json, "tools_json")
             return proc.chat, body, len(request.messages_json) + len(request.tools_json)
         raise BadRequest("one of token_ids, text, messages_json or request_json is required")
 
@@ -225,7 +225,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         kind = _KIND_OF_PATH.get(path) if path else None
         if path and kind is None:
             raise BadRequest(f"request_path must be one of {', '.join(_KIND_OF_PATH)}")
-        whole = _json(request.request_json, "request_json")
+        whole = json_value(request.request_json, "request_json")
         if not isinstance(whole, dict):
             raise BadRequest("request_json must be a JSON object")
         named = whole.get("model")
@@ -597,13 +597,6 @@ def _client_error(status: int) -> bool:
 
 
 _KIND_OF_PATH = {path.decode(): kind for path, kind in KINDS.items()}
-
-
-def _json(text: str, field: str) -> Any:
-    try:
-        return jsonload.loads(text)
-    except ValueError as exc:
-        raise BadRequest(f"{field} is not valid JSON: {exc}") from None
 
 
 _TIERS = {index_pb2.GPU: Tier.GPU, index_pb2.CPU: Tier.CPU, index_pb2.DISK: Tier.DISK}

@@ -81,16 +81,23 @@ def too_large(state: RouterState) -> ErrorReply:
     )
 
 
+def json_value(raw: bytes | str, what: str) -> Any:
+    """The JSON value of ``raw`` (router/jsonload.py); BadRequest naming ``what`` when it is
+    not valid JSON or is nested deeper than the parser recurses. The one parse of client
+    JSON for every front end (a request body here, gRPC Pick's JSON fields)."""
+    try:
+        return jsonload.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest(f"{what} is nested too deeply") from None
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """The request's JSON object (router/jsonload.py)."""
+    """The request's JSON object (:func:`json_value`)."""
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
-    try:
-        body = jsonload.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
+    body = json_value(raw, "request body")
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
