@@ -417,3 +417,39 @@ async def test_deeply_nested_json_body_is_400(engine: str) -> None:
     finally:
         await runner.cleanup()
         await backend.stop()
+
+
+async def test_a_body_too_deeply_nested_to_render_is_400() -> None:
+    """A body the parser takes (1,020 nested arrays as its ``tools``) but too deep for the
+    chat template to render (Jinja recurses through it) is bad input too: 400, not a 500
+    from the RecursionError raised while its prompt is processed (gRPC Pick's
+    INVALID_ARGUMENT, tests/test_grpc_parity.py: one processing path)."""
+    import aiohttp
+
+    from router.service.config import build_settings
+    from tests.backends import Backend, kimi_model_table, start_router
+
+    backend = await Backend("b0", ["k"]).start()
+    settings = build_settings(
+        {
+            "replicas": [{"url": backend.url, "model": "k", "name": "b0"}],
+            "models": {"k": kimi_model_table()},
+        }
+    )
+    runner, url = await start_router(settings, "fast")
+    try:
+        async with aiohttp.ClientSession() as http:
+            deep = b"[" * 1020 + b"]" * 1020
+            body = (
+                b'{"model": "k", "tools": '
+                + deep
+                + b', "messages": [{"role": "user", "content": "hi"}]}'
+            )
+            async with http.post(url + "/v1/chat/completions", data=body) as r:
+                status, data = r.status, await r.read()
+            assert backend.received == []
+            check(status, {}, data, expect=400)
+            assert b"nested too deeply" in data
+    finally:
+        await runner.cleanup()
+        await backend.stop()

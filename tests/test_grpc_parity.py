@@ -876,3 +876,24 @@ async def test_json_nested_too_deeply_is_invalid_argument_as_http_answers_400(
     assert f"{field} is nested too deeply" in (exc.value.details() or "")
     page = state.metrics.render().decode()
     assert metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="rejected") == 1
+
+
+@pytest.mark.parametrize("how", ["fields", "request_json"])
+async def test_a_prompt_too_deeply_nested_to_render_is_invalid_argument(rpc: Any, how: str) -> None:
+    """JSON the parser takes (1,020 nested arrays as the tools) but too deep for the chat
+    template to render: the client's error, INVALID_ARGUMENT (HTTP's 400), not UNKNOWN
+    from the RecursionError raised while the prompt is processed."""
+    _state, stub = rpc
+    deep = "[" * 1020 + "]" * 1020
+    chat = json.dumps([{"role": "user", "content": "hi"}])
+    if how == "fields":
+        pick = router_pb2.PickRequest(model=MODEL, messages_json=chat, tools_json=deep)
+    else:
+        body = '{"messages": ' + chat + ', "tools": ' + deep + "}"
+        pick = router_pb2.PickRequest(
+            model=MODEL, request_json=body, request_path="/v1/chat/completions"
+        )
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(pick, metadata=AUTH)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "nested too deeply" in (exc.value.details() or "")

@@ -350,7 +350,27 @@ async def checked_prompt(
     ``kind`` ("chat" / "completion" / "messages": ``arg`` is such a request body): for a
     model rendered
     by the engine (router/service/render.py) the engine's render comes first; ``fn(arg)``
-    stands in, marked provisional, when no engine answered."""
+    stands in, marked provisional, when no engine answered.
+
+    A body the parser took but nested too deeply to process (a chat template recursing
+    through 1,000 nested arrays) is a BadRequest, as one too deep to parse is
+    (:func:`json_value`), not an unexpected error."""
+    try:
+        return await _processed(state, model, fn, arg, offload=offload, kind=kind)
+    except RecursionError:
+        raise BadRequest("request is nested too deeply to process") from None
+
+
+async def _processed(
+    state: RouterState,
+    model: str,
+    fn: Callable[[_A], ProcessedPrompt],
+    arg: _A,
+    *,
+    offload: bool,
+    kind: str | None,
+) -> ProcessedPrompt:
+    """:func:`checked_prompt` but for its RecursionError."""
     renderer = state.renderer
     rendered = kind is not None and renderer is not None and renderer.serves(model)
     t0 = time.perf_counter() if rendered else 0.0
