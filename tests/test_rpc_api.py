@@ -661,3 +661,24 @@ async def test_grpc_health_follows_readiness_and_the_drain() -> None:
         else:
             await stopping
         upstream.close()
+
+
+async def test_a_report_of_an_unknown_phase_is_invalid_and_applies_nothing(rpc: Any) -> None:
+    """Phase is an open proto3 enum: a gateway built against a newer proto (or a bug) may send
+    a value this router does not know. It is a malformed Report, INVALID_ARGUMENT naming
+    the phase, as a missing phase is; it must not end the decision as an unnamed outcome
+    (counted ``failed`` yet ending the replica's failure run, its slot and load freed)."""
+    state, channel = rpc
+    stub = router_pb2_grpc.RouterStub(channel)
+    picked = await stub.Pick(router_pb2.PickRequest(model=MODEL, text="hi"), metadata=auth())
+    assert state.load.in_flight() == 1
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Report(
+            router_pb2.ReportRequest(decision_id=picked.decision_id, phase=9), metadata=auth()
+        )
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "phase 9" in (exc.value.details() or "")
+    assert state.load.in_flight() == 1  # the decision stands: its real Report ends it
+    report = router_pb2.ReportRequest(decision_id=picked.decision_id, phase=2)
+    assert (await stub.Report(report, metadata=auth())).accepted
+    assert state.load.in_flight() == 0

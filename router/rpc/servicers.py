@@ -519,6 +519,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         phase = request.phase
         if phase == router_pb2.ReportRequest.PHASE_UNSPECIFIED:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "phase is required")
+        if phase not in _PHASES:  # an open enum: a newer proto's value, or garbage
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"phase {phase} is not one of {', '.join(_PHASES.values())}",
+            )
         if not request.decision_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decision_id is required")
         cached = request.cached_tokens if request.HasField("cached_tokens") else None
@@ -589,6 +594,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 
 _FAILURES = (router_pb2.ReportRequest.FAILED, router_pb2.ReportRequest.REFUSED)
+# the phases a Report may carry (PHASE_UNSPECIFIED is "missing")
+_PHASES = {
+    number: name
+    for name, number in router_pb2.ReportRequest.Phase.items()
+    if number != router_pb2.ReportRequest.PHASE_UNSPECIFIED
+}
 
 
 def _client_error(status: int) -> bool:
