@@ -897,3 +897,14 @@ async def test_a_prompt_too_deeply_nested_to_render_is_invalid_argument(rpc: Any
         await stub.Pick(pick, metadata=AUTH)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "nested too deeply" in (exc.value.details() or "")
+
+
+async def test_a_body_with_an_empty_model_is_for_the_picks_model(rpc: Any) -> None:
+    """HTTP reads ``"model": ""`` as naming no model (vLLM's served one: the router's one
+    model), so a gateway forwarding such a body as ``request_json`` gets it routed for the
+    Pick's ``model``, not refused as a body naming another model."""
+    _state, stub = rpc
+    for named in ("", None):
+        body = json.dumps({"model": named, "prompt": list(range(1000, 1100))})
+        got = await stub.Pick(router_pb2.PickRequest(model=MODEL, request_json=body), metadata=AUTH)
+        assert got.prompt_tokens == 100

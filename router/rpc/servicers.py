@@ -229,7 +229,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not isinstance(whole, dict):
             raise BadRequest("request_json must be a JSON object")
         named = whole.get("model")
-        if named is not None and named != request.model:
+        # (null or "" names none, as the HTTP endpoints read it: handling.field_types)
+        if named is not None and named != "" and named != request.model:
             raise BadRequest(f"request_json names model {named!r}, not {request.model!r}")
         if kind is None:
             kind = "chat" if "messages" in whole else "completion"
