@@ -908,3 +908,38 @@ async def test_a_body_with_an_empty_model_is_for_the_picks_model(rpc: Any) -> No
         body = json.dumps({"model": named, "prompt": list(range(1000, 1100))})
         got = await stub.Pick(router_pb2.PickRequest(model=MODEL, request_json=body), metadata=AUTH)
         assert got.prompt_tokens == 100
+
+
+@pytest.mark.parametrize("field", ["request_json", "text", "messages_json"])
+async def test_a_prompt_over_the_http_body_limit_is_refused_as_http_refuses_it(
+    field: str,
+) -> None:
+    """``server.max_body_mb`` bounds what a client may make the router parse and tokenize
+    (HTTP: 413). A Pick's prompt fields carry that body (``request_json``) or what it
+    would hold: over the limit they are RESOURCE_EXHAUSTED, as a message over
+    ``grpc_max_message_mb`` is, whatever that larger limit; nothing is routed."""
+    settings = build_settings(
+        {
+            "server": {"max_body_mb": 0.01},  # 10 KiB; grpc_max_message_mb is 16
+            "replicas": [{"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"}],
+            "models": {MODEL: kimi_model_table(block_size=16, speculative_ttl_s=0.0)},
+        }
+    )
+    state = RouterState(settings)
+
+    def pick(words: str) -> router_pb2.PickRequest:
+        value = {
+            "request_json": json.dumps({"prompt": words}),
+            "text": words,
+            "messages_json": json.dumps([{"role": "user", "content": words}]),
+        }[field]
+        return router_pb2.PickRequest(model=MODEL, **{field: value})
+
+    async for channel in _serve(state):
+        stub = router_pb2_grpc.RouterStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Pick(pick("many words here " * 1000), metadata=AUTH)  # 16,000 bytes
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "server.max_body_mb" in (exc.value.details() or "")
+        assert state.load.in_flight() == 0
+        assert (await stub.Pick(pick("a few words"), metadata=AUTH)).prompt_tokens > 0

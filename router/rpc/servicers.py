@@ -59,6 +59,7 @@ from router.service.handling import (
     record,
     rejected,
     session_key,
+    too_large,
     unique_in_flight,
 )
 from router.service.proxy import count_slo, judged
@@ -152,6 +153,24 @@ def _check_id_size(request_id: str, max_header_kb: float) -> None:
             f"request_id is {size} bytes; the limit is {limit} (server.max_header_kb, as "
             "for an HTTP request's headers)"
         )
+
+
+def _prompt_bytes(request: router_pb2.PickRequest) -> int:
+    """The size of a Pick's prompt fields in bytes (UTF-8), as an HTTP body holding them
+    would at least be (its JSON, or the text and messages it would carry); 0 for token ids
+    (``server.max_prompt_tokens`` and the context length bound those)."""
+    which = request.WhichOneof("prompt")
+    if which == "request_json":
+        return _utf8_size(request.request_json)
+    if which == "text":
+        return _utf8_size(request.text)
+    if which == "messages_json":
+        return _utf8_size(request.messages_json) + _utf8_size(request.tools_json)
+    return 0
+
+
+def _utf8_size(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def _serves(endpoint: Endpoint | None, model: str) -> bool:
@@ -318,6 +337,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _pick(
         self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext, held: object
     ) -> router_pb2.PickResponse:
+        if _prompt_bytes(request) > self.state.settings.server.max_body_mb * 2**20:
+            # what the HTTP front door would answer 413 (not counted as a request, there
+            # either), whatever grpc_max_message_mb lets through
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_large(self.state).message)
         try:
             if not request.model:
                 raise BadRequest("model is required")
