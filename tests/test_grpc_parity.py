@@ -943,3 +943,26 @@ async def test_a_prompt_over_the_http_body_limit_is_refused_as_http_refuses_it(
         assert "server.max_body_mb" in (exc.value.details() or "")
         assert state.load.in_flight() == 0
         assert (await stub.Pick(pick("a few words"), metadata=AUTH)).prompt_tokens > 0
+
+
+async def test_a_follow_up_whose_holder_cannot_take_it_names_the_holder_as_http(
+    rpc: Any,
+) -> None:
+    """A Responses follow-up can go only to the replica holding its stored response; when
+    that one cannot take it now, HTTP's 503 names the holder and why (handling.py
+    ``route_pinned``: any other replica could only answer that the response does not
+    exist). Pick's UNAVAILABLE says the same, with the retry trailers."""
+    state, stub = rpc
+    state.response_ids.put("resp_abc", MODEL, "a")
+    key = next(k for k in state.registry.keys_for(MODEL) if k.replica == "a")
+    state.load.set_draining(key, True)
+    follow = {"model": MODEL, "input": "and then?", "previous_response_id": "resp_abc"}
+    pick = router_pb2.PickRequest(
+        model=MODEL, request_json=json.dumps(follow), request_path="/v1/responses"
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(pick, metadata=AUTH)
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    details = exc.value.details() or ""
+    assert "replica 'a', the only one holding response 'resp_abc'" in details, details
+    assert _trailer(exc.value, "retry-after") == "1"

@@ -54,6 +54,7 @@ from router.service.handling import (
     admit,
     checked_prompt,
     holder_keys,
+    holder_unavailable,
     in_flight,
     json_value,
     record,
@@ -348,6 +349,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             max_out: int | None = None  # the body's output limit (as HTTP routes with it)
             tier: object = None  # the body's service_tier (admission's class, as on HTTP)
             pinned: list[ReplicaKey] = []
+            admitted: Admitted | None = None
             if request.WhichOneof("prompt") == "request_json":
                 admitted = await self._admitted(request)
                 prompt, body_session = admitted.prompt, admitted.session_id
@@ -419,16 +421,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 finally:
                     self._picking.discard(internal)
             else:
-                routed = self.state.route(
-                    request.model,
-                    prompt,
-                    # not one a request held by admission will be routed under (renamed)
-                    unique_in_flight(self.state, internal),
-                    now,
-                    session_id=session,
-                    max_output_tokens=max_out,
-                    replicas=pinned or self._whole(request),
-                )
+                try:
+                    routed = self.state.route(
+                        request.model,
+                        prompt,
+                        # not one a request held by admission will be routed under (renamed)
+                        unique_in_flight(self.state, internal),
+                        now,
+                        session_id=session,
+                        max_output_tokens=max_out,
+                        replicas=pinned or self._whole(request),
+                    )
+                except NoReplicaAvailable as exc:
+                    if not pinned or admitted is None:
+                        raise
+                    raise holder_unavailable(exc, admitted, pinned) from None  # as on HTTP
                 if slo_gate is not None:  # judged in its class without admission too
                     headers = metadata_headers(context.invocation_metadata())
                     routed = slo_gate.classed(routed, tier, headers)

@@ -568,11 +568,19 @@ def route_pinned(
             replicas=keys,
         )
     except NoReplicaAvailable as exc:
-        raise NoReplicaAvailable(
-            f"replica {keys[0].replica!r}, the only one holding response "
-            f"{admitted.previous_response!r}, cannot take requests now: {exc}",
-            busy=exc.busy,
-        ) from None
+        raise holder_unavailable(exc, admitted, keys) from None
+
+
+def holder_unavailable(
+    exc: NoReplicaAvailable, admitted: Admitted, keys: list[ReplicaKey]
+) -> NoReplicaAvailable:
+    """``exc`` of a request routed to the holder of its stored response (``keys``), naming
+    the holder: what :func:`route_pinned` and gRPC Pick raise."""
+    return NoReplicaAvailable(
+        f"replica {keys[0].replica!r}, the only one holding response "
+        f"{admitted.previous_response!r}, cannot take requests now: {exc}",
+        busy=exc.busy,
+    )
 
 
 async def serve_completion(
