@@ -28,7 +28,8 @@ late withdraws those it lacks (router/events/state_groups.py).
 
 Hash-changing keys enter the canonical chain as the router derives them from a request
 (``router.core.hashing``): a cache salt (SGLang's ``cache_salt`` field, or vLLM's salt in the
-first block's ``extra_keys``) and the LoRA name select the root; vLLM's multimodal keys
+first block's ``extra_keys``) and the LoRA adapter select the root (``_root``: the chains a
+request for the replica entry's model can reuse take that request's root); vLLM's multimodal keys
 ``(identifier, offset in the engine block)`` become ``MmItem`` s at their absolute start and
 key the canonical block they start in. Prompt-embedding digests (bytes) and shapes this code
 does not know cannot be reproduced from a request: such a block and the ones after it in the
@@ -144,6 +145,8 @@ class ReblockStats:
 
 _NO_ITEMS: set[MmItem] = set()  # shared, never added to: events without extra keys
 log = logging.getLogger(__name__)
+# roots an adapter entry's base-model chains apart from every request's root (``_root``)
+BASE_MODEL = "\0base"
 _logged_kinds: set[str] = set()
 # the kinds engines publish, as they spell them, read once
 _KIND_OF: dict[str | None, Kind | None] = {
@@ -183,7 +186,9 @@ class Reblocker(PlacedStores):
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
+        self.model = model
         self.root_for = root_for or (lambda lora, salt: root_hash(model, salt, lora))
+        self.adapter = False  # ``model`` names an adapter of the engine (``_adapter_found``)
         self.on_checkpoint = on_checkpoint
         self._tables: dict[int, BlockTable] = {}  # by group_idx: full attention, state
         # engine block hash -> the group whose full-attention block of that hash is in
@@ -312,7 +317,32 @@ class Reblocker(PlacedStores):
                 out.append(BlocksStored(tuple(dict.fromkeys(hashes)), tier, kind))
         return out
 
+    def _root(self, lora: str | None, salt: str | None) -> int:
+        """The canonical root of a chain the engine stored with adapter ``lora`` (None: the
+        base model): a request for ``model`` hashes from ``root_for(None, salt)``, so that is
+        the root of exactly the chains it can reuse: those of the adapter ``model`` names,
+        or, while ``model`` is not known to name one, the base model's."""
+        if lora is not None and lora == self.model:
+            lora = None
+        elif lora is None and self.adapter:
+            lora = BASE_MODEL
+        return self.root_for(lora, salt)
+
+    def _adapter_found(self) -> list[IndexEvent]:
+        """A block stored with the adapter ``model`` names: the base model's blocks indexed so
+        far are withdrawn (the entry cleared; what continues them is ``unknown_parent``)."""
+        self.adapter = True
+        log.info("model %r is a LoRA adapter of its engine: its index starts anew", self.model)
+        self._pending = []
+        for window in self._windows.values():
+            window.clear()
+        self._offload_bits = 0
+        self.clear()
+        return [AllCleared()]
+
     def _stored(self, ev: EngineBlockStored) -> list[IndexEvent]:
+        if not self.adapter and ev.lora_name is not None and ev.lora_name == self.model:
+            return [*self._adapter_found(), *self._stored(ev)]
         be = ev.block_size
         if self._copies is None and (
             ev.lookahead_token_ids or (ev.token_ids and be > 0 and self.block_size % be)
@@ -397,7 +427,7 @@ class Reblocker(PlacedStores):
             salt = ev.cache_salt
             if salt is None and keys is not None:
                 salt = keys[0].salt
-            end0, chain0, tail0, tail_mm0 = 0, self.root_for(ev.lora_name, salt), b"", ()
+            end0, chain0, tail0, tail_mm0 = 0, self._root(ev.lora_name, salt), b"", ()
         else:
             parent: BlockTable | None = table if parent_hash in words else None
             if parent is None and kind is Kind.STATE:

@@ -389,6 +389,10 @@ def _model(name: str, table: Any) -> ModelSettings:
             f"{where}.chat_template_content_format: {model.chat_template_content_format!r} is "
             "not one of " + ", ".join(CONTENT_FORMAT_OPTIONS)
         )
+    loras = model.default_mm_loras
+    if not isinstance(loras, (list, tuple)) or not all(isinstance(v, str) and v for v in loras):
+        raise ConfigError(f"{where}.default_mm_loras: must be an array of adapter names")
+    model = replace(model, default_mm_loras=tuple(loras))
     if not isinstance(model.chat_template_kwargs, Mapping):
         raise ConfigError(f"{where}.chat_template_kwargs: must be a table")
     effort_map = model.reasoning_effort_map

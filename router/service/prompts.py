@@ -40,6 +40,7 @@ def build_processor(
             context_length=model.context_length,
             exclude_tools_when_none=model.exclude_tools_when_tool_choice_none,
             disabled_thinking_effort=model.anthropic_disabled_thinking_effort,
+            mm_loras=model.default_mm_loras,
         )
     # models naming the same files share one incremental cache when their budgets agree
     # (each model's cache_mb holds: 0 turns it off for that model only)
@@ -89,6 +90,7 @@ def build_processor(
         context_length=model.context_length,
         exclude_tools_when_none=model.exclude_tools_when_tool_choice_none,
         disabled_thinking_effort=model.anthropic_disabled_thinking_effort,
+        mm_loras=model.default_mm_loras,
     )
 
 

@@ -16,8 +16,10 @@ from router.core.hashing import HASH_SEED, root_hash
 DEFAULT_CHARS_PER_TOKEN = 4.0
 
 
-def approx_root(model: str, cache_salt: str | None = None) -> int:
-    return root_hash(model, cache_salt, "\0approximate")
+def approx_root(model: str, cache_salt: str | None = None, lora: str | None = None) -> int:
+    """The root of approximate hashes: apart from exact ones, and per adapter (``lora``)."""
+    kind = "\0approximate" if lora is None else f"\0approximate\0{lora}"
+    return root_hash(model, cache_salt, kind)
 
 
 def approx_tokens(text: str, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,6 +49,7 @@ from router.tokenize.multimodal import (
 from router.tokenize.request_fields import (
     adds_special_tokens,
     chat_args,
+    default_mm_lora,
     kept_tokens,
     sends_template,
     truncated,
@@ -186,13 +187,15 @@ class PromptProcessor:
         context_length: int | None = None,
         exclude_tools_when_none: bool = False,
         disabled_thinking_effort: str = "auto",
+        mm_loras: Collection[str] = (),
     ) -> None:
         """``default_kwargs`` / ``effort_map`` / ``exclude_tools_when_none``: the engine's
         ``--default-chat-template-kwargs`` / ``--reasoning-effort-map`` /
         ``--exclude-tools-when-tool-choice-none``; ``context_length``: its
         ``--max-model-len`` (``truncate_prompt_tokens: -1`` truncates to it);
         ``disabled_thinking_effort``: its ``--anthropic-disabled-thinking-effort`` ("auto" or
-        an effort; read by router.tokenize.anthropic)."""
+        an effort; read by router.tokenize.anthropic); ``mm_loras``: the adapters its
+        ``--default-mm-loras`` loads (:meth:`mm_lora`)."""
         self.model = model
         self.context_length = context_length
         self.images = images
@@ -200,6 +203,7 @@ class PromptProcessor:
         self.effort_map = dict(effort_map or {})
         self.exclude_tools_when_none = exclude_tools_when_none
         self.disabled_thinking_effort = disabled_thinking_effort
+        self.mm_loras = frozenset(mm_loras)
         self.block_size = block_size
         self.tokenizer = tokenizer
         self.template = template
@@ -215,13 +219,21 @@ class PromptProcessor:
         """True when chat prompts are tokenized exactly (tokenizer and template present)."""
         return self.tokenizer is not None and self.template is not None
 
-    def root(self, body: Mapping[str, Any]) -> tuple[int, str | None]:
+    def root(self, body: Mapping[str, Any], from_responses: bool = False) -> tuple[int, str | None]:
+        """The root of the request's chain (its cache salt and :meth:`mm_lora`) and the salt."""
         salt = body.get("cache_salt")
-        if salt is None:
-            return self._root, None
-        if not isinstance(salt, str):
+        if salt is not None and not isinstance(salt, str):
             raise BadRequest("'cache_salt' must be a string")
-        return root_hash(self.model, salt), salt
+        lora = self.mm_lora(body, from_responses) if self.mm_loras else None
+        if salt is None and lora is None:
+            return self._root, None
+        return root_hash(self.model, salt, lora), salt
+
+    def mm_lora(self, body: Mapping[str, Any], from_responses: bool = False) -> str | None:
+        """The adapter of ``mm_loras`` (vLLM's ``--default-mm-loras``) vLLM serves this chat
+        request with (:func:`default_mm_lora`); None for a Responses API request
+        (``from_responses``), which vLLM serves without."""
+        return None if from_responses else default_mm_lora(body, self.mm_loras)
 
     # ------------------------------------------------------------------ chat
 
@@ -315,7 +327,7 @@ class PromptProcessor:
                     body, marked, tools, kwargs, add_gen, cont, t0, _IMAGE_MARKER, from_responses
                 )
             text, _ = self._render_text(marked, tools, kwargs, add_gen, cont, from_responses)
-            return self._cut_before(text, _IMAGE_MARKER, body, t0)
+            return self._cut_before(text, _IMAGE_MARKER, body, t0, from_responses)
         if has_images(messages):
             return self._chat_images(
                 body, messages, tools, kwargs, add_gen, cont, t0, None, from_responses
@@ -357,8 +369,8 @@ class PromptProcessor:
             broken.failed()
         render_s = time.perf_counter() - t0
         if tokenizer is None or template is None:
-            return self._approximate(text, body, render_s)
-        root, _ = self.root(body)
+            return self._approximate(text, body, render_s, from_responses=from_responses)
+        root, _ = self.root(body, from_responses)
         # message keys only serve the incremental cache, which short prompts skip
         keys = message_keys(messages, context) if len(text) >= MIN_CACHED_CHARS else []
         enc = tokenizer.encode(text, keys, root, self.block_size)
@@ -418,8 +430,8 @@ class PromptProcessor:
         text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont, from_responses)
         if tokenizer is None or template is None or settings is None:
             # nothing known from the first image on
-            return self._cut_before(text, marker, body, t0)
-        root, _ = self.root(body)
+            return self._cut_before(text, marker, body, t0, from_responses)
+        root, _ = self.root(body, from_responses)
         rest = 0  # tokens after ``cut_at``, not hashed
         if cut_at is not None and (cut := text.find(cut_at)) >= 0:
             # (the last token before it may merge with what follows: left out)
@@ -473,14 +485,21 @@ class PromptProcessor:
         )
 
     def _cut_before(
-        self, text: str, marker: str, body: Mapping[str, Any], t0: float
+        self,
+        text: str,
+        marker: str,
+        body: Mapping[str, Any],
+        t0: float,
+        from_responses: bool = False,
     ) -> ProcessedPrompt:
         """Routing view of a rendered prompt known only up to ``marker`` (where a medium
         the router cannot expand starts): the blocks before it, not exact."""
         tokenizer = self.tokenizer
         if tokenizer is None or self.template is None:
-            return self._approximate(text, body, time.perf_counter() - t0, cut_at=marker)
-        root, _ = self.root(body)
+            return self._approximate(
+                text, body, time.perf_counter() - t0, cut_at=marker, from_responses=from_responses
+            )
+        root, _ = self.root(body, from_responses)
         tokens = tokenizer.encode_text(text)
         t1 = time.perf_counter()
         cut = len(tokenizer.encode_text(text[: text.find(marker)])) - 1
@@ -509,7 +528,7 @@ class PromptProcessor:
         # the instrumented template too: models sharing a tokenizer share its cache, and a
         # render state is only valid for the template that made it
         context = (tools, kwargs, add_gen, local, from_responses)
-        root, _ = self.root(body)
+        root, _ = self.root(body, from_responses)
         bs = self.block_size
         out = None
         parts: RenderedParts | None = None  # the render ``out`` was encoded from
@@ -719,14 +738,20 @@ class PromptProcessor:
         )
 
     def _approximate(
-        self, text: str, body: Mapping[str, Any], render_s: float, cut_at: str | None = None
+        self,
+        text: str,
+        body: Mapping[str, Any],
+        render_s: float,
+        cut_at: str | None = None,
+        from_responses: bool = False,
     ) -> ProcessedPrompt:
         """``cut_at``: hash only the text before its first occurrence (an image)."""
         t0 = time.perf_counter()
         _, salt = self.root(body)
+        lora = self.mm_lora(body, from_responses) if self.mm_loras else None
         hashed = text if cut_at is None or cut_at not in text else text[: text.find(cut_at)]
         hashes = approx_hashes(
-            hashed, self.block_size, approx_root(self.model, salt), self.chars_per_token
+            hashed, self.block_size, approx_root(self.model, salt, lora), self.chars_per_token
         )
         return ProcessedPrompt(
             approx_tokens(text, self.chars_per_token),

@@ -5,6 +5,7 @@ tokens. router.tokenize.pipeline turns them into tokens and block hashes."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from router.core.errors import BadRequest
@@ -200,3 +201,27 @@ def sampled_sequences(body: Mapping[str, Any], kind: str) -> int:
         return 1
     n = lax_int(body.get("n"))
     return min(n, MAX_SAMPLES) if type(n) is int and n > 1 else 1
+
+
+def default_mm_lora(body: Mapping[str, Any], loras: AbstractSet[str]) -> str | None:
+    """The adapter vLLM 0.34 serves a chat request for the base model with, of ``loras`` (the
+    adapters its ``--default-mm-loras`` loads): the one whose name is among the types of the
+    messages' content parts (a type up to its first "_", or after an "input_" prefix:
+    ``OpenAIServing._get_message_types``), None if none or several are (vLLM's rule). Chat
+    completions (and the Messages API, which vLLM serves as a chat); a body without
+    ``messages`` (a completion) has none."""
+    messages = body.get("messages")
+    if not loras or not isinstance(messages, list):
+        return None
+    found: set[str] = set()
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if isinstance(kind, str):
+                name = kind[6:] if kind.startswith("input_") else kind.split("_")[0]
+                if name in loras:
+                    found.add(name)
+    return found.pop() if len(found) == 1 else None

@@ -93,9 +93,13 @@ class RefEngine:
     def prompt(self, n_blocks: int) -> list[int]:
         return [self.rng.randrange(1, 30_000) for _ in range(n_blocks * self.block_size)]
 
-    def block_hash(self, tokens: list[int], i: int, salt: str | None = None) -> int:
-        """The engine's hash of block ``i`` (a stand-in: any prefix-determined int64)."""
-        return hash((salt, tuple(tokens[: (i + 1) * self.block_size]))) & (2**63 - 1)
+    def block_hash(
+        self, tokens: list[int], i: int, salt: str | None = None, lora: str | None = None
+    ) -> int:
+        """The engine's hash of block ``i`` (a stand-in: any int64 determined by the prefix,
+        the salt and the LoRA adapter)."""
+        key = (salt, tuple(tokens[: (i + 1) * self.block_size]))
+        return hash(key if lora is None else (lora, *key)) & (2**63 - 1)
 
     def stored(
         self,
@@ -110,11 +114,13 @@ class RefEngine:
     ) -> Any:
         """A ``BlockStored`` of blocks [first, last) of ``tokens``, in the engine's own class.
         ``salt``: SGLang's ``cache_salt`` field, or for vLLM the salt as block 0's extra key;
+        ``lora_name``: the adapter's name, for vLLM also leading every block's extra keys (as
+        vLLM 0.34's ``to_event_extra_keys`` publishes it);
         ``group``: vLLM's group fields (``group_idx``, ``kv_cache_spec_kind``, ...)."""
         be = self.block_size
         last = len(tokens) // be if last is None else last
-        hashes = [self.block_hash(tokens, i, salt) for i in range(first, last)]
-        parent = self.block_hash(tokens, first - 1, salt) if first else None
+        hashes = [self.block_hash(tokens, i, salt, lora_name) for i in range(first, last)]
+        parent = self.block_hash(tokens, first - 1, salt, lora_name) if first else None
         fields: dict[str, Any] = {
             "block_hashes": hashes,
             "parent_block_hash": parent,
@@ -131,6 +137,9 @@ class RefEngine:
         else:
             fields["lora_name"] = lora_name
             keys = extra_keys
+            if lora_name is not None:
+                given = keys if keys is not None else [None] * len(hashes)
+                keys = [(lora_name, *(k or ())) for k in given]
             if salt is not None and first == 0:
                 keys = list(keys) if keys is not None else [None] * len(hashes)
                 head = tuple(keys[0] or ())
