@@ -507,7 +507,7 @@ async def test_a_pick_whose_caller_never_heard_back_withdraws_its_guess(
     cache (speculative entries) must go with its load, as for a REFUSED report, when the
     call ends, not after the book's hour; else requests sharing the prefix are drawn there
     for a hit it never holds."""
-    import router.rpc.servicers as servicers
+    import router.rpc.router_service as router_service
 
     state = _guessing_state()
     routed: list[Any] = []
@@ -521,14 +521,14 @@ async def test_a_pick_whose_caller_never_heard_back_withdraws_its_guess(
 
         monkeypatch.setattr(state, "route", slow)
     else:
-        record = servicers.record
+        record = router_service.record
 
         def slow_record(st: Any, done: Any) -> None:
             routed.append(done)
             record(st, done)
             time.sleep(0.5)  # past the caller's deadline, after the last check
 
-        monkeypatch.setattr(servicers, "record", slow_record)
+        monkeypatch.setattr(router_service, "record", slow_record)
     gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), loop_clock)
     _server, port = await gen.__anext__()
     try:

@@ -1,4 +1,4 @@
-"""The gRPC Router service's decisions awaiting Report (router/rpc/servicers.py).
+"""The gRPC Router service's decisions awaiting Report (router/rpc/router_service.py).
 
 A Pick books its decision under its ``decision_id`` (the caller's ``request_id``, else a
 uuid) with the caller that made it (:func:`owner_of`); a Report applies only to a decision
@@ -17,7 +17,7 @@ from router.core.types import ReplicaKey
 
 
 def owner_of(caller: object) -> str | None:
-    """The owner a decision made for ``caller`` (router/rpc/servicers.py ``CALLER``)
+    """The owner a decision made for ``caller`` (router/rpc/calls.py ``CALLER``)
     records, as text a Report relayed to another worker process carries
     (router/service/report_relay.py): ``key:N`` for the gate's client key N; None for a
     caller that presented no client key: ``server.grpc_token``, no gate, or a router with no

@@ -27,7 +27,9 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from router.rpc.calls import CALLER, abort_reply, metadata_headers
 from router.rpc.decisions import DecisionBook
+from router.rpc.fleet_services import AdminServicer, IndexServicer
 from router.rpc.gen import (
     admin_pb2,
     admin_pb2_grpc,
@@ -36,14 +38,7 @@ from router.rpc.gen import (
     router_pb2,
     router_pb2_grpc,
 )
-from router.rpc.servicers import (
-    CALLER,
-    AdminServicer,
-    IndexServicer,
-    RouterServicer,
-    abort_reply,
-    metadata_headers,
-)
+from router.rpc.router_service import RouterServicer
 from router.rpc.settings import GrpcSettings
 from router.service.ejection import Ejections
 from router.service.errors import ErrorReply
@@ -137,7 +132,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
     * Router (Pick, Report): ``token`` (``server.grpc_token``, a trusted gateway's: not held
       to per-key limits), or a client key, checked by ``gate`` (router/service/gate.py, the
       object the HTTP front door checks with), whose per-key limit a Pick then holds
-      (router/rpc/servicers.py). With neither token nor client keys configured the service
+      (router/rpc/router_service.py). With neither token nor client keys configured the service
       is open, and a caller is its address (the gate's per-address limit, as on HTTP).
     * Index (Publish) and any other kvrouter service: ``token`` only. Without a token it is
       open when no client keys are configured, refused when they are: a client key never

@@ -84,7 +84,7 @@ class Gate:
 
     The gRPC Router service holds its callers to the same keys and limits with the same
     object (one per process, ``app[GATE]``): its calls are identified by :meth:`caller` and
-    a Pick holds a slot (:meth:`hold`) until its decision ends (router/rpc/servicers.py),
+    a Pick holds a slot (:meth:`hold`) until its decision ends (router/rpc/router_service.py),
     so a key's HTTP requests and gRPC decisions share one limit."""
 
     __slots__ = ("_counted", "_in_flight", "_keys", "_max_header", "_per_key", "_retry_after")

@@ -99,7 +99,7 @@ def count_slo(
 ) -> None:
     """Count an answer with a first token in ``kvrouter_slo_requests``: its prompt's SLO
     tier and which targets it met (without an output length, TPOT is not judged). The
-    forwarder's streams and gRPC Report (router/rpc/servicers.py) both count here.
+    forwarder's streams and gRPC Report (router/rpc/router_service.py) both count here.
 
     ``output_tokens`` is the engine's usage: a request's ``sequences`` (``n`` of each of
     its prompts) decode side by side and it sums their tokens, so TPOT is judged on one

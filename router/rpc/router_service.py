@@ -1,6 +1,18 @@
-"""gRPC servicers over the router's live state: Router (Pick / Report), Index (Publish) and
-Admin. They call the same RouterState, prompt processors and RoutingEngines as the HTTP
-front door; errors of the core map to gRPC status codes here and only here.
+"""The gRPC Router service (``kvrouter.v1.Router``): Pick routes a request as the HTTP
+front door would and books its decision; Report tells how the request went on the replica.
+
+Pick reads its prompt (token ids, text, chat messages, or a whole HTTP request body as
+``request_json``) through the same prompt processing, limits and admission as the HTTP
+endpoints (router/service/handling.py), routes it with the same RouterState, and counts it
+in their per-request metrics. The decision is booked (router/rpc/decisions.py) under the
+caller's ``request_id`` within the caller's scope, holding the load and, for a client key,
+one of its per-key slots until the decision ends: a COMPLETED, FAILED or REFUSED Report,
+its expiry or eviction, or the Pick's reply never reaching its caller. Report applies the
+outcome as the HTTP forwarder applies an answer's (load, outcome and SLO metrics, outlier
+ejection, withdrawing a refused request's speculative entries); a decision another worker
+process booked is relayed to the workers (router/service/report_relay.py).
+
+Core errors end a Pick with the status of router/rpc/calls.py ``status_of``.
 """
 
 from __future__ import annotations
@@ -10,43 +22,20 @@ import asyncio
 import functools
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
-from router.core.errors import (
-    BadRequest,
-    KVRouterError,
-    NoReplicaAvailable,
-    Overloaded,
-    UnknownModel,
-)
-from router.core.types import (
-    AllCleared,
-    BlocksRemoved,
-    BlocksStored,
-    EventBatch,
-    IndexEvent,
-    Kind,
-    ReplicaKey,
-    Tier,
-)
+from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable
+from router.core.types import ReplicaKey
+from router.rpc.calls import CALLER, abort_error, abort_reply, metadata_headers
 from router.rpc.decisions import DecisionBook, Pending, owner_of, scoped_id
-from router.rpc.gen import (
-    admin_pb2,
-    admin_pb2_grpc,
-    index_pb2,
-    index_pb2_grpc,
-    router_pb2,
-    router_pb2_grpc,
-)
+from router.rpc.gen import router_pb2, router_pb2_grpc
 from router.service.body_memo import Admitted
 from router.service.disagg import ModelDisagg
 from router.service.ejection import Ejections
-from router.service.errors import ErrorReply, reply_for
 from router.service.gate import Gate
 from router.service.handling import (
     KINDS,
@@ -67,80 +56,13 @@ from router.service.proxy import count_slo, judged
 from router.service.registry import Endpoint
 from router.service.report_relay import Reported, report_to_peers
 from router.service.state import RouterState
-from router.service.workers import Workers, forward_to_peers
+from router.service.workers import Workers
 from router.tokenize.pipeline import ProcessedPrompt
 from router.tokenize.request_fields import asks_prompt_logprobs
 
 Clock = Callable[[], float]
 
 MAX_CANDIDATES = 4096
-MAX_EVENTS_PER_BATCH = 100_000
-
-# The client a Router call was admitted as (router/rpc/server.py AuthInterceptor): its
-# identity to the HTTP front door's gate (router/service/gate.py ``Gate.caller``), or None
-# for a caller not held to per-key limits (``server.grpc_token``, or no gate).
-CALLER: ContextVar[object] = ContextVar("kvrouter_grpc_caller", default=None)
-
-
-def status_of(exc: KVRouterError) -> grpc.StatusCode:
-    if isinstance(exc, BadRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, UnknownModel):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, Overloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, NoReplicaAvailable):
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
-
-
-def _trailers(reply: ErrorReply) -> tuple[tuple[str, str], ...]:
-    """The HTTP answer's ``Retry-After`` as gRPC trailers: ``retry-after`` (seconds) and
-    ``grpc-retry-pushback-ms``, which a client's retry policy honours."""
-    trailers: list[tuple[str, str]] = []
-    for name, value in reply.headers:
-        if name.lower() == "retry-after":
-            trailers += [("retry-after", value), ("grpc-retry-pushback-ms", f"{int(value) * 1000}")]
-    return tuple(trailers)
-
-
-async def _abort(
-    context: grpc.aio.ServicerContext, exc: KVRouterError, retry_after_s: int = 1
-) -> NoReturn:
-    """End the RPC with the status mapped from ``exc`` (``context.abort`` raises). When the
-    HTTP answer to ``exc`` carries ``Retry-After`` (an overloaded router, no replica free),
-    so do the trailers (:func:`_trailers`)."""
-    await context.abort(status_of(exc), str(exc), _trailers(reply_for(exc, retry_after_s)))
-    raise AssertionError("context.abort returned")
-
-
-_GATE_STATUS = {
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
-
-
-async def abort_reply(context: grpc.aio.ServicerContext, reply: ErrorReply) -> NoReturn:
-    """End the RPC with a refusal of the gate (or of the gRPC credentials): 401 ->
-    UNAUTHENTICATED, 429 (the per-key limit) -> RESOURCE_EXHAUSTED with the retry-after
-    trailers; the reply's message is the details."""
-    code = _GATE_STATUS.get(reply.status, grpc.StatusCode.INTERNAL)
-    await context.abort(code, reply.message, _trailers(reply))
-    raise AssertionError("context.abort returned")
-
-
-def metadata_headers(
-    metadata: tuple[tuple[str, str | bytes], ...] | None,
-) -> list[tuple[bytes, bytes]]:
-    """Call metadata as the HTTP server's header pairs, for the readers of HTTP headers
-    (router/service/gate.py ``presented_key``, admission's class and tenant)."""
-    return [
-        (
-            k.encode("latin-1", "replace"),
-            v if isinstance(v, bytes) else v.encode("latin-1", "replace"),
-        )
-        for k, v in metadata or ()
-    ]
 
 
 def _check_id_size(request_id: str, max_header_kb: float) -> None:
@@ -441,7 +363,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     routed = slo_gate.classed(routed, tier, headers)
         except KVRouterError as exc:
             rejected(self.state, request.model)  # counted as the HTTP endpoints count it
-            await _abort(context, exc, self.state.fleet.retry_after_s(request.model, self.clock()))
+            await abort_error(
+                context, exc, self.state.fleet.retry_after_s(request.model, self.clock())
+            )
         except asyncio.CancelledError:
             # the caller left (cancelled, or its deadline passed) before the request reached
             # a replica (held by admission, or while its prompt was processed): its one
@@ -639,180 +563,3 @@ def _client_error(status: int) -> bool:
 
 
 _KIND_OF_PATH = {path.decode(): kind for path, kind in KINDS.items()}
-
-
-_TIERS = {index_pb2.GPU: Tier.GPU, index_pb2.CPU: Tier.CPU, index_pb2.DISK: Tier.DISK}
-_KINDS = {index_pb2.KV: Kind.KV, index_pb2.STATE: Kind.STATE}
-_OUTCOMES = {
-    "applied": index_pb2.PublishAck.APPLIED,
-    "duplicate": index_pb2.PublishAck.DUPLICATE,
-    "gap": index_pb2.PublishAck.GAP,
-}
-
-
-def decode_batch(msg: index_pb2.IndexEventBatch) -> EventBatch:
-    """Protobuf batch -> core EventBatch; BadRequest says what is wrong."""
-    if not msg.replica:
-        raise BadRequest("replica is required")
-    if len(msg.events) > MAX_EVENTS_PER_BATCH:
-        raise BadRequest(f"at most {MAX_EVENTS_PER_BATCH} events per batch")
-    events: list[IndexEvent] = []
-    for i, ev in enumerate(msg.events):
-        tier = _TIERS.get(ev.tier)
-        kind = _KINDS.get(ev.kind)
-        if tier is None or kind is None:
-            raise BadRequest(f"events[{i}]: unknown tier or kind")
-        if ev.type == index_pb2.IndexEvent.STORED:
-            events.append(BlocksStored(tuple(ev.hashes), tier, kind))
-        elif ev.type == index_pb2.IndexEvent.REMOVED:
-            events.append(BlocksRemoved(tuple(ev.hashes), tier, kind))
-        elif ev.type == index_pb2.IndexEvent.ALL_CLEARED:
-            events.append(AllCleared())
-        else:
-            raise BadRequest(f"events[{i}]: unknown event type {ev.type}")
-    return EventBatch(ReplicaKey(msg.replica, msg.dp_rank), tuple(events), msg.seq or None)
-
-
-class IndexServicer(index_pb2_grpc.IndexServicer):
-    """``workers``: the worker processes of a ``kvrouter serve --workers N`` (None for one
-    process). A Publish stream lands on one of them and only its index would take the
-    events, so with several it is refused rather than leave the others cache-blind."""
-
-    def __init__(self, state: RouterState, workers: Workers | None = None) -> None:
-        self.state = state
-        self.workers = workers
-
-    async def Publish(
-        self,
-        request_iterator: AsyncIterator[index_pb2.IndexEventBatch],
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[index_pb2.PublishAck]:
-        if self.workers is not None and self.workers.count > 1:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"index publishing reaches one of the router's {self.workers.count} worker "
-                "processes only (each keeps its own index): publish through Redis "
-                "(kvrouter publish) or the engines' ZMQ events, or run server.workers = 1",
-            )
-            return
-        async for msg in request_iterator:
-            try:
-                batch = decode_batch(msg)
-            except BadRequest as exc:
-                await _abort(context, exc)
-                return
-            if self.state.registry.endpoint(batch.replica) is None:
-                # an unknown name would grow the index with entries nothing routes to
-                await context.abort(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"no replica {msg.replica!r} (rank {msg.dp_rank}): configure it "
-                    "([[replicas]]) or register it before publishing its events",
-                )
-                return
-            outcome = self.state.index.apply(batch)
-            yield index_pb2.PublishAck(
-                replica=msg.replica,
-                dp_rank=msg.dp_rank,
-                seq=msg.seq,
-                outcome=_OUTCOMES[outcome.value],
-            )
-
-
-class AdminServicer(admin_pb2_grpc.AdminServicer):
-    """``workers``: the worker processes of a ``kvrouter serve --workers N`` (None for one
-    process); a Drain / Undrain applied here is forwarded to every other worker, as the HTTP
-    admin endpoints do (router/service/workers.py)."""
-
-    def __init__(
-        self,
-        state: RouterState,
-        clock: Clock,
-        book: DecisionBook,
-        workers: Workers | None = None,
-    ) -> None:
-        self.state = state
-        self.clock = clock
-        self.book = book
-        self.workers = workers
-
-    async def ListReplicas(
-        self, request: admin_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
-    ) -> admin_pb2.ListReplicasResponse:
-        now = self.clock()
-        out = []
-        for ep in self.state.registry.endpoints():
-            if request.model and ep.model != request.model:
-                continue
-            view = self.state.load.view(ep.key, now)
-            kv, st = self.state.index.replica_size(ep.key)
-            info = admin_pb2.ReplicaInfo(
-                replica=ep.key.replica,
-                dp_rank=ep.key.dp_rank,
-                endpoint=ep.base_url,
-                model=ep.model,
-                rack=ep.rack or "",
-                region=ep.region or "",
-                healthy=view.healthy,
-                draining=view.draining,
-                in_flight=view.in_flight,
-                queued_prefill_tokens=view.queued_prefill_tokens,
-                kv_entries=kv,
-                state_entries=st,
-            )
-            if view.engine is not None:
-                info.engine_running = view.engine.running
-                info.engine_waiting = view.engine.waiting
-                info.engine_kv_usage = view.engine.kv_usage
-            out.append(info)
-        return admin_pb2.ListReplicasResponse(replicas=out)
-
-    async def _drain(
-        self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext, on: bool
-    ) -> admin_pb2.DrainResponse:
-        if not request.replica:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "replica is required")
-        keys = self.state.registry.find(request.replica)
-        if not request.all_ranks:
-            keys = [k for k in keys if k.dp_rank == request.dp_rank]
-        if not keys:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"no replica {request.replica!r} (rank {request.dp_rank})",
-            )
-        now = self.clock()
-        changed = 0
-        for key in keys:
-            if self.state.load.view(key, now).draining != on:
-                changed += 1
-            self.state.fleet.set_draining(key, on)
-        # every other worker process; ``name#dpN`` names one rank (a bare name is all ranks)
-        name = request.replica if request.all_ranks else f"{request.replica}#dp{request.dp_rank}"
-        fan = await forward_to_peers(self.workers, name, on, self.state.settings.server.admin_token)
-        if fan.failed:
-            # DrainResponse has no field for it: the call fails, naming the workers missed
-            await context.abort(grpc.StatusCode.UNAVAILABLE, fan.message(name, on))
-        return admin_pb2.DrainResponse(changed=changed)
-
-    async def Drain(
-        self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext
-    ) -> admin_pb2.DrainResponse:
-        return await self._drain(request, context, True)
-
-    async def Undrain(
-        self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext
-    ) -> admin_pb2.DrainResponse:
-        return await self._drain(request, context, False)
-
-    async def Stats(
-        self, request: admin_pb2.StatsRequest, context: grpc.aio.ServicerContext
-    ) -> admin_pb2.StatsResponse:
-        s = self.state.index.stats()
-        return admin_pb2.StatsResponse(
-            replicas=len(self.state.registry.endpoints()),
-            kv_entries=s.kv_entries,
-            state_entries=s.state_entries,
-            speculative_entries=s.speculative_entries,
-            unique_kv_blocks=s.unique_kv_blocks,
-            in_flight=self.state.load.in_flight(),
-            decisions=len(self.book),
-        )
