@@ -19,7 +19,7 @@ from router.service.state import RouterState
 from router.service.upstream import Client, Timeouts
 from router.service.wire import Headers
 from router.store.base import ReplicaInfo
-from router.tokenize.pipeline import ProcessedPrompt
+from router.tokenize.keying import ProcessedPrompt
 from tests.test_service_api import MODEL, TOKEN, Fleet, conversation, make_fleet
 
 

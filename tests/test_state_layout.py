@@ -344,7 +344,7 @@ def test_exact_prompts_speculate_long_only_without_events(tmp_path: Path) -> Non
     off = {"speculative_ttl_s": 0.0}
     assert _state(tmp_path, off, zmq=True).speculative_ttl["m"] == (long, 0.0)
 
-    from router.tokenize.pipeline import ProcessedPrompt
+    from router.tokenize.keying import ProcessedPrompt
 
     state = _state(tmp_path, off, zmq=True)
     state.route("m", ProcessedPrompt(200, [1, 2, 3], 64, exact=True), "q1", 0.0)

@@ -57,7 +57,7 @@ from router.service.registry import Endpoint
 from router.service.report_relay import Reported, report_to_peers
 from router.service.state import RouterState
 from router.service.workers import Workers
-from router.tokenize.pipeline import ProcessedPrompt
+from router.tokenize.keying import ProcessedPrompt
 from router.tokenize.request_fields import asks_prompt_logprobs
 
 Clock = Callable[[], float]

@@ -54,7 +54,7 @@ from router.core.types import ReplicaKey
 from router.service.body_memo import Admitted
 from router.service.gate import presented_key
 from router.service.state import Pending, Routed, RouterState
-from router.tokenize.pipeline import ProcessedPrompt
+from router.tokenize.keying import ProcessedPrompt
 
 TICK_S = 0.05
 """How often held requests are looked at while any is held, besides on every completion

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import xxhash
 
-from router.tokenize.pipeline import ProcessedPrompt
+from router.tokenize.keying import ProcessedPrompt
 
 # Python object overhead of an entry besides the body bytes and the hashes (tuple, key,
 # ProcessedPrompt, list) and per block hash (a 64-bit int object and its list slot).

@@ -50,8 +50,8 @@ from router.service.stream_usage import usage_patch, with_patch
 from router.service.wire import Sink, send_error
 from router.tokenize.anthropic import messages_prompt
 from router.tokenize.anthropic import session_of as anthropic_session
+from router.tokenize.keying import ProcessedPrompt
 from router.tokenize.lax import INVALID, lax_bool, lax_int
-from router.tokenize.pipeline import ProcessedPrompt
 from router.tokenize.request_fields import asks_prompt_logprobs, sampled_sequences
 from router.tokenize.responses import previous_response, responses_prompt, stores
 

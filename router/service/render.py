@@ -52,7 +52,8 @@ from router.service.render_answer import (
     renderable,
 )
 from router.service.settings import ModelSettings
-from router.tokenize.pipeline import ProcessedPrompt, PromptProcessor
+from router.tokenize.keying import ProcessedPrompt
+from router.tokenize.pipeline import PromptProcessor
 
 _log = logging.getLogger("kvrouter.render")
 

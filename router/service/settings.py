@@ -175,7 +175,7 @@ class ModelSettings:
     exclude_tools_when_tool_choice_none: bool = False
     # vLLM's --default-mm-loras keys (and any other adapter loaded under a content part's
     # type name): a chat request naming exactly one of them by a part type is served with
-    # that adapter, whose blocks are keyed with it (router/tokenize/pipeline.py mm_lora)
+    # that adapter, whose blocks are keyed with it (router/tokenize/keying.py mm_lora)
     default_mm_loras: tuple[str, ...] = ()
     # vLLM's --anthropic-disabled-thinking-effort: the reasoning_effort of a Messages API body
     # with thinking disabled / between_tools; "auto": vLLM's probe of the chat template

@@ -40,7 +40,8 @@ from router.service.response_share import ResponseShare
 from router.service.settings import ModelSettings, Settings
 from router.service.snapshot import state_snapshot
 from router.tokenize.incremental import IncrementalTokenizer
-from router.tokenize.pipeline import ProcessedPrompt, PromptProcessor
+from router.tokenize.keying import ProcessedPrompt
+from router.tokenize.pipeline import PromptProcessor
 
 APPROXIMATE_SPECULATIVE_TTL_S = 600.0
 # Bodies at least this large are not memoised (body_memo.py) and are tokenized on a worker

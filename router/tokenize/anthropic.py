@@ -63,7 +63,8 @@ import jinja2.sandbox
 from router.core.errors import BadRequest
 
 if TYPE_CHECKING:
-    from router.tokenize.pipeline import ProcessedPrompt, PromptProcessor
+    from router.tokenize.keying import ProcessedPrompt
+    from router.tokenize.pipeline import PromptProcessor
     from router.tokenize.template import ChatTemplate
 
 BILLING_HEADER = "x-anthropic-billing-header"

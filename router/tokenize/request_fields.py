@@ -1,6 +1,7 @@
 """What of a request decides the prompt vLLM runs, read and checked as vLLM reads it: the
 chat template's arguments (messages, tools, template variables), truncation and special
-tokens. router.tokenize.pipeline turns them into tokens and block hashes."""
+tokens. router.tokenize.pipeline (chats) and router.tokenize.keying (truncation, special
+tokens, the chain root) turn them into tokens and block hashes."""
 
 from __future__ import annotations
 

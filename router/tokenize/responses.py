@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 from router.core.errors import BadRequest
 
 if TYPE_CHECKING:
-    from router.tokenize.pipeline import ProcessedPrompt, PromptProcessor
+    from router.tokenize.keying import ProcessedPrompt
+    from router.tokenize.pipeline import PromptProcessor
 
 # vLLM's key for a custom tool's free-form input (vllm/tool_parsers/utils.py)
 CUSTOM_TOOL_INPUT_KEY = "input"
