@@ -966,3 +966,48 @@ async def test_a_follow_up_whose_holder_cannot_take_it_names_the_holder_as_http(
     details = exc.value.details() or ""
     assert "replica 'a', the only one holding response 'resp_abc'" in details, details
     assert _trailer(exc.value, "retry-after") == "1"
+
+
+def _outcome_counts(state: RouterState) -> dict[str, float]:
+    """outcome -> ``MODEL``'s ``kvrouter_requests_total`` summed over replicas."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(state.metrics.render().decode()):
+        for s in family.samples:
+            if s.name == "kvrouter_requests_total" and s.labels["model"] == MODEL:
+                out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0.0) + s.value
+    return out
+
+
+async def test_a_decision_never_reported_counts_expired_once() -> None:
+    """HTTP counts every request's outcome once; a Pick's is counted by its Report, so a
+    decision that ends without one (past ``decision_ttl_s``, or evicted beyond
+    ``max_pending_decisions``) counts ``expired`` on its replica, once: a late Report of it
+    is unknown and counts nothing more."""
+    state = _state()
+    shift = [0.0]
+    report = router_pb2.ReportRequest
+    settings = GrpcSettings(port=0, token=TOKEN, decision_ttl_s=60.0, max_pending_decisions=2)
+    gen = serve_grpc(state, settings, lambda: loop_clock() + shift[0])
+    _server, port = await gen.__anext__()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            for rid in ("p1", "p2", "p3"):  # p1: evicted by p3
+                pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320), request_id=rid)
+                await stub.Pick(pick, metadata=AUTH)
+            assert _outcome_counts(state) == {"expired": 1}
+            first = report(decision_id="p2", phase=report.FIRST_TOKEN)
+            assert (await stub.Report(first, metadata=AUTH)).accepted
+            done = report(decision_id="p3", phase=report.COMPLETED, output_tokens=1)
+            assert (await stub.Report(done, metadata=AUTH)).accepted
+            shift[0] = 120.0  # p2 (answering, never ended) is past its TTL: the sweep ends it
+            await eventually(lambda: _outcome_counts(state) == {"expired": 2, "ok": 1})
+            for rid in ("p1", "p2"):
+                late = report(decision_id=rid, phase=report.COMPLETED, output_tokens=1)
+                assert not (await stub.Report(late, metadata=AUTH)).accepted
+            assert _outcome_counts(state) == {"expired": 2, "ok": 1}
+            assert state.load.in_flight() == 0
+    finally:
+        await gen.aclose()

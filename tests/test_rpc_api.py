@@ -682,3 +682,67 @@ async def test_a_report_of_an_unknown_phase_is_invalid_and_applies_nothing(rpc: 
     report = router_pb2.ReportRequest(decision_id=picked.decision_id, phase=2)
     assert (await stub.Report(report, metadata=auth())).accepted
     assert state.load.in_flight() == 0
+
+
+async def test_call_metadata_is_bounded_as_an_http_header_block_is() -> None:
+    """``server.max_header_kb`` bounds a call's metadata as it bounds an HTTP request's
+    header block (431 there): within it a call is served, whatever grpc's own default
+    metadata limits (8 KiB soft, 16 KiB hard) say; over it every kvrouter call is refused
+    RESOURCE_EXHAUSTED with the HTTP answer's message, before its credentials are read."""
+    import re
+
+    from router.rpc.server import GRPC_PORT
+    from tests.backends import start_router
+
+    settings = build_settings(
+        {
+            "server": {
+                "grpc_port": 0,
+                "grpc_token": TOKEN,
+                "admin_token": ADMIN,
+                "health_interval_s": 0,
+                "max_header_kb": 24,
+            },
+            "replicas": [{"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"}],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    runner, url = await start_router(settings)
+    try:
+        port = runner.app[GRPC_PORT]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            pick = router_pb2.PickRequest(model=MODEL, text="hello there")
+            within = (*auth(), ("x-trace", "t" * 20_000))
+            resp = await stub.Pick(pick, metadata=within)
+            assert resp.replica == "a"
+            over = (("x-trace", "t" * 30_000),)
+            for call in (
+                lambda md: stub.Pick(pick, metadata=md),
+                lambda md: admin_pb2_grpc.AdminStub(channel).Stats(
+                    admin_pb2.StatsRequest(), metadata=md
+                ),
+            ):
+                for md in (over, (*auth(), *over), (*auth(ADMIN), *over)):
+                    with pytest.raises(grpc.aio.AioRpcError) as exc:
+                        await call(md)
+                    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    details = exc.value.details() or ""
+                    assert re.fullmatch(
+                        r"request headers are \d+ bytes; the limit is 24576 "
+                        r"\(server\.max_header_kb\)",
+                        details,
+                    ), details
+        # the HTTP answer to the same header: 431 with the same message
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(url + "/health", headers={"x-trace": "t" * 30_000}) as answer,
+        ):
+            assert answer.status == 431
+            message = (await answer.json())["error"]["message"]
+            assert re.fullmatch(
+                r"request headers are \d+ bytes; the limit is 24576 \(server\.max_header_kb\)",
+                message,
+            ), message
+    finally:
+        await runner.cleanup()

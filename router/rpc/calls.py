@@ -4,11 +4,12 @@ and how a refusal ends it.
 * :data:`CALLER`: the client a Router call was admitted as (router/rpc/server.py
   ``AuthInterceptor`` sets it for the handler's run).
 * :func:`metadata_headers`: the call's metadata as the HTTP server's header pairs, for the
-  readers of HTTP headers.
+  readers of HTTP headers; :func:`metadata_bytes`: its size as an HTTP header block's, which
+  ``server.max_header_kb`` bounds.
 * :func:`status_of` / :func:`abort_error`: errors of the core (router/core/errors.py) map
   to gRPC status codes here and only here, with the HTTP answer's ``Retry-After`` as the
   trailers ``retry-after`` and ``grpc-retry-pushback-ms``; :func:`abort_reply` does the
-  same for a refusal of the HTTP front door's gate (401, 429).
+  same for a refusal of the HTTP front door's gate (401, 429, 431).
 
 Both aborts raise (as ``context.abort`` does): they never return.
 """
@@ -73,13 +74,16 @@ async def abort_error(
 _GATE_STATUS = {
     401: grpc.StatusCode.UNAUTHENTICATED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    # the header block over server.max_header_kb: grpc's own answer to metadata over its limit
+    431: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
 async def abort_reply(context: grpc.aio.ServicerContext, reply: ErrorReply) -> NoReturn:
     """End the RPC with a refusal of the gate (or of the gRPC credentials): 401 ->
     UNAUTHENTICATED, 429 (the per-key limit) -> RESOURCE_EXHAUSTED with the retry-after
-    trailers; the reply's message is the details."""
+    trailers, 431 (metadata over ``server.max_header_kb``) -> RESOURCE_EXHAUSTED; the reply's
+    message is the details."""
     code = _GATE_STATUS.get(reply.status, grpc.StatusCode.INTERNAL)
     await context.abort(code, reply.message, _trailers(reply))
     raise AssertionError("context.abort returned")
@@ -97,3 +101,14 @@ def metadata_headers(
         )
         for k, v in metadata or ()
     ]
+
+
+def metadata_bytes(metadata: tuple[tuple[str, str | bytes], ...] | None) -> int:
+    """The size of a call's metadata counted as the HTTP server counts a header block's
+    (router/service/fast_server.py: name, value and 4 bytes of ``: `` and CRLF per field),
+    so ``server.max_header_kb`` bounds both alike. Values are counted as they arrived
+    (``-bin`` values decoded, others as text)."""
+    total = 0
+    for k, v in metadata or ():
+        total += len(k) + (len(v) if isinstance(v, bytes) else len(v.encode("utf-8"))) + 4
+    return total

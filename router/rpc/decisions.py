@@ -4,7 +4,8 @@ A Pick books its decision under its ``decision_id`` (the caller's ``request_id``
 uuid) with the caller that made it (:func:`owner_of`); a Report applies only to a decision
 whose owner is exactly the reporting caller, and to any other caller the decision is unknown.
 The book is bounded in count and age: an evicted or expired decision is handed back to the
-servicer, which ends it (completed in the load model, its per-key slot freed), not leaked.
+servicer, which ends it (completed in the load model, its per-key slot freed, its outcome
+counted ``expired``), not leaked.
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ endpoints (router/service/handling.py), routes it with the same RouterState, and
 in their per-request metrics. The decision is booked (router/rpc/decisions.py) under the
 caller's ``request_id`` within the caller's scope, holding the load and, for a client key,
 one of its per-key slots until the decision ends: a COMPLETED, FAILED or REFUSED Report,
-its expiry or eviction, or the Pick's reply never reaching its caller. Report applies the
-outcome as the HTTP forwarder applies an answer's (load, outcome and SLO metrics, outlier
-ejection, withdrawing a refused request's speculative entries); a decision another worker
-process booked is relayed to the workers (router/service/report_relay.py).
+its expiry or eviction (counted outcome ``expired``), or the Pick's reply never reaching its
+caller. Report applies the outcome as the HTTP forwarder applies an answer's (load, outcome
+and SLO metrics, outlier ejection, withdrawing a refused request's speculative entries); a
+decision another worker process booked is relayed to the workers
+(router/service/report_relay.py).
 
 Core errors end a Pick with the status of router/rpc/calls.py ``status_of``.
 """
@@ -422,7 +423,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self.ejections.sent(decision.replica, pending.token, pending.created, math.inf)
         # last: from here the book holds the caller's slot (``held``) until the decision ends
         for old in self.book.add(internal, pending):
-            self._end(old)
+            self._lapse(old)
         context.add_done_callback(functools.partial(self._unreached, internal, pending))
         return reply
 
@@ -445,7 +446,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _expire(self, now: float) -> None:
         for old in self.book.expire(now):
-            self._end(old)
+            self._lapse(old)
+
+    def _lapse(self, pending: Pending) -> None:
+        """A decision ended with no Report ending it: past its TTL, or evicted beyond the
+        book's bound. :meth:`_end` it, and count its one outcome, ``expired`` on its replica
+        (what the request did there is unknown; every Pick that books a decision counts
+        one outcome, as every HTTP request does)."""
+        self._end(pending)
+        self.state.metrics.model(pending.model).outcome(pending.replica, "expired").inc()
 
     def sweep(self) -> None:
         """End the decisions past their TTL now (a Pick does it first too), so a gateway

@@ -5,7 +5,9 @@ Authentication (:class:`AuthInterceptor`): Router calls carry ``authorization: B
 where X is ``token`` (``server.grpc_token``) or a client API key, which the HTTP front
 door's gate checks and whose per-key limit a Pick holds as an HTTP request does; Index calls
 need ``token``; Admin calls need ``admin_token`` (and are refused when none is configured).
-Secrets are compared in constant time. TLS is on when a certificate and key are given.
+Secrets are compared in constant time. Before the credentials, a call's metadata is held to
+``server.max_header_kb`` as an HTTP request's header block is (RESOURCE_EXHAUSTED with the
+431's message). TLS is on when a certificate and key are given.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from router.rpc.calls import CALLER, abort_reply, metadata_headers
+from router.rpc.calls import CALLER, abort_reply, metadata_bytes, metadata_headers
 from router.rpc.decisions import DecisionBook
 from router.rpc.fleet_services import AdminServicer, IndexServicer
 from router.rpc.gen import (
@@ -42,7 +44,8 @@ from router.rpc.router_service import RouterServicer
 from router.rpc.settings import GrpcSettings
 from router.service.ejection import Ejections
 from router.service.errors import ErrorReply
-from router.service.gate import Gate, presented_key
+from router.service.fast_server import MAX_HEAD_BYTES, MAX_HEADERS
+from router.service.gate import Gate, header_refusal, presented_key
 from router.service.keys import (
     FORWARDER,
     GATE,
@@ -138,19 +141,32 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
       open when no client keys are configured, refused when they are: a client key never
       authorises index writes.
 
+    Every kvrouter call is first held to ``max_header_bytes`` (``server.max_header_kb``; 0:
+    unlimited): metadata larger, counted as an HTTP header block (router/rpc/calls.py
+    ``metadata_bytes``), is refused RESOURCE_EXHAUSTED with the message of HTTP's 431, before
+    any credential is read (as the HTTP gate checks the size first).
+
     The caller a Router call was admitted as is :data:`CALLER` while its handler runs.
     """
 
     def __init__(
-        self, token: str | None, admin_token: str | None, gate: Gate | None = None
+        self,
+        token: str | None,
+        admin_token: str | None,
+        gate: Gate | None = None,
+        max_header_bytes: int = 0,
     ) -> None:
         self.token = token
         self.admin_token = admin_token
         self.gate = gate
+        self.max_header_bytes = max_header_bytes
 
     def check(self, method: str, metadata: Metadata, peer: str) -> tuple[ErrorReply | None, object]:
         """(the refusal, None to go on; the caller for :data:`CALLER`: a client identity of
         the gate, None for one not held to per-key limits)."""
+        too_large = header_refusal(metadata_bytes(metadata), self.max_header_bytes)
+        if too_large is not None:
+            return too_large, None
         given = _bearer(metadata)
         if method.startswith(ADMIN_SERVICE):
             if not self.admin_token:
@@ -180,7 +196,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
         return None, None
 
     async def admit(self, method: str, context: Context) -> object:
-        """The caller of this call; ends it (UNAUTHENTICATED) when refused."""
+        """The caller of this call; ends it (UNAUTHENTICATED; RESOURCE_EXHAUSTED for
+        metadata over the limit) when refused."""
         refused, caller = self.check(
             method, context.invocation_metadata(), client_address(context.peer())
         )
@@ -282,11 +299,19 @@ def build_server(
     outlier ejection, which Report feeds; ``gate``: the HTTP front door's (client keys and
     per-key limits, which Router calls are held to; None: no client keys, nothing counted)."""
     limit = int(settings.max_message_mb * 2**20)
+    header_limit = int(settings.max_header_kb * 1024)
+    # grpc's own metadata limits (8 KiB soft: refused at random above it; 16 KiB hard) must
+    # not refuse what server.max_header_kb lets through: they are raised above it (grpc counts
+    # 32 bytes a field where HTTP counts 4) so the interceptor refuses with HTTP's message; 0
+    # (unlimited) keeps the HTTP front door's own ceiling (fast_server.MAX_HEAD_BYTES)
+    metadata_ceiling = (header_limit or MAX_HEAD_BYTES) + 32 * MAX_HEADERS
     server = grpc.aio.server(
-        interceptors=[AuthInterceptor(settings.token, settings.admin_token, gate)],
+        interceptors=[AuthInterceptor(settings.token, settings.admin_token, gate, header_limit)],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
+            ("grpc.max_metadata_size", metadata_ceiling),
+            ("grpc.absolute_max_metadata_size", metadata_ceiling),
         ],
     )
     book = DecisionBook(settings.max_pending_decisions, settings.decision_ttl_s)
@@ -411,6 +436,7 @@ async def grpc_cleanup_ctx(app: web.Application) -> AsyncIterator[None]:
         tls_cert=s.grpc_tls_cert,
         tls_key=s.grpc_tls_key,
         max_message_mb=s.grpc_max_message_mb,
+        max_header_kb=s.max_header_kb,
     )
     # with several worker processes (control.join_workers ran before the app started)
     workers = app.get(WORKERS)

@@ -14,6 +14,9 @@ class GrpcSettings:
     excepted). ``admin_token``: required by the Admin service, which is refused without one.
     ``tls_cert`` / ``tls_key``: PEM files; TLS is on when both are set.
     ``max_message_mb``: larger messages are rejected with RESOURCE_EXHAUSTED.
+    ``max_header_kb``: ``server.max_header_kb``, the bound of a call's metadata counted as
+    an HTTP header block (0: grpc's ceiling alone, router/rpc/server.py); larger ->
+    RESOURCE_EXHAUSTED with the HTTP 431's message.
     Decisions not reported within ``decision_ttl_s`` (or beyond ``max_pending_decisions``)
     are completed in the load model so a silent gateway cannot leak load.
     """
@@ -25,5 +28,6 @@ class GrpcSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     max_message_mb: float = 16.0
+    max_header_kb: float = 32.0
     decision_ttl_s: float = 3600.0
     max_pending_decisions: int = 100_000

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from router.core.types import ReplicaKey
+from router.service.engine_sources import REPORT_STALE_INTERVALS
 from router.service.keys import FORWARDER, INDEX_SYNC, SESSION, SETTINGS, STATE
 from router.service.proxy import Forwarder
 from router.service.render import EngineRenderer, render_targets
@@ -33,9 +34,6 @@ if TYPE_CHECKING:
     from router.store.sync import IndexSync
 
 _log = logging.getLogger("kvrouter.service")
-# an engine load report older than this many ``server.engine_metrics_interval_s`` is dropped
-# (direct scrapes and the publishers' reports alike; the publishers' default interval is 1 s)
-REPORT_STALE_INTERVALS = 10
 
 
 async def upstream_session(app: web.Application) -> AsyncIterator[None]:
@@ -183,11 +181,13 @@ async def _probe_health(
 async def engine_metrics(app: web.Application) -> AsyncIterator[None]:
     """Replicas with ``metrics_url``: the router scrapes their Prometheus pages itself
     (router.service.engines)."""
+    from router.service.engine_sources import SCRAPE
     from router.service.engines import EngineFeed, scraping
 
     settings = app[SETTINGS]
     targets = [rep for rep in settings.replicas if rep.metrics_url]
-    async with scraping(targets, EngineFeed(app[STATE]), settings.server.engine_metrics_interval_s):
+    feed = EngineFeed(app[STATE], source=SCRAPE)
+    async with scraping(targets, feed, settings.server.engine_metrics_interval_s):
         yield
 
 

@@ -8,6 +8,11 @@ replica's real hit rate, beside the router's ``kvrouter_replica_predicted_hit_to
 Reports for replica keys the router does not route to are ignored. Membership: the configured
 replicas, plus (``server.discover_replicas``, on by default with Redis) the replicas publishers
 register in the store.
+
+A replica reported by both (``metrics_url`` configured and a publisher in Redis) is followed
+through one of them at a time, the publisher's while its reports come
+(router/service/engine_sources.py), so neither the load view nor the exported counters
+interleave two sources.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import aiohttp
 
 from router.core.types import ReplicaKey
 from router.publisher.scrape import MissingGauges, fetch_page, parse_engine_metrics
+from router.service.engine_sources import PUBLISHER
 from router.service.settings import ReplicaSettings
 from router.service.state import RouterState
 from router.store.base import LoadSample, ReplicaInfo
@@ -37,12 +43,17 @@ class EngineFeed(LoadTrackerListener):
 
     With ``discover`` the replicas publishers register (and deregister, or whose lease
     expires) join and leave the registry (``Fleet.add_discovered``); without it
-    membership stays with the configuration."""
+    membership stays with the configuration. ``source``: what feeds it, :data:`PUBLISHER`
+    (the store's load samples) or :data:`SCRAPE` (the router's scrape); a key's reports are
+    taken from one source at a time (``Fleet.engine_sources``)."""
 
-    def __init__(self, state: RouterState, *, discover: bool = False) -> None:
+    def __init__(
+        self, state: RouterState, *, discover: bool = False, source: str = PUBLISHER
+    ) -> None:
         super().__init__(state.load)
         self.state = state
         self.discover = discover
+        self.source = source
 
     def replica_up(self, info: ReplicaInfo) -> None:
         if self.discover:
@@ -55,14 +66,24 @@ class EngineFeed(LoadTrackerListener):
         self.state.layouts.unregistered(replica)
 
     def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None:
+        fleet = self.state.fleet
         if self.state.registry.endpoint(key) is None:
             return
+        if not fleet.engine_sources.accept(key, self.source, now):
+            return  # the key's publisher reports it: the scrape is not used (warned once)
         super().load(key, sample, now)
         queries, hits = sample.prefix_cache_queries, sample.prefix_cache_hits
         if queries is not None and hits is not None:
-            self.state.fleet.engine_prefix_cache[key] = (queries, hits)
+            shown = fleet.engine_prefix_cache.get(key)
+            if (
+                shown is None
+                or (queries >= shown[0] and hits >= shown[1])
+                or not fleet.engine_sources.keeps_counters(key, now)
+            ):
+                fleet.engine_prefix_cache[key] = (queries, hits)
+            # else: read before the other source's last, just replaced: not a reset
         else:  # the engine stopped exporting them: do not keep exporting a frozen value
-            self.state.fleet.engine_prefix_cache.pop(key, None)
+            fleet.engine_prefix_cache.pop(key, None)
 
 
 async def scrape_once(

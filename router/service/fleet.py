@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Sequence
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.types import ReplicaKey
+from router.service.engine_sources import REPORT_STALE_INTERVALS, EngineSources
 from router.service.registry import ReplicaRegistry
 from router.service.replica_url import ReplicaUrl
 from router.service.settings import ReplicaSettings, Settings
@@ -54,6 +55,10 @@ class Fleet:
         # the engines' own cumulative prefix-cache counters (queried, hit prompt tokens) per
         # replica key, from publishers' load samples or the router's own scrape
         self.engine_prefix_cache: dict[ReplicaKey, tuple[float, float]] = {}
+        # which of the two a key's reports are taken from (the publisher's while they come)
+        self.engine_sources = EngineSources(
+            REPORT_STALE_INTERVALS * settings.server.engine_metrics_interval_s
+        )
         for ep in self.registry.endpoints():
             load.add_replica(ep.key)
             index.add_replica(ep.key)
@@ -157,6 +162,7 @@ class Fleet:
         for key in keys:
             self.load.remove_replica(key)
             self.engine_prefix_cache.pop(key, None)
+            self.engine_sources.forget(key)
             self.unhealthy_until.pop(key, None)
             if previous is not None:
                 self._forget(previous.model, key)

@@ -61,6 +61,19 @@ def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> str:
     return api_key.strip()
 
 
+def header_refusal(header_bytes: int, limit: int) -> ErrorReply | None:
+    """The 431 refusal of a request whose header block (an HTTP request's, a gRPC call's
+    metadata: router/rpc/calls.py ``metadata_bytes``) is ``header_bytes`` long, over
+    ``limit`` bytes (``server.max_header_kb``; 0: unlimited); None within it."""
+    if not limit or header_bytes <= limit:
+        return None
+    return ErrorReply(
+        431,
+        f"request headers are {header_bytes} bytes; the limit is {limit} (server.max_header_kb)",
+        "request_header_fields_too_large",
+    )
+
+
 # the paths answered without a client key: the probes and the scraper's page (they carry
 # none); the admin routes (``/admin/...``) have a token of their own
 OPEN_PATHS = frozenset({b"/health", b"/ping", b"/ready", b"/metrics"})
@@ -102,13 +115,9 @@ class Gate:
     ) -> tuple[ErrorReply | None, object]:
         """(the refusal, None to go on; the identity to :meth:`release` after the answer,
         None when nothing is counted)."""
-        if self._max_header and header_bytes > self._max_header:
-            return ErrorReply(
-                431,
-                f"request headers are {header_bytes} bytes; the limit is {self._max_header} "
-                "(server.max_header_kb)",
-                "request_header_fields_too_large",
-            ), None
+        too_large = header_refusal(header_bytes, self._max_header)
+        if too_large is not None:
+            return too_large, None
         if not self._counted or not protected(path):
             return _PASS
         refused, ident = self.caller(presented_key(headers), peer)
