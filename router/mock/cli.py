@@ -32,6 +32,9 @@ def run(args: argparse.Namespace) -> int:
         topic=args.topic,
         tokenizer_dir=args.tokenizer,
         bpe_file=args.bpe_file,
+        image_tokens=args.image_tokens,
+        image_placeholder=args.image_placeholder,
+        image_token=args.image_token,
         default_max_tokens=args.default_max_tokens,
         time_scale=args.time_scale,
         scheduling_policy=args.scheduling_policy,
@@ -83,6 +86,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--topic", default="")
     p.add_argument("--tokenizer", default=None, help="HF-style tokenizer dir (router's config)")
     p.add_argument("--bpe-file", default=None, help="tiktoken BPE file for --tokenizer")
+    p.add_argument(
+        "--image-tokens",
+        default="fixed:40",
+        help="placeholder tokens per image part: fixed:N or qwen2_vl (from the image's size; "
+        "the router's [models.NAME.images] tokens)",
+    )
+    p.add_argument(
+        "--image-placeholder",
+        default="",
+        help="with --tokenizer: the text put per image (the router's [models.NAME.images] "
+        "placeholder); without it and --image-token chats with images are refused",
+    )
+    p.add_argument(
+        "--image-token", default="", help="with --tokenizer: the placeholder token repeated"
+    )
     p.add_argument("--default-max-tokens", type=int, default=16)
     p.add_argument(
         "--scheduling-policy",

@@ -21,6 +21,11 @@ tokens (``B / k`` or ``B * k``) under engine hashes derived from the canonical o
 * A request's cache salt keys the first block of its chain, as the engines publish it:
   vLLM in that block's ``extra_keys`` (``salt_field="extra_keys"``), SGLang in the event's
   ``cache_salt`` (``salt_field="cache_salt"``).
+* A prompt's images key every engine block their placeholder tokens overlap, in that block's
+  ``extra_keys`` as vLLM 0.34 publishes them: ``(identifier, offset of the image's start from
+  the block's)`` pairs before the salt (``generate_block_hash_extra_keys`` then
+  ``to_event_extra_keys``; router/mock/images.py ``block_keys``): in KV events and in a
+  checkpoint's kept block, not in sliding-window events (placed by hash).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from router.events.model import (
     EngineBlockStored,
     EngineEvent,
 )
+from router.mock.images import ImageItem, block_keys
 
 _MASK = 2**64 - 1
 # canonical blocks a published checkpoint's range spans (vLLM lists the tokens of every block
@@ -50,6 +56,14 @@ class _Known:
     tokens: tuple[int, ...]
     depth: int  # index of the block in its chain (0 = first block)
     salt: str | None = None  # the chain's cache salt (it keys the first block)
+    images: tuple[ImageItem, ...] = ()  # the prompt's images overlapping the block
+
+    def start(self, block_size: int) -> int:
+        return self.depth * block_size
+
+
+_MmKeys = tuple[tuple[str, int], ...]
+_NO_MM: _MmKeys = ()
 
 
 class EngineEventEncoder:
@@ -83,14 +97,22 @@ class EngineEventEncoder:
 
     # ------------------------------------------------------------------ learning
 
-    def learn(self, hashes: list[int], tokens: list[int], cache_salt: str | None = None) -> None:
+    def learn(
+        self,
+        hashes: list[int],
+        tokens: list[int],
+        cache_salt: str | None = None,
+        images: tuple[ImageItem, ...] = (),
+    ) -> None:
         """Remember parent and tokens of every full block of a prompt (``hashes`` computed
-        with ``cache_salt``, which its events carry)."""
+        with ``cache_salt`` and ``images``, which its events carry)."""
         b, be = self.block_size, self.engine_block_size
         parent: int | None = None
         for i, h in enumerate(hashes):
             if h not in self._known:
-                self._known[h] = _Known(parent, tuple(tokens[i * b : (i + 1) * b]), i, cache_salt)
+                start, end = i * b, (i + 1) * b
+                mine = tuple(im for im in images if im.start < end and im.start + im.length > start)
+                self._known[h] = _Known(parent, tuple(tokens[start:end]), i, cache_salt, mine)
             parent = h
         if be > b:
             k = be // b
@@ -104,18 +126,24 @@ class EngineEventEncoder:
         data = (canonical & _MASK).to_bytes(8, "little") + part.to_bytes(4, "little")
         return xxhash.xxh3_64_intdigest(data, seed=self.salt)
 
-    def _sub_blocks(self, h: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
-        """(engine hash, engine parent, tokens) of the engine blocks ending inside canonical
-        block ``h`` (``B / k`` engine blocks: k of them; ``B * k``: one, or none)."""
+    def _sub_blocks(self, h: int) -> list[tuple[int, int | None, tuple[int, ...], _MmKeys]]:
+        """(engine hash, engine parent, tokens, multimodal keys) of the engine blocks ending
+        inside canonical block ``h`` (``B / k`` engine blocks: k of them; ``B * k``: one, or
+        none)."""
         known = self._known[h]
         be, b = self.engine_block_size, self.block_size
         if be <= b:
             k = b // be
             prev = self._last_engine_hash(known.parent)
             out = []
+            base = known.start(b)
             for j in range(k):
                 eh = self._engine_hash(h, j)
-                out.append((eh, prev, known.tokens[j * be : (j + 1) * be]))
+                mm = _NO_MM
+                if known.images:
+                    start = base + j * be
+                    mm = tuple(block_keys(known.images, start, start + be))
+                out.append((eh, prev, known.tokens[j * be : (j + 1) * be], mm))
                 prev = eh
             return out
         k = be // b
@@ -130,7 +158,10 @@ class EngineEventEncoder:
             cur = self._known[cur.parent]
         chain.reverse()
         tokens = tuple(t for c in chain for t in self._known[c].tokens)
-        return [(self._engine_hash(h, 0), self._last_engine_hash(cur.parent), tokens)]
+        images = dict.fromkeys(im for c in chain for im in self._known[c].images)
+        end = known.start(b) + b
+        mm = tuple(block_keys(list(images), end - be, end)) if images else _NO_MM
+        return [(self._engine_hash(h, 0), self._last_engine_hash(cur.parent), tokens, mm)]
 
     def _last_engine_hash(self, h: int | None) -> int | None:
         """Engine hash of the engine block ending where canonical block ``h`` ends."""
@@ -163,6 +194,7 @@ class EngineEventEncoder:
         run_parent: int | None = None  # the KV chain being gathered into one event
         run_hashes: list[int] = []
         run_tokens: list[int] = []
+        run_mm: list[_MmKeys] = []
         run_salt: str | None = None
         # a sliding-window model's state events are its window blocks: chains, as KV's
         window = ev.kind is Kind.STATE and self.sliding_window > 0
@@ -173,10 +205,11 @@ class EngineEventEncoder:
             if ev.kind is Kind.STATE and not window:
                 state = self._state_block(h)
                 if state is not None:
-                    eh, parent, tokens = self._state_range(h, state)
+                    eh, parent, tokens = self._state_range(h, state[:3])
                     # the salt keys the chain's first block: only the kept block's keys go out
                     first = parent is None and len(tokens) == self.engine_block_size
-                    keys, salt = self._salted(self._known[h].salt if first else None, 1)
+                    salt_of = self._known[h].salt if first else None
+                    keys, salt = self._salted(salt_of, 1, [state[3]])
                     out.append(
                         EngineBlockStored(
                             (eh,),
@@ -193,25 +226,40 @@ class EngineEventEncoder:
                 continue
             if not window:
                 self._media[h] = self._media.get(h, 0) | (1 << ev.tier)
-            for eh, parent, tokens in self._sub_blocks(h):
+            for eh, parent, tokens, mm in self._sub_blocks(h):
                 if run_hashes and parent == run_hashes[-1]:
                     run_hashes.append(eh)
                     run_tokens.extend(tokens)
+                    run_mm.append(mm)
                     continue
-                self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier, run_salt, window)
-                run_parent, run_hashes, run_tokens = parent, [eh], list(tokens)
+                self._flush_run(
+                    out, run_parent, run_hashes, run_tokens, ev.tier, run_salt, window, run_mm
+                )
+                run_parent, run_hashes, run_tokens, run_mm = parent, [eh], list(tokens), [mm]
                 run_salt = self._known[h].salt if parent is None and not window else None
-        self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier, run_salt, window)
+        self._flush_run(out, run_parent, run_hashes, run_tokens, ev.tier, run_salt, window, run_mm)
         return out
 
-    def _salted(self, salt: str | None, blocks: int) -> tuple[object, str | None]:
-        """``(extra_keys, cache_salt)`` of an event that starts a chain salted with ``salt``
-        (``blocks`` long): the fields that carry the salt, by engine."""
-        if salt is None:
-            return None, None
-        if self.salt_field == "cache_salt":
-            return None, salt
-        return ((salt,), *((None,) * (blocks - 1))), None
+    def _salted(
+        self, salt: str | None, blocks: int, mm: list[_MmKeys] | None = None
+    ) -> tuple[object, str | None]:
+        """``(extra_keys, cache_salt)`` of an event of ``blocks`` blocks that starts a chain
+        salted with ``salt`` (the fields that carry the salt, by engine), its blocks keyed
+        with ``mm`` (one entry a block: vLLM's order, the images' keys before the salt)."""
+        if not (mm and any(mm)):
+            if salt is None:
+                return None, None
+            if self.salt_field == "cache_salt":
+                return None, salt
+            return ((salt,), *((None,) * (blocks - 1))), None
+        keys: list[object] = [entry or None for entry in mm]
+        cache_salt = None
+        if salt is not None:
+            if self.salt_field == "cache_salt":
+                cache_salt = salt
+            else:
+                keys[0] = (*mm[0], salt)
+        return tuple(keys), cache_salt
 
     def _flush_run(
         self,
@@ -222,6 +270,7 @@ class EngineEventEncoder:
         tier: Tier,
         salt: str | None = None,
         window: bool = False,
+        mm: list[_MmKeys] | None = None,
     ) -> None:
         """One event per chain of consecutive blocks, as vLLM's block pool records one
         ``BlockStored`` per request, step and group (``cache_full_blocks``): KV in group 0,
@@ -229,7 +278,7 @@ class EngineEventEncoder:
         them by the hash they share with the full-attention blocks)."""
         if not hashes:
             return
-        keys, cache_salt = self._salted(salt, len(hashes))
+        keys, cache_salt = self._salted(salt, len(hashes), None if window else mm)
         out.append(
             EngineBlockStored(
                 tuple(hashes),
@@ -271,7 +320,7 @@ class EngineEventEncoder:
         tokens = tuple(t for block in reversed(span) for t in block)
         return eh, self._last_engine_hash(start_parent), tokens
 
-    def _state_block(self, h: int) -> tuple[int, int | None, tuple[int, ...]] | None:
+    def _state_block(self, h: int) -> tuple[int, int | None, tuple[int, ...], _MmKeys] | None:
         """The engine block ending exactly at the end of canonical block ``h``."""
         be, b = self.engine_block_size, self.block_size
         if be <= b:

@@ -10,7 +10,9 @@ conversion rendered, as vLLM renders it) and ``/v1/messages/count_tokens``
 (``{"input_tokens", "context_management": {"original_input_tokens"}}``, Anthropic-style
 errors), and the OpenAI Responses API ``POST /v1/responses/render`` (its chat conversion
 rendered; no ``previous_response_id``). Every answer comes from the mock's own tokenizer,
-the one its completions use, so the ids a peer hashes are the ids the mock caches under.
+the one its completions use, so the ids a peer hashes are the ids the mock caches under; a
+chat's images are answered in ``features`` as vLLM answers them (``mm_hashes``,
+``mm_placeholders``: router/mock/images.py), the keys the mock's cache and events use.
 Errors are OpenAI-style bodies, as on the completion endpoints (vLLM's render routes too).
 """
 
@@ -24,6 +26,7 @@ from aiohttp import web
 
 from router.core.errors import BadRequest
 from router.mock import anthropic
+from router.mock.images import MockPrompt, features
 from router.tokenize.anthropic import to_chat_body
 from router.tokenize.responses import to_chat_body as responses_chat
 
@@ -104,14 +107,15 @@ def handlers(
             )
         return ids
 
+    def rendered(prompt: MockPrompt) -> dict[str, Any]:
+        return {"token_ids": check(prompt.tokens), "features": features(prompt.images)}
+
     async def render_chat(request: web.Request) -> Any:
-        ids = check(tokenizer_of(request).chat(await _body(request)))
-        return {"token_ids": ids, "features": None}
+        return rendered(tokenizer_of(request).chat_prompt(await _body(request)))
 
     async def render_messages(request: web.Request) -> Any:
         body = to_chat_body(await _body(request)).body
-        ids = check(tokenizer_of(request).chat(body, from_messages=True))
-        return {"token_ids": ids, "features": None}
+        return rendered(tokenizer_of(request).chat_prompt(body, from_messages=True))
 
     async def render_responses(request: web.Request) -> Any:
         body = await _body(request)
@@ -120,7 +124,7 @@ def handlers(
                 "previous_response_id is not supported by the stateless render endpoint."
             )
         chat = responses_chat(body).body
-        return {"token_ids": check(tokenizer_of(request).chat(chat)), "features": None}
+        return rendered(tokenizer_of(request).chat_prompt(chat))
 
     async def count_tokens(request: web.Request) -> web.StreamResponse:
         try:

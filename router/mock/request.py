@@ -1,8 +1,9 @@
 """A completion request as the mock replica's engine sees it, read as vLLM 0.34 reads it:
 the prompt's token ids (rendered by the replica's tokenizer for every API: chat, completions,
 the Anthropic Messages API, the OpenAI Responses API), the output budget, vLLM's
-``priority``, the engine request (the prompt's block hashes, as the router hashes them), and
-the answer's id. BadRequest, in vLLM's words, where vLLM refuses the request.
+``priority``, the engine request (the prompt's block hashes, as the router hashes them: an
+image's identifier keys the block its placeholder tokens start in, router/mock/images.py),
+and the answer's id. BadRequest, in vLLM's words, where vLLM refuses the request.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from router.core.errors import BadRequest
-from router.core.hashing import hash_prompt, root_hash
+from router.core.hashing import hash_prompt, mm_block_extras, root_hash
 from router.mock import logprobs as lp
 from router.mock import responses as resp
+from router.mock.images import MockPrompt
 from router.mock.tokenizer import MockTokenizer
 from router.tokenize.anthropic import to_chat_body
 
@@ -45,25 +47,28 @@ def tokens_of(
     kind: str,
     body: dict[str, Any],
     store: resp.ResponseStore | None = None,
-) -> list[int]:
-    """The prompt's token ids of a body of ``kind`` (``chat``, ``completion``, ``messages``:
-    an Anthropic body, rendered as its chat conversion; ``responses``: a Responses API body,
-    likewise, with the history of its previous response in ``store``)."""
+) -> MockPrompt:
+    """The prompt (token ids, images) of a body of ``kind`` (``chat``, ``completion``,
+    ``messages``: an Anthropic body, rendered as its chat conversion; ``responses``: a
+    Responses API body, likewise, with the history of its previous response in ``store``)."""
     if kind == "responses":
         chat = resp.chat_body(store or resp.ResponseStore(), body)
-        return tokenizer.chat(chat, from_responses=True)
+        return tokenizer.chat_prompt(chat, from_responses=True)
     if kind == "messages":
-        return tokenizer.chat(to_chat_body(body).body, from_messages=True)
-    return tokenizer.chat(body) if kind == "chat" else tokenizer.completion(body)
+        return tokenizer.chat_prompt(to_chat_body(body).body, from_messages=True)
+    if kind == "chat":
+        return tokenizer.chat_prompt(body)
+    return MockPrompt(tokenizer.completion(body))
 
 
 def engine_request(state: MockState, body: dict[str, Any], kind: str) -> tuple[Any, list[int]]:
     """The engine request of ``body``'s prompt (one prompt: a batch's is its own body) and
     the prompt's token ids; BadRequest as vLLM refuses the prompt or the request."""
     try:
-        tokens = tokens_of(state.tokenizer, kind, body, state.responses)
+        prompt = tokens_of(state.tokenizer, kind, body, state.responses)
     except UnicodeEncodeError:  # a lone surrogate (``"\ud800"``): no text to tokenize
         raise BadRequest("the prompt is not valid Unicode text (a lone surrogate)") from None
+    tokens = prompt.tokens
     if not tokens:
         raise BadRequest("the prompt is empty")
     limit = state.settings.max_model_len
@@ -77,8 +82,10 @@ def engine_request(state: MockState, body: dict[str, Any], kind: str) -> tuple[A
     if salt is not None and (not isinstance(salt, str) or not salt):
         # vLLM's words (protocol.py, check_cache_salt_support)
         raise BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
-    hashes = hash_prompt(tokens, state.settings.block_size, root_hash(state.settings.model, salt))
-    state.encoder.learn(hashes.hashes, tokens, salt)
+    bs = state.settings.block_size
+    extras = mm_block_extras([im.mm for im in prompt.images], bs) if prompt.images else None
+    hashes = hash_prompt(tokens, bs, root_hash(state.settings.model, salt), extras=extras)
+    state.encoder.learn(hashes.hashes, tokens, salt, prompt.images)
     from sim.engine import EngineRequest  # the mock is the simulator's engine on a wall clock
 
     prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "messages": "msg_", "responses": "resp_"}[

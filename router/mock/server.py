@@ -29,7 +29,8 @@ KV and recurrent-state pull timed by the link between the two replicas' sites
 
 Prompts are tokenized by a ``MockTokenizer`` (router/mock/request.py reads a request as the
 engine sees it) and hashed exactly as the router hashes them
-(``root_hash(model, cache_salt)``, the router's block size), so hits are real; the answer is
+(``root_hash(model, cache_salt)``, the router's block size, an image's identifier keyed into
+the block its placeholders start in: router/mock/images.py), so hits are real; the answer is
 filler text, one word per token, timed by the engine model (TTFT, inter-token gaps). Should
 the engine model raise, the requests in flight and every later one get HTTP 500 naming the
 error (``EngineFailed``), never an answer that does not come.
@@ -66,12 +67,14 @@ from router.mock import responses as resp
 from router.mock.driver import EngineDriver, EngineFailed
 from router.mock.faults import FaultMode
 from router.mock.faults import install as install_faults
+from router.mock.images import DEFAULT_IMAGE_TOKENS, byte_settings
 from router.mock.kv_events import EngineEventEncoder
 from router.mock.latency import RequestLatency
 from router.mock.preprocess import ModelNotServed, handlers, not_served
 from router.mock.preprocess import error_response as _error
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
 from router.service.model_card import model_card
+from router.tokenize.multimodal import ImageSettings
 from router.tokenize.responses import stores
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,12 @@ class MockSettings:
     topic: str = ""
     tokenizer_dir: str | None = None
     bpe_file: str | None = None
+    # placeholder tokens an image part expands to: fixed:N or qwen2_vl (router/mock/images.py)
+    image_tokens: str = DEFAULT_IMAGE_TOKENS
+    # with tokenizer_dir: the router's [models.NAME.images] placeholder / token (both, or
+    # no images served)
+    image_placeholder: str = ""
+    image_token: str = ""
     default_max_tokens: int = 16
     # the context length (/v1/models, /tokenize): longer prompts, or more output, are refused
     max_model_len: int = 1_048_576
@@ -543,10 +552,15 @@ async def models(request: web.Request) -> web.Response:
 
 def _tokenizer(settings: MockSettings) -> MockTokenizer:
     if settings.tokenizer_dir:
+        images = None
+        if settings.image_placeholder or settings.image_token:
+            images = ImageSettings(
+                settings.image_placeholder, settings.image_token, settings.image_tokens
+            )
         return RouterTokenizer.from_dir(
-            settings.model, settings.block_size, settings.tokenizer_dir, settings.bpe_file
+            settings.model, settings.block_size, settings.tokenizer_dir, settings.bpe_file, images
         )
-    return ByteTokenizer()
+    return ByteTokenizer(byte_settings(settings.image_tokens), settings.model)
 
 
 async def kv_event_sources(request: web.Request) -> web.Response:

@@ -44,7 +44,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from router.core.errors import BadRequest
+from router.core.hashing import MmItem
 from router.tokenize.content_format import medium, part_text
 
 MAX_IMAGE_BYTES = 32 * 2**20
@@ -380,3 +384,62 @@ def vllm_image_hash(data: bytes, converted: bool, model_id: str, algorithm: str 
     for chunk in _item("model_id", model_id):
         hasher.update(chunk)
     return str(hasher.hexdigest())
+
+
+# ---------------------------------------------------------------------- expansion
+
+
+@dataclass(slots=True, frozen=True)
+class ExpandedImages:
+    """A rendered prompt's ids with each image token expanded to the image's count:
+    ``items`` start where each image's placeholders do, ``lengths`` their counts;
+    ``known_until``: tokens from there on are not known exactly (an URL not fetched, or
+    image tokens the template placed otherwise than the images), None when all are."""
+
+    tokens: npt.NDArray[Any]
+    items: list[MmItem]
+    lengths: list[int]
+    known_until: int | None
+
+
+def expand_images(
+    tokens: npt.NDArray[Any],
+    token_id: int,
+    urls: Sequence[str],
+    uuids: Sequence[str | None],
+    settings: ImageSettings,
+    model_id: str,
+) -> ExpandedImages:
+    """Expand each ``token_id`` of ``tokens`` (one per image, in prompt order) to its
+    image's placeholder tokens as the engine's processor does, naming it as vLLM 0.34 does
+    (the part's uuid, else :func:`vllm_image_hash` under ``model_id``)."""
+    at = np.flatnonzero(tokens == token_id)
+    pieces: list[npt.NDArray[Any]] = []
+    items: list[MmItem] = []
+    lengths: list[int] = []
+    known_until: int | None = None
+    prev = length = 0
+    for k, pos in enumerate(at):
+        pieces.append(tokens[prev:pos])
+        length += int(pos) - prev
+        prev = int(pos) + 1
+        data = data_url_bytes(urls[k]) if k < len(urls) and known_until is None else None
+        if data is None:  # an URL not fetched, or more image tokens than images
+            known_until = length if known_until is None else known_until
+            pieces.append(tokens[pos : pos + 1])
+            length += 1
+            continue
+        facts = image_facts(data)
+        count = settings.count(facts.width, facts.height)
+        ident = uuids[k] if k < len(uuids) else None
+        if ident is None:
+            ident = vllm_image_hash(data, facts.converted, model_id, settings.hash_algorithm)
+        items.append(MmItem(length, ident))
+        lengths.append(count)
+        pieces.append(np.full(count, token_id, dtype=tokens.dtype))
+        length += count
+    pieces.append(tokens[prev:])
+    expanded = np.concatenate(pieces) if len(pieces) > 1 else tokens
+    if len(at) != len(urls) and known_until is None:
+        known_until = int(at[0]) if len(at) else 0  # the template placed them otherwise
+    return ExpandedImages(expanded, items, lengths, known_until)

@@ -38,16 +38,15 @@ from router.tokenize.keying import ProcessedPrompt, PromptKeying
 from router.tokenize.lax import lax_int
 from router.tokenize.local_template import LocalTemplate, RenderedParts
 from router.tokenize.multimodal import (
+    ExpandedImages,
     ImageSettings,
-    data_url_bytes,
+    expand_images,
     first_unmodelled,
     has_images,
-    image_facts,
     image_urls,
     image_uuids,
     marked_images,
     own_image_kwargs,
-    vllm_image_hash,
     with_placeholders,
 )
 from router.tokenize.request_fields import (
@@ -335,13 +334,7 @@ class PromptProcessor(PromptKeying):
         ):  # ids cut or shifted around the images: not modelled, routed on load
             return self.unknown(body)
         marker = settings.placeholder if settings is not None else _IMAGE_MARKER
-        if template is not None and template.content_format_for(tools) == "openai":
-            # the template places {"type": "image"} parts itself; without settings a text
-            # marker where the first image is finds the prompt before it
-            urls = image_urls(messages)
-            with_ph = messages if settings is not None else marked_images(messages, marker)
-        else:
-            with_ph, urls = with_placeholders(messages, marker)
+        with_ph, urls = self._placed(messages, tools, marker, settings is not None)
         text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont, from_responses)
         if tokenizer is None or template is None or settings is None:
             # nothing known from the first image on
@@ -356,36 +349,8 @@ class PromptProcessor(PromptKeying):
             tokens = tokenizer.encode_text(text)
         t1 = time.perf_counter()
         bs = self.block_size
-        token_id = tokenizer.tokenizer.special_tokens[settings.token]
-        at = np.flatnonzero(tokens == token_id)
-        pieces: list[np.ndarray] = []
-        items: list[MmItem] = []
-        known_until: int | None = None  # tokens after this are not known exactly
-        prev = length = 0
-        model_id = settings.model_id or self.model
-        uuids = image_uuids(messages)
-        for k, pos in enumerate(at):
-            pieces.append(tokens[prev:pos])
-            length += int(pos) - prev
-            prev = int(pos) + 1
-            data = data_url_bytes(urls[k]) if k < len(urls) and known_until is None else None
-            if data is None:  # an URL not fetched, or more image tokens than images
-                known_until = length if known_until is None else known_until
-                pieces.append(tokens[pos : pos + 1])
-                length += 1
-                continue
-            facts = image_facts(data)
-            count = settings.count(facts.width, facts.height)
-            ident = uuids[k]
-            if ident is None:
-                ident = vllm_image_hash(data, facts.converted, model_id, settings.hash_algorithm)
-            items.append(MmItem(length, ident))
-            pieces.append(np.full(count, token_id, dtype=tokens.dtype))
-            length += count
-        pieces.append(tokens[prev:])
-        expanded = np.concatenate(pieces) if len(pieces) > 1 else tokens
-        if len(at) != len(urls) and known_until is None:
-            known_until = int(at[0]) if len(at) else 0  # the template placed them otherwise
+        found = self._expand(tokens, messages, urls, settings)
+        expanded, items, known_until = found.tokens, found.items, found.known_until
         hashed = expanded if known_until is None else expanded[:known_until]
         extras = mm_block_extras(items, bs) if items else None
         hashes = hash_prompt(hashed, bs, root, extras=extras).hashes
@@ -398,6 +363,54 @@ class PromptProcessor(PromptKeying):
             t1 - t0,
             time.perf_counter() - t1,
         )
+
+    def _placed(
+        self, messages: list[Mapping[str, Any]], tools: Any, marker: str, settings: bool
+    ) -> tuple[list[Mapping[str, Any]], list[str]]:
+        """Messages with each image placed as the template's content format places it, and
+        the image URLs in prompt order: in the "openai" format the template places
+        ``{"type": "image"}`` parts itself (without ``settings`` a text ``marker`` where the
+        first image is finds the prompt before it); else ``marker`` goes into string content
+        (:func:`with_placeholders`)."""
+        template = self.template
+        if template is not None and template.content_format_for(tools) == "openai":
+            urls = image_urls(messages)
+            return (messages if settings else marked_images(messages, marker)), urls
+        return with_placeholders(messages, marker)
+
+    def _expand(
+        self,
+        tokens: np.ndarray,
+        messages: Sequence[Mapping[str, Any]],
+        urls: Sequence[str],
+        settings: ImageSettings,
+    ) -> ExpandedImages:
+        assert self.tokenizer is not None
+        token_id = self.tokenizer.tokenizer.special_tokens[settings.token]
+        model_id = settings.model_id or self.model
+        return expand_images(tokens, token_id, urls, image_uuids(messages), settings, model_id)
+
+    def image_prompt(
+        self,
+        body: Mapping[str, Any],
+        *,
+        from_responses: bool = False,
+        from_messages: bool = False,
+    ) -> ExpandedImages:
+        """The token ids of a chat with images as the engine runs them (placed, rendered and
+        expanded as :meth:`chat` does for its hashes) and its images, for a processor with a
+        tokenizer, a template and image settings (the mock replica's engine side). The
+        request's own image kwargs, truncation and special tokens are not applied."""
+        settings, template = self.images, self.template
+        if settings is None or template is None or self.tokenizer is None:
+            raise ValueError("image_prompt needs a tokenizer, a template and image settings")
+        messages, tools, kwargs, add_gen, cont = self._chat_args(
+            body, from_responses, from_messages
+        )
+        with_ph, urls = self._placed(messages, tools, settings.placeholder, True)
+        text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont, from_responses)
+        tokens = self.tokenizer.encode_text(text)
+        return self._expand(tokens, messages, urls, settings)
 
     def _cut_before(
         self,
