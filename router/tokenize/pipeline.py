@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from router.core.hashing import MmItem, hash_prompt, mm_block_extras
+from router.core.hashing import hash_prompt, mm_block_extras
 from router.tokenize.approx import DEFAULT_CHARS_PER_TOKEN
 from router.tokenize.content_format import content_text
 from router.tokenize.incremental import (
