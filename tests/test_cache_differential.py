@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from router.tokenize import template as template_module
+from router.tokenize import template_inputs
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
 from router.tokenize.template import ChatTemplate
@@ -206,14 +206,14 @@ def test_cached_conversations_stay_within_the_byte_budget() -> None:
 def test_parsed_tool_call_arguments_are_bounded_in_bytes() -> None:
     """The memo of parsed tool-call arguments (every turn resends the same calls) holds a
     bounded number of characters, not a bounded number of arbitrarily long texts."""
-    memo = template_module._ARGS_CACHE
+    memo = template_inputs._ARGS_CACHE
     for i in range(40):
         text = json.dumps({"i": i, "text": "y" * 300_000})
-        assert template_module._parse_arguments(text)["i"] == i
-        assert template_module._parse_arguments(text)["i"] == i  # (memoised or not)
+        assert template_inputs._parse_arguments(text)["i"] == i
+        assert template_inputs._parse_arguments(text)["i"] == i  # (memoised or not)
     assert sum(len(k) for k in memo) <= 8 * 2**20
     for i in range(20_000):
-        assert template_module._parse_arguments(json.dumps({"i": i, "s": "z" * 1000}))["i"] == i
+        assert template_inputs._parse_arguments(json.dumps({"i": i, "s": "z" * 1000}))["i"] == i
     assert sum(len(k) for k in memo) <= 8 * 2**20 and len(memo) <= 8192
 
 

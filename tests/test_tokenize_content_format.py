@@ -16,7 +16,8 @@ from router.service.prompts import build_processor
 from router.tokenize.content_format import content_text, detect_content_format, openai_parts
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import MIN_CACHED_CHARS, PromptProcessor
-from router.tokenize.template import ChatTemplate, _environment, prepare_messages
+from router.tokenize.template import ChatTemplate, _environment
+from router.tokenize.template_inputs import prepare_messages
 from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
 
 # Gemma 3's way with content (each text part trimmed, parts joined with nothing, an image

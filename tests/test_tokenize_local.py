@@ -20,13 +20,8 @@ from router.core.hashing import hash_prompt, root_hash
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.local_template import analyze
 from router.tokenize.pipeline import PromptProcessor
-from router.tokenize.template import (
-    ChatTemplate,
-    NotIncremental,
-    _environment,
-    prepare_messages,
-    prepare_tools,
-)
+from router.tokenize.template import ChatTemplate, NotIncremental, _environment
+from router.tokenize.template_inputs import prepare_messages, prepare_tools
 from router.tokenize.tokenizers import BUNDLED_DIR, TokenizerFiles, load_tokenizer_dir
 
 KIMI_SOURCE = (BUNDLED_DIR / "kimi_style" / "chat_template.jinja").read_text(encoding="utf-8")

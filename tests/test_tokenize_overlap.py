@@ -13,7 +13,8 @@ import numpy as np
 from router.core.hashing import hash_prompt, root_hash
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
-from router.tokenize.template import ChatTemplate, prepare_messages
+from router.tokenize.template import ChatTemplate
+from router.tokenize.template_inputs import prepare_messages
 from router.tokenize.tokenizers import (
     BUNDLED_DIR,
     PARALLEL_MIN_CHARS,

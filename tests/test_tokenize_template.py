@@ -11,7 +11,8 @@ from router.core.hashing import hash_prompt, root_hash
 from router.tokenize.approx import approx_tokens
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
-from router.tokenize.template import ChatTemplate, prepare_messages
+from router.tokenize.template import ChatTemplate
+from router.tokenize.template_inputs import prepare_messages
 from router.tokenize.tokenizers import BUNDLED_DIR, load_tokenizer_dir
 
 
@@ -128,7 +129,8 @@ def test_a_batch_is_checked_against_the_context_per_prompt() -> None:
 def test_generation_tag_renders_its_body() -> None:
     """transformers' ``{% generation %}`` tag (training masks; LFM2.5 uses it) renders its
     body unchanged, and the template stays incrementally renderable."""
-    from router.tokenize.template import ChatTemplate, prepare_messages
+    from router.tokenize.template import ChatTemplate
+    from router.tokenize.template_inputs import prepare_messages
 
     source = (
         "{%- for m in messages %}<|im_start|>{{ m.role }}\n"

@@ -11,7 +11,7 @@ from typing import Any
 
 from router.core.errors import BadRequest
 from router.tokenize.lax import INVALID, lax_bool, lax_int
-from router.tokenize.template import prepare_tools
+from router.tokenize.template_inputs import prepare_tools
 
 # the most sequences a request's ``n`` adds to its replica's load view (a larger ``n`` is the
 # engine's to refuse or serve; the router's view stays bounded)

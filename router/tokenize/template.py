@@ -2,16 +2,22 @@
 
 The template comes from ``tokenizer_config.json`` (``chat_template``: a string, or a list of
 ``{"name", "template"}`` of which ``default`` is used, or ``tool_use`` when tools are given),
-or from a separate ``chat_template.jinja`` file. The environment matches transformers':
-sandboxed, ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension and the
+or from a separate ``chat_template.jinja`` file, or for a multimodal model from its
+processor's ``chat_template.json``. The environment matches transformers': sandboxed,
+``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension and the
 ``{% generation %}`` tag, a ``tojson`` filter that keeps non-ASCII text, ``raise_exception``
 and ``strftime_now`` globals.
 
-Messages are prepared as vLLM prepares them: content in the template's content format
-(router.tokenize.content_format: text parts joined with newlines, or a list of parts for
-templates that loop over it) and tool-call arguments given as JSON strings parsed into
-objects, so templates that render ``arguments | tojson`` see what they would see in the
-engine.
+:class:`ChatTemplate` renders messages already prepared as vLLM prepares them
+(:meth:`ChatTemplate.prepare`, with vLLM's rules in router.tokenize.template_inputs) to the
+prompt text the engine sees, whole (:meth:`ChatTemplate.render`) or, for a message-local
+template, in parts (:meth:`ChatTemplate.render_parts`, router.tokenize.local_template).
+
+What depends on a template's source alone (its compiled code, the content format vLLM's
+"auto" detects, its message-local form) is derived once per process and source, and kept
+for ``_DERIVED_MAX`` sources (the one derived first dropped first): :meth:`ChatTemplate.build`
+of a kept source parses and compiles nothing, and each template built from it keeps its own
+render state.
 """
 
 from __future__ import annotations
@@ -35,19 +41,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from router.core.errors import BadRequest, ConfigError
 from router.tokenize.content_format import (
-    BILLING_HEADER as _BILLING_HEADER,
-)
-from router.tokenize.content_format import (
     ContentFormat,
-    content_text,
     detect_content_format,
-    openai_parts,
     resolve_content_format,
-    tool_content,
-    without_billing_header,
 )
 from router.tokenize.local_template import LocalTemplate, RenderedParts, Resume, instrument
 from router.tokenize.render_state import ListLike, StateMismatch, plain
+from router.tokenize.template_inputs import developer_as_system, names_developer, prepare_messages
 
 
 class TemplateError(BadRequest):
@@ -145,231 +145,6 @@ def _environment() -> jinja2.Environment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
-
-
-_ARGS_CACHE: dict[str, dict[str, Any]] = {}
-_ARGS_CACHE_MAX = 8192
-# the memo's bound in characters of argument text (each entry holds the text and the object
-# parsed from it); longer arguments (a file written by a tool call) are parsed each time
-_ARGS_CACHE_CHARS = 8 * 2**20
-_ARGS_MEMO_MAX_CHARS = 64 * 1024
-_args_chars = 0
-_args_lock = threading.Lock()
-
-
-def _parse_arguments(text: str) -> dict[str, Any]:
-    """Tool-call arguments as vLLM 0.34 hands them to the template
-    (``_postprocess_messages``): the JSON object ``text`` holds, else ``{}`` (empty, not
-    JSON, or JSON that is not an object: an array, a number, a string, null). Memoised
-    (at most ``_ARGS_CACHE_MAX`` texts of ``_ARGS_MEMO_MAX_CHARS`` or fewer characters,
-    ``_ARGS_CACHE_CHARS`` in all): every turn of a session resends the same calls;
-    templates cannot mutate the result."""
-    global _args_chars
-    found = _ARGS_CACHE.get(text)
-    if found is not None:
-        return found
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        value = {}
-    if not isinstance(value, dict):
-        value = {}
-    if len(text) > _ARGS_MEMO_MAX_CHARS:
-        return value
-    with _args_lock:  # (worker threads process large bodies)
-        if len(_ARGS_CACHE) >= _ARGS_CACHE_MAX or _args_chars + len(text) > _ARGS_CACHE_CHARS:
-            _ARGS_CACHE.clear()
-            _args_chars = 0
-        if text not in _ARGS_CACHE:
-            _args_chars += len(text)
-            _ARGS_CACHE[text] = value
-    return value
-
-
-# the keys of a tool call and of its function in the order vLLM's request model validates
-# them into (openai's ``ChatCompletionMessageFunctionToolCallParam`` / ``Function``), the
-# other keys after them
-_CALL_KEYS = ("id", "function", "type")
-_FUNCTION_KEYS = ("arguments", "name")
-
-
-def _in_order(value: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
-    """``value`` with ``keys`` (those present) first, in that order, then its other keys."""
-    out = {k: value[k] for k in keys if k in value}
-    out.update((k, v) for k, v in value.items() if k not in out)
-    return out
-
-
-def _prepare_call(call: Any, as_sent: bool = False) -> Any:
-    """A tool call as vLLM 0.34 hands it over: its keys in its request model's order (in
-    their own order when ``as_sent``: messages vLLM builds itself and does not validate,
-    a Responses API request's), the function's ``arguments`` an object
-    (:func:`_parse_arguments`; an object given as such kept, anything else ``{}``)."""
-    fn = call.get("function") if isinstance(call, Mapping) else None
-    if not isinstance(fn, Mapping):
-        return call
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        args = _parse_arguments(args)
-    elif not isinstance(args, dict):
-        args = {}
-    if as_sent:  # vLLM parses the arguments in place
-        return {**call, "function": {**fn, "arguments": args}}
-    function = _in_order({**fn, "arguments": args}, _FUNCTION_KEYS)
-    return _in_order({**call, "function": function}, _CALL_KEYS)
-
-
-# the keys (in their order) a message may have and still reach the template as it is: those
-# of the message vLLM builds from it
-_PLAIN_ORDERS = frozenset({("role", "content"), ("role", "content", "name")})
-_PLAIN_TOOL_ORDERS = _PLAIN_ORDERS | {
-    ("role", "content", "tool_call_id"),
-    ("role", "content", "tool_call_id", "name"),
-}
-
-
-def prepare_messages(
-    messages: Sequence[Mapping[str, Any]],
-    content_format: ContentFormat = "string",
-    calls_as_sent: bool = False,
-) -> list[dict[str, Any]]:
-    """``messages`` as vLLM hands them to the template (vLLM 0.34,
-    vllm/renderers/chat_utils/chat_message.py): the content in ``content_format``
-    (router.tokenize.content_format: a string of the text parts, a missing one empty; or a
-    list of parts, a tool result's all-text parts joined; a system message without Claude
-    Code's attribution line); of the other keys only ``name`` and a string ``task``, an
-    assistant's ``tool_calls`` (arguments parsed, see :func:`_parse_arguments`; an empty list
-    dropped) and ``reasoning`` (also given as ``reasoning_content``, and as ``thinking``
-    before the role, as transformers 5.21+ adds it), a tool result's
-    ``tool_call_id``, a developer message's ``tools`` (null when absent), in vLLM's order
-    (``role``, ``content``, the role's own keys, ``name``, ``task``, ``tools``: a template
-    serialising a message sees them so). Plain messages of the string format whose keys are
-    already so are passed as they are, the others rebuilt. A tool call's keys are in the
-    order of vLLM's chat request model, or with ``calls_as_sent`` in their own (the chat
-    messages vLLM builds from a Responses API request are not validated by that model)."""
-    openai = content_format == "openai"
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        content = m.get("content")
-        role = m.get("role")
-        if (
-            not openai
-            and type(m) is dict
-            and type(content) is str
-            and (tuple(m) in (_PLAIN_TOOL_ORDERS if role == "tool" else _PLAIN_ORDERS))
-            and type(m.get("name", "")) is str
-            and role != "developer"
-            and not (role == "system" and content.startswith(_BILLING_HEADER))
-        ):
-            out.append(m)  # nothing to change; the sandbox keeps templates from mutating it
-            continue
-        if role == "system":
-            content = without_billing_header(content)
-        if not openai:
-            prepared: Any = content_text(content) or ""
-        elif role == "tool":
-            prepared = tool_content(openai_parts(content))
-        else:
-            prepared = openai_parts(content)
-        msg: dict[str, Any] = {"role": role, "content": prepared}
-        if role == "assistant":
-            calls = m.get("tool_calls")
-            if isinstance(calls, list):
-                if calls:
-                    msg["tool_calls"] = [_prepare_call(c, calls_as_sent) for c in calls]
-            elif calls is not None:
-                msg["tool_calls"] = calls
-            reasoning = m.get("reasoning")
-            if reasoning is None:  # vLLM before ``reasoning`` read ``reasoning_content``
-                reasoning = m.get("reasoning_content")
-            if reasoning is not None:
-                # transformers 5.21+ (vLLM 0.34 takes up to 5.22) also gives it as
-                # ``thinking``, first (chat_template_utils._alias_reasoning_fields)
-                msg = {"thinking": reasoning, **msg}
-                msg["reasoning"] = reasoning
-                msg["reasoning_content"] = reasoning
-        elif role == "tool" and "tool_call_id" in m:
-            msg["tool_call_id"] = m["tool_call_id"]
-        name = m.get("name")
-        if isinstance(name, str):
-            msg["name"] = name
-        task = m.get("task")
-        if isinstance(task, str):
-            msg["task"] = task
-        if role == "developer":
-            msg["tools"] = m.get("tools")
-        out.append(msg)
-    return out
-
-
-def developer_as_system(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """vLLM's treatment of ``developer`` messages for a template that does not name that
-    role (vllm/renderers/hf.py): each becomes a ``system`` message, then, when a system
-    message is not first or there are several, all of them are merged into one first
-    message, their texts (parts' texts joined with newlines) joined with blank lines."""
-    converted = [
-        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
-        if m.get("role") == "developer"
-        else m
-        for m in messages
-    ]
-    texts: list[str] = []
-    rest: list[Mapping[str, Any]] = []
-    merge = False
-    for i, m in enumerate(converted):
-        if m.get("role") != "system":
-            rest.append(m)
-            continue
-        merge = merge or i > 0 or bool(texts)
-        content = m.get("content", "")
-        if isinstance(content, list):
-            found = [p.get("text") if isinstance(p, Mapping) else p for p in content]
-            content = "\n".join(t for t in found if isinstance(t, str))
-        if content:
-            texts.append(content)
-    if not merge:
-        return converted
-    return [{"role": "system", "content": "\n\n".join(texts)}, *rest]
-
-
-def _names_developer(source: str | None) -> bool:
-    return source is not None and ('"developer"' in source or "'developer'" in source)
-
-
-def prepare_tools(tools: Any) -> Any:
-    """``tools`` as vLLM 0.34 hands them to the template: each the ``model_dump()`` of its
-    ``ChatCompletionToolsParam``: ``type``, then ``function`` (``name``, ``description``,
-    ``parameters``, absent ones null, then ``strict`` and ``defer_loading`` where not null; a
-    tool's ``defer_loading`` is its function's when that has none), then the tool's
-    ``defer_loading`` where not null. Other keys are dropped, as the dump drops them."""
-    if not isinstance(tools, list):
-        return tools
-    out = []
-    for t in tools:
-        fn = t.get("function") if isinstance(t, Mapping) else None
-        if not isinstance(fn, Mapping):
-            out.append(t)
-            continue
-        defer = t.get("defer_loading")
-        f = {
-            "name": fn.get("name"),
-            "description": fn.get("description"),
-            "parameters": fn.get("parameters"),
-            "strict": fn.get("strict"),
-            "defer_loading": defer if fn.get("defer_loading") is None else fn["defer_loading"],
-        }
-        tool: dict[str, Any] = {
-            "type": t.get("type", "function"),
-            "function": {k: v for k, v in f.items() if v is not None or k in _FUNCTION_DUMP},
-        }
-        if defer is not None:
-            tool["defer_loading"] = defer
-        out.append(tool)
-    return out
-
-
-# the keys of a tool's function that its dump keeps when null
-_FUNCTION_DUMP = frozenset({"name", "description", "parameters"})
 
 
 def _processor_template(directory: Path) -> str | None:
@@ -590,7 +365,7 @@ class ChatTemplate:
         template for ``tools`` does not name that role; :func:`developer_as_system`)."""
         uses_tools = tools is not None and self._compiled_tools is not None
         source = self.tool_source if uses_tools else self.source
-        return not _names_developer(source) and any(m.get("role") == "developer" for m in messages)
+        return not names_developer(source) and any(m.get("role") == "developer" for m in messages)
 
     def prepare(
         self,
