@@ -139,6 +139,30 @@ def test_queue_bound() -> None:
     assert v.action == SHED and v.reason == QUEUE_FULL
 
 
+def test_a_full_queue_makes_room_for_a_better_class() -> None:
+    """Held requests are served best class first, so a full queue keeps its places for the
+    best: a request of a better class than the worst held one takes the place of the one of
+    that class that would be served last (handed back as ``displaced`` to refuse, reason
+    ``queue_full``); a request of the worst held class is refused itself."""
+    q = queue(max_queue=2, headroom=(0.9, 0.5, 0.3))
+    for key in ("f0", "f1"):  # flex: 8 s budget, fits at 2.4 s predicted; 3 s: held
+        assert q.judge(q.ticket(key, FLEX, "t", 10, 0.0), one(3.0), 0.0).action == HOLD
+    v = q.judge(q.ticket("d", DEFAULT, "t", 10, 0.1), one(1.5), 0.1)
+    assert v.action == HOLD and v.displaced is not None and v.displaced.key == "f1"
+    assert v.reason == QUEUE_FULL and v.retry_after_s >= 1
+    assert len(q) == 2 and q.depth(FLEX) == 1 and q.depth(DEFAULT) == 1
+    v = q.judge(q.ticket("f2", FLEX, "t", 10, 0.2), one(3.0), 0.2)
+    assert v.action == SHED and v.reason == QUEUE_FULL and v.displaced is None
+    v = q.judge(q.ticket("p", PRIORITY, "t", 10, 0.3), one(1.85), 0.3)
+    assert v.action == HOLD and v.displaced is not None and v.displaced.key == "f0"
+    v = q.judge(q.ticket("p2", PRIORITY, "t", 10, 0.3), one(1.85), 0.3)
+    assert v.action == HOLD and v.displaced is not None and v.displaced.key == "d"
+    v = q.judge(q.ticket("d2", DEFAULT, "t", 10, 0.4), one(1.5), 0.4)
+    assert v.action == SHED and v.reason == QUEUE_FULL
+    assert sorted(str(t.key) for t in q.order(0.4)) == ["p", "p2"]
+    assert q.depth(DEFAULT) == 0 and q.depth(FLEX) == 0
+
+
 def test_ready_orders_by_slack_then_expires_the_late() -> None:
     q = queue()
     slo = SloTargets.flat(ttft_s=2.0)

@@ -229,6 +229,56 @@ async def test_a_held_request_goes_when_capacity_frees(protective: Door) -> None
     assert waits[f'{{class="default",model="{MODEL}"}}'] == 1.0
 
 
+@pytest.fixture
+async def crowded() -> AsyncIterator[Door]:
+    """As ``protective``, with room for two held requests."""
+    knobs = {
+        "stall_share": [1e-9, 0.5, 0.5],
+        "max_stall": [float("inf"), 1e-9, 1e-9],
+        "max_hold_s": 60.0,
+        "max_queue": 2,
+    }
+    async for d in _door(knobs, {"ttft_s": 100.0}):
+        yield d
+
+
+async def test_a_full_queue_refuses_the_worst_class_not_a_better_newcomer(
+    crowded: Door,
+) -> None:
+    """Held requests go best class first, so a full queue keeps its places for the best: a
+    default request arriving while flex ones fill the queue is held (and served), and the
+    flex one that would have gone last is refused in its place, 429 ``slo_queue_full`` with
+    ``Retry-After``; a flex request arriving then is refused itself."""
+    d = crowded
+    d.backend.gate = asyncio.Event()
+    first = asyncio.create_task(d.post("priority"))
+    await eventually(lambda: len(d.backend.received) == 1)
+    flex = [asyncio.create_task(d.post("flex", prompt=f"{i} {PROMPT}")) for i in range(2)]
+    await eventually(lambda: d.queue().depth(2) == 2)
+    default = asyncio.create_task(d.post())
+    await eventually(lambda: default.done() or d.queue().depth(1) == 1)
+    assert not default.done() and d.held() == 2
+    done, _ = await asyncio.wait(flex, return_when=asyncio.FIRST_COMPLETED)
+    (out,) = done
+    async with await out as r:
+        assert r.status == 429, await r.text()
+        assert 1 <= int(r.headers["Retry-After"]) <= 60
+        error = (await r.json())["error"]
+        assert error["code"] == "slo_queue_full" and error["type"] == "rate_limit_error"
+    async with await d.post("flex") as r:  # none held is worse than flex: refused
+        assert r.status == 429 and (await r.json())["error"]["code"] == "slo_queue_full"
+    d.backend.gate.set()
+    (kept,) = [t for t in flex if t is not out]
+    for task in (first, default, kept):
+        async with await task as r:
+            assert r.status == 200, await r.text()
+    shed = await d.metric("kvrouter_admission_shed_total")
+    assert shed == {f'{{class="flex",model="{MODEL}",reason="queue_full"}}': 2.0}, shed
+    decisions = await d.metric("kvrouter_admission_decisions_total")
+    assert sum(decisions.values()) == 5.0, decisions  # one first answer each
+    assert d.held() == 0 and d.state.load.in_flight() == 0
+
+
 async def test_a_client_that_leaves_leaves_the_queue(protective: Door) -> None:
     d = protective
     await d.leave_while_held()

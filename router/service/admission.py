@@ -232,6 +232,8 @@ class Admission:
             return self._commit(m, ticket, pending, a, verdict.allowed, now)
         if verdict.action == SHED:
             raise self._shed(m, ticket, verdict.reason, verdict.retry_after_s)
+        if verdict.displaced is not None:  # a full queue: it took a worse class's place
+            self._refuse(m, verdict.displaced, verdict.reason, verdict.retry_after_s)
         fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
         m.waiters[request_id] = fut
         self._gauge(m)
@@ -314,6 +316,12 @@ class Admission:
             retry_after_s,
         )
 
+    def _refuse(self, m: _Model, t: Ticket, reason: str, retry_after_s: float) -> None:
+        """Shed ``t``, a request taken out of the queue: its handler answers 429."""
+        fut = m.waiters.pop(str(t.key), None)
+        if fut is not None and not fut.done():
+            fut.set_exception(self._shed(m, t, reason, retry_after_s))
+
     def _gauge(self, m: _Model) -> None:
         for k, name in enumerate(CLASS_NAMES):
             self.depth.labels(m.name, name).set(m.queue.depth(k))
@@ -338,9 +346,7 @@ class Admission:
         answered at once as a new one would be."""
         queue = m.queue
         for t in queue.expire(now):
-            fut = m.waiters.pop(str(t.key), None)
-            if fut is not None and not fut.done():
-                fut.set_exception(self._shed(m, t, SHED_REASONS[0], 1.0))
+            self._refuse(m, t, SHED_REASONS[0], 1.0)
         seen: dict[object, tuple[Pending, Assessment]] = {}
         unroutable: dict[object, KVRouterError] = {}
 
