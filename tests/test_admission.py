@@ -132,6 +132,21 @@ def test_nothing_is_held_long() -> None:
     assert q.expire(0.4) == [] and [t.key for t in q.expire(0.6)] == ["y"]
 
 
+def test_expire_finds_every_late_request_whatever_left_the_queue_before() -> None:
+    """``expire`` skips its scan until the earliest a held request can be late: that bound
+    follows requests joining and leaving the queue (cancelled, handed out, expired)."""
+    q = queue(max_hold_s=0.5)
+    for key, at in (("a", 0.0), ("b", 0.3), ("c", 0.35)):
+        assert q.judge(q.ticket(key, DEFAULT, "t", 10, at), one(1.3), at).action == HOLD
+    assert q.cancel("a") is not None
+    assert q.expire(0.6) == [] and len(q) == 2
+    assert [t.key for t in q.expire(0.81)] == ["b"]
+    assert q.judge(q.ticket("d", DEFAULT, "t", 10, 0.82), one(1.3), 0.82).action == HOLD
+    assert [t.key for t in q.expire(0.86)] == ["c"]
+    assert q.expire(1.3) == [] and [t.key for t in q.expire(1.33)] == ["d"]
+    assert len(q) == 0 and q.expire(9.0) == []
+
+
 def test_queue_bound() -> None:
     q = queue(max_queue=1)
     assert q.judge(q.ticket(1, DEFAULT, "a", 10, 0.0), one(1.5), 0.0).action == HOLD

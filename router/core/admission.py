@@ -290,6 +290,7 @@ class AdmissionQueue:
     _counter: dict[str, float] = field(default_factory=dict)
     stall: StallLedger = field(default_factory=StallLedger)
     _seq: int = 0
+    _due: float = math.inf  # no held request is late before then (:meth:`expire`)
 
     # ------------------------------------------------------------------ figures
 
@@ -464,6 +465,7 @@ class AdmissionQueue:
         self._tenant_work[work] = self._tenant_work.get(work, 0.0) + prefill_s
         self._seq += 1
         self._held[ticket.key] = _Held(ticket, prefill_s, self._seq)
+        self._due = min(self._due, self._late_at(ticket, prefill_s))
         self._work_s[ticket.klass] += prefill_s
         self._by_class[ticket.klass] += 1
 
@@ -497,6 +499,8 @@ class AdmissionQueue:
         """Remove and return the held requests that can no longer meet their deadline (now
         plus their own prefill is past it) or were held ``max_hold_s``: shed them, reason
         ``deadline``."""
+        if now < self._due:  # (cheap on every arrival and look: nothing is late yet)
+            return []
         hold = self.settings.max_hold_s
         late = [
             k
@@ -508,7 +512,16 @@ class AdmissionQueue:
             t = self._remove(k)
             if t is not None:
                 out.append(t)
+        late_at = self._late_at
+        self._due = min(
+            (late_at(h.ticket, h.prefill_s) for h in self._held.values()), default=math.inf
+        )
         return out
+
+    def _late_at(self, ticket: Ticket, prefill_s: float) -> float:
+        """A bound below the time a held request becomes late (:meth:`expire`)."""
+        late = min(ticket.deadline - prefill_s, ticket.arrived + self.settings.max_hold_s)
+        return late - 1e-9 * max(abs(late), 1.0)  # (rounding: never after it)
 
     def _order_key(self, now: float) -> Callable[[_Held], tuple[int, float, float, int]]:
         power = self.settings.urgency_power

@@ -6,7 +6,9 @@ A request is judged before it is committed to a replica (:meth:`RouterState.deci
 :class:`Overloaded` (HTTP 429 with ``Retry-After``, gRPC RESOURCE_EXHAUSTED). A held request
 waits on a future; one pump task per model runs while anything is held, every
 :data:`TICK_S` and whenever a request finishes: it sheds the held requests that can no
-longer meet their deadline and commits those that fit, best first. A client that goes away
+longer meet their deadline and commits those that fit, best first. A new request is judged
+after the late ones are shed (as the simulator's pump does on each arrival): requests that
+will be refused anyway neither fill the queue nor count as work ahead of it. A client that goes away
 cancels its handler, which takes its request out of the queue (or, if it was committed at
 that very moment, completes it in the load model and takes back what was guessed of it:
 speculative index entries, session hint): nothing is answered twice or leaked.
@@ -220,6 +222,8 @@ class Admission:
             max_output_tokens=max_output_tokens,
         )
         queue = m.queue
+        if len(queue):  # judged against the held requests that may still go (as the sim is)
+            self._expire(m, now)
         a = assess(m.predictor, pending.request, pending.candidates, now)
         prompt_tokens = pending.request.prompt_tokens
         ticket = queue.ticket(request_id, klass, tenant, prompt_tokens, now, pending)
@@ -316,6 +320,15 @@ class Admission:
             retry_after_s,
         )
 
+    def _expire(self, m: _Model, now: float) -> None:
+        """Shed the held requests that can no longer meet their deadline or were held
+        ``max_hold_s`` (AdmissionQueue.expire)."""
+        late = m.queue.expire(now)
+        for t in late:
+            self._refuse(m, t, SHED_REASONS[0], 1.0)
+        if late:
+            self._gauge(m)
+
     def _refuse(self, m: _Model, t: Ticket, reason: str, retry_after_s: float) -> None:
         """Shed ``t``, a request taken out of the queue: its handler answers 429."""
         fut = m.waiters.pop(str(t.key), None)
@@ -345,8 +358,7 @@ class Admission:
         now (every one unhealthy or draining: not merely busy, which waiting may cure) is
         answered at once as a new one would be."""
         queue = m.queue
-        for t in queue.expire(now):
-            self._refuse(m, t, SHED_REASONS[0], 1.0)
+        self._expire(m, now)
         seen: dict[object, tuple[Pending, Assessment]] = {}
         unroutable: dict[object, KVRouterError] = {}
 
