@@ -242,6 +242,12 @@ async def crowded() -> AsyncIterator[Door]:
         yield d
 
 
+FULL = (
+    "the router is overloaded: the admission queue has no place for this flex-class request;"
+    " retry later"
+)
+
+
 async def test_a_full_queue_refuses_the_worst_class_not_a_better_newcomer(
     crowded: Door,
 ) -> None:
@@ -265,8 +271,11 @@ async def test_a_full_queue_refuses_the_worst_class_not_a_better_newcomer(
         assert 1 <= int(r.headers["Retry-After"]) <= 60
         error = (await r.json())["error"]
         assert error["code"] == "slo_queue_full" and error["type"] == "rate_limit_error"
+        assert error["message"] == FULL
     async with await d.post("flex") as r:  # none held is worse than flex: refused
-        assert r.status == 429 and (await r.json())["error"]["code"] == "slo_queue_full"
+        error = (await r.json())["error"]
+        assert r.status == 429 and error["code"] == "slo_queue_full"
+        assert error["message"] == FULL
     d.backend.gate.set()
     (kept,) = [t for t in flex if t is not out]
     for task in (first, default, kept):

@@ -309,12 +309,12 @@ class Admission:
         name = CLASS_NAMES[ticket.klass]
         self.shed.labels(m.name, reason, name).inc()
         what = (
-            "cannot meet its time-to-first-token target now"
+            f"this {name}-class request cannot meet its time-to-first-token target now"
             if reason == SHED_REASONS[0]
-            else "the admission queue is full"
+            else f"the admission queue has no place for this {name}-class request"
         )
         return Overloaded(
-            f"the router is overloaded: this {name}-class request {what}; retry later",
+            f"the router is overloaded: {what}; retry later",
             reason,
             name,
             retry_after_s,
