@@ -318,6 +318,8 @@ class Simulation:
             queue.dispatched(ticket, a, d.replica, uncached, req.output_tokens)
         elif verdict.action == SHED:
             self._shed(req.request_id, now)
+        elif verdict.displaced is not None:  # held in a full queue, in a worse class's place
+            self._shed(str(verdict.displaced.key), now)
 
     def _commit(
         self,

@@ -132,11 +132,50 @@ def test_nothing_is_held_long() -> None:
     assert q.expire(0.4) == [] and [t.key for t in q.expire(0.6)] == ["y"]
 
 
+def test_expire_finds_every_late_request_whatever_left_the_queue_before() -> None:
+    """``expire`` skips its scan until the earliest a held request can be late: that bound
+    follows requests joining and leaving the queue (cancelled, handed out, expired)."""
+    q = queue(max_hold_s=0.5)
+    for key, at in (("a", 0.0), ("b", 0.3), ("c", 0.35)):
+        assert q.judge(q.ticket(key, DEFAULT, "t", 10, at), one(1.3), at).action == HOLD
+    assert q.cancel("a") is not None
+    assert q.expire(0.6) == [] and len(q) == 2
+    assert [t.key for t in q.expire(0.81)] == ["b"]
+    assert q.judge(q.ticket("d", DEFAULT, "t", 10, 0.82), one(1.3), 0.82).action == HOLD
+    assert [t.key for t in q.expire(0.86)] == ["c"]
+    assert q.expire(1.3) == [] and [t.key for t in q.expire(1.33)] == ["d"]
+    assert len(q) == 0 and q.expire(9.0) == []
+
+
 def test_queue_bound() -> None:
     q = queue(max_queue=1)
     assert q.judge(q.ticket(1, DEFAULT, "a", 10, 0.0), one(1.5), 0.0).action == HOLD
     v = q.judge(q.ticket(2, DEFAULT, "a", 10, 0.0), one(1.0), 0.0)
     assert v.action == SHED and v.reason == QUEUE_FULL
+
+
+def test_a_full_queue_makes_room_for_a_better_class() -> None:
+    """Held requests are served best class first, so a full queue keeps its places for the
+    best: a request of a better class than the worst held one takes the place of the one of
+    that class that would be served last (handed back as ``displaced`` to refuse, reason
+    ``queue_full``); a request of the worst held class is refused itself."""
+    q = queue(max_queue=2, headroom=(0.9, 0.5, 0.3))
+    for key in ("f0", "f1"):  # flex: 8 s budget, fits at 2.4 s predicted; 3 s: held
+        assert q.judge(q.ticket(key, FLEX, "t", 10, 0.0), one(3.0), 0.0).action == HOLD
+    v = q.judge(q.ticket("d", DEFAULT, "t", 10, 0.1), one(1.5), 0.1)
+    assert v.action == HOLD and v.displaced is not None and v.displaced.key == "f1"
+    assert v.reason == QUEUE_FULL and v.retry_after_s >= 1
+    assert len(q) == 2 and q.depth(FLEX) == 1 and q.depth(DEFAULT) == 1
+    v = q.judge(q.ticket("f2", FLEX, "t", 10, 0.2), one(3.0), 0.2)
+    assert v.action == SHED and v.reason == QUEUE_FULL and v.displaced is None
+    v = q.judge(q.ticket("p", PRIORITY, "t", 10, 0.3), one(1.85), 0.3)
+    assert v.action == HOLD and v.displaced is not None and v.displaced.key == "f0"
+    v = q.judge(q.ticket("p2", PRIORITY, "t", 10, 0.3), one(1.85), 0.3)
+    assert v.action == HOLD and v.displaced is not None and v.displaced.key == "d"
+    v = q.judge(q.ticket("d2", DEFAULT, "t", 10, 0.4), one(1.5), 0.4)
+    assert v.action == SHED and v.reason == QUEUE_FULL
+    assert sorted(str(t.key) for t in q.order(0.4)) == ["p", "p2"]
+    assert q.depth(DEFAULT) == 0 and q.depth(FLEX) == 0
 
 
 def test_ready_orders_by_slack_then_expires_the_late() -> None:

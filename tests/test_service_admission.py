@@ -229,6 +229,117 @@ async def test_a_held_request_goes_when_capacity_frees(protective: Door) -> None
     assert waits[f'{{class="default",model="{MODEL}"}}'] == 1.0
 
 
+@pytest.fixture
+async def crowded() -> AsyncIterator[Door]:
+    """As ``protective``, with room for two held requests."""
+    knobs = {
+        "stall_share": [1e-9, 0.5, 0.5],
+        "max_stall": [float("inf"), 1e-9, 1e-9],
+        "max_hold_s": 60.0,
+        "max_queue": 2,
+    }
+    async for d in _door(knobs, {"ttft_s": 100.0}):
+        yield d
+
+
+FULL = (
+    "the router is overloaded: the admission queue has no place for this flex-class request;"
+    " retry later"
+)
+
+
+async def test_a_full_queue_refuses_the_worst_class_not_a_better_newcomer(
+    crowded: Door,
+) -> None:
+    """Held requests go best class first, so a full queue keeps its places for the best: a
+    default request arriving while flex ones fill the queue is held (and served), and the
+    flex one that would have gone last is refused in its place, 429 ``slo_queue_full`` with
+    ``Retry-After``; a flex request arriving then is refused itself."""
+    d = crowded
+    d.backend.gate = asyncio.Event()
+    first = asyncio.create_task(d.post("priority"))
+    await eventually(lambda: len(d.backend.received) == 1)
+    flex = [asyncio.create_task(d.post("flex", prompt=f"{i} {PROMPT}")) for i in range(2)]
+    await eventually(lambda: d.queue().depth(2) == 2)
+    default = asyncio.create_task(d.post())
+    await eventually(lambda: default.done() or d.queue().depth(1) == 1)
+    assert not default.done() and d.held() == 2
+    done, _ = await asyncio.wait(flex, return_when=asyncio.FIRST_COMPLETED)
+    (out,) = done
+    async with await out as r:
+        assert r.status == 429, await r.text()
+        assert 1 <= int(r.headers["Retry-After"]) <= 60
+        error = (await r.json())["error"]
+        assert error["code"] == "slo_queue_full" and error["type"] == "rate_limit_error"
+        assert error["message"] == FULL
+    async with await d.post("flex") as r:  # none held is worse than flex: refused
+        error = (await r.json())["error"]
+        assert r.status == 429 and error["code"] == "slo_queue_full"
+        assert error["message"] == FULL
+    d.backend.gate.set()
+    (kept,) = [t for t in flex if t is not out]
+    for task in (first, default, kept):
+        async with await task as r:
+            assert r.status == 200, await r.text()
+    shed = await d.metric("kvrouter_admission_shed_total")
+    assert shed == {f'{{class="flex",model="{MODEL}",reason="queue_full"}}': 2.0}, shed
+    decisions = await d.metric("kvrouter_admission_decisions_total")
+    assert sum(decisions.values()) == 5.0, decisions  # one first answer each
+    assert d.held() == 0 and d.state.load.in_flight() == 0
+
+
+@pytest.fixture
+async def brief(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Door]:
+    """As ``crowded``, held at most 0.2 s; the pump looks at the queue only when a request
+    finishes (no tick), so held requests outlive their hold unless an arrival looks."""
+    import router.service.admission as service_admission
+
+    monkeypatch.setattr(service_admission, "TICK_S", 3600.0)
+    knobs = {
+        "stall_share": [1e-9, 0.5, 0.5],
+        "max_stall": [float("inf"), 1e-9, 1e-9],
+        "max_hold_s": 0.2,
+        "max_queue": 2,
+    }
+    async for d in _door(knobs, {"ttft_s": 100.0}):
+        yield d
+
+
+async def test_an_arrival_is_judged_without_the_held_requests_past_their_hold(
+    brief: Door,
+) -> None:
+    """A new request is judged against the held requests that can still be served: those
+    past ``max_hold_s`` (or their deadline) are refused first, as the simulator's pump does
+    on each arrival. They were counted until the pump's next look (up to 50 ms later), so
+    a full queue of them refused the newcomer ``slo_queue_full`` (and their work ahead of
+    it could refuse it ``slo_deadline``) while the simulator held it."""
+    d = brief
+    loop = asyncio.get_running_loop()
+    d.backend.gate = asyncio.Event()
+    first = asyncio.create_task(d.post("priority"))
+    await eventually(lambda: len(d.backend.received) == 1)
+    stale = [asyncio.create_task(d.post(prompt=f"{i} {PROMPT}")) for i in range(2)]
+    await eventually(lambda: d.held() == 2)
+    held_at = loop.time()
+    await eventually(lambda: loop.time() > held_at + 0.25)  # both past their 0.2 s hold
+    newcomer = asyncio.create_task(d.post())
+    await eventually(lambda: newcomer.done() or all(t.done() for t in stale))
+    assert not newcomer.done() and d.held() == 1  # held: the queue had room
+    for task in stale:
+        async with await task as r:
+            assert r.status == 429, await r.text()
+            assert 1 <= int(r.headers["Retry-After"]) <= 60
+            assert (await r.json())["error"]["code"] == "slo_deadline"
+    d.backend.gate.set()  # the priority request finishes: the pump looks at the newcomer
+    async with await first as r:
+        assert r.status == 200
+    async with await newcomer as r:
+        assert r.status in (200, 429), await r.text()  # sent, or refused past its hold
+    shed = await d.metric("kvrouter_admission_shed_total")
+    assert shed.get(f'{{class="default",model="{MODEL}",reason="queue_full"}}', 0.0) == 0.0
+    assert d.held() == 0
+
+
 async def test_a_client_that_leaves_leaves_the_queue(protective: Door) -> None:
     d = protective
     await d.leave_while_held()

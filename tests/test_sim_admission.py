@@ -92,3 +92,26 @@ def test_tune_ranks_settings_under_the_priority_floor_by_priority() -> None:
     far = trial(0.3, 0.70, 0.90)
     assert ranked([far, close, meets], 0.99) == [meets, close, far]
     assert ranked([far, close], 0.99)[0] is close
+
+
+def test_a_request_displaced_from_a_full_queue_is_refused_not_lost() -> None:
+    """A full queue takes a better class's request in the place of a worse class's held one
+    (router/core/admission.py ``Verdict.displaced``): the simulator refuses that one as the
+    service answers it 429, so every request is completed or refused."""
+    from router.core.admission import AdmissionSettings
+    from sim.agentic import AgenticSpec, generate
+    from sim.cluster import Simulation
+    from sim.cluster_config import ClusterConfig
+    from sim.profiles import load_profile
+
+    workload = generate(AgenticSpec(sessions=30, session_rate=60.0), block_size=64)
+    config = ClusterConfig(
+        load_profile("dense-70b"),
+        replicas=1,
+        admission=AdmissionSettings(max_queue=2, max_hold_s=5.0),
+        priority_share=0.2,
+        flex_share=0.5,
+    )
+    s = Simulation(workload, config, "ours", speedup=8).run().summary
+    assert s["requests"] == len(workload) and s["shed"] > 0
+    assert s["completed"] + s["rejected"] == s["requests"]

@@ -22,7 +22,9 @@ queue, interleaved decode; see router/core/policies.py ``Ours``) for each eligib
   the fleet's best predicted TTFT plus the prefill work held ahead of it (same or better
   class) spread over the eligible replicas exceeds the budget, or it would wait more than
   ``max_hold_s`` for a replica to fit it; or (``queue_full``) when the queue holds
-  ``max_queue`` requests. A shed carries a ``retry_after_s`` hint.
+  ``max_queue`` requests, none of a worse class (else the one of the worst class held
+  that would be served last is shed in its place: a full queue keeps its places for the
+  better classes). A shed carries a ``retry_after_s`` hint.
 * A request whose own predicted prefill on the best eligible replica (after that replica's
   usable cached prefix, nothing queued) is over its budget could never be admitted: a
   prompt too long for its class's target, a 1M-token one say. Its budget is that prefill
@@ -256,12 +258,15 @@ class Ticket:
 
 class Verdict(NamedTuple):
     """``action``: ADMIT (``allowed``: the positions that fit), HOLD or SHED (``reason``,
-    ``retry_after_s``: when trying again may succeed)."""
+    ``retry_after_s``: when trying again may succeed). A HOLD into a full queue names the
+    held request it took the place of (``displaced``, out of the queue), which the caller
+    refuses with ``reason`` (``queue_full``) and ``retry_after_s``."""
 
     action: str
     allowed: np.ndarray | None = None
     reason: str = ""
     retry_after_s: float = 0.0
+    displaced: Ticket | None = None
 
 
 @dataclass(slots=True)
@@ -285,6 +290,7 @@ class AdmissionQueue:
     _counter: dict[str, float] = field(default_factory=dict)
     stall: StallLedger = field(default_factory=StallLedger)
     _seq: int = 0
+    _due: float = math.inf  # no held request is late before then (:meth:`expire`)
 
     # ------------------------------------------------------------------ figures
 
@@ -394,8 +400,9 @@ class AdmissionQueue:
         return max(own, min(waiting)) if waiting else own
 
     def judge(self, ticket: Ticket, a: Assessment, now: float) -> Verdict:
-        """Admit, hold (the ticket joins the queue) or shed ``ticket`` (judged with its
-        budget :meth:`within_reach`)."""
+        """Admit, hold (the ticket joins the queue; a full one by taking the place of a
+        request of a worse class: the verdict's ``displaced``, for the caller to refuse) or
+        shed ``ticket`` (judged with its budget :meth:`within_reach`)."""
         ticket = self.within_reach(ticket, a)
         s = self.settings
         c = ticket.klass
@@ -412,11 +419,30 @@ class AdmissionQueue:
         wait = expected - s.headroom[c] * ticket.budget_s  # until a replica fits it
         if expected > ticket.budget_s or wait > s.max_hold_s:
             return Verdict(SHED, reason=DEADLINE, retry_after_s=_retry(wait))
-        if len(self._held) >= s.max_queue or ticket.key in self._held:
+        if ticket.key in self._held:
             return Verdict(SHED, reason=QUEUE_FULL, retry_after_s=_retry(expected))
+        displaced = None
+        if len(self._held) >= s.max_queue:
+            displaced = self._displace(c, now)
+            if displaced is None:
+                return Verdict(SHED, reason=QUEUE_FULL, retry_after_s=_retry(expected))
         prefill = float(a.prefill_s[a.eligible].min())
         self._hold(ticket, prefill)
-        return Verdict(HOLD)
+        if displaced is None:
+            return Verdict(HOLD)
+        return Verdict(HOLD, reason=QUEUE_FULL, retry_after_s=_retry(expected), displaced=displaced)
+
+    def _displace(self, klass: int, now: float) -> Ticket | None:
+        """Make room in a full queue for a request of ``klass``: remove and return the held
+        request of the worst class held that would be served last (:meth:`order`), when
+        that class is worse than ``klass``; else None (nothing removed)."""
+        worst = max((k for k, n in enumerate(self._by_class) if n), default=-1)
+        if worst <= klass:
+            return None
+        last = max(
+            (h for h in self._held.values() if h.ticket.klass == worst), key=self._order_key(now)
+        )
+        return self._remove(last.ticket.key)
 
     def within_reach(self, ticket: Ticket, a: Assessment) -> Ticket:
         """``ticket``, its budget raised to its own best predicted prefill (an eligible
@@ -439,6 +465,7 @@ class AdmissionQueue:
         self._tenant_work[work] = self._tenant_work.get(work, 0.0) + prefill_s
         self._seq += 1
         self._held[ticket.key] = _Held(ticket, prefill_s, self._seq)
+        self._due = min(self._due, self._late_at(ticket, prefill_s))
         self._work_s[ticket.klass] += prefill_s
         self._by_class[ticket.klass] += 1
 
@@ -472,6 +499,8 @@ class AdmissionQueue:
         """Remove and return the held requests that can no longer meet their deadline (now
         plus their own prefill is past it) or were held ``max_hold_s``: shed them, reason
         ``deadline``."""
+        if now < self._due:  # (cheap on every arrival and look: nothing is late yet)
+            return []
         hold = self.settings.max_hold_s
         late = [
             k
@@ -483,7 +512,16 @@ class AdmissionQueue:
             t = self._remove(k)
             if t is not None:
                 out.append(t)
+        late_at = self._late_at
+        self._due = min(
+            (late_at(h.ticket, h.prefill_s) for h in self._held.values()), default=math.inf
+        )
         return out
+
+    def _late_at(self, ticket: Ticket, prefill_s: float) -> float:
+        """A bound below the time a held request becomes late (:meth:`expire`)."""
+        late = min(ticket.deadline - prefill_s, ticket.arrived + self.settings.max_hold_s)
+        return late - 1e-9 * max(abs(late), 1.0)  # (rounding: never after it)
 
     def _order_key(self, now: float) -> Callable[[_Held], tuple[int, float, float, int]]:
         power = self.settings.urgency_power

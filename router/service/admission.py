@@ -6,7 +6,9 @@ A request is judged before it is committed to a replica (:meth:`RouterState.deci
 :class:`Overloaded` (HTTP 429 with ``Retry-After``, gRPC RESOURCE_EXHAUSTED). A held request
 waits on a future; one pump task per model runs while anything is held, every
 :data:`TICK_S` and whenever a request finishes: it sheds the held requests that can no
-longer meet their deadline and commits those that fit, best first. A client that goes away
+longer meet their deadline and commits those that fit, best first. A new request is judged
+after the late ones are shed (as the simulator's pump does on each arrival): requests that
+will be refused anyway neither fill the queue nor count as work ahead of it. A client that goes away
 cancels its handler, which takes its request out of the queue (or, if it was committed at
 that very moment, completes it in the load model and takes back what was guessed of it:
 speculative index entries, session hint): nothing is answered twice or leaked.
@@ -220,6 +222,8 @@ class Admission:
             max_output_tokens=max_output_tokens,
         )
         queue = m.queue
+        if len(queue):  # judged against the held requests that may still go (as the sim is)
+            self._expire(m, now)
         a = assess(m.predictor, pending.request, pending.candidates, now)
         prompt_tokens = pending.request.prompt_tokens
         ticket = queue.ticket(request_id, klass, tenant, prompt_tokens, now, pending)
@@ -232,6 +236,8 @@ class Admission:
             return self._commit(m, ticket, pending, a, verdict.allowed, now)
         if verdict.action == SHED:
             raise self._shed(m, ticket, verdict.reason, verdict.retry_after_s)
+        if verdict.displaced is not None:  # a full queue: it took a worse class's place
+            self._refuse(m, verdict.displaced, verdict.reason, verdict.retry_after_s)
         fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
         m.waiters[request_id] = fut
         self._gauge(m)
@@ -303,16 +309,31 @@ class Admission:
         name = CLASS_NAMES[ticket.klass]
         self.shed.labels(m.name, reason, name).inc()
         what = (
-            "cannot meet its time-to-first-token target now"
+            f"this {name}-class request cannot meet its time-to-first-token target now"
             if reason == SHED_REASONS[0]
-            else "the admission queue is full"
+            else f"the admission queue has no place for this {name}-class request"
         )
         return Overloaded(
-            f"the router is overloaded: this {name}-class request {what}; retry later",
+            f"the router is overloaded: {what}; retry later",
             reason,
             name,
             retry_after_s,
         )
+
+    def _expire(self, m: _Model, now: float) -> None:
+        """Shed the held requests that can no longer meet their deadline or were held
+        ``max_hold_s`` (AdmissionQueue.expire)."""
+        late = m.queue.expire(now)
+        for t in late:
+            self._refuse(m, t, SHED_REASONS[0], 1.0)
+        if late:
+            self._gauge(m)
+
+    def _refuse(self, m: _Model, t: Ticket, reason: str, retry_after_s: float) -> None:
+        """Shed ``t``, a request taken out of the queue: its handler answers 429."""
+        fut = m.waiters.pop(str(t.key), None)
+        if fut is not None and not fut.done():
+            fut.set_exception(self._shed(m, t, reason, retry_after_s))
 
     def _gauge(self, m: _Model) -> None:
         for k, name in enumerate(CLASS_NAMES):
@@ -337,10 +358,7 @@ class Admission:
         now (every one unhealthy or draining: not merely busy, which waiting may cure) is
         answered at once as a new one would be."""
         queue = m.queue
-        for t in queue.expire(now):
-            fut = m.waiters.pop(str(t.key), None)
-            if fut is not None and not fut.done():
-                fut.set_exception(self._shed(m, t, SHED_REASONS[0], 1.0))
+        self._expire(m, now)
         seen: dict[object, tuple[Pending, Assessment]] = {}
         unroutable: dict[object, KVRouterError] = {}
 
