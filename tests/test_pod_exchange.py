@@ -345,3 +345,39 @@ def test_a_namesake_with_a_sibling_workers_pid_is_told_from_the_sibling(tmp_path
     for _ in range(3):
         me._take(other._snapshot(0.0), 0.0)
     assert me.counters.name_clashes == 1
+
+
+async def test_a_reader_catching_up_on_a_long_backlog_does_not_revive_a_dead_pod(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    """A backlog longer than one XREAD's count comes in several reads; the first one holds
+    only the oldest entries, so a dead member's last snapshot near its end must be dated
+    by the stream's newest entry, not by that read's (which is as old as it)."""
+    client = connect(redis_server.url)
+    load = LoadTracker()
+    load.add_replica(A)
+    loop = asyncio.get_running_loop()
+    settings = ExchangeSettings("stream", key_prefix, "p3", 0.005, STALE_S)
+    reader = PodExchange(settings, client, load, PeerSum(load), loop.time)
+    reader._last_id = b"0-0"  # cut off since before the backlog
+    live, dead = LoadTracker(), LoadTracker()
+    dead.dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
+    key = settings.stream_key
+    old_ms = 1_000_000_000_000  # Redis's clock at the backlog's start (entry ids)
+    try:
+        for seq in range(1, pod_exchange.READ_COUNT):  # the live pod's heartbeats...
+            body = encode("p2/1", "p2", seq, live)
+            await client.xadd(key, {b"s": body}, id=f"{old_ms}-{seq}")
+        # ... the dead pod's last word, the last entry of the first read ...
+        await client.xadd(key, {b"s": encode("p1/1", "p1", 7, dead)}, id=f"{old_ms + 1}-0")
+        # ... and the live pod's heartbeats since, ten seconds of them
+        for n, seq in enumerate(range(pod_exchange.READ_COUNT, pod_exchange.READ_COUNT + 40)):
+            body = encode("p2/1", "p2", seq, live)
+            await client.xadd(key, {b"s": body}, id=f"{old_ms + 250 * (n + 1)}-0")
+        last = (await client.xrevrange(key, count=1))[0][0]
+        while reader._last_id != last:
+            await reader.read_stream()
+        assert load.view(A, 0.0).prefilling == 0
+        assert set(reader.views.views) == {"p2/1"}
+    finally:
+        await client.aclose()

@@ -26,7 +26,7 @@ Staleness bound: a snapshot carries its member's sequence number; a member whose
 not moved for ``pods_stale_s`` (by the reader's clock: no clock sync needed) stops counting,
 so a pod that dies, or is cut off, stops weighing on the replicas within that bound. A stream
 reader catching up on a backlog (it was cut off) dates each snapshot back by its entry's age
-relative to the newest entry it read (Redis stamps both), so a member that died meanwhile
+relative to the stream's newest entry (Redis stamps both), so a member that died meanwhile
 does not count again. A member stopping cleanly publishes an empty snapshot first. While
 Redis is away every view ages out the same way (the pod then routes on its own load and the
 engines' reports) and the exchange resumes by itself when Redis answers again (a restarted,
@@ -70,6 +70,7 @@ _log = logging.getLogger(__name__)
 SOURCE = "pods"
 MODES = ("off", "stream", "hash")
 STREAM_MAXLEN = 2000
+READ_COUNT = 1000  # stream entries one XREAD returns at most
 HASH_FORGET_S = 60.0  # a hash field unchanged this long is deleted (its member is gone)
 GONE_MAX = 4096  # members remembered as gone (PodViews.gone)
 _BLOCK_MS = 250
@@ -320,12 +321,18 @@ class PodExchange:
     async def read_stream(self) -> None:
         """Stream mode: wait (up to 250 ms) for the next snapshots and take them."""
         key = self.settings.stream_key
-        got = await self.client.xread({key: self._last_id}, count=1000, block=_BLOCK_MS)
+        got = await self.client.xread({key: self._last_id}, count=READ_COUNT, block=_BLOCK_MS)
         now = self.clock()
         for _, entries in got or ():
             # entry ids start with Redis's clock (ms) at XADD: an entry's age relative to the
-            # batch's newest is a lower bound of its age (a reader catching up after an outage)
+            # stream's newest is a lower bound of its age (a reader catching up after an
+            # outage). A full read is a backlog's oldest part, as old as its own newest
+            # entry: the stream's last entry dates it then (one more call, only then)
             newest = _id_ms(entries[-1][0]) if entries else 0
+            if len(entries) >= READ_COUNT:
+                tail = await self.client.xrevrange(key, count=1)
+                if tail:
+                    newest = max(newest, _id_ms(tail[0][0]))
             for entry_id, fields in entries:
                 self._last_id = entry_id
                 age_s = max(newest - _id_ms(entry_id), 0) / 1000
