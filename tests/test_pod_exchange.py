@@ -117,7 +117,8 @@ async def test_a_dead_pod_stops_counting_within_the_bound(
         one.load.dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
         await eventually(lambda: two.prefilling() == 1)
         loop = asyncio.get_running_loop()
-        last_seen = two.exchange.views.views["p1/" + one.exchange.member.split("/")[1]].moved_at
+        sender = f"{one.exchange.member}#{one.exchange.instance}"
+        last_seen = two.exchange.views.views[sender].moved_at
         await one.die()
         await eventually(lambda: two.prefilling() == 0)
         # dropped by the staleness rule (not earlier, from some other cause): the view moved
@@ -267,7 +268,7 @@ async def test_a_reader_catching_up_does_not_revive_a_dead_pod(
         await eventually(p1_older_than_the_bound)  # p2's heartbeats went on
         await three.exchange.read_stream()  # p3 is back: the backlog in one read
         assert three.prefilling() == 0
-        assert set(three.exchange.views.views) == {two.exchange.member}
+        assert set(three.exchange.views.views) == {f"{two.exchange.member}#{two.exchange.instance}"}
 
 
 def _redis_up(exchange: PodExchange) -> float:
@@ -381,3 +382,19 @@ async def test_a_reader_catching_up_on_a_long_backlog_does_not_revive_a_dead_pod
         assert set(reader.views.views) == {"p2/1"}
     finally:
         await client.aclose()
+
+
+async def test_a_third_pod_counts_both_namesakes(redis_server: LocalRedis, key_prefix: str) -> None:
+    """Two pods sharing one ``pod_name`` (and pids: one image in two containers) ignore each
+    other, as counted; every other pod still counts both, not whichever spoke last (in
+    ``stream`` mode: in ``hash`` mode they write one field, by turns)."""
+    names = ("p1", "p1", "p2")
+    async with pods(redis_server.url, key_prefix, "stream", names) as (one, two, three):
+        assert one.exchange.member == two.exchange.member  # one test process: one pid
+        one.load.dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
+        two.load.dispatch("r2", A, prompt_tokens=100, cached_tokens=0)
+        await eventually(lambda: three.prefilling() == 2)
+        for _ in range(3):  # both keep sending (heartbeats), in either order: still both
+            seen = three.exchange.counters.received
+            await eventually(lambda s=seen: three.exchange.counters.received >= s + 4)
+            assert three.prefilling() == 2

@@ -91,6 +91,13 @@ class Snapshot:
     # every start); None: a sender that does not say (an earlier version)
     instance: str | None = None
 
+    @property
+    def sender(self) -> str:
+        """Who sent it: its member, and its pod instance when it names one. Two pods
+        configured with one ``pod_name`` may send as the same member (the same pids): every
+        other pod counts each of them, not whichever spoke last."""
+        return self.member if self.instance is None else f"{self.member}#{self.instance}"
+
 
 def encode(
     member: str,
@@ -138,6 +145,7 @@ def pod_instance(workers: Workers | None) -> str:
 
 @dataclass(slots=True)
 class _View:
+    member: str
     pod: str
     seq: int
     moved_at: float  # reader's clock when ``seq`` last changed
@@ -146,45 +154,48 @@ class _View:
 
 @dataclass(slots=True)
 class PodViews:
-    """The latest snapshot of every member of the other pods, and when each last moved.
-    No I/O, no clock: ``now`` comes in."""
+    """The latest snapshot of every member of the other pods, and when each last moved,
+    by sender (:attr:`Snapshot.sender`). No I/O, no clock: ``now`` comes in."""
 
     pod: str
     stale_s: float
     views: dict[str, _View] = field(default_factory=dict)
-    # members dropped as stale: (seq they stopped at, when it last moved); the same seq
-    # read again (a dead member's hash field, re-read every poll) is no sign of life
-    gone: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # senders dropped as stale: (member, seq they stopped at, when it last moved); the same
+    # seq read again (a dead member's hash field, re-read every poll) is no sign of life
+    gone: dict[str, tuple[str, int, float]] = field(default_factory=dict)
 
     def take(self, snap: Snapshot, now: float) -> None:
         if snap.pod == self.pod:
             return
-        old = self.views.get(snap.member)
+        sender = snap.sender
+        old = self.views.get(sender)
         if old is None:
-            dead = self.gone.get(snap.member)
+            dead = self.gone.get(sender)
             if dead is not None:
-                if dead[0] == snap.seq:
+                if dead[1] == snap.seq:
                     return
-                del self.gone[snap.member]
+                del self.gone[sender]
         if old is None or old.seq != snap.seq:
-            self.views[snap.member] = _View(snap.pod, snap.seq, now, snap.load)
+            self.views[sender] = _View(snap.member, snap.pod, snap.seq, now, snap.load)
 
     def expire(self, now: float) -> bool:
-        """Drop the members silent past ``stale_s``; whether any was dropped."""
+        """Drop the senders silent past ``stale_s``; whether any was dropped."""
         stale = [m for m, v in self.views.items() if now - v.moved_at > self.stale_s]
-        for member in stale:
-            v = self.views.pop(member)
-            self.gone[member] = (v.seq, v.moved_at)
+        for sender in stale:
+            v = self.views.pop(sender)
+            self.gone[sender] = (v.member, v.seq, v.moved_at)
         if len(self.gone) > GONE_MAX:  # oldest first (insertion order): bounded memory
             for member in list(self.gone)[: len(self.gone) - GONE_MAX]:
                 del self.gone[member]
         return bool(stale)
 
     def keep_only(self, members: set[str]) -> None:
-        """Forget every member not in ``members`` (hash mode: the fields present)."""
-        for table in (self.views, self.gone):
-            for member in [m for m in table if m not in members]:
-                del table[member]
+        """Forget every sender whose member is not in ``members`` (hash mode: the fields
+        present)."""
+        for sender in [k for k, v in self.views.items() if v.member not in members]:
+            del self.views[sender]
+        for sender in [k for k, g in self.gone.items() if g[0] not in members]:
+            del self.gone[sender]
 
     def total(self, now: float) -> dict[ReplicaKey, PeerLoad]:
         """What the live members have in flight, per replica (stale ones dropped first)."""
@@ -264,7 +275,7 @@ class PodExchange:
         self._foreign: dict[str, int] = {}  # other members of this name -> first seq seen
         self._clashed: set[str] = set()
         self.share = share
-        self._applied: dict[str, int] = {}  # member -> seq whose shared rows were applied
+        self._applied: dict[str, int] = {}  # sender -> seq whose shared rows were applied
         self.client = client
         self.load = load
         self.peers = peers
@@ -372,10 +383,12 @@ class PodExchange:
             await self._forget_gone(key, now)
 
     async def _forget_gone(self, key: str, now: float) -> None:
-        """Delete hash fields of members gone for ``HASH_FORGET_S`` (seen unmoving so long)."""
-        gone = [m for m, (_, at) in self.views.gone.items() if now - at > HASH_FORGET_S]
-        if gone:
-            await self.client.hdel(key, *gone)
+        """Delete hash fields of members gone for ``HASH_FORGET_S`` (seen unmoving so long;
+        not one a live namesake writes now)."""
+        live = {v.member for v in self.views.views.values()}
+        gone = {m for m, _, at in self.views.gone.values() if now - at > HASH_FORGET_S}
+        if gone - live:
+            await self.client.hdel(key, *sorted(gone - live))
 
     def _take(self, data: bytes, now: float, age_s: float = 0.0) -> bool:
         """Take one message read at ``now``, known to be at least ``age_s`` old; whether it
@@ -437,12 +450,13 @@ class PodExchange:
     def _apply_shared(self, share: PodShare, snap: Snapshot, now: float, age_s: float) -> None:
         """Another member's rows, each message's once (a hash re-read shows the same seq
         again; this member's own stream entries come back to it too)."""
-        seen = self._applied.get(snap.member)
+        sender = snap.sender  # namesakes' seqs may coincide
+        seen = self._applied.get(sender)
         if seen == snap.seq:
             return
         if len(self._applied) > 4096:
             self._applied.clear()
-        self._applied[snap.member] = snap.seq
+        self._applied[sender] = snap.seq
         # a hash field read for the first time may have sat there for long (its member
         # dead, up to HASH_FORGET_S): its rows' TTLs are no longer what they say; a stream
         # reader reads only entries appended after it started
