@@ -398,3 +398,30 @@ async def test_a_third_pod_counts_both_namesakes(redis_server: LocalRedis, key_p
             seen = three.exchange.counters.received
             await eventually(lambda s=seen: three.exchange.counters.received >= s + 4)
             assert three.prefilling() == 2
+
+
+async def test_a_pod_started_after_a_death_never_counts_the_dead_pods_field(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    """In ``hash`` mode a dead member's field stays up to ``HASH_FORGET_S``: a pod started
+    meanwhile (a scale-up, a restart) must not count its last load, which no poll can date,
+    as if it had just spoken; a live member's counts from its next write."""
+    async with pods(redis_server.url, key_prefix, "hash", ("p2",)) as (two,):
+        two.load.dispatch("r2", A, prompt_tokens=100, cached_tokens=0)
+        dead = LoadTracker()
+        dead.dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
+        key = two.exchange.settings.hash_key
+        await two.client.hset(key, "p1/1", encode("p1/1", "p1", 9, dead, instance="x"))
+        load = LoadTracker()
+        load.add_replica(A)
+        settings = ExchangeSettings("hash", key_prefix, "p3", 0.005, STALE_S)
+        new = PodExchange(settings, two.client, load, PeerSum(load), lambda: 100.0)
+        await new.poll_hash(100.0)  # the first read: both fields, neither dated
+        assert load.view(A, 0.0).prefilling == 0
+
+        async def p2_counted() -> bool:
+            await new.poll_hash(100.0)
+            return load.view(A, 0.0).prefilling == 1
+
+        await eventually(p2_counted)  # p2's heartbeat moved its seq; p1's never moves
+        assert {v.member for v in new.views.views.values()} == {two.exchange.member}

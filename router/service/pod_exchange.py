@@ -20,7 +20,8 @@ them as well as a standalone Redis (docs/pods.md compares them by measurement):
   Redis round trip).
 * ``hash``: every ``pods_exchange_interval_s`` a member writes its snapshot into the hash
   ``<prefix>:{pods}:loads`` (HSET, field = member) and reads the whole hash (HGETALL), one
-  pipelined round trip (poll: staleness up to two intervals).
+  pipelined round trip (poll: staleness up to two intervals). A field read for the first
+  time counts once its seq moves: it may be the last word of a member long dead.
 
 Staleness bound: a snapshot carries its member's sequence number; a member whose sequence has
 not moved for ``pods_stale_s`` (by the reader's clock: no clock sync needed) stops counting,
@@ -159,6 +160,10 @@ class PodViews:
 
     pod: str
     stale_s: float
+    # a sender first read counts only once its seq moves (hash mode: a field read for the
+    # first time may have sat there since its member died, up to HASH_FORGET_S, and has no
+    # date; a live member writes at least every stale/4)
+    wait_for_move: bool = False
     views: dict[str, _View] = field(default_factory=dict)
     # senders dropped as stale: (member, seq they stopped at, when it last moved); the same
     # seq read again (a dead member's hash field, re-read every poll) is no sign of life
@@ -175,6 +180,9 @@ class PodViews:
                 if dead[1] == snap.seq:
                     return
                 del self.gone[sender]
+            elif self.wait_for_move:
+                self.gone[sender] = (snap.member, snap.seq, now)
+                return
         if old is None or old.seq != snap.seq:
             self.views[sender] = _View(snap.member, snap.pod, snap.seq, now, snap.load)
 
@@ -281,7 +289,7 @@ class PodExchange:
         self.peers = peers
         self.clock = clock
         self.member = settings.member
-        self.views = PodViews(settings.pod, settings.stale_s)
+        self.views = PodViews(settings.pod, settings.stale_s, settings.mode == "hash")
         self.counters = Counters()
         self._seq = 0
         self._sent_changes = -1
