@@ -425,3 +425,35 @@ async def test_a_pod_started_after_a_death_never_counts_the_dead_pods_field(
 
         await eventually(p2_counted)  # p2's heartbeat moved its seq; p1's never moves
         assert {v.member for v in new.views.views.values()} == {two.exchange.member}
+
+
+async def test_a_hash_reader_back_from_an_outage_does_not_count_what_it_cannot_date(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    """A ``hash`` reader that could not poll for longer than the bound sees, when it is back,
+    fields whose seqs moved meanwhile: a member may have written and then died while it was
+    away. Only a seq that moves between two polls within the bound is a sign of life."""
+    async with pods(redis_server.url, key_prefix, "hash", ("p2",)) as (two,):
+        dying = LoadTracker()
+        dying.add_replica(A)
+        key = two.exchange.settings.hash_key
+        await two.client.hset(key, "p1/1", encode("p1/1", "p1", 8, dying, instance="x"))
+        load = LoadTracker()
+        load.add_replica(A)
+        clock = [100.0]
+        settings = ExchangeSettings("hash", key_prefix, "p3", 0.005, STALE_S)
+        reader = PodExchange(settings, two.client, load, PeerSum(load), lambda: clock[0])
+        await reader.poll_hash(clock[0])  # p1 (idle) and p2 first seen
+        # p3 cut off (no poll) past the bound; meanwhile p1 sent one last snapshot and died
+        dying.dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
+        await two.client.hset(key, "p1/1", encode("p1/1", "p1", 9, dying, instance="x"))
+        clock[0] += 10 * STALE_S
+        await reader.poll_hash(clock[0])  # back: p1's seq moved, but when?
+        assert load.view(A, 0.0).prefilling == 0
+
+        async def p2_counted() -> bool:
+            await reader.poll_hash(clock[0])
+            return {v.member for v in reader.views.views.values()} == {two.exchange.member}
+
+        await eventually(p2_counted)  # p2's seq moves on (its heartbeats): alive; p1's not
+        assert load.view(A, 0.0).prefilling == 0

@@ -20,8 +20,9 @@ them as well as a standalone Redis (docs/pods.md compares them by measurement):
   Redis round trip).
 * ``hash``: every ``pods_exchange_interval_s`` a member writes its snapshot into the hash
   ``<prefix>:{pods}:loads`` (HSET, field = member) and reads the whole hash (HGETALL), one
-  pipelined round trip (poll: staleness up to two intervals). A field read for the first
-  time counts once its seq moves: it may be the last word of a member long dead.
+  pipelined round trip (poll: staleness up to two intervals). A field read at the first
+  poll, or at the first after a gap longer than ``pods_stale_s``, counts once its seq moves
+  again: it may be the last word of a member long dead.
 
 Staleness bound: a snapshot carries its member's sequence number; a member whose sequence has
 not moved for ``pods_stale_s`` (by the reader's clock: no clock sync needed) stops counting,
@@ -160,29 +161,27 @@ class PodViews:
 
     pod: str
     stale_s: float
-    # a sender first read counts only once its seq moves (hash mode: a field read for the
-    # first time may have sat there since its member died, up to HASH_FORGET_S, and has no
-    # date; a live member writes at least every stale/4)
-    wait_for_move: bool = False
     views: dict[str, _View] = field(default_factory=dict)
     # senders dropped as stale: (member, seq they stopped at, when it last moved); the same
     # seq read again (a dead member's hash field, re-read every poll) is no sign of life
     gone: dict[str, tuple[str, int, float]] = field(default_factory=dict)
 
-    def take(self, snap: Snapshot, now: float) -> None:
+    def take(self, snap: Snapshot, now: float, dated: bool = True) -> None:
+        """Take ``snap``, read at ``now``. ``dated``: the read can tell when a new seq was
+        sent (hash mode: the previous poll was within the bound); if not, a sender not
+        counted now is taken as gone at this seq, and counts once it moves again."""
         if snap.pod == self.pod:
             return
         sender = snap.sender
         old = self.views.get(sender)
         if old is None:
             dead = self.gone.get(sender)
-            if dead is not None:
-                if dead[1] == snap.seq:
-                    return
-                del self.gone[sender]
-            elif self.wait_for_move:
+            if dead is not None and dead[1] == snap.seq:
+                return
+            if not dated:
                 self.gone[sender] = (snap.member, snap.seq, now)
                 return
+            self.gone.pop(sender, None)
         if old is None or old.seq != snap.seq:
             self.views[sender] = _View(snap.member, snap.pod, snap.seq, now, snap.load)
 
@@ -289,7 +288,7 @@ class PodExchange:
         self.peers = peers
         self.clock = clock
         self.member = settings.member
-        self.views = PodViews(settings.pod, settings.stale_s, settings.mode == "hash")
+        self.views = PodViews(settings.pod, settings.stale_s)
         self.counters = Counters()
         self._seq = 0
         self._sent_changes = -1
@@ -297,6 +296,7 @@ class PodExchange:
         self._last_id = b"$"
         self._heard_self_at = clock()  # when an own stream entry was last read back
         self._forgotten_at = 0.0
+        self._polled_at = -float("inf")  # hash mode: when the last poll's answer came
 
     # ------------------------------------------------------------------ writing
 
@@ -380,9 +380,17 @@ class PodExchange:
                 self._unsent()
             raise
         now = self.clock()
+        # a field's seq has no date: one that moved since a poll older than the bound (or
+        # read at the first poll) may have moved long ago (a member that wrote, then died,
+        # before this one started or while it could not poll): no sign of life until it
+        # moves again (a live member writes at least every stale/4)
+        dated = now - self._polled_at <= self.settings.stale_s
+        self._polled_at = now
+        if not dated:  # views moved at polls that old at the latest: none counts on
+            self.views.expire(now)
         fields: dict[bytes, bytes] = results[-1]
         for data in fields.values():
-            self._take(data, now)
+            self._take(data, now, dated=dated)
         # a field deleted (a member that stopped cleanly, or forgotten) stops counting now
         self.views.keep_only({m.decode(errors="replace") for m in fields})
         self.apply(now)
@@ -398,9 +406,10 @@ class PodExchange:
         if gone - live:
             await self.client.hdel(key, *sorted(gone - live))
 
-    def _take(self, data: bytes, now: float, age_s: float = 0.0) -> bool:
-        """Take one message read at ``now``, known to be at least ``age_s`` old; whether it
-        was this member's own (not a namesake's that has its name)."""
+    def _take(self, data: bytes, now: float, age_s: float = 0.0, dated: bool = True) -> bool:
+        """Take one message read at ``now``, known to be at least ``age_s`` old (``dated``:
+        :meth:`PodViews.take`); whether it was this member's own (not a namesake's that has
+        its name)."""
         self.counters.received += 1
         self.counters.bytes_received += len(data)
         if len(data) > MAX_MESSAGE_BYTES:
@@ -419,7 +428,7 @@ class PodExchange:
             self._same_name(snap)
         # a snapshot read late (a reader catching up on a backlog) moved when it was sent:
         # a member that died meanwhile must not count again for a whole bound
-        self.views.take(snap, now - age_s)
+        self.views.take(snap, now - age_s, dated)
         own = snap.member == self.member and (mine or snap.instance is None)
         if self.share is not None and snap.shared is not None and not own:
             self._apply_shared(self.share, snap, now, age_s)
