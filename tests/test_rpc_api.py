@@ -29,6 +29,7 @@ from router.rpc.gen import (
 from router.rpc.server import loop_clock, serve_grpc
 from router.rpc.settings import GrpcSettings
 from router.service.config import build_settings
+from router.service.settings import Settings
 from router.service.state import RouterState
 from tests.backends import kimi_model_table
 from tests.waiting import eventually
@@ -349,23 +350,30 @@ async def test_health_reflection_and_deadline(rpc: Any) -> None:
     assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-async def test_router_app_serves_grpc_beside_http() -> None:
-    from router.rpc.server import GRPC_PORT
-    from tests.backends import start_router
-
-    settings = build_settings(
+def _grpc_router_settings(**server: object) -> Settings:
+    """A router serving gRPC (token and admin token set) beside HTTP, ``server`` added to
+    its [server] table, for one replica at a URL where nothing answers (no health probe, so
+    none takes it out of rotation)."""
+    return build_settings(
         {
-            # nothing answers at the replica's URL: no probe may take it out of rotation
             "server": {
                 "grpc_port": 0,
                 "grpc_token": TOKEN,
                 "admin_token": ADMIN,
                 "health_interval_s": 0,
+                **server,
             },
             "replicas": [{"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"}],
             "models": {MODEL: kimi_model_table()},
         }
     )
+
+
+async def test_router_app_serves_grpc_beside_http() -> None:
+    from router.rpc.server import GRPC_PORT
+    from tests.backends import start_router
+
+    settings = _grpc_router_settings()
     runner, url = await start_router(settings)
     try:
         port = runner.app[GRPC_PORT]
@@ -694,19 +702,7 @@ async def test_call_metadata_is_bounded_as_an_http_header_block_is() -> None:
     from router.rpc.server import GRPC_PORT
     from tests.backends import start_router
 
-    settings = build_settings(
-        {
-            "server": {
-                "grpc_port": 0,
-                "grpc_token": TOKEN,
-                "admin_token": ADMIN,
-                "health_interval_s": 0,
-                "max_header_kb": 24,
-            },
-            "replicas": [{"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"}],
-            "models": {MODEL: kimi_model_table()},
-        }
-    )
+    settings = _grpc_router_settings(max_header_kb=24)
     runner, url = await start_router(settings)
     try:
         port = runner.app[GRPC_PORT]

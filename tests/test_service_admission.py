@@ -229,16 +229,19 @@ async def test_a_held_request_goes_when_capacity_frees(protective: Door) -> None
     assert waits[f'{{class="default",model="{MODEL}"}}'] == 1.0
 
 
+# as ``protective``, with room for two held requests
+CROWDED: dict[str, Any] = {
+    "stall_share": [1e-9, 0.5, 0.5],
+    "max_stall": [float("inf"), 1e-9, 1e-9],
+    "max_hold_s": 60.0,
+    "max_queue": 2,
+}
+
+
 @pytest.fixture
 async def crowded() -> AsyncIterator[Door]:
     """As ``protective``, with room for two held requests."""
-    knobs = {
-        "stall_share": [1e-9, 0.5, 0.5],
-        "max_stall": [float("inf"), 1e-9, 1e-9],
-        "max_hold_s": 60.0,
-        "max_queue": 2,
-    }
-    async for d in _door(knobs, {"ttft_s": 100.0}):
+    async for d in _door(CROWDED, {"ttft_s": 100.0}):
         yield d
 
 
@@ -295,13 +298,7 @@ async def brief(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Door]:
     import router.service.admission as service_admission
 
     monkeypatch.setattr(service_admission, "TICK_S", 3600.0)
-    knobs = {
-        "stall_share": [1e-9, 0.5, 0.5],
-        "max_stall": [float("inf"), 1e-9, 1e-9],
-        "max_hold_s": 0.2,
-        "max_queue": 2,
-    }
-    async for d in _door(knobs, {"ttft_s": 100.0}):
+    async for d in _door({**CROWDED, "max_hold_s": 0.2}, {"ttft_s": 100.0}):
         yield d
 
 
