@@ -212,7 +212,10 @@ class TraceRecorder:
         row with ``n`` > 1 gets it. ``stream`` and ``endpoint`` (:data:`ENDPOINTS`), when
         known, say how the request was sent; ``batch`` (:meth:`next_batch`) names the
         completions batch the prompt came in, on each of its rows. The row reaches the file
-        at the next :meth:`flush`."""
+        at the next :meth:`flush`. A ``batch`` on another endpoint is a ``ValueError``:
+        only completions take a batch of prompts, and the trace reader refuses such a row."""
+        if batch is not None and endpoint not in (None, "completions"):
+            raise ValueError(f"a batch of prompts goes to completions, not {endpoint}")
         wall_ms = (self.wall_at_start + arrived_at - self.started_at) * 1000
         row: dict[str, object] = {
             "timestamp": max(0, round(wall_ms)),

@@ -294,6 +294,9 @@ def _manner(row: dict[str, Any], where: str) -> tuple[int, bool, str, str | None
     batch = row.get("batch")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, str | int)):
         raise ConfigError(f"{where}: 'batch' must be a string, got {batch!r}")
+    if batch is not None and endpoint != "completions":
+        # the simulator would run such rows as one batch, the live replay as requests apart
+        raise ConfigError(f"{where}: 'batch' is for completions rows, not {endpoint}")
     return samples, stream, str(endpoint), None if batch is None else str(batch)
 
 

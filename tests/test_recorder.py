@@ -370,23 +370,23 @@ def test_a_batch_s_rows_keep_their_delays_and_fields_through_merge(tmp_path: pat
         rec.record(arrived_at=at, model="m", input_length=len(toks), output_length=3,
                    block_hashes=hash_prompt(toks, 64, ROOT).hashes, block_size=64,
                    session_id="s", finished_at=done, samples=n, stream=False,
-                   endpoint="chat", batch=bid)  # fmt: skip
+                   endpoint="completions", batch=bid)  # fmt: skip
     rec.close()
     rows = list(read_rows([tmp_path / "t.jsonl"]))
     assert [r.get("delay") for r in rows] == [None, 500, None, 500]
     merged = merge([dict(r) for r in rows])
     assert [r.get("delay") for r in merged] == [None, 500, None, 500]
     assert [(r.get("n", 1), r["stream"], r["endpoint"]) for r in merged] == [
-        (1, False, "chat"),
-        (2, False, "chat"),
-        (2, False, "chat"),
-        (1, False, "chat"),
+        (1, False, "completions"),
+        (2, False, "completions"),
+        (2, False, "completions"),
+        (1, False, "completions"),
     ]
     path = tmp_path / "merged.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in merged))
     read = mooncake_rows(path)
     assert [(r.after, r.samples) for r in read] == [(None, 1), (0, 2), (None, 2), (2, 1)]
-    assert read[2].arrival_s == 1.5 and not read[2].stream and read[2].endpoint == "chat"
+    assert read[2].arrival_s == 1.5 and not read[2].stream and read[2].endpoint == "completions"
     assert [r.get("batch") for r in merged] == [None, batch, batch, None]
     assert [r.batch for r in read] == [None, batch, batch, None]
 

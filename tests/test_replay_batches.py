@@ -11,8 +11,12 @@ import json
 import pathlib
 from typing import Any
 
+import pytest
+
+from router.core.errors import ConfigError
 from router.core.load import LoadView
 from router.demo.replay import count_requests, load_requests, replay
+from router.recorder import RecordSettings, TraceRecorder, record_key
 from router.service.config import build_settings
 from sim.cluster import ClusterConfig, Simulation
 from sim.profiles import load_profile
@@ -57,6 +61,27 @@ def test_a_batch_is_loaded_as_one_request_of_its_prompts(tmp_path: pathlib.Path)
     assert prompts[1][:400] == alone[1]  # the turn's 400 tokens of their shared block (id 2)
     # the turn tied to a row of the batch follows the batch's request
     assert requests[2].after == 0 and requests[1].after is None
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "responses", "messages"])
+def test_a_batch_on_another_endpoint_is_refused_by_reader_and_recorder(
+    tmp_path: pathlib.Path, endpoint: str
+) -> None:
+    """Only completions take a batch of prompts. The simulator ran a chat row's ``batch``
+    as one batch while the live replay sent its rows apart, so the two disagreed on the
+    same trace: such a row is an error where it is read and where it would be written."""
+    rows = [{**row, "endpoint": endpoint} for row in ROWS[:3]]
+    path = _rows_file(tmp_path, rows)
+    with pytest.raises(ConfigError, match="'batch' is for completions rows"):
+        load_trace(str(path), block_size=64)
+    with pytest.raises(ConfigError, match="'batch' is for completions rows"):
+        count_requests(path, 10)
+    recorder = TraceRecorder(RecordSettings(tmp_path / "t.jsonl", key=record_key("k")), 0.0, 0.0)
+    with pytest.raises(ValueError, match="goes to completions"):
+        recorder.record(arrived_at=0.0, model="m", input_length=64, output_length=1,
+                        block_hashes=[1], block_size=64, endpoint=endpoint,
+                        batch=recorder.next_batch())  # fmt: skip
+    recorder.close()
 
 
 async def test_a_recorded_batch_replays_through_the_router_as_one_request(
