@@ -241,6 +241,23 @@ async def test_expect_continue_over_the_body_limit_is_413_without_the_body(front
     writer.close()
 
 
+async def test_the_servers_own_errors_on_the_messages_api_take_its_shape(front: Front) -> None:
+    # the Messages API's paths answer the router's errors in Anthropic's shape, the ones
+    # the HTTP server answers before the front door too (docs/service.md)
+    reader, writer = await front.open()
+    writer.write(
+        b"POST /v1/messages?beta=true HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 10000000\r\nExpect: 100-continue\r\n\r\n"
+    )
+    status, _, body = await asyncio.wait_for(_response(reader), 10)
+    assert status == 413
+    assert json.loads(body) == {
+        "type": "error",
+        "error": {"type": "request_too_large", "message": json.loads(body)["error"]["message"]},
+    }
+    writer.close()
+
+
 async def test_http_1_0_keep_alive_is_confirmed(front: Front) -> None:
     # an HTTP/1.0 client keeps the connection only when the answer says so
     reader, writer = await front.open()

@@ -315,6 +315,12 @@ async def test_the_gate_and_the_routers_errors_answer_in_anthropic_shape(
         assert "not valid JSON" in _anthropic_error(data, "invalid_request_error")
         with pytest.raises(anthropic.BadRequestError):
             await client.messages.create(**{**good, "messages": "hi"})
+        # a tool named by no string (vLLM's request model refuses it): 400, not 500
+        changes = [{"type": "tool_removal", "tool": {"type": "tool_reference", "name": ["a"]}}]
+        odd = {**good, "messages": [{"role": "system", "content": changes}, *good["messages"]]}
+        status, _, data = await _call(http, url, "/v1/messages", odd, **key)
+        assert status == 400
+        assert "name" in _anthropic_error(data, "invalid_request_error")
         with pytest.raises(anthropic.NotFoundError, match="does not exist"):
             await client.messages.create(**{**good, "model": "nope"})
         status, _, data = await _call(

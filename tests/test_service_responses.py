@@ -363,6 +363,10 @@ async def test_the_routers_errors_answer_in_openai_shape(capture: Any) -> None:
             assert r.status == 400
             error = (await r.json())["error"]
             assert "not valid JSON" in error["message"] and error["type"]
+        # an item's status that is no string (vLLM's request model refuses it): 400, not 500
+        bad = {"model": MODEL, "input": [{"role": "user", "content": "hi", "status": ["x"]}]}
+        async with http.post(url + "/v1/responses", json=bad, headers=headers) as r:
+            assert r.status == 400 and "status" in (await r.json())["error"]["message"]
         bad = {"model": MODEL, "input": "hi", "max_output_tokens": -1}
         async with http.post(url + "/v1/responses", json=bad, headers=headers) as r:
             assert r.status == 400 and "max_output_tokens" in (await r.json())["error"]["message"]

@@ -154,6 +154,17 @@ def test_tool_changes_inline_system_and_unknowns() -> None:
     assert merged["messages"][0]["content"].endswith("sys2")
     with pytest.raises(BadRequest, match="not declared"):
         to_chat_body({**body, "tools": []})
+    # a tool name that is no string, in tools or in a change (vLLM's models refuse it)
+    for name in (["a"], {"n": 1}, None):
+        tools = [{"name": name, "input_schema": {}}]
+        ref = {"type": "tool_reference", "name": name}
+        definition = {"type": "tool_definition", "definition": {"name": name, "input_schema": {}}}
+        for change in ("tool_removal", ref), ("tool_addition", ref), ("tool_addition", definition):
+            for declared in (tools, body["tools"]):
+                system = {"role": "system", "content": [{"type": change[0], "tool": change[1]}]}
+                odd = {**body, "tools": declared, "messages": [system, *body["messages"]]}
+                with pytest.raises(BadRequest, match="name"):
+                    to_chat_body(odd)
     for bad in ({"messages": "hi"}, {"messages": [{"role": "bot", "content": "x"}]},
                 {"messages": [{"role": "user", "content": 3}]}):  # fmt: skip
         with pytest.raises(BadRequest):

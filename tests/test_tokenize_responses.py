@@ -174,6 +174,8 @@ def test_what_vllm_decides_unseen_is_approximate(extra: dict[str, Any]) -> None:
         {"input": "x", "tools": "no"},
         {"input": "x", "instructions": ["a"]},
         {"input": "x", "tools": [{"type": "function"}]},
+        {"input": [{"role": "user", "content": "x", "status": ["in_progress"]}]},
+        {"input": [{"type": "reasoning", "summary": [], "status": {"s": 1}}]},
     ],
 )
 def test_malformed_bodies_are_refused(body: dict[str, Any]) -> None:

@@ -21,6 +21,18 @@ from router.core.errors import (
     UnknownModel,
 )
 
+# the Messages API's paths (``/v1/messages`` and below): the router's errors there take
+# Anthropic's shape (:func:`messages_path`)
+MESSAGES_PATH = b"/v1/messages"
+
+
+def messages_path(path: bytes) -> bool:
+    """Whether a request's path (no query string) is one of the Messages API's, whose
+    errors the router answers in Anthropic's shape."""
+    n = len(MESSAGES_PATH)
+    return path.startswith(MESSAGES_PATH) and (len(path) == n or path[n] == 0x2F)  # "/"
+
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

@@ -62,7 +62,7 @@ from typing import Any
 
 import httptools
 
-from router.service.errors import error_body
+from router.service.errors import error_body, messages_path
 from router.service.http_types import HttpRequest
 from router.service.upstream_errors import UpstreamError
 from router.service.wire import Sink
@@ -415,7 +415,9 @@ class _Connection(asyncio.Protocol):
                 self.reading_paused = True
                 self.transport.pause_reading()
             return
-        body = error_body(status, message, code=code)
+        # (the Messages API's shape on its paths, once the request line is known whole)
+        anthropic = self.head_done and messages_path(_origin_form(self.url).split(b"?")[0])
+        body = error_body(status, message, code=code, anthropic=anthropic)
         transport = self.transport
         transport.write(
             _status_line(status)
@@ -820,7 +822,12 @@ class FastServer:
             _log.exception("unexpected error on %s %s", *_what(req))
             if sink.started:
                 raise _Aborted() from exc
-            body = error_body(500, "internal error in the router", code="internal_error")
+            body = error_body(
+                500,
+                "internal error in the router",
+                code="internal_error",
+                anthropic=messages_path(req.path),
+            )
             await sink.respond(500, [(b"Content-Type", b"application/json")], body)
         return sink.keep_alive and not self.draining  # (an answer begun before the drain)
 

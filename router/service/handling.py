@@ -38,7 +38,7 @@ from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable
 from router.core.types import ReplicaKey
 from router.service import disagg, pass_through, stored_responses
 from router.service.body_memo import Admitted
-from router.service.errors import ErrorReply, reply_for
+from router.service.errors import ErrorReply, messages_path, reply_for
 from router.service.gate import Gate
 from router.service.http_types import HttpRequest
 from router.service.metrics import prompt_tier
@@ -485,9 +485,7 @@ async def handle(door: FrontDoor, req: HttpRequest, sink: Sink) -> None:
     answer had begun."""
     path = req.path
     # the Messages API's paths answer the router's own errors in its shape
-    shaped = path.startswith(MESSAGES_PATH) and (
-        len(path) == len(MESSAGES_PATH) or path[len(MESSAGES_PATH)] == 0x2F  # "/"
-    )
+    shaped = messages_path(path)
     refused, ident = door.gate.admit(path, req.headers, req.header_bytes, req.peer)
     if refused is not None:
         await send_reply(sink, refused, shaped)

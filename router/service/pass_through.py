@@ -21,6 +21,7 @@ import itertools
 from collections.abc import Iterable
 
 from router.service.answers import closers_of, closes_stream, stream_end
+from router.service.errors import MESSAGES_PATH as MESSAGES_PATH  # (the routes use it here)
 from router.service.proxy import Forwarder
 from router.service.render import render_targets
 from router.service.replica_url import ReplicaUrl
@@ -36,7 +37,6 @@ from router.service.wire import (
     stream_error_event,
 )
 
-MESSAGES_PATH = b"/v1/messages"
 COUNT_TOKENS_PATH = b"/v1/messages/count_tokens"
 RESPONSES_PATH = b"/v1/responses"
 # path -> whether its errors are Anthropic-shaped

@@ -306,6 +306,14 @@ def _tool(tool: Any) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
+def _tool_name(tool: Any) -> str:
+    """A declared tool's name, checked (vLLM's ``AnthropicTool.name``: a string)."""
+    if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
+        raise BadRequest("each tool must be an object with a string 'name'")
+    name: str = tool["name"]
+    return name
+
+
 def _resolved_tools(body: Mapping[str, Any]) -> list[Any] | None:
     """``tools`` after the messages' ``tool_addition`` / ``tool_removal`` blocks (vLLM's
     ``_resolve_tools``: the tools in effect at the conversation's end)."""
@@ -321,10 +329,10 @@ def _resolved_tools(body: Mapping[str, Any]) -> list[Any] | None:
     ]
     if not changes:
         return tools
-    by_name: dict[Any, Any] = {}  # (names are strings in a valid body)
+    by_name: dict[str, Any] = {}
     for tool in tools or []:
-        by_name[tool.get("name") if isinstance(tool, Mapping) else ""] = tool
-    removed: set[Any] = set()
+        by_name[_tool_name(tool)] = tool
+    removed: set[str] = set()
     for block in changes:
         change = block.get("tool")
         if not isinstance(change, Mapping):
@@ -333,10 +341,12 @@ def _resolved_tools(body: Mapping[str, Any]) -> list[Any] | None:
             definition = change.get("definition")
             if not isinstance(definition, Mapping):
                 raise BadRequest("a tool_definition needs a 'definition' object")
-            name = definition.get("name")
+            name = _tool_name(definition)
             by_name[name] = definition
         else:
-            name = change.get("name")
+            if not isinstance(change.get("name"), str):
+                raise BadRequest(f"a {block['type']}'s tool_reference needs a string 'name'")
+            name = change["name"]
             if name not in by_name:
                 raise BadRequest(
                     f"{block['type']} references tool {name!r}, which is not declared in tools"

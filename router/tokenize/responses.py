@@ -158,9 +158,10 @@ def _continues(items: Any) -> bool:
     if not isinstance(items, list) or not items or not isinstance(items[-1], Mapping):
         return False
     last = items[-1]
-    return (
-        last.get("type", "message") in ("message", "reasoning") and last.get("status") in _PARTIAL
-    )
+    status = last.get("status")
+    if status is not None and not isinstance(status, str):
+        raise BadRequest("an input item's 'status' must be a string")
+    return last.get("type", "message") in ("message", "reasoning") and status in _PARTIAL
 
 
 def _tools(tools: Any, conv: _Converter) -> list[dict[str, Any]] | None:
