@@ -129,10 +129,15 @@ class Running:
     runner: web.AppRunner
 
     async def cleanup(self, timeout: float = 0.0) -> None:
-        """Stop accepting (``/ready`` and the gRPC health service say so from now on), let
+        """Stop accepting (``/ready`` and the gRPC health service say so from now on), answer
+        the requests admission holds (router.service.admission ``Admission.stop``), let
         requests in flight finish for up to ``timeout`` seconds, close the rest, then stop
         the contexts."""
-        self.app[STOPPING].begin(asyncio.get_running_loop().time() + timeout)
+        now = asyncio.get_running_loop().time()
+        self.app[STOPPING].begin(now + timeout)
+        admission = self.app[STATE].admission
+        if admission is not None:
+            admission.stop(now)
         await self.server.close(timeout)
         await self.runner.cleanup()
 
