@@ -379,6 +379,37 @@ async def test_a_held_request_whose_replicas_all_leave_is_answered_as_a_new_one(
 
 
 @pytest.fixture
+async def bounded() -> AsyncIterator[Door]:
+    """As ``protective``, with room for 1000 bytes of held bodies."""
+    knobs = dict(CROWDED, max_queue=1024, max_queue_mb=1000 / 2**20)
+    async for d in _door(knobs, {"ttft_s": 100.0}):
+        yield d
+
+
+async def test_held_bodies_are_bounded_in_bytes(bounded: Door) -> None:
+    """A held request keeps its body: past ``max_queue_mb`` of held bodies a request that
+    would be held is refused at once, 429 ``slo_queue_full`` with ``Retry-After``; a
+    smaller one is held."""
+    d = bounded
+    d.backend.gate = asyncio.Event()
+    first = asyncio.create_task(d.post("priority"))
+    await eventually(lambda: len(d.backend.received) == 1)
+    async with await d.post(prompt=PROMPT * 2) as r:  # over 1000 bytes
+        assert r.status == 429, await r.text()
+        assert int(r.headers["Retry-After"]) >= 1
+        error = (await r.json())["error"]
+        assert error["code"] == "slo_queue_full" and error["type"] == "rate_limit_error"
+    assert d.held() == 0
+    small = asyncio.create_task(d.post(prompt="Why?"))
+    await eventually(lambda: d.held() == 1)
+    d.backend.gate.set()
+    for task in (first, small):
+        async with await task as r:
+            assert r.status == 200, await r.text()
+    assert d.held() == 0 and d.queue().held_bytes == 0
+
+
+@pytest.fixture
 async def stoppable() -> AsyncIterator[Door]:
     """As ``protective`` (a default request is held while a priority one runs, for up to
     60 s), with gRPC on: held Picks too."""

@@ -179,9 +179,11 @@ class Admission:
         admitted: Admitted,
         headers: list[tuple[bytes, bytes]],
         clock: Callable[[], float],
+        size: int,
     ) -> Routed:
-        """:meth:`route` for a checked body of the front door (router/service/handling.py):
-        class from its ``service_tier`` and the API key, tenant from the key."""
+        """:meth:`route` for a checked body of the front door (router/service/handling.py),
+        ``size`` bytes: class from its ``service_tier`` and the API key, tenant from the
+        key."""
         from router.service.handling import request_id_of, session_of, unique_in_flight
 
         state = self.state
@@ -194,6 +196,7 @@ class Admission:
             tenant=self.tenant(headers),
             session_id=session_of(headers, admitted.session_id),
             max_output_tokens=admitted.max_output_tokens,
+            size=size,
         )
 
     async def route(
@@ -207,8 +210,10 @@ class Admission:
         tenant: str,
         session_id: str | None,
         max_output_tokens: int | None,
+        size: int = 0,
     ) -> Routed:
-        """Judge and route one request (the model must be enabled); raises Overloaded."""
+        """Judge and route one request (the model must be enabled); raises Overloaded.
+        ``size``: the bytes it keeps while held (its body: ``max_queue_mb``)."""
         m = self._model(model)
         assert m is not None
         state = self.state
@@ -227,7 +232,7 @@ class Admission:
             self._expire(m, now)
         a = assess(m.predictor, pending.request, pending.candidates, now)
         prompt_tokens = pending.request.prompt_tokens
-        ticket = queue.ticket(request_id, klass, tenant, prompt_tokens, now, pending)
+        ticket = queue.ticket(request_id, klass, tenant, prompt_tokens, now, pending, size)
         verdict = queue.judge(ticket, a, now)
         name = CLASS_NAMES[klass]
         self.decisions.labels(model, name, verdict.action).inc()
