@@ -178,6 +178,38 @@ def test_a_full_queue_makes_room_for_a_better_class() -> None:
     assert q.depth(DEFAULT) == 0 and q.depth(FLEX) == 0
 
 
+def test_held_bodies_are_bounded_in_bytes() -> None:
+    """Held requests keep their bodies: ``max_queue_mb`` bounds those bytes as ``max_queue``
+    bounds their number. A request whose body would pass it is refused ``queue_full``,
+    unless its class is better than the worst held and the held request it then displaces
+    (the one of that class that would go last) frees room enough; a body larger than the
+    bound is never held. Bytes leave the count with their request."""
+    mb = 2**20
+    q = queue(max_queue_mb=3.0, headroom=(0.9, 0.5, 0.3))
+    assert AdmissionSettings().max_queue_mb == 256.0
+    assert q.judge(q.ticket("f0", FLEX, "t", 10, 0.0, size=mb), one(3.0), 0.0).action == HOLD
+    assert q.judge(q.ticket("f1", FLEX, "t", 10, 0.0, size=mb), one(3.0), 0.0).action == HOLD
+    v = q.judge(q.ticket("f2", FLEX, "t", 10, 0.1, size=2 * mb), one(3.0), 0.1)
+    assert v.action == SHED and v.reason == QUEUE_FULL and v.retry_after_s >= 1
+    v = q.judge(q.ticket("d", DEFAULT, "t", 10, 0.1, size=2 * mb), one(1.5), 0.1)
+    assert v.action == HOLD and v.displaced is not None and v.displaced.key == "f1"
+    assert len(q) == 2 and q.held_bytes == 3 * mb
+    v = q.judge(q.ticket("p", PRIORITY, "t", 10, 0.2, size=2 * mb), one(1.85), 0.2)
+    assert v.action == SHED and v.reason == QUEUE_FULL  # f0's 1 MB: not room enough
+    v = q.judge(q.ticket("p", PRIORITY, "t", 10, 0.2, size=mb), one(1.85), 0.2)
+    assert v.action == HOLD and v.displaced is not None and v.displaced.key == "f0"
+    v = q.judge(q.ticket("p2", PRIORITY, "t", 10, 0.2, size=3 * mb), one(1.85), 0.2)
+    assert v.action == SHED and v.reason == QUEUE_FULL  # d's 2 MB leave 2 MB: not enough
+    v = q.judge(q.ticket("big", PRIORITY, "t", 10, 0.2, size=4 * mb), one(1.85), 0.2)
+    assert v.action == SHED and v.reason == QUEUE_FULL
+    assert q.cancel("d") is not None and q.cancel("p") is not None
+    assert len(q) == 0 and q.held_bytes == 0
+    v = q.judge(q.ticket("big", PRIORITY, "t", 10, 0.3, size=4 * mb), one(1.85), 0.3)
+    assert v.action == SHED and v.reason == QUEUE_FULL and len(q) == 0
+    with pytest.raises(ValueError, match="max_queue_mb"):
+        AdmissionSettings(max_queue_mb=float("nan"))
+
+
 def test_ready_orders_by_slack_then_expires_the_late() -> None:
     q = queue()
     slo = SloTargets.flat(ttft_s=2.0)

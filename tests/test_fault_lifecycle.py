@@ -3,7 +3,8 @@
 * SIGTERM: the listener closes at once (new connections are refused), and so do the
   connections kept between requests (each busy one after its answer), in-flight streams run
   to their ``[DONE]``, and the process exits 0; a stream longer than
-  ``server.shutdown_timeout_s`` is cut at the deadline and the process still exits 0.
+  ``server.shutdown_timeout_s`` is cut at the deadline (the client sees an error, not a
+  short answer) and the process still exits 0; a second SIGTERM / SIGINT cuts at once.
 * Router restart with Redis (``server.redis_url``): a new router process recovers the index
   from Redis (the publisher's snapshot) and serves within seconds.
 * Publisher start: what the engine cached before (its ZMQ replay buffer) is loaded at once,
@@ -108,8 +109,29 @@ async def test_sigterm_deadline_cuts_long_streams(fleet: Fleet) -> None:
         elapsed = time.monotonic() - t0
         result = await task
     assert code == 0
-    assert result != "done"  # cut, and never mistaken for a complete answer
+    assert result.startswith("error:"), result  # cut: an error, never a clean-looking end
     assert elapsed < 6.0, elapsed
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
+async def test_a_second_signal_ends_the_drain_at_once(fleet: Fleet, second: int) -> None:
+    """SIGTERM drains for up to ``shutdown_timeout_s`` (60 s here); a second SIGTERM or
+    SIGINT while it drains (an operator's second Ctrl-C) cuts the streams still running at
+    once, as the deadline would, and the process exits 0."""
+    mock = fleet.mock("a")
+    router = fleet.router("router", [("a", mock.url)], server={"shutdown_timeout_s": 60.0})
+    port: int = router.port  # type: ignore[attr-defined]
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(_stream(session, router.url, 1, 20_000))
+        await eventually(lambda: _running(mock.url), message="the stream did not reach the engine")
+        router.signal(signal.SIGTERM)
+        await eventually(lambda: _refused(port), message="the listener must close on SIGTERM")
+        assert router.alive()  # draining the stream
+        router.signal(second)
+        code = await asyncio.to_thread(router.wait, 15)  # well within the 60 s drain
+        result = await task
+    assert code == 0, router.log()[-2000:]
+    assert result.startswith("error:"), result
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:

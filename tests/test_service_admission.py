@@ -11,13 +11,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import grpc
 import openai
 import pytest
 
 from router.core.admission import AdmissionQueue, AdmissionSettings
 from router.core.errors import ConfigError
+from router.rpc.gen import router_pb2, router_pb2_grpc
 from router.service.app import STATE
 from router.service.config import build_settings
+from router.service.keys import GRPC_PORT
 from router.service.state import RouterState
 from tests.backends import Backend, kimi_model_table, start_router
 from tests.test_audit_metrics import series
@@ -34,6 +37,13 @@ class Door:
     backend: Backend
     http: aiohttp.ClientSession
     backends: list[Backend]
+    running: Any = None  # router.service.app.Running
+    stopped: bool = False
+
+    async def stop(self, timeout: float) -> None:
+        """Stop the router as SIGTERM does (``Running.cleanup``)."""
+        self.stopped = True
+        await self.running.cleanup(timeout)
 
     async def post(self, tier: str | None = None, **extra: Any) -> aiohttp.ClientResponse:
         body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **extra}
@@ -96,14 +106,16 @@ async def _door(
     )
     runner, url = await start_router(settings)
     http = aiohttp.ClientSession()
+    d = Door(url, runner.app[STATE], backend, http, backends, runner)
     try:
-        yield Door(url, runner.app[STATE], backend, http, backends)
+        yield d
     finally:
         for b in backends:
             if b.gate is not None:
                 b.gate.set()
         await http.close()
-        await runner.cleanup()
+        if not d.stopped:
+            await runner.cleanup()
         for b in backends:
             await b.stop()
 
@@ -364,6 +376,85 @@ async def test_a_held_request_whose_replicas_all_leave_is_answered_as_a_new_one(
     d.backend.gate.set()
     async with await first as r:
         assert r.status == 200
+
+
+@pytest.fixture
+async def bounded() -> AsyncIterator[Door]:
+    """As ``protective``, with room for 1000 bytes of held bodies."""
+    knobs = dict(CROWDED, max_queue=1024, max_queue_mb=1000 / 2**20)
+    async for d in _door(knobs, {"ttft_s": 100.0}):
+        yield d
+
+
+async def test_held_bodies_are_bounded_in_bytes(bounded: Door) -> None:
+    """A held request keeps its body: past ``max_queue_mb`` of held bodies a request that
+    would be held is refused at once, 429 ``slo_queue_full`` with ``Retry-After``; a
+    smaller one is held."""
+    d = bounded
+    d.backend.gate = asyncio.Event()
+    first = asyncio.create_task(d.post("priority"))
+    await eventually(lambda: len(d.backend.received) == 1)
+    async with await d.post(prompt=PROMPT * 2) as r:  # over 1000 bytes
+        assert r.status == 429, await r.text()
+        assert int(r.headers["Retry-After"]) >= 1
+        error = (await r.json())["error"]
+        assert error["code"] == "slo_queue_full" and error["type"] == "rate_limit_error"
+    assert d.held() == 0
+    small = asyncio.create_task(d.post(prompt="Why?"))
+    await eventually(lambda: d.held() == 1)
+    d.backend.gate.set()
+    for task in (first, small):
+        async with await task as r:
+            assert r.status == 200, await r.text()
+    assert d.held() == 0 and d.queue().held_bytes == 0
+
+
+@pytest.fixture
+async def stoppable() -> AsyncIterator[Door]:
+    """As ``protective`` (a default request is held while a priority one runs, for up to
+    60 s), with gRPC on: held Picks too."""
+    async for d in _door(dict(CROWDED, max_queue=1024), {"ttft_s": 100.0}, server={"grpc_port": 0}):
+        yield d
+
+
+async def test_requests_held_when_the_router_stops_are_answered_at_once(stoppable: Door) -> None:
+    """A request held by admission when the router stops (SIGTERM: ``Running.cleanup``) is
+    answered at once, 503 ``router_stopping`` with ``Retry-After`` (gRPC: UNAVAILABLE with
+    its retry trailers), for its client to retry elsewhere: a hold (``max_hold_s`` 60 s)
+    longer than the drain would otherwise end in a dropped connection at its deadline. A
+    Pick that arrives during the drain (the gRPC port serves until the drain ends) is not
+    held either. The request in flight runs to its end."""
+    d = stoppable
+    first, held = await d.one_held()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{d.running.app[GRPC_PORT]}")
+    stub = router_pb2_grpc.RouterStub(channel)
+    pick = router_pb2.PickRequest(model=MODEL, text=PROMPT)
+    picked = asyncio.ensure_future(stub.Pick(pick, timeout=60))
+    await eventually(lambda: d.held() == 2)
+    stopping = asyncio.create_task(d.stop(30.0))
+    try:
+        async with await held as r:
+            assert r.status == 503, await r.text()
+            assert int(r.headers["Retry-After"]) >= 1
+            error = (await r.json())["error"]
+            assert error["code"] == "router_stopping" and error["type"] == "service_unavailable"
+            assert "stopping" in error["message"]
+        for call in (picked, stub.Pick(pick, timeout=60)):
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await call
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "stopping" in (exc.value.details() or "")
+            trailers = dict(exc.value.trailing_metadata() or ())
+            assert int(trailers["retry-after"]) >= 1
+        assert d.held() == 0 and len(d.backend.received) == 1
+        assert not first.done() and not stopping.done()  # answered before the drain's end
+    finally:
+        d.backend.gate.set()
+        await channel.close()
+    async with await first as r:
+        assert r.status == 200
+    await stopping
+    assert d.state.load.in_flight() == 0
 
 
 async def test_a_retry_moves_the_stall_allowance(pair: Door) -> None:

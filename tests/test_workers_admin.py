@@ -461,6 +461,72 @@ async def test_no_worker_is_replaced_while_the_router_stops(fleet: Fleet) -> Non
         await slow.stop()
 
 
+async def _draining(proc: Proc, slow: Backend, n: int) -> list[asyncio.Task[Any]]:
+    """``n`` requests held by ``slow`` (its gate closed) when the router begins to drain."""
+    held = [
+        asyncio.create_task(
+            call(proc, "POST", "/v1/completions", {"model": "m", "prompt": f"p{i}"})
+        )
+        for i in range(n)
+    ]
+    await eventually(lambda: len(slow.received) == n)
+    return held
+
+
+async def _closed(proc: Proc) -> bool:
+    """Every worker stopped listening: all drain."""
+    try:
+        await call(proc, "GET", "/health")
+    except aiohttp.ClientError:
+        return True
+    return False
+
+
+async def test_sigterm_to_the_whole_group_drains_once(fleet: Fleet) -> None:
+    """A service manager that signals every process of the group (systemd's
+    ``KillMode=control-group``) gives each worker a SIGTERM of its own beside the one the
+    parent passes on: that is one stop, which drains, not a second that cuts."""
+    slow = await Backend("b0", ["m"], gate=asyncio.Event()).start()  # holds until set
+    try:
+        proc = await start_router(fleet, [slow], workers=2, engine="fast")
+        await worker_pids(proc, 2)
+        held = await _draining(proc, slow, 6)
+        os.killpg(proc.pid, signal.SIGTERM)  # (its own session: the group is the router's)
+        await eventually(lambda: _closed(proc))
+        slow.gate.set()  # type: ignore[union-attr]
+        assert [s for s, _ in await asyncio.gather(*held)] == [200] * 6
+        code = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
+        assert code == 0, proc.log()[-2000:]
+        assert "second stop signal" not in proc.log(), proc.log()[-3000:]
+    finally:
+        await slow.stop()
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
+async def test_a_second_signal_cuts_every_workers_drain(fleet: Fleet, second: int) -> None:
+    """A second SIGTERM / SIGINT to the parent while the workers drain (for up to 60 s
+    here) cuts what they still serve at once (the parent passes it on as SIGQUIT); all
+    exit and the router exits 0."""
+    slow = await Backend("b0", ["m"], gate=asyncio.Event()).start()  # holds until set
+    try:
+        proc = await start_router(
+            fleet, [slow], workers=2, engine="fast", server={"shutdown_timeout_s": 60.0}
+        )
+        pids = sorted(await worker_pids(proc, 2))
+        held = await _draining(proc, slow, 6)
+        proc.signal(signal.SIGTERM)
+        await eventually(lambda: _closed(proc))
+        proc.signal(second)
+        code = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 8)
+        assert code == 0, proc.log()[-2000:]
+        got = await asyncio.gather(*held, return_exceptions=True)
+        assert all(isinstance(g, aiohttp.ClientError) for g in got), got  # cut, not timed out
+        assert not any(_running(p) for p in pids)
+    finally:
+        slow.gate.set()  # type: ignore[union-attr]
+        await slow.stop()
+
+
 def test_restart_delay_doubles_and_resets() -> None:
     from router.service.workers import (
         RESTART_FIRST_S,

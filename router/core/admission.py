@@ -22,9 +22,10 @@ queue, interleaved decode; see router/core/policies.py ``Ours``) for each eligib
   the fleet's best predicted TTFT plus the prefill work held ahead of it (same or better
   class) spread over the eligible replicas exceeds the budget, or it would wait more than
   ``max_hold_s`` for a replica to fit it; or (``queue_full``) when the queue holds
-  ``max_queue`` requests, none of a worse class (else the one of the worst class held
-  that would be served last is shed in its place: a full queue keeps its places for the
-  better classes). A shed carries a ``retry_after_s`` hint.
+  ``max_queue`` requests, or its held bodies (a ticket's ``size``) would pass
+  ``max_queue_mb``, and none is of a worse class (else the one of the worst class held
+  that would be served last is shed in its place, when that makes room: a full queue keeps
+  its places for the better classes). A shed carries a ``retry_after_s`` hint.
 * A request whose own predicted prefill on the best eligible replica (after that replica's
   usable cached prefix, nothing queued) is over its budget could never be admitted: a
   prompt too long for its class's target, a 1M-token one say. Its budget is that prefill
@@ -135,6 +136,8 @@ class AdmissionSettings:
     stall_share: Triple = (0.1, 0.5, 0.5)
     urgency_power: float = 1.0
     max_queue: int = 1024
+    # held requests' bodies (``Ticket.size``), MiB at most: each keeps its body while held
+    max_queue_mb: float = 256.0
     max_hold_s: float = 0.5
     scan: int = 8  # held requests examined per ``ready`` call, best first
     # the engines run vLLM's ``--scheduling-policy priority``: each request carries its
@@ -156,7 +159,7 @@ class AdmissionSettings:
             raise ValueError("admission headroom is a share of the TTFT budget: at most 1")
         if any(not 0 < v <= 1 for v in self.stall_share):
             raise ValueError("admission stall_share values must be in (0, 1]")
-        for name in ("stall_backlog_s", "urgency_power", "max_hold_s"):
+        for name in ("stall_backlog_s", "urgency_power", "max_hold_s", "max_queue_mb"):
             if not (math.isfinite(v := getattr(self, name)) and v >= 0):  # NaN: never expires
                 raise ValueError(f"admission {name} must be a finite number >= 0, got {v}")
         if self.max_queue < 0 or self.scan < 1:
@@ -241,7 +244,8 @@ def restrict(
 @dataclass(slots=True, frozen=True)
 class Ticket:
     """A request as admission sees it. ``key``: unique among held requests; ``payload``:
-    whatever the caller needs back from ``ready`` (not read here)."""
+    whatever the caller needs back from ``ready`` (not read here); ``size``: the bytes it
+    keeps while held (its body), bounded by ``max_queue_mb``."""
 
     key: Hashable
     klass: int
@@ -250,6 +254,7 @@ class Ticket:
     arrived: float
     budget_s: float
     payload: Any = None
+    size: int = 0
 
     @property
     def deadline(self) -> float:
@@ -290,6 +295,7 @@ class AdmissionQueue:
     _counter: dict[str, float] = field(default_factory=dict)
     stall: StallLedger = field(default_factory=StallLedger)
     _seq: int = 0
+    held_bytes: int = 0  # the held requests' sizes
     _due: float = math.inf  # no held request is late before then (:meth:`expire`)
 
     # ------------------------------------------------------------------ figures
@@ -317,10 +323,10 @@ class AdmissionQueue:
         prompt_tokens: int,
         now: float,
         payload: Any = None,
+        size: int = 0,
     ) -> Ticket:
-        return Ticket(
-            key, klass, tenant, prompt_tokens, now, self.budget_s(klass, prompt_tokens), payload
-        )
+        budget = self.budget_s(klass, prompt_tokens)
+        return Ticket(key, klass, tenant, prompt_tokens, now, budget, payload, size)
 
     # ------------------------------------------------------------------ judging
 
@@ -422,8 +428,9 @@ class AdmissionQueue:
         if ticket.key in self._held:
             return Verdict(SHED, reason=QUEUE_FULL, retry_after_s=_retry(expected))
         displaced = None
-        if len(self._held) >= s.max_queue:
-            displaced = self._displace(c, now)
+        over = self.held_bytes + ticket.size - int(s.max_queue_mb * 2**20)
+        if len(self._held) >= s.max_queue or over > 0:
+            displaced = self._displace(c, now, over)
             if displaced is None:
                 return Verdict(SHED, reason=QUEUE_FULL, retry_after_s=_retry(expected))
         prefill = float(a.prefill_s[a.eligible].min())
@@ -432,16 +439,19 @@ class AdmissionQueue:
             return Verdict(HOLD)
         return Verdict(HOLD, reason=QUEUE_FULL, retry_after_s=_retry(expected), displaced=displaced)
 
-    def _displace(self, klass: int, now: float) -> Ticket | None:
+    def _displace(self, klass: int, now: float, over: int) -> Ticket | None:
         """Make room in a full queue for a request of ``klass``: remove and return the held
         request of the worst class held that would be served last (:meth:`order`), when
-        that class is worse than ``klass``; else None (nothing removed)."""
+        that class is worse than ``klass`` and its size is at least ``over`` (the bytes
+        too many); else None (nothing removed)."""
         worst = max((k for k, n in enumerate(self._by_class) if n), default=-1)
         if worst <= klass:
             return None
         last = max(
             (h for h in self._held.values() if h.ticket.klass == worst), key=self._order_key(now)
         )
+        if last.ticket.size < over:
+            return None
         return self._remove(last.ticket.key)
 
     def within_reach(self, ticket: Ticket, a: Assessment) -> Ticket:
@@ -468,6 +478,7 @@ class AdmissionQueue:
         self._due = min(self._due, self._late_at(ticket, prefill_s))
         self._work_s[ticket.klass] += prefill_s
         self._by_class[ticket.klass] += 1
+        self.held_bytes += ticket.size
 
     def _remove(self, key: Hashable) -> Ticket | None:
         h = self._held.pop(key, None)
@@ -476,6 +487,7 @@ class AdmissionQueue:
         t = h.ticket
         self._work_s[t.klass] = max(self._work_s[t.klass] - h.prefill_s, 0.0)
         self._by_class[t.klass] -= 1
+        self.held_bytes -= t.size
         work = (t.klass, t.tenant)
         rest = self._tenant_work.get(work, 0.0) - h.prefill_s
         if rest > 1e-12:

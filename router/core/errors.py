@@ -24,6 +24,15 @@ class NoReplicaAvailable(KVRouterError):
         self.busy = busy
 
 
+class ShuttingDown(NoReplicaAvailable):
+    """The router stops (SIGTERM) and will not route the request: one held by SLO-aware
+    admission then, or one it would hold during the drain (HTTP 503 with Retry-After and
+    code ``router_stopping``, UNAVAILABLE): another router may serve it now."""
+
+    def __init__(self) -> None:
+        super().__init__("the router is stopping and routes no more requests; retry on another")
+
+
 class Overloaded(KVRouterError):
     """SLO-aware admission refused the request: it cannot meet its SLO now (HTTP 429 with
     Retry-After and code ``slo_<reason>``, RESOURCE_EXHAUSTED). ``reason``: ``deadline`` or

@@ -340,6 +340,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         tenant=slo_gate.tenant(headers),
                         session_id=session,
                         max_output_tokens=max_out,
+                        size=request.ByteSize(),  # (what it keeps while held)
                     )
                 finally:
                     self._picking.discard(internal)

@@ -50,7 +50,7 @@ from router.core.admission import (
     predictor_for,
     restrict,
 )
-from router.core.errors import KVRouterError, NoReplicaAvailable, Overloaded
+from router.core.errors import KVRouterError, NoReplicaAvailable, Overloaded, ShuttingDown
 from router.core.policies import Ours
 from router.core.types import ReplicaKey
 from router.service.body_memo import Admitted
@@ -86,6 +86,7 @@ class Admission:
         self._priority_keys = _keys(server.priority_keys)
         self._flex_keys = _keys(server.flex_keys)
         self._models: dict[str, _Model | None] = {}
+        self.stopping = False  # (:meth:`stop`)
         self._factors: dict[str, tuple[float, ...]] = {}  # each class's, by model (classed)
         m = state.metrics
         self.decisions = m.admission_decisions
@@ -178,9 +179,11 @@ class Admission:
         admitted: Admitted,
         headers: list[tuple[bytes, bytes]],
         clock: Callable[[], float],
+        size: int,
     ) -> Routed:
-        """:meth:`route` for a checked body of the front door (router/service/handling.py):
-        class from its ``service_tier`` and the API key, tenant from the key."""
+        """:meth:`route` for a checked body of the front door (router/service/handling.py),
+        ``size`` bytes: class from its ``service_tier`` and the API key, tenant from the
+        key."""
         from router.service.handling import request_id_of, session_of, unique_in_flight
 
         state = self.state
@@ -193,6 +196,7 @@ class Admission:
             tenant=self.tenant(headers),
             session_id=session_of(headers, admitted.session_id),
             max_output_tokens=admitted.max_output_tokens,
+            size=size,
         )
 
     async def route(
@@ -206,8 +210,10 @@ class Admission:
         tenant: str,
         session_id: str | None,
         max_output_tokens: int | None,
+        size: int = 0,
     ) -> Routed:
-        """Judge and route one request (the model must be enabled); raises Overloaded."""
+        """Judge and route one request (the model must be enabled); raises Overloaded.
+        ``size``: the bytes it keeps while held (its body: ``max_queue_mb``)."""
         m = self._model(model)
         assert m is not None
         state = self.state
@@ -226,7 +232,7 @@ class Admission:
             self._expire(m, now)
         a = assess(m.predictor, pending.request, pending.candidates, now)
         prompt_tokens = pending.request.prompt_tokens
-        ticket = queue.ticket(request_id, klass, tenant, prompt_tokens, now, pending)
+        ticket = queue.ticket(request_id, klass, tenant, prompt_tokens, now, pending, size)
         verdict = queue.judge(ticket, a, now)
         name = CLASS_NAMES[klass]
         self.decisions.labels(model, name, verdict.action).inc()
@@ -238,6 +244,9 @@ class Admission:
             raise self._shed(m, ticket, verdict.reason, verdict.retry_after_s)
         if verdict.displaced is not None:  # a full queue: it took a worse class's place
             self._refuse(m, verdict.displaced, verdict.reason, verdict.retry_after_s)
+        if self.stopping:  # nothing is held while the process stops (:meth:`stop`)
+            queue.cancel(request_id)
+            raise ShuttingDown()
         fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
         m.waiters[request_id] = fut
         self._gauge(m)
@@ -274,6 +283,24 @@ class Admission:
         m.queue.finished(request_id)
         if len(m.queue):
             m.wake.set()
+
+    def stop(self, now: float) -> None:
+        """The process stops (SIGTERM, ``Running.cleanup``): the held requests that fit a
+        replica now are dispatched, the others answered at once with :class:`ShuttingDown`
+        (503 with ``Retry-After``, gRPC UNAVAILABLE) for their clients to retry on another
+        router, and from now on none is held. A hold may outlast the drain (``max_hold_s``
+        over ``server.shutdown_timeout_s``): its connection would be closed unanswered."""
+        self.stopping = True
+        for m in self._models.values():
+            if m is None or not len(m.queue):
+                continue
+            self._step(m, now)
+            for t in m.queue.order(now):
+                m.queue.cancel(t.key)
+                fut = m.waiters.pop(str(t.key), None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(ShuttingDown())
+            self._gauge(m)
 
     # ------------------------------------------------------------------ the queue
 

@@ -129,12 +129,24 @@ class Running:
     runner: web.AppRunner
 
     async def cleanup(self, timeout: float = 0.0) -> None:
-        """Stop accepting (``/ready`` and the gRPC health service say so from now on), let
+        """Stop accepting (``/ready`` and the gRPC health service say so from now on), answer
+        the requests admission holds (router.service.admission ``Admission.stop``), let
         requests in flight finish for up to ``timeout`` seconds, close the rest, then stop
         the contexts."""
-        self.app[STOPPING].begin(asyncio.get_running_loop().time() + timeout)
+        now = asyncio.get_running_loop().time()
+        self.app[STOPPING].begin(now + timeout)
+        admission = self.app[STATE].admission
+        if admission is not None:
+            admission.stop(now)
         await self.server.close(timeout)
         await self.runner.cleanup()
+
+    def cut(self) -> None:
+        """End the drain of :meth:`cleanup` now (a second SIGTERM / SIGINT): requests still
+        in flight are closed as at its deadline (streams cut, never ended cleanly), the
+        gRPC server stops without grace, then the contexts stop."""
+        self.app[STOPPING].cut(asyncio.get_running_loop().time())
+        self.server.cut()
 
 
 async def start(
@@ -173,18 +185,36 @@ def run(
     sock: socket.socket | None = None,
     shutdown_timeout: float = 30.0,
     on_started: Callable[[], None] | None = None,
+    cut_signal: int | None = None,
 ) -> None:
     """Serve ``app`` until SIGTERM / SIGINT (``kvrouter serve``). Shutdown: stop accepting,
-    let requests in flight finish for up to ``shutdown_timeout`` seconds, then stop the
-    contexts. ``on_started`` is called once the port listens (``sock``: see :func:`start`)."""
+    let requests in flight finish for up to ``shutdown_timeout`` seconds (a second SIGTERM /
+    SIGINT ends that wait at once: :meth:`Running.cut`), then stop the contexts.
+    ``on_started`` is called once the port listens (``sock``: see :func:`start`).
+    ``cut_signal``: the signal that ends the wait instead (a worker: SIGQUIT from its
+    parent, which may pass on a SIGTERM the worker got itself too); SIGTERM / SIGINT then
+    only begin the stop."""
     import signal
 
     async def main() -> None:
         running = await start(app, host, port, reuse_port=reuse_port, sock=sock)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def cut() -> None:
+            _log.warning("stop now: requests still in flight are cut")
+            stop.set()
+            running.cut()
+
+        def begin() -> None:
+            if stop.is_set() and cut_signal is None:  # a second SIGTERM / SIGINT
+                cut()
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, begin)
+        if cut_signal is not None:
+            loop.add_signal_handler(cut_signal, cut)
         if on_started is not None:
             on_started()
         await stop.wait()

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +111,7 @@ def _run(
     reuse_port: bool,
     sock: socket.socket | None = None,
     on_started: Callable[[], None] | None = None,
+    cut_signal: int | None = None,
 ) -> None:
     try:
         import uvloop
@@ -132,6 +134,7 @@ def _run(
         sock=sock,
         shutdown_timeout=float(app[SETTINGS].server.shutdown_timeout_s),
         on_started=on_started,
+        cut_signal=cut_signal,
     )
 
 
@@ -183,6 +186,7 @@ def _serve_workers(settings: Settings, workers: int) -> int:
                 reuse_port=shared is None,
                 sock=shared,
                 on_started=listening,
+                cut_signal=signal.SIGQUIT,  # (the parent's, on a second stop signal)
             )
             code = 0
         except SystemExit as exc:

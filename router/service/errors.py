@@ -4,7 +4,8 @@ Body: ``{"error": {"message", "type", "param", "code"}}``; on the Anthropic Mess
 (``/v1/messages...``) Anthropic's ``{"type": "error", "error": {"type", "message"}}`` with
 the type vLLM 0.34 gives the status (``translate_error_type``). BadRequest -> 400,
 UnknownModel -> 404, body too large -> 413, NoReplicaAvailable -> 503 with ``Retry-After``
-(429 when every replica is over its busy threshold), Overloaded (SLO-aware admission) -> 429
+(429 when every replica is over its busy threshold; code ``router_stopping`` for
+ShuttingDown), Overloaded (SLO-aware admission) -> 429
 with ``Retry-After`` and code ``slo_<reason>``, anything unexpected -> 500.
 """
 
@@ -18,6 +19,7 @@ from router.core.errors import (
     KVRouterError,
     NoReplicaAvailable,
     Overloaded,
+    ShuttingDown,
     UnknownModel,
 )
 
@@ -131,6 +133,10 @@ def reply_for(exc: KVRouterError, retry_after_s: int = 1) -> ErrorReply:
             str(exc),
             f"slo_{exc.reason}",
             headers=(("Retry-After", str(max(int(exc.retry_after_s), 1))),),
+        )
+    if isinstance(exc, ShuttingDown):
+        return ErrorReply(
+            503, str(exc), "router_stopping", headers=(("Retry-After", str(retry_after_s)),)
         )
     if isinstance(exc, NoReplicaAvailable):
         status = 429 if exc.busy else 503

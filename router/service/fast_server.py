@@ -51,6 +51,7 @@ import contextlib
 import fcntl
 import http
 import logging
+import math
 import resource
 import socket
 import sys
@@ -640,6 +641,7 @@ class FastServer:
         self._logged_at = -1e9
         # closing (:meth:`close`): no connection is kept for another request
         self.draining = False
+        self.drain_until = math.inf  # loop time the drain ends (:meth:`close`, :meth:`cut`)
 
     def admit(self, conn: _Connection) -> None:
         """A new connection: under the cap, or over it after closing the longest-idle one,
@@ -798,14 +800,20 @@ class FastServer:
                 conn.closed = True
             self.connections.discard(conn)
         self.idle.clear()
-        deadline = self.loop.time() + timeout
-        while self.loop.time() < deadline and any(c.task or c.in_message for c in self.connections):
+        self.drain_until = min(self.drain_until, self.loop.time() + timeout)
+        while self.loop.time() < self.drain_until and any(
+            c.task or c.in_message for c in self.connections
+        ):
             await asyncio.sleep(0.05)
         for conn in list(self.connections):
             conn.transport.close()  # (lingering ones too: see _Connection._fatal)
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+    def cut(self) -> None:
+        """End :meth:`close`'s wait now: what is still in flight is closed as at its end."""
+        self.drain_until = self.loop.time()
 
     async def serve(self, conn: _Connection, req: HttpRequest, http10: bool = False) -> bool:
         """Answer ``req``; returns whether the connection stays open for another request."""

@@ -646,7 +646,7 @@ async def serve_completion(
             loop = forwarder.event_loop()
             # timed from here, as its deadline is: a hold counts toward its TTFT
             arrived = loop.time()
-            routed = await slo_gate.route_admitted(admitted, client_headers, loop.time)
+            routed = await slo_gate.route_admitted(admitted, client_headers, loop.time, len(raw))
             if not shaped:  # vLLM's Messages API takes no priority
                 priority = slo_gate.priority_patch(admitted, client_headers)
         else:

@@ -27,6 +27,11 @@ class Stopping:
             self.deadline = deadline
             self.event.set()
 
+    def cut(self, now: float) -> None:
+        """The drain ends now (a second SIGTERM / SIGINT): the deadline moves to ``now``."""
+        self.begin(now)
+        self.deadline = min(self.deadline, now)
+
     def left(self, now: float) -> float:
         """Seconds until the deadline (0 past it)."""
         return max(self.deadline - now, 0.0)

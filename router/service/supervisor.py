@@ -11,7 +11,9 @@ replacements are counted in ``<dir>/restarts`` (``kvrouter_worker_restarts_total
 worker of the first start that dies before it listened (its port taken, a bad file) stops
 the router with its status instead: a replacement would fail the same way. SIGTERM / SIGINT
 stop every worker and then the parent, also while workers start; nothing is replaced from
-then on.
+then on. A second one is passed on as SIGQUIT, which ends the workers' drain at once (a
+worker may get a SIGTERM of its own beside the parent's: a service manager that signals the
+whole group; that is one stop).
 
 A worker that listens keeps its pipe and writes a byte to it every ``hang_s / 4`` (at most
 every second) from its event loop (:func:`heartbeat`): one that writes none for ``hang_s``
@@ -161,9 +163,10 @@ def supervise(
 
     def forward(signum: int, _frame: Any) -> None:
         stopping.append(signum)
+        passed = signal.SIGTERM if len(stopping) == 1 else signal.SIGQUIT  # (second: cut)
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, passed)
 
     # the parent only supervises: SIGTERM / SIGINT stop every worker, then the parent; set
     # before anything is made, so that a stop asked for while the workers start stops them
@@ -216,6 +219,9 @@ def supervise(
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the app sets its own)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            # the parent's "cut the drain", sent after a SIGTERM: nothing until the app
+            # handles it (a SIGTERM ends a worker still starting; SIGQUIT goes first)
+            signal.signal(signal.SIGQUIT, signal.SIG_IGN)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
             try:
                 work(group, index, ready_w, replacing)
