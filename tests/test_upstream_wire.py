@@ -10,6 +10,7 @@ import contextlib
 import gzip
 import json
 import socket
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -231,6 +232,33 @@ async def test_a_stream_that_ends_with_the_engines_error_event_is_no_good_answer
             assert metric_sample(page, "kvrouter_slo_requests_total", model=MODEL) is None
     finally:
         await replica.stop()
+
+
+async def test_a_stream_that_ends_with_the_engines_error_event_is_not_recorded(
+    tmp_path: Path,
+) -> None:
+    """The live-traffic trace holds completed requests (router.recorder), as it leaves out
+    an error status and a stream that broke off: a stream the engine ended with its error
+    event was recorded as one, its output length the request's ``max_tokens``."""
+    error = b'data: {"error":{"message":"engine died","type":"InternalServerError"}}\n\n'
+    replica = await Scripted(
+        [SSE_HEAD + _chunk(_token(0) + error + b"data: [DONE]\n\n") + b"0\r\n\r\n"],
+        [SSE_HEAD + _chunk(_token(1) + USAGE + b"data: [DONE]\n\n") + b"0\r\n\r\n"],
+    ).start()
+    trace = tmp_path / "trace.jsonl"
+    try:
+        # (the router flushes its trace as it stops, when the loop below ends)
+        async for url, session in _router(replica.url, record_path=str(trace), record_key="k"):
+            for _ in range(2):
+                body = _chat(True, max_tokens=500)
+                async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            await _answered(url, session, "ok")
+    finally:
+        await replica.stop()
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [row["output_length"] for row in rows] == [60], rows
 
 
 def test_each_apis_error_event_is_told_from_an_answer() -> None:

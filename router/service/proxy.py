@@ -634,7 +634,8 @@ class Forwarder:
     ) -> None:
         """Book an answer the client has whole: engine feedback, the live-traffic trace, the
         outcome, and for a stream (``first_at``: when its first data came) whether it met its
-        SLO. ``payload``: the body, or a stream's tail, whose usage is read once here (a
+        SLO (a stream the engine ended with its error event: neither the SLO nor the trace).
+        ``payload``: the body, or a stream's tail, whose usage is read once here (a
         Responses stream's final event carries the whole response)."""
         usage = usage_of(payload, sse) if b'"usage"' in payload else None
         self._feedback(routed, key, usage)
@@ -642,7 +643,7 @@ class Forwarder:
         errored = sse and status < 400 and stream_error(payload)
         if sse and first_at and status < 400 and not errored:
             self._slo(routed, started, first_at, usage)
-        if self.state.recorder is not None and status < 400:
+        if self.state.recorder is not None and status < 400 and not errored:
             self._record(routed, key, started, usage, first_at, sse, endpoint)
         outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
         if errored:
