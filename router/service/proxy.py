@@ -12,7 +12,8 @@ body, the client's raw header pairs and a :class:`Sink` that writes the answer t
   all before any byte reached the client) are retried on the next-best replica of the
   decision's ranking, within bounds (router/service/retry.py), and feed outlier ejection
   (router/service/ejection.py).
-* Streams (``text/event-stream``) are relayed piece by piece as they arrive. A client that
+* Streams (``text/event-stream``) are relayed piece by piece as they arrive (an event cut
+  by a read waits for its end: router.service.stream_usage ``UsageFilter``). A client that
   disconnects cancels the handler or fails a write; either way the upstream connection is
   closed, which aborts the request on the replica.
 * Feedback: first body data (a stream's first event that is a token: not a keep-alive
@@ -446,7 +447,8 @@ class Forwarder:
         mm = state.metrics.model(routed.request.model)
         # equality, not identity: compiled (mypyc) code may hand over a copy of the tuple
         responses = closers == RESPONSES_CLOSERS
-        strip = UsageFilter() if strip_usage else None
+        # usage dropped when the router asked for it; cut events held on every stream
+        strip = UsageFilter(drop_usage=strip_usage)
         rid = routed.request.request_id
         headers, streaming, has_rid = response_headers(upstream.headers)
         if not has_rid:
@@ -525,11 +527,9 @@ class Forwarder:
                 done_seen = closes_stream(end, closers)
                 cut = ended and until_close and not done_seen
                 ended = ended and not cut
-                out = chunk
-                if strip is not None:
-                    out = strip.feed(chunk)
-                    if ended:
-                        out += strip.flush()
+                out = strip.feed(chunk)
+                if ended:
+                    out += strip.flush()
                 if not head_sent:
                     head_sent = True
                     await sink.start(status, headers, out, end=ended)
@@ -569,7 +569,7 @@ class Forwarder:
             if until_close and not done_relayed:
                 raise UpstreamBroken("the connection closed before the stream's [DONE]")
             if not ended:  # the end came on its own, after the last data
-                await sink.end(strip.flush() if strip is not None else b"")
+                await sink.end(strip.flush())
             self._answered(routed, key, started, status, b"".join(tail), True, first_at, endpoint)
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             # The client went away: abort the request on the replica. A stream whose closing
@@ -594,7 +594,7 @@ class Forwarder:
                     routed, key, started, status, b"".join(tail), True, first_at, endpoint
                 )
                 with contextlib.suppress(ConnectionResetError):
-                    await sink.end(strip.flush() if strip is not None else b"")
+                    await sink.end(strip.flush())
                 return
             # The replica stalled or broke mid-stream: tell the client in an SSE error event,
             # then abort its connection too, so a truncated stream is never mistaken for a
@@ -608,7 +608,7 @@ class Forwarder:
                 "upstream_timeout" if timeout else "upstream_error",
                 anthropic,
             )
-            held = strip.pending() if strip is not None else b""  # events it had whole
+            held = strip.pending()  # events it had whole (never half of one)
             with contextlib.suppress(ConnectionResetError, RuntimeError, OSError):
                 await sink.write(held + event)
             raise
