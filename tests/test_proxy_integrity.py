@@ -530,3 +530,67 @@ async def test_a_second_answer_nobody_asked_for_is_never_taken_for_one(idle: boo
     finally:
         server.close()
         await server.wait_closed()
+
+
+class CutsFirstAnswer:
+    """Raw replicas sharing one count of requests: the first request any of them gets is
+    answered a 200 whose ``Content-Length`` body breaks off after ``sent`` bytes (the
+    connection closed); every later one gets the whole JSON answer."""
+
+    def __init__(self, length: int, sent: int) -> None:
+        self.length = length
+        self.sent = sent
+        self.requests = 0
+        self._servers: list[asyncio.Server] = []
+
+    async def url(self) -> str:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._servers.append(server)
+        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        self.requests += 1
+        pad = b"x" * (self.length - len(b'{"object":"chat.completion","x_pad":""}'))
+        body = b'{"object":"chat.completion","x_pad":"' + pad + b'"}'
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+        )
+        writer.write(body if self.requests > 1 else body[: self.sent])
+        await writer.drain()
+        writer.close()
+
+    async def stop(self) -> None:
+        for server in self._servers:
+            server.close()
+            await server.wait_closed()
+
+
+async def test_a_large_answer_that_breaks_off_before_the_client_got_a_byte_is_retried() -> None:
+    """A non-streamed answer is held until it is whole, so one that breaks off is retried
+    on the next replica whatever its size. One larger than the read buffer was let through
+    once the buffer filled (the head not sent yet): its break was answered 502, with no
+    retry and no failure counted against the replica."""
+    replicas = CutsFirstAnswer(3 * HIGH_WATER, 2 * HIGH_WATER)
+    urls = [await replicas.url(), await replicas.url()]
+    settings = build_settings(
+        {
+            "server": {"health_interval_s": 0},
+            "replicas": [{"url": u, "model": MODEL, "name": f"r{i}"} for i, u in enumerate(urls)],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    running, url = await start_router(settings)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/chat/completions", json=_chat(False)) as resp:
+                assert resp.status == 200, await resp.text()
+                body = await resp.json()
+            assert len(body["x_pad"]) > 2 * HIGH_WATER
+            assert replicas.requests == 2
+            outcomes = await _outcomes(url, session)
+            assert outcomes == {"upstream_broken": 1.0, "ok": 1.0}, outcomes
+    finally:
+        await running.cleanup()
+        await replicas.stop()

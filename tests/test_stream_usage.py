@@ -57,6 +57,20 @@ def test_filter_removes_only_the_usage_chunk(piece: int) -> None:
     assert out + f.flush() == TOKEN * 3 + DONE
 
 
+@pytest.mark.parametrize("piece", [1, 2, 5, 17, 64, 4096])
+def test_a_filter_that_keeps_usage_only_holds_cut_events(piece: int) -> None:
+    """``drop_usage=False`` (a stream whose client asked for usage): every event goes out,
+    the usage chunk too, each only once it is whole."""
+    stream = TOKEN * 3 + USAGE + DONE[:-2]  # the last event's end missing: held till flush
+    f = UsageFilter(drop_usage=False)
+    outs = [f.feed(stream[i : i + piece]) for i in range(0, len(stream), piece)]
+    assert all(out.endswith(b"\n\n") for out in outs if out)
+    assert b"".join(outs) + f.flush() == stream
+    cut = UsageFilter(drop_usage=False)
+    assert cut.feed(TOKEN + USAGE[:20]) == TOKEN
+    assert cut.pending() == b""  # what a stream that broke off there still relays
+
+
 def test_filter_keeps_usage_inside_content_chunks_and_odd_events() -> None:
     continuous = b'data: {"choices":[{"delta":{"content":"x"}}],"usage":{"prompt_tokens":1}}\n\n'
     text = b'data: {"choices":[{"delta":{"content":"\\"usage\\""}}]}\n\n'

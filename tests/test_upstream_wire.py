@@ -10,9 +10,12 @@ import contextlib
 import gzip
 import json
 import socket
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
+import pytest
 
 from tests.backends import metric_sample
 from tests.test_proxy_integrity import _read_request, _router, _unacknowledged
@@ -129,7 +132,8 @@ async def test_a_usage_chunk_split_after_a_large_read_is_still_read() -> None:
             async with session.post(url + "/v1/chat/completions", json=body) as resp:
                 assert resp.status == 200
                 got = b""
-                while not got.endswith(USAGE[:cut]):  # the relay has read the first piece
+                # the relay has read the first piece (the half event waits for its end)
+                while got != tokens:
                     got += await resp.content.readany()
                 replica.step()
                 got += await resp.read()
@@ -229,6 +233,63 @@ async def test_a_stream_that_ends_with_the_engines_error_event_is_no_good_answer
             page = await _answered(url, session, "upstream_error")
             assert metric_sample(page, "kvrouter_requests_total", outcome="ok") is None
             assert metric_sample(page, "kvrouter_slo_requests_total", model=MODEL) is None
+    finally:
+        await replica.stop()
+
+
+async def test_a_stream_that_ends_with_the_engines_error_event_is_not_recorded(
+    tmp_path: Path,
+) -> None:
+    """The live-traffic trace holds completed requests (router.recorder), as it leaves out
+    an error status and a stream that broke off: a stream the engine ended with its error
+    event was recorded as one, its output length the request's ``max_tokens``."""
+    error = b'data: {"error":{"message":"engine died","type":"InternalServerError"}}\n\n'
+    replica = await Scripted(
+        [SSE_HEAD + _chunk(_token(0) + error + b"data: [DONE]\n\n") + b"0\r\n\r\n"],
+        [SSE_HEAD + _chunk(_token(1) + USAGE + b"data: [DONE]\n\n") + b"0\r\n\r\n"],
+    ).start()
+    trace = tmp_path / "trace.jsonl"
+    try:
+        # (the router flushes its trace as it stops, when the loop below ends)
+        async for url, session in _router(replica.url, record_path=str(trace), record_key="k"):
+            for _ in range(2):
+                body = _chat(True, max_tokens=500)
+                async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            await _answered(url, session, "ok")
+    finally:
+        await replica.stop()
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [row["output_length"] for row in rows] == [60], rows
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["usage-added", "usage-asked"])
+async def test_a_stream_cut_inside_an_event_ends_with_a_clean_error_event(usage: bool) -> None:
+    """A replica whose stream breaks off inside an event (its connection lost): the client
+    gets the router's error event, which the openai client raises as an ``APIError``. The
+    half event had gone out as it arrived when the router did not filter the stream (the
+    client asked for usage itself), and the error event's line was glued to it: one
+    garbled event, a ``JSONDecodeError`` in the client, the router's message lost."""
+    replica = await Scripted([SSE_HEAD + _chunk(_token(0)), _chunk(_token(1)[:60])]).start()
+    try:
+        async for url, session in _router(replica.url):
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            extra: dict[str, Any] = {"stream_options": {"include_usage": True}} if usage else {}
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "tell me everything"}],
+                stream=True,
+                **extra,
+            )
+            got = []
+            with pytest.raises(openai.APIError, match="broke off the stream"):
+                async for part in stream:
+                    got.append(part.choices[0].delta.content)
+                    replica.step()
+            assert got == ["word0000 " + "x" * 200]
+            await _answered(url, session, "upstream_broken")
+            await client.close()
     finally:
         await replica.stop()
 

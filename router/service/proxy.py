@@ -12,7 +12,8 @@ body, the client's raw header pairs and a :class:`Sink` that writes the answer t
   all before any byte reached the client) are retried on the next-best replica of the
   decision's ranking, within bounds (router/service/retry.py), and feed outlier ejection
   (router/service/ejection.py).
-* Streams (``text/event-stream``) are relayed piece by piece as they arrive. A client that
+* Streams (``text/event-stream``) are relayed piece by piece as they arrive (an event cut
+  by a read waits for its end: router.service.stream_usage ``UsageFilter``). A client that
   disconnects cancels the handler or fails a write; either way the upstream connection is
   closed, which aborts the request on the replica.
 * Feedback: first body data (a stream's first event that is a token: not a keep-alive
@@ -446,7 +447,8 @@ class Forwarder:
         mm = state.metrics.model(routed.request.model)
         # equality, not identity: compiled (mypyc) code may hand over a copy of the tuple
         responses = closers == RESPONSES_CLOSERS
-        strip = UsageFilter() if strip_usage else None
+        # usage dropped when the router asked for it; cut events held on every stream
+        strip = UsageFilter(drop_usage=strip_usage)
         rid = routed.request.request_id
         headers, streaming, has_rid = response_headers(upstream.headers)
         if not has_rid:
@@ -525,11 +527,9 @@ class Forwarder:
                 done_seen = closes_stream(end, closers)
                 cut = ended and until_close and not done_seen
                 ended = ended and not cut
-                out = chunk
-                if strip is not None:
-                    out = strip.feed(chunk)
-                    if ended:
-                        out += strip.flush()
+                out = strip.feed(chunk)
+                if ended:
+                    out += strip.flush()
                 if not head_sent:
                     head_sent = True
                     await sink.start(status, headers, out, end=ended)
@@ -569,7 +569,7 @@ class Forwarder:
             if until_close and not done_relayed:
                 raise UpstreamBroken("the connection closed before the stream's [DONE]")
             if not ended:  # the end came on its own, after the last data
-                await sink.end(strip.flush() if strip is not None else b"")
+                await sink.end(strip.flush())
             self._answered(routed, key, started, status, b"".join(tail), True, first_at, endpoint)
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             # The client went away: abort the request on the replica. A stream whose closing
@@ -594,7 +594,7 @@ class Forwarder:
                     routed, key, started, status, b"".join(tail), True, first_at, endpoint
                 )
                 with contextlib.suppress(ConnectionResetError):
-                    await sink.end(strip.flush() if strip is not None else b"")
+                    await sink.end(strip.flush())
                 return
             # The replica stalled or broke mid-stream: tell the client in an SSE error event,
             # then abort its connection too, so a truncated stream is never mistaken for a
@@ -608,7 +608,7 @@ class Forwarder:
                 "upstream_timeout" if timeout else "upstream_error",
                 anthropic,
             )
-            held = strip.pending() if strip is not None else b""  # events it had whole
+            held = strip.pending()  # events it had whole (never half of one)
             with contextlib.suppress(ConnectionResetError, RuntimeError, OSError):
                 await sink.write(held + event)
             raise
@@ -634,7 +634,8 @@ class Forwarder:
     ) -> None:
         """Book an answer the client has whole: engine feedback, the live-traffic trace, the
         outcome, and for a stream (``first_at``: when its first data came) whether it met its
-        SLO. ``payload``: the body, or a stream's tail, whose usage is read once here (a
+        SLO (a stream the engine ended with its error event: neither the SLO nor the trace).
+        ``payload``: the body, or a stream's tail, whose usage is read once here (a
         Responses stream's final event carries the whole response)."""
         usage = usage_of(payload, sse) if b'"usage"' in payload else None
         self._feedback(routed, key, usage)
@@ -642,7 +643,7 @@ class Forwarder:
         errored = sse and status < 400 and stream_error(payload)
         if sse and first_at and status < 400 and not errored:
             self._slo(routed, started, first_at, usage)
-        if self.state.recorder is not None and status < 400:
+        if self.state.recorder is not None and status < 400 and not errored:
             self._record(routed, key, started, usage, first_at, sse, endpoint)
         outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
         if errored:

@@ -19,7 +19,9 @@ that end right before the usage chunk get it (holding the others would hold back
 choices' tokens).
 
 Cost on the hot path: one ``bytes.endswith``, one substring search and one regular
-expression search per relayed piece of such streams; other requests are not touched.
+expression search per relayed piece of such streams. Every other stream goes through a
+``UsageFilter(drop_usage=False)``, which only holds an event cut by a piece boundary until
+its end (one substring search and one ``bytes.endswith`` a piece).
 """
 
 from __future__ import annotations
@@ -82,11 +84,16 @@ class UsageFilter:
     gives the events that end a choice the ``system_fingerprint`` such a usage chunk carried
     (see the module docstring); ``feed`` returns what to relay. An event cut by a piece
     boundary is held until its end arrives (the client could not use half an event anyway),
-    an event that ends a choice until the next event (or the stream's end)."""
+    an event that ends a choice until the next event (or the stream's end).
 
-    __slots__ = ("_ending", "_held", "_off")
+    ``drop_usage=False``: only the holding of cut events, for every relayed stream, so that
+    one that breaks off mid-event never has the router's error event glued to half an event
+    (a client would parse the two as one garbled event)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_drop", "_ending", "_held", "_off")
+
+    def __init__(self, drop_usage: bool = True) -> None:
+        self._drop = drop_usage
         self._held = b""
         self._ending: list[bytes] = []  # events that end a choice, not relayed yet
         self._off = False  # events not separated by blank LF lines: relay untouched
@@ -104,6 +111,8 @@ class UsageFilter:
             at = chunk.rfind(_EVENT_END)
             cut = 0 if at < 0 else at + len(_EVENT_END)
             chunk, self._held = chunk[:cut], chunk[cut:]
+        if not self._drop:
+            return chunk
         if not self._ending and _USAGE not in chunk and _ENDS_CHOICE.search(chunk) is None:
             return chunk
         events = chunk.split(_EVENT_END)
@@ -143,7 +152,8 @@ class UsageFilter:
     def flush(self) -> bytes:
         """What is still held at the end of the stream."""
         held, self._held = self._held, b""
-        return self.pending() + (b"" if _usage_only(held) is not None else held)
+        dropped = self._drop and _usage_only(held) is not None
+        return self.pending() + (b"" if dropped else held)
 
 
 def _usage_only(event: bytes) -> dict[str, Any] | None:

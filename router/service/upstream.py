@@ -340,14 +340,18 @@ class Exchange:
 
     async def ready(self, whole: bool) -> None:
         """Wait, reading nothing, until the first body data has arrived (``whole``: the
-        whole body, or as much as the buffer holds) or the body ended; raises
-        :class:`UpstreamBroken` / :class:`UpstreamTimeout` as :meth:`read` would."""
+        whole body, however large: reading resumes when the buffer paused it, so that a
+        body that breaks off does so here, before any of it went on) or the body ended;
+        raises :class:`UpstreamBroken` / :class:`UpstreamTimeout` as :meth:`read` would."""
         c = self._conn
-        while not (c.complete or c.paused or (c.chunks and not whole)):
+        while not (c.complete or (c.chunks and not whole)):
             if c.error is not None:
                 raise (
                     c.error if isinstance(c.error, UpstreamBroken) else UpstreamBroken(str(c.error))
                 )
+            if c.paused and c.transport is not None and not c.closed:
+                c.paused = False
+                c.transport.resume_reading()
             await c.wait(self._timeout())
         self._first_by = float("inf")  # from here on, each wait has the read timeout
 
