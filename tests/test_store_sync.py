@@ -512,6 +512,56 @@ async def test_a_replica_that_died_unseen_is_reaped(store: IndexStore) -> None:
         assert await _leftover_keys(store, name) == []
 
 
+@pytest.mark.parametrize("router", ["knew_it", "started_after"])
+async def test_a_replica_lost_with_its_keys_leaves_no_registry_entry(
+    redis_url: str, key_prefix: str, router: str
+) -> None:
+    """A cluster node restarted empty takes a replica's keys (lease, meta, state) while the
+    registry set lives on another node, and its publisher died too: nothing of it is left
+    to delete, so the reap refused and its name stayed in ``<p>:replicas`` for good (read by
+    every audit). So did a dead replica whose registration does not parse. Both leave it,
+    whether the router knew them or started afterwards (the sweep)."""
+    schema = KeySchema(key_prefix, stream_shards=1)
+    store = RedisStore.from_url(redis_url, schema)
+    try:
+        await _publish(store, "live")
+        lost = await _publish(store, "lost")
+        lost.add(ReplicaKey("lost"), [BlocksStored((1, 2))])
+        await lost.flush()
+        await store.register(ReplicaInfo("garbled", model="m"), owner="g", lease_ttl_s=30)
+        await store.redis.hset(schema.meta("garbled"), "info", b"{not json")
+        await store.redis.delete(schema.lease("garbled"))
+
+        async def lose() -> None:
+            await store.redis.delete(
+                schema.lease("lost"),
+                schema.meta("lost"),
+                schema.kv("lost", 0),
+                schema.state("lost", 0),
+            )
+
+        if router == "started_after":
+            await lose()
+        index = PrefixIndex()
+        async with IndexSync(store, index, lost_store_grace_s=0.2, **FAST):
+            if router == "knew_it":
+                assert ReplicaKey("lost") in index
+                await lose()
+            await eventually(lambda: ReplicaKey("lost") not in index)
+            await eventually(_registry_is(store, {b"live"}))
+            assert ReplicaKey("live") in index
+        assert await _leftover_keys(store, "garbled") == []
+    finally:
+        await store.close()
+
+
+def _registry_is(store: RedisStore, names: set[bytes]) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return set(await store.redis.smembers(store.schema.registry)) == names
+
+    return check
+
+
 async def test_the_pods_load_exchange_is_no_orphaned_replica(
     redis_url: str, key_prefix: str
 ) -> None:
