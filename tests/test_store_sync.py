@@ -638,6 +638,41 @@ async def test_a_replicas_last_batch_lost_to_the_stream_is_found_by_the_audit(
         await store.close()
 
 
+async def test_a_key_read_blank_is_resynced_once_the_store_holds_it_again(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A resync that reads a replica key while its registration is missing (between a
+    publisher's deregistration and its successor's registration) leaves the key empty and
+    with no seq. The successor's reset entry lost to the trim (the router lagged), the
+    audit's seq check skipped a key without a seq, and the next batch was applied on the
+    empty key as if it followed: the router missed the replica's blocks for good."""
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
+    try:
+        w = await _publish(store, "blank")
+        key = ReplicaKey("blank")
+        w.add(key, [BlocksStored((1, 2, 3))])
+        await w.flush()
+        index = PrefixIndex()
+        async with IndexSync(store, index, **FAST) as sync:
+            assert index.match([1, 2, 3]).get(key).kv_blocks == 3
+            await store.redis.hdel(store.schema.meta("blank"), "info")
+            st = _commit_without_entry(w, key, [BlocksStored((4,))])
+            await store._commit([st], full=False)
+            w.add(key, [BlocksStored((5,))])
+            await w.flush()  # a gap: its resync finds the key unregistered
+            await eventually(lambda: sync.stats.gaps >= 1 and index.last_seq(key) is None)
+            # registered again (the Up is read: same info), its full reset's entry trimmed
+            await store.register(ReplicaInfo("blank", url="http://blank", model="m"), "p2", 30)
+            st = _commit_without_entry(w, key, [BlocksStored((6,))])
+            await store._commit([st], full=True)
+            await eventually(lambda: index.match([1, 2, 3, 4, 5, 6]).get(key).kv_blocks == 6)
+            w.add(key, [BlocksStored((7,))])
+            await w.flush()
+            await eventually(lambda: index.match([1, 2, 3, 4, 5, 6, 7]).get(key).kv_blocks == 7)
+    finally:
+        await store.close()
+
+
 async def test_a_registration_whose_up_entry_was_lost_reaches_the_router(
     redis_url: str, key_prefix: str
 ) -> None:
@@ -813,8 +848,17 @@ async def test_an_unreadable_snapshot_is_read_again_after_a_wait_not_each_turn(
     """Such a read succeeds with the key's whole stored state: retried each turn (a turn
     after every read of the change streams), it re-read megabytes from Redis many times a
     second for as long as the key stayed unreadable. It waits ``unreadable_retry_s``,
-    doubling, between reads."""
-    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
+    doubling, between reads. The audit's seq check (the key has no seq in the index) waits
+    too."""
+    audits = 0
+
+    class Counted(RedisStore):
+        async def stored_seqs(self, keys: Sequence[ReplicaKey]) -> list[int | None]:
+            nonlocal audits
+            audits += 1
+            return await super().stored_seqs(keys)
+
+    store = Counted(RedisStore.from_url(redis_url).redis, KeySchema(key_prefix, stream_shards=1))
     try:
         _, other = await _torn_and_other(store)
         key, okey = ReplicaKey("torn"), ReplicaKey("o")
@@ -826,6 +870,7 @@ async def test_an_unreadable_snapshot_is_read_again_after_a_wait_not_each_turn(
                 other.add(okey, [BlocksStored((block,))])
                 await other.flush()
                 await eventually(lambda b=block: index.match([b]).get(okey) is not None)
+            await eventually(lambda: audits >= 4)
             assert sync.stats.unreadable == 1
             assert key in sync._owed and key in index.replicas()
     finally:

@@ -401,7 +401,9 @@ class IndexSync:
         the way, so what the index lacks was lost to it (the stream trimmed past this
         router's cursor while it lagged, its last batches with it; an idle replica sends
         nothing later that would show the gap), or the store went back (restored from a
-        snapshot): the store is what every other router reads."""
+        snapshot): the store is what every other router reads. A key the index holds no
+        seq of (read while its replica was not registered) counts as differing; one whose
+        stored state does not parse is left to its own backoff (``_settle_owed``)."""
         keys = [k for info in self.infos.values() for k in info.replica_keys()]
         stored = await self.store.stored_seqs(keys) if keys else []
         before, now = self._audited_seqs, dict(zip(keys, stored, strict=True))
@@ -411,8 +413,8 @@ class IndexSync:
             for key, seq in now.items()
             if seq is not None
             and before.get(key) == seq
-            and (last := self.index.last_seq(key)) is not None
-            and last != seq
+            and key not in self._unreadable
+            and self.index.last_seq(key) != seq
         ]
         if behind:
             log.warning("index sync: %d replica key(s) behind the store; resyncing", len(behind))
