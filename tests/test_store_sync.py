@@ -615,6 +615,44 @@ def _commit_without_entry(w: StoreWriter, key: ReplicaKey, events: list[Any]) ->
     return st
 
 
+async def test_a_backlog_of_resets_is_one_snapshot_read(redis_url: str, key_prefix: str) -> None:
+    """A router that lagged reads several reset entries of one key in one go (a publisher
+    that republished again and again: failed writes, seq mismatches): the first resync reads
+    the key's state as it is now, which holds every later reset of that read; reading the
+    whole state again for each of them multiplied a lag into full reads."""
+    parked, gate = asyncio.Event(), asyncio.Event()
+    gate.set()
+
+    class Gated(RedisStore):
+        async def read_changes(self, cursor: object, block_s: float, count: int) -> Any:
+            if not gate.is_set():
+                parked.set()
+                await gate.wait()
+            return await super().read_changes(cursor, block_s, count)
+
+    schema = KeySchema(key_prefix, stream_shards=1)
+    store = RedisStore.from_url(redis_url, schema)
+    router = Gated(RedisStore.from_url(redis_url).redis, schema)
+    try:
+        w = await _publish(store, "flappy")
+        key = ReplicaKey("flappy")
+        index = PrefixIndex()
+        async with IndexSync(router, index, **FAST) as sync:
+            gate.clear()
+            await parked.wait()
+            before = sync.stats.resyncs
+            for block in range(5):
+                w.add(key, [BlocksStored((block,))])
+                await w.reset()
+            gate.set()
+            await eventually(lambda: index.last_seq(key) == w.states[key].seq)
+            assert index.match([0, 1, 2, 3, 4]).get(key).kv_blocks == 5
+            assert sync.stats.resyncs == before + 1
+    finally:
+        await store.close()
+        await router.close()
+
+
 async def test_a_replicas_last_batch_lost_to_the_stream_is_found_by_the_audit(
     redis_url: str, key_prefix: str
 ) -> None:
