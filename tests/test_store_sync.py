@@ -1033,6 +1033,32 @@ async def test_redis_flush_and_restart_publishers_republish_routers_resync(
         await router_store.close()
 
 
+async def test_a_full_redis_does_not_stop_the_audit(private_redis: LocalRedis) -> None:
+    """Redis at ``maxmemory`` (noeviction) refuses every command that may allocate, a
+    ``SET NX`` of a key that exists too. The audit began with one (the instance token), so
+    it failed every turn for as long as Redis stayed full: a replica whose publisher died
+    stayed routable, its blocks in every router's index."""
+    schema = KeySchema("kvr", stream_shards=1)
+    store = RedisStore.from_url(private_redis.url, schema)
+    try:
+        await _publish(store, "live")
+        dead = await _publish(store, "dead")
+        dead.add(ReplicaKey("dead"), [BlocksStored((1, 2))])
+        await dead.flush()
+        index = PrefixIndex()
+        async with IndexSync(store, index, **FAST) as sync:
+            assert index.match([1, 2]).get(ReplicaKey("dead")).kv_blocks == 2
+            await store.redis.config_set("maxmemory", 1)
+            try:
+                await store.redis.delete(schema.lease("dead"))  # its publisher died
+                await eventually(lambda: ReplicaKey("dead") not in index)
+                assert ReplicaKey("live") in index and sync.stats.purges == 1
+            finally:
+                await store.redis.config_set("maxmemory", 0)
+    finally:
+        await store.close()
+
+
 async def test_a_replica_lost_with_the_store_stays_until_its_grace_ends(
     private_redis: LocalRedis,
 ) -> None:

@@ -122,8 +122,13 @@ class RedisStore(RedisWrites):
     # ------------------------------------------------------------------ read side
 
     async def instance_token(self) -> str:
-        await self.redis.set(self.schema.instance, uuid.uuid4().hex, nx=True)
+        """Read first, create (``SET NX``) only when missing: a Redis at ``maxmemory``
+        refuses ``SET`` even of a key that exists, and the audit that starts here must go on
+        purging dead replicas while it is full."""
         raw: Any = await self.redis.get(self.schema.instance)
+        if raw is None:
+            await self.redis.set(self.schema.instance, uuid.uuid4().hex, nx=True)
+            raw = await self.redis.get(self.schema.instance)
         return bytes(raw).decode() if raw else ""
 
     async def cursor(self) -> object:
