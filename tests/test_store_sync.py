@@ -512,6 +512,56 @@ async def test_a_replica_that_died_unseen_is_reaped(store: IndexStore) -> None:
         assert await _leftover_keys(store, name) == []
 
 
+@pytest.mark.parametrize("router", ["knew_it", "started_after"])
+async def test_a_replica_lost_with_its_keys_leaves_no_registry_entry(
+    redis_url: str, key_prefix: str, router: str
+) -> None:
+    """A cluster node restarted empty takes a replica's keys (lease, meta, state) while the
+    registry set lives on another node, and its publisher died too: nothing of it is left
+    to delete, so the reap refused and its name stayed in ``<p>:replicas`` for good (read by
+    every audit). So did a dead replica whose registration does not parse. Both leave it,
+    whether the router knew them or started afterwards (the sweep)."""
+    schema = KeySchema(key_prefix, stream_shards=1)
+    store = RedisStore.from_url(redis_url, schema)
+    try:
+        await _publish(store, "live")
+        lost = await _publish(store, "lost")
+        lost.add(ReplicaKey("lost"), [BlocksStored((1, 2))])
+        await lost.flush()
+        await store.register(ReplicaInfo("garbled", model="m"), owner="g", lease_ttl_s=30)
+        await store.redis.hset(schema.meta("garbled"), "info", b"{not json")
+        await store.redis.delete(schema.lease("garbled"))
+
+        async def lose() -> None:
+            await store.redis.delete(
+                schema.lease("lost"),
+                schema.meta("lost"),
+                schema.kv("lost", 0),
+                schema.state("lost", 0),
+            )
+
+        if router == "started_after":
+            await lose()
+        index = PrefixIndex()
+        async with IndexSync(store, index, lost_store_grace_s=0.2, **FAST):
+            if router == "knew_it":
+                assert ReplicaKey("lost") in index
+                await lose()
+            await eventually(lambda: ReplicaKey("lost") not in index)
+            await eventually(_registry_is(store, {b"live"}))
+            assert ReplicaKey("live") in index
+        assert await _leftover_keys(store, "garbled") == []
+    finally:
+        await store.close()
+
+
+def _registry_is(store: RedisStore, names: set[bytes]) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return set(await store.redis.smembers(store.schema.registry)) == names
+
+    return check
+
+
 async def test_the_pods_load_exchange_is_no_orphaned_replica(
     redis_url: str, key_prefix: str
 ) -> None:
@@ -565,6 +615,44 @@ def _commit_without_entry(w: StoreWriter, key: ReplicaKey, events: list[Any]) ->
     return st
 
 
+async def test_a_backlog_of_resets_is_one_snapshot_read(redis_url: str, key_prefix: str) -> None:
+    """A router that lagged reads several reset entries of one key in one go (a publisher
+    that republished again and again: failed writes, seq mismatches): the first resync reads
+    the key's state as it is now, which holds every later reset of that read; reading the
+    whole state again for each of them multiplied a lag into full reads."""
+    parked, gate = asyncio.Event(), asyncio.Event()
+    gate.set()
+
+    class Gated(RedisStore):
+        async def read_changes(self, cursor: object, block_s: float, count: int) -> Any:
+            if not gate.is_set():
+                parked.set()
+                await gate.wait()
+            return await super().read_changes(cursor, block_s, count)
+
+    schema = KeySchema(key_prefix, stream_shards=1)
+    store = RedisStore.from_url(redis_url, schema)
+    router = Gated(RedisStore.from_url(redis_url).redis, schema)
+    try:
+        w = await _publish(store, "flappy")
+        key = ReplicaKey("flappy")
+        index = PrefixIndex()
+        async with IndexSync(router, index, **FAST) as sync:
+            gate.clear()
+            await parked.wait()
+            before = sync.stats.resyncs
+            for block in range(5):
+                w.add(key, [BlocksStored((block,))])
+                await w.reset()
+            gate.set()
+            await eventually(lambda: index.last_seq(key) == w.states[key].seq)
+            assert index.match([0, 1, 2, 3, 4]).get(key).kv_blocks == 5
+            assert sync.stats.resyncs == before + 1
+    finally:
+        await store.close()
+        await router.close()
+
+
 async def test_a_replicas_last_batch_lost_to_the_stream_is_found_by_the_audit(
     redis_url: str, key_prefix: str
 ) -> None:
@@ -584,6 +672,41 @@ async def test_a_replicas_last_batch_lost_to_the_stream_is_found_by_the_audit(
             await eventually(lambda: index.match([1, 2, 3, 4, 5, 6]).get(key).kv_blocks == 3)
             assert index.last_seq(key) == st.seq and sync.stats.stale >= 1
             assert sync.stats.gaps == 0
+    finally:
+        await store.close()
+
+
+async def test_a_key_read_blank_is_resynced_once_the_store_holds_it_again(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A resync that reads a replica key while its registration is missing (between a
+    publisher's deregistration and its successor's registration) leaves the key empty and
+    with no seq. The successor's reset entry lost to the trim (the router lagged), the
+    audit's seq check skipped a key without a seq, and the next batch was applied on the
+    empty key as if it followed: the router missed the replica's blocks for good."""
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
+    try:
+        w = await _publish(store, "blank")
+        key = ReplicaKey("blank")
+        w.add(key, [BlocksStored((1, 2, 3))])
+        await w.flush()
+        index = PrefixIndex()
+        async with IndexSync(store, index, **FAST) as sync:
+            assert index.match([1, 2, 3]).get(key).kv_blocks == 3
+            await store.redis.hdel(store.schema.meta("blank"), "info")
+            st = _commit_without_entry(w, key, [BlocksStored((4,))])
+            await store._commit([st], full=False)
+            w.add(key, [BlocksStored((5,))])
+            await w.flush()  # a gap: its resync finds the key unregistered
+            await eventually(lambda: sync.stats.gaps >= 1 and index.last_seq(key) is None)
+            # registered again (the Up is read: same info), its full reset's entry trimmed
+            await store.register(ReplicaInfo("blank", url="http://blank", model="m"), "p2", 30)
+            st = _commit_without_entry(w, key, [BlocksStored((6,))])
+            await store._commit([st], full=True)
+            await eventually(lambda: index.match([1, 2, 3, 4, 5, 6]).get(key).kv_blocks == 6)
+            w.add(key, [BlocksStored((7,))])
+            await w.flush()
+            await eventually(lambda: index.match([1, 2, 3, 4, 5, 6, 7]).get(key).kv_blocks == 7)
     finally:
         await store.close()
 
@@ -763,8 +886,17 @@ async def test_an_unreadable_snapshot_is_read_again_after_a_wait_not_each_turn(
     """Such a read succeeds with the key's whole stored state: retried each turn (a turn
     after every read of the change streams), it re-read megabytes from Redis many times a
     second for as long as the key stayed unreadable. It waits ``unreadable_retry_s``,
-    doubling, between reads."""
-    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
+    doubling, between reads. The audit's seq check (the key has no seq in the index) waits
+    too."""
+    audits = 0
+
+    class Counted(RedisStore):
+        async def stored_seqs(self, keys: Sequence[ReplicaKey]) -> list[int | None]:
+            nonlocal audits
+            audits += 1
+            return await super().stored_seqs(keys)
+
+    store = Counted(RedisStore.from_url(redis_url).redis, KeySchema(key_prefix, stream_shards=1))
     try:
         _, other = await _torn_and_other(store)
         key, okey = ReplicaKey("torn"), ReplicaKey("o")
@@ -776,6 +908,7 @@ async def test_an_unreadable_snapshot_is_read_again_after_a_wait_not_each_turn(
                 other.add(okey, [BlocksStored((block,))])
                 await other.flush()
                 await eventually(lambda b=block: index.match([b]).get(okey) is not None)
+            await eventually(lambda: audits >= 4)
             assert sync.stats.unreadable == 1
             assert key in sync._owed and key in index.replicas()
     finally:
@@ -898,6 +1031,32 @@ async def test_redis_flush_and_restart_publishers_republish_routers_resync(
     finally:
         await store.close()
         await router_store.close()
+
+
+async def test_a_full_redis_does_not_stop_the_audit(private_redis: LocalRedis) -> None:
+    """Redis at ``maxmemory`` (noeviction) refuses every command that may allocate, a
+    ``SET NX`` of a key that exists too. The audit began with one (the instance token), so
+    it failed every turn for as long as Redis stayed full: a replica whose publisher died
+    stayed routable, its blocks in every router's index."""
+    schema = KeySchema("kvr", stream_shards=1)
+    store = RedisStore.from_url(private_redis.url, schema)
+    try:
+        await _publish(store, "live")
+        dead = await _publish(store, "dead")
+        dead.add(ReplicaKey("dead"), [BlocksStored((1, 2))])
+        await dead.flush()
+        index = PrefixIndex()
+        async with IndexSync(store, index, **FAST) as sync:
+            assert index.match([1, 2]).get(ReplicaKey("dead")).kv_blocks == 2
+            await store.redis.config_set("maxmemory", 1)
+            try:
+                await store.redis.delete(schema.lease("dead"))  # its publisher died
+                await eventually(lambda: ReplicaKey("dead") not in index)
+                assert ReplicaKey("live") in index and sync.stats.purges == 1
+            finally:
+                await store.redis.config_set("maxmemory", 0)
+    finally:
+        await store.close()
 
 
 async def test_a_replica_lost_with_the_store_stays_until_its_grace_ends(

@@ -326,13 +326,15 @@ class IndexStore(Protocol):
 
     async def reap(self, replica: str) -> bool:
         """Delete a replica whose lease is gone (as ``deregister``): a registered one, or
-        an orphan (:meth:`orphans`); False if it is alive (or absent)."""
+        an orphan (:meth:`orphans`); False if it is alive (or absent). A registry entry
+        left without any key of the replica is removed (True, no ReplicaDown)."""
         ...
 
     async def orphans(self) -> list[str]:
         """Replicas whose state outlived them: written after the replica was reaped or
         deregistered (the last flush of a publisher that stalled past its lease and then
-        died), with neither a lease nor a registration. :meth:`reap` deletes them."""
+        died), with neither a lease nor a registration; and registered replicas without a
+        lease whose registration is gone or does not parse. :meth:`reap` deletes them."""
         ...
 
     async def write(

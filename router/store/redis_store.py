@@ -122,8 +122,13 @@ class RedisStore(RedisWrites):
     # ------------------------------------------------------------------ read side
 
     async def instance_token(self) -> str:
-        await self.redis.set(self.schema.instance, uuid.uuid4().hex, nx=True)
+        """Read first, create (``SET NX``) only when missing: a Redis at ``maxmemory``
+        refuses ``SET`` even of a key that exists, and the audit that starts here must go on
+        purging dead replicas while it is full."""
         raw: Any = await self.redis.get(self.schema.instance)
+        if raw is None:
+            await self.redis.set(self.schema.instance, uuid.uuid4().hex, nx=True)
+            raw = await self.redis.get(self.schema.instance)
         return bytes(raw).decode() if raw else ""
 
     async def cursor(self) -> object:
@@ -247,7 +252,9 @@ class RedisStore(RedisWrites):
 
     async def orphans(self) -> list[str]:
         """SCANs the keyspace for meta and load keys (every primary of a cluster): a
-        sweep's cost, not a request's."""
+        sweep's cost, not a request's. Also registered names without a readable
+        registration (their keys lost with a cluster node, or ``info`` that does not parse):
+        no audit lists them, so only the sweep reaps them once their lease is gone."""
         s = self.schema
         names: set[str] = set()
         for suffix in ("}:meta", "}:load"):  # a stalled flush writes meta, a load sample load
@@ -258,11 +265,12 @@ class RedisStore(RedisWrites):
                 if key.startswith(s.prefix + ":{") and key.endswith(suffix) and head < tail:
                     names.add(key[head:tail])
         names -= RESERVED_NAMES  # the pods' load stream is no replica's
-        if not names:
-            return []
         members: Any = await self.redis.smembers(s.registry)
         registered = {bytes(n).decode(errors="replace") for n in members}
-        candidates = sorted(names - registered)
+        listed = {info.replica for info in await self.list_replicas()} if registered else set()
+        candidates = sorted((names - registered) | (registered - listed))
+        if not candidates:
+            return []
         alive = await self.leases(candidates)
         return [n for n in candidates if not alive[n]]
 

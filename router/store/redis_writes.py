@@ -68,11 +68,13 @@ FENCE_ATTEMPTS = 8
 # of the ranks ARGV[3..]; ARGV[1] when: "reap" only while the lease is gone (and meta or
 # load is there), "own" only while the lease is ARGV[2]'s or free, "any" always. A rank that has a
 # seq:<dp> field in meta (so may have keys) and is not among ARGV[3..] is returned instead
-# (the caller adds its keys and calls again); 1 deleted, 0 not allowed.
+# (the caller adds its keys and calls again); 1 deleted, 0 not allowed, 2 (reap) nothing
+# of the replica left to delete.
 _DELETE = """
 local lease = redis.call('GET', KEYS[1])
 if ARGV[1] == 'reap' then
-  if lease or redis.call('EXISTS', KEYS[2], KEYS[3]) == 0 then return 0 end
+  if lease then return 0 end
+  if redis.call('EXISTS', KEYS[2], KEYS[3]) == 0 then return 2 end
 elseif ARGV[1] == 'own' then
   if lease and lease ~= ARGV[2] then return 0 end
 end
@@ -238,22 +240,40 @@ class RedisWrites:
         return bool(got)
 
     async def deregister(self, replica: str, owner: str | None = None) -> bool:
-        if not await self._delete(replica, "any" if owner is None else "own", owner or ""):
+        if await self._delete(replica, "any" if owner is None else "own", owner or "") != 1:
             return False
         await self._announce_down(replica)
         return True
 
     async def reap(self, replica: str) -> bool:
         """Delete a replica whose lease is gone (a crashed publisher): atomic against the
-        lease coming back (one script over the replica's slot). True when it was deleted."""
-        if not await self._delete(replica, "reap"):
+        lease coming back (one script over the replica's slot). True when it was deleted,
+        or when only its registry entry was left (its keys lost with a cluster node: the
+        registry set lives in another slot) and is now removed."""
+        got = await self._delete(replica, "reap")
+        if got == 2:
+            return await self._unlist(replica)
+        if got != 1:
             return False
         await self._announce_down(replica)
         return True
 
-    async def _delete(self, replica: str, when: str, owner: str = "") -> bool:
+    async def _unlist(self, replica: str) -> bool:
+        """Remove ``replica`` from the registry unless a registration came back meanwhile
+        (its lease exists again: put back, as in ``_announce_down``). No ReplicaDown: routers
+        that keep it through a data loss's grace purge it when that ends."""
+        s = self.schema
+        if not await self.redis.srem(s.registry, replica):
+            return False
+        if await self.redis.exists(s.lease(replica)):
+            await self.redis.sadd(s.registry, replica)
+            return False
+        return True
+
+    async def _delete(self, replica: str, when: str, owner: str = "") -> int:
         """Run ``_DELETE`` over every key of the replica, of every DP rank that has any
-        (``_stored_ranks``, plus what the script finds that a concurrent write added)."""
+        (``_stored_ranks``, plus what the script finds that a concurrent write added); its
+        answer: 1 deleted, 0 not allowed, 2 nothing left to reap."""
         s = self.schema
         ranks = await self._stored_ranks(replica)
         for _ in range(16):
@@ -263,7 +283,7 @@ class RedisWrites:
             args = [when, owner, *(str(d) for d in sorted(ranks))]
             got = await self.redis.eval(_DELETE, len(keys), *keys, *args)
             if not isinstance(got, list):
-                return bool(got)
+                return int(got)
             ranks.update(int(d) for d in got)
         raise RuntimeError(f"replica {replica!r}: DP ranks keep appearing while deleting it")
 

@@ -6,7 +6,8 @@ change stream from the cursor, in one task that owns all index mutations:
 
 * a batch whose ``seq`` was already applied is skipped; one that skips ahead (a gap: the
   stream was trimmed past us, or an entry was malformed) resyncs that replica key from its
-  snapshot; a reset entry resyncs it too;
+  snapshot; a reset entry resyncs it too, unless the key was resynced since the read that
+  brought the entry (that snapshot already holds it);
 * every ``audit_interval_s`` the leases are checked: a replica whose lease expired is purged
   from the index (and the listener told) and, with ``reap_expired``, its keys are deleted
   from the store (atomically against the lease coming back); a registered replica we do not
@@ -190,6 +191,10 @@ class IndexSync:
         # applied; retried each turn until it succeeds (an applied gap batch is a duplicate
         # when handled again, so only this remembers that its resync is owed).
         self._owed: set[ReplicaKey] = set()
+        # Keys resynced since the last read of the change streams: every entry handled now
+        # was read before that snapshot, which holds it (a reset entry of such a key is no
+        # reason to read its whole state again)
+        self._fresh: set[ReplicaKey] = set()
         # keys whose last snapshot read did not parse (``_resync``) -> (monotonic time of the
         # next read, the wait before it): such a read succeeds with the key's whole state,
         # so it is retried with a backoff, not each turn; logged once per replica
@@ -255,6 +260,7 @@ class IndexSync:
                     await self._settle_owed()
                 backlog = self._backlog
                 read = await self.store.read_changes(self._cursor, self.block_s, self.read_count)
+                self._fresh.clear()
                 if self._failed:
                     self._failed = False
                     self._after_outage()
@@ -401,7 +407,9 @@ class IndexSync:
         the way, so what the index lacks was lost to it (the stream trimmed past this
         router's cursor while it lagged, its last batches with it; an idle replica sends
         nothing later that would show the gap), or the store went back (restored from a
-        snapshot): the store is what every other router reads."""
+        snapshot): the store is what every other router reads. A key the index holds no
+        seq of (read while its replica was not registered) counts as differing; one whose
+        stored state does not parse is left to its own backoff (``_settle_owed``)."""
         keys = [k for info in self.infos.values() for k in info.replica_keys()]
         stored = await self.store.stored_seqs(keys) if keys else []
         before, now = self._audited_seqs, dict(zip(keys, stored, strict=True))
@@ -411,8 +419,8 @@ class IndexSync:
             for key, seq in now.items()
             if seq is not None
             and before.get(key) == seq
-            and (last := self.index.last_seq(key)) is not None
-            and last != seq
+            and key not in self._unreadable
+            and self.index.last_seq(key) != seq
         ]
         if behind:
             log.warning("index sync: %d replica key(s) behind the store; resyncing", len(behind))
@@ -446,7 +454,10 @@ class IndexSync:
                 self.stats.batches += 1
             self._note_lag(change.key, cursor)
         elif isinstance(change, ResetChange):
-            await self._resync([change.key])
+            if change.key in self._fresh:
+                self.stats.duplicates += 1
+            else:
+                await self._resync([change.key])
             self._note_lag(change.key, cursor)
         elif isinstance(change, LoadChange):
             if self._registered(change.key):
@@ -579,6 +590,7 @@ class IndexSync:
                 self._note_unreadable(snap)
                 continue
             self._owed.discard(key)
+            self._fresh.add(key)
             if self._unreadable.pop(key, None) is not None:
                 log.info("index sync: the stored state of %s reads again", key)
             self.stats.resyncs += 1
