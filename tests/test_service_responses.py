@@ -403,7 +403,9 @@ async def test_a_streamed_retrieve_is_relayed_as_it_comes() -> None:
             except asyncio.CancelledError:  # the router dropped this request
                 gone[0] += 1
                 raise
-        if request.match_info["rid"] == "resp_broken":  # the holder dies mid-stream
+        if request.match_info["rid"] == "resp_half":  # dies inside an event
+            await resp.write(b'data: {"type": "response.output_text.delta", "del')
+        if request.match_info["rid"] in ("resp_broken", "resp_half"):  # dies mid-stream
             assert request.transport is not None
             request.transport.close()
             return resp
@@ -441,6 +443,18 @@ async def test_a_streamed_retrieve_is_relayed_as_it_comes() -> None:
         ):
             body = await r.content.read()
         assert b"response.created" in body and b"broke off" in body
+        # ... inside an event: the half event is not relayed, the error event is one of its own
+        router.app[STATE].response_ids.put("resp_half", MODEL, "r0")
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{url}/v1/responses/resp_half?stream=true") as r,
+        ):
+            body = await r.content.read()
+        events = [e for e in body.split(b"\n\n") if e.strip()]
+        assert b"response.created" in events[0] and b"broke off" in events[-1]
+        for event in events:
+            data = [ln for ln in event.split(b"\n") if ln.startswith(b"data: ")]
+            assert len(data) == 1 and json.loads(data[0][6:])  # each event whole
         # a client that leaves mid-stream: the holder's request goes too, the router serves on
         go.clear()
         held = holder_requests[0]

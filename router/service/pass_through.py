@@ -26,6 +26,7 @@ from router.service.proxy import Forwarder
 from router.service.render import render_targets
 from router.service.replica_url import ReplicaUrl
 from router.service.state import RouterState
+from router.service.stream_usage import UsageFilter
 from router.service.upstream import Exchange
 from router.service.upstream_errors import UpstreamBroken, UpstreamError
 from router.service.wire import (
@@ -130,24 +131,27 @@ def _cut(upstream: Exchange, end: bytes, target: bytes) -> bool:
 
 async def _relay_stream(sink: Sink, upstream: Exchange, headers: Headers, target: bytes) -> None:
     """Relay an event stream to ``target`` as its pieces arrive (each wait for more bounded
-    by the upstream's read timeout); a replica that breaks off ends it with an error
-    event."""
+    by the upstream's read timeout; an event cut by a read waits for its end, as the hot
+    endpoints' relay does); a replica that breaks off ends it with an error event, never
+    glued to half of one."""
     started = False
     end = b""  # the stream's last bytes
+    whole = UsageFilter(drop_usage=False)  # holds an event cut by a read
     try:
         while (data := await upstream.read()) is not None:
             end = stream_end(end, data)
+            out = whole.feed(data)
             if started:
-                await sink.write(data)
+                await sink.write(out)
             else:
                 started = True
-                await sink.start(upstream.status, headers, data)
+                await sink.start(upstream.status, headers, out)
         if _cut(upstream, end, target):
             raise UpstreamBroken("the connection closed before the stream's end")
     except UpstreamError as exc:
         upstream.abort()
         why = f"the replica broke off its answer ({str(exc) or type(exc).__name__})"
-        event = stream_error_event(502, why, "upstream_error", anthropic=False)
+        event = whole.pending() + stream_error_event(502, why, "upstream_error", anthropic=False)
         if started:
             await sink.end(event)
         else:
@@ -158,9 +162,9 @@ async def _relay_stream(sink: Sink, upstream: Exchange, headers: Headers, target
         raise
     upstream.release()
     if started:
-        await sink.end()
+        await sink.end(whole.flush())
     else:
-        await sink.start(upstream.status, headers, end=True)
+        await sink.start(upstream.status, headers, whole.flush(), end=True)
 
 
 async def pass_through(
