@@ -125,6 +125,7 @@ EXAMPLES = {
         "tokenizer", "bpe_file", "pattern", "num_reserved", "chat_template",
         "chat_template_kwargs", "reasoning_effort_map", "exclude_tools_when_tool_choice_none",
         "anthropic_disabled_thinking_effort", "render", "render_url", "render_api_key",
+        "lora_base",
     },
     "models.NAME.busy": {"max_in_flight", "max_queued_prefill_tokens", "max_kv_usage"},
     "models.NAME.slo": {"ttft_s", "ttft_tiers"},  # the tiers: the test below

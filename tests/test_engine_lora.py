@@ -18,11 +18,12 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
+from router.core.hashing import hash_prompt, root_hash
 from router.core.index import PrefixIndex
 from router.core.types import EventBatch, ReplicaKey
 from router.events.decode import decode_payload
 from router.events.direct import DirectEvents
-from router.events.reblock import Reblocker
+from router.events.reblock import BASE_MODEL, Reblocker
 from router.tokenize.pipeline import PromptProcessor
 from tests.engines.harness import RefEngine
 from tests.test_engine_replay import Ports
@@ -139,6 +140,158 @@ async def test_one_engine_serving_a_base_model_and_an_adapter_is_predicted_per_m
         await direct.stop()
 
 
+# ------------------------------------------------------- adapters configured as adapters
+# ``[models.A] lora_base = "BASE"`` (the service) and ``kvrouter publish --lora-base BASE``
+# (the publisher): the entry is an adapter's from the start, so the base model's blocks the
+# engine stores before serving A are never predicted to A's requests.
+
+
+def test_an_entry_configured_as_an_adapter_never_indexes_base_model_blocks(
+    engine: RefEngine,
+) -> None:
+    entry = _Entry(ADAPTER, engine)
+    entry.rb = Reblocker(B, ADAPTER, adapter=True)
+    base_prompt, own = engine.prompt(4), engine.prompt(4)
+    entry.feed(engine.stored(base_prompt))  # base-model traffic, no adapter request yet
+    assert entry.hit(base_prompt) == 0
+    entry.feed(engine.stored(own, lora_name=ADAPTER))
+    assert entry.hit(own) == 2 and entry.hit(base_prompt) == 0
+    entry.rb.clear()  # an engine restart: still an adapter's entry
+    entry.feed(engine.stored(base_prompt))
+    assert entry.hit(base_prompt) == 0
+
+
+def _apart(tokens: list[int]) -> list[int]:
+    """Where an adapter's entry indexes the base model's blocks: under a root no request
+    hashes to (``reblock.BASE_MODEL``)."""
+    return hash_prompt(tokens, B, root_hash(ADAPTER, None, BASE_MODEL)).hashes
+
+
+def _adapter_settings(engine: RefEngine, **adapter_table: object) -> object:
+    from router.service.config import build_settings
+
+    ports = engine.ports  # type: ignore[attr-defined]
+    zmq = {"zmq": f"tcp://127.0.0.1:{ports.pub}", "zmq_replay": f"tcp://127.0.0.1:{ports.replay}"}
+    return build_settings(
+        {
+            "replicas": [
+                {"url": "http://127.0.0.1:1", "model": BASE, "name": "eng-base", **zmq},
+                {"url": "http://127.0.0.1:1", "model": ADAPTER, "name": "eng-sql", **zmq},
+            ],
+            "models": {
+                BASE: {"block_size": B},
+                ADAPTER: {"block_size": B, **adapter_table},
+            },
+        }
+    )
+
+
+async def test_the_service_follows_an_adapter_configured_with_lora_base_as_an_adapter(
+    engine: RefEngine,
+) -> None:
+    """The router following the engine itself (``zmq``): the adapter's entry is predicted
+    none of the base model's blocks though the engine has served no adapter request."""
+    from router.service.app import STATE
+    from tests.backends import start_router
+
+    router, _ = await start_router(_adapter_settings(engine, lora_base=BASE))
+    try:
+        index = router.app[STATE].index
+        key = ReplicaKey("eng-sql")
+        prompt = engine.prompt(4)
+
+        def indexed_apart() -> bool:  # the base-model store has reached the adapter's entry
+            if not index.match(_apart(prompt)).get(key).kv_blocks:
+                engine.publish(engine.stored(prompt))  # again until the subscriber has joined
+            return index.match(_apart(prompt)).get(key).kv_blocks == 2
+
+        await eventually(indexed_apart)
+        assert index.match(_hashes(ADAPTER, prompt)).get(key).kv_blocks == 0
+        own = engine.prompt(4)
+        engine.publish(engine.stored(own, lora_name=ADAPTER))
+        await eventually(lambda: index.match(_hashes(ADAPTER, own)).get(key).kv_blocks == 2)
+    finally:
+        await router.cleanup()
+
+
+async def test_the_publisher_started_with_lora_base_publishes_an_adapters_entry(
+    engine: RefEngine, redis_url: str, key_prefix: str
+) -> None:
+    """``kvrouter publish --model A --lora-base BASE``: what reaches the routers through
+    Redis holds none of the base model's blocks under A's roots."""
+    from router.publisher.publisher import Publisher, PublisherSettings
+    from router.store.base import ReplicaInfo
+    from router.store.redis_store import RedisStore
+    from router.store.schema import KeySchema
+    from router.store.sync import IndexSync
+
+    ports = engine.ports  # type: ignore[attr-defined]
+    info = ReplicaInfo("eng-sql", url="http://eng", model=ADAPTER, block_size=B)
+    settings = PublisherSettings(info, ports.specs(), heartbeat_s=0.1, lora_base=BASE)
+    stores = [RedisStore.from_url(redis_url, KeySchema(key_prefix)) for _ in range(2)]
+    index = PrefixIndex()
+    key = ReplicaKey("eng-sql")
+    publisher = Publisher(settings, stores[0])
+    try:
+        async with publisher, IndexSync(stores[1], index, audit_interval_s=0.1, block_s=0.05):
+            base_prompt, own = engine.prompt(4), engine.prompt(4)
+
+            def indexed_apart() -> bool:  # the base-model store has reached the router
+                if not index.match(_apart(base_prompt)).get(key).kv_blocks:
+                    engine.publish(engine.stored(base_prompt))  # until the subscriber joined
+                return index.match(_apart(base_prompt)).get(key).kv_blocks == 2
+
+            await eventually(indexed_apart)
+            assert index.match(_hashes(ADAPTER, base_prompt)).get(key).kv_blocks == 0
+            engine.publish(engine.stored(own, lora_name=ADAPTER))
+            await eventually(lambda: index.match(_hashes(ADAPTER, own)).get(key).kv_blocks == 2)
+    finally:
+        for store in stores:
+            await store.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        (True, r"models\.sql-lora\.lora_base: expected str \| None, got True"),
+        ("", r"models\.sql-lora\.lora_base: expected the base model's name"),
+        (ADAPTER, r"models\.sql-lora\.lora_base: names the adapter itself"),
+    ],
+)
+def test_a_lora_base_that_names_no_other_model_is_refused(
+    engine: RefEngine, value: object, needle: str
+) -> None:
+    from router.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        _adapter_settings(engine, lora_base=value)
+
+
+def test_a_lora_base_that_is_an_adapter_itself_is_refused(engine: RefEngine) -> None:
+    """vLLM serves an adapter on a base model, never on another adapter."""
+    from router.core.errors import ConfigError
+    from router.service.config import build_settings
+
+    models = {BASE: {"lora_base": "root"}, ADAPTER: {"lora_base": BASE}}
+    replicas = [{"url": "http://127.0.0.1:1", "model": m, "name": m} for m in models]
+    with pytest.raises(ConfigError, match=r"models\.sql-lora\.lora_base: 'base' is an adapter"):
+        build_settings({"replicas": replicas, "models": models})
+
+
+def test_publish_refuses_a_lora_base_naming_the_model_itself() -> None:
+    import subprocess
+    import sys
+
+    from tests.ports import free_port
+
+    argv = ["publish", "--replica", "r0", "--model", ADAPTER, "--zmq", "tcp://127.0.0.1:1"]
+    argv += ["--redis", f"redis://127.0.0.1:{free_port()}/0", "--lora-base", ADAPTER]
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", *argv], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 2 and "--lora-base: names --model itself" in out.stderr, out.stderr
+
+
 # --------------------------------------------------------------------- default mm LoRAs
 # vLLM's --default-mm-loras '{"audio": PATH}' loads an adapter named "audio"; a chat request
 # for the base model with a content part of that type (``input_audio``, ``audio_url``: the
@@ -209,8 +362,6 @@ def test_the_default_mm_lora_is_chosen_as_vllm_chooses_it(
     loras: list[str], parts: list[dict[str, object]], adapter: str | None
 ) -> None:
     """Exactly one loaded adapter named by a part type: that one; two: none (vLLM's rule)."""
-    from router.core.hashing import root_hash
-
     proc = _processor(default_mm_loras=loras)
     assert proc.root(_chat(*parts))[0] == root_hash(BASE, None, adapter)
 

@@ -968,6 +968,37 @@ async def test_a_follow_up_whose_holder_cannot_take_it_names_the_holder_as_http(
     assert _trailer(exc.value, "retry-after") == "1"
 
 
+async def test_a_follow_up_whose_holder_is_no_candidate_is_refused_not_sent_elsewhere(
+    rpc: Any,
+) -> None:
+    """The caller's ``candidates`` leave out the replica holding the stored response: any
+    of them could only answer that the response does not exist, so Pick routes it nowhere
+    and answers UNAVAILABLE naming the holder, with the retry trailers (HTTP's 503 for a
+    holder that cannot take it); with the holder among the candidates it goes there."""
+    state, stub = rpc
+    state.response_ids.put("resp_abc", MODEL, "a")
+    follow = {"model": MODEL, "input": "and then?", "previous_response_id": "resp_abc"}
+
+    def pick(*candidates: str) -> router_pb2.PickRequest:
+        return router_pb2.PickRequest(
+            model=MODEL,
+            request_json=json.dumps(follow),
+            request_path="/v1/responses",
+            candidates=list(candidates),
+        )
+
+    decided = len(state.decisions)
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Pick(pick("b"), metadata=AUTH)
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    details = exc.value.details() or ""
+    assert "replica 'a', the only one holding response 'resp_abc'" in details, details
+    assert "not among the candidates" in details, details
+    assert _trailer(exc.value, "retry-after") == "1"
+    assert len(state.decisions) == decided  # routed nowhere
+    assert (await stub.Pick(pick("b", "a"), metadata=AUTH)).replica == "a"
+
+
 def _outcome_counts(state: RouterState) -> dict[str, float]:
     """outcome -> ``MODEL``'s ``kvrouter_requests_total`` summed over replicas."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -219,10 +219,23 @@ async def test_a_stored_response_keeps_its_conversation_on_its_replica(stream: b
             async with http.post(f"{url}/v1/responses/{previous}/cancel") as r:
                 # the mock's (vLLM's) answer for a synchronous response, from its holder
                 assert r.status == 400 and "synchronous" in (await r.json())["error"]["message"]
+            # vLLM 0.34's body (``_make_not_found_error``), whoever answers it: the router for
+            # an id nobody holds, the engine for a previous_response_id it does not hold
+            unknown = {
+                "error": {
+                    "message": "Response with id 'resp_unknown' not found.",
+                    "type": "invalid_request_error",
+                    "param": "response_id",
+                    "code": 404,
+                }
+            }
             async with http.get(url + "/v1/responses/resp_unknown") as r:
-                assert r.status == 404
-                error = (await r.json())["error"]
-                assert error["message"] == "Response with id 'resp_unknown' not found."
+                assert r.status == 404 and await r.json() == unknown
+            async with http.post(url + "/v1/responses/resp_unknown/cancel") as r:
+                assert r.status == 404 and await r.json() == unknown
+            follow_up = {"model": MODEL, "input": "x", "previous_response_id": "resp_unknown"}
+            async with http.post(url + "/v1/responses", json=follow_up) as r:
+                assert r.status == 404 and await r.json() == unknown
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve("resp_unknown")
         unstored = await _ask(client, stream, "x", store=False)

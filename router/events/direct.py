@@ -52,12 +52,13 @@ class DirectEvents:
         endpoints: Sequence[EndpointSpec],
         on_checkpoint: Callable[[int], None] | None = None,
         on_facts: Callable[[EngineFacts], None] | None = None,
+        adapter: bool = False,
     ) -> EngineIngest:
         """Follow ``endpoints`` of ``replica``; call before ``start`` (after it:
-        :meth:`follow`). ``on_checkpoint``, ``on_facts``: see ``EngineIngest``."""
+        :meth:`follow`). ``on_checkpoint``, ``on_facts``, ``adapter``: see ``EngineIngest``."""
         if self._started:
             raise RuntimeError("add replicas before start(), or follow() them")
-        return self._add(replica, model, block_size, endpoints, on_checkpoint, on_facts)
+        return self._add(replica, model, block_size, endpoints, on_checkpoint, on_facts, adapter)
 
     async def follow(
         self,
@@ -67,6 +68,7 @@ class DirectEvents:
         endpoints: Sequence[EndpointSpec],
         on_checkpoint: Callable[[int], None] | None = None,
         on_facts: Callable[[EngineFacts], None] | None = None,
+        adapter: bool = False,
     ) -> EngineIngest:
         """:meth:`add_replica` once running (endpoints learned later, e.g. asked of the
         replica: router.events.discovery); its subscribers start now."""
@@ -74,7 +76,7 @@ class DirectEvents:
             raise RuntimeError("follow() is for a running DirectEvents; add_replica() before")
         if replica in self.ingests:
             raise ValueError(f"replica {replica!r} is followed already")
-        ingest = self._add(replica, model, block_size, endpoints, on_checkpoint, on_facts)
+        ingest = self._add(replica, model, block_size, endpoints, on_checkpoint, on_facts, adapter)
         await self._groups[-1].start()
         return ingest
 
@@ -107,6 +109,7 @@ class DirectEvents:
         endpoints: Sequence[EndpointSpec],
         on_checkpoint: Callable[[int], None] | None,
         on_facts: Callable[[EngineFacts], None] | None,
+        adapter: bool,
     ) -> EngineIngest:
         ingest = EngineIngest(
             replica,
@@ -116,6 +119,7 @@ class DirectEvents:
             self._applied,
             on_checkpoint=on_checkpoint,
             on_facts=on_facts,
+            adapter=adapter,
         )
         self.ingests[replica] = ingest
         for spec in endpoints:

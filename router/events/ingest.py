@@ -70,13 +70,15 @@ class EngineIngest:
         on_batch: Callable[[ReplicaKey, float], None] | None = None,
         on_checkpoint: Callable[[int], None] | None = None,
         on_facts: Callable[[EngineFacts], None] | None = None,
+        adapter: bool = False,
     ) -> None:
         """``on_batch(key, ts)``: called after ``sink`` with the engine's batch timestamp
         (``KVEventBatch.ts``, the engine's wall clock) when the batch gave canonical events
         and carries a timestamp. ``on_checkpoint(end)``: the token position of every new
         recurrent-state checkpoint (``Reblocker``), for layout learning. ``on_facts``: called
         with ``facts`` (:class:`EngineFacts`) each time the engine's stores show more of
-        them (at most twice)."""
+        them (at most twice). ``adapter``: ``model`` is configured as a LoRA adapter of the
+        engine (``Reblocker``: its entries never index the base model's blocks as its own)."""
         self.replica = replica
         self.model = model
         self.block_size = block_size
@@ -84,6 +86,7 @@ class EngineIngest:
         self.on_batch = on_batch
         self.on_checkpoint = on_checkpoint
         self.on_facts = on_facts
+        self.adapter = adapter
         self.facts = EngineFacts()
         self.reblockers: dict[int, Reblocker] = {}
         self.stats = IngestStats()
@@ -107,7 +110,7 @@ class EngineIngest:
         rb = self.reblockers.get(rank)
         if rb is None:
             rb = self.reblockers[rank] = Reblocker(
-                self.block_size, self.model, on_checkpoint=self.on_checkpoint
+                self.block_size, self.model, on_checkpoint=self.on_checkpoint, adapter=self.adapter
             )
         return rb
 

@@ -180,15 +180,20 @@ class Reblocker(PlacedStores):
         model: str,
         root_for: Callable[[str | None, str | None], int] | None = None,
         on_checkpoint: Callable[[int], None] | None = None,
+        adapter: bool = False,
     ) -> None:
         """``on_checkpoint(end)``: called for every new recurrent-state checkpoint with the
-        token position it ends at (a router block boundary or not), for layout learning."""
+        token position it ends at (a router block boundary or not), for layout learning.
+        ``adapter``: ``model`` is known to name a LoRA adapter of the engine (configured:
+        ``[models.NAME] lora_base``, ``kvrouter publish --lora-base``), so no block stored
+        without it is ever indexed under its requests' roots; else learned from the first
+        block stored with it (``_adapter_found``)."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
         self.model = model
         self.root_for = root_for or (lambda lora, salt: root_hash(model, salt, lora))
-        self.adapter = False  # ``model`` names an adapter of the engine (``_adapter_found``)
+        self.adapter = adapter  # ``model`` names an adapter of the engine
         self.on_checkpoint = on_checkpoint
         self._tables: dict[int, BlockTable] = {}  # by group_idx: full attention, state
         # engine block hash -> the group whose full-attention block of that hash is in

@@ -37,6 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from router.core.errors import BadRequest
+from router.service.errors import response_not_found_body
 from router.tokenize.responses import previous_response, to_chat_body
 
 MAX_STORED = 10_000
@@ -48,15 +49,8 @@ class UnknownResponse(BadRequest):
 
 def not_found(response_id: str) -> web.Response:
     """vLLM's ``_make_not_found_error``."""
-    body = {
-        "error": {
-            "message": f"Response with id '{response_id}' not found.",
-            "type": "invalid_request_error",
-            "param": "response_id",
-            "code": 404,
-        }
-    }
-    return web.json_response(body, status=404)
+    body = response_not_found_body(response_id)
+    return web.Response(body=body, status=404, content_type="application/json")
 
 
 @dataclass(slots=True)

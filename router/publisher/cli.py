@@ -92,6 +92,7 @@ async def _main(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         flush_interval_s=args.flush_interval,
         ask_sources=args.zmq == ["auto"],
+        lora_base=args.lora_base,
     )
     signing_hex = args.signing_key
     store = RedisStore.from_url(
@@ -146,8 +147,8 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def check_timing(args: argparse.Namespace) -> None:
-    """Raise ValueError naming a timing, port, block-size or Redis URL flag that cannot
-    work: a heartbeat not shorter than the lease lets the lease lapse between renewals
+    """Raise ValueError naming a timing, port, block-size, Redis URL or --lora-base flag
+    that cannot work: a heartbeat not shorter than the lease lets the lease lapse between renewals
     (routers drop the replica, it registers again, over and over); a zero or negative
     interval spins against Redis, an infinite one never flushes (or is a lease Redis
     refuses)."""
@@ -168,6 +169,13 @@ def check_timing(args: argparse.Namespace) -> None:
         raise ValueError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
     if args.block_size <= 0:
         raise ValueError(f"--block-size must be positive, got {args.block_size}")
+    if args.lora_base is not None and (not args.lora_base or args.lora_base == args.model):
+        raise ValueError(
+            f"--lora-base: names --model itself ({args.model!r}); give the base model the "
+            "engine serves the adapter on (omit it for a base model)"
+            if args.lora_base
+            else "--lora-base: expected the base model's name"
+        )
     if args.redis is not None:
         from router.core.errors import ConfigError
         from router.store.schema import check_redis_url
@@ -264,6 +272,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--replica", required=True, help="replica id (unique in the fleet)")
     p.add_argument("--model", required=True, help="served model name (hash namespace)")
+    p.add_argument(
+        "--lora-base",
+        default=None,
+        metavar="BASE_MODEL",
+        help="--model is a LoRA adapter the engine serves on BASE_MODEL: only blocks stored "
+        "with the adapter are published for it (unset: learned from its first such block)",
+    )
     p.add_argument("--url", default="", help="the engine's OpenAI-compatible base URL")
     p.add_argument("--rack", default="")
     p.add_argument("--region", default="")

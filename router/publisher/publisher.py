@@ -94,6 +94,9 @@ class PublisherSettings:
     # registered with the ranks they name (not ``info.dp_ranks``); the engine is asked
     # again now and then, and followed where it moves (router.events.discovery ``watch``)
     ask_sources: bool = False
+    # ``info.model`` is a LoRA adapter the engine serves on this base model
+    # (``--lora-base``): no block stored without it is published as its (EngineIngest)
+    lora_base: str | None = None
 
 
 @dataclass(slots=True)
@@ -126,7 +129,12 @@ class Publisher:
         self.grid = CheckpointGrid(info.block_size)
         self.info = info  # as last registered
         self.ingest = EngineIngest(
-            info.replica, info.model, info.block_size, self._sink, on_checkpoint=self._checkpoint
+            info.replica,
+            info.model,
+            info.block_size,
+            self._sink,
+            on_checkpoint=self._checkpoint,
+            adapter=settings.lora_base is not None,
         )
         self.subscribers = SubscriberGroup(self.ingest, settings.endpoints)
         self._retired_restarts = 0  # ``restarts`` of the subscriber groups replaced

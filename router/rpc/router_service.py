@@ -184,13 +184,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.PickRequest, admitted: Admitted
     ) -> list[ReplicaKey]:
         """The replicas holding the stored response a Responses body continues, within the
-        caller's candidates (empty: routed as any other request)."""
+        caller's candidates (empty: nobody holds it, routed as any other request). A holder
+        the candidates leave out is refused as HTTP refuses a holder that cannot take it
+        (NoReplicaAvailable naming it: UNAVAILABLE with the retry trailers): a candidate
+        could only answer that the response does not exist."""
         if admitted.previous_response is None:
             return []
         await self.state.response_share.find(admitted.previous_response)
         pinned = holder_keys(self.state, admitted)
         allowed = self._candidates(request)
-        return pinned if allowed is None else [k for k in pinned if k in allowed]
+        if allowed is None or not pinned:
+            return pinned
+        kept = [k for k in pinned if k in allowed]
+        if not kept:
+            raise NoReplicaAvailable(
+                f"replica {pinned[0].replica!r}, the only one holding response "
+                f"{admitted.previous_response!r}, is not among the candidates: any of them "
+                "could only answer that the response does not exist"
+            )
+        return kept
 
     def _candidates(self, request: router_pb2.PickRequest) -> list[ReplicaKey] | None:
         if not request.candidates:

@@ -280,6 +280,7 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
                 specs,
                 on_checkpoint=app[STATE].layouts.observer(rep.model, block),
                 on_facts=app[STATE].layouts.facts_observer(rep.model),
+                adapter=settings.model(rep.model).lora_base is not None,
             )
     registry = app[STATE].metrics.registry
     collector = _NotIndexed(direct)
@@ -357,6 +358,7 @@ async def _follow(
         specs,
         on_checkpoint=state.layouts.observer(rep.model, block),
         on_facts=state.layouts.facts_observer(rep.model),
+        adapter=settings.model(rep.model).lora_base is not None,
     )
     _log.info(
         "replica %s: following its KV events at %s",

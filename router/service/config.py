@@ -393,6 +393,14 @@ def _model(name: str, table: Any) -> ModelSettings:
     if not isinstance(loras, (list, tuple)) or not all(isinstance(v, str) and v for v in loras):
         raise ConfigError(f"{where}.default_mm_loras: must be an array of adapter names")
     model = replace(model, default_mm_loras=tuple(loras))
+    if model.lora_base is not None:
+        if not isinstance(model.lora_base, str) or not model.lora_base:
+            raise ConfigError(f"{where}.lora_base: expected the base model's name (a string)")
+        if model.lora_base == name:
+            raise ConfigError(
+                f"{where}.lora_base: names the adapter itself; give the base model the "
+                "engines serve it on (omit it for a base model)"
+            )
     if not isinstance(model.chat_template_kwargs, Mapping):
         raise ConfigError(f"{where}.chat_template_kwargs: must be a table")
     effort_map = model.reasoning_effort_map
@@ -550,6 +558,13 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     if not isinstance(models_tab, Mapping):
         raise ConfigError("models: must be a table of [models.NAME] tables")
     models = {name: _model(name, t) for name, t in models_tab.items()}
+    for name, model in models.items():
+        base = models.get(model.lora_base or "")
+        if base is not None and base.lora_base is not None:
+            raise ConfigError(
+                f"models.{name}.lora_base: {base.name!r} is an adapter itself (lora_base = "
+                f"{base.lora_base!r}); an adapter is served on a base model"
+            )
     return Settings(server=server, replicas=replicas, models=models)
 
 

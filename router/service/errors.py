@@ -106,6 +106,19 @@ def error_body(
     return json.dumps(body).encode()
 
 
+def response_not_found_body(response_id: str) -> bytes:
+    """vLLM 0.34's answer (status 404) for a stored response it does not hold, for a
+    ``previous_response_id``, a retrieve and a cancel alike (``_make_not_found_error``:
+    ``invalid_request_error``, the status as ``code``, not this module's 404 type)."""
+    error = {
+        "message": f"Response with id '{response_id}' not found.",
+        "type": "invalid_request_error",
+        "param": "response_id",
+        "code": 404,
+    }
+    return json.dumps({"error": error}).encode()
+
+
 @dataclass(slots=True, frozen=True)
 class ErrorReply:
     """An error answer, engine-neutral: status, extra headers, OpenAI-style body."""

@@ -177,6 +177,10 @@ class ModelSettings:
     # type name): a chat request naming exactly one of them by a part type is served with
     # that adapter, whose blocks are keyed with it (router/tokenize/keying.py mm_lora)
     default_mm_loras: tuple[str, ...] = ()
+    # the model is a LoRA adapter the engines serve on this base model (vLLM's --lora-modules
+    # name): its replica entries index only blocks stored with the adapter from the start;
+    # None: learned from the first such block each engine publishes (router/events/reblock.py)
+    lora_base: str | None = None
     # vLLM's --anthropic-disabled-thinking-effort: the reasoning_effort of a Messages API body
     # with thinking disabled / between_tools; "auto": vLLM's probe of the chat template
     # (router/tokenize/anthropic.py)

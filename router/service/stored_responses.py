@@ -1,21 +1,24 @@
 """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: sent to the replica
 holding the stored response (router/service/response_ids.py; an id this process did not
 record is looked up in the other workers and pods: router/service/response_share.py), whose
-answer is relayed as it sent it. An id nobody knows (never seen, or forgotten) is a 404 in
-OpenAI's shape, vLLM's words; a holder that cannot be reached, a 503. A JSON answer is read
-whole, then relayed; a retrieve with ``stream=true`` (a background response still running)
-is relayed event by event as the holder sends them (router/service/pass_through.py)."""
+answer is relayed as it sent it. An id nobody knows (never seen, or forgotten) is a 404 with
+vLLM's body (``response_not_found_body``); a holder that cannot be reached, a 503. A JSON
+answer is read whole, then relayed; a retrieve with ``stream=true`` (a background response
+still running) is relayed event by event as the holder sends them
+(router/service/pass_through.py)."""
 
 from __future__ import annotations
 
 from urllib.parse import unquote
 
+from router.service.errors import response_not_found_body
 from router.service.http_types import HttpRequest
 from router.service.pass_through import relay_once
 from router.service.proxy import Forwarder
 from router.service.state import RouterState
 from router.service.wire import Sink, send_error
 
+JSON = (b"Content-Type", b"application/json")
 PREFIX = b"/v1/responses/"
 CANCEL = b"/cancel"
 
@@ -46,7 +49,7 @@ async def serve(
     keys = state.registry.find(holder.replica) if holder is not None else []
     bases = [ep.base_url for k in keys if (ep := state.registry.endpoint(k)) is not None]
     if not bases:
-        await send_error(sink, 404, f"Response with id '{found}' not found.", param="response_id")
+        await sink.respond(404, [JSON], response_not_found_body(found))
         return
     failed = await relay_once(
         state, forwarder, sink, bases[0], req.target, req.headers, req.body, rid, req.method
