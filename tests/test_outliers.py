@@ -41,6 +41,26 @@ def test_consecutive_failures_eject_for_a_growing_interval() -> None:
     assert not det.on_probation(A, 7.7)
 
 
+def test_a_stream_s_first_byte_is_a_sample_not_a_success() -> None:
+    """A replica that answers every stream's head and first token, then breaks it off, kept
+    ending its own failure run with each first byte: it was never ejected. The first byte
+    is a latency sample; the stream's end is the success or the failure."""
+    det = OutlierDetector(OutlierSettings(consecutive_failures=3, base_ejection_s=2.0))
+    got = None
+    for i in range(3):
+        det.sent(A, "m", i, float(i), 0.5)
+        det.answered(A, i, i + 0.1, succeeded=False)
+        got = det.failure(A, "m", "broken", i + 0.2, token=i, pool_size=4)
+    assert got is not None and "broken x3" in got.reason
+    assert det.status(A, 2.5)["ejected"] is True
+    # a stream that ends whole is the success that ends the run
+    det.sent(B, "m", "s", 0.0, 0.5)
+    _fail(det, B, 2, 0.0)
+    det.answered(B, "s", 0.1, succeeded=False)
+    det.success(B, 0.2)
+    assert _fail(det, B, 2, 0.3) is None
+
+
 def test_the_ejected_share_of_a_pool_is_capped_and_the_rest_are_penalised() -> None:
     det = OutlierDetector(OutlierSettings(max_ejected_share=0.5, penalty_s=5.0))
     assert _fail(det, A, 3, 0.0) is not None

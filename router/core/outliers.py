@@ -6,9 +6,11 @@ each attempt's outcome (router/service/ejection.py) and applies what it decides 
 replica's health in the load tracker, a load penalty in the cost).
 
 * **Consecutive failures.** ``failure(key, kind, now)`` with ``kind`` one of
-  :data:`FAILURE_KINDS` (a 5xx, a 429, a first-byte timeout, a broken answer, a dropped
-  connection, a failure a gateway reported over gRPC); ``consecutive_failures`` of them in a
-  row, of any kinds, eject the replica. A success resets the run; a replica readmitted after
+  :data:`FAILURE_KINDS` (a 5xx, a 429, a first-byte timeout, a broken answer, a stream the
+  engine ended with its error event, a dropped connection, a failure a gateway reported over
+  gRPC); ``consecutive_failures`` of them in a
+  row, of any kinds, eject the replica. A success (an answer that ended whole: a stream's
+  first byte is not one yet) resets the run; a replica readmitted after
   an ejection keeps its run, so one more failure ejects it again.
 * **Growing ejection interval.** The n-th ejection in a row lasts ``n x base_ejection_s``,
   at most ``max_ejection_s``; n falls back to 0 once a readmitted replica has answered well
@@ -45,7 +47,15 @@ from dataclasses import dataclass, field, replace
 
 from router.core.types import ReplicaKey
 
-FAILURE_KINDS = ("http_5xx", "http_429", "timeout", "broken", "connect", "reported")
+FAILURE_KINDS = (
+    "http_5xx",
+    "http_429",
+    "timeout",
+    "broken",
+    "error_event",
+    "connect",
+    "reported",
+)
 MIN_EXPECT_S = 0.05  # predictions below this count as this in ratios
 
 
@@ -116,9 +126,13 @@ class OutlierDetector:
         """An attempt went to ``key``; its first byte is predicted within ``expect_s``."""
         self._get(key, pool).pending[token] = (now, max(expect_s, 0.0))
 
-    def answered(self, key: ReplicaKey, token: object, now: float) -> None:
+    def answered(
+        self, key: ReplicaKey, token: object, now: float, *, succeeded: bool = True
+    ) -> None:
         """The attempt's first byte (or whole answer) came: a latency sample, and a success
-        (ends the failure run)."""
+        (ends the failure run). ``succeeded`` False: a stream's first byte, the sample only;
+        its end is a :meth:`success` or a :meth:`failure` (a replica that breaks every
+        stream after its first token keeps its run)."""
         rep = self._replicas.get(key)
         if rep is None:
             return
@@ -132,6 +146,14 @@ class OutlierDetector:
                 excess if rep.excess_avg is None else a * excess + (1 - a) * rep.excess_avg
             )
             rep.ratio_avg = ratio if rep.ratio_avg is None else a * ratio + (1 - a) * rep.ratio_avg
+        if succeeded:
+            self.success(key, now)
+
+    def success(self, key: ReplicaKey, now: float) -> None:
+        """An attempt's answer ended whole: ends the failure run and the probation."""
+        rep = self._replicas.get(key)
+        if rep is None:
+            return
         rep.probation = False
         if rep.run:
             rep.run = 0

@@ -121,7 +121,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--fault",
         default="none",
         help="how the completion endpoints misbehave (router/mock/faults.py): none, a status "
-        "(429, 500, 503 ...), hang, head-only, short-body or slow:SECONDS; changed at run time "
+        "(429, 500, 503 ...), hang, head-only, short-body, break-stream, error-event or "
+        "slow:SECONDS; changed at run time "
         "with POST /admin/fault",
     )
     p.add_argument("--fault-rate", type=fraction, default=1.0, help="share of requests faulted")

@@ -14,6 +14,12 @@ as usual (a replica whose engine misbehaves while its API server is up). Modes:
 * ``head-only``: send a 200 head (``Content-Length`` of a body that never comes), then
   silence;
 * ``short-body``: send a 200 head and part of the promised body, then close the connection;
+* ``break-stream``: a streamed request gets a 200 event stream with its first token's event,
+  then the connection closes (no ``[DONE]``); a non-streamed one is answered as by
+  ``short-body``;
+* ``error-event``: a streamed request gets its first token's event, then the error event
+  vLLM ends a stream with when generation fails (``data: {"error": {...}}``) and
+  ``data: [DONE]``; a non-streamed one a 500 with vLLM's error body;
 * ``slow:S``: wait ``S`` seconds (wall clock, whatever ``--time-scale``), then answer
   normally (a first-byte latency outlier).
 """
@@ -35,7 +41,7 @@ _FOREVER = 1e9
 @dataclass(slots=True, frozen=True)
 class FaultMode:
     """One parsed mode (see the module docstring): ``kind`` is ``none``, ``status``,
-    ``hang``, ``head-only``, ``short-body`` or ``slow``."""
+    ``hang``, ``head-only``, ``short-body``, ``break-stream``, ``error-event`` or ``slow``."""
 
     kind: str = "none"
     status: int = 0
@@ -51,7 +57,7 @@ class FaultMode:
         text = spec.strip().lower()
         if text in ("", "none", "off"):
             return cls(rate=rate, retry_after_s=retry_after_s)
-        if text in ("hang", "head-only", "short-body"):
+        if text in ("hang", "head-only", "short-body", "break-stream", "error-event"):
             return cls(text, rate=rate, retry_after_s=retry_after_s)
         if text.startswith("slow:"):
             delay = float(text[5:])
@@ -62,7 +68,7 @@ class FaultMode:
             return cls("status", status=int(text), rate=rate, retry_after_s=retry_after_s)
         raise ValueError(
             f"unknown fault mode {spec!r}: none, a status 400-599, hang, head-only, "
-            "short-body or slow:SECONDS"
+            "short-body, break-stream, error-event or slow:SECONDS"
         )
 
     def describe(self) -> dict[str, object]:
@@ -100,19 +106,16 @@ async def inject(request: web.Request, handler: Handler) -> web.StreamResponse:
         await asyncio.sleep(mode.delay_s)
         return await handler(request)
     if mode.kind == "status":
-        body = {
-            "error": {
-                "message": f"injected fault: status {mode.status}",
-                "type": "server_error" if mode.status >= 500 else "invalid_request_error",
-                "param": None,
-                "code": mode.status,
-            }
-        }
         headers = {}
         if mode.status in (429, 503):
             headers["Retry-After"] = str(mode.retry_after_s)
-        return web.json_response(body, status=mode.status, headers=headers)
-    await request.read()  # the whole request, as an engine would take it
+        return web.json_response(_error(mode.status), status=mode.status, headers=headers)
+    raw = await request.read()  # the whole request, as an engine would take it
+    if mode.kind in ("break-stream", "error-event"):
+        if _streamed(raw):
+            return await _broken_stream(request, mode.kind == "error-event")
+        if mode.kind == "error-event":
+            return web.json_response(_error(500), status=500)
     if mode.kind == "hang":
         await asyncio.sleep(_FOREVER)  # until the client leaves (handler cancellation)
     response = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -126,6 +129,44 @@ async def inject(request: web.Request, handler: Handler) -> web.StreamResponse:
         transport.close()  # mid-body: the client sees the connection lost
     await asyncio.sleep(_FOREVER)
     return response  # never reached: the close cancels the handler
+
+
+def _error(status: int) -> dict[str, object]:
+    """vLLM's error body (``ErrorResponse``) for an injected fault."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    message = f"injected fault: status {status}"
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def _streamed(raw: bytes) -> bool:
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("stream") is True
+
+
+async def _broken_stream(request: web.Request, error_event: bool) -> web.StreamResponse:
+    """A stream that fails after its first token: the connection closes, or (``error_event``)
+    vLLM's error event and ``[DONE]`` end it."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    if request.path == "/v1/chat/completions":
+        choice: dict[str, object] = {"index": 0, "delta": {"content": "a"}, "finish_reason": None}
+        first = {"id": "chatcmpl-fault", "object": "chat.completion.chunk", "choices": [choice]}
+    else:
+        choice = {"index": 0, "text": "a", "finish_reason": None}
+        first = {"id": "cmpl-fault", "object": "text_completion", "choices": [choice]}
+    await response.write(b"data: " + json.dumps(first).encode() + b"\n\n")
+    if error_event:
+        await response.write(b"data: " + json.dumps(_error(500)).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    transport = request.transport
+    if transport is not None:
+        transport.close()  # mid-stream: the client sees the connection lost
+    return response  # (whatever aiohttp still writes goes nowhere)
 
 
 async def get_fault(request: web.Request) -> web.Response:

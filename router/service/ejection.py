@@ -64,7 +64,8 @@ class Ejections:
         )
         self.failures = LoopCounter(
             "kvrouter_replica_failures",
-            "Failed attempts by kind (http_5xx, http_429, timeout, broken, connect)",
+            "Failed attempts by kind (http_5xx, http_429, timeout, broken, error_event, connect, "
+            "reported)",
             ["model", "replica", "kind"],
             registry=r,
         )
@@ -110,8 +111,19 @@ class Ejections:
             del fleet.unhealthy_until[key]
             self.state.load.set_health(key, True)
 
-    def answered(self, key: ReplicaKey, token: object, now: float) -> None:
-        self.detector.answered(key, token, now)
+    def answered(
+        self, key: ReplicaKey, token: object, now: float, *, succeeded: bool = True
+    ) -> None:
+        """The attempt's first byte (or whole answer) came. ``succeeded`` False: a stream's
+        first byte, a latency sample only; its end is :meth:`ended` or :meth:`failed`, with
+        the same ``token`` (a probation attempt lasts until then)."""
+        self.detector.answered(key, token, now, succeeded=succeeded)
+        if succeeded:
+            self.ended(key, token, now)
+
+    def ended(self, key: ReplicaKey, token: object, now: float) -> None:
+        """The attempt's answer ended whole: a success."""
+        self.detector.success(key, now)
         if key in self._penalised:
             self._penalise(key, now)
         self._probed(key, token, now)

@@ -298,6 +298,7 @@ class Forwarder:
                 ejections.sent(key, token, now, expect)
                 kind = ""
                 upstream: Exchange | None = None
+                sse = False
                 try:
                     async with deadline:
                         upstream = await self.client.pool(ep.base_url).send(head, sent, wait)
@@ -359,7 +360,9 @@ class Forwarder:
                         last_error = f"replica {key} answered {upstream.status}"
                         continue
                 else:
-                    ejections.answered(key, token, loop.time())
+                    # a stream's first byte is no success yet: its end decides (_relay)
+                    ejections.answered(key, token, loop.time(), succeeded=not sse)
+                ends = token if sse and upstream.status < 400 else None
                 token = None
                 try:
                     await self._relay(
@@ -374,6 +377,7 @@ class Forwarder:
                         record_ids,
                         closers_of(path),
                         endpoint_of(path),
+                        ends,
                     )
                 finally:
                     upstream.release()
@@ -442,7 +446,11 @@ class Forwarder:
         record_ids: bool = False,
         closers: tuple[bytes, ...] = OPENAI_CLOSERS,
         endpoint: str | None = None,
+        ends: object = None,
     ) -> None:
+        """Relay the answer of ``key``. ``ends``: the attempt's token when its first byte was
+        no success for outlier ejection yet (a stream): how the stream ends is booked for it
+        (whole, the engine's error event, broken off, or left by the client)."""
         state = self.state
         mm = state.metrics.model(routed.request.model)
         # equality, not identity: compiled (mypyc) code may hand over a copy of the tuple
@@ -483,6 +491,9 @@ class Forwarder:
                     self._record_id(routed, key, id_of_answer(payload))
                 await sink.respond(status, headers, payload)  # the client gone: cancelled
                 self._answered(routed, key, started, status, payload, False, 0.0, endpoint)
+                if ends is not None:
+                    self.ejections.ended(key, ends, loop.time())
+                    ends = None
                 return
             # Each piece goes out as soon as it is here, in as few writes as what is at hand
             # allows: the head alone when the replica sent no data with it yet (the client
@@ -570,16 +581,22 @@ class Forwarder:
                 raise UpstreamBroken("the connection closed before the stream's [DONE]")
             if not ended:  # the end came on its own, after the last data
                 await sink.end(strip.flush())
-            self._answered(routed, key, started, status, b"".join(tail), True, first_at, endpoint)
+            errored = self._answered(
+                routed, key, started, status, b"".join(tail), True, first_at, endpoint
+            )
+            self._stream_ended(key, ends, errored)
+            ends = None
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             # The client went away: abort the request on the replica. A stream whose closing
             # [DONE] event the client already has is complete for it (SSE clients stop
             # reading there, often before the replica's end of the body arrives): answered,
             # not cancelled.
             if done_relayed:
-                self._answered(
+                errored = self._answered(
                     routed, key, started, status, b"".join(tail), True, first_at, endpoint
                 )
+                self._stream_ended(key, ends, errored)
+                ends = None
             else:
                 mm.outcome(key, "cancelled").inc()
             upstream.abort()
@@ -590,9 +607,11 @@ class Forwarder:
             if done_relayed:
                 # after the stream's closing event: the client has the whole answer (as
                 # when it leaves there), so nothing broke for it
-                self._answered(
+                errored = self._answered(
                     routed, key, started, status, b"".join(tail), True, first_at, endpoint
                 )
+                self._stream_ended(key, ends, errored)
+                ends = None
                 with contextlib.suppress(ConnectionResetError):
                     await sink.end(strip.flush())
                 return
@@ -600,7 +619,8 @@ class Forwarder:
             # then abort its connection too, so a truncated stream is never mistaken for a
             # complete one (no [DONE] follows).
             mm.outcome(key, "upstream_broken").inc()
-            self.ejections.failed(key, "broken", loop.time())
+            self.ejections.failed(key, "broken", loop.time(), ends)
+            ends = None
             timeout = isinstance(exc, UpstreamTimeout)
             event = stream_error_event(
                 504 if timeout else 502,
@@ -614,6 +634,18 @@ class Forwarder:
             raise
         finally:
             state.load.complete(rid)
+            if ends is not None:  # neither a success nor a failure of the replica's
+                self.ejections.dropped(key, ends, loop.time())
+
+    def _stream_ended(self, key: ReplicaKey, ends: object, errored: bool) -> None:
+        """Book a stream the client has whole for outlier ejection (``ends``: see
+        :meth:`_relay`): ended by the engine's error event, a failure; else a success."""
+        if ends is not None:
+            now = self.event_loop().time()
+            if errored:
+                self.ejections.failed(key, "error_event", now, ends)
+            else:
+                self.ejections.ended(key, ends, now)
 
     def _record_id(self, routed: Routed, key: ReplicaKey, response_id: str | None) -> None:
         """Remember which replica holds a stored response (router/service/response_ids.py;
@@ -631,12 +663,13 @@ class Forwarder:
         sse: bool,
         first_at: float = 0.0,
         endpoint: str | None = None,
-    ) -> None:
+    ) -> bool:
         """Book an answer the client has whole: engine feedback, the live-traffic trace, the
         outcome, and for a stream (``first_at``: when its first data came) whether it met its
         SLO (a stream the engine ended with its error event: neither the SLO nor the trace).
         ``payload``: the body, or a stream's tail, whose usage is read once here (a
-        Responses stream's final event carries the whole response)."""
+        Responses stream's final event carries the whole response). Returns whether the
+        engine ended the stream with its error event."""
         usage = usage_of(payload, sse) if b'"usage"' in payload else None
         self._feedback(routed, key, usage)
         # a stream the engine ended with its error event is an error, not an answer
@@ -649,6 +682,7 @@ class Forwarder:
         if errored:
             outcome = "upstream_error"
         self.state.metrics.model(routed.request.model).outcome(key, outcome).inc()
+        return errored
 
     def _slo(
         self, routed: Routed, started: float, first_at: float, usage: dict[str, Any] | None
