@@ -29,8 +29,8 @@ SCHEMA = KeySchema(PREFIX, 8)
 
 def acl_rules(replica: str, schema: KeySchema = SCHEMA) -> list[str]:
     """The ``ACL SETUSER`` rules of one publisher (docs/redis.md): its own replica's keys,
-    its own change-stream shard, the registry set and the instance token; data commands
-    only."""
+    its own change-stream shard, the registry set, the instance token and the stored shard
+    count; data commands only."""
     p = schema.prefix
     return [
         "on",
@@ -39,6 +39,7 @@ def acl_rules(replica: str, schema: KeySchema = SCHEMA) -> list[str]:
         f"~{schema.stream(schema.shard_of(replica))}",
         f"~{p}:replicas",
         f"~{p}:instance",
+        f"~{schema.shards_key}",
         "resetchannels",
         "-@all",
         "+@read",
@@ -96,6 +97,8 @@ async def test_acl_publisher_writes_only_its_own_replica(tmp_path: Path) -> None
         url = f"redis://pub-{mine}:pw-{mine}@127.0.0.1:{server.port}/0"
         pub = RedisStore.from_url(url, SCHEMA)
         # its own replica: the whole publisher protocol works
+        assert await pub.settle_shards() is False  # the first to start: stores the count
+        assert await admin.get(SCHEMA.shards_key) == b"8"
         await pub.register(ReplicaInfo(mine, url="http://x", model="m"), "owner-1", 10.0)
         state, events = _state(mine, [11, 12, 13])
         await pub.write([(state, events)])

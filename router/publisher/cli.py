@@ -320,7 +320,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="redis://, rediss:// or redis+cluster:// URL",
     )
     p.add_argument("--key-prefix", default="kvr")
-    p.add_argument("--stream-shards", type=int, default=8)
+    p.add_argument(
+        "--stream-shards",
+        type=int,
+        default=8,
+        help="change stream shards, stored in Redis when none is yet; a stored count wins",
+    )
     p.add_argument("--lease-ttl", type=float, default=10.0)
     p.add_argument("--heartbeat", type=float, default=2.0)
     p.add_argument("--flush-interval", type=float, default=0.02)

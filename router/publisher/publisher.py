@@ -16,7 +16,9 @@ Life cycle (``start``):
    register again and republish the full state; a failed write also forces a full republish;
    so does a stored ``seq`` other than the writer's, checked after each heartbeat between two
    flushes and by every flush against the seq it replaces (Redis restored from an older
-   snapshot keeps the lease and loses later writes);
+   snapshot keeps the lease and loses later writes); and so does a stream shard count stored
+   in the store other than the one it follows (``IndexStore.settle_shards``, also read at
+   every registration: the count is the prefix's, docs/redis.md);
 5. scrape the engine's ``/metrics`` every ``load_interval_s`` and publish load per rank.
 
 Store outages are logged and retried; input problems are counted (``stats``/metrics) and
@@ -287,6 +289,7 @@ class Publisher:
         s = self.settings
         if not self._registered:  # the first registration (also when the store was down at start)
             await self.writer.resume_seq(floor=_wall_us())
+        await self.store.settle_shards()  # the stream its entries go to
         self.info = self.learned_info()
         await self.store.register(self.info, s.owner, s.lease_ttl_s, take_over=not self._registered)
         self._registered = True
@@ -357,6 +360,11 @@ class Publisher:
                     self._wake.set()
                 else:
                     self._check_seqs = True
+                if await self.store.settle_shards():
+                    # routers read the other count's streams now: register again and
+                    # republish in full on this replica's new shard
+                    self.writer.needs_reset = True
+                    self._wake.set()
             except LeaseTaken as exc:
                 if await self._taken(exc):
                     return

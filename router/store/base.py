@@ -368,6 +368,12 @@ class IndexStore(Protocol):
         """``stored_seq`` of each key, in one round trip where the store allows."""
         ...
 
+    async def settle_shards(self) -> bool:
+        """Agree on the change streams' shard count with every process of the store: read
+        the stored count (store this one's when there is none) and follow it. True when the
+        count this store uses changed (its cursor and writes move to other streams)."""
+        ...
+
     # read side
     async def instance_token(self) -> str: ...
 

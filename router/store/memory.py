@@ -169,6 +169,9 @@ class MemoryStore:
 
     # ------------------------------------------------------------------ read side
 
+    async def settle_shards(self) -> bool:
+        return False  # one change list, no shards
+
     async def instance_token(self) -> str:
         return self._token
 

@@ -20,6 +20,8 @@ a replica of another shard is dropped and counted as malformed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import re
 import uuid
 from collections.abc import Sequence
@@ -28,6 +30,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from router.core.errors import ConfigError
 from router.core.types import ReplicaKey
 from router.store.base import (
     Change,
@@ -48,6 +51,8 @@ DEFAULT_CLUSTER_POLL_S = 0.05
 DEFAULT_SOCKET_TIMEOUT_S = 10.0
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+log = logging.getLogger(__name__)
 
 
 def _glob_escape(text: str) -> str:
@@ -106,6 +111,8 @@ class RedisStore(RedisWrites):
         malformed."""
         self.redis = client
         self.schema = schema or KeySchema()
+        # the count this process was configured with; ``schema`` follows the stored one
+        self.configured_shards = self.schema.stream_shards
         self.stream_maxlen = stream_maxlen
         self.signing_key = signing_key
         self.verify_master = verify_master
@@ -118,6 +125,43 @@ class RedisStore(RedisWrites):
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+    async def settle_shards(self) -> bool:
+        """Follow the shard count stored under the prefix (``schema.shards_key``); when none
+        is stored, store the one in use (``SET NX``: the first process to start, or the
+        first to find it gone after Redis lost its data, decides). Read first: a Redis at
+        ``maxmemory`` refuses ``SET`` even of a key that exists. A stored count that is not
+        one raises ``ValueError`` naming the key (the caller retries, logged: nothing runs
+        on a count nobody agreed to). Following a count other than the configured one is
+        logged as a warning each time ``schema`` changes."""
+        key = self.schema.shards_key
+        raw: Any = await self.redis.get(key)
+        if raw is None:
+            await self.redis.set(key, str(self.schema.stream_shards), nx=True)
+            raw = await self.redis.get(key)
+        text = bytes(raw or b"").decode(errors="replace")
+        try:
+            stored = dataclasses.replace(self.schema, stream_shards=int(text))
+        except (ValueError, ConfigError):
+            raise ValueError(
+                f"{key} holds {text!r}, not a stream shard count in [1, 1024]: SET it to the"
+                f" count every publisher and router of the prefix uses (this one is configured"
+                f" with {self.configured_shards})"
+            ) from None
+        if stored.stream_shards == self.schema.stream_shards:
+            return False
+        log.warning(
+            "%s holds %d stream shards; configured %d, using %d until now: following %d"
+            " (set --stream-shards / server.redis_stream_shards to %d, docs/redis.md)",
+            key,
+            stored.stream_shards,
+            self.configured_shards,
+            self.schema.stream_shards,
+            stored.stream_shards,
+            stored.stream_shards,
+        )
+        self.schema = stored
+        return True
 
     # ------------------------------------------------------------------ read side
 

@@ -14,6 +14,8 @@ replicas spread over the shards::
     <p>:replicas          SET   registered replica names
     <p>:stream:{<s>}      STREAM change stream shard s (replicas hash onto shards)
     <p>:instance          STRING random token; a new one means Redis lost its data
+    <p>:stream-shards     STRING the stream shard count every process of the prefix follows
+                                 (stored by the first to start; RedisStore.settle_shards)
     <p>:resp:<id>         STRING the model and replica holding stored response <id>, PX TTL
                                  (router/store/response_ids.py; no hash tag: ids spread)
 """
@@ -99,6 +101,12 @@ class KeySchema:
     @property
     def instance(self) -> str:
         return f"{self.prefix}:instance"
+
+    @property
+    def shards_key(self) -> str:
+        """The shard count of the prefix's change streams, decimal: one key (no hash tag,
+        so any node of a cluster; no replica's ACL pattern covers it)."""
+        return f"{self.prefix}:stream-shards"
 
     def response(self, response_id: str) -> str:
         """A stored Responses API response's holder (router/store/response_ids.py)."""

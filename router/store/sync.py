@@ -13,8 +13,9 @@ change stream from the cursor, in one task that owns all index mutations:
   from the store (atomically against the lease coming back); a registered replica we do not
   know is loaded (or reaped when its lease is gone: it died before we knew it), one whose
   registration changed unseen (its ReplicaUp trimmed from the stream) is adopted as a
-  ReplicaUp would be; a new store instance token (Redis lost its data) triggers a full
-  re-bootstrap. Replicas without a live lease are skipped at bootstrap.
+  ReplicaUp would be; a new store instance token (Redis lost its data) or a new stored
+  stream shard count (``IndexStore.settle_shards``, also followed at bootstrap) triggers a
+  full re-bootstrap. Replicas without a live lease are skipped at bootstrap.
 * a ReplicaDown purges the replica only if its lease is gone: one whose publisher registered
   it again while it was being deleted (the Down lands after the new Up) stays; a ReplicaUp
   counts only while its lease lives (read late, after its publisher died, it is skipped).
@@ -305,6 +306,7 @@ class IndexSync:
         grace)."""
         token = await self.store.instance_token()
         lost = self._token is not None and (self._token != token or self._streams_lost)
+        await self.store.settle_shards()  # before the cursor: it covers the stored count
         self._cursor = await self.store.cursor()
         self._backlog.clear()  # read before the new cursor: the snapshots below hold it
         self._owed.clear()
@@ -334,6 +336,11 @@ class IndexSync:
         self._next_audit = time.monotonic() + self.audit_interval_s
         if await self.store.instance_token() != self._token:
             log.warning("index sync: store instance changed (data lost?); re-bootstrapping")
+            return True
+        if await self.store.settle_shards():
+            # the cursor names the old count's streams; publishers move to the new ones at
+            # their next heartbeat and republish there in full
+            log.warning("index sync: stream shard count changed; re-bootstrapping")
             return True
         if behind := await self.store.streams_behind(self._cursor):
             # its node lost it (the instance token lives on another): read on from the
