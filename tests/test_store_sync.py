@@ -1059,6 +1059,42 @@ async def test_a_full_redis_does_not_stop_the_audit(private_redis: LocalRedis) -
         await store.close()
 
 
+async def test_a_reap_that_fails_does_not_hold_the_audit(private_redis: LocalRedis) -> None:
+    """A full Redis deletes a dead replica's keys but refuses the ReplicaDown entry the reap
+    appends: that error ended the whole audit as a store outage, so the next dead replica
+    was not purged, and the outage's grace kept every lapsed lease routable for
+    ``lost_store_grace_s`` more. A reap is best effort: the next audit tries again."""
+    schema = KeySchema("kvr", stream_shards=1)
+    store = RedisStore.from_url(private_redis.url, schema)
+    try:
+        await _publish(store, "live")
+        for name in ("dead1", "dead2"):
+            dead = await _publish(store, name)
+            dead.add(ReplicaKey(name), [BlocksStored((1, 2))])
+            await dead.flush()
+        index = PrefixIndex()
+        async with IndexSync(store, index, lost_store_grace_s=30.0, **FAST) as sync:
+            assert ReplicaKey("dead1") in index and ReplicaKey("dead2") in index
+            await store.redis.config_set("maxmemory", 1)
+            try:
+                await store.redis.delete(schema.lease("dead1"), schema.lease("dead2"))
+                await eventually(
+                    lambda: ReplicaKey("dead1") not in index and ReplicaKey("dead2") not in index
+                )
+                assert ReplicaKey("live") in index and sync.stats.purges == 2
+                assert sync.up and sync.stats.errors == 0
+            finally:
+                await store.redis.config_set("maxmemory", 0)
+
+            # Redis has room again: the registry entries the failed reaps left go
+            async def only_live_listed() -> bool:
+                return [i.replica for i in await store.list_replicas()] == ["live"]
+
+            await eventually(only_live_listed)
+    finally:
+        await store.close()
+
+
 async def test_a_replica_lost_with_the_store_stays_until_its_grace_ends(
     private_redis: LocalRedis,
 ) -> None:

@@ -377,7 +377,7 @@ class IndexSync:
             self._purge(name)
             purged.add(name)
             if self.reap_expired:
-                await self.store.reap(name)
+                await self._reap(name)
         registered = [i for i in registered if i.replica not in purged]  # reaped just now
         for info in registered:
             known = self.infos.get(info.replica)
@@ -392,19 +392,32 @@ class IndexSync:
                     self._adopt(info)
                     await self._resync(info.replica_keys())
                 elif self.reap_expired:  # died before this router knew it: nobody else will
-                    await self.store.reap(info.replica)
+                    await self._reap(info.replica)
         await self._check_seqs()
         if self.reap_expired and now >= self._next_sweep:
             self._next_sweep = now + self.orphan_sweep_s
             await self._sweep_orphans()
         return False
 
+    async def _reap(self, name: str) -> bool:
+        """Delete a dead replica's state, best effort: an error (a full Redis refuses the
+        ReplicaDown entry after the keys went) is logged, not an outage of the store; the
+        replica is already out of this index, and its registry entry makes the next audit
+        try again."""
+        try:
+            return await self.store.reap(name)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("index sync: reaping %s failed: %s: %s", name, type(exc).__name__, exc)
+            return False
+
     async def _sweep_orphans(self) -> None:
         """Delete the state of replicas that outlived them (``IndexStore.orphans``): a
         publisher that stalled past its lease can flush once more after the replica was
         reaped, and if it then dies nothing would ever delete that."""
         for name in await self.store.orphans():
-            if name not in self.infos and await self.store.reap(name):
+            if name not in self.infos and await self._reap(name):
                 self.stats.orphans_reaped += 1
                 log.info("index sync: deleted the orphaned state of %s", name)
 
