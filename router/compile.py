@@ -26,14 +26,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-# the service modules on a proxied request's path (the fast engine's): server, handling,
-# request values, body memo, routing state, metrics, proxy and upstream client
+# the service modules on a proxied request's path (the fast engine's): server and its
+# connections, handling, request values, body memo, routing state, metrics, proxy and
+# upstream client
 SERVICE_MODULES = (
     "answers",
     "body_memo",
     "fast_server",
     "gate",
     "handling",
+    "http_connection",
     "http_types",
     "loop_metrics",
     "proxy",
