@@ -26,14 +26,17 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-# the service modules on a proxied request's path (the fast engine's): server, handling,
-# request values, body memo, routing state, metrics, proxy and upstream client
+# the service modules on a proxied request's path (the fast engine's): server and its
+# connections, handling, request values, body memo, routing state, metrics, proxy (its
+# dispatch and its answer relay) and upstream client
 SERVICE_MODULES = (
+    "answer_relay",
     "answers",
     "body_memo",
     "fast_server",
     "gate",
     "handling",
+    "http_connection",
     "http_types",
     "loop_metrics",
     "proxy",
@@ -82,11 +85,11 @@ TESTS = (
     "tests/test_service_messages.py",  # the Anthropic Messages API through the hot path
     "tests/test_service_responses.py",  # the Responses API through the hot path
     "tests/test_responses_split_id.py",  # a response id read across stream pieces
-    # stored-response ids found across workers and pods (handling's and proxy's part)
+    # stored-response ids found across workers and pods (handling's and the forwarder's part)
     "tests/test_responses_shared.py",
     "tests/test_pass_through.py",  # routes passed to a replica from the front door
     "tests/test_cache_reads.py",  # prompt-logprobs requests: no cache read, end to end
-    "tests/test_tokenize_anthropic.py",  # its usage reading and stream end (proxy)
+    "tests/test_tokenize_anthropic.py",  # its usage reading and stream end (answer_relay)
     "tests/test_loop_metrics.py",
     "tests/test_audit_input.py",
     "tests/test_audit_metrics.py",

@@ -249,9 +249,9 @@ async def test_no_route_and_wrong_method(keyed: tuple[str, Backend]) -> None:
 async def test_a_head_over_the_servers_cap_closes_the_connection(
     keyed: tuple[str, Backend],
 ) -> None:
-    """Past the parser's cap (router.service.fast_server.MAX_HEAD_BYTES) the server does not
+    """Past the parser's cap (router.service.http_connection.MAX_HEAD_BYTES) the server does not
     keep collecting headers: 431 and the connection closes, before any route or limit runs."""
-    from router.service.fast_server import MAX_HEAD_BYTES
+    from router.service.http_connection import MAX_HEAD_BYTES
 
     url, _ = keyed
     host, port = url.removeprefix("http://").split(":")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 
-from router.service.fast_server import MAX_HEAD_BYTES
+from router.service.http_connection import MAX_HEAD_BYTES
 from tests.test_service_fast import Front, _chat, _post, _response
 from tests.test_service_fast import front as front  # (the fixture)
 

@@ -1,5 +1,5 @@
 """A Responses stream's ``response.created`` event arriving in two reads still records the
-response's replica (router/service/proxy.py reads the stream's start until it finds the id):
+response's replica (router/service/answer_relay.py reads the stream's start until it finds the id):
 a stored response's ``GET /v1/responses/{id}`` then reaches it."""
 
 from __future__ import annotations

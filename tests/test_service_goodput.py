@@ -201,16 +201,16 @@ async def test_a_flex_request_is_judged_as_flex_with_admission_off(
     """A class's SLO does not depend on whether admission is on: with it off (this model has
     no admission table) a flex request is still counted in its class, against its class's
     TTFT factor (4x by default), as the simulator judges it (sim/metrics.py)."""
-    import router.service.proxy as proxy
+    import router.service.answer_relay as answer_relay
 
     factors: list[tuple[str, float]] = []
-    count = proxy.count_slo
+    count = answer_relay.count_slo
 
     def spy(state: Any, model: str, prompt: int, factor: float, klass: str, *rest: Any) -> None:
         factors.append((klass, factor))
         count(state, model, prompt, factor, klass, *rest)
 
-    monkeypatch.setattr(proxy, "count_slo", spy)
+    monkeypatch.setattr(answer_relay, "count_slo", spy)
     assert strict_fleet.state.settings.model(MODEL).admission is None
     await _stream(strict_fleet.client, service_tier="flex")
     await eventually_counts(

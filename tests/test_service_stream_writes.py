@@ -1,5 +1,5 @@
-"""Streams relayed in as few writes as the replica's timing allows (router/service/proxy.py
-``_relay``): a replica that sends head, events and end in one go, one that sends the head
+"""Streams relayed in as few writes as the replica's timing allows (router/service/answer_relay.py
+``AnswerRelay.relay``): a replica that sends head, events and end in one go, one that sends the head
 first and the events with the end, one that ends a stream without data, and one that sends
 every piece on its own. The client must get the same events and a well-framed stream each
 time, on both HTTP engines."""

@@ -1,7 +1,7 @@
 """The Anthropic Messages API's pieces that need no server: the body's chat conversion
 (router/tokenize/anthropic.py) against what vLLM 0.34's ``to_chat_completion_request``
 builds (expected values worked out from vllm/entrypoints/anthropic/serving.py), the usage
-reader and stream end of router/service/proxy.py, the error shape, and disaggregation
+reader and stream end of router/service/answer_relay.py, the error shape, and disaggregation
 keeping these requests local."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (router/tokenize/responses.py) against what vLLM 0.34's ``construct_input_messages`` /
 ``construct_tool_dicts`` / ``build_chat_params`` build (expected values worked out from
 vllm/entrypoints/openai/responses/utils.py and protocol.py), the usage reader, stream end
-and final-event finder of router/service/proxy.py, the response id map and readers
+and final-event finder of router/service/answer_relay.py, the response id map and readers
 (router/service/response_ids.py), and disaggregation keeping these requests local."""
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def metadata_headers(
 
 def metadata_bytes(metadata: tuple[tuple[str, str | bytes], ...] | None) -> int:
     """The size of a call's metadata counted as the HTTP server counts a header block's
-    (router/service/fast_server.py: name, value and 4 bytes of ``: `` and CRLF per field),
+    (router/service/http_connection.py: name, value and 4 bytes of ``: `` and CRLF per field),
     so ``server.max_header_kb`` bounds both alike. Values are counted as they arrived
     (``-bin`` values decoded, others as text)."""
     total = 0

@@ -62,7 +62,7 @@ class Pending:
     first_at: float = 0.0  # when FIRST_TOKEN was reported (0: not yet)
     cached_counted: bool = False  # the engine's cached tokens were counted (once a request)
     # an exact prompt of one sequence: its Report's cached tokens judge its prediction
-    # (router.service.proxy ``judged``)
+    # (router.service.answer_relay ``judged``)
     exact: bool = False
     held: object = None  # the caller's slot of the gate's per-key limit (None: not counted)
     owner: str | None = None  # the caller that made it (:func:`owner_of`): only its Reports
@@ -75,7 +75,7 @@ class Pending:
     # REFUSED report (RouterState.withdraw)
     dispatch: Dispatch | None = None
     # sequences it decodes side by side (``n`` of each prompt): its reported output tokens
-    # are their sum (router.service.proxy.count_slo)
+    # are their sum (router.service.answer_relay.count_slo)
     sequences: int = 1
 
     @property

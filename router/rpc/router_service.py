@@ -34,6 +34,7 @@ from router.core.types import ReplicaKey
 from router.rpc.calls import CALLER, abort_error, abort_reply, metadata_headers
 from router.rpc.decisions import DecisionBook, Pending, owner_of, scoped_id
 from router.rpc.gen import router_pb2, router_pb2_grpc
+from router.service.answer_relay import count_slo, judged
 from router.service.body_memo import Admitted
 from router.service.disagg import ModelDisagg
 from router.service.ejection import Ejections
@@ -53,7 +54,6 @@ from router.service.handling import (
     too_large,
     unique_in_flight,
 )
-from router.service.proxy import count_slo, judged
 from router.service.registry import Endpoint
 from router.service.report_relay import Reported, report_to_peers
 from router.service.state import RouterState
@@ -544,7 +544,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if phase == router_pb2.ReportRequest.REFUSED and not pending.first_at:
                 # its replica holds nothing of it (one that gave a first token computed it)
                 self.state.withdraw(pending.model, pending.dispatch)
-            # the outcome and SLO metrics of the HTTP endpoints (router/service/proxy.py)
+            # the outcome and SLO metrics of the HTTP endpoints (router/service/answer_relay.py)
             ok = phase == router_pb2.ReportRequest.COMPLETED
             outcome = "ok" if ok else ("upstream_4xx" if client_error else "failed")
             mm.outcome(pending.replica, outcome).inc()

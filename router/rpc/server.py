@@ -44,8 +44,8 @@ from router.rpc.router_service import RouterServicer
 from router.rpc.settings import GrpcSettings
 from router.service.ejection import Ejections
 from router.service.errors import ErrorReply
-from router.service.fast_server import MAX_HEAD_BYTES, MAX_HEADERS
 from router.service.gate import Gate, header_refusal, presented_key
+from router.service.http_connection import MAX_HEAD_BYTES, MAX_HEADERS
 from router.service.keys import (
     FORWARDER,
     GATE,
@@ -303,7 +303,7 @@ def build_server(
     # grpc's own metadata limits (8 KiB soft: refused at random above it; 16 KiB hard) must
     # not refuse what server.max_header_kb lets through: they are raised above it (grpc counts
     # 32 bytes a field where HTTP counts 4) so the interceptor refuses with HTTP's message; 0
-    # (unlimited) keeps the HTTP front door's own ceiling (fast_server.MAX_HEAD_BYTES)
+    # (unlimited) keeps the HTTP front door's own ceiling (http_connection.MAX_HEAD_BYTES)
     metadata_ceiling = (header_limit or MAX_HEAD_BYTES) + 32 * MAX_HEADERS
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(settings.token, settings.admin_token, gate, header_limit)],

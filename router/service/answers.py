@@ -1,4 +1,4 @@
-"""What the router reads of an engine's answer (router/service/proxy.py relays it): the
+"""What the router reads of an engine's answer (router/service/answer_relay.py relays it): the
 usage in each shape the replicas answer (OpenAI's, the Anthropic Messages API's, the
 Responses API's: :func:`usage_tokens`, found in a JSON body or a stream's tail by
 :func:`usage_of`), where each kind's stream ends (:func:`closers_of`), a Responses stream's
@@ -83,7 +83,7 @@ ALL_CLOSERS = (*RESPONSES_ENDS, *ANTHROPIC_CLOSERS)
 
 
 # how many of a stream's last bytes :func:`closes_stream` reads (enough to hold the start of
-# a Responses stream's final ``event: response.incomplete`` line too: router/service/proxy.py)
+# a Responses stream's final ``event: response.incomplete`` line too: answer_relay.py)
 CLOSER_SPAN = 48
 
 

@@ -1,0 +1,471 @@
+"""Relaying a replica's answer to its client, and booking it: :class:`AnswerRelay`, the base
+of the forwarder (router.service.proxy ``Forwarder``), runs once an attempt has an answer
+head.
+
+* Bodies pass through exactly as the replica sent them.
+* Streams (``text/event-stream``) are relayed piece by piece as they arrive (an event cut
+  by a read waits for its end: router.service.stream_usage ``UsageFilter``). A client that
+  disconnects cancels the handler or fails a write; either way the upstream connection is
+  closed, which aborts the request on the replica.
+* Feedback: first body data (a stream's first event that is a token: not a keep-alive
+  comment, nor a Responses stream's ``response.created`` / ``in_progress``) ->
+  ``LoadTracker.first_token``; end -> ``complete``; the
+  replica's cached prompt tokens (non-streaming body, or the last usage of a stream:
+  router.service.answers ``usage_tokens`` reads OpenAI's ``usage``, the Anthropic one of
+  ``/v1/messages`` and the Responses API's, in a JSON answer or a stream's final
+  ``response.completed`` event) are compared with the predicted usable hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from router.core.slo import tpot_s
+from router.core.types import ReplicaKey
+from router.service.answers import (
+    MAX_FINAL_EVENT,
+    OPENAI_CLOSERS,
+    RESPONSES_CLOSERS,
+    ResponsesPreamble,
+    closes_stream,
+    responses_final_at,
+    sse_comments_only,
+    stream_end,
+    stream_error,
+    usage_of,
+    usage_tokens,
+)
+from router.service.ejection import Ejections
+from router.service.response_ids import id_of_answer, id_of_stream
+from router.service.state import Routed, RouterState
+from router.service.stream_usage import UsageFilter
+from router.service.upstream import Exchange
+from router.service.upstream_errors import UpstreamBroken, UpstreamError, UpstreamTimeout
+from router.service.wire import Sink, response_headers, send_error, stream_error_event
+
+_SLO_RESULTS = {
+    (True, True): "met",
+    (False, True): "ttft_missed",
+    (True, False): "tpot_missed",
+    (False, False): "both_missed",
+}
+
+
+def count_slo(
+    state: RouterState,
+    model: str,
+    prompt_tokens: int,
+    ttft_factor: float,
+    service_class: str,
+    ttft: float,
+    e2e: float,
+    output_tokens: int | None,
+    sequences: int = 1,
+) -> None:
+    """Count an answer with a first token in ``kvrouter_slo_requests``: its prompt's SLO
+    tier and which targets it met (without an output length, TPOT is not judged). The
+    forwarder's streams and gRPC Report (router/rpc/router_service.py) both count here.
+
+    ``output_tokens`` is the engine's usage: a request's ``sequences`` (``n`` of each of
+    its prompts) decode side by side and it sums their tokens, so TPOT is judged on one
+    sequence's share of them."""
+    if output_tokens is not None and sequences > 1:
+        output_tokens = -(-output_tokens // sequences)
+    tpot = tpot_s(e2e, ttft, output_tokens) if output_tokens is not None else None
+    tier, ttft_ok, tpot_ok = state.slos[model].judge(prompt_tokens, ttft, tpot, ttft_factor)
+    result = _SLO_RESULTS[ttft_ok, tpot_ok]
+    state.metrics.model(model).slo(tier.label, result, service_class).inc()
+
+
+def judged(routed: Routed) -> bool:
+    """Whether the engine's cached tokens of ``routed``'s answer measure its predicted hit
+    (``kvrouter_prediction_error_tokens``; the forwarder and gRPC Report both ask): an exact
+    prompt of one sequence. A request of several reports one sequence's: a batch's, one of
+    its prompts' (vLLM: the last to finish); ``n`` > 1 samples', one child request's, and
+    the children after the first reuse the blocks the first just computed, so a prompt no
+    replica held reports nearly all of itself cached."""
+    request = routed.request
+    return routed.prompt.exact and request.prompts == 1 and request.samples == 1
+
+
+# how much of a Responses stream's start is searched for its response id
+MAX_ID_SCAN = 1 << 16
+# how many of a stream's last bytes are kept for its usage (the usage event and what follows)
+TAIL_SPAN = 8192
+
+
+class AnswerRelay:
+    """Relays an attempt's answer to its client and books it; the base of
+    :class:`~router.service.proxy.Forwarder`, which sends the attempts."""
+
+    def __init__(self, state: RouterState, ejections: Ejections, debug_header: bool) -> None:
+        self.state = state
+        self.ejections = ejections
+        self.debug_header = debug_header
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop this forwarder serves on, looked up once: ``asyncio.get_running_loop``
+        makes a ``getpid`` system call each time (CPython checks for a fork), three per
+        request before this."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
+    def _debug(self, routed: Routed, key: ReplicaKey, attempt: int) -> bytes:
+        d = routed.decision
+        first = key == d.replica  # other replicas' hits were not predicted
+        return (
+            f"replica={key}; policy={d.policy}; "
+            f"usable_tokens={d.usable_tokens if first else 0}; "
+            f"kv_tokens={d.kv_tokens if first else 0}; "
+            f"prompt_tokens={routed.request.prompt_tokens}; "
+            f"exact={str(routed.prompt.exact).lower()}; attempt={attempt}"
+        ).encode()
+
+    async def relay(
+        self,
+        sink: Sink,
+        upstream: Exchange,
+        routed: Routed,
+        key: ReplicaKey,
+        attempt: int,
+        started: float,
+        strip_usage: bool = False,
+        anthropic: bool = False,
+        record_ids: bool = False,
+        closers: tuple[bytes, ...] = OPENAI_CLOSERS,
+        endpoint: str | None = None,
+        ends: object = None,
+    ) -> None:
+        """Relay the answer of ``key``. ``ends``: the attempt's token when its first byte was
+        no success for outlier ejection yet (a stream): how the stream ends is booked for it
+        (whole, the engine's error event, broken off, or left by the client)."""
+        state = self.state
+        mm = state.metrics.model(routed.request.model)
+        # equality, not identity: compiled (mypyc) code may hand over a copy of the tuple
+        responses = closers == RESPONSES_CLOSERS
+        # usage dropped when the router asked for it; cut events held on every stream
+        strip = UsageFilter(drop_usage=strip_usage)
+        rid = routed.request.request_id
+        headers, streaming, has_rid = response_headers(upstream.headers)
+        if not has_rid:
+            headers.append((b"X-Request-Id", rid.encode("latin-1")))
+        if self.debug_header:
+            headers.append((b"X-KVRouter-Decision", self._debug(routed, key, attempt)))
+        status = upstream.status
+        loop = self.event_loop()
+        tail: deque[bytes] = deque()  # at least the stream's last TAIL_SPAN bytes (usage)
+        done_relayed = False  # the client has the stream's closing ``data: [DONE]`` event
+        first_at = 0.0  # when the stream's first token came (0: none yet)
+        try:
+            if not streaming:
+                try:
+                    payload = upstream.body()
+                    if payload is None:
+                        payload = await upstream.read_all()
+                except UpstreamError as exc:
+                    timeout = isinstance(exc, UpstreamTimeout)
+                    mm.outcome(key, "timeout" if timeout else "upstream_broken").inc()
+                    upstream.abort()
+                    await send_error(
+                        sink,
+                        504 if timeout else 502,
+                        f"replica {key} {'timed out' if timeout else 'broke off its answer'}",
+                        code="upstream_timeout" if timeout else "upstream_error",
+                        anthropic=anthropic,
+                    )
+                    return
+                state.load.first_token(rid)
+                if record_ids and status == 200:
+                    self._record_id(routed, key, id_of_answer(payload))
+                await sink.respond(status, headers, payload)  # the client gone: cancelled
+                self._answered(routed, key, started, status, payload, False, 0.0, endpoint)
+                if ends is not None:
+                    self.ejections.ended(key, ends, loop.time())
+                    ends = None
+                return
+            # Each piece goes out as soon as it is here, in as few writes as what is at hand
+            # allows: the head alone when the replica sent no data with it yet (the client
+            # learns the status before the first token), else with the first data; the
+            # stream's end with the last data when both arrived together.
+            # A body delimited by the connection's end has no end of its own: only the
+            # stream's closing event tells a finished answer from a replica that died.
+            until_close = upstream.until_close
+            # a stream that ended without data
+            ended = head_sent = upstream.at_end and not until_close
+            if ended:
+                await sink.start(status, headers, end=True)
+            elif not upstream.data_ready:
+                head_sent = True
+                await sink.start(status, headers)
+            tail_bytes = 0
+            keep_final = False  # the tail holds a Responses API stream's final event
+            head_seen = b""  # the stream's start, until its response id is found
+            end = b""  # the stream's last bytes (a read may cut its closing event)
+            last = 0.0
+            first = True
+            # a Responses stream's response.created / in_progress come before the engine's
+            # first output: no token either
+            preamble = ResponsesPreamble() if responses and status == 200 else None
+            while (chunk := await upstream.read()) is not None:
+                now = loop.time()
+                if chunk[:1] == b":" and sse_comments_only(chunk):
+                    pass  # keep-alive comments (vLLM --sse-keep-alive-interval): no token
+                elif preamble is not None and not preamble.output_began(chunk):
+                    pass
+                elif first:
+                    preamble = None
+                    state.load.first_token(rid)
+                    mm.ttft.observe(now - started)
+                    first_at = last = now
+                    first = False
+                else:
+                    mm.itl.observe(now - last)
+                    last = now
+                ended = upstream.at_end
+                before, end = end, stream_end(end, chunk)
+                done_seen = closes_stream(end, closers)
+                cut = ended and until_close and not done_seen
+                ended = ended and not cut
+                out = strip.feed(chunk)
+                if ended:
+                    out += strip.flush()
+                if not head_sent:
+                    head_sent = True
+                    await sink.start(status, headers, out, end=ended)
+                elif ended:
+                    await sink.end(out)
+                elif out:
+                    await sink.write(out)
+                done_relayed = done_seen
+                if record_ids and status == 200:
+                    # the response.created event may come in pieces: read the stream's start
+                    head_seen = head_seen + chunk if head_seen else chunk
+                    found = id_of_stream(head_seen)
+                    if found is not None or len(head_seen) > MAX_ID_SCAN:
+                        self._record_id(routed, key, found)
+                        record_ids = False
+                        head_seen = b""
+                at = -1
+                probe = chunk
+                if responses:  # the final event's first line may start in an earlier read
+                    probe = before + chunk
+                    if b"event: response." in probe:
+                        at = responses_final_at(probe)
+                if at >= 0:  # the whole response (and its usage) follows: kept whole
+                    tail.clear()
+                    tail_bytes = 0
+                    keep_final = True
+                    chunk = probe[at:]
+                tail.append(chunk)
+                tail_bytes += len(chunk)
+                # whole reads go while the rest still holds the span: a read may cut the
+                # usage event, whose start is then in the read before
+                span = MAX_FINAL_EVENT if keep_final else TAIL_SPAN
+                while len(tail) > 1 and tail_bytes - len(tail[0]) >= span:
+                    tail_bytes -= len(tail.popleft())
+                if cut:
+                    break
+            if until_close and not done_relayed:
+                raise UpstreamBroken("the connection closed before the stream's [DONE]")
+            if not ended:  # the end came on its own, after the last data
+                await sink.end(strip.flush())
+            errored = self._answered(
+                routed, key, started, status, b"".join(tail), True, first_at, endpoint
+            )
+            self._stream_ended(key, ends, errored)
+            ends = None
+        except (asyncio.CancelledError, ConnectionResetError) as exc:
+            # The client went away: abort the request on the replica. A stream whose closing
+            # [DONE] event the client already has is complete for it (SSE clients stop
+            # reading there, often before the replica's end of the body arrives): answered,
+            # not cancelled.
+            if done_relayed:
+                errored = self._answered(
+                    routed, key, started, status, b"".join(tail), True, first_at, endpoint
+                )
+                self._stream_ended(key, ends, errored)
+                ends = None
+            else:
+                mm.outcome(key, "cancelled").inc()
+            upstream.abort()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        except (UpstreamTimeout, UpstreamBroken) as exc:
+            upstream.abort()
+            if done_relayed:
+                # after the stream's closing event: the client has the whole answer (as
+                # when it leaves there), so nothing broke for it
+                errored = self._answered(
+                    routed, key, started, status, b"".join(tail), True, first_at, endpoint
+                )
+                self._stream_ended(key, ends, errored)
+                ends = None
+                with contextlib.suppress(ConnectionResetError):
+                    await sink.end(strip.flush())
+                return
+            # The replica stalled or broke mid-stream: tell the client in an SSE error event,
+            # then abort its connection too, so a truncated stream is never mistaken for a
+            # complete one (no [DONE] follows).
+            mm.outcome(key, "upstream_broken").inc()
+            self.ejections.failed(key, "broken", loop.time(), ends)
+            ends = None
+            timeout = isinstance(exc, UpstreamTimeout)
+            event = stream_error_event(
+                504 if timeout else 502,
+                f"replica {key} {'timed out' if timeout else 'broke off the stream'}",
+                "upstream_timeout" if timeout else "upstream_error",
+                anthropic,
+            )
+            held = strip.pending()  # events it had whole (never half of one)
+            with contextlib.suppress(ConnectionResetError, RuntimeError, OSError):
+                await sink.write(held + event)
+            raise
+        finally:
+            state.load.complete(rid)
+            if ends is not None:  # neither a success nor a failure of the replica's
+                self.ejections.dropped(key, ends, loop.time())
+
+    def _stream_ended(self, key: ReplicaKey, ends: object, errored: bool) -> None:
+        """Book a stream the client has whole for outlier ejection (``ends``: see
+        :meth:`relay`): ended by the engine's error event, a failure; else a success."""
+        if ends is not None:
+            now = self.event_loop().time()
+            if errored:
+                self.ejections.failed(key, "error_event", now, ends)
+            else:
+                self.ejections.ended(key, ends, now)
+
+    def _record_id(self, routed: Routed, key: ReplicaKey, response_id: str | None) -> None:
+        """Remember which replica holds a stored response (router/service/response_ids.py;
+        with Redis, queued for the other pods: router/service/response_share.py)."""
+        if response_id is not None:
+            self.state.response_share.record(response_id, routed.request.model, key.replica)
+
+    def _answered(
+        self,
+        routed: Routed,
+        key: ReplicaKey,
+        started: float,
+        status: int,
+        payload: bytes,
+        sse: bool,
+        first_at: float = 0.0,
+        endpoint: str | None = None,
+    ) -> bool:
+        """Book an answer the client has whole: engine feedback, the live-traffic trace, the
+        outcome, and for a stream (``first_at``: when its first data came) whether it met its
+        SLO (a stream the engine ended with its error event: neither the SLO nor the trace).
+        ``payload``: the body, or a stream's tail, whose usage is read once here (a
+        Responses stream's final event carries the whole response). Returns whether the
+        engine ended the stream with its error event."""
+        usage = usage_of(payload, sse) if b'"usage"' in payload else None
+        self._feedback(routed, key, usage)
+        # a stream the engine ended with its error event is an error, not an answer
+        errored = sse and status < 400 and stream_error(payload)
+        if sse and first_at and status < 400 and not errored:
+            self._slo(routed, started, first_at, usage)
+        if self.state.recorder is not None and status < 400 and not errored:
+            self._record(routed, key, started, usage, first_at, sse, endpoint)
+        outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
+        if errored:
+            outcome = "upstream_error"
+        self.state.metrics.model(routed.request.model).outcome(key, outcome).inc()
+        return errored
+
+    def _slo(
+        self, routed: Routed, started: float, first_at: float, usage: dict[str, Any] | None
+    ) -> None:
+        """Count a streamed answer by its prompt's SLO tier and which targets it met. The
+        output length is the usage the replica reported (the router asks for it on every
+        stream); without one the TPOT half is not judged."""
+        req = routed.request
+        count_slo(
+            self.state,
+            req.model,
+            req.prompt_tokens,
+            routed.ttft_factor,
+            routed.service_class,
+            first_at - started,
+            self.event_loop().time() - started,
+            usage_tokens(usage).completion,
+            req.samples * req.prompts,
+        )
+
+    def _record(
+        self,
+        routed: Routed,
+        key: ReplicaKey,
+        started: float,
+        usage: dict[str, Any] | None,
+        first_at: float,
+        stream: bool,
+        endpoint: str | None,
+    ) -> None:
+        """Append the request to the live-traffic trace (router.recorder): one row per prompt
+        of a completions batch (each its own prompt and blocks, one ``batch`` id on all of
+        them), ``n`` on each. The output
+        length is one sequence's: the replica's usage (:func:`usage_tokens`, which sums every
+        sequence of every prompt) shared out over them, else the request's max tokens, else
+        1. A batch's rows carry no predicted or engine-cached tokens: the router predicted
+        its longest prompt's, and the usage holds one prompt's cached tokens, not each's."""
+        recorder = self.state.recorder
+        assert recorder is not None
+        req = routed.request
+        counts = usage_tokens(usage)
+        sequences = max(req.samples, 1) * max(req.prompts, 1)
+        out = counts.completion
+        if out is None:
+            out = req.max_output_tokens or 1
+        else:
+            out = max(1, -(-out // sequences))
+        parts: Sequence[tuple[int, Sequence[int]]] = routed.prompt.batch
+        batch = len(parts) > 1
+        if not batch:
+            parts = ((req.prompt_tokens, req.block_hashes),)
+        finished = self.event_loop().time()
+        replica = f"{key.replica}/{key.dp_rank}"
+        predicted = routed.decision.usable_tokens if key == routed.decision.replica else None
+        batch_id = recorder.next_batch() if batch else None
+        for tokens, hashes in parts:
+            recorder.record(
+                arrived_at=started,
+                model=req.model,
+                input_length=max(tokens, 1),
+                output_length=out,
+                block_hashes=hashes,
+                block_size=req.block_size,
+                session_id=req.session_id,
+                finished_at=finished,
+                replica=replica,
+                predicted_hit=None if batch else predicted,
+                cached_tokens=None if batch else counts.cached,
+                first_token_at=first_at or None,
+                samples=req.samples,
+                stream=stream,
+                endpoint=endpoint,
+                batch=batch_id,
+            )
+
+    def _feedback(self, routed: Routed, key: ReplicaKey, usage: dict[str, Any] | None) -> None:
+        if not usage:
+            return
+        mm = self.state.metrics.model(routed.request.model)
+        prompt_tokens, _, cached = usage_tokens(usage)
+        if routed.prompt.exact and prompt_tokens is not None:
+            drift = prompt_tokens - routed.prompt.prompt_tokens
+            mm.drift.observe(drift)
+            if drift:
+                mm.mismatch.inc()
+        if cached is None:
+            return
+        mm.engine_cached_tokens.inc(cached)
+        # the predicted replica, and the cached tokens of the prompt it predicted
+        if key == routed.decision.replica and judged(routed):
+            mm.prediction(routed.decision.usable_tokens, routed.request.prompt_tokens, cached)

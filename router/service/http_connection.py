@@ -1,0 +1,584 @@
+"""One client connection of the router's HTTP/1.1 server (router.service.fast_server, which
+listens, admits and times out connections and runs the handler): :class:`Connection`, the
+asyncio protocol that parses its requests with ``httptools`` and answers them in order, and
+:class:`ConnectionSink`, the :class:`~router.service.wire.Sink` its answers are written
+through.
+
+* The server parses and frames; it decides nothing about routes or limits but sizes: a
+  body over ``max_body`` is answered 413 by the handler (``HttpRequest.too_large``; the body
+  is discarded as it arrives, never buffered); a request line and headers over
+  :data:`MAX_HEAD_BYTES` (or of more than :data:`MAX_HEADERS` fields) 431 and an unparsable
+  request 400, and the connection is closed. Framing a proxy in front could read otherwise
+  is refused the same way (RFC 9112 6.1): a ``Transfer-Encoding`` in an HTTP/1.0 request
+  400, a transfer coding other than ``chunked`` 501 (llhttp refuses ``Content-Length`` with
+  ``Transfer-Encoding``, repeated lengths, bare LF, obs-fold and bad chunk framing: 400).
+  Such a close ends the stream after the answer and reads (and drops) what the client still
+  sends, until it closes or for :data:`LINGER_S`: a close with its bytes unread would be a
+  reset, which destroys the answer before the client reads it.
+* HTTP/1.0: a streamed answer goes out unframed and the connection closes at its end (no
+  chunked encoding, which 1.0 does not know); a kept connection is confirmed with
+  ``Connection: keep-alive``.
+* Keep-alive and pipelining: requests on one connection are answered in order; reading
+  pauses while more than a few requests wait. A protocol error (400, 431) in a pipelined
+  request is answered after the requests before it, then the connection closes.
+  ``Expect: 100-continue`` is honoured (its ``100`` also waits for the answers before it;
+  an HTTP/1.0 request's is ignored, RFC 9110 10.1.1);
+  with a ``Content-Length`` over ``max_body`` the answer is 413 at once, without the body,
+  and the connection closes. ``HEAD`` gets the head of the GET answer. A request asking to
+  switch protocols (``Upgrade: h2c``) is answered in HTTP/1.1 as if it had not asked;
+  ``CONNECT`` is 400. A chunked body's trailer fields are dropped, never taken for headers.
+  An absolute-form target (``http://host/path``) is served as its path.
+* A client that disconnects cancels its request's task, which aborts the upstream request
+  (the replica sees the connection close). Writes wait while the client's socket buffer is
+  full (backpressure reaches the replica through the upstream client's pause).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import http
+import logging
+import socket
+import sys
+import termios
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import httptools
+
+from router.service.errors import error_body, messages_path
+from router.service.http_types import HttpRequest
+
+if TYPE_CHECKING:
+    from router.service.fast_server import FastServer
+
+# logged under the server's name: a log line names the HTTP server, not which part of it
+_log = logging.getLogger("router.service.fast_server")
+_STATUS_LINES: dict[int, bytes] = {}
+_PIPELINE_MAX = 8
+# what the parser keeps of one request's line and headers, whatever server.max_header_kb says
+# (the front door's limit, answered with an OpenAI-style 431), and what is read of a head or
+# of a chunked body's trailer section (one that never ends its line included): past it the
+# connection closes
+MAX_HEAD_BYTES = 1 << 20
+# header fields per request: each costs two bytes objects and a tuple (~20x the wire size of
+# a tiny one), so MAX_HEAD_BYTES of them would hold ~20 MB per connection
+MAX_HEADERS = 1000
+_LAST_CHUNK = b"0\r\n\r\n"
+# answers that never have a body, so neither framing header (RFC 9110 6.4.1, 8.6: a 204
+# must not carry Content-Length; a 304's would give another answer's size)
+_BODILESS = frozenset({204, 304})
+_PIECE = 4096  # body pieces below this size are gathered (see Connection.on_body)
+# how long a connection closed by a protocol error's answer goes on reading (and dropping)
+# what its client still sends, so that its close is no reset that destroys the answer
+LINGER_S = 5.0
+
+
+def _chunk(data: bytes) -> bytes:
+    """``data`` framed as one HTTP/1.1 chunk."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        try:
+            phrase = http.HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "Unknown"
+        line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {phrase}\r\n".encode()
+    return line
+
+
+def _origin_form(target: bytes) -> bytes:
+    """An absolute-form request target as its origin-form (``http://host/p?q`` -> ``/p?q``,
+    RFC 9112 3.2.2: a server must accept it); any other (``*``, ``host:port``) as it is."""
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return target
+    slash, query = rest.find(b"/"), rest.find(b"?")
+    if query >= 0 and (slash < 0 or query < slash):
+        return b"/" + rest[query:]
+    return rest[slash:] if slash >= 0 else b"/"
+
+
+class Aborted(Exception):
+    """The handler failed after its answer began (logged already): abort the connection."""
+
+
+class ConnectionSink:
+    """:class:`~router.service.wire.Sink` writing HTTP/1.1 to the client connection."""
+
+    __slots__ = ("conn", "head_only", "http10", "keep_alive", "started")
+
+    def __init__(
+        self, conn: Connection, keep_alive: bool, head_only: bool = False, http10: bool = False
+    ) -> None:
+        # (the wire.Sink protocol's methods, over the connection)
+        self.conn = conn
+        self.keep_alive = keep_alive
+        self.head_only = head_only
+        self.http10 = http10  # streams go out unframed, then the connection closes
+        self.started = False  # a status line went out
+
+    def _head(self, status: int, headers: list[tuple[bytes, bytes]], framing: bytes) -> bytes:
+        parts = [_status_line(status)]
+        for k, v in headers:
+            parts += (k, b": ", v, b"\r\n")
+        parts.append(framing)
+        if not self.keep_alive:
+            parts.append(b"Connection: close\r\n")
+        elif self.http10:  # a 1.0 client keeps the connection only when told
+            parts.append(b"Connection: keep-alive\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        conn = self.conn
+        if conn.closed:
+            raise ConnectionResetError("client went away")
+        bodiless = status in _BODILESS
+        framing = b"" if bodiless else b"Content-Length: %d\r\n" % len(body)
+        head = self._head(status, headers, framing)
+        self.started = True
+        if self.head_only or bodiless or not body:
+            conn.transport.write(head)
+        elif len(body) < 65536:
+            conn.transport.write(head + body)
+        else:
+            conn.transport.write(head)
+            conn.transport.write(body)
+        if conn.paused:
+            await conn.drain()
+
+    async def start(
+        self, status: int, headers: list[tuple[bytes, bytes]], data: bytes = b"", end: bool = False
+    ) -> None:
+        conn = self.conn
+        if conn.closed:
+            raise ConnectionResetError("client went away")
+        self.started = True
+        if status in _BODILESS:  # the head alone: no framing, nothing written after it
+            self.head_only = True
+            conn.transport.write(self._head(status, headers, b""))
+            if conn.paused:
+                await conn.drain()
+            return
+        if self.http10:
+            self.keep_alive = False
+            out = self._head(status, headers, b"")
+            if not self.head_only:
+                out += data
+            conn.transport.write(out)
+            if conn.paused:
+                await conn.drain()
+            return
+        out = self._head(status, headers, b"Transfer-Encoding: chunked\r\n")
+        if not self.head_only:
+            if data:
+                out += _chunk(data)
+            if end:
+                out += _LAST_CHUNK
+        conn.transport.write(out)
+        if conn.paused:
+            await conn.drain()
+
+    async def write(self, data: bytes) -> None:
+        conn = self.conn
+        if conn.closed:
+            raise ConnectionResetError("client went away")
+        if data and not self.head_only:
+            conn.transport.write(data if self.http10 else _chunk(data))
+        if conn.paused:
+            await conn.drain()
+
+    async def end(self, data: bytes = b"") -> None:
+        conn = self.conn
+        if conn.closed:
+            raise ConnectionResetError("client went away")
+        if self.http10:
+            if data and not self.head_only:
+                conn.transport.write(data)
+        elif not self.head_only:
+            conn.transport.write(_chunk(data) + _LAST_CHUNK if data else _LAST_CHUNK)
+        if conn.paused:  # the answer is complete only once a slow client has taken it
+            await conn.drain()
+
+
+class Connection(asyncio.Protocol):
+    """One client connection (see the module docstring)."""
+
+    def __init__(self, server: FastServer) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.parser = httptools.HttpRequestParser(self)
+        self.closed = False
+        self.paused = False
+        # while paused: when the unacknowledged answer bytes last shrank, and how many then
+        self.stalled_at = 0.0
+        self.unsent = 0
+        self._drain: asyncio.Future[None] | None = None
+        self.queue: deque[tuple[HttpRequest, bool]] = deque()  # (request, HTTP/1.0)
+        self.peer = ""
+        self.fd = -1  # the socket's descriptor (TCP only), for what its kernel queue holds
+        self.task: asyncio.Task[None] | None = None
+        self.reading_paused = False
+        self.deadline = 0.0  # loop time at which the connection is closed; 0: none
+        self.in_message = False  # a request is being received
+        self.over_cap = False  # accepted over max_connections: answered 503
+        # a protocol error's answer (status, message, code, extra headers) that waits for
+        # the answers of the requests before it; nothing more is read meanwhile
+        self.failed: tuple[int, str, str, bytes] | None = None
+        self.want_continue = False  # "100 Continue" is owed once the answers before it went
+        self._new_message()
+
+    def _new_message(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.header_bytes = 0
+        # bytes read since the request began or since its last body bytes, and whether body
+        # bytes came in the piece being read (see data_received)
+        self.head_read = 0
+        self.got_body = False
+        self.head_done = False  # the head is parsed: header fields now are trailer fields
+        # the body's pieces; small ones after the first are gathered in a bytearray (one
+        # object per tiny chunk of a chunked body would cost ~27x the body's size)
+        self.body: list[bytes | bytearray] = []
+        self.body_size = 0
+        self.too_large = False
+
+    # ---------------------------------------------------------------- asyncio protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer: Any = transport.get_extra_info("peername")
+        if isinstance(peer, tuple):
+            self.peer = str(peer[0])
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            self.fd = sock.fileno()
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.server.admit(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed or self.failed is not None:
+            return  # (closed: lingering after a protocol error's answer, see fatal)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            self._no_upgrade(data[exc.args[0] :])
+        except httptools.HttpParserError as exc:
+            self.fatal(400, f"malformed HTTP request: {exc}")
+        else:
+            if self.in_message:
+                # httptools gathers a header (or trailer) line's name and value until the
+                # line ends (on_url and on_header count only what ended): the bytes read
+                # since the request began, or since its last body bytes, bound what it
+                # holds of an unended line. (Counted by whole pieces read: from the start of
+                # the piece the request began in, a request before it there included.)
+                if self.got_body:
+                    self.got_body = False
+                    self.head_read = 0
+                else:
+                    self.head_read += len(data)
+                    if self.head_read > MAX_HEAD_BYTES:
+                        what = "chunk framing or trailer" if self.head_done else "head"
+                        self.fatal(431, f"request {what} over {MAX_HEAD_BYTES} bytes")
+
+    def _no_upgrade(self, rest: bytes) -> None:
+        """The request just parsed asked for another protocol (``Upgrade``, as curl's
+        ``--http2`` asks ``h2c``): llhttp stopped there, before its body. The router speaks
+        HTTP/1.1 only and answers as if not asked (RFC 9110, 7.8): the request is parsed
+        again without its ``Upgrade`` field, with what followed it (``rest``), on a fresh
+        parser. ``CONNECT`` (a tunnel) is answered 400."""
+        queue = self.queue
+        if not queue or queue[-1][0].headers is not self.headers:
+            return  # not queued: answered already (over the connection cap)
+        req, http10 = queue.pop()
+        self.parser = httptools.HttpRequestParser(self)
+        if req.method == b"CONNECT":
+            self.fatal(400, "CONNECT is not supported")
+            return
+        head = [req.method, b" ", req.target, b" HTTP/1.0\r\n" if http10 else b" HTTP/1.1\r\n"]
+        for k, v in req.headers:
+            if k.lower() != b"upgrade":
+                head += (k, b": ", v, b"\r\n")
+        head.append(b"\r\n")
+        self.data_received(b"".join(head) + rest)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        self.server.idle.pop(self, None)
+        self.queue.clear()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        self._wake_drain(ConnectionResetError("client went away"))
+
+    def pause_writing(self) -> None:
+        self.paused = True
+        self.stalled_at = self.loop.time()
+        self.unsent = self._unsent()
+
+    def _unsent(self) -> int:
+        """Answer bytes the client has not acknowledged: the transport's buffer and the
+        kernel's send queue (which takes megabytes and is refilled in large steps, so the
+        transport's buffer alone would show a slow reader no progress for seconds)."""
+        queued = 0
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                raw = fcntl.ioctl(self.fd, termios.TIOCOUTQ, b"\0\0\0\0")
+                queued = int.from_bytes(raw, sys.byteorder, signed=True)
+        return self.transport.get_write_buffer_size() + queued
+
+    def stalled(self, now: float, timeout: float) -> bool:
+        """Whether the client has taken no byte of what waits for it for ``timeout`` s
+        (any progress, however slow, starts the wait again)."""
+        if not self.paused or self.closed:
+            return False
+        unsent = self._unsent()
+        if unsent < self.unsent:
+            self.unsent, self.stalled_at = unsent, now
+            return False
+        return now - self.stalled_at > timeout
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self._wake_drain(None)
+
+    async def drain(self) -> None:
+        if not self.paused:
+            return
+        if self.closed:
+            raise ConnectionResetError("client went away")
+        self._drain = self.loop.create_future()
+        await self._drain
+
+    def _wake_drain(self, exc: Exception | None) -> None:
+        w = self._drain
+        self._drain = None
+        if w is not None and not w.done():
+            if exc is None:
+                w.set_result(None)
+            else:
+                w.set_exception(exc)
+
+    def fatal(self, status: int, message: str, extra: bytes = b"", code: str = "") -> None:
+        """Answer ``status`` and close, once the requests before this one are answered
+        (pipelining: answers go out in order); the parser takes nothing more."""
+        if self.closed or self.failed is not None:
+            return
+        code = code or f"http_{status}"
+        if self.task is not None or self.queue:
+            self.failed = (status, message, code, extra)
+            if not self.reading_paused:
+                self.reading_paused = True
+                self.transport.pause_reading()
+            return
+        # (the Messages API's shape on its paths, once the request line is known whole)
+        anthropic = self.head_done and messages_path(_origin_form(self.url).split(b"?")[0])
+        body = error_body(status, message, code=code, anthropic=anthropic)
+        transport = self.transport
+        transport.write(
+            _status_line(status)
+            + b"Content-Type: application/json\r\nConnection: close\r\n"
+            + extra
+            + b"Content-Length: %d\r\n\r\n" % len(body)
+            + body
+        )
+        self.closed = True
+        # a close with unread bytes (the rest of a refused body or head, pipelined requests)
+        # is a TCP reset, which destroys the answer at the client before it is read: the
+        # answer is followed by the end of the stream, then what the client still sends is
+        # read and dropped until it closes, for at most LINGER_S (RFC 9112 9.6)
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        if self.reading_paused:
+            self.reading_paused = False
+            transport.resume_reading()
+        self.loop.call_later(LINGER_S, transport.close)
+
+    # ---------------------------------------------------------------- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self._new_message()
+        self.in_message = True
+        self.server.idle.pop(self, None)
+        limits = self.server.limits
+        if limits.header_timeout_s > 0:
+            self.deadline = self.loop.time() + limits.header_timeout_s
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        if len(self.url) > MAX_HEAD_BYTES:
+            self.fatal(431, f"request head over {MAX_HEAD_BYTES} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # (after the head: a chunked body's trailer fields, not headers, RFC 9110 6.5.1;
+        # the body is passed on whole, so they are dropped)
+        if self.closed or self.failed is not None or self.head_done:
+            return
+        headers = self.headers
+        headers.append((name, value))
+        self.header_bytes += len(name) + len(value) + 4
+        if self.header_bytes + len(self.url) > MAX_HEAD_BYTES:
+            self.fatal(431, f"request head over {MAX_HEAD_BYTES} bytes")
+        elif len(headers) > MAX_HEADERS:
+            self.fatal(431, f"request head of more than {MAX_HEADERS} header fields")
+
+    def on_headers_complete(self) -> None:
+        self.head_done = True
+        if self.closed or self.failed is not None:
+            return
+        body_timeout = self.server.limits.body_timeout_s
+        self.deadline = self.loop.time() + body_timeout if body_timeout > 0 else 0.0
+        limit = self.server.max_body
+        expect = False
+        for k, v in self.headers:
+            if len(k) == 14 and k.lower() == b"content-length":
+                try:  # (not contextlib.suppress: this runs per request, try costs nothing)
+                    if int(v) > limit:
+                        self.too_large = True
+                except ValueError:
+                    pass
+            elif len(k) == 6 and k.lower() == b"expect" and v.lower() == b"100-continue":
+                expect = True
+            elif len(k) == 17 and k.lower() == b"transfer-encoding" and self._bad_coding(v):
+                return
+        if not expect or self.parser.get_http_version() == "1.0":  # (1.0 has no 100)
+            return
+        if self.too_large:  # the client waits for "100 Continue": answer without the body
+            self.fatal(
+                413,
+                f"request body exceeds the {limit / 2**20:g} MB limit (server.max_body_mb)",
+                code="request_too_large",
+            )
+        elif self.task is not None or self.queue:  # after the answers before this request
+            self.want_continue = True
+        else:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _bad_coding(self, value: bytes) -> bool:
+        """Whether a ``Transfer-Encoding`` field ``value`` makes the request one the router
+        must refuse (answered, the connection closing): in an HTTP/1.0 request (1.0 has no
+        transfer coding: a proxy in front may frame it otherwise, RFC 9112 6.1), 400; a
+        coding but ``chunked`` (the one llhttp undoes), 501. llhttp refuses the others
+        (``chunked`` not last, with ``Content-Length``)."""
+        if self.parser.get_http_version() == "1.0":
+            self.fatal(400, "Transfer-Encoding in an HTTP/1.0 request")
+            return True
+        for coding in value.split(b","):
+            coding = coding.strip().lower()
+            if coding and coding != b"chunked":
+                self.fatal(
+                    501,
+                    f"transfer coding {coding.decode('latin-1')!r} is not supported (only chunked)",
+                )
+                return True
+        return False
+
+    def on_body(self, body: bytes) -> None:
+        self.got_body = True
+        if self.deadline:
+            self.deadline = self.loop.time() + self.server.limits.body_timeout_s
+        if self.too_large:
+            return
+        self.body_size += len(body)
+        if self.body_size > self.server.max_body:
+            self.too_large = True
+            self.body = []
+            return
+        parts = self.body
+        if not parts or len(body) >= _PIECE:
+            parts.append(body)
+        elif type(parts[-1]) is bytearray:
+            parts[-1] += body
+        else:
+            parts.append(bytearray(body))
+
+    def on_message_complete(self) -> None:
+        self.in_message = False
+        self.deadline = 0.0
+        self.want_continue = False
+        if self.closed or self.failed is not None:
+            return
+        if self.over_cap:
+            self.fatal(
+                503,
+                "the router has too many open connections (server.max_connections); retry",
+                b"Retry-After: 1\r\n",
+            )
+            return
+        parts = self.body
+        body = parts[0] if len(parts) == 1 and type(parts[0]) is bytes else b"".join(parts)
+        url = self.url
+        if not url.startswith(b"/"):
+            url = _origin_form(url)
+        self.queue.append(
+            (
+                HttpRequest(
+                    self.parser.get_method(),
+                    url,
+                    url.split(b"?", 1)[0],
+                    self.headers,
+                    body,
+                    self.peer,
+                    self.header_bytes,
+                    self.too_large,
+                    self.parser.should_keep_alive(),
+                ),
+                self.parser.get_http_version() == "1.0",
+            )
+        )
+        if len(self.queue) > _PIPELINE_MAX and not self.reading_paused:
+            self.reading_paused = True
+            self.transport.pause_reading()
+        if self.task is None:
+            self.task = self.loop.create_task(self._run())
+
+    # ---------------------------------------------------------------- serving
+
+    async def _run(self) -> None:
+        try:
+            while self.queue and not self.closed:
+                req, http10 = self.queue.popleft()
+                if (
+                    self.reading_paused
+                    and self.failed is None
+                    and len(self.queue) <= _PIPELINE_MAX // 2
+                ):
+                    self.reading_paused = False
+                    self.transport.resume_reading()
+                keep_alive = await self.server.serve(self, req, http10)
+                if not keep_alive and not self.closed:
+                    self.transport.close()
+                    self.closed = True
+                elif self.want_continue and not self.queue and not self.closed:
+                    self.want_continue = False
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # never leave a half answer
+            if not isinstance(exc, Aborted):
+                _log.exception("unexpected error in the HTTP server")
+            if not self.closed:
+                self.transport.abort()
+                self.closed = True
+        finally:
+            self.task = None
+            failed, self.failed = self.failed, None
+            if failed is not None:
+                status, message, code, extra = failed
+                self.fatal(status, message, extra, code)
+            elif not self.closed and not self.in_message:
+                if self.server.draining:
+                    self.transport.close()
+                    self.closed = True
+                else:
+                    self.server.rest(self)
