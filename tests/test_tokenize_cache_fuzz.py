@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import json
 import random
+import threading
 from typing import Any
 
 import pytest
@@ -158,3 +159,40 @@ def test_shared_caches_equal_cold_processing(seed: int) -> None:
             body,
         )
     assert shared.hits > 0 and shared.reused_tokens > 0
+
+
+def test_identical_conversations_processed_at_once_stay_exact() -> None:
+    """Worker threads process large bodies (the service offloads them): several threads
+    growing the same conversations through one shared cache at once (identical bodies in
+    flight together, each storing the entry the others probe) all get the cold result."""
+    rng = random.Random(7)
+    files = _files()
+    shared = IncrementalTokenizer(files.tokenizer, budget_bytes=64 * 2**20)
+    cold = IncrementalTokenizer(files.tokenizer, budget_bytes=0)
+    bodies = []
+    for name, template in _templates().items():
+        warm = PromptProcessor(name, 16, tokenizer=shared, template=template)
+        reference = PromptProcessor(name, 16, tokenizer=cold, template=template)
+        conv: list[dict[str, Any]] = [{"role": "system", "content": "Keep answers short. " * 1000}]
+        for _ in range(6):
+            conv = conv + _turn(rng, [len(bodies) * 10])
+            body = {"model": "m", "messages": conv}
+            want = reference.chat(body)
+            bodies.append((warm, body, (want.prompt_tokens, want.block_hashes)))
+    failures: list[Any] = []
+    barrier = threading.Barrier(4)
+
+    def run() -> None:
+        barrier.wait()
+        for warm, body, want in bodies:
+            got = warm.chat(body)
+            if (got.prompt_tokens, got.block_hashes) != want:
+                failures.append(body)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+    assert shared.hits > 0
