@@ -115,6 +115,30 @@ def test_the_budget_evicts_least_recently_used_first() -> None:
     assert len(memo) == 3 and memo.get("chat", b"z" * 1000) is None
 
 
+@pytest.mark.parametrize("prompts", [[[7]] * 20_000, [[7] * 16] * 3_000, [[7] * 2_000] * 30])
+def test_a_batch_bodys_prompts_count_against_the_budget(prompts: list[list[int]]) -> None:
+    """A batch of completion prompts keeps every prompt's row (its token count and block
+    hashes, for the live-traffic trace) in the memo: what the budget counts is at least what
+    the entry holds, so a memo of small batch bodies stays within ``body_memo_mb`` (an
+    80 KB body of 20,000 one-token prompts holds about 2.4 MB)."""
+    import tracemalloc
+
+    from router.service.body_memo import _cost
+    from router.tokenize.pipeline import PromptProcessor
+
+    raw = json.dumps({"model": "m", "prompt": prompts}, separators=(",", ":")).encode()
+    body = json.loads(raw)
+    processor = PromptProcessor("m", 16)
+    tracemalloc.start()
+    try:
+        admitted = Admitted("m", processor.completion(body), None, None)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert admitted.prompt.prompts == len(prompts)
+    assert _cost(raw, admitted) >= len(raw) + held
+
+
 # ---------------------------------------------------------------------------- the router
 
 

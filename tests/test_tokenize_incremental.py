@@ -124,6 +124,25 @@ def test_budget_evicts_least_recently_used() -> None:
     assert 0 < stats.entries < 5 and stats.bytes <= 400_000
 
 
+def test_the_budget_counts_texts_at_their_size_in_memory() -> None:
+    """A str holding one character outside the BMP (an emoji) stores every character in 4
+    bytes: an entry's text (and a short prompt's pieces) count what they take, so such
+    prompts can not hold twice the budget."""
+    import sys
+
+    tok, template = kimi()
+    inc = IncrementalTokenizer(tok, budget_bytes=1 << 30)
+    msgs = [{"role": "user", "content": "\U0001f642 " + "text " * 8000}]
+    text = template.render(msgs)
+    got = inc.encode(text, message_keys(msgs), ROOT, 16)
+    assert inc.stats().entries == 1
+    assert inc.stats().bytes >= sys.getsizeof(text) + got.tokens.nbytes
+    short = IncrementalTokenizer(tok, budget_bytes=1 << 30)
+    piece = "\U0001f642" + "word " * 500
+    short.encode_short(piece)
+    assert short.stats().bytes >= sys.getsizeof(piece)
+
+
 def test_a_growing_conversation_evicts_its_own_earlier_turns_first() -> None:
     """Each turn of a long session stores an entry that extends the previous turn's; the
     extended entry is evicted before any other conversation's latest entry, so one busy

@@ -15,7 +15,8 @@ time; routing may still fail for live reasons, as on any hit) and only bodies
 smaller than ``max_body_bytes`` (larger ones are long agentic turns, which the incremental
 tokenizer serves and which rarely repeat byte for byte). Entries are evicted least recently
 used first to stay within ``budget_bytes``, counted as the body's length plus the prompt's
-block hashes, the strings copied out of the body and a fixed overhead. The memo belongs to
+block hashes (every prompt's, with its row, for a batch of completion prompts), the strings
+copied out of the body and a fixed overhead. The memo belongs to
 the event-loop thread.
 """
 
@@ -32,6 +33,9 @@ from router.tokenize.keying import ProcessedPrompt
 # ProcessedPrompt, list) and per block hash (a 64-bit int object and its list slot).
 _ENTRY_OVERHEAD = 400
 _PER_HASH = 44
+# per prompt of a batch of completion prompts (ProcessedPrompt.batch: a row's tuple, count
+# and hash list), besides its hashes
+_PER_BATCH_ROW = 128
 
 
 @dataclass(slots=True, frozen=True)
@@ -125,5 +129,10 @@ def _cost(raw: bytes, admitted: Admitted) -> int:
     # fields: as large as they are
     session = len(admitted.session_id) if admitted.session_id else 0
     previous = len(admitted.previous_response) if admitted.previous_response else 0
-    hashes = _PER_HASH * len(admitted.prompt.block_hashes)
+    prompt = admitted.prompt
+    hashes = _PER_HASH * len(prompt.block_hashes)
+    # a batch keeps every prompt's row: a small body of many short prompts holds many times
+    # its own size (the longest prompt's hashes, shared with block_hashes, count twice)
+    for _, row in prompt.batch:
+        hashes += _PER_BATCH_ROW + _PER_HASH * len(row)
     return len(raw) + session + previous + hashes + _ENTRY_OVERHEAD

@@ -23,6 +23,7 @@ the service encodes long prompts on worker threads.
 from __future__ import annotations
 
 import bisect
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -275,14 +276,14 @@ class IncrementalTokenizer:
             return ids
         ids = self.tokenizer.encode_segment(piece)
         ids.flags.writeable = False  # shared by every request that repeats the piece
-        size = 2 * len(piece) + ids.nbytes + 120
+        size = sys.getsizeof(piece) + ids.nbytes + 120
         with self._lock:
             if piece not in memo:
                 memo[piece] = ids
                 self._pieces_bytes += size
                 while self._pieces_bytes > PIECE_MEMO_BYTES and memo:
                     old, old_ids = memo.popitem(last=False)
-                    self._pieces_bytes -= 2 * len(old) + old_ids.nbytes + 120
+                    self._pieces_bytes -= sys.getsizeof(old) + old_ids.nbytes + 120
         return ids
 
     def stats(self) -> CacheStats:
@@ -410,7 +411,8 @@ class IncrementalTokenizer:
                 cuts.append(_Cut(pos, m.group(), idx))
         if not cuts:
             return
-        nbytes = len(text) * 2 + tokens.nbytes + 40 * len(hashes) + 512
+        # (a str takes 1, 2 or 4 bytes a character, by its widest: one emoji makes it 4)
+        nbytes = sys.getsizeof(text) + tokens.nbytes + 40 * len(hashes) + 512
         self._store(
             key,
             _Entry(text, tokens, tuple(reversed(cuts)), {(root, block_size): hashes}, nbytes),
@@ -634,7 +636,7 @@ class IncrementalTokenizer:
         full, text_at = None, 0
         if text is not None:
             full, text_at = text
-            nbytes += 2 * len(full)
+            nbytes += sys.getsizeof(full)
         entry = _LocalEntry(
             list(messages),
             list(prepared),
