@@ -217,6 +217,33 @@ def test_parsed_tool_call_arguments_are_bounded_in_bytes() -> None:
     assert sum(len(k) for k in memo) <= 8 * 2**20 and len(memo) <= 8192
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        lambda n: {"a": [{} for _ in range(n)]},
+        lambda n: {"a": list(range(n))},
+        lambda n: {str(i): [i] for i in range(n)},
+        lambda n: {"text": "y" * (20 * n)},
+    ],
+    ids=["empty-objects", "ints", "keys", "text"],
+)
+def test_parsed_tool_call_arguments_count_at_their_size_in_memory(shape: Any) -> None:
+    """The memo counted an entry at its text's length; arguments of many small containers
+    (``{"a":[{},{},...]}``) parse to ~20x that, so the 8 Mi-character bound let the memo
+    hold ~180 MB. Each entry's cost is now at least what it holds."""
+    template_inputs._ARGS_CACHE.clear()
+    template_inputs._args_chars = 0
+    texts = [json.dumps({"i": i, **shape(2000)}, separators=(",", ":")) for i in range(8)]
+
+    def run() -> None:
+        for text in texts:
+            template_inputs._parse_arguments(text)
+
+    held = _retained(run)
+    assert len(template_inputs._ARGS_CACHE) == len(texts)
+    assert template_inputs._args_chars >= held, (template_inputs._args_chars, held)
+
+
 # ---------------------------------------------------------------------------- the body memo
 
 

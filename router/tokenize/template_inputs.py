@@ -41,10 +41,14 @@ from router.tokenize.content_format import (
 
 _ARGS_CACHE: dict[str, dict[str, Any]] = {}
 _ARGS_CACHE_MAX = 8192
-# the memo's bound in characters of argument text (each entry holds the text and the object
-# parsed from it); longer arguments (a file written by a tool call) are parsed each time
+# the memo's bound in units of its entries' cost (:func:`_args_cost`: about the bytes an
+# entry holds, the text and the object parsed from it); longer arguments (a file written by
+# a tool call) are parsed each time
 _ARGS_CACHE_CHARS = 8 * 2**20
 _ARGS_MEMO_MAX_CHARS = 64 * 1024
+# what a container or a value of the parsed object costs beyond its characters: an empty
+# dict is 64 bytes, a list slot 8, a dict entry ~30, a small int 28
+_ARGS_ITEM_COST = 96
 _args_chars = 0
 _args_lock = threading.Lock()
 
@@ -68,14 +72,23 @@ def _parse_arguments(text: str) -> dict[str, Any]:
         value = {}
     if len(text) > _ARGS_MEMO_MAX_CHARS:
         return value
+    cost = _args_cost(text)
     with _args_lock:  # (worker threads process large bodies)
-        if len(_ARGS_CACHE) >= _ARGS_CACHE_MAX or _args_chars + len(text) > _ARGS_CACHE_CHARS:
+        if len(_ARGS_CACHE) >= _ARGS_CACHE_MAX or _args_chars + cost > _ARGS_CACHE_CHARS:
             _ARGS_CACHE.clear()
             _args_chars = 0
         if text not in _ARGS_CACHE:
-            _args_chars += len(text)
+            _args_chars += cost
             _ARGS_CACHE[text] = value
     return value
+
+
+def _args_cost(text: str) -> int:
+    """What a memo entry of ``text`` holds, about: the text, and the parsed object, whose
+    containers and values cost far more than their characters (``[{},{}]``: 7 characters,
+    ~200 bytes parsed), counted by the separators and brackets that make them."""
+    items = text.count(",") + text.count("{") + text.count("[")
+    return 2 * len(text) + _ARGS_ITEM_COST * items
 
 
 # the keys of a tool call and of its function in the order vLLM's request model validates
