@@ -230,7 +230,7 @@ class Simulation:
         ttft = [
             rec.first - rec.arrival
             for rec in self._records.values()
-            if not rec.rejected and rec.first == rec.first
+            if not rec.rejected and rec.first == rec.first and rec.stream
         ]
         return RunResult(
             self.policy_name,
@@ -272,6 +272,7 @@ class Simulation:
             record = RequestRecord(row.request_id, now, row.prompt_tokens, -1)
             record.samples = row.samples
             record.klass = klass
+            record.stream = row.stream
             self._records[row.request_id] = record
             if row is not req:
                 self._order.append(row)
