@@ -501,7 +501,8 @@ class Simulation:
                     rec.kv_hit = out.kv_hit_tokens
                     rec.queued = out.queued_s
                 flight = self._batches.flight(out.request_id)
-                self._router_of[out.request_id].engine.load.first_token(flight)
+                if rec.stream:  # else the router sees it at the whole answer (its end)
+                    self._router_of[out.request_id].engine.load.first_token(flight)
                 self._dispatches.pop(flight, None)
             elif kind is Finished:
                 rec = records[out.request_id]
