@@ -103,18 +103,19 @@ class Simulation:
             )
             for k in self.keys
         ]
-        # a sliding-window model is routed as a hybrid one whose checkpoints sit on every block
-        # its window is cached at (router/events/window.py)
+        # The layout a live router learns from these engines' events (router/service/
+        # layout.py): hybrid (a sliding-window model too: its checkpoints sit where its
+        # window is cached, router/events/window.py), with a grid only where the engine
+        # checkpoints on one; a checkpoint at every block (a window, ``every_block``) or
+        # where prefill steps end shows none (state_layout.CheckpointGrid), and the router
+        # then speculates prompt-end checkpoints alone (tests/test_hybrid_prediction.py)
         window = p.window_blocks(config.block_size) > 0
+        grid = p.hybrid and p.checkpoint == "every_n"
         settings = RoutingSettings(
             block_size=config.block_size,
             hybrid=p.hybrid or window,
             state_interval_blocks=(
-                max(1, p.checkpoint_interval_tokens // config.block_size)
-                if p.hybrid
-                else 1
-                if window
-                else 0
+                max(1, p.checkpoint_interval_tokens // config.block_size) if grid else 0
             ),
             speculative_ttl_s=config.speculative_ttl_s,
             busy=config.busy,
@@ -230,7 +231,7 @@ class Simulation:
         ttft = [
             rec.first - rec.arrival
             for rec in self._records.values()
-            if not rec.rejected and rec.first == rec.first
+            if not rec.rejected and rec.first == rec.first and rec.stream
         ]
         return RunResult(
             self.policy_name,
@@ -272,6 +273,7 @@ class Simulation:
             record = RequestRecord(row.request_id, now, row.prompt_tokens, -1)
             record.samples = row.samples
             record.klass = klass
+            record.stream = row.stream
             self._records[row.request_id] = record
             if row is not req:
                 self._order.append(row)
@@ -500,7 +502,8 @@ class Simulation:
                     rec.kv_hit = out.kv_hit_tokens
                     rec.queued = out.queued_s
                 flight = self._batches.flight(out.request_id)
-                self._router_of[out.request_id].engine.load.first_token(flight)
+                if rec.stream:  # else the router sees it at the whole answer (its end)
+                    self._router_of[out.request_id].engine.load.first_token(flight)
                 self._dispatches.pop(flight, None)
             elif kind is Finished:
                 rec = records[out.request_id]

@@ -5,7 +5,10 @@ as the live bench's):
 
 * TTFT: first token time - arrival. ITL: (finish - first token) / (output tokens - 1), one
   value per request with more than one output token; ``tpot_ms_*`` are the same figures under
-  the name the SLO uses (TPOT). E2E: finish - arrival. Queueing delay: time a request waited
+  the name the SLO uses (TPOT). Both over streamed answers only, as the live figures
+  (router/demo/figures.py): a request not streamed (a recorded row's ``stream: false``)
+  reaches its client whole, so the SLO judges it by its E2E and not its TPOT
+  (``router.core.slo.answered_as``). E2E: finish - arrival. Queueing delay: time a request waited
   in its engine's queue before admission.
 * ``goodput``: share of all requests that met their SLO (``router.core.slo``: TTFT within
   the target of their prompt's tier, times their service class's ``ttft_factor`` under
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from router.core.admission import CLASS_NAMES
-from router.core.slo import Answered, SloTargets, goodput_by_scale, tpot_s
+from router.core.slo import Answered, SloTargets, answered_as, goodput_by_scale
 from sim.workload import SimRequest
 
 
@@ -59,6 +62,7 @@ class RequestRecord:
         "request_id",
         "samples",
         "sent",
+        "stream",
     )
 
     def __init__(self, request_id: str, arrival: float, prompt: int, replica: int) -> None:
@@ -76,6 +80,7 @@ class RequestRecord:
         self.rejected = False
         self.klass = 1  # service class (router/core/admission.py): default
         self.sent = arrival  # when the router dispatched it (later if admission held it)
+        self.stream = True  # its answer streamed (else its client gets it whole at the end)
 
 
 def _pcts(values: Sequence[float], prefix: str, scale: float = 1000.0) -> dict[str, float]:
@@ -119,10 +124,11 @@ def slo_figures(
         per_class[1] += 1
         if r.rejected or r.finish != r.finish:
             continue
-        ttft = r.first - r.arrival
-        tpot = tpot_s(r.finish - r.arrival, ttft, r.output)
-        answered.append((r.prompt, ttft / ttft_factor[r.klass], tpot))
-        _, a, b = slo.judge(r.prompt, ttft, tpot, ttft_factor[r.klass])
+        prompt, ttft, tpot = answered_as(
+            r.prompt, r.first - r.arrival, r.finish - r.arrival, r.output, r.stream
+        )
+        answered.append((prompt, ttft / ttft_factor[r.klass], tpot))
+        _, a, b = slo.judge(prompt, ttft, tpot, ttft_factor[r.klass])
         ttft_ok += a
         tpot_ok += b
         if a and b:
@@ -170,8 +176,11 @@ def summarize(
         "token_hit_rate": round(sum(r.cached for r in done) / prompt, 5) if prompt else 0.0,
         "kv_token_hit_rate": round(sum(r.kv_hit for r in done) / prompt, 5) if prompt else 0.0,
     }
-    out.update(_pcts([r.first - r.arrival for r in done], "ttft_ms"))
-    itl = _pcts([(r.finish - r.first) / (r.output - 1) for r in done if r.output > 1], "itl_ms")
+    # TTFT and ITL of the streamed answers alone, as the live figures (router/demo/figures.py):
+    # a client gets an answer not streamed whole
+    streamed = [r for r in done if r.stream]
+    out.update(_pcts([r.first - r.arrival for r in streamed], "ttft_ms"))
+    itl = _pcts([(r.finish - r.first) / (r.output - 1) for r in streamed if r.output > 1], "itl_ms")
     out.update(itl)
     out.update({"tpot" + k[3:]: v for k, v in itl.items()})
     out.update(_pcts([r.finish - r.arrival for r in done], "e2e_ms"))

@@ -84,6 +84,8 @@ class SimRequest:
     # the completions batch it is one prompt of: the requests of a batch arrive together
     # with its first (in workload order) and go to one replica, routed by the longest
     batch: str | None = None
+    # its answer is streamed (else its client, and the router, get it whole at its end)
+    stream: bool = True
 
 
 @dataclass(slots=True)
@@ -398,6 +400,7 @@ def read_mooncake(
             samples=r.samples,
             endpoint=r.endpoint,
             batch=r.batch,
+            stream=r.stream,
         )
         for i, r in enumerate(mooncake_rows(path, trace_block=trace_block, limit=limit))
     ]

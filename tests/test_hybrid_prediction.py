@@ -273,3 +273,35 @@ def test_engine_blocks_coarser_than_the_routers_keep_prediction_exact(
             engine_block_size=2 * B,
         )  # fmt: skip
     _assert_predicted(_serve_sessions(fleet, rng))
+
+
+@pytest.mark.parametrize(
+    ("profile_name", "mode"),
+    [("kimi-k3", "every_n"), ("kimi-k3", "every_block"), ("kimi-k3", "step_end"),
+     ("gpt-oss-120b", "")],
+)  # fmt: skip
+def test_the_simulated_router_routes_on_the_layout_the_service_learns(
+    profile_name: str, mode: str
+) -> None:
+    """The simulator's routers are given the state layout a live router, told nothing of
+    the model (as the demo's), learns from the same engine's events (router/service/
+    layout.py: ``CheckpointGrid`` over the checkpoints' positions): hybrid, and a grid only
+    where the engine checkpoints on one. A checkpoint at every block (a sliding window, or
+    ``every_block``) or only where prefill steps end shows no grid; the simulator routed
+    those on one (every block; the profile's interval), speculating checkpoints the live
+    router never speculates."""
+    from router.core.state_layout import effective_layout
+    from sim.cluster import ClusterConfig, Simulation
+    from sim.workload import Workload
+
+    profile = load_profile(profile_name).with_overrides(cpu_blocks=0)
+    if mode:
+        profile = profile.with_overrides(checkpoint=mode, checkpoint_interval_tokens=GRID_TOKENS)
+    fleet = _fleet(RoutingSettings(block_size=B), 20_000, B, profile)
+    _serve_sessions(fleet, random.Random(3))
+    interval = fleet.grid.interval()
+    assert interval is not None  # enough checkpoints seen to tell
+    learned = effective_layout(None, 0, SOURCE_ENGINE, (interval, SOURCE_ENGINE))
+    sim = Simulation(Workload("none", [], B, MODEL), ClusterConfig(profile), "ours")
+    layout = sim.routers[0].engine.layout
+    assert (layout.hybrid, layout.interval_blocks) == (learned.hybrid, learned.interval_blocks)

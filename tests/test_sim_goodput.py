@@ -84,3 +84,28 @@ def test_a_popular_prefix_does_not_pile_every_session_onto_one_replica() -> None
     assert batch["tpot_ms_p90"] < 0.5 * blind["tpot_ms_p90"]
     assert batch["e2e_ms_p90"] < 0.7 * blind["e2e_ms_p90"]
     assert batch["goodput"] >= blind["goodput"] and batch["token_hit_rate"] >= 0.93
+
+
+def test_a_row_not_streamed_is_judged_by_its_whole_answer(tmp_path: Path) -> None:
+    """A recorded row with ``stream: false`` (the live replay sends it so: its client gets
+    the answer whole) meets a TTFT target only if the whole answer came within it, as the
+    live figures judge it (router.core.slo ``answered_as``); the streamed row, the same
+    request, is judged by its first token. Its TTFT is no figure of the run."""
+    docs = {}
+    for stream in (True, False):
+        row = {"timestamp": 0, "input_length": 2000, "output_length": 400, "hash_ids": [1, 2]}
+        trace = tmp_path / f"stream-{stream}.jsonl"
+        trace.write_text(json.dumps({**row, "stream": stream}) + "\n")
+        docs[stream] = _replay_trace(str(trace), "--slo-ttft-ms", "1000")
+    assert docs[True]["goodput"] == 1.0 and float(docs[True]["ttft_ms_p50"]) < 1000  # type: ignore[arg-type]
+    assert float(docs[False]["e2e_ms_p50"]) > 1000  # type: ignore[arg-type]
+    assert docs[False]["goodput"] == 0.0
+    assert docs[False]["slo_tpot_met"] == 1.0  # not judged
+    assert docs[False]["ttft_ms_p50"] != docs[False]["ttft_ms_p50"]  # NaN: no streamed answer
+
+
+def _replay_trace(trace: str, *extra: str) -> dict[str, object]:
+    p = kvrouter("sim", "replay", trace, *FLEET, "--policy", "ours", "--json", *extra)
+    assert p.returncode == 0, p.stderr
+    doc: dict[str, object] = json.loads(p.stdout)
+    return doc

@@ -238,3 +238,28 @@ def test_an_eagle_profiles_routers_predict_the_block_its_engines_give_back() -> 
     granted = [sim._records[r.request_id].cached for r in (first, second)]
     assert granted == [0, 19 * b]  # 20 blocks cached, the last given back
     assert predicted == granted
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_router_learns_of_a_first_token_as_the_service_does(stream: bool) -> None:
+    """The service's router books a request's first token when its first byte comes
+    (router/service/proxy.py ``LoadTracker.first_token``): a stream's first event, but an
+    answer not streamed only whole, at its end; until then the request loads its replica
+    as one still prefilling. The simulated router must see the same load while the engine
+    decodes such an answer, or it routes on a load no live router has."""
+    hashes = list(range(1, 11))
+    r = SimRequest("a", 0.0, 640, 200, hashes, stream=stream)
+    wl = Workload("one", [r], 64, "sim-model")
+    s = Simulation(wl, small_config(), "ours")
+    s._arrive(r, 0.0)
+    record = s._records["a"]
+    while record.first != record.first:  # step the engines until its first token
+        t, prio, payload = s._queue.pop()
+        assert prio == ENGINE
+        i, g = payload
+        if g == s._gen[i]:
+            s._wake_at[i] = None
+            s._after_engine(i, t, s.engines[i].advance(t))
+    assert record.finish != record.finish  # decoding: the answer is not over
+    view = s.routers[0].engine.load.view(s.keys[record.replica], record.first)
+    assert (view.prefilling, view.decoding) == ((0, 1) if stream else (1, 0))

@@ -161,3 +161,33 @@ def test_a_class_is_promised_its_factor_with_admission_on_or_off() -> None:
     slo = SloTargets((SloTier(None, 1.0),))
     assert slo.judge(10, 3.0, None, 4.0)[1:] == (True, True)
     assert not slo.met(10, 3.0, None) and slo.met(10, 3.0, None, 4.0)
+
+
+def test_the_simulator_judges_an_answer_not_streamed_as_the_live_figures_do() -> None:
+    """The same answered requests, one streamed and one not (its client gets the whole
+    answer at once: no TTFT of its own), through the live replay's figures
+    (router/demo/figures.py) and the simulator's (sim/metrics.py): the same goodput, SLO
+    halves and TTFT / TPOT percentiles. The simulator judged an answer not streamed by the
+    engine's first token, which its client never saw, and counted its TTFT and TPOT."""
+    from router.demo.figures import summarize as live_figures
+    from router.demo.replay import Outcome
+    from sim.metrics import summarize as sim_figures
+
+    slo = SloTargets((SloTier(1000, 1.0), SloTier(None, 5.0)), 0.1)
+    # (prompt, engine's first token, finish, one sequence's output tokens, streamed)
+    answers = [(500, 0.3, 0.8, 11, True), (500, 0.2, 1.5, 100, False)]
+    outcomes, records = [], []
+    for prompt, first, finish, output, streamed in answers:
+        ttft = first if streamed else math.nan  # what the client measured
+        outcomes.append(Outcome(True, ttft, prompt, e2e_s=finish, output_tokens=output))
+        r = _record(prompt, first, finish, output)
+        r.stream = streamed
+        records.append(r)
+    live = live_figures(outcomes, slo)
+    sim = sim_figures(records, [1.0], ["r"], slo)
+    assert live["goodput"] == 0.5  # the answer not streamed took 1.5 s of a 1 s target
+    assert sim["goodput"] == live["goodput"]
+    assert sim["goodput_by_slo_scale"] == live["goodput_by_slo_scale"]
+    assert sim["slo_ttft_met"] == 0.5 and sim["slo_tpot_met"] == 1.0
+    assert sim["ttft_ms_p50"] == live["ttft_p50_ms"] == 300.0  # streamed answers alone
+    assert sim["tpot_ms_p50"] == live["tpot_p50_ms"] == 50.0

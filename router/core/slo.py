@@ -143,6 +143,19 @@ Answered = tuple[int, float, float | None]
 None for an answer of at most one token)."""
 
 
+def answered_as(
+    prompt_tokens: int, ttft_s: float, e2e_s: float, output_tokens: int, streamed: bool = True
+) -> Answered:
+    """One answered request as its client saw it, for the SLO: the one rule the live
+    figures (router/demo/replay.py ``Outcome.judged``) and the simulator's goodput judge by.
+    ``output_tokens``: one sequence's. An answer not streamed has no TTFT of its own (its
+    first token reaches the client with the whole answer): judged by its E2E, its TPOT not
+    judged."""
+    if not streamed:
+        return prompt_tokens, e2e_s, None
+    return prompt_tokens, ttft_s, tpot_s(e2e_s, ttft_s, output_tokens)
+
+
 def count_met(answered: Iterable[Answered], targets: SloTargets) -> int:
     """How many of ``answered`` met ``targets``."""
     return sum(targets.met(prompt, ttft, tpot) for prompt, ttft, tpot in answered)

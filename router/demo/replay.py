@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import numpy as np
 
+from router.core.slo import answered_as
 from router.core.slo import tpot_s as _tpot
 
 if TYPE_CHECKING:
@@ -96,8 +97,10 @@ class Outcome:
         """The answered request as the SLO judges it (``router.core.slo.Answered``): an
         answer not streamed has no TTFT, its first token reached the client with the whole
         answer: judged by its E2E, its TPOT not judged."""
-        ttft = self.ttft_s if self.ttft_s == self.ttft_s else self.e2e_s
-        return self.prompt_tokens, ttft, self.tpot_s()
+        sequences = max(self.samples, 1) * max(self.prompts, 1)
+        streamed = self.ttft_s == self.ttft_s
+        one = -(-self.output_tokens // sequences)
+        return answered_as(self.prompt_tokens, self.ttft_s, self.e2e_s, one, streamed)
 
 
 def count_requests(path: Path, limit: int) -> int:
