@@ -14,6 +14,13 @@ stderr as it ends). Per scenario:
   completion requests the bad replica received (its ``/admin/fault`` counter, which counts
   retried attempts too) after the first 2 s, over the client requests sent in that time;
   client latency percentiles.
+* ``fault break-stream`` and ``fault error-event`` (streams that fail after their first
+  token, which no retry can hide): also ``streams`` (how many of the requests streamed),
+  ``failed_share`` (``failed`` over the requests), ``bad_received_after_2s`` (the counter's
+  growth after the first 2 s), ``ejections`` (the router's
+  ``kvrouter_replica_ejections_total`` for the bad replica at the end) and
+  ``ejected_after_s`` (from the first request sent to the first ejection, the router's
+  ``/metrics`` polled every 0.05 s; None: never ejected).
 * ``sigstop``: the replica is SIGSTOPped at ``--stop-at`` s for the rest of the run (then
   SIGCONT). ``stalled``: requests whose first attempt went to it while it was stopped (in
   flight at the stop, or sent after; they come back with ``attempt=1`` or more in
@@ -27,6 +34,9 @@ stderr as it ends). Per scenario:
 
 Timed targets (issue 23): 0 failed for each fault; bad share < 5 %; moved within 2 s;
 idle sockets closed within the keep-alive timeout with normal requests still answered.
+The stream faults cannot reach 0 failed (the streams the bad replica takes before its
+ejection fail by construction): their figures are the failures and the time to ejection,
+and the run's exit status counts them as failed only if the bad replica was never ejected.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -50,6 +61,7 @@ from router.cliargs import at_least, non_negative_float, positive_float
 from router.sigterm import held
 
 ADMIN = "bench-admin"
+STREAM_FAULTS = ("break-stream", "error-event")  # a stream fails after its first token
 _HOLDER = """
 import socket, sys, time, json
 host, port, n, hold = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
@@ -143,12 +155,18 @@ async def _open_loop(
             "stream": stream,
         }
         rec: dict[str, Any] = {"sent": time.monotonic() - start, "ok": False, "status": 0}
+        rec["stream"] = stream
         try:
             async with session.post(url + "/v1/completions", json=body) as resp:
                 rec["status"] = resp.status
                 decision = resp.headers.get("X-KVRouter-Decision", "")
                 data = await resp.read()
-                done = b"[DONE]" in data if stream else b'"usage"' in data
+                # a stream the engine ended with its error event has [DONE] too
+                done = (
+                    b"[DONE]" in data and b'data: {"error"' not in data
+                    if stream
+                    else b'"usage"' in data
+                )
                 rec["ok"] = resp.status == 200 and done
                 for part in decision.split(";"):
                     k, _, v = part.strip().partition("=")
@@ -190,14 +208,65 @@ def _latency(recs: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def _ejections(url: str, replica: str) -> float:
+    """The router's ``kvrouter_replica_ejections_total`` for ``replica`` (all reasons)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        page = r.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(page)
+        for s in family.samples
+        if s.name == "kvrouter_replica_ejections_total" and s.labels.get("replica") == replica
+    )
+
+
+class _EjectionWatch:
+    """Polls the router's ``/metrics`` in a thread until ``replica``'s first ejection:
+    ``first_s``, seconds from :meth:`start` (None until then)."""
+
+    def __init__(self, url: str, replica: str, every: float = 0.05) -> None:
+        self.url, self.replica, self.every = url, replica, every
+        self.first_s: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        self._t0 = time.monotonic()
+        self._thread.start()
+
+    def _poll(self) -> float:
+        count = _ejections(self.url, self.replica)
+        if count and self.first_s is None:
+            self.first_s = time.monotonic() - self._t0
+        return count
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self.first_s is None:
+            self._poll()
+            self._stop.wait(self.every)
+
+    def stop(self) -> float:
+        """Stop polling; the ejection count now (the last poll)."""
+        self._stop.set()
+        self._thread.join()
+        return self._poll()
+
+
 def _fault(args: argparse.Namespace, mode: str, workdir: Path) -> dict[str, Any]:
     procs = Procs(workdir)
     try:
         mocks, rurl, router = _fleet(procs, workdir, mode, policy=args.policy)
         bad = mocks[0][1]
         marks: dict[float, Any] = {2.0: lambda: (_injected(bad), time.monotonic())}
+        watch = _EjectionWatch(rurl, mocks[0][0]) if mode in STREAM_FAULTS else None
         t0 = time.monotonic()
+        if watch is not None:
+            watch.start()
         recs = asyncio.run(_open_loop(rurl, args.rate, args.duration, args.max_tokens, marks))
+        ejections = watch.stop() if watch is not None else 0.0
         at2, _ = marks[2.0]
         total = _injected(bad)
         after = [r for r in recs if r["sent"] >= 2.0 - 1e-9]
@@ -212,6 +281,13 @@ def _fault(args: argparse.Namespace, mode: str, workdir: Path) -> dict[str, Any]
             "router_alive": router.poll() is None,
             "seconds": round(time.monotonic() - t0, 1),
         }
+        if watch is not None:
+            out["streams"] = sum(1 for r in recs if r.get("stream"))
+            out["failed_share"] = round(out["failed"] / max(len(recs), 1), 4)
+            out["bad_received_after_2s"] = total - at2
+            out["ejections"] = int(ejections)
+            first = watch.first_s
+            out["ejected_after_s"] = None if first is None else round(first, 2)
         statuses: dict[str, int] = {}
         for r in recs:
             if not r["ok"]:
@@ -222,7 +298,8 @@ def _fault(args: argparse.Namespace, mode: str, workdir: Path) -> dict[str, Any]
         out.update(_latency(recs))
         slow = sorted(recs, key=lambda r: -r["latency"])[:3]
         out["slowest"] = [
-            {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()} for r in slow
+            {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items() if k != "stream"}
+            for r in slow
         ]
         return out
     finally:
@@ -341,15 +418,24 @@ def run(args: argparse.Namespace) -> int:
         results.append(res)
         print(json.dumps(res), file=sys.stderr, flush=True)  # progress of a long run
     emit({"bench": "faults", "cpus": os.cpu_count(), "scenarios": results})
-    bad = [r for r in results if r.get("failed") or not r.get("router_alive", True)]
+    bad = [r for r in results if not _met(r)]
     return 1 if bad else 0
+
+
+def _met(result: dict[str, Any]) -> bool:
+    """The scenario's target: 0 failed, or for a stream fault the bad replica ejected."""
+    if not result.get("router_alive", True):
+        return False
+    if "ejections" in result:
+        return bool(result["ejections"])
+    return not result.get("failed")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("faults", help="one bad replica of three; idle-socket flood")
     p.add_argument(
         "--scenarios",
-        default="429,500,short-body,head-only,hang,slow:3,sigstop,idle",
+        default="429,500,short-body,head-only,hang,slow:3,break-stream,error-event,sigstop,idle",
         help="comma-separated: mock fault modes (router/mock/faults.py), sigstop, idle",
     )
     p.add_argument("--rate", type=positive_float, default=20.0, help="client requests a second")
