@@ -154,7 +154,7 @@ async def test_a_dead_pods_hash_field_stays_uncounted_and_is_deleted(
         assert max(seen) == 0
         key = two.exchange.settings.hash_key
         await eventually(lambda: two.exchange.views.gone == {}, timeout=5)
-        assert await two.client.hkeys(key) == [two.exchange.member.encode()]
+        assert await two.client.hkeys(key) == [two.exchange.field.encode()]
 
 
 async def test_a_pod_leaving_cleanly_stops_counting_at_once_in_hash_mode(
@@ -386,8 +386,7 @@ async def test_a_reader_catching_up_on_a_long_backlog_does_not_revive_a_dead_pod
 
 async def test_a_third_pod_counts_both_namesakes(redis_server: LocalRedis, key_prefix: str) -> None:
     """Two pods sharing one ``pod_name`` (and pids: one image in two containers) ignore each
-    other, as counted; every other pod still counts both, not whichever spoke last (in
-    ``stream`` mode: in ``hash`` mode they write one field, by turns)."""
+    other, as counted; every other pod still counts both, not whichever spoke last."""
     names = ("p1", "p1", "p2")
     async with pods(redis_server.url, key_prefix, "stream", names) as (one, two, three):
         assert one.exchange.member == two.exchange.member  # one test process: one pid
@@ -398,6 +397,36 @@ async def test_a_third_pod_counts_both_namesakes(redis_server: LocalRedis, key_p
             seen = three.exchange.counters.received
             await eventually(lambda s=seen: three.exchange.counters.received >= s + 4)
             assert three.prefilling() == 2
+
+
+async def test_hash_namesakes_write_a_field_each(redis_server: LocalRedis, key_prefix: str) -> None:
+    """In ``hash`` mode two namesakes (one ``pod_name``, the same pids) each write a field
+    of their own: a third pod counts both whatever order they write in, and one leaving
+    cleanly deletes only its own field."""
+    client = connect(redis_server.url)
+    loads = [LoadTracker() for _ in range(3)]
+    exchanges = []
+    for name, load in zip(("p1", "p1", "p2"), loads, strict=True):
+        load.add_replica(A)
+        settings = ExchangeSettings("hash", key_prefix, name, 0.005, STALE_S)
+        exchanges.append(PodExchange(settings, client, load, PeerSum(load), lambda: 0.0))
+    one, two, three = exchanges
+    assert one.member == two.member  # one test process: one pid
+    loads[0].dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
+    loads[1].dispatch("r2", A, prompt_tokens=100, cached_tokens=0)
+    try:
+        for now in (0.0, STALE_S / 4):  # two rounds: three's first poll dates nothing
+            await one.poll_hash(now)
+            await two.poll_hash(now)
+            await three.poll_hash(now)
+        assert loads[2].view(A, 0.0).prefilling == 2
+        await one.leave()
+        await three.poll_hash(STALE_S / 4)
+        assert loads[2].view(A, 0.0).prefilling == 1
+        fields = await client.hkeys(three.settings.hash_key)
+        assert set(fields) == {two.field.encode(), three.field.encode()}
+    finally:
+        await client.aclose()
 
 
 async def test_a_pod_started_after_a_death_never_counts_the_dead_pods_field(

@@ -19,7 +19,8 @@ them as well as a standalone Redis (docs/pods.md compares them by measurement):
   on XREAD and take snapshots as they come (push: staleness is the check interval plus one
   Redis round trip).
 * ``hash``: every ``pods_exchange_interval_s`` a member writes its snapshot into the hash
-  ``<prefix>:{pods}:loads`` (HSET, field = member) and reads the whole hash (HGETALL), one
+  ``<prefix>:{pods}:loads`` (HSET, field = member and pod instance: :attr:`Snapshot.sender`,
+  so two namesakes write a field each) and reads the whole hash (HGETALL), one
   pipelined round trip (poll: staleness up to two intervals). A field read at the first
   poll, or at the first after a gap longer than ``pods_stale_s``, counts once its seq moves
   again: it may be the last word of a member long dead.
@@ -162,9 +163,9 @@ class PodViews:
     pod: str
     stale_s: float
     views: dict[str, _View] = field(default_factory=dict)
-    # senders dropped as stale: (member, seq they stopped at, when it last moved); the same
-    # seq read again (a dead member's hash field, re-read every poll) is no sign of life
-    gone: dict[str, tuple[str, int, float]] = field(default_factory=dict)
+    # senders dropped as stale, their last view; the same seq read again (a dead member's
+    # hash field, re-read every poll) is no sign of life
+    gone: dict[str, _View] = field(default_factory=dict)
 
     def take(self, snap: Snapshot, now: float, dated: bool = True) -> None:
         """Take ``snap``, read at ``now``. ``dated``: the read can tell when a new seq was
@@ -176,10 +177,10 @@ class PodViews:
         old = self.views.get(sender)
         if old is None:
             dead = self.gone.get(sender)
-            if dead is not None and dead[1] == snap.seq:
+            if dead is not None and dead.seq == snap.seq:
                 return
             if not dated:
-                self.gone[sender] = (snap.member, snap.seq, now)
+                self.gone[sender] = _View(snap.member, snap.pod, snap.seq, now, snap.load)
                 return
             self.gone.pop(sender, None)
         if old is None or old.seq != snap.seq:
@@ -189,19 +190,18 @@ class PodViews:
         """Drop the senders silent past ``stale_s``; whether any was dropped."""
         stale = [m for m, v in self.views.items() if now - v.moved_at > self.stale_s]
         for sender in stale:
-            v = self.views.pop(sender)
-            self.gone[sender] = (v.member, v.seq, v.moved_at)
+            self.gone[sender] = self.views.pop(sender)
         if len(self.gone) > GONE_MAX:  # oldest first (insertion order): bounded memory
             for member in list(self.gone)[: len(self.gone) - GONE_MAX]:
                 del self.gone[member]
         return bool(stale)
 
-    def keep_only(self, members: set[str]) -> None:
-        """Forget every sender whose member is not in ``members`` (hash mode: the fields
-        present)."""
-        for sender in [k for k, v in self.views.items() if v.member not in members]:
+    def keep_only(self, fields: set[str]) -> None:
+        """Forget every sender whose field is not in ``fields`` (hash mode: the fields
+        present; a field is its sender, or its member for a sender of an earlier version)."""
+        for sender in [k for k, v in self.views.items() if not {k, v.member} & fields]:
             del self.views[sender]
-        for sender in [k for k, g in self.gone.items() if g[0] not in members]:
+        for sender in [k for k, g in self.gone.items() if not {k, g.member} & fields]:
             del self.gone[sender]
 
     def total(self, now: float) -> dict[ReplicaKey, PeerLoad]:
@@ -298,6 +298,12 @@ class PodExchange:
         self._forgotten_at = 0.0
         self._polled_at = -float("inf")  # hash mode: when the last poll's answer came
 
+    @property
+    def field(self) -> str:
+        """This member's hash field: its :attr:`Snapshot.sender` (a namesake writes its own;
+        an earlier version wrote its member's)."""
+        return f"{self.member}#{self.instance}"
+
     # ------------------------------------------------------------------ writing
 
     def _due(self, now: float) -> bool:
@@ -371,7 +377,7 @@ class PodExchange:
         pipe = self.client.pipeline(transaction=False)
         writing = self._due(now)
         if writing:
-            pipe.hset(key, self.member, self._snapshot(now))
+            pipe.hset(key, self.field, self._snapshot(now))
         pipe.hgetall(key)
         try:
             results = await pipe.execute()
@@ -399,10 +405,16 @@ class PodExchange:
             await self._forget_gone(key, now)
 
     async def _forget_gone(self, key: str, now: float) -> None:
-        """Delete hash fields of members gone for ``HASH_FORGET_S`` (seen unmoving so long;
-        not one a live namesake writes now)."""
-        live = {v.member for v in self.views.views.values()}
-        gone = {m for m, _, at in self.views.gone.values() if now - at > HASH_FORGET_S}
+        """Delete hash fields of senders gone for ``HASH_FORGET_S`` (seen unmoving so long):
+        each one's field, or its member's for an earlier version (not one a live sender
+        writes now)."""
+        live = {*self.views.views, *(v.member for v in self.views.views.values())}
+        gone = {
+            name
+            for sender, g in self.views.gone.items()
+            if now - g.moved_at > HASH_FORGET_S
+            for name in (sender, g.member)
+        }
         if gone - live:
             await self.client.hdel(key, *sorted(gone - live))
 
@@ -501,7 +513,7 @@ class PodExchange:
             if self.settings.mode == "stream":
                 await self.client.xadd(self.settings.stream_key, {b"s": body.encode()})
             else:
-                await self.client.hdel(self.settings.hash_key, self.member)
+                await self.client.hdel(self.settings.hash_key, self.field)
 
     # ------------------------------------------------------------------ loops
 
