@@ -17,7 +17,8 @@ them as well as a standalone Redis (docs/pods.md compares them by measurement):
   trimmed to about ``STREAM_MAXLEN`` entries) when its own load changed, checked every
   ``pods_exchange_interval_s``, and at least every ``stale/4`` as a heartbeat; readers block
   on XREAD and take snapshots as they come (push: staleness is the check interval plus one
-  Redis round trip).
+  Redis round trip). A reader that falls behind the trim loses entries: it counts the gap
+  and does not drop a member for silence it could not hear (:meth:`PodViews.lost`).
 * ``hash``: every ``pods_exchange_interval_s`` a member writes its snapshot into the hash
   ``<prefix>:{pods}:loads`` (HSET, field = member and pod instance: :attr:`Snapshot.sender`,
   so two namesakes write a field each) and reads the whole hash (HGETALL), one
@@ -153,6 +154,7 @@ class _View:
     seq: int
     moved_at: float  # reader's clock when ``seq`` last changed
     load: dict[ReplicaKey, PeerLoad]
+    graced: bool = False  # ``moved_at`` moved to a stream gap's end (PodViews.lost)
 
 
 @dataclass(slots=True)
@@ -196,6 +198,23 @@ class PodViews:
                 del self.gone[member]
         return bool(stale)
 
+    def lost(self, since: float, until: float) -> None:
+        """Whatever was sent between ``since`` and ``until`` (reader's clock) may be lost (a
+        stream reader that fell behind the trim). A sender counting at ``since``, dropped
+        since or not, counts as if it had spoken at ``until``: one bound from the gap, once
+        per seq (a member never heard again still stops counting, however many gaps follow).
+        A loss longer than the bound is an outage, not a lag: no sender is assumed alive
+        through it (each counts again from its next snapshot, as after an outage)."""
+        if until - since > self.stale_s:
+            return
+        for sender, v in list(self.gone.items()):
+            if not v.graced and v.moved_at + self.stale_s >= since and sender not in self.views:
+                self.views[sender] = self.gone.pop(sender)
+        for v in self.views.values():
+            if not v.graced and v.moved_at + self.stale_s >= since and v.moved_at < until:
+                v.moved_at = until
+                v.graced = True
+
     def keep_only(self, fields: set[str]) -> None:
         """Forget every sender whose field is not in ``fields`` (hash mode: the fields
         present; a field is its sender, or its member for a sender of an earlier version)."""
@@ -225,6 +244,7 @@ class ExchangeSettings:
     pod: str
     interval_s: float
     stale_s: float
+    stream_maxlen: int = STREAM_MAXLEN  # entries the stream keeps, about (trimmed past it)
 
     @property
     def member(self) -> str:
@@ -251,6 +271,7 @@ class Counters:
     # reads but refuses writes takes this member's load to nobody)
     failing_loops: set[str] = field(default_factory=set)
     name_clashes: int = 0  # live members of another pod that uses this pod's name
+    gaps: int = 0  # stream reads that found entries trimmed past the last id read
 
     @property
     def failing(self) -> bool:
@@ -337,7 +358,10 @@ class PodExchange:
             data = self._snapshot(now)
             try:
                 await self.client.xadd(
-                    self.settings.stream_key, {b"s": data}, maxlen=STREAM_MAXLEN, approximate=True
+                    self.settings.stream_key,
+                    {b"s": data},
+                    maxlen=self.settings.stream_maxlen,
+                    approximate=True,
                 )
             except Exception:
                 self._unsent()
@@ -346,18 +370,26 @@ class PodExchange:
     async def read_stream(self) -> None:
         """Stream mode: wait (up to 250 ms) for the next snapshots and take them."""
         key = self.settings.stream_key
-        got = await self.client.xread({key: self._last_id}, count=READ_COUNT, block=_BLOCK_MS)
+        cursor = self._last_id
+        got = await self.client.xread({key: cursor}, count=READ_COUNT, block=_BLOCK_MS)
         now = self.clock()
         for _, entries in got or ():
             # entry ids start with Redis's clock (ms) at XADD: an entry's age relative to the
             # stream's newest is a lower bound of its age (a reader catching up after an
             # outage). A full read is a backlog's oldest part, as old as its own newest
-            # entry: the stream's last entry dates it then (one more call, only then)
+            # entry: the stream's last entry dates it then (one more round trip, only
+            # then). Only a full read can follow a gap: the trim keeps at least maxlen
+            # entries, all of them after the cursor if it passed the cursor
             newest = _id_ms(entries[-1][0]) if entries else 0
-            if len(entries) >= READ_COUNT:
-                tail = await self.client.xrevrange(key, count=1)
+            if len(entries) >= min(READ_COUNT, self.settings.stream_maxlen):
+                pipe = self.client.pipeline(transaction=False)
+                pipe.xrange(key, count=1)
+                pipe.xrevrange(key, count=1)
+                head, tail = await pipe.execute()
                 if tail:
                     newest = max(newest, _id_ms(tail[0][0]))
+                if head and cursor != b"$" and _id(head[0][0]) > _id(cursor):
+                    self._gap(now, newest, cursor, entries[0][0])
             for entry_id, fields in entries:
                 self._last_id = entry_id
                 age_s = max(newest - _id_ms(entry_id), 0) / 1000
@@ -370,6 +402,18 @@ class PodExchange:
             self._last_id = b"$"
             self._heard_self_at = now
         self.apply(now)
+
+    def _gap(self, now: float, newest: int, cursor: bytes, first: bytes) -> None:
+        """The stream's first entry is past ``cursor``, the last id read: entries between it
+        and ``first``, this read's first, may have been trimmed unread (the cursor's own
+        trimmed with nothing after it lost looks the same: at worst one bound more for the
+        members then counting)."""
+        self.counters.gaps += 1
+        # the stream runs ahead of the cursor, not behind it: this member's own heartbeats
+        # may be among the lost, no reason to read on from the newest entry
+        self._heard_self_at = now
+        since = now - max(newest - _id_ms(cursor), 0) / 1000
+        self.views.lost(since, now - max(newest - _id_ms(first), 0) / 1000)
 
     async def poll_hash(self, now: float) -> None:
         """Hash mode: one round trip writing this member's snapshot and reading all."""
@@ -585,6 +629,12 @@ def _id_ms(entry_id: bytes) -> int:
     return int(ms) if ms.isdigit() else 0
 
 
+def _id(entry_id: bytes) -> tuple[int, int]:
+    """A stream entry id, ordered as Redis orders them."""
+    _, _, seq = entry_id.partition(b"-")
+    return _id_ms(entry_id), int(seq) if seq.isdigit() else 0
+
+
 class _ExchangeCollector(Collector):
     def __init__(self, exchange: PodExchange) -> None:
         self.exchange = exchange
@@ -638,7 +688,13 @@ class _ExchangeCollector(Collector):
             "Live members of another pod that uses this pod's name (each ignores the other)",
         )
         clashes.add_metric([], c.name_clashes)
-        yield from (age, views, snaps, nbytes, errors, up, rejected, clashes)
+        gaps = CounterMetricFamily(
+            "kvrouter_pod_exchange_gaps",
+            "Stream reads that found entries trimmed unread past the last one read (the "
+            "reader fell behind by more than the stream keeps)",
+        )
+        gaps.add_metric([], c.gaps)
+        yield from (age, views, snaps, nbytes, errors, up, rejected, clashes, gaps)
         if ex.share is not None:
             shared = CounterMetricFamily(
                 "kvrouter_pod_exchange_shared",
