@@ -154,7 +154,7 @@ async def test_a_dead_pods_hash_field_stays_uncounted_and_is_deleted(
         assert max(seen) == 0
         key = two.exchange.settings.hash_key
         await eventually(lambda: two.exchange.views.gone == {}, timeout=5)
-        assert await two.client.hkeys(key) == [two.exchange.member.encode()]
+        assert await two.client.hkeys(key) == [two.exchange.field.encode()]
 
 
 async def test_a_pod_leaving_cleanly_stops_counting_at_once_in_hash_mode(
@@ -386,8 +386,7 @@ async def test_a_reader_catching_up_on_a_long_backlog_does_not_revive_a_dead_pod
 
 async def test_a_third_pod_counts_both_namesakes(redis_server: LocalRedis, key_prefix: str) -> None:
     """Two pods sharing one ``pod_name`` (and pids: one image in two containers) ignore each
-    other, as counted; every other pod still counts both, not whichever spoke last (in
-    ``stream`` mode: in ``hash`` mode they write one field, by turns)."""
+    other, as counted; every other pod still counts both, not whichever spoke last."""
     names = ("p1", "p1", "p2")
     async with pods(redis_server.url, key_prefix, "stream", names) as (one, two, three):
         assert one.exchange.member == two.exchange.member  # one test process: one pid
@@ -398,6 +397,153 @@ async def test_a_third_pod_counts_both_namesakes(redis_server: LocalRedis, key_p
             seen = three.exchange.counters.received
             await eventually(lambda s=seen: three.exchange.counters.received >= s + 4)
             assert three.prefilling() == 2
+
+
+async def test_hash_namesakes_write_a_field_each(redis_server: LocalRedis, key_prefix: str) -> None:
+    """In ``hash`` mode two namesakes (one ``pod_name``, the same pids) each write a field
+    of their own: a third pod counts both whatever order they write in, and one leaving
+    cleanly deletes only its own field."""
+    client = connect(redis_server.url)
+    loads = [LoadTracker() for _ in range(3)]
+    exchanges = []
+    for name, load in zip(("p1", "p1", "p2"), loads, strict=True):
+        load.add_replica(A)
+        settings = ExchangeSettings("hash", key_prefix, name, 0.005, STALE_S)
+        exchanges.append(PodExchange(settings, client, load, PeerSum(load), lambda: 0.0))
+    one, two, three = exchanges
+    assert one.member == two.member  # one test process: one pid
+    loads[0].dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
+    loads[1].dispatch("r2", A, prompt_tokens=100, cached_tokens=0)
+    try:
+        for now in (0.0, STALE_S / 4):  # two rounds: three's first poll dates nothing
+            await one.poll_hash(now)
+            await two.poll_hash(now)
+            await three.poll_hash(now)
+        assert loads[2].view(A, 0.0).prefilling == 2
+        await one.leave()
+        await three.poll_hash(STALE_S / 4)
+        assert loads[2].view(A, 0.0).prefilling == 1
+        fields = await client.hkeys(three.settings.hash_key)
+        assert set(fields) == {two.field.encode(), three.field.encode()}
+    finally:
+        await client.aclose()
+
+
+def _gaps(exchange: PodExchange) -> float:
+    """The ``kvrouter_pod_exchange_gaps_total`` counter, as a scrape reads it."""
+    for metric in pod_exchange._ExchangeCollector(exchange).collect():
+        if metric.name == "kvrouter_pod_exchange_gaps":
+            return float(metric.samples[0].value)
+    raise AssertionError("no kvrouter_pod_exchange_gaps")
+
+
+class Lagging:
+    """A stream reader on a hand-driven clock, and a quiet and a busy member whose entries
+    the test appends with ids of its choosing (Redis's clock, ms from ``T0``), the stream
+    trimmed to ``MAXLEN`` entries (exactly: the test decides what is lost)."""
+
+    T0 = 1_000_000_000_000
+    MAXLEN = 20
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.client = connect(url)
+        self.load = LoadTracker()
+        self.load.add_replica(A)
+        self.clock = [100.0]
+        self.settings = ExchangeSettings(
+            "stream", prefix, "p3", 0.005, STALE_S, stream_maxlen=self.MAXLEN
+        )
+        self.reader = PodExchange(
+            self.settings, self.client, self.load, PeerSum(self.load), lambda: self.clock[0]
+        )
+        self.reader._last_id = b"0-0"  # reading since before the first entry
+        self.quiet, self.busy = LoadTracker(), LoadTracker()
+        self.quiet.dispatch("q1", A, prompt_tokens=100, cached_tokens=0)
+
+    async def send(self, member: str, seq: int, tracker: LoadTracker, ms: int) -> None:
+        body = encode(member, member.split("/")[0], seq, tracker, instance="x")
+        await self.client.xadd(
+            self.settings.stream_key,
+            {b"s": body},
+            id=f"{self.T0 + ms}-0",
+            maxlen=self.MAXLEN,
+            approximate=False,
+        )
+
+    async def start(self) -> None:
+        """Both members heard once, at reader time 100.0."""
+        await self.send("p1/1", 1, self.quiet, 0)
+        await self.send("p2/1", 1, self.busy, 1)
+        await self.reader.read_stream()
+        assert self.prefilling() == 1 and _gaps(self.reader) == 0
+
+    async def burst(self, first_seq: int, first_ms: int) -> None:
+        """Twice what the stream keeps, from the busy member, 1 ms apart: what came before
+        is trimmed."""
+        for n in range(2 * self.MAXLEN):
+            await self.send("p2/1", first_seq + n, self.busy, first_ms + n)
+
+    def prefilling(self) -> int:
+        return self.load.view(A, 0.0).prefilling
+
+
+@pytest.mark.parametrize("aged_out_first", [False, True])
+async def test_a_reader_lagging_past_the_trim_keeps_the_members_it_could_not_hear(
+    aged_out_first: bool, redis_server: LocalRedis, key_prefix: str
+) -> None:
+    """A stream reader that falls behind the trim (a busy event loop, a burst from many
+    members) loses entries, a quiet member's heartbeats among them: it must not drop that
+    member as silent for lack of what it could not read, but give it one bound from the gap
+    (once: a member that stays unheard stops counting), take the busy member's latest
+    snapshot, and count the gap. ``aged_out_first``: the age-out timer ran before the read."""
+    lag = Lagging(redis_server.url, key_prefix)
+    reader = lag.reader
+    try:
+        await lag.start()
+        # the reader pauses; p1 sends a heartbeat, then p2's burst trims it away
+        await lag.send("p1/1", 2, lag.quiet, 300)
+        lag.busy.dispatch("b1", A, prompt_tokens=100, cached_tokens=0)
+        await lag.burst(2, 301)
+        lag.clock[0] += 0.6  # p1 last read more than the bound ago
+        if aged_out_first:
+            reader.views.expire(lag.clock[0])
+        await reader.read_stream()
+        assert _gaps(reader) == 1
+        assert lag.prefilling() == 2  # p1 still counted, p2's latest taken
+        assert reader._last_id != b"$"  # behind, not ahead: reads on from there
+        # p1 is never heard again (it died in the gap): a second gap does not keep it on
+        await lag.burst(100, 600)
+        lag.clock[0] += 0.6
+        await reader.read_stream()
+        assert _gaps(reader) == 2
+        assert lag.prefilling() == 1
+        assert {v.member for v in reader.views.views.values()} == {"p2/1"}
+    finally:
+        await lag.client.aclose()
+
+
+async def test_a_reader_cut_off_past_the_trim_does_not_revive_a_dead_pod(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    """A reader cut off for longer than the bound while the stream was trimmed past its
+    last id: a member that died meanwhile must not count again (a lost stretch that long is
+    an outage: no member is assumed alive through it)."""
+    lag = Lagging(redis_server.url, key_prefix)
+    reader = lag.reader
+    try:
+        await lag.start()
+        await lag.send("p1/1", 2, lag.quiet, 300)  # p1's last word
+        for n in range(Lagging.MAXLEN):  # p2 on, for 2 s ...
+            await lag.send("p2/1", 2 + n, lag.busy, 301 + 100 * n)
+        await lag.burst(100, 2301)  # ... and a burst at the end: all that is kept
+        lag.clock[0] += 2.5
+        reader.views.expire(lag.clock[0])  # the age-out timer ran meanwhile
+        await reader.read_stream()
+        assert _gaps(reader) == 1
+        assert lag.prefilling() == 0
+        assert {v.member for v in reader.views.views.values()} == {"p2/1"}
+    finally:
+        await lag.client.aclose()
 
 
 async def test_a_pod_started_after_a_death_never_counts_the_dead_pods_field(

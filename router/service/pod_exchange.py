@@ -17,9 +17,11 @@ them as well as a standalone Redis (docs/pods.md compares them by measurement):
   trimmed to about ``STREAM_MAXLEN`` entries) when its own load changed, checked every
   ``pods_exchange_interval_s``, and at least every ``stale/4`` as a heartbeat; readers block
   on XREAD and take snapshots as they come (push: staleness is the check interval plus one
-  Redis round trip).
+  Redis round trip). A reader that falls behind the trim loses entries: it counts the gap
+  and does not drop a member for silence it could not hear (:meth:`PodViews.lost`).
 * ``hash``: every ``pods_exchange_interval_s`` a member writes its snapshot into the hash
-  ``<prefix>:{pods}:loads`` (HSET, field = member) and reads the whole hash (HGETALL), one
+  ``<prefix>:{pods}:loads`` (HSET, field = member and pod instance: :attr:`Snapshot.sender`,
+  so two namesakes write a field each) and reads the whole hash (HGETALL), one
   pipelined round trip (poll: staleness up to two intervals). A field read at the first
   poll, or at the first after a gap longer than ``pods_stale_s``, counts once its seq moves
   again: it may be the last word of a member long dead.
@@ -152,6 +154,7 @@ class _View:
     seq: int
     moved_at: float  # reader's clock when ``seq`` last changed
     load: dict[ReplicaKey, PeerLoad]
+    graced: bool = False  # ``moved_at`` moved to a stream gap's end (PodViews.lost)
 
 
 @dataclass(slots=True)
@@ -162,9 +165,9 @@ class PodViews:
     pod: str
     stale_s: float
     views: dict[str, _View] = field(default_factory=dict)
-    # senders dropped as stale: (member, seq they stopped at, when it last moved); the same
-    # seq read again (a dead member's hash field, re-read every poll) is no sign of life
-    gone: dict[str, tuple[str, int, float]] = field(default_factory=dict)
+    # senders dropped as stale, their last view; the same seq read again (a dead member's
+    # hash field, re-read every poll) is no sign of life
+    gone: dict[str, _View] = field(default_factory=dict)
 
     def take(self, snap: Snapshot, now: float, dated: bool = True) -> None:
         """Take ``snap``, read at ``now``. ``dated``: the read can tell when a new seq was
@@ -176,10 +179,10 @@ class PodViews:
         old = self.views.get(sender)
         if old is None:
             dead = self.gone.get(sender)
-            if dead is not None and dead[1] == snap.seq:
+            if dead is not None and dead.seq == snap.seq:
                 return
             if not dated:
-                self.gone[sender] = (snap.member, snap.seq, now)
+                self.gone[sender] = _View(snap.member, snap.pod, snap.seq, now, snap.load)
                 return
             self.gone.pop(sender, None)
         if old is None or old.seq != snap.seq:
@@ -189,19 +192,35 @@ class PodViews:
         """Drop the senders silent past ``stale_s``; whether any was dropped."""
         stale = [m for m, v in self.views.items() if now - v.moved_at > self.stale_s]
         for sender in stale:
-            v = self.views.pop(sender)
-            self.gone[sender] = (v.member, v.seq, v.moved_at)
+            self.gone[sender] = self.views.pop(sender)
         if len(self.gone) > GONE_MAX:  # oldest first (insertion order): bounded memory
             for member in list(self.gone)[: len(self.gone) - GONE_MAX]:
                 del self.gone[member]
         return bool(stale)
 
-    def keep_only(self, members: set[str]) -> None:
-        """Forget every sender whose member is not in ``members`` (hash mode: the fields
-        present)."""
-        for sender in [k for k, v in self.views.items() if v.member not in members]:
+    def lost(self, since: float, until: float) -> None:
+        """Whatever was sent between ``since`` and ``until`` (reader's clock) may be lost (a
+        stream reader that fell behind the trim). A sender counting at ``since``, dropped
+        since or not, counts as if it had spoken at ``until``: one bound from the gap, once
+        per seq (a member never heard again still stops counting, however many gaps follow).
+        A loss longer than the bound is an outage, not a lag: no sender is assumed alive
+        through it (each counts again from its next snapshot, as after an outage)."""
+        if until - since > self.stale_s:
+            return
+        for sender, v in list(self.gone.items()):
+            if not v.graced and v.moved_at + self.stale_s >= since and sender not in self.views:
+                self.views[sender] = self.gone.pop(sender)
+        for v in self.views.values():
+            if not v.graced and v.moved_at + self.stale_s >= since and v.moved_at < until:
+                v.moved_at = until
+                v.graced = True
+
+    def keep_only(self, fields: set[str]) -> None:
+        """Forget every sender whose field is not in ``fields`` (hash mode: the fields
+        present; a field is its sender, or its member for a sender of an earlier version)."""
+        for sender in [k for k, v in self.views.items() if not {k, v.member} & fields]:
             del self.views[sender]
-        for sender in [k for k, g in self.gone.items() if g[0] not in members]:
+        for sender in [k for k, g in self.gone.items() if not {k, g.member} & fields]:
             del self.gone[sender]
 
     def total(self, now: float) -> dict[ReplicaKey, PeerLoad]:
@@ -225,6 +244,7 @@ class ExchangeSettings:
     pod: str
     interval_s: float
     stale_s: float
+    stream_maxlen: int = STREAM_MAXLEN  # entries the stream keeps, about (trimmed past it)
 
     @property
     def member(self) -> str:
@@ -251,6 +271,7 @@ class Counters:
     # reads but refuses writes takes this member's load to nobody)
     failing_loops: set[str] = field(default_factory=set)
     name_clashes: int = 0  # live members of another pod that uses this pod's name
+    gaps: int = 0  # stream reads that found entries trimmed past the last id read
 
     @property
     def failing(self) -> bool:
@@ -298,6 +319,12 @@ class PodExchange:
         self._forgotten_at = 0.0
         self._polled_at = -float("inf")  # hash mode: when the last poll's answer came
 
+    @property
+    def field(self) -> str:
+        """This member's hash field: its :attr:`Snapshot.sender` (a namesake writes its own;
+        an earlier version wrote its member's)."""
+        return f"{self.member}#{self.instance}"
+
     # ------------------------------------------------------------------ writing
 
     def _due(self, now: float) -> bool:
@@ -331,7 +358,10 @@ class PodExchange:
             data = self._snapshot(now)
             try:
                 await self.client.xadd(
-                    self.settings.stream_key, {b"s": data}, maxlen=STREAM_MAXLEN, approximate=True
+                    self.settings.stream_key,
+                    {b"s": data},
+                    maxlen=self.settings.stream_maxlen,
+                    approximate=True,
                 )
             except Exception:
                 self._unsent()
@@ -340,18 +370,26 @@ class PodExchange:
     async def read_stream(self) -> None:
         """Stream mode: wait (up to 250 ms) for the next snapshots and take them."""
         key = self.settings.stream_key
-        got = await self.client.xread({key: self._last_id}, count=READ_COUNT, block=_BLOCK_MS)
+        cursor = self._last_id
+        got = await self.client.xread({key: cursor}, count=READ_COUNT, block=_BLOCK_MS)
         now = self.clock()
         for _, entries in got or ():
             # entry ids start with Redis's clock (ms) at XADD: an entry's age relative to the
             # stream's newest is a lower bound of its age (a reader catching up after an
             # outage). A full read is a backlog's oldest part, as old as its own newest
-            # entry: the stream's last entry dates it then (one more call, only then)
+            # entry: the stream's last entry dates it then (one more round trip, only
+            # then). Only a full read can follow a gap: the trim keeps at least maxlen
+            # entries, all of them after the cursor if it passed the cursor
             newest = _id_ms(entries[-1][0]) if entries else 0
-            if len(entries) >= READ_COUNT:
-                tail = await self.client.xrevrange(key, count=1)
+            if len(entries) >= min(READ_COUNT, self.settings.stream_maxlen):
+                pipe = self.client.pipeline(transaction=False)
+                pipe.xrange(key, count=1)
+                pipe.xrevrange(key, count=1)
+                head, tail = await pipe.execute()
                 if tail:
                     newest = max(newest, _id_ms(tail[0][0]))
+                if head and cursor != b"$" and _id(head[0][0]) > _id(cursor):
+                    self._gap(now, newest, cursor, entries[0][0])
             for entry_id, fields in entries:
                 self._last_id = entry_id
                 age_s = max(newest - _id_ms(entry_id), 0) / 1000
@@ -365,13 +403,25 @@ class PodExchange:
             self._heard_self_at = now
         self.apply(now)
 
+    def _gap(self, now: float, newest: int, cursor: bytes, first: bytes) -> None:
+        """The stream's first entry is past ``cursor``, the last id read: entries between it
+        and ``first``, this read's first, may have been trimmed unread (the cursor's own
+        trimmed with nothing after it lost looks the same: at worst one bound more for the
+        members then counting)."""
+        self.counters.gaps += 1
+        # the stream runs ahead of the cursor, not behind it: this member's own heartbeats
+        # may be among the lost, no reason to read on from the newest entry
+        self._heard_self_at = now
+        since = now - max(newest - _id_ms(cursor), 0) / 1000
+        self.views.lost(since, now - max(newest - _id_ms(first), 0) / 1000)
+
     async def poll_hash(self, now: float) -> None:
         """Hash mode: one round trip writing this member's snapshot and reading all."""
         key = self.settings.hash_key
         pipe = self.client.pipeline(transaction=False)
         writing = self._due(now)
         if writing:
-            pipe.hset(key, self.member, self._snapshot(now))
+            pipe.hset(key, self.field, self._snapshot(now))
         pipe.hgetall(key)
         try:
             results = await pipe.execute()
@@ -399,10 +449,16 @@ class PodExchange:
             await self._forget_gone(key, now)
 
     async def _forget_gone(self, key: str, now: float) -> None:
-        """Delete hash fields of members gone for ``HASH_FORGET_S`` (seen unmoving so long;
-        not one a live namesake writes now)."""
-        live = {v.member for v in self.views.views.values()}
-        gone = {m for m, _, at in self.views.gone.values() if now - at > HASH_FORGET_S}
+        """Delete hash fields of senders gone for ``HASH_FORGET_S`` (seen unmoving so long):
+        each one's field, or its member's for an earlier version (not one a live sender
+        writes now)."""
+        live = {*self.views.views, *(v.member for v in self.views.views.values())}
+        gone = {
+            name
+            for sender, g in self.views.gone.items()
+            if now - g.moved_at > HASH_FORGET_S
+            for name in (sender, g.member)
+        }
         if gone - live:
             await self.client.hdel(key, *sorted(gone - live))
 
@@ -501,7 +557,7 @@ class PodExchange:
             if self.settings.mode == "stream":
                 await self.client.xadd(self.settings.stream_key, {b"s": body.encode()})
             else:
-                await self.client.hdel(self.settings.hash_key, self.member)
+                await self.client.hdel(self.settings.hash_key, self.field)
 
     # ------------------------------------------------------------------ loops
 
@@ -573,6 +629,12 @@ def _id_ms(entry_id: bytes) -> int:
     return int(ms) if ms.isdigit() else 0
 
 
+def _id(entry_id: bytes) -> tuple[int, int]:
+    """A stream entry id, ordered as Redis orders them."""
+    _, _, seq = entry_id.partition(b"-")
+    return _id_ms(entry_id), int(seq) if seq.isdigit() else 0
+
+
 class _ExchangeCollector(Collector):
     def __init__(self, exchange: PodExchange) -> None:
         self.exchange = exchange
@@ -626,7 +688,13 @@ class _ExchangeCollector(Collector):
             "Live members of another pod that uses this pod's name (each ignores the other)",
         )
         clashes.add_metric([], c.name_clashes)
-        yield from (age, views, snaps, nbytes, errors, up, rejected, clashes)
+        gaps = CounterMetricFamily(
+            "kvrouter_pod_exchange_gaps",
+            "Stream reads that found entries trimmed unread past the last one read (the "
+            "reader fell behind by more than the stream keeps)",
+        )
+        gaps.add_metric([], c.gaps)
+        yield from (age, views, snaps, nbytes, errors, up, rejected, clashes, gaps)
         if ex.share is not None:
             shared = CounterMetricFamily(
                 "kvrouter_pod_exchange_shared",
