@@ -27,8 +27,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # the service modules on a proxied request's path (the fast engine's): server and its
-# connections, handling, request values, body memo, routing state, metrics, proxy (its
-# dispatch and its answer relay) and upstream client
+# connections, handling (the front door, its body intake and request identity), request
+# values, body memo, routing state, metrics, proxy (its dispatch and its answer relay) and
+# upstream client
 SERVICE_MODULES = (
     "answer_relay",
     "answers",
@@ -38,8 +39,10 @@ SERVICE_MODULES = (
     "handling",
     "http_connection",
     "http_types",
+    "intake",
     "loop_metrics",
     "proxy",
+    "request_identity",
     "state",
     "upstream",
     "wire",

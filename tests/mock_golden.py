@@ -26,7 +26,8 @@ import aiohttp
 from aiohttp import web
 
 from router.mock.driver import EngineDriver
-from router.mock.server import STATE, MockSettings, create_app
+from router.mock.server import MockSettings, create_app
+from router.mock.state import STATE
 from tests.ports import free_port
 from tests.waiting import eventually
 

@@ -47,7 +47,7 @@ def test_speculative_entries_leave_the_collector() -> None:
 def test_routing_leaves_nothing_tracked_per_request(tmp_path: Path) -> None:
     from router.bench.proxy_bench import MODEL, chat_body, kvrouter_config
     from router.service.config import load_settings
-    from router.service.handling import parse_body
+    from router.service.intake import parse_body
     from router.service.state import RouterState
 
     cfg = tmp_path / "kvrouter.toml"

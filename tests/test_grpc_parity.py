@@ -19,7 +19,8 @@ from router.rpc.gen import router_pb2, router_pb2_grpc
 from router.rpc.server import loop_clock, serve_grpc
 from router.rpc.settings import GrpcSettings
 from router.service.config import build_settings
-from router.service.handling import THREAD_MIN_BODY, session_key
+from router.service.intake import THREAD_MIN_BODY
+from router.service.request_identity import session_key
 from router.service.state import RouterState
 from tests.backends import kimi_model_table, metric_sample
 from tests.waiting import eventually
@@ -859,7 +860,7 @@ async def test_json_nested_too_deeply_is_invalid_argument_as_http_answers_400(
     rpc: Any, field: str
 ) -> None:
     """A JSON field nested deeper than the parser recurses is the client's error: HTTP
-    answers such a body 400 ("nested too deeply", router.service.handling ``parse_body``),
+    answers such a body 400 ("nested too deeply", router.service.intake ``parse_body``),
     and Pick INVALID_ARGUMENT, counted ``rejected`` as HTTP counts it; not UNKNOWN (an
     unhandled RecursionError, logged as a servicer bug)."""
     state, stub = rpc

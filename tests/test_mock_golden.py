@@ -14,7 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.mock.server import STATE, MockSettings
+from router.mock.server import MockSettings
+from router.mock.state import STATE
 from tests import mock_golden
 from tests.waiting import eventually
 

@@ -273,7 +273,7 @@ async def test_an_engine_model_that_fails_fails_its_requests_instead_of_hanging(
 ) -> None:
     """A defect in the engine model must show as HTTP 500s naming it: the requests in flight
     when it raised and every later one, none waiting forever."""
-    from router.mock.server import STATE
+    from router.mock.state import STATE
 
     mock = await start_mock(time_scale=1.0)
     driver = mock.runner.app[STATE].driver
@@ -300,7 +300,7 @@ async def test_health_reports_a_failed_engine_as_vllm_does(start_mock: Callable)
     """vLLM's ``/health`` (and ``/ping``) answer 200 with no body, 503 once the engine is
     dead (``EngineDeadError``): a peer's health checks stop sending to it. The mock's
     answered 200 for good, so a replica failing every request was kept in rotation."""
-    from router.mock.server import STATE
+    from router.mock.state import STATE
 
     mock = await start_mock(time_scale=1.0)
     driver = mock.runner.app[STATE].driver

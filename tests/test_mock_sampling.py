@@ -20,7 +20,8 @@ import pytest
 from aiohttp import web
 
 from router.core.hashing import hash_prompt, root_hash
-from router.mock.server import STATE, MockSettings, MockState, create_app
+from router.mock.server import MockSettings, create_app
+from router.mock.state import STATE, MockState
 from tests import mock_single
 from tests.engines import anthropic_ref
 from tests.ports import free_port

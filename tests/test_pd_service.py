@@ -15,8 +15,8 @@ import pytest
 
 from router.core.hashing import hash_prompt, root_hash
 from router.core.types import ReplicaKey
-from router.mock.server import STATE as MOCK
 from router.mock.server import MockSettings
+from router.mock.state import STATE as MOCK
 from router.service.app import STATE
 from router.service.config import build_settings
 from tests.backends import metric_sample, start_mock, start_router

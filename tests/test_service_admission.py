@@ -653,7 +653,7 @@ async def test_a_client_that_leaves_as_its_held_request_goes_takes_back_its_disp
     """The pump commits a held request (load record, speculative index entries, session
     hint) and its client leaves before its handler runs again: the request never reaches
     the replica, so the index must not keep predicting a hit there for its prompt."""
-    from router.service.handling import admit
+    from router.service.intake import admit
 
     d = protective
     state = d.state

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from router.service.config import build_settings
-from router.service.handling import max_output_tokens
+from router.service.intake import max_output_tokens
 from router.tokenize.tokenizers import BUNDLED_DIR
 from tests.backends import Backend, kimi_model_table, start_router
 from tests.waiting import eventually

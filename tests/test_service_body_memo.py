@@ -250,7 +250,7 @@ async def test_a_memo_hit_for_a_model_whose_replicas_left_is_404() -> None:
 def test_fresh_request_ids_are_distinct_in_forked_workers() -> None:
     import os
 
-    from router.service.handling import request_id_of
+    from router.service.request_identity import request_id_of
 
     parent = [request_id_of([]) for _ in range(300)]  # crosses a 4 KiB buffer refill
     assert len(set(parent)) == 300

@@ -393,7 +393,7 @@ async def test_churned_replicas_leave_no_decode_stall_ledger_rows() -> None:
     them with it (its requests leave the load model too), else each pod that ever served
     keeps its rows for ever."""
     from router.service.admission import Admission
-    from router.service.handling import admit
+    from router.service.intake import admit
     from router.service.state import RouterState
 
     state = RouterState(

@@ -19,7 +19,7 @@ from router.core.policies import Ours
 from router.core.slo import SloTargets, SloTier
 from router.service.app import STATE
 from router.service.config import build_settings, load_settings
-from router.service.handling import body_session, session_key, session_of
+from router.service.request_identity import body_session, session_key, session_of
 from router.service.state import RouterState
 from tests.backends import Backend, kimi_model_table, start_router
 from tests.test_audit_metrics import series

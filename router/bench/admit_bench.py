@@ -41,7 +41,8 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
     from router.bench.proxy_bench import MODEL, chat_body, kvrouter_config
     from router.service.body_memo import Admitted
     from router.service.config import load_settings
-    from router.service.handling import field_types, parse_body, record
+    from router.service.handling import record
+    from router.service.intake import field_types, parse_body
     from router.service.state import RouterState
 
     with tempfile.TemporaryDirectory() as tmp:

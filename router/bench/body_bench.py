@@ -32,7 +32,7 @@ def _median_ms(fn: Callable[[], Any], reps: int) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from router.core.hashing import hash_prompt, root_hash
-    from router.service.handling import parse_body
+    from router.service.intake import parse_body
     from router.tokenize.pipeline import PromptProcessor
 
     processor = PromptProcessor("bench", args.block_size)

@@ -1,6 +1,6 @@
 """Chat and completion requests of several sequences, served as vLLM 0.34 serves them: ``n``
 > 1 samples of a prompt, and a ``/v1/completions`` batch (``prompt`` a list of strings or
-of token-id lists). One sequence of one prompt is router/mock/server.py's own path; both
+of token-id lists). One sequence of one prompt is router/mock/generation.py's own path; both
 write their answers with router/mock/openai_answer.py.
 
 The engine (vLLM 0.34 ``completion/serving.py``, ``chat_completion/serving.py``,
@@ -56,7 +56,7 @@ from router.mock import pd
 from router.mock.driver import EngineFailed
 from router.mock.preprocess import error_response as _error
 from router.mock.request import engine_request
-from router.mock.server import MockState
+from router.mock.state import MockState
 from router.tokenize.lax import lax_int
 from router.tokenize.request_fields import MAX_SAMPLES
 from sim.engine import EngineRequest, sampled

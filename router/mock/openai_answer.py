@@ -1,6 +1,6 @@
 """The mock replica's OpenAI-compatible answers, as vLLM 0.34 writes them: the bodies of
 ``/v1/chat/completions`` and ``/v1/completions``, streamed (SSE chunks) or not, for one
-sequence (router/mock/server.py) and several (router/mock/multi.py). Pure: it builds bytes
+sequence (router/mock/generation.py) and several (router/mock/multi.py). Pure: it builds bytes
 and dicts; the callers run the engine and write them when its outputs come
 (:func:`end_stream` is the one writer here: the stream's ending, shared by both).
 

@@ -23,7 +23,7 @@ from router.mock.tokenizer import MockTokenizer
 from router.tokenize.anthropic import to_chat_body
 
 if TYPE_CHECKING:
-    from router.mock.server import MockSettings, MockState
+    from router.mock.state import MockSettings, MockState
 
 
 def max_tokens(body: Mapping[str, Any], settings: MockSettings, kind: str, prompt: int) -> int:

@@ -41,21 +41,16 @@ from router.service.ejection import Ejections
 from router.service.gate import Gate
 from router.service.handling import (
     KINDS,
-    THREAD_MIN_BODY,
-    admit,
-    checked_prompt,
     holder_keys,
     holder_unavailable,
-    in_flight,
-    json_value,
     record,
     rejected,
-    session_key,
     too_large,
-    unique_in_flight,
 )
+from router.service.intake import THREAD_MIN_BODY, admit, checked_prompt, json_value
 from router.service.registry import Endpoint
 from router.service.report_relay import Reported, report_to_peers
+from router.service.request_identity import in_flight, session_key, unique_in_flight
 from router.service.state import RouterState
 from router.service.workers import Workers
 from router.tokenize.keying import ProcessedPrompt
@@ -163,7 +158,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _admitted(self, request: router_pb2.PickRequest) -> Admitted:
         """A ``request_json`` body admitted as the HTTP endpoint of ``request_path`` admits
-        it (router.service.handling ``admit``: one path for every front end)."""
+        it (router.service.intake ``admit``: one path for every front end)."""
         path = request.request_path
         kind = _KIND_OF_PATH.get(path) if path else None
         if path and kind is None:
@@ -172,7 +167,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not isinstance(whole, dict):
             raise BadRequest("request_json must be a JSON object")
         named = whole.get("model")
-        # (null or "" names none, as the HTTP endpoints read it: handling.field_types)
+        # (null or "" names none, as the HTTP endpoints read it: intake.field_types)
         if named is not None and named != "" and named != request.model:
             raise BadRequest(f"request_json names model {named!r}, not {request.model!r}")
         if kind is None:

@@ -112,7 +112,7 @@ class Admission:
         """Whether ``request_id`` is taken here (any model): a request held under it (in no
         load record yet), or one dispatched whose allowance :meth:`finished` has not
         released yet (out of the load model while its error is written). For
-        handling.py ``unique_in_flight``."""
+        request_identity.py ``unique_in_flight``."""
         return any(
             m is not None and (request_id in m.waiters or request_id in m.queue.stall)
             for m in self._models.values()
@@ -184,7 +184,7 @@ class Admission:
         """:meth:`route` for a checked body of the front door (router/service/handling.py),
         ``size`` bytes: class from its ``service_tier`` and the API key, tenant from the
         key."""
-        from router.service.handling import request_id_of, session_of, unique_in_flight
+        from router.service.request_identity import request_id_of, session_of, unique_in_flight
 
         state = self.state
         return await self.route(

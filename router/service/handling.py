@@ -15,45 +15,31 @@ the replica holding the response (router.service.stored_responses), and every ot
 by the route table (router.service.routes). A check added to the gate holds for every
 route; the answer goes out through a :class:`~router.service.wire.Sink`.
 
-The router validates only what it needs (model, messages / prompt, stream flag, a few
-types); the body is forwarded untouched. Errors are OpenAI-style JSON, Anthropic-style on
-the ``/v1/messages`` paths (router.service.errors).
+Errors are OpenAI-style JSON, Anthropic-style on the ``/v1/messages`` paths
+(router.service.errors). A hot endpoint's body is checked and its prompt processed by
+router.service.intake; its request id and session are read by
+router.service.request_identity.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import time
-from collections.abc import Callable, Iterable
-from dataclasses import replace
-from functools import partial
-from typing import Any, TypeVar, cast
 
-import xxhash
-
-from router import jsonload
-from router.core.admission import parse_service_tier
-from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable
+from router.core.errors import KVRouterError, NoReplicaAvailable
 from router.core.types import ReplicaKey
 from router.service import disagg, pass_through, stored_responses
 from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, messages_path, reply_for
 from router.service.gate import Gate
 from router.service.http_types import HttpRequest
+from router.service.intake import admit, default_if_unnamed, field_types, parse_body
 from router.service.metrics import prompt_tier
 from router.service.proxy import Forwarder
+from router.service.request_identity import request_id_of, session_of, unique_in_flight
 from router.service.routes import Routes
-from router.service.security import check_prompt_tokens
-from router.service.state import BODY_MEMO_MAX_BYTES, Routed, RouterState
-from router.service.stream_usage import usage_patch, with_patch
+from router.service.state import Routed, RouterState
+from router.service.stream_usage import with_patch
 from router.service.wire import Sink, send_error
-from router.tokenize.anthropic import messages_prompt
-from router.tokenize.anthropic import session_of as anthropic_session
-from router.tokenize.keying import ProcessedPrompt
-from router.tokenize.lax import INVALID, lax_bool, lax_int
-from router.tokenize.request_fields import asks_prompt_logprobs, sampled_sequences
-from router.tokenize.responses import previous_response, responses_prompt, stores
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
@@ -66,11 +52,6 @@ KINDS = {
     RESPONSES_PATH: "responses",
 }
 
-# Bodies this large or larger are tokenized on a worker thread, off the event loop.
-THREAD_MIN_BODY = BODY_MEMO_MAX_BYTES
-
-_A = TypeVar("_A")
-
 
 def too_large(state: RouterState) -> ErrorReply:
     return ErrorReply(
@@ -79,336 +60,6 @@ def too_large(state: RouterState) -> ErrorReply:
         "(server.max_body_mb)",
         "request_too_large",
     )
-
-
-def json_value(raw: bytes | str, what: str) -> Any:
-    """The JSON value of ``raw`` (router/jsonload.py); BadRequest naming ``what`` when it is
-    not valid JSON or is nested deeper than the parser recurses. The one parse of client
-    JSON for every front end (a request body here, gRPC Pick's JSON fields)."""
-    try:
-        return jsonload.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise BadRequest(f"{what} is nested too deeply") from None
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The request's JSON object (:func:`json_value`)."""
-    if not raw:
-        raise BadRequest("request body is empty; expected a JSON object")
-    body = json_value(raw, "request body")
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
-
-
-def field_types(
-    body: dict[str, Any], default_model: str | None = None, kind: str = "chat"
-) -> tuple[str, bool]:
-    """The request's model and stream flag, read as vLLM reads them (router.service.lax):
-    a missing or empty ``model`` is the one model served (vLLM's served model; the router's
-    ``default_model``, when it routes exactly one); ``"stream": "yes"`` is a stream. Its
-    output limits are checked too: a completion (``kind``) has no ``max_completion_tokens``
-    (vLLM ignores the field)."""
-    model = body.get("model")
-    if model is None or model == "":
-        if default_model is None:
-            raise BadRequest("'model' is a required property")
-        model = default_model
-    if not isinstance(model, str):
-        raise BadRequest("'model' must be a string")
-    stream = lax_bool(body.get("stream", False))
-    if stream is INVALID:
-        raise BadRequest("'stream' must be a boolean")
-    for key in ("max_tokens",) if kind == "completion" else ("max_tokens", "max_completion_tokens"):
-        v = lax_int(body.get(key))
-        if v is INVALID or (v is not None and v < 0):
-            raise BadRequest(f"'{key}' must be a non-negative integer")
-    return model, bool(stream)
-
-
-MAX_OUTPUT_TOKENS = 1 << 53
-"""The most output tokens the router's load and cost models count for one request: beyond
-any context length, and exact as a float. A larger limit (JSON integers have no bound; the
-engine refuses it or stops at its context) is counted as this many: the models multiply it
-with floats, which an integer past about 1e308 cannot become."""
-
-
-COMPLETION_MAX_TOKENS = 16
-"""vLLM's ``max_tokens`` of a completion whose body leaves it out: its request model's
-default (vLLM 0.34 ``CompletionRequest``). An explicit null stays None there: no limit but
-the context (``get_max_tokens``)."""
-
-
-def max_output_tokens(body: dict[str, Any], kind: str = "chat") -> int | None:
-    """``max_completion_tokens`` when not null, else ``max_tokens`` (as :func:`field_types`
-    checked them), as vLLM's chat reads them; a completion's ``max_tokens``,
-    ``COMPLETION_MAX_TOKENS`` when absent, None (unknown) when null (vLLM's completions have
-    no ``max_completion_tokens``); for
-    the Responses API (``kind`` ``responses``) its ``max_output_tokens``, checked here; at
-    most ``MAX_OUTPUT_TOKENS`` (the body goes on as it came)."""
-    if kind == "responses":
-        found = lax_int(body.get("max_output_tokens"))
-        if found is INVALID or (found is not None and found < 0):
-            raise BadRequest("'max_output_tokens' must be a non-negative integer")
-    elif kind == "completion":
-        found = lax_int(body.get("max_tokens", COMPLETION_MAX_TOKENS))
-    else:
-        found = lax_int(body.get("max_completion_tokens"))
-        if found is None:
-            found = lax_int(body.get("max_tokens"))
-    return min(found, MAX_OUTPUT_TOKENS) if type(found) is int else None
-
-
-def default_model(state: RouterState) -> str | None:
-    """The model a request naming none is for: the one model the router routes (vLLM serves
-    one model and takes a request without ``model`` as one for it), None with several."""
-    found = None
-    for name in state.processors:
-        if state.registry.keys_for(name):
-            if found is not None:
-                return None
-            found = name
-    return found
-
-
-def _default_if_unnamed(state: RouterState, body: dict[str, Any]) -> str | None:
-    """:func:`default_model`, looked up only for a body naming no model."""
-    named = body.get("model")
-    return default_model(state) if named is None or named == "" else None
-
-
-class _RandomIds:
-    """Fresh 32-hex-digit request ids from the OS's random bytes, drawn 4 KiB at a time.
-
-    Unpredictable (ids are echoed to clients, and one client must not be able to guess
-    another's), with one ``os.urandom`` system call per 256 ids rather than one per request.
-    A forked worker starts with a fresh buffer, so workers never repeat each other's ids."""
-
-    __slots__ = ("_buf", "_pos")
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self._buf = b""
-        self._pos = 0
-
-    def next(self) -> str:
-        pos = self._pos
-        if pos + 16 > len(self._buf):
-            self._buf, pos = os.urandom(4096), 0
-        self._pos = pos + 16
-        return self._buf[pos : pos + 16].hex()
-
-
-_ids = _RandomIds()
-os.register_at_fork(after_in_child=_ids.reset)
-
-
-def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
-    """The client's ``X-Request-Id``, else a fresh 32-hex-digit id. Decoded as latin-1, byte
-    for byte: the replica and the client get the id back as ``.encode("latin-1")``."""
-    for k, v in headers:
-        if len(k) == 12 and k.lower() == b"x-request-id" and v:
-            return v.decode("latin-1")
-    return _ids.next()
-
-
-_MAX_SESSION_ID = 128
-
-
-def session_key(value: object) -> str | None:
-    """A session id as the router keeps it: a non-empty string, at most 128 characters
-    (longer ones are replaced by their 64-bit digest, so a client cannot grow the session
-    table's memory with its ids); None for anything else."""
-    if not isinstance(value, str) or not value:
-        return None
-    if len(value) > _MAX_SESSION_ID:
-        return "xxh3:" + xxhash.xxh3_64_hexdigest(value.encode("utf-8", "surrogatepass"))
-    return value
-
-
-def session_of(headers: Iterable[tuple[bytes, bytes]], body_session: str | None) -> str | None:
-    """The request's session: the ``X-Session-Id`` header (vllm-router's), else what the body
-    named (``metadata.session_id``, else ``user``; see :func:`admit`)."""
-    for k, v in headers:
-        if len(k) == 12 and k.lower() == b"x-session-id" and v:
-            return session_key(v.decode("latin-1"))
-    return body_session
-
-
-def body_session(body: dict[str, Any]) -> str | None:
-    """``session_id`` (vLLM's request field), else ``metadata.session_id`` (OpenAI's
-    free-form request metadata), else ``user``."""
-    found = session_key(body.get("session_id"))
-    if found is not None:
-        return found
-    metadata = body.get("metadata")
-    if isinstance(metadata, dict):
-        found = session_key(metadata.get("session_id"))
-        if found is not None:
-            return found
-    return session_key(body.get("user"))
-
-
-def unique_in_flight(state: RouterState, request_id: str) -> str:
-    """``request_id``, made unique among this process's requests in flight: the load tracker
-    keys requests by id, so a client re-sending an id that is still in flight (a retry that
-    did not wait, or two clients with the same id) gets ``<id>-<8 hex digits>`` instead of
-    taking over the other request's accounting. The replica sees that id too. A disaggregated
-    request's prefill leg is in flight as ``<id>#p`` (router/service/disagg.py) and its
-    replica gets ``<id>``: that counts too (:func:`in_flight`), as does an id admission
-    holds or has not released yet (router/service/admission.py ``taken``), and so does a
-    request ``<id>#p`` in its prefill leg (``<id>#p#p``): its decode leg will be ``<id>#p``,
-    this request's own prefill leg, and the load tracker keeps one record per id. Call it
-    right before routing (no ``await`` in between)."""
-    if (
-        in_flight(state, request_id)
-        or state.load.replica_of(request_id + "#p#p") is not None
-        or (state.admission is not None and state.admission.taken(request_id))
-    ):
-        request_id = f"{request_id}-{_ids.next()[:8]}"
-    return request_id
-
-
-def in_flight(state: RouterState, request_id: str) -> bool:
-    """Whether ``request_id`` is in flight in this process's load tracker: as a request, or
-    as a disaggregated request's prefill leg (``<id>#p``, whose decode leg is ``<id>``)."""
-    load = state.load
-    return load.replica_of(request_id) is not None or load.replica_of(request_id + "#p") is not None
-
-
-async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) -> Admitted:
-    """Check and process the prompt of a parsed body (``size`` bytes raw) of ``kind``
-    (``chat``, ``completion``, ``messages``: an Anthropic Messages API body, whose prompt is
-    its chat conversion, router.tokenize.anthropic; ``responses``: an OpenAI Responses API
-    body, likewise, router.tokenize.responses): everything before routing, a pure
-    function of the body and the settings (what the body memo keeps); raises KVRouterError
-    for a bad request."""
-    model, stream = field_types(body, _default_if_unnamed(state, body), kind)
-    processor = state.processor(model)
-    messages = kind == "messages"
-    responses = kind == "responses"
-    fn: Callable[[dict[str, Any]], ProcessedPrompt]
-    if messages:
-        fn = partial(messages_prompt, processor)
-    elif responses:
-        fn = partial(responses_prompt, processor)
-    else:
-        fn = processor.chat if kind == "chat" else processor.completion
-    offload = size >= THREAD_MIN_BODY and not _token_ids(body)
-    prompt = await checked_prompt(state, model, fn, body, offload=offload, kind=kind)
-    max_out = max_output_tokens(body, kind)
-    # the Messages API's service_tier ("standard_only") is Anthropic's, which vLLM ignores
-    # (the Responses API's "scale" tier is OpenAI's, which vLLM ignores too)
-    tier = body.get("service_tier")
-    if messages or (responses and tier == "scale"):
-        tier = None
-    parse_service_tier(tier)  # a bad value is a 400, admission on or off
-    if asks_prompt_logprobs(body, kind):
-        prompt = replace(prompt, reads_cache=False)
-    samples = sampled_sequences(body, kind)
-    if samples > 1:
-        prompt = replace(prompt, samples=samples)
-    session = body_session(body)
-    if messages and session is None:
-        session = session_key(anthropic_session(body))
-    return Admitted(
-        model,
-        prompt,
-        session,
-        max_out,
-        # the engine reports usage on every Messages API stream (vLLM asks its chat
-        # stream for it) and in every Responses API stream's final event: nothing to add,
-        # and the body reaches the replica as sent
-        None if messages or responses else usage_patch(body),
-        tier,
-        stream=stream,
-        keep_local=disagg.keep_local(body, kind),
-        prefill_caps=disagg.prefill_caps(body),
-        previous_response=previous_response(body) if responses else None,
-        stores=responses and stores(body),
-    )
-
-
-async def checked_prompt(
-    state: RouterState,
-    model: str,
-    fn: Callable[[_A], ProcessedPrompt],
-    arg: _A,
-    *,
-    offload: bool,
-    kind: str | None = None,
-) -> ProcessedPrompt:
-    """``fn(arg)``, the processed prompt, within the limits of every front end (the model's
-    context length, ``server.max_prompt_tokens``); ``offload``: processed on a worker
-    thread, off the event loop (large prompts: the loop serves every other request
-    meanwhile). The HTTP endpoints (:func:`admit`) and gRPC Pick both call it.
-
-    ``kind`` ("chat" / "completion" / "messages": ``arg`` is such a request body): for a
-    model rendered
-    by the engine (router/service/render.py) the engine's render comes first; ``fn(arg)``
-    stands in, marked provisional, when no engine answered.
-
-    A body the parser took but nested too deeply to process (a chat template recursing
-    through 1,000 nested arrays) is a BadRequest, as one too deep to parse is
-    (:func:`json_value`), not an unexpected error."""
-    try:
-        return await _processed(state, model, fn, arg, offload=offload, kind=kind)
-    except RecursionError:
-        raise BadRequest("request is nested too deeply to process") from None
-
-
-async def _processed(
-    state: RouterState,
-    model: str,
-    fn: Callable[[_A], ProcessedPrompt],
-    arg: _A,
-    *,
-    offload: bool,
-    kind: str | None,
-) -> ProcessedPrompt:
-    """:func:`checked_prompt` but for its RecursionError."""
-    renderer = state.renderer
-    rendered = kind is not None and renderer is not None and renderer.serves(model)
-    t0 = time.perf_counter() if rendered else 0.0
-    if rendered:
-        from_engine = await renderer.prompt(
-            model, kind, arg, state.processor(model), offload=offload
-        )
-        if from_engine is not None:
-            return _checked(state, model, from_engine)
-    try:
-        if offload:
-            prompt = await asyncio.get_running_loop().run_in_executor(None, fn, arg)
-        else:
-            prompt = fn(arg)
-    except BadRequest:
-        if not rendered:
-            raise
-        # the router's own processing of a model it cannot render exactly routes the
-        # request on what it gives, never refuses it (a template the router misreads)
-        prompt = state.processor(model).unknown(cast(dict[str, Any], arg))
-    if rendered:
-        waited = time.perf_counter() - t0
-        prompt = replace(prompt, exact=False, provisional=True, tokenize_s=waited)
-    return _checked(state, model, prompt)
-
-
-def _checked(state: RouterState, model: str, prompt: ProcessedPrompt) -> ProcessedPrompt:
-    """``prompt`` within the model's context length and ``server.max_prompt_tokens``."""
-    state.check_context(model, prompt)
-    check_prompt_tokens(state.settings.server, prompt.prompt_tokens)
-    return prompt
-
-
-def _token_ids(body: dict[str, Any]) -> bool:
-    """A completion whose prompt is token ids: processing it is a few array operations
-    (no tokenizer that releases the GIL), so a worker thread would only add hand-offs."""
-    prompt = body.get("prompt")
-    return isinstance(prompt, list) and bool(prompt) and type(prompt[0]) is int
 
 
 def record(state: RouterState, routed: Routed) -> None:
@@ -519,7 +170,7 @@ async def serve_pass_through(
     shaped = pass_through.PATHS[req.path]
     try:
         parsed = parse_body(req.body)
-        model, _ = field_types(parsed, _default_if_unnamed(state, parsed))
+        model, _ = field_types(parsed, default_if_unnamed(state, parsed))
         state.processor(model)  # a model the router does not route: 404
     except KVRouterError as exc:
         await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s), shaped)

@@ -45,7 +45,7 @@ from router.tokenize.pipeline import PromptProcessor
 
 APPROXIMATE_SPECULATIVE_TTL_S = 600.0
 # Bodies at least this large are not memoised (body_memo.py) and are tokenized on a worker
-# thread, off the event loop (handling.py).
+# thread, off the event loop (intake.py).
 BODY_MEMO_MAX_BYTES = 128 * 1024
 
 
@@ -137,7 +137,7 @@ class RouterState:
         self._tokenizers: dict[tuple[Any, ...], IncrementalTokenizer] = {}
         for name in {*settings.models, *self.registry.models()}:
             self._add_model(settings.model(name))
-        # small bodies only: larger ones are tokenized on worker threads (handling.py)
+        # small bodies only: larger ones are tokenized on worker threads (intake.py)
         self.body_memo = BodyMemo(
             int(settings.server.body_memo_mb * 2**20), max_body_bytes=BODY_MEMO_MAX_BYTES
         )

@@ -1,6 +1,6 @@
 """Request values read as vLLM reads them: its request models are pydantic models in lax mode,
 which take ``"stream": "yes"`` or ``"max_tokens": 5.0`` as ``True`` and ``5``. The router reads
-the few fields it needs (router.service.handling, router.service.stream_usage,
+the few fields it needs (router.service.intake, router.service.stream_usage,
 router.tokenize.request_fields) the same way, so it neither refuses a request the engine serves
 nor reads it otherwise than the engine.
 
