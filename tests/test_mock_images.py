@@ -162,7 +162,7 @@ async def test_the_events_carry_vllms_extra_keys_and_reblock_to_the_routers_hash
             await client.completions.create(model="m", prompt=[1, 2, 3] * B, max_tokens=1)
             return await sub.poll(200) != 0
 
-        await eventually(subscribed)
+        await eventually(subscribed, timeout=30)  # (a loaded machine: seconds)
         while await sub.poll(300):
             await sub.recv_multipart()
         data = png(3)
@@ -182,7 +182,7 @@ async def test_the_events_carry_vllms_extra_keys_and_reblock_to_the_routers_hash
                 stored.extend(batch.events)
             return sum(len(e.block_hashes) for e in stored) >= n_engine
 
-        await eventually(all_stored)
+        await eventually(all_stored, timeout=30)
         events = [e for e in stored if getattr(e, "token_ids", None)]
         assert [t for e in events for t in e.token_ids] == ids[: n_engine * engine_block]
         keys = [k for e in events for k in (e.extra_keys or [None] * len(e.block_hashes))]
