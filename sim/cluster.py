@@ -47,7 +47,7 @@ from sim.cluster_config import ClusterConfig, RunResult, class_and_tenant, polic
 from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, Rejected
 from sim.events import ARRIVAL, DELIVER, ENGINE, TRANSFER, EventQueue
 from sim.fanout import CompletionBatches, SampledRequests
-from sim.metrics import RequestRecord, summarize
+from sim.metrics import RequestRecord, answers, summarize
 from sim.pd import PdStats, PrefillLegs
 from sim.workload import SimRequest, Workload, scale_arrivals
 
@@ -230,7 +230,7 @@ class Simulation:
         summary["preemptions"] = sum(e.preemptions for e in engines)
         ttft = [
             rec.first - rec.arrival
-            for rec in self._records.values()
+            for rec in answers(self._records[r.request_id] for r in self._order)
             if not rec.rejected and rec.first == rec.first and rec.stream
         ]
         return RunResult(
@@ -274,6 +274,8 @@ class Simulation:
             record.samples = row.samples
             record.klass = klass
             record.stream = row.stream
+            if len(rows) > 1:
+                record.batch = req.request_id
             self._records[row.request_id] = record
             if row is not req:
                 self._order.append(row)
