@@ -28,6 +28,7 @@ from router.core.admission import (
     FLEX,
     PRIORITY,
     SHED,
+    TICK_S,
     AdmissionQueue,
     Assessment,
     Ticket,
@@ -45,9 +46,9 @@ from router.core.routing import Dispatch, RoutingEngine, RoutingSettings
 from router.core.types import Decision, EventBatch, RouteRequest
 from sim.cluster_config import ClusterConfig, RunResult, class_and_tenant, policy_params_for
 from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, Rejected
-from sim.events import ARRIVAL, DELIVER, ENGINE, TRANSFER, EventQueue
+from sim.events import ARRIVAL, DELIVER, ENGINE, TICK, TRANSFER, EventQueue
 from sim.fanout import CompletionBatches, SampledRequests
-from sim.metrics import RequestRecord, summarize
+from sim.metrics import RequestRecord, answers, summarize
 from sim.pd import PdStats, PrefillLegs
 from sim.workload import SimRequest, Workload, scale_arrivals
 
@@ -57,7 +58,7 @@ Progress = Callable[[int, int], None]
 
 
 class _Router:
-    __slots__ = ("admission", "engine", "rng")
+    __slots__ = ("admission", "engine", "rng", "tick", "ticking", "woken")
 
     def __init__(
         self, engine: RoutingEngine, rng: random.Random, admission: AdmissionQueue | None
@@ -65,6 +66,11 @@ class _Router:
         self.engine = engine
         self.rng = rng
         self.admission = admission
+        # its admission pump (router/service/admission.py ``_pump``): whether it runs (a
+        # look is due), the generation of its due look, and whether a finish woke it
+        self.ticking = False
+        self.tick = 0
+        self.woken = False
 
 
 class Simulation:
@@ -207,6 +213,11 @@ class Simulation:
                     progress(len(self._order), total)
             elif prio == TRANSFER:
                 self._submit(payload[0], payload[1], t)
+            elif prio == TICK:
+                router, g = payload
+                if g == router.tick:
+                    self._look(router, t)
+                    self._wake_pumps(t)
             else:
                 for router in self.routers:
                     router.engine.index.apply(payload)
@@ -230,7 +241,7 @@ class Simulation:
         summary["preemptions"] = sum(e.preemptions for e in engines)
         ttft = [
             rec.first - rec.arrival
-            for rec in self._records.values()
+            for rec in answers(self._records[r.request_id] for r in self._order)
             if not rec.rejected and rec.first == rec.first and rec.stream
         ]
         return RunResult(
@@ -274,6 +285,8 @@ class Simulation:
             record.samples = row.samples
             record.klass = klass
             record.stream = row.stream
+            if len(rows) > 1:
+                record.batch = req.request_id
             self._records[row.request_id] = record
             if row is not req:
                 self._order.append(row)
@@ -300,8 +313,9 @@ class Simulation:
             )
             return
         queue = router.admission
-        if queue is not None:
-            self._pump(router, now)
+        if queue is not None and len(queue):  # judged after the late are shed (the service's)
+            for t in queue.expire(now):
+                self._shed(str(t.key), now)
         try:
             candidates = engine.candidates(rr, self.keys, now)
         except NoReplicaAvailable:  # every replica busy, reject_when_all_busy: the 429
@@ -311,6 +325,8 @@ class Simulation:
             self._commit(router, req, rr, candidates, now, klass)
             return
         a = assess(self._predictor, rr, candidates, now)
+        # size 0: a simulated request has no body, so ``max_queue_mb`` never binds here (the
+        # service's bound on held bodies; ``max_queue`` does: docs/admission.md)
         ticket = queue.ticket(req.request_id, klass, tenant, rr.prompt_tokens, now, (req, rr))
         verdict = queue.judge(ticket, a, now)
         if verdict.action == ADMIT:
@@ -320,8 +336,11 @@ class Simulation:
             queue.dispatched(ticket, a, d.replica, uncached, req.output_tokens)
         elif verdict.action == SHED:
             self._shed(req.request_id, now)
-        elif verdict.displaced is not None:  # held in a full queue, in a worse class's place
-            self._shed(str(verdict.displaced.key), now)
+        else:
+            if verdict.displaced is not None:  # held in a full queue, in a worse class's place
+                self._shed(str(verdict.displaced.key), now)
+            if not router.ticking:  # the pump starts: its first look a tick later
+                self._tick_at(router, now + TICK_S)
 
     def _commit(
         self,
@@ -396,6 +415,34 @@ class Simulation:
             self._records[row.request_id].rejected = True
             self._follow_ups(row.request_id, now)
 
+    def _tick_at(self, router: _Router, at: float) -> None:
+        router.ticking = True
+        router.tick += 1
+        self._queue.push(at, TICK, (router, router.tick))
+
+    def _look(self, router: _Router, now: float) -> None:
+        """One look of ``router``'s admission pump, as the service's pump task looks
+        (router/service/admission.py): :meth:`_pump`, then the next look ``TICK_S`` later
+        while anything is held (a finish wakes it sooner: :meth:`_wake_pumps`); with
+        nothing held the pump stops until a request is held again."""
+        router.woken = False
+        self._pump(router, now)
+        queue = router.admission
+        if queue is not None and len(queue):
+            self._tick_at(router, now + TICK_S)
+        else:
+            router.ticking = False
+            router.tick += 1
+
+    def _wake_pumps(self, now: float) -> None:
+        """Look at once at the held requests of the routers a finish woke (outside a look:
+        a finish during one wakes its pump again once it is over)."""
+        if self._pumping:
+            return
+        while woken := [r for r in self.routers if r.woken]:
+            for router in woken:
+                self._look(router, now)
+
     def _pump(self, router: _Router, now: float) -> None:
         """Shed the held requests that can no longer make it; dispatch those that fit."""
         queue = router.admission
@@ -467,8 +514,7 @@ class Simulation:
                     router.engine.index.apply(batch)
         self._outputs(i, now, outputs)
         if outputs and self.config.admission is not None:
-            for router in self.routers:
-                self._pump(router, now)
+            self._wake_pumps(now)
         nt = eng.next_time()
         if nt != self._wake_at[i]:
             self._gen[i] += 1
@@ -534,6 +580,8 @@ class Simulation:
         router.engine.load.complete(flight)
         if router.admission is not None:
             router.admission.finished(flight)
+            if len(router.admission):  # held requests may fit now: the pump wakes
+                router.woken = True
         for row in rows:
             self._follow_ups(row, now)
 

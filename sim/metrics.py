@@ -1,7 +1,10 @@
 """Per-run metrics and the two cache ceilings every report carries.
 
 Definitions (all times from the request's arrival at a router; percentiles are nearest rank,
-as the live bench's):
+as the live bench's). A request is what its client sent: the rows of one completions batch
+(sim/fanout.py) are one request, as the live figures count and judge it (:func:`answers`:
+one TTFT, E2E and TPOT, its summed prompt's SLO tier, one count in ``requests`` and in
+goodput's denominator); the token figures sum every row's.
 
 * TTFT: first token time - arrival. ITL: (finish - first token) / (output tokens - 1), one
   value per request with more than one output token; ``tpot_ms_*`` are the same figures under
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from router.core.admission import CLASS_NAMES
-from router.core.slo import Answered, SloTargets, answered_as, goodput_by_scale
+from router.core.slo import Answered, SloTargets, answered_as, goodput_by_scale, sequence_tokens
 from sim.workload import SimRequest
 
 
@@ -49,6 +52,7 @@ class RequestRecord:
 
     __slots__ = (
         "arrival",
+        "batch",
         "cached",
         "finish",
         "first",
@@ -81,6 +85,45 @@ class RequestRecord:
         self.klass = 1  # service class (router/core/admission.py): default
         self.sent = arrival  # when the router dispatched it (later if admission held it)
         self.stream = True  # its answer streamed (else its client gets it whole at the end)
+        self.batch: str | None = None  # a completions batch's row: the batch's first row's id
+
+
+def answers(records: Iterable[RequestRecord]) -> list[RequestRecord]:
+    """The requests as their clients saw them, in order of their first record: a record
+    alone, or the rows of one completions batch (one ``batch``) as the one answer the
+    live replay measures (router/demo/replay.py ``Outcome``): its rows' prompt, cached and
+    KV-hit tokens summed, its first token the first of any row's, its end the last row's
+    (none while any row has none), rejected when any row was, one sequence's output tokens
+    as its usage tells them (``router.core.slo.sequence_tokens`` over all its sequences),
+    its engine queueing the longest of its rows'."""
+    out: list[RequestRecord | list[RequestRecord]] = []
+    batches: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        if r.batch is None:
+            out.append(r)
+        elif (rows := batches.get(r.batch)) is not None:
+            rows.append(r)
+        else:
+            batches[r.batch] = rows = [r]
+            out.append(rows)
+    return [r if isinstance(r, RequestRecord) else _one_answer(r) for r in out]
+
+
+def _one_answer(rows: Sequence[RequestRecord]) -> RequestRecord:
+    head = rows[0]
+    out = RequestRecord(head.request_id, head.arrival, sum(r.prompt for r in rows), head.replica)
+    firsts = [r.first for r in rows if r.first == r.first]
+    out.first = min(firsts) if firsts else float("nan")
+    finishes = [r.finish for r in rows]
+    out.finish = max(finishes) if all(f == f for f in finishes) else float("nan")
+    out.cached = sum(r.cached for r in rows)
+    out.kv_hit = sum(r.kv_hit for r in rows)
+    out.queued = max(r.queued for r in rows)
+    out.samples = sum(r.samples for r in rows)
+    out.output = sequence_tokens(sum(r.output * r.samples for r in rows), out.samples)
+    out.rejected = any(r.rejected for r in rows)
+    out.klass, out.sent, out.stream = head.klass, head.sent, head.stream
+    return out
 
 
 def _pcts(values: Sequence[float], prefix: str, scale: float = 1000.0) -> dict[str, float]:
@@ -157,8 +200,11 @@ def summarize(
     ttft_factor: Sequence[float] = (1.0, 1.0, 1.0),
 ) -> dict[str, object]:
     """The per-run figures (see the module doc), as a JSON-ready dict."""
-    recs = list(records)
+    rows = list(records)
+    recs = answers(rows)  # a completions batch's rows as its one answer
     done = [r for r in recs if not r.rejected and r.finish == r.finish]
+    answered = {r.request_id for r in done}  # a batch's: its first row's
+    output = sum(r.output * r.samples for r in rows if (r.batch or r.request_id) in answered)
     prompt = sum(r.prompt for r in done)
     start = min((r.arrival for r in recs), default=0.0)
     end = max((r.finish for r in done), default=start)
@@ -191,7 +237,7 @@ def summarize(
         {
             "makespan_s": round(makespan, 3),
             "throughput_rps": round(len(done) / makespan, 4),
-            "output_tokens_per_s": round(sum(r.output * r.samples for r in done) / makespan, 2),
+            "output_tokens_per_s": round(output / makespan, 2),
             "prompt_tokens_per_s": round(prompt / makespan, 2),
             "replica_utilisation": [round(u, 4) for u in util],
             "utilisation_imbalance": round(max(util) / mean_util, 4) if mean_util > 0 else 1.0,

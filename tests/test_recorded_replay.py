@@ -453,7 +453,7 @@ def test_the_simulator_sends_a_completions_batch_to_one_replica(tmp_path: pathli
     workload = load_trace(str(_rows_file(tmp_path, BATCH_ROWS)), block_size=64)
     config = ClusterConfig(profile=load_profile("dense-70b"), replicas=3, block_size=64)
     sim = Simulation(workload, config, "round_robin")
-    assert sim.run().summary["completed"] == 4
+    assert sim.run().summary["completed"] == 2  # the batch is one request (its rows all ended)
     replicas = [sim._records[r.request_id].replica for r in workload.requests]
     assert replicas[0] == replicas[1] == replicas[2] != replicas[3]
     busy = [e.busy_s > 0 for e in sim.engines]
@@ -474,7 +474,7 @@ def test_the_simulator_routes_a_batch_by_its_longest_prompt(tmp_path: pathlib.Pa
     workload = load_trace(str(_rows_file(tmp_path, rows)), block_size=64)
     config = ClusterConfig(profile=load_profile("dense-70b"), replicas=3, block_size=64)
     sim = Simulation(workload, config, "ours")
-    assert sim.run().summary["completed"] == 4
+    assert sim.run().summary["completed"] == 2  # the batch is one request (its rows all ended)
     replicas = {sim._records[r.request_id].replica for r in workload.requests}
     assert len(replicas) == 1
 
@@ -491,7 +491,7 @@ def test_the_simulator_never_disaggregates_a_batch(tmp_path: pathlib.Path) -> No
         profile=load_profile("dense-70b"), replicas=4, block_size=64, pd="always"
     )
     sim = Simulation(workload, config, "round_robin")
-    assert sim.run().summary["completed"] == 4
+    assert sim.run().summary["completed"] == 2  # the batch is one request (its rows all ended)
     assert (sim.pd_stats.requests, sim.pd_stats.remote) == (2, 1)
     replicas = [sim._records[r.request_id].replica for r in workload.requests]
     assert replicas[0] == replicas[1] == replicas[2]

@@ -158,7 +158,7 @@ def test_the_simulator_books_a_batch_s_load_until_its_last_row_ends(
     sim = _Spy(workload, config, "round_robin")
     first, other, later = workload.requests
     sim.probe = later.request_id
-    assert sim.run().summary["completed"] == 3
+    assert sim.run().summary["completed"] == 2  # the batch is one request (its rows all ended)
     records = sim._records
     # the probe came after the first row's answer, while the other row still decoded
     assert records[first.request_id].finish < 1.0 < records[other.request_id].finish
@@ -185,7 +185,56 @@ def test_the_simulator_sends_a_turn_tied_to_a_batch_s_row_after_the_whole_batch(
     assert later.after == other.request_id  # the last row of its session
     config = ClusterConfig(profile=load_profile("dense-70b"), replicas=2, block_size=64)
     sim = Simulation(workload, config, "round_robin")
-    assert sim.run().summary["completed"] == 3
+    assert sim.run().summary["completed"] == 2  # the batch is one request (its rows all ended)
     records = sim._records
     assert records[other.request_id].finish < records[first.request_id].finish
     assert records[later.request_id].arrival >= records[first.request_id].finish + 0.01
+
+
+def test_the_simulator_judges_a_batch_once_as_the_live_figures_do(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The same trace with a batch through the simulator's figures (sim/metrics.py) and the
+    live replay's (router/demo/figures.py over the ``Outcome`` each request's client
+    measures, grouped as router/demo/replay.py ``load_requests`` sends them): one request
+    of the batch, judged once by its summed prompt's tier, its first token and its last end.
+    The simulator judged each row on its own, by its own prompt's tier, and counted each
+    in goodput's denominator. Here a short prompt's target cannot be met and a long one's
+    cannot be missed: the batch (three short rows, 2100 tokens in all) meets its SLO, the
+    request alone misses it."""
+    from router.core.slo import SloTargets, SloTier
+    from router.demo.figures import summarize as live_figures
+    from router.demo.replay import Outcome
+
+    path = _rows_file(tmp_path, ROWS[:4])
+    slo = SloTargets((SloTier(1500, 1e-9), SloTier(None, 1e9)), 1e9)
+    workload = load_trace(str(path), block_size=64)
+    config = ClusterConfig(profile=load_profile("dense-70b"), replicas=2, block_size=64, slo=slo)
+    sim = Simulation(workload, config, "round_robin")
+    figures = sim.run().summary
+    # what each request's client measured, from the simulated rows it went in
+    rows = iter(sim._records[r.request_id] for r in workload.requests)
+    outcomes = []
+    for req in load_requests(path, 10, "m", max_output=64):
+        recs = [next(rows) for _ in range(req.prompts)]
+        arrival = recs[0].arrival
+        outcomes.append(
+            Outcome(
+                True,
+                min(r.first for r in recs) - arrival,
+                sum(r.prompt for r in recs),
+                e2e_s=max(r.finish for r in recs) - arrival,
+                output_tokens=sum(r.output * r.samples for r in recs),
+                samples=req.samples,
+                prompts=req.prompts,
+            )
+        )
+    live = live_figures(outcomes, slo)
+    assert (live["requests"], live["goodput"]) == (2, 0.5)
+    assert (figures["requests"], figures["completed"]) == (live["requests"], live["ok"])
+    assert figures["goodput"] == live["goodput"]
+    assert figures["goodput_by_slo_scale"] == live["goodput_by_slo_scale"]
+    assert figures["goodput_by_tier"] == {"le1500": 0.0, "any": 1.0}
+    for name in ("ttft_p50", "ttft_p90", "e2e_p50", "e2e_p90", "tpot_p50"):
+        sim_name = name.replace("_p", "_ms_p")
+        assert figures[sim_name] == pytest.approx(live[f"{name}_ms"], abs=0.1), name

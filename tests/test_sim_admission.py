@@ -115,3 +115,58 @@ def test_a_request_displaced_from_a_full_queue_is_refused_not_lost() -> None:
     s = Simulation(workload, config, "ours", speedup=8).run().summary
     assert s["requests"] == len(workload) and s["shed"] > 0
     assert s["completed"] + s["rejected"] == s["requests"]
+
+
+def _held_run(a_output: int, *late: float) -> tuple[dict[str, Any], Any, Any, list[Any]]:
+    """One replica: ``a`` (a long prompt) arrives on an idle replica at 0 and is admitted;
+    ``b`` arrives at 0.01, while ``a`` prefills, and is held (a small headroom: it fits
+    only a replica with nothing queued); requests of ``late`` arrive at those times.
+    Returns the summary and the records of ``a``, ``b`` and the late ones."""
+    from router.core.admission import AdmissionSettings
+    from sim.cluster import Simulation
+    from sim.cluster_config import ClusterConfig
+    from sim.profiles import load_profile
+    from sim.workload import SimRequest, Workload
+
+    def req(rid: str, at: float, prompt: int, output: int, first_block: int) -> SimRequest:
+        blocks = list(range(first_block, first_block + prompt // 64))
+        return SimRequest(rid, at, prompt, output, blocks)
+
+    requests = [req("a", 0.0, 8000, a_output, 1000), req("b", 0.01, 640, 4, 2000)]
+    requests += [req(f"l{i}", t, 64, 2, 3000 + i) for i, t in enumerate(late)]
+    config = ClusterConfig(
+        load_profile("dense-70b"),
+        replicas=1,
+        block_size=64,
+        admission=AdmissionSettings(headroom=(0.05, 0.05, 0.05), max_hold_s=5.0),
+    )
+    sim = Simulation(Workload("held", requests, 64, "sim-model"), config, "ours")
+    summary = sim.run().summary
+    records = [sim._records[r.request_id] for r in requests]
+    return summary, records[0], records[1], records[2:]
+
+
+def test_the_simulator_looks_at_held_requests_on_the_service_s_cadence() -> None:
+    """The service's pump (router/service/admission.py) looks at held requests every
+    ``TICK_S`` while any is held, and when a request finishes; an arrival only sheds the
+    late ones. The simulator looked on every engine output (``a``'s first token here) and
+    on every arrival, dispatching ``b`` at once where the service dispatches it at its next
+    tick. Here nothing finishes before ``b`` goes: it goes at a tick after its hold."""
+    from router.service.admission import TICK_S
+
+    # b fits once a's prefill is over (a's first token, some 0.3 s in); a request arrives
+    # just after that, between two ticks of b's hold
+    _, a, b, _ = _held_run(400)
+    assert b.sent >= a.first > b.arrival  # held, through a's prefill
+    summary, a, b, (late,) = _held_run(400, a.first + 0.001)
+    assert summary["completed"] == 3 and b.sent < a.finish  # nothing finished before it went
+    ticks = (b.sent - b.arrival) / TICK_S
+    assert ticks == pytest.approx(round(ticks), abs=1e-6), (b.sent, a.first, late.arrival)
+    assert b.sent > late.arrival  # the arrival did not look
+
+
+def test_the_simulator_looks_at_held_requests_when_one_finishes() -> None:
+    """A finish wakes the service's pump at once: ``a`` (one output token) finishes at its
+    first token, and ``b``, held behind it, goes then, not at the next tick."""
+    _, a, b, _ = _held_run(1)
+    assert b.arrival < b.sent == a.finish

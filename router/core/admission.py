@@ -92,6 +92,13 @@ DEADLINE = "deadline"
 QUEUE_FULL = "queue_full"
 SHED_REASONS: tuple[str, str] = (DEADLINE, QUEUE_FULL)
 
+TICK_S = 0.05
+"""How often a router looks at its held requests (:meth:`AdmissionQueue.expire`, then
+:meth:`AdmissionQueue.ready`) while any is held, besides whenever a request finishes; an
+arrival only sheds the late ones first. The service's pump (router/service/admission.py)
+and the simulator's (sim/cluster.py) keep this cadence. Each look re-routes up to ``scan``
+held requests: not free."""
+
 
 def class_of(name: str) -> int:
     """A class by name (``priority``, ``default``, ``flex``); ValueError for others."""

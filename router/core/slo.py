@@ -156,6 +156,15 @@ def answered_as(
     return prompt_tokens, ttft_s, tpot_s(e2e_s, ttft_s, output_tokens)
 
 
+def sequence_tokens(output_tokens: int, sequences: int) -> int:
+    """One sequence's output tokens, as a request's usage tells them: ``output_tokens``
+    every sequence's (``n`` for each prompt, a completions batch's every prompt), over its
+    ``sequences``, rounded up. The live figures (router/demo/replay.py ``Outcome``) and the
+    simulator's (sim/metrics.py ``answers``, a batch's rows as one answer) judge by it."""
+    sequences = max(sequences, 1)
+    return -(-output_tokens // sequences)
+
+
 def count_met(answered: Iterable[Answered], targets: SloTargets) -> int:
     """How many of ``answered`` met ``targets``."""
     return sum(targets.met(prompt, ttft, tpot) for prompt, ttft, tpot in answered)

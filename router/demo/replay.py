@@ -46,8 +46,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import numpy as np
 
-from router.core.slo import answered_as
-from router.core.slo import tpot_s as _tpot
+from router.core.slo import answered_as, sequence_tokens
 
 if TYPE_CHECKING:
     from sim.workload import TraceRow
@@ -88,10 +87,7 @@ class Outcome:
         """One sequence's time per output token after the first (the usage sums the
         ``samples`` x ``prompts`` sequences'); None without a TTFT (an answer not streamed)
         or for sequences of at most one token."""
-        if self.ttft_s != self.ttft_s:
-            return None
-        sequences = max(self.samples, 1) * max(self.prompts, 1)
-        return _tpot(self.e2e_s, self.ttft_s, -(-self.output_tokens // sequences))
+        return self.judged()[2]
 
     def judged(self) -> tuple[int, float, float | None]:
         """The answered request as the SLO judges it (``router.core.slo.Answered``): an
@@ -99,7 +95,7 @@ class Outcome:
         answer: judged by its E2E, its TPOT not judged."""
         sequences = max(self.samples, 1) * max(self.prompts, 1)
         streamed = self.ttft_s == self.ttft_s
-        one = -(-self.output_tokens // sequences)
+        one = sequence_tokens(self.output_tokens, sequences)
         return answered_as(self.prompt_tokens, self.ttft_s, self.e2e_s, one, streamed)
 
 

@@ -4,14 +4,15 @@ event loop, per model with ``[models.NAME.admission] enabled = true``.
 A request is judged before it is committed to a replica (:meth:`RouterState.decide`, then
 :meth:`RouterState.commit` among the replicas that fit): admitted at once, held, or shed with
 :class:`Overloaded` (HTTP 429 with ``Retry-After``, gRPC RESOURCE_EXHAUSTED). A held request
-waits on a future; one pump task per model runs while anything is held, every
-:data:`TICK_S` and whenever a request finishes: it sheds the held requests that can no
-longer meet their deadline and commits those that fit, best first. A new request is judged
-after the late ones are shed (as the simulator's pump does on each arrival): requests that
-will be refused anyway neither fill the queue nor count as work ahead of it. A client that goes away
-cancels its handler, which takes its request out of the queue (or, if it was committed at
-that very moment, completes it in the load model and takes back what was guessed of it:
-speculative index entries, session hint): nothing is answered twice or leaked.
+waits on a future; one pump task per model runs while anything is held, every ``TICK_S``
+(router/core/admission.py) and whenever a request finishes: it sheds the held requests that
+can no longer meet their deadline and commits those that fit, best first (the simulator's
+pump keeps the same cadence). A new request is judged after the late ones are shed:
+requests that will be refused anyway neither fill the queue nor count as work ahead of it.
+A client that goes away cancels its handler, which takes its request out of the queue (or,
+if it was committed at that very moment, completes it in the load model and takes back
+what was guessed of it: speculative index entries, session hint): nothing is answered
+twice or leaked.
 
 Service class: OpenAI's ``service_tier`` in the body (``priority``, ``default``, ``flex``,
 ``auto``); when ``server.priority_keys`` names any, a key not listed there cannot ask for
@@ -40,6 +41,7 @@ from router.core.admission import (
     PRIORITY,
     SHED,
     SHED_REASONS,
+    TICK_S,
     AdmissionQueue,
     Assessment,
     Ticket,
@@ -57,10 +59,6 @@ from router.service.body_memo import Admitted
 from router.service.gate import presented_key
 from router.service.state import Pending, Routed, RouterState
 from router.tokenize.keying import ProcessedPrompt
-
-TICK_S = 0.05
-"""How often held requests are looked at while any is held, besides on every completion
-(each look re-routes up to ``scan`` of them: not free)."""
 
 
 def _keys(text: str | None) -> frozenset[str]:
