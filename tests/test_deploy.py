@@ -182,7 +182,8 @@ def _exported_metrics() -> set[str]:
     from router.service.config import build_settings
     from router.service.ejection import Ejections, outlier_settings
     from router.service.peer_sum import PeerSum
-    from router.service.pod_exchange import ExchangeSettings, PodExchange, _ExchangeCollector
+    from router.service.pod_exchange import ExchangeSettings, PodExchange
+    from router.service.pod_exchange_app import _ExchangeCollector
     from router.service.saturation import LoopLag
     from router.service.state import RouterState
 

@@ -16,16 +16,11 @@ import pytest
 from router.bench.redis_server import LocalRedis, LocalRedisCluster
 from router.core.load import LoadTracker, PeerLoad
 from router.core.types import ReplicaKey
-from router.service import pod_exchange
+from router.service import pod_exchange, pod_exchange_app
 from router.service.peer_sum import PeerSum
-from router.service.pod_exchange import (
-    ExchangeSettings,
-    PodExchange,
-    PodViews,
-    Snapshot,
-    decode,
-    encode,
-)
+from router.service.pod_exchange import ExchangeSettings, PodExchange
+from router.service.pod_snapshot import Snapshot, decode, encode
+from router.service.pod_views import PodViews
 from router.service.workers import Workers
 from router.store.redis_store import connect
 from router.tasks import stop
@@ -273,7 +268,7 @@ async def test_a_reader_catching_up_does_not_revive_a_dead_pod(
 
 def _redis_up(exchange: PodExchange) -> float:
     """The ``kvrouter_pod_exchange_redis_up`` gauge, as a scrape reads it."""
-    for metric in pod_exchange._ExchangeCollector(exchange).collect():
+    for metric in pod_exchange_app._ExchangeCollector(exchange).collect():
         if metric.name == "kvrouter_pod_exchange_redis_up":
             return float(metric.samples[0].value)
     raise AssertionError("no kvrouter_pod_exchange_redis_up")
@@ -431,7 +426,7 @@ async def test_hash_namesakes_write_a_field_each(redis_server: LocalRedis, key_p
 
 def _gaps(exchange: PodExchange) -> float:
     """The ``kvrouter_pod_exchange_gaps_total`` counter, as a scrape reads it."""
-    for metric in pod_exchange._ExchangeCollector(exchange).collect():
+    for metric in pod_exchange_app._ExchangeCollector(exchange).collect():
         if metric.name == "kvrouter_pod_exchange_gaps":
             return float(metric.samples[0].value)
     raise AssertionError("no kvrouter_pod_exchange_gaps")

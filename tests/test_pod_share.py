@@ -27,8 +27,9 @@ from router.core.types import (
     RouteRequest,
 )
 from router.service.peer_sum import PeerSum
-from router.service.pod_exchange import ExchangeSettings, PodExchange, encode
+from router.service.pod_exchange import ExchangeSettings, PodExchange
 from router.service.pod_share import MAX_BLOCKS, MAX_MESSAGE_BYTES, MAX_ROWS, PodShare, _pack
+from router.service.pod_snapshot import encode
 from router.store.redis_store import connect
 from tests.waiting import eventually
 

@@ -90,7 +90,7 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
     if settings.server.redis_url:
         app.cleanup_ctx.append(background.redis_index)
         if settings.server.pods_exchange != "off":
-            from router.service.pod_exchange import pod_exchange_ctx
+            from router.service.pod_exchange_app import pod_exchange_ctx
 
             app.cleanup_ctx.append(pod_exchange_ctx(app))
         if settings.server.response_ids_ttl_s > 0:  # (router/service/response_share.py)

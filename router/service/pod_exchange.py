@@ -5,10 +5,11 @@ sockets (router/service/load_share.py); without this exchange it knows nothing o
 requests other pods sent to the same replicas until the engines' own reports catch up
 (about once a second), and N pods pile onto the replica each thinks is idle. With it, every
 worker process of every pod (a *member*: ``<pod>/<pid>``) publishes a *snapshot* of its own
-requests in flight per replica (the :class:`~router.core.load.PeerLoad` rows of
-``/internal/load``) and takes the latest snapshot of every member of the *other* pods (its own
-pod's workers come over the sockets, faster). Their sum is the ``pods`` source of the app's
-:class:`~router.service.peer_sum.PeerSum`.
+requests in flight per replica (router/service/pod_snapshot.py) and takes the latest
+snapshot of every member of the *other* pods (router/service/pod_views.py; its own pod's
+workers come over the sockets, faster). Their sum is the ``pods`` source of the app's
+:class:`~router.service.peer_sum.PeerSum`; router/service/pod_exchange_app.py runs the
+exchange in the app.
 
 Two mechanisms, one key each, both a single hash slot (``{pods}``) so Redis Cluster serves
 them as well as a standalone Redis (docs/pods.md compares them by measurement):
@@ -26,49 +27,38 @@ them as well as a standalone Redis (docs/pods.md compares them by measurement):
   poll, or at the first after a gap longer than ``pods_stale_s``, counts once its seq moves
   again: it may be the last word of a member long dead.
 
-Staleness bound: a snapshot carries its member's sequence number; a member whose sequence has
-not moved for ``pods_stale_s`` (by the reader's clock: no clock sync needed) stops counting,
-so a pod that dies, or is cut off, stops weighing on the replicas within that bound. A stream
-reader catching up on a backlog (it was cut off) dates each snapshot back by its entry's age
-relative to the stream's newest entry (Redis stamps both), so a member that died meanwhile
-does not count again. A member stopping cleanly publishes an empty snapshot first. While
-Redis is away every view ages out the same way (the pod then routes on its own load and the
-engines' reports) and the exchange resumes by itself when Redis answers again (a restarted,
-empty Redis included).
+Staleness bound (router/service/pod_views.py): a member whose sequence number has not
+moved for ``pods_stale_s`` stops counting. A stream reader catching up on a backlog (it was
+cut off) dates each snapshot back by its entry's age relative to the stream's newest entry
+(Redis stamps both), so a member that died meanwhile does not count again. A member
+stopping cleanly publishes an empty snapshot first. While Redis is away every view ages out
+the same way (the pod then routes on its own load and the engines' reports) and the
+exchange resumes by itself when Redis answers again (a restarted, empty Redis included).
 
-A snapshot also carries the member's speculative index entries and session bindings made
-since its previous one, and its withdrawals of those its replicas refused
-(router/service/pod_share.py: same message, ``x`` / ``i`` / ``w`` fields; a pending
-dispatch or withdrawal makes a message due); a reader drops, and counts, a message over
-``MAX_MESSAGE_BYTES`` or one it cannot parse.
+A pending dispatch or withdrawal of the member's shared rows (router/service/pod_share.py)
+makes a message due; a reader drops, and counts, a message over ``MAX_MESSAGE_BYTES`` or one
+it cannot parse.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import socket
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
-from router.core.load import LoadTracker, PeerLoad
-from router.core.types import ReplicaKey
-from router.service.keys import SETTINGS, STATE, WORKERS
-from router.service.load_share import own_load, parse_load
-from router.service.peer_sum import PEER_SUM, PeerSum, peer_sum, summed
-from router.service.pod_share import FIELDS, MAX_MESSAGE_BYTES, PodShare
+from router.core.load import LoadTracker
+from router.service.peer_sum import PeerSum
+from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare
+from router.service.pod_snapshot import Snapshot, decode, encode, pod_instance
+from router.service.pod_views import GONE_MAX, PodViews
 from router.service.workers import Workers
 from router.store.schema import POD_TAG
-from router.tasks import running, stop_all
+from router.tasks import stop_all
 
 _log = logging.getLogger(__name__)
 SOURCE = "pods"
@@ -76,165 +66,7 @@ MODES = ("off", "stream", "hash")
 STREAM_MAXLEN = 2000
 READ_COUNT = 1000  # stream entries one XREAD returns at most
 HASH_FORGET_S = 60.0  # a hash field unchanged this long is deleted (its member is gone)
-GONE_MAX = 4096  # members remembered as gone (PodViews.gone)
-_BLOCK_MS = 250
-
-
-@dataclass(slots=True, frozen=True)
-class Snapshot:
-    """One member's own load at one moment (``seq`` grows with every snapshot it sends)."""
-
-    member: str
-    pod: str
-    seq: int
-    load: dict[ReplicaKey, PeerLoad]
-    # the message's shared fields (router/service/pod_share.py FIELDS: rows, their ids,
-    # withdrawals), unchecked; None: none
-    shared: dict[str, object] | None = None
-    # the sender's pod instance (``n``: shared by the worker processes of one pod, new at
-    # every start); None: a sender that does not say (an earlier version)
-    instance: str | None = None
-
-    @property
-    def sender(self) -> str:
-        """Who sent it: its member, and its pod instance when it names one. Two pods
-        configured with one ``pod_name`` may send as the same member (the same pids): every
-        other pod counts each of them, not whichever spoke last."""
-        return self.member if self.instance is None else f"{self.member}#{self.instance}"
-
-
-def encode(
-    member: str,
-    pod: str,
-    seq: int,
-    load: LoadTracker,
-    shared: Mapping[str, Any] | None = None,
-    instance: str | None = None,
-) -> bytes:
-    """A snapshot: ``shared`` is ``Outbox.take``'s fields (router/service/pod_share.py),
-    ``instance`` the sender's pod instance (:func:`pod_instance`)."""
-    body: dict[str, Any] = own_load(load)
-    body.update(m=member, p=pod, s=seq)
-    if instance is not None:
-        body["n"] = instance
-    if shared:
-        body.update(shared)
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-def decode(data: bytes) -> Snapshot:
-    """A snapshot from Redis; raises ValueError for anything else."""
-    doc = json.loads(data)
-    if not isinstance(doc, dict):
-        raise ValueError("expected an object")
-    member, pod, seq = doc.get("m"), doc.get("p"), doc.get("s")
-    if not isinstance(member, str) or not isinstance(pod, str) or type(seq) is not int:
-        raise ValueError("snapshot without m / p / s")
-    shared = {k: doc[k] for k in FIELDS if k in doc}
-    instance = doc.get("n")
-    if instance is not None and not isinstance(instance, str):
-        raise ValueError("snapshot with a non-string n")
-    return Snapshot(member, pod, seq, parse_load(data), shared or None, instance)
-
-
-def pod_instance(workers: Workers | None) -> str:
-    """This pod's instance: the same for all its worker processes (derived from their
-    private control directory, random per start), random per process without workers. A
-    member's name (``<pod>/<pid>``) alone does not tell a namesake pod apart: two containers
-    of one image number their processes alike."""
-    if workers is None:
-        return os.urandom(8).hex()
-    return hashlib.blake2b(workers.directory.encode(), digest_size=8).hexdigest()
-
-
-@dataclass(slots=True)
-class _View:
-    member: str
-    pod: str
-    seq: int
-    moved_at: float  # reader's clock when ``seq`` last changed
-    load: dict[ReplicaKey, PeerLoad]
-    graced: bool = False  # ``moved_at`` moved to a stream gap's end (PodViews.lost)
-
-
-@dataclass(slots=True)
-class PodViews:
-    """The latest snapshot of every member of the other pods, and when each last moved,
-    by sender (:attr:`Snapshot.sender`). No I/O, no clock: ``now`` comes in."""
-
-    pod: str
-    stale_s: float
-    views: dict[str, _View] = field(default_factory=dict)
-    # senders dropped as stale, their last view; the same seq read again (a dead member's
-    # hash field, re-read every poll) is no sign of life
-    gone: dict[str, _View] = field(default_factory=dict)
-
-    def take(self, snap: Snapshot, now: float, dated: bool = True) -> None:
-        """Take ``snap``, read at ``now``. ``dated``: the read can tell when a new seq was
-        sent (hash mode: the previous poll was within the bound); if not, a sender not
-        counted now is taken as gone at this seq, and counts once it moves again."""
-        if snap.pod == self.pod:
-            return
-        sender = snap.sender
-        old = self.views.get(sender)
-        if old is None:
-            dead = self.gone.get(sender)
-            if dead is not None and dead.seq == snap.seq:
-                return
-            if not dated:
-                self.gone[sender] = _View(snap.member, snap.pod, snap.seq, now, snap.load)
-                return
-            self.gone.pop(sender, None)
-        if old is None or old.seq != snap.seq:
-            self.views[sender] = _View(snap.member, snap.pod, snap.seq, now, snap.load)
-
-    def expire(self, now: float) -> bool:
-        """Drop the senders silent past ``stale_s``; whether any was dropped."""
-        stale = [m for m, v in self.views.items() if now - v.moved_at > self.stale_s]
-        for sender in stale:
-            self.gone[sender] = self.views.pop(sender)
-        if len(self.gone) > GONE_MAX:  # oldest first (insertion order): bounded memory
-            for member in list(self.gone)[: len(self.gone) - GONE_MAX]:
-                del self.gone[member]
-        return bool(stale)
-
-    def lost(self, since: float, until: float) -> None:
-        """Whatever was sent between ``since`` and ``until`` (reader's clock) may be lost (a
-        stream reader that fell behind the trim). A sender counting at ``since``, dropped
-        since or not, counts as if it had spoken at ``until``: one bound from the gap, once
-        per seq (a member never heard again still stops counting, however many gaps follow).
-        A loss longer than the bound is an outage, not a lag: no sender is assumed alive
-        through it (each counts again from its next snapshot, as after an outage)."""
-        if until - since > self.stale_s:
-            return
-        for sender, v in list(self.gone.items()):
-            if not v.graced and v.moved_at + self.stale_s >= since and sender not in self.views:
-                self.views[sender] = self.gone.pop(sender)
-        for v in self.views.values():
-            if not v.graced and v.moved_at + self.stale_s >= since and v.moved_at < until:
-                v.moved_at = until
-                v.graced = True
-
-    def keep_only(self, fields: set[str]) -> None:
-        """Forget every sender whose field is not in ``fields`` (hash mode: the fields
-        present; a field is its sender, or its member for a sender of an earlier version)."""
-        for sender in [k for k, v in self.views.items() if not {k, v.member} & fields]:
-            del self.views[sender]
-        for sender in [k for k, g in self.gone.items() if not {k, g.member} & fields]:
-            del self.gone[sender]
-
-    def total(self, now: float) -> dict[ReplicaKey, PeerLoad]:
-        """What the live members have in flight, per replica (stale ones dropped first)."""
-        self.expire(now)
-        return summed(v.load for v in self.views.values())
-
-    def ages(self, now: float) -> dict[str, float]:
-        """Per other pod, the age of its freshest member's view (seconds)."""
-        out: dict[str, float] = {}
-        for v in self.views.values():
-            age = now - v.moved_at
-            out[v.pod] = min(age, out.get(v.pod, age))
-        return out
+BLOCK_MS = 250  # how long one XREAD waits for entries
 
 
 @dataclass(slots=True, frozen=True)
@@ -371,7 +203,7 @@ class PodExchange:
         """Stream mode: wait (up to 250 ms) for the next snapshots and take them."""
         key = self.settings.stream_key
         cursor = self._last_id
-        got = await self.client.xread({key: cursor}, count=READ_COUNT, block=_BLOCK_MS)
+        got = await self.client.xread({key: cursor}, count=READ_COUNT, block=BLOCK_MS)
         now = self.clock()
         for _, entries in got or ():
             # entry ids start with Redis's clock (ms) at XADD: an entry's age relative to the
@@ -633,134 +465,3 @@ def _id(entry_id: bytes) -> tuple[int, int]:
     """A stream entry id, ordered as Redis orders them."""
     _, _, seq = entry_id.partition(b"-")
     return _id_ms(entry_id), int(seq) if seq.isdigit() else 0
-
-
-class _ExchangeCollector(Collector):
-    def __init__(self, exchange: PodExchange) -> None:
-        self.exchange = exchange
-
-    def collect(self) -> Iterable[Metric]:
-        ex = self.exchange
-        age = GaugeMetricFamily(
-            "kvrouter_peer_view_age_seconds",
-            "Age of the freshest load snapshot of another router pod (pods_exchange); a view "
-            "older than pods_stale_s is dropped",
-            labels=["peer"],
-        )
-        for pod, seconds in sorted(ex.views.ages(ex.clock()).items()):
-            age.add_metric([pod], seconds)
-        views = GaugeMetricFamily(
-            "kvrouter_peer_views", "Members of other router pods whose load this one counts"
-        )
-        views.add_metric([], len(ex.views.views))
-        c = ex.counters
-        snaps = CounterMetricFamily(
-            "kvrouter_pod_exchange_snapshots",
-            "Load snapshots sent to / received from Redis (pods_exchange)",
-            labels=["direction"],
-        )
-        snaps.add_metric(["sent"], c.sent)
-        snaps.add_metric(["received"], c.received)
-        nbytes = CounterMetricFamily(
-            "kvrouter_pod_exchange_bytes",
-            "Bytes of load snapshots sent to / received from Redis",
-            labels=["direction"],
-        )
-        nbytes.add_metric(["sent"], c.bytes_sent)
-        nbytes.add_metric(["received"], c.bytes_received)
-        errors = CounterMetricFamily(
-            "kvrouter_pod_exchange_errors", "Failed Redis calls of the pod load exchange"
-        )
-        errors.add_metric([], c.errors)
-        up = GaugeMetricFamily(
-            "kvrouter_pod_exchange_redis_up",
-            "1 while the pods exchange's Redis calls succeed, 0 while Redis is unreachable or "
-            "refuses its writes or its reads",
-        )
-        up.add_metric([], 0.0 if c.failing else 1.0)
-        rejected = CounterMetricFamily(
-            "kvrouter_pod_exchange_rejected",
-            "Messages (or their shared rows) of other members ignored: too large or malformed",
-        )
-        rejected.add_metric([], c.rejected + (ex.share.counters.rejected if ex.share else 0))
-        clashes = CounterMetricFamily(
-            "kvrouter_pod_exchange_name_clashes",
-            "Live members of another pod that uses this pod's name (each ignores the other)",
-        )
-        clashes.add_metric([], c.name_clashes)
-        gaps = CounterMetricFamily(
-            "kvrouter_pod_exchange_gaps",
-            "Stream reads that found entries trimmed unread past the last one read (the "
-            "reader fell behind by more than the stream keeps)",
-        )
-        gaps.add_metric([], c.gaps)
-        yield from (age, views, snaps, nbytes, errors, up, rejected, clashes, gaps)
-        if ex.share is not None:
-            shared = CounterMetricFamily(
-                "kvrouter_pod_exchange_shared",
-                "Speculative entries / session bindings of other members applied here, those "
-                "taken back since (withdrawn), and own dispatches or withdrawals dropped "
-                "unsent (outbox full)",
-                labels=["kind"],
-            )
-            shared.add_metric(["speculative"], ex.share.counters.applied_spec)
-            shared.add_metric(["session"], ex.share.counters.applied_sessions)
-            shared.add_metric(["withdrawn"], ex.share.counters.withdrawn)
-            shared.add_metric(["dropped"], ex.share.outbox.dropped)
-            yield shared
-
-
-def pod_name(configured: str | None, port: int) -> str:
-    """``server.pod_name``, else ``<hostname>:<port>`` (unique per pod, and per router
-    process when several run on one host)."""
-    return configured or f"{socket.gethostname()}:{port}"
-
-
-def pod_exchange_ctx(app: web.Application) -> Callable[[web.Application], AsyncIterator[None]]:
-    """A ``cleanup_ctx`` running this process's exchange while ``app`` (not started yet)
-    runs; with ``server.redis_url`` and ``server.pods_exchange`` other than ``off``."""
-    peer_sum(app)
-
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        from router.store.redis_store import connect
-
-        s = app[SETTINGS].server
-        state = app[STATE]
-        settings = ExchangeSettings(
-            s.pods_exchange,
-            s.redis_key_prefix,
-            pod_name(s.pod_name, s.port),
-            s.pods_exchange_interval_s,
-            s.pods_stale_s,
-        )
-        client = connect(s.redis_url or "", socket_timeout=max(2.0, 2 * _BLOCK_MS / 1000))
-        loop = asyncio.get_running_loop()
-        share = PodShare(
-            state.engines,
-            lambda model, key: key in state.registry.keys_for(model),
-            lambda model: max(state.speculative_ttl.get(model, (0.0, 0.0))),
-        )
-        share.attach()
-        exchange = PodExchange(
-            settings, client, state.load, app[PEER_SUM], loop.time, share, app.get(WORKERS)
-        )
-        collector = _ExchangeCollector(exchange)
-        state.metrics.registry.register(collector)
-        _log.info(
-            "pod load exchange: %s as %s every %g s (stale after %g s)",
-            settings.mode,
-            exchange.member,
-            settings.interval_s,
-            settings.stale_s,
-        )
-        try:
-            async with running(exchange.run(), name=f"pod-exchange-{os.getpid()}"):
-                yield
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(exchange.leave(), 1.0)
-        finally:
-            state.metrics.registry.unregister(collector)
-            with contextlib.suppress(Exception):
-                await client.aclose()
-
-    return ctx

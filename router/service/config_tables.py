@@ -1,0 +1,91 @@
+"""Raw configuration tables, before any section's meaning (router/service/config.py builds
+the settings from them): a file (TOML, or YAML by its suffix) read into one, tables layered
+one over the other, and a table checked against the settings dataclass it fills. Errors
+raise ConfigError naming the file or the key.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from router.core.errors import ConfigError
+from router.service.settings import declared_kind
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_Table = TypeVar("_Table", bound="DataclassInstance")
+
+
+def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(raw) or {}
+        else:
+            data = tomllib.loads(raw.decode("utf-8"))
+    except Exception as exc:  # yaml and toml raise their own error types
+        raise ConfigError(f"cannot parse config file {p}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a table/mapping at the top level")
+    return data
+
+
+def merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep merge of tables; ``extra`` wins; arrays (replicas) are replaced, not appended."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def typed(
+    cls: type[_Table], table: Mapping[str, Any], where: str, skip: Sequence[str] = ()
+) -> _Table:
+    """Build dataclass ``cls`` from ``table`` checking names and scalar types."""
+    return cls(**checked(cls, table, where, skip))
+
+
+def checked(
+    cls: type, table: Mapping[str, Any], where: str, skip: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``table`` as keyword arguments of dataclass ``cls``: names known, scalars of their
+    declared types (floats from integers too; None where the type allows it)."""
+    known = {f.name for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        if key in skip:
+            continue
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+        kind = declared_kind(cls, key)
+        ok = True
+        if value is None:
+            ok = "None" in kind
+        elif kind.startswith("int"):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind.startswith("float"):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            value = float(value) if ok else value
+        elif kind.startswith("bool"):
+            ok = isinstance(value, bool)
+        elif kind.startswith("str"):
+            ok = isinstance(value, str)
+        if not ok:
+            raise ConfigError(f"{where}.{key}: expected {kind}, got {value!r}")
+        kwargs[key] = value
+    return kwargs
