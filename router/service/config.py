@@ -46,8 +46,6 @@ from router.service.settings import (
 from router.store.codec import master_secret
 from router.store.schema import check_redis_url
 
-MiB = 2**20
-
 
 def _check_pods(server: ServerSettings) -> None:
     if server.pods_exchange not in ("stream", "hash", "off"):
