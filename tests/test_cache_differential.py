@@ -203,6 +203,39 @@ def test_cached_conversations_stay_within_the_byte_budget() -> None:
     assert held <= budget + 2**20, f"{held / 2**20:.1f} MiB held for a {budget / 2**20} MiB budget"
 
 
+@pytest.mark.parametrize("parts", [False, True], ids=["string", "text-parts"])
+def test_conversations_with_emoji_stay_within_the_byte_budget(parts: bool) -> None:
+    """A string holding a character outside the BMP (an emoji) takes 4 bytes a character in
+    memory, not the 2 a conversation's strings were counted at: conversations with emoji in
+    their messages held about twice the budget. Each is now counted at its strings' width
+    (text parts also as joined in the prepared messages)."""
+    budget = 6 * 2**20
+    proc = _processors(budget)["a"]
+
+    def content(text: str) -> Any:
+        return [{"type": "text", "text": text}] if parts else text
+
+    def run() -> None:
+        for i in range(10):
+            system = f"{i} " + "Keep answers short \U0001f642. " * 9000
+            body = {
+                "model": "a",
+                "messages": [
+                    {"role": "system", "content": content(system)},
+                    {"role": "user", "content": content(f"{i} " + "Why \U0001f914 this? " * 12000)},
+                    {"role": "assistant", "content": "Because \U0001f600. " * 12000},
+                    {"role": "user", "content": "And then?"},
+                ],
+            }
+            proc.chat(json.loads(json.dumps(body)))
+
+    held = _retained(run)
+    assert proc.tokenizer is not None
+    stats = proc.tokenizer.stats()
+    assert stats.bytes <= budget and stats.entries >= 1
+    assert held <= budget + 2**20, f"{held / 2**20:.1f} MiB held for a {budget / 2**20} MiB budget"
+
+
 def test_parsed_tool_call_arguments_are_bounded_in_bytes() -> None:
     """The memo of parsed tool-call arguments (every turn resends the same calls) holds a
     bounded number of characters, not a bounded number of arbitrarily long texts."""

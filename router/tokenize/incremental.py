@@ -76,27 +76,34 @@ def message_keys(
 _REASONING_KEYS = ("reasoning", "reasoning_content", "thinking")
 
 
-def held_chars(messages: Sequence[Mapping[str, Any]]) -> int:
-    """Characters ``messages`` hold besides their text content (what ``chars`` of
-    :meth:`IncrementalTokenizer.remember_local` counts): reasoning, and tool-call
-    arguments counted twice (the text as sent and the object parsed from it, which the
-    prepared messages keep)."""
+def text_bytes(text: str) -> int:
+    """What the byte budget counts a message string at: 2 bytes a character, or its size in
+    memory where that is more (a str takes 1, 2 or 4 bytes a character, by its widest: one
+    character outside the BMP, an emoji, makes it 4). O(1): no pass over the text."""
+    return max(2 * len(text), sys.getsizeof(text))
+
+
+def held_bytes(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Bytes ``messages`` hold besides their text content (what ``content_bytes`` of
+    :meth:`IncrementalTokenizer.remember_local` counts), at :func:`text_bytes`: reasoning,
+    and tool-call arguments counted twice (the text as sent and the object parsed from it,
+    which the prepared messages keep)."""
     n = 0
     for m in messages:
         for key in _REASONING_KEYS:
             v = m.get(key)
             if type(v) is str:
-                n += len(v)
+                n += text_bytes(v)
         calls = m.get("tool_calls")
         if type(calls) is not list:
             continue
         for call in calls:
             fn = call.get("function") if isinstance(call, Mapping) else None
             if not isinstance(fn, Mapping):
-                n += len(repr(call))
+                n += 2 * len(repr(call))
                 continue
             args = fn.get("arguments")
-            n += 2 * (len(args) if type(args) is str else len(repr(args))) + 64
+            n += 2 * (text_bytes(args) if type(args) is str else 2 * len(repr(args))) + 128
     return n
 
 
@@ -612,13 +619,14 @@ class IncrementalTokenizer:
         loop_idx: int,
         root: int,
         block_size: int,
-        chars: int,
+        content_bytes: int,
         text: tuple[str, int] | None = None,
         extends: LocalPrefix | None = None,
     ) -> None:
-        """Keep a conversation for :meth:`probe_local` (``chars``: its content length, for
-        the byte budget; the message strings are shared with the request, not copied;
-        ``extends``: the cached conversation this one was found to extend, superseded by it).
+        """Keep a conversation for :meth:`probe_local` (``content_bytes``: its text content
+        at :func:`text_bytes`, for the byte budget; the message strings are shared with the
+        request, not copied; ``extends``: the cached conversation this one was found to
+        extend, superseded by it).
 
         ``text`` (the whole rendered text, and where the resume point is in it) is given for
         templates whose head reads the whole conversation: a turn that can not resume (a
@@ -628,10 +636,11 @@ class IncrementalTokenizer:
         if loop_idx < 0 or resume is None or self.budget_bytes <= 0:
             return
         # the message strings and the head (the tools, rendered; the tools themselves are
-        # the request's) at 2 bytes a character; besides the content, what else the
-        # messages hold: tool-call arguments, twice (as sent, and parsed in ``prepared``)
-        held = chars + held_chars(messages) + 2 * len(parts.head)
-        nbytes = 2 * held + 200 * len(messages) + encoded.tokens.nbytes
+        # the request's) at their width, at least 2 bytes a character; besides the content,
+        # what else the messages hold: tool-call arguments, twice (as sent, and parsed in
+        # ``prepared``)
+        held = content_bytes + held_bytes(messages) + text_bytes(parts.head)
+        nbytes = held + 200 * len(messages) + encoded.tokens.nbytes
         nbytes += 40 * len(encoded.hashes) + 512
         full, text_at = None, 0
         if text is not None:

@@ -20,6 +20,7 @@ parsed as JSON by the caller; only the fields read here are validated, with
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from router.tokenize.incremental import (
     MIN_CACHED_CHARS,
     IncrementalTokenizer,
     message_keys,
+    text_bytes,
 )
 from router.tokenize.keying import ProcessedPrompt, PromptKeying
 from router.tokenize.lax import lax_int
@@ -90,16 +92,23 @@ def _key_context(
     return context
 
 
-def _content_chars(messages: Sequence[Mapping[str, Any]]) -> int:
-    """Characters of the messages' text content (string contents and text parts)."""
-    n = 0
+def _content_size(messages: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
+    """Characters of the messages' text content (string contents and text parts), and the
+    bytes the tokenizer cache's budget counts them at (:func:`text_bytes`; text parts at
+    twice their size: as sent, and joined into one string in the prepared messages)."""
+    chars = nbytes = 0
     for m in messages:
         c = m.get("content")
         if type(c) is str:
-            n += len(c)
+            chars += len(c)
+            nbytes += text_bytes(c)
         elif isinstance(c, list):
-            n += sum(len(p.get("text") or "") for p in c if isinstance(p, Mapping))
-    return n
+            for p in c:
+                if isinstance(p, Mapping):
+                    text = p.get("text") or ""
+                    chars += len(text)
+                    nbytes += 2 * sys.getsizeof(text)
+    return chars, nbytes
 
 
 class PromptProcessor(PromptKeying):
@@ -264,11 +273,18 @@ class PromptProcessor(PromptKeying):
         ):
             local = template.local_for(tools)
             if local is not None:
-                chars = _content_chars(messages)
+                chars, content_bytes = _content_size(messages)
                 if chars >= MIN_CACHED_CHARS:
                     try:
                         found = self._chat_local(
-                            local, body, messages, tools, kwargs, add_gen, chars, from_responses
+                            local,
+                            body,
+                            messages,
+                            tools,
+                            kwargs,
+                            add_gen,
+                            content_bytes,
+                            from_responses,
                         )
                         if keep is None or found.prompt_tokens <= keep:
                             return found
@@ -444,7 +460,7 @@ class PromptProcessor(PromptKeying):
         tools: Any,
         kwargs: Mapping[str, Any],
         add_gen: bool,
-        chars: int,
+        content_bytes: int,
         from_responses: bool = False,
     ) -> ProcessedPrompt:
         """A long conversation with a message-local template: render and tokenize only the
@@ -511,7 +527,7 @@ class PromptProcessor(PromptKeying):
             loop_idx,
             root,
             bs,
-            chars,
+            content_bytes,
             text,
             extends=prefix,
         )
