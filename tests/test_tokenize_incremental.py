@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.core.hashing import hash_prompt, root_hash
-from router.tokenize.incremental import IncrementalTokenizer, message_keys
+from router.tokenize.cache_entries import message_keys
+from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.template import ChatTemplate
 from router.tokenize.template_inputs import prepare_messages
 from router.tokenize.tokenizers import (

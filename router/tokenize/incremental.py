@@ -3,7 +3,9 @@
 An agentic session resends its whole history every turn; tokenizing 1M tokens costs hundreds
 of milliseconds, the new messages a few. The cache keeps, for recent rendered prompts, the
 token ids (and canonical block hashes) of the text up to the *last special token*, keyed by the
-chained hash of the message list that produced them (:func:`message_keys`).
+chained hash of the message list that produced them
+(:func:`router.tokenize.cache_entries.message_keys`; the entries and what they cost are
+defined there).
 
 A new request computes the keys of all its message prefixes and probes them longest first.
 An entry is used only if the new rendered text starts with the entry's text followed by the
@@ -34,7 +36,15 @@ from typing import Any
 import numpy as np
 
 from router.core.hashing import hash_prompt
-from router.tokenize.local_template import RenderedParts, Resume
+from router.tokenize.cache_entries import (
+    Cut,
+    LocalEntry,
+    LocalPrefix,
+    TextEntry,
+    held_bytes,
+    text_bytes,
+)
+from router.tokenize.local_template import RenderedParts
 from router.tokenize.render_state import same_value as same_json
 from router.tokenize.tokenizers import SpecialSplitter, TokenArray, Tokenizer, encode
 
@@ -45,104 +55,6 @@ MIN_CACHED_CHARS = 16 * 1024
 # shorter than PIECE_MIN_CHARS are encoded directly; the memo holds at most PIECE_MEMO_BYTES.
 PIECE_MIN_CHARS = 128
 PIECE_MEMO_BYTES = 32 * 2**20
-
-
-def message_keys(
-    messages: Sequence[Mapping[str, Any]], context: Mapping[str, Any] | None = None
-) -> list[int]:
-    """``keys[k]`` locates cache entries for ``messages[:k + 1]`` under ``context`` (tools,
-    template arguments).
-
-    Keys only *locate* candidates: exactness comes from comparing rendered texts, so a key may
-    summarise a long content by its length, head and tail instead of hashing all of it. The
-    keys use Python's built-in (per-process salted) ``hash``: the cache lives in one process,
-    and hashing a tuple of short strings in C costs a fifth of formatting and digesting it.
-    """
-    h = hash(repr(sorted((context or {}).items())))
-    keys = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, str):
-            summary: Any = (
-                (len(content), content[:64], content[-64:]) if len(content) > 128 else content
-            )
-        else:
-            summary = repr(content)[:256]
-        h = hash((h, m.get("role"), m.get("name"), m.get("tool_call_id"), len(m), summary))
-        keys.append(h)
-    return keys
-
-
-_REASONING_KEYS = ("reasoning", "reasoning_content", "thinking")
-
-
-def text_bytes(text: str) -> int:
-    """What the byte budget counts a message string at: 2 bytes a character, or its size in
-    memory where that is more (a str takes 1, 2 or 4 bytes a character, by its widest: one
-    character outside the BMP, an emoji, makes it 4). O(1): no pass over the text."""
-    return max(2 * len(text), sys.getsizeof(text))
-
-
-def held_bytes(messages: Sequence[Mapping[str, Any]]) -> int:
-    """Bytes ``messages`` hold besides their text content (what ``content_bytes`` of
-    :meth:`IncrementalTokenizer.remember_local` counts), at :func:`text_bytes`: reasoning,
-    and tool-call arguments counted twice (the text as sent and the object parsed from it,
-    which the prepared messages keep)."""
-    n = 0
-    for m in messages:
-        for key in _REASONING_KEYS:
-            v = m.get(key)
-            if type(v) is str:
-                n += text_bytes(v)
-        calls = m.get("tool_calls")
-        if type(calls) is not list:
-            continue
-        for call in calls:
-            fn = call.get("function") if isinstance(call, Mapping) else None
-            if not isinstance(fn, Mapping):
-                n += 2 * len(repr(call))
-                continue
-            args = fn.get("arguments")
-            n += 2 * (text_bytes(args) if type(args) is str else 2 * len(repr(args))) + 128
-    return n
-
-
-@dataclass(slots=True, frozen=True)
-class _Cut:
-    pos: int  # start of a special token in the cached text
-    anchor: str  # that special token
-    idx: int  # its index in the token ids: ids[:idx] are the ids of text[:pos]
-
-
-@dataclass(slots=True)
-class _Entry:
-    text: str  # the whole rendered prompt this entry was made from
-    tokens: TokenArray  # its ids
-    cuts: tuple[_Cut, ...]  # the last few special tokens, latest first
-    hashes: dict[tuple[int, int], list[int]]  # (root, block_size) -> hashes of full blocks
-    nbytes: int
-
-
-@dataclass(slots=True)
-class _LocalEntry:
-    """A conversation rendered with an incrementally renderable template
-    (router.tokenize.local_template): ``tokens[:loop_idx]`` are exactly the ids of ``head`` and
-    the bodies of ``messages[:resume.start]``; a render of a longer conversation starts at
-    message ``resume.start`` from ``resume``."""
-
-    messages: list[Mapping[str, Any]]  # as the client sent them (compared on reuse)
-    prepared: list[Mapping[str, Any]]  # as the template saw them (reused)
-    context: tuple[Any, ...]  # (tools, template kwargs, add_generation_prompt)
-    head: str
-    tokens: TokenArray
-    loop_idx: int
-    hashes: dict[tuple[int, int], list[int]]
-    nbytes: int
-    resume: Resume
-    # templates whose head reads the whole conversation: the rendered text, and where the
-    # resume point is in it (the next turn's text, when it resumes, is text[:text_at] + ...)
-    text: str | None = None
-    text_at: int = 0
 
 
 def common_prefix(a: str, b: str) -> int:
@@ -162,26 +74,6 @@ def common_prefix(a: str, b: str) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-@dataclass(slots=True, frozen=True)
-class LocalPrefix:
-    """A cached conversation prefix a new request extends (from :meth:`probe_local`)."""
-
-    entry: _LocalEntry
-    start: int  # the message loop's bodies before its ``start``-th are cached; it starts there
-    key: int  # where ``entry`` is cached (an entry kept for the request supersedes it)
-
-    @property
-    def prepared(self) -> list[Mapping[str, Any]]:
-        """The cached conversation's messages, as the template saw them (the request's
-        first ones are the same)."""
-        return self.entry.prepared
-
-    @property
-    def resume(self) -> Resume:
-        """Where and from what state the render of the new request starts."""
-        return self.entry.resume
 
 
 _EMPTY: TokenArray = np.zeros(0, dtype=np.uint32)
@@ -224,7 +116,7 @@ class IncrementalTokenizer:
         self.splitter = SpecialSplitter.for_tokens(tokenizer.special_tokens)
         self._special_ids = frozenset(tokenizer.special_tokens.values())
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[int, _Entry | _LocalEntry] = OrderedDict()
+        self._entries: OrderedDict[int, TextEntry | LocalEntry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -303,11 +195,11 @@ class IncrementalTokenizer:
                 self.reused_tokens,
             )
 
-    def _probe(self, text: str, keys: Sequence[int]) -> tuple[int, _Entry, _Cut] | None:
+    def _probe(self, text: str, keys: Sequence[int]) -> tuple[int, TextEntry, Cut] | None:
         with self._lock:
             for key in reversed(keys):
                 entry = self._entries.get(key)
-                if not isinstance(entry, _Entry):
+                if not isinstance(entry, TextEntry):
                     continue
                 cut = self._usable_cut(text, entry)
                 if cut is not None:
@@ -316,7 +208,7 @@ class IncrementalTokenizer:
         return None
 
     @staticmethod
-    def _usable_cut(text: str, entry: _Entry) -> _Cut | None:
+    def _usable_cut(text: str, entry: TextEntry) -> Cut | None:
         """The latest cut where ``text`` agrees with the cached text and has the same special
         token. Usually the old prompt is a prefix of the new one: one comparison, no copy."""
         old = entry.text
@@ -334,12 +226,13 @@ class IncrementalTokenizer:
         self, text: str, keys: Sequence[int], root: int, block_size: int, *, remember: bool = True
     ) -> Encoded:
         """Tokens and block hashes of ``text``, rendered from messages whose prefix keys are
-        ``keys`` (from :func:`message_keys`); remembers the result under ``keys[-1]``."""
+        ``keys`` (from :func:`~router.tokenize.cache_entries.message_keys`); remembers the
+        result under ``keys[-1]``."""
         t0 = time.perf_counter()
         use_cache = bool(keys) and self.budget_bytes > 0 and len(text) >= MIN_CACHED_CHARS
         found = self._probe(text, keys) if use_cache else None
         reused = 0
-        extends: tuple[int, _Entry] | None = None
+        extends: tuple[int, TextEntry] | None = None
         if found is not None:
             key, entry, cut = found
             extends = key, entry
@@ -396,7 +289,7 @@ class IncrementalTokenizer:
         hashes: list[int],
         root: int,
         block_size: int,
-        extends: tuple[int, _Entry] | None,
+        extends: tuple[int, TextEntry] | None,
     ) -> None:
         special = self.splitter.pattern
         if special is None:
@@ -415,22 +308,22 @@ class IncrementalTokenizer:
             if m is None or ids.get(m.group()) != int(tokens[idx]):
                 return
             if self.splitter.clean_cut(text, pos):
-                cuts.append(_Cut(pos, m.group(), idx))
+                cuts.append(Cut(pos, m.group(), idx))
         if not cuts:
             return
         # (a str takes 1, 2 or 4 bytes a character, by its widest: one emoji makes it 4)
         nbytes = sys.getsizeof(text) + tokens.nbytes + 40 * len(hashes) + 512
         self._store(
             key,
-            _Entry(text, tokens, tuple(reversed(cuts)), {(root, block_size): hashes}, nbytes),
+            TextEntry(text, tokens, tuple(reversed(cuts)), {(root, block_size): hashes}, nbytes),
             extends,
         )
 
     def _store(
         self,
         key: int,
-        entry: _Entry | _LocalEntry,
-        extends: tuple[int, _Entry | _LocalEntry] | None = None,
+        entry: TextEntry | LocalEntry,
+        extends: tuple[int, TextEntry | LocalEntry] | None = None,
     ) -> None:
         """Keep ``entry`` under ``key``, the most recently used; ``extends``: the cached
         entry (and its key) it was made from, which it supersedes. That one, if still cached
@@ -472,7 +365,7 @@ class IncrementalTokenizer:
         with self._lock:
             for key in reversed(keys):
                 entry = self._entries.get(key)
-                if not isinstance(entry, _LocalEntry):
+                if not isinstance(entry, LocalEntry):
                     continue
                 k = len(entry.messages)
                 if (
@@ -492,7 +385,7 @@ class IncrementalTokenizer:
         prefix: LocalPrefix | None,
         root: int,
         block_size: int,
-        fallback: _LocalEntry | None = None,
+        fallback: LocalEntry | None = None,
     ) -> tuple[Encoded, int] | None:
         """Tokens and block hashes of ``head + bodies + tail``, where ``parts`` was rendered
         from message ``prefix.start`` on (0 and ``prefix`` None: the whole conversation).
@@ -646,7 +539,7 @@ class IncrementalTokenizer:
         if text is not None:
             full, text_at = text
             nbytes += sys.getsizeof(full)
-        entry = _LocalEntry(
+        entry = LocalEntry(
             list(messages),
             list(prepared),
             context,

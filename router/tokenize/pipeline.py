@@ -29,13 +29,9 @@ import numpy as np
 
 from router.core.hashing import hash_prompt, mm_block_extras
 from router.tokenize.approx import DEFAULT_CHARS_PER_TOKEN
+from router.tokenize.cache_entries import message_keys, text_bytes
 from router.tokenize.content_format import content_text
-from router.tokenize.incremental import (
-    MIN_CACHED_CHARS,
-    IncrementalTokenizer,
-    message_keys,
-    text_bytes,
-)
+from router.tokenize.incremental import MIN_CACHED_CHARS, IncrementalTokenizer
 from router.tokenize.keying import ProcessedPrompt, PromptKeying
 from router.tokenize.lax import lax_int
 from router.tokenize.local_template import LocalTemplate, RenderedParts
