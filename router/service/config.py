@@ -52,7 +52,7 @@ from router.core.admission import AdmissionSettings
 from router.core.disagg import LinkModel, PdKnobs, PdSetup, Role, TransferSizes
 from router.core.errors import ConfigError
 from router.core.policies import POLICY_NAMES, make_policy
-from router.core.routing import BusyThresholds, RoutingSettings
+from router.core.routing_settings import BusyThresholds, RoutingSettings
 from router.events.endpoints import engine_endpoints
 from router.service.config_env import env_overrides
 from router.service.replica_url import ReplicaUrl
