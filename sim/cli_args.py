@@ -19,7 +19,7 @@ from dataclasses import asdict
 from typing import Any
 
 from router.core.errors import KVRouterError
-from router.core.routing import DEFAULT_SPECULATIVE_TTL_S
+from router.core.routing_settings import DEFAULT_SPECULATIVE_TTL_S
 from router.core.turnover import REUSE_WINDOW_S
 
 

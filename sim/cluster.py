@@ -42,7 +42,8 @@ from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker, summed_load
 from router.core.policies import make_policy, uses_prefix_index
-from router.core.routing import Dispatch, RoutingEngine, RoutingSettings
+from router.core.routing import Dispatch, RoutingEngine
+from router.core.routing_settings import RoutingSettings
 from router.core.types import Decision, EventBatch, RouteRequest
 from sim.cluster_config import ClusterConfig, RunResult, class_and_tenant, policy_params_for
 from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, Rejected

@@ -13,7 +13,7 @@ from typing import Any
 
 from router.core.admission import DEFAULT, FLEX, PRIORITY, AdmissionSettings
 from router.core.disagg import LinkModel
-from router.core.routing import BusyThresholds
+from router.core.routing_settings import BusyThresholds
 from router.core.slo import SloTargets
 from router.core.turnover import REUSE_WINDOW_S
 from router.core.types import ReplicaKey

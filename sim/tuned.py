@@ -6,7 +6,7 @@ Format (TOML), one table per model::
     policy = "ours"
     block_size = 64
     hybrid = true                 # optional: the model's recurrent-state grid, as simulated
-    state_interval_blocks = 256   # (router.core.routing.RoutingSettings fields)
+    state_interval_blocks = 256   # (router.core.routing_settings.RoutingSettings fields)
 
     [models."sim-model".policy_params]
     w_prefill = 12.0

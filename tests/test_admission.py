@@ -31,7 +31,8 @@ from router.core.errors import BadRequest
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import make_policy
-from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.routing import RoutingEngine
+from router.core.routing_settings import RoutingSettings
 from router.core.slo import SloTargets
 from router.core.stall import StallLedger
 from router.core.types import BlocksStored, EventBatch, ReplicaKey, RouteRequest

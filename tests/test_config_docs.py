@@ -19,7 +19,7 @@ import pytest
 from router.core.admission import AdmissionSettings
 from router.core.disagg import LinkModel, PdKnobs, TransferSizes
 from router.core.policies import make_policy
-from router.core.routing import DEFAULT_SPECULATIVE_TTL_S, BusyThresholds, RoutingSettings
+from router.core.routing_settings import DEFAULT_SPECULATIVE_TTL_S, BusyThresholds, RoutingSettings
 from router.core.slo import DEFAULT_TIERS, DEFAULT_TPOT_S, parse_tiers
 from router.service.config import build_settings
 from router.service.settings import (

@@ -6,7 +6,7 @@ and then turns its EAGLE block drop off (``Scheduler.__init__``: "Lookahead hash
 the boundary token, so EAGLE needs no drop"); its events carry ``lookahead_token_ids``. The
 router learns that from the events (direct mode: ``EngineIngest.on_facts``; Redis mode:
 the publisher's ``ReplicaInfo.lookahead_tokens``) and stops giving back a block where
-``[models.NAME] eagle = true`` would (router/core/routing.py ``drops_eagle_block``). vLLM's
+``[models.NAME] eagle = true`` would (router/core/learned_layout.py ``drops_eagle_block``). vLLM's
 own event classes, unmodified, publish over real ZMQ; a real Redis in Redis mode.
 
 SGLang's EAGLE engines key each position's KV by the pair (its token, the next one)
@@ -25,7 +25,8 @@ import pytest
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import make_policy
-from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.routing import RoutingEngine
+from router.core.routing_settings import RoutingSettings
 from router.core.state_layout import SOURCE_ENGINE, SOURCE_REGISTRY
 from router.core.types import ReplicaKey, RouteRequest
 from router.events.decode import decode_payload

@@ -13,7 +13,8 @@ from router.core.engine_hits import engine_holds, peeked, prompt_end_checkpoint
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import make_policy
-from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.routing import RoutingEngine
+from router.core.routing_settings import RoutingSettings
 from router.core.state_layout import SOURCE_ENGINE, CheckpointGrid, StateLayout
 from router.core.types import Kind, PrefixMatch, ReplicaKey, RouteRequest
 

@@ -11,7 +11,8 @@ import pytest
 from router.core.index import PrefixIndex
 from router.core.load import EXPECTED_OUTPUT_TOKENS, LoadTracker, LoadView, decode_weight
 from router.core.policies import Candidate, Ours, VllmKvAware
-from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.routing import RoutingEngine
+from router.core.routing_settings import RoutingSettings
 from router.core.session import SessionTable
 from router.core.types import (
     AllCleared,

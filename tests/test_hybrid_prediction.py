@@ -21,7 +21,8 @@ from router.core.hashing import hash_prompt, root_hash
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import make_policy
-from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.routing import RoutingEngine
+from router.core.routing_settings import RoutingSettings
 from router.core.state_layout import SOURCE_ENGINE, CheckpointGrid
 from router.core.types import (
     BlocksRemoved,

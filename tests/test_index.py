@@ -407,7 +407,7 @@ def test_an_awaited_block_settles_on_its_replicas_store_only(monkeypatch: Any) -
     assert not idx.awaits(A, 8, Kind.STATE)
     assert not idx.await_store(A, 8)  # held on the GPU already: nothing to wait for
     assert not idx.awaits(ReplicaKey("nobody"), 7)
-    monkeypatch.setattr("router.core.index.MAX_AWAITED", 2)
+    monkeypatch.setattr("router.core.index_updates.MAX_AWAITED", 2)
     for block in (20, 21, 22):
         idx.await_store(A, block)
     assert [idx.awaits(A, b) for b in (7, 20, 21, 22)] == [False, False, True, True]
@@ -460,7 +460,7 @@ def test_awaiting_at_the_bound_forgets_the_oldest_and_renews_a_block_named_again
     at its front that each next lookup walks over, a cost growing with every eviction); a
     block awaited again becomes the newest."""
     bound = 1_000
-    monkeypatch.setattr("router.core.index.MAX_AWAITED", bound)
+    monkeypatch.setattr("router.core.index_updates.MAX_AWAITED", bound)
     idx = PrefixIndex()
     for block in range(5 * bound):
         idx.await_store(A, block)

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from router.core.index import PrefixIndex
 from router.core.load import EngineReport, LoadTracker, PeerLoad
 from router.core.policies import Candidate, CandidateColumns, Ours
-from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.routing import RoutingEngine
+from router.core.routing_settings import RoutingSettings
 from router.core.types import NO_MATCH, ReplicaKey, RouteRequest
 
 A, B = ReplicaKey("a"), ReplicaKey("b")

@@ -113,7 +113,8 @@ def test_an_idle_replica_keeps_no_decode_weight_residue() -> None:
 
     from router.core.index import PrefixIndex
     from router.core.policies import Ours
-    from router.core.routing import RoutingEngine, RoutingSettings
+    from router.core.routing import RoutingEngine
+    from router.core.routing_settings import RoutingSettings
     from router.core.types import RouteRequest
 
     t = LoadTracker()

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from router.core.load import EngineReport, LoadTracker
-from router.core.routing import BusyThresholds
+from router.core.routing_settings import BusyThresholds
 from router.core.types import ReplicaKey
 from router.service.app import STATE
 from router.service.config import build_settings

@@ -19,7 +19,8 @@ from router.core.errors import ConfigError, NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import CostModel, LoadTracker
 from router.core.policies import make_policy
-from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.routing import RoutingEngine
+from router.core.routing_settings import RoutingSettings
 from router.core.types import BlocksStored, EventBatch, Kind, ReplicaKey, RouteRequest
 
 BLOCK = 64

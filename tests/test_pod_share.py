@@ -16,7 +16,8 @@ from router.bench.redis_server import LocalRedis
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import make_policy
-from router.core.routing import Dispatch, RoutingEngine, RoutingSettings
+from router.core.routing import Dispatch, RoutingEngine
+from router.core.routing_settings import RoutingSettings
 from router.core.types import (
     AllCleared,
     BlocksRemoved,

@@ -20,11 +20,8 @@ from router.core.policies import (
     SGLangCacheAware,
     make_policy,
 )
-from router.core.routing import (
-    BusyThresholds,
-    RoutingEngine,
-    RoutingSettings,
-)
+from router.core.routing import RoutingEngine
+from router.core.routing_settings import BusyThresholds, RoutingSettings
 from router.core.types import Kind, PrefixMatch, ReplicaKey, RouteRequest
 
 A, B, C = ReplicaKey("a"), ReplicaKey("b"), ReplicaKey("c")

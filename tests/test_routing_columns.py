@@ -14,7 +14,8 @@ from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
 from router.core.load import EngineReport, LoadTracker
 from router.core.policies import Candidate, CandidateColumns, Ours
-from router.core.routing import BusyThresholds, RoutingEngine, RoutingSettings
+from router.core.routing import RoutingEngine
+from router.core.routing_settings import BusyThresholds, RoutingSettings
 from router.core.types import MAX_RANKING, Kind, ReplicaKey, RouteRequest, Tier
 
 

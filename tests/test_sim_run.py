@@ -191,11 +191,11 @@ def test_a_request_the_engine_rejects_leaves_no_guess_in_the_index() -> None:
 @pytest.mark.parametrize("admission", [False, True])
 def test_a_request_every_busy_replica_refuses_is_a_miss_not_a_crash(admission: bool) -> None:
     """With ``reject_when_all_busy`` the service answers 429 when every replica is over its
-    busy threshold (router.core.routing ``filter_candidates``); the simulator let the
+    busy threshold (router.core.eligibility ``filter_candidates``); the simulator let the
     NoReplicaAvailable escape and the run died. The refused request counts as rejected (a
     goodput miss) and its session goes on, as after an admission shed."""
     from router.core.admission import AdmissionSettings
-    from router.core.routing import BusyThresholds
+    from router.core.routing_settings import BusyThresholds
     from sim.agentic import AgenticSpec, generate
 
     workload = generate(AgenticSpec(sessions=20, session_rate=20.0), block_size=64)

@@ -13,7 +13,8 @@ import pytest
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.policies import make_policy
-from router.core.routing import DEFAULT_SPECULATIVE_TTL_S, RoutingEngine, RoutingSettings
+from router.core.routing import RoutingEngine
+from router.core.routing_settings import DEFAULT_SPECULATIVE_TTL_S, RoutingSettings
 from router.core.state_layout import (
     KV_ONLY_EVIDENCE_BLOCKS,
     SOURCE_CONFIG,

@@ -14,10 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from router.bench.redis_server import LocalRedis
-from router.core.index import ApplyOutcome, PrefixIndex
+from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.types import (
     AllCleared,
+    ApplyOutcome,
     BlocksRemoved,
     BlocksStored,
     EventBatch,

@@ -12,7 +12,8 @@ import pytest
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker, LoadView
 from router.core.policies import Candidate, Ours
-from router.core.routing import RoutingEngine, RoutingSettings
+from router.core.routing import RoutingEngine
+from router.core.routing_settings import RoutingSettings
 from router.core.turnover import CacheTurnover
 from router.core.types import Kind, PrefixMatch, ReplicaKey, RouteRequest, Tier
 

@@ -33,7 +33,8 @@ from router.core.disagg import Disaggregator, PdKnobs, Role, Site
 from router.core.index import PrefixIndex
 from router.core.load import CostModel, EngineReport, LoadTracker
 from router.core.policies import Ours
-from router.core.routing import COLUMNAR_MIN, RoutingEngine, RoutingSettings
+from router.core.routing import COLUMNAR_MIN, RoutingEngine
+from router.core.routing_settings import RoutingSettings
 from router.core.types import ReplicaKey, RouteRequest
 
 BLOCK = 64

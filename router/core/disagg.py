@@ -40,9 +40,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from router.core.eligibility import eligible_columns, filter_candidates
 from router.core.errors import ConfigError, NoReplicaAvailable
 from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel
-from router.core.routing import Dispatch, RoutingEngine, eligible_columns, filter_candidates
+from router.core.routing import Dispatch, RoutingEngine
 from router.core.types import NO_MATCH, Decision, ReplicaKey, RouteRequest
 from router.core.xp import ARRAY, SCALAR, Ops
 

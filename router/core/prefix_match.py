@@ -4,7 +4,8 @@ depth bisection that builds those groups, and the per-replica values read from t
 A group is ``(length, mask)``: every replica whose slot bit is in ``mask`` holds the first
 ``length`` blocks of the request. Groups of one query are disjoint (each replica has one match
 length), so a lookup costs a few operations per distinct length, whatever the number of
-replicas that share the prefix (router/core/index.py states the layout behind the slots).
+replicas that share the prefix (router/core/index_tables.py states the layout behind the
+slots).
 """
 
 from __future__ import annotations

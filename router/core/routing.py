@@ -6,6 +6,10 @@ small fleets and for every policy, or :class:`CandidateColumns` (arrays, one ele
 replica) for policies that can score a whole fleet in array operations (``ours``) once the
 model has ``columnar_min`` replicas or more: per-replica Python grows linearly with the
 fleet, the array path's cost hardly does (``kvrouter bench route``; docs/benchmarks.md).
+
+The settings it runs with are router/core/routing_settings.py's, which replicas may take a
+request router/core/eligibility.py's, what it learns of the engines
+router/core/learned_layout.py's.
 """
 
 from __future__ import annotations
@@ -13,24 +17,19 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from router.core.eligibility import eligible_columns, filter_candidates
 from router.core.engine_hits import engine_holds, granted_blocks
-from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
-from router.core.load import LoadColumns, LoadTracker, LoadView
+from router.core.learned_layout import LearnedLayout
+from router.core.load import LoadTracker
 from router.core.policies import Candidate, CandidateColumns, ColumnarPolicy, Policy
 from router.core.prefix_match import PrefixMatches
+from router.core.routing_settings import RoutingSettings
 from router.core.session import SessionHint, SessionTable
-from router.core.state_layout import (
-    SOURCE_ENGINE,
-    SOURCE_MODEL_CONFIG,
-    StateLayout,
-    effective_layout,
-)
-from router.core.turnover import REUSE_WINDOW_S, CacheTurnover
+from router.core.turnover import CacheTurnover
 from router.core.types import (
     NO_MATCH,
     Decision,
@@ -44,163 +43,6 @@ from router.core.types import (
 # per-replica Python is cheaper than the array path's fixed cost (the crossover
 # `kvrouter bench route` shows).
 COLUMNAR_MIN = 20
-
-
-@dataclass(slots=True, frozen=True)
-class BusyThresholds:
-    """A replica above any threshold is skipped while some replica is below all of them.
-
-    ``None`` disables a threshold. When every healthy replica is busy, ``reject_when_all_busy``
-    decides between refusing the request (the edge answers 429/503) and routing among all.
-    """
-
-    max_in_flight: int | None = None
-    max_queued_prefill_tokens: int | None = None
-    max_kv_usage: float | None = None
-    reject_when_all_busy: bool = False
-
-    @property
-    def enabled(self) -> bool:
-        """Whether any threshold is set."""
-        return (
-            self.max_in_flight is not None
-            or self.max_queued_prefill_tokens is not None
-            or self.max_kv_usage is not None
-        )
-
-    def busy(self, load: Any) -> Any:
-        """Whether a replica is over a threshold: a bool for a ``LoadView``, a bool array for
-        ``LoadColumns`` (the same comparisons)."""
-        over: Any = False
-        if self.max_in_flight is not None:
-            over = over | (load.in_flight >= self.max_in_flight)
-        if self.max_queued_prefill_tokens is not None:
-            over = over | (load.queued_prefill_tokens >= self.max_queued_prefill_tokens)
-        if self.max_kv_usage is not None:
-            over = over | (load.kv_usage >= self.max_kv_usage)
-        return over
-
-
-DEFAULT_SPECULATIVE_TTL_S = 30.0
-"""How long a dispatched prompt's blocks count as held by its replica until the engine's
-events report them (the events end each guess early: router.core.index), so that a request
-sharing a prefix with one still queued or prefilling follows it. Long enough for a prefill
-that waits in a saturated engine's queue; a bound only for prompts no engine stores.
-
-Requests of a session are not speculated by default (``speculate_sessions``) when the policy
-reads session hints: the hint already carries the session's next turn to its replica, and
-guesses of other sessions' shared prefixes crowd decode batches (docs/configuration.md)."""
-
-
-@dataclass(slots=True, frozen=True)
-class RoutingSettings:
-    """Per-model routing settings. ``hybrid``: whether the model keeps recurrent state, so a
-    prefix is usable only up to a state checkpoint (None: learned from the engines, see
-    router.core.state_layout; a bool overrides). ``state_interval_blocks``: the engines'
-    checkpoint grid in router blocks, for the checkpoints the router speculates (0: learned;
-    until it is known only the prompt end is speculated). ``speculative_ttl_s``: how long
-    a dispatched prompt's blocks count as held by its replica before the engine's events say
-    so (0: not at all; events replace the guess as they arrive: router.core.index); with
-    a policy that reads session hints, a request of a session is speculated only with
-    ``speculate_sessions`` (see ``DEFAULT_SPECULATIVE_TTL_S``). ``session_ttl_s``: how long
-    a session's last replica is remembered as a hint (router/core/session.py; 0: off); only
-    policies with ``uses_session_hints`` read it. ``reuse_window_s``: the time scale of a
-    cached block's next use, by which the turnover meter prices eviction
-    (router/core/turnover.py). ``engine_block_size``: the engines' cache-hit alignment in
-    tokens (vLLM: the scheduler block, or ``--prefix-match-unit``), a multiple or a divisor of
-    ``block_size`` (0: learned from a hybrid model's checkpoints, else the router block).
-    ``eagle``: the engines run EAGLE / MTP speculative decoding and give back a block of
-    every hit (vLLM's EAGLE block drop): every hit gives back its last engine block and a
-    hybrid prompt's last checkpoint sits one engine block lower (router/core/engine_hits.py).
-    Engines whose events show lookahead hashes (``RoutingEngine.learn``) drop nothing, so
-    ``eagle`` is then not applied."""
-
-    block_size: int = 64
-    hybrid: bool | None = None
-    state_interval_blocks: int = 0
-    speculative_ttl_s: float | None = None  # None: DEFAULT_SPECULATIVE_TTL_S
-    speculate_sessions: bool = False
-    busy: BusyThresholds = BusyThresholds()
-    session_ttl_s: float = 600.0
-    max_sessions: int = 100_000
-    reuse_window_s: float = REUSE_WINDOW_S
-    engine_block_size: int = 0
-    eagle: bool = False
-
-    @property
-    def alignment_blocks(self) -> int:
-        """``engine_block_size`` in router blocks (0: not configured; 1: no coarser than the
-        router's block)."""
-        if self.engine_block_size <= 0:
-            return 0
-        return max(1, self.engine_block_size // self.block_size)
-
-    @property
-    def fine_engine_blocks(self) -> bool:
-        """Whether the engines' blocks are taken as finer than the router's: a prompt cached
-        whole is then granted all but its last engine block, less than a router block short,
-        and is predicted whole. True for ``engine_block_size`` under ``block_size`` and when
-        it is not configured (vLLM's default block of 16 tokens and SGLang's page of 1 are
-        finer than a router block); a configured block of the router's size or coarser
-        predicts such a hit one router block short, as the engine grants it."""
-        return self.engine_block_size < self.block_size
-
-    def speculative_ttl(self) -> float:
-        """``speculative_ttl_s``, or ``DEFAULT_SPECULATIVE_TTL_S`` when not set."""
-        ttl = self.speculative_ttl_s
-        return DEFAULT_SPECULATIVE_TTL_S if ttl is None else ttl
-
-
-def none_up(replicas: int, drained: int) -> NoReplicaAvailable:
-    """The error when none of ``replicas`` is healthy and not draining, ``drained`` of them
-    healthy but draining: it names what keeps them out (a drain is not a failure)."""
-    if not drained:
-        return NoReplicaAvailable("no healthy replica is available")
-    failing = replicas - drained
-    rest = f", the other {failing} unhealthy" if failing else ""
-    return NoReplicaAvailable(
-        f"no replica is available: {drained} of {replicas} draining (no new requests){rest}"
-    )
-
-
-def filter_candidates(
-    replicas: Sequence[ReplicaKey], load: LoadTracker, busy: BusyThresholds, now: float
-) -> list[tuple[ReplicaKey, LoadView]]:
-    """Healthy, non-draining replicas, the busy ones dropped while others remain."""
-    up: list[tuple[ReplicaKey, LoadView]] = []
-    drained = 0
-    for r in replicas:
-        v = load.view(r, now)
-        if v.healthy and not v.draining:
-            up.append((r, v))
-        elif v.healthy:
-            drained += 1
-    if not up:
-        raise none_up(len(replicas), drained)
-    if not busy.enabled:
-        return up
-    free = [(r, v) for r, v in up if not busy.busy(v)]
-    if free:
-        return free
-    if busy.reject_when_all_busy:
-        raise NoReplicaAvailable("every replica is over its busy threshold", busy=True)
-    return up
-
-
-def eligible_columns(load: LoadColumns, busy: BusyThresholds) -> np.ndarray:
-    """``filter_candidates`` on columns: a bool mask of the healthy, non-draining replicas,
-    the busy ones dropped while others remain (the same errors when none is left)."""
-    healthy = load.healthy > 0
-    up: np.ndarray = healthy & (load.draining == 0)
-    if not up.any():
-        raise none_up(len(up), int(np.count_nonzero(healthy)))
-    if busy.enabled:
-        free = up & ~busy.busy(load)
-        if free.any():
-            return free  # type: ignore[no-any-return]
-        if busy.reject_when_all_busy:
-            raise NoReplicaAvailable("every replica is over its busy threshold", busy=True)
-    return up
 
 
 @dataclass(slots=True, frozen=True)
@@ -226,7 +68,7 @@ class Dispatch:
     digest: int = 0
 
 
-class RoutingEngine:
+class RoutingEngine(LearnedLayout):
     """Index + load + policy for one model. Pure: the caller passes ``now`` and ``rng``.
 
     ``columnar_min``: candidate lists at least this long are handed to the policy as
@@ -234,13 +76,8 @@ class RoutingEngine:
     nearly independent of the fleet size). Pass ``replicas`` as the same tuple each time
     (kept until the fleet changes): where each replica sits in the index and the load table
     is then looked up once, not per request (other sequences are looked up each time).
-
-    The state layout (``layout``): the settings' ``hybrid`` / ``state_interval_blocks`` when
-    set, else what was learned: the model is hybrid once one of the replicas it routes to has
-    stored a state checkpoint in the index (checked when the index's ``state_generation``
-    moves, so not per request), or once the edge says so (``learn``: publishers' registrations,
-    the model's config); the grid comes from the edge (``learn``, fed by
-    ``state_layout.CheckpointGrid``)."""
+    What it knows of the model's engines (``layout``, ``learn``) is :class:`LearnedLayout`'s
+    (router/core/learned_layout.py)."""
 
     def __init__(
         self,
@@ -251,20 +88,13 @@ class RoutingEngine:
         *,
         columnar_min: int = COLUMNAR_MIN,
     ) -> None:
-        self.index = index
+        super().__init__(index, settings)
         self.load = load
         self.policy = policy
         self.columnar_min = columnar_min
         self._columnar = callable(getattr(policy, "choose_columns", None))
         # a policy reproducing a peer that routes on engine events alone says so
         self._speculates = bool(getattr(policy, "speculates", True))
-        self._learned_hybrid: str | None = None  # the source that showed it is hybrid
-        self._learned_interval: tuple[int, str] | None = None
-        self._learned_alignment: tuple[int, str] | None = None
-        self._learned_lookahead: tuple[int, str] | None = None
-        self._state_generation = -1
-        self.settings = settings  # fixed for the engine's life (``layout`` derives from it)
-        self.layout = self._effective()
         self.sessions: SessionTable | None = None
         if settings.session_ttl_s > 0 and getattr(policy, "uses_session_hints", False):
             self.sessions = SessionTable(settings.session_ttl_s, settings.max_sessions)
@@ -286,87 +116,6 @@ class RoutingEngine:
             held = index.replica_size
             turnover.sample(now, replicas, index.evicted_blocks, lambda k: held(k)[0])
         return turnover
-
-    def _effective(self) -> StateLayout:
-        s = self.settings
-        return effective_layout(
-            s.hybrid,
-            s.state_interval_blocks,
-            self._learned_hybrid,
-            self._learned_interval,
-            s.alignment_blocks,
-            self._learned_alignment,
-        )
-
-    @property
-    def learned_hybrid(self) -> str | None:
-        """The source that showed the model is hybrid (None: none did)."""
-        return self._learned_hybrid
-
-    @property
-    def learned_interval(self) -> tuple[int, str] | None:
-        """The engines' checkpoint grid and its source, when learned."""
-        return self._learned_interval
-
-    @property
-    def learned_alignment(self) -> tuple[int, str] | None:
-        """The block count the engines' checkpoints land on and its source, when learned."""
-        return self._learned_alignment
-
-    @property
-    def learned_lookahead(self) -> tuple[int, str] | None:
-        """The tokens after each block the engines' hashes cover, and its source, when
-        learned."""
-        return self._learned_lookahead
-
-    @property
-    def lookahead_tokens(self) -> int:
-        """The tokens after each block the engines' hashes cover (0: none known)."""
-        return self._learned_lookahead[0] if self._learned_lookahead is not None else 0
-
-    @property
-    def drops_eagle_block(self) -> bool:
-        """Whether the engines give back the last engine block of every hit: configured
-        ``eagle``, unless their events show lookahead hashes (vLLM >= 0.33 hashes each
-        block with the tokens its drafter reads after it instead of dropping the block;
-        ``--speculative-config`` ``disable_lookahead_block_hashes`` or a KV connector without
-        lookahead support keep the drop)."""
-        return self.settings.eagle and self._learned_lookahead is None
-
-    def learn(
-        self,
-        *,
-        hybrid: str | None = None,
-        interval: tuple[int, str] | None = None,
-        alignment: tuple[int, str] | None = None,
-        lookahead: tuple[int, str] | None = None,
-    ) -> bool:
-        """Facts about the model's engines learned outside the index: ``hybrid`` names the
-        source that showed the model is hybrid (learning it is final); ``interval`` is the
-        engines' grid with its source (0: they have none); ``alignment`` the block count
-        their checkpoints land on; ``lookahead`` the tokens after each block their hashes
-        cover (> 0; learning it is final, the largest kept). Returns whether the layout or
-        the lookahead changed."""
-        if hybrid is not None and self._learned_hybrid is None:
-            self._learned_hybrid = hybrid
-        if interval is not None:
-            self._learned_interval = interval
-        if alignment is not None:
-            self._learned_alignment = alignment
-        changed = False
-        if lookahead is not None and lookahead[0] > self.lookahead_tokens:
-            self._learned_lookahead = lookahead
-            changed = True
-        old = self.layout
-        self.layout = self._effective()
-        return changed or self.layout != old
-
-    def hybrid_for(self, replicas: Sequence[ReplicaKey]) -> bool:
-        """Whether to apply the hybrid-state rule (see the class docstring)."""
-        if self._learned_hybrid is None and self._state_generation != self.index.state_generation:
-            self._state_generation = self.index.state_generation
-            self.detect(replicas)
-        return self.layout.hybrid
 
     def matches(
         self, request: RouteRequest, replicas: Sequence[ReplicaKey], now: float
@@ -394,27 +143,6 @@ class RoutingEngine:
             peek_blocks=layout.alignment_blocks if self.drops_eagle_block else 0,
             fine_blocks=self.settings.fine_engine_blocks,
         )
-
-    def forget_guessed_hybrid(self) -> bool:
-        """Drop a hybrid layout only the model's ``config.json`` suggested (the caller saw
-        its engines publish KV and no checkpoint: SGLang publishes no recurrent-state
-        events, so the hybrid rule would find no usable prefix anywhere). Returns whether it
-        was dropped; a checkpoint published later makes the model hybrid again
-        (:meth:`detect`)."""
-        if self._learned_hybrid != SOURCE_MODEL_CONFIG:
-            return False
-        self._learned_hybrid = None
-        self._state_generation = -1
-        self.layout = self._effective()
-        return True
-
-    def detect(self, replicas: Sequence[ReplicaKey]) -> bool:
-        """Learn that the model is hybrid if one of ``replicas`` stored a state checkpoint
-        (whatever the index's generation: for a periodic check over all the model's
-        replicas). Returns whether the model is known to be hybrid."""
-        if self._learned_hybrid is None and any(map(self.index.publishes_state, replicas)):
-            self.learn(hybrid=SOURCE_ENGINE)
-        return self._learned_hybrid is not None
 
     @property
     def _hint_kind(self) -> Kind:

@@ -3,10 +3,10 @@ cache events into the router's index; Admin (``kvrouter.v1.Admin``) reads and st
 replicas.
 
 * Index ``Publish``: a stream of per-replica event batches (:func:`decode_batch`), each
-  applied to the index and acked APPLIED, DUPLICATE or GAP (router/core/index.py). A batch
-  that does not decode ends the stream INVALID_ARGUMENT, one of a replica the router does
-  not know (configured or registered) NOT_FOUND; with several worker processes the stream
-  is refused FAILED_PRECONDITION, as it would feed one worker's index only.
+  applied to the index and acked APPLIED, DUPLICATE or GAP (router/core/index_updates.py).
+  A batch that does not decode ends the stream INVALID_ARGUMENT, one of a replica the
+  router does not know (configured or registered) NOT_FOUND; with several worker processes
+  the stream is refused FAILED_PRECONDITION, as it would feed one worker's index only.
 * Admin ``ListReplicas`` / ``Stats``: the replicas with their load and index size, and the
   process's totals. ``Drain`` / ``Undrain``: one rank or all ranks of a replica, forwarded
   to every other worker process as the HTTP admin endpoints forward it; a worker missed

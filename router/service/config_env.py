@@ -14,7 +14,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from router.core.errors import ConfigError
-from router.core.routing import BusyThresholds, RoutingSettings
+from router.core.routing_settings import BusyThresholds, RoutingSettings
 from router.service.settings import (
     ROUTING_KEYS,
     ModelSettings,

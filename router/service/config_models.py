@@ -37,7 +37,7 @@ from router.core.admission import AdmissionSettings
 from router.core.disagg import LinkModel, PdKnobs, PdSetup, TransferSizes
 from router.core.errors import ConfigError
 from router.core.policies import POLICY_NAMES, make_policy
-from router.core.routing import BusyThresholds, RoutingSettings
+from router.core.routing_settings import BusyThresholds, RoutingSettings
 from router.service.config_tables import checked, typed
 from router.service.settings import ROUTING_KEYS, ModelSettings, SloSettings
 from router.tokenize.anthropic import DISABLED_THINKING_EFFORT_OPTIONS

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from router.core.admission import AdmissionSettings
 from router.core.disagg import PdSetup
-from router.core.routing import RoutingSettings
+from router.core.routing_settings import RoutingSettings
 from router.core.slo import DEFAULT_TIERS, DEFAULT_TPOT_S, SloTargets, SloTier, parse_tiers
 from router.tokenize.multimodal import ImageSettings
 
@@ -235,7 +235,7 @@ class Settings:
         return self.models.get(name) or ModelSettings(name=name)
 
 
-# The [models.NAME] keys that go to RoutingSettings (router/core/routing.py).
+# The [models.NAME] keys that go to RoutingSettings (router/core/routing_settings.py).
 ROUTING_KEYS = (
     "block_size",
     "hybrid",
