@@ -5,6 +5,7 @@ restart is found whenever the subscriber comes back."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -384,3 +385,42 @@ async def test_a_backlog_of_the_old_engine_is_not_taken_for_the_restarted_ones()
         watch.close(0)
         await _stop(task)
         (engine if new is None else new).close()
+
+
+async def test_engine_restarts_leave_no_sockets_or_tasks_behind() -> None:
+    """The engine restarts on the same ports again and again, each time found by the
+    subscriber (its SUB socket made anew, replay sockets opened and closed): the open file
+    descriptors and tasks stay as many as after the first restart."""
+    p = free_port_run(2)
+    engine = RefEngine(ENGINE, p, p + 1)
+    got: list[bytes] = []
+    restarts: list[int] = []
+    sub = _subscriber(engine, lambda _, payload: got.append(payload))  # type: ignore[arg-type]
+    sub.on_restart = lambda: restarts.append(len(got))
+    task = asyncio.create_task(sub.run())
+    held: tuple[int, int] | None = None
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    try:
+        for i in range(6):
+
+            def delivered(eng: RefEngine = engine) -> bool:
+                if eng.pub._buffer and got and got[-1] == eng.pub._buffer[-1][1]:
+                    return True
+                eng.publish(eng.stored(eng.prompt(2)))  # until one arrives (slow joiner)
+                return False
+
+            await eventually(delivered, interval=0.1)
+            if held is None and i == 1:
+                held = (fds(), len(asyncio.all_tasks()))
+            elif held is not None:
+                most_fds, most_tasks = held
+                await eventually(lambda n=most_fds: fds() <= n)  # ZMQ closes sockets by and by
+                assert len(asyncio.all_tasks()) <= most_tasks
+            engine = _restart(engine)
+            await eventually(lambda i=i: len(restarts) == i + 1)
+    finally:
+        await _stop(task)
+        engine.close()
