@@ -5,6 +5,7 @@ restart is found whenever the subscriber comes back."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -318,4 +319,108 @@ async def test_batches_published_before_the_subscription_joined_are_loaded() -> 
     finally:
         await _stop(task)
         await gate.close()
+        engine.close()
+
+
+async def test_a_backlog_of_the_old_engine_is_not_taken_for_the_restarted_ones() -> None:
+    """The subscriber is busy while its engine publishes a backlog of batches, then
+    restarts on the same ports: the SUB socket reconnects and the subscriber finds the
+    restart by its replay socket while the old engine's batches are still queued on the
+    SUB. Those are the old engine's: none of them is delivered after the restart (the SUB
+    socket is made anew; the new engine's batches come by replay and live). Before, they
+    followed the new engine's history as its own (their seqs went on from it): the old
+    engine's blocks were indexed as the restarted one's until its next batch."""
+    p = free_port_run(2)
+    engine = RefEngine(ENGINE, p, p + 1)
+    got: list[bytes] = []
+    restarts: list[int] = []
+    sub = _subscriber(engine, lambda _, payload: got.append(payload))  # type: ignore[arg-type]
+    sub.on_restart = lambda: restarts.append(len(got))
+    task = asyncio.create_task(sub.run())
+    new: RefEngine | None = None
+    watch = zmq.Context.instance().socket(zmq.SUB)
+    watch.setsockopt(zmq.LINGER, 0)
+    watch.setsockopt(zmq.SUBSCRIBE, b"")
+    watch.connect(sub.endpoint)
+    try:
+
+        async def live() -> bool:
+            engine.publish()
+            return bool(got) and bool(watch.poll(0))
+
+        await eventually(live)
+        await eventually(lambda: len(got) == engine.published)
+        while watch.poll(0):
+            watch.recv_multipart()
+        async with sub._lock:  # the subscriber is busy (delivering a batch)
+            backlog = 10 * YIELD_EVERY
+            for _ in range(backlog):
+                engine.publish(engine.stored(engine.prompt(2)))
+            engine.wait_sent()
+            seen = 0
+            while seen < backlog and watch.poll(10_000):
+                watch.recv_multipart()
+                seen += 1
+            assert seen == backlog  # the test's own SUB has them: so has the subscriber's
+            new = _restart(engine)
+            # waiting for the subscriber: its receiving loop (a batch of the backlog in
+            # hand) and its reconnection watch (the new engine's handshake)
+            await eventually(lambda: len(sub._lock._waiters or ()) == 2)
+
+        def latest_delivered() -> bool:
+            assert new is not None
+            if restarts and got[-1] == new.pub._buffer[-1][1]:
+                return True
+            new.publish(new.stored(new.prompt(2)))  # until one arrives after the rest
+            new.wait_sent()
+            return False
+
+        await eventually(latest_delivered, interval=0.1)
+        old = {payload for _, payload in engine.pub._buffer}
+        after = got[restarts[0] :]
+        assert sum(payload in old for payload in after) == 0
+        assert after == [payload for _, payload in new.pub._buffer]
+        assert len(restarts) == 1 and sub.stats.restarts == 1
+    finally:
+        watch.close(0)
+        await _stop(task)
+        (engine if new is None else new).close()
+
+
+async def test_engine_restarts_leave_no_sockets_or_tasks_behind() -> None:
+    """The engine restarts on the same ports again and again, each time found by the
+    subscriber (its SUB socket made anew, replay sockets opened and closed): the open file
+    descriptors and tasks stay as many as after the first restart."""
+    p = free_port_run(2)
+    engine = RefEngine(ENGINE, p, p + 1)
+    got: list[bytes] = []
+    restarts: list[int] = []
+    sub = _subscriber(engine, lambda _, payload: got.append(payload))  # type: ignore[arg-type]
+    sub.on_restart = lambda: restarts.append(len(got))
+    task = asyncio.create_task(sub.run())
+    held: tuple[int, int] | None = None
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    try:
+        for i in range(6):
+
+            def delivered(eng: RefEngine = engine) -> bool:
+                if eng.pub._buffer and got and got[-1] == eng.pub._buffer[-1][1]:
+                    return True
+                eng.publish(eng.stored(eng.prompt(2)))  # until one arrives (slow joiner)
+                return False
+
+            await eventually(delivered, interval=0.1)
+            if held is None and i == 1:
+                held = (fds(), len(asyncio.all_tasks()))
+            elif held is not None:
+                most_fds, most_tasks = held
+                await eventually(lambda n=most_fds: fds() <= n)  # ZMQ closes sockets by and by
+                assert len(asyncio.all_tasks()) <= most_tasks
+            engine = _restart(engine)
+            await eventually(lambda i=i: len(restarts) == i + 1)
+    finally:
+        await _stop(task)
         engine.close()

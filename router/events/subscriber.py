@@ -12,8 +12,11 @@ blocks are worse than missing ones). A seq that goes backwards means the engine 
 payload, not the distance back, tells the two apart. A gap's replay starts one batch early,
 at the last one delivered: when the engine holds another batch under that seq, it restarted
 while nothing reached this subscriber and counted past the old seq. After a restart the new
-engine's batches before the one seen are replayed from 0. Malformed frames are counted and
-skipped; nothing here raises on input.
+engine's batches before the one seen are replayed from 0. With a replay socket, a restart
+found also makes the SUB socket anew (``_run_socket``): batches of the old engine still
+queued on it come before the new engine's and would pass for its own; the new socket
+catches up from the replay socket. Malformed frames are counted and skipped; nothing here
+raises on input.
 
 Turns (``YIELD_EVERY``): the subscriber runs in the router's event loop, and pyzmq hands out
 messages already queued on a socket without yielding to it, so a history, a replay or a
@@ -99,9 +102,20 @@ class ZmqEventSubscriber:
         self._since_turn = 0  # batches delivered since the event loop's last turn
         self._lock = asyncio.Lock()  # one delivery at a time: live batches or a catch-up
         self._turn_due = 0.0  # loop time after which a delivered batch is followed by one
+        self._stale_socket = False  # a restart was found: what the SUB socket holds is old
 
     async def run(self) -> None:
         """Receive until cancelled."""
+        while True:
+            await self._run_socket()
+
+    async def _run_socket(self) -> None:
+        """Receive on a SUB socket of its own until cancelled, or until a restart of the
+        engine is found (``_forget_engine``): what the socket still holds then came from
+        the old engine (one pipe holds it before the new engine's batches), so it is closed
+        unread and the next one catches up from the new engine's replay socket (without
+        one, nothing would bring back the new engine's batches it holds: it is kept)."""
+        self._stale_socket = False
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
@@ -122,9 +136,11 @@ class ZmqEventSubscriber:
                     await self._catch_up()  # run again after a failure
                 elif self.replay_history and self.replay_endpoint:
                     await self._load_history()
-            while True:
+            while not self._stale_socket:
                 frames = await sub.recv_multipart()
                 async with self._lock:
+                    if self._stale_socket:
+                        break
                     await self._handle(frames)
                 await self._pace()
         finally:
@@ -205,6 +221,8 @@ class ZmqEventSubscriber:
 
     def _forget_engine(self) -> None:
         self.stats.restarts += 1
+        # ``_run_socket``: the SUB socket is made anew (what it holds comes back by replay)
+        self._stale_socket = self.replay_endpoint is not None
         self.last_seq = None
         self._history = None
         self._recent.clear()
