@@ -18,10 +18,12 @@ model's as a whole.
 
 Scheduling (vLLM v1 style, simplified):
 
-* Requests wait FCFS. One is admitted when fewer than ``max_running`` run and its whole
-  prompt fits (vLLM's ``scheduler_reserve_full_isl``): blocks for the prompt minus the cached
+* Requests wait FCFS. A step first gives its token budget to the running sequences, then
+  admits the head of the queue while budget is left, fewer than ``max_running`` run and its
+  whole prompt fits (vLLM's ``scheduler_reserve_full_isl``): blocks for the prompt minus the cached
   prefix, after evicting unreferenced cached blocks and keeping the blocks the running
-  sequences' next step needs. No request is admitted in a step that preempted one. A request
+  sequences' next step needs; it looks its prefix up then and takes a chunk of what is left
+  (vLLM 0.34 ``Scheduler.schedule``). No request is admitted in a step that preempted one. A request
   whose prompt + ``max_output_tokens`` - 1 tokens (+ its pinned sliding window) exceed the
   whole cache is rejected at once.
 * ``scheduling="priority"`` (vLLM's ``--scheduling-policy priority``): requests wait in
@@ -49,7 +51,9 @@ Cache:
 
 * Blocks are named by the canonical chained hashes the router uses (``block_hashes``: the
   prompt's full blocks; ``output_block_hashes``: full blocks the answer completes, when the
-  driver knows the answer's content). A block is cached once the step computing it ends.
+  driver knows the answer's content). A block is cached as the step computing it is
+  scheduled (vLLM's ``allocate_slots``): a request admitted later in that step, or after it,
+  hits it; the step's index events are published at its end.
 * A hit is whole engine blocks (``engine_block_size``, the router's block by default), at
   most ``(N - 1) // engine_block_size`` of them (vLLM recomputes the last prompt token and
   the block it falls in).
@@ -110,7 +114,18 @@ class _Segment:
     """``steps`` steps starting at ``start``. A prefill step has ``chunks`` and steps == 1;
     a decode run's step i lasts ``base + ctx_cost * (ctx0 + i * nseq)``."""
 
-    __slots__ = ("base", "chunks", "ctx0", "ctx_cost", "decoders", "end", "nseq", "start", "steps")
+    __slots__ = (
+        "base",
+        "chunks",
+        "ctx0",
+        "ctx_cost",
+        "decoders",
+        "end",
+        "events",
+        "nseq",
+        "start",
+        "steps",
+    )
 
     def __init__(
         self,
@@ -131,6 +146,7 @@ class _Segment:
         self.decoders = decoders
         self.chunks = chunks
         self.end = start + self.elapsed(steps)
+        self.events: list[IndexEvent] = []  # a step's scheduling's, published at its end
 
     def elapsed(self, j: int) -> float:
         """Duration of the first ``j`` steps."""
@@ -275,6 +291,7 @@ class EngineModel(Scheduler):
         if seq is None:
             return
         seq.cancelled = True
+        self._publish_step_events()  # before anything its release may evict
         if seq in self._waiting:
             head = self._waiting[0] is seq
             self._waiting.remove(seq)
@@ -359,9 +376,18 @@ class EngineModel(Scheduler):
     def _run_until(self, now: float) -> None:
         while self._seg is not None and self._seg.end <= now:
             seg = self._seg
+            self._publish_step_events()
             self._seg = None
             self._finish(seg)
             self._start(seg.end)
+
+    def _publish_step_events(self) -> None:
+        """Release the index events of the step in progress's scheduling (vLLM publishes a
+        step's KV events after it, ``Scheduler.update_from_output``)."""
+        seg = self._seg
+        if seg is not None and seg.events:
+            self._events.extend(seg.events)
+            seg.events = []
 
     def _wake(self, now: float) -> None:
         """Something changed at ``now``: start a step if idle, else cut a decode run short
@@ -378,34 +404,76 @@ class EngineModel(Scheduler):
             seg.end = seg.start + seg.elapsed(keep)
 
     def _start(self, now: float) -> None:
-        if not self._room_for_decoders():
-            self._admit(now)
-        if not self._prefilling and not self._decoding:
-            return
+        mark = len(self._events)
+        admit = not self._room_for_decoders()
         cost = self.cost
         decoders = list(self._decoding)
         ndec = len(decoders)
-        if self._prefilling:
-            budget = cost.chunk_tokens - ndec
-            chunks: list[tuple[_Seq, int]] = []
-            dur = cost.step_overhead_s + cost.decode_step_s(ndec, self._dec_ctx)
-            for seq in self._prefilling:
-                if budget <= 0:
-                    break
+        budget = cost.chunk_tokens - ndec
+        chunks: list[tuple[_Seq, int]] = []
+        dur = 0.0
+        # the decoders' blocks of the step (allocated at its end, _finish) come first: the
+        # chunks' checkpoints and window KV take none of them
+        hold = self._growth(decoders, 1) if (self.hybrid or self.window) and decoders else 0
+        # the running prefills take the budget first, then waiting requests are admitted
+        # while budget is left, each looking its prefix up after the chunks before it are
+        # cached (vLLM caches a step's blocks as it schedules them)
+        for seq in self._prefilling:
+            if budget <= 0:
+                break
+            n = min(seq.target - seq.computed, budget)
+            budget -= n
+            dur += self._schedule_chunk(seq, n, chunks, hold)
+        if admit:
+            max_running = self.profile.max_running
+            waiting = self._waiting
+            while (
+                budget > 0
+                and waiting
+                and len(self._prefilling) + ndec < max_running
+                and self._try_admit(waiting[0], now)
+            ):
+                seq = waiting.popleft()
+                self._prefilling.append(seq)
                 n = min(seq.target - seq.computed, budget)
                 budget -= n
-                chunks.append((seq, n))
-                dur += cost.prefill_s(n, seq.computed)
-                if seq.load_s:
-                    dur += seq.load_s
-                    seq.load_s = 0.0
-            self._seg = _Segment(now, 1, dur, 0.0, 0, decoders, chunks)
+                dur += self._schedule_chunk(seq, n, chunks, hold)
+        if not self._prefilling and not self._decoding:
+            return
+        if self._prefilling:
+            dur += cost.step_overhead_s + cost.decode_step_s(ndec, self._dec_ctx)
+            seg = _Segment(now, 1, dur, 0.0, 0, decoders, chunks)
+            seg.events = self._events[mark:]
+            del self._events[mark:]
+            self._seg = seg
         else:
             steps = self._steps_that_fit(decoders, min(s.max_out - s.out for s in decoders))
             base = cost.step_overhead_s + cost.decode_s_per_seq * ndec
             self._seg = _Segment(
                 now, steps, base, cost.decode_s_per_ctx_token, self._dec_ctx, decoders, []
             )
+
+    def _schedule_chunk(
+        self, seq: _Seq, n: int, chunks: list[tuple[_Seq, int]], hold: int
+    ) -> float:
+        """Schedule ``n`` prompt tokens of ``seq`` this step: the full blocks they complete
+        are named (cached) now, as vLLM's ``allocate_slots`` caches them, their checkpoints
+        and window KV taken without the ``hold`` blocks the decoders need (kept free, not
+        merely evictable: a window block re-pinned is no longer evictable). Its time."""
+        chunks.append((seq, n))
+        if n:
+            block = self.block_size
+            done = seq.computed + n
+            if hold:
+                self._make_room(hold)
+                self._reserved += hold
+            self._computed(seq, seq.computed // block, min(done // block, seq.nfull))
+            self._reserved -= hold
+        dur: float = self.cost.prefill_s(n, seq.computed)
+        if seq.load_s:
+            dur += seq.load_s
+            seq.load_s = 0.0
+        return dur
 
     def _finish(self, seg: _Segment) -> None:
         """Apply the effects of a finished segment at its end time."""
@@ -421,7 +489,8 @@ class EngineModel(Scheduler):
                 continue
             old = seq.computed
             seq.computed = old + n
-            self._computed(seq, old // block, min(seq.computed // block, seq.nfull))
+            if not n:  # a transferred prompt: its window KV is pinned now (_try_admit)
+                self._computed(seq, old // block, min(old // block, seq.nfull))
             if seq.computed >= seq.target:
                 self._prefilling.remove(seq)
                 seq.out += 1

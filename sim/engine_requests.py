@@ -45,11 +45,10 @@ def sampled(req: EngineRequest, samples: int) -> list[EngineRequest]:
     """The engine requests of a request sampling ``samples`` sequences of one prompt, as
     vLLM v1 fans ``n`` out into child requests: ``req``, then ``samples - 1`` copies named
     ``{request_id}#s{j}`` that name no answer blocks (the answers differ: only the first's
-    are the follow-up turn's). Submitted in this order at one time, the first is admitted
-    on its own when the engine is idle (``submit`` starts its step) and the others reuse
-    the blocks it computed; queued behind a step in progress, all are admitted in the same
-    step and prefill the prompt again (the engine model caches a block at the end of the
-    step that computes it, vLLM as it allocates it)."""
+    are the follow-up turn's). Submitted in this order at one time, the others reuse the
+    prompt blocks the first computes: a block is cached as the step computing it is
+    scheduled (vLLM's ``allocate_slots``), so a copy scheduled later in that step or after
+    it hits them."""
     return [req] + [
         replace(req, request_id=f"{req.request_id}#s{j}", output_block_hashes=())
         for j in range(1, samples)

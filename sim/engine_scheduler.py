@@ -4,10 +4,10 @@ next step, and what each must hold to run it.
 :class:`Scheduler` decides, between steps, the three things the engine's stepping
 (sim/engine.py) asks of it:
 
-* admission (``_enqueue``, ``_admit``): the queue's order (FCFS, or by (priority, arrival));
-  the waiting sequences that start prefilling, head of the queue first, while fewer than
-  ``max_running`` run and the head's prompt fits; for each, its cache hit (none if it reads
-  no cache; a resumed one's written answer blocks count): the longest cached prefix of its
+* admission (``_enqueue``, ``_try_admit``): the queue's order (FCFS, or by (priority,
+  arrival)); whether the head of the queue fits (the engine's step admits heads while token
+  budget, a running slot and memory are left); for each, its cache hit (none if it reads no
+  cache; a resumed one's written answer blocks count): the longest cached prefix of its
   blocks on GPU, extended over the host tier, cut to whole engine blocks, then (eagle) less
   the draft head's block, (hybrid) back to the last recurrent-state checkpoint, (sliding
   window) back to where the window before it is cached;
@@ -158,15 +158,6 @@ class Scheduler(BlockCache):
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, now: float) -> None:
-        max_running = self.profile.max_running
-        while self._waiting and len(self._prefilling) + len(self._decoding) < max_running:
-            seq = self._waiting[0]
-            if not self._try_admit(seq, now):
-                return
-            self._waiting.popleft()
-            self._prefilling.append(seq)
-
     def _resumed_chain(self, seq: _Seq) -> list[int]:
         """A resumed sequence's full blocks: its prompt's, then its answer's whose KV it wrote
         (up to the first name that repeats, as for a prompt)."""
@@ -297,7 +288,7 @@ class Scheduler(BlockCache):
         if seq.remote:  # the transferred prompt: named (and published) as computed
             old = seq.computed
             seq.computed = seq.prompt
-            # its window KV is pinned at the end of its step, as a prefill chunk's, after the
-            # decoders' blocks: the room above kept those free, not the window's too
+            # its window KV is pinned at the end of its step, after the decoders' blocks: the
+            # room above kept those free, not the window's too
             self._computed(seq, old // self.block_size, seq.nfull, windows=False)
         return True

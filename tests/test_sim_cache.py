@@ -85,15 +85,22 @@ def test_host_reload_survives_eviction_into_a_full_host_tier() -> None:
 
 
 def _audit(e: EngineModel, events: list[object], gpu_seen: set[int], states: set[int]) -> None:
-    """Cross-check the engine's cache against its own contracts and its event stream."""
-    for ev in events:
-        if isinstance(ev, BlocksStored) and ev.tier is Tier.GPU:
-            (states if ev.kind is Kind.STATE else gpu_seen).update(ev.hashes)
-        elif isinstance(ev, BlocksRemoved) and ev.tier is Tier.GPU:
-            (states if ev.kind is Kind.STATE else gpu_seen).difference_update(ev.hashes)
+    """Cross-check the engine's cache against its own contracts and its event stream (with
+    the events of the step in progress, published at its end)."""
+
+    def apply(evs: list[object], kv: set[int], st: set[int]) -> None:
+        for ev in evs:
+            if isinstance(ev, BlocksStored) and ev.tier is Tier.GPU:
+                (st if ev.kind is Kind.STATE else kv).update(ev.hashes)
+            elif isinstance(ev, BlocksRemoved) and ev.tier is Tier.GPU:
+                (st if ev.kind is Kind.STATE else kv).difference_update(ev.hashes)
+
+    apply(events, gpu_seen, states)
+    kv_now, states_now = set(gpu_seen), set(states)
+    apply(list(e._seg.events) if e._seg is not None else [], kv_now, states_now)
     gpu = e._gpu
-    assert set(gpu) == gpu_seen  # the index events describe the cache exactly
-    assert {k ^ STATE_TAG for k in e._state_at} == states
+    assert set(gpu) == kv_now  # the index events describe the cache exactly
+    assert {k ^ STATE_TAG for k in e._state_at} == states_now
     # refcounts are the number of pins by running requests; unpinned blocks are in the LRU
     pins: Counter[int] = Counter()
     for seq in [*e._prefilling, *e._decoding]:

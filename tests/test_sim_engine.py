@@ -103,6 +103,55 @@ def test_continuous_batching_shares_steps_and_cuts_decode_runs() -> None:
     assert rep.running == 2 and rep.waiting == 0
 
 
+# vLLM 0.34 (vllm/v1/core/sched/scheduler.py ``schedule``): the running requests take the
+# step's token budget first (line 809); a waiting request is scheduled only while budget is
+# left (``loads_only``, line 1095) and looks its prefix up then (line 1148,
+# ``_get_local_prefix_cache_hit``). ``KVCacheManager.allocate_slots``
+# (vllm/v1/core/kv_cache_manager.py lines 642-646) caches a request's full blocks up to the
+# tokens scheduled *this* step as it allocates them, so a request scheduled after it in the
+# same step, or in any later step, finds them.
+
+
+def test_waiting_request_admitted_with_budget_left_hits_blocks_of_that_step() -> None:
+    e = engine(kv_blocks=100)
+    e.submit(req("a", list(range(1, 26)), 250, out=2), 0.0)
+    # b shares a's 25 blocks and arrives while a's first chunk is computed
+    e.submit(req("b", list(range(1, 31)), 300, out=2), 0.001)
+    e.advance(0.03)  # step 2: a's second chunk takes the whole budget, b still waits
+    rep = e.report(0.03)
+    assert rep.running == 1 and rep.waiting == 1
+    # step 3: a's last 50 tokens, then b with the 50 left: it hits all 25 of a's blocks,
+    # the 5 being computed in this very step too, and finishes its prompt there
+    outs = e.advance(0.06)
+    firsts = {o.request_id: o for o in outs if isinstance(o, FirstToken)}
+    assert set(firsts) == {"a", "b"}
+    assert firsts["b"].time == pytest.approx(0.06) and firsts["b"].cached_tokens == 250
+
+
+def test_two_waiting_requests_share_a_prefix_first_computes_in_same_step() -> None:
+    e = engine(kv_blocks=100)
+    e.submit(req("c", [100], 10), 0.0)  # busy: one step of 0.011
+    e.submit(req("a", [1, 2, 3, 4, 5], 50), 0.001)
+    e.submit(req("b", [1, 2, 3, 4, 5, 6], 60), 0.002)
+    # next step: a's 50 tokens; b is scheduled after a in the same step and hits the 5
+    # blocks a is computing (vLLM does not compute them twice): 0.01 + 60 * 1e-4
+    outs = drain(e)
+    firsts = {o.request_id: o for o in outs if isinstance(o, FirstToken)}
+    assert firsts["b"].cached_tokens == 50
+    assert firsts["a"].time == pytest.approx(0.027) and firsts["b"].time == pytest.approx(0.027)
+
+
+def test_a_steps_index_events_come_at_its_end() -> None:
+    # vLLM publishes the events of a step's scheduling after the step (update_from_output)
+    e = engine(kv_blocks=100)
+    e.submit(req("a", list(range(1, 26)), 250), 0.0)
+    assert e.take_index_events() == []
+    e.advance(0.019)
+    assert e.take_index_events() == []
+    e.advance(0.02)
+    assert stored(e.take_index_events()) == list(range(1, 11))
+
+
 def test_streaming_advance_returns_finished_part_of_a_run() -> None:
     e = engine(kv_blocks=100)
     e.submit(req("a", [1], 10, out=11), 0.0)
