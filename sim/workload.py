@@ -40,6 +40,7 @@ far, never shared.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -51,6 +52,9 @@ import numpy as np
 
 from router.core.errors import ConfigError
 from router.core.hashing import hash_prompt, root_hash
+from router.recorder import parse_row, torn_note
+
+_log = logging.getLogger(__name__)
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "traces"
 BUNDLED = {
@@ -210,6 +214,9 @@ class DenseIds:
 
 
 def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """A trace's rows by line number; a torn recorded row (router.recorder.parse_row) is
+    skipped, with a warning once the file is read."""
+    torn: list[int] = []
     with path.open("rb") as fh:  # decoded line by line, so a bad byte names its line
         for lineno, raw in enumerate(fh, 1):
             try:
@@ -219,12 +226,17 @@ def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             if not line:
                 continue
             try:
-                row = json.loads(line)
+                row = parse_row(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
+            if row is None:
+                torn.append(lineno)
+                continue
             if not isinstance(row, dict):
                 raise ConfigError(f"{path}:{lineno}: expected a JSON object")
             yield lineno, row
+    if torn:
+        _log.warning("%s", torn_note(path, torn))
 
 
 def _number(row: dict[str, Any], key: str, where: str, default: float | None = None) -> float:

@@ -400,3 +400,42 @@ def test_each_batch_gets_an_id_of_its_own(tmp_path: pathlib.Path) -> None:
     assert len(set(ids)) == 4 and all(isinstance(i, str) and i for i in ids)
     one.close()
     two.close()
+
+
+def test_a_row_a_crash_cut_short_is_skipped_and_counted_not_fatal(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A crash mid-write (or a full disk) leaves a recorded row cut short at the end of the
+    file. The defects: every reader (``trace merge``, ``sim replay``, the live replay)
+    refused the whole file for that one line, and the recorder restarted on the file glued
+    its first row to the torn one (so that whole row was lost too). Now the readers skip a
+    torn row, counting it aloud, and a recorder starts a new line after any torn end it
+    finds; a line that is not JSON and no recorded row is still refused."""
+    from router.demo.replay import load_requests
+    from sim.workload import mooncake_rows
+
+    path = tmp_path / "t.jsonl"
+    rec = TraceRecorder(RecordSettings(path, key=KEY), 0.0, 100.0)
+    for i in range(3):
+        _record(rec, list(range(600)), float(i), session_id=f"s{i}", finished_at=i + 0.5)
+    rec.close()
+    path.write_bytes(path.read_bytes()[:-40])  # the crash: the last row cut short
+    again = TraceRecorder(RecordSettings(path, key=KEY), 10.0, 110.0)  # the worker restarted
+    _record(again, list(range(600)), 11.0, session_id="after", finished_at=11.5)
+    again.close()
+    kept = ["s0", "s1", "after"]
+    run = kvrouter("trace", "merge", str(path))
+    assert run.returncode == 0, run.stderr
+    assert [json.loads(x)["session_id"] for x in run.stdout.splitlines()] == kept
+    assert f"skipped 1 torn row(s) in {path} (line 3)" in run.stderr, run.stderr
+    with caplog.at_level("WARNING"):
+        assert [r.session_id for r in mooncake_rows(path)] == kept
+    assert f"skipped 1 torn row(s) in {path} (line 3)" in caplog.text
+    assert len(load_requests(path, 10, "m", 16)) == 3  # the live replay's reader
+    sim = kvrouter("sim", "replay", str(path), "--replicas", "2", "--block-size", "64", "--json")
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)["requests"] == 3
+    with path.open("a") as fh:
+        fh.write("not a row\n")
+    run = kvrouter("trace", "merge", str(path))
+    assert run.returncode == 2 and f"{path}:5: not JSON" in run.stderr, run.stderr
