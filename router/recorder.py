@@ -137,23 +137,29 @@ def record_key(text: str) -> bytes:
 
 def shared_key(path: pathlib.Path) -> bytes:
     """The random key of the recording at ``path`` (``<path>.key``), created on first use;
-    every process recording to ``path`` reads the same one."""
+    every process recording to ``path`` reads the same one. It is made under the path's lock
+    and put in place whole (a rename), so nobody reads half of one; a key file shorter than a
+    key (a worker that died writing it, with an older version) never named a row: replaced."""
     key_path = path.with_name(path.name + ".key")
-    try:
-        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        tmp_key = secrets.token_bytes(KEY_BYTES)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(tmp_key)
-        return tmp_key
-    for _ in range(1000):  # another worker created it a moment ago: wait for its write
-        data = key_path.read_bytes()
+    with _locked(path):
+        try:
+            data = key_path.read_bytes()
+        except FileNotFoundError:
+            data = b""
         if len(data) == KEY_BYTES:
             return data
-        os.sched_yield()
-    raise ValueError(f"{key_path}: not a {KEY_BYTES}-byte key")
+        if len(data) > KEY_BYTES:
+            raise ValueError(f"{key_path}: not a {KEY_BYTES}-byte key")
+        key = secrets.token_bytes(KEY_BYTES)
+        tmp = key_path.with_name(f"{key_path.name}.{os.getpid()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(key)
+            os.replace(tmp, key_path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return key
 
 
 @contextlib.contextmanager

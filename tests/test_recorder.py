@@ -439,3 +439,20 @@ def test_a_row_a_crash_cut_short_is_skipped_and_counted_not_fatal(
         fh.write("not a row\n")
     run = kvrouter("trace", "merge", str(path))
     assert run.returncode == 2 and f"{path}:5: not JSON" in run.stderr, run.stderr
+
+
+def test_a_key_file_left_empty_is_made_again_and_shared(tmp_path: pathlib.Path) -> None:
+    """A worker that died (or hit a full disk) between creating ``<path>.key`` and writing
+    its key left the file empty. The defect: every recorder after it, on every restart,
+    gave up with "not a 32-byte key" (the router did not start) until someone deleted the
+    file by hand. No row was ever written with such a key, so a new one replaces it, and
+    the workers still share one."""
+    path = tmp_path / "t.jsonl"
+    path.with_name("t.jsonl.key").write_bytes(b"")
+    one = TraceRecorder(RecordSettings(path), 0.0)
+    two = TraceRecorder(RecordSettings(path), 0.0)
+    assert len(path.with_name("t.jsonl.key").read_bytes()) == 32
+    assert one.ids([123, 456]) == two.ids([123, 456])
+    assert path.with_name("t.jsonl.key").stat().st_mode & 0o777 == 0o600
+    one.close()
+    two.close()
