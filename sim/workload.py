@@ -291,6 +291,9 @@ class TraceRow:
 
 
 ENDPOINTS = ("completions", "chat", "responses", "messages")
+# ms a recorded ``delay`` may differ from its arrival less the finish it was measured from
+# (``timestamp + e2e_ms``): each is rounded where it is written
+DELAY_ROUNDING_MS = 2.0
 
 
 def _manner(row: dict[str, Any], where: str) -> tuple[int, bool, str, str | None]:
@@ -345,8 +348,16 @@ def mooncake_rows(
         after = None
         delay = 0.0
         if session is not None and "delay" in row and session in last_of_session:
-            after = last_of_session[session][0]
+            after, tied = last_of_session[session]
             delay = _int(row, "delay", where) / 1000.0
+            if tied is not None and tied > (ts - delay) * 1000.0 + DELAY_ROUNDING_MS:
+                # workers sharing a file: this row's worker measured ``delay`` from the
+                # last answer it served itself, and another worker's came later (the one
+                # tied to): the turn follows that answer, or came before it (open loop)
+                if ts * 1000.0 >= tied:
+                    delay = (ts * 1000.0 - tied) / 1000.0
+                else:
+                    after, delay = None, 0.0
         if session is not None:
             e2e = row.get("e2e_ms")
             finish: float | None = None

@@ -456,3 +456,31 @@ def test_a_key_file_left_empty_is_made_again_and_shared(tmp_path: pathlib.Path) 
     assert path.with_name("t.jsonl.key").stat().st_mode & 0o777 == 0o600
     one.close()
     two.close()
+
+
+def test_workers_sharing_a_path_replay_a_session_at_its_own_pace(tmp_path: pathlib.Path) -> None:
+    """Workers of one pod record to one file, each measuring ``delay`` from the session's
+    last answer it served itself. Turns 1 and 3 went to worker A, turn 2 to worker B: A
+    wrote turn 3's delay from turn 1's answer (4 s), while the reader ties turn 3 to the
+    session's answer that finished last, turn 2's. The defect: the replay sent turn 3 four
+    seconds after turn 2's answer, three seconds late; it now follows turn 2's answer by
+    the 1 s it really did, as the same file merged (``trace merge``) replays (which also
+    ties turn 2 to turn 1: run it on such a file for every closed-loop tie)."""
+    from sim.workload import mooncake_rows
+
+    path = tmp_path / "t.jsonl"
+    a = TraceRecorder(RecordSettings(path, key=KEY), 0.0, 100.0)
+    b = TraceRecorder(RecordSettings(path, key=KEY), 0.0, 100.0)
+    for rec, at, done in ((a, 0.0, 5.0), (b, 6.0, 8.0), (a, 9.0, 10.0)):
+        _record(rec, list(range(int(at + 1) * 512)), at, session_id="s", finished_at=done)
+        rec.flush()
+    a.close()
+    b.close()
+    merged = tmp_path / "merged.jsonl"
+    run = kvrouter("trace", "merge", str(path), "-o", str(merged))
+    assert run.returncode == 0, run.stderr
+    # turn 2: B had served none of the session, so the file has it open loop, at its time
+    for trace, second in ((path, (6.0, None, 0.0)), (merged, (6.0, 0, 1.0))):
+        rows = mooncake_rows(trace)
+        got = [(r.arrival_s, r.after, r.delay_s) for r in rows]
+        assert got == [(0.0, None, 0.0), second, (9.0, 1, 1.0)], trace
