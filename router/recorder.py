@@ -151,7 +151,8 @@ def shared_key(path: pathlib.Path) -> bytes:
         if len(data) > KEY_BYTES:
             raise ValueError(f"{key_path}: not a {KEY_BYTES}-byte key")
         key = secrets.token_bytes(KEY_BYTES)
-        tmp = key_path.with_name(f"{key_path.name}.{os.getpid()}.tmp")
+        # hidden: a glob of the traces (``trace merge router-*.jsonl*``) never takes it
+        tmp = key_path.with_name(f".{key_path.name}.{os.getpid()}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as fh:
