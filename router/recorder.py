@@ -46,9 +46,10 @@ Several workers may record to one path: rows are buffered and appended with one
 ``max_bytes`` happens under an exclusive lock on ``<path>.lock``: whoever finds the live file
 over the limit renames ``trace.jsonl`` -> ``trace.jsonl.1`` -> ... (up to ``backups``), the
 others notice the new file at their next flush and reopen it. A row written to the old file
-during the swap lands in ``trace.jsonl.1``, not lost. Pods write files of their own (one
-path each; a shared network volume's locks are not trusted) and ``kvrouter trace merge``
-combines them.
+during the swap lands in ``trace.jsonl.1``, not lost. A write cut short (a full disk, a
+crash) leaves a torn row: the next append, by any recorder, starts a new line after it, and
+the readers skip it (:func:`parse_row`). Pods write files of their own (one path each; a
+shared network volume's locks are not trusted) and ``kvrouter trace merge`` combines them.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ import secrets
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from router.core.hashing import coarsen_chain
 
@@ -78,6 +80,30 @@ ENDPOINTS = {
     b"/v1/responses": "responses",
     b"/v1/messages": "messages",
 }
+ROW_START = '{"timestamp":'  # how every row :meth:`TraceRecorder.record` writes begins
+
+
+def parse_row(line: str) -> Any:
+    """The JSON value of one line of a trace; None for a recorded row a write left torn (a
+    crash or a full disk mid-write cut it short: a line that begins as a recorded row and is
+    not JSON). Raises ``json.JSONDecodeError`` for any other line that is not JSON. Readers
+    skip a torn row and say how many they skipped (:func:`torn_note`)."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        text = line.strip()
+        if text.startswith(ROW_START) or ROW_START.startswith(text):
+            return None
+        raise
+
+
+def torn_note(path: pathlib.Path | str, lines: Sequence[int]) -> str:
+    """What a reader says of the torn rows it skipped (:func:`parse_row`) at ``lines``."""
+    at = ", ".join(map(str, lines[:5])) + (", ..." if len(lines) > 5 else "")
+    return (
+        f"skipped {len(lines)} torn row(s) in {path} (line {at}): cut short by a crash or a "
+        "full disk while it was written"
+    )
 
 
 def endpoint_of(path: bytes) -> str | None:
@@ -111,23 +137,30 @@ def record_key(text: str) -> bytes:
 
 def shared_key(path: pathlib.Path) -> bytes:
     """The random key of the recording at ``path`` (``<path>.key``), created on first use;
-    every process recording to ``path`` reads the same one."""
+    every process recording to ``path`` reads the same one. It is made under the path's lock
+    and put in place whole (a rename), so nobody reads half of one; a key file shorter than a
+    key (a worker that died writing it, with an older version) never named a row: replaced."""
     key_path = path.with_name(path.name + ".key")
-    try:
-        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        tmp_key = secrets.token_bytes(KEY_BYTES)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(tmp_key)
-        return tmp_key
-    for _ in range(1000):  # another worker created it a moment ago: wait for its write
-        data = key_path.read_bytes()
+    with _locked(path):
+        try:
+            data = key_path.read_bytes()
+        except FileNotFoundError:
+            data = b""
         if len(data) == KEY_BYTES:
             return data
-        os.sched_yield()
-    raise ValueError(f"{key_path}: not a {KEY_BYTES}-byte key")
+        if len(data) > KEY_BYTES:
+            raise ValueError(f"{key_path}: not a {KEY_BYTES}-byte key")
+        key = secrets.token_bytes(KEY_BYTES)
+        # hidden: a glob of the traces (``trace merge router-*.jsonl*``) never takes it
+        tmp = key_path.with_name(f".{key_path.name}.{os.getpid()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(key)
+            os.replace(tmp, key_path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return key
 
 
 @contextlib.contextmanager
@@ -158,14 +191,14 @@ class TraceRecorder:
         self._ids: dict[int, int] = {}
         self._last_finish: OrderedDict[str, float] = OrderedDict()
         self._pending: list[str] = []
-        self._torn = False  # the last write left a partial line
         self._fd = self._open()
         # batch ids: this recorder's random prefix (unique across workers and pods) + a count
         self._batch_prefix = secrets.token_hex(6)
         self._batches = 0
 
     def _open(self) -> int:
-        return os.open(self.settings.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # read too: :meth:`_write` looks at the file's last byte
+        return os.open(self.settings.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
 
     def next_batch(self) -> str:
         """A fresh ``batch`` id for the rows of one completions batch (module doc)."""
@@ -288,15 +321,14 @@ class TraceRecorder:
 
     def _write(self, data: bytes) -> None:
         """One append of whole lines; OSError when the file took less than all of it (the
-        rest is dropped: a retry would not be one append, and could interleave)."""
-        if self._torn:
+        rest is dropped: a retry would not be one append, and could interleave). A file
+        that ends in a partial line (a short write of this worker's or another's, a crash
+        mid-write before a restart) gets a new line first, so the torn row stays alone on
+        its line (readers skip it: :func:`parse_row`) and the rows after it whole."""
+        size = os.fstat(self._fd).st_size
+        if size and os.pread(self._fd, 1, size - 1) != b"\n":
             data = b"\n" + data
-        written = 0
-        try:
-            written = os.write(self._fd, data)
-        finally:
-            # a partial line is left in the file: the next append starts a new line
-            self._torn = 0 < written < len(data)
+        written = os.write(self._fd, data)
         if written < len(data):
             raise OSError(
                 errno.ENOSPC,

@@ -20,30 +20,38 @@ from pathlib import Path
 from typing import Any
 
 from router.core.errors import ConfigError
+from router.recorder import parse_row, torn_note
 
 
-def read_rows(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:
-    """The rows of recorded traces; raises ConfigError naming file and line for a bad one."""
+def read_rows(paths: Iterable[Path], notes: list[str] | None = None) -> Iterator[dict[str, Any]]:
+    """The rows of recorded traces; raises ConfigError naming file and line for a bad one.
+    A torn row (router.recorder.parse_row) is skipped, and said so in ``notes``."""
     for path in paths:
         with path.open(encoding="utf-8") as fh:
             try:
-                yield from _rows(path, fh)
+                yield from _rows(path, fh, notes)
             except UnicodeDecodeError:  # a recorder's key file (trace.jsonl.key), say
                 raise ConfigError(f"{path}: not a recorded trace (not UTF-8 text)") from None
 
 
-def _rows(path: Path, lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+def _rows(path: Path, lines: Iterable[str], notes: list[str] | None) -> Iterator[dict[str, Any]]:
+    torn: list[int] = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = parse_row(line)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+        if row is None:
+            torn.append(lineno)
+            continue
         ts = row.get("timestamp") if isinstance(row, dict) else None
         if not isinstance(ts, int | float) or isinstance(ts, bool):
             raise ConfigError(f"{path}:{lineno}: a row needs a numeric 'timestamp'")
         yield row
+    if torn and notes is not None:
+        notes.append(torn_note(path, torn))
 
 
 def merge(rows: Iterable[dict[str, Any]], keep_time: bool = False) -> list[dict[str, Any]]:
@@ -76,7 +84,10 @@ def _run(args: argparse.Namespace) -> int:
     for key in keys:
         print(f"skipped {key}: the recorder's key file of {key.with_suffix('')}", file=sys.stderr)
     paths = [p for p in paths if p not in keys]
-    rows = merge(read_rows(paths), keep_time=args.keep_time)
+    notes: list[str] = []
+    rows = merge(read_rows(paths, notes), keep_time=args.keep_time)
+    for note in notes:
+        print(note, file=sys.stderr)
     if not rows:
         raise ConfigError("no rows in " + ", ".join(args.files))
     out = sys.stdout if args.output in (None, "-") else open(args.output, "w", encoding="utf-8")  # noqa: SIM115

@@ -40,6 +40,7 @@ far, never shared.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -51,6 +52,9 @@ import numpy as np
 
 from router.core.errors import ConfigError
 from router.core.hashing import hash_prompt, root_hash
+from router.recorder import parse_row, torn_note
+
+_log = logging.getLogger(__name__)
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "traces"
 BUNDLED = {
@@ -210,6 +214,9 @@ class DenseIds:
 
 
 def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """A trace's rows by line number; a torn recorded row (router.recorder.parse_row) is
+    skipped, with a warning once the file is read."""
+    torn: list[int] = []
     with path.open("rb") as fh:  # decoded line by line, so a bad byte names its line
         for lineno, raw in enumerate(fh, 1):
             try:
@@ -219,12 +226,17 @@ def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             if not line:
                 continue
             try:
-                row = json.loads(line)
+                row = parse_row(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
+            if row is None:
+                torn.append(lineno)
+                continue
             if not isinstance(row, dict):
                 raise ConfigError(f"{path}:{lineno}: expected a JSON object")
             yield lineno, row
+    if torn:
+        _log.warning("%s", torn_note(path, torn))
 
 
 def _number(row: dict[str, Any], key: str, where: str, default: float | None = None) -> float:
@@ -279,6 +291,9 @@ class TraceRow:
 
 
 ENDPOINTS = ("completions", "chat", "responses", "messages")
+# ms a recorded ``delay`` may differ from its arrival less the finish it was measured from
+# (``timestamp + e2e_ms``): each is rounded where it is written
+DELAY_ROUNDING_MS = 2.0
 
 
 def _manner(row: dict[str, Any], where: str) -> tuple[int, bool, str, str | None]:
@@ -333,8 +348,16 @@ def mooncake_rows(
         after = None
         delay = 0.0
         if session is not None and "delay" in row and session in last_of_session:
-            after = last_of_session[session][0]
+            after, tied = last_of_session[session]
             delay = _int(row, "delay", where) / 1000.0
+            if tied is not None and tied > (ts - delay) * 1000.0 + DELAY_ROUNDING_MS:
+                # workers sharing a file: this row's worker measured ``delay`` from the
+                # last answer it served itself, and another worker's came later (the one
+                # tied to): the turn follows that answer, or came before it (open loop)
+                if ts * 1000.0 >= tied:
+                    delay = (ts * 1000.0 - tied) / 1000.0
+                else:
+                    after, delay = None, 0.0
         if session is not None:
             e2e = row.get("e2e_ms")
             finish: float | None = None

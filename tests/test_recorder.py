@@ -400,3 +400,87 @@ def test_each_batch_gets_an_id_of_its_own(tmp_path: pathlib.Path) -> None:
     assert len(set(ids)) == 4 and all(isinstance(i, str) and i for i in ids)
     one.close()
     two.close()
+
+
+def test_a_row_a_crash_cut_short_is_skipped_and_counted_not_fatal(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A crash mid-write (or a full disk) leaves a recorded row cut short at the end of the
+    file. The defects: every reader (``trace merge``, ``sim replay``, the live replay)
+    refused the whole file for that one line, and the recorder restarted on the file glued
+    its first row to the torn one (so that whole row was lost too). Now the readers skip a
+    torn row, counting it aloud, and a recorder starts a new line after any torn end it
+    finds; a line that is not JSON and no recorded row is still refused."""
+    from router.demo.replay import load_requests
+    from sim.workload import mooncake_rows
+
+    path = tmp_path / "t.jsonl"
+    rec = TraceRecorder(RecordSettings(path, key=KEY), 0.0, 100.0)
+    for i in range(3):
+        _record(rec, list(range(600)), float(i), session_id=f"s{i}", finished_at=i + 0.5)
+    rec.close()
+    path.write_bytes(path.read_bytes()[:-40])  # the crash: the last row cut short
+    again = TraceRecorder(RecordSettings(path, key=KEY), 10.0, 110.0)  # the worker restarted
+    _record(again, list(range(600)), 11.0, session_id="after", finished_at=11.5)
+    again.close()
+    kept = ["s0", "s1", "after"]
+    run = kvrouter("trace", "merge", str(path))
+    assert run.returncode == 0, run.stderr
+    assert [json.loads(x)["session_id"] for x in run.stdout.splitlines()] == kept
+    assert f"skipped 1 torn row(s) in {path} (line 3)" in run.stderr, run.stderr
+    with caplog.at_level("WARNING"):
+        assert [r.session_id for r in mooncake_rows(path)] == kept
+    assert f"skipped 1 torn row(s) in {path} (line 3)" in caplog.text
+    assert len(load_requests(path, 10, "m", 16)) == 3  # the live replay's reader
+    sim = kvrouter("sim", "replay", str(path), "--replicas", "2", "--block-size", "64", "--json")
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)["requests"] == 3
+    with path.open("a") as fh:
+        fh.write("not a row\n")
+    run = kvrouter("trace", "merge", str(path))
+    assert run.returncode == 2 and f"{path}:5: not JSON" in run.stderr, run.stderr
+
+
+def test_a_key_file_left_empty_is_made_again_and_shared(tmp_path: pathlib.Path) -> None:
+    """A worker that died (or hit a full disk) between creating ``<path>.key`` and writing
+    its key left the file empty. The defect: every recorder after it, on every restart,
+    gave up with "not a 32-byte key" (the router did not start) until someone deleted the
+    file by hand. No row was ever written with such a key, so a new one replaces it, and
+    the workers still share one."""
+    path = tmp_path / "t.jsonl"
+    path.with_name("t.jsonl.key").write_bytes(b"")
+    one = TraceRecorder(RecordSettings(path), 0.0)
+    two = TraceRecorder(RecordSettings(path), 0.0)
+    assert len(path.with_name("t.jsonl.key").read_bytes()) == 32
+    assert one.ids([123, 456]) == two.ids([123, 456])
+    assert path.with_name("t.jsonl.key").stat().st_mode & 0o777 == 0o600
+    one.close()
+    two.close()
+
+
+def test_workers_sharing_a_path_replay_a_session_at_its_own_pace(tmp_path: pathlib.Path) -> None:
+    """Workers of one pod record to one file, each measuring ``delay`` from the session's
+    last answer it served itself. Turns 1 and 3 went to worker A, turn 2 to worker B: A
+    wrote turn 3's delay from turn 1's answer (4 s), while the reader ties turn 3 to the
+    session's answer that finished last, turn 2's. The defect: the replay sent turn 3 four
+    seconds after turn 2's answer, three seconds late; it now follows turn 2's answer by
+    the 1 s it really did, as the same file merged (``trace merge``) replays (which also
+    ties turn 2 to turn 1: run it on such a file for every closed-loop tie)."""
+    from sim.workload import mooncake_rows
+
+    path = tmp_path / "t.jsonl"
+    a = TraceRecorder(RecordSettings(path, key=KEY), 0.0, 100.0)
+    b = TraceRecorder(RecordSettings(path, key=KEY), 0.0, 100.0)
+    for rec, at, done in ((a, 0.0, 5.0), (b, 6.0, 8.0), (a, 9.0, 10.0)):
+        _record(rec, list(range(int(at + 1) * 512)), at, session_id="s", finished_at=done)
+        rec.flush()
+    a.close()
+    b.close()
+    merged = tmp_path / "merged.jsonl"
+    run = kvrouter("trace", "merge", str(path), "-o", str(merged))
+    assert run.returncode == 0, run.stderr
+    # turn 2: B had served none of the session, so the file has it open loop, at its time
+    for trace, second in ((path, (6.0, None, 0.0)), (merged, (6.0, 0, 1.0))):
+        rows = mooncake_rows(trace)
+        got = [(r.arrival_s, r.after, r.delay_s) for r in rows]
+        assert got == [(0.0, None, 0.0), second, (9.0, 1, 1.0)], trace

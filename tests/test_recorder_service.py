@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 
 from router.service.config import build_settings
+from router.service.keys import STATE
 from tests.backends import Backend, start_router
 from tests.procs import FAST, Fleet, token_prompt
 from tests.waiting import eventually, wait_until
@@ -151,3 +152,33 @@ def test_rows_name_the_endpoint_and_whether_the_request_streamed(tmp_path: Path)
     # a batch's rows name it (one id, its own), a single prompt's none
     assert "batch" not in rows[0] and "batch" not in rows[1]
     assert rows[2]["batch"] == rows[3]["batch"] and isinstance(rows[2]["batch"], str)
+
+
+async def test_the_router_serves_when_the_trace_cannot_be_opened_at_start(
+    tmp_path: Path, caplog: Any
+) -> None:
+    """The trace path unwritable when the router starts (here a directory in its place; a
+    full disk or a read-only volume alike). The defect: the recorder's construction failed
+    and the router did not start at all, where docs/tuning.md promises requests served all
+    along and recording resumed once the path takes writes."""
+    trace = tmp_path / "trace.jsonl"
+    trace.mkdir()
+    caplog.set_level("ERROR")
+    backend, router, url = await _backend_router(trace)
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "m", "prompt": token_prompt(4, 600), "max_tokens": 4}
+            async with http.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                await r.read()
+            assert "recording: cannot write the trace" in caplog.text
+            trace.rmdir()
+            state = router.app[STATE]
+            await eventually(lambda: state.recorder is not None, timeout=20)
+            async with http.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                await r.read()
+            await eventually(lambda: len(_recorded(trace)) >= 1, timeout=20)
+    finally:
+        await router.cleanup()
+        await backend.stop()

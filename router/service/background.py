@@ -369,7 +369,9 @@ async def _follow(
 
 async def recording(app: web.Application) -> AsyncIterator[None]:
     """With ``server.record_path``: append every completed request to a rotating trace
-    (router.recorder), flushed every second and on shutdown."""
+    (router.recorder), flushed every second and on shutdown. A trace that cannot be opened
+    at the start (an unwritable path, a full disk) is tried again each second, the router
+    serving all along, as when a write fails later."""
     import time
 
     from router.recorder import RecordSettings, TraceRecorder, record_key
@@ -377,32 +379,48 @@ async def recording(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS].server
     assert s.record_path is not None
     loop = asyncio.get_running_loop()
-    recorder = TraceRecorder(
-        RecordSettings(
-            Path(s.record_path),
-            int(s.record_max_mb * 2**20),
-            max(s.record_backups, 0),
-            key=record_key(s.record_key) if s.record_key is not None else None,
-        ),
-        started_at=loop.time(),
-        wall_at_start=time.time(),
+    settings = RecordSettings(
+        Path(s.record_path),
+        int(s.record_max_mb * 2**20),
+        max(s.record_backups, 0),
+        key=record_key(s.record_key) if s.record_key is not None else None,
     )
     state = app[STATE]
-    state.recorder = recorder
-
+    recorder: TraceRecorder | None = None
     failing = False
+
+    def failed(exc: Exception, lost: int) -> None:
+        nonlocal failing
+        if not failing:
+            _log.error("recording: cannot write the trace (%s); %d row(s) lost", exc, lost)
+        failing = True
+
+    def open_trace() -> TraceRecorder | None:
+        """The recorder, opened now if it is not yet; None (logged) while it cannot be."""
+        nonlocal recorder
+        if recorder is None:
+            try:
+                recorder = TraceRecorder(
+                    settings, started_at=loop.time(), wall_at_start=time.time()
+                )
+            except (OSError, ValueError) as exc:
+                failed(exc, 0)
+                return None
+            state.recorder = recorder
+        return recorder
 
     def flush_rows() -> None:
         """One flush; a failure (full disk, unwritable path) is logged when it starts and
         when it ends, and never stops the recording: the next second tries again."""
         nonlocal failing
-        pending = recorder.pending
+        rec = open_trace()
+        if rec is None:
+            return
+        pending = rec.pending
         try:
-            recorder.flush()
+            rec.flush()
         except OSError as exc:
-            if not failing:
-                _log.error("recording: cannot write the trace (%s); %d row(s) lost", exc, pending)
-            failing = True
+            failed(exc, pending)
             return
         if failing:
             _log.warning("recording: writing to %s again", s.record_path)
@@ -413,11 +431,13 @@ async def recording(app: web.Application) -> AsyncIterator[None]:
             await asyncio.sleep(1.0)
             flush_rows()
 
+    open_trace()
     task = asyncio.create_task(flush())
     yield
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     state.recorder = None
-    flush_rows()
-    with contextlib.suppress(OSError):
-        recorder.close()
+    if recorder is not None:
+        flush_rows()
+        with contextlib.suppress(OSError):
+            recorder.close()
