@@ -26,6 +26,7 @@ hash of the block's canonical hash (the hash of the whole prefix up to it): the 
 gets the same ids in every worker and every pod that records with the same key, different
 prefixes get different ids (53-bit ids: collisions are negligible), and without the key a
 reader cannot confirm a guessed prompt. Never text, never token ids, never canonical hashes.
+``session_id`` is keyed the same way (:func:`session_label`): never the id as sent.
 The key is ``server.record_key`` (set the same secret on every pod); without one, the workers
 of one pod share a random key created next to the trace (``<path>.key``, mode 0600, created
 once by whichever worker comes first).
@@ -126,6 +127,14 @@ def block_id(canonical: int, key: bytes) -> int:
         (canonical & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little"), key=key, digest_size=8
     ).digest()
     return int.from_bytes(digest, "little") >> (64 - ID_BITS)
+
+
+def session_label(session_id: str, key: bytes) -> str:
+    """The recorded name of a session: a keyed BLAKE2b of its id (which may come from the
+    OpenAI ``user`` field: an e-mail, an account id), the same in every worker and pod that
+    records with the same key, so merged traces and replays still tie a session's turns."""
+    digest = hashlib.blake2b(session_id.encode("utf-8"), key=key, digest_size=8).hexdigest()
+    return "s-" + digest
 
 
 def record_key(text: str) -> bytes:
@@ -270,7 +279,7 @@ class TraceRecorder:
         if batch is not None:
             row["batch"] = batch
         if session_id:
-            row["session_id"] = session_id
+            row["session_id"] = session_label(session_id, self._key)
             previous = self._last_finish.pop(session_id, None)
             if previous is not None and arrived_at >= previous:
                 row["delay"] = round((arrived_at - previous) * 1000)

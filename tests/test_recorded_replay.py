@@ -15,7 +15,7 @@ from aiohttp import web
 
 from router.core.hashing import hash_prompt, root_hash
 from router.demo.replay import TraceRequest, load_requests, replay
-from router.recorder import RecordSettings, TraceRecorder, record_key
+from router.recorder import RecordSettings, TraceRecorder, record_key, session_label
 from sim.workload import load_trace
 from tests.ports import free_port
 
@@ -70,7 +70,8 @@ def test_a_recording_replays_live_as_the_simulator_replays_it(tmp_path: pathlib.
         r.after for r in sim.requests
     ]
     c = live[2]
-    assert c.after == 0 and c.delay_s == pytest.approx(0.25) and c.session_id == "s"
+    assert c.after == 0 and c.delay_s == pytest.approx(0.25)
+    assert c.session_id == session_label("s", KEY)
     assert _prompt(c)[:1024] == _prompt(live[0])[:1024]  # the shared full blocks survive
 
 

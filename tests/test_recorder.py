@@ -12,12 +12,17 @@ from collections.abc import Iterator
 import pytest
 
 from router.core.hashing import coarsen_chain, hash_prompt, root_hash
-from router.recorder import RecordSettings, TraceRecorder, block_id, record_key
+from router.recorder import RecordSettings, TraceRecorder, block_id, record_key, session_label
 from router.trace_merge import merge, read_rows
 from tests.inprocess import kvrouter
 
 ROOT = root_hash("m")
 KEY = record_key("fleet secret")
+
+
+def sid(name: str) -> str:
+    """The recorded label of session ``name`` under ``KEY``."""
+    return session_label(name, KEY)
 
 
 def ids_of(toks: list[int]) -> list[int]:
@@ -47,7 +52,7 @@ def test_rows_are_mooncake_compatible(tmp_path: pathlib.Path) -> None:
     rec = TraceRecorder(RecordSettings(tmp_path / "t.jsonl", key=KEY), started_at=100.0)
     a = list(range(2048))
     b = a[:1024] + [7] * 1500
-    for at, toks, sid in ((100.5, a, "s1"), (101.0, b, None)):
+    for at, toks, session in ((100.5, a, "s1"), (101.0, b, None)):
         rec.record(
             arrived_at=at,
             model="m",
@@ -55,7 +60,7 @@ def test_rows_are_mooncake_compatible(tmp_path: pathlib.Path) -> None:
             output_length=5,
             block_hashes=hash_prompt(toks, 64, ROOT).hashes,
             block_size=64,
-            session_id=sid,
+            session_id=session,
         )
     rec.close()
     rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
@@ -65,7 +70,7 @@ def test_rows_are_mooncake_compatible(tmp_path: pathlib.Path) -> None:
         "output_length": 5,
         "hash_ids": ids_of(a),
         "model": "m",
-        "session_id": "s1",
+        "session_id": sid("s1"),
     }
     # b shares the first two 512-token blocks with a, then diverges; ceil(2524/512) = 5 ids.
     assert rows[1]["hash_ids"][:2] == ids_of(a)[:2] and rows[1]["timestamp"] == 1000
@@ -73,6 +78,7 @@ def test_rows_are_mooncake_compatible(tmp_path: pathlib.Path) -> None:
     assert "session_id" not in rows[1]
     text = (tmp_path / "t.jsonl").read_text()
     assert "7, 7" not in text and str(hash_prompt(a, 64, ROOT).hashes[0]) not in text
+    assert '"s1"' not in text  # a session id (an e-mail in ``user``, say) is keyed too
 
 
 def test_rotation_keeps_backups_and_ids(tmp_path: pathlib.Path) -> None:
@@ -254,7 +260,7 @@ def test_workers_sharing_a_path_rotate_without_losing_rows(tmp_path: pathlib.Pat
              (".lock", ".key")]  # fmt: skip
     assert len(files) > 3  # it did rotate, several times
     rows = [json.loads(line) for p in files for line in p.read_text().splitlines()]
-    assert sorted(r["session_id"] for r in rows) == sorted(f"s{i}" for i in range(60))
+    assert sorted(r["session_id"] for r in rows) == sorted(sid(f"s{i}") for i in range(60))
     assert all(p.stat().st_size <= 2000 for p in files)
 
 
@@ -277,7 +283,7 @@ def test_recording_resumes_after_the_trace_could_not_be_written(tmp_path: pathli
     path.rmdir()
     _record(rec, toks, 3.0, session_id="after")
     rec.close()
-    assert [json.loads(x)["session_id"] for x in path.read_text().splitlines()] == ["after"]
+    assert [json.loads(x)["session_id"] for x in path.read_text().splitlines()] == [sid("after")]
 
 
 def test_a_short_write_is_an_error_and_the_next_row_starts_a_line(
@@ -306,9 +312,9 @@ def test_a_short_write_is_an_error_and_the_next_row_starts_a_line(
     rec.close()
     lines = path.read_text().splitlines()
     *whole, torn, last = lines
-    assert [json.loads(x)["session_id"] for x in whole] == [f"s{i}" for i in range(len(whole))]
+    assert [json.loads(x)["session_id"] for x in whole] == [sid(f"s{i}") for i in range(len(whole))]
     assert torn and not torn.endswith("}")  # the row cut short, on its own line
-    assert json.loads(last)["session_id"] == "next"
+    assert json.loads(last)["session_id"] == sid("next")
 
 
 def test_a_worker_that_waited_for_another_s_rotation_does_not_rotate_again(
@@ -349,9 +355,9 @@ def test_a_worker_that_waited_for_another_s_rotation_does_not_rotate_again(
     a.close()
     b.close()
     backup = path.with_name("t.jsonl.1").read_text()
-    assert '"old"' in backup  # the full file B rotated is still the backup
+    assert sid("old") in backup  # the full file B rotated is still the backup
     live = [json.loads(line)["session_id"] for line in path.read_text().splitlines()]
-    assert sorted(live) == ["a", "b"]
+    assert sorted(live) == sorted([sid("a"), sid("b")])
 
 
 def test_a_batch_s_rows_keep_their_delays_and_fields_through_merge(tmp_path: pathlib.Path) -> None:
@@ -423,7 +429,7 @@ def test_a_row_a_crash_cut_short_is_skipped_and_counted_not_fatal(
     again = TraceRecorder(RecordSettings(path, key=KEY), 10.0, 110.0)  # the worker restarted
     _record(again, list(range(600)), 11.0, session_id="after", finished_at=11.5)
     again.close()
-    kept = ["s0", "s1", "after"]
+    kept = [sid("s0"), sid("s1"), sid("after")]
     run = kvrouter("trace", "merge", str(path))
     assert run.returncode == 0, run.stderr
     assert [json.loads(x)["session_id"] for x in run.stdout.splitlines()] == kept
