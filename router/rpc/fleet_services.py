@@ -7,10 +7,11 @@ replicas.
   A batch that does not decode ends the stream INVALID_ARGUMENT, one of a replica the
   router does not know (configured or registered) NOT_FOUND; with several worker processes
   the stream is refused FAILED_PRECONDITION, as it would feed one worker's index only.
-* Admin ``ListReplicas`` / ``Stats``: the replicas with their load and index size, and the
-  process's totals. ``Drain`` / ``Undrain``: one rank or all ranks of a replica, forwarded
-  to every other worker process as the HTTP admin endpoints forward it; a worker missed
-  fails the call UNAVAILABLE.
+* Admin ``ListReplicas`` / ``Stats``: the replicas with their load (this worker's own
+  requests, as ``GET /admin/replicas`` counts them) and index size, and the process's
+  totals; a ``model`` filter naming no configured model is NOT_FOUND. ``Drain`` /
+  ``Undrain``: one rank or all ranks of a replica, forwarded to every other worker process
+  as the HTTP admin endpoints forward it; a worker missed fails the call UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -138,12 +139,19 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ListReplicas(
         self, request: admin_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListReplicasResponse:
+        if request.model and request.model not in self.state.processors:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"The model '{request.model}' does not exist"
+            )
         now = self.clock()
         out = []
         for ep in self.state.registry.endpoints():
             if request.model and ep.model != request.model:
                 continue
             view = self.state.load.view(ep.key, now)
+            # this worker's own requests, as GET /admin/replicas counts them: not the other
+            # workers' reports nor a failing replica's phantom penalty (routing cost only)
+            own = self.state.load.own(ep.key)
             kv, st = self.state.index.replica_size(ep.key)
             info = admin_pb2.ReplicaInfo(
                 replica=ep.key.replica,
@@ -154,8 +162,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 region=ep.region or "",
                 healthy=view.healthy,
                 draining=view.draining,
-                in_flight=view.in_flight,
-                queued_prefill_tokens=view.queued_prefill_tokens,
+                in_flight=own.prefilling + own.decoding,
+                queued_prefill_tokens=own.queued_prefill_tokens,
                 kv_entries=kv,
                 state_entries=st,
             )
