@@ -1,0 +1,81 @@
+"""The HTTP admin endpoints' credentials (router/service/admin.py ``authorised``): a real
+router on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from router.service.config import build_settings
+from tests.backends import kimi_model_table, start_router
+
+ADMIN = "admin-secret"
+KEY = "client-key"
+
+
+async def _router(admin_token: str | None) -> AsyncIterator[str]:
+    server = {"admin_token": admin_token} if admin_token else {}
+    settings = build_settings(
+        {
+            "server": {**server, "api_keys": KEY},
+            "replicas": [{"url": "http://127.0.0.1:9", "model": "kimi", "name": "a"}],
+            "models": {"kimi": kimi_model_table()},
+        }
+    )
+    running, url = await start_router(settings)
+    try:
+        yield url
+    finally:
+        await running.cleanup()
+
+
+@pytest.fixture
+async def url() -> AsyncIterator[str]:
+    async for u in _router(ADMIN):
+        yield u
+
+
+@pytest.fixture
+async def unset_url() -> AsyncIterator[str]:
+    async for u in _router(None):
+        yield u
+
+
+CALLS = (
+    ("GET", "/admin/replicas"),
+    ("GET", "/admin/decisions"),
+    ("GET", "/admin/pd"),
+    ("POST", "/admin/replicas/a/drain"),
+    ("POST", "/admin/replicas/a/undrain"),
+)
+
+
+async def _status(url: str, method: str, path: str, headers: dict[str, str]) -> int:
+    async with aiohttp.ClientSession() as s, s.request(method, url + path, headers=headers) as r:
+        await r.read()
+        return r.status
+
+
+async def test_every_admin_path_refuses_a_missing_or_wrong_token(url: str) -> None:
+    for method, path in CALLS:
+        assert await _status(url, method, path, {}) == 401, path
+        assert await _status(url, method, path, {"X-Admin-Token": "wrong"}) == 401, path
+        assert await _status(url, method, path, {"Authorization": "Bearer wrong"}) == 401, path
+        assert await _status(url, method, path, {"Authorization": f"Bearer {KEY}"}) == 401, path
+        assert await _status(url, method, path, {"Authorization": f"Bearer {ADMIN}"}) == 200
+
+
+async def test_every_admin_path_is_403_without_a_configured_token(unset_url: str) -> None:
+    for method, path in CALLS:
+        assert await _status(unset_url, method, path, {"X-Admin-Token": ""}) == 403, path
+        assert await _status(unset_url, method, path, {"Authorization": "Bearer "}) == 403
+
+
+async def test_x_admin_token_counts_beside_a_client_key_in_authorization(url: str) -> None:
+    # a gateway that sends every request with the client's key (Authorization) and adds
+    # the admin token as X-Admin-Token, as documented: either header carries it
+    both = {"Authorization": f"Bearer {KEY}", "X-Admin-Token": ADMIN}
+    for method, path in CALLS:
+        assert await _status(url, method, path, both) == 200, path
