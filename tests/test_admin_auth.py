@@ -3,6 +3,7 @@ router on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -79,3 +80,17 @@ async def test_x_admin_token_counts_beside_a_client_key_in_authorization(url: st
     both = {"Authorization": f"Bearer {KEY}", "X-Admin-Token": ADMIN}
     for method, path in CALLS:
         assert await _status(url, method, path, both) == 200, path
+
+
+async def test_a_non_ascii_token_matches_as_a_client_sends_it() -> None:
+    """Header bytes are read as latin-1; the token was compared as their UTF-8 re-encoding,
+    so a token with any non-ASCII character could never match."""
+    token = "sécret-ü-管理"
+    async for url in _router(token):
+        sent = token.encode()  # as clients send it: UTF-8 bytes
+        for header in (b"X-Admin-Token: " + sent, b"Authorization: Bearer " + sent):
+            reader, writer = await asyncio.open_connection(*url[7:].split(":"))
+            writer.write(b"GET /admin/replicas HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n\r\n")
+            status = (await reader.readline()).split()[1]
+            writer.close()
+            assert status == b"200", header

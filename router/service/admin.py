@@ -48,9 +48,11 @@ def authorised(req: HttpRequest, token: str | None) -> Reply | None:
     # does not hide an X-Admin-Token beside it; both are compared, in constant time
     auth = req.header("Authorization")
     bearer = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    # the header's bytes as sent (read as latin-1) against the token's UTF-8: a non-ASCII
+    # token matches as a client sends it
     expected = token.encode()
-    header_ok = hmac.compare_digest(req.header("X-Admin-Token").encode(), expected)
-    bearer_ok = hmac.compare_digest(bearer.encode(), expected)
+    header_ok = hmac.compare_digest(req.header("X-Admin-Token").encode("latin-1"), expected)
+    bearer_ok = hmac.compare_digest(bearer.encode("latin-1"), expected)
     if not (header_ok or bearer_ok):
         return error(ErrorReply(401, "missing or wrong admin token", "unauthorized"))
     return None
