@@ -276,6 +276,27 @@ def test_drain_survives_the_replica_leaving_and_coming_back() -> None:
     assert state.load.view(ReplicaKey("a"), 0.0).draining
 
 
+def test_a_drained_replica_s_ranks_registered_later_are_drained_too() -> None:
+    """A drain of a whole replica (``POST /admin/replicas/a/drain``) covered the ranks it had
+    then: registered again with more ranks, the new ones took requests. Undraining one rank
+    ends the whole-replica drain for later ranks, the others stay as they were."""
+    state: Any = _state()
+    state.fleet.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))
+    state.fleet.set_replica_draining("a", True)
+    state.fleet.add_discovered(
+        ReplicaInfo("a", url="http://10.0.0.1:8000", model="m", dp_ranks=(0, 1, 2))
+    )
+    assert [state.load.view(ReplicaKey("a", r), 0.0).draining for r in (0, 1, 2)] == [True] * 3
+    state.fleet.set_draining(ReplicaKey("a", 2), False)
+    state.fleet.add_discovered(
+        ReplicaInfo("a", url="http://10.0.0.1:8000", model="m", dp_ranks=(0, 1, 2, 3))
+    )
+    views = [state.load.view(ReplicaKey("a", r), 0.0).draining for r in (0, 1, 2, 3)]
+    assert views == [True, True, False, False]
+    state.fleet.set_replica_draining("a", False)
+    assert not any(state.load.view(k, 0.0).draining for k in state.registry.find("a"))
+
+
 def test_a_removed_replicas_series_leave_the_metrics_page() -> None:
     state: Any = _state()
     state.fleet.add_discovered(ReplicaInfo("a", url="http://10.0.0.1:8000", model="m"))

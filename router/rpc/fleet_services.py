@@ -192,7 +192,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         for key in keys:
             if self.state.load.view(key, now).draining != on:
                 changed += 1
-            self.state.fleet.set_draining(key, on)
+        if request.all_ranks and self.state.registry.get(request.replica) is not None:
+            self.state.fleet.set_replica_draining(request.replica, on)  # later ranks too
+        else:
+            for key in keys:
+                self.state.fleet.set_draining(key, on)
         # every other worker process; ``name#dpN`` names one rank (a bare name is all ranks)
         name = request.replica if request.all_ranks else f"{request.replica}#dp{request.dp_rank}"
         fan = await forward_to_peers(self.workers, name, on, self.state.settings.server.admin_token)

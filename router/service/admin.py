@@ -63,8 +63,11 @@ def apply_drain(state: RouterState, name: str, draining: bool, group: Workers | 
     keys = state.registry.find(name)
     if not keys:
         return error(ErrorReply(404, f"no replica named {name!r}", "replica_not_found"))
-    for key in keys:
-        state.fleet.set_draining(key, draining)
+    if state.registry.get(name) is not None:  # the whole replica: its later ranks too
+        state.fleet.set_replica_draining(name, draining)
+    else:
+        for key in keys:
+            state.fleet.set_draining(key, draining)
     return Reply.json(
         {
             "replicas": [str(k) for k in keys],

@@ -51,6 +51,7 @@ class Fleet:
         self.on_forget: list[Callable[[ReplicaKey], None]] = []
         self._static_names = frozenset(r.name for r in settings.replicas)
         self.drained: set[ReplicaKey] = set()  # see set_draining
+        self.drained_replicas: set[str] = set()  # drained whole: see set_replica_draining
         self.unhealthy_until: dict[ReplicaKey, float] = {}
         # the engines' own cumulative prefix-cache counters (queried, hit prompt tokens) per
         # replica key, from publishers' load samples or the router's own scrape
@@ -143,8 +144,8 @@ class Fleet:
         for key in new:
             self.load.add_replica(key)
             self.index.add_replica(key)
-            if key in self.drained:
-                self.load.set_draining(key, True)
+            if key in self.drained or key.replica in self.drained_replicas:
+                self.set_draining(key, True)
         return True
 
     def is_static(self, name: str) -> bool:
@@ -179,6 +180,17 @@ class Fleet:
             self.drained.add(key)
         else:
             self.drained.discard(key)
+            self.drained_replicas.discard(key.replica)
+
+    def set_replica_draining(self, name: str, draining: bool) -> None:
+        """Drain / undrain every rank of replica ``name``, and (draining) the ranks a
+        discovered replica registers later too; undraining one rank of it ends that."""
+        if draining:
+            self.drained_replicas.add(name)
+        else:
+            self.drained_replicas.discard(name)
+        for key in self.registry.find(name):
+            self.set_draining(key, draining)
 
     def restore_health(self, now: float) -> None:
         """Readmit the replicas whose unhealthy cooldown has ended."""
