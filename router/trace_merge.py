@@ -8,6 +8,10 @@ through several workers or pods, which each saw only their own: ``delay`` is rec
 the merged rows from each row's arrival and its session's previous request's finish
 (``timestamp + e2e_ms``): present when the request arrived after that finish (closed loop),
 absent otherwise. Rows without ``e2e_ms`` (older recordings) keep the ``delay`` they had.
+
+Files recorded without ``record_key`` each have a random key beside them (``<trace>.key``):
+when the inputs' key files differ, their ids cannot match across them (the same prefix gets
+other ids in each pod's files, so shared prefixes look unshared), and the merge says so.
 """
 
 from __future__ import annotations
@@ -76,6 +80,25 @@ def merge(rows: Iterable[dict[str, Any]], keep_time: bool = False) -> list[dict[
     return out
 
 
+def key_file(trace: Path) -> Path:
+    """Where the recorder of ``trace`` (a live file or a rotated ``.N`` backup) keeps its
+    random key when it records without ``record_key`` (router/recorder.py)."""
+    live = trace.with_suffix("") if trace.suffix[1:].isdigit() else trace
+    return live.with_name(live.name + ".key")
+
+
+def mixed_keys(paths: Iterable[Path]) -> list[Path]:
+    """The key files of ``paths`` when they hold more than one key (else [])."""
+    found: dict[bytes, Path] = {}
+    for trace in paths:
+        key = key_file(trace)
+        try:
+            found.setdefault(key.read_bytes(), key)
+        except OSError:  # recorded with record_key: no key file to compare
+            continue
+    return sorted(found.values()) if len(found) > 1 else []
+
+
 def _run(args: argparse.Namespace) -> int:
     paths = [Path(p) for p in args.files]
     # a trace recorded without record_key has its key beside it (router/recorder.py):
@@ -88,6 +111,14 @@ def _run(args: argparse.Namespace) -> int:
     rows = merge(read_rows(paths, notes), keep_time=args.keep_time)
     for note in notes:
         print(note, file=sys.stderr)
+    if mixed := mixed_keys(paths):
+        print(
+            "warning: these traces were recorded with different keys ("
+            + ", ".join(map(str, mixed))
+            + "): their hash_ids do not match across them, so prefixes shared between them "
+            "look unshared; set server.record_key to one secret on every pod",
+            file=sys.stderr,
+        )
     if not rows:
         raise ConfigError("no rows in " + ", ".join(args.files))
     out = sys.stdout if args.output in (None, "-") else open(args.output, "w", encoding="utf-8")  # noqa: SIM115

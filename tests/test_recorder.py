@@ -242,6 +242,30 @@ def test_merge_skips_the_key_file_and_names_a_non_trace(tmp_path: pathlib.Path) 
     assert f"{key}: not a recorded trace (not UTF-8 text)" in run.stderr, run.stderr
 
 
+def test_merge_warns_when_the_traces_were_recorded_with_different_keys(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Two pods recording without a shared ``record_key`` each make a random key: the same
+    prompt gets other ids in each file, and a merge of them silently lost every prefix the
+    pods shared. The merge now says so; files sharing one key (or record_key) merge quietly."""
+    toks = list(range(1024))
+    for pod in ("a", "b"):
+        (tmp_path / pod).mkdir()
+        rec = TraceRecorder(RecordSettings(tmp_path / pod / "trace.jsonl"), 0.0, 100.0)
+        _record(rec, toks, 1.0)
+        rec.close()
+    a, b = tmp_path / "a" / "trace.jsonl", tmp_path / "b" / "trace.jsonl"
+    run = kvrouter("trace", "merge", str(a), str(b))
+    assert run.returncode == 0, run.stderr
+    first, second = (json.loads(x)["hash_ids"] for x in run.stdout.splitlines())
+    assert first != second  # the same prompt, other ids
+    assert "recorded with different keys" in run.stderr and "record_key" in run.stderr
+    rotated = a.with_name("trace.jsonl.1")  # a backup shares its live file's key
+    rotated.write_bytes(a.read_bytes())
+    run = kvrouter("trace", "merge", str(a), str(rotated))
+    assert run.returncode == 0 and "different keys" not in run.stderr, run.stderr
+
+
 def test_workers_sharing_a_path_rotate_without_losing_rows(tmp_path: pathlib.Path) -> None:
     """Two workers append to one path and rotate it in turns: every row lands whole in one of
     the files (none lost while the backups last, none torn or interleaved)."""
