@@ -129,16 +129,12 @@ class RedisStore(RedisWrites):
     async def settle_shards(self) -> bool:
         """Follow the shard count stored under the prefix (``schema.shards_key``); when none
         is stored, store the one in use (``SET NX``: the first process to start, or the
-        first to find it gone after Redis lost its data, decides). Read first: a Redis at
-        ``maxmemory`` refuses ``SET`` even of a key that exists. A stored count that is not
-        one raises ``ValueError`` naming the key (the caller retries, logged: nothing runs
-        on a count nobody agreed to). Following a count other than the configured one is
-        logged as a warning each time ``schema`` changes."""
+        first to find it gone after Redis lost its data, decides: :meth:`_get_or_create`).
+        A stored count that is not one raises ``ValueError`` naming the key (the caller
+        retries, logged: nothing runs on a count nobody agreed to). Following a count other
+        than the configured one is logged as a warning each time ``schema`` changes."""
         key = self.schema.shards_key
-        raw: Any = await self.redis.get(key)
-        if raw is None:
-            await self.redis.set(key, str(self.schema.stream_shards), nx=True)
-            raw = await self.redis.get(key)
+        raw = await self._get_or_create(key, str(self.schema.stream_shards))
         text = bytes(raw or b"").decode(errors="replace")
         try:
             stored = dataclasses.replace(self.schema, stream_shards=int(text))
@@ -166,14 +162,20 @@ class RedisStore(RedisWrites):
     # ------------------------------------------------------------------ read side
 
     async def instance_token(self) -> str:
-        """Read first, create (``SET NX``) only when missing: a Redis at ``maxmemory``
-        refuses ``SET`` even of a key that exists, and the audit that starts here must go on
-        purging dead replicas while it is full."""
-        raw: Any = await self.redis.get(self.schema.instance)
-        if raw is None:
-            await self.redis.set(self.schema.instance, uuid.uuid4().hex, nx=True)
-            raw = await self.redis.get(self.schema.instance)
+        """The store's instance token, created when missing (the audit that starts here
+        must go on purging dead replicas while Redis is full: :meth:`_get_or_create`)."""
+        raw = await self._get_or_create(self.schema.instance, uuid.uuid4().hex)
         return bytes(raw).decode() if raw else ""
+
+    async def _get_or_create(self, key: str, value: str) -> Any:
+        """``key``'s value, stored as ``value`` first when missing (``SET NX``: whoever comes
+        first decides). Read first: a Redis at ``maxmemory`` refuses ``SET`` even of a key
+        that exists, and a process that only needs to read it must not stop there."""
+        raw: Any = await self.redis.get(key)
+        if raw is None:
+            await self.redis.set(key, value, nx=True)
+            raw = await self.redis.get(key)
+        return raw
 
     async def cursor(self) -> object:
         return await self._tails()
