@@ -44,7 +44,7 @@ import numpy as np
 
 from router.core.admission import CLASS_NAMES
 from router.core.slo import Answered, SloTargets, answered_as, goodput_by_scale, sequence_tokens
-from sim.workload import SimRequest
+from sim.workload import SimRequest, by_batch
 
 
 class RequestRecord:
@@ -96,17 +96,8 @@ def answers(records: Iterable[RequestRecord]) -> list[RequestRecord]:
     (none while any row has none), rejected when any row was, one sequence's output tokens
     as its usage tells them (``router.core.slo.sequence_tokens`` over all its sequences),
     its engine queueing the longest of its rows'."""
-    out: list[RequestRecord | list[RequestRecord]] = []
-    batches: dict[str, list[RequestRecord]] = {}
-    for r in records:
-        if r.batch is None:
-            out.append(r)
-        elif (rows := batches.get(r.batch)) is not None:
-            rows.append(r)
-        else:
-            batches[r.batch] = rows = [r]
-            out.append(rows)
-    return [r if isinstance(r, RequestRecord) else _one_answer(r) for r in out]
+    groups = by_batch(records, lambda r: r.batch)
+    return [rows[0] if len(rows) == 1 else _one_answer(rows) for rows in groups]
 
 
 def _one_answer(rows: Sequence[RequestRecord]) -> RequestRecord:

@@ -42,11 +42,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -294,6 +294,28 @@ ENDPOINTS = ("completions", "chat", "responses", "messages")
 # ms a recorded ``delay`` may differ from its arrival less the finish it was measured from
 # (``timestamp + e2e_ms``): each is rounded where it is written
 DELAY_ROUNDING_MS = 2.0
+
+_T = TypeVar("_T")
+
+
+def by_batch(items: Iterable[_T], batch_of: Callable[[_T], str | None]) -> list[list[_T]]:
+    """``items`` (in arrival order) as the requests they make, in order of their first
+    item: an item alone, or the items of one completions batch (``batch_of`` the same id),
+    which arrived together with the first of them. The live replay sends each group as one
+    request (router/demo/replay.py) and the simulator's figures judge it as one
+    (sim/metrics.py ``answers``)."""
+    out: list[list[_T]] = []
+    batches: dict[str, list[_T]] = {}
+    for item in items:
+        batch = batch_of(item)
+        if batch is None:
+            out.append([item])
+        elif (group := batches.get(batch)) is not None:
+            group.append(item)
+        else:
+            batches[batch] = group = [item]
+            out.append(group)
+    return out
 
 
 def _manner(row: dict[str, Any], where: str) -> tuple[int, bool, str, str | None]:

@@ -108,20 +108,11 @@ def count_requests(path: Path, limit: int) -> int:
 
 
 def _requests_of(rows: Sequence[TraceRow]) -> list[list[int]]:
-    """The requests ``rows`` (in arrival order) make, as lists of row indices, in order of
-    their first row: a row alone, or the rows of one completions batch (``batch``), which
-    arrived together with the first of them."""
-    out: list[list[int]] = []
-    batches: dict[str, list[int]] = {}
-    for i, row in enumerate(rows):
-        if row.batch is None or row.endpoint != "completions":
-            out.append([i])
-        elif (rows_of := batches.get(row.batch)) is not None:
-            rows_of.append(i)
-        else:
-            batches[row.batch] = rows_of = [i]
-            out.append(rows_of)
-    return out
+    """The requests ``rows`` (in arrival order) make, as lists of row indices
+    (sim.workload ``by_batch``: the trace reader takes ``batch`` on completions rows alone)."""
+    from sim.workload import by_batch
+
+    return by_batch(range(len(rows)), lambda i: rows[i].batch)
 
 
 PATHS = {
