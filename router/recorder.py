@@ -4,8 +4,8 @@ One row per prompt of a completed request (a completions batch: one row per prom
 the batch's arrival), written when it completes:
 
     {"timestamp": arrival, ms since the Unix epoch (wall clock), "input_length": n,
-     "output_length": m, "hash_ids": [...], "model": "...", "n": k, "stream": true,
-     "endpoint": "chat", "batch": "...", "session_id": "...", "replica": "name/dp",
+     "output_length": m, "hash_ids": [...], "model": "...", "key_id": "k-...", "n": k,
+     "stream": true, "endpoint": "chat", "batch": "...", "session_id": "...", "replica": "name/dp",
      "pred_hit": t, "cached": t, "ttft_ms": x, "e2e_ms": y}
 
 ``output_length`` is one sequence's (the usage sums every sequence of every prompt: it is
@@ -29,7 +29,9 @@ reader cannot confirm a guessed prompt. Never text, never token ids, never canon
 ``session_id`` is keyed the same way (:func:`session_label`): never the id as sent.
 The key is ``server.record_key`` (set the same secret on every pod); without one, the workers
 of one pod share a random key created next to the trace (``<path>.key``, mode 0600, created
-once by whichever worker comes first).
+once by whichever worker comes first). Every row names its key by ``key_id``
+(:func:`key_id`, a keyed hash of a constant: it tells keys apart and reveals nothing of
+one), so ``kvrouter trace merge`` can tell when its inputs' ids cannot match.
 
 The outcome columns (present when known): ``replica`` the request was sent to, the usable
 prefix the router predicted (``pred_hit``, tokens), what the engine reported cached
@@ -137,6 +139,13 @@ def session_label(session_id: str, key: bytes) -> str:
     return "s-" + digest
 
 
+def key_id(key: bytes) -> str:
+    """The name of a recording key that rows carry (``key_id``): equal for equal keys, and
+    different keys get different names (48 bits), so files whose ids cannot match across
+    them are found by reading them, whoever set the key."""
+    return "k-" + hashlib.blake2b(b"kvrouter trace key id", key=key, digest_size=6).hexdigest()
+
+
 def record_key(text: str) -> bytes:
     """``server.record_key`` as a BLAKE2b key (any length of secret; hashed down to 32 bytes)."""
     if not text:
@@ -197,6 +206,7 @@ class TraceRecorder:
         self.rows = 0
         settings.path.parent.mkdir(parents=True, exist_ok=True)
         self._key = settings.key if settings.key is not None else shared_key(settings.path)
+        self._key_id = key_id(self._key)
         self._ids: dict[int, int] = {}
         self._last_finish: OrderedDict[str, float] = OrderedDict()
         self._pending: list[str] = []
@@ -270,6 +280,7 @@ class TraceRecorder:
         else:
             row["hash_ids"] = []
         row["model"] = model
+        row["key_id"] = self._key_id
         if samples > 1:
             row["n"] = samples
         if stream is not None:

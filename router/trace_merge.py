@@ -9,14 +9,18 @@ the merged rows from each row's arrival and its session's previous request's fin
 (``timestamp + e2e_ms``): present when the request arrived after that finish (closed loop),
 absent otherwise. Rows without ``e2e_ms`` (older recordings) keep the ``delay`` they had.
 
-Files recorded without ``record_key`` each have a random key beside them (``<trace>.key``):
-when the inputs' key files differ, their ids cannot match across them (the same prefix gets
-other ids in each pod's files, so shared prefixes look unshared), and the merge says so.
+Rows name the key their ids were made with (``key_id``, router/recorder.py): when the inputs
+hold more than one, their ids cannot match across them (the same prefix gets other ids in
+each pod's files, so shared prefixes look unshared), and the merge says so, naming the files
+of each key; whether the pods set different ``record_key`` secrets or none (each pod's
+random key). Rows recorded before ``key_id`` existed are named by their file's key file
+(``<trace>.key``) when there is one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Iterable, Iterator
@@ -24,18 +28,45 @@ from pathlib import Path
 from typing import Any
 
 from router.core.errors import ConfigError
-from router.recorder import parse_row, torn_note
+from router.recorder import key_id, parse_row, torn_note
+
+# the files of each recording key (``key_id``) among a merge's inputs
+KeyFiles = dict[str, list[Path]]
 
 
-def read_rows(paths: Iterable[Path], notes: list[str] | None = None) -> Iterator[dict[str, Any]]:
+def read_rows(
+    paths: Iterable[Path], notes: list[str] | None = None, keys: KeyFiles | None = None
+) -> Iterator[dict[str, Any]]:
     """The rows of recorded traces; raises ConfigError naming file and line for a bad one.
-    A torn row (router.recorder.parse_row) is skipped, and said so in ``notes``."""
+    A torn row (router.recorder.parse_row) is skipped, and said so in ``notes``. ``keys``
+    gets the files of each recording key the rows name (:func:`file_keys`)."""
     for path in paths:
         with path.open(encoding="utf-8") as fh:
             try:
-                yield from _rows(path, fh, notes)
+                rows = list(_rows(path, fh, notes))
             except UnicodeDecodeError:  # a recorder's key file (trace.jsonl.key), say
                 raise ConfigError(f"{path}: not a recorded trace (not UTF-8 text)") from None
+        if keys is not None:
+            for name in file_keys(path, rows):
+                keys.setdefault(name, []).append(path)
+        yield from rows
+
+
+def file_keys(path: Path, rows: Iterable[dict[str, Any]]) -> set[str]:
+    """The recording keys of ``path``'s ``rows``: each row's ``key_id``; for rows without
+    one (recorded before rows named their key), the key in ``path``'s key file, if any."""
+    names: set[str] = set()
+    unnamed = False
+    for row in rows:
+        name = row.get("key_id")
+        if isinstance(name, str):
+            names.add(name)
+        else:
+            unnamed = True
+    if unnamed:
+        with contextlib.suppress(OSError):  # recorded with record_key: no key file
+            names.add(key_id(key_file(path).read_bytes()))
+    return names
 
 
 def _rows(path: Path, lines: Iterable[str], notes: list[str] | None) -> Iterator[dict[str, Any]]:
@@ -87,38 +118,35 @@ def key_file(trace: Path) -> Path:
     return live.with_name(live.name + ".key")
 
 
-def mixed_keys(paths: Iterable[Path]) -> list[Path]:
-    """The key files of ``paths`` when they hold more than one key (else [])."""
-    found: dict[bytes, Path] = {}
-    for trace in paths:
-        key = key_file(trace)
-        try:
-            found.setdefault(key.read_bytes(), key)
-        except OSError:  # recorded with record_key: no key file to compare
-            continue
-    return sorted(found.values()) if len(found) > 1 else []
+def mixed_keys_warning(keys: KeyFiles) -> str | None:
+    """What to tell when the merged files were recorded with more than one key, else None."""
+    if len(keys) < 2:
+        return None
+    groups = "; ".join(
+        f"{name}: {', '.join(map(str, files))}" for name, files in sorted(keys.items())
+    )
+    return (
+        f"warning: these traces were recorded with different keys ({groups}): their hash_ids "
+        "do not match across them, so prefixes shared between them look unshared; set "
+        "server.record_key to one secret on every pod"
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
     paths = [Path(p) for p in args.files]
     # a trace recorded without record_key has its key beside it (router/recorder.py):
     # ``trace.jsonl*`` matches both
-    keys = {p for p in paths if p.suffix == ".key" and p.with_suffix("") in paths}
-    for key in keys:
+    key_files = {p for p in paths if p.suffix == ".key" and p.with_suffix("") in paths}
+    for key in key_files:
         print(f"skipped {key}: the recorder's key file of {key.with_suffix('')}", file=sys.stderr)
-    paths = [p for p in paths if p not in keys]
+    paths = [p for p in paths if p not in key_files]
     notes: list[str] = []
-    rows = merge(read_rows(paths, notes), keep_time=args.keep_time)
+    keys: KeyFiles = {}
+    rows = merge(read_rows(paths, notes, keys), keep_time=args.keep_time)
     for note in notes:
         print(note, file=sys.stderr)
-    if mixed := mixed_keys(paths):
-        print(
-            "warning: these traces were recorded with different keys ("
-            + ", ".join(map(str, mixed))
-            + "): their hash_ids do not match across them, so prefixes shared between them "
-            "look unshared; set server.record_key to one secret on every pod",
-            file=sys.stderr,
-        )
+    if warning := mixed_keys_warning(keys):
+        print(warning, file=sys.stderr)
     if not rows:
         raise ConfigError("no rows in " + ", ".join(args.files))
     out = sys.stdout if args.output in (None, "-") else open(args.output, "w", encoding="utf-8")  # noqa: SIM115

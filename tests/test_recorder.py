@@ -12,7 +12,14 @@ from collections.abc import Iterator
 import pytest
 
 from router.core.hashing import coarsen_chain, hash_prompt, root_hash
-from router.recorder import RecordSettings, TraceRecorder, block_id, record_key, session_label
+from router.recorder import (
+    RecordSettings,
+    TraceRecorder,
+    block_id,
+    key_id,
+    record_key,
+    session_label,
+)
 from router.trace_merge import merge, read_rows
 from tests.inprocess import kvrouter
 
@@ -70,6 +77,7 @@ def test_rows_are_mooncake_compatible(tmp_path: pathlib.Path) -> None:
         "output_length": 5,
         "hash_ids": ids_of(a),
         "model": "m",
+        "key_id": key_id(KEY),
         "session_id": sid("s1"),
     }
     # b shares the first two 512-token blocks with a, then diverges; ceil(2524/512) = 5 ids.
@@ -263,6 +271,36 @@ def test_merge_warns_when_the_traces_were_recorded_with_different_keys(
     rotated = a.with_name("trace.jsonl.1")  # a backup shares its live file's key
     rotated.write_bytes(a.read_bytes())
     run = kvrouter("trace", "merge", str(a), str(rotated))
+    assert run.returncode == 0 and "different keys" not in run.stderr, run.stderr
+    # rows recorded before rows named their key: their files' key files tell
+    for path in (a, b):
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, "key_id": None}) + "\n" for r in rows))
+    run = kvrouter("trace", "merge", str(a), str(b))
+    assert "recorded with different keys" in run.stderr, run.stderr
+
+
+def test_merge_warns_when_pods_set_different_record_keys(tmp_path: pathlib.Path) -> None:
+    """Pods given different ``record_key`` secrets write no key files to compare: each row
+    names its key (``key_id``), so the merge still finds that the ids cannot match, names the
+    files of each key, and keeps quiet for pods that share one secret."""
+    toks = list(range(1024))
+    paths = {}
+    for pod, secret in (("a", "one"), ("b", "two"), ("c", "one")):
+        paths[pod] = tmp_path / f"{pod}.jsonl"
+        settings = RecordSettings(paths[pod], key=record_key(secret))
+        rec = TraceRecorder(settings, 0.0, 100.0)
+        _record(rec, toks, 1.0)
+        rec.close()
+    ids = {pod: json.loads(p.read_text())["key_id"] for pod, p in paths.items()}
+    assert ids["a"] == ids["c"] != ids["b"]
+    assert "one" not in ids["a"] and "two" not in ids["b"]  # names the key, never holds it
+    run = kvrouter("trace", "merge", str(paths["a"]), str(paths["b"]), str(paths["c"]))
+    assert run.returncode == 0, run.stderr
+    assert "recorded with different keys" in run.stderr, run.stderr
+    assert f"{ids['a']}: {paths['a']}, {paths['c']}" in run.stderr, run.stderr
+    assert f"{ids['b']}: {paths['b']}" in run.stderr, run.stderr
+    run = kvrouter("trace", "merge", str(paths["a"]), str(paths["c"]))
     assert run.returncode == 0 and "different keys" not in run.stderr, run.stderr
 
 
