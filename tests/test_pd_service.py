@@ -887,14 +887,15 @@ async def test_a_decode_leg_answered_an_error_leaves_no_guess_on_its_replica() -
 
 
 async def test_a_refused_prefill_leg_is_withdrawn_before_the_decode_pick() -> None:
-    """A prefill replica that also decodes (role ``both``) refuses the leg: the decode
-    replica is picked on an index that no longer credits it with the prompt (the leg's
-    guesses are withdrawn first, as the simulator does), so when it is picked to prefill
-    locally its predicted hit is what it holds: nothing (before, the refused leg's guess
-    made it a whole-prompt hit, in its load and in the prediction error)."""
+    """A prefill replica that also decodes (role ``both``) refuses the leg (a 4xx, no
+    failure of the replica: it stays a decode candidate): the decode replica is picked on
+    an index that no longer credits it with the prompt (the leg's guesses are withdrawn
+    first, as the simulator does), so when it is picked to prefill locally its predicted
+    hit is what it holds: nothing (before, the refused leg's guess made it a whole-prompt
+    hit, in its load and in the prediction error)."""
     from tests.backends import Backend
 
-    both = await Backend("p0", [MODEL], fail_next=1, fail_status=503).start()
+    both = await Backend("p0", [MODEL], fail_next=1, fail_status=400).start()
     decode = await Backend("d0", [MODEL]).start()
     reps = [
         {"url": both.url, "model": MODEL, "name": "p0", "role": "both", "rack": "rack0",
@@ -908,7 +909,7 @@ async def test_a_refused_prefill_leg_is_withdrawn_before_the_decode_pick() -> No
         status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(31), "max_tokens": 3})
         assert status == 200, raw
         assert len(both.received) == 2 and not decode.received  # the leg, then the request
-        assert state.disagg[MODEL].fallbacks == {"http_5xx": 1}
+        assert state.disagg[MODEL].fallbacks == {"http_4xx": 1}
         page = state.metrics.render().decode()
         assert metric_sample(page, "kvrouter_prediction_error_tokens_count", model=MODEL) == 1
         # predicted on p0 minus what its engine reported cached (none): 0, not the prompt
@@ -1082,4 +1083,44 @@ async def test_a_request_whose_id_is_another_ones_prefill_leg_gets_its_own() -> 
             decode.gate.set()
         await router.cleanup()
         await runner.cleanup()
+        await decode.stop()
+
+
+@pytest.mark.parametrize("fault", ["hang", "503"])
+async def test_a_failed_prefill_legs_fallback_skips_the_replica_that_failed_it(
+    fault: str,
+) -> None:
+    """A prefill replica that also decodes (role ``both``) fails the leg (no answer by its
+    deadline, or a 5xx): the local prefill goes to another decode replica, as the
+    forwarder's retry of a failed attempt never goes back to the replica that failed it.
+    Before, the decode pick chose the failed replica again (no transfer to price), so the
+    client waited out a second deadline there, and with ``max_retries`` 0 got a 504 while
+    a healthy decode replica was idle."""
+    from tests.backends import Backend
+
+    if fault == "hang":
+        both = await Backend("p0", [MODEL], hang=True).start()
+    else:
+        both = await Backend("p0", [MODEL], fail_next=2, fail_status=503).start()
+    decode = await Backend("d0", [MODEL]).start()
+    reps = [
+        {"url": both.url, "model": MODEL, "name": "p0", "role": "both", "rack": "rack0",
+         "region": "reg0"},
+        {"url": decode.url, "model": MODEL, "name": "d0", "role": "decode", "rack": "rack1",
+         "region": "reg0"},
+    ]  # fmt: skip
+    router, url = await start_router(_settings(reps, max_retries=0, first_byte_min_s=0.5))
+    state = router.app[STATE]
+    try:
+        status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(38), "max_tokens": 3})
+        assert status == 200, raw
+        assert len(both.received) == 1  # the leg only
+        assert len(decode.received) == 1
+        assert decode.received[0]["body"].get("kv_transfer_params") is None
+        cause = "timeout" if fault == "hang" else "http_5xx"
+        assert state.disagg[MODEL].fallbacks == {cause: 1}
+        assert not state.load._flights
+    finally:
+        await router.cleanup()
+        await both.stop()
         await decode.stop()

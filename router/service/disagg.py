@@ -40,6 +40,7 @@ from prometheus_client.registry import Collector
 
 from router.core.disagg import (
     PREFILL_LEG_OUTPUT,
+    DecodePick,
     Disaggregator,
     Link,
     PdSetup,
@@ -366,6 +367,31 @@ def _eject_on(
     return None, cause
 
 
+def _pick_decode(
+    state: RouterState,
+    md: ModelDisagg,
+    request: RouteRequest,
+    prefill_key: ReplicaKey,
+    cause: str,
+    now: float,
+) -> DecodePick:
+    """The decode replica once the prefill leg ended with ``cause`` ('' when it answered
+    transfer params). A leg that failed its replica (``_FAILURE_KIND``: refused, hung,
+    broken, 429, 5xx) leaves that replica out of the pick when another one can decode, as
+    the forwarder never retries an attempt on the replica that failed it: a ``both``
+    prefill replica, which no transfer separates from itself, would otherwise take the
+    local prefill it just failed. Raises KVRouterError when no replica can take it."""
+    engine = state.engines[request.model]
+    keys = state.registry.keys_for(request.model)
+    if cause in _FAILURE_KIND:
+        others = [k for k in keys if k != prefill_key]
+        try:
+            return md.pd.pick_decode(engine, request, prefill_key, others, now, state.rng)
+        except KVRouterError:
+            pass  # the failed replica is the only one left: it is tried again
+    return md.pd.pick_decode(engine, request, prefill_key, keys, now, state.rng)
+
+
 async def serve(
     state: RouterState,
     forwarder: Forwarder,
@@ -404,9 +430,7 @@ async def serve(
         # pick (a ``both`` replica's hit, its transfer) must not credit it with the leg
         state.withdraw(model, flow.routed.dispatch)
     try:
-        pick = md.pd.pick_decode(
-            engine, request, prefill_key, state.registry.keys_for(model), now, state.rng
-        )
+        pick = _pick_decode(state, md, request, prefill_key, cause, now)
     except KVRouterError as exc:  # no decode replica left: answered, and counted
         state.metrics.model(model).outcome(None, "rejected").inc()
         reply = reply_for(exc, state.fleet.retry_after_s(model, now))
