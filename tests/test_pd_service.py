@@ -1124,3 +1124,45 @@ async def test_a_failed_prefill_legs_fallback_skips_the_replica_that_failed_it(
         await router.cleanup()
         await both.stop()
         await decode.stop()
+
+
+async def test_a_decode_leg_retried_after_a_refused_connection_books_no_prefill() -> None:
+    """The picked decode replica refuses the connection (it never got the transfer
+    params): the next decode replica gets them and pulls the prompt, so the router records
+    nothing to prefill there, as for the first pick. Before, the retry was booked as a
+    local prefill of the whole prompt: that replica looked busy prefilling (to the policy,
+    to the decode pick of other requests, to admission) until its first byte."""
+    import asyncio
+
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    far = await Backend("d1", [MODEL], gate=asyncio.Event()).start()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    reps = [
+        {"url": prefill.url, "model": MODEL, "name": "p0", "role": "prefill", "rack": "rack0"},
+        {"url": dead, "model": MODEL, "name": "d0", "role": "decode", "rack": "rack0"},
+        {"url": far.url, "model": MODEL, "name": "d1", "role": "decode", "rack": "rack1"},
+    ]
+    for r in reps:
+        r["region"] = "reg0"
+    router, url = await start_router(_settings(reps))
+    state = router.app[STATE]
+    try:
+        body = {"model": MODEL, "prompt": _prompt(40), "max_tokens": 3, "stream": True}
+        post = asyncio.ensure_future(_post(url, body))
+        await eventually(lambda: len(far.received) == 1)
+        assert far.received[0]["body"]["kv_transfer_params"] == _Prefill.PARAMS
+        now = asyncio.get_running_loop().time()
+        # (at most the one token an engine computes on a whole-prompt hit)
+        assert state.load.view(ReplicaKey("d1"), now).queued_prefill_tokens <= 1
+        assert far.gate is not None
+        far.gate.set()
+        status, raw, _ = await post
+        assert status == 200, raw
+    finally:
+        if far.gate is not None:
+            far.gate.set()
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await far.stop()

@@ -446,7 +446,7 @@ async def serve(
         dispatch = engine.dispatched(request, pick.decision, now, ttl, exact=exact)
         decode_body = body
     else:
-        dispatch = md.pd.dispatched_decode(engine, request, pick, now, ttl, exact)
+        dispatch = md.pd.dispatched_decode(engine, request, pick.decision, now, ttl, exact)
         md.count(md.bytes_by_link, pick.link.value, pick.transfer_bytes)
         member = json.dumps(params, separators=(",", ":")).encode()
         decode_body = with_patch(body, b',"kv_transfer_params":' + member)
