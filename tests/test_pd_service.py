@@ -1166,3 +1166,40 @@ async def test_a_decode_leg_retried_after_a_refused_connection_books_no_prefill(
         await router.cleanup()
         await prefill.runner.cleanup()
         await far.stop()
+
+
+async def test_a_prefill_replica_answering_garbage_is_ejected() -> None:
+    """A prefill replica whose legs answer 200 with a body that is no JSON (a broken
+    engine or a proxy in front of it) fails them as a broken answer does: after
+    ``outlier_consecutive_failures`` of them it is ejected, so requests stop paying a
+    useless leg before their local prefill. Before, such an answer counted as a success
+    for outlier ejection: the replica stayed in rotation for ever."""
+    from aiohttp import web
+
+    from tests.backends import Backend
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"<html>oops</html>", content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    decode = await Backend("d0", [MODEL]).start()
+    settings = _stub_settings(f"http://127.0.0.1:{port}", [(decode.url, "decode")])
+    router, url = await start_router(settings)
+    state = router.app[STATE]
+    try:
+        failures = state.settings.server.outlier_consecutive_failures
+        for i in range(failures):
+            status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(i, 300)})
+            assert status == 200, raw
+        assert state.disagg[MODEL].fallbacks == {"bad_answer": failures}
+        assert ReplicaKey("p0") in state.fleet.unhealthy_until
+    finally:
+        await router.cleanup()
+        await runner.cleanup()
+        await decode.stop()

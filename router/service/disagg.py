@@ -334,6 +334,7 @@ _FAILURE_KIND = {
     "timeout": "timeout",
     "error": "broken",
     "broken": "broken",
+    "bad_answer": "broken",  # a 200 whose body is no JSON: no engine answers so
     "http_429": "http_429",
     "http_5xx": "http_5xx",
 }
@@ -357,7 +358,8 @@ def _eject_on(
     ejection as the forwarder feeds an attempt's: a replica failing every prefill leg is
     ejected like one failing requests (else every disaggregated request would fall back to
     a local prefill, unseen but for ``kvrouter_pd_prefill_fallbacks``); any answer (an
-    error status but 429 / 5xx, one without transfer params) ends its failure run;
+    error status but 429 / 5xx, one without transfer params; not a body that is no JSON)
+    ends its failure run;
     ``retry_after``: a failed answer's ``Retry-After`` seconds. Returns (None, ``cause``)."""
     now = forwarder.event_loop().time()
     if not cause or (kind := _FAILURE_KIND.get(cause)) is None:
