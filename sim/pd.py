@@ -231,6 +231,6 @@ class PrefillLegs:
             # prefilled where it is decoded: recorded as a local request is (its load with its
             # own hit there; speculative entries and the session's hint), as the service does
             return Handoff(req, replica, ereq, engine.dispatched(rr, pick.decision, now), now)
-        dispatch = self.planner.dispatched_decode(engine, rr, pick, now)
+        dispatch = self.planner.dispatched_decode(engine, rr, pick.decision, now)
         self.stats.moved(pick.link, pick.transfer_bytes, pick.transfer_s)
         return Handoff(req, replica, ereq, dispatch, now + pick.transfer_s)

@@ -227,7 +227,7 @@ def test_a_decode_leg_counts_the_blocks_it_receives_in_its_replicas_turnover() -
     assert plan.prefill is not None
     engine.dispatched(pd.prefill_request(req), plan.prefill, 0.0)
     pick = pd.pick_decode(engine, req, plan.prefill.replica, KEYS, 0.0, rng)
-    dispatch = pd.dispatched_decode(engine, req, pick, 0.0)
+    dispatch = pd.dispatched_decode(engine, req, pick.decision, 0.0)
     meters = engine.turnover._meters
     assert meters[plan.prefill.replica].sent == 8192 / BLOCK
     assert meters[pick.decision.replica].sent == (8192 - pick.decision.usable_tokens) / BLOCK

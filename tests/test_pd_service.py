@@ -887,14 +887,15 @@ async def test_a_decode_leg_answered_an_error_leaves_no_guess_on_its_replica() -
 
 
 async def test_a_refused_prefill_leg_is_withdrawn_before_the_decode_pick() -> None:
-    """A prefill replica that also decodes (role ``both``) refuses the leg: the decode
-    replica is picked on an index that no longer credits it with the prompt (the leg's
-    guesses are withdrawn first, as the simulator does), so when it is picked to prefill
-    locally its predicted hit is what it holds: nothing (before, the refused leg's guess
-    made it a whole-prompt hit, in its load and in the prediction error)."""
+    """A prefill replica that also decodes (role ``both``) refuses the leg (a 4xx, no
+    failure of the replica: it stays a decode candidate): the decode replica is picked on
+    an index that no longer credits it with the prompt (the leg's guesses are withdrawn
+    first, as the simulator does), so when it is picked to prefill locally its predicted
+    hit is what it holds: nothing (before, the refused leg's guess made it a whole-prompt
+    hit, in its load and in the prediction error)."""
     from tests.backends import Backend
 
-    both = await Backend("p0", [MODEL], fail_next=1, fail_status=503).start()
+    both = await Backend("p0", [MODEL], fail_next=1, fail_status=400).start()
     decode = await Backend("d0", [MODEL]).start()
     reps = [
         {"url": both.url, "model": MODEL, "name": "p0", "role": "both", "rack": "rack0",
@@ -908,7 +909,7 @@ async def test_a_refused_prefill_leg_is_withdrawn_before_the_decode_pick() -> No
         status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(31), "max_tokens": 3})
         assert status == 200, raw
         assert len(both.received) == 2 and not decode.received  # the leg, then the request
-        assert state.disagg[MODEL].fallbacks == {"http_5xx": 1}
+        assert state.disagg[MODEL].fallbacks == {"http_4xx": 1}
         page = state.metrics.render().decode()
         assert metric_sample(page, "kvrouter_prediction_error_tokens_count", model=MODEL) == 1
         # predicted on p0 minus what its engine reported cached (none): 0, not the prompt
@@ -1080,6 +1081,125 @@ async def test_a_request_whose_id_is_another_ones_prefill_leg_gets_its_own() -> 
             g.set()
         if decode.gate is not None:
             decode.gate.set()
+        await router.cleanup()
+        await runner.cleanup()
+        await decode.stop()
+
+
+@pytest.mark.parametrize("fault", ["hang", "503"])
+async def test_a_failed_prefill_legs_fallback_skips_the_replica_that_failed_it(
+    fault: str,
+) -> None:
+    """A prefill replica that also decodes (role ``both``) fails the leg (no answer by its
+    deadline, or a 5xx): the local prefill goes to another decode replica, as the
+    forwarder's retry of a failed attempt never goes back to the replica that failed it.
+    Before, the decode pick chose the failed replica again (no transfer to price), so the
+    client waited out a second deadline there, and with ``max_retries`` 0 got a 504 while
+    a healthy decode replica was idle."""
+    from tests.backends import Backend
+
+    if fault == "hang":
+        both = await Backend("p0", [MODEL], hang=True).start()
+    else:
+        both = await Backend("p0", [MODEL], fail_next=2, fail_status=503).start()
+    decode = await Backend("d0", [MODEL]).start()
+    reps = [
+        {"url": both.url, "model": MODEL, "name": "p0", "role": "both", "rack": "rack0",
+         "region": "reg0"},
+        {"url": decode.url, "model": MODEL, "name": "d0", "role": "decode", "rack": "rack1",
+         "region": "reg0"},
+    ]  # fmt: skip
+    router, url = await start_router(_settings(reps, max_retries=0, first_byte_min_s=0.5))
+    state = router.app[STATE]
+    try:
+        status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(38), "max_tokens": 3})
+        assert status == 200, raw
+        assert len(both.received) == 1  # the leg only
+        assert len(decode.received) == 1
+        assert decode.received[0]["body"].get("kv_transfer_params") is None
+        cause = "timeout" if fault == "hang" else "http_5xx"
+        assert state.disagg[MODEL].fallbacks == {cause: 1}
+        assert not state.load._flights
+    finally:
+        await router.cleanup()
+        await both.stop()
+        await decode.stop()
+
+
+async def test_a_decode_leg_retried_after_a_refused_connection_books_no_prefill() -> None:
+    """The picked decode replica refuses the connection (it never got the transfer
+    params): the next decode replica gets them and pulls the prompt, so the router records
+    nothing to prefill there, as for the first pick. Before, the retry was booked as a
+    local prefill of the whole prompt: that replica looked busy prefilling (to the policy,
+    to the decode pick of other requests, to admission) until its first byte."""
+    import asyncio
+
+    from tests.backends import Backend
+
+    prefill = await _Prefill().start()
+    far = await Backend("d1", [MODEL], gate=asyncio.Event()).start()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    reps = [
+        {"url": prefill.url, "model": MODEL, "name": "p0", "role": "prefill", "rack": "rack0"},
+        {"url": dead, "model": MODEL, "name": "d0", "role": "decode", "rack": "rack0"},
+        {"url": far.url, "model": MODEL, "name": "d1", "role": "decode", "rack": "rack1"},
+    ]
+    for r in reps:
+        r["region"] = "reg0"
+    router, url = await start_router(_settings(reps))
+    state = router.app[STATE]
+    try:
+        body = {"model": MODEL, "prompt": _prompt(40), "max_tokens": 3, "stream": True}
+        post = asyncio.ensure_future(_post(url, body))
+        await eventually(lambda: len(far.received) == 1)
+        assert far.received[0]["body"]["kv_transfer_params"] == _Prefill.PARAMS
+        now = asyncio.get_running_loop().time()
+        # (at most the one token an engine computes on a whole-prompt hit)
+        assert state.load.view(ReplicaKey("d1"), now).queued_prefill_tokens <= 1
+        assert far.gate is not None
+        far.gate.set()
+        status, raw, _ = await post
+        assert status == 200, raw
+    finally:
+        if far.gate is not None:
+            far.gate.set()
+        await router.cleanup()
+        await prefill.runner.cleanup()
+        await far.stop()
+
+
+async def test_a_prefill_replica_answering_garbage_is_ejected() -> None:
+    """A prefill replica whose legs answer 200 with a body that is no JSON (a broken
+    engine or a proxy in front of it) fails them as a broken answer does: after
+    ``outlier_consecutive_failures`` of them it is ejected, so requests stop paying a
+    useless leg before their local prefill. Before, such an answer counted as a success
+    for outlier ejection: the replica stayed in rotation for ever."""
+    from aiohttp import web
+
+    from tests.backends import Backend
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"<html>oops</html>", content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    decode = await Backend("d0", [MODEL]).start()
+    settings = _stub_settings(f"http://127.0.0.1:{port}", [(decode.url, "decode")])
+    router, url = await start_router(settings)
+    state = router.app[STATE]
+    try:
+        failures = state.settings.server.outlier_consecutive_failures
+        for i in range(failures):
+            status, raw, _ = await _post(url, {"model": MODEL, "prompt": _prompt(i, 300)})
+            assert status == 200, raw
+        assert state.disagg[MODEL].fallbacks == {"bad_answer": failures}
+        assert ReplicaKey("p0") in state.fleet.unhealthy_until
+    finally:
         await router.cleanup()
         await runner.cleanup()
         await decode.stop()

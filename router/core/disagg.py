@@ -528,25 +528,31 @@ class Disaggregator:
         stall = cost.prefill_s(queued_prefill_tokens, 0, xp)
         return step * out + stall + move_s + penalty, usable, nbytes, move_s
 
+    @staticmethod
     def dispatched_decode(
-        self,
         engine: RoutingEngine,
         request: RouteRequest,
-        pick: DecodePick,
+        decision: Decision,
         now: float,
         speculative_ttl_s: float | None = None,
         exact: bool = True,
+        *,
+        class_weight: float = 1.0,
     ) -> Dispatch:
-        """Record the decode leg as ``RoutingEngine.dispatched`` records a request: its whole
-        prompt arrives computed (load), the decode replica will hold it (speculative entries
-        when the TTL is > 0) and is the session's replica for its next turn (it also holds
-        the answer). Returns what was guessed (``RoutingEngine.withdraw``). The blocks it
-        pulls (all but its own usable hit) are stored there as a local prefill's would be,
-        evicting as many: the cache turnover meter counts them."""
-        whole = pick.decision._replace(usable_tokens=request.prompt_tokens)
-        dispatch = engine.dispatched(request, whole, now, speculative_ttl_s, exact=exact)
-        pulled = request.prompt_tokens - pick.decision.usable_tokens
-        engine.turnover.dispatched(pick.decision.replica, pulled / request.block_size)
+        """Record the decode leg sent per ``decision`` (its replica and its own usable hit:
+        a :class:`DecodePick`'s, or none known for a retry on another replica) as
+        ``RoutingEngine.dispatched`` records a request: its whole prompt arrives computed
+        (load), the decode replica will hold it (speculative entries when the TTL is > 0)
+        and is the session's replica for its next turn (it also holds the answer). Returns
+        what was guessed (``RoutingEngine.withdraw``). The blocks it pulls (all but its own
+        usable hit) are stored there as a local prefill's would be, evicting as many: the
+        cache turnover meter counts them."""
+        whole = decision._replace(usable_tokens=request.prompt_tokens)
+        dispatch = engine.dispatched(
+            request, whole, now, speculative_ttl_s, class_weight=class_weight, exact=exact
+        )
+        pulled = request.prompt_tokens - decision.usable_tokens
+        engine.turnover.dispatched(decision.replica, pulled / request.block_size)
         return dispatch
 
 

@@ -40,6 +40,7 @@ from prometheus_client.registry import Collector
 
 from router.core.disagg import (
     PREFILL_LEG_OUTPUT,
+    DecodePick,
     Disaggregator,
     Link,
     PdSetup,
@@ -333,6 +334,7 @@ _FAILURE_KIND = {
     "timeout": "timeout",
     "error": "broken",
     "broken": "broken",
+    "bad_answer": "broken",  # a 200 whose body is no JSON: no engine answers so
     "http_429": "http_429",
     "http_5xx": "http_5xx",
 }
@@ -356,7 +358,8 @@ def _eject_on(
     ejection as the forwarder feeds an attempt's: a replica failing every prefill leg is
     ejected like one failing requests (else every disaggregated request would fall back to
     a local prefill, unseen but for ``kvrouter_pd_prefill_fallbacks``); any answer (an
-    error status but 429 / 5xx, one without transfer params) ends its failure run;
+    error status but 429 / 5xx, one without transfer params; not a body that is no JSON)
+    ends its failure run;
     ``retry_after``: a failed answer's ``Retry-After`` seconds. Returns (None, ``cause``)."""
     now = forwarder.event_loop().time()
     if not cause or (kind := _FAILURE_KIND.get(cause)) is None:
@@ -364,6 +367,31 @@ def _eject_on(
     else:
         forwarder.ejections.failed(key, kind, now, token, retry_after)
     return None, cause
+
+
+def _pick_decode(
+    state: RouterState,
+    md: ModelDisagg,
+    request: RouteRequest,
+    prefill_key: ReplicaKey,
+    cause: str,
+    now: float,
+) -> DecodePick:
+    """The decode replica once the prefill leg ended with ``cause`` ('' when it answered
+    transfer params). A leg that failed its replica (``_FAILURE_KIND``: refused, hung,
+    broken, 429, 5xx) leaves that replica out of the pick when another one can decode, as
+    the forwarder never retries an attempt on the replica that failed it: a ``both``
+    prefill replica, which no transfer separates from itself, would otherwise take the
+    local prefill it just failed. Raises KVRouterError when no replica can take it."""
+    engine = state.engines[request.model]
+    keys = state.registry.keys_for(request.model)
+    if cause in _FAILURE_KIND:
+        others = [k for k in keys if k != prefill_key]
+        try:
+            return md.pd.pick_decode(engine, request, prefill_key, others, now, state.rng)
+        except KVRouterError:
+            pass  # the failed replica is the only one left: it is tried again
+    return md.pd.pick_decode(engine, request, prefill_key, keys, now, state.rng)
 
 
 async def serve(
@@ -404,9 +432,7 @@ async def serve(
         # pick (a ``both`` replica's hit, its transfer) must not credit it with the leg
         state.withdraw(model, flow.routed.dispatch)
     try:
-        pick = md.pd.pick_decode(
-            engine, request, prefill_key, state.registry.keys_for(model), now, state.rng
-        )
+        pick = _pick_decode(state, md, request, prefill_key, cause, now)
     except KVRouterError as exc:  # no decode replica left: answered, and counted
         state.metrics.model(model).outcome(None, "rejected").inc()
         reply = reply_for(exc, state.fleet.retry_after_s(model, now))
@@ -422,7 +448,7 @@ async def serve(
         dispatch = engine.dispatched(request, pick.decision, now, ttl, exact=exact)
         decode_body = body
     else:
-        dispatch = md.pd.dispatched_decode(engine, request, pick, now, ttl, exact)
+        dispatch = md.pd.dispatched_decode(engine, request, pick.decision, now, ttl, exact)
         md.count(md.bytes_by_link, pick.link.value, pick.transfer_bytes)
         member = json.dumps(params, separators=(",", ":")).encode()
         decode_body = with_patch(body, b',"kv_transfer_params":' + member)

@@ -163,16 +163,16 @@ class Forwarder(AnswerRelay):
                 attempt += 1
                 tried.add(key)
                 now = loop.time()
+                retrying = reached and retry_body is not None
+                pulled = transfer_s is not None and not retrying  # the prompt comes computed
                 if key != routed.decision.replica:  # a retry: the request's record moves
                     self.budget.spend(now)
-                    dispatch = state.retried(routed, key, now)
-                retrying = reached and retry_body is not None
+                    dispatch = state.retried(routed, key, now, pulled=pulled)
                 sent = retry_body if retrying and retry_body is not None else body
                 head = request_head(
                     path, self._host(ep.base_url), client_headers, rid_b, ep.dp_rank, len(sent)
                 )
                 prompt = routed.request.prompt_tokens
-                pulled = transfer_s is not None and not retrying  # the prompt comes computed
                 usable = prompt if pulled else (routed.decision.usable_tokens if i == 0 else 0)
                 expect = self.expected_first_byte(
                     key, now, prompt, usable, stream, routed.request.max_output_tokens

@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from router.core.disagg import Disaggregator
 from router.core.errors import BadRequest, ConfigError, UnknownModel
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
@@ -300,20 +301,33 @@ class RouterState:
         approximate, exact_ttl = self.speculative_ttl[model]
         return exact_ttl if exact else approximate
 
-    def retried(self, routed: Routed, key: ReplicaKey, now: float) -> Dispatch:
+    def retried(
+        self, routed: Routed, key: ReplicaKey, now: float, *, pulled: bool = False
+    ) -> Dispatch:
         """``routed``'s request is retried on ``key`` (router/service/proxy.py): recorded
         there as a dispatch is (its load, with its decode weight; speculative entries; its
         session's hint), with no predicted hit (only the decision's replica's was
-        predicted). Its load leaves the replica it was on (LoadTracker.dispatch), and so
-        does its decode-stall allowance when admission tracks it. What the replica it was
-        on was guessed to hold stays unless the caller withdraws it (:meth:`withdraw`: that
-        replica did not take the request). Returns the retry's dispatch."""
+        predicted). ``pulled``: the retry carries the prompt computed elsewhere (a decode
+        leg's ``kv_transfer_params`` that its first replica never got: router/service/
+        disagg.py), recorded as a decode leg is (``Disaggregator.dispatched_decode``:
+        nothing to prefill there). Its load leaves the replica it was on
+        (LoadTracker.dispatch), and so does its decode-stall allowance when admission
+        tracks it. What the replica it was on was guessed to hold stays unless the caller
+        withdraws it (:meth:`withdraw`: that replica did not take the request). Returns the
+        retry's dispatch."""
         request, prompt = routed.request, routed.prompt
         decision = routed.decision._replace(replica=key, usable_tokens=0, kv_tokens=0)
         ttl = self.ttl_for(request.model, prompt.exact)
-        dispatch = self.engines[request.model].dispatched(
-            request, decision, now, ttl, class_weight=routed.class_weight, exact=prompt.exact
-        )
+        engine = self.engines[request.model]
+        weight = routed.class_weight
+        if pulled:
+            dispatch = Disaggregator.dispatched_decode(
+                engine, request, decision, now, ttl, prompt.exact, class_weight=weight
+            )
+        else:
+            dispatch = engine.dispatched(
+                request, decision, now, ttl, class_weight=weight, exact=prompt.exact
+            )
         if self.admission is not None:
             self.admission.retried(routed, key)
         return dispatch
