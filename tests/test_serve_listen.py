@@ -36,6 +36,27 @@ def test_a_taken_port_is_an_error_exit(
     assert "address already in use" in router.log()
 
 
+@pytest.mark.parametrize(("workers", "which"), [(2, "port"), (1, "grpc_port"), (2, "grpc_port")])
+def test_a_port_a_running_router_shares_is_an_error_exit(
+    workers: int, which: str, tmp_path: Path
+) -> None:
+    """A port held with SO_REUSEPORT, as a running router's workers hold theirs (and grpc
+    binds every port): a second router used to bind it too and silently take a share of the
+    first one's connections (two configurations and index views behind one port). It now
+    exits with the error, whichever port it is and however many workers it has."""
+    with socket.socket() as taken, Fleet(tmp_path) as fleet:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server: dict[str, object] = {"workers": workers}
+        router = fleet.router("router", [], server={**server, which: port}, wait=False)
+        code = router.wait(60)
+    assert code == 2, router.log()[-2000:]
+    assert f"server.{which}" in router.log(), router.log()[-2000:]
+    assert "Traceback" not in router.log(), router.log()[-4000:]
+
+
 def test_a_stop_while_the_workers_start_stops_them_all_cleanly(tmp_path: Path) -> None:
     """SIGTERM to ``serve --workers 2`` as soon as it forks (the workers still building
     their apps): every worker stops, the control directory goes, and that is a clean stop

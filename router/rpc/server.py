@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import pathlib
@@ -312,6 +313,10 @@ def build_server(
             ("grpc.max_send_message_length", limit),
             ("grpc.max_metadata_size", metadata_ceiling),
             ("grpc.absolute_max_metadata_size", metadata_ceiling),
+            # grpc binds with SO_REUSEPORT unless told not to: a second router on this port
+            # would silently share its calls; only the workers of one router share it (their
+            # parent checked that nobody else holds it: router/service/supervisor.py)
+            ("grpc.so_reuseport", int(workers is not None)),
         ],
     )
     book = DecisionBook(settings.max_pending_decisions, settings.decision_ttl_s)
@@ -341,9 +346,18 @@ def build_server(
                 )
             ]
         )
-        port = server.add_secure_port(address, creds)
     else:
-        port = server.add_insecure_port(address)
+        creds = None
+    try:
+        if creds is not None:
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc's "Failed to bind to address ..."
+        raise OSError(
+            errno.EADDRINUSE,
+            f"server.grpc_port: cannot listen on {address} (taken, or no address of this host)",
+        ) from exc
     return BuiltServer(server, port, health_servicer, tuple(names), router)
 
 

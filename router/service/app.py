@@ -160,8 +160,10 @@ async def start(
     """Run the app's contexts, then serve its port (0: a free one), or accept from
     ``sock``, a socket listening on it already (the parent's, with several workers)."""
     runner = web.AppRunner(app, handle_signals=False)
-    await runner.setup()  # the cleanup_ctx entries start (no aiohttp site: no HTTP here)
     try:
+        # the cleanup_ctx entries start (no aiohttp site: no HTTP here); one that fails
+        # (the gRPC port taken) leaves those started before it to the cleanup below
+        await runner.setup()
         state = app[STATE]
         door = FrontDoor(state, app[FORWARDER], app[GATE], app[ROUTES])
         s = state.settings.server

@@ -149,6 +149,7 @@ def _serve_workers(settings: Settings, workers: int) -> int:
     from router.service.app import create_app
     from router.service.control import join_workers
     from router.service.supervisor import (
+        check_port_free,
         heartbeat,
         heartbeat_interval,
         shared_socket,
@@ -162,6 +163,10 @@ def _serve_workers(settings: Settings, workers: int) -> int:
     host, port = settings.server.host, settings.server.port
     # OSError (the port taken): kvrouter serve: error: ..., status 2
     shared = shared_socket(host, port) if settings.server.listener == "shared" else None
+    if shared is None:
+        check_port_free(host, port, "server.port")
+    if (grpc_port := settings.server.grpc_port) is not None:  # (the workers' SO_REUSEPORT)
+        check_port_free(settings.server.grpc_host or host, grpc_port, "server.grpc_port")
 
     def work(group: Workers, index: int, ready: int, replacing: bool) -> None:
         code = 1

@@ -28,6 +28,12 @@ included, accepts from one kernel queue: a worker that dies or does not run leav
 connections queued there to the others. :func:`supervise` closes the parent's copy once a
 stop is asked, so the port closes when the last worker stopped accepting (new connections
 are refused, not queued for no one).
+
+SO_REUSEPORT lets any process of the same user bind a port its holders bound so: a second
+router started on a running one's port would silently take a share of its connections (two
+configurations, two index views, one port). So before the workers bind it, the parent
+checks that nobody holds the port (:func:`check_port_free`) and refuses to start if it is
+taken, as a single process does.
 """
 
 from __future__ import annotations
@@ -140,6 +146,32 @@ def shared_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """OSError naming ``what`` (``server.port``, ``server.grpc_port``) when a process
+    listens on ``host:port`` (any of the addresses ``host`` names). The probe binds without
+    SO_REUSEPORT, which every holder's SO_REUSEPORT bind cannot share, and closes at once:
+    the workers then bind it with SO_REUSEPORT among themselves. Port 0: nothing to check."""
+    if port == 0:
+        return
+    for family, _, _, _, addr in socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    ):
+        if family not in (socket.AF_INET, socket.AF_INET6):
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is free
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                raise OSError(
+                    exc.errno,
+                    f"{what} {port} on {addr[0]}: {str(exc.strerror).lower()}; a router "
+                    "running there would silently share it with these workers (SO_REUSEPORT)",
+                ) from None
 
 
 def supervise(
