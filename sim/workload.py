@@ -86,7 +86,8 @@ class SimRequest:
     # messages), which decides whether a disaggregated fleet may split it
     endpoint: str = "completions"
     # the completions batch it is one prompt of: the requests of a batch arrive together
-    # with its first (in workload order) and go to one replica, routed by the longest
+    # with its first (in workload order) and go to one replica, routed by the longest;
+    # each decodes the batch's largest output (:func:`batch_outputs`)
     batch: str | None = None
     # its answer is streamed (else its client, and the router, get it whole at its end)
     stream: bool = True
@@ -350,7 +351,8 @@ def mooncake_rows(
     timestamp, never before that request (a synthetic trace's turns carry their session's
     start). ``limit``: the first ``limit`` of that order (a kept turn's request is kept).
     Timestamps are ms; arrivals start at the first one. Block ids are renamed densely in
-    arrival order."""
+    arrival order. A completions batch's kept rows each decode the largest output among
+    them (:func:`batch_outputs`)."""
     raw: list[tuple[float, int, int, list[int], str | None, int | None, float]] = []
     manners: list[tuple[int, bool, str, str | None]] = []
     last_of_session: dict[str, tuple[int, float | None]] = {}  # (row, finish ms)
@@ -419,6 +421,23 @@ def mooncake_rows(
                 *manners[k],
             )
         )
+    return batch_outputs(out)
+
+
+def batch_outputs(rows: list[TraceRow]) -> list[TraceRow]:
+    """``rows`` with every row of a completions batch decoding the batch's largest output.
+    The batch is one request with one ``max_tokens`` (the live replay sends it so,
+    router/demo/replay.py, and the API has no other way): each of its prompts decodes up to
+    the largest row's output, not its own, and the simulator models what that request does.
+    The one place of the rule for both replays. A recording's rows of a batch all carry one
+    sequence's share of its usage (router/recorder.py): it changes nothing there."""
+    out = list(rows)
+    for group in by_batch(range(len(rows)), lambda i: rows[i].batch):
+        if len(group) > 1:
+            top = max(rows[i].output_tokens for i in group)
+            for i in group:
+                if rows[i].output_tokens != top:
+                    out[i] = replace(rows[i], output_tokens=top)
     return out
 
 

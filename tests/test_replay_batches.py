@@ -148,20 +148,28 @@ def test_the_simulator_books_a_batch_s_load_until_its_last_row_ends(
     prompt's sequences decoding, every prompt's tokens in flight) until the whole answer
     ends. The simulator booked it under its first row and released it when that row
     finished: a request arriving while the batch's other rows still decoded saw the
-    replica idle."""
-    short = {"timestamp": 0, "input_length": 300, "output_length": 2, "hash_ids": [1],
+    replica idle. (Its rows decode one output, sim.workload ``batch_outputs``: the first
+    row, prefilled first, ends a little before the other; the probe comes in between, where
+    a first run without it saw the rows end.)"""
+    short = {"timestamp": 0, "input_length": 300, "output_length": 400, "hash_ids": [1],
              "batch": "b1"}  # fmt: skip
-    long = {**short, "input_length": 1200, "output_length": 400, "hash_ids": [2, 3, 4]}
-    probe = {"timestamp": 1000, "input_length": 300, "output_length": 2, "hash_ids": [9]}
-    workload = load_trace(str(_rows_file(tmp_path, [short, long, probe])), block_size=64)
+    long = {**short, "input_length": 1200, "hash_ids": [2, 3, 4]}
     config = ClusterConfig(profile=load_profile("dense-70b"), replicas=2, block_size=64)
+    alone = load_trace(str(_rows_file(tmp_path, [short, long])), block_size=64)
+    dry = Simulation(alone, config, "round_robin")
+    dry.run()
+    ends = [dry._records[r.request_id].finish * 1000.0 for r in alone.requests]
+    at = int(ends[0]) + 1  # ms: after the first row's end, before the other's
+    assert ends[0] < at < ends[1], ends
+    probe = {"timestamp": at, "input_length": 300, "output_length": 2, "hash_ids": [9]}
+    workload = load_trace(str(_rows_file(tmp_path, [short, long, probe])), block_size=64)
     sim = _Spy(workload, config, "round_robin")
     first, other, later = workload.requests
     sim.probe = later.request_id
     assert sim.run().summary["completed"] == 2  # the batch is one request (its rows all ended)
     records = sim._records
     # the probe came after the first row's answer, while the other row still decoded
-    assert records[first.request_id].finish < 1.0 < records[other.request_id].finish
+    assert records[first.request_id].finish < at / 1000.0 < records[other.request_id].finish
     view = sim.seen[str(sim.keys[records[first.request_id].replica])]
     assert (view.prefilling, view.decoding) == (0, 2)  # one sequence a prompt
     assert view.in_flight_prompt_tokens == 1500
@@ -174,21 +182,23 @@ def test_the_simulator_sends_a_turn_tied_to_a_batch_s_row_after_the_whole_batch(
 ) -> None:
     """The service answers a batch as one request: a session's next turn comes after that
     answer, all of it (the live replay's turn follows the batch's one request), not after
-    the row it was tied to, here the batch's short one, answered long before the other."""
-    long = {"timestamp": 0, "input_length": 1200, "output_length": 400,
+    the row it was tied to, here the batch's first (the one recorded to finish last), which
+    the simulator ends a little before the other (prefilled first, both decode the batch's
+    one output)."""
+    long = {"timestamp": 0, "input_length": 1200, "output_length": 400, "e2e_ms": 50,
             "hash_ids": [2, 3, 4], "batch": "b1", "session_id": "s"}  # fmt: skip
-    short = {**long, "input_length": 300, "output_length": 2, "hash_ids": [1]}
+    short = {**long, "input_length": 300, "e2e_ms": 10, "hash_ids": [1]}
     turn = {"timestamp": 100, "input_length": 300, "output_length": 2, "hash_ids": [9],
             "session_id": "s", "delay": 10}  # fmt: skip
     workload = load_trace(str(_rows_file(tmp_path, [long, short, turn])), block_size=64)
     first, other, later = workload.requests
-    assert later.after == other.request_id  # the last row of its session
+    assert later.after == first.request_id  # the row of its session that finished last
     config = ClusterConfig(profile=load_profile("dense-70b"), replicas=2, block_size=64)
     sim = Simulation(workload, config, "round_robin")
     assert sim.run().summary["completed"] == 2  # the batch is one request (its rows all ended)
     records = sim._records
-    assert records[other.request_id].finish < records[first.request_id].finish
-    assert records[later.request_id].arrival >= records[first.request_id].finish + 0.01
+    assert records[first.request_id].finish < records[other.request_id].finish
+    assert records[later.request_id].arrival >= records[other.request_id].finish + 0.01
 
 
 def test_the_simulator_judges_a_batch_once_as_the_live_figures_do(

@@ -13,7 +13,8 @@ Each request goes to the endpoint its row names (``endpoint``: ``/v1/completions
 streamed completion. The rows of one completions batch (``batch``: the recorder's row per
 prompt) are one request, as the router received and routed them: at the first row's arrival
 (and, closed loop, its tie), its ``prompt`` the rows' prompts in row order, with the first
-row's ``n``, ``stream``, session and max tokens (a batch's rows share them); the answer
+row's ``n``, ``stream``, session and max tokens (a batch's rows share them: each decodes the
+batch's largest output, sim.workload ``batch_outputs``, as the simulator runs it); the answer
 holds a choice per sequence (prompt ``i``'s sample ``j`` at index ``i * n + j``), its
 usage sums every prompt's, and a turn tied to any of its rows follows the whole answer.
 Completions carry the token ids; the other endpoints take text, so
@@ -185,7 +186,9 @@ def load_requests(path: Path, limit: int, model: str, max_output: int) -> list[T
     for group in groups:
         row = rows[group[0]]
         members = [rows[i] for i in group]
-        output = max(1, min(max(r.output_tokens for r in members), max_output))
+        # one max_tokens for a batch: its rows carry its largest output (sim.workload
+        # ``batch_outputs``, as the simulator decodes each of them)
+        output = max(1, min(row.output_tokens, max_output))
         tokens = tokens_of(row) if len(group) == 1 else [tokens_of(r) for r in members]
         body = request_body(row.endpoint, model, tokens, output, row.stream, row.samples)
         if row.session_id is not None:

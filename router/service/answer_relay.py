@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from router.core.slo import tpot_s
+from router.core.slo import answered_as, sequence_tokens
 from router.core.types import ReplicaKey
 from router.service.answers import (
     MAX_FINAL_EVENT,
@@ -65,18 +65,22 @@ def count_slo(
     e2e: float,
     output_tokens: int | None,
     sequences: int = 1,
+    streamed: bool = True,
 ) -> None:
-    """Count an answer with a first token in ``kvrouter_slo_requests``: its prompt's SLO
-    tier and which targets it met (without an output length, TPOT is not judged). The
-    forwarder's streams and gRPC Report (router/rpc/router_service.py) both count here.
+    """Count an answer in ``kvrouter_slo_requests``: its prompt's SLO tier and which targets
+    it met, judged as the simulator and the live replay judge it (router.core.slo
+    ``answered_as``): a stream by its first token's TTFT and its TPOT (without an output
+    length, TPOT is not judged), an answer not ``streamed`` by its E2E against the TTFT
+    target, its TPOT not judged (``ttft`` is then unused). The forwarder's answers and gRPC
+    Report (router/rpc/router_service.py) both count here.
 
     ``output_tokens`` is the engine's usage: a request's ``sequences`` (``n`` of each of
     its prompts) decode side by side and it sums their tokens, so TPOT is judged on one
     sequence's share of them."""
-    if output_tokens is not None and sequences > 1:
-        output_tokens = -(-output_tokens // sequences)
-    tpot = tpot_s(e2e, ttft, output_tokens) if output_tokens is not None else None
-    tier, ttft_ok, tpot_ok = state.slos[model].judge(prompt_tokens, ttft, tpot, ttft_factor)
+    # one output token: no TPOT, as for an answer whose length is unknown
+    tokens = 1 if output_tokens is None else sequence_tokens(output_tokens, sequences)
+    prompt, judged_ttft, tpot = answered_as(prompt_tokens, ttft, e2e, tokens, streamed)
+    tier, ttft_ok, tpot_ok = state.slos[model].judge(prompt, judged_ttft, tpot, ttft_factor)
     result = _SLO_RESULTS[ttft_ok, tpot_ok]
     state.metrics.model(model).slo(tier.label, result, service_class).inc()
 
@@ -360,8 +364,9 @@ class AnswerRelay:
         endpoint: str | None = None,
     ) -> bool:
         """Book an answer the client has whole: engine feedback, the live-traffic trace, the
-        outcome, and for a stream (``first_at``: when its first data came) whether it met its
-        SLO (a stream the engine ended with its error event: neither the SLO nor the trace).
+        outcome, and whether it met its SLO: a stream (``first_at``: when its first data
+        came) by its TTFT and TPOT, a 2xx body by its E2E (a stream the engine ended with its
+        error event: neither the SLO nor the trace).
         ``payload``: the body, or a stream's tail, whose usage is read once here (a
         Responses stream's final event carries the whole response). Returns whether the
         engine ended the stream with its error event."""
@@ -370,7 +375,9 @@ class AnswerRelay:
         # a stream the engine ended with its error event is an error, not an answer
         errored = sse and status < 400 and stream_error(payload)
         if sse and first_at and status < 400 and not errored:
-            self._slo(routed, started, first_at, usage)
+            self._slo(routed, started, first_at, usage, True)
+        elif not sse and 200 <= status < 300:
+            self._slo(routed, started, 0.0, usage, False)
         if self.state.recorder is not None and status < 400 and not errored:
             self._record(routed, key, started, usage, first_at, sse, endpoint)
         outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
@@ -380,22 +387,31 @@ class AnswerRelay:
         return errored
 
     def _slo(
-        self, routed: Routed, started: float, first_at: float, usage: dict[str, Any] | None
+        self,
+        routed: Routed,
+        started: float,
+        first_at: float,
+        usage: dict[str, Any] | None,
+        streamed: bool,
     ) -> None:
-        """Count a streamed answer by its prompt's SLO tier and which targets it met. The
-        output length is the usage the replica reported (the router asks for it on every
-        stream); without one the TPOT half is not judged."""
+        """Count an answer by its prompt's SLO tier and which targets it met
+        (:func:`count_slo`), its E2E from ``started`` (a disaggregated request's: its
+        prefill leg's start) to now, when the client has it whole. A stream's output length
+        is the usage the replica reported (the router asks for it on every stream); without
+        one the TPOT half is not judged; a body's TPOT is not judged."""
         req = routed.request
+        e2e = self.event_loop().time() - started
         count_slo(
             self.state,
             req.model,
             req.prompt_tokens,
             routed.ttft_factor,
             routed.service_class,
-            first_at - started,
-            self.event_loop().time() - started,
+            first_at - started if streamed else e2e,
+            e2e,
             usage_tokens(usage).completion,
             req.samples * req.prompts,
+            streamed,
         )
 
     def _record(

@@ -392,9 +392,10 @@ class Metrics:
         )
         self.slo_requests = LoopCounter(
             "kvrouter_slo_requests",
-            "Streamed answers by SLO tier of their prompt, service class and result: met, "
+            "Answers by SLO tier of their prompt, service class and result: met, "
             "ttft_missed, tpot_missed, both_missed (router.core.slo; TTFT and TPOT as the "
-            "router saw them; a class's TTFT target is the tier's times its ttft_factor)",
+            "router saw them, a non-streamed answer's E2E against the TTFT target; a "
+            "class's TTFT target is the tier's times its ttft_factor)",
             ["model", "tier", "result", "class"],
             registry=r,
         )
