@@ -385,6 +385,34 @@ async def test_a_pick_held_by_admission_is_timed_from_its_arrival(monkeypatch: A
     assert missed == 1
 
 
+async def test_a_completed_report_without_a_first_token_is_judged_by_its_e2e() -> None:
+    """A gateway that reports no FIRST_TOKEN (an answer not streamed: its first token reaches
+    the client with the whole answer) has its COMPLETED judged as HTTP judges such an answer
+    (router.core.slo ``answered_as``): its E2E against the TTFT target. It used to count in
+    no SLO result at all."""
+    state = _state(slo={"ttft_s": 5.0})
+    shift = [0.0]
+    report = router_pb2.ReportRequest
+    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), lambda: loop_clock() + shift[0])
+    _server, port = await gen.__anext__()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            for start, took_s in ((0, 10.0), (9, 0.0)):  # E2E 10 s: missed; ~0 s: met
+                pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320, start=start))
+                done = await stub.Pick(pick, metadata=AUTH)
+                shift[0] += took_s
+                end = report(decision_id=done.decision_id, phase=report.COMPLETED, output_tokens=9)
+                await stub.Report(end, metadata=AUTH)
+    finally:
+        await gen.aclose()
+    page = state.metrics.render().decode()
+    slo = "kvrouter_slo_requests_total"
+    assert metric_sample(page, slo, model=MODEL, result="ttft_missed") == 1
+    assert metric_sample(page, slo, model=MODEL, result="met") == 1
+    assert metric_sample(page, "kvrouter_ttft_seconds_count", model=MODEL) == 0
+
+
 def _two_replicas(**server: Any) -> Any:
     """Settings of a router with gRPC on and two replicas (``a``, ``b``: nothing listens),
     ejected after 2 failures in a row; ``server`` adds to its ``[server]`` table."""

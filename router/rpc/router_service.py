@@ -543,17 +543,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             ok = phase == router_pb2.ReportRequest.COMPLETED
             outcome = "ok" if ok else ("upstream_4xx" if client_error else "failed")
             mm.outcome(pending.replica, outcome).inc()
-            if ok and pending.first_at:
+            if ok:  # without a FIRST_TOKEN: an answer not streamed, judged by its E2E
+                streamed = pending.first_at > 0
                 count_slo(
                     self.state,
                     pending.model,
                     pending.prompt_tokens,
                     pending.ttft_factor,
                     pending.service_class,
-                    pending.first_at - pending.since,
+                    (pending.first_at if streamed else now) - pending.since,
                     now - pending.since,
                     report.output_tokens or None,
                     pending.sequences,
+                    streamed,
                 )
         if report.cached_tokens is not None and not pending.cached_counted:
             # once a request, as the forwarder counts its answer's usage: the first report
