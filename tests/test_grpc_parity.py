@@ -8,7 +8,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -43,8 +43,10 @@ def _state(**model: Any) -> RouterState:
     return RouterState(settings)
 
 
-async def _serve(state: RouterState, **kw: Any) -> AsyncIterator[grpc.aio.Channel]:
-    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN, **kw), loop_clock)
+async def _serve(
+    state: RouterState, clock: Callable[[], float] = loop_clock, **kw: Any
+) -> AsyncIterator[grpc.aio.Channel]:
+    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN, **kw), clock)
     _server, port = await gen.__anext__()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
@@ -366,19 +368,14 @@ async def test_a_pick_held_by_admission_is_timed_from_its_arrival(monkeypatch: A
 
     monkeypatch.setattr(gate, "route", held)
     report = router_pb2.ReportRequest
-    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), lambda: loop_clock() + held_s[0])
-    _server, port = await gen.__anext__()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = router_pb2_grpc.RouterStub(channel)
-            pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320))
-            done = await stub.Pick(pick, metadata=AUTH)
-            first = report(decision_id=done.decision_id, phase=report.FIRST_TOKEN)
-            await stub.Report(first, metadata=AUTH)
-            end = report(decision_id=done.decision_id, phase=report.COMPLETED, output_tokens=1)
-            await stub.Report(end, metadata=AUTH)
-    finally:
-        await gen.aclose()
+    async for channel in _serve(state, lambda: loop_clock() + held_s[0]):
+        stub = router_pb2_grpc.RouterStub(channel)
+        pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320))
+        done = await stub.Pick(pick, metadata=AUTH)
+        first = report(decision_id=done.decision_id, phase=report.FIRST_TOKEN)
+        await stub.Report(first, metadata=AUTH)
+        end = report(decision_id=done.decision_id, phase=report.COMPLETED, output_tokens=1)
+        await stub.Report(end, metadata=AUTH)
     page = state.metrics.render().decode()
     assert metric_sample(page, "kvrouter_ttft_seconds_sum", model=MODEL) >= 10.0
     missed = metric_sample(page, "kvrouter_slo_requests_total", model=MODEL, result="ttft_missed")
@@ -393,19 +390,14 @@ async def test_a_completed_report_without_a_first_token_is_judged_by_its_e2e() -
     state = _state(slo={"ttft_s": 5.0})
     shift = [0.0]
     report = router_pb2.ReportRequest
-    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), lambda: loop_clock() + shift[0])
-    _server, port = await gen.__anext__()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = router_pb2_grpc.RouterStub(channel)
-            for start, took_s in ((0, 10.0), (9, 0.0)):  # E2E 10 s: missed; ~0 s: met
-                pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320, start=start))
-                done = await stub.Pick(pick, metadata=AUTH)
-                shift[0] += took_s
-                end = report(decision_id=done.decision_id, phase=report.COMPLETED, output_tokens=9)
-                await stub.Report(end, metadata=AUTH)
-    finally:
-        await gen.aclose()
+    async for channel in _serve(state, lambda: loop_clock() + shift[0]):
+        stub = router_pb2_grpc.RouterStub(channel)
+        for start, took_s in ((0, 10.0), (9, 0.0)):  # E2E 10 s: missed; ~0 s: met
+            pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320, start=start))
+            done = await stub.Pick(pick, metadata=AUTH)
+            shift[0] += took_s
+            end = report(decision_id=done.decision_id, phase=report.COMPLETED, output_tokens=9)
+            await stub.Report(end, metadata=AUTH)
     page = state.metrics.render().decode()
     slo = "kvrouter_slo_requests_total"
     assert metric_sample(page, slo, model=MODEL, result="ttft_missed") == 1

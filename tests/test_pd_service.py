@@ -78,6 +78,16 @@ async def mocks(tmp_path: Path) -> AsyncIterator[Mocks]:
             await r.cleanup()
 
 
+def _both_and_decode(both: str, decode: str) -> list[dict[str, Any]]:
+    """Replica tables: ``p0`` prefills and decodes (rack0), ``d0`` decodes (rack1)."""
+    return [
+        {"url": both, "model": MODEL, "name": "p0", "role": "both", "rack": "rack0",
+         "region": "reg0"},
+        {"url": decode, "model": MODEL, "name": "d0", "role": "decode", "rack": "rack1",
+         "region": "reg0"},
+    ]  # fmt: skip
+
+
 def _settings(replicas: list[dict[str, Any]], mode: str = "always", **server: Any) -> Any:
     return build_settings(
         {
@@ -897,12 +907,7 @@ async def test_a_refused_prefill_leg_is_withdrawn_before_the_decode_pick() -> No
 
     both = await Backend("p0", [MODEL], fail_next=1, fail_status=400).start()
     decode = await Backend("d0", [MODEL]).start()
-    reps = [
-        {"url": both.url, "model": MODEL, "name": "p0", "role": "both", "rack": "rack0",
-         "region": "reg0"},
-        {"url": decode.url, "model": MODEL, "name": "d0", "role": "decode", "rack": "rack1",
-         "region": "reg0"},
-    ]  # fmt: skip
+    reps = _both_and_decode(both.url, decode.url)
     router, url = await start_router(_settings(reps))
     state = router.app[STATE]
     try:
@@ -1103,12 +1108,7 @@ async def test_a_failed_prefill_legs_fallback_skips_the_replica_that_failed_it(
     else:
         both = await Backend("p0", [MODEL], fail_next=2, fail_status=503).start()
     decode = await Backend("d0", [MODEL]).start()
-    reps = [
-        {"url": both.url, "model": MODEL, "name": "p0", "role": "both", "rack": "rack0",
-         "region": "reg0"},
-        {"url": decode.url, "model": MODEL, "name": "d0", "role": "decode", "rack": "rack1",
-         "region": "reg0"},
-    ]  # fmt: skip
+    reps = _both_and_decode(both.url, decode.url)
     router, url = await start_router(_settings(reps, max_retries=0, first_byte_min_s=0.5))
     state = router.app[STATE]
     try:
