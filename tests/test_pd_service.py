@@ -275,12 +275,9 @@ async def test_the_prefill_request_is_vllms(mocks: Mocks) -> None:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", prefill)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, prefill_url = await _serve_app(app)
     replicas = _replicas(mocks)
-    replicas[0] = {**replicas[0], "url": f"http://127.0.0.1:{port}"}
+    replicas[0] = {**replicas[0], "url": prefill_url}
     del replicas[0]["zmq"]
     router, url = await start_router(_settings(replicas))
     try:
@@ -311,6 +308,17 @@ async def test_the_prefill_request_is_vllms(mocks: Mocks) -> None:
 
 
 # ---------------------------------------------------------------- review: defects found
+
+
+async def _serve_app(app: Any) -> tuple[Any, str]:
+    """Serve the aiohttp ``app`` on a free loopback port: its runner (to clean up) and URL."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
 
 
 class _Prefill:
@@ -352,11 +360,7 @@ class _Prefill:
         app = web.Application()
         app.router.add_post("/v1/completions", self._answer)
         app.router.add_post("/v1/chat/completions", self._answer)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        port = free_port()
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
-        self.url = f"http://127.0.0.1:{port}"
+        self.runner, self.url = await _serve_app(app)
         return self
 
 
@@ -1049,12 +1053,9 @@ async def test_a_request_whose_id_is_another_ones_prefill_leg_gets_its_own() -> 
 
     app = web.Application()
     app.router.add_post("/v1/completions", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, prefill_url = await _serve_app(app)
     decode = await Backend("d0", [MODEL], gate=asyncio.Event()).start()
-    settings = _stub_settings(f"http://127.0.0.1:{port}", [(decode.url, "decode")])
+    settings = _stub_settings(prefill_url, [(decode.url, "decode")])
     router, url = await start_router(settings)
     flights = router.app[STATE].load._flights
     try:
@@ -1184,12 +1185,9 @@ async def test_a_prefill_replica_answering_garbage_is_ejected() -> None:
 
     app = web.Application()
     app.router.add_post("/v1/completions", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, prefill_url = await _serve_app(app)
     decode = await Backend("d0", [MODEL]).start()
-    settings = _stub_settings(f"http://127.0.0.1:{port}", [(decode.url, "decode")])
+    settings = _stub_settings(prefill_url, [(decode.url, "decode")])
     router, url = await start_router(settings)
     state = router.app[STATE]
     try:
