@@ -221,29 +221,38 @@ async def _index_blocks(url: str, name: str) -> int:
 
 
 @pytest.mark.parametrize("server_kind", ["redis", "redis_cluster"])
-async def test_router_restart_recovers_index_from_redis(
+async def test_idle_engines_history_is_loaded_and_a_restarted_router_recovers_it(
     fleet: Fleet, tmp_path: Path, server_kind: str, request: pytest.FixtureRequest
 ) -> None:
     """Real ``kvrouter serve`` / ``kvrouter publish`` processes on a private redis-server,
-    then on the session's 3-node Redis Cluster (``redis+cluster://``)."""
+    then on the session's 3-node Redis Cluster (``redis+cluster://``); one fleet checks both
+    facts (each process start costs about half a second of CPU).
+
+    A publisher started while its engine is idle must still load what the engine cached
+    before: the engine's ZMQ replay buffer holds it, but no new event will come to trigger
+    the fetch (a router restart test flaked on a loaded machine for this: its publisher
+    subscribed only after the completions, and the index stayed empty). Then a new router
+    process, after the first crashed, recovers that index from Redis (the publisher's
+    snapshot) and serves."""
     with contextlib.ExitStack() as stack:
         url, prefix = _redis(server_kind, tmp_path, request, stack, "kvrlife")
         mock = fleet.mock("a", events=True)
+        async with aiohttp.ClientSession() as session:
+            for i in range(8):  # straight to the engine, before any publisher runs
+                body = {"model": "m", "prompt": token_prompt(i, 160), "max_tokens": 2}
+                async with session.post(mock.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
         fleet.publisher("a", mock, url, prefix=prefix)
         server = {"admin_token": ADMIN, "redis_url": url, "redis_key_prefix": prefix}
         router = fleet.router("router1", [("a", mock.url)], server=server)
-        async with aiohttp.ClientSession() as session:
-            for i in range(8):  # fill the mock's cache; events flow to Redis, then the router
-                body = {"model": "m", "prompt": token_prompt(i, 160), "max_tokens": 2}
-                async with session.post(router.url + "/v1/completions", json=body) as resp:
-                    assert resp.status == 200
-                    await resp.read()
 
-        async def filled() -> bool:  # 8 prompts x 10 full 16-token blocks
+        async def loaded() -> bool:  # 8 prompts x 10 full 16-token blocks
             return await _index_blocks(router.url, "a") >= 8 * 10
 
-        await eventually(filled)
+        await eventually(loaded)
         blocks = await _index_blocks(router.url, "a")
+        assert blocks == 80
         router.kill()  # a crash, not a clean stop
 
         started = time.monotonic()
@@ -272,34 +281,6 @@ async def test_router_restart_recovers_index_from_redis(
             return bool(line) and float(line.rsplit(" ", 1)[1]) >= 8 * 160
 
         await eventually(engine_counters, message="no engine prefix-cache counters")
-
-
-@pytest.mark.parametrize("server_kind", ["redis", "redis_cluster"])
-async def test_publisher_started_after_the_engine_went_idle_loads_its_history(
-    fleet: Fleet, tmp_path: Path, server_kind: str, request: pytest.FixtureRequest
-) -> None:
-    """A publisher (re)started while its engine is idle must still load what the engine
-    cached before: the engine's ZMQ replay buffer holds it, but no new event will come to
-    trigger the fetch. (The router restart test above flaked on a loaded machine for this:
-    its publisher subscribed only after the 8 completions, and the index stayed empty.)"""
-    with contextlib.ExitStack() as stack:
-        url, prefix = _redis(server_kind, tmp_path, request, stack, "kvridle")
-        mock = fleet.mock("a", events=True)
-        async with aiohttp.ClientSession() as session:
-            for i in range(8):  # straight to the engine, before any publisher runs
-                body = {"model": "m", "prompt": token_prompt(i, 160), "max_tokens": 2}
-                async with session.post(mock.url + "/v1/completions", json=body) as resp:
-                    assert resp.status == 200
-                    await resp.read()
-        fleet.publisher("a", mock, url, prefix=prefix)
-        server = {"admin_token": ADMIN, "redis_url": url, "redis_key_prefix": prefix}
-        router = fleet.router("router", [("a", mock.url)], server=server)
-
-        async def loaded() -> bool:  # 8 prompts x 10 full 16-token blocks
-            return await _index_blocks(router.url, "a") >= 8 * 10
-
-        await eventually(loaded)
-        assert await _index_blocks(router.url, "a") == 80
 
 
 async def test_subscriber_started_while_the_engine_publishes_takes_each_batch_once() -> None:
