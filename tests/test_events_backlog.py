@@ -131,3 +131,23 @@ def test_the_budget_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_backlog_bytes"):
         ZmqEventSubscriber("tcp://127.0.0.1:1", lambda s, p: None, max_backlog_bytes=0)
 
+
+def test_the_budget_is_read_once_and_checked_at_the_edge() -> None:
+    """``server.max_event_backlog_mb`` and ``kvrouter publish --max-event-backlog-mb``: a
+    budget that cannot work stops the start with the setting's name."""
+    from router.cli import build_parser
+    from router.core.errors import ConfigError
+    from router.publisher.cli import check_timing
+    from router.service.config import build_settings
+
+    assert build_settings({}).server.max_event_backlog_mb == 64.0
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="server.max_event_backlog_mb"):
+            build_settings({"server": {"max_event_backlog_mb": bad}})
+    argv = ["publish", "--replica", "r", "--model", "m", "--zmq", "tcp://127.0.0.1:1"]
+    args = build_parser("publish").parse_args(argv)
+    assert args.max_event_backlog_mb == 64.0
+    check_timing(args)
+    args = build_parser("publish").parse_args([*argv, "--max-event-backlog-mb", "0"])
+    with pytest.raises(ValueError, match="--max-event-backlog-mb"):
+        check_timing(args)
