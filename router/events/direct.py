@@ -8,6 +8,7 @@ loop, so index mutations never race with lookups.
 ``event_lag`` (the service passes ``RouterState.event_lag_s``, exported as
 ``kvrouter_index_event_lag_seconds``): for each replica key, set when a batch is applied to
 ``wall_clock()`` minus the engine's batch timestamp (``KVEventBatch.ts``), at least 0.
+``max_backlog_bytes``: each subscription's live backlog budget (router/events/backlog.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from router.core.index import PrefixIndex
 from router.core.types import EventBatch, IndexEvent, ReplicaKey
 from router.events.endpoints import EndpointSpec
 from router.events.ingest import EngineFacts, EngineIngest, SubscriberGroup
+from router.events.subscriber import DEFAULT_MAX_BACKLOG_BYTES
 
 
 class DirectEvents:
@@ -29,10 +31,12 @@ class DirectEvents:
         *,
         event_lag: MutableMapping[str, float] | None = None,
         wall_clock: Callable[[], float] = time.time,
+        max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
     ) -> None:
         self.index = index
         self.event_lag = event_lag
         self.wall_clock = wall_clock
+        self.max_backlog_bytes = max_backlog_bytes
         self.ingests: dict[str, EngineIngest] = {}
         self._groups: list[SubscriberGroup] = []
         self._started = False
@@ -120,6 +124,7 @@ class DirectEvents:
             on_checkpoint=on_checkpoint,
             on_facts=on_facts,
             adapter=adapter,
+            max_backlog_bytes=self.max_backlog_bytes,
         )
         self.ingests[replica] = ingest
         for spec in endpoints:

@@ -24,7 +24,7 @@ from router.events.decode import decode_payload
 from router.events.endpoints import EndpointSpec
 from router.events.model import EngineBlockStored, EngineEvent
 from router.events.reblock import Reblocker, ReblockStats
-from router.events.subscriber import ZmqEventSubscriber
+from router.events.subscriber import DEFAULT_MAX_BACKLOG_BYTES, ZmqEventSubscriber
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ class IngestStats:
     restarts: int = 0
     # batches naming a rank not followed, filed under their endpoint's rank instead
     foreign_rank_batches: int = 0
+    # live batches dropped over a subscriber's backlog budget (refilled by replay, or lost)
+    backlog_dropped: int = 0
     last_errors: list[str] = field(default_factory=list)
 
     def note(self, errors: Sequence[str]) -> None:
@@ -71,6 +73,7 @@ class EngineIngest:
         on_checkpoint: Callable[[int], None] | None = None,
         on_facts: Callable[[EngineFacts], None] | None = None,
         adapter: bool = False,
+        max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
     ) -> None:
         """``on_batch(key, ts)``: called after ``sink`` with the engine's batch timestamp
         (``KVEventBatch.ts``, the engine's wall clock) when the batch gave canonical events
@@ -78,7 +81,8 @@ class EngineIngest:
         recurrent-state checkpoint (``Reblocker``), for layout learning. ``on_facts``: called
         with ``facts`` (:class:`EngineFacts`) each time the engine's stores show more of
         them (at most twice). ``adapter``: ``model`` is configured as a LoRA adapter of the
-        engine (``Reblocker``: its entries never index the base model's blocks as its own)."""
+        engine (``Reblocker``: its entries never index the base model's blocks as its own).
+        ``max_backlog_bytes``: each subscriber's live backlog budget (``ZmqEventSubscriber``)."""
         self.replica = replica
         self.model = model
         self.block_size = block_size
@@ -87,6 +91,7 @@ class EngineIngest:
         self.on_checkpoint = on_checkpoint
         self.on_facts = on_facts
         self.adapter = adapter
+        self.max_backlog_bytes = max_backlog_bytes
         self.facts = EngineFacts()
         self.reblockers: dict[int, Reblocker] = {}
         self.stats = IngestStats()
@@ -205,6 +210,9 @@ class EngineIngest:
             self.stats.restarts += 1
             self.reset_source(spec.endpoint, spec.dp_rank)
 
+        def on_dropped() -> None:
+            self.stats.backlog_dropped += 1
+
         return ZmqEventSubscriber(
             spec.endpoint,
             on_payload,
@@ -212,6 +220,8 @@ class EngineIngest:
             topic=spec.topic,
             on_lost=on_lost,
             on_restart=on_restart,
+            max_backlog_bytes=self.max_backlog_bytes,
+            on_dropped=on_dropped,
         )
 
 

@@ -36,6 +36,14 @@ publishes before the subscription reaches it, so when the SUB socket's connectio
 loads the history if it has none yet; an engine that did not answer at start (it was down)
 is caught up on when it comes. The first live message that shows a gap asks for the batches
 before it too.
+
+Backlog (``max_backlog_bytes``, router/events/backlog.py): ZMQ bounds the SUB socket's queue
+by message count only, and one batch can be megabytes. The socket keeps a short queue
+(``RCVHWM``: beyond it the engine's PUB holds the rest, or drops it, a gap) and a reader
+task moves each message at once into a ``Backlog`` that the handler takes from; a message
+that would take it past the budget is dropped there, a ``Dropped`` marker in its place, and
+the handler takes the marker as a gap up to the last seq dropped (``_refill``): refilled
+from the replay socket, or counted lost. Drops are counted (``stats.dropped``).
 """
 
 from __future__ import annotations
@@ -49,12 +57,19 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from router.events.backlog import Backlog, Dropped
+
 log = logging.getLogger(__name__)
 END_SEQ = -1
 RECENT = 16  # delivered batches kept (references) to recognise a repeated one
 _MAX_REPLAY_ROUNDS = 1000  # replay requests of one fetch (each brings at least one batch)
 YIELD_EVERY = 32  # batches delivered at most between two turns of the event loop
 YIELD_AFTER_S = 0.005  # delivering since the last turn: the next batch is followed by one
+# messages ZMQ queues on the SUB socket before its reader takes them into the byte-bounded
+# backlog (the reader runs whenever the event loop does: this holds what arrives while it
+# does not, e.g. a garbage collection); beyond it the engine's PUB queues them
+RCVHWM = 128
+DEFAULT_MAX_BACKLOG_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
@@ -66,6 +81,9 @@ class SubscriberStats:
     lost: int = 0
     restarts: int = 0
     duplicates: int = 0
+    received: int = 0  # messages the SUB socket gave (before the backlog's budget)
+    dropped: int = 0  # of them, dropped over the backlog's budget (refilled or lost)
+    max_backlog_bytes: int = 0  # the most the backlog held (router/events/backlog.py)
 
 
 class ZmqEventSubscriber:
@@ -81,7 +99,11 @@ class ZmqEventSubscriber:
         replay_timeout_s: float = 1.0,
         replay_history: bool = True,
         context: zmq.asyncio.Context | None = None,
+        max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
+        on_dropped: Callable[[], None] | None = None,
     ) -> None:
+        if max_backlog_bytes <= 0:
+            raise ValueError(f"max_backlog_bytes must be > 0, got {max_backlog_bytes}")
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
@@ -91,6 +113,9 @@ class ZmqEventSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self.replay_history = replay_history
         self.ctx = context or zmq.asyncio.Context.instance()
+        self.max_backlog_bytes = max_backlog_bytes
+        self.on_dropped = on_dropped or (lambda: None)
+        self._backlog: Backlog | None = None  # of the SUB socket in use
         self.last_seq: int | None = None
         self.stats = SubscriberStats()
         self.connected = asyncio.Event()
@@ -98,7 +123,8 @@ class ZmqEventSubscriber:
         # seq -> hash(payload) of the batches the start-up history fetch delivered, until a
         # live message goes past them (their live copies may still be queued on the SUB)
         self._history: dict[int, int] | None = None
-        self._recent: deque[tuple[int, bytes]] = deque(maxlen=RECENT)
+        # (seq, payload) delivered; payload None: a seq passed over as lost (``_refill``)
+        self._recent: deque[tuple[int, bytes | None]] = deque(maxlen=RECENT)
         self._since_turn = 0  # batches delivered since the event loop's last turn
         self._lock = asyncio.Lock()  # one delivery at a time: live batches or a catch-up
         self._turn_due = 0.0  # loop time after which a delivered batch is followed by one
@@ -118,16 +144,19 @@ class ZmqEventSubscriber:
         self._stale_socket = False
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.RCVHWM, RCVHWM)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         watch: asyncio.Task[None] | None = None
         monitor: zmq.asyncio.Socket | None = None
+        reader: asyncio.Task[None] | None = None
+        backlog = self._backlog = Backlog(self.max_backlog_bytes, self.endpoint, self._dropped)
         try:
             if self.replay_endpoint:
                 monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
                 watch = asyncio.create_task(self._watch_reconnects(monitor))
             sub.connect(self.endpoint)
             self._sub = sub
+            reader = asyncio.create_task(self._read(sub, backlog))
             self.connected.set()
             # what was published before: the first handshake catches up on what came between
             # this fetch and the subscription reaching the engine (``_watch_reconnects``)
@@ -137,21 +166,48 @@ class ZmqEventSubscriber:
                 elif self.replay_history and self.replay_endpoint:
                     await self._load_history()
             while not self._stale_socket:
-                frames = await sub.recv_multipart()
+                item = await backlog.get()
                 async with self._lock:
                     if self._stale_socket:
                         break
-                    await self._handle(frames)
+                    if isinstance(item, Dropped):
+                        await self._refill(item)
+                        continue
+                    await self._handle(item)
                 await self._pace()
         finally:
-            if watch is not None:
-                watch.cancel()
-                await asyncio.gather(watch, return_exceptions=True)
+            for task in (reader, watch):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             if monitor is not None:
                 sub.disable_monitor()
                 monitor.close(0)
             sub.close(0)
             self._sub = None
+            self._backlog = None
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes of live messages received and not yet handled (``Backlog.bytes``)."""
+        return 0 if self._backlog is None else self._backlog.bytes
+
+    def _dropped(self) -> None:
+        self.stats.dropped += 1
+        self.on_dropped()
+
+    async def _read(self, sub: zmq.asyncio.Socket, backlog: Backlog) -> None:
+        """Move every message the SUB socket receives into ``backlog`` at once (it drops
+        what exceeds its budget); what ends this ends the handler's loop too."""
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                self.stats.received += 1
+                backlog.put(frames)
+                self.stats.max_backlog_bytes = max(self.stats.max_backlog_bytes, backlog.bytes)
+        except BaseException as exc:
+            backlog.fail(exc)
+            raise
 
     async def _watch_reconnects(self, monitor: zmq.asyncio.Socket) -> None:
         """Each time the SUB socket connects to the engine, catch up from the last seq
@@ -201,16 +257,42 @@ class ZmqEventSubscriber:
             log.warning("engine %s restarted (seq %d after %d)", self.endpoint, seq, last)
             await self._restarted(seq)
         elif seq > last + 1:
-            self.stats.gaps += 1
-            got = (await self._fetch(last, seq))[0] if self.replay_endpoint else []
-            if got and got[0][0] == last and not self._delivered(last, got[0][1]):
-                # the engine's batch ``last`` is not the one delivered under it: the engine
-                # restarted while nothing reached this subscriber, and counted past ``last``
-                log.warning("engine %s restarted (seq %d is another batch)", self.endpoint, last)
-                await self._restarted(seq)
-            else:
-                await self._deliver_replayed(got, last + 1, seq)
+            await self._fill_gap(last, seq)
         self._deliver(seq, payload)
+
+    async def _fill_gap(self, last: int, seq: int) -> None:
+        """Deliver ``(last, seq)`` from the replay socket (a gap before ``seq``), or report
+        it lost; a replay whose batch ``last`` is another one shows a restart."""
+        self.stats.gaps += 1
+        got = (await self._fetch(last, seq))[0] if self.replay_endpoint else []
+        if got and got[0][0] == last and not self._delivered(last, got[0][1]):
+            # the engine's batch ``last`` is not the one delivered under it: the engine
+            # restarted while nothing reached this subscriber, and counted past ``last``
+            log.warning("engine %s restarted (seq %d is another batch)", self.endpoint, last)
+            await self._restarted(seq)
+        else:
+            await self._deliver_replayed(got, last + 1, seq)
+
+    async def _refill(self, dropped: Dropped) -> None:
+        """Messages the backlog dropped over its budget, taken in their place: a gap up to
+        the last of them (``_fill_gap``: replayed, or lost), so that they come back even if
+        no batch follows them. Seqs at or before the last delivered are duplicates, or an
+        engine restart that the next batch or connection shows (as without the drop)."""
+        last, upto = self.last_seq, dropped.last
+        if upto is None:
+            return  # malformed messages only
+        restarts = self.stats.restarts
+        if last is None:
+            # none delivered yet: the dropped ones from their first (lost without replay)
+            assert dropped.first is not None
+            await self._replay(dropped.first, upto + 1)
+        elif upto > last:
+            await self._fill_gap(last, upto + 1)
+        last = self.last_seq
+        if last is not None and last < upto and self.stats.restarts == restarts:
+            # the last ones were counted lost: the next batch follows them, no gap again
+            self.last_seq = upto
+            self._recent.append((upto, None))
 
     async def _restarted(self, seq: int) -> None:
         """The engine restarted: forget it (``on_restart``), then deliver what the new engine
@@ -275,8 +357,9 @@ class ZmqEventSubscriber:
             log.info("%s: %d buffered batches loaded from replay", self.endpoint, len(history))
 
     def _delivered(self, seq: int, payload: bytes) -> bool:
-        """``payload`` is what was delivered under ``seq`` (among the last ``RECENT``)."""
-        return any(s == seq and p == payload for s, p in self._recent)
+        """``payload`` is what was delivered under ``seq`` (among the last ``RECENT``), or
+        ``seq`` was passed over as lost (whatever batch it names was counted so)."""
+        return any(s == seq and (p is None or p == payload) for s, p in self._recent)
 
     def _deliver(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq

@@ -93,6 +93,7 @@ async def _main(args: argparse.Namespace) -> int:
         flush_interval_s=args.flush_interval,
         ask_sources=args.zmq == ["auto"],
         lora_base=args.lora_base,
+        max_backlog_bytes=max(1, int(args.max_event_backlog_mb * 2**20)),
     )
     signing_hex = args.signing_key
     store = RedisStore.from_url(
@@ -160,6 +161,9 @@ def check_timing(args: argparse.Namespace) -> None:
         if not (math.isfinite(value) and value > 0):  # NaN too; inf: never flushed / a
             # lease Redis cannot take
             raise ValueError(f"{flag} must be > 0 seconds and finite, got {value}")
+    mb = args.max_event_backlog_mb
+    if not (math.isfinite(mb) and mb > 0):
+        raise ValueError(f"--max-event-backlog-mb must be > 0 and finite, got {mb}")
     if args.heartbeat >= args.lease_ttl:
         raise ValueError(
             f"--heartbeat ({args.heartbeat} s) must be shorter than --lease-ttl "
@@ -329,6 +333,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--lease-ttl", type=float, default=10.0)
     p.add_argument("--heartbeat", type=float, default=2.0)
     p.add_argument("--flush-interval", type=float, default=0.02)
+    p.add_argument(
+        "--max-event-backlog-mb",
+        type=float,
+        default=64.0,
+        help="live KV event batches buffered per endpoint before they are dropped (and "
+        "refilled from --replay, or counted lost)",
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="serve own /metrics here")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(handler=run)

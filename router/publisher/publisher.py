@@ -55,6 +55,7 @@ from router.core.state_layout import CheckpointGrid
 from router.core.types import IndexEvent, ReplicaKey
 from router.events.endpoints import EndpointSpec
 from router.events.ingest import EngineIngest, SubscriberGroup
+from router.events.subscriber import DEFAULT_MAX_BACKLOG_BYTES
 from router.publisher.scrape import MissingGauges, fetch_page, parse_engine_metrics
 from router.store.base import (
     IndexStore,
@@ -99,6 +100,9 @@ class PublisherSettings:
     # ``info.model`` is a LoRA adapter the engine serves on this base model
     # (``--lora-base``): no block stored without it is published as its (EngineIngest)
     lora_base: str | None = None
+    # live batches each subscription buffers (``--max-event-backlog-mb``): beyond it they are
+    # dropped and refilled from the engine's replay socket, or lost (router/events/backlog.py)
+    max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES
 
 
 @dataclass(slots=True)
@@ -137,6 +141,7 @@ class Publisher:
             self._sink,
             on_checkpoint=self._checkpoint,
             adapter=settings.lora_base is not None,
+            max_backlog_bytes=settings.max_backlog_bytes,
         )
         self.subscribers = SubscriberGroup(self.ingest, settings.endpoints)
         self._retired_restarts = 0  # ``restarts`` of the subscriber groups replaced
@@ -467,6 +472,11 @@ class PublisherCollector:
             "kvrouter_publisher_lost_batches": (
                 "event batches lost beyond replay",
                 ing.lost_batches,
+            ),
+            "kvrouter_publisher_backlog_dropped_batches": (
+                "live event batches dropped over --max-event-backlog-mb (refilled by replay, "
+                "or counted in lost_batches)",
+                ing.backlog_dropped,
             ),
             "kvrouter_publisher_foreign_rank_batches": (
                 "batches naming a data-parallel rank not followed (filed under their "

@@ -264,7 +264,11 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
     from router.events.endpoints import engine_endpoints
 
     settings = app[SETTINGS]
-    direct = DirectEvents(app[STATE].index, event_lag=app[STATE].event_lag_s)
+    direct = DirectEvents(
+        app[STATE].index,
+        event_lag=app[STATE].event_lag_s,
+        max_backlog_bytes=max(1, int(settings.server.max_event_backlog_mb * 2**20)),
+    )
     asked = [rep for rep in settings.replicas if rep.zmq == ZMQ_AUTO]
     for rep in settings.replicas:
         if rep.zmq and rep.zmq != ZMQ_AUTO:
@@ -283,7 +287,7 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
                 adapter=settings.model(rep.model).lora_base is not None,
             )
     registry = app[STATE].metrics.registry
-    collector = _NotIndexed(direct)
+    collector = _EventCounters(direct)
     registry.register(collector)
     async with direct:
         tasks = [asyncio.create_task(_discover(app, direct, rep)) for rep in asked]
@@ -296,10 +300,12 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
     registry.unregister(collector)
 
 
-class _NotIndexed(Collector):
+class _EventCounters(Collector):
     """``kvrouter_events_blocks_not_indexed_total{replica, reason}`` of the engines this
     router follows directly (router.events.ingest ``not_indexed``; the publisher's metric of
-    that name in Redis mode)."""
+    that name in Redis mode), and ``kvrouter_events_backlog_dropped_batches_total{replica}``
+    (``IngestStats.backlog_dropped``; the publisher's
+    ``kvrouter_publisher_backlog_dropped_batches_total``)."""
 
     def __init__(self, direct: DirectEvents) -> None:
         self.direct = direct
@@ -314,6 +320,15 @@ class _NotIndexed(Collector):
             for reason, n in ingest.not_indexed().items():
                 family.add_metric([replica, reason], float(n))
         yield family
+        dropped = CounterMetricFamily(
+            "kvrouter_events_backlog_dropped_batches",
+            "Live KV event batches dropped over server.max_event_backlog_mb, by replica "
+            "(refilled from the engine's replay socket, or lost)",
+            labels=["replica"],
+        )
+        for replica, ingest in self.direct.ingests.items():
+            dropped.add_metric([replica], float(ingest.stats.backlog_dropped))
+        yield dropped
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -79,6 +79,7 @@ _POSITIVE = (  # finite, > 0
     "outlier_latency_factor",
     "grpc_max_message_mb",
     "record_max_mb",
+    "max_event_backlog_mb",
 )
 _NON_NEGATIVE = (  # finite, >= 0 (0: off or automatic, see ServerSettings)
     "health_interval_s",

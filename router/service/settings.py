@@ -121,6 +121,10 @@ class ServerSettings:
     # names; beyond it those soonest to expire go first, whatever their TTL (bounds router
     # memory; router/core/index.py PrefixIndex).
     max_speculative_blocks: int = 1_000_000
+    # Live KV-event batches a subscription to an engine's ZMQ endpoint buffers before its
+    # handler takes them; beyond it they are dropped and refilled from the engine's replay
+    # socket, or counted lost (router/events/backlog.py, docs/engines.md)
+    max_event_backlog_mb: float = 64.0
     # Byte-identical request bodies (parallel sampling, retries) reuse the first one's prompt
     # processing (router/service/body_memo.py); 0: off
     body_memo_mb: float = 16.0
