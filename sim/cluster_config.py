@@ -112,6 +112,7 @@ def policy_params_for(
             out["cost"] = asdict(profile.cost)
         if slo is not None:
             out.setdefault("tpot_target_s", slo.tpot_s)
+            out.setdefault("ttft_tiers", slo.tiers)
     return out
 
 

@@ -109,7 +109,7 @@ SECTIONS: dict[str, dict[str, Any]] = {
     "models.NAME.images": _defaults(ImageSettings),
     "models.NAME.policy_params": {"cost": None}
     | {k: getattr(_ours, k) for k in ("w_queue", "w_eviction", "eviction_risk_floor")}
-    | {k: getattr(_ours, k) for k in ("w_interference", "w_batch")},
+    | {k: getattr(_ours, k) for k in ("w_interference", "w_batch", "w_miss", "miss_margin")},
 }
 # Values the reference block shows as examples, not as defaults (its comments say the default).
 EXAMPLES = {

@@ -9,7 +9,13 @@ import random
 import pytest
 
 from router.core.index import PrefixIndex
-from router.core.load import EXPECTED_OUTPUT_TOKENS, LoadTracker, LoadView, decode_weight
+from router.core.load import (
+    EXPECTED_OUTPUT_TOKENS,
+    CostModel,
+    LoadTracker,
+    LoadView,
+    decode_weight,
+)
 from router.core.policies import Candidate, Ours, VllmKvAware
 from router.core.routing import RoutingEngine
 from router.core.routing_settings import RoutingSettings
@@ -155,6 +161,64 @@ def test_the_batch_term_fades_once_every_replica_has_prefill_queued() -> None:
     assert Ours().choose(request, [a, b], 0.0, rng()).replica == A
     b_idle = _cand(B, decoding=2)
     assert Ours().choose(request, [a, b_idle], 0.0, rng()).replica == B
+
+
+def test_a_request_leaves_its_cache_where_waiting_would_miss_its_ttft_target() -> None:
+    """The cache holder has seconds of prefill queued: waiting there misses the request's
+    own TTFT target (5 s for a prompt of 8k-32k tokens) where an idle replica meets it by
+    prefilling the prompt. ``w_prefill`` alone charges that prefill at fleet cost and
+    waited (r2264 of the bundled Mooncake trace at 1x: 5.02 s, its one TTFT miss); the
+    ``miss`` term prices the request's own SLO. It fades, as ``batch`` does, once every
+    replica has prefill queued: the compute a miss avoided takes then makes others miss."""
+    request = RouteRequest("x", "m", 17_395, [], 64, None, 73)
+    cost = CostModel(prefill_s_per_token=4e-5)  # the dense-70b profile's: 0.7 s of prefill
+    ours = Ours(cost=cost)
+    holder = _cand(A, kv=264, decoding=1, queued_prefill_tokens=150_000)
+    idle = _cand(B)
+    late, fresh = ours.terms(request, holder), ours.terms(request, idle)
+    assert 6.0 < late["prefill"] + late["queue"] + late["decode"] < 12 * fresh["prefill"]
+    assert late["miss"] == 1.0 and fresh["miss"] == 0.0
+    assert ours.choose(request, [holder, idle], 0.0, rng()).replica == B
+    blind = Ours(cost=cost, w_miss=0.0)
+    assert blind.choose(request, [holder, idle], 0.0, rng()).replica == A
+    busy = _cand(B, queued_prefill_tokens=2_000)
+    assert ours.choose(request, [holder, busy], 0.0, rng()).replica == A
+    # the ramp: 0 at the target, 1 at (1 + miss_margin) x the target
+    short = RouteRequest("x", "m", 4_000, [], 64, None, 73)  # the 2 s tier
+    for wait_s, miss in ((1.9, 0.0), (2.2, 0.5), (2.5, 1.0)):
+        tokens = _tokens_of_prefill(ours, wait_s - ours.terms(short, _cand(C))["prefill"])
+        terms = ours.terms(short, _cand(C, queued_prefill_tokens=tokens))
+        assert terms["prefill"] + terms["queue"] + terms["decode"] == pytest.approx(
+            wait_s, abs=0.01
+        )
+        assert terms["miss"] == pytest.approx(miss, abs=0.03)
+
+
+def _tokens_of_prefill(ours: Ours, seconds: float) -> int:
+    """The queued prompt tokens whose prefill (and the steps it takes) lasts ``seconds``."""
+    request = RouteRequest("q", "m", 4_000, [], 64, None, 73)
+    lo, hi = 0, 10_000_000
+    while lo < hi:
+        mid = (lo + hi) // 2
+        t = ours.terms(request, _cand(C, queued_prefill_tokens=mid))
+        if t["queue"] + t["decode"] < seconds:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def test_the_ttft_targets_come_from_the_models_slo() -> None:
+    """``ttft_tiers`` is the model's SLO (the service and the simulator set it), so a
+    policy_params table cannot give the policy other targets than the metrics judge by."""
+    from router.core.slo import SloTier
+
+    with pytest.raises(ValueError, match=r"\[slo\]"):
+        Ours(ttft_tiers=((8192, 2.0),))  # type: ignore[arg-type]
+    strict = Ours(ttft_tiers=(SloTier(None, 0.3),))
+    request = RouteRequest("x", "m", 17_395, [], 64, None, 73)
+    assert strict.terms(request, _cand(B))["miss"] == 1.0  # 0.45 s of prefill: past 0.36 s
+    assert Ours().terms(request, _cand(B))["miss"] == 0.0
 
 
 # ---------------------------------------------------------------------------- session hints

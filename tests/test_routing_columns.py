@@ -16,6 +16,7 @@ from router.core.load import EngineReport, LoadTracker
 from router.core.policies import Candidate, CandidateColumns, Ours
 from router.core.routing import RoutingEngine
 from router.core.routing_settings import BusyThresholds, RoutingSettings
+from router.core.slo import DEFAULT_TIERS, SloTier
 from router.core.types import MAX_RANKING, Kind, ReplicaKey, RouteRequest, Tier
 
 
@@ -125,6 +126,8 @@ def test_the_array_path_decides_as_the_per_candidate_path(seed: int) -> None:
         kv_pressure_threshold=rng.choice([0.9, 0.5]),
         w_interference=rng.choice([0.0, 4.0]),
         w_batch=rng.choice([0.0, 1.0, 3.0]),
+        w_miss=rng.choice([0.0, 4.0, 40.0]),
+        ttft_tiers=rng.choice([DEFAULT_TIERS, (SloTier(None, 0.05),), (SloTier(None, 1e-4),)]),
     )
     per_candidate = RoutingEngine(index, load, policy, settings, columnar_min=10**9)
     arrays = RoutingEngine(index, load, policy, settings, columnar_min=1)

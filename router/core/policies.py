@@ -23,6 +23,7 @@ from router.core.candidates import decide as _decide
 from router.core.candidates import rank as _rank
 from router.core.candidates import tokens as _tokens
 from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel, require_nonnegative
+from router.core.slo import DEFAULT_TIERS, SloTier
 from router.core.types import MAX_RANKING, Decision, RouteRequest
 from router.core.vllm_router import VllmCacheAware, VllmKvAware
 from router.core.xp import ARRAY, SCALAR, Ops
@@ -293,8 +294,16 @@ class Ours:
       spreading decode batches gives up cache hits, which is free while replicas have
       prefill time to spare and costs every queued request once they have none.
 
+    * ``miss``: whether the request's predicted TTFT there (``prefill + queue + decode``)
+      misses its own target (its prompt's tier of the model's SLO, ``ttft_tiers``): 0 within
+      the target, rising to 1 at ``1 + miss_margin`` times it. ``w_miss`` counts, as
+      ``w_batch`` does, in proportion to the share of candidates with no prefill queued: a
+      miss avoided by prefilling elsewhere is free while replicas have prefill time to
+      spare, and once they have none the compute it takes makes other requests miss.
+
     Score = ``w_prefill*prefill + w_queue*queue + w_decode*decode + w_kv*kv +
-    w_interference*interference + w_eviction*eviction + w_batch*batch``; lowest wins.
+    w_interference*interference + w_eviction*eviction + w_batch*batch + w_miss*miss``;
+    lowest wins.
 
     ``w_prefill`` defaults well above 1: a cache miss does not only delay this request, its
     prefill takes replica time from every request queued behind it, so prefill seconds are
@@ -322,6 +331,11 @@ class Ours:
     w_eviction: float = 24.0
     eviction_risk_floor: float = 0.15
     w_batch: float = 1.0
+    # the TTFT targets by prompt tier (the model's SLO: router.core.slo) and what a
+    # predicted miss of the request's own target costs, in score seconds
+    ttft_tiers: tuple[SloTier, ...] = DEFAULT_TIERS
+    w_miss: float = 4.0
+    miss_margin: float = 0.2
     uses_session_hints: bool = True
 
     def __post_init__(self) -> None:
@@ -333,6 +347,7 @@ class Ours:
             ("w_interference", self.w_interference),
             ("w_eviction", self.w_eviction),
             ("w_batch", self.w_batch),
+            ("w_miss", self.w_miss),
             ("host_hit_value", self.host_hit_value),
             ("disk_hit_value", self.disk_hit_value),
             ("kv_pressure_s", self.kv_pressure_s),
@@ -343,6 +358,13 @@ class Ours:
             raise ValueError(f"eviction_risk_floor must be finite, not {self.eviction_risk_floor}")
         if not self.report_max_age_s >= 0:  # (inf: every report is fresh)
             raise ValueError(f"report_max_age_s must be >= 0, not {self.report_max_age_s!r}")
+        if not (self.ttft_tiers and all(isinstance(t, SloTier) for t in self.ttft_tiers)):
+            raise ValueError(
+                "ttft_tiers: the TTFT targets come from the model's [slo] table "
+                "(ttft_tiers there), not from policy_params"
+            )
+        if not (math.isfinite(self.miss_margin) and self.miss_margin > 0):
+            raise ValueError(f"miss_margin must be a positive fraction, not {self.miss_margin!r}")
         if not (math.isfinite(self.tpot_target_s) and self.tpot_target_s > 0):
             raise ValueError(f"tpot_target_s must be positive seconds, not {self.tpot_target_s!r}")
 
@@ -363,7 +385,7 @@ class Ours:
         kv_usage: Any,
         decode_weight: Any,
         eviction_risk: Any,
-    ) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
+    ) -> tuple[Any, Any, Any, Any, Any, Any, Any, Any]:
         """The terms (``TERM_NAMES``; see the class docstring), for one candidate
         (numbers, ``xp=SCALAR``) or for many (arrays, ``xp=ARRAY``): one formula for both.
         ``waiting`` / ``kv_usage`` are the engine's report (0 without one); ``fresh``: it
@@ -394,16 +416,26 @@ class Ours:
         own = cost.decode_step_s(request.samples * request.prompts, prompt * request.samples)
         joined = cost.decode_step_s(decoding, decode_context) + decoding * own
         batch = out * joined
-        return prefill, queue, decode, kv, interference, eviction, batch
+        target = self._ttft_target(prompt)
+        late = (prefill + queue + decode - target) / (self.miss_margin * target)
+        miss = minimum(maximum(late, 0.0), 1.0)
+        return prefill, queue, decode, kv, interference, eviction, batch, miss
 
-    def _batch_weight(self, idle: int, candidates: int) -> float:
-        """``w_batch`` as far as the ``candidates`` have no prefill queued (``idle`` of
-        them): the one rule for ``choose`` and ``choose_columns``."""
-        return self.w_batch * idle / max(candidates, 1)
+    def _ttft_target(self, prompt_tokens: int) -> float:
+        for t in self.ttft_tiers:
+            if t.max_prompt_tokens is None or prompt_tokens <= t.max_prompt_tokens:
+                return t.ttft_s
+        return self.ttft_tiers[-1].ttft_s
+
+    def _spare_weights(self, idle: int, candidates: int) -> tuple[float, float]:
+        """``w_batch`` and ``w_miss`` as far as the ``candidates`` have no prefill queued
+        (``idle`` of them): the one rule for ``choose`` and ``choose_columns``."""
+        share = idle / max(candidates, 1)
+        return self.w_batch * share, self.w_miss * share
 
     def term_values(
         self, request: RouteRequest, c: Candidate
-    ) -> tuple[float, float, float, float, float, float, float]:
+    ) -> tuple[float, float, float, float, float, float, float, float]:
         """The terms (``TERM_NAMES``) for one candidate; see the class docstring."""
         _, (kv, gpu, host, usable), load, _, risk = c
         _, prefilling, queued, decoding, context, _, engine, age, _, _, weight, phantom = load
@@ -427,10 +459,10 @@ class Ours:
         wi, we = self.w_interference, self.w_eviction
         term_values = self.term_values
         values = [term_values(request, c) for c in candidates]
-        wb = self._batch_weight(sum(1 for v in values if v[1] == 0), len(values))
+        wb, wm = self._spare_weights(sum(1 for v in values if v[1] == 0), len(values))
         scores = [
-            wp * p + wq * q + wd * d + wk * k + wi * i + we * e + wb * b
-            for p, q, d, k, i, e, b in values
+            wp * p + wq * q + wd * d + wk * k + wi * i + we * e + wb * b + wm * m
+            for p, q, d, k, i, e, b, m in values
         ]
         order = sorted(range(len(scores)), key=scores.__getitem__)
         pick = order[0]
@@ -450,7 +482,7 @@ class Ours:
 
     def term_columns(
         self, request: RouteRequest, columns: CandidateColumns, now: float
-    ) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
+    ) -> tuple[Any, Any, Any, Any, Any, Any, Any, Any]:
         """The terms (``TERM_NAMES``) as arrays, one element per replica of ``columns``
         (eligible or not); see the class docstring."""
         load = columns.load
@@ -480,11 +512,13 @@ class Ours:
     ) -> Decision:
         """``choose`` on all eligible candidates of ``columns`` at once (same decision)."""
         values = self.term_columns(request, columns, now)
-        p, q, d, k, i, e, b = values
+        p, q, d, k, i, e, b, m = values
         el = columns.eligible
-        wb = self._batch_weight(int(np.count_nonzero((q == 0) & el)), int(np.count_nonzero(el)))
+        wb, wm = self._spare_weights(
+            int(np.count_nonzero((q == 0) & el)), int(np.count_nonzero(el))
+        )
         scores = self.w_prefill * p + self.w_queue * q + self.w_decode * d + self.w_kv * k
-        scores = scores + self.w_interference * i + self.w_eviction * e + wb * b
+        scores = scores + self.w_interference * i + self.w_eviction * e + wb * b + wm * m
         # the eligible candidates only, in order (masking the others with +inf would let a
         # replica with an infinite score tie with them)
         idx = np.flatnonzero(columns.eligible)
@@ -514,7 +548,9 @@ class Ours:
         )
 
 
-TERM_NAMES = ("prefill", "queue", "decode", "kv", "interference", "eviction", "batch")
+TERM_NAMES = (
+    "prefill", "queue", "decode", "kv", "interference", "eviction", "batch", "miss"
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- registry

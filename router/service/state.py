@@ -167,6 +167,7 @@ class RouterState:
         params = dict(model.policy_params)
         if model.policy == "ours":  # priced against the model's TPOT target unless told
             params.setdefault("tpot_target_s", model.slo.tpot_s)
+            params.setdefault("ttft_tiers", model.slo.tiers)
         policy = make_policy(model.policy, params)
         self.engines[model.name] = RoutingEngine(self.index, self.load, policy, routing)
         self.processors[model.name] = processor
