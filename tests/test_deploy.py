@@ -397,6 +397,7 @@ CONDITIONAL = {
     "kvrouter_workers": "server.workers > 1",
     "kvrouter_workers_scraped": "server.workers > 1",
     "kvrouter_events_blocks_not_indexed": "direct ZMQ events ([[replicas]] zmq)",
+    "kvrouter_events_backlog_dropped_batches": "direct ZMQ events ([[replicas]] zmq)",
     "kvrouter_replica_role": "[models.NAME.pd]",
     "kvrouter_pd_decisions": "[models.NAME.pd]",
     "kvrouter_pd_prefill_fallbacks": "[models.NAME.pd]",
