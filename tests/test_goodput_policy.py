@@ -173,7 +173,7 @@ def test_a_request_leaves_its_cache_where_waiting_would_miss_its_ttft_target() -
     request = RouteRequest("x", "m", 17_395, [], 64, None, 73)
     cost = CostModel(prefill_s_per_token=4e-5)  # the dense-70b profile's: 0.7 s of prefill
     ours = Ours(cost=cost)
-    holder = _cand(A, kv=264, decoding=1, queued_prefill_tokens=150_000)
+    holder = _cand(A, kv=264, decoding=1, queued_prefill_tokens=165_000)
     idle = _cand(B)
     late, fresh = ours.terms(request, holder), ours.terms(request, idle)
     assert 6.0 < late["prefill"] + late["queue"] + late["decode"] < 12 * fresh["prefill"]

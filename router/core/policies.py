@@ -334,7 +334,7 @@ class Ours:
     # the TTFT targets by prompt tier (the model's SLO: router.core.slo) and what a
     # predicted miss of the request's own target costs, in score seconds
     ttft_tiers: tuple[SloTier, ...] = DEFAULT_TIERS
-    w_miss: float = 4.0
+    w_miss: float = 2.0
     miss_margin: float = 0.2
     uses_session_hints: bool = True
 
