@@ -20,14 +20,19 @@ def run(args: argparse.Namespace) -> int:
         built = _build(args)
     if isinstance(built, int):
         return built
-    # a client that goes away cancels its request (as engines abort it), so a SIGTERM does
-    # not wait on streams nobody reads
-    import zmq
     from aiohttp import web
 
+    # the KV-event sockets, bound at start-up (ZMQ loads only in a replica that publishes)
+    unbound: tuple[type[Exception], ...] = ()
+    if args.zmq or args.replay:
+        import zmq
+
+        unbound = (zmq.ZMQError,)
+    # a client that goes away cancels its request (as engines abort it), so a SIGTERM does
+    # not wait on streams nobody reads
     try:
         web.run_app(built, host=args.host, port=args.port, print=None, handler_cancellation=True)
-    except zmq.ZMQError as exc:  # the KV-event sockets, bound at start-up
+    except unbound as exc:
         given = f"--zmq {args.zmq}" + (f" / --replay {args.replay}" if args.replay else "")
         print(f"kvrouter mock-replica: cannot bind {given}: {exc}", file=sys.stderr)
         return 2
