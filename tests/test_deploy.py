@@ -178,7 +178,7 @@ def _exported_metrics() -> set[str]:
     from types import SimpleNamespace
 
     from router.core.load import LoadTracker
-    from router.service.background import _IndexSyncCollector
+    from router.service.background import _EventCounters, _IndexSyncCollector
     from router.service.config import build_settings
     from router.service.ejection import Ejections, outlier_settings
     from router.service.peer_sum import PeerSum
@@ -199,6 +199,9 @@ def _exported_metrics() -> set[str]:
     # the shared index follower's collector reads its ``up`` flag and error counts
     follower = SimpleNamespace(up=True, stats=SimpleNamespace(errors=0, unreadable=0))
     state.metrics.registry.register(_IndexSyncCollector(follower))  # type: ignore[arg-type]
+    # the counters of the engines followed directly (none here: their families only)
+    direct = SimpleNamespace(ingests={})
+    state.metrics.registry.register(_EventCounters(direct))  # type: ignore[arg-type]
     text = state.metrics.render().decode() + _workers_page()
     # and the labelled families no request has touched yet (no samples, no TYPE line)
     declared = set(_declared_labels(state.metrics.registry))
@@ -246,6 +249,7 @@ _ALERTS = {
     "KVRouterWorkerHung": "kvrouter_workers_scraped",
     "KVRouterStalePeerView": "kvrouter_peer_view_age_seconds",
     "KVRouterSaturated": "kvrouter_event_loop_lag_seconds",
+    "KVRouterEventsLost": "kvrouter_events_lost_batches_total",
 }
 
 
@@ -398,6 +402,8 @@ CONDITIONAL = {
     "kvrouter_workers_scraped": "server.workers > 1",
     "kvrouter_events_blocks_not_indexed": "direct ZMQ events ([[replicas]] zmq)",
     "kvrouter_events_backlog_dropped_batches": "direct ZMQ events ([[replicas]] zmq)",
+    "kvrouter_events_lost_batches": "direct ZMQ events ([[replicas]] zmq)",
+    "kvrouter_events_engine_restarts": "direct ZMQ events ([[replicas]] zmq)",
     "kvrouter_replica_role": "[models.NAME.pd]",
     "kvrouter_pd_decisions": "[models.NAME.pd]",
     "kvrouter_pd_prefill_fallbacks": "[models.NAME.pd]",
@@ -557,7 +563,23 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> tuple[Scrape, Scrape]:
 def scrapes(live: tuple[Scrape, Scrape]) -> tuple[Scrape, ...]:
     """The live router's and publisher's scrapes, and the families ``server.workers > 1``
     adds to a router's page (the live routers run one process each)."""
-    return (*live, _parse_page(_workers_page(), {}))
+    return (*live, _parse_page(_workers_page(), {}), _parse_page(_direct_events_page(), {}))
+
+
+def _direct_events_page() -> str:
+    """The families a router following an engine's ZMQ events directly adds to its page (the
+    live routers follow theirs through a publisher and Redis)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from router.events.ingest import IngestStats
+    from router.service.background import _EventCounters
+
+    ingest = SimpleNamespace(stats=IngestStats(lost_batches=1, restarts=1), not_indexed=dict)
+    registry = CollectorRegistry()
+    registry.register(_EventCounters(SimpleNamespace(ingests={"mock-0/0": ingest})))  # type: ignore[arg-type]
+    return generate_latest(registry).decode()
 
 
 _LABEL_LISTS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
@@ -1058,6 +1080,22 @@ def test_alerts_fire_on_what_they_say_and_only_then(tmp_path: pathlib.Path) -> N
             {"eval_time": "5m", "alertname": "KVRouterPeerMissing", "exp_alerts": []},
             {"eval_time": "12m", "alertname": "KVRouterPeerMissing",
              "exp_alerts": [_fires("KVRouterPeerMissing", b)]},
+        ],
+    })  # fmt: skip
+    # replica r1's events lost 5 batches at minute 3 (each router process counts its own);
+    # r2's never lost any
+    r1 = {**a, "worker": "0", "replica": "r1/0"}
+    tests.append({
+        "interval": "1m",
+        "input_series": [
+            series("kvrouter_events_lost_batches_total", r1, "0 0 0 5+0x20"),
+            series("kvrouter_events_lost_batches_total", {**r1, "replica": "r2/0"}, "0+0x23"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "2m", "alertname": "KVRouterEventsLost", "exp_alerts": []},
+            {"eval_time": "5m", "alertname": "KVRouterEventsLost",
+             "exp_alerts": [_fires("KVRouterEventsLost", {"replica": "r1/0"})]},
+            {"eval_time": "23m", "alertname": "KVRouterEventsLost", "exp_alerts": []},
         ],
     })  # fmt: skip
     path = tmp_path / "tests.yaml"

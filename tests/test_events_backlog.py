@@ -142,7 +142,7 @@ def test_the_budget_is_read_once_and_checked_at_the_edge() -> None:
 
     assert build_settings({}).server.max_event_backlog_mb == 64.0
     for bad in (0, -1, float("inf"), float("nan")):
-        with pytest.raises(ConfigError, match="server.max_event_backlog_mb"):
+        with pytest.raises(ConfigError, match=r"server\.max_event_backlog_mb"):
             build_settings({"server": {"max_event_backlog_mb": bad}})
     argv = ["publish", "--replica", "r", "--model", "m", "--zmq", "tcp://127.0.0.1:1"]
     args = build_parser("publish").parse_args(argv)

@@ -483,6 +483,10 @@ class PublisherCollector:
                 "endpoint's rank)",
                 ing.foreign_rank_batches,
             ),
+            "kvrouter_publisher_engine_restarts": (
+                "engine restarts found in its event sequence (the replica's state cleared)",
+                ing.restarts,
+            ),
             "kvrouter_publisher_subscriber_restarts": (
                 "KV event subscribers restarted after failing",
                 p.subscriber_restarts,

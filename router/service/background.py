@@ -303,9 +303,11 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
 class _EventCounters(Collector):
     """``kvrouter_events_blocks_not_indexed_total{replica, reason}`` of the engines this
     router follows directly (router.events.ingest ``not_indexed``; the publisher's metric of
-    that name in Redis mode), and ``kvrouter_events_backlog_dropped_batches_total{replica}``
+    that name in Redis mode), ``kvrouter_events_backlog_dropped_batches_total{replica}``
     (``IngestStats.backlog_dropped``; the publisher's
-    ``kvrouter_publisher_backlog_dropped_batches_total``)."""
+    ``kvrouter_publisher_backlog_dropped_batches_total``), and the batches lost beyond
+    replay and engine restarts found (``lost_batches``, ``restarts``; the publisher's
+    ``kvrouter_publisher_lost_batches_total``, ``kvrouter_publisher_restarts_total``)."""
 
     def __init__(self, direct: DirectEvents) -> None:
         self.direct = direct
@@ -329,6 +331,22 @@ class _EventCounters(Collector):
         for replica, ingest in self.direct.ingests.items():
             dropped.add_metric([replica], float(ingest.stats.backlog_dropped))
         yield dropped
+        lost = CounterMetricFamily(
+            "kvrouter_events_lost_batches",
+            "KV event batches lost beyond the engine's replay, by replica: each loss clears "
+            "the replica's entries of that source until its engine stores them again",
+            labels=["replica"],
+        )
+        restarts = CounterMetricFamily(
+            "kvrouter_events_engine_restarts",
+            "Engine restarts found in a replica's KV event sequence (its entries cleared)",
+            labels=["replica"],
+        )
+        for replica, ingest in self.direct.ingests.items():
+            lost.add_metric([replica], float(ingest.stats.lost_batches))
+            restarts.add_metric([replica], float(ingest.stats.restarts))
+        yield lost
+        yield restarts
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

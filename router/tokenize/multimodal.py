@@ -17,11 +17,14 @@ tokens the model's processor expands it to and (3) where they start in the promp
    configured pixel bounds (take them from the model's ``preprocessor_config.json``); other
    processors are not modelled: configure ``fixed:N`` only where it holds.
 3. Placement follows the template's content format (router.tokenize.content_format). In
-   the "string" format a message whose content has image parts becomes
-   ``"\\n".join([placeholder] * images + [text])`` (vLLM's
-   ``get_full_multimodal_text_prompt``, placeholders first) and the chat template renders
-   it; in the "openai" format (Qwen2-VL's own template, say) each image part reaches the
-   template as ``{"type": "image"}`` where it is, and the template writes its placeholder
+   the "string" format a message whose content has image parts becomes its texts joined
+   with newlines, with a placeholder in front for each image the text does not already
+   hold one for (vLLM's ``get_full_multimodal_text_prompt``: a client may place its images
+   by writing the placeholder itself); with ``interleave`` (vLLM's
+   ``--interleave-mm-strings``) each image's placeholder goes where its part is, between
+   the texts. The chat template renders that; in the "openai" format (Qwen2-VL's own
+   template, say) each image part reaches the template as ``{"type": "image"}`` where it
+   is, and the template writes its placeholder
    (``placeholder`` is then unused). Every ``token`` in the result is expanded to the
    image's count.
 
@@ -67,6 +70,8 @@ class ImageSettings:
     max_pixels: int = 28 * 28 * 1280
     model_id: str | None = None  # the engine's --model; None: the routed model name
     hash_algorithm: str = "blake3"
+    # vLLM's --interleave-mm-strings: string content places each image where its part is
+    interleave: bool = False
 
     def __post_init__(self) -> None:
         if not self.placeholder or not self.token or self.token not in self.placeholder:
@@ -214,10 +219,10 @@ def marked_images(messages: Sequence[Mapping[str, Any]], marker: str) -> list[Ma
 
 
 def with_placeholders(
-    messages: Sequence[Mapping[str, Any]], placeholder: str
+    messages: Sequence[Mapping[str, Any]], placeholder: str, *, interleave: bool = False
 ) -> tuple[list[Mapping[str, Any]], list[str]]:
-    """Messages with image parts turned into string content as vLLM renders them, and the
-    image URLs in prompt order."""
+    """Messages with image parts turned into string content as vLLM renders them
+    (:func:`string_content`), and the image URLs in prompt order."""
     out: list[Mapping[str, Any]] = []
     urls: list[str] = []
     for m in messages:
@@ -236,14 +241,38 @@ def with_placeholders(
                 if url is not None:
                     urls.append(url)
                     images += 1
+                    if interleave:
+                        texts.append(_INTERLEAVED)
                 elif text := part_text(part):  # empty parts are left out, as vLLM does
                     texts.append(text)
         if not images:
             out.append(m)
             continue
-        pieces = [placeholder] * images + (["\n".join(texts)] if texts else [])
-        out.append({**m, "content": "\n".join(pieces)})
+        out.append({**m, "content": string_content(texts, images, placeholder, interleave)})
     return out, urls
+
+
+# vLLM's stand-in for an image part among a message's texts when it interleaves them
+# (``MODALITY_PLACEHOLDERS_MAP["image"]``)
+_INTERLEAVED = "<##IMAGE##>"
+
+
+def string_content(texts: list[str], images: int, placeholder: str, interleave: bool) -> str:
+    """One message's string content: its ``texts`` (non-empty, in order; with
+    ``interleave`` :data:`_INTERLEAVED` where each of its ``images`` is) joined with
+    newlines, and a ``placeholder`` in front for each image the text does not hold one for:
+    vLLM 0.34's ``get_full_multimodal_text_prompt``. A text holding more placeholders than
+    the message has images is refused by vLLM; it is rendered as it is here."""
+    if interleave:
+        slots = images
+        texts = list(texts)
+        for i, text in enumerate(texts):
+            if text == _INTERLEAVED and slots:
+                texts[i] = placeholder
+                slots -= 1
+    text_prompt = "\n".join(texts)
+    missing = [placeholder] * max(0, images - text_prompt.count(placeholder))
+    return "\n".join([*missing, text_prompt] if text_prompt else missing)
 
 
 def own_image_kwargs(body: Mapping[str, Any]) -> bool:

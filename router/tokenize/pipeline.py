@@ -386,12 +386,13 @@ class PromptProcessor(PromptKeying):
         the image URLs in prompt order: in the "openai" format the template places
         ``{"type": "image"}`` parts itself (without ``settings`` a text ``marker`` where the
         first image is finds the prompt before it); else ``marker`` goes into string content
-        (:func:`with_placeholders`)."""
+        (:func:`with_placeholders`, interleaved where the model's engines interleave)."""
         template = self.template
         if template is not None and template.content_format_for(tools) == "openai":
             urls = image_urls(messages)
             return (messages if settings else marked_images(messages, marker)), urls
-        return with_placeholders(messages, marker)
+        interleave = self.images is not None and self.images.interleave
+        return with_placeholders(messages, marker, interleave=interleave)
 
     def _expand(
         self,
