@@ -797,7 +797,7 @@ def test_history_equal_only_to_python_is_not_reused(
 
 
 def test_same_json() -> None:
-    from router.tokenize.incremental import same_json
+    from router.tokenize.render_state import same_value as same_json
 
     assert same_json({"a": [1, "x", None, 2.5]}, {"a": [1, "x", None, 2.5]})
     assert not same_json({"a": 1}, {"a": True})

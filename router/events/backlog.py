@@ -29,6 +29,8 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 MESSAGE_OVERHEAD = 256  # Python objects of one multipart message (a list, three bytes)
+# a subscriber's budget unless configured (server.max_event_backlog_mb, the publisher's flag)
+DEFAULT_MAX_BACKLOG_BYTES = 64 << 20
 
 
 @dataclass(slots=True, frozen=True)

@@ -18,13 +18,19 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from router.core.types import AllCleared, IndexEvent, ReplicaKey
+from router.events.backlog import DEFAULT_MAX_BACKLOG_BYTES
 from router.events.decode import decode_payload
 from router.events.endpoints import EndpointSpec
 from router.events.model import EngineBlockStored, EngineEvent
 from router.events.reblock import Reblocker, ReblockStats
-from router.events.subscriber import DEFAULT_MAX_BACKLOG_BYTES, ZmqEventSubscriber
+
+if TYPE_CHECKING:
+    # (ZMQ, imported by the subscriber, loads only where an engine's events are followed:
+    # a router without ZMQ endpoints reads the facts of this module and nothing else)
+    from router.events.subscriber import ZmqEventSubscriber
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +202,8 @@ class EngineIngest:
         self._foreign.clear()
 
     def subscriber(self, spec: EndpointSpec) -> ZmqEventSubscriber:
+        from router.events.subscriber import ZmqEventSubscriber
+
         self._followed.add(spec.dp_rank)
 
         def on_payload(seq: int, payload: bytes) -> None:

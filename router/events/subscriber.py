@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from router.events.backlog import DEFAULT_MAX_BACKLOG_BYTES as DEFAULT_MAX_BACKLOG_BYTES
 from router.events.backlog import Backlog, Dropped
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,6 @@ YIELD_AFTER_S = 0.005  # delivering since the last turn: the next batch is follo
 # backlog (the reader runs whenever the event loop does: this holds what arrives while it
 # does not, e.g. a garbage collection); beyond it the engine's PUB queues them
 RCVHWM = 128
-DEFAULT_MAX_BACKLOG_BYTES = 64 << 20
 
 
 @dataclass(slots=True)

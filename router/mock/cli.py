@@ -5,13 +5,42 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from router.cliargs import at_least, fraction, port
 
-
-def run(args: argparse.Namespace) -> int:
+if TYPE_CHECKING:
     from aiohttp import web
 
+
+def run(args: argparse.Namespace) -> int:
+    from router.startup import building
+
+    with building():  # the collector off while this imports and builds (router/startup.py)
+        built = _build(args)
+    if isinstance(built, int):
+        return built
+    from aiohttp import web
+
+    # the KV-event sockets, bound at start-up (ZMQ loads only in a replica that publishes)
+    unbound: tuple[type[Exception], ...] = ()
+    if args.zmq or args.replay:
+        import zmq
+
+        unbound = (zmq.ZMQError,)
+    # a client that goes away cancels its request (as engines abort it), so a SIGTERM does
+    # not wait on streams nobody reads
+    try:
+        web.run_app(built, host=args.host, port=args.port, print=None, handler_cancellation=True)
+    except unbound as exc:
+        given = f"--zmq {args.zmq}" + (f" / --replay {args.replay}" if args.replay else "")
+        print(f"kvrouter mock-replica: cannot bind {given}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _build(args: argparse.Namespace) -> web.Application | int:
+    """The mock replica's application, or the exit status of a refused setting."""
     from router.core.errors import ConfigError
     from router.mock.server import MockSettings, create_app
 
@@ -45,21 +74,10 @@ def run(args: argparse.Namespace) -> int:
         fault_retry_after_s=args.fault_retry_after,
     )
     try:
-        app = create_app(settings)
+        return create_app(settings)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"kvrouter mock-replica: {exc}", file=sys.stderr)
         return 2
-    # a client that goes away cancels its request (as engines abort it), so a SIGTERM does
-    # not wait on streams nobody reads
-    import zmq
-
-    try:
-        web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
-    except zmq.ZMQError as exc:  # the KV-event sockets, bound at start-up
-        given = f"--zmq {args.zmq}" + (f" / --replay {args.replay}" if args.replay else "")
-        print(f"kvrouter mock-replica: cannot bind {given}: {exc}", file=sys.stderr)
-        return 2
-    return 0
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -31,7 +31,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from router.core.types import IndexEvent, ReplicaKey
 from router.events.discovery import SOURCES_PATH
-from router.events.zmq_pub import KVEventPublisher
 from router.mock import responses as resp
 from router.mock.driver import EngineDriver
 from router.mock.faults import FaultMode
@@ -223,7 +222,9 @@ def create_app(settings: MockSettings) -> web.Application:
         )
         publisher = None
         outbox: asyncio.Queue[list[IndexEvent]] = asyncio.Queue()
-        if settings.zmq_endpoint:
+        if settings.zmq_endpoint:  # (ZMQ loads only in a replica that publishes)
+            from router.events.zmq_pub import KVEventPublisher
+
             publisher = KVEventPublisher(
                 settings.zmq_endpoint,
                 settings.replay_endpoint or None,

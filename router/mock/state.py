@@ -11,17 +11,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from router.events.zmq_pub import KVEventPublisher
 from router.mock import responses as resp
 from router.mock.driver import EngineDriver
 from router.mock.images import DEFAULT_IMAGE_TOKENS
 from router.mock.kv_events import EngineEventEncoder
 from router.mock.latency import RequestLatency
 from router.mock.tokenizer import MockTokenizer
+
+if TYPE_CHECKING:  # (ZMQ loads only in a replica that publishes: router/mock/server.py)
+    from router.events.zmq_pub import KVEventPublisher
 
 
 @dataclass(slots=True, frozen=True)

@@ -66,36 +66,40 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def serve(args: argparse.Namespace) -> int:
 
     from router.core.errors import ConfigError
-    from router.service.app import create_app
+    from router.startup import building
 
     try:
-        settings = settings_from_args(args)
-        if args.check:  # what start-up would refuse too: tokenizer files, limits, tokens
-            create_app(settings)
-            print(
-                f"configuration OK: {len(settings.replicas)} replica(s), "
-                f"{len({*settings.models, *(r.model for r in settings.replicas)})} model(s)"
-            )
-            return 0
-        logging.basicConfig(
-            level=settings.server.log_level.upper(),
-            format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
-        )
-        from router.service.security import install_log_redaction, server_secrets
+        with building():  # the collector off while this imports and builds (router/startup.py)
+            from router.service.app import create_app
 
-        install_log_redaction(server_secrets(settings.server))
-        from router.compile import STALE_HINT, stale
-
-        if outdated := stale():
-            logging.getLogger("kvrouter.service").warning(
-                "compiled modules older than their sources (the edits do not run): %s; %s",
-                ", ".join(outdated),
-                STALE_HINT,
+            settings = settings_from_args(args)
+            if args.check:  # what start-up would refuse too: tokenizer files, limits, tokens
+                create_app(settings)
+                print(
+                    f"configuration OK: {len(settings.replicas)} replica(s), "
+                    f"{len({*settings.models, *(r.model for r in settings.replicas)})} model(s)"
+                )
+                return 0
+            logging.basicConfig(
+                level=settings.server.log_level.upper(),
+                format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
             )
-        workers = settings.server.workers
-        if workers > 1:
+            from router.service.security import install_log_redaction, server_secrets
+
+            install_log_redaction(server_secrets(settings.server))
+            from router.compile import STALE_HINT, stale
+
+            if outdated := stale():
+                logging.getLogger("kvrouter.service").warning(
+                    "compiled modules older than their sources (the edits do not run): %s; %s",
+                    ", ".join(outdated),
+                    STALE_HINT,
+                )
+            workers = settings.server.workers
+            # workers > 1: each builds its own app, after the fork (the parent supervises)
+            app = None if workers > 1 else create_app(settings)
+        if app is None:
             return _serve_workers(settings, workers)
-        app = create_app(settings)
     except ConfigError as exc:
         print(f"kvrouter serve: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -156,6 +160,7 @@ def _serve_workers(settings: Settings, workers: int) -> int:
         supervise,
     )
     from router.service.workers import Workers
+    from router.startup import building
     from router.tokenize.tokenizers import pool_threads_for, set_pool_threads
 
     parent = os.getpid()
@@ -173,9 +178,10 @@ def _serve_workers(settings: Settings, workers: int) -> int:
         try:
             # each worker's share of the CPUs: encoding threads beyond it would only
             # hold more tiktoken copies (one vocabulary each) for cores others use
-            set_pool_threads(pool_threads_for(workers))
-            app = create_app(settings)
-            join_workers(app, group, index, parent, replacing=replacing)
+            with building():
+                set_pool_threads(pool_threads_for(workers))
+                app = create_app(settings)
+                join_workers(app, group, index, parent, replacing=replacing)
 
             def listening() -> None:
                 os.write(ready, b"1")

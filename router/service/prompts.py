@@ -6,14 +6,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.core.errors import ConfigError
 from router.service.settings import ModelSettings
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
-from router.tokenize.template import ChatTemplate
 from router.tokenize.tokenizers import adds_bos, load_tokenizer_dir, read_tokenizer_config
+
+if TYPE_CHECKING:
+    from router.tokenize.template import ChatTemplate
 
 _log = logging.getLogger("router.service.state")
 
@@ -54,6 +56,10 @@ def build_processor(
         inc = tokenizers[spec] = IncrementalTokenizer(
             files.tokenizer, budget_bytes=int(model.cache_mb * 2**20)
         )
+    # Jinja2 and the template machinery load here, at start-up, for a model with a tokenizer
+    # or a template file: a model with neither never imports them
+    from router.tokenize.template import ChatTemplate
+
     fmt = model.chat_template_content_format
     if model.chat_template:
         template = _template_file(model.chat_template, read_tokenizer_config(directory), fmt)
@@ -97,6 +103,8 @@ def build_processor(
 def _template_file(
     path: str, config: Mapping[str, Any] | None = None, content_format: str = "auto"
 ) -> ChatTemplate:
+    from router.tokenize.template import ChatTemplate
+
     try:
         source = Path(path).read_text(encoding="utf-8")
     except OSError as exc:

@@ -56,10 +56,6 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
-
 from router.core.errors import BadRequest
 
 if TYPE_CHECKING:
@@ -445,6 +441,10 @@ def _probe_refuses(source: str | None) -> bool:
     failure, or no template, means the template needs the system message first."""
     if not source:
         return True
+    # (a template's: Jinja2 loaded when it was built, at start-up)
+    import jinja2.ext
+    import jinja2.sandbox
+
     try:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]

@@ -17,10 +17,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from router.tokenize.local_template import Resume
 from router.tokenize.tokenizers import TokenArray
+
+if TYPE_CHECKING:  # (Jinja2's, loaded with a chat template only: router/tokenize/pipeline.py)
+    from router.tokenize.local_template import Resume
 
 
 def message_keys(

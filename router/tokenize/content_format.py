@@ -34,12 +34,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal, cast
-
-import jinja2
-from jinja2 import nodes
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from router.core.errors import BadRequest, ConfigError
+
+if TYPE_CHECKING:
+    # Jinja2 loads only with a chat template (which detection reads): a router without one
+    # uses the part helpers of this module and never imports it
+    import jinja2
+    from jinja2 import nodes
 
 ContentFormat = Literal["string", "openai"]
 # as vLLM's --chat-template-content-format: "auto" detects it from the template
@@ -243,6 +246,8 @@ class _Unanalysable(Exception):
 def detect_content_format(env: jinja2.Environment, source: str) -> ContentFormat:
     """The content format vLLM's ``auto`` picks for the template ``source`` (vLLM 0.34's
     rule: vllm/renderers/hf.py ``_detect_content_format``)."""
+    import jinja2
+
     try:
         ast = env.parse(source)
     except jinja2.TemplateSyntaxError:
@@ -256,6 +261,8 @@ def detect_content_format(env: jinja2.Environment, source: str) -> ContentFormat
 
 def _is_name(node: nodes.Node, name: str) -> bool:
     """``node`` loads ``name`` (a dotted ``ns.rest`` matches an attribute of ``ns``)."""
+    from jinja2 import nodes
+
     if isinstance(node, nodes.Name):
         return node.ctx == "load" and node.name == name
     if isinstance(node, nodes.Getattr) and "." in name:
@@ -267,6 +274,8 @@ def _is_name(node: nodes.Node, name: str) -> bool:
 def _reads(node: nodes.Node, name: str, key: str | None = None) -> bool:
     """``node`` is ``name`` (or ``name[key]`` / ``name.key``), possibly sliced, filtered or
     tested."""
+    from jinja2 import nodes
+
     if isinstance(node, (nodes.Filter, nodes.Test)):
         return node.node is not None and _reads(node.node, name, key)
     if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
@@ -286,6 +295,8 @@ def _reads(node: nodes.Node, name: str, key: str | None = None) -> bool:
 
 def _dotted(node: nodes.Node) -> str | None:
     """An attribute-assignment target (``ns.rest``) as a dotted name."""
+    from jinja2 import nodes
+
     if isinstance(node, nodes.NSRef):
         return f"{node.name}.{node.attr}"
     attrs = []
@@ -300,6 +311,8 @@ def _dotted(node: nodes.Node) -> str | None:
 def _aliases(root: nodes.Template, name: str) -> list[str]:
     """``name`` and the names assigned from it (sliced or filtered; namespace attributes
     too: ``namespace(rest=messages)``, ``ns.rest = messages``), transitively."""
+    from jinja2 import nodes
+
     found = [name]
     queue = deque([name])
     while queue:
@@ -327,6 +340,8 @@ def _aliases(root: nodes.Template, name: str) -> list[str]:
 
 
 def _target_name(node: nodes.Node) -> str:
+    from jinja2 import nodes
+
     if not isinstance(node, nodes.Name):
         raise _Unanalysable
     return node.name
@@ -336,6 +351,8 @@ def _content_loops(root: nodes.Template) -> Iterator[str]:
     """Targets of the loops vLLM takes for loops over a message's content: over a message's
     ``content``; over a macro parameter that a call passes a message's ``content``; over a
     name ``content`` outside macros."""
+    from jinja2 import nodes
+
     messages = _aliases(root, "messages")
     per_message = [
         _target_name(loop.target)

@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,9 +44,10 @@ from router.tokenize.cache_entries import (
     held_bytes,
     text_bytes,
 )
-from router.tokenize.local_template import RenderedParts
-from router.tokenize.render_state import same_value as same_json
 from router.tokenize.tokenizers import SpecialSplitter, TokenArray, Tokenizer, encode
+
+if TYPE_CHECKING:  # (Jinja2's, loaded with a chat template only: router/tokenize/pipeline.py)
+    from router.tokenize.local_template import RenderedParts
 
 # Prompts shorter than this are tokenized cold: the cache would cost more than it saves.
 MIN_CACHED_CHARS = 16 * 1024
@@ -362,6 +363,9 @@ class IncrementalTokenizer:
         """The longest cached conversation that ``messages`` extends, if any."""
         if self.budget_bytes <= 0:
             return None
+        # (a message-local template's, which loaded it)
+        from router.tokenize.render_state import same_value as same_json
+
         with self._lock:
             for key in reversed(keys):
                 entry = self._entries.get(key)

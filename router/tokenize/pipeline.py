@@ -23,7 +23,7 @@ import json
 import sys
 import time
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,7 +34,6 @@ from router.tokenize.content_format import content_text
 from router.tokenize.incremental import MIN_CACHED_CHARS, IncrementalTokenizer
 from router.tokenize.keying import ProcessedPrompt, PromptKeying
 from router.tokenize.lax import lax_int
-from router.tokenize.local_template import LocalTemplate, RenderedParts
 from router.tokenize.multimodal import (
     ExpandedImages,
     ImageSettings,
@@ -53,10 +52,12 @@ from router.tokenize.request_fields import (
     kept_tokens,
     sends_template,
 )
-from router.tokenize.template import (
-    ChatTemplate,
-    NotIncremental,
-)
+
+if TYPE_CHECKING:
+    # Jinja2 and the template machinery load only for a model with a chat template
+    # (router/service/prompts.py builds it at start-up); without one nothing here runs them
+    from router.tokenize.local_template import LocalTemplate, RenderedParts
+    from router.tokenize.template import ChatTemplate
 
 # stands for an image in the text when the model has no image settings (a private-use char)
 _IMAGE_MARKER = "\ue000"
@@ -269,6 +270,8 @@ class PromptProcessor(PromptKeying):
         ):
             local = template.local_for(tools)
             if local is not None:
+                from router.tokenize.template import NotIncremental
+
                 chars, content_bytes = _content_size(messages)
                 if chars >= MIN_CACHED_CHARS:
                     try:
@@ -462,6 +465,8 @@ class PromptProcessor(PromptKeying):
     ) -> ProcessedPrompt:
         """A long conversation with a message-local template: render and tokenize only the
         messages a cached conversation does not hold (router.tokenize.local_template)."""
+        from router.tokenize.template import NotIncremental
+
         tokenizer, template = self.tokenizer, self.template
         assert tokenizer is not None and template is not None
         t0 = time.perf_counter()
