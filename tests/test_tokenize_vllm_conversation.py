@@ -237,6 +237,35 @@ SHAPES: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
         [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is"}],
         {"continue_final_message": "true", "add_generation_prompt": 0},
     ),
+    # the template's variables: the request's chat_template_kwargs under its own fields
+    (
+        "template_kwargs",
+        [{"role": "user", "content": "x"}],
+        {"chat_template_kwargs": {"k": "v", "enable_thinking": False, "j": None, "i": "auto"}},
+    ),
+    (
+        "template_kwargs_under_request_fields",
+        [{"role": "user", "content": "x"}],
+        {
+            "chat_template_kwargs": {
+                "add_generation_prompt": False,
+                "documents": [{"text": "a"}],
+                "reasoning_effort": "low",
+            },
+            "documents": [{"title": "t", "text": "b"}],
+            "reasoning_effort": "high",
+        },
+    ),
+    (
+        "reasoning_effort_none",
+        [{"role": "user", "content": "x"}],
+        {"reasoning_effort": "none", "chat_template_kwargs": {"k": 1}},
+    ),
+    (
+        "documents_in_template_kwargs",
+        [{"role": "user", "content": "x"}],
+        {"chat_template_kwargs": {"documents": [{"text": "a"}], "add_generation_prompt": False}},
+    ),
     # an empty tools array is no tools to vLLM's request model (as to OpenAI): the template
     # sees null, and the template for no tools renders it (Llama 3.1 tests ``is not none``)
     ("empty_tools", [{"role": "user", "content": "x"}], {"tools": []}),
@@ -260,13 +289,24 @@ def _vllm_text(template: ChatTemplate, body: dict[str, Any], content_format: str
     conversation = chat_ref.conversation(body, content_format)
     named = {"bos_token": template.bos_token, "eos_token": template.eos_token, **template.extra}
     source = template.tool_source if tools is not None and template.tool_source else None
+    # the template's arguments as vLLM merges them (OnlineRenderer.preprocess_chat: the
+    # request's, over defaults that always hold ``tokenize``; the flags and ``documents``
+    # are apply_chat_template's own arguments)
+    kwargs = dict(
+        request.build_chat_params(None, "auto")
+        .with_defaults({"tokenize": False})
+        .chat_template_kwargs
+    )
+    del kwargs["tokenize"]
     return transformers_ref.render(
         source or template.source,
         conversation,
         special_tokens={k: v for k, v in named.items() if v},
         tools=tools,
-        add_generation_prompt=request.add_generation_prompt,
-        continue_final_message=request.continue_final_message,
+        documents=kwargs.pop("documents", None),
+        add_generation_prompt=kwargs.pop("add_generation_prompt"),
+        continue_final_message=kwargs.pop("continue_final_message"),
+        **kwargs,
     )
 
 
@@ -303,10 +343,18 @@ TOOLS_NOT_NONE_SOURCE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# the template's other variables
+KWARGS_SOURCE = (
+    "{{ k }}|{{ j }}|{{ i }}|{{ enable_thinking }}|{{ reasoning_effort }}|"
+    "{{ documents | tojson }}|{{ continue_final_message }}\n"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 TEMPLATES = {
     "dump": lambda: DUMP_SOURCE,
     "thinking": lambda: THINKING_SOURCE,
     "tools_not_none": lambda: TOOLS_NOT_NONE_SOURCE,
+    "kwargs": lambda: KWARGS_SOURCE,
     "kimi": lambda: None,
     "kimi_k3": _k3_source,
 }
