@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from router.core.errors import BadRequest
 from router.core.hashing import hash_prompt, root_hash
 from router.tokenize.incremental import MIN_CACHED_CHARS, IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
@@ -416,3 +417,32 @@ def test_a_template_sent_with_the_request_is_not_guessed(where: str) -> None:
     assert not got.exact
     assert got.block_hashes == engine[: len(got.block_hashes)]
     assert proc.chat(body).exact  # (the model's own template: exact)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"continue_final_message": True},  # add_generation_prompt at its default, true
+        {"continue_final_message": True, "add_generation_prompt": True},
+        {"continue_final_message": "true", "add_generation_prompt": "on"},
+        {"continue_final_message": 1, "add_generation_prompt": "yes"},
+    ],
+)
+def test_continuing_with_a_generation_prompt_is_refused_as_vllm_refuses(
+    flags: dict[str, Any],
+) -> None:
+    """vLLM's request model refuses both flags sent true, and transformers'
+    ``apply_chat_template`` (which vLLM renders with) both read true: a continued final
+    message needs ``add_generation_prompt`` false. The router refuses it too, rather than
+    hash a prompt the engine never runs."""
+    proc = _processor(None, "string")
+    assert proc.template is not None
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "The answer is"},
+    ]
+    body = {"model": "m", "messages": messages, **flags}
+    with pytest.raises(ValueError):
+        _vllm_text(proc.template, body, "string")
+    with pytest.raises(BadRequest):
+        proc.chat(copy.deepcopy(body))

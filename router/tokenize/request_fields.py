@@ -163,8 +163,14 @@ def chat_args(
     cont = lax_bool(body.get("continue_final_message", False))
     if add_gen is None or add_gen is INVALID or cont is None or cont is INVALID:
         raise BadRequest("'add_generation_prompt' and 'continue_final_message' are booleans")
-    if cont:
-        add_gen = False
+    if cont and add_gen:
+        # add_generation_prompt left at its default (true), or sent as a lax true: vLLM
+        # renders with both, and transformers' apply_chat_template refuses that (vLLM
+        # answers 400); the prompt the router would render is none the engine runs
+        raise BadRequest(
+            "continue_final_message and add_generation_prompt are not compatible: "
+            "send add_generation_prompt false to continue the final message"
+        )
     tools = body.get("tools")
     tool_choice = body.get("tool_choice")
     if tools == [] and not keep_empty_tools and not isinstance(tool_choice, Mapping):
