@@ -258,6 +258,11 @@ SHAPES: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
         },
     ),
     (
+        "flags_in_template_kwargs",
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+        {"chat_template_kwargs": {"continue_final_message": True, "add_generation_prompt": False}},
+    ),
+    (
         "reasoning_effort_none",
         [{"role": "user", "content": "x"}],
         {"reasoning_effort": "none", "chat_template_kwargs": {"k": 1}},
