@@ -238,6 +238,21 @@ SHAPES: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
         [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is"}],
         {"continue_final_message": "true", "add_generation_prompt": 0},
     ),
+    # a tool reference without a name (kept as such in the openai format)
+    (
+        "tool_reference_without_name",
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_reference", "name": ""},
+                    {"type": "tool_reference"},
+                    {"type": "text", "text": "x"},
+                ],
+            }
+        ],
+        {},
+    ),
     # the template's variables: the request's chat_template_kwargs under its own fields
     (
         "template_kwargs",

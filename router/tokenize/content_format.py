@@ -163,7 +163,7 @@ def _openai_part(part: Any) -> Any:
             return None
         return {"type": "text", "text": value, **_extra(part)}
     if kind == "tool_reference":
-        return {"type": "tool_reference", "name": value} if value else None
+        return {"type": "tool_reference", "name": value}  # (without a name too, as vLLM)
     return {"type": kind, **_extra(part)}
 
 
