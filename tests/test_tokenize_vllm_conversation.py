@@ -279,6 +279,25 @@ SHAPES: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
         ],
         {},
     ),
+    # a key of openai's text part (vLLM's known part fields, from the openai package: not
+    # kept on the part) and one no part type has (kept)
+    (
+        "part_keys",
+        [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "text",
+                        "text": "x",
+                        "prompt_cache_breakpoint": {"mode": "explicit"},
+                        "cache_control": {"type": "ephemeral"},
+                    },
+                ],
+            }
+        ],
+        {},
+    ),
     # the template's variables: the request's chat_template_kwargs under its own fields
     (
         "template_kwargs",
