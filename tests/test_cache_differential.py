@@ -106,6 +106,7 @@ def _variant(r: random.Random, body: dict[str, Any]) -> dict[str, Any]:
         v["add_generation_prompt"] = False
     elif change == "continue":
         v["continue_final_message"] = True
+        v["add_generation_prompt"] = False
         v["messages"] = [*v["messages"], {"role": "assistant", "content": "partial"}]
     elif change == "model":
         v["model"] = r.choice("abc")

@@ -244,6 +244,7 @@ def test_continue_final_message_cuts_after_the_last_text_part() -> None:
     body = {
         "model": "m",
         "continue_final_message": True,
+        "add_generation_prompt": False,
         "messages": [
             {"role": "user", "content": "hi"},
             {

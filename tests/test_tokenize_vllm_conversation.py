@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from router.core.errors import BadRequest
 from router.core.hashing import hash_prompt, root_hash
 from router.tokenize.incremental import MIN_CACHED_CHARS, IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
@@ -237,6 +238,100 @@ SHAPES: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
         [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is"}],
         {"continue_final_message": "true", "add_generation_prompt": 0},
     ),
+    # a developer message's tools as vLLM's request model validates them (the keys of
+    # openai's ChatCompletionFunctionToolParam / FunctionDefinition first, in their order)
+    (
+        "developer_tools",
+        [
+            {
+                "role": "developer",
+                "content": "d",
+                "tools": [
+                    {
+                        "function": {
+                            "strict": True,
+                            "parameters": {"type": "object"},
+                            "description": "x",
+                            "name": "get",
+                            "extra": 1,
+                        },
+                        "type": "function",
+                        "other": 2,
+                    }
+                ],
+            },
+            {"role": "user", "content": "x"},
+        ],
+        {},
+    ),
+    # a tool reference without a name (kept as such in the openai format)
+    (
+        "tool_reference_without_name",
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_reference", "name": ""},
+                    {"type": "tool_reference"},
+                    {"type": "text", "text": "x"},
+                ],
+            }
+        ],
+        {},
+    ),
+    # a key of openai's text part (vLLM's known part fields, from the openai package: not
+    # kept on the part) and one no part type has (kept)
+    (
+        "part_keys",
+        [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "text",
+                        "text": "x",
+                        "prompt_cache_breakpoint": {"mode": "explicit"},
+                        "cache_control": {"type": "ephemeral"},
+                    },
+                ],
+            }
+        ],
+        {},
+    ),
+    # the template's variables: the request's chat_template_kwargs under its own fields
+    (
+        "template_kwargs",
+        [{"role": "user", "content": "x"}],
+        {"chat_template_kwargs": {"k": "v", "enable_thinking": False, "j": None, "i": "auto"}},
+    ),
+    (
+        "template_kwargs_under_request_fields",
+        [{"role": "user", "content": "x"}],
+        {
+            "chat_template_kwargs": {
+                "add_generation_prompt": False,
+                "documents": [{"text": "a"}],
+                "reasoning_effort": "low",
+            },
+            "documents": [{"title": "t", "text": "b"}],
+            "reasoning_effort": "high",
+        },
+    ),
+    (
+        "flags_in_template_kwargs",
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+        {"chat_template_kwargs": {"continue_final_message": True, "add_generation_prompt": False}},
+    ),
+    (
+        "reasoning_effort_none",
+        [{"role": "user", "content": "x"}],
+        {"reasoning_effort": "none", "chat_template_kwargs": {"k": 1}},
+    ),
+    (
+        "documents_in_template_kwargs",
+        [{"role": "user", "content": "x"}],
+        {"chat_template_kwargs": {"documents": [{"text": "a"}], "add_generation_prompt": False}},
+    ),
     # an empty tools array is no tools to vLLM's request model (as to OpenAI): the template
     # sees null, and the template for no tools renders it (Llama 3.1 tests ``is not none``)
     ("empty_tools", [{"role": "user", "content": "x"}], {"tools": []}),
@@ -260,14 +355,32 @@ def _vllm_text(template: ChatTemplate, body: dict[str, Any], content_format: str
     conversation = chat_ref.conversation(body, content_format)
     named = {"bos_token": template.bos_token, "eos_token": template.eos_token, **template.extra}
     source = template.tool_source if tools is not None and template.tool_source else None
+    # the template's arguments as vLLM merges them (OnlineRenderer.preprocess_chat: the
+    # request's, over defaults that always hold ``tokenize``; the flags and ``documents``
+    # are apply_chat_template's own arguments)
+    kwargs = dict(
+        request.build_chat_params(None, "auto")
+        .with_defaults({"tokenize": False})
+        .chat_template_kwargs
+    )
+    del kwargs["tokenize"]
     return transformers_ref.render(
         source or template.source,
         conversation,
         special_tokens={k: v for k, v in named.items() if v},
         tools=tools,
-        add_generation_prompt=request.add_generation_prompt,
-        continue_final_message=request.continue_final_message,
+        documents=kwargs.pop("documents", None),
+        add_generation_prompt=kwargs.pop("add_generation_prompt"),
+        continue_final_message=kwargs.pop("continue_final_message"),
+        **kwargs,
     )
+
+
+def _converts_developer(template: ChatTemplate, messages: list[dict[str, Any]]) -> bool:
+    """Whether vLLM hands ``template`` the conversation's developer messages as system ones
+    (safe_apply_chat_template, for a template that does not name the role), which the
+    reference does not model (the router's side: tests/test_tokenize_content_format.py)."""
+    return template.converts_developer(messages, None)
 
 
 @cache
@@ -303,10 +416,21 @@ TOOLS_NOT_NONE_SOURCE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# the dump, for a template that names the developer role (vLLM converts it otherwise)
+DUMP_DEVELOPER_SOURCE = "{# 'developer' #}" + DUMP_SOURCE
+# the template's other variables
+KWARGS_SOURCE = (
+    "{{ k }}|{{ j }}|{{ i }}|{{ enable_thinking }}|{{ reasoning_effort }}|"
+    "{{ documents | tojson }}|{{ continue_final_message }}\n"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 TEMPLATES = {
     "dump": lambda: DUMP_SOURCE,
+    "dump_developer": lambda: DUMP_DEVELOPER_SOURCE,
     "thinking": lambda: THINKING_SOURCE,
     "tools_not_none": lambda: TOOLS_NOT_NONE_SOURCE,
+    "kwargs": lambda: KWARGS_SOURCE,
     "kimi": lambda: None,
     "kimi_k3": _k3_source,
 }
@@ -324,6 +448,8 @@ def test_rendered_prompt_is_vllms(
 ) -> None:
     proc = _processor(TEMPLATES[template_name](), content_format)
     assert proc.template is not None
+    if _converts_developer(proc.template, messages):
+        pytest.skip("developer messages: templates that name the role (see _converts_developer)")
     body = {"model": "m", "messages": messages, **extra}
     expected = _vllm_text(proc.template, body, content_format)
     text, _ = proc.render_chat(copy.deepcopy(body))
@@ -340,6 +466,8 @@ def test_whole_and_incremental_hashes_are_vllms(
         for template_name in ("kimi", "kimi_k3", "tools_not_none"):
             proc = _processor(TEMPLATES[template_name](), "string")
             assert proc.template is not None and proc.tokenizer is not None
+            if _converts_developer(proc.template, messages):
+                continue
             body = {"model": "m", "messages": head + messages, **extra}
             ids = proc.tokenizer.encode_text(_vllm_text(proc.template, body, "string"))
             expected = hash_prompt(ids, 16, root_hash("m")).hashes
@@ -368,3 +496,32 @@ def test_a_template_sent_with_the_request_is_not_guessed(where: str) -> None:
     assert not got.exact
     assert got.block_hashes == engine[: len(got.block_hashes)]
     assert proc.chat(body).exact  # (the model's own template: exact)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"continue_final_message": True},  # add_generation_prompt at its default, true
+        {"continue_final_message": True, "add_generation_prompt": True},
+        {"continue_final_message": "true", "add_generation_prompt": "on"},
+        {"continue_final_message": 1, "add_generation_prompt": "yes"},
+    ],
+)
+def test_continuing_with_a_generation_prompt_is_refused_as_vllm_refuses(
+    flags: dict[str, Any],
+) -> None:
+    """vLLM's request model refuses both flags sent true, and transformers'
+    ``apply_chat_template`` (which vLLM renders with) both read true: a continued final
+    message needs ``add_generation_prompt`` false. The router refuses it too, rather than
+    hash a prompt the engine never runs."""
+    proc = _processor(None, "string")
+    assert proc.template is not None
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "The answer is"},
+    ]
+    body = {"model": "m", "messages": messages, **flags}
+    with pytest.raises(ValueError):
+        _vllm_text(proc.template, body, "string")
+    with pytest.raises(BadRequest):
+        proc.chat(copy.deepcopy(body))

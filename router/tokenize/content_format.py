@@ -83,12 +83,14 @@ _UNTYPED_KEYS = (
     ("video_url", "video"),
     ("tool_reference", "tool_reference"),
 )
-# the keys of vLLM's content-part types; the others a part has are kept on its openai form
+# the keys of vLLM's content-part types (vLLM collects them from its part types, openai's
+# among them: ``prompt_cache_breakpoint`` is the openai package's text and image parts');
+# the others a part has are kept on its openai form
 _KNOWN_PART_KEYS = frozenset(
     {
         "type", "text", "image_url", "input_audio", "file", "audio_url", "image_embeds",
         "uuid", "audio_embeds", "video_embeds", "data", "video_url", "refusal", "image_pil",
-        "thinking", "closed", "name",
+        "thinking", "closed", "name", "prompt_cache_breakpoint",
     }
 )  # fmt: skip
 # Claude Code's per-request attribution line, which vLLM drops from system text
@@ -166,7 +168,7 @@ def _openai_part(part: Any) -> Any:
             return None
         return {"type": "text", "text": value, **_extra(part)}
     if kind == "tool_reference":
-        return {"type": "tool_reference", "name": value} if value else None
+        return {"type": "tool_reference", "name": value}  # (without a name too, as vLLM)
     return {"type": kind, **_extra(part)}
 
 

@@ -70,6 +70,19 @@ def sends_template(body: Mapping[str, Any]) -> bool:
     return isinstance(kwargs, Mapping) and kwargs.get("chat_template") is not None
 
 
+# apply_chat_template's own parameters (transformers 5.22, the newest vLLM 0.34 takes):
+# a template kwarg of one of these names is consumed by it (continue_final_message as the
+# request's: vLLM puts the request's flag over the kwargs') and never reaches the template
+# as a variable (tools, documents and add_generation_prompt it hands over itself)
+_APPLY_ARGUMENTS = frozenset(
+    {
+        "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
+        "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
 def check_messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     messages = body.get("messages")
     if messages is None:
@@ -154,6 +167,8 @@ def chat_args(
     if default_kwargs or over_defaults:
         unset = {k for k, v in kwargs.items() if v is None or v == "auto"}
         kwargs = {**default_kwargs, **{k: kwargs[k] for k in kwargs if k not in unset}}
+    if not _APPLY_ARGUMENTS.isdisjoint(kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k not in _APPLY_ARGUMENTS}
     # vLLM's check_generation_prompt runs on the values as sent, before they are read
     if body.get("continue_final_message") and body.get("add_generation_prompt"):
         raise BadRequest(
@@ -163,8 +178,14 @@ def chat_args(
     cont = lax_bool(body.get("continue_final_message", False))
     if add_gen is None or add_gen is INVALID or cont is None or cont is INVALID:
         raise BadRequest("'add_generation_prompt' and 'continue_final_message' are booleans")
-    if cont:
-        add_gen = False
+    if cont and add_gen:
+        # add_generation_prompt left at its default (true), or sent as a lax true: vLLM
+        # renders with both, and transformers' apply_chat_template refuses that (vLLM
+        # answers 400); the prompt the router would render is none the engine runs
+        raise BadRequest(
+            "continue_final_message and add_generation_prompt are not compatible: "
+            "send add_generation_prompt false to continue the final message"
+        )
     tools = body.get("tools")
     tool_choice = body.get("tool_choice")
     if tools == [] and not keep_empty_tools and not isinstance(tool_choice, Mapping):

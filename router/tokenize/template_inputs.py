@@ -146,7 +146,8 @@ def prepare_messages(
     assistant's ``tool_calls`` (arguments parsed, see :func:`_parse_arguments`; an empty list
     dropped) and ``reasoning`` (also given as ``reasoning_content``, and as ``thinking``
     before the role, as transformers 5.21+ adds it), a tool result's
-    ``tool_call_id``, a developer message's ``tools`` (null when absent), in vLLM's order
+    ``tool_call_id``, a developer message's ``tools`` (null when absent; their keys in vLLM's
+    order too), in vLLM's order
     (``role``, ``content``, the role's own keys, ``name``, ``task``, ``tools``: a template
     serialising a message sees them so). Plain messages of the string format whose keys are
     already so are passed as they are, the others rebuilt. A tool call's keys are in the
@@ -202,8 +203,32 @@ def prepare_messages(
         if isinstance(task, str):
             msg["task"] = task
         if role == "developer":
-            msg["tools"] = m.get("tools")
+            msg["tools"] = _developer_tools(m.get("tools"))
         out.append(msg)
+    return out
+
+
+# the keys of a developer message's tool and of its function in the order vLLM's request
+# model validates them into (openai's ``ChatCompletionFunctionToolParam`` /
+# ``FunctionDefinition``), the other keys after them
+_DEV_TOOL_KEYS = ("function", "type")
+_DEV_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+
+
+def _developer_tools(tools: Any) -> Any:
+    """A developer message's ``tools`` as vLLM 0.34 hands them over: each tool's and
+    function's keys in its request model's order, their values as sent."""
+    if not isinstance(tools, list):
+        return tools
+    out = []
+    for t in tools:
+        if not isinstance(t, Mapping):
+            out.append(t)
+            continue
+        fn = t.get("function")
+        if isinstance(fn, Mapping):
+            t = {**t, "function": _in_order(fn, _DEV_FUNCTION_KEYS)}
+        out.append(_in_order(t, _DEV_TOOL_KEYS))
     return out
 
 

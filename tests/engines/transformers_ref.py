@@ -81,6 +81,9 @@ def render(
     """What ``apply_chat_template(conversation, tools=..., documents=..., tokenize=False,
     ...)`` renders (transformers 5.22.2, tokenization_utils_base.py): ``special_tokens`` is
     the tokenizer's ``special_tokens_map`` (its named tokens: ``bos_token``, ...)."""
+    if continue_final_message and add_generation_prompt:
+        # apply_chat_template's own check before it renders (tokenization_utils_base.py)
+        raise ValueError("continue_final_message and add_generation_prompt are not compatible.")
     mod = load()
     rendered, _ = mod.render_jinja_template(
         conversations=[conversation],
