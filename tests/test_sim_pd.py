@@ -113,6 +113,16 @@ def test_a_decode_legs_pull_starts_only_at_the_head_of_the_queue_with_a_slot_fre
     assert first_r >= fin_a + 0.2
 
 
+def test_a_decode_leg_cancelled_while_pulling_frees_its_blocks() -> None:
+    e = _pd_engine(kv_blocks=100)
+    e.submit(EngineRequest("r", list(range(1, 9)), 85, 3, remote_prefilled=True, pull_s=1.0), 0.0)
+    e.advance(0.5)
+    assert e.kv_usage() > 0 and e.report(0.5).waiting == 1
+    e.cancel("r", 0.5)
+    assert e.kv_usage() == 0 and e.report(0.5).waiting == 0 and e.next_time() is None
+    assert e.advance(2.0) == [] and e.cached_blocks() == 0  # nothing arrived, nothing named
+
+
 def test_roles_by_rack() -> None:
     keys = [ReplicaKey(f"reg0-rack{i // 4}-r{i}") for i in range(8)]
     sites = sites_of(keys)
