@@ -26,6 +26,18 @@ Scheduling (vLLM v1 style, simplified):
   (vLLM 0.34 ``Scheduler.schedule``). No request is admitted in a step that preempted one. A request
   whose prompt + ``max_output_tokens`` - 1 tokens (+ its pinned sliding window) exceed the
   whole cache is rejected at once.
+* Decode legs (``remote_prefilled``, P/D): a request whose prompt another replica computed
+  is admitted like any other when it reaches the head of the queue (budget left, a running
+  slot free, its whole prompt's blocks allocated at once, its local hit pinned), but its
+  KV pull (``pull_s``) then starts and it leaves the queue without taking the slot or any
+  budget: the requests behind it are admitted in the same step. When the pull has ended
+  (its KV arrives at the start of the first step from then on; an idle engine wakes for
+  it) its blocks are named and it goes before the waiting queue, taking a running slot and
+  one token of budget (its last prompt token, recomputed to sample the first); its first
+  token comes at the end of that step. A decode leg with nothing to pull (``pull_s`` 0)
+  joins the step admitting it the same way. (vLLM 0.34, no ``--max-num-inflight-kv-loads``:
+  ``load_kv_async``, ``WAITING_FOR_REMOTE_KVS``, ``kv_holding_waiting``,
+  ``_update_waiting_for_remote_kv``; docs/simulator.md.)
 * ``scheduling="priority"`` (vLLM's ``--scheduling-policy priority``): requests wait in
   order of (``priority``, arrival) instead of arrival alone, a preempted one included.
 * Decoding sequences allocate a block when their context crosses a block boundary. When a
@@ -43,9 +55,10 @@ Scheduling (vLLM v1 style, simplified):
   context token pair) + ``decode_s_per_seq`` per decoding sequence + ``decode_s_per_ctx_token``
   per context token they attend, + host-tier reload time of a newly admitted request.
 * While no sequence is prefilling, the batch composition cannot change before the next
-  completion or arrival, so the whole run of decode steps is one *segment* whose duration is
-  an arithmetic series (contexts grow by one token a step); an arrival (or a cancel that
-  frees KV or the head of the queue) cuts the segment at the end of the step in progress.
+  completion, arrival or end of a pull, so the whole run of decode steps is one *segment*
+  whose duration is an arithmetic series (contexts grow by one token a step); an arrival (or
+  a cancel that frees KV or the head of the queue, or a pull ending) cuts the segment at the
+  end of the step in progress.
 
 Cache:
 
@@ -220,6 +233,7 @@ class EngineModel(Scheduler):
         self._waiting: deque[_Seq] = deque()
         self._prefilling: list[_Seq] = []
         self._decoding: list[_Seq] = []
+        self._loading: list[_Seq] = []  # decode legs pulling their KV, in the order admitted
         self._dec_ctx = 0
         self._by_id: dict[str, _Seq] = {}
         self._seg: _Segment | None = None
@@ -255,8 +269,8 @@ class EngineModel(Scheduler):
         a negative size."""
         if req.request_id in self._by_id:
             raise ValueError(f"request {req.request_id!r} is already on {self.replica}")
-        if req.prompt_tokens <= 0 or req.max_output_tokens < 0:
-            raise ValueError("prompt_tokens must be > 0 and max_output_tokens >= 0")
+        if req.prompt_tokens <= 0 or req.max_output_tokens < 0 or not req.pull_s >= 0:
+            raise ValueError("prompt_tokens must be > 0, max_output_tokens and pull_s >= 0")
         self._run_until(now)
         seq = _Seq(req, now, self.block_size)
         refused = self._refusal(seq)
@@ -298,7 +312,9 @@ class EngineModel(Scheduler):
             if head and self._waiting:  # the next may fit where the head did not
                 self._wake(now)
             return
-        if seq in self._prefilling:
+        if seq in self._loading:  # its blocks go at once (vLLM: when the pull ends)
+            self._loading.remove(seq)
+        elif seq in self._prefilling:
             self._prefilling.remove(seq)
         else:
             self._decoding.remove(seq)
@@ -307,8 +323,13 @@ class EngineModel(Scheduler):
         self._wake(now)
 
     def next_time(self) -> float | None:
-        """When the step (or decode run) in progress ends; None when idle."""
-        return self._seg.end if self._seg is not None else None
+        """When the step (or decode run) in progress ends, else when a decode leg's pulled
+        KV arrives; None when idle."""
+        return self._seg.end if self._seg is not None else self._next_arrival()
+
+    def _next_arrival(self) -> float | None:
+        """When the first of the pulls in flight ends."""
+        return min(s.ready for s in self._loading) if self._loading else None
 
     def advance(self, now: float) -> list[EngineOutput]:
         """Run every step that finishes at or before ``now``; return outputs in time order."""
@@ -342,7 +363,7 @@ class EngineModel(Scheduler):
         """What the engine would publish: running and waiting sequences, KV usage."""
         return EngineReport(
             running=len(self._prefilling) + len(self._decoding),
-            waiting=len(self._waiting),
+            waiting=len(self._waiting) + len(self._loading),  # vLLM's get_request_counts
             kv_usage=self.kv_usage(),
             at=now,
         )
@@ -374,8 +395,18 @@ class EngineModel(Scheduler):
     # ------------------------------------------------------------------ stepping
 
     def _run_until(self, now: float) -> None:
-        while self._seg is not None and self._seg.end <= now:
+        while True:
             seg = self._seg
+            if seg is None:  # idle: a pull ending wakes it
+                ready = self._next_arrival()
+                if ready is None or ready > now:
+                    return
+                self._start(ready)  # an idle engine schedules it at once
+                if self._seg is None:
+                    return
+                continue
+            if seg.end > now:
+                return
             self._publish_step_events()
             self._seg = None
             self._finish(seg)
@@ -396,9 +427,13 @@ class EngineModel(Scheduler):
         if seg is None:
             self._start(now)
             return
-        if seg.chunks or seg.steps == 1:
-            return
-        keep = min(seg.steps, seg.steps_done(now) + 1)
+        if not seg.chunks and seg.steps > 1:
+            self._cut(seg, now)
+
+    @staticmethod
+    def _cut(seg: _Segment, at: float) -> None:
+        """End the decode run ``seg`` with the step in progress at ``at``."""
+        keep = min(seg.steps, seg.steps_done(at) + 1)
         if keep < seg.steps:
             seg.steps = keep
             seg.end = seg.start + seg.elapsed(keep)
@@ -426,6 +461,15 @@ class EngineModel(Scheduler):
             dur += self._schedule_chunk(seq, n, chunks, hold)
         if admit:
             max_running = self.profile.max_running
+            loading = self._loading
+            # decode legs whose KV has arrived go first (vLLM: kv_holding_waiting)
+            for seq in [s for s in loading if s.ready <= now] if loading else ():
+                if budget <= 0 or len(self._prefilling) + ndec >= max_running:
+                    break
+                loading.remove(seq)
+                self._prefilling.append(seq)
+                budget -= 1
+                dur += self._kv_arrived(seq) + self._schedule_chunk(seq, 0, chunks, hold)
             waiting = self._waiting
             while (
                 budget > 0
@@ -434,9 +478,18 @@ class EngineModel(Scheduler):
                 and self._try_admit(waiting[0], now)
             ):
                 seq = waiting.popleft()
+                if seq.remote:
+                    if seq.pull_s > 0:  # its pull starts: no running slot nor budget taken
+                        seq.ready = now + seq.pull_s
+                        loading.append(seq)
+                        continue
+                    budget -= 1  # nothing to pull (vLLM: a full local hit)
+                    dur += self._kv_arrived(seq)
+                    n = 0
+                else:
+                    n = min(seq.target - seq.computed, budget)
+                    budget -= n
                 self._prefilling.append(seq)
-                n = min(seq.target - seq.computed, budget)
-                budget -= n
                 dur += self._schedule_chunk(seq, n, chunks, hold)
         if not self._prefilling and not self._decoding:
             return
@@ -449,9 +502,13 @@ class EngineModel(Scheduler):
         else:
             steps = self._steps_that_fit(decoders, min(s.max_out - s.out for s in decoders))
             base = cost.step_overhead_s + cost.decode_s_per_seq * ndec
-            self._seg = _Segment(
+            seg = _Segment(
                 now, steps, base, cost.decode_s_per_ctx_token, self._dec_ctx, decoders, []
             )
+            ready = self._next_arrival()
+            if ready is not None and ready > now:  # the step after a pull ends schedules it
+                self._cut(seg, ready)
+            self._seg = seg
 
     def _schedule_chunk(
         self, seq: _Seq, n: int, chunks: list[tuple[_Seq, int]], hold: int

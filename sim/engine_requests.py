@@ -24,10 +24,11 @@ class EngineRequest:
     """One request as an engine sees it. ``block_hashes`` are the canonical hashes (router
     block size) of the prompt's full blocks; ``output_block_hashes`` optionally name the full
     blocks the answer completes (so a follow-up turn can hit them). ``remote_prefilled``: the
-    decode leg of a disaggregated request: another replica computed the prompt and its KV
-    (and recurrent state at the prompt end) arrive with it, so admission names the prompt's
-    blocks as computed (publishing them) and the request decodes after one step with no
-    prefill compute. ``reads_cache`` False: the request reuses no cached block (vLLM: prompt
+    decode leg of a disaggregated request: another replica computed the prompt, whose KV (and
+    recurrent state at the prompt end) this one pulls for ``pull_s`` seconds, from the step
+    that admits it; then the prompt's blocks are named as computed (publishing them) and the
+    request decodes after one step recomputing its last prompt token (sim/engine.py's
+    "Decode legs"). ``reads_cache`` False: the request reuses no cached block (vLLM: prompt
     logprobs asked); the blocks it computes are cached all the same. ``priority``: vLLM's
     request priority (lower first), used by an engine scheduling by priority."""
 
@@ -39,6 +40,7 @@ class EngineRequest:
     remote_prefilled: bool = False
     reads_cache: bool = True
     priority: int = 0
+    pull_s: float = 0.0
 
 
 def sampled(req: EngineRequest, samples: int) -> list[EngineRequest]:
@@ -122,8 +124,10 @@ class _Seq:
         "pinned",
         "priority",
         "prompt",
+        "pull_s",
         "queued_s",
         "reads_cache",
+        "ready",
         "remote",
         "rid",
         "submitted",
@@ -169,6 +173,8 @@ class _Seq:
         self.queued_s = 0.0
         self.cancelled = False
         self.remote = req.remote_prefilled
+        self.pull_s = req.pull_s if req.remote_prefilled else 0.0
+        self.ready = 0.0  # a decode leg pulling its KV: when the KV has arrived
         self.reads_cache = req.reads_cache
         self.window: list[int] = []  # sliding-window keys pinned, oldest first
         self.wheld = 0  # blocks whose window KV was taken (hit or computed)

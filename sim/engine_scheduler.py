@@ -47,6 +47,7 @@ class Scheduler(BlockCache):
     _waiting: deque[_Seq]
     _prefilling: list[_Seq]
     _decoding: list[_Seq]
+    _loading: list[_Seq]
     _dec_ctx: int
     _by_id: dict[str, _Seq]
     _out: list[EngineOutput]
@@ -285,10 +286,18 @@ class Scheduler(BlockCache):
             seq.queued_s = now - seq.submitted
         self._admissions += 1
         seq.admitted = self._admissions
-        if seq.remote:  # the transferred prompt: named (and published) as computed
-            old = seq.computed
-            seq.computed = seq.prompt
-            # its window KV is pinned at the end of its step, after the decoders' blocks: the
-            # room above kept those free, not the window's too
-            self._computed(seq, old // self.block_size, seq.nfull, windows=False)
         return True
+
+    def _kv_arrived(self, seq: _Seq) -> float:
+        """A decode leg admitted (:meth:`_try_admit`) whose pulled KV has arrived joins the
+        step being scheduled: its prompt is named (and published) as computed, and the step
+        recomputes its last prompt token, which samples the first one (vLLM 0.34
+        ``_update_waiting_for_remote_kv``: ``num_computed_tokens = num_tokens - 1``). It
+        takes one token of the step's budget (the caller's); returns that token's compute
+        time. The caller schedules it as a chunk of 0 tokens: nothing is left to name."""
+        old = seq.computed
+        seq.computed = seq.prompt
+        # its window KV is pinned at the end of its step, after the decoders' blocks: the
+        # room _try_admit found kept those free, not the window's too
+        self._computed(seq, old // self.block_size, seq.nfull, windows=False)
+        return float(self.profile.cost.prefill_s(1, seq.prompt - 1))

@@ -13,10 +13,11 @@ With ``pd`` ``always`` or ``auto`` every arrival goes through
 ``router.core.disagg.Disaggregator.plan``: a local request runs as any request; a
 disaggregated one runs its prefill leg (``max_output_tokens`` 1) on the prefill replica,
 then, when that leg finishes, the decode replica is picked (``pick_decode``) and the request
-reaches it after the transfer time of its KV and state over the link between the two
-(``remote_prefilled``: no prefill compute there). A prefill leg the engine rejects falls back
-to a local prefill on the decode replica. TTFT is the decode replica's first token. A
-request stays local where the service keeps it local, by the same rule
+reaches it at once, carrying the transfer time of its KV and state over the link between the
+two (``remote_prefilled``, ``pull_s``: the decode engine pulls it when it admits the request,
+as vLLM's NIXL connector does; no prefill compute there). A prefill leg the engine rejects
+falls back to a local prefill on the decode replica. TTFT is the decode replica's first
+token. A request stays local where the service keeps it local, by the same rule
 (``router.core.disagg.keep_local_reason`` of its endpoint, ``n`` and prompts): ``n`` > 1, a
 Messages or Responses API request, a completions batch.
 """
@@ -113,8 +114,9 @@ class PdStats:
 @dataclass(slots=True, frozen=True)
 class Handoff:
     """Where a disaggregated request goes once its prefill leg ended: ``engine_request``
-    reaches ``replica`` at ``at`` (after the transfer of its KV and state; at once after a
-    rejected leg, prefilled there); ``dispatch`` is what routing it there guessed."""
+    reaches ``replica`` at ``at`` (the leg's end; its ``pull_s`` is the transfer of its KV
+    and state, which the decode engine starts when it admits it; a rejected leg's request is
+    prefilled there); ``dispatch`` is what routing it there guessed."""
 
     request: SimRequest
     replica: ReplicaKey
@@ -223,6 +225,7 @@ class PrefillLegs:
             req.output_tokens,
             req.output_block_hashes,
             remote_prefilled=not rejected,
+            pull_s=0.0 if rejected else pick.transfer_s,
         )
         replica = pick.decision.replica
         if rejected:
@@ -233,4 +236,4 @@ class PrefillLegs:
             return Handoff(req, replica, ereq, engine.dispatched(rr, pick.decision, now), now)
         dispatch = self.planner.dispatched_decode(engine, rr, pick.decision, now)
         self.stats.moved(pick.link, pick.transfer_bytes, pick.transfer_s)
-        return Handoff(req, replica, ereq, dispatch, now + pick.transfer_s)
+        return Handoff(req, replica, ereq, dispatch, now)

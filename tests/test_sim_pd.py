@@ -46,6 +46,83 @@ def test_a_remote_prefilled_request_publishes_its_blocks_and_decodes_without_pre
     assert kv == [1, 2, 3, 4] and states == [4]  # the state at the prompt end came with it
 
 
+def _pd_engine(**kw: object) -> EngineModel:
+    cost = CostModel(0.01, 1e-4, 0.0, 0.001, 0.0, 100)
+    profile = EngineProfile("t", cost=cost, block_size=B, **kw)  # type: ignore[arg-type]
+    return EngineModel(profile, ReplicaKey("d"), B)
+
+
+def _run(e: EngineModel) -> list[object]:
+    outs: list[object] = []
+    while (t := e.next_time()) is not None:
+        outs += e.advance(t)
+    return outs
+
+
+def test_a_decode_legs_pull_holds_its_blocks_but_no_running_slot_or_budget() -> None:
+    """vLLM 0.34 starts a decode leg's pull when it reaches the head of the queue
+    (``load_kv_async``): its prompt's blocks allocated up front, then it waits in
+    WAITING_FOR_REMOTE_KVS outside the batch; the request behind it is admitted in the
+    same step. The engine model made the decode leg wait for the transfer before it queued,
+    holding nothing, then scheduled it as any waiting request."""
+    e = _pd_engine(kv_blocks=100, max_running=1)
+    e.submit(EngineRequest("r", list(range(1, 9)), 85, 3, remote_prefilled=True, pull_s=1.0), 0.0)
+    e.submit(EngineRequest("c", [50, 51], 20, 2), 0.0)
+    e.advance(0.001)
+    report = e.report(0.001)
+    assert (report.running, report.waiting) == (1, 1)  # c runs; r waits for its KV
+    assert report.kv_usage >= 9 / 100  # r's 9 blocks are allocated while its KV arrives
+    outs = _run(e)
+    first = {o.request_id: o.time for o in outs if isinstance(o, FirstToken)}
+    assert first["c"] < 0.1
+    # r: its pull (1 s from the step that started it), then one step scheduling the last
+    # prompt token (vLLM recomputes it: _update_waiting_for_remote_kv)
+    assert 1.0 < first["r"] <= 1.0 + 0.01 + 1e-4 + 1e-9
+    assert any(isinstance(o, Finished) and o.request_id == "r" for o in outs)
+
+
+def test_a_decode_leg_whose_kv_arrived_goes_before_the_waiting_requests() -> None:
+    """A decode leg whose KV has arrived is scheduled ahead of the FCFS queue (vLLM 0.34
+    drains ``kv_holding_waiting`` first), for one token of the step's budget, left once the
+    running requests took theirs. Here r's pull ends during b's long prefill, which takes
+    the budget; c waits behind b. When b's last chunk leaves budget r is scheduled, before c, which
+    reached the engine after r."""
+    e = _pd_engine(kv_blocks=400, max_running=4)
+    e.submit(EngineRequest("a", [1], 10, 400), 0.0)  # decodes all along
+    e.submit(
+        EngineRequest("r", list(range(10, 18)), 80, 2, remote_prefilled=True, pull_s=0.05), 0.0
+    )
+    e.submit(EngineRequest("b", list(range(100, 200)), 1000, 1), 0.001)
+    e.submit(EngineRequest("c", list(range(200, 300)), 1000, 1), 0.001)
+    outs = _run(e)
+    first = {o.request_id: o.time for o in outs if isinstance(o, FirstToken)}
+    # the step of b's last chunk has budget left for it
+    assert first["b"] <= first["r"] < first["c"]
+
+
+def test_a_decode_legs_pull_starts_only_at_the_head_of_the_queue_with_a_slot_free() -> None:
+    """vLLM 0.34 (no --max-num-inflight-kv-loads) starts a pull only from the waiting scan,
+    which stops when no running slot is free: with a's decode in the one slot r's pull
+    waits for it, then runs."""
+    e = _pd_engine(kv_blocks=100, max_running=1)
+    e.submit(EngineRequest("a", [1], 10, 50), 0.0)
+    e.submit(EngineRequest("r", list(range(10, 18)), 80, 2, remote_prefilled=True, pull_s=0.2), 0.0)
+    outs = _run(e)
+    fin_a = next(o.time for o in outs if isinstance(o, Finished) and o.request_id == "a")
+    first_r = next(o.time for o in outs if isinstance(o, FirstToken) and o.request_id == "r")
+    assert first_r >= fin_a + 0.2
+
+
+def test_a_decode_leg_cancelled_while_pulling_frees_its_blocks() -> None:
+    e = _pd_engine(kv_blocks=100)
+    e.submit(EngineRequest("r", list(range(1, 9)), 85, 3, remote_prefilled=True, pull_s=1.0), 0.0)
+    e.advance(0.5)
+    assert e.kv_usage() > 0 and e.report(0.5).waiting == 1
+    e.cancel("r", 0.5)
+    assert e.kv_usage() == 0 and e.report(0.5).waiting == 0 and e.next_time() is None
+    assert e.advance(2.0) == [] and e.cached_blocks() == 0  # nothing arrived, nothing named
+
+
 def test_roles_by_rack() -> None:
     keys = [ReplicaKey(f"reg0-rack{i // 4}-r{i}") for i in range(8)]
     sites = sites_of(keys)

@@ -123,7 +123,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     params = pd.transfer_params(body)
     prefill_leg = pd.is_prefill_leg(params)
     if params is not None and pd.is_decode_leg(params):
-        req = await _pull(state, req, params)
+        req = _pull(state, req, params)
     created = int(time.time())
     model = state.settings.model
     cached = 0
@@ -296,9 +296,9 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     return web.json_response(oai.body([one], usage, prompt_logprobs, transfer))
 
 
-async def _pull(state: MockState, req: Any, params: Mapping[str, Any]) -> Any:
-    """A decode leg: wait out the pull of what this replica lacks, then admit the request
-    as remote-prefilled (router/mock/pd.py)."""
+def _pull(state: MockState, req: Any, params: Mapping[str, Any]) -> Any:
+    """A decode leg: the request as remote-prefilled, with the time its pull of what this
+    replica lacks takes (router/mock/pd.py), which the engine model starts at admission."""
     model = state.driver.model
     held = 0
     for h in req.block_hashes:
@@ -312,9 +312,7 @@ async def _pull(state: MockState, req: Any, params: Mapping[str, Any]) -> Any:
     moved = pd.pull(params, pd.Site(s.region, s.rack), s.replica, missing, sizes, model.hybrid)
     state.counters.decode_legs += 1
     state.counters.pulled_bytes += moved.nbytes
-    if moved.seconds > 0:
-        await asyncio.sleep(moved.seconds * state.driver.time_scale)
-    return replace(req, remote_prefilled=True)
+    return replace(req, remote_prefilled=True, pull_s=moved.seconds)
 
 
 async def _tracked(request: web.Request, kind: str) -> web.StreamResponse:

@@ -17,9 +17,12 @@ Either role, decided per request by its ``kv_transfer_params`` (as a vLLM engine
 * ``do_remote_prefill: true`` (a decode leg): the replica "pulls" the prompt's KV it does not
   hold (``kv_bytes_per_token`` of the profile a token) and the recurrent state at the prompt
   end (``state_bytes``, hybrid profiles) over the link between the two sites
-  (router.core.disagg.LinkModel: NVLink in a rack, network across racks), waits that long on
-  the wall clock (scaled by ``--time-scale``), then the engine model admits the request as
-  ``remote_prefilled``: no prefill compute, the blocks named and published as KV events.
+  (router.core.disagg.LinkModel: NVLink in a rack, network across racks), sized when it
+  arrives; the engine model admits the request as ``remote_prefilled`` with that
+  ``pull_s``: the pull starts when the request reaches the head of the queue with a running
+  slot free (its blocks allocated, no slot held), and the request decodes once its KV has
+  arrived, with no prefill compute, the blocks named and published as KV events
+  (sim/engine.py "Decode legs", as vLLM 0.34 schedules them).
 """
 
 from __future__ import annotations
