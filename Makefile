@@ -4,7 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvrouter-installed
 # pytest-xdist workers: most tests wait on processes and sockets, so more workers than cores
-TEST_WORKERS ?= 4
+# (6 on 2 cores: 137-138 s warm against 144-148 s with 4, docs/benchmarks.md "The test loop")
+TEST_WORKERS ?= 6
 # Every test starts Python processes (routers, replicas, publishers) and each xdist worker
 # imports every test module: with bytecode caching off (some images set this) each of them
 # compiles the sources and re-rewrites the tests' asserts again, a fifth of the suite's CPU.
