@@ -151,3 +151,46 @@ def test_the_budget_is_read_once_and_checked_at_the_edge() -> None:
     args = build_parser("publish").parse_args([*argv, "--max-event-backlog-mb", "0"])
     with pytest.raises(ValueError, match="--max-event-backlog-mb"):
         check_timing(args)
+
+
+async def test_replayed_history_and_refills_are_held_at_most_a_budget_at_a_time() -> None:
+    """A history load and a gap refill of many large batches (five budgets each) are
+    delivered in chunks of at most the budget as they are read (``stats.max_replay_bytes``:
+    the most replayed bytes held, read and not yet delivered), in order, nothing lost."""
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    pub.start()
+    rec = Record()
+    sub = ZmqEventSubscriber(
+        pub.endpoint,
+        rec.payload,
+        replay_endpoint=pub.replay_endpoint,
+        on_lost=rec.on_lost,
+        max_backlog_bytes=BUDGET,
+    )
+    task: asyncio.Task[None] | None = None
+    try:
+        for _ in range(STALLED):  # the history: published before the subscriber starts
+            await pub.publish_raw(_payload(pub.seq + 1))
+        history = list(range(pub.seq - STALLED + 1, pub.seq + 1))
+        task = asyncio.create_task(sub.run())
+        await eventually(lambda: sub.last_seq == pub.seq)
+        assert rec.seqs[:STALLED] == history
+        assert 0 < sub.stats.max_replay_bytes <= BUDGET
+        await _joined(pub, sub, rec)
+        pub.drop_next = STALLED  # a gap of five budgets, refilled from the replay socket
+        first = pub.seq + 1
+        for _ in range(STALLED):
+            await pub.publish_raw(_payload(pub.seq + 1))
+        after = await pub.publish_raw(_payload(pub.seq + 1, 64))
+        await eventually(lambda: sub.last_seq == after)
+        refilled = [s for s in rec.seqs if s >= first]
+        assert refilled == list(range(first, after + 1))
+        assert all(rec.payloads[s] == _payload(s) for s in refilled[:-1])
+        assert sub.stats.gaps == 1
+        assert rec.lost == sub.stats.lost == 0
+        assert sub.stats.max_replay_bytes <= BUDGET
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await pub.close()

@@ -43,7 +43,9 @@ by message count only, and one batch can be megabytes. The socket keeps a short 
 task moves each message at once into a ``Backlog`` that the handler takes from; a message
 that would take it past the budget is dropped there, a ``Dropped`` marker in its place, and
 the handler takes the marker as a gap up to the last seq dropped (``_refill``): refilled
-from the replay socket, or counted lost. Drops are counted (``stats.dropped``).
+from the replay socket, or counted lost. Drops are counted (``stats.dropped``). Replay
+reads keep the same budget (``_fetch``): what they read is delivered in chunks of at most
+``max_backlog_bytes``, each before the next is read (``stats.max_replay_bytes``).
 """
 
 from __future__ import annotations
@@ -51,14 +53,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
 from router.events.backlog import DEFAULT_MAX_BACKLOG_BYTES as DEFAULT_MAX_BACKLOG_BYTES
-from router.events.backlog import Backlog, Dropped
+from router.events.backlog import MESSAGE_OVERHEAD, Backlog, Dropped
 
 log = logging.getLogger(__name__)
 END_SEQ = -1
@@ -70,6 +72,7 @@ YIELD_AFTER_S = 0.005  # delivering since the last turn: the next batch is follo
 # backlog (the reader runs whenever the event loop does: this holds what arrives while it
 # does not, e.g. a garbage collection); beyond it the engine's PUB queues them
 RCVHWM = 128
+Chunk = list[tuple[int, bytes]]  # replayed (seq, payload) pairs delivered together
 
 
 @dataclass(slots=True)
@@ -84,6 +87,28 @@ class SubscriberStats:
     received: int = 0  # messages the SUB socket gave (before the backlog's budget)
     dropped: int = 0  # of them, dropped over the backlog's budget (refilled or lost)
     max_backlog_bytes: int = 0  # the most the backlog held (router/events/backlog.py)
+    # the most replayed bytes held at once, read and not yet delivered (``_fetch``)
+    max_replay_bytes: int = 0
+
+
+@dataclass(slots=True)
+class _Span:
+    """A replayed ``[start, stop)`` delivered over several chunks; ``expected``: the next
+    seq due (``_deliver_span``)."""
+
+    start: int
+    stop: int
+    expected: int
+
+
+@dataclass(slots=True)
+class _Loaded:
+    """A history or catch-up delivered over several chunks (``_deliver_history``):
+    ``history`` the delivered seqs' payload hashes; ``lost_before``: a hole before the
+    first one is lost too."""
+
+    lost_before: bool
+    history: dict[int, int]
 
 
 class ZmqEventSubscriber:
@@ -264,14 +289,28 @@ class ZmqEventSubscriber:
         """Deliver ``(last, seq)`` from the replay socket (a gap before ``seq``), or report
         it lost; a replay whose batch ``last`` is another one shows a restart."""
         self.stats.gaps += 1
-        got = (await self._fetch(last, seq))[0] if self.replay_endpoint else []
-        if got and got[0][0] == last and not self._delivered(last, got[0][1]):
-            # the engine's batch ``last`` is not the one delivered under it: the engine
-            # restarted while nothing reached this subscriber, and counted past ``last``
+        span = _Span(last + 1, seq, last + 1)
+        checked = restarted = False
+
+        async def chunk(got: list[tuple[int, bytes]]) -> bool:
+            nonlocal checked, restarted
+            if not checked:
+                checked = True
+                # the engine's batch ``last`` is not the one delivered under it: the engine
+                # restarted while nothing reached this subscriber, and counted past ``last``
+                restarted = got[0][0] == last and not self._delivered(last, got[0][1])
+                if restarted:
+                    return False
+            await self._deliver_span(span, got)
+            return True
+
+        if self.replay_endpoint:
+            await self._fetch(last, chunk, seq)
+        if restarted:
             log.warning("engine %s restarted (seq %d is another batch)", self.endpoint, last)
             await self._restarted(seq)
         else:
-            await self._deliver_replayed(got, last + 1, seq)
+            self._end_span(span)
 
     async def _refill(self, dropped: Dropped) -> None:
         """Messages the backlog dropped over its budget, taken in their place: a gap up to
@@ -319,42 +358,65 @@ class ZmqEventSubscriber:
         or (``_watch_reconnects``) the next connection shows any gap or restart."""
         last = self.last_seq
         assert last is not None
-        got, answered = await self._fetch(last)
-        if not answered:
+        loaded = _Loaded(lost_before=True, history={})
+        checked = restarted = False
+
+        async def chunk(got: list[tuple[int, bytes]]) -> bool:
+            nonlocal checked, restarted
+            if not checked:
+                checked = True
+                restarted = got[0][0] == last and not self._delivered(last, got[0][1])
+                if restarted:
+                    return False
+            await self._deliver_history(loaded, got)
+            return True
+
+        if not await self._fetch(last, chunk):
             return
-        if not got or (got[0][0] == last and not self._delivered(last, got[0][1])):
+        if not checked or restarted:
             log.warning("engine %s restarted (batch %d is gone or another)", self.endpoint, last)
             self._forget_engine()
             await self._load_history()
             return
-        await self._deliver_history(got, lost_before=True)
+        self._end_history(loaded)
 
     async def _load_history(self) -> None:
         """Deliver the engine's whole replay buffer (nothing is lost before it: what the
         buffer no longer holds was never seen; a hole after its first batch, where the
         buffer moved on between two replay requests, is lost)."""
-        got, _ = await self._fetch(0)
-        await self._deliver_history(got, lost_before=False)
+        loaded = _Loaded(lost_before=False, history={})
 
-    async def _deliver_history(self, got: list[tuple[int, bytes]], *, lost_before: bool) -> None:
-        """Deliver the replayed ``got`` past the last seq delivered, remembered against
-        their live copies queued on the SUB; a hole is lost, before the first of them too
-        with ``lost_before``."""
-        history: dict[int, int] = {}
+        async def chunk(got: list[tuple[int, bytes]]) -> bool:
+            await self._deliver_history(loaded, got)
+            return True
+
+        await self._fetch(0, chunk)
+        self._end_history(loaded)
+
+    async def _deliver_history(self, loaded: _Loaded, got: list[tuple[int, bytes]]) -> None:
+        """Deliver the replayed ``got`` (the next chunk of ``loaded``) past the last seq
+        delivered; a hole is lost, before the first of them too with ``lost_before``."""
+        history = loaded.history
         for seq, payload in got:
             last = self.last_seq
             if last is not None and seq <= last:
                 continue
-            if (history or lost_before) and last is not None and seq > last + 1:
+            if (history or loaded.lost_before) and last is not None and seq > last + 1:
                 self.stats.lost += seq - last - 1
                 self.on_lost(seq - last - 1)
             history[seq] = hash(payload)
             self.stats.replayed += 1
             self._deliver(seq, payload)
             await self._pace()
-        if history:
-            self._history = history
-            log.info("%s: %d buffered batches loaded from replay", self.endpoint, len(history))
+
+    def _end_history(self, loaded: _Loaded) -> None:
+        """The batches ``loaded`` delivered are remembered against their live copies
+        queued on the SUB socket (``_handle``)."""
+        if loaded.history:
+            self._history = loaded.history
+            log.info(
+                "%s: %d buffered batches loaded from replay", self.endpoint, len(loaded.history)
+            )
 
     def _delivered(self, seq: int, payload: bytes) -> bool:
         """``payload`` is what was delivered under ``seq`` (among the last ``RECENT``), or
@@ -378,106 +440,127 @@ class ZmqEventSubscriber:
 
     async def _replay(self, start: int, stop: int) -> None:
         """Fetch ``[start, stop)`` from the replay socket and deliver it; report what is lost."""
-        got: list[tuple[int, bytes]] = []
-        if self.replay_endpoint:
-            got, _ = await self._fetch(start, stop)
-        await self._deliver_replayed(got, start, stop)
+        span = _Span(start, stop, start)
 
-    async def _deliver_replayed(self, got: list[tuple[int, bytes]], start: int, stop: int) -> None:
-        """Deliver the replayed batches of ``[start, stop)`` among ``got`` in order; report
-        what is missing from them as lost (from a start past 0: before it nothing was
-        seen, so nothing is lost)."""
-        expected = start
+        async def chunk(got: list[tuple[int, bytes]]) -> bool:
+            await self._deliver_span(span, got)
+            return True
+
+        if self.replay_endpoint:
+            await self._fetch(start, chunk, stop)
+        self._end_span(span)
+
+    async def _deliver_span(self, span: _Span, got: list[tuple[int, bytes]]) -> None:
+        """Deliver the replayed batches of ``span`` among ``got`` (its next chunk) in
+        order; report a hole before them as lost (from a start past 0: before it nothing
+        was seen, so nothing is lost)."""
         for seq, payload in got:
-            if seq < expected or seq >= stop:
+            if seq < span.expected or seq >= span.stop:
                 continue
-            if seq > expected and start > 0:
-                self.stats.lost += seq - expected
-                self.on_lost(seq - expected)
+            if seq > span.expected and span.start > 0:
+                self.stats.lost += seq - span.expected
+                self.on_lost(seq - span.expected)
             self.stats.replayed += 1
             self._deliver(seq, payload)
             await self._pace()
-            expected = seq + 1
-        if expected < stop and start > 0:
-            self.stats.lost += stop - expected
-            self.on_lost(stop - expected)
+            span.expected = seq + 1
+
+    def _end_span(self, span: _Span) -> None:
+        """The replay of ``span`` is over: what it did not bring up to its stop is lost."""
+        if span.expected < span.stop and span.start > 0:
+            self.stats.lost += span.stop - span.expected
+            self.on_lost(span.stop - span.expected)
 
     async def _fetch(
-        self, start: int, stop: int | None = None
-    ) -> tuple[list[tuple[int, bytes]], bool]:
-        """Replayed ``(seq, payload)`` pairs from ``start`` (with ``stop``: up to
-        ``stop - 1``), in order, and whether the engine answered at all (an end marker
-        alone is an answer: it holds nothing from ``start``). The engine answers a start
-        seq with its whole buffer tail and an end marker, through a ROUTER socket that drops
-        what exceeds its high-water mark (1,000 messages by default) when the reader falls
+        self, start: int, on_chunk: Callable[[Chunk], Awaitable[bool]], stop: int | None = None
+    ) -> bool:
+        """Pass the replayed ``(seq, payload)`` pairs from ``start`` (with ``stop``: up to
+        ``stop - 1``) to ``on_chunk`` in order, in chunks of at most ``max_backlog_bytes``
+        (as the live backlog counts them; one larger pair alone) as they are read: one
+        chunk is delivered before the next is read (the rest waits in ZMQ's queue and the
+        engine's), so a 10,000-batch replay of megabyte batches is never held whole.
+        ``on_chunk`` returning False stops the replay (the socket is closed: the engine's
+        ROUTER drops what it still holds for it). Returns whether the engine answered at
+        all (an end marker alone is an answer: it holds nothing from ``start``).
+
+        The engine answers a start seq with its whole buffer tail and an end marker,
+        through a ROUTER socket that drops what exceeds its high-water mark (1,000 messages
+        by default; vLLM 0.33-0.34 size it to the whole buffer) when the reader falls
         behind, anywhere in the burst: the end marker with the rest, or a run in the middle
-        while later replies still arrive.
-        The buffer is consecutive, so a reply that skips a seq, or stops short of its end
-        marker, is asked again from the seq after the last one in order, until the end
-        marker, ``stop - 1`` or nothing new comes."""
+        while later replies still arrive. The buffer is consecutive, so a reply that skips
+        a seq, or stops short of its end marker, is asked again from the seq after the
+        last one in order, until the end marker, ``stop - 1`` or nothing new comes."""
         assert self.replay_endpoint is not None
-        out: list[tuple[int, bytes]] = []
         first = start
         answered = False
         for _ in range(_MAX_REPLAY_ROUNDS):
-            got, ended = await self._fetch_once(first, stop)
-            answered = answered or ended or bool(got)
-            got = [(seq, payload) for seq, payload in got if seq >= first]
-            cut = _in_order(got)
-            if cut < len(got):  # replies dropped in the middle of the burst
-                got, ended = got[:cut], False
-            out.extend(got)
-            if ended or not got:
+            last, ended, stopped = await self._fetch_once(first, stop, on_chunk)
+            answered = answered or ended or last is not None
+            if stopped or ended or last is None:
                 break
-            first = got[-1][0] + 1
+            first = last + 1
             if stop is not None and first >= stop:
                 break
-        return out, answered
+        return answered
 
     async def _fetch_once(
-        self, start: int, stop: int | None
-    ) -> tuple[list[tuple[int, bytes]], bool]:
-        """One replay request: the pairs it brought, and whether it reached its end (the end
-        marker, or ``stop - 1``). Waits ``replay_timeout_s`` for the first reply, then a
-        fraction of it between replies (the engine sends its buffer in one burst)."""
+        self, start: int, stop: int | None, on_chunk: Callable[[Chunk], Awaitable[bool]]
+    ) -> tuple[int | None, bool, bool]:
+        """One replay request, its pairs passed to ``on_chunk`` (``_fetch``): the last seq
+        of the consecutive run it brought (None: none), whether it reached its end (the
+        end marker, or ``stop - 1``), and whether ``on_chunk`` stopped it. A seq skipped
+        ends it (the rest of the burst is read again from there). Waits
+        ``replay_timeout_s`` for the first reply, then a fraction of it between replies
+        (the engine sends its buffer in one burst)."""
         assert self.replay_endpoint is not None
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)  # as the SUB socket: the rest waits at the engine
         sock.connect(self.replay_endpoint)
-        out: list[tuple[int, bytes]] = []
+        chunk: Chunk = []
+        held = 0  # bytes of ``chunk``
+        last: int | None = None
         wait_ms = int(self.replay_timeout_s * 1000)
+
+        async def flush() -> bool:
+            nonlocal chunk, held
+            if not chunk:
+                return True
+            out, chunk, held = chunk, [], 0
+            return await on_chunk(out)
+
         try:
             await sock.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
                 if not await sock.poll(wait_ms):
-                    if not out:
+                    if last is None:
                         log.warning("replay from %s timed out", self.replay_endpoint)
-                    return out, False
+                    return last, False, not await flush()
                 reply = parse_replay_reply(await sock.recv_multipart())
                 if reply is None:
                     self.stats.malformed_frames += 1
                     continue
                 seq, payload = reply
                 if seq == END_SEQ or not payload:
-                    return out, True
-                out.append((seq, payload))
+                    return last, True, not await flush()
+                if seq < start:
+                    continue
+                if last is not None and seq != last + 1:  # replies dropped on the way
+                    return last, False, not await flush()
+                size = MESSAGE_OVERHEAD + 8 + len(payload)
+                if chunk and held + size > self.max_backlog_bytes and not await flush():
+                    return last, False, True
+                chunk.append((seq, payload))
+                held += size
+                self.stats.max_replay_bytes = max(self.stats.max_replay_bytes, held)
+                last = seq
                 if stop is not None and seq >= stop - 1:
-                    return out, True
-                if len(out) % YIELD_EVERY == 0:
+                    return last, True, not await flush()
+                if len(chunk) % YIELD_EVERY == 0:
                     await asyncio.sleep(0)  # queued replies come without a turn too
                 wait_ms = max(20, int(self.replay_timeout_s * 200))
         finally:
             sock.close(0)
-
-
-def _in_order(got: list[tuple[int, bytes]]) -> int:
-    """How many of ``got`` (replay replies) run in consecutive seqs from the first: the
-    first may start past the seq asked for (the engine's buffer no longer holds it), but
-    the buffer is consecutive, so a seq skipped after it was dropped on the way."""
-    for i in range(1, len(got)):
-        if got[i][0] != got[i - 1][0] + 1:
-            return i
-    return len(got)
 
 
 def parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
