@@ -36,7 +36,8 @@ from urllib.parse import urlsplit
 from router.core.admission import AdmissionSettings
 from router.core.disagg import LinkModel, PdKnobs, PdSetup, TransferSizes
 from router.core.errors import ConfigError
-from router.core.policies import POLICY_NAMES, make_policy
+from router.core.load import CostModel
+from router.core.policies import POLICIES, POLICY_NAMES, make_policy
 from router.core.routing_settings import BusyThresholds, RoutingSettings
 from router.service.config_tables import checked, typed
 from router.service.settings import ROUTING_KEYS, ModelSettings, SloSettings
@@ -94,6 +95,26 @@ def _check_pd_types(table: Mapping[str, Any], where: str) -> None:
                 if number and key != "margin_s" and value < 0:
                     raise ConfigError(f"{where}.{key}: must be a finite number >= 0")
                 break
+
+
+def _check_policy_param_types(policy: str, params: Mapping[str, Any], where: str) -> None:
+    """ConfigError naming the ``policy_params`` key whose value is not of the policy's
+    declared type (a string ``"false"`` for a boolean would be true; ``cost``: a table of
+    CostModel numbers); unknown keys and ranges: make_policy. A field a compiled core
+    reports as ``type`` is skipped: its compiled constructor checks it."""
+    cls = POLICIES.get(policy)
+    if cls is None:
+        return
+    declared = {f.name: f.type for f in fields(cls)}
+    for key, value in params.items():
+        if key == "cost" and key in declared:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{where}.cost: must be a table of cost-model numbers")
+            cost = {f.name: f.type for f in fields(CostModel)}
+            typed_cost = {k: v for k, v in value.items() if cost.get(k, type) is not type}
+            checked(CostModel, typed_cost, f"{where}.cost")
+        elif declared.get(key, type) is not type:
+            checked(cls, {key: value}, where)
 
 
 def _check_model_ranges(routing: RoutingSettings, where: str) -> None:
@@ -231,6 +252,7 @@ def model_settings(name: str, table: Any) -> ModelSettings:
             f"{where}.policy: unknown policy {model.policy!r}; choose one of "
             + ", ".join(POLICY_NAMES)
         )
+    _check_policy_param_types(model.policy, params, f"{where}.policy_params")
     try:
         make_policy(model.policy, params)
     except (ValueError, TypeError) as exc:
