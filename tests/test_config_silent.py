@@ -5,12 +5,13 @@ the key (or the variable)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from router.core.errors import ConfigError
-from router.service.config import build_settings
+from router.service.config import build_settings, load_settings
 
 
 @pytest.mark.parametrize(
@@ -48,3 +49,41 @@ def test_policy_params_of_the_right_type_still_load() -> None:
     )
     assert settings.models["m"].policy_params == {"speculates": False}
     assert settings.models["n"].policy_params == {"temperature": 1}
+
+
+def test_an_environment_model_the_configuration_does_not_name_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Names after KVROUTER_ are lower-cased: KVROUTER_MODELS__KIMI__POLICY meant for the
+    file's model "Kimi" would configure a new model "kimi" no replica serves, and leave
+    "Kimi" as it was. Refused, naming the variable and the models served."""
+    path = tmp_path / "c.toml"
+    path.write_text('[[replicas]]\nurl = "http://h:1"\nmodel = "Kimi"\n')
+    env = {"KVROUTER_MODELS__KIMI__POLICY": "least_loaded"}
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ=env)
+    message = str(info.value)
+    assert "KVROUTER_MODELS__KIMI__POLICY" in message and "Kimi" in message
+    # the model served by a replica of the environment, a flag or the file: taken
+    served = {**env, "KVROUTER_REPLICAS": "kimi=http://h:1"}
+    assert load_settings(path, environ=served).model("kimi").policy == "least_loaded"
+    flagged = load_settings(
+        path, environ=env, overrides={"replicas": [{"model": "kimi", "url": "http://h:2"}]}
+    )
+    assert flagged.model("kimi").policy == "least_loaded"
+    path.write_text(path.read_text() + "[models.kimi]\nblock_size = 32\n")
+    assert load_settings(path, environ=env).model("kimi").policy == "least_loaded"
+
+
+def test_an_environment_model_is_kept_where_replicas_are_discovered(tmp_path: Path) -> None:
+    """With server.redis_url replicas register their models: the environment may be the
+    first to name one (logged, kept); with no replica or model anywhere else the environment
+    is the whole configuration."""
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[server]\nredis_url = "redis://127.0.0.1:1/0"\n'
+        '[[replicas]]\nurl = "http://h:1"\nmodel = "Kimi"\n'
+    )
+    env = {"KVROUTER_MODELS__KIMI__POLICY": "least_loaded"}
+    assert load_settings(path, environ=env).model("kimi").policy == "least_loaded"
+    assert load_settings(environ=env).model("kimi").policy == "least_loaded"

@@ -262,7 +262,8 @@ def load_settings(
     path = path or env.get("KVROUTER_CONFIG")
     if path:
         data = read_file(path)
-    later = [env_overrides(env), *([overrides] if overrides else [])]
+    from_env = env_overrides(env)
+    later = [from_env, *([overrides] if overrides else [])]
     if policy_file:
         tuned = read_file(policy_file).get("models") or {}
         if isinstance(tuned, Mapping):
@@ -271,6 +272,7 @@ def load_settings(
                 rest = merge(rest, layer)
             _check_tuned_models(tuned, _named_models(rest), policy_file, _discovers(rest))
         data = merge(data, {"models": tuned})
+    _check_env_models(data, from_env, overrides or {}, env)
     for layer in later:
         data = merge(data, layer)
     if policy is not None and isinstance(data.get("models", {}), Mapping):
@@ -300,6 +302,34 @@ def _check_tuned_models(
             raise ConfigError(message)
         logging.getLogger("kvrouter.config").warning(
             "%s; it applies only if a replica registers it in Redis", message
+        )
+
+
+def _check_env_models(
+    data: Mapping[str, Any],
+    from_env: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    environ: Mapping[str, str],
+) -> None:
+    """A ``KVROUTER_MODELS__<NAME>__*`` model that no file table, tuned table, flag or
+    replica names would configure a model nothing serves (names after ``KVROUTER_`` are
+    lower-cased: ``KIMI`` for a file's ``Kimi``) and leave the intended one as it was:
+    refused, naming the variable. Kept where replicas are discovered in Redis (they may
+    register it) or where nothing else names a model (the environment is the
+    configuration)."""
+    env_models = from_env.get("models")
+    if not isinstance(env_models, Mapping):
+        return
+    rest = merge(merge(dict(data), {k: v for k, v in from_env.items() if k != "models"}), overrides)
+    served = _named_models(rest)
+    if not served or _discovers(merge(merge(dict(data), from_env), overrides)):
+        return
+    for name in sorted(set(env_models) - served):
+        var = next(v for v in sorted(environ) if v.lower().startswith(f"kvrouter_models__{name}__"))
+        raise ConfigError(
+            f"{var}: no replica or [models] table names model {name!r} (served: "
+            f"{', '.join(sorted(served))}); names after KVROUTER_ are lower-cased, a model "
+            "named with capitals, '-', '.' or '/' is configured in the file"
         )
 
 
