@@ -87,3 +87,31 @@ def test_an_environment_model_is_kept_where_replicas_are_discovered(tmp_path: Pa
     env = {"KVROUTER_MODELS__KIMI__POLICY": "least_loaded"}
     assert load_settings(path, environ=env).model("kimi").policy == "least_loaded"
     assert load_settings(environ=env).model("kimi").policy == "least_loaded"
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"server": []}, "server: must be a table"),
+        ({"server": False}, "server: must be a table"),
+        ({"server": ""}, "server: must be a table"),
+        ({"replicas": {}}, "replicas: must be an array"),
+        ({"replicas": ""}, "replicas: must be an array"),
+        ({"models": []}, "models: must be a table"),
+        ({"models": {"m": {"busy": []}}}, "models.m.busy: must be a table"),
+        ({"models": {"m": {"slo": ""}}}, "models.m.slo: must be a table"),
+        ({"models": {"m": {"policy_params": []}}}, "models.m.policy_params: must be a table"),
+        ({"models": {"m": {"policy_params": False}}}, "models.m.policy_params: must be a table"),
+    ],
+)
+def test_an_empty_value_of_the_wrong_shape_is_no_empty_table(
+    data: dict[str, Any], needle: str
+) -> None:
+    """``server = false``, ``replicas: {}`` (YAML) or ``busy = []`` is a mistake, not an
+    empty table: refused like any other value of the wrong shape (an empty YAML key, None,
+    is still an empty table)."""
+    with pytest.raises(ConfigError) as info:
+        build_settings(data)
+    assert needle in str(info.value)
+    empty = {"server": None, "replicas": None, "models": {"m": {"busy": None, "slo": None}}}
+    assert build_settings(empty).replicas == ()

@@ -34,7 +34,7 @@ from router.core.errors import ConfigError
 from router.events.endpoints import engine_endpoints
 from router.service.config_env import env_overrides
 from router.service.config_models import model_settings
-from router.service.config_tables import merge, read_file, typed
+from router.service.config_tables import merge, read_file, table_or_empty, typed
 from router.service.replica_url import ReplicaUrl
 from router.service.settings import (
     DEFAULT_POLICY,
@@ -177,7 +177,7 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     unknown = set(data) - {"server", "replicas", "models"}
     if unknown:
         raise ConfigError(f"unknown top-level section(s): {', '.join(sorted(unknown))}")
-    server_tab = data.get("server") or {}
+    server_tab = table_or_empty(data.get("server"))
     if not isinstance(server_tab, Mapping):
         raise ConfigError("server: must be a table")
     server = typed(ServerSettings, server_tab, "server")
@@ -223,7 +223,8 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
         raise ConfigError("server.body_memo_mb: must be a finite number >= 0 (0: memo off)")
     if not (math.isfinite(server.response_ids_ttl_s) and server.response_ids_ttl_s >= 0):
         raise ConfigError("server.response_ids_ttl_s: must be a finite number >= 0 (0: off)")
-    raw_replicas = data.get("replicas") or []
+    raw_replicas = data.get("replicas")
+    raw_replicas = [] if raw_replicas is None else raw_replicas
     if not isinstance(raw_replicas, list):
         raise ConfigError("replicas: must be an array of tables ([[replicas]])")
     replicas = tuple(_replica(i, r) for i, r in enumerate(raw_replicas))
@@ -231,7 +232,7 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
         raise ConfigError(f"replicas: duplicate name(s) {', '.join(sorted(dupes))}")
-    models_tab = data.get("models") or {}
+    models_tab = table_or_empty(data.get("models"))
     if not isinstance(models_tab, Mapping):
         raise ConfigError("models: must be a table of [models.NAME] tables")
     models = {name: model_settings(name, t) for name, t in models_tab.items()}

@@ -39,7 +39,7 @@ from router.core.errors import ConfigError
 from router.core.load import CostModel
 from router.core.policies import POLICIES, POLICY_NAMES, make_policy
 from router.core.routing_settings import BusyThresholds, RoutingSettings
-from router.service.config_tables import checked, typed
+from router.service.config_tables import checked, table_or_empty, typed
 from router.service.settings import ROUTING_KEYS, ModelSettings, SloSettings
 from router.tokenize.anthropic import DISABLED_THINKING_EFFORT_OPTIONS
 from router.tokenize.content_format import CONTENT_FORMAT_OPTIONS
@@ -137,7 +137,7 @@ def model_settings(name: str, table: Any) -> ModelSettings:
     if not isinstance(table, Mapping):
         raise ConfigError(f"{where}: must be a table")
     routing_kw = {k: table[k] for k in ROUTING_KEYS if k in table}
-    busy_tab = table.get("busy") or {}
+    busy_tab = table_or_empty(table.get("busy"))
     if not isinstance(busy_tab, Mapping):
         raise ConfigError(f"{where}.busy: must be a table")
     # router/core's dataclasses, type-checked here as the service's are (a compiled core
@@ -166,7 +166,7 @@ def model_settings(name: str, table: Any) -> ModelSettings:
         raise ConfigError(f"{where}.eagle: expected true or false")
     if routing.hybrid is not None and not isinstance(routing.hybrid, bool):
         raise ConfigError(f"{where}.hybrid: expected true or false (omit it: learned)")
-    params = table.get("policy_params") or {}
+    params = table_or_empty(table.get("policy_params"))
     if not isinstance(params, Mapping):
         raise ConfigError(f"{where}.policy_params: must be a table")
     skip = (*ROUTING_KEYS, "busy", "policy_params", "images", "slo", "pd", "admission")
@@ -229,7 +229,7 @@ def model_settings(name: str, table: Any) -> ModelSettings:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{where}.images: {exc}") from None
         model = replace(model, images=images)
-    slo_tab = table.get("slo") or {}
+    slo_tab = table_or_empty(table.get("slo"))
     if not isinstance(slo_tab, Mapping):
         raise ConfigError(f"{where}.slo: must be a table")
     try:

@@ -53,6 +53,12 @@ def merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def table_or_empty(value: Any) -> Any:
+    """A section as written, None (an empty YAML key) as an empty table: a ``false``,
+    ``""`` or ``[]`` is kept for the caller to refuse as not a table (never read as empty)."""
+    return {} if value is None else value
+
+
 def typed(
     cls: type[_Table], table: Mapping[str, Any], where: str, skip: Sequence[str] = ()
 ) -> _Table:
