@@ -115,3 +115,29 @@ def test_an_empty_value_of_the_wrong_shape_is_no_empty_table(
     assert needle in str(info.value)
     empty = {"server": None, "replicas": None, "models": {"m": {"busy": None, "slo": None}}}
     assert build_settings(empty).replicas == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[server]\nport = 9001\n", "[server]"),
+        ('[[replicas]]\nurl = "http://h:2"\nmodel = "m"\n', "[replicas]"),
+        ('[models.m]\npolicy = "ours"\ncontext_length = 8\n', "models.m: 'context_length'"),
+        ('[models.m]\npolicy = "ours"\n[models.m.busy]\nmax_in_flight = 1\n', "'busy'"),
+        ('[models.m]\npolicy = "ours"\ntokenizer = "/t"\n', "'tokenizer'"),
+        ("# nothing tuned\n", "at least one [models.NAME]"),
+    ],
+)
+def test_a_policy_file_holds_only_tuned_settings(tmp_path: Path, text: str, needle: str) -> None:
+    """``--policy-file`` reads the tuned settings of ``[models.NAME]`` (policy,
+    policy_params, block_size, hybrid, state_interval_blocks) over the main file: a
+    [server] table there was ignored without a word, another model key silently overrode
+    the main file's. Both are refused, naming the file and the key."""
+    main = tmp_path / "main.toml"
+    main.write_text('[[replicas]]\nurl = "http://h:1"\nmodel = "m"\n')
+    tuned = tmp_path / "tuned.toml"
+    tuned.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(main, environ={}, policy_file=tuned)
+    message = str(info.value)
+    assert str(tuned) in message and needle in message

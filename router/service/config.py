@@ -38,6 +38,7 @@ from router.service.config_tables import merge, read_file, table_or_empty, typed
 from router.service.replica_url import ReplicaUrl
 from router.service.settings import (
     DEFAULT_POLICY,
+    TUNED_KEYS,
     ZMQ_AUTO,
     ReplicaSettings,
     ServerSettings,
@@ -266,12 +267,11 @@ def load_settings(
     from_env = env_overrides(env)
     later = [from_env, *([overrides] if overrides else [])]
     if policy_file:
-        tuned = read_file(policy_file).get("models") or {}
-        if isinstance(tuned, Mapping):
-            rest = data
-            for layer in later:
-                rest = merge(rest, layer)
-            _check_tuned_models(tuned, _named_models(rest), policy_file, _discovers(rest))
+        tuned = _read_tuned(policy_file)
+        rest = data
+        for layer in later:
+            rest = merge(rest, layer)
+        _check_tuned_models(tuned, _named_models(rest), policy_file, _discovers(rest))
         data = merge(data, {"models": tuned})
     _check_env_models(data, from_env, overrides or {}, env)
     for layer in later:
@@ -279,6 +279,30 @@ def load_settings(
     if policy is not None and isinstance(data.get("models", {}), Mapping):
         data = {**data, "models": _with_policy(data, policy)}
     return build_settings(data)
+
+
+def _read_tuned(policy_file: str | os.PathLike[str]) -> Mapping[str, Any]:
+    """The ``[models.NAME]`` tables of a ``--policy-file``, each holding only tuned settings
+    (TUNED_KEYS): another section would be ignored and another model key would override
+    the main file's without a word, so both are a ConfigError naming the file."""
+    raw = read_file(policy_file)
+    for section in sorted(set(raw) - {"models"}):
+        raise ConfigError(
+            f"{policy_file}: [{section}] is not read from a policy file (only "
+            "[models.NAME] tuned settings are); set it in the main configuration"
+        )
+    tuned = raw.get("models")
+    if not isinstance(tuned, Mapping) or not tuned:
+        raise ConfigError(f"{policy_file}: expected at least one [models.NAME] table")
+    for name, table in tuned.items():
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{policy_file}: models.{name}: must be a table")
+        for key in sorted(set(table) - set(TUNED_KEYS)):
+            raise ConfigError(
+                f"{policy_file}: models.{name}: {key!r} is not a tuned setting (a policy "
+                f"file holds {', '.join(TUNED_KEYS)}); set it in the main configuration"
+            )
+    return tuned
 
 
 def _check_tuned_models(
