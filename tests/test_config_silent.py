@@ -141,3 +141,22 @@ def test_a_policy_file_holds_only_tuned_settings(tmp_path: Path, text: str, need
         load_settings(main, environ={}, policy_file=tuned)
     message = str(info.value)
     assert str(tuned) in message and needle in message
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("server:\n  pods_exchange: off\n", "server.pods_exchange: expected str, got False (YAML"),
+        ("server:\n  log_level: on\n", "quote it"),
+        ("server:\n  max_body_mb: 1e3\n", "server.max_body_mb: expected float, got '1e3' (YAML"),
+        ("server:\n  port: 8e3\n", "8e3 as text: write 8000"),
+    ],
+)
+def test_yaml_traps_are_explained(tmp_path: Path, text: str, needle: str) -> None:
+    """YAML 1.1 reads ``off``/``on``/``no``/``yes`` as booleans and ``1e3`` (no dot) as
+    text: refused as of the wrong type (never coerced), with the way to write it."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert needle in str(info.value)
