@@ -160,3 +160,23 @@ def test_yaml_traps_are_explained(tmp_path: Path, text: str, needle: str) -> Non
     with pytest.raises(ConfigError) as info:
         load_settings(path, environ={})
     assert needle in str(info.value)
+
+
+def test_a_negative_num_reserved_is_refused() -> None:
+    """A negative count of reserved special tokens appended nothing (range(base, base - 1)):
+    the tokenizer silently lacked the tokens the operator meant to add."""
+    with pytest.raises(ConfigError) as info:
+        build_settings({"models": {"m": {"num_reserved": -1}}})
+    assert "models.m.num_reserved: must be >= 0" in str(info.value)
+    assert build_settings({"models": {"m": {"num_reserved": 0}}}).models["m"].num_reserved == 0
+
+
+def test_an_empty_replica_name_is_refused() -> None:
+    """``name = ""`` was replaced by host:port without a word; omitting the key does that."""
+    with pytest.raises(ConfigError) as info:
+        build_settings({"replicas": [{"url": "http://h:1", "model": "m", "name": ""}]})
+    assert "replicas[0].name: must be a non-empty string" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # YAML's name: no
+        build_settings({"replicas": [{"url": "http://h:1", "model": "m", "name": False}]})
+    assert "replicas[0].name: expected str, got False" in str(info.value)
+    assert build_settings({"replicas": [{"url": "http://h:1", "model": "m"}]}).replicas[0].name

@@ -144,7 +144,9 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
     except ValueError as exc:
         raise ConfigError(f"{where}.url: {exc}") from None
     table = {**table, "url": url.base}
-    name = table.get("name") or url.netloc
+    if table.get("name") == "":
+        raise ConfigError(f"{where}.name: must be a non-empty string (omit it: host:port)")
+    name = url.netloc if table.get("name") is None else table["name"]  # typed: a str
     rep = typed(ReplicaSettings, {**table, "name": name}, where)
     if rep.dp_ranks < 1:
         raise ConfigError(f"{where}.dp_ranks: must be >= 1")

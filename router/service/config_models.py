@@ -257,6 +257,8 @@ def model_settings(name: str, table: Any) -> ModelSettings:
         make_policy(model.policy, params)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}.policy_params: {exc}") from None
+    if model.num_reserved is not None and model.num_reserved < 0:
+        raise ConfigError(f"{where}.num_reserved: must be >= 0, got {model.num_reserved}")
     if model.context_length is not None and model.context_length <= 0:
         raise ConfigError(f"{where}.context_length: must be positive")
     context_length = model.context_length
