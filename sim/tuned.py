@@ -34,12 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 from router.core.errors import ConfigError
 from router.core.policies import make_policy
+from router.service.settings import TUNED_KEYS
 
 if TYPE_CHECKING:
     from sim.cluster_config import ClusterConfig
     from sim.profiles import EngineProfile
 
-_KEYS = ("policy", "policy_params", "block_size", "hybrid", "state_interval_blocks")
+_KEYS = TUNED_KEYS
 
 
 def state_interval_blocks(profile: EngineProfile, block_size: int) -> int:

@@ -34,10 +34,11 @@ from router.core.errors import ConfigError
 from router.events.endpoints import engine_endpoints
 from router.service.config_env import env_overrides
 from router.service.config_models import model_settings
-from router.service.config_tables import merge, read_file, typed
+from router.service.config_tables import merge, read_file, table_or_empty, typed
 from router.service.replica_url import ReplicaUrl
 from router.service.settings import (
     DEFAULT_POLICY,
+    TUNED_KEYS,
     ZMQ_AUTO,
     ReplicaSettings,
     ServerSettings,
@@ -143,7 +144,9 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
     except ValueError as exc:
         raise ConfigError(f"{where}.url: {exc}") from None
     table = {**table, "url": url.base}
-    name = table.get("name") or url.netloc
+    if table.get("name") == "":
+        raise ConfigError(f"{where}.name: must be a non-empty string (omit it: host:port)")
+    name = url.netloc if table.get("name") is None else table["name"]  # typed: a str
     rep = typed(ReplicaSettings, {**table, "name": name}, where)
     if rep.dp_ranks < 1:
         raise ConfigError(f"{where}.dp_ranks: must be >= 1")
@@ -177,7 +180,7 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     unknown = set(data) - {"server", "replicas", "models"}
     if unknown:
         raise ConfigError(f"unknown top-level section(s): {', '.join(sorted(unknown))}")
-    server_tab = data.get("server") or {}
+    server_tab = table_or_empty(data.get("server"))
     if not isinstance(server_tab, Mapping):
         raise ConfigError("server: must be a table")
     server = typed(ServerSettings, server_tab, "server")
@@ -223,7 +226,8 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
         raise ConfigError("server.body_memo_mb: must be a finite number >= 0 (0: memo off)")
     if not (math.isfinite(server.response_ids_ttl_s) and server.response_ids_ttl_s >= 0):
         raise ConfigError("server.response_ids_ttl_s: must be a finite number >= 0 (0: off)")
-    raw_replicas = data.get("replicas") or []
+    raw_replicas = data.get("replicas")
+    raw_replicas = [] if raw_replicas is None else raw_replicas
     if not isinstance(raw_replicas, list):
         raise ConfigError("replicas: must be an array of tables ([[replicas]])")
     replicas = tuple(_replica(i, r) for i, r in enumerate(raw_replicas))
@@ -231,7 +235,7 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
         raise ConfigError(f"replicas: duplicate name(s) {', '.join(sorted(dupes))}")
-    models_tab = data.get("models") or {}
+    models_tab = table_or_empty(data.get("models"))
     if not isinstance(models_tab, Mapping):
         raise ConfigError("models: must be a table of [models.NAME] tables")
     models = {name: model_settings(name, t) for name, t in models_tab.items()}
@@ -262,20 +266,45 @@ def load_settings(
     path = path or env.get("KVROUTER_CONFIG")
     if path:
         data = read_file(path)
-    later = [env_overrides(env), *([overrides] if overrides else [])]
+    from_env = env_overrides(env)
+    later = [from_env, *([overrides] if overrides else [])]
     if policy_file:
-        tuned = read_file(policy_file).get("models") or {}
-        if isinstance(tuned, Mapping):
-            rest = data
-            for layer in later:
-                rest = merge(rest, layer)
-            _check_tuned_models(tuned, _named_models(rest), policy_file, _discovers(rest))
+        tuned = _read_tuned(policy_file)
+        rest = data
+        for layer in later:
+            rest = merge(rest, layer)
+        _check_tuned_models(tuned, _named_models(rest), policy_file, _discovers(rest))
         data = merge(data, {"models": tuned})
+    _check_env_models(data, from_env, overrides or {}, env)
     for layer in later:
         data = merge(data, layer)
     if policy is not None and isinstance(data.get("models", {}), Mapping):
         data = {**data, "models": _with_policy(data, policy)}
     return build_settings(data)
+
+
+def _read_tuned(policy_file: str | os.PathLike[str]) -> Mapping[str, Any]:
+    """The ``[models.NAME]`` tables of a ``--policy-file``, each holding only tuned settings
+    (TUNED_KEYS): another section would be ignored and another model key would override
+    the main file's without a word, so both are a ConfigError naming the file."""
+    raw = read_file(policy_file)
+    for section in sorted(set(raw) - {"models"}):
+        raise ConfigError(
+            f"{policy_file}: [{section}] is not read from a policy file (only "
+            "[models.NAME] tuned settings are); set it in the main configuration"
+        )
+    tuned = raw.get("models")
+    if not isinstance(tuned, Mapping) or not tuned:
+        raise ConfigError(f"{policy_file}: expected at least one [models.NAME] table")
+    for name, table in tuned.items():
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{policy_file}: models.{name}: must be a table")
+        for key in sorted(set(table) - set(TUNED_KEYS)):
+            raise ConfigError(
+                f"{policy_file}: models.{name}: {key!r} is not a tuned setting (a policy "
+                f"file holds {', '.join(TUNED_KEYS)}); set it in the main configuration"
+            )
+    return tuned
 
 
 def _check_tuned_models(
@@ -300,6 +329,34 @@ def _check_tuned_models(
             raise ConfigError(message)
         logging.getLogger("kvrouter.config").warning(
             "%s; it applies only if a replica registers it in Redis", message
+        )
+
+
+def _check_env_models(
+    data: Mapping[str, Any],
+    from_env: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    environ: Mapping[str, str],
+) -> None:
+    """A ``KVROUTER_MODELS__<NAME>__*`` model that no file table, tuned table, flag or
+    replica names would configure a model nothing serves (names after ``KVROUTER_`` are
+    lower-cased: ``KIMI`` for a file's ``Kimi``) and leave the intended one as it was:
+    refused, naming the variable. Kept where replicas are discovered in Redis (they may
+    register it) or where nothing else names a model (the environment is the
+    configuration)."""
+    env_models = from_env.get("models")
+    if not isinstance(env_models, Mapping):
+        return
+    rest = merge(merge(dict(data), {k: v for k, v in from_env.items() if k != "models"}), overrides)
+    served = _named_models(rest)
+    if not served or _discovers(merge(merge(dict(data), from_env), overrides)):
+        return
+    for name in sorted(set(env_models) - served):
+        var = next(v for v in sorted(environ) if v.lower().startswith(f"kvrouter_models__{name}__"))
+        raise ConfigError(
+            f"{var}: no replica or [models] table names model {name!r} (served: "
+            f"{', '.join(sorted(served))}); names after KVROUTER_ are lower-cased, a model "
+            "named with capitals, '-', '.' or '/' is configured in the file"
         )
 
 

@@ -36,9 +36,10 @@ from urllib.parse import urlsplit
 from router.core.admission import AdmissionSettings
 from router.core.disagg import LinkModel, PdKnobs, PdSetup, TransferSizes
 from router.core.errors import ConfigError
-from router.core.policies import POLICY_NAMES, make_policy
+from router.core.load import CostModel
+from router.core.policies import POLICIES, POLICY_NAMES, make_policy
 from router.core.routing_settings import BusyThresholds, RoutingSettings
-from router.service.config_tables import checked, typed
+from router.service.config_tables import checked, table_or_empty, typed
 from router.service.settings import ROUTING_KEYS, ModelSettings, SloSettings
 from router.tokenize.anthropic import DISABLED_THINKING_EFFORT_OPTIONS
 from router.tokenize.content_format import CONTENT_FORMAT_OPTIONS
@@ -96,6 +97,26 @@ def _check_pd_types(table: Mapping[str, Any], where: str) -> None:
                 break
 
 
+def _check_policy_param_types(policy: str, params: Mapping[str, Any], where: str) -> None:
+    """ConfigError naming the ``policy_params`` key whose value is not of the policy's
+    declared type (a string ``"false"`` for a boolean would be true; ``cost``: a table of
+    CostModel numbers); unknown keys and ranges: make_policy. A field a compiled core
+    reports as ``type`` is skipped: its compiled constructor checks it."""
+    cls = POLICIES.get(policy)
+    if cls is None:
+        return
+    declared = {f.name: f.type for f in fields(cls)}
+    for key, value in params.items():
+        if key == "cost" and key in declared:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{where}.cost: must be a table of cost-model numbers")
+            cost = {f.name: f.type for f in fields(CostModel)}
+            typed_cost = {k: v for k, v in value.items() if cost.get(k, type) is not type}
+            checked(CostModel, typed_cost, f"{where}.cost")
+        elif declared.get(key, type) is not type:
+            checked(cls, {key: value}, where)
+
+
 def _check_model_ranges(routing: RoutingSettings, where: str) -> None:
     """ConfigError naming the ``[models.NAME]`` / ``[models.NAME.busy]`` key whose value is
     out of range: negative TTLs (0: off), busy thresholds below 0 or a KV usage above 1."""
@@ -116,7 +137,7 @@ def model_settings(name: str, table: Any) -> ModelSettings:
     if not isinstance(table, Mapping):
         raise ConfigError(f"{where}: must be a table")
     routing_kw = {k: table[k] for k in ROUTING_KEYS if k in table}
-    busy_tab = table.get("busy") or {}
+    busy_tab = table_or_empty(table.get("busy"))
     if not isinstance(busy_tab, Mapping):
         raise ConfigError(f"{where}.busy: must be a table")
     # router/core's dataclasses, type-checked here as the service's are (a compiled core
@@ -145,7 +166,7 @@ def model_settings(name: str, table: Any) -> ModelSettings:
         raise ConfigError(f"{where}.eagle: expected true or false")
     if routing.hybrid is not None and not isinstance(routing.hybrid, bool):
         raise ConfigError(f"{where}.hybrid: expected true or false (omit it: learned)")
-    params = table.get("policy_params") or {}
+    params = table_or_empty(table.get("policy_params"))
     if not isinstance(params, Mapping):
         raise ConfigError(f"{where}.policy_params: must be a table")
     skip = (*ROUTING_KEYS, "busy", "policy_params", "images", "slo", "pd", "admission")
@@ -208,7 +229,7 @@ def model_settings(name: str, table: Any) -> ModelSettings:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{where}.images: {exc}") from None
         model = replace(model, images=images)
-    slo_tab = table.get("slo") or {}
+    slo_tab = table_or_empty(table.get("slo"))
     if not isinstance(slo_tab, Mapping):
         raise ConfigError(f"{where}.slo: must be a table")
     try:
@@ -231,10 +252,13 @@ def model_settings(name: str, table: Any) -> ModelSettings:
             f"{where}.policy: unknown policy {model.policy!r}; choose one of "
             + ", ".join(POLICY_NAMES)
         )
+    _check_policy_param_types(model.policy, params, f"{where}.policy_params")
     try:
         make_policy(model.policy, params)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}.policy_params: {exc}") from None
+    if model.num_reserved is not None and model.num_reserved < 0:
+        raise ConfigError(f"{where}.num_reserved: must be >= 0, got {model.num_reserved}")
     if model.context_length is not None and model.context_length <= 0:
         raise ConfigError(f"{where}.context_length: must be positive")
     context_length = model.context_length

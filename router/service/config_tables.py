@@ -6,6 +6,7 @@ raise ConfigError naming the file or the key.
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -53,6 +54,12 @@ def merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def table_or_empty(value: Any) -> Any:
+    """A section as written, None (an empty YAML key) as an empty table: a ``false``,
+    ``""`` or ``[]`` is kept for the caller to refuse as not a table (never read as empty)."""
+    return {} if value is None else value
+
+
 def typed(
     cls: type[_Table], table: Mapping[str, Any], where: str, skip: Sequence[str] = ()
 ) -> _Table:
@@ -86,6 +93,25 @@ def checked(
         elif kind.startswith("str"):
             ok = isinstance(value, str)
         if not ok:
-            raise ConfigError(f"{where}.{key}: expected {kind}, got {value!r}")
+            raise ConfigError(
+                f"{where}.{key}: expected {kind}, got {value!r}{_yaml_hint(kind, value)}"
+            )
         kwargs[key] = value
     return kwargs
+
+
+def _yaml_hint(kind: str, value: Any) -> str:
+    """How to write ``value`` where YAML 1.1 (PyYAML) read it as another type: ``off`` /
+    ``on`` / ``no`` / ``yes`` are booleans, ``1e3`` (no dot) is text; "" for other values."""
+    if isinstance(value, bool) and kind.startswith("str"):
+        return " (YAML reads on/off, yes/no as booleans: quote it)"
+    if isinstance(value, str) and kind.startswith(("int", "float")):
+        try:
+            number = float(value)
+        except ValueError:
+            return ""
+        if kind.startswith("int") and number.is_integer():
+            return f" (YAML 1.1 reads {value} as text: write {int(number)})"
+        if kind.startswith("float") and math.isfinite(number):
+            return f" (YAML 1.1 reads {value} as text: write {number!r})"
+    return ""

@@ -239,6 +239,10 @@ class Settings:
         return self.models.get(name) or ModelSettings(name=name)
 
 
+# The keys of a [models.NAME] table that ``kvrouter sim tune`` writes (sim/tuned.py) and
+# ``serve --policy-file`` reads; a policy file's other keys are refused (config.py).
+TUNED_KEYS = ("policy", "policy_params", "block_size", "hybrid", "state_interval_blocks")
+
 # The [models.NAME] keys that go to RoutingSettings (router/core/routing_settings.py).
 ROUTING_KEYS = (
     "block_size",
