@@ -60,17 +60,23 @@ async def _joined(pub: KVEventPublisher, sub: ZmqEventSubscriber, rec: Record) -
     await eventually(lambda: sub.last_seq == pub.seq)
 
 
-async def test_a_stalled_handler_buffers_at_most_the_budget_and_loses_nothing_silently(
-    pub: KVEventPublisher,
-) -> None:
-    rec = Record()
-    sub = ZmqEventSubscriber(
+def _subscriber(pub: KVEventPublisher, rec: Record) -> ZmqEventSubscriber:
+    """A subscriber of ``pub`` (and its replay socket, if any) recording into ``rec``, with a
+    backlog budget of ``BUDGET``."""
+    return ZmqEventSubscriber(
         pub.endpoint,
         rec.payload,
         replay_endpoint=pub.replay_endpoint,
         on_lost=rec.on_lost,
         max_backlog_bytes=BUDGET,
     )
+
+
+async def test_a_stalled_handler_buffers_at_most_the_budget_and_loses_nothing_silently(
+    pub: KVEventPublisher,
+) -> None:
+    rec = Record()
+    sub = _subscriber(pub, rec)
     task = asyncio.create_task(sub.run())
     try:
         await _joined(pub, sub, rec)
@@ -160,13 +166,7 @@ async def test_replayed_history_and_refills_are_held_at_most_a_budget_at_a_time(
     pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     pub.start()
     rec = Record()
-    sub = ZmqEventSubscriber(
-        pub.endpoint,
-        rec.payload,
-        replay_endpoint=pub.replay_endpoint,
-        on_lost=rec.on_lost,
-        max_backlog_bytes=BUDGET,
-    )
+    sub = _subscriber(pub, rec)
     task: asyncio.Task[None] | None = None
     try:
         for _ in range(STALLED):  # the history: published before the subscriber starts

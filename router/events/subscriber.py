@@ -111,6 +111,35 @@ class _Loaded:
     history: dict[int, int]
 
 
+class _UnlessRestarted:
+    """A replay answer's chunks from seq ``last`` on, handed to ``deliver`` unless the first
+    shows that the engine restarted: its batch ``last`` is not the one ``delivered`` under
+    that seq (it restarted while nothing reached the subscriber, and counted past ``last``).
+    Called per chunk; False stops the read. ``checked``: a chunk came."""
+
+    def __init__(
+        self,
+        last: int,
+        delivered: Callable[[int, bytes], bool],
+        deliver: Callable[[list[tuple[int, bytes]]], Awaitable[None]],
+    ) -> None:
+        self.last = last
+        self.delivered = delivered
+        self.deliver = deliver
+        self.checked = False
+        self.restarted = False
+
+    async def __call__(self, got: list[tuple[int, bytes]]) -> bool:
+        if not self.checked:
+            self.checked = True
+            last = self.last
+            self.restarted = got[0][0] == last and not self.delivered(last, got[0][1])
+            if self.restarted:
+                return False
+        await self.deliver(got)
+        return True
+
+
 class ZmqEventSubscriber:
     def __init__(
         self,
@@ -290,23 +319,14 @@ class ZmqEventSubscriber:
         it lost; a replay whose batch ``last`` is another one shows a restart."""
         self.stats.gaps += 1
         span = _Span(last + 1, seq, last + 1)
-        checked = restarted = False
 
-        async def chunk(got: list[tuple[int, bytes]]) -> bool:
-            nonlocal checked, restarted
-            if not checked:
-                checked = True
-                # the engine's batch ``last`` is not the one delivered under it: the engine
-                # restarted while nothing reached this subscriber, and counted past ``last``
-                restarted = got[0][0] == last and not self._delivered(last, got[0][1])
-                if restarted:
-                    return False
+        async def deliver(got: list[tuple[int, bytes]]) -> None:
             await self._deliver_span(span, got)
-            return True
 
+        chunk = _UnlessRestarted(last, self._delivered, deliver)
         if self.replay_endpoint:
             await self._fetch(last, chunk, seq)
-        if restarted:
+        if chunk.restarted:
             log.warning("engine %s restarted (seq %d is another batch)", self.endpoint, last)
             await self._restarted(seq)
         else:
@@ -359,21 +379,14 @@ class ZmqEventSubscriber:
         last = self.last_seq
         assert last is not None
         loaded = _Loaded(lost_before=True, history={})
-        checked = restarted = False
 
-        async def chunk(got: list[tuple[int, bytes]]) -> bool:
-            nonlocal checked, restarted
-            if not checked:
-                checked = True
-                restarted = got[0][0] == last and not self._delivered(last, got[0][1])
-                if restarted:
-                    return False
+        async def deliver(got: list[tuple[int, bytes]]) -> None:
             await self._deliver_history(loaded, got)
-            return True
 
+        chunk = _UnlessRestarted(last, self._delivered, deliver)
         if not await self._fetch(last, chunk):
             return
-        if not checked or restarted:
+        if not chunk.checked or chunk.restarted:
             log.warning("engine %s restarted (batch %d is gone or another)", self.endpoint, last)
             self._forget_engine()
             await self._load_history()
