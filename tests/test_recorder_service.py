@@ -66,6 +66,13 @@ def _recorded(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
+async def _completed(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+    """POST ``body`` to the router's completions endpoint and read its 200 answer whole."""
+    async with http.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        await r.read()
+
+
 async def _backend_router(trace: Path) -> tuple[Backend, Any, str]:
     """A router recording to ``trace`` in front of the test backend, which (unlike the mock
     replica) answers batches and ``n`` > 1 as vLLM does: one choice per prompt and sample,
@@ -92,9 +99,7 @@ async def test_a_completions_batch_is_one_row_per_prompt_each_with_its_own_block
         async with aiohttp.ClientSession() as http:
             for prompt in ([short, long], short, long):
                 body = {"model": "m", "prompt": prompt, "max_tokens": 4}
-                async with http.post(url + "/v1/completions", json=body) as r:
-                    assert r.status == 200
-                    await r.read()
+                await _completed(http, url, body)
             await eventually(lambda: len(_recorded(trace)) >= 4, timeout=20)
     finally:
         await router.cleanup()
@@ -115,9 +120,7 @@ async def test_n_samples_are_one_row_with_n_and_each_sample_s_length(tmp_path: P
     try:
         async with aiohttp.ClientSession() as http:
             body = {"model": "m", "prompt": token_prompt(3, 700), "max_tokens": 4, "n": 3}
-            async with http.post(url + "/v1/completions", json=body) as r:
-                assert r.status == 200
-                await r.read()
+            await _completed(http, url, body)
             await eventually(lambda: len(_recorded(trace)) >= 1, timeout=20)
     finally:
         await router.cleanup()
@@ -168,16 +171,12 @@ async def test_the_router_serves_when_the_trace_cannot_be_opened_at_start(
     try:
         async with aiohttp.ClientSession() as http:
             body = {"model": "m", "prompt": token_prompt(4, 600), "max_tokens": 4}
-            async with http.post(url + "/v1/completions", json=body) as r:
-                assert r.status == 200
-                await r.read()
+            await _completed(http, url, body)
             assert "recording: cannot write the trace" in caplog.text
             trace.rmdir()
             state = router.app[STATE]
             await eventually(lambda: state.recorder is not None, timeout=20)
-            async with http.post(url + "/v1/completions", json=body) as r:
-                assert r.status == 200
-                await r.read()
+            await _completed(http, url, body)
             await eventually(lambda: len(_recorded(trace)) >= 1, timeout=20)
     finally:
         await router.cleanup()
