@@ -288,9 +288,9 @@ def _read_tuned(policy_file: str | os.PathLike[str]) -> Mapping[str, Any]:
     (TUNED_KEYS): another section would be ignored and another model key would override
     the main file's without a word, so both are a ConfigError naming the file."""
     raw = read_file(policy_file)
-    for section in sorted(set(raw) - {"models"}):
+    if sections := sorted(set(raw) - {"models"}):
         raise ConfigError(
-            f"{policy_file}: [{section}] is not read from a policy file (only "
+            f"{policy_file}: [{sections[0]}] is not read from a policy file (only "
             "[models.NAME] tuned settings are); set it in the main configuration"
         )
     tuned = raw.get("models")
@@ -299,9 +299,9 @@ def _read_tuned(policy_file: str | os.PathLike[str]) -> Mapping[str, Any]:
     for name, table in tuned.items():
         if not isinstance(table, Mapping):
             raise ConfigError(f"{policy_file}: models.{name}: must be a table")
-        for key in sorted(set(table) - set(TUNED_KEYS)):
+        if keys := sorted(set(table) - set(TUNED_KEYS)):
             raise ConfigError(
-                f"{policy_file}: models.{name}: {key!r} is not a tuned setting (a policy "
+                f"{policy_file}: models.{name}: {keys[0]!r} is not a tuned setting (a policy "
                 f"file holds {', '.join(TUNED_KEYS)}); set it in the main configuration"
             )
     return tuned
