@@ -23,7 +23,7 @@ from router.core.candidates import decide as _decide
 from router.core.candidates import rank as _rank
 from router.core.candidates import tokens as _tokens
 from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel, require_nonnegative
-from router.core.slo import DEFAULT_TIERS, SloTier
+from router.core.slo import DEFAULT_TIERS, SloTier, tier_for
 from router.core.types import MAX_RANKING, Decision, RouteRequest
 from router.core.vllm_router import VllmCacheAware, VllmKvAware
 from router.core.xp import ARRAY, SCALAR, Ops
@@ -416,16 +416,10 @@ class Ours:
         own = cost.decode_step_s(request.samples * request.prompts, prompt * request.samples)
         joined = cost.decode_step_s(decoding, decode_context) + decoding * own
         batch = out * joined
-        target = self._ttft_target(prompt)
+        target = tier_for(self.ttft_tiers, prompt).ttft_s
         late = (prefill + queue + decode - target) / (self.miss_margin * target)
         miss = minimum(maximum(late, 0.0), 1.0)
         return prefill, queue, decode, kv, interference, eviction, batch, miss
-
-    def _ttft_target(self, prompt_tokens: int) -> float:
-        for t in self.ttft_tiers:
-            if t.max_prompt_tokens is None or prompt_tokens <= t.max_prompt_tokens:
-                return t.ttft_s
-        return self.ttft_tiers[-1].ttft_s
 
     def _spare_weights(self, idle: int, candidates: int) -> tuple[float, float]:
         """``w_batch`` and ``w_miss`` as far as the ``candidates`` have no prefill queued

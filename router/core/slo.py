@@ -51,6 +51,15 @@ DEFAULT_TIERS: tuple[SloTier, ...] = (
 DEFAULT_TPOT_S = 0.1
 
 
+def tier_for(tiers: Sequence[SloTier], prompt_tokens: int) -> SloTier:
+    """The first of ``tiers`` (ordered by bound) whose bound ``prompt_tokens`` does not
+    exceed; the last one past every bound."""
+    for t in tiers:
+        if t.max_prompt_tokens is None or prompt_tokens <= t.max_prompt_tokens:
+            return t
+    return tiers[-1]
+
+
 @dataclass(slots=True, frozen=True)
 class SloTargets:
     """TTFT targets by prompt tier and one TPOT target, in seconds."""
@@ -92,10 +101,7 @@ class SloTargets:
         return SloTargets(tiers, self.tpot_s * factor)
 
     def tier(self, prompt_tokens: int) -> SloTier:
-        for t in self.tiers:
-            if t.max_prompt_tokens is None or prompt_tokens <= t.max_prompt_tokens:
-                return t
-        return self.tiers[-1]  # unreachable: the last tier is unbounded
+        return tier_for(self.tiers, prompt_tokens)
 
     def ttft_target_s(self, prompt_tokens: int) -> float:
         return self.tier(prompt_tokens).ttft_s
