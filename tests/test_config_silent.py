@@ -180,3 +180,38 @@ def test_an_empty_replica_name_is_refused() -> None:
         build_settings({"replicas": [{"url": "http://h:1", "model": "m", "name": False}]})
     assert "replicas[0].name: expected str, got False" in str(info.value)
     assert build_settings({"replicas": [{"url": "http://h:1", "model": "m"}]}).replicas[0].name
+
+
+def test_a_flat_ttft_target_beside_a_tier_table_is_refused() -> None:
+    """``ttft_s`` replaced ``ttft_tiers`` without a word: an operator who wrote both (or set
+    one through the environment over a file holding the other) got one of them silently."""
+    slo = {"ttft_tiers": "8192:1,*:10", "ttft_s": 3.0}
+    with pytest.raises(ConfigError) as info:
+        build_settings({"models": {"m": {"slo": slo}}})
+    assert "models.m.slo" in str(info.value)
+    assert "ttft_s and ttft_tiers" in str(info.value)
+    flat = build_settings({"models": {"m": {"slo": {"ttft_s": 3.0}}}}).models["m"].slo
+    assert flat.ttft_target_s(100_000) == 3.0
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_render_timeout_that_never_ends_is_refused(value: float) -> None:
+    """An infinite timeout would let a hung render route hold a request for ever."""
+    with pytest.raises(ConfigError, match=r"models\.m\.render_timeout_s"):
+        build_settings({"models": {"m": {"render_timeout_s": value}}})
+
+
+def test_one_engine_listed_twice_is_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """The same url and model under two names is one engine taking two replicas' share of
+    the traffic; the same url serving another model (a LoRA adapter) is not."""
+    reps = [
+        {"name": "a", "url": "http://10.0.0.1:8000", "model": "m"},
+        {"name": "b", "url": "http://10.0.0.1:8000/", "model": "m"},
+        {"name": "c", "url": "http://10.0.0.1:8000", "model": "m-lora"},
+        {"name": "d", "url": "http://10.0.0.2:8000", "model": "m"},
+    ]
+    with caplog.at_level("WARNING", logger="kvrouter.config"):
+        build_settings({"replicas": reps})
+    warned = [r.getMessage() for r in caplog.records if "same engine" in r.getMessage()]
+    assert len(warned) == 1
+    assert "'a' and 'b'" in warned[0]

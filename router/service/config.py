@@ -175,6 +175,26 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
     return rep
 
 
+def _warn_same_engine(replicas: tuple[ReplicaSettings, ...]) -> None:
+    """Two entries with one url and model are one engine the router counts as two: it
+    gets two replicas' share of the traffic and its load is split between them. Allowed
+    (benchmarks spread many names over few engines), but never silently."""
+    seen: dict[tuple[str, str], str] = {}
+    pairs: list[str] = []
+    for rep in replicas:
+        first = seen.setdefault((rep.url, rep.model), rep.name)
+        if first != rep.name:
+            pairs.append(f"{first!r} and {rep.name!r} ({rep.url} serving {rep.model!r})")
+    if pairs:
+        more = f" and {len(pairs) - 3} more" if len(pairs) > 3 else ""
+        logging.getLogger("kvrouter.config").warning(
+            "replicas %s%s are the same engine listed twice: each is routed to and loaded "
+            "as a replica of its own",
+            "; ".join(pairs[:3]),
+            more,
+        )
+
+
 def build_settings(data: Mapping[str, Any]) -> Settings:
     """Validate a merged configuration mapping into :class:`Settings`."""
     unknown = set(data) - {"server", "replicas", "models"}
@@ -235,6 +255,7 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
         raise ConfigError(f"replicas: duplicate name(s) {', '.join(sorted(dupes))}")
+    _warn_same_engine(replicas)
     models_tab = table_or_empty(data.get("models"))
     if not isinstance(models_tab, Mapping):
         raise ConfigError("models: must be a table of [models.NAME] tables")

@@ -218,8 +218,9 @@ def model_settings(name: str, table: Any) -> ModelSettings:
         raise ConfigError(f"{where}.cache_mb: must be a finite number >= 0")
     if not (math.isfinite(model.chars_per_token) and model.chars_per_token > 0):
         raise ConfigError(f"{where}.chars_per_token: must be a finite number > 0")
-    if not (isinstance(model.render_timeout_s, int | float) and model.render_timeout_s > 0):
-        raise ConfigError(f"{where}.render_timeout_s: expected a positive number of seconds")
+    timeout = model.render_timeout_s
+    if not (isinstance(timeout, int | float) and timeout > 0 and math.isfinite(timeout)):
+        raise ConfigError(f"{where}.render_timeout_s: expected a finite number of seconds > 0")
     images_tab = table.get("images")
     if images_tab is not None:
         if not isinstance(images_tab, Mapping):

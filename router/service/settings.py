@@ -219,6 +219,12 @@ class SloSettings:
     tpot_s: float | None = None
 
     def targets(self) -> SloTargets:
+        """Raises ValueError where both TTFT forms are set: one would silently win."""
+        if self.ttft_s is not None and self.ttft_tiers is not None:
+            raise ValueError(
+                "ttft_s and ttft_tiers are both set; set one (ttft_s: one target for every "
+                "prompt; ttft_tiers: a target by prompt length)"
+            )
         tiers = parse_tiers(self.ttft_tiers) if self.ttft_tiers else DEFAULT_TIERS
         if self.ttft_s is not None:
             tiers = (SloTier(None, self.ttft_s),)
