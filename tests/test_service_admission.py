@@ -455,6 +455,10 @@ async def test_requests_held_when_the_router_stops_are_answered_at_once(stoppabl
         assert r.status == 200
     await stopping
     assert d.state.load.in_flight() == 0
+    # the Pick that came during the drain was never held: counted as such, not as a hold
+    (family,) = d.state.metrics.admission_decisions.collect()
+    counted = {s.labels["action"]: s.value for s in family.samples if s.name.endswith("_total")}
+    assert counted == {"admit": 1.0, "hold": 2.0, "stopping": 1.0}, counted
 
 
 async def test_a_retry_moves_the_stall_allowance(pair: Door) -> None:

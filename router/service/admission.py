@@ -60,6 +60,10 @@ from router.service.gate import presented_key
 from router.service.state import Pending, Routed, RouterState
 from router.tokenize.keying import ProcessedPrompt
 
+# kvrouter_admission_decisions_total's action for a request that would be held while the
+# router stops: answered 503 at once (ShuttingDown), neither held nor shed
+STOPPING = "stopping"
+
 
 def _keys(text: str | None) -> frozenset[str]:
     return frozenset(k.strip() for k in (text or "").split(",") if k.strip())
@@ -233,18 +237,21 @@ class Admission:
         ticket = queue.ticket(request_id, klass, tenant, prompt_tokens, now, pending, size)
         verdict = queue.judge(ticket, a, now)
         name = CLASS_NAMES[klass]
-        self.decisions.labels(model, name, verdict.action).inc()
         if verdict.action == ADMIT:
             assert verdict.allowed is not None
+            self.decisions.labels(model, name, ADMIT).inc()
             self.wait.labels(model, name).observe(0.0)
             return self._commit(m, ticket, pending, a, verdict.allowed, now)
         if verdict.action == SHED:
+            self.decisions.labels(model, name, SHED).inc()
             raise self._shed(m, ticket, verdict.reason, verdict.retry_after_s)
         if verdict.displaced is not None:  # a full queue: it took a worse class's place
             self._refuse(m, verdict.displaced, verdict.reason, verdict.retry_after_s)
         if self.stopping:  # nothing is held while the process stops (:meth:`stop`)
             queue.cancel(request_id)
+            self.decisions.labels(model, name, STOPPING).inc()
             raise ShuttingDown()
+        self.decisions.labels(model, name, verdict.action).inc()
         fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
         m.waiters[request_id] = fut
         self._gauge(m)
