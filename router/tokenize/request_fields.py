@@ -194,7 +194,42 @@ def chat_args(
         tools = None
     if exclude_tools_when_none and tool_choice == "none":
         tools = None
-    return messages, prepare_tools(tools), kwargs, add_gen, cont
+    tools, kwargs = _template_tools(body, prepare_tools(tools), kwargs, default_kwargs)
+    return messages, tools, kwargs, add_gen, cont
+
+
+def _template_tools(
+    body: Mapping[str, Any],
+    tools: Any,
+    kwargs: Mapping[str, Any],
+    default_kwargs: Mapping[str, Any],
+) -> tuple[Any, Mapping[str, Any]]:
+    """(the tools the template gets, the other template kwargs): a ``tools`` in the
+    request's ``chat_template_kwargs`` (not null nor "auto") over the request's own
+    ``tools`` (``tools``, as vLLM dumps them) over a ``tools`` in the engine's default
+    kwargs. vLLM 0.34's ``OnlineRenderer.preprocess_chat`` merges the request's tools over
+    the defaults (``merge_kwargs``: a null leaves them), then the request's kwargs over both
+    (``ChatParams.with_defaults``), and ``HfRenderer.render_messages`` reads the template
+    (the ``tool_use`` one), the content format and ``apply_chat_template``'s ``tools`` from
+    that one merged ``tools``. transformers' ``render_jinja_template`` takes each element as
+    a tool, refusing any that is not an object (vLLM answers 400); so does the router."""
+    own = body.get("chat_template_kwargs")
+    sent = own.get("tools") if isinstance(own, Mapping) else None
+    if sent is not None and sent != "auto":
+        tools = _tool_list(sent)
+    elif tools is None and default_kwargs.get("tools") is not None:
+        tools = _tool_list(default_kwargs["tools"])
+    if "tools" in kwargs:
+        kwargs = {k: v for k, v in kwargs.items() if k != "tools"}
+    return tools, kwargs
+
+
+def _tool_list(tools: Any) -> list[Any]:
+    """``tools`` from template kwargs as transformers iterates them: the objects of an
+    array (an empty string or object is no tool); BadRequest for anything else."""
+    if isinstance(tools, (list, str, Mapping)) and all(isinstance(t, Mapping) for t in tools):
+        return list(tools) if isinstance(tools, list) else []
+    raise BadRequest("'chat_template_kwargs.tools' must be an array of objects")
 
 
 def asks_prompt_logprobs(body: dict[str, Any], kind: str | None) -> bool:
