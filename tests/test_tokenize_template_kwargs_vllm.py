@@ -173,3 +173,98 @@ def test_default_kwargs_tools_that_are_no_tool_list_are_refused() -> None:
     with pytest.raises(BadRequest):
         proc.chat(_body())
     assert proc.chat(_body(tools=[TOOL])).exact  # the request's tools go over the default
+
+
+# --- prompt token ids a chat forwards in kv_transfer_params (vLLM's decode-side reuse)
+
+IDS = [5, 17, 900, 3, 0, 42]
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+FORWARDED: dict[str, dict[str, Any]] = {
+    "ids": _body(kv_transfer_params={"prompt_token_ids": IDS}),
+    "ids with other keys": _body(
+        kv_transfer_params={"prompt_token_ids": IDS, "do_remote_prefill": False}
+    ),
+    "ids and a salt": _body(cache_salt="s", kv_transfer_params={"prompt_token_ids": IDS}),
+    "ids, truncation and special tokens": _body(
+        truncate_prompt_tokens=2,
+        add_special_tokens=True,
+        kv_transfer_params={"prompt_token_ids": IDS},
+    ),
+    "ids, echo": _body(echo=True, kv_transfer_params={"prompt_token_ids": IDS}),
+    "ids null": _body(kv_transfer_params={"prompt_token_ids": None, "x": 1}),
+    "no ids": _body(kv_transfer_params={"do_remote_decode": False}),
+    "ids, an image": {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, IMAGE]}],
+        "kv_transfer_params": {"prompt_token_ids": IDS},
+    },
+}
+
+
+def _forwarded_in_vllm(body: dict[str, Any], proc: PromptProcessor) -> list[int]:
+    """The prompt ids vLLM's render_chat hands the engine; for a body with an image (which
+    the renderer stand-in cannot render) None when vLLM renders the messages."""
+    return _vllm(body, proc).token_ids
+
+
+@pytest.mark.parametrize("name", [n for n in FORWARDED if n != "ids, an image"])
+def test_forwarded_prompt_ids_are_the_prompt_as_in_vllm(name: str) -> None:
+    """vLLM 0.34 runs a chat's ``kv_transfer_params.prompt_token_ids`` as its prompt
+    (``OnlineRenderer.preprocess_chat``: no template, no special tokens, no truncation)
+    unless it asks ``echo`` or has media: the router keys the request by the same ids."""
+    body = FORWARDED[name]
+    proc = _processor("plain")
+    theirs = _forwarded_in_vllm(body, proc)
+    prompt = proc.chat(body)
+    assert prompt.exact
+    assert prompt.prompt_tokens == len(theirs)
+    root = root_hash("m", body.get("cache_salt"))
+    assert prompt.block_hashes == hash_prompt(theirs, 1, root).hashes
+
+
+def test_forwarded_prompt_ids_beside_media_are_ignored_as_in_vllm() -> None:
+    """A chat with media is rendered whatever ids it forwards: vLLM's request model drops
+    them (``drop_prompt_token_ids_with_media``), and so does the router."""
+    from router.tokenize.request_fields import forwarded_prompt_ids, has_non_text_content
+    from tests.engines import chat_ref
+
+    body = FORWARDED["ids, an image"]
+    vllm_check = chat_ref.load()[chat_ref.NAME].has_non_text_content
+    assert vllm_check(body["messages"]) and has_non_text_content(body["messages"])
+    assert forwarded_prompt_ids(body, body["messages"]) is None
+    text_only = {**body, "messages": MESSAGES}
+    assert forwarded_prompt_ids(text_only, MESSAGES) == IDS
+
+
+@pytest.mark.parametrize("ids", [[], [1, -1], [1, 2.0], [True], "1 2", {"0": 1}], ids=repr)
+def test_malformed_forwarded_prompt_ids_are_refused_as_in_vllm(ids: Any) -> None:
+    body = _body(kv_transfer_params={"prompt_token_ids": ids})
+    proc = _processor("plain")
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        _vllm(body, proc)
+    with pytest.raises(BadRequest, match="prompt_token_ids"):
+        proc.chat(body)
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "text", "text": "a"},
+        {"type": "refusal", "refusal": "no"},
+        {"type": "tool_reference", "name": "t"},
+        {"text": "no type"},
+        {"type": "input_audio", "input_audio": {}},
+        {"type": "text", "text": "a", "video_url": {}},
+        {"type": "custom"},
+        {"type": 3},
+    ],
+    ids=repr,
+)
+def test_non_text_content_is_vllms(part: dict[str, Any]) -> None:
+    from router.tokenize.request_fields import has_non_text_content
+    from tests.engines import chat_ref
+
+    vllm_check = chat_ref.load()[chat_ref.NAME].has_non_text_content
+    for messages in ([{"role": "user", "content": [part]}], [{"role": "user", "content": "x",
+                     "reasoning": {"type": "prompt_embeds"}}]):  # fmt: skip
+        assert has_non_text_content(messages) == vllm_check(messages)

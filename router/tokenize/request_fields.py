@@ -5,7 +5,7 @@ tokens, the chain root) turn them into tokens and block hashes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -230,6 +230,70 @@ def _tool_list(tools: Any) -> list[Any]:
     if isinstance(tools, (list, str, Mapping)) and all(isinstance(t, Mapping) for t in tools):
         return list(tools) if isinstance(tools, list) else []
     raise BadRequest("'chat_template_kwargs.tools' must be an array of objects")
+
+
+# vLLM 0.34 chat_message.py: the content part types that carry no media
+# (``_TEXT_CONTENT_PART_TYPES``) and the keys that mark a part as media whatever its type
+# (``_MEDIA_CONTENT_PART_KEYS``: its ``MM_PARSER_MAP``'s other types)
+_TEXT_PART_TYPES = frozenset(
+    {"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"}
+)
+_MEDIA_PART_KEYS = frozenset(
+    {
+        "input_image", "image_url", "image_embeds", "audio_embeds", "video_embeds",
+        "prompt_embeds", "image_pil", "audio_url", "input_audio", "video_url",
+    }
+)  # fmt: skip
+
+
+def has_non_text_content(messages: Any) -> bool:
+    """vLLM 0.34's ``has_non_text_content`` (renderers/chat_utils/chat_message.py): a
+    content part that is media (a media key, or a type other than the text ones), or a
+    reasoning given as prompt embeddings."""
+    if not isinstance(messages, list):
+        return False
+    for msg in messages:
+        if not isinstance(msg, Mapping):
+            continue
+        for key in ("reasoning", "reasoning_content"):
+            reasoning = msg.get(key)
+            if isinstance(reasoning, Mapping) and reasoning.get("type") == "prompt_embeds":
+                return True
+        content = msg.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, Mapping) and (
+                not _MEDIA_PART_KEYS.isdisjoint(part)
+                or not isinstance(kind := part.get("type", "text"), str)
+                or kind not in _TEXT_PART_TYPES
+            ):
+                return True
+    return False
+
+
+def forwarded_prompt_ids(body: Mapping[str, Any], messages: Sequence[Any]) -> list[int] | None:
+    """The prompt token ids a chat body forwards in ``kv_transfer_params`` that vLLM 0.34
+    runs instead of rendering ``messages`` (``online_renderer._reused_prompt_token_ids``,
+    the decode side's reuse of a prefill's tokens; any client may send them): None when
+    there are none, when the body asks ``echo`` or the messages have non-text content
+    (:func:`has_non_text_content`: vLLM renders those). BadRequest, as vLLM answers, for
+    anything but a non-empty array of non-negative integers."""
+    params = body.get("kv_transfer_params")
+    if not isinstance(params, Mapping):
+        return None
+    ids = params.get("prompt_token_ids")
+    if ids is None or lax_bool(body.get("echo", False)) is True:
+        return None
+    if has_non_text_content(messages if isinstance(messages, list) else list(messages)):
+        return None
+    # bool is an int subclass, hence the exact type check (as vLLM checks)
+    if not isinstance(ids, list) or not ids or any(type(x) is not int or x < 0 for x in ids):
+        raise BadRequest(
+            "`kv_transfer_params['prompt_token_ids']` must be a non-empty list "
+            "of non-negative integers."
+        )
+    return ids
 
 
 def asks_prompt_logprobs(body: dict[str, Any], kind: str | None) -> bool:

@@ -65,6 +65,18 @@ def _create_error_response(message: Any, *args: Any, **kwargs: Any) -> Any:
     raise VLLMValidationError(str(message))
 
 
+def _tokens_input(
+    prompt_token_ids: list[int], *, prompt: str | None = None, cache_salt: str | None = None
+) -> dict[str, Any]:
+    """vllm/inputs/engine.py ``tokens_input`` (a TypedDict built as a dict)."""
+    inputs: dict[str, Any] = {"type": "token", "prompt_token_ids": prompt_token_ids}
+    if prompt is not None:
+        inputs["prompt"] = prompt
+    if cache_salt is not None:
+        inputs["cache_salt"] = cache_salt
+    return inputs
+
+
 def _names(base: dict[str, types.ModuleType]) -> dict[str, dict[str, Any]]:
     """Stand-in modules (by vLLM name) and their explicit attributes."""
     params = base["vllm.renderers.params"]
@@ -81,7 +93,7 @@ def _names(base: dict[str, types.ModuleType]) -> dict[str, dict[str, Any]]:
         },
         "vllm.config": {},
         "vllm.exceptions": {"VLLMValidationError": VLLMValidationError},
-        "vllm.inputs": {},
+        "vllm.inputs": {"tokens_input": _tokens_input},
         "vllm.parser": {},
         "vllm.sampling_params": {"ThinkingTokenBudget": int | None},
         "vllm.entrypoints": {},
@@ -103,7 +115,8 @@ def _names(base: dict[str, types.ModuleType]) -> dict[str, dict[str, Any]]:
         "vllm.renderers.chat_utils": {
             **chat_utils,
             "make_tool_call_id": lambda *a, **k: "chatcmpl-tool-0",
-            "has_non_text_content": lambda *a, **k: False,
+            # vLLM's own (chat_ref's vendored chat_message.py)
+            "has_non_text_content": chat_ref.load()[chat_ref.NAME].has_non_text_content,
         },
         "vllm.renderers.inputs": {},
         "vllm.renderers.inputs.preprocess": {
@@ -151,7 +164,9 @@ def load() -> dict[str, types.ModuleType]:
     if _loaded:
         return _loaded
     base = anthropic_ref.load()
-    chat_ref.load()
+    # the chat request model's check of forwarded prompt ids against media: vLLM's own
+    chat_protocol = base["vllm.entrypoints.openai.chat_completion.protocol"]
+    chat_protocol.has_non_text_content = chat_ref.load()[chat_ref.NAME].has_non_text_content
     for name, attrs in _names(base).items():
         mod = anthropic_ref._Stub(name)
         mod.__path__ = []
@@ -223,8 +238,14 @@ class Renderer:
         self.content_format = content_format
         self.tool_template = tool_template
         self.tool_content_format = tool_content_format or content_format
+        self.vocab_size = 1 << 20
         self.tokenizer = None
         self.last: dict[str, Any] = {}
+
+    def validate_token_ids(self, token_ids: Any, *, parameter: str | None = None) -> None:
+        """``BaseRenderer.validate_token_ids`` with a vocabulary of ``vocab_size`` ids."""
+        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < self.vocab_size:
+            raise VLLMValidationError("Token id is out of vocabulary")
 
     def get_tokenizer(self) -> None:
         return None
@@ -310,6 +331,7 @@ def render_chat(
         request = proto.ChatCompletionRequest.model_validate(json.loads(json.dumps(body)))
         server = _server(renderer, default_kwargs, effort_map, exclude_tools_when_none)
         server.enable_auto_tools = True
+        renderer.last = {}
         _, (engine_input,) = asyncio.run(server.render_chat(request))
     return _rendered(renderer, engine_input)
 
@@ -342,11 +364,11 @@ def _server(
 
 
 def _rendered(renderer: Renderer, engine_input: Any) -> Rendered:
-    last = renderer.last
+    last = renderer.last  # empty: nothing rendered (prompt ids forwarded in kv_transfer_params)
     return Rendered(
-        messages=last["messages"],
-        conversation=last["conversation"],
-        kwargs=last["kwargs"],
-        text=last["text"],
+        messages=last.get("messages", []),
+        conversation=last.get("conversation", []),
+        kwargs=last.get("kwargs", {}),
+        text=last.get("text", ""),
         token_ids=list(engine_input["prompt_token_ids"]),
     )
