@@ -158,7 +158,13 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     else:
         fn = processor.chat if kind == "chat" else processor.completion
     offload = size >= THREAD_MIN_BODY and not _token_ids(body)
-    prompt = await checked_prompt(state, model, fn, body, offload=offload, kind=kind)
+    # a disaggregated model's bodies reach the engine without the client's
+    # kv_transfer_params (service/disagg.py NO_TRANSFER): its prompt is the messages', not
+    # ids forwarded there (router.tokenize.request_fields.forwarded_prompt_ids)
+    seen = body
+    if "kv_transfer_params" in body and state.disagg and state.disagg.get(model) is not None:
+        seen = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    prompt = await checked_prompt(state, model, fn, seen, offload=offload, kind=kind)
     max_out = max_output_tokens(body, kind)
     # the Messages API's service_tier ("standard_only") is Anthropic's, which vLLM ignores
     # (the Responses API's "scale" tier is OpenAI's, which vLLM ignores too)

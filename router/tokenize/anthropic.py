@@ -17,7 +17,8 @@ that conversion for everything that decides the prompt:
   ``parameters`` is the ``input_schema`` (``"type": "object"`` added when missing),
   ``tool_choice`` (default ``auto`` with tools);
 * ``output_config.effort`` and ``thinking`` -> ``reasoning_effort`` (the template's
-  ``reasoning_effort`` / ``enable_thinking``), ``chat_template_kwargs``, ``cache_salt``.
+  ``reasoning_effort`` / ``enable_thinking``), ``chat_template_kwargs``, ``cache_salt``,
+  ``kv_transfer_params``.
 
 Where the router cannot know what vLLM decides, the conversion says so (``exact`` False)
 rather than pass a guess off as exact:
@@ -408,7 +409,7 @@ def to_chat_body(
     conv.system(body, out)
     conv.messages(body["messages"], out)
     chat: dict[str, Any] = {"model": body.get("model"), "messages": out}
-    for key in ("chat_template_kwargs", "cache_salt"):
+    for key in ("chat_template_kwargs", "cache_salt", "kv_transfer_params"):
         if body.get(key) is not None:
             chat[key] = body[key]
     effort: Any = None

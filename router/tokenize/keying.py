@@ -285,18 +285,32 @@ class PromptKeying:
         protobuf ``repeated uint32``): no per-element type checks."""
         return self._token_ids(tokens, body or {})
 
+    def forwarded(
+        self, ids: Sequence[int], body: Mapping[str, Any], from_responses: bool = False
+    ) -> ProcessedPrompt:
+        """Routing view of a chat whose prompt is the token ids it forwards in
+        ``kv_transfer_params`` (request_fields.forwarded_prompt_ids): vLLM 0.34 hands them
+        to the engine as they are (``tokens_input(ids, cache_salt)``: no template, special
+        tokens or truncation), under the chat's root."""
+        return self._token_ids(ids, body, truncate=False, from_responses=from_responses)
+
     def _token_ids(
-        self, ids: Sequence[int] | np.ndarray, body: Mapping[str, Any]
+        self,
+        ids: Sequence[int] | np.ndarray,
+        body: Mapping[str, Any],
+        *,
+        truncate: bool = True,
+        from_responses: bool = False,
     ) -> ProcessedPrompt:
         t0 = time.perf_counter()
         try:
             arr = as_u32_array(ids)
         except ValueError as exc:
             raise BadRequest(f"'prompt' {exc}") from None
-        keep = kept_tokens(body, self.context_length)
+        keep = kept_tokens(body, self.context_length) if truncate else None
         if keep is not None:
             arr = truncated(arr, keep, body)
-        root, _ = self.root(body)
+        root, _ = self.root(body, from_responses)
         hashes = hash_prompt(arr, self.block_size, root).hashes
         return ProcessedPrompt(
             len(arr), hashes, self.block_size, True, 0, 0.0, time.perf_counter() - t0

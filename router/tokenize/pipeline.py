@@ -49,6 +49,7 @@ from router.tokenize.multimodal import (
 from router.tokenize.request_fields import (
     adds_special_tokens,
     chat_args,
+    forwarded_prompt_ids,
     kept_tokens,
     sends_template,
 )
@@ -228,6 +229,9 @@ class PromptProcessor(PromptKeying):
         ``from_messages``: the chat vLLM builds from an Anthropic Messages API request (its
         tools set after validation: an empty list reaches the template as one).
 
+        A body forwarding prompt token ids in ``kv_transfer_params`` that vLLM runs instead
+        of the messages (:func:`forwarded_prompt_ids`) is keyed by those ids; the service
+        hands a disaggregated model's bodies here without them (the router replaces them).
         A body with a chat template of its own (:func:`sends_template`: the engine refuses
         it, or renders with a template the router does not run) is known only by its size
         (:meth:`unknown`), once checked."""
@@ -236,6 +240,9 @@ class PromptProcessor(PromptKeying):
         messages, tools, kwargs, add_gen, cont = self._chat_args(
             body, from_responses, from_messages
         )
+        forwarded = forwarded_prompt_ids(body, messages)
+        if forwarded is not None:  # the engine runs these ids, not the messages
+            return self.forwarded(forwarded, body, from_responses)
         if sends_template(body):
             return self.unknown(body)
         unmodelled = first_unmodelled(messages)

@@ -5,7 +5,7 @@ tokens, the chain root) turn them into tokens and block hashes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -194,7 +194,106 @@ def chat_args(
         tools = None
     if exclude_tools_when_none and tool_choice == "none":
         tools = None
-    return messages, prepare_tools(tools), kwargs, add_gen, cont
+    tools, kwargs = _template_tools(body, prepare_tools(tools), kwargs, default_kwargs)
+    return messages, tools, kwargs, add_gen, cont
+
+
+def _template_tools(
+    body: Mapping[str, Any],
+    tools: Any,
+    kwargs: Mapping[str, Any],
+    default_kwargs: Mapping[str, Any],
+) -> tuple[Any, Mapping[str, Any]]:
+    """(the tools the template gets, the other template kwargs): a ``tools`` in the
+    request's ``chat_template_kwargs`` (not null nor "auto") over the request's own
+    ``tools`` (``tools``, as vLLM dumps them) over a ``tools`` in the engine's default
+    kwargs. vLLM 0.34's ``OnlineRenderer.preprocess_chat`` merges the request's tools over
+    the defaults (``merge_kwargs``: a null leaves them), then the request's kwargs over both
+    (``ChatParams.with_defaults``), and ``HfRenderer.render_messages`` reads the template
+    (the ``tool_use`` one), the content format and ``apply_chat_template``'s ``tools`` from
+    that one merged ``tools``. transformers' ``render_jinja_template`` takes each element as
+    a tool, refusing any that is not an object (vLLM answers 400); so does the router."""
+    own = body.get("chat_template_kwargs")
+    sent = own.get("tools") if isinstance(own, Mapping) else None
+    if sent is not None and sent != "auto":
+        tools = _tool_list(sent)
+    elif tools is None and default_kwargs.get("tools") is not None:
+        tools = _tool_list(default_kwargs["tools"])
+    if "tools" in kwargs:
+        kwargs = {k: v for k, v in kwargs.items() if k != "tools"}
+    return tools, kwargs
+
+
+def _tool_list(tools: Any) -> list[Any]:
+    """``tools`` from template kwargs as transformers iterates them: the objects of an
+    array (an empty string or object is no tool); BadRequest for anything else."""
+    if isinstance(tools, (list, str, Mapping)) and all(isinstance(t, Mapping) for t in tools):
+        return list(tools) if isinstance(tools, list) else []
+    raise BadRequest("'chat_template_kwargs.tools' must be an array of objects")
+
+
+# vLLM 0.34 chat_message.py: the content part types that carry no media
+# (``_TEXT_CONTENT_PART_TYPES``) and the keys that mark a part as media whatever its type
+# (``_MEDIA_CONTENT_PART_KEYS``: its ``MM_PARSER_MAP``'s other types)
+_TEXT_PART_TYPES = frozenset(
+    {"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"}
+)
+_MEDIA_PART_KEYS = frozenset(
+    {
+        "input_image", "image_url", "image_embeds", "audio_embeds", "video_embeds",
+        "prompt_embeds", "image_pil", "audio_url", "input_audio", "video_url",
+    }
+)  # fmt: skip
+
+
+def has_non_text_content(messages: Any) -> bool:
+    """vLLM 0.34's ``has_non_text_content`` (renderers/chat_utils/chat_message.py): a
+    content part that is media (a media key, or a type other than the text ones), or a
+    reasoning given as prompt embeddings."""
+    if not isinstance(messages, list):
+        return False
+    for msg in messages:
+        if not isinstance(msg, Mapping):
+            continue
+        for key in ("reasoning", "reasoning_content"):
+            reasoning = msg.get(key)
+            if isinstance(reasoning, Mapping) and reasoning.get("type") == "prompt_embeds":
+                return True
+        content = msg.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, Mapping) and (
+                not _MEDIA_PART_KEYS.isdisjoint(part)
+                or not isinstance(kind := part.get("type", "text"), str)
+                or kind not in _TEXT_PART_TYPES
+            ):
+                return True
+    return False
+
+
+def forwarded_prompt_ids(body: Mapping[str, Any], messages: Sequence[Any]) -> list[int] | None:
+    """The prompt token ids a chat body forwards in ``kv_transfer_params`` that vLLM 0.34
+    runs instead of rendering ``messages`` (``online_renderer._reused_prompt_token_ids``,
+    the decode side's reuse of a prefill's tokens; any client may send them): None when
+    there are none, when the body asks ``echo`` or the messages have non-text content
+    (:func:`has_non_text_content`: vLLM renders those). BadRequest, as vLLM answers, for
+    anything but a non-empty array of non-negative integers."""
+    params = body.get("kv_transfer_params")
+    if not isinstance(params, Mapping):
+        return None
+    ids = params.get("prompt_token_ids")
+    if ids is None or lax_bool(body.get("echo", False)) is True:
+        return None
+    if has_non_text_content(messages if isinstance(messages, list) else list(messages)):
+        return None
+    # bool is an int subclass, hence the exact type check (as vLLM checks)
+    if not isinstance(ids, list) or not ids or any(type(x) is not int or x < 0 for x in ids):
+        raise BadRequest(
+            "`kv_transfer_params['prompt_token_ids']` must be a non-empty list "
+            "of non-negative integers."
+        )
+    return ids
 
 
 def asks_prompt_logprobs(body: dict[str, Any], kind: str | None) -> bool:

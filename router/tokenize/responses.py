@@ -26,7 +26,7 @@ assistant (or reasoning) item still ``in_progress`` / ``incomplete`` is continue
   - anything else is refused (vLLM: "Unsupported input item type");
 
 * function tools -> chat function tools (``name``, ``description``, ``parameters``,
-  ``strict``); ``chat_template_kwargs``, ``cache_salt`` as they are;
+  ``strict``); ``chat_template_kwargs``, ``cache_salt``, ``kv_transfer_params`` as they are;
 * the rendered text tokenized as ``ResponsesRequest.build_tok_params`` has it: with the
   tokenizer's special tokens (``add_special_tokens``), and cut to the context
   (``truncate_prompt_tokens`` -1) unless ``truncation`` is "disabled" (its default).
@@ -216,7 +216,7 @@ def to_chat_body(body: Mapping[str, Any]) -> ChatConversion:
         choice = body.get("tool_choice", "auto")
         if isinstance(choice, str):
             chat["tool_choice"] = choice
-    for key in ("chat_template_kwargs", "cache_salt"):
+    for key in ("chat_template_kwargs", "cache_salt", "kv_transfer_params"):
         if body.get(key) is not None:
             chat[key] = body[key]
     reasoning = body.get("reasoning")

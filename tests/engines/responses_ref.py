@@ -65,6 +65,18 @@ def _create_error_response(message: Any, *args: Any, **kwargs: Any) -> Any:
     raise VLLMValidationError(str(message))
 
 
+def _tokens_input(
+    prompt_token_ids: list[int], *, prompt: str | None = None, cache_salt: str | None = None
+) -> dict[str, Any]:
+    """vllm/inputs/engine.py ``tokens_input`` (a TypedDict built as a dict)."""
+    inputs: dict[str, Any] = {"type": "token", "prompt_token_ids": prompt_token_ids}
+    if prompt is not None:
+        inputs["prompt"] = prompt
+    if cache_salt is not None:
+        inputs["cache_salt"] = cache_salt
+    return inputs
+
+
 def _names(base: dict[str, types.ModuleType]) -> dict[str, dict[str, Any]]:
     """Stand-in modules (by vLLM name) and their explicit attributes."""
     params = base["vllm.renderers.params"]
@@ -81,7 +93,7 @@ def _names(base: dict[str, types.ModuleType]) -> dict[str, dict[str, Any]]:
         },
         "vllm.config": {},
         "vllm.exceptions": {"VLLMValidationError": VLLMValidationError},
-        "vllm.inputs": {},
+        "vllm.inputs": {"tokens_input": _tokens_input},
         "vllm.parser": {},
         "vllm.sampling_params": {"ThinkingTokenBudget": int | None},
         "vllm.entrypoints": {},
@@ -103,7 +115,8 @@ def _names(base: dict[str, types.ModuleType]) -> dict[str, dict[str, Any]]:
         "vllm.renderers.chat_utils": {
             **chat_utils,
             "make_tool_call_id": lambda *a, **k: "chatcmpl-tool-0",
-            "has_non_text_content": lambda *a, **k: False,
+            # vLLM's own (chat_ref's vendored chat_message.py)
+            "has_non_text_content": chat_ref.load()[chat_ref.NAME].has_non_text_content,
         },
         "vllm.renderers.inputs": {},
         "vllm.renderers.inputs.preprocess": {
@@ -151,7 +164,9 @@ def load() -> dict[str, types.ModuleType]:
     if _loaded:
         return _loaded
     base = anthropic_ref.load()
-    chat_ref.load()
+    # the chat request model's check of forwarded prompt ids against media: vLLM's own
+    chat_protocol = base["vllm.entrypoints.openai.chat_completion.protocol"]
+    chat_protocol.has_non_text_content = chat_ref.load()[chat_ref.NAME].has_non_text_content
     for name, attrs in _names(base).items():
         mod = anthropic_ref._Stub(name)
         mod.__path__ = []
@@ -214,13 +229,23 @@ class Renderer:
         special_tokens: dict[str, str],
         encode: Callable[[str, bool], list[int]],
         content_format: str = "string",
+        tool_template: str | None = None,
+        tool_content_format: str | None = None,
     ) -> None:
         self.template = template
         self.special_tokens = special_tokens
         self.encode = encode
         self.content_format = content_format
+        self.tool_template = tool_template
+        self.tool_content_format = tool_content_format or content_format
+        self.vocab_size = 1 << 20
         self.tokenizer = None
         self.last: dict[str, Any] = {}
+
+    def validate_token_ids(self, token_ids: Any, *, parameter: str | None = None) -> None:
+        """``BaseRenderer.validate_token_ids`` with a vocabulary of ``vocab_size`` ids."""
+        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < self.vocab_size:
+            raise VLLMValidationError("Token id is out of vocabulary")
 
     def get_tokenizer(self) -> None:
         return None
@@ -235,13 +260,19 @@ class Renderer:
     ) -> tuple[tuple[list[dict[str, Any]]], tuple[dict[str, Any]]]:
         (messages,) = conversations
         before = json.loads(json.dumps(messages))
-        conversation = conversation_of(messages, self.content_format)
+        # HfRenderer.render_messages: the content format and (resolve_chat_template:
+        # the tokenizer's get_chat_template) the template are those for the merged kwargs'
+        # tools; a tokenizer with a "tool_use" template takes it whenever they are not None
+        tools = chat_params.chat_template_kwargs.get("tools")
+        with_tools = tools is not None and self.tool_template is not None
+        content_format = self.tool_content_format if with_tools else self.content_format
+        conversation = conversation_of(messages, content_format)
         kwargs = dict(chat_params.get_apply_chat_template_kwargs())
         for key in ("chat_template", "tokenize", "return_dict"):
             kwargs.pop(key, None)
         tools = kwargs.pop("tools", None)
         text = transformers_ref.render(
-            self.template,
+            self.tool_template if with_tools and self.tool_template else self.template,
             conversation,
             special_tokens=self.special_tokens,
             tools=tools,
@@ -276,27 +307,68 @@ def render(
     with installed():
         proto = mods["vllm.entrypoints.openai.responses.protocol"]
         request = proto.ResponsesRequest.model_validate(json.loads(json.dumps(body)))
-        online = mods["vllm.renderers.online_renderer"]
-        server = object.__new__(online.OnlineRenderer)
-        server.model_config = types.SimpleNamespace(
-            multimodal_config=None, enable_prompt_embeds=False, max_model_len=1 << 20
-        )
-        server.renderer = renderer
-        server.use_harmony = False
-        server.parser = None
-        server.chat_template = None
-        server.chat_template_content_format = renderer.content_format
-        server.default_chat_template_kwargs = dict(default_kwargs or {})
-        server.reasoning_effort_map = dict(effort_map or {})
-        server.exclude_tools_when_tool_choice_none = exclude_tools_when_none
-        server.trust_request_chat_template = False
-        server.trust_request_mm_kwargs = False
+        server = _server(renderer, default_kwargs, effort_map, exclude_tools_when_none)
         result = asyncio.run(server.render_responses(request))
-    last = renderer.last
+    return _rendered(renderer, result.engine_input)
+
+
+def render_chat(
+    body: dict[str, Any],
+    renderer: Renderer,
+    *,
+    default_kwargs: dict[str, Any] | None = None,
+    effort_map: dict[str, str] | None = None,
+    exclude_tools_when_none: bool = False,
+) -> Rendered:
+    """vLLM 0.34 rendering the chat completion ``body``: the body validated as its
+    ``ChatCompletionRequest``, then ``OnlineRenderer.render_chat`` (what ``/v1/chat/
+    completions`` runs before the engine) of a non-harmony server with
+    ``--enable-auto-tool-choice`` and no tool parser (``tool_choice`` "auto" or "none"), the
+    engine options given, and ``renderer``."""
+    load()
+    with installed():
+        proto = _stubs["vllm.entrypoints.openai.chat_completion.protocol"]
+        request = proto.ChatCompletionRequest.model_validate(json.loads(json.dumps(body)))
+        server = _server(renderer, default_kwargs, effort_map, exclude_tools_when_none)
+        server.enable_auto_tools = True
+        renderer.last = {}
+        _, (engine_input,) = asyncio.run(server.render_chat(request))
+    return _rendered(renderer, engine_input)
+
+
+def _server(
+    renderer: Renderer,
+    default_kwargs: dict[str, Any] | None,
+    effort_map: dict[str, str] | None,
+    exclude_tools_when_none: bool,
+) -> Any:
+    online = _loaded["vllm.renderers.online_renderer"]
+    server = object.__new__(online.OnlineRenderer)
+    server.model_config = types.SimpleNamespace(
+        multimodal_config=None,
+        enable_prompt_embeds=False,
+        max_model_len=1 << 20,
+        served_model_name="m",
+    )
+    server.renderer = renderer
+    server.use_harmony = False
+    server.parser = None
+    server.chat_template = None
+    server.chat_template_content_format = renderer.content_format
+    server.default_chat_template_kwargs = dict(default_kwargs or {})
+    server.reasoning_effort_map = dict(effort_map or {})
+    server.exclude_tools_when_tool_choice_none = exclude_tools_when_none
+    server.trust_request_chat_template = False
+    server.trust_request_mm_kwargs = False
+    return server
+
+
+def _rendered(renderer: Renderer, engine_input: Any) -> Rendered:
+    last = renderer.last  # empty: nothing rendered (prompt ids forwarded in kv_transfer_params)
     return Rendered(
-        messages=last["messages"],
-        conversation=last["conversation"],
-        kwargs=last["kwargs"],
-        text=last["text"],
-        token_ids=list(result.engine_input["prompt_token_ids"]),
+        messages=last.get("messages", []),
+        conversation=last.get("conversation", []),
+        kwargs=last.get("kwargs", {}),
+        text=last.get("text", ""),
+        token_ids=list(engine_input["prompt_token_ids"]),
     )
