@@ -157,9 +157,13 @@ async def test_the_events_carry_vllms_extra_keys_and_reblock_to_the_routers_hash
     sub.connect(zmq_endpoint)
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
     try:
-        # the subscription is up once a prompt's events arrive
+        # the subscription is up once a prompt's events arrive; each try sends a prompt not
+        # cached yet (a cached one stores nothing: no event to see)
+        tries = iter(range(4, 1 << 20))
+
         async def subscribed() -> bool:
-            await client.completions.create(model="m", prompt=[1, 2, 3] * B, max_tokens=1)
+            prompt = [next(tries), 2, 3] * B
+            await client.completions.create(model="m", prompt=prompt, max_tokens=1)
             return await sub.poll(200) != 0
 
         await eventually(subscribed, timeout=30)  # (a loaded machine: seconds)
