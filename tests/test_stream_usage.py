@@ -80,10 +80,25 @@ def test_filter_keeps_usage_inside_content_chunks_and_odd_events() -> None:
     )
 
 
-def test_crlf_streams_are_relayed_untouched() -> None:
-    crlf = TOKEN.replace(b"\n\n", b"\r\n\r\n") + USAGE.replace(b"\n\n", b"\r\n\r\n")
+@pytest.mark.parametrize("piece", [1, 2, 5, 17, 64, 4096])
+def test_crlf_streams_are_filtered_as_lf_ones(piece: int) -> None:
+    """Events ended by CRLF blank lines: the usage chunk is taken out, cut events held."""
+
+    def crlf(event: bytes) -> bytes:
+        return event.replace(b"\n\n", b"\r\n\r\n")
+
+    stream = crlf(TOKEN * 3 + FINAL + FP_USAGE + DONE)
     f = UsageFilter()
-    assert f.feed(crlf) + f.flush() == crlf
+    outs = [f.feed(stream[i : i + piece]) for i in range(0, len(stream), piece)]
+    assert all(out.endswith(b"\r\n\r\n") for out in outs if out)
+    stamped = crlf(FINAL).replace(b"}]}", b'}],"system_fingerprint":"vllm-0.34"}')
+    assert b"".join(outs) + f.flush() == crlf(TOKEN * 3) + stamped + crlf(DONE)
+
+
+def test_bare_cr_streams_are_relayed_untouched() -> None:
+    cr = TOKEN.replace(b"\n", b"\r") + USAGE.replace(b"\n", b"\r")
+    f = UsageFilter()
+    assert f.feed(cr) + f.flush() == cr
 
 
 def _event(obj: dict[str, object]) -> bytes:

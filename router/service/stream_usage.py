@@ -18,10 +18,15 @@ arrives, and when that is the usage chunk it takes out, the chunk gets the usage
 that end right before the usage chunk get it (holding the others would hold back the other
 choices' tokens).
 
+Events end at a blank line, LF (``\n\n``, as vLLM writes them) or CRLF (``\r\n\r\n``,
+sse-starlette's default): the filter reads a stream by the first CRLF event end it meets
+(none can sit inside an event's JSON, whose newlines are escaped). A stream whose lines end
+with a bare CR is relayed untouched.
+
 Cost on the hot path: one ``bytes.endswith``, one substring search and one regular
 expression search per relayed piece of such streams. Every other stream goes through a
 ``UsageFilter(drop_usage=False)``, which only holds an event cut by a piece boundary until
-its end (one substring search and one ``bytes.endswith`` a piece).
+its end (two substring searches and one ``bytes.endswith`` a piece).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ _USAGE = b'"usage"'
 _ENDS_CHOICE = re.compile(rb'"finish_reason"\s*:\s*"')
 _FINGERPRINT = b'"system_fingerprint"'
 _EVENT_END = b"\n\n"
+_CRLF_END = b"\r\n\r\n"  # an event's end on a stream whose lines end with CRLF
 _MAX_HELD = 1 << 20  # a piece without an event end this long is relayed as it is
 
 
@@ -88,15 +94,19 @@ class UsageFilter:
 
     ``drop_usage=False``: only the holding of cut events, for every relayed stream, so that
     one that breaks off mid-event never has the router's error event glued to half an event
-    (a client would parse the two as one garbled event)."""
+    (a client would parse the two as one garbled event).
 
-    __slots__ = ("_drop", "_ending", "_held", "_off")
+    Events end with a blank LF line until a CRLF one shows the stream's lines end with CRLF
+    (module docstring)."""
+
+    __slots__ = ("_drop", "_end", "_ending", "_held", "_off")
 
     def __init__(self, drop_usage: bool = True) -> None:
         self._drop = drop_usage
         self._held = b""
+        self._end = _EVENT_END  # what ends an event: a blank LF line, or a CRLF one
         self._ending: list[bytes] = []  # events that end a choice, not relayed yet
-        self._off = False  # events not separated by blank LF lines: relay untouched
+        self._off = False  # lines ended by a bare CR: relay untouched
 
     def feed(self, chunk: bytes) -> bytes:
         if self._off:
@@ -104,18 +114,22 @@ class UsageFilter:
         if self._held:
             chunk = self._held + chunk
             self._held = b""
-        if b"\r\n\r\n" in chunk:
-            self._off = True
-            return self.pending() + chunk
-        if not chunk.endswith(_EVENT_END) and len(chunk) < _MAX_HELD:
-            at = chunk.rfind(_EVENT_END)
-            cut = 0 if at < 0 else at + len(_EVENT_END)
+        sep = self._end
+        if sep == _EVENT_END and b"\r" in chunk:
+            if _CRLF_END in chunk:
+                sep = self._end = _CRLF_END
+            elif b"\r\r" in chunk:
+                self._off = True
+                return self.pending() + chunk
+        if not chunk.endswith(sep) and len(chunk) < _MAX_HELD:
+            at = chunk.rfind(sep)
+            cut = 0 if at < 0 else at + len(sep)
             chunk, self._held = chunk[:cut], chunk[cut:]
         if not self._drop:
             return chunk
         if not self._ending and _USAGE not in chunk and _ENDS_CHOICE.search(chunk) is None:
             return chunk
-        events = chunk.split(_EVENT_END)
+        events = chunk.split(sep)
         rest = events.pop()  # b"" after an event's end; else a piece relayed as it is
         out: list[bytes] = []
         for ev in events:
@@ -129,7 +143,7 @@ class UsageFilter:
                 self._ending.append(ev)
             else:
                 out.append(ev)
-        relayed = b"".join(ev + _EVENT_END for ev in out)
+        relayed = b"".join(ev + sep for ev in out)
         if rest:
             relayed += self.pending() + rest
         return relayed
@@ -147,7 +161,8 @@ class UsageFilter:
     def pending(self) -> bytes:
         """The events held for ending a choice, taken out (to relay before anything else)."""
         ending, self._ending = self._ending, []
-        return b"".join(ev + _EVENT_END for ev in ending)
+        sep = self._end
+        return b"".join(ev + sep for ev in ending)
 
     def flush(self) -> bytes:
         """What is still held at the end of the stream."""
