@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
 from tests.backends import metric_sample
-from tests.test_proxy_integrity import _router
+from tests.test_proxy_integrity import UntilClose, _outcomes, _router
 from tests.test_upstream_wire import MODEL, SSE_HEAD, USAGE, Scripted, _answered, _chat, _chunk
 from tests.test_upstream_wire import _token as _lf_token
 
@@ -74,5 +75,69 @@ async def test_a_crlf_stream_cut_inside_an_event_ends_with_a_clean_error_event(
             assert got == ["word0000 " + "x" * 200]
             await _answered(url, session, "upstream_broken")
             await client.close()
+    finally:
+        await replica.stop()
+
+
+NO_SPACE = b'data:{"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n'
+
+
+async def test_a_done_without_the_space_ends_a_stream_delimited_by_the_connection() -> None:
+    """``data:[DONE]`` is the same event as ``data: [DONE]`` (the space after the colon is
+    optional, and every SSE client drops it): a stream delimited by the connection's end
+    that ended so was taken as broken off, an error event written after its ``[DONE]``, the
+    client's connection aborted and the answer counted ``upstream_broken``."""
+    replica = await UntilClose(b"text/event-stream", NO_SPACE).start()
+    try:
+        async for url, session in _router(replica.url):
+            async with session.post(url + "/v1/chat/completions", json=_chat(True)) as resp:
+                assert resp.status == 200
+                assert await resp.content.readuntil(b"\n\n") == NO_SPACE
+                replica.finish(b"data:[DONE]\n\n", reset=False)
+                body = await resp.read()
+            assert body == b"data:[DONE]\n\n", body
+            outcomes = await _outcomes(url, session)
+            assert outcomes.get("ok") == 1.0 and "upstream_broken" not in outcomes, outcomes
+    finally:
+        await replica.stop()
+
+
+async def test_an_error_event_without_the_space_is_no_good_answer() -> None:
+    """The engine's error event spelled ``data:{"error":...}`` is the same error event: the
+    client got an error, which was booked ``ok`` and judged against the SLO."""
+    error = b'data:{"error":{"message":"engine died","type":"InternalServerError"}}\n\n'
+    replica = await Scripted(
+        [SSE_HEAD + _chunk(_lf_token(0) + error + b"data:[DONE]\n\n") + b"0\r\n\r\n"]
+    ).start()
+    try:
+        async for url, session in _router(replica.url):
+            body = _chat(True, stream_options={"include_usage": True})
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                assert (await resp.read()).endswith(b"data:[DONE]\n\n")
+            page = await _answered(url, session, "upstream_error")
+            assert metric_sample(page, "kvrouter_requests_total", outcome="ok") is None
+    finally:
+        await replica.stop()
+
+
+async def test_a_client_leaving_after_a_done_without_the_space_got_the_whole_answer() -> None:
+    """A client that stops reading at ``data:[DONE]`` has the whole answer (``ok``), as one
+    that stops at ``data: [DONE]``; it was counted ``cancelled``."""
+    replica = await Scripted(
+        [SSE_HEAD + _chunk(NO_SPACE + b"data:[DONE]\n\n"), b"0\r\n\r\n"]
+    ).start()
+    try:
+        async for url, session in _router(replica.url):
+            async with (
+                aiohttp.ClientSession() as client,
+                client.post(url + "/v1/chat/completions", json=_chat(True)) as resp,
+            ):
+                got = b""
+                while not got.endswith(b"data:[DONE]\n\n"):
+                    got += await resp.content.readany()
+            # the client is gone before the replica's end of the body
+            await _answered(url, session, "ok")
+            replica.step()
     finally:
         await replica.stop()

@@ -75,8 +75,9 @@ RESPONSES_ENDS = (
 )
 
 
-# what ends each kind's stream (the relay tests one kind's, one test a piece)
-OPENAI_CLOSERS = (b"data: [DONE]",)
+# what ends each kind's stream (the relay tests one kind's, one test a piece); the space
+# after a field's colon is optional in SSE (every client drops it): ``data:[DONE]`` too
+OPENAI_CLOSERS = (b"data: [DONE]", b"data:[DONE]")
 ANTHROPIC_CLOSERS = (b'"message_stop"}', *OPENAI_CLOSERS)
 RESPONSES_CLOSERS = (*RESPONSES_ENDS, *OPENAI_CLOSERS)
 ALL_CLOSERS = (*RESPONSES_ENDS, *ANTHROPIC_CLOSERS)
@@ -99,9 +100,17 @@ def closes_stream(chunk: bytes, closers: tuple[bytes, ...] = ALL_CLOSERS) -> boo
 
 # how a stream's error event begins, at the start of a line: vLLM's (``data: {"error": {...}}``,
 # ``ErrorResponse.model_dump_json``, then ``[DONE]``), the Messages API's and the Responses
-# API's ``event: error``, and a Responses ``response.failed``. A line cannot begin so inside
-# an event's JSON: a newline there is escaped.
-_ERROR_STARTS = (b'data: {"error":', b"event: error", b"event: response.failed")
+# API's ``event: error``, and a Responses ``response.failed``, each with or without the
+# optional space after the colon. A line cannot begin so inside an event's JSON: a newline
+# there is escaped.
+_ERROR_STARTS = (
+    b'data: {"error":',
+    b'data:{"error":',
+    b"event: error",
+    b"event:error",
+    b"event: response.failed",
+    b"event:response.failed",
+)
 
 
 def stream_error(tail: bytes) -> bool:
