@@ -5,6 +5,7 @@ router/service/stream_usage.py, router/service/answers.py): events ended by CRLF
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import aiohttp
@@ -139,5 +140,67 @@ async def test_a_client_leaving_after_a_done_without_the_space_got_the_whole_ans
             # the client is gone before the replica's end of the body
             await _answered(url, session, "ok")
             replica.step()
+    finally:
+        await replica.stop()
+
+
+def _responses_stream(crlf: bool, colon: bytes) -> list[bytes]:
+    """A Responses API stream (vLLM's events) whose final event, larger than the tail the
+    relay keeps of a stream, arrives in two reads; its usage says 32 cached tokens."""
+    events = [
+        (b"response.created", {"response": {"id": "resp_9", "status": "in_progress"},
+                               "type": "response.created"}),
+        (b"response.output_text.delta", {"delta": "hi", "type": "response.output_text.delta"}),
+    ]  # fmt: skip
+    text = "y" * 20_000
+    final = {
+        "response": {
+            "id": "resp_9",
+            "status": "completed",
+            "output": [{"type": "message", "content": [{"type": "output_text", "text": text}]}],
+            "usage": {"input_tokens": 40, "output_tokens": 60, "total_tokens": 100,
+                      "input_tokens_details": {"cached_tokens": 32},
+                      "output_tokens_details": {"reasoning_tokens": 0}},
+        },
+        "type": "response.completed",
+    }  # fmt: skip
+    nl = b"\r\n" if crlf else b"\n"
+
+    def event(name: bytes, data: dict[str, Any]) -> bytes:
+        body = json.dumps(data, separators=(",", ":")).encode()
+        return b"event" + colon + name + nl + b"data" + colon + body + nl + nl
+
+    last = event(b"response.completed", final)
+    half = len(last) // 2
+    head = SSE_HEAD + _chunk(b"".join(event(n, d) for n, d in events))
+    return [head, _chunk(last[:half]), _chunk(last[half:]) + b"0\r\n\r\n"]
+
+
+@pytest.mark.parametrize(
+    ("crlf", "colon"), [(False, b": "), (True, b": "), (False, b":")], ids=["lf", "crlf", "nospace"]
+)
+async def test_a_responses_streams_large_final_event_gives_its_usage(
+    crlf: bool, colon: bytes
+) -> None:
+    """A Responses stream's final event carries the whole response, its usage last: the
+    relay keeps it whole, however large, once it saw its ``event: response.completed``
+    line. It looked for that line ended by LF after ``event: `` only: on a CRLF stream (or
+    ``event:response.completed``) it kept the stream's last 8 KiB by whole reads, the
+    final event's start was dropped, and its usage with it (no cached-token feedback)."""
+    script = _responses_stream(crlf, colon)
+    replica = await Scripted(script).start()
+    try:
+        async for url, session in _router(replica.url):
+            body = {"model": MODEL, "input": "tell me everything", "stream": True}
+            async with session.post(url + "/v1/responses", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                got = await resp.content.readany()
+                for _ in script[1:]:
+                    replica.step()
+                    await replica.sent.wait()
+                got += await resp.read()
+            assert got.rstrip().endswith(b'"type":"response.completed"}'), got[-200:]
+            page = await _answered(url, session)
+            assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 32
     finally:
         await replica.stop()

@@ -9,6 +9,7 @@ functions of bytes, read once an answer is whole or per relayed piece."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, NamedTuple
 
 
@@ -142,11 +143,15 @@ def closers_of(path: bytes) -> tuple[bytes, ...]:
 def responses_final_at(chunk: bytes) -> int:
     """Where a Responses API stream's final event (``response.completed`` / ``failed`` /
     ``incomplete``, which carries the whole response and its usage) begins in a piece of
-    the stream; -1 when it does not."""
-    return max(chunk.rfind(b"event: response." + name) for name in _FINAL_EVENTS)
+    the stream; -1 when it does not. Its ``event:`` line may end with LF or CRLF, and the
+    space after the colon is optional."""
+    at = -1
+    for found in _FINAL_EVENT.finditer(chunk):
+        at = found.start()
+    return at
 
 
-_FINAL_EVENTS = (b"completed\n", b"failed\n", b"incomplete\n")
+_FINAL_EVENT = re.compile(rb"event: ?response\.(?:completed|failed|incomplete)\r?\n")
 
 
 # the most of a Responses API stream's final event (the whole response) kept for its usage
