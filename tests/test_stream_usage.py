@@ -98,6 +98,17 @@ def test_crlf_streams_are_filtered_as_lf_ones(piece: int) -> None:
     assert b"".join(outs) + f.flush() == crlf(TOKEN * 3) + stamped + crlf(DONE)
 
 
+@pytest.mark.parametrize("piece", [1, 5, 4096])
+def test_the_first_event_end_tells_how_a_stream_ends_its_lines(piece: int) -> None:
+    """An LF stream stays one when an odd event later ends with CRLF: nothing is lost or
+    reordered, and the usage chunk still goes."""
+    odd = b"data: {}\r\n\r\n"
+    stream = TOKEN + odd + TOKEN + USAGE + DONE
+    f = UsageFilter()
+    out = b"".join(f.feed(stream[i : i + piece]) for i in range(0, len(stream), piece))
+    assert out + f.flush() == TOKEN + odd + TOKEN + DONE
+
+
 def test_bare_cr_streams_are_relayed_untouched() -> None:
     cr = TOKEN.replace(b"\n", b"\r") + USAGE.replace(b"\n", b"\r")
     f = UsageFilter()

@@ -21,14 +21,15 @@ that end right before the usage chunk get it (holding the others would hold back
 choices' tokens).
 
 Events end at a blank line, LF (``\n\n``, as vLLM writes them) or CRLF (``\r\n\r\n``,
-sse-starlette's default): the filter reads a stream by the first CRLF event end it meets
-(none can sit inside an event's JSON, whose newlines are escaped). A stream whose lines end
-with a bare CR is relayed untouched.
+sse-starlette's default): the filter reads a stream by its first event end (none can sit
+inside an event's JSON, whose newlines are escaped). A stream whose lines end with a bare CR
+is relayed untouched.
 
 Cost on the hot path: one ``bytes.endswith``, one substring search and one regular
 expression search per relayed piece of such streams. Every other stream goes through a
 ``UsageFilter(drop_usage=False)``, which only holds an event cut by a piece boundary until
-its end (two substring searches and one ``bytes.endswith`` a piece).
+its end (one substring search and one ``bytes.endswith`` a piece, three more searches
+until the stream's first event end).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ _ENDS_CHOICE = re.compile(rb'"finish_reason"\s*:\s*"')
 _FINGERPRINT = b'"system_fingerprint"'
 _EVENT_END = b"\n\n"
 _CRLF_END = b"\r\n\r\n"  # an event's end on a stream whose lines end with CRLF
+_CR_END = b"\r\r"  # ... with a bare CR
+_ENDS = (_EVENT_END, _CRLF_END, _CR_END)
 _MAX_HELD = 1 << 20  # a piece without an event end this long is relayed as it is
 
 
@@ -101,15 +104,15 @@ class UsageFilter:
     one that breaks off mid-event never has the router's error event glued to half an event
     (a client would parse the two as one garbled event).
 
-    Events end with a blank LF line until a CRLF one shows the stream's lines end with CRLF
-    (module docstring)."""
+    The stream's first event end tells how its lines end (module docstring)."""
 
-    __slots__ = ("_drop", "_end", "_ending", "_held", "_off")
+    __slots__ = ("_drop", "_end", "_ending", "_held", "_known", "_off")
 
     def __init__(self, drop_usage: bool = True) -> None:
         self._drop = drop_usage
         self._held = b""
         self._end = _EVENT_END  # what ends an event: a blank LF line, or a CRLF one
+        self._known = False  # the stream's first event end was seen (and _end set by it)
         self._ending: list[bytes] = []  # events that end a choice, not relayed yet
         self._off = False  # lines ended by a bare CR: relay untouched
 
@@ -120,12 +123,18 @@ class UsageFilter:
             chunk = self._held + chunk
             self._held = b""
         sep = self._end
-        if sep == _EVENT_END and b"\r" in chunk:
-            if _CRLF_END in chunk:
-                sep = self._end = _CRLF_END
-            elif b"\r\r" in chunk:
-                self._off = True
-                return self.pending() + chunk
+        if not self._known:  # the stream's first event end tells how its lines end
+            first = -1
+            for end in _ENDS:
+                at = chunk.find(end)
+                if at >= 0 and (first < 0 or at < first):
+                    first, sep = at, end
+            if first >= 0:
+                self._known = True
+                if sep == _CR_END:
+                    self._off = True
+                    return self.pending() + chunk
+                self._end = sep
         if not chunk.endswith(sep) and len(chunk) < _MAX_HELD:
             at = chunk.rfind(sep)
             cut = 0 if at < 0 else at + len(sep)
