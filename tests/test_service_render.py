@@ -438,6 +438,39 @@ async def test_an_answer_nested_too_deep_or_not_text_moves_on() -> None:
     assert counter.labels("m", "fallback").value == 2
 
 
+async def test_an_error_answer_nested_too_deep_is_read_as_text() -> None:
+    """A render target's error answer (a refusal, a 5xx, a 404) nested past what a parser
+    follows: its message is read as text, as a body that is no JSON is; the parser's
+    ``RecursionError`` escaped instead, and the request failed with a 500 (a refusal lost
+    its 400; a failing target neither rested nor let the router's own rendering stand in)."""
+    import aiohttp
+
+    from router.core.errors import BadRequest
+
+    deep = b"[" * 100_000 + b"]" * 100_000
+    statuses = [400, 500]
+    calls: list[str] = []
+
+    async def render(request: web.Request) -> web.Response:
+        calls.append(request.path)
+        status = statuses[len(calls) - 1]
+        return web.Response(body=deep, status=status, content_type="application/json")
+
+    runner, base = await _render_server(render)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    proc = PromptProcessor("m", B)
+    try:
+        async with aiohttp.ClientSession() as session:
+            r, _ = _renderer(session, base)
+            with pytest.raises(BadRequest, match=r"^\[\[\["):
+                await r.prompt("m", "chat", chat, proc)
+            assert await r.prompt("m", "chat", chat, proc) is None  # 500: rests
+            assert await r.prompt("m", "chat", chat, proc) is None  # (resting: not asked)
+    finally:
+        await runner.cleanup()
+    assert len(calls) == 2
+
+
 async def test_identical_requests_rendering_at_once_share_one_render() -> None:
     """Parallel sampling sent as separate requests arrives at once, before the body memo
     holds the first: one render answers them all; another body renders on its own."""

@@ -20,7 +20,7 @@ DONE = b"data: [DONE]\n\n"
 def test_patch_asks_for_usage_and_keeps_the_clients_options() -> None:
     for body in (
         {"stream": True, "model": "m"},
-        {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+        {"stream": True, "stream_options": {"include_usage": None, "continuous_usage_stats": 1}},
         {"stream": True, "stream_options": {"include_usage": False}},
     ):
         raw = json.dumps(body).encode()
@@ -45,6 +45,9 @@ def test_patch_asks_for_usage_and_keeps_the_clients_options() -> None:
         {"model": "m"},
         {"stream": True, "stream_options": {"include_usage": True}},
         {"stream": True, "stream_options": "odd"},
+        # vLLM's include_usage defaults to true: these asked for usage
+        {"stream": True, "stream_options": {}},
+        {"stream": True, "stream_options": {"continuous_usage_stats": True}},
     ):
         assert usage_patch(body) is None
 
@@ -80,10 +83,36 @@ def test_filter_keeps_usage_inside_content_chunks_and_odd_events() -> None:
     )
 
 
-def test_crlf_streams_are_relayed_untouched() -> None:
-    crlf = TOKEN.replace(b"\n\n", b"\r\n\r\n") + USAGE.replace(b"\n\n", b"\r\n\r\n")
+@pytest.mark.parametrize("piece", [1, 2, 5, 17, 64, 4096])
+def test_crlf_streams_are_filtered_as_lf_ones(piece: int) -> None:
+    """Events ended by CRLF blank lines: the usage chunk is taken out, cut events held."""
+
+    def crlf(event: bytes) -> bytes:
+        return event.replace(b"\n\n", b"\r\n\r\n")
+
+    stream = crlf(TOKEN * 3 + FINAL + FP_USAGE + DONE)
     f = UsageFilter()
-    assert f.feed(crlf) + f.flush() == crlf
+    outs = [f.feed(stream[i : i + piece]) for i in range(0, len(stream), piece)]
+    assert all(out.endswith(b"\r\n\r\n") for out in outs if out)
+    stamped = crlf(FINAL).replace(b"}]}", b'}],"system_fingerprint":"vllm-0.34"}')
+    assert b"".join(outs) + f.flush() == crlf(TOKEN * 3) + stamped + crlf(DONE)
+
+
+@pytest.mark.parametrize("piece", [1, 5, 4096])
+def test_the_first_event_end_tells_how_a_stream_ends_its_lines(piece: int) -> None:
+    """An LF stream stays one when an odd event later ends with CRLF: nothing is lost or
+    reordered, and the usage chunk still goes."""
+    odd = b"data: {}\r\n\r\n"
+    stream = TOKEN + odd + TOKEN + USAGE + DONE
+    f = UsageFilter()
+    out = b"".join(f.feed(stream[i : i + piece]) for i in range(0, len(stream), piece))
+    assert out + f.flush() == TOKEN + odd + TOKEN + DONE
+
+
+def test_bare_cr_streams_are_relayed_untouched() -> None:
+    cr = TOKEN.replace(b"\n", b"\r") + USAGE.replace(b"\n", b"\r")
+    f = UsageFilter()
+    assert f.feed(cr) + f.flush() == cr
 
 
 def _event(obj: dict[str, object]) -> bytes:

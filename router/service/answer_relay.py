@@ -260,7 +260,7 @@ class AnswerRelay:
                 probe = chunk
                 if responses:  # the final event's first line may start in an earlier read
                     probe = before + chunk
-                    if b"event: response." in probe:
+                    if b"response." in probe:
                         at = responses_final_at(probe)
                 if at >= 0:  # the whole response (and its usage) follows: kept whole
                     tail.clear()

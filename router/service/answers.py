@@ -9,6 +9,7 @@ functions of bytes, read once an answer is whole or per relayed piece."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, NamedTuple
 
 
@@ -75,8 +76,9 @@ RESPONSES_ENDS = (
 )
 
 
-# what ends each kind's stream (the relay tests one kind's, one test a piece)
-OPENAI_CLOSERS = (b"data: [DONE]",)
+# what ends each kind's stream (the relay tests one kind's, one test a piece); the space
+# after a field's colon is optional in SSE (every client drops it): ``data:[DONE]`` too
+OPENAI_CLOSERS = (b"data: [DONE]", b"data:[DONE]")
 ANTHROPIC_CLOSERS = (b'"message_stop"}', *OPENAI_CLOSERS)
 RESPONSES_CLOSERS = (*RESPONSES_ENDS, *OPENAI_CLOSERS)
 ALL_CLOSERS = (*RESPONSES_ENDS, *ANTHROPIC_CLOSERS)
@@ -99,9 +101,17 @@ def closes_stream(chunk: bytes, closers: tuple[bytes, ...] = ALL_CLOSERS) -> boo
 
 # how a stream's error event begins, at the start of a line: vLLM's (``data: {"error": {...}}``,
 # ``ErrorResponse.model_dump_json``, then ``[DONE]``), the Messages API's and the Responses
-# API's ``event: error``, and a Responses ``response.failed``. A line cannot begin so inside
-# an event's JSON: a newline there is escaped.
-_ERROR_STARTS = (b'data: {"error":', b"event: error", b"event: response.failed")
+# API's ``event: error``, and a Responses ``response.failed``, each with or without the
+# optional space after the colon. A line cannot begin so inside an event's JSON: a newline
+# there is escaped.
+_ERROR_STARTS = (
+    b'data: {"error":',
+    b'data:{"error":',
+    b"event: error",
+    b"event:error",
+    b"event: response.failed",
+    b"event:response.failed",
+)
 
 
 def stream_error(tail: bytes) -> bool:
@@ -133,11 +143,15 @@ def closers_of(path: bytes) -> tuple[bytes, ...]:
 def responses_final_at(chunk: bytes) -> int:
     """Where a Responses API stream's final event (``response.completed`` / ``failed`` /
     ``incomplete``, which carries the whole response and its usage) begins in a piece of
-    the stream; -1 when it does not."""
-    return max(chunk.rfind(b"event: response." + name) for name in _FINAL_EVENTS)
+    the stream; -1 when it does not. Its ``event:`` line may end with LF or CRLF, and the
+    space after the colon is optional."""
+    at = -1
+    for found in _FINAL_EVENT.finditer(chunk):
+        at = found.start()
+    return at
 
 
-_FINAL_EVENTS = (b"completed\n", b"failed\n", b"incomplete\n")
+_FINAL_EVENT = re.compile(rb"event: ?response\.(?:completed|failed|incomplete)\r?\n")
 
 
 # the most of a Responses API stream's final event (the whole response) kept for its usage

@@ -109,10 +109,11 @@ def dumps(body: Mapping[str, Any]) -> bytes:
 
 
 def error_body(raw: bytes) -> Mapping[str, Any]:
-    """An error answer's JSON object ({} when it is none)."""
+    """An error answer's JSON object ({} when it is none, or nested past what the parser
+    follows)."""
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return {}
     return body if isinstance(body, Mapping) else {}
 

@@ -1,7 +1,9 @@
 """Usage on every stream: the router asks the engine for it and keeps it from clients that
 did not ask.
 
-A streaming request without ``stream_options.include_usage: true`` gets it added
+A streaming request that did not ask for usage (no ``stream_options``, or one whose
+``include_usage`` is false or null: vLLM's default, when ``stream_options`` is sent without
+it, is true) gets it added
 (``usage_patch`` / ``with_patch``: the client's other ``stream_options`` kept), so the engine
 ends the stream with a usage chunk (``choices: []`` and a ``usage`` object) that carries
 ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens``: the router's feedback on
@@ -18,10 +20,16 @@ arrives, and when that is the usage chunk it takes out, the chunk gets the usage
 that end right before the usage chunk get it (holding the others would hold back the other
 choices' tokens).
 
+Events end at a blank line, LF (``\n\n``, as vLLM writes them) or CRLF (``\r\n\r\n``,
+sse-starlette's default): the filter reads a stream by its first event end (none can sit
+inside an event's JSON, whose newlines are escaped). A stream whose lines end with a bare CR
+is relayed untouched.
+
 Cost on the hot path: one ``bytes.endswith``, one substring search and one regular
 expression search per relayed piece of such streams. Every other stream goes through a
 ``UsageFilter(drop_usage=False)``, which only holds an event cut by a piece boundary until
-its end (one substring search and one ``bytes.endswith`` a piece).
+its end (one substring search and one ``bytes.endswith`` a piece, three more searches
+until the stream's first event end).
 """
 
 from __future__ import annotations
@@ -37,17 +45,21 @@ _USAGE = b'"usage"'
 _ENDS_CHOICE = re.compile(rb'"finish_reason"\s*:\s*"')
 _FINGERPRINT = b'"system_fingerprint"'
 _EVENT_END = b"\n\n"
+_CRLF_END = b"\r\n\r\n"  # an event's end on a stream whose lines end with CRLF
+_CR_END = b"\r\r"  # ... with a bare CR
+_ENDS = (_EVENT_END, _CRLF_END, _CR_END)
 _MAX_HELD = 1 << 20  # a piece without an event end this long is relayed as it is
 
 
 def usage_patch(body: dict[str, Any]) -> bytes | None:
     """What to append to the body's JSON object so the engine reports usage on this stream
     (its final usage chunk only, which ``UsageFilter`` takes out again; a client's
-    ``continuous_usage_stats`` without ``include_usage`` asked for no usage, and stays so);
-    None when it is not a stream, the client asked for usage already, or its
+    ``continuous_usage_stats`` with ``include_usage`` false or null asked for no usage, and
+    stays so); None when it is not a stream, the client asked for usage already, or its
     ``stream_options`` is not what the engine takes (left for the engine to refuse). Flags
     are read as vLLM reads them (router.service.lax: ``"include_usage": "true"`` asked for
-    usage)."""
+    usage), and so is a ``stream_options`` without ``include_usage``: vLLM's
+    ``StreamOptions.include_usage`` defaults to true, so that client asked for usage."""
     if lax_bool(body.get("stream")) is not True:
         return None
     options = body.get("stream_options")
@@ -55,6 +67,8 @@ def usage_patch(body: dict[str, Any]) -> bytes | None:
         options = {}
     elif not isinstance(options, dict):
         return None
+    elif "include_usage" not in options:
+        return None  # the engine's default: usage (and continuous usage if asked)
     include = lax_bool(options.get("include_usage"))
     continuous = lax_bool(options.get("continuous_usage_stats"))
     if include is True or include is INVALID or continuous is INVALID:
@@ -88,15 +102,19 @@ class UsageFilter:
 
     ``drop_usage=False``: only the holding of cut events, for every relayed stream, so that
     one that breaks off mid-event never has the router's error event glued to half an event
-    (a client would parse the two as one garbled event)."""
+    (a client would parse the two as one garbled event).
 
-    __slots__ = ("_drop", "_ending", "_held", "_off")
+    The stream's first event end tells how its lines end (module docstring)."""
+
+    __slots__ = ("_drop", "_end", "_ending", "_held", "_known", "_off")
 
     def __init__(self, drop_usage: bool = True) -> None:
         self._drop = drop_usage
         self._held = b""
+        self._end = _EVENT_END  # what ends an event: a blank LF line, or a CRLF one
+        self._known = False  # the stream's first event end was seen (and _end set by it)
         self._ending: list[bytes] = []  # events that end a choice, not relayed yet
-        self._off = False  # events not separated by blank LF lines: relay untouched
+        self._off = False  # lines ended by a bare CR: relay untouched
 
     def feed(self, chunk: bytes) -> bytes:
         if self._off:
@@ -104,18 +122,28 @@ class UsageFilter:
         if self._held:
             chunk = self._held + chunk
             self._held = b""
-        if b"\r\n\r\n" in chunk:
-            self._off = True
-            return self.pending() + chunk
-        if not chunk.endswith(_EVENT_END) and len(chunk) < _MAX_HELD:
-            at = chunk.rfind(_EVENT_END)
-            cut = 0 if at < 0 else at + len(_EVENT_END)
+        sep = self._end
+        if not self._known:  # the stream's first event end tells how its lines end
+            first = -1
+            for end in _ENDS:
+                at = chunk.find(end)
+                if at >= 0 and (first < 0 or at < first):
+                    first, sep = at, end
+            if first >= 0:
+                self._known = True
+                if sep == _CR_END:
+                    self._off = True
+                    return self.pending() + chunk
+                self._end = sep
+        if not chunk.endswith(sep) and len(chunk) < _MAX_HELD:
+            at = chunk.rfind(sep)
+            cut = 0 if at < 0 else at + len(sep)
             chunk, self._held = chunk[:cut], chunk[cut:]
         if not self._drop:
             return chunk
         if not self._ending and _USAGE not in chunk and _ENDS_CHOICE.search(chunk) is None:
             return chunk
-        events = chunk.split(_EVENT_END)
+        events = chunk.split(sep)
         rest = events.pop()  # b"" after an event's end; else a piece relayed as it is
         out: list[bytes] = []
         for ev in events:
@@ -129,7 +157,7 @@ class UsageFilter:
                 self._ending.append(ev)
             else:
                 out.append(ev)
-        relayed = b"".join(ev + _EVENT_END for ev in out)
+        relayed = b"".join(ev + sep for ev in out)
         if rest:
             relayed += self.pending() + rest
         return relayed
@@ -147,7 +175,8 @@ class UsageFilter:
     def pending(self) -> bytes:
         """The events held for ending a choice, taken out (to relay before anything else)."""
         ending, self._ending = self._ending, []
-        return b"".join(ev + _EVENT_END for ev in ending)
+        sep = self._end
+        return b"".join(ev + sep for ev in ending)
 
     def flush(self) -> bytes:
         """What is still held at the end of the stream."""
