@@ -204,31 +204,3 @@ async def test_a_responses_streams_large_final_event_gives_its_usage(
             assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 32
     finally:
         await replica.stop()
-
-
-@pytest.mark.parametrize(
-    "options", [{}, {"continuous_usage_stats": True}], ids=["empty", "continuous"]
-)
-async def test_stream_options_without_include_usage_ask_for_usage(
-    options: dict[str, Any],
-) -> None:
-    """vLLM's ``StreamOptions.include_usage`` defaults to true: a client that sends
-    ``stream_options`` without ``include_usage`` gets the usage chunk from the engine
-    (and, with ``continuous_usage_stats``, usage on every chunk). The router took such a
-    stream for one that asked for none: it added ``include_usage`` (turning the client's
-    ``continuous_usage_stats`` off) and took the usage chunk out of the client's stream."""
-    tokens = _lf_token(0) + _lf_token(1)
-    replica = await Scripted(
-        [SSE_HEAD + _chunk(tokens + USAGE + b"data: [DONE]\n\n") + b"0\r\n\r\n"]
-    ).start()
-    try:
-        async for url, session in _router(replica.url):
-            body = _chat(True, stream_options=options)
-            async with session.post(url + "/v1/chat/completions", json=body) as resp:
-                assert resp.status == 200
-                got = await resp.read()
-            assert got == tokens + USAGE + b"data: [DONE]\n\n", got
-            page = await _answered(url, session)
-            assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 32
-    finally:
-        await replica.stop()

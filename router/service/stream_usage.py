@@ -1,9 +1,7 @@
 """Usage on every stream: the router asks the engine for it and keeps it from clients that
 did not ask.
 
-A streaming request that did not ask for usage (no ``stream_options``, or one whose
-``include_usage`` is false or null: vLLM's default, when ``stream_options`` is sent without
-it, is true) gets it added
+A streaming request without ``stream_options.include_usage: true`` gets it added
 (``usage_patch`` / ``with_patch``: the client's other ``stream_options`` kept), so the engine
 ends the stream with a usage chunk (``choices: []`` and a ``usage`` object) that carries
 ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens``: the router's feedback on
@@ -54,12 +52,11 @@ _MAX_HELD = 1 << 20  # a piece without an event end this long is relayed as it i
 def usage_patch(body: dict[str, Any]) -> bytes | None:
     """What to append to the body's JSON object so the engine reports usage on this stream
     (its final usage chunk only, which ``UsageFilter`` takes out again; a client's
-    ``continuous_usage_stats`` with ``include_usage`` false or null asked for no usage, and
-    stays so); None when it is not a stream, the client asked for usage already, or its
+    ``continuous_usage_stats`` without ``include_usage`` asked for no usage, and stays so);
+    None when it is not a stream, the client asked for usage already, or its
     ``stream_options`` is not what the engine takes (left for the engine to refuse). Flags
     are read as vLLM reads them (router.service.lax: ``"include_usage": "true"`` asked for
-    usage), and so is a ``stream_options`` without ``include_usage``: vLLM's
-    ``StreamOptions.include_usage`` defaults to true, so that client asked for usage."""
+    usage)."""
     if lax_bool(body.get("stream")) is not True:
         return None
     options = body.get("stream_options")
@@ -67,8 +64,6 @@ def usage_patch(body: dict[str, Any]) -> bytes | None:
         options = {}
     elif not isinstance(options, dict):
         return None
-    elif "include_usage" not in options:
-        return None  # the engine's default: usage (and continuous usage if asked)
     include = lax_bool(options.get("include_usage"))
     continuous = lax_bool(options.get("continuous_usage_stats"))
     if include is True or include is INVALID or continuous is INVALID:
