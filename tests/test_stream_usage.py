@@ -189,3 +189,21 @@ def test_lax_values_are_what_pydantic_makes_of_them() -> None:
                 expected = INVALID
             got = lax(value)
             assert got == expected and type(got) is type(expected), (field, value, got)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"continuous_usage_stats": True}, {"include_usage": None}, {"include_usage": True}],
+)
+def test_the_router_asks_for_usage_exactly_where_vllm_would_give_none(
+    options: dict[str, object],
+) -> None:
+    """vLLM 0.34's own ``StreamOptions`` (run unmodified) decides whether the client asked:
+    its ``include_usage`` defaults to false, so a ``stream_options`` without it asked for
+    no usage, and the router adds it (and takes the chunk out again)."""
+    from tests.engines import anthropic_ref
+
+    chat = anthropic_ref.load()["vllm.entrypoints.openai.chat_completion.protocol"]
+    asked = chat.StreamOptions.model_validate(options).include_usage
+    patch = usage_patch({"stream": True, "stream_options": options})
+    assert (patch is None) == bool(asked), (options, asked)
