@@ -128,3 +128,56 @@ async def test_a_registration_entry_signed_in_one_name_cannot_carry_another(
     finally:
         await forger.close()
         await router.close()
+
+
+async def test_a_busy_replica_whose_entries_are_all_dropped_is_read_from_its_snapshot(
+    redis_url: str, key_prefix: str
+) -> None:
+    """Signing rolled out to routers before one publisher has its key (or a key derived from
+    another master): the router drops every entry of that replica. Its state in Redis (which
+    ACLs protect, not signatures) is right, but while the replica keeps writing no later
+    batch shows a gap and its stored seq never stands still for an audit: the index stayed
+    at the bootstrap snapshot for as long as the replica was busy. The audit now also resyncs
+    a key the index has not brought up to the seq the store held an audit earlier."""
+    import asyncio
+
+    from router.core.index import PrefixIndex
+    from router.store.base import ReplicaInfo
+    from router.store.sync import IndexSync
+    from router.store.writer import StoreWriter
+    from tests.waiting import eventually
+
+    schema = KeySchema(key_prefix, stream_shards=1)
+    unsigned = RedisStore.from_url(redis_url, schema)  # the publisher without its key yet
+    router = RedisStore.from_url(redis_url, schema, verify_master=MASTER)
+    key = ReplicaKey("busy")
+    info = ReplicaInfo("busy", url="http://busy", model="m")
+    await unsigned.register(info, owner="pub-busy", lease_ttl_s=30)
+    writer = StoreWriter(unsigned, info.replica_keys(), owner="pub-busy")
+    await writer.flush()
+    index = PrefixIndex()
+    stop = asyncio.Event()
+
+    async def busy() -> None:  # a flush per Redis round trip: the stored seq never rests
+        block = 1
+        while not stop.is_set():
+            writer.add(key, [BlocksStored((block,))])
+            await writer.flush()
+            block += 1
+
+    try:
+        async with IndexSync(router, index, audit_interval_s=0.1, block_s=0.05) as sync:
+            task = asyncio.create_task(busy())
+            try:
+                await eventually(lambda: sync.stats.malformed > 10)  # dropped, all of them
+                await eventually(
+                    lambda: index.match([1]).get(key).kv_blocks == 1,
+                    message="the index never read the busy replica's state again",
+                )
+                assert sync.stats.batches == 0
+            finally:
+                stop.set()
+                await task
+    finally:
+        await unsigned.close()
+        await router.close()
