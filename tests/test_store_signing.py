@@ -181,3 +181,59 @@ async def test_a_busy_replica_whose_entries_are_all_dropped_is_read_from_its_sna
     finally:
         await unsigned.close()
         await router.close()
+
+
+async def test_a_replayed_registration_entry_does_not_bring_back_an_old_registration(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A signature proves who wrote an entry, not when: a publisher sharing a stream shard
+    with ``x`` copies one of ``x``'s old ``U`` entries (its registration at another address,
+    with one DP rank) and appends it again. ``x``'s lease lives, so the router took the
+    entry's registration as ``x``'s: it routed ``x``'s traffic to the old address and dropped
+    rank 1 (which the old registration lacks) from the index, until the next audit and for
+    as long as the replays went on.
+    A ``U`` entry now makes the router read the registration Redis holds (which ACLs
+    protect), never adopt the entry's own."""
+    from router.core.index import PrefixIndex
+    from router.store.base import LoadSample, ReplicaInfo
+    from router.store.sync import IndexSync, NullListener
+    from router.store.writer import StoreWriter
+    from tests.waiting import eventually
+
+    class Seen(NullListener):
+        def __init__(self) -> None:
+            self.urls: list[str] = []
+            self.loads: list[float] = []
+
+        def replica_up(self, info: ReplicaInfo) -> None:
+            self.urls.append(info.url)
+
+        def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None:
+            self.loads.append(sample.wall_ts)
+
+    schema = KeySchema(key_prefix, stream_shards=1)  # x and the replayer share the one shard
+    x = RedisStore.from_url(redis_url, schema, signing_key=replica_signing_key(MASTER, "x"))
+    router = RedisStore.from_url(redis_url, schema, verify_master=MASTER)
+    old = ReplicaInfo("x", url="http://old-host:8000", model="m", dp_ranks=(0,))
+    new = ReplicaInfo("x", url="http://new-host:8000", model="m", dp_ranks=(0, 1))
+    try:
+        await x.register(old, owner="pub-x", lease_ttl_s=30)
+        old_entry = (await x.redis.xrange(schema.stream(0)))[-1][1]  # x's signed U
+        await x.register(new, owner="pub-x2", lease_ttl_s=30)
+        writer = StoreWriter(x, new.replica_keys(), owner="pub-x2")
+        writer.add(ReplicaKey("x", 1), [BlocksStored((5, 6))])
+        await writer.flush()
+        index, seen = PrefixIndex(), Seen()
+        async with IndexSync(router, index, listener=seen, audit_interval_s=60, block_s=0.05):
+            assert seen.urls == [new.url]
+            assert verify_fields(old_entry, MASTER)  # genuinely x's
+            await x.redis.xadd(schema.stream(0), old_entry)  # the replay
+            await x.publish_load(ReplicaKey("x", 0), LoadSample(0, 0, 0.0, 42.0), "pub-x2")
+            await eventually(lambda: 42.0 in seen.loads)  # read past the replay
+            assert seen.urls[-1] == new.url, seen.urls
+            assert old.url not in seen.urls
+            assert ReplicaKey("x", 1) in index
+            assert index.match([5, 6]).get(ReplicaKey("x", 1)).kv_blocks == 2
+    finally:
+        await x.close()
+        await router.close()

@@ -498,12 +498,17 @@ class IndexSync:
             if self._registered(change.key):
                 self.listener.load(change.key, change.sample, self.clock())
         elif isinstance(change, ReplicaUp):
+            # The entry says the registration changed; what it is, the store says: a
+            # signature proves who wrote an entry, not when, and an old one appended again
+            # (by a publisher sharing the stream shard) must not bring back the address and
+            # DP ranks it carries. The store's is as new as any entry read before it.
             name = change.info.replica
-            if not (await self.store.leases([name])).get(name):
+            info = await self.store.registration(name)
+            if info is None or not (await self.store.leases([name])).get(name):
                 # its publisher died before we read it (we lagged, or the store was away):
                 # no address to route to; the audit purges what we knew of it
                 return
-            await self._up(change.info)
+            await self._up(info)
         elif isinstance(change, ReplicaDown):
             if (await self.store.leases([change.replica])).get(change.replica):
                 # registered again after the deletion this announces (a publisher restarted
