@@ -438,7 +438,11 @@ class IndexSync:
         A key whose replica keeps writing is resynced too when the index has not reached, in
         a whole audit interval and with every stream read to its end, the seq the store held
         at the audit before: its entries do not reach this router (dropped: unsigned, or
-        signed with another key, while signing rolls out), and no later batch shows a gap."""
+        signed with another key, while signing rolls out), and no later batch shows a gap.
+        So is a key the index holds a later seq of than the store held at this audit and
+        the one before (a new publisher numbers below the old one, its reset entry missed:
+        every later batch is taken for a duplicate; a store that went back, its publisher
+        not republished within an audit)."""
         keys = [k for info in self.infos.values() for k in info.replica_keys()]
         stored = await self.store.stored_seqs(keys) if keys else []
         before, now = self._audited_seqs, dict(zip(keys, stored, strict=True))
@@ -449,6 +453,10 @@ class IndexSync:
             if last == seq:
                 return False
             if then == seq:  # the store stood still
+                return True
+            if last is not None and last > seq and then is not None and last > then:
+                # ahead of the store at two audits (a state is committed before its entry is
+                # appended: it cannot lead, but for a moment after the store went back)
                 return True
             return self._caught_up and then is not None and (last is None or last < then)
 
