@@ -128,3 +128,112 @@ async def test_a_registration_entry_signed_in_one_name_cannot_carry_another(
     finally:
         await forger.close()
         await router.close()
+
+
+async def test_a_busy_replica_whose_entries_are_all_dropped_is_read_from_its_snapshot(
+    redis_url: str, key_prefix: str
+) -> None:
+    """Signing rolled out to routers before one publisher has its key (or a key derived from
+    another master): the router drops every entry of that replica. Its state in Redis (which
+    ACLs protect, not signatures) is right, but while the replica keeps writing no later
+    batch shows a gap and its stored seq never stands still for an audit: the index stayed
+    at the bootstrap snapshot for as long as the replica was busy. The audit now also resyncs
+    a key the index has not brought up to the seq the store held an audit earlier."""
+    import asyncio
+
+    from router.core.index import PrefixIndex
+    from router.store.base import ReplicaInfo
+    from router.store.sync import IndexSync
+    from router.store.writer import StoreWriter
+    from tests.waiting import eventually
+
+    schema = KeySchema(key_prefix, stream_shards=1)
+    unsigned = RedisStore.from_url(redis_url, schema)  # the publisher without its key yet
+    router = RedisStore.from_url(redis_url, schema, verify_master=MASTER)
+    key = ReplicaKey("busy")
+    info = ReplicaInfo("busy", url="http://busy", model="m")
+    await unsigned.register(info, owner="pub-busy", lease_ttl_s=30)
+    writer = StoreWriter(unsigned, info.replica_keys(), owner="pub-busy")
+    await writer.flush()
+    index = PrefixIndex()
+    stop = asyncio.Event()
+
+    async def busy() -> None:  # a flush per Redis round trip: the stored seq never rests
+        block = 1
+        while not stop.is_set():
+            writer.add(key, [BlocksStored((block,))])
+            await writer.flush()
+            block += 1
+
+    try:
+        async with IndexSync(router, index, audit_interval_s=0.1, block_s=0.05) as sync:
+            task = asyncio.create_task(busy())
+            try:
+                await eventually(lambda: sync.stats.malformed > 10)  # dropped, all of them
+                await eventually(
+                    lambda: index.match([1]).get(key).kv_blocks == 1,
+                    message="the index never read the busy replica's state again",
+                )
+                assert sync.stats.batches == 0
+            finally:
+                stop.set()
+                await task
+    finally:
+        await unsigned.close()
+        await router.close()
+
+
+async def test_a_replayed_registration_entry_does_not_bring_back_an_old_registration(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A signature proves who wrote an entry, not when: a publisher sharing a stream shard
+    with ``x`` copies one of ``x``'s old ``U`` entries (its registration at another address,
+    with one DP rank) and appends it again. ``x``'s lease lives, so the router took the
+    entry's registration as ``x``'s: it routed ``x``'s traffic to the old address and dropped
+    rank 1 (which the old registration lacks) from the index, until the next audit and for
+    as long as the replays went on.
+    A ``U`` entry now makes the router read the registration Redis holds (which ACLs
+    protect), never adopt the entry's own."""
+    from router.core.index import PrefixIndex
+    from router.store.base import LoadSample, ReplicaInfo
+    from router.store.sync import IndexSync, NullListener
+    from router.store.writer import StoreWriter
+    from tests.waiting import eventually
+
+    class Seen(NullListener):
+        def __init__(self) -> None:
+            self.urls: list[str] = []
+            self.loads: list[float] = []
+
+        def replica_up(self, info: ReplicaInfo) -> None:
+            self.urls.append(info.url)
+
+        def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None:
+            self.loads.append(sample.wall_ts)
+
+    schema = KeySchema(key_prefix, stream_shards=1)  # x and the replayer share the one shard
+    x = RedisStore.from_url(redis_url, schema, signing_key=replica_signing_key(MASTER, "x"))
+    router = RedisStore.from_url(redis_url, schema, verify_master=MASTER)
+    old = ReplicaInfo("x", url="http://old-host:8000", model="m", dp_ranks=(0,))
+    new = ReplicaInfo("x", url="http://new-host:8000", model="m", dp_ranks=(0, 1))
+    try:
+        await x.register(old, owner="pub-x", lease_ttl_s=30)
+        old_entry = (await x.redis.xrange(schema.stream(0)))[-1][1]  # x's signed U
+        await x.register(new, owner="pub-x2", lease_ttl_s=30)
+        writer = StoreWriter(x, new.replica_keys(), owner="pub-x2")
+        writer.add(ReplicaKey("x", 1), [BlocksStored((5, 6))])
+        await writer.flush()
+        index, seen = PrefixIndex(), Seen()
+        async with IndexSync(router, index, listener=seen, audit_interval_s=60, block_s=0.05):
+            assert seen.urls == [new.url]
+            assert verify_fields(old_entry, MASTER)  # genuinely x's
+            await x.redis.xadd(schema.stream(0), old_entry)  # the replay
+            await x.publish_load(ReplicaKey("x", 0), LoadSample(0, 0, 0.0, 42.0), "pub-x2")
+            await eventually(lambda: 42.0 in seen.loads)  # read past the replay
+            assert seen.urls[-1] == new.url, seen.urls
+            assert old.url not in seen.urls
+            assert ReplicaKey("x", 1) in index
+            assert index.match([5, 6]).get(ReplicaKey("x", 1)).kv_blocks == 2
+    finally:
+        await x.close()
+        await router.close()

@@ -1418,3 +1418,48 @@ async def test_a_dead_replicas_backlog_reads_the_registry_once_a_read() -> None:
         assert ghost not in index
         # once a read: the entries came in a few reads, not 200 asks
         assert lists - before <= 3, lists - before
+
+
+async def test_a_busy_replica_numbering_below_the_index_is_resynced(
+    redis_url: str, key_prefix: str
+) -> None:
+    """A publisher restarted on a host whose clock is behind the old one's numbers its
+    batches below what routers applied from its predecessor; a router that missed its reset
+    entry (trimmed while it lagged) took every later batch for a duplicate, and while the
+    replica kept writing its stored seq never stood still for an audit: the index kept the
+    old publisher's blocks for as long as the replica was busy. The index cannot be ahead of
+    the store (a state is committed before its entry is appended): the audit resyncs it."""
+    store = RedisStore.from_url(redis_url, KeySchema(key_prefix, stream_shards=1))
+    key = ReplicaKey("skewed")
+    try:
+        w = await _publish(store, "skewed")
+        w.states[key].seq = 1_000_000  # the old publisher's clock
+        w.add(key, [BlocksStored((1, 2, 3))])
+        await w.reset()
+        index = PrefixIndex()
+        stop = asyncio.Event()
+
+        async def busy() -> None:  # the new publisher, from a reset the router never read
+            st = w.states[key]
+            st.seq = 10
+            st.apply([AllCleared(), BlocksStored((7,))])
+            await store._commit([st], full=True)
+            while not stop.is_set():
+                w.add(key, [BlocksStored((8,))])
+                await w.flush()
+
+        async with IndexSync(store, index, **FAST) as sync:
+            assert index.match([1, 2, 3]).get(key).kv_blocks == 3
+            task = asyncio.create_task(busy())
+            try:
+                await eventually(lambda: sync.stats.duplicates > 10)
+                await eventually(
+                    lambda: index.match([1, 2, 3]).get(key).kv_blocks == 0,
+                    message="the index kept the old publisher's blocks",
+                )
+                assert index.match([7]).get(key).kv_blocks == 1
+            finally:
+                stop.set()
+                await task
+    finally:
+        await store.close()

@@ -388,6 +388,12 @@ class IndexStore(Protocol):
 
     async def list_replicas(self) -> list[ReplicaInfo]: ...
 
+    async def registration(self, replica: str) -> ReplicaInfo | None:
+        """The registration the store holds for ``replica``: None when there is none, or
+        it does not parse. A ``ReplicaUp`` change says that it changed; this says what it
+        is (a change entry may be an old one appended again: IndexSync)."""
+        ...
+
     async def read_replicas(
         self, keys: Sequence[ReplicaKey]
     ) -> list[ReplicaSnapshot | UnreadableSnapshot | None]:

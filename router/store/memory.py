@@ -184,6 +184,9 @@ class MemoryStore:
     async def list_replicas(self) -> list[ReplicaInfo]:
         return list(self._infos.values())
 
+    async def registration(self, replica: str) -> ReplicaInfo | None:
+        return self._infos.get(replica)
+
     async def read_replicas(
         self, keys: Sequence[ReplicaKey]
     ) -> list[ReplicaSnapshot | UnreadableSnapshot | None]:

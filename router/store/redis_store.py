@@ -219,6 +219,16 @@ class RedisStore(RedisWrites):
                 continue
         return out
 
+    async def registration(self, replica: str) -> ReplicaInfo | None:
+        raw: Any = await self.redis.hget(self.schema.meta(replica), "info")
+        if raw is None:
+            return None
+        try:
+            info = ReplicaInfo.from_json(raw)
+        except ValueError:
+            return None
+        return info if info.replica == replica else None
+
     async def read_replicas(
         self, keys: Sequence[ReplicaKey]
     ) -> list[ReplicaSnapshot | UnreadableSnapshot | None]:

@@ -202,6 +202,9 @@ class IndexSync:
         self._unreadable: dict[ReplicaKey, tuple[float, float]] = {}
         # each key's stored seq at the last audit (see ``_check_seqs``)
         self._audited_seqs: dict[ReplicaKey, int | None] = {}
+        # the last read of the change streams returned less than ``read_count`` entries:
+        # nothing written before it is still unread (see ``_check_seqs``)
+        self._caught_up = False
         self._token: str | None = None
         self._streams_lost = False  # a change stream went back: bootstrap as after data loss
         self._task: asyncio.Task[None] | None = None
@@ -269,6 +272,7 @@ class IndexSync:
                 self._cursor = read.cursor
                 self._not_alive.clear()
                 self.stats.malformed += read.malformed
+                self._caught_up = len(read.changes) + read.malformed < self.read_count
                 backlog.extend((change, read.cursor) for change in read.changes)
                 while backlog:
                     change, cursor = backlog[0]
@@ -429,18 +433,37 @@ class IndexSync:
         nothing later that would show the gap), or the store went back (restored from a
         snapshot): the store is what every other router reads. A key the index holds no
         seq of (read while its replica was not registered) counts as differing; one whose
-        stored state does not parse is left to its own backoff (``_settle_owed``)."""
+        stored state does not parse is left to its own backoff (``_settle_owed``).
+
+        A key whose replica keeps writing is resynced too when the index has not reached, in
+        a whole audit interval and with every stream read to its end, the seq the store held
+        at the audit before: its entries do not reach this router (dropped: unsigned, or
+        signed with another key, while signing rolls out), and no later batch shows a gap.
+        So is a key the index holds a later seq of than the store held at this audit and
+        the one before (a new publisher numbers below the old one, its reset entry missed:
+        every later batch is taken for a duplicate; a store that went back, its publisher
+        not republished within an audit)."""
         keys = [k for info in self.infos.values() for k in info.replica_keys()]
         stored = await self.store.stored_seqs(keys) if keys else []
         before, now = self._audited_seqs, dict(zip(keys, stored, strict=True))
         self._audited_seqs = now
+
+        def lags(key: ReplicaKey, seq: int) -> bool:
+            last, then = self.index.last_seq(key), before.get(key)
+            if last == seq:
+                return False
+            if then == seq:  # the store stood still
+                return True
+            if last is not None and last > seq and then is not None and last > then:
+                # ahead of the store at two audits (a state is committed before its entry is
+                # appended: it cannot lead, but for a moment after the store went back)
+                return True
+            return self._caught_up and then is not None and (last is None or last < then)
+
         behind = [
             key
             for key, seq in now.items()
-            if seq is not None
-            and before.get(key) == seq
-            and key not in self._unreadable
-            and self.index.last_seq(key) != seq
+            if seq is not None and key not in self._unreadable and lags(key, seq)
         ]
         if behind:
             log.warning("index sync: %d replica key(s) behind the store; resyncing", len(behind))
@@ -483,12 +506,17 @@ class IndexSync:
             if self._registered(change.key):
                 self.listener.load(change.key, change.sample, self.clock())
         elif isinstance(change, ReplicaUp):
+            # The entry says the registration changed; what it is, the store says: a
+            # signature proves who wrote an entry, not when, and an old one appended again
+            # (by a publisher sharing the stream shard) must not bring back the address and
+            # DP ranks it carries. The store's is as new as any entry read before it.
             name = change.info.replica
-            if not (await self.store.leases([name])).get(name):
+            info = await self.store.registration(name)
+            if info is None or not (await self.store.leases([name])).get(name):
                 # its publisher died before we read it (we lagged, or the store was away):
                 # no address to route to; the audit purges what we knew of it
                 return
-            await self._up(change.info)
+            await self._up(info)
         elif isinstance(change, ReplicaDown):
             if (await self.store.leases([change.replica])).get(change.replica):
                 # registered again after the deletion this announces (a publisher restarted
