@@ -202,10 +202,27 @@ def _exported_metrics() -> set[str]:
     # the counters of the engines followed directly (none here: their families only)
     direct = SimpleNamespace(ingests={})
     state.metrics.registry.register(_EventCounters(direct))  # type: ignore[arg-type]
-    text = state.metrics.render().decode() + _workers_page()
+    text = state.metrics.render().decode() + _workers_page() + _publisher_page()
     # and the labelled families no request has touched yet (no samples, no TYPE line)
     declared = set(_declared_labels(state.metrics.registry))
     return declared | set(re.findall(r"^# TYPE (kvrouter_\w+) \w+$", text, flags=re.M))
+
+
+def _publisher_page() -> str:
+    """The families a replica's publisher sidecar exports (``kvrouter publish
+    --metrics-port``), which alerts on the replicas' side read."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from router.events.endpoints import EndpointSpec
+    from router.publisher.publisher import Publisher, PublisherCollector, PublisherSettings
+    from router.store.base import ReplicaInfo
+    from router.store.memory import MemoryStore
+
+    info = ReplicaInfo("r", url="http://r", model="m", block_size=16)
+    pub = Publisher(PublisherSettings(info, (EndpointSpec("tcp://127.0.0.1:9"),)), MemoryStore())
+    registry = CollectorRegistry()
+    registry.register(PublisherCollector(pub))
+    return generate_latest(registry).decode()
 
 
 def _workers_page() -> str:
@@ -250,6 +267,7 @@ _ALERTS = {
     "KVRouterStalePeerView": "kvrouter_peer_view_age_seconds",
     "KVRouterSaturated": "kvrouter_event_loop_lag_seconds",
     "KVRouterEventsLost": "kvrouter_events_lost_batches_total",
+    "KVRouterPublisherWritesFailing": "kvrouter_publisher_store_errors_total",
 }
 
 
@@ -1096,6 +1114,22 @@ def test_alerts_fire_on_what_they_say_and_only_then(tmp_path: pathlib.Path) -> N
             {"eval_time": "5m", "alertname": "KVRouterEventsLost",
              "exp_alerts": [_fires("KVRouterEventsLost", {"replica": "r1/0"})]},
             {"eval_time": "23m", "alertname": "KVRouterEventsLost", "exp_alerts": []},
+        ],
+    })  # fmt: skip
+    # publisher p1's writes fail from minute 3 on (a full Redis); p2's failed once, at a
+    # Redis restart, and then wrote again
+    p1 = {"namespace": "kvr", "pod": "replica-1"}
+    p2 = {"namespace": "kvr", "pod": "replica-2"}
+    tests.append({
+        "interval": "1m",
+        "input_series": [
+            series("kvrouter_publisher_store_errors_total", p1, "0 0 0 3+3x20"),
+            series("kvrouter_publisher_store_errors_total", p2, "0 0 0 1+0x20"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "4m", "alertname": "KVRouterPublisherWritesFailing", "exp_alerts": []},
+            {"eval_time": "12m", "alertname": "KVRouterPublisherWritesFailing",
+             "exp_alerts": [_fires("KVRouterPublisherWritesFailing", p1)]},
         ],
     })  # fmt: skip
     path = tmp_path / "tests.yaml"
