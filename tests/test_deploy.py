@@ -186,6 +186,7 @@ def _exported_metrics() -> set[str]:
     from router.service.pod_exchange_app import _ExchangeCollector
     from router.service.saturation import LoopLag
     from router.service.state import RouterState
+    from router.store.sync import SyncStats
 
     state = RouterState(
         build_settings({"replicas": [{"url": "http://127.0.0.1:9", "model": "m", "name": "a"}]})
@@ -197,7 +198,7 @@ def _exported_metrics() -> set[str]:
     state.metrics.registry.register(LoopLag())
     Ejections(state, outlier_settings(state.settings.server))  # the forwarder's counters
     # the shared index follower's collector reads its ``up`` flag and error counts
-    follower = SimpleNamespace(up=True, stats=SimpleNamespace(errors=0, unreadable=0))
+    follower = SimpleNamespace(up=True, stats=SyncStats())
     state.metrics.registry.register(_IndexSyncCollector(follower))  # type: ignore[arg-type]
     # the counters of the engines followed directly (none here: their families only)
     direct = SimpleNamespace(ingests={})

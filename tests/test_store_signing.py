@@ -140,8 +140,12 @@ async def test_a_busy_replica_whose_entries_are_all_dropped_is_read_from_its_sna
     at the bootstrap snapshot for as long as the replica was busy. The audit now also resyncs
     a key the index has not brought up to the seq the store held an audit earlier."""
     import asyncio
+    import re
+
+    from prometheus_client import CollectorRegistry, generate_latest
 
     from router.core.index import PrefixIndex
+    from router.service.background import _IndexSyncCollector
     from router.store.base import ReplicaInfo
     from router.store.sync import IndexSync
     from router.store.writer import StoreWriter
@@ -175,6 +179,16 @@ async def test_a_busy_replica_whose_entries_are_all_dropped_is_read_from_its_sna
                     message="the index never read the busy replica's state again",
                 )
                 assert sync.stats.batches == 0
+                # and the operator sees it: entries dropped, the key read again and again
+                registry = CollectorRegistry()
+                registry.register(_IndexSyncCollector(sync))
+                page = generate_latest(registry).decode()
+                dropped = re.search(
+                    r"^kvrouter_index_sync_dropped_entries_total (\S+)$", page, re.M
+                )
+                assert dropped and float(dropped[1]) > 10, page
+                resyncs = re.search(r"^kvrouter_index_sync_key_resyncs_total (\S+)$", page, re.M)
+                assert resyncs and float(resyncs[1]) >= 2, page  # bootstrap, then an audit
             finally:
                 stop.set()
                 await task

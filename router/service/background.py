@@ -255,6 +255,21 @@ class _IndexSyncCollector(Collector):
         )
         unreadable.add_metric([], float(self.sync.stats.unreadable))
         yield unreadable
+        dropped = CounterMetricFamily(
+            "kvrouter_index_sync_dropped_entries",
+            "Change-stream entries dropped: unreadable, unsigned or signed with a key other "
+            "than their replica's (server.redis_signing_master), or naming a replica of "
+            "another stream shard",
+        )
+        dropped.add_metric([], float(self.sync.stats.malformed))
+        yield dropped
+        resyncs = CounterMetricFamily(
+            "kvrouter_index_sync_key_resyncs",
+            "Replica keys read whole from their stored snapshot: at bootstrap, after a gap, "
+            "a reset, or an audit that found the index behind or ahead of the store",
+        )
+        resyncs.add_metric([], float(self.sync.stats.resyncs))
+        yield resyncs
 
 
 async def direct_events(app: web.Application) -> AsyncIterator[None]:
