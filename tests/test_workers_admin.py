@@ -363,16 +363,23 @@ async def serving_pids(proc: Proc, tries: int = 40) -> set[int]:
 
 
 async def replacement(proc: Proc, dead: int, alive: int) -> int:
-    """The pid of the worker that replaced ``dead``, once it serves beside ``alive``."""
-    found: list[int] = []
+    """The pid of the worker that replaced ``dead``, once it serves beside ``alive``: one
+    request a poll until a new pid answered, then ``serving_pids``' 40 requests find these
+    two, and only these, serving (40 a poll while the replacement started cost ~500
+    requests a test)."""
+    seen: set[int] = set()
 
     async def replaced() -> bool:
-        pids = await serving_pids(proc)
-        found[:] = sorted(pids - {alive})
-        return len(pids) == 2 and dead not in pids and alive in pids
+        status, data = await call(proc, "GET", "/admin/replicas")
+        assert status == 200, data
+        seen.add(data["worker_pid"])
+        return bool(seen - {alive, dead})
 
     await eventually(replaced, timeout=30)
-    return found[0]
+    new = seen - {alive, dead}
+    assert len(new) == 1 and dead not in seen, (seen, dead, alive)
+    assert await serving_pids(proc) == {alive, *new}, (new, alive)
+    return new.pop()
 
 
 async def test_a_killed_worker_is_replaced(fleet: Fleet) -> None:
