@@ -123,7 +123,8 @@ def test_runs_report_the_median_and_spread_of_seeded_runs() -> None:
     (the same as three single runs), with their range; jittered arrivals make the three
     schedules differ."""
     args = ["sim", "replay", "mooncake", *FLEET, "--policy", "ours", "--speedup", "4"]
-    args += ["--limit", "300", "--arrival-jitter-ms", "50", "--jobs", "1", "--json"]
+    # 100 requests: the median and range are of any size of run (300 cost 3x the CPU)
+    args += ["--limit", "100", "--arrival-jitter-ms", "50", "--jobs", "1", "--json"]
     p = kvrouter(*args, "--runs", "3", "--seed", "5")
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
@@ -139,7 +140,7 @@ def test_runs_report_the_median_and_spread_of_seeded_runs() -> None:
         assert doc[key] == round(values[1], 4)
         assert doc["spread"][key] == [values[0], values[2]]
     assert doc["spread"]["ttft_ms_p90"][0] < doc["spread"]["ttft_ms_p90"][1]
-    assert doc["policy"] == "ours" and doc["requests"] == 300
+    assert doc["policy"] == "ours" and doc["requests"] == 100
     table = kvrouter(*args[:-1], "--runs", "2", "--policy", "ours,round_robin")
     assert table.returncode == 0, table.stderr
     assert "medians of 2 runs per policy (seeds 0-1); goodput range: ours " in table.stdout
@@ -153,7 +154,8 @@ def test_reuse_window_reaches_the_simulated_routers() -> None:
     """Small caches that evict from the start: the eviction term's time scale changes where
     ``ours`` sends requests."""
     args = ["sim", "replay", "mooncake", "--policy", "ours", "--replicas", "8"]
-    args += ["--kv-blocks", "2048", "--speedup", "4", "--limit", "800", "--json", "--no-progress"]
+    # 400 requests already evict enough for the window to move several replicas' counts
+    args += ["--kv-blocks", "2048", "--speedup", "4", "--limit", "400", "--json", "--no-progress"]
     spread = {}
     for window in ("10", "300"):
         p = kvrouter(*args, "--reuse-window-s", window)
