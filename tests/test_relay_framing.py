@@ -204,3 +204,32 @@ async def test_a_responses_streams_large_final_event_gives_its_usage(
             assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 32
     finally:
         await replica.stop()
+
+
+async def test_a_stream_whose_media_type_is_not_lower_case_is_relayed_as_it_comes() -> None:
+    """Media types are case-insensitive (RFC 9110 8.3.1): a ``Text/Event-Stream`` answer is
+    a stream, relayed event by event. Read as a plain body it was held whole until the
+    replica ended it, so the client saw no token before the last one."""
+    head = SSE_HEAD.replace(b"text/event-stream", b"Text/Event-Stream")
+    replica = await Scripted(
+        [
+            head + _chunk(_lf_token(0)),
+            _chunk(_lf_token(1) + USAGE + b"data: [DONE]\n\n"),
+            b"0\r\n\r\n",
+        ]
+    ).start()
+    try:
+        async for url, _session in _router(replica.url):
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "go"}], stream=True
+            )
+            got = []
+            async for part in stream:  # the next piece is sent only once this one arrived
+                got.append(part.choices[0].delta.content)
+                replica.step()
+                replica.step()
+            assert got == ["word0000 " + "x" * 200, "word0001 " + "x" * 200]
+            await client.close()
+    finally:
+        await replica.stop()

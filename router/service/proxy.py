@@ -38,7 +38,7 @@ from router.service.retry import (
 from router.service.state import Routed, RouterState
 from router.service.upstream import Client, Exchange
 from router.service.upstream_errors import ConnectFailed, UpstreamError
-from router.service.wire import Sink, request_head, send_error
+from router.service.wire import Sink, is_event_stream, request_head, send_error
 
 
 def _routable(view: LoadView) -> bool:
@@ -191,9 +191,7 @@ class Forwarder(AnswerRelay):
                     async with deadline:
                         upstream = await self.client.pool(ep.base_url).send(head, sent, wait)
                         if upstream.status < 400:
-                            sse = (upstream.header(b"content-type") or b"").startswith(
-                                b"text/event-stream"
-                            )
+                            sse = is_event_stream(upstream.header(b"content-type") or b"")
                             await upstream.ready(whole=not sse)
                 except ConnectFailed as exc:
                     state.fleet.connect_failed(key, loop.time(), connected=exc.connected)

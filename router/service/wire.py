@@ -122,6 +122,12 @@ def request_head(
     return b"".join(parts)
 
 
+def is_event_stream(content_type: bytes) -> bool:
+    """Whether a ``Content-Type`` value names an SSE stream: media types are
+    case-insensitive (RFC 9110 8.3.1), parameters (``; charset=utf-8``) may follow."""
+    return content_type.lstrip()[:17].lower() == b"text/event-stream"
+
+
 def response_headers(upstream: Headers) -> tuple[Headers, bool, bool]:
     """(headers to pass on, is it an SSE stream, has an X-Request-Id)."""
     out: Headers = []
@@ -131,7 +137,7 @@ def response_headers(upstream: Headers) -> tuple[Headers, bool, bool]:
         low = k.lower()
         if low in dropped:
             continue
-        if low == b"content-type" and v.startswith(b"text/event-stream"):
+        if low == b"content-type" and is_event_stream(v):
             sse = True
         elif low == b"x-request-id":
             has_rid = True
