@@ -166,3 +166,21 @@ def test_a_failed_probation_attempt_ejects_its_replica_again_within_the_cap() ->
     ejections.failed(a, "http_5xx", 32.5, pa)  # a fails its attempt: ejected again
     assert ejections.status(a, 33.0)["ejected"] is True
     assert state.load.view(a, 33.0).healthy is False
+
+
+def test_a_request_on_a_replica_that_left_keeps_its_id_taken() -> None:
+    """A replica leaves (its load goes) while a request is still out on it: a new request
+    re-sending that id must not take it over, or the first one's end (or its retry) would
+    complete the second's accounting on the replica it went to, which then looks idle."""
+    from router.service.request_identity import unique_in_flight
+
+    state = _state()
+    a, b = ReplicaKey("a"), ReplicaKey("b")
+    state.load.dispatch("x", a, 1000, 0)
+    state.load.remove_replica(a)  # a left (deregistered, lease expired) mid-request
+    assert unique_in_flight(state, "x") != "x"  # still in flight: the new one is renamed
+    other = unique_in_flight(state, "x")
+    state.load.dispatch(other, b, 1000, 0)
+    state.load.complete("x")  # the first request ends (or is cancelled)
+    assert state.load.view(b, 0.0).prefilling == 1  # the second one still counts on b
+    assert unique_in_flight(state, "x") == "x"  # and the id is free again
