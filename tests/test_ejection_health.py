@@ -116,3 +116,71 @@ def test_retry_after_is_the_time_until_the_first_replica_comes_back() -> None:
     fleet.unhealthy_until[ReplicaKey("d")] = float("inf")  # on probation: no known end
     assert fleet.retry_after_s("m", 10.0) == 1
     assert fleet.retry_after_s("unknown", 10.0) == 1
+
+
+def test_a_probation_hold_counts_toward_the_ejected_share() -> None:
+    """A readmitted replica whose one probation attempt is out is out of rotation as an
+    ejected one is: with it held, a pool at its cap ejects no other replica (a pool of two
+    would otherwise have both out, and every request refused, for as long as that attempt,
+    a long stream, lasts)."""
+    state = RouterState(
+        build_settings(
+            {
+                "server": {"outlier_base_ejection_s": 30.0, "outlier_max_ejection_s": 120.0},
+                "replicas": [
+                    {"url": f"http://10.0.0.{i}:8000", "model": "m", "name": n}
+                    for i, n in enumerate(("a", "b"), 1)
+                ],
+                "models": {"m": {"block_size": 16}},
+            }
+        )
+    )
+    ejections = Ejections(state, outlier_settings(state.settings.server))
+    a, b = ReplicaKey("a"), ReplicaKey("b")
+    _eject(ejections, a, 0.0)
+    state.fleet.restore_health(31.0)  # a readmitted, on probation
+    probe = object()
+    ejections.sent(a, probe, 31.0, 1.0)  # its one attempt, out for a while
+    assert state.load.view(a, 31.0).healthy is False
+    _eject(ejections, b, 32.0)  # b fails three times meanwhile
+    assert ejections.status(b, 33.0)["ejected"] is False  # the cap: one of two
+    assert state.load.view(b, 33.0).healthy is True  # b stays in rotation, penalised
+    assert ejections.status(b, 33.0)["penalty_requests"] > 0
+    ejections.answered(a, probe, 34.0)  # a's attempt ends well: a is back
+    assert state.load.view(a, 34.0).healthy is True
+    _eject(ejections, b, 35.0)  # now b may go
+    assert ejections.status(b, 36.0)["ejected"] is True
+
+
+def test_a_failed_probation_attempt_ejects_its_replica_again_within_the_cap() -> None:
+    """The held replica's own failure ejects it again (it was the one out)."""
+    state = _state()
+    ejections = Ejections(state, outlier_settings(state.settings.server))
+    a, b = ReplicaKey("a"), ReplicaKey("b")
+    _eject(ejections, a, 0.0)
+    _eject(ejections, b, 1.0)  # a and b ejected: the cap of a pool of 4
+    state.fleet.restore_health(32.0)  # both readmitted, on probation
+    pa, pb = object(), object()
+    ejections.sent(a, pa, 32.0, 1.0)
+    ejections.sent(b, pb, 32.0, 1.0)
+    ejections.failed(a, "http_5xx", 32.5, pa)  # a fails its attempt: ejected again
+    assert ejections.status(a, 33.0)["ejected"] is True
+    assert state.load.view(a, 33.0).healthy is False
+
+
+def test_a_request_on_a_replica_that_left_keeps_its_id_taken() -> None:
+    """A replica leaves (its load goes) while a request is still out on it: a new request
+    re-sending that id must not take it over, or the first one's end (or its retry) would
+    complete the second's accounting on the replica it went to, which then looks idle."""
+    from router.service.request_identity import unique_in_flight
+
+    state = _state()
+    a, b = ReplicaKey("a"), ReplicaKey("b")
+    state.load.dispatch("x", a, 1000, 0)
+    state.load.remove_replica(a)  # a left (deregistered, lease expired) mid-request
+    assert unique_in_flight(state, "x") != "x"  # still in flight: the new one is renamed
+    other = unique_in_flight(state, "x")
+    state.load.dispatch(other, b, 1000, 0)
+    state.load.complete("x")  # the first request ends (or is cancelled)
+    assert state.load.view(b, 0.0).prefilling == 1  # the second one still counts on b
+    assert unique_in_flight(state, "x") == "x"  # and the id is free again

@@ -242,6 +242,9 @@ class LoadTracker:
     def __init__(self) -> None:
         self._replicas: dict[ReplicaKey, _Replica] = {}
         self._flights: dict[str, _Flight] = {}
+        # requests still out on a replica that left (its accounting went with it): their ids
+        # stay taken until they end (:meth:`tracks`), as those of the requests in flight do
+        self._left: set[str] = set()
         self._table = np.zeros((_ROWS, 0))
         self._free_rows: list[int] = []
         self._row_of: dict[ReplicaKey, int] = {}  # the mirrored replicas' rows
@@ -261,6 +264,9 @@ class LoadTracker:
         self._get(key)
 
     def remove_replica(self, key: ReplicaKey) -> None:
+        """``key`` left: its counts and its requests' accounting go (a replica registered
+        again under its name starts at zero); the ids of its requests still out stay taken
+        until they complete (:meth:`tracks`)."""
         rep = self._replicas.pop(key, None)
         self.own_changes += 1
         if rep is not None and rep.row >= 0:
@@ -270,6 +276,7 @@ class LoadTracker:
             self._row_generation += 1
         for rid in [r for r, f in self._flights.items() if f.replica == key]:
             del self._flights[rid]
+            self._left.add(rid)
 
     def dispatch(
         self,
@@ -290,6 +297,7 @@ class LoadTracker:
         decode batch; its prompt is prefilled once."""
         if request_id in self._flights:
             self.complete(request_id)
+        self._left.discard(request_id)
         prefill = max(prompt_tokens - cached_tokens, 1)
         sequences = max(samples, 1) * max(prompts, 1)
         weight = decode_weight(max_output_tokens) * class_weight * sequences
@@ -325,6 +333,7 @@ class LoadTracker:
 
     def complete(self, request_id: str) -> None:
         """The request finished, failed or was cancelled."""
+        self._left.discard(request_id)
         flight = self._flights.pop(request_id, None)
         if flight is None:
             return
@@ -423,6 +432,12 @@ class LoadTracker:
     def replica_of(self, request_id: str) -> ReplicaKey | None:
         flight = self._flights.get(request_id)
         return flight.replica if flight is not None else None
+
+    def tracks(self, request_id: str) -> bool:
+        """Whether ``request_id`` is a request not completed yet: in flight, or out on a
+        replica that left since (:meth:`remove_replica` dropped its accounting, not the
+        request). A new request must not take its id: its end would complete the other."""
+        return request_id in self._flights or request_id in self._left
 
     def engine_report(self, key: ReplicaKey, report: EngineReport) -> None:
         """Take an engine's own figures. A KV usage outside [0, 1] is clamped, and NaN is

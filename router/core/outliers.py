@@ -32,7 +32,8 @@ replica's health in the load tracker, a load penalty in the cost).
   is wrong for every replica alike (a cost model slower or faster than the engines) moves the
   median with it.
 * **Probation.** :meth:`on_probation`: readmitted, and no attempt succeeded since (the
-  caller sends it one attempt at a time).
+  caller sends it one attempt at a time, and holds it out of rotation while that attempt is
+  out: :meth:`hold`, which counts toward the cap as an ejection does).
 * **Penalty.** :meth:`penalty` is what the cost should add to a replica that failed recently
   but is not (or can no longer be) ejected: ``penalty_requests_per_failure`` phantom requests
   per failure of its run, so a replica that fails fast never looks idle; it lapses
@@ -97,6 +98,7 @@ class _Replica:
     reason: str = ""
     ejections: int = 0  # in a row
     probation: bool = False  # ejected, and no attempt succeeded since
+    held: bool = False  # on probation with its one attempt out: out of rotation (hold)
     good_since: float = 0.0  # readmitted and answering well since
     excess_avg: float | None = None  # moving average of answered attempts' excess (s)
     ratio_avg: float | None = None  # ... and of their time over the prediction
@@ -119,6 +121,14 @@ class OutlierDetector:
     def forget(self, key: ReplicaKey) -> None:
         """The replica left the fleet."""
         self._replicas.pop(key, None)
+
+    def hold(self, key: ReplicaKey, held: bool) -> None:
+        """The caller holds ``key`` out of rotation (``held``: its probation attempt is out)
+        or no longer: a held replica counts toward its pool's ejected share as an ejected
+        one does (else a pool of two could have one held and the other ejected: none left)."""
+        rep = self._replicas.get(key)
+        if rep is not None:
+            rep.held = held
 
     # ------------------------------------------------------------------ attempts
 
@@ -211,8 +221,13 @@ class OutlierDetector:
 
     # ------------------------------------------------------------------ ejections
 
-    def _ejected_in(self, pool: str, now: float) -> int:
-        return sum(1 for r in self._replicas.values() if r.pool == pool and r.ejected_until > now)
+    def _ejected_in(self, pool: str, now: float, besides: _Replica) -> int:
+        """Replicas of ``pool`` other than ``besides`` out of rotation: ejected or held."""
+        return sum(
+            1
+            for r in self._replicas.values()
+            if r.pool == pool and r is not besides and (r.ejected_until > now or r.held)
+        )
 
     def _eject(
         self,
@@ -227,7 +242,7 @@ class OutlierDetector:
         # (a hair over, so a share that is a whole number of replicas is not one short:
         # 0.7 * 90 is 62.99999999999999 in floats)
         cap = max(1, int(s.max_ejected_share * pool_size + 1e-9))
-        if self._ejected_in(rep.pool, now) >= cap:
+        if self._ejected_in(rep.pool, now, rep) >= cap:
             return None  # the cap: it stays, penalised
         rep.ejections += 1
         if hold is None:

@@ -8,7 +8,8 @@ housekeeping that readmits replicas after a failed health probe; neither a passi
 probe nor a failed one's shorter cooldown (``Fleet.mark_unhealthy`` keeps the later end)
 readmits it early. A readmitted replica is on probation until an attempt succeeds:
 while its one attempt is out it is out of rotation again (so a replica that hangs takes one
-request per readmission, whatever the policy).
+request per readmission, whatever the policy), and counts toward the pool's ejected share
+(``OutlierDetector.hold``).
 
 Metrics: ``kvrouter_replica_ejections_total{model, replica, reason}`` and
 ``kvrouter_replica_failures_total{model, replica, kind}``; ``GET /admin/replicas`` shows
@@ -91,6 +92,7 @@ class Ejections:
         if self.detector.on_probation(key, now) and key not in self._probing:
             # readmitted after an ejection: one attempt at a time until one succeeds
             self._probing[key] = token
+            self.detector.hold(key, True)  # counts toward the ejected share
             self.state.fleet.unhealthy_until[key] = _UNTIL_ANSWERED
             self.state.load.set_health(key, False)
 
@@ -101,6 +103,7 @@ class Ejections:
         if token is None or self._probing.get(key) is not token:
             return
         del self._probing[key]
+        self.detector.hold(key, False)
         fleet = self.state.fleet
         ejected = self.detector.ejected(key, now)
         until = max(ejected.until if ejected is not None else 0.0, hold)

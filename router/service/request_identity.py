@@ -107,7 +107,7 @@ def unique_in_flight(state: RouterState, request_id: str) -> str:
     right before routing (no ``await`` in between)."""
     if (
         in_flight(state, request_id)
-        or state.load.replica_of(request_id + "#p#p") is not None
+        or state.load.tracks(request_id + "#p#p")
         or (state.admission is not None and state.admission.taken(request_id))
     ):
         request_id = f"{request_id}-{_ids.next()[:8]}"
@@ -118,4 +118,4 @@ def in_flight(state: RouterState, request_id: str) -> bool:
     """Whether ``request_id`` is in flight in this process's load tracker: as a request, or
     as a disaggregated request's prefill leg (``<id>#p``, whose decode leg is ``<id>``)."""
     load = state.load
-    return load.replica_of(request_id) is not None or load.replica_of(request_id + "#p") is not None
+    return load.tracks(request_id) or load.tracks(request_id + "#p")
