@@ -31,7 +31,7 @@ from router.rpc.settings import GrpcSettings
 from router.service.config import build_settings
 from router.service.settings import Settings
 from router.service.state import RouterState
-from tests.backends import kimi_model_table
+from tests.backends import kimi_model_table, metric_sample
 from tests.waiting import eventually
 
 MODEL = "kimi"
@@ -558,6 +558,67 @@ async def test_a_pick_whose_caller_never_heard_back_withdraws_its_guess(
             )
             assert not (await stub.Report(report, metadata=auth())).accepted
     finally:
+        await gen.aclose()
+
+
+async def test_a_pick_its_caller_cancelled_while_answered_releases_its_load(
+    monkeypatch: Any,
+) -> None:
+    """A caller that cancels its Pick (no deadline: a gateway whose client went away, a
+    channel closed) while the router builds or sends the reply never learns the replica: no
+    request goes there and no Report comes. The decision must end when the call does (load,
+    what it guessed the replica would cache, counted ``cancelled``), as for a deadline; not
+    after the book's hour. grpc.aio's ``context.cancelled()`` stays False for a call the
+    client cancelled (it reads the status the server set), so it cannot tell."""
+    import threading
+
+    import router.rpc.router_service as router_service
+
+    state = _guessing_state()
+    routed: list[Any] = []
+    picked = threading.Event()
+    record = router_service.record
+
+    def slow_record(st: Any, done: Any) -> None:
+        routed.append(done)
+        record(st, done)
+        picked.set()
+        time.sleep(0.5)  # holds the loop, after the last check: the caller cancels meanwhile
+
+    monkeypatch.setattr(router_service, "record", slow_record)
+    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), loop_clock)
+    _server, port = await gen.__anext__()
+    tokens = list(range(9000, 9000 + 640))
+    hashes = hash_prompt(tokens, 16, root_hash(MODEL)).hashes
+    pick = router_pb2.PickRequest(
+        model=MODEL, token_ids=router_pb2.TokenIds(ids=tokens), request_id="left"
+    )
+    seen: dict[str, bool] = {}
+
+    def caller() -> None:  # a client of its own (its loop is not the held one)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = router_pb2_grpc.RouterStub(channel).Pick.future(pick, metadata=auth())
+            seen["picked"] = picked.wait(10)
+            seen["cancelled"] = call.cancel()
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    try:
+        await eventually(lambda: "cancelled" in seen)
+        assert seen == {"picked": True, "cancelled": True}
+        await eventually(lambda: state.load.in_flight() == 0, message="the load stays booked")
+        held = state.index.match(hashes).get(routed[0].decision.replica)
+        assert held is None or held.kv_blocks == 0, held
+        page = state.metrics.render().decode()
+        assert metric_sample(page, "kvrouter_requests_total", model=MODEL, outcome="cancelled")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            report = router_pb2.ReportRequest(
+                decision_id="left", phase=router_pb2.ReportRequest.COMPLETED
+            )
+            assert not (await stub.Report(report, metadata=auth())).accepted
+    finally:
+        await asyncio.to_thread(thread.join)
         await gen.aclose()
 
 

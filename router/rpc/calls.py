@@ -3,6 +3,8 @@ and how a refusal ends it.
 
 * :data:`CALLER`: the client a Router call was admitted as (router/rpc/server.py
   ``AuthInterceptor`` sets it for the handler's run).
+* :data:`DELIVERY`: whether a Pick's reply reached its caller's stream (set for the
+  handler's run; its ``sent`` turns true once grpc wrote the reply).
 * :func:`metadata_headers`: the call's metadata as the HTTP server's header pairs, for the
   readers of HTTP headers; :func:`metadata_bytes`: its size as an HTTP header block's, which
   ``server.max_header_kb`` bounds.
@@ -17,6 +19,7 @@ Both aborts raise (as ``context.abort`` does): they never return.
 from __future__ import annotations
 
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import NoReturn
 
 import grpc
@@ -34,6 +37,22 @@ from router.service.errors import ErrorReply, reply_for
 # identity to the HTTP front door's gate (router/service/gate.py ``Gate.caller``), or None
 # for a caller not held to per-key limits (``server.grpc_token``, or no gate).
 CALLER: ContextVar[object] = ContextVar("kvrouter_grpc_caller", default=None)
+
+
+@dataclass(slots=True)
+class Delivery:
+    """Whether a call's reply was written to its stream (router/rpc/server.py sets
+    ``sent`` once grpc's write of it completed). A call its client cancelled, or whose
+    deadline passed, before that never gets it: the write fails. grpc.aio's own
+    ``context.cancelled()`` cannot tell: it reads the status the server set, and stays
+    False for a call the client cancelled."""
+
+    sent: bool = False
+
+
+# The Delivery of the call whose handler runs (None: a call served without one, whose
+# delivery is unknown)
+DELIVERY: ContextVar[Delivery | None] = ContextVar("kvrouter_grpc_delivery", default=None)
 
 
 def status_of(exc: KVRouterError) -> grpc.StatusCode:

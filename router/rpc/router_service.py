@@ -31,7 +31,7 @@ import grpc
 
 from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable
 from router.core.types import ReplicaKey
-from router.rpc.calls import CALLER, abort_error, abort_reply, metadata_headers
+from router.rpc.calls import CALLER, DELIVERY, Delivery, abort_error, abort_reply, metadata_headers
 from router.rpc.decisions import DecisionBook, Pending, owner_of, scoped_id
 from router.rpc.gen import router_pb2, router_pb2_grpc
 from router.service.answer_relay import count_slo, judged
@@ -432,20 +432,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # last: from here the book holds the caller's slot (``held``) until the decision ends
         for old in self.book.add(internal, pending):
             self._lapse(old)
-        context.add_done_callback(functools.partial(self._unreached, internal, pending))
+        unreached = functools.partial(self._unreached, internal, pending, DELIVERY.get())
+        context.add_done_callback(unreached)
         return reply
 
     def _unreached(
-        self, internal: str, pending: Pending, context: grpc.aio.ServicerContext
+        self,
+        internal: str,
+        pending: Pending,
+        delivery: Delivery | None,
+        context: grpc.aio.ServicerContext,
     ) -> None:
-        """A booked Pick's call ended cancelled, or past its deadline (its caller left after
-        the last check; the client ends its call at the deadline, whatever the server sends
-        later): the reply never reached the caller, so no request goes to the replica and no
-        Report comes. The decision ends now, with what it guessed the replica would cache,
-        as one past its deadline before the reply does."""
+        """A booked Pick's call ended without its reply written to the caller's stream
+        (``delivery``, router/rpc/server.py: the caller cancelled, or its deadline passed,
+        after the last check), or past its deadline (the client ends its call at the
+        deadline, whatever the server sends later): the reply never reached the caller, so
+        no request goes to the replica and no Report comes. The decision ends now, with what
+        it guessed the replica would cache, as one past its deadline before the reply does."""
         remaining = context.time_remaining()
         late = remaining is not None and remaining <= 0
-        if not (late or context.cancelled()) or self.book.get(internal) is not pending:
+        unsent = delivery is not None and not delivery.sent
+        if not (late or unsent or context.cancelled()) or self.book.get(internal) is not pending:
             return
         self.book.pop(internal)
         self._end(pending)

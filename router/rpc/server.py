@@ -30,7 +30,14 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from router.rpc.calls import CALLER, abort_reply, metadata_bytes, metadata_headers
+from router.rpc.calls import (
+    CALLER,
+    DELIVERY,
+    Delivery,
+    abort_reply,
+    metadata_bytes,
+    metadata_headers,
+)
 from router.rpc.decisions import DecisionBook
 from router.rpc.fleet_services import AdminServicer, IndexServicer
 from router.rpc.gen import (
@@ -78,6 +85,8 @@ READY_S = 0.5  # how often the health service's statuses are brought in line wit
 STOP_GRACE_S = 5.0  # RPCs in flight when the server stops: at most this, within the deadline
 ADMIN_SERVICE = "/kvrouter.v1.Admin/"
 ROUTER_SERVICE = "/kvrouter.v1.Router/"
+# unary methods whose handler must learn whether its reply reached the caller (:data:`DELIVERY`)
+DELIVERED = frozenset({f"{ROUTER_SERVICE}Pick"})
 KVROUTER_SERVICES = "/kvrouter."  # every other service (health, reflection) is open
 
 
@@ -215,17 +224,26 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
         method: str = details.method
         if handler is None or not method.startswith(KVROUTER_SERVICES):
             return handler  # health, reflection (open), or no such method
-        return _guarded(handler, partial(self.admit, method))
+        return _guarded(handler, partial(self.admit, method), method in DELIVERED)
 
 
 def _guarded(
-    handler: MethodHandler, admit: Callable[[Context], Awaitable[object]]
+    handler: MethodHandler,
+    admit: Callable[[Context], Awaitable[object]],
+    delivered: bool = False,
 ) -> MethodHandler:
     """``handler`` behind ``admit`` (the credentials; the caller it returns is
     :data:`CALLER` during the call), with request parsing moved into the handler, so a
     message that is not valid protobuf is answered INVALID_ARGUMENT with the parser's reason
     (grpc-python's own deserialization failure is an UNKNOWN status and an error-level
-    traceback in the log), and nothing is parsed for a caller that is refused."""
+    traceback in the log), and nothing is parsed for a caller that is refused.
+
+    ``delivered``: a unary method whose handler learns whether its reply was written to the
+    caller's stream (:data:`DELIVERY`). It is served as a server-streaming handler that
+    yields its one reply (the same messages on the wire: a unary client reads one message
+    and the status), so the write is awaited here and fails for a call its client cancelled
+    or whose deadline passed; grpc.aio answers a unary handler's reply after the handler,
+    where nothing tells it failed."""
     parse = handler.request_deserializer
 
     async def parsed(raw: bytes, context: Context) -> Message:
@@ -240,6 +258,24 @@ def _guarded(
             raise AssertionError("context.abort returned") from None
 
     call, streams = handler.unary_unary, handler.stream_stream
+    if delivered and not handler.request_streaming and not handler.response_streaming:
+        assert call is not None
+
+        async def tracked(raw: bytes, context: Context) -> AsyncIterator[Message]:
+            delivery = Delivery()
+            caller, box = CALLER.set(await admit(context)), DELIVERY.set(delivery)
+            try:
+                reply = await call(await parsed(raw, context), context)
+            finally:
+                DELIVERY.reset(box)
+                CALLER.reset(caller)
+            yield reply  # grpc writes it, and asks for the next one once it was written
+            delivery.sent = True
+
+        tracking: MethodHandler = grpc.unary_stream_rpc_method_handler(
+            tracked, response_serializer=handler.response_serializer
+        )
+        return tracking
     if not handler.request_streaming and not handler.response_streaming and call is not None:
 
         async def unary(raw: bytes, context: Context) -> Message:
