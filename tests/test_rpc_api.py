@@ -803,3 +803,69 @@ async def test_call_metadata_is_bounded_as_an_http_header_block_is() -> None:
             ), message
     finally:
         await runner.cleanup()
+
+
+async def test_completed_picks_are_recorded_as_the_http_answers_are(tmp_path: Any) -> None:
+    """With ``server.record_path`` a COMPLETED Report writes the Pick's trace row, as the
+    HTTP relay writes an answer's (router.service.answer_relay ``record_answer``): gateway
+    traffic was missing from the recording operators replay."""
+    from router.recorder import RecordSettings, TraceRecorder, record_key
+
+    trace = tmp_path / "trace.jsonl"
+    state = RouterState(
+        build_settings(
+            {
+                "server": {"record_path": str(trace), "record_key": "k"},
+                "replicas": [{"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"}],
+                "models": {MODEL: kimi_model_table(block_size=16, speculative_ttl_s=0.0)},
+            }
+        )
+    )
+    loop = asyncio.get_running_loop()
+    recorder = TraceRecorder(
+        RecordSettings(trace, key=record_key("k")),
+        started_at=loop.time(),
+        wall_at_start=time.time(),
+    )
+    state.recorder = recorder
+    gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), loop_clock)
+    _server, port = await gen.__anext__()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = router_pb2_grpc.RouterStub(channel)
+    phase = router_pb2.ReportRequest
+    try:
+        msgs = json.dumps([{"role": "user", "content": "hello " * 200}])
+        chat = await stub.Pick(
+            router_pb2.PickRequest(model=MODEL, messages_json=msgs), metadata=auth()
+        )
+        for step in (phase.FIRST_TOKEN, phase.COMPLETED):
+            report = phase(
+                decision_id=chat.decision_id, phase=step, output_tokens=7, cached_tokens=0
+            )
+            assert (await stub.Report(report, metadata=auth())).accepted
+        body = json.dumps({"prompt": "some words " * 60, "max_tokens": 3})
+        pick = router_pb2.PickRequest(
+            model=MODEL, request_json=body, request_path="/v1/completions"
+        )
+        whole = await stub.Pick(pick, metadata=auth())
+        done = phase(decision_id=whole.decision_id, phase=phase.COMPLETED, output_tokens=3)
+        assert (await stub.Report(done, metadata=auth())).accepted
+        failed = await stub.Pick(
+            router_pb2.PickRequest(model=MODEL, text="x " * 40), metadata=auth()
+        )
+        gone = phase(decision_id=failed.decision_id, phase=phase.FAILED)
+        assert (await stub.Report(gone, metadata=auth())).accepted
+        recorder.flush()
+        rows = [json.loads(line) for line in trace.read_text().splitlines()]
+        assert len(rows) == 2, rows  # the failed one is no answer
+        first, second = rows
+        assert first["endpoint"] == "chat" and first["stream"] is True
+        assert first["input_length"] == chat.prompt_tokens and first["output_length"] == 7
+        assert first["replica"] == "a/0" and first["pred_hit"] == chat.usable_hit_tokens
+        assert first["cached"] == 0 and first["ttft_ms"] <= first["e2e_ms"]
+        assert second["endpoint"] == "completions" and second["stream"] is False
+        assert second["input_length"] == whole.prompt_tokens and second["output_length"] == 3
+        assert "cached" not in second  # not reported
+    finally:
+        await channel.close()
+        await gen.aclose()

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from router.core.routing import Dispatch
 from router.core.types import ReplicaKey
+
+if TYPE_CHECKING:
+    from router.service.state import Routed
 
 
 def owner_of(caller: object) -> str | None:
@@ -77,6 +81,10 @@ class Pending:
     # sequences it decodes side by side (``n`` of each prompt): its reported output tokens
     # are their sum (router.service.answer_relay.count_slo)
     sequences: int = 1
+    # with ``server.record_path``: the decision, for the trace row its COMPLETED Report
+    # writes (router.service.answer_relay ``record_answer``), and the row's endpoint
+    routed: Routed | None = None
+    endpoint: str | None = None
 
     @property
     def since(self) -> float:

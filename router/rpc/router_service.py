@@ -31,10 +31,11 @@ import grpc
 
 from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable
 from router.core.types import ReplicaKey
+from router.recorder import ENDPOINTS
 from router.rpc.calls import CALLER, DELIVERY, Delivery, abort_error, abort_reply, metadata_headers
 from router.rpc.decisions import DecisionBook, Pending, owner_of, scoped_id
 from router.rpc.gen import router_pb2, router_pb2_grpc
-from router.service.answer_relay import count_slo, judged
+from router.service.answer_relay import count_slo, judged, record_answer
 from router.service.body_memo import Admitted
 from router.service.disagg import ModelDisagg
 from router.service.ejection import Ejections
@@ -156,9 +157,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return proc.chat, body, len(request.messages_json) + len(request.tools_json)
         raise BadRequest("one of token_ids, text, messages_json or request_json is required")
 
-    async def _admitted(self, request: router_pb2.PickRequest) -> Admitted:
+    async def _admitted(self, request: router_pb2.PickRequest) -> tuple[Admitted, str]:
         """A ``request_json`` body admitted as the HTTP endpoint of ``request_path`` admits
-        it (router.service.intake ``admit``: one path for every front end)."""
+        it (router.service.intake ``admit``: one path for every front end), and that
+        endpoint's kind (``chat``, ``completion``, ...: router.service.handling KINDS)."""
         path = request.request_path
         kind = _KIND_OF_PATH.get(path) if path else None
         if path and kind is None:
@@ -173,7 +175,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if kind is None:
             kind = "chat" if "messages" in whole else "completion"
         whole["model"] = request.model
-        return await admit(self.state, whole, len(request.request_json), kind)
+        return await admit(self.state, whole, len(request.request_json), kind), kind
 
     async def _pinned(
         self, request: router_pb2.PickRequest, admitted: Admitted
@@ -280,8 +282,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             tier: object = None  # the body's service_tier (admission's class, as on HTTP)
             pinned: list[ReplicaKey] = []
             admitted: Admitted | None = None
+            row_endpoint: str | None = None  # its trace row's (router.recorder ENDPOINTS)
             if request.WhichOneof("prompt") == "request_json":
-                admitted = await self._admitted(request)
+                admitted, kind = await self._admitted(request)
+                row_endpoint = _ENDPOINT_OF_KIND.get(kind)
                 prompt, body_session = admitted.prompt, admitted.session_id
                 max_out = admitted.max_output_tokens
                 tier = admitted.service_tier
@@ -292,6 +296,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 kind = None
                 if not isinstance(arg, array.array):
                     kind = "chat" if "messages" in arg else "completion"
+                    # text: sent to which endpoint, unknown
+                    row_endpoint = "chat" if kind == "chat" else None
                 prompt = await checked_prompt(
                     self.state, request.model, fn, arg, offload=size >= THREAD_MIN_BODY, kind=kind
                 )
@@ -423,6 +429,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             arrived=arrived,
             dispatch=routed.dispatch,
             sequences=routed.request.samples * routed.request.prompts,
+            routed=routed if self.state.settings.server.record_path else None,
+            endpoint=row_endpoint,
         )
         if self.ejections is not None:
             # an attempt, as the HTTP forwarder's (a replica readmitted after an ejection
@@ -564,6 +572,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     pending.sequences,
                     streamed,
                 )
+                if self.state.recorder is not None and pending.routed is not None:
+                    record_answer(
+                        self.state, pending.routed, pending.routed.decision.replica,
+                        pending.since, now, report.output_tokens or None, report.cached_tokens,
+                        pending.first_at, streamed, pending.endpoint,
+                    )  # fmt: skip
         if report.cached_tokens is not None and not pending.cached_counted:
             # once a request, as the forwarder counts its answer's usage: the first report
             # that carries them (a later one, or a retried Report, repeats the same tokens)
@@ -589,3 +603,5 @@ def _client_error(status: int) -> bool:
 
 
 _KIND_OF_PATH = {path.decode(): kind for path, kind in KINDS.items()}
+# a kind's endpoint as a recorded row names it (router.recorder ENDPOINTS)
+_ENDPOINT_OF_KIND = {kind: ENDPOINTS[path] for path, kind in KINDS.items() if path in ENDPOINTS}

@@ -102,6 +102,64 @@ MAX_ID_SCAN = 1 << 16
 TAIL_SPAN = 8192
 
 
+def record_answer(
+    state: RouterState,
+    routed: Routed,
+    key: ReplicaKey,
+    started: float,
+    finished: float,
+    completion_tokens: int | None,
+    cached_tokens: int | None,
+    first_at: float,
+    stream: bool,
+    endpoint: str | None,
+) -> None:
+    """Append an answered request to the live-traffic trace (router.recorder; the HTTP
+    relay's answers and the gRPC Picks a COMPLETED Report ends): one row per prompt of a
+    completions batch (each its own prompt and blocks, one ``batch`` id on all of them),
+    ``n`` on each. The output length is one sequence's: the replica's reported output
+    tokens (``completion_tokens``, the sum over every sequence of every prompt) shared out
+    over them, else the request's max tokens, else 1. A batch's rows carry no predicted or
+    engine-cached tokens: the router predicted its longest prompt's, and the usage holds
+    one prompt's cached tokens, not each's. Times are the event loop's (``first_at`` 0:
+    no first token seen)."""
+    recorder = state.recorder
+    assert recorder is not None
+    req = routed.request
+    sequences = max(req.samples, 1) * max(req.prompts, 1)
+    out = completion_tokens
+    if out is None:
+        out = req.max_output_tokens or 1
+    else:
+        out = max(1, -(-out // sequences))
+    parts: Sequence[tuple[int, Sequence[int]]] = routed.prompt.batch
+    batch = len(parts) > 1
+    if not batch:
+        parts = ((req.prompt_tokens, req.block_hashes),)
+    replica = f"{key.replica}/{key.dp_rank}"
+    predicted = routed.decision.usable_tokens if key == routed.decision.replica else None
+    batch_id = recorder.next_batch() if batch else None
+    for tokens, hashes in parts:
+        recorder.record(
+            arrived_at=started,
+            model=req.model,
+            input_length=max(tokens, 1),
+            output_length=out,
+            block_hashes=hashes,
+            block_size=req.block_size,
+            session_id=req.session_id,
+            finished_at=finished,
+            replica=replica,
+            predicted_hit=None if batch else predicted,
+            cached_tokens=None if batch else cached_tokens,
+            first_token_at=first_at or None,
+            samples=req.samples,
+            stream=stream,
+            endpoint=endpoint,
+            batch=batch_id,
+        )
+
+
 class AnswerRelay:
     """Relays an attempt's answer to its client and books it; the base of
     :class:`~router.service.proxy.Forwarder`, which sends the attempts."""
@@ -424,50 +482,12 @@ class AnswerRelay:
         stream: bool,
         endpoint: str | None,
     ) -> None:
-        """Append the request to the live-traffic trace (router.recorder): one row per prompt
-        of a completions batch (each its own prompt and blocks, one ``batch`` id on all of
-        them), ``n`` on each. The output
-        length is one sequence's: the replica's usage (:func:`usage_tokens`, which sums every
-        sequence of every prompt) shared out over them, else the request's max tokens, else
-        1. A batch's rows carry no predicted or engine-cached tokens: the router predicted
-        its longest prompt's, and the usage holds one prompt's cached tokens, not each's."""
-        recorder = self.state.recorder
-        assert recorder is not None
-        req = routed.request
         counts = usage_tokens(usage)
-        sequences = max(req.samples, 1) * max(req.prompts, 1)
-        out = counts.completion
-        if out is None:
-            out = req.max_output_tokens or 1
-        else:
-            out = max(1, -(-out // sequences))
-        parts: Sequence[tuple[int, Sequence[int]]] = routed.prompt.batch
-        batch = len(parts) > 1
-        if not batch:
-            parts = ((req.prompt_tokens, req.block_hashes),)
         finished = self.event_loop().time()
-        replica = f"{key.replica}/{key.dp_rank}"
-        predicted = routed.decision.usable_tokens if key == routed.decision.replica else None
-        batch_id = recorder.next_batch() if batch else None
-        for tokens, hashes in parts:
-            recorder.record(
-                arrived_at=started,
-                model=req.model,
-                input_length=max(tokens, 1),
-                output_length=out,
-                block_hashes=hashes,
-                block_size=req.block_size,
-                session_id=req.session_id,
-                finished_at=finished,
-                replica=replica,
-                predicted_hit=None if batch else predicted,
-                cached_tokens=None if batch else counts.cached,
-                first_token_at=first_at or None,
-                samples=req.samples,
-                stream=stream,
-                endpoint=endpoint,
-                batch=batch_id,
-            )
+        record_answer(
+            self.state, routed, key, started, finished, counts.completion, counts.cached,
+            first_at, stream, endpoint,
+        )  # fmt: skip
 
     def _feedback(self, routed: Routed, key: ReplicaKey, usage: dict[str, Any] | None) -> None:
         if not usage:
