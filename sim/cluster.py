@@ -368,7 +368,8 @@ class Simulation:
         """Send the request to the engine ``decision`` chose; ``klass`` None: routed
         without admission (a disaggregated model's, as the service routes it: no class
         decode weight, no engine priority). A batch's first request takes the batch's
-        others along (its load booked once, under its id, as the service books a batch)."""
+        others along (its load booked once, under its id, as the service books a batch), or
+        none of them when the engine cannot take one (sim/fanout.py)."""
         weight = 1.0 if klass is None else self._weights[klass]
         self._dispatches[req.request_id] = router.engine.dispatched(
             rr, decision, now, class_weight=weight
@@ -377,19 +378,28 @@ class Simulation:
         priority = engine_priority(klass) if self._engine_priority and klass is not None else 0
         rows = (req, *self._batches.others(req.request_id))
         self._batches.dispatched(rows)
+        ereqs = []
         for sent in rows:
             rec = self._records[sent.request_id]
             rec.replica = i
             rec.sent = now
             self._router_of[sent.request_id] = router
-            ereq = EngineRequest(
-                sent.request_id,
-                sent.block_hashes,
-                sent.prompt_tokens,
-                sent.output_tokens,
-                sent.output_block_hashes,
-                priority=priority,
+            ereqs.append(
+                EngineRequest(
+                    sent.request_id,
+                    sent.block_hashes,
+                    sent.prompt_tokens,
+                    sent.output_tokens,
+                    sent.output_block_hashes,
+                    priority=priority,
+                )
             )
+        if len(ereqs) > 1:  # a batch is one request to vLLM: refused whole, before any runs
+            refused = next(filter(None, map(self.engines[i].refusal, ereqs)), None)
+            if refused is not None:
+                self._outputs(i, now, [Rejected(e.request_id, now, refused) for e in ereqs])
+                return decision
+        for ereq in ereqs:
             self._submit(i, ereq, now)
         return decision
 

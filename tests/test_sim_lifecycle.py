@@ -1,0 +1,49 @@
+"""The simulator's request lifecycle against the service's (sim/cluster.py against
+router/service/handling.py, proxy.py, answer_relay.py): what reaches an engine, and what the
+router books and takes back, at the moments the service does."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from sim.cluster import ClusterConfig, Simulation
+from sim.profiles import load_profile
+from sim.workload import load_trace
+
+
+def _rows_file(tmp_path: pathlib.Path, rows: list[dict[str, object]]) -> pathlib.Path:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_batch_with_a_prompt_no_engine_can_take_is_refused_whole(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A completions batch is one request to vLLM, which checks every prompt before it
+    starts any (a prompt past the model's length: 400 for the whole request; the mock
+    replica's router/mock/multi.py does the same with the engine model's ``refusal``): the
+    service withdraws what it guessed and no prompt of the batch runs. The simulator ran
+    the rows that fit, whose blocks then drew the next request of the same prefix to that
+    replica."""
+    short = {"timestamp": 0, "input_length": 300, "output_length": 4, "hash_ids": [1, 2],
+             "batch": "b1"}  # fmt: skip
+    huge = {**short, "input_length": 64 * 40, "hash_ids": list(range(10, 50))}
+    config = ClusterConfig(
+        profile=load_profile("dense-70b"), replicas=2, block_size=64, kv_blocks=32
+    )
+    workload = load_trace(str(_rows_file(tmp_path, [short, huge])), block_size=64)
+    sim = Simulation(workload, config, "longest_prefix")
+    summary = sim.run().summary
+    records = [sim._records[r.request_id] for r in workload.requests]
+    assert all(r.rejected for r in records)
+    assert all(r.first != r.first for r in records)  # no row answered (NaN)
+    assert sum(e.busy_s for e in sim.engines) == 0.0  # no engine computed any of it
+    assert all(not e.cached_blocks() for e in sim.engines)
+    assert summary["completed"] == 0
+    router = sim.routers[0].engine
+    for key in sim.keys:  # nothing booked, nothing guessed left
+        assert router.load.view(key, 1e9).in_flight == 0
+    held = router.index.match(workload.requests[1].block_hashes, now=0.0)
+    assert all(held.get(k).kv_blocks == 0 for k in sim.keys)
