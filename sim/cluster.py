@@ -37,6 +37,7 @@ from router.core.admission import (
     engine_priority,
     predictor_for,
     restrict,
+    takes_engine_priority,
 )
 from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
@@ -375,7 +376,9 @@ class Simulation:
             rr, decision, now, class_weight=weight
         )
         i = self._slot[decision.replica]
-        priority = engine_priority(klass) if self._engine_priority and klass is not None else 0
+        # the class's priority, where the service sends it (not to vLLM's Messages API)
+        sends = self._engine_priority and klass is not None and takes_engine_priority(req.endpoint)
+        priority = engine_priority(klass) if sends and klass is not None else 0
         rows = (req, *self._batches.others(req.request_id))
         self._batches.dispatched(rows)
         ereqs = []

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import pathlib
 
+from router.core.admission import PRIORITY, AdmissionSettings, engine_priority
 from sim.cluster import ClusterConfig, Simulation
+from sim.engine import EngineRequest
 from sim.profiles import load_profile
-from sim.workload import load_trace
+from sim.workload import ENDPOINTS, load_trace
 
 
 def _rows_file(tmp_path: pathlib.Path, rows: list[dict[str, object]]) -> pathlib.Path:
@@ -47,3 +49,40 @@ def test_a_batch_with_a_prompt_no_engine_can_take_is_refused_whole(
         assert router.load.view(key, 1e9).in_flight == 0
     held = router.index.match(workload.requests[1].block_hashes, now=0.0)
     assert all(held.get(k).kv_blocks == 0 for k in sim.keys)
+
+
+class _Submits(Simulation):
+    """A simulation that keeps every engine request it submits."""
+
+    sent: list[EngineRequest]
+
+    def _submit(self, i: int, ereq: EngineRequest, now: float) -> None:
+        self.sent = [*getattr(self, "sent", []), ereq]
+        super()._submit(i, ereq, now)
+
+
+def test_a_messages_request_reaches_its_engine_without_a_priority(
+    tmp_path: pathlib.Path,
+) -> None:
+    """With admission's ``engine_priority`` the service appends its class's ``priority`` to
+    the body, but not to an Anthropic Messages API request (router/service/handling.py:
+    vLLM's Messages API takes none), which its engine then schedules as a default one. The
+    simulator gave it its class's priority: ahead of default requests in the engine's
+    queue, on every endpoint."""
+    row = {"timestamp": 0, "input_length": 300, "output_length": 4, "hash_ids": [1, 2]}
+    rows = [{**row, "endpoint": e, "hash_ids": [i]} for i, e in enumerate(ENDPOINTS)]
+    config = ClusterConfig(
+        profile=load_profile("dense-70b"),
+        replicas=2,
+        block_size=64,
+        admission=AdmissionSettings(engine_priority=True),
+        priority_share=1.0,
+    )
+    workload = load_trace(str(_rows_file(tmp_path, rows)), block_size=64)
+    sim = _Submits(workload, config, "round_robin")
+    sim.run()
+    endpoint = {r.request_id: r.endpoint for r in workload.requests}
+    got = {endpoint[e.request_id]: e.priority for e in sim.sent}
+    expected = engine_priority(PRIORITY)
+    assert got == {e: 0 if e == "messages" else expected for e in ENDPOINTS}
+    assert expected != 0
