@@ -618,6 +618,9 @@ class Simulation:
             return
         leg_dispatch = self._dispatches.pop(leg_id, None)
         rejected = type(out) is Rejected
+        # the decode pick reads engine reports no older than the service's scrape keeps
+        # them, however long ago the last request arrived
+        self._refresh_reports(router.engine, now)
         try:
             to = self.pd.leg_ended(leg_id, rejected, router.engine, leg_dispatch, now, router.rng)
         except NoReplicaAvailable:  # no decode replica left: answered with the error

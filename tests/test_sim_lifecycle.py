@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import Any
 
 from router.core.admission import PRIORITY, AdmissionSettings, engine_priority
 from sim.cluster import ClusterConfig, Simulation
@@ -86,3 +87,35 @@ def test_a_messages_request_reaches_its_engine_without_a_priority(
     expected = engine_priority(PRIORITY)
     assert got == {e: 0 if e == "messages" else expected for e in ENDPOINTS}
     assert expected != 0
+
+
+def test_a_decode_replica_is_picked_on_engine_reports_as_fresh_as_the_service_has(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The service's engine reports come every ``engine_metrics_interval_s`` whatever the
+    traffic (router/service/engines.py ``scrape_loop``), so the decode pick at a prefill
+    leg's end (router/service/disagg.py) reads one at most about that old: its busy
+    thresholds (``max_kv_usage``) judge the decode replicas by it. The simulator refreshed
+    reports only when a request arrived: a leg ending 2 s after the last arrival was
+    judged on reports 2 s old."""
+    rows = [{"timestamp": 0, "input_length": 64 * 900, "output_length": 4,
+             "hash_ids": list(range(900))}]  # fmt: skip
+    config = ClusterConfig(
+        profile=load_profile("dense-70b"), replicas=4, block_size=64, pd="always"
+    )
+    workload = load_trace(str(_rows_file(tmp_path, rows)), block_size=64)
+    sim = Simulation(workload, config, "round_robin")
+    assert sim.pd is not None
+    planner = sim.pd.planner
+    pick, ages = planner.pick_decode, []
+
+    def watched(engine: Any, request: Any, prefill: Any, keys: Any, now: float, rng: Any) -> Any:
+        views = [engine.load.view(k, now) for k in keys]
+        ages.append(max(v.engine_age_s for v in views))
+        return pick(engine, request, prefill, keys, now, rng)
+
+    planner.pick_decode = watched  # type: ignore[method-assign]
+    sim.run()
+    first = sim._records[workload.requests[0].request_id]
+    assert first.first > 2 * config.report_interval_s  # the leg ended well after its arrival
+    assert ages and max(ages) <= config.report_interval_s, ages
