@@ -37,6 +37,7 @@ from router.core.admission import (
     engine_priority,
     predictor_for,
     restrict,
+    takes_engine_priority,
 )
 from router.core.errors import NoReplicaAvailable
 from router.core.index import PrefixIndex
@@ -368,28 +369,40 @@ class Simulation:
         """Send the request to the engine ``decision`` chose; ``klass`` None: routed
         without admission (a disaggregated model's, as the service routes it: no class
         decode weight, no engine priority). A batch's first request takes the batch's
-        others along (its load booked once, under its id, as the service books a batch)."""
+        others along (its load booked once, under its id, as the service books a batch), or
+        none of them when the engine cannot take one (sim/fanout.py)."""
         weight = 1.0 if klass is None else self._weights[klass]
         self._dispatches[req.request_id] = router.engine.dispatched(
             rr, decision, now, class_weight=weight
         )
         i = self._slot[decision.replica]
-        priority = engine_priority(klass) if self._engine_priority and klass is not None else 0
+        # the class's priority, where the service sends it (not to vLLM's Messages API)
+        sends = self._engine_priority and klass is not None and takes_engine_priority(req.endpoint)
+        priority = engine_priority(klass) if sends and klass is not None else 0
         rows = (req, *self._batches.others(req.request_id))
         self._batches.dispatched(rows)
+        ereqs = []
         for sent in rows:
             rec = self._records[sent.request_id]
             rec.replica = i
             rec.sent = now
             self._router_of[sent.request_id] = router
-            ereq = EngineRequest(
-                sent.request_id,
-                sent.block_hashes,
-                sent.prompt_tokens,
-                sent.output_tokens,
-                sent.output_block_hashes,
-                priority=priority,
+            ereqs.append(
+                EngineRequest(
+                    sent.request_id,
+                    sent.block_hashes,
+                    sent.prompt_tokens,
+                    sent.output_tokens,
+                    sent.output_block_hashes,
+                    priority=priority,
+                )
             )
+        if len(ereqs) > 1:  # a batch is one request to vLLM: refused whole, before any runs
+            refused = next(filter(None, map(self.engines[i].refusal, ereqs)), None)
+            if refused is not None:
+                self._outputs(i, now, [Rejected(e.request_id, now, refused) for e in ereqs])
+                return decision
+        for ereq in ereqs:
             self._submit(i, ereq, now)
         return decision
 
@@ -605,6 +618,9 @@ class Simulation:
             return
         leg_dispatch = self._dispatches.pop(leg_id, None)
         rejected = type(out) is Rejected
+        # the decode pick reads engine reports no older than the service's scrape keeps
+        # them, however long ago the last request arrived
+        self._refresh_reports(router.engine, now)
         try:
             to = self.pd.leg_ended(leg_id, rejected, router.engine, leg_dispatch, now, router.rng)
         except NoReplicaAvailable:  # no decode replica left: answered with the error

@@ -25,7 +25,9 @@ prompt's sequences, every prompt's tokens) under its first request's id: it star
 at the first token of any of its rows and ends when the last of them ends (the service's
 answer ends with its last sequence), and so does its admission ticket; a closed-loop turn
 tied to any of its rows follows the whole batch's end, as the live replay's turn follows the
-batch's one answer. A refusal or a shed refuses all of them.
+batch's one answer. A refusal or a shed refuses all of them, and so does the engine when it
+cannot take one of them (vLLM checks every prompt before it starts any: a 400 for the
+whole request; sim/cluster.py asks the engine model's ``refusal`` first).
 """
 
 from __future__ import annotations

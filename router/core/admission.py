@@ -130,6 +130,14 @@ def engine_priority(klass: int) -> int:
     return klass - DEFAULT
 
 
+def takes_engine_priority(endpoint: str) -> bool:
+    """Whether vLLM takes a request's ``priority`` through ``endpoint`` (``chat``,
+    ``completion(s)``, ``responses``, ``messages``): not through the Anthropic Messages API,
+    whose request has no such field; the service sends such a request without one and its
+    engine schedules it as a default one (router/service/handling.py, sim/cluster.py)."""
+    return endpoint != "messages"
+
+
 @dataclass(slots=True, frozen=True)
 class AdmissionSettings:
     """Per-class knobs (tuples indexed priority, default, flex) and the queue's bounds; see

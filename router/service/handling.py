@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 
+from router.core.admission import takes_engine_priority
 from router.core.errors import KVRouterError, NoReplicaAvailable
 from router.core.types import ReplicaKey
 from router.service import disagg, pass_through, stored_responses
@@ -298,7 +299,7 @@ async def serve_completion(
             # timed from here, as its deadline is: a hold counts toward its TTFT
             arrived = loop.time()
             routed = await slo_gate.route_admitted(admitted, client_headers, loop.time, len(raw))
-            if not shaped:  # vLLM's Messages API takes no priority
+            if takes_engine_priority(kind):
                 priority = slo_gate.priority_patch(admitted, client_headers)
         else:
             routed = state.route(
