@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.measure import emit
+from router.bench.ports import free_port as _free_port
 from router.bench.proxy_bench import (
     API_KEY,
     VLLM_ROUTER_MISSING,
-    _free_port,
     _stop,
     _vllm_router_bin,
     _wait_http,

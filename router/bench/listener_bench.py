@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.measure import emit, use_uvloop
+from router.bench.ports import free_port as _free_port
 from router.bench.proxy_bench import (
-    _free_port,
     _stop,
     _wait_http,
     chat_body,

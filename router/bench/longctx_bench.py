@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.measure import emit
-from router.bench.reliability_bench import Procs, _free_port, _wait_health
+from router.bench.ports import free_port as _free_port
+from router.bench.reliability_bench import Procs, _wait_health
 from router.cliargs import at_least, sizes
 
 MODEL = "kimi-k3"

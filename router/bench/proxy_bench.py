@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.measure import emit, use_uvloop
+from router.bench.ports import free_port as _free_port
 from router.cliargs import at_least, non_negative_float, positive_float
 from router.compile import compiled, service_compiled
 from router.sigterm import held
@@ -210,12 +210,6 @@ def _cpu_split(spec: str | None) -> tuple[frozenset[int] | None, frozenset[int] 
             f"{sorted(available)}"
         )
     return router, load
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_http(url: str, timeout: float = 30.0) -> None:

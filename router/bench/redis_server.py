@@ -18,14 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router.bench.ports import free_port as free_port
 from router.sigterm import held
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _ping(port: int, password: str | None) -> bool:

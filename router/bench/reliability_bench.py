@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,16 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.measure import emit, percentile, use_uvloop
+from router.bench.ports import free_port as _free_port
 from router.cliargs import at_least, non_negative_float, positive_float
 from router.sigterm import held
 
 KVROUTER = str(Path(sys.executable).parent / "kvrouter")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rss_mb(pid: int) -> float:

@@ -27,7 +27,8 @@ from typing import Any
 import aiohttp
 
 from router.bench.measure import emit, percentile, use_uvloop
-from router.bench.reliability_bench import KVROUTER, Procs, _free_port, _wait_health
+from router.bench.ports import free_port as _free_port
+from router.bench.reliability_bench import KVROUTER, Procs, _wait_health
 from router.cliargs import at_least
 
 
