@@ -720,3 +720,46 @@ async def test_engine_priority_gives_each_class_vllms_priority_field() -> None:
         async with await door.post("priority") as r:
             assert r.status == 200
         assert [x["body"].get("priority") for x in door.backend.received] == [7, None]
+
+
+@pytest.fixture
+async def protective_pair() -> AsyncIterator[Door]:
+    """As ``protective``, with two replicas and gRPC on."""
+    knobs = {
+        "stall_share": [1e-9, 0.5, 0.5],
+        "max_stall": [float("inf"), 1e-9, 1e-9],
+        "max_hold_s": 60.0,
+    }
+    async for d in _door(knobs, {"ttft_s": 100.0}, replicas=2, server={"grpc_port": 0}):
+        yield d
+
+
+async def test_a_pick_with_candidates_is_admitted_among_them(protective_pair: Door) -> None:
+    """A Pick naming ``candidates`` is judged by admission as any request of the model is,
+    among its candidates only: before, it skipped admission (never held, never shed). Here
+    the only candidate is busy with a priority request, so the Pick is held though another
+    replica is free, and goes to its candidate once that one is."""
+    d = protective_pair
+    for b in d.backends:
+        b.gate = asyncio.Event()
+    first = asyncio.create_task(d.post("priority"))
+    await eventually(lambda: sum(len(b.received) for b in d.backends) == 1)
+    busy = next(b for b in d.backends if b.received)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{d.running.app[GRPC_PORT]}")
+    stub = router_pb2_grpc.RouterStub(channel)
+    try:
+        pick = router_pb2.PickRequest(model=MODEL, text=PROMPT, candidates=[busy.name])
+        picked = asyncio.ensure_future(stub.Pick(pick, timeout=60))
+        await eventually(lambda: d.held() == 1)
+        assert not picked.done()
+        busy.gate.set()  # the priority request ends: its replica has room again
+        async with await first as r:
+            assert r.status == 200
+        reply = await picked
+        assert reply.replica == busy.name
+        done = router_pb2.ReportRequest(
+            decision_id=reply.decision_id, phase=router_pb2.ReportRequest.COMPLETED
+        )
+        assert (await stub.Report(done)).accepted
+    finally:
+        await channel.close()

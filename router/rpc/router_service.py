@@ -330,13 +330,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             pd = request.model in self.state.disagg
             # (disaggregated models are not admission-controlled, as on HTTP; nor are a stored
             # response's follow-ups, which only its holder can serve)
-            if (
-                not pinned
-                and slo_gate is not None
-                and slo_gate.enabled(request.model)
-                and not request.candidates
-                and not pd
-            ):
+            if not pinned and slo_gate is not None and slo_gate.enabled(request.model) and not pd:
                 # SLO-aware admission; a shed is RESOURCE_EXHAUSTED. Class and tenant as
                 # HTTP gives them: the body's service_tier capped by the key's class, the key
                 headers = metadata_headers(context.invocation_metadata())
@@ -354,6 +348,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         session_id=session,
                         max_output_tokens=max_out,
                         size=request.ByteSize(),  # (what it keeps while held)
+                        replicas=self._candidates(request),  # judged among them only
                     )
                 finally:
                     self._picking.discard(internal)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -213,9 +213,12 @@ class Admission:
         session_id: str | None,
         max_output_tokens: int | None,
         size: int = 0,
+        replicas: Sequence[ReplicaKey] | None = None,
     ) -> Routed:
         """Judge and route one request (the model must be enabled); raises Overloaded.
-        ``size``: the bytes it keeps while held (its body: ``max_queue_mb``)."""
+        ``size``: the bytes it keeps while held (its body: ``max_queue_mb``); ``replicas``:
+        the ones it may go to (a gRPC Pick's ``candidates``; None: all of the model's),
+        judged among them while it is held too."""
         m = self._model(model)
         assert m is not None
         state = self.state
@@ -228,6 +231,7 @@ class Admission:
             now,
             session_id=session_id,
             max_output_tokens=max_output_tokens,
+            replicas=replicas,
         )
         queue = m.queue
         if len(queue):  # judged against the held requests that may still go (as the sim is)
@@ -404,6 +408,7 @@ class Admission:
                     now,
                     session_id=old.request.session_id,
                     max_output_tokens=old.request.max_output_tokens,
+                    replicas=old.replicas,
                 )
             except KVRouterError as exc:
                 if not (isinstance(exc, NoReplicaAvailable) and exc.busy):  # busy: it waits

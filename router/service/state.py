@@ -79,6 +79,8 @@ class Pending(NamedTuple):
     prompt: ProcessedPrompt
     candidates: list[Candidate] | CandidateColumns
     lookup_s: float
+    # the replicas it may go to (None: all of its model's): a gRPC Pick's ``candidates``
+    replicas: Sequence[ReplicaKey] | None = None
 
 
 def route_request(
@@ -258,7 +260,7 @@ class RouterState:
         t0 = time.perf_counter()
         keys = self.registry.keys_for(model) if replicas is None else replicas
         candidates = engine.candidates(request, keys, now)
-        return Pending(engine, request, prompt, candidates, time.perf_counter() - t0)
+        return Pending(engine, request, prompt, candidates, time.perf_counter() - t0, replicas)
 
     def commit(
         self,
