@@ -15,6 +15,13 @@ each pod's files, so shared prefixes look unshared), and the merge says so, nami
 of each key; whether the pods set different ``record_key`` secrets or none (each pod's
 random key). Rows recorded before ``key_id`` existed are named by their file's key file
 (``<trace>.key``) when there is one.
+
+Inputs may overlap: a pod's live file copied off before a rotation and its ``.1`` after it
+hold the same rows, as do two copies of a file taken while it grew, or one file named twice.
+Such rows would replay twice; a row is kept as often as the one input holding it most often
+(identical rows in one file, a batch's identical prompts, all stay) and the merge says how
+many copies it dropped. Two requests' rows are never identical across pods in practice: a
+row holds its arrival (ms), its E2E (0.1 ms) and its replica besides its prompt's ids.
 """
 
 from __future__ import annotations
@@ -39,7 +46,11 @@ def read_rows(
 ) -> Iterator[dict[str, Any]]:
     """The rows of recorded traces; raises ConfigError naming file and line for a bad one.
     A torn row (router.recorder.parse_row) is skipped, and said so in ``notes``. ``keys``
-    gets the files of each recording key the rows name (:func:`file_keys`)."""
+    gets the files of each recording key the rows name (:func:`file_keys`). A row found in
+    more than one input (copies of one recording: module doc) is kept as often as the input
+    holding it most often, and ``notes`` says how many copies were dropped."""
+    kept: dict[str, int] = {}  # each distinct row: how often it was kept
+    dropped = 0
     for path in paths:
         with path.open(encoding="utf-8") as fh:
             try:
@@ -49,7 +60,20 @@ def read_rows(
         if keys is not None:
             for name in file_keys(path, rows):
                 keys.setdefault(name, []).append(path)
-        yield from rows
+        seen: dict[str, int] = {}  # each distinct row: how often in this file
+        for row in rows:
+            text = json.dumps(row, sort_keys=True, separators=(",", ":"))
+            seen[text] = count = seen.get(text, 0) + 1
+            if count > kept.get(text, 0):
+                kept[text] = count
+                yield row
+            else:
+                dropped += 1
+    if dropped and notes is not None:
+        notes.append(
+            f"dropped {dropped} row(s) found in more than one input: copies of one recording "
+            "(a file named twice, copied before and after a rotation, or while it grew)"
+        )
 
 
 def file_keys(path: Path, rows: Iterable[dict[str, Any]]) -> set[str]:

@@ -552,3 +552,35 @@ def test_workers_sharing_a_path_replay_a_session_at_its_own_pace(tmp_path: pathl
         rows = mooncake_rows(trace)
         got = [(r.arrival_s, r.after, r.delay_s) for r in rows]
         assert got == [(0.0, None, 0.0), second, (9.0, 1, 1.0)], trace
+
+
+def test_merge_keeps_one_copy_of_rows_found_in_several_inputs(tmp_path: pathlib.Path) -> None:
+    """A pod's files copied off at different moments overlap: the live file copied before a
+    rotation and its ``.1`` after hold the same rows (so do yesterday's copy of a file still
+    growing and today's, or one file named twice). The merge summed them: every such request
+    replayed twice, silently. It now keeps each row as often as the one input holding it most
+    often (a batch's identical prompts are identical rows of one file: both stay) and says
+    how many copies it dropped."""
+    live = tmp_path / "trace.jsonl"
+    rec = TraceRecorder(RecordSettings(live, key=KEY), 0.0, 100.0)
+    _record(rec, list(range(512)), 1.0, finished_at=1.5)
+    batch = rec.next_batch()
+    for _ in range(2):  # one batch of two identical prompts: two identical rows
+        _record(rec, list(range(600)), 2.0, finished_at=2.5, batch=batch, endpoint="completions")
+    rec.flush()
+    copied = tmp_path / "copy-before-rotation.jsonl"
+    copied.write_bytes(live.read_bytes())
+    _record(rec, [7] * 512, 3.0, finished_at=3.5)
+    rec.close()
+    other = tmp_path / "pod-b.jsonl"
+    rec = TraceRecorder(RecordSettings(other, key=KEY), 0.0, 100.0)
+    # another pod, the same prompt at the same ms: its own row (its E2E differs)
+    _record(rec, list(range(512)), 1.0, finished_at=1.6)
+    rec.close()
+    out = tmp_path / "merged.jsonl"
+    run = kvrouter("trace", "merge", str(copied), str(live), str(other), str(live), "-o", str(out))
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["timestamp"] for r in rows] == [0, 0, 1000, 1000, 2000]
+    assert "dropped 7 row(s) found in more than one input" in run.stderr, run.stderr
+    assert "merged 5 rows from 4 files" in run.stderr
