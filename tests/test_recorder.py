@@ -112,18 +112,56 @@ def test_rotation_keeps_backups_and_ids(tmp_path: pathlib.Path) -> None:
     assert all((tmp_path / n).stat().st_size <= 300 for n in files)
 
 
-def test_block_size_not_dividing_512_records_lengths_only(tmp_path: pathlib.Path) -> None:
-    rec = TraceRecorder(RecordSettings(tmp_path / "t.jsonl"), started_at=0.0)
-    rec.record(
-        arrived_at=1.0,
-        model="m",
-        input_length=100,
-        output_length=1,
-        block_hashes=[1, 2],
-        block_size=48,
-    )
+def _shared(a: list[int], b: list[int]) -> int:
+    """How many leading hashes two chains share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("block_size", [48, 96, 1024])
+def test_a_block_size_not_dividing_512_still_records_prefix_sharing(
+    tmp_path: pathlib.Path, block_size: int
+) -> None:
+    """A router block size that does not divide 512 (a config takes any: 48, 1024) gave
+    every row ``hash_ids: []``: the replay of such a recording shared no prefix at all,
+    silently (hit rate 0). Its ids now name each 512-token block by the router's last whole
+    block before the block's end: a turn extending the previous one shares all of it, a
+    different prompt nothing, and prompts parting inside a router block share less than one
+    router block more than they do."""
+    path = tmp_path / "t.jsonl"
+    rec = TraceRecorder(RecordSettings(path, key=KEY), started_at=0.0)
+    first = list(range(2000))
+    prompts = {
+        "first": first,
+        "next turn": first + [7] * 1000,
+        "parts at 1100": first[:1100] + [9] * 900,
+        "other": [5] * 2000,
+    }
+    root = root_hash("m")
+    for at, toks in enumerate(prompts.values()):
+        rec.record(
+            arrived_at=float(at),
+            model="m",
+            input_length=len(toks),
+            output_length=1,
+            block_hashes=hash_prompt(toks, block_size, root).hashes,
+            block_size=block_size,
+        )
     rec.close()
-    assert json.loads((tmp_path / "t.jsonl").read_text())["hash_ids"] == []
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [len(r["hash_ids"]) for r in rows] == [4, 6, 4, 4]
+    from sim.workload import read_mooncake
+
+    work = read_mooncake(path, block_size=64, model="m")
+    chains = dict(zip(prompts, (r.block_hashes for r in work.requests), strict=True))
+    # every whole 512-token block of turn one (a partial last block's id names its length
+    # too, as in Mooncake's traces and at any block size)
+    assert _shared(chains["first"], chains["next turn"]) == 1536 // 64
+    assert _shared(chains["first"], chains["other"]) * 64 < block_size
+    parted = _shared(chains["first"], chains["parts at 1100"]) * 64
+    assert 1024 <= parted < 1100 + block_size
 
 
 def test_session_follow_ups_get_closed_loop_delays(tmp_path: pathlib.Path) -> None:
