@@ -493,3 +493,42 @@ def test_the_simulator_never_disaggregates_a_batch(tmp_path: pathlib.Path) -> No
     assert (sim.pd_stats.requests, sim.pd_stats.remote) == (2, 1)
     replicas = [sim._records[r.request_id].replica for r in workload.requests]
     assert replicas[0] == replicas[1] == replicas[2]
+
+
+def test_a_replayed_request_decodes_its_recorded_output_on_vllm(tmp_path: pathlib.Path) -> None:
+    """The live replay asked a recorded output as ``max_tokens`` alone: a real engine stops
+    at its end-of-sequence token long before (its stand-in prompts are no text a model
+    answers at length), so a replay on a real fleet decoded far fewer tokens than the
+    recording, silently. Each body now makes vLLM (its own request models, 0.34) decode
+    exactly the recorded output: ``ignore_eos`` where the endpoint has it, the Messages API
+    ``min_tokens`` at its ``max_tokens``."""
+    from tests.engines import anthropic_ref, responses_ref
+
+    trace = tmp_path / "t.jsonl"
+    rows = [
+        {
+            "timestamp": 1000 * i,
+            "input_length": 600,
+            "output_length": 37,
+            "hash_ids": [i, 9],
+            "endpoint": endpoint,
+            "stream": i % 2 == 0,
+        }
+        for i, endpoint in enumerate(("completions", "chat", "responses", "messages"))
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bodies = {
+        req.path: json.loads(req.body) for req in load_requests(trace, 10, "m", max_output=64)
+    }
+    base = anthropic_ref.load()
+    completion = base["vllm.entrypoints.openai.completion.protocol"].CompletionRequest
+    chat = base["vllm.entrypoints.openai.chat_completion.protocol"].ChatCompletionRequest
+    messages = base["vllm.entrypoints.anthropic.protocol"].AnthropicMessagesRequest
+    responses = responses_ref.load()["vllm.entrypoints.openai.responses.protocol"]
+    for path, model in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        request = model.model_validate(bodies[path])
+        assert (request.max_tokens, request.ignore_eos) == (37, True), path
+    request = responses.ResponsesRequest.model_validate(bodies["/v1/responses"])
+    assert (request.max_output_tokens, request.ignore_eos) == (37, True)
+    request = messages.model_validate(bodies["/v1/messages"])
+    assert (request.max_tokens, request.min_tokens) == (37, 37)

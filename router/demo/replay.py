@@ -9,7 +9,9 @@ arrivals). An open-loop request goes out at its arrival, a closed-loop turn ``de
 the request the simulator ties it to finished (both divided by the speed-up).
 Each request goes to the endpoint its row names (``endpoint``: ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages``), streamed or not as recorded
-(``stream``), with its ``n``; a row without them (an older recording, a Mooncake trace) is a
+(``stream``), with its ``n``, decoding its recorded output whole (``ignore_eos``, the
+Messages API's ``min_tokens``: a real engine stops at its end-of-sequence token long before,
+on prompts that are no text); a row without them (an older recording, a Mooncake trace) is a
 streamed completion. The rows of one completions batch (``batch``: the recorder's row per
 prompt) are one request, as the router received and routed them: at the first row's arrival
 (and, closed loop, its tie), its ``prompt`` the rows' prompts in row order, with the first
@@ -142,7 +144,8 @@ def request_body(
 ) -> dict[str, Any]:
     """The body of a replayed request at ``endpoint``: completions carry the token ids (a
     sequence of several prompts: a batch, ``prompt`` a list of them), the others
-    :func:`prompt_text` as one user message (the Responses API: as its input)."""
+    :func:`prompt_text` as one user message (the Responses API: as its input). It asks
+    ``output`` tokens exactly (``ignore_eos``; the Messages API: ``min_tokens``)."""
     body: dict[str, Any] = {"model": model}
     if not isinstance(tokens, np.ndarray):
         if endpoint != "completions":
@@ -156,6 +159,12 @@ def request_body(
     else:
         body["messages"] = [{"role": "user", "content": prompt_text(tokens)}]
     body["max_output_tokens" if endpoint == "responses" else "max_tokens"] = output
+    # exactly ``output`` tokens, as recorded: a real engine would stop at its end of sequence
+    # (vLLM and SGLang read ``ignore_eos``; vLLM's Messages API only ``min_tokens``)
+    if endpoint == "messages":
+        body["min_tokens"] = output
+    else:
+        body["ignore_eos"] = True
     if samples > 1:  # only the OpenAI endpoints sample several sequences
         body["n"] = samples
     body["stream"] = stream
