@@ -4,7 +4,8 @@ One row per prompt of a completed request (a completions batch: one row per prom
 the batch's arrival), written when it completes:
 
     {"timestamp": arrival, ms since the Unix epoch (wall clock), "input_length": n,
-     "output_length": m, "hash_ids": [...], "model": "...", "key_id": "k-...", "n": k,
+     "output_length": m, "hash_ids": [...], "model": "...", "key_id": "k-...",
+     "router_block": b, "n": k,
      "stream": true, "endpoint": "chat", "batch": "...", "session_id": "...", "replica": "name/dp",
      "pred_hit": t, "cached": t, "ttft_ms": x, "e2e_ms": y}
 
@@ -35,7 +36,9 @@ The key is ``server.record_key`` (set the same secret on every pod); without one
 of one pod share a random key created next to the trace (``<path>.key``, mode 0600, created
 once by whichever worker comes first). Every row names its key by ``key_id``
 (:func:`key_id`, a keyed hash of a constant: it tells keys apart and reveals nothing of
-one), so ``kvrouter trace merge`` can tell when its inputs' ids cannot match.
+one), so ``kvrouter trace merge`` can tell when its inputs' ids cannot match. So does
+``router_block``, the router block size the ids were made at: a canonical hash depends on
+it, so one model's ids match only between rows recorded at one size.
 
 The outcome columns (present when known): ``replica`` the request was sent to, the usable
 prefix the router predicted (``pred_hit``, tokens), what the engine reported cached
@@ -283,6 +286,7 @@ class TraceRecorder:
         row["hash_ids"] = self.ids(coarse)
         row["model"] = model
         row["key_id"] = self._key_id
+        row["router_block"] = block_size
         if samples > 1:
             row["n"] = samples
         if stream is not None:

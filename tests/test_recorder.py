@@ -78,6 +78,7 @@ def test_rows_are_mooncake_compatible(tmp_path: pathlib.Path) -> None:
         "hash_ids": ids_of(a),
         "model": "m",
         "key_id": key_id(KEY),
+        "router_block": 64,
         "session_id": sid("s1"),
     }
     # b shares the first two 512-token blocks with a, then diverges; ceil(2524/512) = 5 ids.
@@ -622,3 +623,36 @@ def test_merge_keeps_one_copy_of_rows_found_in_several_inputs(tmp_path: pathlib.
     assert [r["timestamp"] for r in rows] == [0, 0, 1000, 1000, 2000]
     assert "dropped 7 row(s) found in more than one input" in run.stderr, run.stderr
     assert "merged 5 rows from 4 files" in run.stderr
+
+
+def test_merge_warns_when_a_model_was_recorded_at_different_block_sizes(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A block's id is made from the router's canonical hash at its ``block_size``: the same
+    prefix gets other ids at another size (pods configured apart, or one pod before and
+    after a change), so a merge of such files lost every prefix they shared, silently, the
+    key being the same. Rows now carry ``router_block`` and the merge says so; other models
+    at other sizes (ids never shared across models) merge quietly."""
+    toks = list(range(1024))
+    paths = {}
+    for pod, size, model in (("a", 64, "m"), ("b", 32, "m"), ("c", 32, "other")):
+        paths[pod] = tmp_path / f"{pod}.jsonl"
+        rec = TraceRecorder(RecordSettings(paths[pod], key=KEY), 0.0, 100.0)
+        rec.record(
+            arrived_at=1.0,
+            model=model,
+            input_length=len(toks),
+            output_length=1,
+            block_hashes=hash_prompt(toks, size, root_hash(model)).hashes,
+            block_size=size,
+        )
+        rec.close()
+    assert json.loads(paths["a"].read_text())["router_block"] == 64
+    run = kvrouter("trace", "merge", str(paths["a"]), str(paths["b"]))
+    assert run.returncode == 0, run.stderr
+    first, second = (json.loads(x)["hash_ids"] for x in run.stdout.splitlines())
+    assert first != second  # the same prompt, other ids
+    assert "model m was recorded at router block sizes" in run.stderr, run.stderr
+    assert f"32: {paths['b']}; 64: {paths['a']}" in run.stderr
+    run = kvrouter("trace", "merge", str(paths["a"]), str(paths["c"]))
+    assert run.returncode == 0 and "block sizes" not in run.stderr, run.stderr
