@@ -17,6 +17,7 @@ from router.core.hashing import hash_prompt, root_hash
 from router.demo.replay import TraceRequest, load_requests, replay
 from router.recorder import RecordSettings, TraceRecorder, record_key, session_label
 from sim.workload import load_trace
+from tests.inprocess import kvrouter
 from tests.ports import free_port
 
 KEY = record_key("fleet secret")
@@ -532,3 +533,29 @@ def test_a_replayed_request_decodes_its_recorded_output_on_vllm(tmp_path: pathli
     assert (request.max_output_tokens, request.ignore_eos) == (37, True)
     request = messages.model_validate(bodies["/v1/messages"])
     assert (request.max_tokens, request.min_tokens) == (37, 37)
+
+
+def test_the_live_replay_refuses_a_bailian_trace_it_would_misread(tmp_path: pathlib.Path) -> None:
+    """``kvrouter demo --trace`` simulated a Bailian trace as one (seconds, 16-token blocks:
+    sim.workload sniffs it) and replayed it live as a Mooncake one: its seconds taken for
+    ms, its 16-token ids for 512-token blocks; the two columns of the table ran different
+    workloads, silently. The live replay reads Mooncake and recorded traces alone: a Bailian
+    one is an error naming it."""
+    trace = tmp_path / "bailian.jsonl"
+    rows = [
+        {
+            "chat_id": i,
+            "parent_chat_id": -1,
+            "timestamp": 1.5 * i,
+            "input_length": 64,
+            "output_length": 4,
+            "type": "text",
+            "turn": 1,
+            "hash_ids": [1, 2, 3, 4 + i],
+        }
+        for i in range(3)
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = kvrouter("demo", "--trace", str(trace), "--sim-only", "--requests", "3")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"{trace} is a Bailian trace" in run.stderr, run.stderr

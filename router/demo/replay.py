@@ -105,9 +105,22 @@ class Outcome:
 def count_requests(path: Path, limit: int) -> int:
     """How many requests :func:`load_requests` gives for ``path`` and ``limit`` (a
     completions batch's rows are one)."""
-    from sim.workload import mooncake_rows
+    return len(_requests_of(_trace_rows(path, limit)))
 
-    return len(_requests_of(mooncake_rows(path, trace_block=TRACE_BLOCK, limit=limit)))
+
+def _trace_rows(path: Path, limit: int) -> list[TraceRow]:
+    """The rows of a Mooncake / recorded trace as the simulator reads them
+    (sim.workload.mooncake_rows). A Bailian trace is an error: the simulator reads it in
+    its format (seconds, 16-token blocks: sim.workload ``sniff_format``), and read here as
+    Mooncake rows it would be another workload."""
+    from router.core.errors import ConfigError
+    from sim.workload import mooncake_rows, sniff_format
+
+    if sniff_format(path) == "bailian":
+        raise ConfigError(
+            f"{path} is a Bailian trace: the live replay reads Mooncake and recorded traces"
+        )
+    return mooncake_rows(path, trace_block=TRACE_BLOCK, limit=limit)
 
 
 def _requests_of(rows: Sequence[TraceRow]) -> list[list[int]]:
@@ -180,9 +193,7 @@ def load_requests(path: Path, limit: int, model: str, max_output: int) -> list[T
     sent to the row's endpoint, streamed or not and with its ``n`` as recorded (rows without
     them: streamed completions); a completions batch's rows as one request (module doc),
     ``after`` the index of the request a turn follows in the list returned."""
-    from sim.workload import mooncake_rows
-
-    rows = mooncake_rows(path, trace_block=TRACE_BLOCK, limit=limit)
+    rows = _trace_rows(path, limit)
     groups = _requests_of(rows)
     request_of = {i: k for k, group in enumerate(groups) for i in group}
     out: list[TraceRequest] = []
