@@ -4,7 +4,8 @@ One row per prompt of a completed request (a completions batch: one row per prom
 the batch's arrival), written when it completes:
 
     {"timestamp": arrival, ms since the Unix epoch (wall clock), "input_length": n,
-     "output_length": m, "hash_ids": [...], "model": "...", "key_id": "k-...", "n": k,
+     "output_length": m, "hash_ids": [...], "model": "...", "key_id": "k-...",
+     "router_block": b, "n": k,
      "stream": true, "endpoint": "chat", "batch": "...", "session_id": "...", "replica": "name/dp",
      "pred_hit": t, "cached": t, "ttft_ms": x, "e2e_ms": y}
 
@@ -26,12 +27,18 @@ hash of the block's canonical hash (the hash of the whole prefix up to it): the 
 gets the same ids in every worker and every pod that records with the same key, different
 prefixes get different ids (53-bit ids: collisions are negligible), and without the key a
 reader cannot confirm a guessed prompt. Never text, never token ids, never canonical hashes.
+With a router block size that does not divide 512 (48, 1024) a block's id is made from the
+router's last whole block before its end (router.core.hashing ``coarse_prefix_ids``): a
+turn extending the previous one still shares all of it; prompts parting inside a router
+block look shared up to its end at most.
 ``session_id`` is keyed the same way (:func:`session_label`): never the id as sent.
 The key is ``server.record_key`` (set the same secret on every pod); without one, the workers
 of one pod share a random key created next to the trace (``<path>.key``, mode 0600, created
 once by whichever worker comes first). Every row names its key by ``key_id``
 (:func:`key_id`, a keyed hash of a constant: it tells keys apart and reveals nothing of
-one), so ``kvrouter trace merge`` can tell when its inputs' ids cannot match.
+one), so ``kvrouter trace merge`` can tell when its inputs' ids cannot match. So does
+``router_block``, the router block size the ids were made at: a canonical hash depends on
+it, so one model's ids match only between rows recorded at one size.
 
 The outcome columns (present when known): ``replica`` the request was sent to, the usable
 prefix the router predicted (``pred_hit``, tokens), what the engine reported cached
@@ -70,7 +77,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.core.hashing import coarsen_chain
+from router.core.hashing import coarse_prefix_ids
 
 TRACE_BLOCK_TOKENS = 512
 MAX_SESSIONS = 1_000_000  # sessions whose last finish time is kept for ``delay``
@@ -259,7 +266,8 @@ class TraceRecorder:
     ) -> None:
         """Append one prompt of a request (a completions batch: one call per prompt, at the
         batch's arrival). ``block_hashes`` is its canonical chain at ``block_size``; when
-        that size does not divide 512 the row gets no ``hash_ids`` (lengths only).
+        that size does not divide 512 the ids are a close approximation
+        (router.core.hashing ``coarse_prefix_ids``).
         ``output_length`` is one sequence's, ``samples`` the sequences sampled (``n``): a
         row with ``n`` > 1 gets it. ``stream`` and ``endpoint`` (:data:`ENDPOINTS`), when
         known, say how the request was sent; ``batch`` (:meth:`next_batch`) names the
@@ -274,13 +282,11 @@ class TraceRecorder:
             "input_length": input_length,
             "output_length": output_length,
         }
-        if TRACE_BLOCK_TOKENS % block_size == 0:
-            coarse = coarsen_chain(block_hashes, block_size, input_length, TRACE_BLOCK_TOKENS)
-            row["hash_ids"] = self.ids(coarse)
-        else:
-            row["hash_ids"] = []
+        coarse = coarse_prefix_ids(block_hashes, block_size, input_length, TRACE_BLOCK_TOKENS)
+        row["hash_ids"] = self.ids(coarse)
         row["model"] = model
         row["key_id"] = self._key_id
+        row["router_block"] = block_size
         if samples > 1:
             row["n"] = samples
         if stream is not None:

@@ -14,7 +14,16 @@ hold more than one, their ids cannot match across them (the same prefix gets oth
 each pod's files, so shared prefixes look unshared), and the merge says so, naming the files
 of each key; whether the pods set different ``record_key`` secrets or none (each pod's
 random key). Rows recorded before ``key_id`` existed are named by their file's key file
-(``<trace>.key``) when there is one.
+(``<trace>.key``) when there is one. Rows name the router block size their ids were made
+at too (``router_block``): a model recorded at more than one (pods configured apart, one pod
+before and after a change) has ids that do not match across them, and the merge says so.
+
+Inputs may overlap: a pod's live file copied off before a rotation and its ``.1`` after it
+hold the same rows, as do two copies of a file taken while it grew, or one file named twice.
+Such rows would replay twice; a row is kept as often as the one input holding it most often
+(identical rows in one file, a batch's identical prompts, all stay) and the merge says how
+many copies it dropped. Two requests' rows are never identical across pods in practice: a
+row holds its arrival (ms), its E2E (0.1 ms) and its replica besides its prompt's ids.
 """
 
 from __future__ import annotations
@@ -32,14 +41,24 @@ from router.recorder import key_id, parse_row, torn_note
 
 # the files of each recording key (``key_id``) among a merge's inputs
 KeyFiles = dict[str, list[Path]]
+# the files of each router block size (``router_block``), by model, among a merge's inputs
+BlockFiles = dict[str, dict[int, list[Path]]]
 
 
 def read_rows(
-    paths: Iterable[Path], notes: list[str] | None = None, keys: KeyFiles | None = None
+    paths: Iterable[Path],
+    notes: list[str] | None = None,
+    keys: KeyFiles | None = None,
+    blocks: BlockFiles | None = None,
 ) -> Iterator[dict[str, Any]]:
     """The rows of recorded traces; raises ConfigError naming file and line for a bad one.
     A torn row (router.recorder.parse_row) is skipped, and said so in ``notes``. ``keys``
-    gets the files of each recording key the rows name (:func:`file_keys`)."""
+    gets the files of each recording key the rows name (:func:`file_keys`), ``blocks`` those
+    of each model's router block sizes (``router_block``). A row found in
+    more than one input (copies of one recording: module doc) is kept as often as the input
+    holding it most often, and ``notes`` says how many copies were dropped."""
+    kept: dict[str, int] = {}  # each distinct row: how often it was kept
+    dropped = 0
     for path in paths:
         with path.open(encoding="utf-8") as fh:
             try:
@@ -49,7 +68,24 @@ def read_rows(
         if keys is not None:
             for name in file_keys(path, rows):
                 keys.setdefault(name, []).append(path)
-        yield from rows
+        if blocks is not None:
+            sizes = {(str(r.get("model")), r["router_block"]) for r in rows if "router_block" in r}
+            for model, size in sorted(sizes):
+                blocks.setdefault(model, {}).setdefault(size, []).append(path)
+        seen: dict[str, int] = {}  # each distinct row: how often in this file
+        for row in rows:
+            text = json.dumps(row, sort_keys=True, separators=(",", ":"))
+            seen[text] = count = seen.get(text, 0) + 1
+            if count > kept.get(text, 0):
+                kept[text] = count
+                yield row
+            else:
+                dropped += 1
+    if dropped and notes is not None:
+        notes.append(
+            f"dropped {dropped} row(s) found in more than one input: copies of one recording "
+            "(a file named twice, copied before and after a rotation, or while it grew)"
+        )
 
 
 def file_keys(path: Path, rows: Iterable[dict[str, Any]]) -> set[str]:
@@ -132,6 +168,24 @@ def mixed_keys_warning(keys: KeyFiles) -> str | None:
     )
 
 
+def mixed_blocks_warning(blocks: BlockFiles) -> str | None:
+    """What to tell when a model's rows were recorded at more than one router block size
+    (its ids do not match across them), else None."""
+    mixed = [
+        f"model {model} was recorded at router block sizes "
+        + "; ".join(f"{size}: {', '.join(map(str, files))}" for size, files in sorted(of.items()))
+        for model, of in sorted(blocks.items())
+        if len(of) > 1
+    ]
+    if not mixed:
+        return None
+    return (
+        f"warning: {' and '.join(mixed)}: a block's id is made from the router's hash at "
+        "its block size, so prefixes shared between them look unshared; record with one "
+        "[models.NAME] block_size"
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
     paths = [Path(p) for p in args.files]
     # a trace recorded without record_key has its key beside it (router/recorder.py):
@@ -142,11 +196,13 @@ def _run(args: argparse.Namespace) -> int:
     paths = [p for p in paths if p not in key_files]
     notes: list[str] = []
     keys: KeyFiles = {}
-    rows = merge(read_rows(paths, notes, keys), keep_time=args.keep_time)
+    blocks: BlockFiles = {}
+    rows = merge(read_rows(paths, notes, keys, blocks), keep_time=args.keep_time)
     for note in notes:
         print(note, file=sys.stderr)
-    if warning := mixed_keys_warning(keys):
-        print(warning, file=sys.stderr)
+    for warning in (mixed_keys_warning(keys), mixed_blocks_warning(blocks)):
+        if warning:
+            print(warning, file=sys.stderr)
     if not rows:
         raise ConfigError("no rows in " + ", ".join(args.files))
     out = sys.stdout if args.output in (None, "-") else open(args.output, "w", encoding="utf-8")  # noqa: SIM115

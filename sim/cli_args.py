@@ -42,7 +42,11 @@ def add_fleet_args(p: argparse.ArgumentParser, traces: bool = False) -> None:
     p.add_argument("--format", default="auto", choices=("auto", "mooncake", "recorded", "bailian"))
     p.add_argument("--trace-block", type=int, help="tokens per trace hash id (512 / 16)")
     p.add_argument("--limit", type=int, help="use only the first N requests")
-    p.add_argument("--model", default="sim-model", help="model name (hash namespace)")
+    p.add_argument(
+        "--model",
+        default="sim-model",
+        help="model name (hash namespace; a recording's rows of it alone)",
+    )
     p.add_argument("--profile", default="dense-70b", help="replica profile name or TOML path")
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--block-size", type=int, default=64, help="router/engine block size")

@@ -10,7 +10,8 @@ Trace formats (JSON lines; unknown extra fields are ignored):
 
 * Mooncake: ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``;
   each hash id names a ``trace_block``-token prefix block (512 in Mooncake's releases).
-* Recorded (the router's own format): Mooncake rows plus optional ``session_id``, ``model``,
+* Recorded (the router's own format): Mooncake rows plus optional ``session_id``, ``model``
+  (a simulation's ``model``, when rows name it, replays that model's rows alone),
   ``n`` (sequences sampled from the prompt: one prefill, ``n`` answers of ``output_length``
   each; default 1), ``stream`` and ``endpoint`` (how the live replay sends the row: default a
   streamed ``completions`` request, as rows recorded before them were replayed) and
@@ -341,7 +342,7 @@ def _manner(row: dict[str, Any], where: str) -> tuple[int, bool, str, str | None
 
 
 def mooncake_rows(
-    path: Path, *, trace_block: int = 512, limit: int | None = None
+    path: Path, *, trace_block: int = 512, limit: int | None = None, model: str | None = None
 ) -> list[TraceRow]:
     """The requests of a Mooncake JSONL trace, including the router's recorded rows
     (``session_id``, ``delay``), in arrival order: a recording holds its rows in order of
@@ -352,11 +353,12 @@ def mooncake_rows(
     start). ``limit``: the first ``limit`` of that order (a kept turn's request is kept).
     Timestamps are ms; arrivals start at the first one. Block ids are renamed densely in
     arrival order. A completions batch's kept rows each decode the largest output among
-    them (:func:`batch_outputs`)."""
+    them (:func:`batch_outputs`). ``model``: when rows name it (a recording's ``model``),
+    its rows alone (:func:`_of_model`)."""
     raw: list[tuple[float, int, int, list[int], str | None, int | None, float]] = []
     manners: list[tuple[int, bool, str, str | None]] = []
     last_of_session: dict[str, tuple[int, float | None]] = {}  # (row, finish ms)
-    for lineno, row in _rows(path):
+    for lineno, row in _of_model(path, list(_rows(path)), model):
         where = f"{path}:{lineno}"
         ts = _int(row, "timestamp", where, 0) / 1000.0
         n_in = _int(row, "input_length", where)
@@ -424,6 +426,27 @@ def mooncake_rows(
     return batch_outputs(out)
 
 
+def _of_model(
+    path: Path, rows: list[tuple[int, dict[str, Any]]], model: str | None
+) -> list[tuple[int, dict[str, Any]]]:
+    """The rows of ``model`` when some row names it (a pod serving several models records
+    them all in one trace, each row naming its ``model``; each runs on a fleet of its own);
+    else all of them, with a warning when they name more than one model (replayed as one,
+    on one fleet)."""
+    models = {str(row["model"]) for _, row in rows if row.get("model") is not None}
+    if model is not None and model in models:
+        return [(n, row) for n, row in rows if str(row.get("model")) == model]
+    if len(models) > 1:
+        _log.warning(
+            "%s: rows of %d models (%s) replayed as one, on one fleet; --model NAME "
+            "replays one of them",
+            path,
+            len(models),
+            ", ".join(sorted(models)),
+        )
+    return rows
+
+
 def batch_outputs(rows: list[TraceRow]) -> list[TraceRow]:
     """``rows`` with every row of a completions batch decoding the batch's largest output.
     The batch is one request with one ``max_tokens`` (the live replay sends it so,
@@ -466,7 +489,9 @@ def read_mooncake(
             batch=r.batch,
             stream=r.stream,
         )
-        for i, r in enumerate(mooncake_rows(path, trace_block=trace_block, limit=limit))
+        for i, r in enumerate(
+            mooncake_rows(path, trace_block=trace_block, limit=limit, model=model)
+        )
     ]
     meta = {"format": "mooncake", "path": str(path), "trace_block": trace_block}
     meta["hashed_tokens"] = hasher.hashed_tokens

@@ -17,6 +17,7 @@ from router.core.hashing import hash_prompt, root_hash
 from router.demo.replay import TraceRequest, load_requests, replay
 from router.recorder import RecordSettings, TraceRecorder, record_key, session_label
 from sim.workload import load_trace
+from tests.inprocess import kvrouter
 from tests.ports import free_port
 
 KEY = record_key("fleet secret")
@@ -91,14 +92,11 @@ def test_a_limit_keeps_the_first_arrivals_not_the_first_rows(tmp_path: pathlib.P
 
 
 def test_a_row_without_hash_ids_is_replayed_at_its_full_length(tmp_path: pathlib.Path) -> None:
-    """The recorder writes ``hash_ids: []`` where the router's block size does not divide
-    512: the live replay sent such a prompt empty (the simulator gives it fresh blocks)."""
-    rec = TraceRecorder(RecordSettings(tmp_path / "rec.jsonl", key=KEY), 0.0, WALL)
-    chain = hash_prompt(list(range(700)), 48, root_hash("m")).hashes
-    rec.record(arrived_at=1.0, model="m", input_length=700, output_length=2,
-               block_hashes=chain, block_size=48)  # fmt: skip
-    rec.close()
-    assert json.loads((tmp_path / "rec.jsonl").read_text())["hash_ids"] == []
+    """A row whose ``hash_ids`` are empty (the recorder wrote such rows where the router's
+    block size did not divide 512; a hand-made trace may): the live replay sent such a
+    prompt empty (the simulator gives it fresh blocks)."""
+    row = {"timestamp": 1000, "input_length": 700, "output_length": 2, "hash_ids": []}
+    (tmp_path / "rec.jsonl").write_text(json.dumps(row) + "\n")
     (req,) = load_requests(tmp_path / "rec.jsonl", 10, "m", max_output=64)
     assert len(_prompt(req)) == 700 and req.arrival_s == 0.0
 
@@ -496,3 +494,68 @@ def test_the_simulator_never_disaggregates_a_batch(tmp_path: pathlib.Path) -> No
     assert (sim.pd_stats.requests, sim.pd_stats.remote) == (2, 1)
     replicas = [sim._records[r.request_id].replica for r in workload.requests]
     assert replicas[0] == replicas[1] == replicas[2]
+
+
+def test_a_replayed_request_decodes_its_recorded_output_on_vllm(tmp_path: pathlib.Path) -> None:
+    """The live replay asked a recorded output as ``max_tokens`` alone: a real engine stops
+    at its end-of-sequence token long before (its stand-in prompts are no text a model
+    answers at length), so a replay on a real fleet decoded far fewer tokens than the
+    recording, silently. Each body now makes vLLM (its own request models, 0.34) decode
+    exactly the recorded output: ``ignore_eos`` where the endpoint has it, the Messages API
+    ``min_tokens`` at its ``max_tokens``."""
+    from tests.engines import anthropic_ref, responses_ref
+
+    trace = tmp_path / "t.jsonl"
+    rows = [
+        {
+            "timestamp": 1000 * i,
+            "input_length": 600,
+            "output_length": 37,
+            "hash_ids": [i, 9],
+            "endpoint": endpoint,
+            "stream": i % 2 == 0,
+        }
+        for i, endpoint in enumerate(("completions", "chat", "responses", "messages"))
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bodies = {
+        req.path: json.loads(req.body) for req in load_requests(trace, 10, "m", max_output=64)
+    }
+    base = anthropic_ref.load()
+    completion = base["vllm.entrypoints.openai.completion.protocol"].CompletionRequest
+    chat = base["vllm.entrypoints.openai.chat_completion.protocol"].ChatCompletionRequest
+    messages = base["vllm.entrypoints.anthropic.protocol"].AnthropicMessagesRequest
+    responses = responses_ref.load()["vllm.entrypoints.openai.responses.protocol"]
+    for path, model in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        request = model.model_validate(bodies[path])
+        assert (request.max_tokens, request.ignore_eos) == (37, True), path
+    request = responses.ResponsesRequest.model_validate(bodies["/v1/responses"])
+    assert (request.max_output_tokens, request.ignore_eos) == (37, True)
+    request = messages.model_validate(bodies["/v1/messages"])
+    assert (request.max_tokens, request.min_tokens) == (37, 37)
+
+
+def test_the_live_replay_refuses_a_bailian_trace_it_would_misread(tmp_path: pathlib.Path) -> None:
+    """``kvrouter demo --trace`` simulated a Bailian trace as one (seconds, 16-token blocks:
+    sim.workload sniffs it) and replayed it live as a Mooncake one: its seconds taken for
+    ms, its 16-token ids for 512-token blocks; the two columns of the table ran different
+    workloads, silently. The live replay reads Mooncake and recorded traces alone: a Bailian
+    one is an error naming it."""
+    trace = tmp_path / "bailian.jsonl"
+    rows = [
+        {
+            "chat_id": i,
+            "parent_chat_id": -1,
+            "timestamp": 1.5 * i,
+            "input_length": 64,
+            "output_length": 4,
+            "type": "text",
+            "turn": 1,
+            "hash_ids": [1, 2, 3, 4 + i],
+        }
+        for i in range(3)
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = kvrouter("demo", "--trace", str(trace), "--sim-only", "--requests", "3")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"{trace} is a Bailian trace" in run.stderr, run.stderr

@@ -78,6 +78,7 @@ def test_rows_are_mooncake_compatible(tmp_path: pathlib.Path) -> None:
         "hash_ids": ids_of(a),
         "model": "m",
         "key_id": key_id(KEY),
+        "router_block": 64,
         "session_id": sid("s1"),
     }
     # b shares the first two 512-token blocks with a, then diverges; ceil(2524/512) = 5 ids.
@@ -112,18 +113,56 @@ def test_rotation_keeps_backups_and_ids(tmp_path: pathlib.Path) -> None:
     assert all((tmp_path / n).stat().st_size <= 300 for n in files)
 
 
-def test_block_size_not_dividing_512_records_lengths_only(tmp_path: pathlib.Path) -> None:
-    rec = TraceRecorder(RecordSettings(tmp_path / "t.jsonl"), started_at=0.0)
-    rec.record(
-        arrived_at=1.0,
-        model="m",
-        input_length=100,
-        output_length=1,
-        block_hashes=[1, 2],
-        block_size=48,
-    )
+def _shared(a: list[int], b: list[int]) -> int:
+    """How many leading hashes two chains share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("block_size", [48, 96, 1024])
+def test_a_block_size_not_dividing_512_still_records_prefix_sharing(
+    tmp_path: pathlib.Path, block_size: int
+) -> None:
+    """A router block size that does not divide 512 (a config takes any: 48, 1024) gave
+    every row ``hash_ids: []``: the replay of such a recording shared no prefix at all,
+    silently (hit rate 0). Its ids now name each 512-token block by the router's last whole
+    block before the block's end: a turn extending the previous one shares all of it, a
+    different prompt nothing, and prompts parting inside a router block share less than one
+    router block more than they do."""
+    path = tmp_path / "t.jsonl"
+    rec = TraceRecorder(RecordSettings(path, key=KEY), started_at=0.0)
+    first = list(range(2000))
+    prompts = {
+        "first": first,
+        "next turn": first + [7] * 1000,
+        "parts at 1100": first[:1100] + [9] * 900,
+        "other": [5] * 2000,
+    }
+    root = root_hash("m")
+    for at, toks in enumerate(prompts.values()):
+        rec.record(
+            arrived_at=float(at),
+            model="m",
+            input_length=len(toks),
+            output_length=1,
+            block_hashes=hash_prompt(toks, block_size, root).hashes,
+            block_size=block_size,
+        )
     rec.close()
-    assert json.loads((tmp_path / "t.jsonl").read_text())["hash_ids"] == []
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [len(r["hash_ids"]) for r in rows] == [4, 6, 4, 4]
+    from sim.workload import read_mooncake
+
+    work = read_mooncake(path, block_size=64, model="m")
+    chains = dict(zip(prompts, (r.block_hashes for r in work.requests), strict=True))
+    # every whole 512-token block of turn one (a partial last block's id names its length
+    # too, as in Mooncake's traces and at any block size)
+    assert _shared(chains["first"], chains["next turn"]) == 1536 // 64
+    assert _shared(chains["first"], chains["other"]) * 64 < block_size
+    parted = _shared(chains["first"], chains["parts at 1100"]) * 64
+    assert 1024 <= parted < 1100 + block_size
 
 
 def test_session_follow_ups_get_closed_loop_delays(tmp_path: pathlib.Path) -> None:
@@ -552,3 +591,68 @@ def test_workers_sharing_a_path_replay_a_session_at_its_own_pace(tmp_path: pathl
         rows = mooncake_rows(trace)
         got = [(r.arrival_s, r.after, r.delay_s) for r in rows]
         assert got == [(0.0, None, 0.0), second, (9.0, 1, 1.0)], trace
+
+
+def test_merge_keeps_one_copy_of_rows_found_in_several_inputs(tmp_path: pathlib.Path) -> None:
+    """A pod's files copied off at different moments overlap: the live file copied before a
+    rotation and its ``.1`` after hold the same rows (so do yesterday's copy of a file still
+    growing and today's, or one file named twice). The merge summed them: every such request
+    replayed twice, silently. It now keeps each row as often as the one input holding it most
+    often (a batch's identical prompts are identical rows of one file: both stay) and says
+    how many copies it dropped."""
+    live = tmp_path / "trace.jsonl"
+    rec = TraceRecorder(RecordSettings(live, key=KEY), 0.0, 100.0)
+    _record(rec, list(range(512)), 1.0, finished_at=1.5)
+    batch = rec.next_batch()
+    for _ in range(2):  # one batch of two identical prompts: two identical rows
+        _record(rec, list(range(600)), 2.0, finished_at=2.5, batch=batch, endpoint="completions")
+    rec.flush()
+    copied = tmp_path / "copy-before-rotation.jsonl"
+    copied.write_bytes(live.read_bytes())
+    _record(rec, [7] * 512, 3.0, finished_at=3.5)
+    rec.close()
+    other = tmp_path / "pod-b.jsonl"
+    rec = TraceRecorder(RecordSettings(other, key=KEY), 0.0, 100.0)
+    # another pod, the same prompt at the same ms: its own row (its E2E differs)
+    _record(rec, list(range(512)), 1.0, finished_at=1.6)
+    rec.close()
+    out = tmp_path / "merged.jsonl"
+    run = kvrouter("trace", "merge", str(copied), str(live), str(other), str(live), "-o", str(out))
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["timestamp"] for r in rows] == [0, 0, 1000, 1000, 2000]
+    assert "dropped 7 row(s) found in more than one input" in run.stderr, run.stderr
+    assert "merged 5 rows from 4 files" in run.stderr
+
+
+def test_merge_warns_when_a_model_was_recorded_at_different_block_sizes(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A block's id is made from the router's canonical hash at its ``block_size``: the same
+    prefix gets other ids at another size (pods configured apart, or one pod before and
+    after a change), so a merge of such files lost every prefix they shared, silently, the
+    key being the same. Rows now carry ``router_block`` and the merge says so; other models
+    at other sizes (ids never shared across models) merge quietly."""
+    toks = list(range(1024))
+    paths = {}
+    for pod, size, model in (("a", 64, "m"), ("b", 32, "m"), ("c", 32, "other")):
+        paths[pod] = tmp_path / f"{pod}.jsonl"
+        rec = TraceRecorder(RecordSettings(paths[pod], key=KEY), 0.0, 100.0)
+        rec.record(
+            arrived_at=1.0,
+            model=model,
+            input_length=len(toks),
+            output_length=1,
+            block_hashes=hash_prompt(toks, size, root_hash(model)).hashes,
+            block_size=size,
+        )
+        rec.close()
+    assert json.loads(paths["a"].read_text())["router_block"] == 64
+    run = kvrouter("trace", "merge", str(paths["a"]), str(paths["b"]))
+    assert run.returncode == 0, run.stderr
+    first, second = (json.loads(x)["hash_ids"] for x in run.stdout.splitlines())
+    assert first != second  # the same prompt, other ids
+    assert "model m was recorded at router block sizes" in run.stderr, run.stderr
+    assert f"32: {paths['b']}; 64: {paths['a']}" in run.stderr
+    run = kvrouter("trace", "merge", str(paths["a"]), str(paths["c"]))
+    assert run.returncode == 0 and "block sizes" not in run.stderr, run.stderr

@@ -390,3 +390,27 @@ def test_a_bailian_limit_keeps_the_first_arrivals(tmp_path: Path) -> None:
     w = load_trace(str(write(tmp_path / "b.jsonl", rows)), block_size=16, limit=2)
     assert [r.prompt_tokens for r in w.requests] == [32, 48]
     assert [r.arrival_s for r in w.requests] == [0.0, 1.0]
+
+
+def test_a_recording_of_several_models_replays_the_one_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pod serving two models records both into one trace (each row names its ``model``);
+    the simulator replayed every row as one model on one fleet, silently: the other model's
+    load and cache on the replicas of this one. ``--model`` naming a recorded model now
+    replays its rows alone; without one, the replay says it mixes them."""
+    from router.recorder import RecordSettings, TraceRecorder
+
+    path = tmp_path / "trace.jsonl"
+    rec = TraceRecorder(RecordSettings(path, key=b"k" * 32), 0.0, 100.0)
+    for i, model in enumerate(("small", "big", "big", "small", "big")):
+        toks = list(range(700 + i))
+        rec.record(arrived_at=float(i), model=model, input_length=len(toks), output_length=3,
+                   block_hashes=hash_prompt(toks, 64, root_hash(model)).hashes,
+                   block_size=64)  # fmt: skip
+    rec.close()
+    assert len(load_trace(str(path), block_size=64, model="big")) == 3
+    assert len(load_trace(str(path), block_size=64, model="small")) == 2
+    with caplog.at_level("WARNING"):
+        assert len(load_trace(str(path), block_size=64)) == 5
+    assert "rows of 2 models (big, small) replayed as one" in caplog.text, caplog.text

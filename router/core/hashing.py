@@ -227,3 +227,37 @@ def coarsen_chain(
             xxhash.xxh3_64_intdigest(_U64.pack(parent) + _U64.pack(tail), seed=~HASH_SEED & _MASK64)
         )
     return out
+
+
+def coarse_prefix_ids(
+    hashes: Sequence[int], block_size: int, total_tokens: int, coarse_block: int = 512
+) -> list[int]:
+    """:func:`coarsen_chain` at any ``block_size``: exact where ``block_size`` divides
+    ``coarse_block``; else each coarse block (ending ``e`` tokens in, the prompt's end for a
+    partial last one) is named by the last whole fine block ending at or before ``e`` and the
+    tokens from its end to ``e`` (a block ending on a fine boundary: that fine hash). Two
+    prompts agreeing on their first ``e`` tokens get the same id, so a turn extending the
+    previous one shares every whole coarse block of it; two parting inside a fine block look
+    shared up to that block's end at most (less than ``block_size`` tokens more than they
+    are; before a first whole fine block, every prompt looks shared). Returns
+    ``ceil(total_tokens / coarse_block)`` ids."""
+    if block_size > 0 and coarse_block % block_size == 0:
+        return coarsen_chain(hashes, block_size, total_tokens, coarse_block)
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    if len(hashes) < total_tokens // block_size:
+        raise ValueError("hash chain shorter than total_tokens implies")
+    out = []
+    for k in range(-(-total_tokens // coarse_block)):
+        end = min((k + 1) * coarse_block, total_tokens)
+        fine, rest = divmod(end, block_size)
+        parent = hashes[fine - 1] if fine else 0
+        if not rest:
+            out.append(parent)
+        else:
+            out.append(
+                xxhash.xxh3_64_intdigest(
+                    _U64.pack(parent) + _U64.pack(rest), seed=~HASH_SEED & _MASK64
+                )
+            )
+    return out

@@ -9,7 +9,9 @@ arrivals). An open-loop request goes out at its arrival, a closed-loop turn ``de
 the request the simulator ties it to finished (both divided by the speed-up).
 Each request goes to the endpoint its row names (``endpoint``: ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages``), streamed or not as recorded
-(``stream``), with its ``n``; a row without them (an older recording, a Mooncake trace) is a
+(``stream``), with its ``n``, decoding its recorded output whole (``ignore_eos``, the
+Messages API's ``min_tokens``: a real engine stops at its end-of-sequence token long before,
+on prompts that are no text); a row without them (an older recording, a Mooncake trace) is a
 streamed completion. The rows of one completions batch (``batch``: the recorder's row per
 prompt) are one request, as the router received and routed them: at the first row's arrival
 (and, closed loop, its tie), its ``prompt`` the rows' prompts in row order, with the first
@@ -103,9 +105,22 @@ class Outcome:
 def count_requests(path: Path, limit: int) -> int:
     """How many requests :func:`load_requests` gives for ``path`` and ``limit`` (a
     completions batch's rows are one)."""
-    from sim.workload import mooncake_rows
+    return len(_requests_of(_trace_rows(path, limit)))
 
-    return len(_requests_of(mooncake_rows(path, trace_block=TRACE_BLOCK, limit=limit)))
+
+def _trace_rows(path: Path, limit: int) -> list[TraceRow]:
+    """The rows of a Mooncake / recorded trace as the simulator reads them
+    (sim.workload.mooncake_rows). A Bailian trace is an error: the simulator reads it in
+    its format (seconds, 16-token blocks: sim.workload ``sniff_format``), and read here as
+    Mooncake rows it would be another workload."""
+    from router.core.errors import ConfigError
+    from sim.workload import mooncake_rows, sniff_format
+
+    if sniff_format(path) == "bailian":
+        raise ConfigError(
+            f"{path} is a Bailian trace: the live replay reads Mooncake and recorded traces"
+        )
+    return mooncake_rows(path, trace_block=TRACE_BLOCK, limit=limit)
 
 
 def _requests_of(rows: Sequence[TraceRow]) -> list[list[int]]:
@@ -142,7 +157,8 @@ def request_body(
 ) -> dict[str, Any]:
     """The body of a replayed request at ``endpoint``: completions carry the token ids (a
     sequence of several prompts: a batch, ``prompt`` a list of them), the others
-    :func:`prompt_text` as one user message (the Responses API: as its input)."""
+    :func:`prompt_text` as one user message (the Responses API: as its input). It asks
+    ``output`` tokens exactly (``ignore_eos``; the Messages API: ``min_tokens``)."""
     body: dict[str, Any] = {"model": model}
     if not isinstance(tokens, np.ndarray):
         if endpoint != "completions":
@@ -156,6 +172,12 @@ def request_body(
     else:
         body["messages"] = [{"role": "user", "content": prompt_text(tokens)}]
     body["max_output_tokens" if endpoint == "responses" else "max_tokens"] = output
+    # exactly ``output`` tokens, as recorded: a real engine would stop at its end of sequence
+    # (vLLM and SGLang read ``ignore_eos``; vLLM's Messages API only ``min_tokens``)
+    if endpoint == "messages":
+        body["min_tokens"] = output
+    else:
+        body["ignore_eos"] = True
     if samples > 1:  # only the OpenAI endpoints sample several sequences
         body["n"] = samples
     body["stream"] = stream
@@ -171,9 +193,7 @@ def load_requests(path: Path, limit: int, model: str, max_output: int) -> list[T
     sent to the row's endpoint, streamed or not and with its ``n`` as recorded (rows without
     them: streamed completions); a completions batch's rows as one request (module doc),
     ``after`` the index of the request a turn follows in the list returned."""
-    from sim.workload import mooncake_rows
-
-    rows = mooncake_rows(path, trace_block=TRACE_BLOCK, limit=limit)
+    rows = _trace_rows(path, limit)
     groups = _requests_of(rows)
     request_of = {i: k for k, group in enumerate(groups) for i in group}
     out: list[TraceRequest] = []
