@@ -263,6 +263,7 @@ class TraceRecorder:
         stream: bool | None = None,
         endpoint: str | None = None,
         batch: str | None = None,
+        status: int | None = None,
     ) -> None:
         """Append one prompt of a request (a completions batch: one call per prompt, at the
         batch's arrival). ``block_hashes`` is its canonical chain at ``block_size``; when
@@ -273,7 +274,9 @@ class TraceRecorder:
         known, say how the request was sent; ``batch`` (:meth:`next_batch`) names the
         completions batch the prompt came in, on each of its rows. The row reaches the file
         at the next :meth:`flush`. A ``batch`` on another endpoint is a ``ValueError``:
-        only completions take a batch of prompts, and the trace reader refuses such a row."""
+        only completions take a batch of prompts, and the trace reader refuses such a row.
+        ``status``: the router's answer to a request it sent no replica (429: shed by
+        admission; 503: none could take it), a row of offered load without an outcome."""
         if batch is not None and endpoint not in (None, "completions"):
             raise ValueError(f"a batch of prompts goes to completions, not {endpoint}")
         wall_ms = (self.wall_at_start + arrived_at - self.started_at) * 1000
@@ -313,6 +316,8 @@ class TraceRecorder:
             row["ttft_ms"] = round((first_token_at - arrived_at) * 1000, 1)
         if finished_at is not None:
             row["e2e_ms"] = round((finished_at - arrived_at) * 1000, 1)
+        if status is not None:
+            row["status"] = status
         self._pending.append(json.dumps(row, separators=(",", ":")) + "\n")
         self.rows += 1
 

@@ -763,3 +763,43 @@ async def test_a_pick_with_candidates_is_admitted_among_them(protective_pair: Do
         assert (await stub.Report(done)).accepted
     finally:
         await channel.close()
+
+
+async def test_requests_shed_are_recorded_as_offered_load(tiered: Door, tmp_path: Any) -> None:
+    """A recorded trace replays the traffic the router was offered: a request admission
+    shed is a row too (``status`` 429, no replica, no outcome), else a replay of an
+    overloaded hour offers only what was served. A request the client got wrong (400) is
+    none."""
+    import json
+    import time
+
+    from router.recorder import RecordSettings, TraceRecorder, record_key
+
+    d = tiered
+    trace = tmp_path / "trace.jsonl"
+    loop = asyncio.get_running_loop()
+    recorder = TraceRecorder(
+        RecordSettings(trace, key=record_key("k")),
+        started_at=loop.time(),
+        wall_at_start=time.time(),
+    )
+    d.state.recorder = recorder
+    d.backend.gate = asyncio.Event()
+    long_prompt = "The tides rise and fall with the moon, day after day. " * 4000
+    first = asyncio.create_task(d.post(prompt=long_prompt))
+    await eventually(lambda: len(d.backend.received) == 1)
+    async with await d.post(stream=True) as r:
+        assert r.status == 429, await r.text()
+    async with await d.post(max_tokens="many") as r:
+        assert r.status == 400, await r.text()
+    d.backend.gate.set()
+    async with await first as r:
+        assert r.status == 200
+    recorder.flush()
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    shed = [row for row in rows if "status" in row]
+    assert len(shed) == 1 and len(rows) == 2, rows
+    row = shed[0]
+    assert row["status"] == 429 and row["endpoint"] == "completions" and row["stream"] is True
+    assert row["output_length"] == 4 and row["input_length"] > 100 and row["hash_ids"]
+    assert not {"replica", "pred_hit", "cached", "ttft_ms"} & row.keys(), row

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.core.slo import answered_as, sequence_tokens
-from router.core.types import ReplicaKey
+from router.core.types import ReplicaKey, RouteRequest
 from router.service.answers import (
     MAX_FINAL_EVENT,
     OPENAI_CLOSERS,
@@ -46,6 +46,7 @@ from router.service.stream_usage import UsageFilter
 from router.service.upstream import Exchange
 from router.service.upstream_errors import UpstreamBroken, UpstreamError, UpstreamTimeout
 from router.service.wire import Sink, response_headers, send_error, stream_error_event
+from router.tokenize.keying import ProcessedPrompt
 
 _SLO_RESULTS = {
     (True, True): "met",
@@ -115,29 +116,53 @@ def record_answer(
     endpoint: str | None,
 ) -> None:
     """Append an answered request to the live-traffic trace (router.recorder; the HTTP
-    relay's answers and the gRPC Picks a COMPLETED Report ends): one row per prompt of a
-    completions batch (each its own prompt and blocks, one ``batch`` id on all of them),
-    ``n`` on each. The output length is one sequence's: the replica's reported output
-    tokens (``completion_tokens``, the sum over every sequence of every prompt) shared out
-    over them, else the request's max tokens, else 1. A batch's rows carry no predicted or
+    relay's answers and the gRPC Picks a COMPLETED Report ends): :func:`record_request`,
+    with the replica that answered and the hit predicted there."""
+    predicted = routed.decision.usable_tokens if key == routed.decision.replica else None
+    record_request(
+        state, routed.request, routed.prompt, started, finished, completion_tokens,
+        cached_tokens, first_at, stream, endpoint,
+        replica=f"{key.replica}/{key.dp_rank}", predicted=predicted,
+    )  # fmt: skip
+
+
+def record_request(
+    state: RouterState,
+    req: RouteRequest,
+    prompt: ProcessedPrompt,
+    started: float,
+    finished: float,
+    completion_tokens: int | None,
+    cached_tokens: int | None,
+    first_at: float,
+    stream: bool | None,
+    endpoint: str | None,
+    *,
+    replica: str | None = None,
+    predicted: int | None = None,
+    status: int | None = None,
+) -> None:
+    """Append a request to the live-traffic trace: one row per prompt of a completions
+    batch (each its own prompt and blocks, one ``batch`` id on all of them), ``n`` on each.
+    The output length is one sequence's: the replica's reported output tokens
+    (``completion_tokens``, the sum over every sequence of every prompt) shared out over
+    them, else the request's max tokens, else 1. A batch's rows carry no predicted or
     engine-cached tokens: the router predicted its longest prompt's, and the usage holds
-    one prompt's cached tokens, not each's. Times are the event loop's (``first_at`` 0:
-    no first token seen)."""
+    one prompt's cached tokens, not each's. ``status``: the router's own answer to a
+    request it served no replica (a shed, none available): offered load a replay keeps.
+    Times are the event loop's (``first_at`` 0: no first token seen)."""
     recorder = state.recorder
     assert recorder is not None
-    req = routed.request
     sequences = max(req.samples, 1) * max(req.prompts, 1)
     out = completion_tokens
     if out is None:
         out = req.max_output_tokens or 1
     else:
         out = max(1, -(-out // sequences))
-    parts: Sequence[tuple[int, Sequence[int]]] = routed.prompt.batch
+    parts: Sequence[tuple[int, Sequence[int]]] = prompt.batch
     batch = len(parts) > 1
     if not batch:
         parts = ((req.prompt_tokens, req.block_hashes),)
-    replica = f"{key.replica}/{key.dp_rank}"
-    predicted = routed.decision.usable_tokens if key == routed.decision.replica else None
     batch_id = recorder.next_batch() if batch else None
     for tokens, hashes in parts:
         recorder.record(
@@ -157,6 +182,7 @@ def record_answer(
             stream=stream,
             endpoint=endpoint,
             batch=batch_id,
+            status=status,
         )
 
 
