@@ -765,17 +765,24 @@ async def test_a_pick_with_candidates_is_admitted_among_them(protective_pair: Do
         await channel.close()
 
 
-async def test_requests_shed_are_recorded_as_offered_load(tiered: Door, tmp_path: Any) -> None:
+@pytest.fixture
+async def tiered_grpc() -> AsyncIterator[Door]:
+    """As ``tiered``, with gRPC on."""
+    async for d in _door({}, {"ttft_tiers": "1000:0.05,*:1000"}, server={"grpc_port": 0}):
+        yield d
+
+
+async def test_requests_shed_are_recorded_as_offered_load(tiered_grpc: Door, tmp_path: Any) -> None:
     """A recorded trace replays the traffic the router was offered: a request admission
-    shed is a row too (``status`` 429, no replica, no outcome), else a replay of an
-    overloaded hour offers only what was served. A request the client got wrong (400) is
-    none."""
+    shed is a row too (``status`` 429, no replica, no outcome; a gRPC Pick's as its HTTP
+    equivalent's), else a replay of an overloaded hour offers only what was served. A
+    request the client got wrong (400) is none."""
     import json
     import time
 
     from router.recorder import RecordSettings, TraceRecorder, record_key
 
-    d = tiered
+    d = tiered_grpc
     trace = tmp_path / "trace.jsonl"
     loop = asyncio.get_running_loop()
     recorder = TraceRecorder(
@@ -792,14 +799,28 @@ async def test_requests_shed_are_recorded_as_offered_load(tiered: Door, tmp_path
         assert r.status == 429, await r.text()
     async with await d.post(max_tokens="many") as r:
         assert r.status == 400, await r.text()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{d.running.app[GRPC_PORT]}")
+    try:
+        body = '{"prompt": "' + PROMPT + '", "max_tokens": 5}'
+        pick = router_pb2.PickRequest(
+            model=MODEL, request_json=body, request_path="/v1/completions"
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await router_pb2_grpc.RouterStub(channel).Pick(pick, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        await channel.close()
     d.backend.gate.set()
     async with await first as r:
         assert r.status == 200
     recorder.flush()
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     shed = [row for row in rows if "status" in row]
-    assert len(shed) == 1 and len(rows) == 2, rows
-    row = shed[0]
-    assert row["status"] == 429 and row["endpoint"] == "completions" and row["stream"] is True
-    assert row["output_length"] == 4 and row["input_length"] > 100 and row["hash_ids"]
-    assert not {"replica", "pred_hit", "cached", "ttft_ms"} & row.keys(), row
+    assert len(shed) == 2 and len(rows) == 3, rows
+    http, rpc = shed
+    assert http["status"] == 429 and http["endpoint"] == "completions" and http["stream"] is True
+    assert http["output_length"] == 4 and http["input_length"] > 100 and http["hash_ids"]
+    assert rpc["status"] == 429 and rpc["endpoint"] == "completions" and "stream" not in rpc
+    assert rpc["output_length"] == 5 and rpc["hash_ids"] == http["hash_ids"]
+    for row in shed:
+        assert not {"replica", "pred_hit", "cached", "ttft_ms"} & row.keys(), row

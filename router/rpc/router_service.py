@@ -35,16 +35,18 @@ from router.recorder import ENDPOINTS
 from router.rpc.calls import CALLER, DELIVERY, Delivery, abort_error, abort_reply, metadata_headers
 from router.rpc.decisions import DecisionBook, Pending, owner_of, scoped_id
 from router.rpc.gen import router_pb2, router_pb2_grpc
-from router.service.answer_relay import count_slo, judged, record_answer
+from router.service.answer_relay import count_slo, judged, record_answer, record_refused
 from router.service.body_memo import Admitted
 from router.service.disagg import ModelDisagg
 from router.service.ejection import Ejections
+from router.service.errors import reply_for
 from router.service.gate import Gate
 from router.service.handling import (
     KINDS,
     holder_keys,
     holder_unavailable,
     record,
+    refused_load,
     rejected,
     too_large,
 )
@@ -274,15 +276,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # what the HTTP front door would answer 413 (not counted as a request, there
             # either), whatever grpc_max_message_mb lets through
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_large(self.state).message)
+        started = self.clock()
+        offered: ProcessedPrompt | None = None  # its prompt, once processed (trace rows)
+        body_session: str | None = None
+        max_out: int | None = None  # the body's output limit (as HTTP routes with it)
+        row_endpoint: str | None = None  # its trace row's (router.recorder ENDPOINTS)
         try:
             if not request.model:
                 raise BadRequest("model is required")
-            body_session: str | None = None
-            max_out: int | None = None  # the body's output limit (as HTTP routes with it)
             tier: object = None  # the body's service_tier (admission's class, as on HTTP)
             pinned: list[ReplicaKey] = []
             admitted: Admitted | None = None
-            row_endpoint: str | None = None  # its trace row's (router.recorder ENDPOINTS)
             if request.WhichOneof("prompt") == "request_json":
                 admitted, kind = await self._admitted(request)
                 row_endpoint = _ENDPOINT_OF_KIND.get(kind)
@@ -303,6 +307,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 )
                 if isinstance(arg, dict) and asks_prompt_logprobs(arg, kind):
                     prompt = replace(prompt, reads_cache=False)  # as the HTTP endpoints read it
+            offered = prompt
             now = self.clock()
             decision_id = request.request_id or uuid.uuid4().hex
             if "\x00" in decision_id:  # the separator of scoped ids (decisions.scoped_id)
@@ -373,9 +378,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     routed = slo_gate.classed(routed, tier, headers)
         except KVRouterError as exc:
             rejected(self.state, request.model)  # counted as the HTTP endpoints count it
-            await abort_error(
-                context, exc, self.state.fleet.retry_after_s(request.model, self.clock())
-            )
+            retry_after = self.state.fleet.retry_after_s(request.model, self.clock())
+            if self.state.recorder is not None and offered is not None and refused_load(exc):
+                # offered load, recorded as the HTTP endpoints record it (its status theirs)
+                record_refused(
+                    self.state, request.model, offered,
+                    session_key(request.session_id) or body_session, max_out, None,
+                    row_endpoint, started, self.clock(), reply_for(exc, retry_after).status,
+                )  # fmt: skip
+            await abort_error(context, exc, retry_after)
         except asyncio.CancelledError:
             # the caller left (cancelled, or its deadline passed) before the request reached
             # a replica (held by admission, or while its prompt was processed): its one

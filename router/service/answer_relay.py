@@ -41,7 +41,7 @@ from router.service.answers import (
 )
 from router.service.ejection import Ejections
 from router.service.response_ids import id_of_answer, id_of_stream
-from router.service.state import Routed, RouterState
+from router.service.state import Routed, RouterState, route_request
 from router.service.stream_usage import UsageFilter
 from router.service.upstream import Exchange
 from router.service.upstream_errors import UpstreamBroken, UpstreamError, UpstreamTimeout
@@ -184,6 +184,28 @@ def record_request(
             batch=batch_id,
             status=status,
         )
+
+
+def record_refused(
+    state: RouterState,
+    model: str,
+    prompt: ProcessedPrompt,
+    session_id: str | None,
+    max_output_tokens: int | None,
+    stream: bool | None,
+    endpoint: str | None,
+    started: float,
+    now: float,
+    status: int,
+) -> None:
+    """Append a request the router answered ``status`` without sending it to a replica
+    (shed by admission, none could take it: handling.refused_load) to the live-traffic trace,
+    as the row of offered load it is (:func:`record_request`: no replica, no outcome), so a
+    replay offers it again."""
+    req = route_request(model, prompt, "", session_id, max_output_tokens)
+    record_request(
+        state, req, prompt, started, now, None, None, 0.0, stream, endpoint, status=status
+    )
 
 
 class AnswerRelay:

@@ -30,7 +30,7 @@ from router.core.errors import KVRouterError, NoReplicaAvailable, Overloaded
 from router.core.types import ReplicaKey
 from router.recorder import endpoint_of
 from router.service import disagg, pass_through, stored_responses
-from router.service.answer_relay import record_request
+from router.service.answer_relay import record_refused
 from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, messages_path, reply_for
 from router.service.gate import Gate
@@ -40,7 +40,7 @@ from router.service.metrics import prompt_tier
 from router.service.proxy import Forwarder
 from router.service.request_identity import request_id_of, session_of, unique_in_flight
 from router.service.routes import Routes
-from router.service.state import Routed, RouterState, route_request
+from router.service.state import Routed, RouterState
 from router.service.stream_usage import with_patch
 from router.service.wire import Sink, send_error
 
@@ -110,27 +110,6 @@ def refused_load(exc: KVRouterError) -> bool:
     none could take it): offered load, which a recorded trace keeps. A request the client
     got wrong (a 400, an unknown model) is none."""
     return isinstance(exc, (Overloaded, NoReplicaAvailable))
-
-
-def record_refused(
-    state: RouterState,
-    admitted: Admitted,
-    headers: list[tuple[bytes, bytes]],
-    started: float,
-    now: float,
-    path: bytes,
-    status: int,
-) -> None:
-    """Append a request refused with ``status`` to the live-traffic trace as the row of
-    offered load it is (router.service.answer_relay ``record_request``; no replica, no
-    outcome), so a replay offers it again."""
-    prompt = admitted.prompt
-    session = session_of(headers, admitted.session_id)
-    req = route_request(admitted.model, prompt, "", session, admitted.max_output_tokens)
-    record_request(
-        state, req, prompt, started, now, None, None, 0.0, admitted.stream, endpoint_of(path),
-        status=status,
-    )  # fmt: skip
 
 
 async def send_reply(sink: Sink, reply: ErrorReply, anthropic: bool = False) -> None:
@@ -357,7 +336,11 @@ async def serve_completion(
         retry_after = state.fleet.retry_after_s(model if isinstance(model, str) else "", now)
         reply = reply_for(exc, retry_after)
         if state.recorder is not None and admitted is not None and refused_load(exc):
-            record_refused(state, admitted, client_headers, started, now, path, reply.status)
+            record_refused(
+                state, admitted.model, admitted.prompt,
+                session_of(client_headers, admitted.session_id), admitted.max_output_tokens,
+                admitted.stream, endpoint_of(path), started, now, reply.status,
+            )  # fmt: skip
         await send_reply(sink, reply, shaped)
         return
     except asyncio.CancelledError:
