@@ -1007,7 +1007,9 @@ async def test_redis_flush_and_restart_publishers_republish_routers_resync(
             await eventually(lambda: index.match([1, 2, 3]).get(ReplicaKey("f1")).kv_blocks == 3)
             # Restart: the server comes back empty on the same port.
             private_redis.restart()
-            await eventually(lambda: sync.stats.kept_on_data_loss == 2, timeout=10)
+            # (the server's restart and the follower's reconnect backoff, up to 2 s: on a
+            # loaded machine seconds more)
+            await eventually(lambda: sync.stats.kept_on_data_loss == 2, timeout=30)
             assert ReplicaKey("f1") in index
             w.add(ReplicaKey("f1"), [BlocksStored((4,))])
             try:
