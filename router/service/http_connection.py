@@ -19,8 +19,11 @@ through.
   chunked encoding, which 1.0 does not know); a kept connection is confirmed with
   ``Connection: keep-alive``.
 * Keep-alive and pipelining: requests on one connection are answered in order; reading
-  pauses while more than a few requests wait. A protocol error (400, 431) in a pipelined
-  request is answered after the requests before it, then the connection closes.
+  pauses while more than a few requests wait. A request that ends the connection
+  (``Connection: close``, HTTP/1.0 without keep-alive) is the last one served, and its
+  answer is followed by a close as above, lingering (RFC 9112 9.6). A protocol error
+  (400, 431) in a pipelined request is answered after the requests before it, then the
+  connection closes.
   ``Expect: 100-continue`` is honoured (its ``100`` also waits for the answers before it;
   an HTTP/1.0 request's is ignored, RFC 9110 10.1.1);
   with a ``Content-Length`` over ``max_body`` the answer is 413 at once, without the body,
@@ -382,19 +385,24 @@ class Connection(asyncio.Protocol):
         # (the Messages API's shape on its paths, once the request line is known whole)
         anthropic = self.head_done and messages_path(_origin_form(self.url).split(b"?")[0])
         body = error_body(status, message, code=code, anthropic=anthropic)
-        transport = self.transport
-        transport.write(
+        self.transport.write(
             _status_line(status)
             + b"Content-Type: application/json\r\nConnection: close\r\n"
             + extra
             + b"Content-Length: %d\r\n\r\n" % len(body)
             + body
         )
+        self.close_after_answer()
+
+    def close_after_answer(self) -> None:
+        """Close the connection once the answer written last is out. A close with unread
+        bytes (the rest of a refused body or head, requests pipelined after one that ends
+        the connection) is a TCP reset, which destroys the answer at the client before it
+        is read: the answer is followed by the end of the stream, then what the client
+        still sends is read and dropped until it closes, for at most :data:`LINGER_S`
+        (RFC 9112 9.6)."""
         self.closed = True
-        # a close with unread bytes (the rest of a refused body or head, pipelined requests)
-        # is a TCP reset, which destroys the answer at the client before it is read: the
-        # answer is followed by the end of the stream, then what the client still sends is
-        # read and dropped until it closes, for at most LINGER_S (RFC 9112 9.6)
+        transport = self.transport
         if not transport.can_write_eof():
             transport.close()
             return
@@ -557,8 +565,7 @@ class Connection(asyncio.Protocol):
                     self.transport.resume_reading()
                 keep_alive = await self.server.serve(self, req, http10)
                 if not keep_alive and not self.closed:
-                    self.transport.close()
-                    self.closed = True
+                    self.close_after_answer()  # (pipelined requests after it: dropped)
                 elif self.want_continue and not self.queue and not self.closed:
                     self.want_continue = False
                     self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -578,7 +585,6 @@ class Connection(asyncio.Protocol):
                 self.fatal(status, message, extra, code)
             elif not self.closed and not self.in_message:
                 if self.server.draining:
-                    self.transport.close()
-                    self.closed = True
+                    self.close_after_answer()
                 else:
                     self.server.rest(self)
