@@ -350,3 +350,39 @@ async def test_a_replica_head_over_the_cap_is_a_broken_answer(where: str) -> Non
         pool.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_replicas_http_1_0_answer_with_transfer_encoding_is_not_pooled() -> None:
+    """HTTP/1.0 has no transfer coding: a client that receives a 1.0 message with
+    ``Transfer-Encoding`` must take its framing for faulty and close the connection after it
+    (RFC 9112 6.1), whatever ``Connection: keep-alive`` says: an HTTP/1.0 hop before the
+    replica may frame what follows otherwise. The connection was pooled and reused."""
+    from router.service.upstream import Pool, Target, Timeouts
+
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                await _read_request(reader)
+                writer.write(
+                    b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
+                )
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Pool(Target("127.0.0.1", port), Timeouts(connect=3, read=30, total=60))
+    try:
+        for _ in range(2):
+            ex = await pool.send(b"GET / HTTP/1.1\r\nHost: r\r\nContent-Length: 0\r\n\r\n")
+            assert await ex.read_all() == b"ok"
+            ex.release()
+        assert connections == 2
+    finally:
+        pool.close()
+        server.close()
+        await server.wait_closed()

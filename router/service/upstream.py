@@ -190,7 +190,12 @@ class _Conn(asyncio.Protocol):
             self.headers = []
             return
         self.head_done = True
-        self.keep_alive = self.parser.should_keep_alive()
+        # an HTTP/1.0 answer with a transfer coding has faulty framing: the connection
+        # closes after it (RFC 9112 6.1), whatever its keep-alive says
+        self.keep_alive = self.parser.should_keep_alive() and not (
+            self.parser.get_http_version() == "1.0"
+            and any(k.lower() == b"transfer-encoding" for k, _ in self.headers)
+        )
         self._wake()
 
     def on_body(self, body: bytes) -> None:
