@@ -270,48 +270,60 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed or self.failed is not None:
             return  # (closed: lingering after a protocol error's answer, see fatal)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade as exc:
-            self._no_upgrade(data[exc.args[0] :])
-        except httptools.HttpParserError as exc:
-            self.fatal(400, f"malformed HTTP request: {exc}")
-        else:
-            if self.in_message:
-                # httptools gathers a header (or trailer) line's name and value until the
-                # line ends (on_url and on_header count only what ended): the bytes read
-                # since the request began, or since its last body bytes, bound what it
-                # holds of an unended line. (Counted by whole pieces read: from the start of
-                # the piece the request began in, a request before it there included.)
-                if self.got_body:
-                    self.got_body = False
-                    self.head_read = 0
-                else:
-                    self.head_read += len(data)
-                    if self.head_read > MAX_HEAD_BYTES:
-                        what = "chunk framing or trailer" if self.head_done else "head"
-                        self.fatal(431, f"request {what} over {MAX_HEAD_BYTES} bytes")
+        piece: bytes | memoryview = data
+        while True:
+            try:
+                self.parser.feed_data(piece)
+            except httptools.HttpParserUpgrade as exc:
+                # (what followed the request goes on in this loop, not in a nested call: a
+                # client may pipeline many such requests in one read)
+                if self._no_upgrade():
+                    piece = memoryview(piece)[exc.args[0] :]
+                    continue
+            except httptools.HttpParserError as exc:
+                self.fatal(400, f"malformed HTTP request: {exc}")
+            else:
+                if self.in_message:
+                    # httptools gathers a header (or trailer) line's name and value until
+                    # the line ends (on_url and on_header count only what ended): the bytes
+                    # read since the request began, or since its last body bytes, bound what
+                    # it holds of an unended line. (Counted by whole pieces read: from the
+                    # start of the piece the request began in, a request before it there
+                    # included.)
+                    if self.got_body:
+                        self.got_body = False
+                        self.head_read = 0
+                    else:
+                        self.head_read += len(piece)
+                        if self.head_read > MAX_HEAD_BYTES:
+                            what = "chunk framing or trailer" if self.head_done else "head"
+                            self.fatal(431, f"request {what} over {MAX_HEAD_BYTES} bytes")
+            return
 
-    def _no_upgrade(self, rest: bytes) -> None:
+    def _no_upgrade(self) -> bool:
         """The request just parsed asked for another protocol (``Upgrade``, as curl's
         ``--http2`` asks ``h2c``): llhttp stopped there, before its body. The router speaks
-        HTTP/1.1 only and answers as if not asked (RFC 9110, 7.8): the request is parsed
-        again without its ``Upgrade`` field, with what followed it (``rest``), on a fresh
-        parser. ``CONNECT`` (a tunnel) is answered 400."""
+        HTTP/1.1 only and answers as if not asked (RFC 9110, 7.8): the request's head is
+        parsed again without its ``Upgrade`` field, on a fresh parser, which then takes
+        what followed it (returns whether it does). ``CONNECT`` (a tunnel) is answered 400."""
         queue = self.queue
         if not queue or queue[-1][0].headers is not self.headers:
-            return  # not queued: answered already (over the connection cap)
+            return False  # not queued: answered already (over the connection cap)
         req, http10 = queue.pop()
         self.parser = httptools.HttpRequestParser(self)
         if req.method == b"CONNECT":
             self.fatal(400, "CONNECT is not supported")
-            return
+            return False
         head = [req.method, b" ", req.target, b" HTTP/1.0\r\n" if http10 else b" HTTP/1.1\r\n"]
         for k, v in req.headers:
             if k.lower() != b"upgrade":
                 head += (k, b": ", v, b"\r\n")
         head.append(b"\r\n")
-        self.data_received(b"".join(head) + rest)
+        try:
+            self.parser.feed_data(b"".join(head))
+        except httptools.HttpParserError as exc:
+            self.fatal(400, f"malformed HTTP request: {exc}")
+        return not self.closed and self.failed is None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
