@@ -146,3 +146,31 @@ async def test_a_refusal_reaches_a_client_that_is_still_sending(front: Front) ->
         assert (status, headers["connection"]) == (expected, "close")
         assert await reader.read() == b""  # the end of the stream, no reset
         writer.close()
+
+
+async def test_an_answer_that_closes_the_connection_reaches_a_client_still_sending(
+    front: Front,
+) -> None:
+    # the same for the answer to a request that ends the connection (``Connection: close``,
+    # an HTTP/1.0 request without keep-alive): the server must process nothing after it
+    # (RFC 9112 9.6) but closed at once, with the pipelined bytes that followed unread or
+    # still coming: a reset, and the client lost the answer the request was owed
+    body = b"x" * 2_000_000
+    after = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (
+        len(body),
+        body,
+    )
+    for first in (
+        b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        b"GET /health HTTP/1.0\r\n\r\n",
+    ):
+        reader, writer = await front.open()
+        writer.write(first + after)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        status, headers, answer = await _response(reader)
+        assert (status, headers["connection"]) == (200, "close"), first
+        assert json.loads(answer) == {"status": "ok"}
+        assert await reader.read() == b""  # the end of the stream, no reset
+        writer.close()
+    assert front.backend.received == []

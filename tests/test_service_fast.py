@@ -364,6 +364,23 @@ async def test_an_upgrade_request_is_answered_once_in_http_1_1(front: Front) -> 
     writer.close()
 
 
+async def test_many_pipelined_upgrade_requests_are_each_answered(front: Front) -> None:
+    # each request asking to switch protocols was parsed again by a nested call, one level
+    # per request in a read: a client pipelining a few hundred of them in one write got
+    # a 400 ("on_message_complete callback error": the recursion limit) for a valid one
+    n = 600
+    reader, writer = await front.open()
+    writer.write(
+        b"GET /health HTTP/1.1\r\nHost: x\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n" * n
+        + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    for i in range(n + 1):
+        status, _, body = await _response(reader)
+        assert status == 200 and json.loads(body) == {"status": "ok"}, (i, body)
+    assert await reader.read() == b""
+    writer.close()
+
+
 async def test_trailer_fields_of_a_chunked_body_are_not_headers() -> None:
     # a chunked body's trailer section is not the header section (RFC 9110, 6.5.1): it was
     # merged into the headers, so a key sent in a trailer passed the gate and trailer

@@ -308,3 +308,81 @@ def test_each_apis_error_event_is_told_from_an_answer() -> None:
     text = json.dumps({"choices": [{"delta": {"content": '\ndata: {"error": 1}'}}]})
     assert not stream_error(b"data: " + text.encode() + b"\n\ndata: [DONE]\n\n")
     assert not stream_error(_token(2) + USAGE + b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("where", ["head", "trailer", "fields"])
+async def test_a_replica_head_over_the_cap_is_a_broken_answer(where: str) -> None:
+    """A response head (or a chunked body's trailer section) that never ends, or of more
+    fields than the server takes from a client, is a broken answer at the cap the router's
+    server holds its clients to: it grew with every read (httptools gathers an unended line
+    by repeated concatenation: quadratic CPU on the event loop) until the read timeout."""
+    from router.service.http_connection import MAX_HEAD_BYTES, MAX_HEADERS
+    from router.service.upstream import Pool, Target, Timeouts
+    from router.service.upstream_errors import UpstreamBroken
+
+    if where == "head":
+        answer = b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * (MAX_HEAD_BYTES + 2**19)
+    elif where == "trailer":
+        answer = (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-Long: "
+            + b"a" * (MAX_HEAD_BYTES + 2**19)
+        )
+    else:
+        answer = b"HTTP/1.1 200 OK\r\n" + b"x: v\r\n" * (MAX_HEADERS + 1) + b"\r\n"
+    done = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            await _read_request(reader)
+            writer.write(answer)  # and the connection stays open
+            await done.wait()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Pool(Target("127.0.0.1", port), Timeouts(connect=3, read=30, total=60))
+    try:
+        with pytest.raises(UpstreamBroken, match=r"over|more than"):
+            ex = await pool.send(b"GET / HTTP/1.1\r\nHost: r\r\nContent-Length: 0\r\n\r\n")
+            await ex.read_all()
+    finally:
+        done.set()
+        pool.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_replicas_http_1_0_answer_with_transfer_encoding_is_not_pooled() -> None:
+    """HTTP/1.0 has no transfer coding: a client that receives a 1.0 message with
+    ``Transfer-Encoding`` must take its framing for faulty and close the connection after it
+    (RFC 9112 6.1), whatever ``Connection: keep-alive`` says: an HTTP/1.0 hop before the
+    replica may frame what follows otherwise. The connection was pooled and reused."""
+    from router.service.upstream import Pool, Target, Timeouts
+
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                await _read_request(reader)
+                writer.write(
+                    b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
+                )
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Pool(Target("127.0.0.1", port), Timeouts(connect=3, read=30, total=60))
+    try:
+        for _ in range(2):
+            ex = await pool.send(b"GET / HTTP/1.1\r\nHost: r\r\nContent-Length: 0\r\n\r\n")
+            assert await ex.read_all() == b"ok"
+            ex.release()
+        assert connections == 2
+    finally:
+        pool.close()
+        server.close()
+        await server.wait_closed()

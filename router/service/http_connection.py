@@ -19,8 +19,11 @@ through.
   chunked encoding, which 1.0 does not know); a kept connection is confirmed with
   ``Connection: keep-alive``.
 * Keep-alive and pipelining: requests on one connection are answered in order; reading
-  pauses while more than a few requests wait. A protocol error (400, 431) in a pipelined
-  request is answered after the requests before it, then the connection closes.
+  pauses while more than a few requests wait. A request that ends the connection
+  (``Connection: close``, HTTP/1.0 without keep-alive) is the last one served, and its
+  answer is followed by a close as above, lingering (RFC 9112 9.6). A protocol error
+  (400, 431) in a pipelined request is answered after the requests before it, then the
+  connection closes.
   ``Expect: 100-continue`` is honoured (its ``100`` also waits for the answers before it;
   an HTTP/1.0 request's is ignored, RFC 9110 10.1.1);
   with a ``Content-Length`` over ``max_body`` the answer is 413 at once, without the body,
@@ -267,48 +270,60 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed or self.failed is not None:
             return  # (closed: lingering after a protocol error's answer, see fatal)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade as exc:
-            self._no_upgrade(data[exc.args[0] :])
-        except httptools.HttpParserError as exc:
-            self.fatal(400, f"malformed HTTP request: {exc}")
-        else:
-            if self.in_message:
-                # httptools gathers a header (or trailer) line's name and value until the
-                # line ends (on_url and on_header count only what ended): the bytes read
-                # since the request began, or since its last body bytes, bound what it
-                # holds of an unended line. (Counted by whole pieces read: from the start of
-                # the piece the request began in, a request before it there included.)
-                if self.got_body:
-                    self.got_body = False
-                    self.head_read = 0
-                else:
-                    self.head_read += len(data)
-                    if self.head_read > MAX_HEAD_BYTES:
-                        what = "chunk framing or trailer" if self.head_done else "head"
-                        self.fatal(431, f"request {what} over {MAX_HEAD_BYTES} bytes")
+        piece: bytes | memoryview = data
+        while True:
+            try:
+                self.parser.feed_data(piece)
+            except httptools.HttpParserUpgrade as exc:
+                # (what followed the request goes on in this loop, not in a nested call: a
+                # client may pipeline many such requests in one read)
+                if self._no_upgrade():
+                    piece = memoryview(piece)[exc.args[0] :]
+                    continue
+            except httptools.HttpParserError as exc:
+                self.fatal(400, f"malformed HTTP request: {exc}")
+            else:
+                if self.in_message:
+                    # httptools gathers a header (or trailer) line's name and value until
+                    # the line ends (on_url and on_header count only what ended): the bytes
+                    # read since the request began, or since its last body bytes, bound what
+                    # it holds of an unended line. (Counted by whole pieces read: from the
+                    # start of the piece the request began in, a request before it there
+                    # included.)
+                    if self.got_body:
+                        self.got_body = False
+                        self.head_read = 0
+                    else:
+                        self.head_read += len(piece)
+                        if self.head_read > MAX_HEAD_BYTES:
+                            what = "chunk framing or trailer" if self.head_done else "head"
+                            self.fatal(431, f"request {what} over {MAX_HEAD_BYTES} bytes")
+            return
 
-    def _no_upgrade(self, rest: bytes) -> None:
+    def _no_upgrade(self) -> bool:
         """The request just parsed asked for another protocol (``Upgrade``, as curl's
         ``--http2`` asks ``h2c``): llhttp stopped there, before its body. The router speaks
-        HTTP/1.1 only and answers as if not asked (RFC 9110, 7.8): the request is parsed
-        again without its ``Upgrade`` field, with what followed it (``rest``), on a fresh
-        parser. ``CONNECT`` (a tunnel) is answered 400."""
+        HTTP/1.1 only and answers as if not asked (RFC 9110, 7.8): the request's head is
+        parsed again without its ``Upgrade`` field, on a fresh parser, which then takes
+        what followed it (returns whether it does). ``CONNECT`` (a tunnel) is answered 400."""
         queue = self.queue
         if not queue or queue[-1][0].headers is not self.headers:
-            return  # not queued: answered already (over the connection cap)
+            return False  # not queued: answered already (over the connection cap)
         req, http10 = queue.pop()
         self.parser = httptools.HttpRequestParser(self)
         if req.method == b"CONNECT":
             self.fatal(400, "CONNECT is not supported")
-            return
+            return False
         head = [req.method, b" ", req.target, b" HTTP/1.0\r\n" if http10 else b" HTTP/1.1\r\n"]
         for k, v in req.headers:
             if k.lower() != b"upgrade":
                 head += (k, b": ", v, b"\r\n")
         head.append(b"\r\n")
-        self.data_received(b"".join(head) + rest)
+        try:
+            self.parser.feed_data(b"".join(head))
+        except httptools.HttpParserError as exc:
+            self.fatal(400, f"malformed HTTP request: {exc}")
+        return not self.closed and self.failed is None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -382,19 +397,24 @@ class Connection(asyncio.Protocol):
         # (the Messages API's shape on its paths, once the request line is known whole)
         anthropic = self.head_done and messages_path(_origin_form(self.url).split(b"?")[0])
         body = error_body(status, message, code=code, anthropic=anthropic)
-        transport = self.transport
-        transport.write(
+        self.transport.write(
             _status_line(status)
             + b"Content-Type: application/json\r\nConnection: close\r\n"
             + extra
             + b"Content-Length: %d\r\n\r\n" % len(body)
             + body
         )
+        self.close_after_answer()
+
+    def close_after_answer(self) -> None:
+        """Close the connection once the answer written last is out. A close with unread
+        bytes (the rest of a refused body or head, requests pipelined after one that ends
+        the connection) is a TCP reset, which destroys the answer at the client before it
+        is read: the answer is followed by the end of the stream, then what the client
+        still sends is read and dropped until it closes, for at most :data:`LINGER_S`
+        (RFC 9112 9.6)."""
         self.closed = True
-        # a close with unread bytes (the rest of a refused body or head, pipelined requests)
-        # is a TCP reset, which destroys the answer at the client before it is read: the
-        # answer is followed by the end of the stream, then what the client still sends is
-        # read and dropped until it closes, for at most LINGER_S (RFC 9112 9.6)
+        transport = self.transport
         if not transport.can_write_eof():
             transport.close()
             return
@@ -557,8 +577,7 @@ class Connection(asyncio.Protocol):
                     self.transport.resume_reading()
                 keep_alive = await self.server.serve(self, req, http10)
                 if not keep_alive and not self.closed:
-                    self.transport.close()
-                    self.closed = True
+                    self.close_after_answer()  # (pipelined requests after it: dropped)
                 elif self.want_continue and not self.queue and not self.closed:
                     self.want_continue = False
                     self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -578,7 +597,6 @@ class Connection(asyncio.Protocol):
                 self.fatal(status, message, extra, code)
             elif not self.closed and not self.in_message:
                 if self.server.draining:
-                    self.transport.close()
-                    self.closed = True
+                    self.close_after_answer()
                 else:
                     self.server.rest(self)

@@ -17,7 +17,9 @@ itself. This client does only what the proxy needs:
 * errors: :class:`ConnectFailed` when the upstream could not be reached or closed the
   connection before any response byte (a request that met a stale pooled connection is
   re-sent once on a fresh one first), :class:`UpstreamBroken` when the response broke off
-  (a connection reset ends no body, not even one delimited by the connection's end);
+  (a connection reset ends no body, not even one delimited by the connection's end; a
+  response head or trailer section over the caps the server holds its clients to,
+  ``MAX_HEAD_BYTES`` and ``MAX_HEADERS`` of router.service.http_connection, is broken too);
 * :meth:`Exchange.abort` closes the connection at once (the upstream sees the client go
   away); :meth:`Exchange.release` returns a fully read keep-alive connection to its pool.
 """
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 import httptools
 
+from router.service.http_connection import MAX_HEAD_BYTES, MAX_HEADERS
 from router.service.replica_url import ReplicaUrl
 from router.service.upstream_errors import (
     ConnectFailed,
@@ -75,6 +78,7 @@ class _Conn(asyncio.Protocol):
         "complete",
         "error",
         "extra",
+        "got_body",
         "got_bytes",
         "head_done",
         "headers",
@@ -85,6 +89,7 @@ class _Conn(asyncio.Protocol):
         "reused",
         "status",
         "transport",
+        "unframed",
         "waiter",
     )
 
@@ -108,6 +113,10 @@ class _Conn(asyncio.Protocol):
         self.paused = False
         self.keep_alive = True
         self.got_bytes = False
+        # bytes read since the answer began or since its last body bytes (a head or trailer
+        # line httptools gathers until it ends), and whether the piece read held body bytes
+        self.unframed = 0
+        self.got_body = False
         # bytes after the answer's end, which no request asked for (a balancer's unprompted
         # 408): never parsed into this answer; the connection is not reused
         self.extra = False
@@ -119,6 +128,7 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        self.got_body = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -128,6 +138,16 @@ class _Conn(asyncio.Protocol):
             # that asked for no upgrade) a broken answer, not the protocol's fatal error
             self._fail(UpstreamBroken("the replica switched protocols (101) unasked"))
             self.abort()
+        else:
+            # (counted by whole pieces read, as the server counts its clients' heads)
+            if self.got_body:
+                self.unframed = 0
+            elif not self.complete:
+                self.unframed += len(data)
+                if self.unframed > MAX_HEAD_BYTES:
+                    what = "trailer section" if self.head_done else "head"
+                    self._fail(UpstreamBroken(f"response {what} over {MAX_HEAD_BYTES} bytes"))
+                    self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -158,6 +178,9 @@ class _Conn(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self.head_done:  # (after it: a chunked body's trailer fields, dropped)
             self.headers.append((name, value))
+            if len(self.headers) > MAX_HEADERS:
+                self._fail(UpstreamBroken(f"response head of more than {MAX_HEADERS} fields"))
+                raise ValueError("too many header fields")  # (ends the parse: broken)
 
     def on_headers_complete(self) -> None:
         if self.complete:
@@ -167,10 +190,16 @@ class _Conn(asyncio.Protocol):
             self.headers = []
             return
         self.head_done = True
-        self.keep_alive = self.parser.should_keep_alive()
+        # an HTTP/1.0 answer with a transfer coding has faulty framing: the connection
+        # closes after it (RFC 9112 6.1), whatever its keep-alive says
+        self.keep_alive = self.parser.should_keep_alive() and not (
+            self.parser.get_http_version() == "1.0"
+            and any(k.lower() == b"transfer-encoding" for k, _ in self.headers)
+        )
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        self.got_body = True
         if self.complete:
             return
         self.chunks.append(body)
