@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import sys
 from collections.abc import Iterable, Iterator
@@ -57,7 +58,7 @@ def read_rows(
     of each model's router block sizes (``router_block``). A row found in
     more than one input (copies of one recording: module doc) is kept as often as the input
     holding it most often, and ``notes`` says how many copies were dropped."""
-    kept: dict[str, int] = {}  # each distinct row: how often it was kept
+    kept: dict[bytes, int] = {}  # each distinct row (its digest): how often it was kept
     dropped = 0
     for path in paths:
         with path.open(encoding="utf-8") as fh:
@@ -72,12 +73,14 @@ def read_rows(
             sizes = {(str(r.get("model")), r["router_block"]) for r in rows if "router_block" in r}
             for model, size in sorted(sizes):
                 blocks.setdefault(model, {}).setdefault(size, []).append(path)
-        seen: dict[str, int] = {}  # each distinct row: how often in this file
+        seen: dict[bytes, int] = {}  # each distinct row: how often in this file
         for row in rows:
-            text = json.dumps(row, sort_keys=True, separators=(",", ":"))
-            seen[text] = count = seen.get(text, 0) + 1
-            if count > kept.get(text, 0):
-                kept[text] = count
+            # a digest, not the row's text: a merge holds one per row of every input
+            text = json.dumps(row, sort_keys=True, separators=(",", ":")).encode()
+            digest = hashlib.blake2b(text, digest_size=16).digest()
+            seen[digest] = count = seen.get(digest, 0) + 1
+            if count > kept.get(digest, 0):
+                kept[digest] = count
                 yield row
             else:
                 dropped += 1
