@@ -1,5 +1,5 @@
 """A disaggregated request that ends before its decode leg answers: the client leaves during
-the prefill leg, or no decode replica is left once the prefill leg came back. Over real HTTP
+the prefill leg (no decode replica left after it: tests/test_pd_service.py). Over real HTTP
 against the stub prefill server and mock backends of tests/test_pd_service.py
 (router/service/disagg.py ``serve``)."""
 
@@ -69,39 +69,6 @@ async def test_a_client_leaving_during_the_prefill_leg_leaves_no_load_and_one_ca
         )
     finally:
         prefill.gate.set()  # (a failure above left the leg held: its server would wait)
-        await router.cleanup()
-        await prefill.runner.cleanup()
-        await decode.stop()
-
-
-async def test_no_decode_replica_after_a_good_prefill_is_an_openai_503() -> None:
-    """Every decode replica went out of rotation while the prefill leg ran: the answer is a
-    503 in OpenAI's shape (``service_unavailable`` / ``no_replica_available``) with its
-    Retry-After, never the prefill leg's answer nor an empty 200."""
-    prefill = await _Prefill().start()
-    decode = await Backend("d0", [MODEL]).start()
-    router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
-    state = router.app[STATE]
-    prefill.hook = lambda: state.fleet.mark_unhealthy(ReplicaKey("d0"), 0.0)
-    state.fleet.restore_health = lambda now: None  # stays out while the request is served
-    try:
-        for stream in (False, True):
-            body = {"model": MODEL, "prompt": _prompt(31 + stream), "stream": stream}
-            async with (
-                aiohttp.ClientSession() as http,
-                http.post(url + "/v1/completions", json=body) as r,
-            ):
-                assert r.status == 503, await r.text()
-                assert r.headers["Content-Type"].startswith("application/json")
-                assert int(r.headers["Retry-After"]) >= 1
-                error = (await r.json())["error"]
-            assert error["type"] == "service_unavailable", error
-            assert error["code"] == "no_replica_available", error
-            assert isinstance(error["message"], str) and error["message"]
-            assert set(error) == {"message", "type", "param", "code"}, error
-        assert len(prefill.seen) == 2 and not decode.received
-        assert state.load.in_flight() == 0
-    finally:
         await router.cleanup()
         await prefill.runner.cleanup()
         await decode.stop()

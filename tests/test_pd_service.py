@@ -402,7 +402,9 @@ async def test_a_prefill_replica_failing_every_leg_is_ejected() -> None:
 
 async def test_no_decode_replica_after_prefill_answers_with_retry_after() -> None:
     """The decode pick fails after the prefill leg (every decode replica went out of
-    rotation meanwhile): a 503 like any other, with its Retry-After."""
+    rotation meanwhile): a 503 like any other, streamed or not, in OpenAI's shape
+    (``service_unavailable`` / ``no_replica_available``) with its Retry-After, never the
+    prefill leg's answer nor an empty 200."""
     from tests.backends import Backend
 
     prefill = await _Prefill().start()
@@ -412,16 +414,24 @@ async def test_no_decode_replica_after_prefill_answers_with_retry_after() -> Non
     prefill.hook = lambda: state.fleet.mark_unhealthy(ReplicaKey("d0"), 0.0)
     state.fleet.restore_health = lambda now: None  # stays out while the request is served
     try:
-        async with (
-            aiohttp.ClientSession() as http,
-            http.post(
-                url + "/v1/completions", json={"model": MODEL, "prompt": _prompt(11)}
-            ) as r,  # fmt: skip
-        ):
-            assert r.status in (429, 503), await r.text()
-            assert r.headers.get("Retry-After"), dict(r.headers)
-        assert len(prefill.seen) == 1 and not decode.received
-        assert state.load.replica_of(prefill.seen[0][1] + "#p") is None
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": _prompt(11 + stream), "stream": stream}
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(url + "/v1/completions", json=body) as r,
+            ):
+                assert r.status == 503, await r.text()
+                assert r.headers["Content-Type"].startswith("application/json")
+                assert int(r.headers["Retry-After"]) >= 1
+                error = (await r.json())["error"]
+            assert error["type"] == "service_unavailable", error
+            assert error["code"] == "no_replica_available", error
+            assert isinstance(error["message"], str) and error["message"]
+            assert set(error) == {"message", "type", "param", "code"}, error
+        assert len(prefill.seen) == 2 and not decode.received
+        assert state.load.in_flight() == 0
+        for _, rid in prefill.seen:
+            assert state.load.replica_of(rid + "#p") is None
         async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
             page = await r.text()
         # the refusal is counted as the router's own answer, as a refusal before routing is

@@ -14,7 +14,16 @@ import pytest
 
 from tests.backends import metric_sample
 from tests.test_proxy_integrity import UntilClose, _outcomes, _router
-from tests.test_upstream_wire import MODEL, SSE_HEAD, USAGE, Scripted, _answered, _chat, _chunk
+from tests.test_upstream_wire import (
+    MODEL,
+    SSE_HEAD,
+    USAGE,
+    Scripted,
+    _answered,
+    _chat,
+    _chunk,
+    cut_inside_an_event,
+)
 from tests.test_upstream_wire import _token as _lf_token
 
 
@@ -57,27 +66,7 @@ async def test_a_crlf_stream_cut_inside_an_event_ends_with_a_clean_error_event(
     """A CRLF stream that breaks off inside an event: the half event must wait for its end
     (never relayed), so the client reads the router's error event; it went out at once and
     the error event was glued to it (a ``JSONDecodeError`` in the client)."""
-    replica = await Scripted([SSE_HEAD + _chunk(_token(0)), _chunk(_token(1)[:60])]).start()
-    try:
-        async for url, session in _router(replica.url):
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-            extra: dict[str, Any] = {"stream_options": {"include_usage": True}} if usage else {}
-            stream = await client.chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": "tell me everything"}],
-                stream=True,
-                **extra,
-            )
-            got = []
-            with pytest.raises(openai.APIError, match="broke off the stream"):
-                async for part in stream:
-                    got.append(part.choices[0].delta.content)
-                    replica.step()
-            assert got == ["word0000 " + "x" * 200]
-            await _answered(url, session, "upstream_broken")
-            await client.close()
-    finally:
-        await replica.stop()
+    await cut_inside_an_event(_token, usage)
 
 
 NO_SPACE = b'data:{"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n'

@@ -10,6 +10,7 @@ import contextlib
 import gzip
 import json
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -271,7 +272,13 @@ async def test_a_stream_cut_inside_an_event_ends_with_a_clean_error_event(usage:
     half event had gone out as it arrived when the router did not filter the stream (the
     client asked for usage itself), and the error event's line was glued to it: one
     garbled event, a ``JSONDecodeError`` in the client, the router's message lost."""
-    replica = await Scripted([SSE_HEAD + _chunk(_token(0)), _chunk(_token(1)[:60])]).start()
+    await cut_inside_an_event(_token, usage)
+
+
+async def cut_inside_an_event(token: Callable[[int], bytes], usage: bool) -> None:
+    """A replica streams ``token(0)`` whole, then 60 bytes of ``token(1)`` and breaks off:
+    the openai client must read the first token, then the router's error event."""
+    replica = await Scripted([SSE_HEAD + _chunk(token(0)), _chunk(token(1)[:60])]).start()
     try:
         async for url, session in _router(replica.url):
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
