@@ -166,3 +166,22 @@ def test_api_key_check_compares_every_key() -> None:
     assert keys.check("k2-bbb") is None
     assert keys.check("") is None
     assert not ApiKeys([])
+
+
+def test_a_configuration_error_shows_no_password(tmp_path: Path) -> None:
+    """A replica URL with credentials is refused at start-up; the refusal, printed to stderr
+    before log redaction is installed, names the URL with its password masked, as does a
+    KVROUTER_REPLICAS item that is not MODEL=URL."""
+    from tests.inprocess import kvrouter
+
+    config = tmp_path / "router.toml"
+    config.write_text(
+        f'[[replicas]]\nurl = "http://bob:{REDIS_PASSWORD}@127.0.0.1:8000"\nmodel = "m"\n'
+    )
+    done = kvrouter("serve", "--config", str(config), "--check")
+    assert done.returncode == 2, done
+    assert "carries credentials" in done.stderr and "http://bob:***@127.0.0.1:8000" in done.stderr
+    assert REDIS_PASSWORD not in done.stderr + done.stdout
+    done = kvrouter("serve", "--replica", f"http://bob:{REDIS_PASSWORD}@127.0.0.1:8000", "--check")
+    assert done.returncode == 2, done
+    assert REDIS_PASSWORD not in done.stderr + done.stdout, done.stderr
