@@ -265,3 +265,24 @@ async def test_a_head_over_the_servers_cap_closes_the_connection(
     answer = await asyncio.wait_for(reader.read(), 10)
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
     writer.close()
+
+
+async def test_a_non_ascii_api_key_matches_as_a_client_sends_it() -> None:
+    """A client sends a key's UTF-8 bytes; header bytes were read as latin-1 and hashed as
+    their UTF-8 re-encoding, so a configured key with a non-ASCII character never matched
+    (the admin token's check had the same defect: tests/test_admin_auth.py)."""
+    key = "sk-clé-ü-鍵"
+    async for url, _ in _router({"api_keys": key}):
+        host, port = url[7:].split(":")
+        sent = key.encode()
+        for header, status in (
+            (b"Authorization: Bearer " + sent, b"200"),
+            (b"x-api-key: " + sent, b"200"),
+            (b"Authorization: Bearer " + sent[:-1], b"401"),
+            (b"Authorization: Bearer " + key.encode("latin-1", "replace"), b"401"),
+        ):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n\r\n")
+            got = (await reader.readline()).split()[1]
+            writer.close()
+            assert got == status, header
