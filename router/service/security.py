@@ -90,6 +90,18 @@ def check_grpc_token(server: ServerSettings, limits: Limits) -> None:
         )
 
 
+def check_admin_token(server: ServerSettings, limits: Limits) -> None:
+    """ConfigError when ``server.admin_token`` is also a client key: the admin routes take
+    the token in ``Authorization: Bearer``, where clients send their keys, so every client
+    holding that key could drain the fleet (router.service.admin)."""
+    token = server.admin_token
+    if token and token in limits.api_keys:
+        raise ConfigError(
+            "server.admin_token: must differ from every client key (api_keys / api_keys_file): "
+            "the admin routes take it as a bearer token, where clients send their keys"
+        )
+
+
 def check_prompt_tokens(server: ServerSettings, prompt_tokens: int) -> None:
     """Raise BadRequest when ``server.max_prompt_tokens`` is set and exceeded."""
     limit = server.max_prompt_tokens
