@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -286,3 +287,23 @@ async def test_a_non_ascii_api_key_matches_as_a_client_sends_it() -> None:
             got = (await reader.readline()).split()[1]
             writer.close()
             assert got == status, header
+
+
+async def test_a_hash_inside_a_key_of_the_keys_file_is_part_of_the_key(tmp_path: Path) -> None:
+    """``api_keys_file`` takes ``#`` comments; a ``#`` inside a key (``sk-abc#def``, a
+    generated key with symbols) cut the key there, so its prefix ``sk-abc``, a shorter key
+    nobody was given, was let in. A comment starts a line or follows a space."""
+    keys = tmp_path / "keys"
+    keys.write_text("# client keys\nsk-abc#def\nsk-ghi  # the second client\n\t#sk-off\n")
+    async for url, _ in _router({"api_keys_file": str(keys)}):
+        async with aiohttp.ClientSession() as s:
+            for key, status in (
+                ("sk-abc#def", 200),
+                ("sk-ghi", 200),
+                ("sk-abc", 401),
+                ("sk-ghi  # the second client", 401),
+                ("#sk-off", 401),
+                ("sk-off", 401),
+            ):
+                got, _, _ = await _call(s, url, "GET", "/v1/models", None, bearer(key))
+                assert got == status, key

@@ -5,7 +5,8 @@ limit and log redaction.
 
 All of it is off unless configured (``[server]`` keys, see docs/operations.md):
 
-* ``api_keys`` (comma-separated) and/or ``api_keys_file`` (one key per line, ``#`` comments):
+* ``api_keys`` (comma-separated) and/or ``api_keys_file`` (one key per line, ``#`` comments
+  at a line's start or after a space):
   every request but the probes', ``/metrics``' and the admin routes' (router.service.gate
   ``protected``: the ``/v1/`` API, vLLM's ``/tokenize``, pooling and ``/v2/`` routes, unknown
   paths) must carry ``Authorization: Bearer KEY`` (or ``api-key: KEY``).
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
 
 
 def read_api_keys(inline: str | None, path: str | None) -> tuple[str, ...]:
-    """Keys from the comma-separated ``inline`` string and the file at ``path``."""
+    """Keys from the comma-separated ``inline`` string and the file at ``path`` (one key a
+    line; ``#`` starts a comment at the start of a line or after a space)."""
     keys = [k.strip() for k in (inline or "").split(",") if k.strip()]
     if path:
         try:
@@ -54,10 +56,15 @@ def read_api_keys(inline: str | None, path: str | None) -> tuple[str, ...]:
         except OSError as exc:
             raise ConfigError(f"server.api_keys_file: cannot read {path}: {exc.strerror}") from None
         for line in text.splitlines():
-            line = line.split("#", 1)[0].strip()
+            line = _COMMENT.sub("", line).strip()
             if line:
                 keys.append(line)
     return tuple(dict.fromkeys(keys))
+
+
+# a comment of the keys file: ``#`` at the start of a line or after a space; a ``#`` inside a
+# key is part of it (cut there, the key's prefix would be let in)
+_COMMENT = re.compile(r"(?:^|\s)#.*")
 
 
 @dataclass(slots=True, frozen=True)
