@@ -39,6 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from router.core.errors import BadRequest, ConfigError
 
@@ -122,8 +123,9 @@ def check_prompt_tokens(server: ServerSettings, prompt_tokens: int) -> None:
 # ---------------------------------------------------------------------------- logging
 
 _PATTERNS = (
-    # scheme://user:password@host -> scheme://user:***@host
-    (re.compile(r"([a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s/]+@", re.I), r"\1***@"),
+    # scheme://user:password@host -> scheme://user:***@host; the host follows the last "@"
+    # (as urllib and redis-py read a URL): a password may hold one
+    (re.compile(r"([a-z][a-z0-9+.-]*://[^:/@\s]*:)[^\s/]+@", re.I), r"\1***@"),
     (re.compile(r"(bearer\s+)[^\s,;'\"]+", re.I), r"\1***"),
     (
         re.compile(
@@ -187,8 +189,10 @@ def server_secrets(server: ServerSettings) -> list[str]:
         server.record_key or "",
     ]
     out += list(read_api_keys(server.api_keys, server.api_keys_file))
-    url = server.redis_url or ""
-    m = re.match(r"[a-z]+://[^:/@]*:([^@/]+)@", url)
-    if m:
-        out.append(m.group(1))
+    try:  # (the password as redis-py reads it: the host after the last "@")
+        password = urlsplit(server.redis_url or "").password
+    except ValueError:
+        password = None
+    if password:
+        out.append(password)
     return [s for s in out if s]
