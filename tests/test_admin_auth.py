@@ -121,3 +121,14 @@ def test_an_admin_token_that_is_also_a_client_key_is_refused(tmp_path: Path) -> 
             create_app(settings)
         except ConfigError as exc:
             assert KEY not in str(exc)
+
+
+async def test_a_drain_of_a_malformed_rank_is_404_not_500(url: str) -> None:
+    """``name#dpN`` names one rank; a rank that ``str.isdigit`` takes but ``int`` refuses (a
+    superscript digit, more than 4300 digits) crashed the handler with a 500."""
+    admin = {"X-Admin-Token": ADMIN}
+    for rank in ("\u00b2", "\u0663", "9" * 5000, "x", "-1"):
+        for verb in ("drain", "undrain"):
+            path = f"/admin/replicas/a%23dp{rank}/{verb}"
+            assert await _status(url, "POST", path, admin) == 404, (rank[:8], verb)
+    assert await _status(url, "POST", "/admin/replicas/a%23dp0/drain", admin) == 200
