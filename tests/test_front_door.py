@@ -307,3 +307,24 @@ async def test_a_hash_inside_a_key_of_the_keys_file_is_part_of_the_key(tmp_path:
             ):
                 got, _, _ = await _call(s, url, "GET", "/v1/models", None, bearer(key))
                 assert got == status, key
+
+
+def test_a_keys_setting_that_yields_no_key_is_refused(tmp_path: Path) -> None:
+    """``api_keys_file`` naming a file with no key in it (a secret mounted empty, only
+    comments), or ``api_keys`` set to blanks, left the router with no key and so open to
+    every client: it fails closed, refused when the app is built."""
+    from router.core.errors import ConfigError
+    from router.service.app import create_app
+
+    empty = tmp_path / "keys"
+    empty.write_text("# the keys go here\n\n")
+    for server in ({"api_keys_file": str(empty)}, {"api_keys": " , "}, {"api_keys": ""}):
+        settings = build_settings(
+            {
+                "server": server,
+                "replicas": [{"url": "http://127.0.0.1:9", "model": MODEL, "name": "b0"}],
+                "models": {MODEL: {"block_size": 16}},
+            }
+        )
+        with pytest.raises(ConfigError, match="hold no client key"):
+            create_app(settings)

@@ -78,6 +78,12 @@ class Limits:
     @classmethod
     def from_server(cls, server: ServerSettings) -> Limits:
         keys = read_api_keys(server.api_keys, server.api_keys_file)
+        if not keys and (server.api_keys is not None or server.api_keys_file):
+            # (a secret mounted empty, say: without a key the router would be open to all)
+            raise ConfigError(
+                "server.api_keys / api_keys_file: set, but they hold no client key (the file "
+                "is empty or only comments?); give a key, or remove the setting to run open"
+            )
         per_key = server.max_concurrent_per_key
         header_kb = server.max_header_kb
         if per_key < 0 or header_kb < 0:
