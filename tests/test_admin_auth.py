@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -94,3 +95,40 @@ async def test_a_non_ascii_token_matches_as_a_client_sends_it() -> None:
             status = (await reader.readline()).split()[1]
             writer.close()
             assert status == b"200", header
+
+
+def test_an_admin_token_that_is_also_a_client_key_is_refused(tmp_path: Path) -> None:
+    """The admin routes take the token in ``Authorization: Bearer``, where clients send their
+    key: an admin token equal to a client key (inline or in api_keys_file) let every client
+    holding that key drain the fleet. Refused when the app is built, as a grpc_token equal to
+    a client key is; the message does not show the key."""
+    from router.core.errors import ConfigError
+    from router.service.app import create_app
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{KEY}  # a client\n")
+    for server in ({"api_keys": f"other,{KEY}"}, {"api_keys_file": str(keys)}):
+        settings = build_settings(
+            {
+                "server": {**server, "admin_token": KEY},
+                "replicas": [{"url": "http://127.0.0.1:9", "model": "kimi", "name": "a"}],
+                "models": {"kimi": kimi_model_table()},
+            }
+        )
+        with pytest.raises(ConfigError, match="admin_token: must differ from every client key"):
+            create_app(settings)
+        try:
+            create_app(settings)
+        except ConfigError as exc:
+            assert KEY not in str(exc)
+
+
+async def test_a_drain_of_a_malformed_rank_is_404_not_500(url: str) -> None:
+    """``name#dpN`` names one rank; a rank that ``str.isdigit`` takes but ``int`` refuses (a
+    superscript digit, more than 4300 digits) crashed the handler with a 500."""
+    admin = {"X-Admin-Token": ADMIN}
+    for rank in ("\u00b2", "\u0663", "9" * 5000, "x", "-1"):
+        for verb in ("drain", "undrain"):
+            path = f"/admin/replicas/a%23dp{rank}/{verb}"
+            assert await _status(url, "POST", path, admin) == 404, (rank[:8], verb)
+    assert await _status(url, "POST", "/admin/replicas/a%23dp0/drain", admin) == 200

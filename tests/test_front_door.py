@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -265,3 +266,65 @@ async def test_a_head_over_the_servers_cap_closes_the_connection(
     answer = await asyncio.wait_for(reader.read(), 10)
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
     writer.close()
+
+
+async def test_a_non_ascii_api_key_matches_as_a_client_sends_it() -> None:
+    """A client sends a key's UTF-8 bytes; header bytes were read as latin-1 and hashed as
+    their UTF-8 re-encoding, so a configured key with a non-ASCII character never matched
+    (the admin token's check had the same defect: tests/test_admin_auth.py)."""
+    key = "sk-clé-ü-鍵"
+    async for url, _ in _router({"api_keys": key}):
+        host, port = url[7:].split(":")
+        sent = key.encode()
+        for header, status in (
+            (b"Authorization: Bearer " + sent, b"200"),
+            (b"x-api-key: " + sent, b"200"),
+            (b"Authorization: Bearer " + sent[:-1], b"401"),
+            (b"Authorization: Bearer " + key.encode("latin-1", "replace"), b"401"),
+        ):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n\r\n")
+            got = (await reader.readline()).split()[1]
+            writer.close()
+            assert got == status, header
+
+
+async def test_a_hash_inside_a_key_of_the_keys_file_is_part_of_the_key(tmp_path: Path) -> None:
+    """``api_keys_file`` takes ``#`` comments; a ``#`` inside a key (``sk-abc#def``, a
+    generated key with symbols) cut the key there, so its prefix ``sk-abc``, a shorter key
+    nobody was given, was let in. A comment starts a line or follows a space."""
+    keys = tmp_path / "keys"
+    keys.write_text("# client keys\nsk-abc#def\nsk-ghi  # the second client\n\t#sk-off\n")
+    async for url, _ in _router({"api_keys_file": str(keys)}):
+        async with aiohttp.ClientSession() as s:
+            for key, status in (
+                ("sk-abc#def", 200),
+                ("sk-ghi", 200),
+                ("sk-abc", 401),
+                ("sk-ghi  # the second client", 401),
+                ("#sk-off", 401),
+                ("sk-off", 401),
+            ):
+                got, _, _ = await _call(s, url, "GET", "/v1/models", None, bearer(key))
+                assert got == status, key
+
+
+def test_a_keys_setting_that_yields_no_key_is_refused(tmp_path: Path) -> None:
+    """``api_keys_file`` naming a file with no key in it (a secret mounted empty, only
+    comments), or ``api_keys`` set to blanks, left the router with no key and so open to
+    every client: it fails closed, refused when the app is built."""
+    from router.core.errors import ConfigError
+    from router.service.app import create_app
+
+    empty = tmp_path / "keys"
+    empty.write_text("# the keys go here\n\n")
+    for server in ({"api_keys_file": str(empty)}, {"api_keys": " , "}, {"api_keys": ""}):
+        settings = build_settings(
+            {
+                "server": server,
+                "replicas": [{"url": "http://127.0.0.1:9", "model": MODEL, "name": "b0"}],
+                "models": {MODEL: {"block_size": 16}},
+            }
+        )
+        with pytest.raises(ConfigError, match="hold no client key"):
+            create_app(settings)

@@ -145,11 +145,32 @@ async def test_logs_hold_no_secrets_or_prompt_text(fleet: Fleet, tmp_path: Path)
         assert secret not in log, secret
 
 
+async def test_a_password_holding_an_at_sign_is_masked_whole(fleet: Fleet) -> None:
+    """A Redis URL's password may hold an ``@`` (the URL's host is after the last one, as
+    redis-py and urllib read it): the log filter masked only up to the first ``@`` and the
+    configured secret taken from the URL was cut there too, so the rest of the password
+    reached the log."""
+    password = "pw-head@pw-tail-9c1d"
+    router = fleet.router(
+        "router",
+        [("a", fleet.mock("a").url)],
+        server={"redis_url": f"redis://kv:{password}@127.0.0.1:1/0", "log_level": "debug"},
+    )
+    await eventually(lambda: router.log().count("index sync:") >= 2)
+    router.stop()
+    log = router.log()
+    assert "redis://kv:***@127.0.0.1:1/0" in log, log[-2000:]
+    for part in password.split("@"):
+        assert part not in log, part
+
+
 def test_redaction_patterns() -> None:
     assert (
         redact("connect redis://u:hunter2@h:6379/0 failed")
         == "connect redis://u:***@h:6379/0 failed"
     )
+    assert redact("at redis://u:p@ss@h:6379/0 x@y") == "at redis://u:***@h:6379/0 x@y"
+    assert redact("http://h:8000/a@b") == "http://h:8000/a@b"  # no password: unchanged
     assert redact("Authorization: Bearer abc.def") == "Authorization: Bearer ***"
     assert redact("api_key=zzz9 next") == "api_key=*** next"
     assert redact("password: 'p@ss'") == "password: '***'"
@@ -166,3 +187,22 @@ def test_api_key_check_compares_every_key() -> None:
     assert keys.check("k2-bbb") is None
     assert keys.check("") is None
     assert not ApiKeys([])
+
+
+def test_a_configuration_error_shows_no_password(tmp_path: Path) -> None:
+    """A replica URL with credentials is refused at start-up; the refusal, printed to stderr
+    before log redaction is installed, names the URL with its password masked, as does a
+    KVROUTER_REPLICAS item that is not MODEL=URL."""
+    from tests.inprocess import kvrouter
+
+    config = tmp_path / "router.toml"
+    config.write_text(
+        f'[[replicas]]\nurl = "http://bob:{REDIS_PASSWORD}@127.0.0.1:8000"\nmodel = "m"\n'
+    )
+    done = kvrouter("serve", "--config", str(config), "--check")
+    assert done.returncode == 2, done
+    assert "carries credentials" in done.stderr and "http://bob:***@127.0.0.1:8000" in done.stderr
+    assert REDIS_PASSWORD not in done.stderr + done.stdout
+    done = kvrouter("serve", "--replica", f"http://bob:{REDIS_PASSWORD}@127.0.0.1:8000", "--check")
+    assert done.returncode == 2, done
+    assert REDIS_PASSWORD not in done.stderr + done.stdout, done.stderr

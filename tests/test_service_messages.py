@@ -356,8 +356,13 @@ async def test_the_gate_and_the_routers_errors_answer_in_anthropic_shape(
         status, _, data = await _call(http, url, "/v1/messages", good, **key)
         assert (status, data) == (400, {"type": "error", "error": {"type": "api_error",
                                                                    "message": "boom"}})  # fmt: skip
+        # the router's own 405 and 404 on the Messages API's paths: Anthropic's shape too
         async with http.get(url + "/v1/messages", headers=key) as r:
-            assert r.status == 405
+            assert (r.status, r.headers.get("Allow")) == (405, "POST")
+            _anthropic_error(await r.json(), "invalid_request_error")
+        status, _, data = await _call(http, url, "/v1/messages/nothing", good, **key)
+        assert status == 404
+        _anthropic_error(data, "not_found_error")
     await client.close()
     await wrong.close()
 

@@ -58,8 +58,10 @@ class ReplicaKey(NamedTuple):
 
     @classmethod
     def parse(cls, text: str) -> ReplicaKey:
+        """``name`` or ``name#dpN`` (N in ASCII digits, at most 9: what ``int`` takes; any
+        other text is a name of its own, which names no replica)."""
         name, sep, rank = text.rpartition("#dp")
-        if sep and rank.isdigit():
+        if sep and rank.isascii() and rank.isdigit() and len(rank) <= 9:
             return cls(name, int(rank))
         return cls(text, 0)
 

@@ -47,7 +47,7 @@ from router.service.pass_through import MESSAGES_PATH, PATHS, RESPONSES_PATH
 from router.service.response_share import redis_ctx
 from router.service.routes import Routes
 from router.service.saturation import loop_lag
-from router.service.security import Limits, check_grpc_token
+from router.service.security import Limits, check_admin_token, check_grpc_token
 from router.service.settings import Settings
 from router.service.state import RouterState
 from router.service.stopping import Stopping
@@ -77,6 +77,7 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
     # a bad limit fails here, before anything starts
     limits = Limits.from_server(settings.server)
     check_grpc_token(settings.server, limits)
+    check_admin_token(settings.server, limits)
     app = web.Application()
     app[SETTINGS] = settings
     app[GATE] = Gate(limits)  # one per process: HTTP and gRPC hold their callers to it

@@ -101,7 +101,10 @@ def serve(args: argparse.Namespace) -> int:
         if app is None:
             return _serve_workers(settings, workers)
     except ConfigError as exc:
-        print(f"kvrouter serve: configuration error: {exc}", file=sys.stderr)
+        # printed before log redaction is installed: a URL's password, say, masked here
+        from router.service.security import redact
+
+        print(f"kvrouter serve: configuration error: {redact(str(exc))}", file=sys.stderr)
         return 2
     _run(app, settings.server.host, settings.server.port, reuse_port=False)
     return 0

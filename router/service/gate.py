@@ -48,14 +48,17 @@ class ApiKeys:
 
 def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> str:
     """The API key a client presented: ``Authorization: Bearer KEY``, ``api-key: KEY`` or
-    ``x-api-key: KEY`` (the Anthropic SDKs' header, Claude Code's with an API key)."""
+    ``x-api-key: KEY`` (the Anthropic SDKs' header, Claude Code's with an API key). The
+    header's bytes are read as UTF-8, as clients send a key and as :func:`_digest` encodes a
+    configured one (bytes that are not UTF-8 kept, as surrogates), so a key with non-ASCII
+    characters matches."""
     auth = api_key = ""
     for k, v in headers:
         name = k.lower()
         if name == b"authorization" and not auth:
-            auth = v.decode("latin-1")
+            auth = v.decode("utf-8", "surrogateescape")
         elif (name == b"api-key" or name == b"x-api-key") and not api_key:
-            api_key = v.decode("latin-1")
+            api_key = v.decode("utf-8", "surrogateescape")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
     return api_key.strip()

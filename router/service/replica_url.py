@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from router.service.security import redact
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaUrl:
@@ -22,36 +24,41 @@ class ReplicaUrl:
 
     @classmethod
     def parse(cls, url: str) -> ReplicaUrl:
-        """The URL's parts; ValueError saying why the proxy could not use it otherwise."""
+        """The URL's parts; ValueError saying why the proxy could not use it otherwise (the
+        URL shown with any password masked: the message reaches logs and stderr)."""
         try:
             parts = urlsplit(url)
             port = parts.port
         except ValueError as exc:
-            raise ValueError(f"{url!r} has a bad port ({exc})") from None
+            raise ValueError(f"{_shown(url)!r} has a bad port ({exc})") from None
         if parts.scheme == "https":
             raise ValueError(
-                f"{url!r}: https is not supported: replicas are reached over plain http on the "
-                "cluster network; terminate TLS in front of the router or use a sidecar"
+                f"{_shown(url)!r}: https is not supported: replicas are reached over plain http "
+                "on the cluster network; terminate TLS in front of the router or use a sidecar"
             )
         if parts.scheme != "http" or not parts.netloc:
-            raise ValueError(f"{url!r} is not an http URL (http://host:port)")
+            raise ValueError(f"{_shown(url)!r} is not an http URL (http://host:port)")
         if not parts.hostname:
-            raise ValueError(f"{url!r} has no host")
+            raise ValueError(f"{_shown(url)!r} has no host")
         if port == 0:
-            raise ValueError(f"{url!r}: port 0 is not a port to connect to")
+            raise ValueError(f"{_shown(url)!r}: port 0 is not a port to connect to")
         if parts.username is not None or parts.password is not None:
             raise ValueError(
-                f"{url!r} carries credentials, which the router does not send; remove them"
+                f"{_shown(url)!r} carries credentials, which the router does not send; remove them"
             )
         if parts.path not in ("", "/"):
             raise ValueError(
-                f"{url!r} has a path ({parts.path!r}), which the router would not use: "
+                f"{_shown(url)!r} has a path ({parts.path!r}), which the router would not use: "
                 "requests go to the replica's root (/v1/...); give http://host:port"
             )
         if parts.query:
-            raise ValueError(f"{url!r} has a query ({parts.query!r}); give http://host:port")
+            raise ValueError(
+                f"{_shown(url)!r} has a query ({parts.query!r}); give http://host:port"
+            )
         if parts.fragment:
-            raise ValueError(f"{url!r} has a fragment ({parts.fragment!r}); give http://host:port")
+            raise ValueError(
+                f"{_shown(url)!r} has a fragment ({parts.fragment!r}); give http://host:port"
+            )
         return cls(parts.netloc, parts.hostname.lower(), port or 80)
 
     @property
@@ -63,6 +70,11 @@ class ReplicaUrl:
     def address(self) -> tuple[str, int]:
         """(host, port): equal for two spellings of one replica's address."""
         return self.host, self.port
+
+
+def _shown(url: str) -> str:
+    """``url`` as an error message shows it: any password masked (router.service.security)."""
+    return redact(url)
 
 
 def replica_url_problem(url: str) -> str | None:

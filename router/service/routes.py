@@ -5,7 +5,8 @@ admin), and the internal paths of a worker's control socket.
 A path is literal, or has one ``{name}`` segment (``/admin/replicas/{name}/drain``), which
 the handler gets percent-decoded; ``{name:path}`` matches slashes too. A GET route answers
 HEAD too. An unknown path is a 404, a known path with another method a 405 with ``Allow``;
-both with OpenAI-style bodies.
+both with OpenAI-style bodies (Anthropic-style on the Messages API's paths, as the router's
+other errors there: router.service.errors ``messages_path``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from router.service.errors import ErrorReply
+from router.service.errors import ErrorReply, messages_path
 from router.service.http_types import HttpRequest, Reply, path_segment
 
 # a handler gets the request and the value of the path's {name} segment ('' if none)
@@ -84,20 +85,21 @@ class Routes:
             found = {}, ""
         if found is None:
             text = f"no route for {method.decode('latin-1')} {path.decode('latin-1')}"
-            return error(ErrorReply(404, text, "not_found"))
+            return error(ErrorReply(404, text, "not_found"), messages_path(path))
         handlers, param = found
         handler = handlers.get(b"GET" if method == b"HEAD" else method)
         if handler is None:
             methods = {*handlers, *self._elsewhere.get(path, ())}
             allow = ", ".join(sorted(m.decode() for m in methods))
             reply = ErrorReply(405, "Method Not Allowed", "http_405", headers=(("Allow", allow),))
-            return error(reply)
+            return error(reply, messages_path(path))
         return await handler(req, param)
 
 
-def error(reply: ErrorReply) -> Reply:
-    """An :class:`ErrorReply` as a :class:`Reply`."""
+def error(reply: ErrorReply, anthropic: bool = False) -> Reply:
+    """An :class:`ErrorReply` as a :class:`Reply` (``anthropic``: in the Messages API's
+    error shape)."""
     headers = ((b"Content-Type", b"application/json"),) + tuple(
         (k.encode(), v.encode()) for k, v in reply.headers
     )
-    return Reply(reply.status, reply.body(), headers)
+    return Reply(reply.status, reply.body(anthropic), headers)

@@ -5,7 +5,8 @@ limit and log redaction.
 
 All of it is off unless configured (``[server]`` keys, see docs/operations.md):
 
-* ``api_keys`` (comma-separated) and/or ``api_keys_file`` (one key per line, ``#`` comments):
+* ``api_keys`` (comma-separated) and/or ``api_keys_file`` (one key per line, ``#`` comments
+  at a line's start or after a space):
   every request but the probes', ``/metrics``' and the admin routes' (router.service.gate
   ``protected``: the ``/v1/`` API, vLLM's ``/tokenize``, pooling and ``/v2/`` routes, unknown
   paths) must carry ``Authorization: Bearer KEY`` (or ``api-key: KEY``).
@@ -38,6 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from router.core.errors import BadRequest, ConfigError
 
@@ -46,7 +48,8 @@ if TYPE_CHECKING:
 
 
 def read_api_keys(inline: str | None, path: str | None) -> tuple[str, ...]:
-    """Keys from the comma-separated ``inline`` string and the file at ``path``."""
+    """Keys from the comma-separated ``inline`` string and the file at ``path`` (one key a
+    line; ``#`` starts a comment at the start of a line or after a space)."""
     keys = [k.strip() for k in (inline or "").split(",") if k.strip()]
     if path:
         try:
@@ -54,10 +57,15 @@ def read_api_keys(inline: str | None, path: str | None) -> tuple[str, ...]:
         except OSError as exc:
             raise ConfigError(f"server.api_keys_file: cannot read {path}: {exc.strerror}") from None
         for line in text.splitlines():
-            line = line.split("#", 1)[0].strip()
+            line = _COMMENT.sub("", line).strip()
             if line:
                 keys.append(line)
     return tuple(dict.fromkeys(keys))
+
+
+# a comment of the keys file: ``#`` at the start of a line or after a space; a ``#`` inside a
+# key is part of it (cut there, the key's prefix would be let in)
+_COMMENT = re.compile(r"(?:^|\s)#.*")
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,6 +78,12 @@ class Limits:
     @classmethod
     def from_server(cls, server: ServerSettings) -> Limits:
         keys = read_api_keys(server.api_keys, server.api_keys_file)
+        if not keys and (server.api_keys is not None or server.api_keys_file):
+            # (a secret mounted empty, say: without a key the router would be open to all)
+            raise ConfigError(
+                "server.api_keys / api_keys_file: set, but they hold no client key (the file "
+                "is empty or only comments?); give a key, or remove the setting to run open"
+            )
         per_key = server.max_concurrent_per_key
         header_kb = server.max_header_kb
         if per_key < 0 or header_kb < 0:
@@ -90,6 +104,18 @@ def check_grpc_token(server: ServerSettings, limits: Limits) -> None:
         )
 
 
+def check_admin_token(server: ServerSettings, limits: Limits) -> None:
+    """ConfigError when ``server.admin_token`` is also a client key: the admin routes take
+    the token in ``Authorization: Bearer``, where clients send their keys, so every client
+    holding that key could drain the fleet (router.service.admin)."""
+    token = server.admin_token
+    if token and token in limits.api_keys:
+        raise ConfigError(
+            "server.admin_token: must differ from every client key (api_keys / api_keys_file): "
+            "the admin routes take it as a bearer token, where clients send their keys"
+        )
+
+
 def check_prompt_tokens(server: ServerSettings, prompt_tokens: int) -> None:
     """Raise BadRequest when ``server.max_prompt_tokens`` is set and exceeded."""
     limit = server.max_prompt_tokens
@@ -103,8 +129,9 @@ def check_prompt_tokens(server: ServerSettings, prompt_tokens: int) -> None:
 # ---------------------------------------------------------------------------- logging
 
 _PATTERNS = (
-    # scheme://user:password@host -> scheme://user:***@host
-    (re.compile(r"([a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s/]+@", re.I), r"\1***@"),
+    # scheme://user:password@host -> scheme://user:***@host; the host follows the last "@"
+    # (as urllib and redis-py read a URL): a password may hold one
+    (re.compile(r"([a-z][a-z0-9+.-]*://[^:/@\s]*:)[^\s/]+@", re.I), r"\1***@"),
     (re.compile(r"(bearer\s+)[^\s,;'\"]+", re.I), r"\1***"),
     (
         re.compile(
@@ -168,8 +195,10 @@ def server_secrets(server: ServerSettings) -> list[str]:
         server.record_key or "",
     ]
     out += list(read_api_keys(server.api_keys, server.api_keys_file))
-    url = server.redis_url or ""
-    m = re.match(r"[a-z]+://[^:/@]*:([^@/]+)@", url)
-    if m:
-        out.append(m.group(1))
+    try:  # (the password as redis-py reads it: the host after the last "@")
+        password = urlsplit(server.redis_url or "").password
+    except ValueError:
+        password = None
+    if password:
+        out.append(password)
     return [s for s in out if s]
