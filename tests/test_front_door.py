@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 
 from router.service.config import build_settings
 from tests.backends import Backend, start_router
+from tests.waiting import eventually
 
 MODEL = "m"
 KEY_A = "sk-front-door-a"
@@ -328,3 +330,46 @@ def test_a_keys_setting_that_yields_no_key_is_refused(tmp_path: Path) -> None:
         )
         with pytest.raises(ConfigError, match="hold no client key"):
             create_app(settings)
+
+
+async def test_a_request_with_a_wrong_key_has_its_body_dropped_and_no_100() -> None:
+    """The key is known from the request's head: a request the gate will refuse for it has
+    its body read and dropped, never kept (an unauthenticated client made the router buffer
+    up to ``max_body_mb`` per request), and an ``Expect: 100-continue`` gets its 401 without
+    a ``100 Continue`` first. A right key's request is kept and continued as before."""
+    backend = await Backend("b0", [MODEL]).start()
+    settings = build_settings(
+        {
+            "server": {"api_keys": KEY_A, "max_body_mb": 1},
+            "replicas": [{"url": backend.url, "model": MODEL, "name": "b0"}],
+            "models": {MODEL: {"block_size": 16}},
+        }
+    )
+    running, url = await start_router(settings)
+    kept: list[int] = []
+    handler = running.server.handler
+
+    async def recording(req: Any, sink: Any) -> None:
+        kept.append(len(req.body))
+        await handler(req, sink)
+
+    running.server.handler = recording
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": "x " * 200_000, "max_tokens": 1}).encode()
+    try:
+        for key, first in ((b"wrong", b"401"), (KEY_A.encode(), b"100")):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer " + key + b"\r\nExpect: 100-continue\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body)
+            )
+            writer.write(body)  # (a client may send its body without waiting for the 100)
+            status = (await reader.readline()).split()[1]
+            writer.close()
+            assert status == first, (key, status)
+        await eventually(lambda: len(kept) == 2)
+        assert kept == [0, len(body)], kept
+    finally:
+        await running.cleanup()
+        await backend.stop()

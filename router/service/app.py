@@ -169,7 +169,10 @@ async def start(
         door = FrontDoor(state, app[FORWARDER], app[GATE], app[ROUTES])
         s = state.settings.server
         server = FastServer(
-            partial(handle, door), int(s.max_body_mb * 2**20), ConnLimits.from_server(s)
+            partial(handle, door),
+            int(s.max_body_mb * 2**20),
+            ConnLimits.from_server(s),
+            refuses_body=door.gate.refuses_key,
         )
         bound = await server.start(host, port, reuse_port=reuse_port, sock=sock)
         log_startup(state, host, bound, server.limits.max_connections)

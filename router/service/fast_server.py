@@ -70,9 +70,19 @@ Handler = Callable[[HttpRequest, Sink], Awaitable[None]]
 class FastServer:
     """One listening socket served by ``handler`` (see the module docstring)."""
 
-    def __init__(self, handler: Handler, max_body: int, limits: ConnLimits | None = None) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        max_body: int,
+        limits: ConnLimits | None = None,
+        refuses_body: Callable[[bytes, list[tuple[bytes, bytes]]], bool] | None = None,
+    ) -> None:
         self.handler = handler
         self.max_body = max_body
+        # (path, headers) -> whether the handler will refuse the request whatever its body
+        # (a wrong API key: Gate.refuses_key): its body is read and dropped, never kept, and
+        # an ``Expect: 100-continue`` gets no 100 (the handler's answer needs no body)
+        self.refuses_body = refuses_body
         self.limits = limits or ConnLimits()
         self.connections: set[Connection] = set()
         # connections between requests, longest idle first (dict order)

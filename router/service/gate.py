@@ -128,6 +128,17 @@ class Gate:
             return refused, None
         return self.hold(ident)
 
+    def refuses_key(self, path: bytes, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether :meth:`admit` will refuse this request for its key (keys configured, a
+        :func:`protected` path, no key that matches), known from its head alone: the server
+        then keeps none of its body (router/service/http_connection.py), which an
+        unauthenticated client could otherwise make it buffer up to ``max_body_mb``."""
+        return (
+            bool(self._keys)
+            and protected(path)
+            and (self._keys.check(presented_key(headers)) is None)
+        )
+
     def keyed(self) -> bool:
         """Whether client keys are configured (a caller must present one)."""
         return bool(self._keys)

@@ -27,7 +27,10 @@ through.
   ``Expect: 100-continue`` is honoured (its ``100`` also waits for the answers before it;
   an HTTP/1.0 request's is ignored, RFC 9110 10.1.1);
   with a ``Content-Length`` over ``max_body`` the answer is 413 at once, without the body,
-  and the connection closes. ``HEAD`` gets the head of the GET answer. A request asking to
+  and the connection closes. A request the handler will refuse whatever its body (a wrong
+  API key: ``FastServer.refuses_body``) has its body read and dropped, never kept, and no
+  ``100``: an unauthenticated client cannot make the router buffer ``max_body`` bytes.
+  ``HEAD`` gets the head of the GET answer. A request asking to
   switch protocols (``Upgrade: h2c``) is answered in HTTP/1.1 as if it had not asked;
   ``CONNECT`` is 400. A chunked body's trailer fields are dropped, never taken for headers.
   An absolute-form target (``http://host/path``) is served as its path.
@@ -252,6 +255,7 @@ class Connection(asyncio.Protocol):
         self.body: list[bytes | bytearray] = []
         self.body_size = 0
         self.too_large = False
+        self.dropping = False  # refused whatever its body (FastServer.refuses_body): not kept
 
     # ---------------------------------------------------------------- asyncio protocol
 
@@ -471,8 +475,15 @@ class Connection(asyncio.Protocol):
                 expect = True
             elif len(k) == 17 and k.lower() == b"transfer-encoding" and self._bad_coding(v):
                 return
-        if not expect or self.parser.get_http_version() == "1.0":  # (1.0 has no 100)
-            return
+        refuses = self.server.refuses_body
+        if refuses is not None:
+            url = self.url
+            if not url.startswith(b"/"):
+                url = _origin_form(url)
+            # its answer is a refusal whatever the body: read and dropped, no 100 Continue
+            self.dropping = refuses(url.split(b"?", 1)[0], self.headers)
+        if not expect or self.dropping or self.parser.get_http_version() == "1.0":
+            return  # (1.0 has no 100)
         if self.too_large:  # the client waits for "100 Continue": answer without the body
             self.fatal(
                 413,
@@ -507,7 +518,7 @@ class Connection(asyncio.Protocol):
         self.got_body = True
         if self.deadline:
             self.deadline = self.loop.time() + self.server.limits.body_timeout_s
-        if self.too_large:
+        if self.too_large or self.dropping:
             return
         self.body_size += len(body)
         if self.body_size > self.server.max_body:
