@@ -172,6 +172,10 @@ def test_redaction_patterns() -> None:
     assert redact("at redis://u:p@ss@h:6379/0 x@y") == "at redis://u:***@h:6379/0 x@y"
     assert redact("http://h:8000/a@b") == "http://h:8000/a@b"  # no password: unchanged
     assert redact("Authorization: Bearer abc.def") == "Authorization: Bearer ***"
+    # Basic carries user:password, base64-encoded: as good as the password
+    assert redact("Authorization: Basic dXNlcjpodW50ZXIy") == "Authorization: Basic ***"
+    assert redact("{'authorization': 'Basic dXNlcjpw'}") == "{'authorization': 'Basic ***'}"
+    assert redact("a basic question") == "a basic question"
     assert redact("api_key=zzz9 next") == "api_key=*** next"
     assert redact("password: 'p@ss'") == "password: '***'"
     assert "tok3n-value" not in redact("x tok3n-value y", ["tok3n-value"])

@@ -133,6 +133,12 @@ _PATTERNS = (
     # (as urllib and redis-py read a URL): a password may hold one
     (re.compile(r"([a-z][a-z0-9+.-]*://[^:/@\s]*:)[^\s/]+@", re.I), r"\1***@"),
     (re.compile(r"(bearer\s+)[^\s,;'\"]+", re.I), r"\1***"),
+    # an Authorization field's Basic credential (user:password in base64): as good as the
+    # password; the word alone ("a basic setup") is left
+    (
+        re.compile(r"(authorization['\"]?\s*[:=]\s*['\"]?basic\s+)[^\s,;'\"]+", re.I),
+        r"\1***",
+    ),
     (
         re.compile(
             r"((?:api[-_]?key|x-admin-token|admin[-_]token|password|requirepass|token)"
@@ -145,8 +151,8 @@ _PATTERNS = (
 
 
 def redact(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` with credentials masked: URL passwords, bearer tokens, ``key=value`` pairs
-    named like secrets, and any literal in ``secrets``."""
+    """``text`` with credentials masked: URL passwords, Bearer and Basic credentials,
+    ``key=value`` pairs named like secrets, and any literal in ``secrets``."""
     for pattern, repl in _PATTERNS:
         text = pattern.sub(repl, text)
     for secret in secrets:
