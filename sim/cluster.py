@@ -376,9 +376,9 @@ class Simulation:
             rr, decision, now, class_weight=weight
         )
         i = self._slot[decision.replica]
-        # the class's priority, where the service sends it (not to vLLM's Messages API)
-        sends = self._engine_priority and klass is not None and takes_engine_priority(req.endpoint)
-        priority = engine_priority(klass) if sends and klass is not None else 0
+        priority = 0  # the class's, where the service sends it (not to vLLM's Messages API)
+        if self._engine_priority and klass is not None and takes_engine_priority(req.endpoint):
+            priority = engine_priority(klass)
         rows = (req, *self._batches.others(req.request_id))
         self._batches.dispatched(rows)
         ereqs = []

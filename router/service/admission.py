@@ -38,6 +38,7 @@ from router.core.admission import (
     CLASS_NAMES,
     DEFAULT,
     FLEX,
+    HOLD,
     PRIORITY,
     SHED,
     SHED_REASONS,
@@ -241,21 +242,21 @@ class Admission:
         ticket = queue.ticket(request_id, klass, tenant, prompt_tokens, now, pending, size)
         verdict = queue.judge(ticket, a, now)
         name = CLASS_NAMES[klass]
+        held_while_stopping = verdict.action == HOLD and self.stopping
+        self.decisions.labels(
+            model, name, STOPPING if held_while_stopping else verdict.action
+        ).inc()
         if verdict.action == ADMIT:
             assert verdict.allowed is not None
-            self.decisions.labels(model, name, ADMIT).inc()
             self.wait.labels(model, name).observe(0.0)
             return self._commit(m, ticket, pending, a, verdict.allowed, now)
         if verdict.action == SHED:
-            self.decisions.labels(model, name, SHED).inc()
             raise self._shed(m, ticket, verdict.reason, verdict.retry_after_s)
         if verdict.displaced is not None:  # a full queue: it took a worse class's place
             self._refuse(m, verdict.displaced, verdict.reason, verdict.retry_after_s)
-        if self.stopping:  # nothing is held while the process stops (:meth:`stop`)
+        if held_while_stopping:  # nothing is held while the process stops (:meth:`stop`)
             queue.cancel(request_id)
-            self.decisions.labels(model, name, STOPPING).inc()
             raise ShuttingDown()
-        self.decisions.labels(model, name, verdict.action).inc()
         fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
         m.waiters[request_id] = fut
         self._gauge(m)

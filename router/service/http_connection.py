@@ -28,8 +28,9 @@ through.
   an HTTP/1.0 request's is ignored, RFC 9110 10.1.1);
   with a ``Content-Length`` over ``max_body`` the answer is 413 at once, without the body,
   and the connection closes. A request the handler will refuse whatever its body (a wrong
-  API key: ``FastServer.refuses_body``) has its body read and dropped, never kept, and no
-  ``100``: an unauthenticated client cannot make the router buffer ``max_body`` bytes.
+  API key: ``FastServer.refuses_body``, asked when the body is over 64 KiB, chunked or
+  awaits a ``100``) has its body read and dropped, never kept, and no ``100``: an
+  unauthenticated client cannot make the router buffer ``max_body`` bytes.
   ``HEAD`` gets the head of the GET answer. A request asking to
   switch protocols (``Upgrade: h2c``) is answered in HTTP/1.1 as if it had not asked;
   ``CONNECT`` is 400. A chunked body's trailer fields are dropped, never taken for headers.
@@ -80,6 +81,11 @@ _PIECE = 4096  # body pieces below this size are gathered (see Connection.on_bod
 # how long a connection closed by a protocol error's answer goes on reading (and dropping)
 # what its client still sends, so that its close is no reset that destroys the answer
 LINGER_S = 5.0
+
+
+# a body this small is kept without asking FastServer.refuses_body first: a check for it
+# would cost more than the bytes it saves
+_KEEP_UNASKED = 64 * 1024
 
 
 def _chunk(data: bytes) -> bytes:
@@ -464,19 +470,24 @@ class Connection(asyncio.Protocol):
         self.deadline = self.loop.time() + body_timeout if body_timeout > 0 else 0.0
         limit = self.server.max_body
         expect = False
+        length = 0  # the body's announced size (a chunked one's: unknown, counted as large)
         for k, v in self.headers:
             if len(k) == 14 and k.lower() == b"content-length":
                 try:  # (not contextlib.suppress: this runs per request, try costs nothing)
-                    if int(v) > limit:
+                    length = int(v)
+                    if length > limit:
                         self.too_large = True
                 except ValueError:
                     pass
             elif len(k) == 6 and k.lower() == b"expect" and v.lower() == b"100-continue":
                 expect = True
-            elif len(k) == 17 and k.lower() == b"transfer-encoding" and self._bad_coding(v):
-                return
+            elif len(k) == 17 and k.lower() == b"transfer-encoding":
+                if self._bad_coding(v):
+                    return
+                length = limit
         refuses = self.server.refuses_body
-        if refuses is not None:
+        # asked only of a body worth not keeping (the handler checks every request anyway)
+        if refuses is not None and (expect or length > _KEEP_UNASKED):
             url = self.url
             if not url.startswith(b"/"):
                 url = _origin_form(url)

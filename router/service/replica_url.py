@@ -30,34 +30,34 @@ class ReplicaUrl:
             parts = urlsplit(url)
             port = parts.port
         except ValueError as exc:
-            raise ValueError(f"{_shown(url)!r} has a bad port ({exc})") from None
+            raise ValueError(f"{redact(url)!r} has a bad port ({exc})") from None
         if parts.scheme == "https":
             raise ValueError(
-                f"{_shown(url)!r}: https is not supported: replicas are reached over plain http "
+                f"{redact(url)!r}: https is not supported: replicas are reached over plain http "
                 "on the cluster network; terminate TLS in front of the router or use a sidecar"
             )
         if parts.scheme != "http" or not parts.netloc:
-            raise ValueError(f"{_shown(url)!r} is not an http URL (http://host:port)")
+            raise ValueError(f"{redact(url)!r} is not an http URL (http://host:port)")
         if not parts.hostname:
-            raise ValueError(f"{_shown(url)!r} has no host")
+            raise ValueError(f"{redact(url)!r} has no host")
         if port == 0:
-            raise ValueError(f"{_shown(url)!r}: port 0 is not a port to connect to")
+            raise ValueError(f"{redact(url)!r}: port 0 is not a port to connect to")
         if parts.username is not None or parts.password is not None:
             raise ValueError(
-                f"{_shown(url)!r} carries credentials, which the router does not send; remove them"
+                f"{redact(url)!r} carries credentials, which the router does not send; remove them"
             )
         if parts.path not in ("", "/"):
             raise ValueError(
-                f"{_shown(url)!r} has a path ({parts.path!r}), which the router would not use: "
+                f"{redact(url)!r} has a path ({parts.path!r}), which the router would not use: "
                 "requests go to the replica's root (/v1/...); give http://host:port"
             )
         if parts.query:
             raise ValueError(
-                f"{_shown(url)!r} has a query ({parts.query!r}); give http://host:port"
+                f"{redact(url)!r} has a query ({parts.query!r}); give http://host:port"
             )
         if parts.fragment:
             raise ValueError(
-                f"{_shown(url)!r} has a fragment ({parts.fragment!r}); give http://host:port"
+                f"{redact(url)!r} has a fragment ({parts.fragment!r}); give http://host:port"
             )
         return cls(parts.netloc, parts.hostname.lower(), port or 80)
 
@@ -70,11 +70,6 @@ class ReplicaUrl:
     def address(self) -> tuple[str, int]:
         """(host, port): equal for two spellings of one replica's address."""
         return self.host, self.port
-
-
-def _shown(url: str) -> str:
-    """``url`` as an error message shows it: any password masked (router.service.security)."""
-    return redact(url)
 
 
 def replica_url_problem(url: str) -> str | None:
