@@ -323,9 +323,33 @@ async def test_a_head_of_many_tiny_headers_is_431(front: Front) -> None:
     assert json.loads(body)["error"]["code"] == "http_431"
     writer.close()
     reader, writer = await front.open()
-    writer.write(b"GET /health HTTP/1.1\r\n" + b"x-h: v\r\n" * 1000 + b"\r\n")
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"x-h: v\r\n" * 999 + b"\r\n")
     status, _, _ = await _response(reader)
     assert status == 200
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"GET /health HTTP/1.1\r\n\r\n", 400),
+        (b"GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+        (b"GET /health HTTP/1.0\r\nHost: a\r\nhost: a\r\n\r\n", 400),
+        (b"GET /health HTTP/1.0\r\n\r\n", 200),
+        (b"GET /health HTTP/1.1\r\nhOsT: a\r\n\r\n", 200),
+    ],
+)
+async def test_host_fields_are_checked_as_rfc_9112_says(
+    front: Front, head: bytes, status: int
+) -> None:
+    # RFC 9112 3.2: a server must answer 400 to an HTTP/1.1 request without Host and to any
+    # with more than one (a proxy in front may route on another Host than the one read here)
+    reader, writer = await front.open()
+    writer.write(head)
+    got, headers, body = await _response(reader)
+    assert got == status, body
+    if status == 400:
+        assert headers["connection"] == "close" and b"Host" in body
     writer.close()
 
 

@@ -34,7 +34,8 @@ through.
   ``HEAD`` gets the head of the GET answer. A request asking to
   switch protocols (``Upgrade: h2c``) is answered in HTTP/1.1 as if it had not asked;
   ``CONNECT`` is 400. A chunked body's trailer fields are dropped, never taken for headers.
-  An absolute-form target (``http://host/path``) is served as its path.
+  An absolute-form target (``http://host/path``) is served as its path. An HTTP/1.1
+  request without a ``Host`` field, or any request with two, is 400 (RFC 9112 3.2).
 * A client that disconnects cancels its request's task, which aborts the upstream request
   (the replica sees the connection close). Writes wait while the client's socket buffer is
   full (backpressure reaches the replica through the upstream client's pause).
@@ -471,8 +472,11 @@ class Connection(asyncio.Protocol):
         limit = self.server.max_body
         expect = False
         length = 0  # the body's announced size (a chunked one's: unknown, counted as large)
+        hosts = 0
         for k, v in self.headers:
-            if len(k) == 14 and k.lower() == b"content-length":
+            if len(k) == 4 and k.lower() == b"host":
+                hosts += 1
+            elif len(k) == 14 and k.lower() == b"content-length":
                 try:  # (not contextlib.suppress: this runs per request, try costs nothing)
                     length = int(v)
                     if length > limit:
@@ -485,6 +489,11 @@ class Connection(asyncio.Protocol):
                 if self._bad_coding(v):
                     return
                 length = limit
+        if hosts != 1 and (hosts or self.parser.get_http_version() != "1.0"):
+            # RFC 9112 3.2: an HTTP/1.1 request without Host, or any with two, is a 400 (a
+            # proxy in front may have read another Host than the router would)
+            self.fatal(400, "an HTTP/1.1 request needs exactly one Host header")
+            return
         refuses = self.server.refuses_body
         # asked only of a body worth not keeping (the handler checks every request anyway)
         if refuses is not None and (expect or length > _KEEP_UNASKED):
