@@ -428,7 +428,12 @@ async def test_no_decode_replica_after_prefill_answers_with_retry_after() -> Non
             assert error["code"] == "no_replica_available", error
             assert isinstance(error["message"], str) and error["message"]
             assert set(error) == {"message", "type", "param", "code"}, error
-        assert len(prefill.seen) == 2 and not decode.received
+        assert len(prefill.seen) == 2
+        # the decode replica got no decode leg, only the transfers to release (pd_release)
+        await eventually(lambda: len(decode.received) == 2)
+        for got in decode.received:
+            assert got["body"]["use_beam_search"] is True, got
+            assert got["body"]["kv_transfer_params"] == _Prefill.PARAMS
         assert state.load.in_flight() == 0
         for _, rid in prefill.seen:
             assert state.load.replica_of(rid + "#p") is None
