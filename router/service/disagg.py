@@ -65,7 +65,7 @@ from router.service.stream_usage import with_patch
 from router.service.upstream import Exchange
 from router.service.upstream_errors import ConnectFailed, UpstreamError, UpstreamTimeout
 from router.service.wire import Sink, request_head, send_error
-from router.tokenize.lax import lax_int
+from router.tokenize.lax import lax_bool, lax_int
 from router.tokenize.request_fields import asks_prompt_logprobs
 
 REMOTE_DECODE = {
@@ -220,7 +220,8 @@ def keep_local(body: dict[str, Any], kind: str) -> str:
     simulator) of what the parsed body asks. ``n`` is read as vLLM reads it ("2" and 2.0
     are 2); a completion's ``prompt`` list is a batch unless it is one prompt of token ids;
     prompt logprobs: ``prompt_logprobs``, or ``echo`` with chat's ``top_logprobs`` /
-    completions' ``logprobs``."""
+    completions' ``logprobs``; ``use_beam_search`` read as vLLM reads a bool ("on" is
+    true)."""
     n = lax_int(body.get("n"))
     samples = n if type(n) is int else 1
     prompt = body.get("prompt") if kind == "completion" else None
@@ -230,6 +231,7 @@ def keep_local(body: dict[str, Any], kind: str) -> str:
         samples,
         len(prompt) if batch and isinstance(prompt, list) else 1,
         asks_prompt_logprobs(body, kind),
+        lax_bool(body.get("use_beam_search")) is True,
     )
 
 
@@ -538,7 +540,8 @@ class PdCollector(Collector):
             "kvrouter_pd_decisions",
             "Disaggregation decisions by reason (remote: always, remote_pays; local: off, "
             "few_uncached, local_hit, cheaper_local, same_replica, no_prefill_replica, "
-            "parallel_sampling, batch_prompts, prompt_logprobs, messages_api, responses_api)",
+            "beam_search, parallel_sampling, batch_prompts, prompt_logprobs, messages_api, "
+            "responses_api)",
             labels=["model", "reason"],
         )
         fallbacks = CounterMetricFamily(
