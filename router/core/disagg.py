@@ -342,9 +342,8 @@ class Disaggregator:
     ) -> PdPlan:
         """Local or remote prefill for ``request`` (module doc). Raises NoReplicaAvailable
         when no replica can serve it either way. ``keep_local``: why vLLM's protocol cannot
-        carry the request ('' when it can; ``parallel_sampling``, ``batch_prompts``,
-        ``prompt_logprobs``, ``messages_api``: docs/pd.md); such a request is routed as a
-        local one, with that reason."""
+        carry the request ('' when it can; ``keep_local_reason``'s: docs/pd.md); such a
+        request is routed as a local one, with that reason."""
         mode = self.knobs.mode
         pre, dec, both = self.pools(replicas)
         if not dec:
