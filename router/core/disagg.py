@@ -191,20 +191,29 @@ class TransferSizes:
 
 
 def keep_local_reason(
-    endpoint: str, samples: int = 1, prompts: int = 1, prompt_logprobs: bool = False
+    endpoint: str,
+    samples: int = 1,
+    prompts: int = 1,
+    prompt_logprobs: bool = False,
+    beam_search: bool = False,
 ) -> str:
     """Why vLLM 0.34's protocol cannot carry a request from a prefill replica to a decode
     one ('' when it can), from what it is: its ``endpoint`` (the API: ``messages``,
     ``responses``, else chat or completions, as router/recorder.py names them), the
-    sequences it samples (``n``), the prompts it sends together (a completions batch) and
-    whether it asks prompt logprobs. The one rule: the service applies it to a parsed body
-    (router/service/disagg.py ``keep_local``), the simulator to a recorded row.
+    sequences it samples (``n``), the prompts it sends together (a completions batch),
+    whether it asks prompt logprobs and whether it is a beam search. The one rule: the
+    service applies it to a parsed body (router/service/disagg.py ``keep_local``), the
+    simulator to a recorded row.
 
     * ``messages_api``: an Anthropic Messages API request; the router's prefill leg rewrites
       OpenAI fields (``max_tokens``, ``stream_options``) and reads an OpenAI answer, so these
       are served where they are routed;
     * ``responses_api``: an OpenAI Responses API request, for the same reason (its answer is
       not a chat completion's);
+    * ``beam_search``: ``use_beam_search``; vLLM runs a beam search as its own one-token
+      requests, which carry no ``kv_transfer_params``
+      (``entrypoints/generate/beam_search/online.py``), so the prefill leg would answer
+      none, its prefill wasted;
     * ``parallel_sampling``: ``n`` > 1; the connector hands over one sequence's blocks;
     * ``batch_prompts``: a completion of several prompts; vLLM answers the first prompt's
       ``kv_transfer_params`` only (``openai/completion/serving.py``), and the decode leg
@@ -216,6 +225,8 @@ def keep_local_reason(
         return "messages_api"
     if endpoint == "responses":
         return "responses_api"
+    if beam_search:
+        return "beam_search"
     if samples > 1:
         return "parallel_sampling"
     if prompts > 1:
@@ -331,9 +342,8 @@ class Disaggregator:
     ) -> PdPlan:
         """Local or remote prefill for ``request`` (module doc). Raises NoReplicaAvailable
         when no replica can serve it either way. ``keep_local``: why vLLM's protocol cannot
-        carry the request ('' when it can; ``parallel_sampling``, ``batch_prompts``,
-        ``prompt_logprobs``, ``messages_api``: docs/pd.md); such a request is routed as a
-        local one, with that reason."""
+        carry the request ('' when it can; ``keep_local_reason``'s: docs/pd.md); such a
+        request is routed as a local one, with that reason."""
         mode = self.knobs.mode
         pre, dec, both = self.pools(replicas)
         if not dec:

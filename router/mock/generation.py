@@ -98,6 +98,10 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
 
     try:
         state, body = await _read(request)
+        if pd.refused_first(body, kind):
+            if pd.is_decode_leg(pd.transfer_params(body)):
+                state.counters.released_transfers += 1
+            raise BadRequest(pd.STREAM_WITH_BEAM_SEARCH)
         many = multi.prepare(state, body, kind)  # None: one sequence of one prompt
         req: Any = None
         prompt_ids: list[int] = []

@@ -37,6 +37,10 @@ __all__ = ["Site", "TransferSizes", "answer_params", "pull", "transfer_params"]
 
 LINKS = LinkModel()
 
+# vLLM 0.34's words for a streamed beam search (``completion/serving.py``
+# ``_create_completion``, its first check)
+STREAM_WITH_BEAM_SEARCH = "Streaming is not currently supported with beam search"
+
 
 @dataclass(slots=True, frozen=True)
 class Pull:
@@ -58,6 +62,16 @@ def is_prefill_leg(params: Mapping[str, Any] | None) -> bool:
 
 def is_decode_leg(params: Mapping[str, Any] | None) -> bool:
     return bool(params and params.get("do_remote_prefill"))
+
+
+def refused_first(body: Mapping[str, Any], kind: str) -> bool:
+    """A completion vLLM 0.34 refuses before anything else (``stream`` with
+    ``use_beam_search``: ``completion/serving.py`` ``_create_completion``), inside
+    ``_with_kv_transfer_rejection_cleanup`` (``generate/base/serving.py``): a decode leg
+    refused there has the prefill replica's blocks freed at once (the connector's
+    ``request_finished`` on an ``abort_immediately`` request), which is how the router
+    releases a transfer no decode replica can take (router/service/disagg.py)."""
+    return kind == "completion" and bool(body.get("stream")) and bool(body.get("use_beam_search"))
 
 
 def answer_params(

@@ -78,6 +78,9 @@ class MockCounters:
     prefill_legs: int = 0  # disaggregated requests prefilled here for another replica
     decode_legs: int = 0  # disaggregated requests decoded here (KV pulled from elsewhere)
     pulled_bytes: float = 0.0
+    # decode legs refused before reaching the engine: vLLM frees the prefill replica's
+    # blocks for them at once (router/mock/pd.py ``refuses_stream_with_beam_search``)
+    released_transfers: int = 0
     # the engine model's own TTFT summed over finished requests (model time in wall seconds):
     # against vllm:time_to_first_token_seconds, the mock's lag behind its model
     model_ttft_s: float = 0.0

@@ -54,7 +54,7 @@ from router.service.intake import THREAD_MIN_BODY, admit, checked_prompt, json_v
 from router.service.registry import Endpoint
 from router.service.report_relay import Reported, report_to_peers
 from router.service.request_identity import in_flight, session_key, unique_in_flight
-from router.service.state import RouterState
+from router.service.state import Routed, RouterState
 from router.service.workers import Workers
 from router.tokenize.keying import ProcessedPrompt
 from router.tokenize.request_fields import asks_prompt_logprobs
@@ -93,6 +93,17 @@ def _prompt_bytes(request: router_pb2.PickRequest) -> int:
 
 def _utf8_size(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _first_routed(route: Callable[..., Routed], pools: list[list[ReplicaKey] | None]) -> Routed:
+    """``route`` among the first of ``pools`` that can take the request (the last one's
+    NoReplicaAvailable when none can)."""
+    for pool in pools[:-1]:
+        try:
+            return route(replicas=pool)
+        except NoReplicaAvailable:
+            pass
+    return route(replicas=pools[-1])
 
 
 def _serves(endpoint: Endpoint | None, model: str) -> bool:
@@ -217,16 +228,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             keys.extend(found)
         return list(dict.fromkeys(keys))
 
-    def _whole(self, request: router_pb2.PickRequest) -> list[ReplicaKey] | None:
-        """The replicas Pick may name (None: all of the model's). Of a model with
-        prefill/decode disaggregation, only those that serve a request whole, as the HTTP
-        endpoints' local flows (router/core/disagg.py ``plan``): ``both`` replicas, else
-        decode-capable ones; Pick answers one endpoint, and a ``prefill`` one decodes
-        nothing."""
+    def _whole(self, request: router_pb2.PickRequest) -> list[list[ReplicaKey] | None]:
+        """The replicas Pick may name, pools tried in turn (None: all of the model's). Of a
+        model with prefill/decode disaggregation, only those that serve a request whole, as
+        the HTTP endpoints' local flows (router/core/disagg.py ``plan``): ``both`` replicas,
+        then (none of them available) every decode-capable one; Pick answers one endpoint,
+        and a ``prefill`` one decodes nothing."""
         keys = self._candidates(request)
         md: ModelDisagg | None = self.state.disagg.get(request.model)
         if md is None:
-            return keys
+            return [keys]
         dec: list[ReplicaKey]
         both: list[ReplicaKey]
         _pre, dec, both = md.pd.pools(
@@ -236,7 +247,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if keys is not None:
                 raise BadRequest("no candidate can decode (role prefill only)")
             raise NoReplicaAvailable("no replica can decode")
-        return both or dec
+        return [both, dec] if both and len(both) < len(dec) else [dec]
 
     async def Pick(
         self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext
@@ -358,17 +369,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 finally:
                     self._picking.discard(internal)
             else:
+                route = functools.partial(
+                    self.state.route,
+                    request.model,
+                    prompt,
+                    # not one a request held by admission will be routed under (renamed)
+                    unique_in_flight(self.state, internal),
+                    now,
+                    session_id=session,
+                    max_output_tokens=max_out,
+                )
                 try:
-                    routed = self.state.route(
-                        request.model,
-                        prompt,
-                        # not one a request held by admission will be routed under (renamed)
-                        unique_in_flight(self.state, internal),
-                        now,
-                        session_id=session,
-                        max_output_tokens=max_out,
-                        replicas=pinned or self._whole(request),
-                    )
+                    routed = _first_routed(route, [pinned] if pinned else self._whole(request))
                 except NoReplicaAvailable as exc:
                     if not pinned or admitted is None:
                         raise

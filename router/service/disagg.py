@@ -24,7 +24,9 @@ the decode request is retried on the next decode replica while no byte reached t
 client (the Forwarder's retries over the pick's ranking), with the original body once a
 decode replica got the transfer params (local prefill: vLLM frees the prefill's blocks when
 the first decode replica to get them finishes with the request, pulled or not). The request
-is never dropped.
+is never dropped. When no decode replica is left after the prefill answered, the client gets
+the 503 / 429 and the prefill's blocks are handed back at once (router/service/pd_release.py)
+rather than left to vLLM's KV lease.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from router.core.disagg import (
 from router.core.errors import KVRouterError
 from router.core.load import CostModel
 from router.core.types import ReplicaKey, RouteRequest
+from router.service import pd_release
 from router.service.errors import reply_for
 from router.service.proxy import Forwarder
 from router.service.registry import ReplicaRegistry
@@ -62,7 +65,7 @@ from router.service.stream_usage import with_patch
 from router.service.upstream import Exchange
 from router.service.upstream_errors import ConnectFailed, UpstreamError, UpstreamTimeout
 from router.service.wire import Sink, request_head, send_error
-from router.tokenize.lax import lax_int
+from router.tokenize.lax import lax_bool, lax_int
 from router.tokenize.request_fields import asks_prompt_logprobs
 
 REMOTE_DECODE = {
@@ -127,6 +130,9 @@ class ModelDisagg:
     decisions: dict[str, int] = field(default_factory=dict)  # by the plan's reason
     fallbacks: dict[str, int] = field(default_factory=dict)  # prefill failures by cause
     bytes_by_link: dict[str, float] = field(default_factory=dict)
+    # prefill blocks handed back after a failed decode pick, by outcome (pd_release.py)
+    releases: dict[str, int] = field(default_factory=dict)
+    releasing: set[asyncio.Task[None]] = field(default_factory=set)  # (running)
 
     def count(self, table: dict[str, Any], key: str, n: float = 1) -> None:
         table[key] = table.get(key, 0) + n
@@ -214,7 +220,8 @@ def keep_local(body: dict[str, Any], kind: str) -> str:
     simulator) of what the parsed body asks. ``n`` is read as vLLM reads it ("2" and 2.0
     are 2); a completion's ``prompt`` list is a batch unless it is one prompt of token ids;
     prompt logprobs: ``prompt_logprobs``, or ``echo`` with chat's ``top_logprobs`` /
-    completions' ``logprobs``."""
+    completions' ``logprobs``; ``use_beam_search`` read as vLLM reads a bool ("on" is
+    true)."""
     n = lax_int(body.get("n"))
     samples = n if type(n) is int else 1
     prompt = body.get("prompt") if kind == "completion" else None
@@ -224,6 +231,7 @@ def keep_local(body: dict[str, Any], kind: str) -> str:
         samples,
         len(prompt) if batch and isinstance(prompt, list) else 1,
         asks_prompt_logprobs(body, kind),
+        lax_bool(body.get("use_beam_search")) is True,
     )
 
 
@@ -438,6 +446,8 @@ async def serve(
         reply = reply_for(exc, state.fleet.retry_after_s(model, now))
         extra = [(k.encode(), v.encode()) for k, v in reply.headers]  # Retry-After
         await send_error(sink, reply.status, reply.message, code=reply.code, headers=extra)
+        if params is not None:  # no decode replica will pull the prefill's blocks: freed
+            _start_release(state, forwarder, md, request, prefill_key, headers, params)
         return
     exact = flow.routed.prompt.exact
     ttl = state.ttl_for(model, exact)
@@ -487,6 +497,31 @@ async def serve(
     )
 
 
+def _start_release(
+    state: RouterState,
+    forwarder: Forwarder,
+    md: ModelDisagg,
+    request: RouteRequest,
+    prefill_key: ReplicaKey,
+    headers: list[tuple[bytes, bytes]],
+    params: dict[str, Any],
+) -> None:
+    """Release the blocks the prefill replica holds for a decode leg never sent, through a
+    decode-capable replica (router/service/pd_release.py), in the background: the client
+    has its answer. Counted by outcome (``released`` / ``unreleased``)."""
+    _, dec, _ = md.pd.pools(state.registry.keys_for(request.model))
+    keys = pd_release.targets(state, dec, prefill_key)
+    rid = request.request_id + "#release"
+
+    async def run() -> None:
+        ok = await pd_release.release(state, forwarder, request.model, keys, headers, rid, params)
+        md.count(md.releases, "released" if ok else "unreleased")
+
+    task = asyncio.get_running_loop().create_task(run())
+    md.releasing.add(task)  # held until done
+    task.add_done_callback(md.releasing.discard)
+
+
 class PdCollector(Collector):
     """Prometheus view of the roles and the disaggregation counters."""
 
@@ -505,7 +540,8 @@ class PdCollector(Collector):
             "kvrouter_pd_decisions",
             "Disaggregation decisions by reason (remote: always, remote_pays; local: off, "
             "few_uncached, local_hit, cheaper_local, same_replica, no_prefill_replica, "
-            "parallel_sampling, batch_prompts, prompt_logprobs, messages_api, responses_api)",
+            "beam_search, parallel_sampling, batch_prompts, prompt_logprobs, messages_api, "
+            "responses_api)",
             labels=["model", "reason"],
         )
         fallbacks = CounterMetricFamily(
@@ -519,7 +555,16 @@ class PdCollector(Collector):
             "(nvlink, network, region; predicted from the model's transfer sizes)",
             labels=["model", "link"],
         )
+        releases = CounterMetricFamily(
+            "kvrouter_pd_transfer_releases",
+            "Prefill legs whose request then found no decode replica, by how their blocks "
+            "were handed back (released: a decode-capable replica refused the transfer, so "
+            "vLLM frees them at once; unreleased: none did, they wait for the KV lease)",
+            labels=["model", "outcome"],
+        )
         for name, md in self.state.disagg.items():
+            for outcome, n in md.releases.items():
+                releases.add_metric([name, outcome], n)
             for reason, n in md.decisions.items():
                 plans.add_metric([name, reason], n)
             for cause, n in md.fallbacks.items():
@@ -527,7 +572,7 @@ class PdCollector(Collector):
             for link in Link:
                 if link is not Link.SAME:
                     moved.add_metric([name, link.value], md.bytes_by_link.get(link.value, 0.0))
-        yield from (role, plans, fallbacks, moved)
+        yield from (role, plans, fallbacks, moved, releases)
 
 
 def admin_view(state: RouterState) -> dict[str, Any]:
@@ -549,6 +594,7 @@ def admin_view(state: RouterState) -> dict[str, Any]:
             "decode": [str(r) for r in pools[1]],
             "decisions": dict(md.decisions),
             "fallbacks": dict(md.fallbacks),
+            "transfer_releases": dict(md.releases),
             "transfer_bytes": dict(md.bytes_by_link),
         }
     return out

@@ -1,0 +1,139 @@
+"""A prefill leg whose request then finds no decode replica: the prefill replica's blocks
+are released through a decode-capable replica at once, instead of staying pinned until
+vLLM's KV lease (``kv_lease_duration``) expires (router/service/disagg.py ``release``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.core.types import ReplicaKey
+from router.mock.server import MockSettings
+from router.mock.state import STATE as MOCK
+from router.service.app import STATE
+from router.service.config import build_settings
+from tests.backends import Backend, metric_sample, start_mock, start_router
+from tests.ports import free_port
+from tests.waiting import eventually
+
+MODEL = "m"
+B = 16
+PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p-engine",
+          "remote_request_id": "cmpl-r1-0", "remote_block_ids": [[1, 2]],
+          "remote_host": "10.0.0.9", "remote_port": 5600, "tp_size": 1}  # fmt: skip
+
+
+class _Prefill:
+    """A prefill stub answering ``PARAMS``; ``hook`` runs before it answers."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+        self.hook: Any = None
+        self.runner: Any = None
+        self.url = ""
+
+    async def _answer(self, request: web.Request) -> web.Response:
+        self.seen.append(await request.json())
+        if self.hook is not None:
+            self.hook()
+        return web.json_response(
+            {"object": "text_completion", "choices": [], "kv_transfer_params": PARAMS}
+        )
+
+    async def start(self) -> _Prefill:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._answer)
+        app.router.add_post("/v1/chat/completions", self._answer)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+
+def _replica(name: str, url: str, role: str) -> dict[str, Any]:
+    return {"url": url, "model": MODEL, "name": name, "role": role, "rack": "r0", "region": "g0"}
+
+
+def _settings(replicas: list[tuple[str, str, str]]) -> Any:
+    return build_settings(
+        {
+            "server": {"max_retries": 2, "health_interval_s": 0},
+            "replicas": [_replica(name, url, role) for name, url, role in replicas],
+            "models": {MODEL: {"block_size": B, "pd": {"mode": "always"}}},
+        }
+    )
+
+
+def _out_of_rotation(state: Any, *names: str) -> None:
+    for name in names:
+        state.fleet.mark_unhealthy(ReplicaKey(name), 0.0)
+
+
+async def _chat(url: str) -> int:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 300}],
+            "stream": True, "max_tokens": 9}  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url + "/v1/chat/completions", json=body) as r,
+    ):
+        await r.read()
+        return r.status
+
+
+async def test_a_transfer_no_decode_replica_takes_is_released_through_one() -> None:
+    """Every decode replica left rotation while the prefill ran: the client gets its 503,
+    and a mock decode replica (vLLM 0.34's serving layer) gets the prefill's transfer params
+    in a request it refuses before its engine, which frees the prefill replica's blocks at
+    once (``_with_kv_transfer_rejection_cleanup``); it decodes nothing. A ``both`` prefill
+    replica is no release target (it would pull from its own engine)."""
+    prefill = await _Prefill().start()
+    runner, d0 = await start_mock(MockSettings(model=MODEL, replica="d0", block_size=B))
+    router, url = await start_router(_settings([("p0", prefill.url, "both"), ("d0", d0, "decode")]))
+    state = router.app[STATE]
+    prefill.hook = lambda: _out_of_rotation(state, "p0", "d0")
+    state.fleet.restore_health = lambda now: None  # stays out while the request is served
+    counters = runner.app[MOCK].counters
+    try:
+        assert await _chat(url) == 503
+        await eventually(lambda: counters.released_transfers == 1)
+        assert counters.decode_legs == 0 and counters.requests == 0
+        assert len(prefill.seen) == 1  # the prefill leg only: p0 got no release
+        async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+            page = await r.text()
+        got = metric_sample(page, "kvrouter_pd_transfer_releases_total", outcome="released")
+        assert got == 1.0
+    finally:
+        await router.cleanup()
+        await runner.cleanup()
+        await prefill.runner.cleanup()
+
+
+async def test_the_release_is_the_prefill_answers_params_and_skips_dead_replicas() -> None:
+    """What the release target receives: a streamed beam-search completion (vLLM's first
+    refusal, before its model check) carrying the prefill answer's ``kv_transfer_params``
+    as answered; a decode replica refusing the connection is skipped for the next one."""
+    prefill = await _Prefill().start()
+    dead = f"http://127.0.0.1:{free_port()}"
+    live = await Backend("d1", [MODEL]).start()
+    fleet = [("p0", prefill.url, "prefill"), ("d0", dead, "decode"), ("d1", live.url, "decode")]
+    router, url = await start_router(_settings(fleet))
+    state = router.app[STATE]
+    prefill.hook = lambda: _out_of_rotation(state, "d0", "d1")
+    state.fleet.restore_health = lambda now: None
+    try:
+        assert await _chat(url) == 503
+        await eventually(lambda: len(live.received) == 1)
+        (got,) = live.received
+        assert got["path"] == "/v1/completions"
+        body = got["body"]
+        assert body["kv_transfer_params"] == PARAMS
+        assert body["stream"] is True and body["use_beam_search"] is True
+        assert body["model"] == MODEL and body["max_tokens"] == 1
+    finally:
+        await router.cleanup()
+        await live.stop()
+        await prefill.runner.cleanup()
