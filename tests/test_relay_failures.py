@@ -1,7 +1,8 @@
-"""What the relay makes of a replica's failures (router/service/answer_relay.py,
+"""What the relay makes of a replica's answers (router/service/answer_relay.py,
 router/service/proxy.py, router/service/upstream.py): an error answer's body is read under
-the request's timeouts once its head came. Raw-socket replicas (tests/test_upstream_wire.py
-``Scripted``) send exact bytes over loopback, in pieces the test releases."""
+the request's timeouts once its head came, and a keep-alive comment that arrives in pieces
+is no token. Raw-socket replicas (tests/test_upstream_wire.py ``Scripted``) send exact bytes
+over loopback, in pieces the test releases."""
 
 from __future__ import annotations
 
@@ -12,10 +13,23 @@ from typing import Any
 
 import pytest
 
+from router.service.answers import EventLines
 from router.service.retry import expected_first_byte_s, first_byte_deadline
+from tests.backends import metric_sample
 from tests.test_proxy_integrity import _router
-from tests.test_upstream_wire import Scripted, _chat
+from tests.test_upstream_wire import (
+    MODEL,
+    SSE_HEAD,
+    USAGE,
+    Scripted,
+    _answered,
+    _chat,
+    _chunk,
+    _token,
+)
 from tests.waiting import eventually
+
+DONE = b"data: [DONE]\n\n"
 
 
 def _json_answer(status: bytes, body: dict[str, Any]) -> bytes:
@@ -63,3 +77,71 @@ async def test_an_error_body_after_the_first_byte_deadline_is_relayed(status: by
                 assert await resp.json() == _error(code)
     finally:
         await replica.stop()
+
+
+def _comments(split: str) -> tuple[bytes, bytes]:
+    """A whole comment and the keep-alive comment, their lines ended as ``split`` says."""
+    if split == "crlf":
+        return b": ping\r\n\r\n", b": keep-alive\r\n\r\n"
+    return b": ping\n\n", b": keep-alive\n\n"
+
+
+def _keep_alive_pieces(split: str) -> list[bytes]:
+    """A stream whose keep-alive comment is cut into two reads; a whole comment goes
+    before the first piece, so the client's copy of it shows the relay has read the piece."""
+    ping, comment = _comments(split)
+    at = {"colon": 1, "word": 7, "crlf": 13}[split]
+    return [
+        SSE_HEAD + _chunk(ping + comment[:at]),
+        _chunk(comment[at:]),
+        _chunk(_token(0) + USAGE + DONE) + b"0\r\n\r\n",
+    ]
+
+
+@pytest.mark.parametrize("split", ["colon", "word", "crlf"])
+async def test_a_keep_alive_comment_in_pieces_is_no_first_token(split: str) -> None:
+    """vLLM's ``: keep-alive`` comment (``--sse-keep-alive-interval``) cut across two
+    reads: the second piece (`` keep-alive``, ``alive``) was taken for the first token,
+    ending the request's prefill in the load model and timing its TTFT from a comment.
+    Only whole lines are judged now."""
+    ping, comment = _comments(split)
+    replica = await Scripted(_keep_alive_pieces(split)).start()
+    try:
+        async for url, session in _router(replica.url):
+            body = _chat(True, stream_options={"include_usage": True})
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                got = b""
+                while got != ping:
+                    got += await resp.content.readany()
+                replica.step()  # the comment's second piece
+                while got != ping + comment:
+                    got += await resp.content.readany()
+                # the relay read the whole comment, and took no token from it
+                async with session.get(url + "/metrics") as r:
+                    page = await r.text()
+                assert not metric_sample(page, "kvrouter_ttft_seconds_count", model=MODEL)
+                replica.step()
+                rest = await resp.read()
+            assert rest.startswith(_token(0)) and rest.endswith(DONE)
+            page = await _answered(url, session, "ok")
+            assert metric_sample(page, "kvrouter_ttft_seconds_count", model=MODEL) == 1.0
+    finally:
+        await replica.stop()
+
+
+def test_only_whole_lines_of_data_are_judged() -> None:
+    """Which pieces of a stream end a line of data (router.service.answers ``EventLines``),
+    whatever the reads cut: a comment's pieces never do, a data line does where it ends,
+    and lines may end with LF, CRLF or a bare CR."""
+    cases = [
+        ([b":", b" keep-alive\n\n", b"data: {}\n\n"], [False, False, True]),
+        ([b": keep-", b"alive\r", b"\n\r\n", b"data: {}\r\n\r\n"], [False, False, False, True]),
+        ([b"da", b"ta: {", b"}\n", b"\n"], [False, False, True, False]),
+        ([b": ping\r\rdata: {}\r\r"], [True]),  # bare CR line ends
+        ([b": ping\n\ndata: {", b"}\n\n"], [False, True]),
+        ([b"\n", b"\r\n", b"event: x\n"], [False, False, True]),
+    ]
+    for pieces, want in cases:
+        lines = EventLines()
+        assert [lines.data_ended(p) for p in pieces] == want, pieces

@@ -7,8 +7,9 @@ head.
   by a read waits for its end: router.service.stream_usage ``UsageFilter``). A client that
   disconnects cancels the handler or fails a write; either way the upstream connection is
   closed, which aborts the request on the replica.
-* Feedback: first body data (a stream's first event that is a token: not a keep-alive
-  comment, nor a Responses stream's ``response.created`` / ``in_progress``) ->
+* Feedback: first body data (a stream's first whole line of data: not a keep-alive
+  comment however reads cut it, nor a Responses stream's ``response.created`` /
+  ``in_progress``) ->
   ``LoadTracker.first_token``; end -> ``complete``; the
   replica's cached prompt tokens (non-streaming body, or the last usage of a stream:
   router.service.answers ``usage_tokens`` reads OpenAI's ``usage``, the Anthropic one of
@@ -30,10 +31,10 @@ from router.service.answers import (
     MAX_FINAL_EVENT,
     OPENAI_CLOSERS,
     RESPONSES_CLOSERS,
+    EventLines,
     ResponsesPreamble,
     closes_stream,
     responses_final_at,
-    sse_comments_only,
     stream_end,
     stream_error,
     usage_of,
@@ -323,12 +324,14 @@ class AnswerRelay:
             # a Responses stream's response.created / in_progress come before the engine's
             # first output: no token either
             preamble = ResponsesPreamble() if responses and status == 200 else None
+            lines = EventLines()  # only whole lines of data are tokens (not a keep-alive)
             while (chunk := await upstream.read()) is not None:
                 now = loop.time()
-                if chunk[:1] == b":" and sse_comments_only(chunk):
+                data = lines.data_ended(chunk)
+                if preamble is not None and not preamble.output_began(chunk):
+                    pass  # (fed every piece: it holds a line cut by a read)
+                elif not data:
                     pass  # keep-alive comments (vLLM --sse-keep-alive-interval): no token
-                elif preamble is not None and not preamble.output_began(chunk):
-                    pass
                 elif first:
                     preamble = None
                     state.load.first_token(rid)
