@@ -1,20 +1,26 @@
 """What the relay makes of a replica's answers (router/service/answer_relay.py,
-router/service/proxy.py, router/service/upstream.py): an error answer's body is read under
-the request's timeouts once its head came, and a keep-alive comment that arrives in pieces
-is no token. Raw-socket replicas (tests/test_upstream_wire.py ``Scripted``) send exact bytes
-over loopback, in pieces the test releases."""
+router/service/proxy.py, router/service/upstream.py): a failed one is a row of offered load
+in the live-traffic trace, an error answer's body is read under the request's timeouts once
+its head came, and a keep-alive comment that arrives in pieces is no token. Raw-socket
+replicas (tests/test_upstream_wire.py ``Scripted``) send exact bytes over loopback, in
+pieces the test releases."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
+from router.demo.replay import count_requests
 from router.service.answers import EventLines
 from router.service.retry import expected_first_byte_s, first_byte_deadline
+from sim.workload import mooncake_rows
 from tests.backends import metric_sample
 from tests.test_proxy_integrity import _router
 from tests.test_upstream_wire import (
@@ -30,6 +36,8 @@ from tests.test_upstream_wire import (
 from tests.waiting import eventually
 
 DONE = b"data: [DONE]\n\n"
+# what a row of offered load without an outcome leaves out (router.recorder)
+OUTCOME = ("replica", "pred_hit", "cached", "ttft_ms")
 
 
 def _json_answer(status: bytes, body: dict[str, Any]) -> bytes:
@@ -42,6 +50,83 @@ def _json_answer(status: bytes, body: dict[str, Any]) -> bytes:
 
 def _error(code: int) -> dict[str, Any]:
     return {"error": {"message": "no", "type": "BadRequestError", "param": None, "code": code}}
+
+
+def _rows(trace: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in trace.read_text().splitlines()]
+
+
+async def test_a_replicas_failed_answers_are_rows_of_offered_load(tmp_path: Path) -> None:
+    """A request whose replica answered an error status, broke off its stream or ended it
+    with the engine's error event was no row of the trace: a replay of a faulty hour
+    offered less load than the router was offered. Each is a row now, with the status the
+    client learnt and no outcome, as a request the router shed is."""
+    error_event = b'data: {"error":{"message":"engine died","type":"InternalServerError"}}\n\n'
+    replica = await Scripted(
+        [SSE_HEAD + _chunk(_token(0) + USAGE + DONE) + b"0\r\n\r\n"],
+        [_json_answer(b"400 Bad Request", _error(400))],
+        [_json_answer(b"500 Internal Server Error", _error(500))],
+        [SSE_HEAD + _chunk(_token(1)) + b"zz\r\n"],  # framing broken mid-stream
+        [SSE_HEAD + _chunk(_token(2) + error_event + DONE) + b"0\r\n\r\n"],
+    ).start()
+    trace = tmp_path / "trace.jsonl"
+    statuses = []
+    try:
+        settings = {"record_path": str(trace), "record_key": "k", "outlier_detection": False}
+        async for url, session in _router(replica.url, **settings):
+            for i in range(5):
+                body = _chat(i != 2, max_tokens=500)
+                async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                    statuses.append(resp.status)
+                    with contextlib.suppress(aiohttp.ClientPayloadError):
+                        await resp.read()  # (a stream that broke off: its connection too)
+            await _answered(url, session, "upstream_error")
+    finally:
+        await replica.stop()
+    assert statuses == [200, 400, 500, 200, 200]
+    rows = _rows(trace)
+    assert [row.get("status") for row in rows] == [None, 400, 500, 502, 502], rows
+    assert rows[0]["output_length"] == 60 and "replica" in rows[0]
+    for row in rows[1:]:
+        assert not [k for k in OUTCOME if k in row], row
+        assert row["output_length"] == 500  # offered: the request's max_tokens
+        assert "e2e_ms" in row
+    assert [row["stream"] for row in rows] == [True, True, False, True, True]
+    # the simulator and the live replay offer every row again, as they do a shed one
+    assert [r.output_tokens for r in mooncake_rows(trace)] == [60, 500, 500, 500, 500]
+    assert count_requests(trace, 100) == 5
+
+
+@pytest.mark.parametrize("replica", ["silent", "refusing"])
+async def test_a_request_no_replica_answered_is_a_row_of_offered_load(
+    tmp_path: Path, replica: str
+) -> None:
+    """A request whose every attempt failed (no first byte in time: 504; a refused
+    connection: 502) got the router's error and was no row of the trace."""
+    scripted = await Scripted([b"", b""]).start()  # nothing, until the test is over
+    if replica == "refusing":
+        await scripted.stop()  # nothing listens at its address any more
+    trace = tmp_path / "trace.jsonl"
+    settings = {
+        "record_path": str(trace),
+        "record_key": "k",
+        "first_byte_min_s": 0.2,
+        "first_byte_factor": 0.01,
+        "max_retries": 0,
+    }
+    try:
+        async for url, session in _router(scripted.url, **settings):
+            body = _chat(False, max_tokens=7)
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                status = resp.status
+                await resp.read()
+            scripted.step()
+    finally:
+        await scripted.stop()
+    assert status == (504 if replica == "silent" else 502)
+    (row,) = _rows(trace)
+    assert row["status"] == status and row["stream"] is False and row["output_length"] == 7
+    assert not [k for k in OUTCOME if k in row], row
 
 
 def _passed(at: float) -> Callable[[], bool]:
