@@ -39,14 +39,13 @@ from router.service.answer_relay import count_slo, judged, record_answer, record
 from router.service.body_memo import Admitted
 from router.service.disagg import ModelDisagg
 from router.service.ejection import Ejections
-from router.service.errors import reply_for
+from router.service.errors import refused_load, reply_for
 from router.service.gate import Gate
 from router.service.handling import (
     KINDS,
     holder_keys,
     holder_unavailable,
     record,
-    refused_load,
     rejected,
     too_large,
 )
