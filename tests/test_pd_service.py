@@ -447,6 +447,43 @@ async def test_no_decode_replica_after_prefill_answers_with_retry_after() -> Non
         await decode.stop()
 
 
+async def test_no_decode_replica_after_prefill_is_a_row_of_offered_load(tmp_path: Path) -> None:
+    """A disaggregated request refused for want of a decode replica after its prefill leg
+    (a 503, as one refused before routing) was no row of the recorded trace, though a
+    refusal before routing is one: a replay offered less load. It is a row with its
+    ``status`` and no outcome (router.service.answer_relay ``record_request``)."""
+    from tests.backends import Backend
+
+    trace = tmp_path / "trace.jsonl"
+    prefill = await _Prefill().start()
+    decode = await Backend("d0", [MODEL]).start()
+    settings = _stub_settings(
+        prefill.url, [(decode.url, "decode")], record_path=str(trace), record_key="k"
+    )
+    router, url = await start_router(settings)
+    state = router.app[STATE]
+    prefill.hook = lambda: state.fleet.mark_unhealthy(ReplicaKey("d0"), 0.0)
+    state.fleet.restore_health = lambda now: None  # stays out while the request is served
+    try:
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": _prompt(21 + stream), "stream": stream,
+                    "max_tokens": 9}  # fmt: skip
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(url + "/v1/completions", json=body) as r,
+            ):
+                assert r.status == 503, await r.text()
+    finally:
+        await router.cleanup()  # (flushes the trace)
+        await prefill.runner.cleanup()
+        await decode.stop()
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [(r.get("status"), r.get("stream")) for r in rows] == [(503, False), (503, True)]
+    for row in rows:
+        assert row["output_length"] == 9 and row["input_length"] == 3000, row
+        assert not {"replica", "pred_hit", "cached", "ttft_ms"} & row.keys(), row
+
+
 async def test_local_request_is_retried_on_the_next_replica() -> None:
     """``auto`` keeps a short prompt local: a replica that refuses it is not the end, the
     next one of the local pool serves it (as without disaggregation)."""

@@ -808,7 +808,9 @@ async def test_call_metadata_is_bounded_as_an_http_header_block_is() -> None:
 async def test_completed_picks_are_recorded_as_the_http_answers_are(tmp_path: Any) -> None:
     """With ``server.record_path`` a COMPLETED Report writes the Pick's trace row, as the
     HTTP relay writes an answer's (router.service.answer_relay ``record_answer``): gateway
-    traffic was missing from the recording operators replay."""
+    traffic was missing from the recording operators replay. A FAILED or REFUSED one is a
+    row of offered load with the status reported (502 without one) and no outcome, as an
+    HTTP request that got no answer; it was none, so a replay offered less load."""
     from router.recorder import RecordSettings, TraceRecorder, record_key
 
     trace = tmp_path / "trace.jsonl"
@@ -855,10 +857,17 @@ async def test_completed_picks_are_recorded_as_the_http_answers_are(tmp_path: An
         )
         gone = phase(decision_id=failed.decision_id, phase=phase.FAILED)
         assert (await stub.Report(gone, metadata=auth())).accepted
+        refused = await stub.Pick(pick, metadata=auth())
+        busy = phase(decision_id=refused.decision_id, phase=phase.REFUSED, http_status=429)
+        assert (await stub.Report(busy, metadata=auth())).accepted
         recorder.flush()
         rows = [json.loads(line) for line in trace.read_text().splitlines()]
-        assert len(rows) == 2, rows  # the failed one is no answer
-        first, second = rows
+        assert len(rows) == 4, rows
+        first, second, *no_answer = rows
+        assert [row.get("status") for row in no_answer] == [502, 429], no_answer
+        for row in no_answer:
+            assert not {"replica", "pred_hit", "cached", "ttft_ms"} & row.keys(), row
+        assert no_answer[1]["endpoint"] == "completions" and no_answer[1]["output_length"] == 3
         assert first["endpoint"] == "chat" and first["stream"] is True
         assert first["input_length"] == chat.prompt_tokens and first["output_length"] == 7
         assert first["replica"] == "a/0" and first["pred_hit"] == chat.usable_hit_tokens

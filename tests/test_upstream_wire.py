@@ -238,12 +238,13 @@ async def test_a_stream_that_ends_with_the_engines_error_event_is_no_good_answer
         await replica.stop()
 
 
-async def test_a_stream_that_ends_with_the_engines_error_event_is_not_recorded(
+async def test_a_stream_that_ends_with_the_engines_error_event_is_recorded_as_no_answer(
     tmp_path: Path,
 ) -> None:
-    """The live-traffic trace holds completed requests (router.recorder), as it leaves out
-    an error status and a stream that broke off: a stream the engine ended with its error
-    event was recorded as one, its output length the request's ``max_tokens``."""
+    """A stream the engine ended with its error event is no completed request, so its row
+    has no outcome (no replica, TTFT, usage), but it is offered load a replay must offer
+    again: a row with the router's 502, its output the request's ``max_tokens``
+    (router.service.answer_relay ``record_request``), as an error status is."""
     error = b'data: {"error":{"message":"engine died","type":"InternalServerError"}}\n\n'
     replica = await Scripted(
         [SSE_HEAD + _chunk(_token(0) + error + b"data: [DONE]\n\n") + b"0\r\n\r\n"],
@@ -262,7 +263,9 @@ async def test_a_stream_that_ends_with_the_engines_error_event_is_not_recorded(
     finally:
         await replica.stop()
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert [row["output_length"] for row in rows] == [60], rows
+    assert [row["output_length"] for row in rows] == [500, 60], rows
+    assert [row.get("status") for row in rows] == [502, None], rows
+    assert "replica" not in rows[0] and "ttft_ms" not in rows[0], rows
 
 
 @pytest.mark.parametrize("usage", [False, True], ids=["usage-added", "usage-asked"])

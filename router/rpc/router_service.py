@@ -35,18 +35,23 @@ from router.recorder import ENDPOINTS
 from router.rpc.calls import CALLER, DELIVERY, Delivery, abort_error, abort_reply, metadata_headers
 from router.rpc.decisions import DecisionBook, Pending, owner_of, scoped_id
 from router.rpc.gen import router_pb2, router_pb2_grpc
-from router.service.answer_relay import count_slo, judged, record_answer, record_refused
+from router.service.answer_relay import (
+    count_slo,
+    judged,
+    record_answer,
+    record_refused,
+    record_request,
+)
 from router.service.body_memo import Admitted
 from router.service.disagg import ModelDisagg
 from router.service.ejection import Ejections
-from router.service.errors import reply_for
+from router.service.errors import refused_load, reply_for
 from router.service.gate import Gate
 from router.service.handling import (
     KINDS,
     holder_keys,
     holder_unavailable,
     record,
-    refused_load,
     rejected,
     too_large,
 )
@@ -596,6 +601,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         pending.since, now, report.output_tokens or None, report.cached_tokens,
                         pending.first_at, streamed, pending.endpoint,
                     )  # fmt: skip
+            elif self.state.recorder is not None and pending.routed is not None:
+                # no answer: offered load, with the status its client got (as on HTTP)
+                record_request(
+                    self.state, pending.routed.request, pending.routed.prompt, pending.since,
+                    now, None, None, 0.0, True if pending.first_at else None, pending.endpoint,
+                    status=report.http_status or 502,
+                )  # fmt: skip
         if report.cached_tokens is not None and not pending.cached_counted:
             # once a request, as the forwarder counts its answer's usage: the first report
             # that carries them (a later one, or a retried Report, repeats the same tokens)

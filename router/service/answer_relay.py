@@ -7,8 +7,9 @@ head.
   by a read waits for its end: router.service.stream_usage ``UsageFilter``). A client that
   disconnects cancels the handler or fails a write; either way the upstream connection is
   closed, which aborts the request on the replica.
-* Feedback: first body data (a stream's first event that is a token: not a keep-alive
-  comment, nor a Responses stream's ``response.created`` / ``in_progress``) ->
+* Feedback: first body data (a stream's first whole line of data: not a keep-alive
+  comment however reads cut it, nor a Responses stream's ``response.created`` /
+  ``in_progress``) ->
   ``LoadTracker.first_token``; end -> ``complete``; the
   replica's cached prompt tokens (non-streaming body, or the last usage of a stream:
   router.service.answers ``usage_tokens`` reads OpenAI's ``usage``, the Anthropic one of
@@ -30,10 +31,10 @@ from router.service.answers import (
     MAX_FINAL_EVENT,
     OPENAI_CLOSERS,
     RESPONSES_CLOSERS,
+    EventLines,
     ResponsesPreamble,
     closes_stream,
     responses_final_at,
-    sse_comments_only,
     stream_end,
     stream_error,
     usage_of,
@@ -148,9 +149,13 @@ def record_request(
     (``completion_tokens``, the sum over every sequence of every prompt) shared out over
     them, else the request's max tokens, else 1. A batch's rows carry no predicted or
     engine-cached tokens: the router predicted its longest prompt's, and the usage holds
-    one prompt's cached tokens, not each's. ``status``: the router's own answer to a
-    request it served no replica (a shed, none available): offered load a replay keeps.
-    Times are the event loop's (``first_at`` 0: no first token seen)."""
+    one prompt's cached tokens, not each's. ``status`` (a request that got no answer): the
+    status its client learnt (the router's refusal when it served no replica: a shed, none
+    available; a replica's error status; the router's 502 / 504 for an answer that broke
+    off, timed out or ended with the engine's error event, or when no replica answered):
+    offered load a replay keeps, without the outcome (``replica``, hits, TTFT; no usage:
+    the output is the request's max tokens). Times are the event loop's (``first_at`` 0:
+    no first token seen)."""
     recorder = state.recorder
     assert recorder is not None
     sequences = max(req.samples, 1) * max(req.prompts, 1)
@@ -252,10 +257,13 @@ class AnswerRelay:
         closers: tuple[bytes, ...] = OPENAI_CLOSERS,
         endpoint: str | None = None,
         ends: object = None,
+        stream: bool | None = None,
     ) -> None:
         """Relay the answer of ``key``. ``ends``: the attempt's token when its first byte was
         no success for outlier ejection yet (a stream): how the stream ends is booked for it
-        (whole, the engine's error event, broken off, or left by the client)."""
+        (whole, the engine's error event, broken off, or left by the client). ``stream``:
+        the client asked for a stream (a failed request's trace row says so; None: as the
+        answer came)."""
         state = self.state
         mm = state.metrics.model(routed.request.model)
         # equality, not identity: compiled (mypyc) code may hand over a copy of the tuple
@@ -283,6 +291,7 @@ class AnswerRelay:
                     timeout = isinstance(exc, UpstreamTimeout)
                     mm.outcome(key, "timeout" if timeout else "upstream_broken").inc()
                     upstream.abort()
+                    self.record_failed(routed, started, 504 if timeout else 502, stream, endpoint)
                     await send_error(
                         sink,
                         504 if timeout else 502,
@@ -295,7 +304,7 @@ class AnswerRelay:
                 if record_ids and status == 200:
                     self._record_id(routed, key, id_of_answer(payload))
                 await sink.respond(status, headers, payload)  # the client gone: cancelled
-                self._answered(routed, key, started, status, payload, False, 0.0, endpoint)
+                self._answered(routed, key, started, status, payload, False, 0.0, endpoint, stream)
                 if ends is not None:
                     self.ejections.ended(key, ends, loop.time())
                     ends = None
@@ -323,12 +332,14 @@ class AnswerRelay:
             # a Responses stream's response.created / in_progress come before the engine's
             # first output: no token either
             preamble = ResponsesPreamble() if responses and status == 200 else None
+            lines = EventLines()  # only whole lines of data are tokens (not a keep-alive)
             while (chunk := await upstream.read()) is not None:
                 now = loop.time()
-                if chunk[:1] == b":" and sse_comments_only(chunk):
+                data = lines.data_ended(chunk)
+                if preamble is not None and not preamble.output_began(chunk):
+                    pass  # (fed every piece: it holds a line cut by a read)
+                elif not data:
                     pass  # keep-alive comments (vLLM --sse-keep-alive-interval): no token
-                elif preamble is not None and not preamble.output_began(chunk):
-                    pass
                 elif first:
                     preamble = None
                     state.load.first_token(rid)
@@ -387,7 +398,7 @@ class AnswerRelay:
             if not ended:  # the end came on its own, after the last data
                 await sink.end(strip.flush())
             errored = self._answered(
-                routed, key, started, status, b"".join(tail), True, first_at, endpoint
+                routed, key, started, status, b"".join(tail), True, first_at, endpoint, stream
             )
             self._stream_ended(key, ends, errored)
             ends = None
@@ -398,8 +409,9 @@ class AnswerRelay:
             # not cancelled.
             if done_relayed:
                 errored = self._answered(
-                    routed, key, started, status, b"".join(tail), True, first_at, endpoint
-                )
+                    routed, key, started, status, b"".join(tail), True, first_at, endpoint,
+                    stream,
+                )  # fmt: skip
                 self._stream_ended(key, ends, errored)
                 ends = None
             else:
@@ -413,8 +425,9 @@ class AnswerRelay:
                 # after the stream's closing event: the client has the whole answer (as
                 # when it leaves there), so nothing broke for it
                 errored = self._answered(
-                    routed, key, started, status, b"".join(tail), True, first_at, endpoint
-                )
+                    routed, key, started, status, b"".join(tail), True, first_at, endpoint,
+                    stream,
+                )  # fmt: skip
                 self._stream_ended(key, ends, errored)
                 ends = None
                 with contextlib.suppress(ConnectionResetError):
@@ -427,6 +440,7 @@ class AnswerRelay:
             self.ejections.failed(key, "broken", loop.time(), ends)
             ends = None
             timeout = isinstance(exc, UpstreamTimeout)
+            self.record_failed(routed, started, 504 if timeout else 502, stream, endpoint)
             event = stream_error_event(
                 504 if timeout else 502,
                 f"replica {key} {'timed out' if timeout else 'broke off the stream'}",
@@ -468,11 +482,13 @@ class AnswerRelay:
         sse: bool,
         first_at: float = 0.0,
         endpoint: str | None = None,
+        stream: bool | None = None,
     ) -> bool:
         """Book an answer the client has whole: engine feedback, the live-traffic trace, the
         outcome, and whether it met its SLO: a stream (``first_at``: when its first data
-        came) by its TTFT and TPOT, a 2xx body by its E2E (a stream the engine ended with its
-        error event: neither the SLO nor the trace).
+        came) by its TTFT and TPOT, a 2xx body by its E2E (an error status, a stream the
+        engine ended with its error event: no SLO, and a trace row without the outcome:
+        :meth:`record_failed`).
         ``payload``: the body, or a stream's tail, whose usage is read once here (a
         Responses stream's final event carries the whole response). Returns whether the
         engine ended the stream with its error event."""
@@ -484,13 +500,34 @@ class AnswerRelay:
             self._slo(routed, started, first_at, usage, True)
         elif not sse and 200 <= status < 300:
             self._slo(routed, started, 0.0, usage, False)
-        if self.state.recorder is not None and status < 400 and not errored:
+        if status >= 400 or errored:
+            # (the router tells of a broken stream with 502 too)
+            self.record_failed(routed, started, 502 if errored else status, stream, endpoint)
+        elif self.state.recorder is not None:
             self._record(routed, key, started, usage, first_at, sse, endpoint)
         outcome = "ok" if status < 400 else ("upstream_5xx" if status >= 500 else "upstream_4xx")
         if errored:
             outcome = "upstream_error"
         self.state.metrics.model(routed.request.model).outcome(key, outcome).inc()
         return errored
+
+    def record_failed(
+        self,
+        routed: Routed,
+        started: float,
+        status: int,
+        stream: bool | None,
+        endpoint: str | None,
+    ) -> None:
+        """Append a request that got no answer (``status``: see :func:`record_request`) to
+        the live-traffic trace, if one is kept: the load it offered, which a replay of a
+        faulty hour offers again."""
+        if self.state.recorder is not None:
+            finished = self.event_loop().time()
+            record_request(
+                self.state, routed.request, routed.prompt, started, finished, None, None, 0.0,
+                stream, endpoint, status=status,
+            )  # fmt: skip
 
     def _slo(
         self,

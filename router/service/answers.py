@@ -2,8 +2,8 @@
 usage in each shape the replicas answer (OpenAI's, the Anthropic Messages API's, the
 Responses API's: :func:`usage_tokens`, found in a JSON body or a stream's tail by
 :func:`usage_of`), where each kind's stream ends (:func:`closers_of`), a Responses stream's
-final event (it carries the whole response), and what is no token: SSE keep-alive comments,
-a Responses stream's opening events (:class:`ResponsesPreamble`). Pure
+final event (it carries the whole response), and what is no token: SSE comments and blank
+lines (:class:`EventLines`), a Responses stream's opening events (:class:`ResponsesPreamble`). Pure
 functions of bytes, read once an answer is whole or per relayed piece."""
 
 from __future__ import annotations
@@ -12,13 +12,38 @@ import json
 import re
 from typing import Any, NamedTuple
 
+_LINE_END = re.compile(rb"[\r\n]")
+_NO_DATA = (b":", b"\r", b"\n")  # how a comment or a blank line begins
 
-def sse_comments_only(chunk: bytes) -> bool:
-    """Whether every line of a piece of an event stream is a comment or blank: vLLM's
-    keep-alive (``": keep-alive"`` while a request queues or prefills, with
-    ``--sse-keep-alive-interval``) carries no token, so it neither ends the prefill in the
-    load model nor times a first token."""
-    return all(line[:1] in (b"", b":", b"\r") for line in chunk.split(b"\n"))
+
+class EventLines:
+    """Tells, of an event stream fed piece by piece, whether a line that carries data (not
+    a comment, not blank) ended in a piece: only whole lines are judged, so vLLM's
+    keep-alive comment (``": keep-alive"`` while a request queues or prefills, with
+    ``--sse-keep-alive-interval``) is no token however the reads cut it (``b":"`` then
+    ``b" keep-alive\\n\\n"``), and neither ends the prefill in the load model nor times a
+    first token. A line ends at LF, CR or CRLF (a CRLF cut between its two bytes leaves a
+    blank line). Only the first byte of a line still arriving is held across pieces."""
+
+    __slots__ = ("_open",)
+
+    def __init__(self) -> None:
+        self._open = b""  # the first byte of the line still arriving (b"": at a line start)
+
+    def data_ended(self, chunk: bytes) -> bool:
+        """Whether a line of data ends in ``chunk``."""
+        end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+        if end < 0:  # no line ends here
+            if not self._open:
+                self._open = chunk[:1]
+            return False
+        first = self._open or chunk[:1]  # the first line to end here begins so
+        self._open = chunk[end + 1 : end + 2]
+        if first not in _NO_DATA:
+            return True
+        # the lines after the first, each ended within the piece
+        lines = _LINE_END.split(chunk[:end])
+        return any(line[:1] not in (b"", b":") for line in lines[1:])
 
 
 # the events a Responses API stream opens with before the engine's first output (vLLM 0.34

@@ -53,8 +53,10 @@ from router.core.disagg import (
 from router.core.errors import KVRouterError
 from router.core.load import CostModel
 from router.core.types import ReplicaKey, RouteRequest
+from router.recorder import endpoint_of
 from router.service import pd_release
-from router.service.errors import reply_for
+from router.service.answer_relay import record_request
+from router.service.errors import refused_load, reply_for
 from router.service.proxy import Forwarder
 from router.service.registry import ReplicaRegistry
 from router.service.replica_url import ReplicaUrl
@@ -441,9 +443,14 @@ async def serve(
         state.withdraw(model, flow.routed.dispatch)
     try:
         pick = _pick_decode(state, md, request, prefill_key, cause, now)
-    except KVRouterError as exc:  # no decode replica left: answered, and counted
+    except KVRouterError as exc:  # no decode replica left: answered, counted and recorded
         state.metrics.model(model).outcome(None, "rejected").inc()
         reply = reply_for(exc, state.fleet.retry_after_s(model, now))
+        if state.recorder is not None and refused_load(exc):  # offered load, as before routing
+            record_request(
+                state, request, flow.routed.prompt, started, now, None, None, 0.0, stream,
+                endpoint_of(path), status=reply.status,
+            )  # fmt: skip
         extra = [(k.encode(), v.encode()) for k, v in reply.headers]  # Retry-After
         await send_error(sink, reply.status, reply.message, code=reply.code, headers=extra)
         if params is not None:  # no decode replica will pull the prefill's blocks: freed

@@ -162,3 +162,11 @@ def reply_for(exc: KVRouterError, retry_after_s: int = 1) -> ErrorReply:
     if isinstance(exc, BadRequest):
         return ErrorReply(400, str(exc), "invalid_request")
     return ErrorReply(500, str(exc), "internal_error")
+
+
+def refused_load(exc: KVRouterError) -> bool:
+    """A request the router could not serve for want of a replica (admission shed it, or
+    none could take it: before routing, or a disaggregated request's decode leg): offered
+    load, which a recorded trace keeps. A request the client got wrong (a 400, an unknown
+    model) is none."""
+    return isinstance(exc, (Overloaded, NoReplicaAvailable))

@@ -26,13 +26,13 @@ from __future__ import annotations
 import asyncio
 
 from router.core.admission import takes_engine_priority
-from router.core.errors import KVRouterError, NoReplicaAvailable, Overloaded
+from router.core.errors import KVRouterError, NoReplicaAvailable
 from router.core.types import ReplicaKey
 from router.recorder import endpoint_of
 from router.service import disagg, pass_through, stored_responses
 from router.service.answer_relay import record_refused
 from router.service.body_memo import Admitted
-from router.service.errors import ErrorReply, messages_path, reply_for
+from router.service.errors import ErrorReply, messages_path, refused_load, reply_for
 from router.service.gate import Gate
 from router.service.http_types import HttpRequest
 from router.service.intake import admit, default_if_unnamed, field_types, parse_body
@@ -103,13 +103,6 @@ def rejected(state: RouterState, raw_model: object, outcome: str = "rejected") -
         state.metrics.model(raw_model).outcome(None, outcome).inc()
     else:
         state.metrics.requests.labels("", "", outcome).inc()
-
-
-def refused_load(exc: KVRouterError) -> bool:
-    """A request the router could not serve for want of a replica (admission shed it, or
-    none could take it): offered load, which a recorded trace keeps. A request the client
-    got wrong (a 400, an unknown model) is none."""
-    return isinstance(exc, (Overloaded, NoReplicaAvailable))
 
 
 async def send_reply(sink: Sink, reply: ErrorReply, anthropic: bool = False) -> None:

@@ -264,15 +264,18 @@ class Forwarder(AnswerRelay):
                         closers_of(path),
                         endpoint_of(path),
                         ends,
+                        stream,
                     )
                 finally:
                     upstream.release()
                 return
             state.load.complete(rid)  # booked: a cancel during the write is not counted
             timed_out = kind == "timeout"
+            status = 504 if timed_out else (502 if attempt >= 0 else 503)
+            self.record_failed(routed, started, status, stream, endpoint_of(path))
             await send_error(
                 sink,
-                504 if timed_out else (502 if attempt >= 0 else 503),
+                status,
                 f"{last_error}; gave up after {attempt + 1} attempt(s)",
                 code="timeout" if timed_out else "upstream_unavailable",
                 headers=[(b"Retry-After", str(state.settings.server.retry_after_s).encode())],

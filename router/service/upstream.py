@@ -13,7 +13,9 @@ itself. This client does only what the proxy needs:
 * streaming: :meth:`Exchange.read` returns body data as it arrives; reading from the upstream
   pauses while more than ``HIGH_WATER`` bytes wait for a slow client;
 * timeouts: connect (new connections only), first byte of the head, each wait for more body
-  (``read_timeout``), and a total deadline; all raise :class:`UpstreamTimeout`;
+  (``read_timeout``), and a total deadline; all raise :class:`UpstreamTimeout`. A
+  ``first_byte_s`` bound (:meth:`Pool.send`) covers the head and the first body data of
+  an answer, the head alone of an error answer (4xx / 5xx: its body may follow later);
 * errors: :class:`ConnectFailed` when the upstream could not be reached or closed the
   connection before any response byte (a request that met a stale pooled connection is
   re-sent once on a fresh one first), :class:`UpstreamBroken` when the response broke off
@@ -306,6 +308,10 @@ class Exchange:
             await c.wait(self._timeout())
         self.status = c.status
         self.headers = c.headers
+        if c.status >= 400:
+            # an error answer's first byte is its head: the engine has nothing to prefill
+            # for it, so its body is read under the read and request timeouts alone
+            self._first_by = float("inf")
 
     @property
     def until_close(self) -> bool:
