@@ -39,6 +39,18 @@ purged. The change entries carry no timestamp of their own, but a Redis stream e
 entry of the replica's stream shard in the same read (so a read that catches up on a backlog
 can under-state the lag by up to the span of that read, at most ``read_count`` entries).
 Stores whose cursor carries no time (the in-memory store) set nothing.
+
+Load entries (``L``) say what a replica's load was when its publisher sampled it (the
+sample's ``wall_ts``), not what it is when the router reads them: a read that catches up on
+a backlog (the store was away, the router lagged) or an entry appended again (a signature
+proves who wrote an entry, not when) brings old samples. Of a read, only each key's newest
+sample is handled. A sample older than the one the router holds for its key is ignored;
+one older than ``load_max_age_s`` by ``wall_clock`` is not applied at all (the router drops
+a report that old anyway: ``LoadTracker.forget_stale_reports``); the others reach the
+listener stamped ``clock()`` minus their age (at least 0), so the policies'
+``report_max_age_s`` judges them as old as they are. The age compares the publisher's wall
+clock with the router's: hosts whose clocks disagree by more than ``report_max_age_s`` have
+their queue lengths taken as stale. Both are counted (``SyncStats.loads_stale``).
 """
 
 from __future__ import annotations
@@ -67,6 +79,7 @@ from router.store.base import (
     ResetChange,
     UnreadableSnapshot,
 )
+from router.store.load_gate import LoadGate, latest_loads
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +94,9 @@ class SyncListener(Protocol):
 
     def replica_down(self, replica: str, keys: Sequence[ReplicaKey]) -> None: ...
 
-    def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None: ...
+    def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None:
+        """``now``: when the sample was taken, by the follower's ``clock``."""
+        ...
 
 
 class NullListener:
@@ -131,6 +146,7 @@ class SyncStats:
     orphans_reaped: int = 0  # replicas whose state outlived them, deleted by the sweep
     streams_reset: int = 0  # change streams found behind the cursor (lost): re-bootstrapped
     unreadable: int = 0  # snapshot reads of registered keys whose state did not parse
+    loads_stale: int = 0  # load entries older than the key's last, or than load_max_age_s
 
 
 class IndexSync:
@@ -153,6 +169,7 @@ class IndexSync:
         lost_store_grace_s: float = 10.0,
         orphan_sweep_s: float = 300.0,
         unreadable_retry_s: float = 1.0,
+        load_max_age_s: float = 10.0,
     ) -> None:
         self.store = store
         self.index = index
@@ -168,6 +185,7 @@ class IndexSync:
         self.lost_store_grace_s = lost_store_grace_s
         self.orphan_sweep_s = orphan_sweep_s
         self.unreadable_retry_s = unreadable_retry_s
+        self.loads = LoadGate(load_max_age_s)
         self._next_sweep = 0.0
         self.infos: dict[str, ReplicaInfo] = {}
         # replicas kept through a store's data loss -> monotonic deadline to re-register by
@@ -273,7 +291,7 @@ class IndexSync:
                 self._not_alive.clear()
                 self.stats.malformed += read.malformed
                 self._caught_up = len(read.changes) + read.malformed < self.read_count
-                backlog.extend((change, read.cursor) for change in read.changes)
+                backlog.extend((change, read.cursor) for change in latest_loads(read.changes))
                 while backlog:
                     change, cursor = backlog[0]
                     await self._handle(change, cursor)
@@ -504,7 +522,7 @@ class IndexSync:
             self._note_lag(change.key, cursor)
         elif isinstance(change, LoadChange):
             if self._registered(change.key):
-                self.listener.load(change.key, change.sample, self.clock())
+                self._load(change.key, change.sample)
         elif isinstance(change, ReplicaUp):
             # The entry says the registration changed; what it is, the store says: a
             # signature proves who wrote an entry, not when, and an old one appended again
@@ -524,6 +542,15 @@ class IndexSync:
                 self.stats.downs_ignored += 1
                 return
             self._purge(change.replica)
+
+    def _load(self, key: ReplicaKey, sample: LoadSample) -> None:
+        """Pass a load sample on stamped with its age, unless it is older than the key's
+        last or than ``load_max_age_s`` (module docstring)."""
+        taken = self.loads.admit(key, sample, self.clock(), self.wall_clock())
+        if taken is None:
+            self.stats.loads_stale += 1
+            return
+        self.listener.load(key, sample, taken)
 
     def _note_lag(self, key: ReplicaKey, cursor: object) -> None:
         if self.event_lag is None:
@@ -598,6 +625,7 @@ class IndexSync:
         self.listener.replica_down(replica, keys)
 
     def _forget_lag(self, key: ReplicaKey) -> None:
+        self.loads.forget(key)
         if self.event_lag is not None:
             self.event_lag.pop(str(key), None)
 
