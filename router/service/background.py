@@ -245,6 +245,16 @@ class _IndexSyncCollector(Collector):
         )
         up.add_metric([], 1.0 if self.sync.up else 0.0)
         yield up
+        shards = GaugeMetricFamily(
+            "kvrouter_index_sync_shard_up",
+            "1 while the follower reads this change-stream shard, 0 while it does not (its "
+            "Redis Cluster node down: the other shards are read on)",
+            labels=["stream"],
+        )
+        for stream in self.sync.streams():
+            reading = self.sync.up and stream not in self.sync.shards_down
+            shards.add_metric([stream], 1.0 if reading else 0.0)
+        yield shards
         errors = CounterMetricFamily(
             "kvrouter_index_sync_errors", "Failed turns of the shared index follower (retried)"
         )

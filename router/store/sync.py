@@ -28,8 +28,18 @@ change stream from the cursor, in one task that owns all index mutations:
   that restarted empty: the instance token is on another node).
 
 Store errors (Redis down, restarting) are logged and retried with backoff; the index keeps
-serving its last known content meanwhile. ``clock`` is the router's monotonic clock, used to
-stamp load samples.
+serving its last known content meanwhile. A read that reached only some change-stream shards
+(a Redis Cluster node down: ``ChangeRead.unread``) is handled as any other: the shards on
+the other nodes are followed on, the unread ones are named in ``shards_down`` (logged when
+that changes) and read from their cursor once their node answers; their replicas keep their
+last known content, as through an outage of the whole store, and when every shard reads
+again lapsed leases get the outage grace (``_after_outage``). No audit runs while a shard is
+down (it would stall the reads for as long as the client's retries on that node take, and
+could not tell a dead replica from one on that node): as through an outage, nothing is
+purged meanwhile. An audit that fails (a lease or registration on a node that is down) is
+logged and counted and does not stop the reads; the next waits from ``audit_interval_s``
+doubling up to ``AUDIT_RETRY_MAX_S`` while they fail. ``clock`` is the router's monotonic
+clock, used to stamp load samples.
 
 ``event_lag`` (the service passes ``RouterState.event_lag_s``, exported as
 ``kvrouter_index_event_lag_seconds``): per replica key, set when a batch or reset entry is
@@ -85,6 +95,9 @@ log = logging.getLogger(__name__)
 
 UNREADABLE_RETRY_MAX_S = 60.0
 """The longest wait before reading again a key whose stored state did not parse."""
+
+AUDIT_RETRY_MAX_S = 30.0
+"""The longest wait before auditing again after audits that failed."""
 
 
 class SyncListener(Protocol):
@@ -199,6 +212,9 @@ class IndexSync:
         # and while the store fails: the index then serves its last known content)
         self.up = False
         self._failed = False  # a turn failed since the last that reached the store
+        # change-stream shards the last read could not reach (their cluster node down)
+        self.shards_down: frozenset[str] = frozenset()
+        self._audit_wait = 0.0  # the wait after the last audit, while audits fail
         self._outage_grace_until = 0.0  # (monotonic) see ``_after_outage``
         self.ready = asyncio.Event()
         self._cursor: object = None
@@ -283,9 +299,11 @@ class IndexSync:
                 backlog = self._backlog
                 read = await self.store.read_changes(self._cursor, self.block_s, self.read_count)
                 self._fresh.clear()
-                if self._failed:
+                self._note_shards(frozenset(read.unread))
+                if self._failed and not read.unread:
                     self._failed = False
                     self._after_outage()
+                self._failed = self._failed or bool(read.unread)
                 self.up = True
                 self._cursor = read.cursor
                 self._not_alive.clear()
@@ -296,8 +314,8 @@ class IndexSync:
                     change, cursor = backlog[0]
                     await self._handle(change, cursor)
                     backlog.popleft()
-                if time.monotonic() >= self._next_audit:
-                    need_bootstrap = await self.audit()
+                if time.monotonic() >= self._next_audit and not self.shards_down:
+                    need_bootstrap = await self._audit_logged()
                 backoff = 0.05
             except asyncio.CancelledError:
                 raise
@@ -312,6 +330,48 @@ class IndexSync:
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
+
+    def _note_shards(self, down: frozenset[str]) -> None:
+        if down == self.shards_down:
+            return
+        if down:
+            log.warning(
+                "index sync: change stream(s) %s unreachable; following the others",
+                ", ".join(sorted(down)),
+            )
+        else:
+            log.info("index sync: every change stream reads again")
+        self.shards_down = down
+
+    async def _audit_logged(self) -> bool:
+        """``audit``; one that fails is logged and counted, and the follower reads on (the
+        replicas it could not check are kept as through an outage: ``_failed``)."""
+        try:
+            need_bootstrap = await self.audit()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._stopping:
+                return False
+            self._failed = True
+            self.stats.errors += 1
+            wait = min(max(self._audit_wait * 2, self.audit_interval_s), AUDIT_RETRY_MAX_S)
+            self._audit_wait = wait
+            self._next_audit = time.monotonic() + wait
+            log.warning(
+                "index sync: audit failed (%s: %s); reading on, audited again in %.1fs",
+                type(exc).__name__,
+                exc,
+                wait,
+            )
+            return False
+        self._audit_wait = 0.0
+        return need_bootstrap
+
+    def streams(self) -> list[str]:
+        """The change streams the cursor follows (none for a store whose cursor names no
+        streams, as the in-memory store's)."""
+        return sorted(self._cursor) if isinstance(self._cursor, Mapping) else []
 
     def _after_outage(self) -> None:
         """The store answers again after failing: a lease that lapsed meanwhile may have
