@@ -197,8 +197,10 @@ def _exported_metrics() -> set[str]:
     state.metrics.registry.register(_ExchangeCollector(ex))
     state.metrics.registry.register(LoopLag())
     Ejections(state, outlier_settings(state.settings.server))  # the forwarder's counters
-    # the shared index follower's collector reads its ``up`` flag and error counts
-    follower = SimpleNamespace(up=True, stats=SyncStats())
+    # the shared index follower's collector reads its ``up`` flag, shards and error counts
+    follower = SimpleNamespace(
+        up=True, stats=SyncStats(), shards_down=frozenset(), streams=lambda: ["kvr:stream:{0}"]
+    )
     state.metrics.registry.register(_IndexSyncCollector(follower))  # type: ignore[arg-type]
     # the counters of the engines followed directly (none here: their families only)
     direct = SimpleNamespace(ingests={})

@@ -9,10 +9,12 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import redis
+from prometheus_client import CollectorRegistry, generate_latest
 
 from router.bench.redis_server import LocalRedis, LocalRedisCluster
 from router.core.index import PrefixIndex
 from router.core.types import BlocksStored, ReplicaKey
+from router.service.background import _IndexSyncCollector
 from router.store.base import LoadSample, ReplicaInfo
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
@@ -172,6 +174,93 @@ async def test_a_stream_that_went_back_is_followed_again(
 
             await eventually(sample_seen, 10)
             assert ReplicaKey(name) in index
+    finally:
+        await store.close()
+        await router_store.close()
+
+
+@pytest.fixture(scope="module")
+def partial_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """A cluster whose nodes go on serving their slots while another is down (the redis.conf
+    default, ``cluster-require-full-coverage yes``, makes every node refuse every key once a
+    slot has no node)."""
+    c = LocalRedisCluster(
+        tmp_path_factory.mktemp("partial-cluster"),
+        extra_args=("--cluster-require-full-coverage", "no"),
+    )
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+async def test_a_node_down_does_not_stop_the_other_shards(
+    partial_cluster: LocalRedisCluster, key_prefix: str
+) -> None:
+    """One node of the cluster stops. The change-stream shards on the other nodes are read
+    on: a replica whose keys and shard live there keeps its index current, and the follower
+    reports which shards it cannot read (``shards_down``) while ``up`` stays 1."""
+    cluster = partial_cluster
+
+    def shared(schema: KeySchema) -> set[int]:  # the nodes of the keys of no replica
+        keys = (schema.instance, schema.registry, schema.shards_key)
+        return {_node_of(cluster, k).port for k in keys}
+
+    schema = next(
+        sc
+        for sc in (KeySchema(f"{key_prefix}{i}", stream_shards=4) for i in range(100))
+        if any(s.port not in shared(sc) for s in cluster.servers[1:])
+    )
+    # (not the URL's node: the client's topology refresh then fails every node's commands)
+    down = next(s for s in cluster.servers[1:] if s.port not in shared(schema))
+
+    def on(n: str) -> LocalRedis:
+        return _node_of(cluster, schema.stream(schema.shard_of(n)))
+
+    healthy = next(
+        n
+        for n in (f"h{i}" for i in range(200))
+        if on(n) is not down and _node_of(cluster, schema.lease(n)) is not down
+    )
+    lost = next(
+        n
+        for n in (f"d{i}" for i in range(200))
+        if on(n) is down and _node_of(cluster, schema.lease(n)) is down
+    )
+    store = RedisStore.from_url(cluster.url, schema)
+    router_store = RedisStore.from_url(cluster.url, schema)
+    try:
+        writers = {}
+        for name in (healthy, lost):
+            info = ReplicaInfo(name, model="m")
+            await store.register(info, owner="p", lease_ttl_s=30)
+            writers[name] = StoreWriter(store, info.replica_keys())
+            writers[name].add(ReplicaKey(name), [BlocksStored((1,))])
+            await writers[name].flush()
+        index = PrefixIndex()
+        sync = IndexSync(router_store, index, **FAST)
+        async with sync:
+            await eventually(lambda: all(ReplicaKey(n) in index for n in (healthy, lost)))
+            down.stop()
+            writers[healthy].add(ReplicaKey(healthy), [BlocksStored((1, 2))])
+            await writers[healthy].flush()
+
+            def followed() -> bool:
+                got = index.match([1, 2]).get(ReplicaKey(healthy))
+                return got is not None and got.kv_blocks == 2
+
+            await eventually(followed, 8)
+            assert sync.up
+            assert schema.stream(schema.shard_of(lost)) in sync.shards_down
+            assert schema.stream(schema.shard_of(healthy)) not in sync.shards_down
+            assert ReplicaKey(lost) in index  # its last known content, as with Redis lost
+            registry = CollectorRegistry()
+            registry.register(_IndexSyncCollector(sync))
+            text = generate_latest(registry).decode()
+            for name, up in ((lost, 0), (healthy, 1)):
+                stream = schema.stream(schema.shard_of(name))
+                assert f'kvrouter_index_sync_shard_up{{stream="{stream}"}} {up}.0' in text
     finally:
         await store.close()
         await router_store.close()

@@ -4,6 +4,8 @@ with another replica cannot forge that replica's blocks (real redis-server)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from router.core.types import BlocksStored, ReplicaKey
@@ -242,8 +244,9 @@ async def test_a_replayed_registration_entry_does_not_bring_back_an_old_registra
             assert seen.urls == [new.url]
             assert verify_fields(old_entry, MASTER)  # genuinely x's
             await x.redis.xadd(schema.stream(0), old_entry)  # the replay
-            await x.publish_load(ReplicaKey("x", 0), LoadSample(0, 0, 0.0, 42.0), "pub-x2")
-            await eventually(lambda: 42.0 in seen.loads)  # read past the replay
+            stamp = time.time()  # (a sample older than load_max_age_s is not passed on)
+            await x.publish_load(ReplicaKey("x", 0), LoadSample(0, 0, 0.0, stamp), "pub-x2")
+            await eventually(lambda: stamp in seen.loads)  # read past the replay
             assert seen.urls[-1] == new.url, seen.urls
             assert old.url not in seen.urls
             assert ReplicaKey("x", 1) in index

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import random
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -164,7 +165,7 @@ async def test_lease_expiry_purges_and_load_reaches_the_tracker(store: IndexStor
     index, tracker = PrefixIndex(), LoadTracker()
     async with IndexSync(store, index, listener=LoadTrackerListener(tracker), **FAST):
         assert ReplicaKey("short") in index
-        await store.publish_load(ReplicaKey("short"), LoadSample(3, 4, 0.25, 0.0))
+        await store.publish_load(ReplicaKey("short"), LoadSample(3, 4, 0.25, time.time()))
         await eventually(lambda: tracker.view(ReplicaKey("short"), 0.0).engine is not None)
         assert tracker.view(ReplicaKey("short"), 0.0).waiting(1e9) == 4
         assert await store.heartbeat("short", "p", 0.4)
@@ -1468,3 +1469,45 @@ async def test_a_busy_replica_numbering_below_the_index_is_resynced(
                 await task
     finally:
         await store.close()
+
+
+async def test_a_replayed_load_sample_is_not_taken_as_current(store: IndexStore) -> None:
+    """Load entries read late (a backlog after an outage, a lagging router) or appended
+    again (a signature proves who wrote an entry, not when) carry an old sample. One older
+    than the sample the router holds for that key is ignored; one past ``load_max_age_s``
+    by the router's wall clock is not applied at all; the others are stamped with their
+    age, so the policies' report_max_age_s and the housekeeping judge them as old as they
+    are, not as taken now. Rank 1's fresh sample, written after, shows that the entries
+    before it were handled."""
+    info = ReplicaInfo("ld", model="m", dp_ranks=(0, 1))
+    await store.register(info, owner="p", lease_ttl_s=30)
+    r0, r1 = ReplicaKey("ld", 0), ReplicaKey("ld", 1)
+    wall = 10_000.0
+    tracker = LoadTracker()
+    sync = IndexSync(
+        store,
+        PrefixIndex(),
+        lambda: 500.0,
+        LoadTrackerListener(tracker),
+        wall_clock=lambda: wall,
+        load_max_age_s=10.0,
+        **FAST,
+    )
+
+    async def marker(running: int) -> None:
+        await store.publish_load(r1, LoadSample(running, 0, 0.0, wall))
+        await eventually(lambda: (e := tracker.view(r1, 500.0).engine) and e.running == running)
+
+    async with sync:
+        await eventually(lambda: r0 in tracker.replicas())
+        # a sample a minute old: not the replica's load now
+        await store.publish_load(r0, LoadSample(9, 9, 0.95, wall - 60))
+        await marker(1)
+        assert tracker.view(r0, 500.0).engine is None
+        # the newest sample, then an older one of the same key read after it
+        await store.publish_load(r0, LoadSample(5, 5, 0.5, wall - 1))
+        await store.publish_load(r0, LoadSample(8, 8, 0.8, wall - 2))
+        await marker(2)
+        report = tracker.view(r0, 500.0).engine
+        assert report is not None and report.running == 5
+        assert report.at == 499.0  # one second old, by the router's clock

@@ -135,10 +135,12 @@ def _cluster_port() -> int:
 class LocalRedisCluster:
     """A Redis Cluster of ``nodes`` primaries (no replicas) as child processes, for tests:
     each node is a :class:`LocalRedis` with cluster mode on; ``redis-cli --cluster create``
-    assigns the slots. ``url`` is a ``redis+cluster://`` URL of the first node."""
+    assigns the slots. ``url`` is a ``redis+cluster://`` URL of the first node.
+    ``extra_args``: more redis-server arguments for every node."""
 
     workdir: Path
     nodes: int = 3
+    extra_args: tuple[str, ...] = ()
     servers: list[LocalRedis] = field(default_factory=list)
 
     @property
@@ -160,6 +162,7 @@ class LocalRedisCluster:
                     "nodes.conf",
                     "--cluster-node-timeout",
                     "2000",
+                    *self.extra_args,
                 ),
             )
             self.servers.append(node.start())

@@ -215,6 +215,8 @@ async def redis_index(app: web.Application) -> AsyncIterator[None]:
         listener=EngineFeed(app[STATE], discover=discover),
         event_lag=app[STATE].event_lag_s,
         lost_store_grace_s=s.redis_lost_grace_s,
+        # a publisher's sample older than the housekeeping keeps a report is not applied
+        load_max_age_s=REPORT_STALE_INTERVALS * s.engine_metrics_interval_s,
     )
     app[INDEX_SYNC] = sync
     _log.info("shared index: following %s (key prefix %s)", s.redis_url, s.redis_key_prefix)
@@ -243,6 +245,16 @@ class _IndexSyncCollector(Collector):
         )
         up.add_metric([], 1.0 if self.sync.up else 0.0)
         yield up
+        shards = GaugeMetricFamily(
+            "kvrouter_index_sync_shard_up",
+            "1 while the follower reads this change-stream shard, 0 while it does not (its "
+            "Redis Cluster node down: the other shards are read on)",
+            labels=["stream"],
+        )
+        for stream in self.sync.streams():
+            reading = self.sync.up and stream not in self.sync.shards_down
+            shards.add_metric([stream], 1.0 if reading else 0.0)
+        yield shards
         errors = CounterMetricFamily(
             "kvrouter_index_sync_errors", "Failed turns of the shared index follower (retried)"
         )
@@ -270,6 +282,13 @@ class _IndexSyncCollector(Collector):
         )
         resyncs.add_metric([], float(self.sync.stats.resyncs))
         yield resyncs
+        stale = CounterMetricFamily(
+            "kvrouter_index_sync_stale_load_samples",
+            "Load samples read from the change stream and not applied: older than the "
+            "replica key's last, or than the age past which a report is dropped",
+        )
+        stale.add_metric([], float(self.sync.stats.loads_stale))
+        yield stale
 
 
 async def direct_events(app: web.Application) -> AsyncIterator[None]:

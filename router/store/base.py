@@ -249,11 +249,14 @@ Change = BatchChange | ResetChange | LoadChange | ReplicaUp | ReplicaDown
 
 @dataclass(slots=True)
 class ChangeRead:
-    """One ``read_changes`` result; ``malformed`` counts entries that could not be decoded."""
+    """One ``read_changes`` result; ``malformed`` counts entries that could not be decoded.
+    ``unread``: the change streams this read could not reach (a Redis Cluster node down:
+    the others were read; ``cursor`` keeps their position)."""
 
     changes: list[Change]
     cursor: object
     malformed: int = 0
+    unread: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------- write side

@@ -12,7 +12,12 @@ are read at one instant. Reads of the change stream: standalone, one blocking XR
 shards. On a cluster the shards live in different slots, so each shard is read on its own
 (concurrently, without blocking); when none had anything new the call sleeps
 ``cluster_poll_s`` (default 50 ms) before returning, so an idle router costs the cluster
-``shards / cluster_poll_s`` cheap XREADs a second and sees events at most that late. An
+``shards / cluster_poll_s`` cheap XREADs a second and sees events at most that late. A
+shard whose read fails, or has not answered within ``shard_wait_s`` (its node down or
+unreachable: the client's own retries take seconds), is left out of that read and named in
+``ChangeRead.unread``, its cursor kept; a read still under way is not started again, and
+its entries are taken by a later call once it answers (when the cursor has not moved
+meanwhile). A call fails only when no shard was read and one failed. An
 entry that does not parse, is not signed for its replica (with ``verify_master``), or names
 a replica of another shard is dropped and counted as malformed.
 """
@@ -43,11 +48,12 @@ from router.store.base import (
 )
 from router.store.codec import decode_change, verify_fields
 from router.store.packed import parse_records
-from router.store.redis_writes import RedisWrites, gather_all
+from router.store.redis_writes import RedisWrites
 from router.store.schema import RESERVED_NAMES, KeySchema
 
 DEFAULT_STREAM_MAXLEN = 50_000
 DEFAULT_CLUSTER_POLL_S = 0.05
+DEFAULT_SHARD_WAIT_S = 0.5
 DEFAULT_SOCKET_TIMEOUT_S = 10.0
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -83,6 +89,11 @@ def _stream_id(raw: bytes | str) -> tuple[int, int]:
     return int(ms), int(n or 0)
 
 
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def _replica_of(change: Change) -> str:
     if isinstance(change, ReplicaUp):
         return change.info.replica
@@ -104,6 +115,7 @@ class RedisStore(RedisWrites):
         signing_key: bytes | None = None,
         verify_master: bytes | None = None,
         cluster_poll_s: float = DEFAULT_CLUSTER_POLL_S,
+        shard_wait_s: float = DEFAULT_SHARD_WAIT_S,
     ) -> None:
         """``signing_key``: a publisher's own derived key; every change entry it writes is
         signed (codec.sign_fields). ``verify_master``: a router's master secret; change
@@ -118,12 +130,18 @@ class RedisStore(RedisWrites):
         self.verify_master = verify_master
         self.cluster = isinstance(client, RedisCluster)
         self.cluster_poll_s = cluster_poll_s
+        self.shard_wait_s = shard_wait_s
+        # cluster: each shard's read under way -> (the id it reads after, the read)
+        self._shard_reads: dict[str, tuple[bytes, asyncio.Task[list[Any]]]] = {}
 
     @classmethod
     def from_url(cls, url: str, schema: KeySchema | None = None, **kwargs: Any) -> RedisStore:
         return cls(connect(url), schema, **kwargs)
 
     async def close(self) -> None:
+        for _, task in self._shard_reads.values():
+            task.cancel()
+        self._shard_reads.clear()
         await self.redis.aclose()
 
     async def settle_shards(self) -> bool:
@@ -264,8 +282,9 @@ class RedisStore(RedisWrites):
     async def read_changes(self, cursor: object, block_s: float, count: int) -> ChangeRead:
         ids: dict[str, bytes] = dict(cursor)  # type: ignore[call-overload]
         reply: Any
+        unread: tuple[str, ...] = ()
         if self.cluster:
-            reply = await self._read_shards(ids, block_s, count)
+            reply, unread = await self._read_shards(ids, block_s, count)
         else:
             block = int(block_s * 1000) if block_s > 0 else None
             reply = await self.redis.xread(ids, count=count, block=block)  # type: ignore[arg-type]
@@ -290,21 +309,54 @@ class RedisStore(RedisWrites):
                     malformed += 1
                     continue
                 changes.append(change)
-        return ChangeRead(changes, ids, malformed)
+        return ChangeRead(changes, ids, malformed, unread)
 
-    async def _read_shards(self, ids: dict[str, bytes], block_s: float, count: int) -> list[Any]:
+    async def _read_shards(
+        self, ids: dict[str, bytes], block_s: float, count: int
+    ) -> tuple[list[Any], tuple[str, ...]]:
         """Cluster: every shard read on its own (they are in different slots), concurrently;
-        with nothing new, sleep up to ``cluster_poll_s`` (and at most ``block_s``)."""
+        with nothing new, sleep up to ``cluster_poll_s`` (and at most ``block_s``). Returns
+        the entries and the shards not read (module docstring)."""
 
         async def one(stream: str, last: bytes) -> list[Any]:
             got: Any = await self.redis.xread({stream: last}, count=count)
             return list(got or [])
 
-        replies = await gather_all(one(st, last) for st, last in ids.items())
-        reply = [item for part in replies for item in part]
+        for stream in [st for st in self._shard_reads if st not in ids]:  # shard count changed
+            self._shard_reads.pop(stream)[1].cancel()
+        new = []
+        for stream, last in ids.items():
+            started = self._shard_reads.get(stream)
+            if started is not None and started[0] != last:  # the cursor moved (bootstrap)
+                started[1].cancel()
+                started = None
+            if started is None:
+                task = asyncio.create_task(one(stream, last))
+                task.add_done_callback(_retrieve)  # (one cancelled once done: not logged)
+                self._shard_reads[stream] = (last, task)
+                new.append(task)
+        if new:
+            await asyncio.wait(new, timeout=self.shard_wait_s)
+        reply: list[Any] = []
+        unread: list[str] = []
+        errors: list[BaseException] = []
+        for stream in ids:
+            task = self._shard_reads[stream][1]
+            if not task.done():
+                unread.append(stream)
+                continue
+            del self._shard_reads[stream]
+            exc = asyncio.CancelledError() if task.cancelled() else task.exception()
+            if exc is not None:
+                unread.append(stream)
+                errors.append(exc)
+                continue
+            reply.extend(task.result())
+        if errors and len(unread) == len(ids):
+            raise errors[0]
         if not reply and block_s > 0:
             await asyncio.sleep(min(block_s, self.cluster_poll_s))
-        return reply
+        return reply, tuple(unread)
 
     async def orphans(self) -> list[str]:
         """SCANs the keyspace for meta and load keys (every primary of a cluster): a

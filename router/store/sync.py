@@ -28,8 +28,18 @@ change stream from the cursor, in one task that owns all index mutations:
   that restarted empty: the instance token is on another node).
 
 Store errors (Redis down, restarting) are logged and retried with backoff; the index keeps
-serving its last known content meanwhile. ``clock`` is the router's monotonic clock, used to
-stamp load samples.
+serving its last known content meanwhile. A read that reached only some change-stream shards
+(a Redis Cluster node down: ``ChangeRead.unread``) is handled as any other: the shards on
+the other nodes are followed on, the unread ones are named in ``shards_down`` (logged when
+that changes) and read from their cursor once their node answers; their replicas keep their
+last known content, as through an outage of the whole store, and when every shard reads
+again lapsed leases get the outage grace (``_after_outage``). No audit runs while a shard is
+down (it would stall the reads for as long as the client's retries on that node take, and
+could not tell a dead replica from one on that node): as through an outage, nothing is
+purged meanwhile. An audit that fails (a lease or registration on a node that is down) is
+logged and counted and does not stop the reads; the next waits from ``audit_interval_s``
+doubling up to ``AUDIT_RETRY_MAX_S`` while they fail. ``clock`` is the router's monotonic
+clock, used to stamp load samples.
 
 ``event_lag`` (the service passes ``RouterState.event_lag_s``, exported as
 ``kvrouter_index_event_lag_seconds``): per replica key, set when a batch or reset entry is
@@ -39,6 +49,18 @@ purged. The change entries carry no timestamp of their own, but a Redis stream e
 entry of the replica's stream shard in the same read (so a read that catches up on a backlog
 can under-state the lag by up to the span of that read, at most ``read_count`` entries).
 Stores whose cursor carries no time (the in-memory store) set nothing.
+
+Load entries (``L``) say what a replica's load was when its publisher sampled it (the
+sample's ``wall_ts``), not what it is when the router reads them: a read that catches up on
+a backlog (the store was away, the router lagged) or an entry appended again (a signature
+proves who wrote an entry, not when) brings old samples. Of a read, only each key's newest
+sample is handled. A sample older than the one the router holds for its key is ignored;
+one older than ``load_max_age_s`` by ``wall_clock`` is not applied at all (the router drops
+a report that old anyway: ``LoadTracker.forget_stale_reports``); the others reach the
+listener stamped ``clock()`` minus their age (at least 0), so the policies'
+``report_max_age_s`` judges them as old as they are. The age compares the publisher's wall
+clock with the router's: hosts whose clocks disagree by more than ``report_max_age_s`` have
+their queue lengths taken as stale. Both are counted (``SyncStats.loads_stale``).
 """
 
 from __future__ import annotations
@@ -67,11 +89,15 @@ from router.store.base import (
     ResetChange,
     UnreadableSnapshot,
 )
+from router.store.load_gate import LoadGate, latest_loads
 
 log = logging.getLogger(__name__)
 
 UNREADABLE_RETRY_MAX_S = 60.0
 """The longest wait before reading again a key whose stored state did not parse."""
+
+AUDIT_RETRY_MAX_S = 30.0
+"""The longest wait before auditing again after audits that failed."""
 
 
 class SyncListener(Protocol):
@@ -81,7 +107,9 @@ class SyncListener(Protocol):
 
     def replica_down(self, replica: str, keys: Sequence[ReplicaKey]) -> None: ...
 
-    def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None: ...
+    def load(self, key: ReplicaKey, sample: LoadSample, now: float) -> None:
+        """``now``: when the sample was taken, by the follower's ``clock``."""
+        ...
 
 
 class NullListener:
@@ -131,6 +159,7 @@ class SyncStats:
     orphans_reaped: int = 0  # replicas whose state outlived them, deleted by the sweep
     streams_reset: int = 0  # change streams found behind the cursor (lost): re-bootstrapped
     unreadable: int = 0  # snapshot reads of registered keys whose state did not parse
+    loads_stale: int = 0  # load entries older than the key's last, or than load_max_age_s
 
 
 class IndexSync:
@@ -153,6 +182,7 @@ class IndexSync:
         lost_store_grace_s: float = 10.0,
         orphan_sweep_s: float = 300.0,
         unreadable_retry_s: float = 1.0,
+        load_max_age_s: float = 10.0,
     ) -> None:
         self.store = store
         self.index = index
@@ -168,6 +198,7 @@ class IndexSync:
         self.lost_store_grace_s = lost_store_grace_s
         self.orphan_sweep_s = orphan_sweep_s
         self.unreadable_retry_s = unreadable_retry_s
+        self.loads = LoadGate(load_max_age_s)
         self._next_sweep = 0.0
         self.infos: dict[str, ReplicaInfo] = {}
         # replicas kept through a store's data loss -> monotonic deadline to re-register by
@@ -181,6 +212,9 @@ class IndexSync:
         # and while the store fails: the index then serves its last known content)
         self.up = False
         self._failed = False  # a turn failed since the last that reached the store
+        # change-stream shards the last read could not reach (their cluster node down)
+        self.shards_down: frozenset[str] = frozenset()
+        self._audit_wait = 0.0  # the wait after the last audit, while audits fail
         self._outage_grace_until = 0.0  # (monotonic) see ``_after_outage``
         self.ready = asyncio.Event()
         self._cursor: object = None
@@ -265,21 +299,23 @@ class IndexSync:
                 backlog = self._backlog
                 read = await self.store.read_changes(self._cursor, self.block_s, self.read_count)
                 self._fresh.clear()
-                if self._failed:
+                self._note_shards(frozenset(read.unread))
+                if self._failed and not read.unread:
                     self._failed = False
                     self._after_outage()
+                self._failed = self._failed or bool(read.unread)
                 self.up = True
                 self._cursor = read.cursor
                 self._not_alive.clear()
                 self.stats.malformed += read.malformed
                 self._caught_up = len(read.changes) + read.malformed < self.read_count
-                backlog.extend((change, read.cursor) for change in read.changes)
+                backlog.extend((change, read.cursor) for change in latest_loads(read.changes))
                 while backlog:
                     change, cursor = backlog[0]
                     await self._handle(change, cursor)
                     backlog.popleft()
-                if time.monotonic() >= self._next_audit:
-                    need_bootstrap = await self.audit()
+                if time.monotonic() >= self._next_audit and not self.shards_down:
+                    need_bootstrap = await self._audit_logged()
                 backoff = 0.05
             except asyncio.CancelledError:
                 raise
@@ -294,6 +330,48 @@ class IndexSync:
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
+
+    def _note_shards(self, down: frozenset[str]) -> None:
+        if down == self.shards_down:
+            return
+        if down:
+            log.warning(
+                "index sync: change stream(s) %s unreachable; following the others",
+                ", ".join(sorted(down)),
+            )
+        else:
+            log.info("index sync: every change stream reads again")
+        self.shards_down = down
+
+    async def _audit_logged(self) -> bool:
+        """``audit``; one that fails is logged and counted, and the follower reads on (the
+        replicas it could not check are kept as through an outage: ``_failed``)."""
+        try:
+            need_bootstrap = await self.audit()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._stopping:
+                return False
+            self._failed = True
+            self.stats.errors += 1
+            wait = min(max(self._audit_wait * 2, self.audit_interval_s), AUDIT_RETRY_MAX_S)
+            self._audit_wait = wait
+            self._next_audit = time.monotonic() + wait
+            log.warning(
+                "index sync: audit failed (%s: %s); reading on, audited again in %.1fs",
+                type(exc).__name__,
+                exc,
+                wait,
+            )
+            return False
+        self._audit_wait = 0.0
+        return need_bootstrap
+
+    def streams(self) -> list[str]:
+        """The change streams the cursor follows (none for a store whose cursor names no
+        streams, as the in-memory store's)."""
+        return sorted(self._cursor) if isinstance(self._cursor, Mapping) else []
 
     def _after_outage(self) -> None:
         """The store answers again after failing: a lease that lapsed meanwhile may have
@@ -504,7 +582,7 @@ class IndexSync:
             self._note_lag(change.key, cursor)
         elif isinstance(change, LoadChange):
             if self._registered(change.key):
-                self.listener.load(change.key, change.sample, self.clock())
+                self._load(change.key, change.sample)
         elif isinstance(change, ReplicaUp):
             # The entry says the registration changed; what it is, the store says: a
             # signature proves who wrote an entry, not when, and an old one appended again
@@ -524,6 +602,15 @@ class IndexSync:
                 self.stats.downs_ignored += 1
                 return
             self._purge(change.replica)
+
+    def _load(self, key: ReplicaKey, sample: LoadSample) -> None:
+        """Pass a load sample on stamped with its age, unless it is older than the key's
+        last or than ``load_max_age_s`` (module docstring)."""
+        taken = self.loads.admit(key, sample, self.clock(), self.wall_clock())
+        if taken is None:
+            self.stats.loads_stale += 1
+            return
+        self.listener.load(key, sample, taken)
 
     def _note_lag(self, key: ReplicaKey, cursor: object) -> None:
         if self.event_lag is None:
@@ -598,6 +685,7 @@ class IndexSync:
         self.listener.replica_down(replica, keys)
 
     def _forget_lag(self, key: ReplicaKey) -> None:
+        self.loads.forget(key)
         if self.event_lag is not None:
             self.event_lag.pop(str(key), None)
 
