@@ -213,8 +213,10 @@ class Scheduler(BlockCache):
         usable = reach // align * align  # whole engine blocks
         state_at = self._state_at
         if self.profile.eagle:
-            # vLLM caps a hit at N - 1 and gives back its last block (the draft head's peek)
-            cap = max(seq.target - 1, 0) // self.block_size // align * align
+            # vLLM caps a hit at N - 1, but its draft group first looks one block past the
+            # cap within the prompt's whole blocks, then gives its last block back (the
+            # draft head's peek): a block-aligned prompt sent again keeps all but one
+            cap = seq.target // self.block_size // align * align
             usable = max(min(usable, cap) - align, 0)
         if self.hybrid:
             # a checkpoint at the prompt's very end serves no one (vLLM caps a hit at N - 1,
