@@ -248,15 +248,16 @@ def test_a_match_ending_inside_an_engine_block_is_granted_to_the_block_before() 
 def test_a_hint_credits_no_more_than_the_next_request_is_granted() -> None:
     """The session's prompt resent whole (a retry, a regenerate) on an engine block boundary
     (2,048 tokens on 1,024-token engine blocks): the engine recomputes the last token, so it
-    grants the first engine block only (with EAGLE too: its draft group matches both blocks
-    before giving one back, ``eagle_proof_margin``; a hybrid model only where a
+    grants the first engine block only (none with EAGLE on a model of one KV cache group;
+    a hybrid model's draft group matches both blocks before giving one back,
+    ``eagle_proof_margin``; a hybrid model only where a
     checkpoint is kept there: the prompt's own, which vLLM 0.34 keeps at ``(N - 1) // a * a``
     for this very case, or on a grid), as it would once the events came, whatever the
     previous turn's hint says it holds."""
     hashes = list(range(9500, 9600))
     for hybrid, grid, eagle, expect in (
         (False, 0, False, 16),
-        (False, 0, True, 16),
+        (False, 0, True, 0),
         (True, 0, False, 16),
         (True, 16, False, 16),
         (True, 16, True, 16),
@@ -316,7 +317,8 @@ def _vllm_grant(prompt: int, full: int, states: set[int], eagle: bool, hybrid: b
     calls them (one pass for full attention + mamba; an EAGLE group looks
     ``eagle_proof_margin`` = one block past the ``num_tokens - 1`` cap of
     ``Request.get_max_cache_hit_length``, within the request's hashed blocks, then drops
-    one)."""
+    one), or, KV-only (one group), as ``UnitaryKVCacheCoordinator`` calls the first (the
+    cap as it is, no margin)."""
     mod = _vllm_window_manager()
     hashes = [f"b{i}" for i in range(prompt // ENGINE)]  # full blocks only, no lookahead
 
@@ -331,7 +333,7 @@ def _vllm_grant(prompt: int, full: int, states: set[int], eagle: bool, hybrid: b
             return [object()] * len(ids) if h in self.cached else None
 
     cap = prompt - 1
-    if eagle:
+    if eagle and hybrid:
         cap = min(cap + ENGINE, len(hashes) * ENGINE)
     spec = mod.FullAttentionSpec()
     spec.block_size = ENGINE
@@ -358,10 +360,11 @@ def test_the_usable_prefix_is_what_vllms_coordinator_grants(eagle: bool, hybrid:
     """Prompts on, one token before and one past engine block boundaries, against every
     cache of up to 4 full-attention blocks and any states on them: the router's usable
     prefix (engine block = 16 router blocks) is vLLM's grant. A block-aligned prompt with
-    EAGLE was predicted one engine block short: the router capped the hit at ``N - 1``
-    before giving back the draft head's block, while vLLM's EAGLE group matches up to the
-    prompt's last whole block first; so a hybrid engine's state at the prompt's end less one
-    block (where it keeps it) was predicted unusable and the hit lost whole."""
+    EAGLE on a hybrid model was predicted one engine block short: the router capped the hit
+    at ``N - 1`` before giving back the draft head's block, while the hybrid coordinator's
+    EAGLE group matches up to the prompt's last whole block first; so the state at the
+    prompt's end less one block (where vLLM keeps it) was predicted unusable and the hit
+    lost whole. A KV-only model's one group gets no such margin."""
     align = ENGINE // BS
     h = list(range(9000, 9000 + 5 * align))
     for prompt in (1023, 1024, 1025, 2047, 2048, 2049, 3072, 3073, 4096, 4097):
