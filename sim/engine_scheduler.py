@@ -27,6 +27,7 @@ from collections import deque
 from itertools import repeat
 from typing import cast
 
+from router.core.engine_hits import eagle_limit
 from router.core.types import BlocksRemoved, BlocksStored, Tier
 from sim.block_cache import STATE_TAG, WINDOW_TAG, BlockCache, _negative, _plus1
 from sim.engine_requests import EngineOutput, Finished, _Seq
@@ -213,8 +214,10 @@ class Scheduler(BlockCache):
         usable = reach // align * align  # whole engine blocks
         state_at = self._state_at
         if self.profile.eagle:
-            # vLLM caps a hit at N - 1 and gives back its last block (the draft head's peek)
-            cap = max(seq.target - 1, 0) // self.block_size // align * align
+            # vLLM caps a hit at N - 1 and gives back its last block (the draft head's
+            # peek); a hybrid model's draft group first looks one block past the cap within
+            # the prompt's whole blocks (router.core.engine_hits.eagle_limit)
+            cap = eagle_limit(seq.target, self.block_size, True, self.hybrid) // align * align
             usable = max(min(usable, cap) - align, 0)
         if self.hybrid:
             # a checkpoint at the prompt's very end serves no one (vLLM caps a hit at N - 1,

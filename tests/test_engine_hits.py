@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from router.core.engine_hits import engine_holds, peeked, prompt_end_checkpoint
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
@@ -17,6 +19,7 @@ from router.core.routing import RoutingEngine
 from router.core.routing_settings import RoutingSettings
 from router.core.state_layout import SOURCE_ENGINE, CheckpointGrid, StateLayout
 from router.core.types import Kind, PrefixMatch, ReplicaKey, RouteRequest
+from tests.test_events_window import _vllm_window_manager
 
 A, B = ReplicaKey("a"), ReplicaKey("b")
 BS = 64
@@ -245,7 +248,9 @@ def test_a_match_ending_inside_an_engine_block_is_granted_to_the_block_before() 
 def test_a_hint_credits_no_more_than_the_next_request_is_granted() -> None:
     """The session's prompt resent whole (a retry, a regenerate) on an engine block boundary
     (2,048 tokens on 1,024-token engine blocks): the engine recomputes the last token, so it
-    grants the first engine block only (none with EAGLE; a hybrid model only where a
+    grants the first engine block only (none with EAGLE on a model of one KV cache group;
+    a hybrid model's draft group matches both blocks before giving one back,
+    ``eagle_proof_margin``; a hybrid model only where a
     checkpoint is kept there: the prompt's own, which vLLM 0.34 keeps at ``(N - 1) // a * a``
     for this very case, or on a grid), as it would once the events came, whatever the
     previous turn's hint says it holds."""
@@ -255,7 +260,7 @@ def test_a_hint_credits_no_more_than_the_next_request_is_granted() -> None:
         (False, 0, True, 0),
         (True, 0, False, 16),
         (True, 16, False, 16),
-        (True, 16, True, 0),
+        (True, 16, True, 16),
     ):
         settings = RoutingSettings(
             block_size=BS,
@@ -301,3 +306,85 @@ def test_a_kv_only_prompt_cached_whole_is_a_hit_one_block_short() -> None:
         hinted.dispatched(first, hinted.route(first, [A], 0.0, random.Random(0)), 0.0)
         credit = hinted.candidates(req(10 * BS, hashes, session="s"), [A], 0.1)
         assert isinstance(credit, list) and credit[0].match.usable_blocks == aligned
+
+
+def _vllm_grant(prompt: int, full: int, states: set[int], eagle: bool, hybrid: bool) -> int:
+    """Tokens vLLM 0.34 grants a prompt of ``prompt`` tokens on ``ENGINE``-token blocks (the
+    attention and mamba groups' one block size in "align" mode) where its full-attention
+    group caches the first ``full`` blocks and its mamba group the states ending at the
+    blocks in ``states``: its own ``FullAttentionManager`` / ``MambaManager`` hit searches
+    (tests/engines, unmodified), called as ``HybridKVCacheCoordinator.find_longest_cache_hit``
+    calls them (one pass for full attention + mamba; an EAGLE group looks
+    ``eagle_proof_margin`` = one block past the ``num_tokens - 1`` cap of
+    ``Request.get_max_cache_hit_length``, within the request's hashed blocks, then drops
+    one), or, KV-only (one group), as ``UnitaryKVCacheCoordinator`` calls the first (the
+    cap as it is, no margin)."""
+    mod = _vllm_window_manager()
+    hashes = [f"b{i}" for i in range(prompt // ENGINE)]  # full blocks only, no lookahead
+
+    class Pool:
+        null_block = None
+        hash_block_size = ENGINE
+
+        def __init__(self, cached: set[str]) -> None:
+            self.cached = cached
+
+        def get_cached_block(self, h: str, ids: list[int]) -> list[object] | None:
+            return [object()] * len(ids) if h in self.cached else None
+
+    cap = prompt - 1
+    if eagle and hybrid:
+        cap = min(cap + ENGINE, len(hashes) * ENGINE)
+    spec = mod.FullAttentionSpec()
+    spec.block_size = ENGINE
+    pool = Pool({f"b{i}" for i in range(full)})
+    _, hit = mod.FullAttentionManager.find_longest_cache_hit(
+        hashes, cap, [0], pool, spec, eagle, ENGINE
+    )
+    if hybrid:
+        spec = mod.MambaSpec()
+        spec.block_size = ENGINE
+        pool = Pool({f"b{i - 1}" for i in states})
+        _, hit = mod.MambaManager.find_longest_cache_hit(
+            hashes, hit, [1], pool, spec, eagle, ENGINE
+        )
+    return int(hit)
+
+
+ENGINE = 1024  # vLLM's hybrid block: attention and mamba alike ("align" mode)
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_the_usable_prefix_is_what_vllms_coordinator_grants(eagle: bool, hybrid: bool) -> None:
+    """Prompts on, one token before and one past engine block boundaries, against every
+    cache of up to 4 full-attention blocks and any states on them: the router's usable
+    prefix (engine block = 16 router blocks) is vLLM's grant. A block-aligned prompt with
+    EAGLE on a hybrid model was predicted one engine block short: the router capped the hit
+    at ``N - 1`` before giving back the draft head's block, while the hybrid coordinator's
+    EAGLE group matches up to the prompt's last whole block first; so the state at the
+    prompt's end less one block (where vLLM keeps it) was predicted unusable and the hit
+    lost whole. A KV-only model's one group gets no such margin."""
+    align = ENGINE // BS
+    h = list(range(9000, 9000 + 5 * align))
+    for prompt in (1023, 1024, 1025, 2047, 2048, 2049, 3072, 3073, 4096, 4097):
+        hashes = h[: prompt // BS]
+        for full in range(5):
+            for n_states in range(1 << full if hybrid else 1):
+                states = {i + 1 for i in range(full) if n_states >> i & 1}
+                idx = PrefixIndex()
+                idx.add_replica(A)
+                if full:
+                    idx.store(A, h[: full * align])
+                if states:
+                    idx.store(A, [h[s * align - 1] for s in states], kind=Kind.STATE)
+                got = idx.match(
+                    hashes,
+                    hybrid=hybrid,
+                    prompt_tokens=prompt,
+                    block_size=BS,
+                    align_blocks=align,
+                    peek_blocks=align if eagle else 0,
+                ).get(A)
+                want = _vllm_grant(prompt, full, states, eagle, hybrid)
+                assert got.usable_blocks * BS == want, (prompt, full, sorted(states))

@@ -18,9 +18,11 @@ the engines run EAGLE / MTP speculative decoding.
   EAGLE ``floor_A(N // B)`` less one engine block (the draft head recomputes the last
   matched block, so a state there would never serve).
 * A hit: at most ``floor_A((N - 1) // B)`` blocks (the last token is recomputed for its
-  logits); with EAGLE every hit gives back one engine block, and a hybrid checkpoint at
-  ``L`` serves only where the cached KV runs on to ``L + A``. ``PrefixIndex.match`` applies
-  it through :func:`peeked`.
+  logits); with EAGLE every hit gives back one engine block, and a hybrid model's draft
+  group first looks one block past the ``N - 1`` cap (:func:`eagle_limit`: a block-aligned
+  prompt sent again is granted ``N`` less one engine block), and a hybrid
+  checkpoint at ``L`` serves only where the cached KV runs on to ``L + A``.
+  ``PrefixIndex.match`` applies it through :func:`peeked`.
 """
 
 from __future__ import annotations
@@ -49,6 +51,18 @@ def prompt_end_checkpoint(
     if eagle:
         end -= align
     return max(end, 0)
+
+
+def eagle_limit(prompt_tokens: int, block_size: int, eagle: bool, hybrid: bool) -> int:
+    """The router blocks of a prompt a hit may reach before an EAGLE engine gives one engine
+    block back (otherwise the hit itself): vLLM caps a hit at ``N - 1`` tokens
+    (``Request.get_max_cache_hit_length``). A hybrid model's coordinator lets its EAGLE
+    group look one block past the cap (``eagle_proof_margin``) within the prompt's hashed
+    whole blocks before dropping one (``HybridKVCacheCoordinator.find_longest_cache_hit``),
+    so there the reach is ``N // B``: a block-aligned prompt sent again is granted all but
+    its last engine block. A model of one KV cache group has no such margin
+    (``UnitaryKVCacheCoordinator`` passes the ``N - 1`` cap as it is)."""
+    return (prompt_tokens if eagle and hybrid else prompt_tokens - 1) // block_size
 
 
 def peeked(kv: list[tuple[int, int]], cap: int, align: int, peek: int) -> list[tuple[int, int]]:
@@ -109,7 +123,10 @@ def granted_blocks(
     align = layout.alignment_blocks
     peek = align if eagle else 0
     shaped = peek > 0 or align > 1
-    limit = min(len(request.block_hashes), (request.prompt_tokens - 1) // request.block_size)
+    limit = min(
+        len(request.block_hashes),
+        eagle_limit(request.prompt_tokens, request.block_size, eagle, layout.hybrid),
+    )
     if not shaped and not layout.hybrid:
         return held if fine else min(held, max(limit, 0))  # as the index has it
     cap = floor_to(limit, align) - peek if shaped else limit

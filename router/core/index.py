@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from router.core.engine_hits import peeked
+from router.core.engine_hits import eagle_limit, peeked
 from router.core.index_tables import bits
 from router.core.index_updates import IndexUpdates
 from router.core.prefix_match import (
@@ -75,7 +75,8 @@ class PrefixIndex(IndexUpdates):
         (engines compute at least that one: vLLM caps a hit at ``prompt_tokens - 1``).
         ``align_blocks``: the engine block in router blocks (a usable prefix ends on one);
         ``peek_blocks`` (EAGLE / MTP engines): the usable prefix is what the engine grants once
-        it gave back that many blocks of the hit (router/core/engine_hits.py).
+        it gave back that many blocks of the hit, which for a ``hybrid`` model may first
+        reach the prompt's last whole block (router/core/engine_hits.py).
         ``fine_blocks``: the engine block is finer than the router's, so a prompt cached whole
         is granted all but its last engine block, less than a router block short, which the
         block grid cannot show (a KV match is then usable whole; otherwise it ends a router
@@ -103,7 +104,7 @@ class PrefixIndex(IndexUpdates):
         usable: list[tuple[int, int]] | None = None
         limit = len(hashes)
         if prompt_tokens is not None and block_size > 0:
-            limit = min(limit, (prompt_tokens - 1) // block_size)
+            limit = min(limit, eagle_limit(prompt_tokens, block_size, peek_blocks > 0, hybrid))
         reach = kv
         if peek_blocks > 0 or align_blocks > 1:
             # an engine block spans several of ours: a match ending inside one is not a hit
