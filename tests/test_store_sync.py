@@ -1482,32 +1482,45 @@ async def test_a_replayed_load_sample_is_not_taken_as_current(store: IndexStore)
     info = ReplicaInfo("ld", model="m", dp_ranks=(0, 1))
     await store.register(info, owner="p", lease_ttl_s=30)
     r0, r1 = ReplicaKey("ld", 0), ReplicaKey("ld", 1)
-    wall = 10_000.0
+    clock = [10_000.0]  # the router's wall clock
     tracker = LoadTracker()
     sync = IndexSync(
         store,
         PrefixIndex(),
         lambda: 500.0,
         LoadTrackerListener(tracker),
-        wall_clock=lambda: wall,
+        wall_clock=lambda: clock[0],
         load_max_age_s=10.0,
         **FAST,
     )
 
     async def marker(running: int) -> None:
-        await store.publish_load(r1, LoadSample(running, 0, 0.0, wall))
+        await store.publish_load(r1, LoadSample(running, 0, 0.0, clock[0]))
         await eventually(lambda: (e := tracker.view(r1, 500.0).engine) and e.running == running)
 
     async with sync:
         await eventually(lambda: r0 in tracker.replicas())
         # a sample a minute old: not the replica's load now
-        await store.publish_load(r0, LoadSample(9, 9, 0.95, wall - 60))
+        await store.publish_load(r0, LoadSample(9, 9, 0.95, clock[0] - 60))
         await marker(1)
         assert tracker.view(r0, 500.0).engine is None
-        # the newest sample, then an older one of the same key read after it
-        await store.publish_load(r0, LoadSample(5, 5, 0.5, wall - 1))
-        await store.publish_load(r0, LoadSample(8, 8, 0.8, wall - 2))
+        wall = clock[0]
+        await store.publish_load(r0, LoadSample(1, 1, 0.1, wall))  # fresh
         await marker(2)
         report = tracker.view(r0, 500.0).engine
+        assert report is not None and report.running == 1 and report.at == 500.0
+        clock[0] = wall + 3
+        # the newest sample, then an older one of the same key read after it, both late
+        await store.publish_load(r0, LoadSample(5, 5, 0.5, wall + 2))
+        await store.publish_load(r0, LoadSample(8, 8, 0.8, wall + 1))
+        await marker(3)
+        report = tracker.view(r0, 500.0).engine
         assert report is not None and report.running == 5
-        assert report.at == 499.0  # one second old, by the router's clock
+        assert report.at == 499.0  # one second later than its publisher's usual
+        # older than the one held: ignored
+        await store.publish_load(r0, LoadSample(7, 7, 0.7, wall + 1.5))
+        await marker(4)
+        report = tracker.view(r0, 500.0).engine
+        assert report is not None and report.running == 5
+    # (the sample read after a newer one in the same read is dropped uncounted)
+    assert sync.stats.loads_stale >= 2

@@ -55,12 +55,13 @@ sample's ``wall_ts``), not what it is when the router reads them: a read that ca
 a backlog (the store was away, the router lagged) or an entry appended again (a signature
 proves who wrote an entry, not when) brings old samples. Of a read, only each key's newest
 sample is handled. A sample older than the one the router holds for its key is ignored;
-one older than ``load_max_age_s`` by ``wall_clock`` is not applied at all (the router drops
-a report that old anyway: ``LoadTracker.forget_stale_reports``); the others reach the
-listener stamped ``clock()`` minus their age (at least 0), so the policies'
-``report_max_age_s`` judges them as old as they are. The age compares the publisher's wall
-clock with the router's: hosts whose clocks disagree by more than ``report_max_age_s`` have
-their queue lengths taken as stale. Both are counted (``SyncStats.loads_stale``).
+one later than ``load_max_age_s`` is not applied at all (the router drops a report that old
+anyway: ``LoadTracker.forget_stale_reports``); the others reach the listener stamped
+``clock()`` less how late they are, so the policies' ``report_max_age_s`` judges them as
+old as they are. How late compares the publisher's wall clock with ``wall_clock`` less the
+offset the key's recent samples show (router/store/load_gate.py), so hosts
+whose clocks disagree by a few seconds are not taken as stale. Both are counted
+(``SyncStats.loads_stale``).
 """
 
 from __future__ import annotations
