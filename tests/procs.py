@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests import forkserver
 from tests.ports import free_port
 
 KVROUTER = str(Path(sys.executable).parent / "kvrouter")
@@ -58,12 +59,15 @@ class Proc:
     log_path: Path
     env: dict[str, str] | None = None
     url: str = ""
-    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    process: subprocess.Popen[bytes] | forkserver.Forked | None = field(default=None, repr=False)
 
     def start(self) -> Proc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
+        if forkserver.ENABLED and self.args[:1] == [KVROUTER]:
+            self.process = forkserver.spawn(self.args, self.log_path, env)
+            return self
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.process = subprocess.Popen(
             self.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
