@@ -255,40 +255,41 @@ class _IndexSyncCollector(Collector):
             reading = self.sync.up and stream not in self.sync.shards_down
             shards.add_metric([stream], 1.0 if reading else 0.0)
         yield shards
-        errors = CounterMetricFamily(
-            "kvrouter_index_sync_errors", "Failed turns of the shared index follower (retried)"
-        )
-        errors.add_metric([], float(self.sync.stats.errors))
-        yield errors
-        unreadable = CounterMetricFamily(
-            "kvrouter_index_sync_unreadable_snapshots",
-            "Snapshot reads of registered replica keys whose stored state did not parse (the "
-            "key keeps its last known content and is read again after a backoff)",
-        )
-        unreadable.add_metric([], float(self.sync.stats.unreadable))
-        yield unreadable
-        dropped = CounterMetricFamily(
-            "kvrouter_index_sync_dropped_entries",
-            "Change-stream entries dropped: unreadable, unsigned or signed with a key other "
-            "than their replica's (server.redis_signing_master), or naming a replica of "
-            "another stream shard",
-        )
-        dropped.add_metric([], float(self.sync.stats.malformed))
-        yield dropped
-        resyncs = CounterMetricFamily(
-            "kvrouter_index_sync_key_resyncs",
-            "Replica keys read whole from their stored snapshot: at bootstrap, after a gap, "
-            "a reset, or an audit that found the index behind or ahead of the store",
-        )
-        resyncs.add_metric([], float(self.sync.stats.resyncs))
-        yield resyncs
-        stale = CounterMetricFamily(
-            "kvrouter_index_sync_stale_load_samples",
-            "Load samples read from the change stream and not applied: older than the "
-            "replica key's last, or than the age past which a report is dropped",
-        )
-        stale.add_metric([], float(self.sync.stats.loads_stale))
-        yield stale
+        for name, text, field in _SYNC_COUNTERS:
+            counter = CounterMetricFamily(name, text)
+            counter.add_metric([], float(getattr(self.sync.stats, field)))
+            yield counter
+
+
+# the follower's counters: (metric, help, SyncStats field)
+_SYNC_COUNTERS = (
+    ("kvrouter_index_sync_errors", "Failed turns of the shared index follower (retried)", "errors"),
+    (
+        "kvrouter_index_sync_unreadable_snapshots",
+        "Snapshot reads of registered replica keys whose stored state did not parse (the "
+        "key keeps its last known content and is read again after a backoff)",
+        "unreadable",
+    ),
+    (
+        "kvrouter_index_sync_dropped_entries",
+        "Change-stream entries dropped: unreadable, unsigned or signed with a key other "
+        "than their replica's (server.redis_signing_master), or naming a replica of "
+        "another stream shard",
+        "malformed",
+    ),
+    (
+        "kvrouter_index_sync_key_resyncs",
+        "Replica keys read whole from their stored snapshot: at bootstrap, after a gap, "
+        "a reset, or an audit that found the index behind or ahead of the store",
+        "resyncs",
+    ),
+    (
+        "kvrouter_index_sync_stale_load_samples",
+        "Load samples read from the change stream and not applied: older than the "
+        "replica key's last, or than the age past which a report is dropped",
+        "loads_stale",
+    ),
+)
 
 
 async def direct_events(app: web.Application) -> AsyncIterator[None]:
