@@ -598,3 +598,30 @@ async def test_a_hash_reader_back_from_an_outage_does_not_count_what_it_cannot_d
 
         await eventually(p2_counted)  # p2's seq moves on (its heartbeats): alive; p1's not
         assert load.view(A, 0.0).prefilling == 0
+
+
+async def test_a_hash_field_of_this_pods_own_dead_members_is_deleted_too(
+    redis_server: LocalRedis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod's reader ignores its own pod's fields for load (its workers' sockets carry it),
+    but a field of its pod that no longer moves (a worker that was killed and replaced, the
+    pod's previous life before a restart) must still be deleted: with no other pod to do
+    it, the hash would grow at every death and every poll would read it all."""
+    monkeypatch.setattr(pod_exchange, "HASH_FORGET_S", 1.0)
+    async with pods(redis_server.url, key_prefix, "hash", ("p1",)) as (one,):
+        idle = LoadTracker()
+        key = one.exchange.settings.hash_key
+        dead_sibling = f"p1/424242#{one.exchange.instance}"
+        previous_life = "p1/1#0123456789abcdef"
+        await one.client.hset(
+            key,
+            mapping={
+                dead_sibling: encode("p1/424242", "p1", 7, idle, instance=one.exchange.instance),
+                previous_life: encode("p1/1", "p1", 9, idle, instance="0123456789abcdef"),
+            },
+        )
+
+        async def only_its_own_field() -> bool:
+            return await one.client.hkeys(key) == [one.exchange.field.encode()]
+
+        await eventually(only_its_own_field, timeout=5)

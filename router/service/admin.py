@@ -88,8 +88,8 @@ def _ratio(counters: tuple[float, float] | None) -> float | None:
 def replica_rows(state: RouterState, ejections: Ejections | None = None) -> list[dict[str, Any]]:
     """``GET /admin/replicas``'s rows: every replica key as this worker sees it. The load
     fields are the requests this worker sent (so ``combine_rows`` can sum them);
-    ``peers_in_flight`` is what the other workers last reported (load_share.py), which this
-    worker's routing counts too."""
+    ``peers_in_flight`` is what the other workers (load_share.py) and the other pods'
+    members (pod_exchange.py) last reported, which this worker's routing counts too."""
     now = asyncio.get_running_loop().time()
     engine_cache = state.fleet.engine_prefix_cache
     out = []

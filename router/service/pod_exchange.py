@@ -150,6 +150,9 @@ class PodExchange:
         self._heard_self_at = clock()  # when an own stream entry was last read back
         self._forgotten_at = 0.0
         self._polled_at = -float("inf")  # hash mode: when the last poll's answer came
+        # hash mode: every field read at the last poll, its value and when that last changed
+        # (this pod's own fields too, which the views leave out)
+        self._fields: dict[bytes, tuple[bytes, float]] = {}
 
     @property
     def field(self) -> str:
@@ -276,23 +279,36 @@ class PodExchange:
         # a field deleted (a member that stopped cleanly, or forgotten) stops counting now
         self.views.keep_only({m.decode(errors="replace") for m in fields})
         self.apply(now)
+        self._note(fields, now)
         if now - self._forgotten_at > HASH_FORGET_S:
             self._forgotten_at = now
             await self._forget_gone(key, now)
 
+    def _note(self, fields: dict[bytes, bytes], now: float) -> None:
+        """Remember when each field's value last changed (a live sender writes a new seq at
+        least every ``stale/4``)."""
+        seen = self._fields
+        for name, data in fields.items():
+            was = seen.get(name)
+            if was is None or was[0] != data:
+                seen[name] = (data, now)
+        if len(seen) > len(fields):
+            for name in [n for n in seen if n not in fields]:
+                del seen[name]
+
     async def _forget_gone(self, key: str, now: float) -> None:
-        """Delete hash fields of senders gone for ``HASH_FORGET_S`` (seen unmoving so long):
-        each one's field, or its member's for an earlier version (not one a live sender
-        writes now)."""
-        live = {*self.views.views, *(v.member for v in self.views.views.values())}
-        gone = {
+        """Delete the hash fields whose value has not changed for ``HASH_FORGET_S``: their
+        senders are gone. Any field but this member's own, this pod's included (a worker
+        killed and replaced, the pod's life before a restart): the views leave those out,
+        and with no other pod running nobody else would delete them."""
+        own = self.field.encode()
+        gone = sorted(
             name
-            for sender, g in self.views.gone.items()
-            if now - g.moved_at > HASH_FORGET_S
-            for name in (sender, g.member)
-        }
-        if gone - live:
-            await self.client.hdel(key, *sorted(gone - live))
+            for name, (_, changed_at) in self._fields.items()
+            if now - changed_at > HASH_FORGET_S and name != own
+        )
+        if gone:
+            await self.client.hdel(key, *gone)
 
     def _take(self, data: bytes, now: float, age_s: float = 0.0, dated: bool = True) -> bool:
         """Take one message read at ``now``, known to be at least ``age_s`` old (``dated``:
