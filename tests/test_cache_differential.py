@@ -278,6 +278,49 @@ def test_parsed_tool_call_arguments_count_at_their_size_in_memory(shape: Any) ->
     assert template_inputs._args_chars >= held, (template_inputs._args_chars, held)
 
 
+def _hf_tokenizer(**flags: bool) -> Any:
+    """A byte-level HF tokenizer whose special token ``<|x|>`` has the added-token ``flags``
+    (``lstrip``: it takes the whitespace before it, as HF's AddedVocabulary does), and a
+    plain special token ``<|y|>``."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from router.tokenize.tokenizers import HFTokenizer
+
+    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.add_special_tokens(
+        [AddedToken("<|x|>", special=True, **flags), AddedToken("<|y|>", special=True)]
+    )
+    return HFTokenizer("t", backend), backend
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"lstrip": True}, {"rstrip": True}, {"single_word": True}, {"normalized": True}, {}],
+    ids=["lstrip", "rstrip", "single-word", "normalized", "plain"],
+)
+def test_pieces_and_cached_prefixes_match_the_whole_text(flags: dict[str, bool]) -> None:
+    """The piece memo (short prompts), the parallel split (long texts) and the prefix
+    cache cut texts at special tokens and encode the pieces apart. An HF special token with
+    ``lstrip`` takes the whitespace before it (``single_word`` and ``normalized`` ones are
+    matched depending on the text around them), so a cut before one gave other ids than
+    the whole text: such tokens are no cut points. Every path gives the tokenizer's ids."""
+    tok, backend = _hf_tokenizer(**flags)
+    inc = IncrementalTokenizer(tok)
+    turn = "word  \n <|x|>said   <|y|> more  a<|x|>b  "
+    short = turn * 5
+    want = backend.encode(short, add_special_tokens=False).ids
+    assert inc.encode_short(short).tolist() == want
+    long = "intro " + turn * 2000
+    assert inc.encode_text(long).tolist() == backend.encode(long, add_special_tokens=False).ids
+    for grown in (long, long + turn, long + turn * 2 + "<|x|>"):
+        keys = [hash(len(long))]  # one conversation: its turns locate one another
+        got = inc.encode(grown, keys, 0, 16).tokens.tolist()
+        assert got == backend.encode(grown, add_special_tokens=False).ids
+    assert inc.hits >= 1  # the grown texts reused the cached prefix
+
+
 # ---------------------------------------------------------------------------- the body memo
 
 
