@@ -95,6 +95,7 @@ def _variant(r: random.Random, body: dict[str, Any]) -> dict[str, Any]:
     change = r.choice(
         ["salt", "tools", "kwargs", "no_gen", "continue", "model", "truncate", "bos", "effort"]
         + ["documents", "name", "n", "logprobs", "none"]
+        + ["parts", "args", "order", "developer", "reasoning", "tool_choice", "empty_tools"]
     )
     if change == "salt":
         v["cache_salt"] = r.choice(["s1", "s2"])
@@ -124,7 +125,38 @@ def _variant(r: random.Random, body: dict[str, Any]) -> dict[str, Any]:
         v["n"] = 3
     elif change == "logprobs":
         v["prompt_logprobs"] = 1
+    elif change in ("parts", "args", "order", "reasoning"):
+        v["messages"] = [_edited(r, m, change) for m in v["messages"]]
+    elif change == "developer":
+        v["messages"] = [*v["messages"], {"role": "developer", "content": "be terse"}]
+    elif change == "tool_choice":
+        v["tool_choice"] = "none"
+    elif change == "empty_tools":
+        v["tools"] = []
     return v
+
+
+def _edited(r: random.Random, m: dict[str, Any], change: str) -> dict[str, Any]:
+    """``m`` with the same text in another shape, at random: string content as one text
+    part, tool-call arguments as an object, its keys in another order, reasoning added."""
+    if r.random() < 0.5 or m is _SYSTEM:
+        return m
+    if change == "parts" and isinstance(m.get("content"), str):
+        return {**m, "content": [{"type": "text", "text": m["content"]}]}
+    if change == "args" and m.get("tool_calls"):
+        calls = [
+            {
+                **c,
+                "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])},
+            }
+            for c in m["tool_calls"]
+        ]
+        return {**m, "tool_calls": calls}
+    if change == "order":
+        return dict(reversed(list(m.items())))
+    if change == "reasoning" and m.get("role") == "assistant":
+        return {**m, "reasoning_content": "thought"}
+    return m
 
 
 def _view(proc: PromptProcessor, body: dict[str, Any]) -> tuple[Any, ...] | str:
