@@ -95,6 +95,7 @@ def _variant(r: random.Random, body: dict[str, Any]) -> dict[str, Any]:
     change = r.choice(
         ["salt", "tools", "kwargs", "no_gen", "continue", "model", "truncate", "bos", "effort"]
         + ["documents", "name", "n", "logprobs", "none"]
+        + ["parts", "args", "order", "developer", "reasoning", "tool_choice", "empty_tools"]
     )
     if change == "salt":
         v["cache_salt"] = r.choice(["s1", "s2"])
@@ -124,7 +125,38 @@ def _variant(r: random.Random, body: dict[str, Any]) -> dict[str, Any]:
         v["n"] = 3
     elif change == "logprobs":
         v["prompt_logprobs"] = 1
+    elif change in ("parts", "args", "order", "reasoning"):
+        v["messages"] = [_edited(r, m, change) for m in v["messages"]]
+    elif change == "developer":
+        v["messages"] = [*v["messages"], {"role": "developer", "content": "be terse"}]
+    elif change == "tool_choice":
+        v["tool_choice"] = "none"
+    elif change == "empty_tools":
+        v["tools"] = []
     return v
+
+
+def _edited(r: random.Random, m: dict[str, Any], change: str) -> dict[str, Any]:
+    """``m`` with the same text in another shape, at random: string content as one text
+    part, tool-call arguments as an object, its keys in another order, reasoning added."""
+    if r.random() < 0.5 or m is _SYSTEM:
+        return m
+    if change == "parts" and isinstance(m.get("content"), str):
+        return {**m, "content": [{"type": "text", "text": m["content"]}]}
+    if change == "args" and m.get("tool_calls"):
+        calls = [
+            {
+                **c,
+                "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])},
+            }
+            for c in m["tool_calls"]
+        ]
+        return {**m, "tool_calls": calls}
+    if change == "order":
+        return dict(reversed(list(m.items())))
+    if change == "reasoning" and m.get("role") == "assistant":
+        return {**m, "reasoning_content": "thought"}
+    return m
 
 
 def _view(proc: PromptProcessor, body: dict[str, Any]) -> tuple[Any, ...] | str:
@@ -276,6 +308,49 @@ def test_parsed_tool_call_arguments_count_at_their_size_in_memory(shape: Any) ->
     held = _retained(run)
     assert len(template_inputs._ARGS_CACHE) == len(texts)
     assert template_inputs._args_chars >= held, (template_inputs._args_chars, held)
+
+
+def _hf_tokenizer(**flags: bool) -> Any:
+    """A byte-level HF tokenizer whose special token ``<|x|>`` has the added-token ``flags``
+    (``lstrip``: it takes the whitespace before it, as HF's AddedVocabulary does), and a
+    plain special token ``<|y|>``."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from router.tokenize.tokenizers import HFTokenizer
+
+    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.add_special_tokens(
+        [AddedToken("<|x|>", special=True, **flags), AddedToken("<|y|>", special=True)]
+    )
+    return HFTokenizer("t", backend), backend
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"lstrip": True}, {"rstrip": True}, {"single_word": True}, {"normalized": True}, {}],
+    ids=["lstrip", "rstrip", "single-word", "normalized", "plain"],
+)
+def test_pieces_and_cached_prefixes_match_the_whole_text(flags: dict[str, bool]) -> None:
+    """The piece memo (short prompts), the parallel split (long texts) and the prefix
+    cache cut texts at special tokens and encode the pieces apart. An HF special token with
+    ``lstrip`` takes the whitespace before it (``single_word`` and ``normalized`` ones are
+    matched depending on the text around them), so a cut before one gave other ids than
+    the whole text: such tokens are no cut points. Every path gives the tokenizer's ids."""
+    tok, backend = _hf_tokenizer(**flags)
+    inc = IncrementalTokenizer(tok)
+    turn = "word  \n <|x|>said   <|y|> more  a<|x|>b  "
+    short = turn * 5
+    want = backend.encode(short, add_special_tokens=False).ids
+    assert inc.encode_short(short).tolist() == want
+    long = "intro " + turn * 2000
+    assert inc.encode_text(long).tolist() == backend.encode(long, add_special_tokens=False).ids
+    for grown in (long, long + turn, long + turn * 2 + "<|x|>"):
+        keys = [hash(len(long))]  # one conversation: its turns locate one another
+        got = inc.encode(grown, keys, 0, 16).tokens.tolist()
+        assert got == backend.encode(grown, add_special_tokens=False).ids
+    assert inc.hits >= 1  # the grown texts reused the cached prefix
 
 
 # ---------------------------------------------------------------------------- the body memo

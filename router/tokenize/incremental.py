@@ -114,8 +114,11 @@ class IncrementalTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, budget_bytes: int = 256 * 2**20) -> None:
         self.tokenizer = tokenizer
-        self.splitter = SpecialSplitter.for_tokens(tokenizer.special_tokens)
-        self._special_ids = frozenset(tokenizer.special_tokens.values())
+        # texts are cut only before the special tokens where that is exact (an HF tokenizer's
+        # ``cut_tokens``); the others are text between cuts
+        cuts: dict[str, int] = getattr(tokenizer, "cut_tokens", tokenizer.special_tokens)
+        self.splitter = SpecialSplitter.for_tokens(cuts)
+        self._special_ids = frozenset(cuts.values())
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[int, TextEntry | LocalEntry] = OrderedDict()
         self._bytes = 0

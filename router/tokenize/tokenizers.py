@@ -13,7 +13,10 @@ appear in the text are recognised as special tokens (as engines do when they tok
 rendered chat template), and the text is cut at special tokens *before* any other
 processing, so for a text ``a + b`` where ``b`` starts with a special token,
 ``encode(a + b) == encode(a) ++ encode(b)``. :meth:`Tokenizer.encode` exploits this to encode
-long texts on several threads (both libraries release the GIL).
+long texts on several threads (both libraries release the GIL). An HF special token that
+takes the whitespace before it (``lstrip``) or is matched depending on its surroundings
+(``single_word``, ``normalized``) breaks that: texts are never cut before one
+(:attr:`HFTokenizer.cut_tokens`).
 """
 
 from __future__ import annotations
@@ -388,10 +391,18 @@ class HFTokenizer:
         self.name = name
         self._tok = backend
         self.bos_token = bos_token
+        added = backend.get_added_tokens_decoder().items()
         self.special_tokens: dict[str, int] = {
+            str(t.content): int(i) for i, t in added if t.special
+        }
+        # the special tokens the text may be cut before (the contract in the module
+        # docstring): not one that takes the whitespace before it (``lstrip``), nor one
+        # matched depending on the text around it (``single_word``) or after normalisation
+        # (``normalized``): the library's match of those differs in a piece cut before them
+        self.cut_tokens: dict[str, int] = {
             str(t.content): int(i)
-            for i, t in backend.get_added_tokens_decoder().items()
-            if t.special
+            for i, t in added
+            if t.special and not (t.lstrip or t.single_word or t.normalized)
         }
 
     @classmethod
