@@ -186,7 +186,7 @@ def _exported_metrics() -> set[str]:
     from router.service.pod_exchange_app import _ExchangeCollector
     from router.service.saturation import LoopLag
     from router.service.state import RouterState
-    from router.store.sync import SyncStats
+    from router.store.sync_stats import SyncStats
 
     state = RouterState(
         build_settings({"replicas": [{"url": "http://127.0.0.1:9", "model": "m", "name": "a"}]})

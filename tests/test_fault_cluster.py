@@ -18,7 +18,8 @@ from router.service.background import _IndexSyncCollector
 from router.store.base import LoadSample, ReplicaInfo
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
-from router.store.sync import IndexSync, NullListener
+from router.store.sync import IndexSync
+from router.store.sync_listener import NullListener
 from router.store.writer import StoreWriter
 from tests.waiting import eventually
 

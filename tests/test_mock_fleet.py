@@ -25,7 +25,8 @@ from router.publisher.publisher import Publisher, PublisherSettings
 from router.store.base import ReplicaInfo
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
-from router.store.sync import IndexSync, LoadTrackerListener
+from router.store.sync import IndexSync
+from router.store.sync_listener import LoadTrackerListener
 from tests.ports import free_port
 from tests.waiting import eventually
 

@@ -25,7 +25,8 @@ from router.publisher.publisher import Publisher, PublisherCollector, PublisherS
 from router.store.base import ReplicaDown, ReplicaInfo, ReplicaUp, ResetChange
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
-from router.store.sync import IndexSync, LoadTrackerListener
+from router.store.sync import IndexSync
+from router.store.sync_listener import LoadTrackerListener
 from tests.ports import free_port
 from tests.waiting import eventually
 

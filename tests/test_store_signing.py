@@ -212,7 +212,8 @@ async def test_a_replayed_registration_entry_does_not_bring_back_an_old_registra
     protect), never adopt the entry's own."""
     from router.core.index import PrefixIndex
     from router.store.base import LoadSample, ReplicaInfo
-    from router.store.sync import IndexSync, NullListener
+    from router.store.sync import IndexSync
+    from router.store.sync_listener import NullListener
     from router.store.writer import StoreWriter
     from tests.waiting import eventually
 

@@ -43,7 +43,8 @@ from router.store.base import (
 from router.store.memory import MemoryStore
 from router.store.redis_store import RedisStore
 from router.store.schema import KeySchema
-from router.store.sync import IndexSync, LoadTrackerListener, NullListener
+from router.store.sync import IndexSync
+from router.store.sync_listener import LoadTrackerListener, NullListener
 from router.store.writer import StoreWriter
 from tests.waiting import eventually
 

@@ -70,7 +70,7 @@ def refused_first(body: Mapping[str, Any], kind: str) -> bool:
     ``_with_kv_transfer_rejection_cleanup`` (``generate/base/serving.py``): a decode leg
     refused there has the prefill replica's blocks freed at once (the connector's
     ``request_finished`` on an ``abort_immediately`` request), which is how the router
-    releases a transfer no decode replica can take (router/service/disagg.py)."""
+    releases a transfer no decode replica can take (router/service/pd_serve.py)."""
     return kind == "completion" and bool(body.get("stream")) and bool(body.get("use_beam_search"))
 
 

@@ -13,7 +13,9 @@ and SLO metrics, outlier ejection, withdrawing a refused request's speculative e
 decision another worker process booked is relayed to the workers
 (router/service/report_relay.py).
 
-Core errors end a Pick with the status of router/rpc/calls.py ``status_of``.
+What a Pick asks for (its prompt, its size, the replicas it may name) is read by
+router/rpc/pick_request.py. Core errors end a Pick with the status of router/rpc/calls.py
+``status_of``.
 """
 
 from __future__ import annotations
@@ -25,16 +27,25 @@ import math
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import grpc
 
 from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable
 from router.core.types import ReplicaKey
-from router.recorder import ENDPOINTS
 from router.rpc.calls import CALLER, DELIVERY, Delivery, abort_error, abort_reply, metadata_headers
 from router.rpc.decisions import DecisionBook, Pending, owner_of, scoped_id
 from router.rpc.gen import router_pb2, router_pb2_grpc
+from router.rpc.pick_request import (
+    ENDPOINT_OF_KIND,
+    admitted_body,
+    candidate_keys,
+    check_id_size,
+    first_routed,
+    pinned_holders,
+    prompt_bytes,
+    prompt_reader,
+    whole_pools,
+)
 from router.service.answer_relay import (
     count_slo,
     judged,
@@ -43,76 +54,24 @@ from router.service.answer_relay import (
     record_request,
 )
 from router.service.body_memo import Admitted
-from router.service.disagg import ModelDisagg
 from router.service.ejection import Ejections
 from router.service.errors import refused_load, reply_for
 from router.service.gate import Gate
 from router.service.handling import (
-    KINDS,
-    holder_keys,
     holder_unavailable,
     record,
     rejected,
     too_large,
 )
-from router.service.intake import THREAD_MIN_BODY, admit, checked_prompt, json_value
-from router.service.registry import Endpoint
+from router.service.intake import THREAD_MIN_BODY, checked_prompt
 from router.service.report_relay import Reported, report_to_peers
 from router.service.request_identity import in_flight, session_key, unique_in_flight
-from router.service.state import Routed, RouterState
+from router.service.state import RouterState
 from router.service.workers import Workers
 from router.tokenize.keying import ProcessedPrompt
 from router.tokenize.request_fields import asks_prompt_logprobs
 
 Clock = Callable[[], float]
-
-MAX_CANDIDATES = 4096
-
-
-def _check_id_size(request_id: str, max_header_kb: float) -> None:
-    """BadRequest for a ``request_id`` over the HTTP header block's limit
-    (``server.max_header_kb``; 0: unlimited), which bounds an HTTP ``X-Request-Id``: a
-    decision keeps its id up to its TTL, so the message size (megabytes) is no bound."""
-    limit = int(max_header_kb * 1024)
-    size = len(request_id.encode())
-    if limit and size > limit:
-        raise BadRequest(
-            f"request_id is {size} bytes; the limit is {limit} (server.max_header_kb, as "
-            "for an HTTP request's headers)"
-        )
-
-
-def _prompt_bytes(request: router_pb2.PickRequest) -> int:
-    """The size of a Pick's prompt fields in bytes (UTF-8), as an HTTP body holding them
-    would at least be (its JSON, or the text and messages it would carry); 0 for token ids
-    (``server.max_prompt_tokens`` and the context length bound those)."""
-    which = request.WhichOneof("prompt")
-    if which == "request_json":
-        return _utf8_size(request.request_json)
-    if which == "text":
-        return _utf8_size(request.text)
-    if which == "messages_json":
-        return _utf8_size(request.messages_json) + _utf8_size(request.tools_json)
-    return 0
-
-
-def _utf8_size(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
-
-
-def _first_routed(route: Callable[..., Routed], pools: list[list[ReplicaKey] | None]) -> Routed:
-    """``route`` among the first of ``pools`` that can take the request (the last one's
-    NoReplicaAvailable when none can)."""
-    for pool in pools[:-1]:
-        try:
-            return route(replicas=pool)
-        except NoReplicaAvailable:
-            pass
-    return route(replicas=pools[-1])
-
-
-def _serves(endpoint: Endpoint | None, model: str) -> bool:
-    return endpoint is not None and endpoint.model == model
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -143,116 +102,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.gate = gate
         # ids of Picks awaiting admission (in flight, though in neither book nor load yet)
         self._picking: set[str] = set()
-
-    def _prompt(
-        self, request: router_pb2.PickRequest
-    ) -> tuple[Callable[[Any], ProcessedPrompt], Any, int]:
-        """(the model's prompt processing, its argument, the prompt's size in characters:
-        0 for token ids, which are processed on the loop as the HTTP endpoints do)."""
-        proc = self.state.processor(request.model)
-        which = request.WhichOneof("prompt")
-        if which == "token_ids":
-            if not request.token_ids.ids:
-                raise BadRequest("token_ids must not be empty")
-            # array('I') copies the repeated uint32 field in C; no per-id Python work.
-            return proc.token_array, array.array("I", request.token_ids.ids), 0
-        if which == "text":
-            if not request.text:
-                raise BadRequest("text must not be empty")
-            return (
-                proc.completion,
-                {"model": request.model, "prompt": request.text},
-                len(request.text),
-            )
-        if which == "messages_json":
-            # the model named as an HTTP body names it (an engine's render endpoint reads it)
-            body: dict[str, Any] = {
-                "model": request.model,
-                "messages": json_value(request.messages_json, "messages_json"),
-            }
-            if request.tools_json:
-                body["tools"] = json_value(request.tools_json, "tools_json")
-            return proc.chat, body, len(request.messages_json) + len(request.tools_json)
-        raise BadRequest("one of token_ids, text, messages_json or request_json is required")
-
-    async def _admitted(self, request: router_pb2.PickRequest) -> tuple[Admitted, str]:
-        """A ``request_json`` body admitted as the HTTP endpoint of ``request_path`` admits
-        it (router.service.intake ``admit``: one path for every front end), and that
-        endpoint's kind (``chat``, ``completion``, ...: router.service.handling KINDS)."""
-        path = request.request_path
-        kind = _KIND_OF_PATH.get(path) if path else None
-        if path and kind is None:
-            raise BadRequest(f"request_path must be one of {', '.join(_KIND_OF_PATH)}")
-        whole = json_value(request.request_json, "request_json")
-        if not isinstance(whole, dict):
-            raise BadRequest("request_json must be a JSON object")
-        named = whole.get("model")
-        # (null or "" names none, as the HTTP endpoints read it: intake.field_types)
-        if named is not None and named != "" and named != request.model:
-            raise BadRequest(f"request_json names model {named!r}, not {request.model!r}")
-        if kind is None:
-            kind = "chat" if "messages" in whole else "completion"
-        whole["model"] = request.model
-        return await admit(self.state, whole, len(request.request_json), kind), kind
-
-    async def _pinned(
-        self, request: router_pb2.PickRequest, admitted: Admitted
-    ) -> list[ReplicaKey]:
-        """The replicas holding the stored response a Responses body continues, within the
-        caller's candidates (empty: nobody holds it, routed as any other request). A holder
-        the candidates leave out is refused as HTTP refuses a holder that cannot take it
-        (NoReplicaAvailable naming it: UNAVAILABLE with the retry trailers): a candidate
-        could only answer that the response does not exist."""
-        if admitted.previous_response is None:
-            return []
-        await self.state.response_share.find(admitted.previous_response)
-        pinned = holder_keys(self.state, admitted)
-        allowed = self._candidates(request)
-        if allowed is None or not pinned:
-            return pinned
-        kept = [k for k in pinned if k in allowed]
-        if not kept:
-            raise NoReplicaAvailable(
-                f"replica {pinned[0].replica!r}, the only one holding response "
-                f"{admitted.previous_response!r}, is not among the candidates: any of them "
-                "could only answer that the response does not exist"
-            )
-        return kept
-
-    def _candidates(self, request: router_pb2.PickRequest) -> list[ReplicaKey] | None:
-        if not request.candidates:
-            return None
-        if len(request.candidates) > MAX_CANDIDATES:
-            raise BadRequest(f"at most {MAX_CANDIDATES} candidates")
-        registry, model = self.state.registry, request.model
-        keys: list[ReplicaKey] = []
-        for text in request.candidates:  # O(candidates): nothing scans the fleet per call
-            found = [k for k in registry.find(text) if _serves(registry.endpoint(k), model)]
-            if not found:
-                raise BadRequest(f"candidate {text!r} does not serve model {request.model!r}")
-            keys.extend(found)
-        return list(dict.fromkeys(keys))
-
-    def _whole(self, request: router_pb2.PickRequest) -> list[list[ReplicaKey] | None]:
-        """The replicas Pick may name, pools tried in turn (None: all of the model's). Of a
-        model with prefill/decode disaggregation, only those that serve a request whole, as
-        the HTTP endpoints' local flows (router/core/disagg.py ``plan``): ``both`` replicas,
-        then (none of them available) every decode-capable one; Pick answers one endpoint,
-        and a ``prefill`` one decodes nothing."""
-        keys = self._candidates(request)
-        md: ModelDisagg | None = self.state.disagg.get(request.model)
-        if md is None:
-            return [keys]
-        dec: list[ReplicaKey]
-        both: list[ReplicaKey]
-        _pre, dec, both = md.pd.pools(
-            keys if keys is not None else self.state.registry.keys_for(request.model)
-        )
-        if not dec:
-            if keys is not None:
-                raise BadRequest("no candidate can decode (role prefill only)")
-            raise NoReplicaAvailable("no replica can decode")
-        return [both, dec] if both and len(both) < len(dec) else [dec]
 
     async def Pick(
         self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext
@@ -288,7 +137,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _pick(
         self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext, held: object
     ) -> router_pb2.PickResponse:
-        if _prompt_bytes(request) > self.state.settings.server.max_body_mb * 2**20:
+        if prompt_bytes(request) > self.state.settings.server.max_body_mb * 2**20:
             # what the HTTP front door would answer 413 (not counted as a request, there
             # either), whatever grpc_max_message_mb lets through
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_large(self.state).message)
@@ -304,14 +153,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             pinned: list[ReplicaKey] = []
             admitted: Admitted | None = None
             if request.WhichOneof("prompt") == "request_json":
-                admitted, kind = await self._admitted(request)
-                row_endpoint = _ENDPOINT_OF_KIND.get(kind)
+                admitted, kind = await admitted_body(self.state, request)
+                row_endpoint = ENDPOINT_OF_KIND.get(kind)
                 prompt, body_session = admitted.prompt, admitted.session_id
                 max_out = admitted.max_output_tokens
                 tier = admitted.service_tier
-                pinned = await self._pinned(request, admitted)
+                pinned = await pinned_holders(self.state, request, admitted)
             else:
-                fn, arg, size = self._prompt(request)
+                fn, arg, size = prompt_reader(self.state, request)
                 # the HTTP endpoints' limits, and a large prompt processed off the event loop
                 kind = None
                 if not isinstance(arg, array.array):
@@ -328,7 +177,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             decision_id = request.request_id or uuid.uuid4().hex
             if "\x00" in decision_id:  # the separator of scoped ids (decisions.scoped_id)
                 raise BadRequest("request_id must not contain NUL")
-            _check_id_size(decision_id, self.state.settings.server.max_header_kb)
+            check_id_size(decision_id, self.state.settings.server.max_header_kb)
             owner = owner_of(CALLER.get())
             # the id this process knows it by: its caller's, so no caller can take (or learn
             # of) another's ids; the reply and the caller's Reports use ``decision_id``
@@ -369,7 +218,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         session_id=session,
                         max_output_tokens=max_out,
                         size=request.ByteSize(),  # (what it keeps while held)
-                        replicas=self._candidates(request),  # judged among them only
+                        replicas=candidate_keys(self.state, request),  # judged among them only
                     )
                 finally:
                     self._picking.discard(internal)
@@ -385,7 +234,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     max_output_tokens=max_out,
                 )
                 try:
-                    routed = _first_routed(route, [pinned] if pinned else self._whole(request))
+                    routed = first_routed(
+                        route, [pinned] if pinned else whole_pools(self.state, request)
+                    )
                 except NoReplicaAvailable as exc:
                     if not pinned or admitted is None:
                         raise
@@ -630,8 +481,3 @@ _PHASES = {
 def _client_error(status: int) -> bool:
     """A replica's answer status that is the client's error: 4xx other than 429 (busy)."""
     return 400 <= status < 500 and status != 429
-
-
-_KIND_OF_PATH = {path.decode(): kind for path, kind in KINDS.items()}
-# a kind's endpoint as a recorded row names it (router.recorder ENDPOINTS)
-_ENDPOINT_OF_KIND = {kind: ENDPOINTS[path] for path, kind in KINDS.items() if path in ENDPOINTS}

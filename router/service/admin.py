@@ -266,7 +266,7 @@ def add_routes(routes: Routes, app: web.Application) -> None:
     routes.get("/admin/decisions", guarded(decisions))
 
     async def pd(req: HttpRequest, _: str) -> Reply:
-        from router.service.disagg import admin_view
+        from router.service.pd_metrics import admin_view
 
         return Reply.json({"models": admin_view(app[STATE]), **worker_info(app.get(WORKERS))})
 

@@ -54,7 +54,7 @@ class Admitted:
     stream: bool = False
     # why the request is never disaggregated, '' when it may be (disagg.keep_local)
     keep_local: str = ""
-    # appended to a disaggregated request's prefill leg (disagg.prefill_caps)
+    # appended to a disaggregated request's prefill leg (pd_serve.prefill_caps)
     prefill_caps: bytes = b""
     # a Responses API body: the stored response it continues (``previous_response_id``),
     # and whether its answer's id is recorded (``store`` not false): response_ids.py

@@ -31,7 +31,7 @@ from router.service.engine_sources import PUBLISHER
 from router.service.settings import ReplicaSettings
 from router.service.state import RouterState
 from router.store.base import LoadSample, ReplicaInfo
-from router.store.sync import LoadTrackerListener
+from router.store.sync_listener import LoadTrackerListener
 from router.tasks import running
 
 _log = logging.getLogger(__name__)

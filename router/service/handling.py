@@ -29,7 +29,7 @@ from router.core.admission import takes_engine_priority
 from router.core.errors import KVRouterError, NoReplicaAvailable
 from router.core.types import ReplicaKey
 from router.recorder import endpoint_of
-from router.service import disagg, pass_through, stored_responses
+from router.service import disagg, pass_through, pd_serve, stored_responses
 from router.service.answer_relay import record_refused
 from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, messages_path, refused_load, reply_for
@@ -342,14 +342,14 @@ async def serve_completion(
         rejected(state, model, "cancelled")
         raise
     if no_transfer:
-        raw = with_patch(raw, disagg.NO_TRANSFER)
+        raw = with_patch(raw, pd_serve.NO_TRANSFER)
     if priority:
         raw = with_patch(raw, priority)
     if isinstance(routed, disagg.PdFlow):
         record(state, routed.routed)
         sent = raw if admitted.usage_patch is None else with_patch(raw, admitted.usage_patch)
         strip = admitted.usage_patch is not None
-        await disagg.serve(
+        await pd_serve.serve(
             state,
             forwarder,
             sink,

@@ -22,7 +22,7 @@ from typing import Any, TypeVar, cast
 from router import jsonload
 from router.core.admission import parse_service_tier
 from router.core.errors import BadRequest
-from router.service import disagg
+from router.service import disagg, pd_serve
 from router.service.body_memo import Admitted
 from router.service.request_identity import body_session, session_key
 from router.service.security import check_prompt_tokens
@@ -159,7 +159,7 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
         fn = processor.chat if kind == "chat" else processor.completion
     offload = size >= THREAD_MIN_BODY and not _token_ids(body)
     # a disaggregated model's bodies reach the engine without the client's
-    # kv_transfer_params (service/disagg.py NO_TRANSFER): its prompt is the messages', not
+    # kv_transfer_params (service/pd_serve.py NO_TRANSFER): its prompt is the messages', not
     # ids forwarded there (router.tokenize.request_fields.forwarded_prompt_ids)
     seen = body
     if "kv_transfer_params" in body and state.disagg and state.disagg.get(model) is not None:
@@ -192,7 +192,7 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
         tier,
         stream=stream,
         keep_local=disagg.keep_local(body, kind),
-        prefill_caps=disagg.prefill_caps(body),
+        prefill_caps=pd_serve.prefill_caps(body),
         previous_response=previous_response(body) if responses else None,
         stores=responses and stores(body),
     )

@@ -120,7 +120,7 @@ class Forwarder(AnswerRelay):
         router/service/retry.py; outcomes feed outlier ejection (router/service/ejection.py).
         ``retry_body``: sent instead of ``body`` once an attempt reached a replica (any
         failure but a refused connection), for a body good for one replica only (a decode
-        leg's ``kv_transfer_params``: router/service/disagg.py). ``anthropic``: a Messages
+        leg's ``kv_transfer_params``: router/service/pd_serve.py). ``anthropic``: a Messages
         API request, whose errors the router answers in Anthropic's shape. ``record_ids``: a
         stored Responses API request; its answer's response id is recorded with the replica
         that made it (router/service/response_ids.py). ``since``: when the request was
@@ -316,7 +316,7 @@ class Forwarder(AnswerRelay):
 
     def deadline(self, expect_s: float) -> float:
         """Seconds an attempt predicted to take ``expect_s`` waits for its first byte (a
-        disaggregated request's prefill leg too: router/service/disagg.py)."""
+        disaggregated request's prefill leg too: router/service/pd_serve.py)."""
         s = self.state.settings.server
         return first_byte_deadline(
             expect_s, s.first_byte_min_s, s.first_byte_factor, s.first_byte_timeout_s

@@ -147,7 +147,7 @@ class RouterState:
         # (last: its collector reads the rest of the state when registered)
         self.metrics = Metrics(partial(state_snapshot, self))
         if self.disagg:
-            from router.service.disagg import PdCollector
+            from router.service.pd_metrics import PdCollector
 
             self.metrics.registry.register(PdCollector(self))
         # Set while recording live traffic (app cleanup_ctx owns the file).
@@ -312,7 +312,7 @@ class RouterState:
         session's hint), with no predicted hit (only the decision's replica's was
         predicted). ``pulled``: the retry carries the prompt computed elsewhere (a decode
         leg's ``kv_transfer_params`` that its first replica never got: router/service/
-        disagg.py), recorded as a decode leg is (``Disaggregator.dispatched_decode``:
+        pd_serve.py), recorded as a decode leg is (``Disaggregator.dispatched_decode``:
         nothing to prefill there). Its load leaves the replica it was on
         (LoadTracker.dispatch), and so does its decode-stall allowance when admission
         tracks it. What the replica it was on was guessed to hold stays unless the caller
