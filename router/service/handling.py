@@ -185,16 +185,24 @@ async def serve_pass_through(
 
 
 def holder_keys(state: RouterState, admitted: Admitted) -> list[ReplicaKey]:
-    """The keys of the replica holding the stored response a Responses body continues
-    (router/service/response_ids.py; :func:`serve_completion` has looked it up in the other
-    processes first when this one did not know it); empty when nobody knows it."""
+    """The keys of the body's model on the engine holding the stored response a Responses
+    body continues (router/service/response_ids.py; :func:`serve_completion` has looked it
+    up in the other processes first when this one did not know it); empty when nobody knows
+    it. vLLM keeps the response in the API server that made it, by id alone: a follow-up
+    naming another model that server serves (a LoRA adapter of the response's model, an
+    entry of its own on the same URL) continues it there, so the holder is its URL."""
     if admitted.previous_response is None:
         return []
     holder = state.response_ids.get(admitted.previous_response)
-    if holder is None or holder.model != admitted.model:
+    if holder is None:
         return []
-    serving = state.registry.keys_for(admitted.model)
-    return [k for k in state.registry.find(holder.replica) if k in serving]
+    registry = state.registry
+    held = registry.find(holder.replica)
+    serving = registry.keys_for(admitted.model)
+    if holder.model == admitted.model:
+        return [k for k in held if k in serving]
+    urls = {ep.base_url for k in held if (ep := registry.endpoint(k)) is not None}
+    return [k for k in serving if (ep := registry.endpoint(k)) is not None and ep.base_url in urls]
 
 
 def route_pinned(
