@@ -216,8 +216,8 @@ async def test_a_101_answer_is_a_broken_attempt_not_a_fatal_protocol_error(
 async def test_a_stream_that_ends_with_the_engines_error_event_is_no_good_answer() -> None:
     """vLLM ends a stream that failed mid-way with its error event (``data: {"error":
     {...}}``, then ``[DONE]``): the client has an error, not an answer. It was booked
-    ``ok`` and judged against the SLO like a whole answer; it is ``upstream_error`` and
-    stays out of the SLO metric."""
+    ``ok`` and judged against the SLO like a whole answer; it is ``upstream_error`` and a
+    miss of the SLO (``failed``: in goodput's denominator, as the live replay counts it)."""
     error = json.dumps(
         {"error": {"message": "engine died", "type": "InternalServerError", "param": None,
                    "code": 500}}, separators=(",", ":"),
@@ -233,7 +233,9 @@ async def test_a_stream_that_ends_with_the_engines_error_event_is_no_good_answer
                 assert (await resp.read()).endswith(b"data: [DONE]\n\n")
             page = await _answered(url, session, "upstream_error")
             assert metric_sample(page, "kvrouter_requests_total", outcome="ok") is None
-            assert metric_sample(page, "kvrouter_slo_requests_total", model=MODEL) is None
+            slo = "kvrouter_slo_requests_total"
+            assert metric_sample(page, slo, model=MODEL, result="failed") == 1
+            assert metric_sample(page, slo, model=MODEL, result="met") is None
     finally:
         await replica.stop()
 

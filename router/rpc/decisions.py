@@ -125,3 +125,53 @@ class DecisionBook:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+RETRY_WINDOW_S = 10.0
+"""How long a ``FAILED`` (or ``REFUSED``) decision waits for its retry: a Pick with the same
+``request_id`` (docs/grpc.md); one that none follows within it is a miss of its SLO."""
+
+
+@dataclass(slots=True, frozen=True)
+class Unanswered:
+    """A decision reported failed: what its SLO miss is counted by, and when its request
+    came (its retry, if one follows, is timed from then)."""
+
+    model: str
+    prompt_tokens: int
+    service_class: str
+    status: int
+    since: float
+    at: float  # when it was reported failed
+
+
+class RetryWindow:
+    """The decisions reported failed within :data:`RETRY_WINDOW_S`, by scoped id (bounded:
+    past ``max_entries`` the oldest end at once): a retry's Pick takes its request's entry
+    (:meth:`take`); :meth:`expire` hands back those no retry followed."""
+
+    def __init__(self, max_entries: int = 100_000, window_s: float = RETRY_WINDOW_S) -> None:
+        self.max_entries = max_entries
+        self.window_s = window_s
+        self._items: OrderedDict[str, Unanswered] = OrderedDict()
+
+    def add(self, decision_id: str, failed: Unanswered) -> list[Unanswered]:
+        """Keep ``failed``; returns those pushed out past the bound (ended)."""
+        self._items.pop(decision_id, None)
+        self._items[decision_id] = failed
+        out = []
+        while len(self._items) > self.max_entries:
+            out.append(self._items.popitem(last=False)[1])
+        return out
+
+    def take(self, decision_id: str) -> Unanswered | None:
+        return self._items.pop(decision_id, None)
+
+    def expire(self, now: float) -> list[Unanswered]:
+        out = []
+        while self._items:
+            first = next(iter(self._items.values()))
+            if now - first.at < self.window_s:
+                break
+            out.append(self._items.popitem(last=False)[1])
+        return out

@@ -33,7 +33,14 @@ import grpc
 from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable
 from router.core.types import ReplicaKey
 from router.rpc.calls import CALLER, DELIVERY, Delivery, abort_error, abort_reply, metadata_headers
-from router.rpc.decisions import DecisionBook, Pending, owner_of, scoped_id
+from router.rpc.decisions import (
+    DecisionBook,
+    Pending,
+    RetryWindow,
+    Unanswered,
+    owner_of,
+    scoped_id,
+)
 from router.rpc.gen import router_pb2, router_pb2_grpc
 from router.rpc.pick_request import (
     ENDPOINT_OF_KIND,
@@ -66,6 +73,7 @@ from router.service.handling import (
 from router.service.intake import THREAD_MIN_BODY, checked_prompt
 from router.service.report_relay import Reported, report_to_peers
 from router.service.request_identity import in_flight, session_key, unique_in_flight
+from router.service.slo_metric import count_refused, count_unanswered
 from router.service.state import RouterState
 from router.service.workers import Workers
 from router.tokenize.keying import ProcessedPrompt
@@ -97,6 +105,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.state = state
         self.clock = clock
         self.book = book if book is not None else DecisionBook()
+        # decisions reported failed, awaiting a retry's Pick (counted a miss without one)
+        self.retries = RetryWindow()
         self.ejections = ejections
         self.workers = workers
         self.gate = gate
@@ -146,10 +156,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         body_session: str | None = None
         max_out: int | None = None  # the body's output limit (as HTTP routes with it)
         row_endpoint: str | None = None  # its trace row's (router.recorder ENDPOINTS)
+        tier: object = None  # the body's service_tier (admission's class, as on HTTP)
         try:
             if not request.model:
                 raise BadRequest("model is required")
-            tier: object = None  # the body's service_tier (admission's class, as on HTTP)
             pinned: list[ReplicaKey] = []
             admitted: Admitted | None = None
             if request.WhichOneof("prompt") == "request_json":
@@ -247,6 +257,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except KVRouterError as exc:
             rejected(self.state, request.model)  # counted as the HTTP endpoints count it
             retry_after = self.state.fleet.retry_after_s(request.model, self.clock())
+            if offered is not None and refused_load(exc):  # a miss in goodput's denominator
+                self.retries.take(scoped_id(request.request_id, owner_of(CALLER.get())))
+                count_refused(
+                    self.state, exc, request.model, offered, tier,
+                    metadata_headers(context.invocation_metadata()),
+                    reply_for(exc, retry_after).status,
+                )  # fmt: skip
             if self.state.recorder is not None and offered is not None and refused_load(exc):
                 # offered load, recorded as the HTTP endpoints record it (its status theirs)
                 record_refused(
@@ -287,6 +304,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             terms=dict(decision.terms),
             fallbacks=[str(k) for k in decision.ranking[:8]],
         )
+        prior = self.retries.take(internal)  # a retry: its request came with the first Pick
+        if prior is not None:
+            arrived = prior.since if arrived is None else min(arrived, prior.since)
         pending = Pending(
             # the id routed under: admission renames one whose id another request holds
             routed.request.request_id,
@@ -344,6 +364,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def _expire(self, now: float) -> None:
         for old in self.book.expire(now):
             self._lapse(old)
+        for failed in self.retries.expire(now):
+            self._missed(failed)
+
+    def _missed(self, failed: Unanswered) -> None:
+        """A decision reported failed that no retry followed: a miss of its SLO."""
+        count_unanswered(
+            self.state, failed.model, failed.prompt_tokens, failed.service_class, failed.status
+        )
 
     def _lapse(self, pending: Pending) -> None:
         """A decision ended with no Report ending it: past its TTL, or evicted beyond the
@@ -452,7 +480,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         pending.since, now, report.output_tokens or None, report.cached_tokens,
                         pending.first_at, streamed, pending.endpoint,
                     )  # fmt: skip
-            elif self.state.recorder is not None and pending.routed is not None:
+            elif not client_error:  # a miss of its SLO unless a retry's Pick follows
+                failed = Unanswered(
+                    pending.model, pending.prompt_tokens, pending.service_class,
+                    report.http_status or 502, pending.since, now,
+                )  # fmt: skip
+                for lost in self.retries.add(internal, failed):
+                    self._missed(lost)
+            if not ok and self.state.recorder is not None and pending.routed is not None:
                 # no answer: offered load, with the status its client got (as on HTTP)
                 record_request(
                     self.state, pending.routed.request, pending.routed.prompt, pending.since,

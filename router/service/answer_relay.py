@@ -42,6 +42,7 @@ from router.service.answers import (
 )
 from router.service.ejection import Ejections
 from router.service.response_ids import id_of_answer, id_of_stream
+from router.service.slo_metric import count_unanswered
 from router.service.state import Routed, RouterState, route_request
 from router.service.stream_usage import UsageFilter
 from router.service.upstream import Exchange
@@ -519,9 +520,11 @@ class AnswerRelay:
         stream: bool | None,
         endpoint: str | None,
     ) -> None:
-        """Append a request that got no answer (``status``: see :func:`record_request`) to
-        the live-traffic trace, if one is kept: the load it offered, which a replay of a
-        faulty hour offers again."""
+        """Count a request that got no answer (``status``: see :func:`record_request`) a
+        miss of its SLO (:func:`count_unanswered`) and append it to the live-traffic trace,
+        if one is kept: the load it offered, which a replay of a faulty hour offers again."""
+        req = routed.request
+        count_unanswered(self.state, req.model, req.prompt_tokens, routed.service_class, status)
         if self.state.recorder is not None:
             finished = self.event_loop().time()
             record_request(

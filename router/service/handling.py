@@ -40,6 +40,7 @@ from router.service.metrics import prompt_tier
 from router.service.proxy import Forwarder
 from router.service.request_identity import request_id_of, session_of, unique_in_flight
 from router.service.routes import Routes
+from router.service.slo_metric import count_refused
 from router.service.state import Routed, RouterState
 from router.service.stream_usage import with_patch
 from router.service.wire import Sink, send_error
@@ -336,6 +337,11 @@ async def serve_completion(
         now = forwarder.event_loop().time()
         retry_after = state.fleet.retry_after_s(model if isinstance(model, str) else "", now)
         reply = reply_for(exc, retry_after)
+        if admitted is not None and refused_load(exc):  # a miss in goodput's denominator
+            count_refused(
+                state, exc, admitted.model, admitted.prompt, admitted.service_tier,
+                client_headers, reply.status,
+            )  # fmt: skip
         if state.recorder is not None and admitted is not None and refused_load(exc):
             record_refused(
                 state, admitted.model, admitted.prompt,

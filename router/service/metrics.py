@@ -392,8 +392,9 @@ class Metrics:
         )
         self.slo_requests = LoopCounter(
             "kvrouter_slo_requests",
-            "Answers by SLO tier of their prompt, service class and result: met, "
-            "ttft_missed, tpot_missed, both_missed (router.core.slo; TTFT and TPOT as the "
+            "Requests by SLO tier of their prompt, service class and result: met, "
+            "ttft_missed, tpot_missed, both_missed, failed (no whole answer: shed, refused, "
+            "a replica's error; router.core.slo; TTFT and TPOT as the "
             "router saw them, a non-streamed answer's E2E against the TTFT target; a "
             "class's TTFT target is the tier's times its ttft_factor)",
             ["model", "tier", "result", "class"],

@@ -46,6 +46,7 @@ from router.service.errors import refused_load, reply_for
 from router.service.proxy import Forwarder
 from router.service.replica_url import ReplicaUrl
 from router.service.retry import retry_after_s
+from router.service.slo_metric import count_unanswered
 from router.service.state import Routed, RouterState
 from router.service.stream_usage import with_patch
 from router.service.upstream import Exchange
@@ -274,6 +275,10 @@ async def serve(
     except KVRouterError as exc:  # no decode replica left: answered, counted and recorded
         state.metrics.model(model).outcome(None, "rejected").inc()
         reply = reply_for(exc, state.fleet.retry_after_s(model, now))
+        if refused_load(exc):  # a miss in goodput's denominator, in the request's class
+            count_unanswered(
+                state, model, request.prompt_tokens, flow.routed.service_class, reply.status
+            )
         if state.recorder is not None and refused_load(exc):  # offered load, as before routing
             record_request(
                 state, request, flow.routed.prompt, started, now, None, None, 0.0, stream,
