@@ -32,7 +32,7 @@ from typing import Any
 from router.bench.measure import percentile
 from router.cliargs import at_least, fraction, positive_float
 from router.core.admission import CLASS_NAMES, class_of, class_ttft_factor
-from router.core.slo import SloTargets, SloTier, tpot_s
+from router.core.slo import SloTargets, tpot_s
 
 TRACE = Path(__file__).resolve().parents[2] / "sim" / "traces" / "mooncake_synthetic_trace.jsonl"
 
@@ -49,12 +49,6 @@ class Result:
     error: str = ""
 
 
-def scaled_slo(scale: float) -> SloTargets:
-    base = SloTargets()
-    tiers = tuple(SloTier(t.max_prompt_tokens, t.ttft_s * scale) for t in base.tiers)
-    return SloTargets(tiers, base.tpot_s * scale)
-
-
 def router_toml(
     port: int, model: str, replicas: list[dict[str, str]], profile: str, scale: float, slo: bool
 ) -> str:
@@ -64,7 +58,7 @@ def router_toml(
     for k, v in list(cost.items()):
         if k != "chunk_tokens":
             cost[k] = v * scale
-    targets = scaled_slo(scale)
+    targets = SloTargets().scaled(scale)
     tiers = ",".join(
         f"{'*' if t.max_prompt_tokens is None else t.max_prompt_tokens}:{t.ttft_s:g}"
         for t in targets.tiers
@@ -244,7 +238,7 @@ async def _row(args: argparse.Namespace, slo_on: bool, requests: Any, prompts: l
         await fleet.start_router("router", cmd, f"http://127.0.0.1:{port}", ready="/ready")
         results = await _replay(fleet.router_url, requests)
         fleet.check_alive()
-    row = summarize(results, scaled_slo(args.time_scale), prompts)
+    row = summarize(results, SloTargets().scaled(args.time_scale), prompts)
     row["wall_s"] = round(time.perf_counter() - started, 1)
     return row
 
