@@ -732,3 +732,41 @@ async def test_stop_ends_a_heartbeat_whose_cancel_the_client_swallowed(
     finally:
         await eng.pub.close()
         await store.close()
+
+
+async def test_a_load_sample_redis_refuses_is_a_store_error_not_a_scrape_error(
+    private_redis: LocalRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis down while the engine's page answers: the load samples that cannot be written
+    count in ``_store_errors_total`` (the alert on failing writes), not in
+    ``_scrape_errors_total``, which says the engine's ``/metrics`` failed (before, every
+    sample Redis refused was counted, and logged, as a failed scrape of a healthy engine)."""
+    page = (
+        '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 3\n'
+        '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} 7\n'
+        '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.42\n'
+    )
+    runner, url = await _metrics_server(page)
+    store = RedisStore.from_url(private_redis.url, KeySchema("kvr"))
+    eng = await _engine(16, 9)
+    # a heartbeat far off: the store errors below are the load loop's
+    pub = _publisher(store, "rs", eng, metrics_url=url, heartbeat_s=3600, lease_ttl_s=7200)
+    try:
+        async with pub:
+            await eventually(lambda: pub.stats.loads_published >= 1)
+            private_redis.stop()
+            caplog.clear()
+
+            def load_loop_failed() -> bool:
+                return any(
+                    r.levelname == "WARNING" and r.getMessage().startswith("publisher: load")
+                    for r in caplog.records
+                )
+
+            await eventually(load_loop_failed, timeout=10)
+            assert pub.stats.scrape_errors == 0
+            assert pub.stats.store_errors >= 1
+    finally:
+        await runner.cleanup()
+        await eng.pub.close()
+        await store.close()
