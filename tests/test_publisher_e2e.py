@@ -770,3 +770,46 @@ async def test_a_load_sample_redis_refuses_is_a_store_error_not_a_scrape_error(
         await runner.cleanup()
         await eng.pub.close()
         await store.close()
+
+
+async def test_an_adapters_publisher_reads_its_base_models_series_on_a_page_of_several(
+    stores: Callable[[], RedisStore],
+) -> None:
+    """vLLM labels every series with its served model's name, an adapter's requests
+    included (``model_name`` = ``served_model_name``: vllm/v1/metrics/loggers.py:499-505):
+    a publisher for adapter ``A`` on base ``m`` (``--lora-base m``) reads ``m``'s series on a
+    page that carries another model's too (before, ``A`` was on none of them and the page
+    was refused: no load published at all)."""
+    page = "".join(
+        f"# TYPE {name} gauge\n"
+        f'{name}{{engine="0",model_name="{MODEL}"}} {mine}\n'
+        f'{name}{{engine="0",model_name="other-model"}} {other}\n'
+        for name, mine, other in (
+            ("vllm:num_requests_running", 3, 30),
+            ("vllm:num_requests_waiting", 7, 70),
+            ("vllm:kv_cache_usage_perc", 0.42, 0.99),
+        )
+    )
+    runner, url = await _metrics_server(page)
+    eng = await _engine(16, 10)
+    info = ReplicaInfo("ra", url="http://ra", model="A", block_size=B)
+    spec = EndpointSpec(eng.pub.endpoint, eng.pub.replay_endpoint)
+    settings = PublisherSettings(
+        info, (spec,), engine_metrics_url=url, load_interval_s=0.1, lora_base=MODEL
+    )
+    pub = Publisher(settings, stores())
+    tracker = LoadTracker()
+    key = ReplicaKey("ra")
+    try:
+        listener = LoadTrackerListener(tracker)
+        async with IndexSync(stores(), PrefixIndex(), listener=listener, **FAST_SYNC):
+            await pub.start()
+            await eventually(lambda: pub.stats.loads_published + pub.stats.scrape_errors >= 1)
+            assert pub.stats.scrape_errors == 0
+            await eventually(lambda: tracker.view(key, 0).engine is not None)
+            report = tracker.view(key, 0).engine
+            assert report is not None and (report.running, report.waiting) == (3, 7)
+    finally:
+        await pub.stop()
+        await runner.cleanup()
+        await eng.pub.close()

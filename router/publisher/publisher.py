@@ -413,11 +413,14 @@ class Publisher:
         s = self.settings  # (its ``info.dp_ranks`` may change: ``follow_endpoints``)
         assert self._http is not None and s.engine_metrics_url
         missing = MissingGauges(log)
+        # an adapter's load is its engine's, whose series vLLM labels with the served
+        # (base) model's name only: the base's series are read on a page of several models
+        model = s.lora_base or s.info.model
         while True:
             try:
                 text = await fetch_page(self._http, s.engine_metrics_url)
                 loads = await asyncio.get_running_loop().run_in_executor(
-                    None, parse_engine_metrics, text, s.info.model
+                    None, parse_engine_metrics, text, model
                 )
             except asyncio.CancelledError:
                 raise
