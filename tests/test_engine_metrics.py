@@ -459,3 +459,45 @@ async def test_a_scrape_that_times_out_is_logged_by_its_kind(
     assert len(warned()) == 1, warned()
     assert warned()[0].startswith("engine metrics of r0: ")
     assert "Timeout" in warned()[0], warned()
+
+
+async def test_the_routers_scrape_of_an_adapters_entry_reads_its_base_models_series() -> None:
+    """A ``[[replicas]]`` entry for LoRA adapter ``A`` (``[models.A] lora_base = "kimi-k3"``)
+    scraping a page of several models: vLLM labels every series, adapters' requests included,
+    with the served model's name (``loggers.py:499-505``), so the load is ``kimi-k3``'s
+    (before, ``A`` was on none of them: the page was refused and the entry had no report)."""
+    from aiohttp import web
+
+    from router.core.types import ReplicaKey
+    from router.service.engines import scraping
+    from router.service.settings import ReplicaSettings
+    from router.store.base import LoadSample
+    from tests.ports import free_port
+    from tests.waiting import eventually
+
+    page = _vllm_034_models_page(
+        {
+            "kimi-k3": {0: (2, 0, 0.25, 100, 40)},
+            "qwen3": {0: (9, 7, 0.875, 9000, 8000)},
+        }
+    )
+
+    async def serve(_: web.Request) -> web.Response:
+        return web.Response(text=page, content_type="text/plain", charset="utf-8")
+
+    app = web.Application()
+    app.router.add_get("/metrics", serve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    rep = ReplicaSettings("http://x", "A", "r0", metrics_url=f"http://127.0.0.1:{port}/metrics")
+    feed = _Feed()
+    try:
+        async with scraping([rep], feed, 0.05, page_models={"r0": "kimi-k3"}):  # type: ignore[arg-type]
+            await eventually(lambda: ReplicaKey("r0", 0) in feed.samples)
+    finally:
+        await runner.cleanup()
+    sample = feed.samples[ReplicaKey("r0", 0)]
+    assert isinstance(sample, LoadSample)
+    assert (sample.running, sample.waiting, sample.kv_usage) == (2, 0, 0.25)

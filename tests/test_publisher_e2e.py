@@ -732,3 +732,84 @@ async def test_stop_ends_a_heartbeat_whose_cancel_the_client_swallowed(
     finally:
         await eng.pub.close()
         await store.close()
+
+
+async def test_a_load_sample_redis_refuses_is_a_store_error_not_a_scrape_error(
+    private_redis: LocalRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis down while the engine's page answers: the load samples that cannot be written
+    count in ``_store_errors_total`` (the alert on failing writes), not in
+    ``_scrape_errors_total``, which says the engine's ``/metrics`` failed (before, every
+    sample Redis refused was counted, and logged, as a failed scrape of a healthy engine)."""
+    page = (
+        '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 3\n'
+        '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} 7\n'
+        '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.42\n'
+    )
+    runner, url = await _metrics_server(page)
+    store = RedisStore.from_url(private_redis.url, KeySchema("kvr"))
+    eng = await _engine(16, 9)
+    # a heartbeat far off: the store errors below are the load loop's
+    pub = _publisher(store, "rs", eng, metrics_url=url, heartbeat_s=3600, lease_ttl_s=7200)
+    try:
+        async with pub:
+            await eventually(lambda: pub.stats.loads_published >= 1)
+            private_redis.stop()
+            caplog.clear()
+
+            def load_loop_failed() -> bool:
+                return any(
+                    r.levelname == "WARNING" and r.getMessage().startswith("publisher: load")
+                    for r in caplog.records
+                )
+
+            await eventually(load_loop_failed, timeout=10)
+            assert pub.stats.scrape_errors == 0
+            assert pub.stats.store_errors >= 1
+    finally:
+        await runner.cleanup()
+        await eng.pub.close()
+        await store.close()
+
+
+async def test_an_adapters_publisher_reads_its_base_models_series_on_a_page_of_several(
+    stores: Callable[[], RedisStore],
+) -> None:
+    """vLLM labels every series with its served model's name, an adapter's requests
+    included (``model_name`` = ``served_model_name``: vllm/v1/metrics/loggers.py:499-505):
+    a publisher for adapter ``A`` on base ``m`` (``--lora-base m``) reads ``m``'s series on a
+    page that carries another model's too (before, ``A`` was on none of them and the page
+    was refused: no load published at all)."""
+    page = "".join(
+        f"# TYPE {name} gauge\n"
+        f'{name}{{engine="0",model_name="{MODEL}"}} {mine}\n'
+        f'{name}{{engine="0",model_name="other-model"}} {other}\n'
+        for name, mine, other in (
+            ("vllm:num_requests_running", 3, 30),
+            ("vllm:num_requests_waiting", 7, 70),
+            ("vllm:kv_cache_usage_perc", 0.42, 0.99),
+        )
+    )
+    runner, url = await _metrics_server(page)
+    eng = await _engine(16, 10)
+    info = ReplicaInfo("ra", url="http://ra", model="A", block_size=B)
+    spec = EndpointSpec(eng.pub.endpoint, eng.pub.replay_endpoint)
+    settings = PublisherSettings(
+        info, (spec,), engine_metrics_url=url, load_interval_s=0.1, lora_base=MODEL
+    )
+    pub = Publisher(settings, stores())
+    tracker = LoadTracker()
+    key = ReplicaKey("ra")
+    try:
+        listener = LoadTrackerListener(tracker)
+        async with IndexSync(stores(), PrefixIndex(), listener=listener, **FAST_SYNC):
+            await pub.start()
+            await eventually(lambda: pub.stats.loads_published + pub.stats.scrape_errors >= 1)
+            assert pub.stats.scrape_errors == 0
+            await eventually(lambda: tracker.view(key, 0).engine is not None)
+            report = tracker.view(key, 0).engine
+            assert report is not None and (report.running, report.waiting) == (3, 7)
+    finally:
+        await pub.stop()
+        await runner.cleanup()
+        await eng.pub.close()

@@ -161,3 +161,79 @@ def test_a_request_count_that_is_not_a_count_does_not_refuse_the_page(
     loads = parse_engine_metrics(page)
     assert loads[0] == ScrapedLoad(4, 2, 0.5)
     assert (loads[1].running, loads[1].waiting) == ((taken, 0) if line else (1, taken))
+
+
+FULL_PAGE = (
+    "# TYPE vllm:num_requests_running gauge\n"
+    'vllm:num_requests_running{engine="0",model_name="m"} 4.0\n'
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+    "# TYPE vllm:num_requests_waiting gauge\n"
+    'vllm:num_requests_waiting{engine="0",model_name="m"} 12.0\n'
+)
+
+
+@pytest.mark.parametrize("framing", ["none", "content_length", "chunked"])
+async def test_a_page_cut_short_is_refused_not_read_as_a_smaller_figure(framing: str) -> None:
+    """A connection that drops mid-page: ``waiting`` 12 cut to ``1`` must not be read as 1.
+    With a Content-Length or chunked body the client sees the body end early; a response
+    delimited by the connection's close alone (HTTP/1.1 allows it) cannot tell, but the
+    exposition format ends every line, the last one too, with a line feed."""
+    import asyncio
+
+    import aiohttp
+
+    from router.publisher.scrape import fetch_page
+
+    cut = FULL_PAGE.encode()[: FULL_PAGE.index("12.0") + 1]
+    assert cut.endswith(b"} 1") and parse_engine_metrics(cut.decode())[0].waiting == 1
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+        if framing == "content_length":
+            head += f"Content-Length: {len(FULL_PAGE)}\r\n"
+            body = cut
+        elif framing == "chunked":
+            head += "Transfer-Encoding: chunked\r\n"
+            body = b"%x\r\n%s\r\n" % (len(cut), cut)  # no last chunk: the page goes on
+        else:
+            body = cut
+        writer.write(head.encode() + b"\r\n" + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises((ValueError, aiohttp.ClientPayloadError)):
+                await fetch_page(session, f"http://127.0.0.1:{port}/metrics")
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_whole_page_closed_by_the_connection_is_read() -> None:
+    """The same server, the page whole: read (the check refuses only a page cut short)."""
+    import asyncio
+
+    import aiohttp
+
+    from router.publisher.scrape import fetch_page
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + FULL_PAGE.encode())
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            text = await fetch_page(session, f"http://127.0.0.1:{port}/metrics")
+        assert parse_engine_metrics(text)[0] == ScrapedLoad(4, 12, 0.5)
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -56,7 +56,12 @@ from router.core.types import IndexEvent, ReplicaKey
 from router.events.endpoints import EndpointSpec
 from router.events.ingest import EngineIngest, SubscriberGroup
 from router.events.subscriber import DEFAULT_MAX_BACKLOG_BYTES
-from router.publisher.scrape import MissingGauges, fetch_page, parse_engine_metrics
+from router.publisher.scrape import (
+    MissingGauges,
+    ScrapedLoad,
+    fetch_page,
+    parse_engine_metrics,
+)
 from router.store.base import (
     IndexStore,
     LeaseLost,
@@ -402,44 +407,62 @@ class Publisher:
         await self.subscribers.stop()  # after the tasks: one may have replaced them
 
     async def _load_loop(self) -> None:
+        """Scrape the engine's page and publish its load per rank, every ``load_interval_s``.
+        A page that fails (unreachable, refused, cut short) counts in ``scrape_errors``; a
+        sample the store does not take (Redis down) in ``store_errors``: the engine is fine."""
         s = self.settings  # (its ``info.dp_ranks`` may change: ``follow_endpoints``)
         assert self._http is not None and s.engine_metrics_url
         missing = MissingGauges(log)
+        # an adapter's load is its engine's, whose series vLLM labels with the served
+        # (base) model's name only: the base's series are read on a page of several models
+        model = s.lora_base or s.info.model
         while True:
             try:
                 text = await fetch_page(self._http, s.engine_metrics_url)
                 loads = await asyncio.get_running_loop().run_in_executor(
-                    None, parse_engine_metrics, text, s.info.model
+                    None, parse_engine_metrics, text, model
                 )
-                missing.check(s.info.replica, loads)
-                missing.check_ranks(s.info.replica, loads, self.settings.info.dp_ranks)
-                now = time.time()
-                for rank, load in loads.items():
-                    if rank not in self.settings.info.dp_ranks:
-                        continue
-                    sample = LoadSample(
-                        load.running,
-                        load.waiting,
-                        load.kv_usage,
-                        now,
-                        load.prefix_cache_queries,
-                        load.prefix_cache_hits,
-                    )
-                    await self.store.publish_load(ReplicaKey(s.info.replica, rank), sample, s.owner)
-                    self.stats.loads_published += 1
             except asyncio.CancelledError:
                 raise
-            except LeaseTaken as exc:
-                if await self._taken(exc):
-                    return
-            except LeaseLost:  # not written; the flush loop registers again
-                self.writer.needs_reset = True
-                self._wake.set()
             except Exception as exc:
                 _raise_if_cancelled(exc)
                 self.stats.scrape_errors += 1
-                log.warning("publisher: load scrape/publish failed: %s", exc)
+                log.warning("publisher: load scrape of the engine failed: %s", exc)
+            else:
+                try:
+                    await self._publish_loads(loads, missing)
+                except asyncio.CancelledError:
+                    raise
+                except LeaseTaken as exc:
+                    if await self._taken(exc):
+                        return
+                except LeaseLost:  # not written; the flush loop registers again
+                    self.writer.needs_reset = True
+                    self._wake.set()
+                except Exception as exc:
+                    _raise_if_cancelled(exc)
+                    self.stats.store_errors += 1
+                    log.warning("publisher: load sample not written to the store: %s", exc)
             await asyncio.sleep(s.load_interval_s)
+
+    async def _publish_loads(self, loads: dict[int, ScrapedLoad], missing: MissingGauges) -> None:
+        s = self.settings
+        missing.check(s.info.replica, loads)
+        missing.check_ranks(s.info.replica, loads, s.info.dp_ranks)
+        now = time.time()
+        for rank, load in loads.items():
+            if rank not in s.info.dp_ranks:
+                continue
+            sample = LoadSample(
+                load.running,
+                load.waiting,
+                load.kv_usage,
+                now,
+                load.prefix_cache_queries,
+                load.prefix_cache_hits,
+            )
+            await self.store.publish_load(ReplicaKey(s.info.replica, rank), sample, s.owner)
+            self.stats.loads_published += 1
 
 
 def _with_ranks(

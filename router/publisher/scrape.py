@@ -45,7 +45,9 @@ MAX_PAGE_BYTES = 4 * 2**20
 
 async def fetch_page(session: aiohttp.ClientSession, url: str) -> str:
     """The text of a metrics page, at most ``MAX_PAGE_BYTES`` after decompression (asked
-    for uncompressed); raises ValueError when larger or not HTTP 200."""
+    for uncompressed); raises ValueError when larger, not HTTP 200 or cut short (a last
+    line without its line feed; a body shorter than its framing raises
+    ``aiohttp.ClientPayloadError``)."""
     async with session.get(url, headers={"Accept-Encoding": "identity"}) as resp:
         if resp.status != 200:
             raise ValueError(f"HTTP {resp.status}")
@@ -58,7 +60,13 @@ async def fetch_page(session: aiohttp.ClientSession, url: str) -> str:
             if size > MAX_PAGE_BYTES:
                 raise ValueError(f"page is over {MAX_PAGE_BYTES} bytes")
             parts.append(chunk)
-        return b"".join(parts).decode("utf-8", "replace")
+        page = b"".join(parts)
+        # the exposition format ends every line with a line feed, the last one too: a page
+        # without one was cut short (a body delimited by the connection's close alone, which
+        # the client cannot tell from a whole one), its last figure maybe a digit short
+        if page and not page.endswith(b"\n"):
+            raise ValueError("page cut short (its last line has no line feed)")
+        return page.decode("utf-8", "replace")
 
 
 @dataclass(slots=True, frozen=True)

@@ -187,7 +187,9 @@ async def engine_metrics(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     targets = [rep for rep in settings.replicas if rep.metrics_url]
     feed = EngineFeed(app[STATE], source=SCRAPE)
-    async with scraping(targets, feed, settings.server.engine_metrics_interval_s):
+    # a LoRA adapter's entry reads its base model's series (vLLM labels its requests so)
+    bases = {rep.name: base for rep in targets if (base := settings.model(rep.model).lora_base)}
+    async with scraping(targets, feed, settings.server.engine_metrics_interval_s, bases):
         yield
 
 

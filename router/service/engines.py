@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import aiohttp
 
@@ -92,15 +92,19 @@ async def scrape_once(
     feed: EngineFeed,
     now: float,
     missing: MissingGauges | None = None,
+    page_model: str | None = None,
 ) -> int:
     """Scrape one replica's page into ``feed``; returns the number of ranks reported. Raises
     ``aiohttp.ClientError`` / ``TimeoutError`` / ``ValueError`` (refused or not a metrics
     page). The page is bounded (``MAX_PAGE_BYTES``) and parsed off the event loop. Load
-    gauges the page lacks are logged through ``missing`` (once per change)."""
+    gauges the page lacks are logged through ``missing`` (once per change). ``page_model``:
+    the model whose series are the replica's on a page of several (default ``rep.model``;
+    a LoRA adapter's base model: vLLM labels adapters' requests with the served model's
+    name)."""
     assert rep.metrics_url
     text = await fetch_page(session, rep.metrics_url)
     loads = await asyncio.get_running_loop().run_in_executor(
-        None, parse_engine_metrics, text, rep.model
+        None, parse_engine_metrics, text, page_model or rep.model
     )
     (missing or _MISSING).check(rep.name, loads)
     (missing or _MISSING).check_ranks(rep.name, loads, range(rep.dp_ranks))
@@ -123,10 +127,15 @@ async def scrape_once(
 
 
 async def scrape_loop(
-    replicas: Sequence[ReplicaSettings], feed: EngineFeed, every_s: float
+    replicas: Sequence[ReplicaSettings],
+    feed: EngineFeed,
+    every_s: float,
+    page_models: Mapping[str, str] | None = None,
 ) -> None:
     """Scrape every replica with ``metrics_url`` each ``every_s`` seconds, concurrently; a
-    failing page is logged once per failure streak and retried next round."""
+    failing page is logged once per failure streak and retried next round. ``page_models``:
+    replica name -> the model whose series it reads (``scrape_once``'s ``page_model``)."""
+    models = page_models or {}
     loop = asyncio.get_running_loop()
     failing: set[str] = set()
     missing = MissingGauges(_log)
@@ -135,7 +144,10 @@ async def scrape_loop(
         while True:
             now = loop.time()
             results = await asyncio.gather(
-                *(scrape_once(session, rep, feed, now, missing) for rep in replicas),
+                *(
+                    scrape_once(session, rep, feed, now, missing, models.get(rep.name))
+                    for rep in replicas
+                ),
                 return_exceptions=True,
             )
             for rep, result in zip(replicas, results, strict=True):
@@ -153,8 +165,11 @@ async def scrape_loop(
 
 @contextlib.asynccontextmanager
 async def scraping(
-    replicas: Sequence[ReplicaSettings], feed: EngineFeed, every_s: float
+    replicas: Sequence[ReplicaSettings],
+    feed: EngineFeed,
+    every_s: float,
+    page_models: Mapping[str, str] | None = None,
 ) -> AsyncIterator[None]:
     """Run :func:`scrape_loop` for the duration of the block."""
-    async with running(scrape_loop(replicas, feed, every_s)):
+    async with running(scrape_loop(replicas, feed, every_s, page_models)):
         yield
