@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from router.core.disagg import Disaggregator
 from router.core.index import PrefixIndex
 from router.core.load import (
     EXPECTED_OUTPUT_TOKENS,
@@ -493,6 +494,46 @@ def test_index_tiers_feed_the_vllm_kv_aware_credit() -> None:
     request = RouteRequest("x", "m", 40 * 16 + 8, chain, 16)
     expected = math.ceil(request.prompt_tokens - (10 + 30 * 0.8) * 16)
     assert VllmKvAware().new_prefill_tokens(request, cand) == expected
+
+
+def test_vllm_kv_aware_accounts_its_own_new_prefill_estimate_as_active_work() -> None:
+    """vllm-router adds the request's ``new_prefill_tokens`` (its credited estimate) to the
+    chosen replica's ``active_prefill_tokens`` (src/policies/kv_aware.rs:
+    ``manager.begin_prefill(&target, new_prefill_tokens)``), which the next request's cost
+    reads. A hybrid prompt cached as KV without a state checkpoint is credited there (the
+    peer knows no hybrid rule), as a host-tier prefix is at 0.8: the model of it must
+    queue that estimate, not the prompt beyond kvrouter's usable prefix."""
+    index, load = PrefixIndex(), LoadTracker()
+    for key in (A, B):
+        index.add_replica(key)
+        load.add_replica(key)
+    chain = list(range(1, 41))
+    index.store(A, chain[:10], Tier.GPU)
+    index.store(A, chain[10:], Tier.CPU)  # host continuation of 30 blocks
+    index.store(B, chain[:20], Tier.GPU)
+    index.store(B, chain[19:20], kind=Kind.STATE)  # usable 20, fully credited
+    settings = RoutingSettings(block_size=16, hybrid=True)
+    engine = RoutingEngine(index, load, VllmKvAware(), settings)
+    request = RouteRequest("x", "m", 40 * 16 + 8, chain, 16)
+    candidates = engine.candidates(request, (A, B), 0.0)
+    assert isinstance(candidates, list)
+    a = next(c for c in candidates if c.replica == A)
+    assert a.match.usable_blocks == 0  # hybrid: no checkpoint on A, nothing usable
+    decision = engine.choose(request, candidates, 0.0, rng())
+    assert decision.replica == A  # 10 + 30 x 0.8 blocks credited beat B's 20
+    new = math.ceil(request.prompt_tokens - (10 + 30 * 0.8) * 16)
+    assert decision.terms["new_prefill_tokens"] == new
+    engine.dispatched(request, decision, 0.0)
+    assert load.view(A, 0.0).queued_prefill_tokens == new
+    load.first_token("x")
+    assert load.view(A, 0.0).queued_prefill_tokens == 0
+    # a retry on B (no predicted hit, the pick's terms cleared: router/service/state.py)
+    # queues the whole prompt there, a decode leg (its prompt arrives computed) none
+    retry = decision._replace(replica=B, usable_tokens=0, kv_tokens=0, terms={})
+    engine.dispatched(request._replace(request_id="y"), retry, 0.0)
+    assert load.view(B, 0.0).queued_prefill_tokens == request.prompt_tokens
+    Disaggregator.dispatched_decode(engine, request._replace(request_id="z"), decision, 0.0)
+    assert load.view(A, 0.0).queued_prefill_tokens == 1  # (the tracker's floor)
 
 
 def test_vllm_kv_aware_routes_on_events_alone_without_speculating() -> None:

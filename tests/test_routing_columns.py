@@ -17,7 +17,7 @@ from router.core.policies import Candidate, CandidateColumns, Ours
 from router.core.routing import RoutingEngine
 from router.core.routing_settings import BusyThresholds, RoutingSettings
 from router.core.slo import DEFAULT_TIERS, SloTier
-from router.core.types import MAX_RANKING, Kind, ReplicaKey, RouteRequest, Tier
+from router.core.types import MAX_RANKING, Decision, Kind, ReplicaKey, RouteRequest, Tier
 
 
 def _fleet(rng: random.Random, n: int) -> tuple[PrefixIndex, LoadTracker, tuple[ReplicaKey, ...]]:
@@ -284,3 +284,68 @@ def test_engine_counts_past_float_range_or_negative_are_clamped(count: int) -> N
     assert engine_report is not None
     assert (engine_report.running, engine_report.waiting) == (taken, taken)
     assert load.columns((key,)).waiting[0] == taken
+
+
+def _misbehave(
+    rng: random.Random, load: LoadTracker, keys: tuple[ReplicaKey, ...], now: float
+) -> None:
+    """Engine reports as a broken or hostile engine's metrics give them: counts negative or
+    at the clamp, usage NaN / infinite, stamps from the future, exactly at the freshness
+    bound or not numbers at all; zero-token prompts and requests that ask for no output. Now
+    and then every engine reports a queue at the clamp (the winner's figures are then the
+    huge ones)."""
+    every = rng.random() < 0.2
+    for i, key in enumerate(keys):
+        if every:
+            load.engine_report(key, EngineReport(2**60, 2**60 - i, 0.5, now))
+        elif rng.random() < 0.5:
+            age = rng.choice([0.0, 1.5, 3.0, -2.0, float("nan"), float("inf")])
+            usage = rng.choice([rng.random(), float("nan"), float("inf"), -1.0, 0.95])
+
+            def count() -> int:
+                return rng.choice([0, rng.randrange(0, 20), 10**6, 2**60, -5])
+
+            load.engine_report(key, EngineReport(count(), count(), usage, now - age))
+        if rng.random() < 0.2:
+            prompt = rng.choice([0, 1, 10**7])
+            load.dispatch(f"x{i}", key, prompt, rng.randrange(0, prompt + 1), rng.choice([0, 1]))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_fleets_of_up_to_60_replicas_with_misbehaving_engines_decide_alike(seed: int) -> None:
+    """Fleets on both sides of ``COLUMNAR_MIN`` (1..60 replicas), engine figures at and past
+    every clamp: both paths pick the same replica with the same score, terms and ranking (cut
+    to ``MAX_RANKING``) and make the same random draws; every score is finite."""
+    rng = random.Random(seed)
+    index, load, keys = _fleet(rng, rng.randrange(1, 61))
+    chain = [rng.getrandbits(63) for _ in range(rng.randrange(1, 12))]
+    now = 100.0
+    _populate(rng, index, load, keys, chain, now)
+    _misbehave(rng, load, keys, now)
+    settings = RoutingSettings(block_size=rng.choice([16, 64]), hybrid=rng.random() < 0.5)
+    policy = Ours(report_max_age_s=rng.choice([1.5, 0.0, float("inf")]))
+    per_candidate = RoutingEngine(index, load, policy, settings, columnar_min=10**9)
+    arrays = RoutingEngine(index, load, policy, settings, columnar_min=1)
+    arrays.turnover = per_candidate.turnover
+    tokens = len(chain) * settings.block_size
+    # a prompt of 1 token with a whole block's hash (a match longer than the prompt), and
+    # one 3 times its chain (a match far shorter)
+    for step, prompt_tokens in enumerate((tokens, 0, 1, 3 * tokens)):
+        blocks = (len(chain), 0, 1, len(chain))[step]
+        request = RouteRequest(
+            f"q{step}", "m", prompt_tokens, chain[:blocks], settings.block_size,
+            max_output_tokens=rng.choice([None, 0, 1, 300]),
+        )  # fmt: skip
+        decided: list[tuple[object, ...]] = []
+        for engine in (per_candidate, arrays):
+            draws = random.Random(seed)
+            try:
+                d = engine.route(request, keys, now, draws)
+            except NoReplicaAvailable as exc:
+                decided.append(("refused", str(exc), exc.busy))
+                continue
+            assert math.isfinite(d.score)
+            decided.append((d._replace(ranking=d.ranking[:MAX_RANKING]), draws.random()))
+        assert decided[0] == decided[1]
+        if isinstance(decided[0][0], Decision):
+            per_candidate.dispatched(request, decided[0][0], now)

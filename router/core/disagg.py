@@ -557,7 +557,8 @@ class Disaggregator:
         what was guessed (``RoutingEngine.withdraw``). The blocks it pulls (all but its own
         usable hit) are stored there as a local prefill's would be, evicting as many: the
         cache turnover meter counts them."""
-        whole = decision._replace(usable_tokens=request.prompt_tokens)
+        # (no terms: the policy's figures of a prefill there, which this leg does not run)
+        whole = decision._replace(usable_tokens=request.prompt_tokens, terms={})
         dispatch = engine.dispatched(
             request, whole, now, speculative_ttl_s, class_weight=class_weight, exact=exact
         )

@@ -434,13 +434,15 @@ class Ours:
         _, (kv, gpu, host, usable), load, _, risk = c
         _, prefilling, queued, decoding, context, _, engine, age, _, _, weight, phantom = load
         if engine is None:
-            waiting, fresh, usage = 0, False, 0.0
+            waiting, fresh, usage = 0.0, False, 0.0
         else:
-            waiting, fresh = engine.waiting, age <= self.report_max_age_s
+            waiting, fresh = float(engine.waiting), age <= self.report_max_age_s
             usage = engine.kv_usage
+        # the counts as floats, as ``term_columns`` reads them (LoadColumns): same operations
+        # on the same values, so the paths agree past 2**53 too (an engine's clamped queue)
         return self._terms(
-            SCALAR, request, kv, gpu, host, usable, queued, prefilling - phantom, decoding,
-            context, waiting, fresh, usage, weight, risk,
+            SCALAR, request, kv, gpu, host, usable, float(queued), float(prefilling) - phantom,
+            float(decoding), float(context), waiting, fresh, usage, weight, risk,
         )  # fmt: skip
 
     def terms(self, request: RouteRequest, c: Candidate) -> dict[str, float]:

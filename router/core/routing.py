@@ -95,6 +95,11 @@ class RoutingEngine(LearnedLayout):
         self._columnar = callable(getattr(policy, "choose_columns", None))
         # a policy reproducing a peer that routes on engine events alone says so
         self._speculates = bool(getattr(policy, "speculates", True))
+        # one reproducing a peer that counts a request's prefill work by its own estimate
+        # (``vllm_kv_aware``) gives it: what its cost reads back as the replica's queue
+        self._accounted: Callable[[RouteRequest, Decision], int | None] | None = getattr(
+            policy, "accounted_prefill_tokens", None
+        )
         self.sessions: SessionTable | None = None
         if settings.session_ttl_s > 0 and getattr(policy, "uses_session_hints", False):
             self.sessions = SessionTable(settings.session_ttl_s, settings.max_sessions)
@@ -309,16 +314,22 @@ class RoutingEngine(LearnedLayout):
         class_weight: float = 1.0,
         exact: bool = True,
     ) -> Dispatch:
-        """Record that ``request`` was sent per ``decision`` (load, speculative entries for
+        """Record that ``request`` was sent per ``decision`` (load: its prompt beyond the
+        decision's usable prefix queued for prefill, or what the policy's
+        ``accounted_prefill_tokens`` says of its own decision; speculative entries for
         ``speculative_ttl_s``, by default the settings'); ``class_weight`` scales its decode
         weight (LoadTracker.dispatch). ``exact``: the prompt was hashed as the engines hash
         it (approximate prompts live on speculative entries alone, sessions included).
         Returns what was guessed, for :meth:`withdraw`."""
+        cached = decision.usable_tokens
+        accounted = self._accounted(request, decision) if self._accounted is not None else None
+        if accounted is not None:
+            cached = request.prompt_tokens - accounted
         self.load.dispatch(
             request.request_id,
             decision.replica,
             request.prompt_tokens,
-            decision.usable_tokens,
+            cached,
             request.max_output_tokens,
             class_weight,
             request.samples,

@@ -27,8 +27,9 @@ class VllmKvAware:
     ``(prompt - 1) // block_size`` blocks), plus the continuation held on host at
     ``host_credit`` or on disk / external storage at ``disk_credit``, rounded up;
     ``active_prefill_tokens`` is the new-prefill work this router sent that has not reached
-    its first token, ``active_requests`` its requests in flight. Equal costs go to the first
-    candidate in order, except zero-cost ones, which go to the least loaded.
+    its first token (each request's ``new_prefill_tokens`` on the replica it went to:
+    ``accounted_prefill_tokens``), ``active_requests`` its requests in flight. Equal costs
+    go to the first candidate in order, except zero-cost ones, which go to the least loaded.
     ``temperature > 0`` samples ``exp(-(cost - min) / temperature)`` instead. With
     ``session_ttl_s > 0``, a request with a session id goes to the replica its session was
     bound to while that binding is fresh (a hard pin, as vllm-router's
@@ -61,6 +62,15 @@ class VllmKvAware:
                 cont = (m.kv_blocks - device) * self.disk_credit
         credited = min((device + cont) * request.block_size, max(prompt - 1, 0))
         return max(math.ceil(prompt - credited), 0)
+
+    def accounted_prefill_tokens(self, request: RouteRequest, decision: Decision) -> int | None:
+        """What vllm-router adds to the chosen replica's ``active_prefill_tokens`` when it
+        sends ``request`` there (``begin_prefill(new_prefill_tokens)``): its own estimate,
+        not the prompt beyond kvrouter's usable prefix (``RoutingEngine.dispatched``).
+        None for a decision without this policy's terms (a retry elsewhere, a decode leg:
+        their callers clear the terms of the pick they no longer are)."""
+        new = decision.terms.get("new_prefill_tokens")
+        return None if new is None else int(new)
 
     def cost(self, request: RouteRequest, c: Candidate) -> tuple[float, int]:
         new = self.new_prefill_tokens(request, c)

@@ -319,7 +319,8 @@ class RouterState:
         withdraws it (:meth:`withdraw`: that replica did not take the request). Returns the
         retry's dispatch."""
         request, prompt = routed.request, routed.prompt
-        decision = routed.decision._replace(replica=key, usable_tokens=0, kv_tokens=0)
+        # (no terms: they describe the policy's pick, which ``key`` is not)
+        decision = routed.decision._replace(replica=key, usable_tokens=0, kv_tokens=0, terms={})
         ttl = self.ttl_for(request.model, prompt.exact)
         engine = self.engines[request.model]
         weight = routed.class_weight
