@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -378,3 +379,25 @@ async def start_mock_fleet(
              "zmq_replay": settings.replay_endpoint}
         )  # fmt: skip
     return replicas
+
+
+def events_applied(router: web.Application, mocks: Sequence[web.Application]) -> Callable[[], bool]:
+    """A predicate: every KV-event batch the ``mocks`` published so far has been applied by
+    the ``router``'s subscription to them (direct mode). A wait on the index holding a
+    prompt's blocks alone can pass before the batches after them (a window slid, blocks
+    evicted for the decode) arrive; the next request would be predicted on a stale index."""
+    from router.mock.state import STATE as MOCK_STATE
+    from router.service.keys import DIRECT_EVENTS
+
+    def applied() -> bool:
+        direct = router[DIRECT_EVENTS]
+        for app in mocks:
+            mock = app[MOCK_STATE]
+            ingest = direct.ingests.get(mock.settings.replica)
+            if mock.publisher is None or ingest is None:
+                raise AssertionError(f"{mock.settings.replica}: no events to wait for")
+            if ingest.stats.payloads < mock.publisher.seq + 1:
+                return False
+        return True
+
+    return applied

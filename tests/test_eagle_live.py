@@ -7,6 +7,7 @@ the openai client). Without the setting the router over-predicts (checked too)."
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from router.core.types import ReplicaKey
 from router.service.app import STATE
 from router.service.config import build_settings
 from router.service.state import RouterState
-from tests.backends import start_mock_fleet, start_router
+from tests.backends import events_applied, start_mock_fleet, start_router
 from tests.waiting import eventually
 
 B = 64
@@ -44,7 +45,9 @@ decode_s_per_seq = 1e-4
 """
 
 
-async def _turns(url: str, state: RouterState, hybrid: bool) -> list[tuple[int, int]]:
+async def _turns(
+    url: str, state: RouterState, hybrid: bool, applied: Callable[[], bool]
+) -> list[tuple[int, int]]:
     """Six two-turn sessions sharing a system prompt, one request at a time, each sent once
     the index holds the previous prompt's blocks (and its last checkpoint): (predicted usable,
     engine-reported cached) per request."""
@@ -67,7 +70,7 @@ async def _turns(url: str, state: RouterState, hybrid: bool) -> list[tuple[int, 
                 owner = ReplicaKey.parse(decision["replica"])
 
                 def caught_up(h: list[int] = hashes, k: ReplicaKey = owner) -> bool:
-                    if state.index.match(h).get(k).kv_blocks != len(h):
+                    if not applied() or state.index.match(h).get(k).kv_blocks != len(h):
                         return False
                     end = len(h) - 1  # an EAGLE engine's last checkpoint
                     held = state.index.match(h[:end], hybrid=True).get(k).usable_blocks
@@ -97,8 +100,9 @@ async def test_eagle_hits_are_predicted_as_the_engine_grants_them(
         table = {"block_size": B, "policy": "ours", "eagle": told, "hybrid": hybrid}
         settings = build_settings({"replicas": replicas, "models": {MODEL: table}})
         router, url = await start_router(settings)
+        applied = events_applied(router.app, [r.app for r in runners])
         runners.append(router)
-        rows = await _turns(url, router.app[STATE], hybrid)
+        rows = await _turns(url, router.app[STATE], hybrid, applied)
         assert sum(cached for _, cached in rows) > 0
         if told:
             assert rows == [(cached, cached) for _, cached in rows], rows

@@ -20,7 +20,7 @@ from router.core.hashing import hash_prompt, root_hash
 from router.core.types import ReplicaKey
 from router.service.app import STATE
 from router.service.config import build_settings
-from tests.backends import metric_sample, start_mock_fleet, start_router
+from tests.backends import events_applied, metric_sample, start_mock_fleet, start_router
 from tests.waiting import eventually
 
 B = 64
@@ -39,6 +39,7 @@ async def test_sliding_window_hits_are_predicted_as_the_engine_grants_them() -> 
             {"replicas": replicas, "models": {MODEL: {"block_size": B, "policy": "ours"}}}
         )
         router, url = await start_router(settings)
+        applied = events_applied(router.app, [r.app for r in runners])
         runners.append(router)
         state = router.app[STATE]
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
@@ -71,6 +72,8 @@ async def test_sliding_window_hits_are_predicted_as_the_engine_grants_them() -> 
                 owner = ReplicaKey.parse(decision["replica"])
 
                 def caught_up(h: list[int] = hashes, k: ReplicaKey = owner) -> bool:
+                    if not applied():
+                        return False
                     found = state.index.match(h, hybrid=True).get(k)
                     return found.kv_blocks == len(h) and found.usable_blocks == len(h)
 

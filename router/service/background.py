@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from router.core.types import ReplicaKey
 from router.service.engine_sources import REPORT_STALE_INTERVALS
-from router.service.keys import FORWARDER, INDEX_SYNC, SESSION, SETTINGS, STATE
+from router.service.keys import DIRECT_EVENTS, FORWARDER, INDEX_SYNC, SESSION, SETTINGS, STATE
 from router.service.proxy import Forwarder
 from router.service.render import EngineRenderer, render_targets
 from router.service.settings import ZMQ_AUTO, ReplicaSettings
@@ -306,6 +306,7 @@ async def direct_events(app: web.Application) -> AsyncIterator[None]:
         event_lag=app[STATE].event_lag_s,
         max_backlog_bytes=max(1, int(settings.server.max_event_backlog_mb * 2**20)),
     )
+    app[DIRECT_EVENTS] = direct
     asked = [rep for rep in settings.replicas if rep.zmq == ZMQ_AUTO]
     for rep in settings.replicas:
         if rep.zmq and rep.zmq != ZMQ_AUTO:

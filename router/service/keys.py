@@ -21,7 +21,8 @@ from router.service.state import RouterState
 from router.service.stopping import Stopping
 from router.service.workers import Workers
 
-if TYPE_CHECKING:  # (imports redis: only when server.redis_url is set)
+if TYPE_CHECKING:  # (imports redis / zmq: only when configured)
+    from router.events.direct import DirectEvents
     from router.store.sync import IndexSync
 
 SETTINGS = web.AppKey("kvrouter_settings", Settings)
@@ -37,6 +38,8 @@ SESSION = web.AppKey("kvrouter_session", aiohttp.ClientSession)
 ROUTES = web.AppKey("kvrouter_routes", Routes)
 # the Redis index follower (router.store.sync.IndexSync) when server.redis_url is set
 INDEX_SYNC: web.AppKey[IndexSync] = web.AppKey("kvrouter_index_sync")
+# the replicas' KV-event subscriptions (router.events.direct) when any replica has ``zmq``
+DIRECT_EVENTS: web.AppKey[DirectEvents] = web.AppKey("kvrouter_direct_events")
 # with several worker processes (server.workers > 1): the group and this worker's index
 WORKERS = web.AppKey("kvrouter_workers", Workers)
 WORKER_INDEX = web.AppKey("kvrouter_worker_index", int)  # 0 .. count-1, in fork order
