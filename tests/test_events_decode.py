@@ -263,3 +263,13 @@ def test_random_garbage_never_raises() -> None:
         cut = rng.randrange(len(data) + 1)
         decode_payload(bytes(data[:cut]))  # must not raise
         decode_payload(bytes(rng.randrange(256) for _ in range(rng.randrange(40))))
+
+
+def test_an_unread_event_other_than_a_store_marks_what_came_before_as_unknown() -> None:
+    good, bad_store = ["BlockRemoved", [9]], ["BlockStored", [1], None, "tokens", 1]
+    assert decode_payload(msgpack.packb([1.0, [good, bad_store, good]])).unknown_until is None
+    for bad in (["BlockRemoved", 7], ["Nope"], {"type": 3}, {"type": "BlockRemoved"}, 5):
+        result = decode_payload(msgpack.packb([1.0, [bad, good, bad_store, good]]))
+        assert result.unknown_until == 0, bad
+        result = decode_payload(msgpack.packb([1.0, [good, good, bad, good]]))
+        assert result.unknown_until == 2, bad

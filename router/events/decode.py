@@ -234,11 +234,30 @@ def decode_payload(payload: bytes) -> DecodeResult:
         return DecodeResult(None, (f"bad batch: {type(exc).__name__}",))
     events: list[EngineEvent] = []
     errors: list[str] = []
+    unknown_until: int | None = None
     for i, ev in enumerate(events_raw):
         try:
             events.append(_event(ev))
+            continue
         except _Bad as exc:
             errors.append(f"event {i}: {exc}")
         except Exception as exc:
             errors.append(f"event {i}: {type(exc).__name__}")
-    return DecodeResult(EngineBatch(float(ts), tuple(events), rank), tuple(errors))
+        if _tag(ev) != "BlockStored":  # a store left out is only missing; not so the rest
+            unknown_until = len(events)
+    batch = EngineBatch(float(ts), tuple(events), rank)
+    return DecodeResult(batch, tuple(errors), unknown_until)
+
+
+def _tag(raw: Any) -> str | None:
+    """The type an event names (array layout: its first item; map: its ``type``), if any."""
+    try:
+        if isinstance(raw, (list, tuple)) and raw:
+            tag = raw[0]
+        elif isinstance(raw, dict):
+            tag = raw.get("type", raw.get(b"type"))
+        else:
+            return None
+        return _opt_str(tag, "tag")
+    except (_Bad, TypeError):
+        return None

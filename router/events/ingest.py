@@ -9,7 +9,10 @@ routes to.
 Lost batches (a gap the replay could not fill) and engine restarts clear that engine's
 state: a ``AllCleared`` goes to the sink for every rank the endpoint served. Malformed
 payloads and events are counted in ``stats`` and skipped; the sink is never called with
-partial garbage, and nothing here raises on input.
+partial garbage, and nothing here raises on input. A payload that cannot be read at all, or
+an event in it that is not a store and cannot be read (a removal, a clear, a type unknown),
+leaves what it did to the cache unknown: the batch counts as lost and clears the engine,
+then the events after the unread one are applied (a store unread is only missing: skipped).
 """
 
 from __future__ import annotations
@@ -134,11 +137,16 @@ class EngineIngest:
             log.warning("malformed KV events from %s: %s", source or "engine", result.errors[:3])
         if result.batch is None:
             self.stats.malformed_payloads += 1
+            self._unreadable(source, default_rank)
             return
         self.stats.malformed_events += len(result.errors)
+        batch_events = result.batch.events
+        if result.unknown_until is not None:
+            self._unreadable(source, default_rank)
+            batch_events = batch_events[result.unknown_until :]
         facts = self.facts
         if not (facts.lookahead_tokens and facts.names_groups):
-            self._learn_facts(result.batch.events)
+            self._learn_facts(batch_events)
         rank = result.batch.data_parallel_rank
         if rank is None:
             rank = default_rank
@@ -148,7 +156,7 @@ class EngineIngest:
         self._ranks_of.setdefault(source, set()).add(rank)
         rb = self.reblocker(rank)
         before = rb.stats.bad_event
-        events = rb.convert(result.batch.events)
+        events = rb.convert(batch_events)
         if rb.stats.bad_event > before:
             self.stats.malformed_events += rb.stats.bad_event - before
             self.stats.note(rb.stats.errors[-(rb.stats.bad_event - before) :])
@@ -157,6 +165,14 @@ class EngineIngest:
             self.sink(key, events)
             if self.on_batch is not None and result.batch.ts > 0:
                 self.on_batch(key, result.batch.ts)
+
+    def _unreadable(self, source: str, default_rank: int) -> None:
+        """A batch of ``source`` not read in full: what it removed is unknown, so it counts
+        as lost and clears ``source`` (``reset_source``), as a batch missing from its seqs
+        does; the events after the last one unread are applied then."""
+        self.stats.lost_batches += 1
+        log.warning("unreadable KV event batch from %s; clearing it", source or "engine")
+        self.reset_source(source, default_rank)
 
     def _foreign_rank(self, source: str, rank: int, endpoint_rank: int) -> None:
         self.stats.foreign_rank_batches += 1

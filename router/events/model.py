@@ -111,7 +111,11 @@ class EngineBatch:
 @dataclass(slots=True, frozen=True)
 class DecodeResult:
     """A decoded payload: ``batch`` is None when the payload as a whole was unusable;
-    ``errors`` lists every problem found (events with problems are left out)."""
+    ``errors`` lists every problem found (events with problems are left out).
+    ``unknown_until``: the events of ``batch`` before this position came before one left
+    out that was not a store (a removal, a clear, or an event of unknown type): what it did
+    to the cache is unknown (None: none such)."""
 
     batch: EngineBatch | None
     errors: tuple[str, ...] = ()
+    unknown_until: int | None = None
