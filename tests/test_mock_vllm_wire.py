@@ -227,6 +227,38 @@ async def test_context_length_is_vllm_s(mock: Callable) -> None:
         assert status == 200 and ok["usage"]["completion_tokens"] == want, extra
 
 
+async def test_an_output_budget_beyond_the_context_is_refused_as_vllm_refuses_it(
+    mock: Callable,
+) -> None:
+    """vLLM's ``TokenizeParams`` refuses ``max_tokens`` (chat: ``max_completion_tokens``
+    first) above ``max_model_len`` with a 400 before the prompt is read; below it the
+    output is cut where the context ends. The mock cut every budget silently (a 200)."""
+    url = await mock(max_model_len=64)
+    params = anthropic_ref.load()["vllm.renderers.params"].TokenizeParams
+    cases = [
+        ("/v1/completions", {"prompt": [1, 2]}, "max_tokens", 65),
+        ("/v1/chat/completions", {"messages": CHAT}, "max_tokens", 100),
+        ("/v1/chat/completions", {"messages": CHAT}, "max_completion_tokens", 65),
+    ]
+    for path, body, field, value in cases:
+        with pytest.raises(ValueError) as vllm_refusal:
+            params(
+                max_total_tokens=64,
+                max_output_tokens=value,
+                max_total_tokens_param="max_model_len",
+                max_output_tokens_param=field,
+            )
+        status, err = await _post(url, path, body | {"model": MODEL, field: value})
+        assert status == 400, (path, field, err)
+        assert err["error"]["message"] == vllm_refusal.value.args[0]
+        assert err["error"]["type"] == "BadRequestError"
+    # at the limit it is served, cut where the context ends
+    status, ok = await _post(
+        url, "/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": 64}
+    )
+    assert status == 200 and ok["usage"]["completion_tokens"] == 62
+
+
 async def test_logprobs_are_answered_as_vllm_answers_them(mock: Callable) -> None:
     url = await mock()
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
