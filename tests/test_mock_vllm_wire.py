@@ -156,6 +156,43 @@ async def test_streams_as_vllm_sends_them(mock: Callable, chat: bool) -> None:
     assert [e.get("usage") is not None for e in events[:-1]][-2:] == [False, True]
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+async def test_a_stream_opens_and_ends_its_choices_as_vllm_does(
+    mock: Callable, chat: bool, n: int
+) -> None:
+    """vLLM 0.34's chat stream opens each choice with a chunk of its own, the role and
+    empty content (``chat_completion_stream_generator``'s first iteration), and the output
+    that finishes a choice is one chunk: its last tokens with the ``finish_reason``
+    (``output.finish_reason`` set), on chat and completions. The mock put the role on the
+    first token's chunk of a single choice and ended every choice with an extra chunk of
+    no text, so a peer counting chunks or reading the role chunk saw another stream."""
+    url = await mock()
+    path, body = (
+        ("/v1/chat/completions", {"messages": CHAT})
+        if chat
+        else ("/v1/completions", {"prompt": "hi there"})
+    )
+    body |= {"model": MODEL, "max_tokens": 3, "stream": True, "n": n}
+    events = await _events(url, path, body)
+    assert events[-1] == "[DONE]"
+    by_choice: dict[int, list[dict[str, Any]]] = {}
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        by_choice.setdefault(choice["index"], []).append(choice)
+    assert sorted(by_choice) == list(range(n))
+    for choices in by_choice.values():
+        texts = [c["delta"].get("content") if chat else c["text"] for c in choices]
+        if chat:
+            assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+            assert all("role" not in c["delta"] for c in choices[1:])
+            texts = texts[1:]
+        assert all(texts), texts  # every later chunk carries output, the last one too
+        assert [c["finish_reason"] for c in choices][-2:] == [None, "length"]
+        assert choices[-1]["stop_reason"] is None
+        assert "".join(texts).count("tok") == 3
+
+
 async def test_stream_options_without_stream_is_refused_as_vllm_refuses_it(
     mock: Callable,
 ) -> None:
