@@ -440,3 +440,37 @@ async def test_a_prefill_leg_answers_kv_transfer_params_on_every_api(
     # a request that is no prefill leg: vLLM's Responses answer has the field, null
     status, plain = await _post(url, path, {k: v for k, v in body.items() if k[0] != "k"})
     assert status == 200 and plain.get("kv_transfer_params") is None
+
+
+# the metric families vLLM 0.34 registers (vllm/v1/metrics/loggers.py, PrometheusStatLogger)
+# that the mock serves
+VLLM_034_FAMILIES = {
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:request_success",
+    "vllm:num_preemptions",
+    "vllm:time_to_first_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_time_per_output_token_seconds",
+}
+
+
+async def test_metrics_are_families_vllm_serves(mock: Callable) -> None:
+    """Every ``vllm:`` family on the mock's ``/metrics`` is one vLLM 0.34 registers, so a
+    scraper that falls back to an older name (``vllm:gpu_cache_usage_perc``, gone since
+    0.16) is not fed by the mock where vLLM would leave it without."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = await mock()
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as r:
+        page = await r.text()
+    served = {f.name for f in text_string_to_metric_families(page)}
+    vllm_names = {n.removesuffix("_total") for n in served if n.startswith("vllm:")}
+    assert vllm_names <= VLLM_034_FAMILIES, vllm_names - VLLM_034_FAMILIES
+    assert {"vllm:num_requests_running", "vllm:kv_cache_usage_perc"} <= vllm_names
