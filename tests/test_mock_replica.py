@@ -368,11 +368,10 @@ async def test_a_large_max_tokens_is_capped_by_the_context_as_vllm_caps_it(
     start_mock: Callable,
 ) -> None:
     """vLLM's ``get_max_tokens``: the answer may take what the context leaves, whatever
-    ``max_tokens`` asks (no upper bound of its own, no error)."""
+    ``max_tokens`` up to the context asks (one above it is refused:
+    tests/test_mock_vllm_wire.py)."""
     mock = await start_mock(max_model_len=200, time_scale=0.01)
-    answer = await mock.client.completions.create(
-        model="m", prompt=_prompt(4, 150), max_tokens=100_000
-    )
+    answer = await mock.client.completions.create(model="m", prompt=_prompt(4, 150), max_tokens=200)
     assert answer.usage is not None and answer.usage.completion_tokens == 50
 
 

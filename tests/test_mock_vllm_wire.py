@@ -156,6 +156,43 @@ async def test_streams_as_vllm_sends_them(mock: Callable, chat: bool) -> None:
     assert [e.get("usage") is not None for e in events[:-1]][-2:] == [False, True]
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+async def test_a_stream_opens_and_ends_its_choices_as_vllm_does(
+    mock: Callable, chat: bool, n: int
+) -> None:
+    """vLLM 0.34's chat stream opens each choice with a chunk of its own, the role and
+    empty content (``chat_completion_stream_generator``'s first iteration), and the output
+    that finishes a choice is one chunk: its last tokens with the ``finish_reason``
+    (``output.finish_reason`` set), on chat and completions. The mock put the role on the
+    first token's chunk of a single choice and ended every choice with an extra chunk of
+    no text, so a peer counting chunks or reading the role chunk saw another stream."""
+    url = await mock()
+    path, body = (
+        ("/v1/chat/completions", {"messages": CHAT})
+        if chat
+        else ("/v1/completions", {"prompt": "hi there"})
+    )
+    body |= {"model": MODEL, "max_tokens": 3, "stream": True, "n": n}
+    events = await _events(url, path, body)
+    assert events[-1] == "[DONE]"
+    by_choice: dict[int, list[dict[str, Any]]] = {}
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        by_choice.setdefault(choice["index"], []).append(choice)
+    assert sorted(by_choice) == list(range(n))
+    for choices in by_choice.values():
+        texts = [c["delta"].get("content") if chat else c["text"] for c in choices]
+        if chat:
+            assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+            assert all("role" not in c["delta"] for c in choices[1:])
+            texts = texts[1:]
+        assert all(texts), texts  # every later chunk carries output, the last one too
+        assert [c["finish_reason"] for c in choices][-2:] == [None, "length"]
+        assert choices[-1]["stop_reason"] is None
+        assert "".join(texts).count("tok") == 3
+
+
 async def test_stream_options_without_stream_is_refused_as_vllm_refuses_it(
     mock: Callable,
 ) -> None:
@@ -225,6 +262,38 @@ async def test_context_length_is_vllm_s(mock: Callable) -> None:
             url, "/v1/chat/completions", {"model": MODEL, "messages": CHAT} | extra
         )
         assert status == 200 and ok["usage"]["completion_tokens"] == want, extra
+
+
+async def test_an_output_budget_beyond_the_context_is_refused_as_vllm_refuses_it(
+    mock: Callable,
+) -> None:
+    """vLLM's ``TokenizeParams`` refuses ``max_tokens`` (chat: ``max_completion_tokens``
+    first) above ``max_model_len`` with a 400 before the prompt is read; below it the
+    output is cut where the context ends. The mock cut every budget silently (a 200)."""
+    url = await mock(max_model_len=64)
+    params = anthropic_ref.load()["vllm.renderers.params"].TokenizeParams
+    cases = [
+        ("/v1/completions", {"prompt": [1, 2]}, "max_tokens", 65),
+        ("/v1/chat/completions", {"messages": CHAT}, "max_tokens", 100),
+        ("/v1/chat/completions", {"messages": CHAT}, "max_completion_tokens", 65),
+    ]
+    for path, body, field, value in cases:
+        with pytest.raises(ValueError) as vllm_refusal:
+            params(
+                max_total_tokens=64,
+                max_output_tokens=value,
+                max_total_tokens_param="max_model_len",
+                max_output_tokens_param=field,
+            )
+        status, err = await _post(url, path, body | {"model": MODEL, field: value})
+        assert status == 400, (path, field, err)
+        assert err["error"]["message"] == vllm_refusal.value.args[0]
+        assert err["error"]["type"] == "BadRequestError"
+    # at the limit it is served, cut where the context ends
+    status, ok = await _post(
+        url, "/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": 64}
+    )
+    assert status == 200 and ok["usage"]["completion_tokens"] == 62
 
 
 async def test_logprobs_are_answered_as_vllm_answers_them(mock: Callable) -> None:
@@ -371,3 +440,37 @@ async def test_a_prefill_leg_answers_kv_transfer_params_on_every_api(
     # a request that is no prefill leg: vLLM's Responses answer has the field, null
     status, plain = await _post(url, path, {k: v for k, v in body.items() if k[0] != "k"})
     assert status == 200 and plain.get("kv_transfer_params") is None
+
+
+# the metric families vLLM 0.34 registers (vllm/v1/metrics/loggers.py, PrometheusStatLogger)
+# that the mock serves
+VLLM_034_FAMILIES = {
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:request_success",
+    "vllm:num_preemptions",
+    "vllm:time_to_first_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_time_per_output_token_seconds",
+}
+
+
+async def test_metrics_are_families_vllm_serves(mock: Callable) -> None:
+    """Every ``vllm:`` family on the mock's ``/metrics`` is one vLLM 0.34 registers, so a
+    scraper that falls back to an older name (``vllm:gpu_cache_usage_perc``, gone since
+    0.16) is not fed by the mock where vLLM would leave it without."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = await mock()
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as r:
+        page = await r.text()
+    served = {f.name for f in text_string_to_metric_families(page)}
+    vllm_names = {n.removesuffix("_total") for n in served if n.startswith("vllm:")}
+    assert vllm_names <= VLLM_034_FAMILIES, vllm_names - VLLM_034_FAMILIES
+    assert {"vllm:num_requests_running", "vllm:kv_cache_usage_perc"} <= vllm_names

@@ -155,8 +155,8 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         # vLLM's continuous_usage_stats: every chunk carries the usage so far
         continuous=bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
     )
-    # the one choice's chunks: its first names chat's role, after the echo
-    seq = oa.ChoiceStream(oai, 0, prompt_ids, echo, role=chat)
+    # the one choice's chunks (chat's echo is in its opening chunks)
+    seq = oa.ChoiceStream(oai, 0, prompt_ids, "" if chat else echo)
 
     words: list[str] = []
     rids = (answer_id, f"msg_{uuid.uuid4().hex}")
@@ -205,7 +205,9 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                     await response.write(writer.first_output() + writer.delta(oa.word(0)))
                     words.append(oa.word(0))
                 elif response is not None:
-                    await response.write(seq.tokens([oa.word(0)], produced, cached))
+                    opening = oai.opening([0], req.prompt_tokens, cached, echo) if chat else b""
+                    last = oa.last_reason(produced, req.max_output_tokens)
+                    await response.write(opening + seq.tokens([oa.word(0)], produced, last))
                 else:
                     words.append(oa.word(0))
             elif name == "TokensEmitted":
@@ -218,7 +220,9 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
                     await response.write(
                         anthropic.text_event("".join(new))
                         if messages
-                        else seq.tokens(new, produced)
+                        else seq.tokens(
+                            new, produced, oa.last_reason(produced, req.max_output_tokens)
+                        )
                     )
                 else:
                     words.extend(new)
@@ -293,7 +297,9 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
             answer["kv_transfer_params"] = transfer
         return web.json_response(answer)
     if response is not None:
-        await response.write(seq.finish(finish_reason, produced))
+        ending = seq.finish(finish_reason, produced)
+        if ending:  # (an empty write ends the body)
+            await response.write(ending)
         return await oa.end_stream(response, oai, usage if opts.get("include_usage") else None)
     text = echo + "".join(words)
     one = oai.choice(0, text, oai.logprobs(prompt_ids, words), finish_reason, prompt_logprobs)

@@ -26,8 +26,8 @@ The answer:
   answer).
 * A stream: one choice a chunk, in the order the engine emits the sequences' tokens;
   chat first sends a role chunk for every choice (and its ``echo``), as vLLM does;
-  each choice ends with a chunk of its own carrying its ``finish_reason`` (the mock's
-  convention, as for one sequence); ``continuous_usage_stats`` give the chunk's prompt and
+  each choice's last tokens come with its ``finish_reason``, as vLLM's last output
+  (router/mock/openai_answer.py); ``continuous_usage_stats`` give the chunk's prompt and
   its choice's tokens so far; ``include_usage`` ends with the whole usage.
 
 The sequences share one output queue (``EngineDriver.submit``), so their chunks come in
@@ -241,13 +241,16 @@ async def serve(
                                     echo_of(first_prompt),
                                 )
                             )
-                    await response.write(s.chunks.tokens([oa.word(0)], len(s.words)))
+                    ends = oa.last_reason(1, s.req.max_output_tokens)
+                    await response.write(s.chunks.tokens([oa.word(0)], 1, ends))
             elif name == "TokensEmitted":
                 produced = len(s.words)
                 new = [oa.word(produced + i) for i in range(out.count)]
                 s.words.extend(new)
                 if response is not None:
-                    await response.write(s.chunks.tokens(new, len(s.words)))
+                    produced = len(s.words)
+                    ends = oa.last_reason(produced, s.req.max_output_tokens)
+                    await response.write(s.chunks.tokens(new, produced, ends))
             elif name == "Finished":
                 running -= 1
                 s.done = True
@@ -264,8 +267,9 @@ async def serve(
                 c.generation_tokens += produced
                 state.latency.observe(s.first_at - arrived, clock() - arrived, s.queued_s, produced)
                 c.model_ttft_s += s.model_ttft_s
-                if response is not None:
-                    await response.write(s.chunks.finish(finish, produced))
+                ending = s.chunks.finish(finish, produced)
+                if response is not None and ending:  # (an empty write ends the body)
+                    await response.write(ending)
     except EngineFailed as exc:
         if response is not None:
             raise  # the stream breaks off: the client sees an incomplete answer

@@ -9,12 +9,13 @@ and dicts; the callers run the engine and write them when its outputs come
   "model", "choices": [one choice]}``, plus ``usage`` with ``continuous_usage_stats``
   (the prompt's tokens and the choice's so far; the chunk that names chat's ``role`` also
   the prompt's ``cached_tokens``).
-* A choice's chunks (:class:`ChoiceStream`): its tokens (the first after its ``echo``, and
-  naming chat's ``role`` when asked), then one chunk of its own carrying its
-  ``finish_reason`` (the mock's convention); logprobs of the tokens of each chunk (with
-  completions' ``echo``, the prompt's tokens first), offsets running over the text sent.
-* Chat with several sequences opens with a role chunk for every choice, then its ``echo``
-  (:meth:`Answer.opening`).
+* A choice's chunks (:class:`ChoiceStream`): its tokens (the first after its ``echo``),
+  the chunk of its last tokens carrying its ``finish_reason`` as vLLM's last output does
+  (a choice the engine ends short of its budget gets a chunk of no text with it); logprobs
+  of the tokens of each chunk (with completions' ``echo``, the prompt's tokens first),
+  offsets running over the text sent.
+* Chat opens with a chunk of its own for every choice (the role, empty content, as vLLM's
+  first iteration), then its ``echo`` (:meth:`Answer.opening`).
 * The stream ends with the usage chunk (``include_usage``; vLLM's ``exclude_none`` dump),
   then ``[DONE]``; an engine refusal after the stream opened is an ``error`` event.
 * A non-streamed answer: every field of vLLM's ``ChatCompletionResponse`` /
@@ -37,6 +38,12 @@ DONE = b"data: [DONE]\n\n"
 def word(i: int) -> str:
     """The filler text of output token ``i``."""
     return f" tok{i % 1000}"
+
+
+def last_reason(produced: int, budget: int) -> str | None:
+    """The ``finish_reason`` of the chunk whose tokens bring a choice to ``produced``:
+    ``length`` when they spend its ``budget`` (the engine stops there), else None."""
+    return "length" if produced >= budget else None
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -142,8 +149,9 @@ class Answer:
         return sse(obj)
 
     def opening(self, indices: list[int], prompt: int, cached: int, echo: str) -> bytes:
-        """Chat's first chunks of several sequences: every choice's role, then its ``echo``
-        (vLLM's first output); ``prompt``, ``cached``: the first prompt's tokens and hit."""
+        """Chat's first chunks, before any token's: every choice's role (empty content),
+        then its ``echo`` (vLLM's first output); ``prompt``, ``cached``: the first prompt's
+        tokens and hit."""
         deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
         deltas += [{"content": echo}] if echo else []
         out = b""
@@ -221,20 +229,21 @@ class Answer:
 @dataclass(slots=True)
 class ChoiceStream:
     """One choice's streamed chunks: its ``index``, prompt token ids, the ``echo`` its first
-    tokens come after, whether that first chunk names chat's ``role``; ``offset``: the text
-    sent so far (completions' logprobs' ``text_offset``)."""
+    tokens come after (completions'; chat's is in :meth:`Answer.opening`); ``offset``: the
+    text sent so far (completions' logprobs' ``text_offset``)."""
 
     answer: Answer
     index: int
     prompt_ids: list[int]
     echo: str = ""
-    role: bool = False
     offset: int = 0
     started: bool = False
+    finished: bool = False
 
-    def tokens(self, words: list[str], produced: int, cached: int = 0) -> bytes:
+    def tokens(self, words: list[str], produced: int, finish: str | None = None) -> bytes:
         """The chunk of new tokens ``words``, ``produced`` the choice's tokens so far with
-        them (``cached``: the prompt's hit, for the chunk naming the role)."""
+        them; ``finish``: the ``finish_reason`` they end the choice with (vLLM's last
+        output carries its last tokens and the reason)."""
         a = self.answer
         first = not self.started
         self.started = True
@@ -249,31 +258,35 @@ class ChoiceStream:
                 self.offset += len(text)
         if first:
             text = self.echo + text
-        role = first and self.role
         choice: dict[str, Any]
         if a.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            delta["content"] = text
-            choice = {"index": self.index, "delta": delta, "logprobs": logprobs}
-            choice["finish_reason"] = None
+            choice = {"index": self.index, "delta": {"content": text}, "logprobs": logprobs}
+            choice["finish_reason"] = finish
+            if finish is not None:
+                choice["stop_reason"] = None
         else:
             choice = {"index": self.index, "text": text, "logprobs": logprobs}
-            choice |= {"finish_reason": None, "stop_reason": None}
-        return a.chunk(choice, self._usage(produced, cached if role else None))
+            choice |= {"finish_reason": finish, "stop_reason": None}
+        self.finished = finish is not None
+        return a.chunk(choice, self._usage(produced))
 
     def finish(self, reason: str, produced: int) -> bytes:
-        """The choice's last chunk: its ``finish_reason``."""
+        """The choice's last chunk, its ``finish_reason`` alone (nothing when its last
+        tokens' chunk carried it)."""
+        if self.finished:
+            return b""
+        self.finished = True
         if self.answer.chat:
             choice: dict[str, Any] = {"index": self.index, "delta": {}, "logprobs": None}
         else:
             choice = {"index": self.index, "text": "", "logprobs": None}
         choice |= {"finish_reason": reason, "stop_reason": None}
-        return self.answer.chunk(choice, self._usage(produced, None))
+        return self.answer.chunk(choice, self._usage(produced))
 
-    def _usage(self, produced: int, cached: int | None) -> dict[str, Any] | None:
+    def _usage(self, produced: int) -> dict[str, Any] | None:
         if not self.answer.continuous:
             return None
-        return running_usage(len(self.prompt_ids), produced, cached)
+        return running_usage(len(self.prompt_ids), produced)
 
 
 async def end_stream(

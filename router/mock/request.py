@@ -42,6 +42,32 @@ def max_tokens(body: Mapping[str, Any], settings: MockSettings, kind: str, promp
     return max(1, min(value, settings.max_model_len - prompt))
 
 
+# the field naming a request's output budget, by kind (chat: max_completion_tokens first)
+_BUDGET_FIELDS = {
+    "chat": ("max_completion_tokens", "max_tokens"),
+    "messages": ("max_tokens",),
+    "completion": ("max_tokens",),
+    "responses": ("max_output_tokens",),
+}
+
+
+def check_budget(body: Mapping[str, Any], settings: MockSettings, kind: str) -> None:
+    """vLLM's refusal of an output budget above the context, before the prompt is read
+    (``TokenizeParams.__post_init__``, vllm/renderers/params.py; the field is
+    ``build_tok_params``' ``max_output_tokens_param``); BadRequest in vLLM's words."""
+    for name in _BUDGET_FIELDS[kind]:
+        value = body.get(name)
+        if value is None:
+            continue
+        limit = settings.max_model_len
+        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            raise BadRequest(
+                f"{name}={value} cannot be greater than max_model_len={limit}. "
+                "Please request fewer output tokens."
+            )
+        return
+
+
 def tokens_of(
     tokenizer: MockTokenizer,
     kind: str,
@@ -64,6 +90,7 @@ def tokens_of(
 def engine_request(state: MockState, body: dict[str, Any], kind: str) -> tuple[Any, list[int]]:
     """The engine request of ``body``'s prompt (one prompt: a batch's is its own body) and
     the prompt's token ids; BadRequest as vLLM refuses the prompt or the request."""
+    check_budget(body, state.settings, kind)
     try:
         prompt = tokens_of(state.tokenizer, kind, body, state.responses)
     except UnicodeEncodeError:  # a lone surrogate (``"\ud800"``): no text to tokenize

@@ -64,7 +64,6 @@ class _Collector:
             ("vllm:num_requests_running", "Requests in the running batch", report.running),
             ("vllm:num_requests_waiting", "Requests waiting", report.waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full)", report.kv_usage),
-            ("vllm:gpu_cache_usage_perc", "KV-cache usage (older name)", report.kv_usage),
         ):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(lv, float(value))

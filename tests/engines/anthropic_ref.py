@@ -67,6 +67,16 @@ class _Stub(types.ModuleType):
         return value
 
 
+class _ValidationError(ValueError):
+    """vLLM's ``VLLMValidationError`` (vllm/exceptions.py): the message, and the parameter
+    and value it names, as keywords."""
+
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+
 class _Logger(logging.Logger):
     def warning_once(self, *args: Any, **kwargs: Any) -> None:
         self.warning(*args, **kwargs)
@@ -108,7 +118,7 @@ def _names() -> dict[str, dict[str, Any]]:
         "vllm.utils.collection_utils": {},
         "vllm.config": {},
         "vllm.config.utils": {},
-        "vllm.exceptions": {"VLLMValidationError": type("VLLMValidationError", (ValueError,), {})},
+        "vllm.exceptions": {"VLLMValidationError": _ValidationError},
         "vllm.logprobs": {},
         "vllm.outputs": {},
         "vllm.inputs": {},
