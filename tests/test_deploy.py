@@ -1221,3 +1221,47 @@ def test_the_event_lag_alert_fires_for_late_events_not_for_an_idle_replica(
             for m in (3, 5, 6, 7, 8, 10, 15, 25)
         ],
     }])  # fmt: skip
+
+
+# -- the shipped Redis ---------------------------------------------------------------------------
+
+_QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def _bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (``24Gi``) in bytes."""
+    for suffix, factor in _QUANTITY.items():
+        if quantity.endswith(suffix):
+            return int(quantity[: -len(suffix)]) * factor
+    return int(quantity)
+
+
+def test_shipped_redis_refuses_writes_when_full_rather_than_being_oom_killed(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``maxmemory-policy noeviction`` acts only with a ``maxmemory``: at 0 (the default)
+    Redis never refuses a write (evict.c ``getMaxmemoryState``: ``if (!server.maxmemory)
+    return C_OK``) and grows until the kernel kills it at the container's memory limit,
+    every replica's index lost at once, instead of the refused writes that
+    docs/operations.md "Redis full or refusing writes" and its alert describe. Started with
+    the manifest's own arguments, the real redis-server must hold a limit below the
+    container's, with room for what maxmemory does not count (client and replication
+    buffers, fragmentation)."""
+    from redis import Redis
+
+    from router.bench.redis_server import LocalRedis
+
+    sts = next(d for d in _docs(K8S / "base" / "redis.yaml") if d["kind"] == "StatefulSet")
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    limit = _bytes(container["resources"]["limits"]["memory"])
+    server = LocalRedis(tmp_path / "redis", extra_args=tuple(container["args"]))
+    server.start()
+    try:
+        client = Redis.from_url(server.url)
+        got = client.config_get("maxmemory*")
+        client.close()
+    finally:
+        server.stop()
+    assert got["maxmemory-policy"] == "noeviction"
+    maxmemory = int(got["maxmemory"])
+    assert 0 < maxmemory <= 0.8 * limit, f"maxmemory {maxmemory} against a {limit} B limit"
