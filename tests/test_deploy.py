@@ -263,6 +263,7 @@ _ALERTS = {
     "KVRouterIndexEventLag": "kvrouter_index_event_lag_seconds",
     "KVRouterRedisUnreachable": "kvrouter_pod_exchange_redis_up",
     "KVRouterIndexSyncDown": "kvrouter_index_sync_up",
+    "KVRouterIndexShardDown": "kvrouter_index_sync_shard_up",
     "KVRouterUnreadableSnapshots": "kvrouter_index_sync_unreadable_snapshots_total",
     "KVRouterReplicasOutOfRotation": "kvrouter_replica_up",
     "KVRouterWorkerCrashLoop": "kvrouter_worker_restarts_total",
@@ -339,7 +340,8 @@ _PANELS = {
     "decode speed": ("kvrouter_itl_seconds_bucket",),
     "ejections": ("kvrouter_replica_ejections_total",),
     "index sync": ("kvrouter_index_sync_up", "kvrouter_index_sync_errors_total",
-                   "kvrouter_index_sync_unreadable_snapshots_total"),
+                   "kvrouter_index_sync_unreadable_snapshots_total",
+                   "kvrouter_index_sync_shard_up"),
     "worker restarts": ("kvrouter_worker_restarts_total",),
     "workers not answering": ("kvrouter_workers_scraped", "kvrouter_workers"),
 }  # fmt: skip
@@ -1265,3 +1267,39 @@ def test_shipped_redis_refuses_writes_when_full_rather_than_being_oom_killed(
     assert got["maxmemory-policy"] == "noeviction"
     maxmemory = int(got["maxmemory"])
     assert 0 < maxmemory <= 0.8 * limit, f"maxmemory {maxmemory} against a {limit} B limit"
+
+
+@needs_promtool
+def test_a_redis_cluster_node_down_fires_though_the_index_sync_stays_up(
+    tmp_path: pathlib.Path,
+) -> None:
+    """docs/operations.md "One Redis Cluster node down": the follower reads on the other
+    shards, so ``kvrouter_index_sync_up`` stays 1 and only ``kvrouter_index_sync_shard_up``
+    of the down node's shards drops; the replicas whose keys live there route on a frozen
+    index. Pod a (two workers) loses shard {1} from minute 2 to 12; pod b loses the whole
+    store (every shard 0 with ``up`` 0: KVRouterIndexSyncDown's case, not this one's)."""
+    a = {"namespace": "kvr", "pod": "kvrouter-a"}
+    b = {"namespace": "kvr", "pod": "kvrouter-b", "worker": "0"}
+    down = ["1", "1"] + ["0"] * 10 + ["1"] * 8  # 0 .. 19m
+    series = []
+    for worker in ("0", "1"):
+        w = {**a, "worker": worker}
+        series.append(_series("kvrouter_index_sync_up", w, ["1"] * 20))
+        series.append(_series("kvrouter_index_sync_shard_up", {**w, "stream": "kvr:s:{0}"},
+                              ["1"] * 20))  # fmt: skip
+        series.append(_series("kvrouter_index_sync_shard_up", {**w, "stream": "kvr:s:{1}"}, down))
+    series.append(_series("kvrouter_index_sync_up", b, down))
+    for shard in ("{0}", "{1}"):
+        series.append(_series("kvrouter_index_sync_shard_up", {**b, "stream": f"kvr:s:{shard}"},
+                              down))  # fmt: skip
+    fired = [_fires("KVRouterIndexShardDown", {**a, "stream": "kvr:s:{1}"})]
+    _promtool_tests(tmp_path, [{
+        "interval": "1m",
+        "input_series": series,
+        "alert_rule_test": [
+            {"eval_time": "2m", "alertname": "KVRouterIndexShardDown", "exp_alerts": []},
+            {"eval_time": "5m", "alertname": "KVRouterIndexShardDown", "exp_alerts": fired},
+            {"eval_time": "11m", "alertname": "KVRouterIndexShardDown", "exp_alerts": fired},
+            {"eval_time": "14m", "alertname": "KVRouterIndexShardDown", "exp_alerts": []},
+        ],
+    }])  # fmt: skip
