@@ -1303,3 +1303,43 @@ def test_a_redis_cluster_node_down_fires_though_the_index_sync_stays_up(
             {"eval_time": "14m", "alertname": "KVRouterIndexShardDown", "exp_alerts": []},
         ],
     }])  # fmt: skip
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration (``45s``, ``1m30s``) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_compose_lets_the_routers_drain_before_docker_kills_them() -> None:
+    """``docker compose stop`` / ``down`` sends SIGTERM, then SIGKILL after the service's
+    ``stop_grace_period`` (10 s unless set): below the router's ``shutdown_timeout_s``
+    (30 s by default) it kills the streams the router would still finish."""
+    from router.service.config import load_settings
+
+    compose = yaml.safe_load((DEPLOY / "docker" / "docker-compose.yaml").read_text())
+    settings = load_settings(DEPLOY / "docker" / "router.toml", environ={})
+    shutdown = settings.server.shutdown_timeout_s
+    for name, svc in compose["services"].items():
+        if svc.get("command", [None])[0] == "serve":
+            grace = _seconds(svc.get("stop_grace_period", "10s"))
+            assert grace > shutdown, f"{name}: killed {grace} s after SIGTERM, drains {shutdown} s"
+
+
+def test_router_pod_runs_unprivileged() -> None:
+    """The router needs no privilege: a non-root user enforced (the image's USER 10001),
+    no privilege escalation, no Linux capabilities, the runtime's default seccomp profile
+    (the Pod Security Standards' "restricted" profile)."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    pod = docs[("Deployment", "kvrouter")]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for container in pod["containers"]:
+        ctx = container["securityContext"]
+        assert ctx["allowPrivilegeEscalation"] is False, container["name"]
+        assert ctx["capabilities"] == {"drop": ["ALL"]}, container["name"]
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    user = re.findall(r"^USER (\S+)$", dockerfile, flags=re.M)
+    assert user and user[-1].isdigit() and int(user[-1]) != 0  # runAsNonRoot needs a numeric one
