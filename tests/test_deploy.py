@@ -1343,3 +1343,38 @@ def test_router_pod_runs_unprivileged() -> None:
     dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
     user = re.findall(r"^USER (\S+)$", dockerfile, flags=re.M)
     assert user and user[-1].isdigit() and int(user[-1]) != 0  # runAsNonRoot needs a numeric one
+
+
+_EQUALS = re.compile(r'(?:^|[{,])\s*([A-Za-z_]\w*)\s*(=|!=)\s*"([^"$]*)"')
+
+
+def _literal_matchers(expr: str) -> list[tuple[str, str, str]]:
+    """(series, label, value) of every ``label="value"`` / ``label!="value"`` matcher of
+    ``expr`` (not regexes, not ``le``, not Grafana variables)."""
+    return [
+        (name, label, value)
+        for name, listed in _SELECTOR.findall(expr)
+        for label, _, value in _EQUALS.findall(listed)
+        if label != "le" and value
+    ]
+
+
+def test_operator_queries_match_label_values_the_router_documents() -> None:
+    """A label value an alert or panel selects (``result="met"``) is one its family's
+    docs/metrics.md row lists: a value renamed in the code and its docs row leaves a
+    ``result="missed"`` selector matching nothing, and the alert or panel silent."""
+    rows = dict(re.findall(r"^\| `(kvrouter_\w+)` \|(.*)$", (DOCS / "metrics.md").read_text(),
+                           flags=re.M))  # fmt: skip
+    problems, checked = [], 0
+    for where, expr in _queries():
+        for name, label, value in _literal_matchers(expr):
+            row = next((rows[n] for n in (name, f"{name}_total", re.sub(r"_total$", "", name))
+                        if n in rows), None)  # fmt: skip
+            checked += 1
+            if row is None or f"`{value}`" not in row:
+                problems.append(f"{where}: {name}{{{label}={value!r}}}: not a documented value")
+    assert problems == [], "\n".join(problems)
+    assert checked >= 5
+    assert _literal_matchers('x{result="met"} + kvrouter_a{le="1", result!="failed", m=~"x"}') == [
+        ("kvrouter_a", "result", "failed")
+    ]
