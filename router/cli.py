@@ -63,6 +63,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 # The commands that start processes of their own (replicas, routers, vllm-router, Redis):
 # each stops them in a ``finally`` (see router.sigterm).
 _SPAWNING = frozenset({"bench", "demo"})
+# ``serve`` until its event loop takes SIGTERM over for the graceful drain: as PID 1 of a
+# container (the image's entrypoint) the kernel drops a signal left to its default action,
+# so a pod deleted while its router starts would run on until its grace period's SIGKILL.
+_SIGTERM_RAISES = _SPAWNING | {"serve"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with stopped_by_sigterm(args.command in _SPAWNING):
+        with stopped_by_sigterm(args.command in _SIGTERM_RAISES):
             return int(handler(args) or 0)
     except BaseException as exc:
         code = failure_code(args.command, exc)

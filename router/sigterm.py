@@ -1,4 +1,7 @@
-"""SIGTERM for the commands that start processes of their own (``bench``, ``demo``).
+"""SIGTERM for the commands that start processes of their own (``bench``, ``demo``), and
+for ``serve`` until its event loop takes SIGTERM over: as PID 1 of a container the kernel
+drops a signal that has only its default action, so a router stopped while it starts would
+run on (router/cli.py).
 
 Python runs no ``finally`` block when a signal's default action ends it: a bench killed by
 ``timeout`` or a cancelled CI job left its replicas and router running, orphaned. While such

@@ -6,6 +6,8 @@ left its replicas and router running, orphaned (a helper's ``timeout``-bounded r
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,3 +105,55 @@ def test_a_sigterm_while_a_process_starts_leaves_it_recorded_for_stopping(
         monkeypatch.undo()
         procs.stop()
     assert len(procs.procs) == 1 and procs.procs[0].returncode is not None
+
+
+def _open_writer(fifo: Path) -> int | None:
+    """The FIFO's write end, once a reader has it open (else None)."""
+    try:
+        return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="unshare (util-linux) not installed")
+def test_serve_as_a_containers_pid_1_stops_on_a_sigterm_during_start_up(tmp_path: Path) -> None:
+    """In a container the image's entrypoint (deploy/docker/Dockerfile: ``kvrouter``) is
+    PID 1 of its PID namespace, and the kernel drops a signal sent to PID 1 that it has no
+    handler for: before the router's event loop takes SIGTERM over, a pod deleted while
+    it starts (loading tokenizers, reading Redis) ignored the kubelet's SIGTERM and ran
+    on until the SIGKILL at the end of ``terminationGracePeriodSeconds``, serving
+    meanwhile. docs/operations.md: such a SIGTERM ends it at once, status 143. Here
+    ``serve`` runs as PID 1 of a new PID namespace and is held in start-up reading its
+    config from a FIFO when the SIGTERM comes."""
+    fifo = tmp_path / "router.toml"
+    os.mkfifo(fifo)
+    args = ["unshare", "--pid", "--fork", "--kill-child", KVROUTER, "serve", "--config", str(fifo)]
+    if os.getuid() != 0:
+        args[1:1] = ["--user", "--map-root-user"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    writer: list[int] = []
+    try:
+
+        def reading() -> bool:  # serve has the FIFO open: it reads its config
+            fd = _open_writer(fifo)
+            if fd is not None:
+                writer.append(fd)
+            return fd is not None
+
+        wait_until(reading, timeout=60)
+        router = _children(proc.pid)
+        assert len(router) == 1
+        status = (Path("/proc") / str(router[0]) / "status").read_text()
+        assert re.search(r"^NSpid:\t\d+\t1$", status, flags=re.M), "not PID 1 of its namespace"
+        os.kill(router[0], signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("serve, PID 1 of its namespace, ignored the SIGTERM during start-up")
+        assert code == 128 + signal.SIGTERM, proc.stderr.read() if proc.stderr else b""
+    finally:
+        for fd in writer:
+            os.close(fd)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -263,6 +263,7 @@ _ALERTS = {
     "KVRouterIndexEventLag": "kvrouter_index_event_lag_seconds",
     "KVRouterRedisUnreachable": "kvrouter_pod_exchange_redis_up",
     "KVRouterIndexSyncDown": "kvrouter_index_sync_up",
+    "KVRouterIndexShardDown": "kvrouter_index_sync_shard_up",
     "KVRouterUnreadableSnapshots": "kvrouter_index_sync_unreadable_snapshots_total",
     "KVRouterReplicasOutOfRotation": "kvrouter_replica_up",
     "KVRouterWorkerCrashLoop": "kvrouter_worker_restarts_total",
@@ -339,7 +340,8 @@ _PANELS = {
     "decode speed": ("kvrouter_itl_seconds_bucket",),
     "ejections": ("kvrouter_replica_ejections_total",),
     "index sync": ("kvrouter_index_sync_up", "kvrouter_index_sync_errors_total",
-                   "kvrouter_index_sync_unreadable_snapshots_total"),
+                   "kvrouter_index_sync_unreadable_snapshots_total",
+                   "kvrouter_index_sync_shard_up"),
     "worker restarts": ("kvrouter_worker_restarts_total",),
     "workers not answering": ("kvrouter_workers_scraped", "kvrouter_workers"),
 }  # fmt: skip
@@ -1221,3 +1223,158 @@ def test_the_event_lag_alert_fires_for_late_events_not_for_an_idle_replica(
             for m in (3, 5, 6, 7, 8, 10, 15, 25)
         ],
     }])  # fmt: skip
+
+
+# -- the shipped Redis ---------------------------------------------------------------------------
+
+_QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def _bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (``24Gi``) in bytes."""
+    for suffix, factor in _QUANTITY.items():
+        if quantity.endswith(suffix):
+            return int(quantity[: -len(suffix)]) * factor
+    return int(quantity)
+
+
+def test_shipped_redis_refuses_writes_when_full_rather_than_being_oom_killed(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``maxmemory-policy noeviction`` acts only with a ``maxmemory``: at 0 (the default)
+    Redis never refuses a write (evict.c ``getMaxmemoryState``: ``if (!server.maxmemory)
+    return C_OK``) and grows until the kernel kills it at the container's memory limit,
+    every replica's index lost at once, instead of the refused writes that
+    docs/operations.md "Redis full or refusing writes" and its alert describe. Started with
+    the manifest's own arguments, the real redis-server must hold a limit below the
+    container's, with room for what maxmemory does not count (client and replication
+    buffers, fragmentation)."""
+    from redis import Redis
+
+    from router.bench.redis_server import LocalRedis
+
+    sts = next(d for d in _docs(K8S / "base" / "redis.yaml") if d["kind"] == "StatefulSet")
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    limit = _bytes(container["resources"]["limits"]["memory"])
+    server = LocalRedis(tmp_path / "redis", extra_args=tuple(container["args"]))
+    server.start()
+    try:
+        client = Redis.from_url(server.url)
+        got = client.config_get("maxmemory*")
+        client.close()
+    finally:
+        server.stop()
+    assert got["maxmemory-policy"] == "noeviction"
+    maxmemory = int(got["maxmemory"])
+    assert 0 < maxmemory <= 0.8 * limit, f"maxmemory {maxmemory} against a {limit} B limit"
+
+
+@needs_promtool
+def test_a_redis_cluster_node_down_fires_though_the_index_sync_stays_up(
+    tmp_path: pathlib.Path,
+) -> None:
+    """docs/operations.md "One Redis Cluster node down": the follower reads on the other
+    shards, so ``kvrouter_index_sync_up`` stays 1 and only ``kvrouter_index_sync_shard_up``
+    of the down node's shards drops; the replicas whose keys live there route on a frozen
+    index. Pod a (two workers) loses shard {1} from minute 2 to 12; pod b loses the whole
+    store (every shard 0 with ``up`` 0: KVRouterIndexSyncDown's case, not this one's)."""
+    a = {"namespace": "kvr", "pod": "kvrouter-a"}
+    b = {"namespace": "kvr", "pod": "kvrouter-b", "worker": "0"}
+    down = ["1", "1"] + ["0"] * 10 + ["1"] * 8  # 0 .. 19m
+    series = []
+    for worker in ("0", "1"):
+        w = {**a, "worker": worker}
+        series.append(_series("kvrouter_index_sync_up", w, ["1"] * 20))
+        series.append(_series("kvrouter_index_sync_shard_up", {**w, "stream": "kvr:s:{0}"},
+                              ["1"] * 20))  # fmt: skip
+        series.append(_series("kvrouter_index_sync_shard_up", {**w, "stream": "kvr:s:{1}"}, down))
+    series.append(_series("kvrouter_index_sync_up", b, down))
+    for shard in ("{0}", "{1}"):
+        series.append(_series("kvrouter_index_sync_shard_up", {**b, "stream": f"kvr:s:{shard}"},
+                              down))  # fmt: skip
+    fired = [_fires("KVRouterIndexShardDown", {**a, "stream": "kvr:s:{1}"})]
+    _promtool_tests(tmp_path, [{
+        "interval": "1m",
+        "input_series": series,
+        "alert_rule_test": [
+            {"eval_time": "2m", "alertname": "KVRouterIndexShardDown", "exp_alerts": []},
+            {"eval_time": "5m", "alertname": "KVRouterIndexShardDown", "exp_alerts": fired},
+            {"eval_time": "11m", "alertname": "KVRouterIndexShardDown", "exp_alerts": fired},
+            {"eval_time": "14m", "alertname": "KVRouterIndexShardDown", "exp_alerts": []},
+        ],
+    }])  # fmt: skip
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration (``45s``, ``1m30s``) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_compose_lets_the_routers_drain_before_docker_kills_them() -> None:
+    """``docker compose stop`` / ``down`` sends SIGTERM, then SIGKILL after the service's
+    ``stop_grace_period`` (10 s unless set): below the router's ``shutdown_timeout_s``
+    (30 s by default) it kills the streams the router would still finish."""
+    from router.service.config import load_settings
+
+    compose = yaml.safe_load((DEPLOY / "docker" / "docker-compose.yaml").read_text())
+    settings = load_settings(DEPLOY / "docker" / "router.toml", environ={})
+    shutdown = settings.server.shutdown_timeout_s
+    for name, svc in compose["services"].items():
+        if svc.get("command", [None])[0] == "serve":
+            grace = _seconds(svc.get("stop_grace_period", "10s"))
+            assert grace > shutdown, f"{name}: killed {grace} s after SIGTERM, drains {shutdown} s"
+
+
+def test_router_pod_runs_unprivileged() -> None:
+    """The router needs no privilege: a non-root user enforced (the image's USER 10001),
+    no privilege escalation, no Linux capabilities, the runtime's default seccomp profile
+    (the Pod Security Standards' "restricted" profile)."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    pod = docs[("Deployment", "kvrouter")]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for container in pod["containers"]:
+        ctx = container["securityContext"]
+        assert ctx["allowPrivilegeEscalation"] is False, container["name"]
+        assert ctx["capabilities"] == {"drop": ["ALL"]}, container["name"]
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    user = re.findall(r"^USER (\S+)$", dockerfile, flags=re.M)
+    assert user and user[-1].isdigit() and int(user[-1]) != 0  # runAsNonRoot needs a numeric one
+
+
+_EQUALS = re.compile(r'(?:^|[{,])\s*([A-Za-z_]\w*)\s*(=|!=)\s*"([^"$]*)"')
+
+
+def _literal_matchers(expr: str) -> list[tuple[str, str, str]]:
+    """(series, label, value) of every ``label="value"`` / ``label!="value"`` matcher of
+    ``expr`` (not regexes, not ``le``, not Grafana variables)."""
+    return [
+        (name, label, value)
+        for name, listed in _SELECTOR.findall(expr)
+        for label, _, value in _EQUALS.findall(listed)
+        if label != "le" and value
+    ]
+
+
+def test_operator_queries_match_label_values_the_router_documents() -> None:
+    """A label value an alert or panel selects (``result="met"``) is one its family's
+    docs/metrics.md row lists: a value renamed in the code and its docs row leaves a
+    ``result="missed"`` selector matching nothing, and the alert or panel silent."""
+    rows = dict(re.findall(r"^\| `(kvrouter_\w+)` \|(.*)$", (DOCS / "metrics.md").read_text(),
+                           flags=re.M))  # fmt: skip
+    problems, checked = [], 0
+    for where, expr in _queries():
+        for name, label, value in _literal_matchers(expr):
+            row = next((rows[n] for n in (name, f"{name}_total", re.sub(r"_total$", "", name))
+                        if n in rows), None)  # fmt: skip
+            checked += 1
+            if row is None or f"`{value}`" not in row:
+                problems.append(f"{where}: {name}{{{label}={value!r}}}: not a documented value")
+    assert problems == [], "\n".join(problems)
+    assert checked >= 5
+    assert _literal_matchers('x{result="met"} + kvrouter_a{le="1", result!="failed", m=~"x"}') == [
+        ("kvrouter_a", "result", "failed")
+    ]
