@@ -5,6 +5,7 @@ pool: the ids must be the same whichever thread encodes."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -97,3 +98,26 @@ def test_a_forked_child_gets_a_pool_of_its_own() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.read(r, 16) == b"ok" and os.waitstatus_to_exitcode(status) == 0
     os.close(r)
+
+
+def test_models_sharing_a_bpe_file_parse_it_once_and_a_changed_file_anew(tmp_path: Path) -> None:
+    """A base model and its LoRA adapters name one tokenizer: its BPE file (hundreds of
+    thousands of lines) is parsed once per process, while a file changed on disk is read
+    again. tiktoken's own loader kept a copy of every file under the temporary directory,
+    keyed by its path, and served it ever after: a tokenizer replaced at the same path was
+    read as the old one, by every later router process too."""
+    import base64
+    import os
+
+    path = tmp_path / "bpe.tiktoken"
+    lines = [f"{base64.b64encode(bytes([b])).decode()} {b}" for b in range(256)]
+    path.write_text("\n".join(lines) + "\n")
+    first = TiktokenTokenizer.from_file(path, pattern="cl100k")
+    second = TiktokenTokenizer.from_file(path, pattern="cl100k")
+    assert first._enc._mergeable_ranks is second._enc._mergeable_ranks
+    assert np.array_equal(first.encode_segment("ab"), second.encode_segment("ab"))
+    path.write_text("\n".join([*lines, f"{base64.b64encode(b'ab').decode()} 256"]) + "\n")
+    os.utime(path, ns=(1, 1))  # (another mtime, whatever the clock's granularity)
+    changed = TiktokenTokenizer.from_file(path, pattern="cl100k")
+    assert changed._enc._mergeable_ranks is not first._enc._mergeable_ranks
+    assert changed.vocab_size == 257 and list(changed.encode_segment("ab")) == [256]

@@ -21,6 +21,7 @@ takes the whitespace before it (``lstrip``) or is matched depending on its surro
 
 from __future__ import annotations
 
+import base64
 import importlib
 import itertools
 import json
@@ -277,6 +278,45 @@ class _CoreBPE(Protocol):
     def encode_to_tiktoken_buffer(self, text: str, allowed_special: frozenset[str]) -> bytes: ...
 
 
+# parsed BPE files by (real path, size, mtime): models sharing a tokenizer (a base and its
+# LoRA adapters) parse it once; a file changed on disk is parsed anew
+_RANKS: dict[tuple[str, int, int], dict[bytes, int]] = {}
+_RANKS_KEPT = 8
+_ranks_lock = threading.Lock()
+
+
+def _bpe_ranks(path: str) -> dict[bytes, int]:
+    """The ranks of the ``base64 rank`` BPE file at ``path``, shared read-only (tiktoken's
+    ``Encoding`` keeps them as given, and nothing here changes them). Read from the file
+    itself: tiktoken's ``load_tiktoken_bpe`` keeps a copy of every file it reads under the
+    temporary directory, keyed by its path alone, and serves that copy ever after, so a
+    tokenizer file replaced at the same path was never read again. ValueError for a line
+    that is not ``TOKEN RANK`` (as tiktoken parses it)."""
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    with _ranks_lock:
+        ranks = _RANKS.get(key)
+        if ranks is None:
+            ranks = _parse_bpe(Path(path).read_bytes(), path)
+            if len(_RANKS) >= _RANKS_KEPT:
+                _RANKS.pop(next(iter(_RANKS)))
+            _RANKS[key] = ranks
+    return ranks
+
+
+def _parse_bpe(contents: bytes, path: str) -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
+    for line in contents.splitlines():
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+        except ValueError as exc:  # (binascii.Error is one)
+            raise ValueError(f"line {line[:80]!r} is not 'TOKEN RANK'") from exc
+    return ranks
+
+
 class TiktokenTokenizer:
     """A tiktoken BPE vocabulary with its pattern and special tokens."""
 
@@ -352,10 +392,8 @@ class TiktokenTokenizer:
         ``num_reserved`` appends Kimi-style reserved special tokens after the base vocabulary
         (``<|reserved_token_{id}|>``) for ids not named in ``special_tokens``.
         """
-        from tiktoken.load import load_tiktoken_bpe
-
         try:
-            ranks = load_tiktoken_bpe(os.fspath(path))
+            ranks = _bpe_ranks(os.fspath(path))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read tiktoken BPE file {os.fspath(path)!r}: {exc}") from None
         specials = dict(special_tokens or {})
