@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain
 from pathlib import Path
@@ -358,7 +358,7 @@ def mooncake_rows(
     raw: list[tuple[float, int, int, list[int], str | None, int | None, float]] = []
     manners: list[tuple[int, bool, str, str | None]] = []
     last_of_session: dict[str, tuple[int, float | None]] = {}  # (row, finish ms)
-    for lineno, row in _of_model(path, list(_rows(path)), model):
+    for lineno, row in _of_model(path, [r for r in _rows(path) if offered(r[1])], model):
         where = f"{path}:{lineno}"
         ts = _int(row, "timestamp", where, 0) / 1000.0
         n_in = _int(row, "input_length", where)
@@ -424,6 +424,16 @@ def mooncake_rows(
             )
         )
     return batch_outputs(out)
+
+
+def offered(row: Mapping[str, Any]) -> bool:
+    """Whether a replay offers a recorded ``row`` again: every one but a request its replica
+    refused as the client's error (a 4xx ``status`` other than 408 / 429: a request the
+    engine found wrong, as one the router refused itself before routing, which is no row;
+    offered again it would run as a request that never ran). A shed (429), a request no
+    replica answered (5xx) and one without a status are offered load."""
+    status = row.get("status")
+    return not (type(status) is int and 400 <= status < 500 and status not in (408, 429))
 
 
 def _of_model(
