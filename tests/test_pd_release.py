@@ -137,3 +137,39 @@ async def test_the_release_is_the_prefill_answers_params_and_skips_dead_replicas
         await router.cleanup()
         await live.stop()
         await prefill.runner.cleanup()
+
+
+async def test_a_release_still_running_when_the_router_stops_is_awaited() -> None:
+    """The router stopping while a release is out (its target slow to refuse) waits for it:
+    the prefill replica's blocks are handed back and no task is destroyed pending (before,
+    the task was dropped with the event loop)."""
+    import asyncio
+
+    from router.service.pd_serve import releases
+
+    prefill = await _Prefill().start()
+    router, _ = await start_router(_settings([("p0", prefill.url, "prefill")]))
+    assert releases in list(router.app.cleanup_ctx)  # a P/D router stops through it
+    md = next(iter(router.app[STATE].disagg.values()))
+    go = asyncio.Event()
+
+    async def release() -> None:
+        await go.wait()
+        md.count(md.releases, "released")
+
+    task = asyncio.get_running_loop().create_task(release())
+    md.releasing.add(task)
+    task.add_done_callback(md.releasing.discard)
+    try:
+        ctx = releases(router.app)
+        await anext(ctx)
+        stopping = asyncio.get_running_loop().create_task(anext(ctx, None))
+        for _ in range(5):  # (turns of the loop, no time: the stop waits on the task)
+            await asyncio.sleep(0)
+        assert not stopping.done()
+        go.set()
+        await stopping
+        assert md.releases == {"released": 1} and not md.releasing
+    finally:
+        await router.cleanup()
+        await prefill.runner.cleanup()

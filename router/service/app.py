@@ -88,6 +88,10 @@ def create_app(settings: Settings, state: RouterState | None = None) -> web.Appl
     app.cleanup_ctx.append(loop_lag)  # the saturation gauge (router/service/saturation.py)
     for factory in settings.background:
         app.cleanup_ctx.append(factory)
+    if state.disagg:  # (after the upstream client: ends before it closes)
+        from router.service.pd_serve import releases
+
+        app.cleanup_ctx.append(releases)
     if settings.server.redis_url:
         app.cleanup_ctx.append(background.redis_index)
         if settings.server.pods_exchange != "off":

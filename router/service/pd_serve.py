@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
+
+from aiohttp import web
 
 from router.core.disagg import DecodePick
 from router.core.errors import KVRouterError
@@ -43,6 +45,7 @@ from router.service import pd_release
 from router.service.answer_relay import record_request
 from router.service.disagg import ModelDisagg, PdFlow
 from router.service.errors import refused_load, reply_for
+from router.service.keys import STATE
 from router.service.proxy import Forwarder
 from router.service.replica_url import ReplicaUrl
 from router.service.retry import retry_after_s
@@ -360,3 +363,13 @@ def _start_release(
     task = asyncio.get_running_loop().create_task(run())
     md.releasing.add(task)  # held until done
     task.add_done_callback(md.releasing.discard)
+
+
+async def releases(app: web.Application) -> AsyncIterator[None]:
+    """(cleanup context) Releases still running when the router stops are awaited, each
+    bounded by a few connect timeouts: the blocks they hand back are freed, and no task is
+    destroyed pending. Before the upstream client closes (contexts end in reverse order)."""
+    yield
+    running = [t for md in app[STATE].disagg.values() for t in md.releasing]
+    if running:
+        await asyncio.gather(*running, return_exceptions=True)
