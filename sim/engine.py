@@ -34,10 +34,13 @@ Scheduling (vLLM v1 style, simplified):
   (its KV arrives at the start of the first step from then on; an idle engine wakes for
   it) its blocks are named and it goes before the waiting queue, taking a running slot and
   one token of budget (its last prompt token, recomputed to sample the first); its first
-  token comes at the end of that step. A decode leg with nothing to pull (``pull_s`` 0)
-  joins the step admitting it the same way. (vLLM 0.34, no ``--max-num-inflight-kv-loads``:
-  ``load_kv_async``, ``WAITING_FOR_REMOTE_KVS``, ``kv_holding_waiting``,
-  ``_update_waiting_for_remote_kv``; docs/simulator.md.)
+  token comes at the end of that step; it joins the running order (preemption's) then, as
+  vLLM appends it to ``running``. A decode leg with nothing to pull (``pull_s`` 0) joins the
+  step admitting it the same way. The blocks pulls hold can make even the last running
+  sequence outgrow the cache: it is preempted then (vLLM preempts ``running[-1]``,
+  itself). (vLLM 0.34, no ``--max-num-inflight-kv-loads``: ``load_kv_async``,
+  ``WAITING_FOR_REMOTE_KVS``, ``kv_holding_waiting``, ``_update_waiting_for_remote_kv``;
+  docs/simulator.md.)
 * ``scheduling="priority"`` (vLLM's ``--scheduling-policy priority``): requests wait in
   order of (``priority``, arrival) instead of arrival alone, a preempted one included.
 * Decoding sequences allocate a block when their context crosses a block boundary. When a
@@ -441,6 +444,10 @@ class EngineModel(Scheduler):
     def _start(self, now: float) -> None:
         mark = len(self._events)
         admit = not self._room_for_decoders()
+        if not admit and not self._prefilling and not self._decoding:
+            # the last running sequence preempted (decode legs pulling hold the memory): that
+            # step schedules nothing and the next, at once, admits what fits
+            admit = True
         cost = self.cost
         decoders = list(self._decoding)
         ndec = len(decoders)
@@ -468,6 +475,8 @@ class EngineModel(Scheduler):
                     break
                 loading.remove(seq)
                 self._prefilling.append(seq)
+                self._admissions += 1  # it joins the running order now (preemption's)
+                seq.admitted = self._admissions
                 budget -= 1
                 dur += self._kv_arrived(seq) + self._schedule_chunk(seq, 0, chunks, hold)
             waiting = self._waiting
