@@ -85,7 +85,8 @@ Cache:
 * Every change is recorded as router index events (BlocksStored / BlocksRemoved with tier
   and kind), returned in order by ``take_index_events``.
 * ``kv_usage`` in reports counts referenced and allocated blocks, not the reusable cached
-  ones (vLLM's ``gpu_cache_usage`` convention).
+  ones (vLLM's ``gpu_cache_usage`` convention); a prefilling sequence's only up to the
+  chunk scheduled (vLLM allocates chunk by chunk; the model reserves the whole prompt).
 """
 
 from __future__ import annotations
@@ -374,8 +375,19 @@ class EngineModel(Scheduler):
     # ------------------------------------------------------------------ introspection
 
     def kv_usage(self) -> float:
-        """Referenced + allocated blocks over capacity (reusable cached blocks not counted)."""
-        return min(1.0, (self._used() - self._free_cost) / self.capacity)
+        """Referenced + allocated blocks over capacity (reusable cached blocks not counted).
+        A prefilling sequence counts the blocks of the tokens scheduled so far: vLLM checks
+        at admission that its whole prompt fits but allocates each chunk's blocks as it
+        schedules it (``allocate_slots``); the model reserves them all at admission."""
+        ahead = 0
+        if self._prefilling:
+            seg = self._seg
+            chunk = {id(s): n for s, n in seg.chunks} if seg is not None else {}
+            block = self.block_size
+            for s in self._prefilling:
+                scheduled = min(s.target, s.computed + chunk.get(id(s), 0))
+                ahead += max(0, min(s.unnamed, s.blocks - -(-scheduled // block)))
+        return min(1.0, (self._used() - self._free_cost - ahead) / self.capacity)
 
     def cached_blocks(self) -> int:
         """Named KV blocks on GPU (referenced or not)."""
