@@ -34,10 +34,13 @@ Scheduling (vLLM v1 style, simplified):
   (its KV arrives at the start of the first step from then on; an idle engine wakes for
   it) its blocks are named and it goes before the waiting queue, taking a running slot and
   one token of budget (its last prompt token, recomputed to sample the first); its first
-  token comes at the end of that step. A decode leg with nothing to pull (``pull_s`` 0)
-  joins the step admitting it the same way. (vLLM 0.34, no ``--max-num-inflight-kv-loads``:
-  ``load_kv_async``, ``WAITING_FOR_REMOTE_KVS``, ``kv_holding_waiting``,
-  ``_update_waiting_for_remote_kv``; docs/simulator.md.)
+  token comes at the end of that step; it joins the running order (preemption's) then, as
+  vLLM appends it to ``running``. A decode leg with nothing to pull (``pull_s`` 0) joins the
+  step admitting it the same way. The blocks pulls hold can make even the last running
+  sequence outgrow the cache: it is preempted then (vLLM preempts ``running[-1]``,
+  itself). (vLLM 0.34, no ``--max-num-inflight-kv-loads``: ``load_kv_async``,
+  ``WAITING_FOR_REMOTE_KVS``, ``kv_holding_waiting``, ``_update_waiting_for_remote_kv``;
+  docs/simulator.md.)
 * ``scheduling="priority"`` (vLLM's ``--scheduling-policy priority``): requests wait in
   order of (``priority``, arrival) instead of arrival alone, a preempted one included.
 * Decoding sequences allocate a block when their context crosses a block boundary. When a
@@ -82,7 +85,8 @@ Cache:
 * Every change is recorded as router index events (BlocksStored / BlocksRemoved with tier
   and kind), returned in order by ``take_index_events``.
 * ``kv_usage`` in reports counts referenced and allocated blocks, not the reusable cached
-  ones (vLLM's ``gpu_cache_usage`` convention).
+  ones (vLLM's ``gpu_cache_usage`` convention); a prefilling sequence's only up to the
+  chunk scheduled (vLLM allocates chunk by chunk; the model reserves the whole prompt).
 """
 
 from __future__ import annotations
@@ -371,8 +375,19 @@ class EngineModel(Scheduler):
     # ------------------------------------------------------------------ introspection
 
     def kv_usage(self) -> float:
-        """Referenced + allocated blocks over capacity (reusable cached blocks not counted)."""
-        return min(1.0, (self._used() - self._free_cost) / self.capacity)
+        """Referenced + allocated blocks over capacity (reusable cached blocks not counted).
+        A prefilling sequence counts the blocks of the tokens scheduled so far: vLLM checks
+        at admission that its whole prompt fits but allocates each chunk's blocks as it
+        schedules it (``allocate_slots``); the model reserves them all at admission."""
+        ahead = 0
+        if self._prefilling:
+            seg = self._seg
+            chunk = {id(s): n for s, n in seg.chunks} if seg is not None else {}
+            block = self.block_size
+            for s in self._prefilling:
+                scheduled = min(s.target, s.computed + chunk.get(id(s), 0))
+                ahead += max(0, min(s.unnamed, s.blocks - -(-scheduled // block)))
+        return min(1.0, (self._used() - self._free_cost - ahead) / self.capacity)
 
     def cached_blocks(self) -> int:
         """Named KV blocks on GPU (referenced or not)."""
@@ -441,6 +456,10 @@ class EngineModel(Scheduler):
     def _start(self, now: float) -> None:
         mark = len(self._events)
         admit = not self._room_for_decoders()
+        if not admit and not self._prefilling and not self._decoding:
+            # the last running sequence preempted (decode legs pulling hold the memory): that
+            # step schedules nothing and the next, at once, admits what fits
+            admit = True
         cost = self.cost
         decoders = list(self._decoding)
         ndec = len(decoders)
@@ -468,6 +487,8 @@ class EngineModel(Scheduler):
                     break
                 loading.remove(seq)
                 self._prefilling.append(seq)
+                self._admissions += 1  # it joins the running order now (preemption's)
+                seq.admitted = self._admissions
                 budget -= 1
                 dur += self._kv_arrived(seq) + self._schedule_chunk(seq, 0, chunks, hold)
             waiting = self._waiting

@@ -101,11 +101,13 @@ class Scheduler(BlockCache):
     def _room_for_decoders(self) -> bool:
         """Preempt running sequences, most recently admitted first, until the decoders' next
         step fits; True if any was preempted (vLLM then admits nothing this step). The last
-        running sequence always fits (``submit`` rejects larger requests)."""
+        running sequence always fits (``submit`` rejects larger requests) unless decode legs
+        pulling their KV hold blocks: then it is preempted too, as vLLM preempts
+        ``running[-1]``, the request failing to allocate itself."""
         preempted = False
         while (
             self._decoding
-            and len(self._decoding) + len(self._prefilling) > 1
+            and (len(self._decoding) + len(self._prefilling) > 1 or self._loading)
             and len(self._decoding) > self._free_blocks()  # a step needs <= 1 block each
             and self._growth(self._decoding, 1) > self._free_blocks()
         ):

@@ -645,3 +645,18 @@ def test_checkpoints_and_hits_stay_on_a_coarser_engine_block_grid(
     first = next(o for o in drain(e) if isinstance(o, FirstToken))
     assert first.kv_hit_tokens == 100
     assert first.cached_tokens == (100 if mode == "every_block" else 80)
+
+
+def test_a_chunked_prefill_reports_the_blocks_of_the_chunks_scheduled_so_far() -> None:
+    """vLLM 0.34 checks at admission that the whole prompt fits (``full_sequence_must_fit``)
+    but allocates the blocks of the tokens each step schedules (``allocate_slots``:
+    ``num_tokens_need_slot = total_computed_tokens + num_new_tokens``), so its KV usage,
+    which routers read, grows chunk by chunk. The engine model reported the whole prompt's
+    blocks, reserved at admission, from the first chunk on."""
+    e = engine(kv_blocks=100)
+    e.submit(req("a", list(range(1, 26)), 250, out=5), 0.0)  # chunks of 100, 100, 50
+    assert e.report(0.001).kv_usage == pytest.approx(0.10)
+    e.advance(0.021)  # the second chunk's step
+    assert e.report(0.021).kv_usage == pytest.approx(0.20)
+    e.advance(0.041)
+    assert e.report(0.041).kv_usage == pytest.approx(0.25)

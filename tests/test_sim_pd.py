@@ -11,7 +11,7 @@ from router.core.load import CostModel
 from router.core.types import BlocksStored, Kind, ReplicaKey
 from sim.agentic import AgenticSpec, generate
 from sim.cluster import ClusterConfig, Simulation
-from sim.engine import EngineModel, EngineRequest, Finished, FirstToken
+from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, TokensEmitted
 from sim.pd import roles_of, sites_of
 from sim.profiles import EngineProfile, load_profile
 from sim.tuned import load_tuned
@@ -254,3 +254,48 @@ def test_the_service_s_keep_local_rule_is_the_one_the_simulator_applies() -> Non
     assert keep_local({"prompt": ["a", "b"]}, "completion") == "batch_prompts"
     assert keep_local({"prompt": [1, 2]}, "completion") == ""
     assert keep_local({"messages": [], "n": 2}, "chat") == "parallel_sampling"
+
+
+def test_a_lone_decoder_outgrowing_a_pulling_legs_memory_is_preempted() -> None:
+    """A decode leg's pull holds its blocks outside the batch, beside one decoder. The
+    decoder grows until its next block does not fit: vLLM 0.34's ``allocate_slots`` fails
+    and ``schedule`` preempts ``running[-1]``, the decoder itself (the leg, not running, is
+    not a candidate); it resumes once the leg is done. The engine model never preempted
+    the last running sequence and let it write into memory the engine did not have (11
+    blocks in use on 10)."""
+    e = _pd_engine(kv_blocks=10)
+    e.submit(EngineRequest("d", [1, 2], 20, 60), 0.0)  # 8 blocks by its last token
+    e.advance(0.05)
+    leg = EngineRequest("leg", list(range(100, 104)), 40, 5, remote_prefilled=True, pull_s=5.0)
+    e.submit(leg, 0.06)  # 4 blocks, held for 5 s
+    outs: list[object] = []
+    while (t := e.next_time()) is not None:
+        outs += e.advance(t)
+        assert _used(e) <= e.capacity
+    assert e.preemptions == 1
+    fins = {o.request_id: o for o in outs if isinstance(o, Finished)}
+    assert fins["d"].output_tokens == 60 and fins["leg"].output_tokens == 5
+    assert fins["leg"].time < fins["d"].time  # d waited for the leg's blocks
+
+
+def test_a_decode_leg_joins_the_running_order_when_its_kv_arrives() -> None:
+    """vLLM 0.34 appends a decode leg to ``running`` when its KV has arrived and it is
+    scheduled, not when its pull starts; FCFS preemption takes ``running[-1]``. Here the
+    leg r's pull starts first, then b is admitted; r joins the batch after b, so when the
+    decoders outgrow the cache r, the last to join, is preempted. The engine model ranked r
+    by the start of its pull and preempted b."""
+    e = _pd_engine(kv_blocks=11, max_running=4)  # 6 blocks each by the end
+    r = EngineRequest("r", [10, 11], 20, 40, remote_prefilled=True, pull_s=0.05)
+    e.submit(r, 0.0)
+    e.submit(EngineRequest("b", [20, 21], 20, 40), 0.0)
+    outs = _run(e)
+    assert e.preemptions == 1
+    first = {o.request_id: o.time for o in outs if isinstance(o, FirstToken)}
+    assert first["b"] < first["r"]  # b ran before r's KV arrived
+    resumed = [o.request_id for o in outs if isinstance(o, TokensEmitted) and o.count == 1]
+    fins = [o.request_id for o in outs if isinstance(o, Finished)]
+    assert "r" in resumed and fins == ["b", "r"]
+
+
+def _used(e: EngineModel) -> float:
+    return e._used()
