@@ -437,6 +437,34 @@ def test_withdrawing_a_dispatch_drops_only_what_no_later_dispatch_named() -> Non
     assert idx.stats().speculative_entries == 0
 
 
+def test_withdrawing_a_dispatch_keeps_what_an_earlier_one_still_guesses() -> None:
+    """A block named by several dispatches to a replica stays guessed while any of them is
+    alive: withdrawing the later one (refused) takes back only what it alone named, and
+    the earlier one's guess stays whole until its own TTL (it reached the engine). Before,
+    the index kept only the last call per block, so the withdrawal dropped the shared
+    prefix and left the earlier guess with a hole at its start: no match at all."""
+    idx = PrefixIndex()
+    idx.speculate(A, H[:6], [H[5]], now=0.0, ttl=30.0)  # reached the engine
+    later = idx.speculate(A, H[:8], [H[7]], now=1.0, ttl=30.0)  # refused
+    assert idx.withdraw(A, later, H[:8], [H[7]]) == 2 + 1  # H[6:8] and its checkpoint
+    m = idx.match(H, hybrid=True, now=2.0).get(A)
+    assert (m.kv_blocks, m.usable_blocks) == (6, 6)
+    assert idx.stats().speculative_entries == 6 + 1
+    assert idx.expire(30.5) == 6 + 1
+    assert idx.match(H, now=30.5).get(A) is NO_MATCH
+
+
+def test_a_later_guess_that_ends_sooner_does_not_cut_an_earlier_one_short() -> None:
+    """A block is guessed until the last of the calls naming it ends, whichever was made
+    last: a later dispatch may carry a shorter TTL (a peer pod's, adopted late; another
+    model's setting), and its end must not take the earlier dispatch's blocks with it."""
+    idx = PrefixIndex()
+    idx.speculate(A, H[:6], [], now=0.0, ttl=30.0)
+    idx.speculate(A, H[:4], [], now=1.0, ttl=2.0)  # ends at 3.0
+    assert idx.match(H, now=5.0).get(A).kv_blocks == 6
+    assert idx.match(H, now=30.0).get(A) is NO_MATCH
+
+
 def test_withdrawing_after_the_replica_was_cleared_or_removed_is_harmless() -> None:
     idx = PrefixIndex()
     spec = idx.speculate(A, H[:6], [], now=0.0, ttl=30.0)

@@ -95,9 +95,12 @@ class IndexTables:
         self._kv: tuple[dict[int, int], ...] = ({}, {}, {})
         self._state: dict[int, int] = {}
         self._spec: tuple[dict[int, int], dict[int, int]] = ({}, {})
-        # (kind, slot) -> {block: id of the speculate() call that last named it}
+        # (kind, slot) -> {block: the id of the speculate() call that began its entry << 32
+        # | how many live calls since name it} (router/core/index_updates.py)
         self._spec_owner: dict[tuple[int, int], dict[int, int]] = {}
         self._spec_heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
+        # queued calls (spec_id << 1 | kind) neither withdrawn nor ended
+        self._spec_live: set[int] = set()
         self._spec_ids = itertools.count(1)
         # per kind: block -> mask of the slots whose engine has yet to report storing it,
         # oldest first (an OrderedDict: a plain dict's first key, deleted again and again,
@@ -275,6 +278,7 @@ class IndexTables:
             self._spec_owner = {k: v for k, v in self._spec_owner.items() if not (dead >> k[1]) & 1}
             self._spec_heap = [e for e in self._spec_heap if not (dead >> e[2]) & 1]
             heapq.heapify(self._spec_heap)
+            self._spec_live &= {e[1] << 1 | e[3] for e in self._spec_heap}
             self._spec_queued = sum(len(e[4]) for e in self._spec_heap)
             self._free.extend(iter_slots(dead))
             self._dead &= keep

@@ -31,6 +31,10 @@ from router.core.types import (
 # blocks of each kind awaited from engines at once (PrefixIndex.await_store); beyond it the
 # oldest are forgotten, i.e. no longer awaited
 MAX_AWAITED = 400_000
+# a speculated block's entry: the id of the call that began it, shifted, and how many live
+# calls (that one and later ones) name it
+SPEC_COUNT_BITS = 32
+SPEC_COUNT_MASK = (1 << SPEC_COUNT_BITS) - 1
 _SINK: deque[object] = deque(maxlen=0)
 _consume = _SINK.extend  # exhaust an iterator (C-level loops for bulk events)
 
@@ -204,16 +208,25 @@ class IndexUpdates(IndexTables):
         """Assume ``key`` will cache these blocks (a request was just sent there) until
         ``now + ttl``. Covers event lag, and is the whole index in approximate mode.
         Returns the call's id, for :meth:`withdraw` (a tuple of hashes is kept as given,
-        not copied)."""
+        not copied). A block stays guessed while any call naming it (since the engine last
+        reported it) is alive: neither a later call's earlier end nor its withdrawal takes
+        an earlier call's guess with it."""
         slot = self._slot(key)
         bit = 1 << slot
         spec_id = next(self._spec_ids)
+        first = spec_id << SPEC_COUNT_BITS | 1
         for kind, hashes in ((Kind.KV, kv_hashes), (Kind.STATE, state_hashes)):
             if not hashes:
                 continue
             table = self._spec[kind]
             owner = self._spec_owner.setdefault((kind, slot), {})
-            owner.update(dict.fromkeys(hashes, spec_id))
+            named = owner.keys() & hashes  # (a call counts a block once)
+            for block in named:
+                owner[block] += 1
+            if named:
+                owner.update(dict.fromkeys(filterfalse(named.__contains__, hashes), first))
+            else:
+                owner.update(dict.fromkeys(hashes, first))
             single = ~slot
             get = table.get
             for block in hashes:
@@ -228,6 +241,7 @@ class IndexUpdates(IndexTables):
             # collector's lists at its first collection (one entry a request, ~10^5 alive)
             entry = (now + ttl, spec_id, slot, int(kind), tuple(hashes))
             heapq.heappush(self._spec_heap, entry)
+            self._spec_live.add(spec_id << 1 | kind)
             self._spec_queued += len(hashes)
         while self._spec_queued > self.max_speculative_blocks and self._spec_heap:
             self._drop_spec(heapq.heappop(self._spec_heap))
@@ -242,17 +256,19 @@ class IndexUpdates(IndexTables):
     ) -> int:
         """Take back what the :meth:`speculate` call ``spec_id`` of ``key`` (with these
         hashes) guessed, before its TTL: the request never reached the engine's cache (it
-        refused the connection or answered an error). Only the blocks no later call named
-        again go, and none the engine reported (they are real entries); a replica cleared
-        or removed since has nothing of the call left. Returns how many entries went.
-        Idempotent; the call's expiry later drops nothing more (its blocks count toward
-        ``max_speculative_blocks`` until then, as its queued entry does)."""
+        refused the connection or answered an error). Only the blocks no other live call
+        (earlier or later) names go, and none the engine reported (they are real entries);
+        a replica cleared or removed since has nothing of the call left. Returns how many
+        entries went. Idempotent; the call's expiry later drops nothing more (its blocks
+        count toward ``max_speculative_blocks`` until then, as its queued entry does)."""
         slot = self._slot_of.get(key)
         if slot is None:
             return 0
         dropped = 0
         for kind, hashes in ((Kind.KV, kv_hashes), (Kind.STATE, state_hashes)):
-            if hashes:
+            live = spec_id << 1 | kind
+            if hashes and live in self._spec_live:
+                self._spec_live.discard(live)
                 dropped += self._unspeculate(slot, int(kind), spec_id, hashes)
         return dropped
 
@@ -265,25 +281,35 @@ class IndexUpdates(IndexTables):
         return dropped
 
     def _drop_spec(self, entry: tuple[float, int, int, int, tuple[int, ...]]) -> int:
-        """Remove the blocks of one speculate() call that no later call has named again."""
+        """End one speculate() call's guess of one kind (unless withdrawn already)."""
         _, spec_id, slot, kind, hashes = entry
         self._spec_queued -= len(hashes)
+        live = spec_id << 1 | kind
+        if live not in self._spec_live:
+            return 0
+        self._spec_live.discard(live)
         return self._unspeculate(slot, kind, spec_id, hashes)
 
     def _unspeculate(self, slot: int, kind: int, spec_id: int, hashes: Sequence[int]) -> int:
-        """Drop the blocks of ``hashes`` that call ``spec_id`` was the last to name on
-        ``slot``; returns how many."""
+        """Call ``spec_id`` no longer names ``hashes`` on ``slot``: drop the blocks no other
+        call counted with it names; returns how many. A block's count covers the calls made
+        since its entry began (the engine's last word on it): an older call is not in it."""
         owner = self._spec_owner.get((kind, slot))
         if owner is None:
             return 0
         table = self._spec[kind]
         bit = 1 << slot
         dropped = 0
-        for block in hashes:
-            if owner.get(block) == spec_id:
-                del owner[block]
-                discard(table, block, bit)
-                dropped += 1
+        for block in dict.fromkeys(hashes):
+            count = owner.get(block)
+            if count is None or count >> SPEC_COUNT_BITS > spec_id:
+                continue  # settled since, or guessed anew by later calls only
+            if count & SPEC_COUNT_MASK > 1:
+                owner[block] = count - 1
+                continue
+            del owner[block]
+            discard(table, block, bit)
+            dropped += 1
         if not owner:
             del self._spec_owner[(kind, slot)]
         return dropped

@@ -376,7 +376,7 @@ class RoutingEngine(LearnedLayout):
     def withdraw(self, dispatch: Dispatch) -> None:
         """The request of ``dispatch`` never reached its replica's cache (the replica
         refused the connection, dropped it unanswered, or answered an error): take back
-        its speculative entries (those no later dispatch named again) and its session's
+        its speculative entries (those no other live dispatch names) and its session's
         hint (the session's earlier hint comes back, unless a later request replaced it),
         so no request is sent there for a prefix it does not hold; nor is the hint's last
         block awaited any more when the request was the one to await it (a hint that comes
