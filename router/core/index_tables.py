@@ -95,12 +95,15 @@ class IndexTables:
         self._kv: tuple[dict[int, int], ...] = ({}, {}, {})
         self._state: dict[int, int] = {}
         self._spec: tuple[dict[int, int], dict[int, int]] = ({}, {})
-        # (kind, slot) -> {block: the id of the speculate() call that began its entry << 32
-        # | how many live calls since name it} (router/core/index_updates.py)
+        # per (kind, slot), of the speculated blocks (router/core/index_updates.py): the live
+        # speculate() call naming each that ends last; the call that began each one's entry
+        # (since the engine's last word on it); the live calls, id -> (end, hashes); the
+        # latest end of any call made
         self._spec_owner: dict[tuple[int, int], dict[int, int]] = {}
+        self._spec_began: dict[tuple[int, int], dict[int, int]] = {}
+        self._spec_calls: dict[tuple[int, int], dict[int, tuple[float, tuple[int, ...]]]] = {}
+        self._spec_max_end: dict[tuple[int, int], float] = {}
         self._spec_heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
-        # queued calls (spec_id << 1 | kind) neither withdrawn nor ended
-        self._spec_live: set[int] = set()
         self._spec_ids = itertools.count(1)
         # per kind: block -> mask of the slots whose engine has yet to report storing it,
         # oldest first (an OrderedDict: a plain dict's first key, deleted again and again,
@@ -275,10 +278,10 @@ class IndexTables:
                             else:
                                 del awaited[block]
                     yield touched
-            self._spec_owner = {k: v for k, v in self._spec_owner.items() if not (dead >> k[1]) & 1}
+            for k in [k for k in self._spec_calls if (dead >> k[1]) & 1]:
+                self._spec_forget(k)
             self._spec_heap = [e for e in self._spec_heap if not (dead >> e[2]) & 1]
             heapq.heapify(self._spec_heap)
-            self._spec_live &= {e[1] << 1 | e[3] for e in self._spec_heap}
             self._spec_queued = sum(len(e[4]) for e in self._spec_heap)
             self._free.extend(iter_slots(dead))
             self._dead &= keep
@@ -286,6 +289,13 @@ class IndexTables:
             self._garbage = max(0, self._garbage - garbage)
         finally:
             self._compacting = None
+
+    def _spec_forget(self, at: tuple[int, int]) -> None:
+        """Nothing of (kind, slot) ``at`` is speculated any more."""
+        self._spec_owner.pop(at, None)
+        self._spec_began.pop(at, None)
+        self._spec_calls.pop(at, None)
+        self._spec_max_end.pop(at, None)
 
     def stats(self) -> IndexStats:
         return IndexStats(

@@ -11,6 +11,7 @@ yet to report, so that what the router credited ahead of its events lapses once 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import compress, filterfalse, repeat
@@ -31,10 +32,6 @@ from router.core.types import (
 # blocks of each kind awaited from engines at once (PrefixIndex.await_store); beyond it the
 # oldest are forgotten, i.e. no longer awaited
 MAX_AWAITED = 400_000
-# a speculated block's entry: the id of the call that began it, shifted, and how many live
-# calls (that one and later ones) name it
-SPEC_COUNT_BITS = 32
-SPEC_COUNT_MASK = (1 << SPEC_COUNT_BITS) - 1
 _SINK: deque[object] = deque(maxlen=0)
 _consume = _SINK.extend  # exhaust an iterator (C-level loops for bulk events)
 
@@ -190,12 +187,12 @@ class IndexUpdates(IndexTables):
         if not settled:
             return
         table = self._spec[kind]
+        began = self._spec_began[(kind, slot)]
         bit = 1 << slot
         for block in settled:
             del owner[block]
+            del began[block]
             discard(table, block, bit)
-        if not owner:
-            del self._spec_owner[(kind, slot)]
 
     def speculate(
         self,
@@ -214,19 +211,27 @@ class IndexUpdates(IndexTables):
         slot = self._slot(key)
         bit = 1 << slot
         spec_id = next(self._spec_ids)
-        first = spec_id << SPEC_COUNT_BITS | 1
+        end = now + ttl
         for kind, hashes in ((Kind.KV, kv_hashes), (Kind.STATE, state_hashes)):
             if not hashes:
                 continue
             table = self._spec[kind]
-            owner = self._spec_owner.setdefault((kind, slot), {})
-            named = owner.keys() & hashes  # (a call counts a block once)
-            for block in named:
-                owner[block] += 1
-            if named:
-                owner.update(dict.fromkeys(filterfalse(named.__contains__, hashes), first))
-            else:
-                owner.update(dict.fromkeys(hashes, first))
+            at = (kind, slot)
+            owner = self._spec_owner.setdefault(at, {})
+            began = self._spec_began.setdefault(at, {})
+            calls = self._spec_calls.setdefault(at, {})
+            if end >= self._spec_max_end.get(at, -math.inf):
+                # no live call ends later: this one owns every block it names
+                self._spec_max_end[at] = end
+                owner.update(dict.fromkeys(hashes, spec_id))
+            else:  # (a shorter TTL, a peer's dispatch adopted late) only what ends sooner
+                for block in hashes:
+                    held = owner.get(block)
+                    if held is None or calls[held][0] <= end:
+                        owner[block] = spec_id
+            # the entries this call begins (set.difference with a dict iterates the set only)
+            began.update(dict.fromkeys(set(hashes).difference(began), spec_id))
+            calls[spec_id] = (end, tuple(hashes))
             single = ~slot
             get = table.get
             for block in hashes:
@@ -239,9 +244,8 @@ class IndexUpdates(IndexTables):
                         table[block] = mask | bit
             # int(kind), not the enum member: a tuple of plain numbers leaves the garbage
             # collector's lists at its first collection (one entry a request, ~10^5 alive)
-            entry = (now + ttl, spec_id, slot, int(kind), tuple(hashes))
+            entry = (end, spec_id, slot, int(kind), calls[spec_id][1])
             heapq.heappush(self._spec_heap, entry)
-            self._spec_live.add(spec_id << 1 | kind)
             self._spec_queued += len(hashes)
         while self._spec_queued > self.max_speculative_blocks and self._spec_heap:
             self._drop_spec(heapq.heappop(self._spec_heap))
@@ -265,11 +269,8 @@ class IndexUpdates(IndexTables):
         if slot is None:
             return 0
         dropped = 0
-        for kind, hashes in ((Kind.KV, kv_hashes), (Kind.STATE, state_hashes)):
-            live = spec_id << 1 | kind
-            if hashes and live in self._spec_live:
-                self._spec_live.discard(live)
-                dropped += self._unspeculate(slot, int(kind), spec_id, hashes)
+        for kind in (Kind.KV, Kind.STATE):
+            dropped += self._unspeculate(slot, int(kind), spec_id, withdrawn=True)
         return dropped
 
     def expire(self, now: float) -> int:
@@ -284,34 +285,54 @@ class IndexUpdates(IndexTables):
         """End one speculate() call's guess of one kind (unless withdrawn already)."""
         _, spec_id, slot, kind, hashes = entry
         self._spec_queued -= len(hashes)
-        live = spec_id << 1 | kind
-        if live not in self._spec_live:
-            return 0
-        self._spec_live.discard(live)
-        return self._unspeculate(slot, kind, spec_id, hashes)
+        return self._unspeculate(slot, kind, spec_id)
 
-    def _unspeculate(self, slot: int, kind: int, spec_id: int, hashes: Sequence[int]) -> int:
-        """Call ``spec_id`` no longer names ``hashes`` on ``slot``: drop the blocks no other
-        call counted with it names; returns how many. A block's count covers the calls made
-        since its entry began (the engine's last word on it): an older call is not in it."""
-        owner = self._spec_owner.get((kind, slot))
-        if owner is None:
+    def _unspeculate(self, slot: int, kind: int, spec_id: int, withdrawn: bool = False) -> int:
+        """Call ``spec_id`` (of ``slot``, ``kind``) ends: drop the blocks it owns (no live
+        call naming them ends later); returns how many. ``withdrawn`` (before its end): a
+        block it owns passes to the live call naming it since its entry began that ends
+        last, if any (rare: a scan of the slot's live calls). A call ended already, or
+        withdrawn, drops nothing more."""
+        at = (kind, slot)
+        calls = self._spec_calls.get(at)
+        call = None if calls is None else calls.pop(spec_id, None)
+        if call is None:
             return 0
+        owner = self._spec_owner[at]
+        began = self._spec_began[at]
         table = self._spec[kind]
         bit = 1 << slot
+        get = owner.get
         dropped = 0
-        for block in dict.fromkeys(hashes):
-            count = owner.get(block)
-            if count is None or count >> SPEC_COUNT_BITS > spec_id:
-                continue  # settled since, or guessed anew by later calls only
-            if count & SPEC_COUNT_MASK > 1:
-                owner[block] = count - 1
+        if not (withdrawn and calls):  # its end: it owns what no live call ends after
+            for block in call[1]:
+                if get(block) == spec_id:
+                    del owner[block]
+                    del began[block]
+                    discard(table, block, bit)
+                    dropped += 1
+            if not calls:
+                self._spec_forget(at)
+            return dropped
+        mine = [block for block in call[1] if get(block) == spec_id]
+        heirs: dict[int, tuple[float, int]] = {}
+        if mine:
+            wanted = set(mine)
+            for other, (end, hashes) in calls.items():
+                for block in wanted.intersection(hashes):
+                    if other >= began[block] and heirs.get(block, (-math.inf, 0)) < (end, other):
+                        heirs[block] = (end, other)
+        for block in mine:
+            heir = heirs.get(block)
+            if heir is not None:
+                owner[block] = heir[1]
                 continue
             del owner[block]
+            del began[block]
             discard(table, block, bit)
             dropped += 1
-        if not owner:
-            del self._spec_owner[(kind, slot)]
+        if not calls:
+            self._spec_forget(at)
         return dropped
 
     # ------------------------------------------------------------------ awaited stores
