@@ -693,13 +693,16 @@ async def test_a_client_that_leaves_as_its_held_request_goes_takes_back_its_disp
     assert m is not None
     priority_rid = d.backend.received[0]["headers"]["x-request-id"]
     m.queue.finished(priority_rid)  # the priority request no longer needs protecting ...
+    charged = m.queue.counter("")
     adm._step(m, loop.time())  # ... so the pump commits the held one
     assert state.load.replica_of("held") is not None and hit() > 0
+    assert m.queue.counter("") > charged  # its tenant charged for its uncached prompt
     held.cancel()  # and its client leaves before its handler runs again
     with pytest.raises(asyncio.CancelledError):
         await held
     assert state.load.replica_of("held") is None
     assert hit() == 0  # never sent: not predicted there
+    assert m.queue.counter("") == charged  # nor charged to its tenant's fairness counter
     d.backend.gate.set()
     async with await first as r:
         assert r.status == 200

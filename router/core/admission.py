@@ -597,6 +597,13 @@ class AdmissionQueue:
         if len(self._counter) > 100_000:  # forget idle tenants' counters (bounded memory)
             self._counter = {k: v for k, v in self._counter.items() if k in self._tenant_held}
 
+    def unserved(self, tenant: str, uncached_tokens: int) -> None:
+        """Take back :meth:`served`'s charge for a dispatched request that never reached its
+        replica (its client left as it was committed)."""
+        if tenant in self._counter:
+            left = self._counter[tenant] - max(uncached_tokens, 0)
+            self._counter[tenant] = max(left, 0.0)
+
 
 def _retry(wait_s: float) -> float:
     """A Retry-After hint: the estimated wait, whole seconds in [1, 60]."""

@@ -267,9 +267,12 @@ class Admission:
             m.waiters.pop(request_id, None)
             committed = fut.done() and not fut.cancelled() and fut.exception() is None
             if queue.cancel(request_id) is None and committed:  # sent as it left: not sent
+                routed = fut.result()
                 state.load.complete(request_id)
-                queue.finished(request_id)
-                state.withdraw(model, fut.result().dispatch)  # its replica never saw it
+                uncached = routed.request.prompt_tokens - routed.decision.usable_tokens
+                queue.unserved(tenant, uncached)  # nor charged to its tenant
+                self.finished(model, request_id)  # (held ones may fit its replica now)
+                state.withdraw(model, routed.dispatch)  # its replica never saw it
             self._gauge(m)
             raise
 
