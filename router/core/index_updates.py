@@ -303,27 +303,18 @@ class IndexUpdates(IndexTables):
         table = self._spec[kind]
         bit = 1 << slot
         get = owner.get
-        dropped = 0
-        if not (withdrawn and calls):  # its end: it owns what no live call ends after
-            for block in call[1]:
-                if get(block) == spec_id:
-                    del owner[block]
-                    del began[block]
-                    discard(table, block, bit)
-                    dropped += 1
-            if not calls:
-                self._spec_forget(at)
-            return dropped
-        mine = [block for block in call[1] if get(block) == spec_id]
         heirs: dict[int, tuple[float, int]] = {}
-        if mine:
-            wanted = set(mine)
+        if withdrawn and calls:  # (rare) the live calls that name what it owns
+            wanted = {block for block in call[1] if get(block) == spec_id}
             for other, (end, hashes) in calls.items():
                 for block in wanted.intersection(hashes):
                     if other >= began[block] and heirs.get(block, (-math.inf, 0)) < (end, other):
                         heirs[block] = (end, other)
-        for block in mine:
-            heir = heirs.get(block)
+        dropped = 0
+        for block in call[1]:
+            if get(block) != spec_id:
+                continue  # another call ends later, or the engine has had its word since
+            heir = heirs.get(block) if heirs else None
             if heir is not None:
                 owner[block] = heir[1]
                 continue
