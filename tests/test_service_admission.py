@@ -599,11 +599,13 @@ async def test_a_held_request_is_timed_from_its_arrival(protective: Door) -> Non
     router's TTFT histogram and SLO counter time a held request from then, not from its
     dispatch (its hold would otherwise count as met)."""
     d = protective
-    d.backend.delay_s = 0.5  # the priority request's answer starts no sooner
+    d.backend.gate = asyncio.Event()  # the priority request is answered once the other is held
     first = asyncio.create_task(d.post("priority", stream=True))
     await eventually(lambda: len(d.backend.received) == 1)
-    d.backend.delay_s = 0.0  # the held one is answered at once when it goes
     held = asyncio.create_task(d.post(stream=True))
+    await eventually(lambda: d.held() == 1)
+    d.backend.delay_s = 0.5  # answers (the priority one's first) start no sooner than this
+    d.backend.gate.set()
     for task in (first, held):
         async with await task as r:
             assert r.status == 200, await r.text()
