@@ -815,7 +815,7 @@ async def test_a_pick_its_caller_left_counts_as_cancelled(rpc: Any, monkeypatch:
     real = proc.completion
 
     def slow_tokenizer(body: Any) -> Any:  # on a worker thread: the loop goes on
-        time.sleep(0.5)
+        time.sleep(1.5)
         return real(body)
 
     monkeypatch.setattr(proc, "completion", slow_tokenizer)
@@ -824,7 +824,7 @@ async def test_a_pick_its_caller_left_counts_as_cancelled(rpc: Any, monkeypatch:
     routed: list[Any] = []
 
     def slow_route(*a: Any, **kw: Any) -> Any:  # holds the loop past the deadline
-        time.sleep(0.5)
+        time.sleep(1.5)
         routed.append(route(*a, **kw))
         return routed[-1]
 
@@ -839,7 +839,7 @@ async def test_a_pick_its_caller_left_counts_as_cancelled(rpc: Any, monkeypatch:
         router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as exc:
-            await stub.Pick(pick, metadata=AUTH, timeout=0.2)
+            await stub.Pick(pick, metadata=AUTH, timeout=0.5)
         assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await eventually(lambda: len(routed) == 1 and state.load.in_flight() == 0)
     await eventually(lambda: cancelled() == 2)

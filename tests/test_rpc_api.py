@@ -523,7 +523,7 @@ async def test_a_pick_whose_caller_never_heard_back_withdraws_its_guess(
         route = state.route
 
         def slow(*a: Any, **kw: Any) -> Any:
-            time.sleep(0.5)  # holds the loop past the caller's deadline
+            time.sleep(1.5)  # holds the loop past the caller's deadline
             routed.append(route(*a, **kw))
             return routed[-1]
 
@@ -534,7 +534,7 @@ async def test_a_pick_whose_caller_never_heard_back_withdraws_its_guess(
         def slow_record(st: Any, done: Any) -> None:
             routed.append(done)
             record(st, done)
-            time.sleep(0.5)  # past the caller's deadline, after the last check
+            time.sleep(1.5)  # past the caller's deadline, after the last check
 
         monkeypatch.setattr(router_service, "record", slow_record)
     gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), loop_clock)
@@ -542,13 +542,14 @@ async def test_a_pick_whose_caller_never_heard_back_withdraws_its_guess(
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = router_pb2_grpc.RouterStub(channel)
+            await channel.channel_ready()  # (the deadline is the Pick's, not the connect's)
             tokens = list(range(9000, 9000 + 640))
             hashes = hash_prompt(tokens, 16, root_hash(MODEL)).hashes
             pick = router_pb2.PickRequest(
                 model=MODEL, token_ids=router_pb2.TokenIds(ids=tokens), request_id="late"
             )
             with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await stub.Pick(pick, metadata=auth(), timeout=0.2)
+                await stub.Pick(pick, metadata=auth(), timeout=0.5)
             assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await eventually(lambda: routed and state.load.in_flight() == 0)
             held = state.index.match(hashes).get(routed[0].decision.replica)
