@@ -814,8 +814,14 @@ async def test_a_pick_its_caller_left_counts_as_cancelled(rpc: Any, monkeypatch:
     proc = state.processors[MODEL]
     real = proc.completion
 
+    deadline = [0.0]  # when the Pick in flight is past its deadline (monotonic)
+
+    def past_deadline() -> None:
+        while time.monotonic() < deadline[0]:
+            time.sleep(0.05)
+
     def slow_tokenizer(body: Any) -> Any:  # on a worker thread: the loop goes on
-        time.sleep(1.5)
+        past_deadline()
         return real(body)
 
     monkeypatch.setattr(proc, "completion", slow_tokenizer)
@@ -824,7 +830,7 @@ async def test_a_pick_its_caller_left_counts_as_cancelled(rpc: Any, monkeypatch:
     routed: list[Any] = []
 
     def slow_route(*a: Any, **kw: Any) -> Any:  # holds the loop past the deadline
-        time.sleep(1.5)
+        past_deadline()
         routed.append(route(*a, **kw))
         return routed[-1]
 
@@ -838,8 +844,10 @@ async def test_a_pick_its_caller_left_counts_as_cancelled(rpc: Any, monkeypatch:
         router_pb2.PickRequest(model=MODEL, text=big),
         router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)),
     ):
+        # (a deadline the Pick reaches its slow stage within on a loaded machine)
+        deadline[0] = time.monotonic() + 2.0 + 0.2
         with pytest.raises(grpc.aio.AioRpcError) as exc:
-            await stub.Pick(pick, metadata=AUTH, timeout=0.5)
+            await stub.Pick(pick, metadata=AUTH, timeout=2.0)
         assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await eventually(lambda: len(routed) == 1 and state.load.in_flight() == 0)
     await eventually(lambda: cancelled() == 2)

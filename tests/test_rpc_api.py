@@ -519,11 +519,17 @@ async def test_a_pick_whose_caller_never_heard_back_withdraws_its_guess(
 
     state = _guessing_state()
     routed: list[Any] = []
+    deadline = [0.0]  # when the Pick in flight is past its deadline (monotonic)
+
+    def past_deadline() -> None:
+        while time.monotonic() < deadline[0]:
+            time.sleep(0.05)
+
     if late == "while_routing":
         route = state.route
 
         def slow(*a: Any, **kw: Any) -> Any:
-            time.sleep(1.5)  # holds the loop past the caller's deadline
+            past_deadline()  # holds the loop past the caller's deadline
             routed.append(route(*a, **kw))
             return routed[-1]
 
@@ -534,7 +540,7 @@ async def test_a_pick_whose_caller_never_heard_back_withdraws_its_guess(
         def slow_record(st: Any, done: Any) -> None:
             routed.append(done)
             record(st, done)
-            time.sleep(1.5)  # past the caller's deadline, after the last check
+            past_deadline()  # past the caller's deadline, after the last check
 
         monkeypatch.setattr(router_service, "record", slow_record)
     gen = serve_grpc(state, GrpcSettings(port=0, token=TOKEN), loop_clock)
@@ -548,8 +554,10 @@ async def test_a_pick_whose_caller_never_heard_back_withdraws_its_guess(
             pick = router_pb2.PickRequest(
                 model=MODEL, token_ids=router_pb2.TokenIds(ids=tokens), request_id="late"
             )
+            # (a deadline the Pick reaches its slow stage within on a loaded machine)
+            deadline[0] = time.monotonic() + 2.0 + 0.2
             with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await stub.Pick(pick, metadata=auth(), timeout=0.5)
+                await stub.Pick(pick, metadata=auth(), timeout=2.0)
             assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await eventually(lambda: routed and state.load.in_flight() == 0)
             held = state.index.match(hashes).get(routed[0].decision.replica)
