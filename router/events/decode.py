@@ -148,16 +148,8 @@ def _event(raw: Any) -> EngineEvent:
         # the common map (keys already str): read it in place, its extra "type" key unread
         tag = _opt_str(raw.get("type"), "type") or ""
         f = raw
-    else:
-        tag = ""
-        names: tuple[str, ...] = STORED_FIELDS
-        if isinstance(raw, (list, tuple)) and raw:
-            tag = _opt_str(raw[0], "tag") or ""
-        elif isinstance(raw, dict):
-            t = raw.get("type", raw.get(b"type"))
-            tag = _opt_str(t, "type") or ""
-        if tag == "BlockRemoved":
-            names = REMOVED_FIELDS
+    else:  # (a tag that is no string: _fields refuses it)
+        names = REMOVED_FIELDS if _tag(raw) == "BlockRemoved" else STORED_FIELDS
         tag, f = _fields(raw, names, "event")
     if tag == "BlockStored":
         token_ids = f.get("token_ids")

@@ -42,14 +42,12 @@ from router.core.errors import KVRouterError
 from router.core.types import ReplicaKey, RouteRequest
 from router.recorder import endpoint_of
 from router.service import pd_release
-from router.service.answer_relay import record_request
 from router.service.disagg import ModelDisagg, PdFlow
 from router.service.errors import refused_load, reply_for
 from router.service.keys import STATE
 from router.service.proxy import Forwarder
 from router.service.replica_url import ReplicaUrl
 from router.service.retry import retry_after_s
-from router.service.slo_metric import count_unanswered
 from router.service.state import Routed, RouterState
 from router.service.stream_usage import with_patch
 from router.service.upstream import Exchange
@@ -278,15 +276,9 @@ async def serve(
     except KVRouterError as exc:  # no decode replica left: answered, counted and recorded
         state.metrics.model(model).outcome(None, "rejected").inc()
         reply = reply_for(exc, state.fleet.retry_after_s(model, now))
-        if refused_load(exc):  # a miss in goodput's denominator, in the request's class
-            count_unanswered(
-                state, model, request.prompt_tokens, flow.routed.service_class, reply.status
-            )
-        if state.recorder is not None and refused_load(exc):  # offered load, as before routing
-            record_request(
-                state, request, flow.routed.prompt, started, now, None, None, 0.0, stream,
-                endpoint_of(path), status=reply.status,
-            )  # fmt: skip
+        if refused_load(exc):  # a miss of its SLO, and offered load (the client's request)
+            client = flow.routed._replace(request=request)
+            forwarder.record_failed(client, started, reply.status, stream, endpoint_of(path))
         extra = [(k.encode(), v.encode()) for k, v in reply.headers]  # Retry-After
         await send_error(sink, reply.status, reply.message, code=reply.code, headers=extra)
         if params is not None:  # no decode replica will pull the prefill's blocks: freed
