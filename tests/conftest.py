@@ -154,44 +154,6 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> Iterator[None]
     signal.signal(signal.SIGALRM, dump_tasks_then_fail)
 
 
-# the BPE files parsed this session, and the copies of them last handed out (by id)
-_PARSED_BPE: dict[tuple[str, int, int], dict[bytes, int]] = {}
-_HANDED_BPE: dict[int, tuple[dict[bytes, int], tuple[str, int, int]]] = {}
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _bpe_files_parsed_once() -> Iterator[None]:
-    """Routers built inside the test process (a few hundred: one or more a test) parse each
-    tiktoken BPE file once a session instead of each time (~0.1 s of CPU each: 100k base64
-    lines). Keyed by path, size and mtime; every caller gets its own copy of the ranks and
-    builds its own tokenizer from them, as it would from the file."""
-    import os
-
-    import tiktoken.load
-
-    parse = tiktoken.load.load_tiktoken_bpe
-    parsed = _PARSED_BPE
-
-    def load_tiktoken_bpe(path: str, expected_hash: str | None = None) -> dict[bytes, int]:
-        if expected_hash is not None or not os.path.isfile(path):
-            return parse(path, expected_hash)
-        info = os.stat(path)
-        key = (os.path.realpath(path), info.st_size, info.st_mtime_ns)
-        if key not in parsed:
-            parsed[key] = parse(path)
-        ranks = dict(parsed[key])
-        if len(_HANDED_BPE) >= 4:  # the last few copies: each is built on at once
-            del _HANDED_BPE[next(iter(_HANDED_BPE))]
-        _HANDED_BPE[id(ranks)] = (ranks, key)
-        return ranks
-
-    tiktoken.load.load_tiktoken_bpe = load_tiktoken_bpe  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        tiktoken.load.load_tiktoken_bpe = parse
-
-
 # Test modules of the tokenizer itself build every tokenizer and template afresh (below).
 _OWN_BUILDS_PREFIX = "tests.test_tokenize_"
 _builds_shared = True
@@ -246,6 +208,8 @@ def _compiled_once() -> Iterator[None]:
     import jinja2
     import tiktoken.core
 
+    from router.tokenize.tokenizers import _RANKS
+
     compile_ = jinja2.Environment.compile
     compiled: dict[tuple[Any, ...], Any] = {}
 
@@ -270,22 +234,19 @@ def _compiled_once() -> Iterator[None]:
 
     class SharedCores:
         """``tiktoken.core``'s view of its native module: ``CoreBPE`` built once per
-        ranks file (as ``_bpe_files_parsed_once`` read it), pattern and special tokens."""
+        BPE file (as the router parsed it), pattern and special tokens."""
 
         def __getattr__(self, attr: str) -> Any:
             return getattr(native, attr)
 
         @staticmethod
         def CoreBPE(ranks: dict[bytes, int], specials: dict[str, int], pattern: str) -> Any:
-            noted = _HANDED_BPE.get(id(ranks))
-            if (
-                not _builds_shared
-                or noted is None
-                or noted[0] is not ranks
-                or ranks != _PARSED_BPE.get(noted[1])  # as read: nothing changed it since
-            ):
+            # the ranks the router parsed from a file (shared read-only, per path, size and
+            # mtime: router.tokenize.tokenizers._bpe_ranks) name that file
+            files = [key for key, shared in _RANKS.items() if shared is ranks]
+            if not _builds_shared or not files:
                 return native.CoreBPE(ranks, specials, pattern)
-            key = (noted[1], pattern, tuple(sorted(specials.items())))
+            key = (files[0], pattern, tuple(sorted(specials.items())))
             if key not in cores:
                 cores[key] = native.CoreBPE(ranks, specials, pattern)
             return cores[key]
