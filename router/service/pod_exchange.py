@@ -57,6 +57,7 @@ from router.service.pod_share import MAX_MESSAGE_BYTES, PodShare
 from router.service.pod_snapshot import Snapshot, decode, encode, pod_instance
 from router.service.pod_views import GONE_MAX, PodViews
 from router.service.workers import Workers
+from router.store.redis_store import xread_one
 from router.store.schema import POD_TAG
 from router.tasks import stop_all
 
@@ -206,7 +207,7 @@ class PodExchange:
         """Stream mode: wait (up to 250 ms) for the next snapshots and take them."""
         key = self.settings.stream_key
         cursor = self._last_id
-        got = await self.client.xread({key: cursor}, count=READ_COUNT, block=BLOCK_MS)
+        got = await xread_one(self.client, key, cursor, count=READ_COUNT, block_ms=BLOCK_MS)
         now = self.clock()
         for _, entries in got or ():
             # entry ids start with Redis's clock (ms) at XADD: an entry's age relative to the

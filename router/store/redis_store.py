@@ -82,6 +82,30 @@ def connect(url: str, **kwargs: Any) -> aioredis.Redis | RedisCluster:
     return aioredis.Redis.from_url(url, decode_responses=False, **kwargs)
 
 
+async def xread_one(
+    client: aioredis.Redis | RedisCluster,
+    stream: str,
+    last: bytes | str,
+    *,
+    count: int,
+    block_ms: int | None = None,
+) -> Any:
+    """``XREAD [COUNT count] [BLOCK block_ms] STREAMS stream last``, as redis-py's ``xread``
+    answers it. On a cluster it is sent to the node serving ``stream``'s slot: redis-py finds
+    XREAD's keys by asking one node (its commands parser's, the URL's node unless a topology
+    refresh moved it) with ``COMMAND GETKEYS`` before each XREAD, since XREAD's key spec is a
+    keyword search it does not evaluate; that is a round trip more per read, and with that
+    node down no XREAD of any node succeeds. A MOVED reply is still followed."""
+    if not isinstance(client, RedisCluster):
+        return await client.xread({stream: last}, count=count, block=block_ms)
+    await client.initialize()  # (at once once the topology is known)
+    node = client.get_node_from_key(stream)
+    args: list[Any] = ["XREAD", "COUNT", count]
+    if block_ms is not None:
+        args += ["BLOCK", block_ms]
+    return await client.execute_command(*args, "STREAMS", stream, last, target_nodes=node)
+
+
 def _stream_id(raw: bytes | str) -> tuple[int, int]:
     """A stream entry id ``<ms>-<n>`` as a comparable pair."""
     text = raw.decode() if isinstance(raw, bytes) else raw
@@ -319,7 +343,7 @@ class RedisStore(RedisWrites):
         the entries and the shards not read (module docstring)."""
 
         async def one(stream: str, last: bytes) -> list[Any]:
-            got: Any = await self.redis.xread({stream: last}, count=count)
+            got: Any = await xread_one(self.redis, stream, last, count=count)
             return list(got or [])
 
         for stream in [st for st in self._shard_reads if st not in ids]:  # shard count changed
