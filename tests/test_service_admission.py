@@ -829,3 +829,64 @@ async def test_requests_shed_are_recorded_as_offered_load(tiered_grpc: Door, tmp
     assert rpc["output_length"] == 5 and rpc["hash_ids"] == http["hash_ids"]
     for row in shed:
         assert not {"replica", "pred_hit", "cached", "ttft_ms"} & row.keys(), row
+
+
+@pytest.fixture
+async def roomy_grpc() -> AsyncIterator[Door]:
+    """Admission that admits every request at once (a long TTFT target), with gRPC on."""
+    async for d in _door({}, {"ttft_s": 100.0}, server={"grpc_port": 0}):
+        yield d
+
+
+@pytest.mark.parametrize("late", ["after_admission", "after_the_last_check"])
+async def test_a_pick_its_caller_never_heard_back_is_not_charged_to_its_tenant(
+    roomy_grpc: Door, monkeypatch: Any, late: str
+) -> None:
+    """A Pick admission dispatched at once charges its tenant's fairness counter for its
+    uncached prompt (as an HTTP request is). When its deadline passes before the reply
+    reaches the caller (while it was admitted, or after the Pick's last check), its caller
+    never learns the replica and the request never goes there: the Pick takes back its
+    load and guess, and, as a held HTTP request its client left as it was committed does,
+    its tenant's charge; else the tenant is ordered behind others for work it never got."""
+    import time
+
+    import router.rpc.router_service as router_service
+
+    deadline = [0.0]
+
+    def past_deadline() -> None:  # holds the loop past the caller's deadline
+        while time.monotonic() < deadline[0]:
+            time.sleep(0.05)
+
+    d = roomy_grpc
+    adm = d.state.admission
+    assert adm is not None
+    if late == "after_admission":
+        route = adm.route
+
+        async def slow(*a: Any, **kw: Any) -> Any:
+            routed = await route(*a, **kw)
+            past_deadline()
+            return routed
+
+        monkeypatch.setattr(adm, "route", slow)
+    else:
+        record = router_service.record
+
+        def slow_record(st: Any, done: Any) -> None:
+            record(st, done)
+            past_deadline()
+
+        monkeypatch.setattr(router_service, "record", slow_record)
+    async with await d.post() as r:  # (the model's admission state is made with one)
+        assert r.status == 200
+    charged = d.queue().counter("")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{d.running.app[GRPC_PORT]}") as channel:
+        await channel.channel_ready()
+        pick = router_pb2.PickRequest(model=MODEL, text=PROMPT, request_id="late")
+        deadline[0] = time.monotonic() + 2.0 + 0.2
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await router_pb2_grpc.RouterStub(channel).Pick(pick, timeout=2.0)
+        assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await eventually(lambda: d.state.load.in_flight() == 0)
+    assert d.queue().counter("") == charged

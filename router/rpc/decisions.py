@@ -18,6 +18,7 @@ from router.core.routing import Dispatch
 from router.core.types import ReplicaKey
 
 if TYPE_CHECKING:
+    from router.service.admission import Admission
     from router.service.state import Routed
 
 
@@ -85,6 +86,15 @@ class Pending:
     # writes (router.service.answer_relay ``record_answer``), and the row's endpoint
     routed: Routed | None = None
     endpoint: str | None = None
+    # the tenant SLO-aware admission charged for it (None: not dispatched by admission),
+    # whose charge a Pick that never reached its caller takes back (Admission.unserved)
+    tenant: str | None = None
+
+    def unsent(self, admission: Admission | None) -> None:
+        """It never reached its replica (its Pick's caller never got the answer): the
+        charge of its tenant, if admission made one, is taken back."""
+        if admission is not None and self.tenant is not None:
+            admission.unserved(self.model, self.tenant, self.prompt_tokens - self.predicted_tokens)
 
     @property
     def since(self) -> float:

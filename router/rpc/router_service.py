@@ -208,6 +208,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             slo_gate = self.state.admission
             arrived: float | None = None  # a Pick held by admission: when it came
             pd = request.model in self.state.disagg
+            tenant: str | None = None  # the tenant admission charged for it (None: none did)
             # (disaggregated models are not admission-controlled, as on HTTP; nor are a stored
             # response's follow-ups, which only its holder can serve)
             if not pinned and slo_gate is not None and slo_gate.enabled(request.model) and not pd:
@@ -216,6 +217,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 headers = metadata_headers(context.invocation_metadata())
                 klass = slo_gate.service_class(tier, headers)
                 arrived = now  # timed from here, as its deadline is (HTTP's ``since``)
+                tenant = slo_gate.tenant(headers)
                 self._picking.add(internal)
                 try:
                     routed = await slo_gate.route(
@@ -224,7 +226,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         internal,
                         now,
                         klass=klass,
-                        tenant=slo_gate.tenant(headers),
+                        tenant=tenant,
                         session_id=session,
                         max_output_tokens=max_out,
                         size=request.ByteSize(),  # (what it keeps while held)
@@ -286,6 +288,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # keep it an hour
             self._finish(request.model, routed.request.request_id)
             self.state.withdraw(request.model, routed.dispatch)
+            if tenant is not None and self.state.admission is not None:  # nor charged to it
+                uncached = routed.request.prompt_tokens - routed.decision.usable_tokens
+                self.state.admission.unserved(request.model, tenant, uncached)
             rejected(self.state, request.model, "cancelled")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         record(self.state, routed)  # the per-request metrics of the HTTP endpoints
@@ -325,6 +330,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             sequences=routed.request.samples * routed.request.prompts,
             routed=routed if self.state.settings.server.record_path else None,
             endpoint=row_endpoint,
+            tenant=tenant,
         )
         if self.ejections is not None:
             # an attempt, as the HTTP forwarder's (a replica readmitted after an ejection
@@ -359,6 +365,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.book.pop(internal)
         self._end(pending)
         self.state.withdraw(pending.model, pending.dispatch)
+        pending.unsent(self.state.admission)  # nor charged to its tenant
         rejected(self.state, pending.model, "cancelled")
 
     def _expire(self, now: float) -> None:

@@ -270,7 +270,7 @@ class Admission:
                 routed = fut.result()
                 state.load.complete(request_id)
                 uncached = routed.request.prompt_tokens - routed.decision.usable_tokens
-                queue.unserved(tenant, uncached)  # nor charged to its tenant
+                self.unserved(model, tenant, uncached)  # nor charged to its tenant
                 self.finished(model, request_id)  # (held ones may fit its replica now)
                 state.withdraw(model, routed.dispatch)  # its replica never saw it
             self._gauge(m)
@@ -286,6 +286,15 @@ class Admission:
             return
         prefill = float(m.predictor.cost.prefill_s(request.prompt_tokens))
         m.queue.retried(request.request_id, key, prefill)
+
+    def unserved(self, model: str, tenant: str, uncached_tokens: int) -> None:
+        """A request this admission dispatched, charged to ``tenant`` for its
+        ``uncached_tokens``, never reached its replica: its client left as it was committed,
+        or a gRPC Pick's caller never got its answer. The charge is taken back
+        (AdmissionQueue.unserved)."""
+        m = self._models.get(model)
+        if m is not None:
+            m.queue.unserved(tenant, uncached_tokens)
 
     def finished(self, model: str, request_id: str) -> None:
         """A routed request is over (answered, failed or cancelled): its allowance is no
