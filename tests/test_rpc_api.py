@@ -664,7 +664,10 @@ async def test_grpc_health_follows_readiness_and_the_drain() -> None:
     """The health service says what ``/ready`` says: the Router service (and the server as
     a whole, service "") is NOT_SERVING while a model has no available replica, and every
     service is NOT_SERVING from the moment a drain begins (SIGTERM: ``Running.cleanup``),
-    not only once the HTTP requests in flight have ended."""
+    not only once the HTTP requests in flight have ended. From then on the server takes no
+    new call, as the HTTP side closes its listener and idle connections then (grpc's
+    graceful stop: GOAWAY, so a client's channel reconnects to another router), while the
+    calls in flight (an index publisher's stream) go on."""
     from router.core.types import ReplicaKey
     from router.rpc.server import GRPC_PORT
     from router.service.app import STATE
@@ -718,18 +721,62 @@ async def test_grpc_health_follows_readiness_and_the_drain() -> None:
 
             await eventually(router_up, message="gRPC health not SERVING again")
 
+            names = ("", "kvrouter.v1.Router", "kvrouter.v1.Index", "kvrouter.v1.Admin")
+            watches = [health.Watch(health_pb2.HealthCheckRequest(service=n)) for n in names]
+            for watch in watches:
+                assert (await watch.read()).status == serving
+            # a call in flight through the drain: an index publisher's stream
+            batches: asyncio.Queue[index_pb2.IndexEventBatch | None] = asyncio.Queue()
+
+            async def publish() -> AsyncIterator[index_pb2.IndexEventBatch]:
+                while (batch := await batches.get()) is not None:
+                    yield batch
+
+            def batch(seq: int) -> index_pb2.IndexEventBatch:
+                stored = index_pb2.IndexEvent.STORED
+                event = index_pb2.IndexEvent(type=stored, hashes=[seq])
+                return index_pb2.IndexEventBatch(replica="a", seq=seq, events=[event])
+
+            index = index_pb2_grpc.IndexStub(channel)
+            stream = index.Publish(publish())
+            await batches.put(batch(1))
+            assert (await stream.read()).outcome == index_pb2.PublishAck.APPLIED
+            picks = router_pb2_grpc.RouterStub(channel)
+            pick = router_pb2.PickRequest(model=MODEL, text="hello")
+            before = await picks.Pick(pick, timeout=30)  # a decision made before the drain
+            assert before.replica == "a"
+
             async with aiohttp.ClientSession() as http:
                 body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}
                 held = asyncio.create_task(http.post(url + "/v1/completions", json=body))
                 await eventually(lambda: any(c.task for c in running.server.connections))
                 stopping = asyncio.create_task(running.cleanup(60.0))
+                for watch in watches:  # at once, to every watcher
+                    assert (await watch.read()).status != serving
+                in_flight = state.load.in_flight()
 
-                async def all_down() -> bool:
-                    names = ("", "kvrouter.v1.Router", "kvrouter.v1.Index", "kvrouter.v1.Admin")
-                    return all([await status(n) != serving for n in names])
+                async def refused() -> bool:
+                    try:
+                        await picks.Pick(pick, timeout=30)
+                    except grpc.aio.AioRpcError as exc:
+                        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                        return True
+                    return False
 
-                await eventually(all_down, message="gRPC health SERVING during the drain")
+                await eventually(refused, message="new Picks are routed during the drain")
+                assert state.load.in_flight() == in_flight  # nothing booked after that
+                # the decisions made before are still reported to this router
+                report = router_pb2.ReportRequest(
+                    decision_id=before.decision_id,
+                    phase=router_pb2.ReportRequest.COMPLETED,
+                )
+                assert (await picks.Report(report, timeout=30)).accepted
+                assert state.load.in_flight() == in_flight - 1
                 assert not stopping.done()  # the HTTP request still holds the drain
+                await batches.put(batch(2))  # the call in flight is still served
+                assert (await stream.read()).outcome == index_pb2.PublishAck.APPLIED
+                await batches.put(None)
+                assert await stream.code() == grpc.StatusCode.OK
                 held.cancel()
                 with contextlib.suppress(BaseException):
                     await held

@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import grpc
 
-from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable
+from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable, ShuttingDown
 from router.core.types import ReplicaKey
 from router.rpc.calls import CALLER, DELIVERY, Delivery, abort_error, abort_reply, metadata_headers
 from router.rpc.decisions import (
@@ -75,6 +75,7 @@ from router.service.report_relay import Reported, report_to_peers
 from router.service.request_identity import in_flight, session_key, unique_in_flight
 from router.service.slo_metric import count_refused, count_unanswered
 from router.service.state import RouterState
+from router.service.stopping import Stopping
 from router.service.workers import Workers
 from router.tokenize.keying import ProcessedPrompt
 from router.tokenize.request_fields import asks_prompt_logprobs
@@ -104,6 +105,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> None:
         self.state = state
         self.clock = clock
+        # the process's stop (serve_grpc sets it): from its start no Pick is routed here
+        self.stopping: Stopping | None = None
         self.book = book if book is not None else DecisionBook()
         # decisions reported failed, awaiting a retry's Pick (counted a miss without one)
         self.retries = RetryWindow()
@@ -158,6 +161,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         row_endpoint: str | None = None  # its trace row's (router.recorder ENDPOINTS)
         tier: object = None  # the body's service_tier (admission's class, as on HTTP)
         try:
+            if self.stopping is not None and self.stopping.started:
+                # as the HTTP side, whose listener closes when the drain begins; Reports of
+                # the decisions made before are still taken, until the drain ends
+                raise ShuttingDown()
             if not request.model:
                 raise BadRequest("model is required")
             pinned: list[ReplicaKey] = []

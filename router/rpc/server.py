@@ -417,6 +417,7 @@ async def serve_grpc(
     for name in built.service_names[1:]:  # Index, Admin: while the process serves
         await built.health.set(name, health_pb2.HealthCheckResponse.SERVING)
     stopping = stopping or Stopping()
+    built.router.stopping = stopping
     await _set_ready(built, is_ready(state, loop_clock()))
     sweeper = asyncio.create_task(_sweep(built.router))
     follower = asyncio.create_task(_follow_readiness(built, state, stopping))
