@@ -271,10 +271,17 @@ async def test_the_body_and_the_answer_pass_unchanged(keyed: tuple[str, Backend]
             assert r.status == 200 and (await r.json())["input_tokens"] > 0
         assert backend.received[-1]["path"] == "/v1/messages/count_tokens"
         assert backend.received[-1]["raw"] == count.encode()
-        # no model named: the one model routed, as vLLM takes it
-        body = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-        async with http.post(url + "/v1/messages", json=body, headers=headers) as r:
-            assert r.status == 200 and (await r.json())["type"] == "message"
+        # no model named, or "": vLLM 0.34's AnthropicMessagesRequest and
+        # AnthropicCountTokensRequest require one (``model: str``, validate_model: "Model is
+        # required"); the router routed such a body to its one model, which refused it
+        sent = len(backend.received)
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            for named in ({}, {"model": ""}, {"model": None}):
+                body = {**named, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+                async with http.post(url + path, json=body, headers=headers) as r:
+                    assert r.status == 400, (path, named)
+                    assert "model" in _anthropic_error(await r.json(), "invalid_request_error")
+        assert len(backend.received) == sent
 
 
 async def test_output_limits_are_checked_as_vllm_s_messages_model_checks_them(

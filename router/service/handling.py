@@ -174,8 +174,10 @@ async def serve_pass_through(
     shaped = pass_through.PATHS[req.path]
     try:
         parsed = parse_body(req.body)
-        # only its model: vLLM's models of these bodies have no stream or output limit
-        model = body_model(parsed, default_if_unnamed(state, parsed))
+        # only its model: vLLM's models of these bodies have no stream or output limit; the
+        # Messages API's (count_tokens: Anthropic-shaped) requires one, as its hot endpoint
+        default = None if shaped else default_if_unnamed(state, parsed)
+        model = body_model(parsed, default)
         state.processor(model)  # a model the router does not route: 404
     except KVRouterError as exc:
         await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s), shaped)

@@ -65,8 +65,9 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 def body_model(body: dict[str, Any], default_model: str | None = None) -> str:
     """The request's model: a missing or empty ``model`` is the one model served (vLLM's
-    served model; the router's ``default_model``, when it routes exactly one). The one
-    field a passed-through body (router.service.pass_through) is read for."""
+    served model; the router's ``default_model``, when it routes exactly one; None where
+    vLLM requires a model: the Anthropic Messages API's bodies). The one field a
+    passed-through body (router.service.pass_through) is read for."""
     model = body.get("model")
     if model is None or model == "":
         if default_model is None:
@@ -177,9 +178,11 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     body, likewise, router.tokenize.responses): everything before routing, a pure
     function of the body and the settings (what the body memo keeps); raises KVRouterError
     for a bad request."""
-    model, stream = field_types(body, default_if_unnamed(state, body), kind)
-    processor = state.processor(model)
     messages = kind == "messages"
+    # vLLM's Messages API requires a model (AnthropicMessagesRequest.validate_model)
+    default = None if messages else default_if_unnamed(state, body)
+    model, stream = field_types(body, default, kind)
+    processor = state.processor(model)
     responses = kind == "responses"
     fn: Callable[[dict[str, Any]], ProcessedPrompt]
     if messages:
