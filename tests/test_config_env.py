@@ -177,3 +177,27 @@ def test_field_types_a_compiled_core_loses_match_the_source() -> None:
     }
     for key, kind in LOST_WHEN_COMPILED.items():
         assert declared[key] == kind, key
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "KVROUTER_REPLICAS",
+        "KVROUTER_ADMIN_TOKEN",
+        "KVROUTER_SERVER__API_KEYS_FILE",
+        "KVROUTER_SERVER__GRPC_TOKEN",
+        "KVROUTER_SERVER__HOST",
+        "KVROUTER_SERVER__PRIORITY_KEYS",
+        "KVROUTER_SERVER__RECORD_PATH",
+        "KVROUTER_MODELS__M__TOKENIZER",
+    ],
+)
+def test_an_empty_variable_is_an_error_not_an_empty_setting(name: str) -> None:
+    """``KVROUTER_X=${SECRET}`` with the secret unset sets ``X`` to "": the router read it
+    as a setting, and ran with no replicas (the file's replaced by none), without its
+    admin token, open to every client (no keys file), its gRPC index open to every writer
+    (no token), listening on every interface (``host`` "" binds them all), every key
+    allowed priority, or a tokenizer in the working directory. Now refused, naming the
+    variable."""
+    with pytest.raises(ConfigError, match=f"{name}: empty"):
+        load_settings(environ={"KVROUTER_REPLICAS": "m=http://127.0.0.1:9", name: ""})

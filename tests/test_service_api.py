@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from router.service.config import build_settings
-from router.service.intake import max_output_tokens
+from router.service.intake import field_types, max_output_tokens
 from router.tokenize.tokenizers import BUNDLED_DIR
 from tests.backends import Backend, kimi_model_table, start_router
 from tests.waiting import eventually
@@ -260,15 +260,31 @@ def test_output_limits_are_read_as_vllm_reads_them() -> None:
     assert max_output_tokens({"max_completion_tokens": 4096}, "completion") == 16
 
 
-def test_a_completion_s_null_max_tokens_is_no_limit() -> None:
-    """16 is the default of vLLM's completion ``max_tokens`` field, used when the body leaves
-    it out; an explicit null is None, which vLLM's ``get_max_tokens`` reads as no limit (the
-    context's rest, or the generation config's). The router counted a null as 16: a
-    non-stream completion then got a first-byte deadline sized for 16 tokens (timed out and
-    retried while the replica still decoded) and a short answer's stall weight."""
-    assert max_output_tokens({"max_tokens": None}, "completion") is None
-    assert max_output_tokens({"max_tokens": None, "max_completion_tokens": 9}, "completion") is None
+def test_a_completion_s_null_max_tokens_is_vllm_s_default_16() -> None:
+    """vLLM 0.34's ``CompletionRequest.normalize_null_max_tokens`` (a "before" model
+    validator, openai/completion/protocol.py) replaces an explicit null ``max_tokens`` with
+    the field's default, 16, before ``get_max_tokens`` sees it: a null is 16, as an absent
+    one. The router read a null as no limit (an output of unknown length, up to the
+    context's rest) and sized its load and deadline views for an answer the engine cuts at
+    16 tokens."""
+    assert max_output_tokens({"max_tokens": None}, "completion") == 16
+    assert max_output_tokens({"max_tokens": None, "max_completion_tokens": 9}, "completion") == 16
     assert max_output_tokens({}, "completion") == 16
+
+
+def test_the_messages_and_responses_apis_limits_are_their_own_fields() -> None:
+    """vLLM 0.34's ``AnthropicMessagesRequest`` (anthropic/protocol.py) has ``max_tokens``
+    and no ``max_completion_tokens`` (a plain pydantic model: an unknown field is ignored);
+    its ``ResponsesRequest`` (openai/responses/protocol.py) has ``max_output_tokens`` and
+    neither chat field (``extra="allow"``: ignored). The router read a Messages body's
+    ``max_completion_tokens`` over its ``max_tokens`` and refused a Messages or Responses
+    body whose ignored field was no non-negative integer."""
+    body = {"model": "m", "max_tokens": 900, "max_completion_tokens": 5}
+    assert max_output_tokens(body, "messages") == 900
+    assert field_types({**body, "max_completion_tokens": -1}, kind="messages") == ("m", False)
+    stray = {"model": "m", "input": "hi", "max_tokens": -1, "max_completion_tokens": "lots"}
+    assert field_types(stray, kind="responses") == ("m", False)
+    assert max_output_tokens({**stray, "max_output_tokens": 7}, "responses") == 7
 
 
 async def test_a_completion_s_unknown_fields_are_not_checked(fleet: Fleet) -> None:

@@ -415,3 +415,36 @@ def test_out_of_range_model_settings_name_the_key(tmp_path: Path, text: str, nee
     with pytest.raises(ConfigError) as info:
         load_settings(path, environ={})
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'admin_token = ""',
+        'api_keys_file = ""',
+        'grpc_token = ""',
+        'host = ""',
+        'grpc_host = ""',
+        'flex_keys = ""',
+        'record_key = ""',
+    ],
+)
+def test_an_empty_server_string_is_refused(tmp_path: Path, line: str) -> None:
+    """A ``[server]`` string set to "" was read as a value: an empty ``api_keys_file``
+    or ``grpc_token`` left the router or its gRPC index open to all, an empty ``host``
+    bound every interface. Unset is how a setting is left out."""
+    key = line.split()[0]
+    path = tmp_path / "c.toml"
+    path.write_text(f"[server]\n{line}\n")
+    with pytest.raises(ConfigError, match=f"server.{key}: empty"):
+        load_settings(path, environ={})
+
+
+@pytest.mark.parametrize("key", ["zmq", "zmq_replay", "rack", "region"])
+def test_an_empty_replica_string_is_refused(tmp_path: Path, key: str) -> None:
+    """``zmq = ""`` was read as no event endpoint (the replica's events silently not
+    followed), a rack or region "" as one of that name."""
+    path = tmp_path / "c.toml"
+    path.write_text(f'[[replicas]]\nurl = "http://10.0.0.1:8000"\nmodel = "m"\n{key} = ""\n')
+    with pytest.raises(ConfigError, match=f"replicas\\[0\\].{key}: empty"):
+        load_settings(path, environ={})

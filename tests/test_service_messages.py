@@ -271,10 +271,48 @@ async def test_the_body_and_the_answer_pass_unchanged(keyed: tuple[str, Backend]
             assert r.status == 200 and (await r.json())["input_tokens"] > 0
         assert backend.received[-1]["path"] == "/v1/messages/count_tokens"
         assert backend.received[-1]["raw"] == count.encode()
-        # no model named: the one model routed, as vLLM takes it
-        body = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-        async with http.post(url + "/v1/messages", json=body, headers=headers) as r:
-            assert r.status == 200 and (await r.json())["type"] == "message"
+        # no model named, or "": vLLM 0.34's AnthropicMessagesRequest and
+        # AnthropicCountTokensRequest require one (``model: str``, validate_model: "Model is
+        # required"); the router routed such a body to its one model, which refused it
+        sent = len(backend.received)
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            for named in ({}, {"model": ""}, {"model": None}):
+                body = {**named, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+                async with http.post(url + path, json=body, headers=headers) as r:
+                    assert r.status == 400, (path, named)
+                    assert "model" in _anthropic_error(await r.json(), "invalid_request_error")
+        assert len(backend.received) == sent
+
+
+async def test_output_limits_are_checked_as_vllm_s_messages_model_checks_them(
+    keyed: tuple[str, Backend],
+) -> None:
+    """vLLM 0.34's ``AnthropicMessagesRequest`` (anthropic/protocol.py) requires
+    ``max_tokens``, refuses one not positive (``validate_max_tokens``) and has no
+    ``max_completion_tokens`` (a plain pydantic model ignores it); its count_tokens and
+    vLLM's ``/tokenize`` models have no ``stream`` nor output limit. The router refused a
+    Messages body with a ``max_completion_tokens`` of -1 and a count_tokens body with a
+    ``stream`` or ``max_tokens`` it could not read (400s vLLM never gives), and forwarded a
+    Messages body without ``max_tokens`` or with 0, routed as one of unknown length."""
+    url, backend = keyed
+    key = {"x-api-key": KEY}
+    messages = [{"role": "user", "content": "hi"}]
+    async with aiohttp.ClientSession() as http:
+        body = {"model": MODEL, "max_tokens": 4, "max_completion_tokens": -1, "messages": messages}
+        status, _, data = await _call(http, url, "/v1/messages", body, **key)
+        assert status == 200, data
+        assert backend.received[-1]["body"] == body
+        count = {"model": MODEL, "messages": messages, "stream": "often", "max_tokens": -1}
+        status, _, data = await _call(http, url, "/v1/messages/count_tokens", count, **key)
+        assert status == 200, data
+        assert backend.received[-1]["body"] == count
+        sent = len(backend.received)
+        for limit in ({}, {"max_tokens": 0}, {"max_tokens": None}):
+            body = {"model": MODEL, "messages": messages, **limit}
+            status, _, data = await _call(http, url, "/v1/messages", body, **key)
+            assert status == 400, limit
+            assert "max_tokens" in _anthropic_error(data, "invalid_request_error")
+        assert len(backend.received) == sent
 
 
 def _anthropic_error(data: Any, kind: str) -> str:

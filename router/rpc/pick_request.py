@@ -122,7 +122,7 @@ async def admitted_body(
     if not isinstance(whole, dict):
         raise BadRequest("request_json must be a JSON object")
     named = whole.get("model")
-    # (null or "" names none, as the HTTP endpoints read it: intake.field_types)
+    # (null or "" names none, as the HTTP endpoints read it: intake.body_model)
     if named is not None and named != "" and named != request.model:
         raise BadRequest(f"request_json names model {named!r}, not {request.model!r}")
     if kind is None:

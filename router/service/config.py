@@ -25,7 +25,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -130,6 +130,21 @@ def _check_server_ranges(server: ServerSettings) -> None:
         )
 
 
+# [server] strings whose "" is not refused here: a Redis key prefix may be none; blank
+# api_keys are refused when the app is built (security.Limits, with a blank file's)
+_EMPTY_ALLOWED = ("redis_key_prefix", "api_keys")
+
+
+def _refuse_empty(settings: ServerSettings | ReplicaSettings, where: str) -> None:
+    """ConfigError naming a string setting of ``settings`` that is "": never a value (an
+    empty ``api_keys_file`` or ``grpc_token`` would leave the router or its index open to
+    all, an empty ``host`` binds every interface, an empty ``zmq`` follows no events); a
+    setting is left out by not setting it."""
+    for f in fields(settings):
+        if f.name not in _EMPTY_ALLOWED and getattr(settings, f.name) == "":
+            raise ConfigError(f"{where}.{f.name}: empty; remove the setting or give a value")
+
+
 def _replica(i: int, table: Any) -> ReplicaSettings:
     """One ``[[replicas]]`` table; its url is checked by :class:`ReplicaUrl` and stored as
     ``http://host[:port]`` (scheme lower-case, no trailing ``/``): what the proxy expects."""
@@ -148,6 +163,7 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
         raise ConfigError(f"{where}.name: must be a non-empty string (omit it: host:port)")
     name = url.netloc if table.get("name") is None else table["name"]  # typed: a str
     rep = typed(ReplicaSettings, {**table, "name": name}, where)
+    _refuse_empty(rep, where)
     if rep.dp_ranks < 1:
         raise ConfigError(f"{where}.dp_ranks: must be >= 1")
     try:
@@ -204,6 +220,7 @@ def build_settings(data: Mapping[str, Any]) -> Settings:
     if not isinstance(server_tab, Mapping):
         raise ConfigError("server: must be a table")
     server = typed(ServerSettings, server_tab, "server")
+    _refuse_empty(server, "server")
     if server.redis_signing_master is not None:
         try:
             master_secret(server.redis_signing_master)

@@ -134,10 +134,15 @@ _FALSE = ("false", "0", "no", "off")
 def _env_value(var: str, where: str, kind: str, text: str) -> Any:
     """``text`` converted to the setting's declared ``kind``: str settings keep the raw text
     (``"12345"``, ``"true"`` stay strings); int, float and bool settings must parse as one
-    (bool: true/false, 1/0, yes/no, on/off, any case). ConfigError names ``var``."""
+    (bool: true/false, 1/0, yes/no, on/off, any case); an empty (or blank) str setting
+    is refused. ConfigError names ``var``."""
     if kind == _UNTYPED:
         return _scalar(text)
     base = {part.strip() for part in kind.split("|")} - {"None"}
+    if base == {"str"} and not text.strip():
+        # (``KVROUTER_X=${SECRET}`` with the secret unset: no value was meant; a number's
+        # or a flag's empty text is refused below, as any text it does not parse as)
+        raise ConfigError(f"{var}: empty; unset it to leave {where} as configured")
     try:
         if base == {"str"}:
             return text
@@ -173,6 +178,8 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             continue
         if path == ["replicas"]:
             out["replicas"] = parse_replica_list(text.split(","))
+            if not out["replicas"]:  # it would replace the file's replicas with none
+                raise ConfigError(f"{var}: empty; unset it to keep the file's replicas")
             continue
         where = ".".join(path)
         value = _env_value(var, where, _env_kind(var, path), text)

@@ -35,7 +35,7 @@ from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, messages_path, refused_load, reply_for
 from router.service.gate import Gate
 from router.service.http_types import HttpRequest
-from router.service.intake import admit, default_if_unnamed, field_types, parse_body
+from router.service.intake import admit, body_model, default_if_unnamed, parse_body
 from router.service.metrics import prompt_tier
 from router.service.proxy import Forwarder
 from router.service.request_identity import request_id_of, session_of, unique_in_flight
@@ -174,7 +174,10 @@ async def serve_pass_through(
     shaped = pass_through.PATHS[req.path]
     try:
         parsed = parse_body(req.body)
-        model, _ = field_types(parsed, default_if_unnamed(state, parsed))
+        # only its model: vLLM's models of these bodies have no stream or output limit; the
+        # Messages API's (count_tokens: Anthropic-shaped) requires one, as its hot endpoint
+        default = None if shaped else default_if_unnamed(state, parsed)
+        model = body_model(parsed, default)
         state.processor(model)  # a model the router does not route: 404
     except KVRouterError as exc:
         await send_reply(sink, reply_for(exc, state.settings.server.retry_after_s), shaped)

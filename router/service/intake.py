@@ -63,14 +63,11 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def field_types(
-    body: dict[str, Any], default_model: str | None = None, kind: str = "chat"
-) -> tuple[str, bool]:
-    """The request's model and stream flag, read as vLLM reads them (router.service.lax):
-    a missing or empty ``model`` is the one model served (vLLM's served model; the router's
-    ``default_model``, when it routes exactly one); ``"stream": "yes"`` is a stream. Its
-    output limits are checked too: a completion (``kind``) has no ``max_completion_tokens``
-    (vLLM ignores the field)."""
+def body_model(body: dict[str, Any], default_model: str | None = None) -> str:
+    """The request's model: a missing or empty ``model`` is the one model served (vLLM's
+    served model; the router's ``default_model``, when it routes exactly one; None where
+    vLLM requires a model: the Anthropic Messages API's bodies). The one field a
+    passed-through body (router.service.pass_through) is read for."""
     model = body.get("model")
     if model is None or model == "":
         if default_model is None:
@@ -78,14 +75,45 @@ def field_types(
         model = default_model
     if not isinstance(model, str):
         raise BadRequest("'model' must be a string")
+    return model
+
+
+def field_types(
+    body: dict[str, Any], default_model: str | None = None, kind: str = "chat"
+) -> tuple[str, bool]:
+    """The request's model and stream flag, read as vLLM reads them (router.service.lax):
+    a missing or empty ``model`` is the one model served (vLLM's served model; the router's
+    ``default_model``, when it routes exactly one); ``"stream": "yes"`` is a stream. Its
+    output limits are checked too, the fields of its ``kind``'s vLLM 0.34 request model
+    only (:data:`_LIMIT_FIELDS`; vLLM ignores the others): a Messages API body's
+    ``max_tokens`` is required and positive (``AnthropicMessagesRequest``), as vLLM
+    refuses it otherwise; a Responses API body's ``max_output_tokens`` is checked by
+    :func:`max_output_tokens`."""
+    model = body_model(body, default_model)
     stream = lax_bool(body.get("stream", False))
     if stream is INVALID:
         raise BadRequest("'stream' must be a boolean")
-    for key in ("max_tokens",) if kind == "completion" else ("max_tokens", "max_completion_tokens"):
+    for key in _LIMIT_FIELDS.get(kind, ()):
         v = lax_int(body.get(key))
         if v is INVALID or (v is not None and v < 0):
             raise BadRequest(f"'{key}' must be a non-negative integer")
+    if kind == "messages":
+        v = lax_int(body.get("max_tokens"))
+        if v is None:
+            raise BadRequest("'max_tokens' is a required property")
+        if v == 0:
+            raise BadRequest("max_tokens must be positive")
     return model, bool(stream)
+
+
+# the output limits of each kind's vLLM 0.34 request model the router reads (chat:
+# ChatCompletionRequest, completion: CompletionRequest, messages: AnthropicMessagesRequest;
+# the Responses API's max_output_tokens: max_output_tokens)
+_LIMIT_FIELDS = {
+    "chat": ("max_tokens", "max_completion_tokens"),
+    "completion": ("max_tokens",),
+    "messages": ("max_tokens",),
+}
 
 
 MAX_OUTPUT_TOKENS = 1 << 53
@@ -96,24 +124,28 @@ with floats, which an integer past about 1e308 cannot become."""
 
 
 COMPLETION_MAX_TOKENS = 16
-"""vLLM's ``max_tokens`` of a completion whose body leaves it out: its request model's
-default (vLLM 0.34 ``CompletionRequest``). An explicit null stays None there: no limit but
-the context (``get_max_tokens``)."""
+"""vLLM's ``max_tokens`` of a completion whose body leaves it out or sends null: its
+request model's default (vLLM 0.34 ``CompletionRequest``, whose
+``normalize_null_max_tokens`` validator puts the default in place of a null)."""
 
 
 def max_output_tokens(body: dict[str, Any], kind: str = "chat") -> int | None:
     """``max_completion_tokens`` when not null, else ``max_tokens`` (as :func:`field_types`
     checked them), as vLLM's chat reads them; a completion's ``max_tokens``,
-    ``COMPLETION_MAX_TOKENS`` when absent, None (unknown) when null (vLLM's completions have
-    no ``max_completion_tokens``); for
-    the Responses API (``kind`` ``responses``) its ``max_output_tokens``, checked here; at
-    most ``MAX_OUTPUT_TOKENS`` (the body goes on as it came)."""
+    ``COMPLETION_MAX_TOKENS`` when absent or null (vLLM's completions have no
+    ``max_completion_tokens``); a Messages API body's ``max_tokens`` (vLLM's has no other);
+    for the Responses API (``kind`` ``responses``) its ``max_output_tokens``, checked here;
+    at most ``MAX_OUTPUT_TOKENS`` (the body goes on as it came)."""
     if kind == "responses":
         found = lax_int(body.get("max_output_tokens"))
         if found is INVALID or (found is not None and found < 0):
             raise BadRequest("'max_output_tokens' must be a non-negative integer")
     elif kind == "completion":
-        found = lax_int(body.get("max_tokens", COMPLETION_MAX_TOKENS))
+        found = lax_int(body.get("max_tokens"))
+        if found is None:
+            found = COMPLETION_MAX_TOKENS
+    elif kind == "messages":
+        found = lax_int(body.get("max_tokens"))
     else:
         found = lax_int(body.get("max_completion_tokens"))
         if found is None:
@@ -146,9 +178,11 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     body, likewise, router.tokenize.responses): everything before routing, a pure
     function of the body and the settings (what the body memo keeps); raises KVRouterError
     for a bad request."""
-    model, stream = field_types(body, default_if_unnamed(state, body), kind)
-    processor = state.processor(model)
     messages = kind == "messages"
+    # vLLM's Messages API requires a model (AnthropicMessagesRequest.validate_model)
+    default = None if messages else default_if_unnamed(state, body)
+    model, stream = field_types(body, default, kind)
+    processor = state.processor(model)
     responses = kind == "responses"
     fn: Callable[[dict[str, Any]], ProcessedPrompt]
     if messages:
