@@ -53,7 +53,7 @@ import numpy as np
 
 from router.core.errors import ConfigError
 from router.core.hashing import hash_prompt, root_hash
-from router.recorder import parse_row, torn_note
+from router.recorder import CLIENT_CLOSED, parse_row, torn_note
 
 _log = logging.getLogger(__name__)
 
@@ -428,12 +428,15 @@ def mooncake_rows(
 
 def offered(row: Mapping[str, Any]) -> bool:
     """Whether a replay offers a recorded ``row`` again: every one but a request its replica
-    refused as the client's error (a 4xx ``status`` other than 408 / 429: a request the
-    engine found wrong, as one the router refused itself before routing, which is no row;
-    offered again it would run as a request that never ran). A shed (429), a request no
+    refused as the client's error (a 4xx ``status`` other than 408 / 429 / 499: a request
+    the engine found wrong, as one the router refused itself before routing, which is no
+    row; offered again it would run as a request that never ran). A shed (429), a request
+    its client left before its answer (499, router.recorder ``CLIENT_CLOSED``), one no
     replica answered (5xx) and one without a status are offered load."""
     status = row.get("status")
-    return not (type(status) is int and 400 <= status < 500 and status not in (408, 429))
+    return not (
+        type(status) is int and 400 <= status < 500 and status not in (408, 429, CLIENT_CLOSED)
+    )
 
 
 def _of_model(
