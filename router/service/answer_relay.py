@@ -284,6 +284,7 @@ class AnswerRelay:
         tail: deque[bytes] = deque()  # at least the stream's last TAIL_SPAN bytes (usage)
         done_relayed = False  # the client has the stream's closing ``data: [DONE]`` event
         first_at = 0.0  # when the stream's first token came (0: none yet)
+        failed = False  # booked a failure (its trace row): a cancel while telling it is none
         try:
             if not streaming:
                 try:
@@ -295,6 +296,7 @@ class AnswerRelay:
                     mm.outcome(key, "timeout" if timeout else "upstream_broken").inc()
                     upstream.abort()
                     self.record_failed(routed, started, 504 if timeout else 502, stream, endpoint)
+                    failed = True
                     await send_error(
                         sink,
                         504 if timeout else 502,
@@ -419,7 +421,8 @@ class AnswerRelay:
                 ends = None
             else:
                 mm.outcome(key, "cancelled").inc()
-                self.record_cancelled(routed, started, stream, endpoint)
+                if not failed:
+                    self.record_cancelled(routed, started, stream, endpoint)
             upstream.abort()
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -538,11 +541,9 @@ class AnswerRelay:
     def record_cancelled(
         self, routed: Routed, started: float, stream: bool | None, endpoint: str | None
     ) -> None:
-        """Append a request its client left before it had the whole answer to the
-        live-traffic trace, if one is kept: the load it offered (its replica prefilled it and
-        decoded until it was aborted), which a replay offers again, as a failed one
-        (:func:`record_request`: ``status`` router.recorder ``CLIENT_CLOSED``, no outcome,
-        the request's max tokens). No miss of its SLO: nobody waited for the answer."""
+        """Append a request its client left before it had the whole answer to the trace,
+        if one is kept: offered load, as a failed one (:func:`record_request`, ``status``
+        router.recorder ``CLIENT_CLOSED``). No miss of its SLO: nobody waited for it."""
         if self.state.recorder is not None:
             finished = self.event_loop().time()
             record_request(
