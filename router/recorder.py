@@ -91,6 +91,9 @@ ENDPOINTS = {
     b"/v1/messages": "messages",
 }
 ROW_START = '{"timestamp":'  # how every row :meth:`TraceRecorder.record` writes begins
+# the ``status`` of a request its client left before it had the whole answer (nginx's "client
+# closed request"; no answer status at all reached that client)
+CLIENT_CLOSED = 499
 
 
 def parse_row(line: str) -> Any:
@@ -275,8 +278,9 @@ class TraceRecorder:
         completions batch the prompt came in, on each of its rows. The row reaches the file
         at the next :meth:`flush`. A ``batch`` on another endpoint is a ``ValueError``:
         only completions take a batch of prompts, and the trace reader refuses such a row.
-        ``status``: the router's answer to a request it sent no replica (429: shed by
-        admission; 503: none could take it), a row of offered load without an outcome."""
+        ``status``: what the client of a request without an answer learnt (429: shed by
+        admission; 503: none could take it; a replica's error; :data:`CLIENT_CLOSED`: it
+        left), a row of offered load without an outcome."""
         if batch is not None and endpoint not in (None, "completions"):
             raise ValueError(f"a batch of prompts goes to completions, not {endpoint}")
         wall_ms = (self.wall_at_start + arrived_at - self.started_at) * 1000

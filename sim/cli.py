@@ -91,6 +91,7 @@ def _replay(args: argparse.Namespace) -> int:
         from sim.report import require_plotting
 
         require_plotting()
+        args.sweep = speed_ups(args.sweep, "--sweep")
     config = config_of(args, record_load=bool(args.report))
     workload = workload_of(args)
     if not len(workload):
@@ -184,9 +185,8 @@ def _write_report(
     from sim.runner import RunSpec, run_many
 
     sweep_specs = []
-    speedups = [float(s) for s in args.sweep.split(",") if s]
     for spec in specs:
-        for s in speedups:
+        for s in args.sweep:  # (checked before the runs: :func:`speed_ups`)
             sweep_specs.append(RunSpec(spec.policy, spec.params, s))
     bar = ProgressBar("sweep", enabled=not args.no_progress)
     sweep = run_many(workload, config, sweep_specs, jobs=jobs, on_done=bar) if sweep_specs else []
@@ -194,6 +194,18 @@ def _write_report(
     document = {**document, "sweep": [r.summary for r in sweep]}
     paths = write_report(Path(args.report), runs, sweep, document, text)
     sys.stderr.write(f"report: {', '.join(str(p) for p in paths)}\n")
+
+
+def speed_ups(text: str, flag: str) -> list[float]:
+    """A comma-separated list of speed-ups, each positive and finite (``inf`` would put
+    every arrival at 0, NaN every arrival nowhere)."""
+    try:
+        out = [float(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        out = []
+    if not out or not all(0 < s < math.inf for s in out):
+        raise KVRouterError(f"{flag} must list positive finite numbers, got {text!r}")
+    return out
 
 
 def _log(line: str) -> None:
@@ -214,9 +226,7 @@ def _tune(args: argparse.Namespace) -> int:
         raise KVRouterError(f"--min-priority must be in [0, 1], got {args.min_priority}")
     config = config_of(args)
     workloads = [(t, workload_of(args, t)) for t in args.trace]
-    speedups = [float(s) for s in args.speedups.split(",") if s]
-    if not speedups or not all(0 < s < math.inf for s in speedups):
-        raise KVRouterError("--speedups must list positive finite numbers")
+    speedups = speed_ups(args.speedups, "--speedups")
     if args.tune == "admission":
         return _tune_admission(args, config, workloads, speedups)
     t0 = time.perf_counter()

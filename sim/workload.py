@@ -53,7 +53,7 @@ import numpy as np
 
 from router.core.errors import ConfigError
 from router.core.hashing import hash_prompt, root_hash
-from router.recorder import parse_row, torn_note
+from router.recorder import CLIENT_CLOSED, parse_row, torn_note
 
 _log = logging.getLogger(__name__)
 
@@ -252,7 +252,12 @@ def _number(row: dict[str, Any], key: str, where: str, default: float | None = N
 
 
 def _int(row: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
-    return int(_number(row, key, where, default))
+    """``row[key]`` as a non-negative whole number (one written as a float, ``700.0``, is
+    that number; a fraction is an error, never cut down)."""
+    value = _number(row, key, where, default)
+    if value != int(value):
+        raise ConfigError(f"{where}: {key!r} must be a whole number, got {value!r}")
+    return int(value)
 
 
 def resolve_trace(trace: str) -> Path:
@@ -360,7 +365,7 @@ def mooncake_rows(
     last_of_session: dict[str, tuple[int, float | None]] = {}  # (row, finish ms)
     for lineno, row in _of_model(path, [r for r in _rows(path) if offered(r[1])], model):
         where = f"{path}:{lineno}"
-        ts = _int(row, "timestamp", where, 0) / 1000.0
+        ts = _number(row, "timestamp", where, 0) / 1000.0
         n_in = _int(row, "input_length", where)
         n_out = _int(row, "output_length", where, 1)
         ids = row.get("hash_ids", [])
@@ -375,7 +380,7 @@ def mooncake_rows(
         delay = 0.0
         if session is not None and "delay" in row and session in last_of_session:
             after, tied = last_of_session[session]
-            delay = _int(row, "delay", where) / 1000.0
+            delay = _number(row, "delay", where) / 1000.0
             if tied is not None and tied > (ts - delay) * 1000.0 + DELAY_ROUNDING_MS:
                 # workers sharing a file: this row's worker measured ``delay`` from the
                 # last answer it served itself, and another worker's came later (the one
@@ -428,12 +433,15 @@ def mooncake_rows(
 
 def offered(row: Mapping[str, Any]) -> bool:
     """Whether a replay offers a recorded ``row`` again: every one but a request its replica
-    refused as the client's error (a 4xx ``status`` other than 408 / 429: a request the
-    engine found wrong, as one the router refused itself before routing, which is no row;
-    offered again it would run as a request that never ran). A shed (429), a request no
+    refused as the client's error (a 4xx ``status`` other than 408 / 429 / 499: a request
+    the engine found wrong, as one the router refused itself before routing, which is no
+    row; offered again it would run as a request that never ran). A shed (429), a request
+    its client left before its answer (499, router.recorder ``CLIENT_CLOSED``), one no
     replica answered (5xx) and one without a status are offered load."""
     status = row.get("status")
-    return not (type(status) is int and 400 <= status < 500 and status not in (408, 429))
+    return not (
+        type(status) is int and 400 <= status < 500 and status not in (408, 429, CLIENT_CLOSED)
+    )
 
 
 def _of_model(

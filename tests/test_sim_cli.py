@@ -344,3 +344,15 @@ def test_tune_flags_out_of_range_are_errors(tmp_path: Path, flags: list[str], me
     assert p.returncode == 2, p.stdout
     assert message in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "tuned.toml").exists()
+
+
+@pytest.mark.parametrize("sweep", ["inf", "nan", "0", "1,-2", "fast", ","])
+def test_a_sweep_of_bad_speed_ups_is_an_error_before_the_runs(sweep: str, tmp_path: Path) -> None:
+    """``--sweep`` was read only after the main runs, unchecked: ``inf`` plotted a sweep
+    point of every arrival at 0 as if it were a load, ``nan`` one of NaN arrivals, ``0`` and
+    ``fast`` ended in a traceback after the runs, an empty list in a plot of no points."""
+    p = kvrouter("sim", "replay", "mooncake", *FLEET, "--limit", "5", "--sweep", sweep,
+                 "--report", str(tmp_path), "--json")  # fmt: skip
+    assert p.returncode == 2, p.stdout
+    assert "--sweep must list positive finite numbers" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not list(tmp_path.iterdir())

@@ -414,3 +414,42 @@ def test_a_recording_of_several_models_replays_the_one_named(
     with caplog.at_level("WARNING"):
         assert len(load_trace(str(path), block_size=64)) == 5
     assert "rows of 2 models (big, small) replayed as one" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "message"),
+    [
+        ("mooncake", '{"timestamp": 0, "input_length": 700.6}', "'input_length' must be a whole"),
+        ("mooncake", '{"timestamp": 0, "input_length": 7, "output_length": 2.5}', "'output_l"),
+        ("bailian", '{"chat_id": 1, "timestamp": 0, "input_length": 9.9}', "'input_length'"),
+    ],
+)
+def test_a_fractional_length_is_an_error_not_cut_down(
+    tmp_path: Path, fmt: str, text: str, message: str
+) -> None:
+    """A token count with a fraction was cut down without a word (700.6 tokens replayed as
+    700): a row no recorder writes, whose meaning is unknown. A whole number written as a
+    float (700.0) is that number."""
+    path = tmp_path / "bad.jsonl"
+    good = {"input_length": 5.0, "chat_id": 0} if fmt == "bailian" else {"input_length": 5.0}
+    path.write_text(json.dumps(good) + "\n" + text + "\n")
+    with pytest.raises(ConfigError, match=message) as exc:
+        load_trace(str(path), block_size=64, fmt=fmt)
+    assert "bad.jsonl:2" in str(exc.value)
+
+
+def test_fractional_milliseconds_are_kept(tmp_path: Path) -> None:
+    """A Mooncake row's ``timestamp`` and a recorded row's ``delay`` are ms; a fraction of
+    one was dropped (1000.6 ms after a row at 0.4 ms arrived 1.000 s after it, not 1.0002 s;
+    a delay of 250.9 ms was 250 ms), so a trace of sub-ms arrivals replayed bunched."""
+    rows = [
+        {"timestamp": 0.4, "input_length": 100, "output_length": 2, "hash_ids": [1],
+         "session_id": "s", "e2e_ms": 0.6},
+        {"timestamp": 1000.6, "input_length": 100, "output_length": 2, "hash_ids": [2]},
+        {"timestamp": 1251.9, "input_length": 100, "output_length": 2, "hash_ids": [1, 3],
+         "session_id": "s", "delay": 1250.9},
+    ]  # fmt: skip
+    w = load_trace(str(write(tmp_path / "ms.jsonl", rows)), block_size=64)
+    a, b, c = w.requests
+    assert b.arrival_s == pytest.approx(1.0002, abs=1e-9)
+    assert c.after == a.request_id and c.delay_s == pytest.approx(1.2509, abs=1e-9)

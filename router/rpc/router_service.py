@@ -32,6 +32,7 @@ import grpc
 
 from router.core.errors import BadRequest, KVRouterError, NoReplicaAvailable, ShuttingDown
 from router.core.types import ReplicaKey
+from router.recorder import CLIENT_CLOSED
 from router.rpc.calls import CALLER, DELIVERY, Delivery, abort_error, abort_reply, metadata_headers
 from router.rpc.decisions import (
     DecisionBook,
@@ -286,6 +287,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # a replica (held by admission, or while its prompt was processed): its one
             # outcome, on no replica, as the HTTP endpoints count it
             rejected(self.state, request.model, "cancelled")
+            if self.state.recorder is not None and offered is not None:
+                # offered load all the same, recorded as the HTTP endpoints record it
+                record_refused(
+                    self.state, request.model, offered,
+                    session_key(request.session_id) or body_session, max_out, None,
+                    row_endpoint, started, self.clock(), CLIENT_CLOSED,
+                )  # fmt: skip
             raise
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:

@@ -27,6 +27,7 @@ from typing import Any
 
 from router.core.slo import answered_as, sequence_tokens
 from router.core.types import ReplicaKey, RouteRequest
+from router.recorder import CLIENT_CLOSED
 from router.service.answers import (
     MAX_FINAL_EVENT,
     OPENAI_CLOSERS,
@@ -153,7 +154,8 @@ def record_request(
     one prompt's cached tokens, not each's. ``status`` (a request that got no answer): the
     status its client learnt (the router's refusal when it served no replica: a shed, none
     available; a replica's error status; the router's 502 / 504 for an answer that broke
-    off, timed out or ended with the engine's error event, or when no replica answered):
+    off, timed out or ended with the engine's error event, or when no replica answered;
+    router.recorder ``CLIENT_CLOSED``: its client left, :meth:`AnswerRelay.record_cancelled`):
     offered load a replay keeps, without the outcome (``replica``, hits, TTFT; no usage:
     the output is the request's max tokens). Times are the event loop's (``first_at`` 0:
     no first token seen)."""
@@ -282,6 +284,7 @@ class AnswerRelay:
         tail: deque[bytes] = deque()  # at least the stream's last TAIL_SPAN bytes (usage)
         done_relayed = False  # the client has the stream's closing ``data: [DONE]`` event
         first_at = 0.0  # when the stream's first token came (0: none yet)
+        failed = False  # booked a failure (its trace row): a cancel while telling it is none
         try:
             if not streaming:
                 try:
@@ -293,6 +296,7 @@ class AnswerRelay:
                     mm.outcome(key, "timeout" if timeout else "upstream_broken").inc()
                     upstream.abort()
                     self.record_failed(routed, started, 504 if timeout else 502, stream, endpoint)
+                    failed = True
                     await send_error(
                         sink,
                         504 if timeout else 502,
@@ -417,6 +421,8 @@ class AnswerRelay:
                 ends = None
             else:
                 mm.outcome(key, "cancelled").inc()
+                if not failed:
+                    self.record_cancelled(routed, started, stream, endpoint)
             upstream.abort()
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -530,6 +536,19 @@ class AnswerRelay:
             record_request(
                 self.state, routed.request, routed.prompt, started, finished, None, None, 0.0,
                 stream, endpoint, status=status,
+            )  # fmt: skip
+
+    def record_cancelled(
+        self, routed: Routed, started: float, stream: bool | None, endpoint: str | None
+    ) -> None:
+        """Append a request its client left before it had the whole answer to the trace,
+        if one is kept: offered load, as a failed one (:func:`record_request`, ``status``
+        router.recorder ``CLIENT_CLOSED``). No miss of its SLO: nobody waited for it."""
+        if self.state.recorder is not None:
+            finished = self.event_loop().time()
+            record_request(
+                self.state, routed.request, routed.prompt, started, finished, None, None, 0.0,
+                stream, endpoint, status=CLIENT_CLOSED,
             )  # fmt: skip
 
     def _slo(

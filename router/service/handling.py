@@ -28,7 +28,7 @@ import asyncio
 from router.core.admission import takes_engine_priority
 from router.core.errors import KVRouterError, NoReplicaAvailable
 from router.core.types import ReplicaKey
-from router.recorder import endpoint_of
+from router.recorder import CLIENT_CLOSED, endpoint_of
 from router.service import disagg, pass_through, pd_serve, stored_responses
 from router.service.answer_relay import record_refused
 from router.service.body_memo import Admitted
@@ -357,6 +357,13 @@ async def serve_completion(
         # the client left before the request reached a replica (held by admission, or
         # while its prompt was processed): its one outcome, on no replica
         rejected(state, model, "cancelled")
+        if state.recorder is not None and admitted is not None:  # offered load all the same
+            record_refused(
+                state, admitted.model, admitted.prompt,
+                session_of(client_headers, admitted.session_id), admitted.max_output_tokens,
+                admitted.stream, endpoint_of(path), started, forwarder.event_loop().time(),
+                CLIENT_CLOSED,
+            )  # fmt: skip
         raise
     if no_transfer:
         raw = with_patch(raw, pd_serve.NO_TRANSFER)

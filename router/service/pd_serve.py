@@ -262,6 +262,8 @@ async def serve(
         # the client left during the prefill leg: its one outcome (the decode leg, which
         # counts it otherwise, is never sent)
         state.metrics.model(model).outcome(flow.routed.decision.replica, "cancelled").inc()
+        client = flow.routed._replace(request=request)  # offered load (the client's request)
+        forwarder.record_cancelled(client, started, stream, endpoint_of(path))
         raise
     finally:
         state.load.complete(leg_id)

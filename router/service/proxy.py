@@ -286,6 +286,7 @@ class Forwarder(AnswerRelay):
             # books the outcome itself)
             if key is not None and state.load.replica_of(rid) is not None:
                 mm.outcome(key, "cancelled").inc()
+                self.record_cancelled(routed, started, stream, endpoint_of(path))
             raise
         finally:
             # whatever happened, the request no longer loads a replica (idempotent), and an
