@@ -220,21 +220,20 @@ class IndexUpdates(IndexTables):
             owner = self._spec_owner.setdefault(at, {})
             began = self._spec_began.setdefault(at, {})
             calls = self._spec_calls.setdefault(at, {})
-            if end >= self._spec_max_end.get(at, -math.inf):
-                # no live call ends later: this one owns every block it names
-                self._spec_max_end[at] = end
-                owner.update(dict.fromkeys(hashes, spec_id))
-            else:  # (a shorter TTL, a peer's dispatch adopted late) only what ends sooner
-                for block in hashes:
-                    held = owner.get(block)
-                    if held is None or calls[held][0] <= end:
-                        owner[block] = spec_id
-            # the entries this call begins (set.difference with a dict iterates the set only)
-            began.update(dict.fromkeys(set(hashes).difference(began), spec_id))
             calls[spec_id] = (end, tuple(hashes))
+            # no live call ends later: this one owns every block it names; else (a shorter
+            # TTL, a peer's dispatch adopted late) only those whose owner ends sooner
+            owns_all = end >= self._spec_max_end.get(at, -math.inf)
+            if owns_all:
+                self._spec_max_end[at] = end
             single = ~slot
             get = table.get
+            # one loop for the three tables (a third of the time of bulk dict updates here)
             for block in hashes:
+                if owns_all or (held := owner.get(block)) is None or calls[held][0] <= end:
+                    owner[block] = spec_id
+                if block not in began:  # an entry this call begins
+                    began[block] = spec_id
                 value = get(block)
                 if value is None:
                     table[block] = single
