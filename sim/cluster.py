@@ -153,8 +153,16 @@ class Simulation:
         self._weights = adm.decode_weight if adm is not None else (1.0, 1.0, 1.0)
         # Policies that ignore the prefix index (round robin, random, least loaded): the
         # engines' KV events are not applied to it, as a peer's simulator does not run an
-        # indexer for them either. Nothing the simulation reports reads the index.
-        self._feed_index = any(uses_prefix_index(r.engine.policy) for r in self.routers)
+        # indexer for them either, unless something else reads its matches, as it does in
+        # the service (which feeds every model's index): admission's TTFT predictions, the
+        # P/D plan and decode pick, a queued-prefill busy threshold (the load booked is
+        # the prompt beyond the decision's match)
+        self._feed_index = (
+            any(uses_prefix_index(r.engine.policy) for r in self.routers)
+            or config.admission is not None
+            or config.pd != "off"
+            or config.busy.max_queued_prefill_tokens is not None
+        )
         self._slot = {k: i for i, k in enumerate(self.keys)}
         self._queue = EventQueue()
         self._gen = [0] * len(self.engines)
