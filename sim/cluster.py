@@ -270,8 +270,7 @@ class Simulation:
         self._next_router = (self._next_router + 1) % len(self.routers)
         self._order.append(req)
         engine = router.engine
-        self._refresh_reports(engine, now)
-        self._share_load(now)
+        self._observe(now)
         rows = [req, *self._batches.others(req.request_id)]
         # a batch is routed as the service routes it: by its longest prompt's blocks (the
         # first of the longest), every prompt's tokens counted
@@ -475,7 +474,7 @@ class Simulation:
             for t in queue.expire(now):
                 self._shed(str(t.key), now)
             engine = router.engine
-            self._refresh_reports(engine, now)
+            self._observe(now)
             seen: dict[object, tuple[Any, Assessment]] = {}
 
             def held(t: Ticket) -> Assessment | None:
@@ -501,7 +500,14 @@ class Simulation:
         finally:
             self._pumping = False
 
-    def _refresh_reports(self, engine: RoutingEngine, now: float) -> None:
+    def _observe(self, now: float) -> None:
+        """What a router knows of the fleet when it routes at ``now``: the engines' load
+        reports and the other routers' shared load, each as fresh as its interval lets
+        it be (read when a router looks, not pushed on a schedule)."""
+        self._refresh_reports(now)
+        self._share_load(now)
+
+    def _refresh_reports(self, now: float) -> None:
         interval = self.config.report_interval_s
         report_at = self._report_at
         for i, eng in enumerate(self.engines):
@@ -627,8 +633,9 @@ class Simulation:
         leg_dispatch = self._dispatches.pop(leg_id, None)
         rejected = type(out) is Rejected
         # the decode pick reads engine reports no older than the service's scrape keeps
-        # them, however long ago the last request arrived
-        self._refresh_reports(router.engine, now)
+        # them, and the other routers' load as shared by then, however long ago the last
+        # request arrived
+        self._observe(now)
         try:
             to = self.pd.leg_ended(leg_id, rejected, router.engine, leg_dispatch, now, router.rng)
         except NoReplicaAvailable:  # no decode replica left: answered with the error
