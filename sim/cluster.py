@@ -153,8 +153,16 @@ class Simulation:
         self._weights = adm.decode_weight if adm is not None else (1.0, 1.0, 1.0)
         # Policies that ignore the prefix index (round robin, random, least loaded): the
         # engines' KV events are not applied to it, as a peer's simulator does not run an
-        # indexer for them either. Nothing the simulation reports reads the index.
-        self._feed_index = any(uses_prefix_index(r.engine.policy) for r in self.routers)
+        # indexer for them either, unless something else reads its matches, as it does in
+        # the service (which feeds every model's index): admission's TTFT predictions, the
+        # P/D plan and decode pick, a queued-prefill busy threshold (the load booked is
+        # the prompt beyond the decision's match)
+        self._feed_index = (
+            any(uses_prefix_index(r.engine.policy) for r in self.routers)
+            or config.admission is not None
+            or config.pd != "off"
+            or config.busy.max_queued_prefill_tokens is not None
+        )
         self._slot = {k: i for i, k in enumerate(self.keys)}
         self._queue = EventQueue()
         self._gen = [0] * len(self.engines)
@@ -262,8 +270,7 @@ class Simulation:
         self._next_router = (self._next_router + 1) % len(self.routers)
         self._order.append(req)
         engine = router.engine
-        self._refresh_reports(engine, now)
-        self._share_load(now)
+        self._observe(now)
         rows = [req, *self._batches.others(req.request_id)]
         # a batch is routed as the service routes it: by its longest prompt's blocks (the
         # first of the longest), every prompt's tokens counted
@@ -467,7 +474,7 @@ class Simulation:
             for t in queue.expire(now):
                 self._shed(str(t.key), now)
             engine = router.engine
-            self._refresh_reports(engine, now)
+            self._observe(now)
             seen: dict[object, tuple[Any, Assessment]] = {}
 
             def held(t: Ticket) -> Assessment | None:
@@ -493,7 +500,14 @@ class Simulation:
         finally:
             self._pumping = False
 
-    def _refresh_reports(self, engine: RoutingEngine, now: float) -> None:
+    def _observe(self, now: float) -> None:
+        """What a router knows of the fleet when it routes at ``now``: the engines' load
+        reports and the other routers' shared load, each as fresh as its interval lets
+        it be (read when a router looks, not pushed on a schedule)."""
+        self._refresh_reports(now)
+        self._share_load(now)
+
+    def _refresh_reports(self, now: float) -> None:
         interval = self.config.report_interval_s
         report_at = self._report_at
         for i, eng in enumerate(self.engines):
@@ -619,8 +633,9 @@ class Simulation:
         leg_dispatch = self._dispatches.pop(leg_id, None)
         rejected = type(out) is Rejected
         # the decode pick reads engine reports no older than the service's scrape keeps
-        # them, however long ago the last request arrived
-        self._refresh_reports(router.engine, now)
+        # them, and the other routers' load as shared by then, however long ago the last
+        # request arrived
+        self._observe(now)
         try:
             to = self.pd.leg_ended(leg_id, rejected, router.engine, leg_dispatch, now, router.rng)
         except NoReplicaAvailable:  # no decode replica left: answered with the error

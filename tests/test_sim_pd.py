@@ -299,3 +299,27 @@ def test_a_decode_leg_joins_the_running_order_when_its_kv_arrives() -> None:
 
 def _used(e: EngineModel) -> float:
     return e._used()
+
+
+def test_the_decode_pick_reads_the_load_the_other_routers_shared_by_then() -> None:
+    """``--share-load-ms``: the decode replica is picked when the prefill leg ends, with the
+    other routers' load as of then (the service's exchange runs on its own clock, not only
+    when requests arrive): two routers sharing at every look never send two decode legs
+    that end together to one idle decoder while another is free."""
+    from sim.workload import SimRequest, Workload
+
+    profile = load_profile("dense-70b")
+    reqs = [
+        SimRequest(f"r{i}", 0.0, 2048, 64, [1000 * (i + 1) + j for j in range(32)])
+        for i in range(2)
+    ]
+    for seed in range(12):
+        cfg = ClusterConfig(
+            profile=profile, replicas=4, block_size=64, kv_blocks=4096, routers=2,
+            share_load_s=0.0, pd="always", prefill_share=0.25, seed=seed,
+        )  # fmt: skip
+        sim = Simulation(Workload("two", reqs, 64, "m"), cfg, "ours")
+        sim.run()
+        a, b = sim._records["r0"], sim._records["r1"]
+        assert a.finish == a.finish and b.finish == b.finish
+        assert a.replica != b.replica, seed

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from router.core.admission import AdmissionSettings
+from router.core.routing_settings import BusyThresholds
 from sim.cluster import ClusterConfig, Simulation
 from sim.events import ARRIVAL, DELIVER, ENGINE, EventQueue
 from sim.metrics import ceilings
@@ -120,6 +122,32 @@ def test_index_free_policies_skip_the_index_with_identical_results(
     assert lean.routers[0].engine.index.stats().kv_entries == 0
     assert fed.routers[0].engine.index.stats().kv_entries > 0
     assert Simulation(slice_, cfg, "ours")._feed_index
+
+
+@pytest.mark.parametrize(
+    ("extra", "speedup"),
+    [
+        # admission predicts each candidate's TTFT from its prefix match
+        ({"admission": AdmissionSettings(), "priority_share": 0.2, "speculative_ttl_s": 0.0}, 2),
+        ({"pd": "auto"}, 8),  # the plan and the decode pick read the matches too
+    ],
+)
+def test_index_is_fed_where_more_than_the_policy_reads_it(
+    slice_: Workload, extra: dict[str, Any], speedup: float
+) -> None:
+    """The service feeds every model's index the engines' events, whatever its policy:
+    admission (router/core/admission.py ``assess``), P/D (``Disaggregator.plan`` /
+    ``pick_decode``) and a queued-prefill busy threshold read the prefix matches, so with
+    any of them a policy that ignores the index still gets it fed: the figures are those
+    of a run with the index fed."""
+    cfg = small_config(**extra)
+    lean = Simulation(slice_, cfg, "round_robin", speedup=speedup)
+    fed = Simulation(slice_, cfg, "round_robin", speedup=speedup)
+    fed._feed_index = True
+    assert lean.run().summary == fed.run().summary
+    busy = small_config(busy=BusyThresholds(max_queued_prefill_tokens=1 << 16))
+    assert Simulation(slice_, busy, "least_loaded")._feed_index
+    assert not Simulation(slice_, small_config(), "least_loaded")._feed_index
 
 
 def test_transport_delays_what_the_client_sees_not_the_engine(slice_: Workload) -> None:
