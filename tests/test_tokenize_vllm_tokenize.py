@@ -225,3 +225,21 @@ def test_a_model_without_the_setting_adds_the_bos_its_tokenizer_adds(
     got = proc.completion({"prompt": TEXT})
     assert got.block_hashes == hash_prompt(want, proc.block_size, root_hash("m")).hashes
     assert got.prompt_tokens == len(want)
+
+
+@pytest.mark.parametrize("suffix", ["def f():\n    return 1\n", ""])
+@pytest.mark.parametrize("prompt", [TEXT, [TEXT, TEXT]])
+def test_a_completion_with_a_suffix_is_not_hashed_as_its_prompt(
+    processor: PromptProcessor, prompt: Any, suffix: str
+) -> None:
+    """vLLM 0.34 runs a completion with a ``suffix`` (empty too: ``is not None``) as the
+    renderer's fill-in-the-middle prompt (``OnlineRenderer.render_completion``:
+    ``render_completion_suffix``, DeepSeek V4's ``<FIM_BEGIN>prompt<FIM_HOLE>suffix
+    <FIM_END>``) and refuses it for any other renderer: the prompt's own ids are never the
+    engine's. The router, which does not know the engine's renderer, hashed the prompt as
+    if no suffix were sent."""
+    got = processor.completion({"prompt": prompt, "suffix": suffix})
+    assert got.block_hashes == [] and not got.exact
+    # a null suffix is none
+    plain = processor.completion({"prompt": prompt, "suffix": None})
+    assert plain.block_hashes and plain.exact
