@@ -242,7 +242,7 @@ class PromptKeying:
         text: a BOS and the text's last k - 1 ids. With one, it cuts the encoded ids, the
         BOS among them."""
         bos = self._bos_id
-        keep = kept_tokens(body, self.context_length)
+        keep = kept_tokens(body, self.context_length, chat=chat)
         if bos is not None and adds_special_tokens(body, chat):
             if keep is not None and body.get("truncation_side") is None:
                 if keep <= len(tokens):  # k - 1 text ids after the BOS (none for k = 1)

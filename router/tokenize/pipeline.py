@@ -264,7 +264,7 @@ class PromptProcessor(PromptKeying):
         # prompts cut or given a BOS are rendered whole, then adjusted (_engine_tokens);
         # so are those continuing the final message (the render's end is cut)
         bos = adds_special_tokens(body, chat=True) and self._bos_id is not None
-        keep = kept_tokens(body, self.context_length)
+        keep = kept_tokens(body, self.context_length, chat=True)
         # -1 (the context length) cuts only prompts longer than it: checked once rendered
         plain = (keep is None or lax_int(body.get("truncate_prompt_tokens")) == -1) and not bos
         if (

@@ -237,6 +237,9 @@ def to_chat_body(body: Mapping[str, Any]) -> ChatConversion:
     chat["add_special_tokens"] = True
     if body.get("truncation", "disabled") != "disabled":
         chat["truncate_prompt_tokens"] = -1
+        # 0 cuts to the whole context, not one less (TokenizeParams.max_truncation_tokens)
+        if body.get("max_output_tokens") is not None:
+            chat["max_completion_tokens"] = body["max_output_tokens"]
     history_at = None if body.get("previous_response_id") is None else int(bool(instructions))
     return ChatConversion(chat, conv.exact, history_at)
 
