@@ -182,7 +182,7 @@ class PromptKeying:
             # prompt (OnlineRenderer.render_completion: render_completion_suffix, DeepSeek
             # V4's) or refuses it: the prompt's own ids are not the engine's, its size is
             view = self._completion_text(body)
-            batch = tuple((tokens, []) for tokens, _ in view.batch)
+            batch: tuple[tuple[int, list[int]], ...] = tuple((n, []) for n, _ in view.batch)
             return replace(view, block_hashes=[], exact=False, batch=batch)
         if not embedded:
             return self._completion_text(body)
