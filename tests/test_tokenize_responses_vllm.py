@@ -276,3 +276,49 @@ def test_engine_options_apply_as_in_vllm(name: str, options: str) -> None:
     """The engine's template defaults, effort map and tool exclusion apply to a Responses
     prompt as vLLM's renderer applies them."""
     _compare(CASES[name], _processor(DUMP, options=options))
+
+
+# the chat messages vLLM's store keeps for the response a previous_response_id names (the
+# messages it rendered: its instructions, then its input), as ``render_responses`` gets them
+HISTORY = [
+    {"role": "system", "content": "earlier instructions"},
+    {"role": "user", "content": "the first question, long enough to fill a few blocks"},
+    {"role": "assistant", "content": "the first answer"},
+]
+
+
+@pytest.mark.parametrize("template", list(TEMPLATES))
+@pytest.mark.parametrize(
+    "extra",
+    [{"instructions": "be brief"}, {}, {"instructions": "be brief", "cache_salt": "s"}],
+    ids=["instructions", "no_instructions", "salted"],
+)
+def test_a_continued_response_hashes_only_what_precedes_its_history(
+    template: str, extra: dict[str, Any]
+) -> None:
+    """vLLM 0.34 renders a body naming ``previous_response_id`` with the stored history
+    between its instructions and its input (``construct_input_messages``: instructions,
+    then the history's non-system messages, then the input). The router does not have the
+    history: it hashed the instructions followed by the input, blocks the engine never
+    computes for it (and speculated them on the replica), marked approximate only. Every
+    block it hashes must be the engine's."""
+    proc = _processor(TEMPLATES[template])
+    body = _body([_u("a follow-up question"), _u("and another")], previous_response_id="r",
+                 **extra)  # fmt: skip
+    theirs = responses_ref.render(copy.deepcopy(body), _renderer(proc), previous_messages=HISTORY)
+    root = root_hash("m", body.get("cache_salt"))
+    engine = hash_prompt(theirs.token_ids, 1, root).hashes
+    prompt = responses_prompt(proc, body)
+    assert not prompt.exact
+    assert prompt.block_hashes == engine[: len(prompt.block_hashes)]
+    # what precedes the history is known: the instructions' system message is hashed
+    if extra.get("instructions") and template != "parts":
+        assert len(prompt.block_hashes) > 3
+
+
+def test_a_continued_response_cut_to_the_context_hashes_nothing() -> None:
+    """With ``truncation`` "auto" vLLM cuts the prompt's start when instructions, history
+    and input outrun the context (``truncate_prompt_tokens`` -1), and the history's length
+    is unknown: nothing is hashed."""
+    body = _body("q", instructions="be brief", previous_response_id="r", truncation="auto")
+    assert responses_prompt(_processor(), body).block_hashes == []

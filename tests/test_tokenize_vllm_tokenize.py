@@ -176,6 +176,8 @@ RESPONSES = {
     "plain": {},
     "auto_truncation": {"truncation": "auto", "$times": 6},
     "auto_truncation_short": {"truncation": "auto"},
+    # no output asked: cut to the whole context (TokenizeParams.max_truncation_tokens)
+    "auto_truncation_no_output": {"truncation": "auto", "max_output_tokens": 0, "$times": 6},
     "disabled_truncation": {"truncation": "disabled"},
 }
 
@@ -225,3 +227,88 @@ def test_a_model_without_the_setting_adds_the_bos_its_tokenizer_adds(
     got = proc.completion({"prompt": TEXT})
     assert got.block_hashes == hash_prompt(want, proc.block_size, root_hash("m")).hashes
     assert got.prompt_tokens == len(want)
+
+
+@pytest.mark.parametrize("suffix", ["def f():\n    return 1\n", ""])
+@pytest.mark.parametrize("prompt", [TEXT, [TEXT, TEXT]])
+def test_a_completion_with_a_suffix_is_not_hashed_as_its_prompt(
+    processor: PromptProcessor, prompt: Any, suffix: str
+) -> None:
+    """vLLM 0.34 runs a completion with a ``suffix`` (empty too: ``is not None``) as the
+    renderer's fill-in-the-middle prompt (``OnlineRenderer.render_completion``:
+    ``render_completion_suffix``, DeepSeek V4's ``<FIM_BEGIN>prompt<FIM_HOLE>suffix
+    <FIM_END>``) and refuses it for any other renderer: the prompt's own ids are never the
+    engine's. The router, which does not know the engine's renderer, hashed the prompt as
+    if no suffix were sent."""
+    got = processor.completion({"prompt": prompt, "suffix": suffix})
+    assert got.block_hashes == [] and not got.exact
+    # a null suffix is none
+    plain = processor.completion({"prompt": prompt, "suffix": None})
+    assert plain.block_hashes and plain.exact
+
+
+def _request_tok_params(body: dict[str, Any], chat: bool) -> Any:
+    """``build_tok_params`` of vLLM 0.34's own request model (vendored, unmodified) for
+    ``body`` on a server of context ``CONTEXT``."""
+    mods = load()
+    if chat:
+        model = mods["vllm.entrypoints.openai.chat_completion.protocol"].ChatCompletionRequest
+    else:
+        model = mods["vllm.entrypoints.openai.completion.protocol"].CompletionRequest
+    request = model.model_validate({"model": "m", **body})
+    return request.build_tok_params(types.SimpleNamespace(max_model_len=CONTEXT))
+
+
+NO_OUTPUT = {
+    "completion max_tokens 0": ({"max_tokens": 0}, False),
+    "completion echo max_tokens 0": ({"max_tokens": 0, "echo": True}, False),
+    "completion max_tokens null": ({"max_tokens": None}, False),
+    "completion max_completion_tokens 0 (not a completion field)": (
+        {"max_completion_tokens": 0},
+        False,
+    ),
+    "chat max_completion_tokens 0": ({"max_completion_tokens": 0}, True),
+    "chat max_tokens 0": ({"max_tokens": 0}, True),
+    "chat max_tokens 0 under max_completion_tokens": (
+        {"max_tokens": 0, "max_completion_tokens": 5},
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(NO_OUTPUT))
+def test_truncation_to_the_context_keeps_it_whole_for_no_output(
+    case: str, model_dir: Path, processor: PromptProcessor
+) -> None:
+    """``truncate_prompt_tokens`` -1 cuts to the context less the token held back for
+    output, but to the whole context for a request asking no output tokens (vLLM 0.34
+    ``TokenizeParams.max_truncation_tokens``: ``max_output_tokens == 0``, a completion's
+    ``max_tokens or 0``, a chat's ``max_completion_tokens`` else ``max_tokens``: the
+    scoring requests with ``echo`` and ``max_tokens`` 0). The router cut one token more,
+    every block a wrong hash."""
+    fields, chat = NO_OUTPUT[case]
+    fields = {**fields, "truncate_prompt_tokens": -1, "add_special_tokens": False}
+    text = TEXT * 6
+    root = root_hash("m")
+    params = _request_tok_params(
+        {**fields, "messages": [{"role": "user", "content": text}]}
+        if chat
+        else {**fields, "prompt": text},
+        chat,
+    )
+    if chat:
+        body = {"messages": [{"role": "user", "content": text}], **fields}
+        rendered, _ = processor.render_chat(body)
+        got = processor.chat(body)
+    else:
+        body, rendered = {"prompt": text, **fields}, text
+        got = processor.completion(body)
+    want = encoded(model_dir, rendered, params)
+    assert got.block_hashes == hash_prompt(want, 1, root).hashes
+    if not chat:  # the same prompt as token ids: cut after tokenization alone
+        assert processor.tokenizer is not None
+        ids = processor.tokenizer.encode_text(text).tolist()
+        got = processor.completion({**body, "prompt": ids})
+        tokenizer = types.SimpleNamespace(truncation_side="left")
+        cut = params.apply_post_tokenization(tokenizer, {"prompt_token_ids": ids})
+        assert got.block_hashes == hash_prompt(cut["prompt_token_ids"], 1, root).hashes

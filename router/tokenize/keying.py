@@ -172,9 +172,18 @@ class PromptKeying:
         ``prompt_embeds`` (vLLM: one base64 tensor or a list, run before the text prompts in
         the same batch) cannot be hashed: each is one more prompt of the batch (its decode
         sequences counted, its prefill not), the text prompts are routed as without them,
-        and the view is not exact (the engine's usage counts tokens the router did not)."""
+        and the view is not exact (the engine's usage counts tokens the router did not).
+        Prompts sent with a ``suffix`` are counted, not hashed (the engine's renderer
+        makes them fill-in-the-middle prompts, or refuses them)."""
         embeds = body.get("prompt_embeds")
         embedded = 0 if embeds is None else len(embeds) if isinstance(embeds, list) else 1
+        if body.get("suffix") is not None:
+            # vLLM 0.34 runs a prompt with a suffix as its renderer's fill-in-the-middle
+            # prompt (OnlineRenderer.render_completion: render_completion_suffix, DeepSeek
+            # V4's) or refuses it: the prompt's own ids are not the engine's, its size is
+            view = self._completion_text(body)
+            batch: tuple[tuple[int, list[int]], ...] = tuple((n, []) for n, _ in view.batch)
+            return replace(view, block_hashes=[], exact=False, batch=batch)
         if not embedded:
             return self._completion_text(body)
         prompt = body.get("prompt")
@@ -233,7 +242,7 @@ class PromptKeying:
         text: a BOS and the text's last k - 1 ids. With one, it cuts the encoded ids, the
         BOS among them."""
         bos = self._bos_id
-        keep = kept_tokens(body, self.context_length)
+        keep = kept_tokens(body, self.context_length, chat=chat)
         if bos is not None and adds_special_tokens(body, chat):
             if keep is not None and body.get("truncation_side") is None:
                 if keep <= len(tokens):  # k - 1 text ids after the BOS (none for k = 1)

@@ -49,6 +49,7 @@ from router.tokenize.multimodal import (
 from router.tokenize.request_fields import (
     adds_special_tokens,
     chat_args,
+    check_messages,
     forwarded_prompt_ids,
     kept_tokens,
     sends_template,
@@ -263,7 +264,7 @@ class PromptProcessor(PromptKeying):
         # prompts cut or given a BOS are rendered whole, then adjusted (_engine_tokens);
         # so are those continuing the final message (the render's end is cut)
         bos = adds_special_tokens(body, chat=True) and self._bos_id is not None
-        keep = kept_tokens(body, self.context_length)
+        keep = kept_tokens(body, self.context_length, chat=True)
         # -1 (the context length) cuts only prompts longer than it: checked once rendered
         plain = (keep is None or lax_int(body.get("truncate_prompt_tokens")) == -1) and not bos
         if (
@@ -328,6 +329,45 @@ class PromptProcessor(PromptKeying):
             render_s + enc.tokenize_s,
             enc.hash_s,
         )
+
+    def head_hashes(
+        self, body: Mapping[str, Any], count: int, *, from_responses: bool = False
+    ) -> list[int]:
+        """The block hashes of a chat of which only the first ``count`` messages of
+        ``body`` are known, messages the router does not have following them (a Responses
+        API request's stored history, vLLM's ``construct_input_messages``): the token ids
+        the template writes before the next message whatever its role (those the renders
+        with a user and with an assistant message next begin with, the last of them left
+        out: it may merge with what follows), with the body's special tokens. None (no
+        hashes) with a truncation (the unknown rest may have the engine cut the prompt's
+        start), without a tokenizer or template, or when neither render succeeds."""
+        tokenizer, template = self.tokenizer, self.template
+        if tokenizer is None or template is None or body.get("truncate_prompt_tokens"):
+            return []
+        from router.tokenize.template import TemplateError
+
+        head = list(check_messages(body)[:count]) if count else []
+        ids: list[list[int]] = []
+        for role in ("user", "assistant"):
+            probe = {**body, "messages": [*head, {"role": role, "content": _IMAGE_MARKER}]}
+            try:
+                text = self._render(probe, from_responses)[0]
+            except TemplateError:
+                continue
+            ids.append(tokenizer.encode_text(text[: text.find(_IMAGE_MARKER)]).tolist())
+        if not ids:
+            return []
+        # compared as ids: a text cut inside a special token (``<|im_`` of ``<|im_user|>``
+        # and ``<|im_assistant|>``) is not the start of its tokens
+        same = min(map(len, ids))
+        for i, column in enumerate(zip(*ids, strict=False)):
+            if column.count(column[0]) != len(column):
+                same = i
+                break
+        known = ids[0][: max(same - 1, 0)]
+        tokens = self._engine_tokens(np.array(known, dtype=np.uint32), body, chat=True)
+        root, _ = self.root(body, from_responses)
+        return hash_prompt(tokens, self.block_size, root).hashes
 
     def _chat_images(
         self,

@@ -18,20 +18,38 @@ from router.tokenize.template_inputs import prepare_tools
 MAX_SAMPLES = 1024
 
 
-def kept_tokens(body: Mapping[str, Any], context_length: int | None = None) -> int | None:
+def kept_tokens(
+    body: Mapping[str, Any], context_length: int | None = None, *, chat: bool = False
+) -> int | None:
     """vLLM's ``truncate_prompt_tokens``: k >= 1 sends only the prompt's last k tokens to the
     engine (left truncation of the token ids), so those are what the router must hash; -1 is
     the model's context length less one (vLLM 0.34 ``TokenizeParams.max_truncation_tokens``:
-    a token held back for output), when ``context_length`` is known. None when absent, 0, or
-    -1 with no known context length; BadRequest for anything but an integer >= -1."""
+    a token held back for output), the whole context for a request asking no output tokens
+    (:func:`_asks_no_output`), when ``context_length`` is known. None when absent, 0, or -1
+    with no known context length; BadRequest for anything but an integer >= -1."""
     k = lax_int(body.get("truncate_prompt_tokens"))  # "10" and 10.0 are 10, as in vLLM
     if k is None:
         return None
     if type(k) is not int or k < -1:
         raise BadRequest("'truncate_prompt_tokens' must be an integer >= -1")
     if k == -1:
-        return max(context_length - 1, 1) if context_length else None
+        if not context_length:
+            return None
+        return context_length if _asks_no_output(body, chat) else max(context_length - 1, 1)
     return k if k >= 1 else None
+
+
+def _asks_no_output(body: Mapping[str, Any], chat: bool) -> bool:
+    """Whether vLLM 0.34 tokenizes the prompt of ``body`` with ``max_output_tokens`` 0 (then
+    truncating to the whole context): a chat's ``max_completion_tokens``, else its
+    ``max_tokens`` (``ChatCompletionRequest.build_tok_params``), or a completion's
+    ``max_tokens`` (``CompletionRequest.build_tok_params``: ``max_tokens or 0``, a null
+    being its default 16) of 0; a Responses API body's chat carries its
+    ``max_output_tokens`` as ``max_completion_tokens`` (router.tokenize.responses)."""
+    found = body.get("max_completion_tokens") if chat else None
+    if found is None:
+        found = body.get("max_tokens")
+    return found is not None and lax_int(found) == 0
 
 
 def truncated(tokens: Any, keep: int, body: Mapping[str, Any]) -> Any:

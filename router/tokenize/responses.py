@@ -32,9 +32,11 @@ assistant (or reasoning) item still ``in_progress`` / ``incomplete`` is continue
   (``truncate_prompt_tokens`` -1) unless ``truncation`` is "disabled" (its default).
 
 Where the router cannot follow vLLM the prompt is marked approximate (``exact`` False):
-``previous_response_id`` (the history is in the replica's store), tools other than
-function tools (built-in tools, namespaces, custom tools), custom tool calls, a harmony
-model (gpt-oss: vLLM renders those with openai_harmony; see :func:`responses_prompt`).
+``previous_response_id`` (the history is in the replica's store, between the instructions
+and the input: only the blocks before it are hashed, ``PromptProcessor.head_hashes``),
+tools other than function tools (built-in tools, namespaces, custom tools), custom tool
+calls, a harmony model (gpt-oss: vLLM renders those with openai_harmony; see
+:func:`responses_prompt`).
 
 :func:`responses_prompt` is the routing view of such a body through the model's chat
 pipeline (router.tokenize.pipeline). Only the fields read here are checked; a malformed
@@ -49,6 +51,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from router.core.errors import BadRequest
+from router.tokenize.request_fields import forwarded_prompt_ids
 
 if TYPE_CHECKING:
     from router.tokenize.keying import ProcessedPrompt
@@ -67,6 +70,9 @@ class ChatConversion:
 
     body: dict[str, Any]
     exact: bool
+    # with ``previous_response_id``: how many of the messages come before the stored
+    # history vLLM puts between the instructions and the input (construct_input_messages)
+    history_at: int | None = None
 
 
 def _first_text(parts: Any) -> str:
@@ -231,7 +237,11 @@ def to_chat_body(body: Mapping[str, Any]) -> ChatConversion:
     chat["add_special_tokens"] = True
     if body.get("truncation", "disabled") != "disabled":
         chat["truncate_prompt_tokens"] = -1
-    return ChatConversion(chat, conv.exact)
+        # 0 cuts to the whole context, not one less (TokenizeParams.max_truncation_tokens)
+        if body.get("max_output_tokens") is not None:
+            chat["max_completion_tokens"] = body["max_output_tokens"]
+    history_at = None if body.get("previous_response_id") is None else int(bool(instructions))
+    return ChatConversion(chat, conv.exact, history_at)
 
 
 def is_harmony(model: str) -> bool:
@@ -253,6 +263,15 @@ def responses_prompt(processor: PromptProcessor, body: Mapping[str, Any]) -> Pro
     prompt = processor.chat(conv.body, from_responses=True)
     named = body.get("model")
     harmony = is_harmony(processor.model) or (isinstance(named, str) and is_harmony(named))
+    # the stored history comes after the instructions: only what precedes it is known
+    # (unless the prompt is ids forwarded in kv_transfer_params, which vLLM runs as sent)
+    if (
+        conv.history_at is not None
+        and not harmony
+        and forwarded_prompt_ids(conv.body, conv.body["messages"]) is None
+    ):
+        hashes = processor.head_hashes(conv.body, conv.history_at, from_responses=True)
+        prompt = replace(prompt, block_hashes=hashes)
     return prompt if conv.exact and not harmony else replace(prompt, exact=False)
 
 

@@ -298,17 +298,20 @@ def render(
     default_kwargs: dict[str, Any] | None = None,
     effort_map: dict[str, str] | None = None,
     exclude_tools_when_none: bool = False,
+    previous_messages: list[dict[str, Any]] | None = None,
 ) -> Rendered:
-    """vLLM 0.34 rendering the Responses ``body`` (no ``previous_response_id``): the body
-    validated as its ``ResponsesRequest``, then ``OnlineRenderer.render_responses`` of a
-    server with the engine options given (``--default-chat-template-kwargs``,
-    ``--reasoning-effort-map``, ``--exclude-tools-when-tool-choice-none``) and ``renderer``."""
+    """vLLM 0.34 rendering the Responses ``body``: the body validated as its
+    ``ResponsesRequest``, then ``OnlineRenderer.render_responses`` of a server with the
+    engine options given (``--default-chat-template-kwargs``, ``--reasoning-effort-map``,
+    ``--exclude-tools-when-tool-choice-none``) and ``renderer``. ``previous_messages``: the
+    chat messages of the response a ``previous_response_id`` names, as the server's store
+    hands them to ``render_responses`` (``serving._render_resolved_response_inputs``)."""
     mods = load()
     with installed():
         proto = mods["vllm.entrypoints.openai.responses.protocol"]
         request = proto.ResponsesRequest.model_validate(json.loads(json.dumps(body)))
         server = _server(renderer, default_kwargs, effort_map, exclude_tools_when_none)
-        result = asyncio.run(server.render_responses(request))
+        result = asyncio.run(server.render_responses(request, previous_messages=previous_messages))
     return _rendered(renderer, result.engine_input)
 
 
