@@ -118,6 +118,23 @@ def test_engine_rack_is_an_nvl72_rack_with_a_publisher() -> None:
     assert {"kvrouter.io/rack", "kvrouter.io/region"} <= set(labels)
 
 
+def test_vllm_engines_report_the_cached_tokens_the_hit_feedback_reads() -> None:
+    """``kvrouter_engine_cached_tokens_total``, the prediction-error histograms and the
+    alert ``KVRouterHitRateDrift`` read ``usage.prompt_tokens_details.cached_tokens``, which
+    vLLM 0.34 writes only with ``--enable-prompt-tokens-details``
+    (vllm/entrypoints/openai/chat_completion/serving.py ``_make_prompt_tokens_details``:
+    None unless enabled; vllm/entrypoints/common/cli_args.py: default False). Without it the
+    engine side stays 0 and the alert fires on every model the router predicts hits for."""
+    rack = _docs(K8S / "engine" / "engine-rack.yaml")[0]
+    engine = rack["spec"]["template"]["spec"]["containers"][0]
+    assert engine["image"].startswith("vllm/")
+    assert "--enable-prompt-tokens-details" in engine["args"]
+    readme = (DEPLOY.parent / "README.md").read_text()
+    serve = readme[readme.index("vllm serve ") :]
+    serve = serve[: serve.index("```")]
+    assert "--enable-prompt-tokens-details" in serve
+
+
 def _expand(arg: str, env: dict[str, str]) -> str:
     for key, value in env.items():
         arg = arg.replace(f"$({key})", value)
