@@ -118,6 +118,23 @@ def test_engine_rack_is_an_nvl72_rack_with_a_publisher() -> None:
     assert {"kvrouter.io/rack", "kvrouter.io/region"} <= set(labels)
 
 
+def test_vllm_engines_report_the_cached_tokens_the_hit_feedback_reads() -> None:
+    """``kvrouter_engine_cached_tokens_total``, the prediction-error histograms and the
+    alert ``KVRouterHitRateDrift`` read ``usage.prompt_tokens_details.cached_tokens``, which
+    vLLM 0.34 writes only with ``--enable-prompt-tokens-details``
+    (vllm/entrypoints/openai/chat_completion/serving.py ``_make_prompt_tokens_details``:
+    None unless enabled; vllm/entrypoints/common/cli_args.py: default False). Without it the
+    engine side stays 0 and the alert fires on every model the router predicts hits for."""
+    rack = _docs(K8S / "engine" / "engine-rack.yaml")[0]
+    engine = rack["spec"]["template"]["spec"]["containers"][0]
+    assert engine["image"].startswith("vllm/")
+    assert "--enable-prompt-tokens-details" in engine["args"]
+    readme = (DEPLOY.parent / "README.md").read_text()
+    serve = readme[readme.index("vllm serve ") :]
+    serve = serve[: serve.index("```")]
+    assert "--enable-prompt-tokens-details" in serve
+
+
 def _expand(arg: str, env: dict[str, str]) -> str:
     for key, value in env.items():
         arg = arg.replace(f"$({key})", value)
@@ -259,7 +276,7 @@ def test_alert_rules_cover_the_issues_and_use_exported_metrics() -> None:
 
 # the failure modes docs/operations.md describes, and the metric each alert must watch
 _ALERTS = {
-    "KVRouterHitRateDrift": "kvrouter_engine_cached_tokens_total",
+    "KVRouterHitRateDrift": "kvrouter_prediction_error_ratio_count",
     "KVRouterIndexEventLag": "kvrouter_index_event_lag_seconds",
     "KVRouterRedisUnreachable": "kvrouter_pod_exchange_redis_up",
     "KVRouterIndexSyncDown": "kvrouter_index_sync_up",
@@ -1158,6 +1175,43 @@ def _promtool_tests(tmp_path: pathlib.Path, tests: list[dict[str, Any]]) -> None
 def _series(name: str, labels: dict[str, str], values: list[str]) -> dict[str, str]:
     inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
     return {"series": f"{name}{{{inner}}}", "values": " ".join(values)}
+
+
+@needs_promtool
+def test_the_hit_drift_alert_pairs_each_prediction_with_its_own_engine_report(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``kvrouter_predicted_hit_tokens_total`` counts every request routed (a stream its
+    client leaves, a request that fails, a retried one, a batch), the engines' cached tokens
+    only the answers that carry usage (router/service/answer_relay.py ``_feedback``): compared
+    with each other, a model whose every prediction is exact but whose clients leave 30 % of
+    their streams reads as 70 % reuse. The alert must judge the requests whose prediction and
+    engine report are one request's (``kvrouter_prediction_error_ratio``), and fire when
+    over 1 % of them miss by more than 5 % of their prompt (docs/metrics.md)."""
+    exact = {"namespace": "kvr", "pod": "kvrouter-a", "worker": "0", "model": "m"}
+    drift = {**exact, "model": "n"}
+    inputs = []
+    for labels, cached, within in ((exact, 4200, 60), (drift, 5400, 54)):
+        # 100 predicted tokens/s (1 min steps); 60 judged requests a minute, ``within`` of
+        # them with |error| <= 5 % of their prompt
+        inputs += [
+            _series("kvrouter_predicted_hit_tokens_total", labels, ["0+6000x40"]),
+            _series("kvrouter_engine_cached_tokens_total", labels, [f"0+{cached}x40"]),
+            _series("kvrouter_prediction_error_ratio_bucket", {**labels, "le": "-0.05"},
+                    ["0+0x40"]),
+            _series("kvrouter_prediction_error_ratio_bucket", {**labels, "le": "0.05"},
+                    [f"0+{within}x40"]),
+            _series("kvrouter_prediction_error_ratio_count", labels, ["0+60x40"]),
+        ]  # fmt: skip
+    _promtool_tests(tmp_path, [{
+        "interval": "1m",
+        "input_series": inputs,
+        "alert_rule_test": [
+            {"eval_time": "10m", "alertname": "KVRouterHitRateDrift", "exp_alerts": []},
+            {"eval_time": "40m", "alertname": "KVRouterHitRateDrift",
+             "exp_alerts": [_fires("KVRouterHitRateDrift", {"model": "n"})]},
+        ],
+    }])  # fmt: skip
 
 
 @needs_promtool

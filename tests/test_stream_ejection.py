@@ -6,6 +6,8 @@ be retried (the client has a token already), so ejection is what stops them."""
 
 from __future__ import annotations
 
+import pathlib
+
 import aiohttp
 import pytest
 
@@ -15,6 +17,11 @@ from tests.backends import metric_sample, start_mock, start_router
 from tests.waiting import eventually
 
 MODEL = "m"
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+
+
+def _doc_row(name: str) -> str:
+    return next(line for line in DOCS.read_text().splitlines() if line.startswith(f"| `{name}`"))
 
 
 @pytest.mark.parametrize(
@@ -66,6 +73,8 @@ async def test_a_replica_failing_every_stream_after_its_first_token_is_ejected(
                 return await ejected()
 
             await eventually(sent_one_then_ejected, timeout=20, interval=0.0)
+            # the kind an operator sees on the page is one docs/metrics.md's row names
+            assert f"`{kind}`" in _doc_row("kvrouter_replica_failures_total")
             failed = outcomes.count(False)
             assert 3 <= failed <= 4, outcomes  # the third failure in a row ejects it
             for _ in range(6):  # from then on every stream goes to the good replica
