@@ -914,6 +914,12 @@ async def test_completed_picks_are_recorded_as_the_http_answers_are(tmp_path: An
         gone = phase(decision_id=failed.decision_id, phase=phase.FAILED)
         assert (await stub.Report(gone, metadata=auth())).accepted
         refused = await stub.Pick(pick, metadata=auth())
+        for status in (0, 99, 600, 99999):  # no HTTP status: refused, not recorded as one
+            bad = phase(decision_id=refused.decision_id, phase=phase.REFUSED, http_status=status)
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await stub.Report(bad, metadata=auth())
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "http_status" in (exc.value.details() or "")
         busy = phase(decision_id=refused.decision_id, phase=phase.REFUSED, http_status=429)
         assert (await stub.Report(busy, metadata=auth())).accepted
         recorder.flush()

@@ -440,6 +440,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         cached = request.cached_tokens if request.HasField("cached_tokens") else None
         owner = owner_of(CALLER.get())
         status = request.http_status if request.HasField("http_status") else None
+        if status is not None and not 100 <= status <= 599:  # no HTTP status (RFC 9110 15)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"http_status {status} is not in 100-599"
+            )
         report = Reported(request.decision_id, phase, request.output_tokens, cached, owner, status)
         accepted = self.apply_report(report)
         if not accepted and self.workers is not None and self.workers.count > 1:
