@@ -63,10 +63,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 # The commands that start processes of their own (replicas, routers, vllm-router, Redis):
 # each stops them in a ``finally`` (see router.sigterm).
 _SPAWNING = frozenset({"bench", "demo"})
-# ``serve`` until its event loop takes SIGTERM over for the graceful drain: as PID 1 of a
+# ``serve`` until its event loop takes SIGTERM over for the graceful drain, and ``publish``
+# until its own does (with ``--zmq auto`` it waits for its engine to come up): as PID 1 of a
 # container (the image's entrypoint) the kernel drops a signal left to its default action,
-# so a pod deleted while its router starts would run on until its grace period's SIGKILL.
-_SIGTERM_RAISES = _SPAWNING | {"serve"}
+# so a pod deleted while it starts would run on until its grace period's SIGKILL.
+_SIGTERM_RAISES = _SPAWNING | {"serve", "publish"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -171,3 +171,42 @@ def test_serve_as_a_containers_pid_1_stops_on_a_sigterm_during_start_up(tmp_path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(not _pid_namespaces(), reason="no PID namespaces here (unshare)")
+def test_publish_as_a_containers_pid_1_stops_on_a_sigterm_during_start_up(
+    redis_url: str,
+) -> None:
+    """The publisher sidecar as PID 1 of its container (deploy/k8s: the image's entrypoint)
+    with ``--zmq auto`` asks its engine where it publishes until the engine answers, which
+    is while the engine loads its model (minutes); a SIGTERM then (the pod deleted) was
+    dropped by the kernel and the sidecar ran on until the grace period's SIGKILL. It now
+    ends it at once, status 143, with nothing registered."""
+    from router.bench.ports import free_port
+
+    engine = f"http://127.0.0.1:{free_port()}"  # nothing listens: the engine is not up yet
+    args = [
+        "unshare", "--pid", "--fork", "--kill-child", KVROUTER, "publish", "--replica", "r",
+        "--model", "m", "--url", engine, "--zmq", "auto", "--redis", redis_url,
+    ]  # fmt: skip
+    if os.getuid() != 0:
+        args[1:1] = ["--user", "--map-root-user"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        # it logs its first unanswered ask (start-up: no handler of its event loop's yet)
+        line = proc.stderr.readline()
+        assert "KV events not followed yet" in line, line
+        (publisher,) = _children(proc.pid)
+        status = (Path("/proc") / str(publisher) / "status").read_text()
+        assert re.search(r"^NSpid:\t\d+\t1$", status, flags=re.M), "not PID 1 of its namespace"
+        os.kill(publisher, signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("publish, PID 1 of its namespace, ignored the SIGTERM during start-up")
+        assert code == 128 + signal.SIGTERM, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
