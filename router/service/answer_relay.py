@@ -531,12 +531,7 @@ class AnswerRelay:
         if one is kept: the load it offered, which a replay of a faulty hour offers again."""
         req = routed.request
         count_unanswered(self.state, req.model, req.prompt_tokens, routed.service_class, status)
-        if self.state.recorder is not None:
-            finished = self.event_loop().time()
-            record_request(
-                self.state, routed.request, routed.prompt, started, finished, None, None, 0.0,
-                stream, endpoint, status=status,
-            )  # fmt: skip
+        self._record_unanswered(routed, started, status, stream, endpoint)
 
     def record_cancelled(
         self, routed: Routed, started: float, stream: bool | None, endpoint: str | None
@@ -544,11 +539,16 @@ class AnswerRelay:
         """Append a request its client left before it had the whole answer to the trace,
         if one is kept: offered load, as a failed one (:func:`record_request`, ``status``
         router.recorder ``CLIENT_CLOSED``). No miss of its SLO: nobody waited for it."""
+        self._record_unanswered(routed, started, CLIENT_CLOSED, stream, endpoint)
+
+    def _record_unanswered(
+        self, routed: Routed, started: float, status: int, stream: bool | None, endpoint: str | None
+    ) -> None:
         if self.state.recorder is not None:
             finished = self.event_loop().time()
             record_request(
                 self.state, routed.request, routed.prompt, started, finished, None, None, 0.0,
-                stream, endpoint, status=CLIENT_CLOSED,
+                stream, endpoint, status=status,
             )  # fmt: skip
 
     def _slo(
