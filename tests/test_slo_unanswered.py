@@ -136,3 +136,45 @@ async def test_a_grpc_retry_is_one_request_timed_from_its_first_pick() -> None:
         page = state.metrics.render().decode()
         assert metric_sample(page, SLO, model=RPC_MODEL, result="failed") == 1
         assert metric_sample(page, SLO, model=RPC_MODEL, result="met") is None
+
+
+async def test_a_retry_whose_caller_left_ends_its_request_unjudged() -> None:
+    """A gateway's retry (a Pick with the request id of a decision reported ``FAILED``) whose
+    caller is gone before it has its answer (its deadline passed while it was routed) is a
+    request its client left: not judged, as the HTTP endpoints do not judge a client that
+    leaves. It used to leave the first attempt's ``FAILED`` to be counted a miss once the
+    retry window had passed."""
+    import time
+
+    from router.rpc.decisions import RETRY_WINDOW_S
+    from tests.test_grpc_parity import _serve, _state, loop_clock
+
+    state = _state(slo={"ttft_s": 5.0})
+    shift = [0.0]
+    report = router_pb2.ReportRequest
+    deadline = [0.0]
+    route = state.route
+
+    def slow_route(*a: Any, **kw: Any) -> Any:  # holds the loop past the caller's deadline
+        routed = route(*a, **kw)
+        while time.monotonic() < deadline[0]:
+            time.sleep(0.05)
+        return routed
+
+    async for channel in _serve(state, lambda: loop_clock() + shift[0]):
+        stub = router_pb2_grpc.RouterStub(channel)
+        asked = router_pb2.PickRequest(model=RPC_MODEL, token_ids=_ids(320), request_id="r1")
+        first = (await stub.Pick(asked, metadata=AUTH)).decision_id
+        await stub.Report(report(decision_id=first, phase=report.FAILED), metadata=AUTH)
+        state.route = slow_route  # type: ignore[method-assign]
+        deadline[0] = time.monotonic() + 2.0 + 0.2
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Pick(asked, metadata=AUTH, timeout=2.0)
+        assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        state.route = route  # type: ignore[method-assign]
+        await eventually(lambda: state.load.in_flight() == 0)
+        shift[0] += RETRY_WINDOW_S + 1
+        other = router_pb2.PickRequest(model=RPC_MODEL, token_ids=_ids(320, start=40))
+        await stub.Pick(other, metadata=AUTH)  # a Pick (or the sweep) ends what is past
+        page = state.metrics.render().decode()
+        assert metric_sample(page, SLO, model=RPC_MODEL, result="failed") is None

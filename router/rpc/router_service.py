@@ -287,6 +287,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # a replica (held by admission, or while its prompt was processed): its one
             # outcome, on no replica, as the HTTP endpoints count it
             rejected(self.state, request.model, "cancelled")
+            # a retry's client left: the request is not judged (as on HTTP)
+            self.retries.take(scoped_id(request.request_id, owner_of(CALLER.get())))
             if self.state.recorder is not None and offered is not None:
                 # offered load all the same, recorded as the HTTP endpoints record it
                 record_refused(
@@ -307,6 +309,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 uncached = routed.request.prompt_tokens - routed.decision.usable_tokens
                 self.state.admission.unserved(request.model, tenant, uncached)
             rejected(self.state, request.model, "cancelled")
+            self.retries.take(internal)  # a retry's client left: not judged (as on HTTP)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         record(self.state, routed)  # the per-request metrics of the HTTP endpoints
         decision = routed.decision
