@@ -1432,3 +1432,26 @@ def test_operator_queries_match_label_values_the_router_documents() -> None:
     assert _literal_matchers('x{result="met"} + kvrouter_a{le="1", result!="failed", m=~"x"}') == [
         ("kvrouter_a", "result", "failed")
     ]
+
+
+@needs_promtool
+def test_the_peer_missing_alert_counts_each_pod_set_apart(tmp_path: pathlib.Path) -> None:
+    """One Prometheus scraping two regions, each its own Redis and router pods (its own
+    namespace, the label the scrape config and the ServiceMonitor put on every series): a
+    process counts the other pods' processes of its own region only, so every process of
+    both healthy regions is silent, and the one that misses a peer of its region fires."""
+    east = [{"namespace": "kvr-east", "pod": f"kvrouter-{p}", "worker": "0"} for p in "ab"]
+    west = [{"namespace": "kvr-west", "pod": f"kvrouter-{p}", "worker": "0"} for p in "abc"]
+    inputs = [_series("kvrouter_peer_views", labels, ["1+0x12"]) for labels in east]
+    inputs += [_series("kvrouter_peer_views", labels, ["2+0x12"]) for labels in west[:2]]
+    # from minute 3 west's pod c counts one of the two others
+    inputs.append(_series("kvrouter_peer_views", west[2], ["2 2 2 1+0x10"]))
+    _promtool_tests(tmp_path, [{
+        "interval": "1m",
+        "input_series": inputs,
+        "alert_rule_test": [
+            {"eval_time": "2m", "alertname": "KVRouterPeerMissing", "exp_alerts": []},
+            {"eval_time": "12m", "alertname": "KVRouterPeerMissing",
+             "exp_alerts": [_fires("KVRouterPeerMissing", west[2])]},
+        ],
+    }])  # fmt: skip
