@@ -1455,3 +1455,31 @@ def test_the_peer_missing_alert_counts_each_pod_set_apart(tmp_path: pathlib.Path
              "exp_alerts": [_fires("KVRouterPeerMissing", west[2])]},
         ],
     }])  # fmt: skip
+
+
+@needs_promtool
+def test_the_engine_hit_rate_panel_divides_one_set_of_requests(tmp_path: pathlib.Path) -> None:
+    """The dashboard's engine-reported hit rate: ``kvrouter_engine_cached_tokens_total``
+    counts only the answers that carry usage (router/service/answer_relay.py ``_feedback``;
+    not a stream its client left, nor a failed attempt), ``kvrouter_prompt_tokens_total``
+    every request routed. A fleet whose engines reuse half of every prompt, where clients
+    leave 30 % of the prompt tokens' requests, must read 50 %, not 35 %."""
+    dash = json.loads((DEPLOY / "grafana" / "kvrouter-dashboard.json").read_text())
+    panel = next(p for p in dash["panels"] if p.get("title", "").startswith(
+        "Prefix-cache hit rate: predicted"))  # fmt: skip
+    engine = next(t["expr"] for t in panel["targets"] if t["legendFormat"] == "engine cached")
+    expr = engine.replace("$model", ".*")
+    labels = {"namespace": "kvr", "pod": "kvrouter-a", "worker": "0", "model": "m"}
+    inputs = [  # a minute: 10,000 prompt tokens routed, 7,000 answered, 3,500 of them cached
+        _series("kvrouter_prompt_tokens_total", labels, ["0+10000x20"]),
+        _series("kvrouter_engine_cached_tokens_total", labels, ["0+3500x20"]),
+        _series("kvrouter_engine_cached_prompt_tokens_total", labels, ["0+7000x20"]),
+    ]
+    _promtool_tests(tmp_path, [{
+        "interval": "1m",
+        "input_series": inputs,
+        "promql_expr_test": [
+            {"expr": f"round({expr}, 0.001)", "eval_time": "15m",
+             "exp_samples": [{"labels": "{}", "value": 0.5}]},
+        ],
+    }])  # fmt: skip

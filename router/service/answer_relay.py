@@ -614,6 +614,9 @@ class AnswerRelay:
         if cached is None:
             return
         mm.engine_cached_tokens.inc(cached)
+        # the same request's prompt, as kvrouter_prompt_tokens counts it: the hit rate's
+        # denominator over the answers that report their cached tokens
+        mm.engine_cached_prompt_tokens.inc(routed.request.prompt_tokens)
         # the predicted replica, and the cached tokens of the prompt it predicted
         if key == routed.decision.replica and judged(routed):
             mm.prediction(routed.decision.usable_tokens, routed.request.prompt_tokens, cached)
