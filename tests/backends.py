@@ -8,7 +8,9 @@ previously seen prefix of the prompt JSON / 4). Knobs: ``fail_next`` (answer 500
 times), ``delay_s`` (before the headers), ``gate`` (an ``asyncio.Event`` answers wait for:
 requests held in flight until the test sets it), ``chunk_delay_s`` (between SSE chunks),
 ``hang`` (never answer; counts ``cancelled`` when the router gives up on it), ``pad_bytes``
-(a non-streamed answer carries that many more bytes, in ``x_pad``).
+(a non-streamed answer carries that many more bytes, in ``x_pad``), ``pace`` (each SSE event of
+a chat or completions stream after the first waits for a permit of it: the test lets the
+events out one by one).
 
 It serves the Anthropic Messages API too (``/v1/messages``, JSON or vLLM's event stream, usage
 with ``cache_read_input_tokens`` from the same crude cache; ``/v1/messages/count_tokens``);
@@ -55,6 +57,7 @@ class Backend:
     hang: bool = False
     chunks: int = 4
     pad_bytes: int = 0
+    pace: asyncio.Semaphore | None = None
     received: list[dict[str, Any]] = field(default_factory=list)
     sent: bytes = b""
     cancelled: int = 0
@@ -155,6 +158,16 @@ class Backend:
         )
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
+        pace = self.pace
+        written = 0
+
+        async def send(event: bytes) -> None:
+            nonlocal written
+            if pace is not None and written:
+                await pace.acquire()
+            written += 1
+            await resp.write(event)
+
         try:
             for i, w in enumerate(words):
                 for c in range(choices):
@@ -172,13 +185,13 @@ class Backend:
                         choice["finish_reason"] = "stop"
                         if not include_usage:
                             chunk.update(fingerprint)
-                    await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    await send(f"data: {json.dumps(chunk)}\n\n".encode())
                 if self.chunk_delay_s:
                     await asyncio.sleep(self.chunk_delay_s)
             if include_usage:
                 chunk = {**base, "object": obj, "choices": [], "usage": usage, **fingerprint}
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
+                await send(f"data: {json.dumps(chunk)}\n\n".encode())
+            await send(b"data: [DONE]\n\n")
         except asyncio.CancelledError:
             self.cancelled += 1
             raise

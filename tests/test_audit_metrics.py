@@ -131,6 +131,9 @@ async def test_metrics_after_a_streamed_and_a_non_streamed_chat(fleet: Fleet) ->
         await asyncio.sleep(0.05)
     assert after - before == stream_cached, (before, after, stream_cached)
     assert value(text, "kvrouter_prediction_error_tokens_count", labels) == 2
+    # both answers reported their cached tokens: the hit rate's denominator counts both
+    routed = value(text, "kvrouter_prompt_tokens_total", labels)
+    assert value(text, "kvrouter_engine_cached_prompt_tokens_total", labels) == routed
 
     # stream timings at the router
     assert value(text, "kvrouter_ttft_seconds_count", labels) >= 1

@@ -1432,3 +1432,54 @@ def test_operator_queries_match_label_values_the_router_documents() -> None:
     assert _literal_matchers('x{result="met"} + kvrouter_a{le="1", result!="failed", m=~"x"}') == [
         ("kvrouter_a", "result", "failed")
     ]
+
+
+@needs_promtool
+def test_the_peer_missing_alert_counts_each_pod_set_apart(tmp_path: pathlib.Path) -> None:
+    """One Prometheus scraping two regions, each its own Redis and router pods (its own
+    namespace, the label the scrape config and the ServiceMonitor put on every series): a
+    process counts the other pods' processes of its own region only, so every process of
+    both healthy regions is silent, and the one that misses a peer of its region fires."""
+    east = [{"namespace": "kvr-east", "pod": f"kvrouter-{p}", "worker": "0"} for p in "ab"]
+    west = [{"namespace": "kvr-west", "pod": f"kvrouter-{p}", "worker": "0"} for p in "abc"]
+    inputs = [_series("kvrouter_peer_views", labels, ["1+0x12"]) for labels in east]
+    inputs += [_series("kvrouter_peer_views", labels, ["2+0x12"]) for labels in west[:2]]
+    # from minute 3 west's pod c counts one of the two others
+    inputs.append(_series("kvrouter_peer_views", west[2], ["2 2 2 1+0x10"]))
+    _promtool_tests(tmp_path, [{
+        "interval": "1m",
+        "input_series": inputs,
+        "alert_rule_test": [
+            {"eval_time": "2m", "alertname": "KVRouterPeerMissing", "exp_alerts": []},
+            {"eval_time": "12m", "alertname": "KVRouterPeerMissing",
+             "exp_alerts": [_fires("KVRouterPeerMissing", west[2])]},
+        ],
+    }])  # fmt: skip
+
+
+@needs_promtool
+def test_the_engine_hit_rate_panel_divides_one_set_of_requests(tmp_path: pathlib.Path) -> None:
+    """The dashboard's engine-reported hit rate: ``kvrouter_engine_cached_tokens_total``
+    counts only the answers that carry usage (router/service/answer_relay.py ``_feedback``;
+    not a stream its client left, nor a failed attempt), ``kvrouter_prompt_tokens_total``
+    every request routed. A fleet whose engines reuse half of every prompt, where clients
+    leave 30 % of the prompt tokens' requests, must read 50 %, not 35 %."""
+    dash = json.loads((DEPLOY / "grafana" / "kvrouter-dashboard.json").read_text())
+    panel = next(p for p in dash["panels"] if p.get("title", "").startswith(
+        "Prefix-cache hit rate: predicted"))  # fmt: skip
+    engine = next(t["expr"] for t in panel["targets"] if t["legendFormat"] == "engine cached")
+    expr = engine.replace("$model", ".*")
+    labels = {"namespace": "kvr", "pod": "kvrouter-a", "worker": "0", "model": "m"}
+    inputs = [  # a minute: 10,000 prompt tokens routed, 7,000 answered, 3,500 of them cached
+        _series("kvrouter_prompt_tokens_total", labels, ["0+10000x20"]),
+        _series("kvrouter_engine_cached_tokens_total", labels, ["0+3500x20"]),
+        _series("kvrouter_engine_cached_prompt_tokens_total", labels, ["0+7000x20"]),
+    ]
+    _promtool_tests(tmp_path, [{
+        "interval": "1m",
+        "input_series": inputs,
+        "promql_expr_test": [
+            {"expr": f"round({expr}, 0.001)", "eval_time": "15m",
+             "exp_samples": [{"labels": "{}", "value": 0.5}]},
+        ],
+    }])  # fmt: skip

@@ -528,6 +528,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # that carries them (a later one, or a retried Report, repeats the same tokens)
             pending.cached_counted = True
             mm.engine_cached_tokens.inc(report.cached_tokens)
+            mm.engine_cached_prompt_tokens.inc(pending.prompt_tokens)
             if pending.exact and pending.prompt_tokens > 0 and pending.replica is not None:
                 mm.prediction(pending.predicted_tokens, pending.prompt_tokens, report.cached_tokens)
         return True

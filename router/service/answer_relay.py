@@ -34,6 +34,7 @@ from router.service.answers import (
     RESPONSES_CLOSERS,
     EventLines,
     ResponsesPreamble,
+    TokenLines,
     closes_stream,
     responses_final_at,
     stream_end,
@@ -338,9 +339,13 @@ class AnswerRelay:
             # first output: no token either
             preamble = ResponsesPreamble() if responses and status == 200 else None
             lines = EventLines()  # only whole lines of data are tokens (not a keep-alive)
+            # after the first token, the gaps between reads with tokens are inter-token
+            # latencies: not those before the usage chunk or [DONE]
+            tokens = TokenLines()
             while (chunk := await upstream.read()) is not None:
                 now = loop.time()
                 data = lines.data_ended(chunk)
+                token = tokens.token_ended(chunk)
                 if preamble is not None and not preamble.output_began(chunk):
                     pass  # (fed every piece: it holds a line cut by a read)
                 elif not data:
@@ -351,7 +356,7 @@ class AnswerRelay:
                     mm.ttft.observe(now - started)
                     first_at = last = now
                     first = False
-                else:
+                elif token:
                     mm.itl.observe(now - last)
                     last = now
                 ended = upstream.at_end
@@ -609,6 +614,9 @@ class AnswerRelay:
         if cached is None:
             return
         mm.engine_cached_tokens.inc(cached)
+        # the same request's prompt, as kvrouter_prompt_tokens counts it: the hit rate's
+        # denominator over the answers that report their cached tokens
+        mm.engine_cached_prompt_tokens.inc(routed.request.prompt_tokens)
         # the predicted replica, and the cached tokens of the prompt it predicted
         if key == routed.decision.replica and judged(routed):
             mm.prediction(routed.decision.usable_tokens, routed.request.prompt_tokens, cached)

@@ -3,8 +3,9 @@ usage in each shape the replicas answer (OpenAI's, the Anthropic Messages API's,
 Responses API's: :func:`usage_tokens`, found in a JSON body or a stream's tail by
 :func:`usage_of`), where each kind's stream ends (:func:`closers_of`), a Responses stream's
 final event (it carries the whole response), and what is no token: SSE comments and blank
-lines (:class:`EventLines`), a Responses stream's opening events (:class:`ResponsesPreamble`). Pure
-functions of bytes, read once an answer is whole or per relayed piece."""
+lines (:class:`EventLines`), a Responses stream's opening events (:class:`ResponsesPreamble`),
+the events after the first that carry none (:class:`TokenLines`: the usage chunk,
+``[DONE]``). Pure functions of bytes, read once an answer is whole or per relayed piece."""
 
 from __future__ import annotations
 
@@ -44,6 +45,69 @@ class EventLines:
         # the lines after the first, each ended within the piece
         lines = _LINE_END.split(chunk[:end])
         return any(line[:1] not in (b"", b":") for line in lines[1:])
+
+
+# of a line still arriving, the start kept (enough for an event's name, ``[DONE]`` and
+# ``"choices":[]``, which come first in vLLM's chunks)
+_OPEN_HEAD = 512
+_LINE_ENDS = re.compile(rb"\r\n|[\r\n]")
+# a chunk without choices: the usage chunk (vLLM 0.34 openai/chat_completion/serving.py
+# ``chat_completion_stream_generator``: ``final_usage_chunk``, ``choices=[]``)
+_NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+_DONE = b"[DONE]"
+
+
+def _token_event(name: bytes) -> bool:
+    """Whether a named event carries output tokens: the Messages API's
+    ``content_block_delta``, the Responses API's ``response.*.delta`` (text, reasoning, tool
+    arguments); not their opening, closing, ``ping`` or usage events (``message_delta``: the
+    stop reason and the output's usage)."""
+    return name == b"content_block_delta" or name.endswith(b".delta")
+
+
+class TokenLines:
+    """Tells, of an event stream fed piece by piece, whether a line of data that carries
+    output tokens ended in a piece: the reads whose gaps are inter-token latencies, as vLLM
+    counts them (vllm/v1/metrics/stats.py ``IterationStats.update_from_output``: one gap per
+    engine output after the first). Not the usage chunk (``"choices":[]``: the router's own
+    ``include_usage`` or the client's), ``data: [DONE]``, a named event that carries no token
+    (:func:`_token_event`), a comment or a blank line. Of a line still arriving only its
+    start is held across pieces."""
+
+    __slots__ = ("_cr", "_open", "_quiet")
+
+    def __init__(self) -> None:
+        self._open = b""  # the start of the line still arriving
+        self._quiet = False  # the event whose lines arrive is named, and carries no token
+        self._cr = False  # the last piece ended with CR (a CRLF may be cut between its bytes)
+
+    def token_ended(self, chunk: bytes) -> bool:
+        """Whether a line of data carrying output tokens ends in ``chunk``."""
+        if self._cr and chunk[:1] == b"\n":
+            chunk = chunk[1:]
+        end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+        if end < 0:
+            if len(self._open) < _OPEN_HEAD:
+                self._open = (self._open + chunk)[:_OPEN_HEAD]
+            self._cr = False
+            return False
+        self._cr = chunk.endswith(b"\r")
+        lines = _LINE_ENDS.split(chunk[: end + 1])
+        lines.pop()  # b"": after the last line end
+        if self._open:
+            lines[0] = (self._open + lines[0])[:_OPEN_HEAD]
+        self._open = chunk[end + 1 : end + 1 + _OPEN_HEAD]
+        token = False
+        for line in lines:
+            if line.startswith(b"data:"):
+                if not self._quiet and not token:
+                    data = line[5:].lstrip()
+                    token = not data.startswith(_DONE) and _NO_CHOICES.search(data) is None
+            elif line.startswith(b"event:"):
+                self._quiet = not _token_event(line[6:].strip())
+            elif not line:
+                self._quiet = False  # the event's end
+        return token
 
 
 # the events a Responses API stream opens with before the engine's first output (vLLM 0.34

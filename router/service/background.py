@@ -345,7 +345,7 @@ class _EventCounters(Collector):
     (``IngestStats.backlog_dropped``; the publisher's
     ``kvrouter_publisher_backlog_dropped_batches_total``), and the batches lost beyond
     replay and engine restarts found (``lost_batches``, ``restarts``; the publisher's
-    ``kvrouter_publisher_lost_batches_total``, ``kvrouter_publisher_restarts_total``)."""
+    ``kvrouter_publisher_lost_batches_total``, ``kvrouter_publisher_engine_restarts_total``)."""
 
     def __init__(self, direct: DirectEvents) -> None:
         self.direct = direct

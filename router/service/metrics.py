@@ -303,6 +303,13 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.engine_cached_prompt_tokens = LoopCounter(
+            "kvrouter_engine_cached_prompt_tokens",
+            "Prompt tokens of the requests whose cached tokens kvrouter_engine_cached_tokens "
+            "counts (its hit rate's denominator)",
+            ["model"],
+            registry=r,
+        )
         self.prediction_error = LoopHistogram(
             "kvrouter_prediction_error_tokens",
             "Predicted usable hit minus engine-reported cached tokens, per request",
@@ -517,6 +524,7 @@ class ModelMetrics:
         "_slo",
         "approximate",
         "drift",
+        "engine_cached_prompt_tokens",
         "engine_cached_tokens",
         "itl",
         "mismatch",
@@ -540,6 +548,7 @@ class ModelMetrics:
         self.predicted_hit_tokens = m.predicted_hit_tokens.labels(model)
         self.predicted_hit_ratio = m.predicted_hit_ratio.labels(model)
         self.engine_cached_tokens = m.engine_cached_tokens.labels(model)
+        self.engine_cached_prompt_tokens = m.engine_cached_prompt_tokens.labels(model)
         self.drift = m.engine_prompt_tokens_drift.labels(model)
         self.mismatch = m.engine_prompt_tokens_mismatch.labels(model)
         # tier -> (prompt, selected usable, selected kv, hybrid loss, fleet best) children
