@@ -9,6 +9,9 @@
   key (a data-parallel rank is a replica of its own: one whose engine dropped a request may
   leave the other ranks well; a refused connection skips them all), at most
   ``server.max_retries`` times.
+* **How long.** ``server.request_timeout_s`` from the first attempt bounds them all: each
+  attempt waits at most what is left of it and none starts once it is spent; running out
+  of it is the request's deadline, not the replica's failure (no outlier ejection).
 * **How many.** A :class:`RetryBudget` per router process: retries may add at most
   ``server.retry_budget_ratio`` of the requests of the last 10 s, plus
   ``server.retry_budget_min`` (so a quiet router still retries), judged when an attempt
