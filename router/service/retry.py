@@ -27,6 +27,9 @@
 
 from __future__ import annotations
 
+import datetime
+import email.utils
+import time
 from collections import deque
 
 from router.core.load import CostModel
@@ -101,13 +104,21 @@ def first_byte_deadline(
     return min(max(minimum_s, factor * expected_s), maximum_s)
 
 
-def retry_after_s(value: bytes | None) -> float | None:
-    """A ``Retry-After`` header's delay in seconds (the delta-seconds form; an HTTP date or
-    garbage: None)."""
+def retry_after_s(value: bytes | None, wall_now: float | None = None) -> float | None:
+    """A ``Retry-After`` header's delay in seconds: its delta-seconds form, or its HTTP-date
+    form (RFC 9110 10.2.3) less ``wall_now`` (default: the wall clock); a date past,
+    garbage, or a delay of a day or more: None."""
     if not value:
         return None
+    text = value.decode("latin-1").strip()
     try:
-        seconds = float(value.decode("latin-1").strip())
+        seconds = float(text)
     except ValueError:
-        return None
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:  # ("-0000": UTC, no zone said)
+            when = when.replace(tzinfo=datetime.UTC)
+        seconds = when.timestamp() - (time.time() if wall_now is None else wall_now)
     return seconds if 0 < seconds < 86400 else None
