@@ -147,3 +147,7 @@ def test_first_byte_deadline_and_retry_after() -> None:
     assert first_byte_deadline(unknown, 10.0, 4.0, 600.0) == 600.0
     assert expected_first_byte_s(0, 100, 0, stream=True, max_output_tokens=None) < 0.1
     assert retry_after_s(b"3") == 3.0 and retry_after_s(b"Wed, 21 Oct") is None
+    # the HTTP-date form (RFC 9110 10.2.3), against the wall clock; one past is none
+    at = 1445412480.0  # Wed, 21 Oct 2015 07:28:00 GMT
+    assert retry_after_s(b"Wed, 21 Oct 2015 07:28:30 GMT", wall_now=at) == 30.0
+    assert retry_after_s(b"Wed, 21 Oct 2015 07:27:00 GMT", wall_now=at) is None

@@ -1021,17 +1021,29 @@ async def test_a_hung_prefill_replica_gives_up_at_the_first_byte_deadline() -> N
         await decode.stop()
 
 
-@pytest.mark.parametrize("status", [429, 503])
-async def test_a_prefill_legs_retry_after_ejects_its_replica_at_once(status: int) -> None:
+def _http_date_in(seconds: float) -> str:
+    """An HTTP-date (RFC 9110 5.6.7) ``seconds`` from now: Retry-After's other form."""
+    import email.utils
+    import time
+
+    return email.utils.formatdate(time.time() + seconds, usegmt=True)
+
+
+@pytest.mark.parametrize(("status", "form"), [(429, "delay"), (503, "delay"), (503, "date")])
+async def test_a_prefill_legs_retry_after_ejects_its_replica_at_once(
+    status: int, form: str
+) -> None:
     """A prefill replica answering 429 / 503 with ``Retry-After`` is ejected for that long at
     once, as a replica answering a request so is (docs/operations.md): the next request's
     leg does not go there. Before, the header was ignored and the replica got legs until
-    ``outlier_consecutive_failures`` of them had failed."""
+    ``outlier_consecutive_failures`` of them had failed. The header's HTTP-date form
+    (RFC 9110 10.2.3: ``Retry-After = HTTP-date / delay-seconds``) too: before, a date
+    was read as no Retry-After at all."""
     from tests.backends import Backend
 
     prefill = await _Prefill().start()
     prefill.status = status
-    prefill.retry_after = "30"
+    prefill.retry_after = "30" if form == "delay" else _http_date_in(30)
     decode = await Backend("d0", [MODEL]).start()
     router, url = await start_router(_stub_settings(prefill.url, [(decode.url, "decode")]))
     state = router.app[STATE]

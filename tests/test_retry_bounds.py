@@ -128,3 +128,60 @@ async def test_a_retry_skips_a_replica_drained_since_the_decision() -> None:
     finally:
         for b in backends:
             await b.stop()
+
+
+async def test_retries_end_with_the_request_timeout() -> None:
+    """``request_timeout_s`` bounds the request, its retries included: each attempt waits at
+    most what is left of it, and no attempt starts once it is spent. Three hung replicas,
+    first-byte deadlines of 1 s and a request timeout of 1.5 s: the first attempt times out,
+    the second gets the half second left, and no third is sent (before: three attempts of
+    1 s each, twice the request's timeout)."""
+    backends = [await Backend(name, [MODEL], hang=True).start() for name in ("a", "b", "c")]
+    try:
+        async for url, session in _router(
+            [{"url": b.url, "model": MODEL, "name": b.name} for b in backends],
+            max_retries=2,
+            first_byte_min_s=1.0,
+            first_byte_timeout_s=1.0,
+            request_timeout_s=1.5,
+            outlier_detection=False,  # (a latency ejection would end the attempts early)
+        ):
+            async with session.post(url + "/v1/chat/completions", json=_chat(0)) as resp:
+                text = await resp.text()
+                assert resp.status == 504, text
+            assert "gave up after 2 attempt(s)" in text, text
+            assert sum(len(b.received) for b in backends) == 2
+            # both attempts were aborted on their replicas
+            await eventually(lambda: sum(b.cancelled for b in backends) == 2)
+    finally:
+        for b in backends:
+            await b.stop()
+
+
+async def test_a_stream_past_the_request_timeout_is_no_failure_of_its_replica() -> None:
+    """A stream still running when ``request_timeout_s`` is up is cut (the client gets the
+    SSE error event), but that is the request's deadline, not the replica failing: it does
+    not count toward ejecting the replica (before: a ``broken`` failure, so three long
+    answers ejected a healthy replica)."""
+    backend = await Backend("a", [MODEL], chunk_delay_s=30.0).start()
+    try:
+        async for url, session in _router(
+            [{"url": backend.url, "model": MODEL, "name": "a"}], request_timeout_s=1.0
+        ):
+            body = {**_chat(0), "stream": True}
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                text = ""
+                try:
+                    async for piece in resp.content.iter_any():
+                        text += piece.decode()
+                except aiohttp.ClientPayloadError:
+                    pass  # the router aborts a stream it cut
+            assert '"error"' in text and "[DONE]" not in text, text
+            await eventually(lambda: backend.cancelled == 1)
+            async with session.get(url + "/metrics") as r:
+                page = await r.text()
+            failures = [x for x in page.splitlines() if x.startswith("kvrouter_replica_failures")]
+            assert not [x for x in failures if not x.startswith("#")], failures
+    finally:
+        await backend.stop()

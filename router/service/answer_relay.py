@@ -48,7 +48,12 @@ from router.service.slo_metric import count_unanswered
 from router.service.state import Routed, RouterState, route_request
 from router.service.stream_usage import UsageFilter
 from router.service.upstream import Exchange
-from router.service.upstream_errors import UpstreamBroken, UpstreamError, UpstreamTimeout
+from router.service.upstream_errors import (
+    TotalTimeout,
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from router.service.wire import Sink, response_headers, send_error, stream_error_event
 from router.tokenize.keying import ProcessedPrompt
 
@@ -449,8 +454,10 @@ class AnswerRelay:
             # then abort its connection too, so a truncated stream is never mistaken for a
             # complete one (no [DONE] follows).
             mm.outcome(key, "upstream_broken").inc()
-            self.ejections.failed(key, "broken", loop.time(), ends)
-            ends = None
+            if not isinstance(exc, TotalTimeout):  # (else the request's time is up: the
+                # attempt is dropped, by ``finally``)
+                self.ejections.failed(key, "broken", loop.time(), ends)
+                ends = None
             timeout = isinstance(exc, UpstreamTimeout)
             self.record_failed(routed, started, 504 if timeout else 502, stream, endpoint)
             event = stream_error_event(

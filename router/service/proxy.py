@@ -37,7 +37,7 @@ from router.service.retry import (
 )
 from router.service.state import Routed, RouterState
 from router.service.upstream import Client, Exchange
-from router.service.upstream_errors import ConnectFailed, UpstreamError
+from router.service.upstream_errors import ConnectFailed, TotalTimeout, UpstreamError
 from router.service.wire import Sink, is_event_stream, request_head, send_error
 
 
@@ -75,17 +75,23 @@ class Forwarder(AnswerRelay):
         return host
 
     def _final(
-        self, attempt: int, rest: Iterable[ReplicaKey], refused: set[str], tried: set[ReplicaKey]
+        self,
+        attempt: int,
+        rest: Iterable[ReplicaKey],
+        refused: set[str],
+        tried: set[ReplicaKey],
+        ends_by: float,
     ) -> bool:
         """Whether failed attempt ``attempt`` (from 0) is the last, judged when it failed
-        (no await before the retry spends the budget): the retries or the retry budget are
-        spent, or no key of ``rest`` can be tried (all gone, at a URL that refused a
+        (no await before the retry spends the budget): the retries, the retry budget or the
+        request's time (``ends_by``: ``server.request_timeout_s`` after its first attempt)
+        are spent, or no key of ``rest`` can be tried (all gone, at a URL that refused a
         connection, tried already, or out of rotation or drained since the decision)."""
-        if attempt >= self.max_retries or not self.budget.allows(self.event_loop().time()):
+        now = self.event_loop().time()
+        if attempt >= self.max_retries or now >= ends_by or not self.budget.allows(now):
             return True
         registry = self.state.registry
         load = self.state.load
-        now = self.event_loop().time()
         for k in rest:
             ep = registry.endpoint(k)
             if (
@@ -140,6 +146,8 @@ class Forwarder(AnswerRelay):
         ranked = [routed.decision.replica, *routed.decision.ranking]
         started = loop.time()
         self.budget.request(started)
+        # the request's attempts, retries included, end by then (each waits what is left)
+        ends_by = started + state.settings.server.request_timeout_s
         if since is not None:
             started = min(since, started)
         last_error = "no replica answered"
@@ -180,16 +188,21 @@ class Forwarder(AnswerRelay):
                 if pulled and transfer_s is not None:
                     expect += transfer_s
                 # the attempt's deadline is its token: an ejection for latency moves it to now
-                # (the exchange keeps the deadline too: a cancellation can be lost)
-                wait = self.deadline(expect)
-                token = deadline = asyncio.timeout(wait)
+                # (the exchange keeps the deadline too: a cancellation can be lost); never
+                # past the request's (reached: the request's time is up, which is no
+                # failure of the replica's)
+                at = min(now + self.deadline(expect), ends_by)
+                wait = at - now
+                token = deadline = asyncio.timeout_at(at)
                 ejections.sent(key, token, now, expect)
                 kind = ""
                 upstream: Exchange | None = None
                 sse = False
                 try:
                     async with deadline:
-                        upstream = await self.client.pool(ep.base_url).send(head, sent, wait)
+                        upstream = await self.client.pool(ep.base_url).send(
+                            head, sent, wait, ends_by - now
+                        )
                         if upstream.status < 400:
                             sse = is_event_stream(upstream.header(b"content-type") or b"")
                             await upstream.ready(whole=not sse)
@@ -205,10 +218,18 @@ class Forwarder(AnswerRelay):
                     # no answer byte: the replica did not take the prompt (or died with
                     # its cache); a timeout or a broken answer may be a prefill under way
                     state.withdraw(model, dispatch)
-                except TimeoutError:  # no first byte by the deadline (ours or the client's)
+                except TimeoutError as exc:  # no first byte by the deadline
                     mm.outcome(key, "timeout").inc()
                     last_error = f"replica {key} did not answer in time"
                     kind = "timeout"
+                    if isinstance(exc, TotalTimeout) or deadline.when() == ends_by:
+                        # the request's time ran out, not the replica's first-byte deadline:
+                        # no failure of its, and nothing left for a retry
+                        if upstream is not None:
+                            upstream.abort()
+                        ejections.dropped(key, token, loop.time())
+                        token = None
+                        break
                 except UpstreamError as exc:
                     mm.outcome(key, "upstream_broken").inc()
                     last_error = f"replica {key} failed: {exc}"
@@ -226,7 +247,7 @@ class Forwarder(AnswerRelay):
                     ejections.failed(key, kind, loop.time(), token)
                     # judged now, not when the attempt went out: the budget is spent by
                     # then, or the replicas left are out of rotation (or refused)
-                    if self._final(attempt, ranked[i + 1 :], refused, tried):
+                    if self._final(attempt, ranked[i + 1 :], refused, tried, ends_by):
                         break
                     mm.retry(kind).inc()
                     continue
@@ -237,7 +258,7 @@ class Forwarder(AnswerRelay):
                     kind = "http_429" if upstream.status == 429 else "http_5xx"
                     pause = retry_after_s(upstream.header(b"retry-after"))
                     ejections.failed(key, kind, loop.time(), token, pause)
-                    if not self._final(attempt, ranked[i + 1 :], refused, tried):
+                    if not self._final(attempt, ranked[i + 1 :], refused, tried, ends_by):
                         upstream.abort()
                         mm.outcome(
                             key, "upstream_5xx" if kind == "http_5xx" else "upstream_4xx"

@@ -9,6 +9,9 @@
   key (a data-parallel rank is a replica of its own: one whose engine dropped a request may
   leave the other ranks well; a refused connection skips them all), at most
   ``server.max_retries`` times.
+* **How long.** ``server.request_timeout_s`` from the first attempt bounds them all: each
+  attempt waits at most what is left of it and none starts once it is spent; running out
+  of it is the request's deadline, not the replica's failure (no outlier ejection).
 * **How many.** A :class:`RetryBudget` per router process: retries may add at most
   ``server.retry_budget_ratio`` of the requests of the last 10 s, plus
   ``server.retry_budget_min`` (so a quiet router still retries), judged when an attempt
@@ -24,6 +27,9 @@
 
 from __future__ import annotations
 
+import datetime
+import email.utils
+import time
 from collections import deque
 
 from router.core.load import CostModel
@@ -98,13 +104,21 @@ def first_byte_deadline(
     return min(max(minimum_s, factor * expected_s), maximum_s)
 
 
-def retry_after_s(value: bytes | None) -> float | None:
-    """A ``Retry-After`` header's delay in seconds (the delta-seconds form; an HTTP date or
-    garbage: None)."""
+def retry_after_s(value: bytes | None, wall_now: float | None = None) -> float | None:
+    """A ``Retry-After`` header's delay in seconds: its delta-seconds form, or its HTTP-date
+    form (RFC 9110 10.2.3) less ``wall_now`` (default: the wall clock); a date past,
+    garbage, or a delay of a day or more: None."""
     if not value:
         return None
+    text = value.decode("latin-1").strip()
     try:
-        seconds = float(value.decode("latin-1").strip())
+        seconds = float(text)
     except ValueError:
-        return None
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:  # ("-0000": UTC, no zone said)
+            when = when.replace(tzinfo=datetime.UTC)
+        seconds = when.timestamp() - (time.time() if wall_now is None else wall_now)
     return seconds if 0 < seconds < 86400 else None

@@ -39,6 +39,7 @@ from router.service.http_connection import MAX_HEAD_BYTES, MAX_HEADERS
 from router.service.replica_url import ReplicaUrl
 from router.service.upstream_errors import (
     ConnectFailed,
+    TotalTimeout,
     UpstreamBroken,
     UpstreamError,
     UpstreamTimeout,
@@ -262,6 +263,7 @@ class Exchange:
         "_first_by",
         "_pool",
         "_read_timeout",
+        "_total_bound",
         "headers",
         "status",
     )
@@ -279,6 +281,7 @@ class Exchange:
         self._deadline = deadline
         self._read_timeout = read_timeout
         self._first_by = first_by  # the head and first data by then (until ``ready``)
+        self._total_bound = False  # the last wait ended where the total deadline does
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self._done = False
@@ -294,18 +297,30 @@ class Exchange:
         now = self._conn.loop.time()
         left = self._deadline - now
         if left <= 0:
-            raise UpstreamTimeout("upstream exceeded the request timeout")
+            raise TotalTimeout("upstream exceeded the request timeout")
         first = self._first_by - now
         if first <= 0:
             raise UpstreamTimeout("upstream sent no first byte in time")
-        return min(left, first, self._read_timeout)
+        wait = min(first, self._read_timeout)
+        self._total_bound = left <= wait
+        return min(left, wait)
+
+    async def _wait(self) -> None:
+        """Wait for the connection's next news within :meth:`_timeout`; a wait that the
+        total deadline ended raises :class:`TotalTimeout`."""
+        try:
+            await self._conn.wait(self._timeout())
+        except UpstreamTimeout:
+            if self._total_bound:
+                raise TotalTimeout("upstream exceeded the request timeout") from None
+            raise
 
     async def _head(self) -> None:
         c = self._conn
         while not c.head_done:
             if c.error is not None:
                 raise c.error
-            await c.wait(self._timeout())
+            await self._wait()
         self.status = c.status
         self.headers = c.headers
         if c.status >= 400:
@@ -353,7 +368,7 @@ class Exchange:
                 raise (
                     c.error if isinstance(c.error, UpstreamBroken) else UpstreamBroken(str(c.error))
                 )
-            await c.wait(self._timeout())
+            await self._wait()
 
     def body(self) -> bytes | None:
         """The whole body if it has all arrived (then as :meth:`read_all`), else None: no
@@ -387,7 +402,7 @@ class Exchange:
             if c.paused and c.transport is not None and not c.closed:
                 c.paused = False
                 c.transport.resume_reading()
-            await c.wait(self._timeout())
+            await self._wait()
         self._first_by = float("inf")  # from here on, each wait has the read timeout
 
     async def read_all(self) -> bytes:
@@ -400,7 +415,7 @@ class Exchange:
             if c.paused and c.transport is not None and not c.closed:
                 c.paused = False
                 c.transport.resume_reading()
-            await c.wait(self._timeout())
+            await self._wait()
         data = self.body()
         assert data is not None
         return data
@@ -472,16 +487,23 @@ class Pool:
         return None
 
     async def send(
-        self, data: bytes, body: bytes = b"", first_byte_s: float | None = None
+        self,
+        data: bytes,
+        body: bytes = b"",
+        first_byte_s: float | None = None,
+        total_s: float | None = None,
     ) -> Exchange:
         """Send one request (``data`` = head, ``body`` appended) and wait for the response
         head. A stale pooled connection (closed before answering) is retried once on a fresh
         connection. ``first_byte_s``: the head (and, through :meth:`Exchange.ready`, the
-        first body data) must come within this many seconds, whatever the read timeout."""
+        first body data) must come within this many seconds, whatever the read timeout.
+        ``total_s``: the whole exchange's bound when shorter than the total timeout (what
+        is left of a request that retried: :class:`TotalTimeout` past it)."""
         loop = self._loop or asyncio.get_running_loop()
         self._loop = loop
         now = loop.time()
-        deadline = now + self.timeouts.total
+        total = self.timeouts.total if total_s is None else min(total_s, self.timeouts.total)
+        deadline = now + total
         first_by = now + first_byte_s if first_byte_s is not None else float("inf")
         for _ in range(3):
             conn = self._take()

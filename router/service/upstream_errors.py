@@ -28,3 +28,9 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
 
 class UpstreamBroken(UpstreamError):
     """The response started but broke off (connection lost, malformed HTTP)."""
+
+
+class TotalTimeout(UpstreamTimeout):
+    """The request's total time (``Pool.send``'s ``total_s``, ``server.request_timeout_s``
+    less what its earlier attempts took) ran out: the request's deadline, not a sign that
+    the replica failed."""
