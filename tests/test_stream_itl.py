@@ -91,3 +91,32 @@ async def test_itl_counts_only_the_gaps_between_tokens(fleet: Fleet, client_usag
     # the whole stream was relayed (its end after every read): no gap but the tokens' counts
     assert await fleet.count(itl) == TOKENS - 1
     assert await fleet.count(ttft) == 1
+
+
+@pytest.mark.parametrize(
+    "event, token",
+    [
+        (b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n', True),
+        (b"data: [DONE]\n\n", False),
+        (b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3}}\n\n', False),
+        (b'data: {"choices": [ ], "usage": {}}\n\n', False),  # (spaced JSON)
+        (b'data: {"choices":[{"delta":{"content":"\\"choices\\":[]"}}]}\n\n', True),
+        (b"event: ping\ndata: {}\n\n", False),
+        (b'event: content_block_delta\ndata: {"delta":{"text":"hi"}}\n\n', True),
+        (b'event: response.output_text.delta\ndata: {"delta":"hi"}\n\n', True),
+        (b'event: message_delta\ndata: {"usage":{}}\n\n', False),
+        (b": keep-alive\n\n", False),
+        (b'data: {"choices":[{"delta":{}}]}\r\n\r\n', True),
+    ],
+)
+def test_token_lines_judge_an_event_alike_however_the_reads_cut_it(
+    event: bytes, token: bool
+) -> None:
+    """Whole (the one-event read's fast path) or cut at any byte, an event is judged the
+    same: whether its data carries output tokens."""
+    from router.service.answers import TokenLines
+
+    assert TokenLines().token_ended(event) is token
+    for cut in range(1, len(event)):
+        lines = TokenLines()
+        assert (lines.token_ended(event[:cut]) or lines.token_ended(event[cut:])) is token, cut
