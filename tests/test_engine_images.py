@@ -466,6 +466,55 @@ def test_an_image_prompt_cut_by_truncation_is_not_hashed(processor: PromptProces
     assert not got.exact and got.block_hashes == []
 
 
+def test_an_image_prompt_cut_to_the_context_is_hashed_as_vllm_cuts_it(
+    processor: PromptProcessor,
+) -> None:
+    """``truncate_prompt_tokens: -1`` on an image prompt: the router read it without the
+    context length (``kept_tokens(body)``: -1 then cuts nothing) and hashed the whole prompt
+    where vLLM 0.34 runs it cut to the context less one (``BaseRenderer.
+    _truncate_expanded_prompt`` cuts the expanded ids with ``TokenizeParams.
+    _truncation_slice``, run here unmodified, and refuses a cut that splits or drops an
+    image). Now cut as the text-only path cuts it, the image keyed where it lands."""
+    from router.core.hashing import MmItem, hash_prompt, mm_block_extras, root_hash
+    from tests.engines import anthropic_ref
+
+    params = anthropic_ref.load()["vllm.renderers.params"]
+    body = {**chat(data_url(png("RGB", (300, 200), 7))), "truncate_prompt_tokens": -1}
+    full = processor.image_prompt(body)
+    n = len(full.tokens)
+    (item,), (length,) = full.items, full.lengths
+    stub = SimpleNamespace(truncation_side="left")
+
+    def with_context(context: int) -> PromptProcessor:
+        return PromptProcessor(
+            MODEL, 16, tokenizer=processor.tokenizer, template=processor.template,
+            images=SETTINGS, context_length=context,
+        )  # fmt: skip
+
+    context = n - 9  # keeps all but the first 10 tokens: the image stays whole
+    # (a chat asking no max_tokens: ChatCompletionRequest.build_tok_params)
+    cut = params.TokenizeParams(
+        max_total_tokens=context, max_output_tokens=None, truncate_prompt_tokens=-1
+    )
+    kept = cut._truncation_slice(stub, n)
+    start = kept.indices(n)[0]
+    assert 0 < start < item.start
+    ids = full.tokens[kept]
+    moved = [MmItem(item.start - start, item.identifier)]
+    got = with_context(context).chat(body)
+    assert got.exact and got.prompt_tokens == len(ids)
+    root = root_hash(MODEL)
+    assert got.block_hashes == hash_prompt(ids, 16, root, extras=mm_block_extras(moved, 16)).hashes
+    # a context the prompt fits in cuts nothing
+    roomy = with_context(n + 1).chat(body)
+    assert (
+        roomy.block_hashes == processor.chat({**body, "truncate_prompt_tokens": None}).block_hashes
+    )
+    # a cut into the image: vLLM refuses the request
+    with pytest.raises(BadRequest, match="split or drop"):
+        with_context(n - (item.start + length) + 5).chat(body)
+
+
 def test_model_without_image_settings_does_not_hash_past_the_image(
     processor: PromptProcessor,
 ) -> None:

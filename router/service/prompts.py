@@ -3,6 +3,7 @@ files (shared between models naming the same ones), chat template, image token."
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,6 +13,7 @@ from router.core.errors import ConfigError
 from router.service.settings import ModelSettings
 from router.tokenize.incremental import IncrementalTokenizer
 from router.tokenize.pipeline import PromptProcessor
+from router.tokenize.responses import is_harmony
 from router.tokenize.tokenizers import adds_bos, load_tokenizer_dir, read_tokenizer_config
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ def build_processor(
             exclude_tools_when_none=model.exclude_tools_when_tool_choice_none,
             disabled_thinking_effort=model.anthropic_disabled_thinking_effort,
             mm_loras=model.default_mm_loras,
+            prompt_embeds=model.enable_prompt_embeds,
         )
     # models naming the same files share one incremental cache when their budgets agree
     # (each model's cache_mb holds: 0 turns it off for that model only)
@@ -97,7 +100,20 @@ def build_processor(
         exclude_tools_when_none=model.exclude_tools_when_tool_choice_none,
         disabled_thinking_effort=model.anthropic_disabled_thinking_effort,
         mm_loras=model.default_mm_loras,
+        harmony=is_harmony(model.name) or _model_type(directory) == "gpt_oss",
+        prompt_embeds=model.enable_prompt_embeds,
     )
+
+
+def _model_type(directory: Path) -> str | None:
+    """The ``model_type`` of ``directory/config.json`` (vLLM renders a ``gpt_oss`` model's
+    chats with openai_harmony: ``OnlineRenderer.use_harmony``); None when there is none."""
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    found = config.get("model_type") if isinstance(config, dict) else None
+    return found if isinstance(found, str) else None
 
 
 def _template_file(

@@ -177,6 +177,9 @@ class ModelSettings:
     # vLLM's --exclude-tools-when-tool-choice-none: no tools in the prompt of a request whose
     # tool_choice is "none" (chat, and the Messages / Responses APIs' chat conversions)
     exclude_tools_when_tool_choice_none: bool = False
+    # vLLM's --enable-prompt-embeds: its template step tokenizes every chat (no BOS from a
+    # request's add_special_tokens; router/tokenize/request_fields.py tokenizes_in_template)
+    enable_prompt_embeds: bool = False
     # vLLM's --default-mm-loras keys (and any other adapter loaded under a content part's
     # type name): a chat request naming exactly one of them by a part type is served with
     # that adapter, whose blocks are keyed with it (router/tokenize/keying.py mm_lora)

@@ -53,6 +53,7 @@ import numpy.typing as npt
 from router.core.errors import BadRequest
 from router.core.hashing import MmItem
 from router.tokenize.content_format import medium, part_text
+from router.tokenize.request_fields import truncated
 
 MAX_IMAGE_BYTES = 32 * 2**20
 _IMAGE_PART_TYPES = ("image_url", "input_image", "image")
@@ -472,3 +473,27 @@ def expand_images(
     if len(at) != len(urls) and known_until is None:
         known_until = int(at[0]) if len(at) else 0  # the template placed them otherwise
     return ExpandedImages(expanded, items, lengths, known_until)
+
+
+def cut_expanded(
+    tokens: npt.NDArray[Any],
+    items: list[MmItem],
+    lengths: Sequence[int],
+    keep: int,
+    body: Mapping[str, Any],
+) -> tuple[npt.NDArray[Any], list[MmItem]]:
+    """An image prompt's expanded ids cut to ``keep`` as vLLM 0.34 cuts them
+    (``BaseRenderer._truncate_expanded_prompt``: the ids were cut before the expansion, then
+    are again after it, :func:`truncated`'s side) and its items moved with them. An image
+    the cut would split or drop is refused, as vLLM refuses it."""
+    cut = truncated(tokens, keep, body)  # (its side checked)
+    start = len(tokens) - keep if body.get("truncation_side") in (None, "left") else 0
+    for item, n in zip(items, lengths, strict=True):
+        if item.start < start or item.start + n > start + keep:
+            raise BadRequest(
+                f"truncate_prompt_tokens={body.get('truncate_prompt_tokens')} would split or "
+                f"drop an image, which spans tokens {item.start} to {item.start + n} of the "
+                f"{len(tokens)}-token prompt"
+            )
+    moved = [MmItem(item.start - start, item.identifier) for item in items]
+    return cut, moved

@@ -37,6 +37,7 @@ from router.tokenize.lax import lax_int
 from router.tokenize.multimodal import (
     ExpandedImages,
     ImageSettings,
+    cut_expanded,
     expand_images,
     first_unmodelled,
     has_images,
@@ -51,9 +52,13 @@ from router.tokenize.request_fields import (
     chat_args,
     check_messages,
     forwarded_prompt_ids,
+    kept_to_context,
     kept_tokens,
     sends_template,
+    tokenizes_in_template,
+    tokenizing_arguments,
 )
+from router.tokenize.responses import is_harmony
 
 if TYPE_CHECKING:
     # Jinja2 and the template machinery load only for a model with a chat template
@@ -129,13 +134,19 @@ class PromptProcessor(PromptKeying):
         exclude_tools_when_none: bool = False,
         disabled_thinking_effort: str = "auto",
         mm_loras: Collection[str] = (),
+        harmony: bool | None = None,
+        prompt_embeds: bool = False,
     ) -> None:
         """``default_kwargs`` / ``effort_map`` / ``exclude_tools_when_none``: the engine's
         ``--default-chat-template-kwargs`` / ``--reasoning-effort-map`` /
         ``--exclude-tools-when-tool-choice-none``; ``images``: the model's image settings
         (router.tokenize.multimodal; None: a chat is hashed only up to its first image);
         ``disabled_thinking_effort``: its ``--anthropic-disabled-thinking-effort`` ("auto" or
-        an effort; read by router.tokenize.anthropic); the rest: :class:`PromptKeying`."""
+        an effort; read by router.tokenize.anthropic); ``harmony``: vLLM renders the model's
+        chats with openai_harmony, not its chat template (gpt-oss; None: judged by the
+        model's name, :func:`is_harmony`); ``prompt_embeds``: the engine runs with
+        ``--enable-prompt-embeds`` (its template step tokenizes: :func:`tokenizes_in_template`);
+        the rest: :class:`PromptKeying`."""
         super().__init__(
             model,
             block_size,
@@ -151,6 +162,8 @@ class PromptProcessor(PromptKeying):
         self.effort_map = dict(effort_map or {})
         self.exclude_tools_when_none = exclude_tools_when_none
         self.disabled_thinking_effort = disabled_thinking_effort
+        self.harmony = is_harmony(model) if harmony is None else harmony
+        self.prompt_embeds = prompt_embeds
 
     @property
     def exact(self) -> bool:
@@ -237,6 +250,14 @@ class PromptProcessor(PromptKeying):
         it, or renders with a template the router does not run) is known only by its size
         (:meth:`unknown`), once checked."""
         t0 = time.perf_counter()
+        if self.harmony:
+            # vLLM 0.34 renders a harmony model's chat with openai_harmony
+            # (OnlineRenderer.render_chat's use_harmony branch, _make_request_with_harmony),
+            # not the chat template: only ids it is forwarded (looked for whatever the
+            # content) are known, else the prompt is known by its size alone
+            check_messages(body)
+            ids = forwarded_prompt_ids(body, [])
+            return self.unknown(body) if ids is None else self.forwarded(ids, body, from_responses)
         tokenizer, template = self.tokenizer, self.template
         messages, tools, kwargs, add_gen, cont = self._chat_args(
             body, from_responses, from_messages
@@ -246,6 +267,14 @@ class PromptProcessor(PromptKeying):
             return self.forwarded(forwarded, body, from_responses)
         if sends_template(body):
             return self.unknown(body)
+        if tokenizes_in_template(body, self.prompt_embeds):
+            # transformers encodes the render without special tokens: no BOS, whatever the
+            # request's add_special_tokens (checked all the same, as vLLM's request model
+            # reads it); truncation cuts the ids (TokenizeParams.apply_post_tokenization)
+            if tokenizing_arguments(body):
+                return self.unknown(body)
+            adds_special_tokens(body, chat=True)
+            body = {**body, "add_special_tokens": False}
         unmodelled = first_unmodelled(messages)
         if unmodelled is not None:  # a medium the router cannot place: hashed up to it
             at = messages[unmodelled]
@@ -254,6 +283,9 @@ class PromptProcessor(PromptKeying):
                 return self._chat_images(
                     body, marked, tools, kwargs, add_gen, cont, t0, _IMAGE_MARKER, from_responses
                 )
+            if kept_to_context(body, self.context_length) is not None:
+                # its size unknown, so whether -1 cuts the prompt's start: nothing known
+                return self.unknown(body)
             text, _ = self._render_text(marked, tools, kwargs, add_gen, cont, from_responses)
             return self._cut_before(text, _IMAGE_MARKER, body, t0, from_responses)
         if has_images(messages):
@@ -391,14 +423,17 @@ class PromptProcessor(PromptKeying):
         tokenizer, template, settings = self.tokenizer, self.template, self.images
         if own_image_kwargs(body):
             settings = None
-        if kept_tokens(body) is not None or (
+        to_context = kept_to_context(body, self.context_length)
+        if (kept_tokens(body, self.context_length, chat=True) is not None and not to_context) or (
             adds_special_tokens(body, chat=True) and self._bos_id is not None
-        ):  # ids cut or shifted around the images: not modelled, routed on load
+        ):  # ids cut by a k of the request's, or shifted: not modelled, routed on load
             return self.unknown(body)
         marker = settings.placeholder if settings is not None else _IMAGE_MARKER
         with_ph, urls = self._placed(messages, tools, marker, settings is not None)
         text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont, from_responses)
         if tokenizer is None or template is None or settings is None:
+            if to_context is not None:  # whether -1 cuts the start is not known
+                return self.unknown(body)
             # nothing known from the first image on
             return self._cut_before(text, marker, body, t0, from_responses)
         root, _ = self.root(body, from_responses)
@@ -413,6 +448,10 @@ class PromptProcessor(PromptKeying):
         bs = self.block_size
         found = self._expand(tokens, messages, urls, settings)
         expanded, items, known_until = found.tokens, found.items, found.known_until
+        if to_context is not None and len(expanded) + rest > to_context:
+            if known_until is not None or cut_at is not None:
+                return self.unknown(body)  # cut where the unknown part decides
+            expanded, items = cut_expanded(expanded, items, found.lengths, to_context, body)
         hashed = expanded if known_until is None else expanded[:known_until]
         extras = mm_block_extras(items, bs) if items else None
         hashes = hash_prompt(hashed, bs, root, extras=extras).hashes

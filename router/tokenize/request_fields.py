@@ -39,6 +39,15 @@ def kept_tokens(
     return k if k >= 1 else None
 
 
+def kept_to_context(body: Mapping[str, Any], context_length: int | None) -> int | None:
+    """The tokens ``truncate_prompt_tokens: -1`` keeps of a chat (:func:`kept_tokens`: the
+    context length less one, or all of it); None for any other value, or without a known
+    context length."""
+    if lax_int(body.get("truncate_prompt_tokens")) != -1:
+        return None
+    return kept_tokens(body, context_length, chat=True)
+
+
 def _asks_no_output(body: Mapping[str, Any], chat: bool) -> bool:
     """Whether vLLM 0.34 tokenizes the prompt of ``body`` with ``max_output_tokens`` 0 (then
     truncating to the whole context): a chat's ``max_completion_tokens``, else its
@@ -99,6 +108,39 @@ _APPLY_ARGUMENTS = frozenset(
         "return_assistant_tokens_mask", "tokenizer_kwargs",
     }
 )  # fmt: skip
+
+
+# apply_chat_template's arguments that change the ids it makes when it tokenizes (transformers
+# 5.22 ``apply_chat_template``: truncated, padded, control tokens sanitised, or another shape)
+_TOKENIZING_ARGUMENTS = frozenset(_APPLY_ARGUMENTS - {"continue_final_message", "tokenize"})
+
+
+def tokenizes_in_template(body: Mapping[str, Any], prompt_embeds: bool = False) -> bool:
+    """Whether vLLM 0.34 has the template step tokenize a chat (``tokenize`` True reaching
+    ``apply_chat_template``): the request's ``chat_template_kwargs.tokenize`` (not null nor
+    "auto": ``merge_kwargs``), else the engine's (``OnlineRenderer.preprocess_chat`` sets
+    ``tokenize`` for a Mistral tokenizer or ``--enable-prompt-embeds``: ``prompt_embeds``;
+    an engine's ``--default-chat-template-kwargs`` ``tokenize`` is overridden by that).
+    transformers then encodes the rendered text with ``add_special_tokens=False`` and vLLM
+    runs the ids through ``apply_post_tokenization``: no BOS whatever the request's
+    ``add_special_tokens``, ``truncate_prompt_tokens`` cut from the ids."""
+    kwargs = body.get("chat_template_kwargs")
+    found = kwargs.get("tokenize") if isinstance(kwargs, Mapping) else None
+    if found is None or found == "auto":
+        return prompt_embeds
+    return bool(found)
+
+
+def tokenizing_arguments(body: Mapping[str, Any]) -> bool:
+    """Whether a chat's ``chat_template_kwargs`` set an ``apply_chat_template`` argument that,
+    when the template step tokenizes (:func:`tokenizes_in_template`), changes the ids it
+    makes (truncation, padding, control-token sanitising, tensors): not reproduced."""
+    kwargs = body.get("chat_template_kwargs")
+    if not isinstance(kwargs, Mapping) or _TOKENIZING_ARGUMENTS.isdisjoint(kwargs):
+        return False
+    return any(
+        kwargs[k] not in (None, False, "auto") for k in _TOKENIZING_ARGUMENTS & kwargs.keys()
+    )
 
 
 def check_messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:

@@ -35,8 +35,8 @@ Where the router cannot follow vLLM the prompt is marked approximate (``exact`` 
 ``previous_response_id`` (the history is in the replica's store, between the instructions
 and the input: only the blocks before it are hashed, ``PromptProcessor.head_hashes``),
 tools other than function tools (built-in tools, namespaces, custom tools), custom tool
-calls, a harmony model (gpt-oss: vLLM renders those with openai_harmony; see
-:func:`responses_prompt`).
+calls. A harmony model's body (gpt-oss: vLLM renders those with openai_harmony) is known
+by its size alone (:func:`responses_prompt`).
 
 :func:`responses_prompt` is the routing view of such a body through the model's chat
 pipeline (router.tokenize.pipeline). Only the fields read here are checked; a malformed
@@ -255,24 +255,27 @@ def responses_prompt(processor: PromptProcessor, body: Mapping[str, Any]) -> Pro
     """The routing view of a Responses body: its chat body (:func:`to_chat_body`) through
     the model's chat pipeline, not exact where the conversion is not (or for a harmony
     model)."""
+    named = body.get("model")
+    if processor.harmony or (isinstance(named, str) and is_harmony(named)):
+        # vLLM 0.34 renders it with openai_harmony (OnlineRenderer
+        # _render_responses_with_harmony, which takes input items the chat conversion
+        # does not), forwarded ids or not: known by its size alone
+        return processor.unknown(body)
     conv = to_chat_body(body)
     if not conv.body["messages"]:  # nothing to render: routed on load
         return processor.unknown(body)
     # vLLM hands the template the messages it built as they are (no chat request model
     # validates them): tool calls keep their keys' order
     prompt = processor.chat(conv.body, from_responses=True)
-    named = body.get("model")
-    harmony = is_harmony(processor.model) or (isinstance(named, str) and is_harmony(named))
     # the stored history comes after the instructions: only what precedes it is known
     # (unless the prompt is ids forwarded in kv_transfer_params, which vLLM runs as sent)
     if (
         conv.history_at is not None
-        and not harmony
         and forwarded_prompt_ids(conv.body, conv.body["messages"]) is None
     ):
         hashes = processor.head_hashes(conv.body, conv.history_at, from_responses=True)
         prompt = replace(prompt, block_hashes=hashes)
-    return prompt if conv.exact and not harmony else replace(prompt, exact=False)
+    return prompt if conv.exact else replace(prompt, exact=False)
 
 
 # the strings pydantic's (lax) ``bool`` reads as true; its false ones, and ``null``, store
