@@ -29,7 +29,6 @@ from router.core.admission import (
     PRIORITY,
     SHED,
     TICK_S,
-    AdmissionQueue,
     Assessment,
     Ticket,
     assess,
@@ -40,11 +39,8 @@ from router.core.admission import (
     takes_engine_priority,
 )
 from router.core.errors import NoReplicaAvailable
-from router.core.index import PrefixIndex
-from router.core.load import LoadTracker, summed_load
-from router.core.policies import make_policy, uses_prefix_index
+from router.core.policies import uses_prefix_index
 from router.core.routing import Dispatch, RoutingEngine
-from router.core.routing_settings import RoutingSettings
 from router.core.types import Decision, EventBatch, RouteRequest
 from sim.cluster_config import ClusterConfig, RunResult, class_and_tenant, policy_params_for
 from sim.engine import EngineModel, EngineRequest, Finished, FirstToken, Rejected
@@ -52,27 +48,12 @@ from sim.events import ARRIVAL, DELIVER, ENGINE, TICK, TRANSFER, EventQueue
 from sim.fanout import CompletionBatches, SampledRequests
 from sim.metrics import RequestRecord, answers, summarize
 from sim.pd import PdStats, PrefillLegs
+from sim.routers import FleetView, SimRouter, make_routers
 from sim.workload import SimRequest, Workload, scale_arrivals
 
 __all__ = ["ClusterConfig", "Progress", "RunResult", "Simulation"]
 
 Progress = Callable[[int, int], None]
-
-
-class _Router:
-    __slots__ = ("admission", "engine", "rng", "tick", "ticking", "woken")
-
-    def __init__(
-        self, engine: RoutingEngine, rng: random.Random, admission: AdmissionQueue | None
-    ) -> None:
-        self.engine = engine
-        self.rng = rng
-        self.admission = admission
-        # its admission pump (router/service/admission.py ``_pump``): whether it runs (a
-        # look is due), the generation of its due look, and whether a finish woke it
-        self.ticking = False
-        self.tick = 0
-        self.woken = False
 
 
 class Simulation:
@@ -111,42 +92,8 @@ class Simulation:
             )
             for k in self.keys
         ]
-        # The layout a live router learns from these engines' events (router/service/
-        # layout.py): hybrid (a sliding-window model too: its checkpoints sit where its
-        # window is cached, router/events/window.py), with a grid only where the engine
-        # checkpoints on one; a checkpoint at every block (a window, ``every_block``) or
-        # where prefill steps end shows none (state_layout.CheckpointGrid), and the router
-        # then speculates prompt-end checkpoints alone (tests/test_hybrid_prediction.py)
-        window = p.window_blocks(config.block_size) > 0
-        grid = p.hybrid and p.checkpoint == "every_n"
-        settings = RoutingSettings(
-            block_size=config.block_size,
-            hybrid=p.hybrid or window,
-            state_interval_blocks=(
-                max(1, p.checkpoint_interval_tokens // config.block_size) if grid else 0
-            ),
-            speculative_ttl_s=config.speculative_ttl_s,
-            busy=config.busy,
-            reuse_window_s=config.reuse_window_s,
-            # EAGLE / MTP engines give back a block of every hit: the router is told, as
-            # the service is for such engines ([models.NAME] eagle)
-            eagle=p.eagle,
-        )
         params = policy_params_for(policy, policy_params, p, config.slo)
-        self.routers = []
-        for r in range(max(1, config.routers)):
-            index = PrefixIndex()
-            load = LoadTracker()
-            for k in self.keys:
-                index.add_replica(k)
-                load.add_replica(k)
-            engine = RoutingEngine(index, load, make_policy(policy, params), settings)
-            queue = (
-                AdmissionQueue(config.admission, config.slo)
-                if config.admission is not None
-                else None
-            )
-            self.routers.append(_Router(engine, random.Random(config.seed * 1000 + r), queue))
+        self.routers = make_routers(config, self.keys, policy, params)
         self._predictor = predictor_for(self.routers[0].engine.policy, p.cost)
         # classes weigh decodes differently only under admission (as in the service)
         adm = config.admission
@@ -167,10 +114,9 @@ class Simulation:
         self._queue = EventQueue()
         self._gen = [0] * len(self.engines)
         self._wake_at: list[float | None] = [None] * len(self.engines)
-        self._report_at = [float("-inf")] * len(self.engines)
-        self._shared_at = float("-inf")
+        self._view = FleetView(config, self.engines, self.keys, self.routers)
         self._records: dict[str, RequestRecord] = {}
-        self._router_of: dict[str, _Router] = {}
+        self._router_of: dict[str, SimRouter] = {}
         # what each request (or prefill leg) sent to an engine was guessed to leave there,
         # until the engine takes it (its first token) or rejects it (withdrawn)
         self._dispatches: dict[str, Dispatch] = {}
@@ -270,7 +216,7 @@ class Simulation:
         self._next_router = (self._next_router + 1) % len(self.routers)
         self._order.append(req)
         engine = router.engine
-        self._observe(now)
+        self._view.observe(now)
         rows = [req, *self._batches.others(req.request_id)]
         # a batch is routed as the service routes it: by its longest prompt's blocks (the
         # first of the longest), every prompt's tokens counted
@@ -353,7 +299,7 @@ class Simulation:
 
     def _commit(
         self,
-        router: _Router,
+        router: SimRouter,
         req: SimRequest,
         rr: RouteRequest,
         candidates: Any,
@@ -366,7 +312,7 @@ class Simulation:
 
     def _dispatch(
         self,
-        router: _Router,
+        router: SimRouter,
         req: SimRequest,
         rr: RouteRequest,
         decision: Decision,
@@ -436,12 +382,12 @@ class Simulation:
             self._records[row.request_id].rejected = True
             self._follow_ups(row.request_id, now)
 
-    def _tick_at(self, router: _Router, at: float) -> None:
+    def _tick_at(self, router: SimRouter, at: float) -> None:
         router.ticking = True
         router.tick += 1
         self._queue.push(at, TICK, (router, router.tick))
 
-    def _look(self, router: _Router, now: float) -> None:
+    def _look(self, router: SimRouter, now: float) -> None:
         """One look of ``router``'s admission pump, as the service's pump task looks
         (router/service/admission.py): :meth:`_pump`, then the next look ``TICK_S`` later
         while anything is held (a finish wakes it sooner: :meth:`_wake_pumps`); with
@@ -464,7 +410,7 @@ class Simulation:
             for router in woken:
                 self._look(router, now)
 
-    def _pump(self, router: _Router, now: float) -> None:
+    def _pump(self, router: SimRouter, now: float) -> None:
         """Shed the held requests that can no longer make it; dispatch those that fit."""
         queue = router.admission
         if queue is None or not len(queue) or self._pumping:
@@ -474,7 +420,7 @@ class Simulation:
             for t in queue.expire(now):
                 self._shed(str(t.key), now)
             engine = router.engine
-            self._observe(now)
+            self._view.observe(now)
             seen: dict[object, tuple[Any, Assessment]] = {}
 
             def held(t: Ticket) -> Assessment | None:
@@ -499,35 +445,6 @@ class Simulation:
                 queue.dispatched(t, a, d.replica, uncached, req.output_tokens)
         finally:
             self._pumping = False
-
-    def _observe(self, now: float) -> None:
-        """What a router knows of the fleet when it routes at ``now``: the engines' load
-        reports and the other routers' shared load, each as fresh as its interval lets
-        it be (read when a router looks, not pushed on a schedule)."""
-        self._refresh_reports(now)
-        self._share_load(now)
-
-    def _refresh_reports(self, now: float) -> None:
-        interval = self.config.report_interval_s
-        report_at = self._report_at
-        for i, eng in enumerate(self.engines):
-            if now - report_at[i] >= interval:
-                report_at[i] = now
-                report = eng.report(now)
-                for router in self.routers:
-                    router.engine.load.engine_report(self.keys[i], report)
-
-    def _share_load(self, now: float) -> None:
-        """Every ``share_load_s``: each router takes the sum of the others' own load."""
-        interval = self.config.share_load_s
-        if interval is None or len(self.routers) < 2 or now - self._shared_at < interval:
-            return
-        self._shared_at = now
-        trackers = [r.engine.load for r in self.routers]
-        for key in self.keys:
-            own = [t.own(key) for t in trackers]
-            for i, t in enumerate(trackers):
-                t.set_peer_load(key, summed_load(o for j, o in enumerate(own) if j != i))
 
     def _after_engine(self, i: int, now: float, outputs: list[Any]) -> None:
         eng = self.engines[i]
@@ -593,7 +510,7 @@ class Simulation:
                 router = self._router_of.pop(out.request_id)
                 self._ended(router, out.request_id, out.time + transport, True)
 
-    def _ended(self, router: _Router, request_id: str, now: float, rejected: bool) -> None:
+    def _ended(self, router: SimRouter, request_id: str, now: float, rejected: bool) -> None:
         """``request_id`` finished (or the engine rejected it) at ``now``: its flight ends,
         and its admission ticket and closed-loop turns with it; a batch's row ends the
         batch's flight when it is the last of its rows to end (sim/fanout.py)."""
@@ -635,7 +552,7 @@ class Simulation:
         # the decode pick reads engine reports no older than the service's scrape keeps
         # them, and the other routers' load as shared by then, however long ago the last
         # request arrived
-        self._observe(now)
+        self._view.observe(now)
         try:
             to = self.pd.leg_ended(leg_id, rejected, router.engine, leg_dispatch, now, router.rng)
         except NoReplicaAvailable:  # no decode replica left: answered with the error
