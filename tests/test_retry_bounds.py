@@ -226,3 +226,26 @@ async def test_a_retry_goes_to_a_replica_readmitted_since_the_decision() -> None
         await runner.cleanup()
         for b in backends:
             await b.stop()
+
+
+async def test_a_retry_carries_the_requests_id() -> None:
+    """Every attempt of a request goes with the client's ``X-Request-Id``: vLLM 0.34 makes
+    the engine's id unique itself (``InputProcessor.assign_request_id`` appends 8 random
+    characters) and aborts a dropped attempt by that id, so the first attempt still running
+    on another rank of the same server neither refuses nor cancels the retry
+    (docs/service.md)."""
+    backends = [await Backend(name, [MODEL], fail_next=1).start() for name in ("a", "b")]
+    try:
+        async for url, session in _router(
+            [{"url": b.url, "model": MODEL, "name": b.name} for b in backends], max_retries=1
+        ):
+            headers = {"X-Request-Id": "client-7"}
+            async with session.post(
+                url + "/v1/chat/completions", json=_chat(0), headers=headers
+            ) as resp:
+                assert resp.status == 500  # both failed once: the retry's answer
+            ids = [r["headers"]["x-request-id"] for b in backends for r in b.received]
+            assert ids == ["client-7", "client-7"]
+    finally:
+        for b in backends:
+            await b.stop()
