@@ -85,6 +85,7 @@ TESTS = (
     "tests/test_proxy_usage.py",
     "tests/test_proxy_faults.py",
     "tests/test_proxy_integrity.py",
+    "tests/test_upstream_stale.py",  # pooled connections that close before answering
     "tests/test_service_messages.py",  # the Anthropic Messages API through the hot path
     "tests/test_service_responses.py",  # the Responses API through the hot path
     "tests/test_responses_split_id.py",  # a response id read across stream pieces

@@ -414,3 +414,19 @@ def events_applied(router: web.Application, mocks: Sequence[web.Application]) ->
         return True
 
     return applied
+
+
+def without_housekeeping_readmission(state: Any) -> None:
+    """Replicas out of rotation are readmitted by the request path only: the housekeeping
+    task's once-a-second ``restore_health`` (router/service/background.py) would hide a
+    request path that skips it whenever its tick fell between a replica's time out of
+    rotation ending and the routing step under test."""
+    restore = state.fleet.restore_health
+
+    def request_path_only(now: float) -> None:
+        task = asyncio.current_task()
+        if task is not None and task.get_coro().__qualname__ == "_housekeeping":  # type: ignore[union-attr]
+            return
+        restore(now)
+
+    state.fleet.restore_health = request_path_only

@@ -185,3 +185,67 @@ async def test_a_stream_past_the_request_timeout_is_no_failure_of_its_replica() 
             assert not [x for x in failures if not x.startswith("#")], failures
     finally:
         await backend.stop()
+
+
+async def test_a_retry_goes_to_a_replica_readmitted_since_the_decision() -> None:
+    """A replica of the decision's ranking taken out of rotation while the first attempt
+    was out (a failed probe, a connection it dropped), whose time out has ended by the
+    time the attempt fails, is a retry target again: the retry readmits replicas first,
+    as routing does. Before, it read the stale health until the housekeeping's next tick
+    and the client got the first replica's 500."""
+    from router.core.types import ReplicaKey
+    from router.service.app import STATE
+    from tests.backends import without_housekeeping_readmission
+
+    gate = asyncio.Event()
+    backends = [await Backend(name, [MODEL], fail_next=1, gate=gate).start() for name in ("a", "b")]
+    settings = build_settings(
+        {
+            "server": {"health_interval_s": 0, "max_retries": 1},
+            "replicas": [{"url": b.url, "model": MODEL, "name": b.name} for b in backends],
+            "models": {MODEL: kimi_model_table()},
+        }
+    )
+    runner, url = await start_router(settings)
+    state = runner.app[STATE]
+    without_housekeeping_readmission(state)
+    cooldown = state.settings.server.unhealthy_cooldown_s
+    loop = asyncio.get_running_loop()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            call = asyncio.create_task(_post(session, url, 0))
+            await eventually(lambda: sum(len(b.received) for b in backends) == 1)
+            other = next(b for b in backends if not b.received)
+            other.fail_next = 0
+            # out of rotation until now: due back when the first attempt fails
+            state.fleet.mark_unhealthy(ReplicaKey(other.name), loop.time() - cooldown)
+            gate.set()
+            assert await call == 200
+            assert len(other.received) == 1
+    finally:
+        await runner.cleanup()
+        for b in backends:
+            await b.stop()
+
+
+async def test_a_retry_carries_the_requests_id() -> None:
+    """Every attempt of a request goes with the client's ``X-Request-Id``: vLLM 0.34 makes
+    the engine's id unique itself (``InputProcessor.assign_request_id`` appends 8 random
+    characters) and aborts a dropped attempt by that id, so the first attempt still running
+    on another rank of the same server neither refuses nor cancels the retry
+    (docs/service.md)."""
+    backends = [await Backend(name, [MODEL], fail_next=1).start() for name in ("a", "b")]
+    try:
+        async for url, session in _router(
+            [{"url": b.url, "model": MODEL, "name": b.name} for b in backends], max_retries=1
+        ):
+            headers = {"X-Request-Id": "client-7"}
+            async with session.post(
+                url + "/v1/chat/completions", json=_chat(0), headers=headers
+            ) as resp:
+                assert resp.status == 500  # both failed once: the retry's answer
+            ids = [r["headers"]["x-request-id"] for b in backends for r in b.received]
+            assert ids == ["client-7", "client-7"]
+    finally:
+        for b in backends:
+            await b.stop()

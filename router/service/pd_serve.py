@@ -222,7 +222,11 @@ def _pick_decode(
     broken, 429, 5xx) leaves that replica out of the pick when another one can decode, as
     the forwarder never retries an attempt on the replica that failed it: a ``both``
     prefill replica, which no transfer separates from itself, would otherwise take the
-    local prefill it just failed. Raises KVRouterError when no replica can take it."""
+    local prefill it just failed. Replicas whose time out of rotation ended during the
+    leg are readmitted first, as every routing step does (``RouterState.decide``): the
+    housekeeping's readmission comes only once a second. Raises KVRouterError when no
+    replica can take it."""
+    state.fleet.restore_health(now)
     engine = state.engines[request.model]
     keys = state.registry.keys_for(request.model)
     if cause in _FAILURE_KIND:

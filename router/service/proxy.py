@@ -86,10 +86,13 @@ class Forwarder(AnswerRelay):
         (no await before the retry spends the budget): the retries, the retry budget or the
         request's time (``ends_by``: ``server.request_timeout_s`` after its first attempt)
         are spent, or no key of ``rest`` can be tried (all gone, at a URL that refused a
-        connection, tried already, or out of rotation or drained since the decision)."""
+        connection, tried already, or out of rotation or drained since the decision). Replicas
+        whose time out of rotation has ended are readmitted first, as routing does
+        (``RouterState.decide``), for this judgement and the retry's own check."""
         now = self.event_loop().time()
         if attempt >= self.max_retries or now >= ends_by or not self.budget.allows(now):
             return True
+        self.state.fleet.restore_health(now)
         registry = self.state.registry
         load = self.state.load
         for k in rest:

@@ -17,11 +17,13 @@ itself. This client does only what the proxy needs:
   ``first_byte_s`` bound (:meth:`Pool.send`) covers the head and the first body data of
   an answer, the head alone of an error answer (4xx / 5xx: its body may follow later);
 * errors: :class:`ConnectFailed` when the upstream could not be reached or closed the
-  connection before any response byte (a request that met a stale pooled connection is
-  re-sent once on a fresh one first), :class:`UpstreamBroken` when the response broke off
-  (a connection reset ends no body, not even one delimited by the connection's end; a
-  response head or trailer section over the caps the server holds its clients to,
-  ``MAX_HEAD_BYTES`` and ``MAX_HEADERS`` of router.service.http_connection, is broken too);
+  connection before any response byte (a request is re-sent, on a fresh connection, only
+  when its pooled connection was found closed before any of it went out: :meth:`Pool.send`;
+  connections idle for more than :data:`MAX_IDLE_S` are not reused),
+  :class:`UpstreamBroken` when the response broke off (a connection reset ends no body,
+  not even one delimited by the connection's end; a response head or trailer section over
+  the caps the server holds its clients to, ``MAX_HEAD_BYTES`` and ``MAX_HEADERS`` of
+  router.service.http_connection, is broken too);
 * :meth:`Exchange.abort` closes the connection at once (the upstream sees the client go
   away); :meth:`Exchange.release` returns a fully read keep-alive connection to its pool.
 """
@@ -46,6 +48,11 @@ from router.service.upstream_errors import (
 )
 
 HIGH_WATER = 1 << 20  # buffered body bytes above which reading from the upstream pauses
+# a pooled connection idle longer is closed, not reused: under the 5 s keep-alive timeout of
+# the engines' uvicorn servers (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, uvicorn's default), so
+# a request is not written to a connection the replica is closing at that moment (a request
+# caught in that race cannot be told from one the replica read and dropped)
+MAX_IDLE_S = 4.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,6 +92,7 @@ class _Conn(asyncio.Protocol):
         "got_bytes",
         "head_done",
         "headers",
+        "idle_since",
         "keep_alive",
         "loop",
         "parser",
@@ -102,6 +110,7 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.reused = False
+        self.idle_since = 0.0  # (pooled: when it was handed back)
         self._reset()
 
     def _reset(self) -> None:
@@ -452,6 +461,7 @@ class Pool:
             return
         conn._reset()
         conn.reused = True
+        conn.idle_since = conn.loop.time()
         self._idle.append(conn)
 
     async def _connect(self) -> _Conn:
@@ -473,18 +483,35 @@ class Pool:
             raise ConnectFailed(f"cannot connect: {exc.strerror or exc}") from None
         return conn
 
-    def _take(self) -> _Conn | None:
+    def _take(self, now: float) -> _Conn | None:
         """An idle connection to reuse. One the replica spoke on while idle (a balancer's
         unprompted 408 as it times the connection out) is dropped: its bytes would be read
-        as the next request's answer."""
+        as the next request's answer; so is one idle for more than :data:`MAX_IDLE_S`."""
         idle = self._idle
         while idle:
             conn = idle.pop()
-            if conn.got_bytes:
+            if conn.got_bytes or now - conn.idle_since > MAX_IDLE_S:
                 conn.abort()
             elif not conn.closed:
                 return conn
         return None
+
+    @staticmethod
+    def _write(conn: _Conn, data: bytes, body: bytes) -> bool:
+        """Write the request; False when the connection was found closed as it was written
+        (the write failed at once, or the loop had yet to deliver its end): none of the
+        request reached the replica."""
+        transport = conn.transport
+        assert transport is not None
+        if conn.closed or transport.is_closing():
+            return False
+        if body and len(body) < 65536:
+            transport.write(data + body)
+        else:
+            transport.write(data)
+            if body:
+                transport.write(body)
+        return not transport.is_closing()
 
     async def send(
         self,
@@ -494,9 +521,14 @@ class Pool:
         total_s: float | None = None,
     ) -> Exchange:
         """Send one request (``data`` = head, ``body`` appended) and wait for the response
-        head. A stale pooled connection (closed before answering) is retried once on a fresh
-        connection. ``first_byte_s``: the head (and, through :meth:`Exchange.ready`, the
-        first body data) must come within this many seconds, whatever the read timeout.
+        head. It goes again, on a fresh connection, only when none of it reached the replica
+        (its pooled connection was found closed as it was written): a request written whole
+        and then met by the connection's end is :class:`ConnectFailed` (connected), as the
+        replica may have read it and acted on it (a POST to an engine is not idempotent;
+        RFC 9112 9.3.1; Go's ``net/http`` and aiohttp re-send only idempotent requests
+        then); the forwarder's retries and outlier ejection judge it. ``first_byte_s``: the
+        head (and, through :meth:`Exchange.ready`, the first body data) must come within
+        this many seconds, whatever the read timeout.
         ``total_s``: the whole exchange's bound when shorter than the total timeout (what
         is left of a request that retried: :class:`TotalTimeout` past it)."""
         loop = self._loop or asyncio.get_running_loop()
@@ -505,33 +537,20 @@ class Pool:
         total = self.timeouts.total if total_s is None else min(total_s, self.timeouts.total)
         deadline = now + total
         first_by = now + first_byte_s if first_byte_s is not None else float("inf")
-        for _ in range(3):
-            conn = self._take()
-            fresh = conn is None
-            if conn is None:
-                conn = await self._connect()
-            assert conn.transport is not None
-            if body:
-                if len(body) < 65536:
-                    conn.transport.write(data + body)
-                else:
-                    conn.transport.write(data)
-                    conn.transport.write(body)
-            else:
-                conn.transport.write(data)
-            ex = Exchange(self, conn, deadline, self.timeouts.read, first_by)
-            try:
-                await ex._head()
-            except ConnectFailed:
-                conn.abort()
-                if fresh:
-                    raise
-                continue  # stale keep-alive connection: try again
-            except BaseException:
-                conn.abort()
-                raise
-            return ex
-        raise ConnectFailed("connections kept closing before answering", connected=True)
+        conn = self._take(now)
+        if conn is not None and not self._write(conn, data, body):
+            conn.abort()  # closed by the replica before any of the request reached it
+            conn = None
+        if conn is None:
+            conn = await self._connect()
+            self._write(conn, data, body)  # (a failure shows as the connection's end)
+        ex = Exchange(self, conn, deadline, self.timeouts.read, first_by)
+        try:
+            await ex._head()
+        except BaseException:
+            conn.abort()
+            raise
+        return ex
 
     def close(self) -> None:
         """Close the idle connections, and those in use as they are handed back."""
