@@ -162,8 +162,9 @@ def record_request(
     available; a replica's error status; the router's 502 / 504 for an answer that broke
     off, timed out or ended with the engine's error event, or when no replica answered;
     router.recorder ``CLIENT_CLOSED``: its client left, :meth:`AnswerRelay.record_cancelled`):
-    offered load a replay keeps, without the outcome (``replica``, hits, TTFT; no usage:
-    the output is the request's max tokens). Times are the event loop's (``first_at`` 0:
+    offered load a replay keeps, without the outcome (``replica``, hits, TTFT; the output
+    is the request's max tokens, unless the engine's usage came: a whole answer its client
+    left while the router handed it over). Times are the event loop's (``first_at`` 0:
     no first token seen)."""
     recorder = state.recorder
     assert recorder is not None
@@ -291,6 +292,7 @@ class AnswerRelay:
         done_relayed = False  # the client has the stream's closing ``data: [DONE]`` event
         first_at = 0.0  # when the stream's first token came (0: none yet)
         failed = False  # booked a failure (its trace row): a cancel while telling it is none
+        whole: bytes | None = None  # the answer, not streamed, the router has whole
         try:
             if not streaming:
                 try:
@@ -311,6 +313,7 @@ class AnswerRelay:
                         anthropic=anthropic,
                     )
                     return
+                whole = payload
                 state.load.first_token(rid)
                 if record_ids and status == 200:
                     self._record_id(routed, key, id_of_answer(payload))
@@ -432,7 +435,11 @@ class AnswerRelay:
             else:
                 mm.outcome(key, "cancelled").inc()
                 if not failed:
-                    self.record_cancelled(routed, started, stream, endpoint)
+                    # a whole answer: the engine's output was all produced (its usage)
+                    produced = None
+                    if whole is not None:
+                        produced = usage_tokens(usage_of(whole, False)).completion
+                    self.record_cancelled(routed, started, stream, endpoint, produced)
             upstream.abort()
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -546,21 +553,34 @@ class AnswerRelay:
         self._record_unanswered(routed, started, status, stream, endpoint)
 
     def record_cancelled(
-        self, routed: Routed, started: float, stream: bool | None, endpoint: str | None
+        self,
+        routed: Routed,
+        started: float,
+        stream: bool | None,
+        endpoint: str | None,
+        completion_tokens: int | None = None,
     ) -> None:
         """Append a request its client left before it had the whole answer to the trace,
         if one is kept: offered load, as a failed one (:func:`record_request`, ``status``
-        router.recorder ``CLIENT_CLOSED``). No miss of its SLO: nobody waited for it."""
-        self._record_unanswered(routed, started, CLIENT_CLOSED, stream, endpoint)
+        router.recorder ``CLIENT_CLOSED``). No miss of its SLO: nobody waited for it.
+        ``completion_tokens``: the usage of an answer the router had whole (the engine's
+        work, which a replay offers again), else None (the request's max tokens)."""
+        self._record_unanswered(routed, started, CLIENT_CLOSED, stream, endpoint, completion_tokens)
 
     def _record_unanswered(
-        self, routed: Routed, started: float, status: int, stream: bool | None, endpoint: str | None
+        self,
+        routed: Routed,
+        started: float,
+        status: int,
+        stream: bool | None,
+        endpoint: str | None,
+        completion_tokens: int | None = None,
     ) -> None:
         if self.state.recorder is not None:
             finished = self.event_loop().time()
             record_request(
-                self.state, routed.request, routed.prompt, started, finished, None, None, 0.0,
-                stream, endpoint, status=status,
+                self.state, routed.request, routed.prompt, started, finished,
+                completion_tokens, None, 0.0, stream, endpoint, status=status,
             )  # fmt: skip
 
     def _slo(
