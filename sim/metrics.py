@@ -6,7 +6,8 @@ as the live bench's). A request is what its client sent: the rows of one complet
 one TTFT, E2E and TPOT, its summed prompt's SLO tier, one count in ``requests`` and in
 goodput's denominator); the token figures sum every row's.
 
-* TTFT: first token time - arrival. ITL: (finish - first token) / (output tokens - 1), one
+* TTFT: first token time - arrival. ITL: (finish - first token) / (output tokens - 1) (the
+  finish is the last token's time, as the service and the live replay time TPOT), one
   value per request with more than one output token; ``tpot_ms_*`` are the same figures under
   the name the SLO uses (TPOT). Both over streamed answers only, as the live figures
   (router/demo/figures.py): a request not streamed (a recorded row's ``stream: false``)

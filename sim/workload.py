@@ -6,7 +6,9 @@ loop: the next turn of a session starts once the previous answer is back). Every
 carries the canonical block hashes of its prompt at the router block size, computed by
 ``router.core.hashing.hash_prompt`` exactly as the live router hashes tokens.
 
-Trace formats (JSON lines; unknown extra fields are ignored):
+Trace formats (JSON lines; unknown extra fields are ignored; a row without its
+``timestamp`` is an error naming its line: read as 0 among wall-clock arrivals it would
+come decades early):
 
 * Mooncake: ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``;
   each hash id names a ``trace_block``-token prefix block (512 in Mooncake's releases).
@@ -365,7 +367,7 @@ def mooncake_rows(
     last_of_session: dict[str, tuple[int, float | None]] = {}  # (row, finish ms)
     for lineno, row in _of_model(path, [r for r in _rows(path) if offered(r[1])], model):
         where = f"{path}:{lineno}"
-        ts = _number(row, "timestamp", where, 0) / 1000.0
+        ts = _number(row, "timestamp", where) / 1000.0
         n_in = _int(row, "input_length", where)
         n_out = _int(row, "output_length", where, 1)
         ids = row.get("hash_ids", [])
@@ -540,7 +542,7 @@ def read_bailian(
         parent = row.get("parent_chat_id", -1)
         if parent not in (-1, None, "-1", ""):
             parent_of[chat] = str(parent)
-        ts = float(_number(row, "timestamp", where, 0.0))
+        ts = float(_number(row, "timestamp", where))
         rows.append((ts, chat, row, where))
     rows.sort(key=lambda r: r[0])
     if limit is not None:  # the first arrivals, not the first lines

@@ -1483,3 +1483,32 @@ def test_the_engine_hit_rate_panel_divides_one_set_of_requests(tmp_path: pathlib
              "exp_samples": [{"labels": "{}", "value": 0.5}]},
         ],
     }])  # fmt: skip
+
+
+@needs_promtool
+def test_the_saturated_alert_averages_each_pod_set_apart(tmp_path: pathlib.Path) -> None:
+    """One Prometheus scraping two regions (each its own namespace): one region's only
+    router runs its loop 300 ms late, the other's four idle ones 10 ms. Averaged over every
+    series scraped (68 ms) the saturated region was silent, and a saturated region's alert
+    would not say which; averaged per namespace, as KVRouterPeerMissing counts, it fires
+    for that region alone."""
+    east = {"namespace": "kvr-east", "pod": "kvrouter-a", "worker": "0"}
+    west = [{"namespace": "kvr-west", "pod": f"kvrouter-{p}", "worker": "0"} for p in "abcd"]
+    inputs = [_series("kvrouter_event_loop_lag_seconds", east, ["0.3+0x20"])]
+    inputs += [_series("kvrouter_event_loop_lag_seconds", w, ["0.01+0x20"]) for w in west]
+    rule = _alert_rules()["KVRouterSaturated"]
+    fired = {
+        "exp_labels": {"namespace": "kvr-east", **rule["labels"]},
+        "exp_annotations": {
+            "summary": "router event loops in kvr-east run 0.3 s late on average",
+            "runbook": rule["annotations"]["runbook"],
+        },
+    }
+    _promtool_tests(tmp_path, [{
+        "interval": "1m",
+        "input_series": inputs,
+        "alert_rule_test": [
+            {"eval_time": "5m", "alertname": "KVRouterSaturated", "exp_alerts": []},
+            {"eval_time": "15m", "alertname": "KVRouterSaturated", "exp_alerts": [fired]},
+        ],
+    }])  # fmt: skip

@@ -217,3 +217,23 @@ async def test_an_error_body_that_is_not_text_fails_its_request_not_the_replay()
     finally:
         await runner.cleanup()
     assert not out.ok and out.error.startswith("HTTP 502"), out
+
+
+async def test_tpot_is_timed_to_the_last_token_not_the_streams_end(
+    scripted: Callable[[Script], Awaitable[Outcome]],
+) -> None:
+    """vLLM times TPOT from the first token to the last (vllm/v1/metrics/stats.py
+    ``IterationStats.update_from_finished_request``), the simulator too (its finish is its
+    last token), and the router's SLO metric (router.service.answer_relay ``count_slo``).
+    The live replay timed it to the stream's ``[DONE]``: a wait after the last token for the
+    usage chunk counted as decoding, here ``GAP_S`` over 2 tokens."""
+
+    async def script(resp: web.StreamResponse) -> None:
+        await resp.write(_token("a") + _token("b") + _token("c", "length"))
+        await asyncio.sleep(GAP_S)  # after the last token: the usage and the end
+        await resp.write(USAGE + b"data: [DONE]\n\n")
+
+    out = await scripted(script)
+    assert out.ok and out.output_tokens == 3
+    assert out.e2e_s - out.last_s >= GAP_S, out  # (the gap's lower bound: never flaky)
+    assert out.tpot_s() == (out.last_s - out.ttft_s) / 2, out

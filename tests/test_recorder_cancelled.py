@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import aiohttp
 from router.demo.replay import count_requests
 from router.recorder import CLIENT_CLOSED
 from sim.workload import mooncake_rows, offered
-from tests.test_proxy_integrity import _outcomes, _router
+from tests.test_proxy_integrity import MODEL, _outcomes, _router
 from tests.test_service_admission import _door
 from tests.test_upstream_wire import SSE_HEAD, Scripted, _chat, _chunk, _token
 from tests.waiting import eventually
@@ -187,3 +188,54 @@ async def test_a_pick_its_caller_left_while_admission_held_it_is_a_row(tmp_path:
     assert len(rows) == 3 and gone["status"] == CLIENT_CLOSED, rows
     assert not [k for k in OUTCOME if k in gone], gone
     assert gone["output_length"] == 5 and gone["endpoint"] == "completions"
+
+
+async def test_an_answer_its_client_left_while_it_was_sent_keeps_its_length(
+    tmp_path: Path,
+) -> None:
+    """The replica's non-streamed answer was with the router whole (usage and all) and the
+    client, which took none of it, left while the router still handed it over. The defect:
+    the row's output length was the request's max_tokens (300), though the engine had
+    reported the 4 tokens it produced, so a replay offered 75 times the decode work."""
+    from tests.backends import Backend
+
+    backend = await Backend("r0", [MODEL], pad_bytes=8 << 20).start()  # past any buffer
+    trace = tmp_path / "trace.jsonl"
+    loop = asyncio.get_running_loop()
+    try:
+        settings = {"record_path": str(trace), "record_key": "k", "outlier_detection": False}
+        async for url, session in _router(backend.url, **settings):
+            host, port = url.removeprefix("http://").split(":")
+            client = socket.socket()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # takes little
+            client.setblocking(False)
+            try:
+                await loop.sock_connect(client, (host, int(port)))
+                await loop.sock_sendall(client, _post(_chat(False, max_tokens=300)))
+                # the answer's first bytes: the router has the whole answer and is sending it
+                await eventually(functools.partial(_has_data, client), timeout=20)
+            finally:
+                client.close()  # the client leaves with the answer unread
+            await eventually(functools.partial(_cancelled, url, session), timeout=20)
+    finally:
+        await backend.stop()
+    (row,) = _rows(trace)
+    assert row["status"] == CLIENT_CLOSED and row["stream"] is False, row
+    assert not [k for k in OUTCOME if k in row], row
+    assert row["output_length"] == 4  # the engine's usage, not max_tokens
+    assert [r.output_tokens for r in mooncake_rows(trace)] == [4]
+
+
+def _has_data(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except BlockingIOError:
+        return False
+
+
+def _post(body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(data), data)
+    )

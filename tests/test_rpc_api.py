@@ -449,12 +449,13 @@ async def test_a_retry_on_a_fallback_moves_the_decisions_load(rpc: Any) -> None:
     assert state.load.in_flight() == 0
 
 
-def _guessing_state() -> RouterState:
+def _guessing_state(**server: Any) -> RouterState:
     """Two replicas nothing listens at (``a``, ``b``), in 16-token blocks, whose Picks enter
     what they guess the replica will cache for 60 s."""
     return RouterState(
         build_settings(
             {
+                "server": server,
                 "replicas": [
                     {"url": "http://127.0.0.1:9", "model": MODEL, "name": "a"},
                     {"url": "http://127.0.0.1:10", "model": MODEL, "name": "b"},
@@ -507,17 +508,27 @@ async def test_a_refused_report_withdraws_the_decisions_guess(phase: str) -> Non
 
 @pytest.mark.parametrize("late", ["while_routing", "after_the_last_check"])
 async def test_a_pick_whose_caller_never_heard_back_withdraws_its_guess(
-    monkeypatch: Any, late: str
+    monkeypatch: Any, late: str, tmp_path: Any
 ) -> None:
     """A Pick whose deadline passed while it routed (or after its last check, while its
     reply is built and sent) undoes its dispatch: its caller never learns the replica, so
     no request goes there and no Report comes. What the Pick guessed the replica would
     cache (speculative entries) must go with its load, as for a REFUSED report, when the
     call ends, not after the book's hour; else requests sharing the prefix are drawn there
-    for a hit it never holds."""
+    for a hit it never holds. It is a row of offered load in the live-traffic trace
+    (``status`` 499, router.recorder ``CLIENT_CLOSED``), as a Pick its caller left before
+    it was routed is: it was no row, so a replay offered less load than the router had."""
     import router.rpc.router_service as router_service
+    from router.recorder import CLIENT_CLOSED, RecordSettings, TraceRecorder, record_key
 
-    state = _guessing_state()
+    trace = tmp_path / "trace.jsonl"
+    state = _guessing_state(record_path=str(trace), record_key="k")
+    recorder = TraceRecorder(
+        RecordSettings(trace, key=record_key("k")),
+        started_at=asyncio.get_running_loop().time(),
+        wall_at_start=time.time(),
+    )
+    state.recorder = recorder
     routed: list[Any] = []
     deadline = [0.0]  # when the Pick in flight is past its deadline (monotonic)
 
@@ -566,6 +577,10 @@ async def test_a_pick_whose_caller_never_heard_back_withdraws_its_guess(
                 decision_id="late", phase=router_pb2.ReportRequest.COMPLETED
             )
             assert not (await stub.Report(report, metadata=auth())).accepted
+        recorder.flush()
+        (row,) = [json.loads(line) for line in trace.read_text().splitlines()]
+        assert row["status"] == CLIENT_CLOSED and row["input_length"] == 640, row
+        assert not {"replica", "pred_hit", "cached", "ttft_ms"} & row.keys(), row
     finally:
         await gen.aclose()
 

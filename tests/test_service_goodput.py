@@ -217,3 +217,48 @@ async def test_a_flex_request_is_judged_as_flex_with_admission_off(
         strict_fleet, f'{{class="flex",model="{MODEL}",result="tpot_missed",tier="any"}}', 1.0
     )
     assert factors == [("flex", 4.0)]
+
+
+async def test_tpot_is_timed_to_the_last_token_not_the_streams_end() -> None:
+    """vLLM times a request's TPOT from its first token to its last
+    (vllm/v1/metrics/stats.py ``IterationStats.update_from_finished_request``:
+    ``(last_token_ts - first_token_ts) / (num_generation_tokens - 1)``), and so does the
+    simulator, whose finish is its last token. The router timed it to the stream's end:
+    a stream whose two tokens came in one read, and whose usage chunk and ``[DONE]`` came
+    later, missed a 1 us TPOT target by that wait, though its tokens came 0 s apart."""
+    from tests.test_upstream_wire import SSE_HEAD, Scripted, _chat, _chunk, _token
+
+    usage = (
+        b'data: {"id":"c1","object":"chat.completion.chunk","choices":[],"usage":'
+        b'{"prompt_tokens":40,"completion_tokens":2,"total_tokens":42}}\n\n'
+    )
+    replica = await Scripted(
+        [
+            SSE_HEAD + _chunk(_token(0) + _token(1)),
+            _chunk(usage + b"data: [DONE]\n\n") + b"0\r\n\r\n",
+        ]
+    ).start()
+    settings = build_settings(
+        {
+            "server": {"health_interval_s": 0, "outlier_detection": False},
+            "replicas": [{"url": replica.url, "model": MODEL, "name": "r0"}],
+            "models": {MODEL: kimi_model_table(slo={"ttft_s": 100.0, "tpot_s": 1e-6})},
+        }
+    )
+    runner, url = await start_router(settings)
+    fleet = Fleet(url, runner.app[STATE], openai.AsyncOpenAI(api_key="unused"))
+    try:
+        async with (
+            aiohttp.ClientSession() as client,
+            client.post(url + "/v1/chat/completions", json=_chat(True)) as resp,
+        ):
+            assert resp.status == 200
+            await resp.content.readuntil(b"\n\n")  # the tokens
+            replica.step()  # then the usage and the stream's end
+            assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+        key = f'{{class="default",model="{MODEL}",result="met",tier="any"}}'
+        await eventually_counts(fleet, key, 1.0)
+    finally:
+        await fleet.client.close()
+        await runner.cleanup()
+        await replica.stop()

@@ -212,11 +212,38 @@ def test_non_finite_or_non_numeric_fields_name_their_line(
     list) is a ConfigError naming the file and line, not a traceback (OverflowError,
     TypeError) or a bare ``cannot convert float NaN to integer``."""
     path = tmp_path / "bad.jsonl"
-    good = {"input_length": 5, "chat_id": 0} if fmt == "bailian" else {"input_length": 5}
+    good = {"timestamp": 0, "input_length": 5}
+    if fmt == "bailian":
+        good["chat_id"] = 0
     path.write_text(json.dumps({**good, "session_id": "s"}) + "\n" + text + "\n")
     with pytest.raises(ConfigError, match=message) as exc:
         load_trace(str(path), block_size=64, fmt=fmt)
     assert "bad.jsonl:2" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "first", "second"),
+    [
+        ("mooncake", '{"timestamp": 1767225600000, "input_length": 5}', '{"input_length": 5}'),
+        (
+            "bailian",
+            '{"chat_id": 1, "timestamp": 1767225600, "input_length": 5}',
+            '{"chat_id": 2, "input_length": 5}',
+        ),
+    ],
+    ids=["mooncake", "bailian"],
+)
+def test_a_row_without_a_timestamp_is_an_error_naming_its_line(
+    tmp_path: Path, fmt: str, first: str, second: str
+) -> None:
+    """Every row of the formats has its arrival (docs/simulator.md "Traces"). Read as 0, a
+    row without one among rows on the wall clock (a recording's ms since the epoch) arrived
+    first and every other one about 1.77e9 s after it: the replay's offered load was one
+    request, then nothing for 56 years."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(first + "\n" + second + "\n")
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: missing 'timestamp'"):
+        load_trace(str(path), block_size=64, fmt=fmt)
 
 
 def test_a_line_that_is_not_utf8_is_an_error_naming_it(tmp_path: Path) -> None:
@@ -431,7 +458,9 @@ def test_a_fractional_length_is_an_error_not_cut_down(
     700): a row no recorder writes, whose meaning is unknown. A whole number written as a
     float (700.0) is that number."""
     path = tmp_path / "bad.jsonl"
-    good = {"input_length": 5.0, "chat_id": 0} if fmt == "bailian" else {"input_length": 5.0}
+    good = {"timestamp": 0, "input_length": 5.0}
+    if fmt == "bailian":
+        good["chat_id"] = 0
     path.write_text(json.dumps(good) + "\n" + text + "\n")
     with pytest.raises(ConfigError, match=message) as exc:
         load_trace(str(path), block_size=64, fmt=fmt)

@@ -1,8 +1,10 @@
 """Service-level objectives: a TTFT target by prompt-length tier and a TPOT target.
 
 A request *meets its SLO* when its time to first token is within the target of its prompt's
-tier and its time per output token, ``(E2E - TTFT) / (output tokens - 1)``, is within the
-TPOT target (a request with at most one output token has no TPOT and meets that half).
+tier and its time per output token, ``(last token - first token) / (output tokens - 1)``
+(vLLM's, vllm/v1/metrics/stats.py ``IterationStats.update_from_finished_request``: not the
+wait after the last token for the usage chunk or the stream's end), is within the TPOT
+target (a request with at most one output token has no TPOT and meets that half).
 *Goodput* is the share of requests that meet their SLO; a request that failed or was
 rejected does not.
 
@@ -150,16 +152,25 @@ None for an answer of at most one token)."""
 
 
 def answered_as(
-    prompt_tokens: int, ttft_s: float, e2e_s: float, output_tokens: int, streamed: bool = True
+    prompt_tokens: int,
+    ttft_s: float,
+    e2e_s: float,
+    output_tokens: int,
+    streamed: bool = True,
+    last_s: float | None = None,
 ) -> Answered:
     """One answered request as its client saw it, for the SLO: the one rule the live
-    figures (router/demo/replay.py ``Outcome.judged``) and the simulator's goodput judge by.
-    ``output_tokens``: one sequence's. An answer not streamed has no TTFT of its own (its
-    first token reaches the client with the whole answer): judged by its E2E, its TPOT not
-    judged."""
+    figures (router/demo/replay.py ``Outcome.judged``), the service's
+    (router.service.answer_relay ``count_slo``) and the simulator's goodput judge by.
+    ``output_tokens``: one sequence's. ``last_s``: when its last token came (from its
+    start, as ``ttft_s``), which its TPOT is timed to; None: at its end, ``e2e_s`` (the
+    simulator's finish is its last token; a gRPC Report tells only of the end). An answer
+    not streamed has no TTFT of its own (its first token reaches the client with the
+    whole answer): judged by its E2E, its TPOT not judged."""
     if not streamed:
         return prompt_tokens, e2e_s, None
-    return prompt_tokens, ttft_s, tpot_s(e2e_s, ttft_s, output_tokens)
+    last = e2e_s if last_s is None else last_s
+    return prompt_tokens, ttft_s, tpot_s(last, ttft_s, output_tokens)
 
 
 def sequence_tokens(output_tokens: int, sequences: int) -> int:
@@ -187,11 +198,12 @@ def goodput_by_scale(
     }
 
 
-def tpot_s(e2e_s: float, ttft_s: float, output_tokens: int) -> float | None:
-    """Time per output token after the first; None for answers of at most one token."""
+def tpot_s(last_s: float, ttft_s: float, output_tokens: int) -> float | None:
+    """Time per output token after the first, from the first token (``ttft_s``) to the
+    last (``last_s``, on the same clock); None for answers of at most one token."""
     if output_tokens <= 1:
         return None
-    return (e2e_s - ttft_s) / (output_tokens - 1)
+    return (last_s - ttft_s) / (output_tokens - 1)
 
 
 def parse_tiers(text: str) -> tuple[SloTier, ...]:

@@ -6,7 +6,8 @@ the hybrid-state rule), the router's predicted usable hit where it told (kvroute
 header) and ``error_p99``, the 99th percentile over requests of ``|predicted - reused| /
 prompt`` (a prediction of the whole prompt counts as prompt - 1: engines always compute the
 last token), TTFT and E2E percentiles, per-request TPOT (one sequence's:
-``(E2E - TTFT) / (output tokens / n - 1)``, ``Outcome.tpot_s``; TTFT and TPOT of the
+``(last token - TTFT) / (output tokens / n - 1)``, ``Outcome.tpot_s``, as vLLM and the
+simulator time it; TTFT and TPOT of the
 answers streamed alone) and goodput: the share of *all* requests, failed ones included,
 that met their SLO (router.core.slo; an answer not streamed judged by its E2E,
 ``Outcome.judged``). Times in milliseconds.

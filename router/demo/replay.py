@@ -82,6 +82,7 @@ class Outcome:
     predicted_tokens: int = 0
     error: str = ""
     e2e_s: float = float("nan")
+    last_s: float = float("nan")  # a stream's last token (its TPOT's end, as vLLM's)
     output_tokens: int = 0  # the usage's: every sequence's tokens
     samples: int = 1  # the sequences the request sampled for each prompt (its ``n``)
     prompts: int = 1  # its prompts (a completions batch's), their sequences decoded side by side
@@ -93,13 +94,15 @@ class Outcome:
         return self.judged()[2]
 
     def judged(self) -> tuple[int, float, float | None]:
-        """The answered request as the SLO judges it (``router.core.slo.Answered``): an
-        answer not streamed has no TTFT, its first token reached the client with the whole
-        answer: judged by its E2E, its TPOT not judged."""
+        """The answered request as the SLO judges it (``router.core.slo.Answered``): a
+        stream's TPOT from its first token to its last (``last_s``; not to the usage chunk
+        or the stream's end after it); an answer not streamed has no TTFT, its first token
+        reached the client with the whole answer: judged by its E2E, its TPOT not judged."""
         sequences = max(self.samples, 1) * max(self.prompts, 1)
         streamed = self.ttft_s == self.ttft_s
         one = sequence_tokens(self.output_tokens, sequences)
-        return answered_as(self.prompt_tokens, self.ttft_s, self.e2e_s, one, streamed)
+        last = self.last_s if self.last_s == self.last_s else None
+        return answered_as(self.prompt_tokens, self.ttft_s, self.e2e_s, one, streamed, last)
 
 
 def count_requests(path: Path, limit: int) -> int:
@@ -334,8 +337,10 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                     return Outcome(False, error=f"malformed event: {data[:200]!r}")
                 if "error" in chunk and chunk.get("type") != "response.failed":
                     return Outcome(False, error=str(chunk["error"])[:200])
-                if out.ttft_s != out.ttft_s and _has_token(chunk):
-                    out.ttft_s = at
+                if _has_token(chunk):
+                    if out.ttft_s != out.ttft_s:
+                        out.ttft_s = at
+                    out.last_s = at
                 usage = _usage_of(chunk)
                 if usage:
                     usage_seen = True

@@ -310,6 +310,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self.state.admission.unserved(request.model, tenant, uncached)
             rejected(self.state, request.model, "cancelled")
             self.retries.take(internal)  # a retry's client left: not judged (as on HTTP)
+            if self.state.recorder is not None:  # offered load, as a Pick left unrouted
+                record_refused(
+                    self.state, request.model, routed.prompt, session, max_out, None,
+                    row_endpoint, started, self.clock(), CLIENT_CLOSED,
+                )  # fmt: skip
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         record(self.state, routed)  # the per-request metrics of the HTTP endpoints
         decision = routed.decision
@@ -374,7 +379,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         after the last check), or past its deadline (the client ends its call at the
         deadline, whatever the server sends later): the reply never reached the caller, so
         no request goes to the replica and no Report comes. The decision ends now, with what
-        it guessed the replica would cache, as one past its deadline before the reply does."""
+        it guessed the replica would cache, as one past its deadline before the reply does,
+        and is a row of offered load in the trace (``status`` CLIENT_CLOSED), as one whose
+        caller left before it was routed."""
         remaining = context.time_remaining()
         late = remaining is not None and remaining <= 0
         unsent = delivery is not None and not delivery.sent
@@ -385,6 +392,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.state.withdraw(pending.model, pending.dispatch)
         pending.unsent(self.state.admission)  # nor charged to its tenant
         rejected(self.state, pending.model, "cancelled")
+        routed = pending.routed
+        if self.state.recorder is not None and routed is not None:
+            record_request(
+                self.state, routed.request, routed.prompt, pending.since, self.clock(), None,
+                None, 0.0, None, pending.endpoint, status=CLIENT_CLOSED,
+            )  # fmt: skip
 
     def _expire(self, now: float) -> None:
         for old in self.book.expire(now):

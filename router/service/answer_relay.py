@@ -76,20 +76,23 @@ def count_slo(
     output_tokens: int | None,
     sequences: int = 1,
     streamed: bool = True,
+    last: float | None = None,
 ) -> None:
     """Count an answer in ``kvrouter_slo_requests``: its prompt's SLO tier and which targets
     it met, judged as the simulator and the live replay judge it (router.core.slo
-    ``answered_as``): a stream by its first token's TTFT and its TPOT (without an output
-    length, TPOT is not judged), an answer not ``streamed`` by its E2E against the TTFT
-    target, its TPOT not judged (``ttft`` is then unused). The forwarder's answers and gRPC
-    Report (router/rpc/router_service.py) both count here.
+    ``answered_as``): a stream by its first token's TTFT and its TPOT, timed to its last
+    token (``last``, seconds from its start as ``ttft``; None: to its end, ``e2e``; without
+    an output length, TPOT is not judged), an answer not ``streamed`` by its E2E against
+    the TTFT target, its TPOT not judged (``ttft`` is then unused). The forwarder's answers
+    and gRPC Report (router/rpc/router_service.py: no last token reported, its end) both
+    count here.
 
     ``output_tokens`` is the engine's usage: a request's ``sequences`` (``n`` of each of
     its prompts) decode side by side and it sums their tokens, so TPOT is judged on one
     sequence's share of them."""
     # one output token: no TPOT, as for an answer whose length is unknown
     tokens = 1 if output_tokens is None else sequence_tokens(output_tokens, sequences)
-    prompt, judged_ttft, tpot = answered_as(prompt_tokens, ttft, e2e, tokens, streamed)
+    prompt, judged_ttft, tpot = answered_as(prompt_tokens, ttft, e2e, tokens, streamed, last)
     tier, ttft_ok, tpot_ok = state.slos[model].judge(prompt, judged_ttft, tpot, ttft_factor)
     result = _SLO_RESULTS[ttft_ok, tpot_ok]
     state.metrics.model(model).slo(tier.label, result, service_class).inc()
@@ -162,8 +165,9 @@ def record_request(
     available; a replica's error status; the router's 502 / 504 for an answer that broke
     off, timed out or ended with the engine's error event, or when no replica answered;
     router.recorder ``CLIENT_CLOSED``: its client left, :meth:`AnswerRelay.record_cancelled`):
-    offered load a replay keeps, without the outcome (``replica``, hits, TTFT; no usage:
-    the output is the request's max tokens). Times are the event loop's (``first_at`` 0:
+    offered load a replay keeps, without the outcome (``replica``, hits, TTFT; the output
+    is the request's max tokens, unless the engine's usage came: a whole answer its client
+    left while the router handed it over). Times are the event loop's (``first_at`` 0:
     no first token seen)."""
     recorder = state.recorder
     assert recorder is not None
@@ -290,7 +294,9 @@ class AnswerRelay:
         tail: deque[bytes] = deque()  # at least the stream's last TAIL_SPAN bytes (usage)
         done_relayed = False  # the client has the stream's closing ``data: [DONE]`` event
         first_at = 0.0  # when the stream's first token came (0: none yet)
+        last = 0.0  # when its last token came (the TPOT's end, as vLLM's)
         failed = False  # booked a failure (its trace row): a cancel while telling it is none
+        whole: bytes | None = None  # the answer, not streamed, the router has whole
         try:
             if not streaming:
                 try:
@@ -311,6 +317,7 @@ class AnswerRelay:
                         anthropic=anthropic,
                     )
                     return
+                whole = payload
                 state.load.first_token(rid)
                 if record_ids and status == 200:
                     self._record_id(routed, key, id_of_answer(payload))
@@ -338,7 +345,6 @@ class AnswerRelay:
             keep_final = False  # the tail holds a Responses API stream's final event
             head_seen = b""  # the stream's start, until its response id is found
             end = b""  # the stream's last bytes (a read may cut its closing event)
-            last = 0.0
             first = True
             # a Responses stream's response.created / in_progress come before the engine's
             # first output: no token either
@@ -413,8 +419,9 @@ class AnswerRelay:
             if not ended:  # the end came on its own, after the last data
                 await sink.end(strip.flush())
             errored = self._answered(
-                routed, key, started, status, b"".join(tail), True, first_at, endpoint, stream
-            )
+                routed, key, started, status, b"".join(tail), True, first_at, endpoint, stream,
+                last,
+            )  # fmt: skip
             self._stream_ended(key, ends, errored)
             ends = None
         except (asyncio.CancelledError, ConnectionResetError) as exc:
@@ -425,14 +432,18 @@ class AnswerRelay:
             if done_relayed:
                 errored = self._answered(
                     routed, key, started, status, b"".join(tail), True, first_at, endpoint,
-                    stream,
+                    stream, last,
                 )  # fmt: skip
                 self._stream_ended(key, ends, errored)
                 ends = None
             else:
                 mm.outcome(key, "cancelled").inc()
                 if not failed:
-                    self.record_cancelled(routed, started, stream, endpoint)
+                    # a whole answer: the engine's output was all produced (its usage)
+                    produced = None
+                    if whole is not None:
+                        produced = usage_tokens(usage_of(whole, False)).completion
+                    self.record_cancelled(routed, started, stream, endpoint, produced)
             upstream.abort()
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -443,7 +454,7 @@ class AnswerRelay:
                 # when it leaves there), so nothing broke for it
                 errored = self._answered(
                     routed, key, started, status, b"".join(tail), True, first_at, endpoint,
-                    stream,
+                    stream, last,
                 )  # fmt: skip
                 self._stream_ended(key, ends, errored)
                 ends = None
@@ -502,12 +513,13 @@ class AnswerRelay:
         first_at: float = 0.0,
         endpoint: str | None = None,
         stream: bool | None = None,
+        last_at: float = 0.0,
     ) -> bool:
         """Book an answer the client has whole: engine feedback, the live-traffic trace, the
         outcome, and whether it met its SLO: a stream (``first_at``: when its first data
-        came) by its TTFT and TPOT, a 2xx body by its E2E (an error status, a stream the
-        engine ended with its error event: no SLO, and a trace row without the outcome:
-        :meth:`record_failed`).
+        came; ``last_at``: its last token) by its TTFT and TPOT, a 2xx body by its E2E (an
+        error status, a stream the engine ended with its error event: no SLO, and a trace
+        row without the outcome: :meth:`record_failed`).
         ``payload``: the body, or a stream's tail, whose usage is read once here (a
         Responses stream's final event carries the whole response). Returns whether the
         engine ended the stream with its error event."""
@@ -516,7 +528,7 @@ class AnswerRelay:
         # a stream the engine ended with its error event is an error, not an answer
         errored = sse and status < 400 and stream_error(payload)
         if sse and first_at and status < 400 and not errored:
-            self._slo(routed, started, first_at, usage, True)
+            self._slo(routed, started, first_at, usage, True, last_at)
         elif not sse and 200 <= status < 300:
             self._slo(routed, started, 0.0, usage, False)
         if status >= 400 or errored:
@@ -546,21 +558,34 @@ class AnswerRelay:
         self._record_unanswered(routed, started, status, stream, endpoint)
 
     def record_cancelled(
-        self, routed: Routed, started: float, stream: bool | None, endpoint: str | None
+        self,
+        routed: Routed,
+        started: float,
+        stream: bool | None,
+        endpoint: str | None,
+        completion_tokens: int | None = None,
     ) -> None:
         """Append a request its client left before it had the whole answer to the trace,
         if one is kept: offered load, as a failed one (:func:`record_request`, ``status``
-        router.recorder ``CLIENT_CLOSED``). No miss of its SLO: nobody waited for it."""
-        self._record_unanswered(routed, started, CLIENT_CLOSED, stream, endpoint)
+        router.recorder ``CLIENT_CLOSED``). No miss of its SLO: nobody waited for it.
+        ``completion_tokens``: the usage of an answer the router had whole (the engine's
+        work, which a replay offers again), else None (the request's max tokens)."""
+        self._record_unanswered(routed, started, CLIENT_CLOSED, stream, endpoint, completion_tokens)
 
     def _record_unanswered(
-        self, routed: Routed, started: float, status: int, stream: bool | None, endpoint: str | None
+        self,
+        routed: Routed,
+        started: float,
+        status: int,
+        stream: bool | None,
+        endpoint: str | None,
+        completion_tokens: int | None = None,
     ) -> None:
         if self.state.recorder is not None:
             finished = self.event_loop().time()
             record_request(
-                self.state, routed.request, routed.prompt, started, finished, None, None, 0.0,
-                stream, endpoint, status=status,
+                self.state, routed.request, routed.prompt, started, finished,
+                completion_tokens, None, 0.0, stream, endpoint, status=status,
             )  # fmt: skip
 
     def _slo(
@@ -570,12 +595,15 @@ class AnswerRelay:
         first_at: float,
         usage: dict[str, Any] | None,
         streamed: bool,
+        last_at: float = 0.0,
     ) -> None:
         """Count an answer by its prompt's SLO tier and which targets it met
         (:func:`count_slo`), its E2E from ``started`` (a disaggregated request's: its
-        prefill leg's start) to now, when the client has it whole. A stream's output length
-        is the usage the replica reported (the router asks for it on every stream); without
-        one the TPOT half is not judged; a body's TPOT is not judged."""
+        prefill leg's start) to now, when the client has it whole. A stream's TPOT runs from
+        its first token to its last (``last_at``), not to its end (the usage chunk and
+        ``[DONE]`` come after); its output length is the usage the replica reported (the
+        router asks for it on every stream); without one the TPOT half is not judged; a
+        body's TPOT is not judged."""
         req = routed.request
         e2e = self.event_loop().time() - started
         count_slo(
@@ -589,6 +617,7 @@ class AnswerRelay:
             usage_tokens(usage).completion,
             req.samples * req.prompts,
             streamed,
+            (last_at or first_at) - started if streamed else None,
         )
 
     def _record(
