@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # values, body memo, routing state, metrics, proxy (its dispatch and its answer relay) and
 # upstream client
 SERVICE_MODULES = (
+    "answer_book",
     "answer_relay",
     "answers",
     "body_memo",

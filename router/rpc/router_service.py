@@ -54,7 +54,7 @@ from router.rpc.pick_request import (
     prompt_reader,
     whole_pools,
 )
-from router.service.answer_relay import (
+from router.service.answer_book import (
     count_slo,
     judged,
     record_answer,

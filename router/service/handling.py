@@ -30,7 +30,7 @@ from router.core.errors import KVRouterError, NoReplicaAvailable
 from router.core.types import ReplicaKey
 from router.recorder import CLIENT_CLOSED, endpoint_of
 from router.service import disagg, pass_through, pd_serve, stored_responses
-from router.service.answer_relay import record_refused
+from router.service.answer_book import record_refused
 from router.service.body_memo import Admitted
 from router.service.errors import ErrorReply, messages_path, refused_load, reply_for
 from router.service.gate import Gate
