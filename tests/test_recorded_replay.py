@@ -351,7 +351,7 @@ async def test_replayed_figures_judge_n_samples_and_unstreamed_answers_per_seque
     assert one.ok and sampled.ok and whole.ok, [one.error, sampled.error, whole.error]
     assert sampled.output_tokens == 32  # the usage's: every sequence's tokens
     # one sequence's TPOT: 8 tokens decoded over the time after the first, not 32
-    assert sampled.tpot_s() == (sampled.e2e_s - sampled.ttft_s) / 7
+    assert sampled.tpot_s() == (sampled.last_s - sampled.ttft_s) / 7  # to its last token
     assert whole.ttft_s != whole.ttft_s and whole.tpot_s() is None
     lax = SloTargets((SloTier(None, 3600.0),), 3600.0)
     figures = summarize([one, sampled, whole], lax)
