@@ -91,6 +91,17 @@ LINGER_S = 5.0
 _KEEP_UNASKED = 64 * 1024
 
 
+def other_coding(value: bytes) -> bytes:
+    """The first transfer coding of a ``Transfer-Encoding`` field ``value`` that is not
+    ``chunked`` (the one llhttp undoes; any other would be taken for the payload), b''
+    when none."""
+    for coding in value.split(b","):
+        coding = coding.strip().lower()
+        if coding and coding != b"chunked":
+            return coding
+    return b""
+
+
 def _chunk(data: bytes) -> bytes:
     """``data`` framed as one HTTP/1.1 chunk."""
     return b"%x\r\n%b\r\n" % (len(data), data)
@@ -543,15 +554,12 @@ class Connection(asyncio.Protocol):
         if self.parser.get_http_version() == "1.0":
             self.fatal(400, "Transfer-Encoding in an HTTP/1.0 request")
             return True
-        for coding in value.split(b","):
-            coding = coding.strip().lower()
-            if coding and coding != b"chunked":
-                self.fatal(
-                    501,
-                    f"transfer coding {coding.decode('latin-1')!r} is not supported (only chunked)",
-                )
-                return True
-        return False
+        coding = other_coding(value)
+        if coding:
+            self.fatal(
+                501, f"transfer coding {coding.decode('latin-1')!r} is not supported (only chunked)"
+            )
+        return bool(coding)
 
     def on_body(self, body: bytes) -> None:
         self.got_body = True
