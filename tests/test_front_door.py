@@ -406,3 +406,12 @@ async def test_a_refused_request_that_awaits_100_continue_is_answered_without_it
         assert await reader.read() == b""
         writer.close()
     assert backend.received == []
+    # without a body, nothing is left unframed: the connection serves the next request
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n\r\n"
+        b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    answers = await reader.read()
+    assert answers.startswith(b"HTTP/1.1 401 ") and answers.count(b"HTTP/1.1 200 OK") == 1
+    writer.close()

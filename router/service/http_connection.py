@@ -527,6 +527,8 @@ class Connection(asyncio.Protocol):
         if not expect or self.parser.get_http_version() == "1.0":
             return  # (1.0 has no 100)
         if self.dropping:
+            if not length:
+                return  # no body: it is answered as it is
             # its answer is known now: given at once, without the body (RFC 9110 10.1.1),
             # and the connection closes, as the client may send the body or not
             self._enqueue(b"", False)
