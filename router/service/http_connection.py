@@ -60,6 +60,7 @@ import httptools
 
 from router.service.errors import error_body, messages_path
 from router.service.http_types import HttpRequest
+from router.service.wire import other_coding
 
 if TYPE_CHECKING:
     from router.service.fast_server import FastServer
@@ -89,17 +90,6 @@ LINGER_S = 5.0
 # a body this small is kept without asking FastServer.refuses_body first: a check for it
 # would cost more than the bytes it saves
 _KEEP_UNASKED = 64 * 1024
-
-
-def other_coding(value: bytes) -> bytes:
-    """The first transfer coding of a ``Transfer-Encoding`` field ``value`` that is not
-    ``chunked`` (the one llhttp undoes; any other would be taken for the payload), b''
-    when none."""
-    for coding in value.split(b","):
-        coding = coding.strip().lower()
-        if coding and coding != b"chunked":
-            return coding
-    return b""
 
 
 def _chunk(data: bytes) -> bytes:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import httptools
 
-from router.service.http_connection import MAX_HEAD_BYTES, MAX_HEADERS, other_coding
+from router.service.http_connection import MAX_HEAD_BYTES, MAX_HEADERS
 from router.service.replica_url import ReplicaUrl
 from router.service.upstream_errors import (
     ConnectFailed,
@@ -45,6 +45,7 @@ from router.service.upstream_errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from router.service.wire import other_coding
 
 HIGH_WATER = 1 << 20  # buffered body bytes above which reading from the upstream pauses
 
