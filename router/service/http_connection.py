@@ -495,7 +495,8 @@ class Connection(asyncio.Protocol):
                         self.too_large = True
                 except ValueError:
                     pass
-            elif len(k) == 6 and k.lower() == b"expect" and v.lower() == b"100-continue":
+            elif len(k) == 6 and k.lower() == b"expect" and v.rstrip().lower() == b"100-continue":
+                # (rstrip: llhttp keeps a value's trailing whitespace, RFC 9112 5.1 does not)
                 expect = True
             elif len(k) == 17 and k.lower() == b"transfer-encoding":
                 if self._bad_coding(v):
