@@ -373,3 +373,45 @@ async def test_a_request_with_a_wrong_key_has_its_body_dropped_and_no_100() -> N
     finally:
         await running.cleanup()
         await backend.stop()
+
+
+async def test_a_refused_request_that_awaits_100_continue_is_answered_without_its_body(
+    keyed: tuple[str, Backend],
+) -> None:
+    """A request whose refusal is known from its head (a wrong key) and that waits for
+    ``100 Continue`` before sending its body gets that refusal at once (RFC 9110 10.1.1:
+    a final status or a 100, immediately), then the connection closes: the client may send
+    its body or not, so what follows cannot be framed. The router sent neither and waited
+    for the body, so a client that waits for its 100 (the openai SDK's httpx does not ask;
+    curl does, for a large body) hung until it gave up waiting."""
+    url, backend = keyed
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(CHAT).encode()
+    for framing in (b"Content-Length: %d\r\n" % len(body), b"Transfer-Encoding: chunked\r\n"):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
+            b"Content-Type: application/json\r\nExpect: 100-continue\r\n" + framing + b"\r\n"
+        )
+        status = (await reader.readline()).split()[1]
+        assert status == b"401", (framing, status)
+        head = b""
+        while (line := await reader.readline()) != b"\r\n":
+            head += line.lower()
+        assert b"connection: close\r\n" in head
+        # what the client sends now is not taken for a request: the connection has ended
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        rest = await reader.read()
+        assert json.loads(rest)["error"]["code"] == "invalid_api_key"
+        assert await reader.read() == b""
+        writer.close()
+    assert backend.received == []
+    # without a body, nothing is left unframed: the connection serves the next request
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n\r\n"
+        b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    answers = await reader.read()
+    assert answers.startswith(b"HTTP/1.1 401 ") and answers.count(b"HTTP/1.1 200 OK") == 1
+    writer.close()

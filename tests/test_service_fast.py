@@ -464,3 +464,22 @@ async def test_expect_continue_from_an_http_1_0_client_is_ignored(front: Front) 
     assert status == 200 and json.loads(answer)["choices"], answer
     assert headers["connection"] == "close"
     writer.close()
+
+
+async def test_expect_continue_with_trailing_whitespace_gets_its_100(front: Front) -> None:
+    # a field value's trailing whitespace is not part of it (RFC 9112 5.1), but llhttp
+    # passes it on: "Expect: 100-continue " was not recognised, no 100 went out, and a
+    # client that waits for it before sending its body hung
+    reader, writer = await front.open()
+    body = _chat(1)
+    writer.write(
+        _post(b"", extra="Expect: 100-Continue \t\r\n").replace(
+            b"Length: 0", b"Length: %d" % len(body)
+        )
+    )
+    assert (await reader.readline()).startswith(b"HTTP/1.1 100")
+    assert await reader.readline() == b"\r\n"
+    writer.write(body)
+    status, _, answer = await _response(reader)
+    assert status == 200 and json.loads(answer)["choices"], answer
+    writer.close()

@@ -398,3 +398,37 @@ async def test_a_replicas_http_1_0_answer_with_transfer_encoding_is_not_pooled()
         pool.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_replicas_transfer_coding_other_than_chunked_is_a_broken_answer() -> None:
+    """The router asks for no transfer coding (it sends no ``TE``; RFC 9110 10.1.4): an
+    answer with one but ``chunked`` is one it cannot read. llhttp undoes ``chunked`` alone,
+    so a ``gzip, chunked`` body was taken for the payload, compressed, and relayed without
+    its coding (``Transfer-Encoding`` is hop-by-hop): the client got gzip bytes as JSON."""
+    from router.service.upstream import Pool, Target, Timeouts
+    from router.service.upstream_errors import UpstreamBroken
+
+    payload = gzip.compress(b'{"ok": true}')
+    done = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            await _read_request(reader)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: gzip, chunked\r\n\r\n" + _chunk(payload) + b"0\r\n\r\n"
+            )
+            await done.wait()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Pool(Target("127.0.0.1", port), Timeouts(connect=3, read=30, total=60))
+    try:
+        with pytest.raises(UpstreamBroken, match="transfer coding 'gzip'"):
+            await pool.send(b"GET / HTTP/1.1\r\nHost: r\r\nContent-Length: 0\r\n\r\n")
+    finally:
+        done.set()
+        pool.close()
+        server.close()
+        await server.wait_closed()

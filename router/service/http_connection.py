@@ -29,8 +29,10 @@ through.
   with a ``Content-Length`` over ``max_body`` the answer is 413 at once, without the body,
   and the connection closes. A request the handler will refuse whatever its body (a wrong
   API key: ``FastServer.refuses_body``, asked when the body is over 64 KiB, chunked or
-  awaits a ``100``) has its body read and dropped, never kept, and no ``100``: an
-  unauthenticated client cannot make the router buffer ``max_body`` bytes.
+  awaits a ``100``) has its body read and dropped, never kept: an unauthenticated client
+  cannot make the router buffer ``max_body`` bytes; one that awaits a ``100`` gets no
+  ``100`` but its answer at once, without its body (RFC 9110 10.1.1), and the connection
+  closes (the client may send the body or not: what follows cannot be framed).
   ``HEAD`` gets the head of the GET answer. A request asking to
   switch protocols (``Upgrade: h2c``) is answered in HTTP/1.1 as if it had not asked;
   ``CONNECT`` is 400. A chunked body's trailer fields are dropped, never taken for headers.
@@ -58,6 +60,7 @@ import httptools
 
 from router.service.errors import error_body, messages_path
 from router.service.http_types import HttpRequest
+from router.service.wire import other_coding
 
 if TYPE_CHECKING:
     from router.service.fast_server import FastServer
@@ -119,6 +122,11 @@ def _origin_form(target: bytes) -> bytes:
 
 class Aborted(Exception):
     """The handler failed after its answer began (logged already): abort the connection."""
+
+
+class _Answered(Exception):
+    """Raised by a parser callback: the request is queued without its body, its answer
+    ends the connection; nothing more is parsed."""
 
 
 class ConnectionSink:
@@ -246,6 +254,9 @@ class Connection(asyncio.Protocol):
         # the answers of the requests before it; nothing more is read meanwhile
         self.failed: tuple[int, str, str, bytes] | None = None
         self.want_continue = False  # "100 Continue" is owed once the answers before it went
+        # the request queued last ends the connection before its body (see
+        # on_headers_complete): nothing more is parsed
+        self.ended = False
         self._new_message()
 
     def _new_message(self) -> None:
@@ -279,7 +290,7 @@ class Connection(asyncio.Protocol):
         self.server.admit(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.closed or self.failed is not None:
+        if self.closed or self.failed is not None or self.ended:
             return  # (closed: lingering after a protocol error's answer, see fatal)
         piece: bytes | memoryview = data
         while True:
@@ -292,7 +303,8 @@ class Connection(asyncio.Protocol):
                     piece = memoryview(piece)[exc.args[0] :]
                     continue
             except httptools.HttpParserError as exc:
-                self.fatal(400, f"malformed HTTP request: {exc}")
+                if not self.ended:
+                    self.fatal(400, f"malformed HTTP request: {exc}")
             else:
                 if self.in_message:
                     # httptools gathers a header (or trailer) line's name and value until
@@ -483,7 +495,8 @@ class Connection(asyncio.Protocol):
                         self.too_large = True
                 except ValueError:
                     pass
-            elif len(k) == 6 and k.lower() == b"expect" and v.lower() == b"100-continue":
+            elif len(k) == 6 and k.lower() == b"expect" and v.rstrip().lower() == b"100-continue":
+                # (rstrip: llhttp keeps a value's trailing whitespace, RFC 9112 5.1 does not)
                 expect = True
             elif len(k) == 17 and k.lower() == b"transfer-encoding":
                 if self._bad_coding(v):
@@ -502,8 +515,18 @@ class Connection(asyncio.Protocol):
                 url = _origin_form(url)
             # its answer is a refusal whatever the body: read and dropped, no 100 Continue
             self.dropping = refuses(url.split(b"?", 1)[0], self.headers)
-        if not expect or self.dropping or self.parser.get_http_version() == "1.0":
+        if not expect or self.parser.get_http_version() == "1.0":
             return  # (1.0 has no 100)
+        if self.dropping:
+            if not length:
+                return  # no body: it is answered as it is
+            # its answer is known now: given at once, without the body (RFC 9110 10.1.1),
+            # and the connection closes, as the client may send the body or not
+            self._enqueue(b"", False)
+            self.in_message = False
+            self.deadline = 0.0
+            self.ended = True
+            raise _Answered()  # (stops the parser; what the client still sends is dropped)
         if self.too_large:  # the client waits for "100 Continue": answer without the body
             self.fatal(
                 413,
@@ -524,15 +547,12 @@ class Connection(asyncio.Protocol):
         if self.parser.get_http_version() == "1.0":
             self.fatal(400, "Transfer-Encoding in an HTTP/1.0 request")
             return True
-        for coding in value.split(b","):
-            coding = coding.strip().lower()
-            if coding and coding != b"chunked":
-                self.fatal(
-                    501,
-                    f"transfer coding {coding.decode('latin-1')!r} is not supported (only chunked)",
-                )
-                return True
-        return False
+        coding = other_coding(value)
+        if coding:
+            self.fatal(
+                501, f"transfer coding {coding.decode('latin-1')!r} is not supported (only chunked)"
+            )
+        return bool(coding)
 
     def on_body(self, body: bytes) -> None:
         self.got_body = True
@@ -568,6 +588,10 @@ class Connection(asyncio.Protocol):
             return
         parts = self.body
         body = parts[0] if len(parts) == 1 and type(parts[0]) is bytes else b"".join(parts)
+        self._enqueue(body, self.parser.should_keep_alive())
+
+    def _enqueue(self, body: bytes, keep_alive: bool) -> None:
+        """Queue the request being parsed, with ``body``, to be answered in turn."""
         url = self.url
         if not url.startswith(b"/"):
             url = _origin_form(url)
@@ -582,7 +606,7 @@ class Connection(asyncio.Protocol):
                     self.peer,
                     self.header_bytes,
                     self.too_large,
-                    self.parser.should_keep_alive(),
+                    keep_alive,
                 ),
                 self.parser.get_http_version() == "1.0",
             )

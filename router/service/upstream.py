@@ -23,7 +23,8 @@ itself. This client does only what the proxy needs:
   :class:`UpstreamBroken` when the response broke off (a connection reset ends no body,
   not even one delimited by the connection's end; a response head or trailer section over
   the caps the server holds its clients to, ``MAX_HEAD_BYTES`` and ``MAX_HEADERS`` of
-  router.service.http_connection, is broken too);
+  router.service.http_connection, is broken too, and so is one with a transfer coding but
+  ``chunked``: the router asks for none);
 * :meth:`Exchange.abort` closes the connection at once (the upstream sees the client go
   away); :meth:`Exchange.release` returns a fully read keep-alive connection to its pool.
 """
@@ -46,6 +47,7 @@ from router.service.upstream_errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from router.service.wire import other_coding
 
 HIGH_WATER = 1 << 20  # buffered body bytes above which reading from the upstream pauses
 # a pooled connection idle longer is closed, not reused: under the 5 s keep-alive timeout of
@@ -201,12 +203,21 @@ class _Conn(asyncio.Protocol):
         if self.status < 200:  # 1xx: wait for the real answer
             self.headers = []
             return
+        coded = False
+        for k, v in self.headers:
+            if len(k) == 17 and k.lower() == b"transfer-encoding":
+                coded = True
+                # the router asks for none (no TE): its body would be relayed still coded
+                coding = other_coding(v)
+                if coding:
+                    why = f"transfer coding {coding.decode('latin-1')!r} (only chunked is read)"
+                    self._fail(UpstreamBroken(why))
+                    raise ValueError(why)  # (ends the parse: broken)
         self.head_done = True
         # an HTTP/1.0 answer with a transfer coding has faulty framing: the connection
         # closes after it (RFC 9112 6.1), whatever its keep-alive says
         self.keep_alive = self.parser.should_keep_alive() and not (
-            self.parser.get_http_version() == "1.0"
-            and any(k.lower() == b"transfer-encoding" for k, _ in self.headers)
+            coded and self.parser.get_http_version() == "1.0"
         )
         self._wake()
 

@@ -122,6 +122,17 @@ def request_head(
     return b"".join(parts)
 
 
+def other_coding(value: bytes) -> bytes:
+    """The first transfer coding of a ``Transfer-Encoding`` field ``value`` that is not
+    ``chunked`` (the one llhttp undoes; any other would be taken for the payload), b''
+    when none."""
+    for coding in value.split(b","):
+        coding = coding.strip().lower()
+        if coding and coding != b"chunked":
+            return coding
+    return b""
+
+
 def is_event_stream(content_type: bytes) -> bool:
     """Whether a ``Content-Type`` value names an SSE stream: media types are
     case-insensitive (RFC 9110 8.3.1), parameters (``; charset=utf-8``) may follow."""
