@@ -235,5 +235,7 @@ async def test_tpot_is_timed_to_the_last_token_not_the_streams_end(
 
     out = await scripted(script)
     assert out.ok and out.output_tokens == 3
-    assert out.e2e_s - out.last_s >= GAP_S, out  # (the gap's lower bound: never flaky)
+    # the last token came well before the end (not GAP_S exactly: the client may read the
+    # last token later after its write than it reads the end after its own)
+    assert out.e2e_s - out.last_s >= GAP_S / 2, out
     assert out.tpot_s() == (out.last_s - out.ttft_s) / 2, out
