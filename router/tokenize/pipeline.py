@@ -5,8 +5,9 @@ prompt. Chat requests (:meth:`PromptProcessor.chat`) are handled here: their fie
 vLLM reads them (:func:`router.tokenize.request_fields.chat_args`), rendered with the model's
 chat template and tokenized incrementally (a long conversation with a message-local template
 renders only the messages a cached one does not hold: ``_chat_local``), image parts expanded
-and keyed as the engine keys them (``_chat_images``), and a medium the router cannot place
-hashed up to where it starts (``_cut_before``). Everything else a prompt is keyed with - the
+and keyed as the engine keys them and a medium the router cannot place hashed up to where it
+starts (the base class router.tokenize.image_prompts ``ImagePrompts``). Everything else a
+prompt is keyed with - the
 chain's root, BOS and truncation, completion requests, token ids, engine-rendered prompts,
 approximate and size-only views - comes from the base class
 :class:`router.tokenize.keying.PromptKeying`.
@@ -27,25 +28,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from router.core.hashing import hash_prompt, mm_block_extras
+from router.core.hashing import hash_prompt
 from router.tokenize.approx import DEFAULT_CHARS_PER_TOKEN
 from router.tokenize.cache_entries import message_keys, text_bytes
 from router.tokenize.content_format import content_text
+from router.tokenize.image_prompts import IMAGE_MARKER, ImagePrompts
 from router.tokenize.incremental import MIN_CACHED_CHARS, IncrementalTokenizer
-from router.tokenize.keying import ProcessedPrompt, PromptKeying
+from router.tokenize.keying import ProcessedPrompt
 from router.tokenize.lax import lax_int
 from router.tokenize.multimodal import (
-    ExpandedImages,
     ImageSettings,
-    cut_expanded,
-    expand_images,
     first_unmodelled,
     has_images,
-    image_urls,
-    image_uuids,
-    marked_images,
-    own_image_kwargs,
-    with_placeholders,
 )
 from router.tokenize.request_fields import (
     adds_special_tokens,
@@ -65,9 +59,6 @@ if TYPE_CHECKING:
     # (router/service/prompts.py builds it at start-up); without one nothing here runs them
     from router.tokenize.local_template import LocalTemplate, RenderedParts
     from router.tokenize.template import ChatTemplate
-
-# stands for an image in the text when the model has no image settings (a private-use char)
-_IMAGE_MARKER = "\ue000"
 
 
 def _simple_render(messages: Sequence[Mapping[str, Any]], tools: Any) -> str:
@@ -115,7 +106,7 @@ def _content_size(messages: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
     return chars, nbytes
 
 
-class PromptProcessor(PromptKeying):
+class PromptProcessor(ImagePrompts):
     """Prompt processing for one model (see module docstring)."""
 
     def __init__(
@@ -278,16 +269,16 @@ class PromptProcessor(PromptKeying):
         unmodelled = first_unmodelled(messages)
         if unmodelled is not None:  # a medium the router cannot place: hashed up to it
             at = messages[unmodelled]
-            marked = [*messages[:unmodelled], {**at, "content": _IMAGE_MARKER}]
+            marked = [*messages[:unmodelled], {**at, "content": IMAGE_MARKER}]
             if has_images(marked):  # images before it: expanded and keyed as the engine does
                 return self._chat_images(
-                    body, marked, tools, kwargs, add_gen, cont, t0, _IMAGE_MARKER, from_responses
+                    body, marked, tools, kwargs, add_gen, cont, t0, IMAGE_MARKER, from_responses
                 )
             if kept_to_context(body, self.context_length) is not None:
                 # its size unknown, so whether -1 cuts the prompt's start: nothing known
                 return self.unknown(body)
             text, _ = self._render_text(marked, tools, kwargs, add_gen, cont, from_responses)
-            return self._cut_before(text, _IMAGE_MARKER, body, t0, from_responses)
+            return self._cut_before(text, IMAGE_MARKER, body, t0, from_responses)
         if has_images(messages):
             return self._chat_images(
                 body, messages, tools, kwargs, add_gen, cont, t0, None, from_responses
@@ -381,12 +372,12 @@ class PromptProcessor(PromptKeying):
         head = list(check_messages(body)[:count]) if count else []
         ids: list[list[int]] = []
         for role in ("user", "assistant"):
-            probe = {**body, "messages": [*head, {"role": role, "content": _IMAGE_MARKER}]}
+            probe = {**body, "messages": [*head, {"role": role, "content": IMAGE_MARKER}]}
             try:
                 text = self._render(probe, from_responses)[0]
             except TemplateError:
                 continue
-            ids.append(tokenizer.encode_text(text[: text.find(_IMAGE_MARKER)]).tolist())
+            ids.append(tokenizer.encode_text(text[: text.find(IMAGE_MARKER)]).tolist())
         if not ids:
             return []
         # compared as ids: a text cut inside a special token (``<|im_`` of ``<|im_user|>``
@@ -400,143 +391,6 @@ class PromptProcessor(PromptKeying):
         tokens = self._engine_tokens(np.array(known, dtype=np.uint32), body, chat=True)
         root, _ = self.root(body, from_responses)
         return hash_prompt(tokens, self.block_size, root).hashes
-
-    def _chat_images(
-        self,
-        body: Mapping[str, Any],
-        messages: list[Mapping[str, Any]],
-        tools: Any,
-        kwargs: Mapping[str, Any],
-        add_gen: bool,
-        cont: bool,
-        t0: float,
-        cut_at: str | None = None,
-        from_responses: bool = False,
-    ) -> ProcessedPrompt:
-        """A chat request with image parts (router.tokenize.multimodal): placeholders as the
-        engine renders them, each expanded to the image's token count and keyed with its
-        hash in the block where it starts. Blocks from an image the router cannot hash (no
-        image settings for the model, an URL it does not fetch, a request's own
-        ``mm_processor_kwargs`` or image ``media_io_kwargs``: ``own_image_kwargs``) on are
-        left out; so are those from ``cut_at`` on (a text in ``messages`` standing for a
-        message the router cannot place), and the prompt is then not exact."""
-        tokenizer, template, settings = self.tokenizer, self.template, self.images
-        if own_image_kwargs(body):
-            settings = None
-        to_context = kept_to_context(body, self.context_length)
-        if (kept_tokens(body, self.context_length, chat=True) is not None and not to_context) or (
-            adds_special_tokens(body, chat=True) and self._bos_id is not None
-        ):  # ids cut by a k of the request's, or shifted: not modelled, routed on load
-            return self.unknown(body)
-        marker = settings.placeholder if settings is not None else _IMAGE_MARKER
-        with_ph, urls = self._placed(messages, tools, marker, settings is not None)
-        text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont, from_responses)
-        if tokenizer is None or template is None or settings is None:
-            if to_context is not None:  # whether -1 cuts the start is not known
-                return self.unknown(body)
-            # nothing known from the first image on
-            return self._cut_before(text, marker, body, t0, from_responses)
-        root, _ = self.root(body, from_responses)
-        rest = 0  # tokens after ``cut_at``, not hashed
-        if cut_at is not None and (cut := text.find(cut_at)) >= 0:
-            # (the last token before it may merge with what follows: left out)
-            tokens = tokenizer.encode_text(text[:cut])[:-1]
-            rest = len(tokenizer.encode_text(text[cut:]))
-        else:
-            tokens = tokenizer.encode_text(text)
-        t1 = time.perf_counter()
-        bs = self.block_size
-        found = self._expand(tokens, messages, urls, settings)
-        expanded, items, known_until = found.tokens, found.items, found.known_until
-        if to_context is not None and len(expanded) + rest > to_context:
-            if known_until is not None or cut_at is not None:
-                return self.unknown(body)  # cut where the unknown part decides
-            expanded, items = cut_expanded(expanded, items, found.lengths, to_context, body)
-        hashed = expanded if known_until is None else expanded[:known_until]
-        extras = mm_block_extras(items, bs) if items else None
-        hashes = hash_prompt(hashed, bs, root, extras=extras).hashes
-        return ProcessedPrompt(
-            len(expanded) + rest,
-            hashes,
-            bs,
-            known_until is None and cut_at is None,
-            0,
-            t1 - t0,
-            time.perf_counter() - t1,
-        )
-
-    def _placed(
-        self, messages: list[Mapping[str, Any]], tools: Any, marker: str, settings: bool
-    ) -> tuple[list[Mapping[str, Any]], list[str]]:
-        """Messages with each image placed as the template's content format places it, and
-        the image URLs in prompt order: in the "openai" format the template places
-        ``{"type": "image"}`` parts itself (without ``settings`` a text ``marker`` where the
-        first image is finds the prompt before it); else ``marker`` goes into string content
-        (:func:`with_placeholders`, interleaved where the model's engines interleave)."""
-        template = self.template
-        if template is not None and template.content_format_for(tools) == "openai":
-            urls = image_urls(messages)
-            return (messages if settings else marked_images(messages, marker)), urls
-        interleave = self.images is not None and self.images.interleave
-        return with_placeholders(messages, marker, interleave=interleave)
-
-    def _expand(
-        self,
-        tokens: np.ndarray,
-        messages: Sequence[Mapping[str, Any]],
-        urls: Sequence[str],
-        settings: ImageSettings,
-    ) -> ExpandedImages:
-        assert self.tokenizer is not None
-        token_id = self.tokenizer.tokenizer.special_tokens[settings.token]
-        model_id = settings.model_id or self.model
-        return expand_images(tokens, token_id, urls, image_uuids(messages), settings, model_id)
-
-    def image_prompt(
-        self,
-        body: Mapping[str, Any],
-        *,
-        from_responses: bool = False,
-        from_messages: bool = False,
-    ) -> ExpandedImages:
-        """The token ids of a chat with images as the engine runs them (placed, rendered and
-        expanded as :meth:`chat` does for its hashes) and its images, for a processor with a
-        tokenizer, a template and image settings (the mock replica's engine side). The
-        request's own image kwargs, truncation and special tokens are not applied."""
-        settings, template = self.images, self.template
-        if settings is None or template is None or self.tokenizer is None:
-            raise ValueError("image_prompt needs a tokenizer, a template and image settings")
-        messages, tools, kwargs, add_gen, cont = self._chat_args(
-            body, from_responses, from_messages
-        )
-        with_ph, urls = self._placed(messages, tools, settings.placeholder, True)
-        text, _ = self._render_text(with_ph, tools, kwargs, add_gen, cont, from_responses)
-        tokens = self.tokenizer.encode_text(text)
-        return self._expand(tokens, messages, urls, settings)
-
-    def _cut_before(
-        self,
-        text: str,
-        marker: str,
-        body: Mapping[str, Any],
-        t0: float,
-        from_responses: bool = False,
-    ) -> ProcessedPrompt:
-        """Routing view of a rendered prompt known only up to ``marker`` (where a medium
-        the router cannot expand starts): the blocks before it, not exact."""
-        tokenizer = self.tokenizer
-        if tokenizer is None or self.template is None:
-            return self._approximate(
-                text, body, time.perf_counter() - t0, cut_at=marker, from_responses=from_responses
-            )
-        root, _ = self.root(body, from_responses)
-        tokens = tokenizer.encode_text(text)
-        t1 = time.perf_counter()
-        cut = len(tokenizer.encode_text(text[: text.find(marker)])) - 1
-        hashes = hash_prompt(tokens[: max(cut, 0)], self.block_size, root).hashes
-        return ProcessedPrompt(
-            len(tokens), hashes, self.block_size, False, 0, t1 - t0, time.perf_counter() - t1
-        )
 
     def _chat_local(
         self,
