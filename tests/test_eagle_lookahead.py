@@ -35,7 +35,7 @@ from router.events.encode import encode_batch
 from router.events.model import EngineBatch, EngineBlockStored
 from router.publisher.publisher import Publisher, PublisherSettings
 from router.service.layout import ModelLayouts
-from router.service.metrics import _layout_metrics
+from router.service.state_gauges import layout_metrics
 from router.store.base import ReplicaInfo
 from router.store.redis_store import RedisStore
 from router.store.sync import IndexSync
@@ -161,7 +161,7 @@ async def test_direct_mode_learns_lookahead_from_vllms_own_events(
         assert _usable(routing, tokens, 9 * 16) == 4
         (report,) = layouts.check()
         assert (report.lookahead_tokens, report.lookahead_source) == (1, SOURCE_ENGINE)
-        metrics = {m.name: m.samples for m in _layout_metrics([report])}
+        metrics = {m.name: m.samples for m in layout_metrics([report])}
         assert metrics["kvrouter_model_lookahead_tokens"][0].value == 1
         assert metrics["kvrouter_model_eagle_block_drop"][0].value == 0
     finally:

@@ -8,7 +8,7 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from router.service.metrics import ReplicaGauge, StateSnapshot
+from router.service.state_gauges import ReplicaGauge, StateSnapshot
 
 if TYPE_CHECKING:
     from router.service.state import RouterState
