@@ -656,8 +656,19 @@ async def test_no_replica_available_is_503_with_retry_after(fleet: Fleet) -> Non
     assert error["code"] == "no_replica_available"
     # healthy replicas that were drained: the message names the drain, not a failure
     assert "draining" in error["message"] and "healthy" not in error["message"], error
+    # the other model's replica is available: the router stays ready (a load balancer keeps
+    # sending it that model's requests), and says which model has none
     ready = await fleet.http.get(fleet.url + "/ready")
-    assert ready.status == 503
+    body = await ready.json()
+    assert ready.status == 200 and body["ready"] is True, body
+    assert body["models"][MODEL]["available"] == 0 and body["models"][APPROX]["available"] == 1
+    await fleet.post(
+        f"/admin/replicas/{fleet.approx.name}/drain",
+        b"",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    ready = await fleet.http.get(fleet.url + "/ready")
+    assert ready.status == 503  # no model left to serve
     await fleet.post(
         f"/admin/replicas/{fleet.backends[0].name}/undrain",
         b"",

@@ -127,20 +127,22 @@ def _available(state: RouterState, name: str, now: float) -> list[ReplicaKey]:
 
 
 def is_ready(state: RouterState, now: float) -> bool:
-    """What ``/ready`` answers 200 for: a model at least, each with an available replica
-    (healthy, not draining); the gRPC health service follows it too."""
+    """What ``/ready`` answers 200 for: a model with an available replica (healthy, not
+    draining); the gRPC health service follows it too. Not every model: the pods' readiness
+    decides whether a load balancer sends them anything, and one model whose replicas are
+    all down (or drained for maintenance) must not take the others' router out with it."""
     state.fleet.restore_health(now)
-    models = state.registry.models()
-    return bool(models) and all(_available(state, name, now) for name in models)
+    return any(_available(state, name, now) for name in state.registry.models())
 
 
 def ready_reply(state: RouterState, *, stopping: bool = False) -> Reply:
-    """200 when every model has an available replica and the process is not stopping (a
-    SIGTERM drain); says which models are approximate."""
+    """200 when a model has an available replica (:func:`is_ready`) and the process is not
+    stopping (a SIGTERM drain); says per model how many replicas are available and which
+    models are approximate."""
     now = asyncio.get_running_loop().time()
     state.fleet.restore_health(now)
     out: dict[str, Any] = {}
-    ok = bool(state.registry.models()) and not stopping
+    ok = False
     for name in state.registry.models():
         keys = state.registry.keys_for(name)
         up = _available(state, name, now)
@@ -159,7 +161,8 @@ def ready_reply(state: RouterState, *, stopping: bool = False) -> Reply:
                 "no tokenizer/chat template configured: prompts are hashed as text chunks and "
                 "routing uses the router's own speculative entries only"
             )
-        ok = ok and bool(up)
+        ok = ok or bool(up)
+    ok = ok and not stopping
     body: dict[str, Any] = {"ready": ok, "models": out}
     if stopping:
         body["stopping"] = True
