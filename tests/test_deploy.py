@@ -99,7 +99,7 @@ def test_router_pieces_agree() -> None:
     svc = docs[("Service", "kvrouter")]
     assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports
     pdb = docs[("PodDisruptionBudget", "kvrouter")]
-    assert pdb["spec"]["minAvailable"] < dep["spec"]["replicas"]
+    assert _disruptions_allowed(pdb, dep["spec"]["replicas"]) < dep["spec"]["replicas"]
     hpa = docs[("HorizontalPodAutoscaler", "kvrouter")]
     assert hpa["spec"]["scaleTargetRef"]["name"] == "kvrouter"
     cfg = docs[("ConfigMap", "kvrouter-config")]
@@ -1512,3 +1512,35 @@ def test_the_saturated_alert_averages_each_pod_set_apart(tmp_path: pathlib.Path)
             {"eval_time": "15m", "alertname": "KVRouterSaturated", "exp_alerts": [fired]},
         ],
     }])  # fmt: skip
+
+
+def _disruptions_allowed(pdb: dict, pods: int) -> int:
+    """How many of ``pods`` healthy pods a PodDisruptionBudget lets an eviction take at
+    once (a node drain, a cluster upgrade): ``pods - minAvailable`` or ``maxUnavailable``
+    (an integer or a percentage, rounded up as the disruption controller does)."""
+    spec = pdb["spec"]
+
+    def count(value: int | str) -> int:
+        if isinstance(value, str) and value.endswith("%"):
+            return -(-pods * int(value[:-1]) // 100)
+        return int(value)
+
+    if "maxUnavailable" in spec:
+        return count(spec["maxUnavailable"])
+    return max(pods - count(spec["minAvailable"]), 0)
+
+
+def test_the_disruption_budget_keeps_the_routers_the_load_needs() -> None:
+    """The HPA grows the Deployment to ``maxReplicas`` because the load needs that many
+    routers; a node drain must not then evict most of them at once. ``minAvailable: 2``
+    lets it take 10 of 12 pods together, the 2 left saturated (503s, lag) until the evicted
+    ones are rescheduled and ready. At every size the HPA allows, at most a quarter of the
+    pods (and at least one, so a drain can proceed) may be evicted together."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    pdb = docs[("PodDisruptionBudget", "kvrouter")]
+    hpa = docs[("HorizontalPodAutoscaler", "kvrouter")]["spec"]
+    assert pdb["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kvrouter"}
+    for pods in range(hpa["minReplicas"], hpa["maxReplicas"] + 1):
+        allowed = _disruptions_allowed(pdb, pods)
+        assert 1 <= allowed <= max(1, pods // 4), f"{allowed} of {pods} router pods evictable"
+
