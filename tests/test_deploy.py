@@ -1544,3 +1544,22 @@ def test_the_disruption_budget_keeps_the_routers_the_load_needs() -> None:
         allowed = _disruptions_allowed(pdb, pods)
         assert 1 <= allowed <= max(1, pods // 4), f"{allowed} of {pods} router pods evictable"
 
+
+def test_engines_drain_their_streams_on_a_rolling_update() -> None:
+    """vLLM 0.34 aborts every request in flight on SIGTERM unless ``--shutdown-timeout`` is
+    above 0 (vllm/engine/arg_utils.py: ``--shutdown-timeout`` default 0, "0 = abort,
+    >0 = wait"; vllm/v1/engine/core.py ``EngineCore._handle_shutdown``: mode "abort" finishes
+    the unfinished requests FINISHED_ABORTED). The router retries only before a stream's
+    first byte, so each engine pod a rollout or node drain stops would cut its streams
+    mid-answer. The engine waits up to the timeout, and the pod's grace period must cover it
+    plus the teardown of its GPU workers (else the kubelet kills the drain)."""
+    rack = _docs(K8S / "engine" / "engine-rack.yaml")[0]
+    spec = rack["spec"]["template"]["spec"]
+    engine = spec["containers"][0]
+    flags = [a for a in engine["args"] if a.startswith("--shutdown-timeout")]
+    assert flags, "vLLM aborts its in-flight requests on SIGTERM (--shutdown-timeout 0)"
+    timeout = int(flags[0].split("=", 1)[1])
+    assert timeout > 0
+    grace = spec.get("terminationGracePeriodSeconds", 30)
+    assert grace >= timeout + 20, f"killed {grace} s after SIGTERM, drains up to {timeout} s"
+
