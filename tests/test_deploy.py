@@ -1563,3 +1563,26 @@ def test_engines_drain_their_streams_on_a_rolling_update() -> None:
     grace = spec.get("terminationGracePeriodSeconds", 30)
     assert grace >= timeout + 20, f"killed {grace} s after SIGTERM, drains up to {timeout} s"
 
+
+def test_the_drain_runbook_reaches_the_routers_port() -> None:
+    """docs/operations.md "Draining a rack" drains through a router's admin API: its example
+    must name a port the shipped router answers on (the container's, the Service's or the
+    compose mapping), and since a drain is held per router pod (router/service/admin.py
+    ``apply_drain``: this process's state and its workers'), say that every pod needs it."""
+    text = (DOCS / "operations.md").read_text()
+    section = text[text.index("## Draining a rack") :]
+    section = section[: section.index("\n## ", 1)]
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    container = docs[("Deployment", "kvrouter")]["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["containerPort"] for p in container["ports"] if p["name"] == "http"}
+    service = docs[("Service", "kvrouter")]["spec"]["ports"]
+    ports |= {p["port"] for p in service if p["name"] == "http"}
+    compose = yaml.safe_load((DEPLOY / "docker" / "docker-compose.yaml").read_text())
+    mapped = [p.split(":") for p in compose["services"]["router"]["ports"]]
+    inside = container["ports"][0]["containerPort"]
+    ports |= {int(host) for host, port in mapped if int(port) == inside}
+    urls = re.findall(r"http://[\w.$-]+(?::(\d+))?/admin/", section)
+    assert urls
+    for port in urls:
+        assert int(port or 80) in ports, f"the runbook drains on port {port}"
+    assert "every router pod" in " ".join(section.split())
