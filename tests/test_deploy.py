@@ -99,7 +99,7 @@ def test_router_pieces_agree() -> None:
     svc = docs[("Service", "kvrouter")]
     assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports
     pdb = docs[("PodDisruptionBudget", "kvrouter")]
-    assert pdb["spec"]["minAvailable"] < dep["spec"]["replicas"]
+    assert _disruptions_allowed(pdb, dep["spec"]["replicas"]) < dep["spec"]["replicas"]
     hpa = docs[("HorizontalPodAutoscaler", "kvrouter")]
     assert hpa["spec"]["scaleTargetRef"]["name"] == "kvrouter"
     cfg = docs[("ConfigMap", "kvrouter-config")]
@@ -1512,3 +1512,77 @@ def test_the_saturated_alert_averages_each_pod_set_apart(tmp_path: pathlib.Path)
             {"eval_time": "15m", "alertname": "KVRouterSaturated", "exp_alerts": [fired]},
         ],
     }])  # fmt: skip
+
+
+def _disruptions_allowed(pdb: dict, pods: int) -> int:
+    """How many of ``pods`` healthy pods a PodDisruptionBudget lets an eviction take at
+    once (a node drain, a cluster upgrade): ``pods - minAvailable`` or ``maxUnavailable``
+    (an integer or a percentage, rounded up as the disruption controller does)."""
+    spec = pdb["spec"]
+
+    def count(value: int | str) -> int:
+        if isinstance(value, str) and value.endswith("%"):
+            return -(-pods * int(value[:-1]) // 100)
+        return int(value)
+
+    if "maxUnavailable" in spec:
+        return count(spec["maxUnavailable"])
+    return max(pods - count(spec["minAvailable"]), 0)
+
+
+def test_the_disruption_budget_keeps_the_routers_the_load_needs() -> None:
+    """The HPA grows the Deployment to ``maxReplicas`` because the load needs that many
+    routers; a node drain must not then evict most of them at once. ``minAvailable: 2``
+    lets it take 10 of 12 pods together, the 2 left saturated (503s, lag) until the evicted
+    ones are rescheduled and ready. At every size the HPA allows, at most a quarter of the
+    pods (and at least one, so a drain can proceed) may be evicted together."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    pdb = docs[("PodDisruptionBudget", "kvrouter")]
+    hpa = docs[("HorizontalPodAutoscaler", "kvrouter")]["spec"]
+    assert pdb["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kvrouter"}
+    for pods in range(hpa["minReplicas"], hpa["maxReplicas"] + 1):
+        allowed = _disruptions_allowed(pdb, pods)
+        assert 1 <= allowed <= max(1, pods // 4), f"{allowed} of {pods} router pods evictable"
+
+
+def test_engines_drain_their_streams_on_a_rolling_update() -> None:
+    """vLLM 0.34 aborts every request in flight on SIGTERM unless ``--shutdown-timeout`` is
+    above 0 (vllm/engine/arg_utils.py: ``--shutdown-timeout`` default 0, "0 = abort,
+    >0 = wait"; vllm/v1/engine/core.py ``EngineCore._handle_shutdown``: mode "abort" finishes
+    the unfinished requests FINISHED_ABORTED). The router retries only before a stream's
+    first byte, so each engine pod a rollout or node drain stops would cut its streams
+    mid-answer. The engine waits up to the timeout, and the pod's grace period must cover it
+    plus the teardown of its GPU workers (else the kubelet kills the drain)."""
+    rack = _docs(K8S / "engine" / "engine-rack.yaml")[0]
+    spec = rack["spec"]["template"]["spec"]
+    engine = spec["containers"][0]
+    flags = [a for a in engine["args"] if a.startswith("--shutdown-timeout")]
+    assert flags, "vLLM aborts its in-flight requests on SIGTERM (--shutdown-timeout 0)"
+    timeout = int(flags[0].split("=", 1)[1])
+    assert timeout > 0
+    grace = spec.get("terminationGracePeriodSeconds", 30)
+    assert grace >= timeout + 20, f"killed {grace} s after SIGTERM, drains up to {timeout} s"
+
+
+def test_the_drain_runbook_reaches_the_routers_port() -> None:
+    """docs/operations.md "Draining a rack" drains through a router's admin API: its example
+    must name a port the shipped router answers on (the container's, the Service's or the
+    compose mapping), and since a drain is held per router pod (router/service/admin.py
+    ``apply_drain``: this process's state and its workers'), say that every pod needs it."""
+    text = (DOCS / "operations.md").read_text()
+    section = text[text.index("## Draining a rack") :]
+    section = section[: section.index("\n## ", 1)]
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    container = docs[("Deployment", "kvrouter")]["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["containerPort"] for p in container["ports"] if p["name"] == "http"}
+    service = docs[("Service", "kvrouter")]["spec"]["ports"]
+    ports |= {p["port"] for p in service if p["name"] == "http"}
+    compose = yaml.safe_load((DEPLOY / "docker" / "docker-compose.yaml").read_text())
+    mapped = [p.split(":") for p in compose["services"]["router"]["ports"]]
+    inside = container["ports"][0]["containerPort"]
+    ports |= {int(host) for host, port in mapped if int(port) == inside}
+    urls = re.findall(r"http://[\w.$-]+(?::(\d+))?/admin/", section)
+    assert urls
+    for port in urls:
+        assert int(port or 80) in ports, f"the runbook drains on port {port}"
+    assert "every router pod" in " ".join(section.split())
