@@ -1586,3 +1586,24 @@ def test_the_drain_runbook_reaches_the_routers_port() -> None:
     for port in urls:
         assert int(port or 80) in ports, f"the runbook drains on port {port}"
     assert "every router pod" in " ".join(section.split())
+
+
+def test_the_autoscalers_cpu_fallback_can_fire() -> None:
+    """The HPA's CPU target is the fallback when the loop-lag metric is missing (no
+    prometheus-adapter). A router process uses at most about one core per worker, so a pod
+    requesting more cores than it runs workers never reaches a target above workers /
+    cores: with 1 worker and 2 cores, 60 % could never fire. The target must sit below what
+    a saturated pod reaches (at 80 % of its workers' cores)."""
+    import tomllib
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    hpa = docs[("HorizontalPodAutoscaler", "kvrouter")]["spec"]
+    (cpu,) = [m["resource"] for m in hpa["metrics"] if m["type"] == "Resource"]
+    assert cpu["name"] == "cpu"
+    target = cpu["target"]["averageUtilization"] / 100
+    config = tomllib.loads(docs[("ConfigMap", "kvrouter-config")]["data"]["router.toml"])
+    workers = config.get("server", {}).get("workers", 1)
+    pod = docs[("Deployment", "kvrouter")]["spec"]["template"]["spec"]
+    (router,) = [c for c in pod["containers"] if c["name"] == "router"]
+    cores = float(router["resources"]["requests"]["cpu"])
+    assert target <= 0.8 * workers / cores, (target, workers, cores)
