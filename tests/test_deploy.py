@@ -1607,3 +1607,15 @@ def test_the_autoscalers_cpu_fallback_can_fire() -> None:
     (router,) = [c for c in pod["containers"] if c["name"] == "router"]
     cores = float(router["resources"]["requests"]["cpu"])
     assert target <= 0.8 * workers / cores, (target, workers, cores)
+
+
+def test_a_slow_start_is_not_killed_by_liveness() -> None:
+    """Liveness (``/health``, 3 failures 10 s apart) would kill a router that has not begun
+    to listen within ~30 s: one loading a large tokenizer or bootstrapping a large fleet's
+    index from Redis. A startup probe holds liveness off for minutes first."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    pod = docs[("Deployment", "kvrouter")]["spec"]["template"]["spec"]
+    (router,) = [c for c in pod["containers"] if c["name"] == "router"]
+    startup = router["startupProbe"]
+    assert startup["httpGet"]["path"] == "/health"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
