@@ -1619,3 +1619,19 @@ def test_a_slow_start_is_not_killed_by_liveness() -> None:
     startup = router["startupProbe"]
     assert startup["httpGet"]["path"] == "/health"
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
+
+
+def test_every_image_is_pinned() -> None:
+    """No image runs ``latest`` (or no tag): the engine's KV-event format, flags and hit
+    rule are those of the version the docs describe (vLLM 0.34, docs/engines.md), and a
+    pod rescheduled after a new release must not run another."""
+    images = []
+    for path in sorted(DEPLOY.rglob("*.yaml")):
+        for doc in _docs(path):
+            spec = (doc or {}).get("spec", {}).get("template", {}).get("spec", {})
+            for c in [*spec.get("containers", []), *spec.get("initContainers", [])]:
+                images.append((path.name, c["image"]))
+    assert images
+    for name, image in images:
+        tag = image.rsplit("/", 1)[-1].partition(":")[2]
+        assert tag and tag != "latest", (name, image)
