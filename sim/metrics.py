@@ -43,8 +43,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from router.bench.measure import percentiles
 from router.core.admission import CLASS_NAMES
-from router.core.slo import Answered, SloTargets, answered_as, goodput_by_scale, sequence_tokens
+from router.core.slo import (
+    Answered,
+    SloTargets,
+    answered_as,
+    goodput_by_scale,
+    sequence_tokens,
+    tpot_s,
+)
 from sim.workload import SimRequest, by_batch
 
 
@@ -127,12 +135,12 @@ def _pcts(values: Sequence[float], prefix: str, scale: float = 1000.0) -> dict[s
             f"{prefix}_mean": float("nan"),
         }
     arr = np.asarray(values, dtype=float) * scale
-    # nearest rank, as the live figures (router.bench.measure.percentile) they sit beside
-    p50, p90, p99 = np.percentile(arr, [50, 90, 99], method="nearest")
+    # nearest rank: the live figures' function (router.bench.measure), not a copy of it
+    p50, p90, p99 = percentiles(arr.tolist(), (50, 90, 99))
     return {
-        f"{prefix}_p50": round(float(p50), 3),
-        f"{prefix}_p90": round(float(p90), 3),
-        f"{prefix}_p99": round(float(p99), 3),
+        f"{prefix}_p50": round(p50, 3),
+        f"{prefix}_p90": round(p90, 3),
+        f"{prefix}_p99": round(p99, 3),
         f"{prefix}_mean": round(float(arr.mean()), 3),
     }
 
@@ -218,7 +226,9 @@ def summarize(
     # a client gets an answer not streamed whole
     streamed = [r for r in done if r.stream]
     out.update(_pcts([r.first - r.arrival for r in streamed], "ttft_ms"))
-    itl = _pcts([(r.finish - r.first) / (r.output - 1) for r in streamed if r.output > 1], "itl_ms")
+    # one sequence's TPOT, first token to last (the finish): router.core.slo's, not a copy
+    tpots = [tpot_s(r.finish, r.first, r.output) for r in streamed]
+    itl = _pcts([t for t in tpots if t is not None], "itl_ms")
     out.update(itl)
     out.update({"tpot" + k[3:]: v for k, v in itl.items()})
     out.update(_pcts([r.finish - r.arrival for r in done], "e2e_ms"))

@@ -8,7 +8,8 @@ carries the canonical block hashes of its prompt at the router block size, compu
 
 Trace formats (JSON lines; unknown extra fields are ignored; a row without its
 ``timestamp`` is an error naming its line: read as 0 among wall-clock arrivals it would
-come decades early):
+come decades early; so is one without its ``output_length``: read as 1 it would decode one
+token and meet the TPOT target by having no TPOT):
 
 * Mooncake: ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``;
   each hash id names a ``trace_block``-token prefix block (512 in Mooncake's releases).
@@ -369,7 +370,7 @@ def mooncake_rows(
         where = f"{path}:{lineno}"
         ts = _number(row, "timestamp", where) / 1000.0
         n_in = _int(row, "input_length", where)
-        n_out = _int(row, "output_length", where, 1)
+        n_out = _int(row, "output_length", where)
         ids = row.get("hash_ids", [])
         if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
             raise ConfigError(f"{where}: 'hash_ids' must be a list of integers")
@@ -561,7 +562,7 @@ def read_bailian(
     requests: list[SimRequest] = []
     for ts, chat, row, where in rows:
         n_in = _int(row, "input_length", where)
-        n_out = _int(row, "output_length", where, 1)
+        n_out = _int(row, "output_length", where)
         if n_in <= 0:
             raise ConfigError(f"{where}: 'input_length' must be positive")
         ids = row.get("hash_ids", [])

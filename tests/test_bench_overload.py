@@ -5,12 +5,21 @@ test's to assert."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
+import aiohttp
+from aiohttp import web
+
+from router.core.slo import SloTargets
+from router.demo.overload_bench import summarize
 from tests.benches import bench_refused
+from tests.ports import free_port
 
 
 def test_overload_loses_nothing_and_refuses_with_retry_after() -> None:
@@ -38,13 +47,18 @@ def test_overload_percentiles_are_nearest_rank_as_every_other_figure() -> None:
     live bench's and the simulator's (router.bench.measure.percentile, nearest rank), not
     numpy's interpolation: TTFTs 100, 200, 300, 400 ms have p50 300, not 250."""
     from router.bench.measure import percentile
-    from router.core.slo import SloTargets
-    from router.demo.overload_bench import Result, summarize
+    from router.demo.overload_bench import Result
+    from router.demo.replay import Outcome
 
     ttfts = [0.1, 0.2, 0.3, 0.4]
-    served = [Result(1, 200, ttft_s=t, elapsed_s=t + 0.9, output_tokens=10) for t in ttfts]
+    served = [
+        Result(
+            1, 200, elapsed_s=t + 0.9, answer=Outcome(True, t, 100, e2e_s=t + 0.9, output_tokens=10)
+        )
+        for t in ttfts
+    ]
     refused = [Result(1, 429, retry_after=True, elapsed_s=t) for t in ttfts]
-    row = summarize(served + refused, SloTargets(), [100] * 8)
+    row = summarize(served + refused, SloTargets())
     assert row["ttft_ms_p50"] == percentile([t * 1e3 for t in ttfts], 50) == 300.0
     assert row["ttft_ms_p90"] == 400.0
     assert row["refusal_latency_ms_p50"] == 300.0 and row["refusal_latency_ms_max"] == 400.0
@@ -59,3 +73,86 @@ def test_overload_refuses_a_profile_it_cannot_load_before_starting_a_fleet(
     empty = tmp_path / "empty.toml"
     empty.write_text("")
     assert "a profile needs a name" in bench_refused("overload", "--profile", str(empty))
+
+
+# -- the overload bench's client times a stream as the live bench's does (router/demo/replay.py)
+
+GAP_S = 0.3  # a pause the scripted replica takes (a lower bound only: never flaky)
+
+
+def _event(obj: object) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def _token(text: str, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return _event({"id": "c", "object": "text_completion", "choices": [choice]})
+
+
+USAGE = _event({"id": "c", "choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 3}})
+Script = Callable[[web.StreamResponse], Awaitable[None]]
+
+
+async def _overload_one(script: Script) -> Any:
+    """The overload bench's result for one request answered over loopback HTTP by a replica
+    that writes its stream with ``script``."""
+    from router.demo.overload_bench import _one
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await script(resp)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            return await _one(session, url, b'{"prompt": [1], "stream": true}', 1)
+    finally:
+        await runner.cleanup()
+
+
+async def test_overload_ttft_is_the_first_token_not_a_first_event_without_one() -> None:
+    """A stream may open with an event that carries no token (a usage-only chunk, an empty
+    text); the overload bench took TTFT at the first ``data:`` line whatever it carried,
+    where the live bench (router/demo/replay.py ``_has_token``) waits for a token."""
+
+    async def script(resp: web.StreamResponse) -> None:
+        await resp.write(b": keep-alive\n\n")
+        await resp.write(_event({"id": "c", "choices": [], "usage": None}))
+        await resp.write(_token(""))
+        await asyncio.sleep(GAP_S)  # the replica's prefill
+        await resp.write(_token("a") + _token("b c", "length") + USAGE + b"data: [DONE]\n\n")
+
+    r = await _overload_one(script)
+    row = summarize([r], SloTargets())
+    assert row["served"] == 1, row
+    assert row["ttft_ms_p50"] >= GAP_S * 1e3, row
+
+
+async def test_overload_tpot_is_timed_to_the_last_token_not_done() -> None:
+    """TPOT runs from the first token to the last (router.core.slo, vLLM's
+    ``IterationStats.update_from_finished_request``); the overload bench timed it to
+    ``[DONE]``: a wait after the last token for the usage chunk counted as decoding."""
+
+    async def script(resp: web.StreamResponse) -> None:
+        await resp.write(_token("a") + _token("b") + _token("c", "length"))
+        await asyncio.sleep(GAP_S)  # after the last token: the usage and the end
+        await resp.write(USAGE + b"data: [DONE]\n\n")
+
+    r = await _overload_one(script)
+    row = summarize([r], SloTargets())
+    assert row["served"] == 1, row
+    # the last token came well before the end (GAP_S / 2: the client may read the last token
+    # later after its write than it reads the end after its own), so its two intervals
+    # after the first token end that much before the stream did
+    decoding_s = row["tpot_ms_p90"] * 2 / 1e3
+    assert decoding_s <= r.elapsed_s - row["ttft_ms_p50"] / 1e3 - GAP_S / 2, (row, r)

@@ -239,3 +239,32 @@ async def test_tpot_is_timed_to_the_last_token_not_the_streams_end(
     # last token later after its write than it reads the end after its own)
     assert out.e2e_s - out.last_s >= GAP_S / 2, out
     assert out.tpot_s() == (out.last_s - out.ttft_s) / 2, out
+
+
+def test_a_head_to_heads_percentiles_are_the_live_figures_function() -> None:
+    """``kvrouter bench live``'s paired bootstrap (router/demo/compare.py) takes its
+    percentiles with the live figures' nearest rank (router.bench.measure), over the known
+    values of each resample (NaN: a failed request, an answer of one token's TPOT)."""
+    import numpy as np
+
+    from router.demo.compare import _figure
+
+    rng = np.random.default_rng(3)
+    rows = rng.exponential(100.0, size=(50, 37))
+    rows[rng.random(rows.shape) < 0.2] = math.nan
+    rows[7] = math.nan  # a resample without a figure
+    for q in (50.0, 90.0, 99.0):
+        got = _figure(rows, q)
+        for row, value in zip(rows, got, strict=True):
+            known = [v for v in row.tolist() if v == v]
+            assert (value == percentile(known, q)) if known else math.isnan(value)
+
+
+def test_the_ttft_mean_is_over_the_streamed_answers_alone() -> None:
+    """An answer not streamed has no TTFT (NaN): the mean is the streamed answers' (what
+    ``kvrouter bench pods`` reports too; it took the mean over every answer, NaN with one
+    answer not streamed), NaN when none streamed."""
+    streamed = Outcome(True, 0.2, 100, e2e_s=1.0, output_tokens=3)
+    whole = Outcome(True, prompt_tokens=100, e2e_s=2.0, output_tokens=3)
+    assert summarize([streamed, whole])["ttft_mean_ms"] == 200.0
+    assert math.isnan(summarize([whole])["ttft_mean_ms"])

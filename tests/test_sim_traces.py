@@ -79,7 +79,7 @@ def test_rows_without_enough_hash_ids_get_fresh_blocks(tmp_path: Path) -> None:
     [
         ("not json", "not JSON"),
         ('{"timestamp": 0, "output_length": 1}', "input_length"),
-        ('{"timestamp": 0, "input_length": 5, "hash_ids": ["a"]}', "hash_ids"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": ["a"]}', "hash_ids"),
         ('{"timestamp": 0, "input_length": -5}', "non-negative"),
     ],
 )
@@ -212,7 +212,7 @@ def test_non_finite_or_non_numeric_fields_name_their_line(
     list) is a ConfigError naming the file and line, not a traceback (OverflowError,
     TypeError) or a bare ``cannot convert float NaN to integer``."""
     path = tmp_path / "bad.jsonl"
-    good = {"timestamp": 0, "input_length": 5}
+    good = {"timestamp": 0, "input_length": 5, "output_length": 1}
     if fmt == "bailian":
         good["chat_id"] = 0
     path.write_text(json.dumps({**good, "session_id": "s"}) + "\n" + text + "\n")
@@ -224,11 +224,15 @@ def test_non_finite_or_non_numeric_fields_name_their_line(
 @pytest.mark.parametrize(
     ("fmt", "first", "second"),
     [
-        ("mooncake", '{"timestamp": 1767225600000, "input_length": 5}', '{"input_length": 5}'),
+        (
+            "mooncake",
+            '{"timestamp": 1767225600000, "input_length": 5, "output_length": 1}',
+            '{"input_length": 5, "output_length": 1}',
+        ),
         (
             "bailian",
-            '{"chat_id": 1, "timestamp": 1767225600, "input_length": 5}',
-            '{"chat_id": 2, "input_length": 5}',
+            '{"chat_id": 1, "timestamp": 1767225600, "input_length": 5, "output_length": 1}',
+            '{"chat_id": 2, "input_length": 5, "output_length": 1}',
         ),
     ],
     ids=["mooncake", "bailian"],
@@ -458,7 +462,7 @@ def test_a_fractional_length_is_an_error_not_cut_down(
     700): a row no recorder writes, whose meaning is unknown. A whole number written as a
     float (700.0) is that number."""
     path = tmp_path / "bad.jsonl"
-    good = {"timestamp": 0, "input_length": 5.0}
+    good = {"timestamp": 0, "input_length": 5.0, "output_length": 1}
     if fmt == "bailian":
         good["chat_id"] = 0
     path.write_text(json.dumps(good) + "\n" + text + "\n")
@@ -482,3 +486,38 @@ def test_fractional_milliseconds_are_kept(tmp_path: Path) -> None:
     a, b, c = w.requests
     assert b.arrival_s == pytest.approx(1.0002, abs=1e-9)
     assert c.after == a.request_id and c.delay_s == pytest.approx(1.2509, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "first", "second"),
+    [
+        (
+            "mooncake",
+            '{"timestamp": 0, "input_length": 5, "output_length": 40}',
+            '{"timestamp": 1000, "input_length": 5}',
+        ),
+        (
+            "recorded",
+            '{"timestamp": 0, "input_length": 5, "output_length": 40, "session_id": "s"}',
+            '{"timestamp": 1000, "input_length": 5, "session_id": "s"}',
+        ),
+        (
+            "bailian",
+            '{"chat_id": 1, "timestamp": 0, "input_length": 5, "output_length": 40}',
+            '{"chat_id": 2, "timestamp": 1, "input_length": 5}',
+        ),
+    ],
+    ids=["mooncake", "recorded", "bailian"],
+)
+def test_a_row_without_its_output_length_is_an_error_naming_its_line(
+    tmp_path: Path, fmt: str, first: str, second: str
+) -> None:
+    """Every format's row carries its output length (docs/simulator.md "Traces": Mooncake's
+    published traces on every row, the router's recorder always writes it, Bailian's rows
+    list it). Read as 1 output token, a row without it decoded one token: its TPOT was no
+    figure, it met the TPOT half of the SLO by having none, and it loaded its replica's
+    batch for one step, all with no word said."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(first + "\n" + second + "\n")
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: missing 'output_length'"):
+        load_trace(str(path), block_size=64, fmt=fmt)

@@ -21,11 +21,23 @@ def rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def nearest_rank(n: int, q: float) -> int:
+    """The index, in a sorted sample of ``n`` values, of its ``q``th percentile (q in
+    [0, 100]), nearest rank: the one percentile rule of every figure (the live bench's, the
+    simulator's, the overload bench's, a head-to-head's bootstrap)."""
+    return min(n - 1, max(0, round(q / 100 * (n - 1))))
+
+
 def percentile(samples: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]) of a non-empty sample."""
     ordered = sorted(samples)
-    rank = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[rank]
+    return ordered[nearest_rank(len(ordered), q)]
+
+
+def percentiles(samples: Sequence[float], qs: Sequence[float]) -> list[float]:
+    """:func:`percentile` of a non-empty sample at each of ``qs`` (sorted once)."""
+    ordered = sorted(samples)
+    return [ordered[nearest_rank(len(ordered), q)] for q in qs]
 
 
 def median_row(

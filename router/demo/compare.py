@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from router.bench.measure import nearest_rank
 from router.core.slo import SloTargets
 from router.demo.replay import Outcome
 
@@ -63,7 +64,15 @@ def _figure(values: np.ndarray, q: float | None) -> np.ndarray:
     if q is None:
         result: np.ndarray = values.mean(axis=-1)
         return result
-    return np.asarray(np.nanpercentile(values, q, axis=-1, method="nearest"))
+    # the live figures' nearest rank (router.bench.measure), row by row over the known values
+    ordered = np.sort(values, axis=-1)  # NaN last
+    known = (~np.isnan(values)).sum(axis=-1)
+    flat = ordered.reshape(-1, values.shape[-1])
+    out = np.full(flat.shape[0], np.nan)
+    for i, n in enumerate(known.reshape(-1).tolist()):
+        if n:
+            out[i] = flat[i, nearest_rank(n, q)]
+    return out.reshape(known.shape)
 
 
 def paired(

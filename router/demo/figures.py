@@ -62,8 +62,9 @@ def summarize(outcomes: Sequence[Outcome], slo: SloTargets | None = None) -> dic
         "goodput": round(count_met(answered, slo) / len(outcomes), 4) if outcomes else 0.0,
         "goodput_by_slo_scale": goodput_by_scale(answered, len(outcomes), slo),
     }
-    if streamed:
-        out["ttft_mean_ms"] = round(statistics.fmean(o.ttft_s for o in streamed) * 1e3, 1)
+    out["ttft_mean_ms"] = (
+        round(statistics.fmean(o.ttft_s for o in streamed) * 1e3, 1) if streamed else math.nan
+    )
     out.update(_pcts([o.ttft_s * 1e3 for o in streamed], "ttft", (50, 90, 99)))
     out.update(_pcts([o.e2e_s * 1e3 for o in ok], "e2e", (50, 90, 99)))
     out.update(_pcts(tpots, "tpot", (50, 90)))

@@ -14,7 +14,11 @@ carried ``Retry-After``, ``lost`` (anything else: errors, cut streams; must be 0
 ``goodput`` (share of all requests that met their class's SLO, as the client measured),
 ``slo_attainment`` per class, the refusal latency (request sent -> refusal received) and
 the served requests' TTFT / TPOT (percentiles nearest rank, as ``kvrouter bench live``'s and
-the simulator's). Figures of a shared machine: compare rows of one run.
+the simulator's). Each answer is read and judged as ``kvrouter bench live`` does it
+(router/demo/replay.py ``read_answer``, ``Outcome.judged``): TTFT at the first event that
+carries a token (not a keep-alive, an empty or usage-only chunk), TPOT from the first token
+to the last (not to ``[DONE]``, router.core.slo), a stream without its usage or its end a
+loss. Figures of a shared machine: compare rows of one run.
 """
 
 from __future__ import annotations
@@ -32,21 +36,29 @@ from typing import Any
 from router.bench.measure import percentile
 from router.cliargs import at_least, fraction, positive_float
 from router.core.admission import CLASS_NAMES, class_of, class_ttft_factor
-from router.core.slo import SloTargets, tpot_s
+from router.core.slo import SloTargets
+from router.demo.replay import Outcome
 
 TRACE = Path(__file__).resolve().parents[2] / "sim" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
 @dataclass(slots=True)
 class Result:
+    """One request as the client saw it: refused (``status`` 429 / 503, ``retry_after``,
+    the error ``code``), or answered (``answer``: the live bench's reading of it,
+    router/demo/replay.py ``read_answer``, timed and judged as every live figure is)."""
+
     klass: int
     status: int = 0
     retry_after: bool = False
     code: str = ""
-    elapsed_s: float = float("nan")
-    ttft_s: float = float("nan")
-    output_tokens: int = 0
+    elapsed_s: float = float("nan")  # to the refusal, or to the answer's end
+    answer: Outcome | None = None
     error: str = ""
+
+    @property
+    def served(self) -> bool:
+        return self.status == 200 and self.answer is not None and self.answer.ok
 
 
 def router_toml(
@@ -88,6 +100,8 @@ def router_toml(
 async def _one(session: Any, url: str, body: bytes, klass: int) -> Result:
     import aiohttp
 
+    from router.demo.replay import read_answer
+
     r = Result(klass)
     t0 = time.perf_counter()
     try:
@@ -103,26 +117,10 @@ async def _one(session: Any, url: str, body: bytes, klass: int) -> Result:
                 except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
                     r.code = "unparsed"
                 return r
-            done = False
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if r.ttft_s != r.ttft_s:
-                    r.ttft_s = time.perf_counter() - t0
-                if data == b"[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    r.error = str(chunk["error"])[:200]
-                usage = chunk.get("usage")
-                if usage:
-                    r.output_tokens = int(usage.get("completion_tokens") or 0)
-            r.elapsed_s = time.perf_counter() - t0
-            if not done and not r.error:
-                r.error = "stream ended before [DONE]"
+            # TTFT at the first token, TPOT to the last, as the live bench (module doc)
+            r.answer = await read_answer(resp, Outcome(True), t0)
+            r.elapsed_s = r.answer.e2e_s
+            r.error = r.answer.error
     except (aiohttp.ClientError, TimeoutError) as exc:
         r.error = f"{type(exc).__name__}: {exc}"
     return r
@@ -151,28 +149,32 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(percentile(values, q) * 1000, 1) if values else None
 
 
-def summarize(results: list[Result], slo: SloTargets, prompts: list[int]) -> dict[str, Any]:
-    served = [r for r in results if r.status == 200 and not r.error]
+def summarize(results: list[Result], slo: SloTargets) -> dict[str, Any]:
+    """The row's figures; each served request judged as the live bench judges it
+    (router/demo/replay.py ``Outcome.judged``: the usage's prompt for its tier, TTFT at the
+    first token, TPOT to the last), its TTFT target its class's (the router's default
+    ``ttft_factor``s: its config names none)."""
+    served = [r for r in results if r.served]
     refused = [r for r in results if r.status in (429, 503)]
     met = [0, 0, 0]
     total = [0, 0, 0]
     misses = {name: {"ttft": 0, "tpot": 0} for name in CLASS_NAMES}
-    tpots = []
-    for r, n in zip(results, prompts, strict=True):
+    ttfts, tpots = [], []
+    for r in results:
         total[r.klass] += 1
-        if r.status != 200 or r.error:
+        if not r.served or r.answer is None:
             continue
-        tpot = tpot_s(r.elapsed_s, r.ttft_s, r.output_tokens)
+        prompt, ttft, tpot = r.answer.judged()
+        ttfts.append(ttft)
         if tpot is not None:
             tpots.append(tpot)
-        # the router's default knobs (its config names none), as its SLO metric judges
-        _, ok, tpot_ok = slo.judge(n, r.ttft_s, tpot, class_ttft_factor(None, r.klass))
+        _, ok, tpot_ok = slo.judge(prompt, ttft, tpot, class_ttft_factor(None, r.klass))
         if ok and tpot_ok:
             met[r.klass] += 1
         missed = misses[CLASS_NAMES[r.klass]]
         missed["ttft"] += not ok
         missed["tpot"] += not tpot_ok
-    lost = [r for r in results if r not in served and r not in refused]
+    lost = [r for r in results if not r.served and r.status not in (429, 503)]
     return {
         "requests": len(results),
         "served": len(served),
@@ -190,8 +192,8 @@ def summarize(results: list[Result], slo: SloTargets, prompts: list[int]) -> dic
         "refusal_latency_ms_p90": _pct([r.elapsed_s for r in refused], 90),
         "refusal_latency_ms_p99": _pct([r.elapsed_s for r in refused], 99),
         "refusal_latency_ms_max": _pct([r.elapsed_s for r in refused], 100),
-        "ttft_ms_p50": _pct([r.ttft_s for r in served], 50),
-        "ttft_ms_p90": _pct([r.ttft_s for r in served], 90),
+        "ttft_ms_p50": _pct(ttfts, 50),
+        "ttft_ms_p90": _pct(ttfts, 90),
         "tpot_ms_p90": _pct(tpots, 90),
         "errors": sorted({r.error or f"HTTP {r.status}" for r in lost})[:3],
     }
@@ -199,13 +201,12 @@ def summarize(results: list[Result], slo: SloTargets, prompts: list[int]) -> dic
 
 def workload(
     n: int, speedup: float, scale: float, priority: float, flex: float, seed: int, model: str
-) -> tuple[list[tuple[float, bytes, int]], list[int]]:
-    """(arrival s, body, class) of the first ``n`` trace rows, and their prompt lengths."""
+) -> list[tuple[float, bytes, int]]:
+    """(arrival s, body, class) of the first ``n`` trace rows."""
     from router.demo.replay import load_requests
 
     rng = random.Random(seed)
     out = []
-    prompts = []
     for req in load_requests(TRACE, n, model, max_output=256):
         u = rng.random()
         tier = "priority" if u < priority else "flex" if u < priority + flex else None
@@ -214,11 +215,10 @@ def workload(
             body["service_tier"] = tier
         klass = class_of(tier or "default")
         out.append((req.arrival_s / speedup * scale, json.dumps(body).encode(), klass))
-        prompts.append(req.prompt_tokens)
-    return out, prompts
+    return out
 
 
-async def _row(args: argparse.Namespace, slo_on: bool, requests: Any, prompts: list[int]) -> Any:
+async def _row(args: argparse.Namespace, slo_on: bool, requests: Any) -> Any:
     from router.demo.fleet import MODEL, Fleet, FleetSpec
 
     spec = FleetSpec(
@@ -238,7 +238,7 @@ async def _row(args: argparse.Namespace, slo_on: bool, requests: Any, prompts: l
         await fleet.start_router("router", cmd, f"http://127.0.0.1:{port}", ready="/ready")
         results = await _replay(fleet.router_url, requests)
         fleet.check_alive()
-    row = summarize(results, SloTargets().scaled(args.time_scale), prompts)
+    row = summarize(results, SloTargets().scaled(args.time_scale))
     row["wall_s"] = round(time.perf_counter() - started, 1)
     return row
 
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     if not rows or any(r not in ("off", "slo") for r in rows):
         raise SystemExit("--rows: a comma-separated list of off, slo")
     load_profile(args.profile)  # a bad --profile: refused here, not by each mock replica
-    requests, prompts = workload(
+    requests = workload(
         args.requests, args.speedup, args.time_scale, args.priority_share, args.flex_share,
         args.seed, MODEL,
     )  # fmt: skip
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     }
     for row in rows:
         print(f"bench overload: admission {row} ...", file=sys.stderr)
-        result["rows"][row] = asyncio.run(_row(args, row == "slo", requests, prompts))
+        result["rows"][row] = asyncio.run(_row(args, row == "slo", requests))
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     sys.stdout.write(json.dumps(result, indent=None if args.json else 2) + "\n")
     return 0

@@ -317,48 +317,58 @@ async def _one(session: aiohttp.ClientSession, url: str, req: TraceRequest) -> O
                 samples=req.samples,
                 prompts=req.prompts,
             )
-            if not resp.content_type.startswith("text/event-stream"):
-                return await _answer(resp, out, t0)
-            usage_seen = False
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                at = time.perf_counter() - t0
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    out.e2e_s = at
-                    break
-                try:
-                    chunk = json.loads(data)
-                except ValueError:
-                    chunk = None
-                if not isinstance(chunk, dict):  # one request's failure, not the replay's
-                    return Outcome(False, error=f"malformed event: {data[:200]!r}")
-                if "error" in chunk and chunk.get("type") != "response.failed":
-                    return Outcome(False, error=str(chunk["error"])[:200])
-                if _has_token(chunk):
-                    if out.ttft_s != out.ttft_s:
-                        out.ttft_s = at
-                    out.last_s = at
-                usage = _usage_of(chunk)
-                if usage:
-                    usage_seen = True
-                    _read_usage(out, usage)
-                if chunk.get("type") in FINAL_EVENTS:
-                    out.e2e_s = at
-                    break
-            if out.ttft_s != out.ttft_s:
-                return Outcome(False, error="stream ended without a token")
-            if out.e2e_s != out.e2e_s:  # cut short: no usage to judge it by, not an answer
-                return Outcome(False, error="stream ended before its last event")
-            if not usage_seen:  # no prompt or output length to judge it by: not an answer
-                return Outcome(False, error="stream ended without its usage chunk")
-            return out
+            return await read_answer(resp, out, t0)
     except aiohttp.ClientConnectorError as exc:  # never reached the router: safe to resend
         return Outcome(False, error=f"{CONNECT_FAILED}{exc}")
     except (aiohttp.ClientError, TimeoutError) as exc:
         return Outcome(False, error=f"{type(exc).__name__}: {exc}")
+
+
+async def read_answer(resp: aiohttp.ClientResponse, out: Outcome, t0: float) -> Outcome:
+    """A 200 answer as the client sees it, timed from ``t0`` (``time.perf_counter``, just
+    before the request was sent): a stream's TTFT at its first event with a token
+    (:func:`_has_token`), its last token (``last_s``, where TPOT ends), its end at its last
+    event and the usage it carries; an answer not streamed :func:`_answer`. ``out`` (ok)
+    filled in, or a failed Outcome: the one reading of an answer every live figure
+    (``kvrouter bench live``, the demo, ``kvrouter bench overload``) is made from."""
+    if not resp.content_type.startswith("text/event-stream"):
+        return await _answer(resp, out, t0)
+    usage_seen = False
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        at = time.perf_counter() - t0
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            out.e2e_s = at
+            break
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            chunk = None
+        if not isinstance(chunk, dict):  # one request's failure, not the replay's
+            return Outcome(False, error=f"malformed event: {data[:200]!r}")
+        if "error" in chunk and chunk.get("type") != "response.failed":
+            return Outcome(False, error=str(chunk["error"])[:200])
+        if _has_token(chunk):
+            if out.ttft_s != out.ttft_s:
+                out.ttft_s = at
+            out.last_s = at
+        usage = _usage_of(chunk)
+        if usage:
+            usage_seen = True
+            _read_usage(out, usage)
+        if chunk.get("type") in FINAL_EVENTS:
+            out.e2e_s = at
+            break
+    if out.ttft_s != out.ttft_s:
+        return Outcome(False, error="stream ended without a token")
+    if out.e2e_s != out.e2e_s:  # cut short: no usage to judge it by, not an answer
+        return Outcome(False, error="stream ended before its last event")
+    if not usage_seen:  # no prompt or output length to judge it by: not an answer
+        return Outcome(False, error="stream ended without its usage chunk")
+    return out
 
 
 async def _answer(resp: aiohttp.ClientResponse, out: Outcome, t0: float) -> Outcome:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import HistogramMetricFamily
 
+from router.core.slo import tpot_s
+
 REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -77,8 +79,9 @@ class RequestLatency:
         self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
         self.queue.observe(queue_s)
-        if output_tokens > 1:
-            self.tpot.observe(max(e2e_s - ttft_s, 0.0) / (output_tokens - 1))
+        tpot = tpot_s(e2e_s, ttft_s, output_tokens)  # the SLO's (and vLLM's) TPOT
+        if tpot is not None:
+            self.tpot.observe(max(tpot, 0.0))
 
     def families(
         self, labels: Sequence[str], values: Sequence[str]
