@@ -118,6 +118,24 @@ async def test_a_session_bound_on_one_pod_is_honoured_by_another(
         assert (got, usable) == (replica, len(turn1) * BLOCK)
 
 
+async def test_a_session_id_json_can_carry_but_utf_8_cannot_is_shared_too(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    """A JSON body's ``user`` may hold a lone surrogate escape (``"\\ud800"``), which the
+    router's parser takes as Python's standard library does: its session digest must not
+    raise, or the dispatch fails after its load was counted (a request in flight forever on
+    its replica) and, once another pod's binding is known, every request of that session
+    fails in routing."""
+    async with two_pods(redis_server.url, key_prefix, settings(0.0)) as (one, two):
+        session = "conversation-\ud800"
+        turn1 = list(range(1, 17))
+        replica, _ = one.route(turn1, session=session)
+        assert one.load.in_flight() == 0  # routed and finished: nothing left behind
+        await eventually(lambda: two.share.counters.applied_sessions == 1)
+        got, usable = two.route([*turn1, 101, 102, 103, 104], session=session)
+        assert (got, usable) == (replica, len(turn1) * BLOCK)
+
+
 async def test_speculative_entries_draw_the_same_prefix_before_any_event(
     redis_server: LocalRedis, key_prefix: str
 ) -> None:

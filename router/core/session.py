@@ -66,8 +66,11 @@ class SessionHint(NamedTuple):
 
 
 def session_digest(session_id: str) -> int:
-    """A session id as pods share it: a 64-bit keyed digest (the id itself is not recoverable)."""
-    digest = hashlib.blake2b(session_id.encode(), digest_size=8, key=b"kvrouter-session")
+    """A session id as pods share it: a 64-bit keyed digest (the id itself is not recoverable).
+    Any ``str`` a body's JSON can give, lone surrogate escapes included (``surrogatepass``,
+    as router/service/request_identity.py ``session_key`` digests long ids)."""
+    raw = session_id.encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2b(raw, digest_size=8, key=b"kvrouter-session")
     return int.from_bytes(digest.digest(), "little")
 
 
