@@ -173,6 +173,21 @@ def test_session_ids_come_from_the_header_then_metadata_then_user() -> None:
     assert session_key(long) == key and session_key(long + "y") != key
 
 
+def test_a_non_ascii_session_header_is_keyed_as_the_body_and_grpc_key_it() -> None:
+    """``X-Session-Id`` bytes are the id's UTF-8 (as a gateway putting the header in gRPC
+    Pick's ``session_id``, a proto string, and a JSON body's ``session_id`` have it): one
+    session's turns meet whichever carries the id, a long one's digest too."""
+    for sid in ("sesión-1", "会话-" + "x" * 200):
+        header = [(b"X-Session-Id", sid.encode())]
+        assert session_of(header, None) == session_key(sid) == body_session({"session_id": sid})
+    # bytes that are no UTF-8, and a JSON body's lone surrogate escape: keyed by a digest
+    # every part of the router can encode (pod digests, recorded trace labels)
+    for got in (session_of([(b"X-Session-Id", b"a\xff")], None), session_key("a\ud800")):
+        assert got is not None and got.startswith("xxh3:")
+        got.encode()
+    assert session_of([(b"X-Session-Id", b"a\xff")], None) != session_key("a\ud800")
+
+
 def test_slo_settings_from_the_file_and_the_environment(tmp_path: Any) -> None:
     table = {"replicas": [{"url": "http://h:1", "model": "m"}]}
     tiers = build_settings(

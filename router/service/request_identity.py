@@ -62,21 +62,37 @@ _MAX_SESSION_ID = 128
 def session_key(value: object) -> str | None:
     """A session id as the router keeps it: a non-empty string, at most 128 characters
     (longer ones are replaced by their 64-bit digest, so a client cannot grow the session
-    table's memory with its ids); None for anything else."""
+    table's memory with its ids, and so are ids that are no UTF-8 text: a JSON body's lone
+    surrogate escape, a header's stray bytes, which pod digests and recorded labels encode);
+    None for anything else."""
     if not isinstance(value, str) or not value:
         return None
-    if len(value) > _MAX_SESSION_ID:
+    if len(value) > _MAX_SESSION_ID or not _utf8(value):
         return "xxh3:" + xxhash.xxh3_64_hexdigest(value.encode("utf-8", "surrogatepass"))
     return value
+
+
+def _utf8(value: str) -> bool:
+    """Whether ``value`` encodes as UTF-8 (no lone surrogate)."""
+    if value.isascii():
+        return True
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def session_of(headers: Iterable[tuple[bytes, bytes]], body_session: str | None) -> str | None:
     """The request's session: the ``X-Session-Id`` header (vllm-router's), else what the body
     named (``metadata.session_id``, else ``user``; see
-    :func:`~router.service.intake.admit`)."""
+    :func:`~router.service.intake.admit`). The header's bytes are read as the id's UTF-8,
+    as a JSON body's ``session_id`` and gRPC Pick's (a proto string) give it, so a session
+    keeps its key whichever carries it (bytes that are no UTF-8 are kept as surrogate
+    escapes, then digested: :func:`session_key`)."""
     for k, v in headers:
         if len(k) == 12 and k.lower() == b"x-session-id" and v:
-            return session_key(v.decode("latin-1"))
+            return session_key(v.decode("utf-8", "surrogateescape"))
     return body_session
 
 
