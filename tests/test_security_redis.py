@@ -137,6 +137,35 @@ async def test_acl_publisher_writes_only_its_own_replica(tmp_path: Path) -> None
         await admin.aclose()
 
 
+async def test_a_publisher_cannot_register_in_another_replicas_name(tmp_path: Path) -> None:
+    # publisher ``mine`` stores, in its own registration key (its ACL allows it), a
+    # registration naming replica ``victim`` at an address of its choosing; routers
+    # bootstrapping or auditing the registry must not route ``victim`` there
+    victim, mine = "rack1-a", "rack1-z"  # (the forger's key sorts after the victim's)
+    with LocalRedis(tmp_path / "r", password="admin-pw") as server:
+        admin = aioredis.Redis.from_url(server.url)
+        await admin.execute_command("ACL", "SETUSER", "pub", ">pw", *acl_rules(mine))
+        honest = RedisStore.from_url(server.url, SCHEMA)
+        await honest.register(ReplicaInfo(victim, url="http://10.0.0.2:8000", model="m"), "o", 30)
+        pub = RedisStore.from_url(f"redis://pub:pw@127.0.0.1:{server.port}/0", SCHEMA)
+        await pub.register(ReplicaInfo(mine, url="http://10.0.0.9:8000", model="m"), "o", 30)
+        forged = ReplicaInfo(victim, url="http://169.254.169.254", model="m")
+        await pub.redis.hset(SCHEMA.meta(mine), "info", forged.to_json())
+
+        router = RedisStore.from_url(server.url, SCHEMA)
+        index = PrefixIndex()
+        async with IndexSync(router, index) as sync:
+            assert sync.infos[victim].url == "http://10.0.0.2:8000"
+            await sync.audit()
+            assert sync.infos[victim].url == "http://10.0.0.2:8000"
+        assert [i.url for i in await router.list_replicas() if i.replica == victim] == [
+            "http://10.0.0.2:8000"
+        ]
+        for store in (router, pub, honest):
+            await store.close()
+        await admin.aclose()
+
+
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 

@@ -252,13 +252,17 @@ class RedisStore(RedisWrites):
                 pipe.hget(self.schema.meta(name), "info")
             raws = await pipe.execute()
         out = []
-        for raw in raws:
+        for name, raw in zip(names, raws, strict=True):
             if raw is None:
                 continue
             try:
-                out.append(ReplicaInfo.from_json(raw))
+                info = ReplicaInfo.from_json(raw)
             except ValueError:
                 continue
+            # a registration speaks only for the replica whose key holds it: a publisher's
+            # ACL lets it write its own meta, not what that meta names (as registration())
+            if info.replica == name:
+                out.append(info)
         return out
 
     async def registration(self, replica: str) -> ReplicaInfo | None:
