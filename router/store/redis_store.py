@@ -118,6 +118,14 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
+def _text(raw: bytes) -> str | None:
+    """A stored name as text; None when it is not UTF-8."""
+    try:
+        return bytes(raw).decode()
+    except UnicodeDecodeError:
+        return None
+
+
 def _replica_of(change: Change) -> str:
     if isinstance(change, ReplicaUp):
         return change.info.replica
@@ -244,7 +252,8 @@ class RedisStore(RedisWrites):
 
     async def list_replicas(self) -> list[ReplicaInfo]:
         members: Any = await self.redis.smembers(self.schema.registry)
-        names = sorted(bytes(n).decode() for n in members)
+        # (any publisher may add a member: one that is no UTF-8 is nobody's name)
+        names = sorted(n for n in map(_text, members) if n is not None)
         if not names:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:
