@@ -210,3 +210,20 @@ def test_a_configuration_error_shows_no_password(tmp_path: Path) -> None:
     done = kvrouter("serve", "--replica", f"http://bob:{REDIS_PASSWORD}@127.0.0.1:8000", "--check")
     assert done.returncode == 2, done
     assert REDIS_PASSWORD not in done.stderr + done.stdout, done.stderr
+
+
+async def test_the_publishers_log_shows_no_part_of_a_redis_password(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    # a password holding "@" (the host follows the last one, as redis-py reads the URL):
+    # the publisher's start-up line must mask it whole, as the router's log filter does
+    from router.bench.redis_server import LocalRedis
+
+    with LocalRedis(tmp_path / "redis", password="s3cret@tail-of-pw") as server:
+        mock = fleet.mock("a", events=True)
+        pub = fleet.publisher("a", mock, server.url)
+        await eventually(lambda: "publishing a" in pub.log() or not pub.alive())
+        log = pub.log()
+        assert "publishing a" in log, log[-2000:]
+        assert "tail-of-pw" not in log and "s3cret" not in log, log[-2000:]
+        pub.stop()

@@ -137,6 +137,62 @@ async def test_acl_publisher_writes_only_its_own_replica(tmp_path: Path) -> None
         await admin.aclose()
 
 
+async def test_a_publisher_cannot_register_in_another_replicas_name(tmp_path: Path) -> None:
+    # publisher ``mine`` stores, in its own registration key (its ACL allows it), a
+    # registration naming replica ``victim`` at an address of its choosing; routers
+    # bootstrapping or auditing the registry must not route ``victim`` there
+    victim, mine = "rack1-a", "rack1-z"  # (the forger's key sorts after the victim's)
+    with LocalRedis(tmp_path / "r", password="admin-pw") as server:
+        admin = aioredis.Redis.from_url(server.url)
+        await admin.execute_command("ACL", "SETUSER", "pub", ">pw", *acl_rules(mine))
+        honest = RedisStore.from_url(server.url, SCHEMA)
+        await honest.register(ReplicaInfo(victim, url="http://10.0.0.2:8000", model="m"), "o", 30)
+        pub = RedisStore.from_url(f"redis://pub:pw@127.0.0.1:{server.port}/0", SCHEMA)
+        await pub.register(ReplicaInfo(mine, url="http://10.0.0.9:8000", model="m"), "o", 30)
+        forged = ReplicaInfo(victim, url="http://169.254.169.254", model="m")
+        await pub.redis.hset(SCHEMA.meta(mine), "info", forged.to_json())
+
+        router = RedisStore.from_url(server.url, SCHEMA)
+        index = PrefixIndex()
+        async with IndexSync(router, index) as sync:
+            assert sync.infos[victim].url == "http://10.0.0.2:8000"
+            await sync.audit()
+            assert sync.infos[victim].url == "http://10.0.0.2:8000"
+        assert [i.url for i in await router.list_replicas() if i.replica == victim] == [
+            "http://10.0.0.2:8000"
+        ]
+        for store in (router, pub, honest):
+            await store.close()
+        await admin.aclose()
+
+
+async def test_a_publishers_deeply_nested_entry_is_malformed_not_a_stalled_stream(
+    tmp_path: Path,
+) -> None:
+    # a publisher appends to its own shard an entry whose JSON (a load sample, a
+    # registration) nests past the parser's recursion limit: routers count it malformed and
+    # read on, rather than fail the same read forever
+    mine = "rack1-r1"
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with LocalRedis(tmp_path / "r", password="admin-pw") as server:
+        admin = aioredis.Redis.from_url(server.url)
+        await admin.execute_command("ACL", "SETUSER", "pub", ">pw", *acl_rules(mine))
+        pub = RedisStore.from_url(f"redis://pub:pw@127.0.0.1:{server.port}/0", SCHEMA)
+        router = RedisStore.from_url(server.url, SCHEMA)
+        cursor = await router.cursor()
+        stream = SCHEMA.stream(SCHEMA.shard_of(mine))
+        await pub.redis.xadd(stream, {"t": "L", "r": mine, "d": "0", "l": deep})
+        await pub.redis.xadd(stream, {"t": "U", "r": mine, "i": deep})
+        honest = encode_change(BatchChange(ReplicaKey(mine, 0), 1, _state(mine, [5])[1]))
+        await pub.redis.xadd(stream, honest)
+        read = await router.read_changes(cursor, 0.2, 100)
+        assert read.malformed == 2
+        assert [getattr(c, "key", None) for c in read.changes] == [ReplicaKey(mine, 0)]
+        await router.close()
+        await pub.close()
+        await admin.aclose()
+
+
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 

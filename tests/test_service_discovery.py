@@ -129,6 +129,52 @@ async def test_discovered_replicas_stay_routable_when_redis_comes_back_empty(
         await publisher_side.close()
 
 
+@pytest.mark.parametrize(
+    "rogue",
+    [
+        pytest.param({"member": b"\xff\xfe"}, id="registry-member-not-utf8"),
+        pytest.param({"info": "[" * 100_000 + "]" * 100_000}, id="info-nested-too-deep"),
+        pytest.param({"info": '{"replica":"0z","url":1,"model":"m"}'}, id="url-not-a-string"),
+        pytest.param(
+            {"info": '{"replica":"0z","url":"http://h:1","model":["m"]}'}, id="model-list"
+        ),
+    ],
+)
+async def test_one_publishers_garbage_registration_does_not_stop_discovery(
+    private_redis: Any, rogue: dict[str, Any]
+) -> None:
+    """A publisher may write its own registry member and registration (its ACL,
+    docs/redis.md): what it writes there must not stop routers from bootstrapping and so
+    from routing to every other replica (its name sorts first: it is read first)."""
+    schema = KeySchema("kvr", stream_shards=2)
+    publisher_side = RedisStore.from_url(private_redis.url, schema)
+    runners: list[web.AppRunner] = []
+    try:
+        mock, mock_url = await _mock("a")
+        runners.append(mock)
+        await publisher_side.register(ReplicaInfo("a", url=mock_url, model="m"), "pub-a", 30)
+        await publisher_side.register(ReplicaInfo("0z", url="http://h:1", model="m"), "pub-z", 30)
+        if "member" in rogue:
+            await publisher_side.redis.sadd(schema.registry, rogue["member"])
+        else:
+            await publisher_side.redis.hset(schema.meta("0z"), "info", rogue["info"])
+        settings = build_settings(
+            {"server": {"redis_url": private_redis.url}, "models": {"m": {"block_size": B}}}
+        )
+        router, base = await start_router(settings)
+        runners.append(router)
+        state = router.app[STATE]
+        await eventually(lambda: ReplicaKey("a") in state.registry.keys_for("m"))
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        done = await client.completions.create(model="m", prompt=[7] * 10, max_tokens=1)
+        assert done.choices
+        await client.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        await publisher_side.close()
+
+
 async def test_static_replicas_win_over_registrations(
     redis_server: object, key_prefix: str
 ) -> None:

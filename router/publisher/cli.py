@@ -16,7 +16,6 @@ import contextlib
 import logging
 import math
 import os
-import re
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -68,6 +67,7 @@ async def _serve_metrics(publisher: Publisher, port: int) -> web.AppRunner:
 
 async def _main(args: argparse.Namespace) -> int:
     from router.publisher.publisher import Publisher, PublisherSettings
+    from router.service.security import redact
     from router.store.base import ReplicaInfo
     from router.store.redis_store import RedisStore
     from router.store.schema import KeySchema
@@ -137,7 +137,7 @@ async def _main(args: argparse.Namespace) -> int:
         "publishing %s (%d endpoints) to %s",
         info.replica,
         len(settings.endpoints),
-        re.sub(r"(://[^:/@]*:)[^@/]+@", r"\1***@", args.redis),  # never log the password
+        redact(args.redis),  # never log the password (one holding "@" too)
     )
     await stop.wait()
     await publisher.stop()
@@ -207,12 +207,25 @@ def check_ranks(args: argparse.Namespace) -> None:
         )
 
 
+def _secrets(args: argparse.Namespace) -> list[str]:
+    """The literal secrets of the command line, for the log filter: the Redis password (as
+    redis-py reads it: the host follows the last "@") and the signing key."""
+    from urllib.parse import urlsplit
+
+    try:
+        password = urlsplit(args.redis or "").password
+    except ValueError:
+        password = None
+    return [s for s in (password, args.signing_key) if s]
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     from router.core.errors import ConfigError
     from router.publisher.env import check
+    from router.service.security import install_log_redaction
 
     try:
         check(args, os.environ)
@@ -221,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvrouter publish: {exc}", file=sys.stderr)
         return 2
+    install_log_redaction(_secrets(args))  # (the environment's secrets read by check)
     if not args.zmq:
         print("kvrouter publish: at least one --zmq endpoint is required", file=sys.stderr)
         return 2

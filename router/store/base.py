@@ -97,6 +97,11 @@ class ReplicaInfo:
     names_groups: bool = False
 
     def __post_init__(self) -> None:
+        # (a registration is a publisher's word: a wrong type would fail later, in the
+        # router's discovery, for every replica read with it)
+        for name in ("replica", "url", "model", "rack", "region", "engine", "role"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string")
         check_replica_name(self.replica)
         Role.parse(self.role)  # ConfigError: a ValueError to from_json's callers
         if not self.dp_ranks or any(r < 0 for r in self.dp_ranks):
@@ -133,7 +138,7 @@ class ReplicaInfo:
             if "dp_ranks" in known:
                 known["dp_ranks"] = tuple(int(r) for r in known["dp_ranks"])
             return cls(**known)
-        except (TypeError, KeyError, ValueError, ConfigError) as exc:
+        except (TypeError, KeyError, ValueError, ConfigError, RecursionError) as exc:
             raise ValueError(f"bad replica info: {exc}") from None
 
 
@@ -170,7 +175,7 @@ class LoadSample:
                 float(queries) if queries is not None else None,
                 float(hits) if hits is not None else None,
             )
-        except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        except (TypeError, KeyError, ValueError, AttributeError, RecursionError) as exc:
             raise ValueError(f"bad load sample: {exc}") from None
 
 

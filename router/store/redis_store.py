@@ -118,6 +118,14 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
+def _text(raw: bytes) -> str | None:
+    """A stored name as text; None when it is not UTF-8."""
+    try:
+        return bytes(raw).decode()
+    except UnicodeDecodeError:
+        return None
+
+
 def _replica_of(change: Change) -> str:
     if isinstance(change, ReplicaUp):
         return change.info.replica
@@ -244,7 +252,8 @@ class RedisStore(RedisWrites):
 
     async def list_replicas(self) -> list[ReplicaInfo]:
         members: Any = await self.redis.smembers(self.schema.registry)
-        names = sorted(bytes(n).decode() for n in members)
+        # (any publisher may add a member: one that is no UTF-8 is nobody's name)
+        names = sorted(n for n in map(_text, members) if n is not None)
         if not names:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -252,13 +261,17 @@ class RedisStore(RedisWrites):
                 pipe.hget(self.schema.meta(name), "info")
             raws = await pipe.execute()
         out = []
-        for raw in raws:
+        for name, raw in zip(names, raws, strict=True):
             if raw is None:
                 continue
             try:
-                out.append(ReplicaInfo.from_json(raw))
+                info = ReplicaInfo.from_json(raw)
             except ValueError:
                 continue
+            # a registration speaks only for the replica whose key holds it: a publisher's
+            # ACL lets it write its own meta, not what that meta names (as registration())
+            if info.replica == name:
+                out.append(info)
         return out
 
     async def registration(self, replica: str) -> ReplicaInfo | None:
