@@ -302,3 +302,26 @@ async def test_tls_rediss_url_works_end_to_end(tmp_path: Path) -> None:
         await wrong.close()
     finally:
         server.stop()
+
+
+def test_a_registration_with_more_ranks_than_a_replica_has_is_refused() -> None:
+    """Every data-parallel rank of a registration becomes a routing key in every router: a
+    publisher naming a million ranks (or one rank many times) is refused as a bad
+    registration (skipped by discovery, as other bad ones are), not spread over the fleet.
+    The configuration's own ``dp_ranks`` has the same bound."""
+    import json
+
+    from router.core.errors import ConfigError
+    from router.service.config import build_settings
+    from router.store.base import MAX_DP_RANKS, ReplicaInfo
+
+    def info(ranks: list[int]) -> str:
+        return json.dumps({"replica": "r", "model": "m", "dp_ranks": ranks})
+
+    assert len(ReplicaInfo.from_json(info(list(range(MAX_DP_RANKS)))).dp_ranks) == MAX_DP_RANKS
+    for bad in (list(range(MAX_DP_RANKS + 1)), [0, 0], [1 << 40]):
+        with pytest.raises(ValueError, match="dp_ranks"):
+            ReplicaInfo.from_json(info(bad))
+    replica = {"url": "http://127.0.0.1:9", "model": "m", "dp_ranks": MAX_DP_RANKS + 1}
+    with pytest.raises(ConfigError, match="dp_ranks"):
+        build_settings({"replicas": [replica]})

@@ -44,6 +44,7 @@ from router.service.settings import (
     ServerSettings,
     Settings,
 )
+from router.store.base import MAX_DP_RANKS
 from router.store.codec import master_secret
 from router.store.schema import check_redis_url
 
@@ -164,8 +165,8 @@ def _replica(i: int, table: Any) -> ReplicaSettings:
     name = url.netloc if table.get("name") is None else table["name"]  # typed: a str
     rep = typed(ReplicaSettings, {**table, "name": name}, where)
     _refuse_empty(rep, where)
-    if rep.dp_ranks < 1:
-        raise ConfigError(f"{where}.dp_ranks: must be >= 1")
+    if not 1 <= rep.dp_ranks <= MAX_DP_RANKS:
+        raise ConfigError(f"{where}.dp_ranks: must be in [1, {MAX_DP_RANKS}]")
     try:
         rep = replace(rep, role=Role.parse(rep.role).value)
     except ConfigError as exc:

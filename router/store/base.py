@@ -68,6 +68,12 @@ class SeqMismatch(Exception):
         self.keys = tuple(keys)
 
 
+# data-parallel ranks of one replica: how many (an NVL72 rack holds 72 GPUs; ranks of
+# several racks behind one server stay far under it) and how large a rank's index may be
+MAX_DP_RANKS = 1024
+MAX_DP_RANK = 65536
+
+
 @dataclass(slots=True, frozen=True)
 class ReplicaInfo:
     """What a publisher registers about its replica. ``state_interval_blocks`` is the
@@ -104,8 +110,12 @@ class ReplicaInfo:
                 raise ValueError(f"{name} must be a string")
         check_replica_name(self.replica)
         Role.parse(self.role)  # ConfigError: a ValueError to from_json's callers
-        if not self.dp_ranks or any(r < 0 for r in self.dp_ranks):
-            raise ValueError("dp_ranks must be a non-empty list of non-negative ints")
+        ranks = self.dp_ranks
+        if not ranks or any(not 0 <= r < MAX_DP_RANK for r in ranks):
+            raise ValueError(f"dp_ranks must be a non-empty list of ints in [0, {MAX_DP_RANK})")
+        # (each rank is a routing key in every router: one publisher must not make millions)
+        if len(ranks) > MAX_DP_RANKS or len(set(ranks)) != len(ranks):
+            raise ValueError(f"dp_ranks must be at most {MAX_DP_RANKS} distinct ranks")
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
         if not isinstance(self.state_interval_blocks, int) or self.state_interval_blocks < 0:
