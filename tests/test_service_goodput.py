@@ -164,6 +164,11 @@ def test_session_ids_come_from_the_header_then_metadata_then_user() -> None:
     assert body_session({"user": "u"}) == "u"
     assert body_session({"metadata": {"session_id": 7}, "user": "u"}) == "u"
     assert body_session({"metadata": "odd"}) is None
+    # OpenAI's prompt_cache_key (a conversation's cache key, which replaces ``user`` there)
+    # before the end user
+    assert body_session({"prompt_cache_key": "k", "user": "u"}) == "k"
+    assert body_session({**body, "prompt_cache_key": "k"}) == "m"
+    assert body_session({"prompt_cache_key": "", "user": "u"}) == "u"
     assert session_of([(b"X-Session-Id", b"h")], "m") == "h"
     assert session_of([(b"x-session-id", b"")], "m") == "m"
     assert session_of([], None) is None

@@ -98,7 +98,9 @@ def session_of(headers: Iterable[tuple[bytes, bytes]], body_session: str | None)
 
 def body_session(body: dict[str, Any]) -> str | None:
     """``session_id`` (vLLM's request field), else ``metadata.session_id`` (OpenAI's
-    free-form request metadata), else ``user``."""
+    free-form request metadata), else ``prompt_cache_key`` (OpenAI's key of requests that
+    share a prompt prefix: a conversation's, which OpenAI has replace ``user`` for caching),
+    else ``user`` (one end user: all their conversations)."""
     found = session_key(body.get("session_id"))
     if found is not None:
         return found
@@ -107,6 +109,9 @@ def body_session(body: dict[str, Any]) -> str | None:
         found = session_key(metadata.get("session_id"))
         if found is not None:
             return found
+    found = session_key(body.get("prompt_cache_key"))
+    if found is not None:
+        return found
     return session_key(body.get("user"))
 
 
