@@ -39,6 +39,8 @@ SERVICE_MODULES = (
     "gate",
     "handling",
     "http_connection",
+    "http_head",
+    "http_sink",
     "http_types",
     "intake",
     "loop_metrics",
@@ -80,6 +82,7 @@ TESTS = (
     # the service's hot modules, in process on both HTTP engines
     "tests/test_service_api.py",
     "tests/test_service_fast.py",
+    "tests/test_front_request_line.py",  # the head checks beyond llhttp (http_head)
     "tests/test_front_smuggling.py",  # request framing against smuggling
     "tests/test_service_body_memo.py",
     "tests/test_service_stream_writes.py",

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.service.errors import error_body, messages_path
-from router.service.http_connection import Aborted, Connection, ConnectionSink
+from router.service.http_connection import Aborted, Connection
+from router.service.http_sink import ConnectionSink
 from router.service.http_types import HttpRequest
 from router.service.upstream_errors import UpstreamError
 from router.service.wire import Sink

@@ -1,8 +1,8 @@
 """One client connection of the router's HTTP/1.1 server (router.service.fast_server, which
 listens, admits and times out connections and runs the handler): :class:`Connection`, the
-asyncio protocol that parses its requests with ``httptools`` and answers them in order, and
-:class:`ConnectionSink`, the :class:`~router.service.wire.Sink` its answers are written
-through.
+asyncio protocol that parses its requests with ``httptools`` and answers them in order
+through router.service.http_sink ``ConnectionSink``; the head checks beyond llhttp's are
+router.service.http_head's.
 
 * The server parses and frames; it decides nothing about routes or limits but sizes: a
   body over ``max_body`` is answered 413 by the handler (``HttpRequest.too_large``; the body
@@ -37,7 +37,9 @@ through.
   switch protocols (``Upgrade: h2c``) is answered in HTTP/1.1 as if it had not asked;
   ``CONNECT`` is 400. A chunked body's trailer fields are dropped, never taken for headers.
   An absolute-form target (``http://host/path``) is served as its path. An HTTP/1.1
-  request without a ``Host`` field, or any request with two, is 400 (RFC 9112 3.2).
+  request without a ``Host`` field, or any request with two, or one whose ``Host`` is no
+  URI authority, is 400 (RFC 9112 3.2); so is a target with a fragment (``#``). A major
+  version other than 1 (``HTTP/2.0``, ``HTTP/0.9``, which llhttp takes) is 505.
 * A client that disconnects cancels its request's task, which aborts the upstream request
   (the replica sees the connection close). Writes wait while the client's socket buffer is
   full (backpressure reaches the replica through the upstream client's pause).
@@ -48,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import http
 import logging
 import socket
 import sys
@@ -59,6 +60,8 @@ from typing import TYPE_CHECKING, Any
 import httptools
 
 from router.service.errors import error_body, messages_path
+from router.service.http_head import HASH, host_ok, origin_form, version_refusal
+from router.service.http_sink import status_line
 from router.service.http_types import HttpRequest
 from router.service.wire import other_coding
 
@@ -67,7 +70,6 @@ if TYPE_CHECKING:
 
 # logged under the server's name: a log line names the HTTP server, not which part of it
 _log = logging.getLogger("router.service.fast_server")
-_STATUS_LINES: dict[int, bytes] = {}
 _PIPELINE_MAX = 8
 # what the parser keeps of one request's line and headers, whatever server.max_header_kb says
 # (the front door's limit, answered with an OpenAI-style 431), and what is read of a head or
@@ -77,10 +79,6 @@ MAX_HEAD_BYTES = 1 << 20
 # header fields per request: each costs two bytes objects and a tuple (~20x the wire size of
 # a tiny one), so MAX_HEAD_BYTES of them would hold ~20 MB per connection
 MAX_HEADERS = 1000
-_LAST_CHUNK = b"0\r\n\r\n"
-# answers that never have a body, so neither framing header (RFC 9110 6.4.1, 8.6: a 204
-# must not carry Content-Length; a 304's would give another answer's size)
-_BODILESS = frozenset({204, 304})
 _PIECE = 4096  # body pieces below this size are gathered (see Connection.on_body)
 # how long a connection closed by a protocol error's answer goes on reading (and dropping)
 # what its client still sends, so that its close is no reset that destroys the answer
@@ -92,34 +90,6 @@ LINGER_S = 5.0
 _KEEP_UNASKED = 64 * 1024
 
 
-def _chunk(data: bytes) -> bytes:
-    """``data`` framed as one HTTP/1.1 chunk."""
-    return b"%x\r\n%b\r\n" % (len(data), data)
-
-
-def _status_line(status: int) -> bytes:
-    line = _STATUS_LINES.get(status)
-    if line is None:
-        try:
-            phrase = http.HTTPStatus(status).phrase
-        except ValueError:
-            phrase = "Unknown"
-        line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {phrase}\r\n".encode()
-    return line
-
-
-def _origin_form(target: bytes) -> bytes:
-    """An absolute-form request target as its origin-form (``http://host/p?q`` -> ``/p?q``,
-    RFC 9112 3.2.2: a server must accept it); any other (``*``, ``host:port``) as it is."""
-    scheme, sep, rest = target.partition(b"://")
-    if not sep or scheme.lower() not in (b"http", b"https"):
-        return target
-    slash, query = rest.find(b"/"), rest.find(b"?")
-    if query >= 0 and (slash < 0 or query < slash):
-        return b"/" + rest[query:]
-    return rest[slash:] if slash >= 0 else b"/"
-
-
 class Aborted(Exception):
     """The handler failed after its answer began (logged already): abort the connection."""
 
@@ -127,105 +97,6 @@ class Aborted(Exception):
 class _Answered(Exception):
     """Raised by a parser callback: the request is queued without its body, its answer
     ends the connection; nothing more is parsed."""
-
-
-class ConnectionSink:
-    """:class:`~router.service.wire.Sink` writing HTTP/1.1 to the client connection."""
-
-    __slots__ = ("conn", "head_only", "http10", "keep_alive", "started")
-
-    def __init__(
-        self, conn: Connection, keep_alive: bool, head_only: bool = False, http10: bool = False
-    ) -> None:
-        # (the wire.Sink protocol's methods, over the connection)
-        self.conn = conn
-        self.keep_alive = keep_alive
-        self.head_only = head_only
-        self.http10 = http10  # streams go out unframed, then the connection closes
-        self.started = False  # a status line went out
-
-    def _head(self, status: int, headers: list[tuple[bytes, bytes]], framing: bytes) -> bytes:
-        parts = [_status_line(status)]
-        for k, v in headers:
-            parts += (k, b": ", v, b"\r\n")
-        parts.append(framing)
-        if not self.keep_alive:
-            parts.append(b"Connection: close\r\n")
-        elif self.http10:  # a 1.0 client keeps the connection only when told
-            parts.append(b"Connection: keep-alive\r\n")
-        parts.append(b"\r\n")
-        return b"".join(parts)
-
-    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        conn = self.conn
-        if conn.closed:
-            raise ConnectionResetError("client went away")
-        bodiless = status in _BODILESS
-        framing = b"" if bodiless else b"Content-Length: %d\r\n" % len(body)
-        head = self._head(status, headers, framing)
-        self.started = True
-        if self.head_only or bodiless or not body:
-            conn.transport.write(head)
-        elif len(body) < 65536:
-            conn.transport.write(head + body)
-        else:
-            conn.transport.write(head)
-            conn.transport.write(body)
-        if conn.paused:
-            await conn.drain()
-
-    async def start(
-        self, status: int, headers: list[tuple[bytes, bytes]], data: bytes = b"", end: bool = False
-    ) -> None:
-        conn = self.conn
-        if conn.closed:
-            raise ConnectionResetError("client went away")
-        self.started = True
-        if status in _BODILESS:  # the head alone: no framing, nothing written after it
-            self.head_only = True
-            conn.transport.write(self._head(status, headers, b""))
-            if conn.paused:
-                await conn.drain()
-            return
-        if self.http10:
-            self.keep_alive = False
-            out = self._head(status, headers, b"")
-            if not self.head_only:
-                out += data
-            conn.transport.write(out)
-            if conn.paused:
-                await conn.drain()
-            return
-        out = self._head(status, headers, b"Transfer-Encoding: chunked\r\n")
-        if not self.head_only:
-            if data:
-                out += _chunk(data)
-            if end:
-                out += _LAST_CHUNK
-        conn.transport.write(out)
-        if conn.paused:
-            await conn.drain()
-
-    async def write(self, data: bytes) -> None:
-        conn = self.conn
-        if conn.closed:
-            raise ConnectionResetError("client went away")
-        if data and not self.head_only:
-            conn.transport.write(data if self.http10 else _chunk(data))
-        if conn.paused:
-            await conn.drain()
-
-    async def end(self, data: bytes = b"") -> None:
-        conn = self.conn
-        if conn.closed:
-            raise ConnectionResetError("client went away")
-        if self.http10:
-            if data and not self.head_only:
-                conn.transport.write(data)
-        elif not self.head_only:
-            conn.transport.write(_chunk(data) + _LAST_CHUNK if data else _LAST_CHUNK)
-        if conn.paused:  # the answer is complete only once a slow client has taken it
-            await conn.drain()
 
 
 class Connection(asyncio.Protocol):
@@ -257,6 +128,7 @@ class Connection(asyncio.Protocol):
         # the request queued last ends the connection before its body (see
         # on_headers_complete): nothing more is parsed
         self.ended = False
+        self.good_host = b""  # the last Host value found a URI authority (host_ok)
         self._new_message()
 
     def _new_message(self) -> None:
@@ -418,10 +290,10 @@ class Connection(asyncio.Protocol):
                 self.transport.pause_reading()
             return
         # (the Messages API's shape on its paths, once the request line is known whole)
-        anthropic = self.head_done and messages_path(_origin_form(self.url).split(b"?")[0])
+        anthropic = self.head_done and messages_path(origin_form(self.url).split(b"?")[0])
         body = error_body(status, message, code=code, anthropic=anthropic)
         self.transport.write(
-            _status_line(status)
+            status_line(status)
             + b"Content-Type: application/json\r\nConnection: close\r\n"
             + extra
             + b"Content-Length: %d\r\n\r\n" % len(body)
@@ -485,9 +357,11 @@ class Connection(asyncio.Protocol):
         expect = False
         length = 0  # the body's announced size (a chunked one's: unknown, counted as large)
         hosts = 0
+        host = b""
         for k, v in self.headers:
             if len(k) == 4 and k.lower() == b"host":
                 hosts += 1
+                host = v
             elif len(k) == 14 and k.lower() == b"content-length":
                 try:  # (not contextlib.suppress: this runs per request, try costs nothing)
                     length = int(v)
@@ -502,17 +376,30 @@ class Connection(asyncio.Protocol):
                 if self._bad_coding(v):
                     return
                 length = limit
-        if hosts != 1 and (hosts or self.parser.get_http_version() != "1.0"):
+        version = self.parser.get_http_version()
+        refused = version_refusal(version)
+        if refused is not None:
+            self.fatal(505, refused)
+            return
+        if hosts != 1 and (hosts or version != "1.0"):
             # RFC 9112 3.2: an HTTP/1.1 request without Host, or any with two, is a 400 (a
             # proxy in front may have read another Host than the router would)
             self.fatal(400, "an HTTP/1.1 request needs exactly one Host header")
+            return
+        if hosts and host != self.good_host:  # (a keep-alive client's: checked once)
+            if not host_ok(host):
+                self.fatal(400, "the Host header is no URI authority (RFC 9112 3.2)")
+                return
+            self.good_host = host
+        if HASH in self.url:  # llhttp passes a fragment on; a client sends none
+            self.fatal(400, "a request target has no fragment ('#', RFC 9112 3.2)")
             return
         refuses = self.server.refuses_body
         # asked only of a body worth not keeping (the handler checks every request anyway)
         if refuses is not None and (expect or length > _KEEP_UNASKED):
             url = self.url
             if not url.startswith(b"/"):
-                url = _origin_form(url)
+                url = origin_form(url)
             # its answer is a refusal whatever the body: read and dropped, no 100 Continue
             self.dropping = refuses(url.split(b"?", 1)[0], self.headers)
         if not expect or self.parser.get_http_version() == "1.0":
@@ -594,7 +481,7 @@ class Connection(asyncio.Protocol):
         """Queue the request being parsed, with ``body``, to be answered in turn."""
         url = self.url
         if not url.startswith(b"/"):
-            url = _origin_form(url)
+            url = origin_form(url)
         self.queue.append(
             (
                 HttpRequest(
