@@ -6,6 +6,14 @@ third goes on to half the traces, the best third of those to the whole traces. R
 in parallel worker processes. The defaults are always in the grid and always reach the full
 traces, so the winner is never worse than them on the objective as measured there.
 
+Seeds (``seeds``, ``kvrouter sim tune --seeds N``, default 3): the run's seed draws the
+arrival jitter (``--arrival-jitter-ms``), the routers' tie-breaks and the admission
+classes, so one run is one sample. Rungs 1 and 2 run every setting at seeds ``seed`` ..
+``seed + N - 1`` and score it by the mean of its per-seed objectives (``Trial.by_seed``
+their values; the spread is their min and max), so the final pick is not a lucky seed's;
+rung 0, a screen that passes on a third, runs the first seed only (the cost: about twice
+the one-seed search's, not N times).
+
 Objectives (``objective``), over every (trace, speed-up) case:
 
 * ``goodput`` (the default): the mean goodput (share of requests meeting their TTFT and TPOT
@@ -26,6 +34,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -78,6 +87,7 @@ class Case:
 
     trace: str
     speedup: float
+    seed: int
     goodput: float
     hit_rate: float
     ttft_p90_ms: float
@@ -88,12 +98,18 @@ class Case:
 @dataclass(slots=True, frozen=True)
 class Trial:
     params: dict[str, float]
-    objective: float  # lower is better (goodput is negated)
-    goodput: float
+    objective: float  # the mean over seeds of the per-seed objective; lower is better
+    goodput: float  # means over every case of every seed
     hit_rate: float
-    p90_ms: dict[float, float]  # TTFT p90 per speed-up (mean over traces)
-    cases: tuple[Case, ...]
+    p90_ms: dict[float, float]  # TTFT p90 per speed-up (mean over traces and seeds)
+    cases: tuple[Case, ...]  # every (trace, speed-up, seed)
     requests: int
+    by_seed: dict[int, float]  # the objective at each seed (goodput negated, as ``objective``)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """(min, max) of the per-seed objective."""
+        return min(self.by_seed.values()), max(self.by_seed.values())
 
 
 def grid_points(
@@ -117,11 +133,53 @@ def _geomean(values: Sequence[float]) -> float:
 
 
 def _score(cases: Sequence[Case], objective: str) -> tuple[float, float]:
-    """(objective, tie-break), both lower-is-better."""
+    """(objective, tie-break) of one seed's cases, both lower-is-better."""
     if objective == "goodput":
         mean = sum(c.goodput for c in cases) / len(cases)
         return -mean, _geomean([c.e2e_p90_ms for c in cases])
     return _geomean([c.ttft_p90_ms for c in cases]), -sum(c.hit_rate for c in cases) / len(cases)
+
+
+def _seed_scores(cases: Sequence[Case], objective: str) -> dict[int, tuple[float, float]]:
+    """:func:`_score` of each seed's cases."""
+    seeds = sorted({c.seed for c in cases})
+    return {s: _score([c for c in cases if c.seed == s], objective) for s in seeds}
+
+
+def rank(
+    points: Sequence[dict[str, float]],
+    per_point: Sequence[Sequence[Case]],
+    objective: str,
+    requests: int = 0,
+) -> list[Trial]:
+    """Trials of ``points`` (``per_point[i]``: point i's cases over every trace, speed-up and
+    seed), best first: by the mean over seeds of the per-seed objective, then of its
+    tie-break."""
+    trials = []
+    keys = []
+    for p, cases in zip(points, per_point, strict=True):
+        scores = _seed_scores(cases, objective)
+        n = len(scores)
+        key = (sum(o for o, _ in scores.values()) / n, sum(t for _, t in scores.values()) / n)
+        speedups = sorted({c.speedup for c in cases})
+        p90 = {
+            s: statistics.fmean(c.ttft_p90_ms for c in cases if c.speedup == s) for s in speedups
+        }
+        trials.append(
+            Trial(
+                p,
+                key[0],
+                statistics.fmean(c.goodput for c in cases),
+                statistics.fmean(c.hit_rate for c in cases),
+                p90,
+                tuple(cases),
+                requests,
+                {s: o for s, (o, _) in scores.items()},
+            )
+        )
+        keys.append(key)
+    order = sorted(range(len(trials)), key=lambda i: keys[i])
+    return [trials[i] for i in order]
 
 
 def evaluate(
@@ -132,25 +190,33 @@ def evaluate(
     jobs: int,
     base: Mapping[str, Any],
     objective: str = "goodput",
+    seeds: Sequence[int] | None = None,
 ) -> list[Trial]:
-    """Every point on every (trace, speed-up), best first."""
+    """Every point on every (trace, speed-up, seed), best first (:func:`rank`); ``seeds``
+    default: the config's one."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
+    seeds = [config.seed] if not seeds else list(seeds)
+    runs = [(s, seed) for seed in seeds for s in speedups]
     per_point: list[list[Case]] = [[] for _ in points]
     for name, workload in workloads:
         specs = []
         for p in points:
             policy, cluster = split_point(p)
-            specs += [RunSpec("ours", {**base, **policy}, s, cluster=cluster) for s in speedups]
+            specs += [
+                RunSpec("ours", {**base, **policy}, s, cluster={**cluster, "seed": seed})
+                for s, seed in runs
+            ]
         results = run_many(workload, config, specs, jobs=jobs)
-        n = len(speedups)
+        n = len(runs)
         for i in range(len(points)):
-            for s, r in zip(speedups, results[i * n : (i + 1) * n], strict=True):
+            for (s, seed), r in zip(runs, results[i * n : (i + 1) * n], strict=True):
                 x = r.summary
                 per_point[i].append(
                     Case(
                         name,
                         s,
+                        seed,
                         float(x["goodput"]),
                         float(x["token_hit_rate"]),
                         float(x["ttft_ms_p90"]),
@@ -158,27 +224,7 @@ def evaluate(
                         float(x["e2e_ms_p90"]),
                     )
                 )
-    trials = []
-    requests = sum(len(w) for _, w in workloads)
-    for p, cases in zip(points, per_point, strict=True):
-        p90 = {
-            s: sum(c.ttft_p90_ms for c in cases if c.speedup == s) / len(workloads)
-            for s in speedups
-        }
-        score, _ = _score(cases, objective)
-        trials.append(
-            Trial(
-                p,
-                score,
-                sum(c.goodput for c in cases) / len(cases),
-                sum(c.hit_rate for c in cases) / len(cases),
-                p90,
-                tuple(cases),
-                requests,
-            )
-        )
-    order = sorted(range(len(trials)), key=lambda i: _score(per_point[i], objective))
-    return [trials[i] for i in order]
+    return rank(points, per_point, objective, sum(len(w) for _, w in workloads))
 
 
 def tune(
@@ -192,9 +238,13 @@ def tune(
     seed: int = 0,
     objective: str = "goodput",
     log: Callable[[str], None] | None = None,
+    seeds: int = 3,
 ) -> tuple[dict[str, Any], list[Trial]]:
     """Return the best ``ours`` parameters (cost model and TPOT target included) and the
-    final rung. ``workload``: one workload, or ``(name, workload)`` pairs."""
+    final rung. ``workload``: one workload, or ``(name, workload)`` pairs; ``seeds``: the
+    simulation seeds (``config.seed`` onwards) rungs 1 and 2 score each setting over."""
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
     workloads = [("trace", workload)] if isinstance(workload, Workload) else list(workload)
     if config.pd != "off" and grid is GRID:
         grid = PD_GRID
@@ -208,12 +258,16 @@ def tune(
             (name, w if frac >= 1.0 else w.head(max(1, int(len(w) * frac))))
             for name, w in workloads
         ]
-        trials = evaluate(parts, config, points, speedups, jobs, base, objective)
+        run_seeds = [config.seed + i for i in range(seeds if rung else 1)]
+        trials = evaluate(parts, config, points, speedups, jobs, base, objective, run_seeds)
         if log:
             best = trials[0]
+            sign = -1.0 if objective == "goodput" else 1.0
+            low, high = sorted(sign * v for v in best.spread)
             log(
                 f"rung {rung}: {len(points)} settings on {sum(len(w) for _, w in parts)} "
-                f"requests; best {best.params} goodput {best.goodput:.4f}, "
+                f"requests x {len(run_seeds)} seed(s); best {best.params} goodput "
+                f"{best.goodput:.4f} ({objective} per seed {low:.4f} .. {high:.4f}), "
                 f"TTFT p90 {best.p90_ms} ms, hit {best.hit_rate:.1%}"
             )
         if rung < len(fractions) - 1:

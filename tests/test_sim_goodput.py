@@ -61,7 +61,9 @@ def test_tune_for_goodput_over_two_traces(tmp_path: Path) -> None:
     doc = json.loads(p.stdout)
     assert doc["objective"] == "goodput"
     assert {c["trace"] for c in doc["cases"]} == {"mooncake", agentic}
-    assert abs(doc["goodput"] - sum(c["goodput"] for c in doc["cases"]) / 2) < 1e-4
+    cases = doc["cases"]  # one per trace and seed
+    assert len(cases) == 2 * len(doc["seeds"])
+    assert abs(doc["goodput"] - sum(c["goodput"] for c in cases) / len(cases)) < 1e-4
     tuned = load_tuned(out)
     assert tuned.policy == "ours" and "w_interference" in tuned.params
     assert tuned.params["tpot_target_s"] == 0.1

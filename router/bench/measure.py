@@ -61,10 +61,10 @@ def median_row(
         if key in totals:
             out[key] = sum(values)
         elif all(_number(v) for v in values):
-            out[key] = _median(values)
+            out[key] = median(values)
         elif all(isinstance(v, dict) for v in values):
             inner = [k for k in values[0] if all(k in v and _number(v[k]) for v in values)]
-            out[key] = {k: _median([v[k] for v in values]) for k in inner}
+            out[key] = {k: median([v[k] for v in values]) for k in inner}
         elif len(values) == len(runs) and all(v == values[0] for v in values):
             out[key] = values[0]
     out["runs"] = len(runs)
@@ -76,9 +76,10 @@ def median_row(
     return out
 
 
-def _median(values: Sequence[float]) -> float:
-    """The median of the values that are not NaN (NaN if none is): ``statistics.median``
-    sorts a NaN anywhere, so the result would depend on the runs' order."""
+def median(values: Sequence[float]) -> float:
+    """The median of the values that are not NaN (NaN if none is), to 4 decimals:
+    ``statistics.median`` sorts a NaN anywhere, so the result would depend on the runs'
+    order."""
     known = [v for v in values if v == v]
     return round(statistics.median(known), 4) if known else math.nan
 

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from router.bench.measure import median
 from router.bench.redis_server import LocalRedis
 from router.cliargs import at_least, non_negative_float, positive_float
 
@@ -220,29 +220,23 @@ async def run_row(
     return figures
 
 
-_KEY = ("hit", "goodput", "ttft_mean_ms", "ttft_p90_ms", "tpot_p90_ms")
-
-
 def _combined(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row from its repeats: ok / failed summed, the key figures' medians, each repeat's
-    key figures under ``runs``."""
-    out = dict(runs[0])
-    if len(runs) == 1:
-        return out
-    out["ok"] = sum(r["ok"] for r in runs)
-    out["failed"] = sum(r["failed"] for r in runs)
-    for k in _KEY:
-        out[k] = round(statistics.median(r[k] for r in runs), 4)
-    out["runs"] = [{k: r[k] for k in _KEY} for r in runs]
-    return out
+    """One row from its repeats, as ``kvrouter bench live --repeat`` combines its runs
+    (router/demo/figures.py ``combine_runs``: ``requests`` / ``ok`` / ``failed`` summed,
+    every other figure the median of the repeats that have it, ``runs`` their number and
+    ``spread`` the headline figures' ``[min, max]``)."""
+    from router.demo.figures import combine_runs
+
+    return combine_runs(runs)
 
 
 def _ratios(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per key figure, the median over repeats of row / base measured in the same repeat."""
+    """Per key figure, the median over repeats of row / base measured in the same repeat
+    (``median``: a repeat without the figure, NaN, is left out, whatever the order)."""
     out: dict[str, Any] = {}
     for k in ("ttft_mean_ms", "ttft_p90_ms", "tpot_p90_ms", "hit"):
         each = [r[k] / b[k] if b[k] else math.nan for r, b in zip(rows, base, strict=True)]
-        out[k] = round(statistics.median(each), 3)
+        out[k] = round(median(each), 3)
         if len(each) > 1:
             out[k + "_each"] = [round(x, 3) for x in each]
     return out

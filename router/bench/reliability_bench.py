@@ -8,13 +8,17 @@ process (uvloop + aiohttp): ``--concurrency`` workers, each sending one streamin
 pool of shared prefixes, ``--max-tokens`` output tokens) for ``--duration`` seconds.
 
 Two phases: ``direct`` (workers spread round-robin over the replicas, no router) for
-``--direct-duration`` seconds, then ``router``. Per request: time to the first SSE chunk
-(TTFT) and to the end of the stream. The router's added latency is the difference of the
-two phases' percentiles (same load, same replicas, same round-robin spread; with
-``--policy ours`` the difference also contains the cache hits the router wins). Memory: the
-router's RSS sampled every second; ``rss_first_mb`` / ``rss_last_mb`` are the means of the
-first and last 10 % of the router phase. Errors: any non-200, a stream without ``[DONE]``,
-or a transport error.
+``--direct-duration`` seconds, then ``router``. Each answer is read as every live bench reads
+it (router/demo/replay.py ``read_answer``; the requests ask for ``stream_options:
+{include_usage: true}``): TTFT at the first event that carries a token, TPOT from it to the
+last token (per output token after the first, from the usage's count), the end at
+``[DONE]``. The router's added latency is the difference of the two phases' percentiles
+(same load, same replicas, same round-robin spread; with ``--policy ours`` the difference
+also contains the cache hits the router wins). Memory: the router's RSS sampled every
+second; ``rss_first_mb`` / ``rss_last_mb`` are the means of the
+first and last 10 % of the router phase. Errors: any non-200, a transport error, or a
+stream ``read_answer`` does not take for an answer (keyed by its reason: without a token,
+without its usage chunk, cut short before ``[DONE]``, an error event).
 
 Prints one JSON object. On a 2-core machine the load generator, the router and 16 mock
 engines share the CPUs; the figures are therefore an upper bound of the router's cost.
@@ -33,11 +37,16 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.bench.measure import emit, percentile, use_uvloop
 from router.bench.ports import free_port as _free_port
 from router.cliargs import at_least, non_negative_float, positive_float
+
+if TYPE_CHECKING:  # imported where used: ``kvrouter bench`` imports every bench to list it
+    import aiohttp
+
+    from router.demo.replay import Outcome
 from router.sigterm import held
 
 KVROUTER = str(Path(sys.executable).parent / "kvrouter")
@@ -98,13 +107,32 @@ def _prompt(i: int, tokens: int) -> list[int]:
     return prefix + [(i * 31 + j) % 50000 for j in range(tokens - len(prefix))]
 
 
+async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Outcome:
+    """One request, its answer read by ``read_answer``; a failed Outcome's ``error`` names
+    the status, the transport error or why the stream was not an answer."""
+    import aiohttp
+
+    from router.demo.replay import Outcome, read_answer
+
+    t0 = time.perf_counter()
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                await resp.read()
+                return Outcome(False, error=str(resp.status))
+            return await read_answer(resp, Outcome(True), t0)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return Outcome(False, error=type(exc).__name__)
+
+
 async def _load(
     urls: list[str], concurrency: int, duration: float, prompt_tokens: int, max_tokens: int
 ) -> dict[str, Any]:
-    import aiohttp
-
     ttft: list[float] = []
     total: list[float] = []
+    import aiohttp
+
+    tpot: list[float] = []
     errors: dict[str, int] = {}
     error_at: list[float] = []
     started = time.monotonic()
@@ -121,42 +149,28 @@ async def _load(
                 "prompt": _prompt(counter, prompt_tokens),
                 "max_tokens": max_tokens,
                 "stream": True,
+                "stream_options": {"include_usage": True},  # read_answer's output length
             }
-            t0 = time.monotonic()
-            first = 0.0
-            done = False
-            try:
-                async with session.post(url, json=body) as resp:
-                    if resp.status != 200:
-                        errors[str(resp.status)] = errors.get(str(resp.status), 0) + 1
-                        error_at.append(time.monotonic() - started)
-                        await resp.read()
-                        continue
-                    async for chunk in resp.content.iter_any():
-                        if not first:
-                            first = time.monotonic()
-                        if b"[DONE]" in chunk:
-                            done = True
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+            out = await _one(session, url, body)
+            if not out.ok:
+                errors[out.error] = errors.get(out.error, 0) + 1
                 error_at.append(time.monotonic() - started)
                 continue
-            if not done:
-                errors["truncated"] = errors.get("truncated", 0) + 1
-                error_at.append(time.monotonic() - started)
-                continue
-            ttft.append(first - t0)
-            total.append(time.monotonic() - t0)
+            ttft.append(out.ttft_s)
+            total.append(out.e2e_s)
+            per_token = out.tpot_s()
+            if per_token is not None:
+                tpot.append(per_token)
 
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await asyncio.gather(*(worker(w, session) for w in range(concurrency)))
-    return {"ttft": ttft, "total": total, "errors": errors, "error_at": error_at}
+    return {"ttft": ttft, "total": total, "tpot": tpot, "errors": errors, "error_at": error_at}
 
 
 def _summary(res: dict[str, Any], seconds: float) -> dict[str, Any]:
-    ttft, total = res["ttft"], res["total"]
+    ttft, total, tpot = res["ttft"], res["total"], res["tpot"]
     out: dict[str, Any] = {"requests": len(total), "rps": round(len(total) / seconds, 1)}
     out["errors"] = res["errors"]
     if res["error_at"]:  # when errors happened, seconds into the phase
@@ -167,6 +181,9 @@ def _summary(res: dict[str, Any], seconds: float) -> dict[str, Any]:
         out["ttft_p99_ms"] = round(percentile(ttft, 99) * 1000, 1)
         out["total_p50_ms"] = round(percentile(total, 50) * 1000, 1)
         out["total_p99_ms"] = round(percentile(total, 99) * 1000, 1)
+    if tpot:  # answers of more than one token
+        out["tpot_p50_ms"] = round(percentile(tpot, 50) * 1000, 2)
+        out["tpot_p99_ms"] = round(percentile(tpot, 99) * 1000, 2)
     return out
 
 
