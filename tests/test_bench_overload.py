@@ -9,7 +9,6 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from aiohttp import web
 from router.core.slo import SloTargets
 from router.demo.overload_bench import summarize
 from tests.benches import bench_refused
-from tests.ports import free_port
+from tests.scripted_replica import GAP_S, Script, event, scripted_replica, token, usage
 
 
 def test_overload_loses_nothing_and_refuses_with_retry_after() -> None:
@@ -77,20 +76,7 @@ def test_overload_refuses_a_profile_it_cannot_load_before_starting_a_fleet(
 
 # -- the overload bench's client times a stream as the live bench's does (router/demo/replay.py)
 
-GAP_S = 0.3  # a pause the scripted replica takes (a lower bound only: never flaky)
-
-
-def _event(obj: object) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
-
-
-def _token(text: str, finish: str | None = None) -> bytes:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return _event({"id": "c", "object": "text_completion", "choices": [choice]})
-
-
-USAGE = _event({"id": "c", "choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 3}})
-Script = Callable[[web.StreamResponse], Awaitable[None]]
+USAGE = usage(100, 3)
 
 
 async def _overload_one(script: Script) -> Any:
@@ -98,26 +84,8 @@ async def _overload_one(script: Script) -> Any:
     that writes its stream with ``script``."""
     from router.demo.overload_bench import _one
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await script(resp)
-        await resp.write_eof()
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with aiohttp.ClientSession() as session:
-            url = f"http://127.0.0.1:{port}/v1/completions"
-            return await _one(session, url, b'{"prompt": [1], "stream": true}', 1)
-    finally:
-        await runner.cleanup()
+    async with scripted_replica(script) as url, aiohttp.ClientSession() as session:
+        return await _one(session, url + "/v1/completions", b'{"prompt": [1], "stream": true}', 1)
 
 
 async def test_overload_ttft_is_the_first_token_not_a_first_event_without_one() -> None:
@@ -127,10 +95,10 @@ async def test_overload_ttft_is_the_first_token_not_a_first_event_without_one() 
 
     async def script(resp: web.StreamResponse) -> None:
         await resp.write(b": keep-alive\n\n")
-        await resp.write(_event({"id": "c", "choices": [], "usage": None}))
-        await resp.write(_token(""))
+        await resp.write(event({"id": "c", "choices": [], "usage": None}))
+        await resp.write(token(""))
         await asyncio.sleep(GAP_S)  # the replica's prefill
-        await resp.write(_token("a") + _token("b c", "length") + USAGE + b"data: [DONE]\n\n")
+        await resp.write(token("a") + token("b c", "length") + USAGE + b"data: [DONE]\n\n")
 
     r = await _overload_one(script)
     row = summarize([r], SloTargets())
@@ -144,7 +112,7 @@ async def test_overload_tpot_is_timed_to_the_last_token_not_done() -> None:
     ``[DONE]``: a wait after the last token for the usage chunk counted as decoding."""
 
     async def script(resp: web.StreamResponse) -> None:
-        await resp.write(_token("a") + _token("b") + _token("c", "length"))
+        await resp.write(token("a") + token("b") + token("c", "length"))
         await asyncio.sleep(GAP_S)  # after the last token: the usage and the end
         await resp.write(USAGE + b"data: [DONE]\n\n")
 

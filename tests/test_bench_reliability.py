@@ -7,30 +7,14 @@ over loopback HTTP, driven by the bench's own load loop (``_load``)."""
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from router.bench import reliability_bench
-from tests.ports import free_port
+from tests.scripted_replica import DONE, GAP_S, Script, event, scripted_replica, token, usage
 
-GAP_S = 0.3  # a pause the scripted replica takes (a lower bound only: never flaky)
-Script = Callable[[web.StreamResponse], Awaitable[None]]
-
-
-def _event(obj: object) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
-
-
-def _token(text: str, finish: str | None = None) -> bytes:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return _event({"id": "c", "object": "text_completion", "choices": [choice]})
-
-
-USAGE = _event({"id": "c", "choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 3}})
-DONE = b"data: [DONE]\n\n"
+USAGE = usage(8, 3)
 
 
 async def _load_one(script: Script) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -38,34 +22,18 @@ async def _load_one(script: Script) -> tuple[dict[str, Any], list[dict[str, Any]
     writes its stream with ``script``; with the request bodies the replica received."""
     bodies: list[dict[str, Any]] = []
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        bodies.append(await request.json())
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await script(resp)
-        await resp.write_eof()
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        res = await reliability_bench._load([f"http://127.0.0.1:{port}"], 1, 0.01, 8, 3)
-    finally:
-        await runner.cleanup()
+    async with scripted_replica(script, bodies) as url:
+        res = await reliability_bench._load([url], 1, 0.01, 8, 3)
     return res, bodies
 
 
 async def test_ttft_is_the_first_token_not_the_first_byte() -> None:
     async def script(resp: web.StreamResponse) -> None:
         await resp.write(b": keep-alive\n\n")
-        await resp.write(_event({"id": "c", "choices": [], "usage": None}))
-        await resp.write(_token(""))
+        await resp.write(event({"id": "c", "choices": [], "usage": None}))
+        await resp.write(token(""))
         await asyncio.sleep(GAP_S)  # the replica's prefill
-        await resp.write(_token("a") + _token("b c", "length") + USAGE + DONE)
+        await resp.write(token("a") + token("b c", "length") + USAGE + DONE)
 
     res, bodies = await _load_one(script)
     assert res["errors"] == {}, res
@@ -76,7 +44,7 @@ async def test_ttft_is_the_first_token_not_the_first_byte() -> None:
 
 async def test_tpot_is_timed_to_the_last_token_not_done() -> None:
     async def script(resp: web.StreamResponse) -> None:
-        await resp.write(_token("a") + _token("b") + _token("c", "length"))
+        await resp.write(token("a") + token("b") + token("c", "length"))
         await asyncio.sleep(GAP_S)  # after the last token: the usage and the end
         await resp.write(USAGE + DONE)
 
@@ -89,10 +57,10 @@ async def test_tpot_is_timed_to_the_last_token_not_done() -> None:
 
 async def test_a_stream_without_a_token_or_its_usage_is_an_error() -> None:
     async def no_token(resp: web.StreamResponse) -> None:
-        await resp.write(_event({"id": "c", "choices": [{"index": 0, "text": ""}]}) + DONE)
+        await resp.write(event({"id": "c", "choices": [{"index": 0, "text": ""}]}) + DONE)
 
     async def no_usage(resp: web.StreamResponse) -> None:
-        await resp.write(_token("a") + _token("b", "length") + DONE)
+        await resp.write(token("a") + token("b", "length") + DONE)
 
     for script, error in ((no_token, "stream ended without a token"),
                           (no_usage, "stream ended without its usage chunk")):  # fmt: skip

@@ -6,7 +6,6 @@ simulator's summary (sim/metrics.py), with hand-computed expectations."""
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -21,55 +20,22 @@ from router.demo.replay import Outcome, TraceRequest, _one
 from sim.metrics import RequestRecord
 from sim.metrics import summarize as sim_summarize
 from tests.ports import free_port
+from tests.scripted_replica import GAP_S, Script, scripted_replica, token, usage
 
-Script = Callable[[web.StreamResponse], Awaitable[None]]
-GAP_S = 0.3  # the replica's pause before its first token (a lower bound: never flaky)
-
-
-def _event(obj: object) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
-
-
-def _token(text: str, finish: str | None = None) -> bytes:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return _event({"id": "c", "object": "text_completion", "choices": [choice]})
-
-
-USAGE = _event({"id": "c", "choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 3}})
+USAGE = usage(100, 3)
 
 
 @pytest.fixture
 async def scripted() -> AsyncIterator[Callable[[Script], Awaitable[Outcome]]]:
     """``await scripted(script)``: the replay client's outcome for one request answered by a
     replica that writes its stream with ``script``."""
-    holder: list[Script] = []
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await holder[0](resp)
-        await resp.write_eof()
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}/v1/completions"
     req = TraceRequest(0.0, 100, 3, b'{"prompt": [1], "stream": true}')
 
     async def run(script: Script) -> Outcome:
-        holder[:] = [script]
-        async with aiohttp.ClientSession() as session:
-            return await _one(session, url, req)
+        async with scripted_replica(script) as url, aiohttp.ClientSession() as session:
+            return await _one(session, url + "/v1/completions", req)
 
-    try:
-        yield run
-    finally:
-        await runner.cleanup()
+    yield run
 
 
 async def test_ttft_is_timed_at_the_first_token_not_an_empty_first_event(
@@ -80,9 +46,9 @@ async def test_ttft_is_timed_at_the_first_token_not_an_empty_first_event(
 
     async def script(resp: web.StreamResponse) -> None:
         await resp.write(b": keep-alive\n\n")
-        await resp.write(_token(""))
+        await resp.write(token(""))
         await asyncio.sleep(GAP_S)  # the replica's prefill
-        await resp.write(_token("a") + _token("b c", "length") + USAGE + b"data: [DONE]\n\n")
+        await resp.write(token("a") + token("b c", "length") + USAGE + b"data: [DONE]\n\n")
 
     out = await scripted(script)
     assert out.ok and out.output_tokens == 3
@@ -94,7 +60,7 @@ async def test_a_first_token_that_ends_the_answer_is_timed_without_text(
 ) -> None:
     async def script(resp: web.StreamResponse) -> None:
         await asyncio.sleep(GAP_S)
-        await resp.write(_token("", "stop") + USAGE + b"data: [DONE]\n\n")
+        await resp.write(token("", "stop") + USAGE + b"data: [DONE]\n\n")
 
     out = await scripted(script)
     assert out.ok and out.ttft_s >= GAP_S
@@ -108,7 +74,7 @@ async def test_a_stream_cut_before_its_done_event_is_a_failure(
     with no usage to judge it by."""
 
     async def script(resp: web.StreamResponse) -> None:
-        await resp.write(_token("a"))
+        await resp.write(token("a"))
 
     out = await scripted(script)
     assert not out.ok and out.error
@@ -121,7 +87,7 @@ async def test_a_complete_stream_is_timed_and_counted(
 ) -> None:
     async def script(resp: web.StreamResponse) -> None:
         await asyncio.sleep(GAP_S)
-        await resp.write(_token("a") + _token("b c", "length") + USAGE + b"data: [DONE]\n\n")
+        await resp.write(token("a") + token("b c", "length") + USAGE + b"data: [DONE]\n\n")
 
     out = await scripted(script)
     assert out.ok and (out.prompt_tokens, out.output_tokens) == (100, 3)
@@ -138,7 +104,7 @@ async def test_a_stream_without_its_usage_is_a_failure(
     nothing to the hit's denominator; it is a failure instead, as a cut stream is."""
 
     async def script(resp: web.StreamResponse) -> None:
-        await resp.write(_token("a") + _token("b c", "length") + b"data: [DONE]\n\n")
+        await resp.write(token("a") + token("b c", "length") + b"data: [DONE]\n\n")
 
     out = await scripted(script)
     assert not out.ok and "usage" in out.error, out
@@ -191,7 +157,7 @@ async def test_a_malformed_event_fails_its_request_not_the_replay(
     request: the replay (and the bench around it, with every run so far) goes on."""
 
     async def script(resp: web.StreamResponse) -> None:
-        await resp.write(_token("a") + event + USAGE + b"data: [DONE]\n\n")
+        await resp.write(token("a") + event + USAGE + b"data: [DONE]\n\n")
 
     out = await scripted(script)
     assert not out.ok and "malformed" in out.error, out
@@ -229,7 +195,7 @@ async def test_tpot_is_timed_to_the_last_token_not_the_streams_end(
     usage chunk counted as decoding, here ``GAP_S`` over 2 tokens."""
 
     async def script(resp: web.StreamResponse) -> None:
-        await resp.write(_token("a") + _token("b") + _token("c", "length"))
+        await resp.write(token("a") + token("b") + token("c", "length"))
         await asyncio.sleep(GAP_S)  # after the last token: the usage and the end
         await resp.write(USAGE + b"data: [DONE]\n\n")
 
