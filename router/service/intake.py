@@ -97,12 +97,10 @@ def field_types(
         v = lax_int(body.get(key))
         if v is INVALID or (v is not None and v < 0):
             raise BadRequest(f"'{key}' must be a non-negative integer")
-    if kind == "messages":
-        v = lax_int(body.get("max_tokens"))
-        if v is None:
-            raise BadRequest("'max_tokens' is a required property")
-        if v == 0:
-            raise BadRequest("max_tokens must be positive")
+        if kind == "messages" and not v:  # (its one field, max_tokens)
+            raise BadRequest(
+                f"'{key}' is a required property" if v is None else f"{key} must be positive"
+            )
     return model, bool(stream)
 
 
