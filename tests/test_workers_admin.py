@@ -372,7 +372,13 @@ async def replacement(proc: Proc, dead: int, alive: int) -> int:
     seen: set[int] = set()
 
     async def replaced() -> bool:
-        status, data = await call(proc, "GET", "/admin/replicas")
+        try:
+            status, data = await call(proc, "GET", "/admin/replicas")
+        except aiohttp.ClientConnectionError:
+            # the killed worker's socket stays in the port's SO_REUSEPORT group until its
+            # last thread exits, and resets what the kernel hashed to it meanwhile
+            # (docs/service.md "The parent supervises"): not yet
+            return False
         assert status == 200, data
         seen.add(data["worker_pid"])
         return bool(seen - {alive, dead})
