@@ -15,12 +15,13 @@ import grpc
 import pytest
 
 from router.core.load import decode_weight
+from router.rpc.calls import metadata_headers
 from router.rpc.gen import router_pb2, router_pb2_grpc
 from router.rpc.server import loop_clock, serve_grpc
 from router.rpc.settings import GrpcSettings
 from router.service.config import build_settings
 from router.service.intake import THREAD_MIN_BODY
-from router.service.request_identity import session_key
+from router.service.request_identity import scoped_session, session_key
 from router.service.state import RouterState
 from tests.backends import kimi_model_table, metric_sample
 from tests.waiting import eventually
@@ -88,8 +89,11 @@ async def test_a_long_session_id_is_keyed_as_http_keys_it(rpc: Any) -> None:
     )
     sessions = state.engines[MODEL].sessions
     assert sessions is not None
-    assert sessions.get(session_key(sid), loop_clock()) is not None
-    assert sessions.get(sid, loop_clock()) is None
+    # scoped by the credential the call presented, as HTTP scopes by the API key
+    scope = metadata_headers(AUTH)
+    assert sessions.get(scoped_session(scope, session_key(sid)) or "", loop_clock()) is not None
+    assert sessions.get(scoped_session(scope, sid) or "", loop_clock()) is None
+    assert sessions.get(session_key(sid) or "", loop_clock()) is None
 
 
 @pytest.mark.parametrize("field", ["text", "messages_json"])
@@ -651,7 +655,9 @@ async def test_a_whole_request_body_is_processed_as_http_processes_it(rpc: Any) 
     decided = state.recent_decisions(1)[0]
     assert decided["prompt_tokens"] == want.prompt_tokens
     sessions = state.engines[MODEL].sessions
-    assert sessions is not None and sessions.get("conv-9", loop_clock()) is not None
+    scoped = scoped_session(metadata_headers(AUTH), "conv-9")
+    assert sessions is not None and scoped is not None and scoped != "conv-9"
+    assert sessions.get(scoped, loop_clock()) is not None
     completion = {"model": MODEL, "prompt": list(range(1000, 1400)), "truncate_prompt_tokens": 64}
     got = await stub.Pick(
         router_pb2.PickRequest(model=MODEL, request_json=json.dumps(completion)), metadata=AUTH

@@ -6,6 +6,7 @@ held on an event stands for a busy replica."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -890,3 +891,23 @@ async def test_a_pick_its_caller_never_heard_back_is_not_charged_to_its_tenant(
         assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await eventually(lambda: d.state.load.in_flight() == 0)
     assert d.queue().counter("") == charged
+
+
+async def test_a_key_that_is_no_utf8_is_a_tenant_like_any_other(pair: Door) -> None:
+    """An API key header with bytes that are no UTF-8 (no keys configured: admission still
+    names the tenant by it) is served, not a 500: the tenant digest encodes what the gate
+    decoded."""
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4}).encode()
+    host, port = pair.url.removeprefix("http://").split(":")
+    for key in (b"Bearer k\xff\xfe", b"Bearer k\xc3\xa9", b"k\x80"):
+        name = b"Authorization" if key.startswith(b"Bearer") else b"x-api-key"
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: %s:%s\r\n%s: %s\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+            b"Connection: close\r\n\r\n%s"
+            % (host.encode(), port.encode(), name, key, len(body), body)
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 200 "), head

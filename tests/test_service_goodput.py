@@ -152,8 +152,11 @@ async def test_the_session_id_reaches_the_routing_engine(fleet: Fleet) -> None:
         model=MODEL, messages=CHAT, max_tokens=2, user="user-9"
     )
     await eventually(lambda: len(sessions) == 3)
+    key = [(b"Authorization", b"Bearer " + fleet.client.api_key.encode())]
     for sid in ("conv-7", "conv-8", "user-9"):
-        assert sessions.get(sid, asyncio.get_running_loop().time()) is not None, sid
+        scoped = session_of(key, sid)  # the client's API key scopes its sessions
+        assert scoped is not None and scoped != sid
+        assert sessions.get(scoped, asyncio.get_running_loop().time()) is not None, sid
 
 
 def test_session_ids_come_from_the_header_then_metadata_then_user() -> None:
@@ -191,6 +194,25 @@ def test_a_non_ascii_session_header_is_keyed_as_the_body_and_grpc_key_it() -> No
         assert got is not None and got.startswith("xxh3:")
         got.encode()
     assert session_of([(b"X-Session-Id", b"a\xff")], None) != session_key("a\ud800")
+
+
+def test_sessions_are_scoped_by_the_api_key_presented() -> None:
+    """Two clients whose session ids collide ("default", a user number) keep apart: the id
+    is scoped by the key presented, whichever header or body member carries either."""
+    alice = [(b"Authorization", b"Bearer alice"), (b"X-Session-Id", b"default")]
+    bob = [(b"x-api-key", b"bob"), (b"X-Session-Id", b"default")]
+    a, b = session_of(alice, None), session_of(bob, None)
+    assert a is not None and b is not None and a != b
+    assert a.endswith("/default") and b.endswith("/default")
+    # the same key, by another header, and the id from the body: the same session
+    assert session_of([(b"api-key", b"alice")], "default") == a
+    assert session_of([(b"Authorization", b"Bearer  alice ")], "default") == a
+    # a key that is no UTF-8 is a key like any other
+    odd = session_of([(b"x-api-key", b"k\xff")], "default")
+    assert odd is not None and odd not in (a, b) and odd.encode()
+    # no key: the id as it came; no id: no session, key or not
+    assert session_of([], "default") == "default"
+    assert session_of([(b"Authorization", b"Bearer alice")], None) is None
 
 
 def test_slo_settings_from_the_file_and_the_environment(tmp_path: Any) -> None:

@@ -73,7 +73,12 @@ from router.service.handling import (
 )
 from router.service.intake import THREAD_MIN_BODY, checked_prompt
 from router.service.report_relay import Reported, report_to_peers
-from router.service.request_identity import in_flight, session_key, unique_in_flight
+from router.service.request_identity import (
+    in_flight,
+    scoped_session,
+    session_key,
+    unique_in_flight,
+)
 from router.service.slo_metric import count_refused, count_unanswered
 from router.service.state import RouterState
 from router.service.stopping import Stopping
@@ -161,6 +166,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         max_out: int | None = None  # the body's output limit (as HTTP routes with it)
         row_endpoint: str | None = None  # its trace row's (router.recorder ENDPOINTS)
         tier: object = None  # the body's service_tier (admission's class, as on HTTP)
+        # the call's metadata as HTTP headers: the API key (admission's tenant and class, the
+        # session's scope) and what else the HTTP endpoints read
+        headers = metadata_headers(context.invocation_metadata())
         try:
             if self.stopping is not None and self.stopping.started:
                 # as the HTTP side, whose listener closes when the drain begins; Reports of
@@ -208,11 +216,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 or in_flight(self.state, internal)
             ):
                 raise BadRequest(f"request_id {decision_id!r} is already in flight")
-            # kept as the HTTP endpoints keep it (over 128 characters: its digest), so a
-            # session's turns meet whichever front end they come through
-            session = session_key(request.session_id)
-            if session is None:
-                session = body_session
+            # kept as the HTTP endpoints keep it (over 128 characters: its digest; scoped by
+            # the API key the call's metadata presents), so a session's turns meet whichever
+            # front end they come through
+            session = scoped_session(headers, session_key(request.session_id) or body_session)
             slo_gate = self.state.admission
             arrived: float | None = None  # a Pick held by admission: when it came
             pd = request.model in self.state.disagg
@@ -222,7 +229,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not pinned and slo_gate is not None and slo_gate.enabled(request.model) and not pd:
                 # SLO-aware admission; a shed is RESOURCE_EXHAUSTED. Class and tenant as
                 # HTTP gives them: the body's service_tier capped by the key's class, the key
-                headers = metadata_headers(context.invocation_metadata())
                 klass = slo_gate.service_class(tier, headers)
                 arrived = now  # timed from here, as its deadline is (HTTP's ``since``)
                 tenant = slo_gate.tenant(headers)
@@ -262,7 +268,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         raise
                     raise holder_unavailable(exc, admitted, pinned) from None  # as on HTTP
                 if slo_gate is not None:  # judged in its class without admission too
-                    headers = metadata_headers(context.invocation_metadata())
                     routed = slo_gate.classed(routed, tier, headers)
         except KVRouterError as exc:
             rejected(self.state, request.model)  # counted as the HTTP endpoints count it
@@ -271,14 +276,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self.retries.take(scoped_id(request.request_id, owner_of(CALLER.get())))
                 count_refused(
                     self.state, exc, request.model, offered, tier,
-                    metadata_headers(context.invocation_metadata()),
+                    headers,
                     reply_for(exc, retry_after).status,
                 )  # fmt: skip
             if self.state.recorder is not None and offered is not None and refused_load(exc):
                 # offered load, recorded as the HTTP endpoints record it (its status theirs)
                 record_refused(
                     self.state, request.model, offered,
-                    session_key(request.session_id) or body_session, max_out, None,
+                    scoped_session(headers, session_key(request.session_id) or body_session),
+                    max_out, None,
                     row_endpoint, started, self.clock(), reply_for(exc, retry_after).status,
                 )  # fmt: skip
             await abort_error(context, exc, retry_after)
@@ -293,7 +299,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # offered load all the same, recorded as the HTTP endpoints record it
                 record_refused(
                     self.state, request.model, offered,
-                    session_key(request.session_id) or body_session, max_out, None,
+                    scoped_session(headers, session_key(request.session_id) or body_session),
+                    max_out, None,
                     row_endpoint, started, self.clock(), CLIENT_CLOSED,
                 )  # fmt: skip
             raise

@@ -31,8 +31,6 @@ import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import xxhash
-
 from router.core.admission import (
     ADMIT,
     CLASS_NAMES,
@@ -57,7 +55,7 @@ from router.core.errors import KVRouterError, NoReplicaAvailable, Overloaded, Sh
 from router.core.policies import Ours
 from router.core.types import ReplicaKey
 from router.service.body_memo import Admitted
-from router.service.gate import presented_key
+from router.service.gate import presented_key, tenant_of
 from router.service.state import Pending, Routed, RouterState
 from router.tokenize.keying import ProcessedPrompt
 
@@ -165,8 +163,7 @@ class Admission:
 
     @staticmethod
     def tenant(headers: Iterable[tuple[bytes, bytes]]) -> str:
-        key = presented_key(headers)
-        return xxhash.xxh3_64_hexdigest(key.encode()) if key else ""
+        return tenant_of(headers)
 
     def priority_patch(self, admitted: Admitted, headers: list[tuple[bytes, bytes]]) -> bytes:
         """The body member giving the engine the request's class as vLLM's ``priority``

@@ -14,6 +14,8 @@ import hmac
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import xxhash
+
 from router.service.errors import ErrorReply
 
 if TYPE_CHECKING:
@@ -24,6 +26,14 @@ _PASS: tuple[None, None] = (None, None)
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+def tenant_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """Who presented the request's API key (:func:`presented_key`), as admission's fairness
+    and the session table scope by it: the key's 64-bit digest in hex, "" for no key. The
+    key's own bytes are digested (as :func:`_digest` does), whatever they are."""
+    key = presented_key(headers)
+    return xxhash.xxh3_64_hexdigest(key.encode("utf-8", "surrogateescape")) if key else ""
 
 
 class ApiKeys:

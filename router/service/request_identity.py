@@ -16,6 +16,7 @@ from typing import Any
 
 import xxhash
 
+from router.service.gate import tenant_of
 from router.service.state import RouterState
 
 
@@ -89,11 +90,26 @@ def session_of(headers: Iterable[tuple[bytes, bytes]], body_session: str | None)
     :func:`~router.service.intake.admit`). The header's bytes are read as the id's UTF-8,
     as a JSON body's ``session_id`` and gRPC Pick's (a proto string) give it, so a session
     keeps its key whichever carries it (bytes that are no UTF-8 are kept as surrogate
-    escapes, then digested: :func:`session_key`)."""
+    escapes, then digested: :func:`session_key`).
+
+    Scoped by the API key presented (:func:`scoped_session`)."""
+    session = body_session
     for k, v in headers:
         if len(k) == 12 and k.lower() == b"x-session-id" and v:
-            return session_key(v.decode("utf-8", "surrogateescape"))
-    return body_session
+            session = session_key(v.decode("utf-8", "surrogateescape"))
+            break
+    return scoped_session(headers, session)
+
+
+def scoped_session(headers: Iterable[tuple[bytes, bytes]], session: str | None) -> str | None:
+    """``session`` as the router keys it: after the digest of the API key the request
+    presented (:func:`~router.service.gate.tenant_of`, as admission names the tenant), so two
+    clients whose ids collide ("default", a user number) each keep their own session's hint
+    rather than overwriting each other's. No key: the id as it came."""
+    if session is None:
+        return None
+    tenant = tenant_of(headers)
+    return tenant + "/" + session if tenant else session
 
 
 def body_session(body: dict[str, Any]) -> str | None:
