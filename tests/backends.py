@@ -53,6 +53,8 @@ class Backend:
     fail_status: int = 500
     delay_s: float = 0.0
     gate: asyncio.Event | None = None
+    # a stream's head goes out, then its first token waits for this (a prefill under way)
+    prefill_gate: asyncio.Event | None = None
     chunk_delay_s: float = 0.0
     hang: bool = False
     chunks: int = 4
@@ -169,6 +171,9 @@ class Backend:
             await resp.write(event)
 
         try:
+            if self.prefill_gate is not None:
+                await resp.write(b": prefilling\n\n")  # (aiohttp holds a bare head back)
+                await self.prefill_gate.wait()
             for i, w in enumerate(words):
                 for c in range(choices):
                     choice: dict[str, Any]

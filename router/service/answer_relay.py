@@ -24,6 +24,7 @@ import contextlib
 from collections import deque
 from typing import Any
 
+from router.core.routing import Dispatch
 from router.core.types import ReplicaKey
 from router.recorder import CLIENT_CLOSED
 from router.service.answer_book import count_slo, judged, record_answer, record_request
@@ -106,12 +107,14 @@ class AnswerRelay:
         endpoint: str | None = None,
         ends: object = None,
         stream: bool | None = None,
+        dispatch: Dispatch | None = None,
     ) -> None:
         """Relay the answer of ``key``. ``ends``: the attempt's token when its first byte was
         no success for outlier ejection yet (a stream): how the stream ends is booked for it
         (whole, the engine's error event, broken off, or left by the client). ``stream``:
         the client asked for a stream (a failed request's trace row says so; None: as the
-        answer came)."""
+        answer came). ``dispatch``: what routing guessed of the attempt's replica, taken
+        back when the client leaves before the first token (``RouterState.withdraw``)."""
         state = self.state
         mm = state.metrics.model(routed.request.model)
         # equality, not identity: compiled (mypyc) code may hand over a copy of the tuple
@@ -273,6 +276,8 @@ class AnswerRelay:
                 ends = None
             else:
                 mm.outcome(key, "cancelled").inc()
+                if first_at == 0.0 and whole is None:  # no token yet: a prefill cut short
+                    state.withdraw(routed.request.model, dispatch)
                 if not failed:
                     # a whole answer: the engine's output was all produced (its usage)
                     produced = None

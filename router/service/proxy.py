@@ -289,6 +289,7 @@ class Forwarder(AnswerRelay):
                         endpoint_of(path),
                         ends,
                         stream,
+                        dispatch,
                     )
                 finally:
                     upstream.release()
@@ -311,6 +312,7 @@ class Forwarder(AnswerRelay):
             if key is not None and state.load.replica_of(rid) is not None:
                 mm.outcome(key, "cancelled").inc()
                 self.record_cancelled(routed, started, stream, endpoint_of(path))
+                state.withdraw(model, dispatch)  # no answer yet: the prefill was cut short
             raise
         finally:
             # whatever happened, the request no longer loads a replica (idempotent), and an

@@ -338,8 +338,12 @@ class RouterState:
 
     def withdraw(self, model: str, dispatch: Dispatch | None) -> None:
         """A dispatch of ``model`` never reached its replica's cache: a refused or dropped
-        connection, an error answer (RoutingEngine.withdraw). Not for a timeout or a broken
-        answer: the replica may have taken (be prefilling) the prompt."""
+        connection, an error answer (RoutingEngine.withdraw); or its client left before the
+        first token, so the engine aborted the prefill and will report stored only the
+        blocks it finished, never the prompt's last (the session's hint, awaiting that
+        block, would credit the whole prompt until it expired): its events alone tell.
+        Not for a timeout or a broken answer: the replica may still be prefilling the
+        prompt, and a retry is sent."""
         engine = self.engines.get(model)
         if dispatch is not None and engine is not None:
             engine.withdraw(dispatch)
