@@ -484,16 +484,18 @@ async def test_reported_failures_eject_a_replica_as_http_failures_do() -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "ejected"), [(400, False), (422, False), (429, True), (503, True)]
+    ("status", "ejected"),
+    [(400, False), (422, False), (429, True), (503, True), ("cancelled", False)],
 )
 async def test_a_refusal_reported_with_a_clients_error_status_ejects_nothing(
-    status: int, ejected: bool
+    status: int | str, ejected: bool
 ) -> None:
     """A REFUSED report with the answer's ``http_status``: a 4xx other than 429 is the
     client's error (the HTTP forwarder never counts one toward ejection), so a gateway
     whose clients send bad requests does not get a good replica ejected; 429 and 5xx count
     as failures. The guess is withdrawn either way (the replica took nothing) and the
-    outcome is the HTTP endpoints' label."""
+    outcome is the HTTP endpoints' label. A CANCELLED report (the client left) is no
+    failure either: counted ``cancelled``, as the HTTP forwarder counts a client leaving."""
     from router.rpc.server import GRPC_PORT
     from router.service.app import STATE
     from tests.backends import start_router
@@ -509,15 +511,20 @@ async def test_a_refusal_reported_with_a_clients_error_status_ejects_nothing(
                     model=MODEL, token_ids=_ids(320, start=i * 1000), candidates=["a"]
                 )
                 got = await stub.Pick(pick, metadata=AUTH)
-                refused = report(
-                    decision_id=got.decision_id, phase=report.REFUSED, http_status=status
-                )
+                if isinstance(status, int):
+                    refused = report(
+                        decision_id=got.decision_id, phase=report.REFUSED, http_status=status
+                    )
+                else:
+                    refused = report(decision_id=got.decision_id, phase=report.CANCELLED)
                 assert (await stub.Report(refused, metadata=AUTH)).accepted
             (key,) = state.registry.find("a")
             assert state.load.view(key, loop_clock()).healthy is not ejected
             assert state.load.in_flight() == 0
             page = state.metrics.render().decode()
-            label = "upstream_4xx" if not ejected else "failed"
+            label = "failed" if ejected else "upstream_4xx"
+            if not isinstance(status, int):
+                label = status
             assert (
                 metric_sample(
                     page, "kvrouter_requests_total", model=MODEL, replica="a", outcome=label

@@ -8,6 +8,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -466,14 +467,25 @@ def _guessing_state(**server: Any) -> RouterState:
     )
 
 
-@pytest.mark.parametrize("phase", ["REFUSED", "FAILED", "REFUSED_AFTER_FIRST_TOKEN"])
+@pytest.mark.parametrize(
+    "phase",
+    [
+        "REFUSED",
+        "FAILED",
+        "REFUSED_AFTER_FIRST_TOKEN",
+        "CANCELLED",
+        "CANCELLED_AFTER_FIRST_TOKEN",
+    ],
+)
 async def test_a_refused_report_withdraws_the_decisions_guess(phase: str) -> None:
     """A gateway whose replica refused the request (an error status, a refused connection)
     reports REFUSED: what the Pick guessed the replica would cache goes at once, so the
     retry's Pick (and any request sharing the prefix) is not drawn there. FAILED (the
     replica may be prefilling it: no answer in time) keeps the guess until its TTL, and so
     does a REFUSED after a FIRST_TOKEN report (the replica computed the prompt: it holds
-    it, whatever the gateway calls the end)."""
+    it, whatever the gateway calls the end). CANCELLED before a first token (the client
+    left, the engine aborted the prefill: it never reports the prompt's last block) goes
+    as REFUSED does; after one it stays."""
     state = _guessing_state()
     grpc_settings = GrpcSettings(port=0, token=TOKEN, admin_token=ADMIN, max_message_mb=4)
     gen = serve_grpc(state, grpc_settings, loop_clock)
@@ -489,7 +501,7 @@ async def test_a_refused_report_withdraws_the_decisions_guess(phase: str) -> Non
             first = await stub.Pick(pick, metadata=auth())
             key = next(k for k in state.registry.keys_for(MODEL) if k.replica == first.replica)
             assert state.index.match(hashes).get(key).kv_blocks == len(hashes)
-            if phase == "REFUSED_AFTER_FIRST_TOKEN":
+            if phase.endswith("_AFTER_FIRST_TOKEN"):
                 token = router_pb2.ReportRequest(
                     decision_id="w1", phase=router_pb2.ReportRequest.FIRST_TOKEN
                 )
@@ -500,7 +512,7 @@ async def test_a_refused_report_withdraws_the_decisions_guess(phase: str) -> Non
             )
             assert (await stub.Report(report, metadata=auth())).accepted
             held = state.index.match(hashes).get(key).kv_blocks
-            assert held == (0 if phase == "REFUSED" else len(hashes))
+            assert held == (0 if phase in ("REFUSED", "CANCELLED") else len(hashes))
             assert state.load.in_flight() == 0
     finally:
         await gen.aclose()
@@ -937,11 +949,20 @@ async def test_completed_picks_are_recorded_as_the_http_answers_are(tmp_path: An
             assert "http_status" in (exc.value.details() or "")
         busy = phase(decision_id=refused.decision_id, phase=phase.REFUSED, http_status=429)
         assert (await stub.Report(busy, metadata=auth())).accepted
+        # the client left after 2 tokens: offered load (CLIENT_CLOSED), no failure, no miss
+        left = await stub.Pick(pick, metadata=auth())
+        for step in (phase.FIRST_TOKEN, phase.CANCELLED):
+            report = phase(decision_id=left.decision_id, phase=step, output_tokens=2)
+            assert (await stub.Report(report, metadata=auth())).accepted
+        page = state.metrics.render().decode()
+        outcome = partial(metric_sample, page, "kvrouter_requests_total", model=MODEL)
+        assert outcome(outcome="cancelled") == 1 and outcome(outcome="failed") == 2
         recorder.flush()
         rows = [json.loads(line) for line in trace.read_text().splitlines()]
-        assert len(rows) == 4, rows
+        assert len(rows) == 5, rows
         first, second, *no_answer = rows
-        assert [row.get("status") for row in no_answer] == [502, 429], no_answer
+        assert [row.get("status") for row in no_answer] == [502, 429, 499], no_answer
+        assert no_answer[2]["output_length"] == 2 and no_answer[2]["stream"] is True
         for row in no_answer:
             assert not {"replica", "pred_hit", "cached", "ttft_ms"} & row.keys(), row
         assert no_answer[1]["endpoint"] == "completions" and no_answer[1]["output_length"] == 3

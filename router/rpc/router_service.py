@@ -487,10 +487,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # a 4xx other than 429 is the client's error, answered correctly: no failure of the
         # replica's (as the HTTP forwarder counts it), though it took nothing of the request
         client_error = report.http_status is not None and _client_error(report.http_status)
+        cancelled = phase == router_pb2.ReportRequest.CANCELLED
         if self.ejections is not None and pending.replica is not None:
             # a failure counts toward ejecting the replica; a first token or an answer ends
-            # its failure run (as the HTTP forwarder's attempts do)
-            if phase in _FAILURES and not client_error:
+            # its failure run (as the HTTP forwarder's attempts do); a request its client
+            # left is neither (dropped, as the forwarder drops an attempt still open)
+            if cancelled:
+                self.ejections.dropped(pending.replica, pending.token, now)
+            elif phase in _FAILURES and not client_error:
                 self.ejections.failed(pending.replica, "reported", now, pending.token)
             else:
                 self.ejections.answered(pending.replica, pending.token, now)
@@ -499,6 +503,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not pending.first_at:
                 pending.first_at = now
                 mm.ttft.observe(now - pending.since)
+        elif cancelled:
+            self.book.pop(internal)
+            self._end(pending)
+            if not pending.first_at:  # the engine aborted its prefill (RouterState.withdraw)
+                self.state.withdraw(pending.model, pending.dispatch)
+            mm.outcome(pending.replica, "cancelled").inc()  # no miss of its SLO: nobody waited
+            if self.state.recorder is not None and pending.routed is not None:
+                record_request(
+                    self.state, pending.routed.request, pending.routed.prompt, pending.since,
+                    now, report.output_tokens or None, None, 0.0,
+                    True if pending.first_at else None, pending.endpoint, status=CLIENT_CLOSED,
+                )  # fmt: skip
         else:
             self.book.pop(internal)
             self._end(pending)

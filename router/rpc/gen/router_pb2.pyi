@@ -79,11 +79,13 @@ class ReportRequest(_message.Message):
         COMPLETED: _ClassVar[ReportRequest.Phase]
         FAILED: _ClassVar[ReportRequest.Phase]
         REFUSED: _ClassVar[ReportRequest.Phase]
+        CANCELLED: _ClassVar[ReportRequest.Phase]
     PHASE_UNSPECIFIED: ReportRequest.Phase
     FIRST_TOKEN: ReportRequest.Phase
     COMPLETED: ReportRequest.Phase
     FAILED: ReportRequest.Phase
     REFUSED: ReportRequest.Phase
+    CANCELLED: ReportRequest.Phase
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
