@@ -29,7 +29,7 @@ from router.core.types import ReplicaKey, RouteRequest
 from router.service.registry import ReplicaRegistry
 from router.service.settings import ModelSettings
 from router.service.state import Routed, RouterState, route_request
-from router.tokenize.lax import lax_bool, lax_int
+from router.tokenize.lax import INVALID, lax_bool, lax_int
 from router.tokenize.request_fields import asks_prompt_logprobs
 
 
@@ -162,7 +162,7 @@ def route(
     return PdFlow(leg, request, md)
 
 
-def keep_local(body: dict[str, Any], kind: str) -> str:
+def keep_local(body: dict[str, Any], kind: str, max_output_tokens: int | None = None) -> str:
     """Why vLLM 0.34's protocol cannot carry this request of ``kind`` (``chat`` /
     ``completion`` / ``messages`` / ``responses``) from a prefill replica to a decode one
     ('' when it can): router.core.disagg.keep_local_reason (the reasons, shared with the
@@ -170,7 +170,11 @@ def keep_local(body: dict[str, Any], kind: str) -> str:
     are 2); a completion's ``prompt`` list is a batch unless it is one prompt of token ids;
     prompt logprobs: ``prompt_logprobs``, or ``echo`` with chat's ``top_logprobs`` /
     completions' ``logprobs``; ``use_beam_search`` read as vLLM reads a bool ("on" is
-    true)."""
+    true). A body vLLM refuses for a field the prefill leg overrides is kept local too
+    (:data:`INVALID_BODY`; ``max_output_tokens``: the request's output limit as
+    router/service/intake.py ``max_output_tokens`` reads it)."""
+    if kind in ("chat", "completion") and _refused_under_prefill_caps(body, max_output_tokens):
+        return INVALID_BODY
     n = lax_int(body.get("n"))
     samples = n if type(n) is int else 1
     prompt = body.get("prompt") if kind == "completion" else None
@@ -182,6 +186,39 @@ def keep_local(body: dict[str, Any], kind: str) -> str:
         asks_prompt_logprobs(body, kind),
         lax_bool(body.get("use_beam_search")) is True,
     )
+
+
+INVALID_BODY = "invalid_body"
+"""The reason a body vLLM 0.34 refuses for a field the prefill leg overrides (``stream_options``,
+``min_tokens``: router/service/pd_serve.py) stays local: the leg's own values would make it
+valid there, so the prefill replica would compute the whole prompt for a decode leg its
+engine then refuses (at request validation, before ``_with_kv_transfer_rejection_cleanup``
+could hand the blocks back: they wait for the KV lease); served whole, one replica refuses
+it, as vLLM does."""
+_STREAM_FLAGS = ("include_usage", "continuous_usage_stats")
+
+
+def _refused_under_prefill_caps(body: dict[str, Any], max_output_tokens: int | None) -> bool:
+    """Whether vLLM 0.34 refuses this chat / completion body for ``stream_options`` or
+    ``min_tokens``, which the prefill leg overrides: ``stream_options`` set (truthy) on a
+    body whose raw ``stream`` is not (``validate_stream_options``, a model validator), or not
+    a ``StreamOptions`` object (its flags pydantic bools); ``min_tokens`` not an integer (it
+    is no optional field: null is refused), below 0 or above the request's output limit
+    ``max_output_tokens`` when it has one (``SamplingParams._verify_args``)."""
+    options = body.get("stream_options")
+    if options and not body.get("stream"):
+        return True
+    if options is not None and (
+        not isinstance(options, dict)
+        or any(lax_bool(options.get(flag)) is INVALID for flag in _STREAM_FLAGS)
+    ):
+        return True
+    if "min_tokens" not in body:
+        return False
+    least = lax_int(body["min_tokens"])
+    if type(least) is not int:  # None or INVALID
+        return True
+    return least < 0 or (max_output_tokens is not None and least > max_output_tokens)
 
 
 def _token_ids(prompt: list[Any]) -> bool:

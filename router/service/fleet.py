@@ -12,6 +12,7 @@ import logging
 import math
 from collections.abc import Callable, Collection, Sequence
 
+from router.core.disagg import Role
 from router.core.index import PrefixIndex
 from router.core.load import LoadTracker
 from router.core.types import ReplicaKey
@@ -125,7 +126,9 @@ class Fleet:
             rack=info.rack or None,
             region=info.region or None,
             dp_ranks=len(ranks),
-            role=info.role,
+            # read as a configured role is (any case, "" for both): the disaggregator looks
+            # roles up by their canonical names (router/service/disagg.py)
+            role=Role.parse(info.role).value,
         )
         if settings == previous:
             # the same registration again (a re-bootstrap after a Redis outage re-announces

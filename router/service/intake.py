@@ -223,7 +223,7 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
         None if messages or responses else usage_patch(body),
         tier,
         stream=stream,
-        keep_local=disagg.keep_local(body, kind),
+        keep_local=disagg.keep_local(body, kind, max_out),
         prefill_caps=pd_serve.prefill_caps(body),
         previous_response=previous_response(body) if responses else None,
         stores=responses and stores(body),

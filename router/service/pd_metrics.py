@@ -36,7 +36,7 @@ class PdCollector(Collector):
             "Disaggregation decisions by reason (remote: always, remote_pays; local: off, "
             "few_uncached, local_hit, cheaper_local, same_replica, no_prefill_replica, "
             "beam_search, parallel_sampling, batch_prompts, prompt_logprobs, messages_api, "
-            "responses_api)",
+            "responses_api, invalid_body)",
             labels=["model", "reason"],
         )
         fallbacks = CounterMetricFamily(
