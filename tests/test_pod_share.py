@@ -272,6 +272,39 @@ async def test_a_pod_that_leaves_sends_the_withdrawals_it_still_held(
         assert two.engine.sessions.get("conversation-4", loop.time()) is None
 
 
+async def test_a_withdrawal_in_flight_when_the_pod_stops_goes_in_its_leaving_message(
+    private_redis: LocalRedis,
+) -> None:
+    """A pod stops while its last message waits on a Redis that holds writes (``CLIENT
+    PAUSE WRITE``, as a failover does): the stop cancels that write, which never lands,
+    so its withdrawal must go in the leaving message, or the other pods keep the refused
+    dispatch's entries and binding for their whole TTL."""
+    routing = RoutingSettings(BLOCK, speculative_ttl_s=30.0, speculate_sessions=True)
+    async with two_pods(private_redis.url, "kvr", routing) as (one, two):
+        prompt = list(range(600, 620))
+        refused = one.dispatch(prompt, "conversation-8", KEYS[3])
+        counters = two.share.counters
+        await eventually(lambda: counters.applied_spec == counters.applied_sessions == 1)
+        admin = connect(private_redis.url)
+        try:
+            await admin.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+            one.engine.withdraw(refused)  # the replica refused it
+            await eventually(lambda: not one.share.outbox)  # its message is on its way
+            one.task.cancel()  # the pod stops
+            with contextlib.suppress(asyncio.CancelledError):
+                await one.task
+            leaving = asyncio.create_task(one.exchange.leave())
+            await admin.execute_command("CLIENT", "UNPAUSE")
+            await leaving
+            await eventually(lambda: two.index.match(prompt).get(KEYS[3]).kv_blocks == 0)
+            assert two.engine.sessions is not None
+            loop = asyncio.get_running_loop()
+            assert two.engine.sessions.get("conversation-8", loop.time()) is None
+        finally:
+            await admin.execute_command("CLIENT", "UNPAUSE")
+            await admin.aclose()
+
+
 async def test_a_withdrawal_redis_refused_is_sent_again(private_redis: LocalRedis) -> None:
     """A message Redis refuses (full under ``noeviction``, a failover) carried a
     withdrawal: it must go in a later message, or the other pods keep the refused

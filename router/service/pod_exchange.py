@@ -181,8 +181,9 @@ class PodExchange:
         return data
 
     def _unsent(self) -> None:
-        """The last snapshot never got through: its load goes again at the next check, its
-        shared rows and withdrawals in the next message (router/service/pod_share.py)."""
+        """The last snapshot never got through (refused, unanswered, or its call cancelled
+        by a stop): its load goes again at the next check, its shared rows and withdrawals
+        in the next message, the leaving one included (router/service/pod_share.py)."""
         self._sent_changes = -1
         if self.share is not None:
             self.share.outbox.put_back()
@@ -199,7 +200,7 @@ class PodExchange:
                     maxlen=self.settings.stream_maxlen,
                     approximate=True,
                 )
-            except Exception:
+            except BaseException:  # a stop cancelling it too: the leaving message carries it
                 self._unsent()
                 raise
 
@@ -261,7 +262,7 @@ class PodExchange:
         pipe.hgetall(key)
         try:
             results = await pipe.execute()
-        except Exception:
+        except BaseException:
             if writing:
                 self._unsent()
             raise
