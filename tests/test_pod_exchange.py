@@ -214,6 +214,28 @@ async def test_negative_or_huge_counts_are_rejected(
         assert two.exchange.counters.errors == 0
 
 
+async def test_a_huge_decode_weight_is_rejected(redis_server: LocalRedis, key_prefix: str) -> None:
+    """A decode weight is summed over the members and added to and taken off the tracker's
+    float sums: two finite but huge ones make it infinite, and taking them off again leaves
+    NaN on the replica for as long as it has requests in flight (every score of it then
+    NaN). Bounded as the counts are."""
+    async with pods(redis_server.url, key_prefix, "stream", ("p1", "p2")) as (one, two):
+        two.load.columns((A,))  # mirrored: the table takes floats
+        one.load.dispatch("r1", A, prompt_tokens=100, cached_tokens=0)
+        await eventually(lambda: two.prefilling() == 1)
+        key = two.exchange.settings.stream_key
+        for seq, weight in ((1, 1e308), (2, 0.5)):
+            for n in range(2):
+                row = ["a", 0, 1, 10, 0, 0, 10, weight]
+                body = {"load": [row], "m": f"x{n}/1", "p": f"x{n}", "s": seq}
+                await two.client.xadd(key, {b"s": json.dumps(body).encode()})
+        await eventually(lambda: two.prefilling() == 3)
+        assert two.exchange.counters.rejected == 2
+        weight = two.load.view(A, 0.0).decode_weight
+        assert weight == pytest.approx(1 + one.load.own(A).decode_weight)
+        assert two.load.columns((A,)).decode_weight[0] == pytest.approx(weight)
+
+
 async def test_another_pod_with_this_pods_name_is_reported(
     redis_server: LocalRedis, key_prefix: str
 ) -> None:

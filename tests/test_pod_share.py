@@ -46,7 +46,9 @@ def settings(spec_ttl: float, session_ttl: float = 600.0) -> RoutingSettings:
 class Pod:
     """One pod: its own index, load, engine and exchange (a task on the test's loop)."""
 
-    def __init__(self, url: str, prefix: str, name: str, routing: RoutingSettings) -> None:
+    def __init__(
+        self, url: str, prefix: str, name: str, routing: RoutingSettings, mode: str = "stream"
+    ) -> None:
         self.index = PrefixIndex()
         self.load = LoadTracker()
         for key in KEYS:
@@ -56,7 +58,7 @@ class Pod:
         self.share.attach()
         self.client = connect(url)
         loop = asyncio.get_running_loop()
-        ex = ExchangeSettings("stream", prefix, name, 0.005, 0.5)
+        ex = ExchangeSettings(mode, prefix, name, 0.005, 0.5)
         self.exchange = PodExchange(
             ex, self.client, self.load, PeerSum(self.load), loop.time, self.share
         )
@@ -92,8 +94,10 @@ class Pod:
 
 
 @contextlib.asynccontextmanager
-async def two_pods(url: str, prefix: str, routing: RoutingSettings) -> AsyncIterator[list[Pod]]:
-    pods = [Pod(url, prefix, name, routing) for name in ("p1", "p2")]
+async def two_pods(
+    url: str, prefix: str, routing: RoutingSettings, mode: str = "stream"
+) -> AsyncIterator[list[Pod]]:
+    pods = [Pod(url, prefix, name, routing, mode) for name in ("p1", "p2")]
     try:
         # both read the stream (each has seen the other's first snapshot) before the test
         await eventually(lambda: all(p.exchange.views.views for p in pods))
@@ -116,6 +120,82 @@ async def test_a_session_bound_on_one_pod_is_honoured_by_another(
         assert two.route(turn2, session="other")[1] == 0  # another session: no credit
         got, usable = two.route(turn2, session="conversation-1")
         assert (got, usable) == (replica, len(turn1) * BLOCK)
+
+
+async def test_a_hash_mode_members_first_dispatch_reaches_the_others(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    """In ``hash`` mode a reader polls every field within the bound: the first message of a
+    member it has been reading (its heartbeats) that carries rows was written since the
+    previous poll, not long ago. Its rows apply, as every later message's do."""
+    async with two_pods(redis_server.url, key_prefix, settings(0.0), "hash") as (one, two):
+        # two has read one's field (its heartbeats) at more than one poll
+        first = two.exchange.counters.received
+        await eventually(lambda: two.exchange.counters.received > first + 2)
+        turn1 = list(range(1, 17))
+        replica, _ = one.route(turn1, session="conversation-5")
+        await eventually(lambda: two.share.counters.applied_sessions == 1)
+        got, usable = two.route([*turn1, 101, 102], session="conversation-5")
+        assert (got, usable) == (replica, len(turn1) * BLOCK)
+
+
+async def test_a_hash_reader_back_from_an_outage_does_not_take_rows_it_cannot_date(
+    redis_server: LocalRedis, key_prefix: str
+) -> None:
+    """A ``hash`` reader that could not poll for longer than the bound finds, when it is
+    back, a field whose version moved meanwhile: its rows may have been written just after
+    the last poll, and their TTLs counted down since (the member may have died then). They
+    must not apply as if just sent: the sender's own entries lapsed long ago."""
+    routing = RoutingSettings(BLOCK, speculative_ttl_s=30.0, speculate_sessions=True)
+    clock = [100.0]
+    client = connect(redis_server.url)
+    try:
+        pods = []
+        for name in ("p1", "p2"):
+            load = LoadTracker()
+            for key in KEYS:
+                load.add_replica(key)
+            engine = RoutingEngine(PrefixIndex(), load, make_policy("ours"), routing)
+            share = PodShare({MODEL: engine}, lambda model, key: key in KEYS)
+            share.attach()
+            ex = ExchangeSettings("hash", key_prefix, name, 0.005, 0.5)
+            exchange = PodExchange(ex, client, load, PeerSum(load), lambda: clock[0], share)
+            pods.append((engine, share, exchange))
+        (sender, _, one), (reader, got, two) = pods
+
+        def send(prompt: list[int], session: str) -> Dispatch:
+            request = RouteRequest(session, MODEL, len(prompt) * BLOCK, prompt, BLOCK, session)
+            decision = sender.route(request, [KEYS[1]], clock[0], random.Random(1))
+            return sender.dispatched(request, decision, clock[0])
+
+        async def poll(step: float) -> None:
+            clock[0] += step
+            await one.poll_hash(clock[0])
+            await two.poll_hash(clock[0])
+
+        await poll(0.0)
+        await poll(0.01)
+        refused = send(list(range(1, 9)), "conversation-6")
+        await poll(0.01)
+        assert got.counters.applied_sessions == 1  # read within the bound: applies
+        assert reader.index.match(list(range(1, 10)), now=clock[0]).get(KEYS[1]).kv_blocks == 8
+        send(list(range(50, 58)), "conversation-7")
+        sender.withdraw(refused)
+        clock[0] += 0.01
+        await one.poll_hash(clock[0])  # its last message; then it dies
+        clock[0] += 20.0  # two polls again 20 s later: one's new entries lapsed at 130 s
+        await two.poll_hash(clock[0])
+        assert got.counters.applied_spec == 1 and got.counters.applied_sessions == 1
+        # what it took of the earlier message is taken back all the same
+        assert got.counters.withdrawn == 1
+        assert reader.index.match(list(range(1, 10)), now=clock[0]).get(KEYS[1]).kv_blocks == 0
+        assert reader.sessions is not None
+        assert reader.sessions.get("conversation-6", clock[0]) is None
+        clock[0] += 20.0
+        assert reader.index.match(list(range(50, 59)), now=clock[0]).get(KEYS[1]).kv_blocks == 0
+        assert reader.sessions.get("conversation-7", clock[0]) is None
+    finally:
+        await client.aclose()
 
 
 async def test_a_session_id_json_can_carry_but_utf_8_cannot_is_shared_too(
@@ -190,6 +270,39 @@ async def test_a_pod_that_leaves_sends_the_withdrawals_it_still_held(
         assert two.engine.sessions is not None
         loop = asyncio.get_running_loop()
         assert two.engine.sessions.get("conversation-4", loop.time()) is None
+
+
+async def test_a_withdrawal_in_flight_when_the_pod_stops_goes_in_its_leaving_message(
+    private_redis: LocalRedis,
+) -> None:
+    """A pod stops while its last message waits on a Redis that holds writes (``CLIENT
+    PAUSE WRITE``, as a failover does): the stop cancels that write, which never lands,
+    so its withdrawal must go in the leaving message, or the other pods keep the refused
+    dispatch's entries and binding for their whole TTL."""
+    routing = RoutingSettings(BLOCK, speculative_ttl_s=30.0, speculate_sessions=True)
+    async with two_pods(private_redis.url, "kvr", routing) as (one, two):
+        prompt = list(range(600, 620))
+        refused = one.dispatch(prompt, "conversation-8", KEYS[3])
+        counters = two.share.counters
+        await eventually(lambda: counters.applied_spec == counters.applied_sessions == 1)
+        admin = connect(private_redis.url)
+        try:
+            await admin.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+            one.engine.withdraw(refused)  # the replica refused it
+            await eventually(lambda: not one.share.outbox)  # its message is on its way
+            one.task.cancel()  # the pod stops
+            with contextlib.suppress(asyncio.CancelledError):
+                await one.task
+            leaving = asyncio.create_task(one.exchange.leave())
+            await admin.execute_command("CLIENT", "UNPAUSE")
+            await leaving
+            await eventually(lambda: two.index.match(prompt).get(KEYS[3]).kv_blocks == 0)
+            assert two.engine.sessions is not None
+            loop = asyncio.get_running_loop()
+            assert two.engine.sessions.get("conversation-8", loop.time()) is None
+        finally:
+            await admin.execute_command("CLIENT", "UNPAUSE")
+            await admin.aclose()
 
 
 async def test_a_withdrawal_redis_refused_is_sent_again(private_redis: LocalRedis) -> None:
@@ -285,8 +398,8 @@ async def test_malformed_or_oversized_messages_are_counted_and_ignored(
 
 
 def test_a_hash_field_seen_first_is_not_trusted_for_its_rows() -> None:
-    """In hash mode a field may have been written long before it is first read (its member
-    dead): its rows wait for the member's next version."""
+    """In hash mode a field may have been written long before the first poll reads it (its
+    member dead): its rows wait for the member's next version."""
     engine = RoutingEngine(PrefixIndex(), LoadTracker(), make_policy("ours"), settings(30.0))
     sender = PodShare({MODEL: engine}, lambda m, k: True)
     sender.attach()
@@ -299,8 +412,8 @@ def test_a_hash_field_seen_first_is_not_trusted_for_its_rows() -> None:
         engine.on_dispatch(request, KEYS[0], [], 0.0, 30.0, 1)
         return encode("old/1", "old", seq, LoadTracker(), sender.outbox.take(0.0))
 
-    exchange._take(message(1), 0.0)
-    exchange._take(message(1), 0.0)  # the same version again
+    exchange._take(message(1), 0.0, dated=False)  # the first poll: it cannot date it
+    exchange._take(message(1), 0.0)  # the same version again, at the next poll
     assert share.counters.applied_spec == 0
     exchange._take(message(2), 0.0)
     assert share.counters.applied_spec == 1

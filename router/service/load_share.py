@@ -87,7 +87,14 @@ def _count(v: object) -> bool:
 
 
 def _weight(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    """A decode weight: bounded as a count is, so that the members' sum stays finite (an
+    infinite one taken off again would leave NaN in the tracker's sums)."""
+    return (
+        isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and 0 <= v < _MAX_COUNT
+    )
 
 
 @dataclass(slots=True)

@@ -181,8 +181,9 @@ class PodExchange:
         return data
 
     def _unsent(self) -> None:
-        """The last snapshot never got through: its load goes again at the next check, its
-        shared rows and withdrawals in the next message (router/service/pod_share.py)."""
+        """The last snapshot never got through (refused, unanswered, or its call cancelled
+        by a stop): its load goes again at the next check, its shared rows and withdrawals
+        in the next message, the leaving one included (router/service/pod_share.py)."""
         self._sent_changes = -1
         if self.share is not None:
             self.share.outbox.put_back()
@@ -199,7 +200,7 @@ class PodExchange:
                     maxlen=self.settings.stream_maxlen,
                     approximate=True,
                 )
-            except Exception:
+            except BaseException:  # a stop cancelling it too: the leaving message carries it
                 self._unsent()
                 raise
 
@@ -261,7 +262,7 @@ class PodExchange:
         pipe.hgetall(key)
         try:
             results = await pipe.execute()
-        except Exception:
+        except BaseException:
             if writing:
                 self._unsent()
             raise
@@ -336,7 +337,7 @@ class PodExchange:
         self.views.take(snap, now - age_s, dated)
         own = snap.member == self.member and (mine or snap.instance is None)
         if self.share is not None and snap.shared is not None and not own:
-            self._apply_shared(self.share, snap, now, age_s)
+            self._apply_shared(self.share, snap, now, age_s, dated)
         return own
 
     def _same_name(self, snap: Snapshot) -> None:
@@ -369,22 +370,27 @@ class PodExchange:
             self.settings.pod,
         )
 
-    def _apply_shared(self, share: PodShare, snap: Snapshot, now: float, age_s: float) -> None:
+    def _apply_shared(
+        self, share: PodShare, snap: Snapshot, now: float, age_s: float, dated: bool
+    ) -> None:
         """Another member's rows, each message's once (a hash re-read shows the same seq
-        again; this member's own stream entries come back to it too)."""
+        again; this member's own stream entries come back to it too). ``dated``: the read
+        can tell the message is recent (:meth:`PodViews.take`)."""
         sender = snap.sender  # namesakes' seqs may coincide
-        seen = self._applied.get(sender)
-        if seen == snap.seq:
+        if self._applied.get(sender) == snap.seq:
             return
         if len(self._applied) > 4096:
             self._applied.clear()
         self._applied[sender] = snap.seq
-        # a hash field read for the first time may have sat there for long (its member
-        # dead, up to HASH_FORGET_S): its rows' TTLs are no longer what they say; a stream
-        # reader reads only entries appended after it started
-        if seen is None and self.settings.mode == "hash":
-            return
-        share.apply(snap.shared, now, age_s, snap.member)
+        shared = snap.shared
+        if not dated and shared:
+            # a hash field read at the first poll, or at the first after a gap past the
+            # bound, may have been written long ago (its member dead since, up to
+            # HASH_FORGET_S): its rows' TTLs are no longer what they say. Its withdrawals
+            # only take back what this member took of earlier rows: they still apply
+            shared = {"w": shared["w"]} if "w" in shared else None
+        if shared:
+            share.apply(shared, now, age_s, snap.member)
 
     def apply(self, now: float) -> None:
         self.peers.update(SOURCE, self.views.total(now))
