@@ -108,6 +108,51 @@ def test_vllm_gpu_reset_without_offloaded_blocks_clears_the_replica() -> None:
     assert len(p.ingest.reblockers[0]) == 0
 
 
+def test_a_second_reset_in_a_batch_is_the_offload_pools_and_keeps_the_gpu_stores() -> None:
+    """vLLM 0.34's ``reset_prefix_cache(reset_connector=True)`` (``pause_generation(
+    clear_cache=True)``, the RLHF weight-update path) with the simple CPU offload: the GPU
+    pool's ``AllBlocksCleared`` goes into the KV cache manager's queue, the CPU pool's
+    (``SimpleCPUOffloadScheduler.reset`` -> its ``BlockPool.reset_prefix_cache``, no medium)
+    into the connector's, and ``Scheduler.update_from_output`` publishes the manager's events
+    and then the connector's in one batch: the GPU stores of the step after the reset come
+    between the two resets. The second clears the CPU tier, not those GPU stores."""
+    tokens, hashes, canonical = _prompt(8)
+    b_tokens, b_hashes, b_canonical = _prompt(8, seed=2)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    p.vllm(VLLM.BlockStored(hashes[:4], None, tokens[: 4 * BE], BE, None, "CPU", None, group_idx=0))
+    assert p.match(canonical) == PrefixMatch(4, 4, 4, 4)
+    p.vllm(
+        VLLM.AllBlocksCleared(),
+        VLLM.BlockStored(b_hashes[:4], None, b_tokens[: 4 * BE], BE, None, "GPU", None),
+        VLLM.AllBlocksCleared(),
+    )
+    assert p.match(canonical) == PrefixMatch()  # both pools were emptied
+    assert p.match(b_canonical) == PrefixMatch(2, 2, 2, 2)
+    # the next step's store continuing that chain is read (its parent is still known)
+    p.vllm(VLLM.BlockStored(b_hashes[4:], b_hashes[3], b_tokens[4 * BE :], BE, None, "GPU", None))
+    assert p.match(b_canonical) == PrefixMatch(4, 4, 4, 4)
+    assert p.stats.unknown_parent == 0
+    # a single reset in a later batch is the GPU pool's again: the CPU tier survives it
+    p.vllm(VLLM.BlockStored(b_hashes[:2], None, b_tokens[: 2 * BE], BE, None, "CPU", None))
+    p.vllm(VLLM.AllBlocksCleared())
+    assert p.match(b_canonical) == PrefixMatch(1, 0, 1, 1)
+    assert p.ingest.stats.malformed_events == 0
+
+
+def test_two_resets_in_a_row_empty_the_hisparse_host_pool_too() -> None:
+    """vLLM 0.34's HiSparse host pool (``SharedEventQueueBlockPool``, medium ``CPU``) shares
+    the GPU pool's event queue, and ``KVCacheCoordinator.reset_prefix_cache`` resets each
+    pool: two ``AllBlocksCleared`` in a row, which leave nothing on any tier."""
+    tokens, hashes, canonical = _prompt(4)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    p.vllm(VLLM.BlockStored(hashes, None, tokens, BE, None, "CPU", None, group_idx=0))
+    p.vllm(VLLM.AllBlocksCleared(), VLLM.AllBlocksCleared())
+    assert p.match(canonical) == PrefixMatch()
+    assert p.index.replica_size(KEY) == (0, 0)
+
+
 def test_sglang_reset_drops_its_host_tier_with_the_tree() -> None:
     tokens, hashes, canonical = _prompt(4)
     p = Pipeline()

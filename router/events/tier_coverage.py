@@ -292,3 +292,18 @@ class TierCoverage:
         for kind, hashes in out.items():
             events.extend(self._emit_removed(hashes, tier, kind, group))
         return events
+
+    def _tier_cleared(self, tier: Tier) -> list[IndexEvent]:
+        """Every engine block leaves ``tier`` (an offload pool's reset), as if removed one by
+        one: what no other tier holds goes from the index."""
+        bit = 1 << tier
+        events: list[IndexEvent] = []
+        for group, table in self._tables.items():
+            out: dict[Kind, list[int]] = {Kind.KV: [], Kind.STATE: []}
+            held = self._held.get(group)
+            for h, w in [(h, w) for h, w in table.word.items() if w & bit]:
+                self.stats.removed_blocks += 1
+                self._drop(group, table, h, w, bit, out, held)
+            for kind, hashes in out.items():
+                events.extend(self._emit_removed(hashes, tier, kind, group))
+        return events
