@@ -304,3 +304,58 @@ def test_a_state_store_waiting_for_its_attention_blocks_is_cleared_by_a_reset_af
     p.vllm(sparse, _gpu_store(tokens, hashes), cpu_kv, VLLM.AllBlocksCleared())
     assert p.index.match(canonical, hybrid=True).get(KEY) == PrefixMatch(2, 0, 2, 0)
     assert p.ingest.stats.malformed_events == 0
+
+
+# ------------------------------------------------------- residencies sharing one medium
+
+
+def test_a_block_two_residencies_of_one_medium_hold_stays_until_both_remove_it() -> None:
+    """vLLM 0.34's tiered offloading: the primary tier publishes ``CPU`` (no ``ownership``),
+    the KVCR secondary tier its local DRAM as ``CPU`` too with ``ownership="kvcr"``
+    (``KVCRTier._record_inventory``); ``OffloadingEventsTracker`` keeps each chunk's payload
+    until every (medium, ownership) residency has removed it. The router's CPU tier holds a
+    block while either residency does."""
+    tokens, hashes, canonical = _prompt(8)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    primary = VLLM.BlockStored(hashes[:4], None, tokens[: 4 * BE], BE, None, "CPU", None)
+    kvcr = VLLM.BlockStored(
+        hashes[:4], None, tokens[: 4 * BE], BE, None, "CPU", None, ownership="kvcr"
+    )
+    p.vllm(primary, kvcr)
+    p.vllm(VLLM.BlockRemoved(hashes, "GPU", group_idx=0))
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    # the primary tier evicts its copies: KVCR's DRAM still holds them (it promotes on lookup)
+    p.vllm(VLLM.BlockRemoved(hashes[2:4], "CPU", group_idx=0))
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    # a residency that never held a block removing it changes nothing
+    p.vllm(VLLM.BlockRemoved(hashes[2:4], "CPU", group_idx=0, ownership="other"))
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    p.vllm(VLLM.BlockRemoved(hashes[3:4], "CPU", group_idx=0, ownership="kvcr"))
+    assert p.match(canonical) == PrefixMatch(1, 0, 1, 1)
+    # the primary tier stores one again, KVCR drops its copy: the primary's is left
+    p.vllm(VLLM.BlockStored(hashes[2:4], hashes[1], tokens[2 * BE : 4 * BE], BE, None, "CPU", None))
+    p.vllm(VLLM.BlockRemoved(hashes[2:4], "CPU", group_idx=0, ownership="kvcr"))
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    p.vllm(VLLM.BlockRemoved(hashes[:4], "CPU", group_idx=0))  # KVCR still holds 0 and 1
+    assert p.match(canonical) == PrefixMatch(1, 0, 1, 1)
+    p.vllm(VLLM.BlockRemoved(hashes[:2], "CPU", group_idx=0, ownership="kvcr"))
+    assert p.match(canonical) == PrefixMatch()
+    assert p.ingest.stats.malformed_events == 0
+
+
+def test_a_residency_first_seen_on_a_tier_alone_is_removed_alone() -> None:
+    """KVCR's inventory may report a block before the primary tier ever held it: that
+    residency alone holds it, and its removal takes it off the tier."""
+    tokens, hashes, canonical = _prompt(4)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    p.vllm(VLLM.BlockStored(hashes, None, tokens, BE, None, "CPU", None))  # primary: default
+    p.vllm(VLLM.BlockRemoved(hashes, "CPU", group_idx=0))
+    p.vllm(VLLM.BlockStored(hashes, None, tokens, BE, None, "CPU", None, ownership="kvcr"))
+    p.vllm(VLLM.BlockRemoved(hashes, "GPU", group_idx=0))
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    p.vllm(VLLM.BlockRemoved(hashes, "CPU", group_idx=0))  # the primary holds none of them
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    p.vllm(VLLM.BlockRemoved(hashes, "CPU", group_idx=0, ownership="kvcr"))
+    assert p.match(canonical) == PrefixMatch()

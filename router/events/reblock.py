@@ -226,6 +226,9 @@ class Reblocker(PlacedStores):
         # full-attention canonical blocks by group: their counts (held_count); an entry lives
         # while some engine block's covers name it
         self._held: dict[int, dict[int, int]] = {}
+        self._owners: dict[int, int] = {}  # see TierCoverage
+        self._res_bits: dict[tuple[str, str | None], int] = {}
+        self._res_default: dict[Tier, int] = {}
         self.stats = ReblockStats()
 
     def __len__(self) -> int:
@@ -244,6 +247,7 @@ class Reblocker(PlacedStores):
         if self._copies is not None:
             self._copies.clear()
         self._held.clear()
+        self._owners.clear()
 
     def convert(self, events: tuple[EngineEvent, ...] | list[EngineEvent]) -> list[IndexEvent]:
         out: list[IndexEvent] = []
@@ -290,6 +294,7 @@ class Reblocker(PlacedStores):
         if not keep:
             self.clear()
             return [AllCleared()]
+        self._forget_owners(~keep & MEDIA_BITS)
         kept: dict[tuple[Tier, Kind], list[int]] = {}
         for group, table in self._tables.items():
             words = table.word
@@ -374,9 +379,12 @@ class Reblocker(PlacedStores):
             self.stats.ignored_group += 1
             return []
         group = ev.group_idx or 0
-        if kind is Kind.STATE and group != self._state_group:
-            return self._join(group) + self._stored_group(ev, kind, group)
-        return self._stored_group(ev, kind, group)
+        joined = self._join(group) if kind is Kind.STATE and group != self._state_group else []
+        before = self._residency_before(ev.medium, ev.ownership, group, ev.block_hashes)
+        out = self._stored_group(ev, kind, group)
+        if before is not None:
+            self._residency_after(group, ev.block_hashes, before)
+        return joined + out if joined else out
 
     def _stored_group(self, ev: EngineBlockStored, kind: Kind, group: int) -> list[IndexEvent]:
         """A full-attention or recurrent-state group's store."""
