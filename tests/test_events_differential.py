@@ -9,10 +9,11 @@ re-announced), checkpoints on random blocks of what they stored (on the router g
 not), offloads of GPU ranges to CPU / STORAGE (with tokens or by hash), evictions of several
 blocks of a tier at once in any order (leaves of what that tier holds: the index relies on
 caches being prefix-closed, router/core/index.py), checkpoint evictions, and
-``AllBlocksCleared`` (vLLM's: the GPU cache only). Engine blocks divide the router's, are
-multiples of it, or neither. After every batch, for random prompts (those stored and others
-sharing their prefixes), the index's KV, GPU, host and hybrid-usable prefix of every rank
-equal what the reference holds.
+``AllBlocksCleared`` (vLLM's: the GPU cache only; a later one in the same batch, once
+blocks were offloaded, the offload pool's: CPU and STORAGE only). Engine blocks divide the
+router's, are multiples of it, or neither. After every batch, for random prompts (those
+stored and others sharing their prefixes), the index's KV, GPU, host and hybrid-usable
+prefix of every rank equal what the reference holds.
 
 tests/test_events_tier_coverage.py fuzzes tiers without ranks, checkpoints, several blocks
 evicted at once or engine blocks coarser than the router's; tests/test_hybrid_prediction.py
@@ -57,6 +58,7 @@ class Rank:
     def __init__(self) -> None:
         self.held: dict[Tier, set[int]] = {t: set() for t in Tier}
         self.states: set[int] = set()  # engine block hashes with a checkpoint at their end
+        self.offloaded = False  # it has stored blocks on CPU / STORAGE
 
 
 class Reference:
@@ -159,6 +161,7 @@ def test_index_agrees_with_a_reference_engine_cache(be: int, bs: int, seed: int)
         rank = rng.randrange(len(ref.ranks))
         r = ref.ranks[rank]
         events: list[Any] = []
+        reset_in_batch = pool_reset = False
         for _ in range(rng.randrange(1, 4)):
             p = prompts[rng.randrange(len(prompts))]
             op = rng.random()
@@ -174,6 +177,7 @@ def test_index_agrees_with_a_reference_engine_cache(be: int, bs: int, seed: int)
                 t = rng.choice((Tier.CPU, Tier.DISK))
                 first, on_gpu = cached(r.held[t], p), cached(r.held[Tier.GPU], p)
                 if first < on_gpu:
+                    r.offloaded = True
                     stop = rng.randrange(first + 1, on_gpu + 1)
                     ev = store(r, t, p, first, stop)
                     if rng.random() < 0.5:
@@ -202,10 +206,23 @@ def test_index_agrees_with_a_reference_engine_cache(be: int, bs: int, seed: int)
                 if gone:
                     r.states.difference_update(gone)
                     events.append(VLLM.BlockRemoved(gone, "GPU", group_idx=STATE_GROUP))
+            elif reset_in_batch and r.offloaded:  # a later reset: the offload pool's
+                r.held[Tier.CPU].clear()
+                r.held[Tier.DISK].clear()
+                events.append(VLLM.AllBlocksCleared())
+                seen.add(("offload reset", True))
             else:  # vLLM's reset: the GPU prefix cache only
                 r.held[Tier.GPU].clear()
                 r.states.clear()
                 events.append(VLLM.AllBlocksCleared())
+                reset_in_batch = True
+                # with the connector's cache too: its reset comes after the GPU's events
+                pool_reset = pool_reset or rng.random() < 0.5
+        if pool_reset and r.offloaded:
+            r.held[Tier.CPU].clear()
+            r.held[Tier.DISK].clear()
+            events.append(VLLM.AllBlocksCleared())
+            seen.add(("offload reset", True))
         if not events:
             continue
         payload = msgspec.msgpack.encode(VLLM.KVEventBatch(float(step), events, rank))
@@ -220,3 +237,4 @@ def test_index_agrees_with_a_reference_engine_cache(be: int, bs: int, seed: int)
                 seen |= {("disk", m.kv_blocks > m.host_blocks), ("rank", i if m.kv_blocks else 0)}
     # the stream reached every case it is meant to compare
     assert {("usable", True), ("host", True), ("disk", True), ("rank", 1)} <= seen
+    assert ("offload reset", True) in seen

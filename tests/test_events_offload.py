@@ -108,6 +108,51 @@ def test_vllm_gpu_reset_without_offloaded_blocks_clears_the_replica() -> None:
     assert len(p.ingest.reblockers[0]) == 0
 
 
+def test_a_second_reset_in_a_batch_is_the_offload_pools_and_keeps_the_gpu_stores() -> None:
+    """vLLM 0.34's ``reset_prefix_cache(reset_connector=True)`` (``pause_generation(
+    clear_cache=True)``, the RLHF weight-update path) with the simple CPU offload: the GPU
+    pool's ``AllBlocksCleared`` goes into the KV cache manager's queue, the CPU pool's
+    (``SimpleCPUOffloadScheduler.reset`` -> its ``BlockPool.reset_prefix_cache``, no medium)
+    into the connector's, and ``Scheduler.update_from_output`` publishes the manager's events
+    and then the connector's in one batch: the GPU stores of the step after the reset come
+    between the two resets. The second clears the CPU tier, not those GPU stores."""
+    tokens, hashes, canonical = _prompt(8)
+    b_tokens, b_hashes, b_canonical = _prompt(8, seed=2)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    p.vllm(VLLM.BlockStored(hashes[:4], None, tokens[: 4 * BE], BE, None, "CPU", None, group_idx=0))
+    assert p.match(canonical) == PrefixMatch(4, 4, 4, 4)
+    p.vllm(
+        VLLM.AllBlocksCleared(),
+        VLLM.BlockStored(b_hashes[:4], None, b_tokens[: 4 * BE], BE, None, "GPU", None),
+        VLLM.AllBlocksCleared(),
+    )
+    assert p.match(canonical) == PrefixMatch()  # both pools were emptied
+    assert p.match(b_canonical) == PrefixMatch(2, 2, 2, 2)
+    # the next step's store continuing that chain is read (its parent is still known)
+    p.vllm(VLLM.BlockStored(b_hashes[4:], b_hashes[3], b_tokens[4 * BE :], BE, None, "GPU", None))
+    assert p.match(b_canonical) == PrefixMatch(4, 4, 4, 4)
+    assert p.stats.unknown_parent == 0
+    # a single reset in a later batch is the GPU pool's again: the CPU tier survives it
+    p.vllm(VLLM.BlockStored(b_hashes[:2], None, b_tokens[: 2 * BE], BE, None, "CPU", None))
+    p.vllm(VLLM.AllBlocksCleared())
+    assert p.match(b_canonical) == PrefixMatch(1, 0, 1, 1)
+    assert p.ingest.stats.malformed_events == 0
+
+
+def test_two_resets_in_a_row_empty_the_hisparse_host_pool_too() -> None:
+    """vLLM 0.34's HiSparse host pool (``SharedEventQueueBlockPool``, medium ``CPU``) shares
+    the GPU pool's event queue, and ``KVCacheCoordinator.reset_prefix_cache`` resets each
+    pool: two ``AllBlocksCleared`` in a row, which leave nothing on any tier."""
+    tokens, hashes, canonical = _prompt(4)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    p.vllm(VLLM.BlockStored(hashes, None, tokens, BE, None, "CPU", None, group_idx=0))
+    p.vllm(VLLM.AllBlocksCleared(), VLLM.AllBlocksCleared())
+    assert p.match(canonical) == PrefixMatch()
+    assert p.index.replica_size(KEY) == (0, 0)
+
+
 def test_sglang_reset_drops_its_host_tier_with_the_tree() -> None:
     tokens, hashes, canonical = _prompt(4)
     p = Pipeline()
@@ -259,3 +304,58 @@ def test_a_state_store_waiting_for_its_attention_blocks_is_cleared_by_a_reset_af
     p.vllm(sparse, _gpu_store(tokens, hashes), cpu_kv, VLLM.AllBlocksCleared())
     assert p.index.match(canonical, hybrid=True).get(KEY) == PrefixMatch(2, 0, 2, 0)
     assert p.ingest.stats.malformed_events == 0
+
+
+# ------------------------------------------------------- residencies sharing one medium
+
+
+def test_a_block_two_residencies_of_one_medium_hold_stays_until_both_remove_it() -> None:
+    """vLLM 0.34's tiered offloading: the primary tier publishes ``CPU`` (no ``ownership``),
+    the KVCR secondary tier its local DRAM as ``CPU`` too with ``ownership="kvcr"``
+    (``KVCRTier._record_inventory``); ``OffloadingEventsTracker`` keeps each chunk's payload
+    until every (medium, ownership) residency has removed it. The router's CPU tier holds a
+    block while either residency does."""
+    tokens, hashes, canonical = _prompt(8)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    primary = VLLM.BlockStored(hashes[:4], None, tokens[: 4 * BE], BE, None, "CPU", None)
+    kvcr = VLLM.BlockStored(
+        hashes[:4], None, tokens[: 4 * BE], BE, None, "CPU", None, ownership="kvcr"
+    )
+    p.vllm(primary, kvcr)
+    p.vllm(VLLM.BlockRemoved(hashes, "GPU", group_idx=0))
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    # the primary tier evicts its copies: KVCR's DRAM still holds them (it promotes on lookup)
+    p.vllm(VLLM.BlockRemoved(hashes[2:4], "CPU", group_idx=0))
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    # a residency that never held a block removing it changes nothing
+    p.vllm(VLLM.BlockRemoved(hashes[2:4], "CPU", group_idx=0, ownership="other"))
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    p.vllm(VLLM.BlockRemoved(hashes[3:4], "CPU", group_idx=0, ownership="kvcr"))
+    assert p.match(canonical) == PrefixMatch(1, 0, 1, 1)
+    # the primary tier stores one again, KVCR drops its copy: the primary's is left
+    p.vllm(VLLM.BlockStored(hashes[2:4], hashes[1], tokens[2 * BE : 4 * BE], BE, None, "CPU", None))
+    p.vllm(VLLM.BlockRemoved(hashes[2:4], "CPU", group_idx=0, ownership="kvcr"))
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    p.vllm(VLLM.BlockRemoved(hashes[:4], "CPU", group_idx=0))  # KVCR still holds 0 and 1
+    assert p.match(canonical) == PrefixMatch(1, 0, 1, 1)
+    p.vllm(VLLM.BlockRemoved(hashes[:2], "CPU", group_idx=0, ownership="kvcr"))
+    assert p.match(canonical) == PrefixMatch()
+    assert p.ingest.stats.malformed_events == 0
+
+
+def test_a_residency_first_seen_on_a_tier_alone_is_removed_alone() -> None:
+    """KVCR's inventory may report a block before the primary tier ever held it: that
+    residency alone holds it, and its removal takes it off the tier."""
+    tokens, hashes, canonical = _prompt(4)
+    p = Pipeline()
+    p.vllm(_gpu_store(tokens, hashes))
+    p.vllm(VLLM.BlockStored(hashes, None, tokens, BE, None, "CPU", None))  # primary: default
+    p.vllm(VLLM.BlockRemoved(hashes, "CPU", group_idx=0))
+    p.vllm(VLLM.BlockStored(hashes, None, tokens, BE, None, "CPU", None, ownership="kvcr"))
+    p.vllm(VLLM.BlockRemoved(hashes, "GPU", group_idx=0))
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    p.vllm(VLLM.BlockRemoved(hashes, "CPU", group_idx=0))  # the primary holds none of them
+    assert p.match(canonical) == PrefixMatch(2, 0, 2, 2)
+    p.vllm(VLLM.BlockRemoved(hashes, "CPU", group_idx=0, ownership="kvcr"))
+    assert p.match(canonical) == PrefixMatch()

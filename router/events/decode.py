@@ -139,7 +139,7 @@ _OPTIONAL = (
 _OPTIONAL_TYPE = (int, str, str, int, str, int, str)
 _OPTIONAL_CHECK = (_opt_int, _opt_str, _opt_str, _opt_int, _opt_str, _opt_int, _opt_str)
 # the keys of an event map in vLLM's and SGLang's layouts
-_MAP_KEYS = frozenset({"type", *STORED_FIELDS, "cache_salt", "lookahead_token_ids"})
+_MAP_KEYS = frozenset({"type", *STORED_FIELDS, "cache_salt", "lookahead_token_ids", "ownership"})
 
 
 def _event(raw: Any) -> EngineEvent:
@@ -182,12 +182,14 @@ def _event(raw: Any) -> EngineEvent:
             hashes, parent, tuple(token_ids), block_size, opt[0], opt[1], opt[2],
             f.get("extra_keys"), opt[3], opt[4], opt[5], opt[6],
             None if lookahead is None else _lookahead(lookahead),
+            _opt_str(f.get("ownership"), "ownership"),
         )  # fmt: skip
     if tag == "BlockRemoved":
         return EngineBlockRemoved(
             block_hashes=_hashes(f.get("block_hashes")),
             medium=_opt_str(f.get("medium"), "medium"),
             group_idx=_opt_int(f.get("group_idx"), "group_idx"),
+            ownership=_opt_str(f.get("ownership"), "ownership"),
         )
     if tag == "AllBlocksCleared":
         return EngineAllCleared()

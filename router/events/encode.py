@@ -70,6 +70,8 @@ def _event(ev: EngineEvent, encoding: Encoding) -> Any:
     )
     if isinstance(ev, EngineBlockStored) and ev.cache_salt is not None:
         out["cache_salt"] = ev.cache_salt  # SGLang's field (maps only)
+    if isinstance(ev, (EngineBlockStored, EngineBlockRemoved)) and ev.ownership is not None:
+        out["ownership"] = ev.ownership  # vLLM 0.34's (maps only)
     if isinstance(ev, EngineBlockStored) and ev.lookahead_token_ids is not None:
         out["lookahead_token_ids"] = [list(ids) for ids in ev.lookahead_token_ids]  # vLLM 0.33+
     return out

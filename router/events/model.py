@@ -5,11 +5,13 @@ block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_na
 extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window)``,
 ``BlockRemoved(block_hashes, medium, group_idx)``, ``AllBlocksCleared()`` inside
 ``KVEventBatch(ts, events, data_parallel_rank)``; SGLang's ``cache_salt`` (a map field only,
-SGLang >= 0.5.20) is kept too, and vLLM's ``lookahead_token_ids`` (0.33 on, a map field: the
-tokens after each block that its engine hash also covers, present only while the engine
-hashes with lookahead, which EAGLE / MTP engines with prefix caching do instead of giving
-back a block of every hit; SGLang's EAGLE engines say the same by publishing each
-position's ``(token, next token)`` pair as its ``token_ids``, read as tokens and lookahead).
+SGLang >= 0.5.20) is kept too, as is vLLM 0.34's ``ownership`` (a map field: the secondary
+offloading tier, e.g. ``"kvcr"``, of a store or removal), and vLLM's ``lookahead_token_ids``
+(0.33 on, a map field: the tokens after each block that its engine hash also covers,
+present only while the engine hashes with lookahead, which EAGLE / MTP engines with prefix
+caching do instead of giving back a block of every hit; SGLang's EAGLE engines say the same
+by publishing each position's ``(token, next token)`` pair as its ``token_ids``, read as
+tokens and lookahead).
 Engine block hashes are normalised to Python ints (bytes are read big-endian).
 
 ``kv_cache_spec_kind`` (vLLM >= 0.22, ``vllm.v1.kv_cache_interface.KVCacheSpecKind``): groups
@@ -78,6 +80,8 @@ class EngineBlockStored:
     cache_salt: str | None = None  # SGLang: the salt of the request that stored them
     # vLLM: the tokens after each block its hash covers, one tuple a block (None: no lookahead)
     lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
+    # vLLM 0.34: the secondary offloading tier that holds them (None: the medium's primary)
+    ownership: str | None = None
 
     @property
     def lookahead_tokens(self) -> int:
@@ -91,6 +95,7 @@ class EngineBlockRemoved:
     block_hashes: tuple[int, ...]
     medium: str | None = None
     group_idx: int | None = None
+    ownership: str | None = None  # as ``EngineBlockStored.ownership``
 
 
 @dataclass(slots=True, frozen=True)

@@ -44,7 +44,11 @@ hash. A hash never seen stored with tokens cannot be placed: counted (``unmapped
 ``AllBlocksCleared`` clears what the engine's own cache held and keeps what vLLM's
 offloading connector holds (``router.events.model.OFFLOAD_MEDIA``): the canonical events are
 then ``AllCleared`` followed by the canonical blocks those hold whole, stored again on their
-tiers.
+tiers. A later ``AllBlocksCleared`` in the same batch is an offload pool's own reset (vLLM
+0.34: the simple CPU offload's pool under ``reset_prefix_cache(reset_connector=True)``, whose
+events the scheduler publishes after the GPU pool's, and the HiSparse host pool, reset right
+after the GPU pool): it removes what the offload tiers hold and keeps the GPU blocks stored
+since the first (read as a GPU reset, it dropped those and every store continuing them).
 
 The per-tier counting and the removal path are in router/events/tier_coverage.py
 (``TierCoverage``), stores placed by hash (token-less, sparse state, sliding windows) in
@@ -203,6 +207,7 @@ class Reblocker(PlacedStores):
         self._offload_bits = 0
         self._logged_unmapped = False
         self._pending: list[EngineBlockStored] = []  # see _stored_sparse_state
+        self._reset_in_batch = False  # an AllBlocksCleared came earlier in this batch
         self._windows: dict[int, WindowGroup] = {}  # sliding-window groups by group_idx
         # the first state-like (mamba or sliding-window) group seen; from the second on,
         # checkpoints are published where every one holds them (see _join)
@@ -221,6 +226,9 @@ class Reblocker(PlacedStores):
         # full-attention canonical blocks by group: their counts (held_count); an entry lives
         # while some engine block's covers name it
         self._held: dict[int, dict[int, int]] = {}
+        self._owners: dict[int, int] = {}  # see TierCoverage
+        self._res_bits: dict[tuple[str, str | None], int] = {}
+        self._res_default: dict[Tier, int] = {}
         self.stats = ReblockStats()
 
     def __len__(self) -> int:
@@ -239,10 +247,12 @@ class Reblocker(PlacedStores):
         if self._copies is not None:
             self._copies.clear()
         self._held.clear()
+        self._owners.clear()
 
     def convert(self, events: tuple[EngineEvent, ...] | list[EngineEvent]) -> list[IndexEvent]:
         out: list[IndexEvent] = []
         self._pending = []
+        self._reset_in_batch = False
         for ev in events:
             if isinstance(ev, EngineBlockStored):
                 out.extend(self._stored(ev))
@@ -264,8 +274,16 @@ class Reblocker(PlacedStores):
 
     def _all_cleared(self) -> list[IndexEvent]:
         """The engine reset its prefix cache: drop every block but the offloading
-        connector's (``OFFLOAD_MEDIA``), which are stored again after ``AllCleared``."""
+        connector's (``OFFLOAD_MEDIA``), which are stored again after ``AllCleared``. A
+        later reset in the same batch is an offload pool's (module docstring): it drops
+        what the offload tiers hold and keeps the GPU blocks stored since the first."""
         keep = self._offload_bits
+        if self._reset_in_batch and keep:
+            self._pending = [
+                ev for ev in self._pending if not keep >> (TIER_OF.get(ev.medium) or Tier.GPU) & 1
+            ]
+            return [ev for t in Tier if keep >> t & 1 for ev in self._tier_cleared(t)]
+        self._reset_in_batch = True
         # stores earlier in this batch waiting for their attention blocks (``convert``):
         # those on a tier the reset clears are gone with it
         self._pending = [
@@ -276,6 +294,7 @@ class Reblocker(PlacedStores):
         if not keep:
             self.clear()
             return [AllCleared()]
+        self._forget_owners(~keep & MEDIA_BITS)
         kept: dict[tuple[Tier, Kind], list[int]] = {}
         for group, table in self._tables.items():
             words = table.word
@@ -360,9 +379,12 @@ class Reblocker(PlacedStores):
             self.stats.ignored_group += 1
             return []
         group = ev.group_idx or 0
-        if kind is Kind.STATE and group != self._state_group:
-            return self._join(group) + self._stored_group(ev, kind, group)
-        return self._stored_group(ev, kind, group)
+        joined = self._join(group) if kind is Kind.STATE and group != self._state_group else []
+        before = self._residency_before(ev.medium, ev.ownership, group, ev.block_hashes)
+        out = self._stored_group(ev, kind, group)
+        if before is not None:
+            self._residency_after(group, ev.block_hashes, before)
+        return joined + out if joined else out
 
     def _stored_group(self, ev: EngineBlockStored, kind: Kind, group: int) -> list[IndexEvent]:
         """A full-attention or recurrent-state group's store."""

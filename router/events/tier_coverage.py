@@ -61,6 +61,12 @@ def copy_key(end: int, c: int, tier: int) -> int:
     return (end << 64 | c) << 2 | tier
 
 
+def owner_key(h: int, group: int, tier: int) -> int:
+    """``TierCoverage._owners``' key of engine block ``h`` of ``group`` on ``tier`` (an int:
+    the dict is never GC-tracked, router/events/block_table.py)."""
+    return h << 24 | (group & 0x3FFFFF) << 2 | tier
+
+
 # a tier bit mask -> the slots of its tiers in a ``_held`` entry (tier + 1)
 TIER_SLOTS = tuple(tuple(t + 1 for t in Tier if m >> t & 1) for m in range(1 << len(Tier)))
 
@@ -85,6 +91,13 @@ class TierCoverage:
     _mixed: StateGroups | None
     _copies: dict[int, dict[int, int]] | None
     _held: dict[int, dict[int, int]]
+    # Residencies (``residency_key``: vLLM 0.34's (medium, ownership), several of which can
+    # be one router tier): the first one to store on a tier is its default; ``_owners``
+    # maps ``owner_key(h, group, tier)`` to the residency bits holding that block there,
+    # only where that is not the default alone
+    _owners: dict[int, int]
+    _res_bits: dict[tuple[str, str | None], int]
+    _res_default: dict[Tier, int]
 
     def _tier(self, medium: str | None) -> Tier | None:
         """The tier an event's ``medium`` names (None, counted as a bad event, if none)."""
@@ -276,7 +289,7 @@ class TierCoverage:
             self.stats.unknown_removed += len(ev.block_hashes)
             return []
         words, chunks = table.word, table.chunk
-        for h in ev.block_hashes:
+        for h in self._leaving(ev, group, tier):
             w = words.get(h)
             if w is None or not w & bit:
                 self.stats.unknown_removed += 1
@@ -291,4 +304,97 @@ class TierCoverage:
         events: list[IndexEvent] = []
         for kind, hashes in out.items():
             events.extend(self._emit_removed(hashes, tier, kind, group))
+        return events
+
+    def _residency(self, medium: str | None, ownership: str | None) -> int:
+        """The bit of residency (``medium``, ``ownership``); past 62 residencies, the last
+        bit is shared (those residencies are one, as the medium alone was)."""
+        key = (medium or "GPU", ownership)
+        r = self._res_bits.get(key)
+        if r is None:
+            r = self._res_bits[key] = 1 << min(len(self._res_bits), 62)
+        return r
+
+    def _residency_before(
+        self, medium: str | None, ownership: str | None, group: int, hashes: Sequence[int]
+    ) -> tuple[Tier, int, list[bool]] | None:
+        """Before a store of ``hashes`` by a residency: its tier, its bit and which of them
+        that tier held (None: nothing to note, the tier's default residency storing while no
+        block has another)."""
+        try:
+            tier = Tier.parse(medium)
+        except ValueError:
+            return None  # refused by the store itself
+        r = self._residency(medium, ownership)
+        default = self._res_default.setdefault(tier, r)
+        if r == default and not self._owners:
+            return None
+        table = self._tables.get(group)
+        words = {} if table is None else table.word
+        bit = 1 << tier
+        return tier, r, [bool(words.get(h, 0) & bit) for h in hashes]
+
+    def _residency_after(
+        self, group: int, hashes: Sequence[int], before: tuple[Tier, int, list[bool]]
+    ) -> None:
+        """After that store: the blocks it put on the tier are held by its residency too
+        (alone, where the tier did not hold them before)."""
+        tier, r, was = before
+        table = self._tables.get(group)
+        if table is None:
+            return
+        words, bit, default = table.word, 1 << tier, self._res_default[tier]
+        for h, held in zip(hashes, was, strict=True):
+            if not words.get(h, 0) & bit:
+                continue  # not placed (unmapped, opaque, ...)
+            k = owner_key(h, group, tier)
+            holders = self._owners.get(k, default) | r if held else r
+            if holders == default:
+                self._owners.pop(k, None)
+            else:
+                self._owners[k] = holders
+
+    def _leaving(self, ev: EngineBlockRemoved, group: int, tier: Tier) -> Sequence[int]:
+        """Of the blocks ``ev`` removes, those no other residency of ``tier`` holds (they
+        leave the tier); a block its residency does not hold stays (``unknown_removed``)."""
+        default = self._res_default.get(tier)
+        r = self._residency(ev.medium, ev.ownership)
+        if default is None or (r == default and not self._owners):
+            return ev.block_hashes
+        leaving = []
+        for h in ev.block_hashes:
+            k = owner_key(h, group, tier)
+            holders = self._owners.get(k, default)
+            if not holders & r:
+                self.stats.unknown_removed += 1
+                continue
+            left = holders & ~r
+            if not left:
+                self._owners.pop(k, None)
+                leaving.append(h)
+            elif left == default:
+                del self._owners[k]
+            else:
+                self._owners[k] = left
+        return leaving
+
+    def _forget_owners(self, tiers: int) -> None:
+        """The blocks of the tiers in bit mask ``tiers`` are gone: so are their holders."""
+        if self._owners:
+            self._owners = {k: v for k, v in self._owners.items() if not tiers >> (k & 3) & 1}
+
+    def _tier_cleared(self, tier: Tier) -> list[IndexEvent]:
+        """Every engine block leaves ``tier`` (an offload pool's reset), as if removed one by
+        one: what no other tier holds goes from the index."""
+        bit = 1 << tier
+        self._forget_owners(bit)
+        events: list[IndexEvent] = []
+        for group, table in self._tables.items():
+            out: dict[Kind, list[int]] = {Kind.KV: [], Kind.STATE: []}
+            held = self._held.get(group)
+            for h, w in [(h, w) for h, w in table.word.items() if w & bit]:
+                self.stats.removed_blocks += 1
+                self._drop(group, table, h, w, bit, out, held)
+            for kind, hashes in out.items():
+                events.extend(self._emit_removed(hashes, tier, kind, group))
         return events
