@@ -286,9 +286,8 @@ class Simulation:
         verdict = queue.judge(ticket, a, now)
         if verdict.action == ADMIT:
             assert verdict.allowed is not None
-            d = self._commit(router, req, rr, restrict(candidates, verdict.allowed), now, klass)
-            uncached = rr.prompt_tokens - d.usable_tokens
-            queue.dispatched(ticket, a, d.replica, uncached, req.output_tokens)
+            allowed = restrict(candidates, verdict.allowed)
+            self._commit(router, req, rr, allowed, now, klass, (ticket, a))
         elif verdict.action == SHED:
             self._shed(req.request_id, now)
         else:
@@ -305,9 +304,18 @@ class Simulation:
         candidates: Any,
         now: float,
         klass: int = DEFAULT,
+        admitted: tuple[Ticket, Assessment] | None = None,
     ) -> Decision:
-        """Route among ``candidates`` and send the request to the chosen engine."""
+        """Route among ``candidates`` and send the request to the chosen engine;
+        ``admitted``: its admission ticket and assessment, recorded as dispatched (its
+        tenant's charge, its decode-stall allowance) before it reaches the engine, as the
+        service's commit records it before forwarding: an engine may end it at once (a
+        refusal), and its end must find the allowance to release."""
         decision = router.engine.choose(rr, candidates, now, router.rng)
+        if admitted is not None and router.admission is not None:
+            ticket, a = admitted
+            uncached = rr.prompt_tokens - decision.usable_tokens
+            router.admission.dispatched(ticket, a, decision.replica, uncached, req.output_tokens)
         return self._dispatch(router, req, rr, decision, now, klass)
 
     def _dispatch(
@@ -440,9 +448,7 @@ class Simulation:
                 t, allowed = got
                 req, rr = t.payload
                 cands, a = seen[t.key]
-                d = self._commit(router, req, rr, restrict(cands, allowed), now, t.klass)
-                uncached = rr.prompt_tokens - d.usable_tokens
-                queue.dispatched(t, a, d.replica, uncached, req.output_tokens)
+                self._commit(router, req, rr, restrict(cands, allowed), now, t.klass, (t, a))
         finally:
             self._pumping = False
 

@@ -911,3 +911,67 @@ async def test_a_key_that_is_no_utf8_is_a_tenant_like_any_other(pair: Door) -> N
         head = await reader.readuntil(b"\r\n\r\n")
         writer.close()
         assert head.startswith(b"HTTP/1.1 200 "), head
+
+
+async def test_a_pick_of_another_admitted_model_keeps_off_a_held_request_s_id() -> None:
+    """A held HTTP request is in no load record yet; a Pick (a caller with no client key:
+    its ids share the HTTP endpoints' space) of another model that admission judges too,
+    sent meanwhile with the same id, must be routed under another id, as an HTTP request
+    or a Pick of a model without admission is: else the two share one load record."""
+    other_model = "kimi-other"
+    held_on = await Backend("b0", [MODEL]).start()
+    plain = await Backend("b1", [other_model]).start()
+    protective = {
+        "enabled": True,
+        "stall_share": [1e-9, 0.5, 0.5],
+        "max_stall": [float("inf"), 1e-9, 1e-9],
+        "max_hold_s": 60.0,
+    }
+    settings = build_settings(
+        {
+            "server": {"grpc_port": 0},
+            "replicas": [
+                {"url": held_on.url, "model": MODEL, "name": "b0"},
+                {"url": plain.url, "model": other_model, "name": "b1"},
+            ],
+            "models": {
+                MODEL: kimi_model_table(slo={"ttft_s": 100.0}, admission=protective),
+                other_model: kimi_model_table(slo={"ttft_s": 100.0}, admission={"enabled": True}),
+            },
+        }
+    )
+    runner, url = await start_router(settings)
+    state: RouterState = runner.app[STATE]
+    held_on.gate = asyncio.Event()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{runner.app[GRPC_PORT]}")
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            def post(rid: str, tier: str) -> Any:
+                body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "service_tier": tier}
+                return http.post(url + "/v1/completions", json=body, headers={"X-Request-Id": rid})
+
+            first = asyncio.create_task(post("p", "priority"))
+            await eventually(lambda: len(held_on.received) == 1)
+            held = asyncio.create_task(post("dup", "default"))
+            await eventually(lambda: len(state.admission._models[MODEL].queue) == 1)
+            stub = router_pb2_grpc.RouterStub(channel)
+            pick = router_pb2.PickRequest(model=other_model, text=PROMPT, request_id="dup")
+            reply = await stub.Pick(pick, timeout=30)
+            assert reply.replica == "b1"
+            held_on.gate.set()  # the held request goes, while the Pick's decision is open
+            for task in (first, held):
+                async with await task as r:
+                    assert r.status == 200, await r.text()
+            assert state.load.in_flight() == 1  # the Pick's request is still counted
+            done = router_pb2.ReportRequest(
+                decision_id=reply.decision_id, phase=router_pb2.ReportRequest.COMPLETED
+            )
+            assert (await stub.Report(done)).accepted
+            assert state.load.in_flight() == 0
+    finally:
+        held_on.gate.set()
+        await channel.close()
+        await runner.cleanup()
+        await held_on.stop()
+        await plain.stop()

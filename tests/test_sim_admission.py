@@ -170,3 +170,31 @@ def test_the_simulator_looks_at_held_requests_when_one_finishes() -> None:
     first token, and ``b``, held behind it, goes then, not at the next tick."""
     _, a, b, _ = _held_run(1)
     assert b.arrival < b.sent == a.finish
+
+
+def test_a_request_its_engine_refuses_at_once_leaves_no_stall_allowance() -> None:
+    """A request the engine rejects as it is submitted (prompt and answer over its whole KV
+    cache) ends inside its dispatch: admission must not start tracking its decode-stall
+    allowance after that (a ledger entry nothing removes would hold its replica's stall
+    headroom down for the rest of the run, as the service's ``finished`` never comes twice)."""
+    from router.core.admission import AdmissionSettings
+    from sim.cluster import Simulation
+    from sim.cluster_config import ClusterConfig
+    from sim.profiles import load_profile
+    from sim.workload import SimRequest, Workload
+
+    requests = [
+        SimRequest("huge", 0.0, 64 * 40, 64 * 40, list(range(40))),  # 80 blocks of 64
+        SimRequest("small", 1.0, 640, 4, list(range(100, 110))),
+    ]
+    config = ClusterConfig(
+        load_profile("dense-70b"),
+        replicas=1,
+        block_size=64,
+        kv_blocks=64,
+        admission=AdmissionSettings(),
+    )
+    sim = Simulation(Workload("refused", requests, 64, "sim-model"), config, "ours")
+    summary = sim.run().summary
+    assert sim._records["huge"].rejected and summary["completed"] == 1
+    assert [len(r.admission.stall) for r in sim.routers] == [0]

@@ -56,6 +56,7 @@ from router.core.policies import Ours
 from router.core.types import ReplicaKey
 from router.service.body_memo import Admitted
 from router.service.gate import presented_key, tenant_of
+from router.service.request_identity import request_id_of, session_of, unique_in_flight
 from router.service.state import Pending, Routed, RouterState
 from router.tokenize.keying import ProcessedPrompt
 
@@ -184,13 +185,10 @@ class Admission:
         """:meth:`route` for a checked body of the front door (router/service/handling.py),
         ``size`` bytes: class from its ``service_tier`` and the API key, tenant from the
         key."""
-        from router.service.request_identity import request_id_of, session_of, unique_in_flight
-
-        state = self.state
         return await self.route(
             admitted.model,
             admitted.prompt,
-            unique_in_flight(state, request_id_of(headers)),
+            request_id_of(headers),  # (made unique there)
             clock(),
             klass=self.service_class(admitted.service_tier, headers),
             tenant=self.tenant(headers),
@@ -214,14 +212,17 @@ class Admission:
         replicas: Sequence[ReplicaKey] | None = None,
     ) -> Routed:
         """Judge and route one request (the model must be enabled); raises Overloaded.
-        ``size``: the bytes it keeps while held (its body: ``max_queue_mb``); ``replicas``:
-        the ones it may go to (a gRPC Pick's ``candidates``; None: all of the model's),
-        judged among them while it is held too."""
+        ``request_id``: routed under another when a request in flight or held (of any
+        model) has it (request_identity.py ``unique_in_flight``). ``size``: the bytes it
+        keeps while held (its body: ``max_queue_mb``); ``replicas``: the ones it may go to
+        (a gRPC Pick's ``candidates``; None: all of the model's), judged among them while
+        it is held too."""
         m = self._model(model)
         assert m is not None
         state = self.state
-        if request_id in m.waiters:  # a client re-sent the id of a request still held
-            request_id = f"{request_id}-{len(m.waiters)}-{int(now * 1e6) % 1000000}"
+        # not an id in flight or held, by any model (a gRPC Pick's id is checked against
+        # its own book and the load, not against the requests other models hold)
+        request_id = unique_in_flight(state, request_id)
         pending = state.decide(
             model,
             prompt,
