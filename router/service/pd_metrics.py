@@ -52,7 +52,8 @@ class PdCollector(Collector):
         )
         releases = CounterMetricFamily(
             "kvrouter_pd_transfer_releases",
-            "Prefill legs whose request then found no decode replica, by how their blocks "
+            "Prefill legs whose transfer then reached no decode replica (none left, every "
+            "one refused the connection, or the client left first), by how their blocks "
             "were handed back (released: a decode-capable replica refused the transfer, so "
             "vLLM frees them at once; unreleased: none did, they wait for the KV lease)",
             labels=["model", "outcome"],

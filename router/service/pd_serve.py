@@ -25,8 +25,10 @@ decode replica got the transfer params (local prefill: vLLM frees the prefill's 
 the first decode replica to get them finishes with the request, pulled or not). The request
 is never dropped. When no decode replica is left after the prefill answered, the client gets
 the 503 / 429 and the prefill's blocks are handed back at once (router/service/pd_release.py)
-rather than left to vLLM's KV lease.
-"""
+rather than left to vLLM's KV lease; so are they when the transfer params reached no decode
+replica (the client left before the decode leg was written, or every decode replica refused
+its connection). A decode replica that got them hands them back itself if its request is
+aborted (vLLM's connector ``request_finished``), so the router then sends no release."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from router.service import pd_release
 from router.service.disagg import ModelDisagg, PdFlow
 from router.service.errors import refused_load, reply_for
 from router.service.keys import STATE
-from router.service.proxy import Forwarder
+from router.service.proxy import Carried, Forwarder
 from router.service.replica_url import ReplicaUrl
 from router.service.retry import retry_after_s
 from router.service.state import Routed, RouterState
@@ -285,10 +287,11 @@ async def serve(
         if refused_load(exc):  # a miss of its SLO, and offered load (the client's request)
             client = flow.routed._replace(request=request)
             forwarder.record_failed(client, started, reply.status, stream, endpoint_of(path))
+        if params is not None:  # no decode replica will pull the prefill's blocks: freed
+            # (before the answer is written: a client leaving during it cancels the rest)
+            _start_release(state, forwarder, md, request, prefill_key, headers, params)
         extra = [(k.encode(), v.encode()) for k, v in reply.headers]  # Retry-After
         await send_error(sink, reply.status, reply.message, code=reply.code, headers=extra)
-        if params is not None:  # no decode replica will pull the prefill's blocks: freed
-            _start_release(state, forwarder, md, request, prefill_key, headers, params)
         return
     exact = flow.routed.prompt.exact
     ttl = state.ttl_for(model, exact)
@@ -319,23 +322,32 @@ async def serve(
         ttft_factor=leg.ttft_factor,
         dispatch=dispatch,
     )
-    await forwarder.forward(
-        sink,
-        path,
-        headers,
-        decode_body,
-        routed,
-        stream=stream,
-        strip_usage=strip_usage,
-        # the transfer params are good for one decode replica: vLLM releases the prefill's
-        # blocks once the first one to get them pulled them, failed or refused the request
-        # (connector request_finished); another one would read freed blocks
-        retry_body=body,
-        since=started,
-        # the decode replica computes none of the prompt it pulls: its first byte is not
-        # predicted as a prefill of it (deadline, latency sample), as its load is not
-        transfer_s=None if params is None else pick.transfer_s,
-    )
+    carried = Carried()
+    try:
+        await forwarder.forward(
+            sink,
+            path,
+            headers,
+            decode_body,
+            routed,
+            stream=stream,
+            strip_usage=strip_usage,
+            # the transfer params are good for one decode replica: vLLM releases the
+            # prefill's blocks once the first one to get them pulled them, failed or refused
+            # the request (connector request_finished); another one would read freed blocks
+            retry_body=body,
+            since=started,
+            # the decode replica computes none of the prompt it pulls: its first byte is
+            # not predicted as a prefill of it (deadline, latency sample), as its load is not
+            transfer_s=None if params is None else pick.transfer_s,
+            carried=carried,
+        )
+    finally:
+        if params is not None and not carried.sent:
+            # no decode replica got the transfer params (the client left before the decode
+            # leg was written, or every decode replica refused its connection): none will
+            # pull the prefill's blocks or hand them back, so the router does
+            _start_release(state, forwarder, md, request, prefill_key, headers, params)
 
 
 def _start_release(

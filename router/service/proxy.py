@@ -41,6 +41,20 @@ from router.service.upstream_errors import ConnectFailed, TotalTimeout, Upstream
 from router.service.wire import Sink, is_event_stream, request_head, send_error
 
 
+class Carried:
+    """What became of a request's ``body`` good for one replica (``Forwarder.forward``'s
+    ``carried``: a decode leg's ``kv_transfer_params``): ``sent`` once an attempt wrote it
+    to a replica, which may have read it and acted on it from then on."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = False
+
+    def mark_sent(self) -> None:
+        self.sent = True
+
+
 def _routable(view: LoadView) -> bool:
     """Whether a retry may go to a replica in this state: in rotation and not draining (a
     retry is a new request to it; a drained replica takes none)."""
@@ -121,6 +135,7 @@ class Forwarder(AnswerRelay):
         record_ids: bool = False,
         since: float | None = None,
         transfer_s: float | None = None,
+        carried: Carried | None = None,
     ) -> None:
         """``stream``: the client asked for one (the parsed body's top-level ``stream``; an
         answer that is not a stream has its decode inside the first-byte deadline).
@@ -139,7 +154,8 @@ class Forwarder(AnswerRelay):
         ``body`` carries a prompt computed elsewhere (a decode leg's ``kv_transfer_params``),
         pulled in about that many seconds: an attempt that sends it is predicted no prefill
         of the prompt (its first byte: the prefill queued there and the transfer), as its
-        dispatch recorded it; ``retry_body`` is prefilled where it goes."""
+        dispatch recorded it; ``retry_body`` is prefilled where it goes. ``carried``: told
+        when ``body`` (not ``retry_body``) is written to a replica."""
         state = self.state
         model = routed.request.model
         mm = state.metrics.model(model)
@@ -180,6 +196,7 @@ class Forwarder(AnswerRelay):
                     self.budget.spend(now)
                     dispatch = state.retried(routed, key, now, pulled=pulled)
                 sent = retry_body if retrying and retry_body is not None else body
+                on_write = carried.mark_sent if carried is not None and sent is body else None
                 head = request_head(
                     path, self._host(ep.base_url), client_headers, rid_b, ep.dp_rank, len(sent)
                 )
@@ -204,7 +221,7 @@ class Forwarder(AnswerRelay):
                 try:
                     async with deadline:
                         upstream = await self.client.pool(ep.base_url).send(
-                            head, sent, wait, ends_by - now
+                            head, sent, wait, ends_by - now, on_write
                         )
                         if upstream.status < 400:
                             sse = is_event_stream(upstream.header(b"content-type") or b"")
