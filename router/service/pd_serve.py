@@ -53,7 +53,12 @@ from router.service.retry import retry_after_s
 from router.service.state import Routed, RouterState
 from router.service.stream_usage import with_patch
 from router.service.upstream import Exchange
-from router.service.upstream_errors import ConnectFailed, UpstreamError, UpstreamTimeout
+from router.service.upstream_errors import (
+    ConnectFailed,
+    TotalTimeout,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from router.service.wire import Sink, request_head, send_error
 
 REMOTE_DECODE = {
@@ -95,12 +100,15 @@ async def _prefill(
     client_headers: list[tuple[bytes, bytes]],
     body: bytes,
     caps: bytes,
+    ends_by: float,
 ) -> tuple[dict[str, Any] | None, str]:
     """Run the prefill leg: (the answer's ``kv_transfer_params``, '') or (None, cause). The
     leg is an upstream attempt as the forwarder's are: its answer must come by the
     first-byte deadline of its predicted prefill (``Forwarder.deadline``; a hung replica
-    costs the request that, not ``first_byte_timeout_s``), and its outcome feeds outlier
-    ejection (:func:`_eject_on`), latency sweeps and probation included."""
+    costs the request that, not ``first_byte_timeout_s``), never past the request's
+    deadline ``ends_by`` (:data:`OUT_OF_TIME` when that is what ended it: no failure of the
+    replica's), and its outcome feeds outlier ejection (:func:`_eject_on`), latency sweeps
+    and probation included."""
     key = flow.routed.decision.replica
     ep = state.registry.endpoint(key)
     rid = flow.routed.request.request_id
@@ -123,22 +131,29 @@ async def _prefill(
     expect = forwarder.expected_first_byte(
         key, now, flow.request.prompt_tokens, flow.routed.decision.usable_tokens, False, 1
     )  # (one token: what the leg decodes)
-    wait = forwarder.deadline(expect)
-    token = asyncio.timeout(wait)
+    at = min(now + forwarder.deadline(expect), ends_by)
+    token = asyncio.timeout_at(at)
     ejections.sent(key, token, now, expect)
     upstream: Exchange | None = None
     try:
         async with token:
-            upstream = await forwarder.client.pool(ep.base_url).send(head, prefill_body, wait)
+            upstream = await forwarder.client.pool(ep.base_url).send(
+                head, prefill_body, at - now, ends_by - now
+            )
             payload = upstream.body()
             if payload is None:
                 payload = await upstream.read_all()
     except ConnectFailed as exc:
         state.fleet.connect_failed(key, loop.time(), connected=exc.connected)
         return _eject_on(forwarder, key, "connect_error", token)
-    except (TimeoutError, UpstreamTimeout):  # no answer by the deadline
+    except (TimeoutError, UpstreamTimeout) as exc:  # no answer by the deadline
         if upstream is not None:
             upstream.abort()
+        if isinstance(exc, TotalTimeout) or token.when() == ends_by:
+            # the request's time ran out, not the replica's first-byte deadline (as the
+            # forwarder judges an attempt)
+            ejections.dropped(key, token, loop.time())
+            return None, OUT_OF_TIME
         return _eject_on(forwarder, key, "timeout", token)
     except UpstreamError:
         if upstream is None:
@@ -166,6 +181,11 @@ async def _prefill(
         return _eject_on(forwarder, key, "no_transfer_params", token)
     _eject_on(forwarder, key, "", token)
     return params, ""
+
+
+OUT_OF_TIME = "out_of_time"
+"""The prefill leg's cause when the request's deadline (``server.request_timeout_s`` from its
+dispatch) ended it: the request answers 504, with no decode leg and no fallback."""
 
 
 # prefill-leg causes (``_prefill``) that are the replica's failures, as outlier ejection
@@ -260,10 +280,14 @@ async def serve(
     md = flow.model
     leg_id = flow.routed.request.request_id
     started = forwarder.event_loop().time()  # its TTFT includes the prefill leg
+    # both legs share the request's time upstream (server.request_timeout_s)
+    ends_by = started + state.settings.server.request_timeout_s
     request = flow.request
     model = request.model
     try:
-        params, cause = await _prefill(state, forwarder, flow, path, headers, body, prefill_caps)
+        params, cause = await _prefill(
+            state, forwarder, flow, path, headers, body, prefill_caps, ends_by
+        )
     except asyncio.CancelledError:
         # the client left during the prefill leg: its one outcome (the decode leg, which
         # counts it otherwise, is never sent)
@@ -276,6 +300,14 @@ async def serve(
     engine = state.engines[model]
     now = forwarder.event_loop().time()
     prefill_key = flow.routed.decision.replica
+    if cause == OUT_OF_TIME:  # the prefill leg spent the request's time: no decode leg
+        state.metrics.model(model).outcome(prefill_key, "timeout").inc()
+        client = flow.routed._replace(request=request)  # offered load (the client's request)
+        forwarder.record_failed(client, started, 504, stream, endpoint_of(path))
+        retry = [(b"Retry-After", str(state.settings.server.retry_after_s).encode())]
+        message = f"replica {prefill_key} did not answer the prefill leg in the request's time"
+        await send_error(sink, 504, message, code="timeout", headers=retry)
+        return
     if cause in _NOT_TAKEN:  # the prefill replica holds nothing of the prompt: the decode
         # pick (a ``both`` replica's hit, its transfer) must not credit it with the leg
         state.withdraw(model, flow.routed.dispatch)
@@ -341,6 +373,7 @@ async def serve(
             # not predicted as a prefill of it (deadline, latency sample), as its load is not
             transfer_s=None if params is None else pick.transfer_s,
             carried=carried,
+            ends_by=ends_by,  # what the prefill leg left of the request's time
         )
     finally:
         if params is not None and not carried.sent:

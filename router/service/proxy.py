@@ -136,6 +136,7 @@ class Forwarder(AnswerRelay):
         since: float | None = None,
         transfer_s: float | None = None,
         carried: Carried | None = None,
+        ends_by: float | None = None,
     ) -> None:
         """``stream``: the client asked for one (the parsed body's top-level ``stream``; an
         answer that is not a stream has its decode inside the first-byte deadline).
@@ -155,7 +156,10 @@ class Forwarder(AnswerRelay):
         pulled in about that many seconds: an attempt that sends it is predicted no prefill
         of the prompt (its first byte: the prefill queued there and the transfer), as its
         dispatch recorded it; ``retry_body`` is prefilled where it goes. ``carried``: told
-        when ``body`` (not ``retry_body``) is written to a replica."""
+        when ``body`` (not ``retry_body``) is written to a replica. ``ends_by``: the loop
+        time the request's attempts end by when its time upstream began before this call
+        (a decode leg's: ``server.request_timeout_s`` from its prefill leg's dispatch);
+        default ``request_timeout_s`` from now."""
         state = self.state
         model = routed.request.model
         mm = state.metrics.model(model)
@@ -166,7 +170,8 @@ class Forwarder(AnswerRelay):
         started = loop.time()
         self.budget.request(started)
         # the request's attempts, retries included, end by then (each waits what is left)
-        ends_by = started + state.settings.server.request_timeout_s
+        if ends_by is None:
+            ends_by = started + state.settings.server.request_timeout_s
         if since is not None:
             started = min(since, started)
         last_error = "no replica answered"
@@ -187,9 +192,15 @@ class Forwarder(AnswerRelay):
                     continue  # gone, a replica tried already, or one that just refused
                 if i and not _routable(state.load.view(key, loop.time())):
                     continue  # ejected, marked down or drained since the decision
+                now = loop.time()
+                if now >= ends_by:  # spent before the first attempt (a decode leg's, by its
+                    # prefill leg): none is sent, and the request answers a timeout
+                    mm.outcome(key, "timeout").inc()
+                    last_error = "the request's time ran out before it was sent"
+                    kind = "timeout"
+                    break
                 attempt += 1
                 tried.add(key)
-                now = loop.time()
                 retrying = reached and retry_body is not None
                 pulled = transfer_s is not None and not retrying  # the prompt comes computed
                 if key != routed.decision.replica:  # a retry: the request's record moves
