@@ -46,8 +46,9 @@ class PdCollector(Collector):
         )
         moved = CounterMetricFamily(
             "kvrouter_pd_transfer_bytes",
-            "KV and recurrent-state bytes the router's pairings move, by link "
-            "(nvlink, network, region; predicted from the model's transfer sizes)",
+            "KV and recurrent-state bytes pulled by the decode replica that got the transfer "
+            "and answered, by link (nvlink, network, region; predicted from the model's "
+            "transfer sizes)",
             labels=["model", "link"],
         )
         releases = CounterMetricFamily(

@@ -335,7 +335,6 @@ async def serve(
         decode_body = body
     else:
         dispatch = md.pd.dispatched_decode(engine, request, pick.decision, now, ttl, exact)
-        md.count(md.bytes_by_link, pick.link.value, pick.transfer_bytes)
         member = json.dumps(params, separators=(",", ":")).encode()
         decode_body = with_patch(body, b',"kv_transfer_params":' + member)
     decision = pick.decision
@@ -376,11 +375,37 @@ async def serve(
             ends_by=ends_by,  # what the prefill leg left of the request's time
         )
     finally:
+        if params is not None and carried.served is not None:
+            _count_pull(state, md, request, prefill_key, pick, carried.served)
         if params is not None and not carried.sent:
             # no decode replica got the transfer params (the client left before the decode
             # leg was written, or every decode replica refused its connection): none will
             # pull the prefill's blocks or hand them back, so the router does
             _start_release(state, forwarder, md, request, prefill_key, headers, params)
+
+
+def _count_pull(
+    state: RouterState,
+    md: ModelDisagg,
+    request: RouteRequest,
+    prefill_key: ReplicaKey,
+    pick: DecodePick,
+    served: ReplicaKey,
+) -> None:
+    """Count the transfer ``served``, the decode replica that got the transfer params and
+    answered, pulled: the pick's bytes over its link, or, for a retry after the pick
+    refused the connection, the whole prompt over the link to ``served``. A decode replica
+    that got them and failed (timed out, broke, answered 5xx) is not counted: one refused
+    before its engine pulled nothing (vLLM's ``_with_kv_transfer_rejection_cleanup``),
+    one cut off later may have (an aborted pull still ends), which the router cannot
+    tell."""
+    if served == pick.decision.replica:
+        link, nbytes = pick.link, pick.transfer_bytes
+    else:
+        engine = state.engines[request.model]
+        keys = state.registry.keys_for(request.model)
+        link, nbytes = md.pd.retry_transfer(engine, request, prefill_key, served, keys)
+    md.count(md.bytes_by_link, link.value, nbytes)
 
 
 def _start_release(

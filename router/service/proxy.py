@@ -44,12 +44,14 @@ from router.service.wire import Sink, is_event_stream, request_head, send_error
 class Carried:
     """What became of a request's ``body`` good for one replica (``Forwarder.forward``'s
     ``carried``: a decode leg's ``kv_transfer_params``): ``sent`` once an attempt wrote it
-    to a replica, which may have read it and acted on it from then on."""
+    to a replica, which may have read it and acted on it from then on; ``served``: the
+    replica that answered it (a status below 400), None when none did."""
 
-    __slots__ = ("sent",)
+    __slots__ = ("sent", "served")
 
     def __init__(self) -> None:
         self.sent = False
+        self.served: ReplicaKey | None = None
 
     def mark_sent(self) -> None:
         self.sent = True
@@ -300,6 +302,8 @@ class Forwarder(AnswerRelay):
                 else:
                     # a stream's first byte is no success yet: its end decides (relay)
                     ejections.answered(key, token, loop.time(), succeeded=not sse)
+                    if on_write is not None and carried is not None and upstream.status < 400:
+                        carried.served = key
                 ends = token if sse and upstream.status < 400 else None
                 token = None
                 try:
