@@ -4,6 +4,7 @@ vLLM's KV lease (``kv_lease_duration``) expires (router/service/disagg.py ``rele
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -12,7 +13,7 @@ from aiohttp import web
 from router.core.types import ReplicaKey
 from router.mock.server import MockSettings
 from router.mock.state import STATE as MOCK
-from router.service.app import STATE
+from router.service.app import FORWARDER, STATE
 from router.service.config import build_settings
 from tests.backends import Backend, metric_sample, start_mock, start_router
 from tests.ports import free_port
@@ -139,12 +140,111 @@ async def test_the_release_is_the_prefill_answers_params_and_skips_dead_replicas
         await prefill.runner.cleanup()
 
 
+async def _released(url: str) -> float | None:
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        page = await r.text()
+    return metric_sample(page, "kvrouter_pd_transfer_releases_total", outcome="released")
+
+
+async def test_a_client_leaving_before_the_decode_leg_is_written_releases_the_transfer() -> None:
+    """The prefill leg answered; the client leaves while the router is still connecting to
+    the decode replica: no decode replica ever gets the transfer params, so none would
+    pull or release the prefill replica's blocks (they would wait for vLLM's KV lease).
+    The router hands them back through a decode-capable replica, which refuses the
+    release as vLLM 0.34 does and decodes nothing."""
+    prefill = await _Prefill().start()
+    runner, d0 = await start_mock(MockSettings(model=MODEL, replica="d0", block_size=B))
+    router, url = await start_router(
+        _settings([("p0", prefill.url, "prefill"), ("d0", d0, "decode")])
+    )
+    pool = router.app[FORWARDER].client.pool(d0)
+    connect = pool._connect
+    holding, gate = asyncio.Event(), asyncio.Event()
+
+    async def held_connect() -> Any:  # the decode leg's connection waits for the gate
+        if not holding.is_set():
+            holding.set()
+            await gate.wait()
+        return await connect()
+
+    pool._connect = held_connect  # type: ignore[method-assign]
+    counters = runner.app[MOCK].counters
+    try:
+        leaving = asyncio.create_task(_chat(url))
+        await eventually(holding.is_set)
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        await eventually(lambda: counters.released_transfers == 1)
+        assert counters.decode_legs == 0 and counters.requests == 0
+        await eventually(lambda: _released(url), message="no release counted")
+        assert await _released(url) == 1.0
+    finally:
+        gate.set()
+        await router.cleanup()
+        await runner.cleanup()
+        await prefill.runner.cleanup()
+
+
+async def test_a_client_leaving_after_the_decode_leg_was_written_sends_no_release() -> None:
+    """The decode replica has the transfer params when the client leaves: vLLM's decode
+    side hands the blocks back itself (an abort before its pull: the connector's
+    ``request_finished`` with ``do_remote_prefill`` still set; during it: once the pull
+    ends), and a release through another replica could free blocks it is reading. The
+    router sends none."""
+    prefill = await _Prefill().start()
+    d0 = await Backend("d0", [MODEL], hang=True).start()
+    d1 = await Backend("d1", [MODEL]).start()
+    fleet = [("p0", prefill.url, "prefill"), ("d0", d0.url, "decode"), ("d1", d1.url, "decode")]
+    router, url = await start_router(_settings(fleet))
+    state = router.app[STATE]
+    prefill.hook = lambda: _out_of_rotation(state, "d1")  # the decode leg goes to d0
+    state.fleet.restore_health = lambda now: None
+    md = next(iter(state.disagg.values()))
+    try:
+        leaving = asyncio.create_task(_chat(url))
+        await eventually(lambda: d0.received)
+        assert d0.received[0]["body"]["kv_transfer_params"] == PARAMS
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        await eventually(lambda: d0.cancelled == 1)
+        await eventually(lambda: state.load.in_flight() == 0)
+        assert not md.releasing and md.releases == {}
+        assert len(d0.received) == 1 and not d1.received
+    finally:
+        await router.cleanup()
+        await d0.stop()
+        await d1.stop()
+        await prefill.runner.cleanup()
+
+
+async def test_a_decode_leg_every_decode_replica_refused_is_released() -> None:
+    """The only decode replica in rotation refuses the decode leg's connection (the
+    forwarder's 502): the transfer params reached no decode replica, so the router releases
+    them through one out of rotation that answers."""
+    prefill = await _Prefill().start()
+    dead = f"http://127.0.0.1:{free_port()}"
+    runner, d1 = await start_mock(MockSettings(model=MODEL, replica="d1", block_size=B))
+    fleet = [("p0", prefill.url, "prefill"), ("d0", dead, "decode"), ("d1", d1, "decode")]
+    router, url = await start_router(_settings(fleet))
+    state = router.app[STATE]
+    prefill.hook = lambda: _out_of_rotation(state, "d1")
+    state.fleet.restore_health = lambda now: None
+    counters = runner.app[MOCK].counters
+    try:
+        assert await _chat(url) == 502
+        await eventually(lambda: counters.released_transfers == 1)
+        assert counters.decode_legs == 0
+        await eventually(lambda: _released(url), message="no release counted")
+    finally:
+        await router.cleanup()
+        await runner.cleanup()
+        await prefill.runner.cleanup()
+
+
 async def test_a_release_still_running_when_the_router_stops_is_awaited() -> None:
     """The router stopping while a release is out (its target slow to refuse) waits for it:
     the prefill replica's blocks are handed back and no task is destroyed pending (before,
     the task was dropped with the event loop)."""
-    import asyncio
-
     from router.service.pd_serve import releases
 
     prefill = await _Prefill().start()

@@ -501,6 +501,22 @@ class Disaggregator:
         )
         return DecodePick(decision, LINKS[code], moved, secs)
 
+    def retry_transfer(
+        self,
+        engine: RoutingEngine,
+        request: RouteRequest,
+        prefill_replica: ReplicaKey,
+        key: ReplicaKey,
+        replicas: Sequence[ReplicaKey],
+    ) -> tuple[Link, float]:
+        """The link and bytes of ``request``'s pull from ``prefill_replica`` by ``key``, a
+        decode replica the decode leg was retried on: no usable hit is known there (as the
+        retry's dispatch records it), so the whole prompt (and the state) moves."""
+        same = key == prefill_replica
+        link = self.link.link(self.site(prefill_replica), self.site(key), same)
+        hybrid = engine.hybrid_for(replicas)
+        return link, 0.0 if same else float(self.sizes.total(request.prompt_tokens, hybrid))
+
     def _link_tables(
         self,
     ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:

@@ -78,7 +78,7 @@ class ModelDisagg:
     decisions: dict[str, int] = field(default_factory=dict)  # by the plan's reason
     fallbacks: dict[str, int] = field(default_factory=dict)  # prefill failures by cause
     bytes_by_link: dict[str, float] = field(default_factory=dict)
-    # prefill blocks handed back after a failed decode pick, by outcome (pd_release.py)
+    # prefill blocks handed back when no decode replica got them, by outcome (pd_release)
     releases: dict[str, int] = field(default_factory=dict)
     releasing: set[asyncio.Task[None]] = field(default_factory=set)  # (running)
 

@@ -46,13 +46,15 @@ class PdCollector(Collector):
         )
         moved = CounterMetricFamily(
             "kvrouter_pd_transfer_bytes",
-            "KV and recurrent-state bytes the router's pairings move, by link "
-            "(nvlink, network, region; predicted from the model's transfer sizes)",
+            "KV and recurrent-state bytes pulled by the decode replica that got the transfer "
+            "and answered, by link (nvlink, network, region; predicted from the model's "
+            "transfer sizes)",
             labels=["model", "link"],
         )
         releases = CounterMetricFamily(
             "kvrouter_pd_transfer_releases",
-            "Prefill legs whose request then found no decode replica, by how their blocks "
+            "Prefill legs whose transfer then reached no decode replica (none left, every "
+            "one refused the connection, or the client left first), by how their blocks "
             "were handed back (released: a decode-capable replica refused the transfer, so "
             "vLLM frees them at once; unreleased: none did, they wait for the KV lease)",
             labels=["model", "outcome"],

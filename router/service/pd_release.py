@@ -4,7 +4,8 @@ vLLM 0.34's NIXL connector keeps a finished prefill's blocks for the decode repl
 until one tells it it is done, or until the lease of ``kv_lease_duration`` seconds (30 by
 default; decode replicas' heartbeats renew it) runs out (``nixl/pull_scheduler.py``
 ``request_finished``, ``nixl/base_worker.py`` ``_reap_expired_send_leases``). When the
-decode pick fails after the prefill answered, no decode replica will read them: the router
+decode pick fails after the prefill answered, or the decode leg reaches no decode replica
+(its client left first, every one refused the connection), none will read them: the router
 hands the prefill answer's ``kv_transfer_params`` to a decode-capable replica in a request
 its serving layer refuses before its engine runs anything, a streamed beam-search
 completion (``completion/serving.py`` ``_create_completion``, its first check). vLLM wraps

@@ -25,8 +25,10 @@ decode replica got the transfer params (local prefill: vLLM frees the prefill's 
 the first decode replica to get them finishes with the request, pulled or not). The request
 is never dropped. When no decode replica is left after the prefill answered, the client gets
 the 503 / 429 and the prefill's blocks are handed back at once (router/service/pd_release.py)
-rather than left to vLLM's KV lease.
-"""
+rather than left to vLLM's KV lease; so are they when the transfer params reached no decode
+replica (the client left before the decode leg was written, or every decode replica refused
+its connection). A decode replica that got them hands them back itself if its request is
+aborted (vLLM's connector ``request_finished``), so the router then sends no release."""
 
 from __future__ import annotations
 
@@ -45,13 +47,18 @@ from router.service import pd_release
 from router.service.disagg import ModelDisagg, PdFlow
 from router.service.errors import refused_load, reply_for
 from router.service.keys import STATE
-from router.service.proxy import Forwarder
+from router.service.proxy import Carried, Forwarder
 from router.service.replica_url import ReplicaUrl
 from router.service.retry import retry_after_s
 from router.service.state import Routed, RouterState
 from router.service.stream_usage import with_patch
 from router.service.upstream import Exchange
-from router.service.upstream_errors import ConnectFailed, UpstreamError, UpstreamTimeout
+from router.service.upstream_errors import (
+    ConnectFailed,
+    TotalTimeout,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from router.service.wire import Sink, request_head, send_error
 
 REMOTE_DECODE = {
@@ -93,12 +100,15 @@ async def _prefill(
     client_headers: list[tuple[bytes, bytes]],
     body: bytes,
     caps: bytes,
+    ends_by: float,
 ) -> tuple[dict[str, Any] | None, str]:
     """Run the prefill leg: (the answer's ``kv_transfer_params``, '') or (None, cause). The
     leg is an upstream attempt as the forwarder's are: its answer must come by the
     first-byte deadline of its predicted prefill (``Forwarder.deadline``; a hung replica
-    costs the request that, not ``first_byte_timeout_s``), and its outcome feeds outlier
-    ejection (:func:`_eject_on`), latency sweeps and probation included."""
+    costs the request that, not ``first_byte_timeout_s``), never past the request's
+    deadline ``ends_by`` (:data:`OUT_OF_TIME` when that is what ended it: no failure of the
+    replica's), and its outcome feeds outlier ejection (:func:`_eject_on`), latency sweeps
+    and probation included."""
     key = flow.routed.decision.replica
     ep = state.registry.endpoint(key)
     rid = flow.routed.request.request_id
@@ -121,22 +131,29 @@ async def _prefill(
     expect = forwarder.expected_first_byte(
         key, now, flow.request.prompt_tokens, flow.routed.decision.usable_tokens, False, 1
     )  # (one token: what the leg decodes)
-    wait = forwarder.deadline(expect)
-    token = asyncio.timeout(wait)
+    at = min(now + forwarder.deadline(expect), ends_by)
+    token = asyncio.timeout_at(at)
     ejections.sent(key, token, now, expect)
     upstream: Exchange | None = None
     try:
         async with token:
-            upstream = await forwarder.client.pool(ep.base_url).send(head, prefill_body, wait)
+            upstream = await forwarder.client.pool(ep.base_url).send(
+                head, prefill_body, at - now, ends_by - now
+            )
             payload = upstream.body()
             if payload is None:
                 payload = await upstream.read_all()
     except ConnectFailed as exc:
         state.fleet.connect_failed(key, loop.time(), connected=exc.connected)
         return _eject_on(forwarder, key, "connect_error", token)
-    except (TimeoutError, UpstreamTimeout):  # no answer by the deadline
+    except (TimeoutError, UpstreamTimeout) as exc:  # no answer by the deadline
         if upstream is not None:
             upstream.abort()
+        if isinstance(exc, TotalTimeout) or token.when() == ends_by:
+            # the request's time ran out, not the replica's first-byte deadline (as the
+            # forwarder judges an attempt)
+            ejections.dropped(key, token, loop.time())
+            return None, OUT_OF_TIME
         return _eject_on(forwarder, key, "timeout", token)
     except UpstreamError:
         if upstream is None:
@@ -164,6 +181,11 @@ async def _prefill(
         return _eject_on(forwarder, key, "no_transfer_params", token)
     _eject_on(forwarder, key, "", token)
     return params, ""
+
+
+OUT_OF_TIME = "out_of_time"
+"""The prefill leg's cause when the request's deadline (``server.request_timeout_s`` from its
+dispatch) ended it: the request answers 504, with no decode leg and no fallback."""
 
 
 # prefill-leg causes (``_prefill``) that are the replica's failures, as outlier ejection
@@ -258,10 +280,14 @@ async def serve(
     md = flow.model
     leg_id = flow.routed.request.request_id
     started = forwarder.event_loop().time()  # its TTFT includes the prefill leg
+    # both legs share the request's time upstream (server.request_timeout_s)
+    ends_by = started + state.settings.server.request_timeout_s
     request = flow.request
     model = request.model
     try:
-        params, cause = await _prefill(state, forwarder, flow, path, headers, body, prefill_caps)
+        params, cause = await _prefill(
+            state, forwarder, flow, path, headers, body, prefill_caps, ends_by
+        )
     except asyncio.CancelledError:
         # the client left during the prefill leg: its one outcome (the decode leg, which
         # counts it otherwise, is never sent)
@@ -274,6 +300,14 @@ async def serve(
     engine = state.engines[model]
     now = forwarder.event_loop().time()
     prefill_key = flow.routed.decision.replica
+    if cause == OUT_OF_TIME:  # the prefill leg spent the request's time: no decode leg
+        state.metrics.model(model).outcome(prefill_key, "timeout").inc()
+        client = flow.routed._replace(request=request)  # offered load (the client's request)
+        forwarder.record_failed(client, started, 504, stream, endpoint_of(path))
+        retry = [(b"Retry-After", str(state.settings.server.retry_after_s).encode())]
+        message = f"replica {prefill_key} did not answer the prefill leg in the request's time"
+        await send_error(sink, 504, message, code="timeout", headers=retry)
+        return
     if cause in _NOT_TAKEN:  # the prefill replica holds nothing of the prompt: the decode
         # pick (a ``both`` replica's hit, its transfer) must not credit it with the leg
         state.withdraw(model, flow.routed.dispatch)
@@ -285,10 +319,11 @@ async def serve(
         if refused_load(exc):  # a miss of its SLO, and offered load (the client's request)
             client = flow.routed._replace(request=request)
             forwarder.record_failed(client, started, reply.status, stream, endpoint_of(path))
+        if params is not None:  # no decode replica will pull the prefill's blocks: freed
+            # (before the answer is written: a client leaving during it cancels the rest)
+            _start_release(state, forwarder, md, request, prefill_key, headers, params)
         extra = [(k.encode(), v.encode()) for k, v in reply.headers]  # Retry-After
         await send_error(sink, reply.status, reply.message, code=reply.code, headers=extra)
-        if params is not None:  # no decode replica will pull the prefill's blocks: freed
-            _start_release(state, forwarder, md, request, prefill_key, headers, params)
         return
     exact = flow.routed.prompt.exact
     ttl = state.ttl_for(model, exact)
@@ -300,7 +335,6 @@ async def serve(
         decode_body = body
     else:
         dispatch = md.pd.dispatched_decode(engine, request, pick.decision, now, ttl, exact)
-        md.count(md.bytes_by_link, pick.link.value, pick.transfer_bytes)
         member = json.dumps(params, separators=(",", ":")).encode()
         decode_body = with_patch(body, b',"kv_transfer_params":' + member)
     decision = pick.decision
@@ -319,23 +353,59 @@ async def serve(
         ttft_factor=leg.ttft_factor,
         dispatch=dispatch,
     )
-    await forwarder.forward(
-        sink,
-        path,
-        headers,
-        decode_body,
-        routed,
-        stream=stream,
-        strip_usage=strip_usage,
-        # the transfer params are good for one decode replica: vLLM releases the prefill's
-        # blocks once the first one to get them pulled them, failed or refused the request
-        # (connector request_finished); another one would read freed blocks
-        retry_body=body,
-        since=started,
-        # the decode replica computes none of the prompt it pulls: its first byte is not
-        # predicted as a prefill of it (deadline, latency sample), as its load is not
-        transfer_s=None if params is None else pick.transfer_s,
-    )
+    carried = Carried()
+    try:
+        await forwarder.forward(
+            sink,
+            path,
+            headers,
+            decode_body,
+            routed,
+            stream=stream,
+            strip_usage=strip_usage,
+            # the transfer params are good for one decode replica: vLLM releases the
+            # prefill's blocks once the first one to get them pulled them, failed or refused
+            # the request (connector request_finished); another one would read freed blocks
+            retry_body=body,
+            since=started,
+            # the decode replica computes none of the prompt it pulls: its first byte is
+            # not predicted as a prefill of it (deadline, latency sample), as its load is not
+            transfer_s=None if params is None else pick.transfer_s,
+            carried=carried,
+            ends_by=ends_by,  # what the prefill leg left of the request's time
+        )
+    finally:
+        if params is not None and carried.served is not None:
+            _count_pull(state, md, request, prefill_key, pick, carried.served)
+        if params is not None and not carried.sent:
+            # no decode replica got the transfer params (the client left before the decode
+            # leg was written, or every decode replica refused its connection): none will
+            # pull the prefill's blocks or hand them back, so the router does
+            _start_release(state, forwarder, md, request, prefill_key, headers, params)
+
+
+def _count_pull(
+    state: RouterState,
+    md: ModelDisagg,
+    request: RouteRequest,
+    prefill_key: ReplicaKey,
+    pick: DecodePick,
+    served: ReplicaKey,
+) -> None:
+    """Count the transfer ``served``, the decode replica that got the transfer params and
+    answered, pulled: the pick's bytes over its link, or, for a retry after the pick
+    refused the connection, the whole prompt over the link to ``served``. A decode replica
+    that got them and failed (timed out, broke, answered 5xx) is not counted: one refused
+    before its engine pulled nothing (vLLM's ``_with_kv_transfer_rejection_cleanup``),
+    one cut off later may have (an aborted pull still ends), which the router cannot
+    tell."""
+    if served == pick.decision.replica:
+        link, nbytes = pick.link, pick.transfer_bytes
+    else:
+        engine = state.engines[request.model]
+        keys = state.registry.keys_for(request.model)
+        link, nbytes = md.pd.retry_transfer(engine, request, prefill_key, served, keys)
+    md.count(md.bytes_by_link, link.value, nbytes)
 
 
 def _start_release(

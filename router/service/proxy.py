@@ -41,6 +41,22 @@ from router.service.upstream_errors import ConnectFailed, TotalTimeout, Upstream
 from router.service.wire import Sink, is_event_stream, request_head, send_error
 
 
+class Carried:
+    """What became of a request's ``body`` good for one replica (``Forwarder.forward``'s
+    ``carried``: a decode leg's ``kv_transfer_params``): ``sent`` once an attempt wrote it
+    to a replica, which may have read it and acted on it from then on; ``served``: the
+    replica that answered it (a status below 400), None when none did."""
+
+    __slots__ = ("sent", "served")
+
+    def __init__(self) -> None:
+        self.sent = False
+        self.served: ReplicaKey | None = None
+
+    def mark_sent(self) -> None:
+        self.sent = True
+
+
 def _routable(view: LoadView) -> bool:
     """Whether a retry may go to a replica in this state: in rotation and not draining (a
     retry is a new request to it; a drained replica takes none)."""
@@ -121,6 +137,8 @@ class Forwarder(AnswerRelay):
         record_ids: bool = False,
         since: float | None = None,
         transfer_s: float | None = None,
+        carried: Carried | None = None,
+        ends_by: float | None = None,
     ) -> None:
         """``stream``: the client asked for one (the parsed body's top-level ``stream``; an
         answer that is not a stream has its decode inside the first-byte deadline).
@@ -139,7 +157,11 @@ class Forwarder(AnswerRelay):
         ``body`` carries a prompt computed elsewhere (a decode leg's ``kv_transfer_params``),
         pulled in about that many seconds: an attempt that sends it is predicted no prefill
         of the prompt (its first byte: the prefill queued there and the transfer), as its
-        dispatch recorded it; ``retry_body`` is prefilled where it goes."""
+        dispatch recorded it; ``retry_body`` is prefilled where it goes. ``carried``: told
+        when ``body`` (not ``retry_body``) is written to a replica. ``ends_by``: the loop
+        time the request's attempts end by when its time upstream began before this call
+        (a decode leg's: ``server.request_timeout_s`` from its prefill leg's dispatch);
+        default ``request_timeout_s`` from now."""
         state = self.state
         model = routed.request.model
         mm = state.metrics.model(model)
@@ -150,7 +172,8 @@ class Forwarder(AnswerRelay):
         started = loop.time()
         self.budget.request(started)
         # the request's attempts, retries included, end by then (each waits what is left)
-        ends_by = started + state.settings.server.request_timeout_s
+        if ends_by is None:
+            ends_by = started + state.settings.server.request_timeout_s
         if since is not None:
             started = min(since, started)
         last_error = "no replica answered"
@@ -171,15 +194,22 @@ class Forwarder(AnswerRelay):
                     continue  # gone, a replica tried already, or one that just refused
                 if i and not _routable(state.load.view(key, loop.time())):
                     continue  # ejected, marked down or drained since the decision
+                now = loop.time()
+                if now >= ends_by:  # spent before the first attempt (a decode leg's, by its
+                    # prefill leg): none is sent, and the request answers a timeout
+                    mm.outcome(key, "timeout").inc()
+                    last_error = "the request's time ran out before it was sent"
+                    kind = "timeout"
+                    break
                 attempt += 1
                 tried.add(key)
-                now = loop.time()
                 retrying = reached and retry_body is not None
                 pulled = transfer_s is not None and not retrying  # the prompt comes computed
                 if key != routed.decision.replica:  # a retry: the request's record moves
                     self.budget.spend(now)
                     dispatch = state.retried(routed, key, now, pulled=pulled)
                 sent = retry_body if retrying and retry_body is not None else body
+                on_write = carried.mark_sent if carried is not None and sent is body else None
                 head = request_head(
                     path, self._host(ep.base_url), client_headers, rid_b, ep.dp_rank, len(sent)
                 )
@@ -204,7 +234,7 @@ class Forwarder(AnswerRelay):
                 try:
                     async with deadline:
                         upstream = await self.client.pool(ep.base_url).send(
-                            head, sent, wait, ends_by - now
+                            head, sent, wait, ends_by - now, on_write
                         )
                         if upstream.status < 400:
                             sse = is_event_stream(upstream.header(b"content-type") or b"")
@@ -272,6 +302,8 @@ class Forwarder(AnswerRelay):
                 else:
                     # a stream's first byte is no success yet: its end decides (relay)
                     ejections.answered(key, token, loop.time(), succeeded=not sse)
+                    if on_write is not None and carried is not None and upstream.status < 400:
+                        carried.served = key
                 ends = token if sse and upstream.status < 400 else None
                 token = None
                 try:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 import httptools
@@ -530,6 +530,7 @@ class Pool:
         body: bytes = b"",
         first_byte_s: float | None = None,
         total_s: float | None = None,
+        on_write: Callable[[], None] | None = None,
     ) -> Exchange:
         """Send one request (``data`` = head, ``body`` appended) and wait for the response
         head. It goes again, on a fresh connection, only when none of it reached the replica
@@ -541,7 +542,8 @@ class Pool:
         head (and, through :meth:`Exchange.ready`, the first body data) must come within
         this many seconds, whatever the read timeout.
         ``total_s``: the whole exchange's bound when shorter than the total timeout (what
-        is left of a request that retried: :class:`TotalTimeout` past it)."""
+        is left of a request that retried: :class:`TotalTimeout` past it). ``on_write``:
+        called once the request is written (the replica may read it from then on)."""
         loop = self._loop or asyncio.get_running_loop()
         self._loop = loop
         now = loop.time()
@@ -555,6 +557,8 @@ class Pool:
         if conn is None:
             conn = await self._connect()
             self._write(conn, data, body)  # (a failure shows as the connection's end)
+        if on_write is not None:
+            on_write()
         ex = Exchange(self, conn, deadline, self.timeouts.read, first_by)
         try:
             await ex._head()
