@@ -975,3 +975,20 @@ async def test_a_pick_of_another_admitted_model_keeps_off_a_held_request_s_id() 
         await runner.cleanup()
         await held_on.stop()
         await plain.stop()
+
+
+async def test_a_request_no_replica_took_is_not_charged_to_its_tenant(pair: Door) -> None:
+    """A request admission dispatched charges its tenant for its uncached prompt; when every
+    attempt's connection is refused (the replicas went away), no replica computed any of
+    it: the charge is taken back, or the tenant is ordered behind others for work it never
+    got (as a Pick whose caller never heard back is not charged)."""
+    async with await pair.post() as r:  # (the model's admission state is made with one)
+        assert r.status == 200
+    charged = pair.queue().counter("")
+    assert charged > 0
+    for b in pair.backends:
+        await b.stop()
+    async with await pair.post(prompt="Another question entirely. " * 40) as r:
+        assert r.status in (502, 503), await r.text()
+    await eventually(lambda: pair.state.load.in_flight() == 0)
+    assert pair.queue().counter("") == charged

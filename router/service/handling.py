@@ -37,7 +37,7 @@ from router.service.gate import Gate
 from router.service.http_types import HttpRequest
 from router.service.intake import admit, body_model, default_if_unnamed, parse_body
 from router.service.metrics import prompt_tier
-from router.service.proxy import Forwarder
+from router.service.proxy import Carried, Forwarder
 from router.service.request_identity import request_id_of, session_of, unique_in_flight
 from router.service.routes import Routes
 from router.service.slo_metric import count_refused
@@ -388,6 +388,7 @@ async def serve_completion(
         return
     record(state, routed)
     patch = admitted.usage_patch
+    carried = Carried()  # whether a replica got the body (admission's charge stands)
     try:
         if patch is None:
             await forwarder.forward(
@@ -400,6 +401,7 @@ async def serve_completion(
                 anthropic=shaped,
                 record_ids=admitted.stores,
                 since=arrived,
+                carried=carried,
             )
         else:  # the engine reports usage; the client gets the stream it asked for
             patched = with_patch(raw, patch)
@@ -412,7 +414,12 @@ async def serve_completion(
                 stream=admitted.stream,
                 strip_usage=True,
                 since=arrived,
+                carried=carried,
             )
     finally:
         if slo_gate is not None:
+            if not carried.sent:  # no replica got any of it (refused, or the client left
+                # first): nor is its tenant charged for it
+                uncached = routed.request.prompt_tokens - routed.decision.usable_tokens
+                slo_gate.unserved(admitted.model, slo_gate.tenant(client_headers), uncached)
             slo_gate.finished(admitted.model, routed.request.request_id)
