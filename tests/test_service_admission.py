@@ -992,3 +992,33 @@ async def test_a_request_no_replica_took_is_not_charged_to_its_tenant(pair: Door
         assert r.status in (502, 503), await r.text()
     await eventually(lambda: pair.state.load.in_flight() == 0)
     assert pair.queue().counter("") == charged
+
+
+async def test_a_retried_pick_is_charged_to_its_tenant_once(roomy_grpc: Door) -> None:
+    """A gateway retries a failed request with a second Pick of the same ``request_id``
+    (docs/grpc.md): one request, charged to its tenant once, as the HTTP forwarder's
+    retries of a request are (the first Pick's charge stands)."""
+    d = roomy_grpc
+    async with await d.post() as r:  # (the model's admission state is made with one)
+        assert r.status == 200
+    before = d.queue().counter("")
+    report = router_pb2.ReportRequest
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{d.running.app[GRPC_PORT]}") as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        prompt = "A question only this request asks. " * 40
+        pick = router_pb2.PickRequest(model=MODEL, text=prompt, request_id="again")
+        first = await stub.Pick(pick)
+        once = d.queue().counter("")
+        assert once > before
+        failed = report(decision_id=first.decision_id, phase=report.FAILED)
+        assert (await stub.Report(failed)).accepted
+        second = await stub.Pick(pick)
+        assert d.queue().counter("") == once
+        done = report(decision_id=second.decision_id, phase=report.COMPLETED)
+        assert (await stub.Report(done)).accepted
+    # a new request of that id afterwards is charged as any other
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{d.running.app[GRPC_PORT]}") as channel:
+        await router_pb2_grpc.RouterStub(channel).Pick(
+            router_pb2.PickRequest(model=MODEL, text="Something else. " * 40)
+        )
+    assert d.queue().counter("") > once

@@ -342,6 +342,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prior = self.retries.take(internal)  # a retry: its request came with the first Pick
         if prior is not None:
             arrived = prior.since if arrived is None else min(arrived, prior.since)
+            if tenant is not None and self.state.admission is not None:
+                # one request, charged to its tenant once (by its first Pick), as the HTTP
+                # forwarder's retries of a request are
+                uncached = routed.request.prompt_tokens - decision.usable_tokens
+                self.state.admission.unserved(request.model, tenant, uncached)
         pending = Pending(
             # the id routed under: admission renames one whose id another request holds
             routed.request.request_id,
