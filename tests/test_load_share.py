@@ -49,6 +49,8 @@ def test_own_load_round_trips_and_leaves_out_idle_replicas() -> None:
         b'{"load": [["a", 0, 1, 2, 3, 4, 5, -0.5]]}',  # a negative weight
         b'{"load": [["a", 0, 1, 2, 3, 4, 5, NaN]]}',
         b'{"load": [[7, 0, 1, 2, 3, 4, 5, 0.1]]}',
+        # one replica twice: which row is its load? (the last silently won)
+        b'{"load": [["a", 0, 1, 2, 3, 4, 5, 0.1], ["a", 0, 9, 9, 9, 9, 9, 0.1]]}',
         b"not json",
     ],
 )

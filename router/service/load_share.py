@@ -73,7 +73,10 @@ def parse_load(body: bytes) -> dict[ReplicaKey, PeerLoad]:
             or not _weight(row[-1])
         ):
             raise ValueError(f"bad load row {row!r}")
-        out[ReplicaKey(row[0], row[1])] = PeerLoad(*row[2:])
+        key = ReplicaKey(row[0], row[1])
+        if key in out:
+            raise ValueError(f"replica {key} has two load rows")
+        out[key] = PeerLoad(*row[2:])
     return out
 
 
