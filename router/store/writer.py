@@ -52,8 +52,10 @@ class StoreWriter:
 
     def set_keys(self, keys: Iterable[ReplicaKey]) -> None:
         """Write ``keys`` from now on (the replica's ranks changed): the states of other
-        keys are dropped, new ones start empty, and a full reset is due."""
+        keys are dropped with their pending events, new ones start empty, and a full reset
+        is due."""
         self.states = {k: self.states.get(k) or self._new(k) for k in keys}
+        self._pending = {k: evs for k, evs in self._pending.items() if k in self.states}
         self.needs_reset = True
 
     def add(self, key: ReplicaKey, events: Iterable[IndexEvent]) -> None:
@@ -92,14 +94,20 @@ class StoreWriter:
         return len(writes)
 
     async def reset(self) -> None:
-        """Write every key's full state; pending events are included in it."""
-        self.needs_reset = True
+        """Write every key's full state; pending events are included in it. A reset asked
+        for while this one is in flight (``needs_reset`` set: the lease found gone, the keys
+        changed) is another one, still due when this one returns."""
         self._pending = {}
         self.pending_events = 0
-        for st in self.states.values():
+        states = list(self.states.values())
+        for st in states:
             st.seq += 1
-        await self.store.reset(list(self.states.values()), self.owner)
         self.needs_reset = False
+        try:
+            await self.store.reset(states, self.owner)
+        except BaseException:
+            self.needs_reset = True
+            raise
         self.flushes += 1
 
     async def resume_seq(self, floor: int = 0) -> None:
