@@ -23,7 +23,7 @@ from router.mock.server import MockSettings
 from router.service.app import STATE
 from router.service.config import build_settings
 from router.service.response_ids import MAX_ID_CHARS, Holder, ResponseIds, shareable
-from router.service.response_share import ResponseShare
+from router.service.response_share import ResponseShare, holder_json, parse_holder
 from router.store.redis_store import connect
 from router.store.response_ids import ResponseIdStore, decode_holder, encode_holder
 from router.store.schema import KeySchema
@@ -86,13 +86,26 @@ def test_the_key_schema_and_the_holder_codec() -> None:
     assert KeySchema("t1", stream_shards=2).response("a:b{c}") == "t1:resp:a:b{c}"
     raw = encode_holder("Qwen/Qwen3-8B é", "r0")
     assert raw == '["Qwen/Qwen3-8B é","r0"]'.encode()
-    assert decode_holder(raw) == ("Qwen/Qwen3-8B é", "r0")
+    assert decode_holder(raw) == ("Qwen/Qwen3-8B é", "r0", "")
+    # a response made with a client key carries the key's digest
+    raw = encode_holder("m", "r0", "8fe1f57124a9932b")
+    assert raw == b'["m","r0","8fe1f57124a9932b"]'
+    assert decode_holder(raw) == ("m", "r0", "8fe1f57124a9932b")
+    assert parse_holder(json.dumps(holder_json(Holder("m", "r0", "o"))).encode()) == (
+        Holder("m", "r0", "o")
+    )
+    assert parse_holder(b'{"model":"m","replica":"r0"}') == Holder("m", "r0", "")
+    for not_holder in (b'{"model":"m","replica":"r0","owner":3}', b'{"model":"m"}', b"[]"):
+        with pytest.raises(ValueError):
+            parse_holder(not_holder)
     for bad in (
         b"",
         b"{",
         b'{"model":"m","replica":"r"}',
         b'["m"]',
-        b'["m","r","x"]',
+        b'["m","r",""]',
+        b'["m","r",3]',
+        b'["m","r","o","x"]',
         b'["m",""]',
         b'["m",3]',
         b"\xff\xfe",
@@ -114,9 +127,9 @@ async def test_the_store_writes_with_an_expiry_and_reads_back(
     client = connect(redis_server.url)
     try:
         store = ResponseIdStore(client, KeySchema(key_prefix), ttl_s=60)
-        await store.put([("resp_a", "m", "r0"), ("resp_b", "other", "r1")])
-        assert await store.get("resp_a") == ("m", "r0")
-        assert await store.get("resp_b") == ("other", "r1")
+        await store.put([("resp_a", "m", "r0", ""), ("resp_b", "other", "r1", "k")])
+        assert await store.get("resp_a") == ("m", "r0", "")
+        assert await store.get("resp_b") == ("other", "r1", "k")
         assert await store.get("resp_none") is None
         ttl = await client.pttl(f"{key_prefix}:resp:resp_a")
         assert 0 < ttl <= 60_000
@@ -231,7 +244,7 @@ async def test_pods_find_the_replica_holding_a_response_through_redis(
 
         first = await ask(0, "hello")
         holder = await holder_of(replicas, first.id)
-        assert pods[0].app[STATE].response_ids.get(first.id) == (MODEL, holder)
+        assert pods[0].app[STATE].response_ids.get(first.id) == (MODEL, holder, "")
         made = [first.id]
         for i in range(4):
             pod = (i + 1) % 2  # B, A, B, A: each continues what the other pod relayed
@@ -383,11 +396,11 @@ async def test_an_id_written_just_after_a_miss_is_found_on_the_recheck(
     class WrittenAfterTheFirstGet(ResponseIdStore):
         gets = 0
 
-        async def get(self, response_id: str) -> tuple[str, str] | None:
+        async def get(self, response_id: str) -> tuple[str, str, str] | None:
             got = await super().get(response_id)
             self.gets += 1
             if self.gets == 1:
-                await self.put([(response_id, MODEL, "r1")])
+                await self.put([(response_id, MODEL, "r1", "")])
             return got
 
     try:

@@ -20,6 +20,7 @@ from aiohttp import web
 from router.service.answers import ResponsesPreamble
 from router.service.app import STATE
 from router.service.config import build_settings
+from router.service.gate import tenant_of
 from router.tokenize.tokenizers import BUNDLED_DIR
 from tests.backends import (
     kimi_model_table,
@@ -346,8 +347,10 @@ async def test_the_body_and_the_answer_pass_unchanged(capture: Any) -> None:
                 answer = await r.read()
             assert seen[-1]["raw"] == raw and seen[-1]["path_qs"] == "/v1/responses?v=1"
             assert answer == expected
-        assert state.response_ids.get("resp_x") == (MODEL, "b0")
-        assert state.response_ids.get("resp_s") == (MODEL, "b0")
+        # with the key that made it (``server.api_keys``): only its requests find it
+        owner = tenant_of([(b"authorization", b"Bearer sk-r")])
+        assert state.response_ids.get("resp_x") == (MODEL, "b0", owner)
+        assert state.response_ids.get("resp_s") == (MODEL, "b0", owner)
         body = {"input": [{"role": "user", "content": "hi"}]}
         async with http.post(url + "/v1/responses", json=body, headers=headers) as r:
             assert r.status == 200 and (await r.json())["id"] == "resp_x"
@@ -627,3 +630,60 @@ def test_the_preamble_ends_where_the_first_output_event_begins_wherever_reads_cu
                 assert first or second, cut
     # an event without an event: line is an output; so is a data-only stream's first event
     assert ResponsesPreamble().output_began(b'data: {"type":"response.output_text.delta"}')
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_stored_response_is_its_api_keys_alone(stream: bool) -> None:
+    """With client keys (``server.api_keys``) a stored response belongs to the key that
+    made it, as OpenAI's belong to their project: another key retrieving it, cancelling it
+    or continuing it (``previous_response_id``, which the holder would render with the
+    other key's conversation) gets the 404 of an id nobody holds, the router's own, the
+    request routed nowhere; its own key keeps it."""
+    runners: list[web.AppRunner] = []
+    try:
+        replicas = await _fleet(2, runners)
+        settings = build_settings(
+            {
+                "server": {"api_keys": "sk-a,sk-b"},
+                "replicas": replicas,
+                "models": {MODEL: {"block_size": B, "policy": "round_robin"}},
+            }
+        )
+        router, url = await start_router(settings)
+        runners.append(router)
+        state = router.app[STATE]
+        a = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-a", max_retries=0)
+        b = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-b", max_retries=0)
+        first = await _ask(a, stream, "a secret")
+        holder = state.recent_decisions(1)[0]["replica"]
+        decided = len(state.decisions)
+        unknown = {
+            "error": {
+                "message": f"Response with id '{first.id}' not found.",
+                "type": "invalid_request_error",
+                "param": "response_id",
+                "code": 404,
+            }
+        }
+        as_b = {"Authorization": "Bearer sk-b"}
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/v1/responses/{first.id}", headers=as_b) as r:
+                assert r.status == 404 and await r.json() == unknown
+            async with http.post(f"{url}/v1/responses/{first.id}/cancel", headers=as_b) as r:
+                assert r.status == 404 and await r.json() == unknown
+            for _ in range(2):  # round robin would reach the holder once of two
+                follow_up = {"model": MODEL, "input": "and?", "previous_response_id": first.id}
+                async with http.post(url + "/v1/responses", json=follow_up, headers=as_b) as r:
+                    assert r.status == 404 and await r.json() == unknown
+        assert len(state.decisions) == decided  # routed nowhere
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.retrieve(first.id)
+        assert (await a.responses.retrieve(first.id)).id == first.id
+        turn = await _ask(a, stream, "and then", previous_response_id=first.id)
+        assert state.recent_decisions(1)[0]["replica"] == holder
+        assert (await a.responses.retrieve(turn.id)).id == turn.id
+        await a.close()
+        await b.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()

@@ -102,7 +102,7 @@ class AnswerRelay:
         started: float,
         strip_usage: bool = False,
         anthropic: bool = False,
-        record_ids: bool = False,
+        record_ids: str | None = None,
         closers: tuple[bytes, ...] = OPENAI_CLOSERS,
         endpoint: str | None = None,
         ends: object = None,
@@ -157,8 +157,8 @@ class AnswerRelay:
                     return
                 whole = payload
                 state.load.first_token(rid)
-                if record_ids and status == 200:
-                    self._record_id(routed, key, id_of_answer(payload))
+                if record_ids is not None and status == 200:
+                    self._record_id(routed, key, id_of_answer(payload), record_ids)
                 await sink.respond(status, headers, payload)  # the client gone: cancelled
                 self._answered(routed, key, started, status, payload, False, 0.0, endpoint, stream)
                 if ends is not None:
@@ -224,13 +224,13 @@ class AnswerRelay:
                 elif out:
                     await sink.write(out)
                 done_relayed = done_seen
-                if record_ids and status == 200:
+                if record_ids is not None and status == 200:
                     # the response.created event may come in pieces: read the stream's start
                     head_seen = head_seen + chunk if head_seen else chunk
                     found = id_of_stream(head_seen)
                     if found is not None or len(head_seen) > MAX_ID_SCAN:
-                        self._record_id(routed, key, found)
-                        record_ids = False
+                        self._record_id(routed, key, found, record_ids)
+                        record_ids = None
                         head_seen = b""
                 at = -1
                 probe = chunk
@@ -336,11 +336,14 @@ class AnswerRelay:
             else:
                 self.ejections.ended(key, ends, now)
 
-    def _record_id(self, routed: Routed, key: ReplicaKey, response_id: str | None) -> None:
-        """Remember which replica holds a stored response (router/service/response_ids.py;
-        with Redis, queued for the other pods: router/service/response_share.py)."""
+    def _record_id(
+        self, routed: Routed, key: ReplicaKey, response_id: str | None, owner: str
+    ) -> None:
+        """Remember which replica holds a stored response, ``owner``'s
+        (router/service/response_ids.py; with Redis, queued for the other pods:
+        router/service/response_share.py)."""
         if response_id is not None:
-            self.state.response_share.record(response_id, routed.request.model, key.replica)
+            self.state.response_share.record(response_id, routed.request.model, key.replica, owner)
 
     def _answered(
         self,

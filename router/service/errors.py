@@ -119,6 +119,16 @@ def response_not_found_body(response_id: str) -> bytes:
     return json.dumps({"error": error}).encode()
 
 
+class UnknownResponse(KVRouterError):
+    """A request names a stored response its API key may not see (another key's:
+    router/service/stored_responses.py): answered 404 with :func:`response_not_found_body`,
+    as an id nobody holds is, so that it tells nothing of the response."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"Response with id '{response_id}' not found.")
+        self.response_id = response_id
+
+
 @dataclass(slots=True, frozen=True)
 class ErrorReply:
     """An error answer, engine-neutral: status, extra headers, OpenAI-style body."""

@@ -32,7 +32,14 @@ from router.recorder import CLIENT_CLOSED, endpoint_of
 from router.service import disagg, pass_through, pd_serve, stored_responses
 from router.service.answer_book import record_refused
 from router.service.body_memo import Admitted
-from router.service.errors import ErrorReply, messages_path, refused_load, reply_for
+from router.service.errors import (
+    ErrorReply,
+    UnknownResponse,
+    messages_path,
+    refused_load,
+    reply_for,
+    response_not_found_body,
+)
 from router.service.gate import Gate
 from router.service.http_types import HttpRequest
 from router.service.intake import admit, body_model, default_if_unnamed, parse_body
@@ -264,6 +271,8 @@ async def serve_completion(
     (router/service/body_memo.py): only routing, which depends on live state, runs again."""
     kind = KINDS[path]
     shaped = kind == "messages"  # errors in the Messages API's shape
+    # whose stored responses a Responses body may name, and whose its answer's is
+    owner = stored_responses.owner_of(state, client_headers) if kind == "responses" else ""
     upstream_path = target or path
     model: object = None
     started = forwarder.event_loop().time()
@@ -291,7 +300,10 @@ async def serve_completion(
         if admitted.previous_response is not None:
             # a response another worker or pod recorded: asked there (only when not known
             # here); nothing of this for the requests naming none
-            await state.response_share.find(admitted.previous_response)
+            holder = await state.response_share.find(admitted.previous_response)
+            if holder is not None and stored_responses.held_for(holder, owner) is None:
+                # another key's: its holder would continue that key's conversation
+                raise UnknownResponse(admitted.previous_response)
             pinned = holder_keys(state, admitted)
         if pinned:  # a stored response's follow-up: only its replica holds the response
             pd = slo_gate = None
@@ -335,6 +347,10 @@ async def serve_completion(
                 routed = routed._replace(routed=leg)
             else:
                 routed = state.admission.classed(routed, admitted.service_tier, client_headers)
+    except UnknownResponse as exc:
+        rejected(state, model)
+        await sink.respond(404, [stored_responses.JSON], response_not_found_body(exc.response_id))
+        return
     except KVRouterError as exc:
         rejected(state, model)
         now = forwarder.event_loop().time()
@@ -399,7 +415,7 @@ async def serve_completion(
                 routed,
                 stream=admitted.stream,
                 anthropic=shaped,
-                record_ids=admitted.stores,
+                record_ids=owner if admitted.stores else None,
                 since=arrived,
                 carried=carried,
             )

@@ -134,7 +134,7 @@ class Forwarder(AnswerRelay):
         strip_usage: bool = False,
         retry_body: bytes | None = None,
         anthropic: bool = False,
-        record_ids: bool = False,
+        record_ids: str | None = None,
         since: float | None = None,
         transfer_s: float | None = None,
         carried: Carried | None = None,
@@ -147,21 +147,21 @@ class Forwarder(AnswerRelay):
         router/service/retry.py; outcomes feed outlier ejection (router/service/ejection.py).
         ``retry_body``: sent instead of ``body`` once an attempt reached a replica (any
         failure but a refused connection), for a body good for one replica only (a decode
-        leg's ``kv_transfer_params``: router/service/pd_serve.py). ``anthropic``: a Messages
-        API request, whose errors the router answers in Anthropic's shape. ``record_ids``: a
-        stored Responses API request; its answer's response id is recorded with the replica
-        that made it (router/service/response_ids.py). ``since``: when the request was
-        dispatched, which its TTFT, SLO and trace are timed from (default: now; a request
-        held by SLO-aware admission is timed from its arrival, as its deadline is; a
-        disaggregated request's decode leg from its prefill leg's dispatch). ``transfer_s``:
-        ``body`` carries a prompt computed elsewhere (a decode leg's ``kv_transfer_params``),
-        pulled in about that many seconds: an attempt that sends it is predicted no prefill
-        of the prompt (its first byte: the prefill queued there and the transfer), as its
-        dispatch recorded it; ``retry_body`` is prefilled where it goes. ``carried``: told
-        when ``body`` (not ``retry_body``) is written to a replica. ``ends_by``: the loop
-        time the request's attempts end by when its time upstream began before this call
-        (a decode leg's: ``server.request_timeout_s`` from its prefill leg's dispatch);
-        default ``request_timeout_s`` from now."""
+        leg's ``kv_transfer_params``: router/service/pd_serve.py). ``anthropic``: a Messages API
+        request, whose errors the router answers in Anthropic's shape. ``record_ids``: a stored
+        Responses API request's owner (router/service/stored_responses.py ``owner_of``); its
+        answer's response id is recorded with the replica that made it and that owner
+        (router/service/response_ids.py); None: not recorded. ``since``: when the request was
+        dispatched, which its TTFT, SLO and trace are timed from (default: now; a request held by
+        SLO-aware admission is timed from its arrival, as its deadline is; a disaggregated request's
+        decode leg from its prefill leg's dispatch). ``transfer_s``: ``body`` carries a prompt
+        computed elsewhere (a decode leg's ``kv_transfer_params``), pulled in about that many
+        seconds: an attempt that sends it is predicted no prefill of the prompt (its first byte: the
+        prefill queued there and the transfer), as its dispatch recorded it; ``retry_body`` is
+        prefilled where it goes. ``carried``: told when ``body`` (not ``retry_body``) is written to
+        a replica. ``ends_by``: the loop time the request's attempts end by when its time upstream
+        began before this call (a decode leg's: ``server.request_timeout_s`` from its prefill leg's
+        dispatch); default ``request_timeout_s`` from now."""
         state = self.state
         model = routed.request.model
         mm = state.metrics.model(model)

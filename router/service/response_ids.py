@@ -5,7 +5,8 @@ made it: a request naming it as ``previous_response_id``, ``GET /v1/responses/{i
 ``POST /v1/responses/{id}/cancel`` only work there. The router learns response id ->
 replica from the answers of requests with ``store`` not false (a JSON answer's ``id``, a
 stream's ``response.created`` event; ids of at most :data:`MAX_ID_CHARS` characters) and
-keeps the most recent :data:`MAX_IDS` (least-recently-used first out). The map is per router
+keeps the most recent :data:`MAX_IDS` (least-recently-used first out), each with the API
+key that made it: with client keys, only that key's requests find it. The map is per router
 process; a process that does not find an id asks the other worker processes and Redis
 (router/service/response_share.py). An id nobody knows is routed as usual (the engine then
 answers, 404 when it does not hold the response).
@@ -27,10 +28,13 @@ _CREATED_ID = re.compile(rb'data: \{"response":\{"id":"([^"\\]{1,%d})"' % MAX_ID
 
 
 class Holder(NamedTuple):
-    """The model and the replica (name) that made a stored response."""
+    """The model and the replica (name) that made a stored response, and whose it is: the
+    digest of the API key that asked for it when the router checks client keys, "" when it
+    runs open (router/service/stored_responses.py ``owner_of``)."""
 
     model: str
     replica: str
+    owner: str = ""
 
 
 class ResponseIds:
@@ -45,8 +49,8 @@ class ResponseIds:
     def __len__(self) -> int:
         return len(self._ids)
 
-    def put(self, response_id: str, model: str, replica: str) -> None:
-        self._ids[response_id] = Holder(model, replica)
+    def put(self, response_id: str, model: str, replica: str, owner: str = "") -> None:
+        self._ids[response_id] = Holder(model, replica, owner)
         self._ids.move_to_end(response_id)
         while len(self._ids) > self._max:
             self._ids.popitem(last=False)

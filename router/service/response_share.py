@@ -8,7 +8,7 @@ not know the id itself (a known id, and every request naming none, costs nothing
 
 1. the other workers of this ``kvrouter serve`` (``server.workers > 1``): ``GET
    /internal/responses/{id}`` on every control socket at once (router/service/control.py;
-   answered from that worker's own map, ``{"model", "replica"}`` or 404), the first holder
+   answered from that worker's own map, ``{"model", "replica", "owner"}`` or 404), the first holder
    found wins, all within :data:`LOOKUP_TIMEOUT_S`;
 2. else, with ``server.redis_url`` (router pods), one ``GET`` of the id's key in Redis
    (router/store/response_ids.py), within :data:`LOOKUP_TIMEOUT_S` too.
@@ -69,7 +69,7 @@ RESULTS = ("found", "missed", "failed")
 
 def holder_json(holder: Holder) -> dict[str, str]:
     """A control socket's answer for a known id (:data:`PATH_PREFIX`)."""
-    return {"model": holder.model, "replica": holder.replica}
+    return {"model": holder.model, "replica": holder.replica, "owner": holder.owner}
 
 
 def parse_holder(body: bytes) -> Holder:
@@ -80,9 +80,16 @@ def parse_holder(body: bytes) -> Holder:
         raise ValueError(str(exc)) from None
     model = value.get("model") if isinstance(value, dict) else None
     replica = value.get("replica") if isinstance(value, dict) else None
-    if not (isinstance(model, str) and model and isinstance(replica, str) and replica):
-        raise ValueError(f"expected {{'model', 'replica'}}, got {value!r}")
-    return Holder(model, replica)
+    owner = value.get("owner", "") if isinstance(value, dict) else None
+    if not (
+        isinstance(model, str)
+        and model
+        and isinstance(replica, str)
+        and replica
+        and isinstance(owner, str)
+    ):
+        raise ValueError(f"expected {{'model', 'replica', 'owner'}}, got {value!r}")
+    return Holder(model, replica, owner)
 
 
 @dataclass(slots=True)
@@ -104,7 +111,7 @@ class ResponseShare:
         self._siblings: Callable[[], list[str]] | None = None
         self._peers: PeerClient | None = None
         self._store: ResponseIdStore | None = None
-        self._outbox: deque[tuple[str, str, str]] = deque()
+        self._outbox: deque[tuple[str, str, str, str]] = deque()
         self._wake = asyncio.Event()
         self._pending: dict[str, asyncio.Future[Holder | None]] = {}
         self._failing = {s: False for s in SOURCES}
@@ -138,16 +145,16 @@ class ResponseShare:
 
     # ------------------------------------------------------------------ recording
 
-    def record(self, response_id: str, model: str, replica: str) -> None:
-        """``replica`` of ``model`` holds ``response_id``: kept in this process's map and,
-        with Redis, queued for it (never waits)."""
-        self.ids.put(response_id, model, replica)
+    def record(self, response_id: str, model: str, replica: str, owner: str = "") -> None:
+        """``replica`` of ``model`` holds ``response_id``, made for ``owner``: kept in this
+        process's map and, with Redis, queued for it (never waits)."""
+        self.ids.put(response_id, model, replica, owner)
         if self._store is None or not shareable(response_id):
             return
         if len(self._outbox) >= OUTBOX_MAX:
             self._outbox.popleft()
             self.counters.dropped += 1
-        self._outbox.append((response_id, model, replica))
+        self._outbox.append((response_id, model, replica, owner))
         self._wake.set()
 
     async def write_queued(self) -> bool:
@@ -224,7 +231,7 @@ class ResponseShare:
             _log.exception("looking up stored-response id %r failed", response_id)
             return None
         if found is not None:
-            self.ids.put(response_id, found.model, found.replica)
+            self.ids.put(response_id, *found)
         return found
 
     async def _ask_workers(
