@@ -224,7 +224,7 @@ def evaluate(
                         float(x["e2e_ms_p90"]),
                     )
                 )
-    return rank(points, per_point, objective, sum(len(w) for _, w in workloads))
+    return rank(points, per_point, objective, sum(w.client_requests() for _, w in workloads))
 
 
 def tune(
@@ -264,8 +264,9 @@ def tune(
             best = trials[0]
             sign = -1.0 if objective == "goodput" else 1.0
             low, high = sorted(sign * v for v in best.spread)
+            sent = sum(w.client_requests() for _, w in parts)
             log(
-                f"rung {rung}: {len(points)} settings on {sum(len(w) for _, w in parts)} "
+                f"rung {rung}: {len(points)} settings on {sent} "
                 f"requests x {len(run_seeds)} seed(s); best {best.params} goodput "
                 f"{best.goodput:.4f} ({objective} per seed {low:.4f} .. {high:.4f}), "
                 f"TTFT p90 {best.p90_ms} ms, hit {best.hit_rate:.1%}"

@@ -108,7 +108,15 @@ class Workload:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
+        """Its engine requests' rows (a completions batch's rows each count):
+        :meth:`client_requests` counts what its clients sent."""
         return len(self.requests)
+
+    def client_requests(self) -> int:
+        """The requests its clients sent, as the figures count them (``requests``,
+        goodput's denominator; sim/metrics.py ``answers``, the live replay's
+        ``count_requests``): a completions batch's rows are one (:func:`by_batch`)."""
+        return len(by_batch(self.requests, lambda r: r.batch))
 
     def head(self, n: int) -> Workload:
         """The first ``n`` requests (closed-loop turns whose parent is cut become open)."""
