@@ -263,7 +263,7 @@ def _tune(args: argparse.Namespace) -> int:
     header = (
         f"written by kvrouter sim tune on {', '.join(args.trace)} ({requests} requests), "
         f"profile {config.profile.name}, {config.replicas} replicas x "
-        f"{config.kv_blocks or config.profile.scaled(config.block_size).kv_blocks} blocks of "
+        f"{config.replica_blocks()[0]} blocks of "
         f"{config.block_size}\nobjective: {goal}"
     )
     from sim.tune import split_point
