@@ -129,6 +129,11 @@ def grid_points(
 
 
 def _geomean(values: Sequence[float]) -> float:
+    """The geometric mean of lower-is-better figures; a NaN one (a case with no answer to
+    time: every request refused) is infinite, ranking its setting last, not as a tie (NaN
+    compares as neither better nor worse, and the sort kept the grid's order)."""
+    if any(v != v for v in values):
+        return math.inf
     return math.exp(sum(math.log(max(v, 1e-3)) for v in values) / len(values))
 
 
@@ -246,6 +251,14 @@ def tune(
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     workloads = [("trace", workload)] if isinstance(workload, Workload) else list(workload)
+    if objective == "ttft":  # answers not streamed have no TTFT (sim/metrics.py)
+        for name, w in workloads:
+            if not any(r.stream for r in w.requests):
+                raise ValueError(
+                    f"--objective ttft: {name} has no streamed request, so no TTFT to rank "
+                    "by (its answers reach their clients whole); --objective goodput "
+                    "judges them by their E2E"
+                )
     if config.pd != "off" and grid is GRID:
         grid = PD_GRID
     base: dict[str, Any] = {"cost": asdict(config.profile.cost), "tpot_target_s": config.slo.tpot_s}
