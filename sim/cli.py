@@ -131,7 +131,7 @@ def _replay(args: argparse.Namespace) -> int:
     settings = {**settings_of(args, config), "runs": args.runs, "seeds": seeds}
     common = {
         "trace": args.trace,
-        "requests": len(workload),
+        "requests": workload.client_requests(),
         "speedup": args.speedup,
         **ceilings,
         "load_s": round(load_s, 3),
@@ -159,7 +159,8 @@ def _replay(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text + "\n")
         sys.stdout.write(
-            f"{len(workload)} requests, speed-up {args.speedup}x, wall {sim_wall:.2f} s "
+            f"{workload.client_requests()} requests, speed-up {args.speedup}x, "
+            f"wall {sim_wall:.2f} s "
             f"(trace load + hashing {load_s:.2f} s; ceilings {ceiling_s:.2f} s more)\n"
         )
     return 0
@@ -258,11 +259,11 @@ def _tune(args: argparse.Namespace) -> int:
             f"{over}: {top.objective:.1f} ms (per seed {low:.1f} .. {high:.1f}; p90 per "
             f"speed-up {top.p90_ms})"
         )
-    requests = sum(len(w) for _, w in workloads)
+    requests = sum(w.client_requests() for _, w in workloads)
     header = (
         f"written by kvrouter sim tune on {', '.join(args.trace)} ({requests} requests), "
         f"profile {config.profile.name}, {config.replicas} replicas x "
-        f"{config.kv_blocks or config.profile.scaled(config.block_size).kv_blocks} blocks of "
+        f"{config.replica_blocks()[0]} blocks of "
         f"{config.block_size}\nobjective: {goal}"
     )
     from sim.tune import split_point

@@ -277,8 +277,9 @@ def settings_of(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         "profile": config.profile.name,
         "replicas": config.replicas,
         "block_size": config.block_size,
-        "kv_blocks": config.kv_blocks or config.profile.scaled(config.block_size).kv_blocks,
-        "cpu_blocks": config.cpu_blocks,
+        # per replica, as the engines ran (the profile's where no flag named them)
+        "kv_blocks": config.replica_blocks()[0],
+        "cpu_blocks": config.replica_blocks()[1],
         "routers": config.routers,
         "regions": config.regions,
         "event_lag_ms": args.event_lag_ms,

@@ -71,10 +71,19 @@ class ClusterConfig:
     flex_share: float = 0.0
     tenants: int = 1
 
+    def replica_blocks(self) -> tuple[int, int]:
+        """One replica's GPU and host-tier blocks, as the engine model sizes them: the
+        config's, else the profile's scaled to the block size."""
+        p = self.profile.scaled(self.block_size)
+        gpu = p.kv_blocks if self.kv_blocks is None else self.kv_blocks
+        host = p.cpu_blocks if self.cpu_blocks is None else self.cpu_blocks
+        return gpu, host
+
     def capacity_blocks(self) -> int:
-        """The cluster's total GPU KV capacity, in blocks."""
-        per = self.kv_blocks or self.profile.scaled(self.block_size).kv_blocks
-        return per * self.replicas
+        """The cluster's total KV capacity, in blocks: every replica's GPU blocks and its
+        host tier's (``cpu_blocks``), which its engine keeps evicted blocks in and reuses
+        (sim/block_cache.py)."""
+        return sum(self.replica_blocks()) * self.replicas
 
     def replica_keys(self) -> list[ReplicaKey]:
         per_region = max(1, -(-self.replicas // self.regions))

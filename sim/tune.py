@@ -129,6 +129,11 @@ def grid_points(
 
 
 def _geomean(values: Sequence[float]) -> float:
+    """The geometric mean of lower-is-better figures; a NaN one (a case with no answer to
+    time: every request refused) is infinite, ranking its setting last, not as a tie (NaN
+    compares as neither better nor worse, and the sort kept the grid's order)."""
+    if any(v != v for v in values):
+        return math.inf
     return math.exp(sum(math.log(max(v, 1e-3)) for v in values) / len(values))
 
 
@@ -224,7 +229,7 @@ def evaluate(
                         float(x["e2e_ms_p90"]),
                     )
                 )
-    return rank(points, per_point, objective, sum(len(w) for _, w in workloads))
+    return rank(points, per_point, objective, sum(w.client_requests() for _, w in workloads))
 
 
 def tune(
@@ -246,6 +251,14 @@ def tune(
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     workloads = [("trace", workload)] if isinstance(workload, Workload) else list(workload)
+    if objective == "ttft":  # answers not streamed have no TTFT (sim/metrics.py)
+        for name, w in workloads:
+            if not any(r.stream for r in w.requests):
+                raise ValueError(
+                    f"--objective ttft: {name} has no streamed request, so no TTFT to rank "
+                    "by (its answers reach their clients whole); --objective goodput "
+                    "judges them by their E2E"
+                )
     if config.pd != "off" and grid is GRID:
         grid = PD_GRID
     base: dict[str, Any] = {"cost": asdict(config.profile.cost), "tpot_target_s": config.slo.tpot_s}
@@ -264,8 +277,9 @@ def tune(
             best = trials[0]
             sign = -1.0 if objective == "goodput" else 1.0
             low, high = sorted(sign * v for v in best.spread)
+            sent = sum(w.client_requests() for _, w in parts)
             log(
-                f"rung {rung}: {len(points)} settings on {sum(len(w) for _, w in parts)} "
+                f"rung {rung}: {len(points)} settings on {sent} "
                 f"requests x {len(run_seeds)} seed(s); best {best.params} goodput "
                 f"{best.goodput:.4f} ({objective} per seed {low:.4f} .. {high:.4f}), "
                 f"TTFT p90 {best.p90_ms} ms, hit {best.hit_rate:.1%}"

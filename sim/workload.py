@@ -108,7 +108,15 @@ class Workload:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
+        """Its engine requests' rows (a completions batch's rows each count):
+        :meth:`client_requests` counts what its clients sent."""
         return len(self.requests)
+
+    def client_requests(self) -> int:
+        """The requests its clients sent, as the figures count them (``requests``,
+        goodput's denominator; sim/metrics.py ``answers``, the live replay's
+        ``count_requests``): a completions batch's rows are one (:func:`by_batch`)."""
+        return len(by_batch(self.requests, lambda r: r.batch))
 
     def head(self, n: int) -> Workload:
         """The first ``n`` requests (closed-loop turns whose parent is cut become open)."""
@@ -366,7 +374,7 @@ def mooncake_rows(
     raw: list[tuple[float, int, int, list[int], str | None, int | None, float]] = []
     manners: list[tuple[int, bool, str, str | None]] = []
     last_of_session: dict[str, tuple[int, float | None]] = {}  # (row, finish ms)
-    for lineno, row in _of_model(path, [r for r in _rows(path) if offered(r[1])], model):
+    for lineno, row in _of_model(path, _offered_rows(path), model):
         where = f"{path}:{lineno}"
         ts = _number(row, "timestamp", where) / 1000.0
         n_in = _int(row, "input_length", where)
@@ -445,6 +453,25 @@ def offered(row: Mapping[str, Any]) -> bool:
     return not (
         type(status) is int and 400 <= status < 500 and status not in (408, 429, CLIENT_CLOSED)
     )
+
+
+def _offered_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """The rows of ``path`` a replay offers (:func:`offered`), with a warning naming the
+    lines of those it skips."""
+    rows: list[tuple[int, dict[str, Any]]] = []
+    skipped: list[tuple[int, dict[str, Any]]] = []
+    for lineno, row in _rows(path):
+        (rows if offered(row) else skipped).append((lineno, row))
+    if skipped:
+        lines = ", ".join(str(n) for n, _ in skipped[:10]) + (", ..." if len(skipped) > 10 else "")
+        _log.warning(
+            "%s: %d rows skipped (lines %s): a replica refused them as the client's error "
+            "(a 4xx status but 408 / 429 / 499), so a replay does not offer them again",
+            path,
+            len(skipped),
+            lines,
+        )
+    return rows
 
 
 def _of_model(

@@ -248,3 +248,27 @@ def test_the_simulator_judges_a_batch_once_as_the_live_figures_do(
     for name in ("ttft_p50", "ttft_p90", "e2e_p50", "e2e_p90", "tpot_p50"):
         sim_name = name.replace("_p", "_ms_p")
         assert figures[sim_name] == pytest.approx(live[f"{name}_ms"], abs=0.1), name
+
+
+def test_sim_replay_counts_a_batch_as_one_request_in_its_json(tmp_path: pathlib.Path) -> None:
+    """``kvrouter sim replay --json`` printed the trace's rows as ``requests`` (over the
+    summary's count of requests), so a batch of three rows and one request alone read as
+    4 requests, 2 completed, goodput 1.0: goodput's denominator is 2, the requests the
+    clients sent, as the live figures count them (``count_requests``)."""
+    from tests.inprocess import kvrouter
+
+    path = _rows_file(tmp_path, ROWS[:4])
+    assert count_requests(path, 10) == 2
+    one = ["--replicas", "1", "--json", "--no-progress"]
+    p = kvrouter("sim", "replay", str(path), "--policy", "round_robin", *one)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert (doc["requests"], doc["completed"], doc["goodput"]) == (2, 2, 1.0)
+    p = kvrouter("sim", "replay", str(path), "--policy", "round_robin,random", *one)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["requests"] == 2
+    assert [(r["requests"], r["completed"]) for r in doc["runs"]] == [(2, 2), (2, 2)]
+    p = kvrouter("sim", "replay", str(path), "--policy", "round_robin", "--replicas", "1")
+    assert p.returncode == 0, p.stderr
+    assert "\n2 requests, speed-up" in p.stdout

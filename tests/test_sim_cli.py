@@ -356,3 +356,17 @@ def test_a_sweep_of_bad_speed_ups_is_an_error_before_the_runs(sweep: str, tmp_pa
     assert p.returncode == 2, p.stdout
     assert "--sweep must list positive finite numbers" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and not list(tmp_path.iterdir())
+
+
+def test_json_settings_give_the_host_tier_the_engines_ran_with() -> None:
+    """``settings.cpu_blocks`` was the flag as given: null for a profile's own host tier
+    (kimi-k3: 1.5M blocks of 64 tokens), which the engines ran with, as ``kv_blocks``
+    gives the profile's GPU blocks; both in blocks of the run's ``block_size``."""
+    fleet = ["--profile", "kimi-k3", "--replicas", "2", "--limit", "5", "--json"]
+    p = kvrouter("sim", "replay", "mooncake", *fleet, "--block-size", "32")
+    assert p.returncode == 0, p.stderr
+    settings = json.loads(p.stdout)["settings"]
+    assert (settings["kv_blocks"], settings["cpu_blocks"]) == (1_600_000, 3_000_000)
+    p = kvrouter("sim", "replay", "mooncake", *fleet, "--cpu-blocks", "0")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["settings"]["cpu_blocks"] == 0

@@ -521,3 +521,27 @@ def test_a_row_without_its_output_length_is_an_error_naming_its_line(
     path.write_text(first + "\n" + second + "\n")
     with pytest.raises(ConfigError, match=r"bad\.jsonl:2: missing 'output_length'"):
         load_trace(str(path), block_size=64, fmt=fmt)
+
+
+def test_rows_a_replica_refused_as_the_clients_error_are_skipped_aloud(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A recorded row whose request a replica refused as the client's error (a 4xx but
+    408 / 429 / 499) is not offered again, as the router's own refusals are no row; the
+    reader dropped such rows without a word, so a replay offered fewer requests than the
+    file holds and nothing said why. A shed (429), a client that left (499) and a 5xx
+    are offered load, replayed."""
+    rows = [
+        {"timestamp": 0, "input_length": 64, "output_length": 3, "hash_ids": [1]},
+        {"timestamp": 1, "input_length": 64, "output_length": 3, "hash_ids": [2], "status": 400},
+        {"timestamp": 2, "input_length": 64, "output_length": 3, "hash_ids": [3], "status": 429},
+        {"timestamp": 3, "input_length": 64, "output_length": 3, "hash_ids": [4], "status": 499},
+        {"timestamp": 4, "input_length": 64, "output_length": 3, "hash_ids": [5], "status": 503},
+        {"timestamp": 5, "input_length": 64, "output_length": 3, "hash_ids": [6], "status": 404},
+    ]
+    path = write(tmp_path / "statuses.jsonl", rows)
+    with caplog.at_level("WARNING"):
+        w = load_trace(str(path), block_size=64)
+    assert [r.arrival_s for r in w.requests] == [0.0, 0.002, 0.003, 0.004]
+    assert f"{path}: 2 rows skipped" in caplog.text, caplog.text
+    assert "lines 2, 6" in caplog.text, caplog.text

@@ -93,3 +93,42 @@ def test_tune_command_reports_the_seeds_and_refuses_none(tmp_path: Path) -> None
         "sim", "tune", "mooncake", *fleet, "--seeds", "0", "--out", str(tmp_path / "x.toml")
     )  # fmt: skip
     assert p.returncode == 2 and "--seeds must be >= 1" in p.stderr, p.stderr
+
+
+def test_a_case_without_a_figure_ranks_last_not_as_a_tie() -> None:
+    """A setting under which a case had no streamed answer left (every one refused) has no
+    TTFT p90 (NaN), nor an E2E p90 when nothing was answered: its geometric mean was NaN,
+    which compares as neither better nor worse, so the sort kept the grid's order and the
+    defaults won whatever the others measured. It ranks last."""
+    nan = float("nan")
+
+    def cases(ttft: float, e2e: float = 1000.0) -> list[Case]:
+        return [Case("t", 1.0, 0, 0.0, 0.5, ttft, 20.0, e2e)]
+
+    worse, better = {"w_prefill": 12.0}, {"w_prefill": 8.0}
+    ranked = rank([worse, better], [cases(nan), cases(100.0)], "ttft")
+    assert [t.params for t in ranked] == [better, worse]
+    ranked = rank([worse, better], [cases(100.0, nan), cases(100.0, 900.0)], "goodput")
+    assert [t.params for t in ranked] == [better, worse]
+
+
+def test_the_ttft_objective_refuses_traces_without_a_streamed_answer(tmp_path: Path) -> None:
+    """``--objective ttft`` on answers not streamed (no TTFT: their client has them whole)
+    ran the search on NaN figures and wrote the defaults as its winner, its objective
+    ``nan ms``: the command says so before any run (the goodput objective judges such an
+    answer by its E2E)."""
+    trace = tmp_path / "unstreamed.jsonl"
+    rows = [
+        {"timestamp": i * 200, "input_length": 600, "output_length": 8, "hash_ids": [i % 3],
+         "stream": False}
+        for i in range(12)
+    ]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "tuned.toml"
+    args = ["--replicas", "2", "--budget", "2", "--seeds", "1", "--jobs", "1", "--out", str(out)]
+    ttft = ["--objective", "ttft", "--limit", "12"]
+    p = kvrouter("sim", "tune", "mooncake", str(trace), *args, *ttft)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"{trace} has no streamed request" in p.stderr and not out.exists()
+    p = kvrouter("sim", "tune", str(trace), *args)  # the goodput objective judges it
+    assert p.returncode == 0, p.stderr
