@@ -287,7 +287,7 @@ def test_response_ids_are_read_and_bounded() -> None:
     ids = ResponseIds(max_ids=2)
     ids.put("a", "m", "r0")
     ids.put("b", "m", "r1")
-    assert ids.get("a") == ("m", "r0")  # used: "b" is now the oldest
+    assert ids.get("a") == ("m", "r0", "")  # used: "b" is now the oldest
     ids.put("c", "m", "r0")
     assert ids.get("b") is None and len(ids) == 2
 
