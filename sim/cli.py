@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from router.bench.measure import median_row
+from router.bench.measure import json_text, median_row
 from router.core.errors import KVRouterError
 from sim.cli_args import add_fleet_args, config_of, json_object, settings_of, workload_of
 
@@ -155,7 +155,7 @@ def _replay(args: argparse.Namespace) -> int:
     if args.report:
         _write_report(args, workload, config, runs, specs, document, text, jobs)
     if args.json:
-        sys.stdout.write(json.dumps(document) + "\n")
+        sys.stdout.write(json_text(document) + "\n")
     else:
         sys.stdout.write(text + "\n")
         sys.stdout.write(
@@ -306,7 +306,7 @@ def _tune(args: argparse.Namespace) -> int:
     }
     if args.objective == "ttft":
         result["objective_ms"] = round(top.objective, 3)
-    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.write(json_text(result) + "\n")
     return 0
 
 
@@ -345,7 +345,7 @@ def _tune_admission(
         "settings_tried": len(trials),
         "wall_s": round(time.perf_counter() - t0, 3),
     }
-    sys.stdout.write(json.dumps(result, default=str) + "\n")
+    sys.stdout.write(json_text(result, default=str) + "\n")
     return 0
 
 

@@ -132,3 +132,23 @@ def test_the_ttft_objective_refuses_traces_without_a_streamed_answer(tmp_path: P
     assert f"{trace} has no streamed request" in p.stderr and not out.exists()
     p = kvrouter("sim", "tune", str(trace), *args)  # the goodput objective judges it
     assert p.returncode == 0, p.stderr
+
+
+def test_replay_json_is_strict_json_when_a_figure_has_no_sample(tmp_path: Path) -> None:
+    """Answers not streamed have no TTFT: its percentiles are no number, printed ``null``
+    (``NaN`` is no JSON: a strict parser, jq or a browser's, refuses the document)."""
+    trace = tmp_path / "unstreamed.jsonl"
+    rows = [
+        {"timestamp": i * 200, "input_length": 600, "output_length": 8, "hash_ids": [i % 3],
+         "stream": False}
+        for i in range(6)
+    ]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = kvrouter("sim", "replay", str(trace), "--replicas", "2", "--policy", "ours", "--json")
+    assert p.returncode == 0, p.stderr
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is no JSON")
+
+    document = json.loads(p.stdout, parse_constant=refuse)
+    assert document["ttft_ms_p50"] is None and document["e2e_ms_p50"] > 0

@@ -7,7 +7,7 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -88,9 +88,28 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def json_text(
+    document: Any, indent: int | None = None, default: Callable[[Any], Any] | None = None
+) -> str:
+    """``document`` as strict JSON: a figure that is no number (NaN, an infinity: a
+    percentile of no sample) is ``null``, which every JSON parser reads (``NaN`` is no
+    JSON: RFC 8259 6)."""
+    return json.dumps(_finite(document), indent=indent, allow_nan=False, default=default)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def emit(result: dict[str, Any]) -> None:
     """Print one JSON object on stdout (the benchmarks' contract)."""
-    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.write(json_text(result) + "\n")
     sys.stdout.flush()
 
 

@@ -81,6 +81,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from router.bench.measure import json_text
 from router.cliargs import at_least, non_negative_float, positive_float
 from router.core.slo import SloTargets, SloTier
 
@@ -477,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
             per_policy = {key(p): [predict(p, w, at) for _, w, at in drawn] for p in sim_policies}
             result["sim_samples"] = sim_samples.summarize(per_policy, [n for n, _, _ in drawn])
     result["wall_s"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(result, indent=None if args.json else 2)
+    text = json_text(result, indent=None if args.json else 2)
     sys.stdout.write(text + "\n")
     return 1 if broken else 0
 
