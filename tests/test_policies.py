@@ -22,6 +22,7 @@ from router.core.policies import (
 )
 from router.core.routing import RoutingEngine
 from router.core.routing_settings import BusyThresholds, RoutingSettings
+from router.core.slo import SloTier
 from router.core.types import Kind, PrefixMatch, ReplicaKey, RouteRequest
 
 A, B, C = ReplicaKey("a"), ReplicaKey("b"), ReplicaKey("c")
@@ -237,6 +238,12 @@ def test_ours_breaks_exact_ties_towards_the_smallest_cache() -> None:
         {"cost": {"chunk_tokens": 0}},  # ZeroDivisionError in steps_for
         {"cost": {"prefill_s_per_token": -2.5e-5}},
         {"cost": {"decode_s_per_seq": float("inf")}},
+        # a TTFT target of 0: ZeroDivisionError; infinite or NaN: the array path's miss
+        # term NaN where the per-candidate path's is 0 (two decisions for one request)
+        {"ttft_tiers": (SloTier(None, 0.0),)},
+        {"ttft_tiers": (SloTier(8192, 2.0), SloTier(None, float("inf")))},
+        {"ttft_tiers": (SloTier(None, float("nan")),)},
+        {"ttft_tiers": (SloTier(32768, 5.0), SloTier(8192, 2.0))},  # tier_for: 5 s for all
     ],
 )
 def test_ours_refuses_parameters_that_break_or_invert_its_cost(params: dict[str, object]) -> None:

@@ -23,7 +23,7 @@ from router.core.candidates import decide as _decide
 from router.core.candidates import rank as _rank
 from router.core.candidates import tokens as _tokens
 from router.core.load import EXPECTED_OUTPUT_TOKENS, CostModel, require_nonnegative
-from router.core.slo import DEFAULT_TIERS, SloTier, tier_for
+from router.core.slo import DEFAULT_TIERS, SloTargets, SloTier, tier_for
 from router.core.types import MAX_RANKING, Decision, RouteRequest
 from router.core.vllm_router import VllmCacheAware, VllmKvAware
 from router.core.xp import ARRAY, SCALAR, Ops
@@ -363,6 +363,10 @@ class Ours:
                 "ttft_tiers: the TTFT targets come from the model's [slo] table "
                 "(ttft_tiers there), not from policy_params"
             )
+        # the model's [slo] table checks its tiers; one built otherwise is checked alike: a
+        # target of 0 divides by zero, an infinite or NaN one makes the miss term NaN on the
+        # array path and 0 on the per-candidate path, unordered bounds give one tier to all
+        SloTargets(self.ttft_tiers)
         if not (math.isfinite(self.miss_margin) and self.miss_margin > 0):
             raise ValueError(f"miss_margin must be a positive fraction, not {self.miss_margin!r}")
         if not (math.isfinite(self.tpot_target_s) and self.tpot_target_s > 0):

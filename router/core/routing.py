@@ -354,7 +354,11 @@ class RoutingEngine(LearnedLayout):
         awaited = False
         if self.sessions is not None and request.session_id:
             reused = request.block_hashes[: held.next_hit_blocks]
-            if exact and reused:  # (first: it gives an unknown replica its slot, its epoch)
+            # first: the replica gets its slot and epoch if the index did not know it (a
+            # hint of epoch 0 would match any key the index does not know, and the array
+            # path finds the hinted replica by its slot)
+            self.index.add_replica(decision.replica)
+            if exact and reused:
                 awaited = self._await_hint(decision.replica, reused[-1])
             epoch = self.index.cache_epoch(decision.replica)
             hint, previous = self.sessions.record(
