@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from router.core.errors import BadRequest
 from router.tokenize.anthropic import (
     disabled_thinking_effort,
     merges_inline_system,
@@ -146,6 +147,12 @@ CASES: dict[str, dict[str, Any]] = {
     "thinking disabled": _body([_u("q")], thinking={"type": "disabled"}),
     "thinking between_tools": _body([_u("q")], thinking={"type": "between_tools"},
                                     output_config={"effort": "high"}),
+    # odd but valid: extra fields (citations), nulls, a lax bool
+    "odd valid blocks": _body([_u([{"type": "text", "text": "a", "citations": [{"x": 1}]},
+                                   {"type": "image", "source": None}]),
+                               _a([{**TU, "input": None, "caller": {"type": "direct"}}]),
+                               _u([_tr("r", is_error="true"), _tr([{"type": "x"}, {"k": 1}])])],
+                              system=[{"type": "text", "text": "S", "citations": None}]),
 }  # fmt: skip
 
 
@@ -282,6 +289,50 @@ def test_the_conversion_is_vllms(name: str) -> None:
     expected = _vllm_prompt(proc, vllm_view(body, effort=effort))
     assert prompt.block_hashes == expected.block_hashes and len(prompt.block_hashes) > 3
     assert prompt.exact == expected.exact  # (images: cut where the router cannot place them)
+
+
+def vllm_refuses(body: dict[str, Any]) -> bool:
+    """Whether vLLM 0.34 answers ``body`` with an error before rendering it: its request
+    model refuses it, or its conversion fails (a 400 either way)."""
+    try:
+        vllm_view(body)
+    except Exception:
+        return True
+    return False
+
+
+# content blocks vLLM's AnthropicContentBlock refuses (a type it does not know, a field of
+# the wrong type), or its conversion fails on
+REFUSED_BLOCKS: dict[str, dict[str, Any]] = {
+    "document block": _body([_u([{"type": "document", "source": {"type": "text", "data": "x"}},
+                                 {"type": "text", "text": "a"}])]),
+    "system document block": _body([_u("q")], system=[{"type": "document"},
+                                                      {"type": "text", "text": "S"}]),
+    "inline system search_result": _body([_u("q"), _s([{"type": "search_result"}])]),
+    "server_tool_use": _body([_u("q"), _a([{"type": "server_tool_use", "id": "x",
+                                            "name": "web_search", "input": {}}])]),
+    "image source a string": _body([_u([{"type": "image", "source": "http://x/i.png"}])]),
+    "thinking a number": _body([_u("q"), _a([{"type": "thinking", "thinking": 5}])]),
+    "tool_use input a list": _body([_u("q"), _a([{**TU, "input": [1]}])]),
+    "tool_use id a number": _body([_u("q"), _a([{**TU, "id": 5}])]),
+    "tool_use name a number": _body([_u("q"), _a([{**TU, "name": 5}])]),
+    "tool_result id a number": _body(_turn({**_tr("x"), "tool_use_id": 7})),
+    "tool_result content a number": _body(_turn(_tr(5))),
+    "tool_result content strings": _body(_turn(_tr(["a"]))),
+    "tool_result is_error a word": _body(_turn(_tr("x", is_error="maybe"))),
+    "tool_result text null": _body(_turn(_tr([{"type": "text", "text": None}]))),
+    "tool_result text a number": _body(_turn(_tr([{"type": "text", "text": 5}]))),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(REFUSED_BLOCKS))
+def test_blocks_vllm_refuses_are_refused(name: str) -> None:
+    """A body vLLM answers with a 400 is one too for the router, not routed on a prompt
+    with the block dropped or read otherwise."""
+    body = REFUSED_BLOCKS[name]
+    assert vllm_refuses(body)
+    with pytest.raises(BadRequest):
+        to_chat_body(body)
 
 
 def test_count_tokens_requests_convert_alike() -> None:

@@ -45,7 +45,8 @@ rather than pass a guess off as exact:
 
 :func:`messages_prompt` is the routing view of such a body through the model's ordinary chat
 pipeline (router.tokenize.pipeline). Only the fields read here are checked; a malformed body
-is a BadRequest, as vLLM's request model refuses it with a 400.
+is a BadRequest, as vLLM's request model refuses it with a 400: content blocks as its
+``AnthropicContentBlock`` takes them (a type it does not know is refused, not dropped).
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from router.core.errors import BadRequest
+from router.tokenize.lax import INVALID, lax_bool
 
 if TYPE_CHECKING:
     from router.tokenize.keying import ProcessedPrompt
@@ -76,6 +78,12 @@ DISABLED_THINKING_EFFORT = "none"
 # the conversation vLLM's DisabledThinkingEffortResolver renders to probe the template
 _EFFORT_PROBE = ({"role": "user", "content": "Hi"},)
 _ROLES = frozenset({"user", "assistant", "system"})
+# vLLM 0.34's AnthropicContentBlock: its types, and its string fields
+BLOCK_TYPES = frozenset({
+    "text", "image", "tool_use", "tool_result", "tool_reference", "thinking",
+    "redacted_thinking", "tool_addition", "tool_removal",
+})  # fmt: skip
+_STR_FIELDS = ("text", "id", "tool_use_id", "name", "tool_name", "thinking", "signature", "data")
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 _log = logging.getLogger("kvrouter.tokenize")
 
@@ -95,13 +103,41 @@ class ChatConversion:
 
 
 def _blocks(value: Any, where: str) -> list[Mapping[str, Any]]:
-    """A list of content blocks (objects with a string ``type``), checked."""
+    """A list of content blocks, each checked as vLLM's ``AnthropicContentBlock`` checks
+    it (:func:`_check_block`)."""
     if not isinstance(value, list):
         raise BadRequest(f"'{where}' must be a string or an array of content blocks")
     for i, block in enumerate(value):
-        if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
-            raise BadRequest(f"'{where}[{i}]' must be an object with a string 'type'")
+        _check_block(block, f"{where}[{i}]")
     return value
+
+
+def _check_block(block: Any, where: str) -> None:
+    """A content block as vLLM 0.34's ``AnthropicContentBlock`` takes it: one of its types
+    (:data:`BLOCK_TYPES`; any other, e.g. ``document``, is a 400 there, not a block to
+    drop), its string, object and boolean fields of those types (extra fields ignored)."""
+    if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
+        raise BadRequest(f"'{where}' must be an object with a string 'type'")
+    if block["type"] not in BLOCK_TYPES:
+        raise BadRequest(
+            f"'{where}.type' {block['type']!r} is not supported; "
+            f"expected one of {', '.join(sorted(BLOCK_TYPES))}"
+        )
+    for key in _STR_FIELDS:
+        value = block.get(key)
+        if value is not None and not isinstance(value, str):
+            raise BadRequest(f"'{where}.{key}' must be a string")
+    for key in ("source", "input"):
+        value = block.get(key)
+        if value is not None and not isinstance(value, Mapping):
+            raise BadRequest(f"'{where}.{key}' must be an object")
+    content = block.get("content")
+    if not (content is None or isinstance(content, str)) and not (
+        isinstance(content, list) and all(isinstance(item, Mapping) for item in content)
+    ):
+        raise BadRequest(f"'{where}.content' must be a string or an array of objects")
+    if lax_bool(block.get("is_error")) is INVALID:
+        raise BadRequest(f"'{where}.is_error' must be a boolean")
 
 
 def _text_of(block: Mapping[str, Any]) -> str | None:
@@ -153,7 +189,10 @@ def _user_tool_result(block: Mapping[str, Any], out: list[dict[str, Any]]) -> No
                 continue
             kind = item.get("type")
             if kind == "text":
-                parts.append(str(item.get("text", "")))
+                part = item.get("text", "")
+                if not isinstance(part, str):  # (vLLM's join of the parts fails: a 400)
+                    raise BadRequest("a tool_result's text items need a string 'text'")
+                parts.append(part)
             elif kind == "image":
                 url = image_url(item.get("source", {}))
                 if url:
@@ -218,8 +257,8 @@ class _Converter:
             converted: dict[str, Any] = {"role": role}
             if isinstance(content, str):
                 converted["content"] = content
-            else:
-                self.content(role, _blocks(content, "messages.content"), converted, out)
+            else:  # (its blocks checked: check_messages)
+                self.content(role, cast("list[Mapping[str, Any]]", content), converted, out)
             if not (role == "user" and "content" not in converted):
                 out.append(converted)
 
