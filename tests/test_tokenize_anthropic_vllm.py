@@ -301,9 +301,12 @@ def vllm_refuses(body: dict[str, Any]) -> bool:
     return False
 
 
-# content blocks vLLM's AnthropicContentBlock refuses (a type it does not know, a field of
-# the wrong type), or its conversion fails on
-REFUSED_BLOCKS: dict[str, dict[str, Any]] = {
+# bodies vLLM refuses: content blocks its AnthropicContentBlock refuses (a type it does not
+# know, a field of the wrong type) or its conversion fails on; tool changes outside a system
+# message, or malformed
+_ADD = {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "read"}}
+_DEFINED = {"type": "tool_definition", "definition": {"name": "n", "input_schema": {}}}
+REFUSED: dict[str, dict[str, Any]] = {
     "document block": _body([_u([{"type": "document", "source": {"type": "text", "data": "x"}},
                                  {"type": "text", "text": "a"}])]),
     "system document block": _body([_u("q")], system=[{"type": "document"},
@@ -322,14 +325,24 @@ REFUSED_BLOCKS: dict[str, dict[str, Any]] = {
     "tool_result is_error a word": _body(_turn(_tr("x", is_error="maybe"))),
     "tool_result text null": _body(_turn(_tr([{"type": "text", "text": None}]))),
     "tool_result text a number": _body(_turn(_tr([{"type": "text", "text": 5}]))),
+    "tool_addition in a user message": _body([_u([_ADD, {"type": "text", "text": "q"}])],
+                                             tools=TOOLS),
+    "tool_removal in an assistant message": _body([_u("q"), _a([{**_ADD, "type": "tool_removal"}])],
+                                                  tools=TOOLS),
+    "tool_addition in the system field": _body([_u("q")], system=[_ADD], tools=TOOLS),
+    "tool_removal of a definition": _body([_u("q"), _s([{"type": "tool_removal",
+                                                          "tool": _DEFINED}])], tools=TOOLS),
+    "tool change of another type": _body([_u("q"), _s([{**_ADD, "tool": {"type": "tool_name",
+                                                                       "name": "read"}}])],
+                                         tools=TOOLS),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(REFUSED_BLOCKS))
-def test_blocks_vllm_refuses_are_refused(name: str) -> None:
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_bodies_vllm_refuses_are_refused(name: str) -> None:
     """A body vLLM answers with a 400 is one too for the router, not routed on a prompt
     with the block dropped or read otherwise."""
-    body = REFUSED_BLOCKS[name]
+    body = REFUSED[name]
     assert vllm_refuses(body)
     with pytest.raises(BadRequest):
         to_chat_body(body)

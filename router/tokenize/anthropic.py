@@ -231,6 +231,7 @@ class _Converter:
                 parts.append(system)
             else:
                 found = _system_text(system, "system")
+                _no_tool_changes(system, "system")
                 if found is not None:
                     parts.append(found)
         if self.merge_inline_system:
@@ -373,7 +374,13 @@ def _resolved_tools(body: Mapping[str, Any]) -> list[Any] | None:
         change = block.get("tool")
         if not isinstance(change, Mapping):
             raise BadRequest(f"tool is required for {block['type']} blocks")
-        if change.get("type") == "tool_definition":
+        if change.get("type") not in ("tool_reference", "tool_definition"):
+            raise BadRequest(
+                f"a {block['type']}'s tool must be a tool_reference or a tool_definition"
+            )
+        if block["type"] == "tool_removal" and change["type"] != "tool_reference":
+            raise BadRequest("tool_removal only accepts a tool_reference")
+        if change["type"] == "tool_definition":
             definition = change.get("definition")
             if not isinstance(definition, Mapping):
                 raise BadRequest("a tool_definition needs a 'definition' object")
@@ -420,8 +427,20 @@ def check_messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
             raise BadRequest(f"messages[{i}] must be an object with role user, assistant or system")
         content = msg.get("content")
         if not isinstance(content, str):
-            _blocks(content, f"messages[{i}].content")
+            blocks = _blocks(content, f"messages[{i}].content")
+            if msg["role"] != "system":
+                _no_tool_changes(blocks, f"messages[{i}].content")
     return messages
+
+
+def _no_tool_changes(blocks: list[Mapping[str, Any]], where: str) -> None:
+    """vLLM's ``_reject_tool_changes``: ``tool_addition`` / ``tool_removal`` blocks belong
+    in ``system`` messages only (not in ``system`` itself, nor a user's or an assistant's)."""
+    for block in blocks:
+        if block["type"] in ("tool_addition", "tool_removal"):
+            raise BadRequest(
+                f'{where}: {block["type"]} blocks are only allowed in messages with role "system"'
+            )
 
 
 def disables_thinking(body: Mapping[str, Any]) -> bool:
