@@ -115,6 +115,8 @@ CASES: dict[str, dict[str, Any]] = {
                                     _a([_tr([{"type": "text", "text": "odd"}])])]),
     "tools": _body([_u("q")], tools=TOOLS),
     "no tools": _body([_u("q")], tools=[]),
+    "lax tool booleans": _body([_u("q")], tools=[{**TOOLS[0], "strict": "yes"},
+                                                 {**TOOLS[1], "defer_loading": 0}]),
     "tool_choice auto": _body([_u("q")], tools=TOOLS, tool_choice={"type": "auto"}),
     "tool_choice any": _body([_u("q")], tools=TOOLS,
                              tool_choice={"type": "any", "disable_parallel_tool_use": True}),
@@ -335,6 +337,22 @@ REFUSED: dict[str, dict[str, Any]] = {
     "tool change of another type": _body([_u("q"), _s([{**_ADD, "tool": {"type": "tool_name",
                                                                        "name": "read"}}])],
                                          tools=TOOLS),
+    # the request's fields the conversion reads: thinking, output_config, tools, system
+    "thinking a string": _body([_u("q")], thinking="on"),
+    "thinking of another type": _body([_u("q")], thinking={"type": "sometimes"}),
+    "thinking without a budget": _body([_u("q")], thinking={"type": "enabled"}),
+    "thinking budget under 1024": _body([_u("q")], thinking={"type": "enabled",
+                                                             "budget_tokens": 1000}),
+    "thinking budget a word": _body([_u("q")], thinking={"type": "enabled",
+                                                         "budget_tokens": "lots"}),
+    "output_config a string": _body([_u("q")], output_config="fast"),
+    "effort unknown": _body([_u("q")], output_config={"effort": "huge"}),
+    "tool of an Anthropic type": _body([_u("q")], tools=[{"type": "bash_20250124",
+                                                          "name": "bash",
+                                                          "input_schema": {}}]),
+    "tool description a number": _body([_u("q")], tools=[{**TOOLS[0], "description": 5}]),
+    "system an object": _body([_u("q")], system={}),
+    "system zero": _body([_u("q")], system=0),
 }  # fmt: skip
 
 
@@ -474,7 +492,7 @@ def test_the_probe_runs_once_per_model_at_the_first_body_that_needs_it() -> None
         return render_chat(body)
 
     proc.render_chat = counted  # type: ignore[method-assign]
-    messages_prompt(proc, _body([_u("q")], thinking={"type": "enabled", "budget_tokens": 9}))
+    messages_prompt(proc, _body([_u("q")], thinking={"type": "enabled", "budget_tokens": 1024}))
     messages_prompt(proc, _body([_u("q")], output_config={"effort": "low"}))
     assert renders == []  # nothing asked for it yet
     first = messages_prompt(proc, DISABLED[0])

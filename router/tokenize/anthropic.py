@@ -59,7 +59,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, cast
 
 from router.core.errors import BadRequest
-from router.tokenize.lax import INVALID, lax_bool
+from router.tokenize.lax import INVALID, lax_bool, lax_int
 
 if TYPE_CHECKING:
     from router.tokenize.keying import ProcessedPrompt
@@ -78,6 +78,9 @@ DISABLED_THINKING_EFFORT = "none"
 # the conversation vLLM's DisabledThinkingEffortResolver renders to probe the template
 _EFFORT_PROBE = ({"role": "user", "content": "Hi"},)
 _ROLES = frozenset({"user", "assistant", "system"})
+# vLLM 0.34's AnthropicThinkingConfig: its types, and an enabled one's least budget
+THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
+MIN_THINKING_BUDGET = 1024
 # vLLM 0.34's AnthropicContentBlock: its types, and its string fields
 BLOCK_TYPES = frozenset({
     "text", "image", "tool_use", "tool_result", "tool_reference", "thinking",
@@ -324,11 +327,8 @@ class _Converter:
 
 def _tool(tool: Any) -> dict[str, Any]:
     """An Anthropic tool as vLLM's function tool (``parameters`` its ``input_schema``)."""
-    if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
-        raise BadRequest("each tool must be an object with a string 'name'")
-    schema = tool.get("input_schema")
-    if not isinstance(schema, Mapping):
-        raise BadRequest("a tool's 'input_schema' must be an object")
+    _tool_name(tool)
+    schema = tool["input_schema"]
     if "type" not in schema:
         schema = {**schema, "type": "object"}
     function: dict[str, Any] = {
@@ -338,15 +338,34 @@ def _tool(tool: Any) -> dict[str, Any]:
     }
     # vLLM's FunctionDefinition leaves these out of its dump when unset
     for key in ("strict", "defer_loading"):
-        if tool.get(key) is not None:
-            function[key] = tool[key]
+        value = lax_bool(tool.get(key))
+        if value is not None:
+            function[key] = value
     return {"type": "function", "function": function}
 
 
 def _tool_name(tool: Any) -> str:
-    """A declared tool's name, checked (vLLM's ``AnthropicTool.name``: a string)."""
-    if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
+    """A declared tool's name, the tool checked as vLLM's ``AnthropicTool`` checks it: a
+    custom tool (no ``type``, or ``custom``: Anthropic's own, ``bash_20250124`` and the
+    like, are refused), a string ``name`` and ``description``, an object ``input_schema``,
+    booleans ``strict`` and ``defer_loading``."""
+    if not isinstance(tool, Mapping):
         raise BadRequest("each tool must be an object with a string 'name'")
+    if tool.get("type") not in (None, "custom"):
+        raise BadRequest(
+            f"tool type {tool['type']!r} is not supported; only custom tools with an "
+            "input_schema are supported"
+        )
+    if not isinstance(tool.get("name"), str):
+        raise BadRequest("each tool must be an object with a string 'name'")
+    if not isinstance(tool.get("input_schema"), Mapping):
+        raise BadRequest("a tool's 'input_schema' must be an object")
+    description = tool.get("description")
+    if description is not None and not isinstance(description, str):
+        raise BadRequest("a tool's 'description' must be a string")
+    for key in ("strict", "defer_loading"):
+        if lax_bool(tool.get(key)) is INVALID:
+            raise BadRequest(f"a tool's '{key}' must be a boolean")
     name: str = tool["name"]
     return name
 
@@ -364,6 +383,8 @@ def _resolved_tools(body: Mapping[str, Any]) -> list[Any] | None:
         for block in msg["content"]
         if isinstance(block, Mapping) and block.get("type") in ("tool_addition", "tool_removal")
     ]
+    for tool in tools or []:
+        _tool_name(tool)  # (every declared tool, removed or not)
     if not changes:
         return tools
     by_name: dict[str, Any] = {}
@@ -443,6 +464,48 @@ def _no_tool_changes(blocks: list[Mapping[str, Any]], where: str) -> None:
             )
 
 
+def _check_settings(body: Mapping[str, Any]) -> None:
+    """``system``, ``thinking`` and ``output_config`` as vLLM's request models take them
+    (``AnthropicThinkingConfig``: one of its types, an ``enabled`` one with a
+    ``budget_tokens`` of at least 1024; ``AnthropicOutputConfig``: an effort of
+    :data:`EFFORTS`)."""
+    system = body.get("system")
+    if system is not None and not isinstance(system, (str, list)):
+        raise BadRequest("'system' must be a string or an array of content blocks")
+    thinking = body.get("thinking")
+    if thinking is not None:
+        if not isinstance(thinking, Mapping) or thinking.get("type") not in THINKING_TYPES:
+            raise BadRequest(f"'thinking.type' must be one of {', '.join(THINKING_TYPES)}")
+        if thinking["type"] == "enabled":
+            budget = lax_int(thinking.get("budget_tokens"))
+            if not isinstance(budget, int) or budget < MIN_THINKING_BUDGET:
+                raise BadRequest(
+                    f"'thinking.budget_tokens' must be an integer of at least {MIN_THINKING_BUDGET}"
+                )
+    output = body.get("output_config")
+    if output is not None:
+        if not isinstance(output, Mapping):
+            raise BadRequest("'output_config' must be an object")
+        effort = output.get("effort")
+        if effort is not None and effort not in EFFORTS:
+            raise BadRequest(f"'output_config.effort' must be one of {', '.join(EFFORTS)}")
+
+
+def check_thinking_budget(body: Mapping[str, Any], max_tokens: int) -> None:
+    """vLLM's ``validate_thinking_budget`` of a Messages API body (``max_tokens`` its output
+    limit): an ``enabled`` thinking's ``budget_tokens`` must be less than ``max_tokens``,
+    but on a prefill leg (``kv_transfer_params.do_remote_decode``, sent with max_tokens
+    1). ``body``: as the engine gets it."""
+    params = body.get("kv_transfer_params")
+    if isinstance(params, Mapping) and params.get("do_remote_decode"):
+        return
+    thinking = body.get("thinking")
+    if isinstance(thinking, Mapping) and thinking.get("type") == "enabled":
+        budget = lax_int(thinking.get("budget_tokens"))
+        if isinstance(budget, int) and budget >= max_tokens:
+            raise BadRequest("thinking.budget_tokens must be less than max_tokens")
+
+
 def disables_thinking(body: Mapping[str, Any]) -> bool:
     """Whether ``body``'s ``thinking`` is ``disabled`` / ``between_tools``: vLLM then sends
     its disabled-thinking effort as the ``reasoning_effort``."""
@@ -462,6 +525,7 @@ def to_chat_body(
     for thinking disabled / between_tools (:func:`disabled_thinking_effort`), None where it
     is not known: ``"none"`` is taken and the conversion is not exact."""
     check_messages(body)
+    _check_settings(body)
     conv = _Converter(merge_inline_system)
     out: list[dict[str, Any]] = []
     conv.system(body, out)
