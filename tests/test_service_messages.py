@@ -312,7 +312,25 @@ async def test_output_limits_are_checked_as_vllm_s_messages_model_checks_them(
             status, _, data = await _call(http, url, "/v1/messages", body, **key)
             assert status == 400, limit
             assert "max_tokens" in _anthropic_error(data, "invalid_request_error")
+        # a thinking budget must be less than max_tokens (validate_thinking_budget), but
+        # on a prefill leg (do_remote_decode), which is sent with max_tokens 1
+        thinking = {"type": "enabled", "budget_tokens": 1024}
+        for limit in (1024, "1024", 5):
+            body = {"model": MODEL, "max_tokens": limit, "messages": messages}
+            status, _, data = await _call(
+                http, url, "/v1/messages", body | {"thinking": thinking}, **key
+            )
+            assert status == 400, limit
+            assert "budget_tokens" in _anthropic_error(data, "invalid_request_error")
         assert len(backend.received) == sent
+        body = {"model": MODEL, "max_tokens": 1, "messages": messages, "thinking": thinking}
+        for leg in ({"do_remote_decode": True}, {"do_remote_decode": "yes"}):
+            leg_body = body | {"kv_transfer_params": leg}
+            status, _, data = await _call(http, url, "/v1/messages", leg_body, **key)
+            assert status == 200, data
+        body["max_tokens"] = 1025
+        status, _, data = await _call(http, url, "/v1/messages", body, **key)
+        assert status == 200, data
 
 
 def _anthropic_error(data: Any, kind: str) -> str:

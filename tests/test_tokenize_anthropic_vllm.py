@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from router.core.errors import BadRequest
 from router.tokenize.anthropic import (
     disabled_thinking_effort,
     merges_inline_system,
@@ -114,6 +115,8 @@ CASES: dict[str, dict[str, Any]] = {
                                     _a([_tr([{"type": "text", "text": "odd"}])])]),
     "tools": _body([_u("q")], tools=TOOLS),
     "no tools": _body([_u("q")], tools=[]),
+    "lax tool booleans": _body([_u("q")], tools=[{**TOOLS[0], "strict": "yes"},
+                                                 {**TOOLS[1], "defer_loading": 0}]),
     "tool_choice auto": _body([_u("q")], tools=TOOLS, tool_choice={"type": "auto"}),
     "tool_choice any": _body([_u("q")], tools=TOOLS,
                              tool_choice={"type": "any", "disable_parallel_tool_use": True}),
@@ -146,6 +149,12 @@ CASES: dict[str, dict[str, Any]] = {
     "thinking disabled": _body([_u("q")], thinking={"type": "disabled"}),
     "thinking between_tools": _body([_u("q")], thinking={"type": "between_tools"},
                                     output_config={"effort": "high"}),
+    # odd but valid: extra fields (citations), nulls, a lax bool
+    "odd valid blocks": _body([_u([{"type": "text", "text": "a", "citations": [{"x": 1}]},
+                                   {"type": "image", "source": None}]),
+                               _a([{**TU, "input": None, "caller": {"type": "direct"}}]),
+                               _u([_tr("r", is_error="true"), _tr([{"type": "x"}, {"k": 1}])])],
+                              system=[{"type": "text", "text": "S", "citations": None}]),
 }  # fmt: skip
 
 
@@ -284,6 +293,79 @@ def test_the_conversion_is_vllms(name: str) -> None:
     assert prompt.exact == expected.exact  # (images: cut where the router cannot place them)
 
 
+def vllm_refuses(body: dict[str, Any]) -> bool:
+    """Whether vLLM 0.34 answers ``body`` with an error before rendering it: its request
+    model refuses it, or its conversion fails (a 400 either way)."""
+    try:
+        vllm_view(body)
+    except Exception:
+        return True
+    return False
+
+
+# bodies vLLM refuses: content blocks its AnthropicContentBlock refuses (a type it does not
+# know, a field of the wrong type) or its conversion fails on; tool changes outside a system
+# message, or malformed
+_ADD = {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "read"}}
+_DEFINED = {"type": "tool_definition", "definition": {"name": "n", "input_schema": {}}}
+REFUSED: dict[str, dict[str, Any]] = {
+    "document block": _body([_u([{"type": "document", "source": {"type": "text", "data": "x"}},
+                                 {"type": "text", "text": "a"}])]),
+    "system document block": _body([_u("q")], system=[{"type": "document"},
+                                                      {"type": "text", "text": "S"}]),
+    "inline system search_result": _body([_u("q"), _s([{"type": "search_result"}])]),
+    "server_tool_use": _body([_u("q"), _a([{"type": "server_tool_use", "id": "x",
+                                            "name": "web_search", "input": {}}])]),
+    "image source a string": _body([_u([{"type": "image", "source": "http://x/i.png"}])]),
+    "thinking a number": _body([_u("q"), _a([{"type": "thinking", "thinking": 5}])]),
+    "tool_use input a list": _body([_u("q"), _a([{**TU, "input": [1]}])]),
+    "tool_use id a number": _body([_u("q"), _a([{**TU, "id": 5}])]),
+    "tool_use name a number": _body([_u("q"), _a([{**TU, "name": 5}])]),
+    "tool_result id a number": _body(_turn({**_tr("x"), "tool_use_id": 7})),
+    "tool_result content a number": _body(_turn(_tr(5))),
+    "tool_result content strings": _body(_turn(_tr(["a"]))),
+    "tool_result is_error a word": _body(_turn(_tr("x", is_error="maybe"))),
+    "tool_result text null": _body(_turn(_tr([{"type": "text", "text": None}]))),
+    "tool_result text a number": _body(_turn(_tr([{"type": "text", "text": 5}]))),
+    "tool_addition in a user message": _body([_u([_ADD, {"type": "text", "text": "q"}])],
+                                             tools=TOOLS),
+    "tool_removal in an assistant message": _body([_u("q"), _a([{**_ADD, "type": "tool_removal"}])],
+                                                  tools=TOOLS),
+    "tool_addition in the system field": _body([_u("q")], system=[_ADD], tools=TOOLS),
+    "tool_removal of a definition": _body([_u("q"), _s([{"type": "tool_removal",
+                                                          "tool": _DEFINED}])], tools=TOOLS),
+    "tool change of another type": _body([_u("q"), _s([{**_ADD, "tool": {"type": "tool_name",
+                                                                       "name": "read"}}])],
+                                         tools=TOOLS),
+    # the request's fields the conversion reads: thinking, output_config, tools, system
+    "thinking a string": _body([_u("q")], thinking="on"),
+    "thinking of another type": _body([_u("q")], thinking={"type": "sometimes"}),
+    "thinking without a budget": _body([_u("q")], thinking={"type": "enabled"}),
+    "thinking budget under 1024": _body([_u("q")], thinking={"type": "enabled",
+                                                             "budget_tokens": 1000}),
+    "thinking budget a word": _body([_u("q")], thinking={"type": "enabled",
+                                                         "budget_tokens": "lots"}),
+    "output_config a string": _body([_u("q")], output_config="fast"),
+    "effort unknown": _body([_u("q")], output_config={"effort": "huge"}),
+    "tool of an Anthropic type": _body([_u("q")], tools=[{"type": "bash_20250124",
+                                                          "name": "bash",
+                                                          "input_schema": {}}]),
+    "tool description a number": _body([_u("q")], tools=[{**TOOLS[0], "description": 5}]),
+    "system an object": _body([_u("q")], system={}),
+    "system zero": _body([_u("q")], system=0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_bodies_vllm_refuses_are_refused(name: str) -> None:
+    """A body vLLM answers with a 400 is one too for the router, not routed on a prompt
+    with the block dropped or read otherwise."""
+    body = REFUSED[name]
+    assert vllm_refuses(body)
+    with pytest.raises(BadRequest):
+        to_chat_body(body)
+
+
 def test_count_tokens_requests_convert_alike() -> None:
     body = {k: v for k, v in CASES["tool changes"].items() if k != "max_tokens"}
     body |= {"system": "S", "thinking": {"type": "adaptive"}, "output_config": {"effort": "low"}}
@@ -410,7 +492,7 @@ def test_the_probe_runs_once_per_model_at_the_first_body_that_needs_it() -> None
         return render_chat(body)
 
     proc.render_chat = counted  # type: ignore[method-assign]
-    messages_prompt(proc, _body([_u("q")], thinking={"type": "enabled", "budget_tokens": 9}))
+    messages_prompt(proc, _body([_u("q")], thinking={"type": "enabled", "budget_tokens": 1024}))
     messages_prompt(proc, _body([_u("q")], output_config={"effort": "low"}))
     assert renders == []  # nothing asked for it yet
     first = messages_prompt(proc, DISABLED[0])

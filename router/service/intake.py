@@ -28,7 +28,7 @@ from router.service.request_identity import body_session, session_key
 from router.service.security import check_prompt_tokens
 from router.service.state import BODY_MEMO_MAX_BYTES, RouterState
 from router.service.stream_usage import usage_patch
-from router.tokenize.anthropic import messages_prompt
+from router.tokenize.anthropic import check_thinking_budget, messages_prompt
 from router.tokenize.anthropic import session_of as anthropic_session
 from router.tokenize.keying import ProcessedPrompt
 from router.tokenize.lax import INVALID, lax_bool, lax_int
@@ -196,6 +196,8 @@ async def admit(state: RouterState, body: dict[str, Any], size: int, kind: str) 
     seen = body
     if "kv_transfer_params" in body and state.disagg and state.disagg.get(model) is not None:
         seen = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if messages:  # (max_tokens: checked by field_types)
+        check_thinking_budget(seen, cast(int, lax_int(body.get("max_tokens"))))
     prompt = await checked_prompt(state, model, fn, seen, offload=offload, kind=kind)
     max_out = max_output_tokens(body, kind)
     # the Messages API's service_tier ("standard_only") is Anthropic's, which vLLM ignores

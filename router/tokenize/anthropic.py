@@ -45,7 +45,8 @@ rather than pass a guess off as exact:
 
 :func:`messages_prompt` is the routing view of such a body through the model's ordinary chat
 pipeline (router.tokenize.pipeline). Only the fields read here are checked; a malformed body
-is a BadRequest, as vLLM's request model refuses it with a 400.
+is a BadRequest, as vLLM's request model refuses it with a 400: content blocks as its
+``AnthropicContentBlock`` takes them (a type it does not know is refused, not dropped).
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from router.core.errors import BadRequest
+from router.tokenize.lax import INVALID, lax_bool, lax_int
 
 if TYPE_CHECKING:
     from router.tokenize.keying import ProcessedPrompt
@@ -76,6 +78,15 @@ DISABLED_THINKING_EFFORT = "none"
 # the conversation vLLM's DisabledThinkingEffortResolver renders to probe the template
 _EFFORT_PROBE = ({"role": "user", "content": "Hi"},)
 _ROLES = frozenset({"user", "assistant", "system"})
+# vLLM 0.34's AnthropicThinkingConfig: its types, and an enabled one's least budget
+THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
+MIN_THINKING_BUDGET = 1024
+# vLLM 0.34's AnthropicContentBlock: its types, and its string fields
+BLOCK_TYPES = frozenset({
+    "text", "image", "tool_use", "tool_result", "tool_reference", "thinking",
+    "redacted_thinking", "tool_addition", "tool_removal",
+})  # fmt: skip
+_STR_FIELDS = ("text", "id", "tool_use_id", "name", "tool_name", "thinking", "signature", "data")
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 _log = logging.getLogger("kvrouter.tokenize")
 
@@ -95,13 +106,41 @@ class ChatConversion:
 
 
 def _blocks(value: Any, where: str) -> list[Mapping[str, Any]]:
-    """A list of content blocks (objects with a string ``type``), checked."""
+    """A list of content blocks, each checked as vLLM's ``AnthropicContentBlock`` checks
+    it (:func:`_check_block`)."""
     if not isinstance(value, list):
         raise BadRequest(f"'{where}' must be a string or an array of content blocks")
     for i, block in enumerate(value):
-        if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
-            raise BadRequest(f"'{where}[{i}]' must be an object with a string 'type'")
+        _check_block(block, f"{where}[{i}]")
     return value
+
+
+def _check_block(block: Any, where: str) -> None:
+    """A content block as vLLM 0.34's ``AnthropicContentBlock`` takes it: one of its types
+    (:data:`BLOCK_TYPES`; any other, e.g. ``document``, is a 400 there, not a block to
+    drop), its string, object and boolean fields of those types (extra fields ignored)."""
+    if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
+        raise BadRequest(f"'{where}' must be an object with a string 'type'")
+    if block["type"] not in BLOCK_TYPES:
+        raise BadRequest(
+            f"'{where}.type' {block['type']!r} is not supported; "
+            f"expected one of {', '.join(sorted(BLOCK_TYPES))}"
+        )
+    for key in _STR_FIELDS:
+        value = block.get(key)
+        if value is not None and not isinstance(value, str):
+            raise BadRequest(f"'{where}.{key}' must be a string")
+    for key in ("source", "input"):
+        value = block.get(key)
+        if value is not None and not isinstance(value, Mapping):
+            raise BadRequest(f"'{where}.{key}' must be an object")
+    content = block.get("content")
+    if not (content is None or isinstance(content, str)) and not (
+        isinstance(content, list) and all(isinstance(item, Mapping) for item in content)
+    ):
+        raise BadRequest(f"'{where}.content' must be a string or an array of objects")
+    if lax_bool(block.get("is_error")) is INVALID:
+        raise BadRequest(f"'{where}.is_error' must be a boolean")
 
 
 def _text_of(block: Mapping[str, Any]) -> str | None:
@@ -153,7 +192,10 @@ def _user_tool_result(block: Mapping[str, Any], out: list[dict[str, Any]]) -> No
                 continue
             kind = item.get("type")
             if kind == "text":
-                parts.append(str(item.get("text", "")))
+                part = item.get("text", "")
+                if not isinstance(part, str):  # (vLLM's join of the parts fails: a 400)
+                    raise BadRequest("a tool_result's text items need a string 'text'")
+                parts.append(part)
             elif kind == "image":
                 url = image_url(item.get("source", {}))
                 if url:
@@ -192,6 +234,7 @@ class _Converter:
                 parts.append(system)
             else:
                 found = _system_text(system, "system")
+                _no_tool_changes(system, "system")
                 if found is not None:
                     parts.append(found)
         if self.merge_inline_system:
@@ -218,8 +261,8 @@ class _Converter:
             converted: dict[str, Any] = {"role": role}
             if isinstance(content, str):
                 converted["content"] = content
-            else:
-                self.content(role, _blocks(content, "messages.content"), converted, out)
+            else:  # (its blocks checked: check_messages)
+                self.content(role, cast("list[Mapping[str, Any]]", content), converted, out)
             if not (role == "user" and "content" not in converted):
                 out.append(converted)
 
@@ -284,11 +327,8 @@ class _Converter:
 
 def _tool(tool: Any) -> dict[str, Any]:
     """An Anthropic tool as vLLM's function tool (``parameters`` its ``input_schema``)."""
-    if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
-        raise BadRequest("each tool must be an object with a string 'name'")
-    schema = tool.get("input_schema")
-    if not isinstance(schema, Mapping):
-        raise BadRequest("a tool's 'input_schema' must be an object")
+    _tool_name(tool)
+    schema = tool["input_schema"]
     if "type" not in schema:
         schema = {**schema, "type": "object"}
     function: dict[str, Any] = {
@@ -298,15 +338,34 @@ def _tool(tool: Any) -> dict[str, Any]:
     }
     # vLLM's FunctionDefinition leaves these out of its dump when unset
     for key in ("strict", "defer_loading"):
-        if tool.get(key) is not None:
-            function[key] = tool[key]
+        value = lax_bool(tool.get(key))
+        if value is not None:
+            function[key] = value
     return {"type": "function", "function": function}
 
 
 def _tool_name(tool: Any) -> str:
-    """A declared tool's name, checked (vLLM's ``AnthropicTool.name``: a string)."""
-    if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
+    """A declared tool's name, the tool checked as vLLM's ``AnthropicTool`` checks it: a
+    custom tool (no ``type``, or ``custom``: Anthropic's own, ``bash_20250124`` and the
+    like, are refused), a string ``name`` and ``description``, an object ``input_schema``,
+    booleans ``strict`` and ``defer_loading``."""
+    if not isinstance(tool, Mapping):
         raise BadRequest("each tool must be an object with a string 'name'")
+    if tool.get("type") not in (None, "custom"):
+        raise BadRequest(
+            f"tool type {tool['type']!r} is not supported; only custom tools with an "
+            "input_schema are supported"
+        )
+    if not isinstance(tool.get("name"), str):
+        raise BadRequest("each tool must be an object with a string 'name'")
+    if not isinstance(tool.get("input_schema"), Mapping):
+        raise BadRequest("a tool's 'input_schema' must be an object")
+    description = tool.get("description")
+    if description is not None and not isinstance(description, str):
+        raise BadRequest("a tool's 'description' must be a string")
+    for key in ("strict", "defer_loading"):
+        if lax_bool(tool.get(key)) is INVALID:
+            raise BadRequest(f"a tool's '{key}' must be a boolean")
     name: str = tool["name"]
     return name
 
@@ -324,6 +383,8 @@ def _resolved_tools(body: Mapping[str, Any]) -> list[Any] | None:
         for block in msg["content"]
         if isinstance(block, Mapping) and block.get("type") in ("tool_addition", "tool_removal")
     ]
+    for tool in tools or []:
+        _tool_name(tool)  # (every declared tool, removed or not)
     if not changes:
         return tools
     by_name: dict[str, Any] = {}
@@ -334,7 +395,13 @@ def _resolved_tools(body: Mapping[str, Any]) -> list[Any] | None:
         change = block.get("tool")
         if not isinstance(change, Mapping):
             raise BadRequest(f"tool is required for {block['type']} blocks")
-        if change.get("type") == "tool_definition":
+        if change.get("type") not in ("tool_reference", "tool_definition"):
+            raise BadRequest(
+                f"a {block['type']}'s tool must be a tool_reference or a tool_definition"
+            )
+        if block["type"] == "tool_removal" and change["type"] != "tool_reference":
+            raise BadRequest("tool_removal only accepts a tool_reference")
+        if change["type"] == "tool_definition":
             definition = change.get("definition")
             if not isinstance(definition, Mapping):
                 raise BadRequest("a tool_definition needs a 'definition' object")
@@ -381,8 +448,62 @@ def check_messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
             raise BadRequest(f"messages[{i}] must be an object with role user, assistant or system")
         content = msg.get("content")
         if not isinstance(content, str):
-            _blocks(content, f"messages[{i}].content")
+            blocks = _blocks(content, f"messages[{i}].content")
+            if msg["role"] != "system":
+                _no_tool_changes(blocks, f"messages[{i}].content")
     return messages
+
+
+def _no_tool_changes(blocks: list[Mapping[str, Any]], where: str) -> None:
+    """vLLM's ``_reject_tool_changes``: ``tool_addition`` / ``tool_removal`` blocks belong
+    in ``system`` messages only (not in ``system`` itself, nor a user's or an assistant's)."""
+    for block in blocks:
+        if block["type"] in ("tool_addition", "tool_removal"):
+            raise BadRequest(
+                f'{where}: {block["type"]} blocks are only allowed in messages with role "system"'
+            )
+
+
+def _check_settings(body: Mapping[str, Any]) -> None:
+    """``system``, ``thinking`` and ``output_config`` as vLLM's request models take them
+    (``AnthropicThinkingConfig``: one of its types, an ``enabled`` one with a
+    ``budget_tokens`` of at least 1024; ``AnthropicOutputConfig``: an effort of
+    :data:`EFFORTS`)."""
+    system = body.get("system")
+    if system is not None and not isinstance(system, (str, list)):
+        raise BadRequest("'system' must be a string or an array of content blocks")
+    thinking = body.get("thinking")
+    if thinking is not None:
+        if not isinstance(thinking, Mapping) or thinking.get("type") not in THINKING_TYPES:
+            raise BadRequest(f"'thinking.type' must be one of {', '.join(THINKING_TYPES)}")
+        if thinking["type"] == "enabled":
+            budget = lax_int(thinking.get("budget_tokens"))
+            if not isinstance(budget, int) or budget < MIN_THINKING_BUDGET:
+                raise BadRequest(
+                    f"'thinking.budget_tokens' must be an integer of at least {MIN_THINKING_BUDGET}"
+                )
+    output = body.get("output_config")
+    if output is not None:
+        if not isinstance(output, Mapping):
+            raise BadRequest("'output_config' must be an object")
+        effort = output.get("effort")
+        if effort is not None and effort not in EFFORTS:
+            raise BadRequest(f"'output_config.effort' must be one of {', '.join(EFFORTS)}")
+
+
+def check_thinking_budget(body: Mapping[str, Any], max_tokens: int) -> None:
+    """vLLM's ``validate_thinking_budget`` of a Messages API body (``max_tokens`` its output
+    limit): an ``enabled`` thinking's ``budget_tokens`` must be less than ``max_tokens``,
+    but on a prefill leg (``kv_transfer_params.do_remote_decode``, sent with max_tokens
+    1). ``body``: as the engine gets it."""
+    params = body.get("kv_transfer_params")
+    if isinstance(params, Mapping) and params.get("do_remote_decode"):
+        return
+    thinking = body.get("thinking")
+    if isinstance(thinking, Mapping) and thinking.get("type") == "enabled":
+        budget = lax_int(thinking.get("budget_tokens"))
+        if isinstance(budget, int) and budget >= max_tokens:
+            raise BadRequest("thinking.budget_tokens must be less than max_tokens")
 
 
 def disables_thinking(body: Mapping[str, Any]) -> bool:
@@ -404,6 +525,7 @@ def to_chat_body(
     for thinking disabled / between_tools (:func:`disabled_thinking_effort`), None where it
     is not known: ``"none"`` is taken and the conversion is not exact."""
     check_messages(body)
+    _check_settings(body)
     conv = _Converter(merge_inline_system)
     out: list[dict[str, Any]] = []
     conv.system(body, out)
