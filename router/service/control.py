@@ -83,7 +83,14 @@ def control_routes(app: web.Application, index: int) -> Routes:
         denied = authorised(req, state.settings.server.admin_token)
         if denied is not None:
             return denied
-        return Reply.json({"drained": sorted(str(k) for k in state.fleet.drained)})
+        fleet = state.fleet
+        return Reply.json(
+            {
+                "drained": sorted(str(k) for k in fleet.drained),
+                # drained whole: the ranks a discovered replica registers later are too
+                "drained_replicas": sorted(fleet.drained_replicas),
+            }
+        )
 
     async def own_load_of_worker(req: HttpRequest, _: str) -> Reply:
         # what this worker has in flight, for the others' load sharing (load_share.py)
@@ -127,19 +134,21 @@ async def _answer(routes: Routes, req: HttpRequest, sink: Sink) -> None:
 
 async def inherit_drains(app: web.Application, group: Workers) -> None:
     """Drain in ``app`` (a worker replacing one that died, not listening yet) every replica
-    key some other worker of ``group`` holds drained: drains live in each worker's memory.
-    A worker that does not answer is logged and passed over."""
+    key some other worker of ``group`` holds drained, and every replica one holds drained
+    whole (its later ranks too): drains live in each worker's memory. A worker that does
+    not answer is logged and passed over."""
     state = app[STATE]
     auth = f"Bearer {state.settings.server.admin_token or ''}"
 
-    async def ask(pid: int) -> list[str] | str:
+    async def ask(pid: int) -> tuple[list[str], list[str]] | str:
         got = await peer_call(group.socket(pid), "GET", DRAINED_PATH, auth=auth)
         if isinstance(got, str):
             return got
         if got.status != 200:
             return got.why_not()
         try:
-            return [str(k) for k in json.loads(got.body)["drained"]]
+            answer = json.loads(got.body)
+            return [str(k) for k in answer["drained"]], [str(n) for n in answer["drained_replicas"]]
         except (ValueError, KeyError, TypeError):
             return "a malformed answer"
 
@@ -147,7 +156,12 @@ async def inherit_drains(app: web.Application, group: Workers) -> None:
     for f in failed:
         _log.warning("drains not taken from worker %s: %s", f["pid"] or "?", f["reason"])
     fleet = state.fleet
-    for name in sorted({k for answer in answers for k in answer}):
+    for name in sorted({n for _, whole in answers for n in whole}):
+        if state.registry.get(name) is not None:
+            fleet.set_replica_draining(name, True)
+        else:  # (a discovered replica away: drained whole when it comes back)
+            fleet.drained_replicas.add(name)
+    for name in sorted({k for keys, _ in answers for k in keys}):
         key = ReplicaKey.parse(name)
         if state.registry.endpoint(key) is not None:
             fleet.set_draining(key, True)
