@@ -2,7 +2,8 @@
 the router's HTTP server (router.service.fast_server) with a route table of its own.
 
 It answers the other workers only: their forwarded drains / undrains, and their requests
-for this worker's replica rows, drained replicas (for a worker replacing one that died),
+for this worker's replica rows, routing decisions, drained replicas (for a worker replacing
+one that died),
 metrics page (router/service/worker_metrics.py), load
 (router/service/load_share.py) and the holder of a stored response it recorded
 (router/service/response_share.py). It never serves the public routes, so there is no "already
@@ -25,7 +26,13 @@ from aiohttp import web
 
 from router.core.errors import BadRequest
 from router.core.types import ReplicaKey
-from router.service.admin import apply_drain, authorised, replica_rows
+from router.service.admin import (
+    DECISIONS_PATH,
+    apply_drain,
+    authorised,
+    own_decisions,
+    replica_rows,
+)
 from router.service.errors import ErrorReply
 from router.service.fast_server import FastServer
 from router.service.http_types import HttpRequest, Reply
@@ -76,6 +83,18 @@ def control_routes(app: web.Application, index: int) -> Routes:
         ejections = forwarder.ejections if forwarder is not None else None
         return Reply.json({"replicas": replica_rows(state, ejections)})
 
+    async def decisions(req: HttpRequest, _: str) -> Reply:
+        # this worker's own, for GET /admin/decisions?workers=all on another worker
+        state = app[STATE]
+        denied = authorised(req, state.settings.server.admin_token)
+        if denied is not None:
+            return denied
+        try:
+            limit = int(req.query().get("limit", "50"))
+        except ValueError:
+            return error(ErrorReply(400, "limit must be an integer", param="limit"))
+        return Reply.json({"decisions": own_decisions(state, limit)})
+
     async def drained(req: HttpRequest, _: str) -> Reply:
         # what this worker holds drained, discovered replicas away included, for a worker
         # that replaces one that died (inherit_drains)
@@ -119,6 +138,7 @@ def control_routes(app: web.Application, index: int) -> Routes:
     routes.get("/internal/metrics", own_metrics)
     routes.get("/internal/replicas", own_replicas)
     routes.get("/internal/load", own_load_of_worker)
+    routes.get(DECISIONS_PATH, decisions)
     routes.get(DRAINED_PATH, drained)
     routes.get(PATH_PREFIX + "{id}", stored_response)
     routes.post("/internal/replicas/{name}/drain", drain(True))
