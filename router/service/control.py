@@ -204,7 +204,7 @@ def join_workers(
     their load every ``server.load_share_interval_s`` and asks them for the stored responses
     it does not know. ``parent``: the pid of the process that forked it, whose end stops
     this worker (:func:`~router.service.workers.parent_watch`). ``replacing``: it replaces
-    a worker that died, and takes the others' drains before it listens."""
+    a worker that died, and takes the others' drains before it listens (HTTP and gRPC)."""
     app[WORKERS] = group
     app[WORKER_INDEX] = index
     app[REPORT_RELAY] = ReportRelay()
@@ -216,7 +216,9 @@ def join_workers(
             await inherit_drains(app, group)
             yield
 
-        app.cleanup_ctx.append(drains)
+        # first: before any context that serves (the gRPC port, bound in create_app's
+        # contexts, would answer Picks meanwhile); an away replica's drain waits in the fleet
+        app.cleanup_ctx.insert(0, drains)
 
     async def control(app: web.Application) -> AsyncIterator[None]:
         server = FastServer(partial(_answer, control_routes(app, index)), _MAX_BODY)
