@@ -8,11 +8,13 @@
   ``?workers=all`` combines every worker's view (:func:`combine_rows`).
 * ``POST /admin/replicas/{name}/drain`` and ``.../undrain``: stop / resume routing new
   requests to a replica (all its DP ranks, or one with ``name#dpN``); in-flight requests finish.
-* ``GET /admin/decisions?limit=N``: the most recent routing decisions, newest first.
+* ``GET /admin/decisions?limit=N``: the most recent routing decisions, newest first;
+  ``?workers=all`` merges every worker's (each decision with its ``worker_pid``).
 
 With several worker processes (router/service/workers.py) ``GET`` answers are the answering
 worker's (they carry its ``worker_pid`` and the number of ``workers``) unless
-``?workers=all`` asks every worker through its control socket; a drain / undrain is applied
+``?workers=all`` (replicas, decisions) asks every worker through its control socket (a
+``workers`` value other than ``this`` / ``all`` is a 400); a drain / undrain is applied
 by the worker that received it and then by every other worker. The answer says how many
 workers applied it (``workers_applied``); a worker that could not be reached makes it a 502
 (``workers_unreachable``) naming the workers that failed. The gRPC Admin service's Drain /
@@ -37,6 +39,8 @@ from router.service.peers import peer_call
 from router.service.routes import Handler, Routes, error
 from router.service.state import RouterState
 from router.service.workers import Workers, ask_peers, forward_to_peers, worker_info
+
+DECISIONS_PATH = "/internal/decisions"  # a worker's own decisions, on its control socket
 
 
 def authorised(req: HttpRequest, token: str | None) -> Reply | None:
@@ -181,18 +185,49 @@ def combine_rows(views: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
-async def _peer_rows(group: Workers, pid: int, auth: str) -> list[dict[str, Any]] | str:
-    """Worker ``pid``'s replica rows, or why it did not answer."""
-    got = await peer_call(group.socket(pid), "GET", "/internal/replicas", auth=auth)
+def own_decisions(state: RouterState, limit: int) -> list[dict[str, Any]]:
+    """This worker's last ``limit`` decisions, newest first, each with its ``worker_pid``
+    (``GET /admin/decisions?workers=all`` merges every worker's)."""
+    pid = os.getpid()
+    return [{**d, "worker_pid": pid} for d in state.recent_decisions(limit)]
+
+
+async def _peer_list(
+    group: Workers, pid: int, path: str, field: str, auth: str
+) -> list[dict[str, Any]] | str:
+    """The list ``field`` of worker ``pid``'s answer to ``GET path`` on its control socket
+    (its replica rows, its decisions), or why it did not answer."""
+    got = await peer_call(group.socket(pid), "GET", path, auth=auth)
     if isinstance(got, str):
         return got
     if got.status != 200:
         return got.why_not()
     try:
-        rows: list[dict[str, Any]] = json.loads(got.body)["replicas"]
+        items = json.loads(got.body)[field]
     except (ValueError, KeyError, TypeError) as exc:
         return f"broken answer: {type(exc).__name__}"
-    return rows
+    if not isinstance(items, list):
+        return f"broken answer: {field} is not a list"
+    return items
+
+
+def _scope(req: HttpRequest) -> str | Reply:
+    """``?workers=``: ``this`` (the default: the answering worker's view) or ``all``; the
+    refusal for anything else."""
+    scope = req.query().get("workers", "this")
+    if scope not in ("this", "all"):
+        return error(ErrorReply(400, "workers must be 'this' or 'all'", param="workers"))
+    return scope
+
+
+def _all_workers(group: Workers, answered: int, failed: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fields of an answer that asked every worker (``?workers=all``)."""
+    return {
+        "workers": group.count,
+        "workers_answered": answered,
+        "workers_failed": failed,
+        "worker_pid": os.getpid(),
+    }
 
 
 def add_routes(routes: Routes, app: web.Application) -> None:
@@ -207,25 +242,21 @@ def add_routes(routes: Routes, app: web.Application) -> None:
 
     async def replicas(req: HttpRequest, _: str) -> Reply:
         state = app[STATE]
-        scope = req.query().get("workers", "this")
-        if scope not in ("this", "all"):
-            return error(ErrorReply(400, "workers must be 'this' or 'all'", param="workers"))
+        scope = _scope(req)
+        if isinstance(scope, Reply):
+            return scope
         forwarder = app.get(FORWARDER)
         rows = replica_rows(state, forwarder.ejections if forwarder is not None else None)
         group = app.get(WORKERS)
         if scope == "this" or group is None or group.count <= 1:
             return Reply.json({"replicas": rows, **worker_info(group)})
         auth = f"Bearer {state.settings.server.admin_token or ''}"
-        others, failed = await ask_peers(group, lambda pid: _peer_rows(group, pid, auth))
+        others, failed = await ask_peers(
+            group, lambda pid: _peer_list(group, pid, "/internal/replicas", "replicas", auth)
+        )
         views = [rows, *others]
         return Reply.json(
-            {
-                "replicas": combine_rows(views),
-                "workers": group.count,
-                "workers_answered": len(views),
-                "workers_failed": failed,
-                "worker_pid": os.getpid(),
-            }
+            {"replicas": combine_rows(views), **_all_workers(group, len(views), failed)}
         )
 
     def drain_handler(draining: bool) -> Handler:
@@ -256,8 +287,22 @@ def add_routes(routes: Routes, app: web.Application) -> None:
             limit = int(req.query().get("limit", "50"))
         except ValueError:
             return error(ErrorReply(400, "limit must be an integer", param="limit"))
+        scope = _scope(req)
+        if isinstance(scope, Reply):
+            return scope
+        state = app[STATE]
+        group = app.get(WORKERS)
+        if scope == "this" or group is None or group.count <= 1:
+            return Reply.json({"decisions": state.recent_decisions(limit), **worker_info(group)})
+        auth = f"Bearer {state.settings.server.admin_token or ''}"
+        path = f"{DECISIONS_PATH}?limit={limit}"
+        others, failed = await ask_peers(
+            group, lambda pid: _peer_list(group, pid, path, "decisions", auth)
+        )
+        merged = [d for view in (own_decisions(state, limit), *others) for d in view]
+        merged.sort(key=lambda d: d.get("at", 0.0), reverse=True)  # newest first, all workers
         return Reply.json(
-            {"decisions": app[STATE].recent_decisions(limit), **worker_info(app.get(WORKERS))}
+            {"decisions": merged[: max(limit, 0)], **_all_workers(group, 1 + len(others), failed)}
         )
 
     routes.get("/admin/replicas", guarded(replicas))

@@ -2,7 +2,8 @@
 the router's HTTP server (router.service.fast_server) with a route table of its own.
 
 It answers the other workers only: their forwarded drains / undrains, and their requests
-for this worker's replica rows, drained replicas (for a worker replacing one that died),
+for this worker's replica rows, routing decisions, drained replicas (for a worker replacing
+one that died),
 metrics page (router/service/worker_metrics.py), load
 (router/service/load_share.py) and the holder of a stored response it recorded
 (router/service/response_share.py). It never serves the public routes, so there is no "already
@@ -25,7 +26,13 @@ from aiohttp import web
 
 from router.core.errors import BadRequest
 from router.core.types import ReplicaKey
-from router.service.admin import apply_drain, authorised, replica_rows
+from router.service.admin import (
+    DECISIONS_PATH,
+    apply_drain,
+    authorised,
+    own_decisions,
+    replica_rows,
+)
 from router.service.errors import ErrorReply
 from router.service.fast_server import FastServer
 from router.service.http_types import HttpRequest, Reply
@@ -76,6 +83,18 @@ def control_routes(app: web.Application, index: int) -> Routes:
         ejections = forwarder.ejections if forwarder is not None else None
         return Reply.json({"replicas": replica_rows(state, ejections)})
 
+    async def decisions(req: HttpRequest, _: str) -> Reply:
+        # this worker's own, for GET /admin/decisions?workers=all on another worker
+        state = app[STATE]
+        denied = authorised(req, state.settings.server.admin_token)
+        if denied is not None:
+            return denied
+        try:
+            limit = int(req.query().get("limit", "50"))
+        except ValueError:
+            return error(ErrorReply(400, "limit must be an integer", param="limit"))
+        return Reply.json({"decisions": own_decisions(state, limit)})
+
     async def drained(req: HttpRequest, _: str) -> Reply:
         # what this worker holds drained, discovered replicas away included, for a worker
         # that replaces one that died (inherit_drains)
@@ -83,7 +102,14 @@ def control_routes(app: web.Application, index: int) -> Routes:
         denied = authorised(req, state.settings.server.admin_token)
         if denied is not None:
             return denied
-        return Reply.json({"drained": sorted(str(k) for k in state.fleet.drained)})
+        fleet = state.fleet
+        return Reply.json(
+            {
+                "drained": sorted(str(k) for k in fleet.drained),
+                # drained whole: the ranks a discovered replica registers later are too
+                "drained_replicas": sorted(fleet.drained_replicas),
+            }
+        )
 
     async def own_load_of_worker(req: HttpRequest, _: str) -> Reply:
         # what this worker has in flight, for the others' load sharing (load_share.py)
@@ -112,6 +138,7 @@ def control_routes(app: web.Application, index: int) -> Routes:
     routes.get("/internal/metrics", own_metrics)
     routes.get("/internal/replicas", own_replicas)
     routes.get("/internal/load", own_load_of_worker)
+    routes.get(DECISIONS_PATH, decisions)
     routes.get(DRAINED_PATH, drained)
     routes.get(PATH_PREFIX + "{id}", stored_response)
     routes.post("/internal/replicas/{name}/drain", drain(True))
@@ -127,19 +154,21 @@ async def _answer(routes: Routes, req: HttpRequest, sink: Sink) -> None:
 
 async def inherit_drains(app: web.Application, group: Workers) -> None:
     """Drain in ``app`` (a worker replacing one that died, not listening yet) every replica
-    key some other worker of ``group`` holds drained: drains live in each worker's memory.
-    A worker that does not answer is logged and passed over."""
+    key some other worker of ``group`` holds drained, and every replica one holds drained
+    whole (its later ranks too): drains live in each worker's memory. A worker that does
+    not answer is logged and passed over."""
     state = app[STATE]
     auth = f"Bearer {state.settings.server.admin_token or ''}"
 
-    async def ask(pid: int) -> list[str] | str:
+    async def ask(pid: int) -> tuple[list[str], list[str]] | str:
         got = await peer_call(group.socket(pid), "GET", DRAINED_PATH, auth=auth)
         if isinstance(got, str):
             return got
         if got.status != 200:
             return got.why_not()
         try:
-            return [str(k) for k in json.loads(got.body)["drained"]]
+            answer = json.loads(got.body)
+            return [str(k) for k in answer["drained"]], [str(n) for n in answer["drained_replicas"]]
         except (ValueError, KeyError, TypeError):
             return "a malformed answer"
 
@@ -147,7 +176,12 @@ async def inherit_drains(app: web.Application, group: Workers) -> None:
     for f in failed:
         _log.warning("drains not taken from worker %s: %s", f["pid"] or "?", f["reason"])
     fleet = state.fleet
-    for name in sorted({k for answer in answers for k in answer}):
+    for name in sorted({n for _, whole in answers for n in whole}):
+        if state.registry.get(name) is not None:
+            fleet.set_replica_draining(name, True)
+        else:  # (a discovered replica away: drained whole when it comes back)
+            fleet.drained_replicas.add(name)
+    for name in sorted({k for keys, _ in answers for k in keys}):
         key = ReplicaKey.parse(name)
         if state.registry.endpoint(key) is not None:
             fleet.set_draining(key, True)
@@ -170,7 +204,7 @@ def join_workers(
     their load every ``server.load_share_interval_s`` and asks them for the stored responses
     it does not know. ``parent``: the pid of the process that forked it, whose end stops
     this worker (:func:`~router.service.workers.parent_watch`). ``replacing``: it replaces
-    a worker that died, and takes the others' drains before it listens."""
+    a worker that died, and takes the others' drains before it listens (HTTP and gRPC)."""
     app[WORKERS] = group
     app[WORKER_INDEX] = index
     app[REPORT_RELAY] = ReportRelay()
@@ -182,7 +216,9 @@ def join_workers(
             await inherit_drains(app, group)
             yield
 
-        app.cleanup_ctx.append(drains)
+        # first: before any context that serves (the gRPC port, bound in create_app's
+        # contexts, would answer Picks meanwhile); an away replica's drain waits in the fleet
+        app.cleanup_ctx.insert(0, drains)
 
     async def control(app: web.Application) -> AsyncIterator[None]:
         server = FastServer(partial(_answer, control_routes(app, index)), _MAX_BODY)
