@@ -25,6 +25,7 @@ from tests.backends import Backend
 from tests.ports import free_port
 from tests.procs import Fleet, Proc
 from tests.test_workers_admin import TOKEN, call, start_router, traffic, worker_pids
+from tests.waiting import eventually
 
 META = (("authorization", f"Bearer {TOKEN}"),)
 
@@ -221,3 +222,50 @@ async def test_a_report_reaches_the_worker_that_made_the_decision(fleet: Fleet) 
     finally:
         await b0.stop()
         await b1.stop()
+
+
+async def test_a_handed_over_report_waits_for_no_worker_once_one_applied_it(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The worker that made the decision applies the Report; one other worker that hangs
+    must not hold the gateway's Report call (nor each Report after it) until the
+    control-socket timeout: the first worker to apply it answers it."""
+    import functools
+
+    from router.service import report_relay
+    from router.service.workers import PIDS_FILE, Workers
+
+    # a hung worker would hold the call a minute, so only the first answer can end it
+    monkeypatch.setattr(
+        report_relay, "peer_call", functools.partial(report_relay.peer_call, timeout_s=60.0)
+    )
+    group = Workers(str(tmp_path), 3)
+    deciding, hung = 1, 2  # the other workers' pids, as the parent lists them
+    (tmp_path / PIDS_FILE).write_text(f"{os.getpid()}\n{deciding}\n{hung}\n")
+    release = asyncio.Event()
+
+    async def applies(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def hangs(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await release.wait()
+        writer.close()
+
+    servers = [
+        await asyncio.start_unix_server(applies, group.socket(deciding)),
+        await asyncio.start_unix_server(hangs, group.socket(hung)),
+    ]
+    report = Reported("d-1", router_pb2.ReportRequest.COMPLETED)
+    task = asyncio.ensure_future(report_relay.report_to_peers(group, report))
+    try:
+        await eventually(task.done, message="the Report waited for the hung worker")
+        assert task.result() is True and not release.is_set()
+    finally:
+        release.set()
+        task.cancel()
+        for server in servers:
+            server.close()

@@ -11,13 +11,14 @@ boundary (only the router's user can reach it), as for the other internal routes
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import quote
 
 from router.core.errors import BadRequest
 from router.service.peers import peer_call
-from router.service.workers import Workers, ask_peers
+from router.service.workers import Workers
 
 PATH = "/internal/decisions/{name}/report"
 
@@ -73,14 +74,18 @@ class ReportRelay:
 
 
 async def report_to_peers(group: Workers, report: Reported) -> bool:
-    """Hand ``report`` to every other worker of ``group``; True when one applied it."""
+    """Hand ``report`` to every other worker of ``group`` at once; True as soon as one
+    applied it (only the deciding worker can: the others' calls are then dropped, so a
+    hung worker holds up no Report it does not own), False when none did."""
     target = report.target()
-
-    async def ask(pid: int) -> bool | str:
-        got = await peer_call(group.socket(pid), "POST", target)
-        if isinstance(got, str):
-            return got
-        return got.status == 200
-
-    answers, _ = await ask_peers(group, ask)
-    return any(answers)
+    peers, _ = group.peers()
+    calls = [asyncio.ensure_future(peer_call(group.socket(pid), "POST", target)) for pid in peers]
+    try:
+        for answered in asyncio.as_completed(calls):
+            got = await answered
+            if not isinstance(got, str) and got.status == 200:
+                return True
+        return False
+    finally:
+        for call in calls:
+            call.cancel()
