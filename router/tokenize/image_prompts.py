@@ -41,21 +41,24 @@ class ImagePrompts(PromptKeying):
     template: ChatTemplate | None
     images: ImageSettings | None
 
-    def _render_text(
-        self,
-        messages: list[Mapping[str, Any]],
-        tools: Any,
-        kwargs: Mapping[str, Any],
-        add_gen: bool,
-        cont: bool = False,
-        from_responses: bool = False,
-    ) -> tuple[str, dict[str, Any] | None]:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the chat half's, which the subclass defines
 
-    def _chat_args(
-        self, body: Mapping[str, Any], from_responses: bool = False, from_messages: bool = False
-    ) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool, bool]:
-        raise NotImplementedError
+        def _render_text(
+            self,
+            messages: list[Mapping[str, Any]],
+            tools: Any,
+            kwargs: Mapping[str, Any],
+            add_gen: bool,
+            cont: bool = False,
+            from_responses: bool = False,
+        ) -> tuple[str, dict[str, Any] | None]: ...
+
+        def _chat_args(
+            self,
+            body: Mapping[str, Any],
+            from_responses: bool = False,
+            from_messages: bool = False,
+        ) -> tuple[list[Mapping[str, Any]], Any, Mapping[str, Any], bool, bool]: ...
 
     def _chat_images(
         self,
