@@ -93,3 +93,60 @@ async def test_a_client_leaving_while_admission_holds_it_counts_cancelled(door: 
     await eventually(answered)
     assert await _outcomes(d.url, ADMITTED) == {("b0", "ok"): 1.0, ("", "cancelled"): 1.0}
     assert len(d.backend.received) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_replica_reporting_negative_counts_is_still_counted(stream: bool) -> None:
+    """A replica whose usage holds negative counts (``cached_tokens: -3``: a buggy engine or
+    proxy) gave an answer all the same: it counts ``ok`` once, and the counts that are no
+    counts are not taken (a counter cannot go back; incrementing one by -3 raised in the
+    relay, after the client had its answer, and the request was never counted)."""
+    from aiohttp import web
+
+    from router.service.config import build_settings
+    from tests.backends import metric_sample
+    from tests.ports import free_port
+    from tests.scripted_replica import DONE, event, token
+
+    bad = {"prompt_tokens": -5, "completion_tokens": -1,
+           "prompt_tokens_details": {"cached_tokens": -3}}  # fmt: skip
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if not stream:
+            choice = {"index": 0, "text": "x", "finish_reason": "stop"}
+            return web.json_response({"id": "c", "choices": [choice], "usage": bad})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(token("x", "stop") + event({"id": "c", "choices": [], "usage": bad}))
+        await resp.write(DONE)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    settings = build_settings(
+        {"replicas": [{"url": f"http://127.0.0.1:{port}", "model": MODEL, "name": "a"}]}
+    )
+    router, url = await start_router(settings)
+    try:
+        body = {"model": MODEL, "prompt": "hello there", "max_tokens": 1, "stream": stream}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                await r.read()
+            async with http.get(url + "/metrics") as r:
+                page = await r.text()
+        assert await _outcomes(url) == {("a", "ok"): 1.0}
+        assert metric_sample(page, "kvrouter_slo_requests_total", model=MODEL, result="met") == 1
+        assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) in (None, 0)
+        assert metric_sample(page, "kvrouter_engine_prompt_tokens_drift_count", model=MODEL) in (
+            None,
+            0,
+        )
+    finally:
+        await router.cleanup()
+        await runner.cleanup()

@@ -357,7 +357,9 @@ class UsageTokens(NamedTuple):
 
 
 def _int(value: object) -> int | None:
-    return value if type(value) is int else None
+    """A token count: a non-negative int (a negative one, from a faulty engine or proxy, is
+    no count: it would step the counters fed from it back)."""
+    return value if type(value) is int and value >= 0 else None
 
 
 def usage_tokens(usage: dict[str, Any] | None) -> UsageTokens:
@@ -367,7 +369,8 @@ def usage_tokens(usage: dict[str, Any] | None) -> UsageTokens:
     (``_build_anthropic_usage``: ``input_tokens`` is the prompt less
     ``cache_read_input_tokens`` and ``cache_creation_input_tokens``, ``output_tokens``), or
     the Responses API's (``input_tokens`` the whole prompt, ``output_tokens``,
-    ``input_tokens_details.cached_tokens``); the one place the forwarder reads usage."""
+    ``input_tokens_details.cached_tokens``); the one place the forwarder reads usage. A
+    count that is not a non-negative int is None (not said)."""
     if not usage:
         return UsageTokens(None, None, None)
     details = usage.get("input_tokens_details")
@@ -389,9 +392,9 @@ def usage_tokens(usage: dict[str, Any] | None) -> UsageTokens:
     prompt = usage.get("prompt_tokens")
     completion = usage.get("completion_tokens")
     return UsageTokens(
-        prompt if type(prompt) is int else None,
-        completion if type(completion) is int else None,
-        cached if type(cached) is int else None,
+        prompt if type(prompt) is int and prompt >= 0 else None,
+        completion if type(completion) is int and completion >= 0 else None,
+        cached if type(cached) is int and cached >= 0 else None,
     )
 
 
