@@ -693,6 +693,21 @@ async def test_cached_tokens_count_once_per_decision(rpc: Any) -> None:
     assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 160
 
 
+async def test_a_cached_count_past_the_prompt_counts_the_prompt(rpc: Any) -> None:
+    """``cached_tokens`` is a uint64 the caller fills: one of about 2^63 pushed
+    ``kvrouter_engine_cached_tokens_total`` so high that every later count was lost to
+    float rounding. An engine reuses no more than the prompt: the count is capped there,
+    and the Report's phase still applies."""
+    state, stub = rpc
+    report = router_pb2.ReportRequest
+    done = await stub.Pick(router_pb2.PickRequest(model=MODEL, token_ids=_ids(320)), metadata=AUTH)
+    end = report(decision_id=done.decision_id, phase=report.COMPLETED, cached_tokens=2**63)
+    assert (await stub.Report(end, metadata=AUTH)).accepted
+    page = state.metrics.render().decode()
+    assert metric_sample(page, "kvrouter_engine_cached_tokens_total", model=MODEL) == 320
+    assert state.load.in_flight() == 0
+
+
 async def test_a_reports_cached_tokens_feed_the_prediction_error(rpc: Any) -> None:
     """A Report's engine cached tokens measure the Pick's predicted hit as an HTTP answer's
     usage does: one ``kvrouter_prediction_error_tokens`` / ``_ratio`` sample per decision

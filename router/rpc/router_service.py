@@ -487,6 +487,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         pending = self.book.get(internal)
         if pending is None or pending.owner != report.owner:
             return False
+        if report.cached_tokens is not None and report.cached_tokens > pending.prompt_tokens:
+            # an engine reuses no more than the prompt: a count past it (a uint64 the caller
+            # filled) would step the cached-token counter out of every later count's reach
+            report = replace(report, cached_tokens=pending.prompt_tokens)
         now = self.clock()
         mm = self.state.metrics.model(pending.model)
         # a 4xx other than 429 is the client's error, answered correctly: no failure of the
