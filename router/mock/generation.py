@@ -149,9 +149,11 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         created,
         model,
         decode,
+        fingerprint=state.fingerprint,
         with_logprobs=with_logprobs,
         # completions' logprobs with echo list the prompt's tokens first
         echo_logprobs=with_logprobs and not chat and lp.echoes(body),
+        include_usage=bool(opts.get("include_usage")),
         # vLLM's continuous_usage_stats: every chunk carries the usage so far
         continuous=bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
     )
