@@ -1,9 +1,10 @@
 """A completion request as the mock replica's engine sees it, read as vLLM 0.34 reads it:
 the prompt's token ids (rendered by the replica's tokenizer for every API: chat, completions,
 the Anthropic Messages API, the OpenAI Responses API), the output budget, vLLM's
-``priority``, the engine request (the prompt's block hashes, as the router hashes them: an
-image's identifier keys the block its placeholder tokens start in, router/mock/images.py),
-and the answer's id. BadRequest, in vLLM's words, where vLLM refuses the request.
+``priority``, the sampling parameters vLLM refuses (router/mock/sampling.py), the engine
+request (the prompt's block hashes, as the router hashes them: an image's identifier keys
+the block its placeholder tokens start in, router/mock/images.py), and the answer's id.
+BadRequest, in vLLM's words, where vLLM refuses the request.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from router.core.errors import BadRequest
 from router.core.hashing import hash_prompt, mm_block_extras, root_hash
 from router.mock import logprobs as lp
 from router.mock import responses as resp
+from router.mock import sampling
 from router.mock.images import MockPrompt
 from router.mock.tokenizer import MockTokenizer
 from router.tokenize.anthropic import to_chat_body
@@ -126,6 +128,7 @@ def engine_request(state: MockState, body: dict[str, Any], kind: str) -> tuple[A
         reads_cache=not lp.check(body, kind),
         priority=priority(body),
     )
+    sampling.check(body, kind, req.max_output_tokens)  # vLLM's SamplingParams, built here
     return req, tokens
 
 
