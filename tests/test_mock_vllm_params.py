@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.engines import anthropic_ref
 from tests.test_mock_vllm_wire import CHAT, MODEL, _events, _post, mock  # noqa: F401
 
 FINGERPRINT = re.compile(r"vllm-0\.34\.0-[0-9a-f]{8}")
@@ -144,3 +145,26 @@ async def test_sampling_parameters_in_vllm_s_ranges_are_served(
     ):
         status, ok = await _post(url, path, {"model": MODEL} | fields | body)
         assert status == 200, (body, ok)
+
+
+@pytest.mark.parametrize("salt", ["a/b", "a@b", "a\\b", "a\x00b", "s" * 129])
+async def test_a_cache_salt_vllm_refuses_is_refused(
+    mock: Callable,  # noqa: F811
+    salt: str,
+) -> None:
+    """vLLM 0.34's ``validate_cache_salt`` refuses a salt over 128 characters or holding
+    '@', '/', '\\' or NUL (they would break the cache backends' keys); the mock hashed and
+    published it."""
+    validate = anthropic_ref.load()["vllm.entrypoints.generate.base.protocol"].validate_cache_salt
+    with pytest.raises(ValueError) as refusal:
+        validate(salt)
+    url = await mock()
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "cache_salt": salt}
+    status, err = await _post(url, "/v1/completions", body)
+    assert status == 400, err
+    # (the vendored module's stand-in error leaves out the parameter vLLM's names)
+    assert err["error"]["message"] == f"{refusal.value} (parameter=cache_salt)"
+    assert err["error"]["param"] == "cache_salt"
+    validate("s" * 128)
+    status, ok = await _post(url, "/v1/completions", body | {"cache_salt": "s" * 128})
+    assert status == 200, ok

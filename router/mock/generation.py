@@ -120,7 +120,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         return fail(404, str(exc)) if messages else _error(404, str(exc), param="model")
     except BadRequest as exc:
         request.app[STATE].counters.bad_requests += 1
-        if isinstance(exc, sampling.Refused):  # (chat and completions only)
+        if isinstance(exc, sampling.Refused) and not messages:
             return _error(400, str(exc), param=exc.param)
         return fail(400, str(exc))
     answer_id = rq.answer_id(request, body, kind)

@@ -108,9 +108,7 @@ def engine_request(state: MockState, body: dict[str, Any], kind: str) -> tuple[A
             "output tokens. Please reduce the length of the input prompt."
         )
     salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        # vLLM's words (protocol.py, check_cache_salt_support)
-        raise BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
+    check_salt(salt)
     bs = state.settings.block_size
     extras = mm_block_extras([im.mm for im in prompt.images], bs) if prompt.images else None
     hashes = hash_prompt(tokens, bs, root_hash(state.settings.model, salt), extras=extras)
@@ -130,6 +128,23 @@ def engine_request(state: MockState, body: dict[str, Any], kind: str) -> tuple[A
     )
     sampling.check(body, kind, req.max_output_tokens)  # vLLM's SamplingParams, built here
     return req, tokens
+
+
+def check_salt(salt: object) -> None:
+    """vLLM's ``validate_cache_salt`` (vllm/entrypoints/generate/base/protocol.py), in its
+    words: a non-empty string of at most 128 characters without '@', '/', '\\' or NUL."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise sampling.Refused(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt"
+        )
+    if len(salt) > 128 or any(c in "@/\\\x00" for c in salt):
+        raise sampling.Refused(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+            "'@', '/', '\\\\', or NUL.",
+            "cache_salt",
+        )
 
 
 def priority(body: dict[str, Any]) -> int:
