@@ -40,7 +40,7 @@ from aiohttp import web
 
 from router import jsonload
 from router.core.errors import BadRequest
-from router.mock import anthropic, multi, pd
+from router.mock import anthropic, multi, pd, sampling
 from router.mock import logprobs as lp
 from router.mock import openai_answer as oa
 from router.mock import request as rq
@@ -120,6 +120,8 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         return fail(404, str(exc)) if messages else _error(404, str(exc), param="model")
     except BadRequest as exc:
         request.app[STATE].counters.bad_requests += 1
+        if isinstance(exc, sampling.Refused) and not messages:
+            return _error(400, str(exc), param=exc.param)
         return fail(400, str(exc))
     answer_id = rq.answer_id(request, body, kind)
     if many is not None:
@@ -149,9 +151,11 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         created,
         model,
         decode,
+        fingerprint=state.fingerprint,
         with_logprobs=with_logprobs,
         # completions' logprobs with echo list the prompt's tokens first
         echo_logprobs=with_logprobs and not chat and lp.echoes(body),
+        include_usage=bool(opts.get("include_usage")),
         # vLLM's continuous_usage_stats: every chunk carries the usage so far
         continuous=bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
     )

@@ -164,8 +164,10 @@ async def serve(
         int(time.time()),
         state.settings.model,
         decode,
+        fingerprint=state.fingerprint,
         with_logprobs=with_logprobs,
         echo_logprobs=with_logprobs and not chat and echoes,
+        include_usage=bool(opts.get("include_usage")),
         continuous=bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
     )
 

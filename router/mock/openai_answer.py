@@ -18,6 +18,8 @@ and dicts; the callers run the engine and write them when its outputs come
   first iteration), then its ``echo`` (:meth:`Answer.opening`).
 * The stream ends with the usage chunk (``include_usage``; vLLM's ``exclude_none`` dump),
   then ``[DONE]``; an engine refusal after the stream opened is an ``error`` event.
+* ``system_fingerprint`` (vLLM's default ``vllm-<version>-<hash8>``): on a non-streamed
+  answer, the usage chunk, and without one each choice's terminal chunk; no other chunk.
 * A non-streamed answer: every field of vLLM's ``ChatCompletionResponse`` /
   ``CompletionResponse`` as it dumps them (:meth:`Answer.body`).
 """
@@ -102,17 +104,20 @@ def stream_error(reason: str) -> bytes:
 @dataclass(slots=True, frozen=True)
 class Answer:
     """What every chunk and body of one answer shares: its id, API (``chat`` or
-    completions), ``created`` and model; what it asks: sampled-token ``logprobs``,
-    completions' logprobs with ``echo`` (``echo_logprobs``: the prompt's tokens first,
-    decoded by ``decode``) and ``continuous`` usage stats."""
+    completions), ``created``, model and ``fingerprint`` (its ``system_fingerprint``); what
+    it asks: sampled-token ``logprobs``, completions' logprobs with ``echo``
+    (``echo_logprobs``: the prompt's tokens first, decoded by ``decode``), the usage chunk
+    (``include_usage``) and ``continuous`` usage stats."""
 
     answer_id: str
     chat: bool
     created: int
     model: str
     decode: lp.Decode
+    fingerprint: str | None = None
     with_logprobs: bool = False
     echo_logprobs: bool = False
+    include_usage: bool = False
     continuous: bool = False
 
     @property
@@ -124,7 +129,8 @@ class Answer:
         return f"{self.object_type}.chunk" if self.chat else self.object_type
 
     def chunk(self, choice: dict[str, Any], used: dict[str, Any] | None = None) -> bytes:
-        """The SSE chunk of one ``choice`` (``used``: its usage, None: none)."""
+        """The SSE chunk of one ``choice`` (``used``: its usage, None: none); a choice's
+        terminal chunk names the fingerprint when no usage chunk follows (vLLM's)."""
         obj: dict[str, Any] = {
             "id": self.answer_id,
             "object": self.chunk_object,
@@ -134,6 +140,9 @@ class Answer:
         }
         if used is not None:
             obj["usage"] = used
+        ends = choice.get("finish_reason") is not None
+        if ends and not self.include_usage and self.fingerprint is not None:
+            obj["system_fingerprint"] = self.fingerprint
         return sse(obj)
 
     def usage_chunk(self, used: dict[str, Any]) -> bytes:
@@ -146,6 +155,8 @@ class Answer:
             "choices": [],
             "usage": without_nulls(used),
         }
+        if self.fingerprint is not None:
+            obj["system_fingerprint"] = self.fingerprint
         return sse(obj)
 
     def opening(self, indices: list[int], prompt: int, cached: int, echo: str) -> bytes:
@@ -217,7 +228,7 @@ class Answer:
             "model": self.model,
             "choices": choices,
             "service_tier": None,
-            "system_fingerprint": None,
+            "system_fingerprint": self.fingerprint,
             "usage": used,
             "kv_transfer_params": None,
             "ec_transfer_params": None,

@@ -1,9 +1,10 @@
 """A completion request as the mock replica's engine sees it, read as vLLM 0.34 reads it:
 the prompt's token ids (rendered by the replica's tokenizer for every API: chat, completions,
 the Anthropic Messages API, the OpenAI Responses API), the output budget, vLLM's
-``priority``, the engine request (the prompt's block hashes, as the router hashes them: an
-image's identifier keys the block its placeholder tokens start in, router/mock/images.py),
-and the answer's id. BadRequest, in vLLM's words, where vLLM refuses the request.
+``priority``, the sampling parameters vLLM refuses (router/mock/sampling.py), the engine
+request (the prompt's block hashes, as the router hashes them: an image's identifier keys
+the block its placeholder tokens start in, router/mock/images.py), and the answer's id.
+BadRequest, in vLLM's words, where vLLM refuses the request.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from router.core.errors import BadRequest
 from router.core.hashing import hash_prompt, mm_block_extras, root_hash
 from router.mock import logprobs as lp
 from router.mock import responses as resp
+from router.mock import sampling
 from router.mock.images import MockPrompt
 from router.mock.tokenizer import MockTokenizer
 from router.tokenize.anthropic import to_chat_body
@@ -106,9 +108,7 @@ def engine_request(state: MockState, body: dict[str, Any], kind: str) -> tuple[A
             "output tokens. Please reduce the length of the input prompt."
         )
     salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        # vLLM's words (protocol.py, check_cache_salt_support)
-        raise BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
+    check_salt(salt)
     bs = state.settings.block_size
     extras = mm_block_extras([im.mm for im in prompt.images], bs) if prompt.images else None
     hashes = hash_prompt(tokens, bs, root_hash(state.settings.model, salt), extras=extras)
@@ -126,7 +126,25 @@ def engine_request(state: MockState, body: dict[str, Any], kind: str) -> tuple[A
         reads_cache=not lp.check(body, kind),
         priority=priority(body),
     )
+    sampling.check(body, kind, req.max_output_tokens)  # vLLM's SamplingParams, built here
     return req, tokens
+
+
+def check_salt(salt: object) -> None:
+    """vLLM's ``validate_cache_salt`` (vllm/entrypoints/generate/base/protocol.py), in its
+    words: a non-empty string of at most 128 characters without '@', '/', '\\' or NUL."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise sampling.Refused(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt"
+        )
+    if len(salt) > 128 or any(c in "@/\\\x00" for c in salt):
+        raise sampling.Refused(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+            "'@', '/', '\\\\', or NUL.",
+            "cache_salt",
+        )
 
 
 def priority(body: dict[str, Any]) -> int:

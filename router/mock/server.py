@@ -40,15 +40,13 @@ from router.mock.images import byte_settings
 from router.mock.kv_events import EngineEventEncoder
 from router.mock.preprocess import error_response as _error
 from router.mock.preprocess import handlers
-from router.mock.state import STATE, MockState
+from router.mock.state import STATE, VLLM_VERSION, MockState
 from router.mock.state import MockSettings as MockSettings  # with create_app: the entry point
 from router.mock.tokenizer import ByteTokenizer, MockTokenizer, RouterTokenizer
 from router.service.model_card import model_card
 from router.tokenize.multimodal import ImageSettings
 
 log = logging.getLogger(__name__)
-
-VLLM_VERSION = "0.34.0"  # the release whose HTTP surface the mock serves
 
 
 class _Collector:

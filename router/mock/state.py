@@ -8,6 +8,7 @@ stored responses and the :class:`MockCounters` its ``/metrics`` and ``/load`` an
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ from router.mock.tokenizer import MockTokenizer
 
 if TYPE_CHECKING:  # (ZMQ loads only in a replica that publishes: router/mock/server.py)
     from router.events.zmq_pub import KVEventPublisher
+
+
+VLLM_VERSION = "0.34.0"  # the release whose HTTP surface the mock serves
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,6 +91,16 @@ class MockCounters:
     in_flight: int = 0  # requests on the generating routes not yet answered (vLLM's /load)
 
 
+def system_fingerprint(settings: MockSettings) -> str:
+    """The ``system_fingerprint`` of the replica's OpenAI answers as vLLM's default
+    (``--fingerprint-mode full``) writes it: ``vllm-<version>-<hash8>``, the hash of the
+    configuration the engine computes with (vLLM's ``hash_config``; here the model, profile,
+    block and context sizes), the same for every answer of one configuration."""
+    engine = (settings.model, settings.profile, settings.engine_block_size)
+    digest = hashlib.sha256(repr((*engine, settings.max_model_len)).encode()).hexdigest()
+    return f"vllm-{VLLM_VERSION}-{digest[:8]}"
+
+
 @dataclass(slots=True)
 class MockState:
     settings: MockSettings
@@ -98,6 +112,10 @@ class MockState:
     latency: RequestLatency = field(default_factory=RequestLatency)
     ids: Any = field(default_factory=lambda: itertools.count(1))
     responses: resp.ResponseStore = field(default_factory=resp.ResponseStore)
+    fingerprint: str = field(init=False)  # the OpenAI answers' system_fingerprint
+
+    def __post_init__(self) -> None:
+        self.fingerprint = system_fingerprint(self.settings)
 
 
 STATE = web.AppKey("mock_state", MockState)
