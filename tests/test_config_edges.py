@@ -1,0 +1,71 @@
+"""Edges of the settings and command lines that were silently wrong or said too much: a
+secret printed in a configuration error, a setting the loader took that start-up then
+refused (or crashed on), an empty config path read as none. Each is refused at load
+(``serve --check`` too) with an error naming the key and the problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.cli import main
+from router.core.errors import ConfigError
+from router.service.config import load_settings
+
+SECRET = "s3cr3t-987654321"
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        # a numeric token, unquoted: not a string, and not to be printed
+        ("[server]\nadmin_token = 987654321\n", "server.admin_token: expected str"),
+        ("[server]\ngrpc_token = 987654321\n", "server.grpc_token: expected str"),
+        ("[server]\nrecord_key = 987654321\n", "server.record_key: expected str"),
+        ("[server]\napi_keys = 987654321\n", "server.api_keys: expected str"),
+        ("[server]\nredis_signing_master = 987654321\n", "server.redis_signing_master: expect"),
+        ("[models.m]\nrender_api_key = 987654321\n", "models.m.render_api_key: expected str"),
+    ],
+)
+def test_a_secret_of_the_wrong_type_is_not_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, needle: str
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert needle in str(info.value) and "987654321" not in str(info.value)
+    assert main(["serve", "--check", "--config", str(path)]) == 2
+    assert "987654321" not in capsys.readouterr().err
+
+
+def test_a_non_secret_of_the_wrong_type_is_still_shown(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[server]\nport = "9000"\n')
+    with pytest.raises(ConfigError, match=r"server\.port: expected int, got '9000'"):
+        load_settings(path, environ={})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f'server:\n  api_keys: "{SECRET},other\n',  # an unterminated quote
+        f"server:\n  redis_signing_master: [{SECRET}\n",
+        f"server:\n  record_key: {SECRET}: x\n",
+    ],
+)
+def test_a_yaml_syntax_error_names_the_place_not_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str
+) -> None:
+    """PyYAML's message quotes the offending line, the secret on it included: the error
+    gives the file, line, column and problem instead."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    message = str(info.value)
+    assert f"cannot parse config file {path}" in message and "line 2" in message, message
+    assert SECRET not in message
+    assert main(["serve", "--check", "--config", str(path)]) == 2
+    assert SECRET not in capsys.readouterr().err
