@@ -69,3 +69,25 @@ def test_a_yaml_syntax_error_names_the_place_not_the_line(
     assert SECRET not in message
     assert main(["serve", "--check", "--config", str(path)]) == 2
     assert SECRET not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ('redis_key_prefix = ""', "server.redis_key_prefix: empty"),
+        ('redis_key_prefix = "kv{r}"', "server.redis_key_prefix: 'kv{r}' holds '{' or '}'"),
+        ("redis_stream_shards = 2000", "server.redis_stream_shards: must be in [1, 1024], got"),
+    ],
+)
+def test_redis_keys_start_up_would_refuse_are_refused_at_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, needle: str
+) -> None:
+    """The loader took these and ``serve --check`` said OK; start-up then stopped on the
+    key schema's error, which named no setting."""
+    path = tmp_path / "c.toml"
+    path.write_text(f'[server]\nredis_url = "redis://127.0.0.1:1/0"\n{line}\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert needle in str(info.value)
+    assert main(["serve", "--check", "--config", str(path)]) == 2
+    assert needle in capsys.readouterr().err

@@ -46,7 +46,7 @@ from router.service.settings import (
 )
 from router.store.base import MAX_DP_RANKS
 from router.store.codec import master_secret
-from router.store.schema import check_redis_url
+from router.store.schema import check_redis_url, prefix_problem, shards_problem
 
 
 def _check_pods(server: ServerSettings) -> None:
@@ -103,7 +103,7 @@ _NON_NEGATIVE = (  # finite, >= 0 (0: off or automatic, see ServerSettings)
     "max_header_kb",
     "max_concurrent_per_key",
 )
-_AT_LEAST_ONE = ("outlier_consecutive_failures", "pool_per_replica", "redis_stream_shards")
+_AT_LEAST_ONE = ("outlier_consecutive_failures", "pool_per_replica")
 _SHARES = ("retry_budget_ratio", "outlier_max_ejected_share")  # in [0, 1]
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -125,15 +125,20 @@ def _check_server_ranges(server: ServerSettings) -> None:
             raise ConfigError(f"server.{name}: must be in [0, 1], got {v!r}")
     if server.grpc_port is not None and not 0 <= server.grpc_port < 65536:
         raise ConfigError(f"server.grpc_port: {server.grpc_port} is not a TCP port (0: any free)")
+    # the Redis key schema's (router/store/schema.py KeySchema), checked before start-up
+    if problem := prefix_problem(server.redis_key_prefix):
+        raise ConfigError(f"server.redis_key_prefix: {problem}")
+    if problem := shards_problem(server.redis_stream_shards):
+        raise ConfigError(f"server.redis_stream_shards: {problem}")
     if server.log_level.lower() not in _LOG_LEVELS:
         raise ConfigError(
             f"server.log_level: {server.log_level!r} is not one of " + ", ".join(_LOG_LEVELS)
         )
 
 
-# [server] strings whose "" is not refused here: a Redis key prefix may be none; blank
-# api_keys are refused when the app is built (security.Limits, with a blank file's)
-_EMPTY_ALLOWED = ("redis_key_prefix", "api_keys")
+# [server] strings whose "" is not refused here: blank api_keys are refused when the app is
+# built (security.Limits, with a blank file's)
+_EMPTY_ALLOWED = ("api_keys",)
 
 
 def _refuse_empty(settings: ServerSettings | ReplicaSettings, where: str) -> None:
