@@ -91,3 +91,31 @@ def test_redis_keys_start_up_would_refuse_are_refused_at_load(
     assert needle in str(info.value)
     assert main(["serve", "--check", "--config", str(path)]) == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        # grpc's channel arguments are C ints: 2048 MiB overflowed when gRPC started
+        ("grpc_max_message_mb = 2048", "server.grpc_max_message_mb: must be below 2048"),
+        ("grpc_max_message_mb = 1e6", "server.grpc_max_message_mb: must be below 2048"),
+        # the HTTP parser keeps 1 MiB of a head whatever the setting: 431 at 1 MiB, silently
+        ("max_header_kb = 1025", "server.max_header_kb: must be at most 1024"),
+        ("max_header_kb = 3e6", "server.max_header_kb: must be at most 1024"),
+    ],
+)
+def test_limits_past_what_the_servers_take_are_refused(
+    tmp_path: Path, line: str, needle: str
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(f"[server]\n{line}\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert needle in str(info.value)
+
+
+def test_limits_at_what_the_servers_take_load(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[server]\ngrpc_max_message_mb = 2047.5\nmax_header_kb = 1024\n")
+    server = load_settings(path, environ={}).server
+    assert (server.grpc_max_message_mb, server.max_header_kb) == (2047.5, 1024)

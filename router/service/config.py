@@ -32,9 +32,11 @@ from urllib.parse import urlsplit
 from router.core.disagg import Role
 from router.core.errors import ConfigError
 from router.events.endpoints import engine_endpoints
+from router.rpc.settings import MAX_MESSAGE_MB
 from router.service.config_env import env_overrides
 from router.service.config_models import model_settings
 from router.service.config_tables import merge, read_file, table_or_empty, typed
+from router.service.http_connection import MAX_HEAD_BYTES
 from router.service.replica_url import ReplicaUrl
 from router.service.settings import (
     DEFAULT_POLICY,
@@ -123,6 +125,16 @@ def _check_server_ranges(server: ServerSettings) -> None:
     for name in _SHARES:
         if not 0 <= (v := getattr(server, name)) <= 1:
             raise ConfigError(f"server.{name}: must be in [0, 1], got {v!r}")
+    if server.grpc_max_message_mb >= MAX_MESSAGE_MB:
+        raise ConfigError(
+            f"server.grpc_max_message_mb: must be below {MAX_MESSAGE_MB} (grpc counts a "
+            f"message's bytes in a 32-bit integer), got {server.grpc_max_message_mb:g}"
+        )
+    if server.max_header_kb * 1024 > MAX_HEAD_BYTES:
+        raise ConfigError(
+            f"server.max_header_kb: must be at most {MAX_HEAD_BYTES // 1024} (the HTTP "
+            f"parser's ceiling on a request head), got {server.max_header_kb:g}"
+        )
     if server.grpc_port is not None and not 0 <= server.grpc_port < 65536:
         raise ConfigError(f"server.grpc_port: {server.grpc_port} is not a TCP port (0: any free)")
     # the Redis key schema's (router/store/schema.py KeySchema), checked before start-up
