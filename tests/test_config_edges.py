@@ -119,3 +119,15 @@ def test_limits_at_what_the_servers_take_load(tmp_path: Path) -> None:
     path.write_text("[server]\ngrpc_max_message_mb = 2047.5\nmax_header_kb = 1024\n")
     server = load_settings(path, environ={}).server
     assert (server.grpc_max_message_mb, server.max_header_kb) == (2047.5, 1024)
+
+
+@pytest.mark.parametrize("key", ["grpc_tls_cert", "grpc_tls_key"])
+def test_half_a_grpc_tls_pair_is_refused(tmp_path: Path, key: str) -> None:
+    """TLS is on when both files are set: one alone served gRPC in plaintext, the bearer
+    tokens of its calls readable on the wire, without a word."""
+    path = tmp_path / "c.toml"
+    path.write_text(f'[server]\ngrpc_port = 0\n{key} = "/etc/kvrouter/x.pem"\n')
+    other = "grpc_tls_key" if key == "grpc_tls_cert" else "grpc_tls_cert"
+    with pytest.raises(ConfigError, match=f"server.{other}: needed with {key}"):
+        load_settings(path, environ={})
+

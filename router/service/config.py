@@ -135,6 +135,13 @@ def _check_server_ranges(server: ServerSettings) -> None:
             f"server.max_header_kb: must be at most {MAX_HEAD_BYTES // 1024} (the HTTP "
             f"parser's ceiling on a request head), got {server.max_header_kb:g}"
         )
+    # TLS is on when both files are set (router/rpc/server.py): one alone is a mistake
+    tls = [k for k in ("grpc_tls_cert", "grpc_tls_key") if getattr(server, k) is not None]
+    if len(tls) == 1:
+        missing = "grpc_tls_key" if tls == ["grpc_tls_cert"] else "grpc_tls_cert"
+        raise ConfigError(
+            f"server.{missing}: needed with {tls[0]} (alone, gRPC would serve in plaintext)"
+        )
     if server.grpc_port is not None and not 0 <= server.grpc_port < 65536:
         raise ConfigError(f"server.grpc_port: {server.grpc_port} is not a TCP port (0: any free)")
     # the Redis key schema's (router/store/schema.py KeySchema), checked before start-up
