@@ -131,3 +131,23 @@ def test_half_a_grpc_tls_pair_is_refused(tmp_path: Path, key: str) -> None:
     with pytest.raises(ConfigError, match=f"server.{other}: needed with {key}"):
         load_settings(path, environ={})
 
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        ([], {"KVROUTER_CONFIG": ""}, "KVROUTER_CONFIG: empty"),
+        (["--config", ""], {}, "--config: empty"),
+        (["--config", ""], {"KVROUTER_CONFIG": "/nonexistent.toml"}, "--config: empty"),
+    ],
+)
+def test_an_empty_config_path_is_no_file(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str],
+    env: dict[str, str], needle: str,
+) -> None:  # fmt: skip
+    """``KVROUTER_CONFIG=${CONFIG}`` with CONFIG unset (or ``--config ""``) ran the router
+    with no file at all: the defaults, no replicas, on 127.0.0.1:8000, and ``--check`` OK."""
+    monkeypatch.delenv("KVROUTER_CONFIG", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--check", *argv]) == 2
+    assert needle in capsys.readouterr().err

@@ -326,7 +326,9 @@ def load_settings(
     source and each model a replica names, validated with its ``policy_params`` as a file's."""
     env = dict(os.environ if environ is None else environ)
     data: dict[str, Any] = {}
-    path = path or env.get("KVROUTER_CONFIG")
+    if path is None and (path := env.get("KVROUTER_CONFIG")) is not None and not path.strip():
+        # (KVROUTER_CONFIG=${CONFIG} with CONFIG unset: a file was meant, not the defaults)
+        raise ConfigError("KVROUTER_CONFIG: empty; unset it to run without a config file")
     if path:
         data = read_file(path)
     from_env = env_overrides(env)
